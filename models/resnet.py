@@ -1,0 +1,48 @@
+"""A small ResNet (He et al. 2016, "Deep Residual Learning") for 28x28 images."""
+
+import keras
+from keras import layers
+
+
+def _residual_block(x, filters: int, stride: int):
+  shortcut = x
+  y = layers.Conv2D(filters, 3, strides=stride, padding="same",
+                    use_bias=False)(x)
+  y = layers.BatchNormalization()(y)
+  y = layers.ReLU()(y)
+  y = layers.Conv2D(filters, 3, padding="same", use_bias=False)(y)
+  y = layers.BatchNormalization()(y)
+  if stride != 1 or shortcut.shape[-1] != filters:
+    shortcut = layers.Conv2D(filters, 1, strides=stride, use_bias=False)(x)
+    shortcut = layers.BatchNormalization()(shortcut)
+  return layers.ReLU()(layers.Add()([y, shortcut]))
+
+
+def build_resnet(*, input_shape=(28, 28, 1), num_classes: int = 10,
+                 stage_filters=(32, 64, 128),
+                 blocks_per_stage: int = 2) -> keras.Model:
+  """A ResNet of basic blocks: stem, 3 stages, global pooling, classifier.
+
+  Args:
+    input_shape: one image, float32, e.g. (28, 28, 1).
+    num_classes: output logits.
+    stage_filters: filters per stage; stages after the first halve the
+      spatial size.
+    blocks_per_stage: basic residual blocks per stage.
+
+  Returns:
+    A `keras.Model` mapping float32 [batch, *input_shape] to float32 logits
+    [batch, num_classes].
+  """
+  inputs = keras.Input(shape=input_shape, name="image")
+  x = layers.Conv2D(stage_filters[0], 3, padding="same", use_bias=False)(inputs)
+  x = layers.BatchNormalization()(x)
+  x = layers.ReLU()(x)
+  for stage, filters in enumerate(stage_filters):
+    for block in range(blocks_per_stage):
+      stride = 2 if stage > 0 and block == 0 else 1
+      x = _residual_block(x, filters, stride)
+  x = layers.GlobalAveragePooling2D()(x)
+  x = layers.Dense(num_classes)(x)
+  outputs = layers.Activation("linear", dtype="float32", name="logits")(x)
+  return keras.Model(inputs, outputs, name="resnet")

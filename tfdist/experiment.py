@@ -1,0 +1,244 @@
+"""`run_experiment`: the whole run, from a `TrainConfig` to artifacts.
+
+Data flows one way: config -> strategy -> batch plan and LR schedule ->
+input pipeline -> model -> training loop -> artifacts (checkpoints, SavedModel,
+TensorBoard, run manifest). Every input is checked before the first expensive
+step (model building, data conversion aside).
+"""
+
+import os
+import time
+from typing import Optional, Sequence
+
+from absl import logging
+import keras
+import tensorflow as tf
+
+import models
+from tfdist import batch_plan as batch_plan_lib
+from tfdist import datasets
+from tfdist import devices
+from tfdist import export
+from tfdist import input_pipeline
+from tfdist import lr_schedule
+from tfdist import manifest as manifest_lib
+from tfdist import optimizers
+from tfdist import precision
+from tfdist import strategy as strategy_lib
+from tfdist.config import ConfigError, TrainConfig
+from tfdist.controller import Controller, ControllerOptions
+from tfdist.train_loop import Trainer
+
+
+def resolve_data_files(config: TrainConfig, spec: datasets.DatasetSpec):
+  """Returns (train_files, eval_files), converting the named data set if the
+  flags do not give files.
+
+  Raises:
+    DataNotFoundError: a glob matches nothing, or the raw data is missing.
+  """
+  train_pattern, eval_pattern = config.train_files, config.eval_files
+  if not train_pattern or not eval_pattern:
+    default_train, default_eval = spec.prepare(
+        config.data_dir or datasets.default_data_dir(), config.raw_data_dir)
+    train_pattern = train_pattern or default_train
+    eval_pattern = eval_pattern or default_eval
+  return (input_pipeline.list_files(train_pattern, flag="--train_files"),
+          input_pipeline.list_files(eval_pattern, flag="--eval_files"))
+
+
+def describe_plan(plan: batch_plan_lib.BatchPlan, *, strategy_name: str,
+                  base_lr: float, base_batch_size: int, rule: str,
+                  peak_lr: float, warmup_steps: int, total_steps: int,
+                  dtype: str) -> str:
+  """The batch and learning-rate plan as printed at start."""
+  return "\n".join([
+      "tfdist plan:",
+      f"  strategy               {strategy_name}",
+      f"  num_replicas_in_sync   {plan.num_replicas_in_sync}",
+      f"  per_replica_batch_size {plan.per_replica_batch_size}",
+      f"  gradient_accumulation  {plan.gradient_accumulation_steps}",
+      f"  global_batch_size      {plan.global_batch_size}",
+      f"  train examples         {plan.num_train_examples}",
+      f"  steps_per_epoch        {plan.steps_per_epoch} (remainder dropped)",
+      f"  train steps            {total_steps}",
+      f"  learning rate          {base_lr:g} at batch {base_batch_size} -> "
+      f"{peak_lr:g} at batch {plan.global_batch_size} ({rule} rule)",
+      f"  warmup_steps           {warmup_steps}",
+      f"  dtype                  {dtype} "
+      f"({precision.policy_name(dtype)})",
+  ])
+
+
+def run_experiment(config: TrainConfig, *,
+                   callbacks: Sequence[keras.callbacks.Callback] = ()) -> dict:
+  """Trains, evaluates and exports as `config` says.
+
+  Args:
+    config: a validated `TrainConfig`.
+    callbacks: extra Keras callbacks for the training loop.
+
+  Returns:
+    The run manifest (also written to `model_dir/run_manifest.json`).
+
+  Raises:
+    ConfigError: invalid or inconsistent configuration (before training).
+    DataNotFoundError: missing data.
+  """
+  started = time.time()
+  devices.configure_cpu_devices(config.num_cpu_devices)
+  if config.seed is not None:
+    keras.utils.set_random_seed(config.seed)
+  if config.dtype == "auto":
+    raise ConfigError("--dtype=auto is not available yet; use fp32, bf16 or "
+                      "fp16.")
+  spec = datasets.get_dataset_spec(config.dataset)
+  if config.model not in models.model_names():
+    raise ConfigError(f"--model={config.model!r} is unknown. Known: "
+                      f"{', '.join(models.model_names())}.")
+  choice = strategy_lib.make_strategy(config)
+  strategy = choice.strategy
+  train_files, eval_files = resolve_data_files(config, spec)
+  num_train_examples = input_pipeline.count_records(train_files)
+  plan = batch_plan_lib.make_batch_plan(
+      num_replicas_in_sync=strategy.num_replicas_in_sync,
+      batch_size=config.batch_size,
+      per_replica_batch_size=config.per_replica_batch_size,
+      gradient_accumulation_steps=config.gradient_accumulation_steps,
+      num_train_examples=num_train_examples)
+  total_steps = batch_plan_lib.resolve_train_steps(
+      train_steps=config.train_steps, train_epochs=config.train_epochs,
+      steps_per_epoch=plan.steps_per_epoch)
+  warmup_steps = batch_plan_lib.resolve_warmup_steps(
+      warmup_steps=config.warmup_steps, warmup_epochs=config.warmup_epochs,
+      steps_per_epoch=plan.steps_per_epoch, total_steps=total_steps)
+  peak_lr = lr_schedule.scale_learning_rate(
+      config.base_learning_rate, global_batch_size=plan.global_batch_size,
+      base_batch_size=config.base_batch_size, rule=config.lr_scaling)
+  schedule = lr_schedule.build_lr_schedule(
+      peak_learning_rate=peak_lr, total_steps=total_steps,
+      warmup_steps=warmup_steps, schedule=config.lr_schedule,
+      warmup_start_learning_rate=config.warmup_start_learning_rate,
+      end_learning_rate_factor=config.end_learning_rate_factor,
+      piecewise_boundaries=config.piecewise_boundaries,
+      piecewise_multipliers=config.piecewise_multipliers)
+  plan_text = describe_plan(
+      plan, strategy_name=f"{choice.name} ({choice.reason})",
+      base_lr=config.base_learning_rate, base_batch_size=config.base_batch_size,
+      rule=config.lr_scaling, peak_lr=peak_lr, warmup_steps=warmup_steps,
+      total_steps=total_steps, dtype=config.dtype)
+  logging.info("%s", plan_text)
+
+  policy = precision.configure_precision(config.dtype)
+  with strategy.scope():
+    model = models.build_model(config.model, input_shape=spec.input_shape,
+                               num_classes=spec.num_classes)
+    optimizer = precision.wrap_optimizer_for_precision(
+        optimizers.build_optimizer(config.optimizer, schedule,
+                                   momentum=config.momentum,
+                                   weight_decay=config.weight_decay),
+        dtype=config.dtype, loss_scale=config.loss_scale)
+    # Create every optimizer variable now, under the scope (not lazily inside
+    # the first step, where ParameterServerStrategy would place it on the
+    # coordinator).
+    optimizer.build(model.trainable_variables)
+  model.optimizer = optimizer  # Keras callbacks read `model.optimizer`.
+  trainer = Trainer(strategy=strategy, model=model, optimizer=optimizer,
+                    global_batch_size=plan.global_batch_size,
+                    steps_per_execution=config.steps_per_execution,
+                    enable_xla=config.enable_xla,
+                    run_eagerly=config.run_eagerly)
+
+  checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer,
+                                   global_step=trainer.global_step)
+  manager = tf.train.CheckpointManager(
+      checkpoint, config.resolved_checkpoint_dir,
+      max_to_keep=config.max_checkpoints, step_counter=trainer.global_step)
+
+  train_data = input_pipeline.distribute(strategy, input_pipeline.PipelineOptions(
+      files=train_files, parse_fn=spec.parse_fn,
+      global_batch_size=plan.global_batch_size, is_training=True,
+      shuffle_buffer_size=config.shuffle_buffer_size,
+      cache=config.cache_dataset, seed=config.seed))
+  eval_data = input_pipeline.distribute(strategy, input_pipeline.PipelineOptions(
+      files=eval_files, parse_fn=spec.parse_fn,
+      global_batch_size=plan.global_batch_size, is_training=False,
+      cache=config.cache_dataset))
+
+  tb_dir = config.resolved_tensorboard_dir
+  summary_writer = tf.summary.create_file_writer(os.path.join(tb_dir, "train"))
+  all_callbacks = [keras.callbacks.TensorBoard(log_dir=tb_dir,
+                                               write_graph=False)]
+  all_callbacks += list(callbacks)
+  controller = Controller(
+      trainer=trainer,
+      options=ControllerOptions(
+          total_steps=total_steps, steps_per_epoch=plan.steps_per_epoch,
+          log_steps=config.log_steps, checkpoint_steps=config.checkpoint_steps,
+          epochs_between_evals=config.epochs_between_evals,
+          steps_per_execution=config.steps_per_execution),
+      train_iterator=iter(train_data), eval_dataset=eval_data,
+      checkpoint_manager=manager, summary_writer=summary_writer,
+      callbacks=all_callbacks)
+  train_started = time.time()
+  final_eval = controller.run()
+  train_seconds = time.time() - train_started
+  summary_writer.flush()
+
+  export_dir = export.export_saved_model(model, config.resolved_export_dir)
+  throughput = controller.meter.summary()
+  record = {
+      "created": manifest_lib.utc_now(),
+      "flags": dict(config.flags_snapshot),
+      "config": config.to_dict(),
+      "versions": manifest_lib.software_versions(),
+      "git_commit": manifest_lib.git_commit(),
+      "devices": devices.describe_devices(),
+      "strategy": choice.name,
+      "strategy_reason": choice.reason,
+      "replica_devices": list(choice.devices),
+      "num_replicas_in_sync": plan.num_replicas_in_sync,
+      "per_replica_batch_size": plan.per_replica_batch_size,
+      "global_batch_size": plan.global_batch_size,
+      "gradient_accumulation_steps": plan.gradient_accumulation_steps,
+      "steps_per_epoch": plan.steps_per_epoch,
+      "train_steps": total_steps,
+      "final_step": controller.step,
+      "base_learning_rate": config.base_learning_rate,
+      "base_batch_size": config.base_batch_size,
+      "lr_scaling": config.lr_scaling,
+      "peak_learning_rate": peak_lr,
+      "warmup_steps": warmup_steps,
+      "lr_schedule": keras.saving.serialize_keras_object(schedule),
+      "dtype_policy": policy.name,
+      "loss_scale": precision.current_loss_scale(optimizer),
+      "data": {
+          "dataset": config.dataset,
+          "num_train_examples": num_train_examples,
+          "train_files": manifest_lib.file_fingerprints(train_files),
+          "eval_files": manifest_lib.file_fingerprints(eval_files),
+      },
+      "throughput": throughput,
+      "history": controller.history,
+      "eval_history": controller.eval_history,
+      "final_metrics": {
+          "eval_loss": final_eval["loss"] if final_eval else None,
+          "eval_accuracy": final_eval["accuracy"] if final_eval else None,
+          "eval_examples": final_eval["num_examples"] if final_eval else None,
+          "train_loss": (controller.history[-1]["loss"]
+                         if controller.history else None),
+      },
+      "artifacts": {
+          "checkpoint": manager.latest_checkpoint,
+          "saved_model": export_dir,
+          "tensorboard": tb_dir,
+      },
+      "seconds": {"total": time.time() - started, "training": train_seconds},
+  }
+  path = manifest_lib.write_manifest(config.model_dir, record)
+  logging.info("Run manifest: %s", path)
+  print(f"Final eval: loss {record['final_metrics']['eval_loss']:.4f}, "
+        f"accuracy {record['final_metrics']['eval_accuracy']:.4f} "
+        f"({record['final_metrics']['eval_examples']} examples). "
+        f"Artifacts in {config.model_dir}", flush=True)
+  return record

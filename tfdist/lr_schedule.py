@@ -1,0 +1,198 @@
+"""Learning-rate scaling and warmup schedules.
+
+Two rules scale the base learning rate, tuned at `base_batch_size`, to the
+global batch actually used:
+
+* linear: `peak = base_lr * global_batch / base_batch` (Goyal et al. 2017,
+  "Accurate, Large Minibatch SGD: Training ImageNet in 1 Hour"), for SGD;
+* sqrt: `peak = base_lr * sqrt(global_batch / base_batch)` (Malladi et al.
+  2022, "On the SDEs and Scaling Rules for Adaptive Gradient Algorithms"),
+  for Adam-type optimizers.
+
+`LinearWarmup` then ramps linearly from a start value to the peak over the
+warmup steps (Goyal et al.'s "gradual warmup") and hands over to a decay
+schedule. Every schedule here is a `keras.optimizers.schedules.
+LearningRateSchedule` with a complete `get_config`, so it is evaluated from
+the optimizer's own step counter: no callback assigns a variable, which keeps
+it correct under ParameterServerStrategy (no per-step read of one ps).
+"""
+
+import math
+from typing import Optional, Sequence
+
+import keras
+import tensorflow as tf
+
+from tfdist.config import ConfigError
+
+LearningRateSchedule = keras.optimizers.schedules.LearningRateSchedule
+
+
+def scale_learning_rate(base_learning_rate: float, *, global_batch_size: int,
+                        base_batch_size: int, rule: str) -> float:
+  """Scales a learning rate tuned at `base_batch_size` to `global_batch_size`.
+
+  Args:
+    base_learning_rate: LR (per step) tuned for `base_batch_size` examples.
+    global_batch_size: examples per optimizer update in this run.
+    base_batch_size: the batch size `base_learning_rate` was tuned for.
+    rule: `linear` (Goyal et al. 2017), `sqrt` (Malladi et al. 2022) or `none`.
+
+  Returns:
+    The peak learning rate (float).
+
+  Raises:
+    ConfigError: unknown rule or non-positive sizes.
+  """
+  if global_batch_size <= 0 or base_batch_size <= 0:
+    raise ConfigError(
+        f"Batch sizes must be > 0 (global_batch_size={global_batch_size}, "
+        f"--base_batch_size={base_batch_size}).")
+  ratio = global_batch_size / base_batch_size
+  if rule == "linear":
+    return base_learning_rate * ratio
+  if rule == "sqrt":
+    return base_learning_rate * math.sqrt(ratio)
+  if rule == "none":
+    return base_learning_rate
+  raise ConfigError(
+      f"--lr_scaling={rule!r} is unknown. Use linear, sqrt or none.")
+
+
+@keras.saving.register_keras_serializable(package="tfdist")
+class ConstantLearningRate(LearningRateSchedule):
+  """A constant learning rate, as a schedule (so it serializes with the rest).
+
+  Args:
+    learning_rate: the value returned for every step.
+  """
+
+  def __init__(self, learning_rate: float):
+    self.learning_rate = float(learning_rate)
+
+  def __call__(self, step):
+    del step
+    return tf.constant(self.learning_rate, tf.float32)
+
+  def get_config(self):
+    return {"learning_rate": self.learning_rate}
+
+
+@keras.saving.register_keras_serializable(package="tfdist")
+class LinearWarmup(LearningRateSchedule):
+  """Linear warmup to `peak_learning_rate`, then a wrapped decay schedule.
+
+  For step `s` (the optimizer's update count, starting at 0):
+
+      s <  warmup_steps:  lr = warmup_start_learning_rate
+                               + (peak_learning_rate - warmup_start_learning_rate)
+                               * s / warmup_steps
+      s >= warmup_steps:  lr = after_warmup(s - warmup_steps)
+
+  so the decay schedule starts from its own step 0 when warmup ends (its
+  initial value should be `peak_learning_rate`). `warmup_steps=0` means no
+  warmup. Source: Goyal et al. 2017, section 2.2 ("gradual warmup").
+
+  Args:
+    after_warmup: a `LearningRateSchedule` (or a float) used after warmup.
+    warmup_steps: steps of linear warmup (>= 0).
+    peak_learning_rate: the value reached at the end of warmup.
+    warmup_start_learning_rate: the value at step 0. Defaults to 0.
+
+  Raises:
+    ValueError: `warmup_steps` < 0 or a negative learning rate.
+  """
+
+  def __init__(self, after_warmup, warmup_steps: int,
+               peak_learning_rate: float,
+               warmup_start_learning_rate: float = 0.0):
+    if warmup_steps < 0:
+      raise ValueError(f"warmup_steps must be >= 0. Received: {warmup_steps}")
+    if peak_learning_rate < 0 or warmup_start_learning_rate < 0:
+      raise ValueError(
+          "Learning rates must be >= 0. Received: peak_learning_rate="
+          f"{peak_learning_rate}, warmup_start_learning_rate="
+          f"{warmup_start_learning_rate}")
+    if isinstance(after_warmup, dict):
+      after_warmup = keras.saving.deserialize_keras_object(after_warmup)
+    if isinstance(after_warmup, (int, float)):
+      after_warmup = ConstantLearningRate(after_warmup)
+    self.after_warmup = after_warmup
+    self.warmup_steps = int(warmup_steps)
+    self.peak_learning_rate = float(peak_learning_rate)
+    self.warmup_start_learning_rate = float(warmup_start_learning_rate)
+
+  def __call__(self, step):
+    step = tf.cast(step, tf.float32)
+    decayed = tf.cast(
+        self.after_warmup(tf.maximum(step - self.warmup_steps, 0.0)),
+        tf.float32)
+    if self.warmup_steps == 0:
+      return decayed
+    fraction = step / float(self.warmup_steps)
+    warm = (self.warmup_start_learning_rate +
+            (self.peak_learning_rate - self.warmup_start_learning_rate) *
+            fraction)
+    return tf.where(step < self.warmup_steps, warm, decayed)
+
+  def get_config(self):
+    return {
+        "after_warmup": keras.saving.serialize_keras_object(self.after_warmup),
+        "warmup_steps": self.warmup_steps,
+        "peak_learning_rate": self.peak_learning_rate,
+        "warmup_start_learning_rate": self.warmup_start_learning_rate,
+    }
+
+
+def build_lr_schedule(*, peak_learning_rate: float, total_steps: int,
+                      warmup_steps: int, schedule: str = "constant",
+                      warmup_start_learning_rate: float = 0.0,
+                      end_learning_rate_factor: float = 0.0,
+                      piecewise_boundaries: Sequence[float] = (0.5, 0.75),
+                      piecewise_multipliers: Sequence[float] = (1.0, 0.1, 0.01)
+                      ) -> LinearWarmup:
+  """Builds warmup + decay as one serializable schedule.
+
+  Args:
+    peak_learning_rate: LR at the end of warmup (already batch-scaled).
+    total_steps: optimizer updates in the whole run.
+    warmup_steps: steps of linear warmup (0: none); must be <= total_steps.
+    schedule: `constant`; `cosine` (Keras `CosineDecay` from the peak to
+      `peak * end_learning_rate_factor` over the steps after warmup);
+      `piecewise` (Keras `PiecewiseConstantDecay`, the peak times each
+      multiplier, boundaries given as fractions of the post-warmup steps).
+    warmup_start_learning_rate: LR at step 0.
+    end_learning_rate_factor: cosine's final LR as a fraction of the peak.
+    piecewise_boundaries: increasing fractions in (0, 1).
+    piecewise_multipliers: one more value than boundaries.
+
+  Returns:
+    A `LinearWarmup` schedule.
+
+  Raises:
+    ConfigError: the warmup is longer than the run, or an unknown schedule.
+  """
+  if warmup_steps > total_steps:
+    raise ConfigError(
+        f"Warmup of {warmup_steps} steps is longer than the run "
+        f"({total_steps} steps). Lower --warmup_steps/--warmup_epochs or "
+        "train longer.")
+  decay_steps = max(total_steps - warmup_steps, 1)
+  if schedule == "constant":
+    after = ConstantLearningRate(peak_learning_rate)
+  elif schedule == "cosine":
+    after = keras.optimizers.schedules.CosineDecay(
+        initial_learning_rate=peak_learning_rate, decay_steps=decay_steps,
+        alpha=end_learning_rate_factor)
+  elif schedule == "piecewise":
+    boundaries = [int(round(b * decay_steps)) for b in piecewise_boundaries]
+    after = keras.optimizers.schedules.PiecewiseConstantDecay(
+        boundaries=boundaries,
+        values=[peak_learning_rate * m for m in piecewise_multipliers])
+  else:
+    raise ConfigError(
+        f"--lr_schedule={schedule!r} is unknown. Use constant, cosine or "
+        "piecewise.")
+  return LinearWarmup(after, warmup_steps=warmup_steps,
+                      peak_learning_rate=peak_learning_rate,
+                      warmup_start_learning_rate=warmup_start_learning_rate)

@@ -1,0 +1,168 @@
+"""The strategy factory: the one place that turns a config into a strategy.
+
+Modelled on Model Garden's `get_distribution_strategy`: a closed set of names,
+each checked by its own helper, and `auto`, which chooses from the devices and
+cluster it finds and says why.
+"""
+
+import dataclasses
+import json
+import os
+from typing import Optional
+
+from absl import logging
+import tensorflow as tf
+
+from tfdist.config import ConfigError, TrainConfig
+
+
+class StrategyNotAvailableError(ConfigError):
+  """The requested strategy is not implemented in this version of tfdist."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StrategyChoice:
+  """The strategy built for a run, its name and why it was chosen.
+
+  Attributes:
+    strategy: the `tf.distribute.Strategy`.
+    name: one of `off|one_device|mirrored|multi_worker_mirrored|
+      parameter_server|tpu` (never `auto`).
+    reason: a sentence saying why (for `auto`) or what was asked.
+    devices: device names the replicas run on.
+  """
+  strategy: tf.distribute.Strategy
+  name: str
+  reason: str
+  devices: tuple
+
+
+def _gpus(num_gpus: int):
+  gpus = [d.name for d in tf.config.list_logical_devices("GPU")]
+  if num_gpus == -1:
+    return gpus
+  if num_gpus > len(gpus):
+    raise ConfigError(
+        f"--num_gpus={num_gpus} but only {len(gpus)} GPU(s) are visible. "
+        f"Use --num_gpus={len(gpus)} or -1 for all.")
+  return gpus[:num_gpus]
+
+
+def _cluster_worker_count() -> int:
+  """Workers (chief included) named in TF_CONFIG or Vertex's CLUSTER_SPEC."""
+  for var in ("TF_CONFIG", "CLUSTER_SPEC"):
+    raw = os.environ.get(var)
+    if not raw:
+      continue
+    try:
+      cluster = json.loads(raw).get("cluster", {})
+    except (ValueError, AttributeError):
+      return 0
+    return sum(len(v) for k, v in cluster.items()
+               if k in ("chief", "master", "worker", "workerpool0",
+                        "workerpool1"))
+  return 0
+
+
+def _all_reduce(alg: str, on_gpu: bool):
+  if alg == "nccl":
+    if not on_gpu:
+      raise ConfigError(
+          "--all_reduce_alg=nccl needs GPUs; on CPU devices use "
+          "--all_reduce_alg=auto.")
+    return tf.distribute.NcclAllReduce()
+  if alg == "hierarchical_copy":
+    return tf.distribute.HierarchicalCopyAllReduce()
+  if alg == "ring":
+    raise ConfigError(
+        "--all_reduce_alg=ring applies to multi_worker_mirrored; for "
+        "mirrored use auto, nccl or hierarchical_copy.")
+  return None if on_gpu else tf.distribute.ReductionToOneDevice()
+
+
+def _one_device(config: TrainConfig, reason: str) -> StrategyChoice:
+  gpus = _gpus(config.num_gpus) if config.num_gpus != 0 else []
+  device = gpus[0] if gpus else "/cpu:0"
+  return StrategyChoice(tf.distribute.OneDeviceStrategy(device), "one_device",
+                        reason, (device,))
+
+
+def _mirrored(config: TrainConfig, reason: str) -> StrategyChoice:
+  gpus = _gpus(config.num_gpus) if config.num_gpus != 0 else []
+  if gpus:
+    devices = gpus
+  else:
+    devices = [d.name for d in tf.config.list_logical_devices("CPU")]
+    if config.num_cpu_devices > 1 and len(devices) != config.num_cpu_devices:
+      raise ConfigError(
+          f"--num_cpu_devices={config.num_cpu_devices} but "
+          f"{len(devices)} logical CPU device(s) exist: call "
+          "tfdist.devices.configure_cpu_devices before building the strategy.")
+  strategy = tf.distribute.MirroredStrategy(
+      devices=devices,
+      cross_device_ops=_all_reduce(config.all_reduce_alg, bool(gpus)))
+  return StrategyChoice(strategy, "mirrored", reason, tuple(devices))
+
+
+def _not_available(name: str) -> StrategyNotAvailableError:
+  return StrategyNotAvailableError(
+      f"--distribution_strategy={name} is not available in this version of "
+      "tfdist yet. Available now: off, one_device, mirrored, auto.")
+
+
+def resolve_auto(config: TrainConfig) -> tuple:
+  """Picks a concrete strategy name for `auto`, with the reason.
+
+  Order: a cluster in TF_CONFIG/CLUSTER_SPEC with several workers ->
+  multi_worker_mirrored; several GPUs -> mirrored; one GPU -> one_device;
+  `--num_cpu_devices` > 1 -> mirrored over logical CPUs; else one_device on
+  the CPU.
+  """
+  workers = _cluster_worker_count()
+  if workers > 1:
+    return ("multi_worker_mirrored",
+            f"the cluster environment lists {workers} workers")
+  gpus = _gpus(config.num_gpus) if config.num_gpus != 0 else []
+  if len(gpus) > 1:
+    return "mirrored", f"{len(gpus)} GPUs are visible"
+  if len(gpus) == 1:
+    return "one_device", "one GPU is visible"
+  if config.num_cpu_devices > 1:
+    return ("mirrored",
+            f"--num_cpu_devices={config.num_cpu_devices} logical CPU devices")
+  return "one_device", "no GPU or TPU and no cluster: one CPU device"
+
+
+def make_strategy(config: TrainConfig) -> StrategyChoice:
+  """Builds the `tf.distribute.Strategy` that `config` asks for.
+
+  Args:
+    config: the run's `TrainConfig` (reads `distribution_strategy`,
+      `num_gpus`, `num_cpu_devices`, `all_reduce_alg`).
+
+  Returns:
+    A `StrategyChoice`.
+
+  Raises:
+    ConfigError: inconsistent device flags.
+    StrategyNotAvailableError: a strategy this version does not provide.
+  """
+  name = config.distribution_strategy
+  reason = f"--distribution_strategy={name}"
+  if name == "auto":
+    name, why = resolve_auto(config)
+    reason = f"auto chose {name}: {why}"
+  if name == "off":
+    choice = StrategyChoice(tf.distribute.get_strategy(), "off", reason,
+                            ("default",))
+  elif name == "one_device":
+    choice = _one_device(config, reason)
+  elif name == "mirrored":
+    choice = _mirrored(config, reason)
+  elif name in ("multi_worker_mirrored", "parameter_server", "tpu"):
+    raise _not_available(name)
+  else:
+    raise ConfigError(f"--distribution_strategy={name!r} is unknown.")
+  logging.info("Strategy: %s (%s); %d replica(s) on %s", choice.name, reason,
+               choice.strategy.num_replicas_in_sync, ", ".join(choice.devices))
+  return choice

@@ -1,0 +1,44 @@
+"""Trains a Keras 3 model with a tf.distribute strategy.
+
+Usage:
+  python -m tfdist.train --model_dir=DIR [--flag=value ...]
+  python -m tfdist.train --flagfile=run.flags
+
+Key flags: --helpshort. All flags: --helpfull.
+"""
+
+import sys
+
+from absl import app
+from absl import flags as absl_flags
+from absl import logging
+
+import flags as tfdist_flags
+from tfdist import config as config_lib
+
+KEY_FLAGS = tfdist_flags.define_all_flags()
+for _name in KEY_FLAGS:
+  absl_flags.declare_key_flag(_name)
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"Unexpected arguments: {' '.join(argv[1:])}")
+  try:
+    config = tfdist_flags.flags_to_config()
+  except config_lib.ConfigError as e:
+    raise app.UsageError(str(e)) from None
+  from tfdist import experiment  # pylint: disable=g-import-not-at-top
+  try:
+    experiment.run_experiment(config)
+  except config_lib.ConfigError as e:
+    logging.error("%s", e)
+    sys.exit(f"tfdist.train: error: {e}")
+
+
+def run():
+  app.run(main)
+
+
+if __name__ == "__main__":
+  run()

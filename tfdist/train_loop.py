@@ -1,0 +1,136 @@
+"""The inner training loop: one `tf.function` step run with `strategy.run`.
+
+Keras 3's `Model.fit` fails under MultiWorkerMirroredStrategy and
+ParameterServerStrategy, so tfdist drives Keras 3 models, optimizers and
+losses through its own step (as Model Garden's Orbit does). The same
+`train_function` serves every strategy: called directly for one device,
+Mirrored, MultiWorkerMirrored and TPU, and passed to
+`ClusterCoordinator.schedule` under ParameterServerStrategy.
+
+Loss: the per-example loss is averaged over the *global* batch
+(`tf.nn.compute_average_loss(..., global_batch_size=...)`); the optimizer
+sums gradients over replicas, so the update equals the single-device update
+on the whole global batch.
+"""
+
+from typing import Dict
+
+import keras
+import tensorflow as tf
+
+
+class Trainer:
+  """Owns the compiled step functions of one run.
+
+  Args:
+    strategy: the `tf.distribute.Strategy`; `model` and `optimizer` must have
+      been created under its scope.
+    model: a Keras 3 model returning float32 logits [batch, num_classes].
+    optimizer: a built Keras 3 optimizer (possibly a `LossScaleOptimizer`).
+    global_batch_size: examples per update over all replicas.
+    steps_per_execution: training steps run inside one `tf.function` call.
+    enable_xla: jit-compile the step functions (XLA).
+    run_eagerly: run without `tf.function` (debugging).
+  """
+
+  def __init__(self, *, strategy: tf.distribute.Strategy, model: keras.Model,
+               optimizer: keras.optimizers.Optimizer, global_batch_size: int,
+               steps_per_execution: int = 1, enable_xla: bool = False,
+               run_eagerly: bool = False):
+    self.strategy = strategy
+    self.model = model
+    self.optimizer = optimizer
+    self.global_batch_size = int(global_batch_size)
+    self.steps_per_execution = int(steps_per_execution)
+    self.loss_fn = keras.losses.SparseCategoricalCrossentropy(
+        from_logits=True, reduction=None)
+    self.uses_loss_scale = isinstance(optimizer,
+                                      keras.optimizers.LossScaleOptimizer)
+    with strategy.scope():
+      # Counts updates made by this loop (skipped fp16 steps included), for
+      # checkpoint numbering and resumption.
+      self.global_step = tf.Variable(
+          0, dtype=tf.int64, trainable=False, name="global_step",
+          aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+    # XLA compiles the per-replica step; Keras 3 turns XLA off under a
+    # tf.distribute strategy, so tfdist applies it to its own step.
+    self._replica_train = (tf.function(self._replica_train_step,
+                                       jit_compile=True)
+                           if enable_xla else self._replica_train_step)
+    compile_fn = (lambda f: f) if run_eagerly else tf.function
+    self.train_function = compile_fn(self._train_function)
+    self.eval_function = compile_fn(self._eval_function)
+
+  # --- replica functions -------------------------------------------------
+  def _replica_train_step(self, inputs, labels):
+    with tf.GradientTape() as tape:
+      logits = self.model(inputs, training=True)
+      per_example = self.loss_fn(labels, tf.cast(logits, tf.float32))
+      loss = tf.nn.compute_average_loss(
+          per_example, global_batch_size=self.global_batch_size)
+      if self.model.losses:
+        loss += tf.nn.scale_regularization_loss(tf.add_n(self.model.losses))
+      scaled = self.optimizer.scale_loss(loss) if self.uses_loss_scale else loss
+    variables = self.model.trainable_variables
+    grads = tape.gradient(scaled, variables)
+    self.optimizer.apply_gradients(zip(grads, variables))
+    correct = tf.reduce_sum(tf.cast(
+        keras.metrics.sparse_categorical_accuracy(labels, logits), tf.float32))
+    return {"loss": loss, "correct": correct,
+            "count": tf.cast(tf.shape(labels)[0], tf.float32)}
+
+  def _replica_eval_step(self, inputs, labels):
+    logits = tf.cast(self.model(inputs, training=False), tf.float32)
+    per_example = self.loss_fn(labels, logits)
+    correct = keras.metrics.sparse_categorical_accuracy(labels, logits)
+    return {"loss_sum": tf.reduce_sum(per_example),
+            "correct": tf.reduce_sum(tf.cast(correct, tf.float32)),
+            "count": tf.cast(tf.shape(labels)[0], tf.float32)}
+
+  # --- cross-replica functions -------------------------------------------
+  def _reduce(self, per_replica: Dict[str, tf.Tensor]) -> Dict[str, tf.Tensor]:
+    return {k: self.strategy.reduce(tf.distribute.ReduceOp.SUM, v, axis=None)
+            for k, v in per_replica.items()}
+
+  def _train_function(self, iterator, num_steps) -> Dict[str, tf.Tensor]:
+    """Runs `num_steps` steps from a distributed iterator.
+
+    Args:
+      iterator: an iterator over a distributed dataset of `(inputs, labels)`.
+      num_steps: int32 scalar tensor, at most `steps_per_execution` (a tensor
+        so that shorter final chunks do not retrace the function).
+
+    Returns:
+      Sums over the executed steps: `loss` (sum of per-step global mean
+      losses, float32 scalar), `correct` and `count` (examples).
+    """
+    totals = {"loss": tf.constant(0.0), "correct": tf.constant(0.0),
+              "count": tf.constant(0.0)}
+    for _ in tf.range(num_steps):
+      inputs, labels = next(iterator)[:2]
+      step = self._reduce(self.strategy.run(self._replica_train,
+                                            args=(inputs, labels)))
+      totals = {k: totals[k] + step[k] for k in totals}
+      self.global_step.assign_add(1)
+    return totals
+
+  def _eval_function(self, batch) -> Dict[str, tf.Tensor]:
+    """Evaluates one distributed batch; returns summed loss, correct, count."""
+    inputs, labels = batch[:2]
+    return self._reduce(self.strategy.run(self._replica_eval_step,
+                                          args=(inputs, labels)))
+
+  def evaluate(self, dist_dataset) -> Dict[str, float]:
+    """Evaluates every example of `dist_dataset` exactly once.
+
+    Returns:
+      `{"loss": mean loss, "accuracy": fraction correct, "num_examples": n}`.
+    """
+    sums = {"loss_sum": 0.0, "correct": 0.0, "count": 0.0}
+    for batch in dist_dataset:
+      out = self.eval_function(batch)
+      for k in sums:
+        sums[k] += float(out[k])
+    n = max(sums["count"], 1.0)
+    return {"loss": sums["loss_sum"] / n, "accuracy": sums["correct"] / n,
+            "num_examples": int(sums["count"])}
