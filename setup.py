@@ -18,18 +18,22 @@ setuptools.setup(
     packages=setuptools.find_packages(include=["tfdist", "tfdist.*", "models",
                                                "models.*", "flags", "flags.*"]),
     python_requires=">=3.10",
+    # TensorFlow itself comes from an extra, so that installing tfdist into
+    # an image that already has TensorFlow (Vertex AI's prebuilt training
+    # containers) never pulls a second copy: `pip install .[cpu]` on a
+    # CPU-only machine, `.[gpu]` on a GPU machine, plain `.` in a container.
     install_requires=[
-        # The CPU wheel is enough where no GPU exists; on GPU machines
-        # (and in Vertex's GPU images) `tensorflow` satisfies the same range
-        # when installed with TFDIST_TF_PACKAGE=tensorflow (see README).
-        "tensorflow-cpu>=2.21,<2.22",
         "keras>=3.12,<4",
         "absl-py>=2.0,<3",
-        "tensorboard>=2.21,<2.22",
+        "tensorboard>=2.16,<3",
         "numpy>=1.26,<3",
         "portpicker>=1.6,<2",
     ],
-    extras_require={"test": ["pytest>=8,<10"]},
+    extras_require={
+        "cpu": ["tensorflow-cpu>=2.21,<2.22"],
+        "gpu": ["tensorflow[and-cuda]>=2.21,<2.22"],
+        "test": ["pytest>=8,<10"],
+    },
     entry_points={"console_scripts": [
         "tfdist-train=tfdist.train:run",
     ]},

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# One-time set-up on a fresh Debian machine: system packages (Fashion-MNIST
+# data, Bazel), a virtual environment in .venv, and tfdist with its
+# dependencies. Safe to run again: it skips what is already there.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+SUDO=""
+if [ "$(id -u)" != 0 ]; then SUDO="sudo"; fi
+missing=()
+[ -f /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz ] || missing+=(dataset-fashion-mnist)
+command -v bazel >/dev/null 2>&1 || missing+=(bazel-bootstrap)
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "setup: installing Debian packages: ${missing[*]}"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+
+PYTHON="${PYTHON:-python3}"
+if [ ! -x .venv/bin/python ]; then
+  echo "setup: creating .venv with $($PYTHON --version)"
+  "$PYTHON" -m venv .venv
+fi
+echo "setup: installing tfdist and its dependencies into .venv"
+.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[cpu,test]'
+echo "setup: done"
