@@ -75,7 +75,7 @@ def _split_list(value) -> Tuple[str, ...]:
     items = value
   else:
     items = str(value).split(",")
-  return tuple(item.strip() for item in items if item.strip())
+  return tuple(str(item).strip() for item in items if str(item).strip())
 
 
 @dataclasses.dataclass(frozen=True)
