@@ -1,0 +1,161 @@
+"""Tests for tfdist.datasets and tfdist.input_pipeline on real Fashion-MNIST."""
+
+import collections
+import gzip
+import os
+
+from absl.testing import absltest
+from absl.testing import parameterized
+import numpy as np
+import tensorflow as tf
+
+from tests import testutil
+from tfdist import datasets
+from tfdist import input_pipeline
+
+
+def _ids_parse(serialized):
+  return datasets.parse_image_example(serialized, with_id=True)
+
+
+def _collect_ids(ds):
+  ids = []
+  for batch in ds:
+    ids.extend(batch[2].numpy().tolist())
+  return ids
+
+
+class DatasetsTest(absltest.TestCase):
+
+  def test_conversion_of_real_subset(self):
+    data = testutil.fashion_mnist_subset(limit=300, train_shards=3,
+                                         test_shards=2)
+    train = input_pipeline.list_files(data["train"])
+    self.assertLen(train, 3)
+    self.assertEqual(input_pipeline.count_records(train), 300)
+    with open(os.path.join(data["dir"], datasets.INFO_FILE)) as f:
+      self.assertIn('"num_examples": 300', f.read())
+    # Records match the original IDX bytes.
+    images = datasets.read_idx(os.path.join(
+        datasets.DEBIAN_FASHION_MNIST_DIR, "train-images-idx3-ubyte.gz"))
+    labels = datasets.read_idx(os.path.join(
+        datasets.DEBIAN_FASHION_MNIST_DIR, "train-labels-idx1-ubyte.gz"))
+    self.assertEqual(images.shape, (60000, 28, 28))
+    ds = tf.data.TFRecordDataset(train, compression_type="GZIP").map(
+        _ids_parse)
+    for image, label, example_id in ds.take(10):
+      k = int(example_id)
+      np.testing.assert_allclose(image.numpy()[..., 0] * 255.0, images[k],
+                                 atol=1e-3)
+      self.assertEqual(int(label), labels[k])
+
+  def test_conversion_is_done_once(self):
+    out = os.path.join(testutil.scratch_dir(), "fm")
+    first = datasets.convert_fashion_mnist(out, limit=20, train_shards=2,
+                                           test_shards=1)
+    stamp = os.path.getmtime(os.path.join(out, datasets.INFO_FILE))
+    second = datasets.convert_fashion_mnist(out, limit=20, train_shards=2,
+                                            test_shards=1)
+    self.assertEqual(first, second)
+    self.assertEqual(stamp, os.path.getmtime(os.path.join(
+        out, datasets.INFO_FILE)))
+    # No temporary folders are left behind.
+    self.assertEqual([n for n in os.listdir(os.path.dirname(out))
+                      if n.startswith(".tmp")], [])
+
+  def test_missing_raw_data_names_path_and_fix(self):
+    out = os.path.join(testutil.scratch_dir(), "fm")
+    with self.assertRaisesRegex(datasets.DataNotFoundError,
+                                r"/nonexistent/train-images.*apt-get install"):
+      datasets.convert_fashion_mnist(out, raw_data_dir="/nonexistent")
+    self.assertFalse(os.path.exists(out))
+
+  def test_not_idx(self):
+    path = os.path.join(testutil.scratch_dir(), "bad.gz")
+    with gzip.open(path, "wb") as f:
+      f.write(b"\x00\x00\x0d\x01" + b"\x00" * 8)
+    with self.assertRaisesRegex(ValueError, "not an IDX file"):
+      datasets.read_idx(path)
+
+  def test_unknown_dataset(self):
+    with self.assertRaisesRegex(datasets.ConfigError,
+                                "--dataset='imagenet'.*fashion_mnist"):
+      datasets.get_dataset_spec("imagenet")
+
+
+class InputPipelineTest(parameterized.TestCase):
+
+  def test_glob_matching_nothing_names_flag(self):
+    with self.assertRaisesRegex(datasets.DataNotFoundError,
+                                r"--eval_files='/no/such/\*.gz' matches no"):
+      input_pipeline.list_files("/no/such/*.gz", flag="--eval_files")
+
+  def test_mixed_compression(self):
+    with self.assertRaisesRegex(ValueError, "Mixed compressed"):
+      input_pipeline.compression_of(["a.tfrecord.gz", "b.tfrecord"])
+
+  def test_shard_mode(self):
+    self.assertEqual(input_pipeline.shard_mode(8, 1), "none")
+    self.assertEqual(input_pipeline.shard_mode(8, 2), "file")
+    self.assertEqual(input_pipeline.shard_mode(1, 2), "data")
+
+  def test_eval_sees_every_example_once_with_partial_batch(self):
+    data = testutil.fashion_mnist_subset(limit=300, train_shards=3,
+                                         test_shards=2)
+    files = input_pipeline.list_files(data["eval"])
+    ds = input_pipeline.make_dataset(input_pipeline.PipelineOptions(
+        files=files, parse_fn=_ids_parse, global_batch_size=64,
+        is_training=False))
+    sizes = [int(b[0].shape[0]) for b in ds]
+    self.assertEqual(sizes, [64, 64, 64, 64, 44])  # remainder kept
+    ids = _collect_ids(ds)
+    self.assertCountEqual(ids, range(60000, 60300))
+
+  def test_training_batches_are_full_and_repeat(self):
+    data = testutil.fashion_mnist_subset(limit=300, train_shards=3,
+                                         test_shards=2)
+    ds = input_pipeline.make_dataset(input_pipeline.PipelineOptions(
+        files=input_pipeline.list_files(data["train"]), parse_fn=_ids_parse,
+        global_batch_size=64, is_training=True, seed=1))
+    shapes = [tuple(b[0].shape) for b in ds.take(12)]  # > one epoch
+    self.assertEqual(set(shapes), {(64, 28, 28, 1)})
+
+  @parameterized.named_parameters(
+      ("by_file", 4, 2), ("by_data", 1, 2), ("by_data_three_hosts", 2, 3))
+  def test_hosts_read_disjoint_data(self, num_files, hosts):
+    data = testutil.fashion_mnist_subset(limit=240, train_shards=num_files,
+                                         test_shards=num_files)
+    files = input_pipeline.list_files(data["eval"])
+    per_host = []
+    for host in range(hosts):
+      ctx = tf.distribute.InputContext(num_input_pipelines=hosts,
+                                       input_pipeline_id=host,
+                                       num_replicas_in_sync=hosts)
+      ds = input_pipeline.make_dataset(input_pipeline.PipelineOptions(
+          files=files, parse_fn=_ids_parse, global_batch_size=8 * hosts,
+          is_training=False), ctx)
+      per_host.append(_collect_ids(ds))
+    counts = collections.Counter(i for ids in per_host for i in ids)
+    self.assertEqual(set(counts), set(range(60000, 60240)))
+    self.assertEqual(set(counts.values()), {1})  # exactly once overall
+    self.assertTrue(all(per_host))
+
+  def test_training_shards_disjoint_over_one_epoch(self):
+    data = testutil.fashion_mnist_subset(limit=240, train_shards=4,
+                                         test_shards=2)
+    files = input_pipeline.list_files(data["train"])
+    seen = []
+    for host in range(2):
+      ctx = tf.distribute.InputContext(num_input_pipelines=2,
+                                       input_pipeline_id=host,
+                                       num_replicas_in_sync=2)
+      ds = input_pipeline.make_dataset(input_pipeline.PipelineOptions(
+          files=files, parse_fn=_ids_parse, global_batch_size=24,
+          is_training=True, seed=3), ctx)
+      seen.append(_collect_ids(ds.take(120 // 12)))  # one epoch of a host
+    self.assertEmpty(set(seen[0]) & set(seen[1]))
+    self.assertCountEqual(seen[0] + seen[1], range(240))
+
+
+if __name__ == "__main__":
+  absltest.main()
