@@ -1,0 +1,67 @@
+"""Runs one pytest file as a Bazel test (see //tests:defs.bzl).
+
+Usage: pytest_main.py TEST_FILE [PYTEST_ARGS...]
+
+Under `bazel test` it also
+  * writes JUnit XML to $XML_OUTPUT_FILE, where Bazel collects it;
+  * points HOME, KERAS_HOME and the cache folders at $TEST_TMPDIR (the
+    sandbox has no HOME and a read-only home folder);
+  * runs only the tests matching `--test_filter` (a pytest `-k` expression);
+  * hides a `pip install -e .` of this repository, so that a test imports
+    only what its target's `deps` put in the runfiles (a missing dep fails
+    under Bazel rather than passing by accident).
+Outside Bazel it is plain `pytest TEST_FILE -p no:cacheprovider`.
+"""
+
+import os
+import sys
+
+
+def _use_test_tmpdir(environ) -> None:
+  """Sends HOME and the caches that Keras and TF write to TEST_TMPDIR."""
+  tmp = environ.get("TEST_TMPDIR")
+  if not tmp:
+    return
+  environ.setdefault("HOME", tmp)
+  environ.setdefault("KERAS_HOME", os.path.join(tmp, ".keras"))
+  environ.setdefault("XDG_CACHE_HOME", os.path.join(tmp, ".cache"))
+
+
+def _hide_source_tree() -> None:
+  """Drops import routes into the source tree that bypass the runfiles.
+
+  Python puts this script's real folder (tests/ of the source tree) first on
+  sys.path, and `pip install -e .` adds a finder for the source tree.
+  """
+  here = os.path.dirname(os.path.realpath(__file__))
+  source_dirs = {here, os.path.dirname(here)}
+  sys.meta_path[:] = [
+      finder for finder in sys.meta_path
+      if not getattr(finder, "__module__", "").startswith("__editable__")
+      and not type(finder).__module__.startswith("__editable__")]
+  sys.path[:] = [p for p in sys.path
+                 if not p or os.path.realpath(p) not in source_dirs]
+
+
+def pytest_args(argv, environ) -> list:
+  """The arguments for `pytest.main`: the test file, then Bazel's wishes."""
+  if len(argv) < 2:
+    raise SystemExit("usage: pytest_main.py TEST_FILE [PYTEST_ARGS...]")
+  args = [argv[1], "-p", "no:cacheprovider", "-q"]
+  if environ.get("XML_OUTPUT_FILE"):
+    args.append("--junitxml=" + environ["XML_OUTPUT_FILE"])
+  if environ.get("TESTBRIDGE_TEST_ONLY"):
+    args += ["-k", environ["TESTBRIDGE_TEST_ONLY"]]
+  return args + list(argv[2:])
+
+
+def main() -> int:
+  if os.environ.get("TEST_SRCDIR"):
+    _use_test_tmpdir(os.environ)
+    _hide_source_tree()
+  import pytest  # pylint: disable=g-import-not-at-top
+  return pytest.main(pytest_args(sys.argv, os.environ))
+
+
+if __name__ == "__main__":
+  sys.exit(main())
