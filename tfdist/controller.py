@@ -122,6 +122,7 @@ class Controller:
         text += (f", {interval.examples_per_second:.1f} examples/sec, "
                  f"{interval.step_time * 1000:.1f} ms/step")
         if interval.excluded:
+          record["excluded_from_throughput"] = True
           text += " (first interval: warm-up, not averaged)"
     self.history.append(record)
     logging.info(text)
@@ -136,8 +137,9 @@ class Controller:
     result = self.trainer.evaluate(self.eval_dataset)
     result["step"] = step
     self.eval_history.append(result)
-    logging.info("eval at step %d: loss %.4f, accuracy %.4f on %d examples",
+    logging.info("eval at step %d: loss %.4f, accuracy %.4f%s on %d examples",
                  step, result["loss"], result["accuracy"],
+                 f", AUC {result['auc']:.4f}" if "auc" in result else "",
                  result["num_examples"])
     return result
 
@@ -158,7 +160,8 @@ class Controller:
       self.callbacks.on_train_batch_begin(step % opts.steps_per_epoch)
       out = self.trainer.train_function(self.train_iterator,
                                         tf.constant(n, tf.int32))
-      out = {k: float(v) for k, v in out.items()}
+      # Scalars only (binary tasks also return AUC histograms).
+      out = {k: float(out[k]) for k in ("loss", "correct", "count")}
       step += n
       for sums in (epoch_sums, log_sums):
         for k in ("loss", "correct", "count"):

@@ -1,0 +1,222 @@
+"""End-to-end tests: real short training runs on a real Fashion-MNIST subset.
+
+In-process runs (`run_experiment`) cover one device, resumption and the
+SavedModel; the binary runs in subprocesses for `mirrored` over 2 logical CPU
+devices (a per-process setting), flags, `--flagfile` and flag errors.
+"""
+
+import glob
+import json
+import os
+import time
+
+from absl.testing import absltest
+from absl.testing import parameterized
+import keras
+import numpy as np
+import tensorflow as tf
+
+import models
+from tests import testutil
+from tfdist import experiment
+from tfdist import manifest as manifest_lib
+from tfdist.config import ConfigError, TrainConfig
+from tfdist.datasets import DataNotFoundError
+
+
+def _config(model_dir, **overrides):
+  data = testutil.fashion_mnist_subset(limit=512, train_shards=4,
+                                       test_shards=2)
+  kwargs = dict(model_dir=model_dir, train_files=data["train"],
+                eval_files=data["eval"], distribution_strategy="one_device",
+                batch_size=64, train_steps=12, log_steps=4, warmup_steps=2,
+                checkpoint_steps=6, seed=7)
+  kwargs.update(overrides)
+  return TrainConfig(**kwargs)
+
+
+def _artifacts_ok(test, model_dir):
+  test.assertTrue(glob.glob(os.path.join(model_dir, "checkpoints",
+                                         "ckpt-*.index")))
+  test.assertTrue(os.path.exists(os.path.join(model_dir, "checkpoints",
+                                              "checkpoint")))
+  test.assertTrue(os.path.exists(os.path.join(model_dir, "saved_model",
+                                              "saved_model.pb")))
+  test.assertTrue(glob.glob(os.path.join(model_dir, "train",
+                                         "events.out.tfevents.*")))
+  return manifest_lib.read_manifest(model_dir)
+
+
+class RunExperimentTest(parameterized.TestCase):
+
+  def tearDown(self):
+    keras.mixed_precision.set_global_policy("float32")
+    super().tearDown()
+
+  def test_one_device_run_leaves_artifacts_and_manifest(self):
+    model_dir = testutil.scratch_dir()
+    record = experiment.run_experiment(_config(model_dir))
+    manifest = _artifacts_ok(self, model_dir)
+    self.assertEqual(manifest["num_replicas_in_sync"], 1)
+    self.assertEqual(manifest["strategy"], "one_device")
+    self.assertEqual(manifest["global_batch_size"], 64)
+    self.assertEqual(manifest["per_replica_batch_size"], 64)
+    self.assertEqual(manifest["final_step"], 12)
+    self.assertEqual(manifest["steps_per_epoch"], 8)  # 512 // 64
+    self.assertAlmostEqual(manifest["peak_learning_rate"], 0.1 * 64 / 256)
+    self.assertEqual(manifest["warmup_steps"], 2)
+    self.assertEqual(manifest["versions"]["tensorflow"], tf.__version__)
+    self.assertEqual(manifest["versions"]["keras"], keras.__version__)
+    files = manifest["data"]["train_files"]
+    self.assertLen(files, 4)
+    for entry in files:
+      self.assertLen(entry["sha256"], 64)
+      self.assertEqual(entry["bytes"], os.path.getsize(entry["path"]))
+    final = manifest["final_metrics"]
+    self.assertEqual(final["eval_examples"], 512)  # every example once
+    self.assertTrue(np.isfinite(final["eval_loss"]))
+    self.assertBetween(final["eval_accuracy"], 0.0, 1.0)
+    # Throughput: logged every 4 steps, first interval excluded.
+    self.assertEqual(manifest["throughput"]["measured_steps"], 8)
+    self.assertGreater(manifest["throughput"]["examples_per_second"], 0)
+    self.assertEqual([h["step"] for h in manifest["history"]], [4, 8, 12])
+    self.assertTrue(manifest["history"][0]["excluded_from_throughput"])
+    self.assertNotIn("excluded_from_throughput", manifest["history"][1])
+    self.assertGreater(manifest["history"][1]["examples_per_second"], 0)
+    self.assertEqual(record["final_metrics"], final)
+    self.assertEqual(manifest["config"]["model_dir"], model_dir)
+
+  def test_stop_and_rerun_resumes_at_checkpoint(self):
+    model_dir = testutil.scratch_dir()
+    experiment.run_experiment(_config(model_dir, train_steps=6))
+    first = manifest_lib.read_manifest(model_dir)
+    self.assertEqual(first["final_step"], 6)
+    reader = tf.train.load_checkpoint(os.path.join(model_dir, "checkpoints"))
+    saved = {k for k in reader.get_variable_to_shape_map()}
+    self.assertTrue(any(k.startswith("optimizer/") for k in saved))
+    # Same command, longer run: continues from step 6, not from 0.
+    experiment.run_experiment(_config(model_dir, train_steps=12))
+    second = manifest_lib.read_manifest(model_dir)
+    self.assertEqual(second["final_step"], 12)
+    self.assertEqual([h["step"] for h in second["history"]], [8, 12])
+    reader = tf.train.load_checkpoint(os.path.join(model_dir, "checkpoints"))
+    self.assertEqual(reader.get_tensor(
+        "global_step/.ATTRIBUTES/VARIABLE_VALUE"), 12)
+    iterations = [k for k in reader.get_variable_to_shape_map()
+                  if k.startswith("optimizer/") and "iteration" in k]
+    self.assertTrue(iterations)
+    self.assertEqual(reader.get_tensor(iterations[0]), 12)
+    # A finished run re-run does no more steps.
+    experiment.run_experiment(_config(model_dir, train_steps=12))
+    self.assertEqual(manifest_lib.read_manifest(model_dir)["history"], [])
+
+  def test_saved_model_predicts_like_trained_model(self):
+    model_dir = testutil.scratch_dir()
+    experiment.run_experiment(_config(model_dir, model="resnet",
+                                      train_steps=4, log_steps=2))
+    model = models.build_model("resnet", input_shape=(28, 28, 1),
+                               num_classes=10)
+    tf.train.Checkpoint(model=model).restore(tf.train.latest_checkpoint(
+        os.path.join(model_dir, "checkpoints"))).expect_partial()
+    images = np.random.RandomState(0).rand(5, 28, 28, 1).astype(np.float32)
+    reloaded = tf.saved_model.load(os.path.join(model_dir, "saved_model"))
+    served = reloaded.signatures["serving_default"](tf.constant(images))
+    served = list(served.values())[0].numpy()
+    self.assertEqual(served.shape, (5, 10))
+    np.testing.assert_allclose(served, model(images, training=False).numpy(),
+                               rtol=1e-5, atol=1e-5)
+
+  def test_bf16_run(self):
+    model_dir = testutil.scratch_dir()
+    experiment.run_experiment(_config(model_dir, dtype="bfloat16",
+                                      train_steps=4, log_steps=2))
+    manifest = manifest_lib.read_manifest(model_dir)
+    self.assertEqual(manifest["dtype_policy"], "mixed_bfloat16")
+    self.assertTrue(np.isfinite(manifest["final_metrics"]["eval_loss"]))
+
+  @parameterized.named_parameters(
+      ("glob_matches_nothing", dict(train_files="/no/such/*.gz"),
+       DataNotFoundError, r"--train_files='/no/such/\*.gz' matches no file"),
+      ("inconsistent_batch", dict(batch_size=64, per_replica_batch_size=32),
+       ConfigError, "--batch_size=64.*--per_replica_batch_size=32"),
+      ("warmup_too_long", dict(warmup_steps=50), ConfigError,
+       "--warmup_steps=50 is longer than the run"),
+      ("unknown_model", dict(model="vit"), ConfigError, "--model='vit'"),
+      ("not_available_yet_or_unknown_dataset", dict(dataset="cifar10",
+                                                    train_files=""),
+       ConfigError, "--dataset='cifar10'"),
+  )
+  def test_errors_before_training(self, changes, error, message):
+    model_dir = testutil.scratch_dir()
+    with self.assertRaisesRegex(error, message):
+      experiment.run_experiment(_config(model_dir, **changes))
+    self.assertFalse(os.path.exists(os.path.join(model_dir, "checkpoints")))
+
+
+class TrainBinaryTest(absltest.TestCase):
+
+  def test_mirrored_on_two_logical_cpus(self):
+    data = testutil.fashion_mnist_subset(limit=512, train_shards=4,
+                                         test_shards=2)
+    model_dir = testutil.scratch_dir()
+    proc = testutil.run_module("tfdist.train", [
+        "--distribution_strategy=mirrored", "--num_cpu_devices=2",
+        f"--train_files={data['train']}", f"--eval_files={data['eval']}",
+        "--train_steps=10", "--log_steps=5", "--batch_size=64",
+        f"--model_dir={model_dir}"], timeout=400)
+    self.assertEqual(proc.returncode, 0, proc.stdout[-3000:])
+    manifest = _artifacts_ok(self, model_dir)
+    self.assertEqual(manifest["strategy"], "mirrored")
+    self.assertEqual(manifest["num_replicas_in_sync"], 2)
+    self.assertEqual(manifest["per_replica_batch_size"], 32)
+    self.assertEqual(manifest["global_batch_size"], 64)
+    self.assertLen(manifest["replica_devices"], 2)
+    self.assertEqual(manifest["final_metrics"]["eval_examples"], 512)
+    self.assertIn("num_replicas_in_sync   2", proc.stdout)
+    self.assertIn("0.1 at batch 256 -> 0.025 at batch 64 (linear rule)",
+                  proc.stdout)
+
+  def test_flagfile_and_errors_name_the_flag(self):
+    data = testutil.fashion_mnist_subset(limit=512, train_shards=4,
+                                         test_shards=2)
+    model_dir = testutil.scratch_dir()
+    flagfile = os.path.join(model_dir, "run.flags")
+    with open(flagfile, "w") as f:
+      f.write(f"--train_files={data['train']}\n--eval_files={data['eval']}\n"
+              "--train_steps=10\n--batch_size=60\n"
+              "--distribution_strategy=mirrored\n--num_cpu_devices=2\n"
+              "--per_replica_batch_size=32\n")
+    started = time.time()
+    proc = testutil.run_module("tfdist.train", [
+        f"--flagfile={flagfile}", f"--model_dir={model_dir}"], timeout=120)
+    self.assertNotEqual(proc.returncode, 0)
+    self.assertIn("--batch_size=60 (global) disagrees with "
+                  "--per_replica_batch_size=32", proc.stdout)
+    self.assertLess(time.time() - started, 60)
+    self.assertFalse(os.path.exists(os.path.join(model_dir, "checkpoints")))
+
+    proc = testutil.run_module("tfdist.train", [
+        "--train_steps=5", "--loss_scale=huge", f"--model_dir={model_dir}"],
+                               timeout=120)
+    self.assertNotEqual(proc.returncode, 0)
+    self.assertIn("--loss_scale", proc.stdout)
+    self.assertIn("dynamic", proc.stdout)
+
+    proc = testutil.run_module("tfdist.train", ["--train_steps=5"],
+                               timeout=120,
+                               env={"AIP_MODEL_DIR": "", "AIP_CHECKPOINT_DIR": ""})
+    self.assertNotEqual(proc.returncode, 0)
+    self.assertIn("--model_dir is required", proc.stdout)
+
+  def test_helpshort_lists_key_flags(self):
+    proc = testutil.run_module("tfdist.train", ["--helpshort"], timeout=120)
+    self.assertIn("Trains a Keras 3 model", proc.stdout)  # absl exits 1 here.
+    for name in ("--distribution_strategy", "--batch_size", "--dtype",
+                 "--model_dir", "--base_learning_rate", "--lr_scaling",
+                 "--warmup_steps", "--num_cpu_devices", "--train_files"):
+      self.assertIn(name, proc.stdout)
+    self.assertNotIn("--piecewise_multipliers", proc.stdout)
+
+
+if __name__ == "__main__":
+  absltest.main()
