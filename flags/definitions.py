@@ -27,7 +27,8 @@ def define_base_flags() -> List[str]:
   flags.DEFINE_string("model", _default("model"),
                       "Model to build, by name: cnn or resnet (see models/).")
   flags.DEFINE_string("dataset", _default("dataset"),
-                      "Named data set: fashion_mnist.")
+                      "Named data set: fashion_mnist or movielens "
+                      "(MovieLens-100k likes, from the recbole package).")
   flags.DEFINE_string(
       "data_dir", "",
       "Where named data sets are converted to TFRecord, once. Default: "
@@ -57,6 +58,14 @@ def define_base_flags() -> List[str]:
                        "Examples in the training shuffle buffer (0: none).")
   flags.DEFINE_bool("cache_dataset", _default("cache_dataset"),
                     "Cache parsed examples in memory after the first pass.")
+  flags.DEFINE_integer(
+      "embedding_dim", _default("embedding_dim"),
+      "Ranking models (--model=ranking): width of each embedding.")
+  flags.DEFINE_integer(
+      "hash_buckets", _default("hash_buckets"),
+      "Ranking models: rows of the user and item tables (ids are hashed "
+      "into them). Large values make large tables, sharded across ps tasks "
+      "under --distribution_strategy=parameter_server.")
   return ["model", "dataset", "train_files", "eval_files", "model_dir"]
 
 
@@ -112,6 +121,22 @@ def define_distribution_flags() -> List[str]:
       "all_reduce_alg", "auto", list(config_lib.ALL_REDUCE_ALGS),
       "All-reduce for mirrored: nccl or hierarchical_copy (GPUs); auto lets "
       "TensorFlow choose (one-device reduction on CPUs).")
+  flags.DEFINE_enum(
+      "ps_partitioner", _default("ps_partitioner"),
+      list(config_lib.PS_PARTITIONERS),
+      "parameter_server: how embedding tables are split across ps tasks "
+      "(dense weights always stay whole). min_size: as many shards as "
+      "allowed with each at least --ps_min_shard_bytes; max_size: shards of "
+      "at most --ps_min_shard_bytes each (up to --ps_max_shards); fixed: "
+      "exactly --ps_max_shards shards; none: no sharding.")
+  flags.DEFINE_integer(
+      "ps_min_shard_bytes", _default("ps_min_shard_bytes"),
+      "parameter_server: shard size bound in bytes (the minimum for "
+      "min_size, the maximum for max_size). Default: 256 KiB.")
+  flags.DEFINE_integer(
+      "ps_max_shards", _default("ps_max_shards"),
+      "parameter_server: most shards per table (the exact count for fixed); "
+      "0: the number of ps tasks.")
   return ["distribution_strategy", "num_gpus", "num_cpu_devices"]
 
 

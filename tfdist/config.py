@@ -24,6 +24,7 @@ LR_SCALING_RULES = ("linear", "sqrt", "none")
 LR_SCHEDULES = ("constant", "cosine", "piecewise")
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw", "rmsprop", "lamb")
 ALL_REDUCE_ALGS = ("auto", "nccl", "hierarchical_copy", "ring")
+PS_PARTITIONERS = ("min_size", "fixed", "max_size", "none")
 
 
 class ConfigError(ValueError):
@@ -99,6 +100,10 @@ class TrainConfig:
   eval_files: str = ""
   shuffle_buffer_size: int = 10_000
   cache_dataset: bool = True
+  # Recommendation models (models/ranking.py): embedding width and rows of
+  # each hashed id table.
+  embedding_dim: int = 16
+  hash_buckets: int = 100_000
   # Where artifacts go.
   model_dir: str = ""
   checkpoint_dir: str = ""
@@ -121,6 +126,11 @@ class TrainConfig:
   num_gpus: int = -1
   num_cpu_devices: int = 0
   all_reduce_alg: str = "auto"
+  # Parameter-server training: how embedding tables are sharded over the ps
+  # tasks (0 shards: one per ps task).
+  ps_partitioner: str = "min_size"
+  ps_min_shard_bytes: int = 256 << 10
+  ps_max_shards: int = 0
   # Precision.
   dtype: str = "fp32"
   loss_scale: Optional[object] = None
@@ -252,6 +262,18 @@ class TrainConfig:
          f"--num_gpus={self.num_gpus} must be -1 (all visible), 0 or more.")
     need(self.shuffle_buffer_size >= 0,
          f"--shuffle_buffer_size={self.shuffle_buffer_size} must be >= 0.")
+    need(self.embedding_dim > 0,
+         f"--embedding_dim={self.embedding_dim} must be > 0.")
+    need(self.hash_buckets > 0,
+         f"--hash_buckets={self.hash_buckets} must be > 0.")
+    need(self.ps_partitioner in PS_PARTITIONERS,
+         f"--ps_partitioner={self.ps_partitioner!r} is unknown. Use one of: "
+         f"{', '.join(PS_PARTITIONERS)}.")
+    need(self.ps_min_shard_bytes > 0,
+         f"--ps_min_shard_bytes={self.ps_min_shard_bytes} must be > 0 bytes.")
+    need(self.ps_max_shards >= 0,
+         f"--ps_max_shards={self.ps_max_shards} must be >= 0 (0: one shard "
+         "per ps task).")
     if self.loss_scale is not None and self.dtype not in ("fp16", "auto"):
       raise ConfigError(
           f"--loss_scale={self.loss_scale} only applies to --dtype=fp16 "

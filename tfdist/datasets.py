@@ -51,12 +51,17 @@ class DatasetSpec:
       int64 scalar.
     prepare: `prepare(data_dir, raw_data_dir) -> (train_pattern,
       eval_pattern)`: makes the TFRecord files if needed and returns globs.
+    task: `multiclass` (the model emits logits [batch, num_classes]; sparse
+      categorical cross-entropy, accuracy) or `binary` (the model emits
+      sigmoid probabilities [batch, 1], labels in {0, 1}; binary
+      cross-entropy, accuracy at 0.5 and ROC AUC).
   """
   name: str
   input_shape: Tuple[int, ...]
   num_classes: int
   parse_fn: Callable
   prepare: Callable
+  task: str = "multiclass"
 
 
 _FEATURES = {
@@ -204,10 +209,21 @@ def _prepare_fashion_mnist(data_dir: str, raw_data_dir: str):
           os.path.join(out_dir, "test-*.tfrecord.gz"))
 
 
+def _movielens():
+  # Imported on use: tfdist.movielens imports this module.
+  from tfdist import movielens  # pylint: disable=g-import-not-at-top
+  return movielens
+
+
 _REGISTRY = {
     "fashion_mnist": DatasetSpec(
         name="fashion_mnist", input_shape=(28, 28, 1), num_classes=10,
         parse_fn=parse_image_example, prepare=_prepare_fashion_mnist),
+    "movielens": DatasetSpec(
+        name="movielens", input_shape=(), num_classes=1,
+        parse_fn=lambda serialized: _movielens().parse_example(serialized),
+        prepare=lambda data_dir, raw: _movielens().prepare(data_dir, raw),
+        task="binary"),
 }
 
 

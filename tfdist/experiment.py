@@ -132,7 +132,9 @@ def run_experiment(config: TrainConfig, *,
   policy = precision.configure_precision(config.dtype)
   with strategy.scope():
     model = models.build_model(config.model, input_shape=spec.input_shape,
-                               num_classes=spec.num_classes)
+                               num_classes=spec.num_classes,
+                               embedding_dim=config.embedding_dim,
+                               hash_buckets=config.hash_buckets)
     optimizer = precision.wrap_optimizer_for_precision(
         optimizers.build_optimizer(config.optimizer, schedule,
                                    momentum=config.momentum,
@@ -147,7 +149,7 @@ def run_experiment(config: TrainConfig, *,
                     global_batch_size=plan.global_batch_size,
                     steps_per_execution=config.steps_per_execution,
                     enable_xla=config.enable_xla,
-                    run_eagerly=config.run_eagerly)
+                    run_eagerly=config.run_eagerly, task=spec.task)
 
   checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer,
                                    global_step=trainer.global_step)
@@ -224,6 +226,7 @@ def run_experiment(config: TrainConfig, *,
       "final_metrics": {
           "eval_loss": final_eval["loss"] if final_eval else None,
           "eval_accuracy": final_eval["accuracy"] if final_eval else None,
+          "eval_auc": final_eval.get("auc") if final_eval else None,
           "eval_examples": final_eval["num_examples"] if final_eval else None,
           "train_loss": (controller.history[-1]["loss"]
                          if controller.history else None),

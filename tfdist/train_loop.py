@@ -16,7 +16,33 @@ on the whole global batch.
 from typing import Dict
 
 import keras
+import numpy as np
 import tensorflow as tf
+
+TASKS = ("multiclass", "binary")
+# Score buckets of the ROC AUC histograms (binary task): AUC from them is
+# within 1 / AUC_BUCKETS of the exact value.
+AUC_BUCKETS = 1000
+
+
+def binary_auc(pos_hist, neg_hist) -> float:
+  """ROC AUC from per-score-bucket counts of positives and negatives.
+
+  Args:
+    pos_hist, neg_hist: float arrays [buckets]: labels 1 and 0 whose
+      predicted probability fell in each of `buckets` equal-width buckets of
+      [0, 1], lowest first.
+
+  Returns:
+    P(score of a random positive > score of a random negative), ties (same
+    bucket) counted one half; NaN when either class is absent.
+  """
+  pos = np.asarray(pos_hist, np.float64)
+  neg = np.asarray(neg_hist, np.float64)
+  if pos.sum() == 0 or neg.sum() == 0:
+    return float("nan")
+  neg_below = np.cumsum(neg) - neg
+  return float((pos * (neg_below + 0.5 * neg)).sum() / (pos.sum() * neg.sum()))
 
 
 class Trainer:
@@ -25,25 +51,39 @@ class Trainer:
   Args:
     strategy: the `tf.distribute.Strategy`; `model` and `optimizer` must have
       been created under its scope.
-    model: a Keras 3 model returning float32 logits [batch, num_classes].
+    model: a Keras 3 model returning float32 logits [batch, num_classes]
+      (task `multiclass`) or probabilities [batch, 1] (task `binary`).
     optimizer: a built Keras 3 optimizer (possibly a `LossScaleOptimizer`).
     global_batch_size: examples per update over all replicas.
     steps_per_execution: training steps run inside one `tf.function` call.
     enable_xla: jit-compile the step functions (XLA).
     run_eagerly: run without `tf.function` (debugging).
+    task: `multiclass` (sparse categorical cross-entropy on logits,
+      accuracy) or `binary` (binary cross-entropy on probabilities, accuracy
+      at 0.5, and AUC histograms `pos_hist`/`neg_hist` [AUC_BUCKETS] in every
+      step's and evaluation's sums).
+
+  Raises:
+    ValueError: unknown `task`.
   """
 
   def __init__(self, *, strategy: tf.distribute.Strategy, model: keras.Model,
                optimizer: keras.optimizers.Optimizer, global_batch_size: int,
                steps_per_execution: int = 1, enable_xla: bool = False,
-               run_eagerly: bool = False):
+               run_eagerly: bool = False, task: str = "multiclass"):
     self.strategy = strategy
     self.model = model
     self.optimizer = optimizer
     self.global_batch_size = int(global_batch_size)
     self.steps_per_execution = int(steps_per_execution)
-    self.loss_fn = keras.losses.SparseCategoricalCrossentropy(
-        from_logits=True, reduction=None)
+    if task not in TASKS:
+      raise ValueError(f"task must be one of {TASKS}. Received: task={task!r}")
+    self.task = task
+    if task == "binary":
+      self.loss_fn = keras.losses.BinaryCrossentropy(reduction=None)
+    else:
+      self.loss_fn = keras.losses.SparseCategoricalCrossentropy(
+          from_logits=True, reduction=None)
     self.uses_loss_scale = isinstance(optimizer,
                                       keras.optimizers.LossScaleOptimizer)
     with strategy.scope():
@@ -62,10 +102,36 @@ class Trainer:
     self.eval_function = compile_fn(self._eval_function)
 
   # --- replica functions -------------------------------------------------
+  def _metric_sums(self, labels, outputs) -> Dict[str, tf.Tensor]:
+    """Per-batch sums: `correct`, `count`, and for `binary` the AUC
+    histograms."""
+    count = tf.cast(tf.shape(labels)[0], tf.float32)
+    if self.task != "binary":
+      correct = keras.metrics.sparse_categorical_accuracy(labels, outputs)
+      return {"correct": tf.reduce_sum(tf.cast(correct, tf.float32)),
+              "count": count}
+    probs = tf.reshape(tf.cast(outputs, tf.float32), [-1])
+    truth = tf.cast(tf.reshape(labels, [-1]), tf.float32)
+    correct = tf.cast(tf.equal(tf.cast(probs >= 0.5, tf.float32), truth),
+                      tf.float32)
+    bucket = tf.clip_by_value(
+        tf.cast(tf.floor(probs * AUC_BUCKETS), tf.int32), 0, AUC_BUCKETS - 1)
+    return {"correct": tf.reduce_sum(correct), "count": count,
+            "pos_hist": tf.math.unsorted_segment_sum(truth, bucket,
+                                                     AUC_BUCKETS),
+            "neg_hist": tf.math.unsorted_segment_sum(1.0 - truth, bucket,
+                                                     AUC_BUCKETS)}
+
+  def _loss_labels(self, labels):
+    if self.task == "binary":
+      return tf.reshape(tf.cast(labels, tf.float32), [-1, 1])
+    return labels
+
   def _replica_train_step(self, inputs, labels):
     with tf.GradientTape() as tape:
       logits = self.model(inputs, training=True)
-      per_example = self.loss_fn(labels, tf.cast(logits, tf.float32))
+      per_example = self.loss_fn(self._loss_labels(labels),
+                                 tf.cast(logits, tf.float32))
       loss = tf.nn.compute_average_loss(
           per_example, global_batch_size=self.global_batch_size)
       if self.model.losses:
@@ -74,18 +140,13 @@ class Trainer:
     variables = self.model.trainable_variables
     grads = tape.gradient(scaled, variables)
     self.optimizer.apply_gradients(zip(grads, variables))
-    correct = tf.reduce_sum(tf.cast(
-        keras.metrics.sparse_categorical_accuracy(labels, logits), tf.float32))
-    return {"loss": loss, "correct": correct,
-            "count": tf.cast(tf.shape(labels)[0], tf.float32)}
+    return {"loss": loss, **self._metric_sums(labels, logits)}
 
   def _replica_eval_step(self, inputs, labels):
     logits = tf.cast(self.model(inputs, training=False), tf.float32)
-    per_example = self.loss_fn(labels, logits)
-    correct = keras.metrics.sparse_categorical_accuracy(labels, logits)
+    per_example = self.loss_fn(self._loss_labels(labels), logits)
     return {"loss_sum": tf.reduce_sum(per_example),
-            "correct": tf.reduce_sum(tf.cast(correct, tf.float32)),
-            "count": tf.cast(tf.shape(labels)[0], tf.float32)}
+            **self._metric_sums(labels, logits)}
 
   # --- cross-replica functions -------------------------------------------
   def _reduce(self, per_replica: Dict[str, tf.Tensor]) -> Dict[str, tf.Tensor]:
@@ -106,6 +167,9 @@ class Trainer:
     """
     totals = {"loss": tf.constant(0.0), "correct": tf.constant(0.0),
               "count": tf.constant(0.0)}
+    if self.task == "binary":
+      totals["pos_hist"] = tf.zeros([AUC_BUCKETS])
+      totals["neg_hist"] = tf.zeros([AUC_BUCKETS])
     for _ in tf.range(num_steps):
       inputs, labels = next(iterator)[:2]
       step = self._reduce(self.strategy.run(self._replica_train,
@@ -124,13 +188,21 @@ class Trainer:
     """Evaluates every example of `dist_dataset` exactly once.
 
     Returns:
-      `{"loss": mean loss, "accuracy": fraction correct, "num_examples": n}`.
+      `{"loss": mean loss, "accuracy": fraction correct, "num_examples": n}`,
+      plus `"auc"` (ROC AUC) for task `binary`.
     """
     sums = {"loss_sum": 0.0, "correct": 0.0, "count": 0.0}
+    if self.task == "binary":
+      sums.update(pos_hist=np.zeros(AUC_BUCKETS), neg_hist=np.zeros(
+          AUC_BUCKETS))
     for batch in dist_dataset:
       out = self.eval_function(batch)
       for k in sums:
-        sums[k] += float(out[k])
-    n = max(sums["count"], 1.0)
-    return {"loss": sums["loss_sum"] / n, "accuracy": sums["correct"] / n,
-            "num_examples": int(sums["count"])}
+        sums[k] = sums[k] + np.asarray(out[k], np.float64)
+    n = max(float(sums["count"]), 1.0)
+    result = {"loss": float(sums["loss_sum"]) / n,
+              "accuracy": float(sums["correct"]) / n,
+              "num_examples": int(sums["count"])}
+    if self.task == "binary":
+      result["auc"] = binary_auc(sums["pos_hist"], sums["neg_hist"])
+    return result

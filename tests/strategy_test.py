@@ -1,0 +1,60 @@
+"""Tests for the single-host branches of tfdist.strategy.make_strategy."""
+
+from absl.testing import absltest
+from absl.testing import parameterized
+import tensorflow as tf
+
+from tfdist import strategy as strategy_lib
+from tfdist.config import ConfigError, TrainConfig
+
+
+def _config(**kwargs):
+  return TrainConfig(model_dir="/tmp/unused", train_steps=1, **kwargs)
+
+
+class MakeStrategyTest(parameterized.TestCase):
+
+  def test_off_is_the_default_strategy(self):
+    choice = strategy_lib.make_strategy(_config(distribution_strategy="off"))
+    self.assertIs(choice.strategy, tf.distribute.get_strategy())
+    self.assertEqual(choice.strategy.num_replicas_in_sync, 1)
+
+  def test_one_device_on_cpu(self):
+    choice = strategy_lib.make_strategy(
+        _config(distribution_strategy="one_device", num_gpus=0))
+    self.assertIsInstance(choice.strategy, tf.distribute.OneDeviceStrategy)
+    self.assertEqual(choice.devices, ("/cpu:0",))
+
+  def test_mirrored_over_cpu_devices(self):
+    choice = strategy_lib.make_strategy(
+        _config(distribution_strategy="mirrored"))
+    self.assertIsInstance(choice.strategy, tf.distribute.MirroredStrategy)
+    cpus = tf.config.list_logical_devices("CPU")
+    self.assertEqual(choice.strategy.num_replicas_in_sync, len(cpus))
+    # Variables created under the scope are mirrored.
+    with choice.strategy.scope():
+      v = tf.Variable(1.0)
+    self.assertLen(choice.strategy.experimental_local_results(v), len(cpus))
+
+  @parameterized.named_parameters(
+      ("nccl_on_cpu", "nccl", "--all_reduce_alg=nccl needs GPUs"),
+      ("ring_on_mirrored", "ring", "--all_reduce_alg=ring applies to "
+       "multi_worker_mirrored"))
+  def test_all_reduce_errors(self, alg, message):
+    with self.assertRaisesRegex(ConfigError, message):
+      strategy_lib.make_strategy(_config(distribution_strategy="mirrored",
+                                         all_reduce_alg=alg, num_gpus=0))
+
+  def test_too_many_gpus(self):
+    with self.assertRaisesRegex(ConfigError, r"--num_gpus=4 but only \d GPU"):
+      strategy_lib.make_strategy(_config(distribution_strategy="mirrored",
+                                         num_gpus=4))
+
+  def test_auto_on_cpu_only_machine(self):
+    choice = strategy_lib.make_strategy(_config(distribution_strategy="auto"))
+    self.assertEqual(choice.name, "one_device")
+    self.assertIn("auto chose one_device", choice.reason)
+
+
+if __name__ == "__main__":
+  absltest.main()
