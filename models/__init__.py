@@ -10,12 +10,17 @@ from typing import Callable, Dict, Tuple
 import keras
 
 from models import cnn
+from models import ranking
 from models import resnet
 
 _BUILDERS: Dict[str, Callable[..., keras.Model]] = {
     "cnn": cnn.build_cnn,
+    "ranking": ranking.build_ranking,
     "resnet": resnet.build_resnet,
 }
+# Builders that also take `embedding_dim` and `hash_buckets` (recommendation
+# models; they return sigmoid probabilities [batch, 1], not logits).
+_RANKING = frozenset({"ranking"})
 
 
 def model_names() -> Tuple[str, ...]:
@@ -23,8 +28,19 @@ def model_names() -> Tuple[str, ...]:
   return tuple(sorted(_BUILDERS))
 
 
-def build_model(name: str, *, input_shape, num_classes: int) -> keras.Model:
+def is_ranking_model(name: str) -> bool:
+  """True for models with embedding tables (`--embedding_dim`,
+  `--hash_buckets`) and a sigmoid output."""
+  return name in _RANKING
+
+
+def build_model(name: str, *, input_shape, num_classes: int,
+                embedding_dim: int = 16,
+                hash_buckets: int = 100_000) -> keras.Model:
   """Builds the model registered as `name`.
+
+  `embedding_dim` and `hash_buckets` reach only ranking models
+  (`is_ranking_model`); the others ignore them.
 
   Raises:
     ValueError: unknown name (the message lists the known ones).
@@ -32,5 +48,10 @@ def build_model(name: str, *, input_shape, num_classes: int) -> keras.Model:
   if name not in _BUILDERS:
     raise ValueError(f"--model={name!r} is unknown. Known: "
                      f"{', '.join(model_names())}.")
+  if name in _RANKING:
+    return _BUILDERS[name](input_shape=tuple(input_shape),
+                          num_classes=num_classes,
+                          embedding_dim=embedding_dim,
+                          hash_buckets=hash_buckets)
   return _BUILDERS[name](input_shape=tuple(input_shape),
                         num_classes=num_classes)

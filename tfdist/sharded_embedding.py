@@ -143,6 +143,9 @@ class ShardedEmbedding(keras.layers.Layer):
       self.embeddings = tf.Variable(
           initial_value=initial_value, shape=shape, dtype=dtype,
           trainable=self.trainable, name="embeddings")
+    for shard in self.shards:
+      # Keras reads `.regularizer` of every weight when collecting losses.
+      shard.regularizer = None
     self.built = True
 
   @property
