@@ -143,20 +143,28 @@ def define_distribution_flags() -> List[str]:
 def define_performance_flags() -> List[str]:
   """Precision, XLA and steps per execution."""
   flags.DEFINE_enum(
-      "dtype", "fp32",
-      ["fp32", "bf16", "fp16", "float32", "bfloat16", "float16"],
+      "dtype", None,
+      ["fp32", "bf16", "fp16", "auto", "float32", "bfloat16", "float16"],
       "Precision: fp32; bf16 (Keras policy mixed_bfloat16); fp16 "
-      "(mixed_float16 with loss scaling). On CPUs fp32 is fastest.",
+      "(mixed_float16 with loss scaling; not on TPUs); auto: chosen from the "
+      "hardware (bf16 on TPUs and GPUs of compute capability >= 8.0, fp16 on "
+      "7.x GPUs, fp32 on CPUs) and printed. Default: bf16 with "
+      "--distribution_strategy=tpu, else fp32.",
       case_sensitive=False)
   flags.DEFINE_string(
       "loss_scale", None,
       "fp16 only: 'dynamic' (the default with --dtype=fp16) or a fixed "
       "positive number such as 128.")
-  flags.DEFINE_bool("enable_xla", False,
-                    "Jit-compile the training step with XLA.")
+  flags.DEFINE_bool(
+      "enable_xla", False,
+      "Jit-compile the training step with XLA. Keras 3 turns XLA off under a "
+      "tf.distribute strategy, so tfdist compiles its own per-replica step "
+      "(TPUs always compile with XLA).")
   flags.DEFINE_integer(
-      "steps_per_execution", 1,
-      "Training steps run inside one tf.function call (fewer round trips).")
+      "steps_per_execution", None,
+      "Training steps run inside one tf.function call (fewer round trips). "
+      f"Default: {config_lib.TPU_DEFAULT_STEPS_PER_EXECUTION} with "
+      "--distribution_strategy=tpu, else 1.")
 
   @flags.validator("loss_scale",
                    "--loss_scale must be 'dynamic' or a positive number.")
@@ -168,6 +176,33 @@ def define_performance_flags() -> List[str]:
       return False
 
   return ["dtype", "loss_scale"]
+
+
+def define_tpu_flags() -> List[str]:
+  """TPU address and initialization (Model Garden's names)."""
+  flags.DEFINE_string(
+      "tpu", "",
+      "TPU for --distribution_strategy=tpu (or for auto to try): `local` on "
+      "a Cloud TPU VM, the Cloud TPU's name, or grpc://HOST:8470. Empty: "
+      "$TPU_NAME.")
+  flags.DEFINE_string(
+      "tpu_zone", "",
+      "Zone of the Cloud TPU named by --tpu (default: this VM's zone).")
+  flags.DEFINE_string(
+      "tpu_gcp_project", "",
+      "Google Cloud project of the Cloud TPU named by --tpu (default: this "
+      "VM's project).")
+  flags.DEFINE_float(
+      "tpu_init_timeout", _default("tpu_init_timeout"),
+      "Seconds allowed for resolving, connecting to and initializing the "
+      "TPU before the run fails (TensorFlow alone would wait forever on an "
+      "address where nothing answers).")
+
+  @flags.validator("tpu_init_timeout", "--tpu_init_timeout must be > 0.")
+  def _check_tpu_init_timeout(value):
+    return value > 0
+
+  return ["tpu"]
 
 
 def define_lr_flags() -> List[str]:
@@ -223,7 +258,7 @@ def define_all_flags() -> List[str]:
   names = []
   for define in (define_base_flags, define_train_flags,
                  define_distribution_flags, define_performance_flags,
-                 define_lr_flags):
+                 define_tpu_flags, define_lr_flags):
     names += define()
   return names
 

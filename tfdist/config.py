@@ -25,6 +25,9 @@ LR_SCHEDULES = ("constant", "cosine", "piecewise")
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw", "rmsprop", "lamb")
 ALL_REDUCE_ALGS = ("auto", "nccl", "hierarchical_copy", "ring")
 PS_PARTITIONERS = ("min_size", "fixed", "max_size", "none")
+# Steps per `tf.function` call on TPU when --steps_per_execution is not
+# given: each call is a host -> TPU round trip, so TPUs want many steps each.
+TPU_DEFAULT_STEPS_PER_EXECUTION = 100
 
 
 class ConfigError(ValueError):
@@ -116,7 +119,8 @@ class TrainConfig:
   checkpoint_steps: int = 0
   max_checkpoints: int = 5
   log_steps: int = 100
-  steps_per_execution: int = 1
+  # None: 1, or TPU_DEFAULT_STEPS_PER_EXECUTION when the strategy is TPU.
+  steps_per_execution: Optional[int] = None
   # Batch.
   batch_size: Optional[int] = None
   per_replica_batch_size: Optional[int] = None
@@ -132,9 +136,15 @@ class TrainConfig:
   ps_min_shard_bytes: int = 256 << 10
   ps_max_shards: int = 0
   # Precision.
-  dtype: str = "fp32"
+  # None: fp32, or bf16 when the strategy is TPU (see `defaulted`).
+  dtype: Optional[str] = None
   loss_scale: Optional[object] = None
   enable_xla: bool = False
+  # TPU (Model Garden's names).
+  tpu: str = ""
+  tpu_zone: str = ""
+  tpu_gcp_project: str = ""
+  tpu_init_timeout: float = 300.0
   # Optimizer and learning rate.
   optimizer: str = "sgd"
   momentum: float = 0.9
@@ -153,9 +163,22 @@ class TrainConfig:
   seed: Optional[int] = 42
   run_eagerly: bool = False
   flags_snapshot: Tuple[Tuple[str, str], ...] = ()
+  # Fields left unset (None) and filled with their default; the hardware may
+  # still change those (bf16 and more steps per execution on TPU). Set by
+  # __post_init__, never by callers.
+  defaulted: Tuple[str, ...] = ()
 
   def __post_init__(self):
     set_ = lambda name, value: object.__setattr__(self, name, value)
+    defaulted = set(self.defaulted)
+    for name, default in (("dtype", "fp32"), ("steps_per_execution", 1)):
+      if getattr(self, name) is None:
+        tpu_default = {"dtype": "bf16", "steps_per_execution":
+                       TPU_DEFAULT_STEPS_PER_EXECUTION}[name]
+        set_(name, tpu_default if str(self.distribution_strategy).lower() ==
+             "tpu" else default)
+        defaulted.add(name)
+    set_("defaulted", tuple(sorted(defaulted)))
     set_("dtype", normalize_dtype(self.dtype))
     set_("loss_scale", parse_loss_scale(self.loss_scale))
     set_("piecewise_boundaries",
@@ -274,6 +297,18 @@ class TrainConfig:
     need(self.ps_max_shards >= 0,
          f"--ps_max_shards={self.ps_max_shards} must be >= 0 (0: one shard "
          "per ps task).")
+    need(self.tpu_init_timeout > 0,
+         f"--tpu_init_timeout={self.tpu_init_timeout} must be > 0 seconds.")
+    need(self.distribution_strategy != "tpu" or self.tpu.strip() or
+         os.environ.get("TPU_NAME"),
+         "--distribution_strategy=tpu needs --tpu: `local` on a Cloud TPU "
+         "VM, the TPU's name (with --tpu_zone and --tpu_gcp_project), or "
+         "grpc://HOST:8470 (or set $TPU_NAME).")
+    if self.distribution_strategy == "tpu" and self.dtype == "fp16":
+      raise ConfigError(
+          "--dtype=fp16 is not supported with --distribution_strategy=tpu: "
+          "TPUs compute in bfloat16 and have no float16 arithmetic. Use "
+          "--dtype=bf16 (the TPU default), --dtype=auto or --dtype=fp32.")
     if self.loss_scale is not None and self.dtype not in ("fp16", "auto"):
       raise ConfigError(
           f"--loss_scale={self.loss_scale} only applies to --dtype=fp16 "

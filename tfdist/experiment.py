@@ -6,6 +6,7 @@ TensorBoard, run manifest). Every input is checked before the first expensive
 step (model building, data conversion aside).
 """
 
+import dataclasses
 import os
 import time
 from typing import Optional, Sequence
@@ -15,6 +16,7 @@ import keras
 import tensorflow as tf
 
 import models
+from tfdist import auto_select
 from tfdist import batch_plan as batch_plan_lib
 from tfdist import datasets
 from tfdist import devices
@@ -25,6 +27,7 @@ from tfdist import manifest as manifest_lib
 from tfdist import optimizers
 from tfdist import precision
 from tfdist import strategy as strategy_lib
+from tfdist import tpu as tpu_lib
 from tfdist.config import ConfigError, TrainConfig
 from tfdist.controller import Controller, ControllerOptions
 from tfdist.train_loop import Trainer
@@ -70,6 +73,43 @@ def describe_plan(plan: batch_plan_lib.BatchPlan, *, strategy_name: str,
   ])
 
 
+def data_patterns(config: TrainConfig) -> list:
+  """`(flag, path)` pairs of what the run reads, for the TPU `gs://` rule."""
+  out = []
+  for flag, value in (("--train_files", config.train_files),
+                      ("--eval_files", config.eval_files)):
+    if value:
+      out.append((flag, value))
+  if not (config.train_files and config.eval_files):
+    out.append(("--data_dir", config.data_dir or datasets.default_data_dir()))
+  return out
+
+
+def resolve_strategy_and_precision(config: TrainConfig):
+  """Resolves `auto`, applies the TPU defaults and checks the TPU rules.
+
+  Runs before anything expensive: nothing is probed unless the strategy or
+  the dtype is `auto` (then the TPU probe is bounded), and with an explicit
+  `--distribution_strategy=tpu` the TPU rules are checked before connecting.
+  Prints the decision and its reasons.
+
+  Returns:
+    `(config, decision)`: the config with concrete strategy and dtype, and
+    the `auto_select.Decision`.
+
+  Raises:
+    ConfigError: fp16 on TPU, local input files with a remote TPU, invalid
+      cluster variables.
+  """
+  decision = auto_select.resolve(config)
+  config = auto_select.apply_decision(config, decision)
+  if decision.strategy == "tpu":
+    tpu_lib.validate_tpu_config(config, data_patterns=data_patterns(config))
+  print(decision.describe(), flush=True)
+  logging.info("%s", decision.describe())
+  return config, decision
+
+
 def run_experiment(config: TrainConfig, *,
                    callbacks: Sequence[keras.callbacks.Callback] = ()) -> dict:
   """Trains, evaluates and exports as `config` says.
@@ -89,14 +129,14 @@ def run_experiment(config: TrainConfig, *,
   devices.configure_cpu_devices(config.num_cpu_devices)
   if config.seed is not None:
     keras.utils.set_random_seed(config.seed)
-  if config.dtype == "auto":
-    raise ConfigError("--dtype=auto is not available yet; use fp32, bf16 or "
-                      "fp16.")
   spec = datasets.get_dataset_spec(config.dataset)
   if config.model not in models.model_names():
     raise ConfigError(f"--model={config.model!r} is unknown. Known: "
                       f"{', '.join(models.model_names())}.")
+  config, decision = resolve_strategy_and_precision(config)
   choice = strategy_lib.make_strategy(config)
+  choice = dataclasses.replace(choice, reason=decision.strategy_reason)
+  on_tpu = choice.name == "tpu"
   strategy = choice.strategy
   train_files, eval_files = resolve_data_files(config, spec)
   num_train_examples = input_pipeline.count_records(train_files)
@@ -148,8 +188,16 @@ def run_experiment(config: TrainConfig, *,
   trainer = Trainer(strategy=strategy, model=model, optimizer=optimizer,
                     global_batch_size=plan.global_batch_size,
                     steps_per_execution=config.steps_per_execution,
-                    enable_xla=config.enable_xla,
-                    run_eagerly=config.run_eagerly, task=spec.task)
+                    # TPUs compile everything with XLA already.
+                    enable_xla=config.enable_xla and not on_tpu,
+                    run_eagerly=config.run_eagerly, task=spec.task,
+                    eval_example_weights=on_tpu)
+  if config.enable_xla:
+    logging.info(
+        "--enable_xla: %s", "TPUs compile every step with XLA already."
+        if on_tpu else "Keras 3 turns XLA off under a tf.distribute "
+        "strategy, so tfdist jit-compiles its own per-replica forward and "
+        "backward pass (the optimizer update stays outside XLA).")
 
   checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer,
                                    global_step=trainer.global_step)
@@ -165,7 +213,9 @@ def run_experiment(config: TrainConfig, *,
   eval_data = input_pipeline.distribute(strategy, input_pipeline.PipelineOptions(
       files=eval_files, parse_fn=spec.parse_fn,
       global_batch_size=plan.global_batch_size, is_training=False,
-      cache=config.cache_dataset))
+      cache=config.cache_dataset,
+      # TPUs need static shapes: pad the last batches, masked in the metrics.
+      pad_to_static_batches=on_tpu))
 
   tb_dir = config.resolved_tensorboard_dir
   summary_writer = tf.summary.create_file_writer(os.path.join(tb_dir, "train"))
@@ -198,6 +248,8 @@ def run_experiment(config: TrainConfig, *,
       "devices": devices.describe_devices(),
       "strategy": choice.name,
       "strategy_reason": choice.reason,
+      "dtype": config.dtype,
+      "dtype_reason": decision.dtype_reason,
       "replica_devices": list(choice.devices),
       "num_replicas_in_sync": plan.num_replicas_in_sync,
       "per_replica_batch_size": plan.per_replica_batch_size,

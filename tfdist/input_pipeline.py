@@ -81,6 +81,12 @@ class PipelineOptions:
     cache: cache parsed examples in memory after the first epoch.
     seed: shuffle seed (None: non-deterministic order).
     deterministic: keep the element order reproducible (slower).
+    pad_to_static_batches: evaluation only (TPUs need static shapes): every
+      per-replica batch has exactly `global_batch_size / replicas` examples
+      and every replica of the host gets one in each round; the padding
+      examples are zeros. Each element then carries a third component,
+      float32 weights [batch]: 1 for real examples, 0 for padding, so that
+      metrics count every real example exactly once.
   """
   files: Sequence[str]
   parse_fn: Callable
@@ -90,6 +96,7 @@ class PipelineOptions:
   cache: bool = True
   seed: Optional[int] = None
   deterministic: bool = False
+  pad_to_static_batches: bool = False
 
 
 def shard_mode(num_files: int, num_input_pipelines: int) -> str:
@@ -145,15 +152,63 @@ def make_dataset(options: PipelineOptions,
       ds = ds.shuffle(options.shuffle_buffer_size, seed=options.seed,
                       reshuffle_each_iteration=True)
     ds = ds.repeat()
-  ds = ds.batch(batch, drop_remainder=options.is_training,
-                num_parallel_calls=AUTOTUNE,
-                deterministic=options.deterministic or not options.is_training)
+  if options.pad_to_static_batches and not options.is_training:
+    local_replicas = 1
+    if input_context:
+      local_replicas = max(1, input_context.num_replicas_in_sync //
+                           num_pipelines)
+    ds = pad_to_static_batches(ds, batch, local_replicas)
+  else:
+    ds = ds.batch(batch, drop_remainder=options.is_training,
+                  num_parallel_calls=AUTOTUNE,
+                  deterministic=options.deterministic or
+                  not options.is_training)
   ds = ds.prefetch(AUTOTUNE)
   # The pipeline shards itself above; stop tf.data from sharding it again.
   data_options = tf.data.Options()
   data_options.experimental_distribute.auto_shard_policy = (
       tf.data.experimental.AutoShardPolicy.OFF)
   return ds.with_options(data_options)
+
+
+def _pad_leading(tensor: tf.Tensor, size: int) -> tf.Tensor:
+  """Zero-pads axis 0 of `tensor` to `size` and makes that size static."""
+  missing = size - tf.shape(tensor)[0]
+  paddings = [[0, missing]] + [[0, 0]] * (tensor.shape.rank - 1)
+  padded = tf.pad(tensor, paddings)
+  return tf.ensure_shape(padded, [size] + tensor.shape.as_list()[1:])
+
+
+def pad_to_static_batches(ds: tf.data.Dataset, batch_size: int,
+                          replicas: int = 1) -> tf.data.Dataset:
+  """Batches a finite dataset into fixed-size, weighted batches.
+
+  Every batch has exactly `batch_size` examples (static shape), and the
+  number of batches is a multiple of `replicas` (so that every replica gets
+  a batch in each round). Padding examples are zeros with weight 0.
+
+  Args:
+    ds: a finite dataset of examples (tuples of tensors, e.g.
+      `(image, label)`).
+    batch_size: examples per batch (per replica).
+    replicas: replicas this host feeds per round.
+
+  Returns:
+    A dataset of `(*components, weights)` batches, each component
+    `[batch_size, ...]` and `weights` float32 `[batch_size]`.
+  """
+  def add_weight(*example):
+    return (*example, tf.constant(1.0, tf.float32))
+
+  def pad(*components):
+    return tuple(_pad_leading(c, batch_size) for c in components)
+
+  ds = ds.map(add_weight).batch(batch_size).map(pad)
+  if replicas > 1:
+    def pad_round(*components):
+      return tuple(_pad_leading(c, replicas) for c in components)
+    ds = ds.batch(replicas).map(pad_round).unbatch()
+  return ds
 
 
 def distribute(strategy: tf.distribute.Strategy, options: PipelineOptions):

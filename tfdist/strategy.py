@@ -104,33 +104,34 @@ def _mirrored(config: TrainConfig, reason: str) -> StrategyChoice:
   return StrategyChoice(strategy, "mirrored", reason, tuple(devices))
 
 
+def _tpu(config: TrainConfig, reason: str) -> StrategyChoice:
+  # Imported here: tfdist.tpu is needed only on this path.
+  from tfdist import tpu as tpu_lib  # pylint: disable=g-import-not-at-top
+  system = tpu_lib.connect_tpu(
+      config.tpu or os.environ.get("TPU_NAME", ""), zone=config.tpu_zone,
+      project=config.tpu_gcp_project, init_timeout=config.tpu_init_timeout)
+  strategy = tpu_lib.make_tpu_strategy(system)
+  return StrategyChoice(strategy, "tpu", reason,
+                        tuple(strategy.extended.worker_devices))
+
+
 def _not_available(name: str) -> StrategyNotAvailableError:
   return StrategyNotAvailableError(
       f"--distribution_strategy={name} is not available in this version of "
-      "tfdist yet. Available now: off, one_device, mirrored, auto.")
+      "tfdist yet. Available now: off, one_device, mirrored, tpu, auto.")
 
 
 def resolve_auto(config: TrainConfig) -> tuple:
   """Picks a concrete strategy name for `auto`, with the reason.
 
-  Order: a cluster in TF_CONFIG/CLUSTER_SPEC with several workers ->
-  multi_worker_mirrored; several GPUs -> mirrored; one GPU -> one_device;
-  `--num_cpu_devices` > 1 -> mirrored over logical CPUs; else one_device on
-  the CPU.
+  The rules live in `tfdist.auto_select.decide_strategy` (TPU, then a
+  cluster in TF_CONFIG/CLUSTER_SPEC with parameter servers or several
+  workers, then GPUs, then logical CPU devices, then one CPU device);
+  this reads the real devices and environment.
   """
-  workers = _cluster_worker_count()
-  if workers > 1:
-    return ("multi_worker_mirrored",
-            f"the cluster environment lists {workers} workers")
-  gpus = _gpus(config.num_gpus) if config.num_gpus != 0 else []
-  if len(gpus) > 1:
-    return "mirrored", f"{len(gpus)} GPUs are visible"
-  if len(gpus) == 1:
-    return "one_device", "one GPU is visible"
-  if config.num_cpu_devices > 1:
-    return ("mirrored",
-            f"--num_cpu_devices={config.num_cpu_devices} logical CPU devices")
-  return "one_device", "no GPU or TPU and no cluster: one CPU device"
+  # Imported here: auto_select imports this module's siblings only.
+  from tfdist import auto_select  # pylint: disable=g-import-not-at-top
+  return auto_select.decide_strategy(auto_select.take_inventory(config))
 
 
 def make_strategy(config: TrainConfig) -> StrategyChoice:
@@ -138,13 +139,16 @@ def make_strategy(config: TrainConfig) -> StrategyChoice:
 
   Args:
     config: the run's `TrainConfig` (reads `distribution_strategy`,
-      `num_gpus`, `num_cpu_devices`, `all_reduce_alg`).
+      `num_gpus`, `num_cpu_devices`, `all_reduce_alg`, and for TPU `tpu`,
+      `tpu_zone`, `tpu_gcp_project`, `tpu_init_timeout`).
 
   Returns:
     A `StrategyChoice`.
 
   Raises:
     ConfigError: inconsistent device flags.
+    tfdist.tpu.TPUNotAvailableError: `tpu` with no TPU reachable (raised
+      within `config.tpu_init_timeout` seconds).
     StrategyNotAvailableError: a strategy this version does not provide.
   """
   name = config.distribution_strategy
@@ -159,7 +163,9 @@ def make_strategy(config: TrainConfig) -> StrategyChoice:
     choice = _one_device(config, reason)
   elif name == "mirrored":
     choice = _mirrored(config, reason)
-  elif name in ("multi_worker_mirrored", "parameter_server", "tpu"):
+  elif name == "tpu":
+    choice = _tpu(config, reason)
+  elif name in ("multi_worker_mirrored", "parameter_server"):
     raise _not_available(name)
   else:
     raise ConfigError(f"--distribution_strategy={name!r} is unknown.")

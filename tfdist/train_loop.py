@@ -56,12 +56,16 @@ class Trainer:
     optimizer: a built Keras 3 optimizer (possibly a `LossScaleOptimizer`).
     global_batch_size: examples per update over all replicas.
     steps_per_execution: training steps run inside one `tf.function` call.
-    enable_xla: jit-compile the step functions (XLA).
+    enable_xla: jit-compile the per-replica forward and backward pass (XLA);
+      the optimizer update runs outside the compiled function.
     run_eagerly: run without `tf.function` (debugging).
     task: `multiclass` (sparse categorical cross-entropy on logits,
       accuracy) or `binary` (binary cross-entropy on probabilities, accuracy
       at 0.5, and AUC histograms `pos_hist`/`neg_hist` [AUC_BUCKETS] in every
       step's and evaluation's sums).
+    eval_example_weights: evaluation batches carry a third element, float32
+      weights [batch] (1 for real examples, 0 for padding), as
+      `input_pipeline.pad_to_static_batches` makes for TPUs.
 
   Raises:
     ValueError: unknown `task`.
@@ -70,12 +74,14 @@ class Trainer:
   def __init__(self, *, strategy: tf.distribute.Strategy, model: keras.Model,
                optimizer: keras.optimizers.Optimizer, global_batch_size: int,
                steps_per_execution: int = 1, enable_xla: bool = False,
-               run_eagerly: bool = False, task: str = "multiclass"):
+               run_eagerly: bool = False, task: str = "multiclass",
+               eval_example_weights: bool = False):
     self.strategy = strategy
     self.model = model
     self.optimizer = optimizer
     self.global_batch_size = int(global_batch_size)
     self.steps_per_execution = int(steps_per_execution)
+    self.eval_example_weights = bool(eval_example_weights)
     if task not in TASKS:
       raise ValueError(f"task must be one of {TASKS}. Received: task={task!r}")
     self.task = task
@@ -92,23 +98,34 @@ class Trainer:
       self.global_step = tf.Variable(
           0, dtype=tf.int64, trainable=False, name="global_step",
           aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
-    # XLA compiles the per-replica step; Keras 3 turns XLA off under a
-    # tf.distribute strategy, so tfdist applies it to its own step.
-    self._replica_train = (tf.function(self._replica_train_step,
+    # XLA compiles the per-replica forward and backward pass; Keras 3 turns
+    # XLA off under a tf.distribute strategy, so tfdist applies it to its own
+    # step. The gradients are applied outside the compiled function: the
+    # optimizer's cross-replica all-reduce (a merge_call) and its variables
+    # on other devices cannot be compiled into one replica's XLA cluster.
+    self.xla_applied = bool(enable_xla) and not run_eagerly
+    self._replica_grads = (tf.function(self._replica_forward_backward,
                                        jit_compile=True)
-                           if enable_xla else self._replica_train_step)
+                           if self.xla_applied
+                           else self._replica_forward_backward)
+    self._replica_train = self._replica_train_step
     compile_fn = (lambda f: f) if run_eagerly else tf.function
     self.train_function = compile_fn(self._train_function)
     self.eval_function = compile_fn(self._eval_function)
 
   # --- replica functions -------------------------------------------------
-  def _metric_sums(self, labels, outputs) -> Dict[str, tf.Tensor]:
+  def _metric_sums(self, labels, outputs, weights=None
+                   ) -> Dict[str, tf.Tensor]:
     """Per-batch sums: `correct`, `count`, and for `binary` the AUC
-    histograms."""
-    count = tf.cast(tf.shape(labels)[0], tf.float32)
+    histograms. `weights` (float32 [batch], 1 real / 0 padding) masks the
+    padding of static-shape evaluation batches."""
+    if weights is None:
+      weights = tf.ones(tf.shape(labels)[:1], tf.float32)
+    count = tf.reduce_sum(weights)
     if self.task != "binary":
       correct = keras.metrics.sparse_categorical_accuracy(labels, outputs)
-      return {"correct": tf.reduce_sum(tf.cast(correct, tf.float32)),
+      return {"correct": tf.reduce_sum(tf.cast(correct, tf.float32) *
+                                       weights),
               "count": count}
     probs = tf.reshape(tf.cast(outputs, tf.float32), [-1])
     truth = tf.cast(tf.reshape(labels, [-1]), tf.float32)
@@ -116,18 +133,19 @@ class Trainer:
                       tf.float32)
     bucket = tf.clip_by_value(
         tf.cast(tf.floor(probs * AUC_BUCKETS), tf.int32), 0, AUC_BUCKETS - 1)
-    return {"correct": tf.reduce_sum(correct), "count": count,
-            "pos_hist": tf.math.unsorted_segment_sum(truth, bucket,
+    return {"correct": tf.reduce_sum(correct * weights), "count": count,
+            "pos_hist": tf.math.unsorted_segment_sum(truth * weights, bucket,
                                                      AUC_BUCKETS),
-            "neg_hist": tf.math.unsorted_segment_sum(1.0 - truth, bucket,
-                                                     AUC_BUCKETS)}
+            "neg_hist": tf.math.unsorted_segment_sum(
+                (1.0 - truth) * weights, bucket, AUC_BUCKETS)}
 
   def _loss_labels(self, labels):
     if self.task == "binary":
       return tf.reshape(tf.cast(labels, tf.float32), [-1, 1])
     return labels
 
-  def _replica_train_step(self, inputs, labels):
+  def _replica_forward_backward(self, inputs, labels):
+    """Loss, gradients and metric sums of one replica's batch (no update)."""
     with tf.GradientTape() as tape:
       logits = self.model(inputs, training=True)
       per_example = self.loss_fn(self._loss_labels(labels),
@@ -137,16 +155,21 @@ class Trainer:
       if self.model.losses:
         loss += tf.nn.scale_regularization_loss(tf.add_n(self.model.losses))
       scaled = self.optimizer.scale_loss(loss) if self.uses_loss_scale else loss
-    variables = self.model.trainable_variables
-    grads = tape.gradient(scaled, variables)
-    self.optimizer.apply_gradients(zip(grads, variables))
-    return {"loss": loss, **self._metric_sums(labels, logits)}
+    grads = tape.gradient(scaled, self.model.trainable_variables)
+    return loss, grads, self._metric_sums(labels, logits)
 
-  def _replica_eval_step(self, inputs, labels):
+  def _replica_train_step(self, inputs, labels):
+    loss, grads, sums = self._replica_grads(inputs, labels)
+    self.optimizer.apply_gradients(zip(grads, self.model.trainable_variables))
+    return {"loss": loss, **sums}
+
+  def _replica_eval_step(self, inputs, labels, weights=None):
     logits = tf.cast(self.model(inputs, training=False), tf.float32)
     per_example = self.loss_fn(self._loss_labels(labels), logits)
+    if weights is not None:
+      per_example = per_example * weights
     return {"loss_sum": tf.reduce_sum(per_example),
-            **self._metric_sums(labels, logits)}
+            **self._metric_sums(labels, logits, weights)}
 
   # --- cross-replica functions -------------------------------------------
   def _reduce(self, per_replica: Dict[str, tf.Tensor]) -> Dict[str, tf.Tensor]:
@@ -179,10 +202,14 @@ class Trainer:
     return totals
 
   def _eval_function(self, batch) -> Dict[str, tf.Tensor]:
-    """Evaluates one distributed batch; returns summed loss, correct, count."""
-    inputs, labels = batch[:2]
+    """Evaluates one distributed batch; returns summed loss, correct, count.
+
+    With `eval_example_weights` the batch is `(inputs, labels, weights)`,
+    weights float32 [batch] (0 for padding); else `(inputs, labels, ...)`.
+    """
+    args = tuple(batch[:3] if self.eval_example_weights else batch[:2])
     return self._reduce(self.strategy.run(self._replica_eval_step,
-                                          args=(inputs, labels)))
+                                          args=args))
 
   def evaluate(self, dist_dataset) -> Dict[str, float]:
     """Evaluates every example of `dist_dataset` exactly once.
