@@ -1,0 +1,466 @@
+"""Checks that the Bazel BUILD files cover the source tree, without Bazel.
+
+Reads every BUILD file of the workspace as Python syntax (Starlark's BUILD
+dialect is a subset) and reports, as one line each:
+
+  * a test file under tests/ (`*_test.py`, `test_*.py`) that no `py_test`
+    target runs: `bazel test //tests/...` would skip it;
+  * a target whose `srcs` or `main` names a file that is gone, or whose
+    `deps` name a target that does not exist;
+  * a Python file of a first-party package (a top-level folder with an
+    `__init__.py`: tfdist/, models/, flags/, tests/) that is in no target
+    (pytest's conftest.py files excepted: they travel as data);
+  * a module-level import of a first-party module that the importing
+    target does not reach through its `deps`: it passes under pytest and
+    fails under Bazel, whose runfiles hold only what the deps name.
+
+For a test file without a target it suggests a `tfdist_py_test` stanza with
+the deps its imports need.
+
+Usage: python -m tests.bazel_targets [WORKSPACE_ROOT]   (exit 1 on problems)
+
+//tests:bazel_targets_test runs the check on the workspace, under pytest and
+under `bazel test` (there on the runfiles, which carry every BUILD and .py
+file through the `build_inputs` filegroups).
+"""
+
+import ast
+import dataclasses
+import fnmatch
+import os
+import sys
+from typing import Dict, Iterable, List, Optional, Set, Tuple
+
+# Rules whose `srcs` are Python files that Bazel puts on the import path.
+PY_RULES = ("py_library", "py_binary", "py_test")
+# The test macro of //tests:defs.bzl: `name` runs `<package>/<name>.py`
+# with //tests:pytest_main.py and always depends on //tests:init.
+TEST_MACRO = "tfdist_py_test"
+TEST_MACRO_MAIN = "tests/pytest_main.py"
+TEST_MACRO_DEPS = ("//tests:init",)
+TEST_FILE_PATTERNS = ("*_test.py", "test_*.py")
+SKIP_DIRS = (".git", ".venv", "third_party", "node_modules", "__pycache__")
+
+
+@dataclasses.dataclass
+class Target:
+  """One rule call in a BUILD file, with its files as workspace paths."""
+  label: str
+  kind: str
+  build_file: str
+  srcs: List[str] = dataclasses.field(default_factory=list)
+  deps: List[str] = dataclasses.field(default_factory=list)
+  main: Optional[str] = None
+  size: Optional[str] = None
+
+
+class BuildFileError(ValueError):
+  """A BUILD file could not be read as Python syntax."""
+
+
+def _is_test_file(name: str) -> bool:
+  return any(fnmatch.fnmatch(name, p) for p in TEST_FILE_PATTERNS)
+
+
+def _walk(root: str):
+  """os.walk over the workspace, skipping tool and output folders."""
+  for dirpath, dirnames, filenames in os.walk(root):
+    dirnames[:] = sorted(d for d in dirnames
+                         if d not in SKIP_DIRS and not d.startswith("bazel-")
+                         and not d.startswith("."))
+    yield dirpath, dirnames, filenames
+
+
+def find_packages(root: str) -> List[str]:
+  """Workspace-relative folders holding a BUILD file ("" is the root)."""
+  packages = []
+  for dirpath, _, filenames in _walk(root):
+    if "BUILD" in filenames or "BUILD.bazel" in filenames:
+      rel = os.path.relpath(dirpath, root)
+      packages.append("" if rel == "." else rel)
+  return packages
+
+
+def _glob(root: str, package: str, packages: Set[str], include, exclude):
+  """Evaluates `glob(include, exclude)` in `package` like Bazel does."""
+  base = os.path.join(root, package)
+  found = set()
+  for dirpath, dirnames, filenames in _walk(base):
+    rel_dir = os.path.relpath(dirpath, base)
+    if rel_dir != "." and os.path.join(package, rel_dir).lstrip(
+        "/") in packages:
+      dirnames[:] = []
+      continue
+    for name in filenames:
+      rel = name if rel_dir == "." else os.path.join(rel_dir, name)
+      if any(fnmatch.fnmatch(rel, p) for p in include) and not any(
+          fnmatch.fnmatch(rel, p) for p in exclude):
+        found.add(rel)
+  return sorted(found)
+
+
+class _Evaluator:
+  """Evaluates the literal parts of BUILD expressions (strings, lists, +)."""
+
+  def __init__(self, root, package, packages):
+    self.root, self.package, self.packages = root, package, packages
+
+  def value(self, node):
+    """Returns a str, a list of str, or None for what it cannot evaluate."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+      return node.value
+    if isinstance(node, ast.List):
+      items = [self.value(e) for e in node.elts]
+      return [i for i in items if isinstance(i, str)]
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+      left, right = self.value(node.left), self.value(node.right)
+      if isinstance(left, list) and isinstance(right, list):
+        return left + right
+      if isinstance(left, str) and isinstance(right, str):
+        return left + right
+      return None
+    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+        and node.func.id == "glob"):
+      args = [self.value(a) for a in node.args]
+      kw = {k.arg: self.value(k.value) for k in node.keywords}
+      include = args[0] if args else kw.get("include")
+      exclude = args[1] if len(args) > 1 else kw.get("exclude") or []
+      if not isinstance(include, list):
+        return None
+      return _glob(self.root, self.package, self.packages, include, exclude)
+    return None
+
+
+def resolve_label(label: str, package: str) -> Optional[Tuple[str, str]]:
+  """`(package, name)` of a label written in `package`; None if external."""
+  if label.startswith("@"):
+    return None
+  if label.startswith("//"):
+    pkg, _, name = label[2:].partition(":")
+    return pkg, name or os.path.basename(pkg)
+  if label.startswith(":"):
+    return package, label[1:]
+  return package, label
+
+
+def _canonical(pkg: str, name: str) -> str:
+  return f"//{pkg}:{name}"
+
+
+def short_label(label: str, package: str) -> str:
+  """`label` as written in `package`'s BUILD: `:x`, `//pkg` or `//pkg:x`."""
+  pkg, _, name = label[2:].partition(":")
+  if pkg == package:
+    return ":" + name
+  if name == os.path.basename(pkg):
+    return "//" + pkg
+  return label
+
+
+def parse_build_file(root: str, package: str,
+                     packages: Set[str]) -> List[Target]:
+  """Reads the rule calls of `package`'s BUILD file.
+
+  Returns:
+    The targets, with `srcs` as workspace-relative paths and `deps` as
+    canonical labels (`//pkg:name`).
+
+  Raises:
+    BuildFileError: the file is not valid Python syntax.
+  """
+  name = "BUILD" if os.path.exists(
+      os.path.join(root, package, "BUILD")) else "BUILD.bazel"
+  build_file = os.path.join(package, name)
+  with open(os.path.join(root, build_file)) as f:
+    text = f.read()
+  try:
+    tree = ast.parse(text, filename=build_file)
+  except SyntaxError as e:
+    raise BuildFileError(f"{build_file}:{e.lineno}: cannot parse: {e.msg}")
+  ev = _Evaluator(root, package, packages)
+  targets = []
+  for stmt in tree.body:
+    call = stmt.value if isinstance(stmt, ast.Expr) else None
+    if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name)):
+      continue
+    kw = {k.arg: k.value for k in call.keywords if k.arg}
+    target_name = ev.value(kw["name"]) if "name" in kw else None
+    if not isinstance(target_name, str):
+      continue
+    kind = call.func.id
+    target = Target(label=_canonical(package, target_name), kind=kind,
+                    build_file=build_file)
+
+    def files(attr):
+      value = ev.value(kw[attr]) if attr in kw else None
+      if isinstance(value, str):
+        value = [value]
+      out = []
+      for item in value or []:
+        resolved = resolve_label(item, package)
+        if resolved:
+          out.append(os.path.join(*[p for p in resolved if p]))
+      return out
+
+    def labels(attr):
+      value = ev.value(kw[attr]) if attr in kw else None
+      out = []
+      for item in value or []:
+        resolved = resolve_label(item, package)
+        if resolved:
+          out.append(_canonical(*resolved))
+      return out
+
+    target.srcs = files("srcs")
+    target.deps = labels("deps")
+    main = files("main")
+    target.main = main[0] if main else None
+    size = ev.value(kw["size"]) if "size" in kw else None
+    target.size = size if isinstance(size, str) else None
+    if kind == TEST_MACRO:
+      target.srcs = [os.path.join(package, target_name + ".py"),
+                     TEST_MACRO_MAIN]
+      target.main = TEST_MACRO_MAIN
+      target.deps += list(TEST_MACRO_DEPS)
+    targets.append(target)
+  return targets
+
+
+def first_party_roots(root: str) -> List[str]:
+  """Top-level folders of the workspace that are Python packages."""
+  return sorted(d for d in os.listdir(root)
+                if d not in SKIP_DIRS and not d.startswith(".")
+                and os.path.isfile(os.path.join(root, d, "__init__.py")))
+
+
+def _module_file(root: str, dotted: str) -> Optional[str]:
+  parts = dotted.split(".")
+  for candidate in (os.path.join(*parts) + ".py",
+                    os.path.join(*parts, "__init__.py")):
+    if os.path.isfile(os.path.join(root, candidate)):
+      return candidate
+  return None
+
+
+def module_imports(root: str, path: str, roots: Iterable[str]) -> List[
+    Tuple[str, List[str]]]:
+  """First-party modules that `path` imports at module level.
+
+  Imports inside functions and classes are left out: they run only when
+  called (a lazy import is the importer's own business).
+
+  Returns:
+    `(dotted_name, files)` pairs: the files that the import runs (the
+    module and the `__init__.py` of each enclosing package), as
+    workspace-relative paths.
+  """
+  roots = set(roots)
+  with open(os.path.join(root, path)) as f:
+    tree = ast.parse(f.read(), filename=path)
+  package_parts = os.path.dirname(path).split(os.sep)
+  names = []
+
+  def visit(stmts):
+    for stmt in stmts:
+      if isinstance(stmt, ast.Import):
+        names.extend(a.name for a in stmt.names)
+      elif isinstance(stmt, ast.ImportFrom):
+        base = stmt.module or ""
+        if stmt.level:
+          up = package_parts[:len(package_parts) - stmt.level + 1]
+          base = ".".join(up + ([base] if base else []))
+        for alias in stmt.names:
+          sub = f"{base}.{alias.name}"
+          names.append(sub if _module_file(root, sub) else base)
+      elif isinstance(stmt, (ast.If, ast.Try, ast.With)):
+        for field in ("body", "orelse", "finalbody"):
+          visit(getattr(stmt, field, []) or [])
+        for handler in getattr(stmt, "handlers", []) or []:
+          visit(handler.body)
+
+  visit(tree.body)
+  out = []
+  for name in dict.fromkeys(names):
+    if name.split(".")[0] not in roots:
+      continue
+    parts = name.split(".")
+    files = []
+    for i in range(1, len(parts)):
+      init = os.path.join(*parts[:i], "__init__.py")
+      if os.path.isfile(os.path.join(root, init)):
+        files.append(init)
+    module = _module_file(root, name)
+    if module:
+      files.append(module)
+    out.append((name, files))
+  return out
+
+
+class Workspace:
+  """The parsed BUILD files of a workspace and the checks over them."""
+
+  def __init__(self, root: str):
+    self.root = root
+    self.problems: List[str] = []
+    packages = find_packages(root)
+    self.targets: Dict[str, Target] = {}
+    for package in packages:
+      try:
+        for target in parse_build_file(root, package, set(packages)):
+          self.targets[target.label] = target
+      except BuildFileError as e:
+        self.problems.append(str(e))
+    self.roots = first_party_roots(root)
+    self.owners: Dict[str, List[str]] = {}
+    for target in self.targets.values():
+      if target.kind in PY_RULES + (TEST_MACRO,):
+        for src in target.srcs:
+          self.owners.setdefault(src, []).append(target.label)
+
+  def _exists(self, path: str) -> bool:
+    return os.path.isfile(os.path.join(self.root, path))
+
+  def _closure(self, label: str) -> Set[str]:
+    seen, todo = set(), [label]
+    while todo:
+      current = todo.pop()
+      if current in seen or current not in self.targets:
+        continue
+      seen.add(current)
+      todo.extend(self.targets[current].deps)
+    return seen
+
+  def _library_for(self, path: str) -> Optional[str]:
+    """The smallest py_library holding `path`, to suggest as a dep."""
+    libs = [self.targets[l] for l in self.owners.get(path, [])
+            if self.targets[l].kind == "py_library"]
+    if not libs:
+      return None
+    best = min(libs, key=lambda t: (len(t.srcs), t.label))
+    return best.label
+
+  def test_files(self) -> List[str]:
+    """Test files under tests/, workspace-relative."""
+    out = []
+    base = os.path.join(self.root, "tests")
+    for dirpath, _, filenames in _walk(base):
+      for name in sorted(filenames):
+        if _is_test_file(name):
+          out.append(os.path.relpath(os.path.join(dirpath, name), self.root))
+    return out
+
+  def suggest_target(self, path: str) -> str:
+    """A tfdist_py_test stanza for the test file `path`."""
+    deps = set()
+    for _, files in module_imports(self.root, path, self.roots):
+      if files:
+        lib = self._library_for(files[-1])
+        if lib and lib not in TEST_MACRO_DEPS:
+          deps.add(lib)
+    package = os.path.dirname(path)
+    shown = sorted(short_label(d, package) for d in deps)
+    name = os.path.splitext(os.path.basename(path))[0]
+    lines = ["tfdist_py_test(", f'    name = "{name}",',
+             '    size = "small",  # "medium" or "large" if it runs longer',
+             "    deps = ["]
+    lines += [f'        "{d}",' for d in shown]
+    lines += ["    ],", ")"]
+    return "\n".join(lines)
+
+  def check(self) -> List[str]:
+    """Runs every check.
+
+    Returns:
+      One line per problem (multi-line for a suggested stanza), sorted by
+      kind; empty when the BUILD files cover the tree.
+    """
+    problems = list(self.problems)
+    tests_run = set()
+    for target in self.targets.values():
+      if target.kind in ("py_test", TEST_MACRO):
+        tests_run.update(target.srcs)
+    for path in self.test_files():
+      if path not in tests_run:
+        problems.append(
+            f"{path} has no py_test target: `bazel test //tests/...` skips "
+            f"it. Add to {os.path.dirname(path)}/BUILD:\n"
+            + self.suggest_target(path))
+    for target in sorted(self.targets.values(), key=lambda t: t.label):
+      if target.kind not in PY_RULES + (TEST_MACRO,):
+        continue
+      for src in target.srcs + ([target.main] if target.main else []):
+        if not self._exists(src):
+          problems.append(f"{target.label} ({target.build_file}) names "
+                          f"{src}, which does not exist.")
+      for dep in target.deps:
+        if dep not in self.targets:
+          problems.append(f"{target.label} ({target.build_file}) depends on "
+                          f"{dep}, which is not a target.")
+    for root_dir in self.roots:
+      for dirpath, _, filenames in _walk(os.path.join(self.root, root_dir)):
+        for name in sorted(filenames):
+          path = os.path.relpath(os.path.join(dirpath, name), self.root)
+          if (name.endswith(".py") and path not in self.owners
+              and name != "conftest.py" and not _is_test_file(name)):
+            problems.append(f"{path} is in no BUILD target: add a py_library "
+                            f"to {os.path.dirname(path)}/BUILD.")
+    problems += self._check_imports()
+    return problems
+
+  def _check_imports(self) -> List[str]:
+    problems = []
+    for target in sorted(self.targets.values(), key=lambda t: t.label):
+      if target.kind not in PY_RULES + (TEST_MACRO,):
+        continue
+      closure = self._closure(target.label)
+      reachable = set()
+      for label in closure:
+        reachable.update(self.targets[label].srcs)
+      for src in target.srcs:
+        if not src.endswith(".py") or not self._exists(src):
+          continue
+        for module, files in module_imports(self.root, src, self.roots):
+          if not files:
+            problems.append(f"{src} imports {module}, which is not in the "
+                            "workspace.")
+            continue
+          for file in files:
+            if file in reachable:
+              continue
+            lib = self._library_for(file)
+            fix = (f"add {lib} to its deps" if lib else
+                   f"add a py_library for {file} and depend on it")
+            problems.append(
+                f"{target.label}: {src} imports {module}, but {file} is not "
+                f"in its deps: {fix} (under Bazel the import fails).")
+    return list(dict.fromkeys(problems))
+
+
+def check_workspace(root: str) -> List[str]:
+  """Runs every check on the workspace at `root`.
+
+  Returns:
+    The problems, one string each; empty when all is well.
+  """
+  return Workspace(root).check()
+
+
+def default_root() -> str:
+  """The workspace holding this file (the runfiles tree under Bazel)."""
+  return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def main(argv) -> int:
+  root = argv[1] if len(argv) > 1 else default_root()
+  problems = check_workspace(root)
+  for problem in problems:
+    print(problem)
+  if problems:
+    print(f"bazel_targets: {len(problems)} problem(s) in {root}")
+    return 1
+  print(f"bazel_targets: BUILD files cover {root}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main(sys.argv))

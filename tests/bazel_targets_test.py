@@ -1,0 +1,195 @@
+"""The BUILD files cover the tree: every test file has a py_test target.
+
+Runs tests/bazel_targets.py on the workspace (no Bazel needed), and shows on
+temporary copies and small made-up workspaces that the check fails when a
+test file has no target, a target names a missing file, a module is in no
+target, or a target misses a dep that its imports need.
+"""
+
+import os
+import shutil
+import textwrap
+
+from absl.testing import absltest
+
+from tests import bazel_targets
+from tests import testutil
+
+_TEST_BUILD_HEADER = 'load("//tests:defs.bzl", "tfdist_py_test")\n'
+
+
+def _copy_build_inputs(src_root: str, dst_root: str) -> None:
+  """Copies the BUILD, .bzl and .py files of a workspace (nothing else)."""
+  for dirpath, _, filenames in bazel_targets._walk(src_root):  # pylint: disable=protected-access
+    rel = os.path.relpath(dirpath, src_root)
+    for name in filenames:
+      if name in ("BUILD", "BUILD.bazel", "WORKSPACE") or name.endswith(
+          (".py", ".bzl")):
+        os.makedirs(os.path.join(dst_root, rel), exist_ok=True)
+        shutil.copyfile(os.path.join(dirpath, name),
+                        os.path.join(dst_root, rel, name))
+
+
+def _write(root: str, path: str, text: str) -> None:
+  full = os.path.join(root, path)
+  os.makedirs(os.path.dirname(full), exist_ok=True)
+  with open(full, "w") as f:
+    f.write(textwrap.dedent(text))
+
+
+def _small_workspace(root: str) -> None:
+  """A clean workspace: package `lib`, one test of it, tests/ as in tfdist."""
+  _write(root, "lib/__init__.py", "")
+  _write(root, "lib/core.py", "VALUE = 1\n")
+  _write(root, "lib/BUILD", """\
+      py_library(name = "init", srcs = ["__init__.py"])
+      py_library(name = "core", srcs = ["core.py"], deps = [":init"])
+      """)
+  _write(root, "tests/__init__.py", "")
+  _write(root, "tests/pytest_main.py", "")
+  _write(root, "tests/core_test.py", "from lib import core\n")
+  _write(root, "tests/BUILD", _TEST_BUILD_HEADER + textwrap.dedent("""\
+      exports_files(["pytest_main.py"])
+      py_library(name = "init", srcs = ["__init__.py"])
+      tfdist_py_test(
+          name = "core_test",
+          size = "small",
+          deps = ["//lib:core"],
+      )
+      """))
+
+
+class WorkspaceTest(absltest.TestCase):
+  """The check on this workspace (the runfiles tree under Bazel)."""
+
+  def test_build_files_cover_the_workspace(self):
+    problems = bazel_targets.check_workspace(bazel_targets.default_root())
+    self.assertEqual(problems, [], "\n" + "\n".join(problems))
+
+  def test_every_test_file_in_tests_is_found(self):
+    workspace = bazel_targets.Workspace(bazel_targets.default_root())
+    self.assertIn(os.path.join("tests", "bazel_targets_test.py"),
+                  workspace.test_files())
+    self.assertIn("//tests:bazel_targets_test", workspace.targets)
+
+
+class OrphanOnCopyTest(absltest.TestCase):
+  """Adds files to a temporary copy of this workspace, never to the repo."""
+
+  def setUp(self):
+    super().setUp()
+    self.copy = os.path.join(testutil.scratch_dir(), "workspace")
+    _copy_build_inputs(bazel_targets.default_root(), self.copy)
+    self.baseline = set(bazel_targets.check_workspace(self.copy))
+
+  def test_orphan_test_file_fails_the_check(self):
+    _write(self.copy, "tests/orphan_test.py", """\
+        from absl.testing import absltest
+        from tfdist import config
+        """)
+    new = [p for p in bazel_targets.check_workspace(self.copy)
+           if p not in self.baseline]
+    self.assertLen(new, 1, new)
+    self.assertStartsWith(new[0], "tests/orphan_test.py has no py_test target")
+    self.assertIn('name = "orphan_test"', new[0])
+    self.assertIn('"//tfdist:config"', new[0])
+    self.assertFalse(os.path.exists(os.path.join(
+        bazel_targets.default_root(), "tests", "orphan_test.py")))
+
+  def test_orphan_fails_the_command_line(self):
+    _write(self.copy, "tests/test_orphan.py", "")
+    self.assertEqual(bazel_targets.main(["bazel_targets", self.copy]), 1)
+
+  def test_target_whose_file_is_gone_fails_the_check(self):
+    os.remove(os.path.join(self.copy, "tests", "bazel_targets_test.py"))
+    new = [p for p in bazel_targets.check_workspace(self.copy)
+           if p not in self.baseline]
+    self.assertEqual(new, [
+        "//tests:bazel_targets_test (tests/BUILD) names "
+        "tests/bazel_targets_test.py, which does not exist."])
+
+
+class CheckTest(absltest.TestCase):
+  """Each kind of problem, on a small made-up workspace."""
+
+  def setUp(self):
+    super().setUp()
+    self.root = os.path.join(testutil.scratch_dir(), "ws")
+    _small_workspace(self.root)
+
+  def test_clean_workspace_passes(self):
+    self.assertEqual(bazel_targets.check_workspace(self.root), [])
+    self.assertEqual(bazel_targets.main(["bazel_targets", self.root]), 0)
+
+  def test_orphan_with_suggested_stanza(self):
+    _write(self.root, "tests/sub/test_more.py", "import lib.core\n")
+    problems = bazel_targets.check_workspace(self.root)
+    self.assertLen(problems, 1)
+    self.assertEqual(problems[0], textwrap.dedent("""\
+        tests/sub/test_more.py has no py_test target: `bazel test //tests/...` \
+skips it. Add to tests/sub/BUILD:
+        tfdist_py_test(
+            name = "test_more",
+            size = "small",  # "medium" or "large" if it runs longer
+            deps = [
+                "//lib:core",
+            ],
+        )"""))
+
+  def test_missing_dep_fails(self):
+    _write(self.root, "lib/extra.py", "")
+    _write(self.root, "lib/BUILD", """\
+        py_library(name = "init", srcs = ["__init__.py"])
+        py_library(name = "core", srcs = ["core.py"], deps = [":init"])
+        py_library(name = "extra", srcs = ["extra.py"], deps = [":init"])
+        """)
+    _write(self.root, "tests/core_test.py", """\
+        from lib import core
+        from lib import extra
+        def test_lazy():
+          from lib import missing_is_fine_here  # not at module level
+        """)
+    self.assertEqual(bazel_targets.check_workspace(self.root), [
+        "//tests:core_test: tests/core_test.py imports lib.extra, but "
+        "lib/extra.py is not in its deps: add //lib:extra to its deps "
+        "(under Bazel the import fails)."])
+
+  def test_module_in_no_target_fails(self):
+    _write(self.root, "lib/new_module.py", "")
+    self.assertEqual(bazel_targets.check_workspace(self.root), [
+        "lib/new_module.py is in no BUILD target: add a py_library to "
+        "lib/BUILD."])
+
+  def test_dep_on_missing_target_fails(self):
+    _write(self.root, "tests/BUILD", _TEST_BUILD_HEADER + textwrap.dedent("""\
+        py_library(name = "init", srcs = ["__init__.py"])
+        tfdist_py_test(
+            name = "core_test",
+            size = "small",
+            deps = ["//lib:core", "//lib:gone"],
+        )
+        """))
+    self.assertEqual(bazel_targets.check_workspace(self.root), [
+        "//tests:core_test (tests/BUILD) depends on //lib:gone, which is not "
+        "a target."])
+
+  def test_glob_and_concatenation_are_evaluated(self):
+    _write(self.root, "lib/BUILD", """\
+        py_library(name = "init", srcs = ["__init__.py"])
+        py_library(
+            name = "core",
+            srcs = glob(["*.py"], exclude = ["__init__.py"]) + [],
+            deps = [":init"],
+        )
+        """)
+    _write(self.root, "lib/more.py", "")
+    self.assertEqual(bazel_targets.check_workspace(self.root), [])
+
+  def test_unparsable_build_file_is_reported(self):
+    _write(self.root, "lib/BUILD", "py_library(name = \n")
+    problems = bazel_targets.check_workspace(self.root)
+    self.assertTrue(problems[0].startswith("lib/BUILD:"), problems)
+
+
+if __name__ == "__main__":
+  absltest.main()
