@@ -119,8 +119,9 @@ def define_distribution_flags() -> List[str]:
       "that many replicas on a CPU-only machine (0 or 1: no split).")
   flags.DEFINE_enum(
       "all_reduce_alg", "auto", list(config_lib.ALL_REDUCE_ALGS),
-      "All-reduce for mirrored: nccl or hierarchical_copy (GPUs); auto lets "
-      "TensorFlow choose (one-device reduction on CPUs).")
+      "All-reduce. mirrored: nccl or hierarchical_copy (GPUs); "
+      "multi_worker_mirrored: ring (gRPC, works on CPUs) or nccl (GPUs; what "
+      "Vertex AI's Reduction Server needs); auto lets TensorFlow choose.")
   flags.DEFINE_enum(
       "ps_partitioner", _default("ps_partitioner"),
       list(config_lib.PS_PARTITIONERS),
@@ -253,11 +254,47 @@ def define_lr_flags() -> List[str]:
           "warmup_epochs", "lr_schedule"]
 
 
+def define_cluster_flags() -> List[str]:
+  """Multi-worker cluster, collective timeouts and preemption.
+
+  The cluster comes from the first source present: --worker_hosts (with
+  --task_index), TF_CONFIG, Vertex AI's CLUSTER_SPEC (see tfdist/cluster.py).
+  """
+  flags.DEFINE_string(
+      "worker_hosts", _default("worker_hosts"),
+      "Comma-separated host:port of every worker (Model Garden's flag); all "
+      "are 'worker' tasks and worker 0 is the chief. Overrides TF_CONFIG and "
+      "CLUSTER_SPEC.")
+  flags.DEFINE_integer(
+      "task_index", _default("task_index"),
+      "This host's position in --worker_hosts (0-based; -1: unset).")
+  flags.DEFINE_float(
+      "collective_timeout_seconds", _default("collective_timeout_seconds"),
+      "multi_worker_mirrored: a collective (all-reduce) that has not "
+      "finished after this many seconds fails instead of hanging.")
+  flags.DEFINE_float(
+      "cluster_start_timeout_seconds", _default("cluster_start_timeout_seconds"),
+      "multi_worker_mirrored: fail with an error naming the cluster if not "
+      "every task has connected within this many seconds of start.")
+  flags.DEFINE_float(
+      "preemption_grace_seconds", _default("preemption_grace_seconds"),
+      "On SIGTERM (preemption) or SIGINT, save a checkpoint at the next step "
+      "boundary (all workers agree on the step) and exit within this many "
+      "seconds; a process still alive then is ended.")
+
+  @flags.validator("task_index", "--task_index must be >= 0, or -1 (unset).")
+  def _check_task_index(value):
+    return value is None or value >= -1
+
+  return ["worker_hosts", "task_index", "preemption_grace_seconds"]
+
+
 def define_all_flags() -> List[str]:
   """Defines every group `tfdist.train` uses; returns the key flag names."""
   names = []
   for define in (define_base_flags, define_train_flags,
-                 define_distribution_flags, define_performance_flags,
+                 define_distribution_flags, define_cluster_flags,
+                 define_performance_flags,
                  define_tpu_flags, define_lr_flags):
     names += define()
   return names

@@ -130,6 +130,12 @@ class TrainConfig:
   num_gpus: int = -1
   num_cpu_devices: int = 0
   all_reduce_alg: str = "auto"
+  # Multi-worker cluster (see tfdist/cluster.py for TF_CONFIG/CLUSTER_SPEC).
+  worker_hosts: str = ""
+  task_index: int = -1
+  collective_timeout_seconds: float = 300.0
+  cluster_start_timeout_seconds: float = 900.0
+  preemption_grace_seconds: float = 30.0
   # Parameter-server training: how embedding tables are sharded over the ps
   # tasks (0 shards: one per ps task).
   ps_partitioner: str = "min_size"
@@ -281,6 +287,17 @@ class TrainConfig:
          f"--epochs_between_evals={self.epochs_between_evals} must be > 0.")
     need(self.num_cpu_devices >= 0,
          f"--num_cpu_devices={self.num_cpu_devices} must be >= 0.")
+    need(self.task_index >= -1,
+         f"--task_index={self.task_index} must be >= 0 (-1: unset).")
+    need(self.collective_timeout_seconds > 0,
+         f"--collective_timeout_seconds={self.collective_timeout_seconds} "
+         "must be > 0.")
+    need(self.cluster_start_timeout_seconds > 0,
+         "--cluster_start_timeout_seconds="
+         f"{self.cluster_start_timeout_seconds} must be > 0.")
+    need(self.preemption_grace_seconds > 0,
+         f"--preemption_grace_seconds={self.preemption_grace_seconds} must be "
+         "> 0.")
     need(self.num_gpus >= -1,
          f"--num_gpus={self.num_gpus} must be -1 (all visible), 0 or more.")
     need(self.shuffle_buffer_size >= 0,
