@@ -10,14 +10,20 @@ dialect is a subset) and reports, as one line each:
   * a Python file of a first-party package (a top-level folder with an
     `__init__.py`: tfdist/, models/, flags/, tests/) that is in no target
     (pytest's conftest.py files excepted: they travel as data);
-  * a module-level import of a first-party module that the importing
-    target does not reach through its `deps`: it passes under pytest and
-    fails under Bazel, whose runfiles hold only what the deps name.
+  * an import of a first-party module (at module level or inside a
+    function) that the importing target does not reach through its `deps`:
+    it passes under pytest and fails under Bazel, whose runfiles hold only
+    what the deps name. A lazy import back into a target that depends on
+    the importer (a cycle deps cannot express) is accepted.
 
 For a test file without a target it suggests a `tfdist_py_test` stanza with
 the deps its imports need.
 
-Usage: python -m tests.bazel_targets [WORKSPACE_ROOT]   (exit 1 on problems)
+Usage:
+  python -m tests.bazel_targets [WORKSPACE_ROOT]      check; exit 1 on problems
+  python -m tests.bazel_targets --list-tests=SIZE[,SIZE...] [WORKSPACE_ROOT]
+      print the test files whose targets have one of those sizes (what
+      tools/test.sh gives pytest when it leaves the rest to Bazel)
 
 //tests:bazel_targets_test runs the check on the workspace, under pytest and
 under `bazel test` (there on the runfiles, which carry every BUILD and .py
@@ -244,41 +250,30 @@ def _module_file(root: str, dotted: str) -> Optional[str]:
 
 def module_imports(root: str, path: str, roots: Iterable[str]) -> List[
     Tuple[str, List[str]]]:
-  """First-party modules that `path` imports at module level.
-
-  Imports inside functions and classes are left out: they run only when
-  called (a lazy import is the importer's own business).
+  """First-party modules that `path` imports, at module level or lazily.
 
   Returns:
     `(dotted_name, files)` pairs: the files that the import runs (the
-    module and the `__init__.py` of each enclosing package), as
-    workspace-relative paths.
+    `__init__.py` of each enclosing package, then the module), as
+    workspace-relative paths; `files` is empty when the module is not in
+    the workspace.
   """
   roots = set(roots)
   with open(os.path.join(root, path)) as f:
     tree = ast.parse(f.read(), filename=path)
   package_parts = os.path.dirname(path).split(os.sep)
   names = []
-
-  def visit(stmts):
-    for stmt in stmts:
-      if isinstance(stmt, ast.Import):
-        names.extend(a.name for a in stmt.names)
-      elif isinstance(stmt, ast.ImportFrom):
-        base = stmt.module or ""
-        if stmt.level:
-          up = package_parts[:len(package_parts) - stmt.level + 1]
-          base = ".".join(up + ([base] if base else []))
-        for alias in stmt.names:
-          sub = f"{base}.{alias.name}"
-          names.append(sub if _module_file(root, sub) else base)
-      elif isinstance(stmt, (ast.If, ast.Try, ast.With)):
-        for field in ("body", "orelse", "finalbody"):
-          visit(getattr(stmt, field, []) or [])
-        for handler in getattr(stmt, "handlers", []) or []:
-          visit(handler.body)
-
-  visit(tree.body)
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Import):
+      names.extend(a.name for a in node.names)
+    elif isinstance(node, ast.ImportFrom):
+      base = node.module or ""
+      if node.level:
+        up = package_parts[:len(package_parts) - node.level + 1]
+        base = ".".join(up + ([base] if base else []))
+      for alias in node.names:
+        sub = f"{base}.{alias.name}"
+        names.append(sub if _module_file(root, sub) else base)
   out = []
   for name in dict.fromkeys(names):
     if name.split(".")[0] not in roots:
@@ -292,7 +287,7 @@ def module_imports(root: str, path: str, roots: Iterable[str]) -> List[
     module = _module_file(root, name)
     if module:
       files.append(module)
-    out.append((name, files))
+    out.append((name, files if module else []))
   return out
 
 
@@ -358,13 +353,15 @@ class Workspace:
         if lib and lib not in TEST_MACRO_DEPS:
           deps.add(lib)
     package = os.path.dirname(path)
-    shown = sorted(short_label(d, package) for d in deps)
+    shown = sorted((short_label(d, package) for d in deps),
+                   key=lambda l: (not l.startswith(":"), l))
     name = os.path.splitext(os.path.basename(path))[0]
     lines = ["tfdist_py_test(", f'    name = "{name}",',
              '    size = "small",  # "medium" or "large" if it runs longer',
-             "    deps = ["]
-    lines += [f'        "{d}",' for d in shown]
-    lines += ["    ],", ")"]
+             "    deps = [" + ("]," if not shown else "")]
+    if shown:
+      lines += [f'        "{d}",' for d in shown] + ["    ],"]
+    lines.append(")")
     return "\n".join(lines)
 
   def check(self) -> List[str]:
@@ -425,7 +422,12 @@ class Workspace:
                             "workspace.")
             continue
           for file in files:
-            if file in reachable:
+            if file in reachable or any(
+                target.label in self._closure(owner)
+                for owner in self.owners.get(file, [])):
+              # The second case is a cycle that deps cannot express (A
+              # imports B lazily, B depends on A): whatever loads A through
+              # B's target has B already.
               continue
             lib = self._library_for(file)
             fix = (f"add {lib} to its deps" if lib else
@@ -434,6 +436,22 @@ class Workspace:
                 f"{target.label}: {src} imports {module}, but {file} is not "
                 f"in its deps: {fix} (under Bazel the import fails).")
     return list(dict.fromkeys(problems))
+
+
+def tests_of_size(root: str, sizes: Iterable[str]) -> List[str]:
+  """The test files run by py_test targets of the given sizes.
+
+  Returns:
+    Workspace-relative paths, sorted (the entry point left out).
+  """
+  sizes = set(sizes)
+  out = set()
+  for target in Workspace(root).targets.values():
+    if target.kind in ("py_test", TEST_MACRO) and target.size in sizes:
+      out.update(s for s in target.srcs
+                 if s != TEST_MACRO_MAIN and _is_test_file(
+                     os.path.basename(s)))
+  return sorted(out)
 
 
 def check_workspace(root: str) -> List[str]:
@@ -451,7 +469,28 @@ def default_root() -> str:
 
 
 def main(argv) -> int:
-  root = argv[1] if len(argv) > 1 else default_root()
+  """The command line (see the module docstring).
+
+  Raises:
+    SystemExit: an unknown option.
+  """
+  args = list(argv[1:])
+  sizes = None
+  for arg in list(args):
+    if arg in ("-h", "--help"):
+      print(__doc__)
+      return 0
+    if arg.startswith("--list-tests="):
+      sizes = arg.split("=", 1)[1].split(",")
+      args.remove(arg)
+    elif arg.startswith("-"):
+      raise SystemExit(f"bazel_targets: unknown option {arg}. Options: "
+                       "--list-tests=SIZE[,SIZE...], --help.")
+  root = args[0] if args else default_root()
+  if sizes is not None:
+    for path in tests_of_size(root, sizes):
+      print(path)
+    return 0
   problems = check_workspace(root)
   for problem in problems:
     print(problem)

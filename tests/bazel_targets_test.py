@@ -64,7 +64,9 @@ class WorkspaceTest(absltest.TestCase):
 
   def test_build_files_cover_the_workspace(self):
     problems = bazel_targets.check_workspace(bazel_targets.default_root())
-    self.assertEqual(problems, [], "\n" + "\n".join(problems))
+    if problems:
+      self.fail("The BUILD files do not cover the tree (fix each, then rerun "
+                "python -m tests.bazel_targets):\n" + "\n".join(problems))
 
   def test_every_test_file_in_tests_is_found(self):
     workspace = bazel_targets.Workspace(bazel_targets.default_root())
@@ -121,6 +123,11 @@ class CheckTest(absltest.TestCase):
     self.assertEqual(bazel_targets.check_workspace(self.root), [])
     self.assertEqual(bazel_targets.main(["bazel_targets", self.root]), 0)
 
+  def test_tests_of_size(self):
+    self.assertEqual(bazel_targets.tests_of_size(self.root, ["small"]),
+                     ["tests/core_test.py"])
+    self.assertEqual(bazel_targets.tests_of_size(self.root, ["large"]), [])
+
   def test_orphan_with_suggested_stanza(self):
     _write(self.root, "tests/sub/test_more.py", "import lib.core\n")
     problems = bazel_targets.check_workspace(self.root)
@@ -145,14 +152,37 @@ skips it. Add to tests/sub/BUILD:
         """)
     _write(self.root, "tests/core_test.py", """\
         from lib import core
-        from lib import extra
         def test_lazy():
-          from lib import missing_is_fine_here  # not at module level
+          from lib import extra  # inside a function: checked all the same
         """)
     self.assertEqual(bazel_targets.check_workspace(self.root), [
         "//tests:core_test: tests/core_test.py imports lib.extra, but "
         "lib/extra.py is not in its deps: add //lib:extra to its deps "
         "(under Bazel the import fails)."])
+
+  def test_import_of_module_not_in_workspace_fails(self):
+    _write(self.root, "tests/core_test.py", "from lib import core\n"
+           "import lib.gone\n")
+    self.assertEqual(bazel_targets.check_workspace(self.root), [
+        "tests/core_test.py imports lib.gone, which is not in the "
+        "workspace."])
+
+  def test_lazy_import_back_into_a_dependent_is_accepted(self):
+    _write(self.root, "lib/runner.py", """\
+        def run():
+          from lib import core  # core depends on runner: a cycle
+        """)
+    _write(self.root, "lib/core.py", "from lib import runner\n")
+    _write(self.root, "lib/BUILD", """\
+        py_library(name = "init", srcs = ["__init__.py"])
+        py_library(name = "runner", srcs = ["runner.py"], deps = [":init"])
+        py_library(
+            name = "core",
+            srcs = ["core.py"],
+            deps = [":init", ":runner"],
+        )
+        """)
+    self.assertEqual(bazel_targets.check_workspace(self.root), [])
 
   def test_module_in_no_target_fails(self):
     _write(self.root, "lib/new_module.py", "")
