@@ -64,6 +64,7 @@ class DeviceInventory:
 
   Attributes:
     tpu_cores: TPU cores of a connected TPU system (0: none).
+    tpu_address: the `--tpu` address that answered (e.g. `local`), or ''.
     tpu_note: why there is no TPU (hint seen but probe failed), or ''.
     gpus: the GPUs the run may use (after `--num_gpus`).
     cluster_source: `TF_CONFIG`, `CLUSTER_SPEC` or '' (no cluster).
@@ -72,6 +73,7 @@ class DeviceInventory:
     num_cpu_devices: logical CPU devices asked for (`--num_cpu_devices`).
   """
   tpu_cores: int = 0
+  tpu_address: str = ""
   tpu_note: str = ""
   gpus: Tuple[GpuInfo, ...] = ()
   cluster_source: str = ""
@@ -89,11 +91,13 @@ class Decision:
     strategy_reason: why, e.g. "auto: 4 GPUs are visible".
     dtype: `fp32`, `bf16` or `fp16` (never `auto`).
     dtype_reason: why, e.g. "auto: GPUs of compute capability 8.0".
+    tpu: the TPU address `auto` found (for `--tpu` when it was empty), or ''.
   """
   strategy: str
   strategy_reason: str
   dtype: str
   dtype_reason: str
+  tpu: str = ""
 
   def describe(self) -> str:
     """One line for the log: the decision and its reasons."""
@@ -183,9 +187,12 @@ def decide(inventory: DeviceInventory, *, strategy: str = "auto",
   Raises:
     ConfigError: `--dtype=fp16` with a TPU strategy (TPUs have no fp16).
   """
+  tpu_address = ""
   if strategy == "auto":
     strategy, strategy_reason = decide_strategy(inventory)
     strategy_reason = f"auto: {strategy_reason}"
+    if strategy == "tpu":
+      tpu_address = inventory.tpu_address
   else:
     strategy_reason = f"--distribution_strategy={strategy}"
   if dtype == "auto":
@@ -202,7 +209,8 @@ def decide(inventory: DeviceInventory, *, strategy: str = "auto",
         "--dtype=fp16 is not supported on TPUs (they compute in bfloat16 "
         "and have no float16 arithmetic). Use --dtype=bf16 (the TPU "
         "default), --dtype=auto or --dtype=fp32.")
-  return Decision(strategy, strategy_reason, dtype, dtype_reason)
+  return Decision(strategy, strategy_reason, dtype, dtype_reason,
+                  tpu=tpu_address)
 
 
 # --- The real inventory ----------------------------------------------------
@@ -275,8 +283,8 @@ def gpu_inventory(num_gpus: int = -1, *, list_fn=None,
 
 
 def probe_tpu(config, *, env=None, hints=None, connect_fn=None
-              ) -> Tuple[int, str]:
-  """Looks for a TPU for `auto`: `(cores, note)`.
+              ) -> Tuple[int, str, str]:
+  """Looks for a TPU for `auto`: `(cores, address, note)`.
 
   Connects (bounded) only when `--tpu` is given or `tpu_hints` sees a sign
   of a TPU; machines without one pay nothing.
@@ -290,15 +298,15 @@ def probe_tpu(config, *, env=None, hints=None, connect_fn=None
       it instead where possible).
 
   Returns:
-    TPU cores (0: none) and a note saying why none was used ('' if no sign
-    of a TPU was seen).
+    TPU cores (0: none), the address tried, and a note saying why none was
+    used ('' if no sign of a TPU was seen).
   """
   env = os.environ if env is None else env
   hints = tpu_lib.tpu_hints(env) if hints is None else hints
   address = config.tpu or env.get("TPU_NAME", "") or ("local" if hints
                                                       else "")
   if not config.tpu and not hints:
-    return 0, ""
+    return 0, "", ""
   connect = connect_fn or tpu_lib.connect_tpu
   try:
     system = connect(address, zone=config.tpu_zone,
@@ -307,8 +315,8 @@ def probe_tpu(config, *, env=None, hints=None, connect_fn=None
   except ConfigError as e:
     why = f"--tpu={config.tpu}" if config.tpu else ", ".join(hints)
     logging.warning("auto: %s suggested a TPU, but: %s", why, e)
-    return 0, f"{why} suggested a TPU but none answered"
-  return system.num_cores, ""
+    return 0, address, f"{why} suggested a TPU but none answered"
+  return system.num_cores, address, ""
 
 
 def take_inventory(config, *, env=None, connect_fn=None,
@@ -328,11 +336,11 @@ def take_inventory(config, *, env=None, connect_fn=None,
   """
   env = os.environ if env is None else env
   source, workers, ps = cluster_from_env(env)
-  cores, note = 0, ""
+  cores, address, note = 0, "", ""
   if config.distribution_strategy == "auto":
-    cores, note = probe_tpu(config, env=env, connect_fn=connect_fn)
+    cores, address, note = probe_tpu(config, env=env, connect_fn=connect_fn)
   return DeviceInventory(
-      tpu_cores=cores, tpu_note=note,
+      tpu_cores=cores, tpu_address=address, tpu_note=note,
       gpus=gpu_inventory(config.num_gpus, list_fn=gpu_list_fn,
                          details_fn=gpu_details_fn),
       cluster_source=source, cluster_workers=workers, cluster_ps=ps,
@@ -368,6 +376,8 @@ def apply_decision(config, decision: Decision):
   from tfdist import config as config_lib  # pylint: disable=g-import-not-at-top
   changes = {"distribution_strategy": decision.strategy,
              "dtype": decision.dtype}
+  if decision.tpu and not config.tpu:
+    changes["tpu"] = decision.tpu
   if decision.dtype != "fp16" and config.loss_scale is not None:
     logging.warning("--loss_scale=%s ignored: precision is %s (%s), not fp16.",
                     config.loss_scale, decision.dtype, decision.dtype_reason)

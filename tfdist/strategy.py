@@ -108,7 +108,9 @@ def _tpu(config: TrainConfig, reason: str) -> StrategyChoice:
   # Imported here: tfdist.tpu is needed only on this path.
   from tfdist import tpu as tpu_lib  # pylint: disable=g-import-not-at-top
   system = tpu_lib.connect_tpu(
-      config.tpu or os.environ.get("TPU_NAME", ""), zone=config.tpu_zone,
+      # `auto` may choose a TPU that it found with --tpu unset: a local one.
+      config.tpu or os.environ.get("TPU_NAME", "") or "local",
+      zone=config.tpu_zone,
       project=config.tpu_gcp_project, init_timeout=config.tpu_init_timeout)
   strategy = tpu_lib.make_tpu_strategy(system)
   return StrategyChoice(strategy, "tpu", reason,
