@@ -125,6 +125,12 @@ def run_experiment(config: TrainConfig, *,
     ConfigError: invalid or inconsistent configuration (before training).
     DataNotFoundError: missing data.
   """
+  # Every role of a parameter-server cluster (chief, worker, ps, evaluator)
+  # runs its own program there.
+  from tfdist import parameter_server  # pylint: disable=g-import-not-at-top
+  if parameter_server.uses_parameter_server(config):
+    from tfdist import ps_loop  # pylint: disable=g-import-not-at-top
+    return ps_loop.run_ps_experiment(config, callbacks=callbacks)
   started = time.time()
   devices.configure_cpu_devices(config.num_cpu_devices)
   if config.seed is not None:

@@ -117,10 +117,18 @@ def _tpu(config: TrainConfig, reason: str) -> StrategyChoice:
                         tuple(strategy.extended.worker_devices))
 
 
+def _parameter_server(config: TrainConfig, reason: str) -> StrategyChoice:
+  # Imported here: needed only on this path.
+  from tfdist import parameter_server  # pylint: disable=g-import-not-at-top
+  strategy, ps_devices = parameter_server.make_ps_strategy(config)
+  return StrategyChoice(strategy, "parameter_server", reason, ps_devices)
+
+
 def _not_available(name: str) -> StrategyNotAvailableError:
   return StrategyNotAvailableError(
       f"--distribution_strategy={name} is not available in this version of "
-      "tfdist yet. Available now: off, one_device, mirrored, tpu, auto.")
+      "tfdist yet. Available now: off, one_device, mirrored, tpu, "
+      "parameter_server, auto.")
 
 
 def resolve_auto(config: TrainConfig) -> tuple:
@@ -167,7 +175,9 @@ def make_strategy(config: TrainConfig) -> StrategyChoice:
     choice = _mirrored(config, reason)
   elif name == "tpu":
     choice = _tpu(config, reason)
-  elif name in ("multi_worker_mirrored", "parameter_server"):
+  elif name == "parameter_server":
+    choice = _parameter_server(config, reason)
+  elif name in ("multi_worker_mirrored",):
     raise _not_available(name)
   else:
     raise ConfigError(f"--distribution_strategy={name!r} is unknown.")
