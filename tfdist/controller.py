@@ -53,18 +53,29 @@ class Controller:
     summary_writer: a `tf.summary` writer for per-step scalars (a no-op
       writer on non-chief workers).
     callbacks: Keras callbacks (e.g. `keras.callbacks.TensorBoard`).
+    preemption: a `tfdist.preemption.PreemptionWatcher`, or None. After every
+      chunk its `should_stop()` is asked (a collective under
+      MultiWorkerMirroredStrategy, so every worker stops at the same step);
+      on True the controller saves a checkpoint and raises its
+      `PreemptedError`.
+    restore_dir: where to look for the checkpoint to resume from, when it is
+      not the manager's own folder (non-chief workers save to a scratch
+      folder but resume from the chief's checkpoints); None: the manager's.
   """
 
   def __init__(self, *, trainer: Trainer, options: ControllerOptions,
                train_iterator, eval_dataset,
                checkpoint_manager: tf.train.CheckpointManager,
-               summary_writer, callbacks: Sequence[keras.callbacks.Callback] = ()):
+               summary_writer, callbacks: Sequence[keras.callbacks.Callback] = (),
+               preemption=None, restore_dir: Optional[str] = None):
     self.trainer = trainer
     self.options = options
     self.train_iterator = train_iterator
     self.eval_dataset = eval_dataset
     self.checkpoint_manager = checkpoint_manager
     self.summary_writer = summary_writer
+    self.preemption = preemption
+    self.restore_dir = restore_dir
     self.callbacks = keras.callbacks.CallbackList(
         list(callbacks), model=trainer.model)
     self.meter = ThroughputMeter(trainer.global_batch_size)
@@ -77,7 +88,12 @@ class Controller:
 
   def restore(self) -> int:
     """Restores the latest checkpoint, if any; returns the step reached."""
-    path = self.checkpoint_manager.restore_or_initialize()
+    if self.restore_dir:
+      path = tf.train.latest_checkpoint(self.restore_dir)
+      if path:
+        self.checkpoint_manager.checkpoint.restore(path)
+    else:
+      path = self.checkpoint_manager.restore_or_initialize()
     if path:
       logging.info("Restored %s: resuming at step %d", path, self.step)
     return self.step
@@ -173,9 +189,17 @@ class Controller:
         self._log(step, log_sums, log_sums["steps"])
         log_sums = {"loss": 0.0, "correct": 0.0, "count": 0.0, "steps": 0}
       epoch_end = step % opts.steps_per_epoch == 0
-      if (opts.checkpoint_steps and step % opts.checkpoint_steps == 0) or (
-          not opts.checkpoint_steps and epoch_end) or step == opts.total_steps:
+      saved = ((opts.checkpoint_steps and step % opts.checkpoint_steps == 0) or
+               (not opts.checkpoint_steps and epoch_end) or
+               step == opts.total_steps)
+      if saved:
         self.checkpoint_manager.save(checkpoint_number=step)
+      if (self.preemption is not None and step < opts.total_steps and
+          self.preemption.should_stop()):
+        path = (self.checkpoint_manager.latest_checkpoint if saved else
+                self.checkpoint_manager.save(checkpoint_number=step))
+        self.callbacks.on_train_end()
+        raise self.preemption.preempted(step=step, checkpoint=path)
       if epoch_end or step == opts.total_steps:
         logs = {"loss": epoch_sums["loss"] / max(epoch_sums["steps"], 1),
                 "accuracy": epoch_sums["correct"] / max(epoch_sums["count"], 1)}

@@ -6,8 +6,11 @@ TensorBoard, run manifest). Every input is checked before the first expensive
 step (model building, data conversion aside).
 """
 
+import atexit
 import dataclasses
 import os
+import shutil
+import tempfile
 import time
 from typing import Optional, Sequence
 
@@ -18,6 +21,7 @@ import tensorflow as tf
 import models
 from tfdist import auto_select
 from tfdist import batch_plan as batch_plan_lib
+from tfdist import cluster as cluster_lib
 from tfdist import datasets
 from tfdist import devices
 from tfdist import export
@@ -26,6 +30,7 @@ from tfdist import lr_schedule
 from tfdist import manifest as manifest_lib
 from tfdist import optimizers
 from tfdist import precision
+from tfdist import preemption
 from tfdist import strategy as strategy_lib
 from tfdist import tpu as tpu_lib
 from tfdist.config import ConfigError, TrainConfig
@@ -85,6 +90,15 @@ def data_patterns(config: TrainConfig) -> list:
   return out
 
 
+def _worker_scratch_dir(cluster: cluster_lib.ClusterInfo) -> str:
+  """A local folder for a non-chief worker's writes, deleted at exit."""
+  path = tempfile.mkdtemp(
+      prefix=f"tfdist-{cluster.task_type}{cluster.task_index}-",
+      dir=os.environ.get("TEST_TMPDIR") or None)
+  atexit.register(shutil.rmtree, path, True)
+  return path
+
+
 def resolve_strategy_and_precision(config: TrainConfig):
   """Resolves `auto`, applies the TPU defaults and checks the TPU rules.
 
@@ -124,6 +138,8 @@ def run_experiment(config: TrainConfig, *,
   Raises:
     ConfigError: invalid or inconsistent configuration (before training).
     DataNotFoundError: missing data.
+    tfdist.preemption.PreemptedError: SIGTERM or SIGINT stopped training
+      after a checkpoint was saved (rerun to resume).
   """
   # Every role of a parameter-server cluster (chief, worker, ps, evaluator)
   # runs its own program there.
@@ -132,6 +148,20 @@ def run_experiment(config: TrainConfig, *,
     from tfdist import ps_loop  # pylint: disable=g-import-not-at-top
     return ps_loop.run_ps_experiment(config, callbacks=callbacks)
   started = time.time()
+  cluster = cluster_lib.resolve_cluster(worker_hosts=config.worker_hosts,
+                                        task_index=config.task_index)
+  if cluster.source != "single_process":
+    print(cluster.describe(), flush=True)
+  logging.info("%s", cluster.describe())
+  if (config.distribution_strategy == "auto" and cluster.num_workers > 1 and
+      not cluster.num_ps):
+    # What auto_select decides for such a cluster; decided here because
+    # MultiWorkerMirroredStrategy must be built before anything starts
+    # TensorFlow's runtime (listing devices does).
+    config = config.replace(distribution_strategy="multi_worker_mirrored")
+  early_choice = None
+  if config.distribution_strategy == "multi_worker_mirrored":
+    early_choice = strategy_lib.make_strategy(config)
   devices.configure_cpu_devices(config.num_cpu_devices)
   if config.seed is not None:
     keras.utils.set_random_seed(config.seed)
@@ -140,10 +170,22 @@ def run_experiment(config: TrainConfig, *,
     raise ConfigError(f"--model={config.model!r} is unknown. Known: "
                       f"{', '.join(models.model_names())}.")
   config, decision = resolve_strategy_and_precision(config)
-  choice = strategy_lib.make_strategy(config)
+  choice = early_choice or strategy_lib.make_strategy(config)
   choice = dataclasses.replace(choice, reason=decision.strategy_reason)
   on_tpu = choice.name == "tpu"
   strategy = choice.strategy
+  # Under MultiWorkerMirroredStrategy every worker reads its own part of the
+  # data, and only the chief writes to --model_dir; the others write what
+  # they must (checkpoint saving and export are collective) to a scratch
+  # folder they delete (Model Garden's pattern).
+  multi_worker = choice.name == "multi_worker_mirrored"
+  num_workers = cluster.num_workers if multi_worker else 1
+  is_writer = cluster.is_chief if multi_worker else True
+  scratch_dir = None if is_writer else _worker_scratch_dir(cluster)
+  # Replaces TensorFlow's own SIGTERM handler (installed with the strategy).
+  watcher = preemption.PreemptionWatcher(
+      strategy=strategy, num_workers=num_workers,
+      grace_seconds=config.preemption_grace_seconds).install()
   train_files, eval_files = resolve_data_files(config, spec)
   num_train_examples = input_pipeline.count_records(train_files)
   plan = batch_plan_lib.make_batch_plan(
@@ -151,7 +193,8 @@ def run_experiment(config: TrainConfig, *,
       batch_size=config.batch_size,
       per_replica_batch_size=config.per_replica_batch_size,
       gradient_accumulation_steps=config.gradient_accumulation_steps,
-      num_train_examples=num_train_examples)
+      num_train_examples=num_train_examples,
+      num_input_pipelines=num_workers)
   total_steps = batch_plan_lib.resolve_train_steps(
       train_steps=config.train_steps, train_epochs=config.train_epochs,
       steps_per_epoch=plan.steps_per_epoch)
@@ -208,7 +251,8 @@ def run_experiment(config: TrainConfig, *,
   checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer,
                                    global_step=trainer.global_step)
   manager = tf.train.CheckpointManager(
-      checkpoint, config.resolved_checkpoint_dir,
+      checkpoint, (config.resolved_checkpoint_dir if is_writer else
+                   os.path.join(scratch_dir, "checkpoints")),
       max_to_keep=config.max_checkpoints, step_counter=trainer.global_step)
 
   train_data = input_pipeline.distribute(strategy, input_pipeline.PipelineOptions(
@@ -223,7 +267,8 @@ def run_experiment(config: TrainConfig, *,
       # TPUs need static shapes: pad the last batches, masked in the metrics.
       pad_to_static_batches=on_tpu))
 
-  tb_dir = config.resolved_tensorboard_dir
+  tb_dir = (config.resolved_tensorboard_dir if is_writer else
+            os.path.join(scratch_dir, "tensorboard"))
   summary_writer = tf.summary.create_file_writer(os.path.join(tb_dir, "train"))
   all_callbacks = [keras.callbacks.TensorBoard(log_dir=tb_dir,
                                                write_graph=False)]
@@ -237,13 +282,19 @@ def run_experiment(config: TrainConfig, *,
           steps_per_execution=config.steps_per_execution),
       train_iterator=iter(train_data), eval_dataset=eval_data,
       checkpoint_manager=manager, summary_writer=summary_writer,
-      callbacks=all_callbacks)
+      callbacks=all_callbacks, preemption=watcher,
+      restore_dir=None if is_writer else config.resolved_checkpoint_dir)
   train_started = time.time()
-  final_eval = controller.run()
+  try:
+    final_eval = controller.run()
+  finally:
+    watcher.uninstall()
   train_seconds = time.time() - train_started
   summary_writer.flush()
 
-  export_dir = export.export_saved_model(model, config.resolved_export_dir)
+  export_dir = export.export_saved_model(
+      model, config.resolved_export_dir if is_writer else
+      os.path.join(scratch_dir, "saved_model"))
   throughput = controller.meter.summary()
   record = {
       "created": manifest_lib.utc_now(),
@@ -258,6 +309,10 @@ def run_experiment(config: TrainConfig, *,
       "dtype_reason": decision.dtype_reason,
       "replica_devices": list(choice.devices),
       "num_replicas_in_sync": plan.num_replicas_in_sync,
+      "num_workers": num_workers,
+      "cluster": {"source": cluster.source, "task_type": cluster.task_type,
+                  "task_index": cluster.task_index,
+                  "jobs": cluster.cluster_dict()},
       "per_replica_batch_size": plan.per_replica_batch_size,
       "global_batch_size": plan.global_batch_size,
       "gradient_accumulation_steps": plan.gradient_accumulation_steps,
@@ -296,6 +351,11 @@ def run_experiment(config: TrainConfig, *,
       },
       "seconds": {"total": time.time() - started, "training": train_seconds},
   }
+  if not is_writer:
+    shutil.rmtree(scratch_dir, ignore_errors=True)
+    logging.info("%s %d done; the chief writes the artifacts.",
+                 cluster.task_type, cluster.task_index)
+    return record
   path = manifest_lib.write_manifest(config.model_dir, record)
   logging.info("Run manifest: %s", path)
   print(f"Final eval: loss {record['final_metrics']['eval_loss']:.4f}, "

@@ -124,11 +124,67 @@ def _parameter_server(config: TrainConfig, reason: str) -> StrategyChoice:
   return StrategyChoice(strategy, "parameter_server", reason, ps_devices)
 
 
+_MWMS_IMPLEMENTATIONS = {"auto": "AUTO", "ring": "RING", "nccl": "NCCL"}
+
+
+def _multi_worker_mirrored(config: TrainConfig, reason: str,
+                           cluster) -> StrategyChoice:
+  """MultiWorkerMirroredStrategy over the cluster's chief and workers.
+
+  The all-reduce implementation comes from `--all_reduce_alg` (`ring`,
+  `nccl`, `auto`), every collective times out after
+  `--collective_timeout_seconds`, and building the strategy (which waits for
+  every peer to connect, with no timeout of TensorFlow's own) is bounded by
+  `--cluster_start_timeout_seconds`.
+  """
+  # Imported here: only this path needs them.
+  from tfdist import cluster as cluster_lib  # pylint: disable=g-import-not-at-top
+  from tfdist import watchdog  # pylint: disable=g-import-not-at-top
+  alg = config.all_reduce_alg
+  if alg not in _MWMS_IMPLEMENTATIONS:
+    raise ConfigError(
+        f"--all_reduce_alg={alg} does not apply to multi_worker_mirrored. Use "
+        "ring (gRPC; CPUs or GPUs), nccl (GPUs; Vertex AI Reduction Server) "
+        "or auto.")
+  if alg == "nccl" and not tf.config.list_physical_devices("GPU"):
+    raise ConfigError(
+        "--all_reduce_alg=nccl needs GPUs; on CPU-only workers use "
+        "--all_reduce_alg=ring or auto.")
+  jobs = (cluster_lib.CHIEF, cluster_lib.WORKER)
+  if cluster.is_multi_worker and cluster.task_type not in jobs:
+    raise ConfigError(
+        f"This task is {cluster.task_type} {cluster.task_index} "
+        f"({cluster.source}); multi_worker_mirrored runs only on chief and "
+        "worker tasks. Use --distribution_strategy=parameter_server for a "
+        "cluster with ps tasks.")
+  implementation = getattr(tf.distribute.experimental.CommunicationImplementation,
+                           _MWMS_IMPLEMENTATIONS[alg])
+  options = tf.distribute.experimental.CommunicationOptions(
+      implementation=implementation,
+      timeout_seconds=config.collective_timeout_seconds)
+  resolver = cluster.cluster_resolver(jobs=jobs)
+  seconds = config.cluster_start_timeout_seconds
+  peers = ", ".join(f"{job} {i} at {address}"
+                    for job, addresses in cluster.cluster_dict(jobs).items()
+                    for i, address in enumerate(addresses))
+  with watchdog.Deadline(
+      seconds,
+      f"tfdist: error: {cluster.task_type} {cluster.task_index} could not "
+      f"form the multi_worker_mirrored cluster within "
+      f"--cluster_start_timeout_seconds={seconds:g}: not every task connected "
+      f"(cluster from {cluster.source}: {peers}). Check that every task was "
+      "started with the same cluster and that the addresses are reachable."):
+    strategy = tf.distribute.MultiWorkerMirroredStrategy(
+        cluster_resolver=resolver, communication_options=options)
+  return StrategyChoice(strategy, "multi_worker_mirrored", reason,
+                        tuple(strategy.extended.worker_devices))
+
+
 def _not_available(name: str) -> StrategyNotAvailableError:
   return StrategyNotAvailableError(
       f"--distribution_strategy={name} is not available in this version of "
-      "tfdist yet. Available now: off, one_device, mirrored, tpu, "
-      "parameter_server, auto.")
+      "tfdist yet. Available now: off, one_device, mirrored, "
+      "multi_worker_mirrored, tpu, parameter_server, auto.")
 
 
 def resolve_auto(config: TrainConfig) -> tuple:
@@ -163,7 +219,17 @@ def make_strategy(config: TrainConfig) -> StrategyChoice:
   """
   name = config.distribution_strategy
   reason = f"--distribution_strategy={name}"
-  if name == "auto":
+  cluster = None
+  if name in ("auto", "multi_worker_mirrored"):
+    # Imported here: only these paths need the cluster.
+    from tfdist import cluster as cluster_lib  # pylint: disable=g-import-not-at-top
+    cluster = cluster_lib.resolve_cluster(worker_hosts=config.worker_hosts,
+                                          task_index=config.task_index)
+  if name == "auto" and cluster.source == "flags" and cluster.num_workers > 1:
+    name = "multi_worker_mirrored"
+    reason = (f"auto chose {name}: --worker_hosts lists "
+              f"{cluster.num_workers} workers")
+  elif name == "auto":
     name, why = resolve_auto(config)
     reason = f"auto chose {name}: {why}"
   if name == "off":
@@ -177,8 +243,8 @@ def make_strategy(config: TrainConfig) -> StrategyChoice:
     choice = _tpu(config, reason)
   elif name == "parameter_server":
     choice = _parameter_server(config, reason)
-  elif name in ("multi_worker_mirrored",):
-    raise _not_available(name)
+  elif name == "multi_worker_mirrored":
+    choice = _multi_worker_mirrored(config, reason, cluster)
   else:
     raise ConfigError(f"--distribution_strategy={name!r} is unknown.")
   logging.info("Strategy: %s (%s); %d replica(s) on %s", choice.name, reason,

@@ -29,11 +29,16 @@ def main(argv):
   except config_lib.ConfigError as e:
     raise app.UsageError(str(e)) from None
   from tfdist import experiment  # pylint: disable=g-import-not-at-top
+  from tfdist import preemption  # pylint: disable=g-import-not-at-top
   try:
     experiment.run_experiment(config)
   except config_lib.ConfigError as e:
     logging.error("%s", e)
     sys.exit(f"tfdist.train: error: {e}")
+  except preemption.PreemptedError as e:
+    # Checkpoint saved; 128 + signal (143 for SIGTERM), as a shell reports.
+    print(f"tfdist.train: {e}", file=sys.stderr, flush=True)
+    sys.exit(e.exit_code)
 
 
 def run():
