@@ -1,0 +1,379 @@
+"""Starts a whole TensorFlow cluster on this machine, one process per task.
+
+Usage:
+  python -m tfdist.launch --num_workers=2 -- --distribution_strategy=\
+multi_worker_mirrored --dataset=fashion_mnist --train_steps=200 --model_dir=DIR
+  python -m tfdist.launch --num_workers=2 --num_ps=1 [--evaluator] -- ...
+  python -m tfdist.launch --num_workers=2 --max_restarts=3 -- ...
+
+Everything after `--` goes to every process (`python -m tfdist.train` unless
+`--module` says otherwise). The launcher:
+
+* gives every task a free port on 127.0.0.1 (portpicker) and its own
+  `TF_CONFIG` (the evaluator is not listed in `cluster`, only as its task);
+* names the roles as TensorFlow's guides do. Without ps tasks the
+  `--num_workers` processes that train are `chief` 0 and `worker` 0..N-2
+  (MultiWorkerMirroredStrategy). With `--num_ps=M` there is a `chief`
+  (the coordinator) plus `worker` 0..N-1 plus `ps` 0..M-1, and every task
+  gets `GRPC_FAIL_FAST=use_caller` (ParameterServerStrategy). `--evaluator`
+  adds `evaluator` 0;
+* prefixes each output line with the role (`[worker:0] ...`);
+* forwards SIGINT (Ctrl-C) and SIGTERM to every task; the tasks save a
+  checkpoint and exit (see `tfdist.preemption`), and any still running
+  after `--stop_grace_seconds` are killed. A second Ctrl-C kills at once;
+* exits with the chief's exit status (128 + N if a signal N ended it; 1 if
+  the chief succeeded but another task failed);
+* with `--max_restarts=K`: when any task exits with an error (or is
+  killed), it stops the others and starts the whole group again, with new
+  ports, up to K times. The training binary resumes from the last
+  checkpoint in `--model_dir`.
+
+When the chief has finished, `ps` tasks (and, with ps tasks, the workers,
+which are servers there) are stopped; other tasks get
+`--stop_grace_seconds` to finish on their own.
+
+Non-chief tasks get a scratch `TMPDIR` under one launcher folder, which is
+deleted at the end even if a task was killed before cleaning up.
+"""
+
+import dataclasses
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Dict, List, Optional, Sequence
+
+from absl import app
+from absl import flags
+
+from tfdist import cluster as cluster_lib
+
+HOST = "127.0.0.1"
+# Survivors of a failed task get this long to exit on their own (they
+# usually fail at once with UnavailableError) before they are killed.
+FAILURE_STOP_SECONDS = 5.0
+POLL_SECONDS = 0.1
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+  """One process of the local cluster."""
+  task_type: str
+  task_index: int
+
+  @property
+  def name(self) -> str:
+    return f"{self.task_type}:{self.task_index}"
+
+
+def plan_tasks(*, num_workers: int, num_ps: int = 0,
+               evaluator: bool = False) -> List[Task]:
+  """The tasks for `num_workers` training processes (see module docstring).
+
+  Raises:
+    ValueError: `num_workers` < 1 or `num_ps` < 0.
+  """
+  if num_workers < 1:
+    raise ValueError(f"--num_workers={num_workers} must be >= 1.")
+  if num_ps < 0:
+    raise ValueError(f"--num_ps={num_ps} must be >= 0.")
+  tasks = [Task(cluster_lib.CHIEF, 0)]
+  extra_workers = num_workers if num_ps else num_workers - 1
+  tasks += [Task(cluster_lib.WORKER, i) for i in range(extra_workers)]
+  tasks += [Task(cluster_lib.PS, i) for i in range(num_ps)]
+  if evaluator:
+    tasks.append(Task(cluster_lib.EVALUATOR, 0))
+  return tasks
+
+
+def make_cluster(tasks: Sequence[Task], ports: Sequence[int],
+                 host: str = HOST) -> Dict[str, List[str]]:
+  """`{job: [host:port, ...]}` for every task but the evaluator."""
+  cluster: Dict[str, List[str]] = {}
+  for task, port in zip(tasks, ports):
+    if task.task_type != cluster_lib.EVALUATOR:
+      cluster.setdefault(task.task_type, []).append(f"{host}:{port}")
+  return cluster
+
+
+def tf_config(cluster: Dict[str, List[str]], task: Task) -> str:
+  """The `TF_CONFIG` JSON of `task` (checked with `tfdist.cluster`)."""
+  text = json.dumps({"cluster": cluster,
+                     "task": {"type": task.task_type,
+                              "index": task.task_index}})
+  cluster_lib.from_tf_config(text)  # Raises if we built something invalid.
+  return text
+
+
+def task_env(base: Dict[str, str], cluster: Dict[str, List[str]], task: Task,
+             *, scratch_dir: Optional[str] = None) -> Dict[str, str]:
+  """The environment of one task: `base` plus TF_CONFIG and friends."""
+  env = dict(base)
+  env["TF_CONFIG"] = tf_config(cluster, task)
+  env.pop("CLUSTER_SPEC", None)  # TF_CONFIG would win anyway; avoid doubt.
+  env["PYTHONUNBUFFERED"] = "1"
+  if cluster.get(cluster_lib.PS):
+    # TensorFlow's parameter-server guide: fail RPCs fast, let the caller
+    # (the coordinator) retry.
+    env["GRPC_FAIL_FAST"] = "use_caller"
+  if scratch_dir:
+    env["TMPDIR"] = scratch_dir
+  return env
+
+
+def _exit_status(code: Optional[int]) -> int:
+  """A subprocess return code as a shell exit status (signal N -> 128+N)."""
+  if code is None:
+    return 1
+  return 128 - code if code < 0 else code
+
+
+class Launcher:
+  """Runs the local cluster; see the module docstring.
+
+  Args:
+    tasks: from `plan_tasks`.
+    command: the program every task runs, e.g. `[python, -m, tfdist.train,
+      --model_dir=...]`.
+    max_restarts: group restarts allowed after a task fails.
+    stop_grace_seconds: after forwarding a signal (or after the chief
+      finished), how long tasks get before they are killed.
+    out: where prefixed output goes.
+  """
+
+  def __init__(self, *, tasks: Sequence[Task], command: Sequence[str],
+               max_restarts: int = 0, stop_grace_seconds: float = 40.0,
+               out=None):
+    self.tasks = list(tasks)
+    self.command = list(command)
+    self.max_restarts = int(max_restarts)
+    self.stop_grace_seconds = float(stop_grace_seconds)
+    self.out = out or sys.stdout
+    self._lock = threading.Lock()
+    self._procs: Dict[Task, subprocess.Popen] = {}
+    self._signal: Optional[int] = None
+    self._signal_deadline: Optional[float] = None
+    self.attempts = 0
+
+  # --- output --------------------------------------------------------------
+  def _say(self, text: str):
+    with self._lock:
+      self.out.write(f"[launch] {text}\n")
+      self.out.flush()
+
+  def _pump(self, task: Task, stream):
+    prefix = f"[{task.name}] ".encode()
+    out = getattr(self.out, "buffer", None)
+    for line in iter(stream.readline, b""):
+      with self._lock:
+        if out is not None:
+          out.write(prefix + line if line.endswith(b"\n") else
+                    prefix + line + b"\n")
+          out.flush()
+        else:
+          self.out.write((prefix + line).decode(errors="replace"))
+          self.out.flush()
+    stream.close()
+
+  # --- signals -------------------------------------------------------------
+  def _on_signal(self, signum, frame):
+    del frame  # Unused.
+    if self._signal is not None:
+      self._say(f"second {signal.Signals(signum).name}: killing every task.")
+      self._kill_all(signal.SIGKILL)
+      return
+    self._signal = signum
+    self._signal_deadline = time.time() + self.stop_grace_seconds
+    self._say(f"{signal.Signals(signum).name}: forwarding to every task; "
+              f"killing any still running after {self.stop_grace_seconds:g} s.")
+    self._kill_all(signum)
+
+  def _kill_all(self, signum, only: Optional[Sequence[Task]] = None):
+    for task, proc in list(self._procs.items()):
+      if only is not None and task not in only:
+        continue
+      if proc.poll() is None:
+        try:
+          os.kill(proc.pid, signum)
+        except ProcessLookupError:
+          pass
+
+  # --- one attempt -----------------------------------------------------------
+  def _start(self, scratch_root: str):
+    import portpicker  # pylint: disable=g-import-not-at-top
+    ports: List[int] = []
+    while len(ports) < len(self.tasks):
+      port = portpicker.pick_unused_port()
+      if port not in ports:
+        ports.append(port)
+    cluster = make_cluster(self.tasks, ports)
+    pumps = []
+    for task, port in zip(self.tasks, ports):
+      scratch = os.path.join(scratch_root, f"attempt{self.attempts}",
+                             task.name.replace(":", ""))
+      os.makedirs(scratch, exist_ok=True)
+      env = task_env(dict(os.environ), cluster, task, scratch_dir=scratch)
+      proc = subprocess.Popen(self.command, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                              start_new_session=True)
+      self._procs[task] = proc
+      where = ("" if task.task_type == cluster_lib.EVALUATOR else
+               f" at {HOST}:{port}")
+      self._say(f"attempt {self.attempts}: started {task.name} pid "
+                f"{proc.pid}{where}")
+      thread = threading.Thread(target=self._pump, args=(task, proc.stdout),
+                                daemon=True)
+      thread.start()
+      pumps.append(thread)
+    return pumps
+
+  def _wait_attempt(self) -> str:
+    """Waits for the attempt to end: 'ok', 'failed' or 'signaled'."""
+    chief = self.tasks[0]
+    has_ps = any(t.task_type == cluster_lib.PS for t in self.tasks)
+    servers = [t for t in self.tasks if t.task_type == cluster_lib.PS or
+               (has_ps and t.task_type == cluster_lib.WORKER)]
+    chief_done_at = None
+    while True:
+      codes = {t: p.poll() for t, p in self._procs.items()}
+      if self._signal is not None:
+        if all(c is not None for c in codes.values()):
+          return "signaled"
+        if time.time() > self._signal_deadline:
+          self._say("grace period over: killing the remaining tasks.")
+          self._kill_all(signal.SIGKILL)
+          self._signal_deadline = float("inf")
+        time.sleep(POLL_SECONDS)
+        continue
+      failed = [t for t, c in codes.items() if c not in (None, 0)
+                and not (chief_done_at and t in servers)]
+      if failed:
+        for task in failed:
+          self._say(f"{task.name} exited with status "
+                    f"{_exit_status(codes[task])}.")
+        self._stop_survivors()
+        return "failed"
+      if codes[chief] == 0 and chief_done_at is None:
+        chief_done_at = time.time()
+        if servers:
+          self._say("chief finished: stopping the servers "
+                    f"({', '.join(t.name for t in servers)}).")
+          self._kill_all(signal.SIGKILL, only=servers)
+      pending = [t for t, c in codes.items()
+                 if c is None and t not in servers]
+      if chief_done_at is not None and not pending:
+        for task in servers:
+          self._procs[task].wait()
+        return "ok"
+      if (chief_done_at is not None and
+          time.time() - chief_done_at > self.stop_grace_seconds):
+        self._say(f"{', '.join(t.name for t in pending)} still running "
+                  f"{self.stop_grace_seconds:g} s after the chief finished: "
+                  "killing.")
+        self._kill_all(signal.SIGKILL)
+        return "failed"
+      time.sleep(POLL_SECONDS)
+
+  def _stop_survivors(self):
+    deadline = time.time() + FAILURE_STOP_SECONDS
+    while time.time() < deadline and any(
+        p.poll() is None for p in self._procs.values()):
+      time.sleep(POLL_SECONDS)
+    running = [t for t, p in self._procs.items() if p.poll() is None]
+    if running:
+      self._say(f"stopping {', '.join(t.name for t in running)}.")
+      self._kill_all(signal.SIGKILL)
+    for proc in self._procs.values():
+      proc.wait()
+
+  # --- the whole run ----------------------------------------------------------
+  def run(self) -> int:
+    """Runs (and restarts) the group; returns the exit status to use."""
+    previous = {s: signal.signal(s, self._on_signal)
+                for s in (signal.SIGINT, signal.SIGTERM)}
+    scratch_root = tempfile.mkdtemp(prefix="tfdist-launch-")
+    try:
+      while True:
+        self._procs = {}
+        pumps = self._start(scratch_root)
+        outcome = self._wait_attempt()
+        for proc in self._procs.values():
+          proc.wait()
+        for thread in pumps:
+          thread.join(timeout=5)
+        codes = {t.name: _exit_status(p.returncode)
+                 for t, p in self._procs.items()}
+        chief_status = codes[self.tasks[0].name]
+        if outcome == "ok":
+          self._say(f"done: every task finished (chief status "
+                    f"{chief_status}).")
+          return chief_status
+        if outcome == "signaled" or self.attempts >= self.max_restarts:
+          status = chief_status or 1
+          why = ("stopped by signal" if outcome == "signaled" else
+                 f"failed after {self.attempts} restart(s)")
+          self._say(f"{why}: exit status {status} (tasks: {codes}).")
+          return status
+        self.attempts += 1
+        self._say(f"restarting the group ({self.attempts} of "
+                  f"{self.max_restarts}); it resumes from the last "
+                  "checkpoint.")
+    finally:
+      self._kill_all(signal.SIGKILL)
+      for s, handler in previous.items():
+        signal.signal(s, handler)
+      shutil.rmtree(scratch_root, ignore_errors=True)
+
+
+# --- binary --------------------------------------------------------------
+FLAGS = flags.FLAGS
+
+
+def define_launch_flags():
+  flags.DEFINE_integer(
+      "num_workers", 2,
+      "Training processes. Without ps: chief 0 plus workers 0..N-2. With "
+      "--num_ps: a chief (coordinator) plus workers 0..N-1.")
+  flags.DEFINE_integer("num_ps", 0, "Parameter-server tasks (ps 0..M-1).")
+  flags.DEFINE_bool("evaluator", False, "Add an evaluator task (evaluator 0).")
+  flags.DEFINE_integer(
+      "max_restarts", 0,
+      "When a task fails, stop the others and restart the whole group, at "
+      "most this many times (it resumes from the last checkpoint).")
+  flags.DEFINE_float(
+      "stop_grace_seconds", 40.0,
+      "After forwarding Ctrl-C/SIGTERM, or after the chief finished, kill "
+      "tasks still running after this many seconds. Keep it above the "
+      "training flag --preemption_grace_seconds (default 30).")
+  flags.DEFINE_string("module", "tfdist.train",
+                      "Python module every task runs with `python -m`.")
+
+
+def main(argv):
+  train_args = argv[1:]
+  try:
+    tasks = plan_tasks(num_workers=FLAGS.num_workers, num_ps=FLAGS.num_ps,
+                       evaluator=FLAGS.evaluator)
+  except ValueError as e:
+    raise app.UsageError(str(e)) from None
+  if FLAGS.max_restarts < 0:
+    raise app.UsageError(f"--max_restarts={FLAGS.max_restarts} must be >= 0.")
+  launcher = Launcher(
+      tasks=tasks, command=[sys.executable, "-m", FLAGS.module, *train_args],
+      max_restarts=FLAGS.max_restarts,
+      stop_grace_seconds=FLAGS.stop_grace_seconds)
+  sys.exit(launcher.run())
+
+
+def run():
+  define_launch_flags()
+  app.run(main)
+
+
+if __name__ == "__main__":
+  run()
