@@ -139,12 +139,7 @@ class PrecisionEndToEndTest(parameterized.TestCase):
     keras.mixed_precision.set_global_policy("float32")
     super().tearDown()
 
-  @parameterized.named_parameters(
-      ("fp32", "fp32", "float32", None),
-      ("bf16", "bf16", "mixed_bfloat16", None),
-      ("fp16", "fp16", "mixed_float16", 2.0**15))
-  @onednn_off
-  def test_policy_trains_on_real_data(self, dtype, policy, first_scale):
+  def _run(self, dtype):
     data = testutil.fashion_mnist_subset(limit=512, train_shards=4,
                                          test_shards=2)
     model_dir = testutil.scratch_dir()
@@ -153,22 +148,29 @@ class PrecisionEndToEndTest(parameterized.TestCase):
         eval_files=data["eval"], distribution_strategy="one_device",
         dtype=dtype, batch_size=64, train_steps=6, log_steps=2,
         warmup_steps=0, seed=3))
-    self.assertEqual(record["dtype_policy"], policy)
     self.assertEqual(record["dtype"], dtype)
     self.assertEqual(record["final_metrics"]["eval_examples"], 512)
     losses = [h["loss"] for h in record["history"]]
     self.assertTrue(all(np.isfinite(losses)), losses)
-    # The loss scale is in TensorBoard exactly when loss scaling is used.
-    scales = _scalars(os.path.join(model_dir, "train"), "loss_scale")
-    if first_scale is None:
-      self.assertEqual(scales, {})
-      self.assertIsNone(record["loss_scale"])
-    else:
-      self.assertEqual(sorted(scales), [2, 4, 6])
-      self.assertLessEqual(max(scales.values()), first_scale)
-      self.assertEqual(scales[6], record["loss_scale"])
-      self.assertEqual([h["loss_scale"] for h in record["history"]],
-                       [scales[s] for s in (2, 4, 6)])
+    return record, _scalars(os.path.join(model_dir, "train"), "loss_scale")
+
+  @parameterized.named_parameters(("fp32", "fp32", "float32"),
+                                  ("bf16", "bf16", "mixed_bfloat16"))
+  def test_policy_trains_without_loss_scale(self, dtype, policy):
+    record, scales = self._run(dtype)
+    self.assertEqual(record["dtype_policy"], policy)
+    self.assertEqual(scales, {})  # No loss scaling, nothing logged.
+    self.assertIsNone(record["loss_scale"])
+
+  @onednn_off
+  def test_fp16_trains_and_logs_loss_scale_to_tensorboard(self):
+    record, scales = self._run("fp16")
+    self.assertEqual(record["dtype_policy"], "mixed_float16")
+    self.assertEqual(sorted(scales), [2, 4, 6])  # Every --log_steps.
+    self.assertLessEqual(max(scales.values()), 2.0**15)
+    self.assertEqual(scales[6], record["loss_scale"])
+    self.assertEqual([h["loss_scale"] for h in record["history"]],
+                     [scales[s] for s in (2, 4, 6)])
 
 
 def _scalars(log_dir, tag):
