@@ -293,6 +293,30 @@ class TpuRulesTest(parameterized.TestCase):
                       tpu.TPU_DEFAULT_STEPS_PER_EXECUTION))
 
 
+class TpuFlagsTest(absltest.TestCase):
+  """Model Garden's flag names reach the TrainConfig."""
+
+  def test_flags_to_config(self):
+    from absl import flags  # pylint: disable=g-import-not-at-top
+    from absl.testing import flagsaver  # pylint: disable=g-import-not-at-top
+    import flags as tfdist_flags  # pylint: disable=g-import-not-at-top
+    from tfdist import train  # pylint: disable=g-import-not-at-top,unused-import
+    with flagsaver.as_parsed(
+        distribution_strategy="tpu", tpu="my-tpu", tpu_zone="us-central2-b",
+        tpu_gcp_project="proj", tpu_init_timeout="30", model_dir="/m",
+        train_steps="5"):
+      cfg = tfdist_flags.flags_to_config(flags.FLAGS)
+    self.assertEqual((cfg.tpu, cfg.tpu_zone, cfg.tpu_gcp_project,
+                      cfg.tpu_init_timeout), ("my-tpu", "us-central2-b",
+                                              "proj", 30.0))
+    # Neither --dtype nor --steps_per_execution given: the TPU defaults.
+    self.assertEqual((cfg.dtype, cfg.steps_per_execution),
+                     ("bf16", tpu.TPU_DEFAULT_STEPS_PER_EXECUTION))
+    with flagsaver.as_parsed(dtype="AUTO", model_dir="/m", train_steps="5"):
+      self.assertEqual(tfdist_flags.flags_to_config(flags.FLAGS).dtype,
+                       "auto")
+
+
 class StaticEvalBatchesTest(parameterized.TestCase):
   """TPU evaluation: static shapes, every example counted once."""
 
