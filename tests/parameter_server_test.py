@@ -1,0 +1,148 @@
+"""Tests for tfdist.parameter_server: roles, partitioners, shard checks.
+
+No cluster here (see ps_training_test.py for real clusters).
+"""
+
+import json
+import os
+import tempfile
+from unittest import mock
+
+from absl.testing import absltest
+from absl.testing import parameterized
+import keras
+import tensorflow as tf
+
+from tfdist import parameter_server as ps_lib
+from tfdist import sharded_embedding
+from tfdist.config import ConfigError, TrainConfig
+
+
+def _tf_config(task_type, index=0, ps=2):
+  return json.dumps({
+      "cluster": {"chief": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"],
+                  "ps": [f"127.0.0.1:{3 + i}" for i in range(ps)]},
+      "task": {"type": task_type, "index": index}})
+
+
+class RolesTest(parameterized.TestCase):
+
+  @parameterized.named_parameters(
+      ("chief", "chief", 0), ("master", "master", 0), ("worker", "worker", 1),
+      ("ps", "ps", 1), ("evaluator", "evaluator", 0))
+  def test_current_task(self, task_type, index):
+    with mock.patch.dict(os.environ, {"TF_CONFIG": _tf_config(task_type,
+                                                              index)}):
+      expected = "chief" if task_type == "master" else task_type
+      self.assertEqual(ps_lib.current_task(), (expected, index))
+
+  def test_no_tf_config_is_chief(self):
+    with mock.patch.dict(os.environ, {}, clear=True):
+      self.assertEqual(ps_lib.current_task(), ("chief", 0))
+      self.assertFalse(ps_lib.cluster_has_ps())
+
+  def test_unknown_role(self):
+    with mock.patch.dict(os.environ, {"TF_CONFIG": _tf_config("driver")}):
+      with self.assertRaisesRegex(ConfigError, "'driver'.*chief, worker"):
+        ps_lib.current_task()
+
+  def test_uses_parameter_server(self):
+    config = TrainConfig(model_dir="/tmp/x", train_steps=1,
+                         distribution_strategy="auto")
+    with mock.patch.dict(os.environ, {"TF_CONFIG": _tf_config("chief")}):
+      self.assertTrue(ps_lib.uses_parameter_server(config))
+    with mock.patch.dict(os.environ, {"TF_CONFIG": _tf_config("chief",
+                                                              ps=0)}):
+      self.assertFalse(ps_lib.uses_parameter_server(config))
+      self.assertTrue(ps_lib.uses_parameter_server(
+          config.replace(distribution_strategy="parameter_server")))
+
+  def test_cluster_without_ps_is_a_clear_error(self):
+    with mock.patch.dict(os.environ, {"TF_CONFIG": _tf_config("chief",
+                                                              ps=0)}):
+      with self.assertRaisesRegex(ConfigError, "needs a cluster with ps"):
+        ps_lib.cluster_resolver()
+
+
+class PartitionerTest(parameterized.TestCase):
+
+  @parameterized.named_parameters(
+      # 100000 x 16 float32 = 6.1 MiB.
+      ("min_size", "min_size", 256 << 10, 0, [2, 1]),
+      ("min_size_big_minimum", "min_size", 8 << 20, 0, [1, 1]),
+      ("min_size_more_shards", "min_size", 256 << 10, 4, [4, 1]),
+      ("max_size", "max_size", 1 << 20, 0, [2, 1]),
+      ("max_size_unbounded", "max_size", 1 << 20, 16, [7, 1]),
+      ("fixed", "fixed", 1, 3, [3, 1]),
+  )
+  def test_shards_tables(self, kind, shard_bytes, max_shards, expected):
+    partitioner = ps_lib.make_partitioner(
+        kind, num_ps=2, shard_bytes=shard_bytes, max_shards=max_shards)
+    with sharded_embedding.sharding_scope():
+      self.assertEqual(list(partitioner(tf.TensorShape([100000, 16]),
+                                        tf.float32)), expected)
+
+  @parameterized.named_parameters(("min_size", "min_size"),
+                                  ("max_size", "max_size"),
+                                  ("fixed", "fixed"))
+  def test_never_shards_other_variables(self, kind):
+    partitioner = ps_lib.make_partitioner(kind, num_ps=2, shard_bytes=1,
+                                          max_shards=2)
+    self.assertEqual(partitioner(tf.TensorShape([4096, 512]), tf.float32),
+                     [1, 1])
+
+  def test_none(self):
+    self.assertIsNone(ps_lib.make_partitioner("none", num_ps=2,
+                                              shard_bytes=1))
+
+  def test_bad_arguments(self):
+    with self.assertRaisesRegex(ConfigError, "--ps_partitioner='even'"):
+      ps_lib.make_partitioner("even", num_ps=2, shard_bytes=1)
+    with self.assertRaisesRegex(ConfigError, "needs ps tasks"):
+      ps_lib.make_partitioner("min_size", num_ps=0, shard_bytes=1)
+
+  def test_config_validates_flags(self):
+    with self.assertRaisesRegex(ConfigError, "--ps_partitioner='even'"):
+      TrainConfig(model_dir="/tmp/x", train_steps=1, ps_partitioner="even")
+    with self.assertRaisesRegex(ConfigError, "--ps_min_shard_bytes=0"):
+      TrainConfig(model_dir="/tmp/x", train_steps=1, ps_min_shard_bytes=0)
+    with self.assertRaisesRegex(ConfigError, "--hash_buckets=0"):
+      TrainConfig(model_dir="/tmp/x", train_steps=1, hash_buckets=0)
+
+
+class ShardLayoutTest(absltest.TestCase):
+
+  def _model(self):
+    inputs = keras.Input(shape=(1,), dtype="int64")
+    outputs = sharded_embedding.ShardedEmbedding(10, 2, name="users")(inputs)
+    return keras.Model(inputs, outputs)
+
+  def test_round_trip_and_mismatch(self):
+    ckpt_dir = tempfile.mkdtemp(dir=os.environ.get("TEST_TMPDIR"))
+    model = self._model()
+    ps_lib.check_shard_layout(ckpt_dir, model)  # Nothing saved yet.
+    ps_lib.write_shard_layout(ckpt_dir, model)
+    ps_lib.check_shard_layout(ckpt_dir, model)
+    with open(os.path.join(ckpt_dir, ps_lib.SHARDS_FILE), "w") as f:
+      json.dump({"users": 4}, f)
+    with self.assertRaisesRegex(
+        ps_lib.ShardCountMismatchError,
+        r"table 'users' in 4 shard\(s\), but this cluster splits it into 1"):
+      ps_lib.check_shard_layout(ckpt_dir, model)
+
+  def test_done_marker(self):
+    model_dir = tempfile.mkdtemp(dir=os.environ.get("TEST_TMPDIR"))
+    self.assertFalse(ps_lib._marked_done_since(model_dir, 0.0))
+    ps_lib.mark_done(model_dir)
+    self.assertTrue(ps_lib._marked_done_since(model_dir, 0.0))
+    self.assertFalse(ps_lib._marked_done_since(model_dir, 4e9))
+    ps_lib.clear_done(model_dir)
+    self.assertFalse(ps_lib._marked_done_since(model_dir, 0.0))
+
+  def test_task_of(self):
+    self.assertEqual(ps_lib.task_of("/job:ps/replica:0/task:1/device:CPU:0"),
+                     "ps:1")
+
+
+if __name__ == "__main__":
+  absltest.main()
