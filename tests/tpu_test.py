@@ -205,7 +205,7 @@ class NoTpuTest(absltest.TestCase):
     result = testutil.run_module(
         "tfdist.train", ["--distribution_strategy=tpu", "--tpu=local",
                          f"--model_dir={model_dir}", "--train_steps=2"],
-        timeout=120)
+        timeout=240)
     elapsed = time.monotonic() - started
     self.assertNotEqual(result.returncode, 0)
     self.assertRegex(result.stdout,
@@ -215,8 +215,9 @@ class NoTpuTest(absltest.TestCase):
     tpu_seconds = float(
         result.stdout.split("Tried: --tpu=local (after ")[1].split(" s)")[0])
     self.assertLess(tpu_seconds, 5.0)
-    # Python + TensorFlow start-up included; on a loaded 2-core machine.
-    self.assertLess(elapsed, 90.0)
+    # Python and TensorFlow start-up included (about 6 s when idle; much
+    # more on a loaded 2-core CI machine).
+    self.assertLess(elapsed, 180.0)
 
 
 class TpuRulesTest(parameterized.TestCase):
