@@ -1,0 +1,186 @@
+"""Tests for tfdist.launch: task layout, TF_CONFIG, and fault tolerance.
+
+The multi-process tests run real two-worker MultiWorkerMirroredStrategy jobs
+of `tfdist.train` under the launcher on 127.0.0.1, each with a hard timeout;
+they signal only PIDs the launcher reports having started.
+"""
+
+import json
+import os
+import re
+import signal
+import time
+
+from absl.testing import absltest
+
+from tests import multi_worker_testlib as testlib
+from tests import testutil
+from tfdist import cluster as cluster_lib
+from tfdist import launch
+
+TIMEOUT = 240
+CHECKPOINT_STEPS = 10
+
+
+class TaskLayoutTest(absltest.TestCase):
+
+  def test_mirrored_layout(self):
+    tasks = launch.plan_tasks(num_workers=3)
+    self.assertEqual([t.name for t in tasks],
+                     ["chief:0", "worker:0", "worker:1"])
+
+  def test_parameter_server_layout(self):
+    tasks = launch.plan_tasks(num_workers=2, num_ps=1, evaluator=True)
+    self.assertEqual([t.name for t in tasks],
+                     ["chief:0", "worker:0", "worker:1", "ps:0",
+                      "evaluator:0"])
+    cluster = launch.make_cluster(tasks, [1001, 1002, 1003, 1004, 1005])
+    self.assertEqual(cluster, {"chief": ["127.0.0.1:1001"],
+                               "worker": ["127.0.0.1:1002", "127.0.0.1:1003"],
+                               "ps": ["127.0.0.1:1004"]})
+    env = launch.task_env({"CLUSTER_SPEC": "{}", "HOME": "/h"}, cluster,
+                          tasks[4], scratch_dir="/tmp/x")
+    self.assertEqual(env["GRPC_FAIL_FAST"], "use_caller")
+    self.assertNotIn("CLUSTER_SPEC", env)
+    self.assertEqual(env["TMPDIR"], "/tmp/x")
+    config = json.loads(env["TF_CONFIG"])
+    self.assertEqual(config["task"], {"type": "evaluator", "index": 0})
+    self.assertNotIn("evaluator", config["cluster"])
+    info = cluster_lib.from_tf_config(env["TF_CONFIG"])
+    self.assertEqual(info.task_type, "evaluator")
+
+  def test_no_grpc_fail_fast_without_ps(self):
+    tasks = launch.plan_tasks(num_workers=2)
+    cluster = launch.make_cluster(tasks, [1, 2])
+    env = launch.task_env({}, cluster, tasks[1])
+    self.assertNotIn("GRPC_FAIL_FAST", env)
+    info = cluster_lib.from_tf_config(env["TF_CONFIG"])
+    self.assertEqual((info.task_type, info.task_index, info.num_workers),
+                     ("worker", 0, 2))
+
+  def test_bad_counts(self):
+    with self.assertRaisesRegex(ValueError, "--num_workers=0 must be >= 1"):
+      launch.plan_tasks(num_workers=0)
+    with self.assertRaisesRegex(ValueError, "--num_ps=-1 must be >= 0"):
+      launch.plan_tasks(num_workers=1, num_ps=-1)
+
+  def test_exit_status(self):
+    self.assertEqual(launch._exit_status(0), 0)  # pylint: disable=protected-access
+    self.assertEqual(launch._exit_status(-9), 137)  # pylint: disable=protected-access
+    self.assertEqual(launch._exit_status(143), 143)  # pylint: disable=protected-access
+
+
+def _train_args(model_dir, steps, data, extra=()):
+  return ["--distribution_strategy=multi_worker_mirrored",
+          f"--train_files={data['train']}", f"--eval_files={data['eval']}",
+          "--batch_size=32", f"--train_steps={steps}", "--log_steps=5",
+          f"--checkpoint_steps={CHECKPOINT_STEPS}",
+          "--epochs_between_evals=100", "--collective_timeout_seconds=60",
+          "--cluster_start_timeout_seconds=90", f"--model_dir={model_dir}",
+          *extra]
+
+
+def _steps_logged(text):
+  return [int(s) for s in re.findall(r"\] .*step (\d+)/\d+: loss", text)]
+
+
+def _checkpoint_is_finite(model_dir):
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  path = tf.train.latest_checkpoint(os.path.join(model_dir, "checkpoints"))
+  reader = tf.train.load_checkpoint(path)
+  step = None
+  for name in reader.get_variable_to_shape_map():
+    value = reader.get_tensor(name)
+    if np.issubdtype(np.asarray(value).dtype, np.floating):
+      if not np.all(np.isfinite(value)):
+        return False, step
+    if name.startswith("global_step/"):
+      step = int(value)
+  return True, step
+
+
+class FaultToleranceTest(absltest.TestCase):
+
+  def setUp(self):
+    super().setUp()
+    self.data = testutil.fashion_mnist_subset(limit=1024)
+
+  def test_killed_worker_restarts_group_and_resumes(self):
+    model_dir = testutil.scratch_dir()
+    steps = 40
+    watch = testlib.LauncherWatch(
+        ["--num_workers=2", "--max_restarts=1"],
+        _train_args(model_dir, steps, self.data), timeout=TIMEOUT)
+    worker_pid = watch.task_pid("worker:0")
+    self.assertIsNotNone(
+        watch.wait_for(r"\[chief:0\] .*step 1[05]/40: loss", 150),
+        watch.output()[-4000:])
+    before_kill = max(_steps_logged(watch.output()))
+    os.kill(worker_pid, signal.SIGKILL)
+    status = watch.wait()
+    output = watch.output()
+    self.assertEqual(status, 0, output[-6000:])
+    self.assertIn("worker:0 exited with status 137", output)
+    self.assertIn("restarting the group (1 of 1)", output)
+    resumed = re.search(r"\[chief:0\] .*resuming at step (\d+)", output)
+    self.assertIsNotNone(resumed, output[-6000:])
+    resumed = int(resumed.group(1))
+    # At most one checkpoint interval of work is redone.
+    self.assertEqual(resumed % CHECKPOINT_STEPS, 0)
+    self.assertGreaterEqual(resumed, before_kill - CHECKPOINT_STEPS)
+    self.assertGreater(resumed, 0)
+    manifest = json.load(open(os.path.join(model_dir, "run_manifest.json")))
+    self.assertEqual(manifest["final_step"], steps)
+    self.assertEqual(manifest["num_replicas_in_sync"], 2)
+    # The second attempt ran exactly the remaining steps.
+    second = output[output.index("restarting the group"):]
+    self.assertEqual(max(_steps_logged(second)), steps)
+    self.assertGreater(min(_steps_logged(second)), resumed)
+    finite, step = _checkpoint_is_finite(model_dir)
+    self.assertTrue(finite)
+    self.assertEqual(step, steps)
+
+  def test_sigterm_saves_exits_in_time_and_rerun_resumes(self):
+    model_dir = testutil.scratch_dir()
+    grace = 25
+    watch = testlib.LauncherWatch(
+        ["--num_workers=2", "--stop_grace_seconds=60"],
+        _train_args(model_dir, 1000, self.data,
+                    [f"--preemption_grace_seconds={grace}"]),
+        timeout=TIMEOUT)
+    worker_pid = watch.task_pid("worker:0")
+    self.assertIsNotNone(
+        watch.wait_for(r"\[chief:0\] .*step 5/1000: loss", 150),
+        watch.output()[-4000:])
+    # Preempt only the worker: the chief learns of it through the agreement
+    # all-reduce and both save at the same step.
+    sent = time.time()
+    os.kill(worker_pid, signal.SIGTERM)
+    status = watch.wait()
+    elapsed = time.time() - sent
+    output = watch.output()
+    self.assertEqual(status, 128 + signal.SIGTERM, output[-6000:])
+    self.assertLess(elapsed, grace, output[-3000:])
+    self.assertIn("[worker:0] tfdist: received SIGTERM", output)
+    stopped = re.search(r"\[chief:0\] .*Stopped by SIGTERM at step (\d+)",
+                        output)
+    self.assertIsNotNone(stopped, output[-6000:])
+    stopped = int(stopped.group(1))
+    self.assertIsNotNone(re.search(
+        rf"\[worker:0\] .*Stopped by SIGTERM at step {stopped};", output))
+    finite, step = _checkpoint_is_finite(model_dir)
+    self.assertTrue(finite)
+    self.assertEqual(step, stopped)
+    # The rerun resumes from that checkpoint and finishes.
+    status, output = testlib.run_launcher(
+        ["--num_workers=2"],
+        _train_args(model_dir, stopped + 5, self.data), timeout=TIMEOUT)
+    self.assertEqual(status, 0, output[-6000:])
+    self.assertRegex(output, rf"\[chief:0\] .*resuming at step {stopped}\b")
+    manifest = json.load(open(os.path.join(model_dir, "run_manifest.json")))
+    self.assertEqual(manifest["final_step"], stopped + 5)
+
+
+if __name__ == "__main__":
+  absltest.main()

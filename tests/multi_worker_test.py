@@ -1,0 +1,115 @@
+"""Real two-process MultiWorkerMirroredStrategy clusters on 127.0.0.1.
+
+Every run has a hard timeout and stops only the processes it started (the
+launcher forwards the stop to its own tasks). Sized for a 2-core machine:
+tiny Fashion-MNIST subsets, a few steps.
+"""
+
+import glob
+import json
+import os
+import time
+
+from absl.testing import absltest
+import numpy as np
+
+from tests import multi_worker_testlib as testlib
+from tests import testutil
+
+TIMEOUT = 180
+
+
+def _convert(limit, train_shards):
+  from tfdist import datasets  # pylint: disable=g-import-not-at-top
+  out = os.path.join(testutil.scratch_dir(), "fashion_mnist")
+  datasets.convert_fashion_mnist(out, limit=limit, train_shards=train_shards,
+                                 test_shards=1)
+  return os.path.join(out, "train-*.tfrecord.gz")
+
+
+class ExactlyOnceShardingTest(absltest.TestCase):
+
+  def test_each_example_once_per_epoch_across_two_workers(self):
+    by_file = _convert(256, 4)   # 4 files >= 2 workers: shard by file.
+    by_data = _convert(256, 1)   # 1 file < 2 workers: shard by data.
+    out = testutil.scratch_dir()
+    status, output = testlib.run_launcher(
+        ["--num_workers=2", "--module=tests.multi_worker_testlib"],
+        ["shard", out, by_file, by_data], timeout=TIMEOUT)
+    self.assertEqual(status, 0, output[-4000:])
+    results = [json.load(open(p))
+               for p in sorted(glob.glob(os.path.join(out, "ids-*.json")))]
+    self.assertLen(results, 2, output[-2000:])
+    for pattern, mode in ((by_file, "file"), (by_data, "data")):
+      with self.subTest(mode=mode):
+        per_worker = [r[pattern] for r in results]
+        ids = [i for r in per_worker for i in r["ids"]]
+        self.assertEqual(per_worker[0]["mode"], mode)
+        self.assertLen(ids, 256)
+        self.assertEqual(sorted(ids), list(range(256)))  # Each id once.
+        self.assertEmpty(set(per_worker[0]["ids"]) & set(per_worker[1]["ids"]))
+        for r in per_worker:
+          # Per-worker batch = global batch / workers.
+          self.assertEqual(r["batch_sizes"], [testlib.GLOBAL_BATCH // 2])
+
+
+class EquivalenceTest(absltest.TestCase):
+
+  def test_two_workers_match_one_process(self):
+    pattern = _convert(256, 2)
+    steps = 5
+    single_dir, multi_dir = testutil.scratch_dir(), testutil.scratch_dir()
+    code, out, _ = testlib.run_module_with_timeout(
+        "tests.multi_worker_testlib", ["train", single_dir, pattern,
+                                       str(steps)], timeout=TIMEOUT)
+    self.assertEqual(code, 0, out[-3000:])
+    self.assertIn("replicas 1", out)
+    status, output = testlib.run_launcher(
+        ["--num_workers=2", "--module=tests.multi_worker_testlib"],
+        ["train", multi_dir, pattern, str(steps)], timeout=TIMEOUT)
+    self.assertEqual(status, 0, output[-4000:])
+    self.assertIn("replicas 2", output)
+    single = np.load(os.path.join(single_dir, "weights.npz"))
+    multi = np.load(os.path.join(multi_dir, "weights.npz"))
+    np.testing.assert_allclose(multi["losses"], single["losses"], rtol=1e-5)
+    names = [k for k in single.files if k.startswith("arr_")]
+    self.assertLen(names, 4)
+    for name in names:
+      a, b = single[name], multi[name]
+      rel = np.max(np.abs(a - b)) / max(np.max(np.abs(a)), 1e-12)
+      self.assertLessEqual(rel, 1e-5, name)
+    # Training moved the weights (the comparison is not vacuous).
+    rng = np.random.RandomState(0)
+    first = rng.normal(0, 0.1, single["arr_0"].shape).astype(np.float32)
+    self.assertGreater(np.max(np.abs(single["arr_0"] - first)), 1e-4)
+
+
+class PeerNeverStartsTest(absltest.TestCase):
+
+  def test_clear_error_within_timeout(self):
+    # A two-task cluster whose worker is never started.
+    from tfdist import launch  # pylint: disable=g-import-not-at-top
+    import portpicker  # pylint: disable=g-import-not-at-top
+    tasks = launch.plan_tasks(num_workers=2)
+    cluster = launch.make_cluster(
+        tasks, [portpicker.pick_unused_port() for _ in tasks])
+    data = testutil.fashion_mnist_subset(limit=256)
+    started = time.time()
+    code, out, seconds = testlib.run_module_with_timeout(
+        "tfdist.train",
+        ["--distribution_strategy=multi_worker_mirrored",
+         f"--train_files={data['train']}", f"--eval_files={data['eval']}",
+         "--train_steps=2", f"--model_dir={testutil.scratch_dir()}",
+         "--cluster_start_timeout_seconds=8"],
+        timeout=90, env={"TF_CONFIG": launch.tf_config(cluster, tasks[0])})
+    self.assertIsNotNone(code, "the worker hung:\n" + out[-3000:])
+    self.assertNotEqual(code, 0)
+    self.assertLess(seconds, 60)
+    self.assertLess(time.time() - started, 90)
+    self.assertIn("could not form the multi_worker_mirrored cluster within "
+                  "--cluster_start_timeout_seconds=8", out)
+    self.assertIn(cluster["worker"][0], out)  # Names the missing peer.
+
+
+if __name__ == "__main__":
+  absltest.main()

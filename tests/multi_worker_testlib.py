@@ -1,0 +1,263 @@
+"""Helpers for multi-process tests: a local cluster runner and worker programs.
+
+`run_launcher` runs `python -m tfdist.launch` with a hard timeout and, on
+timeout, stops it (and through it every task it started) without touching
+any other process. `LauncherWatch` does the same in the background while a
+test reads the output line by line (to act mid-training).
+
+Run as a module (`python -m tests.multi_worker_testlib MODE OUT_DIR ...`,
+normally by the launcher) this file is a worker program:
+
+* `shard OUT_DIR FILES_GLOB...`: under MultiWorkerMirroredStrategy, reads one
+  epoch of each glob through `tfdist.input_pipeline` and writes the example
+  ids this worker saw to `OUT_DIR/ids-<task>.json`.
+* `train OUT_DIR FILES_GLOB STEPS`: trains a small dense model (no batch
+  norm, no dropout: per-replica statistics or randomness would make runs
+  differ) for STEPS steps with the tfdist `Trainer` at global batch
+  `GLOBAL_BATCH`, from fixed initial weights, in a fixed data order; the
+  chief (or the single process) writes `OUT_DIR/weights.npz`.
+"""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import List, Optional
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GLOBAL_BATCH = 32
+
+
+def _env(extra=None):
+  env = dict(os.environ)
+  env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+  env["PYTHONPATH"] = REPO_ROOT + os.pathsep + env.get("PYTHONPATH", "")
+  for name in ("TF_CONFIG", "CLUSTER_SPEC"):
+    env.pop(name, None)
+  env.update(extra or {})
+  return env
+
+
+def _stop(proc: subprocess.Popen):
+  """Stops a launcher: Ctrl-C, then a second one (kills its tasks), then kill."""
+  for _ in range(2):
+    if proc.poll() is None:
+      proc.send_signal(signal.SIGINT)
+      try:
+        proc.wait(timeout=10)
+      except subprocess.TimeoutExpired:
+        pass
+  if proc.poll() is None:
+    proc.kill()
+    proc.wait()
+
+
+class LauncherWatch:
+  """Runs the launcher in the background and collects its output lines.
+
+  Args:
+    launch_args: flags of `tfdist.launch` (before `--`).
+    task_args: arguments after `--`.
+    timeout: seconds after which the launcher is stopped (and the test
+      fails when it calls `wait`).
+  """
+
+  def __init__(self, launch_args: List[str], task_args: List[str], *,
+               timeout: float, env=None):
+    self.lines: List[str] = []
+    self.timed_out = False
+    self._cond = threading.Condition()
+    self.proc = subprocess.Popen(
+        [sys.executable, "-m", "tfdist.launch", *launch_args, "--",
+         *task_args], cwd=REPO_ROOT, env=_env(env), stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True,
+        errors="replace")
+    self._deadline = time.time() + timeout
+    self._reader = threading.Thread(target=self._read, daemon=True)
+    self._reader.start()
+    self._timer = threading.Thread(target=self._guard, daemon=True)
+    self._timer.start()
+
+  def _read(self):
+    for line in self.proc.stdout:
+      with self._cond:
+        self.lines.append(line.rstrip("\n"))
+        self._cond.notify_all()
+    with self._cond:
+      self._cond.notify_all()
+
+  def _guard(self):
+    while self.proc.poll() is None:
+      if time.time() > self._deadline:
+        self.timed_out = True
+        _stop(self.proc)
+        return
+      time.sleep(0.2)
+
+  def wait_for(self, pattern: str, timeout: float) -> Optional[re.Match]:
+    """Waits until an output line matches `pattern`; None on timeout/exit."""
+    regex = re.compile(pattern)
+    end = time.time() + timeout
+    seen = 0
+    with self._cond:
+      while True:
+        for line in self.lines[seen:]:
+          match = regex.search(line)
+          if match:
+            return match
+        seen = len(self.lines)
+        remaining = end - time.time()
+        if remaining <= 0 or (self.proc.poll() is not None and
+                              not self._reader.is_alive()):
+          return None
+        self._cond.wait(min(remaining, 0.5))
+
+  def task_pid(self, task: str, attempt: int = 0) -> int:
+    match = self.wait_for(
+        rf"\[launch\] attempt {attempt}: started {task} pid (\d+)", 30)
+    if not match:
+      raise AssertionError(f"no pid for {task}:\n{self.output()}")
+    return int(match.group(1))
+
+  def wait(self) -> int:
+    """Waits for the launcher to exit; returns its exit status."""
+    self.proc.wait(timeout=max(1.0, self._deadline - time.time() + 30))
+    self._reader.join(timeout=10)
+    if self.timed_out:
+      raise AssertionError("the launcher timed out:\n" + self.output()[-6000:])
+    return self.proc.returncode
+
+  def output(self) -> str:
+    return "\n".join(self.lines)
+
+
+def run_launcher(launch_args, task_args, *, timeout: float, env=None):
+  """Runs the launcher to the end; returns (exit status, output)."""
+  watch = LauncherWatch(launch_args, task_args, timeout=timeout, env=env)
+  status = watch.wait()
+  return status, watch.output()
+
+
+def run_module_with_timeout(module: str, args, *, timeout: float, env=None):
+  """`python -m module args` (no TF_CONFIG unless `env` sets it).
+
+  Returns:
+    (returncode, output, seconds); on timeout the process is killed and
+    returncode is None.
+  """
+  started = time.time()
+  proc = subprocess.Popen([sys.executable, "-m", module, *args], cwd=REPO_ROOT,
+                          env=_env(env), stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True,
+                          errors="replace")
+  try:
+    out, _ = proc.communicate(timeout=timeout)
+    code = proc.returncode
+  except subprocess.TimeoutExpired:
+    proc.kill()
+    out, _ = proc.communicate()
+    code = None
+  return code, out, time.time() - started
+
+
+# --- worker programs -------------------------------------------------------
+def _task_name() -> str:
+  from tfdist import cluster as cluster_lib  # pylint: disable=g-import-not-at-top
+  info = cluster_lib.resolve_cluster()
+  return f"{info.task_type}{info.task_index}"
+
+
+def _strategy(out_dir: str):
+  from tfdist import config as config_lib  # pylint: disable=g-import-not-at-top
+  from tfdist import strategy as strategy_lib  # pylint: disable=g-import-not-at-top
+  name = ("multi_worker_mirrored" if os.environ.get("TF_CONFIG") else
+          "one_device")
+  config = config_lib.TrainConfig(
+      distribution_strategy=name, model_dir=out_dir, train_steps=1,
+      num_gpus=0, collective_timeout_seconds=60,
+      cluster_start_timeout_seconds=60)
+  return strategy_lib.make_strategy(config).strategy
+
+
+def shard_main(out_dir: str, globs: List[str]):
+  """Writes the ids of one epoch of each glob seen by this worker."""
+  strategy = _strategy(out_dir)
+  import functools  # pylint: disable=g-import-not-at-top
+  from tfdist import datasets  # pylint: disable=g-import-not-at-top
+  from tfdist import input_pipeline  # pylint: disable=g-import-not-at-top
+  from tfdist import cluster as cluster_lib  # pylint: disable=g-import-not-at-top
+  num_workers = cluster_lib.resolve_cluster().num_workers
+  result = {}
+  for pattern in globs:
+    files = input_pipeline.list_files(pattern)
+    total = input_pipeline.count_records(files)
+    steps = total // GLOBAL_BATCH
+    options = input_pipeline.PipelineOptions(
+        files=files, parse_fn=functools.partial(datasets.parse_image_example,
+                                                with_id=True),
+        global_batch_size=GLOBAL_BATCH, is_training=True,
+        shuffle_buffer_size=64, cache=False, seed=7)
+    iterator = iter(input_pipeline.distribute(strategy, options))
+    ids, batch_sizes = [], set()
+    for _ in range(steps):
+      batch = next(iterator)
+      for local in strategy.experimental_local_results(batch[2]):
+        ids.extend(int(i) for i in local.numpy())
+        batch_sizes.add(int(local.shape[0]))
+    result[pattern] = {"ids": ids, "batch_sizes": sorted(batch_sizes),
+                       "steps": steps, "total": total,
+                       "mode": input_pipeline.shard_mode(len(files),
+                                                         num_workers)}
+  with open(os.path.join(out_dir, f"ids-{_task_name()}.json"), "w") as f:
+    json.dump(result, f)
+
+
+def train_main(out_dir: str, pattern: str, steps: int):
+  """Trains the dense model; the chief writes weights.npz."""
+  strategy = _strategy(out_dir)
+  import keras  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  from tfdist import datasets  # pylint: disable=g-import-not-at-top
+  from tfdist import input_pipeline  # pylint: disable=g-import-not-at-top
+  from tfdist.train_loop import Trainer  # pylint: disable=g-import-not-at-top
+  with strategy.scope():
+    model = keras.Sequential([
+        keras.Input((28, 28, 1)), keras.layers.Flatten(),
+        keras.layers.Dense(32, activation="relu"), keras.layers.Dense(10)])
+    optimizer = keras.optimizers.SGD(learning_rate=0.5)
+    optimizer.build(model.trainable_variables)
+  rng = np.random.RandomState(0)
+  model.set_weights([rng.normal(0, 0.1, w.shape).astype(np.float32)
+                     for w in model.get_weights()])
+  trainer = Trainer(strategy=strategy, model=model, optimizer=optimizer,
+                    global_batch_size=GLOBAL_BATCH)
+  options = input_pipeline.PipelineOptions(
+      files=input_pipeline.list_files(pattern),
+      parse_fn=datasets.parse_image_example, global_batch_size=GLOBAL_BATCH,
+      is_training=True, shuffle_buffer_size=0, cache=False, deterministic=True)
+  iterator = iter(input_pipeline.distribute(strategy, options))
+  losses = []
+  for _ in range(steps):
+    out = trainer.train_function(iterator, tf.constant(1, tf.int32))
+    losses.append(float(out["loss"]))
+  from tfdist import cluster as cluster_lib  # pylint: disable=g-import-not-at-top
+  if cluster_lib.resolve_cluster().is_chief:
+    np.savez(os.path.join(out_dir, "weights.npz"), *model.get_weights(),
+             losses=np.array(losses))
+  print(f"trained {steps} steps, replicas {strategy.num_replicas_in_sync}, "
+        f"last loss {losses[-1]:.6f}", flush=True)
+
+
+if __name__ == "__main__":
+  _mode, _out = sys.argv[1], sys.argv[2]
+  if _mode == "shard":
+    shard_main(_out, sys.argv[3:])
+  elif _mode == "train":
+    train_main(_out, sys.argv[3], int(sys.argv[4]))
+  else:
+    raise SystemExit(f"unknown mode {_mode!r}")
