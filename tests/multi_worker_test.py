@@ -9,8 +9,10 @@ import glob
 import json
 import os
 import time
+from unittest import mock
 
 from absl.testing import absltest
+from absl.testing import parameterized
 import numpy as np
 
 from tests import multi_worker_testlib as testlib
@@ -25,6 +27,51 @@ def _convert(limit, train_shards):
   datasets.convert_fashion_mnist(out, limit=limit, train_shards=train_shards,
                                  test_shards=1)
   return os.path.join(out, "train-*.tfrecord.gz")
+
+
+class StrategyOptionsTest(parameterized.TestCase):
+  """The factory's multi_worker_mirrored branch, in one process (no peers)."""
+
+  def _config(self, **kwargs):
+    from tfdist import config as config_lib  # pylint: disable=g-import-not-at-top
+    return config_lib.TrainConfig(
+        distribution_strategy="multi_worker_mirrored", model_dir="/tmp/x",
+        train_steps=1, num_gpus=0, **kwargs)
+
+  @parameterized.named_parameters(("ring", "ring", "RING"),
+                                  ("auto", "auto", "AUTO"))
+  def test_communication_options(self, alg, implementation):
+    from tfdist import strategy as strategy_lib  # pylint: disable=g-import-not-at-top
+    with mock.patch.dict(os.environ, {"TF_CONFIG": "", "CLUSTER_SPEC": ""}):
+      choice = strategy_lib.make_strategy(self._config(
+          all_reduce_alg=alg, collective_timeout_seconds=12))
+    self.assertEqual(choice.name, "multi_worker_mirrored")
+    self.assertEqual(choice.strategy.num_replicas_in_sync, 1)
+    options = choice.strategy.extended._communication_options  # pylint: disable=protected-access
+    self.assertEqual(options.implementation.name, implementation)
+    self.assertEqual(options.timeout_seconds, 12)
+
+  @parameterized.named_parameters(
+      ("hierarchical_copy", "hierarchical_copy",
+       "--all_reduce_alg=hierarchical_copy does not apply to "
+       "multi_worker_mirrored"),
+      ("nccl_on_cpu", "nccl", "--all_reduce_alg=nccl needs GPUs"))
+  def test_all_reduce_errors(self, alg, message):
+    from tfdist import config as config_lib  # pylint: disable=g-import-not-at-top
+    from tfdist import strategy as strategy_lib  # pylint: disable=g-import-not-at-top
+    with self.assertRaisesRegex(config_lib.ConfigError, message):
+      strategy_lib.make_strategy(self._config(all_reduce_alg=alg))
+
+  def test_ps_task_cannot_run_mirrored(self):
+    from tfdist import config as config_lib  # pylint: disable=g-import-not-at-top
+    from tfdist import strategy as strategy_lib  # pylint: disable=g-import-not-at-top
+    tf_config = json.dumps({"cluster": {"chief": ["127.0.0.1:1"],
+                                        "ps": ["127.0.0.1:2"]},
+                            "task": {"type": "ps", "index": 0}})
+    with mock.patch.dict(os.environ, {"TF_CONFIG": tf_config}):
+      with self.assertRaisesRegex(config_lib.ConfigError,
+                                  "runs only on chief and worker tasks"):
+        strategy_lib.make_strategy(self._config())
 
 
 class ExactlyOnceShardingTest(absltest.TestCase):
