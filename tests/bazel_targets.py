@@ -99,10 +99,17 @@ def _glob(root: str, package: str, packages: Set[str], include, exclude):
       continue
     for name in filenames:
       rel = name if rel_dir == "." else os.path.join(rel_dir, name)
-      if any(fnmatch.fnmatch(rel, p) for p in include) and not any(
-          fnmatch.fnmatch(rel, p) for p in exclude):
+      if (any(_glob_match(rel, p) for p in include)
+          and not any(_glob_match(rel, p) for p in exclude)):
         found.add(rel)
   return sorted(found)
+
+
+def _glob_match(path: str, pattern: str) -> bool:
+  """Bazel's glob match: `*` stays within one folder, `**` spans many."""
+  if "**" not in pattern and path.count("/") != pattern.count("/"):
+    return False
+  return fnmatch.fnmatch(path, pattern)
 
 
 class _Evaluator:

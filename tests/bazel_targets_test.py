@@ -213,7 +213,13 @@ skips it. Add to tests/sub/BUILD:
         )
         """)
     _write(self.root, "lib/more.py", "")
-    self.assertEqual(bazel_targets.check_workspace(self.root), [])
+    _write(self.root, "lib/data/not_a_src.py", "")
+    workspace = bazel_targets.Workspace(self.root)
+    self.assertEqual(workspace.targets["//lib:core"].srcs,
+                     ["lib/core.py", "lib/more.py"])
+    self.assertEqual(workspace.check(), [
+        "lib/data/not_a_src.py is in no BUILD target: add a py_library to "
+        "lib/data/BUILD."])
 
   def test_unparsable_build_file_is_reported(self):
     _write(self.root, "lib/BUILD", "py_library(name = \n")

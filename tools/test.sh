@@ -14,18 +14,22 @@ cd "$(dirname "$0")/.."
 export TF_CPP_MIN_LOG_LEVEL="${TF_CPP_MIN_LOG_LEVEL:-2}"
 PY=.venv/bin/python
 
+# A pytest failure does not stop the Bazel pass; the exit status is
+# non-zero if either failed.
+pytest_status=0
 case "${TFDIST_PYTEST:-all}" in
-  all) "$PY" -m pytest tests -q -p no:cacheprovider "$@" ;;
+  all) "$PY" -m pytest tests -q -p no:cacheprovider "$@" || pytest_status=$? ;;
   small)
     mapfile -t files < <("$PY" -m tests.bazel_targets --list-tests=small)
-    "$PY" -m pytest "${files[@]}" -q -p no:cacheprovider "$@" ;;
+    "$PY" -m pytest "${files[@]}" -q -p no:cacheprovider "$@" \
+      || pytest_status=$? ;;
   none) ;;
   *) echo "test.sh: TFDIST_PYTEST must be all, small or none;" \
        "got ${TFDIST_PYTEST}" >&2; exit 2 ;;
 esac
 
 if [ "${TFDIST_BAZEL:-1}" = 0 ]; then
-  exit 0
+  exit "$pytest_status"
 fi
 if ! command -v bazel >/dev/null 2>&1; then
   echo "test.sh: bazel not found; run tools/setup.sh (it installs Debian's" \
@@ -49,4 +53,8 @@ failed=$(grep -cE '^//\S+ .*(FAILED|TIMEOUT|NO STATUS|INCOMPLETE|FLAKY)' \
   "$log" || true)
 rm -f "$log"
 echo "bazel: ${passed} passed, ${failed} failed"
+if [ "$pytest_status" != 0 ]; then
+  echo "test.sh: pytest failed (exit ${pytest_status}); see above."
+  exit "$pytest_status"
+fi
 exit "$status"
