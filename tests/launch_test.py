@@ -181,6 +181,29 @@ class FaultToleranceTest(absltest.TestCase):
     manifest = json.load(open(os.path.join(model_dir, "run_manifest.json")))
     self.assertEqual(manifest["final_step"], stopped + 5)
 
+  def test_ctrl_c_is_forwarded_and_every_task_saves(self):
+    model_dir = testutil.scratch_dir()
+    watch = testlib.LauncherWatch(
+        ["--num_workers=2"], _train_args(model_dir, 1000, self.data),
+        timeout=TIMEOUT)
+    self.assertIsNotNone(
+        watch.wait_for(r"\[chief:0\] .*step 5/1000: loss", 150),
+        watch.output()[-4000:])
+    sent = time.time()
+    watch.proc.send_signal(signal.SIGINT)  # What Ctrl-C sends the launcher.
+    status = watch.wait()
+    output = watch.output()
+    self.assertEqual(status, 128 + signal.SIGINT, output[-6000:])
+    self.assertLess(time.time() - sent, 30)
+    self.assertIn("[launch] SIGINT: forwarding to every task", output)
+    for task in ("chief:0", "worker:0"):
+      self.assertIn(f"[{task}] tfdist: received SIGINT", output)
+    stopped = re.search(r"\[chief:0\] .*Stopped by SIGINT at step (\d+)",
+                        output)
+    self.assertIsNotNone(stopped, output[-6000:])
+    _, step = _checkpoint_is_finite(model_dir)
+    self.assertEqual(step, int(stopped.group(1)))
+
 
 if __name__ == "__main__":
   absltest.main()
