@@ -8,8 +8,9 @@ dialect is a subset) and reports, as one line each:
   * a target whose `srcs` or `main` names a file that is gone, or whose
     `deps` name a target that does not exist;
   * a Python file of a first-party package (a top-level folder with an
-    `__init__.py`: tfdist/, models/, flags/, tests/) that is in no target
-    (pytest's conftest.py files excepted: they travel as data);
+    `__init__.py`: tfdist/, models/, flags/, tests/), or directly in another
+    package folder (benchmarks/), that is in no target (pytest's
+    conftest.py files excepted: they travel as data);
   * an import of a first-party module (at module level or inside a
     function) that the importing target does not reach through its `deps`:
     it passes under pytest and fails under Bazel, whose runfiles hold only
@@ -305,6 +306,7 @@ class Workspace:
     self.root = root
     self.problems: List[str] = []
     packages = find_packages(root)
+    self.packages = packages
     self.targets: Dict[str, Target] = {}
     for package in packages:
       try:
@@ -318,6 +320,24 @@ class Workspace:
       if target.kind in PY_RULES + (TEST_MACRO,):
         for src in target.srcs:
           self.owners.setdefault(src, []).append(target.label)
+
+  def _python_files(self) -> List[str]:
+    """.py files that belong in a target: all of each first-party package,
+    and those directly in any other package folder but the root (e.g.
+    benchmarks/); test files and conftest.py are left to the other checks.
+    """
+    paths = set()
+    for root_dir in self.roots:
+      for dirpath, _, filenames in _walk(os.path.join(self.root, root_dir)):
+        paths.update(os.path.relpath(os.path.join(dirpath, n), self.root)
+                     for n in filenames if n.endswith(".py"))
+    for package in self.packages:
+      if package:
+        paths.update(os.path.join(package, n)
+                     for n in os.listdir(os.path.join(self.root, package))
+                     if n.endswith(".py"))
+    return sorted(p for p in paths if os.path.basename(p) != "conftest.py"
+                  and not _is_test_file(os.path.basename(p)))
 
   def _exists(self, path: str) -> bool:
     return os.path.isfile(os.path.join(self.root, path))
@@ -400,14 +420,10 @@ class Workspace:
         if dep not in self.targets:
           problems.append(f"{target.label} ({target.build_file}) depends on "
                           f"{dep}, which is not a target.")
-    for root_dir in self.roots:
-      for dirpath, _, filenames in _walk(os.path.join(self.root, root_dir)):
-        for name in sorted(filenames):
-          path = os.path.relpath(os.path.join(dirpath, name), self.root)
-          if (name.endswith(".py") and path not in self.owners
-              and name != "conftest.py" and not _is_test_file(name)):
-            problems.append(f"{path} is in no BUILD target: add a py_library "
-                            f"to {os.path.dirname(path)}/BUILD.")
+    for path in self._python_files():
+      if path not in self.owners:
+        problems.append(f"{path} is in no BUILD target: add a py_library "
+                        f"(or py_binary) to {os.path.dirname(path)}/BUILD.")
     problems += self._check_imports()
     return problems
 

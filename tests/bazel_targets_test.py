@@ -187,8 +187,16 @@ skips it. Add to tests/sub/BUILD:
   def test_module_in_no_target_fails(self):
     _write(self.root, "lib/new_module.py", "")
     self.assertEqual(bazel_targets.check_workspace(self.root), [
-        "lib/new_module.py is in no BUILD target: add a py_library to "
-        "lib/BUILD."])
+        "lib/new_module.py is in no BUILD target: add a py_library (or "
+        "py_binary) to lib/BUILD."])
+
+  def test_script_in_a_plain_package_folder_is_covered(self):
+    _write(self.root, "bench/BUILD", "")
+    _write(self.root, "bench/run_bench.py", "")
+    _write(self.root, "scripts/not_a_package.py", "")
+    self.assertEqual(bazel_targets.check_workspace(self.root), [
+        "bench/run_bench.py is in no BUILD target: add a py_library (or "
+        "py_binary) to bench/BUILD."])
 
   def test_dep_on_missing_target_fails(self):
     _write(self.root, "tests/BUILD", _TEST_BUILD_HEADER + textwrap.dedent("""\
@@ -218,8 +226,8 @@ skips it. Add to tests/sub/BUILD:
     self.assertEqual(workspace.targets["//lib:core"].srcs,
                      ["lib/core.py", "lib/more.py"])
     self.assertEqual(workspace.check(), [
-        "lib/data/not_a_src.py is in no BUILD target: add a py_library to "
-        "lib/data/BUILD."])
+        "lib/data/not_a_src.py is in no BUILD target: add a py_library (or "
+        "py_binary) to lib/data/BUILD."])
 
   def test_unparsable_build_file_is_reported(self):
     _write(self.root, "lib/BUILD", "py_library(name = \n")

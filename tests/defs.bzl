@@ -4,7 +4,7 @@ Every file `tests/<name>.py` of tests has a target
 
     tfdist_py_test(
         name = "<name>",
-        size = "small",  # or "medium", "large": the Bazel timeout
+        size = "small",  # or "medium", "large": sets the timeout
         deps = ["//tfdist:<module>"],
     )
 
@@ -21,7 +21,8 @@ def tfdist_py_test(name, size, deps = [], data = [], args = [], **kwargs):
     Args:
       name: the target name; the test file is `name + ".py"`.
       size: "small", "medium", "large" or "enormous"; sets the timeout
-        (60 s, 300 s, 900 s, 3600 s). Required: say what the test costs.
+        (120 s, 600 s, 1800 s, 3600 s with tfdist's .bazelrc). Required:
+        say what the test costs.
       deps: py_library targets the test file imports.
       data: files the test reads at run time.
       args: extra pytest arguments, after the test file.

@@ -17,9 +17,15 @@ case "$venv" in
   *) venv="$root/$venv" ;;
 esac
 if [ ! -x "$venv/bin/python3" ]; then
-  echo "tools/python/venv_python3.sh: no Python at $venv/bin/python3." \
-    "Run tools/setup.sh to create $root/.venv, or set TFDIST_VENV to a" \
-    "virtual environment folder." >&2
+  if [ -n "${TFDIST_VENV:-}" ]; then
+    echo "tools/python/venv_python3.sh: TFDIST_VENV=$TFDIST_VENV has no" \
+      "bin/python3; point it at a virtual environment folder, or unset it" \
+      "to use $root/.venv." >&2
+  else
+    echo "tools/python/venv_python3.sh: no Python at $venv/bin/python3." \
+      "Run tools/setup.sh to create it, or set TFDIST_VENV to a virtual" \
+      "environment folder." >&2
+  fi
   exit 127
 fi
 exec "$venv/bin/python3" "$@"
