@@ -113,8 +113,9 @@ class FaultToleranceTest(absltest.TestCase):
         ["--num_workers=2", "--max_restarts=1"],
         _train_args(model_dir, steps, self.data), timeout=TIMEOUT)
     worker_pid = watch.task_pid("worker:0")
+    # Step 15 is logged after the step-10 checkpoint is complete.
     self.assertIsNotNone(
-        watch.wait_for(r"\[chief:0\] .*step 1[05]/40: loss", 150),
+        watch.wait_for(r"\[chief:0\] .*step 15/40: loss", 150),
         watch.output()[-4000:])
     before_kill = max(_steps_logged(watch.output()))
     os.kill(worker_pid, signal.SIGKILL)
