@@ -22,7 +22,7 @@ class PrecisionTest(parameterized.TestCase):
       ("fp16", "fp16", "mixed_float16", "float16"))
   def test_policy_and_float32_logits(self, dtype, policy, compute):
     self.assertEqual(precision.configure_precision(dtype).name, policy)
-    for name in models.model_names():
+    for name in ("cnn", "resnet"):  # the image models
       model = models.build_model(name, input_shape=(28, 28, 1), num_classes=10)
       self.assertEqual(model.layers[1].compute_dtype, compute)
       # Variables stay float32 under every policy.
