@@ -1,8 +1,10 @@
 """Model builders, chosen by name (`--model`).
 
-Every builder takes `(input_shape, num_classes)` and returns an unbuilt-free
-`keras.Model` whose output is float32 logits of shape [batch, num_classes],
-even under a mixed precision policy (the last layer is a float32 activation).
+Every builder takes `(input_shape, num_classes)` and returns a `keras.Model`
+whose output stays float32 under a mixed precision policy (the last layer is
+a float32 activation): image models (`cnn`, `resnet`) return logits
+[batch, num_classes]; ranking models (`ranking`) return sigmoid
+probabilities [batch, 1].
 """
 
 from typing import Callable, Dict, Tuple
