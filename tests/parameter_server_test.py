@@ -20,8 +20,9 @@ from tfdist.config import ConfigError, TrainConfig
 
 def _tf_config(task_type, index=0, ps=2):
   return json.dumps({
-      "cluster": {"chief": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"],
-                  "ps": [f"127.0.0.1:{3 + i}" for i in range(ps)]},
+      "cluster": {"chief": ["127.0.0.1:1"],
+                  "worker": ["127.0.0.1:2", "127.0.0.1:3"],
+                  "ps": [f"127.0.0.1:{4 + i}" for i in range(ps)]},
       "task": {"type": task_type, "index": index}})
 
 
@@ -43,7 +44,7 @@ class RolesTest(parameterized.TestCase):
 
   def test_unknown_role(self):
     with mock.patch.dict(os.environ, {"TF_CONFIG": _tf_config("driver")}):
-      with self.assertRaisesRegex(ConfigError, "'driver'.*chief, worker"):
+      with self.assertRaisesRegex(ConfigError, "driver"):
         ps_lib.current_task()
 
   def test_uses_parameter_server(self):

@@ -50,38 +50,34 @@ def set_grpc_fail_fast():
   os.environ["GRPC_FAIL_FAST"] = "use_caller"
 
 
-def _tf_config() -> dict:
-  raw = os.environ.get("TF_CONFIG", "")
-  if not raw:
-    return {}
-  try:
-    return json.loads(raw)
-  except ValueError as e:
-    raise ConfigError(f"TF_CONFIG is not valid JSON ({e}): {raw[:200]!r}")
+def _cluster_info():
+  # TF_CONFIG, or Vertex AI's CLUSTER_SPEC (workerpool2 -> ps, workerpool3
+  # -> evaluator), through the one cluster resolver of tfdist.
+  from tfdist import cluster as cluster_lib  # pylint: disable=g-import-not-at-top
+  return cluster_lib.resolve_cluster()
 
 
 def current_task() -> Tuple[str, int]:
-  """`(task_type, task_index)` of this process from TF_CONFIG.
+  """`(task_type, task_index)` of this process from TF_CONFIG/CLUSTER_SPEC.
 
-  Returns `("chief", 0)` when TF_CONFIG names no task.
+  Returns `("chief", 0)` when neither names a task.
 
   Raises:
-    ConfigError: TF_CONFIG is malformed or names an unknown role.
+    ConfigError: the cluster definition is malformed or names an unknown
+      role.
   """
-  task = _tf_config().get("task") or {}
-  task_type = str(task.get("type", "chief") or "chief")
-  if task_type == "master":
-    task_type = "chief"
+  info = _cluster_info()
+  task_type = "chief" if info.task_type == "master" else info.task_type
   if task_type not in ROLES:
     raise ConfigError(
-        f"TF_CONFIG task type {task_type!r} is not a parameter-server role. "
-        f"Use one of: {', '.join(ROLES)}.")
-  return task_type, int(task.get("index", 0) or 0)
+        f"Task type {task_type!r} ({info.source}) is not a parameter-server "
+        f"role. Use one of: {', '.join(ROLES)}.")
+  return task_type, int(info.task_index)
 
 
 def cluster_has_ps() -> bool:
-  """True when TF_CONFIG's cluster lists at least one ps task."""
-  return bool((_tf_config().get("cluster") or {}).get("ps"))
+  """True when the cluster (TF_CONFIG or CLUSTER_SPEC) lists a ps task."""
+  return _cluster_info().num_ps > 0
 
 
 def uses_parameter_server(config: TrainConfig) -> bool:
@@ -92,22 +88,24 @@ def uses_parameter_server(config: TrainConfig) -> bool:
 
 
 def cluster_resolver() -> tf.distribute.cluster_resolver.ClusterResolver:
-  """The cluster from TF_CONFIG (rpc layer `grpc`).
+  """The cluster from TF_CONFIG or CLUSTER_SPEC (rpc layer `grpc`).
 
   Raises:
     ConfigError: no ps or no worker task in the cluster.
   """
-  resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
-  spec = resolver.cluster_spec().as_dict()
+  info = _cluster_info()
+  spec = {job: list(addresses) for job, addresses in info.cluster.items()
+          if job in ("chief", "worker", "ps") and addresses}
   if not spec.get("ps") or not spec.get("worker"):
     raise ConfigError(
         "--distribution_strategy=parameter_server needs a cluster with ps and "
-        "worker tasks in TF_CONFIG (found jobs: "
+        "worker tasks in TF_CONFIG or CLUSTER_SPEC (found jobs: "
         f"{', '.join(sorted(spec)) or 'none'}). Start the cluster with "
         "python -m tfdist.launch --num_workers=N --num_ps=M -- <flags>.")
-  if not resolver.rpc_layer:
-    resolver.rpc_layer = "grpc"
-  return resolver
+  task_type, task_index = current_task()
+  return tf.distribute.cluster_resolver.SimpleClusterResolver(
+      tf.train.ClusterSpec(spec), task_type=task_type, task_id=task_index,
+      rpc_layer=info.rpc_layer or "grpc")
 
 
 class EmbeddingOnlyPartitioner:
