@@ -2,9 +2,10 @@
 
 Each test starts ps, worker, chief (and evaluator) processes of
 `python -m tfdist.train` with TF_CONFIG (tests/ps_testutil.py), on a
-20,000-rating slice of MovieLens-100k. Every wait has a deadline and every
-process started is killed by PID at the end. About 1 to 2 minutes per test
-on 2 CPU cores.
+20,000-rating slice of MovieLens-100k; the last test goes through
+`python -m tfdist.launch --max_restarts=1`. Every wait has a deadline and
+every process started is killed by PID (the launcher by its own process
+group) at the end. About 1 to 2 minutes per test on 2 CPU cores.
 """
 
 import json
@@ -143,6 +144,58 @@ class ParameterServerTrainingTest(absltest.TestCase):
     manifest = _read_manifest(self.model_dir)
     self.assertEqual(manifest["final_step"], 100)
     self.assertIsNotNone(manifest["restored_from"])
+
+  def test_launcher_restarts_cluster_after_ps_killed(self):
+    import psutil  # pylint: disable=g-import-not-at-top
+    import signal  # pylint: disable=g-import-not-at-top
+    import subprocess  # pylint: disable=g-import-not-at-top
+    import sys  # pylint: disable=g-import-not-at-top
+    flags = _flags(self.model_dir, train_steps=100, steps_per_execution=2)
+    log_path = os.path.join(self.tmp, "launch.log")
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    env["PYTHONPATH"] = (ps_testutil.REPO_ROOT + os.pathsep +
+                         env.get("PYTHONPATH", ""))
+    with open(log_path, "wb") as log:
+      launcher = subprocess.Popen(
+          [sys.executable, "-m", "tfdist.launch", "--num_workers=1",
+           "--num_ps=2", "--max_restarts=1", "--", *flags],
+          cwd=ps_testutil.REPO_ROOT, env=env, stdout=log,
+          stderr=subprocess.STDOUT, start_new_session=True)
+
+    def cleanup():
+      # Only the launcher's own process group (started above).
+      if launcher.poll() is None:
+        os.killpg(launcher.pid, signal.SIGKILL)
+        launcher.wait(timeout=30)
+    self.addCleanup(cleanup)
+
+    def read_log():
+      with open(log_path, errors="replace") as f:
+        return f.read()
+
+    deadline = time.time() + 180
+    while "tfdist: step 40/100" not in read_log():
+      self.assertLess(time.time(), deadline, read_log()[-4000:])
+      self.assertIsNone(launcher.poll(), read_log()[-4000:])
+      time.sleep(0.2)
+    ps_task = None
+    for child in psutil.Process(launcher.pid).children(recursive=True):
+      try:
+        tf_config = json.loads(child.environ().get("TF_CONFIG", "{}"))
+      except (psutil.Error, ValueError):
+        continue
+      if tf_config.get("task") == {"type": "ps", "index": 1}:
+        ps_task = child
+    self.assertIsNotNone(ps_task, "no ps:1 process under the launcher")
+    ps_task.send_signal(signal.SIGKILL)
+    rc = launcher.wait(timeout=300)
+    log = read_log()
+    self.assertEqual(rc, 0, log[-6000:])
+    self.assertIn("lost a ps task", log)
+    self.assertIn("restarting the group", log)
+    self.assertRegex(log, r"restored .*ckpt-(20|40|60|80): resuming at step")
+    manifest = _read_manifest(self.model_dir)
+    self.assertEqual(manifest["final_step"], 100)
 
 
 if __name__ == "__main__":
