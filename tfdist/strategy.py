@@ -6,7 +6,6 @@ cluster it finds and says why.
 """
 
 import dataclasses
-import json
 import os
 from typing import Optional
 
@@ -46,22 +45,6 @@ def _gpus(num_gpus: int):
         f"--num_gpus={num_gpus} but only {len(gpus)} GPU(s) are visible. "
         f"Use --num_gpus={len(gpus)} or -1 for all.")
   return gpus[:num_gpus]
-
-
-def _cluster_worker_count() -> int:
-  """Workers (chief included) named in TF_CONFIG or Vertex's CLUSTER_SPEC."""
-  for var in ("TF_CONFIG", "CLUSTER_SPEC"):
-    raw = os.environ.get(var)
-    if not raw:
-      continue
-    try:
-      cluster = json.loads(raw).get("cluster", {})
-    except (ValueError, AttributeError):
-      return 0
-    return sum(len(v) for k, v in cluster.items()
-               if k in ("chief", "master", "worker", "workerpool0",
-                        "workerpool1"))
-  return 0
 
 
 def _all_reduce(alg: str, on_gpu: bool):
