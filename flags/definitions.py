@@ -28,7 +28,10 @@ def define_base_flags() -> List[str]:
                       "Model to build, by name: cnn or resnet (see models/).")
   flags.DEFINE_string("dataset", _default("dataset"),
                       "Named data set: fashion_mnist or movielens "
-                      "(MovieLens-100k likes, from the recbole package).")
+                      "(MovieLens-100k likes, from the recbole package; "
+                      "unless given, it sets --model=ranking, "
+                      "--batch_size=512, --optimizer=adam, "
+                      "--base_learning_rate=0.002, --lr_scaling=sqrt).")
   flags.DEFINE_string(
       "data_dir", "",
       "Where named data sets are converted to TFRecord, once. Default: "
@@ -317,5 +320,17 @@ def flags_to_config(flag_values=FLAGS) -> config_lib.TrainConfig:
         kwargs[name] = value
   if flag_values["dtype"].value:
     kwargs["dtype"] = config_lib.normalize_dtype(flag_values["dtype"].value)
+  # The data set's recommended values for flags not given on the command
+  # line (config_lib.DATASET_RECOMMENDED_FLAGS).
+  recommended = dict(config_lib.DATASET_RECOMMENDED_FLAGS.get(
+      kwargs.get("dataset"), ()))
+  if ("per_replica_batch_size" in flag_values and
+      flag_values["per_replica_batch_size"].present):
+    recommended.pop("batch_size", None)
+  for name, value in recommended.items():
+    if name in flag_values and not flag_values[name].present:
+      kwargs[name] = value
+      snapshot = [(n, v) for n, v in snapshot if n != name]
+      snapshot.append((name, str(value)))
   kwargs["flags_snapshot"] = tuple(sorted(snapshot))
   return config_lib.TrainConfig(**kwargs)
