@@ -25,8 +25,9 @@ def _default(name):
 def define_base_flags() -> List[str]:
   """Model, data and output locations."""
   flags.DEFINE_string("model", _default("model"),
-                      "Model to build, by name: cnn, resnet, or ranking (wide & deep over "
-                      "sharded embeddings, for movielens); see models/.")
+                      "Model to build, by name: cnn, resnet, or ranking "
+                      "(wide & deep over sharded embeddings, for "
+                      "movielens); see models/.")
   flags.DEFINE_string("dataset", _default("dataset"),
                       "Named data set: fashion_mnist or movielens "
                       "(MovieLens-100k likes, from the recbole package; "
