@@ -133,12 +133,12 @@ class ShardLayoutTest(absltest.TestCase):
 
   def test_done_marker(self):
     model_dir = tempfile.mkdtemp(dir=os.environ.get("TEST_TMPDIR"))
-    self.assertFalse(ps_lib._marked_done_since(model_dir, 0.0))
+    self.assertFalse(ps_lib.marked_done_since(model_dir, 0.0))
     ps_lib.mark_done(model_dir)
-    self.assertTrue(ps_lib._marked_done_since(model_dir, 0.0))
-    self.assertFalse(ps_lib._marked_done_since(model_dir, 4e9))
+    self.assertTrue(ps_lib.marked_done_since(model_dir, 0.0))
+    self.assertFalse(ps_lib.marked_done_since(model_dir, 4e9))
     ps_lib.clear_done(model_dir)
-    self.assertFalse(ps_lib._marked_done_since(model_dir, 0.0))
+    self.assertFalse(ps_lib.marked_done_since(model_dir, 0.0))
 
   def test_task_of(self):
     self.assertEqual(ps_lib.task_of("/job:ps/replica:0/task:1/device:CPU:0"),

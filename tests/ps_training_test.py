@@ -84,11 +84,12 @@ class ParameterServerTrainingTest(absltest.TestCase):
     self.assertEqual(users["num_shards"], 2)
     self.assertEqual([s["task"] for s in users["shards"]], ["ps:0", "ps:1"])
     self.assertEqual(tables["gender_embedding"]["num_shards"], 1)
-    # Momentum slots of each shard sit on that shard's ps.
+    # The optimizer's slots of each shard (Adam, MovieLens's recommended
+    # optimizer: 2) sit on that shard's ps.
     slots = {v["name"]: v["task"] for v in placement["large_variables"]}
     for part, task in (("part_0", "ps:0"), ("part_1", "ps:1")):
       names = [n for n in slots if "user_id_embedding" in n and part in n]
-      self.assertLen(names, 2, slots)  # The table shard and its slot.
+      self.assertLen(names, 3, slots)  # The table shard and its 2 slots.
       self.assertEqual({slots[n] for n in names}, {task})
     self.assertIsNotNone(manifest["final_metrics"]["eval_auc"])
     self.assertIn("tfdist: held-out evaluation at step 60",

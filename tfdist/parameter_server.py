@@ -321,7 +321,8 @@ def clear_done(model_dir: str):
     tf.io.gfile.remove(done_marker(model_dir))
 
 
-def _marked_done_since(model_dir: str, since: float) -> bool:
+def marked_done_since(model_dir: str, since: float) -> bool:
+  """True if the chief marked the run done at or after `since` (seconds)."""
   try:
     with tf.io.gfile.GFile(done_marker(model_dir)) as f:
       return float(json.load(f)["finished"]) >= since
@@ -344,7 +345,7 @@ def serve(model_dir: str, *, poll_seconds: float = 1.0) -> int:
   started = time.time()
   print(f"tfdist: {task_type}:{task_index} serving at {server.target}; "
         f"exits when {done_marker(model_dir)} appears", flush=True)
-  while not _marked_done_since(model_dir, started):
+  while not marked_done_since(model_dir, started):
     time.sleep(poll_seconds)
   print(f"tfdist: {task_type}:{task_index} done: training finished",
         flush=True)

@@ -484,7 +484,7 @@ def run_evaluator(config: TrainConfig, *, poll_seconds: float = 2.0,
             flush=True)
     if total_steps in done_steps:
       break
-    if ps_lib._marked_done_since(config.model_dir, started) and not new:  # pylint: disable=protected-access
+    if ps_lib.marked_done_since(config.model_dir, started) and not new:
       # The chief finished; one more look picked up its last checkpoint.
       state = tf.train.get_checkpoint_state(ckpt_dir)
       latest = state.model_checkpoint_path if state else None

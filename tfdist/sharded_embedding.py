@@ -151,7 +151,9 @@ class ShardedEmbedding(keras.layers.Layer):
   @property
   def shards(self) -> List[tf.Variable]:
     """The table's variables: its shards, or one variable when unsharded."""
-    return shard_variables(self.embeddings) if self.embeddings is not None else []
+    if self.embeddings is None:
+      return []
+    return shard_variables(self.embeddings)
 
   @property
   def num_shards(self) -> int:
