@@ -9,6 +9,7 @@ import tempfile
 from unittest import mock
 
 from absl.testing import absltest
+from absl.testing import flagsaver
 from absl.testing import parameterized
 import keras
 import tensorflow as tf
@@ -143,6 +144,40 @@ class ShardLayoutTest(absltest.TestCase):
   def test_task_of(self):
     self.assertEqual(ps_lib.task_of("/job:ps/replica:0/task:1/device:CPU:0"),
                      "ps:1")
+
+
+class RecommendedFlagsTest(absltest.TestCase):
+  """MovieLens's recommended flag values fill only flags left unset."""
+
+  def setUp(self):
+    super().setUp()
+    # Importing the binary defines every tfdist flag on absl's FLAGS.
+    from tfdist import train  # pylint: disable=g-import-not-at-top,unused-import
+    import flags as tfdist_flags  # pylint: disable=g-import-not-at-top
+    self.flags_to_config = tfdist_flags.flags_to_config
+
+  def test_movielens_fills_unset_flags(self):
+    with flagsaver.as_parsed(dataset="movielens", model_dir="/tmp/x",
+                             train_steps="5", optimizer="sgd"):
+      config = self.flags_to_config()
+    self.assertEqual(config.model, "ranking")
+    self.assertEqual(config.batch_size, 512)
+    self.assertEqual(config.optimizer, "sgd")  # Given: kept.
+    self.assertEqual(config.base_learning_rate, 0.002)
+    self.assertEqual(dict(config.flags_snapshot)["batch_size"], "512")
+
+  def test_per_replica_batch_keeps_batch_size_unset(self):
+    with flagsaver.as_parsed(dataset="movielens", model_dir="/tmp/x",
+                             train_steps="5", per_replica_batch_size="64"):
+      config = self.flags_to_config()
+    self.assertIsNone(config.batch_size)
+    self.assertEqual(config.per_replica_batch_size, 64)
+
+  def test_other_data_sets_unchanged(self):
+    with flagsaver.as_parsed(model_dir="/tmp/x", train_steps="5"):
+      config = self.flags_to_config()
+    self.assertEqual(config.model, "cnn")
+    self.assertEqual(config.optimizer, "sgd")
 
 
 if __name__ == "__main__":
