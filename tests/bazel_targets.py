@@ -12,7 +12,8 @@ dialect is a subset) and reports, as one line each:
     package folder (benchmarks/), that is in no target (pytest's
     conftest.py files excepted: they travel as data);
   * an import of a first-party module (at module level or inside a
-    function) that the importing target does not reach through its `deps`:
+    function), or a string naming one (`"-m", "tfdist.train"`: a module run
+    in a subprocess), that the target does not reach through its `deps`:
     it passes under pytest and fails under Bazel, whose runfiles hold only
     what the deps name. A lazy import back into a target that depends on
     the importer (a cycle deps cannot express) is accepted.
@@ -35,6 +36,7 @@ import ast
 import dataclasses
 import fnmatch
 import os
+import re
 import sys
 from typing import Dict, Iterable, List, Optional, Set, Tuple
 
@@ -256,9 +258,13 @@ def _module_file(root: str, dotted: str) -> Optional[str]:
   return None
 
 
+_DOTTED = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)+$")
+
+
 def module_imports(root: str, path: str, roots: Iterable[str]) -> List[
     Tuple[str, List[str]]]:
-  """First-party modules that `path` imports, at module level or lazily.
+  """First-party modules that `path` imports (at module level or lazily) or
+  names in a string of its own (a module run as `python -m tfdist.train`).
 
   Returns:
     `(dotted_name, files)` pairs: the files that the import runs (the
@@ -272,7 +278,13 @@ def module_imports(root: str, path: str, roots: Iterable[str]) -> List[
   package_parts = os.path.dirname(path).split(os.sep)
   names = []
   for node in ast.walk(tree):
-    if isinstance(node, ast.Import):
+    if (isinstance(node, ast.Constant) and isinstance(node.value, str)
+        and _DOTTED.match(node.value)
+        and node.value.split(".")[0] in roots
+        and _module_file(root, node.value)):
+      # A module run by name, as in [sys.executable, "-m", "tfdist.train"].
+      names.append(node.value)
+    elif isinstance(node, ast.Import):
       names.extend(a.name for a in node.names)
     elif isinstance(node, ast.ImportFrom):
       base = node.module or ""
@@ -456,8 +468,8 @@ class Workspace:
             fix = (f"add {lib} to its deps" if lib else
                    f"add a py_library for {file} and depend on it")
             problems.append(
-                f"{target.label}: {src} imports {module}, but {file} is not "
-                f"in its deps: {fix} (under Bazel the import fails).")
+                f"{target.label}: {src} imports or runs {module}, but {file} "
+                f"is not in its deps: {fix} (under Bazel the import fails).")
     return list(dict.fromkeys(problems))
 
 

@@ -156,8 +156,27 @@ skips it. Add to tests/sub/BUILD:
           from lib import extra  # inside a function: checked all the same
         """)
     self.assertEqual(bazel_targets.check_workspace(self.root), [
-        "//tests:core_test: tests/core_test.py imports lib.extra, but "
-        "lib/extra.py is not in its deps: add //lib:extra to its deps "
+        "//tests:core_test: tests/core_test.py imports or runs lib.extra, "
+        "but lib/extra.py is not in its deps: add //lib:extra to its deps "
+        "(under Bazel the import fails)."])
+
+  def test_module_run_by_name_needs_a_dep(self):
+    _write(self.root, "lib/tool.py", "")
+    _write(self.root, "lib/BUILD", """\
+        py_library(name = "init", srcs = ["__init__.py"])
+        py_library(name = "core", srcs = ["core.py"], deps = [":init"])
+        py_library(name = "tool", srcs = ["tool.py"], deps = [":init"])
+        """)
+    _write(self.root, "tests/core_test.py", """\
+        import sys
+        from lib import core
+        ARGS = [sys.executable, "-m", "lib.tool"]
+        HELP = "run python -m lib.tool"  # not a module name by itself
+        OTHER = "lib.not_a_module"
+        """)
+    self.assertEqual(bazel_targets.check_workspace(self.root), [
+        "//tests:core_test: tests/core_test.py imports or runs lib.tool, "
+        "but lib/tool.py is not in its deps: add //lib:tool to its deps "
         "(under Bazel the import fails)."])
 
   def test_import_of_module_not_in_workspace_fails(self):
