@@ -11,6 +11,7 @@ validation cannot drift apart.
 from typing import List
 
 from absl import flags
+from absl import logging
 
 from tfdist import config as config_lib
 
@@ -329,10 +330,16 @@ def flags_to_config(flag_values=FLAGS) -> config_lib.TrainConfig:
   if ("per_replica_batch_size" in flag_values and
       flag_values["per_replica_batch_size"].present):
     recommended.pop("batch_size", None)
+  applied = []
   for name, value in recommended.items():
     if name in flag_values and not flag_values[name].present:
       kwargs[name] = value
       snapshot = [(n, v) for n, v in snapshot if n != name]
       snapshot.append((name, str(value)))
+      applied.append(f"--{name}={value}")
+  if applied:
+    # Said out loud: a default that changes with --dataset must not be silent.
+    logging.info("--dataset=%s sets flags left unset: %s (pass them to "
+                 "override).", kwargs.get("dataset"), " ".join(applied))
   kwargs["flags_snapshot"] = tuple(sorted(snapshot))
   return config_lib.TrainConfig(**kwargs)

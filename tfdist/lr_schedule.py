@@ -17,12 +17,14 @@ the optimizer's own step counter: no callback assigns a variable, which keeps
 it correct under ParameterServerStrategy (no per-step read of one ps).
 """
 
+import dataclasses
 import math
-from typing import Optional, Sequence
+from typing import Sequence
 
 import keras
 import tensorflow as tf
 
+from tfdist import batch_plan
 from tfdist.config import ConfigError
 
 LearningRateSchedule = keras.optimizers.schedules.LearningRateSchedule
@@ -196,3 +198,51 @@ def build_lr_schedule(*, peak_learning_rate: float, total_steps: int,
   return LinearWarmup(after, warmup_steps=warmup_steps,
                       peak_learning_rate=peak_learning_rate,
                       warmup_start_learning_rate=warmup_start_learning_rate)
+
+
+@dataclasses.dataclass(frozen=True)
+class LRPlan:
+  """The learning rate of a run.
+
+  Attributes:
+    peak_learning_rate: the batch-scaled LR reached at the end of warmup.
+    warmup_steps: steps of linear warmup.
+    schedule: the `LinearWarmup` schedule the optimizer reads.
+  """
+  peak_learning_rate: float
+  warmup_steps: int
+  schedule: LinearWarmup
+
+
+def plan_learning_rate(config, *, global_batch_size: int,
+                       steps_per_epoch: int, total_steps: int) -> LRPlan:
+  """Scales `config.base_learning_rate` and builds warmup + decay for a run.
+
+  Args:
+    config: a `tfdist.config.TrainConfig` (reads the LR, warmup and schedule
+      fields).
+    global_batch_size: examples per update.
+    steps_per_epoch: updates per epoch (for `--warmup_epochs`).
+    total_steps: updates in the whole run.
+
+  Returns:
+    An `LRPlan`.
+
+  Raises:
+    ConfigError: the warmup is longer than the run, or an unknown rule or
+      schedule.
+  """
+  warmup_steps = batch_plan.resolve_warmup_steps(
+      warmup_steps=config.warmup_steps, warmup_epochs=config.warmup_epochs,
+      steps_per_epoch=steps_per_epoch, total_steps=total_steps)
+  peak = scale_learning_rate(
+      config.base_learning_rate, global_batch_size=global_batch_size,
+      base_batch_size=config.base_batch_size, rule=config.lr_scaling)
+  schedule = build_lr_schedule(
+      peak_learning_rate=peak, total_steps=total_steps,
+      warmup_steps=warmup_steps, schedule=config.lr_schedule,
+      warmup_start_learning_rate=config.warmup_start_learning_rate,
+      end_learning_rate_factor=config.end_learning_rate_factor,
+      piecewise_boundaries=config.piecewise_boundaries,
+      piecewise_multipliers=config.piecewise_multipliers)
+  return LRPlan(peak, warmup_steps, schedule)

@@ -157,19 +157,11 @@ def run_coordinator(config: TrainConfig) -> dict:
   num_workers, num_ps = len(cluster["worker"]), len(cluster["ps"])
   train_files, eval_files, num_train, plan, total_steps = _plan(
       config, spec, strategy.num_replicas_in_sync)
-  warmup_steps = batch_plan_lib.resolve_warmup_steps(
-      warmup_steps=config.warmup_steps, warmup_epochs=config.warmup_epochs,
+  lr_plan = lr_schedule.plan_learning_rate(
+      config, global_batch_size=plan.global_batch_size,
       steps_per_epoch=plan.steps_per_epoch, total_steps=total_steps)
-  peak_lr = lr_schedule.scale_learning_rate(
-      config.base_learning_rate, global_batch_size=plan.global_batch_size,
-      base_batch_size=config.base_batch_size, rule=config.lr_scaling)
-  schedule = lr_schedule.build_lr_schedule(
-      peak_learning_rate=peak_lr, total_steps=total_steps,
-      warmup_steps=warmup_steps, schedule=config.lr_schedule,
-      warmup_start_learning_rate=config.warmup_start_learning_rate,
-      end_learning_rate_factor=config.end_learning_rate_factor,
-      piecewise_boundaries=config.piecewise_boundaries,
-      piecewise_multipliers=config.piecewise_multipliers)
+  peak_lr, warmup_steps, schedule = (lr_plan.peak_learning_rate,
+                                     lr_plan.warmup_steps, lr_plan.schedule)
   logging.info(
       "tfdist plan (parameter_server, asynchronous): %d worker(s), %d ps; "
       "batch %d per worker step; %d train examples; %d steps per epoch; "
