@@ -5,6 +5,8 @@ from the inside: HOME and caches in TEST_TMPDIR, imports from the runfiles.
 """
 
 import os
+import signal
+import subprocess
 import sys
 
 from absl.testing import absltest
@@ -75,6 +77,15 @@ class InsideBazelTest(absltest.TestCase):
         os.path.abspath(runfiles)), tfdist.__file__)
     source_tests = os.path.dirname(os.path.realpath(pytest_main.__file__))
     self.assertNotIn(source_tests, [os.path.realpath(p) for p in sys.path if p])
+
+  def test_ctrl_c_is_handled_here_and_in_subprocesses(self):
+    self.assertIs(signal.getsignal(signal.SIGINT), signal.default_int_handler)
+    child = subprocess.run(
+        [sys.executable, "-c",
+         "import signal; print(signal.getsignal(signal.SIGINT) is "
+         "signal.default_int_handler)"],
+        stdout=subprocess.PIPE, text=True, timeout=60, check=True)
+    self.assertEqual(child.stdout.strip(), "True")
 
   def test_the_interpreter_is_a_virtual_environment(self):
     self.assertNotEqual(sys.prefix, sys.base_prefix)
