@@ -9,15 +9,11 @@ Under `bazel test` it also
   * runs only the tests matching `--test_filter` (a pytest `-k` expression);
   * hides a `pip install -e .` of this repository, so that a test imports
     only what its target's `deps` put in the runfiles (a missing dep fails
-    under Bazel rather than passing by accident);
-  * restores Ctrl-C handling: Bazel's test runner starts the test as a
-    background job, so SIGINT arrives ignored, and every process the test
-    starts would inherit that.
+    under Bazel rather than passing by accident.
 Outside Bazel it is plain `pytest TEST_FILE -p no:cacheprovider`.
 """
 
 import os
-import signal
 import sys
 
 
@@ -47,16 +43,6 @@ def _hide_source_tree() -> None:
                  if not p or os.path.realpath(p) not in source_dirs]
 
 
-def _restore_sigint() -> None:
-  """Handles SIGINT as Python does by default, if it arrived ignored.
-
-  A handler (unlike an ignored disposition) is reset to the default when a
-  child process starts, so subprocesses get Python's usual Ctrl-C too.
-  """
-  if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-
-
 def pytest_args(argv, environ) -> list:
   """The arguments for `pytest.main`: the test file, then Bazel's wishes.
 
@@ -77,7 +63,6 @@ def main() -> int:
   if os.environ.get("TEST_SRCDIR"):
     _use_test_tmpdir(os.environ)
     _hide_source_tree()
-    _restore_sigint()
   import pytest  # pylint: disable=g-import-not-at-top
   return pytest.main(pytest_args(sys.argv, os.environ))
 

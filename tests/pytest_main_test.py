@@ -79,6 +79,8 @@ class InsideBazelTest(absltest.TestCase):
     self.assertNotIn(source_tests, [os.path.realpath(p) for p in sys.path if p])
 
   def test_ctrl_c_is_handled_here_and_in_subprocesses(self):
+    # Bazel's test-setup.sh runs the test with job control on (`set -m`), so
+    # SIGINT is not ignored and signal tests behave as in a terminal.
     self.assertIs(signal.getsignal(signal.SIGINT), signal.default_int_handler)
     child = subprocess.run(
         [sys.executable, "-c",
