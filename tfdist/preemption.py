@@ -148,7 +148,9 @@ class PreemptionWatcher:
     if self._agree_fn is None:
       return local
     total = float(self._agree_fn(tf.constant(1.0 if local else 0.0)))
-    if total > 0 and not local:
+    # Re-read `self.signum`: this process's own signal may have arrived
+    # during the all-reduce, and it wins over the peer's (SIGINT stays 130).
+    if total > 0 and self.signum is None:
       logging.warning("A peer worker received a stop signal: saving and "
                       "stopping with it.")
       self.signum = signal.SIGTERM
