@@ -116,6 +116,9 @@ class EquivalenceTest(absltest.TestCase):
         ["train", multi_dir, pattern, str(steps)], timeout=TIMEOUT)
     self.assertEqual(status, 0, output[-4000:])
     self.assertIn("replicas 2", output)
+    self.assertIn("strategy multi_worker_mirrored (auto chose "
+                  "multi_worker_mirrored: the cluster (TF_CONFIG) has 2 "
+                  "workers)", output)
     single = np.load(os.path.join(single_dir, "weights.npz"))
     multi = np.load(os.path.join(multi_dir, "weights.npz"))
     np.testing.assert_allclose(multi["losses"], single["losses"], rtol=1e-5)

@@ -174,13 +174,16 @@ def _task_name() -> str:
 def _strategy(out_dir: str):
   from tfdist import config as config_lib  # pylint: disable=g-import-not-at-top
   from tfdist import strategy as strategy_lib  # pylint: disable=g-import-not-at-top
-  name = ("multi_worker_mirrored" if os.environ.get("TF_CONFIG") else
-          "one_device")
+  # Under the launcher (TF_CONFIG set) `auto` must pick the multi-worker
+  # strategy from the cluster alone.
+  name = "auto" if os.environ.get("TF_CONFIG") else "one_device"
   config = config_lib.TrainConfig(
       distribution_strategy=name, model_dir=out_dir, train_steps=1,
       num_gpus=0, collective_timeout_seconds=60,
       cluster_start_timeout_seconds=60)
-  return strategy_lib.make_strategy(config).strategy
+  choice = strategy_lib.make_strategy(config)
+  print(f"strategy {choice.name} ({choice.reason})", flush=True)
+  return choice.strategy
 
 
 def shard_main(out_dir: str, globs: List[str]):

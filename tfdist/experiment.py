@@ -99,13 +99,19 @@ def _worker_scratch_dir(cluster: cluster_lib.ClusterInfo) -> str:
   return path
 
 
-def resolve_strategy_and_precision(config: TrainConfig):
+def resolve_strategy_and_precision(config: TrainConfig, *,
+                                   strategy_reason: Optional[str] = None):
   """Resolves `auto`, applies the TPU defaults and checks the TPU rules.
 
   Runs before anything expensive: nothing is probed unless the strategy or
   the dtype is `auto` (then the TPU probe is bounded), and with an explicit
   `--distribution_strategy=tpu` the TPU rules are checked before connecting.
   Prints the decision and its reasons.
+
+  Args:
+    config: the run's config.
+    strategy_reason: the reason to report when the strategy was already
+      decided (multi-worker clusters decide before this runs).
 
   Returns:
     `(config, decision)`: the config with concrete strategy and dtype, and
@@ -116,6 +122,8 @@ def resolve_strategy_and_precision(config: TrainConfig):
       cluster variables.
   """
   decision = auto_select.resolve(config)
+  if strategy_reason:
+    decision = dataclasses.replace(decision, strategy_reason=strategy_reason)
   config = auto_select.apply_decision(config, decision)
   if decision.strategy == "tpu":
     tpu_lib.validate_tpu_config(config, data_patterns=data_patterns(config))
@@ -153,15 +161,15 @@ def run_experiment(config: TrainConfig, *,
   if cluster.source != "single_process":
     print(cluster.describe(), flush=True)
   logging.info("%s", cluster.describe())
-  if (config.distribution_strategy == "auto" and cluster.num_workers > 1 and
-      not cluster.num_ps):
-    # What auto_select decides for such a cluster; decided here because
-    # MultiWorkerMirroredStrategy must be built before anything starts
-    # TensorFlow's runtime (listing devices does).
-    config = config.replace(distribution_strategy="multi_worker_mirrored")
   early_choice = None
-  if config.distribution_strategy == "multi_worker_mirrored":
+  if config.distribution_strategy == "multi_worker_mirrored" or (
+      config.distribution_strategy == "auto" and cluster.num_workers > 1 and
+      not cluster.num_ps):
+    # MultiWorkerMirroredStrategy must be built before anything starts
+    # TensorFlow's runtime (listing devices does); the factory decides `auto`
+    # for such a cluster from the cluster alone.
     early_choice = strategy_lib.make_strategy(config)
+    config = config.replace(distribution_strategy=early_choice.name)
   devices.configure_cpu_devices(config.num_cpu_devices)
   if config.seed is not None:
     keras.utils.set_random_seed(config.seed)
@@ -169,7 +177,8 @@ def run_experiment(config: TrainConfig, *,
   if config.model not in models.model_names():
     raise ConfigError(f"--model={config.model!r} is unknown. Known: "
                       f"{', '.join(models.model_names())}.")
-  config, decision = resolve_strategy_and_precision(config)
+  config, decision = resolve_strategy_and_precision(
+      config, strategy_reason=early_choice.reason if early_choice else None)
   choice = early_choice or strategy_lib.make_strategy(config)
   choice = dataclasses.replace(choice, reason=decision.strategy_reason)
   on_tpu = choice.name == "tpu"

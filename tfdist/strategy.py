@@ -208,9 +208,11 @@ def make_strategy(config: TrainConfig) -> StrategyChoice:
     from tfdist import cluster as cluster_lib  # pylint: disable=g-import-not-at-top
     cluster = cluster_lib.resolve_cluster(worker_hosts=config.worker_hosts,
                                           task_index=config.task_index)
-  if name == "auto" and cluster.source == "flags" and cluster.num_workers > 1:
+  if name == "auto" and cluster.num_workers > 1 and not cluster.num_ps:
+    # Decided without listing devices: MultiWorkerMirroredStrategy must be
+    # built before anything starts TensorFlow's runtime.
     name = "multi_worker_mirrored"
-    reason = (f"auto chose {name}: --worker_hosts lists "
+    reason = (f"auto chose {name}: the cluster ({cluster.source}) has "
               f"{cluster.num_workers} workers")
   elif name == "auto":
     name, why = resolve_auto(config)
