@@ -140,21 +140,25 @@ class InputPipelineTest(parameterized.TestCase):
     self.assertEqual(set(counts.values()), {1})  # exactly once overall
     self.assertTrue(all(per_host))
 
-  def test_training_shards_disjoint_over_one_epoch(self):
-    data = testutil.fashion_mnist_subset(limit=240, train_shards=4,
+  @parameterized.named_parameters(
+      ("by_file_seeded", 4, 2, 3), ("by_file_unseeded", 4, 2, None),
+      ("by_data_seeded", 2, 3, 3), ("by_data_unseeded", 2, 3, None))
+  def test_training_shards_disjoint_over_one_epoch(self, num_files, hosts,
+                                                   seed):
+    # Unseeded shuffles differ per host: sharding must not depend on order.
+    data = testutil.fashion_mnist_subset(limit=240, train_shards=num_files,
                                          test_shards=2)
     files = input_pipeline.list_files(data["train"])
     seen = []
-    for host in range(2):
-      ctx = tf.distribute.InputContext(num_input_pipelines=2,
+    for host in range(hosts):
+      ctx = tf.distribute.InputContext(num_input_pipelines=hosts,
                                        input_pipeline_id=host,
-                                       num_replicas_in_sync=2)
+                                       num_replicas_in_sync=hosts)
       ds = input_pipeline.make_dataset(input_pipeline.PipelineOptions(
-          files=files, parse_fn=_ids_parse, global_batch_size=24,
-          is_training=True, seed=3), ctx)
-      seen.append(_collect_ids(ds.take(120 // 12)))  # one epoch of a host
-    self.assertEmpty(set(seen[0]) & set(seen[1]))
-    self.assertCountEqual(seen[0] + seen[1], range(240))
+          files=files, parse_fn=_ids_parse, global_batch_size=8 * hosts,
+          is_training=True, seed=seed), ctx)
+      seen.append(_collect_ids(ds.take(240 // hosts // 8)))  # one epoch
+    self.assertCountEqual([i for ids in seen for i in ids], range(240))
 
 
 if __name__ == "__main__":

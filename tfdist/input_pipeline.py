@@ -133,14 +133,20 @@ def make_dataset(options: PipelineOptions,
   file_ds = tf.data.Dataset.from_tensor_slices(files)
   if mode == "file":
     file_ds = file_ds.shard(num_pipelines, pipeline_id)
-  if options.is_training and options.shuffle_buffer_size:
+  # Sharding by data keeps every n-th record, so every host must see the
+  # records in the same order: no file shuffle (the example shuffle below
+  # still randomizes) and a deterministic interleave.
+  same_order_everywhere = mode == "data"
+  if (options.is_training and options.shuffle_buffer_size and
+      not same_order_everywhere):
     file_ds = file_ds.shuffle(len(files), seed=options.seed,
                               reshuffle_each_iteration=True)
   ds = file_ds.interleave(
       lambda f: tf.data.TFRecordDataset(f, compression_type=compression),
       cycle_length=min(len(files), 8), block_length=1,
       num_parallel_calls=AUTOTUNE,
-      deterministic=options.deterministic or not options.is_training)
+      deterministic=(options.deterministic or not options.is_training or
+                     same_order_everywhere))
   if mode == "data":
     ds = ds.shard(num_pipelines, pipeline_id)
   ds = ds.map(options.parse_fn, num_parallel_calls=AUTOTUNE,
