@@ -298,11 +298,7 @@ def run_experiment(config: TrainConfig, *,
       os.path.join(scratch_dir, "saved_model"))
   throughput = controller.meter.summary()
   record = {
-      "created": manifest_lib.utc_now(),
-      "flags": dict(config.flags_snapshot),
-      "config": config.to_dict(),
-      "versions": manifest_lib.software_versions(),
-      "git_commit": manifest_lib.git_commit(),
+      **manifest_lib.run_header(config),
       "devices": devices.describe_devices(),
       "strategy": choice.name,
       "strategy_reason": choice.reason,

@@ -52,6 +52,14 @@ def software_versions() -> dict:
           "keras": keras.__version__, "python": platform.python_version()}
 
 
+def run_header(config) -> dict:
+  """The fields every manifest starts with: when, flags, config, versions,
+  git commit. `config` is a `tfdist.config.TrainConfig`."""
+  return {"created": utc_now(), "flags": dict(config.flags_snapshot),
+          "config": config.to_dict(), "versions": software_versions(),
+          "git_commit": git_commit()}
+
+
 def write_manifest(directory: str, manifest: dict) -> str:
   """Writes `manifest` as `directory/run_manifest.json` atomically.
 

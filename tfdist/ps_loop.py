@@ -294,11 +294,7 @@ def run_coordinator(config: TrainConfig) -> dict:
         f"{_format_eval(final_eval)}", flush=True)
 
   record = {
-      "created": manifest_lib.utc_now(),
-      "flags": dict(config.flags_snapshot),
-      "config": config.to_dict(),
-      "versions": manifest_lib.software_versions(),
-      "git_commit": manifest_lib.git_commit(),
+      **manifest_lib.run_header(config),
       "strategy": choice.name,
       "strategy_reason": choice.reason,
       "parameter_server": {
