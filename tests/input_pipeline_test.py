@@ -25,6 +25,22 @@ def _collect_ids(ds):
   return ids
 
 
+def _ids_per_host(files, hosts, *, is_training, seed=None, batches=None):
+  """Example ids each of `hosts` input pipelines reads (8 per replica batch).
+
+  With `batches`, reads only that many batches from each host."""
+  per_host = []
+  for host in range(hosts):
+    ctx = tf.distribute.InputContext(num_input_pipelines=hosts,
+                                     input_pipeline_id=host,
+                                     num_replicas_in_sync=hosts)
+    ds = input_pipeline.make_dataset(input_pipeline.PipelineOptions(
+        files=files, parse_fn=_ids_parse, global_batch_size=8 * hosts,
+        is_training=is_training, seed=seed), ctx)
+    per_host.append(_collect_ids(ds.take(batches) if batches else ds))
+  return per_host
+
+
 class DatasetsTest(absltest.TestCase):
 
   def test_conversion_of_real_subset(self):
@@ -126,15 +142,7 @@ class InputPipelineTest(parameterized.TestCase):
     data = testutil.fashion_mnist_subset(limit=240, train_shards=num_files,
                                          test_shards=num_files)
     files = input_pipeline.list_files(data["eval"])
-    per_host = []
-    for host in range(hosts):
-      ctx = tf.distribute.InputContext(num_input_pipelines=hosts,
-                                       input_pipeline_id=host,
-                                       num_replicas_in_sync=hosts)
-      ds = input_pipeline.make_dataset(input_pipeline.PipelineOptions(
-          files=files, parse_fn=_ids_parse, global_batch_size=8 * hosts,
-          is_training=False), ctx)
-      per_host.append(_collect_ids(ds))
+    per_host = _ids_per_host(files, hosts, is_training=False)
     counts = collections.Counter(i for ids in per_host for i in ids)
     self.assertEqual(set(counts), set(range(60000, 60240)))
     self.assertEqual(set(counts.values()), {1})  # exactly once overall
@@ -149,15 +157,8 @@ class InputPipelineTest(parameterized.TestCase):
     data = testutil.fashion_mnist_subset(limit=240, train_shards=num_files,
                                          test_shards=2)
     files = input_pipeline.list_files(data["train"])
-    seen = []
-    for host in range(hosts):
-      ctx = tf.distribute.InputContext(num_input_pipelines=hosts,
-                                       input_pipeline_id=host,
-                                       num_replicas_in_sync=hosts)
-      ds = input_pipeline.make_dataset(input_pipeline.PipelineOptions(
-          files=files, parse_fn=_ids_parse, global_batch_size=8 * hosts,
-          is_training=True, seed=seed), ctx)
-      seen.append(_collect_ids(ds.take(240 // hosts // 8)))  # one epoch
+    seen = _ids_per_host(files, hosts, is_training=True, seed=seed,
+                         batches=240 // hosts // 8)  # one epoch per host
     self.assertCountEqual([i for ids in seen for i in ids], range(240))
 
 
