@@ -11,7 +11,11 @@ from flags.definitions import define_distribution_flags
 from flags.definitions import define_lr_flags
 from flags.definitions import define_performance_flags
 from flags.definitions import define_train_flags
+from flags.definitions import LIBRARY_ONLY_FIELDS
+from flags.definitions import config_flag_names
 from flags.definitions import flags_to_config
 
-__all__ = ["define_all_flags", "define_base_flags", "define_distribution_flags", "define_lr_flags",
-           "define_performance_flags", "define_train_flags", "flags_to_config"]
+__all__ = ["LIBRARY_ONLY_FIELDS", "config_flag_names", "define_all_flags",
+           "define_base_flags", "define_distribution_flags",
+           "define_lr_flags", "define_performance_flags",
+           "define_train_flags", "flags_to_config"]

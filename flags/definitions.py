@@ -11,7 +11,6 @@ validation cannot drift apart.
 from typing import List
 
 from absl import flags
-from absl import logging
 
 from tfdist import config as config_lib
 
@@ -23,41 +22,56 @@ def _default(name):
   return _DEFAULTS[name].default
 
 
+def _recommendations_text() -> str:
+  return "; ".join(
+      f"{dataset} sets " + ", ".join(f"--{k}={v}" for k, v in values)
+      for dataset, values in sorted(
+          config_lib.DATASET_RECOMMENDED_FLAGS.items()))
+
+
 def define_base_flags() -> List[str]:
   """Model, data and output locations."""
-  flags.DEFINE_string("model", _default("model"),
-                      "Model to build, by name: cnn, resnet, or ranking "
-                      "(wide & deep over sharded embeddings, for "
-                      "movielens); see models/.")
-  flags.DEFINE_string("dataset", _default("dataset"),
-                      "Named data set: fashion_mnist or movielens "
-                      "(MovieLens-100k likes, from the recbole package; "
-                      "unless given, it sets --model=ranking, "
-                      "--batch_size=512, --optimizer=adam, "
-                      "--base_learning_rate=0.002, --lr_scaling=sqrt).")
   flags.DEFINE_string(
-      "data_dir", "",
+      "model", _default("model"),
+      "Model to build, by name: cnn, resnet, or ranking (wide & deep over "
+      "sharded embeddings, for movielens); see models/. Default: the "
+      f"--dataset's recommendation, else {config_lib.UNSET_DEFAULTS['model']}.")
+  flags.DEFINE_string(
+      "dataset", _default("dataset"),
+      "Named data set: fashion_mnist or movielens (MovieLens-100k likes, "
+      "from the recbole package). A data set may recommend values for flags "
+      "left unset: " + _recommendations_text() + ".")
+  flags.DEFINE_string(
+      "data_dir", _default("data_dir"),
       "Where named data sets are converted to TFRecord, once. Default: "
       "$TFDIST_DATA_DIR, else ~/.cache/tfdist/datasets.")
   flags.DEFINE_string(
-      "raw_data_dir", "",
+      "raw_data_dir", _default("raw_data_dir"),
       "Folder with the original Fashion-MNIST .gz files. Default: Debian's "
       "/usr/share/datasets/fashion-mnist.")
   flags.DEFINE_string(
-      "train_files", "",
+      "train_files", _default("train_files"),
       "Comma-separated globs of TFRecord files for training (local or gs://; "
       "files ending in .gz are read as GZIP). Default: the --dataset's files.")
   flags.DEFINE_string(
-      "eval_files", "",
+      "eval_files", _default("eval_files"),
       "Comma-separated globs of TFRecord files for evaluation. Default: the "
       "--dataset's test files.")
   flags.DEFINE_string(
-      "model_dir", None,
+      "model_dir", _default("model_dir"),
       "Output folder for checkpoints, TensorBoard logs, the SavedModel and "
       "run_manifest.json. Required unless Vertex AI's AIP_CHECKPOINT_DIR or "
       "AIP_MODEL_DIR is set. Running again with the same folder resumes.")
   flags.DEFINE_string(
-      "export_dir", None,
+      "checkpoint_dir", _default("checkpoint_dir"),
+      "Where checkpoints go. Default: $AIP_CHECKPOINT_DIR, else "
+      "<model_dir>/checkpoints.")
+  flags.DEFINE_string(
+      "tensorboard_dir", _default("tensorboard_dir"),
+      "Where TensorBoard logs go (train/, validation/, eval/ below it). "
+      "Default: $AIP_TENSORBOARD_LOG_DIR, else <model_dir>.")
+  flags.DEFINE_string(
+      "export_dir", _default("export_dir"),
       "Where the SavedModel goes. Default: $AIP_MODEL_DIR, else "
       "<model_dir>/saved_model.")
   flags.DEFINE_integer("shuffle_buffer_size", _default("shuffle_buffer_size"),
@@ -78,32 +92,38 @@ def define_base_flags() -> List[str]:
 def define_train_flags() -> List[str]:
   """Length of training, batch, logging, checkpoints."""
   flags.DEFINE_integer(
-      "train_steps", 0,
+      "train_steps", _default("train_steps"),
       "Optimizer updates to train for; when > 0 it overrides --train_epochs.")
-  flags.DEFINE_integer("train_epochs", 5,
+  flags.DEFINE_integer("train_epochs", _default("train_epochs"),
                        "Epochs to train for when --train_steps is 0.")
-  flags.DEFINE_integer("epochs_between_evals", 1,
+  flags.DEFINE_integer("epochs_between_evals",
+                       _default("epochs_between_evals"),
                        "Evaluate after every this many epochs, and at the end.")
   flags.DEFINE_integer(
-      "batch_size", None,
+      "batch_size", _default("batch_size"),
       "Global batch size: examples per update over all replicas. Give this "
-      "or --per_replica_batch_size. Default (neither given): 128.")
+      "or --per_replica_batch_size. Default (neither given): the "
+      "--dataset's recommendation, else 128.")
   flags.DEFINE_integer(
-      "per_replica_batch_size", None,
+      "gradient_accumulation_steps", _default("gradient_accumulation_steps"),
+      "Micro-batches per optimizer update; the global batch is "
+      "per-replica batch x replicas x this.")
+  flags.DEFINE_integer(
+      "per_replica_batch_size", _default("per_replica_batch_size"),
       "Examples per replica per step; the global batch is this times "
       "num_replicas_in_sync.")
   flags.DEFINE_integer("log_steps", _default("log_steps"),
                        "Log loss, learning rate, examples/sec and step time "
                        "every this many steps.")
   flags.DEFINE_integer(
-      "checkpoint_steps", 0,
+      "checkpoint_steps", _default("checkpoint_steps"),
       "Save a checkpoint every this many steps; 0 saves at each epoch end. "
       "A checkpoint is always saved at the end.")
   flags.DEFINE_integer("max_checkpoints", _default("max_checkpoints"),
                        "Checkpoints to keep.")
   flags.DEFINE_integer("seed", _default("seed"),
                        "Random seed for weights and shuffling.")
-  flags.DEFINE_bool("run_eagerly", False,
+  flags.DEFINE_bool("run_eagerly", _default("run_eagerly"),
                     "Run the step without tf.function (for debugging).")
   return ["train_steps", "train_epochs", "batch_size",
           "per_replica_batch_size", "log_steps"]
@@ -112,19 +132,21 @@ def define_train_flags() -> List[str]:
 def define_distribution_flags() -> List[str]:
   """Strategy and devices."""
   flags.DEFINE_enum(
-      "distribution_strategy", "auto", list(config_lib.STRATEGIES),
+      "distribution_strategy", _default("distribution_strategy"),
+      list(config_lib.STRATEGIES),
       "tf.distribute strategy. off: none; one_device; mirrored: one host, "
       "all GPUs or --num_cpu_devices logical CPUs; multi_worker_mirrored; "
       "parameter_server; tpu; auto: chosen from the devices and cluster "
       "found, and the choice is printed.")
-  flags.DEFINE_integer("num_gpus", -1,
+  flags.DEFINE_integer("num_gpus", _default("num_gpus"),
                        "GPUs to use: -1 for all visible, 0 for none.")
   flags.DEFINE_integer(
-      "num_cpu_devices", 0,
+      "num_cpu_devices", _default("num_cpu_devices"),
       "Split the host CPU into this many logical devices, so mirrored runs "
       "that many replicas on a CPU-only machine (0 or 1: no split).")
   flags.DEFINE_enum(
-      "all_reduce_alg", "auto", list(config_lib.ALL_REDUCE_ALGS),
+      "all_reduce_alg", _default("all_reduce_alg"),
+      list(config_lib.ALL_REDUCE_ALGS),
       "All-reduce. mirrored: nccl or hierarchical_copy (GPUs); "
       "multi_worker_mirrored: ring (gRPC, works on CPUs) or nccl (GPUs; what "
       "Vertex AI's Reduction Server needs); auto lets TensorFlow choose.")
@@ -150,7 +172,7 @@ def define_distribution_flags() -> List[str]:
 def define_performance_flags() -> List[str]:
   """Precision, XLA and steps per execution."""
   flags.DEFINE_enum(
-      "dtype", None,
+      "dtype", _default("dtype"),
       ["fp32", "bf16", "fp16", "auto", "float32", "bfloat16", "float16"],
       "Precision: fp32; bf16 (Keras policy mixed_bfloat16); fp16 "
       "(mixed_float16 with loss scaling; not on TPUs); auto: chosen from the "
@@ -159,16 +181,16 @@ def define_performance_flags() -> List[str]:
       "--distribution_strategy=tpu, else fp32.",
       case_sensitive=False)
   flags.DEFINE_string(
-      "loss_scale", None,
+      "loss_scale", _default("loss_scale"),
       "fp16 only: 'dynamic' (the default with --dtype=fp16) or a fixed "
       "positive number such as 128.")
   flags.DEFINE_bool(
-      "enable_xla", False,
+      "enable_xla", _default("enable_xla"),
       "Jit-compile the training step with XLA. Keras 3 turns XLA off under a "
       "tf.distribute strategy, so tfdist compiles its own per-replica step "
       "(TPUs always compile with XLA).")
   flags.DEFINE_integer(
-      "steps_per_execution", None,
+      "steps_per_execution", _default("steps_per_execution"),
       "Training steps run inside one tf.function call (fewer round trips). "
       f"Default: {config_lib.TPU_DEFAULT_STEPS_PER_EXECUTION} with "
       "--distribution_strategy=tpu, else 1.")
@@ -188,15 +210,15 @@ def define_performance_flags() -> List[str]:
 def define_tpu_flags() -> List[str]:
   """TPU address and initialization (Model Garden's names)."""
   flags.DEFINE_string(
-      "tpu", "",
+      "tpu", _default("tpu"),
       "TPU for --distribution_strategy=tpu (or for auto to try): `local` on "
       "a Cloud TPU VM, the Cloud TPU's name, or grpc://HOST:8470. Empty: "
       "$TPU_NAME.")
   flags.DEFINE_string(
-      "tpu_zone", "",
+      "tpu_zone", _default("tpu_zone"),
       "Zone of the Cloud TPU named by --tpu (default: this VM's zone).")
   flags.DEFINE_string(
-      "tpu_gcp_project", "",
+      "tpu_gcp_project", _default("tpu_gcp_project"),
       "Google Cloud project of the Cloud TPU named by --tpu (default: this "
       "VM's project).")
   flags.DEFINE_float(
@@ -217,7 +239,9 @@ def define_lr_flags() -> List[str]:
   flags.DEFINE_enum("optimizer", _default("optimizer"),
                     list(config_lib.OPTIMIZERS),
                     "Keras optimizer: sgd and momentum (SGD with --momentum), "
-                    "adam, adamw, rmsprop, lamb.")
+                    "adam, adamw, rmsprop, lamb. Default: the --dataset's "
+                    "recommendation, else "
+                    f"{config_lib.UNSET_DEFAULTS['optimizer']}.")
   flags.DEFINE_float("momentum", _default("momentum"),
                      "Momentum for sgd, momentum and rmsprop.")
   flags.DEFINE_float("weight_decay", _default("weight_decay"),
@@ -226,34 +250,41 @@ def define_lr_flags() -> List[str]:
   flags.DEFINE_float(
       "base_learning_rate", _default("base_learning_rate"),
       "Learning rate tuned for --base_batch_size examples; scaled to the "
-      "global batch by --lr_scaling.")
+      "global batch by --lr_scaling. Default: the --dataset's "
+      "recommendation, else "
+      f"{config_lib.UNSET_DEFAULTS['base_learning_rate']}.")
   flags.DEFINE_integer("base_batch_size", _default("base_batch_size"),
                        "The batch size --base_learning_rate was tuned for.")
   flags.DEFINE_enum(
       "lr_scaling", _default("lr_scaling"), list(config_lib.LR_SCALING_RULES),
       "linear: base_lr * global_batch / base_batch (Goyal et al. 2017, for "
       "SGD); sqrt: base_lr * sqrt(global_batch / base_batch) (for Adam-type "
-      "optimizers); none.")
+      "optimizers); none. Default: the --dataset's recommendation, else "
+      f"{config_lib.UNSET_DEFAULTS['lr_scaling']}.")
   flags.DEFINE_integer(
-      "warmup_steps", None,
+      "warmup_steps", _default("warmup_steps"),
       "Steps of linear warmup to the peak LR (0: none). Default (with "
       "--warmup_epochs unset): the smaller of one epoch and a tenth of "
       "the run.")
-  flags.DEFINE_float("warmup_epochs", None,
+  flags.DEFINE_float("warmup_epochs", _default("warmup_epochs"),
                      "Warmup length in epochs (instead of --warmup_steps).")
-  flags.DEFINE_float("warmup_start_learning_rate", 0.0,
+  flags.DEFINE_float("warmup_start_learning_rate",
+                     _default("warmup_start_learning_rate"),
                      "Learning rate at step 0, where warmup starts.")
   flags.DEFINE_enum(
       "lr_schedule", _default("lr_schedule"), list(config_lib.LR_SCHEDULES),
       "Decay after warmup: constant; cosine (to end_learning_rate_factor x "
       "peak); piecewise (peak x --piecewise_multipliers at "
       "--piecewise_boundaries).")
-  flags.DEFINE_float("end_learning_rate_factor", 0.0,
+  flags.DEFINE_float("end_learning_rate_factor",
+                     _default("end_learning_rate_factor"),
                      "cosine: final LR as a fraction of the peak.")
-  flags.DEFINE_list("piecewise_boundaries", ["0.5", "0.75"],
+  flags.DEFINE_list("piecewise_boundaries",
+                    [str(b) for b in _default("piecewise_boundaries")],
                     "piecewise: boundaries as fractions of the steps after "
                     "warmup, increasing, in (0, 1).")
-  flags.DEFINE_list("piecewise_multipliers", ["1.0", "0.1", "0.01"],
+  flags.DEFINE_list("piecewise_multipliers",
+                    [str(m) for m in _default("piecewise_multipliers")],
                     "piecewise: multipliers of the peak LR, one more than "
                     "boundaries.")
   return ["optimizer", "base_learning_rate", "lr_scaling", "warmup_steps",
@@ -306,40 +337,40 @@ def define_all_flags() -> List[str]:
   return names
 
 
+# TrainConfig fields that have no flag: set by the library itself, or only
+# by library callers. Every other field has a flag of the same name
+# (tests/flags_test.py checks both ways).
+LIBRARY_ONLY_FIELDS = ("flags_snapshot", "defaulted", "unset_fields")
+
+
+def config_flag_names() -> List[str]:
+  """The flags that map to `TrainConfig` fields (same names), sorted."""
+  return sorted(name for name in _DEFAULTS if name not in LIBRARY_ONLY_FIELDS)
+
+
 def flags_to_config(flag_values=FLAGS) -> config_lib.TrainConfig:
   """Reads parsed flags once into a frozen `TrainConfig`.
+
+  Only flags that were given (on the command line, in a --flagfile, or set
+  in code to a value other than their default) are passed, so the config's
+  own defaults and the data set's recommendations fill the rest
+  (`TrainConfig.unset_fields`), exactly as for library callers.
 
   Raises:
     tfdist.config.ConfigError: invalid or inconsistent values.
   """
-  fields = set(_DEFAULTS)
-  kwargs = {}
-  snapshot = []
-  for name in fields:
-    if name in flag_values and name != "flags_snapshot":
-      value = flag_values[name].value
-      snapshot.append((name, str(value)))
-      if value is not None:
-        kwargs[name] = value
-  if flag_values["dtype"].value:
-    kwargs["dtype"] = config_lib.normalize_dtype(flag_values["dtype"].value)
-  # The data set's recommended values for flags not given on the command
-  # line (config_lib.DATASET_RECOMMENDED_FLAGS).
-  recommended = dict(config_lib.DATASET_RECOMMENDED_FLAGS.get(
-      kwargs.get("dataset"), ()))
-  if ("per_replica_batch_size" in flag_values and
-      flag_values["per_replica_batch_size"].present):
-    recommended.pop("batch_size", None)
-  applied = []
-  for name, value in recommended.items():
-    if name in flag_values and not flag_values[name].present:
-      kwargs[name] = value
-      snapshot = [(n, v) for n, v in snapshot if n != name]
-      snapshot.append((name, str(value)))
-      applied.append(f"--{name}={value}")
-  if applied:
-    # Said out loud: a default that changes with --dataset must not be silent.
-    logging.info("--dataset=%s sets flags left unset: %s (pass them to "
-                 "override).", kwargs.get("dataset"), " ".join(applied))
-  kwargs["flags_snapshot"] = tuple(sorted(snapshot))
-  return config_lib.TrainConfig(**kwargs)
+  kwargs, snapshot = {}, []
+  for name in config_flag_names():
+    if name not in flag_values:
+      continue
+    flag = flag_values[name]
+    snapshot.append((name, str(flag.value)))
+    if flag.present or flag.value != flag.default:
+      kwargs[name] = flag.value
+  config = config_lib.TrainConfig(**kwargs)
+  if config.recommended_applied:
+    # The snapshot records the values that took effect.
+    applied = dict(config.recommended_applied)
+    snapshot = [(n, str(applied[n]) if n in applied else v)
+                for n, v in snapshot]
+  return config.replace(flags_snapshot=tuple(sorted(snapshot)))

@@ -18,7 +18,6 @@ from typing import Sequence
 import keras
 from keras import layers
 
-from tfdist import movielens
 from tfdist.sharded_embedding import ShardedEmbedding
 
 # Ids that get `hash_buckets` rows; the other id features are low
@@ -26,7 +25,8 @@ from tfdist.sharded_embedding import ShardedEmbedding
 LARGE_ID_FEATURES = ("user_id", "item_id")
 
 
-def build_ranking(*, input_shape=None, num_classes: int = 1,
+def build_ranking(*, id_features: Sequence[str], num_dense: int,
+                  num_classes: int = 1,
                   embedding_dim: int = 16, hash_buckets: int = 100_000,
                   side_buckets: int = 1_000,
                   hidden_units: Sequence[int] = (64, 32),
@@ -34,8 +34,9 @@ def build_ranking(*, input_shape=None, num_classes: int = 1,
   """Builds the wide & deep model.
 
   Args:
-    input_shape: unused (the inputs are the named MovieLens features); kept
-      so every builder shares one signature.
+    id_features: names of the string id inputs (each [batch, 1]), e.g.
+      `tfdist.movielens.ID_FEATURES` (from the data set's `DatasetSpec`).
+    num_dense: width of the float32 `dense` input (0: no dense input).
     num_classes: must be 1 (one sigmoid output).
     embedding_dim: width of every deep embedding.
     hash_buckets: rows of the user and item tables (ids are hashed into
@@ -45,14 +46,13 @@ def build_ranking(*, input_shape=None, num_classes: int = 1,
     dropout: dropout rate after each hidden layer.
 
   Returns:
-    A `keras.Model` taking a dict of `movielens.ID_FEATURES` (string [batch,
-    1]) and `dense` (float32 [batch, movielens.NUM_DENSE]) and returning
-    float32 probabilities [batch, 1].
+    A `keras.Model` taking a dict of `id_features` (string [batch, 1]) and
+    `dense` (float32 [batch, num_dense]) and returning float32
+    probabilities [batch, 1].
 
   Raises:
     ValueError: `num_classes` is not 1, or a non-positive size.
   """
-  del input_shape
   if num_classes != 1:
     raise ValueError(f"The ranking model has one sigmoid output; received "
                      f"num_classes={num_classes}.")
@@ -61,11 +61,17 @@ def build_ranking(*, input_shape=None, num_classes: int = 1,
                       ("side_buckets", side_buckets)):
     if value <= 0:
       raise ValueError(f"{name} must be > 0. Received: {name}={value}")
+  if not id_features:
+    raise ValueError("The ranking model needs id features; received none. "
+                     "Use it with a data set that has them (movielens).")
   inputs = {name: keras.Input(shape=(1,), dtype="string", name=name)
-            for name in movielens.ID_FEATURES}
-  inputs["dense"] = keras.Input(shape=(movielens.NUM_DENSE,), name="dense")
+            for name in id_features}
+  dense_inputs = []
+  if num_dense:
+    inputs["dense"] = keras.Input(shape=(num_dense,), name="dense")
+    dense_inputs = [inputs["dense"]]
   deep, wide = [], []
-  for name in movielens.ID_FEATURES:
+  for name in id_features:
     buckets = hash_buckets if name in LARGE_ID_FEATURES else side_buckets
     ids = layers.Hashing(num_bins=buckets, name=f"{name}_hash")(inputs[name])
     vectors = ShardedEmbedding(buckets, embedding_dim,
@@ -74,7 +80,7 @@ def build_ranking(*, input_shape=None, num_classes: int = 1,
     bias = ShardedEmbedding(buckets, 1, embeddings_initializer="zeros",
                             name=f"{name}_bias")(ids)
     wide.append(layers.Reshape((1,))(bias))
-  x = layers.Concatenate(name="deep_inputs")(deep + [inputs["dense"]])
+  x = layers.Concatenate(name="deep_inputs")(deep + dense_inputs)
   for i, units in enumerate(hidden_units):
     x = layers.Dense(units, activation="relu", name=f"hidden_{i}")(x)
     if dropout:

@@ -11,13 +11,14 @@ cannot exist here (a TPU that answers, GPUs).
 import json
 import os
 import tempfile
-from unittest import mock
 
 from absl.testing import absltest
 from absl.testing import parameterized
 
 from tests import testutil
 from tfdist import auto_select
+from tfdist import cluster as cluster_lib
+from tfdist import environment as environment_lib
 from tfdist import experiment
 from tfdist import tpu
 from tfdist.auto_select import DeviceInventory, GpuInfo
@@ -152,7 +153,8 @@ class ClusterTest(parameterized.TestCase):
           "cluster": {"chief": ["a:1"], "worker": ["b:1"], "ps": ["c:1"]},
           "task": {"type": "chief", "index": 0}})}, ("TF_CONFIG", 2, 1)),
       ("tf_config_master", {"TF_CONFIG": json.dumps({
-          "cluster": {"master": ["a:1"], "worker": ["b:1"]}})},
+          "cluster": {"master": ["a:1"], "worker": ["b:1"]},
+          "task": {"type": "master", "index": 0}})},
        ("TF_CONFIG", 2, 0)),
       ("tf_config_without_cluster", {"TF_CONFIG": json.dumps({
           "task": {"type": "worker", "index": 0}})}, ("", 0, 0)),
@@ -163,16 +165,25 @@ class ClusterTest(parameterized.TestCase):
           "task": {"type": "workerpool0", "index": 0}})},
        ("CLUSTER_SPEC", 3, 1)),
       ("tf_config_first", {
-          "TF_CONFIG": json.dumps({"cluster": {"worker": ["a:1", "b:1"]}}),
-          "CLUSTER_SPEC": json.dumps({"cluster": {"workerpool0": ["x:1"]}})},
+          "TF_CONFIG": json.dumps({"cluster": {"worker": ["a:1", "b:1"]},
+                                   "task": {"type": "worker", "index": 1}}),
+          "CLUSTER_SPEC": json.dumps({"cluster": {"workerpool0": ["x:1"]},
+                                      "task": {"type": "workerpool0"}})},
        ("TF_CONFIG", 2, 0)),
   )
   def test_cluster_from_env(self, env, expected):
-    self.assertEqual(auto_select.cluster_from_env(env), expected)
+    # The inventory counts the cluster that tfdist.cluster (the one
+    # TF_CONFIG/CLUSTER_SPEC parser) resolved.
+    cluster = cluster_lib.resolve_cluster(environ=env)
+    inventory = auto_select.take_inventory(
+        TrainConfig(model_dir="/m", train_steps=1,
+                    distribution_strategy="one_device"), cluster=cluster)
+    self.assertEqual((inventory.cluster_source, inventory.cluster_workers,
+                      inventory.cluster_ps), expected)
 
   def test_bad_json(self):
-    with self.assertRaisesRegex(ConfigError, "\\$TF_CONFIG is not a JSON"):
-      auto_select.cluster_from_env({"TF_CONFIG": "{not json"})
+    with self.assertRaisesRegex(ConfigError, "TF_CONFIG is not valid JSON"):
+      cluster_lib.resolve_cluster(environ={"TF_CONFIG": "{not json"})
 
 
 class InventoryTest(absltest.TestCase):
@@ -181,12 +192,17 @@ class InventoryTest(absltest.TestCase):
   def _config(self, **kwargs):
     return TrainConfig(model_dir="/m", train_steps=1, **kwargs)
 
+  def _inventory(self, config, env, **kwargs):
+    # As the binary does: the environment is read once, then applied.
+    environment = environment_lib.read_environment(env)
+    config, _ = environment_lib.apply_environment(config, environment)
+    return auto_select.take_inventory(
+        config, cluster=cluster_lib.resolve_cluster(
+            environ=environment.variables),
+        environment=environment, **kwargs)
+
   def test_this_machine(self):
-    with mock.patch.dict(os.environ, {}, clear=False):
-      for var in ("TF_CONFIG", "CLUSTER_SPEC", "TPU_NAME",
-                  "TPU_ACCELERATOR_TYPE", "TPU_WORKER_HOSTNAMES"):
-        os.environ.pop(var, None)
-      inventory = auto_select.take_inventory(self._config())
+    inventory = self._inventory(self._config(), {})
     self.assertEqual(inventory.gpus, ())  # tensorflow-cpu: no GPU here.
     self.assertEqual(inventory.cluster_source, "")
     decision = auto_select.decide(inventory)
@@ -197,20 +213,20 @@ class InventoryTest(absltest.TestCase):
     tf_config = {"cluster": {"chief": ["127.0.0.1:1"],
                              "worker": ["127.0.0.1:2"]},
                  "task": {"type": "chief", "index": 0}}
-    with mock.patch.dict(os.environ, {"TF_CONFIG": json.dumps(tf_config)}):
-      inventory = auto_select.take_inventory(self._config())
+    inventory = self._inventory(self._config(),
+                                {"TF_CONFIG": json.dumps(tf_config)})
     self.assertEqual(auto_select.decide(inventory).strategy,
                      "multi_worker_mirrored")
 
   def test_num_cpu_devices(self):
-    inventory = auto_select.take_inventory(self._config(num_cpu_devices=2))
+    inventory = self._inventory(self._config(num_cpu_devices=2), {})
     self.assertEqual(auto_select.decide(inventory).strategy, "mirrored")
 
   def test_tpu_hint_with_real_failing_probe(self):
     # A TPU hint on a machine without TPU: the real probe (TensorFlow's
     # local TPU initialization) fails fast and auto falls back, saying why.
-    with mock.patch.dict(os.environ, {"TPU_ACCELERATOR_TYPE": "v4-8"}):
-      inventory = auto_select.take_inventory(self._config())
+    inventory = self._inventory(self._config(),
+                                {"TPU_ACCELERATOR_TYPE": "v4-8"})
     self.assertEqual(inventory.tpu_cores, 0)
     self.assertIn("TPU_ACCELERATOR_TYPE=v4-8 suggested a TPU",
                   inventory.tpu_note)
@@ -232,9 +248,9 @@ class InventoryTest(absltest.TestCase):
           address, resolver_factory=lambda *a: FakeResolver(),
           initialize_fn=lambda resolver, kind: None, **kwargs)
 
-    with mock.patch.dict(os.environ, {"TPU_NAME": "auto-test-v4-32"}):
-      inventory = auto_select.take_inventory(self._config(),
-                                             connect_fn=connect)
+    inventory = self._inventory(self._config(),
+                                {"TPU_NAME": "auto-test-v4-32"},
+                                connect_fn=connect)
     self.assertEqual((inventory.tpu_cores, inventory.tpu_address),
                      (32, "auto-test-v4-32"))
     decision = auto_select.decide(inventory, dtype="auto")
@@ -245,10 +261,8 @@ class InventoryTest(absltest.TestCase):
     def connect(*args, **kwargs):
       raise AssertionError("probed")
 
-    with mock.patch.dict(os.environ, {"TPU_NAME": "x"}):
-      auto_select.take_inventory(
-          self._config(distribution_strategy="one_device"),
-          connect_fn=connect)
+    self._inventory(self._config(distribution_strategy="one_device"),
+                    {"TPU_NAME": "x"}, connect_fn=connect)
 
   def test_tpu_hints(self):
     self.assertEqual(tpu.tpu_hints({}, device_globs=()), ())

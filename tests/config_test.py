@@ -7,6 +7,7 @@ from absl.testing import absltest
 from absl.testing import parameterized
 
 from tfdist import config
+from tfdist import environment
 from tfdist.config import ConfigError, TrainConfig
 
 
@@ -35,7 +36,6 @@ class TrainConfigTest(parameterized.TestCase):
     self.assertEqual(cfg.loss_scale, expected)
 
   @parameterized.named_parameters(
-      ("no_model_dir", dict(model_dir=""), "--model_dir is required"),
       ("no_length", dict(train_steps=0, train_epochs=0),
        "--train_steps=N or --train_epochs=N"),
       ("bad_strategy", dict(distribution_strategy="horovod"),
@@ -68,22 +68,76 @@ class TrainConfigTest(parameterized.TestCase):
     with self.assertRaisesRegex(ConfigError, message):
       TrainConfig(**kwargs)
 
+  def test_no_model_dir(self):
+    # Checked once the environment is applied (Vertex may supply it).
+    with self.assertRaisesRegex(ConfigError, "--model_dir is required"):
+      TrainConfig(model_dir="", train_steps=10).require_model_dir()
+
   def test_vertex_environment_fills_output_folders(self):
     env = {"AIP_MODEL_DIR": "gs://b/model/",
            "AIP_CHECKPOINT_DIR": "gs://b/checkpoints/",
            "AIP_TENSORBOARD_LOG_DIR": "gs://b/logs/"}
-    with mock.patch.dict(os.environ, env):
-      cfg = TrainConfig(train_steps=1)
+    cfg, applied = environment.apply_environment(
+        TrainConfig(train_steps=1), environment.read_environment(env))
     self.assertEqual(cfg.model_dir, "gs://b/checkpoints/")
     self.assertEqual(cfg.resolved_checkpoint_dir, "gs://b/checkpoints/")
     self.assertEqual(cfg.resolved_tensorboard_dir, "gs://b/logs/")
     self.assertEqual(cfg.resolved_export_dir, "gs://b/model/")
+    self.assertIn(("model_dir", "AIP_CHECKPOINT_DIR"), applied)
 
   def test_explicit_model_dir_wins_over_vertex(self):
-    with mock.patch.dict(os.environ, {"AIP_MODEL_DIR": "gs://b/model/"}):
-      cfg = TrainConfig(model_dir="/local", train_steps=1)
+    cfg, _ = environment.apply_environment(
+        TrainConfig(model_dir="/local", train_steps=1),
+        environment.read_environment({"AIP_MODEL_DIR": "gs://b/model/"}))
     self.assertEqual(cfg.model_dir, "/local")
     self.assertEqual(cfg.resolved_checkpoint_dir, "/local/checkpoints")
+
+  def test_config_is_pure(self):
+    # The same arguments give the same config whatever the environment.
+    env = {"AIP_MODEL_DIR": "gs://b/model/", "TPU_NAME": "t1"}
+    with mock.patch.dict(os.environ, env):
+      cfg = TrainConfig(train_steps=1)
+    self.assertEqual((cfg.model_dir, cfg.export_dir, cfg.tpu), ("", "", ""))
+
+  def test_tpu_name_fills_tpu(self):
+    cfg, applied = environment.apply_environment(
+        TrainConfig(model_dir="/m", train_steps=1),
+        environment.read_environment({"TPU_NAME": "my-tpu"}))
+    self.assertEqual(cfg.tpu, "my-tpu")
+    self.assertIn(("tpu", "TPU_NAME"), applied)
+
+  def test_default_data_dir(self):
+    env = environment.read_environment({"HOME": "/home/u"})
+    self.assertEqual(env.default_data_dir, "/home/u/.cache/tfdist/datasets")
+    env = environment.read_environment({"TFDIST_DATA_DIR": "/d",
+                                        "HOME": "/home/u"})
+    self.assertEqual(env.default_data_dir, "/d")
+
+  @parameterized.named_parameters(
+      ("library", {}, {"model": "ranking", "batch_size": 512,
+                       "optimizer": "adam"}),
+      ("caller_wins", {"optimizer": "sgd", "model": "cnn"},
+       {"model": "cnn", "optimizer": "sgd", "batch_size": 512}),
+      ("per_replica_given", {"per_replica_batch_size": 64},
+       {"batch_size": None, "per_replica_batch_size": 64}))
+  def test_dataset_recommendations_apply_to_library_users(self, given,
+                                                          expected):
+    cfg = TrainConfig(model_dir="/m", train_steps=1, dataset="movielens",
+                      **given)
+    for name, value in expected.items():
+      self.assertEqual(getattr(cfg, name), value, name)
+    for name in given:
+      self.assertNotIn(name, cfg.unset_fields)
+
+  def test_replace_brings_the_new_datasets_recommendations(self):
+    cfg = TrainConfig(model_dir="/m", train_steps=1)
+    self.assertEqual((cfg.model, cfg.optimizer), ("cnn", "sgd"))
+    movielens = cfg.replace(dataset="movielens")
+    self.assertEqual((movielens.model, movielens.optimizer,
+                      movielens.lr_scaling), ("ranking", "adam", "sqrt"))
+    back = movielens.replace(dataset="fashion_mnist")
+    self.assertEqual((back.model, back.optimizer, back.batch_size),
+                     ("cnn", "sgd", None))
 
   def test_to_dict_is_json_ready(self):
     d = TrainConfig(model_dir="/m", train_steps=3).to_dict()

@@ -38,12 +38,17 @@ class StrategyOptionsTest(parameterized.TestCase):
         distribution_strategy="multi_worker_mirrored", model_dir="/tmp/x",
         train_steps=1, num_gpus=0, **kwargs)
 
+  def _make(self, config):
+    from tfdist import cluster as cluster_lib  # pylint: disable=g-import-not-at-top
+    from tfdist import strategy as strategy_lib  # pylint: disable=g-import-not-at-top
+    return strategy_lib.make_strategy(
+        config, cluster=cluster_lib.resolve_cluster())
+
   @parameterized.named_parameters(("ring", "ring", "RING"),
                                   ("auto", "auto", "AUTO"))
   def test_communication_options(self, alg, implementation):
-    from tfdist import strategy as strategy_lib  # pylint: disable=g-import-not-at-top
     with mock.patch.dict(os.environ, {"TF_CONFIG": "", "CLUSTER_SPEC": ""}):
-      choice = strategy_lib.make_strategy(self._config(
+      choice = self._make(self._config(
           all_reduce_alg=alg, collective_timeout_seconds=12))
     self.assertEqual(choice.name, "multi_worker_mirrored")
     self.assertEqual(choice.strategy.num_replicas_in_sync, 1)
@@ -58,20 +63,18 @@ class StrategyOptionsTest(parameterized.TestCase):
       ("nccl_on_cpu", "nccl", "--all_reduce_alg=nccl needs GPUs"))
   def test_all_reduce_errors(self, alg, message):
     from tfdist import config as config_lib  # pylint: disable=g-import-not-at-top
-    from tfdist import strategy as strategy_lib  # pylint: disable=g-import-not-at-top
     with self.assertRaisesRegex(config_lib.ConfigError, message):
-      strategy_lib.make_strategy(self._config(all_reduce_alg=alg))
+      self._make(self._config(all_reduce_alg=alg))
 
   def test_ps_task_cannot_run_mirrored(self):
     from tfdist import config as config_lib  # pylint: disable=g-import-not-at-top
-    from tfdist import strategy as strategy_lib  # pylint: disable=g-import-not-at-top
     tf_config = json.dumps({"cluster": {"chief": ["127.0.0.1:1"],
                                         "ps": ["127.0.0.1:2"]},
                             "task": {"type": "ps", "index": 0}})
     with mock.patch.dict(os.environ, {"TF_CONFIG": tf_config}):
       with self.assertRaisesRegex(config_lib.ConfigError,
                                   "runs only on chief and worker tasks"):
-        strategy_lib.make_strategy(self._config())
+        self._make(self._config())
 
 
 class ExactlyOnceShardingTest(absltest.TestCase):
@@ -116,8 +119,8 @@ class EquivalenceTest(absltest.TestCase):
         ["train", multi_dir, pattern, str(steps)], timeout=TIMEOUT)
     self.assertEqual(status, 0, output[-4000:])
     self.assertIn("replicas 2", output)
-    self.assertIn("strategy multi_worker_mirrored (auto chose "
-                  "multi_worker_mirrored: the cluster (TF_CONFIG) has 2 "
+    # `auto` is decided in one place (tfdist.auto_select), in its words.
+    self.assertIn("strategy multi_worker_mirrored (auto: TF_CONFIG lists 2 "
                   "workers)", output)
     single = np.load(os.path.join(single_dir, "weights.npz"))
     multi = np.load(os.path.join(multi_dir, "weights.npz"))

@@ -173,16 +173,18 @@ def _task_name() -> str:
 
 def _strategy(out_dir: str):
   from tfdist import config as config_lib  # pylint: disable=g-import-not-at-top
+  from tfdist import experiment  # pylint: disable=g-import-not-at-top
   from tfdist import strategy as strategy_lib  # pylint: disable=g-import-not-at-top
   # Under the launcher (TF_CONFIG set) `auto` must pick the multi-worker
-  # strategy from the cluster alone.
+  # strategy from the cluster alone, decided where every run decides it.
   name = "auto" if os.environ.get("TF_CONFIG") else "one_device"
   config = config_lib.TrainConfig(
       distribution_strategy=name, model_dir=out_dir, train_steps=1,
       num_gpus=0, collective_timeout_seconds=60,
       cluster_start_timeout_seconds=60)
-  choice = strategy_lib.make_strategy(config)
-  print(f"strategy {choice.name} ({choice.reason})", flush=True)
+  config, cluster, decision, _ = experiment.prepare_run(config)
+  choice = strategy_lib.make_strategy(config, cluster=cluster)
+  print(f"strategy {choice.name} ({decision.strategy_reason})", flush=True)
   return choice.strategy
 
 

@@ -6,7 +6,6 @@ No cluster here (see ps_training_test.py for real clusters).
 import json
 import os
 import tempfile
-from unittest import mock
 
 from absl.testing import absltest
 from absl.testing import flagsaver
@@ -14,6 +13,8 @@ from absl.testing import parameterized
 import keras
 import tensorflow as tf
 
+from tfdist import auto_select
+from tfdist import cluster as cluster_lib
 from tfdist import parameter_server as ps_lib
 from tfdist import sharded_embedding
 from tfdist.config import ConfigError, TrainConfig
@@ -27,43 +28,48 @@ def _tf_config(task_type, index=0, ps=2):
       "task": {"type": task_type, "index": index}})
 
 
+def _cluster(text: str):
+  return cluster_lib.resolve_cluster(environ={"TF_CONFIG": text})
+
+
 class RolesTest(parameterized.TestCase):
+  """Roles come from tfdist.cluster (the one TF_CONFIG parser)."""
 
   @parameterized.named_parameters(
       ("chief", "chief", 0), ("master", "master", 0), ("worker", "worker", 1),
       ("ps", "ps", 1), ("evaluator", "evaluator", 0))
   def test_current_task(self, task_type, index):
-    with mock.patch.dict(os.environ, {"TF_CONFIG": _tf_config(task_type,
-                                                              index)}):
-      expected = "chief" if task_type == "master" else task_type
-      self.assertEqual(ps_lib.current_task(), (expected, index))
+    info = _cluster(_tf_config(task_type, index))
+    expected = "chief" if task_type == "master" else task_type
+    self.assertEqual((info.task_type, info.task_index), (expected, index))
 
   def test_no_tf_config_is_chief(self):
-    with mock.patch.dict(os.environ, {}, clear=True):
-      self.assertEqual(ps_lib.current_task(), ("chief", 0))
-      self.assertFalse(ps_lib.cluster_has_ps())
+    info = cluster_lib.resolve_cluster(environ={})
+    self.assertEqual((info.task_type, info.task_index), ("chief", 0))
+    self.assertEqual(info.num_ps, 0)
 
   def test_unknown_role(self):
-    with mock.patch.dict(os.environ, {"TF_CONFIG": _tf_config("driver")}):
-      with self.assertRaisesRegex(ConfigError, "driver"):
-        ps_lib.current_task()
+    with self.assertRaisesRegex(ConfigError, "driver"):
+      _cluster(_tf_config("driver"))
 
   def test_uses_parameter_server(self):
     config = TrainConfig(model_dir="/tmp/x", train_steps=1,
                          distribution_strategy="auto")
-    with mock.patch.dict(os.environ, {"TF_CONFIG": _tf_config("chief")}):
-      self.assertTrue(ps_lib.uses_parameter_server(config))
-    with mock.patch.dict(os.environ, {"TF_CONFIG": _tf_config("chief",
-                                                              ps=0)}):
-      self.assertFalse(ps_lib.uses_parameter_server(config))
-      self.assertTrue(ps_lib.uses_parameter_server(
-          config.replace(distribution_strategy="parameter_server")))
+
+    def decided(cfg, text):
+      return auto_select.resolve(cfg, cluster=_cluster(text)).strategy
+
+    self.assertEqual(decided(config, _tf_config("chief")),
+                     "parameter_server")
+    self.assertNotEqual(decided(config, _tf_config("chief", ps=0)),
+                        "parameter_server")
+    self.assertEqual(decided(
+        config.replace(distribution_strategy="parameter_server"),
+        _tf_config("chief", ps=0)), "parameter_server")
 
   def test_cluster_without_ps_is_a_clear_error(self):
-    with mock.patch.dict(os.environ, {"TF_CONFIG": _tf_config("chief",
-                                                              ps=0)}):
-      with self.assertRaisesRegex(ConfigError, "needs a cluster with ps"):
-        ps_lib.cluster_resolver()
+    with self.assertRaisesRegex(ConfigError, "needs a cluster with ps"):
+      ps_lib.cluster_resolver(_cluster(_tf_config("chief", ps=0)))
 
 
 class PartitionerTest(parameterized.TestCase):

@@ -16,6 +16,7 @@ import time
 from absl.testing import absltest
 
 from tests import ps_testutil
+from tests import testutil
 from tfdist import movielens
 
 _DATA = {}
@@ -197,6 +198,120 @@ class ParameterServerTrainingTest(absltest.TestCase):
     self.assertRegex(log, r"restored .*ckpt-(20|40|60|80): resuming at step")
     manifest = _read_manifest(self.model_dir)
     self.assertEqual(manifest["final_step"], 100)
+
+
+class OneControllerTest(absltest.TestCase):
+  """Parameter-server training gets what synchronous training has: `auto`
+  for strategy and dtype, Keras callbacks, SIGTERM preemption with a
+  checkpoint and resume, a SavedModel, and the same manifest keys as a
+  Mirrored run (outside the strategy's own section)."""
+
+  def setUp(self):
+    super().setUp()
+    self.tmp = tempfile.mkdtemp(dir=os.environ.get("TEST_TMPDIR"))
+
+  def _launch(self, args, log_path):
+    import signal  # pylint: disable=g-import-not-at-top
+    import subprocess  # pylint: disable=g-import-not-at-top
+    import sys  # pylint: disable=g-import-not-at-top
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    env["PYTHONPATH"] = (ps_testutil.REPO_ROOT + os.pathsep +
+                         env.get("PYTHONPATH", ""))
+    with open(log_path, "wb") as log:
+      proc = subprocess.Popen(
+          [sys.executable, "-m", "tfdist.launch", "--num_workers=1",
+           "--num_ps=1", "--module=tests.callback_testlib", "--", *args],
+          cwd=ps_testutil.REPO_ROOT, env=env, stdout=log,
+          stderr=subprocess.STDOUT, start_new_session=True)
+
+    def cleanup():
+      # Only the launcher's own process group (started above).
+      if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    self.addCleanup(cleanup)
+    return proc
+
+  def _read(self, path):
+    with open(path, errors="replace") as f:
+      return f.read()
+
+  def test_auto_callbacks_sigterm_resume_export_and_manifest_keys(self):
+    import signal  # pylint: disable=g-import-not-at-top
+    import re  # pylint: disable=g-import-not-at-top
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+    model_dir = os.path.join(self.tmp, "ps")
+    events = os.path.join(self.tmp, "events.jsonl")
+    args = _flags(model_dir, distribution_strategy="auto", dtype="auto",
+                  train_steps=40, checkpoint_steps=10, steps_per_execution=2,
+                  preemption_grace_seconds=30) + [f"--events_file={events}"]
+    log_path = os.path.join(self.tmp, "first.log")
+    launcher = self._launch(args, log_path)
+    deadline = time.time() + 240
+    while "tfdist: step 10/40" not in self._read(log_path):
+      self.assertLess(time.time(), deadline, self._read(log_path)[-4000:])
+      self.assertIsNone(launcher.poll(), self._read(log_path)[-4000:])
+      time.sleep(0.2)
+    launcher.send_signal(signal.SIGTERM)  # Forwarded to every task.
+    self.assertEqual(launcher.wait(timeout=120), 128 + signal.SIGTERM,
+                     self._read(log_path)[-6000:])
+    log = self._read(log_path)
+    stopped = re.search(r"\[chief:0\] .*Stopped by SIGTERM at step (\d+)",
+                        log)
+    self.assertIsNotNone(stopped, log[-6000:])
+    stopped = int(stopped.group(1))
+    self.assertLess(stopped, 40)
+    latest = tf.train.latest_checkpoint(os.path.join(model_dir,
+                                                     "checkpoints"))
+    self.assertTrue(latest.endswith(f"ckpt-{stopped}"), latest)
+    # The same command resumes from that checkpoint and finishes.
+    log_path = os.path.join(self.tmp, "second.log")
+    launcher = self._launch(args, log_path)
+    self.assertEqual(launcher.wait(timeout=300), 0,
+                     self._read(log_path)[-6000:])
+    self.assertRegex(self._read(log_path),
+                     rf"\[chief:0\] .*resuming at step {stopped}\b")
+    manifest = _read_manifest(model_dir)
+    self.assertEqual((manifest["strategy"], manifest["dtype"]),
+                     ("parameter_server", "fp32"))
+    self.assertRegex(manifest["strategy_reason"],
+                     "^auto: TF_CONFIG lists 1 parameter server")
+    self.assertRegex(manifest["dtype_reason"], "^auto: ")
+    self.assertEqual(manifest["final_step"], 40)
+    self.assertTrue(manifest["restored_from"].endswith(f"ckpt-{stopped}"))
+    self.assertEqual({h["step"] for h in manifest["history"]},
+                     {10, 20, 30, 40} | ({stopped} if stopped % 10 else
+                                         set()))
+    # The SavedModel, exported by the coordinator, serves.
+    reloaded = tf.saved_model.load(os.path.join(model_dir, "saved_model"))
+    self.assertIn("serving_default", reloaded.signatures)
+    # The Keras callback ran on the coordinator, with Keras's params, in
+    # both processes.
+    with open(events) as f:
+      seen = [json.loads(line) for line in f]
+    begins = [e for e in seen if e["hook"] == "train_begin"]
+    self.assertLen(begins, 2)
+    self.assertEqual(begins[0]["params"]["steps"],
+                     manifest["steps_per_epoch"])
+    self.assertTrue(any(e["hook"] == "epoch_end" and "val_auc" in e["logs"]
+                        for e in seen))
+
+    # A Mirrored run of the same model and data, with EarlyStopping: it
+    # stops early, and its manifest has the same keys outside the
+    # strategy's own section.
+    mirrored_dir = os.path.join(self.tmp, "mirrored")
+    result = testutil.run_module("tests.callback_testlib", _flags(
+        mirrored_dir, distribution_strategy="mirrored", num_cpu_devices=2,
+        train_steps=0, train_epochs=5, batch_size=1024,
+        checkpoint_steps=0, log_steps=5) + [
+            "--early_stopping_patience=0"], timeout=300)
+    self.assertEqual(result.returncode, 0, result.stdout[-4000:])
+    mirrored = _read_manifest(mirrored_dir)
+    self.assertTrue(mirrored["stopped_early"])
+    self.assertEqual(mirrored["final_step"], 2 * mirrored["steps_per_epoch"])
+    self.assertEqual(set(mirrored) - {"mirrored"},
+                     set(manifest) - {"parameter_server"})
+    self.assertIn("placement", manifest["parameter_server"])
 
 
 if __name__ == "__main__":

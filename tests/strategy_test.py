@@ -4,6 +4,8 @@ from absl.testing import absltest
 from absl.testing import parameterized
 import tensorflow as tf
 
+from tfdist import auto_select
+from tfdist import cluster as cluster_lib
 from tfdist import strategy as strategy_lib
 from tfdist.config import ConfigError, TrainConfig
 
@@ -51,9 +53,20 @@ class MakeStrategyTest(parameterized.TestCase):
                                          num_gpus=4))
 
   def test_auto_on_cpu_only_machine(self):
-    choice = strategy_lib.make_strategy(_config(distribution_strategy="auto"))
+    # `auto` is decided in one place (auto_select); the factory takes the
+    # concrete name.
+    config = _config(distribution_strategy="auto")
+    decision = auto_select.resolve(
+        config, cluster=cluster_lib.ClusterInfo.single_process())
+    self.assertEqual(decision.strategy, "one_device")
+    self.assertIn("auto: ", decision.strategy_reason)
+    choice = strategy_lib.make_strategy(
+        auto_select.apply_decision(config, decision))
     self.assertEqual(choice.name, "one_device")
-    self.assertIn("auto chose one_device", choice.reason)
+
+  def test_factory_never_sees_auto(self):
+    with self.assertRaisesRegex(ConfigError, "decide `auto` first"):
+      strategy_lib.make_strategy(_config(distribution_strategy="auto"))
 
 
 if __name__ == "__main__":

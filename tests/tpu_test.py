@@ -20,8 +20,10 @@ import tensorflow as tf
 
 from tests import testutil
 from tfdist import auto_select
+from tfdist import environment as environment_lib
 from tfdist import experiment
 from tfdist import input_pipeline
+from tfdist import run_plan
 from tfdist import tpu
 from tfdist.config import ConfigError, TrainConfig
 
@@ -228,6 +230,11 @@ class TpuRulesTest(parameterized.TestCase):
     base.update(kwargs)
     return TrainConfig(**base)
 
+  def _with_environment(self, cfg):
+    # As the binary's edge does (fills --data_dir's default).
+    return environment_lib.apply_environment(
+        cfg, environment_lib.read_environment({"HOME": "/home/u"}))[0]
+
   def test_defaults_on_tpu(self):
     cfg = self._config()
     self.assertEqual(cfg.dtype, "bf16")
@@ -248,8 +255,9 @@ class TpuRulesTest(parameterized.TestCase):
       self._config(dtype="fp16")
 
   def test_tpu_address_required(self):
+    # Checked once the environment is applied ($TPU_NAME may supply it).
     with self.assertRaisesRegex(ConfigError, "needs --tpu"):
-      self._config(tpu="")
+      tpu.validate_tpu_config(self._config(tpu=""), data_patterns=[])
 
   @parameterized.named_parameters(
       ("remote_local_files", "grpc://10.0.0.2:8470",
@@ -259,10 +267,10 @@ class TpuRulesTest(parameterized.TestCase):
       ("name_local_data_dir", "my-tpu", dict(data_dir="/data"),
        "--data_dir=/data"))
   def test_gcs_required_for_remote_tpus(self, address, files, message):
-    cfg = self._config(tpu=address, **files)
+    cfg = self._with_environment(self._config(tpu=address, **files))
     with self.assertRaisesRegex(ConfigError, message):
       tpu.validate_tpu_config(cfg,
-                              data_patterns=experiment.data_patterns(cfg))
+                              data_patterns=run_plan.data_patterns(cfg))
 
   @parameterized.named_parameters(
       ("gcs", "my-tpu", dict(train_files="gs://b/train-*",
@@ -271,15 +279,16 @@ class TpuRulesTest(parameterized.TestCase):
       ("local_tpu_local_files", "local", dict(train_files="/d/train-*",
                                               eval_files="/d/test-*")))
   def test_allowed_inputs(self, address, files):
-    cfg = self._config(tpu=address, **files)
-    tpu.validate_tpu_config(cfg, data_patterns=experiment.data_patterns(cfg))
+    cfg = self._with_environment(self._config(tpu=address, **files))
+    tpu.validate_tpu_config(cfg, data_patterns=run_plan.data_patterns(cfg))
 
   def test_rules_checked_before_connecting(self):
     # A remote TPU with local files fails on the rule, without any network.
     cfg = self._config(tpu=f"grpc://127.0.0.1:{portpicker.pick_unused_port()}",
                        train_files="/d/train-*", eval_files="/d/test-*")
     with self.assertRaisesRegex(ConfigError, "input must be on gs://"):
-      experiment.resolve_strategy_and_precision(cfg)
+      experiment.prepare_run(
+          cfg, environment=environment_lib.read_environment({}))
 
   def test_auto_chosen_tpu_gets_tpu_defaults(self):
     cfg = TrainConfig(model_dir="/tmp/m", train_steps=10)

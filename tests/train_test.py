@@ -18,6 +18,7 @@ import tensorflow as tf
 
 import models
 from tests import testutil
+from tfdist import datasets
 from tfdist import experiment
 from tfdist import manifest as manifest_lib
 from tfdist.config import ConfigError, TrainConfig
@@ -98,7 +99,14 @@ class RunExperimentTest(parameterized.TestCase):
     experiment.run_experiment(_config(model_dir, train_steps=12))
     second = manifest_lib.read_manifest(model_dir)
     self.assertEqual(second["final_step"], 12)
-    self.assertEqual([h["step"] for h in second["history"]], [8, 12])
+    # The history covers both processes: the first's logs (4, and 6 at its
+    # end), then the second's, which started at step 6.
+    self.assertEqual([h["step"] for h in second["history"]], [4, 6, 8, 12])
+    processes = [h["process"] for h in second["history"]]
+    self.assertLen(set(processes), 2)
+    self.assertEqual([h["step"] for h in second["history"]
+                      if h["process"] == processes[-1]], [8, 12])
+    self.assertTrue(second["restored_from"].endswith("ckpt-6"))
     reader = tf.train.load_checkpoint(os.path.join(model_dir, "checkpoints"))
     self.assertEqual(reader.get_tensor(
         "global_step/.ATTRIBUTES/VARIABLE_VALUE"), 12)
@@ -106,16 +114,20 @@ class RunExperimentTest(parameterized.TestCase):
                   if k.startswith("optimizer/") and "iteration" in k]
     self.assertTrue(iterations)
     self.assertEqual(reader.get_tensor(iterations[0]), 12)
-    # A finished run re-run does no more steps.
+    # A finished run re-run does no more steps: its history is the first
+    # run's (the history of every process), with nothing added.
+    before = manifest_lib.read_manifest(model_dir)["history"]
     experiment.run_experiment(_config(model_dir, train_steps=12))
-    self.assertEqual(manifest_lib.read_manifest(model_dir)["history"], [])
+    after = manifest_lib.read_manifest(model_dir)
+    self.assertEqual(after["history"], before)
+    self.assertEqual(after["throughput"]["this_process"]["measured_steps"], 0)
 
   def test_saved_model_predicts_like_trained_model(self):
     model_dir = testutil.scratch_dir()
     experiment.run_experiment(_config(model_dir, model="resnet",
                                       train_steps=4, log_steps=2))
-    model = models.build_model("resnet", input_shape=(28, 28, 1),
-                               num_classes=10)
+    model = models.build_model(
+        "resnet", spec=datasets.get_dataset_spec("fashion_mnist"))
     tf.train.Checkpoint(model=model).restore(tf.train.latest_checkpoint(
         os.path.join(model_dir, "checkpoints"))).expect_partial()
     images = np.random.RandomState(0).rand(5, 28, 28, 1).astype(np.float32)

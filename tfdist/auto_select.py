@@ -25,6 +25,9 @@ and for `--dtype=auto`, given the strategy:
 * GPUs of compute capability 7.x (Volta, Turing: fp16 Tensor Cores, no
   bf16) -> `fp16` with dynamic loss scaling;
 * older GPUs, or GPUs of unknown capability -> `fp32` (no Tensor Cores);
+* parameter_server: never `fp16` (its loss scale cannot be shared by
+  asynchronous workers): `bf16` on GPUs of compute capability >= 8.0, else
+  `fp32`;
 * CPU only -> `fp32`: on CPUs bf16 trained about 1.6x slower than fp32 and
   fp16 (with oneDNN) hundreds of times slower (measured, 2-core x86).
 
@@ -33,14 +36,13 @@ or `--dtype` is kept, and the other is decided around it.
 """
 
 import dataclasses
-import json
-import os
-from typing import Mapping, Optional, Tuple
+from typing import Optional, Tuple
 
 from absl import logging
 
 from tfdist import tpu as tpu_lib
 from tfdist.config import ConfigError
+from tfdist.config import check_tpu_precision
 
 # Compute capability from which GPUs have bfloat16 Tensor Cores (Ampere).
 BF16_MIN_COMPUTE_CAPABILITY = (8, 0)
@@ -150,6 +152,15 @@ def decide_dtype(strategy: str, inventory: DeviceInventory) -> Tuple[str, str]:
   """
   if strategy == "tpu":
     return "bf16", "TPU: its matrix units compute in bfloat16"
+  if strategy == "parameter_server" and _uses_gpus(strategy, inventory):
+    known = [g.compute_capability for g in inventory.gpus]
+    if known and all(cc is not None and cc >= BF16_MIN_COMPUTE_CAPABILITY
+                     for cc in known):
+      return "bf16", ("parameter_server on GPUs of compute capability >= "
+                      "8.0 (bfloat16 Tensor Cores; no loss scaling needed)")
+    return "fp32", ("parameter_server: fp16 needs loss scaling, which "
+                    "asynchronous workers cannot share; bf16 needs GPUs of "
+                    "compute capability >= 8.0")
   if not _uses_gpus(strategy, inventory):
     return "fp32", _CPU_FP32_WHY
   known = [g.compute_capability for g in inventory.gpus]
@@ -204,46 +215,13 @@ def decide(inventory: DeviceInventory, *, strategy: str = "auto",
     dtype_reason = "the default (--dtype not given)"
   else:
     dtype_reason = f"--dtype={dtype}"
-  if strategy == "tpu" and dtype == "fp16":
-    raise ConfigError(
-        "--dtype=fp16 is not supported on TPUs (they compute in bfloat16 "
-        "and have no float16 arithmetic). Use --dtype=bf16 (the TPU "
-        "default), --dtype=auto or --dtype=fp32.")
+  check_tpu_precision(strategy, dtype, why=(
+      strategy_reason if strategy_reason.startswith("auto") else ""))
   return Decision(strategy, strategy_reason, dtype, dtype_reason,
                   tpu=tpu_address)
 
 
 # --- The real inventory ----------------------------------------------------
-def cluster_from_env(env: Mapping[str, str]) -> Tuple[str, int, int]:
-  """Reads the cluster from TF_CONFIG, else Vertex AI's CLUSTER_SPEC.
-
-  Returns:
-    `(source, workers, ps)`: the variable's name ('' when neither is set or
-    it lists no cluster), chief/master/worker tasks (Vertex: worker pools 0
-    and 1), and parameter-server tasks (Vertex: worker pool 2). The evaluator
-    is not a cluster member.
-
-  Raises:
-    ConfigError: the variable is not valid JSON.
-  """
-  pools = {"TF_CONFIG": (("chief", "master", "worker"), ("ps",)),
-           "CLUSTER_SPEC": (("workerpool0", "workerpool1"), ("workerpool2",))}
-  for var, (worker_jobs, ps_jobs) in pools.items():
-    raw = env.get(var)
-    if not raw:
-      continue
-    try:
-      cluster = json.loads(raw).get("cluster") or {}
-    except (ValueError, AttributeError):
-      raise ConfigError(f"${var} is not a JSON object with a 'cluster': "
-                        f"{raw[:120]!r}.") from None
-    workers = sum(len(cluster.get(job) or ()) for job in worker_jobs)
-    ps = sum(len(cluster.get(job) or ()) for job in ps_jobs)
-    if workers or ps:
-      return var, workers, ps
-  return "", 0, 0
-
-
 def _parse_cc(value) -> Optional[Tuple[int, int]]:
   if isinstance(value, (tuple, list)) and len(value) == 2:
     return int(value[0]), int(value[1])
@@ -282,18 +260,18 @@ def gpu_inventory(num_gpus: int = -1, *, list_fn=None,
   return tuple(out if num_gpus < 0 else out[:num_gpus])
 
 
-def probe_tpu(config, *, env=None, hints=None, connect_fn=None
+def probe_tpu(config, *, hints: Tuple[str, ...] = (), connect_fn=None
               ) -> Tuple[int, str, str]:
   """Looks for a TPU for `auto`: `(cores, address, note)`.
 
-  Connects (bounded) only when `--tpu` is given or `tpu_hints` sees a sign
-  of a TPU; machines without one pay nothing.
+  Connects (bounded) only when `--tpu` is given (or `$TPU_NAME`, which the
+  binary's edge copies into it) or `hints` show a sign of a TPU; machines
+  without one pay nothing.
 
   Args:
     config: the `TrainConfig` (`tpu`, `tpu_zone`, `tpu_gcp_project`,
       `tpu_init_timeout`).
-    env: environment mapping (default `os.environ`).
-    hints: precomputed `tpu_hints` (default: computed from `env`).
+    hints: `tfdist.tpu.tpu_hints` of this machine.
     connect_fn: replaces `tpu.connect_tpu` (tests pass a fake resolver to
       it instead where possible).
 
@@ -301,11 +279,8 @@ def probe_tpu(config, *, env=None, hints=None, connect_fn=None
     TPU cores (0: none), the address tried, and a note saying why none was
     used ('' if no sign of a TPU was seen).
   """
-  env = os.environ if env is None else env
-  hints = tpu_lib.tpu_hints(env) if hints is None else hints
-  address = config.tpu or env.get("TPU_NAME", "") or ("local" if hints
-                                                      else "")
-  if not config.tpu and not hints:
+  address = tpu_lib.resolve_tpu_address(config.tpu, hints)
+  if not address:
     return 0, "", ""
   connect = connect_fn or tpu_lib.connect_tpu
   try:
@@ -319,44 +294,64 @@ def probe_tpu(config, *, env=None, hints=None, connect_fn=None
   return system.num_cores, address, ""
 
 
-def take_inventory(config, *, env=None, connect_fn=None,
+def take_inventory(config, *, cluster, environment=None, connect_fn=None,
                    gpu_list_fn=None, gpu_details_fn=None) -> DeviceInventory:
   """Fills a `DeviceInventory` from this machine and process.
 
-  The TPU is probed only for `--distribution_strategy=auto`.
+  Lists physical devices only (TensorFlow's runtime is not started, so a
+  MultiWorkerMirroredStrategy can still be built afterwards). The TPU is
+  probed only for `--distribution_strategy=auto`.
 
   Args:
     config: the `TrainConfig` (`num_gpus`, `num_cpu_devices`, TPU fields).
-    env: environment mapping (default `os.environ`).
+    cluster: the resolved `tfdist.cluster.ClusterInfo`.
+    environment: the `tfdist.environment.RunEnvironment` (for TPU hints;
+      None: no variables).
     connect_fn: replaces `tpu.connect_tpu` for the TPU probe.
     gpu_list_fn, gpu_details_fn: replace TensorFlow's GPU listing.
-
-  Raises:
-    ConfigError: TF_CONFIG / CLUSTER_SPEC is not valid JSON.
   """
-  env = os.environ if env is None else env
-  source, workers, ps = cluster_from_env(env)
+  variables = environment.variables if environment is not None else {}
   cores, address, note = 0, "", ""
   if config.distribution_strategy == "auto":
-    cores, address, note = probe_tpu(config, env=env, connect_fn=connect_fn)
+    cores, address, note = probe_tpu(
+        config, hints=tpu_lib.tpu_hints(variables), connect_fn=connect_fn)
+  multi = cluster.source != "single_process" and (
+      cluster.num_workers > 1 or cluster.num_ps > 0)
   return DeviceInventory(
       tpu_cores=cores, tpu_address=address, tpu_note=note,
       gpus=gpu_inventory(config.num_gpus, list_fn=gpu_list_fn,
                          details_fn=gpu_details_fn),
-      cluster_source=source, cluster_workers=workers, cluster_ps=ps,
+      cluster_source=cluster.source if multi else "",
+      cluster_workers=cluster.num_workers if multi else 0,
+      cluster_ps=cluster.num_ps if multi else 0,
       num_cpu_devices=config.num_cpu_devices)
 
 
-def resolve(config, *, inventory: Optional[DeviceInventory] = None
-            ) -> Decision:
-  """The `Decision` for `config`, taking the inventory only when needed.
+def resolve(config, *, cluster, environment=None,
+            inventory: Optional[DeviceInventory] = None) -> Decision:
+  """The one place that decides `auto`: the `Decision` for `config`.
 
-  Nothing is probed when neither the strategy nor the dtype is `auto`.
+  Every path calls this (single process, multi-worker, parameter server,
+  TPU), before any strategy is built; the strategy factory never sees
+  `auto`. Nothing is probed when neither the strategy nor the dtype is
+  `auto` (the cluster still counts).
+
+  Args:
+    config: the run's `TrainConfig`.
+    cluster: the resolved `tfdist.cluster.ClusterInfo`.
+    environment: the `tfdist.environment.RunEnvironment` (TPU hints).
+    inventory: use this instead of looking (tests).
+
+  Raises:
+    ConfigError: fp16 on a TPU.
   """
   needs_inventory = "auto" in (config.distribution_strategy, config.dtype)
   if inventory is None:
-    inventory = take_inventory(config) if needs_inventory else (
-        DeviceInventory(num_cpu_devices=config.num_cpu_devices))
+    if needs_inventory:
+      inventory = take_inventory(config, cluster=cluster,
+                                 environment=environment)
+    else:
+      inventory = DeviceInventory(num_cpu_devices=config.num_cpu_devices)
   return decide(inventory, strategy=config.distribution_strategy,
                 dtype=config.dtype,
                 dtype_defaulted="dtype" in config.defaulted)

@@ -38,6 +38,14 @@ DATASET_RECOMMENDED_FLAGS = {
 # Steps per `tf.function` call on TPU when --steps_per_execution is not
 # given: each call is a host -> TPU round trip, so TPUs want many steps each.
 TPU_DEFAULT_STEPS_PER_EXECUTION = 100
+# Fields a data set may recommend: None means "unset", filled in
+# `TrainConfig.__post_init__` from DATASET_RECOMMENDED_FLAGS, else from
+# UNSET_DEFAULTS (batch_size stays None: 128 unless --per_replica_batch_size
+# is given, see tfdist.batch_plan).
+RECOMMENDABLE_FIELDS = ("model", "batch_size", "optimizer",
+                        "base_learning_rate", "lr_scaling")
+UNSET_DEFAULTS = {"model": "cnn", "optimizer": "sgd",
+                  "base_learning_rate": 0.1, "lr_scaling": "linear"}
 
 
 class ConfigError(ValueError):
@@ -82,6 +90,27 @@ def parse_loss_scale(value) -> Optional[object]:
   return number
 
 
+def check_tpu_precision(strategy: str, dtype: str, *, why: str = "") -> None:
+  """The one check that TPUs get no fp16 (they have no float16 arithmetic).
+
+  Args:
+    strategy: the concrete or requested strategy name.
+    dtype: the normalized dtype.
+    why: how the strategy was chosen, for the message (e.g. "auto: a TPU
+      answered").
+
+  Raises:
+    ConfigError: `strategy` is `tpu` and `dtype` is `fp16`.
+  """
+  if strategy == "tpu" and dtype == "fp16":
+    how = f" ({why})" if why else ""
+    raise ConfigError(
+        f"--dtype=fp16 is not supported with --distribution_strategy=tpu"
+        f"{how}: fp16 is not supported on TPUs, which compute in bfloat16 "
+        "and have no float16 arithmetic or loss scaling. Use --dtype=bf16 "
+        "(the TPU default), --dtype=auto or --dtype=fp32.")
+
+
 def _split_list(value) -> Tuple[str, ...]:
   if value is None:
     return ()
@@ -104,8 +133,9 @@ class TrainConfig:
     ConfigError: a field is out of range or inconsistent with another; the
       message names the flag, the value and how to fix it.
   """
-  # Model and data.
-  model: str = "cnn"
+  # Model and data. None: the data set's recommendation, else the default
+  # (see UNSET_DEFAULTS and DATASET_RECOMMENDED_FLAGS).
+  model: Optional[str] = None
   dataset: str = "fashion_mnist"
   data_dir: str = ""
   raw_data_dir: str = ""
@@ -124,7 +154,7 @@ class TrainConfig:
   export_dir: str = ""
   # Length of training.
   train_steps: int = 0
-  train_epochs: int = 0
+  train_epochs: int = 5
   epochs_between_evals: int = 1
   checkpoint_steps: int = 0
   max_checkpoints: int = 5
@@ -162,12 +192,12 @@ class TrainConfig:
   tpu_gcp_project: str = ""
   tpu_init_timeout: float = 300.0
   # Optimizer and learning rate.
-  optimizer: str = "sgd"
+  optimizer: Optional[str] = None
   momentum: float = 0.9
   weight_decay: float = 0.0
-  base_learning_rate: float = 0.1
+  base_learning_rate: Optional[float] = None
   base_batch_size: int = 256
-  lr_scaling: str = "linear"
+  lr_scaling: Optional[str] = None
   warmup_steps: Optional[int] = None
   warmup_epochs: Optional[float] = None
   warmup_start_learning_rate: float = 0.0
@@ -183,18 +213,34 @@ class TrainConfig:
   # still change those (bf16 and more steps per execution on TPU). Set by
   # __post_init__, never by callers.
   defaulted: Tuple[str, ...] = ()
+  # Fields left unset (None) and filled from the data set's recommendation
+  # or the default (UNSET_DEFAULTS). Set by __post_init__, never by callers.
+  unset_fields: Tuple[str, ...] = ()
 
   def __post_init__(self):
     set_ = lambda name, value: object.__setattr__(self, name, value)
-    defaulted = set(self.defaulted)
+    defaulted = []
     for name, default in (("dtype", "fp32"), ("steps_per_execution", 1)):
       if getattr(self, name) is None:
         tpu_default = {"dtype": "bf16", "steps_per_execution":
                        TPU_DEFAULT_STEPS_PER_EXECUTION}[name]
         set_(name, tpu_default if str(self.distribution_strategy).lower() ==
              "tpu" else default)
-        defaulted.add(name)
+        defaulted.append(name)
     set_("defaulted", tuple(sorted(defaulted)))
+    # Fields the caller left unset: the data set's recommendation, else the
+    # default. Flags and fields the caller set always win.
+    recommended = dict(DATASET_RECOMMENDED_FLAGS.get(self.dataset, ()))
+    if self.per_replica_batch_size is not None:
+      recommended.pop("batch_size", None)
+    unset = []
+    for name in RECOMMENDABLE_FIELDS:
+      if getattr(self, name) is None:
+        value = recommended.get(name, UNSET_DEFAULTS.get(name))
+        if value is not None or name in recommended:
+          unset.append(name)
+        set_(name, value)
+    set_("unset_fields", tuple(sorted(unset)))
     set_("dtype", normalize_dtype(self.dtype))
     set_("loss_scale", parse_loss_scale(self.loss_scale))
     set_("piecewise_boundaries",
@@ -203,33 +249,33 @@ class TrainConfig:
          tuple(float(m) for m in _split_list(self.piecewise_multipliers)))
     set_("distribution_strategy", str(self.distribution_strategy).lower())
     set_("flags_snapshot", tuple(tuple(kv) for kv in self.flags_snapshot))
-    self._apply_vertex_environment()
     self._validate()
 
-  # --- Vertex AI -----------------------------------------------------------
-  def _apply_vertex_environment(self):
-    """Fills unset output folders from Vertex AI's AIP_* variables."""
-    set_ = lambda name, value: object.__setattr__(self, name, value)
-    env = os.environ
+  @property
+  def recommended_applied(self) -> Tuple[Tuple[str, object], ...]:
+    """`(field, value)` pairs the data set's recommendation filled in."""
+    recommended = dict(DATASET_RECOMMENDED_FLAGS.get(self.dataset, ()))
+    return tuple((name, getattr(self, name)) for name in self.unset_fields
+                 if name in recommended and
+                 getattr(self, name) == recommended[name])
+
+  def require_model_dir(self):
+    """Raises `ConfigError` when no output folder is known.
+
+    Called once the environment is applied (`tfdist.environment`), since
+    Vertex AI's `AIP_*` variables may supply it.
+    """
     if not self.model_dir:
-      base = env.get("AIP_CHECKPOINT_DIR") or env.get("AIP_MODEL_DIR")
-      if base:
-        set_("model_dir", base)
-    if not self.checkpoint_dir and env.get("AIP_CHECKPOINT_DIR"):
-      set_("checkpoint_dir", env["AIP_CHECKPOINT_DIR"])
-    if not self.tensorboard_dir and env.get("AIP_TENSORBOARD_LOG_DIR"):
-      set_("tensorboard_dir", env["AIP_TENSORBOARD_LOG_DIR"])
-    if not self.export_dir and env.get("AIP_MODEL_DIR"):
-      set_("export_dir", env["AIP_MODEL_DIR"])
+      raise ConfigError(
+          "--model_dir is required (or set AIP_MODEL_DIR / "
+          "AIP_CHECKPOINT_DIR as Vertex AI does). Example: "
+          "--model_dir=/tmp/tfdist_run.")
 
   def _validate(self):
     def need(cond, message):
       if not cond:
         raise ConfigError(message)
 
-    need(self.model_dir,
-         "--model_dir is required (or set AIP_MODEL_DIR / AIP_CHECKPOINT_DIR "
-         "as Vertex AI does). Example: --model_dir=/tmp/tfdist_run.")
     need(self.distribution_strategy in STRATEGIES,
          f"--distribution_strategy={self.distribution_strategy!r} is unknown. "
          f"Use one of: {', '.join(STRATEGIES)}.")
@@ -326,16 +372,12 @@ class TrainConfig:
          "per ps task).")
     need(self.tpu_init_timeout > 0,
          f"--tpu_init_timeout={self.tpu_init_timeout} must be > 0 seconds.")
-    need(self.distribution_strategy != "tpu" or self.tpu.strip() or
-         os.environ.get("TPU_NAME"),
-         "--distribution_strategy=tpu needs --tpu: `local` on a Cloud TPU "
-         "VM, the TPU's name (with --tpu_zone and --tpu_gcp_project), or "
-         "grpc://HOST:8470 (or set $TPU_NAME).")
-    if self.distribution_strategy == "tpu" and self.dtype == "fp16":
-      raise ConfigError(
-          "--dtype=fp16 is not supported with --distribution_strategy=tpu: "
-          "TPUs compute in bfloat16 and have no float16 arithmetic. Use "
-          "--dtype=bf16 (the TPU default), --dtype=auto or --dtype=fp32.")
+    check_tpu_precision(self.distribution_strategy, self.dtype)
+    need(not (self.distribution_strategy == "parameter_server" and
+              self.dtype == "fp16"),
+         "--dtype=fp16 is not supported with --distribution_strategy="
+         "parameter_server: fp16 needs loss scaling, whose scale asynchronous "
+         "workers cannot share. Use --dtype=bf16, fp32 or auto.")
     if self.loss_scale is not None and self.dtype not in ("fp16", "auto"):
       raise ConfigError(
           f"--loss_scale={self.loss_scale} only applies to --dtype=fp16 "
@@ -356,8 +398,14 @@ class TrainConfig:
     return self.export_dir or os.path.join(self.model_dir, "saved_model")
 
   def replace(self, **changes) -> "TrainConfig":
-    """Returns a copy with `changes` applied (and validated again)."""
-    return dataclasses.replace(self, **changes)
+    """Returns a copy with `changes` applied (and validated again).
+
+    Fields that were left unset stay unset unless changed, so a new
+    `dataset` brings its own recommendations.
+    """
+    reset = {name: None for name in self.defaulted + self.unset_fields
+             if name not in changes}
+    return dataclasses.replace(self, **{**reset, **changes})
 
   def to_dict(self) -> dict:
     """A JSON-serializable dict of every field."""

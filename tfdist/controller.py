@@ -1,23 +1,50 @@
-"""The outer training loop: chunks of steps, logging, evaluation, checkpoints.
+"""The outer loop: one controller for every strategy.
 
-Orbit-style split: `train_loop.Trainer` owns the compiled step functions;
-the `Controller` decides how many steps to run next, and between chunks logs
-throughput and summaries, evaluates, saves checkpoints and calls Keras
-callbacks. The chunk ends at the next log, checkpoint or epoch boundary, so
-every boundary is hit exactly.
+Orbit-style split: a step runner (`tfdist.step_runner`) runs steps (a local
+call of the compiled step, or chunks scheduled on a `ClusterCoordinator`);
+the `Controller` owns everything between steps, the same way for every
+strategy:
+
+* boundaries: it runs up to the next log, checkpoint, epoch or final step
+  (and, for a local runner, at most `steps_per_execution` steps per call),
+  so every boundary is hit exactly;
+* logging (`tfdist.run_log.RunLog`: one formatter, one set of TensorBoard
+  scalars, one divergence check);
+* checkpoints (`tfdist.checkpointing.CheckpointKeeper`): restore at start,
+  save every `checkpoint_steps` (or at each epoch end) and at the end;
+* evaluation every `epochs_between_evals` epochs and at the end;
+* Keras callbacks (`set_params`, train/epoch/batch hooks with Keras's logs,
+  `model.stop_training` honoured: EarlyStopping, TerminateOnNaN);
+* preemption (`tfdist.preemption.PreemptionWatcher`): a signal on any
+  worker stops every worker after the same step, with a checkpoint.
+
+Stop requests (a signal, a callback's `model.stop_training`) ride with the
+next chunk's step sums, which every worker reduces anyway, so workers agree
+without a host synchronization of their own; at epoch ends, where callbacks
+decide, one all-reduce of one number makes them agree (multi-worker only).
+
+`Controller.evaluate_continuously` is the one side-car evaluator: it
+evaluates every checkpoint once, in step order (evaluator tasks of every
+strategy, `tfdist.train --mode=continuous_eval`).
 """
 
 import dataclasses
+import json
 import math
-from typing import Callable, List, Optional, Sequence
+import os
+import time
+from typing import Callable, Dict, List, Optional, Sequence
 
 from absl import logging
 import keras
+import numpy as np
 import tensorflow as tf
 
-from tfdist import precision
-from tfdist.throughput import ThroughputMeter
-from tfdist.train_loop import Trainer
+from tfdist import run_log as run_log_lib
+
+EVAL_RESULTS_FILE = "eval_results.jsonl"
+# Keys of the runner's sums that are not metrics.
+_CONTROL_KEYS = ("stop_signal", "stop_training")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,191 +57,326 @@ class ControllerOptions:
     log_steps: log loss, learning rate and throughput every this many steps.
     checkpoint_steps: save every this many steps (0: at every epoch end).
     epochs_between_evals: evaluate after every this many epochs (and at end).
-    steps_per_execution: most steps run inside one `tf.function` call.
   """
   total_steps: int
   steps_per_epoch: int
   log_steps: int = 100
   checkpoint_steps: int = 0
   epochs_between_evals: int = 1
-  steps_per_execution: int = 1
+
+
+@dataclasses.dataclass
+class ControllerResult:
+  """What `Controller.run` did.
+
+  Attributes:
+    step: the last step trained (== `total_steps` unless stopped early).
+    final_eval: the last evaluation's result (`loss`, `accuracy`,
+      `num_examples`, `auc` for binary tasks, `step`), or None without an
+      evaluation.
+    stopped_early: a callback set `model.stop_training`.
+    restored_from: the checkpoint training resumed from, or None.
+    train_seconds: wall time of the training loop in this process.
+  """
+  step: int
+  final_eval: Optional[dict]
+  stopped_early: bool
+  restored_from: Optional[str]
+  train_seconds: float
+
+
+def next_boundary(step: int, options: ControllerOptions) -> int:
+  """The first step after `step` at which the controller must stop: a log
+  point, a checkpoint, an epoch end, or the end of training."""
+  candidates = [options.total_steps,
+                (step // options.log_steps + 1) * options.log_steps,
+                (step // options.steps_per_epoch + 1) *
+                options.steps_per_epoch]
+  if options.checkpoint_steps:
+    candidates.append((step // options.checkpoint_steps + 1) *
+                      options.checkpoint_steps)
+  return min(candidates)
+
+
+def _add(total: Dict[str, np.ndarray], sums: Dict[str, np.ndarray]):
+  for key, value in sums.items():
+    if key not in _CONTROL_KEYS:
+      total[key] = total.get(key, 0.0) + value
 
 
 class Controller:
-  """Runs a `Trainer` to `total_steps`, restoring from and writing checkpoints.
+  """Trains to `total_steps` with any step runner; or evaluates checkpoints.
 
   Args:
-    trainer: the `Trainer`.
+    runner: a step runner (`LocalStepRunner` or `CoordinatorStepRunner`);
+      None for an evaluation-only controller.
     options: a `ControllerOptions`.
-    train_iterator: iterator over the distributed training dataset.
-    eval_dataset: a distributed evaluation dataset (read once per
-      evaluation), or None to skip evaluation.
-    checkpoint_manager: a `tf.train.CheckpointManager` over the full state.
-    summary_writer: a `tf.summary` writer for per-step scalars (a no-op
-      writer on non-chief workers).
-    callbacks: Keras callbacks (e.g. `keras.callbacks.TensorBoard`).
-    preemption: a `tfdist.preemption.PreemptionWatcher`, or None. After every
-      chunk its `should_stop()` is asked (a collective under
-      MultiWorkerMirroredStrategy, so every worker stops at the same step);
-      on True the controller saves a checkpoint and raises its
-      `PreemptedError`.
-    restore_dir: where to look for the checkpoint to resume from, when it is
-      not the manager's own folder (non-chief workers save to a scratch
-      folder but resume from the chief's checkpoints); None: the manager's.
+    checkpoints: a `tfdist.checkpointing.CheckpointKeeper`; None for an
+      evaluation-only controller.
+    step_counter: the global step variable (read after restoring).
+    run_log: the `tfdist.run_log.RunLog`.
+    evaluate: a function returning one evaluation of the current weights
+      (`{"loss", "accuracy", "num_examples"[, "auc"]}`), or None.
+    model: the Keras model (callbacks read it; `stop_training`).
+    learning_rate: returns the current learning rate (float).
+    loss_scale: returns the current loss scale, or None without one.
+    callbacks: Keras callbacks.
+    preemption: a `tfdist.preemption.PreemptionWatcher`, or None.
+
+  Raises:
+    ValueError: `options` with a non-positive step count.
   """
 
-  def __init__(self, *, trainer: Trainer, options: ControllerOptions,
-               train_iterator, eval_dataset,
-               checkpoint_manager: tf.train.CheckpointManager,
-               summary_writer, callbacks: Sequence[keras.callbacks.Callback] = (),
-               preemption=None, restore_dir: Optional[str] = None):
-    self.trainer = trainer
+  def __init__(self, *, runner=None, options: ControllerOptions,
+               checkpoints=None, step_counter: Optional[tf.Variable] = None,
+               run_log: run_log_lib.RunLog,
+               evaluate: Optional[Callable[[], dict]] = None,
+               model: Optional[keras.Model] = None,
+               learning_rate: Callable[[], float] = lambda: float("nan"),
+               loss_scale: Callable[[], Optional[float]] = lambda: None,
+               callbacks: Sequence[keras.callbacks.Callback] = (),
+               preemption=None):
+    for name in ("total_steps", "steps_per_epoch", "log_steps",
+                 "epochs_between_evals"):
+      if getattr(options, name) <= 0:
+        raise ValueError(f"ControllerOptions.{name} must be > 0; received "
+                         f"{getattr(options, name)}.")
+    self.runner = runner
     self.options = options
-    self.train_iterator = train_iterator
-    self.eval_dataset = eval_dataset
-    self.checkpoint_manager = checkpoint_manager
-    self.summary_writer = summary_writer
+    self.checkpoints = checkpoints
+    self.step_counter = step_counter
+    self.run_log = run_log
+    self.evaluate_fn = evaluate
+    self.model = model
+    self.learning_rate = learning_rate
+    self.loss_scale = loss_scale
     self.preemption = preemption
-    self.restore_dir = restore_dir
-    self.callbacks = keras.callbacks.CallbackList(
-        list(callbacks), model=trainer.model)
-    self.meter = ThroughputMeter(trainer.global_batch_size)
-    self.history: List[dict] = []
-    self.eval_history: List[dict] = []
+    self.callbacks = keras.callbacks.CallbackList(list(callbacks),
+                                                  model=model)
+    # The last step trained (while `run` runs, for error messages).
+    self.step = 0
 
-  @property
-  def step(self) -> int:
-    return int(self.trainer.global_step.numpy())
-
-  def restore(self) -> int:
-    """Restores the latest checkpoint, if any; returns the step reached."""
-    if self.restore_dir:
-      path = tf.train.latest_checkpoint(self.restore_dir)
-      if path:
-        self.checkpoint_manager.checkpoint.restore(path)
-    else:
-      path = self.checkpoint_manager.restore_or_initialize()
-    if path:
-      logging.info("Restored %s: resuming at step %d", path, self.step)
-    return self.step
-
-  def _next_chunk(self, step: int) -> int:
-    opts = self.options
-    boundaries = [opts.total_steps, (step // opts.log_steps + 1) * opts.log_steps,
-                  (step // opts.steps_per_epoch + 1) * opts.steps_per_epoch]
-    if opts.checkpoint_steps:
-      boundaries.append((step // opts.checkpoint_steps + 1) *
-                        opts.checkpoint_steps)
-    return max(1, min(min(boundaries) - step, opts.steps_per_execution))
-
-  def _learning_rate(self) -> float:
-    optimizer = self.trainer.optimizer
-    inner = getattr(optimizer, "inner_optimizer", optimizer)
-    return float(keras.ops.convert_to_numpy(inner.learning_rate))
-
-  def _log(self, step: int, sums: dict, steps: int):
-    interval = self.meter.record(step)
-    loss = sums["loss"] / max(steps, 1)
-    accuracy = sums["correct"] / max(sums["count"], 1.0)
-    lr = self._learning_rate()
-    record = {"step": step, "loss": loss, "accuracy": accuracy,
-              "learning_rate": lr}
-    text = (f"step {step}/{self.options.total_steps}: loss {loss:.4f}, "
-            f"accuracy {accuracy:.4f}, learning rate {lr:.6g}")
-    with self.summary_writer.as_default(step=step):
-      tf.summary.scalar("loss", loss)
-      tf.summary.scalar("accuracy", accuracy)
-      tf.summary.scalar("learning_rate", lr)
-      scale = precision.current_loss_scale(self.trainer.optimizer)
-      if scale is not None:
-        tf.summary.scalar("loss_scale", scale)
-        record["loss_scale"] = scale
-        text += f", loss scale {scale:g}"
-      if interval is not None:
-        record["examples_per_second"] = interval.examples_per_second
-        record["step_time_seconds"] = interval.step_time
-        tf.summary.scalar("examples_per_second", interval.examples_per_second)
-        tf.summary.scalar("step_time_seconds", interval.step_time)
-        text += (f", {interval.examples_per_second:.1f} examples/sec, "
-                 f"{interval.step_time * 1000:.1f} ms/step")
-        if interval.excluded:
-          record["excluded_from_throughput"] = True
-          text += " (first interval: warm-up, not averaged)"
-    self.history.append(record)
-    logging.info(text)
-    if not all(math.isfinite(v) for v in (loss, lr)):
-      raise FloatingPointError(
-          f"Training diverged at step {step}: loss {loss}, learning rate {lr}. "
-          "Lower --base_learning_rate, add warmup, or use fp32.")
-
+  # --- evaluation ------------------------------------------------------------
   def evaluate(self, step: int) -> Optional[dict]:
-    if self.eval_dataset is None:
+    """Evaluates the current weights; logs and returns the result."""
+    if self.evaluate_fn is None:
       return None
-    result = self.trainer.evaluate(self.eval_dataset)
+    result = dict(self.evaluate_fn())
     result["step"] = step
-    self.eval_history.append(result)
-    logging.info("eval at step %d: loss %.4f, accuracy %.4f%s on %d examples",
-                 step, result["loss"], result["accuracy"],
-                 f", AUC {result['auc']:.4f}" if "auc" in result else "",
-                 result["num_examples"])
+    self.run_log.log_eval(step, result)
     return result
 
-  def run(self) -> dict:
-    """Trains to `total_steps`; returns the final evaluation (or None)."""
+  # --- training --------------------------------------------------------------
+  def _current_step(self) -> int:
+    return int(self.step_counter.numpy()) if self.step_counter is not None \
+        else 0
+
+  def run(self) -> ControllerResult:
+    """Restores, then trains to `total_steps` (or until stopped).
+
+    Returns:
+      A `ControllerResult`.
+
+    Raises:
+      tfdist.preemption.PreemptedError: a stop signal reached this or
+        another worker; a checkpoint at the step every worker stopped at was
+        saved first.
+      tfdist.run_log.DivergenceError: the training loss became NaN or
+        infinite (at a log point).
+      tfdist.parameter_server.ParameterServerError: (coordinator runner) a
+        ps task was lost.
+    """
+    if self.runner is None or self.checkpoints is None:
+      raise ValueError("Controller.run needs a runner and checkpoints; this "
+                       "controller was built for evaluation only.")
     opts = self.options
-    step = self.restore()
+    restored = self.checkpoints.restore()
+    step = self._current_step()
+    self.step = step
+    if restored:
+      logging.info("tfdist: restored %s: resuming at step %d", restored, step)
+    self.run_log.resume(step)
+    started = time.time()
+    self.callbacks.set_params({
+        "verbose": 0, "steps": opts.steps_per_epoch,
+        "epochs": int(math.ceil(opts.total_steps / opts.steps_per_epoch))})
+    if self.model is not None:
+      self.model.stop_training = False
     self.callbacks.on_train_begin()
-    self.meter.start(step)
     epoch = step // opts.steps_per_epoch
-    epoch_sums = {"loss": 0.0, "correct": 0.0, "count": 0.0, "steps": 0}
-    log_sums = dict(epoch_sums)
-    last_eval = None
-    if step < opts.total_steps:
-      self.callbacks.on_epoch_begin(epoch)
+    epoch_sums: Dict[str, np.ndarray] = {}
+    epoch_steps = 0
+    log_sums: Dict[str, np.ndarray] = {}
+    log_steps = 0
+    last_eval, stopped_early, epoch_open = None, False, False
     while step < opts.total_steps:
-      n = self._next_chunk(step)
+      if not epoch_open:
+        self.callbacks.on_epoch_begin(epoch)
+        epoch_open = True
+      boundary = next_boundary(step, opts)
+      n = boundary - step
+      if self.runner.max_steps_per_call:
+        n = min(n, self.runner.max_steps_per_call)
       self.callbacks.on_train_batch_begin(step % opts.steps_per_epoch)
-      out = self.trainer.train_function(self.train_iterator,
-                                        tf.constant(n, tf.int32))
-      # Scalars only (binary tasks also return AUC histograms).
-      out = {k: float(out[k]) for k in ("loss", "correct", "count")}
+      wants_stop = bool(self.model is not None and self.model.stop_training)
+      sums = self.runner.run(
+          n, start_step=step,
+          stop_signal=bool(self.preemption and
+                           self.preemption.signal_received()),
+          stop_training=wants_stop)
       step += n
-      for sums in (epoch_sums, log_sums):
-        for k in ("loss", "correct", "count"):
-          sums[k] += out[k]
-        sums["steps"] += n
+      self.step = step
+      _add(epoch_sums, sums)
+      _add(log_sums, sums)
+      epoch_steps += n
+      log_steps += n
       self.callbacks.on_train_batch_end(
-          (step - 1) % opts.steps_per_epoch, {"loss": out["loss"] / n})
+          (step - 1) % opts.steps_per_epoch,
+          {"loss": float(sums["loss"]) / n})
       if step % opts.log_steps == 0 or step == opts.total_steps:
-        self._log(step, log_sums, log_sums["steps"])
-        log_sums = {"loss": 0.0, "correct": 0.0, "count": 0.0, "steps": 0}
+        self.run_log.log_train(step, log_sums, log_steps,
+                               learning_rate=self.learning_rate(),
+                               loss_scale=self.loss_scale())
+        log_sums, log_steps = {}, 0
       epoch_end = step % opts.steps_per_epoch == 0
-      saved = ((opts.checkpoint_steps and step % opts.checkpoint_steps == 0) or
-               (not opts.checkpoint_steps and epoch_end) or
-               step == opts.total_steps)
-      if saved:
-        self.checkpoint_manager.save(checkpoint_number=step)
-      if (self.preemption is not None and step < opts.total_steps and
-          self.preemption.should_stop()):
-        path = (self.checkpoint_manager.latest_checkpoint if saved else
-                self.checkpoint_manager.save(checkpoint_number=step))
+      saved = None
+      if ((opts.checkpoint_steps and step % opts.checkpoint_steps == 0) or
+          (not opts.checkpoint_steps and epoch_end) or
+          step == opts.total_steps):
+        saved = self.checkpoints.save(step)
+      if float(sums.get("stop_signal", 0)) > 0 and step < opts.total_steps:
+        if self.preemption is not None:
+          self.preemption.note_peer_stop()
+        path = saved or self.checkpoints.save(step)
         self.callbacks.on_train_end()
         raise self.preemption.preempted(step=step, checkpoint=path)
+      stop_requested = float(sums.get("stop_training", 0)) > 0
       if epoch_end or step == opts.total_steps:
-        logs = {"loss": epoch_sums["loss"] / max(epoch_sums["steps"], 1),
-                "accuracy": epoch_sums["correct"] / max(epoch_sums["count"], 1)}
+        logs = run_log_lib.metrics_from_sums(epoch_sums, epoch_steps)
         if ((epoch + 1) % opts.epochs_between_evals == 0 or
             step == opts.total_steps):
           last_eval = self.evaluate(step)
           if last_eval:
-            logs.update({"val_loss": last_eval["loss"],
-                         "val_accuracy": last_eval["accuracy"]})
+            logs.update({f"val_{k}": last_eval[k]
+                         for k in ("loss", "accuracy", "auc")
+                         if k in last_eval})
         self.callbacks.on_epoch_end(epoch, logs)
+        epoch_open = False
         epoch += 1
-        epoch_sums = {"loss": 0.0, "correct": 0.0, "count": 0.0, "steps": 0}
-        if step < opts.total_steps:
-          self.callbacks.on_epoch_begin(epoch)
+        epoch_sums, epoch_steps = {}, 0
+        wants_stop = bool(self.model is not None and self.model.stop_training)
+        stop_requested = self.runner.agree(stop_requested or wants_stop)
+      if stop_requested and step < opts.total_steps:
+        logging.info("Stopping at step %d of %d: a callback set "
+                     "model.stop_training.", step, opts.total_steps)
+        if saved is None:
+          self.checkpoints.save(step)
+        stopped_early = True
+        break
     self.callbacks.on_train_end()
-    if last_eval is None:
+    if last_eval is None or last_eval["step"] != step:
       last_eval = self.evaluate(step)
-    return last_eval
+    self.run_log.flush()
+    return ControllerResult(step=step, final_eval=last_eval,
+                            stopped_early=stopped_early,
+                            restored_from=restored,
+                            train_seconds=time.time() - started)
+
+  # --- the side-car evaluator ------------------------------------------------
+  def evaluate_continuously(self, *, checkpoint_dir: str, results_dir: str,
+                            restore: Callable[[str], None],
+                            final_step: int,
+                            finished: Callable[[], bool] = lambda: False,
+                            poll_seconds: float = 2.0,
+                            idle_timeout: Optional[float] = None
+                            ) -> List[dict]:
+    """Evaluates every checkpoint in `checkpoint_dir` once, in step order.
+
+    Each result is logged (TensorBoard `validation/` scalars at the
+    checkpoint's step) and appended as one JSON line to
+    `results_dir/eval_results.jsonl`; a restarted evaluator skips the steps
+    already there. A checkpoint that was rotated away (`--max_checkpoints`)
+    before it could be read is named in a warning.
+
+    Args:
+      checkpoint_dir: the chief's checkpoint folder.
+      results_dir: where `eval_results.jsonl` goes.
+      restore: loads a checkpoint path's model weights.
+      final_step: stop after evaluating this step's checkpoint.
+      finished: returns True once the training job is done (e.g. the chief's
+        done marker); the newest checkpoint is then evaluated and the loop
+        ends.
+      poll_seconds: how often to look for new checkpoints.
+      idle_timeout: stop after this many seconds without a new checkpoint
+        (None: wait for `final_step` or `finished`).
+
+    Returns:
+      Every result in `eval_results.jsonl` (earlier runs' included).
+    """
+    tf.io.gfile.makedirs(results_dir)
+    results_path = os.path.join(results_dir, EVAL_RESULTS_FILE)
+    results, done = [], set()
+    if tf.io.gfile.exists(results_path):
+      with tf.io.gfile.GFile(results_path) as f:
+        for line in f:
+          if line.strip():
+            results.append(json.loads(line))
+            done.add(results[-1]["step"])
+    seen_paths = set()
+    last_new = time.time()
+    logging.info("Evaluator: watching %s (final step %d)", checkpoint_dir,
+                 final_step)
+    while True:
+      state = tf.train.get_checkpoint_state(checkpoint_dir)
+      paths = list(state.all_model_checkpoint_paths) if state else []
+      for path in sorted(seen_paths - set(paths), key=_checkpoint_step):
+        if _checkpoint_step(path) not in done:
+          logging.warning(
+              "Evaluator: checkpoint %s was rotated away (--max_checkpoints)"
+              " before it could be evaluated; step %d has no evaluation.",
+              path, _checkpoint_step(path))
+          done.add(_checkpoint_step(path))
+      seen_paths.update(paths)
+      todo = sorted((p for p in paths if _checkpoint_step(p) not in done),
+                    key=_checkpoint_step)
+      for path in todo:
+        step = _checkpoint_step(path)
+        try:
+          restore(path)
+        except (tf.errors.NotFoundError, tf.errors.DataLossError) as e:
+          logging.warning(
+              "Evaluator: checkpoint %s was deleted (rotated away by "
+              "--max_checkpoints) before it could be evaluated: %s", path,
+              str(e).splitlines()[0] if str(e) else type(e).__name__)
+          done.add(step)
+          continue
+        result = self.evaluate(step)
+        result.update(checkpoint=path)
+        with tf.io.gfile.GFile(results_path, "a") as f:
+          f.write(json.dumps({k: run_log_lib.json_safe(v) for k, v in
+                              result.items()}, allow_nan=False) + "\n")
+        self.run_log.flush()
+        results.append(result)
+        done.add(step)
+        last_new = time.time()
+      if final_step in done:
+        break
+      if finished() and not todo:
+        state = tf.train.get_checkpoint_state(checkpoint_dir)
+        latest = state.model_checkpoint_path if state else None
+        if latest is None or _checkpoint_step(latest) in done:
+          break
+        continue
+      if idle_timeout is not None and time.time() - last_new > idle_timeout:
+        logging.warning("Evaluator: no new checkpoint for %.0f s; stopping.",
+                        idle_timeout)
+        break
+      time.sleep(poll_seconds)
+    return results
+
+
+def _checkpoint_step(path: str) -> int:
+  try:
+    return int(path.rsplit("-", 1)[1])
+  except (IndexError, ValueError):
+    return -1

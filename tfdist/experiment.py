@@ -1,13 +1,26 @@
 """`run_experiment`: the whole run, from a `TrainConfig` to artifacts.
 
-Data flows one way: config -> strategy -> batch plan and LR schedule ->
-input pipeline -> model -> training loop -> artifacts (checkpoints, SavedModel,
-TensorBoard, run manifest). Every input is checked before the first expensive
-step (model building, data conversion aside).
+Short wiring of one-job modules, in the order data flows:
+
+    config + environment (tfdist.environment)
+      -> cluster (tfdist.cluster)            -> role: train, serve, evaluate
+      -> decision: strategy and dtype (tfdist.auto_select, the one place
+         that decides `auto`)
+      -> strategy (tfdist.strategy)
+      -> run plan: files, batch, learning rate (tfdist.run_plan)
+      -> model, optimizer, trainer, checkpoint (tfdist.assembly)
+      -> input pipelines (tfdist.input_pipeline)
+      -> step runner (tfdist.step_runner) under one controller
+         (tfdist.controller)
+      -> artifacts: SavedModel (tfdist.export), manifest (tfdist.manifest)
+
+Every strategy goes through the same steps; parameter-server training
+differs only in its step runner and input (one copy per worker), and in the
+roles its cluster has (`worker` and `ps` tasks serve, the `evaluator`
+evaluates checkpoints as they appear, as it does for every strategy).
 """
 
 import atexit
-import dataclasses
 import os
 import shutil
 import tempfile
@@ -18,76 +31,29 @@ from absl import logging
 import keras
 import tensorflow as tf
 
-import models
+from tfdist import assembly
 from tfdist import auto_select
-from tfdist import batch_plan as batch_plan_lib
 from tfdist import cluster as cluster_lib
 from tfdist import datasets
 from tfdist import devices
+from tfdist import environment as environment_lib
 from tfdist import export
 from tfdist import input_pipeline
-from tfdist import lr_schedule
 from tfdist import manifest as manifest_lib
-from tfdist import optimizers
+from tfdist import parameter_server as ps_lib
 from tfdist import precision
 from tfdist import preemption
+from tfdist import run_log as run_log_lib
+from tfdist import run_plan as run_plan_lib
+from tfdist import step_runner
 from tfdist import strategy as strategy_lib
 from tfdist import tpu as tpu_lib
-from tfdist.config import ConfigError, TrainConfig
+from tfdist.checkpointing import CheckpointKeeper
+from tfdist.config import TrainConfig
 from tfdist.controller import Controller, ControllerOptions
-from tfdist.train_loop import Trainer
 
-
-def resolve_data_files(config: TrainConfig, spec: datasets.DatasetSpec):
-  """Returns (train_files, eval_files), converting the named data set if the
-  flags do not give files.
-
-  Raises:
-    DataNotFoundError: a glob matches nothing, or the raw data is missing.
-  """
-  train_pattern, eval_pattern = config.train_files, config.eval_files
-  if not train_pattern or not eval_pattern:
-    default_train, default_eval = spec.prepare(
-        config.data_dir or datasets.default_data_dir(), config.raw_data_dir)
-    train_pattern = train_pattern or default_train
-    eval_pattern = eval_pattern or default_eval
-  return (input_pipeline.list_files(train_pattern, flag="--train_files"),
-          input_pipeline.list_files(eval_pattern, flag="--eval_files"))
-
-
-def describe_plan(plan: batch_plan_lib.BatchPlan, *, strategy_name: str,
-                  base_lr: float, base_batch_size: int, rule: str,
-                  peak_lr: float, warmup_steps: int, total_steps: int,
-                  dtype: str) -> str:
-  """The batch and learning-rate plan as printed at start."""
-  return "\n".join([
-      "tfdist plan:",
-      f"  strategy               {strategy_name}",
-      f"  num_replicas_in_sync   {plan.num_replicas_in_sync}",
-      f"  per_replica_batch_size {plan.per_replica_batch_size}",
-      f"  gradient_accumulation  {plan.gradient_accumulation_steps}",
-      f"  global_batch_size      {plan.global_batch_size}",
-      f"  train examples         {plan.num_train_examples}",
-      f"  steps_per_epoch        {plan.steps_per_epoch} (remainder dropped)",
-      f"  train steps            {total_steps}",
-      f"  learning rate          {base_lr:g} at batch {base_batch_size} -> "
-      f"{peak_lr:g} at batch {plan.global_batch_size} ({rule} rule)",
-      f"  warmup_steps           {warmup_steps}",
-      f"  dtype                  {dtype} "
-      f"({precision.policy_name(dtype)})",
-  ])
-
-
-def data_patterns(config: TrainConfig) -> list:
-  """`(flag, path)` pairs of what the run reads, for the TPU `gs://` rule."""
-  out = []
-  for flag, value in (("--train_files", config.train_files),
-                      ("--eval_files", config.eval_files)):
-    if value:
-      out.append((flag, value))
-  if not (config.train_files and config.eval_files):
-    out.append(("--data_dir", config.data_dir or datasets.default_data_dir()))
-  return out
+# Evaluation batches (evaluation keeps no activations for a backward pass).
+MIN_EVAL_BATCH_SIZE = 1024
 
 
 def _worker_scratch_dir(cluster: cluster_lib.ClusterInfo) -> str:
@@ -99,264 +65,356 @@ def _worker_scratch_dir(cluster: cluster_lib.ClusterInfo) -> str:
   return path
 
 
-def resolve_strategy_and_precision(config: TrainConfig, *,
-                                   strategy_reason: Optional[str] = None):
-  """Resolves `auto`, applies the TPU defaults and checks the TPU rules.
+def prepare_run(config: TrainConfig, *,
+                environment: Optional[environment_lib.RunEnvironment] = None):
+  """The decisions every role makes first: environment, cluster, `auto`.
 
-  Runs before anything expensive: nothing is probed unless the strategy or
-  the dtype is `auto` (then the TPU probe is bounded), and with an explicit
-  `--distribution_strategy=tpu` the TPU rules are checked before connecting.
-  Prints the decision and its reasons.
+  Nothing expensive runs here (no model, no data); the TPU is probed only
+  when `auto` needs it, boundedly.
 
   Args:
-    config: the run's config.
-    strategy_reason: the reason to report when the strategy was already
-      decided (multi-worker clusters decide before this runs).
+    config: the caller's `TrainConfig`.
+    environment: the environment to use (None: read `os.environ` now).
 
   Returns:
-    `(config, decision)`: the config with concrete strategy and dtype, and
-    the `auto_select.Decision`.
+    `(config, cluster, decision, environment_applied)`: the config with the
+    environment applied and `auto` decided, the `ClusterInfo`, the
+    `auto_select.Decision`, and the `(field, variable)` pairs the
+    environment filled.
 
   Raises:
-    ConfigError: fp16 on TPU, local input files with a remote TPU, invalid
-      cluster variables.
+    ConfigError: missing `--model_dir`, a malformed cluster, fp16 on a TPU,
+      local input with a remote TPU.
   """
-  decision = auto_select.resolve(config)
-  if strategy_reason:
-    decision = dataclasses.replace(decision, strategy_reason=strategy_reason)
+  if environment is None:
+    environment = environment_lib.read_environment()
+  config, applied = environment_lib.apply_environment(config, environment)
+  config.require_model_dir()
+  for field, variable in applied:
+    logging.info("--%s=%s from $%s", field, getattr(config, field), variable)
+  if config.recommended_applied:
+    logging.info("--dataset=%s sets flags left unset: %s (pass them to "
+                 "override).", config.dataset,
+                 " ".join(f"--{k}={v}" for k, v in config.recommended_applied))
+  cluster = cluster_lib.resolve_cluster(worker_hosts=config.worker_hosts,
+                                        task_index=config.task_index,
+                                        environ=environment.variables)
+  logging.info("%s", cluster.describe())
+  decision = auto_select.resolve(config, cluster=cluster,
+                                 environment=environment)
   config = auto_select.apply_decision(config, decision)
   if decision.strategy == "tpu":
-    tpu_lib.validate_tpu_config(config, data_patterns=data_patterns(config))
-  print(decision.describe(), flush=True)
+    tpu_lib.validate_tpu_config(
+        config, data_patterns=run_plan_lib.data_patterns(config))
   logging.info("%s", decision.describe())
-  return config, decision
+  return config, cluster, decision, applied
 
 
 def run_experiment(config: TrainConfig, *,
-                   callbacks: Sequence[keras.callbacks.Callback] = ()) -> dict:
-  """Trains, evaluates and exports as `config` says.
+                   callbacks: Sequence[keras.callbacks.Callback] = (),
+                   environment: Optional[environment_lib.RunEnvironment] = None
+                   ) -> dict:
+  """Runs this process's part of the training job `config` describes.
+
+  Works from any thread: off the main thread, signal-based preemption is
+  off (the host framework owns signals; see `tfdist.preemption`).
 
   Args:
-    config: a validated `TrainConfig`.
-    callbacks: extra Keras callbacks for the training loop.
+    config: a `TrainConfig`.
+    callbacks: extra Keras callbacks, called by the controller on every
+      training process at the same points.
+    environment: the process environment (`tfdist.environment`); None reads
+      `os.environ` once, here.
 
   Returns:
-    The run manifest (also written to `model_dir/run_manifest.json`).
+    The run manifest (the chief also writes it to
+    `model_dir/run_manifest.json`); for a parameter-server `worker` or `ps`
+    task, `{"role": ..., "index": ...}`; for an `evaluator` task,
+    `{"role": "evaluator", "results": [...]}`.
 
   Raises:
     ConfigError: invalid or inconsistent configuration (before training).
     DataNotFoundError: missing data.
     tfdist.preemption.PreemptedError: SIGTERM or SIGINT stopped training
       after a checkpoint was saved (rerun to resume).
+    tfdist.run_log.DivergenceError: the loss became NaN or infinite.
+    tfdist.parameter_server.ParameterServerError: a ps task was lost.
   """
-  # Every role of a parameter-server cluster (chief, worker, ps, evaluator)
-  # runs its own program there.
-  from tfdist import parameter_server  # pylint: disable=g-import-not-at-top
-  if parameter_server.uses_parameter_server(config):
-    from tfdist import ps_loop  # pylint: disable=g-import-not-at-top
-    return ps_loop.run_ps_experiment(config, callbacks=callbacks)
   started = time.time()
-  cluster = cluster_lib.resolve_cluster(worker_hosts=config.worker_hosts,
-                                        task_index=config.task_index)
-  if cluster.source != "single_process":
-    print(cluster.describe(), flush=True)
-  logging.info("%s", cluster.describe())
-  early_choice = None
-  if config.distribution_strategy == "multi_worker_mirrored" or (
-      config.distribution_strategy == "auto" and cluster.num_workers > 1 and
-      not cluster.num_ps):
-    # MultiWorkerMirroredStrategy must be built before anything starts
-    # TensorFlow's runtime (listing devices does); the factory decides `auto`
-    # for such a cluster from the cluster alone.
-    early_choice = strategy_lib.make_strategy(config)
-    config = config.replace(distribution_strategy=early_choice.name)
-  devices.configure_cpu_devices(config.num_cpu_devices)
-  if config.seed is not None:
-    keras.utils.set_random_seed(config.seed)
+  config, cluster, decision, applied = prepare_run(
+      config, environment=environment)
   spec = datasets.get_dataset_spec(config.dataset)
-  if config.model not in models.model_names():
-    raise ConfigError(f"--model={config.model!r} is unknown. Known: "
-                      f"{', '.join(models.model_names())}.")
-  config, decision = resolve_strategy_and_precision(
-      config, strategy_reason=early_choice.reason if early_choice else None)
-  choice = early_choice or strategy_lib.make_strategy(config)
-  choice = dataclasses.replace(choice, reason=decision.strategy_reason)
-  on_tpu = choice.name == "tpu"
+  assembly.check_model_name(config.model)
+  if cluster.task_type == cluster_lib.EVALUATOR:
+    return run_evaluator(config, spec=spec, cluster=cluster,
+                         decision=decision)
+  if decision.strategy == "parameter_server":
+    ps_lib.set_grpc_fail_fast()
+    if cluster.task_type in (cluster_lib.WORKER, cluster_lib.PS):
+      status = ps_lib.serve(config.model_dir, cluster,
+                            grace_seconds=config.preemption_grace_seconds)
+      return {"role": cluster.task_type, "index": cluster.task_index,
+              "exit_status": status}
+  return _train(config, spec=spec, cluster=cluster, decision=decision,
+                applied=applied, callbacks=callbacks, started=started)
+
+
+def _train(config, *, spec, cluster, decision, applied, callbacks, started):
+  """The training process: the only one, the chief, a worker, or the
+  parameter-server coordinator."""
+  multi_worker = decision.strategy == "multi_worker_mirrored"
+  asynchronous = decision.strategy == "parameter_server"
+  if multi_worker:
+    # Built before anything starts TensorFlow's runtime (it configures the
+    # collective runtime); the decision listed physical devices only.
+    choice = strategy_lib.make_strategy(config, cluster=cluster)
+  devices.configure_cpu_devices(config.num_cpu_devices)
+  if not multi_worker:
+    choice = strategy_lib.make_strategy(config, cluster=cluster)
   strategy = choice.strategy
-  # Under MultiWorkerMirroredStrategy every worker reads its own part of the
-  # data, and only the chief writes to --model_dir; the others write what
-  # they must (checkpoint saving and export are collective) to a scratch
-  # folder they delete (Model Garden's pattern).
-  multi_worker = choice.name == "multi_worker_mirrored"
-  num_workers = cluster.num_workers if multi_worker else 1
-  is_writer = cluster.is_chief if multi_worker else True
-  scratch_dir = None if is_writer else _worker_scratch_dir(cluster)
+  num_workers = (cluster.num_workers if multi_worker else
+                 len(cluster.cluster.get(cluster_lib.WORKER, ()))
+                 if asynchronous else 1)
+  # Under MultiWorkerMirroredStrategy only the chief writes to --model_dir;
+  # the others write what they must (saving and export are collective) to a
+  # scratch folder they delete (Model Garden's pattern).
+  is_chief = cluster.is_chief if multi_worker else True
+  scratch_dir = None if is_chief else _worker_scratch_dir(cluster)
   # Replaces TensorFlow's own SIGTERM handler (installed with the strategy).
   watcher = preemption.PreemptionWatcher(
-      strategy=strategy, num_workers=num_workers,
       grace_seconds=config.preemption_grace_seconds).install()
-  train_files, eval_files = resolve_data_files(config, spec)
-  num_train_examples = input_pipeline.count_records(train_files)
-  plan = batch_plan_lib.make_batch_plan(
-      num_replicas_in_sync=strategy.num_replicas_in_sync,
-      batch_size=config.batch_size,
-      per_replica_batch_size=config.per_replica_batch_size,
-      gradient_accumulation_steps=config.gradient_accumulation_steps,
-      num_train_examples=num_train_examples,
-      num_input_pipelines=num_workers)
-  total_steps = batch_plan_lib.resolve_train_steps(
-      train_steps=config.train_steps, train_epochs=config.train_epochs,
-      steps_per_epoch=plan.steps_per_epoch)
-  lr_plan = lr_schedule.plan_learning_rate(
-      config, global_batch_size=plan.global_batch_size,
-      steps_per_epoch=plan.steps_per_epoch, total_steps=total_steps)
-  peak_lr, warmup_steps, schedule = (lr_plan.peak_learning_rate,
-                                     lr_plan.warmup_steps, lr_plan.schedule)
-  plan_text = describe_plan(
-      plan, strategy_name=f"{choice.name} ({choice.reason})",
-      base_lr=config.base_learning_rate, base_batch_size=config.base_batch_size,
-      rule=config.lr_scaling, peak_lr=peak_lr, warmup_steps=warmup_steps,
-      total_steps=total_steps, dtype=config.dtype)
-  logging.info("%s", plan_text)
-
+  if config.seed is not None:
+    keras.utils.set_random_seed(config.seed)
+  plan = run_plan_lib.make_run_plan(
+      config, spec, num_replicas_in_sync=strategy.num_replicas_in_sync,
+      num_workers=num_workers, asynchronous=asynchronous, decision=decision)
+  logging.info("%s", plan.describe(config))
+  on_tpu = decision.strategy == "tpu"
   policy = precision.configure_precision(config.dtype)
-  with strategy.scope():
-    model = models.build_model(config.model, input_shape=spec.input_shape,
-                               num_classes=spec.num_classes,
-                               embedding_dim=config.embedding_dim,
-                               hash_buckets=config.hash_buckets)
-    optimizer = precision.wrap_optimizer_for_precision(
-        optimizers.build_optimizer(config.optimizer, schedule,
-                                   momentum=config.momentum,
-                                   weight_decay=config.weight_decay),
-        dtype=config.dtype, loss_scale=config.loss_scale)
-    # Create every optimizer variable now, under the scope (not lazily inside
-    # the first step, where ParameterServerStrategy would place it on the
-    # coordinator).
-    optimizer.build(model.trainable_variables)
-  model.optimizer = optimizer  # Keras callbacks read `model.optimizer`.
-  trainer = Trainer(strategy=strategy, model=model, optimizer=optimizer,
-                    global_batch_size=plan.global_batch_size,
-                    steps_per_execution=config.steps_per_execution,
-                    # TPUs compile everything with XLA already.
-                    enable_xla=config.enable_xla and not on_tpu,
-                    run_eagerly=config.run_eagerly, task=spec.task,
-                    eval_example_weights=on_tpu)
-  if config.enable_xla:
-    logging.info(
-        "--enable_xla: %s", "TPUs compile every step with XLA already."
-        if on_tpu else "Keras 3 turns XLA off under a tf.distribute "
-        "strategy, so tfdist jit-compiles its own per-replica forward and "
-        "backward pass (the optimizer update stays outside XLA).")
+  parts = assembly.build(config, spec=spec, strategy=strategy, plan=plan,
+                         on_tpu=on_tpu)
+  model, optimizer, trainer = parts.model, parts.optimizer, parts.trainer
 
-  checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer,
-                                   global_step=trainer.global_step)
-  manager = tf.train.CheckpointManager(
-      checkpoint, (config.resolved_checkpoint_dir if is_writer else
-                   os.path.join(scratch_dir, "checkpoints")),
-      max_to_keep=config.max_checkpoints, step_counter=trainer.global_step)
+  def out_dir(path: str, scratch_name: str) -> str:
+    return path if is_chief else os.path.join(scratch_dir, scratch_name)
 
-  train_data = input_pipeline.distribute(strategy, input_pipeline.PipelineOptions(
-      files=train_files, parse_fn=spec.parse_fn,
-      global_batch_size=plan.global_batch_size, is_training=True,
-      shuffle_buffer_size=config.shuffle_buffer_size,
-      cache=config.cache_dataset, seed=config.seed))
-  eval_data = input_pipeline.distribute(strategy, input_pipeline.PipelineOptions(
-      files=eval_files, parse_fn=spec.parse_fn,
-      global_batch_size=plan.global_batch_size, is_training=False,
-      cache=config.cache_dataset,
-      # TPUs need static shapes: pad the last batches, masked in the metrics.
-      pad_to_static_batches=on_tpu))
+  checkpoint_dir = out_dir(config.resolved_checkpoint_dir, "checkpoints")
+  tensorboard_dir = out_dir(config.resolved_tensorboard_dir, "tensorboard")
+  keeper = CheckpointKeeper(
+      checkpoint=parts.checkpoint, directory=checkpoint_dir,
+      step_counter=trainer.global_step, max_to_keep=config.max_checkpoints,
+      restore_dir=config.resolved_checkpoint_dir)
 
-  tb_dir = (config.resolved_tensorboard_dir if is_writer else
-            os.path.join(scratch_dir, "tensorboard"))
-  summary_writer = tf.summary.create_file_writer(os.path.join(tb_dir, "train"))
-  all_callbacks = [keras.callbacks.TensorBoard(log_dir=tb_dir,
+  if is_chief:
+    ps_lib.clear_done(config.model_dir)
+  strategy_details = {}
+  if asynchronous:
+    placement = ps_lib.describe_placement(
+        model, optimizer, large_bytes=min(config.ps_min_shard_bytes,
+                                          64 << 10))
+    logging.info("%s", ps_lib.format_placement(placement))
+    ps_lib.check_shard_layout(config.resolved_checkpoint_dir, model)
+    ps_lib.write_shard_layout(config.resolved_checkpoint_dir, model)
+    strategy_details = {
+        "num_workers": num_workers, "num_ps": cluster.num_ps,
+        "cluster": cluster.cluster_dict(),
+        "partitioner": config.ps_partitioner,
+        "min_shard_bytes": config.ps_min_shard_bytes,
+        "max_shards": config.ps_max_shards or cluster.num_ps,
+        "steps_per_execution": config.steps_per_execution,
+        "placement": placement}
+    runner, evaluate = _parameter_server_runner(
+        config, spec=spec, plan=plan, strategy=strategy, parts=parts,
+        keeper=keeper)
+  else:
+    train_data = input_pipeline.distribute(
+        strategy, input_pipeline.PipelineOptions(
+            files=plan.train_files, parse_fn=spec.parse_fn,
+            global_batch_size=plan.global_batch_size, is_training=True,
+            shuffle_buffer_size=config.shuffle_buffer_size,
+            cache=config.cache_dataset, seed=config.seed))
+    eval_data = input_pipeline.distribute(
+        strategy, input_pipeline.PipelineOptions(
+            files=plan.eval_files, parse_fn=spec.parse_fn,
+            global_batch_size=plan.global_batch_size, is_training=False,
+            cache=config.cache_dataset,
+            # TPUs need static shapes: pad the last batches, masked in the
+            # metrics.
+            pad_to_static_batches=on_tpu))
+    runner = step_runner.LocalStepRunner(
+        trainer=trainer, iterator=iter(train_data), num_workers=num_workers)
+    evaluate = lambda: trainer.evaluate(eval_data)
+
+  run_log = run_log_lib.RunLog(
+      tensorboard_dir=tensorboard_dir,
+      metrics_dir=config.model_dir if is_chief else None,
+      global_batch_size=plan.global_batch_size, total_steps=plan.total_steps)
+  all_callbacks = [keras.callbacks.TensorBoard(log_dir=tensorboard_dir,
                                                write_graph=False)]
   all_callbacks += list(callbacks)
   controller = Controller(
-      trainer=trainer,
+      runner=runner,
       options=ControllerOptions(
-          total_steps=total_steps, steps_per_epoch=plan.steps_per_epoch,
+          total_steps=plan.total_steps, steps_per_epoch=plan.steps_per_epoch,
           log_steps=config.log_steps, checkpoint_steps=config.checkpoint_steps,
-          epochs_between_evals=config.epochs_between_evals,
-          steps_per_execution=config.steps_per_execution),
-      train_iterator=iter(train_data), eval_dataset=eval_data,
-      checkpoint_manager=manager, summary_writer=summary_writer,
-      callbacks=all_callbacks, preemption=watcher,
-      restore_dir=None if is_writer else config.resolved_checkpoint_dir)
-  train_started = time.time()
+          epochs_between_evals=config.epochs_between_evals),
+      checkpoints=keeper, step_counter=trainer.global_step, run_log=run_log,
+      evaluate=evaluate, model=model,
+      learning_rate=lambda: assembly.current_learning_rate(optimizer),
+      loss_scale=lambda: precision.current_loss_scale(optimizer),
+      callbacks=all_callbacks, preemption=watcher)
   try:
-    final_eval = controller.run()
+    result = controller.run()
+  except preemption.PreemptedError:
+    if is_chief:
+      # Servers and side-car evaluators stop with the chief.
+      ps_lib.mark_done(config.model_dir)
+    raise
+  except step_runner.PS_LOST_ERRORS as e:
+    if not asynchronous:
+      raise
+    # Noticed outside the step runner (a checkpoint save, an evaluation).
+    raise step_runner.ps_lost_error(
+        e, after=f"step {controller.step}",
+        last_checkpoint=keeper.latest) from e
   finally:
     watcher.uninstall()
-  train_seconds = time.time() - train_started
-  summary_writer.flush()
-
+  export_model = model
+  if asynchronous:
+    # The tables are ShardedVariables on the ps tasks, which a SavedModel
+    # cannot capture: export a local copy restored from the final
+    # checkpoint (each table one variable again).
+    export_model = assembly.build_model(config, spec=spec)
+    tf.train.Checkpoint(model=export_model).restore(
+        keeper.latest).expect_partial()
   export_dir = export.export_saved_model(
-      model, config.resolved_export_dir if is_writer else
-      os.path.join(scratch_dir, "saved_model"))
-  throughput = controller.meter.summary()
-  record = {
-      **manifest_lib.run_header(config),
-      "devices": devices.describe_devices(),
-      "strategy": choice.name,
-      "strategy_reason": choice.reason,
-      "dtype": config.dtype,
-      "dtype_reason": decision.dtype_reason,
-      "replica_devices": list(choice.devices),
-      "num_replicas_in_sync": plan.num_replicas_in_sync,
-      "num_workers": num_workers,
-      "cluster": {"source": cluster.source, "task_type": cluster.task_type,
-                  "task_index": cluster.task_index,
-                  "jobs": cluster.cluster_dict()},
-      "per_replica_batch_size": plan.per_replica_batch_size,
-      "global_batch_size": plan.global_batch_size,
-      "gradient_accumulation_steps": plan.gradient_accumulation_steps,
-      "steps_per_epoch": plan.steps_per_epoch,
-      "train_steps": total_steps,
-      "final_step": controller.step,
-      "base_learning_rate": config.base_learning_rate,
-      "base_batch_size": config.base_batch_size,
-      "lr_scaling": config.lr_scaling,
-      "peak_learning_rate": peak_lr,
-      "warmup_steps": warmup_steps,
-      "lr_schedule": keras.saving.serialize_keras_object(schedule),
-      "dtype_policy": policy.name,
-      "loss_scale": precision.current_loss_scale(optimizer),
-      "data": {
-          "dataset": config.dataset,
-          "num_train_examples": num_train_examples,
-          "train_files": manifest_lib.file_fingerprints(train_files),
-          "eval_files": manifest_lib.file_fingerprints(eval_files),
-      },
-      "throughput": throughput,
-      "history": controller.history,
-      "eval_history": controller.eval_history,
-      "final_metrics": {
-          "eval_loss": final_eval["loss"] if final_eval else None,
-          "eval_accuracy": final_eval["accuracy"] if final_eval else None,
-          "eval_auc": final_eval.get("auc") if final_eval else None,
-          "eval_examples": final_eval["num_examples"] if final_eval else None,
-          "train_loss": (controller.history[-1]["loss"]
-                         if controller.history else None),
-      },
-      "artifacts": {
-          "checkpoint": manager.latest_checkpoint,
-          "saved_model": export_dir,
-          "tensorboard": tb_dir,
-      },
-      "seconds": {"total": time.time() - started, "training": train_seconds},
-  }
-  if not is_writer:
+      export_model, out_dir(config.resolved_export_dir, "saved_model"))
+  record = manifest_lib.build_manifest(
+      config=config, decision=decision, plan=plan, cluster=cluster,
+      choice=choice, num_workers=num_workers, is_chief=is_chief,
+      devices=devices.describe_devices(), dtype_policy=policy.name,
+      loss_scale=precision.current_loss_scale(optimizer),
+      optimizer_iterations=int(optimizer.iterations.numpy()),
+      result=result, run_log=run_log,
+      artifacts={"checkpoint": keeper.latest,
+                 "checkpoint_dir": config.resolved_checkpoint_dir,
+                 "saved_model": config.resolved_export_dir,
+                 "tensorboard": config.resolved_tensorboard_dir,
+                 "metrics": os.path.join(config.model_dir,
+                                         run_log_lib.METRICS_FILE)},
+      seconds={"total": time.time() - started,
+               "training": result.train_seconds,
+               "training_all_processes": run_log.training_seconds()},
+      environment_applied=applied, strategy_details=strategy_details)
+  if not is_chief:
     shutil.rmtree(scratch_dir, ignore_errors=True)
     logging.info("%s %d done; the chief writes the artifacts.",
                  cluster.task_type, cluster.task_index)
     return record
   path = manifest_lib.write_manifest(config.model_dir, record)
-  logging.info("Run manifest: %s", path)
-  print(f"Final eval: loss {record['final_metrics']['eval_loss']:.4f}, "
-        f"accuracy {record['final_metrics']['eval_accuracy']:.4f} "
-        f"({record['final_metrics']['eval_examples']} examples). "
-        f"Artifacts in {config.model_dir}", flush=True)
+  logging.info("Run manifest: %s; SavedModel: %s", path, export_dir)
+  # Tells parameter-server tasks and side-car evaluators the run is over.
+  ps_lib.mark_done(config.model_dir)
+  final = record["final_metrics"]
+  if final["eval_loss"] is not None:
+    print(f"Final eval: loss {final['eval_loss']:.4f}, accuracy "
+          f"{final['eval_accuracy']:.4f} ({final['eval_examples']} "
+          f"examples). Artifacts in {config.model_dir}", flush=True)
   return record
+
+
+def _parameter_server_runner(config, *, spec, plan, strategy, parts, keeper):
+  """The coordinator's step runner and in-process evaluation."""
+  coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
+  train_options = input_pipeline.PipelineOptions(
+      files=plan.train_files, parse_fn=spec.parse_fn,
+      global_batch_size=plan.global_batch_size, is_training=True,
+      shuffle_buffer_size=config.shuffle_buffer_size,
+      cache=config.cache_dataset,
+      # Unseeded: each worker must shuffle its copy differently.
+      seed=None)
+
+  def per_worker_dataset_fn():
+    return strategy.distribute_datasets_from_function(
+        lambda ctx: input_pipeline.make_dataset(train_options, ctx))
+
+  # Each worker must shuffle differently. With a global seed set (--seed),
+  # the shuffles' op seeds would be fixed when the dataset function is
+  # traced here, once, and every worker would read the same examples in the
+  # same order (each batch applied once per worker). Unseeded, each worker's
+  # shuffle draws its own seed at run time.
+  tf.random.set_seed(None)
+  iterator = iter(coordinator.create_per_worker_dataset(
+      per_worker_dataset_fn))
+  runner = step_runner.CoordinatorStepRunner(
+      trainer=parts.trainer, coordinator=coordinator, iterator=iterator,
+      last_checkpoint=lambda: keeper.latest)
+  # Held-out evaluation on the coordinator (it reads the ps tasks'
+  # variables), with the default strategy.
+  eval_batch = max(plan.global_batch_size, MIN_EVAL_BATCH_SIZE)
+  evaluator = assembly.evaluation_trainer(parts, spec=spec,
+                                          global_batch_size=eval_batch)
+  eval_data = input_pipeline.make_dataset(input_pipeline.PipelineOptions(
+      files=plan.eval_files, parse_fn=spec.parse_fn,
+      global_batch_size=eval_batch, is_training=False,
+      cache=config.cache_dataset))
+  return runner, lambda: evaluator.evaluate(eval_data)
+
+
+def run_evaluator(config: TrainConfig, *, spec, cluster, decision,
+                  poll_seconds: float = 2.0,
+                  idle_timeout: Optional[float] = None) -> dict:
+  """The side-car evaluator: evaluates each checkpoint once, in step order.
+
+  For an `evaluator` task of any strategy (it is never a cluster member: it
+  joins no collective and writes no checkpoint, SavedModel or manifest).
+  It stops after the final step's checkpoint, once the chief marks the run
+  done, or after `idle_timeout` seconds without a new checkpoint. Results go
+  to `<model_dir>/eval/eval_results.jsonl` and TensorBoard scalars to
+  `<tensorboard_dir>/eval/`.
+
+  Returns:
+    `{"role": "evaluator", "results": [...]}`.
+  """
+  started = time.time()
+  num_workers = max(cluster.num_workers, 1)
+  plan = run_plan_lib.make_run_plan(
+      config, spec, num_replicas_in_sync=1, num_workers=1,
+      asynchronous=True, decision=decision) if config.train_steps <= 0 \
+      else None
+  final_step = config.train_steps if config.train_steps > 0 else (
+      plan.total_steps)
+  eval_files = (plan.eval_files if plan else
+                run_plan_lib.resolve_data_files(config, spec)[1])
+  precision.configure_precision(config.dtype)
+  model = assembly.build_model(config, spec=spec)
+  trainer = assembly.evaluation_trainer(
+      assembly.Parts(model=model, optimizer=None, trainer=None,
+                     checkpoint=None),
+      spec=spec, global_batch_size=MIN_EVAL_BATCH_SIZE)
+  dataset = input_pipeline.make_dataset(input_pipeline.PipelineOptions(
+      files=eval_files, parse_fn=spec.parse_fn,
+      global_batch_size=MIN_EVAL_BATCH_SIZE, is_training=False,
+      cache=config.cache_dataset))
+  run_log = run_log_lib.RunLog(
+      tensorboard_dir=config.resolved_tensorboard_dir, metrics_dir=None,
+      global_batch_size=MIN_EVAL_BATCH_SIZE, total_steps=final_step,
+      eval_subdir="eval")
+  controller = Controller(
+      options=ControllerOptions(total_steps=final_step, steps_per_epoch=1),
+      run_log=run_log, evaluate=lambda: trainer.evaluate(dataset),
+      model=model)
+  logging.info("Evaluator for %d training worker(s): final step %d%s",
+               num_workers, final_step,
+               "" if config.train_steps > 0 else
+               " (from --train_epochs; the chief's done marker also ends "
+               "the evaluation)")
+  results = controller.evaluate_continuously(
+      checkpoint_dir=config.resolved_checkpoint_dir,
+      results_dir=os.path.join(config.model_dir, "eval"),
+      restore=lambda path: tf.train.Checkpoint(model=model).restore(
+          path).expect_partial(),
+      final_step=final_step,
+      finished=lambda: ps_lib.marked_done_since(config.model_dir, started),
+      poll_seconds=poll_seconds, idle_timeout=idle_timeout)
+  return {"role": "evaluator", "results": results}

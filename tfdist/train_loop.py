@@ -158,10 +158,13 @@ class Trainer:
     grads = tape.gradient(scaled, self.model.trainable_variables)
     return loss, grads, self._metric_sums(labels, logits)
 
-  def _replica_train_step(self, inputs, labels):
+  def _replica_train_step(self, inputs, labels, stop_flags):
     loss, grads, sums = self._replica_grads(inputs, labels)
     self.optimizer.apply_gradients(zip(grads, self.model.trainable_variables))
-    return {"loss": loss, **sums}
+    # The host's stop requests ride with the step's sums (one reduction):
+    # any worker's request reaches every worker after the same step.
+    return {"loss": loss, **sums, "stop_signal": stop_flags[0],
+            "stop_training": stop_flags[1]}
 
   def _replica_eval_step(self, inputs, labels, weights=None):
     logits = tf.cast(self.model(inputs, training=False), tf.float32)
@@ -176,27 +179,36 @@ class Trainer:
     return {k: self.strategy.reduce(tf.distribute.ReduceOp.SUM, v, axis=None)
             for k, v in per_replica.items()}
 
-  def _train_function(self, iterator, num_steps) -> Dict[str, tf.Tensor]:
+  def _train_function(self, iterator, num_steps,
+                      stop_flags=None) -> Dict[str, tf.Tensor]:
     """Runs `num_steps` steps from a distributed iterator.
 
     Args:
       iterator: an iterator over a distributed dataset of `(inputs, labels)`.
       num_steps: int32 scalar tensor, at most `steps_per_execution` (a tensor
         so that shorter final chunks do not retrace the function).
+      stop_flags: float32 [2], this worker's requests to stop: `[a stop
+        signal arrived, a callback set model.stop_training]` (0 or 1 each);
+        None: no requests.
 
     Returns:
-      Sums over the executed steps: `loss` (sum of per-step global mean
-      losses, float32 scalar), `correct` and `count` (examples).
+      Sums over the executed steps (float32 scalars): `loss` (sum of
+      per-step global mean losses), `correct` and `count` (examples), and
+      `stop_signal` and `stop_training` (> 0 when any worker, in any step
+      of the chunk, asked to stop: every worker gets the same sums).
     """
+    if stop_flags is None:
+      stop_flags = tf.zeros([2], tf.float32)
     totals = {"loss": tf.constant(0.0), "correct": tf.constant(0.0),
-              "count": tf.constant(0.0)}
+              "count": tf.constant(0.0), "stop_signal": tf.constant(0.0),
+              "stop_training": tf.constant(0.0)}
     if self.task == "binary":
       totals["pos_hist"] = tf.zeros([AUC_BUCKETS])
       totals["neg_hist"] = tf.zeros([AUC_BUCKETS])
     for _ in tf.range(num_steps):
       inputs, labels = next(iterator)[:2]
-      step = self._reduce(self.strategy.run(self._replica_train,
-                                            args=(inputs, labels)))
+      step = self._reduce(self.strategy.run(
+          self._replica_train, args=(inputs, labels, stop_flags)))
       totals = {k: totals[k] + step[k] for k in totals}
       self.global_step.assign_add(1)
     return totals

@@ -1,0 +1,349 @@
+"""Tests for tfdist.controller: the one outer loop, driven in milliseconds.
+
+As Orbit's own controller test does, most tests drive the `Controller` with
+a fake step runner (it only counts steps and returns sums), real checkpoints
+on disk, real Keras callbacks and a real signal. Both real step runners are
+then run under the same controller: `LocalStepRunner` over a one-device
+`Trainer`, and `CoordinatorStepRunner` over an in-process parameter-server
+cluster (a worker and a ps as `tf.distribute.Server`s on 127.0.0.1).
+"""
+
+import json
+import os
+import signal
+import tempfile
+
+from absl.testing import absltest
+from absl.testing import parameterized
+import keras
+import numpy as np
+import portpicker
+import tensorflow as tf
+
+from tfdist import checkpointing
+from tfdist import controller as controller_lib
+from tfdist import preemption
+from tfdist import run_log as run_log_lib
+from tfdist import step_runner
+from tfdist.controller import Controller, ControllerOptions
+from tfdist.train_loop import Trainer
+
+
+class FakeRunner:
+  """Counts steps; each step's loss is `loss_at(step)`, accuracy 1/2."""
+
+  def __init__(self, step: tf.Variable, *, max_steps_per_call=None,
+               loss_at=lambda step: 1.0, on_step=None):
+    self.step = step
+    self.max_steps_per_call = max_steps_per_call
+    self.loss_at = loss_at
+    self.on_step = on_step
+    self.calls = []
+    self.agreed = []
+
+  def agree(self, flag):
+    self.agreed.append(flag)
+    return flag
+
+  def run(self, num_steps, *, start_step, stop_signal=False,
+          stop_training=False):
+    assert start_step == int(self.step.numpy())
+    self.calls.append((start_step, num_steps))
+    loss = sum(self.loss_at(start_step + i) for i in range(num_steps))
+    self.step.assign_add(num_steps)
+    if self.on_step:
+      self.on_step(int(self.step.numpy()))
+    return {"loss": np.float64(loss), "correct": np.float64(num_steps),
+            "count": np.float64(2 * num_steps),
+            "stop_signal": np.float64(stop_signal),
+            "stop_training": np.float64(stop_training)}
+
+
+class ControllerTest(parameterized.TestCase):
+
+  def setUp(self):
+    super().setUp()
+    self.dir = tempfile.mkdtemp(dir=os.environ.get("TEST_TMPDIR"))
+    self.step = tf.Variable(0, dtype=tf.int64)
+    self.evaluations = []
+
+  def _controller(self, runner, *, total=20, per_epoch=10, log=5,
+                  checkpoint_steps=0, callbacks=(), preemption_watcher=None,
+                  evals_every=1, model=None):
+    keeper = checkpointing.CheckpointKeeper(
+        checkpoint=tf.train.Checkpoint(step=self.step),
+        directory=os.path.join(self.dir, "checkpoints"),
+        step_counter=self.step, max_to_keep=100)
+    self.keeper = keeper
+    self.log = run_log_lib.RunLog(
+        tensorboard_dir=os.path.join(self.dir, "tb"), metrics_dir=self.dir,
+        global_batch_size=2, total_steps=total)
+
+    def evaluate():
+      self.evaluations.append(int(self.step.numpy()))
+      return {"loss": 0.5, "accuracy": 0.75, "num_examples": 8}
+
+    return Controller(
+        runner=runner,
+        options=ControllerOptions(total_steps=total, steps_per_epoch=per_epoch,
+                                  log_steps=log,
+                                  checkpoint_steps=checkpoint_steps,
+                                  epochs_between_evals=evals_every),
+        checkpoints=keeper, step_counter=self.step, run_log=self.log,
+        evaluate=evaluate, model=model or keras.Sequential(),
+        learning_rate=lambda: 0.1, callbacks=callbacks,
+        preemption=preemption_watcher)
+
+  def _saved_steps(self):
+    state = tf.train.get_checkpoint_state(os.path.join(self.dir,
+                                                       "checkpoints"))
+    return [int(p.rsplit("-", 1)[1]) for p in
+            state.all_model_checkpoint_paths] if state else []
+
+  @parameterized.named_parameters(
+      # A local runner runs at most steps_per_execution steps per call.
+      ("local", 3, [(0, 3), (3, 2), (5, 3), (8, 2), (10, 3), (13, 2),
+                    (15, 3), (18, 2)]),
+      # A coordinator runner joins only at boundaries (log every 5 steps).
+      ("coordinator", None, [(0, 5), (5, 5), (10, 5), (15, 5)]))
+  def test_boundaries_are_hit_exactly(self, max_steps, calls):
+    runner = FakeRunner(self.step, max_steps_per_call=max_steps)
+    result = self._controller(runner).run()
+    self.assertEqual(runner.calls, calls)
+    self.assertEqual(result.step, 20)
+    self.assertEqual([r["step"] for r in self.log.history], [5, 10, 15, 20])
+    self.assertEqual(self.evaluations, [10, 20])  # Each epoch end.
+    self.assertEqual(result.final_eval["step"], 20)
+
+  def test_checkpoint_cadence(self):
+    self._controller(FakeRunner(self.step), checkpoint_steps=4,
+                     log=100).run()
+    self.assertEqual(self._saved_steps(), [4, 8, 12, 16, 20])
+    self.step.assign(0)
+    self.setUp()
+    self._controller(FakeRunner(self.step), log=100).run()
+    self.assertEqual(self._saved_steps(), [10, 20])  # Every epoch end.
+
+  def test_epochs_between_evals(self):
+    self._controller(FakeRunner(self.step), total=40, evals_every=2).run()
+    self.assertEqual(self.evaluations, [20, 40])
+
+  def test_resume_continues_and_keeps_the_history_whole(self):
+    runner = FakeRunner(self.step)
+    self._controller(runner, total=10, checkpoint_steps=5).run()
+    self.step.assign(0)  # A new process: state comes from the checkpoint.
+    runner = FakeRunner(self.step)
+    result = self._controller(runner, total=20, checkpoint_steps=5).run()
+    self.assertEqual(runner.calls[0][0], 10)
+    self.assertTrue(result.restored_from.endswith("ckpt-10"))
+    records = self.log.all_records("train")
+    self.assertEqual([r["step"] for r in records], [5, 10, 15, 20])
+    self.assertLen({r["process"] for r in records}, 2)
+    lines = run_log_lib.read_metrics(self.dir)
+    self.assertEqual([r["step"] for r in lines if r["kind"] == "eval"],
+                     [10, 20])
+
+  def test_callbacks_see_keras_hooks_and_params(self):
+    seen = []
+
+    class Recorder(keras.callbacks.Callback):
+
+      def on_train_begin(self, logs=None):
+        seen.append(("train_begin", dict(self.params)))
+
+      def on_epoch_end(self, epoch, logs=None):
+        seen.append(("epoch_end", epoch, sorted(logs)))
+
+      def on_train_end(self, logs=None):
+        seen.append(("train_end",))
+
+    self._controller(FakeRunner(self.step), callbacks=[Recorder()]).run()
+    self.assertEqual(seen[0], ("train_begin",
+                               {"verbose": 0, "steps": 10, "epochs": 2}))
+    self.assertEqual(seen[1], ("epoch_end", 0, ["accuracy", "loss",
+                                                "val_accuracy", "val_loss"]))
+    self.assertEqual(seen[-1], ("train_end",))
+
+  def test_early_stopping_stops_training(self):
+    # The loss stops improving after epoch 1: EarlyStopping (patience 1)
+    # sets model.stop_training at epoch 2's end.
+    model = keras.Sequential()
+    runner = FakeRunner(self.step, loss_at=lambda s: 1.0 if s < 10 else 2.0)
+    stopper = keras.callbacks.EarlyStopping(monitor="loss", patience=1)
+    result = self._controller(runner, total=100, model=model,
+                              callbacks=[stopper]).run()
+    self.assertTrue(result.stopped_early)
+    self.assertEqual(result.step, 20)
+    self.assertIn(20, self._saved_steps())  # Stopped with a checkpoint.
+    self.assertEqual(runner.agreed[-1], True)  # Every worker agrees.
+
+  def test_terminate_on_nan_stops_at_the_next_chunk(self):
+    runner = FakeRunner(self.step, max_steps_per_call=2,
+                        loss_at=lambda s: float("nan") if s >= 6 else 1.0)
+    result = self._controller(runner, total=20, log=100,
+                              callbacks=[keras.callbacks.TerminateOnNaN()]
+                              ).run()
+    self.assertTrue(result.stopped_early)
+    # NaN in the chunk ending at step 8; the request rides with the next
+    # chunk's sums, so every worker stops after step 10.
+    self.assertEqual(result.step, 10)
+
+  def test_divergence_is_one_clear_error(self):
+    runner = FakeRunner(self.step, loss_at=lambda s: float("inf"))
+    with self.assertRaisesRegex(run_log_lib.DivergenceError,
+                                "diverged at step 5.*--base_learning_rate"):
+      self._controller(runner).run()
+
+  def test_sigterm_saves_and_raises_preempted(self):
+    watcher = preemption.PreemptionWatcher(grace_seconds=60).install()
+    self.addCleanup(watcher.uninstall)
+    self.addCleanup(watcher.cancel_deadline)
+
+    def signal_at(step):
+      if step == 4:
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    runner = FakeRunner(self.step, max_steps_per_call=2, on_step=signal_at)
+    with self.assertRaises(preemption.PreemptedError) as caught:
+      self._controller(runner, preemption_watcher=watcher).run()
+    # The signal reached the host after step 4; the next chunk (up to the
+    # log point at 5) carried it, so every worker stops after step 5, with a
+    # checkpoint there.
+    self.assertEqual(caught.exception.step, 5)
+    self.assertEqual(caught.exception.exit_code, 128 + signal.SIGTERM)
+    self.assertIn(5, self._saved_steps())
+
+  def test_a_peer_signal_stops_this_worker_too(self):
+    watcher = preemption.PreemptionWatcher(grace_seconds=60)
+    self.addCleanup(watcher.cancel_deadline)
+
+    class PeerRunner(FakeRunner):
+
+      def run(self, num_steps, **kwargs):
+        sums = super().run(num_steps, **kwargs)
+        if int(self.step.numpy()) >= 4:
+          sums["stop_signal"] = np.float64(1.0)  # Another worker's request.
+        return sums
+
+    with self.assertRaises(preemption.PreemptedError) as caught:
+      self._controller(PeerRunner(self.step, max_steps_per_call=2),
+                       preemption_watcher=watcher).run()
+    self.assertEqual(caught.exception.step, 4)
+    self.assertEqual(caught.exception.signum, signal.SIGTERM)
+
+
+class EvaluateContinuouslyTest(absltest.TestCase):
+
+  def test_every_checkpoint_once_in_order(self):
+    tmp = tempfile.mkdtemp(dir=os.environ.get("TEST_TMPDIR"))
+    ckpt_dir = os.path.join(tmp, "checkpoints")
+    weight = tf.Variable(0.0)
+    manager = tf.train.CheckpointManager(tf.train.Checkpoint(w=weight),
+                                         ckpt_dir, max_to_keep=10)
+    for step in (5, 10, 15):
+      weight.assign(float(step))
+      manager.save(checkpoint_number=step)
+    restored = tf.Variable(-1.0)
+    log = run_log_lib.RunLog(tensorboard_dir=os.path.join(tmp, "tb"),
+                             metrics_dir=None, global_batch_size=1,
+                             total_steps=15, eval_subdir="eval")
+    controller = Controller(
+        options=ControllerOptions(total_steps=15, steps_per_epoch=1),
+        run_log=log,
+        evaluate=lambda: {"loss": float(restored.numpy()), "accuracy": 1.0,
+                          "num_examples": 1})
+    results = controller.evaluate_continuously(
+        checkpoint_dir=ckpt_dir, results_dir=os.path.join(tmp, "eval"),
+        restore=lambda path: tf.train.Checkpoint(w=restored).restore(path),
+        final_step=15, poll_seconds=0.01)
+    self.assertEqual([(r["step"], r["loss"]) for r in results],
+                     [(5, 5.0), (10, 10.0), (15, 15.0)])
+    with open(os.path.join(tmp, "eval",
+                           controller_lib.EVAL_RESULTS_FILE)) as f:
+      self.assertEqual([json.loads(l)["step"] for l in f], [5, 10, 15])
+    # A restarted evaluator skips what is done.
+    again = controller.evaluate_continuously(
+        checkpoint_dir=ckpt_dir, results_dir=os.path.join(tmp, "eval"),
+        restore=lambda path: self.fail("evaluated twice"), final_step=15,
+        poll_seconds=0.01)
+    self.assertLen(again, 3)
+    self.assertTrue(os.listdir(os.path.join(tmp, "tb", "eval")))
+
+
+def _tiny_trainer(strategy, *, steps_per_execution=2):
+  with strategy.scope():
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    optimizer = keras.optimizers.SGD(0.1)
+    optimizer.build(model.trainable_variables)
+  return Trainer(strategy=strategy, model=model, optimizer=optimizer,
+                 global_batch_size=8, steps_per_execution=steps_per_execution)
+
+
+def _tiny_dataset(_=None):
+  rng = np.random.RandomState(0)
+  x = rng.rand(64, 4).astype(np.float32)
+  y = rng.randint(0, 3, 64).astype(np.int64)
+  return tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(8)
+
+
+class RealRunnersTest(absltest.TestCase):
+  """The same controller over both real step runners."""
+
+  def _run(self, runner, trainer, tmp):
+    keeper = checkpointing.CheckpointKeeper(
+        checkpoint=tf.train.Checkpoint(model=trainer.model,
+                                       optimizer=trainer.optimizer,
+                                       global_step=trainer.global_step),
+        directory=os.path.join(tmp, "checkpoints"),
+        step_counter=trainer.global_step)
+    log = run_log_lib.RunLog(tensorboard_dir=None, metrics_dir=tmp,
+                             global_batch_size=8, total_steps=10)
+    return Controller(
+        runner=runner,
+        options=ControllerOptions(total_steps=10, steps_per_epoch=5,
+                                  log_steps=5),
+        checkpoints=keeper, step_counter=trainer.global_step, run_log=log,
+        model=trainer.model, learning_rate=lambda: 0.1).run(), log
+
+  def test_local_runner(self):
+    tmp = tempfile.mkdtemp(dir=os.environ.get("TEST_TMPDIR"))
+    strategy = tf.distribute.OneDeviceStrategy("/cpu:0")
+    trainer = _tiny_trainer(strategy)
+    data = strategy.experimental_distribute_dataset(_tiny_dataset())
+    runner = step_runner.LocalStepRunner(trainer=trainer,
+                                         iterator=iter(data))
+    result, log = self._run(runner, trainer, tmp)
+    self.assertEqual(result.step, 10)
+    self.assertEqual(int(trainer.optimizer.iterations.numpy()), 10)
+    self.assertEqual([r["step"] for r in log.history], [5, 10])
+    self.assertTrue(all(np.isfinite(r["loss"]) for r in log.history))
+
+  def test_coordinator_runner_on_an_in_process_cluster(self):
+    tmp = tempfile.mkdtemp(dir=os.environ.get("TEST_TMPDIR"))
+    spec = tf.train.ClusterSpec({
+        "worker": [f"127.0.0.1:{portpicker.pick_unused_port()}"],
+        "ps": [f"127.0.0.1:{portpicker.pick_unused_port()}"]})
+    servers = [tf.distribute.Server(spec, job_name=job, task_index=0,
+                                    protocol="grpc", start=True)
+               for job in ("worker", "ps")]
+    self.assertLen(servers, 2)
+    resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
+        spec, rpc_layer="grpc")
+    strategy = tf.distribute.ParameterServerStrategy(resolver)
+    trainer = _tiny_trainer(strategy)
+    coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
+    iterator = iter(coordinator.create_per_worker_dataset(
+        lambda: strategy.distribute_datasets_from_function(_tiny_dataset)))
+    runner = step_runner.CoordinatorStepRunner(
+        trainer=trainer, coordinator=coordinator, iterator=iterator)
+    result, log = self._run(runner, trainer, tmp)
+    self.assertEqual(result.step, 10)
+    self.assertEqual(int(trainer.global_step.numpy()), 10)
+    self.assertEqual([r["step"] for r in log.history], [5, 10])
+    self.assertEqual(log.history[0]["steps"], 5)
+    self.assertIn("/job:ps",
+                  trainer.model.trainable_variables[0].value.device)
+
+
+if __name__ == "__main__":
+  absltest.main()

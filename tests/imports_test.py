@@ -1,0 +1,89 @@
+"""The modules of tfdist/, models/ and flags/ import each other one way.
+
+Every import counts: at module level and inside functions (a lazy import
+hides a cycle, it does not remove it). A package's own `__init__.py` is not
+a node: importing any module imports it first anyway.
+"""
+
+import os
+
+from absl.testing import absltest
+
+from tests import bazel_targets
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGES = ("tfdist", "models", "flags")
+# Module names are built, not written out: a literal dotted name would read
+# as a module this test runs (tests/bazel_targets.py).
+WIRING = f"{PACKAGES[0]}.experiment"
+CONTROLLER = f"{PACKAGES[0]}.controller"
+BINARIES = (f"{PACKAGES[0]}.train",)
+
+
+def import_graph(root: str = ROOT) -> dict:
+  """`{module: {module it imports}}` over the first-party packages."""
+  roots = bazel_targets.first_party_roots(root)
+  graph = {}
+  for package in PACKAGES:
+    for name in sorted(os.listdir(os.path.join(root, package))):
+      if not name.endswith(".py") or name == "__init__.py":
+        continue
+      module = f"{package}.{name[:-3]}"
+      edges = set()
+      for dotted, files in bazel_targets.module_imports(
+          root, os.path.join(package, name), roots):
+        for path in files:
+          if path.endswith("__init__.py") or not path.endswith(".py"):
+            continue
+          target = path[:-3].replace(os.sep, ".")
+          if target.split(".")[0] in PACKAGES and target != module:
+            edges.add(target)
+        del dotted
+      graph[module] = edges
+  return graph
+
+
+def find_cycles(graph: dict) -> list:
+  """Every elementary cycle found by depth-first search, as module lists."""
+  cycles, state, stack = [], {}, []
+
+  def visit(node):
+    state[node] = "active"
+    stack.append(node)
+    for nxt in sorted(graph.get(node, ())):
+      if state.get(nxt) == "active":
+        cycles.append(stack[stack.index(nxt):] + [nxt])
+      elif nxt not in state:
+        visit(nxt)
+    stack.pop()
+    state[node] = "done"
+
+  for node in sorted(graph):
+    if node not in state:
+      visit(node)
+  return cycles
+
+
+class ImportCycleTest(absltest.TestCase):
+
+  def test_no_import_cycle(self):
+    graph = import_graph()
+    self.assertIn(WIRING, graph)
+    self.assertIn(CONTROLLER, graph[WIRING])
+    cycles = find_cycles(graph)
+    self.assertEqual(cycles, [], "\n".join(" -> ".join(c) for c in cycles))
+
+  def test_nothing_imports_the_wiring_back(self):
+    importers = sorted(m for m, edges in import_graph().items()
+                       if WIRING in edges)
+    # Only the binaries' edge runs the wiring.
+    self.assertEqual(importers, sorted(BINARIES))
+
+  def test_cycle_finder_finds_a_cycle(self):
+    self.assertEqual(find_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}}),
+                     [["a", "b", "c", "a"]])
+    self.assertEqual(find_cycles({"a": {"b"}, "b": set()}), [])
+
+
+if __name__ == "__main__":
+  absltest.main()

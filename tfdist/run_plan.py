@@ -1,0 +1,163 @@
+"""The run plan: files, example counts, batch plan and learning rate, once.
+
+Built after the strategy (it needs `num_replicas_in_sync`) and before the
+model, by `make_run_plan`; every later step (input pipelines, optimizer,
+controller, manifest) reads this one object, and `describe()` is the plan
+printed at start.
+"""
+
+import dataclasses
+from typing import Sequence, Tuple
+
+from tfdist import batch_plan as batch_plan_lib
+from tfdist import input_pipeline
+from tfdist import lr_schedule
+from tfdist import precision
+
+
+@dataclasses.dataclass(frozen=True)
+class RunPlan:
+  """What one run will do, decided before anything is built.
+
+  Attributes:
+    train_files, eval_files: the TFRecord files read (sorted paths).
+    num_train_examples: records in `train_files` (one epoch).
+    batch: the `BatchPlan` (replicas, per-replica and global batch,
+      steps per epoch).
+    total_steps: optimizer updates in the whole run.
+    lr: the `LRPlan` (peak learning rate, warmup steps, schedule).
+    strategy: the concrete strategy name.
+    strategy_reason: why it was chosen.
+    dtype: `fp32`, `bf16` or `fp16`.
+    dtype_reason: why.
+    asynchronous: parameter-server training (each worker step is one
+      update; batch sizes are per worker step).
+    num_workers: hosts training (input pipelines under multi-worker
+      strategies; workers under parameter servers).
+  """
+  train_files: Tuple[str, ...]
+  eval_files: Tuple[str, ...]
+  num_train_examples: int
+  batch: batch_plan_lib.BatchPlan
+  total_steps: int
+  lr: lr_schedule.LRPlan
+  strategy: str
+  strategy_reason: str
+  dtype: str
+  dtype_reason: str
+  asynchronous: bool = False
+  num_workers: int = 1
+
+  @property
+  def steps_per_epoch(self) -> int:
+    return self.batch.steps_per_epoch
+
+  @property
+  def global_batch_size(self) -> int:
+    return self.batch.global_batch_size
+
+  def describe(self, config) -> str:
+    """The plan as printed at start (`config`: the run's `TrainConfig`)."""
+    plan = self.batch
+    mode = (f"asynchronous: {self.num_workers} worker(s) each apply their "
+            "own batches" if self.asynchronous else
+            f"synchronous: {self.num_workers} worker(s)")
+    return "\n".join([
+        "tfdist plan:",
+        f"  strategy               {self.strategy}: {self.strategy_reason}",
+        f"  training               {mode}",
+        f"  num_replicas_in_sync   {plan.num_replicas_in_sync}",
+        f"  per_replica_batch_size {plan.per_replica_batch_size}",
+        f"  gradient_accumulation  {plan.gradient_accumulation_steps}",
+        f"  global_batch_size      {plan.global_batch_size}"
+        + (" (per worker step)" if self.asynchronous else ""),
+        f"  train examples         {plan.num_train_examples} in "
+        f"{len(self.train_files)} file(s)",
+        f"  steps_per_epoch        {plan.steps_per_epoch} (remainder "
+        "dropped)",
+        f"  train steps            {self.total_steps}",
+        f"  learning rate          {config.base_learning_rate:g} at batch "
+        f"{config.base_batch_size} -> {self.lr.peak_learning_rate:g} at "
+        f"batch {plan.global_batch_size} ({config.lr_scaling} rule), "
+        f"{config.lr_schedule} after warmup",
+        f"  warmup_steps           {self.lr.warmup_steps}",
+        f"  dtype                  {self.dtype} "
+        f"({precision.policy_name(self.dtype)}): {self.dtype_reason}",
+    ])
+
+
+def resolve_data_files(config, spec) -> Tuple[Tuple[str, ...],
+                                              Tuple[str, ...]]:
+  """`(train_files, eval_files)`, converting the named data set if the
+  config gives no files.
+
+  Raises:
+    DataNotFoundError: a glob matches nothing, or the raw data is missing.
+  """
+  train_pattern, eval_pattern = config.train_files, config.eval_files
+  if not train_pattern or not eval_pattern:
+    default_train, default_eval = spec.prepare(config.data_dir,
+                                               config.raw_data_dir)
+    train_pattern = train_pattern or default_train
+    eval_pattern = eval_pattern or default_eval
+  return (tuple(input_pipeline.list_files(train_pattern,
+                                          flag="--train_files")),
+          tuple(input_pipeline.list_files(eval_pattern, flag="--eval_files")))
+
+
+def data_patterns(config) -> Sequence[Tuple[str, str]]:
+  """`(flag, path)` pairs of what the run reads, for the TPU `gs://` rule."""
+  out = []
+  for flag, value in (("--train_files", config.train_files),
+                      ("--eval_files", config.eval_files)):
+    if value:
+      out.append((flag, value))
+  if not (config.train_files and config.eval_files):
+    out.append(("--data_dir", config.data_dir))
+  return out
+
+
+def make_run_plan(config, spec, *, num_replicas_in_sync: int,
+                  num_workers: int, asynchronous: bool, decision) -> RunPlan:
+  """Lists and counts the data, then plans the batch and learning rate.
+
+  Args:
+    config: the run's `TrainConfig` (no `auto` left).
+    spec: the data set's `DatasetSpec`.
+    num_replicas_in_sync: replicas per update (`strategy.
+      num_replicas_in_sync`; 1 per worker step under parameter servers).
+    num_workers: hosts that each read a disjoint part of the data under
+      synchronous multi-worker training (their input pipelines), or the
+      parameter-server workers (each reads every file).
+    asynchronous: parameter-server training.
+    decision: the `tfdist.auto_select.Decision` (strategy, dtype, reasons).
+
+  Returns:
+    A `RunPlan`.
+
+  Raises:
+    ConfigError: inconsistent batch sizes, warmup longer than the run.
+    DataNotFoundError: missing data.
+  """
+  train_files, eval_files = resolve_data_files(config, spec)
+  num_train = input_pipeline.count_records(train_files)
+  plan = batch_plan_lib.make_batch_plan(
+      num_replicas_in_sync=num_replicas_in_sync,
+      batch_size=config.batch_size,
+      per_replica_batch_size=config.per_replica_batch_size,
+      gradient_accumulation_steps=config.gradient_accumulation_steps,
+      num_train_examples=num_train,
+      num_input_pipelines=1 if asynchronous else num_workers)
+  total_steps = batch_plan_lib.resolve_train_steps(
+      train_steps=config.train_steps, train_epochs=config.train_epochs,
+      steps_per_epoch=plan.steps_per_epoch)
+  lr_plan = lr_schedule.plan_learning_rate(
+      config, global_batch_size=plan.global_batch_size,
+      steps_per_epoch=plan.steps_per_epoch, total_steps=total_steps)
+  return RunPlan(
+      train_files=train_files, eval_files=eval_files,
+      num_train_examples=num_train, batch=plan, total_steps=total_steps,
+      lr=lr_plan, strategy=decision.strategy,
+      strategy_reason=decision.strategy_reason, dtype=decision.dtype,
+      dtype_reason=decision.dtype_reason, asynchronous=asynchronous,
+      num_workers=num_workers)

@@ -1,0 +1,178 @@
+"""Step runners: "run N training steps", the one thing strategies differ in.
+
+The `tfdist.controller.Controller` owns everything between steps
+(boundaries, logging, checkpoints, evaluation, callbacks, preemption); a
+step runner only runs steps and returns their sums:
+
+* `LocalStepRunner` calls the `Trainer`'s compiled `train_function` (one
+  device, Mirrored, MultiWorkerMirrored, TPU): one call runs up to
+  `steps_per_execution` steps, so the controller hands it at most that many.
+* `CoordinatorStepRunner` schedules the same function on a
+  `tf.distribute.coordinator.ClusterCoordinator` (ParameterServer): chunks
+  of up to `steps_per_execution` steps, run by the workers as they come,
+  joined before returning, so after `run(n)` exactly `n` steps ran (a chunk
+  lost with a worker is run again on another and counted once). A lost ps
+  task becomes one `ParameterServerError`.
+
+Both return the chunk's sums as float64 NumPy values: `loss` (sum of the
+per-step mean losses), `correct`, `count` (examples), `stop_signal`,
+`stop_training`, and for binary tasks the AUC histograms.
+"""
+
+from typing import Callable, Dict, Optional
+
+import numpy as np
+import tensorflow as tf
+
+# Errors that mean a ps task (or the whole cluster) is gone.
+PS_LOST_ERRORS = (tf.errors.UnavailableError, tf.errors.AbortedError,
+                  tf.errors.CancelledError, tf.errors.NotFoundError,
+                  tf.errors.InternalError, tf.errors.UnknownError)
+
+
+def ps_lost_error(error: Exception, *, after: str,
+                  last_checkpoint: Optional[str]):
+  """The one error for a lost ps task (or cluster), whatever noticed it.
+
+  Args:
+    error: the TensorFlow error raised.
+    after: where training was, e.g. "step 40".
+    last_checkpoint: the checkpoint a restart resumes from (None: step 0).
+
+  Returns:
+    A `tfdist.parameter_server.ParameterServerError` to raise from `error`.
+  """
+  from tfdist import parameter_server  # pylint: disable=g-import-not-at-top
+  first = str(error).splitlines()[0] if str(error) else ""
+  return parameter_server.ParameterServerError(
+      f"Parameter-server training lost a ps task (or the whole cluster) "
+      f"after {after}: {type(error).__name__}: {first}. Worker failures are "
+      "tolerated, ps failures are not: restart the cluster (python -m "
+      "tfdist.launch ... --max_restarts=N does) and training resumes from "
+      f"the last checkpoint, {last_checkpoint or 'none yet (from step 0)'}.")
+
+
+def _as_numpy(sums) -> Dict[str, np.ndarray]:
+  return {k: np.asarray(v, np.float64) for k, v in sums.items()}
+
+
+def _stop_flags(stop_signal: bool, stop_training: bool) -> tf.Tensor:
+  return tf.constant([float(stop_signal), float(stop_training)], tf.float32)
+
+
+class LocalStepRunner:
+  """Runs steps by calling the compiled training function in this process.
+
+  Args:
+    trainer: the `tfdist.train_loop.Trainer`.
+    iterator: an iterator over the distributed training dataset.
+    num_workers: hosts training in sync (MultiWorkerMirroredStrategy); with
+      more than one, `agree` is a one-number all-reduce.
+  """
+
+  def __init__(self, *, trainer, iterator, num_workers: int = 1):
+    self.trainer = trainer
+    self.iterator = iterator
+    self.num_workers = int(num_workers)
+    # One call runs at most this many steps; the controller asks no more.
+    self.max_steps_per_call = trainer.steps_per_execution
+    self._agree_fn = None
+    if self.num_workers > 1:
+      strategy = trainer.strategy
+
+      def agree(flag):
+        per_replica = strategy.run(tf.identity, args=(flag,))
+        return strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica,
+                               axis=None)
+      self._agree_fn = tf.function(agree)
+
+  def agree(self, flag: bool) -> bool:
+    """True when any worker passes True; every worker must call it at the
+    same point (one all-reduce of a float32 scalar with several workers).
+    The controller calls it at epoch ends, after the callbacks, so that a
+    callback's `model.stop_training` stops every worker at the same step."""
+    if self._agree_fn is None:
+      return bool(flag)
+    return float(self._agree_fn(tf.constant(1.0 if flag else 0.0))) > 0
+
+  def run(self, num_steps: int, *, start_step: int, stop_signal: bool = False,
+          stop_training: bool = False) -> Dict[str, np.ndarray]:
+    """Runs `num_steps` (<= `max_steps_per_call`) steps; returns their sums.
+
+    `start_step` is the step reached before (the trainer's own step
+    counter, which the compiled function advances, already equals it).
+
+    Under MultiWorkerMirroredStrategy every worker must call this with the
+    same `num_steps` (the steps are collective); the stop requests of all
+    workers are summed, so every worker sees the same `stop_*` values.
+    """
+    del start_step  # The compiled function counts steps itself.
+    sums = self.trainer.train_function(
+        self.iterator, tf.constant(num_steps, tf.int32),
+        _stop_flags(stop_signal, stop_training))
+    return _as_numpy(sums)
+
+
+class CoordinatorStepRunner:
+  """Schedules steps on parameter-server workers through a coordinator.
+
+  Args:
+    trainer: the `tfdist.train_loop.Trainer` (built under the
+      ParameterServerStrategy's scope).
+    coordinator: the `tf.distribute.coordinator.ClusterCoordinator`.
+    iterator: the per-worker iterator
+      (`iter(coordinator.create_per_worker_dataset(...))`).
+    last_checkpoint: returns the latest checkpoint path (or None), for the
+      error message when a ps task is lost.
+  """
+
+  # The coordinator joins only at the controller's boundaries.
+  max_steps_per_call: Optional[int] = None
+
+  def __init__(self, *, trainer, coordinator, iterator,
+               last_checkpoint: Callable[[], Optional[str]] = lambda: None):
+    self.trainer = trainer
+    self.coordinator = coordinator
+    self.iterator = iterator
+    self.last_checkpoint = last_checkpoint
+
+  def agree(self, flag: bool) -> bool:
+    """The coordinator alone decides: `flag` itself."""
+    return bool(flag)
+
+  def run(self, num_steps: int, *, start_step: int, stop_signal: bool = False,
+          stop_training: bool = False) -> Dict[str, np.ndarray]:
+    """Schedules `num_steps` steps in chunks, joins, returns their sums.
+
+    Afterwards the trainer's step counter is set to exactly `start_step +
+    num_steps` (a chunk re-run after a worker was lost advanced it twice).
+    The stop requests are the coordinator's own (it is the only process
+    that decides); they come back in the sums unchanged.
+
+    Raises:
+      tfdist.parameter_server.ParameterServerError: a ps task (or the
+        whole cluster) became unreachable; the message names the last
+        checkpoint training will resume from.
+    """
+    chunk = self.trainer.steps_per_execution
+    flags = _stop_flags(False, False)
+    pending, scheduled = [], 0
+    try:
+      while scheduled < num_steps:
+        n = min(chunk, num_steps - scheduled)
+        pending.append(self.coordinator.schedule(
+            self.trainer.train_function,
+            args=(self.iterator, tf.constant(n, tf.int32), flags)))
+        scheduled += n
+      self.coordinator.join()
+      sums: Dict[str, np.ndarray] = {}
+      for remote in pending:
+        for k, v in remote.fetch().items():
+          sums[k] = sums.get(k, 0.0) + np.asarray(v, np.float64)
+    except PS_LOST_ERRORS as e:
+      raise ps_lost_error(e, after=f"step {start_step}",
+                          last_checkpoint=self.last_checkpoint()) from e
+    self.trainer.global_step.assign(start_step + num_steps)
+    sums["stop_signal"] = np.float64(stop_signal)
+    sums["stop_training"] = np.float64(stop_training)
+    return sums
