@@ -29,6 +29,7 @@ folders) and works the same under every single-host strategy.
 
 import signal
 import sys
+import threading
 import time
 from typing import Optional, Sequence
 
@@ -71,6 +72,10 @@ class PreemptionWatcher:
       not exited within this many seconds (`--preemption_grace_seconds`).
     signals: the signals to handle.
 
+  Attributes:
+    installed: whether `install` put the handlers in place (False off the
+      main thread, where Python cannot handle signals).
+
   Raises:
     ValueError: `grace_seconds` <= 0.
   """
@@ -86,6 +91,7 @@ class PreemptionWatcher:
     self.grace_seconds = float(grace_seconds)
     self.signals = tuple(signals)
     self.signum: Optional[int] = None
+    self.installed = False
     self.received_at: Optional[float] = None
     self._previous = {}
     self._deadline: Optional[watchdog.Deadline] = None
@@ -95,9 +101,27 @@ class PreemptionWatcher:
 
   # --- signal handling -----------------------------------------------------
   def install(self) -> "PreemptionWatcher":
-    """Installs the handlers (main thread only); returns self."""
+    """Installs the handlers; returns self.
+
+    Python runs signal handlers only in the main thread, and `signal.signal`
+    raises `ValueError` anywhere else. Called from another thread (Ray
+    Train runs the training function in one; so do notebook executors and
+    some test runners), this installs nothing and logs why: the host
+    framework keeps its signals, `installed` is False and
+    `signal_received()` stays False. `should_stop()` still joins the
+    agreement all-reduce, so workers that do have handlers still stop
+    together with this one.
+    """
+    if threading.current_thread() is not threading.main_thread():
+      logging.warning(
+          "tfdist: not on the main thread (%s): signal-based preemption "
+          "(SIGTERM/SIGINT -> checkpoint and exit) is off in this process; "
+          "signals are left to the host framework.",
+          threading.current_thread().name)
+      return self
     for signum in self.signals:
       self._previous[signum] = signal.signal(signum, self._handle)
+    self.installed = True
     return self
 
   def uninstall(self):
@@ -106,6 +130,7 @@ class PreemptionWatcher:
       signal.signal(signum, previous if previous is not None else
                     signal.SIG_DFL)
     self._previous = {}
+    self.installed = False
 
   def _handle(self, signum, frame):
     del frame  # Unused.
