@@ -60,11 +60,21 @@ import tempfile
 import time
 from typing import Optional, Sequence
 
-from absl import app
-from absl import flags
-from absl import logging
+if __name__ == "__main__":
+  # Run as a file (Bazel's py_binary runs `python tfdist/ray.py`), Python
+  # puts tfdist/ first on sys.path, where this file would shadow the `ray`
+  # package and `tfdist` would not be found from here: put the folder
+  # holding tfdist/ there instead, before anything is imported from it.
+  _HERE = os.path.dirname(os.path.abspath(__file__))
+  sys.path[:] = [os.path.dirname(_HERE)
+                 if os.path.abspath(p or os.curdir) == _HERE else p
+                 for p in sys.path]
 
-from tfdist.config import ConfigError, TrainConfig
+from absl import app  # pylint: disable=g-import-not-at-top,wrong-import-position
+from absl import flags  # pylint: disable=g-import-not-at-top,wrong-import-position
+from absl import logging  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+from tfdist.config import ConfigError, TrainConfig  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 INSTALL_HINT = ("Ray Train is not installed. Install it with: pip install "
                 "'tfdist[ray]' (or: pip install 'ray[train]>=2.60,<3').")
@@ -503,7 +513,12 @@ def main(argv):
                  f"{FLAGS.num_workers} needs {FLAGS.num_workers} GPUs; this "
                  f"machine has {gpus:g}.")
     else:
-      ray.init(address=FLAGS.address)
+      try:
+        ray.init(address=FLAGS.address)
+      except ConnectionError as e:
+        sys.exit(f"tfdist.ray: error: --address={FLAGS.address}: {e} Start "
+                 "a cluster with `ray start --head`, or use --address=local "
+                 "for a one-machine cluster of this job's own.")
     result = run_on_ray(config, num_workers=FLAGS.num_workers,
                         use_gpu=FLAGS.use_gpu,
                         cpus_per_worker=FLAGS.cpus_per_worker,
@@ -527,14 +542,9 @@ def run():
 
 
 if __name__ == "__main__":
-  # Run as a file (Bazel's py_binary runs `python tfdist/ray.py`), Python
-  # puts tfdist/ first on sys.path, where this file would shadow the `ray`
-  # package: drop it. Then run the copy imported as `tfdist.ray`, so that
-  # what goes to Ray's workers names importable functions (cloudpickle
-  # copies functions of `__main__` by value).
-  _HERE = os.path.dirname(os.path.abspath(__file__))
-  sys.path[:] = [p for p in sys.path
-                 if os.path.abspath(p or os.curdir) != _HERE]
+  # Run the copy imported as `tfdist.ray`, so that what goes to Ray's
+  # workers names importable functions (cloudpickle copies functions of
+  # `__main__` by value).
   _MODULE = importlib.import_module("tfdist.ray")
   _MODULE.define_ray_flags()
   flags.adopt_module_key_flags(_MODULE)
