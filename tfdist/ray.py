@@ -154,12 +154,12 @@ def prepare_config(config: TrainConfig) -> TrainConfig:
         f"--worker_hosts={config.worker_hosts!r} / --task_index="
         f"{config.task_index}: Ray Train gives every worker its place in the "
         "cluster (TF_CONFIG). Drop both flags.")
-  from tfdist import datasets  # pylint: disable=g-import-not-at-top
   changes = {"distribution_strategy": "multi_worker_mirrored"}
   for name in _PATH_FIELDS:
     value = getattr(config, name)
     if name == "data_dir" and not value and not (config.train_files and
                                                   config.eval_files):
+      from tfdist import datasets  # pylint: disable=g-import-not-at-top
       value = datasets.default_data_dir()
     changes[name] = _absolute(value) if value else value
   for name, flag in _FILE_FIELDS:
