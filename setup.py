@@ -33,6 +33,8 @@ setuptools.setup(
         "cpu": ["tensorflow-cpu>=2.21,<2.22"],
         "gpu": ["tensorflow[and-cuda]>=2.21,<2.22"],
         "test": ["pytest>=8,<10"],
+        # `python -m tfdist.ray`: tfdist as a Ray Train job.
+        "ray": ["ray[train]>=2.60,<3"],
     },
     entry_points={"console_scripts": [
         "tfdist-train=tfdist.train:run",

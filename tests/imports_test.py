@@ -17,7 +17,7 @@ PACKAGES = ("tfdist", "models", "flags")
 # as a module this test runs (tests/bazel_targets.py).
 WIRING = f"{PACKAGES[0]}.experiment"
 CONTROLLER = f"{PACKAGES[0]}.controller"
-BINARIES = (f"{PACKAGES[0]}.train",)
+BINARIES = (f"{PACKAGES[0]}.train", f"{PACKAGES[0]}.ray")
 
 
 def import_graph(root: str = ROOT) -> dict:

@@ -8,6 +8,8 @@ devices (a per-process setting), flags, `--flagfile` and flag errors.
 import glob
 import json
 import os
+import signal
+import threading
 import time
 
 from absl.testing import absltest
@@ -121,6 +123,34 @@ class RunExperimentTest(parameterized.TestCase):
     after = manifest_lib.read_manifest(model_dir)
     self.assertEqual(after["history"], before)
     self.assertEqual(after["throughput"]["this_process"]["measured_steps"], 0)
+
+  def test_runs_off_the_main_thread(self):
+    # Ray Train, notebook executors and some test runners call the library
+    # from a thread, where Python cannot install signal handlers
+    # (`ValueError: signal only works in main thread`).
+    model_dir = testutil.scratch_dir()
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM,
+                                                 signal.SIGINT)}
+    outcome = {}
+
+    def target():
+      try:
+        outcome["record"] = experiment.run_experiment(_config(model_dir))
+      except Exception as e:  # pylint: disable=broad-except
+        outcome["error"] = e
+
+    thread = threading.Thread(target=target, name="library-caller")
+    with self.assertLogs(level="WARNING") as logs:
+      thread.start()
+      thread.join(timeout=300)
+      self.assertFalse(thread.is_alive())
+      self.assertNotIn("error", outcome, repr(outcome.get("error")))
+    self.assertEqual(outcome["record"]["final_step"], 12)
+    self.assertEqual(manifest_lib.read_manifest(model_dir)["final_step"], 12)
+    self.assertTrue(any("not on the main thread (library-caller)" in line
+                        for line in logs.output), logs.output)
+    # The host's handlers are untouched.
+    self.assertEqual({s: signal.getsignal(s) for s in handlers}, handlers)
 
   def test_saved_model_predicts_like_trained_model(self):
     model_dir = testutil.scratch_dir()

@@ -100,11 +100,11 @@ class PreemptionWatcher:
     is logged once.
     """
     if threading.current_thread() is not threading.main_thread():
-      logging.info(
-          "Signal-based preemption is off: run_experiment is running in "
-          "thread %r, not the main thread, so SIGTERM/SIGINT stay with the "
-          "host framework (checkpoints are still saved every "
-          "--checkpoint_steps).", threading.current_thread().name)
+      logging.warning(
+          "Signal-based preemption is off: tfdist is not on the main thread "
+          "(%s), where Python handles signals, so SIGTERM/SIGINT stay with "
+          "the host framework (Ray, a notebook). Checkpoints are still "
+          "saved every --checkpoint_steps.", threading.current_thread().name)
       return self
     for signum in self.signals:
       self._previous[signum] = signal.signal(signum, self._handle)

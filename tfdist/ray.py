@@ -1,0 +1,552 @@
+"""Runs tfdist training as a Ray Train job (`TensorflowTrainer`).
+
+Usage:
+  python -m tfdist.ray --num_workers=2 -- --dataset=fashion_mnist
+      --train_steps=200 --model_dir=/tmp/ray_run
+  python -m tfdist.ray --address=auto --num_workers=8 --use_gpu
+      --max_failures=3 -- --model_dir=gs://BUCKET/run ...
+
+Everything after `--` is a `tfdist.train` flag; it is checked here, before
+Ray starts, into one `TrainConfig` that every worker runs unchanged with
+`tfdist.experiment.run_experiment`. Needs Ray Train:
+`pip install 'tfdist[ray]'`.
+
+What Ray does and what tfdist does:
+
+* Ray Train's `TensorflowTrainer` starts `--num_workers` worker processes
+  (each with `--cpus_per_worker` CPUs and, with `--use_gpu`, one GPU) and
+  writes each its `TF_CONFIG` (`worker` 0..N-1; worker 0 is tfdist's chief).
+  tfdist trains synchronously across them with MultiWorkerMirroredStrategy,
+  one device per worker, with its own batch plan, learning-rate scaling,
+  checkpoints and manifest.
+* Ray runs the training function in a thread of each worker process, where
+  Python cannot handle signals: tfdist's signal-based preemption is off
+  there (it says so); Ray handles worker failures. With
+  `--max_failures=K` Ray restarts the whole worker group up to K times
+  (`ray.train.FailureConfig`), and the restarted workers resume from the
+  latest checkpoint in `--model_dir`.
+* `--model_dir` and every other local path is made absolute here, since
+  Ray's workers run in folders of their own. On a cluster of several
+  machines it must be shared storage (e.g. `gs://`): the chief writes
+  there and the others restore from it.
+* Metrics go to Ray: after each evaluation every worker calls
+  `ray.train.report` (a barrier across the workers; tfdist's controller
+  calls Keras callbacks at the same points on every worker), and at the end
+  the final metrics are reported with a Ray checkpoint holding
+  `run_manifest.json`, so they are the Ray `Result`'s `metrics`; the chief's
+  manifest is its `return_value`. Model checkpoints and the SavedModel stay
+  in `--model_dir` (the manifest names them); Ray's own run records go to
+  `--storage_path` (default `<model_dir>/ray_results`).
+* `--address=local` (the default) starts a private one-machine Ray cluster
+  for this job with every Ray process on 127.0.0.1 (see
+  `init_local_cluster`) and stops it at the end; `--address=auto` joins
+  the running cluster (`ray start`); any other value is passed to
+  `ray.init(address=...)`.
+
+Parameter-server jobs are refused (see `PS_REFUSAL`): run them with
+`python -m tfdist.launch --num_ps=M` or on Vertex AI / Kubernetes.
+
+Library use: `run_on_ray(config, num_workers=2, ...)` after `ray.init` (or
+`init_local_cluster`); callers add Keras callbacks with `callbacks=`.
+"""
+
+import glob
+import importlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from typing import Optional, Sequence
+
+if __name__ == "__main__":
+  # Run as a file (Bazel's py_binary runs `python tfdist/ray.py`), Python
+  # puts tfdist/ first on sys.path, where this file would shadow the `ray`
+  # package and `tfdist` would not be found from here: put the folder
+  # holding tfdist/ there instead, before anything is imported from it.
+  _HERE = os.path.dirname(os.path.abspath(__file__))
+  sys.path[:] = [os.path.dirname(_HERE)
+                 if os.path.abspath(p or os.curdir) == _HERE else p
+                 for p in sys.path]
+
+from absl import app  # pylint: disable=g-import-not-at-top,wrong-import-position
+from absl import flags  # pylint: disable=g-import-not-at-top,wrong-import-position
+from absl import logging  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+from tfdist.config import ConfigError, TrainConfig  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+INSTALL_HINT = ("Ray Train is not installed. Install it with: pip install "
+                "'tfdist[ray]' (or: pip install 'ray[train]>=2.60,<3').")
+LOCALHOST = "127.0.0.1"
+# Ray reads this when `ray` is imported: "0" keeps a Ray node on one
+# machine, with every process bound to and advertising 127.0.0.1 (Ray's
+# behaviour on macOS and Windows). Without it Ray replaces a node IP of
+# 127.0.0.1 by the machine's network address.
+SINGLE_NODE_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+# Unix socket paths are limited to 107 bytes; Ray puts its sockets at
+# TEMP_DIR/session_<date>_<time>_<micros>_<pid>/sockets/plasma_store
+# (about 70 bytes after TEMP_DIR).
+MAX_TEMP_DIR_CHARS = 37
+# tfdist passes only the config and small metric dicts through Ray's object
+# store (each worker reads its own data), so the local cluster reserves
+# little shared memory (Ray's minimum is 75 MiB; its default is 30% of RAM).
+LOCAL_OBJECT_STORE_BYTES = 128 << 20
+PS_REFUSAL = (
+    "parameter-server training does not run under tfdist.ray: Ray Train's "
+    "TensorflowTrainer starts identical workers, writes a TF_CONFIG listing "
+    "only 'worker' tasks, and ends the job when the workers' training "
+    "function returns, while a parameter-server job needs a chief "
+    "(coordinator), workers and ps tasks that serve until the chief "
+    "finishes, and a restart of all of them when a ps task is lost. Run it "
+    "with `python -m tfdist.launch --num_ps=M` on one machine, or on Vertex "
+    "AI or Kubernetes (see the README).")
+# TrainConfig fields that name local paths (comma-separated for the files).
+_PATH_FIELDS = ("model_dir", "checkpoint_dir", "tensorboard_dir", "export_dir",
+                "data_dir", "raw_data_dir")
+_FILE_FIELDS = (("train_files", "--train_files"),
+                ("eval_files", "--eval_files"))
+
+
+def _is_local(path: str) -> bool:
+  return bool(path) and "://" not in path
+
+
+def _absolute(path: str) -> str:
+  return os.path.abspath(os.path.expanduser(path)) if _is_local(path) else path
+
+
+def prepare_config(config: TrainConfig) -> TrainConfig:
+  """Checks and adapts `config` for Ray Train workers; runs before Ray.
+
+  * `--distribution_strategy=auto` becomes `multi_worker_mirrored` (the
+    only strategy here); `parameter_server` is refused with `PS_REFUSAL`,
+    and every single-process strategy with the fix.
+  * Local paths (`--model_dir`, the other output folders, `--data_dir`,
+    `--raw_data_dir`, each glob of `--train_files`/`--eval_files`) become
+    absolute: Ray's workers run in folders of their own. An unset
+    `--data_dir` becomes this machine's default, made absolute.
+  * Local `--train_files`/`--eval_files` globs must match a file (a missing
+    file would otherwise fail every worker, then every Ray restart).
+
+  Args:
+    config: the run's validated `TrainConfig`.
+
+  Returns:
+    The adapted config (validated again).
+
+  Raises:
+    ConfigError: an unsupported strategy, `--worker_hosts`/`--task_index`
+      (Ray gives the cluster), or a local file glob that matches nothing.
+  """
+  strategy = config.distribution_strategy
+  if strategy == "parameter_server":
+    raise ConfigError(f"--distribution_strategy=parameter_server: {PS_REFUSAL}")
+  if strategy not in ("auto", "multi_worker_mirrored"):
+    raise ConfigError(
+        f"--distribution_strategy={strategy} does not apply under tfdist.ray: "
+        "each Ray Train worker is one task of a MultiWorkerMirroredStrategy "
+        "cluster with one device. Use --distribution_strategy="
+        "multi_worker_mirrored (or auto), or run `python -m tfdist.train` "
+        "for one process.")
+  if config.worker_hosts or config.task_index >= 0:
+    raise ConfigError(
+        f"--worker_hosts={config.worker_hosts!r} / --task_index="
+        f"{config.task_index}: Ray Train gives every worker its place in the "
+        "cluster (TF_CONFIG). Drop both flags.")
+  changes = {"distribution_strategy": "multi_worker_mirrored"}
+  for name in _PATH_FIELDS:
+    value = getattr(config, name)
+    if name == "data_dir" and not value and not (config.train_files and
+                                                  config.eval_files):
+      # This binary's edge: the driver's environment names the data folder.
+      from tfdist import environment  # pylint: disable=g-import-not-at-top
+      value = environment.read_environment().default_data_dir
+    changes[name] = _absolute(value) if value else value
+  for name, flag in _FILE_FIELDS:
+    patterns = [p.strip() for p in getattr(config, name).split(",")
+                if p.strip()]
+    for pattern in patterns:
+      if _is_local(pattern) and not glob.glob(_absolute(pattern)):
+        raise ConfigError(
+            f"{flag}={pattern!r} matches no file (looked for "
+            f"{_absolute(pattern)}). Check the path, or leave {flag} empty "
+            "to use the --dataset's own files.")
+    changes[name] = ",".join(_absolute(p) for p in patterns)
+  return config.replace(**changes)
+
+
+def _require_ray():
+  try:
+    import ray  # pylint: disable=g-import-not-at-top
+    import ray.train  # pylint: disable=g-import-not-at-top,unused-import
+  except ImportError as e:
+    raise ImportError(f"{INSTALL_HINT} ({e})") from None
+  return ray
+
+
+def init_local_cluster(*, num_cpus: float, num_gpus: Optional[int] = None,
+                       temp_dir: Optional[str] = None,
+                       object_store_memory: int = LOCAL_OBJECT_STORE_BYTES
+                       ) -> str:
+  """Starts a one-machine Ray cluster in this process, all on 127.0.0.1.
+
+  `ray.init` with no dashboard, `object_store_memory` bytes of object
+  store, Ray's temporary files under `temp_dir`, and
+  `RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0` (set here if `ray` is not imported
+  yet), which makes Ray bind every server to, and advertise, 127.0.0.1:
+  the GCS, the raylet, the runtime-env agent, every worker process and so
+  the `TF_CONFIG` that Ray Train writes. Stop it with `ray.shutdown()`.
+
+  Args:
+    num_cpus: logical CPUs Ray may hand out (>= the workers' total).
+    num_gpus: GPUs (None: Ray detects them).
+    temp_dir: Ray's temporary folder, at most `MAX_TEMP_DIR_CHARS`
+      characters (Unix socket paths inside it are limited to 107 bytes).
+      None: a new folder under the system's temporary folder (`/tmp` when
+      that is too long); the caller deletes it after `ray.shutdown()`.
+    object_store_memory: bytes of shared memory for Ray's object store.
+
+  Returns:
+    The temporary folder used.
+
+  Raises:
+    ImportError: Ray is not installed (the message says how to install it).
+    ValueError: `temp_dir` is too long.
+    RuntimeError: Ray was imported before `RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`
+      was set, and advertises another address than 127.0.0.1 (the cluster
+      is stopped again).
+  """
+  if temp_dir is None:
+    base = tempfile.gettempdir()
+    if len(base) + len("/tfdist-ray-xxxxxxxx") > MAX_TEMP_DIR_CHARS:
+      base = "/tmp"
+    temp_dir = tempfile.mkdtemp(prefix="tfdist-ray-", dir=base)
+  elif len(temp_dir) > MAX_TEMP_DIR_CHARS:
+    raise ValueError(
+        f"Ray temp_dir {temp_dir!r} has {len(temp_dir)} characters; Ray's "
+        "Unix sockets inside it would pass the 107-byte limit. Use a folder "
+        f"of at most {MAX_TEMP_DIR_CHARS} characters, e.g. under /tmp.")
+  if "ray" not in sys.modules:
+    os.environ.setdefault(SINGLE_NODE_ENV, "0")
+  ray = _require_ray()
+  ray.init(num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False,
+           object_store_memory=object_store_memory, _temp_dir=temp_dir,
+           _node_ip_address=LOCALHOST)
+  address = ray.util.get_node_ip_address()
+  if address != LOCALHOST:
+    ray.shutdown()
+    raise RuntimeError(
+        f"The local Ray cluster advertises {address}, not {LOCALHOST}: Ray "
+        f"was imported before {SINGLE_NODE_ENV}=0 was set. Set it in the "
+        "environment before importing ray.")
+  logging.info("Local Ray cluster: %s CPUs, everything on %s, temp dir %s.",
+               num_cpus, LOCALHOST, temp_dir)
+  return temp_dir
+
+
+# --- inside the Ray Train workers -----------------------------------------
+def _report_callback():
+  """A `RayReportCallback` (Keras is imported on first use)."""
+  return _report_callback_class()()
+
+
+_CALLBACK_CLASS = None
+
+
+def _report_callback_class():
+  global _CALLBACK_CLASS
+  if _CALLBACK_CLASS is None:
+    import keras  # pylint: disable=g-import-not-at-top
+
+    class RayReportCallback(keras.callbacks.Callback):
+      """Reports tfdist's metrics to Ray Train at each `on_epoch_end`.
+
+      tfdist's controller calls `on_epoch_end` after each evaluation (with
+      `val_*` logs), on every worker at the same step, and
+      `ray.train.report` is a barrier across the workers: each must call it
+      the same number of times, which that guarantees.
+
+      Reported (floats unless said): `step` (int, optimizer updates so far),
+      `epoch` (int, Keras's 0-based index of the epoch just ended),
+      `start_step` (int, the step this Ray attempt resumed from; 0 for a
+      fresh start), `loss`, `accuracy`, and after an evaluation
+      `val_loss`, `val_accuracy` (and whatever else the logs hold).
+      """
+
+      start_step = 0
+
+      def _step(self, logs=None) -> int:
+        if logs and "step" in logs:
+          return int(logs["step"])
+        return int(keras.ops.convert_to_numpy(self.model.optimizer.iterations))
+
+      def on_train_begin(self, logs=None):
+        self.start_step = self._step(logs)
+
+      def on_epoch_end(self, epoch, logs=None):
+        import ray.train  # pylint: disable=g-import-not-at-top,redefined-outer-name
+        metrics = {k: float(v) for k, v in (logs or {}).items()
+                   if isinstance(v, (int, float))}
+        metrics.update(step=self._step(logs), epoch=int(epoch),
+                       start_step=self.start_step)
+        ray.train.report(metrics)
+
+    RayReportCallback.__module__ = __name__
+    RayReportCallback.__qualname__ = "RayReportCallback"
+    _CALLBACK_CLASS = RayReportCallback
+  return _CALLBACK_CLASS
+
+
+def __getattr__(name):  # PEP 562: `tfdist.ray.RayReportCallback`.
+  if name == "RayReportCallback":
+    return _report_callback_class()
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def final_metrics(record: dict, *, start_step: int) -> dict:
+  """The metrics reported at the end: from the run manifest `record`.
+
+  Returns:
+    `step`, `final_step`, `start_step`, `num_replicas_in_sync` (ints) and
+    the manifest's `final_metrics` (`eval_loss`, `eval_accuracy`, ...:
+    floats; `None` values left out) plus `examples_per_second`.
+  """
+  out = {"step": record["final_step"], "final_step": record["final_step"],
+         "start_step": start_step,
+         "num_replicas_in_sync": record["num_replicas_in_sync"]}
+  out.update({k: v for k, v in record["final_metrics"].items()
+              if v is not None})
+  eps = (record.get("throughput") or {}).get("examples_per_second")
+  if eps is not None:
+    out["examples_per_second"] = eps
+  return out
+
+
+def train_loop_per_worker(loop_config: dict) -> dict:
+  """Ray Train's per-worker function: one tfdist run of `loop_config`.
+
+  Args:
+    loop_config: `{"config": TrainConfig, "callbacks": [Keras callbacks]}`.
+
+  Returns:
+    This worker's run manifest (Ray keeps rank 0's: the chief's).
+  """
+  # Ray's TensorFlow backend sets TF_USE_LEGACY_KERAS=1 for tf_keras users;
+  # tfdist runs Keras 3, and its subprocesses must not pick that up.
+  os.environ.pop("TF_USE_LEGACY_KERAS", None)
+  import ray.train  # pylint: disable=g-import-not-at-top,redefined-outer-name
+  from tfdist import experiment  # pylint: disable=g-import-not-at-top
+  from tfdist import manifest as manifest_lib  # pylint: disable=g-import-not-at-top
+  report = _report_callback()
+  record = experiment.run_experiment(
+      loop_config["config"],
+      callbacks=[report, *loop_config.get("callbacks", ())])
+  metrics = final_metrics(record, start_step=report.start_step)
+  if ray.train.get_context().get_world_rank() == 0:
+    with tempfile.TemporaryDirectory(prefix="tfdist-ray-manifest-") as folder:
+      manifest_lib.write_manifest(folder, record)
+      ray.train.report(metrics,
+                       checkpoint=ray.train.Checkpoint.from_directory(folder))
+  else:
+    ray.train.report(metrics)
+  return record
+
+
+# --- the driver -------------------------------------------------------------
+def run_on_ray(config: TrainConfig, *, num_workers: int, use_gpu: bool = False,
+               cpus_per_worker: float = 1.0, max_failures: int = 0,
+               storage_path: Optional[str] = None, name: Optional[str] = None,
+               callbacks: Sequence = ()):
+  """Runs `config` as a Ray Train job on the Ray cluster this process joined.
+
+  Call `ray.init` (or `init_local_cluster`) first; without it Ray starts a
+  default local cluster (which advertises the machine's network address).
+
+  Args:
+    config: a `TrainConfig`; `prepare_config` is applied to it here.
+    num_workers: Ray Train workers (>= 1), one MultiWorkerMirroredStrategy
+      task and one device each.
+    use_gpu: give each worker one GPU.
+    cpus_per_worker: CPUs Ray reserves per worker (> 0).
+    max_failures: how often Ray restarts the worker group after a failure
+      (`ray.train.FailureConfig`; -1: without limit). Each restart resumes
+      from the latest checkpoint in `--model_dir`.
+    storage_path: where Ray keeps its run records and the final Ray
+      checkpoint (default `<model_dir>/ray_results`).
+    name: the Ray run's name (default: Ray's).
+    callbacks: extra Keras callbacks for every worker (picklable; called
+      at the same points on every worker).
+
+  Returns:
+    The `ray.train.Result`: `metrics` = `final_metrics` of the chief's
+    manifest, `checkpoint` = a folder with `run_manifest.json`,
+    `return_value` = the chief's manifest dict, `error` on failure.
+
+  Raises:
+    ImportError: Ray Train is not installed.
+    ConfigError: from `prepare_config`, or bad counts.
+  """
+  if num_workers < 1:
+    raise ConfigError(f"--num_workers={num_workers} must be >= 1.")
+  if cpus_per_worker <= 0:
+    raise ConfigError(f"--cpus_per_worker={cpus_per_worker} must be > 0.")
+  if max_failures < -1:
+    raise ConfigError(
+        f"--max_failures={max_failures} must be >= 0 (or -1: no limit).")
+  config = prepare_config(config)
+  _require_ray()
+  import ray  # pylint: disable=g-import-not-at-top,redefined-outer-name
+  from ray.train import FailureConfig, RunConfig, ScalingConfig  # pylint: disable=g-import-not-at-top
+  from ray.train.tensorflow import TensorflowTrainer  # pylint: disable=g-import-not-at-top
+  if ray.is_initialized() and _is_local(config.model_dir):
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    if len(nodes) > 1:
+      logging.warning(
+          "--model_dir=%s is a local path on a %d-node Ray cluster: the "
+          "chief writes checkpoints there and the other workers restore from "
+          "it, so it must be shared storage (gs://, or a shared mount).",
+          config.model_dir, len(nodes))
+  resources = {"CPU": cpus_per_worker, **({"GPU": 1} if use_gpu else {})}
+  trainer = TensorflowTrainer(
+      train_loop_per_worker,
+      train_loop_config={"config": config, "callbacks": list(callbacks)},
+      scaling_config=ScalingConfig(num_workers=num_workers, use_gpu=use_gpu,
+                                   resources_per_worker=resources),
+      run_config=RunConfig(
+          name=name,
+          storage_path=storage_path or os.path.join(config.model_dir,
+                                                    "ray_results"),
+          failure_config=FailureConfig(max_failures=max_failures)))
+  logging.info("Ray Train: %d worker(s) x %s, max_failures=%d, model_dir %s",
+               num_workers, resources, max_failures, config.model_dir)
+  return trainer.fit()
+
+
+# --- binary ------------------------------------------------------------------
+FLAGS = flags.FLAGS
+RAY_FLAGS = ("num_workers", "use_gpu", "cpus_per_worker", "max_failures",
+             "address", "storage_path")
+
+
+def define_ray_flags():
+  """Defines the launcher's flags (before `--`) and tfdist.train's flags."""
+  flags.DEFINE_integer(
+      "num_workers", 2,
+      "Ray Train workers: tasks of one MultiWorkerMirroredStrategy cluster, "
+      "one device each.")
+  flags.DEFINE_bool("use_gpu", False, "Give each worker one GPU.")
+  flags.DEFINE_float("cpus_per_worker", 1.0, "CPUs Ray reserves per worker.")
+  flags.DEFINE_integer(
+      "max_failures", 0,
+      "Restart the worker group after a failure at most this many times "
+      "(-1: no limit); it resumes from the last checkpoint in --model_dir.")
+  flags.DEFINE_string(
+      "address", "local",
+      "local: start a one-machine Ray cluster on 127.0.0.1 for this job; "
+      "auto: join the running cluster (ray start); or a Ray address.")
+  flags.DEFINE_string(
+      "storage_path", None,
+      "Ray's storage for its run records and the final Ray checkpoint "
+      "(default: <model_dir>/ray_results).")
+  import flags as tfdist_flags  # pylint: disable=g-import-not-at-top
+  for name in tfdist_flags.define_all_flags():
+    flags.declare_key_flag(name)
+
+
+def _flag_name(arg: str) -> str:
+  name = arg.lstrip("-").split("=", 1)[0]
+  return name[2:] if name.startswith("no") and name[2:] in RAY_FLAGS else name
+
+
+def main(argv):
+  train_args = argv[1:]
+  misplaced = [a for a in train_args
+               if a.startswith("-") and _flag_name(a) in RAY_FLAGS]
+  if misplaced:
+    raise app.UsageError(
+        f"{misplaced[0]} is a flag of tfdist.ray: put it before `--` (after "
+        "`--` go tfdist.train's flags).")
+  train_flag_names = {f.name for module, fl in
+                      FLAGS.flags_by_module_dict().items()
+                      if module.startswith("flags.") for f in fl}
+  given_early = sorted(n for n in train_flag_names if FLAGS[n].present)
+  if given_early:
+    raise app.UsageError(
+        f"--{given_early[0]} is a tfdist.train flag: put it after `--`, e.g. "
+        f"python -m tfdist.ray --num_workers=2 -- --{given_early[0]}=...")
+  try:
+    leftover = FLAGS(["tfdist.ray", *train_args])
+  except flags.Error as e:
+    raise app.UsageError(str(e)) from None
+  if len(leftover) > 1:
+    raise app.UsageError(f"Unexpected arguments: {' '.join(leftover[1:])}")
+  import flags as tfdist_flags  # pylint: disable=g-import-not-at-top
+  try:
+    config = prepare_config(tfdist_flags.flags_to_config())
+    if FLAGS.num_workers < 1:
+      raise ConfigError(f"--num_workers={FLAGS.num_workers} must be >= 1.")
+    if FLAGS.cpus_per_worker <= 0:
+      raise ConfigError(
+          f"--cpus_per_worker={FLAGS.cpus_per_worker} must be > 0.")
+    if FLAGS.max_failures < -1:
+      raise ConfigError(f"--max_failures={FLAGS.max_failures} must be >= 0 "
+                        "(or -1: no limit).")
+  except ConfigError as e:
+    raise app.UsageError(str(e)) from None
+  if FLAGS.address == "local":
+    os.environ.setdefault(SINGLE_NODE_ENV, "0")
+  try:
+    ray = _require_ray()
+  except ImportError as e:
+    sys.exit(f"tfdist.ray: error: {e}")
+  temp_dir = None
+  started = time.time()
+  try:
+    if FLAGS.address == "local":
+      need = FLAGS.num_workers * FLAGS.cpus_per_worker
+      temp_dir = init_local_cluster(
+          num_cpus=max(float(os.cpu_count() or 1), need),
+          num_gpus=None)
+      gpus = ray.cluster_resources().get("GPU", 0)
+      if FLAGS.use_gpu and gpus < FLAGS.num_workers:
+        sys.exit(f"tfdist.ray: error: --use_gpu with --num_workers="
+                 f"{FLAGS.num_workers} needs {FLAGS.num_workers} GPUs; this "
+                 f"machine has {gpus:g}.")
+    else:
+      try:
+        ray.init(address=FLAGS.address)
+      except ConnectionError as e:
+        sys.exit(f"tfdist.ray: error: --address={FLAGS.address}: {e} Start "
+                 "a cluster with `ray start --head`, or use --address=local "
+                 "for a one-machine cluster of this job's own.")
+    result = run_on_ray(config, num_workers=FLAGS.num_workers,
+                        use_gpu=FLAGS.use_gpu,
+                        cpus_per_worker=FLAGS.cpus_per_worker,
+                        max_failures=FLAGS.max_failures,
+                        storage_path=FLAGS.storage_path)
+  finally:
+    if ray.is_initialized():
+      ray.shutdown()
+    if temp_dir:
+      shutil.rmtree(temp_dir, ignore_errors=True)
+  if result.error is not None:
+    sys.exit(f"tfdist.ray: error: the Ray Train job failed after "
+             f"{time.time() - started:.0f} s: {result.error}")
+  print("tfdist.ray: done: " + json.dumps(result.metrics, sort_keys=True),
+        flush=True)
+
+
+def run():
+  define_ray_flags()
+  app.run(main)
+
+
+if __name__ == "__main__":
+  # Run the copy imported as `tfdist.ray`, so that what goes to Ray's
+  # workers names importable functions (cloudpickle copies functions of
+  # `__main__` by value).
+  _MODULE = importlib.import_module("tfdist.ray")
+  _MODULE.define_ray_flags()
+  flags.adopt_module_key_flags(_MODULE)
+  app.run(_MODULE.main)
