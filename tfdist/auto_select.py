@@ -39,6 +39,7 @@ from typing import Mapping, Optional, Tuple
 
 from absl import logging
 
+from tfdist import cluster as cluster_lib
 from tfdist import tpu as tpu_lib
 from tfdist.config import ConfigError
 
@@ -214,18 +215,27 @@ def decide(inventory: DeviceInventory, *, strategy: str = "auto",
 
 
 # --- The real inventory ----------------------------------------------------
-def cluster_from_env(env: Mapping[str, str]) -> Tuple[str, int, int]:
+def cluster_from_env(env: Mapping[str, str], *,
+                     reduction_server: bool = False) -> Tuple[str, int, int]:
   """Reads the cluster from TF_CONFIG, else Vertex AI's CLUSTER_SPEC.
+
+  Args:
+    env: the environment.
+    reduction_server: `--reduction_server`: Vertex worker pool 2 (TF_CONFIG's
+      `ps`) runs the Reduction Server, which is no ps. Also inferred from
+      CLUSTER_SPEC's job description (`cluster.reduction_server_in_job`).
 
   Returns:
     `(source, workers, ps)`: the variable's name ('' when neither is set or
     it lists no cluster), chief/master/worker tasks (Vertex: worker pools 0
-    and 1), and parameter-server tasks (Vertex: worker pool 2). The evaluator
-    is not a cluster member.
+    and 1), and parameter-server tasks (Vertex: worker pool 2, unless it runs
+    the Reduction Server). The evaluator is not a cluster member.
 
   Raises:
     ConfigError: the variable is not valid JSON.
   """
+  reduction_server = reduction_server or (
+      cluster_lib.reduction_server_in_cluster_spec(env.get("CLUSTER_SPEC")))
   pools = {"TF_CONFIG": (("chief", "master", "worker"), ("ps",)),
            "CLUSTER_SPEC": (("workerpool0", "workerpool1"), ("workerpool2",))}
   for var, (worker_jobs, ps_jobs) in pools.items():
@@ -238,7 +248,8 @@ def cluster_from_env(env: Mapping[str, str]) -> Tuple[str, int, int]:
       raise ConfigError(f"${var} is not a JSON object with a 'cluster': "
                         f"{raw[:120]!r}.") from None
     workers = sum(len(cluster.get(job) or ()) for job in worker_jobs)
-    ps = sum(len(cluster.get(job) or ()) for job in ps_jobs)
+    ps = 0 if reduction_server else sum(len(cluster.get(job) or ())
+                                        for job in ps_jobs)
     if workers or ps:
       return var, workers, ps
   return "", 0, 0
@@ -335,7 +346,8 @@ def take_inventory(config, *, env=None, connect_fn=None,
     ConfigError: TF_CONFIG / CLUSTER_SPEC is not valid JSON.
   """
   env = os.environ if env is None else env
-  source, workers, ps = cluster_from_env(env)
+  source, workers, ps = cluster_from_env(
+      env, reduction_server=getattr(config, "reduction_server", False))
   cores, address, note = 0, "", ""
   if config.distribution_strategy == "auto":
     cores, address, note = probe_tpu(config, env=env, connect_fn=connect_fn)

@@ -157,7 +157,8 @@ def run_experiment(config: TrainConfig, *,
     return ps_loop.run_ps_experiment(config, callbacks=callbacks)
   started = time.time()
   cluster = cluster_lib.resolve_cluster(worker_hosts=config.worker_hosts,
-                                        task_index=config.task_index)
+                                        task_index=config.task_index,
+                                        reduction_server=config.reduction_server)
   if cluster.source != "single_process":
     print(cluster.describe(), flush=True)
   logging.info("%s", cluster.describe())

@@ -50,11 +50,12 @@ def set_grpc_fail_fast():
   os.environ["GRPC_FAIL_FAST"] = "use_caller"
 
 
-def _cluster_info():
-  # TF_CONFIG, or Vertex AI's CLUSTER_SPEC (workerpool2 -> ps, workerpool3
-  # -> evaluator), through the one cluster resolver of tfdist.
+def _cluster_info(reduction_server: bool = False):
+  # TF_CONFIG, or Vertex AI's CLUSTER_SPEC (workerpool2 -> ps unless it runs
+  # the Reduction Server, workerpool3 -> evaluator), through the one cluster
+  # resolver of tfdist.
   from tfdist import cluster as cluster_lib  # pylint: disable=g-import-not-at-top
-  return cluster_lib.resolve_cluster()
+  return cluster_lib.resolve_cluster(reduction_server=reduction_server)
 
 
 def current_task() -> Tuple[str, int]:
@@ -75,16 +76,22 @@ def current_task() -> Tuple[str, int]:
   return task_type, int(info.task_index)
 
 
-def cluster_has_ps() -> bool:
-  """True when the cluster (TF_CONFIG or CLUSTER_SPEC) lists a ps task."""
-  return _cluster_info().num_ps > 0
+def cluster_has_ps(reduction_server: bool = False) -> bool:
+  """True when the cluster (TF_CONFIG or CLUSTER_SPEC) lists a ps task.
+
+  With `reduction_server` (`--reduction_server`), or when CLUSTER_SPEC's job
+  description shows Vertex's Reduction Server in worker pool 2, that pool
+  holds no ps tasks.
+  """
+  return _cluster_info(reduction_server).num_ps > 0
 
 
 def uses_parameter_server(config: TrainConfig) -> bool:
   """True for `--distribution_strategy=parameter_server`, and for `auto`
   when TF_CONFIG lists ps tasks."""
   name = config.distribution_strategy
-  return name == "parameter_server" or (name == "auto" and cluster_has_ps())
+  return name == "parameter_server" or (
+      name == "auto" and cluster_has_ps(config.reduction_server))
 
 
 def cluster_resolver() -> tf.distribute.cluster_resolver.ClusterResolver:

@@ -124,6 +124,18 @@ def _multi_worker_mirrored(config: TrainConfig, reason: str,
   from tfdist import cluster as cluster_lib  # pylint: disable=g-import-not-at-top
   from tfdist import watchdog  # pylint: disable=g-import-not-at-top
   alg = config.all_reduce_alg
+  if config.reduction_server or cluster.reduction_server_replicas:
+    # Vertex AI's Reduction Server serves NCCL all-reduce only.
+    why = ("--reduction_server" if config.reduction_server else
+           f"{cluster.source}'s job description runs it in worker pool 2")
+    if not tf.config.list_physical_devices("GPU"):
+      raise ConfigError(
+          f"Vertex AI's Reduction Server ({why}) needs GPU workers: it works "
+          "with NCCL all-reduce, and this task sees no GPU. Give the chief "
+          "and worker pools accelerators (python -m tfdist.job_spec vertex "
+          "--accelerator=...), or drop the Reduction Server pool (and "
+          "--reduction_server) to all-reduce over gRPC on CPUs.")
+    alg = "nccl"
   if alg not in _MWMS_IMPLEMENTATIONS:
     raise ConfigError(
         f"--all_reduce_alg={alg} does not apply to multi_worker_mirrored. Use "
@@ -188,7 +200,8 @@ def make_strategy(config: TrainConfig) -> StrategyChoice:
 
   Args:
     config: the run's `TrainConfig` (reads `distribution_strategy`,
-      `num_gpus`, `num_cpu_devices`, `all_reduce_alg`, and for TPU `tpu`,
+      `num_gpus`, `num_cpu_devices`, `all_reduce_alg`, `reduction_server`
+      (NCCL under multi_worker_mirrored, GPUs only), and for TPU `tpu`,
       `tpu_zone`, `tpu_gcp_project`, `tpu_init_timeout`).
 
   Returns:
@@ -206,8 +219,9 @@ def make_strategy(config: TrainConfig) -> StrategyChoice:
   if name in ("auto", "multi_worker_mirrored"):
     # Imported here: only these paths need the cluster.
     from tfdist import cluster as cluster_lib  # pylint: disable=g-import-not-at-top
-    cluster = cluster_lib.resolve_cluster(worker_hosts=config.worker_hosts,
-                                          task_index=config.task_index)
+    cluster = cluster_lib.resolve_cluster(
+        worker_hosts=config.worker_hosts, task_index=config.task_index,
+        reduction_server=config.reduction_server)
   if name == "auto" and cluster.num_workers > 1 and not cluster.num_ps:
     # Decided without listing devices: MultiWorkerMirroredStrategy must be
     # built before anything starts TensorFlow's runtime.
@@ -217,6 +231,14 @@ def make_strategy(config: TrainConfig) -> StrategyChoice:
   elif name == "auto":
     name, why = resolve_auto(config)
     reason = f"auto chose {name}: {why}"
+  if config.reduction_server and name != "multi_worker_mirrored":
+    raise ConfigError(
+        f"--reduction_server needs a multi-worker cluster under "
+        f"multi_worker_mirrored, but this run resolved to {name} ({reason}). "
+        "Vertex AI sets CLUSTER_SPEC for a job with a chief and workers "
+        "(python -m tfdist.job_spec vertex --num_workers=N "
+        "--reduction_server_replicas=R); drop --reduction_server for a "
+        "single-process run.")
   if name == "off":
     choice = StrategyChoice(tf.distribute.get_strategy(), "off", reason,
                             ("default",))
