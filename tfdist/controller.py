@@ -209,6 +209,8 @@ class Controller:
           if last_eval:
             logs.update({"val_loss": last_eval["loss"],
                          "val_accuracy": last_eval["accuracy"]})
+            if "auc" in last_eval:  # binary tasks (issue 16: eval_auc)
+              logs["val_auc"] = last_eval["auc"]
         self.callbacks.on_epoch_end(epoch, logs)
         epoch += 1
         epoch_sums = {"loss": 0.0, "correct": 0.0, "count": 0.0, "steps": 0}

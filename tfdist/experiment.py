@@ -25,6 +25,7 @@ from tfdist import cluster as cluster_lib
 from tfdist import datasets
 from tfdist import devices
 from tfdist import export
+from tfdist import hptune
 from tfdist import input_pipeline
 from tfdist import lr_schedule
 from tfdist import manifest as manifest_lib
@@ -175,6 +176,11 @@ def run_experiment(config: TrainConfig, *,
   if config.seed is not None:
     keras.utils.set_random_seed(config.seed)
   spec = datasets.get_dataset_spec(config.dataset)
+  # --- issue 16: Vertex AI hyperparameter tuning (checked before training).
+  hypertune_reporter = None
+  if config.hptune_metric:
+    hptune.check_metric(config.hptune_metric, task=spec.task)
+    hypertune_reporter = hptune.make_hypertune()
   if config.model not in models.model_names():
     raise ConfigError(f"--model={config.model!r} is unknown. Known: "
                       f"{', '.join(models.model_names())}.")
@@ -275,6 +281,11 @@ def run_experiment(config: TrainConfig, *,
   all_callbacks = [keras.callbacks.TensorBoard(log_dir=tb_dir,
                                                write_graph=False)]
   all_callbacks += list(callbacks)
+  if hypertune_reporter is not None and is_writer:
+    # --- issue 16: the chief reports each evaluation's metric.
+    all_callbacks.append(hptune.HypertuneCallback(
+        config.hptune_metric, reporter=hypertune_reporter,
+        step_fn=lambda: int(trainer.global_step.numpy())))
   controller = Controller(
       trainer=trainer,
       options=ControllerOptions(
