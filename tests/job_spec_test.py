@@ -19,7 +19,9 @@ from tfdist import cluster as cluster_lib
 from tfdist import job_spec
 
 _PACKAGE = "gs://my-bucket/tfdist-0.1.0.tar.gz"
-_TRAIN = ("--model_dir=gs://my-bucket/run", "--train_steps=1000")
+_TRAIN = ("--model_dir=gs://my-bucket/run", "--train_steps=1000",
+          "--train_files=gs://my-bucket/data/train-*.tfrecord.gz",
+          "--eval_files=gs://my-bucket/data/test-*.tfrecord.gz")
 
 
 def _options(**overrides):
@@ -58,7 +60,8 @@ class VertexTest(absltest.TestCase):
   def test_parameter_server_with_evaluator(self):
     job = _vertex(num_workers=2, num_ps=2, evaluator=True,
                   base_output_dir="gs://my-bucket/ps", train=(
-                      "--dataset=movielens", "--train_steps=500"))
+                      "--dataset=movielens", "--train_steps=500",
+                      "--data_dir=gs://my-bucket/datasets"))
     pools = job["jobSpec"]["workerPoolSpecs"]
     self.assertEqual([p["replicaCount"] for p in pools], [1, 2, 2, 1])
     self.assertEqual(pools[2]["machineSpec"], {"machineType": "n1-standard-4"})
@@ -123,6 +126,10 @@ class VertexRejectsTest(parameterized.TestCase):
        lambda j, p: p["pythonPackageSpec"]["args"].append("--batch_size=-4"),
        r"workerPoolSpecs\[0\]: tfdist.train would stop at start: "
        "--batch_size=-4"),
+      ("no_data_in_prebuilt_container",
+       lambda j, p: p["pythonPackageSpec"].update(args=[
+           "--model_dir=gs://b/r", "--train_steps=5"]),
+       "the prebuilt container has no raw data for --dataset=fashion_mnist"),
       ("reduction_server_in_pool_1",
        lambda j, p: j["jobSpec"]["workerPoolSpecs"].__setitem__(1, {
            "machineSpec": {"machineType": "n1-highcpu-16"},
@@ -239,6 +246,7 @@ class PlanAndFlagsTest(parameterized.TestCase):
   )
   def test_train_flags_checked_against_the_job(self, extra, pattern):
     train = tuple(a for a in _TRAIN if not a.startswith("--model_dir"))
+    self.assertLen(train, 3)
     with self.assertRaisesRegex(job_spec.JobSpecError, pattern):
       _tfjob(num_workers=2, train=train + extra)
 

@@ -263,15 +263,33 @@ def parse_train_flags(args: Sequence[str], *, where: str,
                        ) from None
 
 
-def check_train_config(config, plan: JobPlan, *, where: str,
-                       shared_prefixes: Sequence[str] = ()):
+def check_train_config(config, plan: Optional[JobPlan], *, where: str,
+                       shared_prefixes: Sequence[str] = (),
+                       prebuilt_container: bool = False):
   """Checks a replica's config against the job's cluster.
+
+  Args:
+    config: the replica's `TrainConfig`.
+    plan: the job (None: only the checks that need no plan).
+    where: the replica, for messages.
+    shared_prefixes: local paths that are shared storage (Vertex: `/gcs/`).
+    prebuilt_container: the replica runs in Vertex's prebuilt image, which
+      has neither Debian's Fashion-MNIST nor recbole's MovieLens files.
 
   Raises:
     JobSpecError: a strategy the cluster cannot run, `--worker_hosts` (the
-      platform sets the cluster), or a `--model_dir` local to one machine in
-      a multi-replica job.
+      platform sets the cluster), a `--model_dir` local to one machine in
+      a multi-replica job, or (prebuilt container) no data files.
   """
+  if prebuilt_container:
+    _need((config.train_files and config.eval_files) or config.data_dir,
+          f"{where}: the prebuilt container has no raw data for "
+          f"--dataset={config.dataset}: give --train_files and --eval_files "
+          "(TFRecord globs on gs://, e.g. converted once with a local run and "
+          "copied), or a --data_dir on gs:// that holds the converted "
+          "files.")
+  if plan is None:
+    return
   name = config.distribution_strategy
   _need(not config.worker_hosts,
         f"{where}: --worker_hosts is set; the platform gives every replica "
@@ -455,9 +473,10 @@ def validate_vertex_custom_job(job: dict, plan: Optional[JobPlan] = None
       continue
     config = parse_train_flags(list(package.args), where=f"Vertex {where}",
                                environ=environ)
-    if plan is not None:
-      check_train_config(config, plan, where=f"Vertex {where}",
-                         shared_prefixes=("/gcs/",))
+    check_train_config(config, plan, where=f"Vertex {where}",
+                       shared_prefixes=("/gcs/",),
+                       prebuilt_container=package.executor_image_uri.startswith(
+                           "us-docker.pkg.dev/vertex-ai/training/"))
     configs.append((index, config))
   _need(configs, "Vertex CustomJob: no worker pool runs tfdist.train.")
   return configs
