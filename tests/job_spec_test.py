@@ -61,7 +61,8 @@ class VertexTest(absltest.TestCase):
     job = _vertex(num_workers=2, num_ps=2, evaluator=True,
                   base_output_dir="gs://my-bucket/ps", train=(
                       "--dataset=movielens", "--train_steps=500",
-                      "--data_dir=gs://my-bucket/datasets"))
+                      "--train_files=gs://my-bucket/movielens/train-*",
+                      "--eval_files=gs://my-bucket/movielens/test-*"))
     pools = job["jobSpec"]["workerPoolSpecs"]
     self.assertEqual([p["replicaCount"] for p in pools], [1, 2, 2, 1])
     self.assertEqual(pools[2]["machineSpec"], {"machineType": "n1-standard-4"})

@@ -279,15 +279,15 @@ def check_train_config(config, plan: Optional[JobPlan], *, where: str,
   Raises:
     JobSpecError: a strategy the cluster cannot run, `--worker_hosts` (the
       platform sets the cluster), a `--model_dir` local to one machine in
-      a multi-replica job, or (prebuilt container) no data files.
+      a multi-replica job, or (prebuilt container) no `--train_files` and
+      `--eval_files`.
   """
   if prebuilt_container:
-    _need((config.train_files and config.eval_files) or config.data_dir,
+    _need(config.train_files and config.eval_files,
           f"{where}: the prebuilt container has no raw data for "
           f"--dataset={config.dataset}: give --train_files and --eval_files "
-          "(TFRecord globs on gs://, e.g. converted once with a local run and "
-          "copied), or a --data_dir on gs:// that holds the converted "
-          "files.")
+          "(TFRecord globs on gs://, e.g. the files a local run converted "
+          "under --data_dir, copied to a bucket).")
   if plan is None:
     return
   name = config.distribution_strategy
