@@ -1,6 +1,6 @@
 """`--hptune_metric`: each evaluation's value reaches cloudml-hypertune's file.
 
-A short real run of `python -m tfdist.train` evaluates three times; the file
+A short real training run evaluates three times; the file
 cloudml-hypertune writes (`$CLOUD_ML_HP_METRIC_FILE`, what Vertex AI reads)
 must hold one line per evaluation whose value and step match the run
 manifest's `eval_history`.
@@ -8,10 +8,13 @@ manifest's `eval_history`.
 
 import json
 import os
+from unittest import mock
 
 from absl.testing import absltest
+import keras
 
 from tests import testutil
+from tfdist import experiment
 from tfdist import hptune
 from tfdist import manifest as manifest_lib
 from tfdist.config import ConfigError, HPTUNE_METRICS, TrainConfig
@@ -44,7 +47,30 @@ class ConfigTest(absltest.TestCase):
       self.assertIn(name, proc.stdout)
 
 
+class ReportEvaluationTest(absltest.TestCase):
+  """The parameter-server chief's path: one evaluation result, reported."""
+
+  def test_writes_the_value_and_step(self):
+    metric_file = os.path.join(testutil.scratch_dir(), "m", "output.metrics")
+    with mock.patch.dict(os.environ, {"CLOUD_ML_HP_METRIC_FILE": metric_file}):
+      reporter = hptune.make_hypertune()
+    value = hptune.report_evaluation(
+        reporter, "eval_auc", {"loss": 0.5, "accuracy": 0.7, "auc": 0.78,
+                               "num_examples": 100}, step=500)
+    self.assertEqual(value, 0.78)
+    with open(metric_file) as f:
+      (line,) = [json.loads(line) for line in f]
+    self.assertEqual((line["eval_auc"], line["global_step"]), ("0.78", "500"))
+    with self.assertRaisesRegex(ConfigError, "the evaluation has no 'auc'"):
+      hptune.report_evaluation(reporter, "eval_auc",
+                               {"loss": 0.5, "accuracy": 0.7}, step=1)
+
+
 class ReportTest(absltest.TestCase):
+
+  def tearDown(self):
+    keras.mixed_precision.set_global_policy("float32")
+    super().tearDown()
 
   def test_training_run_reports_each_evaluation(self):
     data = testutil.fashion_mnist_subset(limit=256, train_shards=2,
@@ -53,20 +79,21 @@ class ReportTest(absltest.TestCase):
     metric_file = os.path.join(testutil.scratch_dir(), "hypertune",
                                "output.metrics")
     # 256 examples at batch 64: 4 steps per epoch; 12 steps evaluate at the
-    # end of each of 3 epochs.
-    proc = testutil.run_module(
-        "tfdist.train",
-        [f"--model_dir={model_dir}", f"--train_files={data['train']}",
-         f"--eval_files={data['eval']}", "--distribution_strategy=one_device",
-         "--batch_size=64", "--train_steps=12", "--log_steps=4",
-         "--hptune_metric=eval_accuracy"],
-        env={"CLOUD_ML_HP_METRIC_FILE": metric_file,
-             "CLOUD_ML_TRIAL_ID": "7"}, timeout=300)
-    self.assertEqual(proc.returncode, 0, proc.stdout[-3000:])
+    # end of each of 3 epochs. (The flag itself: ConfigTest above.)
+    config = TrainConfig(
+        model_dir=model_dir, train_files=data["train"],
+        eval_files=data["eval"], distribution_strategy="one_device",
+        batch_size=64, train_steps=12, log_steps=4,
+        hptune_metric="eval_accuracy")
+    with mock.patch.dict(os.environ, {"CLOUD_ML_HP_METRIC_FILE": metric_file,
+                                      "CLOUD_ML_TRIAL_ID": "7"}):
+      record = experiment.run_experiment(config)
     with open(metric_file) as f:
       lines = [json.loads(line) for line in f]
-    evals = manifest_lib.read_manifest(model_dir)["eval_history"]
+    evals = record["eval_history"]
     self.assertLen(evals, 3)
+    self.assertEqual(evals, manifest_lib.read_manifest(model_dir)[
+        "eval_history"])
     self.assertEqual([int(line["global_step"]) for line in lines],
                      [e["step"] for e in evals])
     self.assertEqual([int(line["global_step"]) for line in lines], [4, 8, 12])

@@ -9,7 +9,9 @@ one JSON line per report to `$CLOUD_ML_HP_METRIC_FILE` (default
 NAME itself, so the tuning job's `studySpec.metrics[].metricId` must be NAME.
 
 Under multi_worker_mirrored every worker takes part in the evaluation, but
-only the chief reports (one report per evaluation per trial).
+only the chief reports (one report per evaluation per trial). Under
+parameter_server the chief reports its held-out evaluation at the end of
+training (`report_evaluation`); the evaluator side-car does not report.
 """
 
 from typing import Callable, Optional
@@ -63,6 +65,35 @@ def check_metric(metric: str, *, task: str):
         f"--hptune_metric=eval_auc: AUC is computed for binary tasks only "
         f"(e.g. --dataset=movielens); this data set's task is {task}. Use "
         "eval_accuracy or eval_loss.")
+
+
+def report_evaluation(reporter, metric: str, evaluation: dict, step: int
+                      ) -> float:
+  """Reports `metric` of one evaluation result; returns the value reported.
+
+  Args:
+    reporter: a `hypertune.HyperTune`.
+    metric: one of `HPTUNE_METRICS`.
+    evaluation: a `Trainer.evaluate` result (`loss`, `accuracy`, maybe
+      `auc`).
+    step: the global step the evaluation belongs to.
+
+  Raises:
+    ConfigError: the evaluation has no such value (e.g. AUC for a
+      multiclass task).
+  """
+  key = metric[len("eval_"):]
+  if key not in evaluation:
+    raise ConfigError(
+        f"--hptune_metric={metric}: the evaluation has no {key!r} "
+        f"(it has {', '.join(sorted(evaluation))}).")
+  value = float(evaluation[key])
+  reporter.report_hyperparameter_tuning_metric(
+      hyperparameter_metric_tag=metric, metric_value=value,
+      global_step=int(step))
+  logging.info("hptune: reported %s=%.6g at step %d to %s", metric, value,
+               step, reporter.metric_path)
+  return value
 
 
 class HypertuneCallback(keras.callbacks.Callback):

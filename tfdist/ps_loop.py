@@ -41,6 +41,7 @@ import tensorflow as tf
 import models
 from tfdist import batch_plan as batch_plan_lib
 from tfdist import datasets
+from tfdist import hptune
 from tfdist import input_pipeline
 from tfdist import lr_schedule
 from tfdist import manifest as manifest_lib
@@ -147,6 +148,11 @@ def run_coordinator(config: TrainConfig) -> dict:
         f"--dtype={config.dtype} is not supported with parameter_server: use "
         "fp32 or bf16 (no loss scaling across asynchronous workers).")
   spec = datasets.get_dataset_spec(config.dataset)
+  # --- issue 16: Vertex AI hyperparameter tuning (checked before training).
+  hypertune_reporter = None
+  if config.hptune_metric:
+    hptune.check_metric(config.hptune_metric, task=spec.task)
+    hypertune_reporter = hptune.make_hypertune()
   choice = strategy_lib.make_strategy(config)
   if choice.name != "parameter_server":
     raise ConfigError(f"run_coordinator needs parameter_server; the strategy "
@@ -292,6 +298,10 @@ def run_coordinator(config: TrainConfig) -> dict:
   writer.flush()
   print(f"tfdist: held-out evaluation at step {step}: "
         f"{_format_eval(final_eval)}", flush=True)
+  if hypertune_reporter is not None:
+    # --- issue 16: the chief reports its held-out evaluation.
+    hptune.report_evaluation(hypertune_reporter, config.hptune_metric,
+                             final_eval, step)
 
   record = {
       **manifest_lib.run_header(config),
