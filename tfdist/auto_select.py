@@ -367,8 +367,21 @@ def apply_decision(config, decision: Decision):
 
   Returns:
     A validated `TrainConfig` with no `auto` left in it.
+
+  Raises:
+    ConfigError: `--reduction_server` when the decision is not
+      multi_worker_mirrored.
   """
   from tfdist import config as config_lib  # pylint: disable=g-import-not-at-top
+  if (getattr(config, "reduction_server", False) and
+      decision.strategy != "multi_worker_mirrored"):
+    raise ConfigError(
+        "--reduction_server needs a multi-worker cluster under "
+        f"multi_worker_mirrored, but this run resolved to {decision.strategy}"
+        f" ({decision.strategy_reason}). Vertex AI sets CLUSTER_SPEC for a "
+        "job with a chief and workers (python -m tfdist.job_spec vertex "
+        "--num_workers=N --reduction_server_replicas=R); drop "
+        "--reduction_server for a single-process run.")
   changes = {"distribution_strategy": decision.strategy,
              "dtype": decision.dtype}
   if decision.tpu and not config.tpu:

@@ -13,9 +13,20 @@ choice is logged):
    `cluster`.
 3. Vertex AI's `CLUSTER_SPEC`: `{"cluster": {"workerpool0": [...], ...},
    "task": {"type": "workerpool0", "index": 0}}`, with `workerpool0` ->
-   `chief`, `workerpool1` -> `worker`, `workerpool2` -> `ps` (or Vertex's
-   Reduction Server), `workerpool3` -> `evaluator` (not a cluster member).
+   `chief`, `workerpool1` -> `worker`, `workerpool2` -> `ps`,
+   `workerpool3` -> `evaluator` (not a cluster member).
 4. None of these: a single process (`ClusterInfo.single_process()`).
+
+Vertex AI's Reduction Server: worker pool 2 may run Vertex's Reduction
+Server image instead of parameter servers. Its replicas are neither `ps` nor
+`worker` tasks of TensorFlow: they are dropped from the cluster (and from
+TF_CONFIG's `ps` job, where Vertex lists pool 2 too), so `auto` picks
+MultiWorkerMirroredStrategy over the chief and workers, whose NCCL
+all-reduce the Reduction Server serves. Pool 2 is taken for the Reduction
+Server when `--reduction_server` is given, or when `CLUSTER_SPEC`'s `job`
+(the CustomJobSpec the job was created with, as Vertex documents it) shows
+pool 2 running an image `.../vertex-ai-restricted/training/reductionserver`
+(`reduction_server_in_job`).
 
 Flags win because they are the most explicit; `TF_CONFIG` beats
 `CLUSTER_SPEC` because Vertex AI sets both for the same job, and `TF_CONFIG`
@@ -28,6 +39,7 @@ This module does not import TensorFlow at load time, so the launcher
 import dataclasses
 import json
 import os
+import re
 import types
 from typing import Dict, Mapping, Optional, Sequence, Tuple
 
@@ -48,6 +60,16 @@ VERTEX_WORKER_POOLS = {
     "workerpool3": EVALUATOR,
 }
 SOURCES = ("flags", "TF_CONFIG", "CLUSTER_SPEC", "single_process")
+# Vertex AI's Reduction Server image (any region's registry, tag or digest),
+# e.g. us-docker.pkg.dev/vertex-ai-restricted/training/reductionserver:latest.
+REDUCTION_SERVER_IMAGE = (
+    "us-docker.pkg.dev/vertex-ai-restricted/training/reductionserver:latest")
+_REDUCTION_SERVER_IMAGE_RE = re.compile(
+    r"^([a-z0-9-]+-)?docker\.pkg\.dev/vertex-ai-restricted/training/"
+    r"reductionserver(:[\w.-]+)?(@sha256:[0-9a-f]{64})?$")
+# The Vertex worker pool that may hold parameter servers or the Reduction
+# Server (workerPoolSpecs[2]).
+REDUCTION_SERVER_POOL = 2
 
 
 class ClusterConfigError(ConfigError):
@@ -67,6 +89,8 @@ class ClusterInfo:
     rpc_layer: the RPC protocol (`grpc`).
     environment: TF_CONFIG's `environment` (`cloud` on Vertex AI), or ''.
     trial: the hyperparameter-tuning trial id, or ''.
+    reduction_server_replicas: Vertex AI Reduction Server replicas (worker
+      pool 2) left out of `cluster`; 0 when there is none.
   """
   task_type: str
   task_index: int
@@ -75,6 +99,7 @@ class ClusterInfo:
   rpc_layer: str = "grpc"
   environment: str = ""
   trial: str = ""
+  reduction_server_replicas: int = 0
 
   def __post_init__(self):
     frozen = types.MappingProxyType(
@@ -167,6 +192,9 @@ class ClusterInfo:
       return ("tfdist cluster: single process (no --worker_hosts, TF_CONFIG "
               "or CLUSTER_SPEC)")
     sizes = ", ".join(f"{len(v)} {k}" for k, v in self.cluster.items())
+    if self.reduction_server_replicas:
+      sizes += (f"; {self.reduction_server_replicas} Reduction Server "
+                "replica(s), not TensorFlow tasks")
     chief = " (chief)" if self.is_chief and self.task_type != CHIEF else ""
     return (f"tfdist cluster: role {self.task_type}{chief}, index "
             f"{self.task_index}, {self.num_workers} training worker(s) "
@@ -308,6 +336,88 @@ def _load_json(text: str, source: str) -> dict:
   return value
 
 
+def _get(mapping, *names):
+  """The first of `names` (camelCase or snake_case spellings) present."""
+  for name in names:
+    if isinstance(mapping, dict) and mapping.get(name) is not None:
+      return mapping[name]
+  return None
+
+
+def is_reduction_server_image(image_uri: str) -> bool:
+  """True for Vertex AI's Reduction Server image (any region, tag, digest)."""
+  return bool(_REDUCTION_SERVER_IMAGE_RE.match(str(image_uri or "").strip()))
+
+
+def reduction_server_in_job(job) -> bool:
+  """Whether `CLUSTER_SPEC`'s `job` shows worker pool 2 running the Reduction
+  Server image.
+
+  Vertex AI documents `job` as the CustomJobSpec the job was created with;
+  it is accepted as an object or as a JSON string, with the REST API's
+  camelCase (`workerPoolSpecs`, `containerSpec.imageUri`) or the Python
+  client's snake_case names, and wrapped in `jobSpec` or not. A `job` that
+  does not describe worker pools (custom-container jobs have been seen to
+  carry only `{"python_module": "", "package_uris": [], "job_args": []}`)
+  says nothing: False. Pass `--reduction_server` for such jobs
+  (`python -m tfdist.job_spec` adds it).
+
+  Args:
+    job: the `job` value of `CLUSTER_SPEC` (dict, JSON string, or None).
+
+  Returns:
+    True when `workerPoolSpecs[2].containerSpec.imageUri` is the Reduction
+    Server image.
+  """
+  if isinstance(job, str):
+    try:
+      job = json.loads(job)
+    except ValueError:
+      return False
+  if not isinstance(job, dict):
+    return False
+  spec = _get(job, "jobSpec", "job_spec")
+  specs = _get(spec if isinstance(spec, dict) else job,
+               "workerPoolSpecs", "worker_pool_specs")
+  if not isinstance(specs, list) or len(specs) <= REDUCTION_SERVER_POOL:
+    return False
+  container = _get(specs[REDUCTION_SERVER_POOL], "containerSpec",
+                   "container_spec")
+  return is_reduction_server_image(_get(container, "imageUri", "image_uri"))
+
+
+def reduction_server_in_cluster_spec(text: Optional[str]) -> bool:
+  """`reduction_server_in_job` for a raw `CLUSTER_SPEC` string (False when it
+  is absent or not JSON: resolving the cluster reports that)."""
+  if not text or not text.strip():
+    return False
+  try:
+    value = json.loads(text)
+  except ValueError:
+    return False
+  return isinstance(value, dict) and reduction_server_in_job(value.get("job"))
+
+
+def _drop_reduction_server(info: "ClusterInfo", job: str, why: str
+                           ) -> "ClusterInfo":
+  """`info` without `job` (the Reduction Server's replicas).
+
+  Raises:
+    ClusterConfigError: this task itself is in that job.
+  """
+  if info.task_type == job and job in info.cluster:
+    raise ClusterConfigError(
+        f"{info.source}: this task is {job} {info.task_index}, but worker pool "
+        f"2 runs Vertex AI's Reduction Server ({why}); tfdist runs only on the "
+        "chief (pool 0), workers (pool 1) and evaluator (pool 3). Run the "
+        f"Reduction Server image ({REDUCTION_SERVER_IMAGE}) in pool 2, not "
+        "tfdist.")
+  replicas = len(info.cluster.get(job, ()))
+  cluster = {k: v for k, v in info.cluster.items() if k != job}
+  return dataclasses.replace(info, cluster=cluster,
+                             reduction_server_replicas=replicas)
+
+
 # --- the three sources ---------------------------------------------------
 def from_flags(worker_hosts: str, task_index: int) -> ClusterInfo:
   """`--worker_hosts` + `--task_index` (all tasks are `worker`s).
@@ -335,8 +445,15 @@ def from_flags(worker_hosts: str, task_index: int) -> ClusterInfo:
                      source="flags")
 
 
-def from_tf_config(text: str, source: str = "TF_CONFIG") -> ClusterInfo:
+def from_tf_config(text: str, source: str = "TF_CONFIG", *,
+                   reduction_server: bool = False) -> ClusterInfo:
   """Parses a `TF_CONFIG` JSON string.
+
+  Args:
+    text: the JSON.
+    source: the variable's name, for messages.
+    reduction_server: the job's `ps` entries are Vertex AI's Reduction
+      Server (worker pool 2), not TensorFlow tasks: leave them out.
 
   Raises:
     ClusterConfigError: bad JSON, unknown job or task type, index out of
@@ -356,14 +473,28 @@ def from_tf_config(text: str, source: str = "TF_CONFIG") -> ClusterInfo:
     _check_index(task_type, index, cluster, source, evaluator_listed=False)
   elif task_type != EVALUATOR:
     return dataclasses.replace(ClusterInfo.single_process(), source=source)
-  return ClusterInfo(task_type=task_type, task_index=index, cluster=cluster,
+  info = ClusterInfo(task_type=task_type, task_index=index, cluster=cluster,
                      source=source, rpc_layer=value.get("rpc_layer") or "grpc",
                      environment=str(value.get("environment", "") or ""),
                      trial=trial)
+  if reduction_server:
+    info = _drop_reduction_server(
+        info, PS, "--reduction_server, or CLUSTER_SPEC's job description")
+  return info
 
 
-def from_cluster_spec(text: str, source: str = "CLUSTER_SPEC") -> ClusterInfo:
+def from_cluster_spec(text: str, source: str = "CLUSTER_SPEC", *,
+                      reduction_server: bool = False) -> ClusterInfo:
   """Parses Vertex AI's `CLUSTER_SPEC` (worker pools -> task types).
+
+  Worker pool 2 is `ps`, unless it runs the Reduction Server
+  (`reduction_server`, or `reduction_server_in_job` of the spec's `job`):
+  then it is left out of the cluster.
+
+  Args:
+    text: the JSON.
+    source: the variable's name, for messages.
+    reduction_server: `--reduction_server` was given.
 
   Raises:
     ClusterConfigError: as `from_tf_config`, plus an unknown worker pool.
@@ -379,15 +510,21 @@ def from_cluster_spec(text: str, source: str = "CLUSTER_SPEC") -> ClusterInfo:
                                   pools=VERTEX_WORKER_POOLS)
   _check_index(task_type, index, cluster, source, evaluator_listed=True)
   members = {k: v for k, v in cluster.items() if k != EVALUATOR}
-  return ClusterInfo(task_type=task_type, task_index=index, cluster=members,
+  info = ClusterInfo(task_type=task_type, task_index=index, cluster=members,
                      source=source,
                      environment=str(value.get("environment", "") or ""),
                      trial=trial)
+  in_job = reduction_server_in_job(value.get("job"))
+  if reduction_server or in_job:
+    info = _drop_reduction_server(
+        info, PS, "its job description names the Reduction Server image"
+        if in_job else "--reduction_server")
+  return info
 
 
 def resolve_cluster(*, worker_hosts: str = "", task_index: int = -1,
-                    environ: Optional[Mapping[str, str]] = None
-                    ) -> ClusterInfo:
+                    environ: Optional[Mapping[str, str]] = None,
+                    reduction_server: bool = False) -> ClusterInfo:
   """Resolves the cluster from flags, `TF_CONFIG` or `CLUSTER_SPEC`.
 
   Precedence: `--worker_hosts` > `TF_CONFIG` > `CLUSTER_SPEC` > single
@@ -397,6 +534,9 @@ def resolve_cluster(*, worker_hosts: str = "", task_index: int = -1,
     worker_hosts: `--worker_hosts`, comma-separated `host:port` ('' if unset).
     task_index: `--task_index` (-1 if unset).
     environ: the environment to read (default `os.environ`).
+    reduction_server: `--reduction_server`: Vertex worker pool 2 (TF_CONFIG's
+      `ps`) is the Reduction Server. Also inferred from `CLUSTER_SPEC`'s
+      `job` (`reduction_server_in_cluster_spec`), even when TF_CONFIG wins.
 
   Returns:
     A `ClusterInfo`.
@@ -415,9 +555,12 @@ def resolve_cluster(*, worker_hosts: str = "", task_index: int = -1,
         f"--task_index={task_index} needs --worker_hosts (or a TF_CONFIG / "
         "CLUSTER_SPEC environment variable).")
   elif "TF_CONFIG" in present:
-    info = from_tf_config(env["TF_CONFIG"])
+    info = from_tf_config(
+        env["TF_CONFIG"], reduction_server=reduction_server or
+        reduction_server_in_cluster_spec(env.get("CLUSTER_SPEC")))
   elif "CLUSTER_SPEC" in present:
-    info = from_cluster_spec(env["CLUSTER_SPEC"])
+    info = from_cluster_spec(env["CLUSTER_SPEC"],
+                             reduction_server=reduction_server)
   else:
     return ClusterInfo.single_process()
   ignored = [name for name in present if name != info.source]

