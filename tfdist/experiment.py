@@ -25,6 +25,7 @@ from tfdist import cluster as cluster_lib
 from tfdist import datasets
 from tfdist import devices
 from tfdist import export
+from tfdist import filesystems
 from tfdist import input_pipeline
 from tfdist import lr_schedule
 from tfdist import manifest as manifest_lib
@@ -33,6 +34,7 @@ from tfdist import precision
 from tfdist import preemption
 from tfdist import strategy as strategy_lib
 from tfdist import tpu as tpu_lib
+from tfdist import versions
 from tfdist.config import ConfigError, TrainConfig
 from tfdist.controller import Controller, ControllerOptions
 from tfdist.train_loop import Trainer
@@ -144,11 +146,18 @@ def run_experiment(config: TrainConfig, *,
     The run manifest (also written to `model_dir/run_manifest.json`).
 
   Raises:
-    ConfigError: invalid or inconsistent configuration (before training).
+    ConfigError: invalid or inconsistent configuration (before training),
+      an unsupported TensorFlow or Keras (`versions.UnsupportedVersionError`)
+      or a path whose file system is missing
+      (`filesystems.FileSystemUnavailableError`).
     DataNotFoundError: missing data.
     tfdist.preemption.PreemptedError: SIGTERM or SIGINT stopped training
       after a checkpoint was saved (rerun to resume).
   """
+  versions.check_installed_versions()
+  # Every task opens files itself (ps workers read the input shards), so
+  # every task imports tensorflow-io when a path needs it.
+  filesystems.require_file_systems(filesystems.config_paths(config))
   # Every role of a parameter-server cluster (chief, worker, ps, evaluator)
   # runs its own program there.
   from tfdist import parameter_server  # pylint: disable=g-import-not-at-top
