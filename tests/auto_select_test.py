@@ -15,6 +15,7 @@ from unittest import mock
 
 from absl.testing import absltest
 from absl.testing import parameterized
+import pytest
 
 from tests import testutil
 from tfdist import auto_select
@@ -31,6 +32,7 @@ P100 = GpuInfo("Tesla P100-PCIE-16GB", (6, 0))
 UNKNOWN = GpuInfo("GPU", None)
 
 
+@pytest.mark.compat
 class DecideTest(parameterized.TestCase):
 
   @parameterized.named_parameters(
@@ -141,6 +143,7 @@ class DecideTest(parameterized.TestCase):
       self.assertEqual(resolved.loss_scale, want)
 
 
+@pytest.mark.compat
 class ClusterTest(parameterized.TestCase):
 
   @parameterized.named_parameters(
@@ -175,6 +178,7 @@ class ClusterTest(parameterized.TestCase):
       auto_select.cluster_from_env({"TF_CONFIG": "{not json"})
 
 
+@pytest.mark.compat
 class InventoryTest(absltest.TestCase):
   """`take_inventory` on this machine, with env vars set for real."""
 

@@ -12,11 +12,15 @@ from absl.testing import absltest
 from absl.testing import flagsaver
 from absl.testing import parameterized
 import keras
+import pytest
 import tensorflow as tf
 
 from tfdist import parameter_server as ps_lib
 from tfdist import sharded_embedding
 from tfdist.config import ConfigError, TrainConfig
+
+# Also run on the oldest supported TensorFlow (see tests/conftest.py).
+pytestmark = pytest.mark.compat
 
 
 def _tf_config(task_type, index=0, ps=2):

@@ -2,10 +2,14 @@
 
 from absl.testing import absltest
 from absl.testing import parameterized
+import pytest
 import tensorflow as tf
 
 from tfdist import strategy as strategy_lib
 from tfdist.config import ConfigError, TrainConfig
+
+# Also run on the oldest supported TensorFlow (see tests/conftest.py).
+pytestmark = pytest.mark.compat
 
 
 def _config(**kwargs):
