@@ -13,6 +13,7 @@ inside TensorFlow or Keras with an unrelated error.
 """
 
 import dataclasses
+from importlib import metadata as importlib_metadata
 import platform
 import re
 from typing import Optional, Tuple
@@ -56,6 +57,30 @@ def major_minor(version: str) -> Optional[Tuple[int, int]]:
   return (int(match.group(1)), int(match.group(2))) if match else None
 
 
+def _tensorflow_problem(version: str) -> str:
+  """'' when TensorFlow `version` is supported, else what is wrong."""
+  found = major_minor(version)
+  low, high = TENSORFLOW_RANGE
+  if found is None or not low <= found <= high:
+    return f"TensorFlow {version} is not supported"
+  return ""
+
+
+def _keras_problem(version: str) -> str:
+  """'' when Keras `version` is supported, else what is wrong."""
+  found = major_minor(version)
+  if found is None or found[0] != KERAS_MAJOR or found < KERAS_MINIMUM:
+    return f"Keras {version} is not supported"
+  return ""
+
+
+def _unsupported(problems, tensorflow: str, keras: str,
+                 python: str) -> UnsupportedVersionError:
+  return UnsupportedVersionError(
+      f"{'; '.join(problems)} (found TensorFlow {tensorflow}, Keras {keras}, "
+      f"Python {python}). tfdist supports {SUPPORTED_TEXT}. {FIX_TEXT}")
+
+
 def check_versions(versions: Versions) -> Versions:
   """Raises unless `versions` are supported; returns them otherwise.
 
@@ -68,30 +93,30 @@ def check_versions(versions: Versions) -> Versions:
       3.x with x >= 12, or a version that cannot be read; the message names
       what was found, the supported range and the fix.
   """
-  problems = []
-  tf_version = major_minor(versions.tensorflow)
-  low, high = TENSORFLOW_RANGE
-  if tf_version is None or not low <= tf_version <= high:
-    problems.append(f"TensorFlow {versions.tensorflow} is not supported")
-  keras_version = major_minor(versions.keras)
-  if (keras_version is None or keras_version[0] != KERAS_MAJOR or
-      keras_version < KERAS_MINIMUM):
-    problems.append(f"Keras {versions.keras} is not supported")
+  problems = [p for p in (_tensorflow_problem(versions.tensorflow),
+                          _keras_problem(versions.keras)) if p]
   if problems:
-    raise UnsupportedVersionError(
-        f"{'; '.join(problems)} (found TensorFlow {versions.tensorflow}, "
-        f"Keras {versions.keras}, Python {versions.python}). tfdist supports "
-        f"{SUPPORTED_TEXT}. {FIX_TEXT}")
+    raise _unsupported(problems, versions.tensorflow, versions.keras,
+                       versions.python)
   return versions
+
+
+def _distribution_version(name: str) -> str:
+  """The installed version of distribution `name`, or 'unknown'."""
+  try:
+    return importlib_metadata.version(name)
+  except importlib_metadata.PackageNotFoundError:
+    return "unknown"
 
 
 def installed_versions() -> Versions:
   """The versions this process imports (imports TensorFlow, then Keras).
 
   Raises:
-    UnsupportedVersionError: TensorFlow or Keras fails to import (e.g. a
-      Keras too new for the TensorFlow installed); the message says which,
-      with the import error.
+    UnsupportedVersionError: TensorFlow is unsupported (checked before Keras
+      is imported: an old TensorFlow can make the Keras import fail), or
+      TensorFlow or Keras fails to import; the message says which, with the
+      import error.
   """
   python = platform.python_version()
   try:
@@ -100,17 +125,19 @@ def installed_versions() -> Versions:
     raise UnsupportedVersionError(
         f"TensorFlow does not import ({type(e).__name__}: {e}). tfdist "
         f"supports {SUPPORTED_TEXT}. {FIX_TEXT}") from e
-  # An unsupported TensorFlow is named before Keras is imported: Keras may
-  # fail to import with it.
-  check_versions(Versions(tf.__version__, f"{KERAS_MINIMUM[0]}."
-                                          f"{KERAS_MINIMUM[1]}", python))
+  problem = _tensorflow_problem(tf.__version__)
+  if problem:
+    keras_version = _distribution_version("keras")
+    raise _unsupported([problem] + [p for p in [_keras_problem(keras_version)]
+                                    if p], tf.__version__, keras_version,
+                       python)
   try:
     import keras  # pylint: disable=g-import-not-at-top
   except ImportError as e:
     raise UnsupportedVersionError(
-        f"Keras does not import with TensorFlow {tf.__version__} "
-        f"({type(e).__name__}: {e}). tfdist supports {SUPPORTED_TEXT}. "
-        f"{FIX_TEXT}") from e
+        f"Keras {_distribution_version('keras')} does not import with "
+        f"TensorFlow {tf.__version__} ({type(e).__name__}: {e}). tfdist "
+        f"supports {SUPPORTED_TEXT}. {FIX_TEXT}") from e
   return Versions(tf.__version__, keras.__version__, python)
 
 
