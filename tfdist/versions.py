@@ -25,7 +25,6 @@ TENSORFLOW_RANGE = ((2, 17), (2, 21))
 # Keras 3 from 3.12 (what TensorFlow 2.21 asks for); Keras 4 is not Keras 3.
 KERAS_MINIMUM = (3, 12)
 KERAS_MAJOR = 3
-PYTHON_RANGE = ((3, 10), (3, 11))
 
 SUPPORTED_TEXT = ("TensorFlow 2.17 to 2.21 with Keras 3 (3.12 or newer), on "
                   "Python 3.10 or 3.11")
