@@ -1,4 +1,8 @@
-"""pip and Vertex AI packaging for tfdist (`pip install -e .`)."""
+"""pip and Vertex AI packaging for tfdist (`pip install -e .`, `setup.py sdist`).
+
+Supported: TensorFlow 2.17 to 2.21 with Keras 3 (3.12 or newer), on Python
+3.10 and 3.11 (tfdist/versions.py checks TensorFlow and Keras at start).
+"""
 
 import re
 
@@ -6,6 +10,18 @@ import setuptools
 
 with open("tfdist/__init__.py") as f:
   VERSION = re.search(r'__version__ = "([^"]+)"', f.read()).group(1)
+
+# The top-level packages an install (and the sdist) carries, each with its
+# sub-packages: the one list to change when packages move.
+PACKAGES = ("tfdist", "models", "flags")
+
+# tensorflow-io (`tfdist[io]`: s3://, hdfs://, az://, Parquet) loads with
+# TensorFlow 2.16 and 2.17 only (0.37.1 is its last release). A requirement
+# marker cannot see the TensorFlow version, so the marker limits it to where
+# its wheels exist (Linux x86_64, Python < 3.13); on another TensorFlow,
+# tfdist stops at start on an s3:// path with an error naming the package.
+TENSORFLOW_IO = ('tensorflow-io==0.37.1; sys_platform == "linux" and '
+                 'platform_machine == "x86_64" and python_version < "3.13"')
 
 setuptools.setup(
     name="tfdist",
@@ -15,13 +31,20 @@ setuptools.setup(
                  "input, fault-tolerant checkpoints."),
     long_description=open("README.md").read(),
     long_description_content_type="text/markdown",
-    packages=setuptools.find_packages(include=["tfdist", "tfdist.*", "models",
-                                               "models.*", "flags", "flags.*"]),
-    python_requires=">=3.10",
+    packages=setuptools.find_packages(
+        include=[p for name in PACKAGES for p in (name, name + ".*")]),
+    python_requires=">=3.10,<3.12",
+    classifiers=[
+        "Programming Language :: Python :: 3.10",
+        "Programming Language :: Python :: 3.11",
+        "Operating System :: POSIX :: Linux",
+    ],
     # TensorFlow itself comes from an extra, so that installing tfdist into
     # an image that already has TensorFlow (Vertex AI's prebuilt training
-    # containers) never pulls a second copy: `pip install .[cpu]` on a
-    # CPU-only machine, `.[gpu]` on a GPU machine, plain `.` in a container.
+    # containers, TensorFlow 2.17 and newer) never pulls a second copy:
+    # `pip install .[cpu]` on a CPU-only machine, `.[gpu]` on a GPU machine,
+    # plain `.` in a container. Both extras install TensorFlow 2.21 unless a
+    # supported older one is already there.
     install_requires=[
         "keras>=3.12,<4",
         "absl-py>=2.0,<3",
@@ -30,8 +53,9 @@ setuptools.setup(
         "portpicker>=1.6,<2",
     ],
     extras_require={
-        "cpu": ["tensorflow-cpu>=2.21,<2.22"],
-        "gpu": ["tensorflow[and-cuda]>=2.21,<2.22"],
+        "cpu": ["tensorflow-cpu>=2.17,<2.22"],
+        "gpu": ["tensorflow[and-cuda]>=2.17,<2.22"],
+        "io": [TENSORFLOW_IO],
         # Vertex AI's prebuilt containers carry it; --hptune_metric uses it.
         "vertex": ["cloudml-hypertune>=0.1.0.dev6"],
         # python -m tfdist.job_spec validates the specs it prints with the

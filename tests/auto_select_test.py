@@ -14,6 +14,7 @@ import tempfile
 
 from absl.testing import absltest
 from absl.testing import parameterized
+import pytest
 
 from tests import testutil
 from tfdist import auto_select
@@ -32,6 +33,7 @@ P100 = GpuInfo("Tesla P100-PCIE-16GB", (6, 0))
 UNKNOWN = GpuInfo("GPU", None)
 
 
+@pytest.mark.compat
 class DecideTest(parameterized.TestCase):
 
   @parameterized.named_parameters(
@@ -142,6 +144,7 @@ class DecideTest(parameterized.TestCase):
       self.assertEqual(resolved.loss_scale, want)
 
 
+@pytest.mark.compat
 class ClusterTest(parameterized.TestCase):
 
   @parameterized.named_parameters(
@@ -186,6 +189,7 @@ class ClusterTest(parameterized.TestCase):
       cluster_lib.resolve_cluster(environ={"TF_CONFIG": "{not json"})
 
 
+@pytest.mark.compat
 class InventoryTest(absltest.TestCase):
   """`take_inventory` on this machine, with env vars set for real."""
 

@@ -2,9 +2,13 @@
 
 from absl.testing import absltest
 from absl.testing import parameterized
+import pytest
 
 from tfdist import batch_plan
 from tfdist.config import ConfigError
+
+# Also run on the oldest supported TensorFlow (see tests/conftest.py).
+pytestmark = pytest.mark.compat
 
 
 class MakeBatchPlanTest(parameterized.TestCase):

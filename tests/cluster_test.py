@@ -4,9 +4,13 @@ import json
 
 from absl.testing import absltest
 from absl.testing import parameterized
+import pytest
 
 from tfdist import cluster as cluster_lib
 from tfdist.cluster import ClusterConfigError
+
+# Also run on the oldest supported TensorFlow (see tests/conftest.py).
+pytestmark = pytest.mark.compat
 
 
 def _tf_config(cluster, task_type="worker", index=0, **extra):

@@ -5,10 +5,14 @@ from unittest import mock
 
 from absl.testing import absltest
 from absl.testing import parameterized
+import pytest
 
 from tfdist import config
 from tfdist import environment
 from tfdist.config import ConfigError, TrainConfig
+
+# Also run on the oldest supported TensorFlow (see tests/conftest.py).
+pytestmark = pytest.mark.compat
 
 
 class TrainConfigTest(parameterized.TestCase):

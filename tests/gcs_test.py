@@ -23,12 +23,16 @@ import time
 # request then fails in seconds (the default retries for about 195 s).
 os.environ.setdefault("GCS_RETRY_CONFIG_MAX_RETRIES", "2")
 
-from absl.testing import absltest  # pylint: disable=g-import-not-at-top
+from absl.testing import absltest
+import pytest  # pylint: disable=g-import-not-at-top
 import numpy as np  # pylint: disable=g-import-not-at-top
 import tensorflow as tf  # pylint: disable=g-import-not-at-top
 
 from tests import gcs_emulator  # pylint: disable=g-import-not-at-top
 from tests import testutil  # pylint: disable=g-import-not-at-top
+
+# Also run on the oldest supported TensorFlow (tests/conftest.py).
+pytestmark = pytest.mark.compat
 
 _TRAIN_STEPS = 30
 _CHECKPOINT_STEPS = 10

@@ -11,6 +11,7 @@ import os
 from unittest import mock
 
 from absl.testing import absltest
+import pytest
 import keras
 
 from tests import testutil
@@ -18,6 +19,9 @@ from tfdist import experiment
 from tfdist import hptune
 from tfdist import manifest as manifest_lib
 from tfdist.config import ConfigError, HPTUNE_METRICS, TrainConfig
+
+# Also run on the oldest supported TensorFlow (tests/conftest.py).
+pytestmark = pytest.mark.compat
 
 
 class ConfigTest(absltest.TestCase):

@@ -7,11 +7,15 @@ import os
 from absl.testing import absltest
 from absl.testing import parameterized
 import numpy as np
+import pytest
 import tensorflow as tf
 
 from tests import testutil
 from tfdist import datasets
 from tfdist import input_pipeline
+
+# Also run on the oldest supported TensorFlow (see tests/conftest.py).
+pytestmark = pytest.mark.compat
 
 
 def _ids_parse(serialized):

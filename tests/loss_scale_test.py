@@ -28,6 +28,7 @@ from absl.testing import absltest
 from absl.testing import parameterized
 import keras
 import numpy as np
+import pytest
 import tensorflow as tf
 
 from tests import testutil
@@ -73,6 +74,7 @@ def _one_step(trainer, inputs, labels):
   return trainer.train_function(iter(ds), tf.constant(1, tf.int32))
 
 
+@pytest.mark.compat
 class LossScaleTest(parameterized.TestCase):
 
   def setUp(self):

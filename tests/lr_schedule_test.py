@@ -7,9 +7,13 @@ from absl.testing import absltest
 from absl.testing import parameterized
 import keras
 import numpy as np
+import pytest
 
 from tfdist import lr_schedule
 from tfdist.config import ConfigError
+
+# Also run on the oldest supported TensorFlow (see tests/conftest.py).
+pytestmark = pytest.mark.compat
 
 
 def reference_lr(step, *, peak, start, warmup, total, schedule, alpha=0.0,

@@ -11,6 +11,7 @@ from absl.testing import absltest
 from absl.testing import flagsaver
 from absl.testing import parameterized
 import keras
+import pytest
 import tensorflow as tf
 
 from tfdist import auto_select
@@ -18,6 +19,9 @@ from tfdist import cluster as cluster_lib
 from tfdist import parameter_server as ps_lib
 from tfdist import sharded_embedding
 from tfdist.config import ConfigError, TrainConfig
+
+# Also run on the oldest supported TensorFlow (see tests/conftest.py).
+pytestmark = pytest.mark.compat
 
 
 def _tf_config(task_type, index=0, ps=2):

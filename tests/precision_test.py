@@ -4,10 +4,14 @@ from absl.testing import absltest
 from absl.testing import parameterized
 import keras
 import numpy as np
+import pytest
 import tensorflow as tf
 
 import models
 from tfdist import precision
+
+# Also run on the oldest supported TensorFlow (see tests/conftest.py).
+pytestmark = pytest.mark.compat
 
 
 class PrecisionTest(parameterized.TestCase):

@@ -11,6 +11,7 @@ Vertex documents `job`), whose pool 2 runs the Reduction Server image.
 import json
 
 from absl.testing import absltest
+import pytest
 from absl.testing import parameterized
 
 from tests import testutil
@@ -20,6 +21,9 @@ from tfdist import environment as environment_lib
 from tfdist import experiment
 from tfdist import strategy as strategy_lib
 from tfdist.config import ConfigError, TrainConfig
+
+# Also run on the oldest supported TensorFlow (tests/conftest.py).
+pytestmark = pytest.mark.compat
 
 _ID = "4c1d6d97d0"
 _CLUSTER = {

@@ -17,10 +17,14 @@ import tempfile
 from absl.testing import absltest
 import keras
 import numpy as np
+import pytest
 import tensorflow as tf
 
 from tfdist import sharded_embedding
 from tfdist.sharded_embedding import ShardedEmbedding
+
+# Also run on the oldest supported TensorFlow (see tests/conftest.py).
+pytestmark = pytest.mark.compat
 
 _CHILD_ENV = "TFDIST_SHARDED_EMBEDDING_CHILD"
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

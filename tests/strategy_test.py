@@ -2,12 +2,16 @@
 
 from absl.testing import absltest
 from absl.testing import parameterized
+import pytest
 import tensorflow as tf
 
 from tfdist import auto_select
 from tfdist import cluster as cluster_lib
 from tfdist import strategy as strategy_lib
 from tfdist.config import ConfigError, TrainConfig
+
+# Also run on the oldest supported TensorFlow (see tests/conftest.py).
+pytestmark = pytest.mark.compat
 
 
 def _config(**kwargs):

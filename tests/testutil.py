@@ -52,3 +52,24 @@ def run_module(module: str, args, *, timeout: float = 300, env=None
   return subprocess.run([sys.executable, "-m", module, *args], cwd=REPO_ROOT,
                         env=full_env, stdout=subprocess.PIPE,
                         stderr=subprocess.STDOUT, text=True, timeout=timeout)
+
+
+# The source checkout itself (not Bazel's runfiles tree, whose files are
+# links into it): what tools/setup.sh built next to it lives there.
+SOURCE_ROOT = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
+
+
+def setup_output(name: str) -> str:
+  """The path of `name` (`.wheelhouse`, `.venv-tf217`) that tools/setup.sh
+  makes in the source checkout; the calling test fails when it is missing.
+
+  Raises:
+    AssertionError: the path does not exist (run tools/setup.sh).
+  """
+  path = os.path.join(SOURCE_ROOT, name)
+  if not os.path.exists(path):
+    raise AssertionError(
+        f"{path} is missing: run tools/setup.sh, which builds it (the TF 2.17 "
+        "environment and its wheelhouse; tools/setup_tf217.sh alone also "
+        "does).")
+  return path

@@ -1,8 +1,12 @@
 """Tests for tfdist.throughput with a controlled clock."""
 
 from absl.testing import absltest
+import pytest
 
 from tfdist.throughput import ThroughputMeter
+
+# Also run on the oldest supported TensorFlow (see tests/conftest.py).
+pytestmark = pytest.mark.compat
 
 
 class ThroughputMeterTest(absltest.TestCase):

@@ -16,6 +16,7 @@ from absl.testing import absltest
 from absl.testing import parameterized
 import numpy as np
 import portpicker
+import pytest
 import tensorflow as tf
 
 from tests import testutil
@@ -26,6 +27,9 @@ from tfdist import input_pipeline
 from tfdist import run_plan
 from tfdist import tpu
 from tfdist.config import ConfigError, TrainConfig
+
+# Also run on the oldest supported TensorFlow (see tests/conftest.py).
+pytestmark = pytest.mark.compat
 
 # TPU failures must come within this many seconds (TensorFlow imported).
 _BOUND_S = 10.0

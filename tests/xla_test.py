@@ -12,9 +12,13 @@ MirroredStrategy on 2 logical CPU devices.)
 from absl.testing import absltest
 import keras
 import numpy as np
+import pytest
 import tensorflow as tf
 
 from tfdist.train_loop import Trainer
+
+# Also run on the oldest supported TensorFlow (see tests/conftest.py).
+pytestmark = pytest.mark.compat
 
 
 def _train(enable_xla, steps=3):

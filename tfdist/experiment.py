@@ -38,6 +38,7 @@ from tfdist import datasets
 from tfdist import devices
 from tfdist import environment as environment_lib
 from tfdist import export
+from tfdist import filesystems
 from tfdist import hptune
 from tfdist import input_pipeline
 from tfdist import manifest as manifest_lib
@@ -49,6 +50,7 @@ from tfdist import run_plan as run_plan_lib
 from tfdist import step_runner
 from tfdist import strategy as strategy_lib
 from tfdist import tpu as tpu_lib
+from tfdist import versions
 from tfdist.checkpointing import CheckpointKeeper
 from tfdist.config import TrainConfig
 from tfdist.controller import Controller, ControllerOptions
@@ -135,7 +137,10 @@ def run_experiment(config: TrainConfig, *,
     `{"role": "evaluator", "results": [...]}`.
 
   Raises:
-    ConfigError: invalid or inconsistent configuration (before training).
+    ConfigError: invalid or inconsistent configuration (before training),
+      an unsupported TensorFlow or Keras (`versions.UnsupportedVersionError`)
+      or a path whose file system is missing
+      (`filesystems.FileSystemUnavailableError`).
     DataNotFoundError: missing data.
     tfdist.preemption.PreemptedError: SIGTERM or SIGINT stopped training
       after a checkpoint was saved (rerun to resume).
@@ -143,8 +148,12 @@ def run_experiment(config: TrainConfig, *,
     tfdist.parameter_server.ParameterServerError: a ps task was lost.
   """
   started = time.time()
+  versions.check_installed_versions()
   config, cluster, decision, applied = prepare_run(
       config, environment=environment)
+  # Every task opens files itself (ps workers read the input shards), so
+  # every task imports tensorflow-io when a path needs it.
+  filesystems.require_file_systems(filesystems.config_paths(config))
   spec = datasets.get_dataset_spec(config.dataset)
   assembly.check_model_name(config.model)
   hypertune_reporter = None

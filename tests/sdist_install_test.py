@@ -1,0 +1,146 @@
+"""The sdist, installed as Vertex AI installs a Python package into a
+prebuilt TensorFlow training container, trains on TFRecord files.
+
+The "container" is a clean Python 3.10 virtual environment holding only what
+Vertex AI's tf-cpu.2-17.py310 image brings for tfdist: TensorFlow 2.17, its
+Keras 3 and cloudml-hypertune (their pins: tools/requirements-tf217.txt).
+Everything installs from the wheelhouse that tools/setup.sh fills, with
+`pip install --no-index`: nothing is downloaded. The training data is a
+small real Fashion-MNIST subset converted here, in the default environment,
+by tfdist's own converter (a container has no Debian data files), and given
+with --train_files/--eval_files. The run starts outside the checkout, so only
+the installed package can be imported.
+"""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import tarfile
+
+from absl.testing import absltest
+
+from tests import testutil
+
+# The packages of tools/requirements-tf217.txt a prebuilt container has.
+CONTAINER_PACKAGES = ("tensorflow-cpu", "keras", "cloudml-hypertune")
+# What the sdist build leaves out of the copy it builds from.
+_NOT_SOURCES = shutil.ignore_patterns(
+    ".git", ".venv*", ".wheelhouse", "bazel-*", "__pycache__", "*.egg-info",
+    "build", "dist", "runs", "data", ".pytest_cache")
+TIMEOUT = 600
+
+
+def _run(args, **kwargs) -> subprocess.CompletedProcess:
+  return subprocess.run(args, stdout=subprocess.PIPE,
+                        stderr=subprocess.STDOUT, text=True,
+                        timeout=kwargs.pop("timeout", TIMEOUT), **kwargs)
+
+
+def _container_requirements() -> list:
+  """The pinned `name==version` lines of CONTAINER_PACKAGES."""
+  path = os.path.join(testutil.SOURCE_ROOT, "tools",
+                      "requirements-tf217.txt")
+  pins = {}
+  with open(path) as f:
+    for line in f:
+      match = re.match(r"^([A-Za-z0-9_.-]+)==(\S+)", line.strip())
+      if match:
+        pins[match.group(1).lower()] = line.strip()
+  return [pins[name] for name in CONTAINER_PACKAGES]
+
+
+def _clean_env() -> dict:
+  """This process's environment without what points into the checkout or
+  describes a cluster."""
+  env = {k: v for k, v in os.environ.items()
+         if k not in ("PYTHONPATH", "TF_CONFIG", "CLUSTER_SPEC",
+                      "VIRTUAL_ENV") and not k.startswith("AIP_")}
+  env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+  return env
+
+
+class SdistInstallTest(absltest.TestCase):
+
+  def test_sdist_in_a_prebuilt_container_trains_on_tfrecords(self):
+    wheelhouse = testutil.setup_output(".wheelhouse")
+    tf217_python = os.path.join(testutil.setup_output(".venv-tf217"), "bin",
+                                "python")
+    data = testutil.fashion_mnist_subset(limit=256, train_shards=2,
+                                         test_shards=1)
+    work = testutil.scratch_dir()
+
+    # 1. The sdist, built from a copy of the checkout.
+    source = os.path.join(work, "source")
+    shutil.copytree(testutil.SOURCE_ROOT, source, ignore=_NOT_SOURCES,
+                    symlinks=True)
+    dist = os.path.join(work, "dist")
+    proc = _run([tf217_python, "setup.py", "-q", "sdist", "--dist-dir", dist],
+                cwd=source, env=_clean_env())
+    self.assertEqual(proc.returncode, 0, proc.stdout[-3000:])
+    (sdist,) = [os.path.join(dist, n) for n in os.listdir(dist)]
+    with tarfile.open(sdist) as tar:
+      top = {n.split("/")[1] for n in tar.getnames() if n.count("/") >= 1}
+    for package in ("tfdist", "models", "flags"):
+      self.assertIn(package, top)
+
+    # 2. The container: Python 3.10 with TensorFlow 2.17, Keras 3,
+    # cloudml-hypertune; then tfdist from the sdist (its own requirements
+    # from the wheelhouse too).
+    base_python = _run([tf217_python, "-c",
+                        "import sys; print(sys._base_executable)"],
+                       timeout=60).stdout.strip()
+    container = os.path.join(work, "container")
+    proc = _run([base_python, "-m", "venv", container])
+    self.assertEqual(proc.returncode, 0, proc.stdout)
+    python = os.path.join(container, "bin", "python")
+    offline = ["-m", "pip", "install", "-q", "--disable-pip-version-check",
+               "--no-index", "--find-links", wheelhouse]
+    proc = _run([python, *offline, *_container_requirements()],
+                env=_clean_env())
+    self.assertEqual(proc.returncode, 0, proc.stdout[-3000:])
+    proc = _run([python, *offline, sdist], env=_clean_env())
+    self.assertEqual(proc.returncode, 0, proc.stdout[-3000:])
+    installed = _run([python, "-m", "pip", "list", "--format=json",
+                      "--disable-pip-version-check"], env=_clean_env())
+    names = {p["name"].lower(): p["version"]
+             for p in json.loads(installed.stdout)}
+    self.assertEqual(names["tensorflow-cpu"], "2.17.1")
+    self.assertIn("cloudml-hypertune", names)
+    self.assertIn("tfdist", names)
+    for absent in ("tensorflow-io", "google-cloud-storage", "pytest"):
+      self.assertNotIn(absent, names)
+
+    # 3. Train from outside the checkout: only the installed tfdist imports.
+    run_dir = os.path.join(work, "elsewhere")
+    os.makedirs(run_dir)
+    model_dir = os.path.join(run_dir, "model")
+    proc = _run([python, "-m", "tfdist.train",
+                 f"--train_files={data['train']}",
+                 f"--eval_files={data['eval']}", f"--model_dir={model_dir}",
+                 "--train_steps=8", "--batch_size=32", "--log_steps=4"],
+                cwd=run_dir, env=_clean_env())
+    self.assertEqual(proc.returncode, 0, proc.stdout[-4000:])
+    with open(os.path.join(model_dir, "run_manifest.json")) as f:
+      manifest = json.load(f)
+    self.assertEqual(manifest["final_step"], 8)
+    self.assertEqual(manifest["versions"]["tensorflow"], "2.17.1")
+    self.assertTrue(manifest["versions"]["python"].startswith("3.10."))
+    self.assertEqual(manifest["final_metrics"]["eval_examples"], 256)
+    self.assertTrue(os.path.exists(os.path.join(model_dir, "saved_model",
+                                                "saved_model.pb")))
+    where = _run([python, "-c", "import tfdist, models, flags; "
+                  "print(tfdist.__file__, models.__file__, flags.__file__)"],
+                 cwd=run_dir, env=_clean_env(), timeout=60)
+    for path in where.stdout.split():
+      self.assertTrue(path.startswith(os.path.join(container, "lib")), path)
+    # The console script as well.
+    helpshort = _run([os.path.join(container, "bin", "tfdist-train"),
+                      "--helpshort"], cwd=run_dir, env=_clean_env(),
+                     timeout=120)
+    self.assertIn("--train_files", helpshort.stdout)
+
+
+if __name__ == "__main__":
+  absltest.main()
