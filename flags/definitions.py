@@ -81,6 +81,14 @@ def define_base_flags() -> List[str]:
   flags.DEFINE_integer(
       "embedding_dim", _default("embedding_dim"),
       "Ranking models (--model=ranking): width of each embedding.")
+  flags.DEFINE_bool(
+      "sync_batch_norm", None,
+      "Built-in models (cnn, resnet): batch normalization over the global "
+      "batch, its statistics summed across replicas at every step (Keras's "
+      "synchronized=True), as one device would compute them. Default: on "
+      "under mirrored, multi_worker_mirrored and tpu with more than one "
+      "replica; --nosync_batch_norm normalizes each replica's share of the "
+      "batch by itself (no all-reduce in the forward pass).")
   flags.DEFINE_integer(
       "hash_buckets", _default("hash_buckets"),
       "Ranking models: rows of the user and item tables (ids are hashed "
@@ -195,6 +203,14 @@ def define_performance_flags() -> List[str]:
       f"Default: {config_lib.TPU_DEFAULT_STEPS_PER_EXECUTION} with "
       "--distribution_strategy=tpu, else 1.")
 
+  flags.DEFINE_integer(
+      "max_consecutive_skipped_steps",
+      _default("max_consecutive_skipped_steps"),
+      "Fail once this many steps in a row made no update (fp16: the summed "
+      "gradient was not finite, so the step was skipped). A dynamic loss "
+      "scale skips a few steps while it settles; 0: no limit. A run whose "
+      "every step was skipped fails at its end regardless.")
+
   @flags.validator("loss_scale",
                    "--loss_scale must be 'dynamic' or a positive number.")
   def _check_loss_scale(value):
@@ -287,6 +303,17 @@ def define_lr_flags() -> List[str]:
                     [str(m) for m in _default("piecewise_multipliers")],
                     "piecewise: multipliers of the peak LR, one more than "
                     "boundaries.")
+  flags.DEFINE_float(
+      "global_clipnorm", None,
+      "Clip the gradient so that the global norm of all variables' "
+      "gradients is at most this (Keras optimizer option). Applied once per "
+      "step, to the gradient summed over all replicas and workers (and "
+      "unscaled under fp16), so N replicas clip as one device would.")
+  flags.DEFINE_float(
+      "clipnorm", None,
+      "Clip each variable's gradient to at most this norm (Keras optimizer "
+      "option); applied like --global_clipnorm, to the summed gradient. "
+      "Give at most one of the two.")
   return ["optimizer", "base_learning_rate", "lr_scaling", "warmup_steps",
           "warmup_epochs", "lr_schedule"]
 

@@ -16,6 +16,7 @@ import keras
 from models import cnn
 from models import ranking
 from models import resnet
+from tfdist.config import ConfigError
 
 _BUILDERS: Dict[str, Callable[..., keras.Model]] = {
     "cnn": cnn.build_cnn,
@@ -38,9 +39,68 @@ def is_ranking_model(name: str) -> bool:
   return name in _RANKING
 
 
+# Builders whose models have batch normalization (they take
+# `sync_batch_norm`).
+_BATCH_NORM = frozenset({"cnn", "resnet"})
+# Strategies whose replicas apply one update together per step, so that
+# batch statistics can be summed over the global batch.
+SYNCHRONOUS_STRATEGIES = ("mirrored", "multi_worker_mirrored", "tpu")
+
+
+def has_batch_norm(name: str) -> bool:
+  """True for built-in models with batch normalization (`--sync_batch_norm`
+  applies to them)."""
+  return name in _BATCH_NORM
+
+
+def resolve_sync_batch_norm(value: Optional[bool], *, strategy_name: str,
+                            num_replicas_in_sync: int,
+                            xla_per_replica: bool = False
+                            ) -> Tuple[bool, str]:
+  """Whether built-in models normalize over the global batch, and why.
+
+  Args:
+    value: `--sync_batch_norm` (None: the default).
+    strategy_name: the concrete strategy (`mirrored`, ...; never `auto`).
+    num_replicas_in_sync: replicas over all workers.
+    xla_per_replica: each replica's forward pass is XLA-compiled on its own
+      (`--enable_xla` off TPUs), where an all-reduce cannot run.
+
+  Returns:
+    `(synchronized, reason)`. The default is synchronized under a
+    synchronous strategy (`SYNCHRONOUS_STRATEGIES`) with more than one
+    replica: N replicas then normalize as one device on the global batch
+    (three small all-reduces per batch-norm layer in the forward pass, and
+    their gradients). With one replica, under parameter_server (each worker
+    updates alone), or with `xla_per_replica`, statistics are per replica.
+
+  Raises:
+    tfdist.config.ConfigError: `--sync_batch_norm` with `--enable_xla` off
+      TPUs (compiling the all-reduce into one replica's XLA cluster fails
+      under MirroredStrategy).
+  """
+  if value and xla_per_replica and num_replicas_in_sync > 1:
+    raise ConfigError(
+        "--sync_batch_norm needs an all-reduce inside the forward pass, "
+        "which --enable_xla compiles per replica (off TPUs) where it cannot "
+        "run. Drop one of --sync_batch_norm and --enable_xla.")
+  if value is not None:
+    return bool(value), f"--sync_batch_norm={str(bool(value)).lower()}"
+  if strategy_name in SYNCHRONOUS_STRATEGIES and num_replicas_in_sync > 1:
+    if xla_per_replica:
+      return False, ("default with --enable_xla: each replica's forward "
+                     "pass is compiled alone")
+    return True, (f"default under {strategy_name} with "
+                  f"{num_replicas_in_sync} replicas")
+  why = ("one replica" if num_replicas_in_sync <= 1 else
+         f"{strategy_name} is not synchronous")
+  return False, f"default: {why}"
+
+
 def build_model(name: str, *, spec=None, input_shape=None,
                 num_classes: Optional[int] = None, embedding_dim: int = 16,
-                hash_buckets: int = 100_000) -> keras.Model:
+                hash_buckets: int = 100_000,
+                sync_batch_norm: bool = False) -> keras.Model:
   """Builds the model registered as `name` for the data set `spec`.
 
   Args:
@@ -51,6 +111,9 @@ def build_model(name: str, *, spec=None, input_shape=None,
     input_shape, num_classes: image models only, instead of `spec`.
     embedding_dim, hash_buckets: reach only ranking models
       (`is_ranking_model`); the others ignore them.
+    sync_batch_norm: batch statistics over the global batch (see
+      `resolve_sync_batch_norm`); reaches only models with batch
+      normalization (`has_batch_norm`).
 
   Raises:
     ValueError: unknown name (the message lists the known ones).
@@ -72,5 +135,8 @@ def build_model(name: str, *, spec=None, input_shape=None,
   if input_shape is None or num_classes is None:
     raise ValueError(f"--model={name}: pass spec=DatasetSpec, or both "
                      "input_shape and num_classes.")
+  kwargs = {}
+  if name in _BATCH_NORM:
+    kwargs["sync_batch_norm"] = bool(sync_batch_norm)
   return _BUILDERS[name](input_shape=tuple(input_shape),
-                        num_classes=num_classes)
+                        num_classes=num_classes, **kwargs)

@@ -6,7 +6,8 @@ from keras import layers
 
 def build_cnn(*, input_shape=(28, 28, 1), num_classes: int = 10,
               width: int = 32, convs_per_block: int = 1,
-              dropout: float = 0.3) -> keras.Model:
+              dropout: float = 0.3,
+              sync_batch_norm: bool = False) -> keras.Model:
   """Two conv blocks (conv-BN-ReLU x `convs_per_block`, max-pool), dense head.
 
   Args:
@@ -15,6 +16,9 @@ def build_cnn(*, input_shape=(28, 28, 1), num_classes: int = 10,
     width: filters of the first block; the second has twice as many.
     convs_per_block: conv-BN-ReLU layers per block.
     dropout: dropout rate before the classifier.
+    sync_batch_norm: batch normalization over the global batch: statistics
+      summed across replicas at every training step (Keras's
+      `synchronized=True`); False: over each replica's share.
 
   Returns:
     A `keras.Model` mapping float32 [batch, *input_shape] to float32 logits
@@ -26,7 +30,7 @@ def build_cnn(*, input_shape=(28, 28, 1), num_classes: int = 10,
   for filters in (width, 2 * width):
     for _ in range(convs_per_block):
       x = layers.Conv2D(filters, 3, padding="same", use_bias=False)(x)
-      x = layers.BatchNormalization()(x)
+      x = layers.BatchNormalization(synchronized=sync_batch_norm)(x)
       x = layers.ReLU()(x)
     x = layers.MaxPooling2D()(x)
   x = layers.Flatten()(x)

@@ -11,6 +11,8 @@ cluster (a worker and a ps as `tf.distribute.Server`s on 127.0.0.1).
 import json
 import os
 import signal
+import subprocess
+import sys
 import tempfile
 
 from absl.testing import absltest
@@ -20,6 +22,7 @@ import numpy as np
 import portpicker
 import tensorflow as tf
 
+from tests import testutil
 from tfdist import checkpointing
 from tfdist import controller as controller_lib
 from tfdist import preemption
@@ -286,24 +289,27 @@ def _tiny_dataset(_=None):
   return tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(8)
 
 
+def _run_controller(runner, trainer, tmp):
+  """Runs 10 steps (epochs of 5) under a real controller; returns
+  `(ControllerResult, RunLog)`."""
+  keeper = checkpointing.CheckpointKeeper(
+      checkpoint=tf.train.Checkpoint(model=trainer.model,
+                                     optimizer=trainer.optimizer,
+                                     global_step=trainer.global_step),
+      directory=os.path.join(tmp, "checkpoints"),
+      step_counter=trainer.global_step)
+  log = run_log_lib.RunLog(tensorboard_dir=None, metrics_dir=tmp,
+                           global_batch_size=8, total_steps=10)
+  return Controller(
+      runner=runner,
+      options=ControllerOptions(total_steps=10, steps_per_epoch=5,
+                                log_steps=5),
+      checkpoints=keeper, step_counter=trainer.global_step, run_log=log,
+      model=trainer.model, learning_rate=lambda: 0.1).run(), log
+
+
 class RealRunnersTest(absltest.TestCase):
   """The same controller over both real step runners."""
-
-  def _run(self, runner, trainer, tmp):
-    keeper = checkpointing.CheckpointKeeper(
-        checkpoint=tf.train.Checkpoint(model=trainer.model,
-                                       optimizer=trainer.optimizer,
-                                       global_step=trainer.global_step),
-        directory=os.path.join(tmp, "checkpoints"),
-        step_counter=trainer.global_step)
-    log = run_log_lib.RunLog(tensorboard_dir=None, metrics_dir=tmp,
-                             global_batch_size=8, total_steps=10)
-    return Controller(
-        runner=runner,
-        options=ControllerOptions(total_steps=10, steps_per_epoch=5,
-                                  log_steps=5),
-        checkpoints=keeper, step_counter=trainer.global_step, run_log=log,
-        model=trainer.model, learning_rate=lambda: 0.1).run(), log
 
   def test_local_runner(self):
     tmp = tempfile.mkdtemp(dir=os.environ.get("TEST_TMPDIR"))
@@ -312,37 +318,60 @@ class RealRunnersTest(absltest.TestCase):
     data = strategy.experimental_distribute_dataset(_tiny_dataset())
     runner = step_runner.LocalStepRunner(trainer=trainer,
                                          iterator=iter(data))
-    result, log = self._run(runner, trainer, tmp)
+    result, log = _run_controller(runner, trainer, tmp)
     self.assertEqual(result.step, 10)
     self.assertEqual(int(trainer.optimizer.iterations.numpy()), 10)
     self.assertEqual([r["step"] for r in log.history], [5, 10])
     self.assertTrue(all(np.isfinite(r["loss"]) for r in log.history))
 
   def test_coordinator_runner_on_an_in_process_cluster(self):
-    tmp = tempfile.mkdtemp(dir=os.environ.get("TEST_TMPDIR"))
-    spec = tf.train.ClusterSpec({
-        "worker": [f"127.0.0.1:{portpicker.pick_unused_port()}"],
-        "ps": [f"127.0.0.1:{portpicker.pick_unused_port()}"]})
-    servers = [tf.distribute.Server(spec, job_name=job, task_index=0,
-                                    protocol="grpc", start=True)
-               for job in ("worker", "ps")]
-    self.assertLen(servers, 2)
-    resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
-        spec, rpc_layer="grpc")
-    strategy = tf.distribute.ParameterServerStrategy(resolver)
-    trainer = _tiny_trainer(strategy)
-    coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
-    iterator = iter(coordinator.create_per_worker_dataset(
-        lambda: strategy.distribute_datasets_from_function(_tiny_dataset)))
-    runner = step_runner.CoordinatorStepRunner(
-        trainer=trainer, coordinator=coordinator, iterator=iterator)
-    result, log = self._run(runner, trainer, tmp)
-    self.assertEqual(result.step, 10)
-    self.assertEqual(int(trainer.global_step.numpy()), 10)
-    self.assertEqual([r["step"] for r in log.history], [5, 10])
-    self.assertEqual(log.history[0]["steps"], 5)
-    self.assertIn("/job:ps",
-                  trainer.model.trainable_variables[0].value.device)
+    # In a child process: connecting this process's eager context to a
+    # cluster is global, and would turn later in-process Mirrored tests
+    # into "in-graph multi-worker" ones.
+    child = subprocess.run(
+        [sys.executable, "-c",
+         "from tests import controller_test; "
+         "controller_test.coordinator_child()"],
+        cwd=testutil.REPO_ROOT, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "PYTHONPATH": testutil.REPO_ROOT + os.pathsep +
+             os.environ.get("PYTHONPATH", ""),
+             "TF_CPP_MIN_LOG_LEVEL": "2"})
+    self.assertEqual(child.returncode, 0, child.stderr[-3000:])
+    result = json.loads(child.stdout.strip().splitlines()[-1])
+    self.assertEqual(result["step"], 10)
+    self.assertEqual(result["global_step"], 10)
+    self.assertEqual(result["logged_steps"], [5, 10])
+    self.assertEqual(result["first_interval_steps"], 5)
+    self.assertIn("/job:ps", result["variable_device"])
+
+
+def coordinator_child():
+  """The same controller over a `CoordinatorStepRunner` and an in-process
+  parameter-server cluster (a worker and a ps on 127.0.0.1); prints one
+  JSON line with what the parent asserts."""
+  tmp = tempfile.mkdtemp(dir=os.environ.get("TEST_TMPDIR"))
+  spec = tf.train.ClusterSpec({
+      "worker": [f"127.0.0.1:{portpicker.pick_unused_port()}"],
+      "ps": [f"127.0.0.1:{portpicker.pick_unused_port()}"]})
+  servers = [tf.distribute.Server(spec, job_name=job, task_index=0,
+                                  protocol="grpc", start=True)
+             for job in ("worker", "ps")]
+  resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
+      spec, rpc_layer="grpc")
+  strategy = tf.distribute.ParameterServerStrategy(resolver)
+  trainer = _tiny_trainer(strategy)
+  coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
+  iterator = iter(coordinator.create_per_worker_dataset(
+      lambda: strategy.distribute_datasets_from_function(_tiny_dataset)))
+  runner = step_runner.CoordinatorStepRunner(
+      trainer=trainer, coordinator=coordinator, iterator=iterator)
+  result, log = _run_controller(runner, trainer, tmp)
+  print(json.dumps({
+      "step": result.step, "global_step": int(trainer.global_step.numpy()),
+      "logged_steps": [r["step"] for r in log.history],
+      "first_interval_steps": log.history[0]["steps"],
+      "variable_device": trainer.model.trainable_variables[0].value.device,
+      "servers": len(servers)}), flush=True)
 
 
 if __name__ == "__main__":

@@ -80,17 +80,17 @@ class StrategyOptionsTest(parameterized.TestCase):
 class ExactlyOnceShardingTest(absltest.TestCase):
 
   def test_each_example_once_per_epoch_across_two_workers(self):
-    by_file = _convert(256, 4)   # 4 files >= 2 workers: shard by file.
-    by_data = _convert(256, 1)   # 1 file < 2 workers: shard by data.
+    by_file = _convert(256, 4)   # 4 files of 64: 128 records per worker.
+    by_range = _convert(256, 1)  # 1 file < 2 workers: record ranges.
     out = testutil.scratch_dir()
     status, output = testlib.run_launcher(
         ["--num_workers=2", "--module=tests.multi_worker_testlib"],
-        ["shard", out, by_file, by_data], timeout=TIMEOUT)
+        ["shard", out, by_file, by_range], timeout=TIMEOUT)
     self.assertEqual(status, 0, output[-4000:])
     results = [json.load(open(p))
                for p in sorted(glob.glob(os.path.join(out, "ids-*.json")))]
     self.assertLen(results, 2, output[-2000:])
-    for pattern, mode in ((by_file, "file"), (by_data, "data")):
+    for pattern, mode in ((by_file, "file"), (by_range, "range")):
       with self.subTest(mode=mode):
         per_worker = [r[pattern] for r in results]
         ids = [i for r in per_worker for i in r["ids"]]

@@ -16,6 +16,13 @@ normally by the launcher) this file is a worker program:
   differ) for STEPS steps with the tfdist `Trainer` at global batch
   `GLOBAL_BATCH`, from fixed initial weights, in a fixed data order; the
   chief (or the single process) writes `OUT_DIR/weights.npz`.
+* `train_linger SECONDS TRAIN_FLAGS...`: runs `tfdist.train` with
+  TRAIN_FLAGS; afterwards `worker` 0 sleeps SECONDS before exiting (a
+  test-only stand-in for a worker whose exit hangs after its work is done).
+* `agree OUT_DIR`: the fp16, random-stream and barrier checks of
+  `tests/distributed_correctness_test.py` under MultiWorkerMirroredStrategy
+  (with `--collective_timeout_seconds`-like timeout `COLLECTIVE_TIMEOUT`);
+  writes `OUT_DIR/agree-<task>.json`.
 """
 
 import json
@@ -30,6 +37,9 @@ from typing import List, Optional
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GLOBAL_BATCH = 32
+# Collective timeout of the `agree` program: short, so that a worker left
+# alone in an all-reduce fails the test quickly instead of hanging.
+COLLECTIVE_TIMEOUT = 15
 
 
 def _env(extra=None):
@@ -171,7 +181,7 @@ def _task_name() -> str:
   return f"{info.task_type}{info.task_index}"
 
 
-def _strategy(out_dir: str):
+def _strategy(out_dir: str, collective_timeout_seconds: float = 60):
   from tfdist import config as config_lib  # pylint: disable=g-import-not-at-top
   from tfdist import experiment  # pylint: disable=g-import-not-at-top
   from tfdist import strategy as strategy_lib  # pylint: disable=g-import-not-at-top
@@ -180,7 +190,7 @@ def _strategy(out_dir: str):
   name = "auto" if os.environ.get("TF_CONFIG") else "one_device"
   config = config_lib.TrainConfig(
       distribution_strategy=name, model_dir=out_dir, train_steps=1,
-      num_gpus=0, collective_timeout_seconds=60,
+      num_gpus=0, collective_timeout_seconds=collective_timeout_seconds,
       cluster_start_timeout_seconds=60)
   config, cluster, decision, _ = experiment.prepare_run(config)
   choice = strategy_lib.make_strategy(config, cluster=cluster)
@@ -199,13 +209,15 @@ def shard_main(out_dir: str, globs: List[str]):
   result = {}
   for pattern in globs:
     files = input_pipeline.list_files(pattern)
-    total = input_pipeline.count_records(files)
+    counts = input_pipeline.count_records_per_file(files)
+    total = sum(counts)
     steps = total // GLOBAL_BATCH
     options = input_pipeline.PipelineOptions(
         files=files, parse_fn=functools.partial(datasets.parse_image_example,
                                                 with_id=True),
         global_batch_size=GLOBAL_BATCH, is_training=True,
-        shuffle_buffer_size=64, cache=False, seed=7)
+        shuffle_buffer_size=64, cache=False, seed=7,
+        file_record_counts=counts)
     iterator = iter(input_pipeline.distribute(strategy, options))
     ids, batch_sizes = [], set()
     for _ in range(steps):
@@ -215,8 +227,11 @@ def shard_main(out_dir: str, globs: List[str]):
         batch_sizes.add(int(local.shape[0]))
     result[pattern] = {"ids": ids, "batch_sizes": sorted(batch_sizes),
                        "steps": steps, "total": total,
-                       "mode": input_pipeline.shard_mode(len(files),
-                                                         num_workers)}
+                       "mode": input_pipeline.plan_sharding(
+                           counts, num_files=len(files),
+                           num_input_pipelines=num_workers,
+                           global_batch_size=GLOBAL_BATCH,
+                           is_training=True).mode}
   with open(os.path.join(out_dir, f"ids-{_task_name()}.json"), "w") as f:
     json.dump(result, f)
 
@@ -258,11 +273,96 @@ def train_main(out_dir: str, pattern: str, steps: int):
         f"last loss {losses[-1]:.6f}", flush=True)
 
 
+def agree_main(out_dir: str):
+  """fp16 skip in unison, per-worker dropout masks, the final barrier."""
+  strategy = _strategy(out_dir, collective_timeout_seconds=COLLECTIVE_TIMEOUT)
+  import keras  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  from tfdist import precision  # pylint: disable=g-import-not-at-top
+  from tfdist.train_loop import Trainer  # pylint: disable=g-import-not-at-top
+  task = _task_name()
+  result = {"task": task}
+  # 1. fp16: at step 1 only worker 0's gradients overflow (inputs of 1e4
+  # give float16 gradients of about 1e4 * 2**15: inf); step 2 is finite.
+  keras.mixed_precision.set_global_policy("mixed_float16")
+  with strategy.scope():
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(
+        3, kernel_initializer="ones")])
+    optimizer = precision.wrap_optimizer_for_precision(
+        keras.optimizers.SGD(1e-3), dtype="fp16", loss_scale="dynamic")
+    optimizer.build(model.trainable_variables)
+  trainer = Trainer(strategy=strategy, model=model, optimizer=optimizer,
+                    global_batch_size=8)
+
+  def dataset_fn(context):
+    big = 1e4 if context.input_pipeline_id == 1 else 1.0
+    inputs = np.stack([np.full((4, 4), big, np.float32),
+                       np.ones((4, 4), np.float32)])
+    return tf.data.Dataset.from_tensor_slices(
+        (inputs, np.zeros((2, 4), np.int64))).repeat()
+
+  iterator = iter(strategy.distribute_datasets_from_function(dataset_fn))
+  steps = []
+  for _ in range(2):
+    out = trainer.train_function(iterator, tf.constant(1, tf.int32))
+    kernel = np.asarray(strategy.experimental_local_results(
+        model.layers[-1].kernel.value)[0], np.float64)
+    steps.append({"skipped": float(out["skipped_steps"]),
+                  "loss_scale": precision.current_loss_scale(optimizer),
+                  "iterations": int(optimizer.iterations.numpy()),
+                  "kernel_finite": bool(np.all(np.isfinite(kernel))),
+                  "kernel": kernel.tolist()})
+  result["fp16_steps"] = steps
+  keras.mixed_precision.set_global_policy("float32")
+  # 2. Dropout masks: the same seed on every worker, as --seed gives.
+  keras.utils.set_random_seed(7)
+  with strategy.scope():
+    dropout_model = keras.Sequential([keras.Input((64,)),
+                                      keras.layers.Dropout(0.5)])
+  Trainer(strategy=strategy, model=dropout_model,
+          optimizer=keras.optimizers.SGD(0.1), global_batch_size=4)
+  masks = strategy.run(tf.function(
+      lambda: dropout_model(tf.ones((2, 64)), training=True) != 0))
+  result["dropout_mask"] = np.asarray(
+      strategy.experimental_local_results(masks)[0]).astype(int).tolist()
+  # 3. The final barrier: worker 0 arrives 3 s late; nobody leaves before.
+  from tfdist import worker_exit  # pylint: disable=g-import-not-at-top
+  if task == "worker0":
+    time.sleep(3)
+  result["barrier_arrived"] = time.time()
+  worker_exit.leave_together(strategy, num_workers=2)
+  result["barrier_left"] = time.time()
+  with open(os.path.join(out_dir, f"agree-{task}.json"), "w") as f:
+    json.dump(result, f)
+  print(f"agree: {task} done", flush=True)
+
+
+def train_linger_main(seconds: float, train_args: List[str]):
+  """`python -m tfdist.train TRAIN_ARGS`; then worker 0 lingers."""
+  from absl import app  # pylint: disable=g-import-not-at-top
+  from tfdist import train  # pylint: disable=g-import-not-at-top
+
+  def main(argv):
+    train.main(argv)
+    if _task_name() == "worker0":
+      print(f"test: worker 0 finished; lingering {seconds:g} s before "
+            "exiting", flush=True)
+      time.sleep(seconds)
+      print("test: worker 0 exits", flush=True)
+
+  app.run(main, argv=[sys.argv[0], *train_args])
+
+
 if __name__ == "__main__":
-  _mode, _out = sys.argv[1], sys.argv[2]
+  _mode = sys.argv[1]
   if _mode == "shard":
-    shard_main(_out, sys.argv[3:])
+    shard_main(sys.argv[2], sys.argv[3:])
   elif _mode == "train":
-    train_main(_out, sys.argv[3], int(sys.argv[4]))
+    train_main(sys.argv[2], sys.argv[3], int(sys.argv[4]))
+  elif _mode == "train_linger":
+    train_linger_main(float(sys.argv[2]), sys.argv[3:])
+  elif _mode == "agree":
+    agree_main(sys.argv[2])
   else:
     raise SystemExit(f"unknown mode {_mode!r}")

@@ -44,12 +44,15 @@ def check_model_name(name: str):
                       f"{', '.join(models.model_names())}.")
 
 
-def build_model(config, *, spec) -> keras.Model:
-  """The `--model` for the data set `spec` (in the current scope)."""
+def build_model(config, *, spec, sync_batch_norm: bool = False
+                ) -> keras.Model:
+  """The `--model` for the data set `spec` (in the current scope);
+  `sync_batch_norm` from the run plan."""
   check_model_name(config.model)
   return models.build_model(config.model, spec=spec,
                             embedding_dim=config.embedding_dim,
-                            hash_buckets=config.hash_buckets)
+                            hash_buckets=config.hash_buckets,
+                            sync_batch_norm=sync_batch_norm)
 
 
 def build(config, *, spec, strategy: tf.distribute.Strategy, plan,
@@ -67,11 +70,14 @@ def build(config, *, spec, strategy: tf.distribute.Strategy, plan,
     `Parts`.
   """
   with strategy.scope():
-    model = build_model(config, spec=spec)
+    model = build_model(config, spec=spec,
+                        sync_batch_norm=plan.sync_batch_norm)
     optimizer = precision.wrap_optimizer_for_precision(
         optimizers.build_optimizer(config.optimizer, plan.lr.schedule,
                                    momentum=config.momentum,
-                                   weight_decay=config.weight_decay),
+                                   weight_decay=config.weight_decay,
+                                   clipnorm=config.clipnorm,
+                                   global_clipnorm=config.global_clipnorm),
         dtype=config.dtype, loss_scale=config.loss_scale)
     # Every optimizer variable now, under the scope (created lazily in the
     # first step, ParameterServerStrategy would place it on the

@@ -15,6 +15,8 @@ import math
 import os
 from typing import Optional, Tuple
 
+from tfdist import training_checks
+
 STRATEGIES = ("off", "one_device", "mirrored", "multi_worker_mirrored",
               "parameter_server", "tpu", "auto")
 DTYPES = ("fp32", "bf16", "fp16", "auto")
@@ -227,6 +229,19 @@ class TrainConfig:
   # Report this evaluation metric to Vertex AI's hyperparameter tuning
   # (cloudml-hypertune) after each evaluation; None reports nothing.
   hptune_metric: Optional[str] = None
+  # Gradient clipping (Keras optimizer options), applied once per step to
+  # the gradient summed over all replicas and unscaled (fp16). None: off.
+  clipnorm: Optional[float] = None
+  global_clipnorm: Optional[float] = None
+  # Fail once this many steps in a row made no update (fp16 overflow);
+  # 0: no limit (a run with no update at all still fails at its end).
+  max_consecutive_skipped_steps: int = (
+      training_checks.DEFAULT_MAX_CONSECUTIVE_SKIPPED_STEPS)
+  # Built-in models' batch normalization: statistics over the global batch
+  # (synchronized across replicas) or per replica. None: synchronized under
+  # synchronous strategies with more than one replica (see
+  # models.resolve_sync_batch_norm).
+  sync_batch_norm: Optional[bool] = None
 
   def __post_init__(self):
     set_ = lambda name, value: object.__setattr__(self, name, value)
@@ -403,6 +418,19 @@ class TrainConfig:
     need(not self.hptune_metric or self.hptune_metric in HPTUNE_METRICS,
          f"--hptune_metric={self.hptune_metric!r} is not an evaluation "
          f"metric tfdist reports. Use one of: {', '.join(HPTUNE_METRICS)}.")
+    for name in ("clipnorm", "global_clipnorm"):
+      value = getattr(self, name)
+      need(value is None or (math.isfinite(value) and value > 0),
+           f"--{name}={value} must be a positive number (the largest "
+           "gradient norm kept), or unset for no clipping.")
+    need(self.clipnorm is None or self.global_clipnorm is None,
+         f"--clipnorm={self.clipnorm} and --global_clipnorm="
+         f"{self.global_clipnorm} were both given: Keras optimizers take "
+         "one. Use --global_clipnorm to clip the norm of all gradients "
+         "together, --clipnorm to clip each variable's gradient alone.")
+    need(self.max_consecutive_skipped_steps >= 0,
+         "--max_consecutive_skipped_steps="
+         f"{self.max_consecutive_skipped_steps} must be >= 0 (0: no limit).")
     if self.loss_scale is not None and self.dtype not in ("fp16", "auto"):
       raise ConfigError(
           f"--loss_scale={self.loss_scale} only applies to --dtype=fp16 "

@@ -23,6 +23,12 @@ next chunk's step sums, which every worker reduces anyway, so workers agree
 without a host synchronization of their own; at epoch ends, where callbacks
 decide, one all-reduce of one number makes them agree (multi-worker only).
 
+Skipped steps (fp16 updates skipped for a non-finite summed gradient) come
+back from the compiled step with each chunk's sums; the controller logs
+them and stops a run whose optimizer no longer updates
+(`tfdist.training_checks.SkippedStepMonitor`). A non-finite training or
+evaluation loss stops the run as diverged.
+
 `Controller.evaluate_continuously` is the one side-car evaluator: it
 evaluates every checkpoint once, in step order (evaluator tasks of every
 strategy, `tfdist.train --mode=continuous_eval`).
@@ -41,10 +47,12 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist import run_log as run_log_lib
+from tfdist import training_checks
 
 EVAL_RESULTS_FILE = "eval_results.jsonl"
 # Keys of the runner's sums that are not metrics.
-_CONTROL_KEYS = ("stop_signal", "stop_training")
+_CONTROL_KEYS = ("stop_signal", "stop_training", "skipped_steps",
+                 "skipped_steps_at_end")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,12 +65,16 @@ class ControllerOptions:
     log_steps: log loss, learning rate and throughput every this many steps.
     checkpoint_steps: save every this many steps (0: at every epoch end).
     epochs_between_evals: evaluate after every this many epochs (and at end).
+    max_consecutive_skipped_steps: fail once this many steps in a row made
+      no update (`--max_consecutive_skipped_steps`; 0: no limit).
   """
   total_steps: int
   steps_per_epoch: int
   log_steps: int = 100
   checkpoint_steps: int = 0
   epochs_between_evals: int = 1
+  max_consecutive_skipped_steps: int = (
+      training_checks.DEFAULT_MAX_CONSECUTIVE_SKIPPED_STEPS)
 
 
 @dataclasses.dataclass
@@ -77,12 +89,15 @@ class ControllerResult:
     stopped_early: a callback set `model.stop_training`.
     restored_from: the checkpoint training resumed from, or None.
     train_seconds: wall time of the training loop in this process.
+    skipped_steps: steps of this process whose update was skipped (fp16
+      gradients not finite).
   """
   step: int
   final_eval: Optional[dict]
   stopped_early: bool
   restored_from: Optional[str]
   train_seconds: float
+  skipped_steps: int = 0
 
 
 def next_boundary(step: int, options: ControllerOptions) -> int:
@@ -155,6 +170,8 @@ class Controller:
                                                   model=model)
     # The last step trained (while `run` runs, for error messages).
     self.step = 0
+    self.skipped = training_checks.SkippedStepMonitor(
+        options.max_consecutive_skipped_steps)
 
   # --- evaluation ------------------------------------------------------------
   def evaluate(self, step: int) -> Optional[dict]:
@@ -164,6 +181,7 @@ class Controller:
     result = dict(self.evaluate_fn())
     result["step"] = step
     self.run_log.log_eval(step, result)
+    training_checks.check_eval_loss(result["loss"], step=step)
     return result
 
   # --- training --------------------------------------------------------------
@@ -196,6 +214,8 @@ class Controller:
     if restored:
       logging.info("tfdist: restored %s: resuming at step %d", restored, step)
     self.run_log.resume(step)
+    self.skipped = training_checks.SkippedStepMonitor(
+        opts.max_consecutive_skipped_steps, start_step=step)
     started = time.time()
     self.callbacks.set_params({
         "verbose": 0, "steps": opts.steps_per_epoch,
@@ -226,6 +246,12 @@ class Controller:
           stop_training=wants_stop)
       step += n
       self.step = step
+      self.skipped.record_chunk(
+          steps=n, skipped=float(sums.get("skipped_steps", 0.0)),
+          skipped_at_end=float(sums.get("skipped_steps_at_end", 0.0)),
+          loss_scale=self.loss_scale)
+      if step == opts.total_steps:
+        self.skipped.finish(loss_scale=self.loss_scale)
       _add(epoch_sums, sums)
       _add(log_sums, sums)
       epoch_steps += n
@@ -236,7 +262,9 @@ class Controller:
       if step % opts.log_steps == 0 or step == opts.total_steps:
         self.run_log.log_train(step, log_sums, log_steps,
                                learning_rate=self.learning_rate(),
-                               loss_scale=self.loss_scale())
+                               loss_scale=self.loss_scale(),
+                               skipped_steps=self.skipped.take_interval(),
+                               total_skipped=self.skipped.total_skipped)
         log_sums, log_steps = {}, 0
       epoch_end = step % opts.steps_per_epoch == 0
       saved = None
@@ -280,7 +308,8 @@ class Controller:
     return ControllerResult(step=step, final_eval=last_eval,
                             stopped_early=stopped_early,
                             restored_from=restored,
-                            train_seconds=time.time() - started)
+                            train_seconds=time.time() - started,
+                            skipped_steps=self.skipped.total_skipped)
 
   # --- the side-car evaluator ------------------------------------------------
   def evaluate_continuously(self, *, checkpoint_dir: str, results_dir: str,
@@ -353,8 +382,8 @@ class Controller:
         result = self.evaluate(step)
         result.update(checkpoint=path)
         with tf.io.gfile.GFile(results_path, "a") as f:
-          f.write(json.dumps({k: run_log_lib.json_safe(v) for k, v in
-                              result.items()}, allow_nan=False) + "\n")
+          f.write(json.dumps(training_checks.json_safe(result),
+                             allow_nan=False) + "\n")
         self.run_log.flush()
         results.append(result)
         done.add(step)

@@ -51,6 +51,7 @@ from tfdist import step_runner
 from tfdist import strategy as strategy_lib
 from tfdist import tpu as tpu_lib
 from tfdist import versions
+from tfdist import worker_exit
 from tfdist.checkpointing import CheckpointKeeper
 from tfdist.config import TrainConfig
 from tfdist.controller import Controller, ControllerOptions
@@ -250,7 +251,8 @@ def _train(config, *, spec, cluster, decision, applied, callbacks, started,
             files=plan.train_files, parse_fn=spec.parse_fn,
             global_batch_size=plan.global_batch_size, is_training=True,
             shuffle_buffer_size=config.shuffle_buffer_size,
-            cache=config.cache_dataset, seed=config.seed))
+            cache=config.cache_dataset, seed=config.seed,
+            file_record_counts=plan.train_file_counts))
     eval_data = input_pipeline.distribute(
         strategy, input_pipeline.PipelineOptions(
             files=plan.eval_files, parse_fn=spec.parse_fn,
@@ -280,7 +282,8 @@ def _train(config, *, spec, cluster, decision, applied, callbacks, started,
       options=ControllerOptions(
           total_steps=plan.total_steps, steps_per_epoch=plan.steps_per_epoch,
           log_steps=config.log_steps, checkpoint_steps=config.checkpoint_steps,
-          epochs_between_evals=config.epochs_between_evals),
+          epochs_between_evals=config.epochs_between_evals,
+          max_consecutive_skipped_steps=config.max_consecutive_skipped_steps),
       checkpoints=keeper, step_counter=trainer.global_step, run_log=run_log,
       evaluate=evaluate, model=model,
       learning_rate=lambda: assembly.current_learning_rate(optimizer),
@@ -333,16 +336,20 @@ def _train(config, *, spec, cluster, decision, applied, callbacks, started,
     shutil.rmtree(scratch_dir, ignore_errors=True)
     logging.info("%s %d done; the chief writes the artifacts.",
                  cluster.task_type, cluster.task_index)
-    return record
-  path = manifest_lib.write_manifest(config.model_dir, record)
-  logging.info("Run manifest: %s; SavedModel: %s", path, export_dir)
-  # Tells parameter-server tasks and side-car evaluators the run is over.
-  ps_lib.mark_done(config.model_dir)
-  final = record["final_metrics"]
-  if final["eval_loss"] is not None:
-    print(f"Final eval: loss {final['eval_loss']:.4f}, accuracy "
-          f"{final['eval_accuracy']:.4f} ({final['eval_examples']} "
-          f"examples). Artifacts in {config.model_dir}", flush=True)
+  else:
+    path = manifest_lib.write_manifest(config.model_dir, record)
+    logging.info("Run manifest: %s; SavedModel: %s", path, export_dir)
+    # Tells parameter-server tasks and side-car evaluators the run is over.
+    ps_lib.mark_done(config.model_dir)
+    final = record["final_metrics"]
+    if final["eval_loss"] is not None:
+      print(f"Final eval: loss {final['eval_loss']:.4f}, accuracy "
+            f"{final['eval_accuracy']:.4f} ({final['eval_examples']} "
+            f"examples). Artifacts in {config.model_dir}", flush=True)
+  if multi_worker:
+    # No worker leaves while another still needs it (the chief hosts the
+    # coordination service).
+    worker_exit.leave_together(strategy, num_workers=num_workers)
   return record
 
 

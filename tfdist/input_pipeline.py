@@ -1,18 +1,36 @@
 """tf.data input pipelines over TFRecord shards, sharded for a strategy.
 
 One pipeline runs per host (`tf.distribute.InputContext.input_pipeline_id`
-of `num_input_pipelines`). Each host reads a disjoint part of the data:
+of `num_input_pipelines`). Each host reads a disjoint part of the data
+(`plan_sharding`):
 
-* by file, when there are at least as many files as hosts (each host reads
-  files `i, i + n, i + 2n, ...`);
-* by data otherwise (every host reads every file and keeps records
-  `i, i + n, ...`), which is slower but still disjoint.
+* training, from the record count of every file (known at start):
+  - by file, when the files dealt round-robin (host i reads files
+    `i, i + n, i + 2n, ...`) give every host the same number of records;
+  - otherwise by balanced record ranges: the files, in order, hold records
+    0..N-1, and host i reads records `[i * N // n, (i + 1) * N // n)` (only
+    the files that overlap its range), so shares differ by at most one
+    record;
+* evaluation: by file when there are at least as many files as hosts, else
+  by data (every host reads every file and keeps records `i, i + n, ...`);
+  uneven shares are harmless there: every example is read exactly once.
+
+Training epochs. With N training records and global batch B, an epoch is
+`steps_per_epoch = N // B` steps. In each epoch every host reshuffles its
+share and reads exactly `steps_per_epoch * B / n` records of it, then starts
+the next epoch from its whole share again. So within an epoch no example is
+read twice, and exactly `N % B` examples (the remainder) are left out: on
+each host the ones its shuffle put last (with a shuffle buffer at least as
+large as the share, a fresh uniformly random choice every epoch; without
+shuffling, the same ones every epoch). A left-out example is not carried
+over: the next epoch draws from every record again. Without record counts a
+single pipeline just repeats its files (epochs not aligned to steps).
 
 Within a host the strategy hands one per-replica batch to each local replica.
 """
 
 import dataclasses
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence, Tuple
 
 from absl import logging
 import tensorflow as tf
@@ -62,9 +80,28 @@ def compression_of(files: Sequence[str]) -> str:
 
 def count_records(files: Sequence[str]) -> int:
   """Counts the records in TFRecord `files` (reads them once)."""
-  ds = tf.data.TFRecordDataset(list(files), compression_type=compression_of(
-      files), num_parallel_reads=AUTOTUNE)
-  return int(ds.reduce(tf.constant(0, tf.int64), lambda n, _: n + 1))
+  return sum(count_records_per_file(files))
+
+
+def count_records_per_file(files: Sequence[str]) -> List[int]:
+  """Records in each of the TFRecord `files`, in order (reads every file
+  once, up to 8 in parallel)."""
+  paths = list(files)
+  compression = compression_of(paths)
+
+  def count(index, path):
+    records = tf.data.TFRecordDataset(path, compression_type=compression)
+    return tf.data.Dataset.from_tensors(
+        (index, records.reduce(tf.constant(0, tf.int64), lambda n, _: n + 1)))
+
+  ds = tf.data.Dataset.from_tensor_slices(
+      (tf.range(len(paths), dtype=tf.int64), paths)).interleave(
+          count, cycle_length=min(len(paths), 8),
+          num_parallel_calls=AUTOTUNE)
+  counts = [0] * len(paths)
+  for index, n in ds:
+    counts[int(index)] = int(n)
+  return counts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +124,12 @@ class PipelineOptions:
       examples are zeros. Each element then carries a third component,
       float32 weights [batch]: 1 for real examples, 0 for padding, so that
       metrics count every real example exactly once.
+    file_record_counts: records in each of `files`
+      (`count_records_per_file`). Training uses them to choose a sharding
+      that gives every host the same share and to align epochs to steps
+      (module docstring). None: counted when the dataset is built (one more
+      read) if there are several hosts; with one host, epochs are then not
+      aligned.
   """
   files: Sequence[str]
   parse_fn: Callable
@@ -97,13 +140,127 @@ class PipelineOptions:
   seed: Optional[int] = None
   deterministic: bool = False
   pad_to_static_batches: bool = False
+  file_record_counts: Optional[Sequence[int]] = None
 
 
 def shard_mode(num_files: int, num_input_pipelines: int) -> str:
-  """`'file'` if every host can get at least one whole file, else `'data'`."""
+  """The evaluation rule: `'file'` if every host can get at least one whole
+  file, else `'data'` (`'none'` for one host)."""
   if num_input_pipelines <= 1:
     return "none"
   return "file" if num_files >= num_input_pipelines else "data"
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardingPlan:
+  """How the hosts split one split's records, and why.
+
+  Attributes:
+    mode: `none` (one host reads everything), `file` (whole files,
+      round-robin), `range` (balanced contiguous record ranges) or `data`
+      (every host reads everything and keeps every n-th record).
+    reason: one sentence for the printed plan.
+    records_per_pipeline: records in each host's share (None if unknown).
+    examples_per_epoch: training: records each host reads per epoch,
+      `(N // B) * B / n` for N records and global batch B (None: not
+      aligned, or evaluation).
+  """
+  mode: str
+  reason: str
+  records_per_pipeline: Optional[Tuple[int, ...]] = None
+  examples_per_epoch: Optional[int] = None
+
+  def describe(self) -> str:
+    return f"by {self.mode}: {self.reason}" if self.mode != "none" else (
+        self.reason)
+
+
+def plan_sharding(file_record_counts: Optional[Sequence[int]], *,
+                  num_files: int, num_input_pipelines: int,
+                  global_batch_size: int, is_training: bool) -> ShardingPlan:
+  """Chooses how `num_input_pipelines` workers split the files (module
+  docstring: file sharding only when it gives every worker the same number of
+  records, otherwise balanced record ranges).
+
+  Args:
+    file_record_counts: records per file (None: unknown; training with
+      several workers needs them).
+    num_files: the number of files.
+    num_input_pipelines: workers.
+    global_batch_size: examples per step over all workers.
+    is_training: training (aligned epochs, equal shares) or evaluation.
+
+  Returns:
+    A `ShardingPlan`.
+
+  Raises:
+    ValueError: training with several workers and no counts; one epoch holds
+      fewer records than one global batch.
+  """
+  n = max(1, int(num_input_pipelines))
+  if not is_training or (file_record_counts is None and n == 1):
+    mode = shard_mode(num_files, n)
+    why = {"none": "one worker reads every file",
+           "file": f"{num_files} files over {n} workers (evaluation reads "
+                   "every example once; shares may differ)",
+           "data": f"{num_files} file(s) for {n} workers: every worker "
+                   "reads every file and keeps every n-th record"}[mode]
+    return ShardingPlan(mode, why)
+  if file_record_counts is None:
+    raise ValueError(
+        f"Sharding training data over {n} workers needs the record count of "
+        "each file (input_pipeline.count_records_per_file).")
+  counts = [int(c) for c in file_record_counts]
+  total = sum(counts)
+  steps = total // global_batch_size
+  if steps < 1:
+    raise ValueError(
+        f"The global batch {global_batch_size} is larger than the "
+        f"{total} training records: lower --batch_size.")
+  per_epoch = steps * global_batch_size // n
+  remainder = total - per_epoch * n
+  epoch = (f"{per_epoch} per epoch" +
+           (f" ({remainder} of {total} left out each epoch: {total} mod "
+            f"{global_batch_size})" if remainder else ""))
+  if n == 1:
+    return ShardingPlan("none", f"one worker reads all {total} records, "
+                        f"{epoch}", (total,), per_epoch)
+  by_file = [sum(counts[i::n]) for i in range(n)]
+  if len(counts) >= n and len(set(by_file)) == 1:
+    return ShardingPlan(
+        "file", f"{len(counts)} files give each of {n} workers {by_file[0]} "
+        f"records; each reads {epoch}", tuple(by_file), per_epoch)
+  shares = tuple((i + 1) * total // n - i * total // n for i in range(n))
+  if len(counts) < n:
+    why = f"{len(counts)} file(s) for {n} workers"
+  else:
+    why = (f"by file, the {len(counts)} files would give the {n} workers "
+           f"{', '.join(map(str, by_file))} records")
+  size = (str(shares[0]) if min(shares) == max(shares) else
+          f"{min(shares)}-{max(shares)}")
+  return ShardingPlan(
+      "range", f"{why}; balanced record ranges give each {size} records; "
+      f"each reads {epoch}", shares, per_epoch)
+
+
+def _segments(plan: ShardingPlan, files: Sequence[str],
+              counts: Optional[Sequence[int]], pipeline_id: int,
+              num_pipelines: int) -> List[Tuple[str, int, int]]:
+  """`(file, records to skip, records to read (-1: all))` of one host."""
+  if plan.mode == "file":
+    return [(f, 0, -1) for f in list(files)[pipeline_id::num_pipelines]]
+  if plan.mode != "range":
+    return [(f, 0, -1) for f in files]
+  total = sum(counts)
+  lo = pipeline_id * total // num_pipelines
+  hi = (pipeline_id + 1) * total // num_pipelines
+  out, start = [], 0
+  for f, count in zip(files, counts):
+    first, last = max(lo, start), min(hi, start + count)
+    if last > first:
+      out.append((f, first - start, last - first))
+    start += count
+  return out
 
 
 def make_dataset(options: PipelineOptions,
@@ -126,24 +283,36 @@ def make_dataset(options: PipelineOptions,
   batch = (input_context.get_per_replica_batch_size(options.global_batch_size)
            if input_context else options.global_batch_size)
   files = list(options.files)
-  mode = shard_mode(len(files), num_pipelines)
-  logging.info("Input pipeline %d/%d: %d files, sharded by %s, per-replica "
-               "batch %d", pipeline_id, num_pipelines, len(files), mode, batch)
+  counts = options.file_record_counts
+  if (counts is None and options.is_training and num_pipelines > 1 and
+      tf.executing_eagerly()):
+    counts = count_records_per_file(files)
+  plan = plan_sharding(counts, num_files=len(files),
+                       num_input_pipelines=num_pipelines,
+                       global_batch_size=options.global_batch_size,
+                       is_training=options.is_training)
+  mode = plan.mode
+  logging.info("Input pipeline %d/%d: %d files, sharded %s; per-replica "
+               "batch %d", pipeline_id, num_pipelines, len(files),
+               plan.describe(), batch)
   compression = compression_of(files)
-  file_ds = tf.data.Dataset.from_tensor_slices(files)
-  if mode == "file":
-    file_ds = file_ds.shard(num_pipelines, pipeline_id)
+  segments = _segments(plan, files, counts, pipeline_id, num_pipelines)
+  seg_ds = tf.data.Dataset.from_tensor_slices((
+      [f for f, _, _ in segments],
+      tf.constant([skip for _, skip, _ in segments], tf.int64),
+      tf.constant([take for _, _, take in segments], tf.int64)))
   # Sharding by data keeps every n-th record, so every host must see the
   # records in the same order: no file shuffle (the example shuffle below
   # still randomizes) and a deterministic interleave.
   same_order_everywhere = mode == "data"
   if (options.is_training and options.shuffle_buffer_size and
       not same_order_everywhere):
-    file_ds = file_ds.shuffle(len(files), seed=options.seed,
-                              reshuffle_each_iteration=True)
-  ds = file_ds.interleave(
-      lambda f: tf.data.TFRecordDataset(f, compression_type=compression),
-      cycle_length=min(len(files), 8), block_length=1,
+    seg_ds = seg_ds.shuffle(len(segments), seed=options.seed,
+                            reshuffle_each_iteration=True)
+  ds = seg_ds.interleave(
+      lambda f, skip, take: tf.data.TFRecordDataset(
+          f, compression_type=compression).skip(skip).take(take),
+      cycle_length=min(len(segments), 8), block_length=1,
       num_parallel_calls=AUTOTUNE,
       deterministic=(options.deterministic or not options.is_training or
                      same_order_everywhere))
@@ -157,6 +326,15 @@ def make_dataset(options: PipelineOptions,
     if options.shuffle_buffer_size:
       ds = ds.shuffle(options.shuffle_buffer_size, seed=options.seed,
                       reshuffle_each_iteration=True)
+    share = (plan.records_per_pipeline[pipeline_id]
+             if plan.records_per_pipeline else None)
+    if plan.examples_per_epoch is not None and share != plan.examples_per_epoch:
+      # One epoch reads exactly `examples_per_epoch` records of this host's
+      # (reshuffled) share; the rest is left out of this epoch. Filtering
+      # (not `take`) reads the whole share, so that `cache` completes.
+      keep = plan.examples_per_epoch
+      ds = ds.enumerate().filter(lambda i, _: i < keep).map(
+          lambda _, example: example)
     ds = ds.repeat()
   if options.pad_to_static_batches and not options.is_training:
     local_replicas = 1

@@ -32,6 +32,14 @@ When the chief has finished, `ps` tasks (and, with ps tasks, the workers,
 which are servers there) are stopped; other tasks get
 `--stop_grace_seconds` to finish on their own.
 
+A task that has finished its work is finished. Each task gets a done-marker
+path in `$TFDIST_DONE_FILE`; `tfdist.train` writes it after its run's final
+barrier (`tfdist.worker_exit`). A task that wrote it and then hangs or fails
+while TensorFlow shuts down (a worker whose chief, host of the coordination
+service, has already exited can get `UNAVAILABLE` there) is not a failure:
+it is stopped after `min(DONE_EXIT_GRACE_SECONDS, --stop_grace_seconds)` and
+never causes a restart; the run's status is then 0.
+
 Non-chief tasks get a scratch `TMPDIR` under one launcher folder, which is
 deleted at the end even if a task was killed before cleaning up.
 """
@@ -52,11 +60,15 @@ from absl import app
 from absl import flags
 
 from tfdist import cluster as cluster_lib
+from tfdist import worker_exit
 
 HOST = "127.0.0.1"
 # Survivors of a failed task get this long to exit on their own (they
 # usually fail at once with UnavailableError) before they are killed.
 FAILURE_STOP_SECONDS = 5.0
+# A task that wrote its done marker gets this long (at most
+# --stop_grace_seconds) to exit before it is stopped.
+DONE_EXIT_GRACE_SECONDS = 10.0
 POLL_SECONDS = 0.1
 
 
@@ -111,8 +123,10 @@ def tf_config(cluster: Dict[str, List[str]], task: Task) -> str:
 
 
 def task_env(base: Dict[str, str], cluster: Dict[str, List[str]], task: Task,
-             *, scratch_dir: Optional[str] = None) -> Dict[str, str]:
-  """The environment of one task: `base` plus TF_CONFIG and friends."""
+             *, scratch_dir: Optional[str] = None,
+             done_file: Optional[str] = None) -> Dict[str, str]:
+  """The environment of one task: `base` plus TF_CONFIG and friends (and
+  `$TFDIST_DONE_FILE`, where the task marks its work done)."""
   env = dict(base)
   env["TF_CONFIG"] = tf_config(cluster, task)
   env.pop("CLUSTER_SPEC", None)  # TF_CONFIG would win anyway; avoid doubt.
@@ -123,6 +137,9 @@ def task_env(base: Dict[str, str], cluster: Dict[str, List[str]], task: Task,
     env["GRPC_FAIL_FAST"] = "use_caller"
   if scratch_dir:
     env["TMPDIR"] = scratch_dir
+  env.pop(worker_exit.DONE_FILE_ENV, None)
+  if done_file:
+    env[worker_exit.DONE_FILE_ENV] = done_file
   return env
 
 
@@ -158,6 +175,8 @@ class Launcher:
     self._procs: Dict[Task, subprocess.Popen] = {}
     self._signal: Optional[int] = None
     self._signal_deadline: Optional[float] = None
+    self._done_files: Dict[Task, str] = {}
+    self._done_at: Dict[Task, float] = {}
     self.attempts = 0
 
   # --- output --------------------------------------------------------------
@@ -217,7 +236,9 @@ class Launcher:
       scratch = os.path.join(scratch_root, f"attempt{self.attempts}",
                              task.name.replace(":", ""))
       os.makedirs(scratch, exist_ok=True)
-      env = task_env(dict(os.environ), cluster, task, scratch_dir=scratch)
+      self._done_files[task] = os.path.join(scratch, "tfdist-done")
+      env = task_env(dict(os.environ), cluster, task, scratch_dir=scratch,
+                     done_file=self._done_files[task])
       proc = subprocess.Popen(self.command, env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                               start_new_session=True)
@@ -239,8 +260,16 @@ class Launcher:
     servers = [t for t in self.tasks if t.task_type == cluster_lib.PS or
                (has_ps and t.task_type == cluster_lib.WORKER)]
     chief_done_at = None
+    self._done_at = {}
+    done_grace = min(DONE_EXIT_GRACE_SECONDS, self.stop_grace_seconds)
+    noted = set()
     while True:
       codes = {t: p.poll() for t, p in self._procs.items()}
+      now = time.time()
+      for task in self.tasks:
+        if task not in self._done_at and worker_exit.is_done(
+            self._done_files.get(task)):
+          self._done_at[task] = now
       if self._signal is not None:
         if all(c is not None for c in codes.values()):
           return "signaled"
@@ -251,6 +280,7 @@ class Launcher:
         time.sleep(POLL_SECONDS)
         continue
       failed = [t for t, c in codes.items() if c not in (None, 0)
+                and t not in self._done_at
                 and not (chief_done_at and t in servers)]
       if failed:
         for task in failed:
@@ -258,20 +288,36 @@ class Launcher:
                     f"{_exit_status(codes[task])}.")
         self._stop_survivors()
         return "failed"
-      if codes[chief] == 0 and chief_done_at is None:
-        chief_done_at = time.time()
+      for task, at in self._done_at.items():
+        if task in noted:
+          continue
+        if codes[task] not in (None, 0):
+          noted.add(task)
+          self._say(f"{task.name} exited with status "
+                    f"{_exit_status(codes[task])} after finishing its work: "
+                    "counted as finished.")
+        elif codes[task] is None and now - at > done_grace:
+          noted.add(task)
+          self._say(f"{task.name} finished its work but had not exited "
+                    f"{done_grace:g} s later: stopping it (counted as "
+                    "finished).")
+          self._kill_all(signal.SIGKILL, only=[task])
+      if (codes[chief] == 0 or chief in self._done_at) and (
+          chief_done_at is None):
+        chief_done_at = now
         if servers:
           self._say("chief finished: stopping the servers "
                     f"({', '.join(t.name for t in servers)}).")
           self._kill_all(signal.SIGKILL, only=servers)
-      pending = [t for t, c in codes.items()
+      running = [t for t, c in codes.items()
                  if c is None and t not in servers]
-      if chief_done_at is not None and not pending:
+      if chief_done_at is not None and not running:
         for task in servers:
           self._procs[task].wait()
         return "ok"
-      if (chief_done_at is not None and
-          time.time() - chief_done_at > self.stop_grace_seconds):
+      pending = [t for t in running if t not in self._done_at]
+      if (chief_done_at is not None and pending and
+          now - chief_done_at > self.stop_grace_seconds):
         self._say(f"{', '.join(t.name for t in pending)} still running "
                   f"{self.stop_grace_seconds:g} s after the chief finished: "
                   "killing.")
@@ -309,6 +355,8 @@ class Launcher:
         codes = {t.name: _exit_status(p.returncode)
                  for t, p in self._procs.items()}
         chief_status = codes[self.tasks[0].name]
+        if outcome == "ok" and self.tasks[0] in self._done_at:
+          chief_status = 0  # It finished its work; how it exited is moot.
         if outcome == "ok":
           self._say(f"done: every task finished (chief status "
                     f"{chief_status}).")

@@ -1,7 +1,9 @@
 """The run manifest: `run_manifest.json`, a record of what ran.
 
 Written atomically (to a temporary file, then renamed) so a reader never sees
-half a manifest.
+half a manifest, and as strict JSON: a non-finite number (an infinite loss,
+a NaN AUC) is written as null, never as `Infinity` or `NaN`, which strict
+JSON parsers reject.
 """
 
 import hashlib
@@ -16,6 +18,8 @@ from typing import Iterable, List, Optional
 
 import numpy as np
 import tensorflow as tf
+
+from tfdist import training_checks
 
 MANIFEST_FILE = "run_manifest.json"
 
@@ -62,23 +66,9 @@ def run_header(config) -> dict:
           "git_commit": git_commit()}
 
 
-def _strict(value):
-  """`value` with NaN and infinities replaced by None (strict JSON)."""
-  if isinstance(value, np.generic):
-    value = value.item()
-  if isinstance(value, float) and not math.isfinite(value):
-    return None
-  if isinstance(value, dict):
-    return {k: _strict(v) for k, v in value.items()}
-  if isinstance(value, (list, tuple)):
-    return [_strict(v) for v in value]
-  return value
-
-
 def write_manifest(directory: str, manifest: dict) -> str:
-  """Writes `manifest` as `directory/run_manifest.json` atomically.
-
-  The file is strict JSON: NaN and infinite values are written as null.
+  """Writes `manifest` as `directory/run_manifest.json`, atomically and as
+  strict JSON (non-finite floats become null: `training_checks.json_safe`).
 
   Returns:
     The manifest's path.
@@ -86,9 +76,10 @@ def write_manifest(directory: str, manifest: dict) -> str:
   tf.io.gfile.makedirs(directory)
   path = os.path.join(directory, MANIFEST_FILE)
   tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+  text = json.dumps(training_checks.json_safe(manifest), indent=2,
+                    sort_keys=True, default=str, allow_nan=False)
   with tf.io.gfile.GFile(tmp, "w") as f:
-    json.dump(_strict(manifest), f, indent=2, sort_keys=True, default=str,
-              allow_nan=False)
+    f.write(text)
   tf.io.gfile.rename(tmp, path, overwrite=True)
   return path
 
@@ -162,6 +153,7 @@ def build_manifest(*, config, decision, plan, cluster, choice, num_workers,
       "train_steps": plan.total_steps,
       "final_step": result.step,
       "stopped_early": result.stopped_early,
+      "skipped_steps": result.skipped_steps,
       "optimizer_iterations": optimizer_iterations,
       "restored_from": result.restored_from,
       "base_learning_rate": config.base_learning_rate,
@@ -172,9 +164,17 @@ def build_manifest(*, config, decision, plan, cluster, choice, num_workers,
       "lr_schedule": _serialize_schedule(plan.lr.schedule),
       "dtype_policy": dtype_policy,
       "loss_scale": loss_scale,
+      "sync_batch_norm": plan.sync_batch_norm,
+      "sync_batch_norm_reason": plan.sync_batch_norm_reason,
       "data": {
           "dataset": config.dataset,
           "num_train_examples": plan.num_train_examples,
+          "input_sharding": {
+              "mode": plan.sharding.mode, "reason": plan.sharding.reason,
+              "records_per_worker": list(
+                  plan.sharding.records_per_pipeline or ()),
+              "examples_per_epoch_per_worker":
+                  plan.sharding.examples_per_epoch},
           "train_files": file_fingerprints(plan.train_files),
           "eval_files": file_fingerprints(plan.eval_files),
       },

@@ -7,6 +7,16 @@ precision and keep float32 variables; models end in a float32 activation and
 the loss runs in float32. fp16 needs loss scaling, which
 `wrap_optimizer_for_precision` adds (Keras's `LossScaleOptimizer`; dynamic by
 default, or a fixed scale).
+
+Under a `tf.distribute` strategy the `LossScaleOptimizer` must be given the
+gradient already summed over all replicas and workers (as
+`tfdist.train_loop.Trainer` does): Keras decides "finite" from the
+gradients it is given, before its own all-reduce, so from each replica's
+share alone. One replica's overflow then wrote inf into the weights under
+MirroredStrategy, and under MultiWorkerMirroredStrategy one worker entered
+the all-reduce while the other skipped it (`DeadlineExceededError`). On the
+summed gradient every replica and worker takes the same decision
+(`step_skipped`).
 """
 
 import os
@@ -105,6 +115,25 @@ def wrap_optimizer_for_precision(
   if loss_scale is None or loss_scale == "dynamic":
     return keras.optimizers.LossScaleOptimizer(optimizer)
   return FixedLossScaleOptimizer(optimizer, initial_scale=float(loss_scale))
+
+
+def step_skipped(optimizer, summed_grads) -> tf.Tensor:
+  """Whether `optimizer` skips the update for `summed_grads`.
+
+  Args:
+    optimizer: the run's optimizer.
+    summed_grads: the step's gradients (tensors, `IndexedSlices` or None),
+      already summed over all replicas and workers, so that every replica
+      computes the same answer.
+
+  Returns:
+    float32 scalar: 1.0 when `optimizer` is a `LossScaleOptimizer` and a
+    gradient is not finite (the step is skipped and, if dynamic, the scale
+    halves), else 0.0.
+  """
+  if not isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+    return tf.constant(0.0)
+  return 1.0 - tf.cast(optimizer.check_finite(summed_grads), tf.float32)
 
 
 def current_loss_scale(optimizer) -> Optional[float]:

@@ -28,6 +28,7 @@ from absl import logging
 import numpy as np
 import tensorflow as tf
 
+from tfdist import training_checks
 from tfdist.throughput import ThroughputMeter
 from tfdist.train_loop import binary_auc
 
@@ -36,8 +37,8 @@ METRICS_FILE = "metrics.jsonl"
 _AUC_KEYS = ("pos_hist", "neg_hist")
 
 
-class DivergenceError(FloatingPointError):
-  """The training loss became NaN or infinite."""
+# The training loss became NaN or infinite (one error for every check).
+DivergenceError = training_checks.TrainingDivergedError
 
 
 def metrics_from_sums(sums: Dict[str, np.ndarray], steps: int) -> dict:
@@ -62,13 +63,6 @@ def format_eval(result: dict) -> str:
   if "auc" in result:
     text += f", AUC {result['auc']:.4f}"
   return text + f" on {result['num_examples']} examples"
-
-
-def json_safe(value):
-  """Floats that JSON cannot hold (NaN, inf) become None."""
-  if isinstance(value, float) and not math.isfinite(value):
-    return None
-  return value
 
 
 def read_metrics(model_dir: str) -> List[dict]:
@@ -128,8 +122,8 @@ class RunLog:
   def _append(self, record: dict):
     if not self.metrics_dir:
       return
-    line = json.dumps({k: json_safe(v) for k, v in record.items()},
-                      sort_keys=True, allow_nan=False)
+    line = json.dumps(training_checks.json_safe(record), sort_keys=True,
+                      allow_nan=False)
     tf.io.gfile.makedirs(self.metrics_dir)
     with tf.io.gfile.GFile(os.path.join(self.metrics_dir, METRICS_FILE),
                            "a") as f:
@@ -163,8 +157,13 @@ class RunLog:
 
   def log_train(self, step: int, sums: Dict[str, np.ndarray], steps: int, *,
                 learning_rate: float,
-                loss_scale: Optional[float] = None) -> dict:
+                loss_scale: Optional[float] = None, skipped_steps: int = 0,
+                total_skipped: int = 0) -> dict:
     """Logs the `steps` steps that ended at `step`; returns the record.
+
+    `skipped_steps` of the `steps` made no update (fp16 gradients not
+    finite; `total_skipped` in this process so far): logged when any was,
+    recorded, and a TensorBoard scalar under fp16.
 
     Raises:
       DivergenceError: the mean loss or the learning rate is not finite.
@@ -175,7 +174,8 @@ class RunLog:
               **metrics_from_sums(sums, steps),
               "learning_rate": float(learning_rate),
               "process": self.process_id, "time": now,
-              "process_seconds": now - self.started}
+              "process_seconds": now - self.started,
+              "skipped_steps": int(skipped_steps)}
     if loss_scale is not None:
       record["loss_scale"] = float(loss_scale)
     text = (f"tfdist: step {step}/{self.total_steps}: loss {record['loss']:.4f}, "
@@ -185,6 +185,9 @@ class RunLog:
     text += f", learning rate {record['learning_rate']:.6g}"
     if loss_scale is not None:
       text += f", loss scale {loss_scale:g}"
+    if skipped_steps or total_skipped:
+      text += (f", {skipped_steps} of {steps} steps skipped (fp16 gradients "
+               f"not finite; {total_skipped} in this run)")
     if interval is not None:
       record["examples_per_second"] = interval.examples_per_second
       record["step_time_seconds"] = interval.step_time
@@ -197,6 +200,8 @@ class RunLog:
         k: record[k] for k in ("loss", "accuracy", "auc", "learning_rate",
                                "loss_scale", "examples_per_second",
                                "step_time_seconds") if k in record})
+    if loss_scale is not None:
+      self._scalars("train", step, {"skipped_steps": float(skipped_steps)})
     self.history.append(record)
     self._append(record)
     logging.info("%s", text)

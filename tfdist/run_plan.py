@@ -7,8 +7,9 @@ printed at start.
 """
 
 import dataclasses
-from typing import Sequence, Tuple
+from typing import Optional, Sequence, Tuple
 
+import models
 from tfdist import batch_plan as batch_plan_lib
 from tfdist import input_pipeline
 from tfdist import lr_schedule
@@ -34,6 +35,11 @@ class RunPlan:
       update; batch sizes are per worker step).
     num_workers: hosts training (input pipelines under multi-worker
       strategies; workers under parameter servers).
+    train_file_counts: records in each of `train_files`.
+    sharding: the `input_pipeline.ShardingPlan` of the training split (how
+      the workers split the records, and why).
+    sync_batch_norm: built-in models normalize over the global batch.
+    sync_batch_norm_reason: why (`models.resolve_sync_batch_norm`).
   """
   train_files: Tuple[str, ...]
   eval_files: Tuple[str, ...]
@@ -47,6 +53,10 @@ class RunPlan:
   dtype_reason: str
   asynchronous: bool = False
   num_workers: int = 1
+  train_file_counts: Tuple[int, ...] = ()
+  sharding: Optional[input_pipeline.ShardingPlan] = None
+  sync_batch_norm: bool = False
+  sync_batch_norm_reason: str = ""
 
   @property
   def steps_per_epoch(self) -> int:
@@ -83,7 +93,12 @@ class RunPlan:
         f"  warmup_steps           {self.lr.warmup_steps}",
         f"  dtype                  {self.dtype} "
         f"({precision.policy_name(self.dtype)}): {self.dtype_reason}",
-    ])
+    ] + ([f"  input sharding         {self.sharding.describe()}"]
+         if self.sharding else []) + (
+             [f"  batch norm             "
+              f"{'synchronized (global batch)' if self.sync_batch_norm else 'per replica'}"
+              f" ({self.sync_batch_norm_reason})"]
+             if models.has_batch_norm(config.model) else []))
 
 
 def resolve_data_files(config, spec) -> Tuple[Tuple[str, ...],
@@ -140,7 +155,9 @@ def make_run_plan(config, spec, *, num_replicas_in_sync: int,
     DataNotFoundError: missing data.
   """
   train_files, eval_files = resolve_data_files(config, spec)
-  num_train = input_pipeline.count_records(train_files)
+  train_file_counts = tuple(input_pipeline.count_records_per_file(
+      train_files))
+  num_train = sum(train_file_counts)
   plan = batch_plan_lib.make_batch_plan(
       num_replicas_in_sync=num_replicas_in_sync,
       batch_size=config.batch_size,
@@ -154,7 +171,19 @@ def make_run_plan(config, spec, *, num_replicas_in_sync: int,
   lr_plan = lr_schedule.plan_learning_rate(
       config, global_batch_size=plan.global_batch_size,
       steps_per_epoch=plan.steps_per_epoch, total_steps=total_steps)
+  pipelines = 1 if asynchronous else num_workers
+  sharding = input_pipeline.plan_sharding(
+      train_file_counts, num_files=len(train_files),
+      num_input_pipelines=pipelines,
+      global_batch_size=plan.global_batch_size, is_training=True)
+  sync_batch_norm, sync_batch_norm_reason = models.resolve_sync_batch_norm(
+      config.sync_batch_norm, strategy_name=decision.strategy,
+      num_replicas_in_sync=num_replicas_in_sync,
+      xla_per_replica=config.enable_xla and decision.strategy != "tpu")
   return RunPlan(
+      train_file_counts=train_file_counts, sharding=sharding,
+      sync_batch_norm=sync_batch_norm,
+      sync_batch_norm_reason=sync_batch_norm_reason,
       train_files=train_files, eval_files=eval_files,
       num_train_examples=num_train, batch=plan, total_steps=total_steps,
       lr=lr_plan, strategy=decision.strategy,

@@ -58,11 +58,16 @@ def main(argv, *, callbacks: Sequence["keras.callbacks.Callback"] = ()):
   environment = environment_lib.read_environment()
   from tfdist import experiment  # pylint: disable=g-import-not-at-top
   from tfdist import preemption  # pylint: disable=g-import-not-at-top
+  from tfdist import worker_exit  # pylint: disable=g-import-not-at-top
   try:
     result = experiment.run_experiment(config, callbacks=callbacks,
                                        environment=environment)
   except config_lib.ConfigError as e:
     _usage_error(e)
+  except FloatingPointError as e:
+    # Diverged or stalled (tfdist.training_checks): a clear message, exit 1.
+    logging.error("%s", e)
+    sys.exit(f"tfdist.train: error: {e}")
   except preemption.PreemptedError as e:
     # Checkpoint saved; 128 + signal (143 for SIGTERM), as a shell reports.
     print(f"tfdist.train: {e}", file=sys.stderr, flush=True)
@@ -72,6 +77,10 @@ def main(argv, *, callbacks: Sequence["keras.callbacks.Callback"] = ()):
     # distributed iterator (MultiDeviceIterator) was seen to hang there for
     # minutes, after the grace-period watcher had already been released.
     os._exit(e.exit_code)  # pylint: disable=protected-access
+  # This task's work is done (after the final barrier): tell the launcher,
+  # which then counts the task as finished even if TensorFlow's shutdown
+  # hangs or fails (tfdist.worker_exit).
+  worker_exit.mark_done(os.environ.get(worker_exit.DONE_FILE_ENV))
   if result.get("exit_status"):  # A ps/worker server stopped by a signal.
     sys.exit(result["exit_status"])
 

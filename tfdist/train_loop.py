@@ -8,21 +8,129 @@ Mirrored, MultiWorkerMirrored and TPU, and passed to
 `ClusterCoordinator.schedule` under ParameterServerStrategy.
 
 Loss: the per-example loss is averaged over the *global* batch
-(`tf.nn.compute_average_loss(..., global_batch_size=...)`); the optimizer
-sums gradients over replicas, so the update equals the single-device update
-on the whole global batch.
+(`tf.nn.compute_average_loss(..., global_batch_size=...)`) and the step sums
+gradients over replicas, so the update equals the single-device update on
+the whole global batch.
+
+What every replica (and worker) does in one step, in order:
+
+1. forward and backward pass on its share of the batch (the loss scaled by
+   the fp16 loss scale, if any), with dropout and other random layers drawing
+   from the replica's own random stream (see `per_replica_random_streams`);
+2. one all-reduce (sum) of the gradients over all replicas of all workers;
+3. the optimizer's `apply` on those summed gradients, with the optimizer's
+   own all-reduce turned off (Keras 3 optimizers sum gradients inside
+   `apply`, after their fp16 finite check and their clipping). So:
+   * the fp16 finite check sees the summed gradient, identical on every
+     replica and worker: all skip the step together (a step whose summed
+     gradient is not finite), the loss scale changes the same way
+     everywhere, no non-finite value reaches a weight, and no worker is
+     left waiting in an all-reduce the others skipped;
+   * `clipnorm` / `global_clipnorm` of the (inner) Keras optimizer clip
+     once, the summed and unscaled gradient, as on one device
+     (tensorflow/tensorflow#25806: clipping each replica's share differs).
+4. skipped steps (fp16: non-finite summed gradient) are counted inside the
+   compiled step and returned with the chunk's sums.
 """
 
+import contextlib
 from typing import Dict
 
 import keras
 import numpy as np
 import tensorflow as tf
 
+from tfdist import precision
+
 TASKS = ("multiclass", "binary")
 # Score buckets of the ROC AUC histograms (binary task): AUC from them is
 # within 1 / AUC_BUCKETS of the exact value.
 AUC_BUCKETS = 1000
+
+
+class _PerReplicaSeedGenerator(keras.random.SeedGenerator):
+  """A `keras.random.SeedGenerator` whose draws differ per replica.
+
+  The generator's state (a [2] seed-and-counter variable) stays the same on
+  every replica and worker, advances the same way and is what checkpoints
+  hold; each draw is `tf.random.experimental.stateless_fold_in(state,
+  replica_id_in_sync_group)`, so replica r of N gets its own stream,
+  reproducible from the seed, and unchanged by a checkpoint and resume.
+  """
+
+  def next(self, ordered=True):
+    seed = super().next(ordered=ordered)
+    context = tf.distribute.get_replica_context()
+    if context is None:  # Cross-replica context: no replica to tell apart.
+      return seed
+    replica_id = tf.cast(context.replica_id_in_sync_group, tf.int32)
+    return tf.cast(tf.random.experimental.stateless_fold_in(
+        tf.cast(seed, tf.int64), replica_id), seed.dtype)
+
+
+def per_replica_random_streams(model: keras.Model) -> int:
+  """Gives every replica its own random stream in `model`'s random layers.
+
+  Keras layers that draw random numbers (`Dropout`, `GaussianNoise`,
+  `RandomFlip`, ...) own a `keras.random.SeedGenerator`. Created under a
+  `tf.distribute` strategy its state is mirrored, so every replica (and,
+  seeded with the same `--seed`, every worker) would draw the same dropout
+  mask at every step: N replicas would then not train like one device on
+  the global batch. After this call each draw is folded with the replica's
+  `replica_id_in_sync_group` (unique over all workers), see
+  `_PerReplicaSeedGenerator`.
+
+  Returns:
+    The number of seed generators changed.
+  """
+  changed = 0
+  for layer in model._flatten_layers(include_self=True):  # pylint: disable=protected-access
+    for generator in getattr(layer, "_seed_generators", ()):
+      if type(generator) is keras.random.SeedGenerator:  # pylint: disable=unidiomatic-typecheck
+        generator.__class__ = _PerReplicaSeedGenerator
+        changed += 1
+  return changed
+
+
+def _sum_gradients_once(optimizer):
+  """Turns off `optimizer`'s own gradient all-reduce while the step runs.
+
+  Keras 3's TensorFlow optimizers sum gradients over replicas inside
+  `apply` (`_all_reduce_sum_gradients`), after their clipping and after a
+  `LossScaleOptimizer` decided from each replica's own gradients whether the
+  step is finite. The `Trainer` sums the gradients itself before `apply`
+  and, while its step is traced, makes the optimizer (and an inner one)
+  pass them through unchanged; outside the step the optimizer behaves as
+  Keras made it.
+
+  Returns:
+    A context manager.
+  """
+  optimizers = [optimizer]
+  if getattr(optimizer, "inner_optimizer", None) is not None:
+    optimizers.append(optimizer.inner_optimizer)
+
+  @contextlib.contextmanager
+  def context():
+    for opt in optimizers:
+      opt._all_reduce_sum_gradients = list  # pylint: disable=protected-access
+    try:
+      yield
+    finally:
+      for opt in optimizers:
+        del opt._all_reduce_sum_gradients  # pylint: disable=protected-access
+  return context()
+
+
+def _all_reduce_sum(grads):
+  """Sums gradients (tensors or `IndexedSlices`; None kept) over all
+  replicas of all workers, in one batched all-reduce. Replica context."""
+  context = tf.distribute.get_replica_context()
+  present = [g for g in grads if g is not None]
+  if context is None or not present:
+    return list(grads)
+  summed = iter(context.all_reduce(tf.distribute.ReduceOp.SUM, present))
+  return [None if g is None else next(summed) for g in grads]
 
 
 def binary_auc(pos_hist, neg_hist) -> float:
@@ -67,6 +175,11 @@ class Trainer:
       weights [batch] (1 for real examples, 0 for padding), as
       `input_pipeline.pad_to_static_batches` makes for TPUs.
 
+  The Trainer changes `model` and `optimizer` for its step (see the module
+  docstring): the model's random layers draw per replica
+  (`per_replica_random_streams`), and the optimizer's own all-reduce is off
+  while the step is traced (`_sum_gradients_once`).
+
   Raises:
     ValueError: unknown `task`.
   """
@@ -92,6 +205,7 @@ class Trainer:
           from_logits=True, reduction=None)
     self.uses_loss_scale = isinstance(optimizer,
                                       keras.optimizers.LossScaleOptimizer)
+    per_replica_random_streams(model)
     with strategy.scope():
       # Counts updates made by this loop (skipped fp16 steps included), for
       # checkpoint numbering and resumption.
@@ -159,12 +273,21 @@ class Trainer:
     return loss, grads, self._metric_sums(labels, logits)
 
   def _replica_train_step(self, inputs, labels, stop_flags):
+    """One replica's step; returns its loss and metric sums, `skipped`
+    (float32 scalar, 1.0 when the step was skipped for a non-finite fp16
+    gradient; equal on every replica), and the host's stop requests
+    `stop_flags` (float32 [2]), which ride with the step's sums (one
+    reduction): any worker's request reaches every worker after the same
+    step."""
     loss, grads, sums = self._replica_grads(inputs, labels)
-    self.optimizer.apply_gradients(zip(grads, self.model.trainable_variables))
-    # The host's stop requests ride with the step's sums (one reduction):
-    # any worker's request reaches every worker after the same step.
-    return {"loss": loss, **sums, "stop_signal": stop_flags[0],
-            "stop_training": stop_flags[1]}
+    variables = self.model.trainable_variables
+    grads = _all_reduce_sum(grads)
+    # The same summed gradients on every replica and worker: the finite
+    # check (here and inside a LossScaleOptimizer) agrees everywhere.
+    skipped = precision.step_skipped(self.optimizer, grads)
+    self.optimizer.apply(grads, variables)
+    return {"loss": loss, "skipped": skipped, **sums,
+            "stop_signal": stop_flags[0], "stop_training": stop_flags[1]}
 
   def _replica_eval_step(self, inputs, labels, weights=None):
     logits = tf.cast(self.model(inputs, training=False), tf.float32)
@@ -193,24 +316,38 @@ class Trainer:
 
     Returns:
       Sums over the executed steps (float32 scalars): `loss` (sum of
-      per-step global mean losses), `correct` and `count` (examples), and
-      `stop_signal` and `stop_training` (> 0 when any worker, in any step
-      of the chunk, asked to stop: every worker gets the same sums).
+      per-step global mean losses), `correct` and `count` (examples),
+      `skipped_steps` (steps whose update was skipped: fp16 gradients not
+      finite; the same on every worker), `skipped_steps_at_end` (how many
+      of the last steps in a row were skipped: equal to `num_steps` when
+      every step was), and `stop_signal` and `stop_training` (> 0 when any
+      worker, in any step of the chunk, asked to stop: every worker gets
+      the same sums).
     """
     if stop_flags is None:
       stop_flags = tf.zeros([2], tf.float32)
     totals = {"loss": tf.constant(0.0), "correct": tf.constant(0.0),
-              "count": tf.constant(0.0), "stop_signal": tf.constant(0.0),
+              "count": tf.constant(0.0), "skipped_steps": tf.constant(0.0),
+              "stop_signal": tf.constant(0.0),
               "stop_training": tf.constant(0.0)}
     if self.task == "binary":
       totals["pos_hist"] = tf.zeros([AUC_BUCKETS])
       totals["neg_hist"] = tf.zeros([AUC_BUCKETS])
+    skipped_at_end = tf.constant(0.0)
     for _ in tf.range(num_steps):
       inputs, labels = next(iterator)[:2]
-      step = self._reduce(self.strategy.run(
-          self._replica_train, args=(inputs, labels, stop_flags)))
+      with _sum_gradients_once(self.optimizer):
+        per_replica = self.strategy.run(self._replica_train,
+                                        args=(inputs, labels, stop_flags))
+      # Equal on every replica: read the first local one (no all-reduce).
+      skipped = self.strategy.experimental_local_results(
+          per_replica.pop("skipped"))[0]
+      step = self._reduce(per_replica)
+      step["skipped_steps"] = skipped
       totals = {k: totals[k] + step[k] for k in totals}
+      skipped_at_end = (skipped_at_end + 1.0) * skipped
       self.global_step.assign_add(1)
+    totals["skipped_steps_at_end"] = skipped_at_end
     return totals
 
   def _eval_function(self, batch) -> Dict[str, tf.Tensor]:

@@ -29,6 +29,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export TF_CPP_MIN_LOG_LEVEL="${TF_CPP_MIN_LOG_LEVEL:-2}"
+suite_started=$SECONDS
 VENV="${TFDIST_VENV:-.venv}"
 PY="$VENV/bin/python"
 if [ ! -x "$PY" ]; then
@@ -96,8 +97,14 @@ bazel test //tests/... \
 passed=$(grep -cE '^//\S+ .*PASSED in ' "$log" || true)
 failed=$(grep -cE '^//\S+ .*(FAILED|TIMEOUT|NO STATUS|INCOMPLETE|FLAKY)' \
   "$log" || true)
-rm -f "$log"
 echo "bazel: ${passed} passed, ${failed} failed"
+# The slowest targets (Bazel's own timing of each test run).
+echo "test.sh: slowest Bazel targets:"
+grep -oE '^//\S+ .* in [0-9.]+s' "$log" \
+  | sed -E 's/^(\S+) .* in ([0-9.]+)s$/\2 \1/' | sort -rn | head -8 \
+  | awk '{printf "  %7.1f s  %s\n", $1, $2}' || true
+rm -f "$log"
+echo "test.sh: total $((SECONDS - suite_started)) s (pytest and Bazel)"
 if [ "$pytest_status" != 0 ]; then
   echo "test.sh: pytest failed (exit ${pytest_status}); see above."
   exit "$pytest_status"
