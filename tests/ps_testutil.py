@@ -18,6 +18,27 @@ import portpicker
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def start_launcher(test_case, launch_args: List[str], train_args: List[str],
+                   log_path: str) -> subprocess.Popen:
+  """Starts `python -m tfdist.launch LAUNCH_ARGS -- TRAIN_ARGS` in a session
+  of its own, output to `log_path`; a cleanup of `test_case` kills that
+  session's process group (only what was started here)."""
+  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+  env["PYTHONPATH"] = REPO_ROOT + os.pathsep + env.get("PYTHONPATH", "")
+  with open(log_path, "wb") as log:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tfdist.launch", *launch_args, "--",
+         *train_args], cwd=REPO_ROOT, env=env, stdout=log,
+        stderr=subprocess.STDOUT, start_new_session=True)
+
+  def cleanup():
+    if proc.poll() is None:
+      os.killpg(proc.pid, signal.SIGKILL)
+      proc.wait(timeout=30)
+  test_case.addCleanup(cleanup)
+  return proc
+
+
 class LocalCluster:
   """Starts chief, workers, ps tasks and optionally an evaluator.
 

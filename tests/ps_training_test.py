@@ -150,26 +150,11 @@ class ParameterServerTrainingTest(absltest.TestCase):
   def test_launcher_restarts_cluster_after_ps_killed(self):
     import psutil  # pylint: disable=g-import-not-at-top
     import signal  # pylint: disable=g-import-not-at-top
-    import subprocess  # pylint: disable=g-import-not-at-top
-    import sys  # pylint: disable=g-import-not-at-top
     flags = _flags(self.model_dir, train_steps=100, steps_per_execution=2)
     log_path = os.path.join(self.tmp, "launch.log")
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
-    env["PYTHONPATH"] = (ps_testutil.REPO_ROOT + os.pathsep +
-                         env.get("PYTHONPATH", ""))
-    with open(log_path, "wb") as log:
-      launcher = subprocess.Popen(
-          [sys.executable, "-m", "tfdist.launch", "--num_workers=1",
-           "--num_ps=2", "--max_restarts=1", "--", *flags],
-          cwd=ps_testutil.REPO_ROOT, env=env, stdout=log,
-          stderr=subprocess.STDOUT, start_new_session=True)
-
-    def cleanup():
-      # Only the launcher's own process group (started above).
-      if launcher.poll() is None:
-        os.killpg(launcher.pid, signal.SIGKILL)
-        launcher.wait(timeout=30)
-    self.addCleanup(cleanup)
+    launcher = ps_testutil.start_launcher(
+        self, ["--num_workers=1", "--num_ps=2", "--max_restarts=1"], flags,
+        log_path)
 
     def read_log():
       with open(log_path, errors="replace") as f:
@@ -211,26 +196,9 @@ class OneControllerTest(absltest.TestCase):
     self.tmp = tempfile.mkdtemp(dir=os.environ.get("TEST_TMPDIR"))
 
   def _launch(self, args, log_path):
-    import signal  # pylint: disable=g-import-not-at-top
-    import subprocess  # pylint: disable=g-import-not-at-top
-    import sys  # pylint: disable=g-import-not-at-top
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
-    env["PYTHONPATH"] = (ps_testutil.REPO_ROOT + os.pathsep +
-                         env.get("PYTHONPATH", ""))
-    with open(log_path, "wb") as log:
-      proc = subprocess.Popen(
-          [sys.executable, "-m", "tfdist.launch", "--num_workers=1",
-           "--num_ps=1", "--module=tests.callback_testlib", "--", *args],
-          cwd=ps_testutil.REPO_ROOT, env=env, stdout=log,
-          stderr=subprocess.STDOUT, start_new_session=True)
-
-    def cleanup():
-      # Only the launcher's own process group (started above).
-      if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
-    self.addCleanup(cleanup)
-    return proc
+    return ps_testutil.start_launcher(
+        self, ["--num_workers=1", "--num_ps=1",
+               "--module=tests.callback_testlib"], args, log_path)
 
   def _read(self, path):
     with open(path, errors="replace") as f:
