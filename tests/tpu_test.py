@@ -313,7 +313,7 @@ class TpuFlagsTest(absltest.TestCase):
   def test_flags_to_config(self):
     from absl import flags  # pylint: disable=g-import-not-at-top
     from absl.testing import flagsaver  # pylint: disable=g-import-not-at-top
-    import flags as tfdist_flags  # pylint: disable=g-import-not-at-top
+    from tfdist import flags as tfdist_flags  # pylint: disable=g-import-not-at-top
     from tfdist import train  # pylint: disable=g-import-not-at-top,unused-import
     with flagsaver.as_parsed(
         distribution_strategy="tpu", tpu="my-tpu", tpu_zone="us-central2-b",

@@ -449,7 +449,7 @@ def define_ray_flags():
       "storage_path", None,
       "Ray's storage for its run records and the final Ray checkpoint "
       "(default: <model_dir>/ray_results).")
-  import flags as tfdist_flags  # pylint: disable=g-import-not-at-top
+  from tfdist import flags as tfdist_flags  # pylint: disable=g-import-not-at-top
   for name in tfdist_flags.define_all_flags():
     flags.declare_key_flag(name)
 
@@ -481,7 +481,7 @@ def main(argv):
     raise app.UsageError(str(e)) from None
   if len(leftover) > 1:
     raise app.UsageError(f"Unexpected arguments: {' '.join(leftover[1:])}")
-  import flags as tfdist_flags  # pylint: disable=g-import-not-at-top
+  from tfdist import flags as tfdist_flags  # pylint: disable=g-import-not-at-top
   try:
     config = prepare_config(tfdist_flags.flags_to_config())
     if FLAGS.num_workers < 1:
