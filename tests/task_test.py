@@ -435,6 +435,22 @@ class InitCheckpointTest(absltest.TestCase):
       for a, b in zip(source.get_weights(), target.get_weights()):
         np.testing.assert_array_equal(a, b)
 
+  def test_loads_a_tfdist_training_checkpoint(self):
+    # What tfdist.assembly saves: model, optimizer (built over the model's
+    # variables, so they are saved under its path) and the global step.
+    source = self._model(seed=1)
+    optimizer = keras.optimizers.Adam(0.1)
+    optimizer.build(source.trainable_variables)
+    prefix = tf.train.Checkpoint(
+        model=source, optimizer=optimizer,
+        global_step=tf.Variable(7, dtype=tf.int64)).save(
+            os.path.join(testutil.scratch_dir(), "ckpt"))
+    target = self._model(seed=2)
+    target.compile(loss="mse")  # An optimizer of its own (RMSprop).
+    assembly.load_init_checkpoint(target, prefix)
+    for a, b in zip(source.get_weights(), target.get_weights()):
+      np.testing.assert_array_equal(a, b)
+
   def test_partial_match_loads_the_rest_keeps_its_values(self):
     source = self._model(seed=1)
     prefix = tf.train.Checkpoint(model=source).save(

@@ -145,7 +145,12 @@ def build(config, *, task: task_lib.Task, strategy: tf.distribute.Strategy,
     # first step, ParameterServerStrategy would place it on the
     # coordinator).
     optimizer.build(model.trainable_variables)
-  model.optimizer = optimizer  # Keras callbacks read `model.optimizer`.
+  # Keras callbacks read `model.optimizer`. Set without tracking it as the
+  # model's checkpoint dependency: the optimizer is saved once, as the
+  # checkpoint's own `optimizer`, and a model restored from the checkpoint
+  # (`tf.train.Checkpoint(model=...)`, compiled with an optimizer of its own
+  # or not) finds no optimizer of tfdist's under `model/`.
+  object.__setattr__(model, "optimizer", optimizer)
   resolved, metric_sums = resolve_objectives(model, task=task)
   trainer = Trainer(strategy=strategy, model=model, optimizer=optimizer,
                     global_batch_size=plan.global_batch_size,
@@ -184,6 +189,16 @@ def evaluation_trainer(parts: Parts, *, global_batch_size: int) -> Trainer:
                  optimizer=parts.optimizer or keras.optimizers.SGD(),
                  global_batch_size=global_batch_size,
                  loss=parts.objectives.loss, metrics=parts.metric_sums)
+
+
+def _root_children(prefix: str) -> set:
+  """Names of the objects a checkpoint's root holds (`model`, `optimizer`,
+  ...), from its object graph."""
+  from tensorflow.core.protobuf import trackable_object_graph_pb2  # pylint: disable=g-import-not-at-top
+  graph = trackable_object_graph_pb2.TrackableObjectGraph()
+  graph.ParseFromString(tf.train.load_checkpoint(prefix).get_tensor(
+      "_CHECKPOINTABLE_OBJECT_GRAPH"))
+  return {child.local_name for child in graph.nodes[0].children}
 
 
 def load_init_checkpoint(model: keras.Model, path: str) -> str:
@@ -226,8 +241,7 @@ def load_init_checkpoint(model: keras.Model, path: str) -> str:
         f"--init_checkpoint={path}: no checkpoint there ({path}.index is "
         "missing). Give a checkpoint prefix (.../ckpt-N), a folder of "
         "checkpoints, or a .weights.h5 file.")
-  if not any(name.startswith("model/") for name, _ in
-             tf.train.list_variables(prefix)):
+  if "model" not in _root_children(prefix):
     raise ConfigError(
         f"--init_checkpoint={path}: {prefix} holds no model (tfdist loads "
         "checkpoints written as tf.train.Checkpoint(model=...), as tfdist "
