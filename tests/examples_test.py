@@ -112,7 +112,8 @@ class TaggingProjectTest(ProjectTest):
         "--feature_spec=feature_spec.json", "--train_files=data/train-*",
         "--eval_files=data/eval-*", "--model=models.tagger:build_tagger",
         f"--model_dir={model_dir}", "--batch_size=64", "--log_steps=4",
-        "--checkpoint_steps=8", "--seed=3", *extra])
+        "--checkpoint_steps=8", "--seed=3", "--optimizer=adam",
+        "--base_learning_rate=0.01", "--lr_scaling=none", *extra])
 
   def check_manifest(self, manifest, *, strategy, replicas, final_step):
     self.assertEqual(manifest["strategy"], strategy)
@@ -129,18 +130,23 @@ class TaggingProjectTest(ProjectTest):
                       "metrics": ["auc", "accuracy"], "source": "compile"})
     final = manifest["final_metrics"]
     self.assertEqual(final["eval_examples"], 256)  # Every example once.
-    self.assertBetween(final["eval_auc"], 0.5, 1.0)  # Better than chance.
+    # It learns (a chance-level tagger scores 0.5; 8 steps reach about 0.9).
+    self.assertBetween(final["eval_auc"], 0.75, 1.0)
     self.assertBetween(final["eval_accuracy"], 0.0, 1.0)
     self.assertTrue(np.isfinite(final["train_loss"]))
 
-  def test_one_device_resume_and_saved_model(self):
+  def test_one_device_then_mirrored_resume_and_saved_model(self):
     model_dir = os.path.join(testutil.scratch_dir(), "run")
     self.train(model_dir, "--distribution_strategy=one_device",
                "--train_steps=8")
-    self.train(model_dir, "--distribution_strategy=one_device",
-               "--train_steps=16")
+    self.check_manifest(self.manifest(model_dir), strategy="one_device",
+                        replicas=1, final_step=8)
+    # The same run resumed under MirroredStrategy over 2 logical CPUs (a
+    # checkpoint holds no strategy).
+    self.train(model_dir, "--distribution_strategy=mirrored",
+               "--num_cpu_devices=2", "--train_steps=16")
     manifest = self.manifest(model_dir)
-    self.check_manifest(manifest, strategy="one_device", replicas=1,
+    self.check_manifest(manifest, strategy="mirrored", replicas=2,
                         final_step=16)
     self.assertTrue(manifest["restored_from"].endswith("ckpt-8"))
     self.assertEqual([h["step"] for h in manifest["history"]],
@@ -159,13 +165,6 @@ class TaggingProjectTest(ProjectTest):
         "id": np.array([-1, 5, 9], np.int64)})
     self.assertEqual(out.shape, (3, 4))
     self.assertTrue(((out > 0) & (out < 1)).all())
-
-  def test_mirrored(self):
-    model_dir = os.path.join(testutil.scratch_dir(), "run")
-    self.train(model_dir, "--distribution_strategy=mirrored",
-               "--num_cpu_devices=2", "--train_steps=8")
-    self.check_manifest(self.manifest(model_dir), strategy="mirrored",
-                        replicas=2, final_step=8)
 
   def test_multi_worker_then_eval(self):
     model_dir = os.path.join(testutil.scratch_dir(), "run")
@@ -228,7 +227,7 @@ class RatingProjectTest(ProjectTest):
     self.assertAlmostEqual(final["eval_rmse"] ** 2, final["eval_loss"],
                            places=4)
 
-  def test_one_device_mirrored_resume_and_saved_model(self):
+  def test_one_device_mirrored_and_saved_model(self):
     one = os.path.join(testutil.scratch_dir(), "one")
     self.train(one, "--distribution_strategy=one_device", "--train_steps=20")
     first = self.manifest(one)
@@ -245,13 +244,7 @@ class RatingProjectTest(ProjectTest):
     for key in ("eval_loss", "eval_rmse", "eval_mae"):
       self.assertAlmostEqual(first["final_metrics"][key],
                              second["final_metrics"][key], places=4, msg=key)
-    # Resume the one-device run.
-    self.train(one, "--distribution_strategy=one_device", "--train_steps=40")
-    resumed = self.manifest(one)
-    self.assertTrue(resumed["restored_from"].endswith("ckpt-20"))
-    self.assertEqual(resumed["final_step"], 40)
-    self.assertEqual([h["step"] for h in resumed["history"]],
-                     [10, 20, 30, 40])
+    # (Resuming: TaggingProjectTest.) The SavedModel serves the checkpoint.
     rating = load_module(os.path.join(self.project, "rating_regression.py"),
                          "rating_project")
     self.saved_model_matches_checkpoint(one, rating.build_model(), {

@@ -226,18 +226,18 @@ class NoShadowingTest(absltest.TestCase):
     self.assertNotIn("was imported", proc.stdout)
     self.assertIn("--feature_spec", proc.stdout)
     # tfdist's model registry loads its own models (tfdist.models).
+    # ... and the project's own packages are still the project's.
     proc = self._run(project, ["-c", (
         "from tfdist import registry, task; task.load_builtins(); "
         "import tfdist.models, tfdist.flags; "
         "print('MODELS', registry.model_names()); "
-        "print('FILES', tfdist.models.__file__, tfdist.flags.__file__)")])
-    self.assertEqual(proc.returncode, 0, proc.stdout[-3000:])
+        "print('FILES', tfdist.models.__file__, tfdist.flags.__file__); "
+        "import models")])
     self.assertIn("MODELS ('cnn', 'ranking', 'resnet')", proc.stdout)
     self.assertIn(f"FILES {os.path.join(testutil.REPO_ROOT, 'models')}",
                   proc.stdout)
-    # ... and the project's own packages are still the project's.
-    proc = self._run(project, ["-c", "import tfdist.models, models"])
-    self.assertIn("the project's own models was imported", proc.stdout)
+    self.assertIn("RuntimeError: the project's own models was imported",
+                  proc.stdout)
 
 
 class ObjectivesTest(parameterized.TestCase):
@@ -310,6 +310,9 @@ class ObjectivesTest(parameterized.TestCase):
     with self.assertRaisesRegex(ConfigError, "Metric 'last' keeps its "
                                 "variable .* aggregation='mean'"):
       objectives.MetricSums([Last()])
+    with self.assertRaisesRegex(ConfigError, "Metric 'auc' sizes its state "
+                                "from its first batch"):
+      objectives.MetricSums([keras.metrics.AUC(multi_label=True)])
 
 
 class StrategiesTest(absltest.TestCase):

@@ -385,8 +385,10 @@ def _train(config, *, task, cluster, decision, applied, callbacks, started,
     ps_lib.mark_done(config.model_dir)
     final_eval = result.final_eval
     if final_eval:
-      print(f"Final eval: {run_log_lib.format_eval(final_eval)}. Artifacts "
-            f"in {config.model_dir}", flush=True)
+      print("Final eval: " + run_log_lib.format_metrics(
+          run_log_lib.metric_values(final_eval)) +
+            f" ({final_eval['num_examples']} examples). Artifacts in "
+            f"{config.model_dir}", flush=True)
   if multi_worker:
     # No worker leaves while another still needs it (the chief hosts the
     # coordination service).

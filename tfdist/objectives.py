@@ -306,7 +306,8 @@ class MetricSums:
       (batch dimension included, any size), for building.
 
   Raises:
-    ConfigError: a metric variable aggregated otherwise than by sum.
+    ConfigError: a metric variable aggregated otherwise than by sum; a
+      metric to build without `y_true` and `y_pred`.
   """
 
   PREFIX = "metric/"
@@ -316,8 +317,12 @@ class MetricSums:
                y_pred: Optional[tf.TensorSpec] = None):
     self.metrics = tuple(metrics)
     for metric in self.metrics:
-      if (getattr(metric, "_built", True) is False and y_true is not None
-          and y_pred is not None):
+      if getattr(metric, "_built", True) is False:
+        if y_true is None or y_pred is None:
+          raise ConfigError(
+              f"Metric {metric.name!r} sizes its state from its first batch:"
+              " give MetricSums the y_true and y_pred specs to build it with "
+              "(tfdist.assembly does), or build it first.")
         _build(metric, y_true, y_pred)
       for variable in metric.variables:
         aggregation = str(getattr(variable, "aggregation", "sum")).lower()
@@ -334,12 +339,16 @@ class MetricSums:
   def _key(self, i: int, j: int) -> str:
     return f"{self.PREFIX}{i}/{j}"
 
+  # Plain TensorFlow ops, no Python control flow on tensors: called as is
+  # inside the step's tf.function, not converted by AutoGraph.
+  @tf.autograph.experimental.do_not_convert
   def zeros(self) -> Dict[str, tf.Tensor]:
     """Zero sums (the totals a chunk of steps starts from)."""
     return {self._key(i, j): tf.zeros(v.shape, v.dtype)
             for i, state in enumerate(self.initial)
             for j, v in enumerate(state)}
 
+  @tf.autograph.experimental.do_not_convert
   def batch_sums(self, y_true, y_pred, sample_weight=None
                  ) -> Dict[str, tf.Tensor]:
     """Each metric's state contribution from one batch (tf.function-safe):

@@ -61,7 +61,7 @@ def metric_values(result: dict) -> dict:
           and isinstance(v, (int, float, np.floating, np.integer))}
 
 
-def _format_metrics(values: dict) -> str:
+def format_metrics(values: dict) -> str:
   """`loss L, accuracy A, auc U`: the loss first, then the metrics."""
   keys = ["loss"] if "loss" in values else []
   keys += [k for k in values if k != "loss"]
@@ -71,7 +71,7 @@ def _format_metrics(values: dict) -> str:
 
 def format_eval(result: dict) -> str:
   """`loss L, accuracy A[, AUC U, ...] on N examples`."""
-  return (_format_metrics(metric_values(result)) +
+  return (format_metrics(metric_values(result)) +
           f" on {result['num_examples']} examples")
 
 
@@ -195,7 +195,7 @@ class RunLog:
     if loss_scale is not None:
       record["loss_scale"] = float(loss_scale)
     text = (f"tfdist: step {step}/{self.total_steps}: "
-            f"{_format_metrics(values)}")
+            f"{format_metrics(values)}")
     text += f", learning rate {record['learning_rate']:.6g}"
     if loss_scale is not None:
       text += f", loss scale {loss_scale:g}"
