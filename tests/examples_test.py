@@ -161,8 +161,7 @@ class TaggingProjectTest(ProjectTest):
     rng = np.random.RandomState(0)
     out = self.saved_model_matches_checkpoint(model_dir, model, {
         "signal": rng.normal(size=(3, 16)).astype(np.float32),
-        "channel": np.array([0, 3, 7], np.int64),
-        "id": np.array([-1, 5, 9], np.int64)})
+        "channel": np.array([0, 3, 7], np.int64)})
     self.assertEqual(out.shape, (3, 4))
     self.assertTrue(((out > 0) & (out < 1)).all())
 

@@ -10,12 +10,16 @@ import os
 from absl.testing import absltest
 from absl.testing import parameterized
 import numpy as np
+import pytest
 import tensorflow as tf
 
 from tests import testutil
 from tfdist import feature_spec
 from tfdist import fashion_mnist
 from tfdist.config import ConfigError
+
+# Unit tests: also run on the oldest supported TensorFlow (tests/conftest.py).
+pytestmark = pytest.mark.compat
 
 SPEC = {
     "features": {

@@ -25,6 +25,7 @@ from absl.testing import absltest
 from absl.testing import parameterized
 import keras
 import numpy as np
+import pytest
 import tensorflow as tf
 
 from tests import testutil
@@ -35,6 +36,9 @@ from tfdist import registry
 from tfdist import task as task_lib
 from tfdist.config import ConfigError, TrainConfig
 from tfdist.dataset_spec import DatasetSpec
+
+# Unit tests: also run on the oldest supported TensorFlow (tests/conftest.py).
+pytestmark = pytest.mark.compat
 
 _CHILD_ENV = "TFDIST_TASK_TEST_CHILD"
 

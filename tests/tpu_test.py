@@ -418,8 +418,10 @@ class StaticEvalBatchesTest(parameterized.TestCase):
     with strategy.scope():
       inputs = {"x": keras.Input((4,), name="x"),
                 "id": keras.Input((), name="id", dtype="int64")}
+      features = keras.layers.Concatenate()([
+          inputs["x"], keras.layers.Embedding(70, 2)(inputs["id"])])
       model = keras.Model(inputs, keras.layers.Dense(
-          3, activation="sigmoid")(inputs["x"]))
+          3, activation="sigmoid")(features))
       optimizer = keras.optimizers.SGD(0.1)
       optimizer.build(model.trainable_variables)
     results = {}

@@ -28,8 +28,9 @@ dtypes and shapes, and which of them are labels:
 Every other feature of the spec is a model input: the parsed example is
 `(inputs, label)`, `inputs` a dict from feature name to tensor (a
 functional model takes it with one `keras.Input(name=...)` per feature:
-`spec.features.keras_inputs()` makes them). Features in the records that the
-spec does not name are ignored.
+`spec.features.keras_inputs()` makes them; Keras 3.12 refuses an input the
+model does not use, so leave such features out of the spec). Features in
+the records that the spec does not name (an `id`, say) are ignored.
 
 At start the first record of the first training and evaluation file is
 checked against the spec; every mismatch (a missing feature, another kind,

@@ -5,7 +5,8 @@ Each `tf.train.Example` has
     signal:  float32 [16]  a noisy sensor reading
     channel: int64         which of 8 channels it came from (some records
                            leave it out: feature_spec.json gives a default)
-    id:      int64         present in half of the records only
+    id:      int64         present in half of the records only (the feature
+                           spec leaves it out: tfdist ignores it)
     tags:    float32 [4]   multi-hot labels: tag k is on when a fixed linear
                            function of signal and channel, plus noise, is > 0
 

@@ -15,7 +15,7 @@ def build_tagger(spec, width: int = 64) -> keras.Model:
     A compiled `keras.Model` (binary cross-entropy per tag, ROC AUC over
     tags and per-tag accuracy); tfdist supplies the optimizer.
   """
-  inputs = spec.features.keras_inputs()  # {"signal", "channel", "id"}
+  inputs = spec.features.keras_inputs()  # {"signal", "channel"}
   num_tags = spec.features.label_shape[0]
   channel = keras.layers.Embedding(8, 4, name="channel_embedding")(
       inputs["channel"])
@@ -24,7 +24,6 @@ def build_tagger(spec, width: int = 64) -> keras.Model:
   logits = keras.layers.Dense(num_tags)(x)
   outputs = keras.layers.Activation("sigmoid", dtype="float32",
                                     name="tags")(logits)
-  # `id` is an input the model ignores (a record may lack it).
   model = keras.Model(inputs, outputs, name="tagger")
   model.compile(loss="binary_crossentropy",
                 metrics=[keras.metrics.AUC(multi_label=True, name="auc"),
