@@ -214,6 +214,9 @@ class RatingProjectTest(ProjectTest):
     self.assertEqual(manifest["model"], "__main__:build_model")
     self.assertEqual(manifest["data"]["dataset"], "__main__:make_dataset")
     self.assertEqual(manifest["data"]["train_files"], [])
+    self.assertEqual(manifest["data"]["input_sharding"]["mode"],
+                     "example" if replicas > 1 and strategy ==
+                     "multi_worker_mirrored" else "none")
     self.assertEqual(manifest["data"]["num_train_examples"], 80034)
     # The script's own default for an unset --optimizer.
     self.assertEqual(manifest["config"]["optimizer"], "adam")
@@ -338,6 +341,7 @@ def _child_parameter_server(project: str) -> dict:
 
   class Plan:  # What assembly.build reads of a run plan.
     global_batch_size = 64
+    sync_batch_norm = False
   Plan.lr = lr
   parts = assembly.build(config, task=task, strategy=strategy, plan=Plan)
   placement = ps_lib.describe_placement(parts.model, parts.optimizer,

@@ -248,7 +248,9 @@ class ShardingPlan:
   Attributes:
     mode: `none` (one host reads everything), `file` (whole files,
       round-robin), `range` (balanced contiguous record ranges) or `data`
-      (every host reads everything and keeps every n-th record).
+      (every host reads everything and keeps every n-th record); for a
+      dataset function, `function` (it shards by its `input_context`) or
+      `example` (every n-th example).
     reason: one sentence for the printed plan.
     records_per_pipeline: records in each host's share (None if unknown).
     examples_per_epoch: training: records each host reads per epoch,
@@ -333,6 +335,21 @@ def plan_sharding(file_record_counts: Optional[Sequence[int]], *,
       f"each reads {epoch}", shares, per_epoch)
 
 
+def function_sharding(input_fn: Callable, *,
+                      num_input_pipelines: int) -> ShardingPlan:
+  """How the hosts split a dataset function's examples (module docstring):
+  the function itself when it takes `input_context`, else by example."""
+  n = max(1, int(num_input_pipelines))
+  if n == 1:
+    return ShardingPlan("none", "one worker reads every example of the "
+                        "dataset function")
+  if takes_input_context(input_fn):
+    return ShardingPlan("function", f"the dataset function shards its "
+                        f"examples over {n} workers (it takes input_context)")
+  return ShardingPlan("example", f"every one of {n} workers keeps every "
+                      f"{n}-th example of the dataset function")
+
+
 def _segments(plan: ShardingPlan, files: Sequence[str],
               counts: Optional[Sequence[int]], pipeline_id: int,
               num_pipelines: int) -> List[Tuple[str, int, int]]:
@@ -389,11 +406,12 @@ def _examples_from_function(options: PipelineOptions, input_context,
   """One host's examples from a dataset function (sharded by example
   unless the function takes `input_context`)."""
   shards_itself = takes_input_context(options.input_fn)
-  logging.info("Input pipeline %d/%d: dataset function %s, %s; per-replica "
-               "batch %d", pipeline_id, num_pipelines, options.name or
-               getattr(options.input_fn, "__name__", "?"),
-               "sharded by the function" if shards_itself or
-               num_pipelines == 1 else "sharded by example", batch)
+  plan = function_sharding(options.input_fn,
+                           num_input_pipelines=num_pipelines)
+  logging.info("Input pipeline %d/%d: dataset function %s, sharded %s; "
+               "per-replica batch %d", pipeline_id, num_pipelines,
+               options.name or getattr(options.input_fn, "__name__", "?"),
+               plan.describe(), batch)
   ds = call_input_fn(options.input_fn, training=options.is_training,
                      input_context=input_context, name=options.name)
   if num_pipelines > 1 and not shards_itself:

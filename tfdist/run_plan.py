@@ -201,12 +201,14 @@ def make_run_plan(config, spec, *, num_replicas_in_sync: int,
       config, global_batch_size=plan.global_batch_size,
       steps_per_epoch=plan.steps_per_epoch, total_steps=total_steps)
   pipelines = 1 if asynchronous else num_workers
-  # A dataset function shards its own examples (or tfdist does, by example).
-  sharding = input_pipeline.plan_sharding(
-      train_file_counts, num_files=len(train_files),
-      num_input_pipelines=pipelines,
-      global_batch_size=plan.global_batch_size,
-      is_training=True) if spec.reads_files else None
+  if spec.reads_files:
+    sharding = input_pipeline.plan_sharding(
+        train_file_counts, num_files=len(train_files),
+        num_input_pipelines=pipelines,
+        global_batch_size=plan.global_batch_size, is_training=True)
+  else:
+    sharding = input_pipeline.function_sharding(
+        spec.input_fn, num_input_pipelines=pipelines)
   sync_batch_norm, sync_batch_norm_reason = models.resolve_sync_batch_norm(
       config.sync_batch_norm, strategy_name=decision.strategy,
       num_replicas_in_sync=num_replicas_in_sync,
