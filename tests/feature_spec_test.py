@@ -163,8 +163,14 @@ class CheckFilesTest(absltest.TestCase):
 
   def test_matching_files_pass(self):
     spec = feature_spec.from_dict(SPEC, path="spec.json")
-    spec.check_files([_write([_record(with_optional=False)])],
-                     "--train_files")
+    spec.check_files([_write([_record()])], "--train_files")
+    # Optional features may be absent; a warning names them (a misspelt
+    # name would otherwise give every record the default, silently).
+    with self.assertLogs(level="WARNING") as logs:
+      spec.check_files([_write([_record(with_optional=False)])],
+                       "--train_files")
+    self.assertIn("optional feature(s) 'word', 'id' absent from the first "
+                  "record", logs.output[0])
 
   def test_every_mismatch_is_named(self):
     spec = feature_spec.from_dict(SPEC, path="spec.json")

@@ -44,6 +44,8 @@ import math
 import os
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from absl import logging
+
 from tfdist.config import ConfigError
 from tfdist.dataset_spec import DatasetSpec
 
@@ -248,6 +250,15 @@ class FeatureSpec:
       raise ConfigError(
           f"--feature_spec={self.path} does not match {flag} (first record "
           f"of {path}):\n  " + "\n  ".join(problems))
+    absent = [f.name for f in self.features if f.default is not None and
+              f.name not in example.features.feature]
+    if absent:
+      # Optional, so not an error; but a misspelt name would silently give
+      # every record the default.
+      logging.warning(
+          "--feature_spec=%s: optional feature(s) %s absent from the first "
+          "record of %s (%s): records without them get their \"default\".",
+          self.path, ", ".join(repr(n) for n in absent), path, flag)
 
   # --- the data set -----------------------------------------------------
   def dataset_spec(self, *, name: str = "feature_spec") -> DatasetSpec:
