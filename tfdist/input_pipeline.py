@@ -13,7 +13,11 @@ of `num_input_pipelines`). Each host reads a disjoint part of the data
     record;
 * evaluation: by file when there are at least as many files as hosts, else
   by data (every host reads every file and keeps records `i, i + n, ...`);
-  uneven shares are harmless there: every example is read exactly once.
+  uneven shares are harmless there: every example is read exactly once;
+* a dataset function that takes `input_context` shards its examples itself;
+  one that does not is sharded by example (host i keeps examples
+  `i, i + n, ...`). Its training epochs are not aligned to steps: each host
+  repeats its share.
 
 Training epochs. With N training records and global batch B, an epoch is
 `steps_per_epoch = N // B` steps. In each epoch every host reshuffles its
@@ -35,7 +39,10 @@ from typing import Callable, List, Optional, Sequence, Tuple
 from absl import logging
 import tensorflow as tf
 
-from tfdist.datasets import DataNotFoundError
+from tfdist import registry
+from tfdist.config import ConfigError
+from tfdist.dataset_spec import DataNotFoundError
+from tfdist.dataset_spec import DatasetSpec
 
 AUTOTUNE = tf.data.AUTOTUNE
 
@@ -109,8 +116,9 @@ class PipelineOptions:
   """How to read one split.
 
   Attributes:
-    files: TFRecord paths.
-    parse_fn: serialized example -> tuple of tensors.
+    files: TFRecord paths (empty with `input_fn`).
+    parse_fn: serialized example -> tuple of tensors (None with
+      `input_fn`).
     global_batch_size: examples per step over all replicas.
     is_training: shuffle, repeat forever and drop the last partial batch; when
       False read once in order and keep every example.
@@ -130,6 +138,9 @@ class PipelineOptions:
       (module docstring). None: counted when the dataset is built (one more
       read) if there are several hosts; with one host, epochs are then not
       aligned.
+    input_fn: instead of files, a data set's dataset function
+      (`DatasetSpec.input_fn`), called by `call_input_fn`.
+    name: the data set's name, for messages.
   """
   files: Sequence[str]
   parse_fn: Callable
@@ -141,6 +152,85 @@ class PipelineOptions:
   deterministic: bool = False
   pad_to_static_batches: bool = False
   file_record_counts: Optional[Sequence[int]] = None
+  input_fn: Optional[Callable] = None
+  name: str = ""
+
+
+def options_for(spec: DatasetSpec, *, files: Sequence[str] = (),
+                **kwargs) -> PipelineOptions:
+  """`PipelineOptions` reading the data set `spec`: its TFRecord `files`
+  through `parse_fn`, or its dataset function; `kwargs` are the other
+  `PipelineOptions` fields."""
+  if spec.reads_files:
+    return PipelineOptions(files=files, parse_fn=spec.parse_fn,
+                           name=spec.name, **kwargs)
+  return PipelineOptions(files=(), parse_fn=None, input_fn=spec.input_fn,
+                         name=spec.name, **kwargs)
+
+
+def takes_input_context(input_fn: Callable) -> bool:
+  """True when a dataset function names `input_context` (it then shards its
+  examples itself)."""
+  import inspect  # pylint: disable=g-import-not-at-top
+  try:
+    params = inspect.signature(input_fn).parameters
+  except (TypeError, ValueError):
+    return False
+  return "input_context" in params or any(
+      p.kind is p.VAR_KEYWORD for p in params.values())
+
+
+def call_input_fn(spec_or_fn, *, training: bool,
+                  input_context: Optional[tf.distribute.InputContext] = None,
+                  name: str = "") -> tf.data.Dataset:
+  """Calls a dataset function with the arguments it names.
+
+  Args:
+    spec_or_fn: a `DatasetSpec` with `input_fn`, or the function.
+    training: the training split (True) or the evaluation split.
+    input_context: this input pipeline's context (None: the only one).
+    name: the data set's name, for messages.
+
+  Raises:
+    ConfigError: it did not return a `tf.data.Dataset`.
+  """
+  fn = spec_or_fn
+  if isinstance(spec_or_fn, DatasetSpec):
+    fn, name = spec_or_fn.input_fn, spec_or_fn.name
+  if input_context is None:
+    input_context = tf.distribute.InputContext(
+        num_input_pipelines=1, input_pipeline_id=0, num_replicas_in_sync=1)
+  what = f"--dataset={name or getattr(fn, '__name__', fn)}"
+  ds = registry.call_with_accepted(
+      fn, {"input_context": input_context, "training": training}, what=what)
+  if not isinstance(ds, tf.data.Dataset):
+    raise ConfigError(f"{what} returned {type(ds).__name__}, not a "
+                      "tf.data.Dataset of (features, labels) examples.")
+  return ds
+
+
+def count_examples(spec: DatasetSpec) -> int:
+  """Examples in one epoch of a dataset function's training split.
+
+  Uses the dataset's cardinality when tf.data knows it, else reads it once.
+
+  Raises:
+    ConfigError: the dataset is infinite (the function must return one
+      epoch; tfdist repeats it), or empty.
+  """
+  ds = call_input_fn(spec, training=True)
+  cardinality = int(ds.cardinality())
+  if cardinality == int(tf.data.INFINITE_CARDINALITY):
+    raise ConfigError(
+        f"--dataset={spec.name} returns an infinite dataset: return one "
+        "epoch of examples (no .repeat()); tfdist repeats, shuffles and "
+        "batches it.")
+  if cardinality < 0:
+    cardinality = int(ds.reduce(tf.constant(0, tf.int64), lambda n, _: n + 1))
+  if cardinality == 0:
+    raise DataNotFoundError(f"--dataset={spec.name}: the training split has "
+                            "no examples.")
+  return cardinality
 
 
 def shard_mode(num_files: int, num_input_pipelines: int) -> str:
@@ -158,7 +248,9 @@ class ShardingPlan:
   Attributes:
     mode: `none` (one host reads everything), `file` (whole files,
       round-robin), `range` (balanced contiguous record ranges) or `data`
-      (every host reads everything and keeps every n-th record).
+      (every host reads everything and keeps every n-th record); for a
+      dataset function, `function` (it shards by its `input_context`) or
+      `example` (every n-th example).
     reason: one sentence for the printed plan.
     records_per_pipeline: records in each host's share (None if unknown).
     examples_per_epoch: training: records each host reads per epoch,
@@ -243,6 +335,21 @@ def plan_sharding(file_record_counts: Optional[Sequence[int]], *,
       f"each reads {epoch}", shares, per_epoch)
 
 
+def function_sharding(input_fn: Callable, *,
+                      num_input_pipelines: int) -> ShardingPlan:
+  """How the hosts split a dataset function's examples (module docstring):
+  the function itself when it takes `input_context`, else by example."""
+  n = max(1, int(num_input_pipelines))
+  if n == 1:
+    return ShardingPlan("none", "one worker reads every example of the "
+                        "dataset function")
+  if takes_input_context(input_fn):
+    return ShardingPlan("function", f"the dataset function shards its "
+                        f"examples over {n} workers (it takes input_context)")
+  return ShardingPlan("example", f"every one of {n} workers keeps every "
+                      f"{n}-th example of the dataset function")
+
+
 def _segments(plan: ShardingPlan, files: Sequence[str],
               counts: Optional[Sequence[int]], pipeline_id: int,
               num_pipelines: int) -> List[Tuple[str, int, int]]:
@@ -274,14 +381,47 @@ def make_dataset(options: PipelineOptions,
       None means one pipeline and one replica.
 
   Returns:
-    A `tf.data.Dataset` of batches of `parse_fn`'s outputs, each of
-    `global_batch_size / num_replicas_in_sync` examples (the last evaluation
-    batch may be smaller).
+    A `tf.data.Dataset` of batches of examples (`parse_fn`'s or the dataset
+    function's), each of `global_batch_size / num_replicas_in_sync`
+    examples (the last evaluation batch may be smaller).
   """
   num_pipelines = input_context.num_input_pipelines if input_context else 1
   pipeline_id = input_context.input_pipeline_id if input_context else 0
   batch = (input_context.get_per_replica_batch_size(options.global_batch_size)
            if input_context else options.global_batch_size)
+  if options.input_fn is not None:
+    ds = _examples_from_function(options, input_context, num_pipelines,
+                                 pipeline_id, batch)
+    plan = None
+  else:
+    ds, plan = _examples_from_files(options, num_pipelines, pipeline_id,
+                                    batch)
+  return _batch(ds, options, plan, input_context, num_pipelines,
+                pipeline_id, batch)
+
+
+def _examples_from_function(options: PipelineOptions, input_context,
+                            num_pipelines: int, pipeline_id: int,
+                            batch: int) -> tf.data.Dataset:
+  """One host's examples from a dataset function (sharded by example
+  unless the function takes `input_context`)."""
+  shards_itself = takes_input_context(options.input_fn)
+  plan = function_sharding(options.input_fn,
+                           num_input_pipelines=num_pipelines)
+  logging.info("Input pipeline %d/%d: dataset function %s, sharded %s; "
+               "per-replica batch %d", pipeline_id, num_pipelines,
+               options.name or getattr(options.input_fn, "__name__", "?"),
+               plan.describe(), batch)
+  ds = call_input_fn(options.input_fn, training=options.is_training,
+                     input_context=input_context, name=options.name)
+  if num_pipelines > 1 and not shards_itself:
+    ds = ds.shard(num_pipelines, pipeline_id)
+  return ds
+
+
+def _examples_from_files(options: PipelineOptions, num_pipelines: int,
+                         pipeline_id: int, batch: int):
+  """`(examples, ShardingPlan)` of one host's share of the files."""
   files = list(options.files)
   counts = options.file_record_counts
   if (counts is None and options.is_training and num_pipelines > 1 and
@@ -320,6 +460,14 @@ def make_dataset(options: PipelineOptions,
     ds = ds.shard(num_pipelines, pipeline_id)
   ds = ds.map(options.parse_fn, num_parallel_calls=AUTOTUNE,
               deterministic=options.deterministic or not options.is_training)
+  return ds, plan
+
+
+def _batch(ds: tf.data.Dataset, options: PipelineOptions,
+           plan: Optional["ShardingPlan"], input_context, num_pipelines: int,
+           pipeline_id: int, batch: int) -> tf.data.Dataset:
+  """Caches, shuffles, repeats (training, epochs aligned to steps when
+  `plan` says how), batches and prefetches one host's examples."""
   if options.cache:
     ds = ds.cache()
   if options.is_training:
@@ -327,8 +475,9 @@ def make_dataset(options: PipelineOptions,
       ds = ds.shuffle(options.shuffle_buffer_size, seed=options.seed,
                       reshuffle_each_iteration=True)
     share = (plan.records_per_pipeline[pipeline_id]
-             if plan.records_per_pipeline else None)
-    if plan.examples_per_epoch is not None and share != plan.examples_per_epoch:
+             if plan is not None and plan.records_per_pipeline else None)
+    if (plan is not None and plan.examples_per_epoch is not None and
+        share != plan.examples_per_epoch):
       # One epoch reads exactly `examples_per_epoch` records of this host's
       # (reshuffled) share; the rest is left out of this epoch. Filtering
       # (not `take`) reads the whole share, so that `cache` completes.
@@ -372,8 +521,8 @@ def pad_to_static_batches(ds: tf.data.Dataset, batch_size: int,
   a batch in each round). Padding examples are zeros with weight 0.
 
   Args:
-    ds: a finite dataset of examples (tuples of tensors, e.g.
-      `(image, label)`).
+    ds: a finite dataset of examples (tuples of tensors or nests of them,
+      e.g. `(image, label)` or `({"x": ..., "id": ...}, label)`).
     batch_size: examples per batch (per replica).
     replicas: replicas this host feeds per round.
 
@@ -385,12 +534,14 @@ def pad_to_static_batches(ds: tf.data.Dataset, batch_size: int,
     return (*example, tf.constant(1.0, tf.float32))
 
   def pad(*components):
-    return tuple(_pad_leading(c, batch_size) for c in components)
+    return tf.nest.map_structure(lambda c: _pad_leading(c, batch_size),
+                                 components)
 
   ds = ds.map(add_weight).batch(batch_size).map(pad)
   if replicas > 1:
     def pad_round(*components):
-      return tuple(_pad_leading(c, replicas) for c in components)
+      return tf.nest.map_structure(lambda c: _pad_leading(c, replicas),
+                                   components)
     ds = ds.batch(replicas).map(pad_round).unbatch()
   return ds
 

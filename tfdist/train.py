@@ -16,7 +16,7 @@ from absl import app
 from absl import flags as absl_flags
 from absl import logging
 
-import flags as tfdist_flags
+from tfdist import flags as tfdist_flags
 from tfdist import config as config_lib
 from tfdist import environment as environment_lib
 from tfdist import filesystems

@@ -7,10 +7,15 @@ losses through its own step (as Model Garden's Orbit does). The same
 Mirrored, MultiWorkerMirrored and TPU, and passed to
 `ClusterCoordinator.schedule` under ParameterServerStrategy.
 
-Loss: the per-example loss is averaged over the *global* batch
-(`tf.nn.compute_average_loss(..., global_batch_size=...)`) and the step sums
-gradients over replicas, so the update equals the single-device update on
-the whole global batch.
+Loss: any Keras loss, computed per example and averaged over the *global*
+batch (`tf.nn.compute_average_loss(..., global_batch_size=...)`), and the
+step sums gradients over replicas, so the update equals the single-device
+update on the whole global batch.
+
+Metrics: any Keras metrics whose state is summed (every built-in one). Each
+step returns each metric's state for its batch, summed over replicas and
+workers by the strategy (see `tfdist.objectives.MetricSums`), so the values
+equal one device's on all the data.
 
 What every replica (and worker) does in one step, in order:
 
@@ -40,12 +45,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tfdist import objectives
 from tfdist import precision
-
-TASKS = ("multiclass", "binary")
-# Score buckets of the ROC AUC histograms (binary task): AUC from them is
-# within 1 / AUC_BUCKETS of the exact value.
-AUC_BUCKETS = 1000
 
 
 class _PerReplicaSeedGenerator(keras.random.SeedGenerator):
@@ -133,47 +134,33 @@ def _all_reduce_sum(grads):
   return [None if g is None else next(summed) for g in grads]
 
 
-def binary_auc(pos_hist, neg_hist) -> float:
-  """ROC AUC from per-score-bucket counts of positives and negatives.
-
-  Args:
-    pos_hist, neg_hist: float arrays [buckets]: labels 1 and 0 whose
-      predicted probability fell in each of `buckets` equal-width buckets of
-      [0, 1], lowest first.
-
-  Returns:
-    P(score of a random positive > score of a random negative), ties (same
-    bucket) counted one half; NaN when either class is absent.
-  """
-  pos = np.asarray(pos_hist, np.float64)
-  neg = np.asarray(neg_hist, np.float64)
-  if pos.sum() == 0 or neg.sum() == 0:
-    return float("nan")
-  neg_below = np.cumsum(neg) - neg
-  return float((pos * (neg_below + 0.5 * neg)).sum() / (pos.sum() * neg.sum()))
-
-
 class Trainer:
   """Owns the compiled step functions of one run.
 
   Args:
     strategy: the `tf.distribute.Strategy`; `model` and `optimizer` must have
       been created under its scope.
-    model: a Keras 3 model returning float32 logits [batch, num_classes]
-      (task `multiclass`) or probabilities [batch, 1] (task `binary`).
+    model: a Keras 3 model with one output (cast to float32 for the loss
+      and metrics).
     optimizer: a built Keras 3 optimizer (possibly a `LossScaleOptimizer`).
     global_batch_size: examples per update over all replicas.
     steps_per_execution: training steps run inside one `tf.function` call.
     enable_xla: jit-compile the per-replica forward and backward pass (XLA);
       the optimizer update runs outside the compiled function.
     run_eagerly: run without `tf.function` (debugging).
-    task: `multiclass` (sparse categorical cross-entropy on logits,
-      accuracy) or `binary` (binary cross-entropy on probabilities, accuracy
-      at 0.5, and AUC histograms `pos_hist`/`neg_hist` [AUC_BUCKETS] in every
-      step's and evaluation's sums).
+    task: the default loss and metrics when `loss` is None
+      (`tfdist.objectives.TASKS`: `multiclass`, sparse categorical
+      cross-entropy on logits and accuracy; `binary`, binary cross-entropy
+      on probabilities, accuracy at 0.5 and ROC AUC).
     eval_example_weights: evaluation batches carry a third element, float32
       weights [batch] (1 for real examples, 0 for padding), as
       `input_pipeline.pad_to_static_batches` makes for TPUs.
+    loss: a Keras loss (object, function `fn(y_true, y_pred)` or name);
+      computed per example (its own reduction is replaced), losses of
+      trailing axes averaged, then averaged over the global batch.
+    metrics: Keras metrics (objects, functions or names), or a built
+      `tfdist.objectives.MetricSums`; None: the `task`'s when `loss` is
+      None, else none.
 
   The Trainer changes `model` and `optimizer` for its step (see the module
   docstring): the model's random layers draw per replica
@@ -182,27 +169,33 @@ class Trainer:
 
   Raises:
     ValueError: unknown `task`.
+    tfdist.config.ConfigError: a metric whose state is not summed.
   """
 
   def __init__(self, *, strategy: tf.distribute.Strategy, model: keras.Model,
                optimizer: keras.optimizers.Optimizer, global_batch_size: int,
                steps_per_execution: int = 1, enable_xla: bool = False,
                run_eagerly: bool = False, task: str = "multiclass",
-               eval_example_weights: bool = False):
+               eval_example_weights: bool = False, loss=None, metrics=None):
     self.strategy = strategy
     self.model = model
     self.optimizer = optimizer
     self.global_batch_size = int(global_batch_size)
     self.steps_per_execution = int(steps_per_execution)
     self.eval_example_weights = bool(eval_example_weights)
-    if task not in TASKS:
-      raise ValueError(f"task must be one of {TASKS}. Received: task={task!r}")
+    if loss is None:
+      loss, default_metrics = objectives.task_defaults(task)
+      metrics = default_metrics if metrics is None else metrics
     self.task = task
-    if task == "binary":
-      self.loss_fn = keras.losses.BinaryCrossentropy(reduction=None)
-    else:
-      self.loss_fn = keras.losses.SparseCategoricalCrossentropy(
-          from_logits=True, reduction=None)
+    # Shapes unknown here: "accuracy" and "crossentropy" resolve for sparse
+    # labels; tfdist.objectives.resolve knows the shapes (tfdist.assembly).
+    shapes = dict(y_true=tf.TensorShape([None]),
+                  y_pred=tf.TensorShape([None, None]))
+    self.loss_fn = objectives.resolve_loss(loss, **shapes)
+    self.metric_sums = (metrics if isinstance(metrics, objectives.MetricSums)
+                        else objectives.MetricSums([
+                            objectives.resolve_metric(m, **shapes)
+                            for m in metrics or ()]))
     self.uses_loss_scale = isinstance(optimizer,
                                       keras.optimizers.LossScaleOptimizer)
     per_replica_random_streams(model)
@@ -228,49 +221,36 @@ class Trainer:
     self.eval_function = compile_fn(self._eval_function)
 
   # --- replica functions -------------------------------------------------
+  def _per_example_loss(self, labels, outputs, weights=None) -> tf.Tensor:
+    """The loss of each example, float32 [batch] (trailing axes averaged;
+    `weights`, float32 [batch], multiply it)."""
+    values = self.loss_fn(labels, outputs, sample_weight=weights)
+    if values.shape.rank and values.shape.rank > 1:
+      values = tf.reduce_mean(values, axis=list(range(1, values.shape.rank)))
+    return tf.cast(values, tf.float32)
+
   def _metric_sums(self, labels, outputs, weights=None
                    ) -> Dict[str, tf.Tensor]:
-    """Per-batch sums: `correct`, `count`, and for `binary` the AUC
-    histograms. `weights` (float32 [batch], 1 real / 0 padding) masks the
-    padding of static-shape evaluation batches."""
-    if weights is None:
-      weights = tf.ones(tf.shape(labels)[:1], tf.float32)
-    count = tf.reduce_sum(weights)
-    if self.task != "binary":
-      correct = keras.metrics.sparse_categorical_accuracy(labels, outputs)
-      return {"correct": tf.reduce_sum(tf.cast(correct, tf.float32) *
-                                       weights),
-              "count": count}
-    probs = tf.reshape(tf.cast(outputs, tf.float32), [-1])
-    truth = tf.cast(tf.reshape(labels, [-1]), tf.float32)
-    correct = tf.cast(tf.equal(tf.cast(probs >= 0.5, tf.float32), truth),
-                      tf.float32)
-    bucket = tf.clip_by_value(
-        tf.cast(tf.floor(probs * AUC_BUCKETS), tf.int32), 0, AUC_BUCKETS - 1)
-    return {"correct": tf.reduce_sum(correct * weights), "count": count,
-            "pos_hist": tf.math.unsorted_segment_sum(truth * weights, bucket,
-                                                     AUC_BUCKETS),
-            "neg_hist": tf.math.unsorted_segment_sum(
-                (1.0 - truth) * weights, bucket, AUC_BUCKETS)}
-
-  def _loss_labels(self, labels):
-    if self.task == "binary":
-      return tf.reshape(tf.cast(labels, tf.float32), [-1, 1])
-    return labels
+    """Per-batch sums: `count` (examples) and every metric's state.
+    `weights` (float32 [batch], 1 real / 0 padding) masks the padding of
+    static-shape evaluation batches."""
+    count = (tf.reduce_sum(weights) if weights is not None else
+             tf.cast(tf.shape(labels)[0], tf.float32))
+    return {"count": count,
+            **self.metric_sums.batch_sums(labels, outputs, weights)}
 
   def _replica_forward_backward(self, inputs, labels):
-    """Loss, gradients and metric sums of one replica's batch (no update)."""
+    """Loss, gradients and outputs of one replica's batch (no update)."""
     with tf.GradientTape() as tape:
-      logits = self.model(inputs, training=True)
-      per_example = self.loss_fn(self._loss_labels(labels),
-                                 tf.cast(logits, tf.float32))
+      outputs = tf.cast(self.model(inputs, training=True), tf.float32)
+      per_example = self._per_example_loss(labels, outputs)
       loss = tf.nn.compute_average_loss(
           per_example, global_batch_size=self.global_batch_size)
       if self.model.losses:
         loss += tf.nn.scale_regularization_loss(tf.add_n(self.model.losses))
       scaled = self.optimizer.scale_loss(loss) if self.uses_loss_scale else loss
     grads = tape.gradient(scaled, self.model.trainable_variables)
-    return loss, grads, self._metric_sums(labels, logits)
+    return loss, grads, outputs
 
   def _replica_train_step(self, inputs, labels, stop_flags):
     """One replica's step; returns its loss and metric sums, `skipped`
@@ -279,7 +259,9 @@ class Trainer:
     `stop_flags` (float32 [2]), which ride with the step's sums (one
     reduction): any worker's request reaches every worker after the same
     step."""
-    loss, grads, sums = self._replica_grads(inputs, labels)
+    loss, grads, outputs = self._replica_grads(inputs, labels)
+    # Metrics outside the (optionally XLA-compiled) forward and backward.
+    sums = self._metric_sums(labels, outputs)
     variables = self.model.trainable_variables
     grads = _all_reduce_sum(grads)
     # The same summed gradients on every replica and worker: the finite
@@ -290,12 +272,10 @@ class Trainer:
             "stop_signal": stop_flags[0], "stop_training": stop_flags[1]}
 
   def _replica_eval_step(self, inputs, labels, weights=None):
-    logits = tf.cast(self.model(inputs, training=False), tf.float32)
-    per_example = self.loss_fn(self._loss_labels(labels), logits)
-    if weights is not None:
-      per_example = per_example * weights
+    outputs = tf.cast(self.model(inputs, training=False), tf.float32)
+    per_example = self._per_example_loss(labels, outputs, weights)
     return {"loss_sum": tf.reduce_sum(per_example),
-            **self._metric_sums(labels, logits, weights)}
+            **self._metric_sums(labels, outputs, weights)}
 
   # --- cross-replica functions -------------------------------------------
   def _reduce(self, per_replica: Dict[str, tf.Tensor]) -> Dict[str, tf.Tensor]:
@@ -315,8 +295,9 @@ class Trainer:
         None: no requests.
 
     Returns:
-      Sums over the executed steps (float32 scalars): `loss` (sum of
-      per-step global mean losses), `correct` and `count` (examples),
+      Sums over the executed steps: `loss` (sum of per-step global mean
+      losses), `count` (examples), every metric's state
+      (`tfdist.objectives.MetricSums`; `summarize` turns them into values),
       `skipped_steps` (steps whose update was skipped: fp16 gradients not
       finite; the same on every worker), `skipped_steps_at_end` (how many
       of the last steps in a row were skipped: equal to `num_steps` when
@@ -326,13 +307,10 @@ class Trainer:
     """
     if stop_flags is None:
       stop_flags = tf.zeros([2], tf.float32)
-    totals = {"loss": tf.constant(0.0), "correct": tf.constant(0.0),
-              "count": tf.constant(0.0), "skipped_steps": tf.constant(0.0),
+    totals = {"loss": tf.constant(0.0), "count": tf.constant(0.0),
+              "skipped_steps": tf.constant(0.0),
               "stop_signal": tf.constant(0.0),
-              "stop_training": tf.constant(0.0)}
-    if self.task == "binary":
-      totals["pos_hist"] = tf.zeros([AUC_BUCKETS])
-      totals["neg_hist"] = tf.zeros([AUC_BUCKETS])
+              "stop_training": tf.constant(0.0), **self.metric_sums.zeros()}
     skipped_at_end = tf.constant(0.0)
     for _ in tf.range(num_steps):
       inputs, labels = next(iterator)[:2]
@@ -351,7 +329,8 @@ class Trainer:
     return totals
 
   def _eval_function(self, batch) -> Dict[str, tf.Tensor]:
-    """Evaluates one distributed batch; returns summed loss, correct, count.
+    """Evaluates one distributed batch; returns summed loss, count and
+    metric state.
 
     With `eval_example_weights` the batch is `(inputs, labels, weights)`,
     weights float32 [batch] (0 for padding); else `(inputs, labels, ...)`.
@@ -360,25 +339,25 @@ class Trainer:
     return self._reduce(self.strategy.run(self._replica_eval_step,
                                           args=args))
 
+  def summarize(self, sums: Dict[str, np.ndarray], steps: int) -> dict:
+    """Mean training loss and metric values from `train_function` sums
+    added over `steps` steps (the controller's log points and epochs)."""
+    return {"loss": float(sums.get("loss", 0.0)) / max(steps, 1),
+            **self.metric_sums.results(sums)}
+
   def evaluate(self, dist_dataset) -> Dict[str, float]:
     """Evaluates every example of `dist_dataset` exactly once.
 
     Returns:
-      `{"loss": mean loss, "accuracy": fraction correct, "num_examples": n}`,
-      plus `"auc"` (ROC AUC) for task `binary`.
+      `{"loss": mean loss per example, <metric name>: value, ...,
+      "num_examples": n}`.
     """
-    sums = {"loss_sum": 0.0, "correct": 0.0, "count": 0.0}
-    if self.task == "binary":
-      sums.update(pos_hist=np.zeros(AUC_BUCKETS), neg_hist=np.zeros(
-          AUC_BUCKETS))
+    sums = {}
     for batch in dist_dataset:
       out = self.eval_function(batch)
-      for k in sums:
-        sums[k] = sums[k] + np.asarray(out[k], np.float64)
-    n = max(float(sums["count"]), 1.0)
-    result = {"loss": float(sums["loss_sum"]) / n,
-              "accuracy": float(sums["correct"]) / n,
-              "num_examples": int(sums["count"])}
-    if self.task == "binary":
-      result["auc"] = binary_auc(sums["pos_hist"], sums["neg_hist"])
-    return result
+      for k, v in out.items():
+        sums[k] = sums.get(k, 0.0) + np.asarray(v, np.float64)
+    n = max(float(sums.get("count", 0.0)), 1.0)
+    return {"loss": float(sums.get("loss_sum", 0.0)) / n,
+            **self.metric_sums.results(sums),
+            "num_examples": int(sums.get("count", 0.0))}
