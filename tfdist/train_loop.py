@@ -36,6 +36,12 @@ What every replica (and worker) does in one step, in order:
      (tensorflow/tensorflow#25806: clipping each replica's share differs).
 4. skipped steps (fp16: non-finite summed gradient) are counted inside the
    compiled step and returned with the chunk's sums.
+
+Where the time goes: the compiled function also returns, per call, the
+seconds it waited for the input iterator (`tf.timestamp` before and after
+each `get_next`, see `_timed_next`) and the seconds the call took from its
+first to its last op, measured inside the graph: no host synchronization
+of its own.
 """
 
 import contextlib
@@ -132,6 +138,32 @@ def _all_reduce_sum(grads):
     return list(grads)
   summed = iter(context.all_reduce(tf.distribute.ReduceOp.SUM, present))
   return [None if g is None else next(summed) for g in grads]
+
+
+def _timed_next(iterator):
+  """`next(iterator)` and the seconds it took (float64 scalar tensor).
+
+  The seconds are the time the step waited for its input: from a
+  `tf.timestamp` that runs before the iterator's `get_next` to one that runs
+  once every component of the batch is ready. Both orders are explicit
+  control dependencies, and the batch is handed on only after the second
+  timestamp ran (an identity of each component on its own device, no
+  copy): otherwise an executor with one thread (a worker pinned to one
+  core) may run the whole step before the ready timestamp, and the wait
+  would include the step. Cross-replica context.
+  """
+  before = tf.timestamp()
+  with tf.control_dependencies([before]):
+    batch = next(iterator)
+  with tf.control_dependencies(tf.nest.flatten(batch, expand_composites=True)):
+    after = tf.timestamp()
+
+  def gate(component):
+    with tf.device(component.device), tf.control_dependencies([after]):
+      return tf.identity(component)
+
+  return (tf.nest.map_structure(gate, batch, expand_composites=True),
+          after - before)
 
 
 class Trainer:
@@ -303,8 +335,13 @@ class Trainer:
       of the last steps in a row were skipped: equal to `num_steps` when
       every step was), and `stop_signal` and `stop_training` (> 0 when any
       worker, in any step of the chunk, asked to stop: every worker gets
-      the same sums).
+      the same sums). Also this worker's own timings (float64 seconds, not
+      reduced across workers): `input_wait_seconds`, the time spent waiting
+      for the input iterator, and `execution_seconds`, the call's time from
+      its first to its last op.
     """
+    started = tf.timestamp()
+    input_wait = started - started  # 0.0, after `started` ran.
     if stop_flags is None:
       stop_flags = tf.zeros([2], tf.float32)
     totals = {"loss": tf.constant(0.0), "count": tf.constant(0.0),
@@ -313,7 +350,9 @@ class Trainer:
               "stop_training": tf.constant(0.0), **self.metric_sums.zeros()}
     skipped_at_end = tf.constant(0.0)
     for _ in tf.range(num_steps):
-      inputs, labels = next(iterator)[:2]
+      batch, waited = _timed_next(iterator)
+      inputs, labels = batch[:2]
+      input_wait += waited
       with _sum_gradients_once(self.optimizer):
         per_replica = self.strategy.run(self._replica_train,
                                         args=(inputs, labels, stop_flags))
@@ -326,6 +365,9 @@ class Trainer:
       skipped_at_end = (skipped_at_end + 1.0) * skipped
       self.global_step.assign_add(1)
     totals["skipped_steps_at_end"] = skipped_at_end
+    totals["input_wait_seconds"] = input_wait
+    with tf.control_dependencies(tf.nest.flatten(totals)):
+      totals["execution_seconds"] = tf.timestamp() - started
     return totals
 
   def _eval_function(self, batch) -> Dict[str, tf.Tensor]:
