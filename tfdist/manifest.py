@@ -98,8 +98,8 @@ def build_manifest(*, config, decision, plan, cluster, choice, num_workers,
                    loss_scale: Optional[float], optimizer_iterations: int,
                    result, run_log, artifacts: dict, seconds: dict,
                    environment_applied=(), strategy_details=None,
-                   objectives=None, model_name: Optional[str] = None
-                   ) -> dict:
+                   objectives=None, model_name: Optional[str] = None,
+                   model_memory: Optional[dict] = None) -> dict:
   """The run manifest: the same keys for every strategy.
 
   Args:
@@ -130,6 +130,8 @@ def build_manifest(*, config, decision, plan, cluster, choice, num_workers,
       `train_m` to `final_metrics`.
     model_name: the model trained (a registered name or `module:function`;
       default: `config.model`).
+    model_memory: `tfdist.memory.ModelMemory.to_dict()` of the model, or
+      None.
 
   Returns:
     A JSON-ready dict: the same keys for every strategy, plus the section
@@ -205,6 +207,9 @@ def build_manifest(*, config, decision, plan, cluster, choice, num_workers,
           "eval_files": file_fingerprints(plan.eval_files),
       },
       "throughput": run_log.throughput(),
+      # Peak host RSS and GPU memory of the run's processes, and the bytes
+      # of the model's parameters, gradients and optimizer state.
+      "memory": {**run_log.memory(), "model": model_memory},
       "history": history,
       "eval_history": run_log.all_records("eval"),
       "final_metrics": final_metrics,

@@ -5,12 +5,23 @@
 * one log line each (absl logging, INFO), in one format for every strategy;
 * TensorBoard scalars (`train/` at log points, `validation/` at
   evaluations): loss, every metric (accuracy, AUC, ...), learning rate,
-  loss scale (fp16), examples/sec and step time;
+  loss scale (fp16), examples/sec, step time, input wait, peak host memory
+  (RSS) and, on GPUs, peak device memory;
 * records in `history` / `eval_history` (for the manifest), and
 * one JSON line per record appended to `<model_dir>/metrics.jsonl` (chief
   only), which survives a crash: a resumed run reads the records of the
   earlier processes up to the step it resumed from, so its history is
   whole.
+
+Where the time goes, per log interval: examples/sec and step time (host
+wall clock between log points, `tfdist.throughput`), and the time the
+compiled step waited for its input (`input_wait_seconds` per step, and
+`input_wait_fraction` of the compiled function's own time), both measured
+inside the compiled function (`tfdist.train_loop`) and returned with the
+step sums: no host synchronization of their own. Under
+MultiWorkerMirroredStrategy these are the chief's own; under parameter
+servers, every worker's chunks summed. Memory: the process's peak RSS and
+each GPU's current and peak bytes (`tfdist.memory`).
 
 It also holds the one divergence check: a non-finite training loss raises
 `DivergenceError` (a `FloatingPointError`).
@@ -28,12 +39,16 @@ from absl import logging
 import numpy as np
 import tensorflow as tf
 
+from tfdist import memory
 from tfdist import training_checks
 from tfdist.throughput import ThroughputMeter
 
 METRICS_FILE = "metrics.jsonl"
 # Keys of an evaluation result that are not metric values.
 _NOT_METRICS = ("num_examples", "step", "checkpoint")
+# Step sums that are timings, not metrics (seconds; see tfdist.train_loop).
+INPUT_WAIT_KEY = "input_wait_seconds"
+EXECUTION_KEY = "execution_seconds"
 
 
 # The training loss became NaN or infinite (one error for every check).
@@ -93,6 +108,25 @@ def read_metrics(model_dir: str) -> List[dict]:
   return out
 
 
+def _cpu_seconds() -> float:
+  times = os.times()
+  return times.user + times.system
+
+
+def _input_wait(sums: Dict[str, np.ndarray], steps: int) -> dict:
+  """Per-step input wait and compiled-function seconds from a log
+  interval's sums, and the wait's share of the function's time."""
+  if INPUT_WAIT_KEY not in sums or not steps:
+    return {}
+  wait = float(sums[INPUT_WAIT_KEY])
+  out = {"input_wait_seconds": wait / steps}
+  execution = float(sums.get(EXECUTION_KEY, 0.0))
+  if execution > 0:
+    out["execution_seconds"] = execution / steps
+    out["input_wait_fraction"] = min(wait / execution, 1.0)
+  return out
+
+
 class RunLog:
   """Formats, logs and records training and evaluation metrics.
 
@@ -127,6 +161,7 @@ class RunLog:
     self.eval_history: List[dict] = []
     self.earlier: List[dict] = []
     self.started = time.time()
+    self._last_cpu = None
     self._writers = {}
     self._writer_dirs = {}
     if tensorboard_dir:
@@ -151,6 +186,7 @@ class RunLog:
       self.earlier = [r for r in read_metrics(self.metrics_dir)
                       if r.get("step", 0) <= step]
     self.started = time.time()
+    self._last_cpu = _cpu_seconds()
     self.meter.start(step)
 
   def all_records(self, kind: str) -> List[dict]:
@@ -207,13 +243,30 @@ class RunLog:
       record["step_time_seconds"] = interval.step_time
       text += (f", {interval.examples_per_second:.1f} examples/sec, "
                f"{interval.step_time * 1000:.1f} ms/step")
-      if interval.excluded:
-        record["excluded_from_throughput"] = True
-        text += " (first interval: warm-up, not averaged)"
+    record.update(_input_wait(sums, steps))
+    cpu = _cpu_seconds()
+    if self._last_cpu is not None:
+      # CPU seconds of this process (every thread) per step: steadier than
+      # wall time on a shared machine.
+      record["cpu_seconds_per_step"] = (cpu - self._last_cpu) / max(steps, 1)
+    self._last_cpu = cpu
+    if "input_wait_seconds" in record:
+      text += f", input wait {record['input_wait_seconds'] * 1000:.1f} ms/step"
+      if "input_wait_fraction" in record:
+        text += f" ({record['input_wait_fraction']:.0%})"
+    record.update(self._memory())
+    text += f", peak RSS {memory.format_bytes(record['peak_rss_bytes'])}"
+    if "device_memory_peak_bytes" in record:
+      text += (", device memory peak "
+               f"{memory.format_bytes(record['device_memory_peak_bytes'])}")
+    if interval is not None and interval.excluded:
+      record["excluded_from_throughput"] = True
+      text += " (first interval: warm-up, not averaged)"
     self._scalars("train", step, {
         **values, **{k: record[k] for k in (
             "learning_rate", "loss_scale", "examples_per_second",
-            "step_time_seconds") if k in record}})
+            "step_time_seconds", "input_wait_seconds", "input_wait_fraction",
+            "peak_rss_bytes", "device_memory_peak_bytes") if k in record}})
     if loss_scale is not None:
       self._scalars("train", step, {"skipped_steps": float(skipped_steps)})
     self.history.append(record)
@@ -231,7 +284,8 @@ class RunLog:
                prefix: str = "held-out evaluation") -> dict:
     """Logs one evaluation at `step`; returns the record."""
     record = {"kind": "eval", "step": step, **result,
-              "process": self.process_id, "time": time.time()}
+              "process": self.process_id, "time": time.time(),
+              **self._memory()}
     self._scalars("eval", step, metric_values(result))
     self.eval_history.append(record)
     self._append(record)
@@ -239,16 +293,51 @@ class RunLog:
                  format_eval(result))
     return record
 
+  def _memory(self) -> dict:
+    out = {"peak_rss_bytes": memory.peak_rss_bytes()}
+    devices = memory.device_memory()
+    if devices:
+      out["device_memory"] = devices
+      out["device_memory_peak_bytes"] = memory.peak_device_bytes(devices)
+    return out
+
+  def memory(self) -> dict:
+    """Peak memory over every process of the run (bytes).
+
+    Returns:
+      `{"peak_rss_bytes": the largest peak RSS of any process,
+      "device_memory_peak_bytes": the largest GPU peak or None,
+      "device_memory": this process's per-GPU current and peak bytes,
+      "host_memory_bytes": this host's physical memory}`.
+    """
+    now = self._memory()
+    records = self.all_records("train") + self.all_records("eval")
+    peaks = [r["device_memory_peak_bytes"] for r in records
+             if r.get("device_memory_peak_bytes") is not None]
+    if now.get("device_memory_peak_bytes") is not None:
+      peaks.append(now["device_memory_peak_bytes"])
+    return {
+        "peak_rss_bytes": max([now["peak_rss_bytes"]] +
+                              [r["peak_rss_bytes"] for r in records
+                               if r.get("peak_rss_bytes")]),
+        "device_memory_peak_bytes": max(peaks) if peaks else None,
+        "device_memory": now.get("device_memory", {}),
+        "host_memory_bytes": memory.host_memory_bytes(),
+    }
+
   def throughput(self) -> dict:
-    """Examples/sec and step time over every process of the run.
+    """Examples/sec, step time and input wait over every process of the run.
 
     Averages over the measured intervals (each process's first, warm-up
     interval excluded), weighted by steps.
 
     Returns:
-      `{"examples_per_second", "step_time_seconds", "measured_steps",
-      "processes", "this_process"}`; averages None when nothing was
-      measured. `this_process` is the `ThroughputMeter` summary.
+      `{"examples_per_second", "step_time_seconds", "input_wait_seconds"
+      (per step), "input_wait_fraction" (of the compiled step's time),
+      "cpu_seconds_per_step" (this host process, every thread),
+      "measured_steps", "processes", "this_process"}`; averages None when
+      nothing was measured. `this_process` is the `ThroughputMeter`
+      summary.
     """
     measured = [r for r in self.all_records("train")
                 if r.get("step_time_seconds") and r.get("steps")
@@ -256,9 +345,20 @@ class RunLog:
     steps = sum(r["steps"] for r in measured)
     seconds = sum(r["steps"] * r["step_time_seconds"] for r in measured)
     batch = self.meter.global_batch_size
+    timed = [r for r in measured if r.get("execution_seconds")]
+    wait = sum(r["steps"] * r["input_wait_seconds"] for r in timed)
+    execution = sum(r["steps"] * r["execution_seconds"] for r in timed)
+    timed_steps = sum(r["steps"] for r in timed)
+    cpu = [r for r in measured if r.get("cpu_seconds_per_step") is not None]
+    cpu_steps = sum(r["steps"] for r in cpu)
     return {
+        "cpu_seconds_per_step": (sum(r["steps"] * r["cpu_seconds_per_step"]
+                                     for r in cpu) / cpu_steps
+                                 if cpu_steps else None),
         "examples_per_second": steps * batch / seconds if seconds else None,
         "step_time_seconds": seconds / steps if steps else None,
+        "input_wait_seconds": wait / timed_steps if timed_steps else None,
+        "input_wait_fraction": wait / execution if execution else None,
         "measured_steps": steps,
         "processes": sorted({r.get("process") for r in
                              self.all_records("train")} - {None}),
