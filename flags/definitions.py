@@ -366,7 +366,11 @@ def define_cluster_flags() -> List[str]:
   flags.DEFINE_float(
       "collective_timeout_seconds", _default("collective_timeout_seconds"),
       "multi_worker_mirrored: a collective (all-reduce) that has not "
-      "finished after this many seconds fails instead of hanging.")
+      "finished after this many seconds fails instead of hanging. "
+      "TensorFlow keeps one sleeping thread per collective for this long "
+      "(thousands in a long run); 0: no per-collective timeout (a dead or "
+      "stopped peer is still noticed through TensorFlow's coordination "
+      "service heartbeats).")
   flags.DEFINE_float(
       "cluster_start_timeout_seconds", _default("cluster_start_timeout_seconds"),
       "multi_worker_mirrored: fail with an error naming the cluster if not "
@@ -405,13 +409,25 @@ def define_vertex_flags() -> List[str]:
   return ["hptune_metric"]
 
 
+def define_measure_flags() -> List[str]:
+  """Measurement (issue 15). Flag names equal `TrainConfig` field names."""
+  flags.DEFINE_list(
+      "profile_steps", [str(v) for v in _default("profile_steps")],
+      "Trace training steps START,END (counted from 1, both included) with "
+      "TensorFlow's profiler into <tensorboard_dir>/train/plugins/profile/ "
+      "(TensorBoard's Profile tab, from the tensorboard-plugin-profile "
+      "package). The chief traces its own process. Empty: no trace.")
+  return ["profile_steps"]
+
+
 def define_all_flags() -> List[str]:
   """Defines every group `tfdist.train` uses; returns the key flag names."""
   names = []
   for define in (define_base_flags, define_train_flags,
                  define_distribution_flags, define_cluster_flags,
                  define_performance_flags,
-                 define_tpu_flags, define_lr_flags, define_vertex_flags):
+                 define_tpu_flags, define_lr_flags, define_vertex_flags,
+                 define_measure_flags):
     names += define()
   return names
 

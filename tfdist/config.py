@@ -124,6 +124,34 @@ def check_tpu_precision(strategy: str, dtype: str, *, why: str = "") -> None:
         "(the TPU default), --dtype=auto or --dtype=fp32.")
 
 
+def parse_profile_steps(value) -> Tuple[int, ...]:
+  """Parses `--profile_steps`: `START,END` (1-based training steps, both
+  traced), a single `N` (that step alone), or empty (no trace).
+
+  Returns:
+    `(START, END)`, or `()`.
+
+  Raises:
+    ConfigError: not one or two integers with 1 <= START <= END.
+  """
+  items = _split_list(value)
+  if not items:
+    return ()
+  try:
+    steps = tuple(int(item) for item in items)
+  except ValueError:
+    steps = ()
+  if len(steps) == 1:
+    steps = steps * 2
+  if len(steps) != 2 or not 1 <= steps[0] <= steps[1]:
+    raise ConfigError(
+        f"--profile_steps={','.join(items)} is not a window of training "
+        "steps. Use --profile_steps=START,END with 1 <= START <= END (steps "
+        "are counted from 1 and both ends are traced), e.g. "
+        "--profile_steps=20,25.")
+  return steps
+
+
 def _split_list(value) -> Tuple[str, ...]:
   if value is None:
     return ()
@@ -265,6 +293,10 @@ class TrainConfig:
   init_checkpoint: str = ""
   # One of MODES.
   mode: str = "train_and_eval"
+  # --- Measurement (issue 15) ---
+  # Trace training steps START..END (1-based, inclusive) with TensorFlow's
+  # profiler into the TensorBoard folder; () traces nothing.
+  profile_steps: Tuple[int, ...] = ()
 
   def __post_init__(self):
     set_ = lambda name, value: object.__setattr__(self, name, value)
@@ -305,6 +337,7 @@ class TrainConfig:
          tuple(float(m) for m in _split_list(self.piecewise_multipliers)))
     set_("distribution_strategy", str(self.distribution_strategy).lower())
     set_("flags_snapshot", tuple(tuple(kv) for kv in self.flags_snapshot))
+    set_("profile_steps", parse_profile_steps(self.profile_steps))
     self._validate()
 
   @property
@@ -401,9 +434,9 @@ class TrainConfig:
          f"--num_cpu_devices={self.num_cpu_devices} must be >= 0.")
     need(self.task_index >= -1,
          f"--task_index={self.task_index} must be >= 0 (-1: unset).")
-    need(self.collective_timeout_seconds > 0,
+    need(self.collective_timeout_seconds >= 0,
          f"--collective_timeout_seconds={self.collective_timeout_seconds} "
-         "must be > 0.")
+         "must be > 0, or 0 for no per-collective timeout.")
     need(self.cluster_start_timeout_seconds > 0,
          "--cluster_start_timeout_seconds="
          f"{self.cluster_start_timeout_seconds} must be > 0.")

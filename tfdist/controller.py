@@ -16,7 +16,13 @@ strategy:
 * Keras callbacks (`set_params`, train/epoch/batch hooks with Keras's logs,
   `model.stop_training` honoured: EarlyStopping, TerminateOnNaN);
 * preemption (`tfdist.preemption.PreemptionWatcher`): a signal on any
-  worker stops every worker after the same step, with a checkpoint.
+  worker stops every worker after the same step, with a checkpoint;
+* a profiler window (`tfdist.profiling.ProfileWindow`, `--profile_steps`):
+  its edges are boundaries too, so the trace holds exactly those steps.
+
+Where the time goes (examples/sec, step time, input wait, memory) is
+logged at every log point by `tfdist.run_log.RunLog` from the step sums and
+the host's clock: the controller adds no host synchronization of its own.
 
 Stop requests (a signal, a callback's `model.stop_training`) ride with the
 next chunk's step sums, which every worker reduces anyway, so workers agree
@@ -101,10 +107,13 @@ class ControllerResult:
   skipped_steps: int = 0
 
 
-def next_boundary(step: int, options: ControllerOptions) -> int:
+def next_boundary(step: int, options: ControllerOptions,
+                  extra: Sequence[int] = ()) -> int:
   """The first step after `step` at which the controller must stop: a log
-  point, a checkpoint, an epoch end, or the end of training."""
-  candidates = [options.total_steps,
+  point, a checkpoint, an epoch end, the end of training, or one of `extra`
+  (e.g. a profiler window's edges) that lies after `step`."""
+  candidates = [b for b in extra if b > step]
+  candidates += [options.total_steps,
                 (step // options.log_steps + 1) * options.log_steps,
                 (step // options.steps_per_epoch + 1) *
                 options.steps_per_epoch]
@@ -138,6 +147,7 @@ class Controller:
     loss_scale: returns the current loss scale, or None without one.
     callbacks: Keras callbacks.
     preemption: a `tfdist.preemption.PreemptionWatcher`, or None.
+    profiler: a `tfdist.profiling.ProfileWindow`, or None.
 
   Raises:
     ValueError: `options` with a non-positive step count.
@@ -151,7 +161,7 @@ class Controller:
                learning_rate: Callable[[], float] = lambda: float("nan"),
                loss_scale: Callable[[], Optional[float]] = lambda: None,
                callbacks: Sequence[keras.callbacks.Callback] = (),
-               preemption=None):
+               preemption=None, profiler=None):
     for name in ("total_steps", "steps_per_epoch", "log_steps",
                  "epochs_between_evals"):
       if getattr(options, name) <= 0:
@@ -167,6 +177,7 @@ class Controller:
     self.learning_rate = learning_rate
     self.loss_scale = loss_scale
     self.preemption = preemption
+    self.profiler = profiler
     self.callbacks = keras.callbacks.CallbackList(list(callbacks),
                                                   model=model)
     # The last step trained (while `run` runs, for error messages).
@@ -208,6 +219,13 @@ class Controller:
     if self.runner is None or self.checkpoints is None:
       raise ValueError("Controller.run needs a runner and checkpoints; this "
                        "controller was built for evaluation only.")
+    try:
+      return self._run()
+    finally:
+      if self.profiler is not None:
+        self.profiler.stop()  # Training stopped inside the window.
+
+  def _run(self) -> ControllerResult:
     opts = self.options
     restored = self.checkpoints.restore()
     step = self._current_step()
@@ -234,12 +252,15 @@ class Controller:
       if not epoch_open:
         self.callbacks.on_epoch_begin(epoch)
         epoch_open = True
-      boundary = next_boundary(step, opts)
+      boundary = next_boundary(
+          step, opts, self.profiler.boundaries(step) if self.profiler else ())
       n = boundary - step
       if self.runner.max_steps_per_call:
         n = min(n, self.runner.max_steps_per_call)
       self.callbacks.on_train_batch_begin(step % opts.steps_per_epoch)
       wants_stop = bool(self.model is not None and self.model.stop_training)
+      if self.profiler is not None:
+        self.profiler.before_steps(step)
       sums = self.runner.run(
           n, start_step=step,
           stop_signal=bool(self.preemption and
@@ -247,6 +268,8 @@ class Controller:
           stop_training=wants_stop)
       step += n
       self.step = step
+      if self.profiler is not None:
+        self.profiler.after_steps(step)
       self.skipped.record_chunk(
           steps=n, skipped=float(sums.get("skipped_steps", 0.0)),
           skipped_at_end=float(sums.get("skipped_steps_at_end", 0.0)),

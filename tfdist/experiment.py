@@ -48,9 +48,11 @@ from tfdist import filesystems
 from tfdist import hptune
 from tfdist import input_pipeline
 from tfdist import manifest as manifest_lib
+from tfdist import memory
 from tfdist import parameter_server as ps_lib
 from tfdist import precision
 from tfdist import preemption
+from tfdist import profiling
 from tfdist import run_log as run_log_lib
 from tfdist import run_plan as run_plan_lib
 from tfdist import step_runner
@@ -237,11 +239,27 @@ def _train(config, *, task, cluster, decision, applied, callbacks, started,
       config, spec, num_replicas_in_sync=strategy.num_replicas_in_sync,
       num_workers=num_workers, asynchronous=asynchronous, decision=decision)
   logging.info("%s", plan.describe(config))
+  if config.profile_steps and config.profile_steps[0] > plan.total_steps:
+    raise ConfigError(
+        f"--profile_steps={config.profile_steps[0]},{config.profile_steps[1]}"
+        f" starts after the run's last step ({plan.total_steps}): nothing "
+        "would be traced. Choose a window within the run, e.g. "
+        f"--profile_steps={min(10, plan.total_steps)},"
+        f"{min(15, plan.total_steps)}.")
   on_tpu = decision.strategy == "tpu"
   policy = precision.configure_precision(config.dtype)
   parts = assembly.build(config, task=task, strategy=strategy, plan=plan,
                          on_tpu=on_tpu)
   model, optimizer, trainer = parts.model, parts.optimizer, parts.trainer
+  model_memory = memory.estimate_model_memory(model, optimizer)
+  logging.info(
+      "Model state per replica: parameters %s (%d values), gradients %s, "
+      "optimizer %s: %s in all (activations not counted)",
+      memory.format_bytes(model_memory.parameters_bytes),
+      model_memory.num_parameters,
+      memory.format_bytes(model_memory.gradients_bytes),
+      memory.format_bytes(model_memory.optimizer_bytes),
+      memory.format_bytes(model_memory.total_bytes))
 
   def out_dir(path: str, scratch_name: str) -> str:
     return path if is_chief else os.path.join(scratch_dir, scratch_name)
@@ -311,6 +329,10 @@ def _train(config, *, task, cluster, decision, applied, callbacks, started,
   all_callbacks = [keras.callbacks.TensorBoard(log_dir=tensorboard_dir,
                                                write_graph=False)]
   all_callbacks += list(callbacks)
+  # The chief traces its own process (other workers' folders are scratch).
+  profiler = (profiling.ProfileWindow(
+      config.profile_steps, os.path.join(tensorboard_dir, "train"))
+              if config.profile_steps and is_chief else None)
   if hypertune_reporter is not None and is_chief:
     # The chief reports each evaluation's metric (every strategy).
     all_callbacks.append(hptune.HypertuneCallback(
@@ -327,7 +349,7 @@ def _train(config, *, task, cluster, decision, applied, callbacks, started,
       evaluate=evaluate, model=model,
       learning_rate=lambda: assembly.current_learning_rate(optimizer),
       loss_scale=lambda: precision.current_loss_scale(optimizer),
-      callbacks=all_callbacks, preemption=watcher)
+      callbacks=all_callbacks, preemption=watcher, profiler=profiler)
   try:
     result = controller.run()
   except preemption.PreemptedError:
@@ -368,12 +390,14 @@ def _train(config, *, task, cluster, decision, applied, callbacks, started,
                  "tensorboard": config.resolved_tensorboard_dir,
                  "metrics": os.path.join(config.model_dir,
                                          run_log_lib.METRICS_FILE),
-                 "init_checkpoint": warm_started},
+                 "init_checkpoint": warm_started,
+                 "profile": profiler.latest_trace if profiler else None},
       seconds={"total": time.time() - started,
                "training": result.train_seconds,
                "training_all_processes": run_log.training_seconds()},
       environment_applied=applied, strategy_details=strategy_details,
-      objectives=parts.objectives, model_name=task.model_name)
+      objectives=parts.objectives, model_name=task.model_name,
+      model_memory=model_memory.to_dict())
   if not is_chief:
     shutil.rmtree(scratch_dir, ignore_errors=True)
     logging.info("%s %d done; the chief writes the artifacts.",
