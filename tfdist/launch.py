@@ -23,6 +23,10 @@ Everything after `--` goes to every process (`python -m tfdist.train` unless
   after `--stop_grace_seconds` are killed. A second Ctrl-C kills at once;
 * exits with the chief's exit status (128 + N if a signal N ended it; 1 if
   the chief succeeded but another task failed);
+* with `--pin_workers` (clusters without ps tasks): pins the chief and
+  each worker to a CPU core of its own (`os.sched_setaffinity`, as
+  `taskset -c` does), cycling through the cores this process may use; an
+  evaluator stays unpinned. For measurements: one core per worker;
 * with `--max_restarts=K`: when any task exits with an error (or is
   killed), it stops the others and starts the whole group again, with new
   ports, up to K times. The training binary resumes from the last
@@ -143,6 +147,40 @@ def task_env(base: Dict[str, str], cluster: Dict[str, List[str]], task: Task,
   return env
 
 
+def worker_cpus(tasks: Sequence[Task], cpus: Sequence[int]
+                ) -> Dict[Task, int]:
+  """The CPU core of each training worker under `--pin_workers`.
+
+  The chief and the workers train (a cluster without ps tasks); they get
+  `cpus` in order, cycling.
+
+  Args:
+    tasks: from `plan_tasks`.
+    cpus: the cores to use (e.g. `sorted(os.sched_getaffinity(0))`).
+
+  Returns:
+    `{task: cpu}` for the training workers.
+
+  Raises:
+    ValueError: `cpus` is empty, or the cluster has ps tasks.
+  """
+  if not cpus:
+    raise ValueError("--pin_workers needs at least one CPU core; none is "
+                     "available to this process (os.sched_getaffinity).")
+  has_ps = any(t.task_type == cluster_lib.PS for t in tasks)
+  if has_ps:
+    # Measured: a parameter-server worker pinned to one core ran no step
+    # (the coordinator waited for its first closures until killed).
+    raise ValueError(
+        "--pin_workers applies to clusters without ps tasks: a "
+        "parameter-server worker pinned to one core hangs (it ran no step "
+        "here; TensorFlow sizes its inter-op thread pool from the cores, one "
+        "thread then). Drop --pin_workers or --num_ps.")
+  training = [t for t in tasks
+              if t.task_type in (cluster_lib.WORKER, cluster_lib.CHIEF)]
+  return {t: cpus[i % len(cpus)] for i, t in enumerate(training)}
+
+
 def _exit_status(code: Optional[int]) -> int:
   """A subprocess return code as a shell exit status (signal N -> 128+N)."""
   if code is None:
@@ -161,16 +199,20 @@ class Launcher:
     stop_grace_seconds: after forwarding a signal (or after the chief
       finished), how long tasks get before they are killed.
     out: where prefixed output goes.
+    pin_workers: pin each training worker to a core of its own
+      (`worker_cpus`).
   """
 
   def __init__(self, *, tasks: Sequence[Task], command: Sequence[str],
                max_restarts: int = 0, stop_grace_seconds: float = 40.0,
-               out=None):
+               out=None, pin_workers: bool = False):
     self.tasks = list(tasks)
     self.command = list(command)
     self.max_restarts = int(max_restarts)
     self.stop_grace_seconds = float(stop_grace_seconds)
     self.out = out or sys.stdout
+    self.cpus = (worker_cpus(self.tasks, sorted(os.sched_getaffinity(0)))
+                 if pin_workers else {})
     self._lock = threading.Lock()
     self._procs: Dict[Task, subprocess.Popen] = {}
     self._signal: Optional[int] = None
@@ -243,8 +285,14 @@ class Launcher:
                               stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                               start_new_session=True)
       self._procs[task] = proc
+      if task in self.cpus:
+        # Before the child imports TensorFlow (it sizes its thread pools
+        # from the cores it may use); its threads inherit the mask.
+        os.sched_setaffinity(proc.pid, {self.cpus[task]})
       where = ("" if task.task_type == cluster_lib.EVALUATOR else
                f" at {HOST}:{port}")
+      if task in self.cpus:
+        where += f", pinned to CPU {self.cpus[task]}"
       self._say(f"attempt {self.attempts}: started {task.name} pid "
                 f"{proc.pid}{where}")
       thread = threading.Thread(target=self._pump, args=(task, proc.stdout),
@@ -398,6 +446,12 @@ def define_launch_flags():
       "After forwarding Ctrl-C/SIGTERM, or after the chief finished, kill "
       "tasks still running after this many seconds. Keep it above the "
       "training flag --preemption_grace_seconds (default 30).")
+  flags.DEFINE_bool(
+      "pin_workers", False,
+      "Pin the chief and each worker to a CPU core of its own, as "
+      "`taskset -c` does; for measurements (python -m tfdist.diagnose, "
+      "benchmarks/). Not with --num_ps (a pinned parameter-server worker "
+      "hangs).")
   flags.DEFINE_string("module", "tfdist.train",
                       "Python module every task runs with `python -m`.")
 
@@ -409,12 +463,17 @@ def main(argv):
                        evaluator=FLAGS.evaluator)
   except ValueError as e:
     raise app.UsageError(str(e)) from None
+  if FLAGS.pin_workers and FLAGS.num_ps:
+    raise app.UsageError("--pin_workers applies to clusters without ps tasks"
+                         " (a parameter-server worker pinned to one core "
+                         "hangs); drop --pin_workers or --num_ps.")
   if FLAGS.max_restarts < 0:
     raise app.UsageError(f"--max_restarts={FLAGS.max_restarts} must be >= 0.")
   launcher = Launcher(
       tasks=tasks, command=[sys.executable, "-m", FLAGS.module, *train_args],
       max_restarts=FLAGS.max_restarts,
-      stop_grace_seconds=FLAGS.stop_grace_seconds)
+      stop_grace_seconds=FLAGS.stop_grace_seconds,
+      pin_workers=FLAGS.pin_workers)
   sys.exit(launcher.run())
 
 
