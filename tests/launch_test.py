@@ -49,6 +49,14 @@ class TaskLayoutTest(absltest.TestCase):
     info = cluster_lib.from_tf_config(env["TF_CONFIG"])
     self.assertEqual(info.task_type, "evaluator")
 
+  def test_pin_workers_gives_each_worker_a_core_of_its_own(self):
+    tasks = launch.plan_tasks(num_workers=3, evaluator=True)
+    cpus = launch.worker_cpus(tasks, [0, 1])
+    self.assertEqual({t.name: c for t, c in cpus.items()},
+                     {"chief:0": 0, "worker:0": 1, "worker:1": 0})
+    with self.assertRaisesRegex(ValueError, "without ps tasks.*hangs"):
+      launch.worker_cpus(launch.plan_tasks(num_workers=2, num_ps=1), [0, 1])
+
   def test_no_grpc_fail_fast_without_ps(self):
     tasks = launch.plan_tasks(num_workers=2)
     cluster = launch.make_cluster(tasks, [1, 2])

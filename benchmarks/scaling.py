@@ -1,0 +1,265 @@
+"""Scaling figures: throughput and efficiency against workers, and precision.
+
+Not a test: it prints a table, writes JSON and renders a PNG. Every run is a
+`tfdist.train` child started by `tfdist.diagnose.run_training` (the one
+implementation), on the same model (`--model`, the CNN by default) and data
+(Fashion-MNIST), 128 examples per worker and step:
+
+* `one_device`: one process pinned to one core (the baseline);
+* `multi_worker_mirrored` with 1 and 2 workers on 127.0.0.1
+  (`tfdist.launch --pin_workers`: each worker pinned to a core of its own);
+* `parameter_server` with 1 and 2 workers and 1 ps task, every task
+  unpinned: the chief (coordinator), the ps task and the workers share the
+  cores, so these figures are for the record, not a scaling measurement (a
+  parameter-server worker pinned to one core hangs: see `tfdist.launch
+  --pin_workers`);
+* precision: `one_device` pinned with `--dtype=fp32`, `bf16` and `fp16`,
+  all with TensorFlow's oneDNN ops off (`TF_ENABLE_ONEDNN_OPTS=0`: oneDNN's
+  fp16 kernels are catastrophically slow on CPUs, see the shared notes).
+
+Other jobs may share the machine, so the configurations run in alternation,
+`--repeats` times; the table gives the median and the range (min-max) of
+each configuration's runs, and speedups are ratios of medians.
+
+The allocator fix of the speed issue is applied through the environment
+(`MALLOC_MMAP_THRESHOLD_`, `MALLOC_TOP_PAD_`; `--malloc_env`) until
+`tfdist/allocator.py` sets it in-process.
+
+Usage:
+  python benchmarks/scaling.py --repeats=3 --steps=100 \\
+      --output=benchmarks/results/scaling.json \\
+      --plot=benchmarks/results/scaling.png
+"""
+
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+
+from absl import app
+from absl import flags
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+  sys.path.insert(0, REPO)
+
+from tfdist import diagnose  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+FLAGS = flags.FLAGS
+flags.DEFINE_integer("repeats", 3, "Alternated rounds over every "
+                     "configuration.")
+flags.DEFINE_integer("steps", 100, "Training steps per run.")
+flags.DEFINE_integer("log_steps", 20, "Throughput interval; the first is "
+                     "warm-up, left out.")
+flags.DEFINE_integer("per_worker_batch_size", 128, "Examples per worker and "
+                     "step.")
+flags.DEFINE_string("model", "cnn", "Model to train.")
+flags.DEFINE_string("data_dir", "", "Where Fashion-MNIST TFRecords live "
+                    "(default: tfdist's).")
+flags.DEFINE_list("configs", ["one_device", "mwms_1", "mwms_2",
+                              "mwms_2_no_timeout", "mwms_2_nosync_bn",
+                              "mwms_2_neither", "ps_1", "ps_2", "fp32",
+                              "bf16", "fp16"],
+                  "Configurations to run (see the module docstring).")
+flags.DEFINE_list("extra_train_flags", [], "More tfdist.train flags for "
+                  "every run, e.g. --extra_train_flags=--nosync_batch_norm.")
+flags.DEFINE_bool("malloc_env", True, "Set MALLOC_MMAP_THRESHOLD_ and "
+                  "MALLOC_TOP_PAD_ to 512 MiB in the children (the "
+                  "allocator fix, measured in the shared notes).")
+flags.DEFINE_float("timeout_seconds", 1200, "Limit of each run.")
+flags.DEFINE_string("output", "", "JSON results file.")
+flags.DEFINE_string("plot", "", "PNG of throughput and efficiency against "
+                    "workers.")
+
+ONEDNN_OFF = (("TF_ENABLE_ONEDNN_OPTS", "0"),)
+MALLOC = (("MALLOC_MMAP_THRESHOLD_", "536870912"),
+          ("MALLOC_TOP_PAD_", "536870912"))
+
+
+def specs(per_worker: int, extra) -> dict:
+  """`{name: (RunSpec, workers, group)}` of every configuration."""
+  env = MALLOC if FLAGS.malloc_env else ()
+  common = [f"--model={FLAGS.model}", "--dataset=fashion_mnist",
+            f"--train_steps={FLAGS.steps}", f"--log_steps={FLAGS.log_steps}",
+            "--epochs_between_evals=1000", *extra]
+  if FLAGS.data_dir:
+    common.append(f"--data_dir={FLAGS.data_dir}")
+  one = [*common, "--distribution_strategy=one_device",
+         f"--batch_size={per_worker}"]
+
+  def mwms(n, *more):
+    return diagnose.RunSpec(
+        f"mwms_{n}", tuple([*common, "--distribution_strategy="
+                            "multi_worker_mirrored",
+                            f"--batch_size={per_worker * n}", *more]),
+        num_workers=n, pin=True, env=env)
+
+  def ps(n):
+    # Every worker takes whole global batches of `per_worker` examples.
+    return diagnose.RunSpec(
+        f"ps_{n}", tuple([*common, "--distribution_strategy=parameter_server",
+                          f"--batch_size={per_worker}"]),
+        num_workers=n, num_ps=1, pin=False, env=env)
+
+  def dtype(name):
+    return diagnose.RunSpec(name, tuple([*one, f"--dtype={name}"]), pin=True,
+                            env=env + ONEDNN_OFF)
+
+  return {
+      "one_device": (diagnose.RunSpec("one_device", tuple(one), pin=True,
+                                      env=env), 1, "baseline"),
+      "mwms_1": (mwms(1), 1, "multi_worker_mirrored"),
+      "mwms_2": (mwms(2), 2, "multi_worker_mirrored"),
+      # What each collective costs (see the README): no per-collective
+      # timeout (no sleeping thread per collective), per-replica batch
+      # norm (no batch-norm all-reduces), both.
+      "mwms_2_no_timeout": (mwms(2, "--collective_timeout_seconds=0"), 2,
+                            "variant"),
+      "mwms_2_nosync_bn": (mwms(2, "--nosync_batch_norm"), 2, "variant"),
+      "mwms_2_neither": (mwms(2, "--collective_timeout_seconds=0",
+                              "--nosync_batch_norm"), 2, "variant"),
+      "ps_1": (ps(1), 1, "parameter_server"),
+      "ps_2": (ps(2), 2, "parameter_server"),
+      "fp32": (dtype("fp32"), 1, "precision"),
+      "bf16": (dtype("bf16"), 1, "precision"),
+      "fp16": (dtype("fp16"), 1, "precision"),
+  }
+
+
+def summarize(runs) -> dict:
+  eps = [r.examples_per_second for r in runs if r.examples_per_second]
+  steps = [r.step_time_seconds for r in runs if r.step_time_seconds]
+  cpu = [r.cpu_seconds_per_step for r in runs if r.cpu_seconds_per_step]
+  waits = [r.input_wait_fraction for r in runs
+           if r.input_wait_fraction is not None]
+  return {"examples_per_second": statistics.median(eps) if eps else None,
+          "min": min(eps) if eps else None, "max": max(eps) if eps else None,
+          "step_time_seconds": statistics.median(steps) if steps else None,
+          "input_wait_fraction": statistics.median(waits) if waits else None,
+          "cpu_seconds_per_step": statistics.median(cpu) if cpu else None,
+          "peak_rss_bytes": max((r.peak_rss_bytes or 0) for r in runs),
+          "runs": [r.examples_per_second for r in runs]}
+
+
+def machine() -> dict:
+  model = ""
+  try:
+    with open("/proc/cpuinfo") as f:
+      model = next((l.split(":", 1)[1].strip() for l in f
+                    if l.startswith("model name")), "")
+  except OSError:
+    pass
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  return {"cpu": model, "cores": len(os.sched_getaffinity(0)),
+          "memory_bytes": os.sysconf("SC_PHYS_PAGES") *
+                          os.sysconf("SC_PAGE_SIZE"),
+          "platform": platform.platform(), "python":
+              platform.python_version(), "tensorflow": tf.__version__,
+          "load_average_at_start": os.getloadavg()}
+
+
+def plot(results: dict, path: str, title: str):
+  """Throughput and scaling efficiency against workers (PNG)."""
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  base = results["one_device"]["examples_per_second"]
+  fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+  for group, marker in (("multi_worker_mirrored", "o"),
+                        ("parameter_server", "s")):
+    points = sorted((v["workers"], v) for v in results.values()
+                    if v["group"] == group and v["examples_per_second"])
+    if not points:
+      continue
+    workers = [w for w, _ in points]
+    eps = [v["examples_per_second"] for _, v in points]
+    low = [v["examples_per_second"] - v["min"] for _, v in points]
+    high = [v["max"] - v["examples_per_second"] for _, v in points]
+    left.errorbar(workers, eps, yerr=[low, high], marker=marker, capsize=4,
+                  label=group)
+    right.plot(workers, [e / (base * w) for w, e in zip(workers, eps)],
+               marker=marker, label=group)
+  left.plot([1, 2], [base, 2 * base], "k--", linewidth=1,
+            label="ideal (one_device x workers)")
+  left.set(xlabel="workers (one core each)", ylabel="examples/sec",
+           xticks=[1, 2], title="throughput (median, min-max)")
+  right.axhline(1.0, color="k", linestyle="--", linewidth=1)
+  right.axhline(0.9, color="grey", linestyle=":", linewidth=1,
+                label="1.8x target for 2 workers")
+  right.set(xlabel="workers (one core each)", ylabel="scaling efficiency",
+            xticks=[1, 2], ylim=(0, 1.2),
+            title="speedup / workers (against one_device)")
+  left.legend(fontsize=8)
+  right.legend(fontsize=8)
+  fig.suptitle(title, fontsize=9)
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
+
+
+def main(argv):
+  del argv
+  table = specs(FLAGS.per_worker_batch_size, FLAGS.extra_train_flags)
+  unknown = [c for c in FLAGS.configs if c not in table]
+  if unknown:
+    raise app.UsageError(f"--configs: unknown {unknown}; known: "
+                         f"{sorted(table)}")
+  info = machine()
+  runs = {name: [] for name in FLAGS.configs}
+  started = time.time()
+  with tempfile.TemporaryDirectory(prefix="tfdist-scaling-") as tmp:
+    for repeat in range(FLAGS.repeats):
+      for name in FLAGS.configs:
+        spec = table[name][0]
+        measured = diagnose.run_training(
+            spec, os.path.join(tmp, f"{name}-{repeat}"),
+            timeout_seconds=FLAGS.timeout_seconds)
+        runs[name].append(measured)
+        print(f"round {repeat + 1}/{FLAGS.repeats} {name}: "
+              f"{measured.examples_per_second:.1f} examples/sec", flush=True)
+  results = {}
+  for name, measured in runs.items():
+    _, workers, group = table[name]
+    results[name] = {"workers": workers, "group": group,
+                     **summarize(measured)}
+  base = results.get("one_device", {}).get("examples_per_second")
+  print(f"\n{'config':<18} {'workers':>7} {'examples/sec':>12} "
+        f"{'range':>11} {'step ms':>8} {'CPU ms/step':>11} "
+        f"{'input wait':>10} {'speedup':>8} {'efficiency':>10}")
+  for name, r in results.items():
+    eps = r["examples_per_second"]
+    speedup = eps / base if base and eps else None
+    r["speedup"] = speedup
+    r["scaling_efficiency"] = speedup / r["workers"] if speedup else None
+    print(f"{name:<18} {r['workers']:>7} {eps:>12.1f} "
+          f"{r['min']:>5.0f}-{r['max']:<5.0f} "
+          f"{r['step_time_seconds'] * 1000:>8.1f} "
+          f"{(r['cpu_seconds_per_step'] or 0) * 1000:>11.1f} "
+          f"{(r['input_wait_fraction'] or 0):>10.1%} "
+          f"{(speedup or 0):>7.2f}x {(r['scaling_efficiency'] or 0):>10.0%}")
+  record = {"machine": info, "seconds": time.time() - started,
+            "repeats": FLAGS.repeats, "steps": FLAGS.steps,
+            "log_steps": FLAGS.log_steps,
+            "per_worker_batch_size": FLAGS.per_worker_batch_size,
+            "malloc_env": FLAGS.malloc_env,
+            "extra_train_flags": FLAGS.extra_train_flags,
+            "results": results}
+  if FLAGS.output:
+    os.makedirs(os.path.dirname(os.path.abspath(FLAGS.output)),
+                exist_ok=True)
+    with open(FLAGS.output, "w") as f:
+      json.dump(record, f, indent=2, sort_keys=True)
+    print(f"JSON: {FLAGS.output}")
+  if FLAGS.plot and base:
+    plot(results, FLAGS.plot,
+         f"tfdist {FLAGS.model}, {FLAGS.per_worker_batch_size} examples per "
+         f"worker and step; {info['cores']} cores ({info['cpu']}); medians "
+         f"of {FLAGS.repeats} alternated runs")
+    print(f"Plot: {FLAGS.plot}")
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,89 @@
+"""Tests for tfdist.memory: the model-state estimate against the real bytes
+of a model's variables and its optimizer's, and the data-parallel fit."""
+
+from absl.testing import absltest
+from absl.testing import parameterized
+import keras
+import numpy as np
+import pytest
+
+from tfdist import memory
+from tfdist import precision
+
+# Also run on the oldest supported TensorFlow (see tests/conftest.py).
+pytestmark = pytest.mark.compat
+
+
+def _model():
+  inputs = keras.Input((12,))
+  x = keras.layers.Dense(32, use_bias=False)(inputs)
+  x = keras.layers.BatchNormalization()(x)  # Non-trainable statistics too.
+  outputs = keras.layers.Dense(3)(x)
+  return keras.Model(inputs, outputs)
+
+
+def _nbytes(variables) -> int:
+  return sum(np.asarray(v.numpy()).nbytes for v in variables)
+
+
+class EstimateTest(parameterized.TestCase):
+
+  @parameterized.named_parameters(
+      ("sgd_momentum", lambda: keras.optimizers.SGD(0.1, momentum=0.9), 1),
+      ("adam", lambda: keras.optimizers.Adam(1e-3), 2),
+      ("fp16_loss_scale", lambda: precision.wrap_optimizer_for_precision(
+          keras.optimizers.SGD(0.1, momentum=0.9), dtype="fp16"), 1))
+  def test_equals_the_bytes_of_variables_and_optimizer_state(
+      self, make_optimizer, slots_per_weight):
+    model = _model()
+    optimizer = make_optimizer()
+    optimizer.build(model.trainable_variables)
+    estimate = memory.estimate_model_memory(model, optimizer)
+    self.assertEqual(estimate.parameters_bytes, _nbytes(model.variables))
+    self.assertEqual(estimate.gradients_bytes,
+                     _nbytes(model.trainable_variables))
+    self.assertEqual(estimate.optimizer_bytes, _nbytes(optimizer.variables))
+    self.assertEqual(estimate.total_bytes,
+                     _nbytes(model.variables) +
+                     _nbytes(model.trainable_variables) +
+                     _nbytes(optimizer.variables))
+    # The slots dominate the optimizer's state: 1 (momentum) or 2 (Adam)
+    # per trainable value, plus a few scalars (iterations, loss scale).
+    trainable = _nbytes(model.trainable_variables)
+    self.assertBetween(estimate.optimizer_bytes - slots_per_weight *
+                       trainable, 0, 64)
+    self.assertEqual(estimate.num_parameters,
+                     sum(int(np.prod(v.shape)) for v in model.variables))
+
+
+class FitTest(absltest.TestCase):
+
+  def test_fits_and_the_strategy_that_fits_when_not(self):
+    estimate = memory.ModelMemory(parameters_bytes=4 << 30,
+                                  gradients_bytes=4 << 30,
+                                  optimizer_bytes=8 << 30,
+                                  num_parameters=1 << 30)
+    fit = memory.fits_data_parallel(estimate, capacity_bytes=80 << 30)
+    self.assertTrue(fit.fits)
+    self.assertAlmostEqual(fit.share, 16 / 80)
+    fit = memory.fits_data_parallel(estimate, capacity_bytes=80 << 30,
+                                    replicas_sharing=8)  # 8 CPU copies.
+    self.assertFalse(fit.fits)
+    small = memory.fits_data_parallel(estimate, capacity_bytes=5 << 30,
+                                      optimizer="adam")
+    self.assertFalse(small.fits)
+    # Variables and slots (12 GiB) sharded over ps tasks of 5 GiB: 3.
+    self.assertIn("parameter_server with at least 3 ps task(s)", small.advice)
+    self.assertIn("--optimizer=adam keeps 2 slots", small.advice)
+
+  def test_peak_rss_is_this_process(self):
+    self.assertGreater(memory.peak_rss_bytes(), 50 << 20)
+    self.assertGreater(memory.host_memory_bytes(), memory.peak_rss_bytes())
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+    if not tf.config.list_physical_devices("GPU"):
+      self.assertEqual(memory.device_memory(), {})
+    self.assertEqual(memory.format_bytes(3 << 20), "3.0 MiB")
+
+
+if __name__ == "__main__":
+  absltest.main()

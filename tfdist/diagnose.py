@@ -1,0 +1,802 @@
+"""Measure before distributing: a baseline, the requested run, a verdict.
+
+Usage:
+  python -m tfdist.diagnose -- --dataset=fashion_mnist \\
+      --distribution_strategy=mirrored --num_cpu_devices=2
+  python -m tfdist.diagnose --num_workers=2 --pin_workers -- \\
+      --distribution_strategy=multi_worker_mirrored --dataset=fashion_mnist
+
+Everything after `--` is `tfdist.train` flags (checked by tfdist.train's own
+parser before anything runs). The diagnosis:
+
+1. estimates, from the model alone, the bytes of its parameters, gradients
+   and optimizer state (`tfdist.memory`), and whether every replica's copy
+   fits the device's memory under data parallelism (which strategy fits if
+   not);
+2. runs the requested configuration and a single-device baseline
+   (`one_device`, the same model, data and per-replica batch) as child
+   processes of `tfdist.train` (through `tfdist.launch` for a local cluster,
+   `--num_workers` / `--num_ps`), for `--train_steps` steps (default 60),
+   each in its own `--model_dir` (a temporary folder unless `--model_dir` is
+   given; then `<model_dir>/baseline` and `<model_dir>/requested`), in
+   alternation `--repeats` times;
+3. reads their manifests and `metrics.jsonl`, prints a table (examples/sec,
+   step time, input-wait share, peak memory, speedup, scaling efficiency;
+   medians over repeats, with the range) and a verdict with the numbers
+   behind it (`verdict`): memory-bound, input-bound, communication-bound or
+   compute-bound, with what to try.
+
+The seeds' rule: measure one device first and find the binding constraint
+before adding devices; judge N devices by speedup (examples/sec against the
+baseline's) and scaling efficiency (speedup / N): 4 devices at 300
+examples/sec against one at 100 is 3x and 75%. Replicas that are logical
+devices of one CPU share its cores: their "speedup" is called a
+logical-CPU speedup, not scaling.
+
+It replaces `benchmarks/scaling_benchmark.py`; `benchmarks/scaling.py`
+drives it for the README's scaling figures.
+"""
+
+import dataclasses
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Dict, List, Optional, Sequence
+
+from absl import app
+from absl import flags
+from absl import logging
+
+from tfdist import memory
+
+# The input-wait share of step time above which a run is input-bound, and
+# above which it is "moderately" so: TensorFlow's profiler (the input
+# pipeline analyzer, xprof's input_pipeline_analysis.cc:
+# kHighlyInfeedBoundThresholdInPercent = 20,
+# kModeratelyInfeedBoundThresholdInPercent = 5).
+INPUT_BOUND_SHARE = 0.20
+INPUT_MODERATE_SHARE = 0.05
+# Scaling efficiency below which the extra time of N replicas is called
+# communication (when input does not bind): the target tfdist sets itself
+# for 2 workers is 1.8x (90%); below 80% the collectives cost more than a
+# fifth of the step.
+COMMUNICATION_EFFICIENCY = 0.80
+# A device whose measured peak is above this share of its memory is full.
+MEMORY_FULL_SHARE = 0.90
+DEFAULT_STEPS = 60
+DEFAULT_LOG_STEPS = 10
+# Flags the baseline sets itself (or drops): the strategy and its devices,
+# the batch, the cluster, and where it writes.
+_BASELINE_DROPS = ("distribution_strategy", "num_cpu_devices", "num_gpus",
+                   "batch_size", "per_replica_batch_size", "all_reduce_alg",
+                   "worker_hosts", "task_index", "reduction_server",
+                   "model_dir", "checkpoint_dir", "tensorboard_dir",
+                   "export_dir", "profile_steps", "sync_batch_norm",
+                   "nosync_batch_norm", "noreduction_server")
+
+INPUT_ADVICE = (
+    "input pipeline knobs: keep --cache_dataset on (parsed examples cached in "
+    "memory after the first epoch), split the data into more --train_files "
+    "shards than hosts (parallel reads), lower --shuffle_buffer_size if the "
+    "wait is at start, move heavy preprocessing offline (into the TFRecords) "
+    "or to tf.data service; tfdist already reads, parses and prefetches in "
+    "parallel (tf.data AUTOTUNE)")
+COMMUNICATION_ADVICE = (
+    "fewer all-reduces per example: a larger per-replica batch "
+    "(--per_replica_batch_size), gradient accumulation "
+    "(--gradient_accumulation_steps), --nosync_batch_norm (batch norm's "
+    "per-layer all-reduces); on GPUs NCCL (--all_reduce_alg=nccl) or Vertex "
+    "AI's Reduction Server (--reduction_server); more steps per host round "
+    "trip (--steps_per_execution)")
+COMPUTE_ADVICE = (
+    "the devices are busy computing: add devices while efficiency holds, "
+    "mixed precision (--dtype=bf16 on TPUs and GPUs of compute capability "
+    ">= 8.0, fp16 on 7.x), XLA (--enable_xla)")
+MEMORY_ADVICE = (
+    "mixed precision (--dtype=bf16/fp16: half-size activations), activation "
+    "recomputation, a smaller per-replica batch with gradient accumulation, "
+    "or parameter servers (--distribution_strategy=parameter_server: "
+    "variables and optimizer slots sharded over ps tasks)")
+
+
+class DiagnoseError(RuntimeError):
+  """A child run failed or wrote no manifest; the message says where."""
+
+
+@dataclasses.dataclass
+class RunMeasurement:
+  """What one training run measured (from its manifest and metrics.jsonl).
+
+  Attributes:
+    label: `baseline` or `requested` (or a benchmark's name).
+    strategy: the strategy that ran.
+    num_replicas: `num_replicas_in_sync` (parameter servers: workers).
+    num_workers: training processes.
+    device_kind: `GPU`, `TPU`, `CPU` (one per process) or `logical CPU`
+      (several replicas on one CPU: they share its cores).
+    dtype: `fp32`, `bf16` or `fp16`.
+    global_batch_size, per_replica_batch_size: examples per step.
+    examples_per_second: over the measured intervals (first excluded).
+    step_time_seconds: wall time per step.
+    input_wait_fraction: share of the compiled step's time spent waiting
+      for input (the chief's, or every parameter-server worker's); None if
+      not measured.
+    input_wait_seconds: seconds per step waiting for input.
+    peak_rss_bytes: the chief's peak host memory (bytes).
+    device_memory_peak_bytes: the largest GPU peak (bytes), or None.
+    model_memory: `tfdist.memory.ModelMemory.to_dict()`, or None.
+    cpu_seconds_per_step: CPU seconds of the chief's process per step (all
+      its threads).
+    interval_examples_per_second: each measured interval's examples/sec.
+    model_dir: where the run wrote.
+  """
+  label: str
+  strategy: str
+  num_replicas: int
+  num_workers: int
+  device_kind: str
+  dtype: str
+  global_batch_size: int
+  per_replica_batch_size: int
+  examples_per_second: Optional[float]
+  step_time_seconds: Optional[float]
+  input_wait_fraction: Optional[float] = None
+  input_wait_seconds: Optional[float] = None
+  peak_rss_bytes: Optional[int] = None
+  device_memory_peak_bytes: Optional[int] = None
+  model_memory: Optional[dict] = None
+  cpu_seconds_per_step: Optional[float] = None
+  interval_examples_per_second: List[float] = dataclasses.field(
+      default_factory=list)
+  model_dir: str = ""
+
+  @property
+  def scale(self) -> int:
+    """What a speedup is divided by: replicas (parameter servers:
+    workers)."""
+    return max(self.num_replicas, 1)
+
+  def to_dict(self) -> dict:
+    return dataclasses.asdict(self)
+
+
+def _device_kind(manifest: dict) -> str:
+  devices = [str(d).upper() for d in manifest.get("replica_devices", [])]
+  if manifest.get("strategy") == "tpu" or any("TPU" in d for d in devices):
+    return "TPU"
+  if any("GPU" in d for d in devices):
+    return "GPU"
+  cpu_replicas = sum("CPU" in d for d in devices)
+  return "logical CPU" if cpu_replicas > 1 else "CPU"
+
+
+def measurement_from_run(model_dir: str, label: str) -> RunMeasurement:
+  """Reads a finished run's `run_manifest.json` and `metrics.jsonl`.
+
+  Raises:
+    DiagnoseError: the run wrote no manifest.
+  """
+  from tfdist import manifest as manifest_lib  # pylint: disable=g-import-not-at-top
+  from tfdist import run_log  # pylint: disable=g-import-not-at-top
+  path = os.path.join(model_dir, manifest_lib.MANIFEST_FILE)
+  if not os.path.exists(path):
+    raise DiagnoseError(f"{label}: no {path}: the run did not finish.")
+  manifest = manifest_lib.read_manifest(model_dir)
+  throughput = manifest.get("throughput", {})
+  mem = manifest.get("memory", {})
+  strategy = manifest["strategy"]
+  replicas = int(manifest.get("num_replicas_in_sync") or 1)
+  if strategy == "parameter_server":
+    replicas = int(manifest.get("num_workers") or 1)
+  intervals = [r["examples_per_second"]
+               for r in run_log.read_metrics(model_dir)
+               if r.get("kind") == "train" and r.get("examples_per_second")
+               and not r.get("excluded_from_throughput")]
+  return RunMeasurement(
+      label=label, strategy=strategy, num_replicas=replicas,
+      num_workers=int(manifest.get("num_workers") or 1),
+      device_kind=_device_kind(manifest), dtype=manifest.get("dtype", ""),
+      global_batch_size=int(manifest["global_batch_size"]),
+      per_replica_batch_size=int(manifest["per_replica_batch_size"]),
+      examples_per_second=throughput.get("examples_per_second"),
+      step_time_seconds=throughput.get("step_time_seconds"),
+      input_wait_fraction=throughput.get("input_wait_fraction"),
+      input_wait_seconds=throughput.get("input_wait_seconds"),
+      peak_rss_bytes=mem.get("peak_rss_bytes"),
+      device_memory_peak_bytes=mem.get("device_memory_peak_bytes"),
+      model_memory=mem.get("model"),
+      cpu_seconds_per_step=throughput.get("cpu_seconds_per_step"),
+      interval_examples_per_second=intervals, model_dir=model_dir)
+
+
+def median_measurement(runs: Sequence[RunMeasurement]) -> RunMeasurement:
+  """One measurement from repeats: medians of the timings, peaks' maximum,
+  every interval kept (their range is the spread)."""
+  first = runs[0]
+
+  def med(name):
+    values = [getattr(r, name) for r in runs if getattr(r, name) is not None]
+    return statistics.median(values) if values else None
+
+  def top(name):
+    values = [getattr(r, name) for r in runs if getattr(r, name) is not None]
+    return max(values) if values else None
+
+  return dataclasses.replace(
+      first, examples_per_second=med("examples_per_second"),
+      step_time_seconds=med("step_time_seconds"),
+      input_wait_fraction=med("input_wait_fraction"),
+      input_wait_seconds=med("input_wait_seconds"),
+      cpu_seconds_per_step=med("cpu_seconds_per_step"),
+      peak_rss_bytes=top("peak_rss_bytes"),
+      device_memory_peak_bytes=top("device_memory_peak_bytes"),
+      interval_examples_per_second=[
+          v for r in runs for v in r.interval_examples_per_second])
+
+
+# --- the verdict --------------------------------------------------------------
+@dataclasses.dataclass
+class Verdict:
+  """The binding constraint, the numbers behind it, what to try.
+
+  Attributes:
+    constraint: `memory`, `input`, `communication` or `compute`.
+    reasons: the measurements that decided it, as sentences with numbers.
+    advice: what to try.
+    notes: other facts worth knowing (a logical-CPU speedup, a moderately
+      input-bound baseline).
+    speedup: requested examples/sec over the baseline's (None without).
+    scaling_efficiency: `speedup / (replicas / baseline replicas)`.
+  """
+  constraint: str
+  reasons: List[str]
+  advice: List[str]
+  notes: List[str] = dataclasses.field(default_factory=list)
+  speedup: Optional[float] = None
+  scaling_efficiency: Optional[float] = None
+
+  @property
+  def label(self) -> str:
+    return f"{self.constraint}-bound"
+
+  def to_dict(self) -> dict:
+    return {**dataclasses.asdict(self), "label": self.label}
+
+  def render(self) -> str:
+    lines = [f"Verdict: {self.label}."]
+    lines += [f"  because {r}" for r in self.reasons]
+    lines += [f"  try: {a}" for a in self.advice]
+    lines += [f"  note: {n}" for n in self.notes]
+    return "\n".join(lines)
+
+
+def scaling(baseline: Optional[RunMeasurement], requested: RunMeasurement):
+  """`(speedup, scaling_efficiency)` of `requested` over `baseline`, or
+  `(None, None)` when either has no throughput."""
+  if (baseline is None or not baseline.examples_per_second or
+      not requested.examples_per_second):
+    return None, None
+  speedup = requested.examples_per_second / baseline.examples_per_second
+  return speedup, speedup / (requested.scale / baseline.scale)
+
+
+def verdict(requested: RunMeasurement,
+            baseline: Optional[RunMeasurement] = None, *,
+            model_fit: Optional[memory.Fit] = None,
+            device_memory_bytes: Optional[int] = None,
+            host_memory_bytes: Optional[int] = None,
+            cores: Optional[int] = None,
+            pinned: bool = False) -> Verdict:
+  """Names the binding constraint of `requested` from measurements.
+
+  Rules, in order (the first that holds decides):
+
+  1. memory: the model's parameters, gradients and optimizer state do not
+     fit a device under data parallelism (`model_fit`), or a run's measured
+     peak (GPU memory, or host RSS for CPU runs) is above `MEMORY_FULL_SHARE`
+     of the memory it has;
+  2. input: the requested run waited for input `INPUT_BOUND_SHARE` (20%)
+     or more of its step time (TensorFlow profiler's "highly input-bound");
+  3. with more replicas than the baseline: logical CPU devices (or more
+     workers than cores, unpinned) share the cores, so the speedup is not
+     scaling: compute-bound; else a scaling efficiency below
+     `COMMUNICATION_EFFICIENCY` is communication-bound;
+  4. otherwise compute-bound.
+
+  Args:
+    requested: the requested run (medians over repeats).
+    baseline: the single-device baseline, or None.
+    model_fit: `tfdist.memory.fits_data_parallel` of the model, or None.
+    device_memory_bytes: one GPU's memory, or None (CPU runs).
+    host_memory_bytes: this host's memory, or None.
+    cores: CPU cores the runs could use (for the logical-CPU note).
+    pinned: each worker process was pinned to a core of its own.
+
+  Returns:
+    A `Verdict`.
+  """
+  speedup, efficiency = scaling(baseline, requested)
+  notes = []
+  wait = requested.input_wait_fraction
+  base_wait = baseline.input_wait_fraction if baseline else None
+
+  def share(x):
+    return "unmeasured" if x is None else f"{x:.0%}"
+
+  # 1. Memory.
+  full = []
+  if model_fit is not None and not model_fit.fits:
+    full.append(model_fit.advice)
+  for run in (requested, baseline):
+    if run is None:
+      continue
+    if device_memory_bytes and run.device_memory_peak_bytes and (
+        run.device_memory_peak_bytes > MEMORY_FULL_SHARE *
+        device_memory_bytes):
+      full.append(
+          f"the {run.label} run's device memory peaked at "
+          f"{memory.format_bytes(run.device_memory_peak_bytes)} of "
+          f"{memory.format_bytes(device_memory_bytes)} "
+          f"({run.device_memory_peak_bytes / device_memory_bytes:.0%}).")
+    elif (run.device_kind in ("CPU", "logical CPU") and host_memory_bytes and
+          run.peak_rss_bytes and run.peak_rss_bytes * run.num_workers >
+          MEMORY_FULL_SHARE * host_memory_bytes):
+      full.append(
+          f"the {run.label} run's processes peaked at "
+          f"{memory.format_bytes(run.peak_rss_bytes * run.num_workers)} of "
+          f"host memory ({memory.format_bytes(host_memory_bytes)}).")
+  if full:
+    return Verdict("memory", full, [MEMORY_ADVICE], notes, speedup,
+                   efficiency)
+
+  # 2. Input.
+  if base_wait is not None and INPUT_MODERATE_SHARE <= base_wait < (
+      INPUT_BOUND_SHARE):
+    notes.append(f"the baseline waited {base_wait:.0%} of its step for input"
+                 " (moderately input-bound: 5-20%).")
+  if wait is not None and wait >= INPUT_BOUND_SHARE:
+    reasons = [f"the {requested.label} run waited for input {wait:.0%} of "
+               f"its step time ({requested.input_wait_seconds * 1000:.1f} "
+               f"ms per step; input-bound from {INPUT_BOUND_SHARE:.0%})."]
+    if base_wait is not None:
+      reasons.append(f"the single-device baseline waited {base_wait:.0%}.")
+    return Verdict("input", reasons, [INPUT_ADVICE], notes, speedup,
+                   efficiency)
+  if wait is not None and wait >= INPUT_MODERATE_SHARE:
+    notes.append(f"input wait {wait:.0%} of the step: moderately "
+                 "input-bound (5-20%); " + INPUT_ADVICE + ".")
+
+  # 3. Scaling.
+  if speedup is not None and requested.scale > baseline.scale:
+    n = requested.scale / baseline.scale
+    numbers = (f"{requested.examples_per_second:.1f} examples/sec on "
+               f"{requested.scale} replicas against "
+               f"{baseline.examples_per_second:.1f} on {baseline.scale}: "
+               f"{speedup:.2f}x, {efficiency:.0%} scaling efficiency")
+    shared = None
+    if requested.device_kind == "logical CPU":
+      shared = (f"the {requested.scale} replicas are logical devices of one "
+                f"CPU and share its {cores or 'few'} core(s)")
+    elif (requested.device_kind == "CPU" and not pinned and cores and
+          requested.num_workers > 1):
+      shared = (f"the {requested.num_workers} worker processes share "
+                f"{cores} core(s), unpinned")
+    if shared:
+      notes.append(f"{speedup:.2f}x is a logical-CPU speedup, not scaling: "
+                   f"{shared}, so it measures how one step uses the cores, "
+                   "not what more devices would give. Measure on GPUs, TPUs "
+                   "or hosts (pinned workers: --pin_workers).")
+      return Verdict("compute", [numbers + f" ({shared})."],
+                     [COMPUTE_ADVICE], notes, speedup, efficiency)
+    if efficiency < COMMUNICATION_EFFICIENCY:
+      step_base = baseline.step_time_seconds or 0.0
+      step_req = requested.step_time_seconds or 0.0
+      extra = (f"; each step took {step_req * 1000:.0f} ms against "
+               f"{step_base * 1000:.0f} ms on one device"
+               if step_base and step_req else "")
+      return Verdict(
+          "communication",
+          [numbers + f", below {COMMUNICATION_EFFICIENCY:.0%} with the input"
+           f" wait at {share(wait)}{extra}: the {n:g}x replicas spend the "
+           "difference synchronizing."],
+          [COMMUNICATION_ADVICE], notes, speedup, efficiency)
+    return Verdict("compute", [numbers + "."], [COMPUTE_ADVICE], notes,
+                   speedup, efficiency)
+
+  # 4. Compute.
+  reasons = [f"the input wait is {share(wait)} of the step"]
+  if requested.examples_per_second:
+    reasons[0] += (f" at {requested.examples_per_second:.1f} examples/sec "
+                   f"on {requested.scale} replica(s)")
+  reasons[0] += ": the step itself is the limit."
+  return Verdict("compute", reasons, [COMPUTE_ADVICE], notes, speedup,
+                 efficiency)
+
+
+# --- the table ----------------------------------------------------------------
+def render_table(rows: Sequence[RunMeasurement],
+                 baseline: Optional[RunMeasurement]) -> str:
+  """The measurements as a fixed-width table (speedup and efficiency
+  against `baseline`)."""
+  header = ("run", "strategy", "devices", "global batch", "examples/sec",
+            "range", "step ms", "input wait", "peak RSS", "device peak",
+            "speedup", "efficiency")
+  table = [header]
+  for r in rows:
+    speedup, efficiency = scaling(baseline, r)
+    spread = r.interval_examples_per_second
+    table.append((
+        r.label, r.strategy, f"{r.num_replicas} {r.device_kind}",
+        str(r.global_batch_size),
+        f"{r.examples_per_second:.1f}" if r.examples_per_second else "-",
+        f"{min(spread):.0f}-{max(spread):.0f}" if spread else "-",
+        f"{r.step_time_seconds * 1000:.1f}" if r.step_time_seconds else "-",
+        f"{r.input_wait_fraction:.1%}" if r.input_wait_fraction is not None
+        else "-",
+        memory.format_bytes(r.peak_rss_bytes),
+        memory.format_bytes(r.device_memory_peak_bytes),
+        f"{speedup:.2f}x" if speedup is not None else "-",
+        f"{efficiency:.0%}" if efficiency is not None else "-"))
+  widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+  return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip()
+                   for row in table)
+
+
+# --- running children ---------------------------------------------------------
+def _flag_name(arg: str) -> Optional[str]:
+  if not arg.startswith("--"):
+    return None
+  return arg[2:].split("=", 1)[0]
+
+
+def without_flags(args: Sequence[str], names: Sequence[str]) -> List[str]:
+  """`args` without the `--name=value` / `--name` / `--noname` flags of
+  `names` (values given as a separate argument are not supported by
+  tfdist.train's absl flags for these; `--name value` is dropped too)."""
+  out, skip = [], False
+  names = set(names) | {f"no{n}" for n in names}
+  for arg in args:
+    if skip:
+      skip = False
+      continue
+    name = _flag_name(arg)
+    if name in names:
+      skip = "=" not in arg and not name.startswith("no") and (
+          name not in ("sync_batch_norm", "reduction_server"))
+      continue
+    out.append(arg)
+  return out
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSpec:
+  """How to start one training run.
+
+  Attributes:
+    label: the run's name in tables.
+    train_args: `tfdist.train` flags (no `--model_dir`).
+    num_workers: training processes (> 1 or `num_ps`: through
+      `tfdist.launch`).
+    num_ps: parameter-server tasks.
+    pin: pin each worker to a core of its own (`--pin_workers`; a single
+      process to the first core).
+    env: extra environment variables for the children.
+  """
+  label: str
+  train_args: tuple
+  num_workers: int = 1
+  num_ps: int = 0
+  pin: bool = False
+  env: tuple = ()
+
+
+def command_for(spec: RunSpec, model_dir: str) -> List[str]:
+  """The child command line of `spec`."""
+  train = [*spec.train_args, f"--model_dir={model_dir}"]
+  if spec.num_workers > 1 or spec.num_ps:
+    launch = [sys.executable, "-m", "tfdist.launch",
+              f"--num_workers={spec.num_workers}", f"--num_ps={spec.num_ps}"]
+    if spec.pin:
+      launch.append("--pin_workers")
+    return launch + ["--", *train]
+  return [sys.executable, "-m", "tfdist.train", *train]
+
+
+def run_training(spec: RunSpec, model_dir: str, *,
+                 timeout_seconds: float = 900) -> RunMeasurement:
+  """Runs `spec` as a child process into `model_dir`; returns its
+  measurement. Output goes to `<model_dir>.log`.
+
+  Raises:
+    DiagnoseError: the child failed, timed out or wrote no manifest (the
+      message holds the end of its output).
+  """
+  if os.path.exists(model_dir):
+    shutil.rmtree(model_dir)
+  os.makedirs(os.path.dirname(model_dir) or ".", exist_ok=True)
+  log_path = model_dir.rstrip("/") + ".log"
+  env = dict(os.environ)
+  env.update(dict(spec.env))
+  # The children import this checkout's tfdist (and its `flags`).
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+  started = time.time()
+  with open(log_path, "wb") as log:
+    proc = subprocess.Popen(command_for(spec, model_dir), cwd=root, env=env,
+                            stdout=log, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL, start_new_session=True)
+    if spec.pin and spec.num_workers <= 1 and not spec.num_ps:
+      # Before the child imports TensorFlow (which sizes its thread pools
+      # from the cores it may use), as tfdist.launch --pin_workers does.
+      os.sched_setaffinity(proc.pid, {sorted(os.sched_getaffinity(0))[0]})
+    try:
+      code = proc.wait(timeout=timeout_seconds)
+    except subprocess.TimeoutExpired:
+      os.killpg(proc.pid, 9)
+      proc.wait()
+      code = None
+  logging.info("%s: %s in %.0f s (log: %s)", spec.label,
+               "finished" if code == 0 else f"exit {code}",
+               time.time() - started, log_path)
+  if code != 0:
+    with open(log_path, errors="replace") as f:
+      tail = f.read()[-3000:]
+    what = (f"timed out after {timeout_seconds:g} s" if code is None else
+            f"exited with status {code}")
+    raise DiagnoseError(f"The {spec.label} run {what}; the end of its output "
+                        f"({log_path}):\n{tail}")
+  return measurement_from_run(model_dir, spec.label)
+
+
+def baseline_args(train_args: Sequence[str], per_replica_batch_size: int
+                  ) -> List[str]:
+  """The single-device baseline's flags: the requested run's, without its
+  strategy, devices, batch and cluster, on `one_device` (the first GPU when
+  there is one, else the CPU) with the same per-replica batch."""
+  return [*without_flags(train_args, _BASELINE_DROPS),
+          "--distribution_strategy=one_device",
+          f"--per_replica_batch_size={per_replica_batch_size}"]
+
+
+def model_memory_of(config) -> memory.ModelMemory:
+  """Builds `config`'s model and optimizer on this host (no data, no
+  strategy) and returns their `ModelMemory`."""
+  import keras  # pylint: disable=g-import-not-at-top
+  from tfdist import assembly  # pylint: disable=g-import-not-at-top
+  from tfdist import datasets  # pylint: disable=g-import-not-at-top
+  from tfdist import lr_schedule  # pylint: disable=g-import-not-at-top
+  from tfdist import optimizers  # pylint: disable=g-import-not-at-top
+  from tfdist import precision  # pylint: disable=g-import-not-at-top
+  dtype = config.dtype if config.dtype != "auto" else "fp32"
+  precision.configure_precision(dtype)
+  try:
+    model = assembly.build_model(
+        config, spec=datasets.get_dataset_spec(config.dataset))
+    optimizer = precision.wrap_optimizer_for_precision(
+        # A schedule, as in every run (tfdist.lr_schedule): the optimizer
+        # then keeps no learning-rate variable of its own.
+        optimizers.build_optimizer(config.optimizer,
+                                   lr_schedule.ConstantLearningRate(0.1),
+                                   momentum=config.momentum,
+                                   weight_decay=config.weight_decay),
+        dtype=dtype, loss_scale=config.loss_scale)
+    optimizer.build(model.trainable_variables)
+    return memory.estimate_model_memory(model, optimizer)
+  finally:
+    keras.mixed_precision.set_dtype_policy("float32")
+
+
+def device_memory_capacity() -> Optional[int]:
+  """One GPU's memory (the smallest), or None without GPUs."""
+  sizes = memory.gpu_memory_capacity_bytes()
+  return min(sizes) if sizes else None
+
+
+def diagnose(train_args: Sequence[str], *, num_workers: int = 1,
+             num_ps: int = 0, pin: bool = False, repeats: int = 1,
+             baseline: bool = True, steps: int = DEFAULT_STEPS,
+             log_steps: int = DEFAULT_LOG_STEPS,
+             model_dir: Optional[str] = None,
+             timeout_seconds: float = 900, out=None) -> dict:
+  """Runs the diagnosis of `train_args` (see the module docstring).
+
+  Args:
+    train_args: `tfdist.train` flags.
+    num_workers, num_ps: a local cluster through `tfdist.launch`.
+    pin: pin every worker (and the baseline) to a core of its own.
+    repeats: runs of each, alternated (requested first).
+    baseline: also run the single-device baseline.
+    steps, log_steps: used unless `train_args` sets `--train_steps` /
+      `--log_steps`.
+    model_dir: keep the runs under this folder (default: a temporary one,
+      deleted at the end).
+    timeout_seconds: per child run.
+    out: where the report goes (default stdout).
+
+  Returns:
+    `{"requested", "baseline", "runs", "model_memory", "model_fit",
+    "verdict"}` (JSON-ready).
+
+  Raises:
+    tfdist.job_spec.JobSpecError: `train_args` are not valid tfdist.train
+      flags.
+    DiagnoseError: a run failed.
+  """
+  from tfdist import job_spec  # pylint: disable=g-import-not-at-top
+  out = out or sys.stdout
+  given = {_flag_name(a) for a in train_args}
+  args = [a for a in train_args if _flag_name(a) != "model_dir"]
+  if "train_steps" not in given:
+    args.append(f"--train_steps={steps}")
+  if "log_steps" not in given:
+    args.append(f"--log_steps={log_steps}")
+  if "epochs_between_evals" not in given:
+    args.append("--epochs_between_evals=1000")  # One evaluation, at the end.
+  root = model_dir or next(
+      (a.split("=", 1)[1] for a in train_args
+       if _flag_name(a) == "model_dir" and "=" in a), None)
+  # tfdist.train's own parser checks the flags before anything runs.
+  config = job_spec.parse_train_flags(
+      [*args, f"--model_dir={root or '/tmp/tfdist-diagnose'}"],
+      where="tfdist.diagnose", environ=dict(os.environ))
+  keep = root is not None
+  root = root or tempfile.mkdtemp(prefix="tfdist-diagnose-")
+  cores = len(os.sched_getaffinity(0))
+  estimate = model_memory_of(config)
+  gpu_bytes = device_memory_capacity()
+  host_bytes = memory.host_memory_bytes()
+  try:
+    requested_spec = RunSpec("requested", tuple(args), num_workers=num_workers,
+                             num_ps=num_ps, pin=pin)
+    requested_runs, baseline_runs = [], []
+    for i in range(repeats):
+      suffix = f"-{i}" if repeats > 1 else ""
+      requested_runs.append(run_training(
+          requested_spec, os.path.join(root, f"requested{suffix}"),
+          timeout_seconds=timeout_seconds))
+      if baseline:
+        base_spec = RunSpec(
+            "baseline", tuple(baseline_args(
+                args, requested_runs[0].per_replica_batch_size)), pin=pin)
+        baseline_runs.append(run_training(
+            base_spec, os.path.join(root, f"baseline{suffix}"),
+            timeout_seconds=timeout_seconds))
+    requested = median_measurement(requested_runs)
+    base = median_measurement(baseline_runs) if baseline_runs else None
+    # Replicas whose copies share one memory: a GPU holds one; CPU
+    # replicas (logical devices, or the workers of a local cluster) each
+    # hold a copy in this host's memory.
+    on_gpu = bool(requested.device_kind == "GPU" and gpu_bytes)
+    sharing = 1 if on_gpu else requested.num_replicas
+    fit = memory.fits_data_parallel(
+        estimate, capacity_bytes=gpu_bytes if on_gpu else host_bytes,
+        replicas_sharing=sharing, optimizer=config.optimizer)
+    result = verdict(requested, base, model_fit=fit,
+                     device_memory_bytes=gpu_bytes,
+                     host_memory_bytes=host_bytes, cores=cores, pinned=pin)
+    rows = [r for r in (base, requested) if r is not None]
+    where = "GPU" if on_gpu else "host"
+    report = [
+        render_table(rows, base), "",
+        f"Model state per replica: parameters "
+        f"{memory.format_bytes(estimate.parameters_bytes)} "
+        f"({estimate.num_parameters:,} values), gradients "
+        f"{memory.format_bytes(estimate.gradients_bytes)}, optimizer "
+        f"({config.optimizer}) {memory.format_bytes(estimate.optimizer_bytes)}"
+        f": {memory.format_bytes(estimate.total_bytes)}; {sharing} "
+        f"replica(s) on {memory.format_bytes(fit.capacity_bytes)} of {where} "
+        f"memory: {fit.share:.2%}, "
+        + ("fits under data parallelism." if fit.fits else "does not fit."),
+        f"Runs: {steps if 'train_steps' not in given else config.train_steps}"
+        f" steps each, {repeats} time(s) alternated, on {cores} core(s)"
+        + (", each worker pinned to a core of its own" if pin else "") +
+        f"; throughput excludes each run's first {config.log_steps} steps "
+        "(warm-up); input wait is the share of the compiled step's time "
+        "spent waiting for the input iterator. Logs and manifests: "
+        f"{root}" + ("" if keep else " (deleted now)") + ".", "",
+        result.render()]
+    print("\n".join(report), file=out, flush=True)
+    return {"requested": requested.to_dict(),
+            "baseline": base.to_dict() if base else None,
+            "runs": [r.to_dict() for r in requested_runs + baseline_runs],
+            "model_memory": estimate.to_dict(),
+            "model_fit": dataclasses.asdict(fit), "cores": cores,
+            "pinned": pin, "verdict": result.to_dict()}
+  finally:
+    if not keep:
+      shutil.rmtree(root, ignore_errors=True)
+
+
+# --- the binary ----------------------------------------------------------------
+_FLAGS = flags.FlagValues()
+flags.DEFINE_integer("num_workers", 1, "Training processes of the requested "
+                     "run; more than 1 starts a local cluster through "
+                     "tfdist.launch (multi_worker_mirrored, or "
+                     "parameter_server with --num_ps).", flag_values=_FLAGS)
+flags.DEFINE_integer("num_ps", 0, "Parameter-server tasks of the requested "
+                     "run's local cluster.", flag_values=_FLAGS)
+flags.DEFINE_bool("pin_workers", False, "Pin each worker (and the baseline) "
+                  "to a CPU core of its own, as taskset -c does.",
+                  flag_values=_FLAGS)
+flags.DEFINE_integer("repeats", 1, "Runs of the requested configuration and "
+                     "the baseline, alternated; the table shows medians and "
+                     "the range of interval throughputs.", flag_values=_FLAGS)
+flags.DEFINE_bool("baseline", True, "Also run the single-device baseline.",
+                  flag_values=_FLAGS)
+flags.DEFINE_integer("steps", DEFAULT_STEPS, "Training steps of each run "
+                     "unless the train flags give --train_steps.",
+                     flag_values=_FLAGS)
+flags.DEFINE_integer("log_steps", DEFAULT_LOG_STEPS, "Measurement interval "
+                     "(steps) unless the train flags give --log_steps; the "
+                     "first interval is warm-up, left out.",
+                     flag_values=_FLAGS)
+flags.DEFINE_float("timeout_seconds", 900, "Limit of each child run.",
+                   flag_values=_FLAGS)
+flags.DEFINE_string("output", "", "Also write the measurements and the "
+                    "verdict to this JSON file.", flag_values=_FLAGS)
+
+
+def _check_own_flags(options):
+  for name, low in (("num_workers", 1), ("num_ps", 0), ("repeats", 1),
+                    ("steps", 2), ("log_steps", 1)):
+    value = getattr(options, name)
+    if value < low:
+      raise app.UsageError(f"--{name}={value} must be >= {low}.")
+  if options.pin_workers and options.num_ps:
+    raise app.UsageError("--pin_workers applies to clusters without ps tasks"
+                         " (a parameter-server worker pinned to one core "
+                         "hangs); drop --pin_workers or --num_ps.")
+  if options.timeout_seconds <= 0:
+    raise app.UsageError(
+        f"--timeout_seconds={options.timeout_seconds} must be > 0.")
+
+
+def main(argv):
+  if "--" in argv:
+    split = argv.index("--")
+    head, train_args = argv[:split], argv[split + 1:]
+  else:
+    head, train_args = argv, []
+  if any(a in ("-h", "--help", "--helpshort", "--helpfull") for a in head):
+    print(f"{__doc__}\nFlags:\n{_FLAGS.get_help()}")
+    return
+  try:
+    rest = _FLAGS(head)
+    _check_own_flags(_FLAGS)
+  except (flags.Error, app.UsageError) as e:
+    sys.exit(f"tfdist.diagnose: error: {e}")
+  if len(rest) > 1:
+    sys.exit(f"tfdist.diagnose: error: unexpected arguments {rest[1:]}; put "
+             "tfdist.train's flags after `--`.")
+  from tfdist import job_spec  # pylint: disable=g-import-not-at-top
+  try:
+    result = diagnose(train_args, num_workers=_FLAGS.num_workers,
+                      num_ps=_FLAGS.num_ps, pin=_FLAGS.pin_workers,
+                      repeats=_FLAGS.repeats, baseline=_FLAGS.baseline,
+                      steps=_FLAGS.steps, log_steps=_FLAGS.log_steps,
+                      timeout_seconds=_FLAGS.timeout_seconds)
+  except (job_spec.JobSpecError, DiagnoseError) as e:
+    sys.exit(f"tfdist.diagnose: error: {e}")
+  if _FLAGS.output:
+    with open(_FLAGS.output, "w") as f:
+      json.dump(result, f, indent=2, sort_keys=True)
+
+
+def _parse_own_flags_later(argv):
+  # tfdist.diagnose's options live in their own FlagValues (parsed in
+  # `main`); absl's global FLAGS get only the program name.
+  flags.FLAGS(argv[:1])
+  return argv
+
+
+def run():
+  app.run(main, argv=sys.argv, flags_parser=_parse_own_flags_later)
+
+
+if __name__ == "__main__":
+  run()
