@@ -144,6 +144,26 @@ def summarize(runs) -> dict:
           "runs": [r.examples_per_second for r in runs]}
 
 
+def markdown_table(record: dict) -> str:
+  """The results as the README's Markdown table."""
+  lines = ["| configuration | workers | examples/sec (median) | range | step ms "
+           "| CPU ms/step (chief) | input wait | speedup | efficiency |",
+           "|---|---|---|---|---|---|---|---|---|"]
+  for name, r in record["results"].items():
+    eps = r["examples_per_second"]
+    lines.append(
+        f"| `{name}` | {r['workers']} | {eps:.0f} | {r['min']:.0f}-"
+        f"{r['max']:.0f} | {r['step_time_seconds'] * 1000:.0f} | "
+        + (f"{r['cpu_seconds_per_step'] * 1000:.0f}"
+           if r.get("cpu_seconds_per_step") else "-") + " | "
+        + (f"{r['input_wait_fraction']:.1%}"
+           if r.get("input_wait_fraction") is not None else "-") + " | "
+        + (f"{r['speedup']:.2f}x" if r.get("speedup") else "-") + " | "
+        + (f"{r['scaling_efficiency']:.0%}"
+           if r.get("scaling_efficiency") else "-") + " |")
+  return "\n".join(lines)
+
+
 def machine() -> dict:
   model = ""
   try:
@@ -247,6 +267,7 @@ def main(argv):
             "malloc_env": FLAGS.malloc_env,
             "extra_train_flags": FLAGS.extra_train_flags,
             "results": results}
+  print("\n" + markdown_table(record))
   if FLAGS.output:
     os.makedirs(os.path.dirname(os.path.abspath(FLAGS.output)),
                 exist_ok=True)
