@@ -59,10 +59,10 @@ flags.DEFINE_integer("per_worker_batch_size", 128, "Examples per worker and "
 flags.DEFINE_string("model", "cnn", "Model to train.")
 flags.DEFINE_string("data_dir", "", "Where Fashion-MNIST TFRecords live "
                     "(default: tfdist's).")
-flags.DEFINE_list("configs", ["one_device", "mwms_1", "mwms_2",
-                              "mwms_2_no_timeout", "mwms_2_nosync_bn",
-                              "mwms_2_neither", "ps_1", "ps_2", "fp32",
-                              "bf16", "fp16"],
+CONFIGS = ["one_device", "mwms_1", "mwms_2", "mwms_2_no_timeout",
+           "mwms_2_nosync_bn", "mwms_2_neither", "ps_1", "ps_2", "fp32",
+           "bf16", "fp16"]
+flags.DEFINE_list("configs", CONFIGS,
                   "Configurations to run (see the module docstring).")
 flags.DEFINE_list("extra_train_flags", [], "More tfdist.train flags for "
                   "every run, e.g. --extra_train_flags=--nosync_batch_norm.")
@@ -73,6 +73,8 @@ flags.DEFINE_float("timeout_seconds", 1200, "Limit of each run.")
 flags.DEFINE_string("output", "", "JSON results file.")
 flags.DEFINE_string("plot", "", "PNG of throughput and efficiency against "
                     "workers.")
+flags.DEFINE_string("from_json", "", "Render --plot and the tables from this"
+                    " results file (written by --output) without running.")
 
 ONEDNN_OFF = (("TF_ENABLE_ONEDNN_OPTS", "0"),)
 MALLOC = (("MALLOC_MMAP_THRESHOLD_", "536870912"),
@@ -149,7 +151,9 @@ def markdown_table(record: dict) -> str:
   lines = ["| configuration | workers | examples/sec (median) | range | step ms "
            "| CPU ms/step (chief) | input wait | speedup | efficiency |",
            "|---|---|---|---|---|---|---|---|---|"]
-  for name, r in record["results"].items():
+  order = {name: i for i, name in enumerate(CONFIGS)}
+  for name, r in sorted(record["results"].items(),
+                        key=lambda kv: order.get(kv[0], len(order))):
     eps = r["examples_per_second"]
     lines.append(
         f"| `{name}` | {r['workers']} | {eps:.0f} | {r['min']:.0f}-"
@@ -182,46 +186,84 @@ def machine() -> dict:
 
 
 def plot(results: dict, path: str, title: str):
-  """Throughput and scaling efficiency against workers (PNG)."""
+  """Throughput and scaling efficiency against workers (PNG).
+
+  Multi-worker efficiency is against `one_device` (pinned, like each
+  worker); parameter-server efficiency against its own 1-worker run (its
+  tasks share the cores, unpinned); the `mwms_2_*` variants are marked at 2
+  workers.
+  """
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
   base = results["one_device"]["examples_per_second"]
-  fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-  for group, marker in (("multi_worker_mirrored", "o"),
-                        ("parameter_server", "s")):
+  fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+  for group, marker, reference in (
+      ("multi_worker_mirrored", "o", base),
+      ("parameter_server", "s",
+       results.get("ps_1", {}).get("examples_per_second"))):
     points = sorted((v["workers"], v) for v in results.values()
                     if v["group"] == group and v["examples_per_second"])
-    if not points:
+    if not points or not reference:
       continue
     workers = [w for w, _ in points]
     eps = [v["examples_per_second"] for _, v in points]
     low = [v["examples_per_second"] - v["min"] for _, v in points]
     high = [v["max"] - v["examples_per_second"] for _, v in points]
+    label = (group if group == "multi_worker_mirrored" else
+             "parameter_server (tasks share the cores)")
     left.errorbar(workers, eps, yerr=[low, high], marker=marker, capsize=4,
-                  label=group)
-    right.plot(workers, [e / (base * w) for w, e in zip(workers, eps)],
-               marker=marker, label=group)
+                  label=label)
+    right.plot(workers, [e / (reference * w) for w, e in zip(workers, eps)],
+               marker=marker,
+               label=label + (" vs one_device" if reference == base else
+                              " vs its 1 worker"))
+  variants = [(name, v) for name, v in results.items()
+              if v["group"] == "variant" and v["examples_per_second"]]
+  for i, (name, v) in enumerate(variants):
+    x = 2 + 0.06 * (i + 1)
+    left.errorbar([x], [v["examples_per_second"]],
+                  yerr=[[v["examples_per_second"] - v["min"]],
+                        [v["max"] - v["examples_per_second"]]],
+                  marker="^", capsize=3, linestyle="none", label=name)
+    right.plot([x], [v["examples_per_second"] / (2 * base)], marker="^",
+               linestyle="none", label=name)
   left.plot([1, 2], [base, 2 * base], "k--", linewidth=1,
-            label="ideal (one_device x workers)")
-  left.set(xlabel="workers (one core each)", ylabel="examples/sec",
-           xticks=[1, 2], title="throughput (median, min-max)")
+            label="ideal: one_device x workers")
+  left.set(xlabel="workers (one core each; ps: shared)",
+           ylabel="examples/sec", xticks=[1, 2],
+           title="throughput (median, min-max)")
   right.axhline(1.0, color="k", linestyle="--", linewidth=1)
   right.axhline(0.9, color="grey", linestyle=":", linewidth=1,
                 label="1.8x target for 2 workers")
-  right.set(xlabel="workers (one core each)", ylabel="scaling efficiency",
-            xticks=[1, 2], ylim=(0, 1.2),
-            title="speedup / workers (against one_device)")
-  left.legend(fontsize=8)
-  right.legend(fontsize=8)
+  right.set(xlabel="workers", ylabel="scaling efficiency (speedup/workers)",
+            xticks=[1, 2], ylim=(0, 1.5), title="scaling efficiency")
+  left.legend(fontsize=7)
+  right.legend(fontsize=7)
   fig.suptitle(title, fontsize=9)
   fig.tight_layout()
   fig.savefig(path, dpi=100)
   plt.close(fig)
 
 
+def _title(record: dict) -> str:
+  info = record["machine"]
+  return (f"tfdist {record.get('model', 'cnn')}, "
+          f"{record['per_worker_batch_size']} examples per worker and step; "
+          f"{info['cores']} cores ({info['cpu']}), shared with other jobs; "
+          f"medians of {record['repeats']} alternated runs")
+
+
 def main(argv):
   del argv
+  if FLAGS.from_json:
+    with open(FLAGS.from_json) as f:
+      record = json.load(f)
+    print(markdown_table(record))
+    if FLAGS.plot:
+      plot(record["results"], FLAGS.plot, _title(record))
+      print(f"Plot: {FLAGS.plot}")
+    return
   table = specs(FLAGS.per_worker_batch_size, FLAGS.extra_train_flags)
   unknown = [c for c in FLAGS.configs if c not in table]
   if unknown:
@@ -261,6 +303,7 @@ def main(argv):
           f"{(r['input_wait_fraction'] or 0):>10.1%} "
           f"{(speedup or 0):>7.2f}x {(r['scaling_efficiency'] or 0):>10.0%}")
   record = {"machine": info, "seconds": time.time() - started,
+            "model": FLAGS.model,
             "repeats": FLAGS.repeats, "steps": FLAGS.steps,
             "log_steps": FLAGS.log_steps,
             "per_worker_batch_size": FLAGS.per_worker_batch_size,
@@ -275,10 +318,7 @@ def main(argv):
       json.dump(record, f, indent=2, sort_keys=True)
     print(f"JSON: {FLAGS.output}")
   if FLAGS.plot and base:
-    plot(results, FLAGS.plot,
-         f"tfdist {FLAGS.model}, {FLAGS.per_worker_batch_size} examples per "
-         f"worker and step; {info['cores']} cores ({info['cpu']}); medians "
-         f"of {FLAGS.repeats} alternated runs")
+    plot(results, FLAGS.plot, _title(record))
     print(f"Plot: {FLAGS.plot}")
 
 
