@@ -46,7 +46,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Dict, List, Optional, Sequence
+from typing import List, Optional, Sequence
 
 from absl import app
 from absl import flags
@@ -76,8 +76,9 @@ _BASELINE_DROPS = ("distribution_strategy", "num_cpu_devices", "num_gpus",
                    "batch_size", "per_replica_batch_size", "all_reduce_alg",
                    "worker_hosts", "task_index", "reduction_server",
                    "model_dir", "checkpoint_dir", "tensorboard_dir",
-                   "export_dir", "profile_steps", "sync_batch_norm",
-                   "nosync_batch_norm", "noreduction_server")
+                   "export_dir", "profile_steps", "sync_batch_norm")
+# Boolean flags among them (`--name`, `--noname`: no separate value).
+_BOOLEAN_DROPS = ("reduction_server", "sync_batch_norm")
 
 INPUT_ADVICE = (
     "input pipeline knobs: keep --cache_dataset on (parsed examples cached in "
@@ -454,20 +455,22 @@ def _flag_name(arg: str) -> Optional[str]:
   return arg[2:].split("=", 1)[0]
 
 
-def without_flags(args: Sequence[str], names: Sequence[str]) -> List[str]:
-  """`args` without the `--name=value` / `--name` / `--noname` flags of
-  `names` (values given as a separate argument are not supported by
-  tfdist.train's absl flags for these; `--name value` is dropped too)."""
-  out, skip = [], False
-  names = set(names) | {f"no{n}" for n in names}
+def without_flags(args: Sequence[str], names: Sequence[str],
+                  booleans: Sequence[str] = _BOOLEAN_DROPS) -> List[str]:
+  """`args` without the flags `names`, in any of absl's spellings:
+  `--name=value`, `--name value`, and for `booleans` `--name` and
+  `--noname`."""
+  out, skip_value = [], False
   for arg in args:
-    if skip:
-      skip = False
+    if skip_value:
+      skip_value = False
       continue
     name = _flag_name(arg)
+    if name in booleans or (name and name.startswith("no") and
+                            name[2:] in booleans):
+      continue
     if name in names:
-      skip = "=" not in arg and not name.startswith("no") and (
-          name not in ("sync_batch_norm", "reduction_server"))
+      skip_value = "=" not in arg
       continue
     out.append(arg)
   return out
