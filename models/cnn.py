@@ -3,6 +3,8 @@
 import keras
 from keras import layers
 
+from models import batch_norm
+
 
 def build_cnn(*, input_shape=(28, 28, 1), num_classes: int = 10,
               width: int = 32, convs_per_block: int = 1,
@@ -18,7 +20,8 @@ def build_cnn(*, input_shape=(28, 28, 1), num_classes: int = 10,
     dropout: dropout rate before the classifier.
     sync_batch_norm: batch normalization over the global batch: statistics
       summed across replicas at every training step (Keras's
-      `synchronized=True`); False: over each replica's share.
+      `synchronized=True`, its three all-reduces packed into one:
+      `models.batch_norm`); False: over each replica's share.
 
   Returns:
     A `keras.Model` mapping float32 [batch, *input_shape] to float32 logits
@@ -30,7 +33,7 @@ def build_cnn(*, input_shape=(28, 28, 1), num_classes: int = 10,
   for filters in (width, 2 * width):
     for _ in range(convs_per_block):
       x = layers.Conv2D(filters, 3, padding="same", use_bias=False)(x)
-      x = layers.BatchNormalization(synchronized=sync_batch_norm)(x)
+      x = batch_norm.BatchNormalization(synchronized=sync_batch_norm)(x)
       x = layers.ReLU()(x)
     x = layers.MaxPooling2D()(x)
   x = layers.Flatten()(x)

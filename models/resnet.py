@@ -3,6 +3,8 @@
 import keras
 from keras import layers
 
+from models import batch_norm as batch_norm_lib
+
 
 def _residual_block(x, filters: int, stride: int, batch_norm):
   shortcut = x
@@ -32,13 +34,15 @@ def build_resnet(*, input_shape=(28, 28, 1), num_classes: int = 10,
     blocks_per_stage: basic residual blocks per stage.
     sync_batch_norm: batch normalization over the global batch: statistics
       summed across replicas at every training step (Keras's
-      `synchronized=True`); False: over each replica's share.
+      `synchronized=True`, its three all-reduces packed into one:
+      `models.batch_norm`); False: over each replica's share.
 
   Returns:
     A `keras.Model` mapping float32 [batch, *input_shape] to float32 logits
     [batch, num_classes].
   """
-  batch_norm = lambda: layers.BatchNormalization(synchronized=sync_batch_norm)
+  batch_norm = lambda: batch_norm_lib.BatchNormalization(
+      synchronized=sync_batch_norm)
   inputs = keras.Input(shape=input_shape, name="image")
   x = layers.Conv2D(stage_filters[0], 3, padding="same", use_bias=False)(inputs)
   x = batch_norm()(x)
