@@ -122,6 +122,14 @@ class VerdictTest(parameterized.TestCase):
                           device_memory_bytes=80 << 30)
     self.assertEqual(ok.label, "compute-bound")
 
+  def test_disturbed_measurements_are_called_so(self):
+    base = _run(label="baseline", eps=100.0)
+    base.interval_examples_per_second = [60.0, 140.0]
+    result = diagnose.verdict(_run(replicas=2, eps=300.0), base)
+    self.assertEqual(result.label, "compute-bound")
+    self.assertIn("efficiency of 150% (above 100%)", result.notes[0])
+    self.assertIn("ranged 60-140 examples/sec", result.notes[1])
+
   def test_table_and_flag_rewriting(self):
     base = _run(label="baseline", eps=100.0, step=0.64)
     base.interval_examples_per_second = [90.0, 110.0]

@@ -66,6 +66,10 @@ INPUT_MODERATE_SHARE = 0.05
 # for 2 workers is 1.8x (90%); below 80% the collectives cost more than a
 # fifth of the step.
 COMMUNICATION_EFFICIENCY = 0.80
+# Above this scaling efficiency, or this max/min ratio of interval
+# throughputs, the measurements are called disturbed (a shared machine).
+SUPERLINEAR_EFFICIENCY = 1.10
+NOISY_INTERVAL_RATIO = 1.5
 # A device whose measured peak is above this share of its memory is full.
 MEMORY_FULL_SHARE = 0.90
 DEFAULT_STEPS = 60
@@ -323,6 +327,20 @@ def verdict(requested: RunMeasurement,
   """
   speedup, efficiency = scaling(baseline, requested)
   notes = []
+  if efficiency is not None and efficiency > SUPERLINEAR_EFFICIENCY:
+    notes.append(
+        f"a scaling efficiency of {efficiency:.0%} (above 100%) usually "
+        "means the runs were disturbed (other jobs on the machine) rather "
+        "than superlinear scaling: rerun with --repeats=3 and compare the "
+        "ranges.")
+  for run in (baseline, requested):
+    spread = run.interval_examples_per_second if run else []
+    if spread and min(spread) > 0 and max(spread) / min(spread) > (
+        NOISY_INTERVAL_RATIO):
+      notes.append(
+          f"the {run.label} run's throughput ranged {min(spread):.0f}-"
+          f"{max(spread):.0f} examples/sec between log intervals: the "
+          "machine was busy; compare medians of --repeats runs.")
   wait = requested.input_wait_fraction
   base_wait = baseline.input_wait_fraction if baseline else None
 
