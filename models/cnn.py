@@ -3,7 +3,7 @@
 import keras
 from keras import layers
 
-from models import batch_norm
+from . import batch_norm
 
 
 def build_cnn(*, input_shape=(28, 28, 1), num_classes: int = 10,
@@ -21,7 +21,7 @@ def build_cnn(*, input_shape=(28, 28, 1), num_classes: int = 10,
     sync_batch_norm: batch normalization over the global batch: statistics
       summed across replicas at every training step (Keras's
       `synchronized=True`, its three all-reduces packed into one:
-      `models.batch_norm`); False: over each replica's share.
+      `tfdist.models.batch_norm`); False: over each replica's share.
 
   Returns:
     A `keras.Model` mapping float32 [batch, *input_shape] to float32 logits

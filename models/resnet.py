@@ -3,7 +3,7 @@
 import keras
 from keras import layers
 
-from models import batch_norm as batch_norm_lib
+from . import batch_norm as batch_norm_lib
 
 
 def _residual_block(x, filters: int, stride: int, batch_norm):
@@ -35,7 +35,7 @@ def build_resnet(*, input_shape=(28, 28, 1), num_classes: int = 10,
     sync_batch_norm: batch normalization over the global batch: statistics
       summed across replicas at every training step (Keras's
       `synchronized=True`, its three all-reduces packed into one:
-      `models.batch_norm`); False: over each replica's share.
+      `tfdist.models.batch_norm`); False: over each replica's share.
 
   Returns:
     A `keras.Model` mapping float32 [batch, *input_shape] to float32 logits

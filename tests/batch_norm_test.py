@@ -1,5 +1,5 @@
-"""Tests for models.batch_norm: Keras's synchronized batch norm with its
-three all-reduces packed into one.
+"""Tests for tfdist.models.batch_norm: Keras's synchronized batch norm with
+its three all-reduces packed into one.
 
 Under MirroredStrategy on 2 logical CPU devices (in a child process: the
 device split must come before TensorFlow starts), the packed layer and
@@ -30,7 +30,7 @@ def _child() -> dict:
   tf.config.set_logical_device_configuration(
       tf.config.list_physical_devices("CPU")[0],
       [tf.config.LogicalDeviceConfiguration()] * 2)
-  from models import batch_norm  # pylint: disable=g-import-not-at-top
+  from tfdist.models import batch_norm  # pylint: disable=g-import-not-at-top
   strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
   rng = np.random.RandomState(0)
   # Different data (and scales) on each replica: per-replica statistics

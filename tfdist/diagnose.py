@@ -586,18 +586,21 @@ def baseline_args(train_args: Sequence[str], per_replica_batch_size: int
 
 def model_memory_of(config) -> memory.ModelMemory:
   """Builds `config`'s model and optimizer on this host (no data, no
-  strategy) and returns their `ModelMemory`."""
+  strategy) and returns their `ModelMemory`.
+
+  Raises:
+    ConfigError: an unknown model or data set (`tfdist.task.from_config`).
+  """
   import keras  # pylint: disable=g-import-not-at-top
   from tfdist import assembly  # pylint: disable=g-import-not-at-top
-  from tfdist import datasets  # pylint: disable=g-import-not-at-top
   from tfdist import lr_schedule  # pylint: disable=g-import-not-at-top
   from tfdist import optimizers  # pylint: disable=g-import-not-at-top
   from tfdist import precision  # pylint: disable=g-import-not-at-top
+  from tfdist import task as task_lib  # pylint: disable=g-import-not-at-top
   dtype = config.dtype if config.dtype != "auto" else "fp32"
   precision.configure_precision(dtype)
   try:
-    model = assembly.build_model(
-        config, spec=datasets.get_dataset_spec(config.dataset))
+    model = assembly.build_model(config, task=task_lib.from_config(config))
     optimizer = precision.wrap_optimizer_for_precision(
         # A schedule, as in every run (tfdist.lr_schedule): the optimizer
         # then keeps no learning-rate variable of its own.
@@ -733,7 +736,7 @@ def diagnose(train_args: Sequence[str], *, num_workers: int = 1,
       shutil.rmtree(root, ignore_errors=True)
 
 
-# --- the binary ----------------------------------------------------------------
+# --- the binary -------------------------------------------------------------
 _FLAGS = flags.FlagValues()
 flags.DEFINE_integer("num_workers", 1, "Training processes of the requested "
                      "run; more than 1 starts a local cluster through "
