@@ -311,27 +311,34 @@ class Trainer:
 
   # --- cross-replica functions -------------------------------------------
   def _reduce(self, per_replica: Dict[str, tf.Tensor]) -> Dict[str, tf.Tensor]:
-    """Sums per-replica float32 values (scalars, histograms) over every
-    replica of every worker in one all-reduce: each replica packs them into
-    one vector (keys in sorted order), the vectors are summed, and the sum
-    is split and reshaped again. Under MultiWorkerMirroredStrategy each
-    all-reduce is a collective of its own with a fixed cost (a gRPC round
-    trip, and a thread held for the collective's timeout), so one per step
-    instead of one per key."""
-    keys = sorted(per_replica)
-    shapes = [self.strategy.experimental_local_results(per_replica[k])[0].shape
-              for k in keys]
+    """Sums per-replica values (scalars, metric states of any shape) over
+    every replica of every worker in one all-reduce per dtype (one for the
+    usual float32 sums): each replica packs the values of a dtype into one
+    vector (keys in sorted order), the vectors are summed, and the sum is
+    split and reshaped again; every value keeps its dtype. Under
+    MultiWorkerMirroredStrategy each all-reduce is a collective of its own
+    with a fixed cost (a gRPC round trip, and a thread held for the
+    collective's timeout), so one per step instead of one per key."""
+    first = {k: self.strategy.experimental_local_results(v)[0]
+             for k, v in per_replica.items()}
+    groups: Dict[tf.DType, list] = {}
+    for k in sorted(per_replica):
+      groups.setdefault(first[k].dtype, []).append(k)
+    out = {}
+    for keys in groups.values():
+      shapes = [first[k].shape for k in keys]
 
-    def pack(values):
-      return tf.concat([tf.reshape(tf.cast(values[k], tf.float32), [-1])
-                        for k in keys], axis=0)
+      def pack(values, keys=keys):
+        return tf.concat([tf.reshape(values[k], [-1]) for k in keys], axis=0)
 
-    total = self.strategy.reduce(
-        tf.distribute.ReduceOp.SUM,
-        self.strategy.run(pack, args=(per_replica,)), axis=None)
-    sizes = [shape.num_elements() for shape in shapes]
-    return {k: tf.reshape(part, shape) for k, part, shape in
-            zip(keys, tf.split(total, sizes), shapes)}
+      total = self.strategy.reduce(
+          tf.distribute.ReduceOp.SUM,
+          self.strategy.run(pack, args=({k: per_replica[k] for k in keys},)),
+          axis=None)
+      sizes = [shape.num_elements() for shape in shapes]
+      out.update({k: tf.reshape(part, shape) for k, part, shape in
+                  zip(keys, tf.split(total, sizes), shapes)})
+    return out
 
   def _train_function(self, iterator, num_steps,
                       stop_flags=None) -> Dict[str, tf.Tensor]:
