@@ -148,8 +148,9 @@ def summarize(runs) -> dict:
 
 def markdown_table(record: dict) -> str:
   """The results as the README's Markdown table."""
-  lines = ["| configuration | workers | examples/sec (median) | range | step ms "
-           "| CPU ms/step (chief) | input wait | speedup | efficiency |",
+  lines = ["| configuration | workers | examples/sec (median) | range "
+           "| step ms | CPU ms/step (chief) | input wait | speedup "
+           "| efficiency |",
            "|---|---|---|---|---|---|---|---|---|"]
   order = {name: i for i, name in enumerate(CONFIGS)}
   for name, r in sorted(record["results"].items(),
