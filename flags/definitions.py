@@ -173,6 +173,14 @@ def define_performance_flags() -> List[str]:
       f"Default: {config_lib.TPU_DEFAULT_STEPS_PER_EXECUTION} with "
       "--distribution_strategy=tpu, else 1.")
 
+  flags.DEFINE_bool(
+      "tune_allocator", _default("tune_allocator"),
+      "Set glibc malloc so TensorFlow does not map and unmap every large "
+      "tensor buffer at each step (M_MMAP_MAX=0, M_TOP_PAD=64 MiB; see "
+      "tfdist/allocator.py). Costs resident memory: each malloc arena may "
+      "keep up to 64 MiB of freed memory. --notune_allocator leaves malloc "
+      "as it is.")
+
   @flags.validator("loss_scale",
                    "--loss_scale must be 'dynamic' or a positive number.")
   def _check_loss_scale(value):

@@ -183,6 +183,9 @@ class TrainConfig:
   # still change those (bf16 and more steps per execution on TPU). Set by
   # __post_init__, never by callers.
   defaulted: Tuple[str, ...] = ()
+  # glibc malloc settings that stop TensorFlow's per-step page-fault churn
+  # (tfdist/allocator.py); False leaves malloc as it is.
+  tune_allocator: bool = True
 
   def __post_init__(self):
     set_ = lambda name, value: object.__setattr__(self, name, value)
@@ -336,6 +339,8 @@ class TrainConfig:
           "--dtype=fp16 is not supported with --distribution_strategy=tpu: "
           "TPUs compute in bfloat16 and have no float16 arithmetic. Use "
           "--dtype=bf16 (the TPU default), --dtype=auto or --dtype=fp32.")
+    need(isinstance(self.tune_allocator, bool),
+         f"--tune_allocator={self.tune_allocator!r} must be true or false.")
     if self.loss_scale is not None and self.dtype not in ("fp16", "auto"):
       raise ConfigError(
           f"--loss_scale={self.loss_scale} only applies to --dtype=fp16 "

@@ -19,6 +19,7 @@ import keras
 import tensorflow as tf
 
 import models
+from tfdist import allocator
 from tfdist import auto_select
 from tfdist import batch_plan as batch_plan_lib
 from tfdist import cluster as cluster_lib
@@ -149,6 +150,7 @@ def run_experiment(config: TrainConfig, *,
     tfdist.preemption.PreemptedError: SIGTERM or SIGINT stopped training
       after a checkpoint was saved (rerun to resume).
   """
+  allocator.configure_allocator(config.tune_allocator)
   # Every role of a parameter-server cluster (chief, worker, ps, evaluator)
   # runs its own program there.
   from tfdist import parameter_server  # pylint: disable=g-import-not-at-top

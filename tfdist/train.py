@@ -15,6 +15,7 @@ from absl import flags as absl_flags
 from absl import logging
 
 import flags as tfdist_flags
+from tfdist import allocator
 from tfdist import config as config_lib
 
 KEY_FLAGS = tfdist_flags.define_all_flags()
@@ -29,6 +30,7 @@ def main(argv):
     config = tfdist_flags.flags_to_config()
   except config_lib.ConfigError as e:
     raise app.UsageError(str(e)) from None
+  allocator.configure_allocator(config.tune_allocator)
   from tfdist import experiment  # pylint: disable=g-import-not-at-top
   from tfdist import preemption  # pylint: disable=g-import-not-at-top
   try:
