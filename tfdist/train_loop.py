@@ -163,13 +163,29 @@ class Trainer:
     self.optimizer.apply_gradients(zip(grads, self.model.trainable_variables))
     return {"loss": loss, **sums}
 
-  def _replica_eval_step(self, inputs, labels, weights=None):
+  def _replica_eval_sums(self, inputs, labels, weights=None):
     logits = tf.cast(self.model(inputs, training=False), tf.float32)
     per_example = self.loss_fn(self._loss_labels(labels), logits)
     if weights is not None:
       per_example = per_example * weights
     return {"loss_sum": tf.reduce_sum(per_example),
             **self._metric_sums(labels, logits, weights)}
+
+  def _replica_eval_step(self, inputs, labels, weights=None):
+    # When the last evaluation round has fewer batches than replicas, the
+    # others get an empty batch. TensorFlow 2.21's oneDNN CPU kernels fail on
+    # those ("Incompatible shapes: [64] vs. [0,14,14,32]" in the CNN), so an
+    # empty batch skips the model and adds zeros.
+    def empty():
+      sums = {"loss_sum": 0.0, "correct": 0.0, "count": 0.0}
+      if self.task == "binary":
+        sums.update(pos_hist=tf.zeros([AUC_BUCKETS]),
+                    neg_hist=tf.zeros([AUC_BUCKETS]))
+      return {k: tf.convert_to_tensor(v, tf.float32) for k, v in sums.items()}
+
+    return tf.cond(tf.shape(labels)[0] > 0,
+                   lambda: self._replica_eval_sums(inputs, labels, weights),
+                   empty)
 
   # --- cross-replica functions -------------------------------------------
   def _reduce(self, per_replica: Dict[str, tf.Tensor]) -> Dict[str, tf.Tensor]:
