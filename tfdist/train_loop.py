@@ -192,6 +192,11 @@ class Trainer:
     return {k: self.strategy.reduce(tf.distribute.ReduceOp.SUM, v, axis=None)
             for k, v in per_replica.items()}
 
+  def _train_step(self, iterator) -> Dict[str, tf.Tensor]:
+    inputs, labels = next(iterator)[:2]
+    return self._reduce(self.strategy.run(self._replica_train,
+                                          args=(inputs, labels)))
+
   def _train_function(self, iterator, num_steps) -> Dict[str, tf.Tensor]:
     """Runs `num_steps` steps from a distributed iterator.
 
@@ -204,17 +209,23 @@ class Trainer:
       Sums over the executed steps: `loss` (sum of per-step global mean
       losses, float32 scalar), `correct` and `count` (examples).
     """
-    totals = {"loss": tf.constant(0.0), "correct": tf.constant(0.0),
-              "count": tf.constant(0.0)}
-    if self.task == "binary":
-      totals["pos_hist"] = tf.zeros([AUC_BUCKETS])
-      totals["neg_hist"] = tf.zeros([AUC_BUCKETS])
-    for _ in tf.range(num_steps):
-      inputs, labels = next(iterator)[:2]
-      step = self._reduce(self.strategy.run(self._replica_train,
-                                            args=(inputs, labels)))
-      totals = {k: totals[k] + step[k] for k in totals}
-      self.global_step.assign_add(1)
+    if self.steps_per_execution == 1:
+      # One step, no loop (as Keras's fit runs steps_per_execution=1).
+      totals = self._train_step(iterator)
+      num_steps = 1
+    else:
+      totals = {"loss": tf.constant(0.0), "correct": tf.constant(0.0),
+                "count": tf.constant(0.0)}
+      if self.task == "binary":
+        totals["pos_hist"] = tf.zeros([AUC_BUCKETS])
+        totals["neg_hist"] = tf.zeros([AUC_BUCKETS])
+      for _ in tf.range(num_steps):
+        step = self._train_step(iterator)
+        totals = {k: totals[k] + step[k] for k in totals}
+    # Counted once per call, after the steps: a call that fails part-way
+    # (a parameter-server worker lost mid-closure, then rerun elsewhere)
+    # adds nothing.
+    self.global_step.assign_add(tf.cast(num_steps, tf.int64))
     return totals
 
   def _eval_function(self, batch) -> Dict[str, tf.Tensor]:
