@@ -30,7 +30,8 @@ are not measured; over the next `--steps` a Keras callback (the same class
 on both sides) reads the clock, user and system CPU time and minor page
 faults (`getrusage`) and resident memory. Printed per strategy: each pair's
 throughput ratio tfdist / keras and tfdist / keras_stock, their median and
-spread (min..max), and per side the medians of examples/sec, CPU
+spread (min..max), the same for CPU time per step (keras / tfdist: above 1
+tfdist spends less), and per side the medians of examples/sec, CPU
 milliseconds per step (user, system), minor page faults per step and peak
 resident memory (MiB, up to the end of the measured steps).
 
@@ -295,20 +296,28 @@ def _summarize(strategy_name: str, pairs) -> dict:
                     "system_ms_per_step", "minor_faults_per_step",
                     "peak_rss_mib")}
   summary["ratios"] = {}
+  summary["cpu_ratios"] = {}
+  cpu = lambda r: r["user_ms_per_step"] + r["system_ms_per_step"]
   for base in [s for s in sides if s != "tfdist"]:
     summary["ratios"][f"tfdist/{base}"] = _spread(
         [p["tfdist"]["examples_per_second"] / p[base]["examples_per_second"]
          for p in pairs])
+    # CPU time per step, base over tfdist (> 1: tfdist spends less).
+    summary["cpu_ratios"][f"tfdist/{base}"] = _spread(
+        [cpu(p[base]) / cpu(p["tfdist"]) for p in pairs])
   return summary
 
 
 def _print_summary(summary: dict):
   name = summary["strategy"]
   print(f"\n== {name} ==")
-  for key, ratio in summary["ratios"].items():
-    values = " ".join(f"{v:.3f}" for v in ratio["values"])
-    print(f"{key:<20} median {ratio['median']:.3f}  spread "
-          f"{ratio['min']:.3f}..{ratio['max']:.3f}  pairs: {values}")
+  for title, ratios in (("throughput", summary["ratios"]),
+                        ("CPU per step (base/tfdist)", summary["cpu_ratios"])):
+    print(f"{title}:")
+    for key, ratio in ratios.items():
+      values = " ".join(f"{v:.3f}" for v in ratio["values"])
+      print(f"  {key:<20} median {ratio['median']:.3f}  spread "
+            f"{ratio['min']:.3f}..{ratio['max']:.3f}  pairs: {values}")
   print(f"{'side':<13} {'examples/s':>10} {'user ms':>8} {'sys ms':>7} "
         f"{'faults/step':>11} {'peak RSS MiB':>12}   (medians)")
   for side, m in summary["sides"].items():
