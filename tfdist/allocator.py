@@ -34,10 +34,13 @@ process, so it works for library users too (environment variables such as
 Resident-memory cost: each glibc arena (the main heap and the per-thread
 arenas, at most 8 per core) can keep up to `top_pad_bytes` of freed memory
 mapped instead of returning it to the system, and large buffers freed in the
-middle of a heap are reused rather than unmapped. On the CNN above the
-process's peak resident memory was about 860 MiB tuned against 755 MiB with
-the churn (oneDNN off). Turn it off with `configure_allocator(False)` (the
-`--tune_allocator=false` flag, `TrainConfig(tune_allocator=False)`).
+middle of a heap are reused rather than unmapped. Measured peak resident
+memory of the CNN (`benchmarks/keras_parity.py`, oneDNN off): Mirrored over
+2 logical CPUs 977 MiB tuned against 789 MiB untuned (the untuned process
+returns its step buffers to the system at every step, and faults them in
+again); one device 894 against 863 MiB. Turn it off with
+`configure_allocator(False)` (the `--notune_allocator` flag,
+`TrainConfig(tune_allocator=False)`).
 
 Linux with glibc only; elsewhere (macOS, musl) nothing is changed and the
 returned state says why.
