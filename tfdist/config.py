@@ -265,6 +265,9 @@ class TrainConfig:
   init_checkpoint: str = ""
   # One of MODES.
   mode: str = "train_and_eval"
+  # glibc malloc settings that stop TensorFlow's per-step page-fault churn
+  # (tfdist/allocator.py); False leaves malloc as it is.
+  tune_allocator: bool = True
 
   def __post_init__(self):
     set_ = lambda name, value: object.__setattr__(self, name, value)
@@ -484,6 +487,8 @@ class TrainConfig:
     need(self.max_consecutive_skipped_steps >= 0,
          "--max_consecutive_skipped_steps="
          f"{self.max_consecutive_skipped_steps} must be >= 0 (0: no limit).")
+    need(isinstance(self.tune_allocator, bool),
+         f"--tune_allocator={self.tune_allocator!r} must be true or false.")
     if self.loss_scale is not None and self.dtype not in ("fp16", "auto"):
       raise ConfigError(
           f"--loss_scale={self.loss_scale} only applies to --dtype=fp16 "
