@@ -293,6 +293,9 @@ class TrainConfig:
   init_checkpoint: str = ""
   # One of MODES.
   mode: str = "train_and_eval"
+  # glibc malloc settings that stop TensorFlow's per-step page-fault churn
+  # (tfdist/allocator.py); False leaves malloc as it is.
+  tune_allocator: bool = True
   # --- Measurement (issue 15) ---
   # Trace training steps START..END (1-based, inclusive) with TensorFlow's
   # profiler into the TensorBoard folder; () traces nothing.
@@ -517,6 +520,8 @@ class TrainConfig:
     need(self.max_consecutive_skipped_steps >= 0,
          "--max_consecutive_skipped_steps="
          f"{self.max_consecutive_skipped_steps} must be >= 0 (0: no limit).")
+    need(isinstance(self.tune_allocator, bool),
+         f"--tune_allocator={self.tune_allocator!r} must be true or false.")
     if self.loss_scale is not None and self.dtype not in ("fp16", "auto"):
       raise ConfigError(
           f"--loss_scale={self.loss_scale} only applies to --dtype=fp16 "

@@ -37,6 +37,7 @@ from absl import logging
 import keras
 import tensorflow as tf
 
+from tfdist import allocator
 from tfdist import assembly
 from tfdist import auto_select
 from tfdist import cluster as cluster_lib
@@ -168,6 +169,9 @@ def run_experiment(config: TrainConfig, *,
   """
   started = time.time()
   versions.check_installed_versions()
+  # Every role (chief, worker, ps, evaluator) trains or serves in this
+  # process: the malloc settings apply to all (tfdist.allocator).
+  allocator.configure_allocator(config.tune_allocator)
   # Every task opens files itself (ps workers read the input shards, every
   # process reads a --feature_spec), so every task imports tensorflow-io
   # when a path needs it; again once the environment filled the folders.
