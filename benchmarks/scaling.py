@@ -21,9 +21,11 @@ Other jobs may share the machine, so the configurations run in alternation,
 `--repeats` times; the table gives the median and the range (min-max) of
 each configuration's runs, and speedups are ratios of medians.
 
-The allocator fix of the speed issue is applied through the environment
-(`MALLOC_MMAP_THRESHOLD_`, `MALLOC_TOP_PAD_`; `--malloc_env`) until
-`tfdist/allocator.py` sets it in-process.
+Every child applies tfdist's glibc malloc settings in-process
+(`tfdist.allocator`, on unless `--extra_train_flags=--notune_allocator`);
+each configuration records whether its runs had them (`malloc_tuning`).
+`--malloc_env` sets the environment variables the figures in
+`benchmarks/results/` were measured with, before `tfdist.allocator` existed.
 
 Usage:
   python benchmarks/scaling.py --repeats=3 --steps=100 \\
@@ -66,9 +68,10 @@ flags.DEFINE_list("configs", CONFIGS,
                   "Configurations to run (see the module docstring).")
 flags.DEFINE_list("extra_train_flags", [], "More tfdist.train flags for "
                   "every run, e.g. --extra_train_flags=--nosync_batch_norm.")
-flags.DEFINE_bool("malloc_env", True, "Set MALLOC_MMAP_THRESHOLD_ and "
-                  "MALLOC_TOP_PAD_ to 512 MiB in the children (the "
-                  "allocator fix, measured in the shared notes).")
+flags.DEFINE_bool("malloc_env", False, "Also set MALLOC_MMAP_THRESHOLD_ "
+                  "and MALLOC_TOP_PAD_ to 512 MiB in the children (how the "
+                  "recorded figures were measured, before tfdist.allocator "
+                  "set malloc in-process).")
 flags.DEFINE_float("timeout_seconds", 1200, "Limit of each run.")
 flags.DEFINE_string("output", "", "JSON results file.")
 flags.DEFINE_string("plot", "", "PNG of throughput and efficiency against "
@@ -143,6 +146,9 @@ def summarize(runs) -> dict:
           "input_wait_fraction": statistics.median(waits) if waits else None,
           "cpu_seconds_per_step": statistics.median(cpu) if cpu else None,
           "peak_rss_bytes": max((r.peak_rss_bytes or 0) for r in runs),
+          # tfdist.allocator's settings, from the manifests (None: unknown).
+          "malloc_tuning": (runs[0].malloc_tuning if len(
+              {r.malloc_tuning for r in runs}) == 1 else None),
           "runs": [r.examples_per_second for r in runs]}
 
 

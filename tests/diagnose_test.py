@@ -251,11 +251,15 @@ class DiagnoseBinaryTest(absltest.TestCase):
     self.assertIn("Verdict: ", out)
     self.assertIn("logical-CPU speedup, not scaling", out)
     self.assertIn("Model state per replica: parameters", out)
+    # tfdist.allocator's malloc settings, on by default, read back from
+    # both runs' manifests.
+    self.assertIn("malloc tuning on;", out)
     with open(out_json) as f:
       result = json.load(f)
     self.assertEqual(result["baseline"]["per_replica_batch_size"], 32)
     self.assertEqual(result["requested"]["num_replicas"], 2)
     self.assertTrue(result["model_fit"]["fits"])
+    self.assertTrue(result["requested"]["malloc_tuning"])
     self.assertEqual(result["verdict"]["label"], "compute-bound")
     # The manifest's model estimate is the same as the diagnosis's own.
     self.assertEqual(result["requested"]["model_memory"],

@@ -138,6 +138,9 @@ class RunMeasurement:
     cpu_seconds_per_step: CPU seconds of the chief's process per step (all
       its threads).
     interval_examples_per_second: each measured interval's examples/sec.
+    malloc_tuning: whether the chief ran with tfdist's glibc malloc
+      settings (`tfdist.allocator`; they change resident memory and, with
+      oneDNN off, speed); None if the manifest does not say.
     model_dir: where the run wrote.
   """
   label: str
@@ -158,6 +161,7 @@ class RunMeasurement:
   cpu_seconds_per_step: Optional[float] = None
   interval_examples_per_second: List[float] = dataclasses.field(
       default_factory=list)
+  malloc_tuning: Optional[bool] = None
   model_dir: str = ""
 
   @property
@@ -216,7 +220,10 @@ def measurement_from_run(model_dir: str, label: str) -> RunMeasurement:
       device_memory_peak_bytes=mem.get("device_memory_peak_bytes"),
       model_memory=mem.get("model"),
       cpu_seconds_per_step=throughput.get("cpu_seconds_per_step"),
-      interval_examples_per_second=intervals, model_dir=model_dir)
+      interval_examples_per_second=intervals,
+      malloc_tuning=(bool(manifest["allocator"].get("applied"))
+                     if "allocator" in manifest else None),
+      model_dir=model_dir)
 
 
 def median_measurement(runs: Sequence[RunMeasurement]) -> RunMeasurement:
@@ -438,6 +445,19 @@ def verdict(requested: RunMeasurement,
 
 
 # --- the table ----------------------------------------------------------------
+def _malloc_note(rows: Sequence[RunMeasurement]) -> str:
+  """`, malloc tuning on` (or off, or per run) from the runs' manifests
+  (`tfdist.allocator`: it changes resident memory); empty if unknown."""
+  known = {r.label: r.malloc_tuning for r in rows
+           if r.malloc_tuning is not None}
+  if not known:
+    return ""
+  if len(set(known.values())) == 1:
+    return f", malloc tuning {'on' if next(iter(known.values())) else 'off'}"
+  return ", malloc tuning " + ", ".join(
+      f"{'on' if on else 'off'} ({label})" for label, on in known.items())
+
+
 def render_table(rows: Sequence[RunMeasurement],
                  baseline: Optional[RunMeasurement]) -> str:
   """The measurements as a fixed-width table (speedup and efficiency
@@ -719,6 +739,7 @@ def diagnose(train_args: Sequence[str], *, num_workers: int = 1,
         f"Runs: {steps if 'train_steps' not in given else config.train_steps}"
         f" steps each, {repeats} time(s) alternated, on {cores} core(s)"
         + (", each worker pinned to a core of its own" if pin else "") +
+        _malloc_note(rows) +
         f"; throughput excludes each run's first {config.log_steps} steps "
         "(warm-up); input wait is the share of the compiled step's time "
         "spent waiting for the input iterator. Logs and manifests: "
