@@ -224,8 +224,10 @@ def run_child(side: str, strategy_name: str, train_files, eval_files) -> dict:
 # --- the driver (parent process) ------------------------------------------
 def _data_files():
   from tfdist import datasets  # pylint: disable=g-import-not-at-top
+  from tfdist import environment  # pylint: disable=g-import-not-at-top
   from tfdist import input_pipeline  # pylint: disable=g-import-not-at-top
-  data_dir = FLAGS.data_dir or datasets.default_data_dir()
+  data_dir = (FLAGS.data_dir or
+              environment.read_environment().default_data_dir)
   train, test = datasets.get_dataset_spec("fashion_mnist").prepare(data_dir,
                                                                    "")
   train_files = input_pipeline.list_files(train, flag="--data_dir")
