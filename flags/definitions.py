@@ -114,8 +114,11 @@ def define_train_flags() -> List[str]:
       "--dataset's recommendation, else 128.")
   flags.DEFINE_integer(
       "gradient_accumulation_steps", _default("gradient_accumulation_steps"),
-      "Micro-batches per optimizer update; the global batch is "
-      "per-replica batch x replicas x this.")
+      "Micro-batches per optimizer update (K): each replica accumulates the "
+      "gradients of K micro-batches, then one all-reduce and one update. "
+      "The global batch (what --batch_size sets, what the learning rate is "
+      "scaled to) is micro-batch x replicas x K, so K lowers the memory a "
+      "step needs at the same global batch. Not with parameter_server.")
   flags.DEFINE_integer(
       "per_replica_batch_size", _default("per_replica_batch_size"),
       "Examples per replica per step; the global batch is this times "
@@ -129,6 +132,16 @@ def define_train_flags() -> List[str]:
       "A checkpoint is always saved at the end.")
   flags.DEFINE_integer("max_checkpoints", _default("max_checkpoints"),
                        "Checkpoints to keep.")
+  flags.DEFINE_bool(
+      "checkpoint_input_position", _default("checkpoint_input_position"),
+      "A resumed run continues the epoch where the checkpoint left it, so "
+      "each example is still used once per epoch across a restart: every "
+      "worker recomputes its position in its shard from the step (the "
+      "training input is read in a deterministic order; the checkpoint "
+      "records only the input's layout, and a change of worker count, "
+      "files, batch, seed or shuffle buffer discards the position with a "
+      "message). --nocheckpoint_input_position: a resume starts its epoch "
+      "over.")
   flags.DEFINE_integer("seed", _default("seed"),
                        "Random seed for weights and shuffling.")
   flags.DEFINE_bool("run_eagerly", _default("run_eagerly"),
@@ -203,6 +216,18 @@ def define_performance_flags() -> List[str]:
       f"Default: {config_lib.TPU_DEFAULT_STEPS_PER_EXECUTION} with "
       "--distribution_strategy=tpu, else 1.")
 
+  flags.DEFINE_bool(
+      "activation_recomputation", _default("activation_recomputation"),
+      "Built-in models (cnn, resnet) recompute the activations of each block "
+      "in the backward pass instead of keeping them (tf.recompute_grad): "
+      "less memory for about one more forward pass; same gradients, "
+      "weights and checkpoints. Alias: --gradient_checkpointing.")
+  flags.DEFINE_alias("gradient_checkpointing", "activation_recomputation")
+  flags.DEFINE_bool(
+      "deterministic", _default("deterministic"),
+      "Reproducible runs: TensorFlow's op determinism "
+      "(tf.config.experimental.enable_op_determinism) and a deterministic "
+      "input order; needs --seed. Slower; not with parameter_server.")
   flags.DEFINE_integer(
       "max_consecutive_skipped_steps",
       _default("max_consecutive_skipped_steps"),

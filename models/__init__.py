@@ -47,6 +47,37 @@ _BATCH_NORM = frozenset({"cnn", "resnet"})
 SYNCHRONOUS_STRATEGIES = ("mirrored", "multi_worker_mirrored", "tpu")
 
 
+# Builders that can recompute activations in the backward pass
+# (`activation_recomputation`, models/recompute.py).
+_RECOMPUTATION = frozenset({"cnn", "resnet"})
+# Why the others cannot.
+_NO_RECOMPUTATION_REASONS = {
+    "ranking": "its activations are a few embedding rows and a small MLP "
+               "per example (nothing worth recomputing), and its embedding "
+               "lookups produce sparse gradients over tables that parameter "
+               "servers shard, which tf.recompute_grad does not handle",
+}
+
+
+def supports_recomputation(name: str) -> bool:
+  """True for built-in models that can recompute activations
+  (`--activation_recomputation`)."""
+  return name in _RECOMPUTATION
+
+
+def check_recomputation(name: str, activation_recomputation: bool):
+  """Raises `ConfigError` when `--activation_recomputation` is asked of a
+  model that cannot recompute its activations (the message says why)."""
+  if activation_recomputation and name in _BUILDERS and (
+      name not in _RECOMPUTATION):
+    reason = _NO_RECOMPUTATION_REASONS.get(name, "its builder has no blocks "
+                                                 "to recompute")
+    raise ConfigError(
+        f"--activation_recomputation (--gradient_checkpointing) is not "
+        f"available for --model={name}: {reason}. Models that recompute: "
+        f"{', '.join(sorted(_RECOMPUTATION))}; or drop the flag.")
+
+
 def has_batch_norm(name: str) -> bool:
   """True for built-in models with batch normalization (`--sync_batch_norm`
   applies to them)."""
@@ -100,7 +131,8 @@ def resolve_sync_batch_norm(value: Optional[bool], *, strategy_name: str,
 def build_model(name: str, *, spec=None, input_shape=None,
                 num_classes: Optional[int] = None, embedding_dim: int = 16,
                 hash_buckets: int = 100_000,
-                sync_batch_norm: bool = False) -> keras.Model:
+                sync_batch_norm: bool = False,
+                activation_recomputation: bool = False) -> keras.Model:
   """Builds the model registered as `name` for the data set `spec`.
 
   Args:
@@ -114,13 +146,17 @@ def build_model(name: str, *, spec=None, input_shape=None,
     sync_batch_norm: batch statistics over the global batch (see
       `resolve_sync_batch_norm`); reaches only models with batch
       normalization (`has_batch_norm`).
+    activation_recomputation: blocks recompute their activations in the
+      backward pass (`supports_recomputation`; models/recompute.py).
 
   Raises:
     ValueError: unknown name (the message lists the known ones).
+    ConfigError: `activation_recomputation` for a model that cannot.
   """
   if name not in _BUILDERS:
     raise ValueError(f"--model={name!r} is unknown. Known: "
                      f"{', '.join(model_names())}.")
+  check_recomputation(name, activation_recomputation)
   if name in _RANKING:
     if spec is None:
       raise ValueError(f"--model={name} needs spec=DatasetSpec (its id "
@@ -138,5 +174,7 @@ def build_model(name: str, *, spec=None, input_shape=None,
   kwargs = {}
   if name in _BATCH_NORM:
     kwargs["sync_batch_norm"] = bool(sync_batch_norm)
+  if activation_recomputation:
+    kwargs["activation_recomputation"] = True
   return _BUILDERS[name](input_shape=tuple(input_shape),
                         num_classes=num_classes, **kwargs)

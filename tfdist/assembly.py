@@ -44,15 +44,22 @@ def check_model_name(name: str):
                       f"{', '.join(models.model_names())}.")
 
 
+def check_model_options(config):
+  """Raises `ConfigError` for model options the `--model` cannot honour
+  (`--activation_recomputation` on a model without blocks to recompute);
+  checked before any data or model is built."""
+  models.check_recomputation(config.model, config.activation_recomputation)
+
+
 def build_model(config, *, spec, sync_batch_norm: bool = False
                 ) -> keras.Model:
   """The `--model` for the data set `spec` (in the current scope);
   `sync_batch_norm` from the run plan."""
   check_model_name(config.model)
-  return models.build_model(config.model, spec=spec,
-                            embedding_dim=config.embedding_dim,
-                            hash_buckets=config.hash_buckets,
-                            sync_batch_norm=sync_batch_norm)
+  return models.build_model(
+      config.model, spec=spec, embedding_dim=config.embedding_dim,
+      hash_buckets=config.hash_buckets, sync_batch_norm=sync_batch_norm,
+      activation_recomputation=config.activation_recomputation)
 
 
 def build(config, *, spec, strategy: tf.distribute.Strategy, plan,
@@ -90,7 +97,9 @@ def build(config, *, spec, strategy: tf.distribute.Strategy, plan,
                     # TPUs compile everything with XLA already.
                     enable_xla=config.enable_xla and not on_tpu,
                     run_eagerly=config.run_eagerly, task=spec.task,
-                    eval_example_weights=on_tpu)
+                    eval_example_weights=on_tpu,
+                    gradient_accumulation_steps=(
+                        plan.batch.gradient_accumulation_steps))
   if config.enable_xla:
     logging.info(
         "--enable_xla: %s", "TPUs compile every step with XLA already."

@@ -117,6 +117,28 @@ def check_tpu_precision(strategy: str, dtype: str, *, why: str = "") -> None:
         "(the TPU default), --dtype=auto or --dtype=fp32.")
 
 
+def check_accumulation_strategy(strategy: str, steps: int) -> None:
+  """The one check that gradient accumulation runs under a synchronous
+  strategy.
+
+  Args:
+    strategy: the concrete or requested strategy name (`auto` passes).
+    steps: `--gradient_accumulation_steps`.
+
+  Raises:
+    ConfigError: `steps` > 1 under `parameter_server`.
+  """
+  if steps > 1 and strategy == "parameter_server":
+    raise ConfigError(
+        f"--gradient_accumulation_steps={steps} is not supported with "
+        "--distribution_strategy=parameter_server: there each worker step is "
+        "its own asynchronous update of the shared weights, so there is no "
+        "synchronous global batch to split into micro-batches, and "
+        "accumulators would live on the ps tasks, shared by every worker. "
+        "Raise --batch_size (examples per worker step) instead, or use "
+        "multi_worker_mirrored.")
+
+
 def _split_list(value) -> Tuple[str, ...]:
   if value is None:
     return ()
@@ -242,6 +264,16 @@ class TrainConfig:
   # synchronous strategies with more than one replica (see
   # models.resolve_sync_batch_norm).
   sync_batch_norm: Optional[bool] = None
+  # --- Memory levers and reproducibility (issue 14) ---
+  # Built-in models recompute block activations in the backward pass
+  # (--activation_recomputation, alias --gradient_checkpointing).
+  activation_recomputation: bool = False
+  # Op determinism and a deterministic input order (needs --seed).
+  deterministic: bool = False
+  # Checkpoints record the input order, and a resumed run continues its
+  # epoch where it stopped (each worker recomputes its position from the
+  # step; tfdist.input_pipeline). False: a resume starts its epoch over.
+  checkpoint_input_position: bool = True
 
   def __post_init__(self):
     set_ = lambda name, value: object.__setattr__(self, name, value)
@@ -329,9 +361,22 @@ class TrainConfig:
       value = getattr(self, name)
       need(value is None or value > 0,
            f"--{name}={value} must be a positive number of examples.")
-    need(self.gradient_accumulation_steps == 1,
-         f"--gradient_accumulation_steps={self.gradient_accumulation_steps}: "
-         "only 1 is supported so far.")
+    need(self.gradient_accumulation_steps >= 1,
+         f"--gradient_accumulation_steps={self.gradient_accumulation_steps} "
+         "must be >= 1 (1: no accumulation).")
+    check_accumulation_strategy(self.distribution_strategy,
+                                self.gradient_accumulation_steps)
+    need(not self.deterministic or self.seed is not None,
+         "--deterministic needs a --seed (the seed fixes the initial "
+         "weights, dropout and the input order); received no seed. Pass "
+         "e.g. --seed=42 or drop --deterministic.")
+    need(not (self.deterministic and
+              self.distribution_strategy == "parameter_server"),
+         "--deterministic is not supported with --distribution_strategy="
+         "parameter_server: asynchronous workers apply their updates in "
+         "whatever order they finish. Use a synchronous strategy "
+         "(one_device, mirrored, multi_worker_mirrored) or drop "
+         "--deterministic.")
     need(self.base_batch_size > 0,
          f"--base_batch_size={self.base_batch_size} must be > 0.")
     need(self.base_learning_rate > 0,

@@ -91,6 +91,8 @@ class ControllerResult:
     train_seconds: wall time of the training loop in this process.
     skipped_steps: steps of this process whose update was skipped (fp16
       gradients not finite).
+    micro_steps: micro-batches this process ran (steps x
+      `--gradient_accumulation_steps`), counted by the compiled step.
   """
   step: int
   final_eval: Optional[dict]
@@ -98,6 +100,7 @@ class ControllerResult:
   restored_from: Optional[str]
   train_seconds: float
   skipped_steps: int = 0
+  micro_steps: int = 0
 
 
 def next_boundary(step: int, options: ControllerOptions) -> int:
@@ -229,6 +232,7 @@ class Controller:
     log_sums: Dict[str, np.ndarray] = {}
     log_steps = 0
     last_eval, stopped_early, epoch_open = None, False, False
+    micro_steps = 0
     while step < opts.total_steps:
       if not epoch_open:
         self.callbacks.on_epoch_begin(epoch)
@@ -246,6 +250,7 @@ class Controller:
           stop_training=wants_stop)
       step += n
       self.step = step
+      micro_steps += int(sums.get("micro_steps", n))
       self.skipped.record_chunk(
           steps=n, skipped=float(sums.get("skipped_steps", 0.0)),
           skipped_at_end=float(sums.get("skipped_steps_at_end", 0.0)),
@@ -309,7 +314,8 @@ class Controller:
                             stopped_early=stopped_early,
                             restored_from=restored,
                             train_seconds=time.time() - started,
-                            skipped_steps=self.skipped.total_skipped)
+                            skipped_steps=self.skipped.total_skipped,
+                            micro_steps=micro_steps)
 
   # --- the side-car evaluator ------------------------------------------------
   def evaluate_continuously(self, *, checkpoint_dir: str, results_dir: str,

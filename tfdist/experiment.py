@@ -21,6 +21,7 @@ evaluates checkpoints as they appear, as it does for every strategy).
 """
 
 import atexit
+import dataclasses
 import os
 import shutil
 import tempfile
@@ -33,6 +34,7 @@ import tensorflow as tf
 
 from tfdist import assembly
 from tfdist import auto_select
+from tfdist import checkpointing
 from tfdist import cluster as cluster_lib
 from tfdist import datasets
 from tfdist import devices
@@ -157,6 +159,7 @@ def run_experiment(config: TrainConfig, *,
   filesystems.require_file_systems(filesystems.config_paths(config))
   spec = datasets.get_dataset_spec(config.dataset)
   assembly.check_model_name(config.model)
+  assembly.check_model_options(config)
   hypertune_reporter = None
   if config.hptune_metric:
     # Vertex AI hyperparameter tuning: checked before any training.
@@ -204,6 +207,10 @@ def _train(config, *, spec, cluster, decision, applied, callbacks, started,
       grace_seconds=config.preemption_grace_seconds).install()
   if config.seed is not None:
     keras.utils.set_random_seed(config.seed)
+  if config.deterministic:
+    # Reproducible runs (--deterministic): the same seed, data and cluster
+    # give the same weights.
+    tf.config.experimental.enable_op_determinism()
   plan = run_plan_lib.make_run_plan(
       config, spec, num_replicas_in_sync=strategy.num_replicas_in_sync,
       num_workers=num_workers, asynchronous=asynchronous, decision=decision)
@@ -219,10 +226,23 @@ def _train(config, *, spec, cluster, decision, applied, callbacks, started,
 
   checkpoint_dir = out_dir(config.resolved_checkpoint_dir, "checkpoints")
   tensorboard_dir = out_dir(config.resolved_tensorboard_dir, "tensorboard")
+  # The input position (issue 14): synchronous strategies only (parameter-
+  # server workers read unseeded copies of every file).
+  input_position = None
+  if config.checkpoint_input_position and not asynchronous:
+    input_position = checkpointing.InputPosition(
+        input_pipeline.input_layout(
+            files=plan.train_files, file_record_counts=plan.train_file_counts,
+            num_input_pipelines=num_workers,
+            global_batch_size=plan.global_batch_size, seed=config.seed,
+            shuffle_buffer_size=config.shuffle_buffer_size,
+            cache=config.cache_dataset),
+        steps_per_epoch=plan.steps_per_epoch)
   keeper = CheckpointKeeper(
       checkpoint=parts.checkpoint, directory=checkpoint_dir,
       step_counter=trainer.global_step, max_to_keep=config.max_checkpoints,
-      restore_dir=config.resolved_checkpoint_dir)
+      restore_dir=config.resolved_checkpoint_dir,
+      input_position=input_position)
 
   if is_chief:
     ps_lib.clear_done(config.model_dir)
@@ -246,23 +266,39 @@ def _train(config, *, spec, cluster, decision, applied, callbacks, started,
         config, spec=spec, plan=plan, strategy=strategy, parts=parts,
         keeper=keeper)
   else:
-    train_data = input_pipeline.distribute(
-        strategy, input_pipeline.PipelineOptions(
-            files=plan.train_files, parse_fn=spec.parse_fn,
-            global_batch_size=plan.global_batch_size, is_training=True,
-            shuffle_buffer_size=config.shuffle_buffer_size,
-            cache=config.cache_dataset, seed=config.seed,
-            file_record_counts=plan.train_file_counts))
+    train_options = input_pipeline.PipelineOptions(
+        files=plan.train_files, parse_fn=spec.parse_fn,
+        global_batch_size=plan.global_batch_size, is_training=True,
+        shuffle_buffer_size=config.shuffle_buffer_size,
+        cache=config.cache_dataset, seed=config.seed,
+        file_record_counts=plan.train_file_counts,
+        gradient_accumulation_steps=plan.batch.gradient_accumulation_steps,
+        # A resumable position needs a reproducible reading order.
+        deterministic=config.deterministic or input_position is not None)
+
+    def train_iterator(restored_step: int):
+      """The training input from the restored step's position: where the
+      checkpoint left the epoch, or the start of that epoch."""
+      if input_position is not None:
+        start = input_position.resume_step(restored_step)
+      else:
+        start = restored_step - restored_step % plan.steps_per_epoch
+      return iter(input_pipeline.distribute(
+          strategy, dataclasses.replace(train_options, start_step=start)))
+
     eval_data = input_pipeline.distribute(
         strategy, input_pipeline.PipelineOptions(
             files=plan.eval_files, parse_fn=spec.parse_fn,
-            global_batch_size=plan.global_batch_size, is_training=False,
+            # Micro-batches: what a step's memory was sized for.
+            global_batch_size=(plan.global_batch_size //
+                               plan.batch.gradient_accumulation_steps),
+            is_training=False,
             cache=config.cache_dataset,
             # TPUs need static shapes: pad the last batches, masked in the
             # metrics.
             pad_to_static_batches=on_tpu))
     runner = step_runner.LocalStepRunner(
-        trainer=trainer, iterator=iter(train_data), num_workers=num_workers)
+        trainer=trainer, iterator_fn=train_iterator, num_workers=num_workers)
     evaluate = lambda: trainer.evaluate(eval_data)
 
   run_log = run_log_lib.RunLog(

@@ -155,6 +155,8 @@ def build_manifest(*, config, decision, plan, cluster, choice, num_workers,
       "stopped_early": result.stopped_early,
       "skipped_steps": result.skipped_steps,
       "optimizer_iterations": optimizer_iterations,
+      # Micro-batches this process ran (gradient accumulation: K per step).
+      "micro_steps": result.micro_steps,
       "restored_from": result.restored_from,
       "base_learning_rate": config.base_learning_rate,
       "base_batch_size": config.base_batch_size,

@@ -31,6 +31,22 @@ What every replica (and worker) does in one step, in order:
      (tensorflow/tensorflow#25806: clipping each replica's share differs).
 4. skipped steps (fp16: non-finite summed gradient) are counted inside the
    compiled step and returned with the chunk's sums.
+
+Gradient accumulation (`gradient_accumulation_steps` K > 1): one step is
+one optimizer update made of K micro-steps. Each micro-step takes the next
+per-replica micro-batch from the iterator, runs step 1 above and adds the
+replica's gradients (and metric sums) to accumulators of its own (one
+float32 buffer per trainable variable on every replica: sync-on-read
+variables, never checkpointed, zero between updates); then steps 2-4 run
+once, on the accumulated gradients: one all-reduce per update, one finite
+check (an fp16 overflow in any micro-batch makes the sum non-finite, so the
+whole update is skipped and the scale lowered), clipping once on the
+accumulated, summed, unscaled gradient. The loss is averaged over the
+effective global batch (K x replicas x micro-batch), so the update equals
+one update on the K-times larger batch (Keras 3's own
+`gradient_accumulation_steps` fails under MirroredStrategy:
+`merge_call called while defining a new graph`). Micro-steps are counted
+inside the step (`micro_steps` in the sums).
 """
 
 import contextlib
@@ -174,6 +190,10 @@ class Trainer:
     eval_example_weights: evaluation batches carry a third element, float32
       weights [batch] (1 for real examples, 0 for padding), as
       `input_pipeline.pad_to_static_batches` makes for TPUs.
+    gradient_accumulation_steps: micro-batches per optimizer update (K);
+      the iterator then yields per-replica micro-batches of
+      `global_batch_size / (K x replicas)` examples, and one training step
+      takes K of them (module docstring).
 
   The Trainer changes `model` and `optimizer` for its step (see the module
   docstring): the model's random layers draw per replica
@@ -181,14 +201,15 @@ class Trainer:
   while the step is traced (`_sum_gradients_once`).
 
   Raises:
-    ValueError: unknown `task`.
+    ValueError: unknown `task`; `gradient_accumulation_steps` < 1.
   """
 
   def __init__(self, *, strategy: tf.distribute.Strategy, model: keras.Model,
                optimizer: keras.optimizers.Optimizer, global_batch_size: int,
                steps_per_execution: int = 1, enable_xla: bool = False,
                run_eagerly: bool = False, task: str = "multiclass",
-               eval_example_weights: bool = False):
+               eval_example_weights: bool = False,
+               gradient_accumulation_steps: int = 1):
     self.strategy = strategy
     self.model = model
     self.optimizer = optimizer
@@ -198,6 +219,10 @@ class Trainer:
     if task not in TASKS:
       raise ValueError(f"task must be one of {TASKS}. Received: task={task!r}")
     self.task = task
+    self.gradient_accumulation_steps = int(gradient_accumulation_steps)
+    if self.gradient_accumulation_steps < 1:
+      raise ValueError("gradient_accumulation_steps must be >= 1. Received: "
+                       f"{gradient_accumulation_steps}")
     if task == "binary":
       self.loss_fn = keras.losses.BinaryCrossentropy(reduction=None)
     else:
@@ -212,6 +237,8 @@ class Trainer:
       self.global_step = tf.Variable(
           0, dtype=tf.int64, trainable=False, name="global_step",
           aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+      self._accumulators = (self._make_accumulators()
+                            if self.gradient_accumulation_steps > 1 else None)
     # XLA compiles the per-replica forward and backward pass; Keras 3 turns
     # XLA off under a tf.distribute strategy, so tfdist applies it to its own
     # step. The gradients are applied outside the compiled function: the
@@ -267,7 +294,9 @@ class Trainer:
       loss = tf.nn.compute_average_loss(
           per_example, global_batch_size=self.global_batch_size)
       if self.model.losses:
-        loss += tf.nn.scale_regularization_loss(tf.add_n(self.model.losses))
+        # Once per update: each of the K micro-steps adds 1/K of it.
+        loss += tf.nn.scale_regularization_loss(tf.add_n(
+            self.model.losses)) / self.gradient_accumulation_steps
       scaled = self.optimizer.scale_loss(loss) if self.uses_loss_scale else loss
     grads = tape.gradient(scaled, self.model.trainable_variables)
     return loss, grads, self._metric_sums(labels, logits)
@@ -288,6 +317,54 @@ class Trainer:
     self.optimizer.apply(grads, variables)
     return {"loss": loss, "skipped": skipped, **sums,
             "stop_signal": stop_flags[0], "stop_training": stop_flags[1]}
+
+  # --- gradient accumulation (K > 1) ----------------------------------------
+  def _make_accumulators(self):
+    """Per-replica zero buffers: one per trainable variable (its shape,
+    float32 like the variable) and one per metric sum. Sync-on-read: each
+    replica adds to its own copy. Not tracked by the checkpoint (always zero
+    between updates, where checkpoints land)."""
+    def zeros(shape, dtype, name):
+      return tf.Variable(tf.zeros(shape, dtype), trainable=False, name=name,
+                         synchronization=tf.VariableSynchronization.ON_READ,
+                         aggregation=tf.VariableAggregation.SUM)
+    grads = [zeros(v.shape, v.dtype, "grad_accumulator")
+             for v in self.model.trainable_variables]
+    sums = {"loss": zeros([], tf.float32, "loss_accumulator"),
+            "correct": zeros([], tf.float32, "correct_accumulator"),
+            "count": zeros([], tf.float32, "count_accumulator")}
+    if self.task == "binary":
+      for key in ("pos_hist", "neg_hist"):
+        sums[key] = zeros([AUC_BUCKETS], tf.float32, f"{key}_accumulator")
+    return grads, sums
+
+  def _replica_accumulate(self, inputs, labels):
+    """One micro-step of one replica: adds its micro-batch's gradients (the
+    loss scaled by the fp16 loss scale, if any, which stays fixed within an
+    update) and metric sums to its accumulators. No all-reduce."""
+    loss, grads, sums = self._replica_grads(inputs, labels)
+    grad_accumulators, sum_accumulators = self._accumulators
+    for accumulator, grad in zip(grad_accumulators, grads):
+      if grad is not None:  # IndexedSlices are added densely.
+        accumulator.assign_add(tf.convert_to_tensor(grad))
+    for key, value in dict(sums, loss=loss).items():
+      sum_accumulators[key].assign_add(value)
+
+  def _replica_apply_accumulated(self, stop_flags):
+    """Steps 2-4 of the module docstring on the accumulated gradients; then
+    zeroes the accumulators. Returns what `_replica_train_step` returns,
+    sums over the K micro-batches."""
+    grad_accumulators, sum_accumulators = self._accumulators
+    grads = [a.read_value() for a in grad_accumulators]
+    sums = {k: a.read_value() for k, a in sum_accumulators.items()}
+    variables = self.model.trainable_variables
+    grads = _all_reduce_sum(grads)
+    skipped = precision.step_skipped(self.optimizer, grads)
+    self.optimizer.apply(grads, variables)
+    for accumulator in grad_accumulators + list(sum_accumulators.values()):
+      accumulator.assign(tf.zeros_like(accumulator.read_value()))
+    return {**sums, "skipped": skipped, "stop_signal": stop_flags[0],
+            "stop_training": stop_flags[1]}
 
   def _replica_eval_step(self, inputs, labels, weights=None):
     logits = tf.cast(self.model(inputs, training=False), tf.float32)
@@ -318,7 +395,9 @@ class Trainer:
       Sums over the executed steps (float32 scalars): `loss` (sum of
       per-step global mean losses), `correct` and `count` (examples),
       `skipped_steps` (steps whose update was skipped: fp16 gradients not
-      finite; the same on every worker), `skipped_steps_at_end` (how many
+      finite; the same on every worker), `micro_steps` (micro-batches run:
+      `num_steps` x `gradient_accumulation_steps`, counted as they run),
+      `skipped_steps_at_end` (how many
       of the last steps in a row were skipped: equal to `num_steps` when
       every step was), and `stop_signal` and `stop_training` (> 0 when any
       worker, in any step of the chunk, asked to stop: every worker gets
@@ -334,11 +413,23 @@ class Trainer:
       totals["pos_hist"] = tf.zeros([AUC_BUCKETS])
       totals["neg_hist"] = tf.zeros([AUC_BUCKETS])
     skipped_at_end = tf.constant(0.0)
+    accumulate = self.gradient_accumulation_steps
+    micro_steps = tf.constant(0.0)
     for _ in tf.range(num_steps):
-      inputs, labels = next(iterator)[:2]
-      with _sum_gradients_once(self.optimizer):
-        per_replica = self.strategy.run(self._replica_train,
-                                        args=(inputs, labels, stop_flags))
+      if accumulate == 1:
+        inputs, labels = next(iterator)[:2]
+        with _sum_gradients_once(self.optimizer):
+          per_replica = self.strategy.run(self._replica_train,
+                                          args=(inputs, labels, stop_flags))
+        micro_steps += 1.0
+      else:
+        for _ in tf.range(accumulate):
+          inputs, labels = next(iterator)[:2]
+          self.strategy.run(self._replica_accumulate, args=(inputs, labels))
+          micro_steps += 1.0
+        with _sum_gradients_once(self.optimizer):
+          per_replica = self.strategy.run(self._replica_apply_accumulated,
+                                          args=(stop_flags,))
       # Equal on every replica: read the first local one (no all-reduce).
       skipped = self.strategy.experimental_local_results(
           per_replica.pop("skipped"))[0]
@@ -348,6 +439,7 @@ class Trainer:
       skipped_at_end = (skipped_at_end + 1.0) * skipped
       self.global_step.assign_add(1)
     totals["skipped_steps_at_end"] = skipped_at_end
+    totals["micro_steps"] = micro_steps
     return totals
 
   def _eval_function(self, batch) -> Dict[str, tf.Tensor]:
