@@ -121,8 +121,9 @@ def define_train_flags() -> List[str]:
       "step needs at the same global batch. Not with parameter_server.")
   flags.DEFINE_integer(
       "per_replica_batch_size", _default("per_replica_batch_size"),
-      "Examples per replica per step; the global batch is this times "
-      "num_replicas_in_sync.")
+      "Examples per replica per step (per micro-step with "
+      "--gradient_accumulation_steps); the global batch is this times "
+      "num_replicas_in_sync (times --gradient_accumulation_steps).")
   flags.DEFINE_integer("log_steps", _default("log_steps"),
                        "Log loss, learning rate, examples/sec and step time "
                        "every this many steps.")
