@@ -183,7 +183,8 @@ class RunLog:
     micro = int(sums.get("micro_steps", steps))
     record["micro_steps"] = micro
     # With gradient accumulation a step (update) is several micro-steps.
-    micro_text = (f" ({micro} micro-steps in {steps} updates)"
+    micro_text = (f" ({micro} micro-steps in {steps} "
+                  f"update{'' if steps == 1 else 's'})"
                   if micro != steps else "")
     text = (f"tfdist: step {step}/{self.total_steps}{micro_text}: loss "
             f"{record['loss']:.4f}, accuracy {record['accuracy']:.4f}")
