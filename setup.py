@@ -11,9 +11,13 @@ import setuptools
 with open("tfdist/__init__.py") as f:
   VERSION = re.search(r'__version__ = "([^"]+)"', f.read()).group(1)
 
-# The top-level packages an install (and the sdist) carries, each with its
-# sub-packages: the one list to change when packages move.
-PACKAGES = ("tfdist", "models", "flags")
+# What an install carries: tfdist with its sub-packages, and the
+# repository's top-level models/ and flags/ installed inside it, as
+# tfdist.models and tfdist.flags. Installed as top-level packages they were
+# shadowed by a project's own models/ or flags.py (and shadowed them);
+# tfdist imports them by these names from a source tree too
+# (tfdist/__init__.py). The sdist carries the three folders as they are.
+PACKAGE_DIRS = {"tfdist.models": "models", "tfdist.flags": "flags"}
 
 # tensorflow-io (`tfdist[io]`: s3://, hdfs://, az://, Parquet) loads with
 # TensorFlow 2.16 and 2.17 only (0.37.1 is its last release). A requirement
@@ -31,8 +35,9 @@ setuptools.setup(
                  "input, fault-tolerant checkpoints."),
     long_description=open("README.md").read(),
     long_description_content_type="text/markdown",
-    packages=setuptools.find_packages(
-        include=[p for name in PACKAGES for p in (name, name + ".*")]),
+    packages=(setuptools.find_packages(include=["tfdist", "tfdist.*"]) +
+              sorted(PACKAGE_DIRS)),
+    package_dir=PACKAGE_DIRS,
     python_requires=">=3.10,<3.12",
     classifiers=[
         "Programming Language :: Python :: 3.10",

@@ -53,7 +53,7 @@ def main(argv):
   del argv
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   import keras  # pylint: disable=g-import-not-at-top
-  import models  # pylint: disable=g-import-not-at-top
+  from tfdist import models  # pylint: disable=g-import-not-at-top
   from tfdist import checkpointing  # pylint: disable=g-import-not-at-top
   from tfdist import datasets  # pylint: disable=g-import-not-at-top
   from tfdist import input_pipeline  # pylint: disable=g-import-not-at-top

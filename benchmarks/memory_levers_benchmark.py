@@ -65,7 +65,7 @@ def measure(recompute: bool, k: int, *, global_batch: int, steps: int,
   """One configuration, in this process (a fresh one per configuration)."""
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   import keras  # pylint: disable=g-import-not-at-top
-  import models  # pylint: disable=g-import-not-at-top
+  from tfdist import models  # pylint: disable=g-import-not-at-top
   from tfdist import datasets  # pylint: disable=g-import-not-at-top
   from tfdist import input_pipeline  # pylint: disable=g-import-not-at-top
   from tfdist.train_loop import Trainer  # pylint: disable=g-import-not-at-top

@@ -33,14 +33,44 @@ def define_base_flags() -> List[str]:
   """Model, data and output locations."""
   flags.DEFINE_string(
       "model", _default("model"),
-      "Model to build, by name: cnn, resnet, or ranking (wide & deep over "
-      "sharded embeddings, for movielens); see models/. Default: the "
-      f"--dataset's recommendation, else {config_lib.UNSET_DEFAULTS['model']}.")
+      "Model to build: a registered name (built in: cnn, resnet, ranking; "
+      "see models/) or your own builder by import path, "
+      "package.module:build_fn (a function returning a keras.Model, "
+      "compiled with its loss and metrics or not). Default: the --dataset's "
+      f"recommendation, else {config_lib.UNSET_DEFAULTS['model']}.")
   flags.DEFINE_string(
       "dataset", _default("dataset"),
-      "Named data set: fashion_mnist or movielens (MovieLens-100k likes, "
-      "from the recbole package). A data set may recommend values for flags "
-      "left unset: " + _recommendations_text() + ".")
+      "Data set: a registered name (built in: fashion_mnist; movielens, "
+      "MovieLens-100k likes from the recbole package) or your own by import "
+      "path, package.module:dataset_fn (a function of input_context and "
+      "training returning a tf.data.Dataset of (features, labels)). "
+      f"Default: {config_lib.DEFAULT_DATASET}, or your TFRecords with "
+      "--feature_spec. A data set may recommend values for flags left "
+      "unset: " + _recommendations_text() + ".")
+  flags.DEFINE_string(
+      "feature_spec", _default("feature_spec"),
+      "A JSON file describing the tf.train.Example records of --train_files "
+      "and --eval_files: {\"features\": {name: {\"dtype\": float32|int64|"
+      "string, \"shape\": [...], \"default\": optional}}, \"labels\": "
+      "[names]}. The other features are the model's inputs (a dict). "
+      "Checked against the first record at start.")
+  flags.DEFINE_list(
+      "import_modules", list(_default("import_modules")),
+      "Comma-separated modules to import first, e.g. modules that register "
+      "models and data sets with @tfdist.register_model / "
+      "@tfdist.register_dataset.")
+  flags.DEFINE_string(
+      "init_checkpoint", _default("init_checkpoint"),
+      "Weights to load into the model before training (Model Garden's "
+      "flag): a checkpoint (a tfdist run's checkpoints/ folder, a "
+      "ckpt-N prefix) or a Keras .weights.h5 file. Ignored when resuming "
+      "from --model_dir's own checkpoints.")
+  flags.DEFINE_enum(
+      "mode", _default("mode"), list(config_lib.MODES),
+      "train_and_eval: train, evaluating every --epochs_between_evals "
+      "epochs; train: no evaluation; eval: evaluate the latest checkpoint "
+      "once; continuous_eval: evaluate each checkpoint as it appears, until "
+      "the final step (a side-car evaluator).")
   flags.DEFINE_string(
       "data_dir", _default("data_dir"),
       "Where named data sets are converted to TFRecord, once. Default: "
@@ -94,7 +124,8 @@ def define_base_flags() -> List[str]:
       "Ranking models: rows of the user and item tables (ids are hashed "
       "into them). Large values make large tables, sharded across ps tasks "
       "under --distribution_strategy=parameter_server.")
-  return ["model", "dataset", "train_files", "eval_files", "model_dir"]
+  return ["model", "dataset", "feature_spec", "train_files", "eval_files",
+          "model_dir", "mode"]
 
 
 def define_train_flags() -> List[str]:
@@ -219,8 +250,9 @@ def define_performance_flags() -> List[str]:
 
   flags.DEFINE_bool(
       "activation_recomputation", _default("activation_recomputation"),
-      "Built-in models (cnn, resnet) recompute the activations of each block "
-      "in the backward pass instead of keeping them (tf.recompute_grad): "
+      "The model recomputes the activations of each block in the backward "
+      "pass instead of keeping them (tf.recompute_grad; the built-in cnn and "
+      "resnet, or a builder taking activation_recomputation): "
       "less memory for about one more forward pass; same gradients, "
       "weights and checkpoints. Alias: --gradient_checkpointing.")
   flags.DEFINE_alias("gradient_checkpointing", "activation_recomputation")
@@ -236,6 +268,13 @@ def define_performance_flags() -> List[str]:
       "gradient was not finite, so the step was skipped). A dynamic loss "
       "scale skips a few steps while it settles; 0: no limit. A run whose "
       "every step was skipped fails at its end regardless.")
+  flags.DEFINE_bool(
+      "tune_allocator", _default("tune_allocator"),
+      "Set glibc malloc so TensorFlow does not map and unmap every large "
+      "tensor buffer at each step (M_MMAP_MAX=0, M_TOP_PAD=64 MiB; see "
+      "tfdist/allocator.py). Costs resident memory: each malloc arena may "
+      "keep up to 64 MiB of freed memory. --notune_allocator leaves malloc "
+      "as it is.")
 
   @flags.validator("loss_scale",
                    "--loss_scale must be 'dynamic' or a positive number.")

@@ -1,45 +1,75 @@
-"""Model builders, chosen by name (`--model`).
+"""tfdist's built-in model builders, registered by name (`--model`).
 
-`build_model(name, spec=...)` builds from the data set's `DatasetSpec`
-(`tfdist.dataset_spec`): its input shape, classes and feature names. Every
-model returns a `keras.Model`
-whose output stays float32 under a mixed precision policy (the last layer is
-a float32 activation): image models (`cnn`, `resnet`) return logits
-[batch, num_classes]; ranking models (`ranking`) return sigmoid
-probabilities [batch, 1].
+Imported as `tfdist.models` (this folder is installed there; see
+`tfdist/__init__.py`), so a project's own `models` package never shadows it.
+Each builder is registered with `tfdist.registry.register_model` and takes
+the run's `DatasetSpec` (`spec`) and `TrainConfig` (`config`); those with
+batch normalization also `sync_batch_norm` (the run plan's decision, see
+`resolve_sync_batch_norm`), and those that can recompute their activations
+(`cnn`, `resnet`; `recompute.py`) `activation_recomputation`. Every model
+returns a `keras.Model` whose output stays float32 under a mixed precision
+policy (the last layer is a float32 activation): image models (`cnn`,
+`resnet`) return logits [batch, num_classes]; the ranking model (`ranking`)
+returns sigmoid probabilities [batch, 1].
 """
 
-from typing import Callable, Dict, Optional, Tuple
+import types
+from typing import Optional, Tuple
 
 import keras
 
-from models import cnn
-from models import ranking
-from models import resnet
+from tfdist import registry
 from tfdist.config import ConfigError
-
-_BUILDERS: Dict[str, Callable[..., keras.Model]] = {
-    "cnn": cnn.build_cnn,
-    "ranking": ranking.build_ranking,
-    "resnet": resnet.build_resnet,
-}
-# Builders that also take `embedding_dim` and `hash_buckets` (recommendation
-# models; they return sigmoid probabilities [batch, 1], not logits).
-_RANKING = frozenset({"ranking"})
+from tfdist.dataset_spec import DatasetSpec
+from . import cnn
+from . import ranking
+from . import resnet
 
 
-def model_names() -> Tuple[str, ...]:
-  """Names accepted by `--model`."""
-  return tuple(sorted(_BUILDERS))
+def _image_shape(name: str, spec) -> Tuple[Tuple[int, ...], int]:
+  if not spec.input_shape or spec.num_classes < 2:
+    raise ConfigError(
+        f"--model={name} is an image classifier: it needs a data set with an "
+        f"input_shape and num_classes (e.g. --dataset=fashion_mnist); "
+        f"--dataset={spec.name} has input_shape={spec.input_shape}, "
+        f"num_classes={spec.num_classes}. Bring your own model: "
+        "--model=package.module:build_fn.")
+  return tuple(spec.input_shape), spec.num_classes
 
 
-def is_ranking_model(name: str) -> bool:
-  """True for models with embedding tables (`--embedding_dim`,
-  `--hash_buckets`) and a sigmoid output."""
-  return name in _RANKING
+@registry.register_model("cnn")
+def _build_cnn(spec, sync_batch_norm: bool = False,
+               activation_recomputation: bool = False) -> keras.Model:
+  input_shape, num_classes = _image_shape("cnn", spec)
+  return cnn.build_cnn(input_shape=input_shape, num_classes=num_classes,
+                       sync_batch_norm=bool(sync_batch_norm),
+                       activation_recomputation=bool(activation_recomputation))
 
 
-# Builders whose models have batch normalization (they take
+@registry.register_model("resnet")
+def _build_resnet(spec, sync_batch_norm: bool = False,
+                  activation_recomputation: bool = False) -> keras.Model:
+  input_shape, num_classes = _image_shape("resnet", spec)
+  return resnet.build_resnet(
+      input_shape=input_shape, num_classes=num_classes,
+      sync_batch_norm=bool(sync_batch_norm),
+      activation_recomputation=bool(activation_recomputation))
+
+
+@registry.register_model("ranking")
+def _build_ranking(spec, config=None) -> keras.Model:
+  if not spec.id_features:
+    raise ConfigError(
+        f"--model=ranking embeds id features; --dataset={spec.name} has none "
+        "(use --dataset=movielens).")
+  return ranking.build_ranking(
+      id_features=spec.id_features, num_dense=spec.num_dense,
+      num_classes=spec.num_classes,
+      embedding_dim=getattr(config, "embedding_dim", 16),
+      hash_buckets=getattr(config, "hash_buckets", 100_000))
+
+
+# Built-in builders whose models have batch normalization (they take
 # `sync_batch_norm`).
 _BATCH_NORM = frozenset({"cnn", "resnet"})
 # Strategies whose replicas apply one update together per step, so that
@@ -47,10 +77,7 @@ _BATCH_NORM = frozenset({"cnn", "resnet"})
 SYNCHRONOUS_STRATEGIES = ("mirrored", "multi_worker_mirrored", "tpu")
 
 
-# Builders that can recompute activations in the backward pass
-# (`activation_recomputation`, models/recompute.py).
-_RECOMPUTATION = frozenset({"cnn", "resnet"})
-# Why the others cannot.
+# Why built-in builders that take no `activation_recomputation` cannot.
 _NO_RECOMPUTATION_REASONS = {
     "ranking": "its activations are a few embedding rows and a small MLP "
                "per example (nothing worth recomputing), and its embedding "
@@ -60,22 +87,38 @@ _NO_RECOMPUTATION_REASONS = {
 
 
 def supports_recomputation(name: str) -> bool:
-  """True for built-in models that can recompute activations
-  (`--activation_recomputation`)."""
-  return name in _RECOMPUTATION
+  """True when the builder of `--model=name` (registered or an import
+  path) can recompute activations: it takes an `activation_recomputation`
+  argument (`--activation_recomputation`; the built-in `cnn` and
+  `resnet`).
+
+  Raises:
+    ConfigError: unknown name.
+  """
+  _, builder = registry.get_model_builder(name)
+  return registry.accepts(builder, "activation_recomputation")
 
 
-def check_recomputation(name: str, activation_recomputation: bool):
+def check_recomputation(name: str, activation_recomputation: bool, *,
+                        builder=None):
   """Raises `ConfigError` when `--activation_recomputation` is asked of a
-  model that cannot recompute its activations (the message says why)."""
-  if activation_recomputation and name in _BUILDERS and (
-      name not in _RECOMPUTATION):
-    reason = _NO_RECOMPUTATION_REASONS.get(name, "its builder has no blocks "
-                                                 "to recompute")
-    raise ConfigError(
-        f"--activation_recomputation (--gradient_checkpointing) is not "
-        f"available for --model={name}: {reason}. Models that recompute: "
-        f"{', '.join(sorted(_RECOMPUTATION))}; or drop the flag.")
+  model whose builder cannot say so (it takes no `activation_recomputation`
+  argument); the message says why. `builder`: the builder of `name` (None:
+  looked up)."""
+  if not activation_recomputation:
+    return
+  if builder is None:
+    _, builder = registry.get_model_builder(name)
+  if registry.accepts(builder, "activation_recomputation"):
+    return
+  reason = _NO_RECOMPUTATION_REASONS.get(
+      name, "its builder takes no activation_recomputation argument (a "
+            "builder that can recompute names it and wraps its blocks, e.g. "
+            "with tfdist.models.recompute.recomputing_model)")
+  raise ConfigError(
+      f"--activation_recomputation (--gradient_checkpointing) is not "
+      f"available for --model={name}: {reason}. The built-in models that "
+      f"recompute: cnn, resnet; or drop the flag.")
 
 
 def has_batch_norm(name: str) -> bool:
@@ -128,21 +171,24 @@ def resolve_sync_batch_norm(value: Optional[bool], *, strategy_name: str,
   return False, f"default: {why}"
 
 
-def build_model(name: str, *, spec=None, input_shape=None,
-                num_classes: Optional[int] = None, embedding_dim: int = 16,
-                hash_buckets: int = 100_000,
+def model_names() -> Tuple[str, ...]:
+  """Names accepted by `--model` (the built-in ones and any registered)."""
+  return registry.model_names()
+
+
+def build_model(name: str, *, spec: Optional[DatasetSpec] = None,
+                input_shape=None, num_classes: Optional[int] = None,
+                embedding_dim: int = 16, hash_buckets: int = 100_000,
                 sync_batch_norm: bool = False,
                 activation_recomputation: bool = False) -> keras.Model:
   """Builds the model registered as `name` for the data set `spec`.
 
   Args:
-    name: a name from `model_names()`.
-    spec: the data set's `tfdist.dataset_spec.DatasetSpec` (image models
-      read `input_shape` and `num_classes`; ranking models `id_features`,
-      `num_dense` and `num_classes`).
+    name: a registered name (`model_names()`) or an import path.
+    spec: the data set's `tfdist.dataset_spec.DatasetSpec`.
     input_shape, num_classes: image models only, instead of `spec`.
-    embedding_dim, hash_buckets: reach only ranking models
-      (`is_ranking_model`); the others ignore them.
+    embedding_dim, hash_buckets: what the ranking model reads from the
+      config.
     sync_batch_norm: batch statistics over the global batch (see
       `resolve_sync_batch_norm`); reaches only models with batch
       normalization (`has_batch_norm`).
@@ -150,31 +196,25 @@ def build_model(name: str, *, spec=None, input_shape=None,
       backward pass (`supports_recomputation`; models/recompute.py).
 
   Raises:
-    ValueError: unknown name (the message lists the known ones).
-    ConfigError: `activation_recomputation` for a model that cannot.
+    ConfigError: unknown name (the message lists the registered ones), a
+      data set the model cannot take, or `activation_recomputation` for a
+      model that cannot.
   """
-  if name not in _BUILDERS:
-    raise ValueError(f"--model={name!r} is unknown. Known: "
-                     f"{', '.join(model_names())}.")
-  check_recomputation(name, activation_recomputation)
-  if name in _RANKING:
-    if spec is None:
-      raise ValueError(f"--model={name} needs spec=DatasetSpec (its id "
-                       "features and dense width).")
-    return _BUILDERS[name](id_features=spec.id_features,
-                          num_dense=spec.num_dense,
-                          num_classes=spec.num_classes,
-                          embedding_dim=embedding_dim,
-                          hash_buckets=hash_buckets)
-  if spec is not None:
-    input_shape, num_classes = spec.input_shape, spec.num_classes
-  if input_shape is None or num_classes is None:
-    raise ValueError(f"--model={name}: pass spec=DatasetSpec, or both "
-                     "input_shape and num_classes.")
-  kwargs = {}
-  if name in _BATCH_NORM:
-    kwargs["sync_batch_norm"] = bool(sync_batch_norm)
-  if activation_recomputation:
-    kwargs["activation_recomputation"] = True
-  return _BUILDERS[name](input_shape=tuple(input_shape),
-                        num_classes=num_classes, **kwargs)
+  if spec is None:
+    if input_shape is None or num_classes is None:
+      raise ValueError(f"--model={name}: pass spec=DatasetSpec, or both "
+                       "input_shape and num_classes.")
+    spec = DatasetSpec(name="arrays", input_shape=tuple(input_shape),
+                       num_classes=num_classes, task="multiclass",
+                       parse_fn=lambda serialized: serialized)
+  _, builder = registry.get_model_builder(name)
+  check_recomputation(name, activation_recomputation, builder=builder)
+  config = types.SimpleNamespace(embedding_dim=embedding_dim,
+                                 hash_buckets=hash_buckets,
+                                 activation_recomputation=bool(
+                                     activation_recomputation))
+  return registry.call_with_accepted(
+      builder, {"spec": spec, "config": config,
+                "sync_batch_norm": bool(sync_batch_norm),
+                "activation_recomputation": bool(activation_recomputation)},
+      what=f"--model={name}")

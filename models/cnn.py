@@ -3,7 +3,7 @@
 import keras
 from keras import layers
 
-from models import recompute
+from . import recompute
 
 
 def build_cnn(*, input_shape=(28, 28, 1), num_classes: int = 10,

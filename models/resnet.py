@@ -3,7 +3,7 @@
 import keras
 from keras import layers
 
-from models import recompute
+from . import recompute
 
 
 def _residual_block(x, filters: int, stride: int, batch_norm):

@@ -249,8 +249,23 @@ def first_party_roots(root: str) -> List[str]:
                 and os.path.isfile(os.path.join(root, d, "__init__.py")))
 
 
+# Packages installed under another name than their folder's (setup.py's
+# package_dir; tfdist/__init__.py finds them in a source tree): the module
+# `tfdist.models.cnn` is the file models/cnn.py. (Names built, not written
+# out: a literal dotted name would read as a module this file runs.)
+PACKAGE_ALIASES = {".".join(("tfdist", name)): name
+                   for name in ("models", "flags")}
+
+
+def _unalias(dotted: str) -> str:
+  for alias, folder in PACKAGE_ALIASES.items():
+    if dotted == alias or dotted.startswith(alias + "."):
+      return folder + dotted[len(alias):]
+  return dotted
+
+
 def _module_file(root: str, dotted: str) -> Optional[str]:
-  parts = dotted.split(".")
+  parts = _unalias(dotted).split(".")
   for candidate in (os.path.join(*parts) + ".py",
                     os.path.join(*parts, "__init__.py")):
     if os.path.isfile(os.path.join(root, candidate)):
@@ -298,7 +313,7 @@ def module_imports(root: str, path: str, roots: Iterable[str]) -> List[
   for name in dict.fromkeys(names):
     if name.split(".")[0] not in roots:
       continue
-    parts = name.split(".")
+    parts = _unalias(name).split(".")
     files = []
     for i in range(1, len(parts)):
       init = os.path.join(*parts[:i], "__init__.py")

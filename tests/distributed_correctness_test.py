@@ -199,7 +199,7 @@ def _child_main(train_glob: str) -> dict:
   cpu = tf.config.list_physical_devices("CPU")[0]
   tf.config.set_logical_device_configuration(
       cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
-  import models  # pylint: disable=g-import-not-at-top
+  from tfdist import models  # pylint: disable=g-import-not-at-top
   from tfdist import datasets  # pylint: disable=g-import-not-at-top
   from tfdist import input_pipeline  # pylint: disable=g-import-not-at-top
   from tfdist import precision  # pylint: disable=g-import-not-at-top
@@ -441,7 +441,7 @@ class SkippedStepsAreLoudTest(absltest.TestCase):
 class FlagsTest(absltest.TestCase):
 
   def test_sync_batch_norm_default_and_flag(self):
-    import models  # pylint: disable=g-import-not-at-top
+    from tfdist import models  # pylint: disable=g-import-not-at-top
     from tfdist.config import ConfigError  # pylint: disable=g-import-not-at-top
     resolve = models.resolve_sync_batch_norm
     for strategy, replicas, expected in (

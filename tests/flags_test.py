@@ -11,8 +11,8 @@ from absl import flags as absl_flags
 from absl.testing import absltest
 from absl.testing import flagsaver
 
-import flags as tfdist_flags
-from flags import definitions
+from tfdist import flags as tfdist_flags
+from tfdist.flags import definitions
 from tfdist import config as config_lib
 from tfdist import train  # pylint: disable=unused-import
 

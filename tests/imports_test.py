@@ -17,7 +17,10 @@ PACKAGES = ("tfdist", "models", "flags")
 # as a module this test runs (tests/bazel_targets.py).
 WIRING = f"{PACKAGES[0]}.experiment"
 CONTROLLER = f"{PACKAGES[0]}.controller"
-BINARIES = (f"{PACKAGES[0]}.train", f"{PACKAGES[0]}.ray")
+# Entry points: the binaries, and `tfdist.fit` (tfdist.api), the Python
+# API's edge, which runs the wiring as the binaries do.
+BINARIES = (f"{PACKAGES[0]}.train", f"{PACKAGES[0]}.ray",
+            f"{PACKAGES[0]}.api")
 
 
 def import_graph(root: str = ROOT) -> dict:

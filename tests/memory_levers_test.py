@@ -130,8 +130,8 @@ class RecomputationTest(absltest.TestCase):
   @pytest.mark.compat
   def test_models_that_cannot_say_so(self):
     import keras  # pylint: disable=g-import-not-at-top
-    import models  # pylint: disable=g-import-not-at-top
-    from models import recompute  # pylint: disable=g-import-not-at-top
+    from tfdist import models  # pylint: disable=g-import-not-at-top
+    from tfdist.models import recompute  # pylint: disable=g-import-not-at-top
     from tfdist.config import ConfigError  # pylint: disable=g-import-not-at-top
     self.assertEqual([n for n in models.model_names()
                       if models.supports_recomputation(n)],
@@ -206,7 +206,7 @@ def _child_main(train_glob: str) -> dict:
   tf.config.experimental.enable_op_determinism()
   import keras  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
-  import models  # pylint: disable=g-import-not-at-top
+  from tfdist import models  # pylint: disable=g-import-not-at-top
   from tfdist import datasets  # pylint: disable=g-import-not-at-top
   from tfdist import input_pipeline  # pylint: disable=g-import-not-at-top
   from tfdist import precision  # pylint: disable=g-import-not-at-top
@@ -245,6 +245,7 @@ def _child_main(train_glob: str) -> dict:
     model, optimizer = small_model(strategy, **optimizer_options)
     trainer = Trainer(strategy=strategy, model=model, optimizer=optimizer,
                       global_batch_size=global_batch,
+                      steps_per_execution=updates,
                       gradient_accumulation_steps=k)
     ds = tf.data.Dataset.from_tensor_slices((images, labels)).batch(
         micro_global_batch or global_batch // k)

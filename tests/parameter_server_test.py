@@ -163,7 +163,7 @@ class RecommendedFlagsTest(absltest.TestCase):
     super().setUp()
     # Importing the binary defines every tfdist flag on absl's FLAGS.
     from tfdist import train  # pylint: disable=g-import-not-at-top,unused-import
-    import flags as tfdist_flags  # pylint: disable=g-import-not-at-top
+    from tfdist import flags as tfdist_flags  # pylint: disable=g-import-not-at-top
     self.flags_to_config = tfdist_flags.flags_to_config
 
   def test_movielens_fills_unset_flags(self):

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-import models
+from tfdist import models
 from tfdist import precision
 
 # Also run on the oldest supported TensorFlow (see tests/conftest.py).

@@ -130,9 +130,14 @@ class SdistInstallTest(absltest.TestCase):
     self.assertEqual(manifest["final_metrics"]["eval_examples"], 256)
     self.assertTrue(os.path.exists(os.path.join(model_dir, "saved_model",
                                                 "saved_model.pb")))
-    where = _run([python, "-c", "import tfdist, models, flags; "
-                  "print(tfdist.__file__, models.__file__, flags.__file__)"],
+    # models/ and flags/ are installed inside tfdist (tfdist.models,
+    # tfdist.flags), never as top-level packages a project's own models/
+    # or flags.py would shadow.
+    where = _run([python, "-c", "import tfdist, tfdist.models, tfdist.flags; "
+                  "print(tfdist.__file__, tfdist.models.__file__, "
+                  "tfdist.flags.__file__)"],
                  cwd=run_dir, env=_clean_env(), timeout=60)
+    self.assertEqual(where.returncode, 0, where.stdout[-3000:])
     for path in where.stdout.split():
       self.assertTrue(path.startswith(os.path.join(container, "lib")), path)
     # The console script as well.

@@ -286,6 +286,26 @@ class TpuRulesTest(parameterized.TestCase):
     cfg = self._with_environment(self._config(tpu=address, **files))
     tpu.validate_tpu_config(cfg, data_patterns=run_plan.data_patterns(cfg))
 
+  def test_dataset_functions_and_feature_specs_on_remote_tpus(self):
+    # A dataset function reads no files of tfdist's: nothing to put on
+    # gs://. A feature spec reads --train_files/--eval_files: the rule holds.
+    from tfdist import feature_spec  # pylint: disable=g-import-not-at-top
+    from tfdist.dataset_spec import DatasetSpec  # pylint: disable=g-import-not-at-top
+    cfg = self._with_environment(self._config(tpu="grpc://10.0.0.2:8470"))
+    function = DatasetSpec(name="mine", input_fn=lambda training: None)
+    self.assertEqual(run_plan.data_patterns(cfg, function), [])
+    tpu.validate_tpu_config(cfg, data_patterns=run_plan.data_patterns(
+        cfg, function))
+    cfg = self._config(tpu="grpc://10.0.0.2:8470", feature_spec="spec.json",
+                       train_files="/d/train-*", eval_files="/d/test-*")
+    records = feature_spec.from_dict({
+        "features": {"x": {"dtype": "float32", "shape": [2]},
+                     "y": {"dtype": "int64"}}, "labels": ["y"]}
+    ).dataset_spec()
+    with self.assertRaisesRegex(ConfigError, "input must be on gs://"):
+      tpu.validate_tpu_config(cfg, data_patterns=run_plan.data_patterns(
+          cfg, records))
+
   def test_rules_checked_before_connecting(self):
     # A remote TPU with local files fails on the rule, without any network.
     cfg = self._config(tpu=f"grpc://127.0.0.1:{portpicker.pick_unused_port()}",
@@ -313,7 +333,7 @@ class TpuFlagsTest(absltest.TestCase):
   def test_flags_to_config(self):
     from absl import flags  # pylint: disable=g-import-not-at-top
     from absl.testing import flagsaver  # pylint: disable=g-import-not-at-top
-    import flags as tfdist_flags  # pylint: disable=g-import-not-at-top
+    from tfdist import flags as tfdist_flags  # pylint: disable=g-import-not-at-top
     from tfdist import train  # pylint: disable=g-import-not-at-top,unused-import
     with flagsaver.as_parsed(
         distribution_strategy="tpu", tpu="my-tpu", tpu_zone="us-central2-b",
@@ -380,6 +400,48 @@ class StaticEvalBatchesTest(parameterized.TestCase):
                            places=5)
     self.assertAlmostEqual(results[True]["accuracy"],
                            results[False]["accuracy"], places=6)
+
+  def test_masked_evaluation_of_user_features_loss_and_metrics(self):
+    # Dict features from a dataset function, a multi-label loss and Keras
+    # metrics: padded static batches give the unpadded values.
+    import keras  # pylint: disable=g-import-not-at-top
+    from tfdist import objectives  # pylint: disable=g-import-not-at-top
+    from tfdist.dataset_spec import DatasetSpec  # pylint: disable=g-import-not-at-top
+    from tfdist.train_loop import Trainer  # pylint: disable=g-import-not-at-top
+    rng = np.random.RandomState(1)
+    x = rng.normal(size=(70, 4)).astype(np.float32)
+    ids = np.arange(70, dtype=np.int64)
+    y = (rng.rand(70, 3) > 0.5).astype(np.float32)
+    spec = DatasetSpec(name="mine", input_fn=lambda: tf.data.Dataset
+                       .from_tensor_slices(({"x": x, "id": ids}, y)))
+    strategy = tf.distribute.OneDeviceStrategy("/cpu:0")
+    with strategy.scope():
+      inputs = {"x": keras.Input((4,), name="x"),
+                "id": keras.Input((), name="id", dtype="int64")}
+      features = keras.layers.Concatenate()([
+          inputs["x"], keras.layers.Embedding(70, 2)(inputs["id"])])
+      model = keras.Model(inputs, keras.layers.Dense(
+          3, activation="sigmoid")(features))
+      optimizer = keras.optimizers.SGD(0.1)
+      optimizer.build(model.trainable_variables)
+    results = {}
+    for padded in (False, True):
+      metrics = objectives.MetricSums(
+          [keras.metrics.AUC(multi_label=True, name="auc"),
+           keras.metrics.MeanAbsoluteError(name="mae")],
+          y_true=tf.TensorSpec([None, 3]), y_pred=tf.TensorSpec([None, 3]))
+      trainer = Trainer(
+          strategy=strategy, model=model, optimizer=optimizer,
+          global_batch_size=32, eval_example_weights=padded,
+          loss="binary_crossentropy", metrics=metrics)
+      ds = input_pipeline.distribute(strategy, input_pipeline.options_for(
+          spec, global_batch_size=32, is_training=False, cache=False,
+          pad_to_static_batches=padded))
+      results[padded] = trainer.evaluate(ds)
+    self.assertEqual(results[True]["num_examples"], 70)  # 70 = 2*32 + 6.
+    for key in ("loss", "auc", "mae"):
+      self.assertAlmostEqual(results[True][key], results[False][key],
+                             places=5, msg=key)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-import models
+from tfdist import models
 from tests import testutil
 from tfdist import datasets
 from tfdist import experiment

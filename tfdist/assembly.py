@@ -1,21 +1,26 @@
 """Assembly: the model, optimizer, trainer and checkpoint of a run, once.
 
-`build` creates every variable under the strategy's scope (so
-ParameterServerStrategy places tables, dense weights and optimizer slots on
-the ps tasks, and Mirrored strategies mirror them), wraps the optimizer for
-the precision, and returns the parts every strategy uses the same way.
+`build` calls the task's model builder and creates every variable under the
+strategy's scope (so ParameterServerStrategy places tables, dense weights
+and optimizer slots on the ps tasks, and Mirrored strategies mirror them),
+resolves the loss and metrics (`tfdist.objectives`), wraps the optimizer
+for the precision, and returns the parts every strategy uses the same way.
+`load_init_checkpoint` warm-starts the model (`--init_checkpoint`).
 """
 
 import dataclasses
-from typing import Optional
+import os
+from typing import Optional, Tuple
 
 from absl import logging
 import keras
 import tensorflow as tf
 
-import models
+from tfdist import models
+from tfdist import objectives as objectives_lib
 from tfdist import optimizers
 from tfdist import precision
+from tfdist import task as task_lib
 from tfdist.config import ConfigError
 from tfdist.train_loop import Trainer
 
@@ -30,54 +35,115 @@ class Parts:
     trainer: the `tfdist.train_loop.Trainer` owning the compiled steps.
     checkpoint: a `tf.train.Checkpoint` over model, optimizer and the
       trainer's global step: the whole training state.
+    objectives: the resolved loss and metrics
+      (`tfdist.objectives.Objectives`).
+    metric_sums: the metrics as a built `tfdist.objectives.MetricSums`.
   """
   model: keras.Model
   optimizer: Optional[keras.optimizers.Optimizer]
   trainer: Optional[Trainer]
   checkpoint: Optional[tf.train.Checkpoint]
+  objectives: Optional[objectives_lib.Objectives] = None
+  metric_sums: Optional[objectives_lib.MetricSums] = None
 
 
-def check_model_name(name: str):
-  """Raises `ConfigError` for a `--model` that no builder has."""
-  if name not in models.model_names():
-    raise ConfigError(f"--model={name!r} is unknown. Known: "
-                      f"{', '.join(models.model_names())}.")
+def _output_shape(model: keras.Model, task: task_lib.Task) -> tf.TensorShape:
+  """The model's batched output shape on the task's features (computing it
+  builds a model that builds lazily)."""
+  features, _ = task_lib.example_spec(task.dataset)
+  try:
+    return objectives_lib.output_shape(model, features)
+  except ConfigError:
+    raise
+  except Exception as e:  # pylint: disable=broad-except
+    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    raise ConfigError(
+        f"--model={task.model_name} cannot take --dataset="
+        f"{task.dataset.name}'s features {features}: {type(e).__name__}: "
+        f"{first}") from e
 
 
-def check_model_options(config):
-  """Raises `ConfigError` for model options the `--model` cannot honour
-  (`--activation_recomputation` on a model without blocks to recompute);
-  checked before any data or model is built."""
-  models.check_recomputation(config.model, config.activation_recomputation)
+def check_model_options(config, *, task: task_lib.Task):
+  """Raises `ConfigError` for model options the task's model cannot honour
+  (`--activation_recomputation` for a builder that cannot recompute, see
+  `tfdist.models.check_recomputation`); checked before any data or model is
+  built."""
+  models.check_recomputation(task.model_name,
+                             config.activation_recomputation,
+                             builder=task.model_fn)
 
 
-def build_model(config, *, spec, sync_batch_norm: bool = False
-                ) -> keras.Model:
-  """The `--model` for the data set `spec` (in the current scope);
-  `sync_batch_norm` from the run plan."""
-  check_model_name(config.model)
-  return models.build_model(
-      config.model, spec=spec, embedding_dim=config.embedding_dim,
-      hash_buckets=config.hash_buckets, sync_batch_norm=sync_batch_norm,
-      activation_recomputation=config.activation_recomputation)
+def build_model(config, *, task: task_lib.Task,
+                sync_batch_norm: bool = False) -> keras.Model:
+  """The task's model, built (in the current scope); `sync_batch_norm`
+  from the run plan reaches builders that take it (the built-in models with
+  batch normalization).
+
+  Raises:
+    ConfigError: the builder fails (see `tfdist.task.build_model`), or the
+      model cannot take the data set's features.
+  """
+  model = task_lib.build_model(task, config,
+                               sync_batch_norm=sync_batch_norm)
+  _output_shape(model, task)
+  if getattr(model, "optimizer", None) is not None:
+    # compile's optimizer (RMSprop when compile names none) is not used:
+    # tfdist builds its own from the config. Untracked (`del`: assigning
+    # None keeps the checkpoint dependency), so that checkpoints hold only
+    # tfdist's, which training assigns to `model.optimizer`.
+    logging.info("--model=%s is compiled: tfdist uses its loss and metrics, "
+                 "and trains with --optimizer=%s at the scaled learning rate "
+                 "(not with compile's optimizer).", task.model_name,
+                 config.optimizer)
+    del model.optimizer
+    model.optimizer = None
+  return model
 
 
-def build(config, *, spec, strategy: tf.distribute.Strategy, plan,
-          on_tpu: bool = False) -> Parts:
+def resolve_objectives(model: keras.Model, *, task: task_lib.Task
+                       ) -> Tuple[objectives_lib.Objectives,
+                                  objectives_lib.MetricSums]:
+  """The loss and metrics of `model` on the task's data, with the shapes of
+  one example and of the model's output (`tfdist.objectives.resolve`).
+
+  Raises:
+    ConfigError: no loss is known; an unknown loss or metric name; a
+      metric whose state is not summed.
+  """
+  _, labels = task_lib.example_spec(task.dataset)
+  out_shape = _output_shape(model, task)
+  y_true = tf.TensorShape([None]).concatenate(labels.shape)
+  resolved = objectives_lib.resolve(
+      loss=task.loss, metrics=task.metrics, model=model,
+      dataset=task.dataset, y_true=y_true, y_pred=out_shape,
+      what=f"--model={task.model_name}")
+  metric_sums = objectives_lib.MetricSums(
+      resolved.metrics, y_true=tf.TensorSpec(y_true, labels.dtype),
+      y_pred=tf.TensorSpec(out_shape, tf.float32))
+  logging.info("Loss %s, metrics [%s] (from %s)", resolved.loss.name,
+               ", ".join(resolved.metric_names), resolved.source)
+  return resolved, metric_sums
+
+
+def build(config, *, task: task_lib.Task, strategy: tf.distribute.Strategy,
+          plan, on_tpu: bool = False) -> Parts:
   """Builds model, optimizer, trainer and checkpoint under `strategy`.
 
   Args:
     config: the run's `TrainConfig` (model, optimizer and precision fields).
-    spec: the data set's `DatasetSpec`.
+    task: the `tfdist.task.Task` (model builder, data set, loss, metrics).
     strategy: the run's strategy.
     plan: the `tfdist.run_plan.RunPlan` (global batch, LR schedule).
     on_tpu: the strategy is TPU (XLA everywhere; padded evaluation).
 
   Returns:
     `Parts`.
+
+  Raises:
+    ConfigError: the builder fails tfdist's checks, or no loss is known.
   """
   with strategy.scope():
-    model = build_model(config, spec=spec,
+    model = build_model(config, task=task,
                         sync_batch_norm=plan.sync_batch_norm)
     optimizer = precision.wrap_optimizer_for_precision(
         optimizers.build_optimizer(config.optimizer, plan.lr.schedule,
@@ -90,14 +156,20 @@ def build(config, *, spec, strategy: tf.distribute.Strategy, plan,
     # first step, ParameterServerStrategy would place it on the
     # coordinator).
     optimizer.build(model.trainable_variables)
-  model.optimizer = optimizer  # Keras callbacks read `model.optimizer`.
+  # Keras callbacks read `model.optimizer`. Set without tracking it as the
+  # model's checkpoint dependency: the optimizer is saved once, as the
+  # checkpoint's own `optimizer`, and a model restored from the checkpoint
+  # (`tf.train.Checkpoint(model=...)`, compiled with an optimizer of its own
+  # or not) finds no optimizer of tfdist's under `model/`.
+  object.__setattr__(model, "optimizer", optimizer)
+  resolved, metric_sums = resolve_objectives(model, task=task)
   trainer = Trainer(strategy=strategy, model=model, optimizer=optimizer,
                     global_batch_size=plan.global_batch_size,
                     steps_per_execution=config.steps_per_execution,
                     # TPUs compile everything with XLA already.
                     enable_xla=config.enable_xla and not on_tpu,
-                    run_eagerly=config.run_eagerly, task=spec.task,
-                    eval_example_weights=on_tpu,
+                    run_eagerly=config.run_eagerly, loss=resolved.loss,
+                    metrics=metric_sums, eval_example_weights=on_tpu,
                     gradient_accumulation_steps=(
                         plan.batch.gradient_accumulation_steps))
   if config.enable_xla:
@@ -109,17 +181,99 @@ def build(config, *, spec, strategy: tf.distribute.Strategy, plan,
   checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer,
                                    global_step=trainer.global_step)
   return Parts(model=model, optimizer=optimizer, trainer=trainer,
-               checkpoint=checkpoint)
+               checkpoint=checkpoint, objectives=resolved,
+               metric_sums=metric_sums)
 
 
-def evaluation_trainer(parts: Parts, *, spec, global_batch_size: int
-                       ) -> Trainer:
+def evaluation_parts(config, *, task: task_lib.Task) -> Parts:
+  """A model (in the current scope) with its loss and metrics, and no
+  optimizer: what the side-car evaluator and `--mode=eval` need."""
+  model = build_model(config, task=task)
+  resolved, metric_sums = resolve_objectives(model, task=task)
+  return Parts(model=model, optimizer=None, trainer=None, checkpoint=None,
+               objectives=resolved, metric_sums=metric_sums)
+
+
+def evaluation_trainer(parts: Parts, *, global_batch_size: int) -> Trainer:
   """A `Trainer` that evaluates `parts.model` in this process, with the
   default strategy (the parameter-server coordinator, the side-car
-  evaluator)."""
+  evaluator), with the run's loss and metrics."""
   return Trainer(strategy=tf.distribute.get_strategy(), model=parts.model,
                  optimizer=parts.optimizer or keras.optimizers.SGD(),
-                 global_batch_size=global_batch_size, task=spec.task)
+                 global_batch_size=global_batch_size,
+                 loss=parts.objectives.loss, metrics=parts.metric_sums)
+
+
+def _root_children(prefix: str) -> set:
+  """Names of the objects a checkpoint's root holds (`model`, `optimizer`,
+  ...), from its object graph."""
+  from tensorflow.core.protobuf import trackable_object_graph_pb2  # pylint: disable=g-import-not-at-top
+  graph = trackable_object_graph_pb2.TrackableObjectGraph()
+  graph.ParseFromString(tf.train.load_checkpoint(prefix).get_tensor(
+      "_CHECKPOINTABLE_OBJECT_GRAPH"))
+  return {child.local_name for child in graph.nodes[0].children}
+
+
+def load_init_checkpoint(model: keras.Model, path: str) -> str:
+  """Loads weights into `model` before training (`--init_checkpoint`).
+
+  Args:
+    model: the built model.
+    path: a Keras `.weights.h5` file; a checkpoint prefix written by tfdist
+      or by `tf.train.Checkpoint(model=...)` (`.../ckpt-N`); or a folder
+      holding such checkpoints (its latest), e.g. another run's
+      `--model_dir` or its `checkpoints/`.
+
+  Returns:
+    The file or checkpoint prefix loaded.
+
+  Raises:
+    ConfigError: nothing at `path`, a checkpoint without a model, or a
+      variable of another shape. A checkpoint that holds only part of the
+      model (layers added for fine-tuning) is loaded, and the first
+      variable left out is named in a warning.
+  """
+  if path.endswith(".weights.h5"):
+    if not tf.io.gfile.exists(path):
+      raise ConfigError(f"--init_checkpoint={path}: no such file.")
+    model.load_weights(path)
+    logging.info("--init_checkpoint: loaded %s", path)
+    return path
+  prefix = path
+  if tf.io.gfile.isdir(path):
+    prefix = (tf.train.latest_checkpoint(path) or
+              tf.train.latest_checkpoint(os.path.join(path, "checkpoints")))
+    if not prefix:
+      raise ConfigError(
+          f"--init_checkpoint={path} is a folder without checkpoints (and "
+          "without a checkpoints/ folder holding some). Give a checkpoint "
+          "prefix (.../ckpt-N), a folder of checkpoints, or a .weights.h5 "
+          "file.")
+  elif not tf.io.gfile.exists(prefix + ".index"):
+    raise ConfigError(
+        f"--init_checkpoint={path}: no checkpoint there ({path}.index is "
+        "missing). Give a checkpoint prefix (.../ckpt-N), a folder of "
+        "checkpoints, or a .weights.h5 file.")
+  if "model" not in _root_children(prefix):
+    raise ConfigError(
+        f"--init_checkpoint={path}: {prefix} holds no model (tfdist loads "
+        "checkpoints written as tf.train.Checkpoint(model=...), as tfdist "
+        "writes them, or .weights.h5 files).")
+  try:
+    status = tf.train.Checkpoint(model=model).restore(prefix)
+  except ValueError as e:  # A variable of another shape.
+    raise ConfigError(f"--init_checkpoint={path}: {prefix} does not fit the "
+                      f"model: {str(e).strip().splitlines()[0]}") from None
+  try:
+    status.assert_existing_objects_matched()
+  except AssertionError as e:
+    logging.warning("--init_checkpoint: %s matches the model only in part; "
+                    "the rest keeps its initial values: %s", prefix,
+                    str(e).strip().splitlines()[0])
+  status.expect_partial()
+  logging.info("--init_checkpoint: loaded the model's weights from %s",
+               prefix)
+  return prefix
 
 
 def current_learning_rate(optimizer) -> float:

@@ -37,6 +37,13 @@ DATASET_RECOMMENDED_FLAGS = {
                   ("optimizer", "adam"), ("base_learning_rate", 0.002),
                   ("lr_scaling", "sqrt")),
 }
+# What a run does (`--mode`): train and evaluate along the way (the
+# default), train only, evaluate the latest checkpoint once, or evaluate
+# every checkpoint as it appears (the side-car evaluator).
+MODES = ("train_and_eval", "train", "eval", "continuous_eval")
+# `dataset` when `--feature_spec` describes the data.
+FEATURE_SPEC_DATASET = "feature_spec"
+DEFAULT_DATASET = "fashion_mnist"
 # Evaluation metrics `--hptune_metric` can report to Vertex AI's
 # hyperparameter tuning: the run's `eval_history` keys, prefixed `eval_`
 # (eval_auc only for binary tasks such as --dataset=movielens).
@@ -162,9 +169,12 @@ class TrainConfig:
       message names the flag, the value and how to fix it.
   """
   # Model and data. None: the data set's recommendation, else the default
-  # (see UNSET_DEFAULTS and DATASET_RECOMMENDED_FLAGS).
+  # (see UNSET_DEFAULTS and DATASET_RECOMMENDED_FLAGS). A model or data set
+  # is a registered name or an import path `package.module:function`
+  # (tfdist.registry). None for the data set: fashion_mnist, or
+  # FEATURE_SPEC_DATASET with a feature_spec.
   model: Optional[str] = None
-  dataset: str = "fashion_mnist"
+  dataset: Optional[str] = None
   data_dir: str = ""
   raw_data_dir: str = ""
   train_files: str = ""
@@ -262,11 +272,12 @@ class TrainConfig:
   # Built-in models' batch normalization: statistics over the global batch
   # (synchronized across replicas) or per replica. None: synchronized under
   # synchronous strategies with more than one replica (see
-  # models.resolve_sync_batch_norm).
+  # tfdist.models.resolve_sync_batch_norm).
   sync_batch_norm: Optional[bool] = None
   # --- Memory levers and reproducibility (issue 14) ---
-  # Built-in models recompute block activations in the backward pass
-  # (--activation_recomputation, alias --gradient_checkpointing).
+  # The model's blocks recompute their activations in the backward pass
+  # (--activation_recomputation, alias --gradient_checkpointing): built-in
+  # cnn and resnet, and builders taking `activation_recomputation`.
   activation_recomputation: bool = False
   # Op determinism and a deterministic input order (needs --seed).
   deterministic: bool = False
@@ -274,6 +285,22 @@ class TrainConfig:
   # epoch where it stopped (each worker recomputes its position from the
   # step; tfdist.input_pipeline). False: a resume starts its epoch over.
   checkpoint_input_position: bool = True
+  # --- Your model, your data (issue 11) ---
+  # A JSON feature spec describing --train_files/--eval_files records
+  # (tfdist.feature_spec); the data set is then FEATURE_SPEC_DATASET.
+  feature_spec: str = ""
+  # Modules imported before --model/--dataset are looked up (their
+  # @tfdist.register_model / register_dataset calls run).
+  import_modules: Tuple[str, ...] = ()
+  # Weights loaded into the model before training starts (not when
+  # resuming): a checkpoint (file prefix or folder) or a Keras
+  # `.weights.h5` file.
+  init_checkpoint: str = ""
+  # One of MODES.
+  mode: str = "train_and_eval"
+  # glibc malloc settings that stop TensorFlow's per-step page-fault churn
+  # (tfdist/allocator.py); False leaves malloc as it is.
+  tune_allocator: bool = True
 
   def __post_init__(self):
     set_ = lambda name, value: object.__setattr__(self, name, value)
@@ -286,6 +313,11 @@ class TrainConfig:
              "tpu" else default)
         defaulted.append(name)
     set_("defaulted", tuple(sorted(defaulted)))
+    set_("import_modules", _split_list(self.import_modules))
+    dataset_unset = self.dataset is None
+    if dataset_unset:
+      set_("dataset", FEATURE_SPEC_DATASET if self.feature_spec else
+           DEFAULT_DATASET)
     # Fields the caller left unset: the data set's recommendation, else the
     # default. Flags and fields the caller set always win.
     recommended = dict(DATASET_RECOMMENDED_FLAGS.get(self.dataset, ()))
@@ -298,6 +330,8 @@ class TrainConfig:
         if value is not None or name in recommended:
           unset.append(name)
         set_(name, value)
+    if dataset_unset:
+      unset.append("dataset")
     set_("unset_fields", tuple(sorted(unset)))
     set_("dtype", normalize_dtype(self.dtype))
     set_("loss_scale", parse_loss_scale(self.loss_scale))
@@ -444,6 +478,29 @@ class TrainConfig:
     need(self.tpu_init_timeout > 0,
          f"--tpu_init_timeout={self.tpu_init_timeout} must be > 0 seconds.")
     check_tpu_precision(self.distribution_strategy, self.dtype)
+    # --- Your model, your data (issue 11) ---
+    need(self.mode in MODES,
+         f"--mode={self.mode!r} is unknown. Use one of: {', '.join(MODES)}.")
+    need(bool(self.model), "--model must name a model: a registered name "
+         "(e.g. cnn) or an import path package.module:build_fn.")
+    need(bool(self.dataset), "--dataset must name a data set: a registered "
+         "name (e.g. fashion_mnist) or an import path "
+         "package.module:dataset_fn.")
+    if self.feature_spec:
+      need(self.dataset == FEATURE_SPEC_DATASET,
+           f"--feature_spec={self.feature_spec} and --dataset={self.dataset}"
+           " both say where the data comes from: pass only one.")
+      need(bool(self.train_files) or self.mode == "eval",
+           f"--feature_spec={self.feature_spec} describes your TFRecords: "
+           "give them as --train_files (and --eval_files).")
+      need(bool(self.eval_files) or self.mode == "train",
+           f"--feature_spec={self.feature_spec} describes your TFRecords: "
+           "give the evaluation files as --eval_files (or train only: "
+           "--mode=train).")
+    else:
+      need(self.dataset != FEATURE_SPEC_DATASET,
+           f"--dataset={FEATURE_SPEC_DATASET} needs --feature_spec=FILE.json"
+           " (the features of your TFRecords).")
     need(not (self.distribution_strategy == "parameter_server" and
               self.dtype == "fp16"),
          "--dtype=fp16 is not supported with --distribution_strategy="
@@ -476,6 +533,8 @@ class TrainConfig:
     need(self.max_consecutive_skipped_steps >= 0,
          "--max_consecutive_skipped_steps="
          f"{self.max_consecutive_skipped_steps} must be >= 0 (0: no limit).")
+    need(isinstance(self.tune_allocator, bool),
+         f"--tune_allocator={self.tune_allocator!r} must be true or false.")
     if self.loss_scale is not None and self.dtype not in ("fp16", "auto"):
       raise ConfigError(
           f"--loss_scale={self.loss_scale} only applies to --dtype=fp16 "

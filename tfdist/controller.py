@@ -31,7 +31,8 @@ evaluation loss stops the run as diverged.
 
 `Controller.evaluate_continuously` is the one side-car evaluator: it
 evaluates every checkpoint once, in step order (evaluator tasks of every
-strategy, `tfdist.train --mode=continuous_eval`).
+strategy, `tfdist.train --mode=continuous_eval`; `--mode=eval` evaluates
+the latest checkpoint once).
 """
 
 import dataclasses
@@ -83,8 +84,8 @@ class ControllerResult:
 
   Attributes:
     step: the last step trained (== `total_steps` unless stopped early).
-    final_eval: the last evaluation's result (`loss`, `accuracy`,
-      `num_examples`, `auc` for binary tasks, `step`), or None without an
+    final_eval: the last evaluation's result (`loss`, each metric, e.g.
+      `accuracy` and `auc`, `num_examples`, `step`), or None without an
       evaluation.
     stopped_early: a callback set `model.stop_training`.
     restored_from: the checkpoint training resumed from, or None.
@@ -134,7 +135,7 @@ class Controller:
     step_counter: the global step variable (read after restoring).
     run_log: the `tfdist.run_log.RunLog`.
     evaluate: a function returning one evaluation of the current weights
-      (`{"loss", "accuracy", "num_examples"[, "auc"]}`), or None.
+      (`{"loss", <metric>: value, ..., "num_examples"}`), or None.
     model: the Keras model (callbacks read it; `stop_training`).
     learning_rate: returns the current learning rate (float).
     loss_scale: returns the current loss scale, or None without one.
@@ -285,14 +286,13 @@ class Controller:
         raise self.preemption.preempted(step=step, checkpoint=path)
       stop_requested = float(sums.get("stop_training", 0)) > 0
       if epoch_end or step == opts.total_steps:
-        logs = run_log_lib.metrics_from_sums(epoch_sums, epoch_steps)
+        logs = self.run_log.summarize(epoch_sums, epoch_steps)
         if ((epoch + 1) % opts.epochs_between_evals == 0 or
             step == opts.total_steps):
           last_eval = self.evaluate(step)
           if last_eval:
-            logs.update({f"val_{k}": last_eval[k]
-                         for k in ("loss", "accuracy", "auc")
-                         if k in last_eval})
+            logs.update({f"val_{k}": v for k, v in
+                         run_log_lib.metric_values(last_eval).items()})
         self.callbacks.on_epoch_end(epoch, logs)
         epoch_open = False
         epoch += 1
@@ -364,18 +364,18 @@ class Controller:
     while True:
       state = tf.train.get_checkpoint_state(checkpoint_dir)
       paths = list(state.all_model_checkpoint_paths) if state else []
-      for path in sorted(seen_paths - set(paths), key=_checkpoint_step):
-        if _checkpoint_step(path) not in done:
+      for path in sorted(seen_paths - set(paths), key=checkpoint_step):
+        if checkpoint_step(path) not in done:
           logging.warning(
               "Evaluator: checkpoint %s was rotated away (--max_checkpoints)"
               " before it could be evaluated; step %d has no evaluation.",
-              path, _checkpoint_step(path))
-          done.add(_checkpoint_step(path))
+              path, checkpoint_step(path))
+          done.add(checkpoint_step(path))
       seen_paths.update(paths)
-      todo = sorted((p for p in paths if _checkpoint_step(p) not in done),
-                    key=_checkpoint_step)
+      todo = sorted((p for p in paths if checkpoint_step(p) not in done),
+                    key=checkpoint_step)
       for path in todo:
-        step = _checkpoint_step(path)
+        step = checkpoint_step(path)
         try:
           restore(path)
         except (tf.errors.NotFoundError, tf.errors.DataLossError) as e:
@@ -387,9 +387,7 @@ class Controller:
           continue
         result = self.evaluate(step)
         result.update(checkpoint=path)
-        with tf.io.gfile.GFile(results_path, "a") as f:
-          f.write(json.dumps(training_checks.json_safe(result),
-                             allow_nan=False) + "\n")
+        append_eval_result(results_dir, result)
         self.run_log.flush()
         results.append(result)
         done.add(step)
@@ -399,7 +397,7 @@ class Controller:
       if finished() and not todo:
         state = tf.train.get_checkpoint_state(checkpoint_dir)
         latest = state.model_checkpoint_path if state else None
-        if latest is None or _checkpoint_step(latest) in done:
+        if latest is None or checkpoint_step(latest) in done:
           break
         continue
       if idle_timeout is not None and time.time() - last_new > idle_timeout:
@@ -410,8 +408,20 @@ class Controller:
     return results
 
 
-def _checkpoint_step(path: str) -> int:
+def checkpoint_step(path: str) -> int:
+  """The step a checkpoint path is numbered with (`.../ckpt-N`), or -1."""
   try:
     return int(path.rsplit("-", 1)[1])
   except (IndexError, ValueError):
     return -1
+
+
+def append_eval_result(results_dir: str, result: dict) -> str:
+  """Appends one evaluation as a JSON line to
+  `results_dir/eval_results.jsonl` (NaN as null); returns the path."""
+  tf.io.gfile.makedirs(results_dir)
+  path = os.path.join(results_dir, EVAL_RESULTS_FILE)
+  with tf.io.gfile.GFile(path, "a") as f:
+    f.write(json.dumps(training_checks.json_safe(result),
+                       allow_nan=False) + "\n")
+  return path

@@ -1,14 +1,17 @@
-"""Data sets tfdist knows by name (`--dataset`).
+"""tfdist's built-in data sets, registered by name (`--dataset`).
 
-The registry maps each name to its `DatasetSpec` (`tfdist.dataset_spec`);
-each data set's conversion and parser live in a module of its own
+Importing this module registers each built-in `DatasetSpec`
+(`tfdist.dataset_spec`) with `tfdist.registry.register_dataset`; each data
+set's conversion and parser live in a module of its own
 (`tfdist.fashion_mnist`, `tfdist.movielens`), which depends only on
-`tfdist.dataset_spec`. The Fashion-MNIST helpers are re-exported here under
-their old names.
+`tfdist.dataset_spec`. Your own data sets register the same way, or are
+named by import path (`--dataset=package.module:dataset_fn`). The
+Fashion-MNIST helpers are re-exported here under their old names.
 """
 
 from tfdist import fashion_mnist
 from tfdist import movielens
+from tfdist import registry
 from tfdist.config import ConfigError  # pylint: disable=unused-import
 from tfdist.dataset_spec import DataNotFoundError  # pylint: disable=unused-import
 from tfdist.dataset_spec import DatasetSpec
@@ -19,16 +22,14 @@ from tfdist.fashion_mnist import parse_image_example  # pylint: disable=unused-i
 from tfdist.fashion_mnist import read_idx  # pylint: disable=unused-import
 from tfdist.fashion_mnist import write_image_shards  # pylint: disable=unused-import
 
-_REGISTRY = {spec.name: spec for spec in (fashion_mnist.SPEC, movielens.SPEC)}
+for _spec in (fashion_mnist.SPEC, movielens.SPEC):
+  registry.register_dataset(_spec)
 
 
 def get_dataset_spec(name: str) -> DatasetSpec:
-  """Returns the `DatasetSpec` registered as `name`.
+  """Returns the `DatasetSpec` registered as `name` (or an import path's).
 
   Raises:
-    ConfigError: unknown name (the message lists the known ones).
+    ConfigError: unknown name (the message lists the registered ones).
   """
-  if name not in _REGISTRY:
-    raise ConfigError(f"--dataset={name!r} is unknown. Known: "
-                      f"{', '.join(sorted(_REGISTRY))}.")
-  return _REGISTRY[name]
+  return registry.get_dataset(name)

@@ -3,6 +3,9 @@
 Short wiring of one-job modules, in the order data flows:
 
     config + environment (tfdist.environment)
+      -> task: model builder, data set, loss, metrics (tfdist.task; the
+         registries and import paths of tfdist.registry, or tfdist.fit's
+         objects)
       -> cluster (tfdist.cluster)            -> role: train, serve, evaluate
       -> decision: strategy and dtype (tfdist.auto_select, the one place
          that decides `auto`)
@@ -18,6 +21,9 @@ Every strategy goes through the same steps; parameter-server training
 differs only in its step runner and input (one copy per worker), and in the
 roles its cluster has (`worker` and `ps` tasks serve, the `evaluator`
 evaluates checkpoints as they appear, as it does for every strategy).
+`--mode=continuous_eval` makes any process that evaluator, `--mode=eval`
+evaluates the latest checkpoint once, `--mode=train` trains without
+evaluating.
 """
 
 import atexit
@@ -32,11 +38,12 @@ from absl import logging
 import keras
 import tensorflow as tf
 
+from tfdist import allocator
 from tfdist import assembly
 from tfdist import auto_select
 from tfdist import checkpointing
 from tfdist import cluster as cluster_lib
-from tfdist import datasets
+from tfdist import controller as controller_lib
 from tfdist import devices
 from tfdist import environment as environment_lib
 from tfdist import export
@@ -51,10 +58,12 @@ from tfdist import run_log as run_log_lib
 from tfdist import run_plan as run_plan_lib
 from tfdist import step_runner
 from tfdist import strategy as strategy_lib
+from tfdist import task as task_lib
 from tfdist import tpu as tpu_lib
 from tfdist import versions
 from tfdist import worker_exit
 from tfdist.checkpointing import CheckpointKeeper
+from tfdist.config import ConfigError
 from tfdist.config import TrainConfig
 from tfdist.controller import Controller, ControllerOptions
 
@@ -72,7 +81,8 @@ def _worker_scratch_dir(cluster: cluster_lib.ClusterInfo) -> str:
 
 
 def prepare_run(config: TrainConfig, *,
-                environment: Optional[environment_lib.RunEnvironment] = None):
+                environment: Optional[environment_lib.RunEnvironment] = None,
+                dataset=None):
   """The decisions every role makes first: environment, cluster, `auto`.
 
   Nothing expensive runs here (no model, no data); the TPU is probed only
@@ -81,6 +91,8 @@ def prepare_run(config: TrainConfig, *,
   Args:
     config: the caller's `TrainConfig`.
     environment: the environment to use (None: read `os.environ` now).
+    dataset: the run's `DatasetSpec`, if known (a dataset function reads
+      no files, so the TPU `gs://` rule has nothing to check).
 
   Returns:
     `(config, cluster, decision, environment_applied)`: the config with the
@@ -112,16 +124,16 @@ def prepare_run(config: TrainConfig, *,
   config = auto_select.apply_decision(config, decision)
   if decision.strategy == "tpu":
     tpu_lib.validate_tpu_config(
-        config, data_patterns=run_plan_lib.data_patterns(config))
+        config, data_patterns=run_plan_lib.data_patterns(config, dataset))
   logging.info("%s", decision.describe())
   return config, cluster, decision, applied
 
 
 def run_experiment(config: TrainConfig, *,
                    callbacks: Sequence[keras.callbacks.Callback] = (),
-                   environment: Optional[environment_lib.RunEnvironment] = None
-                   ) -> dict:
-  """Runs this process's part of the training job `config` describes.
+                   environment: Optional[environment_lib.RunEnvironment] = None,
+                   task: Optional[task_lib.Task] = None) -> dict:
+  """Runs this process's part of the job `config` describes.
 
   Works from any thread: off the main thread, signal-based preemption is
   off (the host framework owns signals; see `tfdist.preemption`).
@@ -132,15 +144,20 @@ def run_experiment(config: TrainConfig, *,
       training process at the same points.
     environment: the process environment (`tfdist.environment`); None reads
       `os.environ` once, here.
+    task: what to train (`tfdist.task.Task`: model builder, data set, loss,
+      metrics); None: what `config.model`, `config.dataset`,
+      `config.feature_spec` and `config.import_modules` name.
 
   Returns:
     The run manifest (the chief also writes it to
     `model_dir/run_manifest.json`); for a parameter-server `worker` or `ps`
-    task, `{"role": ..., "index": ...}`; for an `evaluator` task,
-    `{"role": "evaluator", "results": [...]}`.
+    task, `{"role": ..., "index": ...}`; for an `evaluator` task and the
+    `eval` and `continuous_eval` modes, `{"role": "evaluator", "results":
+    [...]}`.
 
   Raises:
-    ConfigError: invalid or inconsistent configuration (before training),
+    ConfigError: invalid or inconsistent configuration, an unknown model or
+      data set, a model or data the other does not fit (before training),
       an unsupported TensorFlow or Keras (`versions.UnsupportedVersionError`)
       or a path whose file system is missing
       (`filesystems.FileSystemUnavailableError`).
@@ -152,22 +169,37 @@ def run_experiment(config: TrainConfig, *,
   """
   started = time.time()
   versions.check_installed_versions()
-  config, cluster, decision, applied = prepare_run(
-      config, environment=environment)
-  # Every task opens files itself (ps workers read the input shards), so
-  # every task imports tensorflow-io when a path needs it.
+  # Every role (chief, worker, ps, evaluator) trains or serves in this
+  # process: the malloc settings apply to all (tfdist.allocator).
+  allocator.configure_allocator(config.tune_allocator)
+  # Every task opens files itself (ps workers read the input shards, every
+  # process reads a --feature_spec), so every task imports tensorflow-io
+  # when a path needs it; again once the environment filled the folders.
   filesystems.require_file_systems(filesystems.config_paths(config))
-  spec = datasets.get_dataset_spec(config.dataset)
-  assembly.check_model_name(config.model)
-  assembly.check_model_options(config)
+  if task is None:
+    task = task_lib.from_config(config)
+  config, cluster, decision, applied = prepare_run(
+      config, environment=environment, dataset=task.dataset)
+  filesystems.require_file_systems(filesystems.config_paths(config))
+  assembly.check_model_options(config, task=task)
   hypertune_reporter = None
   if config.hptune_metric:
     # Vertex AI hyperparameter tuning: checked before any training.
-    hptune.check_metric(config.hptune_metric, task=spec.task)
+    if task.dataset.task and task.loss is None:
+      hptune.check_metric(config.hptune_metric, task=task.dataset.task)
     hypertune_reporter = hptune.make_hypertune()
-  if cluster.task_type == cluster_lib.EVALUATOR:
-    return run_evaluator(config, spec=spec, cluster=cluster,
-                         decision=decision)
+  evaluating = config.mode in ("eval", "continuous_eval")
+  if evaluating and cluster.task_type not in (
+      cluster_lib.EVALUATOR, cluster_lib.CHIEF) and (
+          cluster.num_workers > 1 or cluster.num_ps):
+    raise ConfigError(
+        f"--mode={config.mode} evaluates in one process; this one is "
+        f"{cluster.task_type} {cluster.task_index} of a training cluster. "
+        "Run it without TF_CONFIG/--worker_hosts, or as the cluster's "
+        "evaluator task.")
+  if cluster.task_type == cluster_lib.EVALUATOR or evaluating:
+    return run_evaluator(config, task=task, cluster=cluster,
+                         decision=decision, once=config.mode == "eval")
   if decision.strategy == "parameter_server":
     ps_lib.set_grpc_fail_fast()
     if cluster.task_type in (cluster_lib.WORKER, cluster_lib.PS):
@@ -175,12 +207,12 @@ def run_experiment(config: TrainConfig, *,
                             grace_seconds=config.preemption_grace_seconds)
       return {"role": cluster.task_type, "index": cluster.task_index,
               "exit_status": status}
-  return _train(config, spec=spec, cluster=cluster, decision=decision,
+  return _train(config, task=task, cluster=cluster, decision=decision,
                 applied=applied, callbacks=callbacks, started=started,
                 hypertune_reporter=hypertune_reporter)
 
 
-def _train(config, *, spec, cluster, decision, applied, callbacks, started,
+def _train(config, *, task, cluster, decision, applied, callbacks, started,
            hypertune_reporter=None):
   """The training process: the only one, the chief, a worker, or the
   parameter-server coordinator."""
@@ -211,13 +243,14 @@ def _train(config, *, spec, cluster, decision, applied, callbacks, started,
     # Reproducible runs (--deterministic): the same seed, data and cluster
     # give the same weights.
     tf.config.experimental.enable_op_determinism()
+  spec = task.dataset
   plan = run_plan_lib.make_run_plan(
       config, spec, num_replicas_in_sync=strategy.num_replicas_in_sync,
       num_workers=num_workers, asynchronous=asynchronous, decision=decision)
   logging.info("%s", plan.describe(config))
   on_tpu = decision.strategy == "tpu"
   policy = precision.configure_precision(config.dtype)
-  parts = assembly.build(config, spec=spec, strategy=strategy, plan=plan,
+  parts = assembly.build(config, task=task, strategy=strategy, plan=plan,
                          on_tpu=on_tpu)
   model, optimizer, trainer = parts.model, parts.optimizer, parts.trainer
 
@@ -226,10 +259,12 @@ def _train(config, *, spec, cluster, decision, applied, callbacks, started,
 
   checkpoint_dir = out_dir(config.resolved_checkpoint_dir, "checkpoints")
   tensorboard_dir = out_dir(config.resolved_tensorboard_dir, "tensorboard")
-  # The input position (issue 14): synchronous strategies only (parameter-
-  # server workers read unseeded copies of every file).
+  # The input position (issue 14): synchronous strategies reading TFRecord
+  # files only (parameter-server workers read unseeded copies of every file;
+  # a dataset function's epochs are not aligned to steps).
   input_position = None
-  if config.checkpoint_input_position and not asynchronous:
+  if (config.checkpoint_input_position and not asynchronous and
+      spec.reads_files):
     input_position = checkpointing.InputPosition(
         input_pipeline.input_layout(
             files=plan.train_files, file_record_counts=plan.train_file_counts,
@@ -243,6 +278,13 @@ def _train(config, *, spec, cluster, decision, applied, callbacks, started,
       step_counter=trainer.global_step, max_to_keep=config.max_checkpoints,
       restore_dir=config.resolved_checkpoint_dir,
       input_position=input_position)
+  warm_started = None
+  if config.init_checkpoint and not tf.train.latest_checkpoint(
+      config.resolved_checkpoint_dir):
+    # A fresh run starts from these weights; a resumed one from its own
+    # checkpoint (which the controller restores).
+    warm_started = assembly.load_init_checkpoint(model,
+                                                 config.init_checkpoint)
 
   if is_chief:
     ps_lib.clear_done(config.model_dir)
@@ -266,8 +308,8 @@ def _train(config, *, spec, cluster, decision, applied, callbacks, started,
         config, spec=spec, plan=plan, strategy=strategy, parts=parts,
         keeper=keeper)
   else:
-    train_options = input_pipeline.PipelineOptions(
-        files=plan.train_files, parse_fn=spec.parse_fn,
+    train_options = input_pipeline.options_for(
+        spec, files=plan.train_files,
         global_batch_size=plan.global_batch_size, is_training=True,
         shuffle_buffer_size=config.shuffle_buffer_size,
         cache=config.cache_dataset, seed=config.seed,
@@ -286,25 +328,28 @@ def _train(config, *, spec, cluster, decision, applied, callbacks, started,
       return iter(input_pipeline.distribute(
           strategy, dataclasses.replace(train_options, start_step=start)))
 
-    eval_data = input_pipeline.distribute(
-        strategy, input_pipeline.PipelineOptions(
-            files=plan.eval_files, parse_fn=spec.parse_fn,
-            # Micro-batches: what a step's memory was sized for.
-            global_batch_size=(plan.global_batch_size //
-                               plan.batch.gradient_accumulation_steps),
-            is_training=False,
-            cache=config.cache_dataset,
-            # TPUs need static shapes: pad the last batches, masked in the
-            # metrics.
-            pad_to_static_batches=on_tpu))
     runner = step_runner.LocalStepRunner(
         trainer=trainer, iterator_fn=train_iterator, num_workers=num_workers)
-    evaluate = lambda: trainer.evaluate(eval_data)
+    evaluate = None
+    if config.mode != "train":
+      eval_data = input_pipeline.distribute(
+          strategy, input_pipeline.options_for(
+              spec, files=plan.eval_files,
+              # Micro-batches: what a step's memory was sized for.
+              global_batch_size=(plan.global_batch_size //
+                                 plan.batch.gradient_accumulation_steps),
+              is_training=False,
+              cache=config.cache_dataset,
+              # TPUs need static shapes: pad the last batches, masked in the
+              # metrics.
+              pad_to_static_batches=on_tpu))
+      evaluate = lambda: trainer.evaluate(eval_data)
 
   run_log = run_log_lib.RunLog(
       tensorboard_dir=tensorboard_dir,
       metrics_dir=config.model_dir if is_chief else None,
-      global_batch_size=plan.global_batch_size, total_steps=plan.total_steps)
+      global_batch_size=plan.global_batch_size, total_steps=plan.total_steps,
+      summarize=trainer.summarize)
   all_callbacks = [keras.callbacks.TensorBoard(log_dir=tensorboard_dir,
                                                write_graph=False)]
   all_callbacks += list(callbacks)
@@ -346,7 +391,8 @@ def _train(config, *, spec, cluster, decision, applied, callbacks, started,
     # The tables are ShardedVariables on the ps tasks, which a SavedModel
     # cannot capture: export a local copy restored from the final
     # checkpoint (each table one variable again).
-    export_model = assembly.build_model(config, spec=spec)
+    export_model = assembly.build_model(
+        config, task=task, sync_batch_norm=plan.sync_batch_norm)
     tf.train.Checkpoint(model=export_model).restore(
         keeper.latest).expect_partial()
   export_dir = export.export_saved_model(
@@ -363,11 +409,13 @@ def _train(config, *, spec, cluster, decision, applied, callbacks, started,
                  "saved_model": config.resolved_export_dir,
                  "tensorboard": config.resolved_tensorboard_dir,
                  "metrics": os.path.join(config.model_dir,
-                                         run_log_lib.METRICS_FILE)},
+                                         run_log_lib.METRICS_FILE),
+                 "init_checkpoint": warm_started},
       seconds={"total": time.time() - started,
                "training": result.train_seconds,
                "training_all_processes": run_log.training_seconds()},
-      environment_applied=applied, strategy_details=strategy_details)
+      environment_applied=applied, strategy_details=strategy_details,
+      objectives=parts.objectives, model_name=task.model_name)
   if not is_chief:
     shutil.rmtree(scratch_dir, ignore_errors=True)
     logging.info("%s %d done; the chief writes the artifacts.",
@@ -377,11 +425,12 @@ def _train(config, *, spec, cluster, decision, applied, callbacks, started,
     logging.info("Run manifest: %s; SavedModel: %s", path, export_dir)
     # Tells parameter-server tasks and side-car evaluators the run is over.
     ps_lib.mark_done(config.model_dir)
-    final = record["final_metrics"]
-    if final["eval_loss"] is not None:
-      print(f"Final eval: loss {final['eval_loss']:.4f}, accuracy "
-            f"{final['eval_accuracy']:.4f} ({final['eval_examples']} "
-            f"examples). Artifacts in {config.model_dir}", flush=True)
+    final_eval = result.final_eval
+    if final_eval:
+      print("Final eval: " + run_log_lib.format_metrics(
+          run_log_lib.metric_values(final_eval)) +
+            f" ({final_eval['num_examples']} examples). Artifacts in "
+            f"{config.model_dir}", flush=True)
   if multi_worker:
     # No worker leaves while another still needs it (the chief hosts the
     # coordination service).
@@ -392,8 +441,8 @@ def _train(config, *, spec, cluster, decision, applied, callbacks, started,
 def _parameter_server_runner(config, *, spec, plan, strategy, parts, keeper):
   """The coordinator's step runner and in-process evaluation."""
   coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
-  train_options = input_pipeline.PipelineOptions(
-      files=plan.train_files, parse_fn=spec.parse_fn,
+  train_options = input_pipeline.options_for(
+      spec, files=plan.train_files,
       global_batch_size=plan.global_batch_size, is_training=True,
       shuffle_buffer_size=config.shuffle_buffer_size,
       cache=config.cache_dataset,
@@ -415,72 +464,98 @@ def _parameter_server_runner(config, *, spec, plan, strategy, parts, keeper):
   runner = step_runner.CoordinatorStepRunner(
       trainer=parts.trainer, coordinator=coordinator, iterator=iterator,
       last_checkpoint=lambda: keeper.latest)
+  if config.mode == "train":
+    return runner, None
   # Held-out evaluation on the coordinator (it reads the ps tasks'
   # variables), with the default strategy.
   eval_batch = max(plan.global_batch_size, MIN_EVAL_BATCH_SIZE)
-  evaluator = assembly.evaluation_trainer(parts, spec=spec,
+  evaluator = assembly.evaluation_trainer(parts,
                                           global_batch_size=eval_batch)
-  eval_data = input_pipeline.make_dataset(input_pipeline.PipelineOptions(
-      files=plan.eval_files, parse_fn=spec.parse_fn,
-      global_batch_size=eval_batch, is_training=False,
-      cache=config.cache_dataset))
+  eval_data = input_pipeline.make_dataset(input_pipeline.options_for(
+      spec, files=plan.eval_files, global_batch_size=eval_batch,
+      is_training=False, cache=config.cache_dataset))
   return runner, lambda: evaluator.evaluate(eval_data)
 
 
-def run_evaluator(config: TrainConfig, *, spec, cluster, decision,
+def run_evaluator(config: TrainConfig, *, task, cluster, decision,
                   poll_seconds: float = 2.0,
-                  idle_timeout: Optional[float] = None) -> dict:
+                  idle_timeout: Optional[float] = None,
+                  once: bool = False) -> dict:
   """The side-car evaluator: evaluates each checkpoint once, in step order.
 
   For an `evaluator` task of any strategy (it is never a cluster member: it
-  joins no collective and writes no checkpoint, SavedModel or manifest).
-  It stops after the final step's checkpoint, once the chief marks the run
-  done, or after `idle_timeout` seconds without a new checkpoint. Results go
-  to `<model_dir>/eval/eval_results.jsonl` and TensorBoard scalars to
-  `<tensorboard_dir>/eval/`.
+  joins no collective and writes no checkpoint, SavedModel or manifest),
+  and for `--mode=continuous_eval`. It stops after the final step's
+  checkpoint, once the chief marks the run done, or after `idle_timeout`
+  seconds without a new checkpoint. With `once` (`--mode=eval`) it
+  evaluates the latest checkpoint and returns. Results go to
+  `<model_dir>/eval/eval_results.jsonl` and TensorBoard scalars to
+  `<tensorboard_dir>/eval/`. Checkpoints of every strategy load into the
+  one local model (parameter servers' sharded tables included).
 
   Returns:
     `{"role": "evaluator", "results": [...]}`.
+
+  Raises:
+    ConfigError: `once` and no checkpoint to evaluate.
   """
   started = time.time()
+  spec = task.dataset
   num_workers = max(cluster.num_workers, 1)
+  checkpoint_dir = config.resolved_checkpoint_dir
+  latest = tf.train.latest_checkpoint(checkpoint_dir) if once else None
+  if once and not latest:
+    raise ConfigError(
+        f"--mode=eval: no checkpoint in {checkpoint_dir} to evaluate. Train "
+        "first (same --model_dir), or point --checkpoint_dir at one.")
   plan = run_plan_lib.make_run_plan(
       config, spec, num_replicas_in_sync=1, num_workers=1,
-      asynchronous=True, decision=decision) if config.train_steps <= 0 \
-      else None
-  final_step = config.train_steps if config.train_steps > 0 else (
-      plan.total_steps)
+      asynchronous=True, decision=decision) if (
+          config.train_steps <= 0 and not once) else None
+  final_step = (controller_lib.checkpoint_step(latest) if once else
+                config.train_steps if config.train_steps > 0 else
+                plan.total_steps)
   eval_files = (plan.eval_files if plan else
                 run_plan_lib.resolve_data_files(config, spec)[1])
   precision.configure_precision(config.dtype)
-  model = assembly.build_model(config, spec=spec)
+  parts = assembly.evaluation_parts(config, task=task)
+  model = parts.model
   trainer = assembly.evaluation_trainer(
-      assembly.Parts(model=model, optimizer=None, trainer=None,
-                     checkpoint=None),
-      spec=spec, global_batch_size=MIN_EVAL_BATCH_SIZE)
-  dataset = input_pipeline.make_dataset(input_pipeline.PipelineOptions(
-      files=eval_files, parse_fn=spec.parse_fn,
-      global_batch_size=MIN_EVAL_BATCH_SIZE, is_training=False,
-      cache=config.cache_dataset))
+      parts, global_batch_size=MIN_EVAL_BATCH_SIZE)
+  dataset = input_pipeline.make_dataset(input_pipeline.options_for(
+      spec, files=eval_files, global_batch_size=MIN_EVAL_BATCH_SIZE,
+      is_training=False, cache=config.cache_dataset))
   run_log = run_log_lib.RunLog(
       tensorboard_dir=config.resolved_tensorboard_dir, metrics_dir=None,
       global_batch_size=MIN_EVAL_BATCH_SIZE, total_steps=final_step,
       eval_subdir="eval")
   controller = Controller(
-      options=ControllerOptions(total_steps=final_step, steps_per_epoch=1),
+      options=ControllerOptions(total_steps=max(final_step, 1),
+                                steps_per_epoch=1),
       run_log=run_log, evaluate=lambda: trainer.evaluate(dataset),
       model=model)
+
+  def restore(path):
+    tf.train.Checkpoint(model=model).restore(path).expect_partial()
+
+  results_dir = os.path.join(config.model_dir, "eval")
+  if once:
+    restore(latest)
+    result = controller.evaluate(final_step)
+    result.update(checkpoint=latest)
+    controller_lib.append_eval_result(results_dir, result)
+    run_log.flush()
+    print(f"Eval of {latest}: {run_log_lib.format_eval(result)}",
+          flush=True)
+    return {"role": "evaluator", "results": [result]}
   logging.info("Evaluator for %d training worker(s): final step %d%s",
                num_workers, final_step,
                "" if config.train_steps > 0 else
                " (from --train_epochs; the chief's done marker also ends "
                "the evaluation)")
   results = controller.evaluate_continuously(
-      checkpoint_dir=config.resolved_checkpoint_dir,
-      results_dir=os.path.join(config.model_dir, "eval"),
-      restore=lambda path: tf.train.Checkpoint(model=model).restore(
-          path).expect_partial(),
-      final_step=final_step,
+      checkpoint_dir=checkpoint_dir, results_dir=results_dir,
+      restore=restore, final_step=final_step,
       finished=lambda: ps_lib.marked_done_since(config.model_dir, started),
       poll_seconds=poll_seconds, idle_timeout=idle_timeout)
   return {"role": "evaluator", "results": results}

@@ -7,7 +7,8 @@ converts it once into sharded, GZIP-compressed TFRecord files of
 
     image: bytes, 784 raw uint8 pixels (28 x 28, row-major)
     label: int64 in [0, 10)
-    id:    int64, unique per example (train 0..59999, test 60000..69999)
+    id:    int64, unique per example (train 0..59999, test 60000..69999);
+           optional when reading: records without it parse too
 
 The conversion writes into a temporary folder and renames it into place, so
 a converted data set is either whole or absent.
@@ -34,11 +35,15 @@ FASHION_MNIST_FILES = {
 }
 
 
+# Records of this schema written elsewhere may lack the `id` (training
+# never reads it): it is parsed only when asked for, and -1 when absent.
 _FEATURES = {
     "image": tf.io.FixedLenFeature([], tf.string),
     "label": tf.io.FixedLenFeature([], tf.int64),
-    "id": tf.io.FixedLenFeature([], tf.int64),
 }
+_FEATURES_WITH_ID = {**_FEATURES,
+                     "id": tf.io.FixedLenFeature([], tf.int64,
+                                                 default_value=-1)}
 
 
 def parse_image_example(serialized, with_id: bool = False):
@@ -46,9 +51,11 @@ def parse_image_example(serialized, with_id: bool = False):
 
   Returns:
     `(image, label)`: image float32 [28, 28, 1] scaled to [0, 1], label int64
-    scalar; with `with_id`, `(image, label, id)`.
+    scalar; with `with_id`, `(image, label, id)` (id -1 when the record has
+    none).
   """
-  parsed = tf.io.parse_single_example(serialized, _FEATURES)
+  parsed = tf.io.parse_single_example(
+      serialized, _FEATURES_WITH_ID if with_id else _FEATURES)
   image = tf.io.decode_raw(parsed["image"], tf.uint8)
   image = tf.cast(tf.reshape(image, [28, 28, 1]), tf.float32) / 255.0
   if with_id:
@@ -181,4 +188,4 @@ def prepare(data_dir: str, raw_data_dir: str):
 
 SPEC = DatasetSpec(name="fashion_mnist", input_shape=(28, 28, 1),
                    num_classes=10, parse_fn=parse_image_example,
-                   prepare=prepare)
+                   prepare=prepare, task="multiclass")

@@ -71,7 +71,9 @@ def config_paths(config) -> List[Tuple[str, str]]:
                       ("--model_dir", config.model_dir),
                       ("--checkpoint_dir", config.checkpoint_dir),
                       ("--tensorboard_dir", config.tensorboard_dir),
-                      ("--export_dir", config.export_dir)):
+                      ("--export_dir", config.export_dir),
+                      ("--feature_spec", config.feature_spec),
+                      ("--init_checkpoint", config.init_checkpoint)):
     out += split_paths(flag, value)
   return out
 

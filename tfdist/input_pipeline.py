@@ -13,7 +13,11 @@ of `num_input_pipelines`). Each host reads a disjoint part of the data
     record;
 * evaluation: by file when there are at least as many files as hosts, else
   by data (every host reads every file and keeps records `i, i + n, ...`);
-  uneven shares are harmless there: every example is read exactly once.
+  uneven shares are harmless there: every example is read exactly once;
+* a dataset function that takes `input_context` shards its examples itself;
+  one that does not is sharded by example (host i keeps examples
+  `i, i + n, ...`). Its training epochs are not aligned to steps: each host
+  repeats its share.
 
 Training epochs. With N training records and global batch B, an epoch is
 `steps_per_epoch = N // B` steps. In each epoch every host reshuffles its
@@ -52,7 +56,10 @@ from typing import Callable, List, Optional, Sequence, Tuple
 from absl import logging
 import tensorflow as tf
 
-from tfdist.datasets import DataNotFoundError
+from tfdist import registry
+from tfdist.config import ConfigError
+from tfdist.dataset_spec import DataNotFoundError
+from tfdist.dataset_spec import DatasetSpec
 
 AUTOTUNE = tf.data.AUTOTUNE
 
@@ -126,8 +133,9 @@ class PipelineOptions:
   """How to read one split.
 
   Attributes:
-    files: TFRecord paths.
-    parse_fn: serialized example -> tuple of tensors.
+    files: TFRecord paths (empty with `input_fn`).
+    parse_fn: serialized example -> tuple of tensors (None with
+      `input_fn`).
     global_batch_size: examples per step over all replicas.
     is_training: shuffle, repeat forever and drop the last partial batch; when
       False read once in order and keep every example.
@@ -156,6 +164,9 @@ class PipelineOptions:
       follow as in an uninterrupted run when the order is reproducible:
       `seed` set and `deterministic` (or a run whose reading order does not
       vary).
+    input_fn: instead of files, a data set's dataset function
+      (`DatasetSpec.input_fn`), called by `call_input_fn`.
+    name: the data set's name, for messages.
   """
   files: Sequence[str]
   parse_fn: Callable
@@ -169,6 +180,8 @@ class PipelineOptions:
   file_record_counts: Optional[Sequence[int]] = None
   gradient_accumulation_steps: int = 1
   start_step: int = 0
+  input_fn: Optional[Callable] = None
+  name: str = ""
 
 
 def input_layout(*, files: Sequence[str], file_record_counts: Sequence[int],
@@ -233,6 +246,77 @@ def layout_change(saved: Optional[dict], current: dict) -> Optional[str]:
   return None
 
 
+def options_for(spec: DatasetSpec, *, files: Sequence[str] = (),
+                **kwargs) -> PipelineOptions:
+  """`PipelineOptions` reading the data set `spec`: its TFRecord `files`
+  through `parse_fn`, or its dataset function; `kwargs` are the other
+  `PipelineOptions` fields."""
+  if spec.reads_files:
+    return PipelineOptions(files=files, parse_fn=spec.parse_fn,
+                           name=spec.name, **kwargs)
+  return PipelineOptions(files=(), parse_fn=None, input_fn=spec.input_fn,
+                         name=spec.name, **kwargs)
+
+
+def takes_input_context(input_fn: Callable) -> bool:
+  """True when a dataset function names `input_context` (it then shards its
+  examples itself)."""
+  return registry.accepts(input_fn, "input_context")
+
+
+def call_input_fn(spec_or_fn, *, training: bool,
+                  input_context: Optional[tf.distribute.InputContext] = None,
+                  name: str = "") -> tf.data.Dataset:
+  """Calls a dataset function with the arguments it names.
+
+  Args:
+    spec_or_fn: a `DatasetSpec` with `input_fn`, or the function.
+    training: the training split (True) or the evaluation split.
+    input_context: this input pipeline's context (None: the only one).
+    name: the data set's name, for messages.
+
+  Raises:
+    ConfigError: it did not return a `tf.data.Dataset`.
+  """
+  fn = spec_or_fn
+  if isinstance(spec_or_fn, DatasetSpec):
+    fn, name = spec_or_fn.input_fn, spec_or_fn.name
+  if input_context is None:
+    input_context = tf.distribute.InputContext(
+        num_input_pipelines=1, input_pipeline_id=0, num_replicas_in_sync=1)
+  what = f"--dataset={name or getattr(fn, '__name__', fn)}"
+  ds = registry.call_with_accepted(
+      fn, {"input_context": input_context, "training": training}, what=what)
+  if not isinstance(ds, tf.data.Dataset):
+    raise ConfigError(f"{what} returned {type(ds).__name__}, not a "
+                      "tf.data.Dataset of (features, labels) examples.")
+  return ds
+
+
+def count_examples(spec: DatasetSpec) -> int:
+  """Examples in one epoch of a dataset function's training split.
+
+  Uses the dataset's cardinality when tf.data knows it, else reads it once.
+
+  Raises:
+    ConfigError: the dataset is infinite (the function must return one
+      epoch; tfdist repeats it), or empty.
+  """
+  ds = call_input_fn(spec, training=True)
+  cardinality = int(ds.cardinality())
+  if cardinality == int(tf.data.INFINITE_CARDINALITY):
+    raise ConfigError(
+        f"--dataset={spec.name} returns an infinite dataset: return one "
+        "epoch of examples (no .repeat()); tfdist repeats, shuffles and "
+        "batches it.")
+  if cardinality < 0:
+    cardinality = int(ds.reduce(tf.constant(0, tf.int64), lambda n, _: n + 1))
+  if cardinality == 0:
+    raise DataNotFoundError(f"--dataset={spec.name}: the training split has "
+                            "no examples.")
+  return cardinality
+
+
 def shard_mode(num_files: int, num_input_pipelines: int) -> str:
   """The evaluation rule: `'file'` if every host can get at least one whole
   file, else `'data'` (`'none'` for one host)."""
@@ -248,7 +332,9 @@ class ShardingPlan:
   Attributes:
     mode: `none` (one host reads everything), `file` (whole files,
       round-robin), `range` (balanced contiguous record ranges) or `data`
-      (every host reads everything and keeps every n-th record).
+      (every host reads everything and keeps every n-th record); for a
+      dataset function, `function` (it shards by its `input_context`) or
+      `example` (every n-th example).
     reason: one sentence for the printed plan.
     records_per_pipeline: records in each host's share (None if unknown).
     examples_per_epoch: training: records each host reads per epoch,
@@ -333,6 +419,21 @@ def plan_sharding(file_record_counts: Optional[Sequence[int]], *,
       f"each reads {epoch}", shares, per_epoch)
 
 
+def function_sharding(input_fn: Callable, *,
+                      num_input_pipelines: int) -> ShardingPlan:
+  """How the hosts split a dataset function's examples (module docstring):
+  the function itself when it takes `input_context`, else by example."""
+  n = max(1, int(num_input_pipelines))
+  if n == 1:
+    return ShardingPlan("none", "one worker reads every example of the "
+                        "dataset function")
+  if takes_input_context(input_fn):
+    return ShardingPlan("function", f"the dataset function shards its "
+                        f"examples over {n} workers (it takes input_context)")
+  return ShardingPlan("example", f"every one of {n} workers keeps every "
+                      f"{n}-th example of the dataset function")
+
+
 def _segments(plan: ShardingPlan, files: Sequence[str],
               counts: Optional[Sequence[int]], pipeline_id: int,
               num_pipelines: int) -> List[Tuple[str, int, int]]:
@@ -364,9 +465,10 @@ def make_dataset(options: PipelineOptions,
       None means one pipeline and one replica.
 
   Returns:
-    A `tf.data.Dataset` of batches of `parse_fn`'s outputs, each of
-    `global_batch_size / (num_replicas_in_sync x gradient_accumulation_steps)`
-    examples (the last evaluation batch may be smaller).
+    A `tf.data.Dataset` of batches of examples (`parse_fn`'s or the dataset
+    function's), each of `global_batch_size / (num_replicas_in_sync x
+    gradient_accumulation_steps)` examples (the last evaluation batch may
+    be smaller).
   """
   num_pipelines = input_context.num_input_pipelines if input_context else 1
   pipeline_id = input_context.input_pipeline_id if input_context else 0
@@ -374,6 +476,51 @@ def make_dataset(options: PipelineOptions,
                         max(1, options.gradient_accumulation_steps))
   batch = (input_context.get_per_replica_batch_size(micro_global_batch)
            if input_context else micro_global_batch)
+  if options.input_fn is not None:
+    ds = _examples_from_function(options, input_context, num_pipelines,
+                                 pipeline_id, batch)
+  else:
+    ds = _examples_from_files(options, num_pipelines, pipeline_id, batch)
+  return _batch(ds, options, input_context, num_pipelines, batch)
+
+
+def _examples_from_function(options: PipelineOptions, input_context,
+                            num_pipelines: int, pipeline_id: int,
+                            batch: int) -> tf.data.Dataset:
+  """One host's examples from a dataset function (sharded by example
+  unless the function takes `input_context`); training: cached, shuffled
+  and repeated (epochs not aligned to steps, no resumable position)."""
+  shards_itself = takes_input_context(options.input_fn)
+  plan = function_sharding(options.input_fn,
+                           num_input_pipelines=num_pipelines)
+  logging.info("Input pipeline %d/%d: dataset function %s, sharded %s; "
+               "per-replica batch %d", pipeline_id, num_pipelines,
+               options.name or getattr(options.input_fn, "__name__", "?"),
+               plan.describe(), batch)
+  ds = call_input_fn(options.input_fn, training=options.is_training,
+                     input_context=input_context, name=options.name)
+  if num_pipelines > 1 and not shards_itself:
+    ds = ds.shard(num_pipelines, pipeline_id)
+  if options.cache:
+    ds = ds.cache()
+  if options.is_training:
+    if options.start_step:
+      logging.info(
+          "Input pipeline %d/%d: a dataset function's epochs are not aligned "
+          "to steps, so the position of step %d is unknown; reading its "
+          "examples from the start.", pipeline_id, num_pipelines,
+          options.start_step)
+    if options.shuffle_buffer_size:
+      ds = ds.shuffle(options.shuffle_buffer_size, seed=options.seed,
+                      reshuffle_each_iteration=True)
+    ds = ds.repeat()
+  return ds
+
+
+def _examples_from_files(options: PipelineOptions, num_pipelines: int,
+                         pipeline_id: int, batch: int) -> tf.data.Dataset:
+  """One host's share of the files, parsed; training: numbered epochs from
+  `options.start_step` on (`_training_epochs`)."""
   files = list(options.files)
   counts = options.file_record_counts
   if (counts is None and options.is_training and num_pipelines > 1 and
@@ -419,11 +566,15 @@ def make_dataset(options: PipelineOptions,
 
   if not options.is_training:
     ds = read_share(None)
-    if options.cache:
-      ds = ds.cache()
-  else:
-    ds = _training_epochs(options, plan, read_share, pipeline_id=pipeline_id,
+    return ds.cache() if options.cache else ds
+  return _training_epochs(options, plan, read_share, pipeline_id=pipeline_id,
                           num_pipelines=num_pipelines)
+
+
+def _batch(ds: tf.data.Dataset, options: PipelineOptions, input_context,
+           num_pipelines: int, batch: int) -> tf.data.Dataset:
+  """Batches (or pads to static batches) and prefetches one host's
+  examples."""
   if options.pad_to_static_batches and not options.is_training:
     local_replicas = 1
     if input_context:
@@ -460,8 +611,8 @@ def pad_to_static_batches(ds: tf.data.Dataset, batch_size: int,
   a batch in each round). Padding examples are zeros with weight 0.
 
   Args:
-    ds: a finite dataset of examples (tuples of tensors, e.g.
-      `(image, label)`).
+    ds: a finite dataset of examples (tuples of tensors or nests of them,
+      e.g. `(image, label)` or `({"x": ..., "id": ...}, label)`).
     batch_size: examples per batch (per replica).
     replicas: replicas this host feeds per round.
 
@@ -473,12 +624,14 @@ def pad_to_static_batches(ds: tf.data.Dataset, batch_size: int,
     return (*example, tf.constant(1.0, tf.float32))
 
   def pad(*components):
-    return tuple(_pad_leading(c, batch_size) for c in components)
+    return tf.nest.map_structure(lambda c: _pad_leading(c, batch_size),
+                                 components)
 
   ds = ds.map(add_weight).batch(batch_size).map(pad)
   if replicas > 1:
     def pad_round(*components):
-      return tuple(_pad_leading(c, replicas) for c in components)
+      return tf.nest.map_structure(lambda c: _pad_leading(c, replicas),
+                                   components)
     ds = ds.batch(replicas).map(pad_round).unbatch()
   return ds
 
@@ -566,7 +719,26 @@ def _training_epochs(options: PipelineOptions, plan: ShardingPlan,
   return ds
 
 
+def _one_host_cpu(strategy: tf.distribute.Strategy) -> bool:
+  """True for a `OneDeviceStrategy` on a CPU device."""
+  if not isinstance(strategy, tf.distribute.OneDeviceStrategy):
+    return False
+  devices = strategy.extended.worker_devices
+  return (len(devices) == 1 and
+          tf.DeviceSpec.from_string(devices[0]).device_type == "CPU")
+
+
 def distribute(strategy: tf.distribute.Strategy, options: PipelineOptions):
-  """A distributed dataset: one `make_dataset` per host, split to replicas."""
+  """A distributed dataset: one `make_dataset` per host, split to replicas.
+
+  With one replica on a CPU device (`OneDeviceStrategy("/cpu:0")`) it is the
+  plain `make_dataset`, as plain Keras `fit` reads it there, and
+  `strategy.run` takes its tensors as they are: a distributed iterator would
+  add a buffer and a thread hand-off per batch (a `MultiDeviceIterator`,
+  whose `GeneratorDataset` op also fixes glibc's mmap threshold, see
+  `tfdist.allocator`), for no copy to make.
+  """
+  if _one_host_cpu(strategy):
+    return make_dataset(options)
   return strategy.distribute_datasets_from_function(
       lambda ctx: make_dataset(options, ctx))

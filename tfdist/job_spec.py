@@ -200,7 +200,7 @@ def parse_accelerator(value: str) -> Tuple[str, int]:
 # --- train flags, through tfdist's own parser --------------------------------
 def _train_flag_template() -> List[flags.Flag]:
   """tfdist.train's flags, defined once in the global FLAGS (copied from)."""
-  import flags as tfdist_flags  # pylint: disable=g-import-not-at-top
+  from tfdist import flags as tfdist_flags  # pylint: disable=g-import-not-at-top
   global_flags = flags.FLAGS
   if "model_dir" not in global_flags:
     tfdist_flags.define_all_flags()
@@ -230,7 +230,7 @@ def parse_train_flags(args: Sequence[str], *, where: str,
     JobSpecError: an unknown flag, a bad value, a positional argument, or an
       invalid configuration; the message names `where`.
   """
-  import flags as tfdist_flags  # pylint: disable=g-import-not-at-top
+  from tfdist import flags as tfdist_flags  # pylint: disable=g-import-not-at-top
   values = flags.FlagValues()
   for flag in _train_flag_template():
     values[flag.name] = copy.deepcopy(flag)

@@ -19,6 +19,7 @@ from typing import Iterable, List, Optional
 import numpy as np
 import tensorflow as tf
 
+from tfdist import allocator
 from tfdist import training_checks
 
 MANIFEST_FILE = "run_manifest.json"
@@ -60,10 +61,13 @@ def software_versions() -> dict:
 
 def run_header(config) -> dict:
   """The fields every manifest starts with: when, flags, config, versions,
-  git commit. `config` is a `tfdist.config.TrainConfig`."""
+  git commit, and the malloc settings in force (`allocator`: they change
+  resident memory, see `tfdist.allocator`). `config` is a
+  `tfdist.config.TrainConfig`."""
   return {"created": utc_now(), "flags": dict(config.flags_snapshot),
           "config": config.to_dict(), "versions": software_versions(),
-          "git_commit": git_commit()}
+          "git_commit": git_commit(),
+          "allocator": allocator.state().to_dict()}
 
 
 def write_manifest(directory: str, manifest: dict) -> str:
@@ -97,7 +101,9 @@ def build_manifest(*, config, decision, plan, cluster, choice, num_workers,
                    is_chief: bool, devices, dtype_policy: str,
                    loss_scale: Optional[float], optimizer_iterations: int,
                    result, run_log, artifacts: dict, seconds: dict,
-                   environment_applied=(), strategy_details=None) -> dict:
+                   environment_applied=(), strategy_details=None,
+                   objectives=None, model_name: Optional[str] = None
+                   ) -> dict:
   """The run manifest: the same keys for every strategy.
 
   Args:
@@ -123,6 +129,11 @@ def build_manifest(*, config, decision, plan, cluster, choice, num_workers,
     strategy_details: a dict of strategy-specific facts (parameter-server
       placement, ...), written under the strategy's name (e.g.
       `manifest["parameter_server"]`); None: empty.
+    objectives: the run's `tfdist.objectives.Objectives` (loss and metric
+      names, where they came from); each metric `m` adds `eval_m` and
+      `train_m` to `final_metrics`.
+    model_name: the model trained (a registered name or `module:function`;
+      default: `config.model`).
 
   Returns:
     A JSON-ready dict: the same keys for every strategy, plus the section
@@ -130,6 +141,20 @@ def build_manifest(*, config, decision, plan, cluster, choice, num_workers,
   """
   final_eval = result.final_eval or {}
   history = run_log.all_records("train")
+  last = history[-1] if history else {}
+  metric_names = tuple(objectives.metric_names) if objectives else ()
+  final_metrics = {
+      "eval_loss": final_eval.get("loss"),
+      "eval_accuracy": final_eval.get("accuracy"),
+      "eval_auc": final_eval.get("auc"),
+      "eval_examples": final_eval.get("num_examples"),
+      "train_loss": last.get("loss"),
+      "train_accuracy": last.get("accuracy"),
+      "train_auc": last.get("auc"),
+  }
+  for name in metric_names:
+    final_metrics[f"eval_{name}"] = final_eval.get(name)
+    final_metrics[f"train_{name}"] = last.get(name)
   return {
       **run_header(config),
       "environment": [{"field": f, "variable": v}
@@ -168,8 +193,13 @@ def build_manifest(*, config, decision, plan, cluster, choice, num_workers,
       "loss_scale": loss_scale,
       "sync_batch_norm": plan.sync_batch_norm,
       "sync_batch_norm_reason": plan.sync_batch_norm_reason,
+      "model": model_name or config.model,
+      "objectives": ({"loss": objectives.loss.name,
+                      "metrics": list(metric_names),
+                      "source": objectives.source} if objectives else None),
       "data": {
           "dataset": config.dataset,
+          "feature_spec": config.feature_spec or None,
           "num_train_examples": plan.num_train_examples,
           "input_sharding": {
               "mode": plan.sharding.mode, "reason": plan.sharding.reason,
@@ -183,15 +213,7 @@ def build_manifest(*, config, decision, plan, cluster, choice, num_workers,
       "throughput": run_log.throughput(),
       "history": history,
       "eval_history": run_log.all_records("eval"),
-      "final_metrics": {
-          "eval_loss": final_eval.get("loss"),
-          "eval_accuracy": final_eval.get("accuracy"),
-          "eval_auc": final_eval.get("auc"),
-          "eval_examples": final_eval.get("num_examples"),
-          "train_loss": history[-1]["loss"] if history else None,
-          "train_accuracy": history[-1]["accuracy"] if history else None,
-          "train_auc": history[-1].get("auc") if history else None,
-      },
+      "final_metrics": final_metrics,
       "artifacts": artifacts,
       "seconds": seconds,
       # The strategy-specific section, under the strategy's name.

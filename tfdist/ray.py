@@ -449,7 +449,7 @@ def define_ray_flags():
       "storage_path", None,
       "Ray's storage for its run records and the final Ray checkpoint "
       "(default: <model_dir>/ray_results).")
-  import flags as tfdist_flags  # pylint: disable=g-import-not-at-top
+  from tfdist import flags as tfdist_flags  # pylint: disable=g-import-not-at-top
   for name in tfdist_flags.define_all_flags():
     flags.declare_key_flag(name)
 
@@ -467,9 +467,11 @@ def main(argv):
     raise app.UsageError(
         f"{misplaced[0]} is a flag of tfdist.ray: put it before `--` (after "
         "`--` go tfdist.train's flags).")
+  from tfdist import flags as tfdist_flags  # pylint: disable=g-import-not-at-top
   train_flag_names = {f.name for module, fl in
                       FLAGS.flags_by_module_dict().items()
-                      if module.startswith("flags.") for f in fl}
+                      if module == tfdist_flags.definitions.__name__
+                      for f in fl}
   given_early = sorted(n for n in train_flag_names if FLAGS[n].present)
   if given_early:
     raise app.UsageError(
@@ -481,7 +483,6 @@ def main(argv):
     raise app.UsageError(str(e)) from None
   if len(leftover) > 1:
     raise app.UsageError(f"Unexpected arguments: {' '.join(leftover[1:])}")
-  import flags as tfdist_flags  # pylint: disable=g-import-not-at-top
   try:
     config = prepare_config(tfdist_flags.flags_to_config())
     if FLAGS.num_workers < 1:

@@ -4,8 +4,8 @@
 
 * one log line each (absl logging, INFO), in one format for every strategy;
 * TensorBoard scalars (`train/` at log points, `validation/` at
-  evaluations): loss, accuracy, AUC (binary tasks), learning rate, loss
-  scale (fp16), examples/sec and step time;
+  evaluations): loss, every metric (accuracy, AUC, ...), learning rate,
+  loss scale (fp16), examples/sec and step time;
 * records in `history` / `eval_history` (for the manifest), and
 * one JSON line per record appended to `<model_dir>/metrics.jsonl` (chief
   only), which survives a crash: a resumed run reads the records of the
@@ -22,7 +22,7 @@ import os
 import socket
 import time
 import uuid
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 from absl import logging
 import numpy as np
@@ -30,11 +30,10 @@ import tensorflow as tf
 
 from tfdist import training_checks
 from tfdist.throughput import ThroughputMeter
-from tfdist.train_loop import binary_auc
 
 METRICS_FILE = "metrics.jsonl"
-# ROC AUC from the score histograms of binary tasks (see train_loop).
-_AUC_KEYS = ("pos_hist", "neg_hist")
+# Keys of an evaluation result that are not metric values.
+_NOT_METRICS = ("num_examples", "step", "checkpoint")
 
 
 # The training loss became NaN or infinite (one error for every check).
@@ -42,27 +41,38 @@ DivergenceError = training_checks.TrainingDivergedError
 
 
 def metrics_from_sums(sums: Dict[str, np.ndarray], steps: int) -> dict:
-  """Mean loss, accuracy and (binary tasks) AUC from summed step outputs.
+  """Mean loss and accuracy from summed step outputs: the summary of a
+  runner that returns `loss` (sum of per-step mean losses), `correct` and
+  `count` (examples). A `tfdist.train_loop.Trainer` summarizes its own sums
+  (`Trainer.summarize`, any Keras metric).
 
   Args:
-    sums: `loss` (sum of per-step mean losses), `correct`, `count`
-      (examples), optionally `pos_hist`/`neg_hist`.
+    sums: `loss`, `correct`, `count`.
     steps: the steps summed.
   """
-  out = {"loss": float(sums.get("loss", 0.0)) / max(steps, 1),
-         "accuracy": float(sums.get("correct", 0.0)) /
-                     max(float(sums.get("count", 0.0)), 1.0)}
-  if all(k in sums for k in _AUC_KEYS):
-    out["auc"] = binary_auc(sums["pos_hist"], sums["neg_hist"])
-  return out
+  return {"loss": float(sums.get("loss", 0.0)) / max(steps, 1),
+          "accuracy": float(sums.get("correct", 0.0)) /
+                      max(float(sums.get("count", 0.0)), 1.0)}
+
+
+def metric_values(result: dict) -> dict:
+  """The loss and metric values of a result (no counts, steps, paths)."""
+  return {k: v for k, v in result.items() if k not in _NOT_METRICS
+          and isinstance(v, (int, float, np.floating, np.integer))}
+
+
+def format_metrics(values: dict) -> str:
+  """`loss L, accuracy A, auc U`: the loss first, then the metrics."""
+  keys = ["loss"] if "loss" in values else []
+  keys += [k for k in values if k != "loss"]
+  return ", ".join(f"{'AUC' if k == 'auc' else k} {values[k]:.4f}"
+                   for k in keys)
 
 
 def format_eval(result: dict) -> str:
-  """`loss L, accuracy A[, AUC U] on N examples`."""
-  text = f"loss {result['loss']:.4f}, accuracy {result['accuracy']:.4f}"
-  if "auc" in result:
-    text += f", AUC {result['auc']:.4f}"
-  return text + f" on {result['num_examples']} examples"
+  """`loss L, accuracy A[, AUC U, ...] on N examples`."""
+  return (format_metrics(metric_values(result)) +
+          f" on {result['num_examples']} examples")
 
 
 def read_metrics(model_dir: str) -> List[dict]:
@@ -97,13 +107,18 @@ class RunLog:
     eval_subdir: the TensorBoard subfolder of evaluation scalars
       (`validation` for in-loop evaluation, `eval` for the side-car
       evaluator).
+    summarize: `summarize(sums, steps) -> {"loss": ..., metric: ...}`, the
+      values of summed training steps (`Trainer.summarize`); default
+      `metrics_from_sums`.
   """
 
   def __init__(self, *, tensorboard_dir: Optional[str],
                metrics_dir: Optional[str], global_batch_size: int,
                total_steps: int, process_id: Optional[str] = None,
-               eval_subdir: str = "validation"):
+               eval_subdir: str = "validation",
+               summarize: Optional[Callable[[dict, int], dict]] = None):
     self.total_steps = int(total_steps)
+    self.summarize = summarize or metrics_from_sums
     self.metrics_dir = metrics_dir
     self.process_id = process_id or (
         f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}")
@@ -172,8 +187,9 @@ class RunLog:
     """
     interval = self.meter.record(step)
     now = time.time()
+    values = self.summarize(sums, steps)
     record = {"kind": "train", "step": step, "steps": int(steps),
-              **metrics_from_sums(sums, steps),
+              **values,
               "learning_rate": float(learning_rate),
               "process": self.process_id, "time": now,
               "process_seconds": now - self.started,
@@ -186,10 +202,8 @@ class RunLog:
     micro_text = (f" ({micro} micro-steps in {steps} "
                   f"update{'' if steps == 1 else 's'})"
                   if micro != steps else "")
-    text = (f"tfdist: step {step}/{self.total_steps}{micro_text}: loss "
-            f"{record['loss']:.4f}, accuracy {record['accuracy']:.4f}")
-    if "auc" in record:
-      text += f", AUC {record['auc']:.4f}"
+    text = (f"tfdist: step {step}/{self.total_steps}{micro_text}: "
+            f"{format_metrics(values)}")
     text += f", learning rate {record['learning_rate']:.6g}"
     if loss_scale is not None:
       text += f", loss scale {loss_scale:g}"
@@ -205,9 +219,9 @@ class RunLog:
         record["excluded_from_throughput"] = True
         text += " (first interval: warm-up, not averaged)"
     self._scalars("train", step, {
-        k: record[k] for k in ("loss", "accuracy", "auc", "learning_rate",
-                               "loss_scale", "examples_per_second",
-                               "step_time_seconds") if k in record})
+        **values, **{k: record[k] for k in (
+            "learning_rate", "loss_scale", "examples_per_second",
+            "step_time_seconds") if k in record}})
     if loss_scale is not None:
       self._scalars("train", step, {"skipped_steps": float(skipped_steps)})
     self.history.append(record)
@@ -226,8 +240,7 @@ class RunLog:
     """Logs one evaluation at `step`; returns the record."""
     record = {"kind": "eval", "step": step, **result,
               "process": self.process_id, "time": time.time()}
-    self._scalars("eval", step, {
-        k: result[k] for k in ("loss", "accuracy", "auc") if k in result})
+    self._scalars("eval", step, metric_values(result))
     self.eval_history.append(record)
     self._append(record)
     logging.info("tfdist: %s at step %d: %s", prefix, step,

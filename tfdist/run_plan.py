@@ -9,11 +9,12 @@ printed at start.
 import dataclasses
 from typing import Optional, Sequence, Tuple
 
-import models
 from tfdist import batch_plan as batch_plan_lib
 from tfdist import input_pipeline
 from tfdist import lr_schedule
+from tfdist import models
 from tfdist import precision
+from tfdist.dataset_spec import DataNotFoundError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -21,8 +22,10 @@ class RunPlan:
   """What one run will do, decided before anything is built.
 
   Attributes:
-    train_files, eval_files: the TFRecord files read (sorted paths).
-    num_train_examples: records in `train_files` (one epoch).
+    train_files, eval_files: the TFRecord files read (sorted paths; empty
+      for a data set from a dataset function, and `eval_files` under
+      `--mode=train`).
+    num_train_examples: examples in one epoch (records in `train_files`).
     batch: the `BatchPlan` (replicas, per-replica and global batch,
       steps per epoch).
     total_steps: optimizer updates in the whole run.
@@ -39,7 +42,7 @@ class RunPlan:
     sharding: the `input_pipeline.ShardingPlan` of the training split (how
       the workers split the records, and why).
     sync_batch_norm: built-in models normalize over the global batch.
-    sync_batch_norm_reason: why (`models.resolve_sync_batch_norm`).
+    sync_batch_norm_reason: why (`tfdist.models.resolve_sync_batch_norm`).
   """
   train_files: Tuple[str, ...]
   eval_files: Tuple[str, ...]
@@ -91,7 +94,8 @@ class RunPlan:
            f"{plan.gradient_accumulation_steps} micro-batches)"
            if plan.gradient_accumulation_steps > 1 else ""),
         f"  train examples         {plan.num_train_examples} in "
-        f"{len(self.train_files)} file(s)",
+        + (f"{len(self.train_files)} file(s)" if self.train_files else
+           f"--dataset={config.dataset}'s dataset function"),
         f"  steps_per_epoch        {plan.steps_per_epoch} (remainder "
         "dropped)",
         f"  train steps            {self.total_steps}",
@@ -116,27 +120,47 @@ class RunPlan:
                      if config.deterministic else []))
 
 
-def resolve_data_files(config, spec) -> Tuple[Tuple[str, ...],
-                                              Tuple[str, ...]]:
+def resolve_data_files(config, spec, *, need_eval: bool = True
+                       ) -> Tuple[Tuple[str, ...], Tuple[str, ...]]:
   """`(train_files, eval_files)`, converting the named data set if the
-  config gives no files.
+  config gives no files, and checked against the data set
+  (`DatasetSpec.check_files`: a feature spec's features).
+
+  A data set from a dataset function has no files: `((), ())`. Without
+  `need_eval` (`--mode=train`) no evaluation files are listed.
 
   Raises:
     DataNotFoundError: a glob matches nothing, or the raw data is missing.
+    ConfigError: the files do not match the data set's spec.
   """
+  if not spec.reads_files:
+    return (), ()
   train_pattern, eval_pattern = config.train_files, config.eval_files
-  if not train_pattern or not eval_pattern:
+  if not train_pattern or (need_eval and not eval_pattern):
+    if spec.prepare is None:
+      raise DataNotFoundError(
+          f"--dataset={spec.name} reads TFRecord files: give them as "
+          "--train_files and --eval_files.")
     default_train, default_eval = spec.prepare(config.data_dir,
                                                config.raw_data_dir)
     train_pattern = train_pattern or default_train
     eval_pattern = eval_pattern or default_eval
-  return (tuple(input_pipeline.list_files(train_pattern,
-                                          flag="--train_files")),
-          tuple(input_pipeline.list_files(eval_pattern, flag="--eval_files")))
+  train_files = tuple(input_pipeline.list_files(train_pattern,
+                                                flag="--train_files"))
+  eval_files = tuple(input_pipeline.list_files(
+      eval_pattern, flag="--eval_files")) if need_eval else ()
+  if spec.check_files is not None:
+    spec.check_files(train_files, "--train_files")
+    spec.check_files(eval_files, "--eval_files")
+  return train_files, eval_files
 
 
-def data_patterns(config) -> Sequence[Tuple[str, str]]:
-  """`(flag, path)` pairs of what the run reads, for the TPU `gs://` rule."""
+def data_patterns(config, spec=None) -> Sequence[Tuple[str, str]]:
+  """`(flag, path)` pairs of what the run reads, for the TPU `gs://` rule
+  (`spec`: the run's `DatasetSpec`; one from a dataset function reads no
+  files of tfdist's)."""
+  if spec is not None and not spec.reads_files:
+    return []
   out = []
   for flag, value in (("--train_files", config.train_files),
                       ("--eval_files", config.eval_files)):
@@ -169,10 +193,15 @@ def make_run_plan(config, spec, *, num_replicas_in_sync: int,
     ConfigError: inconsistent batch sizes, warmup longer than the run.
     DataNotFoundError: missing data.
   """
-  train_files, eval_files = resolve_data_files(config, spec)
-  train_file_counts = tuple(input_pipeline.count_records_per_file(
-      train_files))
-  num_train = sum(train_file_counts)
+  train_files, eval_files = resolve_data_files(
+      config, spec, need_eval=config.mode != "train")
+  if spec.reads_files:
+    train_file_counts = tuple(input_pipeline.count_records_per_file(
+        train_files))
+    num_train = sum(train_file_counts)
+  else:  # A dataset function: one epoch of its training split, counted.
+    train_file_counts = ()
+    num_train = input_pipeline.count_examples(spec)
   plan = batch_plan_lib.make_batch_plan(
       num_replicas_in_sync=num_replicas_in_sync,
       batch_size=config.batch_size,
@@ -187,10 +216,14 @@ def make_run_plan(config, spec, *, num_replicas_in_sync: int,
       config, global_batch_size=plan.global_batch_size,
       steps_per_epoch=plan.steps_per_epoch, total_steps=total_steps)
   pipelines = 1 if asynchronous else num_workers
-  sharding = input_pipeline.plan_sharding(
-      train_file_counts, num_files=len(train_files),
-      num_input_pipelines=pipelines,
-      global_batch_size=plan.global_batch_size, is_training=True)
+  if spec.reads_files:
+    sharding = input_pipeline.plan_sharding(
+        train_file_counts, num_files=len(train_files),
+        num_input_pipelines=pipelines,
+        global_batch_size=plan.global_batch_size, is_training=True)
+  else:
+    sharding = input_pipeline.function_sharding(
+        spec.input_fn, num_input_pipelines=pipelines)
   sync_batch_norm, sync_batch_norm_reason = models.resolve_sync_batch_norm(
       config.sync_batch_norm, strategy_name=decision.strategy,
       num_replicas_in_sync=num_replicas_in_sync,

@@ -15,8 +15,9 @@ step runner only runs steps and returns their sums:
   task becomes one `ParameterServerError`.
 
 Both return the chunk's sums as float64 NumPy values: `loss` (sum of the
-per-step mean losses), `correct`, `count` (examples), `stop_signal`,
-`stop_training`, and for binary tasks the AUC histograms.
+per-step mean losses), `count` (examples), each metric's summed state
+(`tfdist.objectives.MetricSums`; `Trainer.summarize` makes values of
+them), `stop_signal` and `stop_training`.
 """
 
 from typing import Callable, Dict, Optional

@@ -16,7 +16,8 @@ from absl import app
 from absl import flags as absl_flags
 from absl import logging
 
-import flags as tfdist_flags
+from tfdist import allocator
+from tfdist import flags as tfdist_flags
 from tfdist import config as config_lib
 from tfdist import environment as environment_lib
 from tfdist import filesystems
@@ -56,6 +57,7 @@ def main(argv, *, callbacks: Sequence["keras.callbacks.Callback"] = ()):
   except config_lib.ConfigError as e:
     _usage_error(e)
   environment = environment_lib.read_environment()
+  allocator.configure_allocator(config.tune_allocator)
   from tfdist import experiment  # pylint: disable=g-import-not-at-top
   from tfdist import preemption  # pylint: disable=g-import-not-at-top
   from tfdist import worker_exit  # pylint: disable=g-import-not-at-top

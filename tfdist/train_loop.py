@@ -7,10 +7,15 @@ losses through its own step (as Model Garden's Orbit does). The same
 Mirrored, MultiWorkerMirrored and TPU, and passed to
 `ClusterCoordinator.schedule` under ParameterServerStrategy.
 
-Loss: the per-example loss is averaged over the *global* batch
-(`tf.nn.compute_average_loss(..., global_batch_size=...)`) and the step sums
-gradients over replicas, so the update equals the single-device update on
-the whole global batch.
+Loss: any Keras loss, computed per example and averaged over the *global*
+batch (`tf.nn.compute_average_loss(..., global_batch_size=...)`), and the
+step sums gradients over replicas, so the update equals the single-device
+update on the whole global batch.
+
+Metrics: any Keras metrics whose state is summed (every built-in one). Each
+step returns each metric's state for its batch, summed over replicas and
+workers by the strategy (see `tfdist.objectives.MetricSums`), so the values
+equal one device's on all the data.
 
 What every replica (and worker) does in one step, in order:
 
@@ -56,12 +61,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tfdist import objectives
 from tfdist import precision
-
-TASKS = ("multiclass", "binary")
-# Score buckets of the ROC AUC histograms (binary task): AUC from them is
-# within 1 / AUC_BUCKETS of the exact value.
-AUC_BUCKETS = 1000
 
 
 class _PerReplicaSeedGenerator(keras.random.SeedGenerator):
@@ -149,47 +150,33 @@ def _all_reduce_sum(grads):
   return [None if g is None else next(summed) for g in grads]
 
 
-def binary_auc(pos_hist, neg_hist) -> float:
-  """ROC AUC from per-score-bucket counts of positives and negatives.
-
-  Args:
-    pos_hist, neg_hist: float arrays [buckets]: labels 1 and 0 whose
-      predicted probability fell in each of `buckets` equal-width buckets of
-      [0, 1], lowest first.
-
-  Returns:
-    P(score of a random positive > score of a random negative), ties (same
-    bucket) counted one half; NaN when either class is absent.
-  """
-  pos = np.asarray(pos_hist, np.float64)
-  neg = np.asarray(neg_hist, np.float64)
-  if pos.sum() == 0 or neg.sum() == 0:
-    return float("nan")
-  neg_below = np.cumsum(neg) - neg
-  return float((pos * (neg_below + 0.5 * neg)).sum() / (pos.sum() * neg.sum()))
-
-
 class Trainer:
   """Owns the compiled step functions of one run.
 
   Args:
     strategy: the `tf.distribute.Strategy`; `model` and `optimizer` must have
       been created under its scope.
-    model: a Keras 3 model returning float32 logits [batch, num_classes]
-      (task `multiclass`) or probabilities [batch, 1] (task `binary`).
+    model: a Keras 3 model with one output (cast to float32 for the loss
+      and metrics).
     optimizer: a built Keras 3 optimizer (possibly a `LossScaleOptimizer`).
     global_batch_size: examples per update over all replicas.
     steps_per_execution: training steps run inside one `tf.function` call.
     enable_xla: jit-compile the per-replica forward and backward pass (XLA);
       the optimizer update runs outside the compiled function.
     run_eagerly: run without `tf.function` (debugging).
-    task: `multiclass` (sparse categorical cross-entropy on logits,
-      accuracy) or `binary` (binary cross-entropy on probabilities, accuracy
-      at 0.5, and AUC histograms `pos_hist`/`neg_hist` [AUC_BUCKETS] in every
-      step's and evaluation's sums).
+    task: the default loss and metrics when `loss` is None
+      (`tfdist.objectives.TASKS`: `multiclass`, sparse categorical
+      cross-entropy on logits and accuracy; `binary`, binary cross-entropy
+      on probabilities, accuracy at 0.5 and ROC AUC).
     eval_example_weights: evaluation batches carry a third element, float32
       weights [batch] (1 for real examples, 0 for padding), as
       `input_pipeline.pad_to_static_batches` makes for TPUs.
+    loss: a Keras loss (object, function `fn(y_true, y_pred)` or name);
+      computed per example (its own reduction is replaced), losses of
+      trailing axes averaged, then averaged over the global batch.
+    metrics: Keras metrics (objects, functions or names), or a built
+      `tfdist.objectives.MetricSums`; None: the `task`'s when `loss` is
+      None, else none.
     gradient_accumulation_steps: micro-batches per optimizer update (K);
       the iterator then yields per-replica micro-batches of
       `global_batch_size / (K x replicas)` examples, and one training step
@@ -202,13 +189,14 @@ class Trainer:
 
   Raises:
     ValueError: unknown `task`; `gradient_accumulation_steps` < 1.
+    tfdist.config.ConfigError: a metric whose state is not summed.
   """
 
   def __init__(self, *, strategy: tf.distribute.Strategy, model: keras.Model,
                optimizer: keras.optimizers.Optimizer, global_batch_size: int,
                steps_per_execution: int = 1, enable_xla: bool = False,
                run_eagerly: bool = False, task: str = "multiclass",
-               eval_example_weights: bool = False,
+               eval_example_weights: bool = False, loss=None, metrics=None,
                gradient_accumulation_steps: int = 1):
     self.strategy = strategy
     self.model = model
@@ -216,18 +204,23 @@ class Trainer:
     self.global_batch_size = int(global_batch_size)
     self.steps_per_execution = int(steps_per_execution)
     self.eval_example_weights = bool(eval_example_weights)
-    if task not in TASKS:
-      raise ValueError(f"task must be one of {TASKS}. Received: task={task!r}")
+    if loss is None:
+      loss, default_metrics = objectives.task_defaults(task)
+      metrics = default_metrics if metrics is None else metrics
     self.task = task
     self.gradient_accumulation_steps = int(gradient_accumulation_steps)
     if self.gradient_accumulation_steps < 1:
       raise ValueError("gradient_accumulation_steps must be >= 1. Received: "
                        f"{gradient_accumulation_steps}")
-    if task == "binary":
-      self.loss_fn = keras.losses.BinaryCrossentropy(reduction=None)
-    else:
-      self.loss_fn = keras.losses.SparseCategoricalCrossentropy(
-          from_logits=True, reduction=None)
+    # Shapes unknown here: "accuracy" and "crossentropy" resolve for sparse
+    # labels; tfdist.objectives.resolve knows the shapes (tfdist.assembly).
+    shapes = dict(y_true=tf.TensorShape([None]),
+                  y_pred=tf.TensorShape([None, None]))
+    self.loss_fn = objectives.resolve_loss(loss, **shapes)
+    self.metric_sums = (metrics if isinstance(metrics, objectives.MetricSums)
+                        else objectives.MetricSums([
+                            objectives.resolve_metric(m, **shapes)
+                            for m in metrics or ()]))
     self.uses_loss_scale = isinstance(optimizer,
                                       keras.optimizers.LossScaleOptimizer)
     per_replica_random_streams(model)
@@ -255,42 +248,29 @@ class Trainer:
     self.eval_function = compile_fn(self._eval_function)
 
   # --- replica functions -------------------------------------------------
+  def _per_example_loss(self, labels, outputs, weights=None) -> tf.Tensor:
+    """The loss of each example, float32 [batch] (trailing axes averaged;
+    `weights`, float32 [batch], multiply it)."""
+    values = self.loss_fn(labels, outputs, sample_weight=weights)
+    if values.shape.rank and values.shape.rank > 1:
+      values = tf.reduce_mean(values, axis=list(range(1, values.shape.rank)))
+    return tf.cast(values, tf.float32)
+
   def _metric_sums(self, labels, outputs, weights=None
                    ) -> Dict[str, tf.Tensor]:
-    """Per-batch sums: `correct`, `count`, and for `binary` the AUC
-    histograms. `weights` (float32 [batch], 1 real / 0 padding) masks the
-    padding of static-shape evaluation batches."""
-    if weights is None:
-      weights = tf.ones(tf.shape(labels)[:1], tf.float32)
-    count = tf.reduce_sum(weights)
-    if self.task != "binary":
-      correct = keras.metrics.sparse_categorical_accuracy(labels, outputs)
-      return {"correct": tf.reduce_sum(tf.cast(correct, tf.float32) *
-                                       weights),
-              "count": count}
-    probs = tf.reshape(tf.cast(outputs, tf.float32), [-1])
-    truth = tf.cast(tf.reshape(labels, [-1]), tf.float32)
-    correct = tf.cast(tf.equal(tf.cast(probs >= 0.5, tf.float32), truth),
-                      tf.float32)
-    bucket = tf.clip_by_value(
-        tf.cast(tf.floor(probs * AUC_BUCKETS), tf.int32), 0, AUC_BUCKETS - 1)
-    return {"correct": tf.reduce_sum(correct * weights), "count": count,
-            "pos_hist": tf.math.unsorted_segment_sum(truth * weights, bucket,
-                                                     AUC_BUCKETS),
-            "neg_hist": tf.math.unsorted_segment_sum(
-                (1.0 - truth) * weights, bucket, AUC_BUCKETS)}
-
-  def _loss_labels(self, labels):
-    if self.task == "binary":
-      return tf.reshape(tf.cast(labels, tf.float32), [-1, 1])
-    return labels
+    """Per-batch sums: `count` (examples) and every metric's state.
+    `weights` (float32 [batch], 1 real / 0 padding) masks the padding of
+    static-shape evaluation batches."""
+    count = (tf.reduce_sum(weights) if weights is not None else
+             tf.cast(tf.shape(labels)[0], tf.float32))
+    return {"count": count,
+            **self.metric_sums.batch_sums(labels, outputs, weights)}
 
   def _replica_forward_backward(self, inputs, labels):
-    """Loss, gradients and metric sums of one replica's batch (no update)."""
+    """Loss, gradients and outputs of one replica's batch (no update)."""
     with tf.GradientTape() as tape:
-      logits = self.model(inputs, training=True)
-      per_example = self.loss_fn(self._loss_labels(labels),
-                                 tf.cast(logits, tf.float32))
+      outputs = tf.cast(self.model(inputs, training=True), tf.float32)
+      per_example = self._per_example_loss(labels, outputs)
       loss = tf.nn.compute_average_loss(
           per_example, global_batch_size=self.global_batch_size)
       if self.model.losses:
@@ -299,7 +279,7 @@ class Trainer:
             self.model.losses)) / self.gradient_accumulation_steps
       scaled = self.optimizer.scale_loss(loss) if self.uses_loss_scale else loss
     grads = tape.gradient(scaled, self.model.trainable_variables)
-    return loss, grads, self._metric_sums(labels, logits)
+    return loss, grads, outputs
 
   def _replica_train_step(self, inputs, labels, stop_flags):
     """One replica's step; returns its loss and metric sums, `skipped`
@@ -308,20 +288,28 @@ class Trainer:
     `stop_flags` (float32 [2]), which ride with the step's sums (one
     reduction): any worker's request reaches every worker after the same
     step."""
-    loss, grads, sums = self._replica_grads(inputs, labels)
+    loss, grads, outputs = self._replica_grads(inputs, labels)
+    # Metrics outside the (optionally XLA-compiled) forward and backward.
+    sums = {"loss": loss, **self._metric_sums(labels, outputs)}
+    return self._replica_apply(grads, sums, stop_flags)
+
+  def _replica_apply(self, grads, sums, stop_flags):
+    """Steps 2-4 of the module docstring on one replica's gradients (of one
+    batch, or accumulated over K micro-batches); returns `sums` with
+    `skipped` and the stop requests added."""
     variables = self.model.trainable_variables
     grads = _all_reduce_sum(grads)
     # The same summed gradients on every replica and worker: the finite
     # check (here and inside a LossScaleOptimizer) agrees everywhere.
     skipped = precision.step_skipped(self.optimizer, grads)
     self.optimizer.apply(grads, variables)
-    return {"loss": loss, "skipped": skipped, **sums,
+    return {**sums, "skipped": skipped,
             "stop_signal": stop_flags[0], "stop_training": stop_flags[1]}
 
   # --- gradient accumulation (K > 1) ----------------------------------------
   def _make_accumulators(self):
-    """Per-replica zero buffers: one per trainable variable (its shape,
-    float32 like the variable) and one per metric sum. Sync-on-read: each
+    """Per-replica zero buffers: one per trainable variable (its shape and
+    dtype), one for the loss and one per metric sum. Sync-on-read: each
     replica adds to its own copy. Not tracked by the checkpoint (always zero
     between updates, where checkpoints land)."""
     def zeros(shape, dtype, name):
@@ -331,53 +319,82 @@ class Trainer:
     grads = [zeros(v.shape, v.dtype, "grad_accumulator")
              for v in self.model.trainable_variables]
     sums = {"loss": zeros([], tf.float32, "loss_accumulator"),
-            "correct": zeros([], tf.float32, "correct_accumulator"),
             "count": zeros([], tf.float32, "count_accumulator")}
-    if self.task == "binary":
-      for key in ("pos_hist", "neg_hist"):
-        sums[key] = zeros([AUC_BUCKETS], tf.float32, f"{key}_accumulator")
+    for key, value in self.metric_sums.zeros().items():
+      sums[key] = zeros(value.shape, value.dtype, "metric_accumulator")
     return grads, sums
 
   def _replica_accumulate(self, inputs, labels):
     """One micro-step of one replica: adds its micro-batch's gradients (the
     loss scaled by the fp16 loss scale, if any, which stays fixed within an
-    update) and metric sums to its accumulators. No all-reduce."""
-    loss, grads, sums = self._replica_grads(inputs, labels)
+    update), loss and metric sums to its accumulators. No all-reduce."""
+    loss, grads, outputs = self._replica_grads(inputs, labels)
+    sums = {"loss": loss, **self._metric_sums(labels, outputs)}
     grad_accumulators, sum_accumulators = self._accumulators
     for accumulator, grad in zip(grad_accumulators, grads):
       if grad is not None:  # IndexedSlices are added densely.
         accumulator.assign_add(tf.convert_to_tensor(grad))
-    for key, value in dict(sums, loss=loss).items():
+    for key, value in sums.items():
       sum_accumulators[key].assign_add(value)
 
   def _replica_apply_accumulated(self, stop_flags):
-    """Steps 2-4 of the module docstring on the accumulated gradients; then
-    zeroes the accumulators. Returns what `_replica_train_step` returns,
-    sums over the K micro-batches."""
+    """`_replica_apply` on the accumulated gradients and sums (over the K
+    micro-batches); then zeroes the accumulators."""
     grad_accumulators, sum_accumulators = self._accumulators
     grads = [a.read_value() for a in grad_accumulators]
     sums = {k: a.read_value() for k, a in sum_accumulators.items()}
-    variables = self.model.trainable_variables
-    grads = _all_reduce_sum(grads)
-    skipped = precision.step_skipped(self.optimizer, grads)
-    self.optimizer.apply(grads, variables)
+    out = self._replica_apply(grads, sums, stop_flags)
     for accumulator in grad_accumulators + list(sum_accumulators.values()):
       accumulator.assign(tf.zeros_like(accumulator.read_value()))
-    return {**sums, "skipped": skipped, "stop_signal": stop_flags[0],
-            "stop_training": stop_flags[1]}
+    return out
 
   def _replica_eval_step(self, inputs, labels, weights=None):
-    logits = tf.cast(self.model(inputs, training=False), tf.float32)
-    per_example = self.loss_fn(self._loss_labels(labels), logits)
-    if weights is not None:
-      per_example = per_example * weights
+    # When the last evaluation round has fewer batches than replicas, the
+    # others get an empty batch. TensorFlow 2.21's oneDNN CPU kernels fail on
+    # those ("Incompatible shapes: [64] vs. [0,14,14,32]" in the CNN), so an
+    # empty batch skips the model and adds zeros.
+    def empty():
+      return {"loss_sum": tf.constant(0.0), "count": tf.constant(0.0),
+              **self.metric_sums.zeros()}
+
+    return tf.cond(tf.shape(labels)[0] > 0,
+                   lambda: self._replica_eval_sums(inputs, labels, weights),
+                   empty)
+
+  def _replica_eval_sums(self, inputs, labels, weights=None):
+    outputs = tf.cast(self.model(inputs, training=False), tf.float32)
+    per_example = self._per_example_loss(labels, outputs, weights)
     return {"loss_sum": tf.reduce_sum(per_example),
-            **self._metric_sums(labels, logits, weights)}
+            **self._metric_sums(labels, outputs, weights)}
 
   # --- cross-replica functions -------------------------------------------
   def _reduce(self, per_replica: Dict[str, tf.Tensor]) -> Dict[str, tf.Tensor]:
     return {k: self.strategy.reduce(tf.distribute.ReduceOp.SUM, v, axis=None)
             for k, v in per_replica.items()}
+
+  def _train_step(self, iterator, stop_flags) -> Dict[str, tf.Tensor]:
+    """One update from `iterator` (K = `gradient_accumulation_steps`
+    batches): its sums, reduced over every replica, with `micro_steps`
+    (K)."""
+    accumulate = self.gradient_accumulation_steps
+    with _sum_gradients_once(self.optimizer):
+      if accumulate == 1:
+        inputs, labels = next(iterator)[:2]
+        per_replica = self.strategy.run(self._replica_train,
+                                        args=(inputs, labels, stop_flags))
+      else:
+        for _ in tf.range(accumulate):
+          inputs, labels = next(iterator)[:2]
+          self.strategy.run(self._replica_accumulate, args=(inputs, labels))
+        per_replica = self.strategy.run(self._replica_apply_accumulated,
+                                        args=(stop_flags,))
+    # Equal on every replica: read the first local one (no all-reduce).
+    skipped = self.strategy.experimental_local_results(
+        per_replica.pop("skipped"))[0]
+    step = self._reduce(per_replica)
+    step["skipped_steps"] = skipped
+    step["micro_steps"] = tf.constant(float(accumulate))
+    return step
 
   def _train_function(self, iterator, num_steps,
                       stop_flags=None) -> Dict[str, tf.Tensor]:
@@ -392,11 +409,12 @@ class Trainer:
         None: no requests.
 
     Returns:
-      Sums over the executed steps (float32 scalars): `loss` (sum of
-      per-step global mean losses), `correct` and `count` (examples),
+      Sums over the executed steps: `loss` (sum of per-step global mean
+      losses), `count` (examples), every metric's state
+      (`tfdist.objectives.MetricSums`; `summarize` turns them into values),
       `skipped_steps` (steps whose update was skipped: fp16 gradients not
       finite; the same on every worker), `micro_steps` (micro-batches run:
-      `num_steps` x `gradient_accumulation_steps`, counted as they run),
+      `num_steps` x `gradient_accumulation_steps`),
       `skipped_steps_at_end` (how many
       of the last steps in a row were skipped: equal to `num_steps` when
       every step was), and `stop_signal` and `stop_training` (> 0 when any
@@ -405,45 +423,33 @@ class Trainer:
     """
     if stop_flags is None:
       stop_flags = tf.zeros([2], tf.float32)
-    totals = {"loss": tf.constant(0.0), "correct": tf.constant(0.0),
-              "count": tf.constant(0.0), "skipped_steps": tf.constant(0.0),
-              "stop_signal": tf.constant(0.0),
-              "stop_training": tf.constant(0.0)}
-    if self.task == "binary":
-      totals["pos_hist"] = tf.zeros([AUC_BUCKETS])
-      totals["neg_hist"] = tf.zeros([AUC_BUCKETS])
-    skipped_at_end = tf.constant(0.0)
-    accumulate = self.gradient_accumulation_steps
-    micro_steps = tf.constant(0.0)
-    for _ in tf.range(num_steps):
-      if accumulate == 1:
-        inputs, labels = next(iterator)[:2]
-        with _sum_gradients_once(self.optimizer):
-          per_replica = self.strategy.run(self._replica_train,
-                                          args=(inputs, labels, stop_flags))
-        micro_steps += 1.0
-      else:
-        for _ in tf.range(accumulate):
-          inputs, labels = next(iterator)[:2]
-          self.strategy.run(self._replica_accumulate, args=(inputs, labels))
-          micro_steps += 1.0
-        with _sum_gradients_once(self.optimizer):
-          per_replica = self.strategy.run(self._replica_apply_accumulated,
-                                          args=(stop_flags,))
-      # Equal on every replica: read the first local one (no all-reduce).
-      skipped = self.strategy.experimental_local_results(
-          per_replica.pop("skipped"))[0]
-      step = self._reduce(per_replica)
-      step["skipped_steps"] = skipped
-      totals = {k: totals[k] + step[k] for k in totals}
-      skipped_at_end = (skipped_at_end + 1.0) * skipped
-      self.global_step.assign_add(1)
-    totals["skipped_steps_at_end"] = skipped_at_end
-    totals["micro_steps"] = micro_steps
+    if self.steps_per_execution == 1:
+      # One step, no loop (as Keras's fit runs steps_per_execution=1).
+      totals = self._train_step(iterator, stop_flags)
+      totals["skipped_steps_at_end"] = totals["skipped_steps"]
+      num_steps = 1
+    else:
+      totals = {"loss": tf.constant(0.0), "count": tf.constant(0.0),
+                "skipped_steps": tf.constant(0.0),
+                "micro_steps": tf.constant(0.0),
+                "stop_signal": tf.constant(0.0),
+                "stop_training": tf.constant(0.0),
+                **self.metric_sums.zeros()}
+      skipped_at_end = tf.constant(0.0)
+      for _ in tf.range(num_steps):
+        step = self._train_step(iterator, stop_flags)
+        totals = {k: totals[k] + step[k] for k in totals}
+        skipped_at_end = (skipped_at_end + 1.0) * step["skipped_steps"]
+      totals["skipped_steps_at_end"] = skipped_at_end
+    # Counted once per call, after the steps: a call that fails part-way
+    # (a parameter-server worker lost mid-closure, then rerun elsewhere)
+    # adds nothing.
+    self.global_step.assign_add(tf.cast(num_steps, tf.int64))
     return totals
 
   def _eval_function(self, batch) -> Dict[str, tf.Tensor]:
-    """Evaluates one distributed batch; returns summed loss, correct, count.
+    """Evaluates one distributed batch; returns summed loss, count and
+    metric state.
 
     With `eval_example_weights` the batch is `(inputs, labels, weights)`,
     weights float32 [batch] (0 for padding); else `(inputs, labels, ...)`.
@@ -452,25 +458,25 @@ class Trainer:
     return self._reduce(self.strategy.run(self._replica_eval_step,
                                           args=args))
 
+  def summarize(self, sums: Dict[str, np.ndarray], steps: int) -> dict:
+    """Mean training loss and metric values from `train_function` sums
+    added over `steps` steps (the controller's log points and epochs)."""
+    return {"loss": float(sums.get("loss", 0.0)) / max(steps, 1),
+            **self.metric_sums.results(sums)}
+
   def evaluate(self, dist_dataset) -> Dict[str, float]:
     """Evaluates every example of `dist_dataset` exactly once.
 
     Returns:
-      `{"loss": mean loss, "accuracy": fraction correct, "num_examples": n}`,
-      plus `"auc"` (ROC AUC) for task `binary`.
+      `{"loss": mean loss per example, <metric name>: value, ...,
+      "num_examples": n}`.
     """
-    sums = {"loss_sum": 0.0, "correct": 0.0, "count": 0.0}
-    if self.task == "binary":
-      sums.update(pos_hist=np.zeros(AUC_BUCKETS), neg_hist=np.zeros(
-          AUC_BUCKETS))
+    sums = {}
     for batch in dist_dataset:
       out = self.eval_function(batch)
-      for k in sums:
-        sums[k] = sums[k] + np.asarray(out[k], np.float64)
-    n = max(float(sums["count"]), 1.0)
-    result = {"loss": float(sums["loss_sum"]) / n,
-              "accuracy": float(sums["correct"]) / n,
-              "num_examples": int(sums["count"])}
-    if self.task == "binary":
-      result["auc"] = binary_auc(sums["pos_hist"], sums["neg_hist"])
-    return result
+      for k, v in out.items():
+        sums[k] = sums.get(k, 0.0) + np.asarray(v, np.float64)
+    n = max(float(sums.get("count", 0.0)), 1.0)
+    return {"loss": float(sums.get("loss_sum", 0.0)) / n,
+            **self.metric_sums.results(sums),
+            "num_examples": int(sums.get("count", 0.0))}

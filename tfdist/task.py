@@ -1,0 +1,140 @@
+"""What a run trains: a `Task` (model builder, data set, loss and metrics).
+
+The binary's `--model`, `--dataset`, `--feature_spec` and `--import_modules`
+and the Python API's objects (`tfdist.fit`) both become one `Task`; every
+later step (the run plan, assembly, input pipelines, export) reads it and
+never the names again:
+
+    config --(from_config)--> Task(model_fn, dataset, loss, metrics)
+    tfdist.fit(model_fn, dataset_fn, ...) --> Task
+
+`build_model` calls the builder with the arguments it names (`spec`,
+`config`) and checks that it returned a `keras.Model`; `example_spec`
+gives the shapes of one example (for resolving `"accuracy"` and for
+building metrics) without reading data.
+"""
+
+import dataclasses
+from typing import Any, Callable, Optional, Sequence, Tuple
+
+from tfdist import feature_spec as feature_spec_lib
+from tfdist import registry
+from tfdist.config import ConfigError
+from tfdist.dataset_spec import DatasetSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+  """A model builder, a data set, and (optionally) the loss and metrics.
+
+  Attributes:
+    model_fn: returns a `keras.Model` (compiled or not); called inside the
+      strategy's scope with the keyword arguments it names among `spec` (the
+      `DatasetSpec`) and `config` (the `TrainConfig`).
+    dataset: the `DatasetSpec` (TFRecord files or a dataset function).
+    model_name: how the model is named in logs and the manifest (a
+      registered name or `module:function`).
+    loss: the loss (a Keras loss, loss function or name); None: from the
+      model's `compile`, else the data set's defaults.
+    metrics: Keras metrics or names; None: as for `loss`.
+  """
+  model_fn: Callable
+  dataset: DatasetSpec
+  model_name: str
+  loss: Any = None
+  metrics: Optional[Sequence[Any]] = None
+
+
+def load_builtins():
+  # Importing them registers tfdist's own models and data sets.
+  from tfdist import datasets  # pylint: disable=g-import-not-at-top,unused-import
+  from tfdist import models  # pylint: disable=g-import-not-at-top,unused-import
+
+
+def dataset_from_config(config) -> DatasetSpec:
+  """The `DatasetSpec` that `--dataset`/`--feature_spec` name.
+
+  Raises:
+    ConfigError: unknown name, a malformed feature spec, an import path
+      that cannot be loaded.
+  """
+  registry.import_modules(config.import_modules)
+  load_builtins()
+  if config.feature_spec:
+    return feature_spec_lib.load(config.feature_spec).dataset_spec(
+        name=config.dataset)
+  return registry.get_dataset(config.dataset)
+
+
+def from_config(config) -> Task:
+  """The `Task` a `TrainConfig` names (imports `--import_modules` first).
+
+  Raises:
+    ConfigError: an unknown model or data set (the message lists the
+      registered names), an import path that cannot be loaded.
+  """
+  dataset = dataset_from_config(config)
+  name, builder = registry.get_model_builder(config.model)
+  return Task(model_fn=builder, dataset=dataset, model_name=name)
+
+
+def describe_function(fn) -> str:
+  """`module:qualname` of a function (its import path when it has one)."""
+  return (f"{getattr(fn, '__module__', '?')}:"
+          f"{getattr(fn, '__qualname__', getattr(fn, '__name__', fn))}")
+
+
+def build_model(task: Task, config, *, sync_batch_norm: bool = False):
+  """Calls the task's builder (in the current scope); checks the result.
+
+  The builder gets, by name, what it asks for of `spec` (the data set's
+  `DatasetSpec`), `config` (the `TrainConfig`), `sync_batch_norm`
+  (whether batch normalization should use the global batch: the run plan's
+  decision, see `tfdist.models.resolve_sync_batch_norm`) and
+  `activation_recomputation` (`--activation_recomputation`: recompute its
+  blocks' activations in the backward pass; refused before this call for a
+  builder without it, see `tfdist.models.check_recomputation`).
+
+  Raises:
+    ConfigError: the builder needs arguments tfdist cannot give, or did not
+      return a `keras.Model`.
+  """
+  import keras  # pylint: disable=g-import-not-at-top
+  what = f"--model={task.model_name}"
+  model = registry.call_with_accepted(
+      task.model_fn, {"spec": task.dataset, "config": config,
+                      "sync_batch_norm": bool(sync_batch_norm),
+                      "activation_recomputation": bool(getattr(
+                          config, "activation_recomputation", False))},
+      what=what)
+  if not isinstance(model, keras.Model):
+    raise ConfigError(f"{what} returned {type(model).__name__}, not a "
+                      "keras.Model. Return the model (built, or buildable "
+                      "from its first batch).")
+  return model
+
+
+def example_spec(dataset: DatasetSpec, *, files: Sequence[str] = ()
+                 ) -> Tuple[Any, Any]:
+  """`(features, labels)` `tf.TensorSpec`s of one unbatched example.
+
+  Reads no data: TFRecord data sets trace `parse_fn`; a dataset function is
+  called once (for the evaluation split, as one input pipeline) and its
+  `element_spec` read.
+
+  Raises:
+    ConfigError: the examples are not `(features, labels)` pairs.
+  """
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  from tfdist import input_pipeline  # pylint: disable=g-import-not-at-top
+  if dataset.reads_files:
+    ds = tf.data.Dataset.from_tensors(tf.constant(b"")).map(dataset.parse_fn)
+    spec = ds.element_spec
+    del files
+  else:
+    spec = input_pipeline.call_input_fn(dataset, training=False).element_spec
+  if not isinstance(spec, tuple) or len(spec) < 2:
+    raise ConfigError(
+        f"--dataset={dataset.name} yields {spec}, not (features, labels) "
+        "pairs: return a tf.data.Dataset of (features, labels) examples.")
+  return spec[0], spec[1]
