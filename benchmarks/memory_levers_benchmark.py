@@ -21,10 +21,11 @@ Configurations: recomputation off/on at global batch B with K=1, and K=1
 against K=4 at the same effective global batch B (micro-batch B/4), each
 also with recomputation; all on one device.
 
-Allocator setting: glibc malloc's defaults (no `MALLOC_*` variables set by
-this script; it reports any in its environment). The speed issue's
-`tfdist/allocator.py` is not on main yet: when it is, run this with its
-setting and say so.
+Allocator setting: `--tune_allocator` (default off, as the README's figures
+were measured: glibc malloc's defaults) applies `tfdist.allocator`'s
+settings, which `tfdist.train` applies by default, in every configuration's
+process; the JSON records the setting in force (`allocator`) and any
+`MALLOC_*` variables of the environment.
 
 Usage:
   python benchmarks/memory_levers_benchmark.py --global_batch_size=256 \
@@ -54,6 +55,9 @@ flags.DEFINE_string("data_dir", "", "Where Fashion-MNIST TFRecords live "
                     "(default: tfdist's).")
 flags.DEFINE_string("out", "", "Write the figures here as JSON.")
 flags.DEFINE_integer("repeats", 1, "Rounds over the configurations.")
+flags.DEFINE_bool("tune_allocator", False, "Apply tfdist.allocator's glibc "
+                  "malloc settings in each configuration's process (as "
+                  "tfdist.train does by default).")
 
 # (name, recompute, K)
 CONFIGS = (("baseline", False, 1), ("recompute", True, 1),
@@ -63,6 +67,8 @@ CONFIGS = (("baseline", False, 1), ("recompute", True, 1),
 def measure(recompute: bool, k: int, *, global_batch: int, steps: int,
             warmup: int, model_name: str, data_dir: str) -> dict:
   """One configuration, in this process (a fresh one per configuration)."""
+  from tfdist import allocator  # pylint: disable=g-import-not-at-top
+  allocator_state = allocator.configure_allocator(FLAGS.tune_allocator)
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   import keras  # pylint: disable=g-import-not-at-top
   from tfdist import models  # pylint: disable=g-import-not-at-top
@@ -109,7 +115,8 @@ def measure(recompute: bool, k: int, *, global_batch: int, steps: int,
           "max_rss_bytes": resource.getrusage(
               resource.RUSAGE_SELF).ru_maxrss * 1024,
           "examples_per_second": steps * global_batch / seconds,
-          "step_seconds": seconds / steps}
+          "step_seconds": seconds / steps,
+          "allocator": allocator_state.to_dict()}
 
 
 def main(argv):
@@ -159,9 +166,9 @@ def main(argv):
       "steps": FLAGS.steps, "machine": {
           "cpus": os.cpu_count(), "platform": platform.platform(),
           "processor": platform.processor() or platform.machine()},
-      "allocator": {"malloc_environment": malloc or "glibc defaults",
-                    "tfdist_allocator_module": os.path.exists(os.path.join(
-                        REPO, "tfdist", "allocator.py"))},
+      "allocator": {"malloc_environment": malloc or "none",
+                    "tune_allocator": FLAGS.tune_allocator,
+                    "in_force": base["allocator"]},
       "results": results, "best": best}
   print(f"allocator: {report['allocator']}")
   if FLAGS.out:

@@ -17,7 +17,8 @@ recomputes its position from the restored step (`tfdist.input_pipeline`,
   step-3 checkpoint (mid-epoch) in another folder and trains to 8. The
   example ids B's training used (recorded by
   `tests.input_position_testlib`) equal A's from step 4 on, and B ends
-  with A's weights: one device and 2 Mirrored replicas with 2-step
+  with A's weights (the cnn: its dropout continues from the checkpoint's
+  random state): one device and 2 Mirrored replicas with 2-step
   accumulation (both in one child process: logical devices must be set
   before TensorFlow starts), and 2 MultiWorkerMirrored workers through
   `tfdist.launch`.
@@ -42,10 +43,11 @@ _CHILD_ENV = "TFDIST_INPUT_POSITION_CHILD"
 _TIMEOUT_S = 300
 # The runs: 160 training examples, global batch 32: 5 steps per epoch.
 _LIMIT, _BATCH, _STEPS, _STOP = 160, 32, 8, 3
-# No dropout: Keras 3 keeps a dropout layer's random state out of the
-# checkpoint, so after a resume its masks would differ from an
-# uninterrupted run's and the weights could not be compared.
-_MODEL = "resnet"
+# With dropout (in its head): Keras 3 keeps a dropout layer's seed state out
+# of the model's checkpoint, so tfdist saves it beside the model
+# (`tfdist.train_loop.random_state`); without it a resumed run's masks
+# differ from an uninterrupted run's and so do the weights.
+_MODEL = "cnn"
 
 
 @pytest.mark.compat
@@ -168,6 +170,46 @@ class ResumedPipelineTest(parameterized.TestCase):
     self.assertEqual(int(newer_step.numpy()), 2)
     self.assertIsNone(newer.input_position.saved)
     self.assertEqual(newer.input_position.resume_step(2), 0)
+
+
+class RandomStateTest(absltest.TestCase):
+
+  def test_checkpoint_holds_the_dropout_state(self):
+    import keras  # pylint: disable=g-import-not-at-top
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+    from tfdist import checkpointing  # pylint: disable=g-import-not-at-top
+    from tfdist import train_loop  # pylint: disable=g-import-not-at-top
+
+    def keeper(directory, with_state):
+      inputs = keras.Input((3,))
+      model = keras.Model(inputs, keras.layers.Dense(2)(
+          keras.layers.Dropout(0.5)(inputs)))
+      state = train_loop.random_state(model)
+      step = tf.Variable(0, dtype=tf.int64)
+      parts = {"random_state": state} if with_state else {}
+      return checkpointing.CheckpointKeeper(
+          checkpoint=tf.train.Checkpoint(model=model, global_step=step,
+                                         **parts),
+          directory=directory, step_counter=step), state, model
+
+    directory = testutil.scratch_dir()
+    saver, state, model = keeper(directory, True)
+    self.assertLen(state, 1)
+    model(tf.ones([4, 3]), training=True)  # Draws a mask: the state moves.
+    drawn = state[0].numpy().tolist()
+    saver.save(1)
+    resumed, resumed_state, _ = keeper(directory, True)
+    self.assertNotEqual(resumed_state[0].numpy().tolist(), drawn)
+    resumed.restore()
+    self.assertEqual(resumed_state[0].numpy().tolist(), drawn)
+    # A checkpoint written before tfdist saved the state restores the rest,
+    # with a warning.
+    old_dir = testutil.scratch_dir()
+    keeper(old_dir, False)[0].save(1)
+    newer = keeper(old_dir, True)[0]
+    with self.assertLogs(level="WARNING") as logs:
+      self.assertIsNotNone(newer.restore())
+    self.assertIn("holds no random-layer state", "\n".join(logs.output))
 
 
 def _train_flags(data, model_dir, ids_file, steps):

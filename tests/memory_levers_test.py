@@ -141,6 +141,15 @@ class RecomputationTest(absltest.TestCase):
         r"\) is not available for --model=ranking: its activations are"):
       models.check_recomputation("ranking", True)
     models.check_recomputation("ranking", False)
+    # A user's builder says so by taking the argument (or **kwargs).
+    with self.assertRaisesRegex(
+        ConfigError, "--model=my_project:build: its builder takes no "
+        "activation_recomputation argument"):
+      models.check_recomputation("my_project:build", True,
+                                 builder=lambda spec: None)
+    models.check_recomputation(
+        "my_project:build", True,
+        builder=lambda spec, activation_recomputation=False: None)
     # The cnn's dropout is in its head, which is not recomputed.
     model = models.build_model("cnn", input_shape=(28, 28, 1),
                                num_classes=10, activation_recomputation=True)

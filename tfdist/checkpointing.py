@@ -84,6 +84,23 @@ class InputPosition(tf.train.experimental.PythonState):
     return start
 
 
+# Parts of the training state (children of the checkpoint's root) that a
+# checkpoint may lack: the input position (`InputPosition`) and the random
+# layers' seed-generator states (`tfdist.train_loop.random_state`), which
+# older checkpoints do not hold.
+OPTIONAL_PARTS = ("input_position", "random_state")
+
+
+def root_children(prefix: str) -> set:
+  """Names of the objects a checkpoint's root holds (`model`, `optimizer`,
+  ...), from its object graph."""
+  from tensorflow.core.protobuf import trackable_object_graph_pb2  # pylint: disable=g-import-not-at-top
+  graph = trackable_object_graph_pb2.TrackableObjectGraph()
+  graph.ParseFromString(tf.train.load_checkpoint(prefix).get_tensor(
+      "_CHECKPOINTABLE_OBJECT_GRAPH"))
+  return {child.local_name for child in graph.nodes[0].children}
+
+
 class CheckpointKeeper:
   """Restores and saves one run's checkpoints.
 
@@ -132,23 +149,32 @@ class CheckpointKeeper:
     return path
 
   def _restore(self, path: str):
-    """Restores `path`; a checkpoint without an input position (written
-    with --nocheckpoint_input_position, or before it existed) restores
-    everything else."""
-    position = self.input_position
-    if position is None or tf.train.load_checkpoint(path).has_tensor(
-        INPUT_POSITION_KEY):
+    """Restores `path`. A checkpoint without an optional part
+    (`OPTIONAL_PARTS`: written with --nocheckpoint_input_position, or before
+    tfdist saved that part) restores everything else; a part the checkpoint
+    has and this run does not is left unread."""
+    present = root_children(path)
+    absent = {name: getattr(self.checkpoint, name) for name in OPTIONAL_PARTS
+              if name not in present and hasattr(self.checkpoint, name)}
+    for name in absent:
+      delattr(self.checkpoint, name)
+    try:
       status = self.checkpoint.restore(path)
       status.assert_existing_objects_matched()
-      if position is None:
-        status.expect_partial()  # A saved position is not needed.
-      return
-    del self.checkpoint.input_position
-    try:
-      self.checkpoint.restore(path).assert_existing_objects_matched()
+      if any(name in present and not hasattr(self.checkpoint, name)
+             for name in OPTIONAL_PARTS):
+        status.expect_partial()  # E.g. a saved position not needed.
     finally:
-      self.checkpoint.input_position = position
-    position.saved = None
+      for name, value in absent.items():
+        setattr(self.checkpoint, name, value)
+    if "input_position" in absent:
+      self.input_position.saved = None
+    if "random_state" in absent:
+      logging.warning(
+          "tfdist: %s holds no random-layer state (written before tfdist "
+          "saved it): dropout and other random layers continue from a "
+          "fresh state, so their draws differ from an uninterrupted run's.",
+          path)
 
   def save(self, step: int) -> str:
     """Saves the state as checkpoint number `step`; returns its path."""

@@ -109,6 +109,25 @@ def per_replica_random_streams(model: keras.Model) -> int:
   return changed
 
 
+def random_state(model: keras.Model) -> list:
+  """The state variables of `model`'s seed generators (int [2] each: seed
+  and counter; one per random layer such as `Dropout`, in layer order).
+
+  Keras keeps a `SeedGenerator` out of its layer's checkpoint dependencies,
+  so `tf.train.Checkpoint(model=model)` does not save them: a resumed run
+  would draw its dropout masks from the initial state again, not from where
+  the run stopped. tfdist saves these variables beside the model
+  (`tfdist.assembly.build`).
+  """
+  states, seen = [], set()
+  for layer in model._flatten_layers(include_self=True):  # pylint: disable=protected-access
+    for generator in getattr(layer, "_seed_generators", ()):
+      if id(generator) not in seen:
+        seen.add(id(generator))
+        states.append(generator.state)
+  return states
+
+
 def _sum_gradients_once(optimizer):
   """Turns off `optimizer`'s own gradient all-reduce while the step runs.
 
