@@ -82,16 +82,21 @@ def define_base_flags() -> List[str]:
   flags.DEFINE_string(
       "train_files", _default("train_files"),
       "Comma-separated globs of TFRecord files for training (local or gs://; "
-      "files ending in .gz are read as GZIP). Default: the --dataset's files.")
+      "files ending in .gz are read as GZIP). Default: Vertex AI's "
+      "$AIP_TRAINING_DATA_URI when AIP_DATA_FORMAT=tf-record, else the "
+      "--dataset's files.")
   flags.DEFINE_string(
       "eval_files", _default("eval_files"),
-      "Comma-separated globs of TFRecord files for evaluation. Default: the "
-      "--dataset's test files.")
+      "Comma-separated globs of TFRecord files for evaluation. Default: "
+      "Vertex AI's $AIP_VALIDATION_DATA_URI when AIP_DATA_FORMAT=tf-record, "
+      "else the --dataset's test files.")
   flags.DEFINE_string(
       "model_dir", _default("model_dir"),
       "Output folder for checkpoints, TensorBoard logs, the SavedModel and "
       "run_manifest.json. Required unless Vertex AI's AIP_CHECKPOINT_DIR or "
-      "AIP_MODEL_DIR is set. Running again with the same folder resumes.")
+      "AIP_MODEL_DIR is set. Running again with the same folder resumes. In "
+      "a Vertex AI hyperparameter-tuning trial (a trial id in CLUSTER_SPEC "
+      "or TF_CONFIG) a given folder gets the subfolder trial_<id>.")
   flags.DEFINE_string(
       "checkpoint_dir", _default("checkpoint_dir"),
       "Where checkpoints go. Default: $AIP_CHECKPOINT_DIR, else "
@@ -145,12 +150,16 @@ def define_train_flags() -> List[str]:
       "--dataset's recommendation, else 128.")
   flags.DEFINE_integer(
       "gradient_accumulation_steps", _default("gradient_accumulation_steps"),
-      "Micro-batches per optimizer update; the global batch is "
-      "per-replica batch x replicas x this.")
+      "Micro-batches per optimizer update (K): each replica accumulates the "
+      "gradients of K micro-batches, then one all-reduce and one update. "
+      "The global batch (what --batch_size sets, what the learning rate is "
+      "scaled to) is micro-batch x replicas x K, so K lowers the memory a "
+      "step needs at the same global batch. Not with parameter_server.")
   flags.DEFINE_integer(
       "per_replica_batch_size", _default("per_replica_batch_size"),
-      "Examples per replica per step; the global batch is this times "
-      "num_replicas_in_sync.")
+      "Examples per replica per step (per micro-step with "
+      "--gradient_accumulation_steps); the global batch is this times "
+      "num_replicas_in_sync (times --gradient_accumulation_steps).")
   flags.DEFINE_integer("log_steps", _default("log_steps"),
                        "Log loss, learning rate, examples/sec and step time "
                        "every this many steps.")
@@ -160,6 +169,16 @@ def define_train_flags() -> List[str]:
       "A checkpoint is always saved at the end.")
   flags.DEFINE_integer("max_checkpoints", _default("max_checkpoints"),
                        "Checkpoints to keep.")
+  flags.DEFINE_bool(
+      "checkpoint_input_position", _default("checkpoint_input_position"),
+      "A resumed run continues the epoch where the checkpoint left it, so "
+      "each example is still used once per epoch across a restart: every "
+      "worker recomputes its position in its shard from the step (the "
+      "training input is read in a deterministic order; the checkpoint "
+      "records only the input's layout, and a change of worker count, "
+      "files, batch, seed or shuffle buffer discards the position with a "
+      "message). --nocheckpoint_input_position: a resume starts its epoch "
+      "over.")
   flags.DEFINE_integer("seed", _default("seed"),
                        "Random seed for weights and shuffling.")
   flags.DEFINE_bool("run_eagerly", _default("run_eagerly"),
@@ -234,6 +253,19 @@ def define_performance_flags() -> List[str]:
       f"Default: {config_lib.TPU_DEFAULT_STEPS_PER_EXECUTION} with "
       "--distribution_strategy=tpu, else 1.")
 
+  flags.DEFINE_bool(
+      "activation_recomputation", _default("activation_recomputation"),
+      "The model recomputes the activations of each block in the backward "
+      "pass instead of keeping them (tf.recompute_grad; the built-in cnn and "
+      "resnet, or a builder taking activation_recomputation): "
+      "less memory for about one more forward pass; same gradients, "
+      "weights and checkpoints. Alias: --gradient_checkpointing.")
+  flags.DEFINE_alias("gradient_checkpointing", "activation_recomputation")
+  flags.DEFINE_bool(
+      "deterministic", _default("deterministic"),
+      "Reproducible runs: TensorFlow's op determinism "
+      "(tf.config.experimental.enable_op_determinism) and a deterministic "
+      "input order; needs --seed. Slower; not with parameter_server.")
   flags.DEFINE_integer(
       "max_consecutive_skipped_steps",
       _default("max_consecutive_skipped_steps"),

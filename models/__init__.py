@@ -5,7 +5,8 @@ Imported as `tfdist.models` (this folder is installed there; see
 Each builder is registered with `tfdist.registry.register_model` and takes
 the run's `DatasetSpec` (`spec`) and `TrainConfig` (`config`); those with
 batch normalization also `sync_batch_norm` (the run plan's decision, see
-`resolve_sync_batch_norm`). Every model
+`resolve_sync_batch_norm`), and those that can recompute their activations
+(`cnn`, `resnet`; `recompute.py`) `activation_recomputation`. Every model
 returns a `keras.Model` whose output stays float32 under a mixed precision
 policy (the last layer is a float32 activation): image models (`cnn`,
 `resnet`) return logits [batch, num_classes]; the ranking model (`ranking`)
@@ -37,17 +38,22 @@ def _image_shape(name: str, spec) -> Tuple[Tuple[int, ...], int]:
 
 
 @registry.register_model("cnn")
-def _build_cnn(spec, sync_batch_norm: bool = False) -> keras.Model:
+def _build_cnn(spec, sync_batch_norm: bool = False,
+               activation_recomputation: bool = False) -> keras.Model:
   input_shape, num_classes = _image_shape("cnn", spec)
   return cnn.build_cnn(input_shape=input_shape, num_classes=num_classes,
-                       sync_batch_norm=bool(sync_batch_norm))
+                       sync_batch_norm=bool(sync_batch_norm),
+                       activation_recomputation=bool(activation_recomputation))
 
 
 @registry.register_model("resnet")
-def _build_resnet(spec, sync_batch_norm: bool = False) -> keras.Model:
+def _build_resnet(spec, sync_batch_norm: bool = False,
+                  activation_recomputation: bool = False) -> keras.Model:
   input_shape, num_classes = _image_shape("resnet", spec)
-  return resnet.build_resnet(input_shape=input_shape, num_classes=num_classes,
-                             sync_batch_norm=bool(sync_batch_norm))
+  return resnet.build_resnet(
+      input_shape=input_shape, num_classes=num_classes,
+      sync_batch_norm=bool(sync_batch_norm),
+      activation_recomputation=bool(activation_recomputation))
 
 
 @registry.register_model("ranking")
@@ -69,6 +75,50 @@ _BATCH_NORM = frozenset({"cnn", "resnet"})
 # Strategies whose replicas apply one update together per step, so that
 # batch statistics can be summed over the global batch.
 SYNCHRONOUS_STRATEGIES = ("mirrored", "multi_worker_mirrored", "tpu")
+
+
+# Why built-in builders that take no `activation_recomputation` cannot.
+_NO_RECOMPUTATION_REASONS = {
+    "ranking": "its activations are a few embedding rows and a small MLP "
+               "per example (nothing worth recomputing), and its embedding "
+               "lookups produce sparse gradients over tables that parameter "
+               "servers shard, which tf.recompute_grad does not handle",
+}
+
+
+def supports_recomputation(name: str) -> bool:
+  """True when the builder of `--model=name` (registered or an import
+  path) can recompute activations: it takes an `activation_recomputation`
+  argument (`--activation_recomputation`; the built-in `cnn` and
+  `resnet`).
+
+  Raises:
+    ConfigError: unknown name.
+  """
+  _, builder = registry.get_model_builder(name)
+  return registry.accepts(builder, "activation_recomputation")
+
+
+def check_recomputation(name: str, activation_recomputation: bool, *,
+                        builder=None):
+  """Raises `ConfigError` when `--activation_recomputation` is asked of a
+  model whose builder cannot say so (it takes no `activation_recomputation`
+  argument); the message says why. `builder`: the builder of `name` (None:
+  looked up)."""
+  if not activation_recomputation:
+    return
+  if builder is None:
+    _, builder = registry.get_model_builder(name)
+  if registry.accepts(builder, "activation_recomputation"):
+    return
+  reason = _NO_RECOMPUTATION_REASONS.get(
+      name, "its builder takes no activation_recomputation argument (a "
+            "builder that can recompute names it and wraps its blocks, e.g. "
+            "with tfdist.models.recompute.recomputing_model)")
+  raise ConfigError(
+      f"--activation_recomputation (--gradient_checkpointing) is not "
+      f"available for --model={name}: {reason}. The built-in models that "
+      f"recompute: cnn, resnet; or drop the flag.")
 
 
 def has_batch_norm(name: str) -> bool:
@@ -129,7 +179,8 @@ def model_names() -> Tuple[str, ...]:
 def build_model(name: str, *, spec: Optional[DatasetSpec] = None,
                 input_shape=None, num_classes: Optional[int] = None,
                 embedding_dim: int = 16, hash_buckets: int = 100_000,
-                sync_batch_norm: bool = False) -> keras.Model:
+                sync_batch_norm: bool = False,
+                activation_recomputation: bool = False) -> keras.Model:
   """Builds the model registered as `name` for the data set `spec`.
 
   Args:
@@ -141,10 +192,13 @@ def build_model(name: str, *, spec: Optional[DatasetSpec] = None,
     sync_batch_norm: batch statistics over the global batch (see
       `resolve_sync_batch_norm`); reaches only models with batch
       normalization (`has_batch_norm`).
+    activation_recomputation: blocks recompute their activations in the
+      backward pass (`supports_recomputation`; models/recompute.py).
 
   Raises:
-    ConfigError: unknown name (the message lists the registered ones), or
-      a data set the model cannot take.
+    ConfigError: unknown name (the message lists the registered ones), a
+      data set the model cannot take, or `activation_recomputation` for a
+      model that cannot.
   """
   if spec is None:
     if input_shape is None or num_classes is None:
@@ -154,9 +208,13 @@ def build_model(name: str, *, spec: Optional[DatasetSpec] = None,
                        num_classes=num_classes, task="multiclass",
                        parse_fn=lambda serialized: serialized)
   _, builder = registry.get_model_builder(name)
+  check_recomputation(name, activation_recomputation, builder=builder)
   config = types.SimpleNamespace(embedding_dim=embedding_dim,
-                                 hash_buckets=hash_buckets)
+                                 hash_buckets=hash_buckets,
+                                 activation_recomputation=bool(
+                                     activation_recomputation))
   return registry.call_with_accepted(
       builder, {"spec": spec, "config": config,
-                "sync_batch_norm": bool(sync_batch_norm)},
+                "sync_batch_norm": bool(sync_batch_norm),
+                "activation_recomputation": bool(activation_recomputation)},
       what=f"--model={name}")

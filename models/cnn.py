@@ -4,12 +4,14 @@ import keras
 from keras import layers
 
 from . import batch_norm
+from . import recompute
 
 
 def build_cnn(*, input_shape=(28, 28, 1), num_classes: int = 10,
               width: int = 32, convs_per_block: int = 1,
               dropout: float = 0.3,
-              sync_batch_norm: bool = False) -> keras.Model:
+              sync_batch_norm: bool = False,
+              activation_recomputation: bool = False) -> keras.Model:
   """Two conv blocks (conv-BN-ReLU x `convs_per_block`, max-pool), dense head.
 
   Args:
@@ -22,6 +24,9 @@ def build_cnn(*, input_shape=(28, 28, 1), num_classes: int = 10,
       summed across replicas at every training step (Keras's
       `synchronized=True`, its three all-reduces packed into one:
       `tfdist.models.batch_norm`); False: over each replica's share.
+    activation_recomputation: the two conv blocks recompute their
+      activations in the backward pass (`models.recompute`; the dense head,
+      which holds the dropout, is not recomputed).
 
   Returns:
     A `keras.Model` mapping float32 [batch, *input_shape] to float32 logits
@@ -30,15 +35,20 @@ def build_cnn(*, input_shape=(28, 28, 1), num_classes: int = 10,
   """
   inputs = keras.Input(shape=input_shape, name="image")
   x = inputs
+  block_outputs = []
   for filters in (width, 2 * width):
     for _ in range(convs_per_block):
       x = layers.Conv2D(filters, 3, padding="same", use_bias=False)(x)
       x = batch_norm.BatchNormalization(synchronized=sync_batch_norm)(x)
       x = layers.ReLU()(x)
     x = layers.MaxPooling2D()(x)
+    block_outputs.append(x)
   x = layers.Flatten()(x)
   x = layers.Dense(128, activation="relu")(x)
   x = layers.Dropout(dropout)(x)
   x = layers.Dense(num_classes)(x)
   outputs = layers.Activation("linear", dtype="float32", name="logits")(x)
+  if activation_recomputation:
+    return recompute.recomputing_model(inputs, outputs,
+                                       boundaries=block_outputs, name="cnn")
   return keras.Model(inputs, outputs, name="cnn")

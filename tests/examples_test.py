@@ -343,6 +343,7 @@ def _child_parameter_server(project: str) -> dict:
     global_batch_size = 64
     sync_batch_norm = False
   Plan.lr = lr
+  Plan.batch = plan_batch
   parts = assembly.build(config, task=task, strategy=strategy, plan=Plan)
   placement = ps_lib.describe_placement(parts.model, parts.optimizer,
                                         large_bytes=16 << 10)

@@ -16,11 +16,14 @@ from absl import logging
 import keras
 import tensorflow as tf
 
+from tfdist import checkpointing
+from tfdist import models
 from tfdist import objectives as objectives_lib
 from tfdist import optimizers
 from tfdist import precision
 from tfdist import task as task_lib
 from tfdist.config import ConfigError
+from tfdist import train_loop
 from tfdist.train_loop import Trainer
 
 
@@ -60,6 +63,16 @@ def _output_shape(model: keras.Model, task: task_lib.Task) -> tf.TensorShape:
         f"--model={task.model_name} cannot take --dataset="
         f"{task.dataset.name}'s features {features}: {type(e).__name__}: "
         f"{first}") from e
+
+
+def check_model_options(config, *, task: task_lib.Task):
+  """Raises `ConfigError` for model options the task's model cannot honour
+  (`--activation_recomputation` for a builder that cannot recompute, see
+  `tfdist.models.check_recomputation`); checked before any data or model is
+  built."""
+  models.check_recomputation(task.model_name,
+                             config.activation_recomputation,
+                             builder=task.model_fn)
 
 
 def build_model(config, *, task: task_lib.Task,
@@ -158,15 +171,22 @@ def build(config, *, task: task_lib.Task, strategy: tf.distribute.Strategy,
                     # TPUs compile everything with XLA already.
                     enable_xla=config.enable_xla and not on_tpu,
                     run_eagerly=config.run_eagerly, loss=resolved.loss,
-                    metrics=metric_sums, eval_example_weights=on_tpu)
+                    metrics=metric_sums, eval_example_weights=on_tpu,
+                    gradient_accumulation_steps=(
+                        plan.batch.gradient_accumulation_steps))
   if config.enable_xla:
     logging.info(
         "--enable_xla: %s", "TPUs compile every step with XLA already."
         if on_tpu else "Keras 3 turns XLA off under a tf.distribute "
         "strategy, so tfdist jit-compiles its own per-replica forward and "
         "backward pass (the optimizer update stays outside XLA).")
-  checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer,
-                                   global_step=trainer.global_step)
+  # The random layers' seed-generator states too (Keras keeps them out of
+  # the model's checkpoint dependencies): a resumed run then draws the same
+  # dropout masks as an uninterrupted one.
+  random_state = train_loop.random_state(model)
+  checkpoint = tf.train.Checkpoint(
+      model=model, optimizer=optimizer, global_step=trainer.global_step,
+      **({"random_state": random_state} if random_state else {}))
   return Parts(model=model, optimizer=optimizer, trainer=trainer,
                checkpoint=checkpoint, objectives=resolved,
                metric_sums=metric_sums)
@@ -189,16 +209,6 @@ def evaluation_trainer(parts: Parts, *, global_batch_size: int) -> Trainer:
                  optimizer=parts.optimizer or keras.optimizers.SGD(),
                  global_batch_size=global_batch_size,
                  loss=parts.objectives.loss, metrics=parts.metric_sums)
-
-
-def _root_children(prefix: str) -> set:
-  """Names of the objects a checkpoint's root holds (`model`, `optimizer`,
-  ...), from its object graph."""
-  from tensorflow.core.protobuf import trackable_object_graph_pb2  # pylint: disable=g-import-not-at-top
-  graph = trackable_object_graph_pb2.TrackableObjectGraph()
-  graph.ParseFromString(tf.train.load_checkpoint(prefix).get_tensor(
-      "_CHECKPOINTABLE_OBJECT_GRAPH"))
-  return {child.local_name for child in graph.nodes[0].children}
 
 
 def load_init_checkpoint(model: keras.Model, path: str) -> str:
@@ -241,7 +251,7 @@ def load_init_checkpoint(model: keras.Model, path: str) -> str:
         f"--init_checkpoint={path}: no checkpoint there ({path}.index is "
         "missing). Give a checkpoint prefix (.../ckpt-N), a folder of "
         "checkpoints, or a .weights.h5 file.")
-  if "model" not in _root_children(prefix):
+  if "model" not in checkpointing.root_children(prefix):
     raise ConfigError(
         f"--init_checkpoint={path}: {prefix} holds no model (tfdist loads "
         "checkpoints written as tf.train.Checkpoint(model=...), as tfdist "

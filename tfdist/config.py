@@ -152,6 +152,28 @@ def parse_profile_steps(value) -> Tuple[int, ...]:
   return steps
 
 
+def check_accumulation_strategy(strategy: str, steps: int) -> None:
+  """The one check that gradient accumulation runs under a synchronous
+  strategy.
+
+  Args:
+    strategy: the concrete or requested strategy name (`auto` passes).
+    steps: `--gradient_accumulation_steps`.
+
+  Raises:
+    ConfigError: `steps` > 1 under `parameter_server`.
+  """
+  if steps > 1 and strategy == "parameter_server":
+    raise ConfigError(
+        f"--gradient_accumulation_steps={steps} is not supported with "
+        "--distribution_strategy=parameter_server: there each worker step is "
+        "its own asynchronous update of the shared weights, so there is no "
+        "synchronous global batch to split into micro-batches, and "
+        "accumulators would live on the ps tasks, shared by every worker. "
+        "Raise --batch_size (examples per worker step) instead, or use "
+        "multi_worker_mirrored.")
+
+
 def _split_list(value) -> Tuple[str, ...]:
   if value is None:
     return ()
@@ -280,6 +302,17 @@ class TrainConfig:
   # synchronous strategies with more than one replica (see
   # tfdist.models.resolve_sync_batch_norm).
   sync_batch_norm: Optional[bool] = None
+  # --- Memory levers and reproducibility (issue 14) ---
+  # The model's blocks recompute their activations in the backward pass
+  # (--activation_recomputation, alias --gradient_checkpointing): built-in
+  # cnn and resnet, and builders taking `activation_recomputation`.
+  activation_recomputation: bool = False
+  # Op determinism and a deterministic input order (needs --seed).
+  deterministic: bool = False
+  # Checkpoints record the input order, and a resumed run continues its
+  # epoch where it stopped (each worker recomputes its position from the
+  # step; tfdist.input_pipeline). False: a resume starts its epoch over.
+  checkpoint_input_position: bool = True
   # --- Your model, your data (issue 11) ---
   # A JSON feature spec describing --train_files/--eval_files records
   # (tfdist.feature_spec); the data set is then FEATURE_SPEC_DATASET.
@@ -363,6 +396,27 @@ class TrainConfig:
           "AIP_CHECKPOINT_DIR as Vertex AI does). Example: "
           "--model_dir=/tmp/tfdist_run.")
 
+  def require_data_files(self):
+    """Raises `ConfigError` when `--feature_spec` has no files to read.
+
+    Called once the environment is applied (`tfdist.environment`), since
+    Vertex AI's `AIP_TRAINING_DATA_URI` / `AIP_VALIDATION_DATA_URI` may
+    supply them.
+    """
+    if not self.feature_spec:
+      return
+    if not self.train_files and self.mode != "eval":
+      raise ConfigError(
+          f"--feature_spec={self.feature_spec} describes your TFRecords: "
+          "give them as --train_files (and --eval_files), or set "
+          "AIP_TRAINING_DATA_URI with AIP_DATA_FORMAT=tf-record.")
+    if not self.eval_files and self.mode != "train":
+      raise ConfigError(
+          f"--feature_spec={self.feature_spec} describes your TFRecords: "
+          "give the evaluation files as --eval_files (or set "
+          "AIP_VALIDATION_DATA_URI with AIP_DATA_FORMAT=tf-record; or train "
+          "only: --mode=train).")
+
   def _validate(self):
     def need(cond, message):
       if not cond:
@@ -395,9 +449,22 @@ class TrainConfig:
       value = getattr(self, name)
       need(value is None or value > 0,
            f"--{name}={value} must be a positive number of examples.")
-    need(self.gradient_accumulation_steps == 1,
-         f"--gradient_accumulation_steps={self.gradient_accumulation_steps}: "
-         "only 1 is supported so far.")
+    need(self.gradient_accumulation_steps >= 1,
+         f"--gradient_accumulation_steps={self.gradient_accumulation_steps} "
+         "must be >= 1 (1: no accumulation).")
+    check_accumulation_strategy(self.distribution_strategy,
+                                self.gradient_accumulation_steps)
+    need(not self.deterministic or self.seed is not None,
+         "--deterministic needs a --seed (the seed fixes the initial "
+         "weights, dropout and the input order); received no seed. Pass "
+         "e.g. --seed=42 or drop --deterministic.")
+    need(not (self.deterministic and
+              self.distribution_strategy == "parameter_server"),
+         "--deterministic is not supported with --distribution_strategy="
+         "parameter_server: asynchronous workers apply their updates in "
+         "whatever order they finish. Use a synchronous strategy "
+         "(one_device, mirrored, multi_worker_mirrored) or drop "
+         "--deterministic.")
     need(self.base_batch_size > 0,
          f"--base_batch_size={self.base_batch_size} must be > 0.")
     need(self.base_learning_rate > 0,
@@ -477,13 +544,8 @@ class TrainConfig:
       need(self.dataset == FEATURE_SPEC_DATASET,
            f"--feature_spec={self.feature_spec} and --dataset={self.dataset}"
            " both say where the data comes from: pass only one.")
-      need(bool(self.train_files) or self.mode == "eval",
-           f"--feature_spec={self.feature_spec} describes your TFRecords: "
-           "give them as --train_files (and --eval_files).")
-      need(bool(self.eval_files) or self.mode == "train",
-           f"--feature_spec={self.feature_spec} describes your TFRecords: "
-           "give the evaluation files as --eval_files (or train only: "
-           "--mode=train).")
+      # Its --train_files/--eval_files are checked by `require_data_files`
+      # once the environment is applied (Vertex AI's AIP_*_DATA_URI).
     else:
       need(self.dataset != FEATURE_SPEC_DATASET,
            f"--dataset={FEATURE_SPEC_DATASET} needs --feature_spec=FILE.json"

@@ -98,6 +98,8 @@ class ControllerResult:
     train_seconds: wall time of the training loop in this process.
     skipped_steps: steps of this process whose update was skipped (fp16
       gradients not finite).
+    micro_steps: micro-batches this process ran (steps x
+      `--gradient_accumulation_steps`), counted by the compiled step.
   """
   step: int
   final_eval: Optional[dict]
@@ -105,6 +107,7 @@ class ControllerResult:
   restored_from: Optional[str]
   train_seconds: float
   skipped_steps: int = 0
+  micro_steps: int = 0
 
 
 def next_boundary(step: int, options: ControllerOptions,
@@ -248,6 +251,7 @@ class Controller:
     log_sums: Dict[str, np.ndarray] = {}
     log_steps = 0
     last_eval, stopped_early, epoch_open = None, False, False
+    micro_steps = 0
     while step < opts.total_steps:
       if not epoch_open:
         self.callbacks.on_epoch_begin(epoch)
@@ -270,6 +274,7 @@ class Controller:
       self.step = step
       if self.profiler is not None:
         self.profiler.after_steps(step)
+      micro_steps += int(sums.get("micro_steps", n))
       self.skipped.record_chunk(
           steps=n, skipped=float(sums.get("skipped_steps", 0.0)),
           skipped_at_end=float(sums.get("skipped_steps_at_end", 0.0)),
@@ -332,7 +337,8 @@ class Controller:
                             stopped_early=stopped_early,
                             restored_from=restored,
                             train_seconds=time.time() - started,
-                            skipped_steps=self.skipped.total_skipped)
+                            skipped_steps=self.skipped.total_skipped,
+                            micro_steps=micro_steps)
 
   # --- the side-car evaluator ------------------------------------------------
   def evaluate_continuously(self, *, checkpoint_dir: str, results_dir: str,

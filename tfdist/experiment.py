@@ -27,6 +27,7 @@ evaluating.
 """
 
 import atexit
+import dataclasses
 import os
 import shutil
 import tempfile
@@ -40,6 +41,7 @@ import tensorflow as tf
 from tfdist import allocator
 from tfdist import assembly
 from tfdist import auto_select
+from tfdist import checkpointing
 from tfdist import cluster as cluster_lib
 from tfdist import controller as controller_lib
 from tfdist import devices
@@ -95,19 +97,22 @@ def prepare_run(config: TrainConfig, *,
       no files, so the TPU `gs://` rule has nothing to check).
 
   Returns:
-    `(config, cluster, decision, environment_applied)`: the config with the
-    environment applied and `auto` decided, the `ClusterInfo`, the
-    `auto_select.Decision`, and the `(field, variable)` pairs the
-    environment filled.
+    `(config, cluster, decision, environment_applied, trial_fields)`: the
+    config with the environment applied (a tuning trial's folders nested,
+    `environment.trial_folders`) and `auto` decided, the `ClusterInfo`, the
+    `auto_select.Decision`, the `(field, variable)` pairs the environment
+    filled, and the folder fields given the trial's subfolder.
 
   Raises:
-    ConfigError: missing `--model_dir`, a malformed cluster, fp16 on a TPU,
-      local input with a remote TPU.
+    ConfigError: missing `--model_dir`, `--feature_spec` without files, a
+      data URI of another format than `tf-record`, a malformed cluster,
+      fp16 on a TPU, local input with a remote TPU.
   """
   if environment is None:
     environment = environment_lib.read_environment()
   config, applied = environment_lib.apply_environment(config, environment)
   config.require_model_dir()
+  config.require_data_files()
   for field, variable in applied:
     logging.info("--%s=%s from $%s", field, getattr(config, field), variable)
   if config.recommended_applied:
@@ -119,6 +124,13 @@ def prepare_run(config: TrainConfig, *,
       environ=environment.variables,
       reduction_server=config.reduction_server)
   logging.info("%s", cluster.describe())
+  # Hyperparameter tuning: trials never share a checkpoint.
+  config, trial_fields = environment_lib.trial_folders(
+      config, trial=cluster.trial, filled=applied)
+  for field in trial_fields:
+    logging.info("--%s=%s: hyperparameter-tuning trial %s's own folder "
+                 "(from %s)", field, getattr(config, field), cluster.trial,
+                 cluster.source)
   decision = auto_select.resolve(config, cluster=cluster,
                                  environment=environment)
   config = auto_select.apply_decision(config, decision)
@@ -126,7 +138,7 @@ def prepare_run(config: TrainConfig, *,
     tpu_lib.validate_tpu_config(
         config, data_patterns=run_plan_lib.data_patterns(config, dataset))
   logging.info("%s", decision.describe())
-  return config, cluster, decision, applied
+  return config, cluster, decision, applied, trial_fields
 
 
 def run_experiment(config: TrainConfig, *,
@@ -178,9 +190,10 @@ def run_experiment(config: TrainConfig, *,
   filesystems.require_file_systems(filesystems.config_paths(config))
   if task is None:
     task = task_lib.from_config(config)
-  config, cluster, decision, applied = prepare_run(
+  config, cluster, decision, applied, trial_fields = prepare_run(
       config, environment=environment, dataset=task.dataset)
   filesystems.require_file_systems(filesystems.config_paths(config))
+  assembly.check_model_options(config, task=task)
   hypertune_reporter = None
   if config.hptune_metric:
     # Vertex AI hyperparameter tuning: checked before any training.
@@ -207,12 +220,13 @@ def run_experiment(config: TrainConfig, *,
       return {"role": cluster.task_type, "index": cluster.task_index,
               "exit_status": status}
   return _train(config, task=task, cluster=cluster, decision=decision,
-                applied=applied, callbacks=callbacks, started=started,
+                applied=applied, trial_fields=trial_fields,
+                callbacks=callbacks, started=started,
                 hypertune_reporter=hypertune_reporter)
 
 
 def _train(config, *, task, cluster, decision, applied, callbacks, started,
-           hypertune_reporter=None):
+           hypertune_reporter=None, trial_fields=()):
   """The training process: the only one, the chief, a worker, or the
   parameter-server coordinator."""
   multi_worker = decision.strategy == "multi_worker_mirrored"
@@ -238,6 +252,10 @@ def _train(config, *, task, cluster, decision, applied, callbacks, started,
       grace_seconds=config.preemption_grace_seconds).install()
   if config.seed is not None:
     keras.utils.set_random_seed(config.seed)
+  if config.deterministic:
+    # Reproducible runs (--deterministic): the same seed, data and cluster
+    # give the same weights.
+    tf.config.experimental.enable_op_determinism()
   spec = task.dataset
   plan = run_plan_lib.make_run_plan(
       config, spec, num_replicas_in_sync=strategy.num_replicas_in_sync,
@@ -270,10 +288,25 @@ def _train(config, *, task, cluster, decision, applied, callbacks, started,
 
   checkpoint_dir = out_dir(config.resolved_checkpoint_dir, "checkpoints")
   tensorboard_dir = out_dir(config.resolved_tensorboard_dir, "tensorboard")
+  # The input position (issue 14): synchronous strategies reading TFRecord
+  # files only (parameter-server workers read unseeded copies of every file;
+  # a dataset function's epochs are not aligned to steps).
+  input_position = None
+  if (config.checkpoint_input_position and not asynchronous and
+      spec.reads_files):
+    input_position = checkpointing.InputPosition(
+        input_pipeline.input_layout(
+            files=plan.train_files, file_record_counts=plan.train_file_counts,
+            num_input_pipelines=num_workers,
+            global_batch_size=plan.global_batch_size, seed=config.seed,
+            shuffle_buffer_size=config.shuffle_buffer_size,
+            cache=config.cache_dataset),
+        steps_per_epoch=plan.steps_per_epoch)
   keeper = CheckpointKeeper(
       checkpoint=parts.checkpoint, directory=checkpoint_dir,
       step_counter=trainer.global_step, max_to_keep=config.max_checkpoints,
-      restore_dir=config.resolved_checkpoint_dir)
+      restore_dir=config.resolved_checkpoint_dir,
+      input_position=input_position)
   warm_started = None
   if config.init_checkpoint and not tf.train.latest_checkpoint(
       config.resolved_checkpoint_dir):
@@ -304,21 +337,37 @@ def _train(config, *, task, cluster, decision, applied, callbacks, started,
         config, spec=spec, plan=plan, strategy=strategy, parts=parts,
         keeper=keeper)
   else:
-    train_data = input_pipeline.distribute(
-        strategy, input_pipeline.options_for(
-            spec, files=plan.train_files,
-            global_batch_size=plan.global_batch_size, is_training=True,
-            shuffle_buffer_size=config.shuffle_buffer_size,
-            cache=config.cache_dataset, seed=config.seed,
-            file_record_counts=plan.train_file_counts))
+    train_options = input_pipeline.options_for(
+        spec, files=plan.train_files,
+        global_batch_size=plan.global_batch_size, is_training=True,
+        shuffle_buffer_size=config.shuffle_buffer_size,
+        cache=config.cache_dataset, seed=config.seed,
+        file_record_counts=plan.train_file_counts,
+        gradient_accumulation_steps=plan.batch.gradient_accumulation_steps,
+        # A resumable position needs a reproducible reading order.
+        deterministic=config.deterministic or input_position is not None)
+
+    def train_iterator(restored_step: int):
+      """The training input from the restored step's position: where the
+      checkpoint left the epoch, or the start of that epoch."""
+      if input_position is not None:
+        start = input_position.resume_step(restored_step)
+      else:
+        start = restored_step - restored_step % plan.steps_per_epoch
+      return iter(input_pipeline.distribute(
+          strategy, dataclasses.replace(train_options, start_step=start)))
+
     runner = step_runner.LocalStepRunner(
-        trainer=trainer, iterator=iter(train_data), num_workers=num_workers)
+        trainer=trainer, iterator_fn=train_iterator, num_workers=num_workers)
     evaluate = None
     if config.mode != "train":
       eval_data = input_pipeline.distribute(
           strategy, input_pipeline.options_for(
               spec, files=plan.eval_files,
-              global_batch_size=plan.global_batch_size, is_training=False,
+              # Micro-batches: what a step's memory was sized for.
+              global_batch_size=(plan.global_batch_size //
+                                 plan.batch.gradient_accumulation_steps),
+              is_training=False,
               cache=config.cache_dataset,
               # TPUs need static shapes: pad the last batches, masked in the
               # metrics.
@@ -399,7 +448,8 @@ def _train(config, *, task, cluster, decision, applied, callbacks, started,
       seconds={"total": time.time() - started,
                "training": result.train_seconds,
                "training_all_processes": run_log.training_seconds()},
-      environment_applied=applied, strategy_details=strategy_details,
+      environment_applied=applied, trial_fields=trial_fields,
+      strategy_details=strategy_details,
       objectives=parts.objectives, model_name=task.model_name,
       model_memory=model_memory.to_dict())
   if not is_chief:

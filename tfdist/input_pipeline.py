@@ -30,10 +30,27 @@ shuffling, the same ones every epoch). A left-out example is not carried
 over: the next epoch draws from every record again. Without record counts a
 single pipeline just repeats its files (epochs not aligned to steps).
 
+Epochs are numbered, and epoch e's order is a function of `--seed` and e
+alone (its shuffles are seeded with `_epoch_seed(seed, e)`; the parsed
+share is read once, in a fixed order, and cached), so any epoch can be
+rebuilt without reading the ones before it. That is how a resumed run
+continues its epoch (`PipelineOptions.start_step`, `start_position`): after
+S updates of `steps_per_epoch` each, every host starts epoch
+`S // steps_per_epoch` and skips the `(S mod steps_per_epoch) x B / n`
+examples of it that the updates before used: the same examples follow as
+without the restart, provided the reading order is reproducible (a seed,
+and `deterministic` interleave and parsing). No iterator state is saved:
+each worker recomputes its own position from the step, so it needs no
+storage of its own (only the chief writes checkpoints); the checkpoint
+records the layout (`input_layout`) that makes the step mean the same
+position, and `layout_change` names what changed (workers, files, batch,
+seed, ...), in which case the position is not used.
+
 Within a host the strategy hands one per-replica batch to each local replica.
 """
 
 import dataclasses
+import os
 from typing import Callable, List, Optional, Sequence, Tuple
 
 from absl import logging
@@ -138,6 +155,15 @@ class PipelineOptions:
       (module docstring). None: counted when the dataset is built (one more
       read) if there are several hosts; with one host, epochs are then not
       aligned.
+    gradient_accumulation_steps: micro-batches per update (K): the dataset
+      yields per-replica micro-batches of `global_batch_size / (replicas x
+      K)` examples (`global_batch_size` is the effective one).
+    start_step: training: updates already made; the host's input starts in
+      the epoch that step falls in, after the examples the updates before
+      it used (`start_position`; needs record counts). The same examples
+      follow as in an uninterrupted run when the order is reproducible:
+      `seed` set and `deterministic` (or a run whose reading order does not
+      vary).
     input_fn: instead of files, a data set's dataset function
       (`DatasetSpec.input_fn`), called by `call_input_fn`.
     name: the data set's name, for messages.
@@ -152,8 +178,72 @@ class PipelineOptions:
   deterministic: bool = False
   pad_to_static_batches: bool = False
   file_record_counts: Optional[Sequence[int]] = None
+  gradient_accumulation_steps: int = 1
+  start_step: int = 0
   input_fn: Optional[Callable] = None
   name: str = ""
+
+
+def input_layout(*, files: Sequence[str], file_record_counts: Sequence[int],
+                 num_input_pipelines: int, global_batch_size: int,
+                 seed: Optional[int], shuffle_buffer_size: int,
+                 cache: bool) -> dict:
+  """What makes a step mean the same position in every host's input.
+
+  Two runs with equal layouts read the same examples in the same order at
+  the same step (module docstring); a checkpoint records its run's layout
+  (`tfdist.checkpointing.InputPosition`).
+
+  Args:
+    files: the training files (only their base names are kept, so the same
+      files moved to another folder or bucket keep the position).
+    file_record_counts: records per file.
+    num_input_pipelines: hosts reading the training data (workers).
+    global_batch_size: examples per update (the effective global batch).
+    seed: `--seed` (None: the order cannot be rebuilt).
+    shuffle_buffer_size, cache: the pipeline's settings that change the
+      order.
+
+  Returns:
+    A JSON-serializable dict.
+  """
+  return {"version": 1,
+          "files": [os.path.basename(f) for f in files],
+          "file_record_counts": [int(c) for c in file_record_counts],
+          "num_input_pipelines": int(num_input_pipelines),
+          "global_batch_size": int(global_batch_size),
+          "seed": None if seed is None else int(seed),
+          "shuffle_buffer_size": int(shuffle_buffer_size),
+          "cache": bool(cache)}
+
+
+def layout_change(saved: Optional[dict], current: dict) -> Optional[str]:
+  """Why a checkpoint's input position does not apply to this run.
+
+  Args:
+    saved: the layout the checkpoint recorded (None: it recorded none).
+    current: this run's `input_layout`.
+
+  Returns:
+    None when the position applies, else a sentence naming what changed.
+  """
+  if saved is None:
+    return "the checkpoint recorded no input position"
+  if current["seed"] is None:
+    return "--seed is unset, so the input order cannot be rebuilt"
+  names = {"num_input_pipelines": "worker count (input pipelines)",
+           "files": "training files", "file_record_counts":
+           "record counts of the training files",
+           "global_batch_size": "global batch size", "seed": "--seed",
+           "shuffle_buffer_size": "--shuffle_buffer_size",
+           "cache": "--cache_dataset", "version": "layout version"}
+  for key, name in names.items():
+    if saved.get(key) != current.get(key):
+      if key in ("files", "file_record_counts"):
+        return (f"the {name} changed ({len(saved.get(key) or [])} -> "
+                f"{len(current[key])} files, or other names or counts)")
+      return f"the {name} changed from {saved.get(key)} to {current[key]}"
+  return None
 
 
 def options_for(spec: DatasetSpec, *, files: Sequence[str] = (),
@@ -171,13 +261,7 @@ def options_for(spec: DatasetSpec, *, files: Sequence[str] = (),
 def takes_input_context(input_fn: Callable) -> bool:
   """True when a dataset function names `input_context` (it then shards its
   examples itself)."""
-  import inspect  # pylint: disable=g-import-not-at-top
-  try:
-    params = inspect.signature(input_fn).parameters
-  except (TypeError, ValueError):
-    return False
-  return "input_context" in params or any(
-      p.kind is p.VAR_KEYWORD for p in params.values())
+  return registry.accepts(input_fn, "input_context")
 
 
 def call_input_fn(spec_or_fn, *, training: bool,
@@ -382,29 +466,30 @@ def make_dataset(options: PipelineOptions,
 
   Returns:
     A `tf.data.Dataset` of batches of examples (`parse_fn`'s or the dataset
-    function's), each of `global_batch_size / num_replicas_in_sync`
-    examples (the last evaluation batch may be smaller).
+    function's), each of `global_batch_size / (num_replicas_in_sync x
+    gradient_accumulation_steps)` examples (the last evaluation batch may
+    be smaller).
   """
   num_pipelines = input_context.num_input_pipelines if input_context else 1
   pipeline_id = input_context.input_pipeline_id if input_context else 0
-  batch = (input_context.get_per_replica_batch_size(options.global_batch_size)
-           if input_context else options.global_batch_size)
+  micro_global_batch = (options.global_batch_size //
+                        max(1, options.gradient_accumulation_steps))
+  batch = (input_context.get_per_replica_batch_size(micro_global_batch)
+           if input_context else micro_global_batch)
   if options.input_fn is not None:
     ds = _examples_from_function(options, input_context, num_pipelines,
                                  pipeline_id, batch)
-    plan = None
   else:
-    ds, plan = _examples_from_files(options, num_pipelines, pipeline_id,
-                                    batch)
-  return _batch(ds, options, plan, input_context, num_pipelines,
-                pipeline_id, batch)
+    ds = _examples_from_files(options, num_pipelines, pipeline_id, batch)
+  return _batch(ds, options, input_context, num_pipelines, batch)
 
 
 def _examples_from_function(options: PipelineOptions, input_context,
                             num_pipelines: int, pipeline_id: int,
                             batch: int) -> tf.data.Dataset:
   """One host's examples from a dataset function (sharded by example
-  unless the function takes `input_context`)."""
+  unless the function takes `input_context`); training: cached, shuffled
+  and repeated (epochs not aligned to steps, no resumable position)."""
   shards_itself = takes_input_context(options.input_fn)
   plan = function_sharding(options.input_fn,
                            num_input_pipelines=num_pipelines)
@@ -416,12 +501,26 @@ def _examples_from_function(options: PipelineOptions, input_context,
                      input_context=input_context, name=options.name)
   if num_pipelines > 1 and not shards_itself:
     ds = ds.shard(num_pipelines, pipeline_id)
+  if options.cache:
+    ds = ds.cache()
+  if options.is_training:
+    if options.start_step:
+      logging.info(
+          "Input pipeline %d/%d: a dataset function's epochs are not aligned "
+          "to steps, so the position of step %d is unknown; reading its "
+          "examples from the start.", pipeline_id, num_pipelines,
+          options.start_step)
+    if options.shuffle_buffer_size:
+      ds = ds.shuffle(options.shuffle_buffer_size, seed=options.seed,
+                      reshuffle_each_iteration=True)
+    ds = ds.repeat()
   return ds
 
 
 def _examples_from_files(options: PipelineOptions, num_pipelines: int,
-                         pipeline_id: int, batch: int):
-  """`(examples, ShardingPlan)` of one host's share of the files."""
+                         pipeline_id: int, batch: int) -> tf.data.Dataset:
+  """One host's share of the files, parsed; training: numbered epochs from
+  `options.start_step` on (`_training_epochs`)."""
   files = list(options.files)
   counts = options.file_record_counts
   if (counts is None and options.is_training and num_pipelines > 1 and
@@ -445,46 +544,37 @@ def _examples_from_files(options: PipelineOptions, num_pipelines: int,
   # records in the same order: no file shuffle (the example shuffle below
   # still randomizes) and a deterministic interleave.
   same_order_everywhere = mode == "data"
-  if (options.is_training and options.shuffle_buffer_size and
-      not same_order_everywhere):
-    seg_ds = seg_ds.shuffle(len(segments), seed=options.seed,
-                            reshuffle_each_iteration=True)
-  ds = seg_ds.interleave(
-      lambda f, skip, take: tf.data.TFRecordDataset(
-          f, compression_type=compression).skip(skip).take(take),
-      cycle_length=min(len(segments), 8), block_length=1,
-      num_parallel_calls=AUTOTUNE,
-      deterministic=(options.deterministic or not options.is_training or
-                     same_order_everywhere))
-  if mode == "data":
-    ds = ds.shard(num_pipelines, pipeline_id)
-  ds = ds.map(options.parse_fn, num_parallel_calls=AUTOTUNE,
-              deterministic=options.deterministic or not options.is_training)
-  return ds, plan
+  ordered = (options.deterministic or not options.is_training or
+             same_order_everywhere)
+  shuffle = options.is_training and options.shuffle_buffer_size > 0
+
+  def read_share(file_seed):
+    """This host's records, parsed, in one pass (files shuffled with
+    `file_seed` when training shuffles)."""
+    files_ds = seg_ds
+    if shuffle and not same_order_everywhere:
+      files_ds = files_ds.shuffle(len(segments), seed=file_seed)
+    ds = files_ds.interleave(
+        lambda f, skip, take: tf.data.TFRecordDataset(
+            f, compression_type=compression).skip(skip).take(take),
+        cycle_length=min(len(segments), 8), block_length=1,
+        num_parallel_calls=AUTOTUNE, deterministic=ordered)
+    if mode == "data":
+      ds = ds.shard(num_pipelines, pipeline_id)
+    return ds.map(options.parse_fn, num_parallel_calls=AUTOTUNE,
+                  deterministic=ordered)
+
+  if not options.is_training:
+    ds = read_share(None)
+    return ds.cache() if options.cache else ds
+  return _training_epochs(options, plan, read_share, pipeline_id=pipeline_id,
+                          num_pipelines=num_pipelines)
 
 
-def _batch(ds: tf.data.Dataset, options: PipelineOptions,
-           plan: Optional["ShardingPlan"], input_context, num_pipelines: int,
-           pipeline_id: int, batch: int) -> tf.data.Dataset:
-  """Caches, shuffles, repeats (training, epochs aligned to steps when
-  `plan` says how), batches and prefetches one host's examples."""
-  if options.cache:
-    ds = ds.cache()
-  if options.is_training:
-    if options.shuffle_buffer_size:
-      ds = ds.shuffle(options.shuffle_buffer_size, seed=options.seed,
-                      reshuffle_each_iteration=True)
-    share = (plan.records_per_pipeline[pipeline_id]
-             if plan is not None and plan.records_per_pipeline else None)
-    if (plan is not None and plan.examples_per_epoch is not None and
-        share != plan.examples_per_epoch):
-      # One epoch reads exactly `examples_per_epoch` records of this host's
-      # (reshuffled) share; the rest is left out of this epoch. Filtering
-      # (not `take`) reads the whole share, so that `cache` completes.
-      keep = plan.examples_per_epoch
-      ds = ds.enumerate().filter(lambda i, _: i < keep).map(
-          lambda _, example: example)
-    ds = ds.repeat()
+def _batch(ds: tf.data.Dataset, options: PipelineOptions, input_context,
+           num_pipelines: int, batch: int) -> tf.data.Dataset:
+  """Batches (or pads to static batches) and prefetches one host's
+  examples."""
   if options.pad_to_static_batches and not options.is_training:
     local_replicas = 1
     if input_context:
@@ -543,6 +633,89 @@ def pad_to_static_batches(ds: tf.data.Dataset, batch_size: int,
       return tf.nest.map_structure(lambda c: _pad_leading(c, replicas),
                                    components)
     ds = ds.batch(replicas).map(pad_round).unbatch()
+  return ds
+
+
+# Epoch numbers never reached (the training dataset is endless).
+_NO_LAST_EPOCH = 2**62
+
+
+def _epoch_seed(seed: Optional[int], epoch):
+  """The shuffle seed of `epoch` (int64 scalar tensor): a function of
+  `--seed` and the epoch number alone, so any epoch's order can be rebuilt
+  without reading the epochs before it. None (unseeded) stays None."""
+  if seed is None:
+    return None
+  return tf.constant(seed, tf.int64) * 1_000_003 + tf.cast(epoch, tf.int64)
+
+
+def start_position(start_step: int, plan: ShardingPlan, *,
+                   global_batch_size: int, num_pipelines: int
+                   ) -> Tuple[int, int]:
+  """Where a host's training input resumes after `start_step` updates.
+
+  Args:
+    start_step: optimizer updates already made (the restored global step).
+    plan: the training `ShardingPlan` (`examples_per_epoch` known).
+    global_batch_size: examples per update over all hosts.
+    num_pipelines: hosts.
+
+  Returns:
+    `(epoch, examples_to_skip)`: the epoch the step falls in, and how many
+    of this host's examples of that epoch the updates before it used
+    (`(start_step mod steps_per_epoch) x global_batch_size / hosts`). The
+    same on every host: shares per epoch are equal.
+  """
+  per_epoch = plan.examples_per_epoch
+  steps_per_epoch = per_epoch * num_pipelines // global_batch_size
+  epoch, done = divmod(int(start_step), steps_per_epoch)
+  return epoch, done * (global_batch_size // num_pipelines)
+
+
+def _training_epochs(options: PipelineOptions, plan: ShardingPlan,
+                     read_share: Callable, *, pipeline_id: int,
+                     num_pipelines: int) -> tf.data.Dataset:
+  """Endless training examples of one host, epoch after epoch, from
+  `options.start_step` on (module docstring: epochs and resuming)."""
+  share = (plan.records_per_pipeline[pipeline_id]
+           if plan.records_per_pipeline else None)
+  keep = plan.examples_per_epoch
+  if keep is not None and share == keep:
+    keep = None  # The whole share every epoch.
+  cached = read_share(options.seed).cache() if options.cache else None
+
+  def one_epoch(epoch):
+    seed = _epoch_seed(options.seed, epoch)
+    ds = cached if cached is not None else read_share(seed)
+    if options.shuffle_buffer_size:
+      ds = ds.shuffle(options.shuffle_buffer_size, seed=seed)
+    if keep is not None:
+      # One epoch reads exactly `examples_per_epoch` records of this host's
+      # (reshuffled) share; the rest is left out of this epoch. Filtering
+      # (not `take`) reads the whole share, so that `cache` completes.
+      ds = ds.enumerate().filter(lambda i, _: i < keep).map(
+          lambda _, example: example)
+    return ds
+
+  epoch, skip = 0, 0
+  if options.start_step:
+    if plan.examples_per_epoch is None:
+      logging.warning(
+          "Input pipeline %d/%d: no record counts, so epochs are not aligned "
+          "to steps and the position of step %d is unknown; reading from "
+          "the start.", pipeline_id, num_pipelines, options.start_step)
+    else:
+      epoch, skip = start_position(
+          options.start_step, plan, global_batch_size=options.global_batch_size,
+          num_pipelines=num_pipelines)
+      logging.info(
+          "Input pipeline %d/%d: resuming at step %d: epoch %d, after %d of "
+          "this worker's %d examples of that epoch.", pipeline_id,
+          num_pipelines, options.start_step, epoch, skip,
+          plan.examples_per_epoch)
+  ds = tf.data.Dataset.range(epoch, _NO_LAST_EPOCH).flat_map(one_epoch)
+  if skip:
+    ds = ds.skip(skip)
   return ds
 
 

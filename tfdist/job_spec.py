@@ -246,6 +246,7 @@ def parse_train_flags(args: Sequence[str], *, where: str,
     config, _ = environment_lib.apply_environment(
         config, environment_lib.read_environment(environ or {}))
     config.require_model_dir()
+    config.require_data_files()
     return config
   except ConfigError as e:
     raise JobSpecError(f"{where}: tfdist.train would stop at start: {e}"

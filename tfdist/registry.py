@@ -281,6 +281,18 @@ def get_dataset(name: str) -> DatasetSpec:
   return _DATASETS[name]
 
 
+def accepts(fn: Callable, name: str) -> bool:
+  """True when `fn` takes a keyword argument `name` (by that name, or
+  through `**kwargs`), so that `call_with_accepted` would pass it."""
+  try:
+    params = inspect.signature(fn).parameters
+  except (TypeError, ValueError):
+    return False
+  param = params.get(name)
+  return (param is not None and param.kind is not param.POSITIONAL_ONLY) or (
+      any(p.kind is p.VAR_KEYWORD for p in params.values()))
+
+
 def call_with_accepted(fn: Callable, available: Mapping[str, object], *,
                        what: str):
   """Calls `fn` with the keyword arguments of `available` it names.

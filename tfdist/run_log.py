@@ -214,7 +214,9 @@ class RunLog:
 
     `skipped_steps` of the `steps` made no update (fp16 gradients not
     finite; `total_skipped` in this process so far): logged when any was,
-    recorded, and a TensorBoard scalar under fp16.
+    recorded, and a TensorBoard scalar under fp16. `sums["micro_steps"]`
+    (micro-batches run; gradient accumulation) is recorded, and logged when
+    it differs from `steps`.
 
     Raises:
       DivergenceError: the mean loss or the learning rate is not finite.
@@ -230,7 +232,13 @@ class RunLog:
               "skipped_steps": int(skipped_steps)}
     if loss_scale is not None:
       record["loss_scale"] = float(loss_scale)
-    text = (f"tfdist: step {step}/{self.total_steps}: "
+    micro = int(sums.get("micro_steps", steps))
+    record["micro_steps"] = micro
+    # With gradient accumulation a step (update) is several micro-steps.
+    micro_text = (f" ({micro} micro-steps in {steps} "
+                  f"update{'' if steps == 1 else 's'})"
+                  if micro != steps else "")
+    text = (f"tfdist: step {step}/{self.total_steps}{micro_text}: "
             f"{format_metrics(values)}")
     text += f", learning rate {record['learning_rate']:.6g}"
     if loss_scale is not None:

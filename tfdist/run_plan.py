@@ -80,10 +80,19 @@ class RunPlan:
         f"  strategy               {self.strategy}: {self.strategy_reason}",
         f"  training               {mode}",
         f"  num_replicas_in_sync   {plan.num_replicas_in_sync}",
-        f"  per_replica_batch_size {plan.per_replica_batch_size}",
-        f"  gradient_accumulation  {plan.gradient_accumulation_steps}",
+        f"  per_replica_batch_size {plan.per_replica_batch_size}"
+        + (" (micro-batch)" if plan.gradient_accumulation_steps > 1
+           else ""),
+        f"  gradient_accumulation  {plan.gradient_accumulation_steps}"
+        + (f" micro-batches per update (one all-reduce and one update "
+           f"every {plan.gradient_accumulation_steps} micro-steps)"
+           if plan.gradient_accumulation_steps > 1 else ""),
         f"  global_batch_size      {plan.global_batch_size}"
-        + (" (per worker step)" if self.asynchronous else ""),
+        + (" (per worker step)" if self.asynchronous else "")
+        + (f" (effective: {plan.per_replica_batch_size} x "
+           f"{plan.num_replicas_in_sync} replica(s) x "
+           f"{plan.gradient_accumulation_steps} micro-batches)"
+           if plan.gradient_accumulation_steps > 1 else ""),
         f"  train examples         {plan.num_train_examples} in "
         + (f"{len(self.train_files)} file(s)" if self.train_files else
            f"--dataset={config.dataset}'s dataset function"),
@@ -102,7 +111,13 @@ class RunPlan:
              [f"  batch norm             "
               f"{'synchronized (global batch)' if self.sync_batch_norm else 'per replica'}"
               f" ({self.sync_batch_norm_reason})"]
-             if models.has_batch_norm(config.model) else []))
+             if models.has_batch_norm(config.model) else []) + (
+                 ["  activation recompute   on: blocks recompute their "
+                  "activations in the backward pass"]
+                 if config.activation_recomputation else []) + (
+                     ["  deterministic          op determinism and a "
+                      "deterministic input order"]
+                     if config.deterministic else []))
 
 
 def resolve_data_files(config, spec, *, need_eval: bool = True

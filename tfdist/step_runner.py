@@ -69,11 +69,20 @@ class LocalStepRunner:
     iterator: an iterator over the distributed training dataset.
     num_workers: hosts training in sync (MultiWorkerMirroredStrategy); with
       more than one, `agree` is a one-number all-reduce.
+    iterator_fn: instead of `iterator`: called once, at the first `run`,
+      with that run's `start_step` (the step restored from a checkpoint),
+      to make the iterator (so the input can resume where the checkpoint
+      left it).
   """
 
-  def __init__(self, *, trainer, iterator, num_workers: int = 1):
+  def __init__(self, *, trainer, iterator=None, num_workers: int = 1,
+               iterator_fn: Optional[Callable] = None):
+    if (iterator is None) == (iterator_fn is None):
+      raise ValueError("LocalStepRunner takes one of iterator and "
+                       "iterator_fn.")
     self.trainer = trainer
     self.iterator = iterator
+    self.iterator_fn = iterator_fn
     self.num_workers = int(num_workers)
     # One call runs at most this many steps; the controller asks no more.
     self.max_steps_per_call = trainer.steps_per_execution
@@ -107,7 +116,9 @@ class LocalStepRunner:
     same `num_steps` (the steps are collective); the stop requests of all
     workers are summed, so every worker sees the same `stop_*` values.
     """
-    del start_step  # The compiled function counts steps itself.
+    # The compiled function counts steps itself.
+    if self.iterator is None:
+      self.iterator = self.iterator_fn(start_step)
     sums = self.trainer.train_function(
         self.iterator, tf.constant(num_steps, tf.int32),
         _stop_flags(stop_signal, stop_training))

@@ -88,9 +88,12 @@ def build_model(task: Task, config, *, sync_batch_norm: bool = False):
   """Calls the task's builder (in the current scope); checks the result.
 
   The builder gets, by name, what it asks for of `spec` (the data set's
-  `DatasetSpec`), `config` (the `TrainConfig`) and `sync_batch_norm`
+  `DatasetSpec`), `config` (the `TrainConfig`), `sync_batch_norm`
   (whether batch normalization should use the global batch: the run plan's
-  decision, see `tfdist.models.resolve_sync_batch_norm`).
+  decision, see `tfdist.models.resolve_sync_batch_norm`) and
+  `activation_recomputation` (`--activation_recomputation`: recompute its
+  blocks' activations in the backward pass; refused before this call for a
+  builder without it, see `tfdist.models.check_recomputation`).
 
   Raises:
     ConfigError: the builder needs arguments tfdist cannot give, or did not
@@ -100,7 +103,10 @@ def build_model(task: Task, config, *, sync_batch_norm: bool = False):
   what = f"--model={task.model_name}"
   model = registry.call_with_accepted(
       task.model_fn, {"spec": task.dataset, "config": config,
-                      "sync_batch_norm": bool(sync_batch_norm)}, what=what)
+                      "sync_batch_norm": bool(sync_batch_norm),
+                      "activation_recomputation": bool(getattr(
+                          config, "activation_recomputation", False))},
+      what=what)
   if not isinstance(model, keras.Model):
     raise ConfigError(f"{what} returned {type(model).__name__}, not a "
                       "keras.Model. Return the model (built, or buildable "

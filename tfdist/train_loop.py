@@ -42,6 +42,22 @@ seconds it waited for the input iterator (`tf.timestamp` before and after
 each `get_next`, see `_timed_next`) and the seconds the call took from its
 first to its last op, measured inside the graph: no host synchronization
 of its own.
+
+Gradient accumulation (`gradient_accumulation_steps` K > 1): one step is
+one optimizer update made of K micro-steps. Each micro-step takes the next
+per-replica micro-batch from the iterator, runs step 1 above and adds the
+replica's gradients (and metric sums) to accumulators of its own (one
+float32 buffer per trainable variable on every replica: sync-on-read
+variables, never checkpointed, zero between updates); then steps 2-4 run
+once, on the accumulated gradients: one all-reduce per update, one finite
+check (an fp16 overflow in any micro-batch makes the sum non-finite, so the
+whole update is skipped and the scale lowered), clipping once on the
+accumulated, summed, unscaled gradient. The loss is averaged over the
+effective global batch (K x replicas x micro-batch), so the update equals
+one update on the K-times larger batch (Keras 3's own
+`gradient_accumulation_steps` fails under MirroredStrategy:
+`merge_call called while defining a new graph`). Micro-steps are counted
+inside the step (`micro_steps` in the sums).
 """
 
 import contextlib
@@ -97,6 +113,25 @@ def per_replica_random_streams(model: keras.Model) -> int:
         generator.__class__ = _PerReplicaSeedGenerator
         changed += 1
   return changed
+
+
+def random_state(model: keras.Model) -> list:
+  """The state variables of `model`'s seed generators (int [2] each: seed
+  and counter; one per random layer such as `Dropout`, in layer order).
+
+  Keras keeps a `SeedGenerator` out of its layer's checkpoint dependencies,
+  so `tf.train.Checkpoint(model=model)` does not save them: a resumed run
+  would draw its dropout masks from the initial state again, not from where
+  the run stopped. tfdist saves these variables beside the model
+  (`tfdist.assembly.build`).
+  """
+  states, seen = [], set()
+  for layer in model._flatten_layers(include_self=True):  # pylint: disable=protected-access
+    for generator in getattr(layer, "_seed_generators", ()):
+      if id(generator) not in seen:
+        seen.add(id(generator))
+        states.append(generator.state)
+  return states
 
 
 def _sum_gradients_once(optimizer):
@@ -193,6 +228,10 @@ class Trainer:
     metrics: Keras metrics (objects, functions or names), or a built
       `tfdist.objectives.MetricSums`; None: the `task`'s when `loss` is
       None, else none.
+    gradient_accumulation_steps: micro-batches per optimizer update (K);
+      the iterator then yields per-replica micro-batches of
+      `global_batch_size / (K x replicas)` examples, and one training step
+      takes K of them (module docstring).
 
   The Trainer changes `model` and `optimizer` for its step (see the module
   docstring): the model's random layers draw per replica
@@ -200,7 +239,7 @@ class Trainer:
   while the step is traced (`_sum_gradients_once`).
 
   Raises:
-    ValueError: unknown `task`.
+    ValueError: unknown `task`; `gradient_accumulation_steps` < 1.
     tfdist.config.ConfigError: a metric whose state is not summed.
   """
 
@@ -208,7 +247,8 @@ class Trainer:
                optimizer: keras.optimizers.Optimizer, global_batch_size: int,
                steps_per_execution: int = 1, enable_xla: bool = False,
                run_eagerly: bool = False, task: str = "multiclass",
-               eval_example_weights: bool = False, loss=None, metrics=None):
+               eval_example_weights: bool = False, loss=None, metrics=None,
+               gradient_accumulation_steps: int = 1):
     self.strategy = strategy
     self.model = model
     self.optimizer = optimizer
@@ -219,6 +259,10 @@ class Trainer:
       loss, default_metrics = objectives.task_defaults(task)
       metrics = default_metrics if metrics is None else metrics
     self.task = task
+    self.gradient_accumulation_steps = int(gradient_accumulation_steps)
+    if self.gradient_accumulation_steps < 1:
+      raise ValueError("gradient_accumulation_steps must be >= 1. Received: "
+                       f"{gradient_accumulation_steps}")
     # Shapes unknown here: "accuracy" and "crossentropy" resolve for sparse
     # labels; tfdist.objectives.resolve knows the shapes (tfdist.assembly).
     shapes = dict(y_true=tf.TensorShape([None]),
@@ -237,6 +281,8 @@ class Trainer:
       self.global_step = tf.Variable(
           0, dtype=tf.int64, trainable=False, name="global_step",
           aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+      self._accumulators = (self._make_accumulators()
+                            if self.gradient_accumulation_steps > 1 else None)
     # XLA compiles the per-replica forward and backward pass; Keras 3 turns
     # XLA off under a tf.distribute strategy, so tfdist applies it to its own
     # step. The gradients are applied outside the compiled function: the
@@ -279,7 +325,9 @@ class Trainer:
       loss = tf.nn.compute_average_loss(
           per_example, global_batch_size=self.global_batch_size)
       if self.model.losses:
-        loss += tf.nn.scale_regularization_loss(tf.add_n(self.model.losses))
+        # Once per update: each of the K micro-steps adds 1/K of it.
+        loss += tf.nn.scale_regularization_loss(tf.add_n(
+            self.model.losses)) / self.gradient_accumulation_steps
       scaled = self.optimizer.scale_loss(loss) if self.uses_loss_scale else loss
     grads = tape.gradient(scaled, self.model.trainable_variables)
     return loss, grads, outputs
@@ -293,15 +341,63 @@ class Trainer:
     step."""
     loss, grads, outputs = self._replica_grads(inputs, labels)
     # Metrics outside the (optionally XLA-compiled) forward and backward.
-    sums = self._metric_sums(labels, outputs)
+    sums = {"loss": loss, **self._metric_sums(labels, outputs)}
+    return self._replica_apply(grads, sums, stop_flags)
+
+  def _replica_apply(self, grads, sums, stop_flags):
+    """Steps 2-4 of the module docstring on one replica's gradients (of one
+    batch, or accumulated over K micro-batches); returns `sums` with
+    `skipped` and the stop requests added."""
     variables = self.model.trainable_variables
     grads = _all_reduce_sum(grads)
     # The same summed gradients on every replica and worker: the finite
     # check (here and inside a LossScaleOptimizer) agrees everywhere.
     skipped = precision.step_skipped(self.optimizer, grads)
     self.optimizer.apply(grads, variables)
-    return {"loss": loss, "skipped": skipped, **sums,
+    return {**sums, "skipped": skipped,
             "stop_signal": stop_flags[0], "stop_training": stop_flags[1]}
+
+  # --- gradient accumulation (K > 1) ----------------------------------------
+  def _make_accumulators(self):
+    """Per-replica zero buffers: one per trainable variable (its shape and
+    dtype), one for the loss and one per metric sum. Sync-on-read: each
+    replica adds to its own copy. Not tracked by the checkpoint (always zero
+    between updates, where checkpoints land)."""
+    def zeros(shape, dtype, name):
+      return tf.Variable(tf.zeros(shape, dtype), trainable=False, name=name,
+                         synchronization=tf.VariableSynchronization.ON_READ,
+                         aggregation=tf.VariableAggregation.SUM)
+    grads = [zeros(v.shape, v.dtype, "grad_accumulator")
+             for v in self.model.trainable_variables]
+    sums = {"loss": zeros([], tf.float32, "loss_accumulator"),
+            "count": zeros([], tf.float32, "count_accumulator")}
+    for key, value in self.metric_sums.zeros().items():
+      sums[key] = zeros(value.shape, value.dtype, "metric_accumulator")
+    return grads, sums
+
+  def _replica_accumulate(self, inputs, labels):
+    """One micro-step of one replica: adds its micro-batch's gradients (the
+    loss scaled by the fp16 loss scale, if any, which stays fixed within an
+    update), loss and metric sums to its accumulators. No all-reduce."""
+    loss, grads, outputs = self._replica_grads(inputs, labels)
+    sums = {"loss": loss, **self._metric_sums(labels, outputs)}
+    grad_accumulators, sum_accumulators = self._accumulators
+    for accumulator, grad in zip(grad_accumulators, grads):
+      if grad is not None:  # IndexedSlices are added densely.
+        accumulator.assign_add(tf.convert_to_tensor(grad))
+    for key, value in sums.items():
+      sum_accumulators[key].assign_add(value)
+
+  def _replica_apply_accumulated(self, stop_flags):
+    """`_replica_apply` on the accumulated gradients and sums (over the K
+    micro-batches); then zeroes the accumulators."""
+    grad_accumulators, sum_accumulators = self._accumulators
+    grads = [a.read_value() for a in grad_accumulators]
+    sums = {k: a.read_value() for k, a in sum_accumulators.items()}
+    out = self._replica_apply(grads, sums, stop_flags)
+    for accumulator in grad_accumulators + list(sum_accumulators.values()):
+      accumulator.assign(tf.zeros_like(accumulator.read_value()))
+    return out
 
   def _replica_eval_step(self, inputs, labels, weights=None):
     # When the last evaluation round has fewer batches than replicas, the
@@ -354,19 +450,32 @@ class Trainer:
     return out
 
   def _train_step(self, iterator, stop_flags):
-    """One step from `iterator`: its sums, reduced over every replica, and
-    the seconds it waited for its input (float64 scalar, this worker's own:
-    `_timed_next`)."""
-    batch, waited = _timed_next(iterator)
-    inputs, labels = batch[:2]
+    """One update from `iterator` (K = `gradient_accumulation_steps`
+    batches): its sums, reduced over every replica, with `micro_steps` (K),
+    and the seconds it waited for its input (float64 scalar, this worker's
+    own, summed over the K batches: `_timed_next`)."""
+    accumulate = self.gradient_accumulation_steps
     with _sum_gradients_once(self.optimizer):
-      per_replica = self.strategy.run(self._replica_train,
-                                      args=(inputs, labels, stop_flags))
+      if accumulate == 1:
+        batch, waited = _timed_next(iterator)
+        inputs, labels = batch[:2]
+        per_replica = self.strategy.run(self._replica_train,
+                                        args=(inputs, labels, stop_flags))
+      else:
+        waited = tf.constant(0.0, tf.float64)
+        for _ in tf.range(accumulate):
+          batch, micro_waited = _timed_next(iterator)
+          waited += micro_waited
+          inputs, labels = batch[:2]
+          self.strategy.run(self._replica_accumulate, args=(inputs, labels))
+        per_replica = self.strategy.run(self._replica_apply_accumulated,
+                                        args=(stop_flags,))
     # Equal on every replica: read the first local one (no all-reduce).
     skipped = self.strategy.experimental_local_results(
         per_replica.pop("skipped"))[0]
     step = self._reduce(per_replica)
     step["skipped_steps"] = skipped
+    step["micro_steps"] = tf.constant(float(accumulate))
     return step, waited
 
   def _train_function(self, iterator, num_steps,
@@ -386,7 +495,9 @@ class Trainer:
       losses), `count` (examples), every metric's state
       (`tfdist.objectives.MetricSums`; `summarize` turns them into values),
       `skipped_steps` (steps whose update was skipped: fp16 gradients not
-      finite; the same on every worker), `skipped_steps_at_end` (how many
+      finite; the same on every worker), `micro_steps` (micro-batches run:
+      `num_steps` x `gradient_accumulation_steps`),
+      `skipped_steps_at_end` (how many
       of the last steps in a row were skipped: equal to `num_steps` when
       every step was), and `stop_signal` and `stop_training` (> 0 when any
       worker, in any step of the chunk, asked to stop: every worker gets
@@ -407,6 +518,7 @@ class Trainer:
     else:
       totals = {"loss": tf.constant(0.0), "count": tf.constant(0.0),
                 "skipped_steps": tf.constant(0.0),
+                "micro_steps": tf.constant(0.0),
                 "stop_signal": tf.constant(0.0),
                 "stop_training": tf.constant(0.0),
                 **self.metric_sums.zeros()}
