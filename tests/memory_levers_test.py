@@ -255,7 +255,8 @@ def _child_main(train_glob: str) -> dict:
     trainer = Trainer(strategy=strategy, model=model, optimizer=optimizer,
                       global_batch_size=global_batch,
                       steps_per_execution=updates,
-                      gradient_accumulation_steps=k)
+                      gradient_accumulation_steps=k,
+                      time_steps=False)  # Op determinism is on.
     ds = tf.data.Dataset.from_tensor_slices((images, labels)).batch(
         micro_global_batch or global_batch // k)
     sums = trainer.train_function(
@@ -306,7 +307,8 @@ def _child_main(train_glob: str) -> dict:
             keras.optimizers.SGD(1e-3), dtype="fp16", loss_scale="dynamic")
         optimizer.build(model.trainable_variables)
       trainer = Trainer(strategy=strategy, model=model, optimizer=optimizer,
-                        global_batch_size=8, gradient_accumulation_steps=k)
+                        global_batch_size=8, gradient_accumulation_steps=k,
+                        time_steps=False)  # Op determinism is on.
       inputs = np.ones((16, 4), np.float32)
       inputs[:8] *= np.arange(1, 9, dtype=np.float32)[:, None]
       inputs[2:4] = 1e4  # Micro-batch 2 of update 1 (k=4).

@@ -173,7 +173,9 @@ def build(config, *, task: task_lib.Task, strategy: tf.distribute.Strategy,
                     run_eagerly=config.run_eagerly, loss=resolved.loss,
                     metrics=metric_sums, eval_example_weights=on_tpu,
                     gradient_accumulation_steps=(
-                        plan.batch.gradient_accumulation_steps))
+                        plan.batch.gradient_accumulation_steps),
+                    # Op determinism refuses tf.timestamp.
+                    time_steps=not config.deterministic)
   if config.enable_xla:
     logging.info(
         "--enable_xla: %s", "TPUs compile every step with XLA already."

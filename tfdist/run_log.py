@@ -115,10 +115,13 @@ def _cpu_seconds() -> float:
 
 def _input_wait(sums: Dict[str, np.ndarray], steps: int) -> dict:
   """Per-step input wait and compiled-function seconds from a log
-  interval's sums, and the wait's share of the function's time."""
+  interval's sums, and the wait's share of the function's time; nothing
+  when not measured (NaN: `--deterministic`, see `Trainer.time_steps`)."""
   if INPUT_WAIT_KEY not in sums or not steps:
     return {}
   wait = float(sums[INPUT_WAIT_KEY])
+  if not math.isfinite(wait):
+    return {}
   out = {"input_wait_seconds": wait / steps}
   execution = float(sums.get(EXECUTION_KEY, 0.0))
   if execution > 0:

@@ -232,6 +232,10 @@ class Trainer:
       the iterator then yields per-replica micro-batches of
       `global_batch_size / (K x replicas)` examples, and one training step
       takes K of them (module docstring).
+    time_steps: measure the input wait and the call's execution time with
+      `tf.timestamp` (see `train_function`); False under op determinism
+      (`--deterministic`), which refuses `tf.timestamp`: both are then NaN
+      (not measured).
 
   The Trainer changes `model` and `optimizer` for its step (see the module
   docstring): the model's random layers draw per replica
@@ -248,8 +252,10 @@ class Trainer:
                steps_per_execution: int = 1, enable_xla: bool = False,
                run_eagerly: bool = False, task: str = "multiclass",
                eval_example_weights: bool = False, loss=None, metrics=None,
-               gradient_accumulation_steps: int = 1):
+               gradient_accumulation_steps: int = 1,
+               time_steps: bool = True):
     self.strategy = strategy
+    self.time_steps = bool(time_steps)
     self.model = model
     self.optimizer = optimizer
     self.global_batch_size = int(global_batch_size)
@@ -449,6 +455,13 @@ class Trainer:
                   zip(keys, tf.split(total, sizes), shapes)})
     return out
 
+  def _next(self, iterator):
+    """`_timed_next`, or (`time_steps` False: op determinism forbids
+    `tf.timestamp`) the batch and a NaN wait: not measured."""
+    if self.time_steps:
+      return _timed_next(iterator)
+    return next(iterator), tf.constant(float("nan"), tf.float64)
+
   def _train_step(self, iterator, stop_flags):
     """One update from `iterator` (K = `gradient_accumulation_steps`
     batches): its sums, reduced over every replica, with `micro_steps` (K),
@@ -457,14 +470,14 @@ class Trainer:
     accumulate = self.gradient_accumulation_steps
     with _sum_gradients_once(self.optimizer):
       if accumulate == 1:
-        batch, waited = _timed_next(iterator)
+        batch, waited = self._next(iterator)
         inputs, labels = batch[:2]
         per_replica = self.strategy.run(self._replica_train,
                                         args=(inputs, labels, stop_flags))
       else:
         waited = tf.constant(0.0, tf.float64)
         for _ in tf.range(accumulate):
-          batch, micro_waited = _timed_next(iterator)
+          batch, micro_waited = self._next(iterator)
           waited += micro_waited
           inputs, labels = batch[:2]
           self.strategy.run(self._replica_accumulate, args=(inputs, labels))
@@ -506,8 +519,11 @@ class Trainer:
       for the input iterator, and `execution_seconds`, the call's time from
       its first to its last op.
     """
-    started = tf.timestamp()
-    input_wait = started - started  # 0.0, after `started` ran.
+    if self.time_steps:
+      started = tf.timestamp()
+      input_wait = started - started  # 0.0, after `started` ran.
+    else:
+      input_wait = tf.constant(0.0, tf.float64)
     if stop_flags is None:
       stop_flags = tf.zeros([2], tf.float32)
     if self.steps_per_execution == 1:
@@ -534,8 +550,11 @@ class Trainer:
     # adds nothing.
     self.global_step.assign_add(tf.cast(num_steps, tf.int64))
     totals["input_wait_seconds"] = input_wait
-    with tf.control_dependencies(tf.nest.flatten(totals)):
-      totals["execution_seconds"] = tf.timestamp() - started
+    if self.time_steps:
+      with tf.control_dependencies(tf.nest.flatten(totals)):
+        totals["execution_seconds"] = tf.timestamp() - started
+    else:
+      totals["execution_seconds"] = tf.constant(float("nan"), tf.float64)
     return totals
 
   def _eval_function(self, batch) -> Dict[str, tf.Tensor]:
