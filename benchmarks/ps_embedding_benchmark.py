@@ -13,6 +13,10 @@ asynchronously and reports, for each worker count in `--workers`:
 * examples/second over `--steps` steps after `--warmup_steps`;
 * the speed-up of N workers over the first entry.
 
+Every process (ps, workers, coordinator) applies tfdist's malloc settings
+(`tfdist.allocator`) as `tfdist.train` does, unless `--notune_allocator`;
+the JSON records which.
+
 Input: synthetic hashed ids, `--ids_per_example` per example drawn uniformly
 from the whole table (the worst case for locality: nearly every looked-up row
 is distinct), labels from a fixed hash of the first id. The optimizer is
@@ -53,10 +57,15 @@ flags.DEFINE_integer("warmup_steps", 40, "Unmeasured steps first.")
 flags.DEFINE_integer("steps_per_execution", 10, "Steps per scheduled call.")
 flags.DEFINE_float("learning_rate", 0.1, "SGD learning rate.")
 flags.DEFINE_string("output", "", "Also write the results as JSON here.")
+flags.DEFINE_bool("tune_allocator", True,
+                  "Apply tfdist.allocator's malloc settings in every process "
+                  "(as tfdist.train does).")
 flags.DEFINE_string("serve", "", "Internal: 'job:index:cluster_json' to serve.")
 
 
 def _serve(spec: str):
+  from tfdist import allocator  # pylint: disable=g-import-not-at-top
+  allocator.configure_allocator(FLAGS.tune_allocator)
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   job, index, cluster = spec.split(":", 2)
   server = tf.distribute.Server(tf.train.ClusterSpec(json.loads(cluster)),
@@ -85,7 +94,8 @@ def _start_cluster(num_workers: int, num_ps: int):
     for i in range(len(cluster[job])):
       procs[f"{job}:{i}"] = subprocess.Popen(
           [sys.executable, os.path.abspath(__file__),
-           f"--serve={job}:{i}:{json.dumps(cluster)}"], env=env,
+           f"--serve={job}:{i}:{json.dumps(cluster)}",
+           f"--tune_allocator={FLAGS.tune_allocator}"], env=env,
           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
   return cluster, procs
 
@@ -101,13 +111,16 @@ def _stop(procs):
 def _run(num_workers: int) -> dict:
   """One cluster, one table, one measurement (run in a fresh process)."""
   os.environ["GRPC_FAIL_FAST"] = "use_caller"
+  from tfdist import allocator  # pylint: disable=g-import-not-at-top
+  allocator.configure_allocator(FLAGS.tune_allocator)
   import keras  # pylint: disable=g-import-not-at-top
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   from tfdist import parameter_server as ps_lib  # pylint: disable=g-import-not-at-top
   from tfdist.sharded_embedding import ShardedEmbedding  # pylint: disable=g-import-not-at-top
 
   cluster, procs = _start_cluster(num_workers, FLAGS.num_ps)
-  result = {"workers": num_workers, "num_ps": FLAGS.num_ps}
+  result = {"workers": num_workers, "num_ps": FLAGS.num_ps,
+            "allocator": allocator.state().to_dict()}
   try:
     resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
         tf.train.ClusterSpec(cluster), task_type="chief", task_id=0,
@@ -220,7 +233,8 @@ def main(argv):
           f"{result['examples_per_second']:.0f} examples/sec over "
           f"{result['measured_steps']} steps; RSS MiB after build "
           f"{result['rss_mib_after_build']}, after training "
-          f"{result['rss_mib_after_training']}", flush=True)
+          f"{result['rss_mib_after_training']} (malloc tuning "
+          f"{'on' if result['allocator']['applied'] else 'off'})", flush=True)
   base = results[0]["examples_per_second"]
   for r in results:
     r["speedup_vs_first"] = r["examples_per_second"] / base
@@ -230,7 +244,8 @@ def main(argv):
     with open(FLAGS.output, "w") as f:
       json.dump({"flags": {k: FLAGS[k].value for k in (
           "rows", "dim", "num_ps", "shards", "batch_size", "ids_per_example",
-          "steps", "steps_per_execution")}, "results": results}, f, indent=2)
+          "steps", "steps_per_execution", "tune_allocator")},
+                 "results": results}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -66,6 +66,8 @@ def _run(replicas: int, model_dir: str) -> dict:
           "step_time_seconds": manifest["throughput"]["step_time_seconds"],
           "peak_rss_bytes": max(peak, before) * 1024,
           "wall_seconds": time.time() - started,
+          # Resident memory depends on tfdist's malloc settings.
+          "malloc_tuning": bool(manifest.get("allocator", {}).get("applied")),
           "train_files": [f["path"] for f in manifest["data"]["train_files"]]}
 
 
@@ -93,7 +95,8 @@ def main(argv):
       results.append(_run(n, os.path.join(tmp, f"r{n}")))
   base = results[0]
   print(f"{'replicas':>8} {'global':>7} {'examples/s':>11} {'step ms':>8} "
-        f"{'speedup':>8} {'efficiency':>10} {'peak RSS MiB':>12}")
+        f"{'speedup':>8} {'efficiency':>10} {'peak RSS MiB':>12} "
+        f"{'malloc tuning':>13}")
   for r in results:
     speedup = r["examples_per_second"] / base["examples_per_second"]
     efficiency = speedup / (r["replicas"] / base["replicas"])
@@ -101,7 +104,8 @@ def main(argv):
     print(f"{r['replicas']:>8} {r['global_batch_size']:>7} "
           f"{r['examples_per_second']:>11.1f} "
           f"{r['step_time_seconds'] * 1000:>8.1f} {speedup:>8.2f} "
-          f"{efficiency:>10.2f} {r['peak_rss_bytes'] / 2**20:>12.0f}")
+          f"{efficiency:>10.2f} {r['peak_rss_bytes'] / 2**20:>12.0f} "
+          f"{'on' if r['malloc_tuning'] else 'off':>13}")
   best = max(results, key=lambda r: r["examples_per_second"])
   input_eps = _input_only(best["train_files"], best["global_batch_size"],
                           steps=50)

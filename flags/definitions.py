@@ -241,6 +241,13 @@ def define_performance_flags() -> List[str]:
       "gradient was not finite, so the step was skipped). A dynamic loss "
       "scale skips a few steps while it settles; 0: no limit. A run whose "
       "every step was skipped fails at its end regardless.")
+  flags.DEFINE_bool(
+      "tune_allocator", _default("tune_allocator"),
+      "Set glibc malloc so TensorFlow does not map and unmap every large "
+      "tensor buffer at each step (M_MMAP_MAX=0, M_TOP_PAD=64 MiB; see "
+      "tfdist/allocator.py). Costs resident memory: each malloc arena may "
+      "keep up to 64 MiB of freed memory. --notune_allocator leaves malloc "
+      "as it is.")
 
   @flags.validator("loss_scale",
                    "--loss_scale must be 'dynamic' or a positive number.")

@@ -56,6 +56,8 @@ class TrainConfigTest(parameterized.TestCase):
       ("bad_scaling", dict(lr_scaling="cubic"), "--lr_scaling='cubic'"),
       ("bad_schedule", dict(lr_schedule="step"), "--lr_schedule='step'"),
       ("bad_optimizer", dict(optimizer="adagrad"), "--optimizer='adagrad'"),
+      ("tune_allocator_not_bool", dict(tune_allocator="yes"),
+       "--tune_allocator='yes' must be true or false"),
       ("piecewise_mismatch", dict(piecewise_boundaries="0.5",
                                   piecewise_multipliers="1,0.1,0.01"),
        "one more value than --piecewise_boundaries"),

@@ -131,6 +131,25 @@ class InputPipelineTest(parameterized.TestCase):
     ids = _collect_ids(ds)
     self.assertCountEqual(ids, range(60000, 60300))
 
+  def test_one_cpu_device_reads_a_plain_dataset(self):
+    # As plain Keras fit does: no MultiDeviceIterator, so no GeneratorDataset
+    # op (which fixes glibc's mmap threshold) and no extra hand-off per batch.
+    data = testutil.fashion_mnist_subset(limit=300, train_shards=3,
+                                         test_shards=2)
+    options = input_pipeline.PipelineOptions(
+        files=input_pipeline.list_files(data["eval"]), parse_fn=_ids_parse,
+        global_batch_size=64, is_training=False)
+    strategy = tf.distribute.OneDeviceStrategy("/cpu:0")
+    ds = input_pipeline.distribute(strategy, options)
+    self.assertIsInstance(ds, tf.data.Dataset)
+    total = strategy.run(lambda images, labels, ids: tf.shape(labels)[0],
+                         args=next(iter(ds)))
+    self.assertEqual(int(total), 64)
+    self.assertCountEqual(_collect_ids(ds), range(60000, 60300))
+    mirrored = input_pipeline.distribute(
+        tf.distribute.MirroredStrategy(["/cpu:0"]), options)
+    self.assertIsInstance(mirrored, tf.distribute.DistributedDataset)
+
   def test_training_batches_are_full_and_repeat(self):
     data = testutil.fashion_mnist_subset(limit=300, train_shards=3,
                                          test_shards=2)

@@ -401,7 +401,7 @@ def _child_strategies() -> dict:
         y_pred=tf.TensorSpec([None, 3]))
     trainer = Trainer(strategy=strategy, model=model, optimizer=optimizer,
                       global_batch_size=40, loss=per_element_loss,
-                      metrics=sums)
+                      metrics=sums, steps_per_execution=2)
     data = tf.data.Dataset.from_tensor_slices((x, y))
     eval_ds = input_pipeline.distribute(
         strategy, input_pipeline.options_for(

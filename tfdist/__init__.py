@@ -46,6 +46,8 @@ class _SiblingPackageFinder(importlib.abc.MetaPathFinder):
     if package != __name__ or name not in _SIBLING_PACKAGES:
       return None
     folder = os.path.join(_ROOT, name)
+    if not os.path.isfile(os.path.join(folder, "__init__.py")):
+      return None
     return importlib.util.spec_from_file_location(
         fullname, os.path.join(folder, "__init__.py"),
         submodule_search_locations=[folder])
@@ -56,7 +58,9 @@ def _install_sibling_finder():
     return
   if all(os.path.isdir(os.path.join(_HERE, n)) for n in _SIBLING_PACKAGES):
     return  # Installed: the subpackages are inside this folder.
-  if all(os.path.isfile(os.path.join(_ROOT, n, "__init__.py"))
+  # Any one of them is enough: a Bazel target's runfiles hold only the
+  # folders it depends on (//models without //flags, say).
+  if any(os.path.isfile(os.path.join(_ROOT, n, "__init__.py"))
          for n in _SIBLING_PACKAGES):
     # First, so that this checkout's folders win over an editable install
     # of another checkout.

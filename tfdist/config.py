@@ -265,6 +265,9 @@ class TrainConfig:
   init_checkpoint: str = ""
   # One of MODES.
   mode: str = "train_and_eval"
+  # glibc malloc settings that stop TensorFlow's per-step page-fault churn
+  # (tfdist/allocator.py); False leaves malloc as it is.
+  tune_allocator: bool = True
   # --- Reliability (issue 13) ---
   # Warn when the training loss exceeds this multiple of its early value
   # (the first log point's mean loss); 0: no warning.
@@ -497,6 +500,8 @@ class TrainConfig:
     need(self.max_consecutive_skipped_steps >= 0,
          "--max_consecutive_skipped_steps="
          f"{self.max_consecutive_skipped_steps} must be >= 0 (0: no limit).")
+    need(isinstance(self.tune_allocator, bool),
+         f"--tune_allocator={self.tune_allocator!r} must be true or false.")
     # --- Reliability (issue 13) ---
     need(self.loss_explosion_factor == 0 or (
         math.isfinite(self.loss_explosion_factor) and

@@ -38,6 +38,7 @@ from absl import logging
 import keras
 import tensorflow as tf
 
+from tfdist import allocator
 from tfdist import assembly
 from tfdist import auto_select
 from tfdist import checkpointing
@@ -195,6 +196,9 @@ def run_experiment(config: TrainConfig, *,
   """
   started = time.time()
   versions.check_installed_versions()
+  # Every role (chief, worker, ps, evaluator) trains or serves in this
+  # process: the malloc settings apply to all (tfdist.allocator).
+  allocator.configure_allocator(config.tune_allocator)
   # Every task opens files itself (ps workers read the input shards, every
   # process reads a --feature_spec), so every task imports tensorflow-io
   # when a path needs it; again once the environment filled the folders.

@@ -546,7 +546,26 @@ def pad_to_static_batches(ds: tf.data.Dataset, batch_size: int,
   return ds
 
 
+def _one_host_cpu(strategy: tf.distribute.Strategy) -> bool:
+  """True for a `OneDeviceStrategy` on a CPU device."""
+  if not isinstance(strategy, tf.distribute.OneDeviceStrategy):
+    return False
+  devices = strategy.extended.worker_devices
+  return (len(devices) == 1 and
+          tf.DeviceSpec.from_string(devices[0]).device_type == "CPU")
+
+
 def distribute(strategy: tf.distribute.Strategy, options: PipelineOptions):
-  """A distributed dataset: one `make_dataset` per host, split to replicas."""
+  """A distributed dataset: one `make_dataset` per host, split to replicas.
+
+  With one replica on a CPU device (`OneDeviceStrategy("/cpu:0")`) it is the
+  plain `make_dataset`, as plain Keras `fit` reads it there, and
+  `strategy.run` takes its tensors as they are: a distributed iterator would
+  add a buffer and a thread hand-off per batch (a `MultiDeviceIterator`,
+  whose `GeneratorDataset` op also fixes glibc's mmap threshold, see
+  `tfdist.allocator`), for no copy to make.
+  """
+  if _one_host_cpu(strategy):
+    return make_dataset(options)
   return strategy.distribute_datasets_from_function(
       lambda ctx: make_dataset(options, ctx))

@@ -19,6 +19,7 @@ from typing import Iterable, List, Optional
 import numpy as np
 import tensorflow as tf
 
+from tfdist import allocator
 from tfdist import training_checks
 
 MANIFEST_FILE = "run_manifest.json"
@@ -60,10 +61,13 @@ def software_versions() -> dict:
 
 def run_header(config) -> dict:
   """The fields every manifest starts with: when, flags, config, versions,
-  git commit. `config` is a `tfdist.config.TrainConfig`."""
+  git commit, and the malloc settings in force (`allocator`: they change
+  resident memory, see `tfdist.allocator`). `config` is a
+  `tfdist.config.TrainConfig`."""
   return {"created": utc_now(), "flags": dict(config.flags_snapshot),
           "config": config.to_dict(), "versions": software_versions(),
-          "git_commit": git_commit()}
+          "git_commit": git_commit(),
+          "allocator": allocator.state().to_dict()}
 
 
 def write_manifest(directory: str, manifest: dict) -> str:

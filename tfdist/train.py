@@ -28,6 +28,7 @@ from tfdist import flags as tfdist_flags  # pylint: disable=g-import-not-at-top,
 from tfdist import config as config_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
 from tfdist import environment as environment_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
 from tfdist import filesystems  # pylint: disable=g-import-not-at-top,wrong-import-position
+from tfdist import allocator  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 KEY_FLAGS = tfdist_flags.define_all_flags()
 for _name in KEY_FLAGS:
@@ -96,6 +97,7 @@ def main(argv, *, callbacks: Sequence["keras.callbacks.Callback"] = ()):
     _usage_error(e)
   environment = environment_lib.read_environment()
   _quiet_library_info()
+  allocator.configure_allocator(config.tune_allocator)
   from tfdist import exit_codes  # pylint: disable=g-import-not-at-top
   from tfdist import experiment  # pylint: disable=g-import-not-at-top
   from tfdist import worker_exit  # pylint: disable=g-import-not-at-top

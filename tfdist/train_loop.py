@@ -272,6 +272,19 @@ class Trainer:
             "stop_signal": stop_flags[0], "stop_training": stop_flags[1]}
 
   def _replica_eval_step(self, inputs, labels, weights=None):
+    # When the last evaluation round has fewer batches than replicas, the
+    # others get an empty batch. TensorFlow 2.21's oneDNN CPU kernels fail on
+    # those ("Incompatible shapes: [64] vs. [0,14,14,32]" in the CNN), so an
+    # empty batch skips the model and adds zeros.
+    def empty():
+      return {"loss_sum": tf.constant(0.0), "count": tf.constant(0.0),
+              **self.metric_sums.zeros()}
+
+    return tf.cond(tf.shape(labels)[0] > 0,
+                   lambda: self._replica_eval_sums(inputs, labels, weights),
+                   empty)
+
+  def _replica_eval_sums(self, inputs, labels, weights=None):
     outputs = tf.cast(self.model(inputs, training=False), tf.float32)
     per_example = self._per_example_loss(labels, outputs, weights)
     return {"loss_sum": tf.reduce_sum(per_example),
@@ -281,6 +294,19 @@ class Trainer:
   def _reduce(self, per_replica: Dict[str, tf.Tensor]) -> Dict[str, tf.Tensor]:
     return {k: self.strategy.reduce(tf.distribute.ReduceOp.SUM, v, axis=None)
             for k, v in per_replica.items()}
+
+  def _train_step(self, iterator, stop_flags) -> Dict[str, tf.Tensor]:
+    """One step from `iterator`: its sums, reduced over every replica."""
+    inputs, labels = next(iterator)[:2]
+    with _sum_gradients_once(self.optimizer):
+      per_replica = self.strategy.run(self._replica_train,
+                                      args=(inputs, labels, stop_flags))
+    # Equal on every replica: read the first local one (no all-reduce).
+    skipped = self.strategy.experimental_local_results(
+        per_replica.pop("skipped"))[0]
+    step = self._reduce(per_replica)
+    step["skipped_steps"] = skipped
+    return step
 
   def _train_function(self, iterator, num_steps,
                       stop_flags=None) -> Dict[str, tf.Tensor]:
@@ -307,25 +333,27 @@ class Trainer:
     """
     if stop_flags is None:
       stop_flags = tf.zeros([2], tf.float32)
-    totals = {"loss": tf.constant(0.0), "count": tf.constant(0.0),
-              "skipped_steps": tf.constant(0.0),
-              "stop_signal": tf.constant(0.0),
-              "stop_training": tf.constant(0.0), **self.metric_sums.zeros()}
-    skipped_at_end = tf.constant(0.0)
-    for _ in tf.range(num_steps):
-      inputs, labels = next(iterator)[:2]
-      with _sum_gradients_once(self.optimizer):
-        per_replica = self.strategy.run(self._replica_train,
-                                        args=(inputs, labels, stop_flags))
-      # Equal on every replica: read the first local one (no all-reduce).
-      skipped = self.strategy.experimental_local_results(
-          per_replica.pop("skipped"))[0]
-      step = self._reduce(per_replica)
-      step["skipped_steps"] = skipped
-      totals = {k: totals[k] + step[k] for k in totals}
-      skipped_at_end = (skipped_at_end + 1.0) * skipped
-      self.global_step.assign_add(1)
-    totals["skipped_steps_at_end"] = skipped_at_end
+    if self.steps_per_execution == 1:
+      # One step, no loop (as Keras's fit runs steps_per_execution=1).
+      totals = self._train_step(iterator, stop_flags)
+      totals["skipped_steps_at_end"] = totals["skipped_steps"]
+      num_steps = 1
+    else:
+      totals = {"loss": tf.constant(0.0), "count": tf.constant(0.0),
+                "skipped_steps": tf.constant(0.0),
+                "stop_signal": tf.constant(0.0),
+                "stop_training": tf.constant(0.0),
+                **self.metric_sums.zeros()}
+      skipped_at_end = tf.constant(0.0)
+      for _ in tf.range(num_steps):
+        step = self._train_step(iterator, stop_flags)
+        totals = {k: totals[k] + step[k] for k in totals}
+        skipped_at_end = (skipped_at_end + 1.0) * step["skipped_steps"]
+      totals["skipped_steps_at_end"] = skipped_at_end
+    # Counted once per call, after the steps: a call that fails part-way
+    # (a parameter-server worker lost mid-closure, then rerun elsewhere)
+    # adds nothing.
+    self.global_step.assign_add(tf.cast(num_steps, tf.int64))
     return totals
 
   def _eval_function(self, batch) -> Dict[str, tf.Tensor]:

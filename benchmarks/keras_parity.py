@@ -1,0 +1,384 @@
+"""Keras parity benchmark: tfdist's loop against plain Keras `fit`, paired.
+
+Not a test: it prints figures and writes JSON. Both sides train the same
+model (`models.build_model("cnn")`), on the same input pipeline
+(`tfdist.input_pipeline` on the same Fashion-MNIST TFRecords: shuffle
+buffer, cache, batch, prefetch), with the same optimizer (SGD, constant
+learning rate, momentum), global batch and `steps_per_execution`, in fp32
+without XLA. The sides:
+
+* `keras`: plain Keras 3 `model.compile` + `model.fit`, with the same glibc
+  malloc settings tfdist applies (`tfdist.allocator.configure_allocator`):
+  the fair baseline;
+* `tfdist`: `tfdist.experiment.run_experiment` (what `python -m
+  tfdist.train` runs), allocator tuning on, as shipped;
+* `keras_stock`: plain Keras with malloc left as it is, reported apart
+  (beating a handicapped baseline proves nothing);
+* `tfdist_stock` (only when asked for in `--sides`): tfdist with
+  `tune_allocator=False`.
+
+Strategies: `one_device` (Keras without any strategy, as a plain user
+writes it; tfdist's OneDeviceStrategy) and `mirrored` (MirroredStrategy over
+2 logical CPU devices on both sides; Keras is given the same distributed
+dataset, `input_pipeline.distribute`).
+
+Each run is its own child process: malloc settings, and TensorFlow's
+one-time malloc patch made by the first `GeneratorDataset` op, belong to the
+whole process. Runs alternate (each pair in the opposite order of the last),
+`--pairs` times per strategy. In each run the first `--warmup_steps` steps
+are not measured; over the next `--steps` a Keras callback (the same class
+on both sides) reads the clock, user and system CPU time and minor page
+faults (`getrusage`) and resident memory. Printed per strategy: each pair's
+throughput ratio tfdist / keras and tfdist / keras_stock, their median and
+spread (min..max), the same for CPU time per step (keras / tfdist: above 1
+tfdist spends less), and per side the medians of examples/sec, CPU
+milliseconds per step (user, system), minor page faults per step and peak
+resident memory (MiB, up to the end of the measured steps).
+
+On a machine others are using, absolute speeds are noise; the ratios of
+alternated runs are what count.
+
+Usage:
+  python benchmarks/keras_parity.py --pairs=5 --steps=60 \
+      --output=/tmp/keras_parity.json
+  TF_ENABLE_ONEDNN_OPTS=0 python benchmarks/keras_parity.py   # see README
+"""
+
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from absl import app
+from absl import flags
+
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _REPO not in sys.path:
+  sys.path.insert(0, _REPO)
+
+SIDES = ("keras", "tfdist", "keras_stock", "tfdist_stock")
+STRATEGIES = ("one_device", "mirrored")
+_RESULT_PREFIX = "KERAS_PARITY_RESULT "
+
+FLAGS = flags.FLAGS
+flags.DEFINE_list("strategies", list(STRATEGIES),
+                  "Strategies to compare: one_device, mirrored.")
+flags.DEFINE_list("sides", ["keras", "tfdist", "keras_stock"],
+                  f"Sides to run in each pair, from {', '.join(SIDES)}; "
+                  "`keras` and `tfdist` are required (their ratio).")
+flags.DEFINE_integer("pairs", 5, "Alternated rounds per strategy.")
+flags.DEFINE_integer("steps", 60, "Measured training steps per run.")
+flags.DEFINE_integer("warmup_steps", 10, "Unmeasured steps before them.")
+flags.DEFINE_integer("batch_size", 128, "Global batch (examples per step).")
+flags.DEFINE_integer("steps_per_execution", 1,
+                     "Steps per tf.function call, on both sides.")
+flags.DEFINE_float("learning_rate", 0.05, "SGD learning rate (constant).")
+flags.DEFINE_float("momentum", 0.9, "SGD momentum.")
+flags.DEFINE_string("data_dir", "",
+                    "Where the Fashion-MNIST TFRecords are (converted there "
+                    "first if missing); default: tfdist's data folder.")
+flags.DEFINE_string("output", "keras_parity.json",
+                    "Where to write the JSON results (relative paths: from "
+                    "the directory `bazel run` was started in).")
+flags.DEFINE_integer("run_timeout", 1200, "Seconds one child run may take.")
+flags.DEFINE_string("child", "", "Internal: run one side in this process.")
+flags.DEFINE_string("child_strategy", "", "Internal.")
+flags.DEFINE_string("child_train_files", "", "Internal.")
+flags.DEFINE_string("child_eval_files", "", "Internal.")
+
+
+# --- one run (child process) ----------------------------------------------
+def _resident_bytes() -> int:
+  with open("/proc/self/statm") as f:
+    return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _snapshot() -> dict:
+  usage = resource.getrusage(resource.RUSAGE_SELF)
+  return {"time": time.perf_counter(), "user": usage.ru_utime,
+          "system": usage.ru_stime, "minflt": usage.ru_minflt,
+          "majflt": usage.ru_majflt, "maxrss_bytes": usage.ru_maxrss * 1024}
+
+
+def _make_meter(warmup_steps: int, steps: int):
+  """A Keras callback that snapshots usage after the warm-up and after
+  `steps` more steps (batch indices: Keras passes the last step of each
+  execution, tfdist's controller the last step of each chunk)."""
+  import keras  # pylint: disable=g-import-not-at-top
+
+  class UsageMeter(keras.callbacks.Callback):
+
+    def __init__(self):
+      super().__init__()
+      self.start = None
+      self.end = None
+
+    def on_train_batch_end(self, batch, logs=None):
+      done = int(batch) + 1
+      if self.start is None and done >= warmup_steps:
+        self.start = dict(_snapshot(), steps_done=done)
+      elif (self.start is not None and self.end is None and
+            done >= warmup_steps + steps):
+        self.end = dict(_snapshot(), steps_done=done,
+                        resident_bytes=_resident_bytes())
+
+  return UsageMeter()
+
+
+def _pipeline_options(files):
+  from tfdist import datasets  # pylint: disable=g-import-not-at-top
+  from tfdist import input_pipeline  # pylint: disable=g-import-not-at-top
+  return input_pipeline.PipelineOptions(
+      files=files, parse_fn=datasets.get_dataset_spec("fashion_mnist").parse_fn,
+      global_batch_size=FLAGS.batch_size, is_training=True,
+      shuffle_buffer_size=10_000, cache=True, seed=42)
+
+
+def _run_keras(strategy_name: str, train_files, meter):
+  import keras  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  import models  # pylint: disable=g-import-not-at-top
+  from tfdist import datasets  # pylint: disable=g-import-not-at-top
+  from tfdist import devices  # pylint: disable=g-import-not-at-top
+  from tfdist import input_pipeline  # pylint: disable=g-import-not-at-top
+  spec = datasets.get_dataset_spec("fashion_mnist")
+  options = _pipeline_options(train_files)
+  if strategy_name == "mirrored":
+    names = devices.configure_cpu_devices(2)
+    strategy = tf.distribute.MirroredStrategy(names)
+    data = input_pipeline.distribute(strategy, options)
+  else:
+    strategy = tf.distribute.get_strategy()  # None: plain Keras.
+    data = input_pipeline.make_dataset(options)
+  keras.utils.set_random_seed(42)
+  with strategy.scope():
+    model = models.build_model("cnn", input_shape=spec.input_shape,
+                               num_classes=spec.num_classes)
+    model.compile(
+        optimizer=keras.optimizers.SGD(FLAGS.learning_rate,
+                                       momentum=FLAGS.momentum),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"], steps_per_execution=FLAGS.steps_per_execution,
+        jit_compile=False)
+  model.fit(data, epochs=1, verbose=0, callbacks=[meter],
+            steps_per_epoch=FLAGS.warmup_steps + FLAGS.steps)
+
+
+def _run_tfdist(strategy_name: str, train_files, eval_files, meter,
+                tune_allocator: bool):
+  from tfdist import experiment  # pylint: disable=g-import-not-at-top
+  from tfdist.config import TrainConfig  # pylint: disable=g-import-not-at-top
+  total = FLAGS.warmup_steps + FLAGS.steps
+  strategy = ({"distribution_strategy": "mirrored", "num_cpu_devices": 2,
+               "num_gpus": 0} if strategy_name == "mirrored" else
+              {"distribution_strategy": "one_device", "num_gpus": 0})
+  with tempfile.TemporaryDirectory() as model_dir:
+    experiment.run_experiment(TrainConfig(
+        model_dir=model_dir, model="cnn", dataset="fashion_mnist",
+        train_files=",".join(train_files), eval_files=",".join(eval_files),
+        batch_size=FLAGS.batch_size, train_steps=total, log_steps=total,
+        epochs_between_evals=1000, optimizer="sgd",
+        base_learning_rate=FLAGS.learning_rate,
+        base_batch_size=FLAGS.batch_size, lr_scaling="none",
+        lr_schedule="constant", warmup_steps=0, momentum=FLAGS.momentum,
+        steps_per_execution=FLAGS.steps_per_execution, dtype="fp32",
+        enable_xla=False, seed=42, tune_allocator=tune_allocator,
+        **strategy), callbacks=[meter])
+
+
+def run_child(side: str, strategy_name: str, train_files, eval_files) -> dict:
+  """Trains one side in this process; returns its measured figures."""
+  from tfdist import allocator  # pylint: disable=g-import-not-at-top
+  if side == "keras":
+    allocator.configure_allocator(True)  # What tfdist applies.
+  meter = _make_meter(FLAGS.warmup_steps, FLAGS.steps)
+  if side in ("keras", "keras_stock"):
+    _run_keras(strategy_name, train_files, meter)
+  else:
+    _run_tfdist(strategy_name, train_files, eval_files, meter,
+                tune_allocator=side == "tfdist")
+  start, end = meter.start, meter.end
+  if start is None or end is None:
+    raise RuntimeError(f"{side}/{strategy_name}: the meter saw too few steps.")
+  steps = end["steps_done"] - start["steps_done"]
+  seconds = end["time"] - start["time"]
+  return {
+      "side": side, "strategy": strategy_name, "measured_steps": steps,
+      "examples_per_second": steps * FLAGS.batch_size / seconds,
+      "step_time_seconds": seconds / steps,
+      "user_ms_per_step": 1000 * (end["user"] - start["user"]) / steps,
+      "system_ms_per_step": 1000 * (end["system"] - start["system"]) / steps,
+      "minor_faults_per_step": (end["minflt"] - start["minflt"]) / steps,
+      "major_faults_per_step": (end["majflt"] - start["majflt"]) / steps,
+      "peak_rss_mib": end["maxrss_bytes"] / 2**20,
+      "rss_mib_at_end": end["resident_bytes"] / 2**20,
+      "allocator": allocator.state().to_dict(),
+  }
+
+
+# --- the driver (parent process) ------------------------------------------
+def _data_files():
+  from tfdist import datasets  # pylint: disable=g-import-not-at-top
+  from tfdist import input_pipeline  # pylint: disable=g-import-not-at-top
+  data_dir = FLAGS.data_dir or datasets.default_data_dir()
+  train, test = datasets.get_dataset_spec("fashion_mnist").prepare(data_dir,
+                                                                   "")
+  train_files = input_pipeline.list_files(train, flag="--data_dir")
+  # tfdist evaluates once after the measured steps; one test shard keeps
+  # that (unmeasured) tail short.
+  eval_files = input_pipeline.list_files(test, flag="--data_dir")[:1]
+  return train_files, eval_files
+
+
+def _launch(side: str, strategy_name: str, train_files, eval_files) -> dict:
+  args = [sys.executable, os.path.abspath(__file__), f"--child={side}",
+          f"--child_strategy={strategy_name}",
+          f"--child_train_files={','.join(train_files)}",
+          f"--child_eval_files={','.join(eval_files)}",
+          f"--steps={FLAGS.steps}", f"--warmup_steps={FLAGS.warmup_steps}",
+          f"--batch_size={FLAGS.batch_size}",
+          f"--steps_per_execution={FLAGS.steps_per_execution}",
+          f"--learning_rate={FLAGS.learning_rate}",
+          f"--momentum={FLAGS.momentum}"]
+  env = dict(os.environ)
+  env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+  env["PYTHONPATH"] = _REPO + os.pathsep + env.get("PYTHONPATH", "")
+  proc = subprocess.run(args, cwd=_REPO, env=env, stdout=subprocess.PIPE,
+                        stderr=subprocess.STDOUT, text=True,
+                        timeout=FLAGS.run_timeout)
+  for line in proc.stdout.splitlines():
+    if line.startswith(_RESULT_PREFIX):
+      return json.loads(line[len(_RESULT_PREFIX):])
+  raise RuntimeError(f"{side}/{strategy_name} failed (exit {proc.returncode})"
+                     f":\n{proc.stdout[-4000:]}")
+
+
+def _spread(values):
+  return {"median": statistics.median(values), "min": min(values),
+          "max": max(values), "values": values}
+
+
+def _machine() -> dict:
+  def read(path):
+    try:
+      with open(path) as f:
+        return f.read()
+    except OSError:
+      return ""
+  model = next((line.split(":", 1)[1].strip()
+                for line in read("/proc/cpuinfo").splitlines()
+                if line.startswith("model name")), platform.processor())
+  flags_line = next((line for line in read("/proc/cpuinfo").splitlines()
+                     if line.startswith("flags")), "")
+  return {"cpu": model, "cpu_count": os.cpu_count(),
+          "memory_gib": round(os.sysconf("SC_PAGE_SIZE") *
+                              os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+          "avx512_vnni": "avx512_vnni" in flags_line.split(),
+          "platform": platform.platform(),
+          "python": platform.python_version(),
+          "TF_ENABLE_ONEDNN_OPTS": os.environ.get("TF_ENABLE_ONEDNN_OPTS"),
+          "load_average_at_start": list(os.getloadavg())}
+
+
+def _summarize(strategy_name: str, pairs) -> dict:
+  sides = list(pairs[0])
+  summary = {"strategy": strategy_name, "pairs": pairs, "sides": {}}
+  for side in sides:
+    runs = [p[side] for p in pairs]
+    summary["sides"][side] = {
+        key: statistics.median(r[key] for r in runs)
+        for key in ("examples_per_second", "user_ms_per_step",
+                    "system_ms_per_step", "minor_faults_per_step",
+                    "peak_rss_mib")}
+  summary["ratios"] = {}
+  summary["cpu_ratios"] = {}
+  cpu = lambda r: r["user_ms_per_step"] + r["system_ms_per_step"]
+  for base in [s for s in sides if s != "tfdist"]:
+    summary["ratios"][f"tfdist/{base}"] = _spread(
+        [p["tfdist"]["examples_per_second"] / p[base]["examples_per_second"]
+         for p in pairs])
+    # CPU time per step, base over tfdist (> 1: tfdist spends less).
+    summary["cpu_ratios"][f"tfdist/{base}"] = _spread(
+        [cpu(p[base]) / cpu(p["tfdist"]) for p in pairs])
+  return summary
+
+
+def _print_summary(summary: dict):
+  name = summary["strategy"]
+  print(f"\n== {name} ==")
+  for title, ratios in (("throughput", summary["ratios"]),
+                        ("CPU per step (base/tfdist)", summary["cpu_ratios"])):
+    print(f"{title}:")
+    for key, ratio in ratios.items():
+      values = " ".join(f"{v:.3f}" for v in ratio["values"])
+      print(f"  {key:<20} median {ratio['median']:.3f}  spread "
+            f"{ratio['min']:.3f}..{ratio['max']:.3f}  pairs: {values}")
+  print(f"{'side':<13} {'examples/s':>10} {'user ms':>8} {'sys ms':>7} "
+        f"{'faults/step':>11} {'peak RSS MiB':>12}   (medians)")
+  for side, m in summary["sides"].items():
+    print(f"{side:<13} {m['examples_per_second']:>10.1f} "
+          f"{m['user_ms_per_step']:>8.1f} {m['system_ms_per_step']:>7.1f} "
+          f"{m['minor_faults_per_step']:>11.0f} {m['peak_rss_mib']:>12.0f}")
+
+
+def main(argv):
+  del argv
+  if FLAGS.child:
+    result = run_child(FLAGS.child, FLAGS.child_strategy,
+                       FLAGS.child_train_files.split(","),
+                       FLAGS.child_eval_files.split(","))
+    print(_RESULT_PREFIX + json.dumps(result), flush=True)
+    return
+  sides = list(FLAGS.sides)
+  unknown = sorted(set(sides) - set(SIDES))
+  if unknown or not {"keras", "tfdist"} <= set(sides):
+    raise app.UsageError(f"--sides={','.join(sides)}: use sides from "
+                         f"{', '.join(SIDES)}, including keras and tfdist.")
+  bad = sorted(set(FLAGS.strategies) - set(STRATEGIES))
+  if bad:
+    raise app.UsageError(f"--strategies: unknown {', '.join(bad)}; use "
+                         f"{', '.join(STRATEGIES)}.")
+  train_files, eval_files = _data_files()
+  started = time.time()
+  record = {"machine": _machine(), "settings": {
+      "model": "cnn", "dataset": "fashion_mnist",
+      "global_batch_size": FLAGS.batch_size, "steps": FLAGS.steps,
+      "warmup_steps": FLAGS.warmup_steps, "pairs": FLAGS.pairs,
+      "steps_per_execution": FLAGS.steps_per_execution,
+      "optimizer": f"SGD({FLAGS.learning_rate}, momentum={FLAGS.momentum})",
+      "sides": sides}, "results": []}
+  for strategy_name in FLAGS.strategies:
+    pairs = []
+    for i in range(FLAGS.pairs):
+      order = sides if i % 2 == 0 else sides[::-1]
+      pair = {}
+      for side in order:
+        pair[side] = _launch(side, strategy_name, train_files, eval_files)
+        r = pair[side]
+        print(f"[{strategy_name} pair {i + 1}/{FLAGS.pairs}] {side:<12} "
+              f"{r['examples_per_second']:8.1f} examples/s  "
+              f"{r['user_ms_per_step']:6.1f} user ms  "
+              f"{r['system_ms_per_step']:6.1f} sys ms  "
+              f"{r['minor_faults_per_step']:8.0f} faults/step", flush=True)
+      pairs.append({side: pair[side] for side in sides})
+    summary = _summarize(strategy_name, pairs)
+    record["results"].append(summary)
+    _print_summary(summary)
+  record["machine"]["load_average_at_end"] = list(os.getloadavg())
+  record["wall_seconds"] = time.time() - started
+  output = FLAGS.output
+  if not os.path.isabs(output):
+    output = os.path.join(os.environ.get("BUILD_WORKING_DIRECTORY",
+                                         os.getcwd()), output)
+  with open(output, "w") as f:
+    json.dump(record, f, indent=2)
+  print(f"\nWrote {output} ({record['wall_seconds'] / 60:.1f} min).")
+
+
+if __name__ == "__main__":
+  app.run(main)
