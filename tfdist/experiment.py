@@ -28,6 +28,7 @@ evaluating.
 
 import atexit
 import contextlib
+import gc
 import os
 import shutil
 import tempfile
@@ -267,10 +268,19 @@ def run_experiment(config: TrainConfig, *,
                       writer=writer)
     if lease is not None:
       lease.acquire()
-    return _train(config, task=task, cluster=cluster, decision=decision,
-                  applied=applied, callbacks=callbacks, started=started,
-                  hypertune_reporter=hypertune_reporter, lease=lease,
-                  cleanup=cleanup)
+    record = _train(config, task=task, cluster=cluster, decision=decision,
+                    applied=applied, callbacks=callbacks, started=started,
+                    hypertune_reporter=hypertune_reporter, lease=lease,
+                    cleanup=cleanup)
+    if writer:
+      # Tells parameter-server tasks and side-car evaluators the run is
+      # over, only once the training objects are gone: a parameter-server
+      # coordinator removes its functions from the workers and ps tasks as
+      # they are freed, and a server that had already left made each removal
+      # a gRPC error ("Failed to remove function remotely").
+      gc.collect()
+      ps_lib.mark_done(config.model_dir)
+    return record
 
 
 def planned_replicas(config, *, decision, cluster) -> Tuple[int, int]:
@@ -550,8 +560,6 @@ def _train(config, *, task, cluster, decision, applied, callbacks, started,
   else:
     path = manifest_lib.write_manifest(config.model_dir, record)
     logging.info("Run manifest: %s; SavedModel: %s", path, export_dir)
-    # Tells parameter-server tasks and side-car evaluators the run is over.
-    ps_lib.mark_done(config.model_dir)
     final_eval = result.final_eval
     if final_eval:
       print("Final eval: " + run_log_lib.format_metrics(
