@@ -82,16 +82,21 @@ def define_base_flags() -> List[str]:
   flags.DEFINE_string(
       "train_files", _default("train_files"),
       "Comma-separated globs of TFRecord files for training (local or gs://; "
-      "files ending in .gz are read as GZIP). Default: the --dataset's files.")
+      "files ending in .gz are read as GZIP). Default: Vertex AI's "
+      "$AIP_TRAINING_DATA_URI when AIP_DATA_FORMAT=tf-record, else the "
+      "--dataset's files.")
   flags.DEFINE_string(
       "eval_files", _default("eval_files"),
-      "Comma-separated globs of TFRecord files for evaluation. Default: the "
-      "--dataset's test files.")
+      "Comma-separated globs of TFRecord files for evaluation. Default: "
+      "Vertex AI's $AIP_VALIDATION_DATA_URI when AIP_DATA_FORMAT=tf-record, "
+      "else the --dataset's test files.")
   flags.DEFINE_string(
       "model_dir", _default("model_dir"),
       "Output folder for checkpoints, TensorBoard logs, the SavedModel and "
       "run_manifest.json. Required unless Vertex AI's AIP_CHECKPOINT_DIR or "
-      "AIP_MODEL_DIR is set. Running again with the same folder resumes.")
+      "AIP_MODEL_DIR is set. Running again with the same folder resumes. In "
+      "a Vertex AI hyperparameter-tuning trial (a trial id in CLUSTER_SPEC "
+      "or TF_CONFIG) a given folder gets the subfolder trial_<id>.")
   flags.DEFINE_string(
       "checkpoint_dir", _default("checkpoint_dir"),
       "Where checkpoints go. Default: $AIP_CHECKPOINT_DIR, else "

@@ -122,7 +122,7 @@ def _counts(env, reduction_server=False):
 
 def _make_strategy(config, env):
   """As the binary does: environment, cluster, decision, then the factory."""
-  config, cluster, _, _ = experiment.prepare_run(
+  config, cluster, _, _, _ = experiment.prepare_run(
       config, environment=environment_lib.read_environment(env))
   return strategy_lib.make_strategy(config, cluster=cluster)
 

@@ -67,6 +67,9 @@ REDUCTION_SERVER_IMAGE = (
 _REDUCTION_SERVER_IMAGE_RE = re.compile(
     r"^([a-z0-9-]+-)?docker\.pkg\.dev/vertex-ai-restricted/training/"
     r"reductionserver(:[\w.-]+)?(@sha256:[0-9a-f]{64})?$")
+# A hyperparameter-tuning trial id (Vertex AI: "1", "2", ...); it names the
+# trial's folder, `trial_<id>` (tfdist.environment.trial_folders).
+_TRIAL_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 # The Vertex worker pool that may hold parameter servers or the Reduction
 # Server (workerPoolSpecs[2]).
 REDUCTION_SERVER_POOL = 2
@@ -88,7 +91,9 @@ class ClusterInfo:
     source: where it came from: one of `SOURCES`.
     rpc_layer: the RPC protocol (`grpc`).
     environment: TF_CONFIG's `environment` (`cloud` on Vertex AI), or ''.
-    trial: the hyperparameter-tuning trial id, or ''.
+    trial: the hyperparameter-tuning trial id (`task.trial` of TF_CONFIG
+      or CLUSTER_SPEC), or ''; an explicit `--model_dir` gets the subfolder
+      `trial_<id>` (`tfdist.environment.trial_folders`).
     reduction_server_replicas: Vertex AI Reduction Server replicas (worker
       pool 2) left out of `cluster`; 0 when there is none.
   """
@@ -306,7 +311,14 @@ def _task(raw, source: str, pools: Optional[Mapping[str, str]] = None):
   if isinstance(index, bool) or not isinstance(index, int) or index < 0:
     raise ClusterConfigError(
         f"{source}: task index {index!r} must be an integer >= 0.")
-  return task_type, index, str(raw.get("trial", "") or "")
+  trial = str(raw.get("trial", "") or "").strip()
+  if trial and not _TRIAL_RE.match(trial):
+    raise ClusterConfigError(
+        f"{source}: task trial {trial!r} cannot name a folder (tfdist keeps "
+        "each hyperparameter-tuning trial in <model_dir>/trial_<id>). Vertex "
+        "AI's trial ids are numbers, e.g. \"trial\": \"7\"; use letters, "
+        "digits, '_', '.' or '-'.")
+  return task_type, index, trial
 
 
 def _check_index(task_type, index, cluster, source, *, evaluator_listed):

@@ -343,6 +343,27 @@ class TrainConfig:
           "AIP_CHECKPOINT_DIR as Vertex AI does). Example: "
           "--model_dir=/tmp/tfdist_run.")
 
+  def require_data_files(self):
+    """Raises `ConfigError` when `--feature_spec` has no files to read.
+
+    Called once the environment is applied (`tfdist.environment`), since
+    Vertex AI's `AIP_TRAINING_DATA_URI` / `AIP_VALIDATION_DATA_URI` may
+    supply them.
+    """
+    if not self.feature_spec:
+      return
+    if not self.train_files and self.mode != "eval":
+      raise ConfigError(
+          f"--feature_spec={self.feature_spec} describes your TFRecords: "
+          "give them as --train_files (and --eval_files), or set "
+          "AIP_TRAINING_DATA_URI with AIP_DATA_FORMAT=tf-record.")
+    if not self.eval_files and self.mode != "train":
+      raise ConfigError(
+          f"--feature_spec={self.feature_spec} describes your TFRecords: "
+          "give the evaluation files as --eval_files (or set "
+          "AIP_VALIDATION_DATA_URI with AIP_DATA_FORMAT=tf-record; or train "
+          "only: --mode=train).")
+
   def _validate(self):
     def need(cond, message):
       if not cond:
@@ -457,13 +478,8 @@ class TrainConfig:
       need(self.dataset == FEATURE_SPEC_DATASET,
            f"--feature_spec={self.feature_spec} and --dataset={self.dataset}"
            " both say where the data comes from: pass only one.")
-      need(bool(self.train_files) or self.mode == "eval",
-           f"--feature_spec={self.feature_spec} describes your TFRecords: "
-           "give them as --train_files (and --eval_files).")
-      need(bool(self.eval_files) or self.mode == "train",
-           f"--feature_spec={self.feature_spec} describes your TFRecords: "
-           "give the evaluation files as --eval_files (or train only: "
-           "--mode=train).")
+      # Its --train_files/--eval_files are checked by `require_data_files`
+      # once the environment is applied (Vertex AI's AIP_*_DATA_URI).
     else:
       need(self.dataset != FEATURE_SPEC_DATASET,
            f"--dataset={FEATURE_SPEC_DATASET} needs --feature_spec=FILE.json"

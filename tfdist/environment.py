@@ -16,11 +16,20 @@ Variables read:
 | `AIP_MODEL_DIR` | Vertex AI: the SavedModel folder (`--export_dir`), and `--model_dir` when `AIP_CHECKPOINT_DIR` is unset |
 | `AIP_CHECKPOINT_DIR` | Vertex AI: `--model_dir` and the checkpoint folder |
 | `AIP_TENSORBOARD_LOG_DIR` | Vertex AI: the TensorBoard folder |
+| `AIP_TRAINING_DATA_URI`, `AIP_VALIDATION_DATA_URI` | Vertex AI managed datasets: `--train_files`, `--eval_files`, when `AIP_DATA_FORMAT` is `tf-record` (another format is an error) |
+| `AIP_DATA_FORMAT` | Vertex AI managed datasets: the format of the files those URIs name |
 | `TPU_NAME` | `--tpu` when unset |
 | `TPU_NAME`, `TPU_ACCELERATOR_TYPE`, `TPU_WORKER_HOSTNAMES` | signs of a TPU for `auto` (`tfdist.tpu.tpu_hints`) |
 | `TFDIST_DATA_DIR`, `HOME`, `TEST_TMPDIR` | the default `--data_dir` |
 
 A flag (a config field) always wins over a variable.
+
+Hyperparameter-tuning trials: `trial_folders` gives each trial its own
+folders under the explicit `--model_dir` (and `--checkpoint_dir`,
+`--tensorboard_dir`, `--export_dir`): `<dir>/trial_<id>`, the trial id
+coming from `CLUSTER_SPEC`/`TF_CONFIG` (`tfdist.cluster.ClusterInfo.trial`).
+Folders from `AIP_*` are left as they are: Vertex AI already nests them per
+trial (`<base_output_dir>/<trial>/model/`, ...).
 """
 
 import dataclasses
@@ -28,13 +37,31 @@ import os
 import types
 from typing import Mapping, Optional, Tuple
 
+from tfdist.config import ConfigError
+
 # The variables tfdist reads (and records in the manifest).
 VARIABLES = (
     "TF_CONFIG", "CLUSTER_SPEC",
     "AIP_MODEL_DIR", "AIP_CHECKPOINT_DIR", "AIP_TENSORBOARD_LOG_DIR",
+    "AIP_DATA_FORMAT", "AIP_TRAINING_DATA_URI", "AIP_VALIDATION_DATA_URI",
     "TPU_NAME", "TPU_ACCELERATOR_TYPE", "TPU_WORKER_HOSTNAMES",
     "TFDIST_DATA_DIR", "HOME", "TEST_TMPDIR",
 )
+
+# Vertex AI managed datasets: the `AIP_DATA_FORMAT` tfdist reads (TFRecord
+# files of `tf.train.Example`), and the variable that fills each field, with
+# the flag that wins over it. Vertex documents the URIs as Cloud Storage
+# wildcards, e.g. `gs://bucket/path/training-*` (`jsonl`, `csv`, `tf-record`)
+# or BigQuery tables, `bq://project.dataset.table` (`bigquery`).
+TFRECORD_DATA_FORMAT = "tf-record"
+DATA_URI_VARIABLES = (
+    ("train_files", "AIP_TRAINING_DATA_URI"),
+    ("eval_files", "AIP_VALIDATION_DATA_URI"),
+)
+# The output folders a hyperparameter-tuning trial nests when a flag gives
+# them (`trial_folders`).
+TRIAL_FOLDER_FIELDS = ("model_dir", "checkpoint_dir", "tensorboard_dir",
+                       "export_dir")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +110,9 @@ def apply_environment(config, environment: RunEnvironment):
   * `checkpoint_dir` <- `AIP_CHECKPOINT_DIR`;
   * `tensorboard_dir` <- `AIP_TENSORBOARD_LOG_DIR`;
   * `export_dir` <- `AIP_MODEL_DIR`;
+  * `train_files` <- `AIP_TRAINING_DATA_URI`, `eval_files` <-
+    `AIP_VALIDATION_DATA_URI` (Vertex AI managed datasets), when
+    `AIP_DATA_FORMAT` is `tf-record` (`check_data_format`);
   * `tpu` <- `TPU_NAME`;
   * `data_dir` <- `environment.default_data_dir`.
 
@@ -93,6 +123,10 @@ def apply_environment(config, environment: RunEnvironment):
   Returns:
     `(config, filled)`: the updated config and the `(field, variable)` pairs
     that were applied, for the log and the manifest.
+
+  Raises:
+    ConfigError: a data URI would fill an unset field but `AIP_DATA_FORMAT`
+      is not `tf-record` (`check_data_format`).
   """
   changes, filled = {}, []
 
@@ -109,8 +143,86 @@ def apply_environment(config, environment: RunEnvironment):
   fill("checkpoint_dir", "AIP_CHECKPOINT_DIR")
   fill("tensorboard_dir", "AIP_TENSORBOARD_LOG_DIR")
   fill("export_dir", "AIP_MODEL_DIR")
+  for field, variable in DATA_URI_VARIABLES:
+    if not getattr(config, field) and environment.get(variable):
+      check_data_format(environment, variable)
+      fill(field, variable)
   fill("tpu", "TPU_NAME")
   if not config.data_dir:
     changes["data_dir"] = environment.default_data_dir
   filled_t: Tuple[Tuple[str, str], ...] = tuple(filled)
   return (config.replace(**changes) if changes else config), filled_t
+
+
+def check_data_format(environment: RunEnvironment, variable: str):
+  """Checks that the Vertex AI data URI in `variable` names TFRecord files.
+
+  Vertex AI exports a managed dataset for custom training as `jsonl`, `csv`
+  or `bigquery` (tabular and other data sets), or as `tf-record`, and says
+  which in `AIP_DATA_FORMAT` ("Use managed datasets", Vertex AI custom
+  training documentation). tfdist's input pipeline reads TFRecord files of
+  `tf.train.Example` only.
+
+  Args:
+    environment: from `read_environment`.
+    variable: `AIP_TRAINING_DATA_URI` or `AIP_VALIDATION_DATA_URI`.
+
+  Raises:
+    ConfigError: `AIP_DATA_FORMAT` is not `tf-record` (or is unset); the
+      message names both variables, their values and the fix.
+  """
+  data_format = environment.get("AIP_DATA_FORMAT")
+  if data_format == TFRECORD_DATA_FORMAT:
+    return
+  flag = "--" + dict((v, f) for f, v in DATA_URI_VARIABLES)[variable]
+  given = (f"AIP_DATA_FORMAT={data_format!r}" if data_format else
+           "AIP_DATA_FORMAT is unset")
+  raise ConfigError(
+      f"${variable}={environment.get(variable)!r} names a Vertex AI managed "
+      f"dataset, but {given}: tfdist reads TFRecord files of "
+      f"tf.train.Example only (AIP_DATA_FORMAT={TFRECORD_DATA_FORMAT!r}). "
+      "Export the dataset as TFRecords, or convert it to TFRecord files and "
+      f"pass them as {flag} (a flag wins over ${variable}).")
+
+
+def trial_subfolder(trial: str) -> str:
+  """The folder name of hyperparameter-tuning trial `trial`: `trial_<id>`."""
+  return f"trial_{trial}"
+
+
+def trial_folders(config, *, trial: str,
+                  filled: Tuple[Tuple[str, str], ...] = ()):
+  """Gives a hyperparameter-tuning trial its own output folders.
+
+  Every field of `TRIAL_FOLDER_FIELDS` that a flag set (not one in
+  `filled`, which came from Vertex AI's `AIP_*` variables, already nested
+  per trial by Vertex) gets the subfolder `trial_subfolder(trial)`:
+  `--model_dir=gs://b/run` becomes `gs://b/run/trial_7` in trial 7, so
+  trials never share a checkpoint. A folder that already ends in that
+  subfolder is left as it is (applying twice changes nothing).
+
+  Args:
+    config: a `tfdist.config.TrainConfig`, after `apply_environment`.
+    trial: the trial id (`tfdist.cluster.ClusterInfo.trial`); '' outside a
+      tuning job, which changes nothing.
+    filled: the `(field, variable)` pairs `apply_environment` returned.
+
+  Returns:
+    `(config, fields)`: the updated config and the fields given the
+    subfolder, in `TRIAL_FOLDER_FIELDS` order.
+  """
+  if not trial:
+    return config, ()
+  from_environment = {field for field, _ in filled}
+  subfolder = trial_subfolder(trial)
+  changes = {}
+  for field in TRIAL_FOLDER_FIELDS:
+    value = getattr(config, field)
+    if not value or field in from_environment:
+      continue
+    if value.rstrip("/").rsplit("/", 1)[-1] == subfolder:
+      continue
+    changes[field] = value.rstrip("/") + "/" + subfolder
+  if not changes:
+    return config, ()
+  return config.replace(**changes), tuple(changes)

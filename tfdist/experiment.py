@@ -110,19 +110,22 @@ def prepare_run(config: TrainConfig, *,
       no files, so the TPU `gs://` rule has nothing to check).
 
   Returns:
-    `(config, cluster, decision, environment_applied)`: the config with the
-    environment applied and `auto` decided, the `ClusterInfo`, the
-    `auto_select.Decision`, and the `(field, variable)` pairs the
-    environment filled.
+    `(config, cluster, decision, environment_applied, trial_fields)`: the
+    config with the environment applied (a tuning trial's folders nested,
+    `environment.trial_folders`) and `auto` decided, the `ClusterInfo`, the
+    `auto_select.Decision`, the `(field, variable)` pairs the environment
+    filled, and the folder fields given the trial's subfolder.
 
   Raises:
-    ConfigError: missing `--model_dir`, a malformed cluster, fp16 on a TPU,
-      local input with a remote TPU.
+    ConfigError: missing `--model_dir`, `--feature_spec` without files, a
+      data URI of another format than `tf-record`, a malformed cluster,
+      fp16 on a TPU, local input with a remote TPU.
   """
   if environment is None:
     environment = environment_lib.read_environment()
   config, applied = environment_lib.apply_environment(config, environment)
   config.require_model_dir()
+  config.require_data_files()
   for field, variable in applied:
     logging.info("--%s=%s from $%s", field, getattr(config, field), variable)
   if config.recommended_applied:
@@ -134,6 +137,13 @@ def prepare_run(config: TrainConfig, *,
       environ=environment.variables,
       reduction_server=config.reduction_server)
   logging.info("%s", cluster.describe())
+  # Hyperparameter tuning: trials never share a checkpoint.
+  config, trial_fields = environment_lib.trial_folders(
+      config, trial=cluster.trial, filled=applied)
+  for field in trial_fields:
+    logging.info("--%s=%s: hyperparameter-tuning trial %s's own folder "
+                 "(from %s)", field, getattr(config, field), cluster.trial,
+                 cluster.source)
   decision = auto_select.resolve(config, cluster=cluster,
                                  environment=environment)
   config = auto_select.apply_decision(config, decision)
@@ -141,7 +151,7 @@ def prepare_run(config: TrainConfig, *,
     tpu_lib.validate_tpu_config(
         config, data_patterns=run_plan_lib.data_patterns(config, dataset))
   logging.info("%s", decision.describe())
-  return config, cluster, decision, applied
+  return config, cluster, decision, applied, trial_fields
 
 
 def run_experiment(config: TrainConfig, *,
@@ -206,7 +216,7 @@ def run_experiment(config: TrainConfig, *,
   filesystems.require_file_systems(filesystems.config_paths(config))
   if task is None:
     task = task_lib.from_config(config)
-  config, cluster, decision, applied = prepare_run(
+  config, cluster, decision, applied, trial_fields = prepare_run(
       config, environment=environment, dataset=task.dataset)
   filesystems.require_file_systems(filesystems.config_paths(config))
   hypertune_reporter = None
@@ -269,7 +279,8 @@ def run_experiment(config: TrainConfig, *,
     if lease is not None:
       lease.acquire()
     record = _train(config, task=task, cluster=cluster, decision=decision,
-                    applied=applied, callbacks=callbacks, started=started,
+                    applied=applied, trial_fields=trial_fields,
+                    callbacks=callbacks, started=started,
                     hypertune_reporter=hypertune_reporter, lease=lease,
                     cleanup=cleanup)
     if writer:
@@ -361,7 +372,8 @@ def _check_resume(config, plan) -> list:
 
 
 def _train(config, *, task, cluster, decision, applied, callbacks, started,
-           hypertune_reporter=None, lease=None, cleanup=None):
+           hypertune_reporter=None, trial_fields=(), lease=None,
+           cleanup=None):
   """The training process: the only one, the chief, a worker, or the
   parameter-server coordinator (`lease`: the writer's `--model_dir`
   lease, held; `cleanup`: a `contextlib.ExitStack` the caller closes)."""
@@ -551,7 +563,8 @@ def _train(config, *, task, cluster, decision, applied, callbacks, started,
       seconds={"total": time.time() - started,
                "training": result.train_seconds,
                "training_all_processes": run_log.training_seconds()},
-      environment_applied=applied, strategy_details=strategy_details,
+      environment_applied=applied, trial_fields=trial_fields,
+      strategy_details=strategy_details,
       objectives=parts.objectives, model_name=task.model_name)
   if not is_chief:
     shutil.rmtree(scratch_dir, ignore_errors=True)

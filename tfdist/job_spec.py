@@ -246,6 +246,7 @@ def parse_train_flags(args: Sequence[str], *, where: str,
     config, _ = environment_lib.apply_environment(
         config, environment_lib.read_environment(environ or {}))
     config.require_model_dir()
+    config.require_data_files()
     # The part of tfdist.train --dry_run that needs no access to the job's
     # files, cluster or devices: names that exist and fit together.
     from tfdist import quiet_tensorflow  # pylint: disable=g-import-not-at-top

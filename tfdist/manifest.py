@@ -20,6 +20,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist import allocator
+from tfdist import environment
 from tfdist import training_checks
 
 MANIFEST_FILE = "run_manifest.json"
@@ -101,7 +102,8 @@ def build_manifest(*, config, decision, plan, cluster, choice, num_workers,
                    is_chief: bool, devices, dtype_policy: str,
                    loss_scale: Optional[float], optimizer_iterations: int,
                    result, run_log, artifacts: dict, seconds: dict,
-                   environment_applied=(), strategy_details=None,
+                   environment_applied=(), trial_fields=(),
+                   strategy_details=None,
                    objectives=None, model_name: Optional[str] = None
                    ) -> dict:
   """The run manifest: the same keys for every strategy.
@@ -126,6 +128,8 @@ def build_manifest(*, config, decision, plan, cluster, choice, num_workers,
       `training_all_processes` (`RunLog.training_seconds()`).
     environment_applied: `(field, variable)` pairs filled from the
       environment (`tfdist.environment.apply_environment`).
+    trial_fields: the folder fields given the hyperparameter-tuning
+      trial's subfolder (`tfdist.environment.trial_folders`).
     strategy_details: a dict of strategy-specific facts (parameter-server
       placement, ...), written under the strategy's name (e.g.
       `manifest["parameter_server"]`); None: empty.
@@ -159,6 +163,11 @@ def build_manifest(*, config, decision, plan, cluster, choice, num_workers,
       **run_header(config),
       "environment": [{"field": f, "variable": v}
                       for f, v in environment_applied],
+      # Vertex AI hyperparameter tuning: this run's trial (None outside a
+      # tuning job) and the flag-given folders nested in its subfolder.
+      "trial": ({"id": cluster.trial,
+                 "subfolder": environment.trial_subfolder(cluster.trial),
+                 "fields": list(trial_fields)} if cluster.trial else None),
       "devices": devices,
       "strategy": choice.name,
       "strategy_reason": decision.strategy_reason,

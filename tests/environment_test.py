@@ -1,0 +1,234 @@
+"""Vertex AI's environment: managed-dataset URIs and tuning trials' folders.
+
+* `AIP_TRAINING_DATA_URI` / `AIP_VALIDATION_DATA_URI` fill `--train_files` /
+  `--eval_files` when `AIP_DATA_FORMAT` is `tf-record` (the flag wins);
+  another format is an error at start that names the variable, its value
+  and the fix.
+* A hyperparameter-tuning trial id in `CLUSTER_SPEC` / `TF_CONFIG` nests an
+  explicit `--model_dir` as `<model_dir>/trial_<id>`; the `AIP_*` folders,
+  already per trial, are kept.
+* One real `python -m tfdist.train` run reads its TFRecords through
+  `AIP_TRAINING_DATA_URI` (a wildcard, as Vertex gives it) in trial 3: the
+  checkpoint lands in the trial's folder and the manifest records the trial.
+"""
+
+import glob
+import json
+import os
+
+from absl.testing import absltest
+from absl.testing import parameterized
+import pytest
+
+from tests import testutil
+from tfdist import environment as environment_lib
+from tfdist import experiment
+from tfdist import manifest as manifest_lib
+from tfdist.cluster import ClusterConfigError
+from tfdist.config import ConfigError, TrainConfig
+
+TRAIN_URI = "gs://bucket/dataset-123-tables-2024/training-*"
+EVAL_URI = "gs://bucket/dataset-123-tables-2024/validation-*"
+
+
+def _env(**variables):
+  return environment_lib.read_environment(variables)
+
+
+def _cluster_spec(trial: str) -> str:
+  """Vertex AI's CLUSTER_SPEC of a one-replica tuning trial."""
+  return json.dumps({
+      "cluster": {"workerpool0": ["127.0.0.1:2222"]},
+      "environment": "cloud",
+      "task": {"type": "workerpool0", "index": 0, "trial": trial},
+      "job": {"python_module": "tfdist.train", "package_uris": [],
+              "job_args": []}})
+
+
+def _tf_config(trial: str) -> str:
+  return json.dumps({"cluster": {"chief": ["127.0.0.1:2222"]},
+                     "environment": "cloud",
+                     "task": {"type": "chief", "index": 0, "trial": trial}})
+
+
+# The unit tests also run on the oldest supported TensorFlow
+# (tests/conftest.py).
+@pytest.mark.compat
+class DataUriTest(parameterized.TestCase):
+
+  def test_tf_record_uris_fill_train_and_eval_files(self):
+    config, applied = environment_lib.apply_environment(
+        TrainConfig(model_dir="/m", train_steps=1),
+        _env(AIP_DATA_FORMAT="tf-record", AIP_TRAINING_DATA_URI=TRAIN_URI,
+             AIP_VALIDATION_DATA_URI=EVAL_URI))
+    self.assertEqual((config.train_files, config.eval_files),
+                     (TRAIN_URI, EVAL_URI))
+    self.assertIn(("train_files", "AIP_TRAINING_DATA_URI"), applied)
+    self.assertIn(("eval_files", "AIP_VALIDATION_DATA_URI"), applied)
+
+  def test_flag_wins_over_uri(self):
+    config, applied = environment_lib.apply_environment(
+        TrainConfig(model_dir="/m", train_steps=1, train_files="/mine/t-*"),
+        _env(AIP_DATA_FORMAT="tf-record", AIP_TRAINING_DATA_URI=TRAIN_URI,
+             AIP_VALIDATION_DATA_URI=EVAL_URI))
+    self.assertEqual((config.train_files, config.eval_files),
+                     ("/mine/t-*", EVAL_URI))
+    self.assertNotIn(("train_files", "AIP_TRAINING_DATA_URI"), applied)
+    # Both flags given: the URIs are not used, so their format is no error.
+    config, _ = environment_lib.apply_environment(
+        TrainConfig(model_dir="/m", train_steps=1, train_files="/t-*",
+                    eval_files="/e-*"),
+        _env(AIP_DATA_FORMAT="csv", AIP_TRAINING_DATA_URI=TRAIN_URI,
+             AIP_VALIDATION_DATA_URI=EVAL_URI))
+    self.assertEqual((config.train_files, config.eval_files),
+                     ("/t-*", "/e-*"))
+
+  @parameterized.named_parameters(
+      ("csv", "csv", TRAIN_URI),
+      ("jsonl", "jsonl", TRAIN_URI),
+      ("bigquery", "bigquery", "bq://project.dataset_123.training"),
+  )
+  def test_other_format_is_a_clear_error(self, data_format, uri):
+    with self.assertRaises(ConfigError) as raised:
+      environment_lib.apply_environment(
+          TrainConfig(model_dir="/m", train_steps=1),
+          _env(AIP_DATA_FORMAT=data_format, AIP_TRAINING_DATA_URI=uri))
+    message = str(raised.exception)
+    for part in (f"$AIP_TRAINING_DATA_URI={uri!r}",
+                 f"AIP_DATA_FORMAT={data_format!r}", "'tf-record'",
+                 "--train_files"):
+      self.assertIn(part, message)
+
+  def test_unset_format_is_an_error(self):
+    with self.assertRaisesRegex(
+        ConfigError, r"\$AIP_VALIDATION_DATA_URI='gs://.*validation-\*'.*"
+        r"AIP_DATA_FORMAT is unset.*--eval_files"):
+      environment_lib.apply_environment(
+          TrainConfig(model_dir="/m", train_steps=1, train_files="/t-*"),
+          _env(AIP_VALIDATION_DATA_URI=EVAL_URI))
+
+  def test_error_comes_before_any_work(self):
+    model_dir = os.path.join(testutil.scratch_dir(), "run")
+    with self.assertRaisesRegex(ConfigError, "AIP_DATA_FORMAT='jsonl'"):
+      experiment.run_experiment(
+          TrainConfig(model_dir=model_dir, train_steps=1),
+          environment=_env(AIP_DATA_FORMAT="jsonl",
+                           AIP_TRAINING_DATA_URI=TRAIN_URI))
+    self.assertFalse(os.path.exists(model_dir))
+
+  def test_feature_spec_takes_its_files_from_the_environment(self):
+    # --feature_spec needs files; Vertex's URIs count (checked after the
+    # environment is applied, not when the flags are parsed).
+    config = TrainConfig(model_dir="/m", train_steps=1,
+                         feature_spec="/spec.json")
+    with self.assertRaisesRegex(ConfigError, "give them as --train_files"):
+      config.require_data_files()
+    config, _ = environment_lib.apply_environment(
+        config, _env(AIP_DATA_FORMAT="tf-record",
+                     AIP_TRAINING_DATA_URI=TRAIN_URI,
+                     AIP_VALIDATION_DATA_URI=EVAL_URI))
+    config.require_data_files()
+    self.assertEqual(config.train_files, TRAIN_URI)
+
+
+@pytest.mark.compat
+class TrialFolderTest(parameterized.TestCase):
+
+  @parameterized.named_parameters(("cluster_spec", "CLUSTER_SPEC",
+                                   _cluster_spec),
+                                  ("tf_config", "TF_CONFIG", _tf_config))
+  def test_trial_nests_explicit_model_dir_only(self, variable, make):
+    prepared = experiment.prepare_run(
+        TrainConfig(model_dir="/runs/study", train_steps=1),
+        environment=_env(**{variable: make("7")}))
+    config, cluster = prepared[:2]
+    self.assertEqual(cluster.trial, "7")
+    self.assertEqual(config.model_dir, "/runs/study/trial_7")
+    self.assertEqual(config.resolved_checkpoint_dir,
+                     "/runs/study/trial_7/checkpoints")
+    self.assertEqual(prepared[4], ("model_dir",))
+    # Vertex already nests AIP_* per trial (<base>/<trial>/checkpoints/):
+    # kept as they are.
+    prepared = experiment.prepare_run(
+        TrainConfig(train_steps=1),
+        environment=_env(**{variable: make("7")},
+                         AIP_MODEL_DIR="gs://b/out/7/model/",
+                         AIP_CHECKPOINT_DIR="gs://b/out/7/checkpoints/"))
+    config = prepared[0]
+    self.assertEqual((config.model_dir, config.resolved_checkpoint_dir,
+                      config.resolved_export_dir),
+                     ("gs://b/out/7/checkpoints/", "gs://b/out/7/checkpoints/",
+                      "gs://b/out/7/model/"))
+    self.assertEqual(prepared[4], ())
+    # Outside a tuning job Vertex sends "trial": "": no subfolder.
+    prepared = experiment.prepare_run(
+        TrainConfig(model_dir="/runs/one", train_steps=1),
+        environment=_env(**{variable: make("")}))
+    self.assertEqual((prepared[0].model_dir, prepared[4]), ("/runs/one", ()))
+
+  def test_explicit_checkpoint_dir_is_nested_too(self):
+    prepared = experiment.prepare_run(
+        TrainConfig(model_dir="gs://b/run/", checkpoint_dir="gs://b/ckpt",
+                    train_steps=1),
+        environment=_env(CLUSTER_SPEC=_cluster_spec("12")))
+    config = prepared[0]
+    self.assertEqual((config.model_dir, config.resolved_checkpoint_dir),
+                     ("gs://b/run/trial_12", "gs://b/ckpt/trial_12"))
+    self.assertEqual(prepared[4], ("model_dir", "checkpoint_dir"))
+
+  def test_applying_twice_nests_once(self):
+    config, _ = environment_lib.trial_folders(
+        TrainConfig(model_dir="/runs/study", train_steps=1), trial="7")
+    again, fields = environment_lib.trial_folders(config, trial="7")
+    self.assertEqual((again.model_dir, fields), ("/runs/study/trial_7", ()))
+
+  def test_trial_that_cannot_name_a_folder(self):
+    with self.assertRaisesRegex(ClusterConfigError,
+                                "CLUSTER_SPEC: task trial '../x'"):
+      experiment.prepare_run(
+          TrainConfig(model_dir="/m", train_steps=1),
+          environment=_env(CLUSTER_SPEC=_cluster_spec("../x")))
+
+
+class TrainBinaryTest(absltest.TestCase):
+
+  def test_vertex_data_uri_and_trial(self):
+    data = testutil.fashion_mnist_subset(limit=256, train_shards=2,
+                                         test_shards=1)
+    model_dir = testutil.scratch_dir()
+    # Vertex's wildcard form: <folder>/training-* (here train-*).
+    train_uri = os.path.join(data["dir"], "train-*")
+    eval_uri = os.path.join(data["dir"], "test-*")
+    proc = testutil.run_module(
+        "tfdist.train",
+        [f"--model_dir={model_dir}", "--distribution_strategy=one_device",
+         "--batch_size=64", "--train_steps=4", "--log_steps=2"],
+        env={"AIP_DATA_FORMAT": "tf-record",
+             "AIP_TRAINING_DATA_URI": train_uri,
+             "AIP_VALIDATION_DATA_URI": eval_uri,
+             "CLUSTER_SPEC": _cluster_spec("3")},
+        timeout=240)
+    self.assertEqual(proc.returncode, 0, proc.stdout[-4000:])
+    trial_dir = os.path.join(model_dir, "trial_3")
+    self.assertEqual(os.listdir(model_dir), ["trial_3"])
+    self.assertTrue(glob.glob(os.path.join(trial_dir, "checkpoints",
+                                           "ckpt-4.index")),
+                    os.listdir(trial_dir))
+    manifest = manifest_lib.read_manifest(trial_dir)
+    self.assertEqual(manifest["trial"], {"id": "3", "subfolder": "trial_3",
+                                         "fields": ["model_dir"]})
+    self.assertEqual(manifest["cluster"]["trial"], "3")
+    self.assertEqual(manifest["final_step"], 4)
+    self.assertEqual(
+        [f["path"] for f in manifest["data"]["train_files"]],
+        sorted(glob.glob(data["train"])))
+    self.assertEqual(
+        [f["path"] for f in manifest["data"]["eval_files"]],
+        sorted(glob.glob(data["eval"])))
+    self.assertIn({"field": "train_files",
+                   "variable": "AIP_TRAINING_DATA_URI"},
+                  manifest["environment"])
+
+
+if __name__ == "__main__":
+  absltest.main()
