@@ -459,6 +459,41 @@ def define_measure_flags() -> List[str]:
   return ["profile_steps"]
 
 
+def define_reliability_flags() -> List[str]:
+  """Divergence, the --model_dir lease, resumption and dry runs (issue 13).
+
+  Flag names equal `TrainConfig` field names.
+  """
+  flags.DEFINE_float(
+      "loss_explosion_factor", _default("loss_explosion_factor"),
+      "Warn when the training loss exceeds this multiple of its early value "
+      "(the mean loss at the first log point): a run can diverge without "
+      "ever reaching NaN. 0: no warning.")
+  flags.DEFINE_float(
+      "lease_timeout_seconds", _default("lease_timeout_seconds"),
+      "The training chief holds a lease on --model_dir (lease.json), renewed "
+      "every quarter of this; a second run on the same --model_dir refuses "
+      "while the lease is live, and a restarted job takes over a lease not "
+      "renewed for this many seconds.")
+  flags.DEFINE_bool(
+      "allow_incompatible_resume", _default("allow_incompatible_resume"),
+      "Resume from --model_dir's checkpoint even when the model or the "
+      "global batch size differs from the run that wrote it (refused by "
+      "default; other changes are allowed and listed).")
+  flags.DEFINE_bool(
+      "dry_run", _default("dry_run"),
+      "Run every start-up check (flags, cluster, output folders, the "
+      "--model_dir lease, data files and schema, resumption), print the "
+      "plan and exit 0 without building the model or training.")
+
+  @flags.validator("lease_timeout_seconds",
+                   "--lease_timeout_seconds must be > 0.")
+  def _check_lease_timeout(value):
+    return value > 0
+
+  return ["dry_run"]
+
+
 def define_all_flags() -> List[str]:
   """Defines every group `tfdist.train` uses; returns the key flag names."""
   names = []
@@ -466,7 +501,7 @@ def define_all_flags() -> List[str]:
                  define_distribution_flags, define_cluster_flags,
                  define_performance_flags,
                  define_tpu_flags, define_lr_flags, define_vertex_flags,
-                 define_measure_flags):
+                 define_measure_flags, define_reliability_flags):
     names += define()
   return names
 

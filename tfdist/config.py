@@ -333,6 +333,19 @@ class TrainConfig:
   # Trace training steps START..END (1-based, inclusive) with TensorFlow's
   # profiler into the TensorBoard folder; () traces nothing.
   profile_steps: Tuple[int, ...] = ()
+  # --- Reliability (issue 13) ---
+  # Warn when the training loss exceeds this multiple of its early value
+  # (the first log point's mean loss); 0: no warning.
+  loss_explosion_factor: float = 10.0
+  # The chief's lease on --model_dir (tfdist.lease): renewed every quarter
+  # of this; a lease not renewed for this long may be taken over.
+  lease_timeout_seconds: float = 60.0
+  # Resume even when the model or the global batch differs from the
+  # checkpoint's run (tfdist.checkpointing.check_resume).
+  allow_incompatible_resume: bool = False
+  # Run every start-up check, print the plan and return before building
+  # the model.
+  dry_run: bool = False
 
   def __post_init__(self):
     set_ = lambda name, value: object.__setattr__(self, name, value)
@@ -584,6 +597,17 @@ class TrainConfig:
          f"{self.max_consecutive_skipped_steps} must be >= 0 (0: no limit).")
     need(isinstance(self.tune_allocator, bool),
          f"--tune_allocator={self.tune_allocator!r} must be true or false.")
+    # --- Reliability (issue 13) ---
+    need(self.loss_explosion_factor == 0 or (
+        math.isfinite(self.loss_explosion_factor) and
+        self.loss_explosion_factor > 1),
+         f"--loss_explosion_factor={self.loss_explosion_factor} must be > 1 "
+         "(warn when the loss exceeds that multiple of its early value), or "
+         "0 for no warning.")
+    need(math.isfinite(self.lease_timeout_seconds) and
+         self.lease_timeout_seconds > 0,
+         f"--lease_timeout_seconds={self.lease_timeout_seconds} must be > 0 "
+         "seconds.")
     if self.loss_scale is not None and self.dtype not in ("fp16", "auto"):
       raise ConfigError(
           f"--loss_scale={self.loss_scale} only applies to --dtype=fp16 "

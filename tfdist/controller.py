@@ -53,6 +53,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tfdist import checkpointing
 from tfdist import run_log as run_log_lib
 from tfdist import training_checks
 
@@ -214,8 +215,10 @@ class Controller:
       tfdist.preemption.PreemptedError: a stop signal reached this or
         another worker; a checkpoint at the step every worker stopped at was
         saved first.
-      tfdist.run_log.DivergenceError: the training loss became NaN or
-        infinite (at a log point).
+      tfdist.run_log.DivergenceError: the training loss (checked after
+        every chunk of steps) or the state to be saved (checked before every
+        checkpoint) became NaN or infinite; nothing was saved after the last
+        good checkpoint, which the message names.
       tfdist.parameter_server.ParameterServerError: (coordinator runner) a
         ps task was lost.
     """
@@ -275,6 +278,17 @@ class Controller:
       if self.profiler is not None:
         self.profiler.after_steps(step)
       micro_steps += int(sums.get("micro_steps", n))
+      # The chunk's summed loss is NaN or infinite when any of its steps'
+      # was (read from the sums every worker already has). Only then is the
+      # state checked (one compiled reduction): NaN weights stop the run at
+      # once, with nothing saved after the last good checkpoint; a finite
+      # state (an fp16 step skipped, a callback such as TerminateOnNaN
+      # deciding) goes on.
+      if (not math.isfinite(float(sums.get("loss", 0.0))) and
+          not self.checkpoints.state_is_finite()):
+        raise self._diverged(step - n, step, f"the training loss is "
+                             f"{float(sums['loss'])} and the model or "
+                             "optimizer state holds NaN or infinite values")
       self.skipped.record_chunk(
           steps=n, skipped=float(sums.get("skipped_steps", 0.0)),
           skipped_at_end=float(sums.get("skipped_steps_at_end", 0.0)),
@@ -289,22 +303,26 @@ class Controller:
           (step - 1) % opts.steps_per_epoch,
           {"loss": float(sums["loss"]) / n})
       if step % opts.log_steps == 0 or step == opts.total_steps:
-        self.run_log.log_train(step, log_sums, log_steps,
-                               learning_rate=self.learning_rate(),
-                               loss_scale=self.loss_scale(),
-                               skipped_steps=self.skipped.take_interval(),
-                               total_skipped=self.skipped.total_skipped)
+        try:
+          self.run_log.log_train(step, log_sums, log_steps,
+                                 learning_rate=self.learning_rate(),
+                                 loss_scale=self.loss_scale(),
+                                 skipped_steps=self.skipped.take_interval(),
+                                 total_skipped=self.skipped.total_skipped)
+        except run_log_lib.DivergenceError as e:
+          raise run_log_lib.DivergenceError(
+              f"{e} {self._kept_and_rerun()}") from e
         log_sums, log_steps = {}, 0
       epoch_end = step % opts.steps_per_epoch == 0
       saved = None
       if ((opts.checkpoint_steps and step % opts.checkpoint_steps == 0) or
           (not opts.checkpoint_steps and epoch_end) or
           step == opts.total_steps):
-        saved = self.checkpoints.save(step)
+        saved = self._save(step)
       if float(sums.get("stop_signal", 0)) > 0 and step < opts.total_steps:
         if self.preemption is not None:
           self.preemption.note_peer_stop()
-        path = saved or self.checkpoints.save(step)
+        path = saved or self._save(step)
         self.callbacks.on_train_end()
         raise self.preemption.preempted(step=step, checkpoint=path)
       stop_requested = float(sums.get("stop_training", 0)) > 0
@@ -326,7 +344,7 @@ class Controller:
         logging.info("Stopping at step %d of %d: a callback set "
                      "model.stop_training.", step, opts.total_steps)
         if saved is None:
-          self.checkpoints.save(step)
+          self._save(step)
         stopped_early = True
         break
     self.callbacks.on_train_end()
@@ -339,6 +357,37 @@ class Controller:
                             train_seconds=time.time() - started,
                             skipped_steps=self.skipped.total_skipped,
                             micro_steps=micro_steps)
+
+  def _save(self, step: int) -> str:
+    """Saves through the keeper; a non-finite state is divergence."""
+    try:
+      return self.checkpoints.save(step)
+    except checkpointing.NonFiniteStateError as e:
+      raise self._diverged(None, step, "the model or optimizer state holds "
+                           "NaN or infinite values") from e
+
+  def _diverged(self, first: Optional[int], step: int,
+                what: str) -> run_log_lib.DivergenceError:
+    """The one divergence error: what went wrong, where, the last good
+    checkpoint (kept: nothing was saved after it) and what to change."""
+    where = f"at step {step}" + (
+        f" (in steps {first + 1}-{step})"
+        if first is not None and first + 1 < step else "")
+    return run_log_lib.DivergenceError(
+        f"Training diverged {where}: {what}. " +
+        run_log_lib.divergence_advice(
+            loss_scaled=self.loss_scale() is not None) +
+        f" {self._kept_and_rerun()}")
+
+  def _kept_and_rerun(self) -> str:
+    """Which checkpoint survives a divergence and what a rerun does."""
+    last_good = self.checkpoints.latest
+    if last_good:
+      return (f"No checkpoint was saved after it went wrong: the last good "
+              f"checkpoint, {last_good}, is kept, and a rerun with the same "
+              f"--model_dir resumes from it.")
+    return ("It diverged before its first checkpoint: a rerun with the same "
+            "--model_dir starts from step 0.")
 
   # --- the side-car evaluator ------------------------------------------------
   def evaluate_continuously(self, *, checkpoint_dir: str, results_dir: str,

@@ -27,12 +27,14 @@ evaluating.
 """
 
 import atexit
+import contextlib
 import dataclasses
+import gc
 import os
 import shutil
 import tempfile
 import time
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Tuple
 
 from absl import logging
 import keras
@@ -50,11 +52,13 @@ from tfdist import export
 from tfdist import filesystems
 from tfdist import hptune
 from tfdist import input_pipeline
+from tfdist import lease as lease_lib
 from tfdist import manifest as manifest_lib
 from tfdist import memory
 from tfdist import parameter_server as ps_lib
 from tfdist import precision
 from tfdist import preemption
+from tfdist import preflight
 from tfdist import profiling
 from tfdist import run_log as run_log_lib
 from tfdist import run_plan as run_plan_lib
@@ -74,11 +78,23 @@ MIN_EVAL_BATCH_SIZE = 1024
 
 
 def _worker_scratch_dir(cluster: cluster_lib.ClusterInfo) -> str:
-  """A local folder for a non-chief worker's writes, deleted at exit."""
-  path = tempfile.mkdtemp(
-      prefix=f"tfdist-{cluster.task_type}{cluster.task_index}-",
-      dir=os.environ.get("TEST_TMPDIR") or None)
+  """A local folder for a non-chief worker's writes, deleted at exit.
+
+  Raises:
+    tfdist.preflight.OutputNotWritableError: it cannot be made or written.
+  """
+  parent = os.environ.get("TEST_TMPDIR") or tempfile.gettempdir()
+  try:
+    path = tempfile.mkdtemp(
+        prefix=f"tfdist-{cluster.task_type}{cluster.task_index}-",
+        dir=parent)
+  except OSError as e:
+    raise preflight.OutputNotWritableError(
+        f"The scratch folder of {cluster.task_type} {cluster.task_index} "
+        f"(under {parent}: $TMPDIR) is not writable: {e}. Point TMPDIR at "
+        "a writable local folder.") from None
   atexit.register(shutil.rmtree, path, True)
+  preflight.probe_writable(path, flag="TMPDIR", value=parent)
   return path
 
 
@@ -167,6 +183,10 @@ def run_experiment(config: TrainConfig, *,
     `eval` and `continuous_eval` modes, `{"role": "evaluator", "results":
     [...]}`.
 
+  With `config.dry_run`, every start-up check runs (names, cluster, output
+  folders, the `--model_dir` lease, data files and schema, resumption) and
+  the plan is printed; nothing is built or trained.
+
   Raises:
     ConfigError: invalid or inconsistent configuration, an unknown model or
       data set, a model or data the other does not fit (before training),
@@ -174,10 +194,19 @@ def run_experiment(config: TrainConfig, *,
       or a path whose file system is missing
       (`filesystems.FileSystemUnavailableError`).
     DataNotFoundError: missing data.
+    tfdist.data_checks.DataError: a damaged input file or records of another
+      schema (before training).
+    tfdist.preflight.OutputNotWritableError: an output folder cannot be
+      written (before anything else is done).
+    tfdist.checkpointing.IncompatibleResumeError: the checkpoint's run had
+      another model or global batch (before training).
+    tfdist.lease.LeaseHeldError: another live run holds `--model_dir`.
     tfdist.preemption.PreemptedError: SIGTERM or SIGINT stopped training
       after a checkpoint was saved (rerun to resume).
-    tfdist.run_log.DivergenceError: the loss became NaN or infinite.
+    tfdist.run_log.DivergenceError: the loss or the state became NaN or
+      infinite (the last good checkpoint is kept and named).
     tfdist.parameter_server.ParameterServerError: a ps task was lost.
+    tfdist.step_runner.PeerLostError: a MultiWorkerMirrored peer was lost.
   """
   started = time.time()
   versions.check_installed_versions()
@@ -210,31 +239,163 @@ def run_experiment(config: TrainConfig, *,
         "Run it without TF_CONFIG/--worker_hosts, or as the cluster's "
         "evaluator task.")
   if cluster.task_type == cluster_lib.EVALUATOR or evaluating:
+    # Never a writer of the chief's artifacts, and never the lease holder.
+    for folder in (os.path.join(config.model_dir, "eval"),
+                   os.path.join(config.resolved_tensorboard_dir, "eval")):
+      preflight.probe_writable(folder, flag="--model_dir",
+                               value=config.model_dir)
+    if config.dry_run:
+      return _dry_run(config, task=task, cluster=cluster, decision=decision,
+                      writer=False)
     return run_evaluator(config, task=task, cluster=cluster,
                          decision=decision, once=config.mode == "eval")
   if decision.strategy == "parameter_server":
     ps_lib.set_grpc_fail_fast()
     if cluster.task_type in (cluster_lib.WORKER, cluster_lib.PS):
+      if config.dry_run:
+        logging.info("tfdist: dry run: %s %d would serve the parameter-server "
+                     "cluster.", cluster.task_type, cluster.task_index)
+        return {"dry_run": True, "role": cluster.task_type,
+                "index": cluster.task_index}
       status = ps_lib.serve(config.model_dir, cluster,
                             grace_seconds=config.preemption_grace_seconds)
       return {"role": cluster.task_type, "index": cluster.task_index,
               "exit_status": status}
-  return _train(config, task=task, cluster=cluster, decision=decision,
-                applied=applied, trial_fields=trial_fields,
-                callbacks=callbacks, started=started,
-                hypertune_reporter=hypertune_reporter)
+  # The process that writes --model_dir: the only one, the MultiWorkerMirrored
+  # chief, the parameter-server coordinator.
+  writer = (cluster.is_chief if decision.strategy == "multi_worker_mirrored"
+            else True)
+  lease = None
+  if writer:
+    preflight.probe_outputs(config)
+    lease = lease_lib.Lease(config.model_dir,
+                            timeout_seconds=config.lease_timeout_seconds)
+  # What the run must undo however it ends (signal handlers, the lease).
+  cleanup = contextlib.ExitStack()
+  if lease is not None:
+    cleanup.callback(lease.release)
+  with cleanup:
+    if config.dry_run:
+      if lease is not None:
+        lease.check_free()
+      return _dry_run(config, task=task, cluster=cluster, decision=decision,
+                      writer=writer)
+    if lease is not None:
+      lease.acquire()
+    record = _train(config, task=task, cluster=cluster, decision=decision,
+                    applied=applied, trial_fields=trial_fields,
+                    callbacks=callbacks, started=started,
+                    hypertune_reporter=hypertune_reporter, lease=lease,
+                    cleanup=cleanup)
+    if writer:
+      # Tells parameter-server tasks and side-car evaluators the run is
+      # over, only once the training objects are gone: a parameter-server
+      # coordinator removes its functions from the workers and ps tasks as
+      # they are freed, and a server that had already left made each removal
+      # a gRPC error ("Failed to remove function remotely").
+      gc.collect()
+      ps_lib.mark_done(config.model_dir)
+    return record
+
+
+def planned_replicas(config, *, decision, cluster) -> Tuple[int, int]:
+  """`(num_replicas_in_sync, num_workers)` a run will have, without
+  building its strategy (for `--dry_run`; TPUs are asked).
+
+  Raises:
+    ConfigError: as `tfdist.strategy.make_strategy` (TPU only).
+  """
+  name = decision.strategy
+  gpus = len(tf.config.list_physical_devices("GPU"))
+  if config.num_gpus >= 0:
+    gpus = min(gpus, config.num_gpus)
+  if name == "mirrored":
+    return (gpus or max(config.num_cpu_devices, 1)), 1
+  if name == "multi_worker_mirrored":
+    workers = max(cluster.num_workers, 1)
+    return workers * max(gpus, 1), workers
+  if name == "parameter_server":
+    return 1, len(cluster.cluster.get(cluster_lib.WORKER, ()))
+  if name == "tpu":
+    choice = strategy_lib.make_strategy(config, cluster=cluster)
+    return choice.strategy.num_replicas_in_sync, 1
+  return 1, 1
+
+
+def _dry_run(config, *, task, cluster, decision, writer: bool) -> dict:
+  """`--dry_run`: the checks that need the data and the plan, no model."""
+  spec = task.dataset
+  replicas, num_workers = planned_replicas(config, decision=decision,
+                                           cluster=cluster)
+  asynchronous = decision.strategy == "parameter_server"
+  plan = run_plan_lib.make_run_plan(
+      config, spec, num_replicas_in_sync=replicas, num_workers=num_workers,
+      asynchronous=asynchronous, decision=decision)
+  logging.info("%s", plan.describe(config))
+  notes = _check_resume(config, plan) if writer else []
+  print(f"tfdist: dry run: every start-up check passed ({cluster.task_type} "
+        f"{cluster.task_index}; {plan.num_train_examples} training and "
+        f"{plan.num_eval_examples} evaluation examples read, output folders "
+        "writable); nothing was built or trained.", flush=True)
+  return {"dry_run": True, "role": cluster.task_type,
+          "index": cluster.task_index,
+          "global_batch_size": plan.global_batch_size,
+          "num_replicas_in_sync": plan.batch.num_replicas_in_sync,
+          "total_steps": plan.total_steps,
+          "num_train_examples": plan.num_train_examples,
+          "num_eval_examples": plan.num_eval_examples,
+          "resume_notes": notes}
+
+
+def _check_resume(config, plan) -> list:
+  """Compares this run with the one that wrote `--model_dir`'s checkpoint
+  (the writing process only); returns what changed (logged).
+
+  Raises:
+    tfdist.checkpointing.IncompatibleResumeError: a changed model or
+      global batch without `--allow_incompatible_resume`.
+  """
+  directory = config.resolved_checkpoint_dir
+  latest = tf.train.latest_checkpoint(directory)
+  if not latest:
+    return []
+  previous = checkpointing.read_run_record(directory, config.model_dir)
+  if previous is None:
+    return []
+  try:
+    restored_step = int(latest.rsplit("-", 1)[1])
+  except (IndexError, ValueError):
+    restored_step = 0
+  notes = checkpointing.check_resume(
+      previous, checkpointing.run_record(config, plan), checkpoint=latest,
+      restored_step=restored_step, allow=config.allow_incompatible_resume)
+  if notes:
+    logging.warning("tfdist: resuming from %s, which a run with other "
+                    "settings wrote: %s.", latest, "; ".join(notes))
+  return notes
 
 
 def _train(config, *, task, cluster, decision, applied, callbacks, started,
-           hypertune_reporter=None, trial_fields=()):
+           hypertune_reporter=None, trial_fields=(), lease=None,
+           cleanup=None):
   """The training process: the only one, the chief, a worker, or the
-  parameter-server coordinator."""
+  parameter-server coordinator (`lease`: the writer's `--model_dir`
+  lease, held; `cleanup`: a `contextlib.ExitStack` the caller closes)."""
   multi_worker = decision.strategy == "multi_worker_mirrored"
   asynchronous = decision.strategy == "parameter_server"
+  # Under MultiWorkerMirroredStrategy only the chief writes to --model_dir;
+  # the others write what they must (saving and export are collective) to a
+  # scratch folder they delete (Model Garden's pattern), probed first.
+  is_chief = cluster.is_chief if multi_worker else True
+  scratch_dir = None if is_chief else _worker_scratch_dir(cluster)
   if multi_worker:
     # Built before anything starts TensorFlow's runtime (it configures the
-    # collective runtime); the decision listed physical devices only.
-    choice = strategy_lib.make_strategy(config, cluster=cluster)
+    # collective runtime); the decision listed physical devices only. It
+    # may hold the interpreter, and so the lease's renewals, until every
+    # peer has connected.
+    with (lease.extended(config.cluster_start_timeout_seconds)
+          if lease is not None else contextlib.nullcontext()):
+      choice = strategy_lib.make_strategy(config, cluster=cluster)
   devices.configure_cpu_devices(config.num_cpu_devices)
   if not multi_worker:
     choice = strategy_lib.make_strategy(config, cluster=cluster)
@@ -242,14 +403,12 @@ def _train(config, *, task, cluster, decision, applied, callbacks, started,
   num_workers = (cluster.num_workers if multi_worker else
                  len(cluster.cluster.get(cluster_lib.WORKER, ()))
                  if asynchronous else 1)
-  # Under MultiWorkerMirroredStrategy only the chief writes to --model_dir;
-  # the others write what they must (saving and export are collective) to a
-  # scratch folder they delete (Model Garden's pattern).
-  is_chief = cluster.is_chief if multi_worker else True
-  scratch_dir = None if is_chief else _worker_scratch_dir(cluster)
   # Replaces TensorFlow's own SIGTERM handler (installed with the strategy).
   watcher = preemption.PreemptionWatcher(
       grace_seconds=config.preemption_grace_seconds).install()
+  if cleanup is not None:
+    # Also when a start-up check below stops the run.
+    cleanup.callback(watcher.uninstall)
   if config.seed is not None:
     keras.utils.set_random_seed(config.seed)
   if config.deterministic:
@@ -268,6 +427,11 @@ def _train(config, *, task, cluster, decision, applied, callbacks, started,
         "would be traced. Choose a window within the run, e.g. "
         f"--profile_steps={min(10, plan.total_steps)},"
         f"{min(15, plan.total_steps)}.")
+  if is_chief:
+    _check_resume(config, plan)
+    checkpointing.clean_interrupted_saves(config.resolved_checkpoint_dir)
+    checkpointing.write_run_record(config.resolved_checkpoint_dir,
+                                   checkpointing.run_record(config, plan))
   on_tpu = decision.strategy == "tpu"
   policy = precision.configure_precision(config.dtype)
   parts = assembly.build(config, task=task, strategy=strategy, plan=plan,
@@ -302,11 +466,16 @@ def _train(config, *, task, cluster, decision, applied, callbacks, started,
             shuffle_buffer_size=config.shuffle_buffer_size,
             cache=config.cache_dataset),
         steps_per_epoch=plan.steps_per_epoch)
+  state = list(model.variables)
+  if optimizer is not None:
+    known = {id(v) for v in state}
+    state += [v for v in optimizer.variables if id(v) not in known]
   keeper = CheckpointKeeper(
       checkpoint=parts.checkpoint, directory=checkpoint_dir,
       step_counter=trainer.global_step, max_to_keep=config.max_checkpoints,
       restore_dir=config.resolved_checkpoint_dir,
-      input_position=input_position)
+      input_position=input_position, variables=state,
+      before_save=lease.check if lease is not None else None)
   warm_started = None
   if config.init_checkpoint and not tf.train.latest_checkpoint(
       config.resolved_checkpoint_dir):
@@ -378,7 +547,8 @@ def _train(config, *, task, cluster, decision, applied, callbacks, started,
       tensorboard_dir=tensorboard_dir,
       metrics_dir=config.model_dir if is_chief else None,
       global_batch_size=plan.global_batch_size, total_steps=plan.total_steps,
-      summarize=trainer.summarize)
+      summarize=trainer.summarize,
+      loss_explosion_factor=config.loss_explosion_factor)
   all_callbacks = [keras.callbacks.TensorBoard(log_dir=tensorboard_dir,
                                                write_graph=False)]
   all_callbacks += list(callbacks)
@@ -411,12 +581,17 @@ def _train(config, *, task, cluster, decision, applied, callbacks, started,
       ps_lib.mark_done(config.model_dir)
     raise
   except step_runner.PS_LOST_ERRORS as e:
-    if not asynchronous:
-      raise
-    # Noticed outside the step runner (a checkpoint save, an evaluation).
-    raise step_runner.ps_lost_error(
-        e, after=f"step {controller.step}",
-        last_checkpoint=keeper.latest) from e
+    if asynchronous:
+      # Noticed outside the step runner (a checkpoint save, an evaluation).
+      raise step_runner.ps_lost_error(
+          e, after=f"step {controller.step}",
+          last_checkpoint=keeper.latest) from e
+    if multi_worker and isinstance(e, step_runner.PEER_LOST_ERRORS):
+      # A collective (a step, a save, the agreement) failed or timed out.
+      raise step_runner.peer_lost_error(
+          e, after=f"step {controller.step}",
+          last_checkpoint=keeper.latest) from e
+    raise
   finally:
     watcher.uninstall()
   export_model = model
@@ -459,8 +634,6 @@ def _train(config, *, task, cluster, decision, applied, callbacks, started,
   else:
     path = manifest_lib.write_manifest(config.model_dir, record)
     logging.info("Run manifest: %s; SavedModel: %s", path, export_dir)
-    # Tells parameter-server tasks and side-car evaluators the run is over.
-    ps_lib.mark_done(config.model_dir)
     final_eval = result.final_eval
     if final_eval:
       print("Final eval: " + run_log_lib.format_metrics(

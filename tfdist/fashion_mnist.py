@@ -24,6 +24,7 @@ from absl import logging
 import numpy as np
 import tensorflow as tf
 
+from tfdist import data_checks
 from tfdist.dataset_spec import DataNotFoundError
 from tfdist.dataset_spec import DatasetSpec
 from tfdist.dataset_spec import INFO_FILE
@@ -50,9 +51,9 @@ def parse_image_example(serialized, with_id: bool = False):
   """Parses one Fashion-MNIST record.
 
   Returns:
-    `(image, label)`: image float32 [28, 28, 1] scaled to [0, 1], label int64
-    scalar; with `with_id`, `(image, label, id)` (id -1 when the record has
-    none).
+    `(image, label)`: image float32 [28, 28, 1] scaled to [0, 1] (pixel /
+    255), label int64 scalar; with `with_id`, `(image, label, id)`, id
+    int64 scalar (-1 when the record has none).
   """
   parsed = tf.io.parse_single_example(
       serialized, _FEATURES_WITH_ID if with_id else _FEATURES)
@@ -188,4 +189,6 @@ def prepare(data_dir: str, raw_data_dir: str):
 
 SPEC = DatasetSpec(name="fashion_mnist", input_shape=(28, 28, 1),
                    num_classes=10, parse_fn=parse_image_example,
-                   prepare=prepare, task="multiclass")
+                   prepare=prepare, task="multiclass",
+                   check_files=data_checks.first_record_check(
+                       _FEATURES_WITH_ID, dataset="fashion_mnist"))

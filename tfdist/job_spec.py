@@ -247,10 +247,22 @@ def parse_train_flags(args: Sequence[str], *, where: str,
         config, environment_lib.read_environment(environ or {}))
     config.require_model_dir()
     config.require_data_files()
-    return config
+    # The part of tfdist.train --dry_run that needs no access to the job's
+    # files, cluster or devices: names that exist and fit together.
+    from tfdist import quiet_tensorflow  # pylint: disable=g-import-not-at-top
+    quiet_tensorflow.import_tensorflow()  # The spec alone on stdout.
+    from tfdist import preflight  # pylint: disable=g-import-not-at-top
+    preflight.check_names(config)
   except ConfigError as e:
     raise JobSpecError(f"{where}: tfdist.train would stop at start: {e}"
                        ) from None
+  if config.dry_run:
+    raise JobSpecError(
+        f"{where}: --dry_run makes every replica check its flags and exit "
+        "without training. Run python -m tfdist.train --dry_run with these "
+        "flags where the job's data and --model_dir are reachable, and "
+        "leave --dry_run out of the job spec.")
+  return config
 
 
 def check_train_config(config, plan: Optional[JobPlan], *, where: str,

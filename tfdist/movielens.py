@@ -35,6 +35,7 @@ from typing import Dict, Optional, Tuple
 from absl import logging
 import tensorflow as tf
 
+from tfdist import data_checks
 from tfdist.dataset_spec import DataNotFoundError
 from tfdist.dataset_spec import DatasetSpec
 from tfdist.dataset_spec import INFO_FILE
@@ -266,4 +267,6 @@ def parse_example(serialized) -> Tuple[Dict[str, tf.Tensor], tf.Tensor]:
 
 SPEC = DatasetSpec(name="movielens", input_shape=(), num_classes=1,
                    parse_fn=parse_example, prepare=prepare, task="binary",
-                   id_features=ID_FEATURES, num_dense=NUM_DENSE)
+                   id_features=ID_FEATURES, num_dense=NUM_DENSE,
+                   check_files=data_checks.first_record_check(
+                       _FEATURES, dataset="movielens"))

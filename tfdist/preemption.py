@@ -6,8 +6,7 @@ catches SIGTERM and the process does not exit, and a worker that simply died
 would leave its peers failing in their next all-reduce. tfdist instead:
 
 1. installs its own handler for SIGTERM and SIGINT (after the strategy is
-   built, replacing TensorFlow's), which only records the signal and starts
-   a `watchdog.Deadline` of `--preemption_grace_seconds`;
+   built, replacing TensorFlow's), which only records the signal;
 2. the controller passes `signal_received()` into the next chunk of steps,
    whose sums are reduced across all workers anyway: a signal received by
    any one worker stops *all* of them after the same step, with no
@@ -16,15 +15,28 @@ would leave its peers failing in their next all-reduce. tfdist instead:
    chief writes to `--model_dir`, the others to their scratch folders) and
    the run ends with `PreemptedError`, which `tfdist.train` turns into exit
    status 128 + signal (143 for SIGTERM, 130 for SIGINT);
-4. if that has not happened within the grace period (a peer is gone, a
-   step hangs), the deadline ends the process.
+4. if that has not happened within `--preemption_grace_seconds` of the
+   signal's arrival (a peer is gone, a step hangs), the process is ended
+   (SIGKILL, status 137).
+
+The grace period is a bound measured from the signal's arrival, whatever
+the main thread is doing. A Python signal handler runs only when the main
+thread returns to the interpreter, which a long TensorFlow call (tracing a
+large first step, a step that blocks in C++) delays for minutes. So
+`install` also starts a small watcher process (standard library only, no
+TensorFlow) and hands it the write end of a pipe through
+`signal.set_wakeup_fd`: CPython's C-level signal handler writes the signal
+number there the moment the signal arrives. The watcher starts the clock
+then, reports the arrival time back (so the log says the true delay), and
+kills the process when the grace period runs out, or at once on a second
+signal. It exits with the process.
 
 Rerunning with the same `--model_dir` resumes from that checkpoint.
 
 Signal handlers can only be installed from the main thread. Off it (Ray
 Train, notebook executors, test runners call `run_experiment` from threads)
-the watcher says so once and installs nothing: the host framework owns
-signals there.
+the watcher says so once and installs nothing and starts no watcher: the
+host framework owns signals there, and nothing is killed.
 
 `tf.distribute.experimental.PreemptionCheckpointHandler` does much the same
 for MultiWorkerMirroredStrategy, but owns the checkpoint manager and the
@@ -33,7 +45,10 @@ tfdist controller (which already saves collectively, with non-chief scratch
 folders) and works the same under every single-host strategy.
 """
 
+import os
+import select
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -41,7 +56,59 @@ from typing import Optional, Sequence
 
 from absl import logging
 
-from tfdist import watchdog
+# Control bytes the process writes into the watcher's pipe, beside the
+# signal numbers CPython writes there (1-64).
+_PEER_STOP = 250   # A peer's stop signal: start the clock now.
+_DISARM = 251      # The process handles its exit itself: stop the clock.
+
+# The watcher process: reads the pipe (its stdin) until the process closes
+# it (exit, uninstall); argv: pid, grace seconds, the watched signals.
+_WATCHER = r"""
+import os, select, signal, sys, time
+pid, grace = int(sys.argv[1]), float(sys.argv[2])
+watched = {int(x) for x in sys.argv[3].split(",")}
+PEER, DISARM = 250, 251
+def name(n):
+  try:
+    return signal.Signals(n).name
+  except ValueError:
+    return "signal %d" % n
+def kill(message):
+  sys.stderr.write(message + "\n")
+  sys.stderr.flush()
+  try:
+    os.kill(pid, signal.SIGKILL)
+  except ProcessLookupError:
+    pass
+  sys.exit(0)
+armed, what = None, ""
+while True:
+  timeout = None if armed is None else max(0.0, armed + grace - time.time())
+  ready, _, _ = select.select([0], [], [], timeout)
+  if not ready:
+    kill("tfdist: error: still running %.1f s after %s "
+         "(--preemption_grace_seconds=%g): ending the process without a "
+         "final checkpoint." % (time.time() - armed, what, grace))
+  data = os.read(0, 256)
+  if not data:
+    sys.exit(0)
+  now = time.time()
+  for byte in data:
+    if byte == DISARM:
+      armed = None
+    elif byte == PEER:
+      if armed is None:
+        armed, what = now, "a peer's stop signal"
+    elif byte in watched:
+      if armed is not None and what != "a peer's stop signal":
+        kill("tfdist: second signal (%s): ending the process now." %
+             name(byte))
+      if armed is None:
+        armed = now
+      what = name(byte)
+      sys.stdout.write("%d %.6f\n" % (byte, now))
+      sys.stdout.flush()
+"""
 
 
 class PreemptedError(Exception):
@@ -89,15 +156,19 @@ class PreemptionWatcher:
     self.received_at: Optional[float] = None
     self.installed = False
     self._previous = {}
-    self._deadline: Optional[watchdog.Deadline] = None
+    self._previous_wakeup_fd = -1
+    self._watcher: Optional[subprocess.Popen] = None
+    self._pipe_write: Optional[int] = None
+    self._disarmed = False
 
   # --- signal handling -----------------------------------------------------
   def install(self) -> "PreemptionWatcher":
-    """Installs the handlers; returns self.
+    """Installs the handlers and starts the grace-period watcher; returns
+    self.
 
-    Off the main thread nothing is installed (Python allows signal handlers
-    only there): the host framework (Ray, a notebook) owns signals, and this
-    is logged once.
+    Off the main thread nothing is installed and no watcher starts (Python
+    allows signal handlers only there): the host framework (Ray, a
+    notebook) owns signals, and this is logged once.
     """
     if threading.current_thread() is not threading.main_thread():
       logging.warning(
@@ -106,25 +177,69 @@ class PreemptionWatcher:
           "the host framework (Ray, a notebook). Checkpoints are still "
           "saved every --checkpoint_steps.", threading.current_thread().name)
       return self
+    self._start_watcher()
     for signum in self.signals:
       self._previous[signum] = signal.signal(signum, self._handle)
+    if self._pipe_write is not None:
+      self._previous_wakeup_fd = signal.set_wakeup_fd(
+          self._pipe_write, warn_on_full_buffer=False)
     self.installed = True
     return self
 
+  def _start_watcher(self):
+    read_end, write_end = os.pipe()
+    try:
+      self._watcher = subprocess.Popen(
+          [sys.executable, "-S", "-c", _WATCHER, str(os.getpid()),
+           str(self.grace_seconds), ",".join(str(int(s))
+                                             for s in self.signals)],
+          stdin=read_end, stdout=subprocess.PIPE, close_fds=True)
+    except OSError as e:
+      os.close(read_end)
+      os.close(write_end)
+      logging.warning("tfdist: could not start the grace-period watcher "
+                      "(%s): --preemption_grace_seconds is not enforced.", e)
+      return
+    os.close(read_end)
+    os.set_blocking(write_end, False)
+    self._pipe_write = write_end
+
+  def _send(self, byte: int):
+    if self._pipe_write is None:
+      return
+    try:
+      os.write(self._pipe_write, bytes([byte]))
+    except OSError:
+      pass
+
   def uninstall(self):
-    """Restores the handlers that were there before `install`."""
+    """Restores the handlers that were there before `install`.
+
+    While a stop is under way (a signal arrived) the watcher keeps the
+    clock running until the process exits; otherwise it stops now.
+    """
+    if self.installed and self._pipe_write is not None:
+      signal.set_wakeup_fd(self._previous_wakeup_fd)
     for signum, previous in self._previous.items():
       signal.signal(signum, previous if previous is not None else
                     signal.SIG_DFL)
     self._previous = {}
     self.installed = False
+    if self.signum is None or self._disarmed:
+      self._stop_watcher()
 
-  def _start_deadline(self, what: str):
-    self._deadline = watchdog.Deadline(
-        self.grace_seconds,
-        f"tfdist: error: still running {self.grace_seconds:g} s after "
-        f"{what} (--preemption_grace_seconds): ending the process without a "
-        "final checkpoint.").start()
+  def _stop_watcher(self):
+    watcher, self._watcher = self._watcher, None
+    write_end, self._pipe_write = self._pipe_write, None
+    if write_end is not None:
+      os.close(write_end)
+    if watcher is not None:
+      try:
+        watcher.wait(timeout=10)
+      except subprocess.TimeoutExpired:
+        watcher.kill()
+        watcher.wait()
+      watcher.stdout.close()
 
   def _handle(self, signum, frame):
     del frame  # Unused.
@@ -134,20 +249,37 @@ class PreemptionWatcher:
       sys.stderr.flush()
       sys.exit(128 + signum)
     self.signum = signum
-    self.received_at = time.time()
+    self.received_at = self._arrival_time() or time.time()
+    late = time.time() - self.received_at
     sys.stderr.write(
-        f"tfdist: received {name}: saving a checkpoint at the next step "
-        f"boundary and exiting within {self.grace_seconds:g} s "
+        f"tfdist: received {name}"
+        + (f" {late:.1f} s ago" if late >= 0.5 else "")
+        + ": saving a checkpoint at the next step boundary and exiting "
+        f"within {self.grace_seconds:g} s of its arrival "
         "(--preemption_grace_seconds).\n")
     sys.stderr.flush()
-    self._start_deadline(name)
+
+  def _arrival_time(self) -> Optional[float]:
+    """When the watcher saw the first signal arrive (None: unknown)."""
+    watcher = self._watcher
+    if watcher is None or watcher.stdout is None:
+      return None
+    ready, _, _ = select.select([watcher.stdout], [], [], 0.5)
+    if not ready:
+      return None
+    line = watcher.stdout.readline().decode(errors="replace").split()
+    try:
+      return float(line[1])
+    except (IndexError, ValueError):
+      return None
 
   def cancel_deadline(self):
-    """Stops the grace-period watcher (a caller that catches
+    """Stops the grace-period clock (a caller that catches
     `PreemptedError` and keeps the process alive, e.g. a test)."""
-    if self._deadline is not None:
-      self._deadline.cancel()
-      self._deadline = None
+    self._send(_DISARM)
+    self._disarmed = True
+    if not self.installed:
+      self._stop_watcher()
 
   def signal_received(self) -> bool:
     """True once this process got one of `signals`."""
@@ -162,7 +294,7 @@ class PreemptionWatcher:
                     "stopping with it.")
     self.signum = signal.SIGTERM
     self.received_at = time.time()
-    self._start_deadline("a peer's stop signal")
+    self._send(_PEER_STOP)
 
   def preempted(self, *, step: int,
                 checkpoint: Optional[str]) -> PreemptedError:

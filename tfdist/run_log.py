@@ -23,8 +23,11 @@ MultiWorkerMirroredStrategy these are the chief's own; under parameter
 servers, every worker's chunks summed. Memory: the process's peak RSS and
 each GPU's current and peak bytes (`tfdist.memory`).
 
-It also holds the one divergence check: a non-finite training loss raises
-`DivergenceError` (a `FloatingPointError`).
+It also holds the divergence checks of the log points: a non-finite
+training loss raises `DivergenceError` (a `FloatingPointError`; the
+controller checks every chunk of steps as well, before any checkpoint), and
+a loss that stays finite but exceeds `loss_explosion_factor` times its
+early value (the first log point's) is named in one warning.
 """
 
 import json
@@ -53,6 +56,16 @@ EXECUTION_KEY = "execution_seconds"
 
 # The training loss became NaN or infinite (one error for every check).
 DivergenceError = training_checks.TrainingDivergedError
+
+
+def divergence_advice(*, loss_scaled: bool) -> str:
+  """What to change after a divergence (`loss_scaled`: fp16 with a loss
+  scale, where a too large fixed scale is a cause too)."""
+  text = ("Lower --base_learning_rate or lengthen the warmup "
+          "(--warmup_steps)")
+  if loss_scaled:
+    text += ", or lower --loss_scale (or use --loss_scale=dynamic)"
+  return text + "."
 
 
 def metrics_from_sums(sums: Dict[str, np.ndarray], steps: int) -> dict:
@@ -147,15 +160,21 @@ class RunLog:
     summarize: `summarize(sums, steps) -> {"loss": ..., metric: ...}`, the
       values of summed training steps (`Trainer.summarize`); default
       `metrics_from_sums`.
+    loss_explosion_factor: warn once when a log point's mean loss exceeds
+      this multiple of the run's first log point's (`--loss_explosion_
+      factor`); 0: never.
   """
 
   def __init__(self, *, tensorboard_dir: Optional[str],
                metrics_dir: Optional[str], global_batch_size: int,
                total_steps: int, process_id: Optional[str] = None,
                eval_subdir: str = "validation",
-               summarize: Optional[Callable[[dict, int], dict]] = None):
+               summarize: Optional[Callable[[dict, int], dict]] = None,
+               loss_explosion_factor: float = 0.0):
     self.total_steps = int(total_steps)
     self.summarize = summarize or metrics_from_sums
+    self.loss_explosion_factor = float(loss_explosion_factor)
+    self.explosion_warned = False
     self.metrics_dir = metrics_dir
     self.process_id = process_id or (
         f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}")
@@ -286,9 +305,31 @@ class RunLog:
     if not all(math.isfinite(v) for v in (record["loss"], learning_rate)):
       raise DivergenceError(
           f"Training diverged at step {step}: loss {record['loss']}, "
-          f"learning rate {learning_rate}. Lower --base_learning_rate, "
-          "lengthen the warmup (--warmup_steps), or lower the loss scale.")
+          f"learning rate {learning_rate}. " +
+          divergence_advice(loss_scaled=loss_scale is not None))
+    self._check_explosion(record)
     return record
+
+  def _check_explosion(self, record: dict):
+    """Warns once when the loss exceeds `loss_explosion_factor` times the
+    run's first logged loss (earlier processes' records included)."""
+    if not self.loss_explosion_factor or self.explosion_warned:
+      return
+    first = next((r for r in self.all_records("train")
+                  if r.get("loss") is not None and
+                  math.isfinite(r["loss"])), None)
+    if first is None or first["loss"] <= 0 or first is record:
+      return
+    if record["loss"] > self.loss_explosion_factor * first["loss"]:
+      self.explosion_warned = True
+      logging.warning(
+          "tfdist: the training loss %.4g at step %d is more than %g times "
+          "its early value %.4g (step %d): training is diverging although "
+          "the loss is still finite. %s The multiple is "
+          "--loss_explosion_factor (0: no warning).", record["loss"],
+          record["step"], self.loss_explosion_factor, first["loss"],
+          first["step"], divergence_advice(
+              loss_scaled=record.get("loss_scale") is not None))
 
   # --- evaluation -------------------------------------------------------------
   def log_eval(self, step: int, result: dict, *,

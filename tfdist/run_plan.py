@@ -10,6 +10,7 @@ import dataclasses
 from typing import Optional, Sequence, Tuple
 
 from tfdist import batch_plan as batch_plan_lib
+from tfdist import data_checks
 from tfdist import input_pipeline
 from tfdist import lr_schedule
 from tfdist import models
@@ -43,6 +44,7 @@ class RunPlan:
       the workers split the records, and why).
     sync_batch_norm: built-in models normalize over the global batch.
     sync_batch_norm_reason: why (`tfdist.models.resolve_sync_batch_norm`).
+    num_eval_examples: records in `eval_files`.
   """
   train_files: Tuple[str, ...]
   eval_files: Tuple[str, ...]
@@ -60,6 +62,7 @@ class RunPlan:
   sharding: Optional[input_pipeline.ShardingPlan] = None
   sync_batch_norm: bool = False
   sync_batch_norm_reason: str = ""
+  num_eval_examples: int = 0
 
   @property
   def steps_per_epoch(self) -> int:
@@ -75,7 +78,7 @@ class RunPlan:
     mode = (f"asynchronous: {self.num_workers} worker(s) each apply their "
             "own batches" if self.asynchronous else
             f"synchronous: {self.num_workers} worker(s)")
-    return "\n".join([
+    return "\n".join(line for line in [
         "tfdist plan:",
         f"  strategy               {self.strategy}: {self.strategy_reason}",
         f"  training               {mode}",
@@ -96,6 +99,8 @@ class RunPlan:
         f"  train examples         {plan.num_train_examples} in "
         + (f"{len(self.train_files)} file(s)" if self.train_files else
            f"--dataset={config.dataset}'s dataset function"),
+        (f"  eval examples          {self.num_eval_examples} in "
+         f"{len(self.eval_files)} file(s)" if self.eval_files else ""),
         f"  steps_per_epoch        {plan.steps_per_epoch} (remainder "
         "dropped)",
         f"  train steps            {self.total_steps}",
@@ -117,7 +122,7 @@ class RunPlan:
                  if config.activation_recomputation else []) + (
                      ["  deterministic          op determinism and a "
                       "deterministic input order"]
-                     if config.deterministic else []))
+                     if config.deterministic else []) if line)
 
 
 def resolve_data_files(config, spec, *, need_eval: bool = True
@@ -192,13 +197,19 @@ def make_run_plan(config, spec, *, num_replicas_in_sync: int,
   Raises:
     ConfigError: inconsistent batch sizes, warmup longer than the run.
     DataNotFoundError: missing data.
+    tfdist.data_checks.DataError: a damaged file (named), or records of
+      another schema than the data set's parser reads.
   """
   train_files, eval_files = resolve_data_files(
       config, spec, need_eval=config.mode != "train")
+  num_eval = 0
   if spec.reads_files:
-    train_file_counts = tuple(input_pipeline.count_records_per_file(
-        train_files))
-    num_train = sum(train_file_counts)
+    # Every file read to its end and counted, before anything is built: a
+    # damaged one is named (tfdist.data_checks).
+    counts = data_checks.check_data(train_files, eval_files)
+    train_file_counts = tuple(n for _, n in counts.train)
+    num_train = counts.num_train_examples
+    num_eval = counts.num_eval_examples
   else:  # A dataset function: one epoch of its training split, counted.
     train_file_counts = ()
     num_train = input_pipeline.count_examples(spec)
@@ -237,4 +248,4 @@ def make_run_plan(config, spec, *, num_replicas_in_sync: int,
       lr=lr_plan, strategy=decision.strategy,
       strategy_reason=decision.strategy_reason, dtype=decision.dtype,
       dtype_reason=decision.dtype_reason, asynchronous=asynchronous,
-      num_workers=num_workers)
+      num_workers=num_workers, num_eval_examples=num_eval)

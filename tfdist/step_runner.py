@@ -31,6 +31,42 @@ PS_LOST_ERRORS = (tf.errors.UnavailableError, tf.errors.AbortedError,
                   tf.errors.InternalError, tf.errors.UnknownError)
 
 
+# Errors that mean a MultiWorkerMirrored peer is gone or unreachable (its
+# process died, its host was preempted, a collective timed out waiting).
+PEER_LOST_ERRORS = (tf.errors.UnavailableError,
+                    tf.errors.DeadlineExceededError, tf.errors.AbortedError,
+                    tf.errors.CancelledError, tf.errors.InternalError,
+                    tf.errors.UnknownError)
+
+
+class PeerLostError(RuntimeError):
+  """A MultiWorkerMirrored peer worker was lost: restart the cluster.
+
+  `tfdist.train` exits with the retryable status 200 for it
+  (`tfdist.exit_codes`).
+  """
+
+
+def peer_lost_error(error: Exception, *, after: str,
+                    last_checkpoint: Optional[str]) -> PeerLostError:
+  """The one error for a lost MultiWorkerMirrored peer, whatever noticed it.
+
+  Args:
+    error: the TensorFlow error raised (an all-reduce that failed or timed
+      out).
+    after: where training was, e.g. "step 40".
+    last_checkpoint: the checkpoint a restart resumes from (None: step 0).
+  """
+  first = str(error).splitlines()[0] if str(error) else ""
+  return PeerLostError(
+      f"MultiWorkerMirrored training lost a peer worker after {after}: "
+      f"{type(error).__name__}: {first}. Every worker must take part in "
+      "every step: restart the whole cluster (python -m tfdist.launch "
+      "--max_restarts=N does; Vertex AI and Kubernetes restart on this exit "
+      "status) and training resumes from the last checkpoint, "
+      f"{last_checkpoint or 'none yet (from step 0)'}.")
+
+
 def ps_lost_error(error: Exception, *, after: str,
                   last_checkpoint: Optional[str]):
   """The one error for a lost ps task (or cluster), whatever noticed it.

@@ -3,28 +3,67 @@
 Usage:
   python -m tfdist.train --model_dir=DIR [--flag=value ...]
   python -m tfdist.train --flagfile=run.flags
+  python -m tfdist.train --dry_run ...   # every start-up check, the plan, exit
 
-Key flags: --helpshort. All flags: --helpfull.
+Key flags: --helpshort. All flags: --helpfull. Exit statuses (retryable
+128-255, permanent 1-127): see tfdist/exit_codes.py and the README.
 """
 
+import logging as std_logging
 import os
 import sys
 import traceback
 from typing import Sequence
 
-from absl import app
-from absl import flags as absl_flags
-from absl import logging
+from tfdist import quiet_tensorflow  # Standard library only.
 
-from tfdist import allocator
-from tfdist import flags as tfdist_flags
-from tfdist import config as config_lib
-from tfdist import environment as environment_lib
-from tfdist import filesystems
+quiet_tensorflow.default_log_level()
+quiet_tensorflow.import_tensorflow()
+
+from absl import app  # pylint: disable=g-import-not-at-top,wrong-import-position
+from absl import flags as absl_flags  # pylint: disable=g-import-not-at-top,wrong-import-position
+from absl import logging  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+from tfdist import flags as tfdist_flags  # pylint: disable=g-import-not-at-top,wrong-import-position
+from tfdist import config as config_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
+from tfdist import environment as environment_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
+from tfdist import filesystems  # pylint: disable=g-import-not-at-top,wrong-import-position
+from tfdist import allocator  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 KEY_FLAGS = tfdist_flags.define_all_flags()
 for _name in KEY_FLAGS:
   absl_flags.declare_key_flag(_name)
+
+
+# Strategies whose processes talk to peers: the binary leaves without
+# Python's teardown, which would otherwise tell peers that are already gone
+# about every deleted function (gRPC errors) or hang on a half-read
+# distributed iterator. `main` itself returns (wrapper binaries go on).
+_CLUSTER_STRATEGIES = ("multi_worker_mirrored", "parameter_server")
+_LEAVE_WITHOUT_TEARDOWN = False
+
+
+class _LibraryInfoFilter(std_logging.Filter):
+  """Drops INFO records logged by TensorFlow's and Keras's own modules."""
+
+  _LIBRARIES = tuple(f"{os.sep}{name}{os.sep}"
+                     for name in ("tensorflow", "keras", "tf_keras"))
+
+  def filter(self, record):
+    return (record.levelno >= std_logging.WARNING or
+            not any(lib in record.pathname for lib in self._LIBRARIES))
+
+
+def _quiet_library_info():
+  """TensorFlow's Python INFO lines (saver timings, signature renames,
+  collective set-up) share absl's log with tfdist's own lines: keep
+  tfdist's and the libraries' warnings, drop the libraries' INFO."""
+  if not quiet_tensorflow.quiet_requested():
+    return
+  library_filter = _LibraryInfoFilter()
+  for logger in (logging.get_absl_logger(),
+                 std_logging.getLogger("tensorflow")):
+    logger.addFilter(library_filter)
 
 
 def _usage_error(error: Exception):
@@ -57,40 +96,48 @@ def main(argv, *, callbacks: Sequence["keras.callbacks.Callback"] = ()):
   except config_lib.ConfigError as e:
     _usage_error(e)
   environment = environment_lib.read_environment()
+  _quiet_library_info()
   allocator.configure_allocator(config.tune_allocator)
+  from tfdist import exit_codes  # pylint: disable=g-import-not-at-top
   from tfdist import experiment  # pylint: disable=g-import-not-at-top
-  from tfdist import preemption  # pylint: disable=g-import-not-at-top
   from tfdist import worker_exit  # pylint: disable=g-import-not-at-top
   try:
     result = experiment.run_experiment(config, callbacks=callbacks,
                                        environment=environment)
-  except config_lib.ConfigError as e:
-    _usage_error(e)
-  except FloatingPointError as e:
-    # Diverged or stalled (tfdist.training_checks): a clear message, exit 1.
-    logging.error("%s", e)
-    sys.exit(f"tfdist.train: error: {e}")
-  except preemption.PreemptedError as e:
-    # Checkpoint saved; 128 + signal (143 for SIGTERM), as a shell reports.
-    print(f"tfdist.train: {e}", file=sys.stderr, flush=True)
-    logging.flush()
-    sys.stdout.flush()
-    # Exit at once, without Python's shutdown: tearing down a half-read
-    # distributed iterator (MultiDeviceIterator) was seen to hang there for
-    # minutes, after the grace-period watcher had already been released.
-    os._exit(e.exit_code)  # pylint: disable=protected-access
+  except Exception as e:  # pylint: disable=broad-except
+    status = exit_codes.exit_code_for(e)
+    if status is None:
+      raise  # A bug: Python's traceback and status 1.
+    if status == exit_codes.CONFIG:
+      _usage_error(e)
+    # Divergence or a stall, preemption (checkpoint saved), a lost peer, a
+    # held lease: one clear message (no traceback) and the status of the table
+    # (tfdist.exit_codes). Exit at once, without Python's shutdown: tearing
+    # down a half-read distributed iterator (MultiDeviceIterator) was seen
+    # to hang there for minutes, after the grace-period watcher had already
+    # been released.
+    prefix = "" if status == getattr(e, "exit_code", None) else "error: "
+    print(f"tfdist.train: {prefix}{e}", file=sys.stderr, flush=True)
+    _exit_now(status)
   # This task's work is done (after the final barrier): tell the launcher,
   # which then counts the task as finished even if TensorFlow's shutdown
   # hangs or fails (tfdist.worker_exit).
   worker_exit.mark_done(os.environ.get(worker_exit.DONE_FILE_ENV))
+  global _LEAVE_WITHOUT_TEARDOWN
+  if result.get("role") in ("worker", "ps") or (
+      result.get("strategy") in _CLUSTER_STRATEGIES):
+    _LEAVE_WITHOUT_TEARDOWN = True  # The binary's `run` exits at once.
   if result.get("exit_status"):  # A ps/worker server stopped by a signal.
     sys.exit(result["exit_status"])
 
 
 def _exit_now(code) -> None:
-  """Ends the process with `code` as `sys.exit(code)` would, skipping C++
-  static destructors: tensorflow-io's S3 file system aborts there (exit
-  status 134, "pure virtual method called": tensorflow/io#2039)."""
+  """Ends the process with `code` as `sys.exit(code)` would, skipping
+  Python's teardown and C++ static destructors: tensorflow-io's S3 file
+  system aborts there (exit status 134, "pure virtual method called":
+  tensorflow/io#2039), and a cluster process's teardown tells peers already
+  gone about every deleted function (gRPC errors) or hangs on a half-read
+  distributed iterator."""
   if isinstance(code, str):
     print(code, file=sys.stderr)
     code = 1
@@ -112,7 +159,7 @@ def run():
   try:
     app.run(main)
   except SystemExit as e:
-    if filesystems.used_tensorflow_io():
+    if filesystems.used_tensorflow_io() or _LEAVE_WITHOUT_TEARDOWN:
       _exit_now(e.code)
     raise
   except BaseException as e:  # pylint: disable=broad-except
