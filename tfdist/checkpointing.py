@@ -182,7 +182,7 @@ class CheckpointKeeper:
   def __init__(self, *, checkpoint: tf.train.Checkpoint, directory: str,
                step_counter: tf.Variable, max_to_keep: int = 5,
                restore_dir: Optional[str] = None,
-               input_position: Optional[InputPosition] = None):
+               input_position: Optional[InputPosition] = None,
                variables: Optional[Sequence[tf.Variable]] = None,
                before_save=None):
     self.checkpoint = checkpoint
