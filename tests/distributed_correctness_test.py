@@ -21,8 +21,6 @@ import collections
 import json
 import math
 import os
-import subprocess
-import sys
 
 from absl.testing import absltest
 from absl.testing import parameterized
@@ -30,36 +28,12 @@ from absl.testing import parameterized
 from tests import testutil
 
 _CHILD_ENV = "TFDIST_CORRECTNESS_CHILD"
-_CHILD_TIMEOUT_S = 300
-_CHILD_RESULT = None
-
-
-def _child_result():
-  """Runs the Mirrored child once per process; returns its JSON result."""
-  global _CHILD_RESULT
-  if _CHILD_RESULT is None:
-    data = testutil.fashion_mnist_subset(limit=256, train_shards=2,
-                                         test_shards=1)
-    env = dict(os.environ, TF_ENABLE_ONEDNN_OPTS="0",
-               TF_CPP_MIN_LOG_LEVEL="2", **{_CHILD_ENV: data["train"]})
-    env["PYTHONPATH"] = testutil.REPO_ROOT + os.pathsep + env.get(
-        "PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__)],
-                          cwd=testutil.REPO_ROOT, env=env,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True, timeout=_CHILD_TIMEOUT_S)
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
-    if proc.returncode or not lines:
-      raise AssertionError(f"child failed ({proc.returncode}):\n"
-                           f"{proc.stdout[-4000:]}")
-    _CHILD_RESULT = json.loads(lines[-1])
-  return _CHILD_RESULT
 
 
 def _case(test, name):
-  result = _child_result()[name]
-  test.assertNotIn("error", result, result.get("error"))
-  return result
+  """Case `name` of this file's child process (run once per process)."""
+  return testutil.child_case(test, os.path.abspath(__file__), _CHILD_ENV,
+                             name)
 
 
 # --- 1. every example once per epoch ---------------------------------------

@@ -1,5 +1,6 @@
 """Shared helpers for tfdist tests: small real data and running the binary."""
 
+import json
 import os
 import subprocess
 import sys
@@ -8,6 +9,7 @@ import tempfile
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 _SUBSETS = {}
+_CHILD_RESULTS = {}
 
 
 def scratch_dir() -> str:
@@ -52,6 +54,45 @@ def run_module(module: str, args, *, timeout: float = 300, env=None
   return subprocess.run([sys.executable, "-m", module, *args], cwd=REPO_ROOT,
                         env=full_env, stdout=subprocess.PIPE,
                         stderr=subprocess.STDOUT, text=True, timeout=timeout)
+
+
+def child_cases(script: str, env_name: str, *, timeout: float = 300
+                ) -> dict:
+  """Runs test file `script` once per test process as a child process
+  with `env_name` set to the training-file glob of a small real
+  Fashion-MNIST subset (256 examples, 2 shards; oneDNN off), for cases
+  that need a process of their own (logical devices, op determinism).
+
+  Returns:
+    The last JSON line the child printed (a dict of cases by name),
+    cached per `script`.
+
+  Raises:
+    AssertionError: the child failed or printed no JSON line.
+    subprocess.TimeoutExpired: it ran longer than `timeout` seconds.
+  """
+  if script not in _CHILD_RESULTS:
+    data = fashion_mnist_subset(limit=256, train_shards=2, test_shards=1)
+    env = dict(os.environ, TF_ENABLE_ONEDNN_OPTS="0",
+               TF_CPP_MIN_LOG_LEVEL="2", **{env_name: data["train"]})
+    env["PYTHONPATH"] = REPO_ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, script], cwd=REPO_ROOT, env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, timeout=timeout)
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
+    if proc.returncode or not lines:
+      raise AssertionError(f"child failed ({proc.returncode}):\n"
+                           f"{proc.stdout[-4000:]}")
+    _CHILD_RESULTS[script] = json.loads(lines[-1])
+  return _CHILD_RESULTS[script]
+
+
+def child_case(test, script: str, env_name: str, name: str) -> dict:
+  """Case `name` of `child_cases(script, env_name)`; fails `test` with the
+  child's traceback when the case raised."""
+  result = child_cases(script, env_name)[name]
+  test.assertNotIn("error", result, result.get("error"))
+  return result
 
 
 # The source checkout itself (not Bazel's runfiles tree, whose files are
