@@ -832,15 +832,9 @@ def main(argv):
       json.dump(result, f, indent=2, sort_keys=True)
 
 
-def _parse_own_flags_later(argv):
-  # tfdist.diagnose's options live in their own FlagValues (parsed in
-  # `main`); absl's global FLAGS get only the program name.
-  flags.FLAGS(argv[:1])
-  return argv
-
-
 def run():
-  app.run(main, argv=sys.argv, flags_parser=_parse_own_flags_later)
+  from tfdist import job_spec  # pylint: disable=g-import-not-at-top
+  app.run(main, argv=sys.argv, flags_parser=job_spec.parse_own_flags_later)
 
 
 if __name__ == "__main__":

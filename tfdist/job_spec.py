@@ -728,16 +728,21 @@ def main(argv):
   sys.stdout.write(render(job, fmt))
 
 
-def _parse_own_flags_later(argv):
-  # The job's options live in their own FlagValues (parsed in `main`), so
-  # tfdist.train's flags can be defined and copied without being mistaken
-  # for the job's; absl's global FLAGS get only the program name.
+def parse_own_flags_later(argv):
+  """An `app.run` flags parser for binaries whose options live in their
+  own `FlagValues`, parsed in `main` (`tfdist.job_spec`, `tfdist.diagnose`):
+  tfdist.train's flags can then be defined and copied without being
+  mistaken for the binary's; absl's global FLAGS get only the program name.
+
+  Returns:
+    `argv` unchanged, for `main`.
+  """
   flags.FLAGS(argv[:1])
   return argv
 
 
 def run():
-  app.run(main, argv=sys.argv, flags_parser=_parse_own_flags_later)
+  app.run(main, argv=sys.argv, flags_parser=parse_own_flags_later)
 
 
 if __name__ == "__main__":
