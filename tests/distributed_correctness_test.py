@@ -197,12 +197,7 @@ def _child_main(train_glob: str) -> dict:
   def fp16(strategy):
     keras.mixed_precision.set_global_policy("mixed_float16")
     try:
-      with strategy.scope():
-        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(
-            3, kernel_initializer="ones")])
-        optimizer = precision.wrap_optimizer_for_precision(
-            keras.optimizers.SGD(1e-3), dtype="fp16", loss_scale="dynamic")
-        optimizer.build(model.trainable_variables)
+      model, optimizer = testutil.fp16_dense_model(strategy)
       trainer = Trainer(strategy=strategy, model=model, optimizer=optimizer,
                         global_batch_size=8)
       # Step 1: the second half of the batch (replica 1 under Mirrored)

@@ -274,12 +274,7 @@ def _child_main(train_glob: str) -> dict:
     gradients overflow; the second update is finite."""
     keras.mixed_precision.set_global_policy("mixed_float16")
     try:
-      with strategy.scope():
-        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(
-            3, kernel_initializer="ones")])
-        optimizer = precision.wrap_optimizer_for_precision(
-            keras.optimizers.SGD(1e-3), dtype="fp16", loss_scale="dynamic")
-        optimizer.build(model.trainable_variables)
+      model, optimizer = testutil.fp16_dense_model(strategy)
       trainer = Trainer(strategy=strategy, model=model, optimizer=optimizer,
                         global_batch_size=8, gradient_accumulation_steps=k,
                         time_steps=False)  # Op determinism is on.

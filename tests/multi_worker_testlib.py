@@ -281,17 +281,13 @@ def agree_main(out_dir: str):
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   from tfdist import precision  # pylint: disable=g-import-not-at-top
   from tfdist.train_loop import Trainer  # pylint: disable=g-import-not-at-top
+  from tests import testutil  # pylint: disable=g-import-not-at-top
   task = _task_name()
   result = {"task": task}
   # 1. fp16: at step 1 only worker 0's gradients overflow (inputs of 1e4
   # give float16 gradients of about 1e4 * 2**15: inf); step 2 is finite.
   keras.mixed_precision.set_global_policy("mixed_float16")
-  with strategy.scope():
-    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(
-        3, kernel_initializer="ones")])
-    optimizer = precision.wrap_optimizer_for_precision(
-        keras.optimizers.SGD(1e-3), dtype="fp16", loss_scale="dynamic")
-    optimizer.build(model.trainable_variables)
+  model, optimizer = testutil.fp16_dense_model(strategy)
   trainer = Trainer(strategy=strategy, model=model, optimizer=optimizer,
                     global_batch_size=8)
 

@@ -95,6 +95,25 @@ def child_case(test, script: str, env_name: str, name: str) -> dict:
   return result
 
 
+def fp16_dense_model(strategy):
+  """The fp16 overflow tests' model, built under `strategy.scope()`: a
+  Dense(3) with weights of ones on float32 [batch, 4] inputs, and SGD(1e-3)
+  with a dynamic loss scale. Set the `mixed_float16` policy first.
+
+  Returns:
+    `(model, optimizer)`, the optimizer built.
+  """
+  import keras  # pylint: disable=g-import-not-at-top
+  from tfdist import precision  # pylint: disable=g-import-not-at-top
+  with strategy.scope():
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(
+        3, kernel_initializer="ones")])
+    optimizer = precision.wrap_optimizer_for_precision(
+        keras.optimizers.SGD(1e-3), dtype="fp16", loss_scale="dynamic")
+    optimizer.build(model.trainable_variables)
+  return model, optimizer
+
+
 # The source checkout itself (not Bazel's runfiles tree, whose files are
 # links into it): what tools/setup.sh built next to it lives there.
 SOURCE_ROOT = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
