@@ -197,6 +197,24 @@ class RunExperimentTest(parameterized.TestCase):
 
 class TrainBinaryTest(absltest.TestCase):
 
+  def test_unlistable_gs_glob_is_a_usage_error(self):
+    # A gs:// bucket that cannot be reached (here a proxy port where nothing
+    # listens; on a machine without network or credentials the same
+    # OpError) stops the run at start naming the flag and the pattern, not
+    # with TensorFlow's traceback. No network is used.
+    proc = testutil.run_module("tfdist.train", [
+        "--dry_run", "--train_files=gs://tfdist-test/data/train-*",
+        "--eval_files=gs://tfdist-test/data/eval-*",
+        f"--model_dir={testutil.scratch_dir()}"], timeout=120, env={
+            "HTTPS_PROXY": "http://127.0.0.1:9", "NO_PROXY": "",
+            "NO_GCE_CHECK": "true",
+            "GOOGLE_AUTH_TOKEN_FOR_TESTING": "tfdist-test",
+            "GCS_RETRY_CONFIG_MAX_RETRIES": "0"})
+    self.assertEqual(proc.returncode, 2, proc.stdout[-3000:])
+    self.assertRegex(proc.stdout, r"tfdist.train: error: --train_files="
+                     r"'gs://tfdist-test/data/train-\*' cannot be listed: ")
+    self.assertNotIn("Traceback", proc.stdout)
+
   def test_mirrored_on_two_logical_cpus(self):
     data = testutil.fashion_mnist_subset(limit=512, train_shards=4,
                                          test_shards=2)
