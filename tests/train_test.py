@@ -197,6 +197,21 @@ class RunExperimentTest(parameterized.TestCase):
 
 class TrainBinaryTest(absltest.TestCase):
 
+  def test_flag_parsing_errors_exit_2_with_one_line(self):
+    # absl's own parser said `FATAL Flags parsing error` and exited 1, the
+    # status of divergence and bugs; the README's exit-code table says 2.
+    for args, message in (
+        (["--distribution_strategy=mirrorred"],
+         "tfdist.train: error: flag --distribution_strategy=mirrorred: value "
+         "should be one of"),
+        (["--train_step=40"], "tfdist.train: error: Unknown command line "
+         "flag 'train_step'. Did you mean: train_steps")):
+      proc = testutil.run_module("tfdist.train", [
+          *args, f"--model_dir={testutil.scratch_dir()}"], timeout=120)
+      self.assertEqual(proc.returncode, 2, proc.stdout[-3000:])
+      self.assertIn(message, proc.stdout)
+      self.assertNotIn("FATAL", proc.stdout)
+
   def test_unlistable_gs_glob_is_a_usage_error(self):
     # A gs:// bucket that cannot be reached (here a proxy port where nothing
     # listens; on a machine without network or credentials the same
