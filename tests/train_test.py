@@ -212,22 +212,32 @@ class TrainBinaryTest(absltest.TestCase):
       self.assertIn(message, proc.stdout)
       self.assertNotIn("FATAL", proc.stdout)
 
-  def test_unlistable_gs_glob_is_a_usage_error(self):
+  def test_unreachable_gs_inputs_are_usage_errors(self):
     # A gs:// bucket that cannot be reached (here a proxy port where nothing
     # listens; on a machine without network or credentials the same
     # OpError) stops the run at start naming the flag and the pattern, not
     # with TensorFlow's traceback. No network is used.
+    env = {"HTTPS_PROXY": "http://127.0.0.1:9", "NO_PROXY": "",
+           "NO_GCE_CHECK": "true",
+           "GOOGLE_AUTH_TOKEN_FOR_TESTING": "tfdist-test",
+           "GCS_RETRY_CONFIG_MAX_RETRIES": "0"}
     proc = testutil.run_module("tfdist.train", [
         "--dry_run", "--train_files=gs://tfdist-test/data/train-*",
         "--eval_files=gs://tfdist-test/data/eval-*",
-        f"--model_dir={testutil.scratch_dir()}"], timeout=120, env={
-            "HTTPS_PROXY": "http://127.0.0.1:9", "NO_PROXY": "",
-            "NO_GCE_CHECK": "true",
-            "GOOGLE_AUTH_TOKEN_FOR_TESTING": "tfdist-test",
-            "GCS_RETRY_CONFIG_MAX_RETRIES": "0"})
+        f"--model_dir={testutil.scratch_dir()}"], timeout=120, env=env)
     self.assertEqual(proc.returncode, 2, proc.stdout[-3000:])
     self.assertRegex(proc.stdout, r"tfdist.train: error: --train_files="
                      r"'gs://tfdist-test/data/train-\*' cannot be listed: ")
+    self.assertNotIn("Traceback", proc.stdout)
+    # The same for a --feature_spec there (read before the files).
+    proc = testutil.run_module("tfdist.train", [
+        "--dry_run", "--feature_spec=gs://tfdist-test/spec.json",
+        "--train_files=gs://tfdist-test/data/train-*",
+        "--eval_files=gs://tfdist-test/data/eval-*",
+        f"--model_dir={testutil.scratch_dir()}"], timeout=120, env=env)
+    self.assertEqual(proc.returncode, 2, proc.stdout[-3000:])
+    self.assertIn("tfdist.train: error: --feature_spec=gs://tfdist-test/"
+                  "spec.json cannot be read: ", proc.stdout)
     self.assertNotIn("Traceback", proc.stdout)
 
   def test_mirrored_on_two_logical_cpus(self):
