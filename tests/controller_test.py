@@ -291,6 +291,23 @@ class EvaluateContinuouslyTest(absltest.TestCase):
     self.assertTrue(os.listdir(os.path.join(tmp, "tb", "eval")))
 
 
+class RunLogTest(absltest.TestCase):
+
+  def test_accumulation_log_line_counts_the_interval(self):
+    # `step 40/40 (40 micro-steps in 20 updates)` read as if the whole run
+    # had 20 updates; the counts are the log interval's.
+    log = run_log_lib.RunLog(tensorboard_dir=None, metrics_dir=None,
+                             global_batch_size=8, total_steps=40)
+    log.resume(20)
+    with self.assertLogs(level="INFO") as logs:
+      record = log.log_train(40, {"loss": 20.0, "micro_steps": 40.0}, 20,
+                             learning_rate=0.1)
+    self.assertEqual(record["micro_steps"], 40)
+    self.assertTrue(any(
+        "step 40/40 (40 micro-steps in the last 20 updates):" in line
+        for line in logs.output), logs.output)
+
+
 def _tiny_trainer(strategy, *, steps_per_execution=2):
   with strategy.scope():
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])

@@ -26,6 +26,7 @@ from tfdist import experiment
 from tfdist import manifest as manifest_lib
 from tfdist.cluster import ClusterConfigError
 from tfdist.config import ConfigError, TrainConfig
+from tfdist.dataset_spec import DataNotFoundError
 
 TRAIN_URI = "gs://bucket/dataset-123-tables-2024/training-*"
 EVAL_URI = "gs://bucket/dataset-123-tables-2024/validation-*"
@@ -115,6 +116,20 @@ class DataUriTest(parameterized.TestCase):
           environment=_env(AIP_DATA_FORMAT="jsonl",
                            AIP_TRAINING_DATA_URI=TRAIN_URI))
     self.assertFalse(os.path.exists(model_dir))
+
+  def test_missing_data_names_the_variable_that_filled_the_flag(self):
+    # The user gave no --train_files: the error must say where it came from.
+    model_dir = os.path.join(testutil.scratch_dir(), "run")
+    with self.assertRaisesRegex(
+        DataNotFoundError,
+        r"--train_files='/no/such/training-\*' matches no file.* "
+        r"--train_files came from \$AIP_TRAINING_DATA_URI: fix that "
+        r"variable, or pass --train_files"):
+      experiment.run_experiment(
+          TrainConfig(model_dir=model_dir, train_steps=1, dry_run=True),
+          environment=_env(AIP_DATA_FORMAT="tf-record",
+                           AIP_TRAINING_DATA_URI="/no/such/training-*",
+                           AIP_VALIDATION_DATA_URI="/no/such/validation-*"))
 
   def test_feature_spec_takes_its_files_from_the_environment(self):
     # --feature_spec needs files; Vertex's URIs count (checked after the

@@ -197,6 +197,49 @@ class RunExperimentTest(parameterized.TestCase):
 
 class TrainBinaryTest(absltest.TestCase):
 
+  def test_flag_parsing_errors_exit_2_with_one_line(self):
+    # absl's own parser said `FATAL Flags parsing error` and exited 1, the
+    # status of divergence and bugs; the README's exit-code table says 2.
+    for args, message in (
+        (["--distribution_strategy=mirrorred"],
+         "tfdist.train: error: flag --distribution_strategy=mirrorred: value "
+         "should be one of"),
+        (["--train_step=40"], "tfdist.train: error: Unknown command line "
+         "flag 'train_step'. Did you mean: train_steps")):
+      proc = testutil.run_module("tfdist.train", [
+          *args, f"--model_dir={testutil.scratch_dir()}"], timeout=120)
+      self.assertEqual(proc.returncode, 2, proc.stdout[-3000:])
+      self.assertIn(message, proc.stdout)
+      self.assertNotIn("FATAL", proc.stdout)
+
+  def test_unreachable_gs_inputs_are_usage_errors(self):
+    # A gs:// bucket that cannot be reached (here a proxy port where nothing
+    # listens; on a machine without network or credentials the same
+    # OpError) stops the run at start naming the flag and the pattern, not
+    # with TensorFlow's traceback. No network is used.
+    env = {"HTTPS_PROXY": "http://127.0.0.1:9", "NO_PROXY": "",
+           "NO_GCE_CHECK": "true",
+           "GOOGLE_AUTH_TOKEN_FOR_TESTING": "tfdist-test",
+           "GCS_RETRY_CONFIG_MAX_RETRIES": "0"}
+    proc = testutil.run_module("tfdist.train", [
+        "--dry_run", "--train_files=gs://tfdist-test/data/train-*",
+        "--eval_files=gs://tfdist-test/data/eval-*",
+        f"--model_dir={testutil.scratch_dir()}"], timeout=120, env=env)
+    self.assertEqual(proc.returncode, 2, proc.stdout[-3000:])
+    self.assertRegex(proc.stdout, r"tfdist.train: error: --train_files="
+                     r"'gs://tfdist-test/data/train-\*' cannot be listed: ")
+    self.assertNotIn("Traceback", proc.stdout)
+    # The same for a --feature_spec there (read before the files).
+    proc = testutil.run_module("tfdist.train", [
+        "--dry_run", "--feature_spec=gs://tfdist-test/spec.json",
+        "--train_files=gs://tfdist-test/data/train-*",
+        "--eval_files=gs://tfdist-test/data/eval-*",
+        f"--model_dir={testutil.scratch_dir()}"], timeout=120, env=env)
+    self.assertEqual(proc.returncode, 2, proc.stdout[-3000:])
+    self.assertIn("tfdist.train: error: --feature_spec=gs://tfdist-test/"
+                  "spec.json cannot be read: ", proc.stdout)
+    self.assertNotIn("Traceback", proc.stdout)
+
   def test_mirrored_on_two_logical_cpus(self):
     data = testutil.fashion_mnist_subset(limit=512, train_shards=4,
                                          test_shards=2)

@@ -26,7 +26,7 @@ parser before anything runs). The diagnosis:
    behind it (`verdict`): memory-bound, input-bound, communication-bound or
    compute-bound, with what to try.
 
-The seeds' rule: measure one device first and find the binding constraint
+The rule: measure one device first and find the binding constraint
 before adding devices; judge N devices by speedup (examples/sec against the
 baseline's) and scaling efficiency (speedup / N): 4 devices at 300
 examples/sec against one at 100 is 3x and 75%. Replicas that are logical

@@ -72,6 +72,7 @@ from tfdist.checkpointing import CheckpointKeeper
 from tfdist.config import ConfigError
 from tfdist.config import TrainConfig
 from tfdist.controller import Controller, ControllerOptions
+from tfdist.dataset_spec import DataNotFoundError
 
 # Evaluation batches (evaluation keeps no activations for a backward pass).
 MIN_EVAL_BATCH_SIZE = 1024
@@ -155,6 +156,28 @@ def prepare_run(config: TrainConfig, *,
         config, data_patterns=run_plan_lib.data_patterns(config, dataset))
   logging.info("%s", decision.describe())
   return config, cluster, decision, applied, trial_fields
+
+
+@contextlib.contextmanager
+def _name_environment_sources(applied):
+  """Missing data named by a field the environment filled (Vertex AI's
+  `AIP_TRAINING_DATA_URI` filled `--train_files`) also names the variable:
+  the user gave no such flag.
+
+  Raises:
+    DataNotFoundError: the same message, with the variable and the fix
+      appended when a filled field is the one named.
+  """
+  try:
+    yield
+  except DataNotFoundError as e:
+    message = str(e)
+    notes = [f"--{field} came from ${variable}: fix that variable, or pass "
+             f"--{field} (a flag wins over ${variable})."
+             for field, variable in applied if f"--{field}=" in message]
+    if not notes:
+      raise
+    raise DataNotFoundError(" ".join([message, *notes])) from e
 
 
 def run_experiment(config: TrainConfig, *,
@@ -274,7 +297,7 @@ def run_experiment(config: TrainConfig, *,
   cleanup = contextlib.ExitStack()
   if lease is not None:
     cleanup.callback(lease.release)
-  with cleanup:
+  with cleanup, _name_environment_sources(applied):
     if config.dry_run:
       if lease is not None:
         lease.check_free()

@@ -369,15 +369,23 @@ def load(path: str) -> FeatureSpec:
   """Reads a feature spec JSON file (local or `gs://`).
 
   Raises:
-    ConfigError: the file is missing or not valid JSON, or the spec is
-      malformed.
+    ConfigError: the file is missing, cannot be read (TensorFlow's file
+      system raised `tf.errors.OpError`: an unreachable or unauthorized
+      `gs://` bucket) or is not valid JSON, or the spec is malformed.
   """
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  if not tf.io.gfile.exists(path):
-    raise ConfigError(f"--feature_spec={path}: no such file (cwd "
-                      f"{os.getcwd()}).")
-  with tf.io.gfile.GFile(path) as f:
-    text = f.read()
+  try:
+    if not tf.io.gfile.exists(path):
+      raise ConfigError(f"--feature_spec={path}: no such file (cwd "
+                        f"{os.getcwd()}).")
+    with tf.io.gfile.GFile(path) as f:
+      text = f.read()
+  except tf.errors.OpError as e:
+    raise ConfigError(
+        f"--feature_spec={path} cannot be read: {type(e).__name__}: "
+        f"{' '.join(e.message.split())}. Check that this machine can reach "
+        "and read it (for gs://: the network and credentials), or give a "
+        "local copy.") from e
   try:
     data = json.loads(text)
   except ValueError as e:

@@ -71,12 +71,23 @@ def list_files(patterns: str, *, flag: str = "--train_files") -> List[str]:
     Sorted, de-duplicated file paths.
 
   Raises:
-    DataNotFoundError: a pattern matches nothing; the message names the flag
-      and the pattern.
+    DataNotFoundError: a pattern matches nothing, or its folder cannot be
+      listed (TensorFlow's file system raised `tf.errors.OpError`: an
+      unknown scheme, an unreachable or unauthorized `gs://` bucket); the
+      message names the flag, the pattern and the error.
   """
   files = []
   for pattern in [p.strip() for p in patterns.split(",") if p.strip()]:
-    matched = tf.io.gfile.glob(pattern)
+    try:
+      matched = tf.io.gfile.glob(pattern)
+    except tf.errors.OpError as e:
+      raise DataNotFoundError(
+          f"{flag}={pattern!r} cannot be listed: {type(e).__name__}: "
+          f"{' '.join(e.message.split())}. Check the path's scheme and that "
+          "this machine can reach and read it (for gs://: the network and "
+          "credentials, e.g. `gcloud auth application-default login` or "
+          "the VM's service account), or copy the files to a local "
+          "path.") from e
     if not matched:
       raise DataNotFoundError(
           f"{flag}={pattern!r} matches no file. Check the path, or leave "

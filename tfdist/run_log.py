@@ -257,7 +257,10 @@ class RunLog:
     micro = int(sums.get("micro_steps", steps))
     record["micro_steps"] = micro
     # With gradient accumulation a step (update) is several micro-steps.
-    micro_text = (f" ({micro} micro-steps in {steps} "
+    # The counts are this log interval's (`step` counts updates): "the last
+    # N updates", so `step 40/40 (40 micro-steps in 20 updates)` is never
+    # read as the whole run's.
+    micro_text = (f" ({micro} micro-steps in the last {steps} "
                   f"update{'' if steps == 1 else 's'})"
                   if micro != steps else "")
     text = (f"tfdist: step {step}/{self.total_steps}{micro_text}: "

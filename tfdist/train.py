@@ -147,6 +147,18 @@ def _exit_now(code) -> None:
   os._exit(0 if code is None else code)  # pylint: disable=protected-access
 
 
+def _parse_flags(argv):
+  """absl's parser, but an unknown flag or a bad value (absl's
+  `flags.Error`: `--distribution_strategy=mirrorred`, `--train_step=40`) is
+  a usage error like tfdist's own: one line, status 2 (permanent,
+  `tfdist.exit_codes.CONFIG`), not absl's `FATAL Flags parsing error` and
+  status 1, the status of divergence and bugs."""
+  try:
+    return absl_flags.FLAGS(argv)
+  except absl_flags.Error as e:
+    _usage_error(e)
+
+
 def run():
   """The entry point of `python -m tfdist.train` and of the `tfdist-train`
   console script."""
@@ -157,7 +169,7 @@ def run():
     absl_flags.FLAGS.register_key_flag_for_module(sys.argv[0],
                                                   absl_flags.FLAGS[name])
   try:
-    app.run(main)
+    app.run(main, flags_parser=_parse_flags)
   except SystemExit as e:
     if filesystems.used_tensorflow_io() or _LEAVE_WITHOUT_TEARDOWN:
       _exit_now(e.code)
