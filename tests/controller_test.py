@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 
+from absl import logging as absl_logging
 from absl.testing import absltest
 from absl.testing import parameterized
 import keras
@@ -299,6 +300,10 @@ class RunLogTest(absltest.TestCase):
     log = run_log_lib.RunLog(tensorboard_dir=None, metrics_dir=None,
                              global_batch_size=8, total_steps=40)
     log.resume(20)
+    # An earlier test in the same process may have lowered absl's verbosity
+    # (a quiet tfdist.train run).
+    self.addCleanup(absl_logging.set_verbosity, absl_logging.get_verbosity())
+    absl_logging.set_verbosity(absl_logging.INFO)
     with self.assertLogs(level="INFO") as logs:
       record = log.log_train(40, {"loss": 20.0, "micro_steps": 40.0}, 20,
                              learning_rate=0.1)
