@@ -168,6 +168,9 @@ class FaultsTest(parameterized.TestCase):
                   f"{os.path.join(model_dir, 'checkpoints', 'ckpt-8')}, is "
                   "kept", error[0])
     self.assertIn("--base_learning_rate", error[0])
+    # The value to lower, as the schedule gave it (linear rule: 1e30 x 64 /
+    # the default --base_batch_size of 256).
+    self.assertIn("the learning rate was 2.5e+29 there", error[0])
     self.assertNotIn("fp32", error[0])  # An fp32 run: no precision advice.
     self.assertNotIn("loss_scale", error[0])
     self.assertFalse(os.path.exists(debris))

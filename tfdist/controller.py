@@ -376,7 +376,8 @@ class Controller:
     return run_log_lib.DivergenceError(
         f"Training diverged {where}: {what}. " +
         run_log_lib.divergence_advice(
-            loss_scaled=self.loss_scale() is not None) +
+            loss_scaled=self.loss_scale() is not None,
+            learning_rate=self.learning_rate()) +
         f" {self._kept_and_rerun()}")
 
   def _kept_and_rerun(self) -> str:

@@ -58,10 +58,17 @@ EXECUTION_KEY = "execution_seconds"
 DivergenceError = training_checks.TrainingDivergedError
 
 
-def divergence_advice(*, loss_scaled: bool) -> str:
+def divergence_advice(*, loss_scaled: bool,
+                      learning_rate: Optional[float] = None) -> str:
   """What to change after a divergence (`loss_scaled`: fp16 with a loss
-  scale, where a too large fixed scale is a cause too)."""
-  text = ("Lower --base_learning_rate or lengthen the warmup "
+  scale, where a too large fixed scale is a cause too; `learning_rate`: the
+  rate the schedule gave at the divergence, named so the user sees the value
+  to lower)."""
+  rate = (f" (the learning rate was {learning_rate:g} there, after scaling "
+          "to the global batch)"
+          if learning_rate is not None and math.isfinite(learning_rate)
+          else "")
+  text = (f"Lower --base_learning_rate{rate} or lengthen the warmup "
           "(--warmup_steps)")
   if loss_scaled:
     text += ", or lower --loss_scale (or use --loss_scale=dynamic)"
@@ -286,7 +293,8 @@ class RunLog:
     if "input_wait_seconds" in record:
       text += f", input wait {record['input_wait_seconds'] * 1000:.1f} ms/step"
       if "input_wait_fraction" in record:
-        text += f" ({record['input_wait_fraction']:.0%})"
+        text += (f" ({record['input_wait_fraction']:.0%} of the compiled "
+                 "step)")
     record.update(self._memory())
     text += f", peak RSS {memory.format_bytes(record['peak_rss_bytes'])}"
     if "device_memory_peak_bytes" in record:
@@ -332,7 +340,8 @@ class RunLog:
           "--loss_explosion_factor (0: no warning).", record["loss"],
           record["step"], self.loss_explosion_factor, first["loss"],
           first["step"], divergence_advice(
-              loss_scaled=record.get("loss_scale") is not None))
+              loss_scaled=record.get("loss_scale") is not None,
+              learning_rate=record.get("learning_rate")))
 
   # --- evaluation -------------------------------------------------------------
   def log_eval(self, step: int, result: dict, *,
