@@ -158,6 +158,9 @@ class CleanRunsTest(absltest.TestCase):
     with open(os.path.join(model_dir, "eval", "eval_results.jsonl")) as f:
       evaluated = [json.loads(line)["step"] for line in f if line.strip()]
     self.assertEqual(evaluated, saved)
+    # The chief (hosting the coordination service) left last: a worker
+    # still alive after it had left logged an UNAVAILABLE heartbeat error.
+    self.assertIn("The other 1 worker(s) left first", read(0))
     for pool in (0, 1, 3):
       self.assertQuiet(read(pool), f"workerpool{pool}")
 

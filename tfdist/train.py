@@ -123,6 +123,10 @@ def main(argv, *, callbacks: Sequence["keras.callbacks.Callback"] = ()):
   # which then counts the task as finished even if TensorFlow's shutdown
   # hangs or fails (tfdist.worker_exit).
   worker_exit.mark_done(os.environ.get(worker_exit.DONE_FILE_ENV))
+  if (result.get("strategy") == "multi_worker_mirrored" and
+      result.get("num_workers", 1) > 1):
+    # The chief, which hosts the coordination service, leaves last.
+    worker_exit.leave_in_order(result["cluster"])
   global _LEAVE_WITHOUT_TEARDOWN
   if result.get("role") in ("worker", "ps") or (
       result.get("strategy") in _CLUSTER_STRATEGIES):

@@ -10,7 +10,13 @@ hang until it is killed. tfdist therefore
 1. ends every run with `leave_together`: a final barrier (a one-number
    all-reduce) after the last collective, so no worker leaves while another
    still needs it; then
-2. the binary (`tfdist.train`) writes a done marker (`mark_done`), a file
+2. the chief leaves last (`leave_in_order`): each other worker, as the
+   last thing before its process ends, says so through the coordination
+   service's key-value store, and the chief waits (bounded) for every one
+   of them before it ends, so no worker's heartbeat meets a service that is
+   gone (seen as a stray `UNAVAILABLE ... coordination service` line in an
+   otherwise clean run when the chief left first); then
+3. the binary (`tfdist.train`) writes a done marker (`mark_done`), a file
    whose path the launcher passes in `$TFDIST_DONE_FILE`. A task that wrote
    it has finished its work: the launcher counts it as finished even if its
    process then hangs or fails while TensorFlow shuts down (it is stopped
@@ -59,6 +65,56 @@ def leave_together(strategy, *, num_workers: int) -> float:
   waited = time.time() - started
   logging.info("All %d replicas reached the end (waited %.2f s); leaving "
                "together.", arrived, waited)
+  return waited
+
+
+_LEAVING_KEY = "tfdist_leaving/{task_type}/{task_index}"
+# A worker announces just before `os._exit`; this covers the rest.
+_LINGER_SECONDS = 0.5
+
+
+def leave_in_order(cluster: dict, *, timeout_seconds: float = 10.0
+                   ) -> Optional[float]:
+  """The chief leaves last: call it on every training task of a
+  MultiWorkerMirroredStrategy run, after `leave_together`, as the last step
+  before the process ends.
+
+  Args:
+    cluster: the run manifest's `cluster` section (`task_type`,
+      `task_index`, `is_chief`, `jobs`: job name -> addresses).
+    timeout_seconds: the longest the chief waits for the other workers.
+
+  Returns:
+    On the chief, the seconds it waited; on another worker, None (it
+    announced that it leaves).
+  """
+  # Imported here: the launcher imports this module and not TensorFlow.
+  from tensorflow.python.eager import context  # pylint: disable=g-import-not-at-top,g-direct-tensorflow-import
+  if not cluster.get("is_chief"):
+    context.context().set_config_key_value(
+        _LEAVING_KEY.format(task_type=cluster["task_type"],
+                            task_index=cluster["task_index"]), "1")
+    return None
+  me = (cluster["task_type"], cluster["task_index"])
+  peers = [(job, i) for job in ("chief", "worker")
+           for i in range(len(cluster.get("jobs", {}).get(job, ())))
+           if (job, i) != me]
+  started = time.time()
+  for job, i in peers:
+    left = max(timeout_seconds - (time.time() - started), 0.001)
+    try:
+      context.context().get_config_key_value(
+          _LEAVING_KEY.format(task_type=job, task_index=i),
+          timeout_in_ms=int(left * 1000))
+    except Exception as e:  # pylint: disable=broad-except
+      logging.warning("tfdist: %s %d did not say it left within %.0f s "
+                      "(%s); the chief leaves anyway.", job, i,
+                      timeout_seconds, type(e).__name__)
+      return time.time() - started
+  time.sleep(_LINGER_SECONDS)
+  waited = time.time() - started
+  logging.info("The other %d worker(s) left first (waited %.2f s); the "
+               "chief leaves last.", len(peers), waited)
   return waited
 
 
