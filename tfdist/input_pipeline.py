@@ -593,10 +593,12 @@ def _batch(ds: tf.data.Dataset, options: PipelineOptions, input_context,
                            num_pipelines)
     ds = pad_to_static_batches(ds, batch, local_replicas)
   else:
+    # Batches in order (records within them may still be reordered above):
+    # out of order, a batch of the next epoch could come before the last of
+    # this one, blurring the epoch boundary that "every example once per
+    # epoch" and the input position (step -> epoch) rely on.
     ds = ds.batch(batch, drop_remainder=options.is_training,
-                  num_parallel_calls=AUTOTUNE,
-                  deterministic=options.deterministic or
-                  not options.is_training)
+                  num_parallel_calls=AUTOTUNE, deterministic=True)
   ds = ds.prefetch(AUTOTUNE)
   # The pipeline shards itself above; stop tf.data from sharding it again.
   data_options = tf.data.Options()
