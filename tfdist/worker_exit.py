@@ -10,17 +10,17 @@ hang until it is killed. tfdist therefore
 1. ends every run with `leave_together`: a final barrier (a one-number
    all-reduce) after the last collective, so no worker leaves while another
    still needs it; then
-2. the chief leaves last (`leave_in_order`): each other worker, as the
+2. the binary (`tfdist.train`) writes a done marker (`mark_done`), a file
+   whose path the launcher passes in `$TFDIST_DONE_FILE`. A task that wrote
+   it has finished its work: the launcher counts it as finished even if its
+   process then hangs or fails while TensorFlow shuts down (it is stopped
+   after a short grace period), and never restarts the group for it; then
+3. the chief leaves last (`leave_in_order`): each other worker, as the
    last thing before its process ends, says so through the coordination
    service's key-value store, and the chief waits (bounded) for every one
    of them before it ends, so no worker's heartbeat meets a service that is
    gone (seen as a stray `UNAVAILABLE ... coordination service` line in an
-   otherwise clean run when the chief left first); then
-3. the binary (`tfdist.train`) writes a done marker (`mark_done`), a file
-   whose path the launcher passes in `$TFDIST_DONE_FILE`. A task that wrote
-   it has finished its work: the launcher counts it as finished even if its
-   process then hangs or fails while TensorFlow shuts down (it is stopped
-   after a short grace period), and never restarts the group for it.
+   otherwise clean run when the chief left first).
 """
 
 import os
