@@ -428,7 +428,7 @@ def define_cluster_flags() -> List[str]:
 
 
 def define_vertex_flags() -> List[str]:
-  """Vertex AI: Reduction Server and hyperparameter tuning (issue 16).
+  """Vertex AI: Reduction Server and hyperparameter tuning.
 
   Flag names equal `TrainConfig` field names.
   """
@@ -449,7 +449,10 @@ def define_vertex_flags() -> List[str]:
 
 
 def define_measure_flags() -> List[str]:
-  """Measurement (issue 15). Flag names equal `TrainConfig` field names."""
+  """Measurement: the profiler window.
+
+  Flag names equal `TrainConfig` field names.
+  """
   flags.DEFINE_list(
       "profile_steps", [str(v) for v in _default("profile_steps")],
       "Trace training steps START,END (counted from 1, both included) with "
@@ -460,7 +463,7 @@ def define_measure_flags() -> List[str]:
 
 
 def define_reliability_flags() -> List[str]:
-  """Divergence, the --model_dir lease, resumption and dry runs (issue 13).
+  """Divergence, the --model_dir lease, resumption and dry runs.
 
   Flag names equal `TrainConfig` field names.
   """

@@ -1,7 +1,7 @@
 """Clean runs are clean; an evaluator of any strategy; the binary's edges.
 
 Real processes of `python -m tfdist.train` on 127.0.0.1, with
-`TF_CPP_MIN_LOG_LEVEL` unset as a user has it (issue 13):
+`TF_CPP_MIN_LOG_LEVEL` unset as a user has it:
 
 * a Vertex AI `CLUSTER_SPEC` job: a chief and a worker (workerpool0/1)
   train with MultiWorkerMirroredStrategy while a `workerpool3` task

@@ -1,4 +1,4 @@
-"""N replicas train like one device on the global batch (issue 12).
+"""N replicas train like one device on the global batch.
 
 * Every example once per epoch, with uneven files (`make_dataset` per
   worker, in this process: no cluster needed to read one worker's share).
@@ -66,7 +66,7 @@ def _ids_per_worker_per_epoch(files, *, workers, global_batch, epochs, seed,
 class ExactlyOncePerEpochTest(parameterized.TestCase):
 
   @parameterized.named_parameters(
-      # The issue's case: 3 files of 80, 2 workers: by file 160 vs 80.
+      # Uneven files: 3 files of 80, 2 workers: by file 160 vs 80.
       ("three_files_two_workers", 240, 3, 2, 32, None),
       # 4 files (63, 63, 62, 62 records), 3 workers; counts given.
       ("four_files_three_workers", 250, 4, 3, 48, "given"))

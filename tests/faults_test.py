@@ -1,4 +1,4 @@
-"""Faults a new user meets, each one small input on a real run (issue 13).
+"""Faults a new user meets, each one small input on a real run.
 
 Real short runs on a real Fashion-MNIST subset, in this process
 (`run_experiment`) or as the binary in a subprocess where the exit status or

@@ -1,4 +1,4 @@
-"""A run stopped mid-epoch and resumed sees the same examples (issue 14).
+"""A run stopped mid-epoch and resumed sees the same examples.
 
 Before, a resumed run started its input at the beginning of epoch 0's
 order again: a restarted run's first 40 batches shared 38.9% of their

@@ -1,6 +1,6 @@
 """Gradient accumulation and activation recomputation equal what they replace.
 
-Proofs (issue 14), fp32 and `--deterministic` (op determinism), on a model
+Proofs, fp32 and `--deterministic` (op determinism), on a model
 without batch normalization or dropout for accumulation (both make a
 micro-batch differ from the big batch: batch statistics over fewer
 examples, other random masks):

@@ -282,7 +282,8 @@ class TrainConfig:
   # Fields left unset (None) and filled from the data set's recommendation
   # or the default (UNSET_DEFAULTS). Set by __post_init__, never by callers.
   unset_fields: Tuple[str, ...] = ()
-  # --- Vertex AI (issue 16: Reduction Server, hyperparameter tuning) ---
+  # --- Vertex AI (Reduction Server, hyperparameter tuning), gradient
+  # clipping, skipped steps, batch norm ---
   # Vertex AI's Reduction Server runs in worker pool 2: NCCL all-reduce under
   # multi_worker_mirrored (GPUs only); pool 2 is neither ps nor worker.
   reduction_server: bool = False
@@ -302,7 +303,7 @@ class TrainConfig:
   # synchronous strategies with more than one replica (see
   # tfdist.models.resolve_sync_batch_norm).
   sync_batch_norm: Optional[bool] = None
-  # --- Memory levers and reproducibility (issue 14) ---
+  # --- Memory levers and reproducibility ---
   # The model's blocks recompute their activations in the backward pass
   # (--activation_recomputation, alias --gradient_checkpointing): built-in
   # cnn and resnet, and builders taking `activation_recomputation`.
@@ -313,7 +314,8 @@ class TrainConfig:
   # epoch where it stopped (each worker recomputes its position from the
   # step; tfdist.input_pipeline). False: a resume starts its epoch over.
   checkpoint_input_position: bool = True
-  # --- Your model, your data (issue 11) ---
+  # --- Your model and data (feature spec, registry imports, initial
+  # weights, mode), the allocator ---
   # A JSON feature spec describing --train_files/--eval_files records
   # (tfdist.feature_spec); the data set is then FEATURE_SPEC_DATASET.
   feature_spec: str = ""
@@ -329,11 +331,11 @@ class TrainConfig:
   # glibc malloc settings that stop TensorFlow's per-step page-fault churn
   # (tfdist/allocator.py); False leaves malloc as it is.
   tune_allocator: bool = True
-  # --- Measurement (issue 15) ---
+  # --- Measurement: the profiler window ---
   # Trace training steps START..END (1-based, inclusive) with TensorFlow's
   # profiler into the TensorBoard folder; () traces nothing.
   profile_steps: Tuple[int, ...] = ()
-  # --- Reliability (issue 13) ---
+  # --- Reliability: divergence, the --model_dir lease, resumption ---
   # Warn when the training loss exceeds this multiple of its early value
   # (the first log point's mean loss); 0: no warning.
   loss_explosion_factor: float = 10.0
@@ -545,7 +547,7 @@ class TrainConfig:
     need(self.tpu_init_timeout > 0,
          f"--tpu_init_timeout={self.tpu_init_timeout} must be > 0 seconds.")
     check_tpu_precision(self.distribution_strategy, self.dtype)
-    # --- Your model, your data (issue 11) ---
+    # --- Your model and data: mode, names, feature spec ---
     need(self.mode in MODES,
          f"--mode={self.mode!r} is unknown. Use one of: {', '.join(MODES)}.")
     need(bool(self.model), "--model must name a model: a registered name "
@@ -568,7 +570,7 @@ class TrainConfig:
          "--dtype=fp16 is not supported with --distribution_strategy="
          "parameter_server: fp16 needs loss scaling, whose scale asynchronous "
          "workers cannot share. Use --dtype=bf16, fp32 or auto.")
-    # --- Vertex AI (issue 16) ---
+    # --- Vertex AI, gradient clipping, skipped steps, allocator ---
     if self.reduction_server:
       need(self.distribution_strategy in ("auto", "multi_worker_mirrored"),
            "--reduction_server needs --distribution_strategy="
@@ -597,7 +599,7 @@ class TrainConfig:
          f"{self.max_consecutive_skipped_steps} must be >= 0 (0: no limit).")
     need(isinstance(self.tune_allocator, bool),
          f"--tune_allocator={self.tune_allocator!r} must be true or false.")
-    # --- Reliability (issue 13) ---
+    # --- Reliability: divergence, the --model_dir lease, resumption ---
     need(self.loss_explosion_factor == 0 or (
         math.isfinite(self.loss_explosion_factor) and
         self.loss_explosion_factor > 1),

@@ -475,7 +475,7 @@ def _train(config, *, task, cluster, decision, applied, callbacks, started,
 
   checkpoint_dir = out_dir(config.resolved_checkpoint_dir, "checkpoints")
   tensorboard_dir = out_dir(config.resolved_tensorboard_dir, "tensorboard")
-  # The input position (issue 14): synchronous strategies reading TFRecord
+  # The input position: synchronous strategies reading TFRecord
   # files only (parameter-server workers read unseeded copies of every file;
   # a dataset function's epochs are not aligned to steps).
   input_position = None
