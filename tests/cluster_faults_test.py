@@ -8,8 +8,9 @@ Real processes of `python -m tfdist.train` on 127.0.0.1, with
   evaluates every checkpoint and writes nothing of the chief's;
 * clean one-device, MultiWorkerMirrored and parameter-server runs print no
   TensorFlow or gRPC line at WARNING or above, and each tfdist line once;
-* the README's serving example runs against a freshly exported SavedModel,
-  and its input scaling is the training parser's;
+* the serving guide's example (docs/guides/serving.md) runs against a
+  freshly exported SavedModel, and its input scaling is the training
+  parser's;
 * `--dry_run`: every start-up check and the plan, exit 0, nothing built or
   written; an unwritable `--model_dir` exits 2 before the plan.
 """
@@ -201,17 +202,20 @@ class CleanRunsTest(absltest.TestCase):
         stderr=subprocess.STDOUT, text=True, timeout=400)
     self.assertEqual(proc.returncode, 0, proc.stdout[-4000:])
     self.assertQuiet(proc.stdout, "one_device")
-    # The README's serving example, as written, against this SavedModel.
-    with open(os.path.join(testutil.REPO_ROOT, "README.md")) as f:
-      readme = f.read()
-    example = re.search(r"<!-- serving-example -->\n```python\n(.*?)```",
-                        readme, re.S).group(1)
+    # The serving guide's example, as written, against this SavedModel.
+    with open(os.path.join(testutil.REPO_ROOT, "docs", "guides",
+                           "serving.md")) as f:
+      guide = f.read()
+    example = re.search(
+        r"<!-- run: tests/cluster_faults_test.py serving-example -->\n"
+        r"```python\n(.*?)```", guide, re.S).group(1)
     export_line = re.search(r'^export_dir = ".*"', example, re.M)
     self.assertIsNotNone(export_line, example)
     example = example.replace(export_line.group(0), "export_dir = " + repr(
         os.path.join(model_dir, "saved_model")))
     scope = {}
-    exec(compile(example, "README.md (serving example)", "exec"), scope)  # pylint: disable=exec-used
+    exec(compile(example, "docs/guides/serving.md (serving example)", "exec"),
+         scope)  # pylint: disable=exec-used
     self.assertEqual(scope["logits"].shape, (8, 10))
     # Its inputs are the training parser's: the first test images (ids
     # 60000...) as parse_image_example makes them from the TFRecords.

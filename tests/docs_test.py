@@ -74,7 +74,8 @@ def code_blocks(text: str):
   Returns:
     A list of dicts: `line` (1-based line of the opening fence), `info` (the
     info string, e.g. `python`), `code` (the lines between the fences) and
-    `marker` (the line above the fence, stripped).
+    `marker` (the line above the fence, stripped), `closed` (False when the
+    page ends inside the block).
   """
   lines = text.split("\n")
   blocks, i = [], 0
@@ -94,6 +95,7 @@ def code_blocks(text: str):
     body = [line[len(indent):] if line.startswith(indent) else line
             for line in lines[i + 1:j]]
     blocks.append({"line": i + 1, "info": info.strip(),
+                   "closed": j < len(lines),
                    "code": "\n".join(body) + "\n",
                    "marker": lines[i - 1].strip() if i else ""})
     i = j + 1
@@ -157,6 +159,7 @@ def relative_links(text: str):
 def link_problems(path: str, text: str, anchor_cache: dict) -> list:
   """What is wrong with the relative links of one page (empty: nothing)."""
   problems = []
+  anchor_cache.setdefault(path, anchors(text))
   for number, target in relative_links(text):
     file_part, _, fragment = target.partition("#")
     if file_part:
@@ -171,7 +174,7 @@ def link_problems(path: str, text: str, anchor_cache: dict) -> list:
       problems.append(f"{where}: outside the repository")
       continue
     full = os.path.join(ROOT, resolved)
-    if not os.path.exists(full):
+    if resolved != path and not os.path.exists(full):
       problems.append(f"{where}: no file {resolved}")
       continue
     if fragment:
@@ -206,6 +209,8 @@ def marker_problems(path: str, text: str) -> list:
   problems = []
   for block in code_blocks(text):
     where = f"{path}:{block['line']} (```{block['info']})"
+    if not block["closed"]:
+      problems.append(f"{where}: no closing fence")
     m = _MARKER.match(block["marker"])
     if not m:
       problems.append(
@@ -359,7 +364,7 @@ class DocsTest(absltest.TestCase):
   def test_link_check_catches_a_missing_file_and_anchor(self):
     page = ("# Top\n\n## A `code` heading: yes!\n\n## Dup\n\n## Dup\n\n"
             "[ok](#top) [ok](#a-code-heading-yes) [ok](#dup-1) "
-            "[bad](#nope) [bad](missing.md) [ok](README.md#tfdist) "
+            "[bad](#nope) [bad](missing.md) [ok](README.md#guides) "
             "[pending](design/long-runs.md)\n\n```sh\n[x](not-a-link.md)\n```\n")
     problems = link_problems("docs/page.md", page, {})
     self.assertLen(problems, 2, problems)
@@ -373,13 +378,15 @@ class DocsTest(absltest.TestCase):
     page = ("```sh\necho 1\n```\n\n<!-- not run: -->\n```sh\necho 2\n```\n\n"
             "<!-- run: tests/docs_test.py nothing -->\n```py\nx\n```\n\n"
             "<!-- run: tests/lr_schedule_test.py warmup -->\n```py\nx\n```\n\n"
-            "<!-- not run: a diagram -->\n```mermaid\nflowchart\n```\n")
+            "<!-- not run: a diagram -->\n```mermaid\nflowchart\n```\n\n"
+            "<!-- not run: output -->\n```\nno end\n")
     problems = marker_problems("docs/page.md", page)
-    self.assertLen(problems, 4, problems)
+    self.assertLen(problems, 5, problems)
     self.assertIn("no marker", problems[0])
     self.assertIn("without a reason", problems[1])
     self.assertIn("runs no block 'nothing'", problems[2])
     self.assertIn("does not read this block", problems[3])
+    self.assertIn("no closing fence", problems[4])
 
 
 if __name__ == "__main__":

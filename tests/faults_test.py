@@ -474,14 +474,16 @@ class FaultsTest(parameterized.TestCase):
       self.assertEqual(exit_codes.is_retryable(status), status >= 128)
     self.assertIsInstance(cases[8][0], parameter_server.ParameterServerError)
     self.assertIsNone(exit_codes.exit_code_for(RuntimeError("a bug")))
-    # The README's table says the same.
-    with open(os.path.join(testutil.REPO_ROOT, "README.md")) as f:
-      readme = f.read()
+    # The exit-code reference's table says the same.
+    with open(os.path.join(testutil.REPO_ROOT, "docs", "reference",
+                           "exit-codes.md")) as f:
+      table = f.read()
     for status, retry in ((1, "permanent"), (2, "permanent"),
                           (137, "retryable"), (200, "retryable"),
                           (201, "retryable")):
       self.assertTrue(re.search(rf"\n\| {status} \|[^\n]*\| {retry} \|",
-                                readme), f"README: no row for {status}")
+                                table),
+                      f"docs/reference/exit-codes.md: no row for {status}")
 
   def test_job_specs_get_the_dry_run_name_checks(self):
     from tfdist import job_spec  # pylint: disable=g-import-not-at-top

@@ -199,7 +199,8 @@ class TrainBinaryTest(absltest.TestCase):
 
   def test_flag_parsing_errors_exit_2_with_one_line(self):
     # absl's own parser said `FATAL Flags parsing error` and exited 1, the
-    # status of divergence and bugs; the README's exit-code table says 2.
+    # status of divergence and bugs; the exit-code table
+    # (docs/reference/exit-codes.md) says 2.
     for args, message in (
         (["--distribution_strategy=mirrorred"],
          "tfdist.train: error: flag --distribution_strategy=mirrorred: value "
