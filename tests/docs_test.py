@@ -240,7 +240,7 @@ def marker_problems(path: str, text: str) -> list:
       source = f.read()
     if name not in source or os.path.basename(path) not in source:
       problems.append(f"{where}: {test_file} does not read this block "
-                      f"(its source names neither {name!r} and "
+                      f"(its source must name both {name!r} and "
                       f"{os.path.basename(path)!r})")
   return problems
 
