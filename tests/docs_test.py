@@ -1,4 +1,4 @@
-"""The README and docs/: links resolve, and every code block runs or says why not.
+"""README.md and docs/: links resolve; each code block runs or says why not.
 
 * Every relative link in README.md and docs/**/*.md names a file or folder
   that exists, and a `#fragment` names a heading of the target page, by
@@ -11,12 +11,13 @@
   A `run:` block of this file must be one it runs (RUNNERS below); one of
   another test file must be read by that file (its source names NAME and
   the page).
-* The blocks this file runs, each as written, in a child process: the
-  README's `tfdist.fit` example (its `model_dir` moved to a scratch
-  folder); the feature spec of the your-model guide, parsed by
-  `tfdist.feature_spec`. The quick start's two commands are checked too:
-  its training command passes `--dry_run` (every start-up check, on the
-  real Fashion-MNIST files), and its test command is what `.ci/run` runs.
+* The blocks this file runs, as written: the README's `tfdist.fit` example
+  in a child process (its `model_dir` moved to a scratch folder), and the
+  your-model guide's feature spec, parsed by `tfdist.feature_spec`. The
+  quick start's two commands are checked too: its training command passes
+  `--dry_run` in a second child, at the same time (every start-up check, on
+  the real Fashion-MNIST files), and its test command is what `.ci/run`
+  runs.
 """
 
 import glob
@@ -52,7 +53,9 @@ _CHILD_TIMEOUT = 240
 
 _FENCE = re.compile(r"^(\s*)(`{3,}|~{3,})(.*)$")
 _MARKER = re.compile(r"^\s*<!--\s*(not run|run):\s*(.*?)\s*-->\s*$")
-_LINK = re.compile(r"!?\[(?:[^\]\\]|\\.)*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
+# [text](target) and ![alt](target), with an optional "title".
+_LINK = re.compile(r"!?\[(?:[^\]\\]|\\.)*\]"
+                   r"\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
 
 
 def doc_files():
@@ -359,6 +362,8 @@ class DocsTest(absltest.TestCase):
     self.assertEqual(ci[-1], self._quick_start_blocks()[1])
 
   def test_feature_spec_block_parses(self):
+    # Imported here, not at the top: TensorFlow then loads in this process
+    # while the two children (started in setUpClass) already run.
     from tfdist import feature_spec  # pylint: disable=g-import-not-at-top
     block = find_block("docs/guides/your-model.md", "feature-spec")
     spec = feature_spec.from_dict(json.loads(block))
@@ -371,7 +376,8 @@ class DocsTest(absltest.TestCase):
     page = ("# Top\n\n## A `code` heading: yes!\n\n## Dup\n\n## Dup\n\n"
             "[ok](#top) [ok](#a-code-heading-yes) [ok](#dup-1) "
             "[bad](#nope) [bad](missing.md) [ok](README.md#guides) "
-            "[pending](design/long-runs.md)\n\n```sh\n[x](not-a-link.md)\n```\n")
+            "[pending](design/long-runs.md)\n\n"
+            "```sh\n[x](not-a-link.md)\n```\n")
     problems = link_problems("docs/page.md", page, {})
     self.assertLen(problems, 2, problems)
     self.assertIn("has no heading #nope", problems[0])
