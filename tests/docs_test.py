@@ -17,7 +17,8 @@
   quick start's two commands are checked too: its training command passes
   `--dry_run` in a second child, at the same time (every start-up check, on
   the real Fashion-MNIST files), and its test command is what `.ci/run`
-  runs.
+  runs. A third child runs the Kubernetes guide's `tfdist.job_spec` command,
+  whose output must be the TFJob the guide shows.
 """
 
 import glob
@@ -195,7 +196,11 @@ def link_problems(path: str, text: str, anchor_cache: dict) -> list:
 RUNNERS = {
     "fit-example": "test_readme_fit_example_trains",
     "feature-spec": "test_feature_spec_block_parses",
+    "k8s-job-spec": "test_kubernetes_job_spec_prints_the_documented_tfjob",
+    "k8s-job-spec-output": (
+        "test_kubernetes_job_spec_prints_the_documented_tfjob"),
 }
+_K8S = "docs/platforms/kubernetes.md"
 
 
 def find_block(path: str, name: str) -> str:
@@ -281,10 +286,19 @@ class DocsTest(absltest.TestCase):
         cwd=testutil.REPO_ROOT,
         env=_child_env(os.path.join(scratch, "quick_data")),
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # The job spec command, without its `> tfjob.yaml`: stdout is the file.
+    command = find_block(_K8S, "k8s-job-spec").replace("\\\n", " ").strip()
+    assert command.endswith(" > tfjob.yaml"), command
+    args = shlex.split(command[:-len(" > tfjob.yaml")])
+    assert args[:3] == ["python", "-m", "tfdist.job_spec"], args
+    cls.job_spec = subprocess.Popen(
+        [sys.executable, *args[1:]], cwd=scratch,
+        env=_child_env(os.path.join(scratch, "job_spec_data")),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
   @classmethod
   def tearDownClass(cls):
-    for proc in (cls.fit, cls.dry_run):
+    for proc in (cls.fit, cls.dry_run, cls.job_spec):
       if proc.poll() is None:
         proc.kill()
         proc.wait()
@@ -360,6 +374,16 @@ class DocsTest(absltest.TestCase):
     ci = [line.strip() for line in read(".ci/run").splitlines()
           if line.strip() and not line.lstrip().startswith("#")]
     self.assertEqual(ci[-1], self._quick_start_blocks()[1])
+
+  def test_kubernetes_job_spec_prints_the_documented_tfjob(self):
+    try:
+      out, err = self.job_spec.communicate(timeout=_CHILD_TIMEOUT)
+    except subprocess.TimeoutExpired:
+      self.job_spec.kill()
+      self.job_spec.communicate()
+      self.fail(f"tfdist.job_spec still running after {_CHILD_TIMEOUT} s")
+    self.assertEqual(self.job_spec.returncode, 0, err[-3000:])
+    self.assertEqual(out, find_block(_K8S, "k8s-job-spec-output"))
 
   def test_feature_spec_block_parses(self):
     # Imported here, not at the top: TensorFlow then loads in this process
