@@ -123,7 +123,9 @@ def prepare_run(config: TrainConfig, *,
   Raises:
     ConfigError: missing `--model_dir`, `--feature_spec` without files, a
       data URI of another format than `tf-record`, a malformed cluster,
-      fp16 on a TPU, local input with a remote TPU.
+      fp16 on a TPU, local input with a remote TPU, an export folder that
+      would replace the run's other outputs
+      (`tfdist.export.ExportRefusedError`).
   """
   if environment is None:
     environment = environment_lib.read_environment()
@@ -148,6 +150,8 @@ def prepare_run(config: TrainConfig, *,
     logging.info("--%s=%s: hyperparameter-tuning trial %s's own folder "
                  "(from %s)", field, getattr(config, field), cluster.trial,
                  cluster.source)
+  # The export replaces its folder: never one holding the run's outputs.
+  export.check_layout(**environment_lib.output_sources(config, applied))
   decision = auto_select.resolve(config, cluster=cluster,
                                  environment=environment)
   config = auto_select.apply_decision(config, decision)
@@ -291,6 +295,10 @@ def run_experiment(config: TrainConfig, *,
   lease = None
   if writer:
     preflight.probe_outputs(config)
+    export.check_export_dir(
+        config.resolved_export_dir,
+        source=environment_lib.output_sources(config, applied)[
+            "export_dir"][1])
     lease = lease_lib.Lease(config.model_dir,
                             timeout_seconds=config.lease_timeout_seconds)
   # What the run must undo however it ends (signal handlers, the lease).
@@ -627,7 +635,9 @@ def _train(config, *, task, cluster, decision, applied, callbacks, started,
     tf.train.Checkpoint(model=export_model).restore(
         keeper.latest).expect_partial()
   export_dir = export.export_saved_model(
-      export_model, out_dir(config.resolved_export_dir, "saved_model"))
+      export_model, out_dir(config.resolved_export_dir, "saved_model"),
+      source=environment_lib.output_sources(config, applied)["export_dir"][1],
+      details={"step": controller.step, "model": task.model_name})
   record = manifest_lib.build_manifest(
       config=config, decision=decision, plan=plan, cluster=cluster,
       choice=choice, num_workers=num_workers, is_chief=is_chief,

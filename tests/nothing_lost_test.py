@@ -1,0 +1,250 @@
+"""Nothing a run writes is lost, and foreseeable failures are one line.
+
+* outputs: an export folder overlapping `--model_dir`, the checkpoints or
+  the TensorBoard logs (by flag or by Vertex AI's `AIP_*` variables) is
+  refused at start; an export replaces only a SavedModel tfdist wrote;
+* tuning trials: each trial's checkpoints are its own, whichever flag or
+  variable gave the folder;
+* data: an uncompressed TFRecord file cut mid-record or with a bad CRC is
+  named with its byte offset at start;
+* failures: mixed `.gz` and plain shards, a `--model` that is not a model
+  builder, a full disk during a save, a damaged checkpoint index, a data
+  file that vanished mid-epoch: one line each, with the status of
+  `tfdist/exit_codes.py`.
+
+Real short runs on a real Fashion-MNIST subset; everything else calls the
+checks directly (docs/design/nothing-lost.md).
+"""
+
+import json
+import os
+
+from absl.testing import absltest
+from absl.testing import parameterized
+import keras
+import tensorflow as tf
+
+from tests import testutil
+from tfdist import environment as environment_lib
+from tfdist import exit_codes
+from tfdist import experiment
+from tfdist import export
+from tfdist import manifest as manifest_lib
+from tfdist.config import ConfigError, TrainConfig
+
+
+def _data():
+  return testutil.fashion_mnist_subset(limit=256, train_shards=2,
+                                       test_shards=1)
+
+
+def _config(model_dir, **overrides):
+  data = _data()
+  kwargs = dict(model_dir=model_dir, train_files=data["train"],
+                eval_files=data["eval"], distribution_strategy="one_device",
+                batch_size=64, train_steps=2, log_steps=1, warmup_steps=1,
+                checkpoint_steps=2, seed=7)
+  kwargs.update(overrides)
+  return TrainConfig(**kwargs)
+
+
+def _env(**variables):
+  return environment_lib.read_environment(variables)
+
+
+def _cluster_spec(trial: str) -> str:
+  return json.dumps({"cluster": {"workerpool0": ["localhost:2222"]},
+                     "task": {"type": "workerpool0", "index": 0,
+                              "trial": trial}})
+
+
+def _tree(folder):
+  return sorted(os.path.relpath(os.path.join(root, name), folder)
+                for root, dirs, files in os.walk(folder)
+                for name in dirs + files)
+
+
+class OutputLayoutTest(parameterized.TestCase):
+  """`check_layout` through `prepare_run`: no files touched."""
+
+  @parameterized.named_parameters(
+      ("export_is_model_dir", dict(model_dir="/r/x", export_dir="/r/x"), {},
+       "--model_dir=/r/x is the same folder as --export_dir=/r/x"),
+      ("export_contains_model_dir",
+       dict(model_dir="/r/x/run", export_dir="/r/x"), {},
+       "--model_dir=/r/x/run is inside --export_dir=/r/x"),
+      ("export_is_checkpoints",
+       dict(model_dir="/r/x", export_dir="/r/x/checkpoints/"), {},
+       r"--checkpoint_dir \(default, under --model_dir\)=/r/x/checkpoints is "
+       "the same folder as --export_dir=/r/x/checkpoints/"),
+      ("export_in_tensorboard_train",
+       dict(model_dir="/r/x", tensorboard_dir="/r/tb",
+            export_dir="/r/tb/train"), {},
+       "--export_dir=/r/tb/train is inside --tensorboard_dir=/r/tb, where "
+       "the run writes train"),
+      ("export_is_metrics", dict(model_dir="/r/x",
+                                 export_dir="/r/x/./metrics.jsonl"), {},
+       "where the run writes metrics.jsonl"),
+      ("aip_model_dir_alone", {}, dict(AIP_MODEL_DIR="gs://b/out/model/"),
+       r"\$AIP_MODEL_DIR \(--model_dir\)=gs://b/out/model/ is the same "
+       r"folder as \$AIP_MODEL_DIR \(--export_dir\)"),
+      ("aip_model_is_checkpoint_dir", {},
+       dict(AIP_MODEL_DIR="gs://b/out", AIP_CHECKPOINT_DIR="gs://b/out/"),
+       r"\$AIP_CHECKPOINT_DIR \(--model_dir\)=gs://b/out/ is the same folder"
+       r" as \$AIP_MODEL_DIR \(--export_dir\)=gs://b/out"),
+      ("aip_logs_in_model", {},
+       dict(AIP_MODEL_DIR="gs://b/out/model",
+            AIP_CHECKPOINT_DIR="gs://b/out/ckpt",
+            AIP_TENSORBOARD_LOG_DIR="gs://b/out/model/logs"),
+       r"\$AIP_TENSORBOARD_LOG_DIR \(--tensorboard_dir\)=gs://b/out/model/"
+       r"logs is inside \$AIP_MODEL_DIR"),
+      ("flag_and_variable", dict(model_dir="gs://b/out/model"),
+       dict(AIP_MODEL_DIR="gs://b/out/model/"),
+       r"--model_dir=gs://b/out/model is the same folder as \$AIP_MODEL_DIR"),
+  )
+  def test_overlap_is_refused_naming_both(self, fields, variables, message):
+    with self.assertRaisesRegex(export.ExportRefusedError, message) as cm:
+      experiment.prepare_run(TrainConfig(train_steps=1, **fields),
+                             environment=_env(**variables))
+    self.assertEqual(exit_codes.exit_code_for(cm.exception), exit_codes.CONFIG)
+    self.assertNotIn("\n", str(cm.exception))
+
+  @parameterized.named_parameters(
+      ("default", dict(model_dir="/r/x"), {}),
+      ("own_folder", dict(model_dir="/r/x", export_dir="/r/x/serving"), {}),
+      ("checkpoints_in_model_dir",
+       dict(model_dir="/r/x", checkpoint_dir="/r/x"), {}),
+      ("vertex_base_output_dir", {},
+       dict(AIP_MODEL_DIR="gs://b/out/model/",
+            AIP_CHECKPOINT_DIR="gs://b/out/checkpoints/",
+            AIP_TENSORBOARD_LOG_DIR="gs://b/out/logs/")),
+      ("vertex_without_logs", {},
+       dict(AIP_MODEL_DIR="gs://b/out/model/",
+            AIP_CHECKPOINT_DIR="gs://b/out/checkpoints/")),
+  )
+  def test_separate_folders_pass(self, fields, variables):
+    config = experiment.prepare_run(TrainConfig(train_steps=1, **fields),
+                                    environment=_env(**variables))[0]
+    if "AIP_MODEL_DIR" in variables:
+      # Vertex AI loads saved_model.pb from AIP_MODEL_DIR itself.
+      self.assertEqual(config.resolved_export_dir, variables["AIP_MODEL_DIR"])
+
+  def test_entries_are_the_writers_names(self):
+    from tfdist import lease, parameter_server, run_log  # pylint: disable=g-import-not-at-top
+    self.assertContainsSubset(
+        {run_log.METRICS_FILE, manifest_lib.MANIFEST_FILE, lease.LEASE_FILE,
+         parameter_server.DONE_MARKER,
+         os.path.basename(TrainConfig(model_dir="/m").resolved_checkpoint_dir)
+         }, export.MODEL_DIR_ENTRIES)
+
+
+class TrialFoldersTest(parameterized.TestCase):
+
+  @parameterized.named_parameters(
+      ("checkpoint_dir_variable",
+       dict(AIP_CHECKPOINT_DIR="/s/ckpt", AIP_MODEL_DIR="/s/model"),
+       "/s/ckpt/trial_{}"),
+      ("model_dir_flag", {}, "/s/flag/trial_{}"),
+  )
+  def test_two_trials_never_share_a_checkpoint_folder(self, variables,
+                                                      expected):
+    folders = []
+    for trial in ("3", "4"):
+      config = experiment.prepare_run(
+          TrainConfig(train_steps=1,
+                      model_dir="" if variables else "/s/flag"),
+          environment=_env(CLUSTER_SPEC=_cluster_spec(trial),
+                           **variables))[0]
+      folders.append(config.resolved_checkpoint_dir)
+    self.assertEqual(folders[0], expected.format(3) +
+                     ("" if variables else "/checkpoints"))
+    self.assertNotEqual(*folders)
+
+  def test_vertex_nested_folders_are_kept(self):
+    variables = dict(AIP_MODEL_DIR="gs://b/out/4/model/",
+                     AIP_CHECKPOINT_DIR="gs://b/out/4/checkpoints/")
+    config = experiment.prepare_run(
+        TrainConfig(train_steps=1),
+        environment=_env(CLUSTER_SPEC=_cluster_spec("4"), **variables))[0]
+    self.assertEqual((config.resolved_checkpoint_dir,
+                      config.resolved_export_dir),
+                     (variables["AIP_CHECKPOINT_DIR"],
+                      variables["AIP_MODEL_DIR"]))
+
+  def test_aip_model_dir_alone_in_a_trial_is_refused(self):
+    # Both folders would be <AIP_MODEL_DIR>/trial_4: refused, never shared.
+    with self.assertRaisesRegex(export.ExportRefusedError,
+                                "trial_4 is the same folder as"):
+      experiment.prepare_run(
+          TrainConfig(train_steps=1),
+          environment=_env(CLUSTER_SPEC=_cluster_spec("4"),
+                           AIP_MODEL_DIR="/s/model"))
+
+
+def _tiny_model():
+  inputs = keras.Input((3,), name="x")
+  return keras.Model(inputs, keras.layers.Dense(1)(inputs))
+
+
+class ExportFolderTest(absltest.TestCase):
+  """`export_saved_model` replaces only what tfdist wrote."""
+
+  def test_foreign_folder_is_never_deleted(self):
+    root = testutil.scratch_dir()
+    target = os.path.join(root, "serving")
+    os.makedirs(os.path.join(target, "notes"))
+    with open(os.path.join(target, "notes", "keep.txt"), "w") as f:
+      f.write("mine")
+    with self.assertRaisesRegex(export.ExportRefusedError,
+                                "is not a SavedModel tfdist wrote"):
+      export.check_export_dir(target)
+    with self.assertRaisesRegex(export.ExportRefusedError,
+                                "The new SavedModel was left at"):
+      export.export_saved_model(_tiny_model(), target)
+    self.assertEqual(_tree(target), ["notes", "notes/keep.txt"])
+    # Its own export is replaced whole; an empty folder is taken.
+    empty = os.path.join(root, "empty")
+    os.makedirs(empty)
+    export.export_saved_model(_tiny_model(), empty)
+    export.check_export_dir(empty)
+    export.export_saved_model(_tiny_model(), empty, details={"step": 2})
+    self.assertTrue(export.is_tfdist_export(empty))
+    with open(os.path.join(empty, export.MARKER_FILE)) as f:
+      self.assertEqual(json.load(f)["details"], {"step": 2})
+    self.assertEqual(sorted(n for n in os.listdir(root)
+                            if n.startswith(".")), [
+                                n for n in os.listdir(root)
+                                if n.startswith(".tmp-export")])
+
+
+class OutputRunTest(absltest.TestCase):
+  """Real runs: the overlap is refused before any work; a run's artifacts
+  are all there at the end."""
+
+  def test_export_dir_equal_to_model_dir_loses_nothing(self):
+    model_dir = testutil.scratch_dir()
+    # Before any work: the final export used to replace model_dir whole
+    # (checkpoints/, train/, metrics.jsonl gone, exit 0).
+    with self.assertRaisesRegex(
+        ConfigError,
+        f"--model_dir={model_dir} is the same folder as --export_dir"):
+      experiment.run_experiment(_config(model_dir, export_dir=model_dir))
+    self.assertEqual(os.listdir(model_dir), [])
+
+  def test_manifest_points_at_files_that_exist(self):
+    model_dir = testutil.scratch_dir()
+    record = experiment.run_experiment(_config(model_dir))
+    artifacts = record["artifacts"]
+    for key in ("checkpoint_dir", "saved_model", "tensorboard", "metrics"):
+      self.assertTrue(tf.io.gfile.exists(artifacts[key]), (key, artifacts))
+    self.assertTrue(tf.io.gfile.exists(artifacts["checkpoint"] + ".index"))
+    self.assertTrue(export.is_tfdist_export(artifacts["saved_model"]))
+    # The same command again resumes and replaces its own export.
+    experiment.run_experiment(_config(model_dir, train_steps=4))
+    self.assertTrue(export.is_tfdist_export(artifacts["saved_model"]))
+    self.assertTrue(tf.io.gfile.exists(
+        os.path.join(model_dir, "checkpoints", "ckpt-4.index")))
+
+
+if __name__ == "__main__":
+  absltest.main()
