@@ -16,15 +16,20 @@ Real short runs on a real Fashion-MNIST subset; everything else calls the
 checks directly (docs/design/nothing-lost.md).
 """
 
+import gzip
+import glob
 import json
 import os
+import struct
 
 from absl.testing import absltest
 from absl.testing import parameterized
 import keras
+import pytest
 import tensorflow as tf
 
 from tests import testutil
+from tfdist import data_checks
 from tfdist import environment as environment_lib
 from tfdist import exit_codes
 from tfdist import experiment
@@ -179,6 +184,76 @@ class TrialFoldersTest(parameterized.TestCase):
           TrainConfig(train_steps=1),
           environment=_env(CLUSTER_SPEC=_cluster_spec("4"),
                            AIP_MODEL_DIR="/s/model"))
+
+
+def _plain_shard() -> bytes:
+  """The bytes of one real Fashion-MNIST shard, uncompressed."""
+  with gzip.open(sorted(glob.glob(_data()["train"]))[0]) as f:
+    return f.read()
+
+
+@pytest.mark.compat
+class FramingTest(parameterized.TestCase):
+  """An uncompressed file cut or corrupted anywhere is named with its byte
+  offset (TF 2.17's venv has no compiled CRC32C: the fallback runs there)."""
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    cls.data = _plain_shard()
+    (length,) = struct.unpack_from("<Q", cls.data, 0)
+    cls.first = 12 + length + 4  # header, data, data CRC
+    cls.records = sum(1 for _ in tf.compat.v1.io.tf_record_iterator(
+        cls._write("whole", cls.data)))
+
+  @staticmethod
+  def _write(name, data) -> str:
+    path = os.path.join(testutil.scratch_dir(), name + ".tfrecord")
+    with open(path, "wb") as f:
+      f.write(data)
+    return path
+
+  def test_whole_file_counts_as_tensorflow_does(self):
+    path = self._write("whole", self.data)
+    self.assertEqual(data_checks.count_file(path), self.records)
+    self.assertEqual(data_checks.check_framing(path, check_data=True),
+                     self.records)
+
+  @parameterized.named_parameters(
+      # TensorFlow's reader takes this one for a whole file.
+      ("inside_a_header", lambda d, r: d[:r + 5],
+       "the file ends 5 byte.s. into a record's 12-byte header at byte {r} "
+       r"\(record 2; after 1 good"),
+      ("inside_the_data", lambda d, r: d[:r + 100],
+       "the file ends 100 byte.s. into a record of .* at byte {r}"),
+      ("bad_header_crc", lambda d, r: d[:r + 9] + bytes([d[r + 9] ^ 1]) +
+       d[r + 10:], "a record header fails its CRC32C at byte {r}"),
+  )
+  def test_damage_is_named_with_its_offset(self, damage, message):
+    path = self._write("damaged", damage(self.data, self.first))
+    with self.assertRaisesRegex(data_checks.DataError,
+                                f"training file {path} is damaged: " +
+                                message.format(r=self.first)):
+      data_checks.check_data([path], [])
+
+  def test_bad_data_crc_is_caught(self):
+    at = self.first + 12 + 20
+    path = self._write("flipped", self.data[:at] + bytes(
+        [self.data[at] ^ 1]) + self.data[at + 1:])
+    with self.assertRaisesRegex(data_checks.DataError,
+                                f"evaluation file {path} is damaged"):
+      data_checks.check_data([], [path])
+    with self.assertRaisesRegex(
+        data_checks.DataError,
+        f"a record's data fails its CRC32C at byte {self.first}"):
+      data_checks.check_framing(path, check_data=True)
+
+  def test_python_crc32c(self):
+    # The check value of CRC-32C (RFC 3720, B.4).
+    self.assertEqual(data_checks._python_crc32c(b"123456789"), 0xE3069283)
+    if data_checks.LIBRARY_CRC32C is not None:
+      self.assertEqual(data_checks.LIBRARY_CRC32C(self.data[:4096]),
+                       data_checks._python_crc32c(self.data[:4096]))
 
 
 def _tiny_model():
