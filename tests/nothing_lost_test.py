@@ -20,7 +20,10 @@ import gzip
 import glob
 import json
 import os
+import resource
 import struct
+import subprocess
+import sys
 
 from absl.testing import absltest
 from absl.testing import parameterized
@@ -29,12 +32,16 @@ import pytest
 import tensorflow as tf
 
 from tests import testutil
+from tfdist import checkpointing
 from tfdist import data_checks
 from tfdist import environment as environment_lib
 from tfdist import exit_codes
 from tfdist import experiment
 from tfdist import export
+from tfdist import failures
 from tfdist import manifest as manifest_lib
+from tfdist import run_plan
+from tfdist import task as task_lib
 from tfdist.config import ConfigError, TrainConfig
 
 
@@ -314,11 +321,104 @@ class OutputRunTest(absltest.TestCase):
       self.assertTrue(tf.io.gfile.exists(artifacts[key]), (key, artifacts))
     self.assertTrue(tf.io.gfile.exists(artifacts["checkpoint"] + ".index"))
     self.assertTrue(export.is_tfdist_export(artifacts["saved_model"]))
-    # The same command again resumes and replaces its own export.
-    experiment.run_experiment(_config(model_dir, train_steps=4))
-    self.assertTrue(export.is_tfdist_export(artifacts["saved_model"]))
-    self.assertTrue(tf.io.gfile.exists(
-        os.path.join(model_dir, "checkpoints", "ckpt-4.index")))
+
+
+class FailureTest(absltest.TestCase):
+  """Each foreseeable failure: one line naming the flag, status 2."""
+
+  def test_mixed_gz_and_plain_shards_stop_before_the_model(self):
+    shards = sorted(glob.glob(_data()["train"]))
+    folder = testutil.scratch_dir()
+    plain = os.path.join(folder, "train-1.tfrecord")
+    with open(plain, "wb") as f:
+      f.write(_plain_shard())
+    os.symlink(shards[1], os.path.join(folder, "train-0.tfrecord.gz"))
+    config = _config("/unused", train_files=os.path.join(folder, "train-*"))
+    with self.assertRaisesRegex(
+        data_checks.DataError,
+        "--train_files mixes GZIP .* and uncompressed TFRecord files") as cm:
+      run_plan.resolve_data_files(config, task_lib.from_config(config).dataset)
+    self.assertEqual(exit_codes.exit_code_for(cm.exception), exit_codes.CONFIG)
+
+  def test_a_callable_that_is_no_model_builder_stops_at_start(self):
+    with self.assertRaisesRegex(
+        ConfigError, r"--model=json:loads: loads\(s, .* has required "
+        r"parameter\(s\) s that tfdist cannot fill"):
+      task_lib.from_config(TrainConfig(model="json:loads", model_dir="/m",
+                                       train_steps=1))
+
+  def test_full_disk_during_a_save_is_one_line(self):
+    # RLIMIT_FSIZE in the child: writes past 256 KiB fail with EFBIG
+    # ("File too large"), as a full disk fails them with ENOSPC, without
+    # root or a mount; the first checkpoint is bigger.
+    def limit_file_size():
+      resource.setrlimit(resource.RLIMIT_FSIZE, (256 << 10, 256 << 10))
+    model_dir = os.path.join(testutil.scratch_dir(), "run")
+    data = _data()
+    env = dict(os.environ, PYTHONPATH=testutil.REPO_ROOT,
+               TF_CPP_MIN_LOG_LEVEL="2")
+    proc = subprocess.run(
+        [sys.executable, "-m", "tfdist.train", f"--model_dir={model_dir}",
+         f"--train_files={data['train']}", f"--eval_files={data['eval']}",
+         "--distribution_strategy=one_device", "--batch_size=64",
+         "--train_steps=2", "--checkpoint_steps=2", "--log_steps=1"],
+        cwd=testutil.REPO_ROOT, env=env, preexec_fn=limit_file_size,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        timeout=240)
+    self.assertEqual(proc.returncode, exit_codes.CONFIG, proc.stdout[-3000:])
+    self.assertNotIn("Traceback", proc.stdout)
+    self.assertRegex(
+        proc.stdout, "tfdist.train: error: --checkpoint_dir=.*/checkpoints: "
+        "a write failed: the disk or quota is full .*File too large")
+    self.assertEqual(tf.train.latest_checkpoint(
+        os.path.join(model_dir, "checkpoints")), None)
+
+  def test_a_data_file_that_vanished_is_named(self):
+    folder = testutil.scratch_dir()
+    path = os.path.join(folder, "train-0.tfrecord")
+    with open(path, "wb") as f:
+      f.write(_plain_shard()[:1000])
+    os.remove(path)
+    with self.assertRaises(tf.errors.NotFoundError) as cm:
+      next(iter(tf.data.TFRecordDataset(path)))
+    named = failures.describe(
+        cm.exception, folders={"--model_dir": "/runs/a"},
+        data_folders=failures.data_folders(os.path.join(folder, "train-*")),
+        last_checkpoint="/runs/a/checkpoints/ckpt-4")
+    self.assertIsInstance(named, ConfigError)
+    self.assertRegex(str(named), "A file the run reads vanished during "
+                     f"training .*{path}.*resume from /runs/a/checkpoints/"
+                     "ckpt-4")
+    # Not a data file: left as it is.
+    self.assertIsNone(failures.describe(cm.exception,
+                                        folders={"--model_dir": "/runs/a"}))
+
+  def test_a_refused_write_names_the_folder(self):
+    error = tf.errors.PermissionDeniedError(
+        None, None, "/runs/a/train/events.out; Permission denied")
+    named = failures.describe(error, folders={"--model_dir": "/runs/a",
+                                              "--tensorboard_dir": "/runs/a"})
+    self.assertRegex(str(named), "^--model_dir=/runs/a: a write failed: this "
+                     "process may no longer write there")
+
+  def test_a_damaged_checkpoint_index_is_named(self):
+    folder = testutil.scratch_dir()
+    step = tf.Variable(0, dtype=tf.int64)
+    checkpoint = tf.train.Checkpoint(step=step, w=tf.Variable([1.0, 2.0]))
+    keeper = checkpointing.CheckpointKeeper(
+        checkpoint=checkpoint, directory=folder, step_counter=step)
+    path = keeper.save(3)
+    with open(path + ".index", "wb") as f:
+      f.write(b"not an index")
+    keeper = checkpointing.CheckpointKeeper(
+        checkpoint=checkpoint, directory=folder, step_counter=step)
+    with self.assertRaisesRegex(
+        checkpointing.DamagedCheckpointError,
+        f"The checkpoint {path} cannot be read, its files are damaged .*"
+        r"move its files \(ckpt-3\.\*\) out of") as cm:
+      keeper.restore()
+    self.assertEqual(exit_codes.exit_code_for(cm.exception), exit_codes.CONFIG)
+    self.assertTrue(os.path.exists(path + ".index"))  # Nothing deleted.
 
 
 if __name__ == "__main__":

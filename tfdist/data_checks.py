@@ -91,6 +91,24 @@ def _damaged(path: str, what: str, error: Exception, good: int
       "file pattern.")
 
 
+def check_compression(files: Sequence[str], *, flag: str):
+  """Checks that the files of one flag are all `.gz` or all uncompressed
+  (one input pipeline reads them with one `compression_type`).
+
+  Raises:
+    DataError: a mix; the message names the flag, one file of each kind
+      and the fix.
+  """
+  gz = [f for f in files if f.endswith(".gz")]
+  plain = [f for f in files if not f.endswith(".gz")]
+  if gz and plain:
+    raise DataError(
+        f"{flag} mixes GZIP (.gz) and uncompressed TFRecord files "
+        f"({len(gz)} like {gz[0]}, {len(plain)} like {plain[0]}): one flag's "
+        "files are read with one compression. Compress them all (gzip, "
+        "keeping the .gz name) or none, or narrow the glob to one kind.")
+
+
 # --- TFRecord framing ---------------------------------------------------------
 # A TFRecord file is a sequence of records, each
 #   uint64 length | uint32 masked_crc32c(length) | data[length] |

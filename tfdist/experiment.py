@@ -49,6 +49,7 @@ from tfdist import controller as controller_lib
 from tfdist import devices
 from tfdist import environment as environment_lib
 from tfdist import export
+from tfdist import failures
 from tfdist import filesystems
 from tfdist import hptune
 from tfdist import input_pipeline
@@ -313,11 +314,21 @@ def run_experiment(config: TrainConfig, *,
                       writer=writer)
     if lease is not None:
       lease.acquire()
-    record = _train(config, task=task, cluster=cluster, decision=decision,
-                    applied=applied, trial_fields=trial_fields,
-                    callbacks=callbacks, started=started,
-                    hypertune_reporter=hypertune_reporter, lease=lease,
-                    cleanup=cleanup)
+    # A full disk, a refused write, a data file gone: one line, status 2.
+    with failures.named_failures(
+        {"--model_dir": config.model_dir,
+         "--checkpoint_dir": config.resolved_checkpoint_dir,
+         "--tensorboard_dir": config.resolved_tensorboard_dir,
+         "--export_dir": config.resolved_export_dir},
+        data_folders=failures.data_folders(config.train_files,
+                                           config.eval_files,
+                                           config.data_dir),
+        checkpoint_dir=config.resolved_checkpoint_dir):
+      record = _train(config, task=task, cluster=cluster, decision=decision,
+                      applied=applied, trial_fields=trial_fields,
+                      callbacks=callbacks, started=started,
+                      hypertune_reporter=hypertune_reporter, lease=lease,
+                      cleanup=cleanup)
     if writer:
       # Tells parameter-server tasks and side-car evaluators the run is
       # over, only once the training objects are gone: a parameter-server
