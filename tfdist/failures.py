@@ -40,11 +40,19 @@ class OutputWriteError(ConfigError):
 
 
 def _first_line(error: BaseException) -> str:
-  """The error's first line, without TensorFlow's `{{function_node ...}}`
-  prefix."""
+  """The line of the error's message that says what happened: its first
+  one, without TensorFlow's `{{function_node ...}}` prefix; for an error
+  raised inside a compiled function ("Graph execution error:" and the
+  Python stack), the last line of the message proper."""
   text = getattr(error, "message", None) or str(error) or type(error).__name__
   text = re.sub(r"\{\{function_node [^}]*\}\}\s*", "", text.strip())
-  return text.splitlines()[0] if text else type(error).__name__
+  lines = [line.strip() for line in text.splitlines()]
+  if lines and lines[0].startswith("Graph execution error"):
+    detail = [line for line in lines[1:] if line and not line.startswith(
+        ("File ", "[[", "Detected at node", "Stack trace"))]
+    if detail:
+      return detail[-1]
+  return lines[0] if lines else type(error).__name__
 
 
 def _folder_named(text: str, folders: Mapping[str, str]):
@@ -78,6 +86,7 @@ def describe(error: BaseException, *, folders: Mapping[str, str],
     vanished), else None.
   """
   text = _first_line(error)
+  whole = str(error)
   number = getattr(error, "errno", None)
   at = f" at step {step}" if step is not None else ""
   resume = (f"; rerun the same command to resume from {last_checkpoint}"
@@ -87,11 +96,11 @@ def describe(error: BaseException, *, folders: Mapping[str, str],
                              tf.errors.UnknownError,
                              tf.errors.FailedPreconditionError,
                              tf.errors.InternalError)) and
-          any(w in text for w in _FULL)) or number in _FULL_ERRNOS
+          any(w in whole for w in _FULL)) or number in _FULL_ERRNOS
   denied = isinstance(error, tf.errors.PermissionDeniedError) or (
       number in _DENIED_ERRNOS)
   if full or denied:
-    flag, folder = _folder_named(text, folders)
+    flag, folder = _folder_named(whole, folders)
     what = ("the disk or quota is full" if full else
             "this process may no longer write there")
     fix = ("free space there or give a larger volume" if full else
@@ -101,7 +110,7 @@ def describe(error: BaseException, *, folders: Mapping[str, str],
         f"({type(error).__name__}: {text}). The run stopped; {fix}"
         f"{resume}.")
   if isinstance(error, tf.errors.NotFoundError) or number == errno.ENOENT:
-    if not any(d and d.rstrip("/") in text for d in data_folders):
+    if not any(d and d.rstrip("/") in whole for d in data_folders):
       return None
     return DataNotFoundError(
         f"A file the run reads vanished during training{at} "
