@@ -13,7 +13,7 @@ Variables read:
 | variable | used for |
 |---|---|
 | `TF_CONFIG`, `CLUSTER_SPEC` | the cluster (`tfdist.cluster.resolve_cluster`) |
-| `AIP_MODEL_DIR` | Vertex AI: the SavedModel folder (`--export_dir`), and `--model_dir` when `AIP_CHECKPOINT_DIR` is unset |
+| `AIP_MODEL_DIR` | Vertex AI: the SavedModel folder (`--export_dir`), and `--model_dir` when `AIP_CHECKPOINT_DIR` is unset (then refused at start: `tfdist.export.check_layout`) |
 | `AIP_CHECKPOINT_DIR` | Vertex AI: `--model_dir` and the checkpoint folder |
 | `AIP_TENSORBOARD_LOG_DIR` | Vertex AI: the TensorBoard folder |
 | `AIP_TRAINING_DATA_URI`, `AIP_VALIDATION_DATA_URI` | Vertex AI managed datasets: `--train_files`, `--eval_files`, when `AIP_DATA_FORMAT` is `tf-record` (another format is an error) |
