@@ -93,8 +93,9 @@ def define_base_flags() -> List[str]:
   flags.DEFINE_string(
       "model_dir", _default("model_dir"),
       "Output folder for checkpoints, TensorBoard logs, the SavedModel and "
-      "run_manifest.json. Required unless Vertex AI's AIP_CHECKPOINT_DIR or "
-      "AIP_MODEL_DIR is set. Running again with the same folder resumes. In "
+      "run_manifest.json. Required unless Vertex AI's AIP_CHECKPOINT_DIR is "
+      "set (AIP_MODEL_DIR is the SavedModel's own folder). Running again with "
+      "the same folder resumes. In "
       "a Vertex AI hyperparameter-tuning trial (a trial id in CLUSTER_SPEC "
       "or TF_CONFIG) a given folder gets the subfolder trial_<id>.")
   flags.DEFINE_string(

@@ -23,6 +23,7 @@ import pytest
 from tests import testutil
 from tfdist import environment as environment_lib
 from tfdist import experiment
+from tfdist import export
 from tfdist import manifest as manifest_lib
 from tfdist.cluster import ClusterConfigError
 from tfdist.config import ConfigError, TrainConfig
@@ -243,6 +244,12 @@ class TrainBinaryTest(absltest.TestCase):
     self.assertIn({"field": "train_files",
                    "variable": "AIP_TRAINING_DATA_URI"},
                   manifest["environment"])
+    # Everything the manifest names is there, the export bears its mark.
+    artifacts = manifest["artifacts"]
+    for key in ("checkpoint_dir", "saved_model", "tensorboard", "metrics"):
+      self.assertTrue(os.path.exists(artifacts[key]), (key, artifacts))
+    self.assertTrue(os.path.exists(artifacts["checkpoint"] + ".index"))
+    self.assertTrue(export.is_tfdist_export(artifacts["saved_model"]))
 
 
 if __name__ == "__main__":

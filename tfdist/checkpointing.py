@@ -59,6 +59,21 @@ class NonFiniteStateError(DivergenceError):
   """The state to be saved holds NaN or infinite values (not saved)."""
 
 
+class DamagedCheckpointError(ConfigError):
+  """A checkpoint's index or data cannot be read (status 2)."""
+
+
+def _damaged_checkpoint(path: str, error: Exception) -> DamagedCheckpointError:
+  text = (getattr(error, "message", None) or str(error)).strip()
+  first = text.splitlines()[0] if text else type(error).__name__
+  folder, name = os.path.split(path)
+  return DamagedCheckpointError(
+      f"The checkpoint {path} cannot be read, its files are damaged "
+      f"({type(error).__name__}: {first}). tfdist deletes nothing it did "
+      f"not write: move its files ({name}.*) out of {folder} to resume "
+      "from the checkpoint before it, or start a fresh --model_dir.")
+
+
 class IncompatibleResumeError(ConfigError):
   """The checkpoint was written by a run with another model or global
   batch (`--allow_incompatible_resume` overrides)."""
@@ -229,6 +244,8 @@ class CheckpointKeeper:
 
     Raises:
       NonFiniteStateError: every checkpoint there holds NaN or infinity.
+      DamagedCheckpointError: the newest checkpoint's files cannot be read
+        (a damaged index, a data file cut or gone), named with the fix.
     """
     state = tf.train.get_checkpoint_state(self.restore_dir)
     latest = tf.train.latest_checkpoint(self.restore_dir)
@@ -240,7 +257,16 @@ class CheckpointKeeper:
     for candidate in candidates:
       if not tf.io.gfile.exists(candidate + ".index"):
         continue
-      self._restore(candidate)
+      try:
+        self._restore(candidate)
+      except tf.errors.OpError as e:
+        # A damaged index ("not an sstable") or a data file gone or cut:
+        # not a lost peer or a missing file system (those have their own
+        # error classes and messages).
+        if type(e) in (tf.errors.OpError, tf.errors.DataLossError) or (
+            isinstance(e, tf.errors.NotFoundError) and candidate in str(e)):
+          raise _damaged_checkpoint(candidate, e) from None
+        raise
       if self.state_is_finite():
         path = candidate
         break

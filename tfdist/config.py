@@ -407,8 +407,8 @@ class TrainConfig:
     """
     if not self.model_dir:
       raise ConfigError(
-          "--model_dir is required (or set AIP_MODEL_DIR / "
-          "AIP_CHECKPOINT_DIR as Vertex AI does). Example: "
+          "--model_dir is required (or set AIP_CHECKPOINT_DIR as Vertex AI "
+          "does). Example: "
           "--model_dir=/tmp/tfdist_run.")
 
   def require_data_files(self):

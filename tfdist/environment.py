@@ -13,7 +13,7 @@ Variables read:
 | variable | used for |
 |---|---|
 | `TF_CONFIG`, `CLUSTER_SPEC` | the cluster (`tfdist.cluster.resolve_cluster`) |
-| `AIP_MODEL_DIR` | Vertex AI: the SavedModel folder (`--export_dir`), and `--model_dir` when `AIP_CHECKPOINT_DIR` is unset |
+| `AIP_MODEL_DIR` | Vertex AI: the SavedModel folder (`--export_dir`), and `--model_dir` when `AIP_CHECKPOINT_DIR` is unset (then refused at start: `tfdist.export.check_layout`) |
 | `AIP_CHECKPOINT_DIR` | Vertex AI: `--model_dir` and the checkpoint folder |
 | `AIP_TENSORBOARD_LOG_DIR` | Vertex AI: the TensorBoard folder |
 | `AIP_TRAINING_DATA_URI`, `AIP_VALIDATION_DATA_URI` | Vertex AI managed datasets: `--train_files`, `--eval_files`, when `AIP_DATA_FORMAT` is `tf-record` (another format is an error) |
@@ -25,11 +25,15 @@ Variables read:
 A flag (a config field) always wins over a variable.
 
 Hyperparameter-tuning trials: `trial_folders` gives each trial its own
-folders under the explicit `--model_dir` (and `--checkpoint_dir`,
-`--tensorboard_dir`, `--export_dir`): `<dir>/trial_<id>`, the trial id
-coming from `CLUSTER_SPEC`/`TF_CONFIG` (`tfdist.cluster.ClusterInfo.trial`).
-Folders from `AIP_*` are left as they are: Vertex AI already nests them per
-trial (`<base_output_dir>/<trial>/model/`, ...).
+output folders (`--model_dir`, `--checkpoint_dir`, `--tensorboard_dir`,
+`--export_dir`), whichever flag or variable gave them: `<dir>/trial_<id>`,
+the trial id coming from `CLUSTER_SPEC`/`TF_CONFIG`
+(`tfdist.cluster.ClusterInfo.trial`). A folder from `AIP_*` that Vertex AI
+already nested per trial (`<base_output_dir>/<trial>/model/`, ...) is left
+as it is.
+
+`output_sources` names each output folder with the flag or variable that
+chose it, for `tfdist.export.check_layout`.
 """
 
 import dataclasses
@@ -190,16 +194,29 @@ def trial_subfolder(trial: str) -> str:
   return f"trial_{trial}"
 
 
+def _names_trial(folder: str, trial: str, *, from_environment: bool
+                 ) -> bool:
+  """True when `folder` is already this trial's own: it ends in
+  `trial_<id>`, or (a folder from `AIP_*`) it is in Vertex AI's per-trial
+  layout, `<base_output_dir>/<trial>/<model|checkpoints|logs>`."""
+  parts = [p for p in folder.rstrip("/").split("/") if p]
+  if parts and parts[-1] == trial_subfolder(trial):
+    return True
+  return from_environment and len(parts) >= 2 and parts[-2] == trial
+
+
 def trial_folders(config, *, trial: str,
                   filled: Tuple[Tuple[str, str], ...] = ()):
   """Gives a hyperparameter-tuning trial its own output folders.
 
-  Every field of `TRIAL_FOLDER_FIELDS` that a flag set (not one in
-  `filled`, which came from Vertex AI's `AIP_*` variables, already nested
-  per trial by Vertex) gets the subfolder `trial_subfolder(trial)`:
-  `--model_dir=gs://b/run` becomes `gs://b/run/trial_7` in trial 7, so
-  trials never share a checkpoint. A folder that already ends in that
-  subfolder is left as it is (applying twice changes nothing).
+  Every field of `TRIAL_FOLDER_FIELDS` that is set, by a flag or by a
+  variable (`filled`), gets the subfolder `trial_subfolder(trial)`:
+  `--model_dir=gs://b/run` becomes `gs://b/run/trial_7` in trial 7, and so
+  does `AIP_CHECKPOINT_DIR=gs://b/run`, so trials never share a checkpoint.
+  Left as they are: a folder that already ends in that subfolder (applying
+  twice changes nothing), and a folder from `AIP_*` in Vertex AI's
+  per-trial layout (`gs://b/out/7/checkpoints/` in trial 7: Vertex nests
+  its folders per trial when it runs a tuning job).
 
   Args:
     config: a `tfdist.config.TrainConfig`, after `apply_environment`.
@@ -218,11 +235,44 @@ def trial_folders(config, *, trial: str,
   changes = {}
   for field in TRIAL_FOLDER_FIELDS:
     value = getattr(config, field)
-    if not value or field in from_environment:
-      continue
-    if value.rstrip("/").rsplit("/", 1)[-1] == subfolder:
+    if not value or _names_trial(
+        value, trial, from_environment=field in from_environment):
       continue
     changes[field] = value.rstrip("/") + "/" + subfolder
   if not changes:
     return config, ()
   return config.replace(**changes), tuple(changes)
+
+
+def output_sources(config, filled: Tuple[Tuple[str, str], ...] = ()):
+  """Each output folder of `config` with the flag or variable that chose
+  it: the keyword arguments of `tfdist.export.check_layout`.
+
+  Args:
+    config: a `tfdist.config.TrainConfig` after `apply_environment` (and
+      `trial_folders`).
+    filled: the `(field, variable)` pairs `apply_environment` returned.
+
+  Returns:
+    `{"export_dir": (folder, source), "model_dir": ..., "checkpoint_dir":
+    ..., "tensorboard_dir": ...}`; a source reads `--model_dir`,
+    `$AIP_MODEL_DIR (--export_dir)` or `--checkpoint_dir (default, under
+    --model_dir)`.
+  """
+  variables = dict(filled)
+
+  def source(field: str) -> str:
+    if field in variables:
+      return f"${variables[field]} (--{field})"
+    if getattr(config, field) or field == "model_dir":
+      return f"--{field}"
+    return f"--{field} (default, under {source('model_dir')})"
+
+  return {
+      "export_dir": (config.resolved_export_dir, source("export_dir")),
+      "model_dir": (config.model_dir, source("model_dir")),
+      "checkpoint_dir": (config.resolved_checkpoint_dir,
+                         source("checkpoint_dir")),
+      "tensorboard_dir": (config.resolved_tensorboard_dir,
+                          source("tensorboard_dir")),
+  }

@@ -12,7 +12,7 @@ follow the TFJob split:
 |---|---|---|
 | 0 | finished (or `--dry_run` passed) | - |
 | 1 | training diverged (NaN or infinite loss or state) or stalled (fp16 updates skipped), with one message; or an unexpected error (a bug: Python's traceback) | permanent |
-| 2 | invalid flags or configuration, missing or damaged data, unwritable outputs, a resume the checkpoint's run does not allow | permanent |
+| 2 | invalid flags or configuration, missing or damaged data, unwritable outputs (also a full disk or a refused write during the run: a restart on the same volume fails the same way, `tfdist.failures`), overlapping output folders, a damaged checkpoint, a resume the checkpoint's run does not allow | permanent |
 | 130, 143 | stopped by SIGINT / SIGTERM after saving a checkpoint (128 + signal) | retryable |
 | 137 | killed (SIGKILL): the grace period after a signal ran out, the cluster did not form in time, or out of memory | retryable |
 | 200 | a peer worker or a ps task was lost (MultiWorkerMirrored, parameter servers) | retryable |

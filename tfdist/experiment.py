@@ -49,6 +49,7 @@ from tfdist import controller as controller_lib
 from tfdist import devices
 from tfdist import environment as environment_lib
 from tfdist import export
+from tfdist import failures
 from tfdist import filesystems
 from tfdist import hptune
 from tfdist import input_pipeline
@@ -123,7 +124,9 @@ def prepare_run(config: TrainConfig, *,
   Raises:
     ConfigError: missing `--model_dir`, `--feature_spec` without files, a
       data URI of another format than `tf-record`, a malformed cluster,
-      fp16 on a TPU, local input with a remote TPU.
+      fp16 on a TPU, local input with a remote TPU, an export folder that
+      would replace the run's other outputs
+      (`tfdist.export.ExportRefusedError`).
   """
   if environment is None:
     environment = environment_lib.read_environment()
@@ -148,6 +151,8 @@ def prepare_run(config: TrainConfig, *,
     logging.info("--%s=%s: hyperparameter-tuning trial %s's own folder "
                  "(from %s)", field, getattr(config, field), cluster.trial,
                  cluster.source)
+  # The export replaces its folder: never one holding the run's outputs.
+  export.check_layout(**environment_lib.output_sources(config, applied))
   decision = auto_select.resolve(config, cluster=cluster,
                                  environment=environment)
   config = auto_select.apply_decision(config, decision)
@@ -291,6 +296,10 @@ def run_experiment(config: TrainConfig, *,
   lease = None
   if writer:
     preflight.probe_outputs(config)
+    export.check_export_dir(
+        config.resolved_export_dir,
+        source=environment_lib.output_sources(config, applied)[
+            "export_dir"][1])
     lease = lease_lib.Lease(config.model_dir,
                             timeout_seconds=config.lease_timeout_seconds)
   # What the run must undo however it ends (signal handlers, the lease).
@@ -305,11 +314,21 @@ def run_experiment(config: TrainConfig, *,
                       writer=writer)
     if lease is not None:
       lease.acquire()
-    record = _train(config, task=task, cluster=cluster, decision=decision,
-                    applied=applied, trial_fields=trial_fields,
-                    callbacks=callbacks, started=started,
-                    hypertune_reporter=hypertune_reporter, lease=lease,
-                    cleanup=cleanup)
+    # A full disk, a refused write, a data file gone: one line, status 2.
+    with failures.named_failures(
+        {"--model_dir": config.model_dir,
+         "--checkpoint_dir": config.resolved_checkpoint_dir,
+         "--tensorboard_dir": config.resolved_tensorboard_dir,
+         "--export_dir": config.resolved_export_dir},
+        data_folders=failures.data_folders(config.train_files,
+                                           config.eval_files,
+                                           config.data_dir),
+        checkpoint_dir=config.resolved_checkpoint_dir):
+      record = _train(config, task=task, cluster=cluster, decision=decision,
+                      applied=applied, trial_fields=trial_fields,
+                      callbacks=callbacks, started=started,
+                      hypertune_reporter=hypertune_reporter, lease=lease,
+                      cleanup=cleanup)
     if writer:
       # Tells parameter-server tasks and side-car evaluators the run is
       # over, only once the training objects are gone: a parameter-server
@@ -627,7 +646,9 @@ def _train(config, *, task, cluster, decision, applied, callbacks, started,
     tf.train.Checkpoint(model=export_model).restore(
         keeper.latest).expect_partial()
   export_dir = export.export_saved_model(
-      export_model, out_dir(config.resolved_export_dir, "saved_model"))
+      export_model, out_dir(config.resolved_export_dir, "saved_model"),
+      source=environment_lib.output_sources(config, applied)["export_dir"][1],
+      details={"step": controller.step, "model": task.model_name})
   record = manifest_lib.build_manifest(
       config=config, decision=decision, plan=plan, cluster=cluster,
       choice=choice, num_workers=num_workers, is_chief=is_chief,

@@ -293,6 +293,35 @@ def accepts(fn: Callable, name: str) -> bool:
       any(p.kind is p.VAR_KEYWORD for p in params.values()))
 
 
+def check_accepted(fn: Callable, names: Iterable[str], *, what: str):
+  """Checks, without calling it, that `fn` can be called with keyword
+  arguments chosen from `names` (as `call_with_accepted` calls it): every
+  parameter without a default must be one of `names`, by name, even when
+  `fn` also takes `**kwargs`. A callable whose signature cannot be read
+  (some built-ins) passes.
+
+  Raises:
+    ConfigError: `fn` has a required parameter tfdist cannot fill; the
+      message names `what`, the signature and what tfdist passes.
+  """
+  names = tuple(names)
+  try:
+    signature = inspect.signature(fn)
+  except (TypeError, ValueError):
+    return
+  missing = [name for name, param in signature.parameters.items()
+             if param.default is param.empty and param.kind not in (
+                 param.VAR_POSITIONAL, param.VAR_KEYWORD) and (
+                     name not in names or
+                     param.kind is param.POSITIONAL_ONLY)]
+  if missing:
+    raise ConfigError(
+        f"{what}: {getattr(fn, '__name__', fn)}{signature} has required "
+        f"parameter(s) {', '.join(missing)} that tfdist cannot fill; it "
+        f"passes, by name, only: {', '.join(names)}. Name a function that "
+        "takes only those, by name (or none).")
+
+
 def call_with_accepted(fn: Callable, available: Mapping[str, object], *,
                        what: str):
   """Calls `fn` with the keyword arguments of `available` it names.
@@ -313,20 +342,11 @@ def call_with_accepted(fn: Callable, available: Mapping[str, object], *,
     signature = inspect.signature(fn)
   except (TypeError, ValueError):
     return fn(**available)
+  check_accepted(fn, available, what=what)
   params = signature.parameters
   if any(p.kind is p.VAR_KEYWORD for p in params.values()):
     return fn(**available)
-  kwargs, missing = {}, []
-  for name, param in params.items():
-    if param.kind in (param.VAR_POSITIONAL,):
-      continue
-    if name in available and param.kind is not param.POSITIONAL_ONLY:
-      kwargs[name] = available[name]
-    elif param.default is param.empty:
-      missing.append(name)
-  if missing:
-    raise ConfigError(
-        f"{what}: {getattr(fn, '__name__', fn)}{signature} has required "
-        f"parameter(s) {', '.join(missing)} that tfdist cannot fill; it "
-        f"passes, by name, only: {', '.join(available)}.")
+  kwargs = {name: available[name] for name, param in params.items()
+            if name in available and param.kind not in (
+                param.POSITIONAL_ONLY, param.VAR_POSITIONAL)}
   return fn(**kwargs)

@@ -136,7 +136,8 @@ def resolve_data_files(config, spec, *, need_eval: bool = True
 
   Raises:
     DataNotFoundError: a glob matches nothing, or the raw data is missing.
-    ConfigError: the files do not match the data set's spec.
+    ConfigError: the files do not match the data set's spec, or one flag
+      mixes `.gz` and uncompressed files.
   """
   if not spec.reads_files:
     return (), ()
@@ -154,6 +155,9 @@ def resolve_data_files(config, spec, *, need_eval: bool = True
                                                 flag="--train_files"))
   eval_files = tuple(input_pipeline.list_files(
       eval_pattern, flag="--eval_files")) if need_eval else ()
+  for flag, files in (("--train_files", train_files),
+                      ("--eval_files", eval_files)):
+    data_checks.check_compression(files, flag=flag)
   if spec.check_files is not None:
     spec.check_files(train_files, "--train_files")
     spec.check_files(eval_files, "--eval_files")

@@ -66,15 +66,25 @@ def dataset_from_config(config) -> DatasetSpec:
   return registry.get_dataset(config.dataset)
 
 
+# The keyword arguments `build_model` can give a model builder.
+MODEL_BUILDER_ARGUMENTS = ("spec", "config", "sync_batch_norm",
+                           "activation_recomputation")
+
+
 def from_config(config) -> Task:
   """The `Task` a `TrainConfig` names (imports `--import_modules` first).
 
   Raises:
     ConfigError: an unknown model or data set (the message lists the
-      registered names), an import path that cannot be loaded.
+      registered names), an import path that cannot be loaded, a model
+      builder with a required parameter tfdist cannot fill
+      (`registry.check_accepted`).
   """
   dataset = dataset_from_config(config)
   name, builder = registry.get_model_builder(config.model)
+  # At start, not after the plan: a callable that is no model builder.
+  registry.check_accepted(builder, MODEL_BUILDER_ARGUMENTS,
+                          what=f"--model={name}")
   return Task(model_fn=builder, dataset=dataset, model_name=name)
 
 
