@@ -167,13 +167,13 @@ def plan_kills(options: ChaosOptions) -> List[Kill]:
 def train_flags(options: ChaosOptions, data: dict, model_dir: str
                 ) -> List[str]:
   """`tfdist.train` flags of a run (the uninterrupted one's too)."""
+  # --mode=train: no evaluation (not what is measured; it costs a trace).
   args = [f"--distribution_strategy={options.strategy}", "--model=cnn",
-          f"--train_files={data['train']}", f"--eval_files={data['eval']}",
+          "--mode=train", f"--train_files={data['train']}",
           f"--model_dir={model_dir}", f"--batch_size={options.batch_size}",
           f"--train_steps={options.train_steps}", "--log_steps=1",
           f"--checkpoint_steps={options.checkpoint_steps}",
           "--max_checkpoints=1000", "--warmup_steps=0", "--seed=7",
-          "--epochs_between_evals=1000",
           f"--preemption_grace_seconds={options.preemption_grace_seconds:g}",
           "--collective_timeout_seconds=60",
           "--cluster_start_timeout_seconds=120"]
@@ -182,17 +182,14 @@ def train_flags(options: ChaosOptions, data: dict, model_dir: str
   return args
 
 
-def prepare_data(out_dir: str, *, train_examples: int = 512,
-                 eval_examples: int = 64) -> dict:
-  """A real Fashion-MNIST subset as tfdist's TFRecords (2 training shards,
-  one evaluation shard). Returns `{"train", "eval"}` file globs."""
+def prepare_data(out_dir: str, *, train_examples: int = 512) -> dict:
+  """The first `train_examples` real Fashion-MNIST training images as
+  tfdist's TFRecords, in 2 shards (one per worker). Returns `{"train"}`:
+  their file glob."""
   from tfdist import datasets  # pylint: disable=g-import-not-at-top
-  for split, limit in (("train", train_examples), ("eval", eval_examples)):
-    folder = os.path.join(out_dir, split)
-    datasets.convert_fashion_mnist(folder, limit=limit, train_shards=2,
-                                   test_shards=1)
-  return {"train": os.path.join(out_dir, "train", "train-*.tfrecord.gz"),
-          "eval": os.path.join(out_dir, "eval", "test-*.tfrecord.gz")}
+  datasets.convert_fashion_mnist(out_dir, limit=train_examples,
+                                 train_shards=2, test_shards=1)
+  return {"train": os.path.join(out_dir, "train-*.tfrecord.gz")}
 
 
 # --- the checkpoint folder, read without TensorFlow (while tasks run) --------
@@ -454,6 +451,11 @@ def run_mwms(options: ChaosOptions, data: dict, model_dir: str,
                for m in [re.search(r"\[launch\] (\S+) exited with status "
                                    r"(\d+)", line)] if m]
       record["exits"] = {task: int(status) for task, status in exits}
+      # Survivors still running 5 s after the first exit (killed).
+      record["stopped_by_launcher"] = [
+          m.group(1) for line in lines.lines()[attempt_start:
+                                               restart_index + 1]
+          for m in [re.search(r"\[launch\] stopping (.*)\.$", line)] if m]
       if not match or not match.group(1).startswith("restarting"):
         record["result"] = ("survived: the run ended without a restart"
                             if match and match.group(1) == "done:" else
@@ -512,7 +514,7 @@ def run_ps(options: ChaosOptions, data: dict, model_dir: str,
   started = time.time()
   deadline = started + options.timeout_seconds
   checkpoint_dir = os.path.join(model_dir, "checkpoints")
-  log_root = tempfile.mkdtemp(prefix="chaos-ps-logs-")
+  log_root = model_dir + "-logs"
   flags_ = train_flags(options, data, model_dir)
   clusters = []
 
@@ -562,27 +564,49 @@ def run_ps(options: ChaosOptions, data: dict, model_dir: str,
         cluster.kill(name)
         code = proc.returncode
       record["exits"] = {kill.task: _shell_status(code)}
-      if kill.task.startswith("worker"):
+      chief = cluster.procs["chief-0"]
+      if kill.task.startswith("worker") and chief.poll() is None:
         record["restart"] = "task"
         task_type, index = kill.task.split(":")
+        log_name = f"worker-{index}"
+        served = cluster.log(log_name).count(" serving at ")
         time.sleep(1.0)  # A pod restart is not instant.
+        restarted_at = time.time()
         cluster.start_task(task_type, int(index))
-        # Survived when the coordinator trains on (2 more steps logged).
+        # It serves again (its server is up at its address) ...
+        while (cluster.log(log_name).count(" serving at ") == served and
+               cluster.procs[log_name].poll() is None and alive() and
+               time.time() < deadline):
+          time.sleep(0.2)
+        if cluster.log(log_name).count(" serving at ") > served:
+          record["serving_again_after_s"] = round(time.time() -
+                                                  restarted_at, 1)
+        # ... and the coordinator trains on (2 more steps, or the end).
         last = _last_step(lines, "", 0) or 0
-        more = _wait_step(lines, "", min(last + 2, options.train_steps), 0,
-                          deadline=deadline, alive=alive)
-        if more is None and cluster.procs["chief-0"].poll() not in (0, None):
+        _wait_step(lines, "", min(last + 2, options.train_steps), 0,
+                   deadline=deadline, alive=alive)
+        if chief.poll() not in (0, None):
           record["lost"].append(
-              f"the chief exited with status "
-              f"{cluster.procs['chief-0'].poll()} after a worker was lost")
+              f"the chief exited with status {_shell_status(chief.poll())} "
+              "after a worker was lost")
+      elif kill.task.startswith("worker"):
+        record["result"] = "the run had finished: no restart needed"
       else:
-        record["restart"] = "cluster"
         try:
-          code = cluster.procs["chief-0"].wait(timeout=120)
+          code = chief.wait(timeout=120)
           record["exits"]["chief:0"] = _shell_status(code)
         except subprocess.TimeoutExpired:
           record["lost"].append(f"the chief still ran 120 s after "
-                                f"{kill.task} was lost")
+                                f"{kill.signal} to {kill.task}")
+          code = None
+        if code == 0:
+          # A ps serves on through its grace period after SIGTERM: the
+          # chief finished within it.
+          record["result"] = "the run finished: no restart needed"
+          record["survived"] = True
+          results.append(record)
+          break
+        record["restart"] = "cluster"
         cluster.stop()
         whole = whole_checkpoints(checkpoint_dir)
         record["newest_whole_checkpoint"] = whole[-1] if whole else 0
@@ -643,7 +667,8 @@ def _finish(options, schedule, kills, status, attempts, model_dir, started,
           "during_save": sum(bool(k.get("during_save")) for k in kills),
           "status": status, "attempts": attempts, "audit": audit,
           "tracebacks_in_output": tracebacks, "lost": lost,
-          "seconds": round(time.time() - started, 1)}
+          "seconds": round(time.time() - started, 1),
+          "output_tail": output[-4000:] if lost else ""}
 
 
 def run_uninterrupted(options: ChaosOptions, data: dict, model_dir: str
