@@ -377,18 +377,31 @@ def _last_step(lines: _Lines, who: str, start: int) -> Optional[int]:
   return steps[-1] if steps else None
 
 
-def _kill_at_save(checkpoint_dir: str, pid: int, signum: int, *,
-                  deadline: float, alive) -> dict:
-  """Sends `signum` to `pid` the moment a save shows in `checkpoint_dir`."""
-  before = set(_listdir(checkpoint_dir))
-  while time.time() < deadline and alive():
-    entries = _unlisted_entries(checkpoint_dir, before)
-    if entries:
-      os.kill(pid, signum)
-      return {"during_save": True, "save_entries": entries}
-    time.sleep(_SAVE_POLL_SECONDS)
-  os.kill(pid, signum)  # No save seen: a plain kill.
-  return {"during_save": False, "save_entries": []}
+def _send(pid: int, signum: int) -> bool:
+  """Sends `signum` to `pid`; False when that process is gone."""
+  try:
+    os.kill(pid, signum)
+    return True
+  except ProcessLookupError:
+    return False
+
+
+def _kill(pid: int, signum: int, mode: str, checkpoint_dir: str, *,
+          deadline: float, alive) -> dict:
+  """Sends `signum` to `pid`: at once (mode "step") or the moment a save
+  shows in `checkpoint_dir` (mode "save"). Returns what to record; `sent`
+  is False when the process had already exited."""
+  if mode == "save":
+    before = set(_listdir(checkpoint_dir))
+    while time.time() < deadline and alive():
+      entries = _unlisted_entries(checkpoint_dir, before)
+      if entries:
+        return {"sent": _send(pid, signum), "during_save": True,
+                "save_entries": entries}
+      time.sleep(_SAVE_POLL_SECONDS)
+  # No save seen (the run ended, or mode "step"): a plain kill.
+  return {"sent": _send(pid, signum), "during_save": False,
+          "save_entries": []}
 
 
 # --- MultiWorkerMirrored: the launcher restarts the whole cluster --------------
@@ -430,12 +443,12 @@ def run_mwms(options: ChaosOptions, data: dict, model_dir: str,
         record["result"] = "not sent: the run ended first"
         results.append(record)
         break
-      signum = getattr(signal, kill.signal)
-      if kill.mode == "save":
-        record.update(_kill_at_save(checkpoint_dir, pid, signum,
-                                    deadline=deadline, alive=alive))
-      else:
-        os.kill(pid, signum)
+      record.update(_kill(pid, getattr(signal, kill.signal), kill.mode,
+                          checkpoint_dir, deadline=deadline, alive=alive))
+      if not record["sent"]:
+        record["result"] = "not sent: the task had exited (the run ended)"
+        results.append(record)
+        break
       record["sent_after_step"] = _last_step(lines, r"\[chief:0\]",
                                              attempt_start)
       record["attempt"] = attempt
@@ -543,12 +556,14 @@ def run_ps(options: ChaosOptions, data: dict, model_dir: str,
         break
       name = kill.task.replace(":", "-")
       proc = cluster.procs[name]
-      signum = getattr(signal, kill.signal)
-      if kill.mode == "save":
-        record.update(_kill_at_save(checkpoint_dir, proc.pid, signum,
-                                    deadline=deadline, alive=alive))
-      else:
-        os.kill(proc.pid, signum)
+      record.update(_kill(proc.pid, getattr(signal, kill.signal), kill.mode,
+                          checkpoint_dir, deadline=deadline,
+                          alive=alive) if proc.poll() is None else
+                    {"sent": False})
+      if not record["sent"]:
+        record["result"] = "not sent: the task had exited (the run ended)"
+        results.append(record)
+        break
       record["sent_after_step"] = _last_step(lines, "", 0)
       log(f"chaos: {options.strategy} seed {options.seed}: {kill.signal} to "
           f"{kill.task} after step {record['sent_after_step']}"
