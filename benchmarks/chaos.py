@@ -542,6 +542,7 @@ def run_ps(options: ChaosOptions, data: dict, model_dir: str,
   lines = _Lines(lambda: cluster.log("chief-0").splitlines())
   alive = lambda: cluster.procs["chief-0"].poll() is None
   results = []
+  rejoining = []  # (record, cluster, worker log, its "serving" lines before)
   status = None
   try:
     for kill in schedule:
@@ -586,17 +587,11 @@ def run_ps(options: ChaosOptions, data: dict, model_dir: str,
         log_name = f"worker-{index}"
         served = cluster.log(log_name).count(" serving at ")
         time.sleep(1.0)  # A pod restart is not instant.
-        restarted_at = time.time()
         cluster.start_task(task_type, int(index))
-        # It serves again (its server is up at its address) ...
-        while (cluster.log(log_name).count(" serving at ") == served and
-               cluster.procs[log_name].poll() is None and alive() and
-               time.time() < deadline):
-          time.sleep(0.2)
-        if cluster.log(log_name).count(" serving at ") > served:
-          record["serving_again_after_s"] = round(time.time() -
-                                                  restarted_at, 1)
-        # ... and the coordinator trains on (2 more steps, or the end).
+        # Whether it served again is read at the end of the run (the
+        # schedule goes on meanwhile, as a cluster's life does).
+        rejoining.append((record, cluster, log_name, served))
+        # The coordinator trains on: 2 more steps (or the end).
         last = _last_step(lines, "", 0) or 0
         _wait_step(lines, "", min(last + 2, options.train_steps), 0,
                    deadline=deadline, alive=alive)
@@ -647,6 +642,9 @@ def run_ps(options: ChaosOptions, data: dict, model_dir: str,
       # Worker and ps tasks exit once the chief marks the run done.
       for name in cluster.procs:
         cluster.wait(name, timeout=30)
+    for record, where, log_name, served in rejoining:
+      record["served_again"] = where.log(log_name).count(" serving at ") > (
+          served)
   finally:
     for c in clusters:
       c.stop()
@@ -732,6 +730,14 @@ flags.DEFINE_string("work_dir", "", "Where runs write (default: a fresh "
                     "temporary folder).")
 
 
+def _write(report: dict, path: str):
+  """Writes `report` as JSON (after every run, so a run cut short by a
+  timeout still leaves the runs before it)."""
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  with open(path, "w") as f:
+    json.dump(report, f, indent=2, default=str)
+
+
 def _uptime() -> str:
   try:
     return subprocess.run(["uptime"], stdout=subprocess.PIPE, text=True,
@@ -780,6 +786,7 @@ def main(argv):
       if options.deterministic and reference["status"] == 0:
         compare_to_reference(result, model_dir, reference["model_dir"])
       report["runs"].append(result)
+      _write(report, FLAGS.output)
       print(f"chaos: {strategy} seed {options.seed}: {result['kills_tried']} "
             f"kill(s) tried ({result['during_save']} during a checkpoint "
             f"write), {result['survived']} survived, {result['attempts']} "
@@ -803,9 +810,7 @@ def main(argv):
         f"{totals['kills_tried']} kill(s) tried, {totals['survived']} "
         f"survived, {totals['during_save']} during a checkpoint write; lost: "
         f"{totals['lost'] or 'nothing'}", flush=True)
-  os.makedirs(os.path.dirname(os.path.abspath(FLAGS.output)), exist_ok=True)
-  with open(FLAGS.output, "w") as f:
-    json.dump(report, f, indent=2, default=str)
+  _write(report, FLAGS.output)
   print(f"chaos: wrote {FLAGS.output}", flush=True)
   return 0 if not totals["lost"] else 1
 
