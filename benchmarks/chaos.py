@@ -723,6 +723,11 @@ flags.DEFINE_bool("deterministic", False,
                   "require their final weights to equal an uninterrupted "
                   f"run's within {WEIGHT_TOLERANCE:g}.")
 flags.DEFINE_float("run_timeout_seconds", 900.0, "Bound on each run.")
+flags.DEFINE_float(
+    "preemption_grace_seconds", 15.0,
+    "--preemption_grace_seconds of the runs: after SIGTERM a task saves "
+    "(MultiWorkerMirrored, the chief of parameter servers) or serves on "
+    "(parameter-server workers and ps) at most this long.")
 flags.DEFINE_string("output", os.path.join(REPO, "benchmarks", "results",
                                            "chaos.json"),
                     "Where the JSON goes.")
@@ -767,7 +772,8 @@ def main(argv):
           train_steps=FLAGS.train_steps,
           checkpoint_steps=FLAGS.checkpoint_steps,
           deterministic=FLAGS.deterministic and strategy == MWMS,
-          timeout_seconds=FLAGS.run_timeout_seconds)
+          timeout_seconds=FLAGS.run_timeout_seconds,
+          preemption_grace_seconds=FLAGS.preemption_grace_seconds)
       try:
         plan_kills(options)
       except ValueError as e:
