@@ -60,7 +60,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Dict, List, Optional
+from typing import List, Optional
 
 from absl import app
 from absl import flags
