@@ -40,7 +40,6 @@ from tests import testutil
 # list when they are merged; until then links to them are not checked.
 PENDING = (
     "docs/design/long-runs.md",
-    "docs/benchmarks/chaos.md",
     "docs/guides/fit-conformance.md",
     "docs/platforms/engines.md",
     "docs/reference/tensorboard-tags.md",
@@ -201,6 +200,7 @@ RUNNERS = {
     "k8s-job-spec": "test_kubernetes_job_spec_prints_the_documented_tfjob",
     "k8s-job-spec-output": (
         "test_kubernetes_job_spec_prints_the_documented_tfjob"),
+    "chaos-schedule": "test_chaos_schedule_block_prints_its_kills",
 }
 _K8S = "docs/platforms/kubernetes.md"
 
@@ -394,6 +394,16 @@ class DocsTest(absltest.TestCase):
     self.assertEqual(tuple(spec.labels), ("tags",))
     self.assertEqual(sorted(f.name for f in spec.features),
                      ["channel", "signal", "tags"])
+
+  def test_chaos_schedule_block_prints_its_kills(self):
+    block = find_block("docs/benchmarks/chaos.md", "chaos-schedule")
+    proc = subprocess.run(
+        [sys.executable, "-c", block], cwd=testutil.REPO_ROOT,
+        env=_child_env(testutil.scratch_dir()), stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, timeout=120)
+    self.assertEqual(proc.returncode, 0, proc.stdout[-3000:])
+    kills = [line for line in proc.stdout.splitlines() if "Kill" in line]
+    self.assertLen(kills, 4, proc.stdout[-3000:])
 
   # The checks themselves, on small pages: each fails on what it must catch.
   def test_link_check_catches_a_missing_file_and_anchor(self):
