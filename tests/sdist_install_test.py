@@ -30,6 +30,10 @@ _NOT_SOURCES = shutil.ignore_patterns(
     ".git", ".venv*", ".wheelhouse", "bazel-*", "__pycache__", "*.egg-info",
     "build", "dist", "runs", "data", ".pytest_cache")
 TIMEOUT = 600
+# Each binary's console script and a flag its --helpshort must list.
+KEY_FLAG = {"train": "--train_files", "launch": "--num_workers",
+            "diagnose": "--num_workers", "job_spec": "--num_workers",
+            "ray": "--num_workers"}
 
 
 def _run(args, **kwargs) -> subprocess.CompletedProcess:
@@ -49,6 +53,22 @@ def _container_requirements() -> list:
       if match:
         pins[match.group(1).lower()] = line.strip()
   return [pins[name] for name in CONTAINER_PACKAGES]
+
+
+def _binaries() -> dict:
+  """{module: first line of its docstring} for each tfdist module that runs
+  as a program (has an `if __name__ == "__main__":` block)."""
+  found = {}
+  package = os.path.join(testutil.SOURCE_ROOT, "tfdist")
+  for name in sorted(os.listdir(package)):
+    if not name.endswith(".py"):
+      continue
+    with open(os.path.join(package, name)) as f:
+      text = f.read()
+    if re.search(r'^if __name__ == "__main__":', text, re.M):
+      docstring = re.match(r'\s*"""(.*)', text).group(1)
+      found[name[:-3]] = docstring.strip()
+  return found
 
 
 def _clean_env() -> dict:
@@ -140,11 +160,34 @@ class SdistInstallTest(absltest.TestCase):
     self.assertEqual(where.returncode, 0, where.stdout[-3000:])
     for path in where.stdout.split():
       self.assertTrue(path.startswith(os.path.join(container, "lib")), path)
-    # The console script as well.
-    helpshort = _run([os.path.join(container, "bin", "tfdist-train"),
-                      "--helpshort"], cwd=run_dir, env=_clean_env(),
-                     timeout=120)
-    self.assertIn("--train_files", helpshort.stdout)
+    # A console script per binary: every tfdist module with a `__main__`
+    # block is installed as tfdist-<module>, runs from outside the
+    # checkout, and prints its own usage and key flags (absl's --helpshort
+    # exits 1 after printing).
+    binaries = _binaries()
+    self.assertEqual(set(binaries), set(KEY_FLAG))
+    scripts = _run([python, "-c", "import importlib.metadata as m; print("
+                    "'\\n'.join(sorted(e.name + '=' + e.value for e in "
+                    "m.entry_points(group='console_scripts') "
+                    "if e.dist.name == 'tfdist')))"],
+                   cwd=run_dir, env=_clean_env(), timeout=60)
+    self.assertEqual(
+        scripts.stdout.split(),
+        sorted(f"tfdist-{b.replace('_', '-')}=tfdist.{b}:run"
+               for b in binaries))
+    for binary, usage in binaries.items():
+      script = os.path.join(container, "bin",
+                            f"tfdist-{binary.replace('_', '-')}")
+      helpshort = _run([script, "--helpshort"], cwd=run_dir,
+                       env=_clean_env(), timeout=120).stdout
+      self.assertTrue(helpshort.lstrip().startswith(usage), helpshort[:3000])
+      self.assertIn(KEY_FLAG[binary], helpshort)
+    # The licence travels with the package.
+    metadata = _run([python, "-c", "import importlib.metadata as m; "
+                     "d = m.distribution('tfdist'); print(d.metadata['License']); "
+                     "print(any(str(f).endswith('LICENSE') for f in d.files))"],
+                    cwd=run_dir, env=_clean_env(), timeout=60)
+    self.assertEqual(metadata.stdout.split(), ["Apache-2.0", "True"])
 
 
 if __name__ == "__main__":
