@@ -262,6 +262,105 @@ class KubernetesTest(absltest.TestCase):
     self.assertEqual(yaml.safe_load(proc.stdout), _tfjob(num_workers=1))
 
 
+_VALUES = """\
+volumes:
+- name: data
+  persistentVolumeClaim: {claimName: fashion-mnist}
+- name: dshm
+  emptyDir: {medium: Memory}
+volumeMounts:
+- {name: data, mountPath: /data, readOnly: true}
+- {name: dshm, mountPath: /dev/shm}
+tolerations:
+- {key: nvidia.com/gpu, operator: Exists, effect: NoSchedule}
+env:
+- name: POD_NAME
+  valueFrom: {fieldRef: {fieldPath: metadata.name}}
+replicaTypes:
+  PS:
+    tolerations: []
+"""
+
+
+class TfJobPodsTest(absltest.TestCase):
+  """A TFJob a cluster can run: resources, credentials, variables, volumes,
+  node selectors and tolerations, read back by the kubernetes client."""
+
+  def test_values_file_and_flags(self):
+    from kubernetes import client as k8s  # pylint: disable=g-import-not-at-top
+    values = testutil.scratch_dir() + "/values.yaml"
+    with open(values, "w") as f:
+      f.write(_VALUES)
+    job = _tfjob(num_workers=2, num_ps=1, evaluator=True,
+                 accelerator="NVIDIA_L4:1", values=values,
+                 service_account="tfdist-trainer", cpu="4", memory="16Gi",
+                 ps_cpu="2", ps_memory="8Gi",
+                 env=["GOOGLE_CLOUD_PROJECT=my-project"],
+                 node_selector=["cloud.google.com/gke-nodepool=train"])
+    self.assertLen(job_spec.validate_tfjob(job), 4)
+    api = k8s.ApiClient()
+    specs = job["spec"]["tfReplicaSpecs"]
+
+    def pod(kind):
+      class _Response:  # pylint: disable=too-few-public-methods
+        data = json.dumps(specs[kind]["template"])
+      return api.deserialize(_Response(), "V1PodTemplateSpec").spec
+
+    for kind in ("Chief", "Worker", "PS", "Evaluator"):
+      self.assertEqual(specs[kind]["restartPolicy"], "ExitCode")
+      spec = pod(kind)
+      (container,) = spec.containers
+      self.assertEqual(spec.service_account_name, "tfdist-trainer")
+      self.assertEqual(spec.node_selector,
+                       {"cloud.google.com/gke-nodepool": "train"})
+      self.assertEqual([v.name for v in spec.volumes], ["data", "dshm"])
+      self.assertEqual([(m.name, m.mount_path) for m in
+                        container.volume_mounts],
+                       [("data", "/data"), ("dshm", "/dev/shm")])
+      self.assertEqual([e.name for e in container.env],
+                       ["POD_NAME", "GOOGLE_CLOUD_PROJECT"])
+      self.assertEqual(container.env[1].value, "my-project")
+      gpu = {} if kind == "PS" else {"nvidia.com/gpu": "1"}
+      amounts = ({"cpu": "2", "memory": "8Gi"} if kind == "PS" else
+                 {"cpu": "4", "memory": "16Gi"})
+      self.assertEqual(container.resources.requests, amounts)
+      self.assertEqual(container.resources.limits, {**amounts, **gpu})
+      self.assertEqual([t.key for t in spec.tolerations or []],
+                       [] if kind == "PS" else ["nvidia.com/gpu"])
+
+  def test_rejects(self):
+    cases = (
+        (dict(memory="16GB"), r"resources.requests.memory='16GB' is not a "
+         "Kubernetes quantity"),
+        (dict(env=["PROJECT"]), "--env='PROJECT': give KEY=VALUE"),
+        (dict(env=["1PROJECT=x"]), "env name '1PROJECT' is not a valid"),
+    )
+    for overrides, pattern in cases:
+      with self.assertRaisesRegex(job_spec.JobSpecError, pattern):
+        _tfjob(num_workers=1, **overrides)
+    for text, pattern in (
+        ("restartPolicy: Always\n", "unknown key.*restartPolicy.*The "
+         "restart policy is tfdist's"),
+        ("volumeMounts: [{name: data, mountPath: /data}]\n",
+         "volumeMounts 'data' names no volume of the pod"),
+        ("resources: {requests: {cpu: '8'}, limits: {cpu: '4'}}\n",
+         "resources.requests.cpu exceeds resources.limits.cpu"),
+        ("tolerations: [{key: a, operator: Has}]\n",
+         "toleration operator 'Has'"),
+        ("nodeSelectr: {a: b}\n", "unknown key.*nodeSelectr"),
+        ("replicaTypes: {Coordinator: {}}\n",
+         "replicaTypes.Coordinator: unknown replica type"),
+        ("volumes: [{name: data, persistentVolumeClam: {}}]\n",
+         r"unknown field\(s\) spec.tfReplicaSpecs.Chief.template.spec."
+         r"volumes\[0\].persistentVolumeClam"),
+    ):
+      values = testutil.scratch_dir() + "/values.yaml"
+      with open(values, "w") as f:
+        f.write(text)
+      with self.assertRaisesRegex(job_spec.JobSpecError, pattern):
+        _tfjob(num_workers=1, values=values)
+
+
 class TfJobRejectsTest(parameterized.TestCase):
   """What a toy validator would accept and the Kubeflow SDK/CRD do not."""
 

@@ -71,6 +71,20 @@ def _binaries() -> dict:
   return found
 
 
+def _dockerfile_steps() -> list:
+  """`(INSTRUCTION, arguments)` of the repository's Dockerfile, in order
+  (continued lines joined, comments dropped)."""
+  with open(os.path.join(testutil.SOURCE_ROOT, "Dockerfile")) as f:
+    text = re.sub(r"\\\n", " ", "".join(
+        line for line in f if not line.lstrip().startswith("#")))
+  steps = []
+  for line in text.splitlines():
+    if line.strip():
+      instruction, _, value = line.strip().partition(" ")
+      steps.append((instruction.upper(), " ".join(value.split())))
+  return steps
+
+
 def _clean_env() -> dict:
   """This process's environment without what points into the checkout or
   describes a cluster."""
@@ -182,6 +196,54 @@ class SdistInstallTest(absltest.TestCase):
                        env=_clean_env(), timeout=120).stdout
       self.assertTrue(helpshort.lstrip().startswith(usage), helpshort[:3000])
       self.assertIn(KEY_FLAG[binary], helpshort)
+    # 4. The Dockerfile's install steps, run in the same environment with
+    # pip on the wheelhouse: its COPY lines give the build folder, its pip
+    # RUN lines install from there (the image's python:3.11-slim base and
+    # PyPI are not here: Python 3.10 and TensorFlow 2.17.1 from the
+    # wheelhouse meet the same `.[cpu,vertex]` requirements).
+    image = os.path.join(work, "image")
+    os.makedirs(image)
+    build_args, pip_steps = {}, 0
+    for instruction, value in _dockerfile_steps():
+      if instruction == "ARG":
+        name, _, default = value.partition("=")
+        build_args[name] = default
+      elif instruction == "COPY" and not value.startswith("--from"):
+        *sources, dest = value.split()
+        # Into the WORKDIR under their own names (what this copy assumes).
+        self.assertIn(dest, ("./", sources[0]))
+        for source in sources:
+          source_path = os.path.join(testutil.SOURCE_ROOT, source)
+          target = os.path.join(image, source)
+          if os.path.isdir(source_path):
+            shutil.copytree(source_path, target, ignore=_NOT_SOURCES)
+          else:
+            shutil.copy(source_path, target)
+      elif instruction == "RUN":
+        command = re.sub(r"\$\{(\w+)\}", lambda m: build_args[m.group(1)],
+                         value)
+        if not command.startswith("pip "):
+          self.assertRegex(command, r"^useradd ")  # the image's own user
+          continue
+        pip_steps += 1
+        proc = _run(["bash", "-c", command], cwd=image, env={
+            **_clean_env(),
+            "PATH": os.path.join(container, "bin") + os.pathsep +
+                    os.environ["PATH"],
+            "PIP_NO_INDEX": "1", "PIP_FIND_LINKS": wheelhouse,
+            "PIP_DISABLE_PIP_VERSION_CHECK": "1"})
+        self.assertEqual(proc.returncode, 0, proc.stdout[-3000:])
+    self.assertEqual(pip_steps, 1)
+    where = _run([python, "-c", "import tfdist, hypertune; "
+                  "print(tfdist.__file__)"], cwd=run_dir, env=_clean_env(),
+                 timeout=60)
+    self.assertEqual(where.returncode, 0, where.stdout[-3000:])
+    self.assertTrue(where.stdout.strip().startswith(
+        os.path.join(container, "lib")), where.stdout)
+    self.assertIn("--train_files", _run(
+        [os.path.join(container, "bin", "tfdist-train"), "--helpshort"],
+        cwd=run_dir, env=_clean_env(), timeout=120).stdout)
+
     # The licence travels with the package.
     metadata = _run([python, "-c", "import importlib.metadata as m; "
                      "d = m.distribution('tfdist'); print(d.metadata['License']); "

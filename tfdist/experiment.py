@@ -574,8 +574,8 @@ def _train(config, *, task, cluster, decision, applied, callbacks, started,
       global_batch_size=plan.global_batch_size, total_steps=plan.total_steps,
       summarize=trainer.summarize,
       loss_explosion_factor=config.loss_explosion_factor)
-  all_callbacks = [keras.callbacks.TensorBoard(log_dir=tensorboard_dir,
-                                               write_graph=False)]
+  all_callbacks = [run_log_lib.TrainingTensorBoard(log_dir=tensorboard_dir,
+                                                   write_graph=False)]
   all_callbacks += list(callbacks)
   # The chief traces its own process (other workers' folders are scratch).
   profiler = (profiling.ProfileWindow(

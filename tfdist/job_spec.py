@@ -8,6 +8,8 @@ Usage:
       -- <tfdist.train flags>
   python -m tfdist.job_spec kubernetes --image=IMAGE --num_workers=N
       [--num_ps=M] [--evaluator] [--accelerator=TYPE[:COUNT]]
+      [--cpu=4 --memory=16Gi] [--service_account=SA] [--env=NAME=VALUE]
+      [--node_selector=KEY=VALUE] [--values=values.yaml]
       -- <tfdist.train flags>
 
 The spec is printed (JSON for Vertex, YAML for Kubernetes); nothing is sent
@@ -35,7 +37,9 @@ writes).
   Dockerfile).
 * Kubernetes: a Kubeflow `TFJob` (training operator, `kubeflow.org/v1`) with
   `Chief`, `Worker`, `PS` and `Evaluator` replica specs, each a container
-  named `tensorflow` running `python -m tfdist.train`, and
+  named `tensorflow` running `python -m tfdist.train` (with the
+  resources, service account, environment, volumes, node selector and
+  tolerations of `--values` and the flags, `PodOptions`), and
   `restartPolicy: ExitCode`: the operator restarts a replica that exits with
   a retryable code (128-255: killed by a signal, e.g. 137 for SIGKILL or an
   out-of-memory kill, 143 for SIGTERM, which tfdist returns after its
@@ -57,7 +61,10 @@ Validation, before printing (each raises `JobSpecError` naming the field):
   error; then the CRD's and the operator's rules are checked (replica types
   Chief/Master/Worker/PS/Evaluator, at most one Chief and one Evaluator, a
   container named `tensorflow` with an image in every replica, a known
-  restart policy);
+  restart policy), and each pod template is read with the `kubernetes`
+  client's `V1PodTemplateSpec` and checked as the API server would
+  (quantities, requests within limits, mounts of declared volumes,
+  tolerations);
 * the train flags of every tfdist pool are parsed with tfdist's own flag
   definitions (a fresh `absl.flags.FlagValues`, then
   `flags.flags_to_config`), under the environment the job gives them
@@ -600,31 +607,166 @@ def validate_vertex_custom_job(job: dict, plan: Optional[JobPlan] = None
 
 
 # --- Kubernetes (Kubeflow TFJob) ---------------------------------------------
+# Pod settings a values file may give (`--values`), as Kubernetes spells
+# them: container fields, then pod fields; `replicaTypes` overrides them per
+# TFJob replica type (e.g. smaller `resources` for `PS`).
+POD_VALUE_KEYS = ("env", "resources", "volumeMounts", "serviceAccountName",
+                  "volumes", "nodeSelector", "tolerations")
+_CONTAINER_KEYS = ("env", "resources", "volumeMounts")
+TOLERATION_OPERATORS = ("Exists", "Equal")
+TOLERATION_EFFECTS = ("", "NoSchedule", "PreferNoSchedule", "NoExecute")
+_ENV_NAME = re.compile(r"^[-._a-zA-Z][-._a-zA-Z0-9]*$")
+
+
+@dataclasses.dataclass(frozen=True)
+class PodOptions:
+  """What a cluster needs to run a TFJob's pods, beyond image and command.
+
+  Values are Kubernetes' own (camelCase) fragments, as in a pod spec;
+  `validate_tfjob` checks them with the `kubernetes` client's models.
+
+  Attributes:
+    values: `{key: value}` for keys of `POD_VALUE_KEYS`, given to every
+      replica: `env` (list of `{name, value}` or `valueFrom`), `resources`
+      (`{requests: {cpu, memory}, limits: {...}}`; the GPU limit of
+      `--accelerator` is added), `volumeMounts`, `serviceAccountName`
+      (e.g. a Workload Identity account that can write the gs:// model
+      folder), `volumes`, `nodeSelector`, `tolerations`.
+    replica_values: `{replica type: {key: value}}`: per-type values that
+      replace the shared ones key by key (e.g. `{"PS": {"resources": ...}}`).
+  """
+  values: Dict[str, object] = dataclasses.field(default_factory=dict)
+  replica_values: Dict[str, Dict[str, object]] = dataclasses.field(
+      default_factory=dict)
+
+  def __post_init__(self):
+    for where, values in (("", self.values), *(
+        (f"replicaTypes.{k}.", v) for k, v in self.replica_values.items())):
+      _need(isinstance(values, dict), f"TFJob values {where or 'file'}: a "
+            "mapping of pod settings is needed.")
+      unknown = sorted(set(values) - set(POD_VALUE_KEYS))
+      _need(not unknown,
+            f"TFJob values: unknown key(s) {where}{', '.join(unknown)}; "
+            f"use {', '.join(POD_VALUE_KEYS)} (and replicaTypes). The "
+            "restart policy is tfdist's (ExitCode) and not set here.")
+    for kind in self.replica_values:
+      _need(kind in TFJOB_REPLICA_TYPES,
+            f"TFJob values: replicaTypes.{kind}: unknown replica type; use "
+            f"one of {', '.join(TFJOB_REPLICA_TYPES)}.")
+
+  def for_replica(self, kind: str) -> Dict[str, object]:
+    """The values of replica type `kind`."""
+    return {**self.values, **self.replica_values.get(kind, {})}
+
+
+def _key_value(item: str, flag: str) -> Tuple[str, str]:
+  key, sep, value = item.partition("=")
+  _need(sep and key.strip(),
+        f"--{flag}={item!r}: give KEY=VALUE, e.g. --{flag}=NAME=value.")
+  return key.strip(), value
+
+
+def pod_options(*, values_file: str = "", service_account: str = "",
+                env: Sequence[str] = (), cpu: str = "", memory: str = "",
+                ps_cpu: str = "", ps_memory: str = "",
+                node_selector: Sequence[str] = ()) -> PodOptions:
+  """`PodOptions` from a values file and the flags that add to it.
+
+  Args:
+    values_file: a YAML file of `POD_VALUE_KEYS` (and `replicaTypes`);
+      '' for none.
+    service_account: the pods' `serviceAccountName`.
+    env: `NAME=VALUE` variables added to every container.
+    cpu, memory: requests and limits (equal) of the chief, workers and
+      evaluator, in Kubernetes quantities (`4`, `500m`; `16Gi`).
+    ps_cpu, ps_memory: the same for the parameter servers.
+    node_selector: `KEY=VALUE` node labels every pod needs.
+
+  Raises:
+    JobSpecError: an unreadable values file, an unknown key, or a flag not
+      of the form KEY=VALUE.
+  """
+  import yaml  # pylint: disable=g-import-not-at-top
+  values, replica_values = {}, {}
+  if values_file:
+    try:
+      with open(values_file) as f:
+        loaded = yaml.safe_load(f) or {}
+    except (OSError, yaml.YAMLError) as e:
+      raise JobSpecError(f"--values={values_file}: {e}") from None
+    _need(isinstance(loaded, dict), f"--values={values_file}: a YAML "
+          "mapping of pod settings is needed (e.g. serviceAccountName: "
+          "trainer).")
+    loaded = copy.deepcopy(loaded)
+    replica_values = loaded.pop("replicaTypes", None) or {}
+    _need(isinstance(replica_values, dict),
+          f"--values={values_file}: replicaTypes must map replica types "
+          "(Chief, Worker, PS, Evaluator) to pod settings.")
+    values = loaded
+  if service_account:
+    values["serviceAccountName"] = service_account
+  if env:
+    values["env"] = list(values.get("env") or []) + [
+        {"name": k, "value": v}
+        for k, v in (_key_value(item, "env") for item in env)]
+  if node_selector:
+    values["nodeSelector"] = {**(values.get("nodeSelector") or {}), **dict(
+        _key_value(item, "node_selector") for item in node_selector)}
+
+  def with_resources(target, cpu_value, memory_value):
+    amounts = {k: v for k, v in (("cpu", cpu_value),
+                                 ("memory", memory_value)) if v}
+    if not amounts:
+      return target
+    resources = copy.deepcopy(target.get("resources") or {})
+    for part in ("requests", "limits"):
+      resources[part] = {**(resources.get(part) or {}), **amounts}
+    return {**target, "resources": resources}
+
+  values = with_resources(values, cpu, memory)
+  if ps_cpu or ps_memory:
+    ps = replica_values.get("PS") or {}
+    replica_values["PS"] = with_resources(
+        {"resources": copy.deepcopy(values.get("resources") or {}), **ps},
+        ps_cpu, ps_memory)
+  return PodOptions(values=values, replica_values=replica_values)
+
+
 def kubernetes_tfjob(plan: JobPlan, *, name: str, image: str,
-                     namespace: str = "", backoff_limit: int = 3) -> dict:
+                     namespace: str = "", backoff_limit: int = 3,
+                     pods: Optional[PodOptions] = None) -> dict:
   """A Kubeflow `TFJob` (`kubeflow.org/v1`) for `plan`.
+
+  Every replica has `restartPolicy: ExitCode` (see the module docstring)
+  and, from `pods`, its resources, service account, environment,
+  volumes, node selector and tolerations.
 
   Returns:
     A JSON-serializable dict; check it with `validate_tfjob`.
   """
+  pods = pods or PodOptions()
 
-  def replica(count, accelerated):
+  def replica(kind, count, accelerated):
+    values = copy.deepcopy(pods.for_replica(kind))
     container = {"name": TFJOB_CONTAINER, "image": image,
                  "command": ["python", "-m", TRAIN_MODULE],
                  "args": list(plan.train_args)}
+    container.update({k: values.pop(k) for k in _CONTAINER_KEYS
+                      if k in values})
     if accelerated and plan.accelerator_count:
-      container["resources"] = {"limits": {
-          "nvidia.com/gpu": str(plan.accelerator_count)}}
+      resources = container.setdefault("resources", {})
+      resources["limits"] = {**(resources.get("limits") or {}),
+                             "nvidia.com/gpu": str(plan.accelerator_count)}
     return {"replicas": count, "restartPolicy": "ExitCode",
-            "template": {"spec": {"containers": [container]}}}
+            "template": {"spec": {**values, "containers": [container]}}}
 
-  specs = {"Chief": replica(1, True)}
+  specs = {"Chief": replica("Chief", 1, True)}
   if plan.num_workers:
-    specs["Worker"] = replica(plan.num_workers, True)
+    specs["Worker"] = replica("Worker", plan.num_workers, True)
   if plan.num_ps:
-    specs["PS"] = replica(plan.num_ps, False)
+    specs["PS"] = replica("PS", plan.num_ps, False)
   if plan.evaluator:
-    specs["Evaluator"] = replica(1, True)
+    specs["Evaluator"] = replica("Evaluator", 1, True)
   metadata = {"name": name}
   if namespace:
     metadata["namespace"] = namespace
@@ -633,6 +775,77 @@ def kubernetes_tfjob(plan: JobPlan, *, name: str, image: str,
           "spec": {"runPolicy": {"backoffLimit": backoff_limit,
                                  "cleanPodPolicy": "None"},
                    "tfReplicaSpecs": specs}}
+
+
+def _check_pod_template(template: dict, where: str):
+  """Checks a replica's pod template with the `kubernetes` client's models
+  (`V1PodTemplateSpec`: field names and types) and the API server's rules
+  for what tfdist sets: quantities, requests within limits, mounts of
+  declared volumes, variable names, tolerations.
+
+  Raises:
+    JobSpecError: the first problem, naming the field.
+  """
+  try:
+    from kubernetes import client as k8s  # pylint: disable=g-import-not-at-top
+    from kubernetes import utils as k8s_utils  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    return  # kubeflow-training's own models checked the fields.
+  api = k8s.ApiClient()
+
+  class _Response:  # what ApiClient.deserialize reads
+    data = json.dumps(template)
+
+  try:
+    model = api.deserialize(_Response(), "V1PodTemplateSpec")
+  except (ValueError, TypeError) as e:
+    raise JobSpecError(f"{where}: the kubernetes client rejects the pod "
+                       f"template: {e}") from None
+  lost = _diff(template, api.sanitize_for_serialization(model))
+  _need(not lost, f"{where}: unknown pod field(s) {', '.join(lost)} (not in "
+        "the kubernetes client's V1PodTemplateSpec).")
+  spec = model.spec
+  volumes = {v.name for v in spec.volumes or []}
+  for container in spec.containers or []:
+    resources = container.resources
+    amounts = {}
+    for part in ("requests", "limits"):
+      for resource, value in ((getattr(resources, part) if resources else None)
+                              or {}).items():
+        try:
+          amounts[part, resource] = k8s_utils.parse_quantity(value)
+        except ValueError:
+          raise JobSpecError(
+              f"{where}: resources.{part}.{resource}={value!r} is not a "
+              "Kubernetes quantity (e.g. cpu: 4 or 500m; memory: 16Gi or "
+              "512Mi).") from None
+    for (part, resource), amount in amounts.items():
+      limit = amounts.get(("limits", resource))
+      _need(part != "requests" or limit is None or amount <= limit,
+            f"{where}: resources.requests.{resource} exceeds "
+            f"resources.limits.{resource}; a request must fit its limit.")
+    for variable in container.env or []:
+      _need(_ENV_NAME.match(variable.name or ""),
+            f"{where}: env name {variable.name!r} is not a valid variable "
+            "name (letters, digits, '_', '-', '.'; not starting with a "
+            "digit).")
+    for mount in container.volume_mounts or []:
+      _need(mount.name in volumes,
+            f"{where}: volumeMounts {mount.name!r} names no volume of the "
+            f"pod (volumes: {', '.join(sorted(volumes)) or 'none'}).")
+      _need(mount.mount_path and mount.mount_path.startswith("/"),
+            f"{where}: volumeMounts {mount.name!r} needs an absolute "
+            "mountPath.")
+  for toleration in spec.tolerations or []:
+    _need((toleration.operator or "Equal") in TOLERATION_OPERATORS,
+          f"{where}: toleration operator {toleration.operator!r}: use "
+          f"{' or '.join(TOLERATION_OPERATORS)}.")
+    _need((toleration.effect or "") in TOLERATION_EFFECTS,
+          f"{where}: toleration effect {toleration.effect!r}: use one of "
+          f"{', '.join(e for e in TOLERATION_EFFECTS if e)}.")
+  _need(spec.restart_policy is None,
+        f"{where}: the pod template sets restartPolicy; the TFJob replica's "
+        "restartPolicy (ExitCode) decides restarts.")
 
 
 def _diff(original, round_trip, path="") -> List[str]:
@@ -706,6 +919,8 @@ def validate_tfjob(job: dict, plan: Optional[JobPlan] = None) -> List:
     for container in containers:
       _need(container.name and container.image,
             f"{where}: every container needs a name and an image.")
+    _check_pod_template(job["spec"]["tfReplicaSpecs"][kind].get("template")
+                        or {}, where)
     command = list(main[0].command or [])
     if command[-2:] == ["-m", TRAIN_MODULE]:
       config = parse_train_flags(list(main[0].args or []), where=where)
@@ -778,6 +993,31 @@ flags.DEFINE_string("namespace", "", "Kubernetes: the TFJob's namespace.",
                     flag_values=_FLAGS)
 flags.DEFINE_integer("backoff_limit", 3, "Kubernetes: restarts before the "
                      "job fails (runPolicy.backoffLimit).", flag_values=_FLAGS)
+flags.DEFINE_string("values", "", "Kubernetes: YAML file of pod settings as "
+                    "Kubernetes spells them (" + ", ".join(POD_VALUE_KEYS) +
+                    "; replicaTypes: {PS: {...}} per replica type); the "
+                    "flags below add to it.", flag_values=_FLAGS)
+flags.DEFINE_string("service_account", "", "Kubernetes: the pods' "
+                    "serviceAccountName (e.g. a Workload Identity account "
+                    "that can write the gs:// --model_dir).",
+                    flag_values=_FLAGS)
+flags.DEFINE_multi_string("env", [], "Kubernetes: NAME=VALUE, an environment "
+                          "variable of every container (repeatable).",
+                          flag_values=_FLAGS)
+flags.DEFINE_string("cpu", "", "Kubernetes: CPU request and limit of the "
+                    "chief, workers and evaluator (e.g. 4, 500m).",
+                    flag_values=_FLAGS)
+flags.DEFINE_string("memory", "", "Kubernetes: memory request and limit of "
+                    "the chief, workers and evaluator (e.g. 16Gi).",
+                    flag_values=_FLAGS)
+flags.DEFINE_string("ps_cpu", "", "Kubernetes: CPU request and limit of the "
+                    "parameter servers.", flag_values=_FLAGS)
+flags.DEFINE_string("ps_memory", "", "Kubernetes: memory request and limit of "
+                    "the parameter servers.", flag_values=_FLAGS)
+flags.DEFINE_multi_string("node_selector", [], "Kubernetes: KEY=VALUE, a "
+                          "node label every pod needs (repeatable; e.g. "
+                          "cloud.google.com/gke-accelerator=nvidia-l4).",
+                          flag_values=_FLAGS)
 flags.DEFINE_enum("format", None, ["json", "yaml"], "Output format. Default: "
                   "json for vertex (yaml for --form=gcloud), yaml for "
                   "kubernetes.", flag_values=_FLAGS)
@@ -829,9 +1069,14 @@ def build(platform: str, options, train_args: Sequence[str]) -> dict:
         "Reduction Server.")
   _need(options.image, "--image is required for kubernetes: a container "
         "image with TensorFlow and tfdist installed.")
+  pods = pod_options(values_file=options.values,
+                     service_account=options.service_account,
+                     env=options.env, cpu=options.cpu, memory=options.memory,
+                     ps_cpu=options.ps_cpu, ps_memory=options.ps_memory,
+                     node_selector=options.node_selector)
   job = kubernetes_tfjob(plan, name=options.name, image=options.image,
                          namespace=options.namespace,
-                         backoff_limit=options.backoff_limit)
+                         backoff_limit=options.backoff_limit, pods=pods)
   validate_tfjob(job, plan)
   return job
 
