@@ -517,13 +517,14 @@ IMPORT_TIMEOUT_SECONDS = 300
 def train_loop_per_worker(loop_config: dict) -> dict:
   """Ray Train's per-worker function: one tfdist run of `loop_config`.
 
-  A Ray checkpoint from `ray.train.get_checkpoint()` (the latest one this
-  Ray run reported, or `resume_from_checkpoint`) newer than the checkpoint
+  A Ray checkpoint (`ray.train.get_checkpoint()`, the latest this Ray run
+  reported; else `loop_config["resume_from"]`) newer than the checkpoint
   folder's own is imported there first (`import_checkpoint`, by the chief;
   the others wait for it): tfdist then resumes from it as from its own.
 
   Args:
-    loop_config: `{"config": TrainConfig, "callbacks": [Keras callbacks]}`.
+    loop_config: `{"config": TrainConfig, "callbacks": [Keras callbacks],
+      "resume_from": a ray.train.Checkpoint or None}`.
 
   Returns:
     This worker's run manifest (Ray keeps rank 0's: the chief's).
@@ -537,7 +538,10 @@ def train_loop_per_worker(loop_config: dict) -> dict:
   config = loop_config["config"]
   checkpoint_dir = config.resolved_checkpoint_dir
   is_chief = ray.train.get_context().get_world_rank() == 0
-  ray_checkpoint = ray.train.get_checkpoint()
+  # This run's own latest report first (a restart), else the checkpoint it
+  # was asked to start from.
+  ray_checkpoint = (ray.train.get_checkpoint() or
+                    loop_config.get("resume_from"))
   if ray_checkpoint is not None:
     with ray_checkpoint.as_directory() as folder:
       if is_chief:
@@ -659,10 +663,14 @@ def run_on_ray(config: TrainConfig, *, num_workers: int, use_gpu: bool = False,
     run_config.worker_runtime_env = {"env_vars": {"TMPDIR": scratch}}
   trainer = TensorflowTrainer(
       train_loop_per_worker,
-      train_loop_config={"config": config, "callbacks": list(callbacks)},
+      # Ray Train 2's way of starting from an earlier run's checkpoint:
+      # the training function gets it (`resume_from_checkpoint=` of the
+      # trainer is deprecated there).
+      train_loop_config={"config": config, "callbacks": list(callbacks),
+                         "resume_from": resume_from_checkpoint},
       scaling_config=ScalingConfig(num_workers=num_workers, use_gpu=use_gpu,
                                    resources_per_worker=resources),
-      run_config=run_config, resume_from_checkpoint=resume_from_checkpoint)
+      run_config=run_config)
   logging.info("Ray Train: %d worker(s) x %s, max_failures=%d, model_dir %s",
                num_workers, resources, max_failures, config.model_dir)
   try:
