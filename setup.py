@@ -39,7 +39,10 @@ setuptools.setup(
               sorted(PACKAGE_DIRS)),
     package_dir=PACKAGE_DIRS,
     python_requires=">=3.10,<3.12",
+    license="Apache-2.0",
+    license_files=["LICENSE"],
     classifiers=[
+        "License :: OSI Approved :: Apache Software License",
         "Programming Language :: Python :: 3.10",
         "Programming Language :: Python :: 3.11",
         "Operating System :: POSIX :: Linux",
@@ -87,8 +90,14 @@ setuptools.setup(
                  "google-cloud-aiplatform>=1.60,<3",
                  "kubeflow-training>=1.8,<2"],
     },
+    # One command per binary (each module's `run()`, what its
+    # `python -m tfdist.<module>` runs); tests/sdist_install_test.py checks
+    # that every module with a `__main__` block has one.
     entry_points={"console_scripts": [
         "tfdist-train=tfdist.train:run",
+        "tfdist-launch=tfdist.launch:run",
+        "tfdist-diagnose=tfdist.diagnose:run",
         "tfdist-job-spec=tfdist.job_spec:run",
+        "tfdist-ray=tfdist.ray:run",
     ]},
 )

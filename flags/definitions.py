@@ -439,13 +439,14 @@ def define_vertex_flags() -> List[str]:
       "with NCCL all-reduce (implies --all_reduce_alg=nccl; GPUs only), and "
       "pool 2 is neither ps nor worker. Detected by itself when CLUSTER_SPEC's "
       "job description names the Reduction Server image.")
-  flags.DEFINE_enum(
+  flags.DEFINE_string(
       "hptune_metric", _default("hptune_metric"),
-      list(config_lib.HPTUNE_METRICS),
-      "Report this metric of each evaluation to Vertex AI hyperparameter "
+      "Report this value of each evaluation to Vertex AI hyperparameter "
       "tuning through cloudml-hypertune (pip install 'tfdist[vertex]'; "
-      "preinstalled in Vertex's prebuilt containers), from the task that "
-      "evaluates. Unset: no reporting.")
+      "preinstalled in Vertex's prebuilt containers), from the chief: "
+      "eval_loss, or eval_ and the name of one of the model's metrics "
+      f"({', '.join(config_lib.HPTUNE_METRICS)} for tfdist's models). "
+      "Checked against the model before training. Unset: no reporting.")
   return ["hptune_metric"]
 
 

@@ -12,6 +12,8 @@ Speed targets are not asserted here (benchmarks/ measures them).
 
 import json
 import os
+import re
+import shutil
 import tempfile
 import time
 
@@ -122,6 +124,45 @@ class VerdictTest(parameterized.TestCase):
                           device_memory_bytes=80 << 30)
     self.assertEqual(ok.label, "compute-bound")
 
+  def test_advice_fits_the_hardware_measured(self):
+    # A CPU-only run at 56% efficiency (pinned workers: real scaling).
+    cpu = diagnose.verdict(_run("CPU", replicas=2, workers=2, eps=112.0),
+                           _run("CPU", label="baseline", eps=100.0), cores=2,
+                           pinned=True)
+    self.assertEqual(cpu.label, "communication-bound")
+    for absent in ("GPU", "nccl", "Reduction Server", "bf16", "XLA"):
+      self.assertNotIn(absent, cpu.advice[0])
+    compute = diagnose.verdict(_run("CPU"), cores=2)
+    self.assertEqual(compute.label, "compute-bound")
+    for absent in ("GPU", "bf16", "fp16", "XLA"):
+      self.assertNotIn(absent, compute.advice[0])
+    self.assertIn("--pin_workers", compute.advice[0])
+    # bf16 on a CPU that has bf16 matrix instructions.
+    self.assertIn("--dtype=bf16: this CPU has bf16", diagnose.verdict(
+        _run("CPU"), cpu_bf16=True).advice[0])
+    # GPUs: bf16/fp16 by compute capability, XLA, NCCL.
+    gpu = diagnose.verdict(_run())
+    self.assertIn("--dtype=bf16 on GPUs of compute capability",
+                  gpu.advice[0])
+    self.assertIn("--enable_xla", gpu.advice[0])
+    # A run already in bf16 is not told to use it.
+    in_bf16 = _run()
+    in_bf16.dtype = "bf16"
+    self.assertNotIn("mixed precision", diagnose.verdict(in_bf16).advice[0])
+    tpu = diagnose.verdict(_run("TPU"))
+    self.assertIn("--dtype=bf16", tpu.advice[0])
+    self.assertNotIn("XLA", tpu.advice[0])
+
+  def test_cpu_bf16_from_cpuinfo(self):
+    path = os.path.join(testutil.scratch_dir(), "cpuinfo")
+    for flags, expected in (("fpu avx2 avx512f", False),
+                            ("fpu avx512f avx512_bf16", True),
+                            ("fpu amx_bf16 amx_tile", True)):
+      with open(path, "w") as f:
+        f.write(f"processor\t: 0\nflags\t\t: {flags}\n")
+      self.assertEqual(diagnose.cpu_has_bf16(path), expected, flags)
+    self.assertFalse(diagnose.cpu_has_bf16(path + ".missing"))
+
   def test_disturbed_measurements_are_called_so(self):
     base = _run(label="baseline", eps=100.0)
     base.interval_examples_per_second = [60.0, 140.0]
@@ -231,6 +272,23 @@ class InputWaitTest(parameterized.TestCase):
 
 class DiagnoseBinaryTest(absltest.TestCase):
   """`python -m tfdist.diagnose` on a real short run (two children)."""
+
+  def test_a_temporary_folder_is_never_named_once_deleted(self):
+    # A run that fails (its data files do not exist) keeps its log where
+    # the error says; a finished one's temporary folder is not named.
+    with self.assertRaisesRegex(diagnose.DiagnoseError,
+                                r"exited with status \d+; the end of its "
+                                r"output \((\S+\.log)\)") as caught:
+      diagnose.diagnose([
+          "--train_files=/nonexistent/train-*.tfrecord.gz",
+          "--eval_files=/nonexistent/test-*.tfrecord.gz"], baseline=False,
+                        steps=2, log_steps=1, timeout_seconds=300)
+    log = re.search(r"\((\S+\.log)\)", str(caught.exception)).group(1)
+    self.assertTrue(os.path.exists(log), log)
+    shutil.rmtree(os.path.dirname(log))
+    note = diagnose._runs_folder_note("/tmp/tfdist-diagnose-x", keep=False)  # pylint: disable=protected-access
+    self.assertNotIn("/tmp", note)
+    self.assertIn("--model_dir=DIR", note)
 
   def test_table_verdict_records_and_profile(self):
     data = testutil.fashion_mnist_subset(limit=1024)

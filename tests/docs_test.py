@@ -41,8 +41,6 @@ from tests import testutil
 PENDING = (
     "docs/design/long-runs.md",
     "docs/guides/fit-conformance.md",
-    "docs/platforms/engines.md",
-    "docs/reference/tensorboard-tags.md",
     "docs/guides/sharded-training.md",
 )
 

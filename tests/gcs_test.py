@@ -190,12 +190,12 @@ class GcsKillAndResumeTest(absltest.TestCase):
     return np.stack(images)
 
   def _check_events(self, paths, restored_step: int):
-    """The `loss` scalars of the resumed run are in the events files."""
+    """The `batch_loss` scalars of the resumed run are in the events files."""
     steps = set()
     for path in paths:
       for event in tf.compat.v1.train.summary_iterator(path):
         for value in event.summary.value:
-          if value.tag == "loss":
+          if value.tag == "batch_loss":
             steps.add(event.step)
     self.assertContainsSubset(
         range(restored_step + _LOG_STEPS, _TRAIN_STEPS + 1, _LOG_STEPS),

@@ -87,6 +87,26 @@ class VertexTest(absltest.TestCase):
     # picks multi_worker_mirrored there (tfdist.cluster).
     self.assertTrue(cluster_lib.reduction_server_in_job(job["jobSpec"]))
 
+  def test_evaluator_beside_multi_worker_mirrored(self):
+    job = _vertex(num_workers=2, evaluator=True)
+    pools = job["jobSpec"]["workerPoolSpecs"]
+    self.assertEqual([p.get("replicaCount") for p in pools], [1, 2, None, 1])
+    self.assertEqual(pools[2], {})
+    configs = job_spec.validate_vertex_custom_job(job)
+    self.assertEqual([i for i, _ in configs], [0, 1, 3])
+
+  def test_chief_workers_reduction_server_and_evaluator(self):
+    job = _vertex(num_workers=2, reduction_server_replicas=2, evaluator=True,
+                  accelerator="NVIDIA_L4:1")
+    pools = job["jobSpec"]["workerPoolSpecs"]
+    self.assertEqual([p["replicaCount"] for p in pools], [1, 2, 2, 1])
+    self.assertEqual(pools[2]["containerSpec"]["imageUri"],
+                     cluster_lib.REDUCTION_SERVER_IMAGE)
+    self.assertEqual(pools[3]["machineSpec"]["acceleratorType"], "NVIDIA_L4")
+    configs = job_spec.validate_vertex_custom_job(job)
+    self.assertEqual([i for i, _ in configs], [0, 1, 3])
+    self.assertTrue(all(c.reduction_server for _, c in configs))
+
   def test_spec_only_is_the_job_spec(self):
     job = _vertex(num_workers=1)
     self.assertEqual(_vertex(num_workers=1, spec_only=True), job["jobSpec"])
@@ -99,6 +119,68 @@ class VertexTest(absltest.TestCase):
     self.assertEqual(proc.returncode, 0, proc.stdout[-2000:])
     job = json.loads(proc.stdout)
     self.assertEqual(job, _vertex(num_workers=1))
+
+
+class VertexFormsTest(absltest.TestCase):
+  """The same job for each client: REST, the Python SDK, gcloud's config."""
+
+  def _job(self, **overrides):
+    return _vertex(num_workers=2, reduction_server_replicas=2,
+                   evaluator=True, accelerator="NVIDIA_L4:1",
+                   base_output_dir="gs://my-bucket/out", **overrides)
+
+  def test_sdk_form_builds_an_aiplatform_custom_job_offline(self):
+    from google.auth import credentials  # pylint: disable=g-import-not-at-top
+    from google.cloud import aiplatform  # pylint: disable=g-import-not-at-top
+    from google.protobuf import json_format  # pylint: disable=g-import-not-at-top
+    rest = self._job()
+    kwargs = self._job(form="sdk")
+    self.assertEqual(kwargs["worker_pool_specs"][0]["machine_spec"],
+                     {"machine_type": "n1-standard-8",
+                      "accelerator_type": "NVIDIA_L4", "accelerator_count": 1})
+    # Constructing sends nothing; project, location and bucket are the
+    # caller's, anonymous credentials keep google.auth from looking for any.
+    job = aiplatform.CustomJob(
+        **kwargs, project="my-project", location="us-central1",
+        staging_bucket="gs://my-bucket/staging",
+        credentials=credentials.AnonymousCredentials())
+    built = json_format.MessageToDict(job.job_spec._pb)  # pylint: disable=protected-access
+    parsed = json_format.MessageToDict(json_format.Parse(
+        json.dumps(rest["jobSpec"]), type(job.job_spec._pb)()))  # pylint: disable=protected-access
+    self.assertEqual(built, parsed)
+    self.assertEqual(job._gca_resource.display_name, "tfdist")  # pylint: disable=protected-access
+    # The REST body itself is what the SDK refuses.
+    with self.assertRaisesRegex(job_spec.JobSpecError,
+                                "Unknown field for WorkerPoolSpec: "
+                                "machineSpec"):
+      job_spec.validate_vertex_sdk_kwargs(
+          {"worker_pool_specs": rest["jobSpec"]["workerPoolSpecs"]}, rest)
+
+  def test_gcloud_form_is_the_custom_job_spec_in_yaml(self):
+    import yaml  # pylint: disable=g-import-not-at-top
+    from google.cloud.aiplatform_v1.types import custom_job as types_lib  # pylint: disable=g-import-not-at-top
+    from google.protobuf import json_format  # pylint: disable=g-import-not-at-top
+    config = yaml.safe_load(job_spec.render(self._job(form="gcloud"), "yaml"))
+    self.assertEqual(config, self._job()["jobSpec"])
+    # camelCase CustomJobSpec fields, unknown ones refused.
+    json_format.Parse(json.dumps(config), types_lib.CustomJobSpec.pb()(),
+                      ignore_unknown_fields=False)
+
+  def test_container_image_pools(self):
+    job = self._job(package_uris=[],
+                    container_image_uri="us-docker.pkg.dev/p/r/tfdist:0.1")
+    pools = job["jobSpec"]["workerPoolSpecs"]
+    for index in (0, 1, 3):
+      self.assertEqual(pools[index]["containerSpec"]["command"],
+                       ["python", "-m", "tfdist.train"])
+      self.assertNotIn("pythonPackageSpec", pools[index])
+    bad = copy.deepcopy(job)
+    bad["jobSpec"]["workerPoolSpecs"][3]["containerSpec"]["args"].append(
+        "--batch_size=0")
+    with self.assertRaisesRegex(job_spec.JobSpecError,
+                                r"workerPoolSpecs\[3\]: tfdist.train would "
+                                "stop at start: --batch_size=0"):
+      job_spec.validate_vertex_custom_job(bad)
 
 
 class VertexRejectsTest(parameterized.TestCase):
@@ -180,6 +262,105 @@ class KubernetesTest(absltest.TestCase):
     self.assertEqual(yaml.safe_load(proc.stdout), _tfjob(num_workers=1))
 
 
+_VALUES = """\
+volumes:
+- name: data
+  persistentVolumeClaim: {claimName: fashion-mnist}
+- name: dshm
+  emptyDir: {medium: Memory}
+volumeMounts:
+- {name: data, mountPath: /data, readOnly: true}
+- {name: dshm, mountPath: /dev/shm}
+tolerations:
+- {key: nvidia.com/gpu, operator: Exists, effect: NoSchedule}
+env:
+- name: POD_NAME
+  valueFrom: {fieldRef: {fieldPath: metadata.name}}
+replicaTypes:
+  PS:
+    tolerations: []
+"""
+
+
+class TfJobPodsTest(absltest.TestCase):
+  """A TFJob a cluster can run: resources, credentials, variables, volumes,
+  node selectors and tolerations, read back by the kubernetes client."""
+
+  def test_values_file_and_flags(self):
+    from kubernetes import client as k8s  # pylint: disable=g-import-not-at-top
+    values = testutil.scratch_dir() + "/values.yaml"
+    with open(values, "w") as f:
+      f.write(_VALUES)
+    job = _tfjob(num_workers=2, num_ps=1, evaluator=True,
+                 accelerator="NVIDIA_L4:1", values=values,
+                 service_account="tfdist-trainer", cpu="4", memory="16Gi",
+                 ps_cpu="2", ps_memory="8Gi",
+                 env=["GOOGLE_CLOUD_PROJECT=my-project"],
+                 node_selector=["cloud.google.com/gke-nodepool=train"])
+    self.assertLen(job_spec.validate_tfjob(job), 4)
+    api = k8s.ApiClient()
+    specs = job["spec"]["tfReplicaSpecs"]
+
+    def pod(kind):
+      class _Response:  # pylint: disable=too-few-public-methods
+        data = json.dumps(specs[kind]["template"])
+      return api.deserialize(_Response(), "V1PodTemplateSpec").spec
+
+    for kind in ("Chief", "Worker", "PS", "Evaluator"):
+      self.assertEqual(specs[kind]["restartPolicy"], "ExitCode")
+      spec = pod(kind)
+      (container,) = spec.containers
+      self.assertEqual(spec.service_account_name, "tfdist-trainer")
+      self.assertEqual(spec.node_selector,
+                       {"cloud.google.com/gke-nodepool": "train"})
+      self.assertEqual([v.name for v in spec.volumes], ["data", "dshm"])
+      self.assertEqual([(m.name, m.mount_path) for m in
+                        container.volume_mounts],
+                       [("data", "/data"), ("dshm", "/dev/shm")])
+      self.assertEqual([e.name for e in container.env],
+                       ["POD_NAME", "GOOGLE_CLOUD_PROJECT"])
+      self.assertEqual(container.env[1].value, "my-project")
+      gpu = {} if kind == "PS" else {"nvidia.com/gpu": "1"}
+      amounts = ({"cpu": "2", "memory": "8Gi"} if kind == "PS" else
+                 {"cpu": "4", "memory": "16Gi"})
+      self.assertEqual(container.resources.requests, amounts)
+      self.assertEqual(container.resources.limits, {**amounts, **gpu})
+      self.assertEqual([t.key for t in spec.tolerations or []],
+                       [] if kind == "PS" else ["nvidia.com/gpu"])
+
+  def test_rejects(self):
+    cases = (
+        (dict(memory="16GB"), r"resources.requests.memory='16GB' is not a "
+         "Kubernetes quantity"),
+        (dict(env=["PROJECT"]), "--env='PROJECT': give KEY=VALUE"),
+        (dict(env=["1PROJECT=x"]), "env name '1PROJECT' is not a valid"),
+    )
+    for overrides, pattern in cases:
+      with self.assertRaisesRegex(job_spec.JobSpecError, pattern):
+        _tfjob(num_workers=1, **overrides)
+    for text, pattern in (
+        ("restartPolicy: Always\n", "unknown key.*restartPolicy.*The "
+         "restart policy is tfdist's"),
+        ("volumeMounts: [{name: data, mountPath: /data}]\n",
+         "volumeMounts 'data' names no volume of the pod"),
+        ("resources: {requests: {cpu: '8'}, limits: {cpu: '4'}}\n",
+         "resources.requests.cpu exceeds resources.limits.cpu"),
+        ("tolerations: [{key: a, operator: Has}]\n",
+         "toleration operator 'Has'"),
+        ("nodeSelectr: {a: b}\n", "unknown key.*nodeSelectr"),
+        ("replicaTypes: {Coordinator: {}}\n",
+         "replicaTypes.Coordinator: unknown replica type"),
+        ("volumes: [{name: data, persistentVolumeClam: {}}]\n",
+         r"unknown field\(s\) spec.tfReplicaSpecs.Chief.template.spec."
+         r"volumes\[0\].persistentVolumeClam"),
+    ):
+      values = testutil.scratch_dir() + "/values.yaml"
+      with open(values, "w") as f:
+        f.write(text)
+      with self.assertRaisesRegex(job_spec.JobSpecError, pattern):
+        _tfjob(num_workers=1, values=values)
+
+
 class TfJobRejectsTest(parameterized.TestCase):
   """What a toy validator would accept and the Kubeflow SDK/CRD do not."""
 
@@ -220,8 +401,6 @@ class TfJobRejectsTest(parameterized.TestCase):
 class PlanAndFlagsTest(parameterized.TestCase):
 
   @parameterized.named_parameters(
-      ("evaluator_without_ps", dict(num_workers=1, evaluator=True),
-       "--evaluator needs --num_ps >= 1"),
       ("ps_and_reduction_server",
        dict(num_workers=1, num_ps=1, reduction_server_replicas=1),
        "either parameter servers or the Reduction Server"),
@@ -233,6 +412,14 @@ class PlanAndFlagsTest(parameterized.TestCase):
   def test_bad_plans(self, overrides, pattern):
     with self.assertRaisesRegex(job_spec.JobSpecError, pattern):
       _vertex(**overrides)
+
+  def test_evaluator_reads_the_chiefs_checkpoints_from_shared_storage(self):
+    with self.assertRaisesRegex(
+        job_spec.JobSpecError, "--model_dir=/tmp/run is a folder on each "
+        "replica's own disk, but the evaluator reads the chief's"):
+      _tfjob(evaluator=True, train=_TRAIN[1:] + ("--model_dir=/tmp/run",))
+    specs = _tfjob(evaluator=True)["spec"]["tfReplicaSpecs"]
+    self.assertEqual(list(specs), ["Chief", "Evaluator"])
 
   @parameterized.named_parameters(
       ("one_machine_strategy", ("--model_dir=gs://b/r",
@@ -260,6 +447,12 @@ class PlanAndFlagsTest(parameterized.TestCase):
     self.assertEqual((config.train_steps, config.hptune_metric),
                      (7, "eval_loss"))
     self.assertNotEqual(flags.FLAGS["train_steps"].value, 7)
+    # A metric tfdist's model for the data set does not evaluate.
+    with self.assertRaisesRegex(
+        job_spec.JobSpecError, "--hptune_metric=eval_auc: this model's "
+        "evaluation reports eval_loss, eval_accuracy"):
+      job_spec.parse_train_flags(["--model_dir=gs://b/r", "--train_steps=1",
+                                  "--hptune_metric=eval_auc"], where="test")
     with self.assertRaisesRegex(job_spec.JobSpecError,
                                 "--loss_scale must be 'dynamic'"):
       job_spec.parse_train_flags(["--model_dir=/m", "--train_steps=1",

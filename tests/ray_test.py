@@ -18,11 +18,13 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
 from absl.testing import absltest
 import psutil
+import tensorflow as tf
 
 from tests import ray_testlib
 from tests import testutil
@@ -310,11 +312,61 @@ class LocalRayClusterTest(absltest.TestCase):
                         for h in manifest["history"]
                         if h["process"] != attempts[-1]))
     self.assertEqual(manifest["history"][-1]["step"], STEPS)
-    # Ray's result: the chief's manifest, and a Ray checkpoint holding it.
+    # Ray's result: the chief's manifest, and the last Ray checkpoint: the
+    # final tfdist checkpoint, with the manifest beside it.
     self.assertEqual(result.return_value["final_step"], STEPS)
     with result.checkpoint.as_directory() as folder:
       saved = json.load(open(os.path.join(folder, "run_manifest.json")))
+      self.assertTrue(tf.train.latest_checkpoint(folder).endswith(
+          f"ckpt-{STEPS}"))
     self.assertEqual(saved["final_step"], STEPS)
+    # Every tfdist checkpoint of the resumed attempt reached Ray, each
+    # once, from the chief, at the log point of its step.
+    reported = [m.get("checkpoint_step")
+                for _, m in result.best_checkpoints]
+    self.assertContainsSubset(
+        range(metrics["start_step"] + CHECKPOINT_STEPS, STEPS + 1,
+              CHECKPOINT_STEPS), reported)
+    self.assertEqual(len(reported), len(set(reported)), reported)
+    # Ray's frame of the checkpoints' metrics: the interval's loss at each
+    # log point's (the last row holds the final metrics).
+    frame = result.metrics_dataframe
+    self.assertTrue(frame.loc[frame["step"] < STEPS, "loss"].notna().all(),
+                    frame)
+    self.assertEqual(frame["step"].iloc[-1], STEPS)
+    # The killed worker's scratch folder went with the run's.
+    self.assertEqual(glob.glob(os.path.join(
+        tempfile.gettempdir(), "tfdist-ray-scratch-*")), [])
+
+    # Restored through Ray into a new --model_dir: the run resumes from the
+    # Ray checkpoint's step, under the user's own RunConfig.
+    from ray.train import CheckpointConfig, RunConfig  # pylint: disable=g-import-not-at-top
+    resumed_dir = testutil.scratch_dir()
+    reports = os.path.join(testutil.scratch_dir(), "reports.jsonl")
+    again = tfdist_ray.run_on_ray(
+        _config(resumed_dir, self.data, train_steps=STEPS + 8,
+                checkpoint_steps=0),
+        num_workers=2, resume_from_checkpoint=result.checkpoint,
+        run_config=RunConfig(
+            storage_path=os.path.join(testutil.scratch_dir(), "ray_again"),
+            checkpoint_config=CheckpointConfig(num_to_keep=1),
+            callbacks=[ray_testlib.report_recorder(reports)]))
+    self.assertIsNone(again.error, repr(again.error))
+    self.assertEqual(again.metrics["start_step"], STEPS)
+    self.assertEqual(again.metrics["final_step"], STEPS + 8)
+    self.assertLen(again.best_checkpoints, 1)  # num_to_keep=1
+    # The user's Ray callback saw every report of both workers: the log
+    # point at step 52 (--log_steps=4; no checkpoint, no evaluation), then
+    # the evaluation and the final report at 56, the last with the final
+    # checkpoint.
+    with open(reports) as f:
+      rounds = [json.loads(line) for line in f]
+    self.assertEqual([[m["step"] for m in r["metrics"]] for r in rounds],
+                     [[52, 52], [56, 56], [56, 56]])
+    self.assertIn("loss", rounds[0]["metrics"][0])
+    self.assertNotIn("val_loss", rounds[0]["metrics"][0])
+    self.assertIn("val_loss", rounds[1]["metrics"][0])
+    self.assertEqual([r["checkpoint"] for r in rounds], [False, False, True])
     # Ray Train wrote TF_CONFIG with 127.0.0.1 addresses.
     self.assertEqual(
         [a.split(":")[0] for a in manifest["cluster"]["jobs"]["worker"]],

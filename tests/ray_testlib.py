@@ -1,4 +1,5 @@
-"""Fault injection for multi-worker tests: a worker that kills itself once.
+"""Fault injection for multi-worker tests: a worker that kills itself once;
+and a Ray Train callback that records what the workers report.
 
 `KillOnceCallback` is a Keras callback for tfdist's controller, passed to
 the workers (e.g. through `tfdist.ray.run_on_ray(callbacks=...)`; it must
@@ -60,3 +61,22 @@ class KillOnceCallback(keras.callbacks.Callback):
       json.dump({"step": step, "pid": os.getpid(),
                  "task": f"{self.task[0]}:{self.task[1]}"}, f)
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def report_recorder(path: str):
+  """A `ray.train.UserCallback` appending one JSON line per
+  `ray.train.report` round to `path`: `{"metrics": [each worker's dict],
+  "checkpoint": bool}` (it runs in Ray's controller process, hence the
+  file). Ray is imported here, on use."""
+  import ray.train  # pylint: disable=g-import-not-at-top
+
+  class ReportRecorder(ray.train.UserCallback):
+
+    def after_report(self, run_context, metrics, checkpoint):
+      del run_context
+      with open(path, "a") as f:
+        f.write(json.dumps({"metrics": metrics,
+                            "checkpoint": checkpoint is not None},
+                           default=str) + "\n")
+
+  return ReportRecorder()

@@ -30,6 +30,10 @@ _NOT_SOURCES = shutil.ignore_patterns(
     ".git", ".venv*", ".wheelhouse", "bazel-*", "__pycache__", "*.egg-info",
     "build", "dist", "runs", "data", ".pytest_cache")
 TIMEOUT = 600
+# Each binary's console script and a flag its --helpshort must list.
+KEY_FLAG = {"train": "--train_files", "launch": "--num_workers",
+            "diagnose": "--num_workers", "job_spec": "--num_workers",
+            "ray": "--num_workers"}
 
 
 def _run(args, **kwargs) -> subprocess.CompletedProcess:
@@ -49,6 +53,36 @@ def _container_requirements() -> list:
       if match:
         pins[match.group(1).lower()] = line.strip()
   return [pins[name] for name in CONTAINER_PACKAGES]
+
+
+def _binaries() -> dict:
+  """{module: first line of its docstring} for each tfdist module that runs
+  as a program (has an `if __name__ == "__main__":` block)."""
+  found = {}
+  package = os.path.join(testutil.SOURCE_ROOT, "tfdist")
+  for name in sorted(os.listdir(package)):
+    if not name.endswith(".py"):
+      continue
+    with open(os.path.join(package, name)) as f:
+      text = f.read()
+    if re.search(r'^if __name__ == "__main__":', text, re.M):
+      docstring = re.match(r'\s*"""(.*)', text).group(1)
+      found[name[:-3]] = docstring.strip()
+  return found
+
+
+def _dockerfile_steps() -> list:
+  """`(INSTRUCTION, arguments)` of the repository's Dockerfile, in order
+  (continued lines joined, comments dropped)."""
+  with open(os.path.join(testutil.SOURCE_ROOT, "Dockerfile")) as f:
+    text = re.sub(r"\\\n", " ", "".join(
+        line for line in f if not line.lstrip().startswith("#")))
+  steps = []
+  for line in text.splitlines():
+    if line.strip():
+      instruction, _, value = line.strip().partition(" ")
+      steps.append((instruction.upper(), " ".join(value.split())))
+  return steps
 
 
 def _clean_env() -> dict:
@@ -140,11 +174,82 @@ class SdistInstallTest(absltest.TestCase):
     self.assertEqual(where.returncode, 0, where.stdout[-3000:])
     for path in where.stdout.split():
       self.assertTrue(path.startswith(os.path.join(container, "lib")), path)
-    # The console script as well.
-    helpshort = _run([os.path.join(container, "bin", "tfdist-train"),
-                      "--helpshort"], cwd=run_dir, env=_clean_env(),
-                     timeout=120)
-    self.assertIn("--train_files", helpshort.stdout)
+    # A console script per binary: every tfdist module with a `__main__`
+    # block is installed as tfdist-<module>, runs from outside the
+    # checkout, and prints its own usage and key flags (absl's --helpshort
+    # exits 1 after printing).
+    binaries = _binaries()
+    self.assertEqual(set(binaries), set(KEY_FLAG))
+    scripts = _run([python, "-c", "import importlib.metadata as m; print("
+                    "'\\n'.join(sorted(e.name + '=' + e.value for e in "
+                    "m.entry_points(group='console_scripts') "
+                    "if e.dist.name == 'tfdist')))"],
+                   cwd=run_dir, env=_clean_env(), timeout=60)
+    self.assertEqual(
+        scripts.stdout.split(),
+        sorted(f"tfdist-{b.replace('_', '-')}=tfdist.{b}:run"
+               for b in binaries))
+    for binary, usage in binaries.items():
+      script = os.path.join(container, "bin",
+                            f"tfdist-{binary.replace('_', '-')}")
+      helpshort = _run([script, "--helpshort"], cwd=run_dir,
+                       env=_clean_env(), timeout=120).stdout
+      self.assertTrue(helpshort.lstrip().startswith(usage), helpshort[:3000])
+      self.assertIn(KEY_FLAG[binary], helpshort)
+    # 4. The Dockerfile's install steps, run in the same environment with
+    # pip on the wheelhouse: its COPY lines give the build folder, its pip
+    # RUN lines install from there (the image's python:3.11-slim base and
+    # PyPI are not here: Python 3.10 and TensorFlow 2.17.1 from the
+    # wheelhouse meet the same `.[cpu,vertex]` requirements).
+    image = os.path.join(work, "image")
+    os.makedirs(image)
+    build_args, pip_steps = {}, 0
+    for instruction, value in _dockerfile_steps():
+      if instruction == "ARG":
+        name, _, default = value.partition("=")
+        build_args[name] = default
+      elif instruction == "COPY" and not value.startswith("--from"):
+        *sources, dest = value.split()
+        # Into the WORKDIR under their own names (what this copy assumes).
+        self.assertIn(dest, ("./", sources[0]))
+        for source in sources:
+          source_path = os.path.join(testutil.SOURCE_ROOT, source)
+          target = os.path.join(image, source)
+          if os.path.isdir(source_path):
+            shutil.copytree(source_path, target, ignore=_NOT_SOURCES)
+          else:
+            shutil.copy(source_path, target)
+      elif instruction == "RUN":
+        command = re.sub(r"\$\{(\w+)\}", lambda m: build_args[m.group(1)],
+                         value)
+        if not command.startswith("pip "):
+          self.assertRegex(command, r"^useradd ")  # the image's own user
+          continue
+        pip_steps += 1
+        proc = _run(["bash", "-c", command], cwd=image, env={
+            **_clean_env(),
+            "PATH": os.path.join(container, "bin") + os.pathsep +
+                    os.environ["PATH"],
+            "PIP_NO_INDEX": "1", "PIP_FIND_LINKS": wheelhouse,
+            "PIP_DISABLE_PIP_VERSION_CHECK": "1"})
+        self.assertEqual(proc.returncode, 0, proc.stdout[-3000:])
+    self.assertEqual(pip_steps, 1)
+    where = _run([python, "-c", "import tfdist, hypertune; "
+                  "print(tfdist.__file__)"], cwd=run_dir, env=_clean_env(),
+                 timeout=60)
+    self.assertEqual(where.returncode, 0, where.stdout[-3000:])
+    self.assertTrue(where.stdout.strip().startswith(
+        os.path.join(container, "lib")), where.stdout)
+    self.assertIn("--train_files", _run(
+        [os.path.join(container, "bin", "tfdist-train"), "--helpshort"],
+        cwd=run_dir, env=_clean_env(), timeout=120).stdout)
+
+    # The licence travels with the package.
+    metadata = _run([python, "-c", "import importlib.metadata as m; "
+                     "d = m.distribution('tfdist'); print(d.metadata['License']); "
+                     "print(any(str(f).endswith('LICENSE') for f in d.files))"],
+                    cwd=run_dir, env=_clean_env(), timeout=60)
+    self.assertEqual(metadata.stdout.split(), ["Apache-2.0", "True"])
 
 
 if __name__ == "__main__":

@@ -38,6 +38,25 @@ def _config(model_dir, **overrides):
   return TrainConfig(**kwargs)
 
 
+def _tags(folder):
+  """{tag: [step, ...]} of the scalars in `folder`'s event files."""
+  tags = {}
+  for path in sorted(glob.glob(os.path.join(folder, "events.out.tfevents.*"))):
+    for event in tf.compat.v1.train.summary_iterator(path):
+      for value in event.summary.value:
+        tags.setdefault(value.tag, []).append(event.step)
+  return tags
+
+
+def _documented_tags():
+  """The tags docs/reference/tensorboard-tags.md lists (`name` cells of
+  its tables; `<metric>` stands for each metric)."""
+  with open(os.path.join(testutil.SOURCE_ROOT, "docs", "reference",
+                         "tensorboard-tags.md")) as f:
+    return {m for line in f if line.startswith("| `")
+            for m in [line.split("`")[1]]}
+
+
 def _artifacts_ok(test, model_dir):
   test.assertTrue(glob.glob(os.path.join(model_dir, "checkpoints",
                                          "ckpt-*.index")))
@@ -78,6 +97,21 @@ class RunExperimentTest(parameterized.TestCase):
     final = manifest["final_metrics"]
     self.assertEqual(final["eval_examples"], 512)  # every example once
     self.assertTrue(np.isfinite(final["eval_loss"]))
+    # TensorBoard: each value once, under Keras's tags; log points at steps
+    # 4, 8, 12, epochs end (and evaluate) at steps 8 and 12.
+    train, validation = (_tags(os.path.join(model_dir, sub))
+                         for sub in ("train", "validation"))
+    self.assertEqual(validation, {"evaluation_loss_vs_iterations": [8, 12],
+                                  "evaluation_accuracy_vs_iterations": [8, 12]})
+    for tag in ("batch_loss", "batch_accuracy", "learning_rate",
+                "examples_per_second"):
+      self.assertEqual(train[tag], [4, 8, 12], tag)
+    for tag in ("epoch_loss", "epoch_accuracy", "epoch_learning_rate"):
+      self.assertEqual(train[tag], [0, 1], tag)
+    self.assertNotIn("loss", train)
+    documented = _documented_tags()
+    for tag in [*train, *validation]:
+      self.assertIn(tag.replace("accuracy", "<metric>"), documented, tag)
     self.assertBetween(final["eval_accuracy"], 0.0, 1.0)
     # Throughput: logged every 4 steps, first interval excluded.
     self.assertEqual(manifest["throughput"]["measured_steps"], 8)

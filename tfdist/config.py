@@ -13,6 +13,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 from typing import Optional, Tuple
 
 from tfdist import training_checks
@@ -44,10 +45,13 @@ MODES = ("train_and_eval", "train", "eval", "continuous_eval")
 # `dataset` when `--feature_spec` describes the data.
 FEATURE_SPEC_DATASET = "feature_spec"
 DEFAULT_DATASET = "fashion_mnist"
-# Evaluation metrics `--hptune_metric` can report to Vertex AI's
-# hyperparameter tuning: the run's `eval_history` keys, prefixed `eval_`
-# (eval_auc only for binary tasks such as --dataset=movielens).
+# `--hptune_metric` reports an evaluation value to Vertex AI's
+# hyperparameter tuning: `eval_` and a key of the run's `eval_history`
+# (`loss` or the name of one of the model's metrics; tfdist.hptune checks it
+# against the model once built). tfdist's built-in models evaluate these
+# (eval_auc for binary tasks such as --dataset=movielens).
 HPTUNE_METRICS = ("eval_accuracy", "eval_loss", "eval_auc")
+HPTUNE_METRIC_PATTERN = r"eval_[A-Za-z0-9_./-]+"
 # Steps per `tf.function` call on TPU when --steps_per_execution is not
 # given: each call is a host -> TPU round trip, so TPUs want many steps each.
 TPU_DEFAULT_STEPS_PER_EXECUTION = 100
@@ -581,9 +585,12 @@ class TrainConfig:
            f"--reduction_server implies --all_reduce_alg=nccl; received "
            f"--all_reduce_alg={self.all_reduce_alg}. Drop --all_reduce_alg "
            "or set it to nccl.")
-    need(not self.hptune_metric or self.hptune_metric in HPTUNE_METRICS,
+    need(not self.hptune_metric or re.fullmatch(HPTUNE_METRIC_PATTERN,
+                                                self.hptune_metric),
          f"--hptune_metric={self.hptune_metric!r} is not an evaluation "
-         f"metric tfdist reports. Use one of: {', '.join(HPTUNE_METRICS)}.")
+         "metric: give eval_ and the metric's name, e.g. eval_loss or "
+         f"{', '.join(n for n in HPTUNE_METRICS if n != 'eval_loss')} for "
+         "tfdist's models, eval_<name> for a metric of your model.")
     for name in ("clipnorm", "global_clipnorm"):
       value = getattr(self, name)
       need(value is None or (math.isfinite(value) and value > 0),

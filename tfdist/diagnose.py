@@ -95,18 +95,87 @@ COMMUNICATION_ADVICE = (
     "fewer all-reduces per example: a larger per-replica batch "
     "(--per_replica_batch_size), gradient accumulation "
     "(--gradient_accumulation_steps), --nosync_batch_norm (batch norm's "
-    "per-layer all-reduces); on GPUs NCCL (--all_reduce_alg=nccl) or Vertex "
-    "AI's Reduction Server (--reduction_server); more steps per host round "
-    "trip (--steps_per_execution)")
-COMPUTE_ADVICE = (
-    "the devices are busy computing: add devices while efficiency holds, "
-    "mixed precision (--dtype=bf16 on TPUs and GPUs of compute capability "
-    ">= 8.0, fp16 on 7.x), XLA (--enable_xla)")
+    "per-layer all-reduces){gpu}; more steps per host round trip "
+    "(--steps_per_execution)")
+_COMMUNICATION_GPU = (
+    ", NCCL (--all_reduce_alg=nccl) or Vertex AI's Reduction Server "
+    "(--reduction_server)")
+# What adds compute, by the device kind measured (`RunMeasurement.
+# device_kind`), and mixed precision where the hardware runs it faster:
+# bf16 on TPUs, on GPUs of compute capability >= 8.0 (fp16 on 7.x), and on
+# CPUs with bf16 matrix instructions (AVX-512 BF16, AMX), which oneDNN
+# uses; XLA (--enable_xla) on GPUs (TPUs always compile with it).
+_MORE_COMPUTE = {
+    "GPU": "add GPUs while efficiency holds",
+    "TPU": "a larger TPU slice while efficiency holds, more steps per call "
+           "(--steps_per_execution)",
+    "CPU": "more cores per worker: workers on machines of their own "
+           "(Vertex AI, a TFJob, Ray), or on one machine a core each "
+           "(--pin_workers)",
+}
+_MIXED_PRECISION = {
+    "GPU": "mixed precision (--dtype=bf16 on GPUs of compute capability >= "
+           "8.0, fp16 on 7.x)",
+    "TPU": "mixed precision (--dtype=bf16)",
+    "CPU": "mixed precision (--dtype=bf16: this CPU has bf16 matrix "
+           "instructions)",
+}
 MEMORY_ADVICE = (
-    "mixed precision (--dtype=bf16/fp16: half-size activations), activation "
-    "recomputation, a smaller per-replica batch with gradient accumulation, "
-    "or parameter servers (--distribution_strategy=parameter_server: "
-    "variables and optimizer slots sharded over ps tasks)")
+    "{mixed}activation recomputation, a smaller per-replica batch with "
+    "gradient accumulation, or parameter servers "
+    "(--distribution_strategy=parameter_server: variables and optimizer "
+    "slots sharded over ps tasks)")
+
+
+def _kind(device_kind: str) -> str:
+  return "CPU" if device_kind in ("CPU", "logical CPU") else device_kind
+
+
+def cpu_has_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
+  """Whether this machine's CPU has bf16 matrix instructions (the
+  `avx512_bf16` or `amx_bf16` flag of `/proc/cpuinfo`)."""
+  try:
+    with open(cpuinfo) as f:
+      flags_line = next((line for line in f if line.startswith("flags")), "")
+  except OSError:
+    return False
+  return bool({"avx512_bf16", "amx_bf16"} & set(flags_line.split()))
+
+
+def _mixed_precision(run: "RunMeasurement", cpu_bf16: bool) -> Optional[str]:
+  """Mixed-precision advice for `run`'s hardware; None where it does not
+  apply (already bf16/fp16, or a CPU without bf16 instructions)."""
+  kind = _kind(run.device_kind)
+  if run.dtype in ("bf16", "fp16") or (kind == "CPU" and not cpu_bf16):
+    return None
+  return _MIXED_PRECISION.get(kind)
+
+
+def compute_advice(run: "RunMeasurement", *, cpu_bf16: bool = False) -> str:
+  """What to try on a compute-bound `run`, for the hardware it ran on."""
+  kind = _kind(run.device_kind)
+  parts = ["the devices are busy computing: " + _MORE_COMPUTE.get(
+      kind, "add devices while efficiency holds")]
+  mixed = _mixed_precision(run, cpu_bf16)
+  if mixed:
+    parts.append(mixed)
+  if kind == "GPU":
+    parts.append("XLA (--enable_xla)")
+  return ", ".join(parts)
+
+
+def communication_advice(run: "RunMeasurement") -> str:
+  """What to try on a communication-bound `run` (NCCL and the Reduction
+  Server only for GPUs)."""
+  return COMMUNICATION_ADVICE.format(
+      gpu=_COMMUNICATION_GPU if _kind(run.device_kind) == "GPU" else "")
+
+
+def memory_advice(run: "RunMeasurement", *, cpu_bf16: bool = False) -> str:
+  """What to try on a memory-bound `run`, for its hardware."""
+  mixed = _mixed_precision(run, cpu_bf16)
+  return MEMORY_ADVICE.format(
+      mixed=f"{mixed[:-1]}: half-size activations), " if mixed else "")
 
 
 class DiagnoseError(RuntimeError):
@@ -303,7 +372,7 @@ def verdict(requested: RunMeasurement,
             device_memory_bytes: Optional[int] = None,
             host_memory_bytes: Optional[int] = None,
             cores: Optional[int] = None,
-            pinned: bool = False) -> Verdict:
+            pinned: bool = False, cpu_bf16: bool = False) -> Verdict:
   """Names the binding constraint of `requested` from measurements.
 
   Rules, in order (the first that holds decides):
@@ -328,6 +397,8 @@ def verdict(requested: RunMeasurement,
     host_memory_bytes: this host's memory, or None.
     cores: CPU cores the runs could use (for the logical-CPU note).
     pinned: each worker process was pinned to a core of its own.
+    cpu_bf16: the CPU has bf16 matrix instructions (`cpu_has_bf16`):
+      mixed precision is advised on CPU runs only then.
 
   Returns:
     A `Verdict`.
@@ -350,6 +421,7 @@ def verdict(requested: RunMeasurement,
           "machine was busy; compare medians of --repeats runs.")
   wait = requested.input_wait_fraction
   base_wait = baseline.input_wait_fraction if baseline else None
+  compute = compute_advice(requested, cpu_bf16=cpu_bf16)
 
   def share(x):
     return "unmeasured" if x is None else f"{x:.0%}"
@@ -377,8 +449,9 @@ def verdict(requested: RunMeasurement,
           f"{memory.format_bytes(run.peak_rss_bytes * run.num_workers)} of "
           f"host memory ({memory.format_bytes(host_memory_bytes)}).")
   if full:
-    return Verdict("memory", full, [MEMORY_ADVICE], notes, speedup,
-                   efficiency)
+    return Verdict("memory", full, [memory_advice(requested,
+                                                  cpu_bf16=cpu_bf16)],
+                   notes, speedup, efficiency)
 
   # 2. Input.
   if base_wait is not None and INPUT_MODERATE_SHARE <= base_wait < (
@@ -418,7 +491,7 @@ def verdict(requested: RunMeasurement,
                    "not what more devices would give. Measure on GPUs, TPUs "
                    "or hosts (pinned workers: --pin_workers).")
       return Verdict("compute", [numbers + f" ({shared})."],
-                     [COMPUTE_ADVICE], notes, speedup, efficiency)
+                     [compute], notes, speedup, efficiency)
     if efficiency < COMMUNICATION_EFFICIENCY:
       step_base = baseline.step_time_seconds or 0.0
       step_req = requested.step_time_seconds or 0.0
@@ -430,8 +503,8 @@ def verdict(requested: RunMeasurement,
           [numbers + f", below {COMMUNICATION_EFFICIENCY:.0%} with the input"
            f" wait at {share(wait)}{extra}: the {n:g}x replicas spend the "
            "difference synchronizing."],
-          [COMMUNICATION_ADVICE], notes, speedup, efficiency)
-    return Verdict("compute", [numbers + "."], [COMPUTE_ADVICE], notes,
+          [communication_advice(requested)], notes, speedup, efficiency)
+    return Verdict("compute", [numbers + "."], [compute], notes,
                    speedup, efficiency)
 
   # 4. Compute.
@@ -440,7 +513,7 @@ def verdict(requested: RunMeasurement,
     reasons[0] += (f" at {requested.examples_per_second:.1f} examples/sec "
                    f"on {requested.scale} replica(s)")
   reasons[0] += ": the step itself is the limit."
-  return Verdict("compute", reasons, [COMPUTE_ADVICE], notes, speedup,
+  return Verdict("compute", reasons, [compute], notes, speedup,
                  efficiency)
 
 
@@ -487,6 +560,15 @@ def render_table(rows: Sequence[RunMeasurement],
 
 
 # --- running children ---------------------------------------------------------
+def _runs_folder_note(root: str, keep: bool) -> str:
+  """Where the runs' logs and manifests are; a temporary folder, deleted at
+  the end, is not named."""
+  if keep:
+    return f"Logs and manifests: {root}."
+  return ("Logs and manifests were not kept (give --model_dir=DIR among the "
+          "train flags to keep them).")
+
+
 def _flag_name(arg: str) -> Optional[str]:
   if not arg.startswith("--"):
     return None
@@ -658,7 +740,8 @@ def diagnose(train_args: Sequence[str], *, num_workers: int = 1,
     steps, log_steps: used unless `train_args` sets `--train_steps` /
       `--log_steps`.
     model_dir: keep the runs under this folder (default: a temporary one,
-      deleted at the end).
+      deleted at the end unless a run failed: its log stays where the
+      error says).
     timeout_seconds: per child run.
     out: where the report goes (default stdout).
 
@@ -722,7 +805,8 @@ def diagnose(train_args: Sequence[str], *, num_workers: int = 1,
         replicas_sharing=sharing, optimizer=config.optimizer)
     result = verdict(requested, base, model_fit=fit,
                      device_memory_bytes=gpu_bytes,
-                     host_memory_bytes=host_bytes, cores=cores, pinned=pin)
+                     host_memory_bytes=host_bytes, cores=cores, pinned=pin,
+                     cpu_bf16=cpu_has_bf16())
     rows = [r for r in (base, requested) if r is not None]
     where = "GPU" if on_gpu else "host"
     report = [
@@ -742,16 +826,25 @@ def diagnose(train_args: Sequence[str], *, num_workers: int = 1,
         _malloc_note(rows) +
         f"; throughput excludes each run's first {config.log_steps} steps "
         "(warm-up); input wait is the share of the compiled step's time "
-        "spent waiting for the input iterator. Logs and manifests: "
-        f"{root}" + ("" if keep else " (deleted now)") + ".", "",
+        "spent waiting for the input iterator. " + _runs_folder_note(
+            root, keep), "",
         result.render()]
     print("\n".join(report), file=out, flush=True)
-    return {"requested": requested.to_dict(),
-            "baseline": base.to_dict() if base else None,
-            "runs": [r.to_dict() for r in requested_runs + baseline_runs],
+
+    def record(run):
+      # Folders deleted at the end are not named.
+      return {**run.to_dict(), "model_dir": run.model_dir if keep else None}
+
+    return {"requested": record(requested),
+            "baseline": record(base) if base else None,
+            "runs": [record(r) for r in requested_runs + baseline_runs],
             "model_memory": estimate.to_dict(),
             "model_fit": dataclasses.asdict(fit), "cores": cores,
             "pinned": pin, "verdict": result.to_dict()}
+  except DiagnoseError:
+    # The failed run's log, which the message names, stays.
+    keep = True
+    raise
   finally:
     if not keep:
       shutil.rmtree(root, ignore_errors=True)

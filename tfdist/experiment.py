@@ -253,9 +253,8 @@ def run_experiment(config: TrainConfig, *,
   assembly.check_model_options(config, task=task)
   hypertune_reporter = None
   if config.hptune_metric:
-    # Vertex AI hyperparameter tuning: checked before any training.
-    if task.dataset.task and task.loss is None:
-      hptune.check_metric(config.hptune_metric, task=task.dataset.task)
+    # Vertex AI hyperparameter tuning: the package now, the metric's name
+    # once the model is built (before training).
     hypertune_reporter = hptune.make_hypertune()
   evaluating = config.mode in ("eval", "continuous_eval")
   if evaluating and cluster.task_type not in (
@@ -479,6 +478,9 @@ def _train(config, *, task, cluster, decision, applied, callbacks, started,
   parts = assembly.build(config, task=task, strategy=strategy, plan=plan,
                          on_tpu=on_tpu)
   model, optimizer, trainer = parts.model, parts.optimizer, parts.trainer
+  if config.hptune_metric:
+    hptune.check_metric(config.hptune_metric, available=[
+        "loss", *parts.metric_sums.results({})])
   model_memory = memory.estimate_model_memory(model, optimizer)
   logging.info(
       "Model state per replica: parameters %s (%d values), gradients %s, "
@@ -591,8 +593,8 @@ def _train(config, *, task, cluster, decision, applied, callbacks, started,
       global_batch_size=plan.global_batch_size, total_steps=plan.total_steps,
       summarize=trainer.summarize,
       loss_explosion_factor=config.loss_explosion_factor)
-  all_callbacks = [keras.callbacks.TensorBoard(log_dir=tensorboard_dir,
-                                               write_graph=False)]
+  all_callbacks = [run_log_lib.TrainingTensorBoard(log_dir=tensorboard_dir,
+                                                   write_graph=False)]
   all_callbacks += list(callbacks)
   # The chief traces its own process (other workers' folders are scratch).
   profiler = (profiling.ProfileWindow(

@@ -1,12 +1,17 @@
 """Vertex AI hyperparameter tuning: report each evaluation's metric.
 
-`--hptune_metric=NAME` (one of `tfdist.config.HPTUNE_METRICS`) makes the task
-that evaluates report NAME's value after every evaluation through
-`cloudml-hypertune` (preinstalled in Vertex AI's prebuilt training
-containers; `pip install 'tfdist[vertex]'` elsewhere). The library appends
-one JSON line per report to `$CLOUD_ML_HP_METRIC_FILE` (default
+`--hptune_metric=eval_NAME` makes the chief report the value NAME of every
+evaluation through `cloudml-hypertune` (preinstalled in Vertex AI's
+prebuilt training containers; `pip install 'tfdist[vertex]'` elsewhere).
+NAME is `loss` or the name of any metric of the model (tfdist's built-in
+models: `accuracy`, and `auc` for binary tasks; a model compiled with
+`metrics=[keras.metrics.F1Score(name="f1")]` or a `Task(metrics=...)`:
+`f1`): the keys of the run's `eval_history`. `check_metric` checks NAME
+against the built model before training. The library appends one JSON line
+per report to `$CLOUD_ML_HP_METRIC_FILE` (default
 `/tmp/hypertune/output.metrics`), which Vertex AI reads; the tag written is
-NAME itself, so the tuning job's `studySpec.metrics[].metricId` must be NAME.
+`eval_NAME` itself, so the tuning job's `studySpec.metrics[].metricId` must
+be `eval_NAME`.
 
 Every strategy runs its evaluations in the one controller, which calls the
 callbacks' `on_epoch_end` with the `val_*` values; only the chief reports
@@ -15,18 +20,20 @@ worker takes part in the evaluation). A side-car evaluator task does not
 report.
 """
 
-from typing import Callable, Optional
+from typing import Callable, Iterable, Optional
 
 from absl import logging
 import keras
 
-from tfdist.config import ConfigError, HPTUNE_METRICS
+from tfdist.config import ConfigError
 
-# `--hptune_metric` name -> the key the training loop's callbacks receive in
-# `on_epoch_end` logs after an evaluation (Keras's `val_` convention).
-LOGS_KEYS = {"eval_accuracy": "val_accuracy", "eval_loss": "val_loss",
-             "eval_auc": "val_auc"}
-assert set(LOGS_KEYS) == set(HPTUNE_METRICS)
+PREFIX = "eval_"
+
+
+def logs_key(metric: str) -> str:
+  """The key of `metric` (`eval_NAME`) in the `on_epoch_end` logs after an
+  evaluation: `val_NAME` (Keras's `val_` convention)."""
+  return "val_" + metric[len(PREFIX):]
 
 
 def make_hypertune():
@@ -47,25 +54,23 @@ def make_hypertune():
   return hypertune.HyperTune()
 
 
-def check_metric(metric: str, *, task: str):
-  """Checks that `metric` exists for a model of `task`.
+def check_metric(metric: str, *, available: Iterable[str]):
+  """Checks that the evaluation reports `metric`.
 
   Args:
-    metric: the `--hptune_metric` value.
-    task: the data set's task (`multiclass` or `binary`).
+    metric: the `--hptune_metric` value, `eval_NAME`.
+    available: the names an evaluation of the built model reports (`loss`
+      and its metrics' names, the keys of `eval_history`).
 
   Raises:
-    ConfigError: an unknown name, or `eval_auc` for a multiclass task.
+    ConfigError: NAME is not among `available`; the message lists them.
   """
-  if metric not in HPTUNE_METRICS:
+  names = [PREFIX + n for n in available]
+  if metric not in names:
     raise ConfigError(
-        f"--hptune_metric={metric!r} is not an evaluation metric tfdist "
-        f"reports. Use one of: {', '.join(HPTUNE_METRICS)}.")
-  if metric == "eval_auc" and task != "binary":
-    raise ConfigError(
-        f"--hptune_metric=eval_auc: AUC is computed for binary tasks only "
-        f"(e.g. --dataset=movielens); this data set's task is {task}. Use "
-        "eval_accuracy or eval_loss.")
+        f"--hptune_metric={metric}: this model's evaluation reports "
+        f"{', '.join(names)}. Use one of them (eval_ and the name of the "
+        "model's loss or metric).")
 
 
 class HypertuneCallback(keras.callbacks.Callback):
@@ -76,7 +81,7 @@ class HypertuneCallback(keras.callbacks.Callback):
   with the current global step.
 
   Args:
-    metric: one of `HPTUNE_METRICS` (e.g. `eval_accuracy`).
+    metric: `eval_NAME` (e.g. `eval_accuracy`), checked by `check_metric`.
     step_fn: returns the global step (optimizer updates) at report time;
       default: the model optimizer's `iterations`.
     reporter: a `hypertune.HyperTune` (default: `make_hypertune()`).
@@ -88,10 +93,9 @@ class HypertuneCallback(keras.callbacks.Callback):
   def __init__(self, metric: str, *, step_fn: Optional[Callable[[], int]] =
                None, reporter=None):
     super().__init__()
-    if metric not in LOGS_KEYS:
-      raise ConfigError(
-          f"--hptune_metric={metric!r} is not an evaluation metric tfdist "
-          f"reports. Use one of: {', '.join(HPTUNE_METRICS)}.")
+    if not metric.startswith(PREFIX):
+      raise ConfigError(f"--hptune_metric={metric!r} must be eval_ and a "
+                        "metric's name, e.g. eval_accuracy.")
     self.metric = metric
     self.step_fn = step_fn
     self.reporter = reporter if reporter is not None else make_hypertune()
@@ -103,7 +107,7 @@ class HypertuneCallback(keras.callbacks.Callback):
     return int(keras.ops.convert_to_numpy(self.model.optimizer.iterations))
 
   def on_epoch_end(self, epoch, logs=None):
-    key = LOGS_KEYS[self.metric]
+    key = logs_key(self.metric)
     if not logs or key not in logs:
       return  # no evaluation at this epoch's end
     value, step = float(logs[key]), self._step()

@@ -4,26 +4,42 @@ Usage:
   python -m tfdist.job_spec vertex --num_workers=N [--num_ps=M] [--evaluator]
       [--reduction_server_replicas=R] [--machine_type=TYPE]
       [--accelerator=TYPE[:COUNT]] --package_uris=gs://.../tfdist-X.tar.gz
-      [--base_output_dir=gs://...] -- <tfdist.train flags>
+      [--base_output_dir=gs://...] [--form=rest|sdk|gcloud]
+      -- <tfdist.train flags>
   python -m tfdist.job_spec kubernetes --image=IMAGE --num_workers=N
       [--num_ps=M] [--evaluator] [--accelerator=TYPE[:COUNT]]
+      [--cpu=4 --memory=16Gi] [--service_account=SA] [--env=NAME=VALUE]
+      [--node_selector=KEY=VALUE] [--values=values.yaml]
       -- <tfdist.train flags>
 
 The spec is printed (JSON for Vertex, YAML for Kubernetes); nothing is sent
-anywhere. The job has one chief, `--num_workers` workers, and either
-`--num_ps` parameter servers (with an optional `--evaluator`) or, on Vertex,
-`--reduction_server_replicas` Reduction Server replicas.
+anywhere. The job has one chief, `--num_workers` workers, either
+`--num_ps` parameter servers or, on Vertex, `--reduction_server_replicas`
+Reduction Server replicas, and with `--evaluator` tfdist's side-car
+evaluator (under every strategy: it evaluates each checkpoint the chief
+writes).
 
-* Vertex AI: a `CustomJob` (the REST body of `projects.locations.customJobs`;
-  `--spec_only` prints its `jobSpec`, the file `gcloud ai custom-jobs create
-  --config` reads). Worker pools in Vertex's order: 0 chief (1 replica), 1
+* Vertex AI: a `CustomJob`, in the form `--form` names for the client that
+  sends it (`VERTEX_FORMS`): `rest` (default), the REST body of
+  `projects.locations.customJobs` (camelCase JSON); `sdk`, the keyword
+  arguments of the Python SDK's `aiplatform.CustomJob(...)`
+  (`display_name`, `worker_pool_specs` in snake_case, `base_output_dir`;
+  JSON); `gcloud`, the `CustomJobSpec` that `gcloud ai custom-jobs create
+  --config=config.yaml` reads (camelCase YAML; the display name and region
+  go on gcloud's command line). `--spec_only` prints the REST body's
+  `jobSpec`. Worker pools in Vertex's order: 0 chief (1 replica), 1
   workers, 2 parameter servers or the Reduction Server, 3 evaluator; empty
   pools in between are `{}`. Each tfdist pool is a `pythonPackageSpec`
   running `tfdist.train` on the prebuilt TensorFlow image
-  (`PREBUILT_TF_IMAGES`; tf-gpu when `--accelerator` is given).
+  (`PREBUILT_TF_IMAGES`; tf-gpu when `--accelerator` is given), or with
+  `--container_image_uri` a `containerSpec` running `python -m
+  tfdist.train` in that image (e.g. one built from the repository's
+  Dockerfile).
 * Kubernetes: a Kubeflow `TFJob` (training operator, `kubeflow.org/v1`) with
   `Chief`, `Worker`, `PS` and `Evaluator` replica specs, each a container
-  named `tensorflow` running `python -m tfdist.train`, and
+  named `tensorflow` running `python -m tfdist.train` (with the
+  resources, service account, environment, volumes, node selector and
+  tolerations of `--values` and the flags, `PodOptions`), and
   `restartPolicy: ExitCode`: the operator restarts a replica that exits with
   a retryable code (128-255: killed by a signal, e.g. 137 for SIGKILL or an
   out-of-memory kill, 143 for SIGTERM, which tfdist returns after its
@@ -36,14 +52,19 @@ Validation, before printing (each raises `JobSpecError` naming the field):
   (`google.cloud.aiplatform_v1.types.CustomJob`) with unknown fields
   rejected, then checked for what the API requires (display name, pool 0
   with exactly one replica, a machine type and one task per pool, valid
-  accelerator types);
+  accelerator types); the `sdk` form's pools are built as the SDK's
+  `aiplatform_v1.types.WorkerPoolSpec`s (what `aiplatform.CustomJob` does
+  with them) and must equal the REST body's;
 * the TFJob is deserialized with the Kubeflow training SDK's models
   (`kubeflow-training`: `KubeflowOrgV1TFJob`, which requires `runPolicy` and
   `tfReplicaSpecs`) and serialized back: a field the models do not know is an
   error; then the CRD's and the operator's rules are checked (replica types
   Chief/Master/Worker/PS/Evaluator, at most one Chief and one Evaluator, a
   container named `tensorflow` with an image in every replica, a known
-  restart policy);
+  restart policy), and each pod template is read with the `kubernetes`
+  client's `V1PodTemplateSpec` and checked as the API server would
+  (quantities, requests within limits, mounts of declared volumes,
+  tolerations);
 * the train flags of every tfdist pool are parsed with tfdist's own flag
   definitions (a fresh `absl.flags.FlagValues`, then
   `flags.flags_to_config`), under the environment the job gives them
@@ -72,6 +93,8 @@ from tfdist import environment as environment_lib
 from tfdist.config import ConfigError
 
 PLATFORMS = ("vertex", "kubernetes")
+# The forms a Vertex CustomJob is printed in, by the client that takes it.
+VERTEX_FORMS = ("rest", "sdk", "gcloud")
 TRAIN_MODULE = "tfdist.train"
 # Vertex AI's prebuilt TensorFlow training images by TensorFlow version:
 # the Python version in the image's name. TF 2.17 on Python 3.10 is the
@@ -103,8 +126,9 @@ class JobPlan:
     num_workers: worker replicas besides the chief (Vertex pool 1, TFJob
       `Worker`).
     num_ps: parameter-server replicas (pool 2, `PS`).
-    evaluator: one evaluator replica (pool 3, `Evaluator`), for
-      parameter-server jobs.
+    evaluator: one evaluator replica (pool 3, `Evaluator`): tfdist's
+      side-car evaluator (`--mode=continuous_eval` by itself), which
+      evaluates each checkpoint the chief writes, under every strategy.
     reduction_server_replicas: Vertex AI Reduction Server replicas (pool 2).
     machine_type: Compute Engine machine type of the chief, workers and
       evaluator (Vertex).
@@ -142,10 +166,6 @@ class JobPlan:
     need(not self.num_ps or self.num_workers >= 1,
          f"--num_ps={self.num_ps} needs --num_workers >= 1: under "
          "parameter_server the chief only coordinates; workers train.")
-    need(not self.evaluator or self.num_ps,
-         "--evaluator needs --num_ps >= 1: tfdist's evaluator side-car runs "
-         "with parameter-server training (under multi_worker_mirrored the "
-         "chief and workers evaluate together).")
     need(not self.reduction_server_replicas or self.num_workers >= 1,
          "--reduction_server_replicas needs --num_workers >= 1: the "
          "Reduction Server all-reduces between workers.")
@@ -311,11 +331,13 @@ def check_train_config(config, plan: Optional[JobPlan], *, where: str,
             f"{where}: --distribution_strategy={name} runs on one machine; "
             f"this job has {plan.num_workers + 1} training replicas. Use "
             "multi_worker_mirrored or auto.")
-  if plan.num_workers or plan.num_ps:
+  if plan.num_workers or plan.num_ps or plan.evaluator:
     model_dir = config.model_dir
+    readers = ("workers resume from" if plan.num_workers or plan.num_ps
+               else "the evaluator reads")
     _need("://" in model_dir or model_dir.startswith(tuple(shared_prefixes)),
           f"{where}: --model_dir={model_dir} is a folder on each replica's "
-          "own disk, but workers resume from the chief's checkpoints: use "
+          f"own disk, but {readers} the chief's checkpoints: use "
           "shared storage such as gs://BUCKET/run.")
 
 
@@ -337,13 +359,27 @@ def prebuilt_image(tf_version: str, *, gpu: bool) -> str:
 
 
 def vertex_custom_job(plan: JobPlan, *, display_name: str,
-                      package_uris: Sequence[str], tf_version: str = "2.17",
+                      package_uris: Sequence[str] = (),
+                      tf_version: str = "2.17",
                       executor_image_uri: str = "",
-                      base_output_dir: str = "") -> dict:
+                      base_output_dir: str = "",
+                      container_image_uri: str = "") -> dict:
   """A Vertex AI `CustomJob` (REST JSON, camelCase) for `plan`.
 
   With Reduction Server replicas, `--reduction_server` is added to the train
   flags unless present (CLUSTER_SPEC may not describe the pools).
+
+  Args:
+    plan: the job's shape and train flags.
+    display_name: the job's `displayName`.
+    package_uris: gs:// URIs of tfdist's sdist, installed by Vertex into
+      the prebuilt image (`pythonPackageSpec`).
+    tf_version: the prebuilt image's TensorFlow version.
+    executor_image_uri: another prebuilt image.
+    base_output_dir: gs:// folder of Vertex's `AIP_*` folders.
+    container_image_uri: an image with tfdist installed (e.g. built from
+      the repository's Dockerfile): tfdist pools are then `containerSpec`s
+      running `python -m tfdist.train`, and `package_uris` is unused.
 
   Returns:
     A JSON-serializable dict; check it with `validate_vertex_custom_job`.
@@ -361,6 +397,12 @@ def vertex_custom_job(plan: JobPlan, *, display_name: str,
     return spec
 
   def tfdist_pool(replicas, machine_type, accelerated):
+    if container_image_uri:
+      return {"machineSpec": machine(machine_type, accelerated),
+              "replicaCount": replicas,
+              "containerSpec": {"imageUri": container_image_uri,
+                                "command": ["python", "-m", TRAIN_MODULE],
+                                "args": list(args)}}
     image = executor_image_uri or prebuilt_image(
         tf_version, gpu=accelerated and plan.accelerator_count > 0)
     return {"machineSpec": machine(machine_type, accelerated),
@@ -391,6 +433,80 @@ def vertex_custom_job(plan: JobPlan, *, display_name: str,
   if base_output_dir:
     spec["baseOutputDirectory"] = {"outputUriPrefix": base_output_dir}
   return {"displayName": display_name, "jobSpec": spec}
+
+
+def _snake_case(value):
+  """`value` with every dict key from camelCase to snake_case (protobuf's
+  field names, which the Python SDK's types take)."""
+  if isinstance(value, dict):
+    return {re.sub(r"(?<=[a-z0-9])([A-Z])", r"_\1", k).lower():
+            _snake_case(v) for k, v in value.items()}
+  if isinstance(value, list):
+    return [_snake_case(v) for v in value]
+  return value
+
+
+def vertex_form(job: dict, form: str) -> dict:
+  """The REST `CustomJob` `job` in the form a Vertex client takes.
+
+  Args:
+    job: the REST JSON of `vertex_custom_job`.
+    form: one of `VERTEX_FORMS`: `rest` (`job` itself), `sdk` (keyword
+      arguments of `google.cloud.aiplatform.CustomJob`: `display_name`,
+      `worker_pool_specs` in snake_case, and `base_output_dir` when the job
+      has one; the caller adds `project`, `location` and
+      `staging_bucket`), or `gcloud` (the `CustomJobSpec` of `gcloud ai
+      custom-jobs create --config`: the REST body's camelCase `jobSpec`).
+
+  Raises:
+    JobSpecError: an unknown form.
+  """
+  _need(form in VERTEX_FORMS, f"--form={form}: use one of "
+        f"{', '.join(VERTEX_FORMS)}.")
+  if form == "rest":
+    return job
+  spec = job["jobSpec"]
+  if form == "gcloud":
+    return spec
+  kwargs = {"display_name": job["displayName"],
+            "worker_pool_specs": _snake_case(spec["workerPoolSpecs"])}
+  base = (spec.get("baseOutputDirectory") or {}).get("outputUriPrefix")
+  if base:
+    kwargs["base_output_dir"] = base
+  return kwargs
+
+
+def validate_vertex_sdk_kwargs(kwargs: dict, job: dict):
+  """Checks the `sdk` form against the REST `job` it was made from.
+
+  Each of `kwargs["worker_pool_specs"]` is built as
+  `google.cloud.aiplatform_v1.types.WorkerPoolSpec` (what
+  `aiplatform.CustomJob(worker_pool_specs=...)` does with a dict) and must
+  equal the REST body's pool.
+
+  Raises:
+    JobSpecError: a field the SDK's type does not know, or a pool that
+      differs from the REST body's.
+    ImportError: google-cloud-aiplatform is not installed.
+  """
+  from google.cloud.aiplatform_v1.types import custom_job as custom_job_types  # pylint: disable=g-import-not-at-top
+  from google.protobuf import json_format  # pylint: disable=g-import-not-at-top
+  rest = custom_job_types.CustomJob.pb()()
+  json_format.Parse(json.dumps(job), rest)
+  pools = kwargs.get("worker_pool_specs") or []
+  _need(len(pools) == len(rest.job_spec.worker_pool_specs),
+        f"Vertex SDK worker_pool_specs: {len(pools)} pools; the job has "
+        f"{len(rest.job_spec.worker_pool_specs)}.")
+  for index, (pool, expected) in enumerate(
+      zip(pools, rest.job_spec.worker_pool_specs)):
+    try:
+      message = custom_job_types.WorkerPoolSpec(pool)
+    except (ValueError, TypeError, KeyError) as e:
+      raise JobSpecError(f"Vertex SDK worker_pool_specs[{index}]: {e}"
+                         ) from None
+    _need(custom_job_types.WorkerPoolSpec.pb(message) == expected,
+          f"Vertex SDK worker_pool_specs[{index}] differs from the REST "
+          f"body's workerPoolSpecs[{index}].")
 
 
 def _vertex_environment(job_spec: dict) -> Dict[str, str]:
@@ -461,6 +577,12 @@ def validate_vertex_custom_job(job: dict, plan: Optional[JobPlan] = None
         _need(index == cluster_lib.REDUCTION_SERVER_POOL,
               f"Vertex CustomJob: the Reduction Server runs in "
               f"workerPoolSpecs[2], not {where}.")
+      if list(pool.container_spec.command)[-2:] == ["-m", TRAIN_MODULE]:
+        config = parse_train_flags(list(pool.container_spec.args),
+                                   where=f"Vertex {where}", environ=environ)
+        check_train_config(config, plan, where=f"Vertex {where}",
+                           shared_prefixes=("/gcs/",))
+        configs.append((index, config))
       continue
     package = pool.python_package_spec
     _need(package.executor_image_uri and package.python_module and
@@ -485,31 +607,166 @@ def validate_vertex_custom_job(job: dict, plan: Optional[JobPlan] = None
 
 
 # --- Kubernetes (Kubeflow TFJob) ---------------------------------------------
+# Pod settings a values file may give (`--values`), as Kubernetes spells
+# them: container fields, then pod fields; `replicaTypes` overrides them per
+# TFJob replica type (e.g. smaller `resources` for `PS`).
+POD_VALUE_KEYS = ("env", "resources", "volumeMounts", "serviceAccountName",
+                  "volumes", "nodeSelector", "tolerations")
+_CONTAINER_KEYS = ("env", "resources", "volumeMounts")
+TOLERATION_OPERATORS = ("Exists", "Equal")
+TOLERATION_EFFECTS = ("", "NoSchedule", "PreferNoSchedule", "NoExecute")
+_ENV_NAME = re.compile(r"^[-._a-zA-Z][-._a-zA-Z0-9]*$")
+
+
+@dataclasses.dataclass(frozen=True)
+class PodOptions:
+  """What a cluster needs to run a TFJob's pods, beyond image and command.
+
+  Values are Kubernetes' own (camelCase) fragments, as in a pod spec;
+  `validate_tfjob` checks them with the `kubernetes` client's models.
+
+  Attributes:
+    values: `{key: value}` for keys of `POD_VALUE_KEYS`, given to every
+      replica: `env` (list of `{name, value}` or `valueFrom`), `resources`
+      (`{requests: {cpu, memory}, limits: {...}}`; the GPU limit of
+      `--accelerator` is added), `volumeMounts`, `serviceAccountName`
+      (e.g. a Workload Identity account that can write the gs:// model
+      folder), `volumes`, `nodeSelector`, `tolerations`.
+    replica_values: `{replica type: {key: value}}`: per-type values that
+      replace the shared ones key by key (e.g. `{"PS": {"resources": ...}}`).
+  """
+  values: Dict[str, object] = dataclasses.field(default_factory=dict)
+  replica_values: Dict[str, Dict[str, object]] = dataclasses.field(
+      default_factory=dict)
+
+  def __post_init__(self):
+    for where, values in (("", self.values), *(
+        (f"replicaTypes.{k}.", v) for k, v in self.replica_values.items())):
+      _need(isinstance(values, dict), f"TFJob values {where or 'file'}: a "
+            "mapping of pod settings is needed.")
+      unknown = sorted(set(values) - set(POD_VALUE_KEYS))
+      _need(not unknown,
+            f"TFJob values: unknown key(s) {where}{', '.join(unknown)}; "
+            f"use {', '.join(POD_VALUE_KEYS)} (and replicaTypes). The "
+            "restart policy is tfdist's (ExitCode) and not set here.")
+    for kind in self.replica_values:
+      _need(kind in TFJOB_REPLICA_TYPES,
+            f"TFJob values: replicaTypes.{kind}: unknown replica type; use "
+            f"one of {', '.join(TFJOB_REPLICA_TYPES)}.")
+
+  def for_replica(self, kind: str) -> Dict[str, object]:
+    """The values of replica type `kind`."""
+    return {**self.values, **self.replica_values.get(kind, {})}
+
+
+def _key_value(item: str, flag: str) -> Tuple[str, str]:
+  key, sep, value = item.partition("=")
+  _need(sep and key.strip(),
+        f"--{flag}={item!r}: give KEY=VALUE, e.g. --{flag}=NAME=value.")
+  return key.strip(), value
+
+
+def pod_options(*, values_file: str = "", service_account: str = "",
+                env: Sequence[str] = (), cpu: str = "", memory: str = "",
+                ps_cpu: str = "", ps_memory: str = "",
+                node_selector: Sequence[str] = ()) -> PodOptions:
+  """`PodOptions` from a values file and the flags that add to it.
+
+  Args:
+    values_file: a YAML file of `POD_VALUE_KEYS` (and `replicaTypes`);
+      '' for none.
+    service_account: the pods' `serviceAccountName`.
+    env: `NAME=VALUE` variables added to every container.
+    cpu, memory: requests and limits (equal) of the chief, workers and
+      evaluator, in Kubernetes quantities (`4`, `500m`; `16Gi`).
+    ps_cpu, ps_memory: the same for the parameter servers.
+    node_selector: `KEY=VALUE` node labels every pod needs.
+
+  Raises:
+    JobSpecError: an unreadable values file, an unknown key, or a flag not
+      of the form KEY=VALUE.
+  """
+  import yaml  # pylint: disable=g-import-not-at-top
+  values, replica_values = {}, {}
+  if values_file:
+    try:
+      with open(values_file) as f:
+        loaded = yaml.safe_load(f) or {}
+    except (OSError, yaml.YAMLError) as e:
+      raise JobSpecError(f"--values={values_file}: {e}") from None
+    _need(isinstance(loaded, dict), f"--values={values_file}: a YAML "
+          "mapping of pod settings is needed (e.g. serviceAccountName: "
+          "trainer).")
+    loaded = copy.deepcopy(loaded)
+    replica_values = loaded.pop("replicaTypes", None) or {}
+    _need(isinstance(replica_values, dict),
+          f"--values={values_file}: replicaTypes must map replica types "
+          "(Chief, Worker, PS, Evaluator) to pod settings.")
+    values = loaded
+  if service_account:
+    values["serviceAccountName"] = service_account
+  if env:
+    values["env"] = list(values.get("env") or []) + [
+        {"name": k, "value": v}
+        for k, v in (_key_value(item, "env") for item in env)]
+  if node_selector:
+    values["nodeSelector"] = {**(values.get("nodeSelector") or {}), **dict(
+        _key_value(item, "node_selector") for item in node_selector)}
+
+  def with_resources(target, cpu_value, memory_value):
+    amounts = {k: v for k, v in (("cpu", cpu_value),
+                                 ("memory", memory_value)) if v}
+    if not amounts:
+      return target
+    resources = copy.deepcopy(target.get("resources") or {})
+    for part in ("requests", "limits"):
+      resources[part] = {**(resources.get(part) or {}), **amounts}
+    return {**target, "resources": resources}
+
+  values = with_resources(values, cpu, memory)
+  if ps_cpu or ps_memory:
+    ps = replica_values.get("PS") or {}
+    replica_values["PS"] = with_resources(
+        {"resources": copy.deepcopy(values.get("resources") or {}), **ps},
+        ps_cpu, ps_memory)
+  return PodOptions(values=values, replica_values=replica_values)
+
+
 def kubernetes_tfjob(plan: JobPlan, *, name: str, image: str,
-                     namespace: str = "", backoff_limit: int = 3) -> dict:
+                     namespace: str = "", backoff_limit: int = 3,
+                     pods: Optional[PodOptions] = None) -> dict:
   """A Kubeflow `TFJob` (`kubeflow.org/v1`) for `plan`.
+
+  Every replica has `restartPolicy: ExitCode` (see the module docstring)
+  and, from `pods`, its resources, service account, environment,
+  volumes, node selector and tolerations.
 
   Returns:
     A JSON-serializable dict; check it with `validate_tfjob`.
   """
+  pods = pods or PodOptions()
 
-  def replica(count, accelerated):
+  def replica(kind, count, accelerated):
+    values = copy.deepcopy(pods.for_replica(kind))
     container = {"name": TFJOB_CONTAINER, "image": image,
                  "command": ["python", "-m", TRAIN_MODULE],
                  "args": list(plan.train_args)}
+    container.update({k: values.pop(k) for k in _CONTAINER_KEYS
+                      if k in values})
     if accelerated and plan.accelerator_count:
-      container["resources"] = {"limits": {
-          "nvidia.com/gpu": str(plan.accelerator_count)}}
+      resources = container.setdefault("resources", {})
+      resources["limits"] = {**(resources.get("limits") or {}),
+                             "nvidia.com/gpu": str(plan.accelerator_count)}
     return {"replicas": count, "restartPolicy": "ExitCode",
-            "template": {"spec": {"containers": [container]}}}
+            "template": {"spec": {**values, "containers": [container]}}}
 
-  specs = {"Chief": replica(1, True)}
+  specs = {"Chief": replica("Chief", 1, True)}
   if plan.num_workers:
-    specs["Worker"] = replica(plan.num_workers, True)
+    specs["Worker"] = replica("Worker", plan.num_workers, True)
   if plan.num_ps:
-    specs["PS"] = replica(plan.num_ps, False)
+    specs["PS"] = replica("PS", plan.num_ps, False)
   if plan.evaluator:
-    specs["Evaluator"] = replica(1, True)
+    specs["Evaluator"] = replica("Evaluator", 1, True)
   metadata = {"name": name}
   if namespace:
     metadata["namespace"] = namespace
@@ -518,6 +775,77 @@ def kubernetes_tfjob(plan: JobPlan, *, name: str, image: str,
           "spec": {"runPolicy": {"backoffLimit": backoff_limit,
                                  "cleanPodPolicy": "None"},
                    "tfReplicaSpecs": specs}}
+
+
+def _check_pod_template(template: dict, where: str):
+  """Checks a replica's pod template with the `kubernetes` client's models
+  (`V1PodTemplateSpec`: field names and types) and the API server's rules
+  for what tfdist sets: quantities, requests within limits, mounts of
+  declared volumes, variable names, tolerations.
+
+  Raises:
+    JobSpecError: the first problem, naming the field.
+  """
+  try:
+    from kubernetes import client as k8s  # pylint: disable=g-import-not-at-top
+    from kubernetes import utils as k8s_utils  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    return  # kubeflow-training's own models checked the fields.
+  api = k8s.ApiClient()
+
+  class _Response:  # what ApiClient.deserialize reads
+    data = json.dumps(template)
+
+  try:
+    model = api.deserialize(_Response(), "V1PodTemplateSpec")
+  except (ValueError, TypeError) as e:
+    raise JobSpecError(f"{where}: the kubernetes client rejects the pod "
+                       f"template: {e}") from None
+  lost = _diff(template, api.sanitize_for_serialization(model))
+  _need(not lost, f"{where}: unknown pod field(s) {', '.join(lost)} (not in "
+        "the kubernetes client's V1PodTemplateSpec).")
+  spec = model.spec
+  volumes = {v.name for v in spec.volumes or []}
+  for container in spec.containers or []:
+    resources = container.resources
+    amounts = {}
+    for part in ("requests", "limits"):
+      for resource, value in ((getattr(resources, part) if resources else None)
+                              or {}).items():
+        try:
+          amounts[part, resource] = k8s_utils.parse_quantity(value)
+        except ValueError:
+          raise JobSpecError(
+              f"{where}: resources.{part}.{resource}={value!r} is not a "
+              "Kubernetes quantity (e.g. cpu: 4 or 500m; memory: 16Gi or "
+              "512Mi).") from None
+    for (part, resource), amount in amounts.items():
+      limit = amounts.get(("limits", resource))
+      _need(part != "requests" or limit is None or amount <= limit,
+            f"{where}: resources.requests.{resource} exceeds "
+            f"resources.limits.{resource}; a request must fit its limit.")
+    for variable in container.env or []:
+      _need(_ENV_NAME.match(variable.name or ""),
+            f"{where}: env name {variable.name!r} is not a valid variable "
+            "name (letters, digits, '_', '-', '.'; not starting with a "
+            "digit).")
+    for mount in container.volume_mounts or []:
+      _need(mount.name in volumes,
+            f"{where}: volumeMounts {mount.name!r} names no volume of the "
+            f"pod (volumes: {', '.join(sorted(volumes)) or 'none'}).")
+      _need(mount.mount_path and mount.mount_path.startswith("/"),
+            f"{where}: volumeMounts {mount.name!r} needs an absolute "
+            "mountPath.")
+  for toleration in spec.tolerations or []:
+    _need((toleration.operator or "Equal") in TOLERATION_OPERATORS,
+          f"{where}: toleration operator {toleration.operator!r}: use "
+          f"{' or '.join(TOLERATION_OPERATORS)}.")
+    _need((toleration.effect or "") in TOLERATION_EFFECTS,
+          f"{where}: toleration effect {toleration.effect!r}: use one of "
+          f"{', '.join(e for e in TOLERATION_EFFECTS if e)}.")
+  _need(spec.restart_policy is None,
+        f"{where}: the pod template sets restartPolicy; the TFJob replica's "
+        "restartPolicy (ExitCode) decides restarts.")
 
 
 def _diff(original, round_trip, path="") -> List[str]:
@@ -591,6 +919,8 @@ def validate_tfjob(job: dict, plan: Optional[JobPlan] = None) -> List:
     for container in containers:
       _need(container.name and container.image,
             f"{where}: every container needs a name and an image.")
+    _check_pod_template(job["spec"]["tfReplicaSpecs"][kind].get("template")
+                        or {}, where)
     command = list(main[0].command or [])
     if command[-2:] == ["-m", TRAIN_MODULE]:
       config = parse_train_flags(list(main[0].args or []), where=where)
@@ -610,7 +940,8 @@ flags.DEFINE_integer("num_workers", 0, "Worker replicas besides the chief "
 flags.DEFINE_integer("num_ps", 0, "Parameter-server replicas (Vertex pool 2, "
                      "TFJob PS).", flag_values=_FLAGS)
 flags.DEFINE_bool("evaluator", False, "One evaluator replica (Vertex pool 3, "
-                  "TFJob Evaluator); with --num_ps.", flag_values=_FLAGS)
+                  "TFJob Evaluator): tfdist's side-car evaluator, under "
+                  "every strategy.", flag_values=_FLAGS)
 flags.DEFINE_integer("reduction_server_replicas", 0,
                      "Vertex only: Reduction Server replicas in pool 2 (GPU "
                      "workers; adds --reduction_server).", flag_values=_FLAGS)
@@ -640,9 +971,20 @@ flags.DEFINE_string("executor_image_uri", "", "Vertex: a prebuilt training "
 flags.DEFINE_string("base_output_dir", "", "Vertex: gs:// folder; Vertex "
                     "sets AIP_MODEL_DIR, AIP_CHECKPOINT_DIR and "
                     "AIP_TENSORBOARD_LOG_DIR under it.", flag_values=_FLAGS)
-flags.DEFINE_bool("spec_only", False, "Vertex: print only jobSpec (the "
-                  "file `gcloud ai custom-jobs create --config` reads).",
+flags.DEFINE_bool("spec_only", False, "Vertex: print only the REST body's "
+                  "jobSpec (as --form=gcloud, in --format).",
                   flag_values=_FLAGS)
+flags.DEFINE_enum("form", "rest", list(VERTEX_FORMS), "Vertex: rest (the "
+                  "REST body, camelCase JSON), sdk (keyword arguments of "
+                  "aiplatform.CustomJob: display_name, worker_pool_specs in "
+                  "snake_case, base_output_dir; JSON), gcloud (the "
+                  "CustomJobSpec of `gcloud ai custom-jobs create "
+                  "--config=config.yaml`; YAML).", flag_values=_FLAGS)
+flags.DEFINE_string("container_image_uri", "", "Vertex: an image with tfdist "
+                    "installed (e.g. built from the repository's "
+                    "Dockerfile) that every tfdist pool runs as a "
+                    "containerSpec; replaces --package_uris and the "
+                    "prebuilt image.", flag_values=_FLAGS)
 flags.DEFINE_string("image", "", "Kubernetes: container image with tfdist "
                     "and TensorFlow installed.", flag_values=_FLAGS)
 flags.DEFINE_string("name", "tfdist", "Kubernetes: the TFJob's name.",
@@ -651,8 +993,34 @@ flags.DEFINE_string("namespace", "", "Kubernetes: the TFJob's namespace.",
                     flag_values=_FLAGS)
 flags.DEFINE_integer("backoff_limit", 3, "Kubernetes: restarts before the "
                      "job fails (runPolicy.backoffLimit).", flag_values=_FLAGS)
+flags.DEFINE_string("values", "", "Kubernetes: YAML file of pod settings as "
+                    "Kubernetes spells them (" + ", ".join(POD_VALUE_KEYS) +
+                    "; replicaTypes: {PS: {...}} per replica type); the "
+                    "flags below add to it.", flag_values=_FLAGS)
+flags.DEFINE_string("service_account", "", "Kubernetes: the pods' "
+                    "serviceAccountName (e.g. a Workload Identity account "
+                    "that can write the gs:// --model_dir).",
+                    flag_values=_FLAGS)
+flags.DEFINE_multi_string("env", [], "Kubernetes: NAME=VALUE, an environment "
+                          "variable of every container (repeatable).",
+                          flag_values=_FLAGS)
+flags.DEFINE_string("cpu", "", "Kubernetes: CPU request and limit of the "
+                    "chief, workers and evaluator (e.g. 4, 500m).",
+                    flag_values=_FLAGS)
+flags.DEFINE_string("memory", "", "Kubernetes: memory request and limit of "
+                    "the chief, workers and evaluator (e.g. 16Gi).",
+                    flag_values=_FLAGS)
+flags.DEFINE_string("ps_cpu", "", "Kubernetes: CPU request and limit of the "
+                    "parameter servers.", flag_values=_FLAGS)
+flags.DEFINE_string("ps_memory", "", "Kubernetes: memory request and limit of "
+                    "the parameter servers.", flag_values=_FLAGS)
+flags.DEFINE_multi_string("node_selector", [], "Kubernetes: KEY=VALUE, a "
+                          "node label every pod needs (repeatable; e.g. "
+                          "cloud.google.com/gke-accelerator=nvidia-l4).",
+                          flag_values=_FLAGS)
 flags.DEFINE_enum("format", None, ["json", "yaml"], "Output format. Default: "
-                  "json for vertex, yaml for kubernetes.", flag_values=_FLAGS)
+                  "json for vertex (yaml for --form=gcloud), yaml for "
+                  "kubernetes.", flag_values=_FLAGS)
 
 
 def build(platform: str, options, train_args: Sequence[str]) -> dict:
@@ -672,25 +1040,43 @@ def build(platform: str, options, train_args: Sequence[str]) -> dict:
                      options.reduction_server_machine_type),
                  train_args=tuple(train_args))
   if platform == "vertex":
-    _need(options.package_uris,
+    _need(options.package_uris or options.container_image_uri,
           "--package_uris is required for vertex: the gs:// URI of tfdist's "
           "sdist (python setup.py sdist; gsutil cp dist/tfdist-*.tar.gz "
-          "gs://BUCKET/).")
+          "gs://BUCKET/); or give --container_image_uri, an image with "
+          "tfdist installed.")
+    _need(not (options.package_uris and options.container_image_uri),
+          "--package_uris and --container_image_uri: give one (a container "
+          "image has tfdist installed already).")
+    _need(not (options.spec_only and options.form != "rest"),
+          f"--spec_only with --form={options.form}: --spec_only prints the "
+          "REST body's jobSpec; drop one.")
     job = vertex_custom_job(plan, display_name=options.display_name,
                             package_uris=options.package_uris,
                             tf_version=options.tf_version,
                             executor_image_uri=options.executor_image_uri,
-                            base_output_dir=options.base_output_dir)
+                            base_output_dir=options.base_output_dir,
+                            container_image_uri=options.container_image_uri)
     validate_vertex_custom_job(job, plan)
-    return job["jobSpec"] if options.spec_only else job
+    if options.spec_only:
+      return job["jobSpec"]
+    out = vertex_form(job, options.form)
+    if options.form == "sdk":
+      validate_vertex_sdk_kwargs(out, job)
+    return out
   _need(not options.reduction_server_replicas,
         "--reduction_server_replicas is Vertex AI's; a TFJob has no "
         "Reduction Server.")
   _need(options.image, "--image is required for kubernetes: a container "
         "image with TensorFlow and tfdist installed.")
+  pods = pod_options(values_file=options.values,
+                     service_account=options.service_account,
+                     env=options.env, cpu=options.cpu, memory=options.memory,
+                     ps_cpu=options.ps_cpu, ps_memory=options.ps_memory,
+                     node_selector=options.node_selector)
   job = kubernetes_tfjob(plan, name=options.name, image=options.image,
                          namespace=options.namespace,
-                         backoff_limit=options.backoff_limit)
+                         backoff_limit=options.backoff_limit, pods=pods)
   validate_tfjob(job, plan)
   return job
 
@@ -724,7 +1110,8 @@ def main(argv):
   except ImportError as e:
     sys.exit(f"tfdist.job_spec: error: validating a {platform} spec needs "
              f"{e.name}: pip install 'tfdist[jobspec]'.")
-  fmt = _FLAGS.format or ("json" if platform == "vertex" else "yaml")
+  fmt = _FLAGS.format or ("json" if platform == "vertex" and
+                          _FLAGS.form != "gcloud" else "yaml")
   sys.stdout.write(render(job, fmt))
 
 

@@ -478,8 +478,22 @@ def main(argv):
 
 
 def run():
+  """The entry point of `python -m tfdist.launch` and of its console
+  script."""
   define_launch_flags()
+  _adopt_usage()
   app.run(main)
+
+
+def _adopt_usage():
+  """Makes absl's usage text and --helpshort this module's when a console
+  script runs it: absl takes the text from `__main__`'s docstring and the
+  key flags of the module named by sys.argv[0] (the wrapper script there)."""
+  main_module = sys.modules["__main__"]
+  if not main_module.__doc__:
+    main_module.__doc__ = __doc__
+  for flag in flags.FLAGS.get_key_flags_for_module(__name__):
+    flags.FLAGS.register_key_flag_for_module(sys.argv[0], flag)
 
 
 if __name__ == "__main__":

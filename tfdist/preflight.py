@@ -54,9 +54,14 @@ def check_names(config):
   if config.feature_spec or registry.is_import_path(config.dataset):
     return
   spec = registry.get_dataset(config.dataset)
-  if config.hptune_metric and spec.task:
+  if (config.hptune_metric and spec.task and
+      not registry.is_import_path(config.model)):
+    # tfdist's own models evaluate the data set's default loss and metrics.
     from tfdist import hptune  # pylint: disable=g-import-not-at-top
-    hptune.check_metric(config.hptune_metric, task=spec.task)
+    from tfdist import objectives  # pylint: disable=g-import-not-at-top
+    _, metrics = objectives.task_defaults(spec.task)
+    hptune.check_metric(config.hptune_metric,
+                        available=["loss", *(m.name for m in metrics)])
 
 
 def output_folders(config) -> List[Tuple[str, str, str]]:

@@ -29,14 +29,21 @@ What Ray does and what tfdist does:
   Ray's workers run in folders of their own. On a cluster of several
   machines it must be shared storage (e.g. `gs://`): the chief writes
   there and the others restore from it.
-* Metrics go to Ray: after each evaluation every worker calls
+* Metrics and checkpoints go to Ray (`RayReportCallback`): every
+  `--log_steps` steps and after each evaluation every worker calls
   `ray.train.report` (a barrier across the workers; tfdist's controller
-  calls Keras callbacks at the same points on every worker), and at the end
-  the final metrics are reported with a Ray checkpoint holding
-  `run_manifest.json`, so they are the Ray `Result`'s `metrics`; the chief's
-  manifest is its `return_value`. Model checkpoints and the SavedModel stay
-  in `--model_dir` (the manifest names them); Ray's own run records go to
-  `--storage_path` (default `<model_dir>/ray_results`).
+  reaches those points at the same step on every worker), and the chief
+  attaches each new tfdist checkpoint as a Ray checkpoint, so
+  `CheckpointConfig`, `storage_path`, `Result.checkpoint` and
+  `ray.train.get_checkpoint()` hold the model. At the end the final
+  metrics are reported with the final checkpoint and `run_manifest.json`,
+  so they are the Ray `Result`'s `metrics`; the chief's manifest is its
+  `return_value`. A Ray checkpoint newer than `--model_dir`'s own (Ray's
+  restart, or `resume_from_checkpoint`) is copied in before training, and
+  tfdist resumes from it. The SavedModel stays in `--model_dir`; Ray's own
+  run records go to `--storage_path` (default `<model_dir>/ray_results`).
+* On one machine the workers' temporary files (non-chief scratch folders)
+  go to a folder of the run's, deleted at the end, killed workers' too.
 * `--address=local` (the default) starts a private one-machine Ray cluster
   for this job with every Ray process on 127.0.0.1 (see
   `init_local_cluster`) and stops it at the end; `--address=auto` joins
@@ -50,6 +57,7 @@ Library use: `run_on_ray(config, num_workers=2, ...)` after `ray.init` (or
 `init_local_cluster`); callers add Keras callbacks with `callbacks=`.
 """
 
+import copy
 import glob
 import importlib
 import json
@@ -232,7 +240,9 @@ def init_local_cluster(*, num_cpus: float, num_gpus: Optional[int] = None,
   ray = _require_ray()
   ray.init(num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False,
            object_store_memory=object_store_memory, _temp_dir=temp_dir,
-           _node_ip_address=LOCALHOST)
+           _node_ip_address=LOCALHOST,
+           runtime_env={"worker_process_setup_hook":
+                        f"{__name__}.setup_local_worker_process"})
   address = ray.util.get_node_ip_address()
   if address != LOCALHOST:
     ray.shutdown()
@@ -245,10 +255,112 @@ def init_local_cluster(*, num_cpus: float, num_gpus: Optional[int] = None,
   return temp_dir
 
 
+# Ray Train's placement-group cleaner asks Ray's State API, served by the
+# dashboard, whether the controller still runs, every second; without the
+# dashboard (the local cluster's) each try logs this warning, while
+# ray.shutdown() removes the placement group in any case.
+_STATE_API_LOGGER = (
+    "ray.train.v2._internal.execution.controller.placement_group_cleaner")
+
+
+def setup_local_worker_process():
+  """Runs at the start of every process of `init_local_cluster`'s cluster
+  (Ray's `worker_process_setup_hook`): silences the placement-group
+  cleaner's warning that the State API (the dashboard, off here) is
+  unavailable, which it repeats every second of a run."""
+  import logging as std_logging  # pylint: disable=g-import-not-at-top
+  std_logging.getLogger(_STATE_API_LOGGER).setLevel(std_logging.ERROR)
+
+
+# --- tfdist checkpoints as Ray checkpoints -----------------------------------
+def checkpoint_step(prefix: str) -> int:
+  """The step of a tfdist checkpoint prefix (`.../ckpt-48` -> 48)."""
+  return int(prefix.rsplit("-", 1)[1])
+
+
+def export_checkpoint(checkpoint_dir: str, folder: str,
+                      newer_than: int = -1) -> Optional[int]:
+  """Copies the latest tfdist checkpoint of `checkpoint_dir` into `folder`.
+
+  The copy is a tfdist checkpoint folder of its own: the checkpoint's files
+  (`ckpt-N.index`, `ckpt-N.data-*`) and TensorFlow's `checkpoint` state
+  file naming it, so `tf.train.latest_checkpoint(folder)` finds it; it is
+  what a Ray checkpoint of the run holds.
+
+  Args:
+    checkpoint_dir: tfdist's checkpoint folder (local or gs://).
+    folder: an existing local folder.
+    newer_than: copy only a checkpoint of a later step than this.
+
+  Returns:
+    The step copied, or None (no checkpoint, or none newer).
+  """
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  prefix = tf.train.latest_checkpoint(checkpoint_dir)
+  if not prefix or checkpoint_step(prefix) <= newer_than:
+    return None
+  for path in tf.io.gfile.glob(prefix + ".*"):
+    tf.io.gfile.copy(path, os.path.join(folder, os.path.basename(path)),
+                     overwrite=True)
+  tf.compat.v1.train.update_checkpoint_state(
+      folder, os.path.basename(prefix),
+      all_model_checkpoint_paths=[os.path.basename(prefix)])
+  return checkpoint_step(prefix)
+
+
+def import_checkpoint(folder: str, checkpoint_dir: str) -> Optional[int]:
+  """Copies the tfdist checkpoint of a Ray checkpoint `folder` into
+  `checkpoint_dir` when that holds no checkpoint of the same or a later
+  step (a run restored through Ray into a new `--model_dir`).
+
+  The files go first and TensorFlow's `checkpoint` state file last, so a
+  reader sees the checkpoint whole or not at all; nothing there is deleted.
+
+  Returns:
+    The step imported, or None (nothing to import, or `checkpoint_dir`
+    is as new).
+  """
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  prefix = tf.train.latest_checkpoint(folder)
+  if not prefix:
+    return None
+  local = tf.train.latest_checkpoint(checkpoint_dir)
+  step = checkpoint_step(prefix)
+  if local and checkpoint_step(local) >= step:
+    return None
+  tf.io.gfile.makedirs(checkpoint_dir)
+  for path in tf.io.gfile.glob(prefix + ".*"):
+    tf.io.gfile.copy(path, os.path.join(checkpoint_dir,
+                                        os.path.basename(path)),
+                     overwrite=True)
+  state = tf.train.get_checkpoint_state(checkpoint_dir)
+  kept = list(state.all_model_checkpoint_paths) if state else []
+  tf.compat.v1.train.update_checkpoint_state(
+      checkpoint_dir, os.path.basename(prefix),
+      all_model_checkpoint_paths=[*kept, os.path.basename(prefix)])
+  return step
+
+
+def _wait_for_checkpoint(checkpoint_dir: str, step: int, timeout: float):
+  """Waits until `checkpoint_dir`'s latest checkpoint is at `step` or later
+  (the chief imports it; the other workers restore from it)."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  deadline = time.time() + timeout
+  while True:
+    latest = tf.train.latest_checkpoint(checkpoint_dir)
+    if latest and checkpoint_step(latest) >= step:
+      return
+    if time.time() > deadline:
+      raise RuntimeError(
+          f"tfdist.ray: the chief did not import the Ray checkpoint of step "
+          f"{step} into {checkpoint_dir} within {timeout:.0f} s.")
+    time.sleep(0.5)
+
+
 # --- inside the Ray Train workers -----------------------------------------
-def _report_callback():
+def _report_callback(**kwargs):
   """A `RayReportCallback` (Keras is imported on first use)."""
-  return _report_callback_class()()
+  return _report_callback_class()(**kwargs)
 
 
 _CALLBACK_CLASS = None
@@ -260,21 +372,47 @@ def _report_callback_class():
     import keras  # pylint: disable=g-import-not-at-top
 
     class RayReportCallback(keras.callbacks.Callback):
-      """Reports tfdist's metrics to Ray Train at each `on_epoch_end`.
+      """Reports tfdist's metrics and checkpoints to Ray Train.
 
-      tfdist's controller calls `on_epoch_end` after each evaluation (with
-      `val_*` logs), on every worker at the same step, and
-      `ray.train.report` is a barrier across the workers: each must call it
-      the same number of times, which that guarantees.
+      Every worker reports (`ray.train.report` is a barrier across the
+      workers: each must call it the same number of times), at points
+      tfdist's controller reaches at the same step on every worker:
 
-      Reported (floats unless said): `step` (int, optimizer updates so far),
-      `epoch` (int, Keras's 0-based index of the epoch just ended),
-      `start_step` (int, the step this Ray attempt resumed from; 0 for a
-      fresh start), `loss`, `accuracy`, and after an evaluation
-      `val_loss`, `val_accuracy` (and whatever else the logs hold).
+      * every `log_steps` steps (when the next chunk of steps begins, after
+        the controller saved any checkpoint of that step): `step`, `loss`
+        (the mean training loss of the interval), `epoch`, `start_step`;
+        the chief (world rank 0) attaches a Ray checkpoint holding the
+        newest tfdist checkpoint not reported yet (`export_checkpoint`), so
+        Ray's `CheckpointConfig`, `Result.checkpoint` and
+        `ray.train.get_checkpoint()` hold the model;
+      * after each evaluation (`on_epoch_end`, with `val_*` logs): `step`,
+        `epoch`, `start_step`, `loss`, `accuracy`, `val_loss`,
+        `val_accuracy` (and whatever else the logs hold).
+
+      Args:
+        log_steps: the run's `--log_steps`.
+        checkpoint_dir: tfdist's checkpoint folder (the chief exports from
+          it).
+        is_chief: this worker attaches the checkpoints.
+
+      Reported values are floats except `step`, `epoch` and `start_step`
+      (ints; `start_step` is the step this Ray attempt resumed from, 0 for
+      a fresh start).
       """
 
-      start_step = 0
+      def __init__(self, *, log_steps: int = 0, checkpoint_dir: str = "",
+                   is_chief: bool = False):
+        super().__init__()
+        self.log_steps = int(log_steps)
+        self.checkpoint_dir = checkpoint_dir
+        self.is_chief = is_chief
+        self.start_step = 0
+        self.reported_checkpoint_step = -1
+        self._last_step = 0
+        self._loss_sum = 0.0
+        self._loss_steps = 0
+        self._reported_step = 0
+        self._epoch = 0
 
       def _step(self, logs=None) -> int:
         if logs and "step" in logs:
@@ -282,14 +420,63 @@ def _report_callback_class():
         return int(keras.ops.convert_to_numpy(self.model.optimizer.iterations))
 
       def on_train_begin(self, logs=None):
-        self.start_step = self._step(logs)
+        self.start_step = self._last_step = self._reported_step = (
+            self._step(logs))
+        self.reported_checkpoint_step = self.start_step
+
+      def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = int(epoch)
+
+      def on_train_batch_end(self, batch, logs=None):
+        step = self._step()
+        if logs and "loss" in logs and step > self._last_step:
+          self._loss_sum += float(logs["loss"]) * (step - self._last_step)
+          self._loss_steps += step - self._last_step
+        self._last_step = step
+
+      def on_train_batch_begin(self, batch, logs=None):
+        step = self._step()
+        if (self.log_steps and step > self._reported_step and
+            step % self.log_steps == 0):
+          self._report_interval(step)
+
+      def _report_interval(self, step):
+        metrics = {"step": step, "epoch": self._epoch,
+                   "start_step": self.start_step}
+        if self._loss_steps:
+          metrics["loss"] = self._loss_sum / self._loss_steps
+        self._loss_sum, self._loss_steps = 0.0, 0
+        self._reported_step = step
+        self.report(metrics)
+
+      def report(self, metrics: dict, *, extra_files: Sequence = ()):
+        """`ray.train.report(metrics)`; the chief attaches the newest tfdist
+        checkpoint not reported yet (and `extra_files`: `(name, write)`
+        pairs, `write(folder)` writing `name` into the checkpoint folder)."""
+        import ray.train  # pylint: disable=g-import-not-at-top,redefined-outer-name
+        if not self.is_chief:
+          ray.train.report(metrics)
+          return
+        with tempfile.TemporaryDirectory(prefix="tfdist-ray-ckpt-") as folder:
+          step = export_checkpoint(self.checkpoint_dir, folder,
+                                   newer_than=self.reported_checkpoint_step)
+          for _, write in extra_files:
+            write(folder)
+          if step is None and not extra_files:
+            ray.train.report(metrics)
+            return
+          if step is not None:
+            self.reported_checkpoint_step = step
+            metrics = {**metrics, "checkpoint_step": step}
+          ray.train.report(
+              metrics, checkpoint=ray.train.Checkpoint.from_directory(folder))
 
       def on_epoch_end(self, epoch, logs=None):
-        import ray.train  # pylint: disable=g-import-not-at-top,redefined-outer-name
         metrics = {k: float(v) for k, v in (logs or {}).items()
                    if isinstance(v, (int, float))}
         metrics.update(step=self._step(logs), epoch=int(epoch),
                        start_step=self.start_step)
+        import ray.train  # pylint: disable=g-import-not-at-top,redefined-outer-name
         ray.train.report(metrics)
 
     RayReportCallback.__module__ = __name__
@@ -323,11 +510,21 @@ def final_metrics(record: dict, *, start_step: int) -> dict:
   return out
 
 
+# How long the other workers wait for the chief to import a Ray checkpoint.
+IMPORT_TIMEOUT_SECONDS = 300
+
+
 def train_loop_per_worker(loop_config: dict) -> dict:
   """Ray Train's per-worker function: one tfdist run of `loop_config`.
 
+  A Ray checkpoint (`ray.train.get_checkpoint()`, the latest this Ray run
+  reported; else `loop_config["resume_from"]`) newer than the checkpoint
+  folder's own is imported there first (`import_checkpoint`, by the chief;
+  the others wait for it): tfdist then resumes from it as from its own.
+
   Args:
-    loop_config: `{"config": TrainConfig, "callbacks": [Keras callbacks]}`.
+    loop_config: `{"config": TrainConfig, "callbacks": [Keras callbacks],
+      "resume_from": a ray.train.Checkpoint or None}`.
 
   Returns:
     This worker's run manifest (Ray keeps rank 0's: the chief's).
@@ -338,18 +535,36 @@ def train_loop_per_worker(loop_config: dict) -> dict:
   import ray.train  # pylint: disable=g-import-not-at-top,redefined-outer-name
   from tfdist import experiment  # pylint: disable=g-import-not-at-top
   from tfdist import manifest as manifest_lib  # pylint: disable=g-import-not-at-top
-  report = _report_callback()
+  config = loop_config["config"]
+  checkpoint_dir = config.resolved_checkpoint_dir
+  is_chief = ray.train.get_context().get_world_rank() == 0
+  # This run's own latest report first (a restart), else the checkpoint it
+  # was asked to start from.
+  ray_checkpoint = (ray.train.get_checkpoint() or
+                    loop_config.get("resume_from"))
+  if ray_checkpoint is not None:
+    with ray_checkpoint.as_directory() as folder:
+      if is_chief:
+        step = import_checkpoint(folder, checkpoint_dir)
+        if step is not None:
+          logging.info("tfdist.ray: resuming from the Ray checkpoint of step "
+                       "%d (copied into %s).", step, checkpoint_dir)
+      else:
+        import tensorflow as tf  # pylint: disable=g-import-not-at-top
+        prefix = tf.train.latest_checkpoint(folder)
+        if prefix:
+          _wait_for_checkpoint(checkpoint_dir, checkpoint_step(prefix),
+                               IMPORT_TIMEOUT_SECONDS)
+  report = _report_callback(log_steps=config.log_steps,
+                            checkpoint_dir=checkpoint_dir, is_chief=is_chief)
   record = experiment.run_experiment(
-      loop_config["config"],
-      callbacks=[report, *loop_config.get("callbacks", ())])
+      config, callbacks=[report, *loop_config.get("callbacks", ())])
   metrics = final_metrics(record, start_step=report.start_step)
-  if ray.train.get_context().get_world_rank() == 0:
-    with tempfile.TemporaryDirectory(prefix="tfdist-ray-manifest-") as folder:
-      manifest_lib.write_manifest(folder, record)
-      ray.train.report(metrics,
-                       checkpoint=ray.train.Checkpoint.from_directory(folder))
-  else:
-    ray.train.report(metrics)
+  # The last report: the final metrics, and (chief) the final checkpoint
+  # with the run manifest beside it.
+  report.report(metrics, extra_files=[(
+      manifest_lib.MANIFEST_FILE,
+      lambda folder: manifest_lib.write_manifest(folder, record))])
   return record
 
 
@@ -357,7 +572,8 @@ def train_loop_per_worker(loop_config: dict) -> dict:
 def run_on_ray(config: TrainConfig, *, num_workers: int, use_gpu: bool = False,
                cpus_per_worker: float = 1.0, max_failures: int = 0,
                storage_path: Optional[str] = None, name: Optional[str] = None,
-               callbacks: Sequence = ()):
+               callbacks: Sequence = (), run_config=None,
+               resume_from_checkpoint=None):
   """Runs `config` as a Ray Train job on the Ray cluster this process joined.
 
   Call `ray.init` (or `init_local_cluster`) first; without it Ray starts a
@@ -377,15 +593,26 @@ def run_on_ray(config: TrainConfig, *, num_workers: int, use_gpu: bool = False,
     name: the Ray run's name (default: Ray's).
     callbacks: extra Keras callbacks for every worker (picklable; called
       at the same points on every worker).
+    run_config: the user's own `ray.train.RunConfig` (its `name`,
+      `storage_path`, `failure_config`, `checkpoint_config`, Ray
+      `callbacks`, ...), used as given instead of the one `name`,
+      `storage_path` and `max_failures` make; give those inside it.
+    resume_from_checkpoint: a `ray.train.Checkpoint` of an earlier tfdist
+      Ray run (e.g. its `Result.checkpoint`): the run starts from its
+      tfdist checkpoint when `--model_dir` holds none as new.
 
   Returns:
     The `ray.train.Result`: `metrics` = `final_metrics` of the chief's
-    manifest, `checkpoint` = a folder with `run_manifest.json`,
-    `return_value` = the chief's manifest dict, `error` on failure.
+    manifest, `checkpoint` = the last Ray checkpoint (the final tfdist
+    checkpoint, with `run_manifest.json`), `best_checkpoints` and
+    `metrics_dataframe` (a row per report: every `--log_steps` and every
+    evaluation), `return_value` = the chief's manifest dict, `error` on
+    failure.
 
   Raises:
     ImportError: Ray Train is not installed.
-    ConfigError: from `prepare_config`, or bad counts.
+    ConfigError: from `prepare_config`, bad counts, or `run_config` with
+      `name`, `storage_path` or `max_failures`.
   """
   if num_workers < 1:
     raise ConfigError(f"--num_workers={num_workers} must be >= 1.")
@@ -408,19 +635,49 @@ def run_on_ray(config: TrainConfig, *, num_workers: int, use_gpu: bool = False,
           "it, so it must be shared storage (gs://, or a shared mount).",
           config.model_dir, len(nodes))
   resources = {"CPU": cpus_per_worker, **({"GPU": 1} if use_gpu else {})}
+  if run_config is not None:
+    given = [f for f, v in (("name", name), ("storage_path", storage_path),
+                            ("max_failures", max_failures)) if v]
+    if given:
+      where = ("failure_config=FailureConfig(max_failures=...)"
+               if given[0] == "max_failures" else f"{given[0]}=...")
+      raise ConfigError(f"run_on_ray: {given[0]} and run_config given: set "
+                        f"it in the RunConfig (RunConfig({where})).")
+    max_failures = (run_config.failure_config.max_failures
+                    if run_config.failure_config else 0)
+  else:
+    run_config = RunConfig(
+        name=name,
+        storage_path=storage_path or os.path.join(config.model_dir,
+                                                  "ray_results"),
+        failure_config=FailureConfig(max_failures=max_failures))
+  scratch = None
+  if (ray.is_initialized() and run_config.worker_runtime_env is None and
+      len([n for n in ray.nodes() if n.get("Alive")]) == 1):
+    # One machine: the workers' temporary files (the non-chief workers'
+    # scratch folders, the checkpoint copies reported to Ray) go to a
+    # folder of this run's, deleted at the end, so that a worker Ray
+    # killed leaves nothing behind.
+    scratch = tempfile.mkdtemp(prefix="tfdist-ray-scratch-")
+    run_config = copy.copy(run_config)  # The caller's stays as it was.
+    run_config.worker_runtime_env = {"env_vars": {"TMPDIR": scratch}}
   trainer = TensorflowTrainer(
       train_loop_per_worker,
-      train_loop_config={"config": config, "callbacks": list(callbacks)},
+      # Ray Train 2's way of starting from an earlier run's checkpoint:
+      # the training function gets it (`resume_from_checkpoint=` of the
+      # trainer is deprecated there).
+      train_loop_config={"config": config, "callbacks": list(callbacks),
+                         "resume_from": resume_from_checkpoint},
       scaling_config=ScalingConfig(num_workers=num_workers, use_gpu=use_gpu,
                                    resources_per_worker=resources),
-      run_config=RunConfig(
-          name=name,
-          storage_path=storage_path or os.path.join(config.model_dir,
-                                                    "ray_results"),
-          failure_config=FailureConfig(max_failures=max_failures)))
+      run_config=run_config)
   logging.info("Ray Train: %d worker(s) x %s, max_failures=%d, model_dir %s",
                num_workers, resources, max_failures, config.model_dir)
-  return trainer.fit()
+  try:
+    return trainer.fit()
+  finally:
+    if scratch:
+      shutil.rmtree(scratch, ignore_errors=True)
 
 
 # --- binary ------------------------------------------------------------------
@@ -539,8 +796,22 @@ def main(argv):
 
 
 def run():
+  """The entry point of `python -m tfdist.ray` and of its console
+  script."""
   define_ray_flags()
+  _adopt_usage()
   app.run(main)
+
+
+def _adopt_usage():
+  """Makes absl's usage text and --helpshort this module's when a console
+  script runs it: absl takes the text from `__main__`'s docstring and the
+  key flags of the module named by sys.argv[0] (the wrapper script there)."""
+  main_module = sys.modules["__main__"]
+  if not main_module.__doc__:
+    main_module.__doc__ = __doc__
+  for flag in flags.FLAGS.get_key_flags_for_module(__name__):
+    flags.FLAGS.register_key_flag_for_module(sys.argv[0], flag)
 
 
 if __name__ == "__main__":

@@ -3,10 +3,19 @@
 `RunLog` turns the controller's step sums and evaluation results into
 
 * one log line each (absl logging, INFO), in one format for every strategy;
-* TensorBoard scalars (`train/` at log points, `validation/` at
-  evaluations): loss, every metric (accuracy, AUC, ...), learning rate,
-  loss scale (fp16), examples/sec, step time, input wait, peak host memory
-  (RSS) and, on GPUs, peak device memory;
+* TensorBoard scalars, each value once, under the tags Keras's own
+  `TensorBoard` callback gives them in `model.fit` (`TAGS`; the list:
+  docs/reference/tensorboard-tags.md): at log points, in `train/`,
+  `batch_loss` and `batch_<metric>` (Keras's tags for values between epoch
+  ends) with tfdist's learning rate, loss scale (fp16), examples/sec, step
+  time, input wait, peak host memory (RSS) and, on GPUs, peak device
+  memory; at evaluations, in `validation/` (the side-car evaluator:
+  `eval/`), `evaluation_loss_vs_iterations` and
+  `evaluation_<metric>_vs_iterations` (Keras's tags for an evaluation
+  against the training step). The epoch values `epoch_loss`,
+  `epoch_<metric>` and `epoch_learning_rate` in `train/` are Keras's
+  callback's (`TrainingTensorBoard`, which leaves the validation values to
+  this log);
 * records in `history` / `eval_history` (for the manifest), and
 * one JSON line per record appended to `<model_dir>/metrics.jsonl` (chief
   only), which survives a crash: a resumed run reads the records of the
@@ -39,6 +48,7 @@ import uuid
 from typing import Callable, Dict, List, Optional
 
 from absl import logging
+import keras
 import numpy as np
 import tensorflow as tf
 
@@ -88,6 +98,28 @@ def metrics_from_sums(sums: Dict[str, np.ndarray], steps: int) -> dict:
   return {"loss": float(sums.get("loss", 0.0)) / max(steps, 1),
           "accuracy": float(sums.get("correct", 0.0)) /
                       max(float(sums.get("count", 0.0)), 1.0)}
+
+
+# TensorBoard tag formats of the values this log writes (Keras 3's
+# `keras.callbacks.TensorBoard`: `batch_<name>` for values written every
+# `update_freq` steps, `evaluation_<name>_vs_iterations` for an evaluation
+# against the optimizer's iterations).
+TAGS = {"train": "batch_{}", "eval": "evaluation_{}_vs_iterations"}
+
+
+class TrainingTensorBoard(keras.callbacks.TensorBoard):
+  """Keras's `TensorBoard` callback for the epoch values of training only.
+
+  It writes `train/epoch_<name>` (x: the epoch) as in `model.fit`; the
+  `val_*` values the controller passes to `on_epoch_end` (for other
+  callbacks, e.g. `EarlyStopping`) are left out: `RunLog` writes each
+  evaluation once, at its step, as `validation/evaluation_<name>_vs_
+  iterations`, including evaluations that end no epoch.
+  """
+
+  def on_epoch_end(self, epoch, logs=None):
+    super().on_epoch_end(epoch, {k: v for k, v in (logs or {}).items()
+                                 if not k.startswith("val_")})
 
 
 def metric_values(result: dict) -> dict:
@@ -304,7 +336,8 @@ class RunLog:
       record["excluded_from_throughput"] = True
       text += " (first interval: warm-up, not averaged)"
     self._scalars("train", step, {
-        **values, **{k: record[k] for k in (
+        **{TAGS["train"].format(k): v for k, v in values.items()},
+        **{k: record[k] for k in (
             "learning_rate", "loss_scale", "examples_per_second",
             "step_time_seconds", "input_wait_seconds", "input_wait_fraction",
             "peak_rss_bytes", "device_memory_peak_bytes") if k in record}})
@@ -350,7 +383,8 @@ class RunLog:
     record = {"kind": "eval", "step": step, **result,
               "process": self.process_id, "time": time.time(),
               **self._memory()}
-    self._scalars("eval", step, metric_values(result))
+    self._scalars("eval", step, {TAGS["eval"].format(k): v for k, v in
+                                 metric_values(result).items()})
     self.eval_history.append(record)
     self._append(record)
     logging.info("tfdist: %s at step %d: %s", prefix, step,

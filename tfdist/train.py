@@ -167,8 +167,12 @@ def run():
   """The entry point of `python -m tfdist.train` and of the `tfdist-train`
   console script."""
   # --helpshort lists the key flags of the main module, which absl names by
-  # sys.argv[0]: this file under `python -m`, but the wrapper script when pip's
-  # console script `tfdist-train` runs.
+  # sys.argv[0], under the usage text of `__main__`'s docstring: this file
+  # under `python -m`, but the wrapper script when pip's console script
+  # `tfdist-train` runs.
+  main_module = sys.modules["__main__"]
+  if not main_module.__doc__:
+    main_module.__doc__ = __doc__
   for name in KEY_FLAGS:
     absl_flags.FLAGS.register_key_flag_for_module(sys.argv[0],
                                                   absl_flags.FLAGS[name])
