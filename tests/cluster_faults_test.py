@@ -160,7 +160,7 @@ class CleanRunsTest(absltest.TestCase):
     self.assertEqual(evaluated, saved)
     # The chief (hosting the coordination service) left last: a worker
     # still alive after it had left logged an UNAVAILABLE heartbeat error.
-    self.assertIn("The other 1 worker(s) left first", read(0))
+    self.assertIn("The other 1 worker(s) have left", read(0))
     for pool in (0, 1, 3):
       self.assertQuiet(read(pool), f"workerpool{pool}")
 

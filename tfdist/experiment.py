@@ -141,6 +141,10 @@ def prepare_run(config: TrainConfig, *,
       environ=environment.variables,
       reduction_server=config.reduction_server)
   logging.info("%s", cluster.describe())
+  # A peer whose name does not resolve would be waited for until
+  # --cluster_start_timeout_seconds.
+  cluster_lib.check_addresses_resolve(
+      cluster, retry_seconds=min(30.0, config.cluster_start_timeout_seconds))
   # Hyperparameter tuning: trials never share a checkpoint.
   config, trial_fields = environment_lib.trial_folders(
       config, trial=cluster.trial, filled=applied)
@@ -183,7 +187,8 @@ def _name_environment_sources(applied):
 def run_experiment(config: TrainConfig, *,
                    callbacks: Sequence[keras.callbacks.Callback] = (),
                    environment: Optional[environment_lib.RunEnvironment] = None,
-                   task: Optional[task_lib.Task] = None) -> dict:
+                   task: Optional[task_lib.Task] = None,
+                   exit_plan: Optional[worker_exit.ExitPlan] = None) -> dict:
   """Runs this process's part of the job `config` describes.
 
   Works from any thread: off the main thread, signal-based preemption is
@@ -198,6 +203,11 @@ def run_experiment(config: TrainConfig, *,
     task: what to train (`tfdist.task.Task`: model builder, data set, loss,
       metrics); None: what `config.model`, `config.dataset`,
       `config.feature_spec` and `config.import_modules` name.
+    exit_plan: for binaries that end their process when the run is done
+      (`tfdist.train`): a MultiWorkerMirrored task of a multi-worker run
+      then ends its process inside this call, right after the final
+      barrier, the chief last (`tfdist.worker_exit.leave_process`), and
+      this call does not return there. None (library use): it returns.
 
   Returns:
     The run manifest (the chief also writes it to
@@ -309,7 +319,7 @@ def run_experiment(config: TrainConfig, *,
                     applied=applied, trial_fields=trial_fields,
                     callbacks=callbacks, started=started,
                     hypertune_reporter=hypertune_reporter, lease=lease,
-                    cleanup=cleanup)
+                    cleanup=cleanup, exit_plan=exit_plan)
     if writer:
       # Tells parameter-server tasks and side-car evaluators the run is
       # over, only once the training objects are gone: a parameter-server
@@ -400,7 +410,7 @@ def _check_resume(config, plan) -> list:
 
 def _train(config, *, task, cluster, decision, applied, callbacks, started,
            hypertune_reporter=None, trial_fields=(), lease=None,
-           cleanup=None):
+           cleanup=None, exit_plan=None):
   """The training process: the only one, the chief, a worker, or the
   parameter-server coordinator (`lease`: the writer's `--model_dir`
   lease, held; `cleanup`: a `contextlib.ExitStack` the caller closes)."""
@@ -667,6 +677,19 @@ def _train(config, *, task, cluster, decision, applied, callbacks, started,
     # No worker leaves while another still needs it (the chief hosts the
     # coordination service).
     worker_exit.leave_together(strategy, num_workers=num_workers)
+    if exit_plan is not None and num_workers > 1:
+
+      def release():
+        if cleanup is not None:
+          cleanup.close()  # The lease, the signal handlers.
+        # Side-car evaluators stop with the chief.
+        ps_lib.mark_done(config.model_dir)
+
+      # Never returns: the objects above stay alive until the process ends.
+      worker_exit.leave_process(
+          exit_plan, task_type=cluster.task_type,
+          task_index=cluster.task_index, jobs=cluster.cluster,
+          is_chief=is_chief, before_exit=release)
   return record
 
 

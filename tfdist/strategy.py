@@ -6,6 +6,7 @@ place (`tfdist.auto_select.resolve`); the factory takes concrete names only.
 """
 
 import dataclasses
+import signal
 
 from absl import logging
 import tensorflow as tf
@@ -17,6 +18,8 @@ from tfdist.config import ConfigError, TrainConfig
 # collective runtime for that cluster, once per process: a second one cannot
 # be built.
 _MWMS_BUILT = []
+# While the cluster forms, the peers that do not answer are logged this often.
+START_REPORT_SECONDS = 30.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,10 +118,29 @@ def _multi_worker_mirrored(config: TrainConfig, reason: str,
   """MultiWorkerMirroredStrategy over the cluster's chief and workers.
 
   The all-reduce implementation comes from `--all_reduce_alg` (`ring`,
-  `nccl`, `auto`), every collective times out after
-  `--collective_timeout_seconds`, and building the strategy (which waits for
-  every peer to connect, with no timeout of TensorFlow's own) is bounded by
-  `--cluster_start_timeout_seconds`.
+  `nccl`, `auto`). Building the strategy (which waits for every peer to
+  connect, with no timeout of TensorFlow's own) is bounded by
+  `--cluster_start_timeout_seconds`; meanwhile the peers that do not answer
+  are logged every 30 s, and SIGTERM or SIGINT ends the process at once
+  (`tfdist.watchdog.Deadline`).
+
+  Collectives have no timeout by default (`--collective_timeout_seconds=0`).
+  A timeout costs one thread per collective for its whole length:
+  `BaseCollectiveExecutor::ExecuteAsync` and `CompleteParamsAsync`
+  (tensorflow/core/common_runtime/base_collective_executor.cc) schedule the
+  timeout check with `SchedNonBlockingClosureAfter`
+  (tensorflow/core/common_runtime/process_util.cc), which calls
+  `Env::Default()->SchedClosureAfter`; the POSIX Env's `SchedClosureAfter`
+  (third_party/xla/xla/tsl/platform/default/env.cc, `PosixEnv`) starts a
+  detached `std::thread` that sleeps for the whole timeout before it checks.
+  So threads = collectives per second x timeout: with 300 s, 12,285
+  threads per worker at step 800 of the CNN, and an abort
+  (`std::system_error`) near 15,600. A lost or stopped peer is detected
+  instead by the coordination service that MultiWorkerMirroredStrategy
+  starts (its heartbeat timeout, TensorFlow's default of 10 s,
+  `kDefaultHeartbeatTimeoutMs` in coordination_service.cc): the pending
+  collective fails with `UnavailableError`, which the step runner turns into
+  `PeerLostError` naming the task (status 200).
   """
   # Imported here: only this path needs them.
   from tfdist import cluster as cluster_lib  # pylint: disable=g-import-not-at-top
@@ -161,11 +183,8 @@ def _multi_worker_mirrored(config: TrainConfig, reason: str,
         "cluster with ps tasks.")
   implementation = getattr(tf.distribute.experimental.CommunicationImplementation,
                            _MWMS_IMPLEMENTATIONS[alg])
-  # TensorFlow holds one sleeping thread per collective for its timeout
-  # (BaseCollectiveExecutor::ExecuteAsync schedules the timeout check with
-  # Env::SchedClosureAfter, a detached thread that sleeps): measured, about
-  # 2,700-3,700 threads per worker after 100 steps of the CNN with a 300 s
-  # timeout, 150 without. 0 turns the per-collective timeout off.
+  # 0: no per-collective timeout (see the docstring: a timeout holds a
+  # sleeping thread per collective).
   options = tf.distribute.experimental.CommunicationOptions(
       implementation=implementation,
       timeout_seconds=config.collective_timeout_seconds or None)
@@ -174,13 +193,21 @@ def _multi_worker_mirrored(config: TrainConfig, reason: str,
   peers = ", ".join(f"{job} {i} at {address}"
                     for job, addresses in cluster.cluster_dict(jobs).items()
                     for i, address in enumerate(addresses))
+  members = cluster.cluster_dict(jobs)
+  mine = members.get(cluster.task_type, [])
+  me = mine[cluster.task_index] if cluster.task_index < len(mine) else None
+  probes = {address: f"{job} {i}" for job, addresses in members.items()
+            for i, address in enumerate(addresses) if address != me}
   with watchdog.Deadline(
       seconds,
       f"tfdist: error: {cluster.task_type} {cluster.task_index} could not "
       f"form the multi_worker_mirrored cluster within "
       f"--cluster_start_timeout_seconds={seconds:g}: not every task connected "
       f"(cluster from {cluster.source}: {peers}). Check that every task was "
-      "started with the same cluster and that the addresses are reachable."):
+      "started with the same cluster and that the addresses are reachable.",
+      probes=probes if cluster.is_multi_worker else {},
+      report_seconds=START_REPORT_SECONDS,
+      signals=(signal.SIGTERM, signal.SIGINT)):
     strategy = tf.distribute.MultiWorkerMirroredStrategy(
         cluster_resolver=resolver, communication_options=options)
   if cluster.is_multi_worker:
