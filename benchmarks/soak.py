@@ -46,6 +46,10 @@ flags.DEFINE_string("model", "cnn", "--model of the run.")
 flags.DEFINE_float("collective_timeout_seconds", 0.0,
                    "--collective_timeout_seconds of the run (0: tfdist's "
                    "default, no per-collective timeout).")
+flags.DEFINE_enum("distribution_strategy", "multi_worker_mirrored",
+                  ["multi_worker_mirrored", "one_device"],
+                  "multi_worker_mirrored: a chief and a worker; one_device: "
+                  "one process (a baseline for the memory curve).")
 flags.DEFINE_integer("timeout", 3600, "Seconds after which the run is "
                      "stopped (the result then says so).")
 flags.DEFINE_string("output", os.path.join(REPO, "benchmarks", "results",
@@ -85,8 +89,10 @@ def main(argv):
   data = _data()
   model_dir = tempfile.mkdtemp(prefix="soak-run-")
   command = [
-      sys.executable, "-m", "tfdist.launch", "--num_workers=2", "--",
-      "--distribution_strategy=multi_worker_mirrored", f"--model={FLAGS.model}",
+      sys.executable, "-m", "tfdist.launch",
+      f"--num_workers={2 if FLAGS.distribution_strategy != 'one_device' else 1}",
+      "--", f"--distribution_strategy={FLAGS.distribution_strategy}",
+      f"--model={FLAGS.model}",
       f"--train_files={data['train']}", f"--eval_files={data['eval']}",
       f"--batch_size={FLAGS.batch_size}", f"--train_steps={FLAGS.steps}",
       f"--log_steps={FLAGS.sample_steps}",
@@ -146,6 +152,7 @@ def main(argv):
                   "load_average": os.getloadavg()},
       "steps": FLAGS.steps, "sample_steps": FLAGS.sample_steps,
       "batch_size": FLAGS.batch_size, "model": FLAGS.model,
+      "distribution_strategy": FLAGS.distribution_strategy,
       "collective_timeout_seconds": FLAGS.collective_timeout_seconds,
       "exit_status": status, "timed_out": timed_out,
       "seconds": round(time.time() - started, 1),

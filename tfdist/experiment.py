@@ -613,7 +613,7 @@ def _train(config, *, task, cluster, decision, applied, callbacks, started,
       # Servers and side-car evaluators stop with the chief.
       ps_lib.mark_done(config.model_dir)
     raise
-  except step_runner.PS_LOST_ERRORS as e:
+  except step_runner.PS_LOST_ERRORS + step_runner.PEER_LOST_ERRORS as e:
     if asynchronous:
       # Noticed outside the step runner (a checkpoint save, an evaluation).
       raise step_runner.ps_lost_error(
@@ -623,7 +623,9 @@ def _train(config, *, task, cluster, decision, applied, callbacks, started,
       # A collective (a step, a save, the agreement) failed or timed out.
       raise step_runner.peer_lost_error(
           e, after=f"step {controller.step}",
-          last_checkpoint=keeper.latest) from e
+          last_checkpoint=keeper.latest,
+          own=(cluster.task_type, cluster.task_index),
+          addresses=cluster.cluster) from e
     raise
   finally:
     watcher.uninstall()
@@ -676,7 +678,13 @@ def _train(config, *, task, cluster, decision, applied, callbacks, started,
   if multi_worker:
     # No worker leaves while another still needs it (the chief hosts the
     # coordination service).
-    worker_exit.leave_together(strategy, num_workers=num_workers)
+    try:
+      worker_exit.leave_together(strategy, num_workers=num_workers)
+    except step_runner.PEER_LOST_ERRORS as e:
+      raise step_runner.peer_lost_error(
+          e, after="the final barrier", last_checkpoint=keeper.latest,
+          own=(cluster.task_type, cluster.task_index),
+          addresses=cluster.cluster) from e
     if exit_plan is not None and num_workers > 1:
 
       def release():

@@ -407,6 +407,8 @@ class Launcher:
         codes = {t.name: _exit_status(p.returncode)
                  for t, p in self._procs.items()}
         chief_status = codes[self.tasks[0].name]
+        self._say("exit statuses: " + ", ".join(
+            f"{name} {code}" for name, code in codes.items()))
         if outcome == "ok" and self._failed_after_work:
           status = chief_status or 1
           self._say(

@@ -6,7 +6,6 @@ place (`tfdist.auto_select.resolve`); the factory takes concrete names only.
 """
 
 import dataclasses
-import signal
 
 from absl import logging
 import tensorflow as tf
@@ -20,6 +19,8 @@ from tfdist.config import ConfigError, TrainConfig
 _MWMS_BUILT = []
 # While the cluster forms, the peers that do not answer are logged this often.
 START_REPORT_SECONDS = 30.0
+# Once every peer answered, TensorFlow's own wait gets at least this long.
+MIN_JOIN_SECONDS = 60.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,10 +120,11 @@ def _multi_worker_mirrored(config: TrainConfig, reason: str,
 
   The all-reduce implementation comes from `--all_reduce_alg` (`ring`,
   `nccl`, `auto`). Building the strategy (which waits for every peer to
-  connect, with no timeout of TensorFlow's own) is bounded by
-  `--cluster_start_timeout_seconds`; meanwhile the peers that do not answer
-  are logged every 30 s, and SIGTERM or SIGINT ends the process at once
-  (`tfdist.watchdog.Deadline`).
+  connect, with no timeout of TensorFlow's own, deaf to SIGTERM and SIGINT)
+  is bounded by `--cluster_start_timeout_seconds`: first
+  `tfdist.rendezvous.wait_for_peers` waits in Python until every peer
+  answers (logging the missing ones every 30 s; SIGTERM or SIGINT stop it),
+  then `tfdist.watchdog.Deadline` bounds TensorFlow's own, short, wait.
 
   Collectives have no timeout by default (`--collective_timeout_seconds=0`).
   A timeout costs one thread per collective for its whole length:
@@ -144,6 +146,7 @@ def _multi_worker_mirrored(config: TrainConfig, reason: str,
   """
   # Imported here: only this path needs them.
   from tfdist import cluster as cluster_lib  # pylint: disable=g-import-not-at-top
+  from tfdist import rendezvous  # pylint: disable=g-import-not-at-top
   from tfdist import watchdog  # pylint: disable=g-import-not-at-top
   if _MWMS_BUILT:
     raise ConfigError(
@@ -198,16 +201,21 @@ def _multi_worker_mirrored(config: TrainConfig, reason: str,
   me = mine[cluster.task_index] if cluster.task_index < len(mine) else None
   probes = {address: f"{job} {i}" for job, addresses in members.items()
             for i, address in enumerate(addresses) if address != me}
+  waited = 0.0
+  if cluster.is_multi_worker:
+    # In Python, where SIGTERM and SIGINT work and the missing tasks can be
+    # named; TensorFlow's own wait below is then short.
+    waited = rendezvous.wait_for_peers(
+        me, probes, timeout_seconds=seconds,
+        report_seconds=START_REPORT_SECONDS,
+        describe=f"the multi_worker_mirrored cluster from {cluster.source}")
   with watchdog.Deadline(
-      seconds,
+      max(seconds - waited, MIN_JOIN_SECONDS),
       f"tfdist: error: {cluster.task_type} {cluster.task_index} could not "
       f"form the multi_worker_mirrored cluster within "
       f"--cluster_start_timeout_seconds={seconds:g}: not every task connected "
       f"(cluster from {cluster.source}: {peers}). Check that every task was "
-      "started with the same cluster and that the addresses are reachable.",
-      probes=probes if cluster.is_multi_worker else {},
-      report_seconds=START_REPORT_SECONDS,
-      signals=(signal.SIGTERM, signal.SIGINT)):
+      "started with the same cluster and that the addresses are reachable."):
     strategy = tf.distribute.MultiWorkerMirroredStrategy(
         cluster_resolver=resolver, communication_options=options)
   if cluster.is_multi_worker:
