@@ -47,9 +47,11 @@ flags.DEFINE_float("collective_timeout_seconds", 0.0,
                    "--collective_timeout_seconds of the run (0: tfdist's "
                    "default, no per-collective timeout).")
 flags.DEFINE_enum("distribution_strategy", "multi_worker_mirrored",
-                  ["multi_worker_mirrored", "one_device"],
-                  "multi_worker_mirrored: a chief and a worker; one_device: "
-                  "one process (a baseline for the memory curve).")
+                  ["multi_worker_mirrored", "parameter_server", "one_device"],
+                  "multi_worker_mirrored: a chief and a worker; "
+                  "parameter_server: a chief (coordinator), 2 workers and a "
+                  "ps task; one_device: one process (a baseline for the "
+                  "memory curve).")
 flags.DEFINE_integer("timeout", 3600, "Seconds after which the run is "
                      "stopped (the result then says so).")
 flags.DEFINE_string("output", os.path.join(REPO, "benchmarks", "results",
@@ -88,9 +90,11 @@ def main(argv):
   del argv  # Unused.
   data = _data()
   model_dir = tempfile.mkdtemp(prefix="soak-run-")
+  layout = {"multi_worker_mirrored": ["--num_workers=2"],
+            "parameter_server": ["--num_workers=2", "--num_ps=1"],
+            "one_device": ["--num_workers=1"]}[FLAGS.distribution_strategy]
   command = [
-      sys.executable, "-m", "tfdist.launch",
-      f"--num_workers={2 if FLAGS.distribution_strategy != 'one_device' else 1}",
+      sys.executable, "-m", "tfdist.launch", *layout,
       "--", f"--distribution_strategy={FLAGS.distribution_strategy}",
       f"--model={FLAGS.model}",
       f"--train_files={data['train']}", f"--eval_files={data['eval']}",
@@ -109,9 +113,7 @@ def main(argv):
   timer = threading.Timer(FLAGS.timeout, proc.kill)
   timer.start()
   pids, samples, tail = {}, [], []
-  print(f"{'step':>6} {'seconds':>8} " + " ".join(
-      f"{t + ' threads':>15} {t + ' RSS MiB':>15}"
-      for t in ("chief:0", "worker:0")), flush=True)
+  print(f"{'step':>6} {'seconds':>8}  task: threads, RSS MiB", flush=True)
   for line in proc.stdout:
     line = line.rstrip("\n")
     tail = (tail + [line])[-40:]
@@ -127,10 +129,9 @@ def main(argv):
     for task, pid in sorted(pids.items()):
       sample[task] = read_status(pid)
     samples.append(sample)
-    print(f"{sample['step']:>6} {sample['seconds']:>8.1f} " + " ".join(
-        f"{sample.get(t, {}).get('threads', '-'):>15} "
-        f"{sample.get(t, {}).get('rss_mib', '-'):>15}"
-        for t in ("chief:0", "worker:0")), flush=True)
+    print(f"{sample['step']:>6} {sample['seconds']:>8.1f}  " + "  ".join(
+        f"{t}: {sample[t].get('threads', '-')}, "
+        f"{sample[t].get('rss_mib', '-')}" for t in sorted(pids)), flush=True)
   status = proc.wait()
   timer.cancel()
   timed_out = time.time() - started >= FLAGS.timeout

@@ -98,7 +98,8 @@ class RepeatedRunsTest(absltest.TestCase):
           watch.output()[-4000:])
       for task, pid in pids.items():
         threads[task].append(int(_status(pid)["Threads"]))
-    self.assertClean(watch.output(), watch.wait(), 0)
+    status = watch.wait()
+    self.assertClean(watch.output(), status, 0)
     for task, counts in threads.items():
       self.assertLessEqual(counts[-1] - counts[0], MAX_THREAD_GROWTH,
                            f"{task} threads at steps {THREAD_STEPS}: {counts}")
