@@ -141,10 +141,6 @@ def prepare_run(config: TrainConfig, *,
       environ=environment.variables,
       reduction_server=config.reduction_server)
   logging.info("%s", cluster.describe())
-  # A peer whose name does not resolve would be waited for until
-  # --cluster_start_timeout_seconds.
-  cluster_lib.check_addresses_resolve(
-      cluster, retry_seconds=min(30.0, config.cluster_start_timeout_seconds))
   # Hyperparameter tuning: trials never share a checkpoint.
   config, trial_fields = environment_lib.trial_folders(
       config, trial=cluster.trial, filled=applied)

@@ -19,6 +19,9 @@ from tfdist.config import ConfigError, TrainConfig
 _MWMS_BUILT = []
 # While the cluster forms, the peers that do not answer are logged this often.
 START_REPORT_SECONDS = 30.0
+# How long host names that do not resolve are retried (a cluster manager may
+# register a peer's name only as the peer starts).
+RESOLVE_RETRY_SECONDS = 30.0
 # Once every peer answered, TensorFlow's own wait gets at least this long.
 MIN_JOIN_SECONDS = 60.0
 
@@ -106,7 +109,12 @@ def _tpu(config: TrainConfig, reason: str) -> StrategyChoice:
 def _parameter_server(config: TrainConfig, reason: str,
                       cluster) -> StrategyChoice:
   # Imported here: needed only on this path.
+  from tfdist import cluster as cluster_lib  # pylint: disable=g-import-not-at-top
   from tfdist import parameter_server  # pylint: disable=g-import-not-at-top
+  # The coordinator connects to every worker and ps task.
+  cluster_lib.check_addresses_resolve(
+      cluster, retry_seconds=min(RESOLVE_RETRY_SECONDS,
+                                 config.cluster_start_timeout_seconds))
   strategy, ps_devices = parameter_server.make_ps_strategy(config, cluster)
   return StrategyChoice(strategy, "parameter_server", reason, ps_devices)
 
@@ -203,6 +211,10 @@ def _multi_worker_mirrored(config: TrainConfig, reason: str,
             for i, address in enumerate(addresses) if address != me}
   waited = 0.0
   if cluster.is_multi_worker:
+    # A peer whose name does not resolve would be waited for until the
+    # start-up limit.
+    cluster_lib.check_addresses_resolve(
+        cluster, retry_seconds=min(RESOLVE_RETRY_SECONDS, seconds))
     # In Python, where SIGTERM and SIGINT work and the missing tasks can be
     # named; TensorFlow's own wait below is then short.
     waited = rendezvous.wait_for_peers(
