@@ -406,11 +406,12 @@ def define_cluster_flags() -> List[str]:
   flags.DEFINE_float(
       "collective_timeout_seconds", _default("collective_timeout_seconds"),
       "multi_worker_mirrored: a collective (all-reduce) that has not "
-      "finished after this many seconds fails instead of hanging. "
-      "TensorFlow keeps one sleeping thread per collective for this long "
-      "(thousands in a long run); 0: no per-collective timeout (a dead or "
-      "stopped peer is still noticed through TensorFlow's coordination "
-      "service heartbeats).")
+      "finished after this many seconds fails instead of hanging. 0 (the "
+      "default): no per-collective timeout; a lost or stopped peer is "
+      "detected by the coordination service's heartbeats (about 10 s) "
+      "instead. A timeout costs one sleeping thread per collective for that "
+      "long (TensorFlow's collective executor): thousands of threads in a "
+      "long run, enough to exhaust the machine's thread limit.")
   flags.DEFINE_float(
       "cluster_start_timeout_seconds", _default("cluster_start_timeout_seconds"),
       "multi_worker_mirrored: fail with an error naming the cluster if not "

@@ -32,12 +32,9 @@ from tests import testutil
 from tfdist import datasets
 from tfdist import movielens
 
-_TFDIST_MODULES = frozenset(
-    name for name in os.listdir(os.path.join(testutil.REPO_ROOT, "tfdist"))
-    if name.endswith(".py"))
-# absl / glog line prefix: severity, date, time, thread, file:line.
-_PREFIX = re.compile(r"^(?P<sev>[IWEF])\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ "
-                     r"(?P<file>[^:\]\s]+):\d+\] ")
+_TFDIST_MODULES = testutil.TFDIST_MODULES
+_PREFIX = testutil.LOG_PREFIX
+noise = testutil.noise
 
 
 def user_env(extra=None) -> dict:
@@ -49,21 +46,6 @@ def user_env(extra=None) -> dict:
       "PYTHONPATH", "")
   env.update(extra or {})
   return env
-
-
-def noise(text: str) -> list:
-  """Lines of TensorFlow, gRPC or Python (not tfdist) at WARNING or above."""
-  found = []
-  for line in text.splitlines():
-    prefix = _PREFIX.match(line)
-    if prefix:
-      if prefix["sev"] != "I" and prefix["file"] not in _TFDIST_MODULES:
-        found.append(line)
-    elif (line.startswith(("WARNING", "ERROR", "FATAL")) or
-          re.search(r"grpc_status|Connection refused|UNAVAILABLE|"
-                    r"\w+Warning: ", line)):
-      found.append(line)
-  return found
 
 
 def repeated_tfdist_lines(text: str) -> list:
@@ -161,7 +143,7 @@ class CleanRunsTest(absltest.TestCase):
     self.assertEqual(evaluated, saved)
     # The chief (hosting the coordination service) left last: a worker
     # still alive after it had left logged an UNAVAILABLE heartbeat error.
-    self.assertIn("The other 1 worker(s) left first", read(0))
+    self.assertIn("The other 1 worker(s) have left", read(0))
     for pool in (0, 1, 3):
       self.assertQuiet(read(pool), f"workerpool{pool}")
 

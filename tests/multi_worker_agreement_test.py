@@ -65,7 +65,7 @@ class WorkersAgreeTest(absltest.TestCase):
 
 class FinishedWorkerTest(absltest.TestCase):
 
-  def test_worker_that_finished_but_lingers_counts_as_finished(self):
+  def test_worker_that_finished_but_lingers_fails_the_run_unrestarted(self):
     data = testutil.fashion_mnist_subset(limit=256)
     model_dir = testutil.scratch_dir()
     status, output = testlib.run_launcher(
@@ -74,14 +74,15 @@ class FinishedWorkerTest(absltest.TestCase):
         ["train_linger", "120", "--distribution_strategy="
          "multi_worker_mirrored", f"--train_files={data['train']}",
          f"--eval_files={data['eval']}", "--batch_size=32",
-         "--train_steps=2", "--log_steps=2", f"--model_dir={model_dir}",
-         "--collective_timeout_seconds=60"], timeout=TIMEOUT)
-    self.assertEqual(status, 0, output[-4000:])
+         "--train_steps=2", "--log_steps=2", f"--model_dir={model_dir}"],
+        timeout=TIMEOUT)
+    self.assertEqual(status, 1, output[-4000:])
     self.assertIn("[worker:0] test: worker 0 finished; lingering", output)
     self.assertIn("[launch] worker:0 finished its work but had not exited 5 s "
-                  "later: stopping it (counted as finished).", output)
-    self.assertIn("[launch] done: every task finished (chief status 0).",
-                  output)
+                  "later: stopping it; the run failed (not restarted: the "
+                  "work is done).", output)
+    self.assertIn("[launch] failed: worker:0 finished its work but had not "
+                  "exited 5 s later: exit status 1", output)
     self.assertNotIn("restarting the group", output)
     self.assertNotIn("test: worker 0 exits", output)
     for task in ("chief:0", "worker:0"):  # The final barrier, on both.

@@ -17,8 +17,9 @@ normally by the launcher) this file is a worker program:
   `GLOBAL_BATCH`, from fixed initial weights, in a fixed data order; the
   chief (or the single process) writes `OUT_DIR/weights.npz`.
 * `train_linger SECONDS TRAIN_FLAGS...`: runs `tfdist.train` with
-  TRAIN_FLAGS; afterwards `worker` 0 sleeps SECONDS before exiting (a
-  test-only stand-in for a worker whose exit hangs after its work is done).
+  TRAIN_FLAGS; `worker` 0 sleeps SECONDS where its process would end after
+  the run (a test-only stand-in for a worker whose exit hangs after its
+  work is done).
 * `agree OUT_DIR`: the fp16, random-stream and barrier checks of
   `tests/distributed_correctness_test.py` under MultiWorkerMirroredStrategy
   (with `--collective_timeout_seconds`-like timeout `COLLECTIVE_TIMEOUT`);
@@ -340,12 +341,19 @@ def train_linger_main(seconds: float, train_args: List[str]):
   from tfdist import train  # pylint: disable=g-import-not-at-top
 
   def main(argv):
-    train.main(argv)
     if _task_name() == "worker0":
-      print(f"test: worker 0 finished; lingering {seconds:g} s before "
-            "exiting", flush=True)
-      time.sleep(seconds)
-      print("test: worker 0 exits", flush=True)
+      from tfdist import worker_exit  # pylint: disable=g-import-not-at-top
+      end_process = worker_exit._end_process  # pylint: disable=protected-access
+
+      def linger():
+        print(f"test: worker 0 finished; lingering {seconds:g} s before "
+              "exiting", flush=True)
+        time.sleep(seconds)
+        print("test: worker 0 exits", flush=True)
+        end_process()
+
+      worker_exit._end_process = linger  # pylint: disable=protected-access
+    train.main(argv)
 
   app.run(main, argv=[sys.argv[0], *train_args])
 

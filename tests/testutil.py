@@ -2,11 +2,40 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# tfdist's own modules (their log lines are not noise).
+TFDIST_MODULES = frozenset(
+    name for name in os.listdir(os.path.join(REPO_ROOT, "tfdist"))
+    if name.endswith(".py"))
+# absl / glog line prefix: severity, date, time, thread, file:line.
+LOG_PREFIX = re.compile(r"^(?P<sev>[IWEF])\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ "
+                        r"(?P<file>[^:\]\s]+):\d+\] ")
+# The launcher's prefix of a task's line, e.g. `[worker:0] `.
+_TASK_PREFIX = re.compile(r"^\[\w+:\d+\] ")
+
+
+def noise(text: str) -> list:
+  """Lines of TensorFlow, gRPC or Python (not tfdist) at WARNING or above
+  (a launcher's `[task:i] ` prefixes are looked through)."""
+  found = []
+  for line in text.splitlines():
+    body = _TASK_PREFIX.sub("", line, count=1)
+    prefix = LOG_PREFIX.match(body)
+    if prefix:
+      if prefix["sev"] != "I" and prefix["file"] not in TFDIST_MODULES:
+        found.append(line)
+    elif (body.startswith(("WARNING", "ERROR", "FATAL")) or
+          re.search(r"grpc_status|Connection refused|UNAVAILABLE|"
+                    r"\w+Warning: |Traceback", body)):
+      found.append(line)
+  return found
+
 
 _SUBSETS = {}
 _CHILD_RESULTS = {}

@@ -40,8 +40,11 @@ import dataclasses
 import json
 import os
 import re
+import socket
+import threading
+import time
 import types
-from typing import Dict, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from absl import logging
 
@@ -580,3 +583,89 @@ def resolve_cluster(*, worker_hosts: str = "", task_index: int = -1,
     logging.info("Cluster from %s; ignoring %s (precedence: --worker_hosts > "
                  "TF_CONFIG > CLUSTER_SPEC).", info.source, ", ".join(ignored))
   return info
+
+
+# --- reachability at start ------------------------------------------------
+def _split_address(address: str) -> Tuple[str, int]:
+  host, _, port = address.rpartition(":")
+  return host.strip("[]"), int(port)
+
+
+def _resolve_once(addresses: Sequence[str], timeout: float
+                  ) -> Dict[str, str]:
+  """`{address: error}` for the addresses that did not resolve (each looked
+  up in a thread of its own; one still unresolved after `timeout` seconds
+  counts as failed)."""
+  errors: Dict[str, str] = {}
+  done: Dict[str, bool] = {}
+
+  def look_up(address):
+    host, port = _split_address(address)
+    try:
+      socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError, OSError) as e:
+      errors[address] = str(e)
+    done[address] = True
+
+  threads = [threading.Thread(target=look_up, args=(a,), daemon=True)
+             for a in addresses]
+  for thread in threads:
+    thread.start()
+  deadline = time.time() + timeout
+  for thread in threads:
+    thread.join(max(deadline - time.time(), 0))
+  for address in addresses:
+    if not done.get(address):
+      errors.setdefault(address, f"no answer from the resolver within "
+                        f"{timeout:g} s")
+  return errors
+
+
+def check_addresses_resolve(info: ClusterInfo, *, retry_seconds: float = 30.0,
+                            sleep: Callable[[float], None] = time.sleep):
+  """Checks that every task's host name resolves (`socket.getaddrinfo`).
+
+  A name that does not resolve is looked up again, every 2 s, for up to
+  `retry_seconds` (a cluster manager may register a peer's name only as the
+  peer starts); then the run stops. Without this check a task waits for an
+  unresolvable peer until `--cluster_start_timeout_seconds`.
+
+  Args:
+    info: the resolved cluster; a single process, or an evaluator (which
+      connects to no peer), is not checked.
+    retry_seconds: how long names that fail are retried, in seconds.
+    sleep: the wait between attempts (tests pass a fake).
+
+  Raises:
+    ClusterConfigError: an address still does not resolve; the message names
+      the task, the address, the error and the source of the cluster.
+  """
+  if not info.is_multi_worker or info.task_type == EVALUATOR:
+    return
+  tasks: Dict[str, List[str]] = {}
+  for job, addresses in info.cluster.items():
+    for i, address in enumerate(addresses):
+      tasks.setdefault(address, []).append(f"{job} {i}")
+  deadline = time.time() + retry_seconds
+  logged = False
+  while True:
+    errors = _resolve_once(sorted(tasks), timeout=min(
+        10.0, max(retry_seconds, 1.0)))
+    if not errors:
+      return
+    if time.time() + 2 > deadline:
+      break
+    if not logged:
+      logging.info("tfdist: %s do not resolve yet; retrying for up to %.0f s.",
+                   ", ".join(sorted(errors)), retry_seconds)
+      logged = True
+    sleep(2)
+  address, error = sorted(errors.items())[0]
+  others = (f" (and {len(errors) - 1} other address(es): "
+            f"{', '.join(sorted(errors)[1:])})" if len(errors) > 1 else "")
+  raise ClusterConfigError(
+      f"{info.source}: {' / '.join(tasks[address])} at {address}: the host "
+      f"name does not resolve ({error}){others}, tried for "
+      f"{retry_seconds:g} s. Fix the address in {info.source}, or start the "
+      "task so that its name is registered (a Kubernetes service, a Vertex "
+      "AI replica).")

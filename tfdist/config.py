@@ -243,7 +243,7 @@ class TrainConfig:
   # Multi-worker cluster (see tfdist/cluster.py for TF_CONFIG/CLUSTER_SPEC).
   worker_hosts: str = ""
   task_index: int = -1
-  collective_timeout_seconds: float = 300.0
+  collective_timeout_seconds: float = 0.0
   cluster_start_timeout_seconds: float = 900.0
   preemption_grace_seconds: float = 30.0
   # Parameter-server training: how embedding tables are sharded over the ps

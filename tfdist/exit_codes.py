@@ -13,8 +13,8 @@ follow the TFJob split:
 | 0 | finished (or `--dry_run` passed) | - |
 | 1 | training diverged (NaN or infinite loss or state) or stalled (fp16 updates skipped), with one message; or an unexpected error (a bug: Python's traceback) | permanent |
 | 2 | invalid flags or configuration, missing or damaged data, unwritable outputs (also a full disk or a refused write during the run: a restart on the same volume fails the same way, `tfdist.failures`), overlapping output folders, a damaged checkpoint, a resume the checkpoint's run does not allow | permanent |
-| 130, 143 | stopped by SIGINT / SIGTERM after saving a checkpoint (128 + signal) | retryable |
-| 137 | killed (SIGKILL): the grace period after a signal ran out, the cluster did not form in time, or out of memory | retryable |
+| 130, 143 | stopped by SIGINT / SIGTERM after saving a checkpoint, or while waiting for the cluster's peers at start (128 + signal) | retryable |
+| 137 | killed (SIGKILL): the grace period after a signal ran out, the cluster did not form in time (also without a kill: peers that never answered), or out of memory | retryable |
 | 200 | a peer worker or a ps task was lost (MultiWorkerMirrored, parameter servers) | retryable |
 | 201 | `--model_dir` is held by another run's live lease | retryable |
 
@@ -56,8 +56,12 @@ def exit_code_for(error: BaseException) -> Optional[int]:
   from tfdist import parameter_server  # pylint: disable=g-import-not-at-top
   from tfdist import preemption  # pylint: disable=g-import-not-at-top
   from tfdist import step_runner  # pylint: disable=g-import-not-at-top
-  if isinstance(error, preemption.PreemptedError):
+  from tfdist import rendezvous  # pylint: disable=g-import-not-at-top
+  if isinstance(error, (preemption.PreemptedError,
+                        rendezvous.StoppedAtStartError)):
     return error.exit_code
+  if isinstance(error, rendezvous.ClusterStartError):
+    return KILLED
   if isinstance(error, (lease.LeaseHeldError, lease.LeaseLostError)):
     return LEASE_HELD
   if isinstance(error, (parameter_server.ParameterServerError,

@@ -188,7 +188,8 @@ def _name_environment_sources(applied):
 def run_experiment(config: TrainConfig, *,
                    callbacks: Sequence[keras.callbacks.Callback] = (),
                    environment: Optional[environment_lib.RunEnvironment] = None,
-                   task: Optional[task_lib.Task] = None) -> dict:
+                   task: Optional[task_lib.Task] = None,
+                   exit_plan: Optional[worker_exit.ExitPlan] = None) -> dict:
   """Runs this process's part of the job `config` describes.
 
   Works from any thread: off the main thread, signal-based preemption is
@@ -203,6 +204,11 @@ def run_experiment(config: TrainConfig, *,
     task: what to train (`tfdist.task.Task`: model builder, data set, loss,
       metrics); None: what `config.model`, `config.dataset`,
       `config.feature_spec` and `config.import_modules` name.
+    exit_plan: for binaries that end their process when the run is done
+      (`tfdist.train`): a MultiWorkerMirrored task of a multi-worker run
+      then ends its process inside this call, right after the final
+      barrier, the chief last (`tfdist.worker_exit.leave_process`), and
+      this call does not return there. None (library use): it returns.
 
   Returns:
     The run manifest (the chief also writes it to
@@ -327,7 +333,7 @@ def run_experiment(config: TrainConfig, *,
                       applied=applied, trial_fields=trial_fields,
                       callbacks=callbacks, started=started,
                       hypertune_reporter=hypertune_reporter, lease=lease,
-                      cleanup=cleanup)
+                      cleanup=cleanup, exit_plan=exit_plan)
     if writer:
       # Tells parameter-server tasks and side-car evaluators the run is
       # over, only once the training objects are gone: a parameter-server
@@ -418,7 +424,7 @@ def _check_resume(config, plan) -> list:
 
 def _train(config, *, task, cluster, decision, applied, callbacks, started,
            hypertune_reporter=None, trial_fields=(), lease=None,
-           cleanup=None):
+           cleanup=None, exit_plan=None):
   """The training process: the only one, the chief, a worker, or the
   parameter-server coordinator (`lease`: the writer's `--model_dir`
   lease, held; `cleanup`: a `contextlib.ExitStack` the caller closes)."""
@@ -624,7 +630,7 @@ def _train(config, *, task, cluster, decision, applied, callbacks, started,
       # Servers and side-car evaluators stop with the chief.
       ps_lib.mark_done(config.model_dir)
     raise
-  except step_runner.PS_LOST_ERRORS as e:
+  except step_runner.PS_LOST_ERRORS + step_runner.PEER_LOST_ERRORS as e:
     if asynchronous:
       # Noticed outside the step runner (a checkpoint save, an evaluation).
       raise step_runner.ps_lost_error(
@@ -634,7 +640,9 @@ def _train(config, *, task, cluster, decision, applied, callbacks, started,
       # A collective (a step, a save, the agreement) failed or timed out.
       raise step_runner.peer_lost_error(
           e, after=f"step {controller.step}",
-          last_checkpoint=keeper.latest) from e
+          last_checkpoint=keeper.latest,
+          own=(cluster.task_type, cluster.task_index),
+          addresses=cluster.cluster) from e
     raise
   finally:
     watcher.uninstall()
@@ -689,7 +697,26 @@ def _train(config, *, task, cluster, decision, applied, callbacks, started,
   if multi_worker:
     # No worker leaves while another still needs it (the chief hosts the
     # coordination service).
-    worker_exit.leave_together(strategy, num_workers=num_workers)
+    try:
+      worker_exit.leave_together(strategy, num_workers=num_workers)
+    except step_runner.PEER_LOST_ERRORS as e:
+      raise step_runner.peer_lost_error(
+          e, after="the final barrier", last_checkpoint=keeper.latest,
+          own=(cluster.task_type, cluster.task_index),
+          addresses=cluster.cluster) from e
+    if exit_plan is not None and num_workers > 1:
+
+      def release():
+        if cleanup is not None:
+          cleanup.close()  # The lease, the signal handlers.
+        # Side-car evaluators stop with the chief.
+        ps_lib.mark_done(config.model_dir)
+
+      # Never returns: the objects above stay alive until the process ends.
+      worker_exit.leave_process(
+          exit_plan, task_type=cluster.task_type,
+          task_index=cluster.task_index, jobs=cluster.cluster,
+          is_chief=is_chief, before_exit=release)
   return record
 
 

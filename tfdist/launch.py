@@ -36,13 +36,12 @@ When the chief has finished, `ps` tasks (and, with ps tasks, the workers,
 which are servers there) are stopped; other tasks get
 `--stop_grace_seconds` to finish on their own.
 
-A task that has finished its work is finished. Each task gets a done-marker
-path in `$TFDIST_DONE_FILE`; `tfdist.train` writes it after its run's final
-barrier (`tfdist.worker_exit`). A task that wrote it and then hangs or fails
-while TensorFlow shuts down (a worker whose chief, host of the coordination
-service, has already exited can get `UNAVAILABLE` there) is not a failure:
-it is stopped after `min(DONE_EXIT_GRACE_SECONDS, --stop_grace_seconds)` and
-never causes a restart; the run's status is then 0.
+Each task gets a done-marker path in `$TFDIST_DONE_FILE`; `tfdist.train`
+writes it after its run's final barrier, just before its process ends
+(`tfdist.worker_exit`). A task that wrote it and then exits with an error,
+or has not exited `min(DONE_EXIT_GRACE_SECONDS, --stop_grace_seconds)`
+later (it is then stopped), has failed: the run's status is then the
+chief's, or 1. Its work is done, so the group is not restarted for it.
 
 Non-chief tasks get a scratch `TMPDIR` under one launcher folder, which is
 deleted at the end even if a task was killed before cleaning up.
@@ -219,6 +218,7 @@ class Launcher:
     self._signal_deadline: Optional[float] = None
     self._done_files: Dict[Task, str] = {}
     self._done_at: Dict[Task, float] = {}
+    self._failed_after_work: Dict[Task, str] = {}
     self.attempts = 0
 
   # --- output --------------------------------------------------------------
@@ -309,6 +309,7 @@ class Launcher:
                (has_ps and t.task_type == cluster_lib.WORKER)]
     chief_done_at = None
     self._done_at = {}
+    self._failed_after_work = {}
     done_grace = min(DONE_EXIT_GRACE_SECONDS, self.stop_grace_seconds)
     noted = set()
     while True:
@@ -337,18 +338,21 @@ class Launcher:
         self._stop_survivors()
         return "failed"
       for task, at in self._done_at.items():
-        if task in noted:
+        if task in noted or (chief_done_at and task in servers):
           continue
         if codes[task] not in (None, 0):
           noted.add(task)
-          self._say(f"{task.name} exited with status "
-                    f"{_exit_status(codes[task])} after finishing its work: "
-                    "counted as finished.")
+          self._failed_after_work[task] = (
+              f"exited with status {_exit_status(codes[task])} after "
+              "finishing its work")
+          self._say(f"{task.name} {self._failed_after_work[task]}: the run "
+                    "failed (not restarted: the work is done).")
         elif codes[task] is None and now - at > done_grace:
           noted.add(task)
-          self._say(f"{task.name} finished its work but had not exited "
-                    f"{done_grace:g} s later: stopping it (counted as "
-                    "finished).")
+          self._failed_after_work[task] = (
+              f"finished its work but had not exited {done_grace:g} s later")
+          self._say(f"{task.name} {self._failed_after_work[task]}: stopping "
+                    "it; the run failed (not restarted: the work is done).")
           self._kill_all(signal.SIGKILL, only=[task])
       if (codes[chief] == 0 or chief in self._done_at) and (
           chief_done_at is None):
@@ -403,8 +407,15 @@ class Launcher:
         codes = {t.name: _exit_status(p.returncode)
                  for t, p in self._procs.items()}
         chief_status = codes[self.tasks[0].name]
-        if outcome == "ok" and self.tasks[0] in self._done_at:
-          chief_status = 0  # It finished its work; how it exited is moot.
+        self._say("exit statuses: " + ", ".join(
+            f"{name} {code}" for name, code in codes.items()))
+        if outcome == "ok" and self._failed_after_work:
+          status = chief_status or 1
+          self._say(
+              "failed: " + "; ".join(f"{t.name} {why}" for t, why in
+                                     self._failed_after_work.items()) +
+              f": exit status {status} (tasks: {codes}).")
+          return status
         if outcome == "ok":
           self._say(f"done: every task finished (chief status "
                     f"{chief_status}).")

@@ -20,7 +20,8 @@ per-step mean losses), `count` (examples), each metric's summed state
 them), `stop_signal` and `stop_training`.
 """
 
-from typing import Callable, Dict, Optional
+import re
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 import tensorflow as tf
@@ -47,19 +48,76 @@ class PeerLostError(RuntimeError):
   """
 
 
+_TASK_NAME = re.compile(r"/job:(\w+)/(?:replica:\d+/)?task:(\d+)")
+
+
+def lost_tasks(error: Exception, *, own: Optional[Tuple[str, int]] = None,
+               service_host: Optional[Tuple[str, int]] = None
+               ) -> List[Tuple[str, int]]:
+  """The tasks a TensorFlow error names, other than `own`, in order.
+
+  TensorFlow names them as `/job:worker/replica:0/task:0`: the coordination
+  service lists tasks that "stopped sending heartbeats" (a stopped or lost
+  process), and a failed RPC names its "remote target" (a process that is
+  gone).
+
+  Args:
+    error: the error raised.
+    own: this task's `(job, index)`, left out.
+    service_host: the task hosting the coordination service (the chief):
+      named when the error is a failed call to that service (it stopped
+      answering: `DEADLINE_EXCEEDED ... CoordinationService/Heartbeat`)
+      and names no task itself.
+
+  Returns:
+    `[(job, index), ...]`, without duplicates.
+  """
+  text = str(error)
+  # The coordination service's list, when there is one, is the lost tasks
+  # (the task before it only reported them).
+  unhealthy = text.find("stopped sending heartbeats")
+  if unhealthy >= 0:
+    text = text[unhealthy:]
+  found = []
+  for job, index in _TASK_NAME.findall(text):
+    task = (job, int(index))
+    if task != own and task not in found:
+      found.append(task)
+  if (not found and service_host is not None and service_host != own and
+      "CoordinationService" in text):
+    found.append(service_host)
+  return found
+
+
 def peer_lost_error(error: Exception, *, after: str,
-                    last_checkpoint: Optional[str]) -> PeerLostError:
+                    last_checkpoint: Optional[str],
+                    own: Optional[Tuple[str, int]] = None,
+                    addresses: Optional[Mapping[str, Sequence[str]]] = None
+                    ) -> PeerLostError:
   """The one error for a lost MultiWorkerMirrored peer, whatever noticed it.
 
   Args:
     error: the TensorFlow error raised (an all-reduce that failed or timed
-      out).
+      out, or the coordination service's report of a task that stopped
+      sending heartbeats).
     after: where training was, e.g. "step 40".
     last_checkpoint: the checkpoint a restart resumes from (None: step 0).
+    own: this task's `(job, index)`.
+    addresses: the cluster's job -> `host:port` list, to name the lost
+      task's address.
   """
   first = str(error).splitlines()[0] if str(error) else ""
+  names = []
+  service_host = None
+  if addresses:
+    service_host = ("chief", 0) if addresses.get("chief") else ("worker", 0)
+  for job, index in lost_tasks(error, own=own, service_host=service_host):
+    listed = (addresses or {}).get(job, ())
+    names.append(f"{job} {index}" + (f" at {listed[index]}"
+                                     if index < len(listed) else ""))
+  who = (f"lost {', '.join(names)}" if names else "lost a peer worker")
   return PeerLostError(
-      f"MultiWorkerMirrored training lost a peer worker after {after}: "
+      f"MultiWorkerMirrored training {who} after {after}: "
       f"{type(error).__name__}: {first}. Every worker must take part in "
       "every step: restart the whole cluster (python -m tfdist.launch "
       "--max_restarts=N does; Vertex AI and Kubernetes restart on this exit "

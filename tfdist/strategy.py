@@ -17,6 +17,13 @@ from tfdist.config import ConfigError, TrainConfig
 # collective runtime for that cluster, once per process: a second one cannot
 # be built.
 _MWMS_BUILT = []
+# While the cluster forms, the peers that do not answer are logged this often.
+START_REPORT_SECONDS = 30.0
+# How long host names that do not resolve are retried (a cluster manager may
+# register a peer's name only as the peer starts).
+RESOLVE_RETRY_SECONDS = 30.0
+# Once every peer answered, TensorFlow's own wait gets at least this long.
+MIN_JOIN_SECONDS = 60.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,7 +109,12 @@ def _tpu(config: TrainConfig, reason: str) -> StrategyChoice:
 def _parameter_server(config: TrainConfig, reason: str,
                       cluster) -> StrategyChoice:
   # Imported here: needed only on this path.
+  from tfdist import cluster as cluster_lib  # pylint: disable=g-import-not-at-top
   from tfdist import parameter_server  # pylint: disable=g-import-not-at-top
+  # The coordinator connects to every worker and ps task.
+  cluster_lib.check_addresses_resolve(
+      cluster, retry_seconds=min(RESOLVE_RETRY_SECONDS,
+                                 config.cluster_start_timeout_seconds))
   strategy, ps_devices = parameter_server.make_ps_strategy(config, cluster)
   return StrategyChoice(strategy, "parameter_server", reason, ps_devices)
 
@@ -115,13 +127,34 @@ def _multi_worker_mirrored(config: TrainConfig, reason: str,
   """MultiWorkerMirroredStrategy over the cluster's chief and workers.
 
   The all-reduce implementation comes from `--all_reduce_alg` (`ring`,
-  `nccl`, `auto`), every collective times out after
-  `--collective_timeout_seconds`, and building the strategy (which waits for
-  every peer to connect, with no timeout of TensorFlow's own) is bounded by
-  `--cluster_start_timeout_seconds`.
+  `nccl`, `auto`). Building the strategy (which waits for every peer to
+  connect, with no timeout of TensorFlow's own, deaf to SIGTERM and SIGINT)
+  is bounded by `--cluster_start_timeout_seconds`: first
+  `tfdist.rendezvous.wait_for_peers` waits in Python until every peer
+  answers (logging the missing ones every 30 s; SIGTERM or SIGINT stop it),
+  then `tfdist.watchdog.Deadline` bounds TensorFlow's own, short, wait.
+
+  Collectives have no timeout by default (`--collective_timeout_seconds=0`).
+  A timeout costs one thread per collective for its whole length:
+  `BaseCollectiveExecutor::ExecuteAsync` and `CompleteParamsAsync`
+  (tensorflow/core/common_runtime/base_collective_executor.cc) schedule the
+  timeout check with `SchedNonBlockingClosureAfter`
+  (tensorflow/core/common_runtime/process_util.cc), which calls
+  `Env::Default()->SchedClosureAfter`; the POSIX Env's `SchedClosureAfter`
+  (third_party/xla/xla/tsl/platform/default/env.cc, `PosixEnv`) starts a
+  detached `std::thread` that sleeps for the whole timeout before it checks.
+  So threads = collectives per second x timeout: with 300 s, 12,285
+  threads per worker at step 800 of the CNN, and an abort
+  (`std::system_error`) near 15,600. A lost or stopped peer is detected
+  instead by the coordination service that MultiWorkerMirroredStrategy
+  starts (its heartbeat timeout, TensorFlow's default of 10 s,
+  `kDefaultHeartbeatTimeoutMs` in coordination_service.cc): the pending
+  collective fails with `UnavailableError`, which the step runner turns into
+  `PeerLostError` naming the task (status 200).
   """
   # Imported here: only this path needs them.
   from tfdist import cluster as cluster_lib  # pylint: disable=g-import-not-at-top
+  from tfdist import rendezvous  # pylint: disable=g-import-not-at-top
   from tfdist import watchdog  # pylint: disable=g-import-not-at-top
   if _MWMS_BUILT:
     raise ConfigError(
@@ -161,11 +194,8 @@ def _multi_worker_mirrored(config: TrainConfig, reason: str,
         "cluster with ps tasks.")
   implementation = getattr(tf.distribute.experimental.CommunicationImplementation,
                            _MWMS_IMPLEMENTATIONS[alg])
-  # TensorFlow holds one sleeping thread per collective for its timeout
-  # (BaseCollectiveExecutor::ExecuteAsync schedules the timeout check with
-  # Env::SchedClosureAfter, a detached thread that sleeps): measured, about
-  # 2,700-3,700 threads per worker after 100 steps of the CNN with a 300 s
-  # timeout, 150 without. 0 turns the per-collective timeout off.
+  # 0: no per-collective timeout (see the docstring: a timeout holds a
+  # sleeping thread per collective).
   options = tf.distribute.experimental.CommunicationOptions(
       implementation=implementation,
       timeout_seconds=config.collective_timeout_seconds or None)
@@ -174,8 +204,25 @@ def _multi_worker_mirrored(config: TrainConfig, reason: str,
   peers = ", ".join(f"{job} {i} at {address}"
                     for job, addresses in cluster.cluster_dict(jobs).items()
                     for i, address in enumerate(addresses))
+  members = cluster.cluster_dict(jobs)
+  mine = members.get(cluster.task_type, [])
+  me = mine[cluster.task_index] if cluster.task_index < len(mine) else None
+  probes = {address: f"{job} {i}" for job, addresses in members.items()
+            for i, address in enumerate(addresses) if address != me}
+  waited = 0.0
+  if cluster.is_multi_worker:
+    # A peer whose name does not resolve would be waited for until the
+    # start-up limit.
+    cluster_lib.check_addresses_resolve(
+        cluster, retry_seconds=min(RESOLVE_RETRY_SECONDS, seconds))
+    # In Python, where SIGTERM and SIGINT work and the missing tasks can be
+    # named; TensorFlow's own wait below is then short.
+    waited = rendezvous.wait_for_peers(
+        me, probes, timeout_seconds=seconds,
+        report_seconds=START_REPORT_SECONDS,
+        describe=f"the multi_worker_mirrored cluster from {cluster.source}")
   with watchdog.Deadline(
-      seconds,
+      max(seconds - waited, MIN_JOIN_SECONDS),
       f"tfdist: error: {cluster.task_type} {cluster.task_index} could not "
       f"form the multi_worker_mirrored cluster within "
       f"--cluster_start_timeout_seconds={seconds:g}: not every task connected "

@@ -38,7 +38,9 @@ for _name in KEY_FLAGS:
 # Strategies whose processes talk to peers: the binary leaves without
 # Python's teardown, which would otherwise tell peers that are already gone
 # about every deleted function (gRPC errors) or hang on a half-read
-# distributed iterator. `main` itself returns (wrapper binaries go on).
+# distributed iterator. `main` itself returns (wrapper binaries go on),
+# except on the tasks of a multi-worker MultiWorkerMirrored run, which end
+# their process inside the run, the chief last (tfdist.worker_exit).
 _CLUSTER_STRATEGIES = ("multi_worker_mirrored", "parameter_server")
 _LEAVE_WITHOUT_TEARDOWN = False
 
@@ -102,8 +104,13 @@ def main(argv, *, callbacks: Sequence["keras.callbacks.Callback"] = ()):
   from tfdist import experiment  # pylint: disable=g-import-not-at-top
   from tfdist import worker_exit  # pylint: disable=g-import-not-at-top
   try:
-    result = experiment.run_experiment(config, callbacks=callbacks,
-                                       environment=environment)
+    # A multi-worker MultiWorkerMirrored task ends its process inside the
+    # run, right after the final barrier, the chief last; it writes its
+    # done marker there (tfdist.worker_exit).
+    result = experiment.run_experiment(
+        config, callbacks=callbacks, environment=environment,
+        exit_plan=worker_exit.ExitPlan(
+            done_file=os.environ.get(worker_exit.DONE_FILE_ENV)))
   except Exception as e:  # pylint: disable=broad-except
     status = exit_codes.exit_code_for(e)
     if status is None:
@@ -119,14 +126,8 @@ def main(argv, *, callbacks: Sequence["keras.callbacks.Callback"] = ()):
     prefix = "" if status == getattr(e, "exit_code", None) else "error: "
     print(f"tfdist.train: {prefix}{e}", file=sys.stderr, flush=True)
     _exit_now(status)
-  # This task's work is done (after the final barrier): tell the launcher,
-  # which then counts the task as finished even if TensorFlow's shutdown
-  # hangs or fails (tfdist.worker_exit).
+  # This task's work is done: tell the launcher (tfdist.worker_exit).
   worker_exit.mark_done(os.environ.get(worker_exit.DONE_FILE_ENV))
-  if (result.get("strategy") == "multi_worker_mirrored" and
-      result.get("num_workers", 1) > 1):
-    # The chief, which hosts the coordination service, leaves last.
-    worker_exit.leave_in_order(result["cluster"])
   global _LEAVE_WITHOUT_TEARDOWN
   if result.get("role") in ("worker", "ps") or (
       result.get("strategy") in _CLUSTER_STRATEGIES):

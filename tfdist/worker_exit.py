@@ -1,31 +1,38 @@
-"""How the workers of a synchronous run finish: together, and said so.
+"""How the workers of a synchronous run finish: together, and chief last.
 
 Under MultiWorkerMirroredStrategy the chief's process hosts TensorFlow's
-coordination service. Workers do not finish at the same moment (one still
-exports or evaluates while another is done), and a worker that still talks
-to the service or waits in a collective after the chief has exited fails
-with `UNAVAILABLE` ("Failed to send RPC to coordination service") and may
-hang until it is killed. tfdist therefore
+coordination service. A worker still alive after the chief has exited fails
+its next heartbeat or error poll with `UNAVAILABLE` ("Failed to send RPC to
+coordination service": a gRPC `E0000` line, or an `UnavailableError`
+traceback when Python was the caller), so the chief must leave last, and
+only once every worker's process is really gone. Freeing the training
+objects (datasets, iterators, functions) takes seconds after a run (4 s
+measured for the ranking model on this machine, under load), so a process
+that announces it leaves only after that teardown keeps the chief waiting
+past any short bound. `tfdist.train` therefore ends a multi-worker run with
+`leave_process`, inside the run, while the objects are still alive:
 
-1. ends every run with `leave_together`: a final barrier (a one-number
-   all-reduce) after the last collective, so no worker leaves while another
-   still needs it; then
-2. the binary (`tfdist.train`) writes a done marker (`mark_done`), a file
-   whose path the launcher passes in `$TFDIST_DONE_FILE`. A task that wrote
-   it has finished its work: the launcher counts it as finished even if its
-   process then hangs or fails while TensorFlow shuts down (it is stopped
-   after a short grace period), and never restarts the group for it; then
-3. the chief leaves last (`leave_in_order`): each other worker, as the
-   last thing before its process ends, says so through the coordination
-   service's key-value store, and the chief waits (bounded) for every one
-   of them before it ends, so no worker's heartbeat meets a service that is
-   gone (seen as a stray `UNAVAILABLE ... coordination service` line in an
-   otherwise clean run when the chief left first).
+1. `leave_together`: a final barrier (a one-number all-reduce) after the
+   last collective, so no worker leaves while another still needs it;
+2. each worker writes its done marker (`mark_done`, the path the launcher
+   passes in `$TFDIST_DONE_FILE`), says it leaves through the coordination
+   service's key-value store, and ends its process at once (`os._exit`, no
+   teardown);
+3. the chief waits (bounded) for every worker's word and then until the
+   worker's server no longer accepts TCP connections at its cluster
+   address (the process is gone), then releases what it holds (`before_exit`:
+   the `--model_dir` lease), writes its done marker and ends its process.
+
+A task that wrote its done marker has finished its work; the launcher still
+reports it as failed if it then exits with an error or does not exit.
 """
 
+import dataclasses
 import os
+import socket
+import sys
 import time
-from typing import Optional
+from typing import Callable, Mapping, Optional, Sequence
 
 from absl import logging
 
@@ -39,8 +46,9 @@ def leave_together(strategy, *, num_workers: int) -> float:
 
   Call it on every worker after the run's last collective operation (final
   evaluation, checkpoint, export), at the same point in the program. With
-  one worker it returns at once. The barrier is a float32 scalar all-reduce,
-  bounded like every collective by `--collective_timeout_seconds`.
+  one worker it returns at once. The barrier is a float32 scalar all-reduce
+  (bounded by `--collective_timeout_seconds` when that is set; a lost peer
+  fails it through the coordination service's heartbeats).
 
   Args:
     strategy: the run's `tf.distribute.Strategy`.
@@ -69,53 +77,111 @@ def leave_together(strategy, *, num_workers: int) -> float:
 
 
 _LEAVING_KEY = "tfdist_leaving/{task_type}/{task_index}"
-# A worker announces just before `os._exit`; this covers the rest.
-_LINGER_SECONDS = 0.5
+_PROBE_SECONDS = 0.05
 
 
-def leave_in_order(cluster: dict, *, timeout_seconds: float = 10.0
-                   ) -> Optional[float]:
-  """The chief leaves last: call it on every training task of a
-  MultiWorkerMirroredStrategy run, after `leave_together`, as the last step
-  before the process ends.
+@dataclasses.dataclass(frozen=True)
+class ExitPlan:
+  """How a binary's process ends after a multi-worker run (`leave_process`).
 
-  Args:
-    cluster: the run manifest's `cluster` section (`task_type`,
-      `task_index`, `is_chief`, `jobs`: job name -> addresses).
-    timeout_seconds: the longest the chief waits for the other workers.
+  Attributes:
+    done_file: where this task writes its done marker (the launcher's
+      `$TFDIST_DONE_FILE`); None or '' for none.
+    timeout_seconds: the longest the chief waits for each phase (a worker's
+      word, then its process's end) before it leaves anyway, in seconds.
+  """
+  done_file: Optional[str] = None
+  timeout_seconds: float = 10.0
+
+
+def _accepts_connections(address: str, timeout: float = 0.5) -> bool:
+  """Whether `host:port` accepts a TCP connection now."""
+  host, _, port = address.rpartition(":")
+  try:
+    with socket.create_connection((host.strip("[]"), int(port)),
+                                  timeout=timeout):
+      return True
+  except (OSError, ValueError):
+    return False
+
+
+def wait_until_gone(address: str, timeout_seconds: float) -> bool:
+  """Waits until nothing listens at `address` (`host:port`) any more.
 
   Returns:
-    On the chief, the seconds it waited; on another worker, None (it
-    announced that it leaves).
+    True once a connection is refused (or fails), False if the address still
+    accepted connections after `timeout_seconds`.
+  """
+  deadline = time.time() + timeout_seconds
+  while _accepts_connections(address):
+    if time.time() > deadline:
+      return False
+    time.sleep(_PROBE_SECONDS)
+  return True
+
+
+def _end_process():
+  """Ends this process with status 0, without Python's or TensorFlow's
+  teardown (a peer may already be gone; see the module docstring)."""
+  logging.flush()
+  sys.stdout.flush()
+  sys.stderr.flush()
+  os._exit(0)  # pylint: disable=protected-access
+
+
+def leave_process(plan: ExitPlan, *, task_type: str, task_index: int,
+                  jobs: Mapping[str, Sequence[str]], is_chief: bool,
+                  before_exit: Optional[Callable[[], None]] = None):
+  """Ends this task's process after `leave_together`: workers first, the
+  chief once every worker's process is gone (see the module docstring).
+
+  Never returns. Call it on every chief and worker task, right after
+  `leave_together`.
+
+  Args:
+    plan: the done marker and the chief's bound.
+    task_type: `chief` or `worker`.
+    task_index: this task's index.
+    jobs: job name -> `host:port` addresses (the cluster's `chief` and
+      `worker` jobs).
+    is_chief: whether this task hosts the coordination service.
+    before_exit: called on the chief after every worker has gone, just
+      before its process ends (release what the run holds).
   """
   # Imported here: the launcher imports this module and not TensorFlow.
   from tensorflow.python.eager import context  # pylint: disable=g-import-not-at-top,g-direct-tensorflow-import
-  if not cluster.get("is_chief"):
+  if not is_chief:
+    mark_done(plan.done_file)
     context.context().set_config_key_value(
-        _LEAVING_KEY.format(task_type=cluster["task_type"],
-                            task_index=cluster["task_index"]), "1")
-    return None
-  me = (cluster["task_type"], cluster["task_index"])
-  peers = [(job, i) for job in ("chief", "worker")
-           for i in range(len(cluster.get("jobs", {}).get(job, ())))
-           if (job, i) != me]
+        _LEAVING_KEY.format(task_type=task_type, task_index=task_index), "1")
+    _end_process()
+  peers = [(job, i, address) for job in ("chief", "worker")
+           for i, address in enumerate(jobs.get(job, ()))
+           if (job, i) != (task_type, task_index)]
   started = time.time()
-  for job, i in peers:
-    left = max(timeout_seconds - (time.time() - started), 0.001)
+  late = []
+  for job, i, address in peers:
     try:
       context.context().get_config_key_value(
           _LEAVING_KEY.format(task_type=job, task_index=i),
-          timeout_in_ms=int(left * 1000))
+          timeout_in_ms=int(plan.timeout_seconds * 1000))
     except Exception as e:  # pylint: disable=broad-except
-      logging.warning("tfdist: %s %d did not say it left within %.0f s "
-                      "(%s); the chief leaves anyway.", job, i,
-                      timeout_seconds, type(e).__name__)
-      return time.time() - started
-  time.sleep(_LINGER_SECONDS)
+      late.append(f"{job} {i} did not say it left within "
+                  f"{plan.timeout_seconds:g} s ({type(e).__name__})")
+      continue
+    if not wait_until_gone(address, plan.timeout_seconds):
+      late.append(f"{job} {i} said it left, but its server at {address} "
+                  f"still answered {plan.timeout_seconds:g} s later")
   waited = time.time() - started
-  logging.info("The other %d worker(s) left first (waited %.2f s); the "
-               "chief leaves last.", len(peers), waited)
-  return waited
+  if late:
+    logging.warning("tfdist: %s; the chief leaves anyway.", "; ".join(late))
+  else:
+    logging.info("The other %d worker(s) have left (waited %.2f s); the "
+                 "chief leaves last.", len(peers), waited)
+  if before_exit is not None:
+    before_exit()
+  mark_done(plan.done_file)
+  _end_process()
 
 
 def mark_done(path: Optional[str]):

@@ -1,0 +1,174 @@
+"""Soak: a long two-worker MultiWorkerMirrored run, threads and memory sampled.
+
+Not a test: it starts `python -m tfdist.launch --num_workers=2` (a chief and
+a worker on 127.0.0.1, `tfdist.train` with
+`--distribution_strategy=multi_worker_mirrored`) on bundled Fashion-MNIST,
+and every time the chief logs a step (every `--sample_steps` steps) reads
+each task's thread count (`Threads:` in `/proc/PID/status`) and resident
+memory (`VmRSS:`, MiB). It prints the curve and writes JSON.
+
+A run whose per-collective timeout is on (`--collective_timeout_seconds`
+greater than 0; TensorFlow keeps one sleeping thread per collective for that
+long) shows the threads growing; the default (0) stays flat.
+
+Usage:
+  python benchmarks/soak.py --steps=5000 --sample_steps=250 \\
+      --output=benchmarks/results/soak.json
+  python benchmarks/soak.py --steps=600 --sample_steps=100 \\
+      --collective_timeout_seconds=300 --output=/tmp/soak_300.json
+"""
+
+import datetime
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+from absl import app
+from absl import flags
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+  sys.path.insert(0, REPO)
+
+FLAGS = flags.FLAGS
+flags.DEFINE_integer("steps", 5000, "Training steps of the run.")
+flags.DEFINE_integer("sample_steps", 250, "Sample threads and memory every "
+                     "this many steps (the chief's --log_steps).")
+flags.DEFINE_integer("batch_size", 16, "Global batch size (small: the run "
+                     "is about steps, not examples).")
+flags.DEFINE_string("model", "cnn", "--model of the run.")
+flags.DEFINE_float("collective_timeout_seconds", 0.0,
+                   "--collective_timeout_seconds of the run (0: tfdist's "
+                   "default, no per-collective timeout).")
+flags.DEFINE_enum("distribution_strategy", "multi_worker_mirrored",
+                  ["multi_worker_mirrored", "parameter_server", "one_device"],
+                  "multi_worker_mirrored: a chief and a worker; "
+                  "parameter_server: a chief (coordinator), 2 workers and a "
+                  "ps task; one_device: one process (a baseline for the "
+                  "memory curve).")
+flags.DEFINE_integer("timeout", 3600, "Seconds after which the run is "
+                     "stopped (the result then says so).")
+flags.DEFINE_string("output", os.path.join(REPO, "benchmarks", "results",
+                                           "soak.json"), "JSON written here.")
+
+_STARTED = re.compile(r"^\[launch\] attempt \d+: started (\S+) pid (\d+)")
+_STEP = re.compile(r"^\[chief:0\] .*step (\d+)/\d+: loss")
+
+
+def read_status(pid: int) -> dict:
+  """`{"threads": int, "rss_mib": float}` of a live process (Linux
+  `/proc/PID/status`); {} once it has exited."""
+  out = {}
+  try:
+    with open(f"/proc/{pid}/status") as f:
+      for line in f:
+        if line.startswith("Threads:"):
+          out["threads"] = int(line.split()[1])
+        elif line.startswith("VmRSS:"):
+          out["rss_mib"] = round(int(line.split()[1]) / 1024, 1)
+  except (FileNotFoundError, ProcessLookupError):
+    return {}
+  return out
+
+
+def _data() -> dict:
+  from tfdist import datasets  # pylint: disable=g-import-not-at-top
+  out = os.path.join(tempfile.mkdtemp(prefix="soak-data-"), "fashion_mnist")
+  datasets.convert_fashion_mnist(out, limit=4096, train_shards=4,
+                                 test_shards=2)
+  return {"train": os.path.join(out, "train-*.tfrecord.gz"),
+          "eval": os.path.join(out, "test-*.tfrecord.gz")}
+
+
+def main(argv):
+  del argv  # Unused.
+  data = _data()
+  model_dir = tempfile.mkdtemp(prefix="soak-run-")
+  layout = {"multi_worker_mirrored": ["--num_workers=2"],
+            "parameter_server": ["--num_workers=2", "--num_ps=1"],
+            "one_device": ["--num_workers=1"]}[FLAGS.distribution_strategy]
+  command = [
+      sys.executable, "-m", "tfdist.launch", *layout,
+      "--", f"--distribution_strategy={FLAGS.distribution_strategy}",
+      f"--model={FLAGS.model}",
+      f"--train_files={data['train']}", f"--eval_files={data['eval']}",
+      f"--batch_size={FLAGS.batch_size}", f"--train_steps={FLAGS.steps}",
+      f"--log_steps={FLAGS.sample_steps}",
+      f"--checkpoint_steps={max(FLAGS.steps // 5, 1)}",
+      f"--epochs_between_evals={10**6}",
+      f"--collective_timeout_seconds={FLAGS.collective_timeout_seconds:g}",
+      f"--model_dir={model_dir}"]
+  env = dict(os.environ, PYTHONPATH=REPO + os.pathsep +
+             os.environ.get("PYTHONPATH", ""))
+  started = time.time()
+  proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True,
+                          errors="replace")
+  timer = threading.Timer(FLAGS.timeout, proc.kill)
+  timer.start()
+  pids, samples, tail = {}, [], []
+  print(f"{'step':>6} {'seconds':>8}  task: threads, RSS MiB", flush=True)
+  for line in proc.stdout:
+    line = line.rstrip("\n")
+    tail = (tail + [line])[-40:]
+    match = _STARTED.match(line)
+    if match:
+      pids[match.group(1)] = int(match.group(2))
+      continue
+    match = _STEP.match(line)
+    if not match:
+      continue
+    sample = {"step": int(match.group(1)),
+              "seconds": round(time.time() - started, 1)}
+    for task, pid in sorted(pids.items()):
+      sample[task] = read_status(pid)
+    samples.append(sample)
+    print(f"{sample['step']:>6} {sample['seconds']:>8.1f}  " + "  ".join(
+        f"{t}: {sample[t].get('threads', '-')}, "
+        f"{sample[t].get('rss_mib', '-')}" for t in sorted(pids)), flush=True)
+  status = proc.wait()
+  timer.cancel()
+  timed_out = time.time() - started >= FLAGS.timeout
+  growth = {}
+  if len(samples) >= 2:
+    first, last = samples[0], samples[-1]
+    for task in pids:
+      if "threads" in first.get(task, {}) and "threads" in last.get(task, {}):
+        growth[task] = {
+            "threads": last[task]["threads"] - first[task]["threads"],
+            "rss_mib": round(last[task]["rss_mib"] - first[task]["rss_mib"],
+                             1),
+            "from_step": first["step"], "to_step": last["step"]}
+  result = {
+      "command": " ".join(command),
+      "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
+          timespec="seconds"),
+      "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+                  "load_average": os.getloadavg()},
+      "steps": FLAGS.steps, "sample_steps": FLAGS.sample_steps,
+      "batch_size": FLAGS.batch_size, "model": FLAGS.model,
+      "distribution_strategy": FLAGS.distribution_strategy,
+      "collective_timeout_seconds": FLAGS.collective_timeout_seconds,
+      "exit_status": status, "timed_out": timed_out,
+      "seconds": round(time.time() - started, 1),
+      "samples": samples, "growth_first_to_last_sample": growth,
+      "output_tail": tail if status else tail[-5:]}
+  os.makedirs(os.path.dirname(os.path.abspath(FLAGS.output)), exist_ok=True)
+  with open(FLAGS.output, "w") as f:
+    json.dump(result, f, indent=1)
+  print(f"exit status {status}{' (timed out)' if timed_out else ''} after "
+        f"{result['seconds']:.0f} s; growth first to last sample: "
+        f"{json.dumps(growth)}; JSON: {FLAGS.output}", flush=True)
+  if status:
+    print("\n".join(tail), flush=True)
+  return 0 if status == 0 else 1
+
+
+if __name__ == "__main__":
+  app.run(main)
