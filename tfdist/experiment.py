@@ -460,7 +460,8 @@ def _train(config, *, task, cluster, decision, applied, callbacks, started,
   parts = assembly.build(config, task=task, strategy=strategy, plan=plan,
                          on_tpu=on_tpu)
   model, optimizer, trainer = parts.model, parts.optimizer, parts.trainer
-  model_memory = memory.estimate_model_memory(model, optimizer)
+  model_memory = memory.estimate_model_memory(model, optimizer,
+                                              sharded=trainer.sharded)
   logging.info(
       "Model state per replica: parameters %s (%d values), gradients %s, "
       "optimizer %s: %s in all (activations not counted)",

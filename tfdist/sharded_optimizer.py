@@ -244,13 +244,7 @@ class ShardedOptimizer:
           name="zero_master_shard",
           synchronization=tf.VariableSynchronization.ON_READ,
           aggregation=tf.VariableAggregation.NONE)
-      self.grad_accumulator = None
-      if options.stage >= 2:
-        self.grad_accumulator = tf.Variable(
-            tf.zeros([self.layout.shard_size], tf.float32), trainable=False,
-            name="zero_gradient_shard",
-            synchronization=tf.VariableSynchronization.ON_READ,
-            aggregation=tf.VariableAggregation.NONE)
+    self.grad_accumulator = None
     ids = strategy.run(
         lambda: tf.identity(
             tf.distribute.get_replica_context().replica_id_in_sync_group))
@@ -294,6 +288,16 @@ class ShardedOptimizer:
       kinds[v.name[len(prefix):]] = v
     return kinds
 
+  def state_bytes_per_replica(self) -> int:
+    """Bytes one replica keeps for the sharded state: its optimizer
+    copy's variables (slots of S elements, iterations), its master shard
+    and, at stage 2, its gradient-accumulator shard."""
+    copy = self.copies[0]
+    total = sum(int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size
+                for v in copy.variables)
+    shards = 2 if self.grad_accumulator is not None else 1
+    return total + shards * 4 * self.layout.shard_size
+
   # --- replica context ------------------------------------------------------
   def replica_shard(self, flat: tf.Tensor) -> tf.Tensor:
     """This replica's slice [S] of `flat` [P'] summed over all replicas
@@ -303,6 +307,18 @@ class ShardedOptimizer:
     summed = context.all_reduce(tf.distribute.ReduceOp.SUM, flat)
     start = context.replica_id_in_sync_group * self.layout.shard_size
     return tf.slice(summed, [start], [self.layout.shard_size])
+
+  def make_gradient_accumulator(self) -> tf.Variable:
+    """Stage 2 under gradient accumulation: creates this replica's
+    accumulator shard (float32 [S], sync-on-read: one value per replica,
+    zero between updates, not checkpointed). Call in the strategy's
+    scope."""
+    self.grad_accumulator = tf.Variable(
+        tf.zeros([self.layout.shard_size], tf.float32), trainable=False,
+        name="zero_gradient_shard",
+        synchronization=tf.VariableSynchronization.ON_READ,
+        aggregation=tf.VariableAggregation.NONE)
+    return self.grad_accumulator
 
   def replica_accumulate(self, grads) -> None:
     """Stage 2 under gradient accumulation: reduces this micro-batch's

@@ -397,9 +397,12 @@ class Trainer:
       return tf.Variable(tf.zeros(shape, dtype), trainable=False, name=name,
                          synchronization=tf.VariableSynchronization.ON_READ,
                          aggregation=tf.VariableAggregation.SUM)
-    grads = ([] if self._shards_gradients() else  # Sharded instead.
-             [zeros(v.shape, v.dtype, "grad_accumulator")
-              for v in self.model.trainable_variables])
+    if self._shards_gradients():  # One shard per replica instead.
+      self.sharded.make_gradient_accumulator()
+      grads = []
+    else:
+      grads = [zeros(v.shape, v.dtype, "grad_accumulator")
+               for v in self.model.trainable_variables]
     sums = {"loss": zeros([], tf.float32, "loss_accumulator"),
             "count": zeros([], tf.float32, "count_accumulator")}
     for key, value in self.metric_sums.zeros().items():
