@@ -371,7 +371,7 @@ class CommandLineTest(absltest.TestCase):
     second = testutil.run_module("tfdist.train",
                                  common + ["--train_steps=4"], timeout=240)
     self.assertEqual(second.returncode, 0, second.stdout[-4000:])
-    self.assertIn("ckpt-2", second.stdout)
+    self.assertIn("resuming at step 2", second.stdout)
     self.assertIn("step 4/4", second.stdout)
 
   def test_bad_flags_fail_at_start(self):

@@ -515,7 +515,8 @@ class ShardedOptimizer:
     else:
       base = self.replica_ids[0]
       values = self.strategy.experimental_distribute_values_from_function(
-          lambda ctx: slots[ctx.replica_id_in_sync_group - base].value)
+          lambda ctx: tf.identity(
+              slots[ctx.replica_id_in_sync_group - base].value))
       flat = self.strategy.gather(values, axis=0).numpy()
     self._cache = {k: v for k, v in self._cache.items() if v[0] == key}
     self._cache[kind] = (key, flat)
