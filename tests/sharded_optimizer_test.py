@@ -139,103 +139,114 @@ def _cases(strategy, train_glob: str, cases, *, scratch: str,
         info["variable_accumulators"] = len(trainer._accumulators[0])  # pylint: disable=protected-access
     return weights(model), info
 
-  out = {"parameters": None, "equal": {}}
-  references = {}
-  for case in cases:
-    opt_name, stage, accumulate, clip = case
-    key = (opt_name, accumulate, clip)
-    if key not in references:
-      references[key] = train(opt_name, 0, accumulate, clip)
-    reference, ref_info = references[key]
-    got, info = train(*case)
-    out["equal"][_name(case)] = {"max_diff": max_diff(got, reference),
-                                 "reference": ref_info, **info}
-  out["parameters"] = int(sum(w.size for w in reference))
+  out = {}
 
-  # fp16: replica 1's (worker 1's) half of the first batch has inputs of
-  # 1e4 (float16 gradients overflow); the second batch is finite.
-  keras.mixed_precision.set_global_policy("mixed_float16")
-  try:
-    for stage in fp16_stages:
-      with strategy.scope():
-        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(
-            3, kernel_initializer="ones")])
-        optimizer = precision.wrap_optimizer_for_precision(
-            keras.optimizers.SGD(1e-3), dtype="fp16", loss_scale="dynamic")
-        optimizer.build([])
-      trainer = trainer_for(strategy, model, optimizer, stage, 1, steps=1)
-      inputs = np.ones((2 * GLOBAL_BATCH, 4), np.float32)
-      inputs[GLOBAL_BATCH // 2:GLOBAL_BATCH] = 1e4
-      ds = tf.data.Dataset.from_tensor_slices(
-          (inputs, np.zeros([2 * GLOBAL_BATCH], np.int64))).batch(
-              GLOBAL_BATCH)
-      options = tf.data.Options()
-      options.experimental_distribute.auto_shard_policy = (
-          tf.data.experimental.AutoShardPolicy.DATA)
-      it = iter(strategy.experimental_distribute_dataset(
-          ds.with_options(options)))
-      steps = []
-      for _ in range(2):
-        sums = trainer.train_function(it, tf.constant(1, tf.int32))
-        kernels = [np.asarray(k, np.float64) for k in
-                   strategy.experimental_local_results(
-                       model.layers[-1].kernel.value)]
-        steps.append({
-            "skipped": float(sums["skipped_steps"]),
-            "loss_scale": precision.current_loss_scale(optimizer),
-            "iterations": int(optimizer.iterations.numpy()),
-            "kernel_finite": all(bool(np.isfinite(k).all())
-                                 for k in kernels),
-            "kernel_unchanged": all(bool((k == 1).all()) for k in kernels)})
-      out[f"fp16_stage{stage}"] = steps
-  finally:
-    keras.mixed_precision.set_global_policy("float32")
+  def equal_cases():
+    out.update(parameters=None, equal={})
+    references = {}
+    for case in cases:
+      opt_name, stage, accumulate, clip = case
+      key = (opt_name, accumulate, clip)
+      if key not in references:
+        references[key] = train(opt_name, 0, accumulate, clip)
+      reference, ref_info = references[key]
+      got, info = train(*case)
+      out["equal"][_name(case)] = {"max_diff": max_diff(got, reference),
+                                   "reference": ref_info, **info}
+    out["parameters"] = int(sum(w.size for w in reference))
 
-  # Checkpoints: a chain of `chain_stages` segments, 2 Adam updates each,
-  # each restoring the previous one's checkpoint, against as many
-  # uninterrupted unsharded updates.
-  def segment(strat, stage, first_step, restore=None, save=None):
-    model, optimizer = build(strat, "adam", stage)
-    trainer = trainer_for(strat, model, optimizer, stage, 1, steps=2)
-    checkpoint = tf.train.Checkpoint(
-        model=model, optimizer=(trainer.sharded.checkpoint_view()
-                                if trainer.sharded else optimizer))
-    if restore:
-      checkpoint.restore(restore).assert_existing_objects_matched()
-    trainer.train_function(iterator(strat, 1, first_step, steps=2),
-                           tf.constant(2, tf.int32))
-    path = checkpoint.write(save) if save else None
-    return weights(model), path
+  def fp16_cases():
+    # fp16: replica 1's (worker 1's) half of the first batch has inputs of
+    # 1e4 (float16 gradients overflow); the second batch is finite.
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+      for stage in fp16_stages:
+        with strategy.scope():
+          model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(
+              3, kernel_initializer="ones")])
+          optimizer = precision.wrap_optimizer_for_precision(
+              keras.optimizers.SGD(1e-3), dtype="fp16", loss_scale="dynamic")
+          optimizer.build([])
+        trainer = trainer_for(strategy, model, optimizer, stage, 1, steps=1)
+        inputs = np.ones((2 * GLOBAL_BATCH, 4), np.float32)
+        inputs[GLOBAL_BATCH // 2:GLOBAL_BATCH] = 1e4
+        ds = tf.data.Dataset.from_tensor_slices(
+            (inputs, np.zeros([2 * GLOBAL_BATCH], np.int64))).batch(
+                GLOBAL_BATCH)
+        options = tf.data.Options()
+        options.experimental_distribute.auto_shard_policy = (
+            tf.data.experimental.AutoShardPolicy.DATA)
+        it = iter(strategy.experimental_distribute_dataset(
+            ds.with_options(options)))
+        steps = []
+        for _ in range(2):
+          sums = trainer.train_function(it, tf.constant(1, tf.int32))
+          kernels = [np.asarray(k, np.float64) for k in
+                     strategy.experimental_local_results(
+                         model.layers[-1].kernel.value)]
+          steps.append({
+              "skipped": float(sums["skipped_steps"]),
+              "loss_scale": precision.current_loss_scale(optimizer),
+              "iterations": int(optimizer.iterations.numpy()),
+              "kernel_finite": all(bool(np.isfinite(k).all())
+                                   for k in kernels),
+              "kernel_unchanged": all(bool((k == 1).all()) for k in kernels)})
+        out[f"fp16_stage{stage}"] = steps
+    finally:
+      keras.mixed_precision.set_global_policy("float32")
 
-  chain = [(single_replica if i == 2 and single_replica else strategy,
-            stage) for i, stage in enumerate(chain_stages)]
-  path = None
-  saved = []
-  for i, (strat, stage) in enumerate(chain):
-    final, path = segment(strat, stage, 2 * i, restore=path,
-                          save=os.path.join(scratch, f"ckpt-{i}"))
-    saved.append(path)
-  model, optimizer = build(strategy, "adam", 0)
-  total = 2 * len(chain)
-  trainer_for(strategy, model, optimizer, 0, 1, steps=total).train_function(
-      iterator(strategy, 1, 0, steps=total), tf.constant(total, tf.int32))
+  def checkpoint_chain():
+    # Checkpoints: a chain of `chain_stages` segments, 2 Adam updates each,
+    # each restoring the previous one's checkpoint, against as many
+    # uninterrupted unsharded updates.
+    def segment(strat, stage, first_step, restore=None, save=None):
+      model, optimizer = build(strat, "adam", stage)
+      trainer = trainer_for(strat, model, optimizer, stage, 1, steps=2)
+      checkpoint = tf.train.Checkpoint(
+          model=model, optimizer=(trainer.sharded.checkpoint_view()
+                                  if trainer.sharded else optimizer))
+      if restore:
+        checkpoint.restore(restore).assert_existing_objects_matched()
+      trainer.train_function(iterator(strat, 1, first_step, steps=2),
+                             tf.constant(2, tf.int32))
+      path = checkpoint.save(save) if save else None
+      return weights(model), path
 
-  def layout(path):
-    return sorted((name, shape) for name, shape in
-                  tf.train.list_variables(path) if name.startswith(
-                      "optimizer"))
+    chain = [(single_replica if i == 2 and single_replica else strategy,
+              stage) for i, stage in enumerate(chain_stages)]
+    path = None
+    saved = []
+    for i, (strat, stage) in enumerate(chain):
+      final, path = segment(strat, stage, 2 * i, restore=path,
+                            save=os.path.join(scratch, f"ckpt-{i}"))
+      saved.append(path)
+    model, optimizer = build(strategy, "adam", 0)
+    total = 2 * len(chain)
+    trainer_for(strategy, model, optimizer, 0, 1, steps=total).train_function(
+        iterator(strategy, 1, 0, steps=total), tf.constant(total, tf.int32))
 
-  out["checkpoint"] = {
-      "chain_vs_uninterrupted": max_diff(final, weights(model)),
-      "sharded_layout_equals_unsharded": all(
-          layout(path) == layout(saved[0]) for path in saved[1:]),
-      "slot_entries": len([n for n, _ in layout(saved[1])
-                           if "_variables/" in n]),
-      "replica_counts": [s.num_replicas_in_sync for s, _ in chain]}
+    def layout(path):
+      return sorted((name, shape) for name, shape in
+                    tf.train.list_variables(path) if name.startswith(
+                        "optimizer"))
+
+    out["checkpoint"] = {
+        "chain_vs_uninterrupted": max_diff(final, weights(model)),
+        "sharded_layout_equals_unsharded": all(
+            layout(path) == layout(saved[0]) for path in saved[1:]),
+        "slot_entries": len([n for n, _ in layout(saved[1])
+                             if n.startswith("optimizer/_variables/")]),
+        "replica_counts": [s.num_replicas_in_sync for s, _ in chain]}
+
+  for part in (equal_cases, fp16_cases, checkpoint_chain):
+    error = _guarded(part)
+    if error:
+      out[part.__name__] = error
   return out
 
 
 def _guarded(fn):
+  """`fn()`, or {"error": its traceback}."""
   try:
     return fn()
   except Exception as e:  # pylint: disable=broad-except
@@ -276,6 +287,7 @@ class _CaseChecks:
   """Assertions shared by both strategies' results."""
 
   def check_equal(self, result, cases):
+    self.assertNotIn("equal_cases", result, result.get("equal_cases"))
     for case in cases:
       got = result["equal"][_name(case)]
       with self.subTest(case=_name(case)):
@@ -294,6 +306,7 @@ class _CaseChecks:
                            0 if case[1] == 2 else 4)
 
   def check_fp16(self, result, stages=(1, 2)):
+    self.assertNotIn("fp16_cases", result, result.get("fp16_cases"))
     for stage in stages:
       first, second = result[f"fp16_stage{stage}"]
       self.assertEqual(first["skipped"], 1.0)
@@ -308,6 +321,8 @@ class _CaseChecks:
       self.assertFalse(second["kernel_unchanged"])
 
   def check_checkpoint(self, result, replica_counts):
+    self.assertNotIn("checkpoint_chain", result,
+                     result.get("checkpoint_chain"))
     ckpt = result["checkpoint"]
     self.assertLess(ckpt["chain_vs_uninterrupted"], TOLERANCE, ckpt)
     self.assertTrue(ckpt["sharded_layout_equals_unsharded"], ckpt)

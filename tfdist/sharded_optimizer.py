@@ -400,7 +400,15 @@ class ShardedOptimizer:
 
     Args:
       update: the per-replica `update` of `replica_prepare`.
+
+    Raises:
+      RuntimeError: called inside a strategy's scope (the Keras optimizer
+        copies would then try to merge across replicas).
     """
+    if tf.distribute.has_strategy():
+      raise RuntimeError(
+          "The sharded optimizer's update runs outside `strategy.scope()`: "
+          "call the Trainer's train_function outside the scope.")
     local = self.strategy.experimental_local_results
     grads = local(update["grad"])
     finite = local(update["finite"])[0]
