@@ -83,7 +83,7 @@ def _cases(strategy, train_glob: str, cases, *, scratch: str,
           keras.layers.Dense(7, activation="relu"), keras.layers.Dense(10)])
       optimizer = precision.wrap_optimizer_for_precision(
           optimizers.build_optimizer(
-              opt_name, 0.01, weight_decay=0.05 if opt_name == "adamw"
+              opt_name, 0.05, weight_decay=0.05 if opt_name == "adamw"
               else 0.0, **({clip: 0.05} if clip else {})), dtype=dtype)
       optimizer.build([] if stage else model.trainable_variables)
     return model, optimizer
@@ -334,8 +334,9 @@ class MirroredShardedTest(_CaseChecks, absltest.TestCase):
 
   def setUp(self):
     super().setUp()
-    self.result = testutil.child_case(self, os.path.abspath(__file__),
-                                      _CHILD_ENV, "mirrored")
+    self.result = testutil.child_cases(os.path.abspath(__file__), _CHILD_ENV,
+                                       timeout=900)["mirrored"]
+    self.assertNotIn("error", self.result, self.result.get("error"))
 
   def test_equal_to_unsharded(self):
     self.check_equal(self.result, MIRRORED_CASES)
@@ -379,7 +380,7 @@ class CommandLineTest(absltest.TestCase):
               f"--train_files={data['train']}",
               f"--eval_files={data['eval']}", "--batch_size=16",
               "--optimizer=adam", f"--model_dir={model_dir}",
-              "--log_steps=2", "--deterministic"]
+              "--log_steps=2", "--deterministic", "--mode=train"]
     first = testutil.run_module(
         "tfdist.train", common + ["--zero_stage=2",
                                   "--gradient_accumulation_steps=2",
