@@ -12,7 +12,9 @@ with tfdist's `Trainer` and reports the optimizer state each replica holds:
 * `allocator_bytes`: the growth of TensorFlow's CPU allocator
   (`tf.config.experimental.get_memory_info("CPU:0")["current"]`; logical
   CPU devices share one allocator, so divided by N) while the optimizer
-  state is built, and `step_peak_bytes`, the allocator's peak above the
+  state is built and each replica's copy written once (copies on logical
+  CPU devices share their initial buffer until written), and
+  `step_peak_bytes`, the allocator's peak above the
   model's weights during the measured steps (weights' gradients,
   activations and the summed gradient included), divided by N.
 
@@ -56,6 +58,19 @@ def _child(replicas: int, stage: int, width: int, layers: int, steps: int):
   def current():
     return tf.config.experimental.get_memory_info("CPU:0")["current"]
 
+  def touch(variables):
+    """Rewrites every replica's copy of `variables` on its own device.
+    Logical CPU devices share host memory, so a mirrored variable's copies
+    start out sharing their initial buffer (copy-on-write) until first
+    written: without this the unsharded copies would not be counted."""
+    for v in variables:
+      v = getattr(v, "value", v)
+      for component in getattr(v, "values", None) or [v]:
+        if not component.dtype.is_floating:
+          continue
+        with tf.device(component.device):
+          component.assign(component * 1.0)
+
   strategy = tf.distribute.MirroredStrategy(
       [f"/cpu:{i}" for i in range(replicas)])
   global_batch = 8 * replicas
@@ -72,6 +87,7 @@ def _child(replicas: int, stage: int, width: int, layers: int, steps: int):
   estimate = memory.sharded_estimate(unsharded, num_replicas=replicas,
                                      stage=stage)
   del probe, probe_optimizer
+  touch(model.variables)
   before = current()
   with strategy.scope():
     optimizer = keras.optimizers.Adam(1e-3)
@@ -80,6 +96,13 @@ def _child(replicas: int, stage: int, width: int, layers: int, steps: int):
                     global_batch_size=global_batch, time_steps=False,
                     gradient_accumulation_steps=2 if stage == 2 else 1,
                     sharding=sharded_optimizer.ShardingOptions(stage=stage))
+  state = list(optimizer.variables)
+  if trainer.sharded is not None:
+    state += [v for copy in trainer.sharded.copies for v in copy.variables]
+    state += [trainer.sharded.master]
+    if trainer.sharded.grad_accumulator is not None:
+      state.append(trainer.sharded.grad_accumulator)
+  touch(state)
   built_allocator = current() - before
   built = memory.estimate_model_memory(model, optimizer,
                                        sharded=trainer.sharded)
