@@ -64,7 +64,8 @@ def _child(replicas: int, stage: int, width: int, layers: int, steps: int):
     start out sharing their initial buffer (copy-on-write) until first
     written: without this the unsharded copies would not be counted."""
     for v in variables:
-      v = getattr(v, "value", v)
+      if isinstance(v, keras.Variable):
+        v = v.value
       for component in getattr(v, "values", None) or [v]:
         if not component.dtype.is_floating:
           continue
