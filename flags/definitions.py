@@ -267,6 +267,23 @@ def define_performance_flags() -> List[str]:
       "Reproducible runs: TensorFlow's op determinism "
       "(tf.config.experimental.enable_op_determinism) and a deterministic "
       "input order; needs --seed. Slower; not with parameter_server.")
+  flags.DEFINE_bool(
+      "shard_optimizer_state", _default("shard_optimizer_state"),
+      "ZeRO stage 1 (mirrored, multi_worker_mirrored): each of the N "
+      "replicas keeps the optimizer slots and float32 master weights of "
+      "1/N of the parameters; gradients are summed and sliced, each "
+      "replica updates its shard, the shards are all-gathered. Same "
+      "weights as unsharded; checkpoints interchangeable. Not with lamb.")
+  flags.DEFINE_bool(
+      "shard_gradients", _default("shard_gradients"),
+      "ZeRO stage 2: --shard_optimizer_state, and under "
+      "--gradient_accumulation_steps > 1 each replica accumulates only its "
+      "shard of the summed gradients (one all-reduce per micro-batch).")
+  flags.DEFINE_integer(
+      "zero_stage", _default("zero_stage"),
+      "DeepSpeed's name for the two switches above: 0 off, 1 "
+      "--shard_optimizer_state, 2 --shard_gradients (3, sharded weights, "
+      "is not offered). Default: from the switches.")
   flags.DEFINE_integer(
       "max_consecutive_skipped_steps",
       _default("max_consecutive_skipped_steps"),

@@ -40,7 +40,6 @@ from tests import testutil
 # list when they are merged; until then links to them are not checked.
 PENDING = (
     "docs/guides/fit-conformance.md",
-    "docs/guides/sharded-training.md",
 )
 
 # The checkout itself: under Bazel the runfiles hold only declared files,

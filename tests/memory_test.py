@@ -76,6 +76,38 @@ class FitTest(absltest.TestCase):
     self.assertIn("parameter_server with at least 3 ps task(s)", small.advice)
     self.assertIn("--optimizer=adam keeps 2 slots", small.advice)
 
+  def test_sharding_recommended_when_it_makes_the_state_fit(self):
+    # fp32 Adam, 1 Gi parameters: 4 + 4 + 8 bytes each.
+    estimate = memory.ModelMemory(parameters_bytes=4 << 30,
+                                  gradients_bytes=4 << 30,
+                                  optimizer_bytes=8 << 30,
+                                  num_parameters=1 << 30)
+    # Stage 1 over 4 replicas: 4 + 4 + (8 + 4) / 4 = 11 bytes each.
+    sharded = memory.sharded_estimate(estimate, num_replicas=4)
+    self.assertEqual(sharded.optimizer_bytes, 3 << 30)
+    self.assertEqual(sharded.total_bytes, 11 << 30)
+    self.assertEqual(memory.sharded_estimate(estimate, num_replicas=4,
+                                             stage=0), estimate)
+    # 16 GiB does not fit 12 GiB; 11 GiB does.
+    fit = memory.fits_data_parallel(estimate, capacity_bytes=12 << 30,
+                                    optimizer="adam", num_replicas=4)
+    self.assertFalse(fit.fits)
+    self.assertIn("--shard_optimizer_state (--zero_stage=1) over the 4 "
+                  "replicas keeps 3.0 GiB", fit.advice)
+    self.assertTrue(memory.fits_data_parallel(
+        estimate, capacity_bytes=12 << 30, num_replicas=4,
+        zero_stage=1).fits)
+    # One replica, or too little memory even sharded: not recommended.
+    for replicas, capacity in ((1, 12 << 30), (4, 10 << 30)):
+      fit = memory.fits_data_parallel(estimate, capacity_bytes=capacity,
+                                      optimizer="adam",
+                                      num_replicas=replicas)
+      self.assertNotIn("--shard_optimizer_state", fit.advice)
+    # LAMB cannot shard.
+    self.assertNotIn("--shard_optimizer_state", memory.fits_data_parallel(
+        estimate, capacity_bytes=12 << 30, optimizer="lamb",
+        num_replicas=4).advice)
+
   def test_peak_rss_is_this_process(self):
     self.assertGreater(memory.peak_rss_bytes(), 50 << 20)
     self.assertGreater(memory.host_memory_bytes(), memory.peak_rss_bytes())

@@ -21,6 +21,7 @@ from tfdist import models
 from tfdist import objectives as objectives_lib
 from tfdist import optimizers
 from tfdist import precision
+from tfdist import sharded_optimizer
 from tfdist import task as task_lib
 from tfdist.config import ConfigError
 from tfdist import train_loop
@@ -144,6 +145,16 @@ def build(config, *, task: task_lib.Task, strategy: tf.distribute.Strategy,
   Raises:
     ConfigError: the builder fails tfdist's checks, or no loss is known.
   """
+  sharding = sharded_optimizer.ShardingOptions(
+      stage=config.zero_stage_resolved)
+  if sharding.enabled and not isinstance(
+      strategy, (tf.distribute.MirroredStrategy,
+                 tf.distribute.MultiWorkerMirroredStrategy)):
+    raise ConfigError(
+        f"--zero_stage={sharding.stage} (--shard_optimizer_state) runs under "
+        "mirrored or multi_worker_mirrored; this run's strategy is "
+        f"{type(strategy).__name__}. Set --distribution_strategy=mirrored "
+        "(or multi_worker_mirrored), or drop the flag.")
   with strategy.scope():
     model = build_model(config, task=task,
                         sync_batch_norm=plan.sync_batch_norm)
@@ -156,8 +167,9 @@ def build(config, *, task: task_lib.Task, strategy: tf.distribute.Strategy,
         dtype=config.dtype, loss_scale=config.loss_scale)
     # Every optimizer variable now, under the scope (created lazily in the
     # first step, ParameterServerStrategy would place it on the
-    # coordinator).
-    optimizer.build(model.trainable_variables)
+    # coordinator). Sharded, its slots live on the shards instead
+    # (tfdist.sharded_optimizer): built on no variables.
+    optimizer.build([] if sharding.enabled else model.trainable_variables)
   # Keras callbacks read `model.optimizer`. Set without tracking it as the
   # model's checkpoint dependency: the optimizer is saved once, as the
   # checkpoint's own `optimizer`, and a model restored from the checkpoint
@@ -175,7 +187,20 @@ def build(config, *, task: task_lib.Task, strategy: tf.distribute.Strategy,
                     gradient_accumulation_steps=(
                         plan.batch.gradient_accumulation_steps),
                     # Op determinism refuses tf.timestamp.
-                    time_steps=not config.deterministic)
+                    time_steps=not config.deterministic,
+                    sharding=sharding)
+  if trainer.sharded is not None:
+    layout = trainer.sharded.layout
+    logging.info(
+        "ZeRO stage %d: each of the %d replicas keeps the optimizer state "
+        "and float32 master weights of %d of the %d parameters (one shard of "
+        "a flat buffer, %d elements of padding)%s; gradients are all-reduced "
+        "then sliced (no reduce-scatter on CPU collectives), the updated "
+        "shards all-gathered.", sharding.stage, layout.num_shards,
+        layout.shard_size, layout.total, layout.padding,
+        ", and its shard of the gradient accumulators"
+        if sharding.stage >= 2 and plan.batch.gradient_accumulation_steps > 1
+        else "")
   if config.enable_xla:
     logging.info(
         "--enable_xla: %s", "TPUs compile every step with XLA already."
@@ -186,8 +211,12 @@ def build(config, *, task: task_lib.Task, strategy: tf.distribute.Strategy,
   # the model's checkpoint dependencies): a resumed run then draws the same
   # dropout masks as an uninterrupted one.
   random_state = train_loop.random_state(model)
+  # Sharded, the optimizer saves its slots in their unsharded shapes and
+  # keys (any replica count, or none, restores them).
   checkpoint = tf.train.Checkpoint(
-      model=model, optimizer=optimizer, global_step=trainer.global_step,
+      model=model, global_step=trainer.global_step,
+      optimizer=(trainer.sharded.checkpoint_view() if trainer.sharded
+                 else optimizer),
       **({"random_state": random_state} if random_state else {}))
   return Parts(model=model, optimizer=optimizer, trainer=trainer,
                checkpoint=checkpoint, objectives=resolved,

@@ -26,6 +26,9 @@ DTYPE_ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16",
 LR_SCALING_RULES = ("linear", "sqrt", "none")
 LR_SCHEDULES = ("constant", "cosine", "piecewise")
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw", "rmsprop", "lamb")
+# Strategies under which --zero_stage > 0 runs (auto resolves to one of
+# them or is refused when the strategy is built: tfdist.assembly).
+SHARDING_STRATEGIES = ("auto", "mirrored", "multi_worker_mirrored")
 ALL_REDUCE_ALGS = ("auto", "nccl", "hierarchical_copy", "ring")
 PS_PARTITIONERS = ("min_size", "fixed", "max_size", "none")
 # Flag values a data set recommends, applied by `flags.flags_to_config` to
@@ -314,6 +317,15 @@ class TrainConfig:
   activation_recomputation: bool = False
   # Op determinism and a deterministic input order (needs --seed).
   deterministic: bool = False
+  # --- Sharded data parallelism (ZeRO, Rajbhandari et al. 2020) ---
+  # Each replica keeps the optimizer state (and float32 master weights) of
+  # 1/N of the parameters (stage 1); with shard_gradients also its shard
+  # of the gradient accumulators (stage 2). zero_stage (0, 1, 2) says the
+  # same in DeepSpeed's terms; None: from the two switches. See
+  # `zero_stage_resolved` and tfdist/sharded_optimizer.py.
+  shard_optimizer_state: bool = False
+  shard_gradients: bool = False
+  zero_stage: Optional[int] = None
   # Checkpoints record the input order, and a resumed run continues its
   # epoch where it stopped (each worker recomputes its position from the
   # step; tfdist.input_pipeline). False: a resume starts its epoch over.
@@ -601,6 +613,7 @@ class TrainConfig:
          f"{self.global_clipnorm} were both given: Keras optimizers take "
          "one. Use --global_clipnorm to clip the norm of all gradients "
          "together, --clipnorm to clip each variable's gradient alone.")
+    self._validate_sharding(need)
     need(self.max_consecutive_skipped_steps >= 0,
          "--max_consecutive_skipped_steps="
          f"{self.max_consecutive_skipped_steps} must be >= 0 (0: no limit).")
@@ -622,6 +635,43 @@ class TrainConfig:
           f"--loss_scale={self.loss_scale} only applies to --dtype=fp16 "
           f"(received --dtype={self.dtype}). Drop --loss_scale or use "
           "--dtype=fp16.")
+
+  def _validate_sharding(self, need):
+    need(self.zero_stage in (None, 0, 1, 2),
+         f"--zero_stage={self.zero_stage} is not offered: use 0 (off), 1 "
+         "(shard optimizer state) or 2 (also gradients). Stage 3 (sharded "
+         "weights) needs APIs TensorFlow lacks: see "
+         "docs/guides/sharded-training.md.")
+    switches = (2 if self.shard_gradients else
+                1 if self.shard_optimizer_state else 0)
+    need(self.zero_stage is None or not switches or
+         switches == self.zero_stage,
+         f"--zero_stage={self.zero_stage} contradicts "
+         f"--shard_optimizer_state={self.shard_optimizer_state} "
+         f"--shard_gradients={self.shard_gradients}. Give --zero_stage "
+         "alone, or the switches alone (--shard_gradients implies stage 2).")
+    stage = self.zero_stage_resolved
+    if not stage:
+      return
+    need(self.distribution_strategy in SHARDING_STRATEGIES,
+         f"--zero_stage={stage} (--shard_optimizer_state) runs under "
+         f"{' or '.join(SHARDING_STRATEGIES[1:])}; received "
+         f"--distribution_strategy={self.distribution_strategy}. Use "
+         "mirrored or multi_worker_mirrored (parameter_server partitions "
+         "variables itself), or drop the flag.")
+    need(self.optimizer != "lamb",
+         f"--optimizer=lamb cannot run with --zero_stage={stage}: LAMB's "
+         "trust ratio needs each whole variable's norm and the shards cut "
+         "across variables. Use --optimizer=adamw, or drop the flag.")
+
+  @property
+  def zero_stage_resolved(self) -> int:
+    """The ZeRO stage: `zero_stage` if given, else 2 with
+    `shard_gradients`, 1 with `shard_optimizer_state`, else 0."""
+    if self.zero_stage is not None:
+      return int(self.zero_stage)
+    return (2 if self.shard_gradients else
+            1 if self.shard_optimizer_state else 0)
 
   # --- Derived paths -------------------------------------------------------
   @property

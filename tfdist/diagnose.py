@@ -122,7 +122,9 @@ _MIXED_PRECISION = {
 }
 MEMORY_ADVICE = (
     "{mixed}activation recomputation, a smaller per-replica batch with "
-    "gradient accumulation, or parameter servers "
+    "gradient accumulation, sharded optimizer state "
+    "(--shard_optimizer_state: each replica keeps 1/N of it), or parameter "
+    "servers "
     "(--distribution_strategy=parameter_server: variables and optimizer "
     "slots sharded over ps tasks)")
 
@@ -800,9 +802,13 @@ def diagnose(train_args: Sequence[str], *, num_workers: int = 1,
     # hold a copy in this host's memory.
     on_gpu = bool(requested.device_kind == "GPU" and gpu_bytes)
     sharing = 1 if on_gpu else requested.num_replicas
+    stage = config.zero_stage_resolved
     fit = memory.fits_data_parallel(
         estimate, capacity_bytes=gpu_bytes if on_gpu else host_bytes,
-        replicas_sharing=sharing, optimizer=config.optimizer)
+        replicas_sharing=sharing, optimizer=config.optimizer,
+        num_replicas=requested.num_replicas, zero_stage=stage)
+    estimate = memory.sharded_estimate(
+        estimate, num_replicas=requested.num_replicas, stage=stage)
     result = verdict(requested, base, model_fit=fit,
                      device_memory_bytes=gpu_bytes,
                      host_memory_bytes=host_bytes, cores=cores, pinned=pin,
@@ -815,7 +821,9 @@ def diagnose(train_args: Sequence[str], *, num_workers: int = 1,
         f"{memory.format_bytes(estimate.parameters_bytes)} "
         f"({estimate.num_parameters:,} values), gradients "
         f"{memory.format_bytes(estimate.gradients_bytes)}, optimizer "
-        f"({config.optimizer}) {memory.format_bytes(estimate.optimizer_bytes)}"
+        f"({config.optimizer}"
+        + (f", ZeRO stage {stage}" if stage else "") +
+        f") {memory.format_bytes(estimate.optimizer_bytes)}"
         f": {memory.format_bytes(estimate.total_bytes)}; {sharing} "
         f"replica(s) on {memory.format_bytes(fit.capacity_bytes)} of {where} "
         f"memory: {fit.share:.2%}, "

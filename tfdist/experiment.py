@@ -487,7 +487,8 @@ def _train(config, *, task, cluster, decision, applied, callbacks, started,
   if config.hptune_metric:
     hptune.check_metric(config.hptune_metric, available=[
         "loss", *parts.metric_sums.results({})])
-  model_memory = memory.estimate_model_memory(model, optimizer)
+  model_memory = memory.estimate_model_memory(model, optimizer,
+                                              sharded=trainer.sharded)
   logging.info(
       "Model state per replica: parameters %s (%d values), gradients %s, "
       "optimizer %s: %s in all (activations not counted)",

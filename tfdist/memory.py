@@ -11,6 +11,9 @@
   scale), from the variables' shapes and dtypes: what every replica holds
   under data parallelism, before activations. `fits_data_parallel` compares
   it with a device's memory and says which strategy fits when it does not.
+* `sharded_estimate`: the same under ZeRO stage 1 or 2
+  (`--shard_optimizer_state`, `tfdist.sharded_optimizer`): each of N
+  replicas keeps 1/N of the optimizer state plus a float32 master shard.
 """
 
 import dataclasses
@@ -107,7 +110,8 @@ class ModelMemory:
     return {**dataclasses.asdict(self), "total_bytes": self.total_bytes}
 
 
-def estimate_model_memory(model, optimizer=None) -> ModelMemory:
+def estimate_model_memory(model, optimizer=None, *,
+                          sharded=None) -> ModelMemory:
   """The bytes of `model`'s parameters, gradients and `optimizer`'s state.
 
   From the variables' shapes and dtypes only (no values are read, so it
@@ -117,16 +121,56 @@ def estimate_model_memory(model, optimizer=None) -> ModelMemory:
   Args:
     model: a built Keras model.
     optimizer: its optimizer, built (`optimizer.build(variables)`), or None.
+    sharded: the run's `tfdist.sharded_optimizer.ShardedOptimizer`, or
+      None: its per-replica state (one replica's slots, master shard and
+      gradient-accumulator shard) is added to `optimizer`'s own variables
+      (iterations and loss scale: the slots live on the shards).
 
   Returns:
     A `ModelMemory`.
   """
+  optimizer_bytes = (_variable_bytes(optimizer.variables)
+                     if optimizer is not None else 0)
+  if sharded is not None:
+    optimizer_bytes += sharded.state_bytes_per_replica()
   return ModelMemory(
       parameters_bytes=_variable_bytes(model.variables),
       gradients_bytes=_variable_bytes(model.trainable_variables),
-      optimizer_bytes=(_variable_bytes(optimizer.variables)
-                       if optimizer is not None else 0),
+      optimizer_bytes=optimizer_bytes,
       num_parameters=sum(_elements(v) for v in model.variables))
+
+
+def sharded_estimate(estimate: ModelMemory, *, num_replicas: int,
+                     stage: int = 1) -> ModelMemory:
+  """`estimate` (unsharded) as one replica holds it under ZeRO `stage`.
+
+  The optimizer's slots are split over `num_replicas` (N) replicas in
+  shards of a flat buffer padded to a multiple of N, and each replica adds
+  a float32 master shard of its trainable parameters (the variable the
+  Keras optimizer updates): optimizer bytes become
+  `ceil(optimizer / N) + ceil(trainable float32 bytes / N)`, i.e. per
+  fp32 Adam parameter 4 + 4 + (8 + 4) / N instead of 16
+  (Rajbhandari et al. 2020 count 4 + 4 + 8 / N: their master weights are
+  the fp32 copy mixed precision keeps anyway; Keras keeps float32
+  variables, so here the master shard is an extra 4 / N). Stage 2 also
+  shards the gradient accumulators (gradient accumulation only), which
+  `ModelMemory` does not count, and TensorFlow's per-step gradients are
+  whole either way: the estimate is stage 1's for both stages.
+
+  Args:
+    estimate: from `estimate_model_memory` of an unsharded build.
+    num_replicas: replicas in sync (N >= 1).
+    stage: 1 or 2 (0 returns `estimate`).
+
+  Returns:
+    A `ModelMemory`.
+  """
+  n = max(int(num_replicas), 1)
+  if not stage:
+    return estimate
+  return dataclasses.replace(
+      estimate, optimizer_bytes=(-(-estimate.optimizer_bytes // n) +
+                                 -(-estimate.gradients_bytes // n)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,7 +199,8 @@ TIGHT_SHARE = 0.5
 
 def fits_data_parallel(estimate: ModelMemory, *, capacity_bytes: int,
                        replicas_sharing: int = 1,
-                       optimizer: str = "") -> Fit:
+                       optimizer: str = "", num_replicas: int = 1,
+                       zero_stage: int = 0) -> Fit:
   """Says whether every replica's copy fits, and what fits if not.
 
   Under data parallelism (mirrored, multi_worker_mirrored, TPU) every
@@ -173,21 +218,42 @@ def fits_data_parallel(estimate: ModelMemory, *, capacity_bytes: int,
     replicas_sharing: replicas whose copies share that memory (logical CPU
       devices, or workers on one host: all of them; GPUs: 1).
     optimizer: the optimizer's name, for the advice.
+    num_replicas: replicas in sync (all workers), over which
+      `--shard_optimizer_state` would shard the optimizer state.
+    zero_stage: the run's ZeRO stage (`--zero_stage`); > 0: `estimate` is
+      taken as unsharded and sharded here (`sharded_estimate`).
 
   Returns:
-    A `Fit`.
+    A `Fit`; when data parallelism does not fit but sharding the optimizer
+    state over `num_replicas` would, its advice starts with the flag.
   """
-  needed = estimate.total_bytes * max(int(replicas_sharing), 1)
+  sharing = max(int(replicas_sharing), 1)
+  if zero_stage:
+    estimate = sharded_estimate(estimate, num_replicas=num_replicas,
+                                stage=zero_stage)
+  needed = estimate.total_bytes * sharing
   share = needed / capacity_bytes if capacity_bytes else math.inf
   if needed <= capacity_bytes:
     return Fit(True, needed, capacity_bytes, share)
+  shard_advice = ""
+  if not zero_stage and num_replicas > 1 and optimizer != "lamb":
+    sharded = sharded_estimate(estimate, num_replicas=num_replicas)
+    if sharded.total_bytes * sharing <= capacity_bytes:
+      shard_advice = (
+          f"--shard_optimizer_state (--zero_stage=1) over the "
+          f"{num_replicas} replicas keeps "
+          f"{format_bytes(sharded.optimizer_bytes)} of optimizer state per "
+          f"replica instead of {format_bytes(estimate.optimizer_bytes)}: "
+          f"{format_bytes(sharded.total_bytes * sharing)} in all, which "
+          "fits (same weights as unsharded training).")
   # Variables and slots sharded over ps tasks; gradients stay on workers.
   sharded = estimate.parameters_bytes + estimate.optimizer_bytes
   num_ps = max(1, math.ceil(sharded / max(capacity_bytes, 1)))
   advice = [
       f"parameters, gradients and optimizer state need {format_bytes(needed)}"
       f" against {format_bytes(capacity_bytes)}: data parallelism does not "
-      "fit.",
+      "fit" + (f" (ZeRO stage {zero_stage} counted)." if zero_stage else "."),
+      *([shard_advice] if shard_advice else []),
       f"--distribution_strategy=parameter_server with at least {num_ps} ps "
       f"task(s) holds the variables and optimizer slots "
       f"({format_bytes(sharded)}) sharded (--ps_partitioner); it suits models"

@@ -120,6 +120,14 @@ class RunPlan:
                  ["  activation recompute   on: blocks recompute their "
                   "activations in the backward pass"]
                  if config.activation_recomputation else []) + (
+                     [f"  zero_stage             {config.zero_stage_resolved}"
+                      f": optimizer state sharded over the "
+                      f"{plan.num_replicas_in_sync} replicas (1/"
+                      f"{plan.num_replicas_in_sync} each)"
+                      + (", and the gradient accumulators"
+                         if config.zero_stage_resolved >= 2 and
+                         plan.gradient_accumulation_steps > 1 else "")]
+                     if config.zero_stage_resolved else []) + (
                      ["  deterministic          op determinism and a "
                       "deterministic input order"]
                      if config.deterministic else []) if line)

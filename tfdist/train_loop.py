@@ -61,7 +61,7 @@ inside the step (`micro_steps` in the sums).
 """
 
 import contextlib
-from typing import Dict
+from typing import Dict, Optional
 
 import keras
 import numpy as np
@@ -69,6 +69,11 @@ import tensorflow as tf
 
 from tfdist import objectives
 from tfdist import precision
+from tfdist import sharded_optimizer
+
+
+# The key of the sharded optimizer's per-replica update in a step's sums.
+_SHARD_UPDATE = "_shard_update"
 
 
 class _PerReplicaSeedGenerator(keras.random.SeedGenerator):
@@ -232,6 +237,9 @@ class Trainer:
       the iterator then yields per-replica micro-batches of
       `global_batch_size / (K x replicas)` examples, and one training step
       takes K of them (module docstring).
+    sharding: a `tfdist.sharded_optimizer.ShardingOptions` (ZeRO stage 1
+      or 2: the optimizer, built on no variables, then runs on per-replica
+      shards, see `tfdist.sharded_optimizer`); None or stage 0: unsharded.
     time_steps: measure the input wait and the call's execution time with
       `tf.timestamp` (see `train_function`); False under op determinism
       (`--deterministic`), which refuses `tf.timestamp`: both are then NaN
@@ -253,7 +261,8 @@ class Trainer:
                run_eagerly: bool = False, task: str = "multiclass",
                eval_example_weights: bool = False, loss=None, metrics=None,
                gradient_accumulation_steps: int = 1,
-               time_steps: bool = True):
+               time_steps: bool = True,
+               sharding: Optional[sharded_optimizer.ShardingOptions] = None):
     self.strategy = strategy
     self.time_steps = bool(time_steps)
     self.model = model
@@ -281,6 +290,10 @@ class Trainer:
     self.uses_loss_scale = isinstance(optimizer,
                                       keras.optimizers.LossScaleOptimizer)
     per_replica_random_streams(model)
+    self.sharded = (sharded_optimizer.ShardedOptimizer(
+        strategy=strategy, optimizer=optimizer,
+        variables=model.trainable_variables, options=sharding)
+                    if sharding is not None and sharding.enabled else None)
     with strategy.scope():
       # Counts updates made by this loop (skipped fp16 steps included), for
       # checkpoint numbering and resumption.
@@ -350,10 +363,17 @@ class Trainer:
     sums = {"loss": loss, **self._metric_sums(labels, outputs)}
     return self._replica_apply(grads, sums, stop_flags)
 
-  def _replica_apply(self, grads, sums, stop_flags):
+  def _replica_apply(self, grads, sums, stop_flags, shard=None):
     """Steps 2-4 of the module docstring on one replica's gradients (of one
     batch, or accumulated over K micro-batches); returns `sums` with
-    `skipped` and the stop requests added."""
+    `skipped` and the stop requests added. Sharded (`self.sharded`): the
+    gradients (or the reduced `shard` of stage 2) are reduced and sliced
+    here, and `sums` also carries the shard's update, which
+    `_train_step` applies in cross-replica context."""
+    if self.sharded is not None:
+      skipped, update = self.sharded.replica_prepare(grads, shard)
+      return {**sums, "skipped": skipped, _SHARD_UPDATE: update,
+              "stop_signal": stop_flags[0], "stop_training": stop_flags[1]}
     variables = self.model.trainable_variables
     grads = _all_reduce_sum(grads)
     # The same summed gradients on every replica and worker: the finite
@@ -364,6 +384,10 @@ class Trainer:
             "stop_signal": stop_flags[0], "stop_training": stop_flags[1]}
 
   # --- gradient accumulation (K > 1) ----------------------------------------
+  def _shards_gradients(self) -> bool:
+    """ZeRO stage 2: the gradient accumulators are per-replica shards."""
+    return self.sharded is not None and self.sharded.options.stage >= 2
+
   def _make_accumulators(self):
     """Per-replica zero buffers: one per trainable variable (its shape and
     dtype), one for the loss and one per metric sum. Sync-on-read: each
@@ -373,8 +397,12 @@ class Trainer:
       return tf.Variable(tf.zeros(shape, dtype), trainable=False, name=name,
                          synchronization=tf.VariableSynchronization.ON_READ,
                          aggregation=tf.VariableAggregation.SUM)
-    grads = [zeros(v.shape, v.dtype, "grad_accumulator")
-             for v in self.model.trainable_variables]
+    if self._shards_gradients():  # One shard per replica instead.
+      self.sharded.make_gradient_accumulator()
+      grads = []
+    else:
+      grads = [zeros(v.shape, v.dtype, "grad_accumulator")
+               for v in self.model.trainable_variables]
     sums = {"loss": zeros([], tf.float32, "loss_accumulator"),
             "count": zeros([], tf.float32, "count_accumulator")}
     for key, value in self.metric_sums.zeros().items():
@@ -388,6 +416,8 @@ class Trainer:
     loss, grads, outputs = self._replica_grads(inputs, labels)
     sums = {"loss": loss, **self._metric_sums(labels, outputs)}
     grad_accumulators, sum_accumulators = self._accumulators
+    if self._shards_gradients():
+      self.sharded.replica_accumulate(grads)
     for accumulator, grad in zip(grad_accumulators, grads):
       if grad is not None:  # IndexedSlices are added densely.
         accumulator.assign_add(tf.convert_to_tensor(grad))
@@ -400,7 +430,9 @@ class Trainer:
     grad_accumulators, sum_accumulators = self._accumulators
     grads = [a.read_value() for a in grad_accumulators]
     sums = {k: a.read_value() for k, a in sum_accumulators.items()}
-    out = self._replica_apply(grads, sums, stop_flags)
+    shard = (self.sharded.replica_take_accumulated()
+             if self._shards_gradients() else None)
+    out = self._replica_apply(grads or None, sums, stop_flags, shard)
     for accumulator in grad_accumulators + list(sum_accumulators.values()):
       accumulator.assign(tf.zeros_like(accumulator.read_value()))
     return out
@@ -483,6 +515,8 @@ class Trainer:
           self.strategy.run(self._replica_accumulate, args=(inputs, labels))
         per_replica = self.strategy.run(self._replica_apply_accumulated,
                                         args=(stop_flags,))
+    if self.sharded is not None:
+      self.sharded.apply(per_replica.pop(_SHARD_UPDATE))
     # Equal on every replica: read the first local one (no all-reduce).
     skipped = self.strategy.experimental_local_results(
         per_replica.pop("skipped"))[0]
