@@ -121,10 +121,36 @@ def resolve_objectives(model: keras.Model, *, task: task_lib.Task
       what=f"--model={task.model_name}")
   metric_sums = objectives_lib.MetricSums(
       resolved.metrics, y_true=tf.TensorSpec(y_true, labels.dtype),
-      y_pred=tf.TensorSpec(out_shape, tf.float32))
+      y_pred=tf.TensorSpec(out_shape, tf.float32),
+      weighted=resolved.weighted)
   logging.info("Loss %s, metrics [%s] (from %s)", resolved.loss.name,
                ", ".join(resolved.metric_names), resolved.source)
   return resolved, metric_sums
+
+
+def check_weights(config, *, task: task_lib.Task) -> Optional[dict]:
+  """The run's class weights (`{class id: weight}`, or None), after
+  checking that the examples do not carry sample weights too (Keras's
+  `fit` refuses both: "You cannot `class_weight` and `sample_weight` at the
+  same time").
+
+  Raises:
+    ConfigError: class weights and sample weights both given; a third
+      example element that is not a number.
+  """
+  weight = task_lib.sample_weight_spec(task.dataset)
+  if weight is not None:
+    logging.info("Examples carry sample weights (%s): each weighs its loss "
+                 "and weighted metrics.", weight)
+  if not config.class_weight:
+    return None
+  if weight is not None:
+    raise ConfigError(
+        f"--class_weight={','.join(f'{k}:{w}' for k, w in config.class_weight)}"
+        f" and sample weights in --dataset={task.dataset.name}'s examples "
+        "(a third element) cannot be used together (as in Keras's fit). "
+        "Fold the class weights into the sample weights, or drop one.")
+  return dict(config.class_weight)
 
 
 def build(config, *, task: task_lib.Task, strategy: tf.distribute.Strategy,
@@ -165,6 +191,7 @@ def build(config, *, task: task_lib.Task, strategy: tf.distribute.Strategy,
   # or not) finds no optimizer of tfdist's under `model/`.
   object.__setattr__(model, "optimizer", optimizer)
   resolved, metric_sums = resolve_objectives(model, task=task)
+  class_weight = check_weights(config, task=task)
   trainer = Trainer(strategy=strategy, model=model, optimizer=optimizer,
                     global_batch_size=plan.global_batch_size,
                     steps_per_execution=config.steps_per_execution,
@@ -175,7 +202,8 @@ def build(config, *, task: task_lib.Task, strategy: tf.distribute.Strategy,
                     gradient_accumulation_steps=(
                         plan.batch.gradient_accumulation_steps),
                     # Op determinism refuses tf.timestamp.
-                    time_steps=not config.deterministic)
+                    time_steps=not config.deterministic,
+                    class_weight=class_weight)
   if config.enable_xla:
     logging.info(
         "--enable_xla: %s", "TPUs compile every step with XLA already."
