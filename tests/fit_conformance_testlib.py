@@ -69,10 +69,40 @@ def build_model(case: str, optimizer=None):
   return model
 
 
-# What each case feeds: the arrays and the class weights.
+def _reduce_lr():
+  import keras  # pylint: disable=g-import-not-at-top
+  # min_delta=100: no epoch after the first improves, so the rate halves
+  # at the end of epochs 1, 2, ...
+  return [keras.callbacks.ReduceLROnPlateau(monitor="loss", factor=0.5,
+                                            patience=0, min_delta=100.0)]
+
+
+def _lr_scheduler():
+  import keras  # pylint: disable=g-import-not-at-top
+  return [keras.callbacks.LearningRateScheduler(
+      lambda epoch, lr: LEARNING_RATE * 0.25 ** epoch)]
+
+
+def _early_stopping():
+  import keras  # pylint: disable=g-import-not-at-top
+  # mode="max" on a falling loss: epoch 0 stays the best, training stops
+  # after epoch 1 and the weights of epoch 0 come back at the end.
+  return [keras.callbacks.EarlyStopping(monitor="loss", mode="max",
+                                        patience=1,
+                                        restore_best_weights=True)]
+
+
+# What each case feeds: the arrays, the class weights, and a function
+# making the case's Keras callbacks (fresh ones for each run).
 CASES = {
     "sample_weight": dict(data=slope_data, class_weight=None),
     "class_weight": dict(data=class_data, class_weight=CLASS_WEIGHT),
+    "reduce_lr_on_plateau": dict(data=slope_data, class_weight=None,
+                                 callbacks=_reduce_lr),
+    "learning_rate_scheduler": dict(data=slope_data, class_weight=None,
+                                    callbacks=_lr_scheduler),
+    "early_stopping_restore": dict(data=slope_data, class_weight=None,
+                                   callbacks=_early_stopping),
 }
 
 
@@ -87,7 +117,7 @@ class Recorder:
 
       def __init__(self):
         super().__init__()
-        self.epoch_logs, self.weights = {}, None
+        self.epoch_logs, self.weights, self.learning_rate = {}, None, None
 
       def on_epoch_end(self, epoch, logs=None):
         self.epoch_logs = {k: float(v) for k, v in (logs or {}).items()
@@ -96,8 +126,14 @@ class Recorder:
       def on_train_end(self, logs=None):
         self.weights = [np.asarray(w).tolist()
                         for w in self.model.get_weights()]
+        self.learning_rate = float(self.model.optimizer.learning_rate)
 
     return _Recorder()
+
+
+def _callbacks(case: str) -> list:
+  make = CASES[case].get("callbacks")
+  return make() if make else []
 
 
 def keras_fit(case: str) -> dict:
@@ -110,33 +146,37 @@ def keras_fit(case: str) -> dict:
       arrays[2] if len(arrays) > 2 else None),
                       class_weight=spec["class_weight"],
                       batch_size=GLOBAL_BATCH, epochs=EPOCHS, shuffle=False,
-                      verbose=0)
+                      verbose=0, callbacks=_callbacks(case))
   evaluation = model.evaluate(*arrays[:2], sample_weight=(
       arrays[2] if len(arrays) > 2 else None), batch_size=GLOBAL_BATCH,
                               verbose=0, return_dict=True)
   return {"weights": [w.tolist() for w in model.get_weights()],
-          "train": {k: float(v[-1]) for k, v in history.history.items()},
+          "train": {k: float(v[-1]) for k, v in history.history.items()
+                    if k != "learning_rate"},
+          "learning_rate": float(model.optimizer.learning_rate),
           "eval": {k: float(v) for k, v in evaluation.items()}}
 
 
 def tfdist_fit(case: str, *, strategy: str, model_dir: str,
-               via: str = "dataset_fn") -> dict:
+               via: str = "dataset_fn", class_weight=None,
+               epochs: int = EPOCHS) -> dict:
   """The case through `tfdist.fit` under `strategy` (an in-process one, or
   the cluster's from `TF_CONFIG`). `via`: `dataset_fn` (a function of
   `(x, y[, w])` examples) or `parse_fn` (TFRecords of `tf.train.Example`s
-  in `model_dir`, parsed to the same tuples)."""
+  in `model_dir`, parsed to the same tuples). `class_weight`: instead of
+  the case's."""
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   import tfdist  # pylint: disable=g-import-not-at-top
   spec = CASES[case]
   arrays = spec["data"]()
   recorder = Recorder()
-  config = dict(model_dir=model_dir, train_epochs=EPOCHS,
+  config = dict(model_dir=model_dir, train_epochs=epochs,
                 batch_size=GLOBAL_BATCH, base_batch_size=GLOBAL_BATCH,
                 optimizer="sgd", momentum=0.0,
                 base_learning_rate=LEARNING_RATE, warmup_steps=0,
                 lr_schedule="constant", shuffle_buffer_size=0,
                 distribution_strategy=strategy, log_steps=1000,
-                class_weight=spec["class_weight"] or ())
+                class_weight=class_weight or spec["class_weight"] or ())
   kwargs = {}
   if via == "dataset_fn":
     kwargs["dataset_fn"] = lambda training: (
@@ -160,13 +200,43 @@ def tfdist_fit(case: str, *, strategy: str, model_dir: str,
     kwargs["parse_fn"] = parse
     config.update(train_files=path, eval_files=path, cache_dataset=True)
   manifest = tfdist.fit(lambda: build_model(case), config=tfdist.TrainConfig(**config),
-                        callbacks=[recorder], **kwargs)
+                        callbacks=[*_callbacks(case), recorder], **kwargs)
   last_eval = (manifest.get("eval_history") or [{}])[-1]
   return {"weights": recorder.weights, "train": recorder.epoch_logs,
           "eval": {k: v for k, v in last_eval.items()
                    if isinstance(v, float)},
+          "learning_rate": recorder.learning_rate,
+          "restored_step": _restored_step(manifest),
+          "final_eval_loss": (manifest.get("final_metrics") or {}).get(
+              "eval_loss"),
+          **_artifact_slopes(manifest, arrays[0]),
           "replicas": manifest.get("num_replicas_in_sync",
                                    manifest.get("replicas"))}
+
+
+def _artifact_slopes(manifest: dict, x) -> dict:
+  """The slope model's weight in the run's final checkpoint and what its
+  SavedModel predicts for x = 1 (slope cases, on the chief); else {}."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  artifacts = manifest.get("artifacts") or {}
+  if x.shape[1:] != (1,) or not artifacts.get("saved_model"):
+    return {}
+  restored = build_model("sample_weight")
+  tf.train.Checkpoint(model=restored).restore(
+      artifacts["checkpoint"]).expect_partial()
+  exported = tf.saved_model.load(artifacts["saved_model"])
+  prediction = exported.serve(tf.ones([1, 1]))
+  prediction = list(prediction.values())[0] if isinstance(
+      prediction, dict) else prediction
+  return {"checkpoint_slope": float(np.ravel(restored.get_weights()[0])[0]),
+          "export_slope": float(np.ravel(prediction)[0])}
+
+
+def _restored_step(manifest: dict) -> int:
+  restored = manifest.get("restored_from")
+  if isinstance(restored, dict):
+    return int(restored.get("step", 0))
+  return int(str(restored).rsplit("-", 1)[-1]) if restored else 0
 
 
 def main(argv):

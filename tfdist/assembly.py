@@ -17,6 +17,7 @@ import keras
 import tensorflow as tf
 
 from tfdist import checkpointing
+from tfdist import lr_schedule
 from tfdist import models
 from tfdist import objectives as objectives_lib
 from tfdist import optimizers
@@ -173,13 +174,16 @@ def build(config, *, task: task_lib.Task, strategy: tf.distribute.Strategy,
   with strategy.scope():
     model = build_model(config, task=task,
                         sync_batch_norm=plan.sync_batch_norm)
+    # Settable by Keras's learning-rate callbacks (a checkpointed factor
+    # of the schedule, see tfdist.lr_schedule.AdjustableLearningRate).
+    learning_rate = lr_schedule.AdjustableLearningRate(plan.lr.schedule)
+    inner_optimizer = optimizers.build_optimizer(
+        config.optimizer, learning_rate, momentum=config.momentum,
+        weight_decay=config.weight_decay, clipnorm=config.clipnorm,
+        global_clipnorm=config.global_clipnorm)
+    learning_rate.bind(inner_optimizer)
     optimizer = precision.wrap_optimizer_for_precision(
-        optimizers.build_optimizer(config.optimizer, plan.lr.schedule,
-                                   momentum=config.momentum,
-                                   weight_decay=config.weight_decay,
-                                   clipnorm=config.clipnorm,
-                                   global_clipnorm=config.global_clipnorm),
-        dtype=config.dtype, loss_scale=config.loss_scale)
+        inner_optimizer, dtype=config.dtype, loss_scale=config.loss_scale)
     # Every optimizer variable now, under the scope (created lazily in the
     # first step, ParameterServerStrategy would place it on the
     # coordinator).
@@ -216,6 +220,7 @@ def build(config, *, task: task_lib.Task, strategy: tf.distribute.Strategy,
   random_state = train_loop.random_state(model)
   checkpoint = tf.train.Checkpoint(
       model=model, optimizer=optimizer, global_step=trainer.global_step,
+      lr_multiplier=learning_rate.multiplier,
       **({"random_state": random_state} if random_state else {}))
   return Parts(model=model, optimizer=optimizer, trainer=trainer,
                checkpoint=checkpoint, objectives=resolved,
