@@ -56,6 +56,12 @@ FEATURES = (
      "resume"),
     ("early_stopping_restore", "`EarlyStopping(restore_best_weights=True)`:"
      " one answer in export, final checkpoint, manifest"),
+    ("file_callbacks", "`ModelCheckpoint`, `CSVLogger`, `TensorBoard`: "
+     "files from the chief only"),
+    ("backup_and_restore", "`BackupAndRestore`"),
+    ("history", "`History`: `tfdist.fit` returns its `history`"),
+    ("batch_valued_metric", "a metric function returning one value per "
+     "batch"),
 )
 
 
@@ -78,12 +84,30 @@ def _agrees(reference: dict, result: dict) -> dict:
       "weights": _max_diff(reference["weights"], result["weights"]),
       "learning_rate": abs(reference["learning_rate"] -
                            result["learning_rate"]),
+      # tfdist.fit returns what Model.fit's History holds, epoch by epoch.
+      "history": max(abs(a - b) for k, v in reference["history"].items()
+                     for a, b in zip(v, result["history"][k])) if all(
+                         len(v) == len(result["history"].get(k, ()))
+                         for k, v in reference["history"].items())
+                 else float("inf"),
       "train": max(abs(v - result["train"][k])
                    for k, v in reference["train"].items()),
       "eval": max(abs(v - result["eval"][k])
                   for k, v in reference["eval"].items()),
   }
 
+
+# The in-process runs: (case, data source) -> strategies. Mirrored (2
+# replicas) for every case; one device where its code path differs (a
+# single replica), kept few for CI time.
+_IN_PROCESS_RUNS = {
+    ("sample_weight", "dataset_fn"): ("one_device", "mirrored"),
+    ("sample_weight", "parse_fn"): ("mirrored",),
+    ("class_weight", "parse_fn"): ("one_device", "mirrored"),
+    ("reduce_lr_on_plateau", "dataset_fn"): ("mirrored",),
+    ("learning_rate_scheduler", "dataset_fn"): ("mirrored",),
+    ("early_stopping_restore", "dataset_fn"): ("one_device", "mirrored"),
+}
 
 # The cells measured so far by this process's tests: {feature: {strategy:
 # text}}; the last test compares them with the docs table.
@@ -100,7 +124,7 @@ class InProcessStrategiesTest(absltest.TestCase):
   def _check_matches(self, case: str, feature: str, via: str = "dataset_fn"):
     result = _case(self, "results")
     reference = result["keras"][case]
-    for strategy in ("one_device", "mirrored"):
+    for strategy in _IN_PROCESS_RUNS[(case, via)]:
       run = result["tfdist"][f"{case}/{via}/{strategy}"]
       with self.subTest(strategy=strategy):
         self.assertEqual(run["replicas"], 1 if strategy == "one_device"
@@ -110,6 +134,7 @@ class InProcessStrategiesTest(absltest.TestCase):
           self.assertLess(diff, ATOL, f"{what}: {diffs}\nkeras {reference}"
                           f"\ntfdist {run}")
       _cell(feature, strategy, "works")
+      _cell("history", strategy, "works")
 
   def test_sample_weights_from_a_dataset_function(self):
     result = _case(self, "results")
@@ -125,7 +150,7 @@ class InProcessStrategiesTest(absltest.TestCase):
 
   def test_weighted_metrics_take_the_weights_and_keras_names(self):
     result = _case(self, "results")
-    for strategy in ("one_device", "mirrored"):
+    for strategy in _IN_PROCESS_RUNS[("sample_weight", "dataset_fn")]:
       run = result["tfdist"][f"sample_weight/dataset_fn/{strategy}"]
       self.assertEqual(set(result["keras"]["sample_weight"]["train"]),
                        {k for k in run["train"] if not k.startswith("val_")})
@@ -152,7 +177,7 @@ class InProcessStrategiesTest(absltest.TestCase):
     # the run resumed to 3 epochs without the callback: still 0.05, not the
     # schedule's 0.1.
     resumed = _case(self, "results")["resumed"]
-    self.assertEqual(resumed["first_learning_rate"], 0.05)
+    self.assertAlmostEqual(resumed["first_learning_rate"], 0.05, places=6)
     self.assertAlmostEqual(resumed["learning_rate"], 0.05, places=6)
     self.assertGreater(resumed["restored_step"], 0)
     _cell("learning_rate_checkpointed", "one_device", "works")
@@ -161,7 +186,8 @@ class InProcessStrategiesTest(absltest.TestCase):
     result = _case(self, "results")
     best = result["keras"]["early_stopping_restore"]
     self._check_matches("early_stopping_restore", "early_stopping_restore")
-    for strategy in ("one_device", "mirrored"):
+    for strategy in _IN_PROCESS_RUNS[("early_stopping_restore",
+                                      "dataset_fn")]:
       run = result["tfdist"][f"early_stopping_restore/dataset_fn/{strategy}"]
       with self.subTest(strategy=strategy):
         for where in ("checkpoint_slope", "export_slope"):
@@ -169,6 +195,15 @@ class InProcessStrategiesTest(absltest.TestCase):
                                  delta=ATOL, msg=where)
         self.assertAlmostEqual(run["final_eval_loss"], best["eval"]["loss"],
                                delta=ATOL)
+
+  def test_backup_and_restore_is_refused_at_start(self):
+    error = _case(self, "results")["backup_and_restore"]
+    self.assertRegex(error, r"ConfigError: callbacks: keras.callbacks."
+                     r"BackupAndRestore is not supported: tfdist's own "
+                     r"checkpoints .* Instead, drop it")
+    for strategy in STRATEGIES:
+      _cell("backup_and_restore", strategy, "refused at start (tfdist's "
+            "checkpoints back up and resume the run)")
 
   def test_class_and_sample_weights_are_refused_at_start(self):
     error = _case(self, "results")["refused"]
@@ -179,13 +214,43 @@ class InProcessStrategiesTest(absltest.TestCase):
             "refused at start (as Keras's fit refuses it)")
 
 
-def _cluster(test, case: str, launch_args) -> dict:
-  """Runs `case` on a local cluster; returns the chief's result."""
+class BatchValuedMetricsTest(absltest.TestCase):
+
+  def test_a_metric_returning_one_value_per_batch_is_found(self):
+    import keras  # pylint: disable=g-import-not-at-top
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+    from tfdist import objectives  # pylint: disable=g-import-not-at-top
+
+    def spread(y_true, y_pred):
+      del y_true
+      return keras.ops.max(y_pred) - keras.ops.min(y_pred)
+
+    metrics = [objectives.resolve_metric(m, y_true=tf.TensorShape([None]),
+                                         y_pred=tf.TensorShape([None, 1]))
+               for m in (spread, "mae", "accuracy")]
+    self.assertEqual(objectives.batch_valued_metrics(
+        metrics, y_true=tf.TensorSpec([None], tf.float32),
+        y_pred=tf.TensorSpec([None, 1], tf.float32)), ["spread"])
+    _cell("batch_valued_metric", "one_device", "works")
+
+  def test_mirrored_run_warns_naming_the_metric(self):
+    warnings = _case(self, "results")["batch_valued_warnings"]
+    self.assertLen(warnings, 1, warnings)
+    self.assertIn("Metric(s) spread return one value per batch", warnings[0])
+    self.assertIn("per-replica batches of 32 examples (2 replicas",
+                  warnings[0])
+    _cell("batch_valued_metric", "mirrored", "warned at start (the value "
+          "depends on the per-replica batch)")
+
+
+def _cluster(test, case: str, launch_args, files_dir=None) -> dict:
+  """Runs `case` on a local cluster (with `file_callbacks(files_dir)`);
+  returns the chief's result."""
   out = os.path.join(tempfile.mkdtemp(dir=testutil.scratch_dir()),
                      "result.json")
   status, output = multi_worker_testlib.run_launcher(
       [*launch_args, "--module=tests.fit_conformance_testlib"],
-      [out, case], timeout=240,
+      [out, case, *([files_dir] if files_dir else [])], timeout=240,
       env={"TF_ENABLE_ONEDNN_OPTS": "0", "CUDA_VISIBLE_DEVICES": ""})
   test.assertEqual(status, 0, output[-4000:])
   with open(out) as f:
@@ -204,8 +269,23 @@ class MultiProcessStrategiesTest(absltest.TestCase):
   def test_multi_worker_mirrored_matches_one_device(self):
     # Sample weights, weighted metrics and ReduceLROnPlateau in one run
     # (one MultiWorkerMirroredStrategy per process).
-    run = _cluster(self, "reduce_lr_on_plateau", ["--num_workers=2"])
+    files = tempfile.mkdtemp(dir=testutil.scratch_dir())
+    run = _cluster(self, "reduce_lr_on_plateau", ["--num_workers=2"],
+                   files_dir=files)
     self.assertEqual(run["replicas"], 2)
+    # One writer: the chief's files, each once.
+    self.assertEqual(sorted(os.listdir(os.path.join(files, "ckpt"))),
+                     [f"w_{e}.weights.h5" for e in (1, 2, 3)])
+    with open(os.path.join(files, "log.csv")) as f:
+      rows = f.read().splitlines()
+    self.assertEqual([r.split(",")[0] for r in rows],
+                     ["epoch", "0", "1", "2"])
+    for sub in ("train", "validation"):
+      events = [n for n in os.listdir(os.path.join(files, "tb", sub))
+                if "tfevents" in n]
+      self.assertLen(events, 1, sub)
+    _cell("file_callbacks", "multi_worker_mirrored", "works")
+    _cell("history", "multi_worker_mirrored", "works")
     diffs = _agrees(self.reference, run)
     for what, diff in diffs.items():
       self.assertLess(diff, ATOL, f"{what}: {diffs}")
@@ -270,14 +350,10 @@ def _child_main() -> dict:
   from tests import fit_conformance_testlib as lib  # pylint: disable=g-import-not-at-top
   from tfdist.config import ConfigError  # pylint: disable=g-import-not-at-top
   root = tempfile.mkdtemp(dir=testutil.scratch_dir())
-  out = {"keras": {c: lib.keras_fit(c) for c in lib.CASES}, "tfdist": {}}
-  for case, via in (("sample_weight", "dataset_fn"),
-                    ("sample_weight", "parse_fn"),
-                    ("class_weight", "parse_fn"),
-                    ("reduce_lr_on_plateau", "dataset_fn"),
-                    ("learning_rate_scheduler", "dataset_fn"),
-                    ("early_stopping_restore", "dataset_fn")):
-    for strategy in ("one_device", "mirrored"):
+  out = {"keras": {c: lib.keras_fit(c) for c in
+                   {case for case, _ in _IN_PROCESS_RUNS}}, "tfdist": {}}
+  for (case, via), strategies in _IN_PROCESS_RUNS.items():
+    for strategy in strategies:
       name = f"{case}/{via}/{strategy}"
       out["tfdist"][name] = lib.tfdist_fit(
           case, strategy=strategy, via=via,
@@ -289,6 +365,28 @@ def _child_main() -> dict:
     out["refused"] = "not refused"
   except ConfigError as e:
     out["refused"] = f"ConfigError: {e}"
+  import keras  # pylint: disable=g-import-not-at-top
+  try:
+    lib.tfdist_fit("sample_weight", strategy="one_device",
+                   model_dir=os.path.join(root, "backup"),
+                   extra_callbacks=[keras.callbacks.BackupAndRestore(
+                       os.path.join(root, "backup", "b"))])
+    out["backup_and_restore"] = "not refused"
+  except ConfigError as e:
+    out["backup_and_restore"] = f"ConfigError: {e}"
+  import logging  # pylint: disable=g-import-not-at-top
+  from absl import logging as absl_logging  # pylint: disable=g-import-not-at-top
+  seen = []
+  handler = logging.Handler(logging.WARNING)
+  handler.emit = lambda record: seen.append(record.getMessage())
+  absl_logging.get_absl_logger().addHandler(handler)
+  try:
+    lib.tfdist_fit("batch_valued_metric", strategy="mirrored",
+                   model_dir=os.path.join(root, "batch_valued"), epochs=1)
+  finally:
+    absl_logging.get_absl_logger().removeHandler(handler)
+  out["batch_valued_warnings"] = [m for m in seen
+                                  if "one value per batch" in m]
   resumed_dir = os.path.join(root, "resumed")
   first = lib.tfdist_fit("reduce_lr_on_plateau", strategy="one_device",
                          model_dir=resumed_dir, epochs=2)

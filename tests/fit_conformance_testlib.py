@@ -48,8 +48,17 @@ def class_data():
 CLASS_WEIGHT = {0: 0.5, 1: 2.0, 2: 4.0}
 
 
+def spread(y_true, y_pred):
+  """A metric function with one value per batch, not per example."""
+  import keras  # pylint: disable=g-import-not-at-top
+  del y_true
+  return keras.ops.max(y_pred) - keras.ops.min(y_pred)
+
+
 def _compile_args(case: str) -> dict:
   import keras  # pylint: disable=g-import-not-at-top
+  if case == "batch_valued_metric":
+    return dict(loss="mse", metrics=[spread])
   if case == "class_weight":
     return dict(loss=keras.losses.SparseCategoricalCrossentropy(
         from_logits=True), metrics=["accuracy"],
@@ -103,6 +112,7 @@ CASES = {
                                     callbacks=_lr_scheduler),
     "early_stopping_restore": dict(data=slope_data, class_weight=None,
                                    callbacks=_early_stopping),
+    "batch_valued_metric": dict(data=slope_data, class_weight=None),
 }
 
 
@@ -154,17 +164,19 @@ def keras_fit(case: str) -> dict:
           "train": {k: float(v[-1]) for k, v in history.history.items()
                     if k != "learning_rate"},
           "learning_rate": float(model.optimizer.learning_rate),
+          "history": {k: [float(x) for x in v]
+                      for k, v in history.history.items()},
           "eval": {k: float(v) for k, v in evaluation.items()}}
 
 
 def tfdist_fit(case: str, *, strategy: str, model_dir: str,
                via: str = "dataset_fn", class_weight=None,
-               epochs: int = EPOCHS) -> dict:
+               epochs: int = EPOCHS, extra_callbacks=()) -> dict:
   """The case through `tfdist.fit` under `strategy` (an in-process one, or
   the cluster's from `TF_CONFIG`). `via`: `dataset_fn` (a function of
   `(x, y[, w])` examples) or `parse_fn` (TFRecords of `tf.train.Example`s
   in `model_dir`, parsed to the same tuples). `class_weight`: instead of
-  the case's."""
+  the case's. `extra_callbacks`: Keras callbacks added to the case's."""
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   import tfdist  # pylint: disable=g-import-not-at-top
   spec = CASES[case]
@@ -200,12 +212,14 @@ def tfdist_fit(case: str, *, strategy: str, model_dir: str,
     kwargs["parse_fn"] = parse
     config.update(train_files=path, eval_files=path, cache_dataset=True)
   manifest = tfdist.fit(lambda: build_model(case), config=tfdist.TrainConfig(**config),
-                        callbacks=[*_callbacks(case), recorder], **kwargs)
+                        callbacks=[*_callbacks(case), *extra_callbacks,
+                                   recorder], **kwargs)
   last_eval = (manifest.get("eval_history") or [{}])[-1]
   return {"weights": recorder.weights, "train": recorder.epoch_logs,
           "eval": {k: v for k, v in last_eval.items()
                    if isinstance(v, float)},
           "learning_rate": recorder.learning_rate,
+          "history": manifest.get("history"),
           "restored_step": _restored_step(manifest),
           "final_eval_loss": (manifest.get("final_metrics") or {}).get(
               "eval_loss"),
@@ -219,8 +233,9 @@ def _artifact_slopes(manifest: dict, x) -> dict:
   SavedModel predicts for x = 1 (slope cases, on the chief); else {}."""
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   artifacts = manifest.get("artifacts") or {}
-  if x.shape[1:] != (1,) or not artifacts.get("saved_model"):
-    return {}
+  if (x.shape[1:] != (1,) or not artifacts.get("saved_model") or
+      not manifest.get("cluster", {}).get("is_chief", True)):
+    return {}  # Other workers' artifacts are gone with their scratch.
   restored = build_model("sample_weight")
   tf.train.Checkpoint(model=restored).restore(
       artifacts["checkpoint"]).expect_partial()
@@ -239,14 +254,29 @@ def _restored_step(manifest: dict) -> int:
   return int(str(restored).rsplit("-", 1)[-1]) if restored else 0
 
 
+def file_callbacks(folder: str) -> list:
+  """Keras callbacks that write files under `folder`: `ModelCheckpoint`
+  (`ckpt/w_<epoch>.weights.h5`), `CSVLogger` (`log.csv`), `TensorBoard`
+  (`tb/`)."""
+  import keras  # pylint: disable=g-import-not-at-top
+  return [keras.callbacks.ModelCheckpoint(
+      os.path.join(folder, "ckpt", "w_{epoch}.weights.h5"),
+      save_weights_only=True),
+          keras.callbacks.CSVLogger(os.path.join(folder, "log.csv")),
+          keras.callbacks.TensorBoard(os.path.join(folder, "tb"),
+                                      write_graph=False)]
+
+
 def main(argv):
+  """`OUT_JSON CASE [FILES_DIR]`: with FILES_DIR, `file_callbacks` too."""
   out_path, case = argv[1], argv[2]
   tf_config = json.loads(os.environ.get("TF_CONFIG") or "{}")
   task_type = tf_config.get("task", {}).get("type", "chief")
   strategy = ("parameter_server" if "ps" in tf_config.get("cluster", {})
               else "multi_worker_mirrored")
   result = tfdist_fit(case, strategy=strategy, model_dir=os.path.join(
-      os.path.dirname(out_path), "run"))
+      os.path.dirname(out_path), "run"), extra_callbacks=file_callbacks(
+          argv[3]) if len(argv) > 3 else ())
   if task_type == "chief":
     with open(out_path, "w") as f:
       json.dump(result, f)

@@ -129,6 +129,29 @@ def resolve_objectives(model: keras.Model, *, task: task_lib.Task
   return resolved, metric_sums
 
 
+def _warn_batch_valued_metrics(metric_sums: objectives_lib.MetricSums,
+                               plan) -> None:
+  """Warns, naming them, about metrics whose value depends on the
+  per-replica batch (`tfdist.objectives.batch_valued_metrics`)."""
+  splits = (plan.batch.num_replicas_in_sync *
+            plan.batch.gradient_accumulation_steps)
+  if splits <= 1 or metric_sums.y_true is None:
+    return
+  names = objectives_lib.batch_valued_metrics(
+      metric_sums.metrics, y_true=metric_sums.y_true,
+      y_pred=metric_sums.y_pred)
+  if names:
+    logging.warning(
+        "Metric(s) %s return one value per batch, not per example: tfdist "
+        "averages them over per-replica batches of %d examples (%d "
+        "replicas x %d micro-batches per step), where one device's fit "
+        "would average over batches of %d, so their values depend on the "
+        "replica count. Return one value per example to get one device's "
+        "value.", ", ".join(names), plan.global_batch_size // splits,
+        plan.batch.num_replicas_in_sync,
+        plan.batch.gradient_accumulation_steps, plan.global_batch_size)
+
+
 def check_weights(config, *, task: task_lib.Task) -> Optional[dict]:
   """The run's class weights (`{class id: weight}`, or None), after
   checking that the examples do not carry sample weights too (Keras's
@@ -196,6 +219,7 @@ def build(config, *, task: task_lib.Task, strategy: tf.distribute.Strategy,
   object.__setattr__(model, "optimizer", optimizer)
   resolved, metric_sums = resolve_objectives(model, task=task)
   class_weight = check_weights(config, task=task)
+  _warn_batch_valued_metrics(metric_sums, plan)
   trainer = Trainer(strategy=strategy, model=model, optimizer=optimizer,
                     global_batch_size=plan.global_batch_size,
                     steps_per_execution=config.steps_per_execution,

@@ -334,7 +334,14 @@ class Controller:
           if last_eval:
             logs.update({f"val_{k}": v for k, v in
                          run_log_lib.metric_values(last_eval).items()})
+        rate_before = self.learning_rate()
         self.callbacks.on_epoch_end(epoch, logs)
+        if saved is not None and not _same_rate(rate_before,
+                                                self.learning_rate()):
+          # A learning-rate callback (ReduceLROnPlateau) changed the rate
+          # after this step's checkpoint: save again, so a resume from it
+          # trains on with the new rate.
+          saved = self._save(step)
         epoch_open = False
         epoch += 1
         epoch_sums, epoch_steps = {}, 0
@@ -489,6 +496,11 @@ class Controller:
         break
       time.sleep(poll_seconds)
     return results
+
+
+def _same_rate(a: float, b: float) -> bool:
+  """Equal learning rates (NaN, not known, equals NaN)."""
+  return a == b or (math.isnan(a) and math.isnan(b))
 
 
 def _restored_best_epoch(callbacks, *, last_epoch: int) -> Optional[int]:

@@ -312,6 +312,37 @@ def output_shape(model: keras.Model, features_spec) -> tf.TensorShape:
   return tf.TensorShape(out.shape)
 
 
+def batch_valued_metrics(metrics: Sequence[keras.metrics.Metric], *,
+                         y_true: tf.TensorSpec, y_pred: tf.TensorSpec
+                         ) -> List[str]:
+  """Names of the metrics whose function gives one value per batch.
+
+  A metric function (wrapped in `keras.metrics.MeanMetricWrapper`, as
+  `compile` wraps functions) that returns a scalar for the whole batch,
+  e.g. `max(y_pred) - min(y_pred)`, is averaged over batches: under N
+  replicas (or K accumulated micro-batches) tfdist's batches are the
+  per-replica ones, so its value depends on the replica count, unlike a
+  function returning one value per example (every built-in one), whose
+  state sums exactly. Found by tracing each function on batches of the
+  `y_true` / `y_pred` specs (batch dimension unknown).
+  """
+  names = []
+  for metric in metrics:
+    fn = getattr(metric, "_fn", None)
+    if not isinstance(metric, keras.metrics.MeanMetricWrapper) or fn is None:
+      continue
+    try:
+      out = tf.function(lambda t, p, fn=fn: fn(t, p)).get_concrete_function(
+          tf.TensorSpec([None] + list(y_true.shape[1:]), y_true.dtype),
+          tf.TensorSpec([None] + list(y_pred.shape[1:]), y_pred.dtype)
+      ).structured_outputs
+    except Exception:  # pylint: disable=broad-except
+      continue  # Not traceable alone: left to the step, which traces it.
+    if getattr(out, "shape", None) is not None and out.shape.rank == 0:
+      names.append(metric.name)
+  return names
+
+
 # --- metric state as sums ---------------------------------------------------
 class MetricSums:
   """Keras metrics computed from summed state (see the module docstring).
@@ -337,6 +368,7 @@ class MetricSums:
                y_pred: Optional[tf.TensorSpec] = None,
                weighted: Optional[Sequence[bool]] = None):
     self.metrics = tuple(metrics)
+    self.y_true, self.y_pred = y_true, y_pred
     self.weighted = tuple(bool(w) for w in weighted or ())
     if self.weighted and len(self.weighted) != len(self.metrics):
       raise ValueError(f"weighted has {len(self.weighted)} entries for "
