@@ -66,8 +66,13 @@ FEATURES = (
 
 
 def _case(test, name):
-  return testutil.child_case(test, os.path.abspath(__file__), _CHILD_ENV,
-                             name)
+  """Case `name` of this file's child process (run once per process; it
+  trains about 15 small runs, so its time limit is longer than
+  `testutil.child_case`'s)."""
+  result = testutil.child_cases(os.path.abspath(__file__), _CHILD_ENV,
+                                timeout=600)[name]
+  test.assertNotIn("error", result, result.get("error"))
+  return result
 
 
 def _max_diff(a, b) -> float:
