@@ -59,6 +59,13 @@ def define_base_flags() -> List[str]:
       "Comma-separated modules to import first, e.g. modules that register "
       "models and data sets with @tfdist.register_model / "
       "@tfdist.register_dataset.")
+  flags.DEFINE_list(
+      "class_weight", [f"{k}:{w}" for k, w in _default("class_weight")],
+      "Per-class training weights, as Keras's "
+      "fit(class_weight=...): CLASS_ID:WEIGHT items, e.g. 0:1,1:4 (a class "
+      "not named weighs 1; the class of a one-hot label is its argmax). "
+      "Each example's loss is multiplied by its class's weight. Not with "
+      "sample weights in the data.")
   flags.DEFINE_string(
       "init_checkpoint", _default("init_checkpoint"),
       "Weights to load into the model before training (Model Garden's "

@@ -17,6 +17,24 @@ pytestmark = pytest.mark.compat
 
 class TrainConfigTest(parameterized.TestCase):
 
+  def test_class_weight_forms(self):
+    base = dict(model_dir="/tmp/x", train_steps=1)
+    want = ((0, 1.0), (1, 4.5))
+    for value in ({1: 4.5, 0: 1}, "0:1,1:4.5", ["1:4.5", "0:1"],
+                  [(0, 1.0), (1, 4.5)]):
+      self.assertEqual(TrainConfig(class_weight=value, **base).class_weight,
+                       want, value)
+    self.assertEqual(TrainConfig(**base).class_weight, ())
+
+  @parameterized.named_parameters(
+      ("no_colon", "0:1,2"), ("negative_id", "-1:1"), ("fractional_id",
+                                                       "1.5:1"),
+      ("negative_weight", "0:-1"), ("twice", "0:1,0:2"), ("word", "cat:1"))
+  def test_bad_class_weight_is_named(self, value):
+    with self.assertRaisesRegex(ConfigError, "--class_weight item .* is not "
+                                "CLASS_ID:WEIGHT"):
+      TrainConfig(model_dir="/tmp/x", train_steps=1, class_weight=value)
+
   def test_defaults_are_valid_and_frozen(self):
     cfg = TrainConfig(model_dir="/tmp/x", train_steps=10)
     self.assertEqual(cfg.dtype, "fp32")

@@ -93,6 +93,19 @@ class ParseTest(absltest.TestCase):
     self.assertEqual(label.shape, [])
     self.assertEqual(spec.label_shape, ())
 
+  def test_weight_feature_is_the_third_element(self):
+    spec = feature_spec.from_dict({"features": {
+        "x": {"dtype": "float32", "shape": [3]},
+        "a": {"dtype": "float32", "shape": []},
+        "b": {"dtype": "float32", "shape": []}}, "labels": ["a"],
+        "weight": "b"})
+    self.assertEqual(sorted(spec.inputs), ["x"])
+    inputs, label, weight = spec.parse_fn()(tf.constant(_record(
+        b=_feature("float", [0.25]))))
+    self.assertEqual(sorted(inputs), ["x"])
+    self.assertEqual(float(label), 1.0)
+    self.assertEqual(float(weight), 0.25)
+
   def test_keras_inputs_are_named_after_the_features(self):
     spec = feature_spec.from_dict(SPEC)
     inputs = spec.keras_inputs()
@@ -136,6 +149,11 @@ class MalformedSpecTest(parameterized.TestCase):
                          "labels": ["y"]}, "label 'y' is not a feature"),
       ("only_labels", {"features": {"x": {"dtype": "float32"}},
                        "labels": ["x"]}, "the model has no inputs"),
+      ("unknown_weight", {**SPEC, "weight": "w"},
+       "\"weight\": 'w' is not a feature"),
+      ("weight_is_a_label", {**SPEC, "weight": "a"}, "is also a label"),
+      ("weight_not_a_float_scalar", {**SPEC, "weight": "x"},
+       "must be a float32 scalar feature"),
       ("mixed_label_dtypes", {"features": {
           "x": {"dtype": "float32"}, "a": {"dtype": "float32"},
           "b": {"dtype": "int64"}}, "labels": ["a", "b"]},

@@ -116,7 +116,10 @@ def fit(model_fn: Union[Callable, str],
 
   Returns:
     The run manifest (as `run_manifest.json` holds it) on the chief and
-    every training worker; `{"role": "evaluator", "results": [...]}` for
+    every training worker, with `history`: what `keras.Model.fit`'s
+    returned `History.history` holds (`{"loss": [one value per epoch],
+    "val_loss": [...], <metric>: [...], ...}`, the epochs this call
+    trained); `{"role": "evaluator", "results": [...]}` for
     the `eval`/`continuous_eval` modes and evaluator tasks;
     `{"role": "worker"|"ps", ...}` for parameter-server tasks.
 
@@ -131,6 +134,12 @@ def fit(model_fn: Union[Callable, str],
   names = {"model": task.model_name}
   if not config.feature_spec:
     names["dataset"] = task.dataset.name
-  return experiment.run_experiment(config.replace(**names),
-                                   callbacks=callbacks,
-                                   environment=environment, task=task)
+  import keras  # pylint: disable=g-import-not-at-top
+  history = keras.callbacks.History()
+  result = experiment.run_experiment(config.replace(**names),
+                                     callbacks=[*callbacks, history],
+                                     environment=environment, task=task)
+  if isinstance(result, dict) and "role" not in result:
+    result = {**result, "history": {k: [float(v) for v in values] for k, values
+                                    in history.history.items()}}
+  return result

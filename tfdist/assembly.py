@@ -17,6 +17,7 @@ import keras
 import tensorflow as tf
 
 from tfdist import checkpointing
+from tfdist import lr_schedule
 from tfdist import models
 from tfdist import objectives as objectives_lib
 from tfdist import optimizers
@@ -122,10 +123,59 @@ def resolve_objectives(model: keras.Model, *, task: task_lib.Task
       what=f"--model={task.model_name}")
   metric_sums = objectives_lib.MetricSums(
       resolved.metrics, y_true=tf.TensorSpec(y_true, labels.dtype),
-      y_pred=tf.TensorSpec(out_shape, tf.float32))
+      y_pred=tf.TensorSpec(out_shape, tf.float32),
+      weighted=resolved.weighted)
   logging.info("Loss %s, metrics [%s] (from %s)", resolved.loss.name,
                ", ".join(resolved.metric_names), resolved.source)
   return resolved, metric_sums
+
+
+def _warn_batch_valued_metrics(metric_sums: objectives_lib.MetricSums,
+                               plan) -> None:
+  """Warns, naming them, about metrics whose value depends on the
+  per-replica batch (`tfdist.objectives.batch_valued_metrics`)."""
+  splits = (plan.batch.num_replicas_in_sync *
+            plan.batch.gradient_accumulation_steps)
+  if splits <= 1 or metric_sums.y_true is None:
+    return
+  names = objectives_lib.batch_valued_metrics(
+      metric_sums.metrics, y_true=metric_sums.y_true,
+      y_pred=metric_sums.y_pred)
+  if names:
+    logging.warning(
+        "Metric(s) %s return one value per batch, not per example: tfdist "
+        "averages them over per-replica batches of %d examples (%d "
+        "replicas x %d micro-batches per step), where one device's fit "
+        "would average over batches of %d, so their values depend on the "
+        "replica count. Return one value per example to get one device's "
+        "value.", ", ".join(names), plan.global_batch_size // splits,
+        plan.batch.num_replicas_in_sync,
+        plan.batch.gradient_accumulation_steps, plan.global_batch_size)
+
+
+def check_weights(config, *, task: task_lib.Task) -> Optional[dict]:
+  """The run's class weights (`{class id: weight}`, or None), after
+  checking that the examples do not carry sample weights too (Keras's
+  `fit` refuses both: "You cannot `class_weight` and `sample_weight` at the
+  same time").
+
+  Raises:
+    ConfigError: class weights and sample weights both given; a third
+      example element that is not a number.
+  """
+  weight = task_lib.sample_weight_spec(task.dataset)
+  if weight is not None:
+    logging.info("Examples carry sample weights (%s): each weighs its loss "
+                 "and weighted metrics.", weight)
+  if not config.class_weight:
+    return None
+  if weight is not None:
+    raise ConfigError(
+        f"--class_weight={','.join(f'{k}:{w}' for k, w in config.class_weight)}"
+        f" and sample weights in --dataset={task.dataset.name}'s examples "
+        "(a third element) cannot be used together (as in Keras's fit). "
+        "Fold the class weights into the sample weights, or drop one.")
+  return dict(config.class_weight)
 
 
 def build(config, *, task: task_lib.Task, strategy: tf.distribute.Strategy,
@@ -158,13 +208,16 @@ def build(config, *, task: task_lib.Task, strategy: tf.distribute.Strategy,
   with strategy.scope():
     model = build_model(config, task=task,
                         sync_batch_norm=plan.sync_batch_norm)
+    # Settable by Keras's learning-rate callbacks (a checkpointed factor
+    # of the schedule, see tfdist.lr_schedule.AdjustableLearningRate).
+    learning_rate = lr_schedule.AdjustableLearningRate(plan.lr.schedule)
+    inner_optimizer = optimizers.build_optimizer(
+        config.optimizer, learning_rate, momentum=config.momentum,
+        weight_decay=config.weight_decay, clipnorm=config.clipnorm,
+        global_clipnorm=config.global_clipnorm)
+    learning_rate.bind(inner_optimizer)
     optimizer = precision.wrap_optimizer_for_precision(
-        optimizers.build_optimizer(config.optimizer, plan.lr.schedule,
-                                   momentum=config.momentum,
-                                   weight_decay=config.weight_decay,
-                                   clipnorm=config.clipnorm,
-                                   global_clipnorm=config.global_clipnorm),
-        dtype=config.dtype, loss_scale=config.loss_scale)
+        inner_optimizer, dtype=config.dtype, loss_scale=config.loss_scale)
     # Every optimizer variable now, under the scope (created lazily in the
     # first step, ParameterServerStrategy would place it on the
     # coordinator). Sharded, its slots live on the shards instead
@@ -177,6 +230,8 @@ def build(config, *, task: task_lib.Task, strategy: tf.distribute.Strategy,
   # or not) finds no optimizer of tfdist's under `model/`.
   object.__setattr__(model, "optimizer", optimizer)
   resolved, metric_sums = resolve_objectives(model, task=task)
+  class_weight = check_weights(config, task=task)
+  _warn_batch_valued_metrics(metric_sums, plan)
   trainer = Trainer(strategy=strategy, model=model, optimizer=optimizer,
                     global_batch_size=plan.global_batch_size,
                     steps_per_execution=config.steps_per_execution,
@@ -188,7 +243,8 @@ def build(config, *, task: task_lib.Task, strategy: tf.distribute.Strategy,
                         plan.batch.gradient_accumulation_steps),
                     # Op determinism refuses tf.timestamp.
                     time_steps=not config.deterministic,
-                    sharding=sharding)
+                    sharding=sharding,
+                    class_weight=class_weight)
   if trainer.sharded is not None:
     layout = trainer.sharded.layout
     logging.info(
@@ -217,6 +273,7 @@ def build(config, *, task: task_lib.Task, strategy: tf.distribute.Strategy,
       model=model, global_step=trainer.global_step,
       optimizer=(trainer.sharded.checkpoint_view() if trainer.sharded
                  else optimizer),
+      lr_multiplier=learning_rate.multiplier,
       **({"random_state": random_state} if random_state else {}))
   return Parts(model=model, optimizer=optimizer, trainer=trainer,
                checkpoint=checkpoint, objectives=resolved,

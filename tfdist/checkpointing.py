@@ -159,10 +159,12 @@ class InputPosition(tf.train.experimental.PythonState):
 
 
 # Parts of the training state (children of the checkpoint's root) that a
-# checkpoint may lack: the input position (`InputPosition`) and the random
-# layers' seed-generator states (`tfdist.train_loop.random_state`), which
+# checkpoint may lack: the input position (`InputPosition`), the random
+# layers' seed-generator states (`tfdist.train_loop.random_state`) and the
+# learning-rate factor Keras's learning-rate callbacks set
+# (`tfdist.lr_schedule.AdjustableLearningRate`; absent, it stays 1), which
 # older checkpoints do not hold.
-OPTIONAL_PARTS = ("input_position", "random_state")
+OPTIONAL_PARTS = ("input_position", "random_state", "lr_multiplier")
 
 
 def root_children(prefix: str) -> set:

@@ -159,6 +159,46 @@ def parse_profile_steps(value) -> Tuple[int, ...]:
   return steps
 
 
+def parse_class_weight(value) -> Tuple[Tuple[int, float], ...]:
+  """Parses `--class_weight`: a dict `{class id: weight}`, `ID:WEIGHT`
+  items (a list, or one comma-separated string such as `0:1,1:4.5`),
+  `(id, weight)` pairs, or empty (no class weights).
+
+  Returns:
+    `((id, weight), ...)` sorted by id: ids ints >= 0, weights floats >= 0.
+
+  Raises:
+    ConfigError: an item that is not `ID:WEIGHT`, an id given twice, a
+      negative id or weight.
+  """
+  if isinstance(value, dict):
+    items = list(value.items())
+  elif value and all(isinstance(v, (tuple, list)) and len(v) == 2
+                     for v in value) and not isinstance(value, str):
+    items = [tuple(v) for v in value]
+  else:
+    items = [tuple(item.split(":", 1)) if ":" in item else (item,)
+             for item in _split_list(value)]
+  pairs = {}
+  for item in items:
+    try:
+      key, weight = item
+      key_float, weight = float(key), float(weight)
+      if key_float != int(key_float) or key_float < 0 or weight < 0:
+        raise ValueError
+      key = int(key_float)
+      if key in pairs:
+        raise ValueError
+    except (TypeError, ValueError):
+      text = ":".join(map(str, item))
+      raise ConfigError(
+          f"--class_weight item {text!r} is not CLASS_ID:WEIGHT with a class"
+          " id (an integer >= 0, each once) and a weight >= 0. Example: "
+          "--class_weight=0:1.0,1:4.0 (class 1 counts four times).") from None
+    pairs[key] = weight
+  return tuple(sorted(pairs.items()))
+
+
 def check_accumulation_strategy(strategy: str, steps: int) -> None:
   """The one check that gradient accumulation runs under a synchronous
   strategy.
@@ -335,6 +375,10 @@ class TrainConfig:
   # A JSON feature spec describing --train_files/--eval_files records
   # (tfdist.feature_spec); the data set is then FEATURE_SPEC_DATASET.
   feature_spec: str = ""
+  # Per-class training weights `{class id: weight}` (Keras's `fit(...,
+  # class_weight=...)`): a dict, or `ID:WEIGHT` items (a list or one
+  # comma-separated string); stored as sorted `(id, weight)` pairs.
+  class_weight: Tuple[Tuple[int, float], ...] = ()
   # Modules imported before --model/--dataset are looked up (their
   # @tfdist.register_model / register_dataset calls run).
   import_modules: Tuple[str, ...] = ()
@@ -405,6 +449,7 @@ class TrainConfig:
     set_("distribution_strategy", str(self.distribution_strategy).lower())
     set_("flags_snapshot", tuple(tuple(kv) for kv in self.flags_snapshot))
     set_("profile_steps", parse_profile_steps(self.profile_steps))
+    set_("class_weight", parse_class_weight(self.class_weight))
     self._validate()
 
   @property

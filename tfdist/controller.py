@@ -334,7 +334,14 @@ class Controller:
           if last_eval:
             logs.update({f"val_{k}": v for k, v in
                          run_log_lib.metric_values(last_eval).items()})
+        rate_before = self.learning_rate()
         self.callbacks.on_epoch_end(epoch, logs)
+        if saved is not None and not _same_rate(rate_before,
+                                                self.learning_rate()):
+          # A learning-rate callback (ReduceLROnPlateau) changed the rate
+          # after this step's checkpoint: save again, so a resume from it
+          # trains on with the new rate.
+          saved = self._save(step)
         epoch_open = False
         epoch += 1
         epoch_sums, epoch_steps = {}, 0
@@ -348,6 +355,16 @@ class Controller:
         stopped_early = True
         break
     self.callbacks.on_train_end()
+    restored_best = _restored_best_epoch(self.callbacks, last_epoch=epoch - 1)
+    if restored_best is not None:
+      # The weights now are another epoch's than the checkpoint just saved
+      # and the last evaluation: save and evaluate them, so the final
+      # checkpoint, the export and the manifest hold one answer.
+      logging.info("EarlyStopping(restore_best_weights=True) restored the "
+                   "weights of epoch %d: saving them as step %d's checkpoint "
+                   "and evaluating them.", restored_best, step)
+      self._save(step)
+      last_eval = None
     if last_eval is None or last_eval["step"] != step:
       last_eval = self.evaluate(step)
     self.run_log.flush()
@@ -479,6 +496,24 @@ class Controller:
         break
       time.sleep(poll_seconds)
     return results
+
+
+def _same_rate(a: float, b: float) -> bool:
+  """Equal learning rates (NaN, not known, equals NaN)."""
+  return a == b or (math.isnan(a) and math.isnan(b))
+
+
+def _restored_best_epoch(callbacks, *, last_epoch: int) -> Optional[int]:
+  """The epoch whose weights a `keras.callbacks.EarlyStopping(
+  restore_best_weights=True)` of `callbacks` put back in `on_train_end`,
+  when it is not `last_epoch` (the weights trained last); else None."""
+  for callback in getattr(callbacks, "callbacks", callbacks):
+    if (isinstance(callback, keras.callbacks.EarlyStopping) and
+        callback.restore_best_weights and
+        callback.best_weights is not None and
+        callback.best_epoch != last_epoch):
+      return int(callback.best_epoch)
+  return None
 
 
 def checkpoint_step(path: str) -> int:

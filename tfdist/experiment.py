@@ -53,6 +53,7 @@ from tfdist import failures
 from tfdist import filesystems
 from tfdist import hptune
 from tfdist import input_pipeline
+from tfdist import keras_callbacks
 from tfdist import lease as lease_lib
 from tfdist import manifest as manifest_lib
 from tfdist import memory
@@ -244,6 +245,7 @@ def run_experiment(config: TrainConfig, *,
   """
   started = time.time()
   versions.check_installed_versions()
+  keras_callbacks.check_callbacks(callbacks)
   # Every role (chief, worker, ps, evaluator) trains or serves in this
   # process: the malloc settings apply to all (tfdist.allocator).
   allocator.configure_allocator(config.tune_allocator)
@@ -602,7 +604,9 @@ def _train(config, *, task, cluster, decision, applied, callbacks, started,
       loss_explosion_factor=config.loss_explosion_factor)
   all_callbacks = [run_log_lib.TrainingTensorBoard(log_dir=tensorboard_dir,
                                                    write_graph=False)]
-  all_callbacks += list(callbacks)
+  # Other workers' file-writing callbacks write into their scratch folder.
+  all_callbacks += keras_callbacks.for_this_task(
+      callbacks, scratch_dir=None if is_chief else scratch_dir)
   # The chief traces its own process (other workers' folders are scratch).
   profiler = (profiling.ProfileWindow(
       config.profile_steps, os.path.join(tensorboard_dir, "train"))

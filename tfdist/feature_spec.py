@@ -24,6 +24,11 @@ dtypes and shapes, and which of them are labels:
 * `labels`: the label feature names. One label is given to the loss as it
   is; several are flattened and concatenated into one vector (same dtype),
   e.g. three scalar 0/1 columns into a multi-label target of shape [3].
+* `weight` (optional): the name of a scalar float32 feature holding each
+  example's sample weight. The parsed example is then `(inputs, label,
+  weight)`, as Keras's `fit` takes `(x, y, sample_weight)`: the weight
+  multiplies the example's loss (and its weighted metrics) in training and
+  evaluation.
 
 Every other feature of the spec is a model input: the parsed example is
 `(inputs, label)`, `inputs` a dict from feature name to tensor (a
@@ -105,15 +110,19 @@ class FeatureSpec:
     path: the JSON file it came from ("" when built from a dict).
     features: every feature, in the file's order.
     labels: the label feature names.
+    weight: the sample-weight feature's name, or None.
   """
   path: str
   features: Tuple[Feature, ...]
   labels: Tuple[str, ...]
+  weight: Optional[str] = None
 
   @property
   def inputs(self) -> Dict[str, Feature]:
-    """The model inputs: every feature that is not a label, by name."""
-    return {f.name: f for f in self.features if f.name not in self.labels}
+    """The model inputs: every feature that is neither a label nor the
+    weight, by name."""
+    return {f.name: f for f in self.features
+            if f.name not in self.labels and f.name != self.weight}
 
   @property
   def label_features(self) -> List[Feature]:
@@ -136,10 +145,12 @@ class FeatureSpec:
 
   # --- parsing ----------------------------------------------------------
   def parse_fn(self):
-    """A function from one serialized record to `(inputs, label)`."""
+    """A function from one serialized record to `(inputs, label)`, or
+    `(inputs, label, weight)` with a `weight` feature."""
     import tensorflow as tf  # pylint: disable=g-import-not-at-top
     features = self.features
     labels = self.labels
+    weight = self.weight
 
     def to_tf(feature: Feature):
       if feature.encoding == "raw":
@@ -165,11 +176,14 @@ class FeatureSpec:
     def parse(serialized):
       parsed = tf.io.parse_single_example(serialized, description)
       values = {f.name: decode(f, parsed[f.name]) for f in features}
-      inputs = {n: v for n, v in values.items() if n not in labels}
+      inputs = {n: v for n, v in values.items()
+                if n not in labels and n != weight}
       if len(labels) == 1:
         label = values[labels[0]]
       else:
         label = tf.concat([tf.reshape(values[n], [-1]) for n in labels], 0)
+      if weight is not None:
+        return inputs, label, values[weight]
       return inputs, label
 
     return parse
@@ -296,10 +310,10 @@ def from_dict(data: dict, *, path: str = "") -> FeatureSpec:
   if not isinstance(data, dict):
     fail(f"expected a JSON object with \"features\" and \"labels\"; found "
          f"{type(data).__name__}.")
-  unknown = sorted(set(data) - {"features", "labels"})
+  unknown = sorted(set(data) - {"features", "labels", "weight"})
   if unknown:
     fail(f"unknown key(s) {', '.join(unknown)}; a feature spec has "
-         "\"features\" and \"labels\".")
+         "\"features\", \"labels\" and optionally \"weight\".")
   raw_features = data.get("features")
   if not isinstance(raw_features, dict) or not raw_features:
     fail("\"features\" must be a non-empty object from feature name to "
@@ -352,9 +366,21 @@ def from_dict(data: dict, *, path: str = "") -> FeatureSpec:
     if label not in names:
       fail(f"label {label!r} is not a feature; features: "
            f"{', '.join(names)}.")
-  if len(labels) == len(features):
-    fail("every feature is a label: the model has no inputs.")
+  weight = data.get("weight")
   by_name = {f.name: f for f in features}
+  if weight is not None:
+    if weight not in by_name:
+      fail(f"\"weight\": {weight!r} is not a feature; features: "
+           f"{', '.join(names)}.")
+    if weight in labels:
+      fail(f"\"weight\": {weight!r} is also a label; the sample weight is "
+           "a feature of its own.")
+    if by_name[weight].dtype != "float32" or by_name[weight].shape:
+      fail(f"\"weight\": {weight!r} must be a float32 scalar feature "
+           "(\"shape\": []), one weight per example; found "
+           f"{by_name[weight].describe()}.")
+  if len(labels) + (weight is not None) == len(features):
+    fail("every feature is a label or the weight: the model has no inputs.")
   if len(labels) > 1:
     dtypes = {by_name[n].dtype for n in labels}
     if len(dtypes) > 1:
@@ -362,7 +388,7 @@ def from_dict(data: dict, *, path: str = "") -> FeatureSpec:
            f"({', '.join(sorted(dtypes))}); several labels are concatenated "
            "into one vector, so they need one dtype.")
   return FeatureSpec(path=path, features=tuple(features),
-                     labels=tuple(labels))
+                     labels=tuple(labels), weight=weight)
 
 
 def load(path: str) -> FeatureSpec:

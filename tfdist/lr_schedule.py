@@ -146,6 +146,84 @@ class LinearWarmup(LearningRateSchedule):
     }
 
 
+@keras.saving.register_keras_serializable(package="tfdist")
+class AdjustableLearningRate:
+  """tfdist's schedule times a factor that Keras's learning-rate callbacks
+  set: `lr(step) = schedule(step) * multiplier`.
+
+  Given to a Keras optimizer as its `learning_rate` (a callable, not a
+  `LearningRateSchedule`), it makes `optimizer.learning_rate = value`
+  work, which `keras.callbacks.ReduceLROnPlateau` and
+  `LearningRateScheduler` do: the setter calls `assign(value)`, which sets
+  `multiplier = value / schedule(step)` at the optimizer's current step, so
+  the rate is `value` now and the schedule's shape (warmup, decay) scales
+  by that factor from there. `multiplier` is a float32 scalar variable
+  created under the strategy's scope and saved in tfdist's checkpoints: a
+  resumed run keeps the rate the callbacks chose. Under synchronous
+  multi-worker strategies every worker runs the callbacks on the same
+  (reduced) logs and so sets the same value; under parameter servers the
+  coordinator alone runs them and the variable lives on a ps.
+
+  Args:
+    schedule: a `LearningRateSchedule` (tfdist's, `LRPlan.schedule`).
+    multiplier: the factor, a float32 scalar `tf.Variable` (initially 1).
+
+  `bind(optimizer)` gives it the optimizer's step counter; unbound, it
+  cannot be called.
+  """
+
+  def __init__(self, schedule, multiplier=None):
+    if isinstance(schedule, dict):
+      schedule = keras.saving.deserialize_keras_object(schedule)
+    self.schedule = schedule
+    self.multiplier = (multiplier if isinstance(multiplier, tf.Variable)
+                       else tf.Variable(1.0 if multiplier is None else
+                                        float(multiplier), trainable=False,
+                                        dtype=tf.float32,
+                                        name="lr_multiplier"))
+    self._iterations = None
+
+  def bind(self, optimizer) -> "AdjustableLearningRate":
+    """Reads the step from `optimizer.iterations`; returns self."""
+    self._iterations = optimizer.iterations
+    return self
+
+  def base(self):
+    """The schedule's rate at the current step (float32 scalar tensor)."""
+    if self._iterations is None:
+      raise ValueError("AdjustableLearningRate is not bound to an optimizer:"
+                       " call bind(optimizer) first.")
+    return tf.cast(self.schedule(self._iterations), tf.float32)
+
+  def __call__(self):
+    return self.base() * self.multiplier
+
+  def assign(self, learning_rate):
+    """Makes the current rate `learning_rate` (a float > 0) by setting the
+    multiplier (what `optimizer.learning_rate = ...` calls).
+
+    Raises:
+      ValueError: the schedule gives 0 at this step (warmup starting at 0),
+        so no factor gives `learning_rate`.
+    """
+    base = float(self.base())
+    if base <= 0.0:
+      raise ValueError(
+          f"Cannot set the learning rate to {float(learning_rate)} at step "
+          f"{int(self._iterations)}: tfdist's schedule gives {base} there "
+          "(a warmup starting at 0), so no factor of it does. Set "
+          "--warmup_start_learning_rate > 0, or change the rate after warmup.")
+    self.multiplier.assign(float(learning_rate) / base)
+
+  def get_config(self):
+    return {"schedule": keras.saving.serialize_keras_object(self.schedule),
+            "multiplier": float(self.multiplier.numpy())}
+
+  @classmethod
+  def from_config(cls, config):
+    return cls(**config)
+
+
 def build_lr_schedule(*, peak_learning_rate: float, total_steps: int,
                       warmup_steps: int, schedule: str = "constant",
                       warmup_start_learning_rate: float = 0.0,

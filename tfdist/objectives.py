@@ -60,14 +60,15 @@ def task_defaults(task: str) -> Tuple[keras.losses.Loss, List]:
   raise ValueError(f"task must be one of {TASKS}. Received: task={task!r}")
 
 
-def compiled_loss_and_metrics(model: keras.Model) -> Tuple[Any, Any]:
-  """`(loss, metrics)` the model was compiled with (None, None if not).
+def compiled_loss_and_metrics(model: keras.Model) -> Tuple[Any, Any, Any]:
+  """`(loss, metrics, weighted_metrics)` the model was compiled with (None,
+  None, None if not).
 
   The objects given to `compile` are read as given (Keras keeps them in
   its compile config); without that, from `get_compile_config()`.
   """
   if not getattr(model, "compiled", False):
-    return None, None
+    return None, None, None
   raw = getattr(getattr(model, "_compile_config", None), "config", None)
   if raw is None:
     raw = model.get_compile_config() or {}
@@ -75,10 +76,12 @@ def compiled_loss_and_metrics(model: keras.Model) -> Tuple[Any, Any]:
                    else None,
            "metrics": [keras.metrics.deserialize(m) if isinstance(m, dict)
                        else m for m in raw.get("metrics") or []],
-           "weighted_metrics": raw.get("weighted_metrics")}
-  metrics = list(_as_list(raw.get("metrics"))) + list(
-      _as_list(raw.get("weighted_metrics")))
-  return raw.get("loss") or getattr(model, "loss", None), metrics
+           "weighted_metrics": [keras.metrics.deserialize(m)
+                                if isinstance(m, dict) else m
+                                for m in raw.get("weighted_metrics") or []]}
+  return (raw.get("loss") or getattr(model, "loss", None),
+          list(_as_list(raw.get("metrics"))),
+          list(_as_list(raw.get("weighted_metrics"))))
 
 
 def _as_list(value) -> Sequence:
@@ -211,10 +214,15 @@ class Objectives:
     metrics: Keras `Metric`s, names unique.
     source: where they came from (`arguments`, `compile`, `dataset`, or
       `task <name>`), for the log.
+    weighted: for each of `metrics`, whether it takes the examples' sample
+      (and class) weights: True for `compile(weighted_metrics=...)`, False
+      for `compile(metrics=...)` and every other source, as in Keras's
+      `Model.fit`. Empty: none weighted.
   """
   loss: keras.losses.Loss
   metrics: Tuple[keras.metrics.Metric, ...]
   source: str
+  weighted: Tuple[bool, ...] = ()
 
   @property
   def metric_names(self) -> Tuple[str, ...]:
@@ -238,8 +246,9 @@ def resolve(*, loss=None, metrics=None, model: Optional[keras.Model] = None,
   Raises:
     ConfigError: no loss from anywhere; unknown names.
   """
-  compiled_loss, compiled_metrics = (compiled_loss_and_metrics(model)
-                                     if model is not None else (None, None))
+  compiled_loss, compiled_metrics, compiled_weighted = (
+      compiled_loss_and_metrics(model) if model is not None
+      else (None, None, None))
   task = getattr(dataset, "task", None)
   if loss is not None:
     source = "arguments"
@@ -255,9 +264,11 @@ def resolve(*, loss=None, metrics=None, model: Optional[keras.Model] = None,
         "metrics=[...]) in the builder), pass loss= to tfdist.fit, or use a "
         f"data set that gives one (--dataset={getattr(dataset, 'name', '?')}"
         " has none).")
+  weighted_metrics = []
   if metrics is None:
-    if compiled_loss is not None or compiled_metrics:
+    if compiled_loss is not None or compiled_metrics or compiled_weighted:
       metrics = compiled_metrics or []
+      weighted_metrics = compiled_weighted or []
     elif getattr(dataset, "metrics", None) is not None:
       metrics = dataset.metrics
     elif task:
@@ -265,16 +276,23 @@ def resolve(*, loss=None, metrics=None, model: Optional[keras.Model] = None,
     else:
       metrics = []
   resolved = [resolve_metric(m, y_true=y_true, y_pred=y_pred)
-              for m in _as_list(metrics)]
+              for m in list(_as_list(metrics)) + list(weighted_metrics)]
+  weighted = tuple(i >= len(resolved) - len(weighted_metrics)
+                   for i in range(len(resolved)))
   seen = {"loss", "num_examples", "step"}
-  for metric in resolved:
+  for metric, is_weighted in zip(resolved, weighted):
+    if is_weighted and metric.name in seen:
+      # Keras's name for a weighted metric that an unweighted one already
+      # names (compile_utils.CompileMetrics.result).
+      metric.name = f"weighted_{metric.name}"
     base, i = metric.name, 1
     while metric.name in seen:
       metric.name = f"{base}_{i}"
       i += 1
     seen.add(metric.name)
   return Objectives(loss=resolve_loss(loss, y_true=y_true, y_pred=y_pred),
-                    metrics=tuple(resolved), source=source)
+                    metrics=tuple(resolved), source=source,
+                    weighted=weighted)
 
 
 def output_shape(model: keras.Model, features_spec) -> tf.TensorShape:
@@ -294,6 +312,37 @@ def output_shape(model: keras.Model, features_spec) -> tf.TensorShape:
   return tf.TensorShape(out.shape)
 
 
+def batch_valued_metrics(metrics: Sequence[keras.metrics.Metric], *,
+                         y_true: tf.TensorSpec, y_pred: tf.TensorSpec
+                         ) -> List[str]:
+  """Names of the metrics whose function gives one value per batch.
+
+  A metric function (wrapped in `keras.metrics.MeanMetricWrapper`, as
+  `compile` wraps functions) that returns a scalar for the whole batch,
+  e.g. `max(y_pred) - min(y_pred)`, is averaged over batches: under N
+  replicas (or K accumulated micro-batches) tfdist's batches are the
+  per-replica ones, so its value depends on the replica count, unlike a
+  function returning one value per example (every built-in one), whose
+  state sums exactly. Found by tracing each function on batches of the
+  `y_true` / `y_pred` specs (batch dimension unknown).
+  """
+  names = []
+  for metric in metrics:
+    fn = getattr(metric, "_fn", None)
+    if not isinstance(metric, keras.metrics.MeanMetricWrapper) or fn is None:
+      continue
+    try:
+      out = tf.function(lambda t, p, fn=fn: fn(t, p)).get_concrete_function(
+          tf.TensorSpec([None] + list(y_true.shape[1:]), y_true.dtype),
+          tf.TensorSpec([None] + list(y_pred.shape[1:]), y_pred.dtype)
+      ).structured_outputs
+    except Exception:  # pylint: disable=broad-except
+      continue  # Not traceable alone: left to the step, which traces it.
+    if getattr(out, "shape", None) is not None and out.shape.rank == 0:
+      names.append(metric.name)
+  return names
+
+
 # --- metric state as sums ---------------------------------------------------
 class MetricSums:
   """Keras metrics computed from summed state (see the module docstring).
@@ -304,6 +353,8 @@ class MetricSums:
       with a zero batch of the `y_true`/`y_pred` shapes, then reset.
     y_true, y_pred: `tf.TensorSpec`s of one batch of labels and outputs
       (batch dimension included, any size), for building.
+    weighted: for each metric, whether `batch_sums` gives it the sample
+      weights (`Objectives.weighted`); empty or None: none is weighted.
 
   Raises:
     ConfigError: a metric variable aggregated otherwise than by sum; a
@@ -314,8 +365,15 @@ class MetricSums:
 
   def __init__(self, metrics: Sequence[keras.metrics.Metric], *,
                y_true: Optional[tf.TensorSpec] = None,
-               y_pred: Optional[tf.TensorSpec] = None):
+               y_pred: Optional[tf.TensorSpec] = None,
+               weighted: Optional[Sequence[bool]] = None):
     self.metrics = tuple(metrics)
+    self.y_true, self.y_pred = y_true, y_pred
+    self.weighted = tuple(bool(w) for w in weighted or ())
+    if self.weighted and len(self.weighted) != len(self.metrics):
+      raise ValueError(f"weighted has {len(self.weighted)} entries for "
+                       f"{len(self.metrics)} metrics.")
+    self.weighted = self.weighted or (False,) * len(self.metrics)
     for metric in self.metrics:
       if getattr(metric, "_built", True) is False:
         if y_true is None or y_pred is None:
@@ -349,16 +407,28 @@ class MetricSums:
             for j, v in enumerate(state)}
 
   @tf.autograph.experimental.do_not_convert
-  def batch_sums(self, y_true, y_pred, sample_weight=None
+  def batch_sums(self, y_true, y_pred, mask=None, sample_weight=None
                  ) -> Dict[str, tf.Tensor]:
     """Each metric's state contribution from one batch (tf.function-safe):
     the state after updating the initial state with this batch, minus the
-    initial state."""
+    initial state.
+
+    Args:
+      y_true, y_pred: the batch's labels and outputs.
+      mask: float32 [batch], 1 for real examples and 0 for padding, or
+        None; every metric is weighted by it.
+      sample_weight: float32 [batch], the examples' sample (or class)
+        weights, or None; only the weighted metrics take them (times
+        `mask`), as `compile(weighted_metrics=...)` does in Keras.
+    """
     out = {}
+    weighted_mask = (mask if sample_weight is None else sample_weight
+                     if mask is None else sample_weight * mask)
     for i, (metric, state) in enumerate(zip(self.metrics, self.initial)):
       start = [tf.constant(v) for v in state]
-      new = metric.stateless_update_state(start, y_true, y_pred,
-                                          sample_weight=sample_weight)
+      new = metric.stateless_update_state(
+          start, y_true, y_pred,
+          sample_weight=weighted_mask if self.weighted[i] else mask)
       for j, (value, begin) in enumerate(zip(new, start)):
         out[self._key(i, j)] = tf.convert_to_tensor(value) - begin
     return out

@@ -79,6 +79,17 @@ _STANDIN_PREFIX = "tfdistzero"
 _VARIABLE_VALUE = "VARIABLE_VALUE"
 
 
+def _rate_is_shared(optimizer) -> bool:
+  """Whether `optimizer`'s learning rate is a schedule or a callable (such
+  as `tfdist.lr_schedule.AdjustableLearningRate`) that the per-replica
+  copies share as the same object, rather than a variable to copy."""
+  rate = optimizer._learning_rate  # pylint: disable=protected-access
+  if isinstance(rate, keras.optimizers.schedules.LearningRateSchedule):
+    return True
+  return callable(rate) and not isinstance(rate, (keras.Variable,
+                                                   tf.Variable))
+
+
 @dataclasses.dataclass(frozen=True)
 class ShardingOptions:
   """How the optimizer state is sharded.
@@ -262,8 +273,7 @@ class ShardedOptimizer:
   def _copy_config(self) -> dict:
     config = self.inner.get_config()
     config.update(clipnorm=None, global_clipnorm=None)
-    if isinstance(self.inner._learning_rate,  # pylint: disable=protected-access
-                  keras.optimizers.schedules.LearningRateSchedule):
+    if _rate_is_shared(self.inner):
       config["learning_rate"] = self.inner._learning_rate  # pylint: disable=protected-access
     return config
 
@@ -413,9 +423,7 @@ class ShardedOptimizer:
     grads = local(update["grad"])
     finite = local(update["finite"])[0]
     inner = self.inner
-    uses_schedule = isinstance(
-        inner._learning_rate,  # pylint: disable=protected-access
-        keras.optimizers.schedules.LearningRateSchedule)
+    uses_schedule = _rate_is_shared(inner)
 
     def apply_all():
       for copy, component, grad, device in zip(self.copies,

@@ -124,6 +124,39 @@ def build_model(task: Task, config, *, sync_batch_norm: bool = False):
   return model
 
 
+def sample_weight_spec(dataset: DatasetSpec) -> Any:
+  """The `tf.TensorSpec` of one example's sample weight: the third element
+  of `(features, labels, sample_weight)` examples (as Keras's `fit` reads a
+  dataset), or None for pairs.
+
+  Raises:
+    ConfigError: the third element is not numeric (Keras would take it as
+      the sample weight).
+  """
+  spec = _element_spec(dataset)
+  if not isinstance(spec, tuple) or len(spec) < 3:
+    return None
+  weight = spec[2]
+  dtype = getattr(weight, "dtype", None)
+  if dtype is None or not (dtype.is_floating or dtype.is_integer):
+    raise ConfigError(
+        f"--dataset={dataset.name} yields examples of {len(spec)} elements;"
+        f" the third is taken as the sample weight (as Keras's fit takes "
+        f"(x, y, sample_weight)) but is {weight}, not a number. Return "
+        "(features, labels) or (features, labels, weight) with a float "
+        "weight per example.")
+  return weight
+
+
+def _element_spec(dataset: DatasetSpec):
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  from tfdist import input_pipeline  # pylint: disable=g-import-not-at-top
+  if dataset.reads_files:
+    return tf.data.Dataset.from_tensors(tf.constant(b"")).map(
+        dataset.parse_fn).element_spec
+  return input_pipeline.call_input_fn(dataset, training=False).element_spec
+
+
 def example_spec(dataset: DatasetSpec, *, files: Sequence[str] = ()
                  ) -> Tuple[Any, Any]:
   """`(features, labels)` `tf.TensorSpec`s of one unbatched example.

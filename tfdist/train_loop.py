@@ -12,6 +12,17 @@ batch (`tf.nn.compute_average_loss(..., global_batch_size=...)`), and the
 step sums gradients over replicas, so the update equals the single-device
 update on the whole global batch.
 
+Sample weights: a batch `(inputs, labels, weights)` (weights float32
+[batch], as Keras's `fit` takes a dataset of `(x, y, sample_weight)`), or
+`class_weight` (`{class id: weight}`, turned into per-example weights from
+the labels as Keras does: `argmax` of one-hot labels, else the rounded
+label; classes not named weigh 1), multiplies each example's loss: the step's
+loss is `sum(weight x loss) / global_batch_size`, Keras's
+`"sum_over_batch_size"` reduction over the global batch. Metrics compiled as
+`weighted_metrics` take the weights, the others do not, as in `fit`.
+Evaluation takes sample weights (not class weights, as `evaluate`): loss
+`sum(weight x loss) / examples`.
+
 Metrics: any Keras metrics whose state is summed (every built-in one). Each
 step returns each metric's state for its batch, summed over replicas and
 workers by the strategy (see `tfdist.objectives.MetricSums`), so the values
@@ -206,6 +217,54 @@ def _timed_next(iterator):
           after - before)
 
 
+def _as_weights(weights):
+  """Sample weights as float32, [batch, 1] as [batch]; None stays None."""
+  if weights is None:
+    return None
+  weights = tf.cast(weights, tf.float32)
+  if weights.shape.rank == 2 and weights.shape[-1] == 1:
+    weights = tf.squeeze(weights, -1)
+  return weights
+
+
+def class_weight_table(class_weight) -> tf.Tensor:
+  """`class_weight` as a float32 [max class id + 1] table, 1 for classes it
+  does not name (Keras's `make_class_weight_map_fn`).
+
+  Raises:
+    ValueError: a key that is not an integer >= 0.
+  """
+  try:
+    keys = [int(k) for k in class_weight]
+  except (TypeError, ValueError):
+    keys = [-1]
+  if min(keys) < 0 or any(int(k) != k for k in class_weight):
+    raise ValueError("class_weight keys must be class ids (integers >= 0). "
+                     f"Received: class_weight={class_weight!r}")
+  by_id = {int(k): float(v) for k, v in class_weight.items()}
+  return tf.constant([by_id.get(c, 1.0) for c in range(max(keys) + 1)],
+                     tf.float32)
+
+
+def class_weights_of(table: tf.Tensor, labels: tf.Tensor) -> tf.Tensor:
+  """Each example's class weight, float32 [batch], from `labels` as Keras's
+  `fit` derives the class: rank >= 2 labels with a last axis > 1 are one-hot
+  (`argmax`), otherwise the rounded label; ids past the table weigh 1."""
+  if labels.shape.rank is not None and labels.shape.rank >= 2:
+    if labels.shape[-1] is not None and labels.shape[-1] > 1:
+      classes = tf.argmax(labels, axis=-1, output_type=tf.int32)
+    else:
+      classes = tf.cast(tf.round(tf.squeeze(labels, -1)), tf.int32)
+  else:
+    classes = tf.cast(tf.round(labels), tf.int32)
+  classes = tf.reshape(classes, [-1])
+  size = tf.shape(table)[0]
+  known = tf.logical_and(classes >= 0, classes < size)
+  return tf.where(known, tf.gather(table, tf.clip_by_value(classes, 0,
+                                                            size - 1)),
+                  tf.ones_like(classes, tf.float32))
+
+
 class Trainer:
   """Owns the compiled step functions of one run.
 
@@ -224,9 +283,10 @@ class Trainer:
       (`tfdist.objectives.TASKS`: `multiclass`, sparse categorical
       cross-entropy on logits and accuracy; `binary`, binary cross-entropy
       on probabilities, accuracy at 0.5 and ROC AUC).
-    eval_example_weights: evaluation batches carry a third element, float32
+    eval_example_weights: evaluation batches carry a last element, float32
       weights [batch] (1 for real examples, 0 for padding), as
-      `input_pipeline.pad_to_static_batches` makes for TPUs.
+      `input_pipeline.pad_to_static_batches` makes for TPUs (after the
+      sample weights, if any).
     loss: a Keras loss (object, function `fn(y_true, y_pred)` or name);
       computed per example (its own reduction is replaced), losses of
       trailing axes averaged, then averaged over the global batch.
@@ -244,6 +304,10 @@ class Trainer:
       `tf.timestamp` (see `train_function`); False under op determinism
       (`--deterministic`), which refuses `tf.timestamp`: both are then NaN
       (not measured).
+    class_weight: `{class id (int >= 0): weight (float)}` for training
+      (module docstring), or None. Batches must then be `(inputs, labels)`:
+      Keras refuses class and sample weights together, and so does
+      `tfdist.assembly.build` at start.
 
   The Trainer changes `model` and `optimizer` for its step (see the module
   docstring): the model's random layers draw per replica
@@ -251,7 +315,8 @@ class Trainer:
   while the step is traced (`_sum_gradients_once`).
 
   Raises:
-    ValueError: unknown `task`; `gradient_accumulation_steps` < 1.
+    ValueError: unknown `task`; `gradient_accumulation_steps` < 1; a
+      `class_weight` key that is not an integer >= 0.
     tfdist.config.ConfigError: a metric whose state is not summed.
   """
 
@@ -262,7 +327,8 @@ class Trainer:
                eval_example_weights: bool = False, loss=None, metrics=None,
                gradient_accumulation_steps: int = 1,
                time_steps: bool = True,
-               sharding: Optional[sharded_optimizer.ShardingOptions] = None):
+               sharding: Optional[sharded_optimizer.ShardingOptions] = None,
+               class_weight=None):
     self.strategy = strategy
     self.time_steps = bool(time_steps)
     self.model = model
@@ -274,6 +340,9 @@ class Trainer:
       loss, default_metrics = objectives.task_defaults(task)
       metrics = default_metrics if metrics is None else metrics
     self.task = task
+    self.class_weight = dict(class_weight) if class_weight else None
+    self._class_weights = (class_weight_table(self.class_weight)
+                           if self.class_weight else None)
     self.gradient_accumulation_steps = int(gradient_accumulation_steps)
     if self.gradient_accumulation_steps < 1:
       raise ValueError("gradient_accumulation_steps must be >= 1. Received: "
@@ -326,21 +395,31 @@ class Trainer:
       values = tf.reduce_mean(values, axis=list(range(1, values.shape.rank)))
     return tf.cast(values, tf.float32)
 
-  def _metric_sums(self, labels, outputs, weights=None
+  def _metric_sums(self, labels, outputs, mask=None, sample_weight=None
                    ) -> Dict[str, tf.Tensor]:
     """Per-batch sums: `count` (examples) and every metric's state.
-    `weights` (float32 [batch], 1 real / 0 padding) masks the padding of
-    static-shape evaluation batches."""
-    count = (tf.reduce_sum(weights) if weights is not None else
+    `mask` (float32 [batch], 1 real / 0 padding) masks the padding of
+    static-shape evaluation batches; `sample_weight` (float32 [batch])
+    weighs the weighted metrics (`MetricSums.batch_sums`)."""
+    count = (tf.reduce_sum(mask) if mask is not None else
              tf.cast(tf.shape(labels)[0], tf.float32))
     return {"count": count,
-            **self.metric_sums.batch_sums(labels, outputs, weights)}
+            **self.metric_sums.batch_sums(labels, outputs, mask,
+                                          sample_weight)}
 
-  def _replica_forward_backward(self, inputs, labels):
-    """Loss, gradients and outputs of one replica's batch (no update)."""
+  def _training_weights(self, labels, weights):
+    """The examples' training weights, float32 [batch]: `weights` (the
+    batch's sample weights) or the class weights of `labels`, or None."""
+    if self._class_weights is not None:
+      return class_weights_of(self._class_weights, labels)
+    return _as_weights(weights)
+
+  def _replica_forward_backward(self, inputs, labels, weights=None):
+    """Loss, gradients and outputs of one replica's batch (no update);
+    `weights`: the examples' training weights, float32 [batch], or None."""
     with tf.GradientTape() as tape:
       outputs = tf.cast(self.model(inputs, training=True), tf.float32)
-      per_example = self._per_example_loss(labels, outputs)
+      per_example = self._per_example_loss(labels, outputs, weights)
       loss = tf.nn.compute_average_loss(
           per_example, global_batch_size=self.global_batch_size)
       if self.model.losses:
@@ -351,16 +430,19 @@ class Trainer:
     grads = tape.gradient(scaled, self.model.trainable_variables)
     return loss, grads, outputs
 
-  def _replica_train_step(self, inputs, labels, stop_flags):
+  def _replica_train_step(self, inputs, labels, stop_flags, weights=None):
     """One replica's step; returns its loss and metric sums, `skipped`
     (float32 scalar, 1.0 when the step was skipped for a non-finite fp16
     gradient; equal on every replica), and the host's stop requests
     `stop_flags` (float32 [2]), which ride with the step's sums (one
     reduction): any worker's request reaches every worker after the same
-    step."""
-    loss, grads, outputs = self._replica_grads(inputs, labels)
+    step. `weights`: the batch's sample weights, float32 [batch], or
+    None."""
+    weights = self._training_weights(labels, weights)
+    loss, grads, outputs = self._replica_grads(inputs, labels, weights)
     # Metrics outside the (optionally XLA-compiled) forward and backward.
-    sums = {"loss": loss, **self._metric_sums(labels, outputs)}
+    sums = {"loss": loss, **self._metric_sums(labels, outputs,
+                                              sample_weight=weights)}
     return self._replica_apply(grads, sums, stop_flags)
 
   def _replica_apply(self, grads, sums, stop_flags, shard=None):
@@ -409,12 +491,14 @@ class Trainer:
       sums[key] = zeros(value.shape, value.dtype, "metric_accumulator")
     return grads, sums
 
-  def _replica_accumulate(self, inputs, labels):
+  def _replica_accumulate(self, inputs, labels, weights=None):
     """One micro-step of one replica: adds its micro-batch's gradients (the
     loss scaled by the fp16 loss scale, if any, which stays fixed within an
     update), loss and metric sums to its accumulators. No all-reduce."""
-    loss, grads, outputs = self._replica_grads(inputs, labels)
-    sums = {"loss": loss, **self._metric_sums(labels, outputs)}
+    weights = self._training_weights(labels, weights)
+    loss, grads, outputs = self._replica_grads(inputs, labels, weights)
+    sums = {"loss": loss, **self._metric_sums(labels, outputs,
+                                              sample_weight=weights)}
     grad_accumulators, sum_accumulators = self._accumulators
     if self._shards_gradients():
       self.sharded.replica_accumulate(grads)
@@ -437,7 +521,7 @@ class Trainer:
       accumulator.assign(tf.zeros_like(accumulator.read_value()))
     return out
 
-  def _replica_eval_step(self, inputs, labels, weights=None):
+  def _replica_eval_step(self, inputs, labels, weights=None, mask=None):
     # When the last evaluation round has fewer batches than replicas, the
     # others get an empty batch. TensorFlow 2.21's oneDNN CPU kernels fail on
     # those ("Incompatible shapes: [64] vs. [0,14,14,32]" in the CNN), so an
@@ -447,14 +531,21 @@ class Trainer:
               **self.metric_sums.zeros()}
 
     return tf.cond(tf.shape(labels)[0] > 0,
-                   lambda: self._replica_eval_sums(inputs, labels, weights),
+                   lambda: self._replica_eval_sums(inputs, labels, weights,
+                                                   mask),
                    empty)
 
-  def _replica_eval_sums(self, inputs, labels, weights=None):
+  def _replica_eval_sums(self, inputs, labels, weights=None, mask=None):
+    """Summed loss, count and metric state of one replica's evaluation
+    batch; `weights`: sample weights, `mask`: 1 real / 0 padding (float32
+    [batch] each, or None)."""
     outputs = tf.cast(self.model(inputs, training=False), tf.float32)
-    per_example = self._per_example_loss(labels, outputs, weights)
+    weights = _as_weights(weights)
+    loss_weights = (weights if mask is None else mask if weights is None
+                    else weights * mask)
+    per_example = self._per_example_loss(labels, outputs, loss_weights)
     return {"loss_sum": tf.reduce_sum(per_example),
-            **self._metric_sums(labels, outputs, weights)}
+            **self._metric_sums(labels, outputs, mask, weights)}
 
   # --- cross-replica functions -------------------------------------------
   def _reduce(self, per_replica: Dict[str, tf.Tensor]) -> Dict[str, tf.Tensor]:
@@ -503,16 +594,14 @@ class Trainer:
     with _sum_gradients_once(self.optimizer):
       if accumulate == 1:
         batch, waited = self._next(iterator)
-        inputs, labels = batch[:2]
-        per_replica = self.strategy.run(self._replica_train,
-                                        args=(inputs, labels, stop_flags))
+        per_replica = self.strategy.run(
+            self._replica_train, args=(*batch[:2], stop_flags, *batch[2:3]))
       else:
         waited = tf.constant(0.0, tf.float64)
         for _ in tf.range(accumulate):
           batch, micro_waited = self._next(iterator)
           waited += micro_waited
-          inputs, labels = batch[:2]
-          self.strategy.run(self._replica_accumulate, args=(inputs, labels))
+          self.strategy.run(self._replica_accumulate, args=tuple(batch[:3]))
         per_replica = self.strategy.run(self._replica_apply_accumulated,
                                         args=(stop_flags,))
     if self.sharded is not None:
@@ -595,10 +684,15 @@ class Trainer:
     """Evaluates one distributed batch; returns summed loss, count and
     metric state.
 
-    With `eval_example_weights` the batch is `(inputs, labels, weights)`,
-    weights float32 [batch] (0 for padding); else `(inputs, labels, ...)`.
+    The batch is `(inputs, labels)` or `(inputs, labels, sample_weights)`,
+    and with `eval_example_weights` one more last element, the padding
+    mask float32 [batch] (0 for padding).
     """
-    args = tuple(batch[:3] if self.eval_example_weights else batch[:2])
+    batch = tuple(batch)
+    if self.eval_example_weights:
+      args = (*batch[:2], batch[2] if len(batch) > 3 else None, batch[-1])
+    else:
+      args = batch[:3]
     return self._reduce(self.strategy.run(self._replica_eval_step,
                                           args=args))
 

@@ -1,0 +1,286 @@
+"""Cases of `tests/fit_conformance_test.py`: `keras.Model.fit` on one device
+against `tfdist.fit`, on the same small models and data.
+
+Every case builds its data from a fixed NumPy seed and its model with
+zero-initialized weights, and trains with plain SGD (no momentum, no
+warmup, no shuffling, a constant learning rate), so `Model.fit` on one
+device and `tfdist.fit` under a synchronous strategy make the same updates
+on the same global batches (float32 round-off apart).
+
+Run as a module (`python -m tests.fit_conformance_testlib OUT_JSON CASE`,
+normally by `tfdist.launch --module=...` for MultiWorkerMirrored and
+parameter servers), it runs one case with tfdist (the strategy from
+`TF_CONFIG`) and the chief writes the result to OUT_JSON.
+"""
+
+import json
+import os
+import sys
+
+import numpy as np
+
+GLOBAL_BATCH = 64
+EPOCHS = 3
+LEARNING_RATE = 0.1
+EXAMPLES = 1024
+
+
+def slope_data():
+  """`(x, y, w)`: y = 3x where w = 1, y = -3x where w = 0 (float32 [1024,
+  1], [1024], [1024]). Sample weights make the slope 3; without them the
+  two halves cancel (about 0)."""
+  rng = np.random.default_rng(0)
+  x = rng.uniform(-1, 1, (EXAMPLES, 1)).astype("float32")
+  good = rng.uniform(size=EXAMPLES) < 0.5
+  y = np.where(good, 3 * x[:, 0], -3 * x[:, 0]).astype("float32")
+  return x, y, good.astype("float32")
+
+
+def class_data():
+  """`(x, y)`: 4 float32 features, 3 classes (int64 [1024]), imbalanced."""
+  rng = np.random.default_rng(1)
+  x = rng.normal(size=(EXAMPLES, 4)).astype("float32")
+  logits = x @ rng.normal(size=(4, 3)) + np.array([1.5, 0.0, -1.0])
+  y = np.argmax(logits + rng.gumbel(size=logits.shape), axis=1)
+  return x, y.astype("int64")
+
+
+CLASS_WEIGHT = {0: 0.5, 1: 2.0, 2: 4.0}
+
+
+def spread(y_true, y_pred):
+  """A metric function with one value per batch, not per example."""
+  import keras  # pylint: disable=g-import-not-at-top
+  del y_true
+  return keras.ops.max(y_pred) - keras.ops.min(y_pred)
+
+
+def _compile_args(case: str) -> dict:
+  import keras  # pylint: disable=g-import-not-at-top
+  if case == "batch_valued_metric":
+    return dict(loss="mse", metrics=[spread])
+  if case == "class_weight":
+    return dict(loss=keras.losses.SparseCategoricalCrossentropy(
+        from_logits=True), metrics=["accuracy"],
+                weighted_metrics=["accuracy"])
+  return dict(loss="mse", metrics=["mae"], weighted_metrics=["mae"])
+
+
+def build_model(case: str, optimizer=None):
+  """The case's model, zero-initialized, compiled with its loss and
+  metrics (and `optimizer`, for `Model.fit`)."""
+  import keras  # pylint: disable=g-import-not-at-top
+  inputs, units, bias = ((4, 3, True) if case == "class_weight"
+                         else (1, 1, False))
+  model = keras.Sequential([keras.Input((inputs,)), keras.layers.Dense(
+      units, use_bias=bias, kernel_initializer="zeros")])
+  model.compile(optimizer=optimizer, **_compile_args(case))
+  return model
+
+
+def _reduce_lr():
+  import keras  # pylint: disable=g-import-not-at-top
+  # min_delta=100: no epoch after the first improves, so the rate halves
+  # at the end of epochs 1, 2, ...
+  return [keras.callbacks.ReduceLROnPlateau(monitor="loss", factor=0.5,
+                                            patience=0, min_delta=100.0)]
+
+
+def _lr_scheduler():
+  import keras  # pylint: disable=g-import-not-at-top
+  return [keras.callbacks.LearningRateScheduler(
+      lambda epoch, lr: LEARNING_RATE * 0.25 ** epoch)]
+
+
+def _early_stopping():
+  import keras  # pylint: disable=g-import-not-at-top
+  # mode="max" on a falling loss: epoch 0 stays the best, training stops
+  # after epoch 1 and the weights of epoch 0 come back at the end.
+  return [keras.callbacks.EarlyStopping(monitor="loss", mode="max",
+                                        patience=1,
+                                        restore_best_weights=True)]
+
+
+# What each case feeds: the arrays, the class weights, and a function
+# making the case's Keras callbacks (fresh ones for each run).
+CASES = {
+    "sample_weight": dict(data=slope_data, class_weight=None),
+    "class_weight": dict(data=class_data, class_weight=CLASS_WEIGHT),
+    "reduce_lr_on_plateau": dict(data=slope_data, class_weight=None,
+                                 callbacks=_reduce_lr),
+    "learning_rate_scheduler": dict(data=slope_data, class_weight=None,
+                                    callbacks=_lr_scheduler),
+    "early_stopping_restore": dict(data=slope_data, class_weight=None,
+                                   callbacks=_early_stopping),
+    "batch_valued_metric": dict(data=slope_data, class_weight=None),
+}
+
+
+class Recorder:
+  """A Keras callback (built lazily: keras imported late) keeping the last
+  epoch's logs and the weights at the end of training."""
+
+  def __new__(cls):
+    import keras  # pylint: disable=g-import-not-at-top
+
+    class _Recorder(keras.callbacks.Callback):
+
+      def __init__(self):
+        super().__init__()
+        self.epoch_logs, self.weights, self.learning_rate = {}, None, None
+
+      def on_epoch_end(self, epoch, logs=None):
+        self.epoch_logs = {k: float(v) for k, v in (logs or {}).items()
+                           if np.ndim(v) == 0}
+
+      def on_train_end(self, logs=None):
+        self.weights = [np.asarray(w).tolist()
+                        for w in self.model.get_weights()]
+        self.learning_rate = float(self.model.optimizer.learning_rate)
+
+    return _Recorder()
+
+
+def _callbacks(case: str) -> list:
+  make = CASES[case].get("callbacks")
+  return make() if make else []
+
+
+def keras_fit(case: str) -> dict:
+  """`Model.fit` then `Model.evaluate` on one device: the reference."""
+  import keras  # pylint: disable=g-import-not-at-top
+  spec = CASES[case]
+  arrays = spec["data"]()
+  model = build_model(case, keras.optimizers.SGD(learning_rate=LEARNING_RATE))
+  history = model.fit(*arrays[:2], sample_weight=(
+      arrays[2] if len(arrays) > 2 else None),
+                      class_weight=spec["class_weight"],
+                      batch_size=GLOBAL_BATCH, epochs=EPOCHS, shuffle=False,
+                      verbose=0, callbacks=_callbacks(case))
+  evaluation = model.evaluate(*arrays[:2], sample_weight=(
+      arrays[2] if len(arrays) > 2 else None), batch_size=GLOBAL_BATCH,
+                              verbose=0, return_dict=True)
+  return {"weights": [w.tolist() for w in model.get_weights()],
+          "train": {k: float(v[-1]) for k, v in history.history.items()
+                    if k != "learning_rate"},
+          "learning_rate": float(model.optimizer.learning_rate),
+          "history": {k: [float(x) for x in v]
+                      for k, v in history.history.items()},
+          "eval": {k: float(v) for k, v in evaluation.items()}}
+
+
+def tfdist_fit(case: str, *, strategy: str, model_dir: str,
+               via: str = "dataset_fn", class_weight=None,
+               epochs: int = EPOCHS, extra_callbacks=()) -> dict:
+  """The case through `tfdist.fit` under `strategy` (an in-process one, or
+  the cluster's from `TF_CONFIG`). `via`: `dataset_fn` (a function of
+  `(x, y[, w])` examples) or `parse_fn` (TFRecords of `tf.train.Example`s
+  in `model_dir`, parsed to the same tuples). `class_weight`: instead of
+  the case's. `extra_callbacks`: Keras callbacks added to the case's."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  import tfdist  # pylint: disable=g-import-not-at-top
+  spec = CASES[case]
+  arrays = spec["data"]()
+  recorder = Recorder()
+  config = dict(model_dir=model_dir, train_epochs=epochs,
+                batch_size=GLOBAL_BATCH, base_batch_size=GLOBAL_BATCH,
+                optimizer="sgd", momentum=0.0,
+                base_learning_rate=LEARNING_RATE, warmup_steps=0,
+                lr_schedule="constant", shuffle_buffer_size=0,
+                distribution_strategy=strategy, log_steps=1000,
+                class_weight=class_weight or spec["class_weight"] or ())
+  kwargs = {}
+  if via == "dataset_fn":
+    kwargs["dataset_fn"] = lambda training: (
+        tf.data.Dataset.from_tensor_slices(arrays))
+  else:
+    path = os.path.join(model_dir, "data.tfrecord")
+    os.makedirs(model_dir, exist_ok=True)
+    with tf.io.TFRecordWriter(path) as writer:
+      for row in zip(*arrays):
+        feature = {f"c{i}": tf.train.Feature(float_list=tf.train.FloatList(
+            value=np.ravel(v).astype("float32"))) for i, v in enumerate(row)}
+        writer.write(tf.train.Example(features=tf.train.Features(
+            feature=feature)).SerializeToString())
+    shapes = [a.shape[1:] for a in arrays]
+    description = {f"c{i}": tf.io.FixedLenFeature(list(s), tf.float32)
+                   for i, s in enumerate(shapes)}
+
+    def parse(record):
+      parsed = tf.io.parse_single_example(record, description)
+      return tuple(parsed[f"c{i}"] for i in range(len(arrays)))
+    kwargs["parse_fn"] = parse
+    config.update(train_files=path, eval_files=path, cache_dataset=True)
+  manifest = tfdist.fit(lambda: build_model(case), config=tfdist.TrainConfig(**config),
+                        callbacks=[*_callbacks(case), *extra_callbacks,
+                                   recorder], **kwargs)
+  last_eval = (manifest.get("eval_history") or [{}])[-1]
+  return {"weights": recorder.weights, "train": recorder.epoch_logs,
+          "eval": {k: v for k, v in last_eval.items()
+                   if isinstance(v, float)},
+          "learning_rate": recorder.learning_rate,
+          "history": manifest.get("history"),
+          "restored_step": _restored_step(manifest),
+          "final_eval_loss": (manifest.get("final_metrics") or {}).get(
+              "eval_loss"),
+          **_artifact_slopes(manifest, arrays[0]),
+          "replicas": manifest.get("num_replicas_in_sync",
+                                   manifest.get("replicas"))}
+
+
+def _artifact_slopes(manifest: dict, x) -> dict:
+  """The slope model's weight in the run's final checkpoint and what its
+  SavedModel predicts for x = 1 (slope cases, on the chief); else {}."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  artifacts = manifest.get("artifacts") or {}
+  if (x.shape[1:] != (1,) or not artifacts.get("saved_model") or
+      not manifest.get("cluster", {}).get("is_chief", True)):
+    return {}  # Other workers' artifacts are gone with their scratch.
+  restored = build_model("sample_weight")
+  tf.train.Checkpoint(model=restored).restore(
+      artifacts["checkpoint"]).expect_partial()
+  exported = tf.saved_model.load(artifacts["saved_model"])
+  prediction = exported.serve(tf.ones([1, 1]))
+  prediction = list(prediction.values())[0] if isinstance(
+      prediction, dict) else prediction
+  return {"checkpoint_slope": float(np.ravel(restored.get_weights()[0])[0]),
+          "export_slope": float(np.ravel(prediction)[0])}
+
+
+def _restored_step(manifest: dict) -> int:
+  restored = manifest.get("restored_from")
+  if isinstance(restored, dict):
+    return int(restored.get("step", 0))
+  return int(str(restored).rsplit("-", 1)[-1]) if restored else 0
+
+
+def file_callbacks(folder: str) -> list:
+  """Keras callbacks that write files under `folder`: `ModelCheckpoint`
+  (`ckpt/w_<epoch>.weights.h5`), `CSVLogger` (`log.csv`), `TensorBoard`
+  (`tb/`)."""
+  import keras  # pylint: disable=g-import-not-at-top
+  return [keras.callbacks.ModelCheckpoint(
+      os.path.join(folder, "ckpt", "w_{epoch}.weights.h5"),
+      save_weights_only=True),
+          keras.callbacks.CSVLogger(os.path.join(folder, "log.csv")),
+          keras.callbacks.TensorBoard(os.path.join(folder, "tb"),
+                                      write_graph=False)]
+
+
+def main(argv):
+  """`OUT_JSON CASE [FILES_DIR]`: with FILES_DIR, `file_callbacks` too."""
+  out_path, case = argv[1], argv[2]
+  tf_config = json.loads(os.environ.get("TF_CONFIG") or "{}")
+  task_type = tf_config.get("task", {}).get("type", "chief")
+  strategy = ("parameter_server" if "ps" in tf_config.get("cluster", {})
+              else "multi_worker_mirrored")
+  result = tfdist_fit(case, strategy=strategy, model_dir=os.path.join(
+      os.path.dirname(out_path), "run"), extra_callbacks=file_callbacks(
+          argv[3]) if len(argv) > 3 else ())
+  if task_type == "chief":
+    with open(out_path, "w") as f:
+      json.dump(result, f)
+
+
+if __name__ == "__main__":
+  main(sys.argv)
