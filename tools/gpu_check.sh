@@ -164,22 +164,22 @@ run_part() {
   log "$name: $status ($((SECONDS - t0))s)"
 }
 
-train() { "$PY" -m tfdist.train --seed=42 "$@"; }
+TRAIN=("$PY" -m tfdist.train --seed=42)
 RUNS=$OUT/runs
 rm -rf "$RUNS"  # Only this script writes here; a rerun starts afresh.
 mkdir -p "$RUNS"
 
-run_part main_job "$CAP_MAIN" train --model_dir="$RUNS/main_job" \
+run_part main_job "$CAP_MAIN" "${TRAIN[@]}" --model_dir="$RUNS/main_job" \
   --train_steps="$MAIN_STEPS" --log_steps="$MAIN_LOG"
 run_part keras_parity "$CAP_PARITY" "$PY" benchmarks/keras_parity.py \
   --strategies=one_device --sides=keras,tfdist "${PARITY[@]}" \
   --output="$OUT/keras_parity.json"
 for dtype in fp32 bf16 fp16; do
-  run_part "resnet_$dtype" "$CAP_RUN" train --model_dir="$RUNS/resnet_$dtype" \
+  run_part "resnet_$dtype" "$CAP_RUN" "${TRAIN[@]}" --model_dir="$RUNS/resnet_$dtype" \
     --model=resnet --dtype="$dtype" --batch_size="$BATCH" --mode=train \
     --train_steps="$RES_STEPS" --log_steps="$RES_LOG"
 done
-run_part resnet_bf16_xla "$CAP_RUN" train --model_dir="$RUNS/resnet_bf16_xla" \
+run_part resnet_bf16_xla "$CAP_RUN" "${TRAIN[@]}" --model_dir="$RUNS/resnet_bf16_xla" \
   --model=resnet --dtype=bf16 --enable_xla --batch_size="$BATCH" --mode=train \
   --train_steps="$RES_STEPS" --log_steps="$RES_LOG"
 run_part diagnose "$CAP_DIAG" "$PY" -m tfdist.diagnose --nobaseline \
