@@ -230,8 +230,9 @@ def run_figures(name):
                        if mem.get("peak_rss_bytes") else None),
       "device_memory_peak_mib": (device_peak / 2**20 if device_peak
                                  else NO_GPU if not gpu else None),
-      "devices": manifest.get("strategy", {}).get("devices")
-                 if isinstance(manifest.get("strategy"), dict) else None,
+      "strategy": manifest.get("strategy"),
+      "replica_devices": manifest.get("replica_devices"),
+      "dtype_policy": manifest.get("dtype_policy"),
       "final_metrics": manifest.get("final_metrics"),
   })
   return p
