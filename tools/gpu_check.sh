@@ -80,10 +80,12 @@ if [ -z "$PY" ]; then
 fi
 if [ -z "$PY" ]; then
   log "no TensorFlow: none installed and the install failed ($OUT/install.log)"
-  python3 - "$OUT" <<'EOF'
+  gpu=$(timeout 30 nvidia-smi --query-gpu=name --format=csv,noheader \
+        2>/dev/null | head -1)
+  python3 - "$OUT" "${gpu:-no GPU}" <<'EOF'
 import json, os, sys, time
 out = sys.argv[1]
-json.dump({"status": "no TensorFlow", "gpu": "unknown",
+json.dump({"status": "no TensorFlow", "gpu": sys.argv[2],
            "tensorflow": None, "date": time.strftime("%Y-%m-%d %H:%M UTC",
                                                      time.gmtime()),
            "load_average": list(os.getloadavg()),
