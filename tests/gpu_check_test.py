@@ -85,7 +85,8 @@ class GpuCheckScriptTest(absltest.TestCase):
       elif "keras_parity.py" in line or line.lstrip().startswith("PARITY="):
         check("keras_parity", _flags(line.split("keras_parity.py")[-1]),
               self.parity)
-      elif "${TRAIN[@]}" in line or "tfdist.train" in line:
+      elif ("${TRAIN[@]}" in line or "tfdist.train" in line or
+            line.lstrip().startswith("RESNET=")):
         check("train", _flags(line), self.train)
     self.assertEqual(unknown, [])
     # Each program's command was found and read.

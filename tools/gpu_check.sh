@@ -170,8 +170,16 @@ run_part() {
 
 TRAIN=("$PY" -m tfdist.train --seed=42)
 RUNS=$OUT/runs
-rm -rf "$RUNS"  # Only this script writes here; a rerun starts afresh.
-mkdir -p "$RUNS"
+# A rerun starts afresh: runs/ is removed only when this script made it.
+if [ -e "$RUNS" ] && [ ! -e "$RUNS/.gpu_check" ]; then
+  log "$RUNS exists and was not made by this script; set OUT to another folder"
+  exit 2
+fi
+rm -rf "$RUNS"
+mkdir -p "$RUNS" && touch "$RUNS/.gpu_check"
+# The precision and XLA runs: one device, whatever the machine has.
+RESNET=(--model=resnet --distribution_strategy=one_device --mode=train \
+        --batch_size="$BATCH" --train_steps="$RES_STEPS" --log_steps="$RES_LOG")
 
 run_part main_job "$CAP_MAIN" "${TRAIN[@]}" --model_dir="$RUNS/main_job" \
   --train_steps="$MAIN_STEPS" --log_steps="$MAIN_LOG"
@@ -183,13 +191,11 @@ for dtype in fp32 bf16 fp16; do
   # fp16 on a CPU with oneDNN's ops is hundreds of times slower than fp32
   # (tfdist.precision warns); the CPU quick mode turns them off for it.
   [ "$MODE" = cpu ] && [ "$dtype" = fp16 ] && prefix=(env TF_ENABLE_ONEDNN_OPTS=0)
-  run_part "resnet_$dtype" "$CAP_RUN" "${prefix[@]}" "${TRAIN[@]}" --model_dir="$RUNS/resnet_$dtype" \
-    --model=resnet --dtype="$dtype" --batch_size="$BATCH" --mode=train \
-    --train_steps="$RES_STEPS" --log_steps="$RES_LOG"
+  run_part "resnet_$dtype" "$CAP_RUN" "${prefix[@]}" "${TRAIN[@]}" \
+    --model_dir="$RUNS/resnet_$dtype" --dtype="$dtype" "${RESNET[@]}"
 done
-run_part resnet_bf16_xla "$CAP_RUN" "${TRAIN[@]}" --model_dir="$RUNS/resnet_bf16_xla" \
-  --model=resnet --dtype=bf16 --enable_xla --batch_size="$BATCH" --mode=train \
-  --train_steps="$RES_STEPS" --log_steps="$RES_LOG"
+run_part resnet_bf16_xla "$CAP_RUN" "${TRAIN[@]}" \
+  --model_dir="$RUNS/resnet_bf16_xla" --dtype=bf16 --enable_xla "${RESNET[@]}"
 run_part diagnose "$CAP_DIAG" "$PY" -m tfdist.diagnose --nobaseline \
   "${DIAG[@]}" --timeout_seconds="$CAP_DIAG" --output="$OUT/diagnose.json" \
   -- --distribution_strategy=one_device --dataset=fashion_mnist --seed=42
