@@ -330,7 +330,7 @@ print(f"bf16/fp32: {fmt(summary['bf16_over_fp32'], '{:.2f}')} (goal >= 1.8)"
       f"{fmt(parts['keras_parity'].get('tfdist_over_keras'), '{:.3f}')}")
 if diag and diag.get("verdict"):
   v = diag["verdict"]
-  print("diagnose verdict:", v.get("kind", v) if isinstance(v, dict) else v)
+  print("diagnose verdict:", v.get("label", v) if isinstance(v, dict) else v)
 EOF
 summary_rc=$?
 failed=$(grep -L '"status": "ok"' "$OUT"/*.status.json | wc -l)
