@@ -6,7 +6,8 @@
 #   OUT=/tmp/gc WHEELHOUSE=/wheels bash tools/gpu_check.sh
 #
 # What it runs, each part bounded by `timeout` and by the script's overall
-# budget (GPU_CHECK_BUDGET seconds, default 450), each writing its own JSON:
+# budget (GPU_CHECK_BUDGET seconds: 450 on a GPU, 900 in the CPU quick
+# mode), each writing its own JSON:
 #   main_job      the README's quick start (`tfdist.train` on the bundled
 #                 Fashion-MNIST), short: --train_steps; its manifest's peak
 #                 device memory (memory.device_memory_peak_bytes)
