@@ -176,7 +176,7 @@ def _run_tfdist(strategy_name: str, train_files, eval_files, meter,
   total = FLAGS.warmup_steps + FLAGS.steps
   strategy = ({"distribution_strategy": "mirrored", "num_cpu_devices": 2,
                "num_gpus": 0} if strategy_name == "mirrored" else
-              {"distribution_strategy": "one_device", "num_gpus": 0})
+              {"distribution_strategy": "one_device", "num_gpus": -1})
   with tempfile.TemporaryDirectory() as model_dir:
     experiment.run_experiment(TrainConfig(
         model_dir=model_dir, model="cnn", dataset="fashion_mnist",
