@@ -62,6 +62,7 @@ from typing import Dict, List, Optional, Sequence
 from absl import app
 from absl import flags
 
+from tfdist import cli
 from tfdist import cluster as cluster_lib
 from tfdist import worker_exit
 
@@ -492,19 +493,8 @@ def run():
   """The entry point of `python -m tfdist.launch` and of its console
   script."""
   define_launch_flags()
-  _adopt_usage()
+  cli.adopt_usage(__doc__, flags.FLAGS.get_key_flags_for_module(__name__))
   app.run(main)
-
-
-def _adopt_usage():
-  """Makes absl's usage text and --helpshort this module's when a console
-  script runs it: absl takes the text from `__main__`'s docstring and the
-  key flags of the module named by sys.argv[0] (the wrapper script there)."""
-  main_module = sys.modules["__main__"]
-  if not main_module.__doc__:
-    main_module.__doc__ = __doc__
-  for flag in flags.FLAGS.get_key_flags_for_module(__name__):
-    flags.FLAGS.register_key_flag_for_module(sys.argv[0], flag)
 
 
 if __name__ == "__main__":

@@ -82,6 +82,7 @@ from absl import app  # pylint: disable=g-import-not-at-top,wrong-import-positio
 from absl import flags  # pylint: disable=g-import-not-at-top,wrong-import-position
 from absl import logging  # pylint: disable=g-import-not-at-top,wrong-import-position
 
+from tfdist import cli  # pylint: disable=g-import-not-at-top,wrong-import-position
 from tfdist.config import ConfigError, TrainConfig  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 INSTALL_HINT = ("Ray Train is not installed. Install it with: pip install "
@@ -799,19 +800,8 @@ def run():
   """The entry point of `python -m tfdist.ray` and of its console
   script."""
   define_ray_flags()
-  _adopt_usage()
+  cli.adopt_usage(__doc__, flags.FLAGS.get_key_flags_for_module(__name__))
   app.run(main)
-
-
-def _adopt_usage():
-  """Makes absl's usage text and --helpshort this module's when a console
-  script runs it: absl takes the text from `__main__`'s docstring and the
-  key flags of the module named by sys.argv[0] (the wrapper script there)."""
-  main_module = sys.modules["__main__"]
-  if not main_module.__doc__:
-    main_module.__doc__ = __doc__
-  for flag in flags.FLAGS.get_key_flags_for_module(__name__):
-    flags.FLAGS.register_key_flag_for_module(sys.argv[0], flag)
 
 
 if __name__ == "__main__":

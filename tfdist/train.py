@@ -24,6 +24,7 @@ from absl import app  # pylint: disable=g-import-not-at-top,wrong-import-positio
 from absl import flags as absl_flags  # pylint: disable=g-import-not-at-top,wrong-import-position
 from absl import logging  # pylint: disable=g-import-not-at-top,wrong-import-position
 
+from tfdist import cli  # pylint: disable=g-import-not-at-top,wrong-import-position
 from tfdist import flags as tfdist_flags  # pylint: disable=g-import-not-at-top,wrong-import-position
 from tfdist import config as config_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
 from tfdist import environment as environment_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -167,16 +168,7 @@ def _parse_flags(argv):
 def run():
   """The entry point of `python -m tfdist.train` and of the `tfdist-train`
   console script."""
-  # --helpshort lists the key flags of the main module, which absl names by
-  # sys.argv[0], under the usage text of `__main__`'s docstring: this file
-  # under `python -m`, but the wrapper script when pip's console script
-  # `tfdist-train` runs.
-  main_module = sys.modules["__main__"]
-  if not main_module.__doc__:
-    main_module.__doc__ = __doc__
-  for name in KEY_FLAGS:
-    absl_flags.FLAGS.register_key_flag_for_module(sys.argv[0],
-                                                  absl_flags.FLAGS[name])
+  cli.adopt_usage(__doc__, [absl_flags.FLAGS[name] for name in KEY_FLAGS])
   try:
     app.run(main, flags_parser=_parse_flags)
   except SystemExit as e:
