@@ -156,10 +156,10 @@ class PeerNeverStartsTest(absltest.TestCase):
          "--cluster_start_timeout_seconds=8"],
         timeout=90, env={"TF_CONFIG": launch.tf_config(cluster, tasks[0])})
     self.assertIsNotNone(code, "the worker hung:\n" + out[-3000:])
-    self.assertNotEqual(code, 0)
+    self.assertEqual(code, 137, out[-3000:])  # Retryable: no cluster in time.
     self.assertLess(seconds, 60)
     self.assertLess(time.time() - started, 90)
-    self.assertIn("could not form the multi_worker_mirrored cluster within "
+    self.assertIn("did not all answer within "
                   "--cluster_start_timeout_seconds=8", out)
     self.assertIn(cluster["worker"][0], out)  # Names the missing peer.
 

@@ -47,8 +47,9 @@ class XlaTest(absltest.TestCase):
   def test_step_is_xla_compiled_and_matches(self):
     trainer, model, out, (inputs, labels) = _train(enable_xla=True)
     self.assertTrue(trainer.xla_applied)
+    # No sample weights (the third argument) in this data.
     hlo = trainer._replica_grads.experimental_get_compiler_ir(
-        tf.constant(inputs), tf.constant(labels))(stage="hlo")
+        tf.constant(inputs), tf.constant(labels), None)(stage="hlo")
     self.assertIn("HloModule", hlo)
     self.assertEqual(int(trainer.global_step.numpy()), 3)
     plain_trainer, plain_model, plain_out, _ = _train(enable_xla=False)
