@@ -36,6 +36,8 @@ CHECKPOINT_STEPS = 8
 KILL_AFTER_STEP = 20  # The kill comes after the step-16 checkpoint.
 # Measured on the busy 2-core machine: 0.62 after 48 steps (chance: 0.1).
 ACCURACY_FLOOR = 0.5
+TUNE_STEPS = 8       # Two Tune trials of 8 steps, one worker each.
+TUNE_TIMEOUT = 300    # seconds: a hang guard.
 JOB_TIMEOUT = 420     # seconds: a hang guard; the job took 100-180 s (kill included).
 
 
@@ -389,6 +391,75 @@ class LocalRayClusterTest(absltest.TestCase):
                 for a in manifest["cluster"]["jobs"]["worker"]}
     self.assertLessEqual(tf_ports, {port for _, port in wide}, wide)
     self.assertLessEqual(len(wide), 4, wide)  # 2 workers x 2 attempts.
+
+  def test_tune_runs_two_trials_of_their_own(self):
+    from ray import tune  # pylint: disable=g-import-not-at-top
+    root = testutil.scratch_dir()
+    trainable = tfdist_ray.tune_trainable(
+        _config(os.path.join(root, "trials"), self.data,
+                train_steps=TUNE_STEPS, checkpoint_steps=TUNE_STEPS // 2),
+        # Both trials at once on the 2 CPUs: 0.9 + 0.01 each.
+        num_workers=1, cpus_per_worker=0.9)
+    rates = [0.02, 0.0005]
+    tuner = tune.Tuner(
+        trainable,
+        param_space={"base_learning_rate": tune.grid_search(rates)},
+        run_config=tune.RunConfig(storage_path=os.path.join(root, "tune"),
+                                  name="rates"))
+    outcome = {}
+
+    def fit():
+      try:
+        outcome["results"] = tuner.fit()
+      except BaseException as e:  # pylint: disable=broad-except
+        outcome["error"] = e
+
+    started = time.time()
+    thread = threading.Thread(target=fit, daemon=True)
+    thread.start()
+    thread.join(timeout=TUNE_TIMEOUT)
+    self.assertFalse(thread.is_alive(),
+                     f"the Tune run ran past {TUNE_TIMEOUT} s")
+    self.assertNotIn("error", outcome, repr(outcome.get("error")))
+    results = outcome["results"]
+    print(f"tune: 2 trials in {time.time() - started:.1f} s")
+    self.assertLen(results, 2)
+    self.assertEqual(results.errors, [])
+    by_rate = {r.config["base_learning_rate"]: r for r in results}
+    self.assertCountEqual(by_rate, rates)
+    model_dirs, checkpoints = set(), set()
+    for rate, result in by_rate.items():
+      metrics = result.metrics
+      self.assertEqual(metrics["final_step"], TUNE_STEPS)
+      self.assertEqual(metrics["num_replicas_in_sync"], 1)
+      self.assertIn("eval_accuracy", metrics)
+      # Tune saw the log points' reports on the way (its schedulers' input).
+      frame = result.metrics_dataframe
+      self.assertContainsSubset([4, TUNE_STEPS], list(frame["step"]))
+      self.assertTrue(frame.loc[frame["step"] == 4, "loss"].notna().all())
+      # The trial's checkpoint: its final tfdist checkpoint and manifest,
+      # of a run with its own learning rate and --model_dir.
+      self.assertIsNotNone(result.checkpoint)
+      with result.checkpoint.as_directory() as folder:
+        self.assertTrue(tf.train.latest_checkpoint(folder).endswith(
+            f"ckpt-{TUNE_STEPS}"))
+        saved = json.load(open(os.path.join(folder, "run_manifest.json")))
+      self.assertEqual(saved["config"]["base_learning_rate"], rate)
+      model_dir = saved["config"]["model_dir"]
+      self.assertEqual(os.path.dirname(model_dir),
+                       os.path.join(root, "trials"))
+      self.assertTrue(tf.train.latest_checkpoint(
+          os.path.join(model_dir, "checkpoints")).endswith(
+              f"ckpt-{TUNE_STEPS}"))
+      model_dirs.add(model_dir)
+      checkpoints.add(result.checkpoint.path)
+    self.assertLen(model_dirs, 2)
+    self.assertLen(checkpoints, 2)
+    # Different learning rates, different runs.
+    self.assertNotEqual(*[r.metrics["eval_loss"] for r in by_rate.values()])
+    best = results.get_best_result(metric="eval_loss", mode="min")
+    self.assertEqual(best.metrics["eval_loss"],
+                     min(r.metrics["eval_loss"] for r in by_rate.values()))
 
 
 if __name__ == "__main__":

@@ -624,8 +624,7 @@ def run_on_ray(config: TrainConfig, *, num_workers: int, use_gpu: bool = False,
   config = prepare_config(config)
   _require_ray()
   import ray  # pylint: disable=g-import-not-at-top,redefined-outer-name
-  from ray.train import FailureConfig, RunConfig, ScalingConfig  # pylint: disable=g-import-not-at-top
-  from ray.train.tensorflow import TensorflowTrainer  # pylint: disable=g-import-not-at-top
+  from ray.train import FailureConfig, RunConfig  # pylint: disable=g-import-not-at-top
   if ray.is_initialized() and _is_local(config.model_dir):
     nodes = [n for n in ray.nodes() if n.get("Alive")]
     if len(nodes) > 1:
@@ -634,7 +633,6 @@ def run_on_ray(config: TrainConfig, *, num_workers: int, use_gpu: bool = False,
           "chief writes checkpoints there and the other workers restore from "
           "it, so it must be shared storage (gs://, or a shared mount).",
           config.model_dir, len(nodes))
-  resources = {"CPU": cpus_per_worker, **({"GPU": 1} if use_gpu else {})}
   if run_config is not None:
     given = [f for f, v in (("name", name), ("storage_path", storage_path),
                             ("max_failures", max_failures)) if v]
@@ -651,6 +649,23 @@ def run_on_ray(config: TrainConfig, *, num_workers: int, use_gpu: bool = False,
         storage_path=storage_path or os.path.join(config.model_dir,
                                                   "ray_results"),
         failure_config=FailureConfig(max_failures=max_failures))
+  logging.info("Ray Train: %d worker(s) x %s CPUs%s, max_failures=%d, "
+               "model_dir %s", num_workers, cpus_per_worker,
+               " + 1 GPU" if use_gpu else "", max_failures, config.model_dir)
+  return _fit(config, num_workers=num_workers, use_gpu=use_gpu,
+              cpus_per_worker=cpus_per_worker, callbacks=callbacks,
+              run_config=run_config, resume_from=resume_from_checkpoint)
+
+
+def _fit(config: TrainConfig, *, num_workers: int, use_gpu: bool,
+         cpus_per_worker: float, callbacks: Sequence, run_config,
+         resume_from=None):
+  """Builds tfdist's `TensorflowTrainer` for the prepared `config` and runs
+  it (`trainer.fit()`); returns the `ray.train.Result`."""
+  import ray  # pylint: disable=g-import-not-at-top,redefined-outer-name
+  from ray.train import ScalingConfig  # pylint: disable=g-import-not-at-top
+  from ray.train.tensorflow import TensorflowTrainer  # pylint: disable=g-import-not-at-top
+  resources = {"CPU": cpus_per_worker, **({"GPU": 1} if use_gpu else {})}
   scratch = None
   if (ray.is_initialized() and run_config.worker_runtime_env is None and
       len([n for n in ray.nodes() if n.get("Alive")]) == 1):
@@ -667,17 +682,135 @@ def run_on_ray(config: TrainConfig, *, num_workers: int, use_gpu: bool = False,
       # the training function gets it (`resume_from_checkpoint=` of the
       # trainer is deprecated there).
       train_loop_config={"config": config, "callbacks": list(callbacks),
-                         "resume_from": resume_from_checkpoint},
+                         "resume_from": resume_from},
       scaling_config=ScalingConfig(num_workers=num_workers, use_gpu=use_gpu,
                                    resources_per_worker=resources),
       run_config=run_config)
-  logging.info("Ray Train: %d worker(s) x %s, max_failures=%d, model_dir %s",
-               num_workers, resources, max_failures, config.model_dir)
   try:
     return trainer.fit()
   finally:
     if scratch:
       shutil.rmtree(scratch, ignore_errors=True)
+
+
+# --- Ray Tune -----------------------------------------------------------------
+# TrainConfig fields a trial may not set: each trial's own folders follow
+# from its --model_dir, and Ray Train gives the cluster.
+_TRIAL_FIXED_FIELDS = ("model_dir", "checkpoint_dir", "tensorboard_dir",
+                       "export_dir", "worker_hosts", "task_index",
+                       "distribution_strategy")
+
+
+# The CPUs a Tune trial's own process reserves: it only waits on its Ray
+# Train job (Tune refuses a trial that reserves nothing).
+TRIAL_DRIVER_CPUS = 0.01
+
+
+def tune_trainable(config: TrainConfig, *, num_workers: int = 1,
+                   use_gpu: bool = False, cpus_per_worker: float = 1.0,
+                   callbacks: Sequence = ()):
+  """A Ray Tune trainable running one tfdist Ray Train job per trial.
+
+  Use it with Ray Tune, tfdist.train's flag names as the search space:
+
+      tuner = ray.tune.Tuner(
+          tfdist.ray.tune_trainable(config, num_workers=1),
+          param_space={"base_learning_rate":
+                       ray.tune.grid_search([0.02, 0.002])})
+      best = tuner.fit().get_best_result(metric="eval_loss", mode="min")
+
+  Each trial runs `config` with the trial's parameters as `TrainConfig`
+  field overrides (a `replace`, validated as flags are), in a
+  `--model_dir` of its own: `<config.model_dir>/<trial name>` (its
+  checkpoints, TensorBoard files, manifest and Ray Train run records under
+  `ray_results/` there). Ray Train's reports (every `--log_steps` and every
+  evaluation, see `RayReportCallback`) reach Tune as the trial's
+  intermediate results, so Tune's schedulers (ASHA, PBT, ...) can act on
+  them by `step` (the log points' reports hold `loss`, the evaluations'
+  `val_loss`, `val_accuracy`, ..., the last one `eval_*`: a
+  `TuneConfig(metric=)` Tune checks in every result needs
+  `TUNE_DISABLE_STRICT_METRIC_CHECKING=1`); the trial ends with
+  tfdist's final metrics (`final_metrics`) and its final checkpoint (the
+  tfdist checkpoint and `run_manifest.json`), so the trial's
+  `ray.tune.Result` has `metrics`, `checkpoint` and `path` of its own. A
+  trial whose job fails raises its error in Tune (the trial's `error`).
+
+  The trial's own process reserves `TRIAL_DRIVER_CPUS` (0.01) CPUs; its
+  Ray Train workers (`num_workers` x `cpus_per_worker` CPUs, + 1 GPU each
+  with `use_gpu`) are what a trial holds, so on N CPUs about N /
+  (num_workers * cpus_per_worker + 0.01) trials run at once
+  (`TuneConfig(max_concurrent_trials=)` lowers that).
+
+  Args:
+    config: the base `TrainConfig` (`prepare_config` is applied to it
+      here); `model_dir` is the folder of the trials' folders.
+    num_workers: Ray Train workers per trial (>= 1).
+    use_gpu: give each worker one GPU.
+    cpus_per_worker: CPUs Ray reserves per worker (> 0).
+    callbacks: extra Keras callbacks for every worker of every trial
+      (picklable).
+
+  Returns:
+    A function trainable (`ray.tune.with_resources` of it) for
+    `ray.tune.Tuner`.
+
+  Raises:
+    ImportError: Ray Tune is not installed.
+    ConfigError: from `prepare_config`, bad counts, or `config` with its own
+      `checkpoint_dir`, `tensorboard_dir` or `export_dir` (trials would
+      share them). A trial's parameter that is no `TrainConfig` field, or
+      one of `model_dir`, `checkpoint_dir`, `tensorboard_dir`,
+      `export_dir`, `worker_hosts`, `task_index`, `distribution_strategy`,
+      fails that trial with a ConfigError naming it.
+  """
+  if num_workers < 1:
+    raise ConfigError(f"num_workers={num_workers} must be >= 1.")
+  if cpus_per_worker <= 0:
+    raise ConfigError(f"cpus_per_worker={cpus_per_worker} must be > 0.")
+  shared = [f for f in ("checkpoint_dir", "tensorboard_dir", "export_dir")
+            if getattr(config, f)]
+  if shared:
+    raise ConfigError(
+        f"--{shared[0]}={getattr(config, shared[0])!r} would be shared by "
+        "every Tune trial: leave it unset, and each trial's goes under its "
+        "own --model_dir (<model_dir>/<trial name>).")
+  base = prepare_config(config)
+  _require_ray()
+  try:
+    from ray import tune  # pylint: disable=g-import-not-at-top
+  except ImportError as e:
+    raise ImportError(f"{INSTALL_HINT} Ray Tune: pip install 'ray[tune]' "
+                      f"({e})") from None
+  fields = set(TrainConfig.__dataclass_fields__)
+
+  def tfdist_trial(params: dict):
+    from ray.train import RunConfig  # pylint: disable=g-import-not-at-top
+    from ray.tune.integration.ray_train import TuneReportCallback  # pylint: disable=g-import-not-at-top
+    bad = sorted(k for k in params
+                 if k not in fields or k in _TRIAL_FIXED_FIELDS)
+    if bad:
+      raise ConfigError(
+          f"Tune parameter {bad[0]!r}: not a tfdist.train flag a trial may "
+          f"set ({'each trial has its own' if bad[0] in fields else 'no such field'}"
+          "). Use TrainConfig field names (the flag names), other than "
+          f"{', '.join(_TRIAL_FIXED_FIELDS)}.")
+    trial = tune.get_context().get_trial_name()
+    trial_config = base.replace(model_dir=os.path.join(base.model_dir, trial),
+                                **params)
+    result = _fit(
+        trial_config, num_workers=num_workers, use_gpu=use_gpu,
+        cpus_per_worker=cpus_per_worker, callbacks=callbacks,
+        run_config=RunConfig(
+            name=trial,
+            storage_path=os.path.join(trial_config.model_dir, "ray_results"),
+            callbacks=[TuneReportCallback()]))
+    if result.error is not None:
+      raise result.error
+    checkpoint = result.checkpoint and tune.Checkpoint(
+        result.checkpoint.path, filesystem=result.checkpoint.filesystem)
+    tune.report(result.metrics, checkpoint=checkpoint)
+
+  return tune.with_resources(tfdist_trial, {"CPU": TRIAL_DRIVER_CPUS})
 
 
 # --- binary ------------------------------------------------------------------
