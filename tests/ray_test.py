@@ -12,10 +12,13 @@ The other tests check what happens before Ray starts (config checks, the
 binary's flag handling, the message without Ray installed).
 """
 
+import collections
+import contextlib
 import glob
 import ipaddress
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -28,6 +31,7 @@ import tensorflow as tf
 
 from tests import ray_testlib
 from tests import testutil
+from tfdist import quiet_tensorflow
 from tfdist import ray as tfdist_ray
 from tfdist.config import ConfigError, TrainConfig
 
@@ -87,6 +91,54 @@ class _ListenWatch:
     self._stop.set()
     self._thread.join(timeout=30)
     return False
+
+
+@contextlib.contextmanager
+def _captured_output(into: list):
+  """Captures this process's output (`sys.stdout`/`sys.stderr`, where Ray
+  prints its processes' forwarded lines, and file descriptors 1 and 2)
+  into `into[0]`, and writes it through."""
+  sys.stdout.flush()
+  sys.stderr.flush()
+  saved = [os.dup(1), os.dup(2)]
+  streams = sys.stdout, sys.stderr
+  with tempfile.TemporaryFile() as captured:
+    os.dup2(captured.fileno(), 1)
+    os.dup2(captured.fileno(), 2)
+    text = os.fdopen(os.dup(captured.fileno()), "w", buffering=1)
+    sys.stdout = sys.stderr = text
+    try:
+      yield
+    finally:
+      text.flush()
+      sys.stdout, sys.stderr = streams
+      text.close()
+      os.dup2(saved[0], 1)
+      os.dup2(saved[1], 2)
+      for fd in saved:
+        os.close(fd)
+      captured.seek(0)
+      into.append(captured.read().decode(errors="replace"))
+      sys.stderr.write(into[0])
+
+
+_PROCESS_LINE = re.compile(r"^\((\S+ pid=\d+)\) (.*)$")
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def _repeated_lines(output: str):
+  """`{(process, line): count}` of the lines a Ray process wrote more than
+  once (Python's "INFO:tensorflow:" logger prefix left out, so a line
+  written by two handlers counts twice)."""
+  counts = collections.Counter()
+  for raw in output.splitlines():
+    match = _PROCESS_LINE.match(_ANSI.sub("", raw).strip())
+    if not match or not match.group(2).strip():
+      continue
+    line = re.sub(r"^(DEBUG|INFO|WARNING|ERROR):tensorflow:", "",
+                  match.group(2).strip())
+    counts[(match.group(1), line)] += 1
+  return {k: n for k, n in counts.items() if n > 1}
 
 
 def _config(model_dir, data, **overrides):
@@ -415,11 +467,29 @@ class LocalRayClusterTest(absltest.TestCase):
         outcome["error"] = e
 
     started = time.time()
-    thread = threading.Thread(target=fit, daemon=True)
-    thread.start()
-    thread.join(timeout=TUNE_TIMEOUT)
+    output = []
+    with _captured_output(output):
+      thread = threading.Thread(target=fit, daemon=True)
+      thread.start()
+      thread.join(timeout=TUNE_TIMEOUT)
+      time.sleep(3)  # Ray's log monitor forwards the last lines.
     self.assertFalse(thread.is_alive(),
                      f"the Tune run ran past {TUNE_TIMEOUT} s")
+    # Clean logs: each line of a Ray process once (TensorFlow's too), no
+    # import-time notices, no controller-state warnings.
+    output = output[0]
+    self.assertEqual(_repeated_lines(output), {})
+    self.assertNotIn("Failed to query Ray Train Controller actor state",
+                     output)
+    self.assertEqual([line for line in output.splitlines()
+                      if quiet_tensorflow.IMPORT_NOTICES.search(
+                          _ANSI.sub("", line))], [])
+    # The output read is the workers': a TensorFlow line of each trial's
+    # worker, once.
+    strategy_lines = [line for line in output.splitlines()
+                      if "RayTrainWorker pid=" in line and
+                      "Using MirroredStrategy with devices" in line]
+    self.assertLen(strategy_lines, 2, output)
     self.assertNotIn("error", outcome, repr(outcome.get("error")))
     results = outcome["results"]
     print(f"tune: 2 trials in {time.time() - started:.1f} s")

@@ -92,6 +92,8 @@ LOCALHOST = "127.0.0.1"
 # behaviour on macOS and Windows). Without it Ray replaces a node IP of
 # 127.0.0.1 by the machine's network address.
 SINGLE_NODE_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+# Ray Train's patch of print() in its workers (see `_fit`).
+PRINT_PATCH_ENV = "RAY_TRAIN_ENABLE_PRINT_PATCH"
 # Unix socket paths are limited to 107 bytes; Ray puts its sockets at
 # TEMP_DIR/session_<date>_<time>_<micros>_<pid>/sockets/plasma_store
 # (about 70 bytes after TEMP_DIR).
@@ -265,11 +267,51 @@ _STATE_API_LOGGER = (
 
 def setup_local_worker_process():
   """Runs at the start of every process of `init_local_cluster`'s cluster
-  (Ray's `worker_process_setup_hook`): silences the placement-group
-  cleaner's warning that the State API (the dashboard, off here) is
-  unavailable, which it repeats every second of a run."""
+  (Ray's `worker_process_setup_hook`).
+
+  * Silences the placement-group cleaner's warning that the State API
+    (the dashboard, off here) is unavailable, which it repeats every
+    second of a run.
+  * TensorFlow's native code prints its import-time notices (absl's
+    "logging is not initialized" line, the oneDNN and CPU-feature lines)
+    twice per process, from two of its libraries, whatever
+    `TF_CPP_MIN_LOG_LEVEL` says; Ray's Train controller, Tune's trial
+    processes and the Train workers all import TensorFlow (through
+    `ray.train.tensorflow`). Here the first import of each process leaves
+    them out (`quiet_tensorflow.quiet_on_import`), and TensorFlow's C++
+    INFO and WARNING lines are off as in `tfdist.train`
+    (`TF_CPP_MIN_LOG_LEVEL=2` unless set; `TF_CPP_MIN_LOG_LEVEL=0` shows
+    everything).
+  """
   import logging as std_logging  # pylint: disable=g-import-not-at-top
+  from tfdist import quiet_tensorflow  # pylint: disable=g-import-not-at-top
   std_logging.getLogger(_STATE_API_LOGGER).setLevel(std_logging.ERROR)
+  quiet_tensorflow.default_log_level()
+  quiet_tensorflow.quiet_on_import()
+
+
+def _log_tensorflow_once():
+  """Leaves TensorFlow's Python log lines to the root logger's handlers.
+
+  TensorFlow's logger gets a stderr handler of its own when TensorFlow is
+  imported before the root logger has one (`tf.get_logger()`), and
+  passes its records on to the root logger as well. In a Ray Train
+  worker, Ray imports TensorFlow first and then gives the root logger its
+  console and log-file handlers, so every TensorFlow line was written
+  twice ("INFO:tensorflow:..." and the plain one). With root handlers
+  there, TensorFlow's own stderr handlers go; its lines are then written
+  once, by Ray's handlers (and so in Ray Train's worker log file too).
+  """
+  import logging as std_logging  # pylint: disable=g-import-not-at-top
+  root = std_logging.getLogger()
+  tf_logger = std_logging.getLogger("tensorflow")
+  if not root.handlers or not tf_logger.propagate:
+    return
+  for handler in list(tf_logger.handlers):
+    if (type(handler) is std_logging.StreamHandler and  # pylint: disable=unidiomatic-typecheck
+        handler.stream in (sys.stderr, sys.stdout, sys.__stderr__,
+                           sys.__stdout__)):
+      tf_logger.removeHandler(handler)
 
 
 # --- tfdist checkpoints as Ray checkpoints -----------------------------------
@@ -533,6 +575,7 @@ def train_loop_per_worker(loop_config: dict) -> dict:
   # tfdist runs Keras 3, and its subprocesses must not pick that up.
   os.environ.pop("TF_USE_LEGACY_KERAS", None)
   import ray.train  # pylint: disable=g-import-not-at-top,redefined-outer-name
+  _log_tensorflow_once()
   from tfdist import experiment  # pylint: disable=g-import-not-at-top
   from tfdist import manifest as manifest_lib  # pylint: disable=g-import-not-at-top
   config = loop_config["config"]
@@ -667,6 +710,13 @@ def _fit(config: TrainConfig, *, num_workers: int, use_gpu: bool,
   from ray.train.tensorflow import TensorflowTrainer  # pylint: disable=g-import-not-at-top
   resources = {"CPU": cpus_per_worker, **({"GPU": 1} if use_gpu else {})}
   scratch = None
+  worker_env = dict(run_config.worker_runtime_env or {})
+  env_vars = dict(worker_env.get("env_vars") or {})
+  # Ray replaces a worker's sys.stdout by an unbuffered file on the same
+  # descriptor, which Ray Train's print patch takes for a user's redirect:
+  # it then writes each print() twice, to stdout and through the root
+  # logger to the console. Without the patch each print() line comes once.
+  env_vars.setdefault(PRINT_PATCH_ENV, "0")
   if (ray.is_initialized() and run_config.worker_runtime_env is None and
       len([n for n in ray.nodes() if n.get("Alive")]) == 1):
     # One machine: the workers' temporary files (the non-chief workers'
@@ -674,8 +724,9 @@ def _fit(config: TrainConfig, *, num_workers: int, use_gpu: bool,
     # folder of this run's, deleted at the end, so that a worker Ray
     # killed leaves nothing behind.
     scratch = tempfile.mkdtemp(prefix="tfdist-ray-scratch-")
-    run_config = copy.copy(run_config)  # The caller's stays as it was.
-    run_config.worker_runtime_env = {"env_vars": {"TMPDIR": scratch}}
+    env_vars["TMPDIR"] = scratch
+  run_config = copy.copy(run_config)  # The caller's stays as it was.
+  run_config.worker_runtime_env = {**worker_env, "env_vars": env_vars}
   trainer = TensorflowTrainer(
       train_loop_per_worker,
       # Ray Train 2's way of starting from an earlier run's checkpoint:
@@ -887,6 +938,10 @@ def main(argv):
     raise app.UsageError(str(e)) from None
   if FLAGS.address == "local":
     os.environ.setdefault(SINGLE_NODE_ENV, "0")
+  # This process imports TensorFlow too (through `ray.train.tensorflow`).
+  from tfdist import quiet_tensorflow  # pylint: disable=g-import-not-at-top
+  quiet_tensorflow.default_log_level()
+  quiet_tensorflow.quiet_on_import()
   try:
     ray = _require_ray()
   except ImportError as e:
