@@ -206,6 +206,13 @@ class PrepareConfigTest(absltest.TestCase):
                      os.path.join(os.path.expanduser("~"), "exported"))
     self.assertTrue(os.path.isabs(config.eval_files))
 
+  def test_tune_trials_cannot_share_a_checkpoint_dir(self):
+    config = _config("/tmp/x", self.data, checkpoint_dir="/tmp/shared")
+    with self.assertRaisesRegex(
+        ConfigError, r"--checkpoint_dir='/tmp/shared' would be shared by "
+        r"every Tune trial: leave it unset"):
+      tfdist_ray.tune_trainable(config)
+
   def test_local_glob_without_files_named(self):
     config = _config("/tmp/x", self.data, train_files="/nonexistent/t-*")
     with self.assertRaisesRegex(ConfigError,

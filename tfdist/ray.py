@@ -44,6 +44,14 @@ What Ray does and what tfdist does:
   run records go to `--storage_path` (default `<model_dir>/ray_results`).
 * On one machine the workers' temporary files (non-chief scratch folders)
   go to a folder of the run's, deleted at the end, killed workers' too.
+* Ray Tune: `tune_trainable(config, num_workers=...)` is a trainable
+  whose trials are tfdist Ray Train jobs, with `tfdist.train` flags
+  (`TrainConfig` fields) as the search space and a `--model_dir` per
+  trial.
+* Each line of a Ray process once: TensorFlow's Python log lines go
+  through the root logger's handlers only, Ray Train's print patch is off
+  in the workers, and in the local cluster's processes TensorFlow's
+  import-time notices are left out (see `setup_local_worker_process`).
 * `--address=local` (the default) starts a private one-machine Ray cluster
   for this job with every Ray process on 127.0.0.1 (see
   `init_local_cluster`) and stops it at the end; `--address=auto` joins
