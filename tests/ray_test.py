@@ -12,10 +12,13 @@ The other tests check what happens before Ray starts (config checks, the
 binary's flag handling, the message without Ray installed).
 """
 
+import collections
+import contextlib
 import glob
 import ipaddress
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -28,6 +31,7 @@ import tensorflow as tf
 
 from tests import ray_testlib
 from tests import testutil
+from tfdist import quiet_tensorflow
 from tfdist import ray as tfdist_ray
 from tfdist.config import ConfigError, TrainConfig
 
@@ -36,6 +40,8 @@ CHECKPOINT_STEPS = 8
 KILL_AFTER_STEP = 20  # The kill comes after the step-16 checkpoint.
 # Measured on the busy 2-core machine: 0.62 after 48 steps (chance: 0.1).
 ACCURACY_FLOOR = 0.5
+TUNE_STEPS = 8       # Two Tune trials of 8 steps, one worker each.
+TUNE_TIMEOUT = 300    # seconds: a hang guard.
 JOB_TIMEOUT = 420     # seconds: a hang guard; the job took 100-180 s (kill included).
 
 
@@ -85,6 +91,54 @@ class _ListenWatch:
     self._stop.set()
     self._thread.join(timeout=30)
     return False
+
+
+@contextlib.contextmanager
+def _captured_output(into: list):
+  """Captures this process's output (`sys.stdout`/`sys.stderr`, where Ray
+  prints its processes' forwarded lines, and file descriptors 1 and 2)
+  into `into[0]`, and writes it through."""
+  sys.stdout.flush()
+  sys.stderr.flush()
+  saved = [os.dup(1), os.dup(2)]
+  streams = sys.stdout, sys.stderr
+  with tempfile.TemporaryFile() as captured:
+    os.dup2(captured.fileno(), 1)
+    os.dup2(captured.fileno(), 2)
+    text = os.fdopen(os.dup(captured.fileno()), "w", buffering=1)
+    sys.stdout = sys.stderr = text
+    try:
+      yield
+    finally:
+      text.flush()
+      sys.stdout, sys.stderr = streams
+      text.close()
+      os.dup2(saved[0], 1)
+      os.dup2(saved[1], 2)
+      for fd in saved:
+        os.close(fd)
+      captured.seek(0)
+      into.append(captured.read().decode(errors="replace"))
+      sys.stderr.write(into[0])
+
+
+_PROCESS_LINE = re.compile(r"^\((\S+ pid=\d+)\) (.*)$")
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def _repeated_lines(output: str):
+  """`{(process, line): count}` of the lines a Ray process wrote more than
+  once (Python's "INFO:tensorflow:" logger prefix left out, so a line
+  written by two handlers counts twice)."""
+  counts = collections.Counter()
+  for raw in output.splitlines():
+    match = _PROCESS_LINE.match(_ANSI.sub("", raw).strip())
+    if not match or not match.group(2).strip():
+      continue
+    line = re.sub(r"^(DEBUG|INFO|WARNING|ERROR):tensorflow:", "",
+                  match.group(2).strip())
+    counts[(match.group(1), line)] += 1
+  return {k: n for k, n in counts.items() if n > 1}
 
 
 def _config(model_dir, data, **overrides):
@@ -151,6 +205,13 @@ class PrepareConfigTest(absltest.TestCase):
     self.assertEqual(config.export_dir,
                      os.path.join(os.path.expanduser("~"), "exported"))
     self.assertTrue(os.path.isabs(config.eval_files))
+
+  def test_tune_trials_cannot_share_a_checkpoint_dir(self):
+    config = _config("/tmp/x", self.data, checkpoint_dir="/tmp/shared")
+    with self.assertRaisesRegex(
+        ConfigError, r"--checkpoint_dir='/tmp/shared' would be shared by "
+        r"every Tune trial: leave it unset"):
+      tfdist_ray.tune_trainable(config)
 
   def test_local_glob_without_files_named(self):
     config = _config("/tmp/x", self.data, train_files="/nonexistent/t-*")
@@ -389,6 +450,93 @@ class LocalRayClusterTest(absltest.TestCase):
                 for a in manifest["cluster"]["jobs"]["worker"]}
     self.assertLessEqual(tf_ports, {port for _, port in wide}, wide)
     self.assertLessEqual(len(wide), 4, wide)  # 2 workers x 2 attempts.
+
+  def test_tune_runs_two_trials_of_their_own(self):
+    from ray import tune  # pylint: disable=g-import-not-at-top
+    root = testutil.scratch_dir()
+    trainable = tfdist_ray.tune_trainable(
+        _config(os.path.join(root, "trials"), self.data,
+                train_steps=TUNE_STEPS, checkpoint_steps=TUNE_STEPS // 2),
+        # Both trials at once on the 2 CPUs: 0.9 + 0.01 each.
+        num_workers=1, cpus_per_worker=0.9)
+    rates = [0.02, 0.0005]
+    tuner = tune.Tuner(
+        trainable,
+        param_space={"base_learning_rate": tune.grid_search(rates)},
+        run_config=tune.RunConfig(storage_path=os.path.join(root, "tune"),
+                                  name="rates"))
+    outcome = {}
+
+    def fit():
+      try:
+        outcome["results"] = tuner.fit()
+      except BaseException as e:  # pylint: disable=broad-except
+        outcome["error"] = e
+
+    started = time.time()
+    output = []
+    with _captured_output(output):
+      thread = threading.Thread(target=fit, daemon=True)
+      thread.start()
+      thread.join(timeout=TUNE_TIMEOUT)
+      time.sleep(3)  # Ray's log monitor forwards the last lines.
+    self.assertFalse(thread.is_alive(),
+                     f"the Tune run ran past {TUNE_TIMEOUT} s")
+    # Clean logs: each line of a Ray process once (TensorFlow's too), no
+    # import-time notices, no controller-state warnings.
+    output = output[0]
+    self.assertEqual(_repeated_lines(output), {})
+    self.assertNotIn("Failed to query Ray Train Controller actor state",
+                     output)
+    self.assertEqual([line for line in output.splitlines()
+                      if quiet_tensorflow.IMPORT_NOTICES.search(
+                          _ANSI.sub("", line))], [])
+    # The output read is the workers': a TensorFlow line of each trial's
+    # worker, once.
+    strategy_lines = [line for line in output.splitlines()
+                      if "RayTrainWorker pid=" in line and
+                      "Using MirroredStrategy with devices" in line]
+    self.assertLen(strategy_lines, 2, output)
+    self.assertNotIn("error", outcome, repr(outcome.get("error")))
+    results = outcome["results"]
+    print(f"tune: 2 trials in {time.time() - started:.1f} s")
+    self.assertLen(results, 2)
+    self.assertEqual(results.errors, [])
+    by_rate = {r.config["base_learning_rate"]: r for r in results}
+    self.assertCountEqual(by_rate, rates)
+    model_dirs, checkpoints = set(), set()
+    for rate, result in by_rate.items():
+      metrics = result.metrics
+      self.assertEqual(metrics["final_step"], TUNE_STEPS)
+      self.assertEqual(metrics["num_replicas_in_sync"], 1)
+      self.assertIn("eval_accuracy", metrics)
+      # Tune saw the log points' reports on the way (its schedulers' input).
+      frame = result.metrics_dataframe
+      self.assertContainsSubset([4, TUNE_STEPS], list(frame["step"]))
+      self.assertTrue(frame.loc[frame["step"] == 4, "loss"].notna().all())
+      # The trial's checkpoint: its final tfdist checkpoint and manifest,
+      # of a run with its own learning rate and --model_dir.
+      self.assertIsNotNone(result.checkpoint)
+      with result.checkpoint.as_directory() as folder:
+        self.assertTrue(tf.train.latest_checkpoint(folder).endswith(
+            f"ckpt-{TUNE_STEPS}"))
+        saved = json.load(open(os.path.join(folder, "run_manifest.json")))
+      self.assertEqual(saved["config"]["base_learning_rate"], rate)
+      model_dir = saved["config"]["model_dir"]
+      self.assertEqual(os.path.dirname(model_dir),
+                       os.path.join(root, "trials"))
+      self.assertTrue(tf.train.latest_checkpoint(
+          os.path.join(model_dir, "checkpoints")).endswith(
+              f"ckpt-{TUNE_STEPS}"))
+      model_dirs.add(model_dir)
+      checkpoints.add(result.checkpoint.path)
+    self.assertLen(model_dirs, 2)
+    self.assertLen(checkpoints, 2)
+    # Different learning rates, different runs.
+    self.assertNotEqual(*[r.metrics["eval_loss"] for r in by_rate.values()])
+    best = results.get_best_result(metric="eval_loss", mode="min")
+    self.assertEqual(best.metrics["eval_loss"],
+                     min(r.metrics["eval_loss"] for r in by_rate.values()))
 
 
 if __name__ == "__main__":

@@ -44,6 +44,14 @@ What Ray does and what tfdist does:
   run records go to `--storage_path` (default `<model_dir>/ray_results`).
 * On one machine the workers' temporary files (non-chief scratch folders)
   go to a folder of the run's, deleted at the end, killed workers' too.
+* Ray Tune: `tune_trainable(config, num_workers=...)` is a trainable
+  whose trials are tfdist Ray Train jobs, with `tfdist.train` flags
+  (`TrainConfig` fields) as the search space and a `--model_dir` per
+  trial.
+* Each line of a Ray process once: TensorFlow's Python log lines go
+  through the root logger's handlers only, Ray Train's print patch is off
+  in the workers, and in the local cluster's processes TensorFlow's
+  import-time notices are left out (see `setup_local_worker_process`).
 * `--address=local` (the default) starts a private one-machine Ray cluster
   for this job with every Ray process on 127.0.0.1 (see
   `init_local_cluster`) and stops it at the end; `--address=auto` joins
@@ -93,6 +101,8 @@ LOCALHOST = "127.0.0.1"
 # behaviour on macOS and Windows). Without it Ray replaces a node IP of
 # 127.0.0.1 by the machine's network address.
 SINGLE_NODE_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+# Ray Train's patch of print() in its workers (see `_fit`).
+PRINT_PATCH_ENV = "RAY_TRAIN_ENABLE_PRINT_PATCH"
 # Unix socket paths are limited to 107 bytes; Ray puts its sockets at
 # TEMP_DIR/session_<date>_<time>_<micros>_<pid>/sockets/plasma_store
 # (about 70 bytes after TEMP_DIR).
@@ -266,11 +276,51 @@ _STATE_API_LOGGER = (
 
 def setup_local_worker_process():
   """Runs at the start of every process of `init_local_cluster`'s cluster
-  (Ray's `worker_process_setup_hook`): silences the placement-group
-  cleaner's warning that the State API (the dashboard, off here) is
-  unavailable, which it repeats every second of a run."""
+  (Ray's `worker_process_setup_hook`).
+
+  * Silences the placement-group cleaner's warning that the State API
+    (the dashboard, off here) is unavailable, which it repeats every
+    second of a run.
+  * TensorFlow's native code prints its import-time notices (absl's
+    "logging is not initialized" line, the oneDNN and CPU-feature lines)
+    twice per process, from two of its libraries, whatever
+    `TF_CPP_MIN_LOG_LEVEL` says; Ray's Train controller, Tune's trial
+    processes and the Train workers all import TensorFlow (through
+    `ray.train.tensorflow`). Here the first import of each process leaves
+    them out (`quiet_tensorflow.quiet_on_import`), and TensorFlow's C++
+    INFO and WARNING lines are off as in `tfdist.train`
+    (`TF_CPP_MIN_LOG_LEVEL=2` unless set; `TF_CPP_MIN_LOG_LEVEL=0` shows
+    everything).
+  """
   import logging as std_logging  # pylint: disable=g-import-not-at-top
+  from tfdist import quiet_tensorflow  # pylint: disable=g-import-not-at-top
   std_logging.getLogger(_STATE_API_LOGGER).setLevel(std_logging.ERROR)
+  quiet_tensorflow.default_log_level()
+  quiet_tensorflow.quiet_on_import()
+
+
+def _log_tensorflow_once():
+  """Leaves TensorFlow's Python log lines to the root logger's handlers.
+
+  TensorFlow's logger gets a stderr handler of its own when TensorFlow is
+  imported before the root logger has one (`tf.get_logger()`), and
+  passes its records on to the root logger as well. In a Ray Train
+  worker, Ray imports TensorFlow first and then gives the root logger its
+  console and log-file handlers, so every TensorFlow line was written
+  twice ("INFO:tensorflow:..." and the plain one). With root handlers
+  there, TensorFlow's own stderr handlers go; its lines are then written
+  once, by Ray's handlers (and so in Ray Train's worker log file too).
+  """
+  import logging as std_logging  # pylint: disable=g-import-not-at-top
+  root = std_logging.getLogger()
+  tf_logger = std_logging.getLogger("tensorflow")
+  if not root.handlers or not tf_logger.propagate:
+    return
+  for handler in list(tf_logger.handlers):
+    if (type(handler) is std_logging.StreamHandler and  # pylint: disable=unidiomatic-typecheck
+        handler.stream in (sys.stderr, sys.stdout, sys.__stderr__,
+                           sys.__stdout__)):
+      tf_logger.removeHandler(handler)
 
 
 # --- tfdist checkpoints as Ray checkpoints -----------------------------------
@@ -534,6 +584,7 @@ def train_loop_per_worker(loop_config: dict) -> dict:
   # tfdist runs Keras 3, and its subprocesses must not pick that up.
   os.environ.pop("TF_USE_LEGACY_KERAS", None)
   import ray.train  # pylint: disable=g-import-not-at-top,redefined-outer-name
+  _log_tensorflow_once()
   from tfdist import experiment  # pylint: disable=g-import-not-at-top
   from tfdist import manifest as manifest_lib  # pylint: disable=g-import-not-at-top
   config = loop_config["config"]
@@ -625,8 +676,7 @@ def run_on_ray(config: TrainConfig, *, num_workers: int, use_gpu: bool = False,
   config = prepare_config(config)
   _require_ray()
   import ray  # pylint: disable=g-import-not-at-top,redefined-outer-name
-  from ray.train import FailureConfig, RunConfig, ScalingConfig  # pylint: disable=g-import-not-at-top
-  from ray.train.tensorflow import TensorflowTrainer  # pylint: disable=g-import-not-at-top
+  from ray.train import FailureConfig, RunConfig  # pylint: disable=g-import-not-at-top
   if ray.is_initialized() and _is_local(config.model_dir):
     nodes = [n for n in ray.nodes() if n.get("Alive")]
     if len(nodes) > 1:
@@ -635,7 +685,6 @@ def run_on_ray(config: TrainConfig, *, num_workers: int, use_gpu: bool = False,
           "chief writes checkpoints there and the other workers restore from "
           "it, so it must be shared storage (gs://, or a shared mount).",
           config.model_dir, len(nodes))
-  resources = {"CPU": cpus_per_worker, **({"GPU": 1} if use_gpu else {})}
   if run_config is not None:
     given = [f for f, v in (("name", name), ("storage_path", storage_path),
                             ("max_failures", max_failures)) if v]
@@ -652,7 +701,31 @@ def run_on_ray(config: TrainConfig, *, num_workers: int, use_gpu: bool = False,
         storage_path=storage_path or os.path.join(config.model_dir,
                                                   "ray_results"),
         failure_config=FailureConfig(max_failures=max_failures))
+  logging.info("Ray Train: %d worker(s) x %s CPUs%s, max_failures=%d, "
+               "model_dir %s", num_workers, cpus_per_worker,
+               " + 1 GPU" if use_gpu else "", max_failures, config.model_dir)
+  return _fit(config, num_workers=num_workers, use_gpu=use_gpu,
+              cpus_per_worker=cpus_per_worker, callbacks=callbacks,
+              run_config=run_config, resume_from=resume_from_checkpoint)
+
+
+def _fit(config: TrainConfig, *, num_workers: int, use_gpu: bool,
+         cpus_per_worker: float, callbacks: Sequence, run_config,
+         resume_from=None):
+  """Builds tfdist's `TensorflowTrainer` for the prepared `config` and runs
+  it (`trainer.fit()`); returns the `ray.train.Result`."""
+  import ray  # pylint: disable=g-import-not-at-top,redefined-outer-name
+  from ray.train import ScalingConfig  # pylint: disable=g-import-not-at-top
+  from ray.train.tensorflow import TensorflowTrainer  # pylint: disable=g-import-not-at-top
+  resources = {"CPU": cpus_per_worker, **({"GPU": 1} if use_gpu else {})}
   scratch = None
+  worker_env = dict(run_config.worker_runtime_env or {})
+  env_vars = dict(worker_env.get("env_vars") or {})
+  # Ray replaces a worker's sys.stdout by an unbuffered file on the same
+  # descriptor, which Ray Train's print patch takes for a user's redirect:
+  # it then writes each print() twice, to stdout and through the root
+  # logger to the console. Without the patch each print() line comes once.
+  env_vars.setdefault(PRINT_PATCH_ENV, "0")
   if (ray.is_initialized() and run_config.worker_runtime_env is None and
       len([n for n in ray.nodes() if n.get("Alive")]) == 1):
     # One machine: the workers' temporary files (the non-chief workers'
@@ -660,25 +733,144 @@ def run_on_ray(config: TrainConfig, *, num_workers: int, use_gpu: bool = False,
     # folder of this run's, deleted at the end, so that a worker Ray
     # killed leaves nothing behind.
     scratch = tempfile.mkdtemp(prefix="tfdist-ray-scratch-")
-    run_config = copy.copy(run_config)  # The caller's stays as it was.
-    run_config.worker_runtime_env = {"env_vars": {"TMPDIR": scratch}}
+    env_vars["TMPDIR"] = scratch
+  run_config = copy.copy(run_config)  # The caller's stays as it was.
+  run_config.worker_runtime_env = {**worker_env, "env_vars": env_vars}
   trainer = TensorflowTrainer(
       train_loop_per_worker,
       # Ray Train 2's way of starting from an earlier run's checkpoint:
       # the training function gets it (`resume_from_checkpoint=` of the
       # trainer is deprecated there).
       train_loop_config={"config": config, "callbacks": list(callbacks),
-                         "resume_from": resume_from_checkpoint},
+                         "resume_from": resume_from},
       scaling_config=ScalingConfig(num_workers=num_workers, use_gpu=use_gpu,
                                    resources_per_worker=resources),
       run_config=run_config)
-  logging.info("Ray Train: %d worker(s) x %s, max_failures=%d, model_dir %s",
-               num_workers, resources, max_failures, config.model_dir)
   try:
     return trainer.fit()
   finally:
     if scratch:
       shutil.rmtree(scratch, ignore_errors=True)
+
+
+# --- Ray Tune -----------------------------------------------------------------
+# TrainConfig fields a trial may not set: each trial's own folders follow
+# from its --model_dir, and Ray Train gives the cluster.
+_TRIAL_FIXED_FIELDS = ("model_dir", "checkpoint_dir", "tensorboard_dir",
+                       "export_dir", "worker_hosts", "task_index",
+                       "distribution_strategy")
+
+
+# The CPUs a Tune trial's own process reserves: it only waits on its Ray
+# Train job (Tune refuses a trial that reserves nothing).
+TRIAL_DRIVER_CPUS = 0.01
+
+
+def tune_trainable(config: TrainConfig, *, num_workers: int = 1,
+                   use_gpu: bool = False, cpus_per_worker: float = 1.0,
+                   callbacks: Sequence = ()):
+  """A Ray Tune trainable running one tfdist Ray Train job per trial.
+
+  Use it with Ray Tune, tfdist.train's flag names as the search space:
+
+      tuner = ray.tune.Tuner(
+          tfdist.ray.tune_trainable(config, num_workers=1),
+          param_space={"base_learning_rate":
+                       ray.tune.grid_search([0.02, 0.002])})
+      best = tuner.fit().get_best_result(metric="eval_loss", mode="min")
+
+  Each trial runs `config` with the trial's parameters as `TrainConfig`
+  field overrides (a `replace`, validated as flags are), in a
+  `--model_dir` of its own: `<config.model_dir>/<trial name>` (its
+  checkpoints, TensorBoard files, manifest and Ray Train run records under
+  `ray_results/` there). Ray Train's reports (every `--log_steps` and every
+  evaluation, see `RayReportCallback`) reach Tune as the trial's
+  intermediate results, so Tune's schedulers (ASHA, PBT, ...) can act on
+  them by `step` (the log points' reports hold `loss`, the evaluations'
+  `val_loss`, `val_accuracy`, ..., the last one `eval_*`: a
+  `TuneConfig(metric=)` Tune checks in every result needs
+  `TUNE_DISABLE_STRICT_METRIC_CHECKING=1`); the trial ends with
+  tfdist's final metrics (`final_metrics`) and its final checkpoint (the
+  tfdist checkpoint and `run_manifest.json`), so the trial's
+  `ray.tune.Result` has `metrics`, `checkpoint` and `path` of its own. A
+  trial whose job fails raises its error in Tune (the trial's `error`).
+
+  The trial's own process reserves `TRIAL_DRIVER_CPUS` (0.01) CPUs; its
+  Ray Train workers (`num_workers` x `cpus_per_worker` CPUs, + 1 GPU each
+  with `use_gpu`) are what a trial holds, so on N CPUs about N /
+  (num_workers * cpus_per_worker + 0.01) trials run at once
+  (`TuneConfig(max_concurrent_trials=)` lowers that).
+
+  Args:
+    config: the base `TrainConfig` (`prepare_config` is applied to it
+      here); `model_dir` is the folder of the trials' folders.
+    num_workers: Ray Train workers per trial (>= 1).
+    use_gpu: give each worker one GPU.
+    cpus_per_worker: CPUs Ray reserves per worker (> 0).
+    callbacks: extra Keras callbacks for every worker of every trial
+      (picklable).
+
+  Returns:
+    A function trainable (`ray.tune.with_resources` of it) for
+    `ray.tune.Tuner`.
+
+  Raises:
+    ImportError: Ray Tune is not installed.
+    ConfigError: from `prepare_config`, bad counts, or `config` with its own
+      `checkpoint_dir`, `tensorboard_dir` or `export_dir` (trials would
+      share them). A trial's parameter that is no `TrainConfig` field, or
+      one of `model_dir`, `checkpoint_dir`, `tensorboard_dir`,
+      `export_dir`, `worker_hosts`, `task_index`, `distribution_strategy`,
+      fails that trial with a ConfigError naming it.
+  """
+  if num_workers < 1:
+    raise ConfigError(f"num_workers={num_workers} must be >= 1.")
+  if cpus_per_worker <= 0:
+    raise ConfigError(f"cpus_per_worker={cpus_per_worker} must be > 0.")
+  shared = [f for f in ("checkpoint_dir", "tensorboard_dir", "export_dir")
+            if getattr(config, f)]
+  if shared:
+    raise ConfigError(
+        f"--{shared[0]}={getattr(config, shared[0])!r} would be shared by "
+        "every Tune trial: leave it unset, and each trial's goes under its "
+        "own --model_dir (<model_dir>/<trial name>).")
+  base = prepare_config(config)
+  _require_ray()
+  try:
+    from ray import tune  # pylint: disable=g-import-not-at-top
+  except ImportError as e:
+    raise ImportError(f"{INSTALL_HINT} Ray Tune: pip install 'ray[tune]' "
+                      f"({e})") from None
+  fields = set(TrainConfig.__dataclass_fields__)
+
+  def tfdist_trial(params: dict):
+    from ray.train import RunConfig  # pylint: disable=g-import-not-at-top
+    from ray.tune.integration.ray_train import TuneReportCallback  # pylint: disable=g-import-not-at-top
+    bad = sorted(k for k in params
+                 if k not in fields or k in _TRIAL_FIXED_FIELDS)
+    if bad:
+      raise ConfigError(
+          f"Tune parameter {bad[0]!r}: not a tfdist.train flag a trial may "
+          f"set ({'each trial has its own' if bad[0] in fields else 'no such field'}"
+          "). Use TrainConfig field names (the flag names), other than "
+          f"{', '.join(_TRIAL_FIXED_FIELDS)}.")
+    trial = tune.get_context().get_trial_name()
+    trial_config = base.replace(model_dir=os.path.join(base.model_dir, trial),
+                                **params)
+    result = _fit(
+        trial_config, num_workers=num_workers, use_gpu=use_gpu,
+        cpus_per_worker=cpus_per_worker, callbacks=callbacks,
+        run_config=RunConfig(
+            name=trial,
+            storage_path=os.path.join(trial_config.model_dir, "ray_results"),
+            callbacks=[TuneReportCallback()]))
+    if result.error is not None:
+      raise result.error
+    checkpoint = result.checkpoint and tune.Checkpoint(
+        result.checkpoint.path, filesystem=result.checkpoint.filesystem)
+    tune.report(result.metrics, checkpoint=checkpoint)
+
+  return tune.with_resources(tfdist_trial, {"CPU": TRIAL_DRIVER_CPUS})
 
 
 # --- binary ------------------------------------------------------------------
@@ -755,6 +947,10 @@ def main(argv):
     raise app.UsageError(str(e)) from None
   if FLAGS.address == "local":
     os.environ.setdefault(SINGLE_NODE_ENV, "0")
+  # This process imports TensorFlow too (through `ray.train.tensorflow`).
+  from tfdist import quiet_tensorflow  # pylint: disable=g-import-not-at-top
+  quiet_tensorflow.default_log_level()
+  quiet_tensorflow.quiet_on_import()
   try:
     ray = _require_ray()
   except ImportError as e:
