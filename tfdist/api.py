@@ -127,7 +127,8 @@ def in_memory_dataset(*, x=None, y=None, sample_weight=None,
       of them) with one row per example; or None with `dataset_fn`.
     dataset_fn: the training dataset function (its `training=True` split)
       when there are no arrays.
-    validation_data: see above; None: no evaluation (as `fit` without it).
+    validation_data: see above; None: no evaluation (as `fit` without it;
+      the `eval` modes then evaluate the arrays `x, y` themselves).
     validation_split: in (0, 1), or 0 for none; arrays only.
 
   Returns:
@@ -184,8 +185,12 @@ def in_memory_dataset(*, x=None, y=None, sample_weight=None,
                                   input_context=input_context))
     if validation is not None:
       return _from_arrays(validation, input_context)
-    return _from_function(validation_data, training=False,
-                          input_context=input_context)
+    if validation_data is not None:
+      return _from_function(validation_data, training=False,
+                            input_context=input_context)
+    # No validation data: the eval modes evaluate the arrays themselves
+    # (as Model.evaluate(x, y) would).
+    return _from_arrays(train, input_context)
 
   return input_fn, validation is not None or validation_data is not None
 
