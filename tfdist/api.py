@@ -15,6 +15,11 @@
     tfdist.fit(build_model, make_dataset, config=tfdist.TrainConfig(
         model_dir="/tmp/run", train_steps=500, batch_size=256))
 
+    # Or in-memory arrays, as keras.Model.fit takes them:
+    tfdist.fit(build_model, x=x, y=y, validation_split=0.2,
+               config=tfdist.TrainConfig(model_dir="/tmp/run2",
+                                         train_epochs=3, batch_size=256))
+
 tfdist picks the strategy (one device, Mirrored, MultiWorkerMirrored from
 `TF_CONFIG` or `tfdist.launch --module`, parameter servers, TPU), builds the
 model in its scope, shards, caches, shuffles, repeats and batches the
