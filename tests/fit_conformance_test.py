@@ -231,6 +231,61 @@ class InProcessStrategiesTest(absltest.TestCase):
             "refused at start (as Keras's fit refuses it)")
 
 
+class EvalModeTest(absltest.TestCase):
+  """`--mode=eval` evaluates as the run evaluated."""
+
+  def test_eval_mode_reports_the_runs_final_eval(self):
+    # A metric with one value per batch depends on the per-replica batch:
+    # only the run's strategy (Mirrored, 2 replicas) and evaluation batch
+    # (64) give the run's number (one device at 1,024 does not).
+    result = _case(self, "results")["eval_mode"]
+    self.assertEqual(result["run_eval_batch_size"], 64)
+    (evaluated,) = result["results"]
+    self.assertEqual(evaluated["evaluated_with"]["strategy"], "mirrored")
+    self.assertEqual(evaluated["evaluated_with"]["num_replicas_in_sync"], 2)
+    self.assertEqual(evaluated["evaluated_with"]["global_batch_size"], 64)
+    for name in ("loss", "spread"):
+      self.assertAlmostEqual(evaluated[name], result["run_eval"][name],
+                             delta=1e-5, msg=name)
+
+
+  def test_evaluator_plan_under_each_run_strategy(self):
+    import tfdist  # pylint: disable=g-import-not-at-top
+    from tfdist import experiment  # pylint: disable=g-import-not-at-top
+    config = tfdist.TrainConfig(model_dir="/unused", batch_size=32,
+                                num_gpus=0, num_cpu_devices=2)
+    record = {"eval_batch_size": 64, "global_batch_size": 64}
+    plans = {s: experiment.evaluator_plan(config, run_strategy=s,
+                                          run_record=record)
+             for s in ("one_device", "mirrored", "multi_worker_mirrored",
+                       "parameter_server", "tpu")}
+    self.assertEqual({s: p.strategy for s, p in plans.items()}, {
+        "one_device": "one_device", "mirrored": "mirrored",
+        # One process outside the cluster: its 2 local devices.
+        "multi_worker_mirrored": "mirrored", "parameter_server": "mirrored",
+        "tpu": "one_device"})
+    self.assertEqual({p.global_batch_size for p in plans.values()}, {64})
+    one_cpu = config.replace(num_cpu_devices=1)
+    self.assertEqual(experiment.evaluator_plan(
+        one_cpu, run_strategy="multi_worker_mirrored",
+        run_record=record).strategy, "one_device")
+    # A record without eval_batch_size: its global batch; the
+    # parameter-server coordinator's at least 1,024.
+    ps = experiment.evaluator_plan(one_cpu, run_strategy="parameter_server",
+                                   run_record={"global_batch_size": 64,
+                                               "strategy":
+                                                   "parameter_server"})
+    self.assertEqual(ps.global_batch_size, 1024)
+    # No record yet (an evaluator task starting first): the run's rule on
+    # the job's flags.
+    self.assertEqual(experiment.evaluator_plan(
+        one_cpu, run_strategy="mirrored", run_record=None).global_batch_size,
+                     32)
+    self.assertEqual(experiment.evaluator_plan(
+        one_cpu, run_strategy="parameter_server",
+        run_record=None).global_batch_size, 1024)
+
+
 class BatchValuedMetricsTest(absltest.TestCase):
 
   def test_a_metric_returning_one_value_per_batch_is_found(self):
@@ -276,6 +331,30 @@ class InMemoryArgumentsTest(absltest.TestCase):
         train_steps=1, batch_size=4, distribution_strategy="one_device")
     with self.assertRaisesRegex(tfdist.ConfigError, pattern):
       tfdist.fit(model_fn, config=config, **kwargs)
+
+  def test_each_pipeline_reads_a_disjoint_share_every_example_once(self):
+    import numpy as np  # pylint: disable=g-import-not-at-top
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+    from tfdist import api  # pylint: disable=g-import-not-at-top
+    x = np.arange(10, dtype="float32")[:, None]
+    input_fn, has_validation = api.in_memory_dataset(
+        x=x, y=np.arange(10), validation_split=0.3)
+    self.assertTrue(has_validation)
+    for training, rows in ((True, range(7)), (False, range(7, 10))):
+      shares = [[int(y) for _, y in input_fn(
+          training=training, input_context=tf.distribute.InputContext(
+              num_input_pipelines=3, input_pipeline_id=i))]
+                for i in range(3)]
+      self.assertEqual(sorted(sum(shares, [])), list(rows))
+      self.assertEqual([len(s) for s in shares],
+                       [len(rows[i::3]) for i in range(3)])
+    # Without validation data nothing is held out; the eval modes read the
+    # arrays themselves.
+    input_fn, has_validation = api.in_memory_dataset(x=x, y=np.arange(10))
+    self.assertFalse(has_validation)
+    self.assertLen(list(input_fn(training=False,
+                                 input_context=tf.distribute.InputContext())),
+                   10)
 
   def test_mismatched_lengths(self):
     import numpy as np  # pylint: disable=g-import-not-at-top
@@ -462,12 +541,20 @@ def _child_main() -> dict:
   handler.emit = lambda record: seen.append(record.getMessage())
   absl_logging.get_absl_logger().addHandler(handler)
   try:
-    lib.tfdist_fit("batch_valued_metric", strategy="mirrored",
-                   model_dir=os.path.join(root, "batch_valued"), epochs=1)
+    run = lib.tfdist_fit("batch_valued_metric", strategy="mirrored",
+                         model_dir=os.path.join(root, "batch_valued"),
+                         epochs=1)
   finally:
     absl_logging.get_absl_logger().removeHandler(handler)
   out["batch_valued_warnings"] = [m for m in seen
                                   if "one value per batch" in m]
+  # --mode=eval on that run's checkpoint, told no strategy (auto).
+  evaluated = lib.tfdist_fit("batch_valued_metric", strategy="auto",
+                             model_dir=os.path.join(root, "batch_valued"),
+                             epochs=1, mode="eval")
+  out["eval_mode"] = {"run_eval": run["eval"],
+                      "run_eval_batch_size": run["eval_batch_size"],
+                      "results": evaluated["results"]}
   resumed_dir = os.path.join(root, "resumed")
   first = lib.tfdist_fit("reduce_lr_on_plateau", strategy="one_device",
                          model_dir=resumed_dir, epochs=2)

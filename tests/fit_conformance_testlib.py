@@ -178,12 +178,15 @@ def keras_fit(case: str) -> dict:
 
 def tfdist_fit(case: str, *, strategy: str, model_dir: str,
                via: str = "dataset_fn", class_weight=None,
-               epochs: int = EPOCHS, extra_callbacks=()) -> dict:
+               epochs: int = EPOCHS, extra_callbacks=(),
+               mode: str = "train_and_eval") -> dict:
   """The case through `tfdist.fit` under `strategy` (an in-process one, or
   the cluster's from `TF_CONFIG`). `via`: `dataset_fn` (a function of
   `(x, y[, w])` examples) or `parse_fn` (TFRecords of `tf.train.Example`s
   in `model_dir`, parsed to the same tuples). `class_weight`: instead of
   the case's. `extra_callbacks`: Keras callbacks added to the case's.
+  `mode`: the `TrainConfig.mode` (`eval`: `results` holds the
+  evaluator's).
   `via="arrays"`: the NumPy arrays as `x, y, sample_weight`, with the
   case's `validation_split`, else `validation_data` = the arrays."""
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
@@ -196,7 +199,7 @@ def tfdist_fit(case: str, *, strategy: str, model_dir: str,
                 optimizer="sgd", momentum=0.0,
                 base_learning_rate=LEARNING_RATE, warmup_steps=0,
                 lr_schedule="constant", shuffle_buffer_size=0,
-                distribution_strategy=strategy, log_steps=1000,
+                distribution_strategy=strategy, log_steps=1000, mode=mode,
                 class_weight=class_weight or spec["class_weight"] or ())
   kwargs = {}
   if via == "dataset_fn":
@@ -235,6 +238,8 @@ def tfdist_fit(case: str, *, strategy: str, model_dir: str,
                    if isinstance(v, float)},
           "learning_rate": recorder.learning_rate,
           "history": manifest.get("history"),
+          "results": manifest.get("results"),
+          "eval_batch_size": manifest.get("eval_batch_size"),
           "restored_step": _restored_step(manifest),
           "final_eval_loss": (manifest.get("final_metrics") or {}).get(
               "eval_loss"),
