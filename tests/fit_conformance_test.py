@@ -62,6 +62,9 @@ FEATURES = (
     ("history", "`History`: `tfdist.fit` returns its `history`"),
     ("batch_valued_metric", "a metric function returning one value per "
      "batch"),
+    ("numpy_arrays", "NumPy arrays `x, y, sample_weight`"),
+    ("validation_split", "`validation_split` (the arrays' last fraction)"),
+    ("validation_data", "`validation_data=(x, y, sample_weight)` arrays"),
 )
 
 
@@ -112,6 +115,7 @@ _IN_PROCESS_RUNS = {
     ("reduce_lr_on_plateau", "dataset_fn"): ("mirrored",),
     ("learning_rate_scheduler", "dataset_fn"): ("mirrored",),
     ("early_stopping_restore", "dataset_fn"): ("one_device", "mirrored"),
+    ("numpy_arrays", "arrays"): ("one_device", "mirrored"),
 }
 
 # The cells measured so far by this process's tests: {feature: {strategy:
@@ -201,6 +205,14 @@ class InProcessStrategiesTest(absltest.TestCase):
         self.assertAlmostEqual(run["final_eval_loss"], best["eval"]["loss"],
                                delta=ATOL)
 
+  def test_numpy_arrays_with_validation_split(self):
+    result = _case(self, "results")
+    # Model.fit's val_ metrics of the last quarter, epoch by epoch.
+    self.assertIn("val_loss", result["keras"]["numpy_arrays"]["history"])
+    self._check_matches("numpy_arrays", "numpy_arrays", via="arrays")
+    for strategy in _IN_PROCESS_RUNS[("numpy_arrays", "arrays")]:
+      _cell("validation_split", strategy, "works")
+
   def test_backup_and_restore_is_refused_at_start(self):
     error = _case(self, "results")["backup_and_restore"]
     self.assertRegex(error, r"ConfigError: callbacks: keras.callbacks."
@@ -217,6 +229,61 @@ class InProcessStrategiesTest(absltest.TestCase):
     for strategy in STRATEGIES:
       _cell("class_and_sample_weight", strategy,
             "refused at start (as Keras's fit refuses it)")
+
+
+class EvalModeTest(absltest.TestCase):
+  """`--mode=eval` evaluates as the run evaluated."""
+
+  def test_eval_mode_reports_the_runs_final_eval(self):
+    # A metric with one value per batch depends on the per-replica batch:
+    # only the run's strategy (Mirrored, 2 replicas) and evaluation batch
+    # (64) give the run's number (one device at 1,024 does not).
+    result = _case(self, "results")["eval_mode"]
+    self.assertEqual(result["run_eval_batch_size"], 64)
+    (evaluated,) = result["results"]
+    self.assertEqual(evaluated["evaluated_with"]["strategy"], "mirrored")
+    self.assertEqual(evaluated["evaluated_with"]["num_replicas_in_sync"], 2)
+    self.assertEqual(evaluated["evaluated_with"]["global_batch_size"], 64)
+    for name in ("loss", "spread"):
+      self.assertAlmostEqual(evaluated[name], result["run_eval"][name],
+                             delta=1e-5, msg=name)
+
+
+  def test_evaluator_plan_under_each_run_strategy(self):
+    import tfdist  # pylint: disable=g-import-not-at-top
+    from tfdist import experiment  # pylint: disable=g-import-not-at-top
+    config = tfdist.TrainConfig(model_dir="/unused", batch_size=32,
+                                num_gpus=0, num_cpu_devices=2)
+    record = {"eval_batch_size": 64, "global_batch_size": 64}
+    plans = {s: experiment.evaluator_plan(config, run_strategy=s,
+                                          run_record=record)
+             for s in ("one_device", "mirrored", "multi_worker_mirrored",
+                       "parameter_server", "tpu")}
+    self.assertEqual({s: p.strategy for s, p in plans.items()}, {
+        "one_device": "one_device", "mirrored": "mirrored",
+        # One process outside the cluster: its 2 local devices.
+        "multi_worker_mirrored": "mirrored", "parameter_server": "mirrored",
+        "tpu": "one_device"})
+    self.assertEqual({p.global_batch_size for p in plans.values()}, {64})
+    one_cpu = config.replace(num_cpu_devices=1)
+    self.assertEqual(experiment.evaluator_plan(
+        one_cpu, run_strategy="multi_worker_mirrored",
+        run_record=record).strategy, "one_device")
+    # A record without eval_batch_size: its global batch; the
+    # parameter-server coordinator's at least 1,024.
+    ps = experiment.evaluator_plan(one_cpu, run_strategy="parameter_server",
+                                   run_record={"global_batch_size": 64,
+                                               "strategy":
+                                                   "parameter_server"})
+    self.assertEqual(ps.global_batch_size, 1024)
+    # No record yet (an evaluator task starting first): the run's rule on
+    # the job's flags.
+    self.assertEqual(experiment.evaluator_plan(
+        one_cpu, run_strategy="mirrored", run_record=None).global_batch_size,
+                     32)
+    self.assertEqual(experiment.evaluator_plan(
+        one_cpu, run_strategy="parameter_server",
+        run_record=None).global_batch_size, 1024)
 
 
 class BatchValuedMetricsTest(absltest.TestCase):
@@ -248,6 +315,89 @@ class BatchValuedMetricsTest(absltest.TestCase):
           "depends on the per-replica batch)")
 
 
+class InMemoryArgumentsTest(absltest.TestCase):
+  """`tfdist.fit`'s array arguments are checked before the model is built
+  (the model function here fails the test if called)."""
+
+  def _refused(self, pattern, **kwargs):
+    import numpy as np  # pylint: disable=g-import-not-at-top
+    import tfdist  # pylint: disable=g-import-not-at-top
+
+    def model_fn():
+      raise AssertionError("the model was built before the check")
+    kwargs.setdefault("x", np.zeros((8, 1), "float32"))
+    config = tfdist.TrainConfig(
+        model_dir=tempfile.mkdtemp(dir=testutil.scratch_dir()),
+        train_steps=1, batch_size=4, distribution_strategy="one_device")
+    with self.assertRaisesRegex(tfdist.ConfigError, pattern):
+      tfdist.fit(model_fn, config=config, **kwargs)
+
+  def test_each_pipeline_reads_a_disjoint_share_every_example_once(self):
+    import numpy as np  # pylint: disable=g-import-not-at-top
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+    from tfdist import api  # pylint: disable=g-import-not-at-top
+    x = np.arange(10, dtype="float32")[:, None]
+    input_fn, has_validation = api.in_memory_dataset(
+        x=x, y=np.arange(10), validation_split=0.3)
+    self.assertTrue(has_validation)
+    for training, rows in ((True, range(7)), (False, range(7, 10))):
+      shares = [[int(y) for _, y in input_fn(
+          training=training, input_context=tf.distribute.InputContext(
+              num_input_pipelines=3, input_pipeline_id=i))]
+                for i in range(3)]
+      self.assertEqual(sorted(sum(shares, [])), list(rows))
+      self.assertEqual([len(s) for s in shares],
+                       [len(rows[i::3]) for i in range(3)])
+    # Without validation data nothing is held out; the eval modes read the
+    # arrays themselves.
+    input_fn, has_validation = api.in_memory_dataset(x=x, y=np.arange(10))
+    self.assertFalse(has_validation)
+    self.assertLen(list(input_fn(training=False,
+                                 input_context=tf.distribute.InputContext())),
+                   10)
+
+  def test_mismatched_lengths(self):
+    import numpy as np  # pylint: disable=g-import-not-at-top
+    self._refused(r"Arrays of different lengths: x has 8 rows, y has 7 "
+                  r"rows, sample_weight has 8 rows", y=np.zeros(7),
+                  sample_weight=np.zeros(8))
+    self._refused(r"validation_data x has 3 rows, validation_data y has 2",
+                  y=np.zeros(8), validation_data=(np.zeros((3, 1)),
+                                                  np.zeros(2)))
+    self._refused(r"x: the arrays have different numbers of rows \(\[5, 8\]\)",
+                  x={"a": np.zeros((8, 1)), "b": np.zeros((5, 1))},
+                  y=np.zeros(8))
+
+  def test_validation_split_outside_zero_one(self):
+    import numpy as np  # pylint: disable=g-import-not-at-top
+    for split in (-0.1, 1.0, 1.5):
+      self._refused(rf"validation_split={split} must be in \(0, 1\)",
+                    y=np.zeros(8), validation_split=split)
+    self._refused(r"validation_split=0.9 of 8 examples leaves 0 for "
+                  r"training and 8 for evaluation", y=np.zeros(8),
+                  validation_split=0.9)
+
+  def test_validation_split_with_a_dataset_function(self):
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+    self._refused(r"validation_split=0.2 is only for arrays \(x, y\), as "
+                  r"in keras.Model.fit", x=None, validation_split=0.2,
+                  dataset_fn=lambda: tf.data.Dataset.range(8))
+
+  def test_arrays_and_a_dataset_function(self):
+    import numpy as np  # pylint: disable=g-import-not-at-top
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+    self._refused(r"arrays \(x, y\) or dataset_fn, not both",
+                  y=np.zeros(8), dataset_fn=lambda: tf.data.Dataset.range(8))
+
+  def test_bad_validation_data(self):
+    import numpy as np  # pylint: disable=g-import-not-at-top
+    self._refused(r"validation_data must be a tuple \(x_val, y_val\) .* "
+                  r"received tuple of 1 entries", y=np.zeros(8),
+                  validation_data=(np.zeros(8),))
+    self._refused(r"y or sample_weight given without x", x=None,
+                  y=np.zeros(8))
+
+
 def _cluster(test, case: str, launch_args, files_dir=None) -> dict:
   """Runs `case` on a local cluster (with `file_callbacks(files_dir)`);
   returns the chief's result."""
@@ -275,7 +425,9 @@ class MultiProcessStrategiesTest(absltest.TestCase):
     # Sample weights, weighted metrics and ReduceLROnPlateau in one run
     # (one MultiWorkerMirroredStrategy per process).
     files = tempfile.mkdtemp(dir=testutil.scratch_dir())
-    run = _cluster(self, "reduce_lr_on_plateau", ["--num_workers=2"],
+    # The examples as NumPy arrays, validation_data the same arrays (what
+    # the reference evaluates): each worker reads half of them.
+    run = _cluster(self, "reduce_lr_on_plateau:arrays", ["--num_workers=2"],
                    files_dir=files)
     self.assertEqual(run["replicas"], 2)
     # One writer: the chief's files, each once.
@@ -294,9 +446,12 @@ class MultiProcessStrategiesTest(absltest.TestCase):
     diffs = _agrees(self.reference, run)
     for what, diff in diffs.items():
       self.assertLess(diff, ATOL, f"{what}: {diffs}")
-    for feature in ("sample_weight", "weighted_metrics",
-                    "reduce_lr_on_plateau"):
+    for feature in ("weighted_metrics", "reduce_lr_on_plateau",
+                    "numpy_arrays", "validation_data"):
       _cell(feature, "multi_worker_mirrored", "works")
+    # Arrays become a dataset function of (x, y, w) examples in tfdist.
+    _cell("sample_weight", "multi_worker_mirrored",
+          "works (measured with the arrays as a dataset function)")
 
   def test_parameter_servers_learn_the_weighted_slope(self):
     run = _cluster(self, "reduce_lr_on_plateau",
@@ -386,12 +541,20 @@ def _child_main() -> dict:
   handler.emit = lambda record: seen.append(record.getMessage())
   absl_logging.get_absl_logger().addHandler(handler)
   try:
-    lib.tfdist_fit("batch_valued_metric", strategy="mirrored",
-                   model_dir=os.path.join(root, "batch_valued"), epochs=1)
+    run = lib.tfdist_fit("batch_valued_metric", strategy="mirrored",
+                         model_dir=os.path.join(root, "batch_valued"),
+                         epochs=1)
   finally:
     absl_logging.get_absl_logger().removeHandler(handler)
   out["batch_valued_warnings"] = [m for m in seen
                                   if "one value per batch" in m]
+  # --mode=eval on that run's checkpoint, told no strategy (auto).
+  evaluated = lib.tfdist_fit("batch_valued_metric", strategy="auto",
+                             model_dir=os.path.join(root, "batch_valued"),
+                             epochs=1, mode="eval")
+  out["eval_mode"] = {"run_eval": run["eval"],
+                      "run_eval_batch_size": run["eval_batch_size"],
+                      "results": evaluated["results"]}
   resumed_dir = os.path.join(root, "resumed")
   first = lib.tfdist_fit("reduce_lr_on_plateau", strategy="one_device",
                          model_dir=resumed_dir, epochs=2)

@@ -113,6 +113,9 @@ CASES = {
     "early_stopping_restore": dict(data=slope_data, class_weight=None,
                                    callbacks=_early_stopping),
     "batch_valued_metric": dict(data=slope_data, class_weight=None),
+    # Arrays with Keras's validation_split: the last quarter evaluates.
+    "numpy_arrays": dict(data=slope_data, class_weight=None,
+                         validation_split=0.25),
 }
 
 
@@ -151,14 +154,18 @@ def keras_fit(case: str) -> dict:
   import keras  # pylint: disable=g-import-not-at-top
   spec = CASES[case]
   arrays = spec["data"]()
+  split = spec.get("validation_split", 0.0)
   model = build_model(case, keras.optimizers.SGD(learning_rate=LEARNING_RATE))
   history = model.fit(*arrays[:2], sample_weight=(
       arrays[2] if len(arrays) > 2 else None),
                       class_weight=spec["class_weight"],
+                      validation_split=split,
                       batch_size=GLOBAL_BATCH, epochs=EPOCHS, shuffle=False,
                       verbose=0, callbacks=_callbacks(case))
-  evaluation = model.evaluate(*arrays[:2], sample_weight=(
-      arrays[2] if len(arrays) > 2 else None), batch_size=GLOBAL_BATCH,
+  held_out = [a[int(len(a) * (1 - split)):] for a in arrays] if split else (
+      arrays)
+  evaluation = model.evaluate(*held_out[:2], sample_weight=(
+      held_out[2] if len(held_out) > 2 else None), batch_size=GLOBAL_BATCH,
                               verbose=0, return_dict=True)
   return {"weights": [w.tolist() for w in model.get_weights()],
           "train": {k: float(v[-1]) for k, v in history.history.items()
@@ -171,12 +178,17 @@ def keras_fit(case: str) -> dict:
 
 def tfdist_fit(case: str, *, strategy: str, model_dir: str,
                via: str = "dataset_fn", class_weight=None,
-               epochs: int = EPOCHS, extra_callbacks=()) -> dict:
+               epochs: int = EPOCHS, extra_callbacks=(),
+               mode: str = "train_and_eval") -> dict:
   """The case through `tfdist.fit` under `strategy` (an in-process one, or
   the cluster's from `TF_CONFIG`). `via`: `dataset_fn` (a function of
   `(x, y[, w])` examples) or `parse_fn` (TFRecords of `tf.train.Example`s
   in `model_dir`, parsed to the same tuples). `class_weight`: instead of
-  the case's. `extra_callbacks`: Keras callbacks added to the case's."""
+  the case's. `extra_callbacks`: Keras callbacks added to the case's.
+  `mode`: the `TrainConfig.mode` (`eval`: `results` holds the
+  evaluator's).
+  `via="arrays"`: the NumPy arrays as `x, y, sample_weight`, with the
+  case's `validation_split`, else `validation_data` = the arrays."""
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   import tfdist  # pylint: disable=g-import-not-at-top
   spec = CASES[case]
@@ -187,12 +199,18 @@ def tfdist_fit(case: str, *, strategy: str, model_dir: str,
                 optimizer="sgd", momentum=0.0,
                 base_learning_rate=LEARNING_RATE, warmup_steps=0,
                 lr_schedule="constant", shuffle_buffer_size=0,
-                distribution_strategy=strategy, log_steps=1000,
+                distribution_strategy=strategy, log_steps=1000, mode=mode,
                 class_weight=class_weight or spec["class_weight"] or ())
   kwargs = {}
   if via == "dataset_fn":
     kwargs["dataset_fn"] = lambda training: (
         tf.data.Dataset.from_tensor_slices(arrays))
+  elif via == "arrays":
+    kwargs.update(x=arrays[0], y=arrays[1], sample_weight=arrays[2])
+    if spec.get("validation_split"):
+      kwargs["validation_split"] = spec["validation_split"]
+    else:
+      kwargs["validation_data"] = arrays
   else:
     path = os.path.join(model_dir, "data.tfrecord")
     os.makedirs(model_dir, exist_ok=True)
@@ -220,6 +238,8 @@ def tfdist_fit(case: str, *, strategy: str, model_dir: str,
                    if isinstance(v, float)},
           "learning_rate": recorder.learning_rate,
           "history": manifest.get("history"),
+          "results": manifest.get("results"),
+          "eval_batch_size": manifest.get("eval_batch_size"),
           "restored_step": _restored_step(manifest),
           "final_eval_loss": (manifest.get("final_metrics") or {}).get(
               "eval_loss"),
@@ -268,13 +288,15 @@ def file_callbacks(folder: str) -> list:
 
 
 def main(argv):
-  """`OUT_JSON CASE [FILES_DIR]`: with FILES_DIR, `file_callbacks` too."""
-  out_path, case = argv[1], argv[2]
+  """`OUT_JSON CASE[:VIA] [FILES_DIR]`: VIA as `tfdist_fit` takes it
+  (default `dataset_fn`); with FILES_DIR, `file_callbacks` too."""
+  out_path, (case, _, via) = argv[1], argv[2].partition(":")
   tf_config = json.loads(os.environ.get("TF_CONFIG") or "{}")
   task_type = tf_config.get("task", {}).get("type", "chief")
   strategy = ("parameter_server" if "ps" in tf_config.get("cluster", {})
               else "multi_worker_mirrored")
-  result = tfdist_fit(case, strategy=strategy, model_dir=os.path.join(
+  result = tfdist_fit(case, strategy=strategy, via=via or "dataset_fn",
+                      model_dir=os.path.join(
       os.path.dirname(out_path), "run"), extra_callbacks=file_callbacks(
           argv[3]) if len(argv) > 3 else ())
   if task_type == "chief":

@@ -98,8 +98,17 @@ class ParameterServerTrainingTest(absltest.TestCase):
     # The evaluator saw each checkpoint once, in order.
     with open(os.path.join(self.model_dir, "eval",
                            "eval_results.jsonl")) as f:
-      steps = [json.loads(line)["step"] for line in f if line.strip()]
+      results = [json.loads(line) for line in f if line.strip()]
+    steps = [r["step"] for r in results]
     self.assertEqual(steps, sorted(set(steps)))
+    # One process outside the cluster, on its one CPU device, with the
+    # coordinator's evaluation batch.
+    self.assertEqual(manifest["eval_batch_size"], max(
+        manifest["global_batch_size"], 1024))
+    self.assertEqual({(r["evaluated_with"]["strategy"],
+                       r["evaluated_with"]["global_batch_size"])
+                      for r in results},
+                     {("one_device", manifest["eval_batch_size"])})
     self.assertIn(60, steps)
     self.assertTrue(any(n.startswith("events.out.tfevents") for n in
                         os.listdir(os.path.join(self.model_dir, "eval"))))

@@ -15,6 +15,11 @@
     tfdist.fit(build_model, make_dataset, config=tfdist.TrainConfig(
         model_dir="/tmp/run", train_steps=500, batch_size=256))
 
+    # Or in-memory arrays, as keras.Model.fit takes them:
+    tfdist.fit(build_model, x=x, y=y, validation_split=0.2,
+               config=tfdist.TrainConfig(model_dir="/tmp/run2",
+                                         train_epochs=3, batch_size=256))
+
 tfdist picks the strategy (one device, Mirrored, MultiWorkerMirrored from
 `TF_CONFIG` or `tfdist.launch --module`, parameter servers, TPU), builds the
 model in its scope, shards, caches, shuffles, repeats and batches the
@@ -32,11 +37,167 @@ called.
 from typing import Any, Callable, Optional, Sequence, Union
 
 from tfdist import experiment
+from tfdist import input_pipeline
 from tfdist import registry
 from tfdist import task as task_lib
 from tfdist.config import ConfigError
 from tfdist.config import TrainConfig
 from tfdist.dataset_spec import DatasetSpec
+
+
+def _leaves(name: str, value) -> list:
+  """The arrays of `value` (an array, or a list/tuple/dict of arrays), each
+  with a leading example dimension."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  leaves = tf.nest.flatten(value)
+  for leaf in leaves:
+    if isinstance(leaf, (tf.data.Dataset,)) or callable(leaf):
+      raise ConfigError(
+          f"{name} must be NumPy arrays or tensors (or a list or dict of "
+          f"them); received {type(leaf).__name__}. Pass a dataset function "
+          "as dataset_fn (or validation_data) instead.")
+    if np.ndim(leaf) == 0:
+      raise ConfigError(f"{name} holds a scalar ({leaf!r}): every array "
+                        "needs a leading dimension of one row per example.")
+  return leaves
+
+
+def _length(name: str, value) -> int:
+  """Rows of every array in `value`; `ConfigError` when they differ."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  lengths = {int(np.shape(leaf)[0]) for leaf in _leaves(name, value)}
+  if len(lengths) != 1:
+    raise ConfigError(f"{name}: the arrays have different numbers of rows "
+                      f"({sorted(lengths)}); give one row per example in "
+                      "each.")
+  return lengths.pop()
+
+
+def _examples(name: str, arrays: Sequence[Any]) -> tuple:
+  """`arrays` (x, y[, sample_weight]; None entries dropped from the end)
+  checked to hold the same number of rows; returns (arrays, rows)."""
+  arrays = tuple(a for a in arrays if a is not None)
+  names = ("x", "y", "sample_weight")
+  lengths = [(f"{name}{names[i]}", _length(f"{name}{names[i]}", a))
+             for i, a in enumerate(arrays)]
+  if len({n for _, n in lengths}) != 1:
+    raise ConfigError(
+        "Arrays of different lengths: " + ", ".join(
+            f"{what} has {n} rows" for what, n in lengths) +
+        ". Give one row per example in each (as keras.Model.fit requires).")
+  return arrays, lengths[0][1]
+
+
+def _split(value, start: int, stop: Optional[int]):
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  return tf.nest.map_structure(lambda a: a[start:stop], value)
+
+
+def _from_arrays(arrays: tuple, input_context):
+  """This input pipeline's examples of `arrays`: example i goes to
+  pipeline `i mod num_input_pipelines` (tfdist's sharding of a dataset
+  function), so every example is read once per epoch by one worker."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  ds = tf.data.Dataset.from_tensor_slices(
+      arrays[0] if len(arrays) == 1 else arrays)
+  return ds.shard(input_context.num_input_pipelines,
+                  input_context.input_pipeline_id)
+
+
+def _from_function(fn: Callable, *, training: bool, input_context):
+  """`fn`'s split, this pipeline's share (tfdist shards it by example
+  unless `fn` takes `input_context`)."""
+  ds = input_pipeline.call_input_fn(fn, training=training,
+                                    input_context=input_context)
+  if input_pipeline.takes_input_context(fn):
+    return ds
+  return ds.shard(input_context.num_input_pipelines,
+                  input_context.input_pipeline_id)
+
+
+def in_memory_dataset(*, x=None, y=None, sample_weight=None,
+                      dataset_fn: Optional[Callable] = None,
+                      validation_data=None, validation_split: float = 0.0
+                      ) -> tuple:
+  """The dataset function for `fit`'s arrays and validation data.
+
+  Follows `keras.Model.fit`: `validation_split` keeps the last fraction of
+  the arrays (before any shuffling) for evaluation; `validation_data`
+  (arrays `(x, y)`/`(x, y, sample_weight)`, or a dataset function called
+  with `training=False`) overrides it.
+
+  Args:
+    x, y, sample_weight: arrays (NumPy or tensors; `x` may be a list or dict
+      of them) with one row per example; or None with `dataset_fn`.
+    dataset_fn: the training dataset function (its `training=True` split)
+      when there are no arrays.
+    validation_data: see above; None: no evaluation (as `fit` without it;
+      the `eval` modes then evaluate the arrays `x, y` themselves).
+    validation_split: in (0, 1), or 0 for none; arrays only.
+
+  Returns:
+    `(input_fn, has_validation)`: a dataset function taking `training` and
+    `input_context` that returns this pipeline's disjoint share (examples
+    `i, i + n, ...` of n pipelines, the same sharding tfdist gives a dataset
+    function), and whether it has an evaluation split.
+
+  Raises:
+    ConfigError: arrays of different lengths, `y` without `x`,
+      `validation_split` outside (0, 1) or given with a dataset function, a
+      validation tuple not of 2 or 3 entries, or a split leaving no
+      training or no validation example.
+  """
+  if not 0.0 <= validation_split < 1.0:
+    raise ConfigError(f"validation_split={validation_split!r} must be in "
+                      "(0, 1): the fraction of the arrays kept for "
+                      "evaluation (0: none), as keras.Model.fit takes it.")
+  if x is None and (y is not None or sample_weight is not None):
+    raise ConfigError("y or sample_weight given without x: pass the inputs "
+                      "as x (arrays), or the examples as dataset_fn.")
+  if validation_split and x is None:
+    raise ConfigError(
+        f"validation_split={validation_split} is only for arrays (x, y), as "
+        "in keras.Model.fit; with a dataset function, pass validation_data "
+        "or return the evaluation split for training=False.")
+  train = None
+  if x is not None:
+    train, rows = _examples("", (x, y, sample_weight))
+  validation = None
+  if validation_data is not None and not callable(validation_data):
+    if (not isinstance(validation_data, (tuple, list)) or
+        len(validation_data) not in (2, 3)):
+      raise ConfigError(
+          "validation_data must be a tuple (x_val, y_val) or (x_val, y_val, "
+          "val_sample_weight) of arrays, or a dataset function; received "
+          f"{type(validation_data).__name__}"
+          f"{'' if not isinstance(validation_data, (tuple, list)) else f' of {len(validation_data)} entries'}.")
+    validation, _ = _examples("validation_data ", tuple(validation_data))
+  elif validation_data is None and validation_split:
+    kept = int(rows * (1.0 - validation_split))
+    if kept <= 0 or kept >= rows:
+      raise ConfigError(
+          f"validation_split={validation_split} of {rows} examples leaves "
+          f"{kept} for training and {rows - kept} for evaluation; choose a "
+          "split that leaves examples for both.")
+    validation = _split(train, kept, None)
+    train = _split(train, 0, kept)
+
+  def input_fn(training, input_context):
+    if training:
+      return (_from_arrays(train, input_context) if train is not None
+              else _from_function(dataset_fn, training=True,
+                                  input_context=input_context))
+    if validation is not None:
+      return _from_arrays(validation, input_context)
+    if validation_data is not None:
+      return _from_function(validation_data, training=False,
+                            input_context=input_context)
+    # No validation data: the eval modes evaluate the arrays themselves
+    # (as Model.evaluate(x, y) would).
+    return _from_arrays(train, input_context)
+
+  return input_fn, validation is not None or validation_data is not None
 
 
 def make_task(model_fn: Union[Callable, str],
@@ -84,7 +245,9 @@ def make_task(model_fn: Union[Callable, str],
 
 def fit(model_fn: Union[Callable, str],
         dataset_fn: Union[Callable, DatasetSpec, str, None] = None, *,
-        config: TrainConfig, parse_fn: Optional[Callable] = None,
+        config: TrainConfig, x: Any = None, y: Any = None,
+        sample_weight: Any = None, validation_data: Any = None,
+        validation_split: float = 0.0, parse_fn: Optional[Callable] = None,
         loss: Any = None, metrics: Optional[Sequence[Any]] = None,
         callbacks: Sequence[Any] = (), environment=None) -> dict:
   """Trains `model_fn`'s model on `dataset_fn`'s examples, distributed.
@@ -105,6 +268,20 @@ def fit(model_fn: Union[Callable, str],
       `parse_fn` or `config.feature_spec`, else use `config.dataset`.
     config: the `TrainConfig` (`model_dir`, length, batch, strategy,
       precision, `mode`, ...).
+    x, y, sample_weight: in-memory examples instead of `dataset_fn`, as
+      `keras.Model.fit` takes them: NumPy arrays or tensors with one row per
+      example (`x` may be a list or dict of arrays; `sample_weight` float
+      [examples]). Each worker reads a disjoint share (example i goes to
+      input pipeline `i mod n`), every example once an epoch. Without
+      validation data (and `config.mode` "train_and_eval") the run only
+      trains, as `fit` evaluates nothing then.
+    validation_data: the evaluation split: a tuple `(x_val, y_val)` or
+      `(x_val, y_val, val_sample_weight)` of arrays, or a dataset function
+      (called with `training=False`); overrides `validation_split` and, with
+      a `dataset_fn`, its `training=False` split.
+    validation_split: in (0, 1): the last fraction of the arrays' rows,
+      taken before any shuffling (as `fit` takes it), is the evaluation
+      split; 0: none. Arrays only.
     parse_fn: maps one serialized record of `config.train_files` /
       `config.eval_files` (TFRecord; `.gz`: GZIP) to `(features, labels)`.
     loss: a Keras loss, loss function or name; overrides the model's
@@ -124,11 +301,36 @@ def fit(model_fn: Union[Callable, str],
     `{"role": "worker"|"ps", ...}` for parameter-server tasks.
 
   Raises:
-    ConfigError: bad arguments or configuration, found before training
-      (e.g. no loss anywhere, a model that cannot take the features).
+    ConfigError: bad arguments or configuration, found before the model is
+      built or trained (e.g. arrays of different lengths, a
+      `validation_split` outside (0, 1) or with a dataset function, no loss
+      anywhere, a model that cannot take the features).
     tfdist.preemption.PreemptedError: SIGTERM or SIGINT stopped training
       after a checkpoint (call again to resume).
   """
+  arrays = x is not None or y is not None or sample_weight is not None
+  if arrays or validation_data is not None or validation_split:
+    if arrays and dataset_fn is not None:
+      raise ConfigError("Pass the examples once: arrays (x, y) or dataset_fn"
+                        ", not both.")
+    if parse_fn is not None or config.feature_spec:
+      raise ConfigError(
+          "x, y, validation_data and validation_split go with arrays or a "
+          "dataset function; parse_fn and config.feature_spec read "
+          "config.train_files and config.eval_files (give the evaluation "
+          "files there).")
+    if dataset_fn is not None and not callable(dataset_fn):
+      raise ConfigError("validation_data and validation_split need "
+                        "dataset_fn to be a function; received "
+                        f"{dataset_fn!r}.")
+    input_fn, has_validation = in_memory_dataset(
+        x=x, y=y, sample_weight=sample_weight, dataset_fn=dataset_fn,
+        validation_data=validation_data, validation_split=validation_split)
+    name = ("arrays" if arrays else task_lib.describe_function(dataset_fn))
+    dataset_fn = DatasetSpec(name=name, input_fn=input_fn)
+    if not has_validation and config.mode == "train_and_eval":
+      # keras.Model.fit evaluates nothing without validation data.
+      config = config.replace(mode="train")
   task = make_task(model_fn, dataset_fn, config=config, parse_fn=parse_fn,
                    loss=loss, metrics=metrics)
   names = {"model": task.model_name}

@@ -289,11 +289,15 @@ def evaluation_parts(config, *, task: task_lib.Task) -> Parts:
                objectives=resolved, metric_sums=metric_sums)
 
 
-def evaluation_trainer(parts: Parts, *, global_batch_size: int) -> Trainer:
+def evaluation_trainer(parts: Parts, *, global_batch_size: int,
+                       strategy: Optional[tf.distribute.Strategy] = None
+                       ) -> Trainer:
   """A `Trainer` that evaluates `parts.model` in this process, with the
-  default strategy (the parameter-server coordinator, the side-car
-  evaluator), with the run's loss and metrics."""
-  return Trainer(strategy=tf.distribute.get_strategy(), model=parts.model,
+  run's loss and metrics, under `strategy` (the one `parts.model` was built
+  in; None: the current one, e.g. the default strategy on the
+  parameter-server coordinator)."""
+  return Trainer(strategy=strategy or tf.distribute.get_strategy(),
+                 model=parts.model,
                  optimizer=parts.optimizer or keras.optimizers.SGD(),
                  global_batch_size=global_batch_size,
                  loss=parts.objectives.loss, metrics=parts.metric_sums)

@@ -367,7 +367,8 @@ def run_record(config, plan) -> dict:
           "steps_per_epoch": plan.steps_per_epoch,
           "warmup_steps": plan.lr.warmup_steps,
           "peak_learning_rate": plan.lr.peak_learning_rate,
-          "strategy": plan.strategy, "config": flags}
+          "strategy": plan.strategy,
+          "eval_batch_size": plan.eval_batch_size, "config": flags}
 
 
 def write_run_record(directory: str, record: dict):

@@ -76,8 +76,7 @@ from tfdist.config import TrainConfig
 from tfdist.controller import Controller, ControllerOptions
 from tfdist.dataset_spec import DataNotFoundError
 
-# Evaluation batches (evaluation keeps no activations for a backward pass).
-MIN_EVAL_BATCH_SIZE = 1024
+MIN_EVAL_BATCH_SIZE = run_plan_lib.MIN_EVAL_BATCH_SIZE
 
 
 def _worker_scratch_dir(cluster: cluster_lib.ClusterInfo) -> str:
@@ -587,8 +586,7 @@ def _train(config, *, task, cluster, decision, applied, callbacks, started,
           strategy, input_pipeline.options_for(
               spec, files=plan.eval_files,
               # Micro-batches: what a step's memory was sized for.
-              global_batch_size=(plan.global_batch_size //
-                                 plan.batch.gradient_accumulation_steps),
+              global_batch_size=plan.eval_batch_size,
               is_training=False,
               cache=config.cache_dataset,
               # TPUs need static shapes: pad the last batches, masked in the
@@ -755,13 +753,96 @@ def _parameter_server_runner(config, *, spec, plan, strategy, parts, keeper):
     return runner, None
   # Held-out evaluation on the coordinator (it reads the ps tasks'
   # variables), with the default strategy.
-  eval_batch = max(plan.global_batch_size, MIN_EVAL_BATCH_SIZE)
+  eval_batch = plan.eval_batch_size
   evaluator = assembly.evaluation_trainer(parts,
                                           global_batch_size=eval_batch)
   eval_data = input_pipeline.make_dataset(input_pipeline.options_for(
       spec, files=plan.eval_files, global_batch_size=eval_batch,
       is_training=False, cache=config.cache_dataset))
   return runner, lambda: evaluator.evaluate(eval_data)
+
+
+@dataclasses.dataclass(frozen=True)
+class EvaluatorPlan:
+  """How an evaluator process evaluates: as the run evaluates, where it can.
+
+  Attributes:
+    strategy: the strategy name it evaluates under (`mirrored`,
+      `one_device`, or `off`: the default strategy).
+    global_batch_size: examples per evaluation batch, over all its replicas.
+    batch_source: where the batch came from, for the log.
+    reason: why this strategy.
+  """
+  strategy: str
+  global_batch_size: int
+  batch_source: str
+  reason: str
+
+
+def _local_devices(config: TrainConfig) -> int:
+  """Devices a mirrored evaluator would use in this process."""
+  gpus = len(tf.config.list_physical_devices("GPU"))
+  if config.num_gpus != 0 and gpus:
+    return gpus if config.num_gpus < 0 else min(gpus, config.num_gpus)
+  return max(1, config.num_cpu_devices)
+
+
+def evaluator_plan(config: TrainConfig, *, run_strategy: str,
+                   run_record: Optional[dict]) -> EvaluatorPlan:
+  """The strategy and batch an evaluator (`--mode=eval`,
+  `--mode=continuous_eval`, an `evaluator` task) uses: the run's.
+
+  Strategy: the run's where this process holds its devices (`mirrored`,
+  `one_device`, `off`); under `multi_worker_mirrored` or
+  `parameter_server` the evaluator is one process outside the cluster, so
+  it mirrors over its local devices (`mirrored` when there are several,
+  else `one_device`); under `tpu`, `one_device` (a TPU evaluator would
+  hold the TPU the run trains on).
+
+  Batch: the run's evaluation batch (`RunPlan.eval_batch_size`, recorded in
+  the checkpoint folder's run record), else the record's
+  `global_batch_size`, else the same rule on `config.batch_size` (an
+  evaluator task may start before the chief writes the record; it has the
+  job's flags), else `MIN_EVAL_BATCH_SIZE`. A mirrored evaluator whose replicas do not divide
+  the batch evaluates on one device instead (the batch is kept: the
+  metrics do not depend on it, summed over examples, but a per-batch
+  metric would; `run_evaluator` checks this once the strategy is built).
+
+  Args:
+    config: the evaluator's `TrainConfig`.
+    run_strategy: the run's strategy name (`--distribution_strategy`, or
+      the one the run recorded when the evaluator was given `auto`).
+    run_record: `run_config.json` of the checkpoint folder, or None.
+  """
+  if run_record and run_record.get("eval_batch_size"):
+    batch, source = int(run_record["eval_batch_size"]), "the run's record"
+  elif run_record and run_record.get("global_batch_size"):
+    batch = int(run_record["global_batch_size"])
+    if run_record.get("strategy") == "parameter_server":
+      batch = max(batch, MIN_EVAL_BATCH_SIZE)
+    source = "the run's record (global batch)"
+  elif config.batch_size and run_strategy == "parameter_server":
+    # An evaluator task may start before the chief records the run: the
+    # same flags give the coordinator's rule.
+    batch = max(config.batch_size, MIN_EVAL_BATCH_SIZE)
+    source = "--batch_size (the coordinator's rule)"
+  elif config.batch_size:
+    batch = max(1, config.batch_size // config.gradient_accumulation_steps)
+    source = "--batch_size / --gradient_accumulation_steps"
+  else:
+    batch, source = MIN_EVAL_BATCH_SIZE, "the default"
+  if run_strategy in ("mirrored", "one_device", "off"):
+    name, reason = run_strategy, "the run's strategy"
+  elif run_strategy == "tpu":
+    name, reason = "one_device", ("the run trains on TPU; the evaluator "
+                                  "uses one local device")
+  else:
+    local = _local_devices(config)
+    name = "mirrored" if local > 1 else "one_device"
+    reason = (f"the run's {run_strategy} spans processes; the evaluator is "
+              f"one process: its {local} local device(s)")
+  return EvaluatorPlan(strategy=name, global_batch_size=batch,
+                       batch_source=source, reason=reason)
 
 
 def run_evaluator(config: TrainConfig, *, task, cluster, decision,
@@ -777,8 +858,13 @@ def run_evaluator(config: TrainConfig, *, task, cluster, decision,
   seconds without a new checkpoint. With `once` (`--mode=eval`) it
   evaluates the latest checkpoint and returns. Results go to
   `<model_dir>/eval/eval_results.jsonl` and TensorBoard scalars to
-  `<tensorboard_dir>/eval/`. Checkpoints of every strategy load into the
-  one local model (parameter servers' sharded tables included).
+  `<tensorboard_dir>/eval/`. It evaluates as the run does
+  (`evaluator_plan`): the run's strategy where this process has its
+  devices (else `mirrored`/`one_device` over the local devices) and the
+  run's evaluation batch, so one checkpoint gives the run's numbers; each
+  result records them under `evaluated_with`. Checkpoints of every
+  strategy load into the local model (parameter servers' sharded tables
+  included).
 
   Returns:
     `{"role": "evaluator", "results": [...]}`.
@@ -804,22 +890,48 @@ def run_evaluator(config: TrainConfig, *, task, cluster, decision,
                 plan.total_steps)
   eval_files = (plan.eval_files if plan else
                 run_plan_lib.resolve_data_files(config, spec)[1])
+  record = checkpointing.read_run_record(checkpoint_dir, config.model_dir)
+  # Told no strategy (`auto`), it evaluates with the one the run recorded.
+  run_strategy = (record["strategy"] if record and record.get("strategy")
+                  and decision.strategy_reason.startswith("auto")
+                  else decision.strategy)
+  how = evaluator_plan(config, run_strategy=run_strategy, run_record=record)
   precision.configure_precision(config.dtype)
-  parts = assembly.evaluation_parts(config, task=task)
+  if how.strategy == "mirrored":
+    devices.configure_cpu_devices(config.num_cpu_devices)
+  choice = strategy_lib.make_strategy(
+      config.replace(distribution_strategy=how.strategy))
+  if how.global_batch_size % choice.strategy.num_replicas_in_sync:
+    how = dataclasses.replace(how, strategy="one_device", reason=(
+        f"{choice.strategy.num_replicas_in_sync} local replicas do not "
+        f"divide the run's evaluation batch {how.global_batch_size}"))
+    choice = strategy_lib.make_strategy(
+        config.replace(distribution_strategy="one_device"))
+  strategy = choice.strategy
+  logging.info("Evaluator: %s, %d replica(s) (%s); global batch %d (from "
+               "%s)", how.strategy, strategy.num_replicas_in_sync,
+               how.reason, how.global_batch_size, how.batch_source)
+  with strategy.scope():
+    parts = assembly.evaluation_parts(config, task=task)
   model = parts.model
   trainer = assembly.evaluation_trainer(
-      parts, global_batch_size=MIN_EVAL_BATCH_SIZE)
-  dataset = input_pipeline.make_dataset(input_pipeline.options_for(
-      spec, files=eval_files, global_batch_size=MIN_EVAL_BATCH_SIZE,
+      parts, global_batch_size=how.global_batch_size, strategy=strategy)
+  dataset = input_pipeline.distribute(strategy, input_pipeline.options_for(
+      spec, files=eval_files, global_batch_size=how.global_batch_size,
       is_training=False, cache=config.cache_dataset))
+  evaluated_with = {"strategy": how.strategy,
+                    "num_replicas_in_sync": strategy.num_replicas_in_sync,
+                    "global_batch_size": how.global_batch_size,
+                    "reason": how.reason}
   run_log = run_log_lib.RunLog(
       tensorboard_dir=config.resolved_tensorboard_dir, metrics_dir=None,
-      global_batch_size=MIN_EVAL_BATCH_SIZE, total_steps=final_step,
+      global_batch_size=how.global_batch_size, total_steps=final_step,
       eval_subdir="eval")
   controller = Controller(
       options=ControllerOptions(total_steps=max(final_step, 1),
                                 steps_per_epoch=1),
-      run_log=run_log, evaluate=lambda: trainer.evaluate(dataset),
+      run_log=run_log, evaluate=lambda: {**trainer.evaluate(dataset),
+                                         "evaluated_with": evaluated_with},
       model=model)
 
   def restore(path):

@@ -18,6 +18,11 @@ from tfdist import precision
 from tfdist.dataset_spec import DataNotFoundError
 
 
+# The parameter-server coordinator's smallest evaluation batch (evaluation
+# keeps no activations for a backward pass).
+MIN_EVAL_BATCH_SIZE = 1024
+
+
 @dataclasses.dataclass(frozen=True)
 class RunPlan:
   """What one run will do, decided before anything is built.
@@ -71,6 +76,16 @@ class RunPlan:
   @property
   def global_batch_size(self) -> int:
     return self.batch.global_batch_size
+
+  @property
+  def eval_batch_size(self) -> int:
+    """The global batch the run evaluates with: its micro-batch (what a
+    step's memory was sized for) under synchronous strategies; at least
+    `MIN_EVAL_BATCH_SIZE` on the parameter-server coordinator, which
+    evaluates alone."""
+    if self.asynchronous:
+      return max(self.global_batch_size, MIN_EVAL_BATCH_SIZE)
+    return self.global_batch_size // self.batch.gradient_accumulation_steps
 
   def describe(self, config) -> str:
     """The plan as printed at start (`config`: the run's `TrainConfig`)."""
