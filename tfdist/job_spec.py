@@ -44,7 +44,7 @@ writes).
   a retryable code (128-255: killed by a signal, e.g. 137 for SIGKILL or an
   out-of-memory kill, 143 for SIGTERM, which tfdist returns after its
   preemption checkpoint) and fails the job on a permanent one (1-127: tfdist
-  exits 1 on invalid flags or configuration). That split is the assumption
+  exits 2 on invalid flags or configuration, 1 on divergence or a bug). That split is the assumption
   tfdist's exit codes are held to.
 
 Validation, before printing (each raises `JobSpecError` naming the field):
@@ -996,7 +996,9 @@ flags.DEFINE_integer("backoff_limit", 3, "Kubernetes: restarts before the "
 flags.DEFINE_string("values", "", "Kubernetes: YAML file of pod settings as "
                     "Kubernetes spells them (" + ", ".join(POD_VALUE_KEYS) +
                     "; replicaTypes: {PS: {...}} per replica type); the "
-                    "flags below add to it.", flag_values=_FLAGS)
+                    "pod flags (--cpu, --memory, --ps_cpu, --ps_memory, "
+                    "--env, --node_selector, --service_account) add to it.",
+                    flag_values=_FLAGS)
 flags.DEFINE_string("service_account", "", "Kubernetes: the pods' "
                     "serviceAccountName (e.g. a Workload Identity account "
                     "that can write the gs:// --model_dir).",
