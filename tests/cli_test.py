@@ -12,8 +12,8 @@ from tests import testutil
 class AdoptUsageTest(absltest.TestCase):
 
   def _run_wrapper(self, body: str) -> str:
-    # A stand-in for pip's console-script wrapper: a __main__ without a
-    # docstring, named like the installed command.
+    # A stand-in for pip's console-script wrapper, named like the
+    # installed command.
     script = testutil.scratch_dir() + "/tfdist-example"
     with open(script, "w") as f:
       f.write(textwrap.dedent(body))
@@ -44,17 +44,18 @@ class AdoptUsageTest(absltest.TestCase):
     self.assertNotIn("python -m tfdist.launch", out)
     self.assertNotIn("--num_workers", out)
 
-  def test_keeps_a_docstring_main_already_has(self):
-    out = self._run_wrapper('''
-        """The wrapper's own text."""
-        from absl import app, flags
-        from tfdist import cli
-        cli.adopt_usage("Makes widgets.", [])
-        app.run(lambda argv: None)
-        ''')
-    self.assertIn("The wrapper's own text.", out)
-    self.assertNotIn("Makes widgets.", out)
-
+  def test_replaces_the_trampoline_docstring_of_a_long_path(self):
+    # Where the interpreter's path is too long for a #! line (Bazel's
+    # sandbox), pip's wrapper starts with a shell trampoline, which Python
+    # reads as the module's docstring.
+    trampoline = "'''exec' /some/long/path/bin/python \"$0\" \"$@\"\n' '''\n"
+    out = self._run_wrapper(trampoline + textwrap.dedent("""
+        import sys
+        from tfdist.launch import run
+        sys.exit(run())
+        """))
+    self.assertIn("python -m tfdist.launch", out)
+    self.assertNotIn("exec'", out)
 
 if __name__ == "__main__":
   absltest.main()
