@@ -123,6 +123,19 @@ class Kill:
   step: int
 
 
+def _resume_losses(record: dict) -> list:
+  """What a restart lost: it never trained, or it did not resume at the
+  newest whole checkpoint (`record`'s `resumed_at` and
+  `newest_whole_checkpoint`)."""
+  if record.get("resumed_at") is None:
+    return ["the restarted cluster never trained"]
+  if record["resumed_at"] != record["newest_whole_checkpoint"]:
+    return [f"resumed at step {record['resumed_at']}, but ckpt-"
+            f"{record['newest_whole_checkpoint']} was the newest whole "
+            "checkpoint"]
+  return []
+
+
 def tasks_of(strategy: str) -> List[str]:
   """The tasks a kill can hit, as `tfdist.launch` names them."""
   if strategy == MWMS:
@@ -491,14 +504,7 @@ def run_mwms(options: ChaosOptions, data: dict, model_dir: str,
         record["resumed_at"] = int(resumed.group(3))
       elif resumed:
         record["resumed_at"] = 0  # Trained from step 0: no restore.
-      record["lost"] = []
-      if record.get("resumed_at") is None:
-        record["lost"].append("the restarted cluster never trained")
-      elif record["resumed_at"] != record["newest_whole_checkpoint"]:
-        record["lost"].append(
-            f"resumed at step {record['resumed_at']}, but ckpt-"
-            f"{record['newest_whole_checkpoint']} was the newest whole "
-            "checkpoint")
+      record["lost"] = _resume_losses(record)
       record["survived"] = not record["lost"]
       results.append(record)
     try:
@@ -627,13 +633,7 @@ def run_ps(options: ChaosOptions, data: dict, model_dir: str,
         record["resumed_at"] = (int(resumed.group(3)) if resumed and
                                 resumed.group(2) is not None else
                                 0 if resumed else None)
-        if record["resumed_at"] is None:
-          record["lost"].append("the restarted cluster never trained")
-        elif record["resumed_at"] != record["newest_whole_checkpoint"]:
-          record["lost"].append(
-              f"resumed at step {record['resumed_at']}, but ckpt-"
-              f"{record['newest_whole_checkpoint']} was the newest whole "
-              "checkpoint")
+        record["lost"] += _resume_losses(record)
       record["survived"] = not record["lost"]
       results.append(record)
     status = cluster.wait("chief-0", max(1.0, deadline - time.time()))
