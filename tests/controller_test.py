@@ -8,6 +8,7 @@ then run under the same controller: `LocalStepRunner` over a one-device
 cluster (a worker and a ps as `tf.distribute.Server`s on 127.0.0.1).
 """
 
+import dataclasses
 import json
 import os
 import signal
@@ -34,7 +35,7 @@ from tfdist.controller import Controller, ControllerOptions
 from tfdist.train_loop import Trainer
 
 
-class FakeRunner:
+class FakeRunner(step_runner.StepRunner):
   """Counts steps; each step's loss is `loss_at(step)`, accuracy 1/2."""
 
   def __init__(self, step: tf.Variable, *, max_steps_per_call=None,
@@ -58,10 +59,11 @@ class FakeRunner:
     self.step.assign_add(num_steps)
     if self.on_step:
       self.on_step(int(self.step.numpy()))
-    return {"loss": np.float64(loss), "correct": np.float64(num_steps),
-            "count": np.float64(2 * num_steps),
-            "stop_signal": np.float64(stop_signal),
-            "stop_training": np.float64(stop_training)}
+    return step_runner.StepOutput(
+        sums={"loss": np.float64(loss), "correct": np.float64(num_steps),
+              "count": np.float64(2 * num_steps)},
+        signals=step_runner.StepSignals(stop_signal=stop_signal,
+                                        stop_training=stop_training))
 
 
 class ControllerTest(parameterized.TestCase):
@@ -242,10 +244,12 @@ class ControllerTest(parameterized.TestCase):
     class PeerRunner(FakeRunner):
 
       def run(self, num_steps, **kwargs):
-        sums = super().run(num_steps, **kwargs)
+        output = super().run(num_steps, **kwargs)
         if int(self.step.numpy()) >= 4:
-          sums["stop_signal"] = np.float64(1.0)  # Another worker's request.
-        return sums
+          # Another worker's request.
+          output = dataclasses.replace(output, signals=dataclasses.replace(
+              output.signals, stop_signal=True))
+        return output
 
     with self.assertRaises(preemption.PreemptedError) as caught:
       self._controller(PeerRunner(self.step, max_steps_per_call=2),
