@@ -695,9 +695,9 @@ class Controller:
 
   def _run(self) -> ControllerResult:
     restored = self.checkpoints.restore()
-    state = LoopState(step=self._current_step(), epoch=0)
-    state.epoch = state.step // self.options.steps_per_epoch
-    self.step = state.step
+    self.step = self._current_step()
+    state = LoopState(step=self.step,
+                      epoch=self.step // self.options.steps_per_epoch)
     if restored:
       logging.info("tfdist: restored %s: resuming at step %d", restored,
                    state.step)
