@@ -23,8 +23,8 @@ The grace period is a bound measured from the signal's arrival, whatever
 the main thread is doing. A Python signal handler runs only when the main
 thread returns to the interpreter, which a long TensorFlow call (tracing a
 large first step, a step that blocks in C++) delays for minutes. So
-`install` also starts a small watcher process (standard library only, no
-TensorFlow) and hands it the write end of a pipe through
+`install` also starts a small watcher process (`tfdist.watchdog`'s, standard
+library only, no TensorFlow) and hands it the write end of a pipe through
 `signal.set_wakeup_fd`: CPython's C-level signal handler writes the signal
 number there the moment the signal arrives. The watcher starts the clock
 then, reports the arrival time back (so the log says the true delay), and
@@ -57,10 +57,6 @@ from typing import Optional, Sequence
 from absl import logging
 
 from tfdist import watchdog
-
-# Control bytes the process writes into the watcher's pipe.
-_PEER_STOP = watchdog.PEER_STOP  # A peer's stop signal: start the clock.
-_DISARM = watchdog.DISARM  # The process handles its exit: stop the clock.
 
 
 class PreemptedError(Exception):
@@ -229,7 +225,7 @@ class PreemptionWatcher:
   def cancel_deadline(self):
     """Stops the grace-period clock (a caller that catches
     `PreemptedError` and keeps the process alive, e.g. a test)."""
-    self._send(_DISARM)
+    self._send(watchdog.DISARM)
     self._disarmed = True
     if not self.installed:
       self._stop_watcher()
@@ -247,7 +243,7 @@ class PreemptionWatcher:
                     "stopping with it.")
     self.signum = signal.SIGTERM
     self.received_at = time.time()
-    self._send(_PEER_STOP)
+    self._send(watchdog.PEER_STOP)
 
   def preempted(self, *, step: int,
                 checkpoint: Optional[str]) -> PreemptedError:
