@@ -8,6 +8,7 @@ then run under the same controller: `LocalStepRunner` over a one-device
 cluster (a worker and a ps as `tf.distribute.Server`s on 127.0.0.1).
 """
 
+import dataclasses
 import json
 import os
 import signal
@@ -34,7 +35,7 @@ from tfdist.controller import Controller, ControllerOptions
 from tfdist.train_loop import Trainer
 
 
-class FakeRunner:
+class FakeRunner(step_runner.StepRunner):
   """Counts steps; each step's loss is `loss_at(step)`, accuracy 1/2."""
 
   def __init__(self, step: tf.Variable, *, max_steps_per_call=None,
@@ -58,10 +59,11 @@ class FakeRunner:
     self.step.assign_add(num_steps)
     if self.on_step:
       self.on_step(int(self.step.numpy()))
-    return {"loss": np.float64(loss), "correct": np.float64(num_steps),
-            "count": np.float64(2 * num_steps),
-            "stop_signal": np.float64(stop_signal),
-            "stop_training": np.float64(stop_training)}
+    return step_runner.StepOutput(
+        sums={"loss": np.float64(loss), "correct": np.float64(num_steps),
+              "count": np.float64(2 * num_steps)},
+        signals=step_runner.StepSignals(stop_signal=stop_signal,
+                                        stop_training=stop_training))
 
 
 class ControllerTest(parameterized.TestCase):
@@ -242,16 +244,155 @@ class ControllerTest(parameterized.TestCase):
     class PeerRunner(FakeRunner):
 
       def run(self, num_steps, **kwargs):
-        sums = super().run(num_steps, **kwargs)
+        output = super().run(num_steps, **kwargs)
         if int(self.step.numpy()) >= 4:
-          sums["stop_signal"] = np.float64(1.0)  # Another worker's request.
-        return sums
+          # Another worker's request.
+          output = dataclasses.replace(output, signals=dataclasses.replace(
+              output.signals, stop_signal=True))
+        return output
 
     with self.assertRaises(preemption.PreemptedError) as caught:
       self._controller(PeerRunner(self.step, max_steps_per_call=2),
                        preemption_watcher=watcher).run()
     self.assertEqual(caught.exception.step, 4)
     self.assertEqual(caught.exception.signum, signal.SIGTERM)
+
+
+def _output(loss=2.0, **signals):
+  return step_runner.StepOutput(sums={"loss": np.float64(loss)},
+                                signals=step_runner.StepSignals(**signals))
+
+
+class ActionsTest(absltest.TestCase):
+  """Each action on its own, over a hand-made `LoopState`."""
+
+  def setUp(self):
+    super().setUp()
+    self.dir = tempfile.mkdtemp(dir=os.environ.get("TEST_TMPDIR"))
+    self.step = tf.Variable(0, dtype=tf.int64)
+    self.weight = tf.Variable(1.0)
+    self.keeper = checkpointing.CheckpointKeeper(
+        checkpoint=tf.train.Checkpoint(step=self.step, w=self.weight),
+        directory=os.path.join(self.dir, "checkpoints"),
+        step_counter=self.step, variables=[self.weight])
+    self.saver = controller_lib.Checkpoints(
+        self.keeper, learning_rate=lambda: 0.1, loss_scale=lambda: None)
+    self.options = ControllerOptions(total_steps=20, steps_per_epoch=10,
+                                     log_steps=5, checkpoint_steps=4)
+
+  def _state(self, step, first_step=None, **kwargs):
+    self.step.assign(step)
+    return controller_lib.LoopState(
+        step=step, epoch=(step - 1) // 10,
+        first_step=step - 1 if first_step is None else first_step, **kwargs)
+
+  def test_options_name_the_boundaries(self):
+    self.assertEqual([s for s in range(1, 21)
+                      if self.options.is_checkpoint_step(s)],
+                     [4, 8, 12, 16, 20])
+    by_epoch = ControllerOptions(total_steps=25, steps_per_epoch=10)
+    self.assertEqual(
+        [s for s in range(1, 26) if by_epoch.is_checkpoint_step(s)],
+        [10, 20, 25])
+    self.assertTrue(by_epoch.is_epoch_end(20))
+    self.assertTrue(by_epoch.is_last(25))
+
+  def test_save_checkpoint_saves_only_at_its_steps(self):
+    action = controller_lib.SaveCheckpoint(self.saver, self.options)
+    state = self._state(3)
+    action(state, _output())
+    self.assertIsNone(state.saved)
+    state = self._state(4)
+    action(state, _output())
+    self.assertTrue(state.saved.endswith("ckpt-4"))
+
+  def test_a_non_finite_state_is_not_saved_but_diverged(self):
+    action = controller_lib.SaveCheckpoint(self.saver, self.options)
+    self.weight.assign(float("nan"))
+    with self.assertRaisesRegex(run_log_lib.DivergenceError,
+                                "diverged at step 8.*starts from step 0"):
+      action(self._state(8), _output())
+
+  def test_divergence_check_reads_the_state_only_for_a_bad_loss(self):
+    action = controller_lib.DivergenceCheck(self.saver)
+    self.weight.assign(float("nan"))
+    action(self._state(3), _output(loss=1.0))  # A finite loss: no check.
+    with self.assertRaisesRegex(run_log_lib.DivergenceError,
+                                r"at step 6 \(in steps 4-6\): the training "
+                                "loss is nan"):
+      action(self._state(6, first_step=3), _output(loss=float("nan")))
+    self.weight.assign(1.0)
+    action(self._state(9), _output(loss=float("nan")))  # State finite.
+
+  def test_skipped_step_watch_counts_the_signals(self):
+    action = controller_lib.SkippedStepWatch(self.options, lambda: None)
+    action.on_begin(self._state(0, first_step=0))
+    action(self._state(5, first_step=0),
+           _output(skipped_steps=2.0, skipped_steps_at_end=1.0))
+    self.assertEqual(action.monitor.total_skipped, 2)
+
+  def test_stop_on_request_saves_once_and_stops(self):
+    action = controller_lib.StopOnRequest(self.saver, self.options)
+    state = self._state(7, stop_requested=True)
+    action(state, _output())
+    self.assertTrue(state.stopped_early)
+    self.assertEqual(self.keeper.latest.rsplit("-", 1)[1], "7")
+    state = self._state(20, stop_requested=True)  # The end: no early stop.
+    action(state, _output())
+    self.assertFalse(state.stopped_early)
+
+  def test_evaluate_at_eval_epochs_and_again_at_the_end(self):
+    steps = []
+    action = controller_lib.Evaluate(
+        lambda step: steps.append(step) or {"loss": 0.0, "step": step},
+        ControllerOptions(total_steps=30, steps_per_epoch=10,
+                          epochs_between_evals=2))
+    for step in (10, 15, 20):
+      state = self._state(step)
+      action(state, _output())
+    self.assertEqual(steps, [20])
+    state.step = 25  # Stopped early after the last evaluation.
+    action.on_end(state)
+    self.assertEqual(steps, [20, 25])
+    action.on_end(state)  # Already of the last step.
+    self.assertEqual(steps, [20, 25])
+
+  def test_keras_batch_end_gets_the_chunks_mean_loss(self):
+    seen = []
+
+    class Recorder(keras.callbacks.Callback):
+
+      def on_train_batch_end(self, batch, logs=None):
+        seen.append((batch, logs))
+
+    action = controller_lib.KerasBatchEnd(
+        keras.callbacks.CallbackList([Recorder()]), self.options)
+    action(self._state(14, first_step=10), _output(loss=8.0))
+    self.assertEqual(seen, [(3, {"loss": 2.0})])
+
+  def test_preemption_stop_saves_ends_callbacks_and_raises(self):
+    ended = []
+
+    class Recorder(keras.callbacks.Callback):
+
+      def on_train_end(self, logs=None):
+        ended.append(True)
+
+    watcher = preemption.PreemptionWatcher(grace_seconds=60)
+    callbacks = keras.callbacks.CallbackList([Recorder()])
+    callbacks.on_train_begin()
+    action = controller_lib.PreemptionStop(
+        watcher, checkpoints=self.saver, callbacks=callbacks,
+        options=self.options)
+    state = self._state(3)
+    action.before_steps(state)
+    self.assertFalse(state.stop_signal)
+    action(state, _output())  # No signal: nothing.
+    with self.assertRaises(preemption.PreemptedError) as caught:
+      action(state, _output(stop_signal=True))
+    self.assertEqual(caught.exception.step, 3)
+    self.assertTrue(caught.exception.checkpoint.endswith("ckpt-3"))
+    self.assertEqual(ended, [True])
 
 
 class EvaluateContinuouslyTest(absltest.TestCase):

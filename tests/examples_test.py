@@ -355,7 +355,7 @@ def _child_parameter_server(project: str) -> dict:
           lambda ctx: input_pipeline.make_dataset(options, ctx))))
   runner = step_runner.CoordinatorStepRunner(
       trainer=parts.trainer, coordinator=coordinator, iterator=iterator)
-  sums = runner.run(6, start_step=0)
+  sums = runner.run(6, start_step=0).sums
   metrics = parts.trainer.summarize(sums, 6)
   return {"placement": placement, "steps": int(parts.trainer.global_step),
           "loss": metrics["loss"], "metrics": sorted(metrics)}

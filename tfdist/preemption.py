@@ -23,8 +23,8 @@ The grace period is a bound measured from the signal's arrival, whatever
 the main thread is doing. A Python signal handler runs only when the main
 thread returns to the interpreter, which a long TensorFlow call (tracing a
 large first step, a step that blocks in C++) delays for minutes. So
-`install` also starts a small watcher process (standard library only, no
-TensorFlow) and hands it the write end of a pipe through
+`install` also starts a small watcher process (`tfdist.watchdog`'s, standard
+library only, no TensorFlow) and hands it the write end of a pipe through
 `signal.set_wakeup_fd`: CPython's C-level signal handler writes the signal
 number there the moment the signal arrives. The watcher starts the clock
 then, reports the arrival time back (so the log says the true delay), and
@@ -56,59 +56,7 @@ from typing import Optional, Sequence
 
 from absl import logging
 
-# Control bytes the process writes into the watcher's pipe, beside the
-# signal numbers CPython writes there (1-64).
-_PEER_STOP = 250   # A peer's stop signal: start the clock now.
-_DISARM = 251      # The process handles its exit itself: stop the clock.
-
-# The watcher process: reads the pipe (its stdin) until the process closes
-# it (exit, uninstall); argv: pid, grace seconds, the watched signals.
-_WATCHER = r"""
-import os, select, signal, sys, time
-pid, grace = int(sys.argv[1]), float(sys.argv[2])
-watched = {int(x) for x in sys.argv[3].split(",")}
-PEER, DISARM = 250, 251
-def name(n):
-  try:
-    return signal.Signals(n).name
-  except ValueError:
-    return "signal %d" % n
-def kill(message):
-  sys.stderr.write(message + "\n")
-  sys.stderr.flush()
-  try:
-    os.kill(pid, signal.SIGKILL)
-  except ProcessLookupError:
-    pass
-  sys.exit(0)
-armed, what = None, ""
-while True:
-  timeout = None if armed is None else max(0.0, armed + grace - time.time())
-  ready, _, _ = select.select([0], [], [], timeout)
-  if not ready:
-    kill("tfdist: error: still running %.1f s after %s "
-         "(--preemption_grace_seconds=%g): ending the process without a "
-         "final checkpoint." % (time.time() - armed, what, grace))
-  data = os.read(0, 256)
-  if not data:
-    sys.exit(0)
-  now = time.time()
-  for byte in data:
-    if byte == DISARM:
-      armed = None
-    elif byte == PEER:
-      if armed is None:
-        armed, what = now, "a peer's stop signal"
-    elif byte in watched:
-      if armed is not None and what != "a peer's stop signal":
-        kill("tfdist: second signal (%s): ending the process now." %
-             name(byte))
-      if armed is None:
-        armed = now
-      what = name(byte)
-      sys.stdout.write("%d %.6f\n" % (byte, now))
-      sys.stdout.flush()
-"""
+from tfdist import watchdog
 
 
 class PreemptedError(Exception):
@@ -189,11 +137,12 @@ class PreemptionWatcher:
   def _start_watcher(self):
     read_end, write_end = os.pipe()
     try:
-      self._watcher = subprocess.Popen(
-          [sys.executable, "-S", "-c", _WATCHER, str(os.getpid()),
-           str(self.grace_seconds), ",".join(str(int(s))
-                                             for s in self.signals)],
-          stdin=read_end, stdout=subprocess.PIPE, close_fds=True)
+      self._watcher = watchdog.start_watcher(
+          seconds=self.grace_seconds, armed=False, signals=self.signals,
+          message=("tfdist: error: still running %%(elapsed).1f s after "
+                   "%%(what)s (--preemption_grace_seconds=%g): ending the "
+                   "process without a final checkpoint." % self.grace_seconds),
+          stdin=read_end, stdout=subprocess.PIPE)
     except OSError as e:
       os.close(read_end)
       os.close(write_end)
@@ -276,7 +225,7 @@ class PreemptionWatcher:
   def cancel_deadline(self):
     """Stops the grace-period clock (a caller that catches
     `PreemptedError` and keeps the process alive, e.g. a test)."""
-    self._send(_DISARM)
+    self._send(watchdog.DISARM)
     self._disarmed = True
     if not self.installed:
       self._stop_watcher()
@@ -294,7 +243,7 @@ class PreemptionWatcher:
                     "stopping with it.")
     self.signum = signal.SIGTERM
     self.received_at = time.time()
-    self._send(_PEER_STOP)
+    self._send(watchdog.PEER_STOP)
 
   def preempted(self, *, step: int,
                 checkpoint: Optional[str]) -> PreemptedError:

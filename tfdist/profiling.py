@@ -34,7 +34,7 @@ class ProfileWindow:
   """Runs TensorFlow's profiler over training steps `start..end`.
 
   Args:
-    steps: `(start, end)`, 1-based and inclusive (`TrainConfig.profile_steps`).
+    steps: `(start, end)`, 1-based and inclusive (`--profile_steps`).
     logdir: the profiler's log folder (the TensorBoard `train/` folder).
 
   Raises:

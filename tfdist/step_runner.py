@@ -14,17 +14,22 @@ step runner only runs steps and returns their sums:
   lost with a worker is run again on another and counted once). A lost ps
   task becomes one `ParameterServerError`.
 
-Both return the chunk's sums as float64 NumPy values: `loss` (sum of the
-per-step mean losses), `count` (examples), each metric's summed state
-(`tfdist.objectives.MetricSums`; `Trainer.summarize` makes values of
-them), `stop_signal` and `stop_training`.
+Both implement `StepRunner` and return a `StepOutput`: the chunk's sums
+as float64 NumPy values (`loss`: sum of the per-step mean losses, `count`:
+examples, `micro_steps`, each metric's summed state,
+`tfdist.objectives.MetricSums`; `Trainer.summarize` makes values of them)
+and, apart from them, its `StepSignals` (stop requests, skipped steps).
 """
 
+import abc
+import dataclasses
 import re
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 import tensorflow as tf
+
+from tfdist import parameter_server
 
 # Errors that mean a ps task (or the whole cluster) is gone.
 PS_LOST_ERRORS = (tf.errors.UnavailableError, tf.errors.AbortedError,
@@ -137,7 +142,6 @@ def ps_lost_error(error: Exception, *, after: str,
   Returns:
     A `tfdist.parameter_server.ParameterServerError` to raise from `error`.
   """
-  from tfdist import parameter_server  # pylint: disable=g-import-not-at-top
   first = str(error).splitlines()[0] if str(error) else ""
   return parameter_server.ParameterServerError(
       f"Parameter-server training lost a ps task (or the whole cluster) "
@@ -145,6 +149,96 @@ def ps_lost_error(error: Exception, *, after: str,
       "tolerated, ps failures are not: restart the cluster (python -m "
       "tfdist.launch ... --max_restarts=N does) and training resumes from "
       f"the last checkpoint, {last_checkpoint or 'none yet (from step 0)'}.")
+
+
+@dataclasses.dataclass(frozen=True)
+class StepSignals:
+  """What a chunk of steps tells the controller besides its metrics.
+
+  Under MultiWorkerMirroredStrategy each value is the same on every worker
+  (reduced inside the compiled step with the metrics).
+
+  Attributes:
+    stop_signal: some worker received a stop signal (SIGTERM, SIGINT).
+    stop_training: some worker's callback set `model.stop_training`.
+    skipped_steps: steps of the chunk whose update was skipped (fp16
+      gradients not finite).
+    skipped_steps_at_end: how many of the chunk's last steps in a row were
+      skipped (== `skipped_steps` when every step was).
+  """
+  stop_signal: bool = False
+  stop_training: bool = False
+  skipped_steps: float = 0.0
+  skipped_steps_at_end: float = 0.0
+
+  @classmethod
+  def split(cls, sums: Mapping[str, np.ndarray]
+            ) -> Tuple["StepSignals", Dict[str, np.ndarray]]:
+    """Separates the compiled step's outputs (`Trainer.train_function`: one
+    dict, signals under their field names) into signals and metric sums.
+
+    Returns:
+      `(StepSignals, sums without the signal keys)`; a missing signal is
+      False or 0.
+    """
+    names = [field.name for field in dataclasses.fields(cls)]
+    metrics = {k: v for k, v in sums.items() if k not in names}
+    values = {name: float(sums.get(name, 0.0)) for name in names}
+    return cls(stop_signal=values["stop_signal"] > 0,
+               stop_training=values["stop_training"] > 0,
+               skipped_steps=values["skipped_steps"],
+               skipped_steps_at_end=values["skipped_steps_at_end"]), metrics
+
+
+@dataclasses.dataclass(frozen=True)
+class StepOutput:
+  """What `StepRunner.run` returns for one chunk of steps.
+
+  Attributes:
+    sums: metric name -> float64 NumPy scalar or array summed over the
+      chunk's steps (`loss`, `count`, `micro_steps`, metric states).
+    signals: the chunk's `StepSignals`.
+  """
+  sums: Dict[str, np.ndarray]
+  signals: StepSignals = StepSignals()
+
+  @classmethod
+  def from_sums(cls, sums: Mapping[str, np.ndarray]) -> "StepOutput":
+    """A `StepOutput` from the compiled step's one dict of outputs."""
+    signals, metrics = StepSignals.split(sums)
+    return cls(sums=metrics, signals=signals)
+
+
+class StepRunner(abc.ABC):
+  """Runs chunks of training steps: the one thing strategies differ in.
+
+  Attributes:
+    max_steps_per_call: the most steps one `run` may be asked for (None:
+      any number).
+  """
+
+  max_steps_per_call: Optional[int] = None
+
+  @abc.abstractmethod
+  def run(self, num_steps: int, *, start_step: int, stop_signal: bool = False,
+          stop_training: bool = False) -> StepOutput:
+    """Runs `num_steps` steps after step `start_step`.
+
+    Args:
+      num_steps: steps to run (>= 1, <= `max_steps_per_call` when set).
+      start_step: the last step trained before.
+      stop_signal: this process received a stop signal.
+      stop_training: a callback of this process set `model.stop_training`.
+
+    Returns:
+      The chunk's `StepOutput`; its signals are the stop requests of every
+      worker together.
+    """
+
+  def agree(self, flag: bool) -> bool:
+    """True when any worker passes True; every worker calls it at the same
+    point. This base: the caller alone decides (`flag` itself)."""
+    return bool(flag)
 
 
 def _as_numpy(sums) -> Dict[str, np.ndarray]:
@@ -155,7 +249,7 @@ def _stop_flags(stop_signal: bool, stop_training: bool) -> tf.Tensor:
   return tf.constant([float(stop_signal), float(stop_training)], tf.float32)
 
 
-class LocalStepRunner:
+class LocalStepRunner(StepRunner):
   """Runs steps by calling the compiled training function in this process.
 
   Args:
@@ -200,8 +294,9 @@ class LocalStepRunner:
     return float(self._agree_fn(tf.constant(1.0 if flag else 0.0))) > 0
 
   def run(self, num_steps: int, *, start_step: int, stop_signal: bool = False,
-          stop_training: bool = False) -> Dict[str, np.ndarray]:
-    """Runs `num_steps` (<= `max_steps_per_call`) steps; returns their sums.
+          stop_training: bool = False) -> StepOutput:
+    """Runs `num_steps` (<= `max_steps_per_call`) steps; returns their
+    `StepOutput`.
 
     `start_step` is the step reached before (the trainer's own step
     counter, which the compiled function advances, already equals it).
@@ -216,10 +311,10 @@ class LocalStepRunner:
     sums = self.trainer.train_function(
         self.iterator, tf.constant(num_steps, tf.int32),
         _stop_flags(stop_signal, stop_training))
-    return _as_numpy(sums)
+    return StepOutput.from_sums(_as_numpy(sums))
 
 
-class CoordinatorStepRunner:
+class CoordinatorStepRunner(StepRunner):
   """Schedules steps on parameter-server workers through a coordinator.
 
   Args:
@@ -242,18 +337,16 @@ class CoordinatorStepRunner:
     self.iterator = iterator
     self.last_checkpoint = last_checkpoint
 
-  def agree(self, flag: bool) -> bool:
-    """The coordinator alone decides: `flag` itself."""
-    return bool(flag)
-
   def run(self, num_steps: int, *, start_step: int, stop_signal: bool = False,
-          stop_training: bool = False) -> Dict[str, np.ndarray]:
-    """Schedules `num_steps` steps in chunks, joins, returns their sums.
+          stop_training: bool = False) -> StepOutput:
+    """Schedules `num_steps` steps in chunks, joins, returns their
+    `StepOutput`.
 
     Afterwards the trainer's step counter is set to exactly `start_step +
     num_steps` (a chunk re-run after a worker was lost advanced it twice).
     The stop requests are the coordinator's own (it is the only process
-    that decides); they come back in the sums unchanged.
+    that decides; `agree` is `flag` itself); they come back unchanged in
+    the signals.
 
     Raises:
       tfdist.parameter_server.ParameterServerError: a ps task (or the
@@ -279,6 +372,7 @@ class CoordinatorStepRunner:
       raise ps_lost_error(e, after=f"step {start_step}",
                           last_checkpoint=self.last_checkpoint()) from e
     self.trainer.global_step.assign(start_step + num_steps)
-    sums["stop_signal"] = np.float64(stop_signal)
-    sums["stop_training"] = np.float64(stop_training)
-    return sums
+    output = StepOutput.from_sums(sums)
+    return dataclasses.replace(output, signals=dataclasses.replace(
+        output.signals, stop_signal=bool(stop_signal),
+        stop_training=bool(stop_training)))

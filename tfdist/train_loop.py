@@ -637,7 +637,8 @@ class Trainer:
       of the last steps in a row were skipped: equal to `num_steps` when
       every step was), and `stop_signal` and `stop_training` (> 0 when any
       worker, in any step of the chunk, asked to stop: every worker gets
-      the same sums). Also this worker's own timings (float64 seconds, not
+      the same sums; `tfdist.step_runner.StepSignals.split` takes these
+      four out of the metric sums). Also this worker's own timings (float64 seconds, not
       reduced across workers): `input_wait_seconds`, the time spent waiting
       for the input iterator, and `execution_seconds`, the call's time from
       its first to its last op.
