@@ -26,6 +26,8 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 import tensorflow as tf
 
+from tfdist.errors import PeerLostError, first_line
+
 # Errors that mean a ps task (or the whole cluster) is gone.
 PS_LOST_ERRORS = (tf.errors.UnavailableError, tf.errors.AbortedError,
                   tf.errors.CancelledError, tf.errors.NotFoundError,
@@ -38,14 +40,6 @@ PEER_LOST_ERRORS = (tf.errors.UnavailableError,
                     tf.errors.DeadlineExceededError, tf.errors.AbortedError,
                     tf.errors.CancelledError, tf.errors.InternalError,
                     tf.errors.UnknownError)
-
-
-class PeerLostError(RuntimeError):
-  """A MultiWorkerMirrored peer worker was lost: restart the cluster.
-
-  `tfdist.train` exits with the retryable status 200 for it
-  (`tfdist.exit_codes`).
-  """
 
 
 _TASK_NAME = re.compile(r"/job:(\w+)/(?:replica:\d+/)?task:(\d+)")
@@ -106,7 +100,7 @@ def peer_lost_error(error: Exception, *, after: str,
     addresses: the cluster's job -> `host:port` list, to name the lost
       task's address.
   """
-  first = str(error).splitlines()[0] if str(error) else ""
+  first = first_line(error)
   names = []
   service_host = None
   if addresses:
@@ -138,7 +132,7 @@ def ps_lost_error(error: Exception, *, after: str,
     A `tfdist.parameter_server.ParameterServerError` to raise from `error`.
   """
   from tfdist import parameter_server  # pylint: disable=g-import-not-at-top
-  first = str(error).splitlines()[0] if str(error) else ""
+  first = first_line(error)
   return parameter_server.ParameterServerError(
       f"Parameter-server training lost a ps task (or the whole cluster) "
       f"after {after}: {type(error).__name__}: {first}. Worker failures are "
