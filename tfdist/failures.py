@@ -4,7 +4,7 @@ A run meets failures that are not bugs: the disk or quota of an output
 folder fills up during a save, a folder's permissions change, a data file
 vanishes mid-epoch. TensorFlow reports them as an `OpError` (or Python as
 an `OSError`) from deep inside a save or a step. `named_failures` turns
-them into `ConfigError`s (status 2, `tfdist.exit_codes`) that name the
+them into `ConfigError`s (status 2, `tfdist.errors`) that name the
 folder or file, what happened and the fix, with the last checkpoint to
 resume from; anything else passes through unchanged.
 
