@@ -54,11 +54,11 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist import checkpointing
-from tfdist.checkpoint_paths import checkpoint_step
 from tfdist import errors
 from tfdist import run_log as run_log_lib
 from tfdist import strict_json
 from tfdist import training_checks
+from tfdist.checkpoint_paths import checkpoint_step
 
 EVAL_RESULTS_FILE = "eval_results.jsonl"
 # Keys of the runner's sums that are not metrics.
