@@ -233,6 +233,30 @@ def _copy_checkpoint(src_dir, dst_dir, step):
             f'all_model_checkpoint_paths: "ckpt-{step}"\n')
 
 
+class InputPositionTest(absltest.TestCase):
+  """`tfdist.input_position` itself: the epoch a step falls in, a position
+  that round-trips through its serialized form."""
+
+  def test_epoch_start(self):
+    from tfdist import input_position  # pylint: disable=g-import-not-at-top
+    self.assertEqual([input_position.epoch_start(s, 5)
+                      for s in (0, 4, 5, 7, 10)], [0, 0, 5, 5, 10])
+
+  def test_position_round_trips(self):
+    from tfdist import input_position  # pylint: disable=g-import-not-at-top
+    layout = {"seed": 1, "files": ["a"], "num_input_pipelines": 2}
+    saved = input_position.InputPosition(layout, steps_per_epoch=5)
+    restored = input_position.InputPosition(layout, steps_per_epoch=5)
+    self.assertEqual(restored.resume_step(0), 0)
+    restored.deserialize(saved.serialize().encode("utf-8"))
+    self.assertEqual(restored.saved, layout)
+    self.assertEqual(restored.resume_step(7), 7)
+    moved = input_position.InputPosition(dict(layout, seed=2),
+                                         steps_per_epoch=5)
+    moved.deserialize(saved.serialize())
+    self.assertEqual(moved.resume_step(7), 5)
+
+
 class ResumedRunsTest(absltest.TestCase):
   """Runs A (uninterrupted) and B (resumed from A's step-3 checkpoint)."""
 

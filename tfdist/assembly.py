@@ -25,6 +25,7 @@ from tfdist import precision
 from tfdist import sharded_optimizer
 from tfdist import task as task_lib
 from tfdist.config import ConfigError
+from tfdist.errors import first_line
 from tfdist import train_loop
 from tfdist.train_loop import Trainer
 
@@ -60,7 +61,7 @@ def _output_shape(model: keras.Model, task: task_lib.Task) -> tf.TensorShape:
   except ConfigError:
     raise
   except Exception as e:  # pylint: disable=broad-except
-    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    first = first_line(e)
     raise ConfigError(
         f"--model={task.model_name} cannot take --dataset="
         f"{task.dataset.name}'s features {features}: {type(e).__name__}: "
@@ -352,13 +353,13 @@ def load_init_checkpoint(model: keras.Model, path: str) -> str:
     status = tf.train.Checkpoint(model=model).restore(prefix)
   except ValueError as e:  # A variable of another shape.
     raise ConfigError(f"--init_checkpoint={path}: {prefix} does not fit the "
-                      f"model: {str(e).strip().splitlines()[0]}") from None
+                      f"model: {first_line(e)}") from None
   try:
     status.assert_existing_objects_matched()
   except AssertionError as e:
     logging.warning("--init_checkpoint: %s matches the model only in part; "
                     "the rest keeps its initial values: %s", prefix,
-                    str(e).strip().splitlines()[0])
+                    first_line(e))
   status.expect_partial()
   logging.info("--init_checkpoint: loaded the model's weights from %s",
                prefix)

@@ -30,53 +30,39 @@ with it: a changed model or global batch is refused unless
 `--allow_incompatible_resume`, other changes are listed.
 
 The input position (`InputPosition`, `--checkpoint_input_position`): a
-checkpoint also records the training input's layout (`tfdist.
-input_pipeline.input_layout`: files, record counts, workers, global batch,
-seed, shuffle buffer, cache; a few hundred bytes of JSON), not any iterator
-state. With the step it fixes where every worker's input stands, which each
-worker recomputes for its own shard, so nothing per worker has to be
-stored, and the chief alone writing `--model_dir` is enough. A run whose
-layout differs discards the position with a message naming the change.
+checkpoint also records the training input's layout, not any iterator state
+(`tfdist.input_position`, its home; exported here too).
 """
 
 import json
 import os
-import re
-from typing import Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 from absl import logging
 import tensorflow as tf
+from tensorflow.core.protobuf import trackable_object_graph_pb2
 
-from tfdist.config import ConfigError
-from tfdist.run_log import DivergenceError
+from tfdist import errors
+from tfdist.checkpoint_paths import checkpoint_step  # noqa: F401
+from tfdist.checkpoint_paths import is_interrupted_save
+from tfdist.errors import DamagedCheckpointError
+from tfdist.errors import IncompatibleResumeError
+from tfdist.errors import NonFiniteStateError
+from tfdist.input_position import INPUT_POSITION_KEY  # noqa: F401
+from tfdist.input_position import InputPosition
 
 RUN_RECORD_FILE = "run_config.json"
-# `ckpt-12_temp`: the parts of a sharded save not yet merged into ckpt-12.
-_TEMP_RE = re.compile(r"-\d+_temp$")
-
-
-class NonFiniteStateError(DivergenceError):
-  """The state to be saved holds NaN or infinite values (not saved)."""
-
-
-class DamagedCheckpointError(ConfigError):
-  """A checkpoint's index or data cannot be read (status 2)."""
 
 
 def _damaged_checkpoint(path: str, error: Exception) -> DamagedCheckpointError:
-  text = (getattr(error, "message", None) or str(error)).strip()
-  first = text.splitlines()[0] if text else type(error).__name__
+  """The error naming a checkpoint `path` whose files `error` could not read."""
+  first = errors.first_line(error, default=type(error).__name__)
   folder, name = os.path.split(path)
   return DamagedCheckpointError(
       f"The checkpoint {path} cannot be read, its files are damaged "
       f"({type(error).__name__}: {first}). tfdist deletes nothing it did "
       f"not write: move its files ({name}.*) out of {folder} to resume "
       "from the checkpoint before it, or start a fresh --model_dir.")
-
-
-class IncompatibleResumeError(ConfigError):
-  """The checkpoint was written by a run with another model or global
-  batch (`--allow_incompatible_resume` overrides)."""
 
 
 def clean_interrupted_saves(directory: str) -> List[str]:
@@ -94,68 +80,13 @@ def clean_interrupted_saves(directory: str) -> List[str]:
   for name in sorted(tf.io.gfile.listdir(directory)):
     name = name.rstrip("/")
     path = os.path.join(directory, name)
-    if _TEMP_RE.search(name) and tf.io.gfile.isdir(path):
+    if is_interrupted_save(name) and tf.io.gfile.isdir(path):
       tf.io.gfile.rmtree(path)
       removed.append(path)
   if removed:
     logging.info("tfdist: removed %d folder(s) left by interrupted "
                  "checkpoint saves: %s", len(removed), ", ".join(removed))
   return removed
-
-
-# Where `InputPosition` lives in a checkpoint.
-INPUT_POSITION_KEY = "input_position/.ATTRIBUTES/py_state"
-
-
-class InputPosition(tf.train.experimental.PythonState):
-  """The training input's layout, saved in every checkpoint.
-
-  Args:
-    layout: this run's `tfdist.input_pipeline.input_layout` (a dict).
-    steps_per_epoch: this run's updates per epoch.
-
-  After a restore, `saved` holds the checkpoint's layout (None: it had
-  none) and `resume_step(step)` says where the input resumes.
-  """
-
-  def __init__(self, layout: dict, *, steps_per_epoch: int):
-    self.layout = dict(layout)
-    self.steps_per_epoch = int(steps_per_epoch)
-    self.saved: Optional[dict] = None
-
-  def serialize(self) -> str:
-    return json.dumps(self.layout, sort_keys=True)
-
-  def deserialize(self, string_value):
-    value = string_value.numpy() if hasattr(string_value, "numpy") else (
-        string_value)
-    if isinstance(value, bytes):
-      value = value.decode("utf-8")
-    self.saved = json.loads(value)
-
-  def resume_step(self, step: int) -> int:
-    """The step whose input position a run restored at `step` starts from.
-
-    `step` itself when the checkpoint's layout equals this run's (the epoch
-    continues where it stopped); otherwise the first step of the epoch
-    `step` falls in (the epoch starts over), with a warning naming what
-    changed. 0 for a fresh run.
-    """
-    from tfdist import input_pipeline  # pylint: disable=g-import-not-at-top
-    if step <= 0:
-      return 0
-    change = input_pipeline.layout_change(self.saved, self.layout)
-    if change is None:
-      logging.info("tfdist: input position restored: step %d continues "
-                   "epoch %d where the checkpoint stopped.", step,
-                   step // self.steps_per_epoch)
-      return step
-    start = step - step % self.steps_per_epoch
-    logging.warning(
-        "tfdist: input position discarded: %s. The input starts epoch %d "
-        "over (examples the first %d steps of that epoch used may be used "
-        "again).", change, step // self.steps_per_epoch, step - start)
-    return start
 
 
 # Parts of the training state (children of the checkpoint's root) that a
@@ -170,7 +101,6 @@ OPTIONAL_PARTS = ("input_position", "random_state", "lr_multiplier")
 def root_children(prefix: str) -> set:
   """Names of the objects a checkpoint's root holds (`model`, `optimizer`,
   ...), from its object graph."""
-  from tensorflow.core.protobuf import trackable_object_graph_pb2  # pylint: disable=g-import-not-at-top
   graph = trackable_object_graph_pb2.TrackableObjectGraph()
   graph.ParseFromString(tf.train.load_checkpoint(prefix).get_tensor(
       "_CHECKPOINTABLE_OBJECT_GRAPH"))
@@ -351,14 +281,19 @@ OPERATIONAL_FIELDS = frozenset({
     "train_steps", "train_epochs", "batch_size", "per_replica_batch_size"})
 
 
-def run_record(config, plan) -> dict:
+def run_record(settings: Mapping[str, Any], plan) -> dict:
   """What a run trains, as recorded beside its checkpoints.
 
   Args:
-    config: the run's `TrainConfig`.
+    settings: the run's settings by flag name (`tfdist.run_options.
+      run_record_settings`); the operational ones are left out.
     plan: its `tfdist.run_plan.RunPlan`.
+
+  Returns:
+    A JSON-serializable dict: the batch and step plan, the strategy and
+    `config` (the settings that change what is trained).
   """
-  flags = {k: v for k, v in config.to_dict().items()
+  flags = {k: v for k, v in settings.items()
            if k not in OPERATIONAL_FIELDS}
   return {"global_batch_size": plan.global_batch_size,
           "num_replicas_in_sync": plan.batch.num_replicas_in_sync,

@@ -49,6 +49,7 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 from absl import logging
 
 from tfdist.config import ConfigError
+from tfdist.errors import ClusterConfigError
 
 CHIEF, WORKER, PS, EVALUATOR = "chief", "worker", "ps", "evaluator"
 TASK_TYPES = (CHIEF, WORKER, PS, EVALUATOR)
@@ -76,10 +77,6 @@ _TRIAL_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 # The Vertex worker pool that may hold parameter servers or the Reduction
 # Server (workerPoolSpecs[2]).
 REDUCTION_SERVER_POOL = 2
-
-
-class ClusterConfigError(ConfigError):
-  """The cluster definition is malformed; the message names its source."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,6 +17,7 @@ import re
 from typing import Optional, Tuple
 
 from tfdist import training_checks
+from tfdist.errors import ConfigError
 
 STRATEGIES = ("off", "one_device", "mirrored", "multi_worker_mirrored",
               "parameter_server", "tpu", "auto")
@@ -66,10 +67,6 @@ RECOMMENDABLE_FIELDS = ("model", "batch_size", "optimizer",
                         "base_learning_rate", "lr_scaling")
 UNSET_DEFAULTS = {"model": "cnn", "optimizer": "sgd",
                   "base_learning_rate": 0.1, "lr_scaling": "linear"}
-
-
-class ConfigError(ValueError):
-  """A configuration value is invalid. The message names flag, value and fix."""
 
 
 def normalize_dtype(value: str) -> str:

@@ -62,9 +62,12 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist import checkpointing
+from tfdist import errors
 from tfdist import run_log as run_log_lib
 from tfdist import step_runner
+from tfdist import strict_json
 from tfdist import training_checks
+from tfdist.checkpoint_paths import checkpoint_step
 
 EVAL_RESULTS_FILE = "eval_results.jsonl"
 
@@ -811,7 +814,7 @@ class Controller:
       logging.warning(
           "Evaluator: checkpoint %s was deleted (rotated away by "
           "--max_checkpoints) before it could be evaluated: %s", path,
-          str(e).splitlines()[0] if str(e) else type(e).__name__)
+          errors.first_line(e, default=type(e).__name__))
       return None
     result = self.evaluate(checkpoint_step(path))
     result.update(checkpoint=path)
@@ -875,20 +878,12 @@ def _restored_best_epoch(callbacks, *, last_epoch: int) -> Optional[int]:
   return None
 
 
-def checkpoint_step(path: str) -> int:
-  """The step a checkpoint path is numbered with (`.../ckpt-N`), or -1."""
-  try:
-    return int(path.rsplit("-", 1)[1])
-  except (IndexError, ValueError):
-    return -1
-
-
 def append_eval_result(results_dir: str, result: dict) -> str:
   """Appends one evaluation as a JSON line to
   `results_dir/eval_results.jsonl` (NaN as null); returns the path."""
   tf.io.gfile.makedirs(results_dir)
   path = os.path.join(results_dir, EVAL_RESULTS_FILE)
   with tf.io.gfile.GFile(path, "a") as f:
-    f.write(json.dumps(training_checks.json_safe(result),
+    f.write(json.dumps(strict_json.json_safe(result),
                        allow_nan=False) + "\n")
   return path

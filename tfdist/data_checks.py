@@ -34,11 +34,7 @@ from typing import Dict, Mapping, Optional, Sequence, Tuple
 
 import tensorflow as tf
 
-from tfdist.config import ConfigError
-
-
-class DataError(ConfigError):
-  """An input file is damaged or holds records of another schema."""
+from tfdist.errors import DataError, first_line
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,7 +78,7 @@ def _records(path: str):
 
 def _damaged(path: str, what: str, error: Exception, good: int
              ) -> DataError:
-  first = str(error).splitlines()[0] if str(error) else ""
+  first = first_line(error)
   return DataError(
       f"{what} {path} is damaged: {type(error).__name__}: {first} (after "
       f"{good} good record(s)). The file is cut short or corrupted: write "

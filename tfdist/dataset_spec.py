@@ -13,13 +13,10 @@ import dataclasses
 from typing import Any, Callable, Optional, Sequence, Tuple
 
 from tfdist.config import ConfigError
+from tfdist.errors import DataNotFoundError  # noqa: F401
 
 # `dataset_info.json`: written last into a converted data set's folder.
 INFO_FILE = "dataset_info.json"
-
-
-class DataNotFoundError(ConfigError):
-  """A data set or a file pattern could not be found."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -53,6 +53,7 @@ from absl import flags
 from absl import logging
 
 from tfdist import memory
+from tfdist.errors import DiagnoseError
 
 # The input-wait share of step time above which a run is input-bound, and
 # above which it is "moderately" so: TensorFlow's profiler (the input
@@ -178,10 +179,6 @@ def memory_advice(run: "RunMeasurement", *, cpu_bf16: bool = False) -> str:
   mixed = _mixed_precision(run, cpu_bf16)
   return MEMORY_ADVICE.format(
       mixed=f"{mixed[:-1]}: half-size activations), " if mixed else "")
-
-
-class DiagnoseError(RuntimeError):
-  """A child run failed or wrote no manifest; the message says where."""
 
 
 @dataclasses.dataclass

@@ -43,16 +43,19 @@ import tensorflow as tf
 from tfdist import allocator
 from tfdist import assembly
 from tfdist import auto_select
+from tfdist import checkpoint_paths
 from tfdist import checkpointing
 from tfdist import cluster as cluster_lib
 from tfdist import controller as controller_lib
 from tfdist import devices
+from tfdist import done_marker
 from tfdist import environment as environment_lib
 from tfdist import export
 from tfdist import failures
 from tfdist import filesystems
 from tfdist import hptune
 from tfdist import input_pipeline
+from tfdist import input_position as input_position_lib
 from tfdist import keras_callbacks
 from tfdist import lease as lease_lib
 from tfdist import manifest as manifest_lib
@@ -63,6 +66,7 @@ from tfdist import preemption
 from tfdist import preflight
 from tfdist import profiling
 from tfdist import run_log as run_log_lib
+from tfdist import run_options
 from tfdist import run_plan as run_plan_lib
 from tfdist import step_runner
 from tfdist import strategy as strategy_lib
@@ -342,7 +346,7 @@ def run_experiment(config: TrainConfig, *,
       # they are freed, and a server that had already left made each removal
       # a gRPC error ("Failed to remove function remotely").
       gc.collect()
-      ps_lib.mark_done(config.model_dir)
+      done_marker.mark_done(config.model_dir)
     return record
 
 
@@ -410,12 +414,10 @@ def _check_resume(config, plan) -> list:
   previous = checkpointing.read_run_record(directory, config.model_dir)
   if previous is None:
     return []
-  try:
-    restored_step = int(latest.rsplit("-", 1)[1])
-  except (IndexError, ValueError):
-    restored_step = 0
+  restored_step = checkpoint_paths.checkpoint_step(latest, default=0)
   notes = checkpointing.check_resume(
-      previous, checkpointing.run_record(config, plan), checkpoint=latest,
+      previous, checkpointing.run_record(
+          run_options.run_record_settings(config), plan), checkpoint=latest,
       restored_step=restored_step, allow=config.allow_incompatible_resume)
   if notes:
     logging.warning("tfdist: resuming from %s, which a run with other "
@@ -479,7 +481,9 @@ def _train(config, *, task, cluster, decision, applied, callbacks, started,
     _check_resume(config, plan)
     checkpointing.clean_interrupted_saves(config.resolved_checkpoint_dir)
     checkpointing.write_run_record(config.resolved_checkpoint_dir,
-                                   checkpointing.run_record(config, plan))
+                                   checkpointing.run_record(
+                                       run_options.run_record_settings(config),
+                                       plan))
   on_tpu = decision.strategy == "tpu"
   policy = precision.configure_precision(config.dtype)
   parts = assembly.build(config, task=task, strategy=strategy, plan=plan,
@@ -510,8 +514,8 @@ def _train(config, *, task, cluster, decision, applied, callbacks, started,
   input_position = None
   if (config.checkpoint_input_position and not asynchronous and
       spec.reads_files):
-    input_position = checkpointing.InputPosition(
-        input_pipeline.input_layout(
+    input_position = input_position_lib.InputPosition(
+        input_position_lib.input_layout(
             files=plan.train_files, file_record_counts=plan.train_file_counts,
             num_input_pipelines=num_workers,
             global_batch_size=plan.global_batch_size, seed=config.seed,
@@ -537,7 +541,7 @@ def _train(config, *, task, cluster, decision, applied, callbacks, started,
                                                  config.init_checkpoint)
 
   if is_chief:
-    ps_lib.clear_done(config.model_dir)
+    done_marker.clear_done(config.model_dir)
   strategy_details = {}
   if asynchronous:
     placement = ps_lib.describe_placement(
@@ -574,7 +578,8 @@ def _train(config, *, task, cluster, decision, applied, callbacks, started,
       if input_position is not None:
         start = input_position.resume_step(restored_step)
       else:
-        start = restored_step - restored_step % plan.steps_per_epoch
+        start = input_position_lib.epoch_start(restored_step,
+                                               plan.steps_per_epoch)
       return iter(input_pipeline.distribute(
           strategy, dataclasses.replace(train_options, start_step=start)))
 
@@ -631,7 +636,7 @@ def _train(config, *, task, cluster, decision, applied, callbacks, started,
   except preemption.PreemptedError:
     if is_chief:
       # Servers and side-car evaluators stop with the chief.
-      ps_lib.mark_done(config.model_dir)
+      done_marker.mark_done(config.model_dir)
     raise
   except step_runner.PS_LOST_ERRORS + step_runner.PEER_LOST_ERRORS as e:
     if asynchronous:
@@ -713,7 +718,7 @@ def _train(config, *, task, cluster, decision, applied, callbacks, started,
         if cleanup is not None:
           cleanup.close()  # The lease, the signal handlers.
         # Side-car evaluators stop with the chief.
-        ps_lib.mark_done(config.model_dir)
+        done_marker.mark_done(config.model_dir)
 
       # Never returns: the objects above stay alive until the process ends.
       worker_exit.leave_process(
@@ -885,7 +890,7 @@ def run_evaluator(config: TrainConfig, *, task, cluster, decision,
       config, spec, num_replicas_in_sync=1, num_workers=1,
       asynchronous=True, decision=decision) if (
           config.train_steps <= 0 and not once) else None
-  final_step = (controller_lib.checkpoint_step(latest) if once else
+  final_step = (checkpoint_paths.checkpoint_step(latest) if once else
                 config.train_steps if config.train_steps > 0 else
                 plan.total_steps)
   eval_files = (plan.eval_files if plan else
@@ -955,6 +960,6 @@ def run_evaluator(config: TrainConfig, *, task, cluster, decision,
   results = controller.evaluate_continuously(
       checkpoint_dir=checkpoint_dir, results_dir=results_dir,
       restore=restore, final_step=final_step,
-      finished=lambda: ps_lib.marked_done_since(config.model_dir, started),
+      finished=lambda: done_marker.marked_done_since(config.model_dir, started),
       poll_seconds=poll_seconds, idle_timeout=idle_timeout)
   return {"role": "evaluator", "results": results}

@@ -33,7 +33,7 @@ from absl import logging
 import keras
 import tensorflow as tf
 
-from tfdist.config import ConfigError
+from tfdist.errors import ExportRefusedError
 
 # Written into every SavedModel folder tfdist exports: the only folders an
 # export may replace.
@@ -56,11 +56,6 @@ TENSORBOARD_ENTRIES = ("train", "validation", "eval")
 # `shards.json` (`tfdist.parameter_server`): names starting with these.
 CHECKPOINT_PREFIXES = ("ckpt", "checkpoint", "run_config.json",
                        "shards.json")
-
-
-class ExportRefusedError(ConfigError):
-  """The export folder holds something that is not a tfdist SavedModel, or
-  overlaps the run's checkpoints, logs or `--model_dir`."""
 
 
 def _normalized(path: str) -> str:

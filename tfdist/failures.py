@@ -4,7 +4,7 @@ A run meets failures that are not bugs: the disk or quota of an output
 folder fills up during a save, a folder's permissions change, a data file
 vanishes mid-epoch. TensorFlow reports them as an `OpError` (or Python as
 an `OSError`) from deep inside a save or a step. `named_failures` turns
-them into `ConfigError`s (status 2, `tfdist.exit_codes`) that name the
+them into `ConfigError`s (status 2, `tfdist.errors`) that name the
 folder or file, what happened and the fix, with the last checkpoint to
 resume from; anything else passes through unchanged.
 
@@ -24,8 +24,10 @@ from typing import Mapping, Optional, Sequence
 
 import tensorflow as tf
 
-from tfdist.config import ConfigError
-from tfdist.dataset_spec import DataNotFoundError
+from tfdist import errors
+from tfdist.errors import ConfigError
+from tfdist.errors import DataNotFoundError
+from tfdist.errors import OutputWriteError
 
 # Words of a full disk or quota in TensorFlow's and the OS's messages
 # (ENOSPC, EDQUOT; EFBIG: a file-size limit).
@@ -35,16 +37,21 @@ _FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 _DENIED_ERRNOS = (errno.EACCES, errno.EPERM, errno.EROFS)
 
 
-class OutputWriteError(ConfigError):
-  """An output folder could not be written during the run (full, denied)."""
+def what_happened(error: BaseException) -> str:
+  """The line of the error's message that says what happened.
 
+  Its first line (`tfdist.errors.first_line`), without TensorFlow's
+  `{{function_node ...}}` prefix; for an error raised inside a compiled
+  function ("Graph execution error:" and the Python stack), the last line
+  of the message proper.
 
-def _first_line(error: BaseException) -> str:
-  """The line of the error's message that says what happened: its first
-  one, without TensorFlow's `{{function_node ...}}` prefix; for an error
-  raised inside a compiled function ("Graph execution error:" and the
-  Python stack), the last line of the message proper."""
-  text = getattr(error, "message", None) or str(error) or type(error).__name__
+  Args:
+    error: any exception.
+
+  Returns:
+    One line; the error's class name when its message is empty.
+  """
+  text = getattr(error, "message", None) or str(error)
   text = re.sub(r"\{\{function_node [^}]*\}\}\s*", "", text.strip())
   lines = [line.strip() for line in text.splitlines()]
   if lines and lines[0].startswith("Graph execution error"):
@@ -52,7 +59,7 @@ def _first_line(error: BaseException) -> str:
         ("File ", "[[", "Detected at node", "Stack trace"))]
     if detail:
       return detail[-1]
-  return lines[0] if lines else type(error).__name__
+  return errors.first_line(text, default=type(error).__name__)
 
 
 def _folder_named(text: str, folders: Mapping[str, str]):
@@ -85,7 +92,7 @@ def describe(error: BaseException, *, folders: Mapping[str, str],
     an output folder) or a `DataNotFoundError` (a file the run reads
     vanished), else None.
   """
-  text = _first_line(error)
+  text = what_happened(error)
   whole = str(error)
   number = getattr(error, "errno", None)
   at = f" at step {step}" if step is not None else ""

@@ -26,7 +26,7 @@ import sys
 import warnings
 from typing import Iterable, List, Sequence, Tuple
 
-from tfdist.config import ConfigError
+from tfdist.errors import FileSystemUnavailableError, first_line
 
 TENSORFLOW_IO_PACKAGE = "tensorflow-io"
 TENSORFLOW_IO_VERSION = "0.37.1"
@@ -40,14 +40,6 @@ TENSORFLOW_IO_SCHEMES = ("s3", "hdfs", "viewfs", "har", "az", "http", "https",
 
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 _used_tensorflow_io = False
-
-
-class FileSystemUnavailableError(ConfigError):
-  """A path's file system scheme is not registered with TensorFlow.
-
-  The message names the flag, the path, the package that provides the
-  scheme (if any), the TensorFlow versions it loads with, and the fix.
-  """
 
 
 def scheme_of(path: str) -> str:
@@ -106,7 +98,7 @@ def _import_tensorflow_io() -> str:
   return (f"{TENSORFLOW_IO_PACKAGE} "
           f"{getattr(tensorflow_io, '__version__', '?')} is installed but "
           "its libraries do not load with this TensorFlow ("
-          f"{symbol.group(0) if symbol else problems[0].splitlines()[0]})")
+          f"{symbol.group(0) if symbol else first_line(problems[0])})")
 
 
 def require_file_systems(paths: Iterable[Tuple[str, str]]) -> Tuple[str, ...]:

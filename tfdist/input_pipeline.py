@@ -60,6 +60,7 @@ from tfdist import registry
 from tfdist.config import ConfigError
 from tfdist.dataset_spec import DataNotFoundError
 from tfdist.dataset_spec import DatasetSpec
+from tfdist.input_position import input_layout, layout_change  # noqa: F401
 
 AUTOTUNE = tf.data.AUTOTUNE
 
@@ -193,68 +194,6 @@ class PipelineOptions:
   start_step: int = 0
   input_fn: Optional[Callable] = None
   name: str = ""
-
-
-def input_layout(*, files: Sequence[str], file_record_counts: Sequence[int],
-                 num_input_pipelines: int, global_batch_size: int,
-                 seed: Optional[int], shuffle_buffer_size: int,
-                 cache: bool) -> dict:
-  """What makes a step mean the same position in every host's input.
-
-  Two runs with equal layouts read the same examples in the same order at
-  the same step (module docstring); a checkpoint records its run's layout
-  (`tfdist.checkpointing.InputPosition`).
-
-  Args:
-    files: the training files (only their base names are kept, so the same
-      files moved to another folder or bucket keep the position).
-    file_record_counts: records per file.
-    num_input_pipelines: hosts reading the training data (workers).
-    global_batch_size: examples per update (the effective global batch).
-    seed: `--seed` (None: the order cannot be rebuilt).
-    shuffle_buffer_size, cache: the pipeline's settings that change the
-      order.
-
-  Returns:
-    A JSON-serializable dict.
-  """
-  return {"version": 1,
-          "files": [os.path.basename(f) for f in files],
-          "file_record_counts": [int(c) for c in file_record_counts],
-          "num_input_pipelines": int(num_input_pipelines),
-          "global_batch_size": int(global_batch_size),
-          "seed": None if seed is None else int(seed),
-          "shuffle_buffer_size": int(shuffle_buffer_size),
-          "cache": bool(cache)}
-
-
-def layout_change(saved: Optional[dict], current: dict) -> Optional[str]:
-  """Why a checkpoint's input position does not apply to this run.
-
-  Args:
-    saved: the layout the checkpoint recorded (None: it recorded none).
-    current: this run's `input_layout`.
-
-  Returns:
-    None when the position applies, else a sentence naming what changed.
-  """
-  if saved is None:
-    return "the checkpoint recorded no input position"
-  if current["seed"] is None:
-    return "--seed is unset, so the input order cannot be rebuilt"
-  names = {"num_input_pipelines": "worker count (input pipelines)",
-           "files": "training files", "file_record_counts":
-           "record counts of the training files",
-           "global_batch_size": "global batch size", "seed": "--seed",
-           "shuffle_buffer_size": "--shuffle_buffer_size",
-           "cache": "--cache_dataset", "version": "layout version"}
-  for key, name in names.items():
-    if saved.get(key) != current.get(key):
-      if key in ("files", "file_record_counts"):
-        return (f"the {name} changed ({len(saved.get(key) or [])} -> "
-                f"{len(current[key])} files, or other names or counts)")
-      return f"the {name} changed from {saved.get(key)} to {current[key]}"
-  return None
 
 
 def options_for(spec: DatasetSpec, *, files: Sequence[str] = (),

@@ -91,6 +91,7 @@ from absl import logging
 from tfdist import cluster as cluster_lib
 from tfdist import environment as environment_lib
 from tfdist.config import ConfigError
+from tfdist.errors import JobSpecError
 
 PLATFORMS = ("vertex", "kubernetes")
 # The forms a Vertex CustomJob is printed in, by the client that takes it.
@@ -111,10 +112,6 @@ TFJOB_RESTART_POLICIES = ("Always", "OnFailure", "Never", "ExitCode")
 _AIP_FOLDERS = (("AIP_MODEL_DIR", "model/"),
                 ("AIP_CHECKPOINT_DIR", "checkpoints/"),
                 ("AIP_TENSORBOARD_LOG_DIR", "logs/"))
-
-
-class JobSpecError(ConfigError):
-  """The job description or its train flags are invalid; names the field."""
 
 
 # --- the job's shape ---------------------------------------------------------

@@ -55,16 +55,9 @@ from typing import Optional
 from absl import logging
 import tensorflow as tf
 
+from tfdist.errors import LeaseHeldError, LeaseLostError
+
 LEASE_FILE = "lease.json"
-
-
-class LeaseHeldError(RuntimeError):
-  """Another live run holds the lease on `--model_dir`."""
-
-
-class LeaseLostError(RuntimeError):
-  """This run's lease was taken over by another run (it stalled past the
-  timeout); it must stop writing `--model_dir`."""
 
 
 def _is_local(path: str) -> bool:

@@ -21,7 +21,7 @@ import tensorflow as tf
 
 from tfdist import allocator
 from tfdist import environment
-from tfdist import training_checks
+from tfdist import strict_json
 
 MANIFEST_FILE = "run_manifest.json"
 
@@ -73,7 +73,7 @@ def run_header(config) -> dict:
 
 def write_manifest(directory: str, manifest: dict) -> str:
   """Writes `manifest` as `directory/run_manifest.json`, atomically and as
-  strict JSON (non-finite floats become null: `training_checks.json_safe`).
+  strict JSON (non-finite floats become null: `tfdist.strict_json.json_safe`).
 
   Returns:
     The manifest's path.
@@ -81,7 +81,7 @@ def write_manifest(directory: str, manifest: dict) -> str:
   tf.io.gfile.makedirs(directory)
   path = os.path.join(directory, MANIFEST_FILE)
   tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
-  text = json.dumps(training_checks.json_safe(manifest), indent=2,
+  text = json.dumps(strict_json.json_safe(manifest), indent=2,
                     sort_keys=True, default=str, allow_nan=False)
   with tf.io.gfile.GFile(tmp, "w") as f:
     f.write(text)

@@ -33,17 +33,12 @@ import tensorflow as tf
 
 from tfdist import sharded_embedding
 from tfdist.config import ConfigError, TrainConfig
+from tfdist.done_marker import (  # noqa: F401
+    DONE_MARKER, clear_done, done_marker, mark_done, marked_done_since)
+from tfdist.errors import (  # noqa: F401
+    ParameterServerError, ShardCountMismatchError)
 
-DONE_MARKER = "training_done"
 _partitioners = tf.distribute.experimental.partitioners
-
-
-class ParameterServerError(RuntimeError):
-  """The parameter-server cluster failed in a way training cannot survive."""
-
-
-class ShardCountMismatchError(ConfigError):
-  """A checkpoint's tables are split into a different number of shards."""
 
 
 def set_grpc_fail_fast():
@@ -268,31 +263,6 @@ def check_shard_layout(checkpoint_dir: str, model):
 
 
 # --- worker and ps tasks --------------------------------------------------
-def done_marker(model_dir: str) -> str:
-  return os.path.join(model_dir, DONE_MARKER)
-
-
-def mark_done(model_dir: str):
-  """Tells worker and ps tasks serving this run that training finished."""
-  tf.io.gfile.makedirs(model_dir)
-  with tf.io.gfile.GFile(done_marker(model_dir), "w") as f:
-    f.write(json.dumps({"finished": time.time()}))
-
-
-def clear_done(model_dir: str):
-  if tf.io.gfile.exists(done_marker(model_dir)):
-    tf.io.gfile.remove(done_marker(model_dir))
-
-
-def marked_done_since(model_dir: str, since: float) -> bool:
-  """True if the chief marked the run done at or after `since` (seconds)."""
-  try:
-    with tf.io.gfile.GFile(done_marker(model_dir)) as f:
-      return float(json.load(f)["finished"]) >= since
-  except (tf.errors.OpError, ValueError, KeyError, OSError):
-    return False
-
-
 def serve(model_dir: str, cluster, *, poll_seconds: float = 1.0,
           grace_seconds: float = 30.0) -> int:
   """Runs this worker or ps task's server until the chief marks the run done.

@@ -57,27 +57,7 @@ from typing import Optional, Sequence
 from absl import logging
 
 from tfdist import watchdog
-
-
-class PreemptedError(Exception):
-  """Training stopped on a signal after saving a checkpoint.
-
-  Attributes:
-    signum: the signal received (by this worker or, if none, a peer:
-      SIGTERM).
-    step: the step at which every worker stopped and saved.
-    checkpoint: the checkpoint path this process wrote (None if unknown).
-    exit_code: 128 + signum, the shell's convention for "ended by signal".
-  """
-
-  def __init__(self, *, signum: int, step: int, checkpoint: Optional[str]):
-    self.signum = signum
-    self.step = step
-    self.checkpoint = checkpoint
-    self.exit_code = 128 + signum
-    super().__init__(
-        f"Stopped by {signal.Signals(signum).name} at step {step}; checkpoint "
-        f"{checkpoint}. Run again with the same --model_dir to resume.")
+from tfdist.errors import PreemptedError
 
 
 class PreemptionWatcher:

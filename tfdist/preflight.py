@@ -24,10 +24,7 @@ from typing import List, Tuple
 import tensorflow as tf
 
 from tfdist.config import ConfigError
-
-
-class OutputNotWritableError(ConfigError):
-  """An output folder cannot be created or written."""
+from tfdist.errors import OutputNotWritableError, first_line
 
 
 def check_names(config):
@@ -100,9 +97,8 @@ def _reason(folder: str, error: Exception) -> str:
           return f"{parent} is a file, not a folder"
         break
       parent = os.path.dirname(parent)
-  message = getattr(error, "message", None) or str(error) or type(
-      error).__name__
-  return f"{type(error).__name__}: {message.splitlines()[0]}"
+  return (f"{type(error).__name__}: "
+          f"{first_line(error, default=type(error).__name__)}")
 
 
 def _missing_folders(folder: str) -> List[str]:

@@ -91,6 +91,7 @@ from absl import flags  # pylint: disable=g-import-not-at-top,wrong-import-posit
 from absl import logging  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 from tfdist import cli  # pylint: disable=g-import-not-at-top,wrong-import-position
+from tfdist.checkpoint_paths import checkpoint_step  # pylint: disable=g-import-not-at-top,wrong-import-position
 from tfdist.config import ConfigError, TrainConfig  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 INSTALL_HINT = ("Ray Train is not installed. Install it with: pip install "
@@ -324,11 +325,6 @@ def _log_tensorflow_once():
 
 
 # --- tfdist checkpoints as Ray checkpoints -----------------------------------
-def checkpoint_step(prefix: str) -> int:
-  """The step of a tfdist checkpoint prefix (`.../ckpt-48` -> 48)."""
-  return int(prefix.rsplit("-", 1)[1])
-
-
 def export_checkpoint(checkpoint_dir: str, folder: str,
                       newer_than: int = -1) -> Optional[int]:
   """Copies the latest tfdist checkpoint of `checkpoint_dir` into `folder`.

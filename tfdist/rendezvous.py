@@ -26,24 +26,7 @@ from typing import Callable, Mapping, Optional
 
 from absl import logging
 
-
-class ClusterStartError(RuntimeError):
-  """The peers did not all answer within the start-up limit (`tfdist.train`
-  exits 137, retryable: the cluster did not form in time)."""
-
-
-class StoppedAtStartError(RuntimeError):
-  """SIGTERM or SIGINT arrived while the task waited for its peers.
-
-  Attributes:
-    signum: the signal.
-    exit_code: 128 + signum (143 for SIGTERM, 130 for SIGINT).
-  """
-
-  def __init__(self, message: str, signum: int):
-    super().__init__(message)
-    self.signum = signum
-    self.exit_code = 128 + signum
+from tfdist.errors import ClusterStartError, StoppedAtStartError
 
 
 def _split(address: str):

@@ -53,6 +53,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist import memory
+from tfdist import strict_json
 from tfdist import training_checks
 from tfdist.throughput import ThroughputMeter
 
@@ -233,7 +234,7 @@ class RunLog:
   def _append(self, record: dict):
     if not self.metrics_dir:
       return
-    line = json.dumps(training_checks.json_safe(record), sort_keys=True,
+    line = json.dumps(strict_json.json_safe(record), sort_keys=True,
                       allow_nan=False)
     tf.io.gfile.makedirs(self.metrics_dir)
     with tf.io.gfile.GFile(os.path.join(self.metrics_dir, METRICS_FILE),

@@ -17,6 +17,12 @@ TrainConfig = config_lib.TrainConfig
 # --- model, optimizer and training loop ---
 
 # --- checkpoints and outputs ---
+def run_record_settings(config: TrainConfig) -> dict:
+  """The settings `tfdist.checkpointing.run_record` records beside the
+  checkpoints: every config field by flag name, as JSON-serializable values
+  (`TrainConfig.to_dict`)."""
+  return config.to_dict()
+
 
 # --- observability (run log, manifest, diagnose) ---
 

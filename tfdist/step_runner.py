@@ -30,6 +30,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist import parameter_server
+from tfdist.errors import PeerLostError, first_line
 
 # Errors that mean a ps task (or the whole cluster) is gone.
 PS_LOST_ERRORS = (tf.errors.UnavailableError, tf.errors.AbortedError,
@@ -43,14 +44,6 @@ PEER_LOST_ERRORS = (tf.errors.UnavailableError,
                     tf.errors.DeadlineExceededError, tf.errors.AbortedError,
                     tf.errors.CancelledError, tf.errors.InternalError,
                     tf.errors.UnknownError)
-
-
-class PeerLostError(RuntimeError):
-  """A MultiWorkerMirrored peer worker was lost: restart the cluster.
-
-  `tfdist.train` exits with the retryable status 200 for it
-  (`tfdist.exit_codes`).
-  """
 
 
 _TASK_NAME = re.compile(r"/job:(\w+)/(?:replica:\d+/)?task:(\d+)")
@@ -111,7 +104,7 @@ def peer_lost_error(error: Exception, *, after: str,
     addresses: the cluster's job -> `host:port` list, to name the lost
       task's address.
   """
-  first = str(error).splitlines()[0] if str(error) else ""
+  first = first_line(error)
   names = []
   service_host = None
   if addresses:
@@ -142,7 +135,7 @@ def ps_lost_error(error: Exception, *, after: str,
   Returns:
     A `tfdist.parameter_server.ParameterServerError` to raise from `error`.
   """
-  first = str(error).splitlines()[0] if str(error) else ""
+  first = first_line(error)
   return parameter_server.ParameterServerError(
       f"Parameter-server training lost a ps task (or the whole cluster) "
       f"after {after}: {type(error).__name__}: {first}. Worker failures are "

@@ -38,6 +38,7 @@ from absl import logging
 
 from tfdist.config import ConfigError
 from tfdist.config import TPU_DEFAULT_STEPS_PER_EXECUTION  # pylint: disable=unused-import
+from tfdist.errors import TPUNotAvailableError
 
 # The port Cloud TPU nodes serve gRPC on.
 DEFAULT_TPU_PORT = 8470
@@ -67,10 +68,6 @@ _CHECKS = {
              "TPU API (`pip install cloud-tpu-client`), and that the TPU is "
              "READY (`gcloud compute tpus describe NAME --zone=ZONE`)"),
 }
-
-
-class TPUNotAvailableError(ConfigError):
-  """No usable TPU: the message says what was tried and what to check."""
 
 
 @dataclasses.dataclass(frozen=True)

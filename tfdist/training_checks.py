@@ -15,24 +15,20 @@ the manifest and stops a run whose optimizer has stopped updating:
   every step.
 * A run that made no update at all fails at its end, however short.
 
-`check_eval_loss` treats a non-finite evaluation loss as divergence, and
-`json_safe` turns non-finite floats into None so that the run manifest is
-strict JSON (`json.dumps(..., allow_nan=False)`; a NaN AUC, say, becomes
-null).
+`check_eval_loss` treats a non-finite evaluation loss as divergence. The
+errors (`TrainingStalledError`, `TrainingDivergedError`: status 1) live in
+`tfdist.errors`, `json_safe` in `tfdist.strict_json`; both are exported here
+too.
 """
 
 import math
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
+
+from tfdist.errors import TrainingDivergedError
+from tfdist.errors import TrainingStalledError
+from tfdist.strict_json import json_safe  # noqa: F401
 
 DEFAULT_MAX_CONSECUTIVE_SKIPPED_STEPS = 100
-
-
-class TrainingStalledError(FloatingPointError):
-  """The optimizer made no update for too many steps in a row."""
-
-
-class TrainingDivergedError(FloatingPointError):
-  """A loss became infinite or NaN."""
 
 
 class SkippedStepMonitor:
@@ -132,18 +128,3 @@ def check_eval_loss(loss: float, *, step: int):
     raise TrainingDivergedError(
         f"Training diverged: the evaluation loss at step {step} is {loss}. "
         "Lower --base_learning_rate, add warmup, or use --dtype=fp32.")
-
-
-def json_safe(value: Any) -> Any:
-  """A copy of `value` (dicts, lists, numbers, strings) with every
-  non-finite float (inf, -inf, NaN) replaced by None and NumPy scalars made
-  Python numbers, so `json.dumps(..., allow_nan=False)` accepts it."""
-  if isinstance(value, dict):
-    return {k: json_safe(v) for k, v in value.items()}
-  if isinstance(value, (list, tuple)):
-    return [json_safe(v) for v in value]
-  if hasattr(value, "item") and getattr(value, "shape", None) == ():
-    value = value.item()  # NumPy scalar.
-  if isinstance(value, float) and not math.isfinite(value):
-    return None
-  return value

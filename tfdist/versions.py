@@ -18,7 +18,7 @@ import platform
 import re
 from typing import Optional, Tuple
 
-from tfdist.config import ConfigError
+from tfdist.errors import UnsupportedVersionError
 
 # Inclusive (major, minor) bounds.
 TENSORFLOW_RANGE = ((2, 17), (2, 21))
@@ -32,13 +32,6 @@ FIX_TEXT = ("Install a supported pair, e.g. `pip install 'tfdist[cpu]'` "
             "(TensorFlow 2.21) or `pip install 'tensorflow-cpu==2.17.1' "
             "'keras>=3.12,<4'`; on Vertex AI use a prebuilt TensorFlow "
             "training container 2.17 or newer (tf-cpu.2-17.py310).")
-
-
-class UnsupportedVersionError(ConfigError):
-  """TensorFlow or Keras is outside the supported range (or fails to import).
-
-  The message names the versions found, the supported range and the fix.
-  """
 
 
 @dataclasses.dataclass(frozen=True)
