@@ -1,12 +1,15 @@
-"""The frozen run configuration: the one object every tfdist module reads.
+"""The frozen run configuration, read once by the run assembly.
 
 Flags are parsed only at the binary's edge (`flags/`, `tfdist/train.py`); they
-become a `TrainConfig` once, and everything downstream (strategy, batch plan,
-learning rate, input pipeline, training loop, artifacts) takes that object or
-plain arguments. A `TrainConfig` can therefore be built and used without absl.
+become a `TrainConfig` once. The run assembly (`tfdist.experiment`) reads it
+and hands each part below it (strategy, batch plan, learning rate, input
+pipeline, training loop, artifacts) its own small options object or plain
+arguments, converted in one place (`tfdist.run_options`). A `TrainConfig` can
+therefore be built and used without absl.
 
-Validation happens in `__post_init__`, before any expensive work starts; every
-error names the flag, the bad value and the fix.
+Validation happens in `__post_init__`, before any expensive work starts, one
+short validator per concern (`TrainConfig._validate` lists them in order of
+precedence); every error names the flag, the bad value and the fix.
 """
 
 import dataclasses
