@@ -30,7 +30,21 @@ def _recommendations_text() -> str:
 
 
 def define_base_flags() -> List[str]:
-  """Model, data and output locations."""
+  """Model, data and output locations.
+
+  Returns:
+    The names of the group's key flags (absl's `--helpshort` lists them).
+  """
+  _define_model_and_data_flags()
+  _define_data_file_flags()
+  _define_output_flags()
+  _define_input_and_model_shape_flags()
+  return ["model", "dataset", "feature_spec", "train_files", "eval_files",
+          "model_dir", "mode"]
+
+
+def _define_model_and_data_flags() -> None:
+  """--model, --dataset and the flags that bring your own model and data."""
   flags.DEFINE_string(
       "model", _default("model"),
       "Model to build: a registered name (built in: cnn, resnet, ranking; "
@@ -78,6 +92,10 @@ def define_base_flags() -> List[str]:
       "epochs; train: no evaluation; eval: evaluate the latest checkpoint "
       "once; continuous_eval: evaluate each checkpoint as it appears, until "
       "the final step (a side-car evaluator).")
+
+
+def _define_data_file_flags() -> None:
+  """Where the data sets' files are read and converted."""
   flags.DEFINE_string(
       "data_dir", _default("data_dir"),
       "Where named data sets are converted to TFRecord, once. Default: "
@@ -97,6 +115,10 @@ def define_base_flags() -> List[str]:
       "Comma-separated globs of TFRecord files for evaluation. Default: "
       "Vertex AI's $AIP_VALIDATION_DATA_URI when AIP_DATA_FORMAT=tf-record, "
       "else the --dataset's test files.")
+
+
+def _define_output_flags() -> None:
+  """The run's output folders."""
   flags.DEFINE_string(
       "model_dir", _default("model_dir"),
       "Output folder for checkpoints, TensorBoard logs, the SavedModel and "
@@ -117,6 +139,10 @@ def define_base_flags() -> List[str]:
       "export_dir", _default("export_dir"),
       "Where the SavedModel goes. Default: $AIP_MODEL_DIR, else "
       "<model_dir>/saved_model.")
+
+
+def _define_input_and_model_shape_flags() -> None:
+  """The input pipeline's buffers and the built-in models' shape."""
   flags.DEFINE_integer("shuffle_buffer_size", _default("shuffle_buffer_size"),
                        "Examples in the training shuffle buffer (0: none).")
   flags.DEFINE_bool("cache_dataset", _default("cache_dataset"),
@@ -137,8 +163,6 @@ def define_base_flags() -> List[str]:
       "Ranking models: rows of the user and item tables (ids are hashed "
       "into them). Large values make large tables, sharded across ps tasks "
       "under --distribution_strategy=parameter_server.")
-  return ["model", "dataset", "feature_spec", "train_files", "eval_files",
-          "model_dir", "mode"]
 
 
 def define_train_flags() -> List[str]:
@@ -236,7 +260,19 @@ def define_distribution_flags() -> List[str]:
 
 
 def define_performance_flags() -> List[str]:
-  """Precision, XLA and steps per execution."""
+  """Precision, XLA, steps per execution, memory levers and step guards.
+
+  Returns:
+    The names of the group's key flags (absl's `--helpshort` lists them).
+  """
+  _define_precision_flags()
+  _define_memory_flags()
+  _define_step_guard_flags()
+  return ["dtype", "loss_scale"]
+
+
+def _define_precision_flags() -> None:
+  """--dtype, --loss_scale (and its validator), XLA, steps per call."""
   flags.DEFINE_enum(
       "dtype", _default("dtype"),
       ["fp32", "bf16", "fp16", "auto", "float32", "bfloat16", "float16"],
@@ -250,6 +286,16 @@ def define_performance_flags() -> List[str]:
       "loss_scale", _default("loss_scale"),
       "fp16 only: 'dynamic' (the default with --dtype=fp16) or a fixed "
       "positive number such as 128.")
+
+  @flags.validator("loss_scale",
+                   "--loss_scale must be 'dynamic' or a positive number.")
+  def _check_loss_scale(value):
+    try:
+      config_lib.parse_loss_scale(value)
+      return True
+    except config_lib.ConfigError:
+      return False
+
   flags.DEFINE_bool(
       "enable_xla", _default("enable_xla"),
       "Jit-compile the training step with XLA. Keras 3 turns XLA off under a "
@@ -261,6 +307,9 @@ def define_performance_flags() -> List[str]:
       f"Default: {config_lib.TPU_DEFAULT_STEPS_PER_EXECUTION} with "
       "--distribution_strategy=tpu, else 1.")
 
+
+def _define_memory_flags() -> None:
+  """Activation recomputation, determinism and ZeRO sharding."""
   flags.DEFINE_bool(
       "activation_recomputation", _default("activation_recomputation"),
       "The model recomputes the activations of each block in the backward "
@@ -291,6 +340,10 @@ def define_performance_flags() -> List[str]:
       "DeepSpeed's name for the two switches above: 0 off, 1 "
       "--shard_optimizer_state, 2 --shard_gradients (3, sharded weights, "
       "is not offered). Default: from the switches.")
+
+
+def _define_step_guard_flags() -> None:
+  """The skipped-step limit and the allocator switch."""
   flags.DEFINE_integer(
       "max_consecutive_skipped_steps",
       _default("max_consecutive_skipped_steps"),
@@ -305,17 +358,6 @@ def define_performance_flags() -> List[str]:
       "tfdist/allocator.py). Costs resident memory: each malloc arena may "
       "keep up to 64 MiB of freed memory. --notune_allocator leaves malloc "
       "as it is.")
-
-  @flags.validator("loss_scale",
-                   "--loss_scale must be 'dynamic' or a positive number.")
-  def _check_loss_scale(value):
-    try:
-      config_lib.parse_loss_scale(value)
-      return True
-    except config_lib.ConfigError:
-      return False
-
-  return ["dtype", "loss_scale"]
 
 
 def define_tpu_flags() -> List[str]:

@@ -3,7 +3,8 @@
 Imported as `tfdist.models` (this folder is installed there; see
 `tfdist/__init__.py`), so a project's own `models` package never shadows it.
 Each builder is registered with `tfdist.registry.register_model` and takes
-the run's `DatasetSpec` (`spec`) and `TrainConfig` (`config`); those with
+the run's `DatasetSpec` (`spec`) and, by name, only the values it reads:
+the ranking model `embedding_dim` and `hash_buckets`; those with
 batch normalization also `sync_batch_norm` (the run plan's decision, see
 `resolve_sync_batch_norm`), and those that can recompute their activations
 (`cnn`, `resnet`; `recompute.py`) `activation_recomputation`. Every model
@@ -13,14 +14,16 @@ policy (the last layer is a float32 activation): image models (`cnn`,
 returns sigmoid probabilities [batch, 1].
 """
 
-import types
+import dataclasses
 from typing import Optional, Tuple
 
 import keras
 
 from tfdist import registry
 from tfdist.config import ConfigError
+from tfdist.config import requested_kind
 from tfdist.dataset_spec import DatasetSpec
+from tfdist.strategy_kind import StrategyKind
 from . import cnn
 from . import ranking
 from . import resnet
@@ -57,7 +60,8 @@ def _build_resnet(spec, sync_batch_norm: bool = False,
 
 
 @registry.register_model("ranking")
-def _build_ranking(spec, config=None) -> keras.Model:
+def _build_ranking(spec, embedding_dim: int = 16,
+                   hash_buckets: int = 100_000) -> keras.Model:
   if not spec.id_features:
     raise ConfigError(
         f"--model=ranking embeds id features; --dataset={spec.name} has none "
@@ -65,8 +69,12 @@ def _build_ranking(spec, config=None) -> keras.Model:
   return ranking.build_ranking(
       id_features=spec.id_features, num_dense=spec.num_dense,
       num_classes=spec.num_classes,
-      embedding_dim=getattr(config, "embedding_dim", 16),
-      hash_buckets=getattr(config, "hash_buckets", 100_000))
+      embedding_dim=embedding_dim, hash_buckets=hash_buckets)
+
+
+def _is_synchronous(kind: Optional[StrategyKind]) -> bool:
+  """Replicas of `kind` step together over several devices (all-reduce)."""
+  return kind is not None and (kind.is_mirrored or kind.is_tpu)
 
 
 # Built-in builders whose models have batch normalization (they take
@@ -74,7 +82,8 @@ def _build_ranking(spec, config=None) -> keras.Model:
 _BATCH_NORM = frozenset({"cnn", "resnet"})
 # Strategies whose replicas apply one update together per step, so that
 # batch statistics can be summed over the global batch.
-SYNCHRONOUS_STRATEGIES = ("mirrored", "multi_worker_mirrored", "tpu")
+SYNCHRONOUS_STRATEGIES = tuple(kind.value for kind in StrategyKind
+                               if _is_synchronous(kind))
 
 
 # Why built-in builders that take no `activation_recomputation` cannot.
@@ -160,7 +169,8 @@ def resolve_sync_batch_norm(value: Optional[bool], *, strategy_name: str,
         "run. Drop one of --sync_batch_norm and --enable_xla.")
   if value is not None:
     return bool(value), f"--sync_batch_norm={str(bool(value)).lower()}"
-  if strategy_name in SYNCHRONOUS_STRATEGIES and num_replicas_in_sync > 1:
+  if _is_synchronous(requested_kind(strategy_name)) and (
+      num_replicas_in_sync > 1):
     if xla_per_replica:
       return False, ("default with --enable_xla: each replica's forward "
                      "pass is compiled alone")
@@ -169,6 +179,19 @@ def resolve_sync_batch_norm(value: Optional[bool], *, strategy_name: str,
   why = ("one replica" if num_replicas_in_sync <= 1 else
          f"{strategy_name} is not synchronous")
   return False, f"default: {why}"
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelOptions:
+  """What the built-in builders read besides the data set.
+
+  `build_model` hands it to builders that ask for `config`, so a builder
+  written against a `TrainConfig` (reading `config.embedding_dim`, ...)
+  gets the same values.
+  """
+  embedding_dim: int = 16
+  hash_buckets: int = 100_000
+  activation_recomputation: bool = False
 
 
 def model_names() -> Tuple[str, ...]:
@@ -187,8 +210,8 @@ def build_model(name: str, *, spec: Optional[DatasetSpec] = None,
     name: a registered name (`model_names()`) or an import path.
     spec: the data set's `tfdist.dataset_spec.DatasetSpec`.
     input_shape, num_classes: image models only, instead of `spec`.
-    embedding_dim, hash_buckets: what the ranking model reads from the
-      config.
+    embedding_dim, hash_buckets: the ranking model's embedding width and
+      rows of each hashed id table.
     sync_batch_norm: batch statistics over the global batch (see
       `resolve_sync_batch_norm`); reaches only models with batch
       normalization (`has_batch_norm`).
@@ -209,12 +232,15 @@ def build_model(name: str, *, spec: Optional[DatasetSpec] = None,
                        parse_fn=lambda serialized: serialized)
   _, builder = registry.get_model_builder(name)
   check_recomputation(name, activation_recomputation, builder=builder)
-  config = types.SimpleNamespace(embedding_dim=embedding_dim,
-                                 hash_buckets=hash_buckets,
-                                 activation_recomputation=bool(
-                                     activation_recomputation))
+  # A builder of your own may still read these from `config` (the
+  # documented signature `build(spec, config)`, docs/guides/your-model.md).
+  config = ModelOptions(embedding_dim=embedding_dim,
+                        hash_buckets=hash_buckets,
+                        activation_recomputation=bool(
+                            activation_recomputation))
   return registry.call_with_accepted(
       builder, {"spec": spec, "config": config,
+                "embedding_dim": embedding_dim, "hash_buckets": hash_buckets,
                 "sync_batch_norm": bool(sync_batch_norm),
                 "activation_recomputation": bool(activation_recomputation)},
       what=f"--model={name}")

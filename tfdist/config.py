@@ -1,12 +1,15 @@
-"""The frozen run configuration: the one object every tfdist module reads.
+"""The frozen run configuration, read once by the run assembly.
 
 Flags are parsed only at the binary's edge (`flags/`, `tfdist/train.py`); they
-become a `TrainConfig` once, and everything downstream (strategy, batch plan,
-learning rate, input pipeline, training loop, artifacts) takes that object or
-plain arguments. A `TrainConfig` can therefore be built and used without absl.
+become a `TrainConfig` once. The run assembly (`tfdist.experiment`) reads it
+and hands each part below it (strategy, batch plan, learning rate, input
+pipeline, training loop, artifacts) its own small options object or plain
+arguments, converted in one place (`tfdist.run_options`). A `TrainConfig` can
+therefore be built and used without absl.
 
-Validation happens in `__post_init__`, before any expensive work starts; every
-error names the flag, the bad value and the fix.
+Validation happens in `__post_init__`, before any expensive work starts, one
+short validator per concern (`TrainConfig._validate` lists them in order of
+precedence); every error names the flag, the bad value and the fix.
 """
 
 import dataclasses
@@ -18,9 +21,12 @@ from typing import Optional, Tuple
 
 from tfdist import training_checks
 from tfdist.errors import ConfigError
+from tfdist.strategy_kind import StrategyKind
 
-STRATEGIES = ("off", "one_device", "mirrored", "multi_worker_mirrored",
-              "parameter_server", "tpu", "auto")
+# `--distribution_strategy` values: every concrete kind, then `auto`
+# (tfdist.auto_select picks a kind for it).
+AUTO_STRATEGY = "auto"
+STRATEGIES = tuple(kind.value for kind in StrategyKind) + (AUTO_STRATEGY,)
 DTYPES = ("fp32", "bf16", "fp16", "auto")
 DTYPE_ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16",
                  "fp32": "fp32", "bf16": "bf16", "fp16": "fp16", "auto": "auto"}
@@ -29,7 +35,8 @@ LR_SCHEDULES = ("constant", "cosine", "piecewise")
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw", "rmsprop", "lamb")
 # Strategies under which --zero_stage > 0 runs (auto resolves to one of
 # them or is refused when the strategy is built: tfdist.assembly).
-SHARDING_STRATEGIES = ("auto", "mirrored", "multi_worker_mirrored")
+SHARDING_STRATEGIES = (AUTO_STRATEGY,) + tuple(
+    kind.value for kind in StrategyKind if kind.is_mirrored)
 ALL_REDUCE_ALGS = ("auto", "nccl", "hierarchical_copy", "ring")
 PS_PARTITIONERS = ("min_size", "fixed", "max_size", "none")
 # Flag values a data set recommends, applied by `flags.flags_to_config` to
@@ -67,6 +74,28 @@ RECOMMENDABLE_FIELDS = ("model", "batch_size", "optimizer",
                         "base_learning_rate", "lr_scaling")
 UNSET_DEFAULTS = {"model": "cnn", "optimizer": "sgd",
                   "base_learning_rate": 0.1, "lr_scaling": "linear"}
+
+
+def _need(condition, message: str) -> None:
+  """Raises `ConfigError(message)` unless `condition` holds."""
+  if not condition:
+    raise ConfigError(message)
+
+
+def requested_kind(strategy) -> Optional[StrategyKind]:
+  """The `StrategyKind` a `--distribution_strategy` value names.
+
+  Args:
+    strategy: a flag value (any case) or a `StrategyKind`.
+
+  Returns:
+    The kind; None for `auto` (resolved later by `tfdist.auto_select`) and
+    for names that are no strategy (`TrainConfig` rejects those).
+  """
+  try:
+    return StrategyKind.parse(strategy)
+  except ValueError:
+    return None
 
 
 def normalize_dtype(value: str) -> str:
@@ -119,7 +148,8 @@ def check_tpu_precision(strategy: str, dtype: str, *, why: str = "") -> None:
   Raises:
     ConfigError: `strategy` is `tpu` and `dtype` is `fp16`.
   """
-  if strategy == "tpu" and dtype == "fp16":
+  kind = requested_kind(strategy)
+  if kind is not None and kind.is_tpu and dtype == "fp16":
     how = f" ({why})" if why else ""
     raise ConfigError(
         f"--dtype=fp16 is not supported with --distribution_strategy=tpu"
@@ -207,7 +237,8 @@ def check_accumulation_strategy(strategy: str, steps: int) -> None:
   Raises:
     ConfigError: `steps` > 1 under `parameter_server`.
   """
-  if steps > 1 and strategy == "parameter_server":
+  kind = requested_kind(strategy)
+  if steps > 1 and kind is not None and not kind.supports_gradient_accumulation:
     raise ConfigError(
         f"--gradient_accumulation_steps={steps} is not supported with "
         "--distribution_strategy=parameter_server: there each worker step is "
@@ -240,7 +271,8 @@ class TrainConfig:
     ConfigError: a field is out of range or inconsistent with another; the
       message names the flag, the value and how to fix it.
   """
-  # Model and data. None: the data set's recommendation, else the default
+  # --- Model and data set ---
+  # None: the data set's recommendation, else the default
   # (see UNSET_DEFAULTS and DATASET_RECOMMENDED_FLAGS). A model or data set
   # is a registered name or an import path `package.module:function`
   # (tfdist.registry). None for the data set: fashion_mnist, or
@@ -253,16 +285,16 @@ class TrainConfig:
   eval_files: str = ""
   shuffle_buffer_size: int = 10_000
   cache_dataset: bool = True
-  # Recommendation models (models/ranking.py): embedding width and rows of
-  # each hashed id table.
+  # --- Recommendation models' embeddings (models/ranking.py) ---
+  # The embedding width and the rows of each hashed id table.
   embedding_dim: int = 16
   hash_buckets: int = 100_000
-  # Where artifacts go.
+  # --- Output folders ---
   model_dir: str = ""
   checkpoint_dir: str = ""
   tensorboard_dir: str = ""
   export_dir: str = ""
-  # Length of training.
+  # --- Length of training, checkpoints, logging ---
   train_steps: int = 0
   train_epochs: int = 5
   epochs_between_evals: int = 1
@@ -271,37 +303,38 @@ class TrainConfig:
   log_steps: int = 100
   # None: 1, or TPU_DEFAULT_STEPS_PER_EXECUTION when the strategy is TPU.
   steps_per_execution: Optional[int] = None
-  # Batch.
+  # --- Batch and gradient accumulation ---
   batch_size: Optional[int] = None
   per_replica_batch_size: Optional[int] = None
   gradient_accumulation_steps: int = 1
-  # Strategy and devices.
+  # --- Strategy and devices ---
   distribution_strategy: str = "auto"
   num_gpus: int = -1
   num_cpu_devices: int = 0
   all_reduce_alg: str = "auto"
-  # Multi-worker cluster (see tfdist/cluster.py for TF_CONFIG/CLUSTER_SPEC).
+  # --- Multi-worker cluster (tfdist/cluster.py: TF_CONFIG, CLUSTER_SPEC) ---
   worker_hosts: str = ""
   task_index: int = -1
   collective_timeout_seconds: float = 0.0
   cluster_start_timeout_seconds: float = 900.0
   preemption_grace_seconds: float = 30.0
-  # Parameter-server training: how embedding tables are sharded over the ps
+  # --- Parameter-server variable sharding ---
+  # How embedding tables are sharded over the ps
   # tasks (0 shards: one per ps task).
   ps_partitioner: str = "min_size"
   ps_min_shard_bytes: int = 256 << 10
   ps_max_shards: int = 0
-  # Precision.
+  # --- Precision and compilation ---
   # None: fp32, or bf16 when the strategy is TPU (see `defaulted`).
   dtype: Optional[str] = None
   loss_scale: Optional[object] = None
   enable_xla: bool = False
-  # TPU (Model Garden's names).
+  # --- TPU connection (Model Garden's names) ---
   tpu: str = ""
   tpu_zone: str = ""
   tpu_gcp_project: str = ""
   tpu_init_timeout: float = 300.0
-  # Optimizer and learning rate.
+  # --- Optimizer and learning-rate schedule ---
   optimizer: Optional[str] = None
   momentum: float = 0.9
   weight_decay: float = 0.0
@@ -315,10 +348,11 @@ class TrainConfig:
   end_learning_rate_factor: float = 0.0
   piecewise_boundaries: Tuple[float, ...] = (0.5, 0.75)
   piecewise_multipliers: Tuple[float, ...] = (1.0, 0.1, 0.01)
-  # Misc.
+  # --- Seed, eager execution, the flags as given ---
   seed: Optional[int] = 42
   run_eagerly: bool = False
   flags_snapshot: Tuple[Tuple[str, str], ...] = ()
+  # --- Bookkeeping, set by __post_init__ ---
   # Fields left unset (None) and filled with their default; the hardware may
   # still change those (bf16 and more steps per execution on TPU). Set by
   # __post_init__, never by callers.
@@ -326,14 +360,14 @@ class TrainConfig:
   # Fields left unset (None) and filled from the data set's recommendation
   # or the default (UNSET_DEFAULTS). Set by __post_init__, never by callers.
   unset_fields: Tuple[str, ...] = ()
-  # --- Vertex AI (Reduction Server, hyperparameter tuning), gradient
-  # clipping, skipped steps, batch norm ---
+  # --- Vertex AI: Reduction Server and hyperparameter tuning ---
   # Vertex AI's Reduction Server runs in worker pool 2: NCCL all-reduce under
   # multi_worker_mirrored (GPUs only); pool 2 is neither ps nor worker.
   reduction_server: bool = False
   # Report this evaluation metric to Vertex AI's hyperparameter tuning
   # (cloudml-hypertune) after each evaluation; None reports nothing.
   hptune_metric: Optional[str] = None
+  # --- Gradient clipping and the skipped-step guard ---
   # Gradient clipping (Keras optimizer options), applied once per step to
   # the gradient summed over all replicas and unscaled (fp16). None: off.
   clipnorm: Optional[float] = None
@@ -342,12 +376,13 @@ class TrainConfig:
   # 0: no limit (a run with no update at all still fails at its end).
   max_consecutive_skipped_steps: int = (
       training_checks.DEFAULT_MAX_CONSECUTIVE_SKIPPED_STEPS)
+  # --- Batch normalization across replicas ---
   # Built-in models' batch normalization: statistics over the global batch
   # (synchronized across replicas) or per replica. None: synchronized under
   # synchronous strategies with more than one replica (see
   # tfdist.models.resolve_sync_batch_norm).
   sync_batch_norm: Optional[bool] = None
-  # --- Memory levers and reproducibility ---
+  # --- Activation recomputation and op determinism ---
   # The model's blocks recompute their activations in the backward pass
   # (--activation_recomputation, alias --gradient_checkpointing): built-in
   # cnn and resnet, and builders taking `activation_recomputation`.
@@ -363,12 +398,12 @@ class TrainConfig:
   shard_optimizer_state: bool = False
   shard_gradients: bool = False
   zero_stage: Optional[int] = None
+  # --- Resuming mid-epoch ---
   # Checkpoints record the input order, and a resumed run continues its
   # epoch where it stopped (each worker recomputes its position from the
   # step; tfdist.input_pipeline). False: a resume starts its epoch over.
   checkpoint_input_position: bool = True
-  # --- Your model and data (feature spec, registry imports, initial
-  # weights, mode), the allocator ---
+  # --- Your own model and data: feature spec, imports, weights, mode ---
   # A JSON feature spec describing --train_files/--eval_files records
   # (tfdist.feature_spec); the data set is then FEATURE_SPEC_DATASET.
   feature_spec: str = ""
@@ -385,14 +420,15 @@ class TrainConfig:
   init_checkpoint: str = ""
   # One of MODES.
   mode: str = "train_and_eval"
+  # --- Host memory allocator ---
   # glibc malloc settings that stop TensorFlow's per-step page-fault churn
   # (tfdist/allocator.py); False leaves malloc as it is.
   tune_allocator: bool = True
-  # --- Measurement: the profiler window ---
+  # --- Profiler window ---
   # Trace training steps START..END (1-based, inclusive) with TensorFlow's
   # profiler into the TensorBoard folder; () traces nothing.
   profile_steps: Tuple[int, ...] = ()
-  # --- Reliability: divergence, the --model_dir lease, resumption ---
+  # --- Divergence warning, the --model_dir lease, resume checks ---
   # Warn when the training loss exceeds this multiple of its early value
   # (the first log point's mean loss); 0: no warning.
   loss_explosion_factor: float = 10.0
@@ -402,6 +438,7 @@ class TrainConfig:
   # Resume even when the model or the global batch differs from the
   # checkpoint's run (tfdist.checkpointing.check_resume).
   allow_incompatible_resume: bool = False
+  # --- Dry run ---
   # Run every start-up check, print the plan and return before building
   # the model.
   dry_run: bool = False
@@ -413,8 +450,9 @@ class TrainConfig:
       if getattr(self, name) is None:
         tpu_default = {"dtype": "bf16", "steps_per_execution":
                        TPU_DEFAULT_STEPS_PER_EXECUTION}[name]
-        set_(name, tpu_default if str(self.distribution_strategy).lower() ==
-             "tpu" else default)
+        kind = requested_kind(self.distribution_strategy)
+        set_(name, tpu_default if kind is not None and kind.is_tpu else
+             default)
         defaulted.append(name)
     set_("defaulted", tuple(sorted(defaulted)))
     set_("import_modules", _split_list(self.import_modules))
@@ -491,220 +529,286 @@ class TrainConfig:
           "only: --mode=train).")
 
   def _validate(self):
-    def need(cond, message):
-      if not cond:
-        raise ConfigError(message)
+    """Runs every validator in order; the first broken rule raises.
 
-    need(self.distribution_strategy in STRATEGIES,
-         f"--distribution_strategy={self.distribution_strategy!r} is unknown. "
-         f"Use one of: {', '.join(STRATEGIES)}.")
-    need(self.lr_scaling in LR_SCALING_RULES,
-         f"--lr_scaling={self.lr_scaling!r} is unknown. Use one of: "
-         f"{', '.join(LR_SCALING_RULES)}.")
-    need(self.lr_schedule in LR_SCHEDULES,
-         f"--lr_schedule={self.lr_schedule!r} is unknown. Use one of: "
-         f"{', '.join(LR_SCHEDULES)}.")
-    need(self.optimizer in OPTIMIZERS,
-         f"--optimizer={self.optimizer!r} is unknown. Use one of: "
-         f"{', '.join(OPTIMIZERS)}.")
-    need(self.all_reduce_alg in ALL_REDUCE_ALGS,
-         f"--all_reduce_alg={self.all_reduce_alg!r} is unknown. Use one of: "
-         f"{', '.join(ALL_REDUCE_ALGS)}.")
-    need(self.train_steps >= 0,
-         f"--train_steps={self.train_steps} must be >= 0 (0: use --train_epochs).")
-    need(self.train_epochs >= 0,
-         f"--train_epochs={self.train_epochs} must be >= 0.")
-    need(self.train_steps > 0 or self.train_epochs > 0,
-         "Set how long to train: --train_steps=N or --train_epochs=N "
-         f"(received --train_steps={self.train_steps}, "
-         f"--train_epochs={self.train_epochs}).")
+    The order is the precedence of the messages for a config that is wrong
+    in several ways: names first, then lengths, batch, learning rate, and so
+    on down to precision.
+    """
+    for validate in (self._validate_choices, self._validate_length,
+                     self._validate_batch, self._validate_determinism,
+                     self._validate_learning_rate, self._validate_loop,
+                     self._validate_cluster, self._validate_inputs,
+                     self._validate_parameter_servers, self._validate_tpu,
+                     self._validate_model_and_data,
+                     self._validate_async_precision,
+                     self._validate_vertex_ai, self._validate_clipping,
+                     self._validate_sharding, self._validate_step_guards,
+                     self._validate_reliability, self._validate_loss_scale):
+      validate()
+
+  @property
+  def _strategy_kind(self) -> Optional[StrategyKind]:
+    """The requested strategy's kind; None for `auto` (not yet resolved)."""
+    return requested_kind(self.distribution_strategy)
+
+  def _validate_choices(self):
+    """Flags that take one of a closed set of names."""
+    for flag, value, choices in (
+        ("distribution_strategy", self.distribution_strategy, STRATEGIES),
+        ("lr_scaling", self.lr_scaling, LR_SCALING_RULES),
+        ("lr_schedule", self.lr_schedule, LR_SCHEDULES),
+        ("optimizer", self.optimizer, OPTIMIZERS),
+        ("all_reduce_alg", self.all_reduce_alg, ALL_REDUCE_ALGS)):
+      _need(value in choices, f"--{flag}={value!r} is unknown. Use one of: "
+            f"{', '.join(choices)}.")
+
+  def _validate_length(self):
+    """How long to train: steps or epochs."""
+    _need(self.train_steps >= 0, f"--train_steps={self.train_steps} must be "
+          ">= 0 (0: use --train_epochs).")
+    _need(self.train_epochs >= 0,
+          f"--train_epochs={self.train_epochs} must be >= 0.")
+    _need(self.train_steps > 0 or self.train_epochs > 0,
+          "Set how long to train: --train_steps=N or --train_epochs=N "
+          f"(received --train_steps={self.train_steps}, "
+          f"--train_epochs={self.train_epochs}).")
+
+  def _validate_batch(self):
+    """Batch sizes and gradient accumulation."""
     for name in ("batch_size", "per_replica_batch_size"):
       value = getattr(self, name)
-      need(value is None or value > 0,
-           f"--{name}={value} must be a positive number of examples.")
-    need(self.gradient_accumulation_steps >= 1,
-         f"--gradient_accumulation_steps={self.gradient_accumulation_steps} "
-         "must be >= 1 (1: no accumulation).")
+      _need(value is None or value > 0,
+            f"--{name}={value} must be a positive number of examples.")
+    _need(self.gradient_accumulation_steps >= 1,
+          f"--gradient_accumulation_steps={self.gradient_accumulation_steps} "
+          "must be >= 1 (1: no accumulation).")
     check_accumulation_strategy(self.distribution_strategy,
                                 self.gradient_accumulation_steps)
-    need(not self.deterministic or self.seed is not None,
-         "--deterministic needs a --seed (the seed fixes the initial "
-         "weights, dropout and the input order); received no seed. Pass "
-         "e.g. --seed=42 or drop --deterministic.")
-    need(not (self.deterministic and
-              self.distribution_strategy == "parameter_server"),
-         "--deterministic is not supported with --distribution_strategy="
-         "parameter_server: asynchronous workers apply their updates in "
-         "whatever order they finish. Use a synchronous strategy "
-         "(one_device, mirrored, multi_worker_mirrored) or drop "
-         "--deterministic.")
-    need(self.base_batch_size > 0,
-         f"--base_batch_size={self.base_batch_size} must be > 0.")
-    need(self.base_learning_rate > 0,
-         f"--base_learning_rate={self.base_learning_rate} must be > 0.")
-    need(self.warmup_start_learning_rate >= 0,
-         f"--warmup_start_learning_rate={self.warmup_start_learning_rate} "
-         "must be >= 0.")
-    need(self.warmup_steps is None or self.warmup_epochs is None,
-         f"--warmup_steps={self.warmup_steps} and --warmup_epochs="
-         f"{self.warmup_epochs} were both given: pass only one.")
-    need(self.warmup_steps is None or self.warmup_steps >= 0,
-         f"--warmup_steps={self.warmup_steps} must be >= 0.")
-    need(self.warmup_epochs is None or self.warmup_epochs >= 0,
-         f"--warmup_epochs={self.warmup_epochs} must be >= 0.")
-    need(0.0 <= self.end_learning_rate_factor <= 1.0,
-         f"--end_learning_rate_factor={self.end_learning_rate_factor} must be "
-         "in [0, 1].")
-    need(len(self.piecewise_multipliers) == len(self.piecewise_boundaries) + 1,
-         "--piecewise_multipliers needs exactly one more value than "
-         f"--piecewise_boundaries. Received {len(self.piecewise_boundaries)} "
-         f"boundaries and {len(self.piecewise_multipliers)} multipliers.")
-    need(all(0.0 < b < 1.0 for b in self.piecewise_boundaries) and
-         list(self.piecewise_boundaries) == sorted(self.piecewise_boundaries),
-         f"--piecewise_boundaries={','.join(map(str, self.piecewise_boundaries))}"
-         " must be increasing fractions of training in (0, 1), e.g. 0.5,0.75.")
-    need(self.log_steps > 0, f"--log_steps={self.log_steps} must be > 0.")
-    need(self.steps_per_execution > 0,
-         f"--steps_per_execution={self.steps_per_execution} must be > 0.")
-    need(self.checkpoint_steps >= 0,
-         f"--checkpoint_steps={self.checkpoint_steps} must be >= 0 "
-         "(0: checkpoint at the end of every epoch).")
-    need(self.max_checkpoints > 0,
-         f"--max_checkpoints={self.max_checkpoints} must be > 0.")
-    need(self.epochs_between_evals > 0,
-         f"--epochs_between_evals={self.epochs_between_evals} must be > 0.")
-    need(self.num_cpu_devices >= 0,
-         f"--num_cpu_devices={self.num_cpu_devices} must be >= 0.")
-    need(self.task_index >= -1,
-         f"--task_index={self.task_index} must be >= 0 (-1: unset).")
-    need(self.collective_timeout_seconds >= 0,
-         f"--collective_timeout_seconds={self.collective_timeout_seconds} "
-         "must be > 0, or 0 for no per-collective timeout.")
-    need(self.cluster_start_timeout_seconds > 0,
-         "--cluster_start_timeout_seconds="
-         f"{self.cluster_start_timeout_seconds} must be > 0.")
-    need(self.preemption_grace_seconds > 0,
-         f"--preemption_grace_seconds={self.preemption_grace_seconds} must be "
-         "> 0.")
-    need(self.num_gpus >= -1,
-         f"--num_gpus={self.num_gpus} must be -1 (all visible), 0 or more.")
-    need(self.shuffle_buffer_size >= 0,
-         f"--shuffle_buffer_size={self.shuffle_buffer_size} must be >= 0.")
-    need(self.embedding_dim > 0,
-         f"--embedding_dim={self.embedding_dim} must be > 0.")
-    need(self.hash_buckets > 0,
-         f"--hash_buckets={self.hash_buckets} must be > 0.")
-    need(self.ps_partitioner in PS_PARTITIONERS,
-         f"--ps_partitioner={self.ps_partitioner!r} is unknown. Use one of: "
-         f"{', '.join(PS_PARTITIONERS)}.")
-    need(self.ps_min_shard_bytes > 0,
-         f"--ps_min_shard_bytes={self.ps_min_shard_bytes} must be > 0 bytes.")
-    need(self.ps_max_shards >= 0,
-         f"--ps_max_shards={self.ps_max_shards} must be >= 0 (0: one shard "
-         "per ps task).")
-    need(self.tpu_init_timeout > 0,
-         f"--tpu_init_timeout={self.tpu_init_timeout} must be > 0 seconds.")
+
+  def _validate_determinism(self):
+    """--deterministic: needs a seed and a synchronous strategy."""
+    _need(not self.deterministic or self.seed is not None,
+          "--deterministic needs a --seed (the seed fixes the initial "
+          "weights, dropout and the input order); received no seed. Pass "
+          "e.g. --seed=42 or drop --deterministic.")
+    kind = self._strategy_kind
+    _need(not (self.deterministic and kind is not None and
+               kind.is_asynchronous),
+          "--deterministic is not supported with --distribution_strategy="
+          "parameter_server: asynchronous workers apply their updates in "
+          "whatever order they finish. Use a synchronous strategy "
+          "(one_device, mirrored, multi_worker_mirrored) or drop "
+          "--deterministic.")
+
+  def _validate_learning_rate(self):
+    """Base learning rate and batch, warmup, and the schedule's shape."""
+    _need(self.base_batch_size > 0,
+          f"--base_batch_size={self.base_batch_size} must be > 0.")
+    _need(self.base_learning_rate > 0,
+          f"--base_learning_rate={self.base_learning_rate} must be > 0.")
+    _need(self.warmup_start_learning_rate >= 0,
+          f"--warmup_start_learning_rate={self.warmup_start_learning_rate} "
+          "must be >= 0.")
+    _need(self.warmup_steps is None or self.warmup_epochs is None,
+          f"--warmup_steps={self.warmup_steps} and --warmup_epochs="
+          f"{self.warmup_epochs} were both given: pass only one.")
+    _need(self.warmup_steps is None or self.warmup_steps >= 0,
+          f"--warmup_steps={self.warmup_steps} must be >= 0.")
+    _need(self.warmup_epochs is None or self.warmup_epochs >= 0,
+          f"--warmup_epochs={self.warmup_epochs} must be >= 0.")
+    _need(0.0 <= self.end_learning_rate_factor <= 1.0,
+          f"--end_learning_rate_factor={self.end_learning_rate_factor} must "
+          "be in [0, 1].")
+    boundaries = self.piecewise_boundaries
+    _need(len(self.piecewise_multipliers) == len(boundaries) + 1,
+          "--piecewise_multipliers needs exactly one more value than "
+          f"--piecewise_boundaries. Received {len(boundaries)} "
+          f"boundaries and {len(self.piecewise_multipliers)} multipliers.")
+    _need(all(0.0 < b < 1.0 for b in boundaries) and
+          list(boundaries) == sorted(boundaries),
+          f"--piecewise_boundaries={','.join(map(str, boundaries))}"
+          " must be increasing fractions of training in (0, 1), e.g. "
+          "0.5,0.75.")
+
+  def _validate_loop(self):
+    """Logging, steps per call, checkpoints and evaluations."""
+    _need(self.log_steps > 0, f"--log_steps={self.log_steps} must be > 0.")
+    _need(self.steps_per_execution > 0,
+          f"--steps_per_execution={self.steps_per_execution} must be > 0.")
+    _need(self.checkpoint_steps >= 0,
+          f"--checkpoint_steps={self.checkpoint_steps} must be >= 0 "
+          "(0: checkpoint at the end of every epoch).")
+    _need(self.max_checkpoints > 0,
+          f"--max_checkpoints={self.max_checkpoints} must be > 0.")
+    _need(self.epochs_between_evals > 0,
+          f"--epochs_between_evals={self.epochs_between_evals} must be > 0.")
+
+  def _validate_cluster(self):
+    """Devices, the task index and the cluster's timeouts."""
+    _need(self.num_cpu_devices >= 0,
+          f"--num_cpu_devices={self.num_cpu_devices} must be >= 0.")
+    _need(self.task_index >= -1,
+          f"--task_index={self.task_index} must be >= 0 (-1: unset).")
+    _need(self.collective_timeout_seconds >= 0,
+          f"--collective_timeout_seconds={self.collective_timeout_seconds} "
+          "must be > 0, or 0 for no per-collective timeout.")
+    _need(self.cluster_start_timeout_seconds > 0,
+          "--cluster_start_timeout_seconds="
+          f"{self.cluster_start_timeout_seconds} must be > 0.")
+    _need(self.preemption_grace_seconds > 0,
+          f"--preemption_grace_seconds={self.preemption_grace_seconds} must "
+          "be > 0.")
+    _need(self.num_gpus >= -1,
+          f"--num_gpus={self.num_gpus} must be -1 (all visible), 0 or more.")
+
+  def _validate_inputs(self):
+    """The input pipeline's buffer and the ranking model's tables."""
+    _need(self.shuffle_buffer_size >= 0,
+          f"--shuffle_buffer_size={self.shuffle_buffer_size} must be >= 0.")
+    _need(self.embedding_dim > 0,
+          f"--embedding_dim={self.embedding_dim} must be > 0.")
+    _need(self.hash_buckets > 0,
+          f"--hash_buckets={self.hash_buckets} must be > 0.")
+
+  def _validate_parameter_servers(self):
+    """How parameter servers shard the variables."""
+    _need(self.ps_partitioner in PS_PARTITIONERS,
+          f"--ps_partitioner={self.ps_partitioner!r} is unknown. Use one of: "
+          f"{', '.join(PS_PARTITIONERS)}.")
+    _need(self.ps_min_shard_bytes > 0,
+          f"--ps_min_shard_bytes={self.ps_min_shard_bytes} must be > 0 "
+          "bytes.")
+    _need(self.ps_max_shards >= 0,
+          f"--ps_max_shards={self.ps_max_shards} must be >= 0 (0: one shard "
+          "per ps task).")
+
+  def _validate_tpu(self):
+    """The TPU's start-up timeout and precision."""
+    _need(self.tpu_init_timeout > 0,
+          f"--tpu_init_timeout={self.tpu_init_timeout} must be > 0 seconds.")
     check_tpu_precision(self.distribution_strategy, self.dtype)
-    # --- Your model and data: mode, names, feature spec ---
-    need(self.mode in MODES,
-         f"--mode={self.mode!r} is unknown. Use one of: {', '.join(MODES)}.")
-    need(bool(self.model), "--model must name a model: a registered name "
-         "(e.g. cnn) or an import path package.module:build_fn.")
-    need(bool(self.dataset), "--dataset must name a data set: a registered "
-         "name (e.g. fashion_mnist) or an import path "
-         "package.module:dataset_fn.")
+
+  def _validate_model_and_data(self):
+    """The mode, the model and data set names, and the feature spec."""
+    _need(self.mode in MODES,
+          f"--mode={self.mode!r} is unknown. Use one of: {', '.join(MODES)}.")
+    _need(bool(self.model), "--model must name a model: a registered name "
+          "(e.g. cnn) or an import path package.module:build_fn.")
+    _need(bool(self.dataset), "--dataset must name a data set: a registered "
+          "name (e.g. fashion_mnist) or an import path "
+          "package.module:dataset_fn.")
     if self.feature_spec:
-      need(self.dataset == FEATURE_SPEC_DATASET,
-           f"--feature_spec={self.feature_spec} and --dataset={self.dataset}"
-           " both say where the data comes from: pass only one.")
+      _need(self.dataset == FEATURE_SPEC_DATASET,
+            f"--feature_spec={self.feature_spec} and --dataset="
+            f"{self.dataset} both say where the data comes from: pass only "
+            "one.")
       # Its --train_files/--eval_files are checked by `require_data_files`
       # once the environment is applied (Vertex AI's AIP_*_DATA_URI).
     else:
-      need(self.dataset != FEATURE_SPEC_DATASET,
-           f"--dataset={FEATURE_SPEC_DATASET} needs --feature_spec=FILE.json"
-           " (the features of your TFRecords).")
-    need(not (self.distribution_strategy == "parameter_server" and
-              self.dtype == "fp16"),
-         "--dtype=fp16 is not supported with --distribution_strategy="
-         "parameter_server: fp16 needs loss scaling, whose scale asynchronous "
-         "workers cannot share. Use --dtype=bf16, fp32 or auto.")
-    # --- Vertex AI, gradient clipping, skipped steps, allocator ---
+      _need(self.dataset != FEATURE_SPEC_DATASET,
+            f"--dataset={FEATURE_SPEC_DATASET} needs --feature_spec="
+            "FILE.json (the features of your TFRecords).")
+
+  def _validate_async_precision(self):
+    """fp16 needs a loss scale that asynchronous workers cannot share."""
+    kind = self._strategy_kind
+    _need(not (kind is not None and kind.is_asynchronous and
+               self.dtype == "fp16"),
+          "--dtype=fp16 is not supported with --distribution_strategy="
+          "parameter_server: fp16 needs loss scaling, whose scale "
+          "asynchronous workers cannot share. Use --dtype=bf16, fp32 or "
+          "auto.")
+
+  def _validate_vertex_ai(self):
+    """Vertex AI's Reduction Server and hyperparameter-tuning metric."""
     if self.reduction_server:
-      need(self.distribution_strategy in ("auto", "multi_worker_mirrored"),
-           "--reduction_server needs --distribution_strategy="
-           "multi_worker_mirrored or auto (Vertex AI's Reduction Server "
-           "serves NCCL all-reduce between workers); received "
-           f"--distribution_strategy={self.distribution_strategy}.")
-      need(self.all_reduce_alg in ("auto", "nccl"),
-           f"--reduction_server implies --all_reduce_alg=nccl; received "
-           f"--all_reduce_alg={self.all_reduce_alg}. Drop --all_reduce_alg "
-           "or set it to nccl.")
-    need(not self.hptune_metric or re.fullmatch(HPTUNE_METRIC_PATTERN,
-                                                self.hptune_metric),
-         f"--hptune_metric={self.hptune_metric!r} is not an evaluation "
-         "metric: give eval_ and the metric's name, e.g. eval_loss or "
-         f"{', '.join(n for n in HPTUNE_METRICS if n != 'eval_loss')} for "
-         "tfdist's models, eval_<name> for a metric of your model.")
+      kind = self._strategy_kind
+      _need(kind is None or kind is StrategyKind.MULTI_WORKER_MIRRORED,
+            "--reduction_server needs --distribution_strategy="
+            "multi_worker_mirrored or auto (Vertex AI's Reduction Server "
+            "serves NCCL all-reduce between workers); received "
+            f"--distribution_strategy={self.distribution_strategy}.")
+      _need(self.all_reduce_alg in ("auto", "nccl"),
+            f"--reduction_server implies --all_reduce_alg=nccl; received "
+            f"--all_reduce_alg={self.all_reduce_alg}. Drop --all_reduce_alg "
+            "or set it to nccl.")
+    _need(not self.hptune_metric or re.fullmatch(HPTUNE_METRIC_PATTERN,
+                                                 self.hptune_metric),
+          f"--hptune_metric={self.hptune_metric!r} is not an evaluation "
+          "metric: give eval_ and the metric's name, e.g. eval_loss or "
+          f"{', '.join(n for n in HPTUNE_METRICS if n != 'eval_loss')} for "
+          "tfdist's models, eval_<name> for a metric of your model.")
+
+  def _validate_clipping(self):
+    """Gradient clipping: positive norms, at most one of the two."""
     for name in ("clipnorm", "global_clipnorm"):
       value = getattr(self, name)
-      need(value is None or (math.isfinite(value) and value > 0),
-           f"--{name}={value} must be a positive number (the largest "
-           "gradient norm kept), or unset for no clipping.")
-    need(self.clipnorm is None or self.global_clipnorm is None,
-         f"--clipnorm={self.clipnorm} and --global_clipnorm="
-         f"{self.global_clipnorm} were both given: Keras optimizers take "
-         "one. Use --global_clipnorm to clip the norm of all gradients "
-         "together, --clipnorm to clip each variable's gradient alone.")
-    self._validate_sharding(need)
-    need(self.max_consecutive_skipped_steps >= 0,
-         "--max_consecutive_skipped_steps="
-         f"{self.max_consecutive_skipped_steps} must be >= 0 (0: no limit).")
-    need(isinstance(self.tune_allocator, bool),
-         f"--tune_allocator={self.tune_allocator!r} must be true or false.")
-    # --- Reliability: divergence, the --model_dir lease, resumption ---
-    need(self.loss_explosion_factor == 0 or (
-        math.isfinite(self.loss_explosion_factor) and
-        self.loss_explosion_factor > 1),
-         f"--loss_explosion_factor={self.loss_explosion_factor} must be > 1 "
-         "(warn when the loss exceeds that multiple of its early value), or "
-         "0 for no warning.")
-    need(math.isfinite(self.lease_timeout_seconds) and
-         self.lease_timeout_seconds > 0,
-         f"--lease_timeout_seconds={self.lease_timeout_seconds} must be > 0 "
-         "seconds.")
-    if self.loss_scale is not None and self.dtype not in ("fp16", "auto"):
-      raise ConfigError(
-          f"--loss_scale={self.loss_scale} only applies to --dtype=fp16 "
-          f"(received --dtype={self.dtype}). Drop --loss_scale or use "
-          "--dtype=fp16.")
+      _need(value is None or (math.isfinite(value) and value > 0),
+            f"--{name}={value} must be a positive number (the largest "
+            "gradient norm kept), or unset for no clipping.")
+    _need(self.clipnorm is None or self.global_clipnorm is None,
+          f"--clipnorm={self.clipnorm} and --global_clipnorm="
+          f"{self.global_clipnorm} were both given: Keras optimizers take "
+          "one. Use --global_clipnorm to clip the norm of all gradients "
+          "together, --clipnorm to clip each variable's gradient alone.")
 
-  def _validate_sharding(self, need):
-    need(self.zero_stage in (None, 0, 1, 2),
-         f"--zero_stage={self.zero_stage} is not offered: use 0 (off), 1 "
-         "(shard optimizer state) or 2 (also gradients). Stage 3 (sharded "
-         "weights) needs APIs TensorFlow lacks: see "
-         "docs/guides/sharded-training.md.")
+  def _validate_sharding(self):
+    """ZeRO stages: offered, consistent, under a strategy that shards."""
+    _need(self.zero_stage in (None, 0, 1, 2),
+          f"--zero_stage={self.zero_stage} is not offered: use 0 (off), 1 "
+          "(shard optimizer state) or 2 (also gradients). Stage 3 (sharded "
+          "weights) needs APIs TensorFlow lacks: see "
+          "docs/guides/sharded-training.md.")
     switches = (2 if self.shard_gradients else
                 1 if self.shard_optimizer_state else 0)
-    need(self.zero_stage is None or not switches or
-         switches == self.zero_stage,
-         f"--zero_stage={self.zero_stage} contradicts "
-         f"--shard_optimizer_state={self.shard_optimizer_state} "
-         f"--shard_gradients={self.shard_gradients}. Give --zero_stage "
-         "alone, or the switches alone (--shard_gradients implies stage 2).")
+    _need(self.zero_stage is None or not switches or
+          switches == self.zero_stage,
+          f"--zero_stage={self.zero_stage} contradicts "
+          f"--shard_optimizer_state={self.shard_optimizer_state} "
+          f"--shard_gradients={self.shard_gradients}. Give --zero_stage "
+          "alone, or the switches alone (--shard_gradients implies stage 2).")
     stage = self.zero_stage_resolved
     if not stage:
       return
-    need(self.distribution_strategy in SHARDING_STRATEGIES,
-         f"--zero_stage={stage} (--shard_optimizer_state) runs under "
-         f"{' or '.join(SHARDING_STRATEGIES[1:])}; received "
-         f"--distribution_strategy={self.distribution_strategy}. Use "
-         "mirrored or multi_worker_mirrored (parameter_server partitions "
-         "variables itself), or drop the flag.")
-    need(self.optimizer != "lamb",
-         f"--optimizer=lamb cannot run with --zero_stage={stage}: LAMB's "
-         "trust ratio needs each whole variable's norm and the shards cut "
-         "across variables. Use --optimizer=adamw, or drop the flag.")
+    kind = self._strategy_kind
+    _need(kind is None or kind.is_mirrored,
+          f"--zero_stage={stage} (--shard_optimizer_state) runs under "
+          f"{' or '.join(SHARDING_STRATEGIES[1:])}; received "
+          f"--distribution_strategy={self.distribution_strategy}. Use "
+          "mirrored or multi_worker_mirrored (parameter_server partitions "
+          "variables itself), or drop the flag.")
+    _need(self.optimizer != "lamb",
+          f"--optimizer=lamb cannot run with --zero_stage={stage}: LAMB's "
+          "trust ratio needs each whole variable's norm and the shards cut "
+          "across variables. Use --optimizer=adamw, or drop the flag.")
+
+  def _validate_step_guards(self):
+    """Skipped-step limit and the allocator switch."""
+    _need(self.max_consecutive_skipped_steps >= 0,
+          "--max_consecutive_skipped_steps="
+          f"{self.max_consecutive_skipped_steps} must be >= 0 (0: no limit).")
+    _need(isinstance(self.tune_allocator, bool),
+          f"--tune_allocator={self.tune_allocator!r} must be true or false.")
+
+  def _validate_reliability(self):
+    """Divergence warning and the --model_dir lease."""
+    factor = self.loss_explosion_factor
+    _need(factor == 0 or (math.isfinite(factor) and factor > 1),
+          f"--loss_explosion_factor={factor} must be > 1 (warn when the "
+          "loss exceeds that multiple of its early value), or 0 for no "
+          "warning.")
+    _need(math.isfinite(self.lease_timeout_seconds) and
+          self.lease_timeout_seconds > 0,
+          f"--lease_timeout_seconds={self.lease_timeout_seconds} must be > 0 "
+          "seconds.")
+
+  def _validate_loss_scale(self):
+    """A loss scale only means something under fp16."""
+    _need(self.loss_scale is None or self.dtype in ("fp16", "auto"),
+          f"--loss_scale={self.loss_scale} only applies to --dtype=fp16 "
+          f"(received --dtype={self.dtype}). Drop --loss_scale or use "
+          "--dtype=fp16.")
 
   @property
   def zero_stage_resolved(self) -> int:

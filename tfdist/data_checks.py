@@ -144,6 +144,7 @@ def _library_crc32c():
   """google-crc32c's compiled CRC32C (installed with google-cloud-storage),
   or None when it is missing or only its pure-Python fallback is there."""
   try:
+    # Optional dependency: the pure-Python CRC below serves without it.
     import google_crc32c  # pylint: disable=g-import-not-at-top
   except ImportError:
     return None

@@ -15,19 +15,17 @@ a converted data set is either whole or absent.
 """
 
 import gzip
-import json
 import os
-import uuid
 from typing import Optional
 
 from absl import logging
 import numpy as np
 import tensorflow as tf
 
+from tfdist import conversion
 from tfdist import data_checks
 from tfdist.dataset_spec import DataNotFoundError
 from tfdist.dataset_spec import DatasetSpec
-from tfdist.dataset_spec import INFO_FILE
 
 DEBIAN_FASHION_MNIST_DIR = "/usr/share/datasets/fashion-mnist"
 FASHION_MNIST_FILES = {
@@ -144,40 +142,29 @@ def convert_fashion_mnist(out_dir: str, *, raw_data_dir: str = "",
   Raises:
     DataNotFoundError: the IDX files are missing.
   """
-  info_path = os.path.join(out_dir, INFO_FILE)
-  if tf.io.gfile.exists(info_path):
-    with tf.io.gfile.GFile(info_path) as f:
-      return json.load(f)
+  info = conversion.converted_info(out_dir)
+  if info is not None:
+    return info
   raw = raw_data_dir or DEBIAN_FASHION_MNIST_DIR
   logging.info("Converting Fashion-MNIST from %s into %s", raw, out_dir)
-  parent = os.path.dirname(out_dir.rstrip("/")) or "."
-  tmp_dir = os.path.join(parent, f".tmp-{os.path.basename(out_dir)}-"
-                         f"{uuid.uuid4().hex[:8]}")
-  tf.io.gfile.makedirs(tmp_dir)
-  info = {"name": "fashion_mnist", "source": raw, "splits": {}}
-  first_id = 0
-  for split, shards in (("train", train_shards), ("test", test_shards)):
-    image_file, label_file = FASHION_MNIST_FILES[split]
-    images = read_idx(os.path.join(raw, image_file))
-    labels = read_idx(os.path.join(raw, label_file))
-    if limit:
-      images, labels = images[:limit], labels[:limit]
-    write_image_shards(tmp_dir, split, images, labels, num_shards=shards,
-                       first_id=first_id)
-    info["splits"][split] = {"num_examples": int(len(labels)),
-                             "num_shards": shards, "first_id": first_id}
-    first_id += 60_000
-  with tf.io.gfile.GFile(os.path.join(tmp_dir, INFO_FILE), "w") as f:
-    json.dump(info, f, indent=2)
-  try:
-    tf.io.gfile.rename(tmp_dir, out_dir)
-  except (tf.errors.AlreadyExistsError, tf.errors.FailedPreconditionError,
-          tf.errors.OpError, OSError):
-    # Another process finished first; its copy is complete (renamed whole).
-    tf.io.gfile.rmtree(tmp_dir)
-    if not tf.io.gfile.exists(info_path):
-      raise
-  return info
+
+  def write(tmp_dir: str) -> dict:
+    info = {"name": "fashion_mnist", "source": raw, "splits": {}}
+    first_id = 0
+    for split, shards in (("train", train_shards), ("test", test_shards)):
+      image_file, label_file = FASHION_MNIST_FILES[split]
+      images = read_idx(os.path.join(raw, image_file))
+      labels = read_idx(os.path.join(raw, label_file))
+      if limit:
+        images, labels = images[:limit], labels[:limit]
+      write_image_shards(tmp_dir, split, images, labels, num_shards=shards,
+                         first_id=first_id)
+      info["splits"][split] = {"num_examples": int(len(labels)),
+                               "num_shards": shards, "first_id": first_id}
+      first_id += 60_000
+    return info
+
+  return conversion.publish_conversion(out_dir, write)
 
 
 def prepare(data_dir: str, raw_data_dir: str):

@@ -50,6 +50,8 @@ import os
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from absl import logging
+import keras
+import tensorflow as tf
 
 from tfdist.config import ConfigError
 from tfdist.dataset_spec import DatasetSpec
@@ -139,7 +141,6 @@ class FeatureSpec:
 
   def keras_inputs(self) -> dict:
     """One `keras.Input` per input feature, named after it (a dict)."""
-    import keras  # pylint: disable=g-import-not-at-top
     return {name: keras.Input(shape=f.shape, name=name, dtype=f.dtype)
             for name, f in self.inputs.items()}
 
@@ -147,7 +148,6 @@ class FeatureSpec:
   def parse_fn(self):
     """A function from one serialized record to `(inputs, label)`, or
     `(inputs, label, weight)` with a `weight` feature."""
-    import tensorflow as tf  # pylint: disable=g-import-not-at-top
     features = self.features
     labels = self.labels
     weight = self.weight
@@ -243,7 +243,6 @@ class FeatureSpec:
       ConfigError: a mismatch (every one named), or a record that is not a
         `tf.train.Example`.
     """
-    import tensorflow as tf  # pylint: disable=g-import-not-at-top
     if not files:
       return
     path = files[0]
@@ -299,14 +298,37 @@ def _kind_dtype(kind: Optional[str]) -> str:
 def from_dict(data: dict, *, path: str = "") -> FeatureSpec:
   """Builds a `FeatureSpec` from the JSON structure (see module docstring).
 
+  Args:
+    data: the parsed JSON: `{"features": {...}, "labels": [...],
+      "weight": optional}`.
+    path: the file it came from (`--feature_spec`), for messages.
+
+  Returns:
+    The `FeatureSpec`; features keep the JSON's order.
+
   Raises:
-    ConfigError: anything malformed; the message names the feature.
+    ConfigError: anything malformed; the message names the feature. The
+      first problem found is reported: the top-level keys, then each
+      feature in order, the labels, the weight, the inputs left over.
   """
   where = f"--feature_spec={path}" if path else "feature spec"
 
   def fail(message):
     raise ConfigError(f"{where}: {message}")
 
+  _check_top_level(data, fail)
+  features = [_parse_feature(name, entry, fail)
+              for name, entry in data["features"].items()]
+  labels = _parse_labels(data.get("labels"), features, fail)
+  weight = data.get("weight")
+  _check_weight(weight, labels, features, fail)
+  _check_label_dtypes(labels, features, fail)
+  return FeatureSpec(path=path, features=tuple(features),
+                     labels=tuple(labels), weight=weight)
+
+
+def _check_top_level(data, fail) -> None:
+  """An object with `features` (non-empty), `labels`, optional `weight`."""
   if not isinstance(data, dict):
     fail(f"expected a JSON object with \"features\" and \"labels\"; found "
          f"{type(data).__name__}.")
@@ -318,44 +340,49 @@ def from_dict(data: dict, *, path: str = "") -> FeatureSpec:
   if not isinstance(raw_features, dict) or not raw_features:
     fail("\"features\" must be a non-empty object from feature name to "
          "{\"dtype\": ..., \"shape\": [...]}.")
-  features = []
-  for name, entry in raw_features.items():
-    if not isinstance(entry, dict):
-      fail(f"feature {name!r} must be an object such as "
-           "{\"dtype\": \"float32\", \"shape\": [8]}.")
-    extra = sorted(set(entry) - set(_FEATURE_KEYS))
-    if extra:
-      fail(f"feature {name!r} has unknown key(s) {', '.join(extra)}; use "
-           f"{', '.join(_FEATURE_KEYS)}.")
-    encoding = entry.get("encoding")
-    dtype = str(entry.get("dtype", "")).lower()
-    dtype = _ALIASES.get(dtype, dtype)
-    if encoding not in (None, "raw"):
-      fail(f"feature {name!r}: \"encoding\": {encoding!r} is unknown; the "
-           "only encoding is \"raw\" (bytes decoded with tf.io.decode_raw).")
-    allowed = _RAW_DTYPES if encoding == "raw" else tuple(_KINDS)
-    if dtype not in allowed:
-      fail(f"feature {name!r}: \"dtype\": {entry.get('dtype')!r} is not one "
-           f"of {', '.join(allowed)}" + (
-               "" if encoding == "raw" else
-               " (or set \"encoding\": \"raw\" for packed numeric bytes)") +
-           ".")
-    shape = entry.get("shape", [])
-    if (not isinstance(shape, list) or
-        not all(isinstance(d, int) and not isinstance(d, bool) and d > 0
-                for d in shape)):
-      fail(f"feature {name!r}: \"shape\" must be a list of positive "
-           f"integers ([] for a scalar); found {shape!r}.")
-    default = entry.get("default")
-    if default is not None and dtype == "string" and not isinstance(
-        default, str):
-      fail(f"feature {name!r}: a string feature's \"default\" must be a "
-           f"string; found {default!r}.")
-    if isinstance(default, str) and dtype == "string":
-      default = default.encode()
-    features.append(Feature(name=name, dtype=dtype, shape=tuple(shape),
-                            default=default, encoding=encoding))
-  labels = data.get("labels")
+
+
+def _parse_feature(name: str, entry, fail) -> Feature:
+  """One feature's entry: keys, encoding, dtype, shape and default."""
+  if not isinstance(entry, dict):
+    fail(f"feature {name!r} must be an object such as "
+         "{\"dtype\": \"float32\", \"shape\": [8]}.")
+  extra = sorted(set(entry) - set(_FEATURE_KEYS))
+  if extra:
+    fail(f"feature {name!r} has unknown key(s) {', '.join(extra)}; use "
+         f"{', '.join(_FEATURE_KEYS)}.")
+  encoding = entry.get("encoding")
+  dtype = str(entry.get("dtype", "")).lower()
+  dtype = _ALIASES.get(dtype, dtype)
+  if encoding not in (None, "raw"):
+    fail(f"feature {name!r}: \"encoding\": {encoding!r} is unknown; the "
+         "only encoding is \"raw\" (bytes decoded with tf.io.decode_raw).")
+  allowed = _RAW_DTYPES if encoding == "raw" else tuple(_KINDS)
+  if dtype not in allowed:
+    fail(f"feature {name!r}: \"dtype\": {entry.get('dtype')!r} is not one "
+         f"of {', '.join(allowed)}" + (
+             "" if encoding == "raw" else
+             " (or set \"encoding\": \"raw\" for packed numeric bytes)") +
+         ".")
+  shape = entry.get("shape", [])
+  if (not isinstance(shape, list) or
+      not all(isinstance(d, int) and not isinstance(d, bool) and d > 0
+              for d in shape)):
+    fail(f"feature {name!r}: \"shape\" must be a list of positive "
+         f"integers ([] for a scalar); found {shape!r}.")
+  default = entry.get("default")
+  if default is not None and dtype == "string" and not isinstance(
+      default, str):
+    fail(f"feature {name!r}: a string feature's \"default\" must be a "
+         f"string; found {default!r}.")
+  if isinstance(default, str) and dtype == "string":
+    default = default.encode()
+  return Feature(name=name, dtype=dtype, shape=tuple(shape),
+                 default=default, encoding=encoding)
+
+
+def _parse_labels(labels, features: Sequence[Feature], fail) -> List[str]:
+  """`labels`: one name or a non-empty list of feature names."""
   if isinstance(labels, str):
     labels = [labels]
   if not isinstance(labels, list) or not labels:
@@ -366,12 +393,17 @@ def from_dict(data: dict, *, path: str = "") -> FeatureSpec:
     if label not in names:
       fail(f"label {label!r} is not a feature; features: "
            f"{', '.join(names)}.")
-  weight = data.get("weight")
+  return labels
+
+
+def _check_weight(weight: Optional[str], labels: Sequence[str],
+                  features: Sequence[Feature], fail) -> None:
+  """`weight`: a float32 scalar feature, not a label; inputs remain."""
   by_name = {f.name: f for f in features}
   if weight is not None:
     if weight not in by_name:
       fail(f"\"weight\": {weight!r} is not a feature; features: "
-           f"{', '.join(names)}.")
+           f"{', '.join(by_name)}.")
     if weight in labels:
       fail(f"\"weight\": {weight!r} is also a label; the sample weight is "
            "a feature of its own.")
@@ -381,14 +413,18 @@ def from_dict(data: dict, *, path: str = "") -> FeatureSpec:
            f"{by_name[weight].describe()}.")
   if len(labels) + (weight is not None) == len(features):
     fail("every feature is a label or the weight: the model has no inputs.")
+
+
+def _check_label_dtypes(labels: Sequence[str], features: Sequence[Feature],
+                        fail) -> None:
+  """Several labels are concatenated into one vector: one dtype."""
   if len(labels) > 1:
+    by_name = {f.name: f for f in features}
     dtypes = {by_name[n].dtype for n in labels}
     if len(dtypes) > 1:
       fail(f"labels {', '.join(labels)} have different dtypes "
            f"({', '.join(sorted(dtypes))}); several labels are concatenated "
            "into one vector, so they need one dtype.")
-  return FeatureSpec(path=path, features=tuple(features),
-                     labels=tuple(labels), weight=weight)
 
 
 def load(path: str) -> FeatureSpec:
@@ -399,7 +435,6 @@ def load(path: str) -> FeatureSpec:
       system raised `tf.errors.OpError`: an unreachable or unauthorized
       `gs://` bucket) or is not valid JSON, or the spec is malformed.
   """
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
   try:
     if not tf.io.gfile.exists(path):
       raise ConfigError(f"--feature_spec={path}: no such file (cwd "

@@ -26,19 +26,17 @@ and machine; every pair is in exactly one split.
 
 import csv
 import importlib.util
-import json
 import os
-import uuid
 import zlib
 from typing import Dict, Optional, Tuple
 
 from absl import logging
 import tensorflow as tf
 
+from tfdist import conversion
 from tfdist import data_checks
 from tfdist.dataset_spec import DataNotFoundError
 from tfdist.dataset_spec import DatasetSpec
-from tfdist.dataset_spec import INFO_FILE
 
 GENRES = ("Action", "Adventure", "Animation", "Children's", "Comedy",
           "Crime", "Documentary", "Drama", "Fantasy", "Film-Noir", "Horror",
@@ -192,50 +190,49 @@ def convert_movielens(out_dir: str, *, raw_data_dir: str = "",
   Raises:
     DataNotFoundError: the raw files are missing.
   """
-  info_path = os.path.join(out_dir, INFO_FILE)
-  if tf.io.gfile.exists(info_path):
-    with tf.io.gfile.GFile(info_path) as f:
-      return json.load(f)
+  info = conversion.converted_info(out_dir)
+  if info is not None:
+    return info
   raw = raw_data_dir or default_raw_dir()
   logging.info("Converting MovieLens-100k from %s into %s", raw, out_dir)
   rows = read_ratings(raw, limit=limit)
-  parent = os.path.dirname(out_dir.rstrip("/")) or "."
-  tmp_dir = os.path.join(parent, f".tmp-{os.path.basename(out_dir)}-"
-                         f"{uuid.uuid4().hex[:8]}")
-  tf.io.gfile.makedirs(tmp_dir)
+
+  def write(tmp_dir: str) -> dict:
+    info = {"name": "movielens", "source": raw,
+            "label": f"rating >= {LABEL_MIN_RATING:g}",
+            "split": f"crc32('user:item') % {EVAL_MODULUS} == 0 -> test",
+            "splits": {}}
+    for split, shards, want_eval in (("train", train_shards, False),
+                                     ("test", test_shards, True)):
+      info["splits"][split] = _write_split(
+          tmp_dir, split, [f for f, is_eval in rows if is_eval == want_eval],
+          shards)
+    return info
+
+  return conversion.publish_conversion(out_dir, write)
+
+
+def _write_split(out_dir: str, split: str, rows, shards: int) -> dict:
+  """Writes `rows` (feature dicts) round-robin into `shards` GZIP files.
+
+  Returns:
+    The split's info: `num_examples`, `num_shards`, `positive_fraction`.
+  """
   options = tf.io.TFRecordOptions(compression_type="GZIP")
-  info = {"name": "movielens", "source": raw,
-          "label": f"rating >= {LABEL_MIN_RATING:g}",
-          "split": f"crc32('user:item') % {EVAL_MODULUS} == 0 -> test",
-          "splits": {}}
-  for split, shards, want_eval in (("train", train_shards, False),
-                                   ("test", test_shards, True)):
-    paths = [os.path.join(tmp_dir, f"{split}-{i:05d}-of-{shards:05d}"
-                          ".tfrecord.gz") for i in range(shards)]
-    writers = [tf.io.TFRecordWriter(p, options) for p in paths]
-    count = positives = 0
-    try:
-      for features, is_eval in rows:
-        if is_eval != want_eval:
-          continue
-        writers[count % shards].write(_serialize(features))
-        count += 1
-        positives += features["label"]
-    finally:
-      for w in writers:
-        w.close()
-    info["splits"][split] = {"num_examples": count, "num_shards": shards,
-                             "positive_fraction": positives / max(count, 1)}
-  with tf.io.gfile.GFile(os.path.join(tmp_dir, INFO_FILE), "w") as f:
-    json.dump(info, f, indent=2)
+  paths = [os.path.join(out_dir, f"{split}-{i:05d}-of-{shards:05d}"
+                        ".tfrecord.gz") for i in range(shards)]
+  writers = [tf.io.TFRecordWriter(p, options) for p in paths]
+  count = positives = 0
   try:
-    tf.io.gfile.rename(tmp_dir, out_dir)
-  except (tf.errors.OpError, OSError):
-    # Another process finished first; its copy is complete (renamed whole).
-    tf.io.gfile.rmtree(tmp_dir)
-    if not tf.io.gfile.exists(info_path):
-      raise
-  return info
+    for features in rows:
+      writers[count % shards].write(_serialize(features))
+      count += 1
+      positives += features["label"]
+  finally:
+    for w in writers:
+      w.close()
+  return {"num_examples": count, "num_shards": shards,
+          "positive_fraction": positives / max(count, 1)}
 
 
 def prepare(data_dir: str, raw_data_dir: str) -> Tuple[str, str]:

@@ -31,6 +31,7 @@ tfdist's own models and data sets register themselves here on import
 importing them.
 """
 
+import dataclasses
 import importlib
 import inspect
 import os
@@ -149,7 +150,6 @@ def as_dataset_spec(dataset, *, name: Optional[str] = None,
   """
   if isinstance(dataset, DatasetSpec):
     if spec_fields or (name and name != dataset.name):
-      import dataclasses  # pylint: disable=g-import-not-at-top
       return dataclasses.replace(dataset, name=name or dataset.name,
                                  **spec_fields)
     return dataset

@@ -113,6 +113,8 @@ def build_model(task: Task, config, *, sync_batch_norm: bool = False):
   what = f"--model={task.model_name}"
   model = registry.call_with_accepted(
       task.model_fn, {"spec": task.dataset, "config": config,
+                      "embedding_dim": getattr(config, "embedding_dim", 16),
+                      "hash_buckets": getattr(config, "hash_buckets", 100_000),
                       "sync_batch_norm": bool(sync_batch_norm),
                       "activation_recomputation": bool(getattr(
                           config, "activation_recomputation", False))},
