@@ -4,14 +4,16 @@ Imported as `tfdist.models` (this folder is installed there; see
 `tfdist/__init__.py`), so a project's own `models` package never shadows it.
 Each builder is registered with `tfdist.registry.register_model` and takes
 the run's `DatasetSpec` (`spec`) and, by name, only the values it reads:
-the ranking model `embedding_dim` and `hash_buckets`; those with
+the ranking model `embedding_dim` and `hash_buckets`; the text classifier
+(`transformer`) nothing else; those with
 batch normalization also `sync_batch_norm` (the run plan's decision, see
 `resolve_sync_batch_norm`), and those that can recompute their activations
 (`cnn`, `resnet`; `recompute.py`) `activation_recomputation`. Every model
 returns a `keras.Model` whose output stays float32 under a mixed precision
 policy (the last layer is a float32 activation): image models (`cnn`,
 `resnet`) return logits [batch, num_classes]; the ranking model (`ranking`)
-returns sigmoid probabilities [batch, 1].
+returns sigmoid probabilities [batch, 1], as does the text classifier
+(`transformer`) for a binary task.
 """
 
 import dataclasses
@@ -27,6 +29,7 @@ from tfdist.strategy_kind import StrategyKind
 from . import cnn
 from . import ranking
 from . import resnet
+from . import transformer
 
 
 def _image_shape(name: str, spec) -> Tuple[Tuple[int, ...], int]:
@@ -70,6 +73,20 @@ def _build_ranking(spec, embedding_dim: int = 16,
       id_features=spec.id_features, num_dense=spec.num_dense,
       num_classes=spec.num_classes,
       embedding_dim=embedding_dim, hash_buckets=hash_buckets)
+
+
+@registry.register_model("transformer")
+def _build_transformer(spec) -> keras.Model:
+  if not spec.vocabulary_size or len(spec.input_shape) != 1:
+    raise ConfigError(
+        f"--model=transformer classifies token ids: it needs a text data set "
+        f"with a vocabulary (e.g. --dataset=clothing_reviews); --dataset="
+        f"{spec.name} has input_shape={spec.input_shape}, vocabulary_size="
+        f"{spec.vocabulary_size}.")
+  return transformer.build_transformer(
+      sequence_length=spec.input_shape[0],
+      vocabulary_size=spec.vocabulary_size,
+      num_classes=max(1, spec.num_classes))
 
 
 def _is_synchronous(kind: Optional[StrategyKind]) -> bool:

@@ -67,6 +67,9 @@ class DatasetSpec:
       start; raises `ConfigError` naming what does not match.
     features: the `tfdist.feature_spec.FeatureSpec` the data comes from (for
       model builders: `spec.features.keras_inputs()`), or None.
+    vocabulary_size: for text data sets whose inputs are token ids
+      (int64 [batch, input_shape[0]]): the number of ids, padding (0) and
+      unknown (1) included; 0 otherwise.
   """
   name: str
   input_shape: Tuple[int, ...] = ()
@@ -81,6 +84,7 @@ class DatasetSpec:
   metrics: Optional[Sequence[Any]] = None
   check_files: Optional[Callable] = None
   features: Any = None
+  vocabulary_size: int = 0
 
   def __post_init__(self):
     if (self.parse_fn is None) == (self.input_fn is None):

@@ -3,12 +3,13 @@
 Importing this module registers each built-in `DatasetSpec`
 (`tfdist.dataset_spec`) with `tfdist.registry.register_dataset`; each data
 set's conversion and parser live in a module of its own
-(`tfdist.fashion_mnist`, `tfdist.movielens`), which depends only on
+(`tfdist.fashion_mnist`, `tfdist.movielens`, `tfdist.clothing_reviews`), which depends only on
 `tfdist.dataset_spec`. Your own data sets register the same way, or are
 named by import path (`--dataset=package.module:dataset_fn`). The
 Fashion-MNIST helpers are re-exported here under their old names.
 """
 
+from tfdist import clothing_reviews
 from tfdist import fashion_mnist
 from tfdist import movielens
 from tfdist import registry
@@ -22,7 +23,7 @@ from tfdist.fashion_mnist import parse_image_example  # pylint: disable=unused-i
 from tfdist.fashion_mnist import read_idx  # pylint: disable=unused-import
 from tfdist.fashion_mnist import write_image_shards  # pylint: disable=unused-import
 
-for _spec in (fashion_mnist.SPEC, movielens.SPEC):
+for _spec in (fashion_mnist.SPEC, movielens.SPEC, clothing_reviews.SPEC):
   registry.register_dataset(_spec)
 
 
