@@ -406,6 +406,46 @@ def verdict(requested: RunMeasurement,
     A `Verdict`.
   """
   speedup, efficiency = scaling(baseline, requested)
+  judged = _Judgement(_disturbance_notes(requested, baseline, efficiency),
+                      speedup, efficiency)
+  compute = compute_advice(requested, cpu_bf16=cpu_bf16)
+  full = _memory_reasons(requested, baseline, model_fit=model_fit,
+                         device_memory_bytes=device_memory_bytes,
+                         host_memory_bytes=host_memory_bytes)
+  if full:
+    return judged.verdict("memory", full,
+                          [memory_advice(requested, cpu_bf16=cpu_bf16)])
+  found = _input_verdict(requested, baseline, judged)
+  if found is None and speedup is not None and (
+      requested.scale > baseline.scale):
+    found = _scaling_verdict(requested, baseline, judged, compute=compute,
+                             cores=cores, pinned=pinned)
+  return found or _compute_verdict(requested, judged, compute)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Judgement:
+  """What every rule's `Verdict` carries: the notes so far (rules add to
+  the list), the speedup and the scaling efficiency (None without)."""
+  notes: List[str]
+  speedup: Optional[float]
+  efficiency: Optional[float]
+
+  def verdict(self, constraint: str, reasons: List[str],
+              advice: List[str]) -> Verdict:
+    return Verdict(constraint, reasons, advice, self.notes, self.speedup,
+                   self.efficiency)
+
+
+def _share(x: Optional[float]) -> str:
+  return "unmeasured" if x is None else f"{x:.0%}"
+
+
+def _disturbance_notes(requested: RunMeasurement,
+                       baseline: Optional[RunMeasurement],
+                       efficiency: Optional[float]) -> List[str]:
+  """Notes saying the measurements look disturbed: a superlinear scaling
+  efficiency, or log intervals whose throughputs differ too much."""
   notes = []
   if efficiency is not None and efficiency > SUPERLINEAR_EFFICIENCY:
     notes.append(
@@ -421,14 +461,16 @@ def verdict(requested: RunMeasurement,
           f"the {run.label} run's throughput ranged {min(spread):.0f}-"
           f"{max(spread):.0f} examples/sec between log intervals: the "
           "machine was busy; compare medians of --repeats runs.")
-  wait = requested.input_wait_fraction
-  base_wait = baseline.input_wait_fraction if baseline else None
-  compute = compute_advice(requested, cpu_bf16=cpu_bf16)
+  return notes
 
-  def share(x):
-    return "unmeasured" if x is None else f"{x:.0%}"
 
-  # 1. Memory.
+def _memory_reasons(requested: RunMeasurement,
+                    baseline: Optional[RunMeasurement], *,
+                    model_fit: Optional[memory.Fit],
+                    device_memory_bytes: Optional[int],
+                    host_memory_bytes: Optional[int]) -> List[str]:
+  """Rule 1: why memory binds (empty when it does not): the model does not
+  fit, or a run's peak is above `MEMORY_FULL_SHARE` of its memory."""
   full = []
   if model_fit is not None and not model_fit.fits:
     full.append(model_fit.advice)
@@ -443,19 +485,25 @@ def verdict(requested: RunMeasurement,
           f"{memory.format_bytes(run.device_memory_peak_bytes)} of "
           f"{memory.format_bytes(device_memory_bytes)} "
           f"({run.device_memory_peak_bytes / device_memory_bytes:.0%}).")
-    elif (run.device_kind in ("CPU", "logical CPU") and host_memory_bytes and
+    elif (_kind(run.device_kind) == "CPU" and host_memory_bytes and
           run.peak_rss_bytes and run.peak_rss_bytes * run.num_workers >
           MEMORY_FULL_SHARE * host_memory_bytes):
       full.append(
           f"the {run.label} run's processes peaked at "
           f"{memory.format_bytes(run.peak_rss_bytes * run.num_workers)} of "
           f"host memory ({memory.format_bytes(host_memory_bytes)}).")
-  if full:
-    return Verdict("memory", full, [memory_advice(requested,
-                                                  cpu_bf16=cpu_bf16)],
-                   notes, speedup, efficiency)
+  return full
 
-  # 2. Input.
+
+def _input_verdict(requested: RunMeasurement,
+                   baseline: Optional[RunMeasurement],
+                   judged: _Judgement) -> Optional[Verdict]:
+  """Rule 2: input-bound from `INPUT_BOUND_SHARE` of the step waiting for
+  input; adds the moderately input-bound notes to `judged.notes`; None
+  when input does not bind."""
+  notes = judged.notes
+  wait = requested.input_wait_fraction
+  base_wait = baseline.input_wait_fraction if baseline else None
   if base_wait is not None and INPUT_MODERATE_SHARE <= base_wait < (
       INPUT_BOUND_SHARE):
     notes.append(f"the baseline waited {base_wait:.0%} of its step for input"
@@ -466,57 +514,73 @@ def verdict(requested: RunMeasurement,
                f"ms per step; input-bound from {INPUT_BOUND_SHARE:.0%})."]
     if base_wait is not None:
       reasons.append(f"the single-device baseline waited {base_wait:.0%}.")
-    return Verdict("input", reasons, [INPUT_ADVICE], notes, speedup,
-                   efficiency)
+    return judged.verdict("input", reasons, [INPUT_ADVICE])
   if wait is not None and wait >= INPUT_MODERATE_SHARE:
     notes.append(f"input wait {wait:.0%} of the step: moderately "
                  "input-bound (5-20%); " + INPUT_ADVICE + ".")
+  return None
 
-  # 3. Scaling.
-  if speedup is not None and requested.scale > baseline.scale:
-    n = requested.scale / baseline.scale
-    numbers = (f"{requested.examples_per_second:.1f} examples/sec on "
-               f"{requested.scale} replicas against "
-               f"{baseline.examples_per_second:.1f} on {baseline.scale}: "
-               f"{speedup:.2f}x, {efficiency:.0%} scaling efficiency")
-    shared = None
-    if requested.device_kind == "logical CPU":
-      shared = (f"the {requested.scale} replicas are logical devices of one "
-                f"CPU and share its {cores or 'few'} core(s)")
-    elif (requested.device_kind == "CPU" and not pinned and cores and
-          requested.num_workers > 1):
-      shared = (f"the {requested.num_workers} worker processes share "
-                f"{cores} core(s), unpinned")
-    if shared:
-      notes.append(f"{speedup:.2f}x is a logical-CPU speedup, not scaling: "
-                   f"{shared}, so it measures how one step uses the cores, "
-                   "not what more devices would give. Measure on GPUs, TPUs "
-                   "or hosts (pinned workers: --pin_workers).")
-      return Verdict("compute", [numbers + f" ({shared})."],
-                     [compute], notes, speedup, efficiency)
-    if efficiency < COMMUNICATION_EFFICIENCY:
-      step_base = baseline.step_time_seconds or 0.0
-      step_req = requested.step_time_seconds or 0.0
-      extra = (f"; each step took {step_req * 1000:.0f} ms against "
-               f"{step_base * 1000:.0f} ms on one device"
-               if step_base and step_req else "")
-      return Verdict(
-          "communication",
-          [numbers + f", below {COMMUNICATION_EFFICIENCY:.0%} with the input"
-           f" wait at {share(wait)}{extra}: the {n:g}x replicas spend the "
-           "difference synchronizing."],
-          [communication_advice(requested)], notes, speedup, efficiency)
-    return Verdict("compute", [numbers + "."], [compute], notes,
-                   speedup, efficiency)
 
-  # 4. Compute.
-  reasons = [f"the input wait is {share(wait)} of the step"]
+def _shared_cores(requested: RunMeasurement, *, cores: Optional[int],
+                  pinned: bool) -> Optional[str]:
+  """Why the requested run's replicas share cores (logical CPU devices, or
+  unpinned workers on one machine), in words; None when they do not."""
+  if requested.device_kind == "logical CPU":
+    return (f"the {requested.scale} replicas are logical devices of one "
+            f"CPU and share its {cores or 'few'} core(s)")
+  if (requested.device_kind == "CPU" and not pinned and cores and
+      requested.num_workers > 1):
+    return (f"the {requested.num_workers} worker processes share "
+            f"{cores} core(s), unpinned")
+  return None
+
+
+def _scaling_verdict(requested: RunMeasurement, baseline: RunMeasurement,
+                     judged: _Judgement, *, compute: str,
+                     cores: Optional[int], pinned: bool) -> Verdict:
+  """Rule 3, with more replicas than the baseline: compute-bound when the
+  replicas share cores (a logical-CPU speedup) or scale well enough,
+  communication-bound below `COMMUNICATION_EFFICIENCY`."""
+  speedup, efficiency = judged.speedup, judged.efficiency
+  n = requested.scale / baseline.scale
+  numbers = (f"{requested.examples_per_second:.1f} examples/sec on "
+             f"{requested.scale} replicas against "
+             f"{baseline.examples_per_second:.1f} on {baseline.scale}: "
+             f"{speedup:.2f}x, {efficiency:.0%} scaling efficiency")
+  shared = _shared_cores(requested, cores=cores, pinned=pinned)
+  if shared:
+    judged.notes.append(
+        f"{speedup:.2f}x is a logical-CPU speedup, not scaling: "
+        f"{shared}, so it measures how one step uses the cores, "
+        "not what more devices would give. Measure on GPUs, TPUs "
+        "or hosts (pinned workers: --pin_workers).")
+    return judged.verdict("compute", [numbers + f" ({shared})."], [compute])
+  if efficiency >= COMMUNICATION_EFFICIENCY:
+    return judged.verdict("compute", [numbers + "."], [compute])
+  step_base = baseline.step_time_seconds or 0.0
+  step_req = requested.step_time_seconds or 0.0
+  extra = (f"; each step took {step_req * 1000:.0f} ms against "
+           f"{step_base * 1000:.0f} ms on one device"
+           if step_base and step_req else "")
+  return judged.verdict(
+      "communication",
+      [numbers + f", below {COMMUNICATION_EFFICIENCY:.0%} with the input"
+       f" wait at {_share(requested.input_wait_fraction)}{extra}: the {n:g}x"
+       " replicas spend the difference synchronizing."],
+      [communication_advice(requested)])
+
+
+def _compute_verdict(requested: RunMeasurement, judged: _Judgement,
+                     compute: str) -> Verdict:
+  """Rule 4: nothing else binds, so the step itself is the limit."""
+  reason = (f"the input wait is {_share(requested.input_wait_fraction)} of "
+            "the step")
   if requested.examples_per_second:
-    reasons[0] += (f" at {requested.examples_per_second:.1f} examples/sec "
-                   f"on {requested.scale} replica(s)")
-  reasons[0] += ": the step itself is the limit."
-  return Verdict("compute", reasons, [compute], notes, speedup,
-                 efficiency)
+    reason += (f" at {requested.examples_per_second:.1f} examples/sec "
+               f"on {requested.scale} replica(s)")
+  return judged.verdict("compute",
+                        [reason + ": the step itself is the limit."],
+                        [compute])
 
 
 # --- the table ----------------------------------------------------------------
