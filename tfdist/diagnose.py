@@ -52,7 +52,9 @@ from absl import app
 from absl import flags
 from absl import logging
 
+from tfdist import job_spec
 from tfdist import memory
+from tfdist.strategy_kind import StrategyKind
 
 # The input-wait share of step time above which a run is input-bound, and
 # above which it is "moderately" so: TensorFlow's profiler (the input
@@ -245,9 +247,18 @@ class RunMeasurement:
     return dataclasses.asdict(self)
 
 
+def _strategy_kind(manifest: dict) -> Optional[StrategyKind]:
+  """The manifest's strategy as a `StrategyKind`; None if it names none."""
+  try:
+    return StrategyKind.parse(manifest.get("strategy") or "")
+  except ValueError:
+    return None
+
+
 def _device_kind(manifest: dict) -> str:
   devices = [str(d).upper() for d in manifest.get("replica_devices", [])]
-  if manifest.get("strategy") == "tpu" or any("TPU" in d for d in devices):
+  kind = _strategy_kind(manifest)
+  if (kind and kind.is_tpu) or any("TPU" in d for d in devices):
     return "TPU"
   if any("GPU" in d for d in devices):
     return "GPU"
@@ -261,6 +272,9 @@ def measurement_from_run(model_dir: str, label: str) -> RunMeasurement:
   Raises:
     DiagnoseError: the run wrote no manifest.
   """
+  # Imported here, as in `model_memory_of`: they load TensorFlow, which
+  # this binary imports quietly first (`tfdist.job_spec.parse_train_flags`,
+  # through `tfdist.quiet_tensorflow`).
   from tfdist import manifest as manifest_lib  # pylint: disable=g-import-not-at-top
   from tfdist import run_log  # pylint: disable=g-import-not-at-top
   path = os.path.join(model_dir, manifest_lib.MANIFEST_FILE)
@@ -271,7 +285,8 @@ def measurement_from_run(model_dir: str, label: str) -> RunMeasurement:
   mem = manifest.get("memory", {})
   strategy = manifest["strategy"]
   replicas = int(manifest.get("num_replicas_in_sync") or 1)
-  if strategy == "parameter_server":
+  kind = _strategy_kind(manifest)
+  if kind and kind.is_asynchronous:  # A speedup is over workers.
     replicas = int(manifest.get("num_workers") or 1)
   intervals = [r["examples_per_second"]
                for r in run_log.read_metrics(model_dir)
@@ -748,7 +763,7 @@ def baseline_args(train_args: Sequence[str], per_replica_batch_size: int
   strategy, devices, batch and cluster, on `one_device` (the first GPU when
   there is one, else the CPU) with the same per-replica batch."""
   return [*without_flags(train_args, _BASELINE_DROPS),
-          "--distribution_strategy=one_device",
+          f"--distribution_strategy={StrategyKind.ONE_DEVICE}",
           f"--per_replica_batch_size={per_replica_batch_size}"]
 
 
@@ -759,6 +774,9 @@ def model_memory_of(config) -> memory.ModelMemory:
   Raises:
     ConfigError: an unknown model or data set (`tfdist.task.from_config`).
   """
+  # Imported here: they load TensorFlow and Keras, which this binary
+  # imports quietly first (`tfdist.job_spec.parse_train_flags`, through
+  # `tfdist.quiet_tensorflow`), and the parent process needs them only now.
   import keras  # pylint: disable=g-import-not-at-top
   from tfdist import assembly  # pylint: disable=g-import-not-at-top
   from tfdist import lr_schedule  # pylint: disable=g-import-not-at-top
@@ -820,23 +838,15 @@ def diagnose(train_args: Sequence[str], *, num_workers: int = 1,
       flags.
     DiagnoseError: a run failed.
   """
-  from tfdist import job_spec  # pylint: disable=g-import-not-at-top
   out = out or sys.stdout
   given = {_flag_name(a) for a in train_args}
-  args = [a for a in train_args if _flag_name(a) != "model_dir"]
-  if "train_steps" not in given:
-    args.append(f"--train_steps={steps}")
-  if "log_steps" not in given:
-    args.append(f"--log_steps={log_steps}")
-  if "epochs_between_evals" not in given:
-    args.append("--epochs_between_evals=1000")  # One evaluation, at the end.
-  root = model_dir or next(
-      (a.split("=", 1)[1] for a in train_args
-       if _flag_name(a) == "model_dir" and "=" in a), None)
+  args = _measured_args(train_args, given, steps=steps, log_steps=log_steps)
+  root = model_dir or _model_dir_flag(train_args)
   # tfdist.train's own parser checks the flags before anything runs.
   config = job_spec.parse_train_flags(
       [*args, f"--model_dir={root or '/tmp/tfdist-diagnose'}"],
       where="tfdist.diagnose", environ=dict(os.environ))
+  facts = _train_facts(config)
   keep = root is not None
   root = root or tempfile.mkdtemp(prefix="tfdist-diagnose-")
   cores = len(os.sched_getaffinity(0))
@@ -844,74 +854,31 @@ def diagnose(train_args: Sequence[str], *, num_workers: int = 1,
   gpu_bytes = device_memory_capacity()
   host_bytes = memory.host_memory_bytes()
   try:
-    requested_spec = RunSpec("requested", tuple(args), num_workers=num_workers,
-                             num_ps=num_ps, pin=pin)
-    requested_runs, baseline_runs = [], []
-    for i in range(repeats):
-      suffix = f"-{i}" if repeats > 1 else ""
-      requested_runs.append(run_training(
-          requested_spec, os.path.join(root, f"requested{suffix}"),
-          timeout_seconds=timeout_seconds))
-      if baseline:
-        base_spec = RunSpec(
-            "baseline", tuple(baseline_args(
-                args, requested_runs[0].per_replica_batch_size)), pin=pin)
-        baseline_runs.append(run_training(
-            base_spec, os.path.join(root, f"baseline{suffix}"),
-            timeout_seconds=timeout_seconds))
+    requested_runs, baseline_runs = _run_alternately(
+        RunSpec("requested", tuple(args), num_workers=num_workers,
+                num_ps=num_ps, pin=pin),
+        root, repeats=repeats, baseline=baseline,
+        timeout_seconds=timeout_seconds)
     requested = median_measurement(requested_runs)
     base = median_measurement(baseline_runs) if baseline_runs else None
-    # Replicas whose copies share one memory: a GPU holds one; CPU
-    # replicas (logical devices, or the workers of a local cluster) each
-    # hold a copy in this host's memory.
-    on_gpu = bool(requested.device_kind == "GPU" and gpu_bytes)
-    sharing = 1 if on_gpu else requested.num_replicas
-    stage = config.zero_stage_resolved
-    fit = memory.fits_data_parallel(
-        estimate, capacity_bytes=gpu_bytes if on_gpu else host_bytes,
-        replicas_sharing=sharing, optimizer=config.optimizer,
-        num_replicas=requested.num_replicas, zero_stage=stage)
-    estimate = memory.sharded_estimate(
-        estimate, num_replicas=requested.num_replicas, stage=stage)
-    result = verdict(requested, base, model_fit=fit,
+    fitted = _fit_model(estimate, requested, facts, gpu_bytes=gpu_bytes,
+                        host_bytes=host_bytes)
+    result = verdict(requested, base, model_fit=fitted.fit,
                      device_memory_bytes=gpu_bytes,
                      host_memory_bytes=host_bytes, cores=cores, pinned=pin,
                      cpu_bf16=cpu_has_bf16())
     rows = [r for r in (base, requested) if r is not None]
-    where = "GPU" if on_gpu else "host"
-    report = [
-        render_table(rows, base), "",
-        f"Model state per replica: parameters "
-        f"{memory.format_bytes(estimate.parameters_bytes)} "
-        f"({estimate.num_parameters:,} values), gradients "
-        f"{memory.format_bytes(estimate.gradients_bytes)}, optimizer "
-        f"({config.optimizer}"
-        + (f", ZeRO stage {stage}" if stage else "") +
-        f") {memory.format_bytes(estimate.optimizer_bytes)}"
-        f": {memory.format_bytes(estimate.total_bytes)}; {sharing} "
-        f"replica(s) on {memory.format_bytes(fit.capacity_bytes)} of {where} "
-        f"memory: {fit.share:.2%}, "
-        + ("fits under data parallelism." if fit.fits else "does not fit."),
-        f"Runs: {steps if 'train_steps' not in given else config.train_steps}"
-        f" steps each, {repeats} time(s) alternated, on {cores} core(s)"
-        + (", each worker pinned to a core of its own" if pin else "") +
-        _malloc_note(rows) +
-        f"; throughput excludes each run's first {config.log_steps} steps "
-        "(warm-up); input wait is the share of the compiled step's time "
-        "spent waiting for the input iterator. " + _runs_folder_note(
-            root, keep), "",
-        result.render()]
+    runs_line = _runs_line(
+        steps=steps if "train_steps" not in given else facts.train_steps,
+        repeats=repeats, cores=cores, pin=pin, rows=rows,
+        log_steps=facts.log_steps)
+    report = [render_table(rows, base), "", _model_state_line(fitted, facts),
+              runs_line + _runs_folder_note(root, keep), "", result.render()]
     print("\n".join(report), file=out, flush=True)
-
-    def record(run):
-      # Folders deleted at the end are not named.
-      return {**run.to_dict(), "model_dir": run.model_dir if keep else None}
-
-    return {"requested": record(requested),
-            "baseline": record(base) if base else None,
-            "runs": [record(r) for r in requested_runs + baseline_runs],
-            "model_memory": estimate.to_dict(),
-            "model_fit": dataclasses.asdict(fit), "cores": cores,
+    return {**_run_records(requested, base, requested_runs + baseline_runs,
+                           keep=keep),
+            "model_memory": fitted.estimate.to_dict(),
+            "model_fit": dataclasses.asdict(fitted.fit), "cores": cores,
             "pinned": pin, "verdict": result.to_dict()}
   except DiagnoseError:
     # The failed run's log, which the message names, stays.
@@ -920,6 +887,161 @@ def diagnose(train_args: Sequence[str], *, num_workers: int = 1,
   finally:
     if not keep:
       shutil.rmtree(root, ignore_errors=True)
+
+
+def _model_dir_flag(train_args: Sequence[str]) -> Optional[str]:
+  """The value of `--model_dir=DIR` among `train_args`, or None."""
+  return next((a.split("=", 1)[1] for a in train_args
+               if _flag_name(a) == "model_dir" and "=" in a), None)
+
+
+def _run_records(requested: RunMeasurement,
+                 base: Optional[RunMeasurement],
+                 runs: Sequence[RunMeasurement], *, keep: bool) -> dict:
+  """`{"requested", "baseline", "runs"}` of the result, JSON-ready; a
+  run's folder is named only when it is kept."""
+
+  def record(run):
+    return {**run.to_dict(), "model_dir": run.model_dir if keep else None}
+
+  return {"requested": record(requested),
+          "baseline": record(base) if base else None,
+          "runs": [record(r) for r in runs]}
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainFacts:
+  """What the diagnosis reads of the requested run's configuration.
+
+  Attributes:
+    optimizer: `--optimizer`'s name.
+    zero_stage: the ZeRO stage in force (0: optimizer state not sharded).
+    train_steps: `--train_steps` of each run.
+    log_steps: `--log_steps` (the measurement interval, steps).
+  """
+  optimizer: str
+  zero_stage: int
+  train_steps: int
+  log_steps: int
+
+
+def _train_facts(config) -> TrainFacts:
+  """The `TrainFacts` of a parsed `tfdist.config.TrainConfig`."""
+  return TrainFacts(optimizer=config.optimizer,
+                    zero_stage=config.zero_stage_resolved,
+                    train_steps=config.train_steps,
+                    log_steps=config.log_steps)
+
+
+def _measured_args(train_args: Sequence[str], given: set, *, steps: int,
+                   log_steps: int) -> List[str]:
+  """`train_args` without `--model_dir`, with the diagnosis' defaults for
+  the steps, the log interval and one evaluation at the end where
+  `given` (the flag names in `train_args`) lacks them."""
+  args = [a for a in train_args if _flag_name(a) != "model_dir"]
+  if "train_steps" not in given:
+    args.append(f"--train_steps={steps}")
+  if "log_steps" not in given:
+    args.append(f"--log_steps={log_steps}")
+  if "epochs_between_evals" not in given:
+    args.append("--epochs_between_evals=1000")  # One evaluation, at the end.
+  return args
+
+
+def _run_alternately(requested_spec: RunSpec, root: str, *, repeats: int,
+                     baseline: bool, timeout_seconds: float):
+  """Runs the requested configuration and (with `baseline`) the baseline,
+  alternated, `repeats` times each, into folders under `root`.
+
+  Returns:
+    `(requested_runs, baseline_runs)`: lists of `RunMeasurement`
+    (`baseline_runs` empty without `baseline`).
+
+  Raises:
+    DiagnoseError: a run failed.
+  """
+  requested_runs, baseline_runs = [], []
+  for i in range(repeats):
+    suffix = f"-{i}" if repeats > 1 else ""
+    requested_runs.append(run_training(
+        requested_spec, os.path.join(root, f"requested{suffix}"),
+        timeout_seconds=timeout_seconds))
+    if baseline:
+      base_spec = RunSpec(
+          "baseline", tuple(baseline_args(
+              requested_spec.train_args,
+              requested_runs[0].per_replica_batch_size)),
+          pin=requested_spec.pin)
+      baseline_runs.append(run_training(
+          base_spec, os.path.join(root, f"baseline{suffix}"),
+          timeout_seconds=timeout_seconds))
+  return requested_runs, baseline_runs
+
+
+@dataclasses.dataclass(frozen=True)
+class _FittedModel:
+  """The model state per replica and whether it fits where it runs.
+
+  Attributes:
+    estimate: the `memory.ModelMemory` per replica (ZeRO-sharded).
+    fit: `memory.fits_data_parallel`'s `Fit`.
+    sharing: replicas whose copies share one memory.
+    where: `GPU` or `host`: the memory they share.
+  """
+  estimate: memory.ModelMemory
+  fit: memory.Fit
+  sharing: int
+  where: str
+
+
+def _fit_model(estimate: memory.ModelMemory, requested: RunMeasurement,
+               facts: TrainFacts, *, gpu_bytes: Optional[int],
+               host_bytes: Optional[int]) -> _FittedModel:
+  """Whether the requested run's replicas' model state fits their memory
+  (bytes: one GPU's, or the host's)."""
+  # Replicas whose copies share one memory: a GPU holds one; CPU
+  # replicas (logical devices, or the workers of a local cluster) each
+  # hold a copy in this host's memory.
+  on_gpu = bool(requested.device_kind == "GPU" and gpu_bytes)
+  sharing = 1 if on_gpu else requested.num_replicas
+  fit = memory.fits_data_parallel(
+      estimate, capacity_bytes=gpu_bytes if on_gpu else host_bytes,
+      replicas_sharing=sharing, optimizer=facts.optimizer,
+      num_replicas=requested.num_replicas, zero_stage=facts.zero_stage)
+  estimate = memory.sharded_estimate(
+      estimate, num_replicas=requested.num_replicas, stage=facts.zero_stage)
+  return _FittedModel(estimate, fit, sharing, "GPU" if on_gpu else "host")
+
+
+def _model_state_line(fitted: _FittedModel, facts: TrainFacts) -> str:
+  """The report's line on the model state per replica and its fit."""
+  estimate, fit, stage = fitted.estimate, fitted.fit, facts.zero_stage
+  return (
+      f"Model state per replica: parameters "
+      f"{memory.format_bytes(estimate.parameters_bytes)} "
+      f"({estimate.num_parameters:,} values), gradients "
+      f"{memory.format_bytes(estimate.gradients_bytes)}, optimizer "
+      f"({facts.optimizer}"
+      + (f", ZeRO stage {stage}" if stage else "") +
+      f") {memory.format_bytes(estimate.optimizer_bytes)}"
+      f": {memory.format_bytes(estimate.total_bytes)}; {fitted.sharing} "
+      f"replica(s) on {memory.format_bytes(fit.capacity_bytes)} of "
+      f"{fitted.where} memory: {fit.share:.2%}, "
+      + ("fits under data parallelism." if fit.fits else "does not fit."))
+
+
+def _runs_line(*, steps: int, repeats: int, cores: int, pin: bool,
+               rows: Sequence[RunMeasurement], log_steps: int) -> str:
+  """The report's line on how the runs ran and what the numbers mean (the
+  runs folder's note follows it)."""
+  return (
+      f"Runs: {steps} steps each, {repeats} time(s) alternated, on {cores} "
+      "core(s)"
+      + (", each worker pinned to a core of its own" if pin else "") +
+      _malloc_note(rows) +
+      f"; throughput excludes each run's first {log_steps} steps "
+      "(warm-up); input wait is the share of the compiled step's time "
+      "spent waiting for the input iterator. ")
 
 
 # --- the binary -------------------------------------------------------------
@@ -983,7 +1105,6 @@ def main(argv):
   if len(rest) > 1:
     sys.exit(f"tfdist.diagnose: error: unexpected arguments {rest[1:]}; put "
              "tfdist.train's flags after `--`.")
-  from tfdist import job_spec  # pylint: disable=g-import-not-at-top
   try:
     result = diagnose(train_args, num_workers=_FLAGS.num_workers,
                       num_ps=_FLAGS.num_ps, pin=_FLAGS.pin_workers,
@@ -998,7 +1119,6 @@ def main(argv):
 
 
 def run():
-  from tfdist import job_spec  # pylint: disable=g-import-not-at-top
   app.run(main, argv=sys.argv, flags_parser=job_spec.parse_own_flags_later)
 
 
