@@ -24,7 +24,7 @@ exit status.
 import re
 import sys
 import warnings
-from typing import Iterable, List, Sequence, Tuple
+from typing import Iterable, List, Tuple
 
 from tfdist.config import ConfigError
 
