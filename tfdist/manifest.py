@@ -191,11 +191,17 @@ def write_manifest(directory: str, manifest: dict) -> str:
 
 
 def read_manifest(directory: str) -> dict:
+  """The manifest `directory/run_manifest.json` holds, as a dict.
+
+  Raises:
+    tf.errors.NotFoundError: there is no manifest in `directory`.
+  """
   with tf.io.gfile.GFile(os.path.join(directory, MANIFEST_FILE)) as f:
     return json.load(f)
 
 
 def utc_now() -> str:
+  """The current UTC time to the second, e.g. `2026-12-01T13:05:00Z`."""
   return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
