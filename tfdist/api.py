@@ -36,6 +36,10 @@ called.
 
 from typing import Any, Callable, Optional, Sequence, Union
 
+import keras
+import numpy as np
+import tensorflow as tf
+
 from tfdist import experiment
 from tfdist import input_pipeline
 from tfdist import registry
@@ -48,8 +52,6 @@ from tfdist.dataset_spec import DatasetSpec
 def _leaves(name: str, value) -> list:
   """The arrays of `value` (an array, or a list/tuple/dict of arrays), each
   with a leading example dimension."""
-  import numpy as np  # pylint: disable=g-import-not-at-top
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
   leaves = tf.nest.flatten(value)
   for leaf in leaves:
     if isinstance(leaf, (tf.data.Dataset,)) or callable(leaf):
@@ -65,7 +67,6 @@ def _leaves(name: str, value) -> list:
 
 def _length(name: str, value) -> int:
   """Rows of every array in `value`; `ConfigError` when they differ."""
-  import numpy as np  # pylint: disable=g-import-not-at-top
   lengths = {int(np.shape(leaf)[0]) for leaf in _leaves(name, value)}
   if len(lengths) != 1:
     raise ConfigError(f"{name}: the arrays have different numbers of rows "
@@ -90,7 +91,6 @@ def _examples(name: str, arrays: Sequence[Any]) -> tuple:
 
 
 def _split(value, start: int, stop: Optional[int]):
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
   return tf.nest.map_structure(lambda a: a[start:stop], value)
 
 
@@ -98,7 +98,6 @@ def _from_arrays(arrays: tuple, input_context):
   """This input pipeline's examples of `arrays`: example i goes to
   pipeline `i mod num_input_pipelines` (tfdist's sharding of a dataset
   function), so every example is read once per epoch by one worker."""
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
   ds = tf.data.Dataset.from_tensor_slices(
       arrays[0] if len(arrays) == 1 else arrays)
   return ds.shard(input_context.num_input_pipelines,
@@ -148,40 +147,16 @@ def in_memory_dataset(*, x=None, y=None, sample_weight=None,
       validation tuple not of 2 or 3 entries, or a split leaving no
       training or no validation example.
   """
-  if not 0.0 <= validation_split < 1.0:
-    raise ConfigError(f"validation_split={validation_split!r} must be in "
-                      "(0, 1): the fraction of the arrays kept for "
-                      "evaluation (0: none), as keras.Model.fit takes it.")
-  if x is None and (y is not None or sample_weight is not None):
-    raise ConfigError("y or sample_weight given without x: pass the inputs "
-                      "as x (arrays), or the examples as dataset_fn.")
-  if validation_split and x is None:
-    raise ConfigError(
-        f"validation_split={validation_split} is only for arrays (x, y), as "
-        "in keras.Model.fit; with a dataset function, pass validation_data "
-        "or return the evaluation split for training=False.")
+  _check_array_args(x=x, y=y, sample_weight=sample_weight,
+                    validation_split=validation_split)
   train = None
   if x is not None:
     train, rows = _examples("", (x, y, sample_weight))
   validation = None
   if validation_data is not None and not callable(validation_data):
-    if (not isinstance(validation_data, (tuple, list)) or
-        len(validation_data) not in (2, 3)):
-      raise ConfigError(
-          "validation_data must be a tuple (x_val, y_val) or (x_val, y_val, "
-          "val_sample_weight) of arrays, or a dataset function; received "
-          f"{type(validation_data).__name__}"
-          f"{'' if not isinstance(validation_data, (tuple, list)) else f' of {len(validation_data)} entries'}.")
-    validation, _ = _examples("validation_data ", tuple(validation_data))
+    validation = _validation_arrays(validation_data)
   elif validation_data is None and validation_split:
-    kept = int(rows * (1.0 - validation_split))
-    if kept <= 0 or kept >= rows:
-      raise ConfigError(
-          f"validation_split={validation_split} of {rows} examples leaves "
-          f"{kept} for training and {rows - kept} for evaluation; choose a "
-          "split that leaves examples for both.")
-    validation = _split(train, kept, None)
-    train = _split(train, 0, kept)
+    train, validation = _split_off_validation(train, rows, validation_split)
 
   def input_fn(training, input_context):
     if training:
@@ -198,6 +173,63 @@ def in_memory_dataset(*, x=None, y=None, sample_weight=None,
     return _from_arrays(train, input_context)
 
   return input_fn, validation is not None or validation_data is not None
+
+
+def _check_array_args(*, x, y, sample_weight, validation_split: float):
+  """`in_memory_dataset`'s checks of the arrays and `validation_split`.
+
+  Raises:
+    ConfigError: `validation_split` outside [0, 1), `y` or `sample_weight`
+      without `x`, or `validation_split` without arrays.
+  """
+  if not 0.0 <= validation_split < 1.0:
+    raise ConfigError(f"validation_split={validation_split!r} must be in "
+                      "(0, 1): the fraction of the arrays kept for "
+                      "evaluation (0: none), as keras.Model.fit takes it.")
+  if x is None and (y is not None or sample_weight is not None):
+    raise ConfigError("y or sample_weight given without x: pass the inputs "
+                      "as x (arrays), or the examples as dataset_fn.")
+  if validation_split and x is None:
+    raise ConfigError(
+        f"validation_split={validation_split} is only for arrays (x, y), as "
+        "in keras.Model.fit; with a dataset function, pass validation_data "
+        "or return the evaluation split for training=False.")
+
+
+def _validation_arrays(validation_data) -> tuple:
+  """The arrays of a `(x_val, y_val[, val_sample_weight])` tuple.
+
+  Raises:
+    ConfigError: not a tuple or list of 2 or 3 entries, or arrays of
+      different lengths.
+  """
+  if (not isinstance(validation_data, (tuple, list)) or
+      len(validation_data) not in (2, 3)):
+    entries = ("" if not isinstance(validation_data, (tuple, list))
+               else f" of {len(validation_data)} entries")
+    raise ConfigError(
+        "validation_data must be a tuple (x_val, y_val) or (x_val, y_val, "
+        "val_sample_weight) of arrays, or a dataset function; received "
+        f"{type(validation_data).__name__}{entries}.")
+  validation, _ = _examples("validation_data ", tuple(validation_data))
+  return validation
+
+
+def _split_off_validation(train: tuple, rows: int,
+                          validation_split: float) -> tuple:
+  """`(train, validation)`: the last `validation_split` of the `rows` rows
+  of `train` (before any shuffling) is the validation split.
+
+  Raises:
+    ConfigError: the split leaves no training or no validation example.
+  """
+  kept = int(rows * (1.0 - validation_split))
+  if kept <= 0 or kept >= rows:
+    raise ConfigError(
+        f"validation_split={validation_split} of {rows} examples leaves "
+        f"{kept} for training and {rows - kept} for evaluation; choose a "
+        "split that leaves examples for both.")
+  return _split(train, 0, kept), _split(train, kept, None)
 
 
 def make_task(model_fn: Union[Callable, str],
@@ -310,38 +342,72 @@ def fit(model_fn: Union[Callable, str],
   """
   arrays = x is not None or y is not None or sample_weight is not None
   if arrays or validation_data is not None or validation_split:
-    if arrays and dataset_fn is not None:
-      raise ConfigError("Pass the examples once: arrays (x, y) or dataset_fn"
-                        ", not both.")
-    if parse_fn is not None or config.feature_spec:
-      raise ConfigError(
-          "x, y, validation_data and validation_split go with arrays or a "
-          "dataset function; parse_fn and config.feature_spec read "
-          "config.train_files and config.eval_files (give the evaluation "
-          "files there).")
-    if dataset_fn is not None and not callable(dataset_fn):
-      raise ConfigError("validation_data and validation_split need "
-                        "dataset_fn to be a function; received "
-                        f"{dataset_fn!r}.")
-    input_fn, has_validation = in_memory_dataset(
-        x=x, y=y, sample_weight=sample_weight, dataset_fn=dataset_fn,
-        validation_data=validation_data, validation_split=validation_split)
-    name = ("arrays" if arrays else task_lib.describe_function(dataset_fn))
-    dataset_fn = DatasetSpec(name=name, input_fn=input_fn)
-    if not has_validation and config.mode == "train_and_eval":
-      # keras.Model.fit evaluates nothing without validation data.
-      config = config.replace(mode="train")
+    dataset_fn, config = _in_memory_source(
+        dataset_fn, config=config, parse_fn=parse_fn, x=x, y=y,
+        sample_weight=sample_weight, validation_data=validation_data,
+        validation_split=validation_split)
   task = make_task(model_fn, dataset_fn, config=config, parse_fn=parse_fn,
                    loss=loss, metrics=metrics)
+  history = keras.callbacks.History()
+  result = experiment.run_experiment(_named_config(config, task),
+                                     callbacks=[*callbacks, history],
+                                     environment=environment, task=task)
+  return _with_history(result, history)
+
+
+def _with_history(result, history: keras.callbacks.History):
+  """A training run's `result` (a manifest dict) with `history`: each
+  logged value's list of per-epoch floats; any other result as it is."""
+  if isinstance(result, dict) and "role" not in result:
+    return {**result, "history": {k: [float(v) for v in values]
+                                  for k, values in history.history.items()}}
+  return result
+
+
+def _named_config(config: TrainConfig, task: task_lib.Task) -> TrainConfig:
+  """`config` naming `task`'s model, and its data set unless
+  `config.feature_spec` describes the data."""
   names = {"model": task.model_name}
   if not config.feature_spec:
     names["dataset"] = task.dataset.name
-  import keras  # pylint: disable=g-import-not-at-top
-  history = keras.callbacks.History()
-  result = experiment.run_experiment(config.replace(**names),
-                                     callbacks=[*callbacks, history],
-                                     environment=environment, task=task)
-  if isinstance(result, dict) and "role" not in result:
-    result = {**result, "history": {k: [float(v) for v in values] for k, values
-                                    in history.history.items()}}
-  return result
+  return config.replace(**names)
+
+
+def _in_memory_source(dataset_fn, *, config: TrainConfig,
+                      parse_fn: Optional[Callable], x, y, sample_weight,
+                      validation_data, validation_split: float) -> tuple:
+  """`fit`'s data source for arrays or validation data (`fit`'s args).
+
+  Returns:
+    `(dataset_spec, config)`: a `DatasetSpec` over `in_memory_dataset`'s
+    dataset function, and `config` (its `mode` "train" when it was
+    "train_and_eval" without validation data, as `keras.Model.fit`
+    evaluates nothing then).
+
+  Raises:
+    ConfigError: arrays and `dataset_fn` both given, arrays or validation
+      data with `parse_fn` or `config.feature_spec`, a `dataset_fn` that is
+      not a function, or `in_memory_dataset`'s errors.
+  """
+  arrays = x is not None or y is not None or sample_weight is not None
+  if arrays and dataset_fn is not None:
+    raise ConfigError("Pass the examples once: arrays (x, y) or dataset_fn"
+                      ", not both.")
+  if parse_fn is not None or config.feature_spec:
+    raise ConfigError(
+        "x, y, validation_data and validation_split go with arrays or a "
+        "dataset function; parse_fn and config.feature_spec read "
+        "config.train_files and config.eval_files (give the evaluation "
+        "files there).")
+  if dataset_fn is not None and not callable(dataset_fn):
+    raise ConfigError("validation_data and validation_split need "
+                      "dataset_fn to be a function; received "
+                      f"{dataset_fn!r}.")
+  input_fn, has_validation = in_memory_dataset(
+      x=x, y=y, sample_weight=sample_weight, dataset_fn=dataset_fn,
+      validation_data=validation_data, validation_split=validation_split)
+  name = ("arrays" if arrays else task_lib.describe_function(dataset_fn))
+  if not has_validation and config.mode == "train_and_eval":
+    # keras.Model.fit evaluates nothing without validation data.
+    config = config.replace(mode="train")
+  return DatasetSpec(name=name, input_fn=input_fn), config

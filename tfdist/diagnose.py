@@ -52,8 +52,10 @@ from absl import app
 from absl import flags
 from absl import logging
 
+from tfdist import job_spec
 from tfdist import memory
 from tfdist.errors import DiagnoseError
+from tfdist.strategy_kind import StrategyKind
 
 # The input-wait share of step time above which a run is input-bound, and
 # above which it is "moderately" so: TensorFlow's profiler (the input
@@ -242,9 +244,18 @@ class RunMeasurement:
     return dataclasses.asdict(self)
 
 
+def _strategy_kind(manifest: dict) -> Optional[StrategyKind]:
+  """The manifest's strategy as a `StrategyKind`; None if it names none."""
+  try:
+    return StrategyKind.parse(manifest.get("strategy") or "")
+  except ValueError:
+    return None
+
+
 def _device_kind(manifest: dict) -> str:
   devices = [str(d).upper() for d in manifest.get("replica_devices", [])]
-  if manifest.get("strategy") == "tpu" or any("TPU" in d for d in devices):
+  kind = _strategy_kind(manifest)
+  if (kind and kind.is_tpu) or any("TPU" in d for d in devices):
     return "TPU"
   if any("GPU" in d for d in devices):
     return "GPU"
@@ -258,6 +269,9 @@ def measurement_from_run(model_dir: str, label: str) -> RunMeasurement:
   Raises:
     DiagnoseError: the run wrote no manifest.
   """
+  # Imported here, as in `model_memory_of`: they load TensorFlow, which
+  # this binary imports quietly first (`tfdist.job_spec.parse_train_flags`,
+  # through `tfdist.quiet_tensorflow`).
   from tfdist import manifest as manifest_lib  # pylint: disable=g-import-not-at-top
   from tfdist import run_log  # pylint: disable=g-import-not-at-top
   path = os.path.join(model_dir, manifest_lib.MANIFEST_FILE)
@@ -268,7 +282,8 @@ def measurement_from_run(model_dir: str, label: str) -> RunMeasurement:
   mem = manifest.get("memory", {})
   strategy = manifest["strategy"]
   replicas = int(manifest.get("num_replicas_in_sync") or 1)
-  if strategy == "parameter_server":
+  kind = _strategy_kind(manifest)
+  if kind and kind.is_asynchronous:  # A speedup is over workers.
     replicas = int(manifest.get("num_workers") or 1)
   intervals = [r["examples_per_second"]
                for r in run_log.read_metrics(model_dir)
@@ -403,6 +418,46 @@ def verdict(requested: RunMeasurement,
     A `Verdict`.
   """
   speedup, efficiency = scaling(baseline, requested)
+  judged = _Judgement(_disturbance_notes(requested, baseline, efficiency),
+                      speedup, efficiency)
+  compute = compute_advice(requested, cpu_bf16=cpu_bf16)
+  full = _memory_reasons(requested, baseline, model_fit=model_fit,
+                         device_memory_bytes=device_memory_bytes,
+                         host_memory_bytes=host_memory_bytes)
+  if full:
+    return judged.verdict("memory", full,
+                          [memory_advice(requested, cpu_bf16=cpu_bf16)])
+  found = _input_verdict(requested, baseline, judged)
+  if found is None and speedup is not None and (
+      requested.scale > baseline.scale):
+    found = _scaling_verdict(requested, baseline, judged, compute=compute,
+                             cores=cores, pinned=pinned)
+  return found or _compute_verdict(requested, judged, compute)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Judgement:
+  """What every rule's `Verdict` carries: the notes so far (rules add to
+  the list), the speedup and the scaling efficiency (None without)."""
+  notes: List[str]
+  speedup: Optional[float]
+  efficiency: Optional[float]
+
+  def verdict(self, constraint: str, reasons: List[str],
+              advice: List[str]) -> Verdict:
+    return Verdict(constraint, reasons, advice, self.notes, self.speedup,
+                   self.efficiency)
+
+
+def _share(x: Optional[float]) -> str:
+  return "unmeasured" if x is None else f"{x:.0%}"
+
+
+def _disturbance_notes(requested: RunMeasurement,
+                       baseline: Optional[RunMeasurement],
+                       efficiency: Optional[float]) -> List[str]:
+  """Notes saying the measurements look disturbed: a superlinear scaling
+  efficiency, or log intervals whose throughputs differ too much."""
   notes = []
   if efficiency is not None and efficiency > SUPERLINEAR_EFFICIENCY:
     notes.append(
@@ -418,14 +473,16 @@ def verdict(requested: RunMeasurement,
           f"the {run.label} run's throughput ranged {min(spread):.0f}-"
           f"{max(spread):.0f} examples/sec between log intervals: the "
           "machine was busy; compare medians of --repeats runs.")
-  wait = requested.input_wait_fraction
-  base_wait = baseline.input_wait_fraction if baseline else None
-  compute = compute_advice(requested, cpu_bf16=cpu_bf16)
+  return notes
 
-  def share(x):
-    return "unmeasured" if x is None else f"{x:.0%}"
 
-  # 1. Memory.
+def _memory_reasons(requested: RunMeasurement,
+                    baseline: Optional[RunMeasurement], *,
+                    model_fit: Optional[memory.Fit],
+                    device_memory_bytes: Optional[int],
+                    host_memory_bytes: Optional[int]) -> List[str]:
+  """Rule 1: why memory binds (empty when it does not): the model does not
+  fit, or a run's peak is above `MEMORY_FULL_SHARE` of its memory."""
   full = []
   if model_fit is not None and not model_fit.fits:
     full.append(model_fit.advice)
@@ -440,19 +497,25 @@ def verdict(requested: RunMeasurement,
           f"{memory.format_bytes(run.device_memory_peak_bytes)} of "
           f"{memory.format_bytes(device_memory_bytes)} "
           f"({run.device_memory_peak_bytes / device_memory_bytes:.0%}).")
-    elif (run.device_kind in ("CPU", "logical CPU") and host_memory_bytes and
+    elif (_kind(run.device_kind) == "CPU" and host_memory_bytes and
           run.peak_rss_bytes and run.peak_rss_bytes * run.num_workers >
           MEMORY_FULL_SHARE * host_memory_bytes):
       full.append(
           f"the {run.label} run's processes peaked at "
           f"{memory.format_bytes(run.peak_rss_bytes * run.num_workers)} of "
           f"host memory ({memory.format_bytes(host_memory_bytes)}).")
-  if full:
-    return Verdict("memory", full, [memory_advice(requested,
-                                                  cpu_bf16=cpu_bf16)],
-                   notes, speedup, efficiency)
+  return full
 
-  # 2. Input.
+
+def _input_verdict(requested: RunMeasurement,
+                   baseline: Optional[RunMeasurement],
+                   judged: _Judgement) -> Optional[Verdict]:
+  """Rule 2: input-bound from `INPUT_BOUND_SHARE` of the step waiting for
+  input; adds the moderately input-bound notes to `judged.notes`; None
+  when input does not bind."""
+  notes = judged.notes
+  wait = requested.input_wait_fraction
+  base_wait = baseline.input_wait_fraction if baseline else None
   if base_wait is not None and INPUT_MODERATE_SHARE <= base_wait < (
       INPUT_BOUND_SHARE):
     notes.append(f"the baseline waited {base_wait:.0%} of its step for input"
@@ -463,57 +526,73 @@ def verdict(requested: RunMeasurement,
                f"ms per step; input-bound from {INPUT_BOUND_SHARE:.0%})."]
     if base_wait is not None:
       reasons.append(f"the single-device baseline waited {base_wait:.0%}.")
-    return Verdict("input", reasons, [INPUT_ADVICE], notes, speedup,
-                   efficiency)
+    return judged.verdict("input", reasons, [INPUT_ADVICE])
   if wait is not None and wait >= INPUT_MODERATE_SHARE:
     notes.append(f"input wait {wait:.0%} of the step: moderately "
                  "input-bound (5-20%); " + INPUT_ADVICE + ".")
+  return None
 
-  # 3. Scaling.
-  if speedup is not None and requested.scale > baseline.scale:
-    n = requested.scale / baseline.scale
-    numbers = (f"{requested.examples_per_second:.1f} examples/sec on "
-               f"{requested.scale} replicas against "
-               f"{baseline.examples_per_second:.1f} on {baseline.scale}: "
-               f"{speedup:.2f}x, {efficiency:.0%} scaling efficiency")
-    shared = None
-    if requested.device_kind == "logical CPU":
-      shared = (f"the {requested.scale} replicas are logical devices of one "
-                f"CPU and share its {cores or 'few'} core(s)")
-    elif (requested.device_kind == "CPU" and not pinned and cores and
-          requested.num_workers > 1):
-      shared = (f"the {requested.num_workers} worker processes share "
-                f"{cores} core(s), unpinned")
-    if shared:
-      notes.append(f"{speedup:.2f}x is a logical-CPU speedup, not scaling: "
-                   f"{shared}, so it measures how one step uses the cores, "
-                   "not what more devices would give. Measure on GPUs, TPUs "
-                   "or hosts (pinned workers: --pin_workers).")
-      return Verdict("compute", [numbers + f" ({shared})."],
-                     [compute], notes, speedup, efficiency)
-    if efficiency < COMMUNICATION_EFFICIENCY:
-      step_base = baseline.step_time_seconds or 0.0
-      step_req = requested.step_time_seconds or 0.0
-      extra = (f"; each step took {step_req * 1000:.0f} ms against "
-               f"{step_base * 1000:.0f} ms on one device"
-               if step_base and step_req else "")
-      return Verdict(
-          "communication",
-          [numbers + f", below {COMMUNICATION_EFFICIENCY:.0%} with the input"
-           f" wait at {share(wait)}{extra}: the {n:g}x replicas spend the "
-           "difference synchronizing."],
-          [communication_advice(requested)], notes, speedup, efficiency)
-    return Verdict("compute", [numbers + "."], [compute], notes,
-                   speedup, efficiency)
 
-  # 4. Compute.
-  reasons = [f"the input wait is {share(wait)} of the step"]
+def _shared_cores(requested: RunMeasurement, *, cores: Optional[int],
+                  pinned: bool) -> Optional[str]:
+  """Why the requested run's replicas share cores (logical CPU devices, or
+  unpinned workers on one machine), in words; None when they do not."""
+  if requested.device_kind == "logical CPU":
+    return (f"the {requested.scale} replicas are logical devices of one "
+            f"CPU and share its {cores or 'few'} core(s)")
+  if (requested.device_kind == "CPU" and not pinned and cores and
+      requested.num_workers > 1):
+    return (f"the {requested.num_workers} worker processes share "
+            f"{cores} core(s), unpinned")
+  return None
+
+
+def _scaling_verdict(requested: RunMeasurement, baseline: RunMeasurement,
+                     judged: _Judgement, *, compute: str,
+                     cores: Optional[int], pinned: bool) -> Verdict:
+  """Rule 3, with more replicas than the baseline: compute-bound when the
+  replicas share cores (a logical-CPU speedup) or scale well enough,
+  communication-bound below `COMMUNICATION_EFFICIENCY`."""
+  speedup, efficiency = judged.speedup, judged.efficiency
+  n = requested.scale / baseline.scale
+  numbers = (f"{requested.examples_per_second:.1f} examples/sec on "
+             f"{requested.scale} replicas against "
+             f"{baseline.examples_per_second:.1f} on {baseline.scale}: "
+             f"{speedup:.2f}x, {efficiency:.0%} scaling efficiency")
+  shared = _shared_cores(requested, cores=cores, pinned=pinned)
+  if shared:
+    judged.notes.append(
+        f"{speedup:.2f}x is a logical-CPU speedup, not scaling: "
+        f"{shared}, so it measures how one step uses the cores, "
+        "not what more devices would give. Measure on GPUs, TPUs "
+        "or hosts (pinned workers: --pin_workers).")
+    return judged.verdict("compute", [numbers + f" ({shared})."], [compute])
+  if efficiency >= COMMUNICATION_EFFICIENCY:
+    return judged.verdict("compute", [numbers + "."], [compute])
+  step_base = baseline.step_time_seconds or 0.0
+  step_req = requested.step_time_seconds or 0.0
+  extra = (f"; each step took {step_req * 1000:.0f} ms against "
+           f"{step_base * 1000:.0f} ms on one device"
+           if step_base and step_req else "")
+  return judged.verdict(
+      "communication",
+      [numbers + f", below {COMMUNICATION_EFFICIENCY:.0%} with the input"
+       f" wait at {_share(requested.input_wait_fraction)}{extra}: the {n:g}x"
+       " replicas spend the difference synchronizing."],
+      [communication_advice(requested)])
+
+
+def _compute_verdict(requested: RunMeasurement, judged: _Judgement,
+                     compute: str) -> Verdict:
+  """Rule 4: nothing else binds, so the step itself is the limit."""
+  reason = (f"the input wait is {_share(requested.input_wait_fraction)} of "
+            "the step")
   if requested.examples_per_second:
-    reasons[0] += (f" at {requested.examples_per_second:.1f} examples/sec "
-                   f"on {requested.scale} replica(s)")
-  reasons[0] += ": the step itself is the limit."
-  return Verdict("compute", reasons, [compute], notes, speedup,
-                 efficiency)
+    reason += (f" at {requested.examples_per_second:.1f} examples/sec "
+               f"on {requested.scale} replica(s)")
+  return judged.verdict("compute",
+                        [reason + ": the step itself is the limit."],
+                        [compute])
 
 
 # --- the table ----------------------------------------------------------------
@@ -681,7 +760,7 @@ def baseline_args(train_args: Sequence[str], per_replica_batch_size: int
   strategy, devices, batch and cluster, on `one_device` (the first GPU when
   there is one, else the CPU) with the same per-replica batch."""
   return [*without_flags(train_args, _BASELINE_DROPS),
-          "--distribution_strategy=one_device",
+          f"--distribution_strategy={StrategyKind.ONE_DEVICE}",
           f"--per_replica_batch_size={per_replica_batch_size}"]
 
 
@@ -692,6 +771,9 @@ def model_memory_of(config) -> memory.ModelMemory:
   Raises:
     ConfigError: an unknown model or data set (`tfdist.task.from_config`).
   """
+  # Imported here: they load TensorFlow and Keras, which this binary
+  # imports quietly first (`tfdist.job_spec.parse_train_flags`, through
+  # `tfdist.quiet_tensorflow`), and the parent process needs them only now.
   import keras  # pylint: disable=g-import-not-at-top
   from tfdist import assembly  # pylint: disable=g-import-not-at-top
   from tfdist import lr_schedule  # pylint: disable=g-import-not-at-top
@@ -753,23 +835,15 @@ def diagnose(train_args: Sequence[str], *, num_workers: int = 1,
       flags.
     DiagnoseError: a run failed.
   """
-  from tfdist import job_spec  # pylint: disable=g-import-not-at-top
   out = out or sys.stdout
   given = {_flag_name(a) for a in train_args}
-  args = [a for a in train_args if _flag_name(a) != "model_dir"]
-  if "train_steps" not in given:
-    args.append(f"--train_steps={steps}")
-  if "log_steps" not in given:
-    args.append(f"--log_steps={log_steps}")
-  if "epochs_between_evals" not in given:
-    args.append("--epochs_between_evals=1000")  # One evaluation, at the end.
-  root = model_dir or next(
-      (a.split("=", 1)[1] for a in train_args
-       if _flag_name(a) == "model_dir" and "=" in a), None)
+  args = _measured_args(train_args, given, steps=steps, log_steps=log_steps)
+  root = model_dir or _model_dir_flag(train_args)
   # tfdist.train's own parser checks the flags before anything runs.
   config = job_spec.parse_train_flags(
       [*args, f"--model_dir={root or '/tmp/tfdist-diagnose'}"],
       where="tfdist.diagnose", environ=dict(os.environ))
+  facts = _train_facts(config)
   keep = root is not None
   root = root or tempfile.mkdtemp(prefix="tfdist-diagnose-")
   cores = len(os.sched_getaffinity(0))
@@ -777,74 +851,31 @@ def diagnose(train_args: Sequence[str], *, num_workers: int = 1,
   gpu_bytes = device_memory_capacity()
   host_bytes = memory.host_memory_bytes()
   try:
-    requested_spec = RunSpec("requested", tuple(args), num_workers=num_workers,
-                             num_ps=num_ps, pin=pin)
-    requested_runs, baseline_runs = [], []
-    for i in range(repeats):
-      suffix = f"-{i}" if repeats > 1 else ""
-      requested_runs.append(run_training(
-          requested_spec, os.path.join(root, f"requested{suffix}"),
-          timeout_seconds=timeout_seconds))
-      if baseline:
-        base_spec = RunSpec(
-            "baseline", tuple(baseline_args(
-                args, requested_runs[0].per_replica_batch_size)), pin=pin)
-        baseline_runs.append(run_training(
-            base_spec, os.path.join(root, f"baseline{suffix}"),
-            timeout_seconds=timeout_seconds))
+    requested_runs, baseline_runs = _run_alternately(
+        RunSpec("requested", tuple(args), num_workers=num_workers,
+                num_ps=num_ps, pin=pin),
+        root, repeats=repeats, baseline=baseline,
+        timeout_seconds=timeout_seconds)
     requested = median_measurement(requested_runs)
     base = median_measurement(baseline_runs) if baseline_runs else None
-    # Replicas whose copies share one memory: a GPU holds one; CPU
-    # replicas (logical devices, or the workers of a local cluster) each
-    # hold a copy in this host's memory.
-    on_gpu = bool(requested.device_kind == "GPU" and gpu_bytes)
-    sharing = 1 if on_gpu else requested.num_replicas
-    stage = config.zero_stage_resolved
-    fit = memory.fits_data_parallel(
-        estimate, capacity_bytes=gpu_bytes if on_gpu else host_bytes,
-        replicas_sharing=sharing, optimizer=config.optimizer,
-        num_replicas=requested.num_replicas, zero_stage=stage)
-    estimate = memory.sharded_estimate(
-        estimate, num_replicas=requested.num_replicas, stage=stage)
-    result = verdict(requested, base, model_fit=fit,
+    fitted = _fit_model(estimate, requested, facts, gpu_bytes=gpu_bytes,
+                        host_bytes=host_bytes)
+    result = verdict(requested, base, model_fit=fitted.fit,
                      device_memory_bytes=gpu_bytes,
                      host_memory_bytes=host_bytes, cores=cores, pinned=pin,
                      cpu_bf16=cpu_has_bf16())
     rows = [r for r in (base, requested) if r is not None]
-    where = "GPU" if on_gpu else "host"
-    report = [
-        render_table(rows, base), "",
-        f"Model state per replica: parameters "
-        f"{memory.format_bytes(estimate.parameters_bytes)} "
-        f"({estimate.num_parameters:,} values), gradients "
-        f"{memory.format_bytes(estimate.gradients_bytes)}, optimizer "
-        f"({config.optimizer}"
-        + (f", ZeRO stage {stage}" if stage else "") +
-        f") {memory.format_bytes(estimate.optimizer_bytes)}"
-        f": {memory.format_bytes(estimate.total_bytes)}; {sharing} "
-        f"replica(s) on {memory.format_bytes(fit.capacity_bytes)} of {where} "
-        f"memory: {fit.share:.2%}, "
-        + ("fits under data parallelism." if fit.fits else "does not fit."),
-        f"Runs: {steps if 'train_steps' not in given else config.train_steps}"
-        f" steps each, {repeats} time(s) alternated, on {cores} core(s)"
-        + (", each worker pinned to a core of its own" if pin else "") +
-        _malloc_note(rows) +
-        f"; throughput excludes each run's first {config.log_steps} steps "
-        "(warm-up); input wait is the share of the compiled step's time "
-        "spent waiting for the input iterator. " + _runs_folder_note(
-            root, keep), "",
-        result.render()]
+    runs_line = _runs_line(
+        steps=steps if "train_steps" not in given else facts.train_steps,
+        repeats=repeats, cores=cores, pin=pin, rows=rows,
+        log_steps=facts.log_steps)
+    report = [render_table(rows, base), "", _model_state_line(fitted, facts),
+              runs_line + _runs_folder_note(root, keep), "", result.render()]
     print("\n".join(report), file=out, flush=True)
-
-    def record(run):
-      # Folders deleted at the end are not named.
-      return {**run.to_dict(), "model_dir": run.model_dir if keep else None}
-
-    return {"requested": record(requested),
-            "baseline": record(base) if base else None,
-            "runs": [record(r) for r in requested_runs + baseline_runs],
-            "model_memory": estimate.to_dict(),
-            "model_fit": dataclasses.asdict(fit), "cores": cores,
+    return {**_run_records(requested, base, requested_runs + baseline_runs,
+                           keep=keep),
+            "model_memory": fitted.estimate.to_dict(),
+            "model_fit": dataclasses.asdict(fitted.fit), "cores": cores,
             "pinned": pin, "verdict": result.to_dict()}
   except DiagnoseError:
     # The failed run's log, which the message names, stays.
@@ -853,6 +884,161 @@ def diagnose(train_args: Sequence[str], *, num_workers: int = 1,
   finally:
     if not keep:
       shutil.rmtree(root, ignore_errors=True)
+
+
+def _model_dir_flag(train_args: Sequence[str]) -> Optional[str]:
+  """The value of `--model_dir=DIR` among `train_args`, or None."""
+  return next((a.split("=", 1)[1] for a in train_args
+               if _flag_name(a) == "model_dir" and "=" in a), None)
+
+
+def _run_records(requested: RunMeasurement,
+                 base: Optional[RunMeasurement],
+                 runs: Sequence[RunMeasurement], *, keep: bool) -> dict:
+  """`{"requested", "baseline", "runs"}` of the result, JSON-ready; a
+  run's folder is named only when it is kept."""
+
+  def record(run):
+    return {**run.to_dict(), "model_dir": run.model_dir if keep else None}
+
+  return {"requested": record(requested),
+          "baseline": record(base) if base else None,
+          "runs": [record(r) for r in runs]}
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainFacts:
+  """What the diagnosis reads of the requested run's configuration.
+
+  Attributes:
+    optimizer: `--optimizer`'s name.
+    zero_stage: the ZeRO stage in force (0: optimizer state not sharded).
+    train_steps: `--train_steps` of each run.
+    log_steps: `--log_steps` (the measurement interval, steps).
+  """
+  optimizer: str
+  zero_stage: int
+  train_steps: int
+  log_steps: int
+
+
+def _train_facts(config) -> TrainFacts:
+  """The `TrainFacts` of a parsed `tfdist.config.TrainConfig`."""
+  return TrainFacts(optimizer=config.optimizer,
+                    zero_stage=config.zero_stage_resolved,
+                    train_steps=config.train_steps,
+                    log_steps=config.log_steps)
+
+
+def _measured_args(train_args: Sequence[str], given: set, *, steps: int,
+                   log_steps: int) -> List[str]:
+  """`train_args` without `--model_dir`, with the diagnosis' defaults for
+  the steps, the log interval and one evaluation at the end where
+  `given` (the flag names in `train_args`) lacks them."""
+  args = [a for a in train_args if _flag_name(a) != "model_dir"]
+  if "train_steps" not in given:
+    args.append(f"--train_steps={steps}")
+  if "log_steps" not in given:
+    args.append(f"--log_steps={log_steps}")
+  if "epochs_between_evals" not in given:
+    args.append("--epochs_between_evals=1000")  # One evaluation, at the end.
+  return args
+
+
+def _run_alternately(requested_spec: RunSpec, root: str, *, repeats: int,
+                     baseline: bool, timeout_seconds: float):
+  """Runs the requested configuration and (with `baseline`) the baseline,
+  alternated, `repeats` times each, into folders under `root`.
+
+  Returns:
+    `(requested_runs, baseline_runs)`: lists of `RunMeasurement`
+    (`baseline_runs` empty without `baseline`).
+
+  Raises:
+    DiagnoseError: a run failed.
+  """
+  requested_runs, baseline_runs = [], []
+  for i in range(repeats):
+    suffix = f"-{i}" if repeats > 1 else ""
+    requested_runs.append(run_training(
+        requested_spec, os.path.join(root, f"requested{suffix}"),
+        timeout_seconds=timeout_seconds))
+    if baseline:
+      base_spec = RunSpec(
+          "baseline", tuple(baseline_args(
+              requested_spec.train_args,
+              requested_runs[0].per_replica_batch_size)),
+          pin=requested_spec.pin)
+      baseline_runs.append(run_training(
+          base_spec, os.path.join(root, f"baseline{suffix}"),
+          timeout_seconds=timeout_seconds))
+  return requested_runs, baseline_runs
+
+
+@dataclasses.dataclass(frozen=True)
+class _FittedModel:
+  """The model state per replica and whether it fits where it runs.
+
+  Attributes:
+    estimate: the `memory.ModelMemory` per replica (ZeRO-sharded).
+    fit: `memory.fits_data_parallel`'s `Fit`.
+    sharing: replicas whose copies share one memory.
+    where: `GPU` or `host`: the memory they share.
+  """
+  estimate: memory.ModelMemory
+  fit: memory.Fit
+  sharing: int
+  where: str
+
+
+def _fit_model(estimate: memory.ModelMemory, requested: RunMeasurement,
+               facts: TrainFacts, *, gpu_bytes: Optional[int],
+               host_bytes: Optional[int]) -> _FittedModel:
+  """Whether the requested run's replicas' model state fits their memory
+  (bytes: one GPU's, or the host's)."""
+  # Replicas whose copies share one memory: a GPU holds one; CPU
+  # replicas (logical devices, or the workers of a local cluster) each
+  # hold a copy in this host's memory.
+  on_gpu = bool(requested.device_kind == "GPU" and gpu_bytes)
+  sharing = 1 if on_gpu else requested.num_replicas
+  fit = memory.fits_data_parallel(
+      estimate, capacity_bytes=gpu_bytes if on_gpu else host_bytes,
+      replicas_sharing=sharing, optimizer=facts.optimizer,
+      num_replicas=requested.num_replicas, zero_stage=facts.zero_stage)
+  estimate = memory.sharded_estimate(
+      estimate, num_replicas=requested.num_replicas, stage=facts.zero_stage)
+  return _FittedModel(estimate, fit, sharing, "GPU" if on_gpu else "host")
+
+
+def _model_state_line(fitted: _FittedModel, facts: TrainFacts) -> str:
+  """The report's line on the model state per replica and its fit."""
+  estimate, fit, stage = fitted.estimate, fitted.fit, facts.zero_stage
+  return (
+      f"Model state per replica: parameters "
+      f"{memory.format_bytes(estimate.parameters_bytes)} "
+      f"({estimate.num_parameters:,} values), gradients "
+      f"{memory.format_bytes(estimate.gradients_bytes)}, optimizer "
+      f"({facts.optimizer}"
+      + (f", ZeRO stage {stage}" if stage else "") +
+      f") {memory.format_bytes(estimate.optimizer_bytes)}"
+      f": {memory.format_bytes(estimate.total_bytes)}; {fitted.sharing} "
+      f"replica(s) on {memory.format_bytes(fit.capacity_bytes)} of "
+      f"{fitted.where} memory: {fit.share:.2%}, "
+      + ("fits under data parallelism." if fit.fits else "does not fit."))
+
+
+def _runs_line(*, steps: int, repeats: int, cores: int, pin: bool,
+               rows: Sequence[RunMeasurement], log_steps: int) -> str:
+  """The report's line on how the runs ran and what the numbers mean (the
+  runs folder's note follows it)."""
+  return (
+      f"Runs: {steps} steps each, {repeats} time(s) alternated, on {cores} "
+      "core(s)"
+      + (", each worker pinned to a core of its own" if pin else "") +
+      _malloc_note(rows) +
+      f"; throughput excludes each run's first {log_steps} steps "
+      "(warm-up); input wait is the share of the compiled step's time "
+      "spent waiting for the input iterator. ")
 
 
 # --- the binary -------------------------------------------------------------
@@ -916,7 +1102,6 @@ def main(argv):
   if len(rest) > 1:
     sys.exit(f"tfdist.diagnose: error: unexpected arguments {rest[1:]}; put "
              "tfdist.train's flags after `--`.")
-  from tfdist import job_spec  # pylint: disable=g-import-not-at-top
   try:
     result = diagnose(train_args, num_workers=_FLAGS.num_workers,
                       num_ps=_FLAGS.num_ps, pin=_FLAGS.pin_workers,
@@ -931,7 +1116,6 @@ def main(argv):
 
 
 def run():
-  from tfdist import job_spec  # pylint: disable=g-import-not-at-top
   app.run(main, argv=sys.argv, flags_parser=job_spec.parse_own_flags_later)
 
 

@@ -255,12 +255,12 @@ def run_experiment(config: TrainConfig, *,
   # Every task opens files itself (ps workers read the input shards, every
   # process reads a --feature_spec), so every task imports tensorflow-io
   # when a path needs it; again once the environment filled the folders.
-  filesystems.require_file_systems(filesystems.config_paths(config))
+  filesystems.require_file_systems(run_options.config_paths(config))
   if task is None:
     task = task_lib.from_config(config)
   config, cluster, decision, applied, trial_fields = prepare_run(
       config, environment=environment, dataset=task.dataset)
-  filesystems.require_file_systems(filesystems.config_paths(config))
+  filesystems.require_file_systems(run_options.config_paths(config))
   assembly.check_model_options(config, task=task)
   hypertune_reporter = None
   if config.hptune_metric:
@@ -305,7 +305,7 @@ def run_experiment(config: TrainConfig, *,
             else True)
   lease = None
   if writer:
-    preflight.probe_outputs(config)
+    preflight.probe_outputs(run_options.output_options(config))
     export.check_export_dir(
         config.resolved_export_dir,
         source=environment_lib.output_sources(config, applied)[
@@ -668,27 +668,30 @@ def _train(config, *, task, cluster, decision, applied, callbacks, started,
       source=environment_lib.output_sources(config, applied)["export_dir"][1],
       details={"step": controller.step, "model": task.model_name})
   record = manifest_lib.build_manifest(
-      config=config, decision=decision, plan=plan, cluster=cluster,
-      choice=choice, num_workers=num_workers, is_chief=is_chief,
-      devices=devices.describe_devices(), dtype_policy=policy.name,
-      loss_scale=precision.current_loss_scale(optimizer),
-      optimizer_iterations=int(optimizer.iterations.numpy()),
-      result=result, run_log=run_log,
-      artifacts={"checkpoint": keeper.latest,
-                 "checkpoint_dir": config.resolved_checkpoint_dir,
-                 "saved_model": config.resolved_export_dir,
-                 "tensorboard": config.resolved_tensorboard_dir,
-                 "metrics": os.path.join(config.model_dir,
-                                         run_log_lib.METRICS_FILE),
-                 "init_checkpoint": warm_started,
-                 "profile": profiler.latest_trace if profiler else None},
-      seconds={"total": time.time() - started,
-               "training": result.train_seconds,
-               "training_all_processes": run_log.training_seconds()},
-      environment_applied=applied, trial_fields=trial_fields,
-      strategy_details=strategy_details,
-      objectives=parts.objectives, model_name=task.model_name,
-      model_memory=model_memory.to_dict())
+      run_options.manifest_options(config),
+      ran=manifest_lib.WhatRan(
+          decision=decision, plan=plan, dtype_policy=policy.name,
+          loss_scale=precision.current_loss_scale(optimizer),
+          optimizer_iterations=int(optimizer.iterations.numpy()),
+          result=result, run_log=run_log, objectives=parts.objectives,
+          model_name=task.model_name, model_memory=model_memory.to_dict(),
+          strategy_details=strategy_details),
+      where=manifest_lib.WhereItRan(
+          cluster=cluster, choice=choice, num_workers=num_workers,
+          is_chief=is_chief, devices=devices.describe_devices(),
+          environment_applied=applied, trial_fields=trial_fields),
+      wrote=manifest_lib.WhatItWrote(
+          artifacts={"checkpoint": keeper.latest,
+                     "checkpoint_dir": config.resolved_checkpoint_dir,
+                     "saved_model": config.resolved_export_dir,
+                     "tensorboard": config.resolved_tensorboard_dir,
+                     "metrics": os.path.join(config.model_dir,
+                                             run_log_lib.METRICS_FILE),
+                     "init_checkpoint": warm_started,
+                     "profile": profiler.latest_trace if profiler else None},
+          seconds={"total": time.time() - started,
+                   "training": result.train_seconds,
+                   "training_all_processes": run_log.training_seconds()}))
   if not is_chief:
     shutil.rmtree(scratch_dir, ignore_errors=True)
     logging.info("%s %d done; the chief writes the artifacts.",

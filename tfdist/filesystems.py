@@ -24,7 +24,7 @@ exit status.
 import re
 import sys
 import warnings
-from typing import Iterable, List, Sequence, Tuple
+from typing import Iterable, List, Tuple
 
 from tfdist.errors import FileSystemUnavailableError, first_line
 
@@ -53,26 +53,19 @@ def split_paths(flag: str, value: str) -> List[Tuple[str, str]]:
   return [(flag, p.strip()) for p in str(value or "").split(",") if p.strip()]
 
 
-def config_paths(config) -> List[Tuple[str, str]]:
-  """`(flag, path)` of every path a `TrainConfig` reads or writes."""
-  out = []
-  for flag, value in (("--train_files", config.train_files),
-                      ("--eval_files", config.eval_files),
-                      ("--data_dir", config.data_dir),
-                      ("--raw_data_dir", config.raw_data_dir),
-                      ("--model_dir", config.model_dir),
-                      ("--checkpoint_dir", config.checkpoint_dir),
-                      ("--tensorboard_dir", config.tensorboard_dir),
-                      ("--export_dir", config.export_dir),
-                      ("--feature_spec", config.feature_spec),
-                      ("--init_checkpoint", config.init_checkpoint)):
-    out += split_paths(flag, value)
-  return out
-
-
 def _registered_schemes() -> set:
+  return set(_tensorflow().io.gfile.get_registered_schemes())
+
+
+def _tensorflow():
+  """The `tensorflow` module, imported on first use.
+
+  Imported here rather than at the top: checking paths that need no extra
+  file system (local paths, or none) never loads TensorFlow, so the
+  module stays cheap to import where TensorFlow is not wanted yet.
+  """
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  return set(tf.io.gfile.get_registered_schemes())
+  return tf
 
 
 def _import_tensorflow_io() -> str:
@@ -81,6 +74,8 @@ def _import_tensorflow_io() -> str:
   try:
     with warnings.catch_warnings(record=True) as caught:
       warnings.simplefilter("always")
+      # An optional dependency (`tfdist[io]`), imported only when a path
+      # needs one of its schemes.
       import tensorflow_io  # pylint: disable=g-import-not-at-top
   except ImportError as e:
     return (f"{TENSORFLOW_IO_PACKAGE} is not installed ({type(e).__name__}: "
@@ -107,7 +102,8 @@ def require_file_systems(paths: Iterable[Tuple[str, str]]) -> Tuple[str, ...]:
   Imports tensorflow-io when a path uses one of its schemes (`s3://`, ...).
 
   Args:
-    paths: `(flag, path)` pairs, e.g. `config_paths(config)`; local paths and
+    paths: `(flag, path)` pairs, e.g.
+      `tfdist.run_options.config_paths(config)`; local paths and
       TensorFlow's own schemes (`gs://`, `ram://`, `file://`) pass as they
       are.
 
@@ -138,7 +134,7 @@ def require_file_systems(paths: Iterable[Tuple[str, str]]) -> Tuple[str, ...]:
   for scheme, (flag, path) in sorted(missing.items()):
     if scheme in registered:
       continue
-    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+    tf = _tensorflow()
     if scheme in TENSORFLOW_IO_SCHEMES:
       raise FileSystemUnavailableError(
           f"{flag}={path!r}: TensorFlow {tf.__version__} has no '{scheme}://' "

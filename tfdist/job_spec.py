@@ -269,7 +269,8 @@ def parse_train_flags(args: Sequence[str], *, where: str,
     from tfdist import quiet_tensorflow  # pylint: disable=g-import-not-at-top
     quiet_tensorflow.import_tensorflow()  # The spec alone on stdout.
     from tfdist import preflight  # pylint: disable=g-import-not-at-top
-    preflight.check_names(config)
+    from tfdist import run_options  # pylint: disable=g-import-not-at-top
+    preflight.check_names(run_options.name_options(config))
   except ConfigError as e:
     raise JobSpecError(f"{where}: tfdist.train would stop at start: {e}"
                        ) from None

@@ -6,24 +6,127 @@ a NaN AUC) is written as null, never as `Infinity` or `NaN`, which strict
 JSON parsers reject.
 """
 
+import dataclasses
 import hashlib
 import json
-import math
 import os
 import platform
 import subprocess
 import time
 import uuid
-from typing import Iterable, List, Optional
+from typing import Any, Iterable, List, Optional, Tuple
 
-import numpy as np
+import keras
 import tensorflow as tf
 
+import tfdist
 from tfdist import allocator
 from tfdist import environment
 from tfdist import strict_json
 
 MANIFEST_FILE = "run_manifest.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class ManifestOptions:
+  """What the manifest records of the run's configuration.
+
+  Built from a `TrainConfig` by `tfdist.run_options.manifest_options`.
+
+  Attributes:
+    flags: the flags as given, `(name, value)` pairs
+      (`TrainConfig.flags_snapshot`).
+    config: the whole configuration as a JSON-ready dict
+      (`TrainConfig.to_dict()`).
+    base_learning_rate: the learning rate at `base_batch_size`.
+    base_batch_size: the global batch the base learning rate is for.
+    lr_scaling: the learning-rate scaling rule's name.
+    model: `--model` (a registered name or `module:function`).
+    dataset: `--dataset`.
+    feature_spec: `--feature_spec` ('' when none).
+  """
+  flags: Tuple[Tuple[str, str], ...]
+  config: dict
+  base_learning_rate: float
+  base_batch_size: int
+  lr_scaling: str
+  model: str
+  dataset: str
+  feature_spec: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class WhereItRan:
+  """Where the run ran: its cluster, devices and environment.
+
+  Attributes:
+    cluster: the `tfdist.cluster.ClusterInfo`.
+    choice: the `tfdist.strategy.StrategyChoice`.
+    num_workers: hosts training.
+    is_chief: this process writes the artifacts.
+    devices: `tfdist.devices.describe_devices()`.
+    environment_applied: `(field, variable)` pairs filled from the
+      environment (`tfdist.environment.apply_environment`).
+    trial_fields: the folder fields given the hyperparameter-tuning
+      trial's subfolder (`tfdist.environment.trial_folders`).
+  """
+  cluster: Any
+  choice: Any
+  num_workers: int
+  is_chief: bool
+  devices: Any
+  environment_applied: Tuple = ()
+  trial_fields: Tuple = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class WhatRan:
+  """What ran: the decisions, the plan, the model and the training result.
+
+  Attributes:
+    decision: the `tfdist.auto_select.Decision`.
+    plan: the `tfdist.run_plan.RunPlan`.
+    dtype_policy: the Keras dtype policy's name.
+    loss_scale: the final loss scale (fp16), or None.
+    optimizer_iterations: the optimizer's update count.
+    result: the `tfdist.controller.ControllerResult`.
+    run_log: the `tfdist.run_log.RunLog` (history of every process).
+    objectives: the run's `tfdist.objectives.Objectives` (loss and metric
+      names, where they came from); each metric `m` adds `eval_m` and
+      `train_m` to `final_metrics`; None: none recorded.
+    model_name: the model trained (a registered name or `module:function`;
+      None: `ManifestOptions.model`).
+    model_memory: `tfdist.memory.ModelMemory.to_dict()` of the model, or
+      None.
+    strategy_details: a dict of strategy-specific facts (parameter-server
+      placement, ...), written under the strategy's name (e.g.
+      `manifest["parameter_server"]`); None: empty.
+  """
+  decision: Any
+  plan: Any
+  dtype_policy: str
+  loss_scale: Optional[float]
+  optimizer_iterations: int
+  result: Any
+  run_log: Any
+  objectives: Any = None
+  model_name: Optional[str] = None
+  model_memory: Optional[dict] = None
+  strategy_details: Optional[dict] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class WhatItWrote:
+  """What the run wrote, and how long it took.
+
+  Attributes:
+    artifacts: paths written (`checkpoint`, `checkpoint_dir`,
+      `saved_model`, `tensorboard`, `metrics`, ...).
+    seconds: `{"total", "training"}` of this process (seconds), and
+      `training_all_processes` (`RunLog.training_seconds()`).
+  """
+  artifacts: dict
+  seconds: dict
 
 
 def file_fingerprints(paths: Iterable[str]) -> List[dict]:
@@ -54,19 +157,17 @@ def git_commit(start_dir: Optional[str] = None) -> Optional[str]:
 
 
 def software_versions() -> dict:
-  import keras  # pylint: disable=g-import-not-at-top
-  import tfdist  # pylint: disable=g-import-not-at-top
+  """The versions of tfdist, TensorFlow, Keras and Python (strings)."""
   return {"tfdist": tfdist.__version__, "tensorflow": tf.__version__,
           "keras": keras.__version__, "python": platform.python_version()}
 
 
-def run_header(config) -> dict:
+def run_header(options: ManifestOptions) -> dict:
   """The fields every manifest starts with: when, flags, config, versions,
   git commit, and the malloc settings in force (`allocator`: they change
-  resident memory, see `tfdist.allocator`). `config` is a
-  `tfdist.config.TrainConfig`."""
-  return {"created": utc_now(), "flags": dict(config.flags_snapshot),
-          "config": config.to_dict(), "versions": software_versions(),
+  resident memory, see `tfdist.allocator`)."""
+  return {"created": utc_now(), "flags": dict(options.flags),
+          "config": options.config, "versions": software_versions(),
           "git_commit": git_commit(),
           "allocator": allocator.state().to_dict()}
 
@@ -90,104 +191,98 @@ def write_manifest(directory: str, manifest: dict) -> str:
 
 
 def read_manifest(directory: str) -> dict:
+  """The manifest `directory/run_manifest.json` holds, as a dict.
+
+  Raises:
+    tf.errors.NotFoundError: there is no manifest in `directory`.
+  """
   with tf.io.gfile.GFile(os.path.join(directory, MANIFEST_FILE)) as f:
     return json.load(f)
 
 
 def utc_now() -> str:
+  """The current UTC time to the second, e.g. `2026-12-01T13:05:00Z`."""
   return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
-def build_manifest(*, config, decision, plan, cluster, choice, num_workers,
-                   is_chief: bool, devices, dtype_policy: str,
-                   loss_scale: Optional[float], optimizer_iterations: int,
-                   result, run_log, artifacts: dict, seconds: dict,
-                   environment_applied=(), trial_fields=(),
-                   strategy_details=None,
-                   objectives=None, model_name: Optional[str] = None,
-                   model_memory: Optional[dict] = None) -> dict:
+def build_manifest(options: ManifestOptions, *, ran: WhatRan,
+                   where: WhereItRan, wrote: WhatItWrote) -> dict:
   """The run manifest: the same keys for every strategy.
 
   Args:
-    config: the run's `TrainConfig` (no `auto` left).
-    decision: the `tfdist.auto_select.Decision`.
-    plan: the `tfdist.run_plan.RunPlan`.
-    cluster: the `tfdist.cluster.ClusterInfo`.
-    choice: the `tfdist.strategy.StrategyChoice`.
-    num_workers: hosts training.
-    is_chief: this process writes the artifacts.
-    devices: `tfdist.devices.describe_devices()`.
-    dtype_policy: the Keras dtype policy's name.
-    loss_scale: the final loss scale (fp16), or None.
-    optimizer_iterations: the optimizer's update count.
-    result: the `tfdist.controller.ControllerResult`.
-    run_log: the `tfdist.run_log.RunLog` (history of every process).
-    artifacts: paths written (`checkpoint`, `checkpoint_dir`,
-      `saved_model`, `tensorboard`, `metrics`, ...).
-    seconds: `{"total", "training"}` of this process (seconds), and
-      `training_all_processes` (`RunLog.training_seconds()`).
-    environment_applied: `(field, variable)` pairs filled from the
-      environment (`tfdist.environment.apply_environment`).
-    trial_fields: the folder fields given the hyperparameter-tuning
-      trial's subfolder (`tfdist.environment.trial_folders`).
-    strategy_details: a dict of strategy-specific facts (parameter-server
-      placement, ...), written under the strategy's name (e.g.
-      `manifest["parameter_server"]`); None: empty.
-    objectives: the run's `tfdist.objectives.Objectives` (loss and metric
-      names, where they came from); each metric `m` adds `eval_m` and
-      `train_m` to `final_metrics`.
-    model_name: the model trained (a registered name or `module:function`;
-      default: `config.model`).
-    model_memory: `tfdist.memory.ModelMemory.to_dict()` of the model, or
-      None.
+    options: the run's configuration as the manifest records it (no `auto`
+      left; `tfdist.run_options.manifest_options`).
+    ran: what ran (decisions, plan, result, logs, model).
+    where: where it ran (cluster, strategy, devices, environment).
+    wrote: what it wrote, and the seconds it took.
 
   Returns:
     A JSON-ready dict: the same keys for every strategy, plus the section
     named after the strategy.
   """
-  final_eval = result.final_eval or {}
-  history = run_log.all_records("train")
-  last = history[-1] if history else {}
-  metric_names = tuple(objectives.metric_names) if objectives else ()
-  final_metrics = {
-      "eval_loss": final_eval.get("loss"),
-      "eval_accuracy": final_eval.get("accuracy"),
-      "eval_auc": final_eval.get("auc"),
-      "eval_examples": final_eval.get("num_examples"),
-      "train_loss": last.get("loss"),
-      "train_accuracy": last.get("accuracy"),
-      "train_auc": last.get("auc"),
-  }
-  for name in metric_names:
-    final_metrics[f"eval_{name}"] = final_eval.get(name)
-    final_metrics[f"train_{name}"] = last.get(name)
   return {
-      **run_header(config),
+      **run_header(options),
+      **_placement_section(where, ran.decision),
+      **_batch_section(ran.plan),
+      **_result_section(ran.result, ran.optimizer_iterations),
+      **_learning_rate_section(options, ran.plan),
+      **_model_section(options, ran),
+      "data": _data_section(options, ran.plan),
+      "throughput": ran.run_log.throughput(),
+      # Peak host RSS and GPU memory of the run's processes, and the bytes
+      # of the model's parameters, gradients and optimizer state.
+      "memory": {**ran.run_log.memory(), "model": ran.model_memory},
+      **_history_section(ran),
+      "artifacts": wrote.artifacts,
+      "seconds": wrote.seconds,
+      # The strategy-specific section, under the strategy's name.
+      where.choice.name: ran.strategy_details or {},
+  }
+
+
+def _placement_section(where: WhereItRan, decision) -> dict:
+  """Environment, trial, devices, strategy, dtype decision and cluster."""
+  cluster = where.cluster
+  return {
       "environment": [{"field": f, "variable": v}
-                      for f, v in environment_applied],
+                      for f, v in where.environment_applied],
       # Vertex AI hyperparameter tuning: this run's trial (None outside a
       # tuning job) and the flag-given folders nested in its subfolder.
       "trial": ({"id": cluster.trial,
                  "subfolder": environment.trial_subfolder(cluster.trial),
-                 "fields": list(trial_fields)} if cluster.trial else None),
-      "devices": devices,
-      "strategy": choice.name,
+                 "fields": list(where.trial_fields)} if cluster.trial
+                else None),
+      "devices": where.devices,
+      "strategy": where.choice.name,
       "strategy_reason": decision.strategy_reason,
       "dtype": decision.dtype,
       "dtype_reason": decision.dtype_reason,
-      "replica_devices": list(choice.devices),
-      "num_replicas_in_sync": plan.batch.num_replicas_in_sync,
-      "num_workers": num_workers,
-      "asynchronous": plan.asynchronous,
+      "replica_devices": list(where.choice.devices),
+      "num_workers": where.num_workers,
       "cluster": {"source": cluster.source, "task_type": cluster.task_type,
-                  "task_index": cluster.task_index, "is_chief": is_chief,
+                  "task_index": cluster.task_index,
+                  "is_chief": where.is_chief,
                   "trial": cluster.trial, "jobs": cluster.cluster_dict()},
+  }
+
+
+def _batch_section(plan) -> dict:
+  """Replicas, batch sizes and step counts of the plan."""
+  return {
+      "num_replicas_in_sync": plan.batch.num_replicas_in_sync,
+      "asynchronous": plan.asynchronous,
       "per_replica_batch_size": plan.batch.per_replica_batch_size,
       "global_batch_size": plan.batch.global_batch_size,
       "gradient_accumulation_steps": plan.batch.gradient_accumulation_steps,
       "eval_batch_size": plan.eval_batch_size,
       "steps_per_epoch": plan.batch.steps_per_epoch,
       "train_steps": plan.total_steps,
+  }
+
+
+def _result_section(result, optimizer_iterations: int) -> dict:
+  """Where training ended, and what it skipped or restored."""
+  return {
       "final_step": result.step,
       "stopped_early": result.stopped_early,
       "skipped_steps": result.skipped_steps,
@@ -195,47 +290,94 @@ def build_manifest(*, config, decision, plan, cluster, choice, num_workers,
       # Micro-batches this process ran (gradient accumulation: K per step).
       "micro_steps": result.micro_steps,
       "restored_from": result.restored_from,
-      "base_learning_rate": config.base_learning_rate,
-      "base_batch_size": config.base_batch_size,
-      "lr_scaling": config.lr_scaling,
-      "peak_learning_rate": plan.lr.peak_learning_rate,
-      "warmup_steps": plan.lr.warmup_steps,
-      "lr_schedule": _serialize_schedule(plan.lr.schedule),
-      "dtype_policy": dtype_policy,
-      "loss_scale": loss_scale,
-      "sync_batch_norm": plan.sync_batch_norm,
-      "sync_batch_norm_reason": plan.sync_batch_norm_reason,
-      "model": model_name or config.model,
-      "objectives": ({"loss": objectives.loss.name,
-                      "metrics": list(metric_names),
-                      "source": objectives.source} if objectives else None),
-      "data": {
-          "dataset": config.dataset,
-          "feature_spec": config.feature_spec or None,
-          "num_train_examples": plan.num_train_examples,
-          "input_sharding": {
-              "mode": plan.sharding.mode, "reason": plan.sharding.reason,
-              "records_per_worker": list(
-                  plan.sharding.records_per_pipeline or ()),
-              "examples_per_epoch_per_worker":
-                  plan.sharding.examples_per_epoch},
-          "train_files": file_fingerprints(plan.train_files),
-          "eval_files": file_fingerprints(plan.eval_files),
-      },
-      "throughput": run_log.throughput(),
-      # Peak host RSS and GPU memory of the run's processes, and the bytes
-      # of the model's parameters, gradients and optimizer state.
-      "memory": {**run_log.memory(), "model": model_memory},
-      "history": history,
-      "eval_history": run_log.all_records("eval"),
-      "final_metrics": final_metrics,
-      "artifacts": artifacts,
-      "seconds": seconds,
-      # The strategy-specific section, under the strategy's name.
-      choice.name: strategy_details or {},
   }
 
 
-def _serialize_schedule(schedule):
-  import keras  # pylint: disable=g-import-not-at-top
-  return keras.saving.serialize_keras_object(schedule)
+def _learning_rate_section(options: ManifestOptions, plan) -> dict:
+  """The base and scaled learning rate, warmup and the schedule."""
+  return {
+      "base_learning_rate": options.base_learning_rate,
+      "base_batch_size": options.base_batch_size,
+      "lr_scaling": options.lr_scaling,
+      "peak_learning_rate": plan.lr.peak_learning_rate,
+      "warmup_steps": plan.lr.warmup_steps,
+      "lr_schedule": keras.saving.serialize_keras_object(plan.lr.schedule),
+  }
+
+
+def _model_section(options: ManifestOptions, ran: WhatRan) -> dict:
+  """Precision, batch norm, the model's name and its objectives."""
+  objectives = ran.objectives
+  return {
+      "dtype_policy": ran.dtype_policy,
+      "loss_scale": ran.loss_scale,
+      "sync_batch_norm": ran.plan.sync_batch_norm,
+      "sync_batch_norm_reason": ran.plan.sync_batch_norm_reason,
+      "model": ran.model_name or options.model,
+      "objectives": ({"loss": objectives.loss.name,
+                      "metrics": list(_metric_names(objectives)),
+                      "source": objectives.source} if objectives else None),
+  }
+
+
+def _data_section(options: ManifestOptions, plan) -> dict:
+  """The data set, its sharding, and fingerprints of its files."""
+  sharding = plan.sharding
+  return {
+      "dataset": options.dataset,
+      "feature_spec": options.feature_spec or None,
+      "num_train_examples": plan.num_train_examples,
+      "input_sharding": {
+          "mode": sharding.mode, "reason": sharding.reason,
+          "records_per_worker": list(sharding.records_per_pipeline or ()),
+          "examples_per_epoch_per_worker": sharding.examples_per_epoch},
+      "train_files": file_fingerprints(plan.train_files),
+      "eval_files": file_fingerprints(plan.eval_files),
+  }
+
+
+def _metric_names(objectives) -> Tuple[str, ...]:
+  return tuple(objectives.metric_names) if objectives else ()
+
+
+def _history_section(ran: WhatRan) -> dict:
+  """The train and eval history, and the final metrics."""
+  history = ran.run_log.all_records("train")
+  return {
+      "history": history,
+      "eval_history": ran.run_log.all_records("eval"),
+      "final_metrics": final_metrics(
+          ran.result.final_eval or {}, history[-1] if history else {},
+          _metric_names(ran.objectives)),
+  }
+
+
+def final_metrics(final_eval: dict, last_train: dict,
+                  metric_names: Iterable[str] = ()) -> dict:
+  """The manifest's `final_metrics`: the last eval and train values.
+
+  Args:
+    final_eval: the final evaluation's values (`loss`, `accuracy`, `auc`,
+      `num_examples`, each metric's name); `{}` when none ran.
+    last_train: the last train log record; `{}` when none.
+    metric_names: the objectives' metric names; each `m` adds `eval_m` and
+      `train_m`.
+
+  Returns:
+    `eval_loss`, `eval_accuracy`, `eval_auc`, `eval_examples`,
+    `train_loss`, `train_accuracy`, `train_auc` and the metrics' keys; a
+    value missing from its record is None.
+  """
+  out = {
+      "eval_loss": final_eval.get("loss"),
+      "eval_accuracy": final_eval.get("accuracy"),
+      "eval_auc": final_eval.get("auc"),
+      "eval_examples": final_eval.get("num_examples"),
+      "train_loss": last_train.get("loss"),
+      "train_accuracy": last_train.get("accuracy"),
+      "train_auc": last_train.get("auc"),
+  }
+  for name in metric_names:
+    out[f"eval_{name}"] = final_eval.get(name)
+    out[f"train_{name}"] = last_train.get(name)
+  return out

@@ -17,68 +17,111 @@ stops in seconds with one line naming the flag:
   writable: <reason>`.
 """
 
+import dataclasses
 import os
 import uuid
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import tensorflow as tf
 
+from tfdist import hptune
+from tfdist import objectives
+from tfdist import registry
+from tfdist import task as task_lib
 from tfdist.config import ConfigError
 from tfdist.errors import OutputNotWritableError, first_line
 
 
-def check_names(config):
-  """Checks that the names `config` gives tfdist's registries exist and fit.
+@dataclasses.dataclass(frozen=True)
+class NameOptions:
+  """The registry names a run gives (`tfdist.run_options.name_options`).
+
+  Attributes:
+    model: `--model`: a registered name or an import path.
+    dataset: `--dataset`: a registered name or an import path.
+    feature_spec: `--feature_spec` ('' when none).
+    import_modules: `--import_modules` (the user's modules).
+    hptune_metric: `--hptune_metric` ('' or None when none).
+  """
+  model: Optional[str]
+  dataset: Optional[str]
+  feature_spec: str = ""
+  import_modules: Tuple[str, ...] = ()
+  hptune_metric: Optional[str] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class OutputOptions:
+  """The output folders a run writes (`tfdist.run_options.output_options`).
+
+  Attributes:
+    model_dir: `--model_dir`.
+    checkpoint_dir, tensorboard_dir, export_dir: the flags as given ('':
+      derived from `--model_dir`).
+    resolved_checkpoint_dir, resolved_tensorboard_dir, resolved_export_dir:
+      the folders used (the flag's, or the one derived from `--model_dir`).
+  """
+  model_dir: str
+  checkpoint_dir: str
+  tensorboard_dir: str
+  export_dir: str
+  resolved_checkpoint_dir: str
+  resolved_tensorboard_dir: str
+  resolved_export_dir: str
+
+
+def check_names(names: NameOptions):
+  """Checks that the names a run gives tfdist's registries exist and fit.
 
   The part of `--dry_run` a job-spec writer can run where the job's code
   and files are not: a `--model` or `--dataset` given as an import path,
   `--import_modules` and `--feature_spec` are the user's, checked by the
   job itself at start.
 
+  Args:
+    names: the run's names (`tfdist.run_options.name_options`).
+
   Raises:
     ConfigError: an unknown registered `--dataset` or `--model` (the
       message lists the known ones), or an `--hptune_metric` the data set's
       task does not produce.
   """
-  # Imported here: tfdist.job_spec calls this and loads TensorFlow only then.
-  from tfdist import registry  # pylint: disable=g-import-not-at-top
-  from tfdist import task as task_lib  # pylint: disable=g-import-not-at-top
-  if config.import_modules:
+  if names.import_modules:
     return
   task_lib.load_builtins()
-  if not registry.is_import_path(config.model):
-    registry.get_model_builder(config.model)
-  if config.feature_spec or registry.is_import_path(config.dataset):
+  if not registry.is_import_path(names.model):
+    registry.get_model_builder(names.model)
+  if names.feature_spec or registry.is_import_path(names.dataset):
     return
-  spec = registry.get_dataset(config.dataset)
-  if (config.hptune_metric and spec.task and
-      not registry.is_import_path(config.model)):
+  spec = registry.get_dataset(names.dataset)
+  if (names.hptune_metric and spec.task and
+      not registry.is_import_path(names.model)):
     # tfdist's own models evaluate the data set's default loss and metrics.
-    from tfdist import hptune  # pylint: disable=g-import-not-at-top
-    from tfdist import objectives  # pylint: disable=g-import-not-at-top
     _, metrics = objectives.task_defaults(spec.task)
-    hptune.check_metric(config.hptune_metric,
+    hptune.check_metric(names.hptune_metric,
                         available=["loss", *(m.name for m in metrics)])
 
 
-def output_folders(config) -> List[Tuple[str, str, str]]:
+def output_folders(outputs: OutputOptions) -> List[Tuple[str, str, str]]:
   """`(flag, value, folder)` of every folder the writing process fills.
 
   The SavedModel is written next to `--export_dir` and renamed into it, so
-  its parent folder is probed.
+  its parent folder is probed. A folder named twice is listed once (the
+  first flag that names it).
   """
-  out = [("--model_dir", config.model_dir, config.model_dir)]
+  model_dir = outputs.model_dir
+  out = [("--model_dir", model_dir, model_dir)]
   for flag, value, folder in (
-      ("--checkpoint_dir", config.checkpoint_dir,
-       config.resolved_checkpoint_dir),
-      ("--tensorboard_dir", config.tensorboard_dir,
-       config.resolved_tensorboard_dir),
-      ("--export_dir", config.export_dir,
-       os.path.dirname(config.resolved_export_dir.rstrip("/")) or ".")):
+      ("--checkpoint_dir", outputs.checkpoint_dir,
+       outputs.resolved_checkpoint_dir),
+      ("--tensorboard_dir", outputs.tensorboard_dir,
+       outputs.resolved_tensorboard_dir),
+      ("--export_dir", outputs.export_dir,
+       os.path.dirname(outputs.resolved_export_dir.rstrip("/")) or ".")):
     if value:
       out.append((flag, value, folder))
     else:  # Derived from --model_dir.
-      out.append(("--model_dir", config.model_dir, folder))
+      out.append(("--model_dir", model_dir, folder))
   seen, unique = set(), []
   for item in out:
     if item[2] not in seen:
@@ -157,11 +200,14 @@ def probe_writable(folder: str, *, flag: str, value: str):
       break
 
 
-def probe_outputs(config):
+def probe_outputs(outputs: OutputOptions):
   """Probes every output folder of the process that writes `--model_dir`.
+
+  Args:
+    outputs: the run's folders (`tfdist.run_options.output_options`).
 
   Raises:
     OutputNotWritableError: the first folder that cannot be written.
   """
-  for flag, value, folder in output_folders(config):
+  for flag, value, folder in output_folders(outputs):
     probe_writable(folder, flag=flag, value=value)

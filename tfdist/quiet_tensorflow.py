@@ -107,6 +107,7 @@ def import_tensorflow():
     return
   with _notices_left_out():
     try:
+      # The one import this module exists for, with the notices left out.
       import tensorflow  # pylint: disable=g-import-not-at-top,unused-import
     except Exception:  # pylint: disable=broad-except
       pass

@@ -183,6 +183,46 @@ def _input_wait(sums: Dict[str, np.ndarray], steps: int) -> dict:
   return out
 
 
+def _train_text(record: dict, values: dict, *, total_steps: int,
+                loss_scale: Optional[float], total_skipped: int,
+                interval) -> str:
+  """The log line of a train `record` (`RunLog.log_train`): step, values,
+  learning rate, loss scale, skipped steps, throughput, input wait and
+  memory peaks; `interval` is the record's throughput interval or None."""
+  step, steps, micro = record["step"], record["steps"], record["micro_steps"]
+  # With gradient accumulation a step (update) is several micro-steps.
+  # The counts are this log interval's (`step` counts updates): "the last
+  # N updates", so `step 40/40 (40 micro-steps in 20 updates)` is never
+  # read as the whole run's.
+  micro_text = (f" ({micro} micro-steps in the last {steps} "
+                f"update{'' if steps == 1 else 's'})"
+                if micro != steps else "")
+  text = (f"tfdist: step {step}/{total_steps}{micro_text}: "
+          f"{format_metrics(values)}")
+  text += f", learning rate {record['learning_rate']:.6g}"
+  if loss_scale is not None:
+    text += f", loss scale {loss_scale:g}"
+  skipped_steps = record["skipped_steps"]
+  if skipped_steps or total_skipped:
+    text += (f", {skipped_steps} of {steps} steps skipped (fp16 gradients "
+             f"not finite; {total_skipped} in this run)")
+  if interval is not None:
+    text += (f", {interval.examples_per_second:.1f} examples/sec, "
+             f"{interval.step_time * 1000:.1f} ms/step")
+  if "input_wait_seconds" in record:
+    text += f", input wait {record['input_wait_seconds'] * 1000:.1f} ms/step"
+    if "input_wait_fraction" in record:
+      text += (f" ({record['input_wait_fraction']:.0%} of the compiled "
+               "step)")
+  text += f", peak RSS {memory.format_bytes(record['peak_rss_bytes'])}"
+  if "device_memory_peak_bytes" in record:
+    text += (", device memory peak "
+             f"{memory.format_bytes(record['device_memory_peak_bytes'])}")
+  if record.get("excluded_from_throughput"):
+    text += " (first interval: warm-up, not averaged)"
+  return text
+
+
 class RunLog:
   """Formats, logs and records training and evaluation metrics.
 
@@ -284,58 +324,14 @@ class RunLog:
       DivergenceError: the mean loss or the learning rate is not finite.
     """
     interval = self.meter.record(step)
-    now = time.time()
     values = self.summarize(sums, steps)
-    record = {"kind": "train", "step": step, "steps": int(steps),
-              **values,
-              "learning_rate": float(learning_rate),
-              "process": self.process_id, "time": now,
-              "process_seconds": now - self.started,
-              "skipped_steps": int(skipped_steps)}
-    if loss_scale is not None:
-      record["loss_scale"] = float(loss_scale)
-    micro = int(sums.get("micro_steps", steps))
-    record["micro_steps"] = micro
-    # With gradient accumulation a step (update) is several micro-steps.
-    # The counts are this log interval's (`step` counts updates): "the last
-    # N updates", so `step 40/40 (40 micro-steps in 20 updates)` is never
-    # read as the whole run's.
-    micro_text = (f" ({micro} micro-steps in the last {steps} "
-                  f"update{'' if steps == 1 else 's'})"
-                  if micro != steps else "")
-    text = (f"tfdist: step {step}/{self.total_steps}{micro_text}: "
-            f"{format_metrics(values)}")
-    text += f", learning rate {record['learning_rate']:.6g}"
-    if loss_scale is not None:
-      text += f", loss scale {loss_scale:g}"
-    if skipped_steps or total_skipped:
-      text += (f", {skipped_steps} of {steps} steps skipped (fp16 gradients "
-               f"not finite; {total_skipped} in this run)")
-    if interval is not None:
-      record["examples_per_second"] = interval.examples_per_second
-      record["step_time_seconds"] = interval.step_time
-      text += (f", {interval.examples_per_second:.1f} examples/sec, "
-               f"{interval.step_time * 1000:.1f} ms/step")
-    record.update(_input_wait(sums, steps))
-    cpu = _cpu_seconds()
-    if self._last_cpu is not None:
-      # CPU seconds of this process (every thread) per step: steadier than
-      # wall time on a shared machine.
-      record["cpu_seconds_per_step"] = (cpu - self._last_cpu) / max(steps, 1)
-    self._last_cpu = cpu
-    if "input_wait_seconds" in record:
-      text += f", input wait {record['input_wait_seconds'] * 1000:.1f} ms/step"
-      if "input_wait_fraction" in record:
-        text += (f" ({record['input_wait_fraction']:.0%} of the compiled "
-                 "step)")
-    record.update(self._memory())
-    text += f", peak RSS {memory.format_bytes(record['peak_rss_bytes'])}"
-    if "device_memory_peak_bytes" in record:
-      text += (", device memory peak "
-               f"{memory.format_bytes(record['device_memory_peak_bytes'])}")
-    if interval is not None and interval.excluded:
-      record["excluded_from_throughput"] = True
-      text += " (first interval: warm-up, not averaged)"
+    record = self._train_record(
+        step, sums, steps, values, learning_rate=learning_rate,
+        loss_scale=loss_scale, skipped_steps=skipped_steps,
+        interval=interval)
+    text = _train_text(record, values, total_steps=self.total_steps,
+                       loss_scale=loss_scale, total_skipped=total_skipped,
+                       interval=interval)
     self._scalars("train", step, {
         **{TAGS["train"].format(k): v for k, v in values.items()},
         **{k: record[k] for k in (
@@ -353,6 +349,38 @@ class RunLog:
           f"learning rate {learning_rate}. " +
           divergence_advice(loss_scaled=loss_scale is not None))
     self._check_explosion(record)
+    return record
+
+  def _train_record(self, step: int, sums: Dict[str, np.ndarray],
+                    steps: int, values: dict, *, learning_rate: float,
+                    loss_scale: Optional[float], skipped_steps: int,
+                    interval) -> dict:
+    """The train record of `log_train` (`metrics.jsonl`'s keys, in order):
+    the values, timing, throughput of `interval` (a `ThroughputMeter`
+    interval, or None), input wait, CPU seconds per step and memory."""
+    now = time.time()
+    record = {"kind": "train", "step": step, "steps": int(steps),
+              **values,
+              "learning_rate": float(learning_rate),
+              "process": self.process_id, "time": now,
+              "process_seconds": now - self.started,
+              "skipped_steps": int(skipped_steps)}
+    if loss_scale is not None:
+      record["loss_scale"] = float(loss_scale)
+    record["micro_steps"] = int(sums.get("micro_steps", steps))
+    if interval is not None:
+      record["examples_per_second"] = interval.examples_per_second
+      record["step_time_seconds"] = interval.step_time
+    record.update(_input_wait(sums, steps))
+    cpu = _cpu_seconds()
+    if self._last_cpu is not None:
+      # CPU seconds of this process (every thread) per step: steadier than
+      # wall time on a shared machine.
+      record["cpu_seconds_per_step"] = (cpu - self._last_cpu) / max(steps, 1)
+    self._last_cpu = cpu
+    record.update(self._memory())
+    if interval is not None and interval.excluded:
+      record["excluded_from_throughput"] = True
     return record
 
   def _check_explosion(self, record: dict):

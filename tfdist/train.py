@@ -29,6 +29,7 @@ from tfdist import flags as tfdist_flags  # pylint: disable=g-import-not-at-top,
 from tfdist import config as config_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
 from tfdist import environment as environment_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
 from tfdist import filesystems  # pylint: disable=g-import-not-at-top,wrong-import-position
+from tfdist import run_options  # pylint: disable=g-import-not-at-top,wrong-import-position
 from tfdist import allocator  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 KEY_FLAGS = tfdist_flags.define_all_flags()
@@ -95,7 +96,7 @@ def main(argv, *, callbacks: Sequence["keras.callbacks.Callback"] = ()):
     # Before anything else imports Keras: an unsupported pair is named here
     # rather than failing inside an import.
     versions.check_installed_versions()
-    filesystems.require_file_systems(filesystems.config_paths(config))
+    filesystems.require_file_systems(run_options.config_paths(config))
   except config_lib.ConfigError as e:
     _usage_error(e)
   environment = environment_lib.read_environment()

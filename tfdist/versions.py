@@ -111,6 +111,9 @@ def installed_versions() -> Versions:
       import error.
   """
   python = platform.python_version()
+  # Imported here, not at the top: whether they import, and in which
+  # order (TensorFlow first: an old one makes the Keras import fail), is
+  # what this checks; the binaries call it before anything imports Keras.
   try:
     import tensorflow as tf  # pylint: disable=g-import-not-at-top
   except ImportError as e:

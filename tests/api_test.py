@@ -1,0 +1,136 @@
+"""`tfdist.fit`'s argument checks and in-memory data (tfdist/api.py).
+
+Cheap: the checks stop before a model is built; one tiny one-device fit
+of a few steps checks what `fit` returns.
+"""
+
+import shutil
+import tempfile
+
+from absl.testing import absltest
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tfdist import api
+from tfdist.config import ConfigError
+from tfdist.config import TrainConfig
+
+
+def _context(pipelines: int = 1, pipeline: int = 0):
+  return tf.distribute.InputContext(num_input_pipelines=pipelines,
+                                    input_pipeline_id=pipeline)
+
+
+def _rows(dataset) -> list:
+  return [tuple(np.asarray(t).tolist() for t in tf.nest.flatten(example))
+          for example in dataset.as_numpy_iterator()]
+
+
+def _model():
+  model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+  model.compile(loss="mse")
+  return model
+
+
+class InMemoryDatasetTest(absltest.TestCase):
+
+  def setUp(self):
+    super().setUp()
+    self.x = np.arange(20, dtype=np.float32).reshape(10, 2)
+    self.y = np.arange(10, dtype=np.float32)
+
+  def test_validation_split_keeps_the_last_rows(self):
+    input_fn, has_validation = api.in_memory_dataset(
+        x=self.x, y=self.y, validation_split=0.2)
+    self.assertTrue(has_validation)
+    train = _rows(input_fn(True, _context()))
+    validation = _rows(input_fn(False, _context()))
+    self.assertLen(train, 8)
+    self.assertEqual([y for _, y in validation], [8.0, 9.0])
+
+  def test_pipelines_read_disjoint_shares(self):
+    input_fn, _ = api.in_memory_dataset(x=self.x, y=self.y)
+    shares = [[y for _, y in _rows(input_fn(True, _context(3, i)))]
+              for i in range(3)]
+    self.assertEqual(shares[1], [1.0, 4.0, 7.0])
+    self.assertEqual(sorted(sum(shares, [])), self.y.tolist())
+
+  def test_without_validation_the_eval_split_is_the_arrays(self):
+    input_fn, has_validation = api.in_memory_dataset(x=self.x, y=self.y)
+    self.assertFalse(has_validation)
+    self.assertLen(_rows(input_fn(False, _context())), 10)
+
+  def test_validation_arrays_and_a_dataset_function(self):
+    input_fn, has_validation = api.in_memory_dataset(
+        dataset_fn=lambda training: tf.data.Dataset.range(6),
+        validation_data=(self.x[:3], self.y[:3]))
+    self.assertTrue(has_validation)
+    self.assertEqual(
+        list(input_fn(True, _context(2, 0)).as_numpy_iterator()), [0, 2, 4])
+    self.assertLen(_rows(input_fn(False, _context())), 3)
+
+  def test_the_checks(self):
+    for kwargs, message in (
+        (dict(x=self.x, y=self.y, validation_split=1.0),
+         r"validation_split=1\.0 must be in \(0, 1\)"),
+        (dict(y=self.y), "y or sample_weight given without x"),
+        (dict(dataset_fn=lambda: None, validation_split=0.5),
+         "validation_split=0.5 is only for arrays"),
+        (dict(x=self.x, y=self.y[:4]),
+         "x has 10 rows, y has 4 rows"),
+        (dict(x=self.x, y=self.y, validation_data=(self.x,)),
+         "validation_data must be a tuple .* received tuple of 1 entries"),
+        (dict(x=self.x, y=self.y, validation_data="data"),
+         "validation_data must be a tuple .* received str\\."),
+        (dict(x=self.x[:1], y=self.y[:1], validation_split=0.5),
+         "leaves 0 for training and 1 for evaluation"),
+        (dict(x=np.float32(1.0)), "holds a scalar")):
+      with self.subTest(message=message):
+        with self.assertRaisesRegex(ConfigError, message):
+          api.in_memory_dataset(**kwargs)
+
+
+class FitTest(absltest.TestCase):
+
+  def setUp(self):
+    super().setUp()
+    self.dir = tempfile.mkdtemp()
+    self.addCleanup(shutil.rmtree, self.dir, ignore_errors=True)
+    self.config = TrainConfig(model_dir=self.dir, train_steps=4,
+                              batch_size=4, log_steps=2,
+                              distribution_strategy="one_device",
+                              optimizer="sgd", base_learning_rate=0.01,
+                              base_batch_size=4, warmup_steps=0)
+    self.x = np.ones((16, 2), np.float32)
+    self.y = np.ones((16,), np.float32)
+
+  def test_argument_checks_stop_before_training(self):
+    for kwargs, message in (
+        (dict(x=self.x, y=self.y,
+              dataset_fn=lambda training: tf.data.Dataset.range(1)),
+         "Pass the examples once"),
+        (dict(x=self.x, y=self.y, parse_fn=lambda r: r),
+         "parse_fn and config.feature_spec read"),
+        (dict(dataset_fn="fashion_mnist", validation_split=0.1),
+         "need dataset_fn to be a function"),
+        (dict(dataset_fn=lambda training: None, parse_fn=lambda r: r),
+         "Pass one source of data")):
+      with self.subTest(message=message):
+        with self.assertRaisesRegex(ConfigError, message):
+          api.fit(_model, config=self.config, **kwargs)
+    with self.assertRaisesRegex(ConfigError, "model_fn must be a function"):
+      api.fit(3, x=self.x, y=self.y, config=self.config)
+
+  def test_a_tiny_fit_returns_the_manifest_and_history(self):
+    result = api.fit(_model, x=self.x, y=self.y, config=self.config)
+    self.assertEqual(result["final_step"], 4)
+    self.assertEqual(result["strategy"], "one_device")
+    self.assertEqual(result["data"]["dataset"], "arrays")
+    self.assertIn("loss", result["history"])
+    self.assertTrue(all(isinstance(v, float)
+                        for v in result["history"]["loss"]))
+
+
+if __name__ == "__main__":
+  absltest.main()
