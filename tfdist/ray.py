@@ -1004,7 +1004,4 @@ if __name__ == "__main__":
   # Run the copy imported as `tfdist.ray`, so that what goes to Ray's
   # workers names importable functions (cloudpickle copies functions of
   # `__main__` by value).
-  _MODULE = importlib.import_module("tfdist.ray")
-  _MODULE.define_ray_flags()
-  flags.adopt_module_key_flags(_MODULE)
-  app.run(_MODULE.main)
+  importlib.import_module("tfdist.ray").run()
