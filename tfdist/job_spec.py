@@ -90,7 +90,14 @@ from absl import logging
 
 from tfdist import cluster as cluster_lib
 from tfdist import environment as environment_lib
+from tfdist import flags as tfdist_flags
+from tfdist import quiet_tensorflow
 from tfdist.config import ConfigError
+from tfdist.strategy_kind import StrategyKind
+
+# The validators' packages (google-cloud-aiplatform, kubeflow-training,
+# kubernetes) and PyYAML are optional (the jobspec extra): each is imported
+# in the function that needs it.
 
 PLATFORMS = ("vertex", "kubernetes")
 # The forms a Vertex CustomJob is printed in, by the client that takes it.
@@ -186,13 +193,13 @@ class JobPlan:
            "tfdist.train as --name=value.")
 
   @property
-  def strategy(self) -> str:
+  def strategy(self) -> StrategyKind:
     """The strategy `auto` picks for this cluster."""
     if self.num_ps:
-      return "parameter_server"
+      return StrategyKind.PARAMETER_SERVER
     if self.num_workers:
-      return "multi_worker_mirrored"
-    return "one_device"
+      return StrategyKind.MULTI_WORKER_MIRRORED
+    return StrategyKind.ONE_DEVICE
 
 
 def _need(cond, message):
@@ -220,7 +227,6 @@ def parse_accelerator(value: str) -> Tuple[str, int]:
 # --- train flags, through tfdist's own parser --------------------------------
 def _train_flag_template() -> List[flags.Flag]:
   """tfdist.train's flags, defined once in the global FLAGS (copied from)."""
-  from tfdist import flags as tfdist_flags  # pylint: disable=g-import-not-at-top
   global_flags = flags.FLAGS
   if "model_dir" not in global_flags:
     tfdist_flags.define_all_flags()
@@ -250,7 +256,6 @@ def parse_train_flags(args: Sequence[str], *, where: str,
     JobSpecError: an unknown flag, a bad value, a positional argument, or an
       invalid configuration; the message names `where`.
   """
-  from tfdist import flags as tfdist_flags  # pylint: disable=g-import-not-at-top
   values = flags.FlagValues()
   for flag in _train_flag_template():
     values[flag.name] = copy.deepcopy(flag)
@@ -269,8 +274,8 @@ def parse_train_flags(args: Sequence[str], *, where: str,
     config.require_data_files()
     # The part of tfdist.train --dry_run that needs no access to the job's
     # files, cluster or devices: names that exist and fit together.
-    from tfdist import quiet_tensorflow  # pylint: disable=g-import-not-at-top
     quiet_tensorflow.import_tensorflow()  # The spec alone on stdout.
+    # Imported only now: it imports TensorFlow, quietly after the line above.
     from tfdist import preflight  # pylint: disable=g-import-not-at-top
     preflight.check_names(config)
   except ConfigError as e:
@@ -313,21 +318,23 @@ def check_train_config(config, plan: Optional[JobPlan], *, where: str,
   if plan is None:
     return
   name = config.distribution_strategy
+  # None: `auto`, which picks the strategy of the job's shape (`plan.strategy`).
+  kind = None if name == "auto" else StrategyKind.parse(name)
   _need(not config.worker_hosts,
         f"{where}: --worker_hosts is set; the platform gives every replica "
         "its cluster (CLUSTER_SPEC/TF_CONFIG). Drop --worker_hosts and "
         "--task_index.")
   if plan.num_ps:
-    _need(name in ("auto", "parameter_server"),
+    _need(kind is None or kind.is_asynchronous,
           f"{where}: --distribution_strategy={name} cannot run a cluster "
           f"with {plan.num_ps} parameter server(s); use parameter_server or "
           "auto.")
   else:
-    _need(name != "parameter_server",
+    _need(kind is None or not kind.is_asynchronous,
           f"{where}: --distribution_strategy=parameter_server needs "
           "--num_ps >= 1.")
     if plan.num_workers:
-      _need(name in ("auto", "multi_worker_mirrored"),
+      _need(kind in (None, StrategyKind.MULTI_WORKER_MIRRORED),
             f"{where}: --distribution_strategy={name} runs on one machine; "
             f"this job has {plan.num_workers + 1} training replicas. Use "
             "multi_worker_mirrored or auto.")
@@ -517,6 +524,74 @@ def _vertex_environment(job_spec: dict) -> Dict[str, str]:
   return {name: base + leaf for name, leaf in _AIP_FOLDERS}
 
 
+def _check_vertex_pool_machine(pool, where: str):
+  """A used pool's machine and replicas, as the Vertex API requires them."""
+  _need(pool.machine_spec.machine_type,
+        f"Vertex CustomJob: {where}.machineSpec.machineType is required.")
+  _need(pool.replica_count >= 1,
+        f"Vertex CustomJob: {where}.replicaCount must be >= 1.")
+  accelerated = pool.machine_spec.accelerator_type != 0
+  _need(accelerated == (pool.machine_spec.accelerator_count > 0),
+        f"Vertex CustomJob: {where}.machineSpec: acceleratorType and "
+        "acceleratorCount go together.")
+
+
+def _vertex_container_args(index: int, pool, where: str) -> Optional[list]:
+  """A `containerSpec` pool's checks; its args when it runs tfdist.train."""
+  _need(pool.container_spec.image_uri,
+        f"Vertex CustomJob: {where}.containerSpec.imageUri is required.")
+  if cluster_lib.is_reduction_server_image(pool.container_spec.image_uri):
+    _need(index == cluster_lib.REDUCTION_SERVER_POOL,
+          f"Vertex CustomJob: the Reduction Server runs in "
+          f"workerPoolSpecs[2], not {where}.")
+  if list(pool.container_spec.command)[-2:] == ["-m", TRAIN_MODULE]:
+    return list(pool.container_spec.args)
+  return None
+
+
+def _vertex_package_args(pool, where: str) -> Optional[list]:
+  """A `pythonPackageSpec` pool's checks; its args when it runs
+  tfdist.train."""
+  package = pool.python_package_spec
+  _need(package.executor_image_uri and package.python_module and
+        package.package_uris,
+        f"Vertex CustomJob: {where}.pythonPackageSpec needs "
+        "executorImageUri, packageUris and pythonModule.")
+  for uri in package.package_uris:
+    _need(uri.startswith("gs://"),
+          f"Vertex CustomJob: {where} package {uri!r}: Vertex installs "
+          "packages from Cloud Storage (gs://BUCKET/tfdist-X.tar.gz).")
+  if package.python_module != TRAIN_MODULE:
+    return None
+  return list(package.args)
+
+
+def _vertex_pool_config(index: int, pool, *, plan: Optional[JobPlan],
+                        environ: Dict[str, str]):
+  """Checks used pool `index`; returns its `TrainConfig`, or None for a
+  pool that does not run tfdist.train (the Reduction Server, another
+  program)."""
+  where = f"workerPoolSpecs[{index}]"
+  _check_vertex_pool_machine(pool, where)
+  task = pool.WhichOneof("task")
+  _need(task in ("python_package_spec", "container_spec"),
+        f"Vertex CustomJob: {where} needs pythonPackageSpec or "
+        "containerSpec.")
+  if task == "container_spec":
+    args = _vertex_container_args(index, pool, where)
+    prebuilt = False
+  else:
+    args = _vertex_package_args(pool, where)
+    prebuilt = pool.python_package_spec.executor_image_uri.startswith(
+        "us-docker.pkg.dev/vertex-ai/training/")
+  if args is None:
+    return None
+  config = parse_train_flags(args, where=f"Vertex {where}", environ=environ)
+  check_train_config(config, plan, where=f"Vertex {where}",
+                     shared_prefixes=("/gcs/",), prebuilt_container=prebuilt)
+  return config
+
+
 def validate_vertex_custom_job(job: dict, plan: Optional[JobPlan] = None
                                ) -> List:
   """Checks a `CustomJob` dict strictly; returns each tfdist pool's config.
@@ -552,56 +627,14 @@ def validate_vertex_custom_job(job: dict, plan: Optional[JobPlan] = None
   environ = _vertex_environment(job["jobSpec"])
   configs = []
   for index, pool in enumerate(pools):
-    where = f"workerPoolSpecs[{index}]"
     if not pool.ByteSize():
       _need(index not in (0, len(pools) - 1),
-            f"Vertex CustomJob: {where} is empty; only pools between used "
-            "ones may be empty.")
+            f"Vertex CustomJob: workerPoolSpecs[{index}] is empty; only "
+            "pools between used ones may be empty.")
       continue
-    _need(pool.machine_spec.machine_type,
-          f"Vertex CustomJob: {where}.machineSpec.machineType is required.")
-    _need(pool.replica_count >= 1,
-          f"Vertex CustomJob: {where}.replicaCount must be >= 1.")
-    accelerated = pool.machine_spec.accelerator_type != 0
-    _need(accelerated == (pool.machine_spec.accelerator_count > 0),
-          f"Vertex CustomJob: {where}.machineSpec: acceleratorType and "
-          "acceleratorCount go together.")
-    task = pool.WhichOneof("task")
-    _need(task in ("python_package_spec", "container_spec"),
-          f"Vertex CustomJob: {where} needs pythonPackageSpec or "
-          "containerSpec.")
-    if task == "container_spec":
-      _need(pool.container_spec.image_uri,
-            f"Vertex CustomJob: {where}.containerSpec.imageUri is required.")
-      if cluster_lib.is_reduction_server_image(pool.container_spec.image_uri):
-        _need(index == cluster_lib.REDUCTION_SERVER_POOL,
-              f"Vertex CustomJob: the Reduction Server runs in "
-              f"workerPoolSpecs[2], not {where}.")
-      if list(pool.container_spec.command)[-2:] == ["-m", TRAIN_MODULE]:
-        config = parse_train_flags(list(pool.container_spec.args),
-                                   where=f"Vertex {where}", environ=environ)
-        check_train_config(config, plan, where=f"Vertex {where}",
-                           shared_prefixes=("/gcs/",))
-        configs.append((index, config))
-      continue
-    package = pool.python_package_spec
-    _need(package.executor_image_uri and package.python_module and
-          package.package_uris,
-          f"Vertex CustomJob: {where}.pythonPackageSpec needs "
-          "executorImageUri, packageUris and pythonModule.")
-    for uri in package.package_uris:
-      _need(uri.startswith("gs://"),
-            f"Vertex CustomJob: {where} package {uri!r}: Vertex installs "
-            "packages from Cloud Storage (gs://BUCKET/tfdist-X.tar.gz).")
-    if package.python_module != TRAIN_MODULE:
-      continue
-    config = parse_train_flags(list(package.args), where=f"Vertex {where}",
-                               environ=environ)
-    check_train_config(config, plan, where=f"Vertex {where}",
-                       shared_prefixes=("/gcs/",),
-                       prebuilt_container=package.executor_image_uri.startswith(
-                           "us-docker.pkg.dev/vertex-ai/training/"))
-    configs.append((index, config))
+    config = _vertex_pool_config(index, pool, plan=plan, environ=environ)
+    if config is not None:
+      configs.append((index, config))
   _need(configs, "Vertex CustomJob: no worker pool runs tfdist.train.")
   return configs
 
