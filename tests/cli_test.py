@@ -1,12 +1,24 @@
-"""tfdist.cli.adopt_usage: a console script's usage text is the binary's."""
+"""tfdist.cli: a console script's usage text is the binary's, and help
+exits 0; tfdist.train's edge: flags to config, errors to exit statuses."""
 
+import contextlib
+import io
+import os
+import signal
 import subprocess
 import sys
 import textwrap
 
+from absl import flags
 from absl.testing import absltest
+from absl.testing import flagsaver
+from absl.testing import parameterized
 
 from tests import testutil
+from tfdist import cli
+from tfdist import exit_codes
+from tfdist import preemption
+from tfdist import train
 
 
 class AdoptUsageTest(absltest.TestCase):
@@ -56,6 +68,99 @@ class AdoptUsageTest(absltest.TestCase):
         """))
     self.assertIn("python -m tfdist.launch", out)
     self.assertNotIn("exec'", out)
+
+
+@contextlib.contextmanager
+def _environ_without(*names):
+  saved = {n: os.environ.pop(n) for n in names if n in os.environ}
+  try:
+    yield
+  finally:
+    os.environ.update(saved)
+
+
+class HelpExitsZeroTest(parameterized.TestCase):
+
+  @parameterized.parameters("--help", "--helpshort", "--helpfull", "-?")
+  def test_help_flags_exit_zero(self, arg):
+    flag_values = flags.FlagValues()
+    cli.define_help_flags(flag_values)
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+      with self.assertRaises(SystemExit) as caught:
+        flag_values(["prog", arg])
+    self.assertEqual(caught.exception.code, 0)
+    self.assertTrue(out.getvalue().strip())  # absl's help text.
+
+  def test_nohelp_does_not_exit(self):
+    flag_values = flags.FlagValues()
+    cli.define_help_flags(flag_values)
+    cli.define_help_flags(flag_values)  # Idempotent.
+    self.assertEqual(flag_values(["prog", "--nohelp"]), ["prog"])
+
+  @parameterized.named_parameters(
+      ("train", "tfdist.train", "--helpshort", "python -m tfdist.train"),
+      ("train_help", "tfdist.train", "--help", "python -m tfdist.train"),
+      ("launch", "tfdist.launch", "--helpshort", "python -m tfdist.launch"),
+      ("ray", "tfdist.ray", "--help", "python -m tfdist.ray"))
+  def test_binary_help_exits_zero(self, module, arg, usage):
+    proc = testutil.run_module(module, [arg], timeout=120)
+    self.assertEqual(proc.returncode, 0, proc.stdout[-3000:])
+    self.assertIn(usage, proc.stdout)
+
+
+class TrainEdgeTest(absltest.TestCase):
+  """tfdist.train's edge, in process: no training runs."""
+
+  def _exit_status(self, fn, *args):
+    with contextlib.redirect_stderr(io.StringIO()) as err:
+      with self.assertRaises(SystemExit) as caught:
+        fn(*args)
+    return caught.exception.code, err.getvalue()
+
+  def test_unknown_flag_value_is_a_usage_error(self):
+    with flagsaver.flagsaver():
+      status, err = self._exit_status(
+          train._parse_flags,  # pylint: disable=protected-access
+          ["tfdist.train", "--distribution_strategy=mirrorred"])
+    self.assertEqual(status, exit_codes.CONFIG)
+    self.assertIn("tfdist.train: error:", err)
+    self.assertIn("mirrorred", err)
+    self.assertIn("--helpshort", err)
+
+  def test_unexpected_argument_is_a_usage_error(self):
+    status, err = self._exit_status(train.main, ["tfdist.train", "extra"])
+    self.assertEqual(status, exit_codes.CONFIG)
+    self.assertIn("Unexpected arguments: extra", err)
+
+  def test_missing_model_dir_is_a_usage_error(self):
+    with flagsaver.flagsaver(), _environ_without("AIP_MODEL_DIR",
+                                                 "AIP_CHECKPOINT_DIR"):
+      train._parse_flags(["tfdist.train", "--train_steps=5"])  # pylint: disable=protected-access
+      status, err = self._exit_status(train.main, ["tfdist.train"])
+    self.assertEqual(status, exit_codes.CONFIG)
+    self.assertIn("--model_dir is required", err)
+
+  def test_failure_message_prefix(self):
+    error = RuntimeError("loss is NaN at step 7")
+    self.assertEqual(train.failure_message(error, exit_codes.DIVERGED),
+                     "tfdist.train: error: loss is NaN at step 7")
+    preempted = preemption.PreemptedError(signum=signal.SIGTERM, step=9,
+                                          checkpoint="/tmp/run/ckpt-9")
+    status = exit_codes.exit_code_for(preempted)
+    self.assertEqual(status, 128 + signal.SIGTERM)
+    self.assertEqual(train.failure_message(preempted, status),
+                     f"tfdist.train: {preempted}")
+
+  def test_cluster_processes_leave_without_teardown(self):
+    leaves = train._leaves_without_teardown  # pylint: disable=protected-access
+    self.assertTrue(leaves({"role": "ps"}))
+    self.assertTrue(leaves({"role": "worker", "index": 1}))
+    self.assertTrue(leaves({"strategy": "multi_worker_mirrored"}))
+    self.assertTrue(leaves({"strategy": "parameter_server"}))
+    self.assertFalse(leaves({"strategy": "mirrored"}))
+    self.assertFalse(leaves({"strategy": "one_device", "role": "chief"}))
+    self.assertFalse(leaves({"role": "evaluator", "results": []}))
+
 
 if __name__ == "__main__":
   absltest.main()

@@ -17,9 +17,10 @@ PACKAGES = ("tfdist", "models", "flags")
 # as a module this test runs (tests/bazel_targets.py).
 WIRING = f"{PACKAGES[0]}.experiment"
 CONTROLLER = f"{PACKAGES[0]}.controller"
-# Entry points: the binaries, and `tfdist.fit` (tfdist.api), the Python
-# API's edge, which runs the wiring as the binaries do.
-BINARIES = (f"{PACKAGES[0]}.train", f"{PACKAGES[0]}.ray",
+# Entry points: the binaries (the Ray binary's through the part that runs
+# on each Ray worker, tfdist.ray_worker), and `tfdist.fit` (tfdist.api), the
+# Python API's edge, which runs the wiring as the binaries do.
+BINARIES = (f"{PACKAGES[0]}.train", f"{PACKAGES[0]}.ray_worker",
             f"{PACKAGES[0]}.api")
 
 

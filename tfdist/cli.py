@@ -1,4 +1,4 @@
-"""What tfdist's binaries share at their edge (absl's usage text).
+"""What tfdist's binaries share at their edge (absl's usage text and help).
 
 absl prints, for `--help` and `--helpshort`, the docstring of `__main__` and
 the key flags of the module named by `sys.argv[0]`. Under `python -m
@@ -7,17 +7,75 @@ tfdist.train` both are the binary's own module; under a pip console script
 script, whose docstring is empty or, where the interpreter's path is too
 long for a `#!` line, pip's shell trampoline (`'exec' ... "$0" "$@"`).
 `adopt_usage` gives the wrapper the binary's text and key flags.
+
+absl's own help flags (`--help`, `--helpshort`, `--helpfull`, `--helpxml`)
+print the help and exit with status 1, the status tfdist gives a failed
+run (`tfdist.exit_codes`); `define_help_flags` replaces them by flags that
+print the same and exit 0, since the help asked for was given.
 """
 
 import sys
 from typing import Iterable
 
+from absl import app
 from absl import flags
+
+
+class _ExitZero:
+  """Mixin for absl's help flags: leaves with status 0 where they left
+  with 1 (they print their help, then `sys.exit(1)`)."""
+
+  def parse(self, arg):
+    try:
+      super().parse(arg)
+    except SystemExit as e:
+      raise SystemExit(0 if e.code == 1 else e.code) from None
+
+
+class _HelpFlag(_ExitZero, app.HelpFlag):
+  pass
+
+
+class _HelpshortFlag(_ExitZero, app.HelpshortFlag):
+  pass
+
+
+class _HelpfullFlag(_ExitZero, app.HelpfullFlag):
+  pass
+
+
+class _HelpXMLFlag(_ExitZero, app.HelpXMLFlag):
+  pass
+
+
+_HELP_FLAG_CLASSES = (_HelpFlag, _HelpshortFlag, _HelpfullFlag, _HelpXMLFlag)
+
+
+def define_help_flags(flag_values: flags.FlagValues = flags.FLAGS):
+  """Defines absl's help flags in `flag_values`, exiting 0 after the help.
+
+  Idempotent. In absl's global `FLAGS`, absl's own are defined first
+  (`app.define_help_flags`, which `app.run` then finds done) and replaced,
+  so `--helpfull` still lists them under `absl.app`.
+
+  Args:
+    flag_values: the registry (absl's global `FLAGS` by default).
+  """
+  if flag_values is flags.FLAGS:
+    app.define_help_flags()
+  for flag_class in _HELP_FLAG_CLASSES:
+    flag = flag_class()
+    for name in (flag.name, flag.short_name):
+      if name and name in flag_values:
+        delattr(flag_values, name)
+    flags.DEFINE_flag(flag, flag_values, module_name=app.__name__)
 
 
 def adopt_usage(doc: str, key_flags: Iterable[flags.Flag], *,
                 flag_values: flags.FlagValues = flags.FLAGS):
   """Makes `doc` the usage text and `key_flags` the `--helpshort` flags.
+
+  Also makes the help flags exit 0 (`define_help_flags`).
 
   Args:
     doc: the binary module's docstring, made `__main__`'s (under `python
@@ -28,3 +86,4 @@ def adopt_usage(doc: str, key_flags: Iterable[flags.Flag], *,
   sys.modules["__main__"].__doc__ = doc
   for flag in key_flags:
     flag_values.register_key_flag_for_module(sys.argv[0], flag)
+  define_help_flags(flag_values)

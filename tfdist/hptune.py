@@ -44,6 +44,7 @@ def make_hypertune():
       flag and the package.
   """
   try:
+    # Optional (cloudml-hypertune, the vertex extra): imported on first use.
     import hypertune  # pylint: disable=g-import-not-at-top
   except ImportError:
     raise ConfigError(

@@ -69,6 +69,7 @@ import copy
 import glob
 import importlib
 import json
+import logging as std_logging
 import os
 import shutil
 import sys
@@ -91,8 +92,11 @@ from absl import flags  # pylint: disable=g-import-not-at-top,wrong-import-posit
 from absl import logging  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 from tfdist import cli  # pylint: disable=g-import-not-at-top,wrong-import-position
-from tfdist.checkpoint_paths import checkpoint_step  # pylint: disable=g-import-not-at-top,wrong-import-position
+from tfdist import environment  # pylint: disable=g-import-not-at-top,wrong-import-position
+from tfdist import flags as tfdist_flags  # pylint: disable=g-import-not-at-top,wrong-import-position
+from tfdist import quiet_tensorflow  # pylint: disable=g-import-not-at-top,wrong-import-position
 from tfdist.config import ConfigError, TrainConfig  # pylint: disable=g-import-not-at-top,wrong-import-position
+from tfdist.strategy_kind import StrategyKind  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 INSTALL_HINT = ("Ray Train is not installed. Install it with: pip install "
                 "'tfdist[ray]' (or: pip install 'ray[train]>=2.60,<3').")
@@ -160,9 +164,10 @@ def prepare_config(config: TrainConfig) -> TrainConfig:
       (Ray gives the cluster), or a local file glob that matches nothing.
   """
   strategy = config.distribution_strategy
-  if strategy == "parameter_server":
-    raise ConfigError(f"--distribution_strategy=parameter_server: {PS_REFUSAL}")
-  if strategy not in ("auto", "multi_worker_mirrored"):
+  kind = None if strategy == "auto" else StrategyKind.parse(strategy)
+  if kind is not None and kind.is_asynchronous:
+    raise ConfigError(f"--distribution_strategy={kind}: {PS_REFUSAL}")
+  if kind not in (None, StrategyKind.MULTI_WORKER_MIRRORED):
     raise ConfigError(
         f"--distribution_strategy={strategy} does not apply under tfdist.ray: "
         "each Ray Train worker is one task of a MultiWorkerMirroredStrategy "
@@ -174,13 +179,12 @@ def prepare_config(config: TrainConfig) -> TrainConfig:
         f"--worker_hosts={config.worker_hosts!r} / --task_index="
         f"{config.task_index}: Ray Train gives every worker its place in the "
         "cluster (TF_CONFIG). Drop both flags.")
-  changes = {"distribution_strategy": "multi_worker_mirrored"}
+  changes = {"distribution_strategy": StrategyKind.MULTI_WORKER_MIRRORED.value}
   for name in _PATH_FIELDS:
     value = getattr(config, name)
     if name == "data_dir" and not value and not (config.train_files and
                                                   config.eval_files):
       # This binary's edge: the driver's environment names the data folder.
-      from tfdist import environment  # pylint: disable=g-import-not-at-top
       value = environment.read_environment().default_data_dir
     changes[name] = _absolute(value) if value else value
   for name, flag in _FILE_FIELDS:
@@ -196,6 +200,9 @@ def prepare_config(config: TrainConfig) -> TrainConfig:
   return config.replace(**changes)
 
 
+# Ray is an optional dependency (`pip install 'tfdist[ray]'`): `ray` and its
+# parts are imported inside the functions that use them, after
+# `_require_ray` named the fix if it is missing.
 def _require_ray():
   try:
     import ray  # pylint: disable=g-import-not-at-top
@@ -293,281 +300,35 @@ def setup_local_worker_process():
     (`TF_CPP_MIN_LOG_LEVEL=2` unless set; `TF_CPP_MIN_LOG_LEVEL=0` shows
     everything).
   """
-  import logging as std_logging  # pylint: disable=g-import-not-at-top
-  from tfdist import quiet_tensorflow  # pylint: disable=g-import-not-at-top
   std_logging.getLogger(_STATE_API_LOGGER).setLevel(std_logging.ERROR)
   quiet_tensorflow.default_log_level()
   quiet_tensorflow.quiet_on_import()
 
 
-def _log_tensorflow_once():
-  """Leaves TensorFlow's Python log lines to the root logger's handlers.
-
-  TensorFlow's logger gets a stderr handler of its own when TensorFlow is
-  imported before the root logger has one (`tf.get_logger()`), and
-  passes its records on to the root logger as well. In a Ray Train
-  worker, Ray imports TensorFlow first and then gives the root logger its
-  console and log-file handlers, so every TensorFlow line was written
-  twice ("INFO:tensorflow:..." and the plain one). With root handlers
-  there, TensorFlow's own stderr handlers go; its lines are then written
-  once, by Ray's handlers (and so in Ray Train's worker log file too).
-  """
-  import logging as std_logging  # pylint: disable=g-import-not-at-top
-  root = std_logging.getLogger()
-  tf_logger = std_logging.getLogger("tensorflow")
-  if not root.handlers or not tf_logger.propagate:
-    return
-  for handler in list(tf_logger.handlers):
-    if (type(handler) is std_logging.StreamHandler and  # pylint: disable=unidiomatic-typecheck
-        handler.stream in (sys.stderr, sys.stdout, sys.__stderr__,
-                           sys.__stdout__)):
-      tf_logger.removeHandler(handler)
+# --- inside the Ray Train workers (tfdist.ray_worker) ---------------------
+# Names of `tfdist.ray_worker` also importable from here.
+_WORKER_NAMES = ("RayReportCallback", "checkpoint_step", "export_checkpoint",
+                 "import_checkpoint", "final_metrics",
+                 "IMPORT_TIMEOUT_SECONDS")
 
 
-# --- tfdist checkpoints as Ray checkpoints -----------------------------------
-def export_checkpoint(checkpoint_dir: str, folder: str,
-                      newer_than: int = -1) -> Optional[int]:
-  """Copies the latest tfdist checkpoint of `checkpoint_dir` into `folder`.
-
-  The copy is a tfdist checkpoint folder of its own: the checkpoint's files
-  (`ckpt-N.index`, `ckpt-N.data-*`) and TensorFlow's `checkpoint` state
-  file naming it, so `tf.train.latest_checkpoint(folder)` finds it; it is
-  what a Ray checkpoint of the run holds.
-
-  Args:
-    checkpoint_dir: tfdist's checkpoint folder (local or gs://).
-    folder: an existing local folder.
-    newer_than: copy only a checkpoint of a later step than this.
-
-  Returns:
-    The step copied, or None (no checkpoint, or none newer).
-  """
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  prefix = tf.train.latest_checkpoint(checkpoint_dir)
-  if not prefix or checkpoint_step(prefix) <= newer_than:
-    return None
-  for path in tf.io.gfile.glob(prefix + ".*"):
-    tf.io.gfile.copy(path, os.path.join(folder, os.path.basename(path)),
-                     overwrite=True)
-  tf.compat.v1.train.update_checkpoint_state(
-      folder, os.path.basename(prefix),
-      all_model_checkpoint_paths=[os.path.basename(prefix)])
-  return checkpoint_step(prefix)
+def _ray_worker():
+  """`tfdist.ray_worker`, imported on first use: it imports TensorFlow,
+  Keras and Ray Train, which this module's binary imports only after its
+  `quiet_tensorflow` set-up, and which a driver never needs."""
+  from tfdist import ray_worker  # pylint: disable=g-import-not-at-top
+  return ray_worker
 
 
-def import_checkpoint(folder: str, checkpoint_dir: str) -> Optional[int]:
-  """Copies the tfdist checkpoint of a Ray checkpoint `folder` into
-  `checkpoint_dir` when that holds no checkpoint of the same or a later
-  step (a run restored through Ray into a new `--model_dir`).
-
-  The files go first and TensorFlow's `checkpoint` state file last, so a
-  reader sees the checkpoint whole or not at all; nothing there is deleted.
-
-  Returns:
-    The step imported, or None (nothing to import, or `checkpoint_dir`
-    is as new).
-  """
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  prefix = tf.train.latest_checkpoint(folder)
-  if not prefix:
-    return None
-  local = tf.train.latest_checkpoint(checkpoint_dir)
-  step = checkpoint_step(prefix)
-  if local and checkpoint_step(local) >= step:
-    return None
-  tf.io.gfile.makedirs(checkpoint_dir)
-  for path in tf.io.gfile.glob(prefix + ".*"):
-    tf.io.gfile.copy(path, os.path.join(checkpoint_dir,
-                                        os.path.basename(path)),
-                     overwrite=True)
-  state = tf.train.get_checkpoint_state(checkpoint_dir)
-  kept = list(state.all_model_checkpoint_paths) if state else []
-  tf.compat.v1.train.update_checkpoint_state(
-      checkpoint_dir, os.path.basename(prefix),
-      all_model_checkpoint_paths=[*kept, os.path.basename(prefix)])
-  return step
-
-
-def _wait_for_checkpoint(checkpoint_dir: str, step: int, timeout: float):
-  """Waits until `checkpoint_dir`'s latest checkpoint is at `step` or later
-  (the chief imports it; the other workers restore from it)."""
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  deadline = time.time() + timeout
-  while True:
-    latest = tf.train.latest_checkpoint(checkpoint_dir)
-    if latest and checkpoint_step(latest) >= step:
-      return
-    if time.time() > deadline:
-      raise RuntimeError(
-          f"tfdist.ray: the chief did not import the Ray checkpoint of step "
-          f"{step} into {checkpoint_dir} within {timeout:.0f} s.")
-    time.sleep(0.5)
-
-
-# --- inside the Ray Train workers -----------------------------------------
-def _report_callback(**kwargs):
-  """A `RayReportCallback` (Keras is imported on first use)."""
-  return _report_callback_class()(**kwargs)
-
-
-_CALLBACK_CLASS = None
-
-
-def _report_callback_class():
-  global _CALLBACK_CLASS
-  if _CALLBACK_CLASS is None:
-    import keras  # pylint: disable=g-import-not-at-top
-
-    class RayReportCallback(keras.callbacks.Callback):
-      """Reports tfdist's metrics and checkpoints to Ray Train.
-
-      Every worker reports (`ray.train.report` is a barrier across the
-      workers: each must call it the same number of times), at points
-      tfdist's controller reaches at the same step on every worker:
-
-      * every `log_steps` steps (when the next chunk of steps begins, after
-        the controller saved any checkpoint of that step): `step`, `loss`
-        (the mean training loss of the interval), `epoch`, `start_step`;
-        the chief (world rank 0) attaches a Ray checkpoint holding the
-        newest tfdist checkpoint not reported yet (`export_checkpoint`), so
-        Ray's `CheckpointConfig`, `Result.checkpoint` and
-        `ray.train.get_checkpoint()` hold the model;
-      * after each evaluation (`on_epoch_end`, with `val_*` logs): `step`,
-        `epoch`, `start_step`, `loss`, `accuracy`, `val_loss`,
-        `val_accuracy` (and whatever else the logs hold).
-
-      Args:
-        log_steps: the run's `--log_steps`.
-        checkpoint_dir: tfdist's checkpoint folder (the chief exports from
-          it).
-        is_chief: this worker attaches the checkpoints.
-
-      Reported values are floats except `step`, `epoch` and `start_step`
-      (ints; `start_step` is the step this Ray attempt resumed from, 0 for
-      a fresh start).
-      """
-
-      def __init__(self, *, log_steps: int = 0, checkpoint_dir: str = "",
-                   is_chief: bool = False):
-        super().__init__()
-        self.log_steps = int(log_steps)
-        self.checkpoint_dir = checkpoint_dir
-        self.is_chief = is_chief
-        self.start_step = 0
-        self.reported_checkpoint_step = -1
-        self._last_step = 0
-        self._loss_sum = 0.0
-        self._loss_steps = 0
-        self._reported_step = 0
-        self._epoch = 0
-
-      def _step(self, logs=None) -> int:
-        if logs and "step" in logs:
-          return int(logs["step"])
-        return int(keras.ops.convert_to_numpy(self.model.optimizer.iterations))
-
-      def on_train_begin(self, logs=None):
-        self.start_step = self._last_step = self._reported_step = (
-            self._step(logs))
-        self.reported_checkpoint_step = self.start_step
-
-      def on_epoch_begin(self, epoch, logs=None):
-        self._epoch = int(epoch)
-
-      def on_train_batch_end(self, batch, logs=None):
-        step = self._step()
-        if logs and "loss" in logs and step > self._last_step:
-          self._loss_sum += float(logs["loss"]) * (step - self._last_step)
-          self._loss_steps += step - self._last_step
-        self._last_step = step
-
-      def on_train_batch_begin(self, batch, logs=None):
-        step = self._step()
-        if (self.log_steps and step > self._reported_step and
-            step % self.log_steps == 0):
-          self._report_interval(step)
-
-      def _report_interval(self, step):
-        metrics = {"step": step, "epoch": self._epoch,
-                   "start_step": self.start_step}
-        if self._loss_steps:
-          metrics["loss"] = self._loss_sum / self._loss_steps
-        self._loss_sum, self._loss_steps = 0.0, 0
-        self._reported_step = step
-        self.report(metrics)
-
-      def report(self, metrics: dict, *, extra_files: Sequence = ()):
-        """`ray.train.report(metrics)`; the chief attaches the newest tfdist
-        checkpoint not reported yet (and `extra_files`: `(name, write)`
-        pairs, `write(folder)` writing `name` into the checkpoint folder)."""
-        import ray.train  # pylint: disable=g-import-not-at-top,redefined-outer-name
-        if not self.is_chief:
-          ray.train.report(metrics)
-          return
-        with tempfile.TemporaryDirectory(prefix="tfdist-ray-ckpt-") as folder:
-          step = export_checkpoint(self.checkpoint_dir, folder,
-                                   newer_than=self.reported_checkpoint_step)
-          for _, write in extra_files:
-            write(folder)
-          if step is None and not extra_files:
-            ray.train.report(metrics)
-            return
-          if step is not None:
-            self.reported_checkpoint_step = step
-            metrics = {**metrics, "checkpoint_step": step}
-          ray.train.report(
-              metrics, checkpoint=ray.train.Checkpoint.from_directory(folder))
-
-      def on_epoch_end(self, epoch, logs=None):
-        metrics = {k: float(v) for k, v in (logs or {}).items()
-                   if isinstance(v, (int, float))}
-        metrics.update(step=self._step(logs), epoch=int(epoch),
-                       start_step=self.start_step)
-        import ray.train  # pylint: disable=g-import-not-at-top,redefined-outer-name
-        ray.train.report(metrics)
-
-    RayReportCallback.__module__ = __name__
-    RayReportCallback.__qualname__ = "RayReportCallback"
-    _CALLBACK_CLASS = RayReportCallback
-  return _CALLBACK_CLASS
-
-
-def __getattr__(name):  # PEP 562: `tfdist.ray.RayReportCallback`.
-  if name == "RayReportCallback":
-    return _report_callback_class()
+def __getattr__(name):  # PEP 562: `tfdist.ray.RayReportCallback`, ...
+  if name in _WORKER_NAMES:
+    return getattr(_ray_worker(), name)
   raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def final_metrics(record: dict, *, start_step: int) -> dict:
-  """The metrics reported at the end: from the run manifest `record`.
-
-  Returns:
-    `step`, `final_step`, `start_step`, `num_replicas_in_sync` (ints) and
-    the manifest's `final_metrics` (`eval_loss`, `eval_accuracy`, ...:
-    floats; `None` values left out) plus `examples_per_second`.
-  """
-  out = {"step": record["final_step"], "final_step": record["final_step"],
-         "start_step": start_step,
-         "num_replicas_in_sync": record["num_replicas_in_sync"]}
-  out.update({k: v for k, v in record["final_metrics"].items()
-              if v is not None})
-  eps = (record.get("throughput") or {}).get("examples_per_second")
-  if eps is not None:
-    out["examples_per_second"] = eps
-  return out
-
-
-# How long the other workers wait for the chief to import a Ray checkpoint.
-IMPORT_TIMEOUT_SECONDS = 300
-
-
 def train_loop_per_worker(loop_config: dict) -> dict:
-  """Ray Train's per-worker function: one tfdist run of `loop_config`.
-
-  A Ray checkpoint (`ray.train.get_checkpoint()`, the latest this Ray run
-  reported; else `loop_config["resume_from"]`) newer than the checkpoint
-  folder's own is imported there first (`import_checkpoint`, by the chief;
-  the others wait for it): tfdist then resumes from it as from its own.
+  """Ray Train's per-worker function: one tfdist run of `loop_config`
+  (`tfdist.ray_worker.run_worker`).
 
   Args:
     loop_config: `{"config": TrainConfig, "callbacks": [Keras callbacks],
@@ -579,41 +340,7 @@ def train_loop_per_worker(loop_config: dict) -> dict:
   # Ray's TensorFlow backend sets TF_USE_LEGACY_KERAS=1 for tf_keras users;
   # tfdist runs Keras 3, and its subprocesses must not pick that up.
   os.environ.pop("TF_USE_LEGACY_KERAS", None)
-  import ray.train  # pylint: disable=g-import-not-at-top,redefined-outer-name
-  _log_tensorflow_once()
-  from tfdist import experiment  # pylint: disable=g-import-not-at-top
-  from tfdist import manifest as manifest_lib  # pylint: disable=g-import-not-at-top
-  config = loop_config["config"]
-  checkpoint_dir = config.resolved_checkpoint_dir
-  is_chief = ray.train.get_context().get_world_rank() == 0
-  # This run's own latest report first (a restart), else the checkpoint it
-  # was asked to start from.
-  ray_checkpoint = (ray.train.get_checkpoint() or
-                    loop_config.get("resume_from"))
-  if ray_checkpoint is not None:
-    with ray_checkpoint.as_directory() as folder:
-      if is_chief:
-        step = import_checkpoint(folder, checkpoint_dir)
-        if step is not None:
-          logging.info("tfdist.ray: resuming from the Ray checkpoint of step "
-                       "%d (copied into %s).", step, checkpoint_dir)
-      else:
-        import tensorflow as tf  # pylint: disable=g-import-not-at-top
-        prefix = tf.train.latest_checkpoint(folder)
-        if prefix:
-          _wait_for_checkpoint(checkpoint_dir, checkpoint_step(prefix),
-                               IMPORT_TIMEOUT_SECONDS)
-  report = _report_callback(log_steps=config.log_steps,
-                            checkpoint_dir=checkpoint_dir, is_chief=is_chief)
-  record = experiment.run_experiment(
-      config, callbacks=[report, *loop_config.get("callbacks", ())])
-  metrics = final_metrics(record, start_step=report.start_step)
-  # The last report: the final metrics, and (chief) the final checkpoint
-  # with the run manifest beside it.
-  report.report(metrics, extra_files=[(
-      manifest_lib.MANIFEST_FILE,
-      lambda folder: manifest_lib.write_manifest(folder, record))])
-  return record
+  return _ray_worker().run_worker(loop_config)
 
 
 # --- the driver -------------------------------------------------------------
@@ -662,6 +389,42 @@ def run_on_ray(config: TrainConfig, *, num_workers: int, use_gpu: bool = False,
     ConfigError: from `prepare_config`, bad counts, or `run_config` with
       `name`, `storage_path` or `max_failures`.
   """
+  check_worker_counts(num_workers=num_workers,
+                      cpus_per_worker=cpus_per_worker,
+                      max_failures=max_failures)
+  config = prepare_config(config)
+  ray = _require_ray()
+  _warn_if_local_model_dir_on_a_cluster(ray, config.model_dir)
+  if run_config is not None:
+    _refuse_run_config_duplicates(name=name, storage_path=storage_path,
+                                  max_failures=max_failures)
+    max_failures = (run_config.failure_config.max_failures
+                    if run_config.failure_config else 0)
+  else:
+    run_config = _default_run_config(
+        name=name, max_failures=max_failures,
+        storage_path=storage_path or os.path.join(config.model_dir,
+                                                  "ray_results"))
+  logging.info("Ray Train: %d worker(s) x %s CPUs%s, max_failures=%d, "
+               "model_dir %s", num_workers, cpus_per_worker,
+               " + 1 GPU" if use_gpu else "", max_failures, config.model_dir)
+  return _fit(config, num_workers=num_workers, use_gpu=use_gpu,
+              cpus_per_worker=cpus_per_worker, callbacks=callbacks,
+              run_config=run_config, resume_from=resume_from_checkpoint)
+
+
+def check_worker_counts(*, num_workers: int, cpus_per_worker: float,
+                        max_failures: int = 0):
+  """Checks a Ray Train job's sizes (the launcher's flags).
+
+  Args:
+    num_workers: Ray Train workers (>= 1).
+    cpus_per_worker: CPUs Ray reserves per worker (> 0).
+    max_failures: restarts of the worker group (>= 0, or -1: no limit).
+
+  Raises:
+    ConfigError: a count out of range (the message names the flag).
+  """
   if num_workers < 1:
     raise ConfigError(f"--num_workers={num_workers} must be >= 1.")
   if cpus_per_worker <= 0:
@@ -669,40 +432,38 @@ def run_on_ray(config: TrainConfig, *, num_workers: int, use_gpu: bool = False,
   if max_failures < -1:
     raise ConfigError(
         f"--max_failures={max_failures} must be >= 0 (or -1: no limit).")
-  config = prepare_config(config)
-  _require_ray()
-  import ray  # pylint: disable=g-import-not-at-top,redefined-outer-name
+
+
+def _warn_if_local_model_dir_on_a_cluster(ray, model_dir: str):
+  """Warns when a local `--model_dir` is used on several Ray nodes."""
+  if not (ray.is_initialized() and _is_local(model_dir)):
+    return
+  nodes = [n for n in ray.nodes() if n.get("Alive")]
+  if len(nodes) > 1:
+    logging.warning(
+        "--model_dir=%s is a local path on a %d-node Ray cluster: the "
+        "chief writes checkpoints there and the other workers restore from "
+        "it, so it must be shared storage (gs://, or a shared mount).",
+        model_dir, len(nodes))
+
+
+def _refuse_run_config_duplicates(*, name, storage_path, max_failures):
+  """`run_on_ray`'s `name`, `storage_path` and `max_failures` belong in the
+  caller's own `run_config` when one is given (ConfigError otherwise)."""
+  given = [f for f, v in (("name", name), ("storage_path", storage_path),
+                          ("max_failures", max_failures)) if v]
+  if given:
+    where = ("failure_config=FailureConfig(max_failures=...)"
+             if given[0] == "max_failures" else f"{given[0]}=...")
+    raise ConfigError(f"run_on_ray: {given[0]} and run_config given: set "
+                      f"it in the RunConfig (RunConfig({where})).")
+
+
+def _default_run_config(*, name, storage_path: str, max_failures: int):
+  """The `ray.train.RunConfig` of a job without the caller's own."""
   from ray.train import FailureConfig, RunConfig  # pylint: disable=g-import-not-at-top
-  if ray.is_initialized() and _is_local(config.model_dir):
-    nodes = [n for n in ray.nodes() if n.get("Alive")]
-    if len(nodes) > 1:
-      logging.warning(
-          "--model_dir=%s is a local path on a %d-node Ray cluster: the "
-          "chief writes checkpoints there and the other workers restore from "
-          "it, so it must be shared storage (gs://, or a shared mount).",
-          config.model_dir, len(nodes))
-  if run_config is not None:
-    given = [f for f, v in (("name", name), ("storage_path", storage_path),
-                            ("max_failures", max_failures)) if v]
-    if given:
-      where = ("failure_config=FailureConfig(max_failures=...)"
-               if given[0] == "max_failures" else f"{given[0]}=...")
-      raise ConfigError(f"run_on_ray: {given[0]} and run_config given: set "
-                        f"it in the RunConfig (RunConfig({where})).")
-    max_failures = (run_config.failure_config.max_failures
-                    if run_config.failure_config else 0)
-  else:
-    run_config = RunConfig(
-        name=name,
-        storage_path=storage_path or os.path.join(config.model_dir,
-                                                  "ray_results"),
-        failure_config=FailureConfig(max_failures=max_failures))
-  logging.info("Ray Train: %d worker(s) x %s CPUs%s, max_failures=%d, "
-               "model_dir %s", num_workers, cpus_per_worker,
-               " + 1 GPU" if use_gpu else "", max_failures, config.model_dir)
-  return _fit(config, num_workers=num_workers, use_gpu=use_gpu,
-              cpus_per_worker=cpus_per_worker, callbacks=callbacks,
-              run_config=run_config, resume_from=resume_from_checkpoint)
+  return RunConfig(name=name, storage_path=storage_path,
+                   failure_config=FailureConfig(max_failures=max_failures))
 
 
 def _fit(config: TrainConfig, *, num_workers: int, use_gpu: bool,
@@ -760,6 +521,78 @@ _TRIAL_FIXED_FIELDS = ("model_dir", "checkpoint_dir", "tensorboard_dir",
 # The CPUs a Tune trial's own process reserves: it only waits on its Ray
 # Train job (Tune refuses a trial that reserves nothing).
 TRIAL_DRIVER_CPUS = 0.01
+
+
+def _refuse_shared_trial_folders(config: TrainConfig):
+  """ConfigError if `config` sets a folder every trial would share."""
+  shared = [f for f in ("checkpoint_dir", "tensorboard_dir", "export_dir")
+            if getattr(config, f)]
+  if shared:
+    raise ConfigError(
+        f"--{shared[0]}={getattr(config, shared[0])!r} would be shared by "
+        "every Tune trial: leave it unset, and each trial's goes under its "
+        "own --model_dir (<model_dir>/<trial name>).")
+
+
+def _require_tune():
+  """`ray.tune`, or an ImportError that says how to install it."""
+  _require_ray()
+  try:
+    from ray import tune  # pylint: disable=g-import-not-at-top
+  except ImportError as e:
+    raise ImportError(f"{INSTALL_HINT} Ray Tune: pip install 'ray[tune]' "
+                      f"({e})") from None
+  return tune
+
+
+def trial_train_config(base: TrainConfig, params: dict,
+                       trial: str) -> TrainConfig:
+  """The `TrainConfig` of one Tune trial: `base` with the trial's `params`
+  and `--model_dir=<base.model_dir>/<trial>`.
+
+  Args:
+    base: the prepared base config (`prepare_config`).
+    params: the trial's parameters, `TrainConfig` field names to values.
+    trial: the trial's name (a folder name).
+
+  Returns:
+    The trial's config (validated by `TrainConfig.replace`).
+
+  Raises:
+    ConfigError: a parameter that is no `TrainConfig` field or one of
+      `_TRIAL_FIXED_FIELDS` (the message names it), or a bad value.
+  """
+  fields = set(TrainConfig.__dataclass_fields__)
+  bad = sorted(k for k in params
+               if k not in fields or k in _TRIAL_FIXED_FIELDS)
+  if bad:
+    raise ConfigError(
+        f"Tune parameter {bad[0]!r}: not a tfdist.train flag a trial may "
+        f"set ({'each trial has its own' if bad[0] in fields else 'no such field'}"
+        "). Use TrainConfig field names (the flag names), other than "
+        f"{', '.join(_TRIAL_FIXED_FIELDS)}.")
+  return base.replace(model_dir=os.path.join(base.model_dir, trial), **params)
+
+
+def _run_trial(tune, base: TrainConfig, params: dict, **fit_args):
+  """One Tune trial: `base` with `params` as a Ray Train job (`_fit`
+  arguments `fit_args`) whose reports reach Tune; the trial ends with the
+  job's final metrics and checkpoint, or raises the job's error."""
+  from ray.train import RunConfig  # pylint: disable=g-import-not-at-top
+  from ray.tune.integration.ray_train import TuneReportCallback  # pylint: disable=g-import-not-at-top
+  trial = tune.get_context().get_trial_name()
+  trial_config = trial_train_config(base, params, trial)
+  result = _fit(
+      trial_config, **fit_args,
+      run_config=RunConfig(
+          name=trial,
+          storage_path=os.path.join(trial_config.model_dir, "ray_results"),
+          callbacks=[TuneReportCallback()]))
+  if result.error is not None:
+    raise result.error
+  checkpoint = result.checkpoint and tune.Checkpoint(
+      result.checkpoint.path, filesystem=result.checkpoint.filesystem)
+  tune.report(result.metrics, checkpoint=checkpoint)
 
 
 def tune_trainable(config: TrainConfig, *, num_workers: int = 1,
@@ -823,48 +656,13 @@ def tune_trainable(config: TrainConfig, *, num_workers: int = 1,
     raise ConfigError(f"num_workers={num_workers} must be >= 1.")
   if cpus_per_worker <= 0:
     raise ConfigError(f"cpus_per_worker={cpus_per_worker} must be > 0.")
-  shared = [f for f in ("checkpoint_dir", "tensorboard_dir", "export_dir")
-            if getattr(config, f)]
-  if shared:
-    raise ConfigError(
-        f"--{shared[0]}={getattr(config, shared[0])!r} would be shared by "
-        "every Tune trial: leave it unset, and each trial's goes under its "
-        "own --model_dir (<model_dir>/<trial name>).")
+  _refuse_shared_trial_folders(config)
   base = prepare_config(config)
-  _require_ray()
-  try:
-    from ray import tune  # pylint: disable=g-import-not-at-top
-  except ImportError as e:
-    raise ImportError(f"{INSTALL_HINT} Ray Tune: pip install 'ray[tune]' "
-                      f"({e})") from None
-  fields = set(TrainConfig.__dataclass_fields__)
+  tune = _require_tune()
 
   def tfdist_trial(params: dict):
-    from ray.train import RunConfig  # pylint: disable=g-import-not-at-top
-    from ray.tune.integration.ray_train import TuneReportCallback  # pylint: disable=g-import-not-at-top
-    bad = sorted(k for k in params
-                 if k not in fields or k in _TRIAL_FIXED_FIELDS)
-    if bad:
-      raise ConfigError(
-          f"Tune parameter {bad[0]!r}: not a tfdist.train flag a trial may "
-          f"set ({'each trial has its own' if bad[0] in fields else 'no such field'}"
-          "). Use TrainConfig field names (the flag names), other than "
-          f"{', '.join(_TRIAL_FIXED_FIELDS)}.")
-    trial = tune.get_context().get_trial_name()
-    trial_config = base.replace(model_dir=os.path.join(base.model_dir, trial),
-                                **params)
-    result = _fit(
-        trial_config, num_workers=num_workers, use_gpu=use_gpu,
-        cpus_per_worker=cpus_per_worker, callbacks=callbacks,
-        run_config=RunConfig(
-            name=trial,
-            storage_path=os.path.join(trial_config.model_dir, "ray_results"),
-            callbacks=[TuneReportCallback()]))
-    if result.error is not None:
-      raise result.error
-    checkpoint = result.checkpoint and tune.Checkpoint(
-        result.checkpoint.path, filesystem=result.checkpoint.filesystem)
-    tune.report(result.metrics, checkpoint=checkpoint)
+    _run_trial(tune, base, params, num_workers=num_workers, use_gpu=use_gpu,
+               cpus_per_worker=cpus_per_worker, callbacks=callbacks)
 
   return tune.with_resources(tfdist_trial, {"CPU": TRIAL_DRIVER_CPUS})
 
@@ -895,7 +693,6 @@ def define_ray_flags():
       "storage_path", None,
       "Ray's storage for its run records and the final Ray checkpoint "
       "(default: <model_dir>/ray_results).")
-  from tfdist import flags as tfdist_flags  # pylint: disable=g-import-not-at-top
   for name in tfdist_flags.define_all_flags():
     flags.declare_key_flag(name)
 
@@ -905,7 +702,14 @@ def _flag_name(arg: str) -> str:
   return name[2:] if name.startswith("no") and name[2:] in RAY_FLAGS else name
 
 
-def main(argv):
+def _train_config(argv) -> TrainConfig:
+  """The job's prepared `TrainConfig`, from the arguments after `--`.
+
+  Raises:
+    app.UsageError: a flag on the wrong side of `--`, a bad tfdist.train
+      flag, a leftover argument, or a config `prepare_config` (or
+      `check_worker_counts`, for this binary's own flags) refuses.
+  """
   train_args = argv[1:]
   misplaced = [a for a in train_args
                if a.startswith("-") and _flag_name(a) in RAY_FLAGS]
@@ -913,7 +717,6 @@ def main(argv):
     raise app.UsageError(
         f"{misplaced[0]} is a flag of tfdist.ray: put it before `--` (after "
         "`--` go tfdist.train's flags).")
-  from tfdist import flags as tfdist_flags  # pylint: disable=g-import-not-at-top
   train_flag_names = {f.name for module, fl in
                       FLAGS.flags_by_module_dict().items()
                       if module == tfdist_flags.definitions.__name__
@@ -931,20 +734,48 @@ def main(argv):
     raise app.UsageError(f"Unexpected arguments: {' '.join(leftover[1:])}")
   try:
     config = prepare_config(tfdist_flags.flags_to_config())
-    if FLAGS.num_workers < 1:
-      raise ConfigError(f"--num_workers={FLAGS.num_workers} must be >= 1.")
-    if FLAGS.cpus_per_worker <= 0:
-      raise ConfigError(
-          f"--cpus_per_worker={FLAGS.cpus_per_worker} must be > 0.")
-    if FLAGS.max_failures < -1:
-      raise ConfigError(f"--max_failures={FLAGS.max_failures} must be >= 0 "
-                        "(or -1: no limit).")
+    check_worker_counts(num_workers=FLAGS.num_workers,
+                        cpus_per_worker=FLAGS.cpus_per_worker,
+                        max_failures=FLAGS.max_failures)
   except ConfigError as e:
     raise app.UsageError(str(e)) from None
+  return config
+
+
+def _join_cluster(ray) -> Optional[str]:
+  """Starts the local cluster (`--address=local`) or joins `--address`;
+  exits with a one-line error where that fails.
+
+  Returns:
+    The local cluster's temporary folder (to delete at the end), or None.
+  """
+  if FLAGS.address != "local":
+    try:
+      ray.init(address=FLAGS.address)
+    except ConnectionError as e:
+      sys.exit(f"tfdist.ray: error: --address={FLAGS.address}: {e} Start "
+               "a cluster with `ray start --head`, or use --address=local "
+               "for a one-machine cluster of this job's own.")
+    return None
+  need = FLAGS.num_workers * FLAGS.cpus_per_worker
+  temp_dir = init_local_cluster(
+      num_cpus=max(float(os.cpu_count() or 1), need), num_gpus=None)
+  gpus = ray.cluster_resources().get("GPU", 0)
+  if FLAGS.use_gpu and gpus < FLAGS.num_workers:
+    sys.exit(f"tfdist.ray: error: --use_gpu with --num_workers="
+             f"{FLAGS.num_workers} needs {FLAGS.num_workers} GPUs; this "
+             f"machine has {gpus:g}.")
+  return temp_dir
+
+
+def main(argv):
+  """The binary: launcher flags before `--`, tfdist.train's after; one Ray
+  Train job; its final metrics printed as JSON (`tfdist.ray: done: {...}`).
+  """
+  config = _train_config(argv)
   if FLAGS.address == "local":
     os.environ.setdefault(SINGLE_NODE_ENV, "0")
   # This process imports TensorFlow too (through `ray.train.tensorflow`).
-  from tfdist import quiet_tensorflow  # pylint: disable=g-import-not-at-top
   quiet_tensorflow.default_log_level()
   quiet_tensorflow.quiet_on_import()
   try:
@@ -954,23 +785,7 @@ def main(argv):
   temp_dir = None
   started = time.time()
   try:
-    if FLAGS.address == "local":
-      need = FLAGS.num_workers * FLAGS.cpus_per_worker
-      temp_dir = init_local_cluster(
-          num_cpus=max(float(os.cpu_count() or 1), need),
-          num_gpus=None)
-      gpus = ray.cluster_resources().get("GPU", 0)
-      if FLAGS.use_gpu and gpus < FLAGS.num_workers:
-        sys.exit(f"tfdist.ray: error: --use_gpu with --num_workers="
-                 f"{FLAGS.num_workers} needs {FLAGS.num_workers} GPUs; this "
-                 f"machine has {gpus:g}.")
-    else:
-      try:
-        ray.init(address=FLAGS.address)
-      except ConnectionError as e:
-        sys.exit(f"tfdist.ray: error: --address={FLAGS.address}: {e} Start "
-                 "a cluster with `ray start --head`, or use --address=local "
-                 "for a one-machine cluster of this job's own.")
+    temp_dir = _join_cluster(ray)
     result = run_on_ray(config, num_workers=FLAGS.num_workers,
                         use_gpu=FLAGS.use_gpu,
                         cpus_per_worker=FLAGS.cpus_per_worker,
@@ -1000,7 +815,4 @@ if __name__ == "__main__":
   # Run the copy imported as `tfdist.ray`, so that what goes to Ray's
   # workers names importable functions (cloudpickle copies functions of
   # `__main__` by value).
-  _MODULE = importlib.import_module("tfdist.ray")
-  _MODULE.define_ray_flags()
-  flags.adopt_module_key_flags(_MODULE)
-  app.run(_MODULE.main)
+  importlib.import_module("tfdist.ray").run()

@@ -29,21 +29,19 @@ from tfdist import flags as tfdist_flags  # pylint: disable=g-import-not-at-top,
 from tfdist import config as config_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
 from tfdist import environment as environment_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
 from tfdist import filesystems  # pylint: disable=g-import-not-at-top,wrong-import-position
-from tfdist import run_options  # pylint: disable=g-import-not-at-top,wrong-import-position
 from tfdist import allocator  # pylint: disable=g-import-not-at-top,wrong-import-position
+from tfdist import exit_codes  # pylint: disable=g-import-not-at-top,wrong-import-position
+from tfdist import versions  # pylint: disable=g-import-not-at-top,wrong-import-position
+from tfdist import worker_exit  # pylint: disable=g-import-not-at-top,wrong-import-position
+from tfdist.strategy_kind import StrategyKind  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 KEY_FLAGS = tfdist_flags.define_all_flags()
 for _name in KEY_FLAGS:
   absl_flags.declare_key_flag(_name)
 
 
-# Strategies whose processes talk to peers: the binary leaves without
-# Python's teardown, which would otherwise tell peers that are already gone
-# about every deleted function (gRPC errors) or hang on a half-read
-# distributed iterator. `main` itself returns (wrapper binaries go on),
-# except on the tasks of a multi-worker MultiWorkerMirrored run, which end
-# their process inside the run, the chief last (tfdist.worker_exit).
-_CLUSTER_STRATEGIES = ("multi_worker_mirrored", "parameter_server")
+# Set by `main` after a run whose processes talk to peers (see
+# `_leaves_without_teardown`): the binary's `run` then exits at once.
 _LEAVE_WITHOUT_TEARDOWN = False
 
 
@@ -77,6 +75,61 @@ def _usage_error(error: Exception):
   sys.exit(2)
 
 
+def _leaves_without_teardown(result: dict) -> bool:
+  """Whether the binary leaves without Python's teardown after `result`.
+
+  A process of a cluster (a multi-worker strategy, or a ps/worker task)
+  does: teardown would tell peers that are already gone about every deleted
+  function (gRPC errors) or hang on a half-read distributed iterator.
+  `main` itself returns (wrapper binaries go on), except on the tasks of a
+  multi-worker MultiWorkerMirrored run, which end their process inside the
+  run, the chief last (tfdist.worker_exit).
+
+  Args:
+    result: `run_experiment`'s record (`role`, `strategy`: a concrete
+      `--distribution_strategy` value, both optional).
+  """
+  if result.get("role") in ("worker", "ps"):
+    return True
+  strategy = result.get("strategy")
+  return bool(strategy) and StrategyKind.parse(strategy).is_multi_worker
+
+
+def failure_message(error: Exception, status: int) -> str:
+  """The one line the binary prints for a run that failed with `status`.
+
+  Args:
+    error: what `run_experiment` raised.
+    status: `tfdist.exit_codes.exit_code_for(error)` (not None).
+
+  Returns:
+    `tfdist.train: <error>` where the error carries that status itself (its
+    `exit_code`: a preemption, a stop at start), else `tfdist.train:
+    error: <error>`.
+  """
+  prefix = "" if status == getattr(error, "exit_code", None) else "error: "
+  return f"tfdist.train: {prefix}{error}"
+
+
+def _read_config() -> config_lib.TrainConfig:
+  """The binary's edge: flags and the environment are read here, once.
+
+  Exits with status 2 (`_usage_error`) on a bad config, a TensorFlow/Keras
+  pair tfdist does not support, or a path no installed file system serves.
+  """
+  try:
+    config = tfdist_flags.flags_to_config()
+    # Before anything else imports Keras: an unsupported pair is named here
+    # rather than failing inside an import.
+    versions.check_installed_versions()
+    # Only after the version check: run_options imports Keras.
+    from tfdist import run_options  # pylint: disable=g-import-not-at-top
+    filesystems.require_file_systems(run_options.config_paths(config))
+  except config_lib.ConfigError as e:
+    _usage_error(e)
+  return config
+
+
 def main(argv, *, callbacks: Sequence["keras.callbacks.Callback"] = ()):
   """The binary: flags and environment in, one run, an exit status out.
 
@@ -86,25 +139,12 @@ def main(argv, *, callbacks: Sequence["keras.callbacks.Callback"] = ()):
   if len(argv) > 1:
     _usage_error(app.UsageError(f"Unexpected arguments: "
                                 f"{' '.join(argv[1:])}"))
-  # The binary's edge: flags and the environment are read here, once.
-  try:
-    config = tfdist_flags.flags_to_config()
-  except config_lib.ConfigError as e:
-    _usage_error(e)
-  from tfdist import versions  # pylint: disable=g-import-not-at-top
-  try:
-    # Before anything else imports Keras: an unsupported pair is named here
-    # rather than failing inside an import.
-    versions.check_installed_versions()
-    filesystems.require_file_systems(run_options.config_paths(config))
-  except config_lib.ConfigError as e:
-    _usage_error(e)
+  config = _read_config()
   environment = environment_lib.read_environment()
   _quiet_library_info()
   allocator.configure_allocator(config.tune_allocator)
-  from tfdist import exit_codes  # pylint: disable=g-import-not-at-top
+  # Imported only now: it imports Keras, after the version check above.
   from tfdist import experiment  # pylint: disable=g-import-not-at-top
-  from tfdist import worker_exit  # pylint: disable=g-import-not-at-top
   try:
     # A multi-worker MultiWorkerMirrored task ends its process inside the
     # run, right after the final barrier, the chief last; it writes its
@@ -125,14 +165,12 @@ def main(argv, *, callbacks: Sequence["keras.callbacks.Callback"] = ()):
     # down a half-read distributed iterator (MultiDeviceIterator) was seen
     # to hang there for minutes, after the grace-period watcher had already
     # been released.
-    prefix = "" if status == getattr(e, "exit_code", None) else "error: "
-    print(f"tfdist.train: {prefix}{e}", file=sys.stderr, flush=True)
+    print(failure_message(e, status), file=sys.stderr, flush=True)
     _exit_now(status)
   # This task's work is done: tell the launcher (tfdist.worker_exit).
   worker_exit.mark_done(os.environ.get(worker_exit.DONE_FILE_ENV))
   global _LEAVE_WITHOUT_TEARDOWN
-  if result.get("role") in ("worker", "ps") or (
-      result.get("strategy") in _CLUSTER_STRATEGIES):
+  if _leaves_without_teardown(result):
     _LEAVE_WITHOUT_TEARDOWN = True  # The binary's `run` exits at once.
   if result.get("exit_status"):  # A ps/worker server stopped by a signal.
     sys.exit(result["exit_status"])
