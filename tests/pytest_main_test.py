@@ -30,6 +30,14 @@ class PytestArgsTest(absltest.TestCase):
         ["tests/a_test.py", "-p", "no:cacheprovider", "-q",
          "--junitxml=/out/test.xml", "-k", "warmup and not cosine", "-x"])
 
+  def test_several_files_end_at_the_first_option(self):
+    self.assertEqual(
+        pytest_main.pytest_args(
+            ["pytest_main.py", "tests/a_test.py", "tests/b_test.py", "-x",
+             "tests/c_test.py"], {"TESTBRIDGE_TEST_ONLY": "fast"}),
+        ["tests/a_test.py", "tests/b_test.py", "-p", "no:cacheprovider",
+         "-q", "-k", "fast", "-x", "tests/c_test.py"])
+
   def test_test_file_is_required(self):
     with self.assertRaisesRegex(SystemExit, "usage: pytest_main.py TEST_FILE"):
       pytest_main.pytest_args(["pytest_main.py"], {})

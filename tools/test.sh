@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# Runs the whole test suite: pytest on the quick test files, pytest on the
-# `compat` tests in the TensorFlow 2.17 environment (.venv-tf217), then every
-# Bazel test target (`bazel test //tests/...`: every test file, each in
-# Bazel's sandbox). Every test file runs at least once, under Bazel.
+# Runs the whole test suite: pytest on the `compat` tests in the TensorFlow
+# 2.17 environment (.venv-tf217), then every Bazel test target (`bazel test
+# //tests/...`: every test file once, in Bazel's sandbox). The unit-test
+# files run together in one target, //tests:unit_tests (tests/BUILD), so
+# they pay one TensorFlow start-up; every other file has its own target.
 #
-# The medium and large tests (training runs, multi-process clusters) run
-# under Bazel only: running them under pytest too would take the suite past
-# 20 minutes on a 2-core machine.
+# No pytest pass of the current TensorFlow runs beside Bazel: Bazel runs
+# every file already (TFDIST_PYTEST=small adds the quick files again, for a
+# fast first answer).
 #
 # The TF 2.17 pass runs the tests marked `compat` (tests/conftest.py: every
 # module's unit tests, one short training run per strategy, the tensorflow-io
@@ -16,12 +17,12 @@
 # Environment:
 #   TFDIST_VENV=DIR       the virtual environment of pytest and of Bazel's
 #                         Python toolchain (default .venv)
-#   TFDIST_PYTEST=small   pytest runs the files whose Bazel target is size
-#                         "small" (the default)
+#   TFDIST_PYTEST=small   pytest runs the unit-test files (those of
+#                         //tests:unit_tests and of any "small" target)
 #   TFDIST_PYTEST=all     pytest runs every test file (the default when
 #                         TFDIST_BAZEL=0)
 #   TFDIST_PYTEST=compat  pytest runs the tests marked `compat`
-#   TFDIST_PYTEST=none    no pytest pass
+#   TFDIST_PYTEST=none    no pytest pass (the default when Bazel runs)
 #   TFDIST_TF217=0        skip the TF 2.17 pass (it runs only when
 #                         TFDIST_VENV is unset)
 #   TFDIST_BAZEL=0        skip Bazel (a local run without Bazel)
@@ -44,7 +45,7 @@ pytest_status=0
 if [ "${TFDIST_BAZEL:-1}" = 0 ]; then
   pytest_scope="${TFDIST_PYTEST:-all}"
 else
-  pytest_scope="${TFDIST_PYTEST:-small}"
+  pytest_scope="${TFDIST_PYTEST:-none}"
 fi
 case "$pytest_scope" in
   all) "$PY" -m pytest tests -q -p no:cacheprovider "$@" || pytest_status=$? ;;
