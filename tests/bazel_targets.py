@@ -9,6 +9,9 @@ dialect is a subset) and reports, as one line each:
   * a "small" `tfdist_py_test` in a package that has a
     `tfdist_py_test_group`: unit tests join the group, which runs them all
     in one process (one TensorFlow start-up instead of one per file);
+  * where a package has a `tfdist_py_test_compat` (the `compat` tests in
+    TensorFlow 2.17), a test file that marks tests `compat` but is not in
+    its `srcs`, or one in its `srcs` that marks none;
   * a target whose `srcs` or `main` names a file that is gone, or whose
     `deps` name a target that does not exist;
   * a Python file of a first-party package (a top-level folder with an
@@ -60,9 +63,14 @@ TEST_GROUP_MACRO = "tfdist_py_test_group"
 # alone with `bazel test //tests:<name>`; `bazel test //tests/...` skips
 # it). Its files and imports are checked on these per-file targets.
 TEST_GROUP_MEMBER = "tfdist_py_test_group member"
+# The compat macro of //tests:defs.bzl: the `compat` tests of its files once
+# more, in another virtual environment (TensorFlow 2.17). Its files are run
+# by other targets too, so it does not count as their runner.
+TEST_COMPAT_MACRO = "tfdist_py_test_compat"
+COMPAT_MARK = re.compile(r"pytest\.mark\.compat\b")
 TEST_KINDS = ("py_test", TEST_MACRO, TEST_GROUP_MACRO)
 # Rules whose `srcs` (and imports) this check reads.
-SOURCE_RULES = PY_RULES + (TEST_MACRO, TEST_GROUP_MEMBER)
+SOURCE_RULES = PY_RULES + (TEST_MACRO, TEST_GROUP_MEMBER, TEST_COMPAT_MACRO)
 TEST_FILE_PATTERNS = ("*_test.py", "test_*.py")
 SKIP_DIRS = (".git", ".venv", "third_party", "node_modules", "__pycache__")
 
@@ -277,6 +285,10 @@ def parse_build_file(root: str, package: str,
             main=TEST_MACRO_MAIN, deps=list(target.deps), size=member_size))
       target.srcs.append(TEST_MACRO_MAIN)
       target.main = TEST_MACRO_MAIN
+    elif kind == TEST_COMPAT_MACRO:
+      target.srcs.append(TEST_MACRO_MAIN)
+      target.main = TEST_MACRO_MAIN
+      target.deps += list(TEST_MACRO_DEPS)
     targets.append(target)
   return targets
 
@@ -547,6 +559,7 @@ class Workspace:
       elif len(runners[path]) > 1:
         problems.append(f"{path} is run by {len(runners[path])} targets "
                         f"({', '.join(runners[path])}): keep one.")
+    problems += self._check_compat()
     for target in sorted(self.targets.values(), key=lambda t: t.label):
       package = target.label[2:].partition(":")[0]
       group = self.group_of(package)
@@ -556,6 +569,32 @@ class Workspace:
             f"{short_label(group.label, package)}: in {target.build_file}, "
             "delete its tfdist_py_test and "
             + self.suggest_group_entry(target.srcs[0], group))
+    return problems
+
+  def _check_compat(self) -> List[str]:
+    """The compat targets list exactly the files that mark tests `compat`."""
+    problems = []
+    for target in sorted(self.targets.values(), key=lambda t: t.label):
+      if target.kind != TEST_COMPAT_MACRO:
+        continue
+      package = target.label[2:].partition(":")[0]
+      listed = {s for s in target.srcs if s != TEST_MACRO_MAIN}
+      where = target.srcs_variable or f"the srcs of {target.label}"
+      for path in self.test_files():
+        if os.path.dirname(path) != package:
+          continue
+        with open(os.path.join(self.root, path)) as f:
+          marked = bool(COMPAT_MARK.search(f.read()))
+        if marked and path not in listed:
+          problems.append(
+              f"{path} marks tests `compat`, but {target.label} does not "
+              f'run them: add "{os.path.basename(path)}" to {where} in '
+              f"{target.build_file} (and the libraries it imports to the "
+              "target's deps).")
+        elif not marked and path in listed:
+          problems.append(
+              f"{path} is in {where} ({target.build_file}) but marks no "
+              f'test `compat`: remove "{os.path.basename(path)}" there.')
     return problems
 
   def _check_imports(self) -> List[str]:

@@ -364,5 +364,73 @@ class GroupTest(absltest.TestCase):
         "//tests:unit_tests): keep one."])
 
 
+# Built, not written out: this file marks no test `compat` itself.
+_COMPAT_MARK = "pytest.mark." + "compat"
+
+
+class CompatTest(absltest.TestCase):
+  """tfdist_py_test_compat lists exactly the files with `compat` tests."""
+
+  def setUp(self):
+    super().setUp()
+    self.root = os.path.join(testutil.scratch_dir(), "ws")
+    _small_workspace(self.root)
+    _write(self.root, "tests/core_test.py",
+           f"import pytest\nfrom lib import core\n"
+           f"pytestmark = {_COMPAT_MARK}\n")
+    _write(self.root, "tests/other_test.py", "from lib import core\n")
+    _write(self.root, "tests/BUILD", textwrap.dedent("""\
+        load("//tests:defs.bzl", "tfdist_py_test", "tfdist_py_test_compat")
+        exports_files(["pytest_main.py"])
+        py_library(name = "init", srcs = ["__init__.py"])
+        tfdist_py_test(name = "core_test", size = "small",
+                       deps = ["//lib:core"])
+        tfdist_py_test(name = "other_test", size = "small",
+                       deps = ["//lib:core"])
+        COMPAT_TESTS = ["core_test.py"]
+        tfdist_py_test_compat(
+            name = "compat_old",
+            size = "large",
+            srcs = COMPAT_TESTS,
+            venv = ".venv-old",
+            deps = ["//lib:core"],
+        )
+        """))
+
+  def test_listed_files_pass_and_are_not_a_second_runner(self):
+    self.assertEqual(bazel_targets.check_workspace(self.root), [])
+
+  def test_a_file_with_compat_tests_must_be_listed(self):
+    _write(self.root, "tests/other_test.py",
+           f"import pytest\nfrom lib import core\n"
+           f"@{_COMPAT_MARK}\ndef test_x():\n  pass\n")
+    self.assertEqual(bazel_targets.check_workspace(self.root), [
+        "tests/other_test.py marks tests `compat`, but //tests:compat_old "
+        'does not run them: add "other_test.py" to COMPAT_TESTS in '
+        "tests/BUILD (and the libraries it imports to the target's deps)."])
+
+  def test_a_listed_file_without_compat_tests_is_reported(self):
+    _write(self.root, "tests/core_test.py", "from lib import core\n")
+    self.assertEqual(bazel_targets.check_workspace(self.root), [
+        "tests/core_test.py is in COMPAT_TESTS (tests/BUILD) but marks no "
+        'test `compat`: remove "core_test.py" there.'])
+
+  def test_its_imports_need_its_deps(self):
+    _write(self.root, "lib/extra.py", "")
+    _write(self.root, "lib/BUILD", """\
+        py_library(name = "init", srcs = ["__init__.py"])
+        py_library(name = "core", srcs = ["core.py"], deps = [":init"])
+        py_library(name = "extra", srcs = ["extra.py"], deps = [":init"])
+        """)
+    _write(self.root, "tests/core_test.py",
+           f"import pytest\nfrom lib import extra\n"
+           f"pytestmark = {_COMPAT_MARK}\n")
+    problems = bazel_targets.check_workspace(self.root)
+    self.assertLen(problems, 2, problems)
+    self.assertTrue(all("imports or runs lib.extra" in p for p in problems))
+    self.assertEqual(sorted(p.split(":")[1] for p in problems),
+                     ["compat_old", "core_test"])
+
+
 if __name__ == "__main__":
   absltest.main()

@@ -113,3 +113,39 @@ def tfdist_py_test_group(name, size, srcs, deps = [], data = [], args = [], memb
             tags = tags + ["manual"],
             **kwargs
         )
+
+def tfdist_py_test_compat(name, size, srcs, venv, deps = [], data = [], args = [], **kwargs):
+    """Declares the py_test `name`: the `compat` tests of `srcs` in `venv`.
+
+    One pytest process runs `pytest SRCS -m compat` with the interpreter of
+    the virtual environment `venv` (the toolchain reads TFDIST_VENV), e.g.
+    the oldest supported TensorFlow's. The files also have their own
+    targets (or the unit-test group) in the default environment; this one
+    runs only their tests marked `compat` (tests/conftest.py).
+
+    Args:
+      name: the target name (not a file name).
+      size: "small", "medium", "large" or "enormous"; sets the timeout.
+      srcs: the test files that mark tests `compat`.
+      venv: the virtual environment folder, relative to the workspace root
+        (".venv-tf217").
+      deps: py_library targets any of the files imports.
+      data: files the tests read at run time.
+      args: extra pytest arguments, after `-m compat`.
+      **kwargs: passed to py_test (tags, shard_count, flaky, ...).
+    """
+    py_test(
+        name = name,
+        size = size,
+        srcs = srcs + ["//tests:pytest_main.py"],
+        main = "//tests:pytest_main.py",
+        args = ["$(rootpath %s)" % src for src in srcs] + ["-m", "compat"] + args,
+        python_version = "PY3",
+        deps = deps + ["//tests:init"],
+        data = data + [
+            "//:pytest_config",
+            "//tests:conftest",
+        ],
+        env = {"TFDIST_VENV": venv},
+        **kwargs
+    )
