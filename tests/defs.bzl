@@ -63,7 +63,15 @@ def tfdist_py_test(name, size, deps = [], data = [], args = [], **kwargs):
         **kwargs
     )
 
-def tfdist_py_test_group(name, size, srcs, deps = [], data = [], args = [], member_size = "small", **kwargs):
+def tfdist_py_test_group(
+        name,
+        size,
+        srcs,
+        deps = [],
+        data = [],
+        args = [],
+        member_size = "small",
+        **kwargs):
     """Declares the py_test `name` running the pytest files `srcs` together.
 
     One pytest process collects every file, so the files share one Python
@@ -85,9 +93,13 @@ def tfdist_py_test_group(name, size, srcs, deps = [], data = [], args = [], memb
       data: files the tests read at run time.
       args: extra pytest arguments, after the test files.
       member_size: the size of each file's own target (one file alone).
-      **kwargs: passed to py_test (tags, shard_count, flaky, ...).
+      shard_count: run the files in this many processes (Bazel may run them
+        at once), each taking every shard_count-th file; 1 by default.
+        The per-file targets are not sharded.
+      **kwargs: passed to py_test (flaky, ...).
     """
     tags = kwargs.pop("tags", [])
+    shard_count = kwargs.pop("shard_count", 1)
     py_test(
         name = name,
         size = size,
@@ -101,6 +113,7 @@ def tfdist_py_test_group(name, size, srcs, deps = [], data = [], args = [], memb
             "//tests:conftest",
         ],
         tags = tags,
+        shard_count = shard_count,
         **kwargs
     )
     for src in srcs:
@@ -114,7 +127,15 @@ def tfdist_py_test_group(name, size, srcs, deps = [], data = [], args = [], memb
             **kwargs
         )
 
-def tfdist_py_test_compat(name, size, srcs, venv, deps = [], data = [], args = [], **kwargs):
+def tfdist_py_test_compat(
+        name,
+        size,
+        srcs,
+        venv,
+        deps = [],
+        data = [],
+        args = [],
+        **kwargs):
     """Declares the py_test `name`: the `compat` tests of `srcs` in `venv`.
 
     One pytest process runs `pytest SRCS -m compat` with the interpreter of

@@ -11,6 +11,9 @@ Under `bazel test` it also
   * points HOME, KERAS_HOME and the cache folders at $TEST_TMPDIR (the
     sandbox has no HOME and a read-only home folder);
   * runs only the tests matching `--test_filter` (a pytest `-k` expression);
+  * with `shard_count = N` on the target, runs every N-th test file in
+    each shard (Bazel's TEST_TOTAL_SHARDS and TEST_SHARD_INDEX; a shard
+    left without a file passes);
   * hides a `pip install -e .` of this repository, so that a test imports
     only what its target's `deps` put in the runfiles (a missing dep fails
     under Bazel rather than passing by accident.
@@ -58,8 +61,9 @@ def pytest_args(argv, environ) -> list:
       TESTBRIDGE_TEST_ONLY are read).
 
   Returns:
-    The test files, "-p no:cacheprovider -q", the JUnit XML and `-k`
-    options Bazel asks for, then the extra arguments.
+    The test files (this shard's, when Bazel shards the target), "-p
+    no:cacheprovider -q", the JUnit XML and `-k` options Bazel asks for,
+    then the extra arguments; an empty list when this shard has no file.
 
   Raises:
     SystemExit: no test file given.
@@ -71,6 +75,11 @@ def pytest_args(argv, environ) -> list:
   if not files:
     raise SystemExit("usage: pytest_main.py TEST_FILE [TEST_FILE...] "
                      "[PYTEST_ARGS...]")
+  total = int(environ.get("TEST_TOTAL_SHARDS") or 1)
+  if total > 1:
+    files = files[int(environ.get("TEST_SHARD_INDEX") or 0)::total]
+    if not files:
+      return []
   args = files + ["-p", "no:cacheprovider", "-q"]
   if environ.get("XML_OUTPUT_FILE"):
     args.append("--junitxml=" + environ["XML_OUTPUT_FILE"])
@@ -86,7 +95,15 @@ def main() -> int:
   # Imported once the source tree is hidden, so that pytest's start-up
   # imports nothing of this repository past the runfiles.
   import pytest  # pylint: disable=g-import-not-at-top
-  return pytest.main(pytest_args(sys.argv, os.environ))
+  if os.environ.get("TEST_SHARD_STATUS_FILE"):
+    # Tells Bazel that this runner shards (see pytest_args).
+    with open(os.environ["TEST_SHARD_STATUS_FILE"], "w"):
+      pass
+  args = pytest_args(sys.argv, os.environ)
+  if not args:
+    print("pytest_main.py: no test file in this shard")
+    return 0
+  return pytest.main(args)
 
 
 if __name__ == "__main__":
