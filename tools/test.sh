@@ -94,14 +94,14 @@ if [ -n "${CI:-}" ]; then
 fi
 log="$(mktemp)"
 status=0
-# Two cores: two tests at a time; plain progress lines, at most every 30 s
-# (timeouts per size come from .bazelrc).
 # The target patterns, last: after `--` everything is one (a leading `-`
 # subtracts).
 targets=(-- //tests/...)
 if [ "${TFDIST_TF217:-1}" = 0 ]; then
   targets+=(-//tests:compat_tf217)
 fi
+# Two cores: two tests at a time; plain progress lines, at most every 30 s
+# (timeouts per size come from .bazelrc).
 bazel test \
   --local_cpu_resources=2 --local_test_jobs=2 \
   --test_output=errors --test_summary=short \
