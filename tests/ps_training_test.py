@@ -14,10 +14,14 @@ test twice that plus a Mirrored run (about 90 s).
 
 import json
 import os
+import re
+import signal
 import tempfile
 import time
 
 from absl.testing import absltest
+import psutil
+import tensorflow as tf
 
 from tests import ps_testutil
 from tests import testutil
@@ -161,8 +165,6 @@ class ParameterServerTrainingTest(absltest.TestCase):
     self.assertIsNotNone(manifest["restored_from"])
 
   def test_launcher_restarts_cluster_after_ps_killed(self):
-    import psutil  # pylint: disable=g-import-not-at-top
-    import signal  # pylint: disable=g-import-not-at-top
     flags = _flags(self.model_dir, train_steps=100, steps_per_execution=2)
     log_path = os.path.join(self.tmp, "launch.log")
     launcher = ps_testutil.start_launcher(
@@ -218,9 +220,6 @@ class OneControllerTest(absltest.TestCase):
       return f.read()
 
   def test_auto_callbacks_sigterm_resume_export_and_manifest_keys(self):
-    import signal  # pylint: disable=g-import-not-at-top
-    import re  # pylint: disable=g-import-not-at-top
-    import tensorflow as tf  # pylint: disable=g-import-not-at-top
     model_dir = os.path.join(self.tmp, "ps")
     events = os.path.join(self.tmp, "events.jsonl")
     args = _flags(model_dir, distribution_strategy="auto", dtype="auto",
