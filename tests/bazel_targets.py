@@ -5,6 +5,13 @@ dialect is a subset) and reports, as one line each:
 
   * a test file under tests/ (`*_test.py`, `test_*.py`) that no `py_test`
     target runs: `bazel test //tests/...` would skip it;
+  * a test file that two targets run (the suite would pay for it twice);
+  * a "small" `tfdist_py_test` in a package that has a
+    `tfdist_py_test_group`: unit tests join the group, which runs them all
+    in one process (one TensorFlow start-up instead of one per file);
+  * where a package has a `tfdist_py_test_compat` (the `compat` tests in
+    TensorFlow 2.17), a test file that marks tests `compat` but is not in
+    its `srcs`, or one in its `srcs` that marks none;
   * a target whose `srcs` or `main` names a file that is gone, or whose
     `deps` name a target that does not exist;
   * a Python file of a first-party package (a top-level folder with an
@@ -18,14 +25,16 @@ dialect is a subset) and reports, as one line each:
     what the deps name. A lazy import back into a target that depends on
     the importer (a cycle deps cannot express) is accepted.
 
-For a test file without a target it suggests a `tfdist_py_test` stanza with
-the deps its imports need.
+For a test file without a target it suggests what to add with the deps its
+imports need: its name in the group's `srcs` where the package has a group,
+else a `tfdist_py_test` stanza.
 
 Usage:
   python -m tests.bazel_targets [WORKSPACE_ROOT]      check; exit 1 on problems
   python -m tests.bazel_targets --list-tests=SIZE[,SIZE...] [WORKSPACE_ROOT]
-      print the test files whose targets have one of those sizes (what
-      tools/test.sh gives pytest when it leaves the rest to Bazel)
+      print the test files whose targets have one of those sizes (a
+      group's files count with the size of their own targets, "small");
+      what tools/test.sh's TFDIST_PYTEST=small gives pytest
 
 //tests:bazel_targets_test runs the check on the workspace, under pytest and
 under `bazel test` (there on the runfiles, which carry every BUILD and .py
@@ -47,6 +56,21 @@ PY_RULES = ("py_library", "py_binary", "py_test")
 TEST_MACRO = "tfdist_py_test"
 TEST_MACRO_MAIN = "tests/pytest_main.py"
 TEST_MACRO_DEPS = ("//tests:init",)
+# The group macro of //tests:defs.bzl: runs every file of `srcs` in one
+# pytest process, with the same entry point and deps.
+TEST_GROUP_MACRO = "tfdist_py_test_group"
+# The group also declares one "manual" target per file, named after it (run
+# alone with `bazel test //tests:<name>`; `bazel test //tests/...` skips
+# it). Its files and imports are checked on these per-file targets.
+TEST_GROUP_MEMBER = "tfdist_py_test_group member"
+# The compat macro of //tests:defs.bzl: the `compat` tests of its files once
+# more, in another virtual environment (TensorFlow 2.17). Its files are run
+# by other targets too, so it does not count as their runner.
+TEST_COMPAT_MACRO = "tfdist_py_test_compat"
+COMPAT_MARK = re.compile(r"pytest\.mark\.compat\b")
+TEST_KINDS = ("py_test", TEST_MACRO, TEST_GROUP_MACRO)
+# Rules whose `srcs` (and imports) this check reads.
+SOURCE_RULES = PY_RULES + (TEST_MACRO, TEST_GROUP_MEMBER, TEST_COMPAT_MACRO)
 TEST_FILE_PATTERNS = ("*_test.py", "test_*.py")
 SKIP_DIRS = (".git", ".venv", "third_party", "node_modules", "__pycache__")
 
@@ -61,6 +85,8 @@ class Target:
   deps: List[str] = dataclasses.field(default_factory=list)
   main: Optional[str] = None
   size: Optional[str] = None
+  # The BUILD variable that `srcs` names (`srcs = UNIT_TESTS`), if any.
+  srcs_variable: Optional[str] = None
 
 
 class BuildFileError(ValueError):
@@ -116,15 +142,19 @@ def _glob_match(path: str, pattern: str) -> bool:
 
 
 class _Evaluator:
-  """Evaluates the literal parts of BUILD expressions (strings, lists, +)."""
+  """Evaluates the literal parts of BUILD expressions (strings, lists, +,
+  glob, and names assigned earlier in the file: `UNIT_TESTS = [...]`)."""
 
   def __init__(self, root, package, packages):
     self.root, self.package, self.packages = root, package, packages
+    self.variables = {}
 
   def value(self, node):
     """Returns a str, a list of str, or None for what it cannot evaluate."""
     if isinstance(node, ast.Constant) and isinstance(node.value, str):
       return node.value
+    if isinstance(node, ast.Name):
+      return self.variables.get(node.id)
     if isinstance(node, ast.List):
       items = [self.value(e) for e in node.elts]
       return [i for i in items if isinstance(i, str)]
@@ -196,6 +226,10 @@ def parse_build_file(root: str, package: str,
   ev = _Evaluator(root, package, packages)
   targets = []
   for stmt in tree.body:
+    if (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1
+        and isinstance(stmt.targets[0], ast.Name)):
+      ev.variables[stmt.targets[0].id] = ev.value(stmt.value)
+      continue
     call = stmt.value if isinstance(stmt, ast.Expr) else None
     if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name)):
       continue
@@ -228,6 +262,8 @@ def parse_build_file(root: str, package: str,
       return out
 
     target.srcs = files("srcs")
+    if isinstance(kw.get("srcs"), ast.Name):
+      target.srcs_variable = kw["srcs"].id
     target.deps = labels("deps")
     main = files("main")
     target.main = main[0] if main else None
@@ -236,6 +272,21 @@ def parse_build_file(root: str, package: str,
     if kind == TEST_MACRO:
       target.srcs = [os.path.join(package, target_name + ".py"),
                      TEST_MACRO_MAIN]
+      target.main = TEST_MACRO_MAIN
+      target.deps += list(TEST_MACRO_DEPS)
+    elif kind == TEST_GROUP_MACRO:
+      target.deps += list(TEST_MACRO_DEPS)
+      member_size = ev.value(kw["member_size"]) if "member_size" in kw else (
+          "small")
+      for src in target.srcs:
+        targets.append(dataclasses.replace(
+            target, label=_canonical(package, os.path.basename(src)[:-3]),
+            kind=TEST_GROUP_MEMBER, srcs=[src, TEST_MACRO_MAIN],
+            main=TEST_MACRO_MAIN, deps=list(target.deps), size=member_size))
+      target.srcs.append(TEST_MACRO_MAIN)
+      target.main = TEST_MACRO_MAIN
+    elif kind == TEST_COMPAT_MACRO:
+      target.srcs.append(TEST_MACRO_MAIN)
       target.main = TEST_MACRO_MAIN
       target.deps += list(TEST_MACRO_DEPS)
     targets.append(target)
@@ -344,7 +395,7 @@ class Workspace:
     self.roots = first_party_roots(root)
     self.owners: Dict[str, List[str]] = {}
     for target in self.targets.values():
-      if target.kind in PY_RULES + (TEST_MACRO,):
+      if target.kind in SOURCE_RULES:
         for src in target.srcs:
           self.owners.setdefault(src, []).append(target.label)
 
@@ -398,20 +449,49 @@ class Workspace:
           out.append(os.path.relpath(os.path.join(dirpath, name), self.root))
     return out
 
-  def suggest_target(self, path: str) -> str:
-    """A tfdist_py_test stanza for the test file `path`."""
+  def group_of(self, package: str) -> Optional[Target]:
+    """The `tfdist_py_test_group` of `package` (the first, if several)."""
+    groups = sorted((t for t in self.targets.values()
+                     if t.kind == TEST_GROUP_MACRO
+                     and t.label.startswith(f"//{package}:")),
+                    key=lambda t: t.label)
+    return groups[0] if groups else None
+
+  def _needed_deps(self, path: str) -> Set[str]:
+    """The py_library labels that the imports of `path` need."""
     deps = set()
     for _, files in module_imports(self.root, path, self.roots):
       if files:
         lib = self._library_for(files[-1])
         if lib and lib not in TEST_MACRO_DEPS:
           deps.add(lib)
+    return deps
+
+  def suggest_group_entry(self, path: str, group: Target) -> str:
+    """How the test file `path` joins the unit-test `group`."""
+    package = os.path.dirname(path)
+    missing = sorted(short_label(d, package)
+                     for d in self._needed_deps(path) - set(group.deps))
+    name = short_label(group.label, package)
+    where = (f"{group.srcs_variable} (the srcs of {name})"
+             if group.srcs_variable else f"the srcs of {name}")
+    text = (f'add "{os.path.basename(path)}" to {where}, the unit-test '
+            "group (one pytest process for all of them)")
+    if missing:
+      text += " and to its deps: " + ", ".join(f'"{d}"' for d in missing)
+    return text + "."
+
+  def suggest_target(self, path: str, size: str = "small") -> str:
+    """A tfdist_py_test stanza for the test file `path`."""
+    deps = self._needed_deps(path)
     package = os.path.dirname(path)
     shown = sorted((short_label(d, package) for d in deps),
                    key=lambda l: (not l.startswith(":"), l))
     name = os.path.splitext(os.path.basename(path))[0]
     lines = ["tfdist_py_test(", f'    name = "{name}",',
-             '    size = "small",  # "medium" or "large" if it runs longer',
+             f'    size = "{size}",  # '
+             + ('"medium" or "large" if it runs longer' if size == "small"
+                else '"large" if it runs longer'),
              "    deps = [" + ("]," if not shown else "")]
     if shown:
       lines += [f'        "{d}",' for d in shown] + ["    ],"]
@@ -426,23 +506,19 @@ class Workspace:
       kind; empty when the BUILD files cover the tree.
     """
     problems = list(self.problems)
-    tests_run = set()
-    for target in self.targets.values():
-      if target.kind in ("py_test", TEST_MACRO):
-        tests_run.update(target.srcs)
-    for path in self.test_files():
-      if path not in tests_run:
-        problems.append(
-            f"{path} has no py_test target: `bazel test //tests/...` skips "
-            f"it. Add to {os.path.dirname(path)}/BUILD:\n"
-            + self.suggest_target(path))
+    problems += self._check_test_files()
     for target in sorted(self.targets.values(), key=lambda t: t.label):
-      if target.kind not in PY_RULES + (TEST_MACRO,):
+      if target.kind not in SOURCE_RULES + (TEST_GROUP_MACRO,):
         continue
-      for src in target.srcs + ([target.main] if target.main else []):
-        if not self._exists(src):
-          problems.append(f"{target.label} ({target.build_file}) names "
-                          f"{src}, which does not exist.")
+      # A group's files are reported on its per-file targets, and their
+      # deps (the group's) on the group.
+      if target.kind != TEST_GROUP_MACRO:
+        for src in target.srcs + ([target.main] if target.main else []):
+          if not self._exists(src):
+            problems.append(f"{target.label} ({target.build_file}) names "
+                            f"{src}, which does not exist.")
+      if target.kind == TEST_GROUP_MEMBER:
+        continue
       for dep in target.deps:
         if dep not in self.targets:
           problems.append(f"{target.label} ({target.build_file}) depends on "
@@ -454,10 +530,77 @@ class Workspace:
     problems += self._check_imports()
     return problems
 
+  def _check_test_files(self) -> List[str]:
+    """Test files run by no target or by two; small tests outside a group."""
+    problems = []
+    runners: Dict[str, List[str]] = {}
+    for target in sorted(self.targets.values(), key=lambda t: t.label):
+      if target.kind in TEST_KINDS:
+        for src in target.srcs:
+          if _is_test_file(os.path.basename(src)):
+            runners.setdefault(src, []).append(target.label)
+    for path in self.test_files():
+      package = os.path.dirname(path)
+      group = self.group_of(package)
+      if path not in runners:
+        if group:
+          problems.append(
+              f"{path} has no py_test target: `bazel test //tests/...` "
+              f"skips it. In {package}/BUILD, "
+              + self.suggest_group_entry(path, group)
+              + " A file that runs for more than seconds or starts "
+              "processes gets its own target instead:\n"
+              + self.suggest_target(path, size="medium"))
+        else:
+          problems.append(
+              f"{path} has no py_test target: `bazel test //tests/...` "
+              f"skips it. Add to {package}/BUILD:\n"
+              + self.suggest_target(path))
+      elif len(runners[path]) > 1:
+        problems.append(f"{path} is run by {len(runners[path])} targets "
+                        f"({', '.join(runners[path])}): keep one.")
+    problems += self._check_compat()
+    for target in sorted(self.targets.values(), key=lambda t: t.label):
+      package = target.label[2:].partition(":")[0]
+      group = self.group_of(package)
+      if target.kind == TEST_MACRO and target.size == "small" and group:
+        problems.append(
+            f"{target.label} is a small test outside the group "
+            f"{short_label(group.label, package)}: in {target.build_file}, "
+            "delete its tfdist_py_test and "
+            + self.suggest_group_entry(target.srcs[0], group))
+    return problems
+
+  def _check_compat(self) -> List[str]:
+    """The compat targets list exactly the files that mark tests `compat`."""
+    problems = []
+    for target in sorted(self.targets.values(), key=lambda t: t.label):
+      if target.kind != TEST_COMPAT_MACRO:
+        continue
+      package = target.label[2:].partition(":")[0]
+      listed = {s for s in target.srcs if s != TEST_MACRO_MAIN}
+      where = target.srcs_variable or f"the srcs of {target.label}"
+      for path in self.test_files():
+        if os.path.dirname(path) != package:
+          continue
+        with open(os.path.join(self.root, path)) as f:
+          marked = bool(COMPAT_MARK.search(f.read()))
+        if marked and path not in listed:
+          problems.append(
+              f"{path} marks tests `compat`, but {target.label} does not "
+              f'run them: add "{os.path.basename(path)}" to {where} in '
+              f"{target.build_file} (and the libraries it imports to the "
+              "target's deps).")
+        elif not marked and path in listed:
+          problems.append(
+              f"{path} is in {where} ({target.build_file}) but marks no "
+              f'test `compat`: remove "{os.path.basename(path)}" there.')
+    return problems
+
   def _check_imports(self) -> List[str]:
     problems = []
     for target in sorted(self.targets.values(), key=lambda t: t.label):
-      if target.kind not in PY_RULES + (TEST_MACRO,):
+      if target.kind not in SOURCE_RULES:
         continue
       closure = self._closure(target.label)
       reachable = set()
@@ -497,7 +640,8 @@ def tests_of_size(root: str, sizes: Iterable[str]) -> List[str]:
   sizes = set(sizes)
   out = set()
   for target in Workspace(root).targets.values():
-    if target.kind in ("py_test", TEST_MACRO) and target.size in sizes:
+    if (target.kind in TEST_KINDS + (TEST_GROUP_MEMBER,)
+        and target.size in sizes):
       out.update(s for s in target.srcs
                  if s != TEST_MACRO_MAIN and _is_test_file(
                      os.path.basename(s)))

@@ -254,5 +254,183 @@ skips it. Add to tests/sub/BUILD:
     self.assertTrue(problems[0].startswith("lib/BUILD:"), problems)
 
 
+_GROUP_BUILD = textwrap.dedent("""\
+    load("//tests:defs.bzl", "tfdist_py_test", "tfdist_py_test_group")
+    exports_files(["pytest_main.py"])
+    py_library(name = "init", srcs = ["__init__.py"])
+    UNIT_TESTS = ["core_test.py"]
+    tfdist_py_test_group(
+        name = "unit_tests",
+        size = "medium",
+        srcs = UNIT_TESTS,
+        deps = ["//lib:core"],
+    )
+    """)
+
+
+class GroupTest(absltest.TestCase):
+  """tfdist_py_test_group: many unit-test files in one target."""
+
+  def setUp(self):
+    super().setUp()
+    self.root = os.path.join(testutil.scratch_dir(), "ws")
+    _small_workspace(self.root)
+    _write(self.root, "lib/extra.py", "")
+    _write(self.root, "lib/BUILD", """\
+        py_library(name = "init", srcs = ["__init__.py"])
+        py_library(name = "core", srcs = ["core.py"], deps = [":init"])
+        py_library(name = "extra", srcs = ["extra.py"], deps = [":init"])
+        """)
+    _write(self.root, "tests/BUILD", _GROUP_BUILD)
+
+  def test_group_covers_its_files(self):
+    workspace = bazel_targets.Workspace(self.root)
+    group = workspace.targets["//tests:unit_tests"]
+    self.assertEqual(group.srcs, ["tests/core_test.py", "tests/pytest_main.py"])
+    self.assertEqual(group.srcs_variable, "UNIT_TESTS")
+    self.assertEqual(workspace.check(), [])
+    self.assertEqual(bazel_targets.tests_of_size(self.root, ["medium"]),
+                     ["tests/core_test.py"])
+    self.assertEqual(bazel_targets.tests_of_size(self.root, ["small"]),
+                     ["tests/core_test.py"])
+
+  def test_orphan_is_told_to_join_the_group(self):
+    _write(self.root, "tests/extra_test.py", "from lib import extra\n")
+    self.assertEqual(bazel_targets.check_workspace(self.root), [
+        "tests/extra_test.py has no py_test target: `bazel test //tests/...` "
+        'skips it. In tests/BUILD, add "extra_test.py" to UNIT_TESTS (the '
+        "srcs of :unit_tests), the unit-test group (one pytest process for "
+        'all of them) and to its deps: "//lib:extra". A file that runs for '
+        "more than seconds or starts processes gets its own target "
+        "instead:\n"
+        "tfdist_py_test(\n"
+        '    name = "extra_test",\n'
+        '    size = "medium",  # "large" if it runs longer\n'
+        "    deps = [\n"
+        '        "//lib:extra",\n'
+        "    ],\n"
+        ")"])
+
+  def test_missing_dep_of_a_grouped_file_fails(self):
+    _write(self.root, "tests/core_test.py", "from lib import extra\n")
+    problems = bazel_targets.check_workspace(self.root)
+    self.assertLen(problems, 1)
+    self.assertIn("//tests:core_test: tests/core_test.py imports or runs "
+                  "lib.extra", problems[0])
+
+  def test_each_file_has_a_manual_target_of_its_own(self):
+    workspace = bazel_targets.Workspace(self.root)
+    member = workspace.targets["//tests:core_test"]
+    self.assertEqual(member.kind, bazel_targets.TEST_GROUP_MEMBER)
+    self.assertEqual(member.srcs, ["tests/core_test.py", "tests/pytest_main.py"])
+    os.remove(os.path.join(self.root, "tests", "core_test.py"))
+    self.assertEqual(bazel_targets.check_workspace(self.root), [
+        "//tests:core_test (tests/BUILD) names tests/core_test.py, which "
+        "does not exist."])
+
+  def test_missing_dep_target_of_a_group_is_reported_once(self):
+    _write(self.root, "tests/BUILD", _GROUP_BUILD.replace(
+        '"//lib:core"', '"//lib:core", "//lib:gone"'))
+    self.assertEqual(bazel_targets.check_workspace(self.root), [
+        "//tests:unit_tests (tests/BUILD) depends on //lib:gone, which is "
+        "not a target."])
+
+  def test_small_target_beside_a_group_fails(self):
+    _write(self.root, "tests/extra_test.py", "from lib import extra\n")
+    _write(self.root, "tests/BUILD", _GROUP_BUILD + textwrap.dedent("""\
+        tfdist_py_test(
+            name = "extra_test",
+            size = "small",
+            deps = ["//lib:extra"],
+        )
+        """))
+    problems = bazel_targets.check_workspace(self.root)
+    self.assertLen(problems, 1)
+    self.assertTrue(problems[0].startswith(
+        "//tests:extra_test is a small test outside the group :unit_tests: "
+        "in tests/BUILD, delete its tfdist_py_test and add "
+        '"extra_test.py" to UNIT_TESTS'), problems[0])
+
+  def test_file_run_by_two_targets_fails(self):
+    _write(self.root, "tests/BUILD", _GROUP_BUILD + textwrap.dedent("""\
+        tfdist_py_test(
+            name = "core_test",
+            size = "medium",
+            deps = ["//lib:core"],
+        )
+        """))
+    self.assertEqual(bazel_targets.check_workspace(self.root), [
+        "tests/core_test.py is run by 2 targets (//tests:core_test, "
+        "//tests:unit_tests): keep one."])
+
+
+# Built, not written out: this file marks no test `compat` itself.
+_COMPAT_MARK = "pytest.mark." + "compat"
+
+
+class CompatTest(absltest.TestCase):
+  """tfdist_py_test_compat lists exactly the files with `compat` tests."""
+
+  def setUp(self):
+    super().setUp()
+    self.root = os.path.join(testutil.scratch_dir(), "ws")
+    _small_workspace(self.root)
+    _write(self.root, "tests/core_test.py",
+           f"import pytest\nfrom lib import core\n"
+           f"pytestmark = {_COMPAT_MARK}\n")
+    _write(self.root, "tests/other_test.py", "from lib import core\n")
+    _write(self.root, "tests/BUILD", textwrap.dedent("""\
+        load("//tests:defs.bzl", "tfdist_py_test", "tfdist_py_test_compat")
+        exports_files(["pytest_main.py"])
+        py_library(name = "init", srcs = ["__init__.py"])
+        tfdist_py_test(name = "core_test", size = "small",
+                       deps = ["//lib:core"])
+        tfdist_py_test(name = "other_test", size = "small",
+                       deps = ["//lib:core"])
+        COMPAT_TESTS = ["core_test.py"]
+        tfdist_py_test_compat(
+            name = "compat_old",
+            size = "large",
+            srcs = COMPAT_TESTS,
+            venv = ".venv-old",
+            deps = ["//lib:core"],
+        )
+        """))
+
+  def test_listed_files_pass_and_are_not_a_second_runner(self):
+    self.assertEqual(bazel_targets.check_workspace(self.root), [])
+
+  def test_a_file_with_compat_tests_must_be_listed(self):
+    _write(self.root, "tests/other_test.py",
+           f"import pytest\nfrom lib import core\n"
+           f"@{_COMPAT_MARK}\ndef test_x():\n  pass\n")
+    self.assertEqual(bazel_targets.check_workspace(self.root), [
+        "tests/other_test.py marks tests `compat`, but //tests:compat_old "
+        'does not run them: add "other_test.py" to COMPAT_TESTS in '
+        "tests/BUILD (and the libraries it imports to the target's deps)."])
+
+  def test_a_listed_file_without_compat_tests_is_reported(self):
+    _write(self.root, "tests/core_test.py", "from lib import core\n")
+    self.assertEqual(bazel_targets.check_workspace(self.root), [
+        "tests/core_test.py is in COMPAT_TESTS (tests/BUILD) but marks no "
+        'test `compat`: remove "core_test.py" there.'])
+
+  def test_its_imports_need_its_deps(self):
+    _write(self.root, "lib/extra.py", "")
+    _write(self.root, "lib/BUILD", """\
+        py_library(name = "init", srcs = ["__init__.py"])
+        py_library(name = "core", srcs = ["core.py"], deps = [":init"])
+        py_library(name = "extra", srcs = ["extra.py"], deps = [":init"])
+        """)
+    _write(self.root, "tests/core_test.py",
+           f"import pytest\nfrom lib import extra\n"
+           f"pytestmark = {_COMPAT_MARK}\n")
+    problems = bazel_targets.check_workspace(self.root)
+    self.assertLen(problems, 2, problems)
+    self.assertTrue(all("imports or runs lib.extra" in p for p in problems))
+    self.assertEqual(sorted(p.split(":")[1] for p in problems),
+                     ["compat_old", "core_test"])
+
+
 if __name__ == "__main__":
   absltest.main()

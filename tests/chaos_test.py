@@ -9,6 +9,10 @@ run must finish with status 0, every restart must resume from the newest
 whole checkpoint, every listed checkpoint must be whole and hold its step,
 and the final variables must equal an uninterrupted run's within
 `chaos.WEIGHT_TOLERANCE`.
+
+Cost (Bazel on 2 cores, 1 December 2026): 100 to 120 s, five 2-worker
+cluster start-ups (the uninterrupted reference and the chaos run's four
+attempts) of 12 steps each; the steps themselves take about a second.
 """
 
 import os

@@ -22,6 +22,9 @@ recomputes its position from the restored step (`tfdist.input_pipeline`,
   accumulation (both in one child process: logical devices must be set
   before TensorFlow starts), and 2 MultiWorkerMirrored workers through
   `tfdist.launch`.
+
+Cost (Bazel on 2 cores, 1 December 2026): about 110 s: the real runs 50 s
+each (process start-up; 8 steps), the pipeline tests under 10 s.
 """
 
 import glob

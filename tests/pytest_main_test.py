@@ -30,6 +30,26 @@ class PytestArgsTest(absltest.TestCase):
         ["tests/a_test.py", "-p", "no:cacheprovider", "-q",
          "--junitxml=/out/test.xml", "-k", "warmup and not cosine", "-x"])
 
+  def test_several_files_end_at_the_first_option(self):
+    self.assertEqual(
+        pytest_main.pytest_args(
+            ["pytest_main.py", "tests/a_test.py", "tests/b_test.py", "-x",
+             "tests/c_test.py"], {"TESTBRIDGE_TEST_ONLY": "fast"}),
+        ["tests/a_test.py", "tests/b_test.py", "-p", "no:cacheprovider",
+         "-q", "-k", "fast", "-x", "tests/c_test.py"])
+
+  def test_a_shard_runs_every_nth_file(self):
+    argv = ["pytest_main.py", "a_test.py", "b_test.py", "c_test.py", "-x"]
+    shard = lambda i: pytest_main.pytest_args(
+        argv, {"TEST_TOTAL_SHARDS": "2", "TEST_SHARD_INDEX": str(i)})
+    self.assertEqual(shard(0), ["a_test.py", "c_test.py", "-p",
+                                "no:cacheprovider", "-q", "-x"])
+    self.assertEqual(shard(1), ["b_test.py", "-p", "no:cacheprovider", "-q",
+                                "-x"])
+    self.assertEqual(pytest_main.pytest_args(
+        ["pytest_main.py", "a_test.py"],
+        {"TEST_TOTAL_SHARDS": "2", "TEST_SHARD_INDEX": "1"}), [])
+
   def test_test_file_is_required(self):
     with self.assertRaisesRegex(SystemExit, "usage: pytest_main.py TEST_FILE"):
       pytest_main.pytest_args(["pytest_main.py"], {})

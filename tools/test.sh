@@ -1,29 +1,34 @@
 #!/usr/bin/env bash
-# Runs the whole test suite: pytest on the quick test files, pytest on the
-# `compat` tests in the TensorFlow 2.17 environment (.venv-tf217), then every
-# Bazel test target (`bazel test //tests/...`: every test file, each in
-# Bazel's sandbox). Every test file runs at least once, under Bazel.
+# Runs the whole test suite: every Bazel test target (`bazel test
+# //tests/...`: every test file once, in Bazel's sandbox, two targets at a
+# time). In tests/BUILD:
+#   * //tests:unit_tests runs the unit-test files together (one pytest
+#     process: one TensorFlow start-up for all of them);
+#   * //tests:compat_tf217 runs the tests marked `compat` (tests/conftest.py:
+#     every module's unit tests, one short training run per strategy, the
+#     tensorflow-io tests) once more in .venv-tf217 (TensorFlow 2.17, which
+#     tools/setup.sh builds), beside the other targets;
+#   * every other test file has its own target.
 #
-# The medium and large tests (training runs, multi-process clusters) run
-# under Bazel only: running them under pytest too would take the suite past
-# 20 minutes on a 2-core machine.
-#
-# The TF 2.17 pass runs the tests marked `compat` (tests/conftest.py: every
-# module's unit tests, one short training run per strategy, the tensorflow-io
-# tests) with .venv-tf217/bin/python, which tools/setup.sh builds. On its own:
+# No pytest pass runs beside Bazel by default: Bazel runs every file already,
+# and a pass before it would keep one of the two cores idle. Without Bazel
+# (TFDIST_BAZEL=0), pytest runs every file, then the TF 2.17 pass. The TF
+# 2.17 pass on its own:
 #   TFDIST_VENV=.venv-tf217 TFDIST_PYTEST=compat TFDIST_BAZEL=0 bash tools/test.sh
 #
 # Environment:
 #   TFDIST_VENV=DIR       the virtual environment of pytest and of Bazel's
 #                         Python toolchain (default .venv)
-#   TFDIST_PYTEST=small   pytest runs the files whose Bazel target is size
-#                         "small" (the default)
+#   TFDIST_PYTEST=small   pytest runs the unit-test files (those of
+#                         //tests:unit_tests and of any "small" target)
 #   TFDIST_PYTEST=all     pytest runs every test file (the default when
 #                         TFDIST_BAZEL=0)
 #   TFDIST_PYTEST=compat  pytest runs the tests marked `compat`
-#   TFDIST_PYTEST=none    no pytest pass
-#   TFDIST_TF217=0        skip the TF 2.17 pass (it runs only when
-#                         TFDIST_VENV is unset)
+#   TFDIST_PYTEST=none    no pytest pass (the default when Bazel runs)
+#   TFDIST_TF217=0        no TF 2.17 tests: Bazel leaves out
+#                         //tests:compat_tf217, and without Bazel there is
+#                         no TF 2.17 pass (for a set-up without .venv-tf217,
+#                         tools/setup.sh's TFDIST_TF217=0)
 #   TFDIST_BAZEL=0        skip Bazel (a local run without Bazel)
 # Extra arguments go to pytest.
 set -euo pipefail
@@ -44,7 +49,7 @@ pytest_status=0
 if [ "${TFDIST_BAZEL:-1}" = 0 ]; then
   pytest_scope="${TFDIST_PYTEST:-all}"
 else
-  pytest_scope="${TFDIST_PYTEST:-small}"
+  pytest_scope="${TFDIST_PYTEST:-none}"
 fi
 case "$pytest_scope" in
   all) "$PY" -m pytest tests -q -p no:cacheprovider "$@" || pytest_status=$? ;;
@@ -67,8 +72,10 @@ case "$pytest_scope" in
        "got ${TFDIST_PYTEST}" >&2; exit 2 ;;
 esac
 
-# The oldest supported TensorFlow (2.17, Python 3.10): the `compat` tests.
-if [ -z "${TFDIST_VENV:-}" ] && [ "${TFDIST_TF217:-1}" != 0 ]; then
+# The oldest supported TensorFlow (2.17, Python 3.10): the `compat` tests,
+# as a pytest pass when Bazel does not run //tests:compat_tf217.
+if [ -z "${TFDIST_VENV:-}" ] && [ "${TFDIST_TF217:-1}" != 0 ] \
+    && [ "${TFDIST_BAZEL:-1}" = 0 ]; then
   TFDIST_VENV=.venv-tf217 TFDIST_PYTEST=compat TFDIST_BAZEL=0 \
     bash tools/test.sh "$@" || pytest_status=$?
 fi
@@ -87,13 +94,19 @@ if [ -n "${CI:-}" ]; then
 fi
 log="$(mktemp)"
 status=0
+# The target patterns, last: after `--` everything is one (a leading `-`
+# subtracts).
+targets=(-- //tests/...)
+if [ "${TFDIST_TF217:-1}" = 0 ]; then
+  targets+=(-//tests:compat_tf217)
+fi
 # Two cores: two tests at a time; plain progress lines, at most every 30 s
 # (timeouts per size come from .bazelrc).
-bazel test //tests/... \
+bazel test \
   --local_cpu_resources=2 --local_test_jobs=2 \
   --test_output=errors --test_summary=short \
   --curses=no --color=no --show_progress_rate_limit=30 \
-  2>&1 | tee "$log" || status=$?
+  "${targets[@]}" 2>&1 | tee "$log" || status=$?
 passed=$(grep -cE '^//\S+ .*PASSED in ' "$log" || true)
 failed=$(grep -cE '^//\S+ .*(FAILED|TIMEOUT|NO STATUS|INCOMPLETE|FLAKY)' \
   "$log" || true)
