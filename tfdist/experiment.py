@@ -63,6 +63,7 @@ from tfdist import preemption
 from tfdist import preflight
 from tfdist import profiling
 from tfdist import run_log as run_log_lib
+from tfdist import run_options
 from tfdist import run_plan as run_plan_lib
 from tfdist import step_runner
 from tfdist import strategy as strategy_lib
@@ -153,12 +154,12 @@ def prepare_run(config: TrainConfig, *,
                  cluster.source)
   # The export replaces its folder: never one holding the run's outputs.
   export.check_layout(**environment_lib.output_sources(config, applied))
-  decision = auto_select.resolve(config, cluster=cluster,
+  decision = auto_select.resolve(run_options.select_options(config), cluster=cluster,
                                  environment=environment)
-  config = auto_select.apply_decision(config, decision)
+  config = run_options.apply_decision(config, decision)
   if decision.strategy == "tpu":
     tpu_lib.validate_tpu_config(
-        config, data_patterns=run_plan_lib.data_patterns(config, dataset))
+        config.tpu, data_patterns=run_plan_lib.data_patterns(config, dataset))
   logging.info("%s", decision.describe())
   return config, cluster, decision, applied, trial_fields
 
@@ -365,7 +366,7 @@ def planned_replicas(config, *, decision, cluster) -> Tuple[int, int]:
   if name == "parameter_server":
     return 1, len(cluster.cluster.get(cluster_lib.WORKER, ()))
   if name == "tpu":
-    choice = strategy_lib.make_strategy(config, cluster=cluster)
+    choice = strategy_lib.make_strategy(run_options.strategy_options(config), cluster=cluster)
     return choice.strategy.num_replicas_in_sync, 1
   return 1, 1
 
@@ -443,10 +444,10 @@ def _train(config, *, task, cluster, decision, applied, callbacks, started,
     # peer has connected.
     with (lease.extended(config.cluster_start_timeout_seconds)
           if lease is not None else contextlib.nullcontext()):
-      choice = strategy_lib.make_strategy(config, cluster=cluster)
+      choice = strategy_lib.make_strategy(run_options.strategy_options(config), cluster=cluster)
   devices.configure_cpu_devices(config.num_cpu_devices)
   if not multi_worker:
-    choice = strategy_lib.make_strategy(config, cluster=cluster)
+    choice = strategy_lib.make_strategy(run_options.strategy_options(config), cluster=cluster)
   strategy = choice.strategy
   num_workers = (cluster.num_workers if multi_worker else
                  len(cluster.cluster.get(cluster_lib.WORKER, ()))
@@ -900,13 +901,13 @@ def run_evaluator(config: TrainConfig, *, task, cluster, decision,
   if how.strategy == "mirrored":
     devices.configure_cpu_devices(config.num_cpu_devices)
   choice = strategy_lib.make_strategy(
-      config.replace(distribution_strategy=how.strategy))
+      run_options.strategy_options(config.replace(distribution_strategy=how.strategy)))
   if how.global_batch_size % choice.strategy.num_replicas_in_sync:
     how = dataclasses.replace(how, strategy="one_device", reason=(
         f"{choice.strategy.num_replicas_in_sync} local replicas do not "
         f"divide the run's evaluation batch {how.global_batch_size}"))
     choice = strategy_lib.make_strategy(
-        config.replace(distribution_strategy="one_device"))
+        run_options.strategy_options(config.replace(distribution_strategy="one_device")))
   strategy = choice.strategy
   logging.info("Evaluator: %s, %d replica(s) (%s); global batch %d (from "
                "%s)", how.strategy, strategy.num_replicas_in_sync,

@@ -6,11 +6,82 @@ reads, never the whole `TrainConfig` (as Orbit's `Controller` takes its
 `ControllerOptions`). Each converter is a pure function of the config.
 """
 
-from tfdist import config as config_lib  # noqa: F401  (the converters' input)
+from tfdist import auto_select
+from tfdist import config as config_lib
+from tfdist import parameter_server
+from tfdist import strategy as strategy_lib
+from tfdist import tpu as tpu_lib
+from tfdist.strategy_kind import StrategyKind
 
 TrainConfig = config_lib.TrainConfig
 
 # --- cluster and strategy ---
+
+
+def tpu_options(config: TrainConfig) -> tpu_lib.TpuOptions:
+  """The `--tpu*` flags of `config`."""
+  return tpu_lib.TpuOptions(tpu=config.tpu, zone=config.tpu_zone,
+                            project=config.tpu_gcp_project,
+                            init_timeout=config.tpu_init_timeout)
+
+
+def select_options(config: TrainConfig) -> auto_select.SelectOptions:
+  """What `tfdist.auto_select.resolve` reads from `config` (flags as given)."""
+  return auto_select.SelectOptions(
+      distribution_strategy=config.distribution_strategy, dtype=config.dtype,
+      dtype_defaulted="dtype" in config.defaulted, num_gpus=config.num_gpus,
+      num_cpu_devices=config.num_cpu_devices, tpu=tpu_options(config))
+
+
+def apply_decision(config: TrainConfig,
+                   decision: auto_select.Decision) -> TrainConfig:
+  """`config` with `auto`'s decision applied (`auto_select.decision_changes`).
+
+  Returns:
+    A validated `TrainConfig` with no `auto` left in it.
+
+  Raises:
+    ConfigError: `--reduction_server` when the decision is not
+      multi_worker_mirrored.
+  """
+  return config.replace(**auto_select.decision_changes(
+      decision, tpu=config.tpu, loss_scale=config.loss_scale,
+      steps_per_execution=config.steps_per_execution,
+      steps_per_execution_defaulted="steps_per_execution" in config.defaulted,
+      reduction_server=bool(getattr(config, "reduction_server", False))))
+
+
+def strategy_kind(config: TrainConfig) -> StrategyKind:
+  """The concrete `StrategyKind` of a config whose `auto` is decided.
+
+  Raises:
+    ConfigError: `--distribution_strategy=auto` (decide it first with
+      `tfdist.auto_select.resolve` and `apply_decision`).
+  """
+  if config.distribution_strategy == "auto":
+    raise config_lib.ConfigError(
+        "make_strategy takes a concrete strategy; decide `auto` first with "
+        "tfdist.auto_select.resolve and apply_decision.")
+  return StrategyKind.parse(config.distribution_strategy)
+
+
+def strategy_options(config: TrainConfig) -> strategy_lib.StrategyOptions:
+  """What `tfdist.strategy.make_strategy` reads from `config`.
+
+  Raises:
+    ConfigError: `auto` not decided yet (`strategy_kind`).
+  """
+  return strategy_lib.StrategyOptions(
+      kind=strategy_kind(config), num_gpus=config.num_gpus,
+      num_cpu_devices=config.num_cpu_devices,
+      all_reduce_alg=config.all_reduce_alg,
+      reduction_server=bool(config.reduction_server),
+      collective_timeout_seconds=config.collective_timeout_seconds,
+      cluster_start_timeout_seconds=config.cluster_start_timeout_seconds,
+      tpu=tpu_options(config),
+      partitioner=parameter_server.PartitionerOptions(
+          kind=config.ps_partitioner, shard_bytes=config.ps_min_shard_bytes,
+          max_shards=config.ps_max_shards))
 
 # --- inputs and data ---
 
