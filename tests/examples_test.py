@@ -306,6 +306,7 @@ def _child_parameter_server(project: str) -> dict:
   from tfdist import input_pipeline  # pylint: disable=g-import-not-at-top
   from tfdist import lr_schedule  # pylint: disable=g-import-not-at-top
   from tfdist import parameter_server as ps_lib  # pylint: disable=g-import-not-at-top
+  from tfdist import run_options  # pylint: disable=g-import-not-at-top
   from tfdist import step_runner  # pylint: disable=g-import-not-at-top
   from tfdist import api  # pylint: disable=g-import-not-at-top
   from tfdist.config import TrainConfig  # pylint: disable=g-import-not-at-top
@@ -336,7 +337,7 @@ def _child_parameter_server(project: str) -> dict:
       gradient_accumulation_steps=1, num_train_examples=80034,
       num_input_pipelines=1)
   lr = lr_schedule.plan_learning_rate(
-      config, global_batch_size=64, steps_per_epoch=plan_batch.steps_per_epoch,
+      run_options.lr_options(config), global_batch_size=64, steps_per_epoch=plan_batch.steps_per_epoch,
       total_steps=6)
 
   class Plan:  # What assembly.build reads of a run plan.

@@ -274,8 +274,8 @@ class TpuRulesTest(parameterized.TestCase):
   def test_gcs_required_for_remote_tpus(self, address, files, message):
     cfg = self._with_environment(self._config(tpu=address, **files))
     with self.assertRaisesRegex(ConfigError, message):
-      tpu.validate_tpu_config(cfg.tpu,
-                              data_patterns=run_plan.data_patterns(cfg))
+      tpu.validate_tpu_config(cfg.tpu, data_patterns=run_plan.data_patterns(
+          run_options.data_options(cfg)))
 
   @parameterized.named_parameters(
       ("gcs", "my-tpu", dict(train_files="gs://b/train-*",
@@ -285,8 +285,8 @@ class TpuRulesTest(parameterized.TestCase):
                                               eval_files="/d/test-*")))
   def test_allowed_inputs(self, address, files):
     cfg = self._with_environment(self._config(tpu=address, **files))
-    tpu.validate_tpu_config(cfg.tpu,
-                            data_patterns=run_plan.data_patterns(cfg))
+    tpu.validate_tpu_config(cfg.tpu, data_patterns=run_plan.data_patterns(
+        run_options.data_options(cfg)))
 
   def test_dataset_functions_and_feature_specs_on_remote_tpus(self):
     # A dataset function reads no files of tfdist's: nothing to put on
@@ -295,9 +295,9 @@ class TpuRulesTest(parameterized.TestCase):
     from tfdist.dataset_spec import DatasetSpec  # pylint: disable=g-import-not-at-top
     cfg = self._with_environment(self._config(tpu="grpc://10.0.0.2:8470"))
     function = DatasetSpec(name="mine", input_fn=lambda training: None)
-    self.assertEqual(run_plan.data_patterns(cfg, function), [])
+    self.assertEqual(run_plan.data_patterns(run_options.data_options(cfg), function), [])
     tpu.validate_tpu_config(cfg.tpu, data_patterns=run_plan.data_patterns(
-        cfg, function))
+        run_options.data_options(cfg), function))
     cfg = self._config(tpu="grpc://10.0.0.2:8470", feature_spec="spec.json",
                        train_files="/d/train-*", eval_files="/d/test-*")
     records = feature_spec.from_dict({
@@ -306,7 +306,7 @@ class TpuRulesTest(parameterized.TestCase):
     ).dataset_spec()
     with self.assertRaisesRegex(ConfigError, "input must be on gs://"):
       tpu.validate_tpu_config(cfg.tpu, data_patterns=run_plan.data_patterns(
-          cfg, records))
+          run_options.data_options(cfg), records))
 
   def test_rules_checked_before_connecting(self):
     # A remote TPU with local files fails on the rule, without any network.

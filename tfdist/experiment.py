@@ -159,7 +159,7 @@ def prepare_run(config: TrainConfig, *,
   config = run_options.apply_decision(config, decision)
   if decision.strategy == "tpu":
     tpu_lib.validate_tpu_config(
-        config.tpu, data_patterns=run_plan_lib.data_patterns(config, dataset))
+        config.tpu, data_patterns=run_plan_lib.data_patterns(run_options.data_options(config), dataset))
   logging.info("%s", decision.describe())
   return config, cluster, decision, applied, trial_fields
 
@@ -378,9 +378,9 @@ def _dry_run(config, *, task, cluster, decision, writer: bool) -> dict:
                                            cluster=cluster)
   asynchronous = decision.strategy == "parameter_server"
   plan = run_plan_lib.make_run_plan(
-      config, spec, num_replicas_in_sync=replicas, num_workers=num_workers,
+      run_options.plan_options(config), spec, num_replicas_in_sync=replicas, num_workers=num_workers,
       asynchronous=asynchronous, decision=decision)
-  logging.info("%s", plan.describe(config))
+  logging.info("%s", plan.describe(run_options.plan_options(config)))
   notes = _check_resume(config, plan) if writer else []
   print(f"tfdist: dry run: every start-up check passed ({cluster.task_type} "
         f"{cluster.task_index}; {plan.num_train_examples} training and "
@@ -466,9 +466,9 @@ def _train(config, *, task, cluster, decision, applied, callbacks, started,
     tf.config.experimental.enable_op_determinism()
   spec = task.dataset
   plan = run_plan_lib.make_run_plan(
-      config, spec, num_replicas_in_sync=strategy.num_replicas_in_sync,
+      run_options.plan_options(config), spec, num_replicas_in_sync=strategy.num_replicas_in_sync,
       num_workers=num_workers, asynchronous=asynchronous, decision=decision)
-  logging.info("%s", plan.describe(config))
+  logging.info("%s", plan.describe(run_options.plan_options(config)))
   if config.profile_steps and config.profile_steps[0] > plan.total_steps:
     raise ConfigError(
         f"--profile_steps={config.profile_steps[0]},{config.profile_steps[1]}"
@@ -883,14 +883,14 @@ def run_evaluator(config: TrainConfig, *, task, cluster, decision,
         f"--mode=eval: no checkpoint in {checkpoint_dir} to evaluate. Train "
         "first (same --model_dir), or point --checkpoint_dir at one.")
   plan = run_plan_lib.make_run_plan(
-      config, spec, num_replicas_in_sync=1, num_workers=1,
+      run_options.plan_options(config), spec, num_replicas_in_sync=1, num_workers=1,
       asynchronous=True, decision=decision) if (
           config.train_steps <= 0 and not once) else None
   final_step = (controller_lib.checkpoint_step(latest) if once else
                 config.train_steps if config.train_steps > 0 else
                 plan.total_steps)
   eval_files = (plan.eval_files if plan else
-                run_plan_lib.resolve_data_files(config, spec)[1])
+                run_plan_lib.resolve_data_files(run_options.data_options(config), spec)[1])
   record = checkpointing.read_run_record(checkpoint_dir, config.model_dir)
   # Told no strategy (`auto`), it evaluates with the one the run recorded.
   run_strategy = (record["strategy"] if record and record.get("strategy")

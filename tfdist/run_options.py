@@ -8,7 +8,9 @@ reads, never the whole `TrainConfig` (as Orbit's `Controller` takes its
 
 from tfdist import auto_select
 from tfdist import config as config_lib
+from tfdist import lr_schedule
 from tfdist import parameter_server
+from tfdist import run_plan
 from tfdist import strategy as strategy_lib
 from tfdist import tpu as tpu_lib
 from tfdist.strategy_kind import StrategyKind
@@ -82,6 +84,41 @@ def strategy_options(config: TrainConfig) -> strategy_lib.StrategyOptions:
       partitioner=parameter_server.PartitionerOptions(
           kind=config.ps_partitioner, shard_bytes=config.ps_min_shard_bytes,
           max_shards=config.ps_max_shards))
+
+def lr_options(config: TrainConfig) -> lr_schedule.LROptions:
+  """The learning-rate flags of `config` (its defaults already resolved)."""
+  return lr_schedule.LROptions(
+      base_learning_rate=config.base_learning_rate,
+      base_batch_size=config.base_batch_size, lr_scaling=config.lr_scaling,
+      lr_schedule=config.lr_schedule, warmup_steps=config.warmup_steps,
+      warmup_epochs=config.warmup_epochs,
+      warmup_start_learning_rate=config.warmup_start_learning_rate,
+      end_learning_rate_factor=config.end_learning_rate_factor,
+      piecewise_boundaries=tuple(config.piecewise_boundaries),
+      piecewise_multipliers=tuple(config.piecewise_multipliers))
+
+
+def data_options(config: TrainConfig) -> run_plan.DataOptions:
+  """The data set and file flags of `config`."""
+  return run_plan.DataOptions(
+      dataset=config.dataset, train_files=config.train_files,
+      eval_files=config.eval_files, data_dir=config.data_dir,
+      raw_data_dir=config.raw_data_dir)
+
+
+def plan_options(config: TrainConfig) -> run_plan.PlanOptions:
+  """What `tfdist.run_plan.make_run_plan` reads from `config`."""
+  return run_plan.PlanOptions(
+      data=data_options(config), lr=lr_options(config),
+      need_eval=config.mode != "train", batch_size=config.batch_size,
+      per_replica_batch_size=config.per_replica_batch_size,
+      gradient_accumulation_steps=config.gradient_accumulation_steps,
+      train_steps=config.train_steps, train_epochs=config.train_epochs,
+      sync_batch_norm=config.sync_batch_norm, enable_xla=config.enable_xla,
+      model=config.model,
+      activation_recomputation=config.activation_recomputation,
+      zero_stage=config.zero_stage_resolved,
+      deterministic=config.deterministic)
 
 # --- inputs and data ---
 
