@@ -78,9 +78,9 @@ class LeaseTest(absltest.TestCase):
                      lease.holder)
 
   def test_a_gone_process_on_this_host_is_taken_over_at_once(self):
-    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                          capture_output=True, text=True, check=True,
-                          timeout=60)
+    gone = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True, text=True, check=True, timeout=60)
     self._write(pid=int(gone.stdout), pid_start=None)
     lease = self._lease().acquire()
     self.assertEqual(lease_lib.read_lease(self.model_dir).holder,

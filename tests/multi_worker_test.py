@@ -43,7 +43,8 @@ class StrategyOptionsTest(parameterized.TestCase):
     from tfdist import run_options  # pylint: disable=g-import-not-at-top
     from tfdist import strategy as strategy_lib  # pylint: disable=g-import-not-at-top
     return strategy_lib.make_strategy(
-        run_options.strategy_options(config), cluster=cluster_lib.resolve_cluster())
+        run_options.strategy_options(config),
+        cluster=cluster_lib.resolve_cluster())
 
   @parameterized.named_parameters(("ring", "ring", "RING"),
                                   ("auto", "auto", "AUTO"))

@@ -64,7 +64,8 @@ class MakeStrategyTest(parameterized.TestCase):
     # concrete name.
     config = _config(distribution_strategy="auto")
     decision = auto_select.resolve(
-        run_options.select_options(config), cluster=cluster_lib.ClusterInfo.single_process())
+        run_options.select_options(config),
+        cluster=cluster_lib.ClusterInfo.single_process())
     self.assertEqual(decision.strategy, "one_device")
     self.assertIn("auto: ", decision.strategy_reason)
     choice = strategy_lib.make_strategy(run_options.strategy_options(

@@ -295,7 +295,8 @@ class TpuRulesTest(parameterized.TestCase):
     from tfdist.dataset_spec import DatasetSpec  # pylint: disable=g-import-not-at-top
     cfg = self._with_environment(self._config(tpu="grpc://10.0.0.2:8470"))
     function = DatasetSpec(name="mine", input_fn=lambda training: None)
-    self.assertEqual(run_plan.data_patterns(run_options.data_options(cfg), function), [])
+    self.assertEqual(
+        run_plan.data_patterns(run_options.data_options(cfg), function), [])
     tpu.validate_tpu_config(cfg.tpu, data_patterns=run_plan.data_patterns(
         run_options.data_options(cfg), function))
     cfg = self._config(tpu="grpc://10.0.0.2:8470", feature_spec="spec.json",

@@ -138,7 +138,8 @@ def decide_strategy(inventory: DeviceInventory
     return (StrategyKind.MIRRORED,
             f"no GPU or TPU; --num_cpu_devices={inv.num_cpu_devices} logical "
             f"CPU devices{note}")
-  return StrategyKind.ONE_DEVICE, f"no GPU, TPU or cluster: one CPU device{note}"
+  return (StrategyKind.ONE_DEVICE,
+          f"no GPU, TPU or cluster: one CPU device{note}")
 
 
 def _uses_gpus(kind: StrategyKind, inventory: DeviceInventory) -> bool:
@@ -299,8 +300,8 @@ class SelectOptions:
   tpu: tpu_lib.TpuOptions = tpu_lib.TpuOptions()
 
 
-def probe_tpu(tpu: tpu_lib.TpuOptions, *, hints: Tuple[str, ...] = (), connect_fn=None
-              ) -> Tuple[int, str, str]:
+def probe_tpu(tpu: tpu_lib.TpuOptions, *, hints: Tuple[str, ...] = (),
+              connect_fn=None) -> Tuple[int, str, str]:
   """Looks for a TPU for `auto`: `(cores, address, note)`.
 
   Connects (bounded) only when `--tpu` is given (or `$TPU_NAME`, which the
@@ -332,8 +333,9 @@ def probe_tpu(tpu: tpu_lib.TpuOptions, *, hints: Tuple[str, ...] = (), connect_f
   return system.num_cores, address, ""
 
 
-def take_inventory(options: SelectOptions, *, cluster, environment=None, connect_fn=None,
-                   gpu_list_fn=None, gpu_details_fn=None) -> DeviceInventory:
+def take_inventory(options: SelectOptions, *, cluster, environment=None,
+                   connect_fn=None, gpu_list_fn=None,
+                   gpu_details_fn=None) -> DeviceInventory:
   """Fills a `DeviceInventory` from this machine and process.
 
   Lists physical devices only (TensorFlow's runtime is not started, so a
