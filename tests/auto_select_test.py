@@ -21,6 +21,7 @@ from tfdist import auto_select
 from tfdist import cluster as cluster_lib
 from tfdist import environment as environment_lib
 from tfdist import experiment
+from tfdist import run_options
 from tfdist import tpu
 from tfdist.auto_select import DeviceInventory, GpuInfo
 from tfdist.config import ConfigError, TrainConfig
@@ -140,7 +141,7 @@ class DecideTest(parameterized.TestCase):
                       loss_scale="128")
     for gpus, want in (((A100,), None), ((V100,), 128.0)):
       decision = auto_select.decide(DeviceInventory(gpus=gpus), dtype="auto")
-      resolved = auto_select.apply_decision(cfg, decision)
+      resolved = run_options.apply_decision(cfg, decision)
       self.assertEqual(resolved.loss_scale, want)
 
 
@@ -179,8 +180,9 @@ class ClusterTest(parameterized.TestCase):
     # TF_CONFIG/CLUSTER_SPEC parser) resolved.
     cluster = cluster_lib.resolve_cluster(environ=env)
     inventory = auto_select.take_inventory(
-        TrainConfig(model_dir="/m", train_steps=1,
-                    distribution_strategy="one_device"), cluster=cluster)
+        run_options.select_options(TrainConfig(
+            model_dir="/m", train_steps=1,
+            distribution_strategy="one_device")), cluster=cluster)
     self.assertEqual((inventory.cluster_source, inventory.cluster_workers,
                       inventory.cluster_ps), expected)
 
@@ -201,7 +203,7 @@ class InventoryTest(absltest.TestCase):
     environment = environment_lib.read_environment(env)
     config, _ = environment_lib.apply_environment(config, environment)
     return auto_select.take_inventory(
-        config, cluster=cluster_lib.resolve_cluster(
+        run_options.select_options(config), cluster=cluster_lib.resolve_cluster(
             environ=environment.variables),
         environment=environment, **kwargs)
 

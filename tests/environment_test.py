@@ -206,6 +206,52 @@ class TrialFolderTest(parameterized.TestCase):
           environment=_env(CLUSTER_SPEC=_cluster_spec("../x")))
 
 
+class PlainValuesTest(absltest.TestCase):
+  """The rules on plain values, without a `TrainConfig`."""
+
+  def test_environment_changes(self):
+    environment = environment_lib.read_environment({
+        "AIP_MODEL_DIR": "gs://b/model", "AIP_CHECKPOINT_DIR": "gs://b/ckpt",
+        "TPU_NAME": "my-tpu", "TFDIST_DATA_DIR": "/cache"})
+    changes, filled = environment_lib.environment_changes(
+        {"tpu": "local"}, environment)
+    self.assertEqual(changes, {"model_dir": "gs://b/ckpt",
+                               "checkpoint_dir": "gs://b/ckpt",
+                               "export_dir": "gs://b/model",
+                               "data_dir": "/cache"})
+    self.assertEqual(filled, (("model_dir", "AIP_CHECKPOINT_DIR"),
+                              ("checkpoint_dir", "AIP_CHECKPOINT_DIR"),
+                              ("export_dir", "AIP_MODEL_DIR")))
+    # Every field given: nothing changes.
+    given = {field: "/x" for field in environment_lib.ENVIRONMENT_FIELDS}
+    self.assertEqual(environment_lib.environment_changes(given, environment),
+                     ({}, ()))
+
+  def test_trial_changes(self):
+    folders = {"model_dir": "gs://b/run", "export_dir": "gs://b/out/7/model",
+               "checkpoint_dir": "", "tensorboard_dir": "/tb/trial_7"}
+    self.assertEqual(
+        environment_lib.trial_changes(
+            folders, trial="7", filled=(("export_dir", "AIP_MODEL_DIR"),)),
+        {"model_dir": "gs://b/run/trial_7"})
+    self.assertEqual(environment_lib.trial_changes(folders, trial=""), {})
+
+  def test_folder_sources(self):
+    sources = environment_lib.folder_sources(
+        {"model_dir": "/m", "export_dir": "gs://b/model"},
+        {"model_dir": "/m", "export_dir": "gs://b/model",
+         "checkpoint_dir": "/m/checkpoints", "tensorboard_dir": "/m/logs"},
+        (("export_dir", "AIP_MODEL_DIR"),))
+    self.assertEqual(sources, {
+        "export_dir": ("gs://b/model", "$AIP_MODEL_DIR (--export_dir)"),
+        "model_dir": ("/m", "--model_dir"),
+        "checkpoint_dir": ("/m/checkpoints",
+                           "--checkpoint_dir (default, under --model_dir)"),
+        "tensorboard_dir": ("/m/logs",
+                            "--tensorboard_dir (default, under --model_dir)"),
+    })
+
+
 class TrainBinaryTest(absltest.TestCase):
 
   def test_vertex_data_uri_and_trial(self):

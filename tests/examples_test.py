@@ -47,6 +47,7 @@ from tfdist import input_pipeline
 from tfdist import lr_schedule
 from tfdist import manifest as manifest_lib
 from tfdist import parameter_server as ps_lib
+from tfdist import run_options
 from tfdist import step_runner
 from tfdist.config import TrainConfig
 
@@ -340,7 +341,8 @@ def _child_parameter_server(project: str) -> dict:
       gradient_accumulation_steps=1, num_train_examples=80034,
       num_input_pipelines=1)
   lr = lr_schedule.plan_learning_rate(
-      config, global_batch_size=64, steps_per_epoch=plan_batch.steps_per_epoch,
+      run_options.lr_options(config), global_batch_size=64,
+      steps_per_epoch=plan_batch.steps_per_epoch,
       total_steps=6)
 
   class Plan:  # What assembly.build reads of a run plan.

@@ -40,9 +40,11 @@ class StrategyOptionsTest(parameterized.TestCase):
 
   def _make(self, config):
     from tfdist import cluster as cluster_lib  # pylint: disable=g-import-not-at-top
+    from tfdist import run_options  # pylint: disable=g-import-not-at-top
     from tfdist import strategy as strategy_lib  # pylint: disable=g-import-not-at-top
     return strategy_lib.make_strategy(
-        config, cluster=cluster_lib.resolve_cluster())
+        run_options.strategy_options(config),
+        cluster=cluster_lib.resolve_cluster())
 
   @parameterized.named_parameters(("ring", "ring", "RING"),
                                   ("auto", "auto", "AUTO"))

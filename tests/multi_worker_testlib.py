@@ -185,6 +185,7 @@ def _task_name() -> str:
 def _strategy(out_dir: str, collective_timeout_seconds: float = 60):
   from tfdist import config as config_lib  # pylint: disable=g-import-not-at-top
   from tfdist import experiment  # pylint: disable=g-import-not-at-top
+  from tfdist import run_options  # pylint: disable=g-import-not-at-top
   from tfdist import strategy as strategy_lib  # pylint: disable=g-import-not-at-top
   # Under the launcher (TF_CONFIG set) `auto` must pick the multi-worker
   # strategy from the cluster alone, decided where every run decides it.
@@ -194,7 +195,8 @@ def _strategy(out_dir: str, collective_timeout_seconds: float = 60):
       num_gpus=0, collective_timeout_seconds=collective_timeout_seconds,
       cluster_start_timeout_seconds=60)
   config, cluster, decision, _, _ = experiment.prepare_run(config)
-  choice = strategy_lib.make_strategy(config, cluster=cluster)
+  choice = strategy_lib.make_strategy(run_options.strategy_options(config),
+                                      cluster=cluster)
   print(f"strategy {choice.name} ({decision.strategy_reason})", flush=True)
   return choice.strategy
 

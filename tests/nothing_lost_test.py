@@ -40,6 +40,7 @@ from tfdist import experiment
 from tfdist import export
 from tfdist import failures
 from tfdist import manifest as manifest_lib
+from tfdist import run_options
 from tfdist import run_plan
 from tfdist import task as task_lib
 from tfdist.config import ConfigError, TrainConfig
@@ -328,7 +329,8 @@ class FailureTest(absltest.TestCase):
     with self.assertRaisesRegex(
         data_checks.DataError,
         "--train_files mixes GZIP .* and uncompressed TFRecord files") as cm:
-      run_plan.resolve_data_files(config, task_lib.from_config(config).dataset)
+      run_plan.resolve_data_files(run_options.data_options(config),
+                                  task_lib.from_config(config).dataset)
     self.assertEqual(exit_codes.exit_code_for(cm.exception), exit_codes.CONFIG)
 
   def test_a_callable_that_is_no_model_builder_stops_at_start(self):

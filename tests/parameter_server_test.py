@@ -17,6 +17,7 @@ import tensorflow as tf
 from tfdist import auto_select
 from tfdist import cluster as cluster_lib
 from tfdist import parameter_server as ps_lib
+from tfdist import run_options
 from tfdist import sharded_embedding
 from tfdist.config import ConfigError, TrainConfig
 
@@ -61,7 +62,8 @@ class RolesTest(parameterized.TestCase):
                          distribution_strategy="auto")
 
     def decided(cfg, text):
-      return auto_select.resolve(cfg, cluster=_cluster(text)).strategy
+      return auto_select.resolve(run_options.select_options(cfg),
+                                 cluster=_cluster(text)).strategy
 
     self.assertEqual(decided(config, _tf_config("chief")),
                      "parameter_server")

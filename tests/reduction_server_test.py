@@ -19,6 +19,7 @@ from tfdist import auto_select
 from tfdist import cluster as cluster_lib
 from tfdist import environment as environment_lib
 from tfdist import experiment
+from tfdist import run_options
 from tfdist import strategy as strategy_lib
 from tfdist.config import ConfigError, TrainConfig
 
@@ -114,8 +115,9 @@ def _counts(env, reduction_server=False):
   cluster = cluster_lib.resolve_cluster(environ=env,
                                         reduction_server=reduction_server)
   inventory = auto_select.take_inventory(
-      TrainConfig(model_dir="/m", train_steps=1,
-                  distribution_strategy="one_device"), cluster=cluster)
+      run_options.select_options(TrainConfig(
+          model_dir="/m", train_steps=1, distribution_strategy="one_device")),
+      cluster=cluster)
   return (inventory.cluster_source, inventory.cluster_workers,
           inventory.cluster_ps)
 
@@ -124,7 +126,8 @@ def _make_strategy(config, env):
   """As the binary does: environment, cluster, decision, then the factory."""
   config, cluster, _, _, _ = experiment.prepare_run(
       config, environment=environment_lib.read_environment(env))
-  return strategy_lib.make_strategy(config, cluster=cluster)
+  return strategy_lib.make_strategy(run_options.strategy_options(config),
+                                    cluster=cluster)
 
 
 class ClusterSpecTest(parameterized.TestCase):
@@ -204,9 +207,11 @@ class AutoTest(parameterized.TestCase):
   def test_auto_strategy(self, spec, expected):
     config = TrainConfig(model_dir="/m", train_steps=1)
     cluster = cluster_lib.resolve_cluster(environ={"CLUSTER_SPEC": spec})
-    inventory = auto_select.take_inventory(config, cluster=cluster)
+    inventory = auto_select.take_inventory(run_options.select_options(config),
+                                           cluster=cluster)
     self.assertEqual(auto_select.decide_strategy(inventory)[0], expected)
-    self.assertEqual(auto_select.resolve(config, cluster=cluster).strategy,
+    self.assertEqual(auto_select.resolve(run_options.select_options(config),
+                                         cluster=cluster).strategy,
                      expected)
 
 

@@ -7,6 +7,7 @@ import tensorflow as tf
 
 from tfdist import auto_select
 from tfdist import cluster as cluster_lib
+from tfdist import run_options
 from tfdist import strategy as strategy_lib
 from tfdist.config import ConfigError, TrainConfig
 
@@ -21,19 +22,20 @@ def _config(**kwargs):
 class MakeStrategyTest(parameterized.TestCase):
 
   def test_off_is_the_default_strategy(self):
-    choice = strategy_lib.make_strategy(_config(distribution_strategy="off"))
+    choice = strategy_lib.make_strategy(run_options.strategy_options(
+        _config(distribution_strategy="off")))
     self.assertIs(choice.strategy, tf.distribute.get_strategy())
     self.assertEqual(choice.strategy.num_replicas_in_sync, 1)
 
   def test_one_device_on_cpu(self):
-    choice = strategy_lib.make_strategy(
-        _config(distribution_strategy="one_device", num_gpus=0))
+    choice = strategy_lib.make_strategy(run_options.strategy_options(
+        _config(distribution_strategy="one_device", num_gpus=0)))
     self.assertIsInstance(choice.strategy, tf.distribute.OneDeviceStrategy)
     self.assertEqual(choice.devices, ("/cpu:0",))
 
   def test_mirrored_over_cpu_devices(self):
-    choice = strategy_lib.make_strategy(
-        _config(distribution_strategy="mirrored"))
+    choice = strategy_lib.make_strategy(run_options.strategy_options(
+        _config(distribution_strategy="mirrored")))
     self.assertIsInstance(choice.strategy, tf.distribute.MirroredStrategy)
     cpus = tf.config.list_logical_devices("CPU")
     self.assertEqual(choice.strategy.num_replicas_in_sync, len(cpus))
@@ -48,29 +50,32 @@ class MakeStrategyTest(parameterized.TestCase):
        "multi_worker_mirrored"))
   def test_all_reduce_errors(self, alg, message):
     with self.assertRaisesRegex(ConfigError, message):
-      strategy_lib.make_strategy(_config(distribution_strategy="mirrored",
-                                         all_reduce_alg=alg, num_gpus=0))
+      strategy_lib.make_strategy(run_options.strategy_options(
+          _config(distribution_strategy="mirrored", all_reduce_alg=alg,
+                  num_gpus=0)))
 
   def test_too_many_gpus(self):
     with self.assertRaisesRegex(ConfigError, r"--num_gpus=4 but only \d GPU"):
-      strategy_lib.make_strategy(_config(distribution_strategy="mirrored",
-                                         num_gpus=4))
+      strategy_lib.make_strategy(run_options.strategy_options(
+          _config(distribution_strategy="mirrored", num_gpus=4)))
 
   def test_auto_on_cpu_only_machine(self):
     # `auto` is decided in one place (auto_select); the factory takes the
     # concrete name.
     config = _config(distribution_strategy="auto")
     decision = auto_select.resolve(
-        config, cluster=cluster_lib.ClusterInfo.single_process())
+        run_options.select_options(config),
+        cluster=cluster_lib.ClusterInfo.single_process())
     self.assertEqual(decision.strategy, "one_device")
     self.assertIn("auto: ", decision.strategy_reason)
-    choice = strategy_lib.make_strategy(
-        auto_select.apply_decision(config, decision))
+    choice = strategy_lib.make_strategy(run_options.strategy_options(
+        run_options.apply_decision(config, decision)))
     self.assertEqual(choice.name, "one_device")
 
   def test_factory_never_sees_auto(self):
     with self.assertRaisesRegex(ConfigError, "decide `auto` first"):
-      strategy_lib.make_strategy(_config(distribution_strategy="auto"))
+      strategy_lib.make_strategy(run_options.strategy_options(
+          _config(distribution_strategy="auto")))
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from tfdist import auto_select
 from tfdist import environment as environment_lib
 from tfdist import experiment
 from tfdist import input_pipeline
+from tfdist import run_options
 from tfdist import run_plan
 from tfdist import tpu
 from tfdist.config import ConfigError, TrainConfig
@@ -261,7 +262,7 @@ class TpuRulesTest(parameterized.TestCase):
   def test_tpu_address_required(self):
     # Checked once the environment is applied ($TPU_NAME may supply it).
     with self.assertRaisesRegex(ConfigError, "needs --tpu"):
-      tpu.validate_tpu_config(self._config(tpu=""), data_patterns=[])
+      tpu.validate_tpu_config(self._config(tpu="").tpu, data_patterns=[])
 
   @parameterized.named_parameters(
       ("remote_local_files", "grpc://10.0.0.2:8470",
@@ -273,8 +274,8 @@ class TpuRulesTest(parameterized.TestCase):
   def test_gcs_required_for_remote_tpus(self, address, files, message):
     cfg = self._with_environment(self._config(tpu=address, **files))
     with self.assertRaisesRegex(ConfigError, message):
-      tpu.validate_tpu_config(cfg,
-                              data_patterns=run_plan.data_patterns(cfg))
+      tpu.validate_tpu_config(cfg.tpu, data_patterns=run_plan.data_patterns(
+          run_options.data_options(cfg)))
 
   @parameterized.named_parameters(
       ("gcs", "my-tpu", dict(train_files="gs://b/train-*",
@@ -284,7 +285,8 @@ class TpuRulesTest(parameterized.TestCase):
                                               eval_files="/d/test-*")))
   def test_allowed_inputs(self, address, files):
     cfg = self._with_environment(self._config(tpu=address, **files))
-    tpu.validate_tpu_config(cfg, data_patterns=run_plan.data_patterns(cfg))
+    tpu.validate_tpu_config(cfg.tpu, data_patterns=run_plan.data_patterns(
+        run_options.data_options(cfg)))
 
   def test_dataset_functions_and_feature_specs_on_remote_tpus(self):
     # A dataset function reads no files of tfdist's: nothing to put on
@@ -293,9 +295,10 @@ class TpuRulesTest(parameterized.TestCase):
     from tfdist.dataset_spec import DatasetSpec  # pylint: disable=g-import-not-at-top
     cfg = self._with_environment(self._config(tpu="grpc://10.0.0.2:8470"))
     function = DatasetSpec(name="mine", input_fn=lambda training: None)
-    self.assertEqual(run_plan.data_patterns(cfg, function), [])
-    tpu.validate_tpu_config(cfg, data_patterns=run_plan.data_patterns(
-        cfg, function))
+    self.assertEqual(
+        run_plan.data_patterns(run_options.data_options(cfg), function), [])
+    tpu.validate_tpu_config(cfg.tpu, data_patterns=run_plan.data_patterns(
+        run_options.data_options(cfg), function))
     cfg = self._config(tpu="grpc://10.0.0.2:8470", feature_spec="spec.json",
                        train_files="/d/train-*", eval_files="/d/test-*")
     records = feature_spec.from_dict({
@@ -303,8 +306,8 @@ class TpuRulesTest(parameterized.TestCase):
                      "y": {"dtype": "int64"}}, "labels": ["y"]}
     ).dataset_spec()
     with self.assertRaisesRegex(ConfigError, "input must be on gs://"):
-      tpu.validate_tpu_config(cfg, data_patterns=run_plan.data_patterns(
-          cfg, records))
+      tpu.validate_tpu_config(cfg.tpu, data_patterns=run_plan.data_patterns(
+          run_options.data_options(cfg), records))
 
   def test_rules_checked_before_connecting(self):
     # A remote TPU with local files fails on the rule, without any network.
@@ -320,7 +323,7 @@ class TpuRulesTest(parameterized.TestCase):
         tpu_cores=8, tpu_address="local"),
                                   dtype=cfg.dtype,
                                   dtype_defaulted="dtype" in cfg.defaulted)
-    resolved = auto_select.apply_decision(cfg, decision)
+    resolved = run_options.apply_decision(cfg, decision)
     self.assertEqual((resolved.distribution_strategy, resolved.tpu,
                       resolved.dtype, resolved.steps_per_execution),
                      ("tpu", "local", "bf16",

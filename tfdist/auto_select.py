@@ -42,7 +42,9 @@ from absl import logging
 
 from tfdist import tpu as tpu_lib
 from tfdist.config import ConfigError
+from tfdist.config import TPU_DEFAULT_STEPS_PER_EXECUTION
 from tfdist.config import check_tpu_precision
+from tfdist.strategy_kind import StrategyKind
 
 # Compute capability from which GPUs have bfloat16 Tensor Cores (Ampere).
 BF16_MIN_COMPUTE_CAPABILITY = (8, 0)
@@ -89,13 +91,14 @@ class Decision:
   """The strategy and dtype a run uses, and why.
 
   Attributes:
-    strategy: a concrete strategy name (never `auto`).
+    strategy: the concrete `StrategyKind` (never `auto`; it equals and
+      prints as its flag value).
     strategy_reason: why, e.g. "auto: 4 GPUs are visible".
     dtype: `fp32`, `bf16` or `fp16` (never `auto`).
     dtype_reason: why, e.g. "auto: GPUs of compute capability 8.0".
     tpu: the TPU address `auto` found (for `--tpu` when it was empty), or ''.
   """
-  strategy: str
+  strategy: StrategyKind
   strategy_reason: str
   dtype: str
   dtype_reason: str
@@ -113,46 +116,57 @@ def _cc(gpu: GpuInfo) -> str:
   return "%d.%d" % gpu.compute_capability
 
 
-def decide_strategy(inventory: DeviceInventory) -> Tuple[str, str]:
-  """`auto`'s strategy for `inventory`: `(name, reason)`. Pure."""
+def decide_strategy(inventory: DeviceInventory
+                    ) -> Tuple[StrategyKind, str]:
+  """`auto`'s strategy for `inventory`: `(kind, reason)`. Pure."""
   inv = inventory
   if inv.tpu_cores > 0:
-    return "tpu", f"a TPU with {inv.tpu_cores} cores answered"
+    return StrategyKind.TPU, f"a TPU with {inv.tpu_cores} cores answered"
   if inv.cluster_source and inv.cluster_ps > 0:
-    return ("parameter_server",
+    return (StrategyKind.PARAMETER_SERVER,
             f"{inv.cluster_source} lists {inv.cluster_ps} parameter server(s)"
             f" and {inv.cluster_workers} worker(s)")
   if inv.cluster_source and inv.cluster_workers > 1:
-    return ("multi_worker_mirrored",
+    return (StrategyKind.MULTI_WORKER_MIRRORED,
             f"{inv.cluster_source} lists {inv.cluster_workers} workers")
   note = f"; {inv.tpu_note}" if inv.tpu_note else ""
   if len(inv.gpus) > 1:
-    return "mirrored", f"{len(inv.gpus)} GPUs are visible{note}"
+    return StrategyKind.MIRRORED, f"{len(inv.gpus)} GPUs are visible{note}"
   if len(inv.gpus) == 1:
-    return "one_device", f"one GPU is visible{note}"
+    return StrategyKind.ONE_DEVICE, f"one GPU is visible{note}"
   if inv.num_cpu_devices > 1:
-    return ("mirrored",
+    return (StrategyKind.MIRRORED,
             f"no GPU or TPU; --num_cpu_devices={inv.num_cpu_devices} logical "
             f"CPU devices{note}")
-  return "one_device", f"no GPU, TPU or cluster: one CPU device{note}"
+  return (StrategyKind.ONE_DEVICE,
+          f"no GPU, TPU or cluster: one CPU device{note}")
 
 
-def _uses_gpus(strategy: str, inventory: DeviceInventory) -> bool:
-  return strategy != "tpu" and bool(inventory.gpus)
+def _uses_gpus(kind: StrategyKind, inventory: DeviceInventory) -> bool:
+  return not kind.is_tpu and bool(inventory.gpus)
 
 
-def decide_dtype(strategy: str, inventory: DeviceInventory) -> Tuple[str, str]:
+def decide_dtype(strategy: StrategyKind,
+                 inventory: DeviceInventory) -> Tuple[str, str]:
   """`auto`'s dtype for a run with `strategy` on `inventory`. Pure.
 
   Mixed GPUs are judged by the least capable one (all replicas run the same
   program).
 
+  Args:
+    strategy: the concrete `StrategyKind` (or its flag value).
+    inventory: the devices found.
+
   Returns:
     `(dtype, reason)`, dtype one of `fp32`, `bf16`, `fp16`.
+
+  Raises:
+    ValueError: `strategy` is not a concrete strategy name.
   """
-  if strategy == "tpu":
+  strategy = StrategyKind.parse(strategy)
+  if strategy.is_tpu:
     return "bf16", "TPU: its matrix units compute in bfloat16"
-  if strategy == "parameter_server" and _uses_gpus(strategy, inventory):
+  if strategy.is_asynchronous and _uses_gpus(strategy, inventory):
     known = [g.compute_capability for g in inventory.gpus]
     if known and all(cc is not None and cc >= BF16_MIN_COMPUTE_CAPABILITY
                      for cc in known):
@@ -187,7 +201,8 @@ def decide(inventory: DeviceInventory, *, strategy: str = "auto",
 
   Args:
     inventory: the devices and cluster found.
-    strategy: `--distribution_strategy` (`auto` or a concrete name, kept).
+    strategy: `--distribution_strategy` (`auto` or a concrete name, kept);
+      the flag value is parsed into a `StrategyKind` here.
     dtype: `--dtype` (`auto` or `fp32|bf16|fp16`, kept unless defaulted).
     dtype_defaulted: `--dtype` was not given: the default is `fp32`, or
       `bf16` when the strategy is TPU.
@@ -197,19 +212,21 @@ def decide(inventory: DeviceInventory, *, strategy: str = "auto",
 
   Raises:
     ConfigError: `--dtype=fp16` with a TPU strategy (TPUs have no fp16).
+    ValueError: `strategy` is neither `auto` nor a strategy name.
   """
   tpu_address = ""
   if strategy == "auto":
     strategy, strategy_reason = decide_strategy(inventory)
     strategy_reason = f"auto: {strategy_reason}"
-    if strategy == "tpu":
+    if strategy.is_tpu:
       tpu_address = inventory.tpu_address
   else:
+    strategy = StrategyKind.parse(strategy)
     strategy_reason = f"--distribution_strategy={strategy}"
   if dtype == "auto":
     dtype, dtype_reason = decide_dtype(strategy, inventory)
     dtype_reason = f"auto: {dtype_reason}"
-  elif dtype_defaulted and strategy == "tpu":
+  elif dtype_defaulted and strategy.is_tpu:
     dtype, dtype_reason = "bf16", "the TPU default (--dtype not given)"
   elif dtype_defaulted:
     dtype_reason = "the default (--dtype not given)"
@@ -245,6 +262,8 @@ def gpu_inventory(num_gpus: int = -1, *, list_fn=None,
   if num_gpus == 0:
     return ()
   if list_fn is None or details_fn is None:
+    # Imported here: deciding with a given inventory (tests, `auto` with
+    # explicit flags) stays TensorFlow-free.
     import tensorflow as tf  # pylint: disable=g-import-not-at-top
     list_fn = list_fn or (lambda: tf.config.list_physical_devices("GPU"))
     details_fn = details_fn or tf.config.experimental.get_device_details
@@ -260,8 +279,29 @@ def gpu_inventory(num_gpus: int = -1, *, list_fn=None,
   return tuple(out if num_gpus < 0 else out[:num_gpus])
 
 
-def probe_tpu(config, *, hints: Tuple[str, ...] = (), connect_fn=None
-              ) -> Tuple[int, str, str]:
+@dataclasses.dataclass(frozen=True)
+class SelectOptions:
+  """What `auto` reads: the two flags it may decide and what it looks at.
+
+  Attributes:
+    distribution_strategy: `--distribution_strategy` as given (`auto` or a
+      concrete name).
+    dtype: `--dtype` as given (`auto`, `fp32`, `bf16`, `fp16`).
+    dtype_defaulted: `--dtype` was not given (the TPU default is bf16).
+    num_gpus: `--num_gpus` (-1: all, 0: none, N: the first N).
+    num_cpu_devices: `--num_cpu_devices`.
+    tpu: the TPU flags (`tfdist.tpu.TpuOptions`), probed under `auto`.
+  """
+  distribution_strategy: str = "auto"
+  dtype: str = "auto"
+  dtype_defaulted: bool = False
+  num_gpus: int = -1
+  num_cpu_devices: int = 0
+  tpu: tpu_lib.TpuOptions = tpu_lib.TpuOptions()
+
+
+def probe_tpu(tpu: tpu_lib.TpuOptions, *, hints: Tuple[str, ...] = (),
+              connect_fn=None) -> Tuple[int, str, str]:
   """Looks for a TPU for `auto`: `(cores, address, note)`.
 
   Connects (bounded) only when `--tpu` is given (or `$TPU_NAME`, which the
@@ -269,8 +309,8 @@ def probe_tpu(config, *, hints: Tuple[str, ...] = (), connect_fn=None
   without one pay nothing.
 
   Args:
-    config: the `TrainConfig` (`tpu`, `tpu_zone`, `tpu_gcp_project`,
-      `tpu_init_timeout`).
+    tpu: the TPU flags (`--tpu`, `--tpu_zone`, `--tpu_gcp_project`,
+      `--tpu_init_timeout`).
     hints: `tfdist.tpu.tpu_hints` of this machine.
     connect_fn: replaces `tpu.connect_tpu` (tests pass a fake resolver to
       it instead where possible).
@@ -279,23 +319,23 @@ def probe_tpu(config, *, hints: Tuple[str, ...] = (), connect_fn=None
     TPU cores (0: none), the address tried, and a note saying why none was
     used ('' if no sign of a TPU was seen).
   """
-  address = tpu_lib.resolve_tpu_address(config.tpu, hints)
+  address = tpu_lib.resolve_tpu_address(tpu.tpu, hints)
   if not address:
     return 0, "", ""
   connect = connect_fn or tpu_lib.connect_tpu
   try:
-    system = connect(address, zone=config.tpu_zone,
-                     project=config.tpu_gcp_project,
-                     init_timeout=config.tpu_init_timeout)
+    system = connect(address, zone=tpu.zone, project=tpu.project,
+                     init_timeout=tpu.init_timeout)
   except ConfigError as e:
-    why = f"--tpu={config.tpu}" if config.tpu else ", ".join(hints)
+    why = f"--tpu={tpu.tpu}" if tpu.tpu else ", ".join(hints)
     logging.warning("auto: %s suggested a TPU, but: %s", why, e)
     return 0, address, f"{why} suggested a TPU but none answered"
   return system.num_cores, address, ""
 
 
-def take_inventory(config, *, cluster, environment=None, connect_fn=None,
-                   gpu_list_fn=None, gpu_details_fn=None) -> DeviceInventory:
+def take_inventory(options: SelectOptions, *, cluster, environment=None,
+                   connect_fn=None, gpu_list_fn=None,
+                   gpu_details_fn=None) -> DeviceInventory:
   """Fills a `DeviceInventory` from this machine and process.
 
   Lists physical devices only (TensorFlow's runtime is not started, so a
@@ -303,7 +343,7 @@ def take_inventory(config, *, cluster, environment=None, connect_fn=None,
   probed only for `--distribution_strategy=auto`.
 
   Args:
-    config: the `TrainConfig` (`num_gpus`, `num_cpu_devices`, TPU fields).
+    options: the `SelectOptions` (`num_gpus`, `num_cpu_devices`, TPU).
     cluster: the resolved `tfdist.cluster.ClusterInfo`.
     environment: the `tfdist.environment.RunEnvironment` (for TPU hints;
       None: no variables).
@@ -312,24 +352,24 @@ def take_inventory(config, *, cluster, environment=None, connect_fn=None,
   """
   variables = environment.variables if environment is not None else {}
   cores, address, note = 0, "", ""
-  if config.distribution_strategy == "auto":
+  if options.distribution_strategy == "auto":
     cores, address, note = probe_tpu(
-        config, hints=tpu_lib.tpu_hints(variables), connect_fn=connect_fn)
+        options.tpu, hints=tpu_lib.tpu_hints(variables), connect_fn=connect_fn)
   multi = cluster.source != "single_process" and (
       cluster.num_workers > 1 or cluster.num_ps > 0)
   return DeviceInventory(
       tpu_cores=cores, tpu_address=address, tpu_note=note,
-      gpus=gpu_inventory(config.num_gpus, list_fn=gpu_list_fn,
+      gpus=gpu_inventory(options.num_gpus, list_fn=gpu_list_fn,
                          details_fn=gpu_details_fn),
       cluster_source=cluster.source if multi else "",
       cluster_workers=cluster.num_workers if multi else 0,
       cluster_ps=cluster.num_ps if multi else 0,
-      num_cpu_devices=config.num_cpu_devices)
+      num_cpu_devices=options.num_cpu_devices)
 
 
-def resolve(config, *, cluster, environment=None,
+def resolve(options: SelectOptions, *, cluster, environment=None,
             inventory: Optional[DeviceInventory] = None) -> Decision:
-  """The one place that decides `auto`: the `Decision` for `config`.
+  """The one place that decides `auto`: the `Decision` for `options`.
 
   Every path calls this (single process, multi-worker, parameter server,
   TPU), before any strategy is built; the strategy factory never sees
@@ -337,7 +377,8 @@ def resolve(config, *, cluster, environment=None,
   `auto` (the cluster still counts).
 
   Args:
-    config: the run's `TrainConfig`.
+    options: the run's `SelectOptions`
+      (`tfdist.run_options.select_options`).
     cluster: the resolved `tfdist.cluster.ClusterInfo`.
     environment: the `tfdist.environment.RunEnvironment` (TPU hints).
     inventory: use this instead of looking (tests).
@@ -345,36 +386,47 @@ def resolve(config, *, cluster, environment=None,
   Raises:
     ConfigError: fp16 on a TPU.
   """
-  needs_inventory = "auto" in (config.distribution_strategy, config.dtype)
+  needs_inventory = "auto" in (options.distribution_strategy, options.dtype)
   if inventory is None:
     if needs_inventory:
-      inventory = take_inventory(config, cluster=cluster,
+      inventory = take_inventory(options, cluster=cluster,
                                  environment=environment)
     else:
-      inventory = DeviceInventory(num_cpu_devices=config.num_cpu_devices)
-  return decide(inventory, strategy=config.distribution_strategy,
-                dtype=config.dtype,
-                dtype_defaulted="dtype" in config.defaulted)
+      inventory = DeviceInventory(num_cpu_devices=options.num_cpu_devices)
+  return decide(inventory, strategy=options.distribution_strategy,
+                dtype=options.dtype,
+                dtype_defaulted=options.dtype_defaulted)
 
 
-def apply_decision(config, decision: Decision):
-  """`config` with the decided strategy and dtype, and the TPU defaults.
+def decision_changes(decision: Decision, *, tpu: str = "",
+                     loss_scale=None, steps_per_execution: int = 1,
+                     steps_per_execution_defaulted: bool = False,
+                     reduction_server: bool = False) -> dict:
+  """The flag values `decision` sets: `{field: value}` for the config.
 
-  With a TPU strategy, an unset `--steps_per_execution` becomes
-  `TPU_DEFAULT_STEPS_PER_EXECUTION`; an explicit 1 is kept, with a warning.
-  A `--loss_scale` given with `--dtype=auto` that did not choose fp16 is
-  dropped, with a warning.
+  The decided strategy (its flag value) and dtype. With a TPU strategy, an
+  unset `--steps_per_execution` becomes `TPU_DEFAULT_STEPS_PER_EXECUTION`;
+  an explicit 1 is kept, with a warning. A `--loss_scale` given with
+  `--dtype=auto` that did not choose fp16 is dropped, with a warning.
+  `tfdist.run_options.apply_decision` applies them to a `TrainConfig`.
+
+  Args:
+    decision: the `Decision`.
+    tpu: `--tpu` as given ('' takes the address `auto` found).
+    loss_scale: `--loss_scale` as given (None: dynamic).
+    steps_per_execution: `--steps_per_execution` as given.
+    steps_per_execution_defaulted: `--steps_per_execution` was not given.
+    reduction_server: `--reduction_server`.
 
   Returns:
-    A validated `TrainConfig` with no `auto` left in it.
+    A dict of `TrainConfig` field names to values, with no `auto` left.
 
   Raises:
     ConfigError: `--reduction_server` when the decision is not
       multi_worker_mirrored.
   """
-  from tfdist import config as config_lib  # pylint: disable=g-import-not-at-top
-  if (getattr(config, "reduction_server", False) and
-      decision.strategy != "multi_worker_mirrored"):
+  if (reduction_server and
+      decision.strategy is not StrategyKind.MULTI_WORKER_MIRRORED):
     raise ConfigError(
         "--reduction_server needs a multi-worker cluster under "
         f"multi_worker_mirrored, but this run resolved to {decision.strategy}"
@@ -382,21 +434,20 @@ def apply_decision(config, decision: Decision):
         "job with a chief and workers (python -m tfdist.job_spec vertex "
         "--num_workers=N --reduction_server_replicas=R); drop "
         "--reduction_server for a single-process run.")
-  changes = {"distribution_strategy": decision.strategy,
+  changes = {"distribution_strategy": decision.strategy.value,
              "dtype": decision.dtype}
-  if decision.tpu and not config.tpu:
+  if decision.tpu and not tpu:
     changes["tpu"] = decision.tpu
-  if decision.dtype != "fp16" and config.loss_scale is not None:
+  if decision.dtype != "fp16" and loss_scale is not None:
     logging.warning("--loss_scale=%s ignored: precision is %s (%s), not fp16.",
-                    config.loss_scale, decision.dtype, decision.dtype_reason)
+                    loss_scale, decision.dtype, decision.dtype_reason)
     changes["loss_scale"] = None
-  if decision.strategy == "tpu":
-    if "steps_per_execution" in config.defaulted:
-      changes["steps_per_execution"] = (
-          config_lib.TPU_DEFAULT_STEPS_PER_EXECUTION)
-    elif config.steps_per_execution == 1:
+  if decision.strategy.is_tpu:
+    if steps_per_execution_defaulted:
+      changes["steps_per_execution"] = TPU_DEFAULT_STEPS_PER_EXECUTION
+    elif steps_per_execution == 1:
       logging.warning(
           "--steps_per_execution=1 on a TPU: every step is a host -> TPU "
           "round trip. Leave the flag unset (default %d) unless debugging.",
-          config_lib.TPU_DEFAULT_STEPS_PER_EXECUTION)
-  return config.replace(**changes)
+          TPU_DEFAULT_STEPS_PER_EXECUTION)
+  return changes

@@ -47,6 +47,44 @@ class BatchPlan:
                                       self.gradient_accumulation_steps)
 
 
+def _global_batch_size(*, batch_size: Optional[int],
+                       per_replica_batch_size: Optional[int],
+                       num_replicas_in_sync: int,
+                       gradient_accumulation_steps: int) -> int:
+  """The global batch (examples per update) the two batch flags give.
+
+  Raises:
+    ConfigError: a size is not positive, the two flags disagree, or the
+      global batch does not divide by replicas x accumulation steps.
+  """
+  per_update = num_replicas_in_sync * gradient_accumulation_steps
+  if batch_size is not None and batch_size <= 0:
+    raise ConfigError(f"--batch_size={batch_size} must be > 0.")
+  if per_replica_batch_size is not None and per_replica_batch_size <= 0:
+    raise ConfigError(
+        f"--per_replica_batch_size={per_replica_batch_size} must be > 0.")
+  if per_replica_batch_size is not None:
+    implied = per_replica_batch_size * per_update
+    if batch_size is not None and batch_size != implied:
+      raise ConfigError(
+          f"--batch_size={batch_size} (global) disagrees with "
+          f"--per_replica_batch_size={per_replica_batch_size} x "
+          f"{num_replicas_in_sync} replicas x {gradient_accumulation_steps} "
+          f"accumulation steps = {implied}. Pass only one of the two.")
+    return implied
+  global_batch_size = (batch_size if batch_size is not None else
+                       DEFAULT_GLOBAL_BATCH_SIZE)
+  if global_batch_size % per_update:
+    raise ConfigError(
+        f"--batch_size={global_batch_size} (global) is not divisible by "
+        f"{num_replicas_in_sync} replicas x {gradient_accumulation_steps} "
+        "accumulation steps. Use a multiple of "
+        f"{per_update} (e.g. --batch_size="
+        f"{max(per_update, global_batch_size // per_update * per_update)}) "
+        "or set --per_replica_batch_size instead.")
+  return global_batch_size
+
+
 def make_batch_plan(*,
                     num_replicas_in_sync: int,
                     batch_size: Optional[int] = None,
@@ -83,31 +121,10 @@ def make_batch_plan(*,
         f"--gradient_accumulation_steps={gradient_accumulation_steps} must "
         "be >= 1.")
   per_update = num_replicas_in_sync * gradient_accumulation_steps
-  if batch_size is not None and batch_size <= 0:
-    raise ConfigError(f"--batch_size={batch_size} must be > 0.")
-  if per_replica_batch_size is not None and per_replica_batch_size <= 0:
-    raise ConfigError(
-        f"--per_replica_batch_size={per_replica_batch_size} must be > 0.")
-  if per_replica_batch_size is not None:
-    implied = per_replica_batch_size * per_update
-    if batch_size is not None and batch_size != implied:
-      raise ConfigError(
-          f"--batch_size={batch_size} (global) disagrees with "
-          f"--per_replica_batch_size={per_replica_batch_size} x "
-          f"{num_replicas_in_sync} replicas x {gradient_accumulation_steps} "
-          f"accumulation steps = {implied}. Pass only one of the two.")
-    global_batch_size = implied
-  else:
-    global_batch_size = (batch_size if batch_size is not None else
-                         DEFAULT_GLOBAL_BATCH_SIZE)
-    if global_batch_size % per_update:
-      raise ConfigError(
-          f"--batch_size={global_batch_size} (global) is not divisible by "
-          f"{num_replicas_in_sync} replicas x {gradient_accumulation_steps} "
-          "accumulation steps. Use a multiple of "
-          f"{per_update} (e.g. --batch_size="
-          f"{max(per_update, global_batch_size // per_update * per_update)}) "
-          "or set --per_replica_batch_size instead.")
+  global_batch_size = _global_batch_size(
+      batch_size=batch_size, per_replica_batch_size=per_replica_batch_size,
+      num_replicas_in_sync=num_replicas_in_sync,
+      gradient_accumulation_steps=gradient_accumulation_steps)
   if global_batch_size % (num_input_pipelines * gradient_accumulation_steps):
     raise ConfigError(
         f"Global batch {global_batch_size} does not split evenly across "

@@ -185,6 +185,8 @@ class ClusterInfo:
     MultiWorkerMirroredStrategy, which has no use for `ps` tasks (on Vertex AI
     worker pool 2 may hold the Reduction Server, which is not a TF task).
     """
+    # Imported here: parsing a cluster stays TensorFlow-free (the launcher
+    # and `tfdist.job_spec` read clusters without starting TensorFlow).
     import tensorflow as tf  # pylint: disable=g-import-not-at-top
     return tf.distribute.cluster_resolver.SimpleClusterResolver(
         tf.train.ClusterSpec(self.cluster_dict(jobs)),

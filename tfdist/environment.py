@@ -39,7 +39,7 @@ chose it, for `tfdist.export.check_layout`.
 import dataclasses
 import os
 import types
-from typing import Mapping, Optional, Tuple
+from typing import Dict, Mapping, Optional, Tuple
 
 from tfdist.config import ConfigError
 
@@ -107,8 +107,15 @@ def read_environment(environ: Optional[Mapping[str, str]] = None
   return RunEnvironment({name: env.get(name, "") for name in VARIABLES})
 
 
-def apply_environment(config, environment: RunEnvironment):
-  """Fills the fields `config` leaves unset from `environment`.
+# The fields `environment_changes` may fill, each only when it is unset.
+ENVIRONMENT_FIELDS = ("model_dir", "checkpoint_dir", "tensorboard_dir",
+                      "export_dir", "train_files", "eval_files", "tpu",
+                      "data_dir")
+
+
+def environment_changes(given: Mapping[str, str], environment: RunEnvironment
+                        ) -> Tuple[Dict[str, str], Tuple[Tuple[str, str], ...]]:
+  """The values `environment` gives the fields that `given` leaves unset.
 
   * `model_dir` <- `AIP_CHECKPOINT_DIR`, else `AIP_MODEL_DIR` (Vertex AI);
   * `checkpoint_dir` <- `AIP_CHECKPOINT_DIR`;
@@ -121,12 +128,14 @@ def apply_environment(config, environment: RunEnvironment):
   * `data_dir` <- `environment.default_data_dir`.
 
   Args:
-    config: a `tfdist.config.TrainConfig`.
+    given: `{field: value}` of the `ENVIRONMENT_FIELDS` as the flags set
+      them ('' or None: unset; a missing field counts as unset).
     environment: from `read_environment`.
 
   Returns:
-    `(config, filled)`: the updated config and the `(field, variable)` pairs
-    that were applied, for the log and the manifest.
+    `(changes, filled)`: `{field: value}` to set, and the `(field,
+    variable)` pairs that were applied, for the log and the manifest
+    (`data_dir`'s default is a change but names no variable).
 
   Raises:
     ConfigError: a data URI would fill an unset field but `AIP_DATA_FORMAT`
@@ -135,7 +144,7 @@ def apply_environment(config, environment: RunEnvironment):
   changes, filled = {}, []
 
   def fill(field: str, *variables: str):
-    if getattr(config, field):
+    if given.get(field):
       return
     for var in variables:
       if environment.get(var):
@@ -148,14 +157,38 @@ def apply_environment(config, environment: RunEnvironment):
   fill("tensorboard_dir", "AIP_TENSORBOARD_LOG_DIR")
   fill("export_dir", "AIP_MODEL_DIR")
   for field, variable in DATA_URI_VARIABLES:
-    if not getattr(config, field) and environment.get(variable):
+    if not given.get(field) and environment.get(variable):
       check_data_format(environment, variable)
       fill(field, variable)
   fill("tpu", "TPU_NAME")
-  if not config.data_dir:
+  if not given.get("data_dir"):
     changes["data_dir"] = environment.default_data_dir
-  filled_t: Tuple[Tuple[str, str], ...] = tuple(filled)
-  return (config.replace(**changes) if changes else config), filled_t
+  return changes, tuple(filled)
+
+
+def apply_environment(config, environment: RunEnvironment):
+  """Fills the fields `config` leaves unset from `environment`.
+
+  The binary's edge adapter of `environment_changes`: it reads the
+  `ENVIRONMENT_FIELDS` of `config` by name and `replace`s the changed ones
+  (the TensorFlow-free `tfdist.job_spec` calls it too).
+
+  Args:
+    config: a `tfdist.config.TrainConfig` (any object with the
+      `ENVIRONMENT_FIELDS` and `replace(**changes)`).
+    environment: from `read_environment`.
+
+  Returns:
+    `(config, filled)`: the updated config and the `(field, variable)` pairs
+    that were applied, for the log and the manifest.
+
+  Raises:
+    ConfigError: as `environment_changes`.
+  """
+  changes, filled = environment_changes(
+      {field: getattr(config, field) for field in ENVIRONMENT_FIELDS},
+      environment)
+  return (config.replace(**changes) if changes else config), filled
 
 
 def check_data_format(environment: RunEnvironment, variable: str):
@@ -205,9 +238,9 @@ def _names_trial(folder: str, trial: str, *, from_environment: bool
   return from_environment and len(parts) >= 2 and parts[-2] == trial
 
 
-def trial_folders(config, *, trial: str,
-                  filled: Tuple[Tuple[str, str], ...] = ()):
-  """Gives a hyperparameter-tuning trial its own output folders.
+def trial_changes(folders: Mapping[str, str], *, trial: str,
+                  filled: Tuple[Tuple[str, str], ...] = ()) -> Dict[str, str]:
+  """The output folders a hyperparameter-tuning trial nests: `{field: new}`.
 
   Every field of `TRIAL_FOLDER_FIELDS` that is set, by a flag or by a
   variable (`filled`), gets the subfolder `trial_subfolder(trial)`:
@@ -219,39 +252,61 @@ def trial_folders(config, *, trial: str,
   its folders per trial when it runs a tuning job).
 
   Args:
-    config: a `tfdist.config.TrainConfig`, after `apply_environment`.
+    folders: `{field: folder}` of the `TRIAL_FOLDER_FIELDS` (''/None or
+      missing: unset), after `environment_changes`.
     trial: the trial id (`tfdist.cluster.ClusterInfo.trial`); '' outside a
       tuning job, which changes nothing.
+    filled: the `(field, variable)` pairs `environment_changes` returned.
+
+  Returns:
+    The changed fields and their folders, in `TRIAL_FOLDER_FIELDS` order.
+  """
+  if not trial:
+    return {}
+  from_environment = {field for field, _ in filled}
+  subfolder = trial_subfolder(trial)
+  changes = {}
+  for field in TRIAL_FOLDER_FIELDS:
+    value = folders.get(field)
+    if not value or _names_trial(
+        value, trial, from_environment=field in from_environment):
+      continue
+    changes[field] = value.rstrip("/") + "/" + subfolder
+  return changes
+
+
+def trial_folders(config, *, trial: str,
+                  filled: Tuple[Tuple[str, str], ...] = ()):
+  """Gives a hyperparameter-tuning trial its own output folders.
+
+  The edge adapter of `trial_changes` (see there for the rule).
+
+  Args:
+    config: a `tfdist.config.TrainConfig`, after `apply_environment`.
+    trial: the trial id; '' changes nothing.
     filled: the `(field, variable)` pairs `apply_environment` returned.
 
   Returns:
     `(config, fields)`: the updated config and the fields given the
     subfolder, in `TRIAL_FOLDER_FIELDS` order.
   """
-  if not trial:
-    return config, ()
-  from_environment = {field for field, _ in filled}
-  subfolder = trial_subfolder(trial)
-  changes = {}
-  for field in TRIAL_FOLDER_FIELDS:
-    value = getattr(config, field)
-    if not value or _names_trial(
-        value, trial, from_environment=field in from_environment):
-      continue
-    changes[field] = value.rstrip("/") + "/" + subfolder
+  changes = trial_changes(
+      {field: getattr(config, field) for field in TRIAL_FOLDER_FIELDS},
+      trial=trial, filled=filled)
   if not changes:
     return config, ()
   return config.replace(**changes), tuple(changes)
 
 
-def output_sources(config, filled: Tuple[Tuple[str, str], ...] = ()):
-  """Each output folder of `config` with the flag or variable that chose
-  it: the keyword arguments of `tfdist.export.check_layout`.
+def folder_sources(given: Mapping[str, str], resolved: Mapping[str, str],
+                   filled: Tuple[Tuple[str, str], ...] = ()):
+  """Each output folder with the flag or variable that chose it.
 
   Args:
-    config: a `tfdist.config.TrainConfig` after `apply_environment` (and
-      `trial_folders`).
-    filled: the `(field, variable)` pairs `apply_environment` returned.
+    given: `{field: folder}` of the `TRIAL_FOLDER_FIELDS` as set ('' or
+      None: left to its default under `--model_dir`).
+    resolved: `{field: folder}` the run writes to, for the same fields.
+    filled: the `(field, variable)` pairs `environment_changes` returned.
 
   Returns:
     `{"export_dir": (folder, source), "model_dir": ..., "checkpoint_dir":
@@ -264,15 +319,31 @@ def output_sources(config, filled: Tuple[Tuple[str, str], ...] = ()):
   def source(field: str) -> str:
     if field in variables:
       return f"${variables[field]} (--{field})"
-    if getattr(config, field) or field == "model_dir":
+    if given.get(field) or field == "model_dir":
       return f"--{field}"
     return f"--{field} (default, under {source('model_dir')})"
 
-  return {
-      "export_dir": (config.resolved_export_dir, source("export_dir")),
-      "model_dir": (config.model_dir, source("model_dir")),
-      "checkpoint_dir": (config.resolved_checkpoint_dir,
-                         source("checkpoint_dir")),
-      "tensorboard_dir": (config.resolved_tensorboard_dir,
-                          source("tensorboard_dir")),
-  }
+  return {field: (resolved[field], source(field)) for field in (
+      "export_dir", "model_dir", "checkpoint_dir", "tensorboard_dir")}
+
+
+def output_sources(config, filled: Tuple[Tuple[str, str], ...] = ()):
+  """Each output folder of `config` with the flag or variable that chose
+  it: the keyword arguments of `tfdist.export.check_layout`.
+
+  The edge adapter of `folder_sources`.
+
+  Args:
+    config: a `tfdist.config.TrainConfig` after `apply_environment` (and
+      `trial_folders`).
+    filled: the `(field, variable)` pairs `apply_environment` returned.
+
+  Returns:
+    As `folder_sources`.
+  """
+  return folder_sources(
+      {field: getattr(config, field) for field in TRIAL_FOLDER_FIELDS},
+      {"export_dir": config.resolved_export_dir,
+       "model_dir": config.model_dir,
+       "checkpoint_dir": config.resolved_checkpoint_dir,
+       "tensorboard_dir": config.resolved_tensorboard_dir}, filled)

@@ -157,12 +157,12 @@ def prepare_run(config: TrainConfig, *,
                  cluster.source)
   # The export replaces its folder: never one holding the run's outputs.
   export.check_layout(**environment_lib.output_sources(config, applied))
-  decision = auto_select.resolve(config, cluster=cluster,
+  decision = auto_select.resolve(run_options.select_options(config), cluster=cluster,
                                  environment=environment)
-  config = auto_select.apply_decision(config, decision)
+  config = run_options.apply_decision(config, decision)
   if decision.strategy == "tpu":
     tpu_lib.validate_tpu_config(
-        config, data_patterns=run_plan_lib.data_patterns(config, dataset))
+        config.tpu, data_patterns=run_plan_lib.data_patterns(run_options.data_options(config), dataset))
   logging.info("%s", decision.describe())
   return config, cluster, decision, applied, trial_fields
 
@@ -369,7 +369,7 @@ def planned_replicas(config, *, decision, cluster) -> Tuple[int, int]:
   if name == "parameter_server":
     return 1, len(cluster.cluster.get(cluster_lib.WORKER, ()))
   if name == "tpu":
-    choice = strategy_lib.make_strategy(config, cluster=cluster)
+    choice = strategy_lib.make_strategy(run_options.strategy_options(config), cluster=cluster)
     return choice.strategy.num_replicas_in_sync, 1
   return 1, 1
 
@@ -381,9 +381,9 @@ def _dry_run(config, *, task, cluster, decision, writer: bool) -> dict:
                                            cluster=cluster)
   asynchronous = decision.strategy == "parameter_server"
   plan = run_plan_lib.make_run_plan(
-      config, spec, num_replicas_in_sync=replicas, num_workers=num_workers,
+      run_options.plan_options(config), spec, num_replicas_in_sync=replicas, num_workers=num_workers,
       asynchronous=asynchronous, decision=decision)
-  logging.info("%s", plan.describe(config))
+  logging.info("%s", plan.describe(run_options.plan_options(config)))
   notes = _check_resume(config, plan) if writer else []
   print(f"tfdist: dry run: every start-up check passed ({cluster.task_type} "
         f"{cluster.task_index}; {plan.num_train_examples} training and "
@@ -445,10 +445,10 @@ def _train(config, *, task, cluster, decision, applied, callbacks, started,
     # peer has connected.
     with (lease.extended(config.cluster_start_timeout_seconds)
           if lease is not None else contextlib.nullcontext()):
-      choice = strategy_lib.make_strategy(config, cluster=cluster)
+      choice = strategy_lib.make_strategy(run_options.strategy_options(config), cluster=cluster)
   devices.configure_cpu_devices(config.num_cpu_devices)
   if not multi_worker:
-    choice = strategy_lib.make_strategy(config, cluster=cluster)
+    choice = strategy_lib.make_strategy(run_options.strategy_options(config), cluster=cluster)
   strategy = choice.strategy
   num_workers = (cluster.num_workers if multi_worker else
                  len(cluster.cluster.get(cluster_lib.WORKER, ()))
@@ -467,9 +467,9 @@ def _train(config, *, task, cluster, decision, applied, callbacks, started,
     tf.config.experimental.enable_op_determinism()
   spec = task.dataset
   plan = run_plan_lib.make_run_plan(
-      config, spec, num_replicas_in_sync=strategy.num_replicas_in_sync,
+      run_options.plan_options(config), spec, num_replicas_in_sync=strategy.num_replicas_in_sync,
       num_workers=num_workers, asynchronous=asynchronous, decision=decision)
-  logging.info("%s", plan.describe(config))
+  logging.info("%s", plan.describe(run_options.plan_options(config)))
   if config.profile_steps and config.profile_steps[0] > plan.total_steps:
     raise ConfigError(
         f"--profile_steps={config.profile_steps[0]},{config.profile_steps[1]}"
@@ -890,14 +890,14 @@ def run_evaluator(config: TrainConfig, *, task, cluster, decision,
         f"--mode=eval: no checkpoint in {checkpoint_dir} to evaluate. Train "
         "first (same --model_dir), or point --checkpoint_dir at one.")
   plan = run_plan_lib.make_run_plan(
-      config, spec, num_replicas_in_sync=1, num_workers=1,
+      run_options.plan_options(config), spec, num_replicas_in_sync=1, num_workers=1,
       asynchronous=True, decision=decision) if (
           config.train_steps <= 0 and not once) else None
   final_step = (checkpoint_paths.checkpoint_step(latest) if once else
                 config.train_steps if config.train_steps > 0 else
                 plan.total_steps)
   eval_files = (plan.eval_files if plan else
-                run_plan_lib.resolve_data_files(config, spec)[1])
+                run_plan_lib.resolve_data_files(run_options.data_options(config), spec)[1])
   record = checkpointing.read_run_record(checkpoint_dir, config.model_dir)
   # Told no strategy (`auto`), it evaluates with the one the run recorded.
   run_strategy = (record["strategy"] if record and record.get("strategy")
@@ -908,13 +908,13 @@ def run_evaluator(config: TrainConfig, *, task, cluster, decision,
   if how.strategy == "mirrored":
     devices.configure_cpu_devices(config.num_cpu_devices)
   choice = strategy_lib.make_strategy(
-      config.replace(distribution_strategy=how.strategy))
+      run_options.strategy_options(config.replace(distribution_strategy=how.strategy)))
   if how.global_batch_size % choice.strategy.num_replicas_in_sync:
     how = dataclasses.replace(how, strategy="one_device", reason=(
         f"{choice.strategy.num_replicas_in_sync} local replicas do not "
         f"divide the run's evaluation batch {how.global_batch_size}"))
     choice = strategy_lib.make_strategy(
-        config.replace(distribution_strategy="one_device"))
+        run_options.strategy_options(config.replace(distribution_strategy="one_device")))
   strategy = choice.strategy
   logging.info("Evaluator: %s, %d replica(s) (%s); global batch %d (from "
                "%s)", how.strategy, strategy.num_replicas_in_sync,

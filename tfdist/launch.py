@@ -61,6 +61,7 @@ from typing import Dict, List, Optional, Sequence
 
 from absl import app
 from absl import flags
+import portpicker
 
 from tfdist import cli
 from tfdist import cluster as cluster_lib
@@ -267,7 +268,6 @@ class Launcher:
 
   # --- one attempt -----------------------------------------------------------
   def _start(self, scratch_root: str):
-    import portpicker  # pylint: disable=g-import-not-at-top
     ports: List[int] = []
     while len(ports) < len(self.tasks):
       port = portpicker.pick_unused_port()

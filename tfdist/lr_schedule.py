@@ -19,7 +19,7 @@ it correct under ParameterServerStrategy (no per-step read of one ps).
 
 import dataclasses
 import math
-from typing import Sequence
+from typing import Optional, Sequence, Tuple
 
 import keras
 import tensorflow as tf
@@ -292,13 +292,42 @@ class LRPlan:
   schedule: LinearWarmup
 
 
-def plan_learning_rate(config, *, global_batch_size: int,
+@dataclasses.dataclass(frozen=True)
+class LROptions:
+  """The learning-rate flags a run plan reads (`plan_learning_rate`).
+
+  Attributes:
+    base_learning_rate: `--base_learning_rate`, the LR at `base_batch_size`.
+    base_batch_size: `--base_batch_size` (examples).
+    lr_scaling: `--lr_scaling`, `scale_learning_rate`'s rule (`linear`,
+      `sqrt`, `none`).
+    lr_schedule: `--lr_schedule` (`constant`, `cosine`, `piecewise`).
+    warmup_steps: `--warmup_steps` (None: from `warmup_epochs`).
+    warmup_epochs: `--warmup_epochs` (None: no epoch-based warmup).
+    warmup_start_learning_rate: `--warmup_start_learning_rate`.
+    end_learning_rate_factor: `--end_learning_rate_factor` (cosine).
+    piecewise_boundaries: `--piecewise_boundaries` (fractions in (0, 1)).
+    piecewise_multipliers: `--piecewise_multipliers` (one more value).
+  """
+  base_learning_rate: float
+  base_batch_size: int = 256
+  lr_scaling: str = "linear"
+  lr_schedule: str = "constant"
+  warmup_steps: Optional[int] = None
+  warmup_epochs: Optional[float] = None
+  warmup_start_learning_rate: float = 0.0
+  end_learning_rate_factor: float = 0.0
+  piecewise_boundaries: Tuple[float, ...] = (0.5, 0.75)
+  piecewise_multipliers: Tuple[float, ...] = (1.0, 0.1, 0.01)
+
+
+def plan_learning_rate(options: LROptions, *, global_batch_size: int,
                        steps_per_epoch: int, total_steps: int) -> LRPlan:
-  """Scales `config.base_learning_rate` and builds warmup + decay for a run.
+  """Scales `options.base_learning_rate` and builds warmup + decay for a run.
 
   Args:
-    config: a `tfdist.config.TrainConfig` (reads the LR, warmup and schedule
-      fields).
+    options: the run's `LROptions` (`tfdist.run_options.lr_options` makes
+      them from a `TrainConfig`).
     global_batch_size: examples per update.
     steps_per_epoch: updates per epoch (for `--warmup_epochs`).
     total_steps: updates in the whole run.
@@ -311,16 +340,16 @@ def plan_learning_rate(config, *, global_batch_size: int,
       schedule.
   """
   warmup_steps = batch_plan.resolve_warmup_steps(
-      warmup_steps=config.warmup_steps, warmup_epochs=config.warmup_epochs,
+      warmup_steps=options.warmup_steps, warmup_epochs=options.warmup_epochs,
       steps_per_epoch=steps_per_epoch, total_steps=total_steps)
   peak = scale_learning_rate(
-      config.base_learning_rate, global_batch_size=global_batch_size,
-      base_batch_size=config.base_batch_size, rule=config.lr_scaling)
+      options.base_learning_rate, global_batch_size=global_batch_size,
+      base_batch_size=options.base_batch_size, rule=options.lr_scaling)
   schedule = build_lr_schedule(
       peak_learning_rate=peak, total_steps=total_steps,
-      warmup_steps=warmup_steps, schedule=config.lr_schedule,
-      warmup_start_learning_rate=config.warmup_start_learning_rate,
-      end_learning_rate_factor=config.end_learning_rate_factor,
-      piecewise_boundaries=config.piecewise_boundaries,
-      piecewise_multipliers=config.piecewise_multipliers)
+      warmup_steps=warmup_steps, schedule=options.lr_schedule,
+      warmup_start_learning_rate=options.warmup_start_learning_rate,
+      end_learning_rate_factor=options.end_learning_rate_factor,
+      piecewise_boundaries=options.piecewise_boundaries,
+      piecewise_multipliers=options.piecewise_multipliers)
   return LRPlan(peak, warmup_steps, schedule)

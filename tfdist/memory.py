@@ -43,6 +43,8 @@ def device_memory() -> Dict[str, Dict[str, int]]:
   """Current and peak memory of each visible GPU, as TensorFlow's allocator
   counts it: `{"GPU:0": {"current": bytes, "peak": bytes}, ...}`; `{}`
   without GPUs. Untested here (no GPU on the test machines)."""
+  # Imported here: the host-memory readings (`peak_rss_bytes`, the run log's
+  # and `tfdist.diagnose`'s) stay TensorFlow-free.
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   out = {}
   for index, _ in enumerate(tf.config.list_logical_devices("GPU")):
@@ -79,6 +81,7 @@ def _elements(variable) -> int:
 
 def _variable_bytes(variables) -> int:
   """Bytes of `variables` (Keras or TensorFlow), from shape and dtype."""
+  # Imported here: see `device_memory`.
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   # Keras variables name their dtype as a string, TensorFlow's as a DType.
   return sum(_elements(v) * tf.as_dtype(v.dtype).size for v in variables)

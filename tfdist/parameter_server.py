@@ -21,6 +21,7 @@ colocated with their variable anyway) gets one shard, because Keras 3
 variables cannot be `ShardedVariable`s.
 """
 
+import dataclasses
 import json
 import os
 import signal
@@ -32,7 +33,7 @@ from absl import logging
 import tensorflow as tf
 
 from tfdist import sharded_embedding
-from tfdist.config import ConfigError, TrainConfig
+from tfdist.config import ConfigError
 from tfdist.done_marker import (  # noqa: F401
     DONE_MARKER, clear_done, done_marker, mark_done, marked_done_since)
 from tfdist.errors import (  # noqa: F401
@@ -126,9 +127,28 @@ def make_partitioner(kind: str, *, num_ps: int, shard_bytes: int,
   return EmbeddingOnlyPartitioner(inner)
 
 
-def make_ps_strategy(config: TrainConfig, cluster
+@dataclasses.dataclass(frozen=True)
+class PartitionerOptions:
+  """How parameter servers shard variables (`make_partitioner`'s flags).
+
+  Attributes:
+    kind: `--ps_partitioner` (`min_size`, `fixed`, `max_size`, `none`).
+    shard_bytes: `--ps_min_shard_bytes` (bytes per shard for the size
+      partitioners).
+    max_shards: `--ps_max_shards` (0: one shard per ps task).
+  """
+  kind: str = "min_size"
+  shard_bytes: int = 256 << 10
+  max_shards: int = 0
+
+
+def make_ps_strategy(options: PartitionerOptions, cluster
                      ) -> Tuple[tf.distribute.ParameterServerStrategy, tuple]:
   """Builds `ParameterServerStrategy` over `cluster` (a `ClusterInfo`).
+
+  Args:
+    options: the variable partitioner's `PartitionerOptions`.
+    cluster: the resolved `tfdist.cluster.ClusterInfo` with ps tasks.
 
   Returns:
     `(strategy, devices)`: devices are the ps tasks' CPU device names.
@@ -140,8 +160,8 @@ def make_ps_strategy(config: TrainConfig, cluster
   resolver = cluster_resolver(cluster)
   num_ps = len(resolver.cluster_spec().as_dict()["ps"])
   partitioner = make_partitioner(
-      config.ps_partitioner, num_ps=num_ps,
-      shard_bytes=config.ps_min_shard_bytes, max_shards=config.ps_max_shards)
+      options.kind, num_ps=num_ps,
+      shard_bytes=options.shard_bytes, max_shards=options.max_shards)
   strategy = tf.distribute.ParameterServerStrategy(
       resolver, variable_partitioner=partitioner)
   logging.info("ParameterServerStrategy: %d ps, %d worker(s), partitioner %s",

@@ -16,11 +16,69 @@ from tfdist import lr_schedule
 from tfdist import models
 from tfdist import precision
 from tfdist.dataset_spec import DataNotFoundError
+from tfdist.strategy_kind import StrategyKind
 
 
 # The parameter-server coordinator's smallest evaluation batch (evaluation
 # keeps no activations for a backward pass).
 MIN_EVAL_BATCH_SIZE = 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class DataOptions:
+  """Which data a run reads (the data set and its file flags).
+
+  Attributes:
+    dataset: `--dataset`, the data set's name.
+    train_files: `--train_files` (a glob or comma-separated globs; '': the
+      data set's own files under `data_dir`).
+    eval_files: `--eval_files` (as `train_files`).
+    data_dir: `--data_dir`, where a named data set is converted to.
+    raw_data_dir: `--raw_data_dir`, where its raw download is.
+  """
+  dataset: Optional[str] = None
+  train_files: str = ""
+  eval_files: str = ""
+  data_dir: str = ""
+  raw_data_dir: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanOptions:
+  """What `make_run_plan` (and `RunPlan.describe`) read of a run's flags.
+
+  Attributes:
+    data: the `DataOptions`.
+    lr: the `tfdist.lr_schedule.LROptions`.
+    need_eval: evaluation files are listed (`--mode` other than `train`).
+    batch_size: `--batch_size`, the global batch (None: from the per-replica
+      one).
+    per_replica_batch_size: `--per_replica_batch_size` (None: from the
+      global one).
+    gradient_accumulation_steps: micro-batches per update.
+    train_steps: `--train_steps` (0: from `train_epochs`).
+    train_epochs: `--train_epochs`.
+    sync_batch_norm: `--sync_batch_norm` (None: decided by the model).
+    enable_xla: `--enable_xla`.
+    model: `--model` (for the plan's batch-norm line).
+    activation_recomputation: `--activation_recomputation`.
+    zero_stage: the resolved ZeRO stage (0: none).
+    deterministic: `--deterministic`.
+  """
+  data: DataOptions
+  lr: lr_schedule.LROptions
+  need_eval: bool = True
+  batch_size: Optional[int] = None
+  per_replica_batch_size: Optional[int] = None
+  gradient_accumulation_steps: int = 1
+  train_steps: int = 0
+  train_epochs: int = 5
+  sync_batch_norm: Optional[bool] = None
+  enable_xla: bool = False
+  model: Optional[str] = None
+  activation_recomputation: bool = False
+  zero_stage: int = 0
+  deterministic: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,7 +94,7 @@ class RunPlan:
       steps per epoch).
     total_steps: optimizer updates in the whole run.
     lr: the `LRPlan` (peak learning rate, warmup steps, schedule).
-    strategy: the concrete strategy name.
+    strategy: the concrete `StrategyKind`.
     strategy_reason: why it was chosen.
     dtype: `fp32`, `bf16` or `fp16`.
     dtype_reason: why.
@@ -57,7 +115,7 @@ class RunPlan:
   batch: batch_plan_lib.BatchPlan
   total_steps: int
   lr: lr_schedule.LRPlan
-  strategy: str
+  strategy: StrategyKind
   strategy_reason: str
   dtype: str
   dtype_reason: str
@@ -87,8 +145,8 @@ class RunPlan:
       return max(self.global_batch_size, MIN_EVAL_BATCH_SIZE)
     return self.global_batch_size // self.batch.gradient_accumulation_steps
 
-  def describe(self, config) -> str:
-    """The plan as printed at start (`config`: the run's `TrainConfig`)."""
+  def describe(self, options: "PlanOptions") -> str:
+    """The plan as printed at start (`options`: the run's `PlanOptions`)."""
     plan = self.batch
     mode = (f"asynchronous: {self.num_workers} worker(s) each apply their "
             "own batches" if self.asynchronous else
@@ -113,16 +171,16 @@ class RunPlan:
            if plan.gradient_accumulation_steps > 1 else ""),
         f"  train examples         {plan.num_train_examples} in "
         + (f"{len(self.train_files)} file(s)" if self.train_files else
-           f"--dataset={config.dataset}'s dataset function"),
+           f"--dataset={options.data.dataset}'s dataset function"),
         (f"  eval examples          {self.num_eval_examples} in "
          f"{len(self.eval_files)} file(s)" if self.eval_files else ""),
         f"  steps_per_epoch        {plan.steps_per_epoch} (remainder "
         "dropped)",
         f"  train steps            {self.total_steps}",
-        f"  learning rate          {config.base_learning_rate:g} at batch "
-        f"{config.base_batch_size} -> {self.lr.peak_learning_rate:g} at "
-        f"batch {plan.global_batch_size} ({config.lr_scaling} rule), "
-        f"{config.lr_schedule} after warmup",
+        f"  learning rate          {options.lr.base_learning_rate:g} at batch "
+        f"{options.lr.base_batch_size} -> {self.lr.peak_learning_rate:g} at "
+        f"batch {plan.global_batch_size} ({options.lr.lr_scaling} rule), "
+        f"{options.lr.lr_schedule} after warmup",
         f"  warmup_steps           {self.lr.warmup_steps}",
         f"  dtype                  {self.dtype} "
         f"({precision.policy_name(self.dtype)}): {self.dtype_reason}",
@@ -131,28 +189,31 @@ class RunPlan:
              [f"  batch norm             "
               f"{'synchronized (global batch)' if self.sync_batch_norm else 'per replica'}"
               f" ({self.sync_batch_norm_reason})"]
-             if models.has_batch_norm(config.model) else []) + (
+             if models.has_batch_norm(options.model) else []) + (
                  ["  activation recompute   on: blocks recompute their "
                   "activations in the backward pass"]
-                 if config.activation_recomputation else []) + (
-                     [f"  zero_stage             {config.zero_stage_resolved}"
+                 if options.activation_recomputation else []) + (
+                     [f"  zero_stage             {options.zero_stage}"
                       f": optimizer state sharded over the "
                       f"{plan.num_replicas_in_sync} replicas (1/"
                       f"{plan.num_replicas_in_sync} each)"
                       + (", and the gradient accumulators"
-                         if config.zero_stage_resolved >= 2 and
+                         if options.zero_stage >= 2 and
                          plan.gradient_accumulation_steps > 1 else "")]
-                     if config.zero_stage_resolved else []) + (
+                     if options.zero_stage else []) + (
                      ["  deterministic          op determinism and a "
                       "deterministic input order"]
-                     if config.deterministic else []) if line)
+                     if options.deterministic else []) if line)
 
 
-def resolve_data_files(config, spec, *, need_eval: bool = True
+def resolve_data_files(data: DataOptions, spec, *, need_eval: bool = True
                        ) -> Tuple[Tuple[str, ...], Tuple[str, ...]]:
   """`(train_files, eval_files)`, converting the named data set if the
-  config gives no files, and checked against the data set
+  flags give no files, and checked against the data set
   (`DatasetSpec.check_files`: a feature spec's features).
+
+  `data` is the run's `DataOptions` (`tfdist.run_options.data_options`);
+  `spec` its `DatasetSpec`.
 
   A data set from a dataset function has no files: `((), ())`. Without
   `need_eval` (`--mode=train`) no evaluation files are listed.
@@ -164,14 +225,14 @@ def resolve_data_files(config, spec, *, need_eval: bool = True
   """
   if not spec.reads_files:
     return (), ()
-  train_pattern, eval_pattern = config.train_files, config.eval_files
+  train_pattern, eval_pattern = data.train_files, data.eval_files
   if not train_pattern or (need_eval and not eval_pattern):
     if spec.prepare is None:
       raise DataNotFoundError(
           f"--dataset={spec.name} reads TFRecord files: give them as "
           "--train_files and --eval_files.")
-    default_train, default_eval = spec.prepare(config.data_dir,
-                                               config.raw_data_dir)
+    default_train, default_eval = spec.prepare(data.data_dir,
+                                               data.raw_data_dir)
     train_pattern = train_pattern or default_train
     eval_pattern = eval_pattern or default_eval
   train_files = tuple(input_pipeline.list_files(train_pattern,
@@ -187,28 +248,28 @@ def resolve_data_files(config, spec, *, need_eval: bool = True
   return train_files, eval_files
 
 
-def data_patterns(config, spec=None) -> Sequence[Tuple[str, str]]:
+def data_patterns(data: DataOptions, spec=None) -> Sequence[Tuple[str, str]]:
   """`(flag, path)` pairs of what the run reads, for the TPU `gs://` rule
-  (`spec`: the run's `DatasetSpec`; one from a dataset function reads no
-  files of tfdist's)."""
+  (`data`: the run's `DataOptions`; `spec`: its `DatasetSpec`, where one
+  from a dataset function reads no files of tfdist's)."""
   if spec is not None and not spec.reads_files:
     return []
   out = []
-  for flag, value in (("--train_files", config.train_files),
-                      ("--eval_files", config.eval_files)):
+  for flag, value in (("--train_files", data.train_files),
+                      ("--eval_files", data.eval_files)):
     if value:
       out.append((flag, value))
-  if not (config.train_files and config.eval_files):
-    out.append(("--data_dir", config.data_dir))
+  if not (data.train_files and data.eval_files):
+    out.append(("--data_dir", data.data_dir))
   return out
 
 
-def make_run_plan(config, spec, *, num_replicas_in_sync: int,
+def make_run_plan(options: PlanOptions, spec, *, num_replicas_in_sync: int,
                   num_workers: int, asynchronous: bool, decision) -> RunPlan:
   """Lists and counts the data, then plans the batch and learning rate.
 
   Args:
-    config: the run's `TrainConfig` (no `auto` left).
+    options: the run's `PlanOptions` (`tfdist.run_options.plan_options`).
     spec: the data set's `DatasetSpec`.
     num_replicas_in_sync: replicas per update (`strategy.
       num_replicas_in_sync`; 1 per worker step under parameter servers).
@@ -227,8 +288,9 @@ def make_run_plan(config, spec, *, num_replicas_in_sync: int,
     tfdist.data_checks.DataError: a damaged file (named), or records of
       another schema than the data set's parser reads.
   """
+  kind = StrategyKind.parse(decision.strategy)
   train_files, eval_files = resolve_data_files(
-      config, spec, need_eval=config.mode != "train")
+      options.data, spec, need_eval=options.need_eval)
   num_eval = 0
   if spec.reads_files:
     # Every file read to its end and counted, before anything is built: a
@@ -242,16 +304,16 @@ def make_run_plan(config, spec, *, num_replicas_in_sync: int,
     num_train = input_pipeline.count_examples(spec)
   plan = batch_plan_lib.make_batch_plan(
       num_replicas_in_sync=num_replicas_in_sync,
-      batch_size=config.batch_size,
-      per_replica_batch_size=config.per_replica_batch_size,
-      gradient_accumulation_steps=config.gradient_accumulation_steps,
+      batch_size=options.batch_size,
+      per_replica_batch_size=options.per_replica_batch_size,
+      gradient_accumulation_steps=options.gradient_accumulation_steps,
       num_train_examples=num_train,
       num_input_pipelines=1 if asynchronous else num_workers)
   total_steps = batch_plan_lib.resolve_train_steps(
-      train_steps=config.train_steps, train_epochs=config.train_epochs,
+      train_steps=options.train_steps, train_epochs=options.train_epochs,
       steps_per_epoch=plan.steps_per_epoch)
   lr_plan = lr_schedule.plan_learning_rate(
-      config, global_batch_size=plan.global_batch_size,
+      options.lr, global_batch_size=plan.global_batch_size,
       steps_per_epoch=plan.steps_per_epoch, total_steps=total_steps)
   pipelines = 1 if asynchronous else num_workers
   if spec.reads_files:
@@ -263,16 +325,16 @@ def make_run_plan(config, spec, *, num_replicas_in_sync: int,
     sharding = input_pipeline.function_sharding(
         spec.input_fn, num_input_pipelines=pipelines)
   sync_batch_norm, sync_batch_norm_reason = models.resolve_sync_batch_norm(
-      config.sync_batch_norm, strategy_name=decision.strategy,
+      options.sync_batch_norm, strategy_name=kind,
       num_replicas_in_sync=num_replicas_in_sync,
-      xla_per_replica=config.enable_xla and decision.strategy != "tpu")
+      xla_per_replica=options.enable_xla and not kind.is_tpu)
   return RunPlan(
       train_file_counts=train_file_counts, sharding=sharding,
       sync_batch_norm=sync_batch_norm,
       sync_batch_norm_reason=sync_batch_norm_reason,
       train_files=train_files, eval_files=eval_files,
       num_train_examples=num_train, batch=plan, total_steps=total_steps,
-      lr=lr_plan, strategy=decision.strategy,
+      lr=lr_plan, strategy=kind,
       strategy_reason=decision.strategy_reason, dtype=decision.dtype,
       dtype_reason=decision.dtype_reason, asynchronous=asynchronous,
       num_workers=num_workers, num_eval_examples=num_eval)

@@ -229,12 +229,16 @@ def run_with_deadline(fn: Callable[[], object], *, timeout: float,
 
 
 def _default_resolver_factory(tpu, zone, project):
+  # Imported here: this module is read by TensorFlow-free paths (auto
+  # without a TPU, the launcher); only connecting needs TensorFlow.
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   return tf.distribute.cluster_resolver.TPUClusterResolver(
       tpu=tpu, zone=zone or None, project=project or None)
 
 
 def _default_initialize(resolver, kind: str):
+  # Imported here: this module is read by TensorFlow-free paths (auto
+  # without a TPU, the launcher); only connecting needs TensorFlow.
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   if kind != "local":
     tf.config.experimental_connect_to_cluster(resolver)
@@ -259,6 +263,24 @@ def _first_sentences(text: str, limit: int = 200) -> str:
     return text.rstrip(".")
   cut = text.rfind(". ", 0, limit)
   return text[:cut] if cut > 0 else text[:limit] + "..."
+
+
+@dataclasses.dataclass(frozen=True)
+class TpuOptions:
+  """Which TPU to connect to, and how long to try (the `--tpu*` flags).
+
+  Attributes:
+    tpu: `--tpu` (`local`, `grpc://HOST:PORT`, a Cloud TPU name, or '':
+      none given).
+    zone: `--tpu_zone` (names only; '': this VM's zone).
+    project: `--tpu_gcp_project` (names only; '': this VM's project).
+    init_timeout: `--tpu_init_timeout`, seconds for resolve + connect +
+      initialize.
+  """
+  tpu: str = ""
+  zone: str = ""
+  project: str = ""
+  init_timeout: float = DEFAULT_INIT_TIMEOUT
 
 
 _CONNECTED = {}
@@ -301,45 +323,17 @@ def connect_tpu(tpu: str, *, zone: str = "", project: str = "",
     if key in _CONNECTED:
       return _CONNECTED[key]
   started = time.monotonic()
-  tried = [f"--tpu={tpu}"]
-  if kind == "name":
-    tried.append(f"--tpu_zone={zone or '(from metadata)'}")
-    tried.append(f"--tpu_gcp_project={project or '(from metadata)'}")
-  tried_text = " ".join(tried)
-
-  def fail(problem: str) -> TPUNotAvailableError:
-    return TPUNotAvailableError(
-        f"No TPU available: {problem} Tried: {tried_text} (after "
-        f"{time.monotonic() - started:.1f} s). Check: {_CHECKS[kind]}.")
-
+  fail = _failure(tpu, kind, zone=zone, project=project, started=started)
   if kind == "grpc":
     host, port = parse_grpc_address(tpu)
     try:
       probe_grpc(host, port, timeout=probe_timeout)
     except TPUNotAvailableError as e:
       raise fail(str(e)) from None
-  factory = resolver_factory or _default_resolver_factory
-  initialize = initialize_fn or _default_initialize
-
-  def work():
-    resolver = factory(tpu, zone, project)
-    return resolver, initialize(resolver, kind)
-
-  try:
-    resolver, topology = run_with_deadline(
-        work, timeout=init_timeout,
-        what=f"Resolving, connecting to and initializing --tpu={tpu}")
-  except TimeoutError as e:
-    raise fail(f"{e} (TensorFlow waits forever here; tfdist gave up). "
-               "Raise --tpu_init_timeout if a large pod needs longer."
-               ) from None
-  except ConfigError:
-    raise
-  except Exception as e:  # pylint: disable=broad-except
-    # NotFoundError ("TPUs not found in the cluster") for local, URLError or
-    # RuntimeError (no cloud-tpu-client) for names, ValueError for bad names.
-    message = _first_sentences(str(e))
-    raise fail(f"{type(e).__name__}: {message}.") from None
+  resolver, topology = _initialize_bounded(
+      tpu, kind, zone=zone, project=project, init_timeout=init_timeout,
+      factory=resolver_factory or _default_resolver_factory,
+      initialize=initialize_fn or _default_initialize, fail=fail)
   system = TPUSystem(address=tpu, kind=kind, resolver=resolver,
                      topology=topology,
                      num_cores=_count_cores(resolver, topology),
@@ -353,8 +347,67 @@ def connect_tpu(tpu: str, *, zone: str = "", project: str = "",
   return system
 
 
+def _failure(tpu: str, kind: str, *, zone: str, project: str,
+             started: float) -> Callable[[str], "TPUNotAvailableError"]:
+  """`problem -> TPUNotAvailableError` naming what was tried and for how long.
+
+  Args:
+    tpu: the `--tpu` address tried.
+    kind: its `tpu_address_kind`.
+    zone, project: `--tpu_zone`, `--tpu_gcp_project` (named for names).
+    started: `time.monotonic()` when the attempt began.
+  """
+  tried = [f"--tpu={tpu}"]
+  if kind == "name":
+    tried.append(f"--tpu_zone={zone or '(from metadata)'}")
+    tried.append(f"--tpu_gcp_project={project or '(from metadata)'}")
+  tried_text = " ".join(tried)
+
+  def fail(problem: str) -> TPUNotAvailableError:
+    return TPUNotAvailableError(
+        f"No TPU available: {problem} Tried: {tried_text} (after "
+        f"{time.monotonic() - started:.1f} s). Check: {_CHECKS[kind]}.")
+
+  return fail
+
+
+def _initialize_bounded(tpu: str, kind: str, *, zone: str, project: str,
+                        init_timeout: float, factory: Callable,
+                        initialize: Callable, fail: Callable):
+  """Resolves and initializes the TPU within `init_timeout` seconds.
+
+  Returns:
+    `(resolver, topology)`.
+
+  Raises:
+    ConfigError: from `factory` or `initialize` (a malformed address).
+    TPUNotAvailableError: (`fail`'s) on a timeout or any other error.
+  """
+
+  def work():
+    resolver = factory(tpu, zone, project)
+    return resolver, initialize(resolver, kind)
+
+  try:
+    return run_with_deadline(
+        work, timeout=init_timeout,
+        what=f"Resolving, connecting to and initializing --tpu={tpu}")
+  except TimeoutError as e:
+    raise fail(f"{e} (TensorFlow waits forever here; tfdist gave up). "
+               "Raise --tpu_init_timeout if a large pod needs longer."
+               ) from None
+  except ConfigError:
+    raise
+  except Exception as e:  # pylint: disable=broad-except
+    # NotFoundError ("TPUs not found in the cluster") for local, URLError or
+    # RuntimeError (no cloud-tpu-client) for names, ValueError for bad names.
+    message = _first_sentences(str(e))
+    raise fail(f"{type(e).__name__}: {message}.") from None
+
+
 def make_tpu_strategy(system: TPUSystem):
   """Builds `tf.distribute.TPUStrategy` over a connected `TPUSystem`."""
+  # Imported here: see `_default_resolver_factory`.
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   return tf.distribute.TPUStrategy(system.resolver)
 
@@ -399,12 +452,12 @@ def is_gcs_path(path: str) -> bool:
   return path.strip().startswith("gs://")
 
 
-def validate_tpu_config(config, *, data_patterns: Sequence[Tuple[str, str]]
+def validate_tpu_config(tpu: str, *, data_patterns: Sequence[Tuple[str, str]]
                         ) -> None:
   """Checks the TPU constraints that can be checked without a TPU.
 
   Args:
-    config: the run's `TrainConfig`, its strategy resolved to `tpu`.
+    tpu: the run's `--tpu` (its strategy resolved to `tpu`).
     data_patterns: `(flag, pattern)` pairs the run will read, e.g.
       `[("--train_files", "gs://b/train-*")]`.
 
@@ -414,7 +467,7 @@ def validate_tpu_config(config, *, data_patterns: Sequence[Tuple[str, str]]
       workers read the input themselves and cannot see this machine's
       disks).
   """
-  address = resolve_tpu_address(config.tpu)
+  address = resolve_tpu_address(tpu)
   kind = tpu_address_kind(address)
   if kind == "grpc":
     parse_grpc_address(address)

@@ -1,0 +1,186 @@
+"""Tests for tfdist.run_plan: a run's plan from real options and data."""
+
+import os
+import tempfile
+
+from absl.testing import absltest
+import pytest
+import tensorflow as tf
+
+from tfdist import auto_select
+from tfdist import lr_schedule
+from tfdist import run_plan
+from tfdist.config import ConfigError
+from tfdist.dataset_spec import DataNotFoundError
+from tfdist.dataset_spec import DatasetSpec
+from tfdist.strategy_kind import StrategyKind
+
+pytestmark = pytest.mark.compat
+
+
+def _function_spec(num_examples: int = 1000) -> DatasetSpec:
+  """A data set from a dataset function: `num_examples` (x, y) pairs."""
+
+  def input_fn(training):
+    del training  # The same examples for both splits.
+    return tf.data.Dataset.from_tensor_slices(
+        (tf.zeros([num_examples, 2]), tf.zeros([num_examples], tf.int64)))
+
+  return DatasetSpec(name="mine", input_fn=input_fn)
+
+
+def _options(**kwargs) -> run_plan.PlanOptions:
+  lr = kwargs.pop("lr", lr_schedule.LROptions(
+      base_learning_rate=0.1, base_batch_size=100, lr_scaling="linear"))
+  return run_plan.PlanOptions(data=run_plan.DataOptions(dataset="mine"),
+                              lr=lr, **kwargs)
+
+
+def _decision(kind=StrategyKind.ONE_DEVICE) -> auto_select.Decision:
+  return auto_select.Decision(kind, "asked for", "fp32", "the default")
+
+
+class MakeRunPlanTest(absltest.TestCase):
+
+  def test_batch_steps_and_learning_rate(self):
+    plan = run_plan.make_run_plan(
+        _options(batch_size=200, train_epochs=3), _function_spec(1000),
+        num_replicas_in_sync=2, num_workers=1, asynchronous=False,
+        decision=_decision(StrategyKind.MIRRORED))
+    self.assertEqual(plan.num_train_examples, 1000)
+    self.assertEqual(plan.global_batch_size, 200)
+    self.assertEqual(plan.batch.per_replica_batch_size, 100)
+    self.assertEqual(plan.steps_per_epoch, 5)  # 1000 // 200.
+    self.assertEqual(plan.total_steps, 15)  # 3 epochs x 5 steps.
+    # Linear scaling: 0.1 at batch 100 -> 0.2 at batch 200.
+    self.assertAlmostEqual(plan.lr.peak_learning_rate, 0.2)
+    # Neither warmup flag: the smaller of one epoch and a tenth of the run.
+    self.assertEqual(plan.lr.warmup_steps, 1)
+    self.assertIs(plan.strategy, StrategyKind.MIRRORED)
+    self.assertEqual(plan.train_files, ())
+    self.assertEqual(plan.eval_batch_size, 200)
+
+  def test_train_steps_and_warmup_flags_win(self):
+    lr = lr_schedule.LROptions(base_learning_rate=0.5, base_batch_size=50,
+                               lr_scaling="none", warmup_steps=4)
+    plan = run_plan.make_run_plan(
+        _options(batch_size=50, train_steps=40, lr=lr), _function_spec(1000),
+        num_replicas_in_sync=1, num_workers=1, asynchronous=False,
+        decision=_decision())
+    self.assertEqual(plan.total_steps, 40)
+    self.assertEqual(plan.lr.warmup_steps, 4)
+    self.assertAlmostEqual(plan.lr.peak_learning_rate, 0.5)
+    # The schedule ramps linearly from 0 to the peak over the warmup.
+    self.assertAlmostEqual(float(plan.lr.schedule(2)), 0.25, places=6)
+    self.assertAlmostEqual(float(plan.lr.schedule(10)), 0.5, places=6)
+
+  def test_parameter_server_batches_are_per_worker_step(self):
+    plan = run_plan.make_run_plan(
+        _options(batch_size=100, train_steps=10), _function_spec(1000),
+        num_replicas_in_sync=1, num_workers=3, asynchronous=True,
+        decision=_decision(StrategyKind.PARAMETER_SERVER))
+    self.assertTrue(plan.asynchronous)
+    self.assertEqual(plan.batch.num_input_pipelines, 1)
+    # The coordinator evaluates alone, with a larger batch.
+    self.assertEqual(plan.eval_batch_size, run_plan.MIN_EVAL_BATCH_SIZE)
+    self.assertIn("asynchronous: 3 worker(s)", plan.describe(_options()))
+
+  def test_gradient_accumulation_evaluates_with_the_micro_batch(self):
+    plan = run_plan.make_run_plan(
+        _options(batch_size=200, gradient_accumulation_steps=4,
+                 train_steps=5), _function_spec(1000),
+        num_replicas_in_sync=1, num_workers=1, asynchronous=False,
+        decision=_decision())
+    self.assertEqual(plan.batch.per_replica_batch_size, 50)
+    self.assertEqual(plan.eval_batch_size, 50)
+
+  def test_a_batch_larger_than_the_data_is_refused(self):
+    with self.assertRaisesRegex(ConfigError, "larger than the 100 training"):
+      run_plan.make_run_plan(
+          _options(batch_size=128), _function_spec(100),
+          num_replicas_in_sync=1, num_workers=1, asynchronous=False,
+          decision=_decision())
+
+  def test_describe_names_the_plan(self):
+    options = _options(batch_size=200, train_steps=10, deterministic=True,
+                       zero_stage=1)
+    plan = run_plan.make_run_plan(
+        options, _function_spec(1000), num_replicas_in_sync=2,
+        num_workers=1, asynchronous=False,
+        decision=_decision(StrategyKind.MIRRORED))
+    text = plan.describe(options)
+    self.assertIn("strategy               mirrored: asked for", text)
+    self.assertIn("--dataset=mine's dataset function", text)
+    self.assertIn("learning rate          0.1 at batch 100 -> 0.2 at batch "
+                  "200 (linear rule), constant after warmup", text)
+    self.assertIn("zero_stage             1: optimizer state sharded over "
+                  "the 2 replicas", text)
+    self.assertIn("deterministic", text)
+
+
+class DataFilesTest(absltest.TestCase):
+
+  def _folder(self) -> str:
+    folder = tempfile.TemporaryDirectory()
+    self.addCleanup(folder.cleanup)
+    return folder.name
+
+  def _write(self, folder, name, records):
+    path = os.path.join(folder, name)
+    with tf.io.TFRecordWriter(path) as writer:
+      for i in range(records):
+        writer.write(f"record {i}".encode())
+    return path
+
+  def _file_spec(self):
+    return DatasetSpec(name="records", parse_fn=lambda record: record)
+
+  def test_lists_the_files_of_each_flag(self):
+    folder = self._folder()
+    train = [self._write(folder, f"train-{i}.tfrecord", 3) for i in (1, 0)]
+    test = self._write(folder, "test-0.tfrecord", 2)
+    data = run_plan.DataOptions(
+        dataset="records", train_files=os.path.join(folder, "train-*"),
+        eval_files=os.path.join(folder, "test-*"))
+    train_files, eval_files = run_plan.resolve_data_files(
+        data, self._file_spec())
+    self.assertEqual(train_files, tuple(sorted(train)))
+    self.assertEqual(eval_files, (test,))
+    # --mode=train lists no evaluation files.
+    self.assertEqual(run_plan.resolve_data_files(
+        data, self._file_spec(), need_eval=False)[1], ())
+
+  def test_a_glob_matching_nothing(self):
+    folder = self._folder()
+    data = run_plan.DataOptions(
+        dataset="records", train_files=os.path.join(folder, "none-*"),
+        eval_files=os.path.join(folder, "none-*"))
+    with self.assertRaises(DataNotFoundError):
+      run_plan.resolve_data_files(data, self._file_spec())
+
+  def test_no_files_and_nothing_to_convert(self):
+    with self.assertRaisesRegex(DataNotFoundError, "--train_files"):
+      run_plan.resolve_data_files(run_plan.DataOptions(dataset="records"),
+                                  self._file_spec())
+
+  def test_a_dataset_function_reads_no_files(self):
+    self.assertEqual(run_plan.resolve_data_files(
+        run_plan.DataOptions(dataset="mine"), _function_spec()), ((), ()))
+    self.assertEqual(run_plan.data_patterns(
+        run_plan.DataOptions(data_dir="/d"), _function_spec()), [])
+
+  def test_data_patterns(self):
+    self.assertEqual(
+        run_plan.data_patterns(run_plan.DataOptions(
+            train_files="gs://b/train-*", eval_files="gs://b/test-*")),
+        [("--train_files", "gs://b/train-*"),
+         ("--eval_files", "gs://b/test-*")])
+    # Without both file flags the data set's folder is read too.
+    self.assertEqual(
+        run_plan.data_patterns(run_plan.DataOptions(
+            train_files="/t-*", data_dir="/data")),
+        [("--train_files", "/t-*"), ("--data_dir", "/data")])
+
+
+if __name__ == "__main__":
+  absltest.main()
