@@ -307,6 +307,7 @@ def _child_parameter_server(project: str) -> dict:
   from tfdist import lr_schedule  # pylint: disable=g-import-not-at-top
   from tfdist import parameter_server as ps_lib  # pylint: disable=g-import-not-at-top
   from tfdist import step_runner  # pylint: disable=g-import-not-at-top
+  from tfdist import run_options  # pylint: disable=g-import-not-at-top
   from tfdist import api  # pylint: disable=g-import-not-at-top
   from tfdist.config import TrainConfig  # pylint: disable=g-import-not-at-top
   sys.argv = sys.argv[:1]
@@ -344,7 +345,8 @@ def _child_parameter_server(project: str) -> dict:
     sync_batch_norm = False
   Plan.lr = lr
   Plan.batch = plan_batch
-  parts = assembly.build(config, task=task, strategy=strategy, plan=Plan)
+  parts = assembly.build(run_options.assembly_options(config), task=task,
+                         strategy=strategy, plan=Plan)
   placement = ps_lib.describe_placement(parts.model, parts.optimizer,
                                         large_bytes=16 << 10)
   coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)

@@ -17,7 +17,11 @@ building metrics) without reading data.
 import dataclasses
 from typing import Any, Callable, Optional, Sequence, Tuple
 
+import keras
+import tensorflow as tf
+
 from tfdist import feature_spec as feature_spec_lib
+from tfdist import input_pipeline
 from tfdist import registry
 from tfdist.config import ConfigError
 from tfdist.dataset_spec import DatasetSpec
@@ -46,7 +50,12 @@ class Task:
 
 
 def load_builtins():
-  # Importing them registers tfdist's own models and data sets.
+  """Registers tfdist's own models and data sets (importing them does).
+
+  Imported here, not at the top: importing them fills the registries, and
+  the callers decide when that happens (`dataset_from_config` imports the
+  user's `--import_modules` first, as the registrations always ran).
+  """
   from tfdist import datasets  # pylint: disable=g-import-not-at-top,unused-import
   from tfdist import models  # pylint: disable=g-import-not-at-top,unused-import
 
@@ -94,7 +103,8 @@ def describe_function(fn) -> str:
           f"{getattr(fn, '__qualname__', getattr(fn, '__name__', fn))}")
 
 
-def build_model(task: Task, config, *, sync_batch_norm: bool = False):
+def build_model(task: Task, config, *, sync_batch_norm: bool = False,
+                activation_recomputation: Optional[bool] = None):
   """Calls the task's builder (in the current scope); checks the result.
 
   The builder gets, by name, what it asks for of `spec` (the data set's
@@ -105,17 +115,30 @@ def build_model(task: Task, config, *, sync_batch_norm: bool = False):
   blocks' activations in the backward pass; refused before this call for a
   builder without it, see `tfdist.models.check_recomputation`).
 
+  Args:
+    task: the `Task` whose `model_fn` is called.
+    config: what a builder asking for `config` receives (the run's
+      `TrainConfig`, or None); read for nothing else.
+    sync_batch_norm: given to builders that take it.
+    activation_recomputation: given to builders that take it; None: the
+      `activation_recomputation` attribute of `config` (False without one).
+
+  Returns:
+    The `keras.Model` the builder returned.
+
   Raises:
     ConfigError: the builder needs arguments tfdist cannot give, or did not
       return a `keras.Model`.
   """
-  import keras  # pylint: disable=g-import-not-at-top
   what = f"--model={task.model_name}"
+  if activation_recomputation is None:
+    activation_recomputation = getattr(config, "activation_recomputation",
+                                       False)
   model = registry.call_with_accepted(
       task.model_fn, {"spec": task.dataset, "config": config,
                       "sync_batch_norm": bool(sync_batch_norm),
-                      "activation_recomputation": bool(getattr(
-                          config, "activation_recomputation", False))},
+                      "activation_recomputation": bool(
+                          activation_recomputation)},
       what=what)
   if not isinstance(model, keras.Model):
     raise ConfigError(f"{what} returned {type(model).__name__}, not a "
@@ -149,8 +172,6 @@ def sample_weight_spec(dataset: DatasetSpec) -> Any:
 
 
 def _element_spec(dataset: DatasetSpec):
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  from tfdist import input_pipeline  # pylint: disable=g-import-not-at-top
   if dataset.reads_files:
     return tf.data.Dataset.from_tensors(tf.constant(b"")).map(
         dataset.parse_fn).element_spec
@@ -168,8 +189,6 @@ def example_spec(dataset: DatasetSpec, *, files: Sequence[str] = ()
   Raises:
     ConfigError: the examples are not `(features, labels)` pairs.
   """
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  from tfdist import input_pipeline  # pylint: disable=g-import-not-at-top
   if dataset.reads_files:
     ds = tf.data.Dataset.from_tensors(tf.constant(b"")).map(dataset.parse_fn)
     spec = ds.element_spec
