@@ -294,7 +294,7 @@ def start_run(config: TrainConfig, *,
   # when a path needs it; again once the environment filled the folders.
   filesystems.require_file_systems(filesystems.config_paths(config))
   if task is None:
-    task = task_lib.from_config(config)
+    task = task_lib.from_names(run_options.task_names(config))
   prepared = prepare_run(config, environment=environment,
                          dataset=task.dataset)
   filesystems.require_file_systems(filesystems.config_paths(prepared.config))

@@ -8,6 +8,7 @@ reads, never the whole `TrainConfig` (as Orbit's `Controller` takes its
 
 from tfdist import assembly
 from tfdist import config as config_lib  # noqa: F401  (the converters' input)
+from tfdist import task as task_lib
 
 TrainConfig = config_lib.TrainConfig
 
@@ -45,6 +46,15 @@ def assembly_options(config: TrainConfig) -> assembly.AssemblyOptions:
       class_weight=tuple(config.class_weight),
       activation_recomputation=config.activation_recomputation,
       builder_config=config)
+
+
+def task_names(config: TrainConfig) -> task_lib.TaskNames:
+  """The names the run's task comes from (`--model`, `--dataset`,
+  `--feature_spec`, `--import_modules`): `tfdist.task.from_names` reads
+  them."""
+  return task_lib.TaskNames(model=config.model, dataset=config.dataset,
+                            feature_spec=config.feature_spec,
+                            import_modules=tuple(config.import_modules))
 
 # --- checkpoints and outputs ---
 

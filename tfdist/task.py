@@ -5,7 +5,8 @@ and the Python API's objects (`tfdist.fit`) both become one `Task`; every
 later step (the run plan, assembly, input pipelines, export) reads it and
 never the names again:
 
-    config --(from_config)--> Task(model_fn, dataset, loss, metrics)
+    config --(run_options.task_names)--> TaskNames
+           --(from_names)--> Task(model_fn, dataset, loss, metrics)
     tfdist.fit(model_fn, dataset_fn, ...) --> Task
 
 `build_model` calls the builder with the arguments it names (`spec`,
@@ -60,19 +61,55 @@ def load_builtins():
   from tfdist import models  # pylint: disable=g-import-not-at-top,unused-import
 
 
-def dataset_from_config(config) -> DatasetSpec:
+@dataclasses.dataclass(frozen=True)
+class TaskNames:
+  """The names a run's task comes from (the binary's flags).
+
+  `tfdist.run_options.task_names` makes them from a `TrainConfig`.
+
+  Attributes:
+    model: `--model`: a registered model name or `module:function`.
+    dataset: `--dataset`: a registered data set name (with a feature spec,
+      the name it is given).
+    feature_spec: `--feature_spec`: a feature-spec JSON file, or ''.
+    import_modules: `--import_modules`: modules imported first (they
+      register models and data sets).
+  """
+  model: Optional[str] = None
+  dataset: Optional[str] = None
+  feature_spec: str = ""
+  import_modules: Tuple[str, ...] = ()
+
+
+def _names(config) -> TaskNames:
+  """`config`'s `TaskNames` (`config`: a `TaskNames`, or any object with
+  its four fields, as `from_config` and `dataset_from_config` take)."""
+  if isinstance(config, TaskNames):
+    return config
+  return TaskNames(model=config.model, dataset=config.dataset,
+                   feature_spec=config.feature_spec,
+                   import_modules=tuple(config.import_modules))
+
+
+def dataset_from_names(names: TaskNames) -> DatasetSpec:
   """The `DatasetSpec` that `--dataset`/`--feature_spec` name.
 
   Raises:
     ConfigError: unknown name, a malformed feature spec, an import path
       that cannot be loaded.
   """
-  registry.import_modules(config.import_modules)
+  registry.import_modules(names.import_modules)
   load_builtins()
-  if config.feature_spec:
-    return feature_spec_lib.load(config.feature_spec).dataset_spec(
-        name=config.dataset)
-  return registry.get_dataset(config.dataset)
+  if names.feature_spec:
+    return feature_spec_lib.load(names.feature_spec).dataset_spec(
+        name=names.dataset)
+  return registry.get_dataset(names.dataset)
+
+
+def dataset_from_config(config) -> DatasetSpec:
+  """`dataset_from_names` of an object with `TaskNames`' fields (a
+  `TrainConfig`)."""
+  return dataset_from_names(_names(config))
 
 
 # The keyword arguments `build_model` can give a model builder.
@@ -80,8 +117,8 @@ MODEL_BUILDER_ARGUMENTS = ("spec", "config", "sync_batch_norm",
                            "activation_recomputation")
 
 
-def from_config(config) -> Task:
-  """The `Task` a `TrainConfig` names (imports `--import_modules` first).
+def from_names(names: TaskNames) -> Task:
+  """The `Task` the names give (imports `--import_modules` first).
 
   Raises:
     ConfigError: an unknown model or data set (the message lists the
@@ -89,12 +126,21 @@ def from_config(config) -> Task:
       builder with a required parameter tfdist cannot fill
       (`registry.check_accepted`).
   """
-  dataset = dataset_from_config(config)
-  name, builder = registry.get_model_builder(config.model)
+  dataset = dataset_from_names(names)
+  name, builder = registry.get_model_builder(names.model)
   # At start, not after the plan: a callable that is no model builder.
   registry.check_accepted(builder, MODEL_BUILDER_ARGUMENTS,
                           what=f"--model={name}")
   return Task(model_fn=builder, dataset=dataset, model_name=name)
+
+
+def from_config(config) -> Task:
+  """`from_names` of an object with `TaskNames`' fields (a `TrainConfig`).
+
+  Raises:
+    ConfigError: as `from_names`.
+  """
+  return from_names(_names(config))
 
 
 def describe_function(fn) -> str:
