@@ -95,12 +95,13 @@ class BuildTest(absltest.TestCase):
     self.assertEqual(parts.trainer.global_batch_size, 8)
     self.assertEqual(parts.objectives.loss.name,
                      "sparse_categorical_crossentropy")
-    names = set(parts.checkpoint._trackable_children())  # pylint: disable=protected-access
+    # pylint: disable=protected-access
+    names = set(parts.checkpoint._trackable_children())
     self.assertLessEqual({"model", "global_step", "optimizer",
                           "lr_multiplier"}, names)
     # The optimizer is saved once, as the checkpoint's own.
-    self.assertNotIn("optimizer",
-                     parts.model._trackable_children())  # pylint: disable=protected-access
+    self.assertNotIn("optimizer", parts.model._trackable_children())
+    # pylint: enable=protected-access
 
   def test_sharding_needs_a_mirrored_strategy(self):
     with self.assertRaisesRegex(ConfigError, "--zero_stage=1"):

@@ -24,8 +24,8 @@ from tfdist.config import ConfigError
 pytestmark = pytest.mark.compat
 
 
-def _layout(export_dir, model_dir="/r/run", checkpoint_dir="/r/run/checkpoints",
-            tensorboard_dir="/r/run"):
+def _layout(export_dir, model_dir="/r/run",
+            checkpoint_dir="/r/run/checkpoints", tensorboard_dir="/r/run"):
   return dict(export_dir=(export_dir, "--export_dir"),
               model_dir=(model_dir, "--model_dir"),
               checkpoint_dir=(checkpoint_dir, "--checkpoint_dir"),
@@ -67,7 +67,8 @@ class LayoutTest(parameterized.TestCase):
     with self.assertRaises(export.ExportRefusedError):
       export.check_layout(**_layout(
           "gs://b/run/", model_dir="gs://b/run",
-          checkpoint_dir="gs://b/run/checkpoints", tensorboard_dir="gs://b/run"))
+          checkpoint_dir="gs://b/run/checkpoints",
+          tensorboard_dir="gs://b/run"))
 
 
 class ExportFolderTest(absltest.TestCase):

@@ -195,7 +195,8 @@ def _warn_batch_valued_metrics(metric_sums: objectives_lib.MetricSums,
         plan.batch.gradient_accumulation_steps, plan.global_batch_size)
 
 
-def check_weights(options: AssemblyOptions, *, task: task_lib.Task) -> Optional[dict]:
+def check_weights(options: AssemblyOptions, *,
+                  task: task_lib.Task) -> Optional[dict]:
   """The run's class weights (`{class id: weight}`, or None), after
   checking that the examples do not carry sample weights too (Keras's
   `fit` refuses both: "You cannot `class_weight` and `sample_weight` at the
@@ -212,8 +213,9 @@ def check_weights(options: AssemblyOptions, *, task: task_lib.Task) -> Optional[
   if not options.class_weight:
     return None
   if weight is not None:
+    given = ",".join(f"{k}:{w}" for k, w in options.class_weight)
     raise ConfigError(
-        f"--class_weight={','.join(f'{k}:{w}' for k, w in options.class_weight)}"
+        f"--class_weight={given}"
         f" and sample weights in --dataset={task.dataset.name}'s examples "
         "(a third element) cannot be used together (as in Keras's fit). "
         "Fold the class weights into the sample weights, or drop one.")

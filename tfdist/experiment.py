@@ -1213,8 +1213,9 @@ def evaluator_plan(config: TrainConfig, *, run_strategy: str,
   the checkpoint folder's run record), else the record's
   `global_batch_size`, else the same rule on `config.batch_size` (an
   evaluator task may start before the chief writes the record; it has the
-  job's flags), else `MIN_EVAL_BATCH_SIZE`. A mirrored evaluator whose replicas do not divide
-  the batch evaluates on one device instead (the batch is kept: the
+  job's flags), else `MIN_EVAL_BATCH_SIZE`. A mirrored evaluator whose
+  replicas do not divide the batch evaluates on one device instead (the
+  batch is kept: the
   metrics do not depend on it, summed over examples, but a per-batch
   metric would; `run_evaluator` checks this once the strategy is built).
 
