@@ -350,7 +350,8 @@ def _child_parameter_server(project: str) -> dict:
     sync_batch_norm = False
   Plan.lr = lr
   Plan.batch = plan_batch
-  parts = assembly.build(config, task=task, strategy=strategy, plan=Plan)
+  parts = assembly.build(run_options.assembly_options(config), task=task,
+                         strategy=strategy, plan=Plan)
   placement = ps_lib.describe_placement(parts.model, parts.optimizer,
                                         large_bytes=16 << 10)
   coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)

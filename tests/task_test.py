@@ -33,6 +33,7 @@ from tfdist import assembly
 from tfdist import input_pipeline
 from tfdist import objectives
 from tfdist import registry
+from tfdist import run_options
 from tfdist import task as task_lib
 from tfdist.config import ConfigError, TrainConfig
 from tfdist.dataset_spec import DatasetSpec
@@ -155,6 +156,20 @@ class RegistryTest(parameterized.TestCase):
         dataset="regtest_data", import_modules=f"{pkg2}.reg"))
     self.assertEqual(task.dataset.name, "regtest_data")
     self.assertIn("regtest_registered", registry.model_names())
+
+  def test_names_give_the_task_the_config_names(self):
+    config = TrainConfig(model_dir="/tmp/x", train_steps=1, model="cnn",
+                         dataset="fashion_mnist")
+    names = run_options.task_names(config)
+    self.assertEqual(names, task_lib.TaskNames(
+        model="cnn", dataset="fashion_mnist", feature_spec="",
+        import_modules=()))
+    task = task_lib.from_names(names)
+    self.assertEqual((task.model_name, task.dataset.name),
+                     ("cnn", "fashion_mnist"))
+    self.assertEqual(task_lib.from_config(config).model_name, "cnn")
+    self.assertEqual(task_lib.dataset_from_names(names).name,
+                     "fashion_mnist")
 
   @parameterized.named_parameters(
       ("no_module", "nosuchpkg_x.mod:build",

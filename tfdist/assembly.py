@@ -10,7 +10,7 @@ for the precision, and returns the parts every strategy uses the same way.
 
 import dataclasses
 import os
-from typing import Optional, Tuple
+from typing import Any, Optional, Tuple
 
 from absl import logging
 import keras
@@ -24,10 +24,51 @@ from tfdist import optimizers
 from tfdist import precision
 from tfdist import sharded_optimizer
 from tfdist import task as task_lib
+from tfdist import train_loop
 from tfdist.config import ConfigError
 from tfdist.errors import first_line
-from tfdist import train_loop
 from tfdist.train_loop import Trainer
+
+
+@dataclasses.dataclass(frozen=True)
+class AssemblyOptions:
+  """What assembly reads of a run's settings (model, optimizer, precision).
+
+  `tfdist.run_options.assembly_options` makes them from a `TrainConfig`.
+
+  Attributes:
+    optimizer: the optimizer's name (`tfdist.optimizers.build_optimizer`).
+    momentum: the momentum of `sgd`/`momentum`/`rmsprop`.
+    weight_decay: decoupled weight decay per step (0: none).
+    clipnorm: clip each gradient to this L2 norm (None: no clipping).
+    global_clipnorm: clip all gradients together to this L2 norm.
+    dtype: the precision policy's name (`fp32`, `fp16`, `bf16`).
+    loss_scale: fp16's loss scale: None (dynamic), `dynamic` or a number.
+    steps_per_execution: training steps per `tf.function` call.
+    enable_xla: jit-compile the per-replica step.
+    run_eagerly: run the step without `tf.function` (debugging).
+    deterministic: op determinism (the step is then not timed).
+    zero_stage: ZeRO sharding of the optimizer state (0, 1 or 2).
+    class_weight: `((class id, weight), ...)`; empty: none.
+    activation_recomputation: recompute activations in the backward pass.
+    builder_config: what a model builder asking for `config` receives (the
+      run's `TrainConfig`, passed through unread).
+  """
+  optimizer: str = "sgd"
+  momentum: float = 0.9
+  weight_decay: float = 0.0
+  clipnorm: Optional[float] = None
+  global_clipnorm: Optional[float] = None
+  dtype: str = "fp32"
+  loss_scale: Any = None
+  steps_per_execution: int = 1
+  enable_xla: bool = False
+  run_eagerly: bool = False
+  deterministic: bool = False
+  zero_stage: int = 0
+  class_weight: Tuple[Tuple[int, float], ...] = ()
+  activation_recomputation: bool = False
+  builder_config: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,17 +109,17 @@ def _output_shape(model: keras.Model, task: task_lib.Task) -> tf.TensorShape:
         f"{first}") from e
 
 
-def check_model_options(config, *, task: task_lib.Task):
+def check_model_options(options: AssemblyOptions, *, task: task_lib.Task):
   """Raises `ConfigError` for model options the task's model cannot honour
   (`--activation_recomputation` for a builder that cannot recompute, see
   `tfdist.models.check_recomputation`); checked before any data or model is
   built."""
   models.check_recomputation(task.model_name,
-                             config.activation_recomputation,
+                             options.activation_recomputation,
                              builder=task.model_fn)
 
 
-def build_model(config, *, task: task_lib.Task,
+def build_model(options: AssemblyOptions, *, task: task_lib.Task,
                 sync_batch_norm: bool = False) -> keras.Model:
   """The task's model, built (in the current scope); `sync_batch_norm`
   from the run plan reaches builders that take it (the built-in models with
@@ -88,8 +129,9 @@ def build_model(config, *, task: task_lib.Task,
     ConfigError: the builder fails (see `tfdist.task.build_model`), or the
       model cannot take the data set's features.
   """
-  model = task_lib.build_model(task, config,
-                               sync_batch_norm=sync_batch_norm)
+  model = task_lib.build_model(
+      task, options.builder_config, sync_batch_norm=sync_batch_norm,
+      activation_recomputation=options.activation_recomputation)
   _output_shape(model, task)
   if getattr(model, "optimizer", None) is not None:
     # compile's optimizer (RMSprop when compile names none) is not used:
@@ -99,7 +141,7 @@ def build_model(config, *, task: task_lib.Task,
     logging.info("--model=%s is compiled: tfdist uses its loss and metrics, "
                  "and trains with --optimizer=%s at the scaled learning rate "
                  "(not with compile's optimizer).", task.model_name,
-                 config.optimizer)
+                 options.optimizer)
     del model.optimizer
     model.optimizer = None
   return model
@@ -154,7 +196,8 @@ def _warn_batch_valued_metrics(metric_sums: objectives_lib.MetricSums,
         plan.batch.gradient_accumulation_steps, plan.global_batch_size)
 
 
-def check_weights(config, *, task: task_lib.Task) -> Optional[dict]:
+def check_weights(options: AssemblyOptions, *,
+                  task: task_lib.Task) -> Optional[dict]:
   """The run's class weights (`{class id: weight}`, or None), after
   checking that the examples do not carry sample weights too (Keras's
   `fit` refuses both: "You cannot `class_weight` and `sample_weight` at the
@@ -168,36 +211,28 @@ def check_weights(config, *, task: task_lib.Task) -> Optional[dict]:
   if weight is not None:
     logging.info("Examples carry sample weights (%s): each weighs its loss "
                  "and weighted metrics.", weight)
-  if not config.class_weight:
+  if not options.class_weight:
     return None
   if weight is not None:
+    given = ",".join(f"{k}:{w}" for k, w in options.class_weight)
     raise ConfigError(
-        f"--class_weight={','.join(f'{k}:{w}' for k, w in config.class_weight)}"
+        f"--class_weight={given}"
         f" and sample weights in --dataset={task.dataset.name}'s examples "
         "(a third element) cannot be used together (as in Keras's fit). "
         "Fold the class weights into the sample weights, or drop one.")
-  return dict(config.class_weight)
+  return dict(options.class_weight)
 
 
-def build(config, *, task: task_lib.Task, strategy: tf.distribute.Strategy,
-          plan, on_tpu: bool = False) -> Parts:
-  """Builds model, optimizer, trainer and checkpoint under `strategy`.
-
-  Args:
-    config: the run's `TrainConfig` (model, optimizer and precision fields).
-    task: the `tfdist.task.Task` (model builder, data set, loss, metrics).
-    strategy: the run's strategy.
-    plan: the `tfdist.run_plan.RunPlan` (global batch, LR schedule).
-    on_tpu: the strategy is TPU (XLA everywhere; padded evaluation).
-
-  Returns:
-    `Parts`.
+def _sharding_for(options: AssemblyOptions,
+                  strategy: tf.distribute.Strategy
+                  ) -> sharded_optimizer.ShardingOptions:
+  """The ZeRO sharding of the optimizer state, checked against `strategy`.
 
   Raises:
-    ConfigError: the builder fails tfdist's checks, or no loss is known.
+    ConfigError: a `zero_stage` above 0 under a strategy that is not
+      Mirrored or MultiWorkerMirrored.
   """
-  sharding = sharded_optimizer.ShardingOptions(
-      stage=config.zero_stage_resolved)
+  sharding = sharded_optimizer.ShardingOptions(stage=options.zero_stage)
   if sharding.enabled and not isinstance(
       strategy, (tf.distribute.MirroredStrategy,
                  tf.distribute.MultiWorkerMirroredStrategy)):
@@ -206,46 +241,35 @@ def build(config, *, task: task_lib.Task, strategy: tf.distribute.Strategy,
         "mirrored or multi_worker_mirrored; this run's strategy is "
         f"{type(strategy).__name__}. Set --distribution_strategy=mirrored "
         "(or multi_worker_mirrored), or drop the flag.")
-  with strategy.scope():
-    model = build_model(config, task=task,
-                        sync_batch_norm=plan.sync_batch_norm)
-    # Settable by Keras's learning-rate callbacks (a checkpointed factor
-    # of the schedule, see tfdist.lr_schedule.AdjustableLearningRate).
-    learning_rate = lr_schedule.AdjustableLearningRate(plan.lr.schedule)
-    inner_optimizer = optimizers.build_optimizer(
-        config.optimizer, learning_rate, momentum=config.momentum,
-        weight_decay=config.weight_decay, clipnorm=config.clipnorm,
-        global_clipnorm=config.global_clipnorm)
-    learning_rate.bind(inner_optimizer)
-    optimizer = precision.wrap_optimizer_for_precision(
-        inner_optimizer, dtype=config.dtype, loss_scale=config.loss_scale)
-    # Every optimizer variable now, under the scope (created lazily in the
-    # first step, ParameterServerStrategy would place it on the
-    # coordinator). Sharded, its slots live on the shards instead
-    # (tfdist.sharded_optimizer): built on no variables.
-    optimizer.build([] if sharding.enabled else model.trainable_variables)
-  # Keras callbacks read `model.optimizer`. Set without tracking it as the
-  # model's checkpoint dependency: the optimizer is saved once, as the
-  # checkpoint's own `optimizer`, and a model restored from the checkpoint
-  # (`tf.train.Checkpoint(model=...)`, compiled with an optimizer of its own
-  # or not) finds no optimizer of tfdist's under `model/`.
-  object.__setattr__(model, "optimizer", optimizer)
-  resolved, metric_sums = resolve_objectives(model, task=task)
-  class_weight = check_weights(config, task=task)
-  _warn_batch_valued_metrics(metric_sums, plan)
-  trainer = Trainer(strategy=strategy, model=model, optimizer=optimizer,
-                    global_batch_size=plan.global_batch_size,
-                    steps_per_execution=config.steps_per_execution,
-                    # TPUs compile everything with XLA already.
-                    enable_xla=config.enable_xla and not on_tpu,
-                    run_eagerly=config.run_eagerly, loss=resolved.loss,
-                    metrics=metric_sums, eval_example_weights=on_tpu,
-                    gradient_accumulation_steps=(
-                        plan.batch.gradient_accumulation_steps),
-                    # Op determinism refuses tf.timestamp.
-                    time_steps=not config.deterministic,
-                    sharding=sharding,
-                    class_weight=class_weight)
+  return sharding
+
+
+def _build_optimizer(options: AssemblyOptions, *, model: keras.Model, plan,
+                     sharding: sharded_optimizer.ShardingOptions):
+  """`(optimizer, learning_rate)`: the built optimizer (wrapped for the
+  precision) and its `AdjustableLearningRate`, in the current scope."""
+  # Settable by Keras's learning-rate callbacks (a checkpointed factor
+  # of the schedule, see tfdist.lr_schedule.AdjustableLearningRate).
+  learning_rate = lr_schedule.AdjustableLearningRate(plan.lr.schedule)
+  inner_optimizer = optimizers.build_optimizer(
+      options.optimizer, learning_rate, momentum=options.momentum,
+      weight_decay=options.weight_decay, clipnorm=options.clipnorm,
+      global_clipnorm=options.global_clipnorm)
+  learning_rate.bind(inner_optimizer)
+  optimizer = precision.wrap_optimizer_for_precision(
+      inner_optimizer, dtype=options.dtype, loss_scale=options.loss_scale)
+  # Every optimizer variable now, under the scope (created lazily in the
+  # first step, ParameterServerStrategy would place it on the
+  # coordinator). Sharded, its slots live on the shards instead
+  # (tfdist.sharded_optimizer): built on no variables.
+  optimizer.build([] if sharding.enabled else model.trainable_variables)
+  return optimizer, learning_rate
+
+
+def _log_trainer(trainer: Trainer, options: AssemblyOptions, *, plan,
+                 sharding: sharded_optimizer.ShardingOptions,
+                 on_tpu: bool) -> None:
+  """Logs how the optimizer state is sharded and how XLA compiles."""
   if trainer.sharded is not None:
     layout = trainer.sharded.layout
     logging.info(
@@ -258,33 +282,93 @@ def build(config, *, task: task_lib.Task, strategy: tf.distribute.Strategy,
         ", and its shard of the gradient accumulators"
         if sharding.stage >= 2 and plan.batch.gradient_accumulation_steps > 1
         else "")
-  if config.enable_xla:
+  if options.enable_xla:
     logging.info(
         "--enable_xla: %s", "TPUs compile every step with XLA already."
         if on_tpu else "Keras 3 turns XLA off under a tf.distribute "
         "strategy, so tfdist jit-compiles its own per-replica forward and "
         "backward pass (the optimizer update stays outside XLA).")
+
+
+def _training_checkpoint(model: keras.Model, *, trainer: Trainer, optimizer,
+                         learning_rate) -> tf.train.Checkpoint:
+  """The whole training state: model, step, optimizer, LR factor and the
+  random layers' seed-generator states."""
   # The random layers' seed-generator states too (Keras keeps them out of
   # the model's checkpoint dependencies): a resumed run then draws the same
   # dropout masks as an uninterrupted one.
   random_state = train_loop.random_state(model)
   # Sharded, the optimizer saves its slots in their unsharded shapes and
   # keys (any replica count, or none, restores them).
-  checkpoint = tf.train.Checkpoint(
+  return tf.train.Checkpoint(
       model=model, global_step=trainer.global_step,
       optimizer=(trainer.sharded.checkpoint_view() if trainer.sharded
                  else optimizer),
       lr_multiplier=learning_rate.multiplier,
       **({"random_state": random_state} if random_state else {}))
+
+
+def build(options: AssemblyOptions, *, task: task_lib.Task,
+          strategy: tf.distribute.Strategy, plan,
+          on_tpu: bool = False) -> Parts:
+  """Builds model, optimizer, trainer and checkpoint under `strategy`.
+
+  Args:
+    options: the run's `AssemblyOptions` (model, optimizer and precision;
+      `tfdist.run_options.assembly_options` makes them from a config).
+    task: the `tfdist.task.Task` (model builder, data set, loss, metrics).
+    strategy: the run's strategy.
+    plan: the `tfdist.run_plan.RunPlan` (global batch, LR schedule).
+    on_tpu: the strategy is TPU (XLA everywhere; padded evaluation).
+
+  Returns:
+    `Parts`.
+
+  Raises:
+    ConfigError: the builder fails tfdist's checks, or no loss is known.
+  """
+  sharding = _sharding_for(options, strategy)
+  with strategy.scope():
+    model = build_model(options, task=task,
+                        sync_batch_norm=plan.sync_batch_norm)
+    optimizer, learning_rate = _build_optimizer(
+        options, model=model, plan=plan, sharding=sharding)
+  # Keras callbacks read `model.optimizer`. Set without tracking it as the
+  # model's checkpoint dependency: the optimizer is saved once, as the
+  # checkpoint's own `optimizer`, and a model restored from the checkpoint
+  # (`tf.train.Checkpoint(model=...)`, compiled with an optimizer of its own
+  # or not) finds no optimizer of tfdist's under `model/`.
+  object.__setattr__(model, "optimizer", optimizer)
+  resolved, metric_sums = resolve_objectives(model, task=task)
+  class_weight = check_weights(options, task=task)
+  _warn_batch_valued_metrics(metric_sums, plan)
+  trainer = Trainer(strategy=strategy, model=model, optimizer=optimizer,
+                    global_batch_size=plan.global_batch_size,
+                    steps_per_execution=options.steps_per_execution,
+                    # TPUs compile everything with XLA already.
+                    enable_xla=options.enable_xla and not on_tpu,
+                    run_eagerly=options.run_eagerly, loss=resolved.loss,
+                    metrics=metric_sums, eval_example_weights=on_tpu,
+                    gradient_accumulation_steps=(
+                        plan.batch.gradient_accumulation_steps),
+                    # Op determinism refuses tf.timestamp.
+                    time_steps=not options.deterministic,
+                    sharding=sharding,
+                    class_weight=class_weight)
+  _log_trainer(trainer, options, plan=plan, sharding=sharding, on_tpu=on_tpu)
+  checkpoint = _training_checkpoint(model, trainer=trainer,
+                                    optimizer=optimizer,
+                                    learning_rate=learning_rate)
   return Parts(model=model, optimizer=optimizer, trainer=trainer,
                checkpoint=checkpoint, objectives=resolved,
                metric_sums=metric_sums)
 
 
-def evaluation_parts(config, *, task: task_lib.Task) -> Parts:
+def evaluation_parts(options: AssemblyOptions, *, task: task_lib.Task
+                     ) -> Parts:
   """A model (in the current scope) with its loss and metrics, and no
   optimizer: what the side-car evaluator and `--mode=eval` need."""
-  model = build_model(config, task=task)
+  model = build_model(options, task=task)
   resolved, metric_sums = resolve_objectives(model, task=task)
   return Parts(model=model, optimizer=None, trainer=None, checkpoint=None,
                objectives=resolved, metric_sums=metric_sums)

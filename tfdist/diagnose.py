@@ -779,11 +779,13 @@ def model_memory_of(config) -> memory.ModelMemory:
   from tfdist import lr_schedule  # pylint: disable=g-import-not-at-top
   from tfdist import optimizers  # pylint: disable=g-import-not-at-top
   from tfdist import precision  # pylint: disable=g-import-not-at-top
+  from tfdist import run_options  # pylint: disable=g-import-not-at-top
   from tfdist import task as task_lib  # pylint: disable=g-import-not-at-top
   dtype = config.dtype if config.dtype != "auto" else "fp32"
   precision.configure_precision(dtype)
   try:
-    model = assembly.build_model(config, task=task_lib.from_config(config))
+    model = assembly.build_model(run_options.assembly_options(config),
+                                 task=task_lib.from_config(config))
     optimizer = precision.wrap_optimizer_for_precision(
         # A schedule, as in every run (tfdist.lr_schedule): the optimizer
         # then keeps no learning-rate variable of its own.

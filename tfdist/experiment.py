@@ -8,7 +8,7 @@ Short wiring of one-job modules, in the order data flows:
          objects)
       -> cluster (tfdist.cluster)            -> role: train, serve, evaluate
       -> decision: strategy and dtype (tfdist.auto_select, the one place
-         that decides `auto`)
+         that decides `auto`), parsed once into a `StrategyKind`
       -> strategy (tfdist.strategy)
       -> run plan: files, batch, learning rate (tfdist.run_plan)
       -> model, optimizer, trainer, checkpoint (tfdist.assembly)
@@ -17,13 +17,16 @@ Short wiring of one-job modules, in the order data flows:
          (tfdist.controller)
       -> artifacts: SavedModel (tfdist.export), manifest (tfdist.manifest)
 
-Every strategy goes through the same steps; parameter-server training
-differs only in its step runner and input (one copy per worker), and in the
-roles its cluster has (`worker` and `ps` tasks serve, the `evaluator`
-evaluates checkpoints as they appear, as it does for every strategy).
-`--mode=continuous_eval` makes any process that evaluator, `--mode=eval`
-evaluates the latest checkpoint once, `--mode=train` trains without
-evaluating.
+A training process runs as an `ExperimentRunner`: one object holding the
+run's state, whose `build_*` methods build one part each, in the order
+`ExperimentRunner.train` shows; the side-car evaluator is an
+`EvaluatorRunner` of the same shape. Every strategy goes through the same
+steps; parameter-server training differs only in its step runner and input
+(one copy per worker), and in the roles its cluster has (`worker` and `ps`
+tasks serve, the `evaluator` evaluates checkpoints as they appear, as it
+does for every strategy). `--mode=continuous_eval` makes any process that
+evaluator, `--mode=eval` evaluates the latest checkpoint once,
+`--mode=train` trains without evaluating.
 """
 
 import atexit
@@ -34,7 +37,7 @@ import os
 import shutil
 import tempfile
 import time
-from typing import Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 from absl import logging
 import keras
@@ -54,8 +57,8 @@ from tfdist import export
 from tfdist import failures
 from tfdist import filesystems
 from tfdist import hptune
-from tfdist import input_pipeline
 from tfdist import input_position as input_position_lib
+from tfdist import input_pipeline
 from tfdist import keras_callbacks
 from tfdist import lease as lease_lib
 from tfdist import manifest as manifest_lib
@@ -79,6 +82,7 @@ from tfdist.config import ConfigError
 from tfdist.config import TrainConfig
 from tfdist.controller import Controller, ControllerOptions
 from tfdist.dataset_spec import DataNotFoundError
+from tfdist.strategy_kind import StrategyKind
 
 MIN_EVAL_BATCH_SIZE = run_plan_lib.MIN_EVAL_BATCH_SIZE
 
@@ -104,9 +108,90 @@ def _worker_scratch_dir(cluster: cluster_lib.ClusterInfo) -> str:
   return path
 
 
+def training_workers(kind: StrategyKind,
+                     cluster: cluster_lib.ClusterInfo) -> int:
+  """The processes that run training steps: the one place this is decided.
+
+  Args:
+    kind: the run's strategy kind.
+    cluster: its resolved cluster.
+
+  Returns:
+    Under MultiWorkerMirrored, the chief and the workers
+    (`ClusterInfo.num_workers`, at least 1); under parameter servers, the
+    `worker` tasks (the coordinator schedules, it does not step; 0 in a
+    cluster without workers); otherwise 1.
+  """
+  if kind.is_asynchronous:
+    return len(cluster.cluster.get(cluster_lib.WORKER, ()))
+  if kind.is_multi_worker:
+    return max(cluster.num_workers, 1)
+  return 1
+
+
+@dataclasses.dataclass(frozen=True)
+class PreparedRun:
+  """The decisions every role makes first (`prepare_run`).
+
+  Iterates (and indexes) as the tuple `(config, cluster, decision,
+  environment_applied, trial_fields)`, so `config, cluster, *_ =
+  prepare_run(...)` reads it.
+
+  Attributes:
+    config: the `TrainConfig` with the environment applied and `auto`
+      decided.
+    cluster: the `tfdist.cluster.ClusterInfo`.
+    decision: the `tfdist.auto_select.Decision`.
+    environment_applied: the `(field, variable)` pairs the environment
+      filled.
+    trial_fields: the folder fields given a tuning trial's subfolder.
+  """
+  config: TrainConfig
+  cluster: cluster_lib.ClusterInfo
+  decision: auto_select.Decision
+  environment_applied: Tuple[Tuple[str, str], ...] = ()
+  trial_fields: Tuple[str, ...] = ()
+
+  @property
+  def kind(self) -> StrategyKind:
+    """The decided strategy, parsed once."""
+    return StrategyKind.parse(self.decision.strategy)
+
+  @property
+  def num_workers(self) -> int:
+    """The processes that run training steps (`training_workers`)."""
+    return training_workers(self.kind, self.cluster)
+
+  @property
+  def is_writer(self) -> bool:
+    """Whether this process writes `--model_dir`: the only process, the
+    MultiWorkerMirrored chief, the parameter-server coordinator."""
+    return self.kind.writes_model_dir(self.cluster.is_chief)
+
+  def __iter__(self):
+    return iter((self.config, self.cluster, self.decision,
+                 self.environment_applied, self.trial_fields))
+
+  def __getitem__(self, index):
+    return tuple(self)[index]
+
+  def __len__(self) -> int:
+    return 5
+
+
+def _log_environment(config: TrainConfig, applied) -> None:
+  """Logs the fields the environment and `--dataset` filled."""
+  for field, variable in applied:
+    logging.info("--%s=%s from $%s", field, getattr(config, field), variable)
+  if config.recommended_applied:
+    logging.info("--dataset=%s sets flags left unset: %s (pass them to "
+                 "override).", config.dataset,
+                 " ".join(f"--{k}={v}" for k, v in config.recommended_applied))
+
+
 def prepare_run(config: TrainConfig, *,
                 environment: Optional[environment_lib.RunEnvironment] = None,
-                dataset=None):
+                dataset=None) -> PreparedRun:
   """The decisions every role makes first: environment, cluster, `auto`.
 
   Nothing expensive runs here (no model, no data); the TPU is probed only
@@ -119,11 +204,12 @@ def prepare_run(config: TrainConfig, *,
       no files, so the TPU `gs://` rule has nothing to check).
 
   Returns:
-    `(config, cluster, decision, environment_applied, trial_fields)`: the
-    config with the environment applied (a tuning trial's folders nested,
-    `environment.trial_folders`) and `auto` decided, the `ClusterInfo`, the
-    `auto_select.Decision`, the `(field, variable)` pairs the environment
-    filled, and the folder fields given the trial's subfolder.
+    A `PreparedRun` (iterable as `(config, cluster, decision,
+    environment_applied, trial_fields)`): the config with the environment
+    applied (a tuning trial's folders nested, `environment.trial_folders`)
+    and `auto` decided, the `ClusterInfo`, the `auto_select.Decision`, the
+    `(field, variable)` pairs the environment filled, and the folder fields
+    given the trial's subfolder.
 
   Raises:
     ConfigError: missing `--model_dir`, `--feature_spec` without files, a
@@ -137,12 +223,7 @@ def prepare_run(config: TrainConfig, *,
   config, applied = environment_lib.apply_environment(config, environment)
   config.require_model_dir()
   config.require_data_files()
-  for field, variable in applied:
-    logging.info("--%s=%s from $%s", field, getattr(config, field), variable)
-  if config.recommended_applied:
-    logging.info("--dataset=%s sets flags left unset: %s (pass them to "
-                 "override).", config.dataset,
-                 " ".join(f"--{k}={v}" for k, v in config.recommended_applied))
+  _log_environment(config, applied)
   cluster = cluster_lib.resolve_cluster(
       worker_hosts=config.worker_hosts, task_index=config.task_index,
       environ=environment.variables,
@@ -160,11 +241,13 @@ def prepare_run(config: TrainConfig, *,
   decision = auto_select.resolve(run_options.select_options(config), cluster=cluster,
                                  environment=environment)
   config = run_options.apply_decision(config, decision)
-  if decision.strategy == "tpu":
+  if StrategyKind.parse(decision.strategy).is_tpu:
     tpu_lib.validate_tpu_config(
-        config.tpu, data_patterns=run_plan_lib.data_patterns(run_options.data_options(config), dataset))
+        config.tpu, data_patterns=run_plan_lib.data_patterns(
+            run_options.data_options(config), dataset))
   logging.info("%s", decision.describe())
-  return config, cluster, decision, applied, trial_fields
+  return PreparedRun(config=config, cluster=cluster, decision=decision,
+                     environment_applied=applied, trial_fields=trial_fields)
 
 
 @contextlib.contextmanager
@@ -187,6 +270,98 @@ def _name_environment_sources(applied):
     if not notes:
       raise
     raise DataNotFoundError(" ".join([message, *notes])) from e
+
+
+def start_run(config: TrainConfig, *,
+              callbacks: Sequence[keras.callbacks.Callback] = (),
+              environment: Optional[environment_lib.RunEnvironment] = None,
+              task: Optional[task_lib.Task] = None
+              ) -> Tuple[task_lib.Task, PreparedRun]:
+  """The checks of every role before anything is built: the installed
+  TensorFlow and Keras, the callbacks, the allocator, the file systems,
+  the task, `prepare_run` and the model options.
+
+  Returns:
+    `(task, prepared)`: the `tfdist.task.Task` (`task`, or what the config
+    names) and the `PreparedRun`.
+
+  Raises:
+    As `run_experiment`, for what is checked before training.
+  """
+  versions.check_installed_versions()
+  keras_callbacks.check_callbacks(callbacks)
+  # Every role (chief, worker, ps, evaluator) trains or serves in this
+  # process: the malloc settings apply to all (tfdist.allocator).
+  allocator.configure_allocator(config.tune_allocator)
+  # Every task opens files itself (ps workers read the input shards, every
+  # process reads a --feature_spec), so every task imports tensorflow-io
+  # when a path needs it; again once the environment filled the folders.
+  filesystems.require_file_systems(run_options.config_paths(config))
+  if task is None:
+    task = task_lib.from_names(run_options.task_names(config))
+  prepared = prepare_run(config, environment=environment,
+                         dataset=task.dataset)
+  filesystems.require_file_systems(
+      run_options.config_paths(prepared.config))
+  options = run_options.assembly_options(prepared.config)
+  assembly.check_model_options(options, task=task)
+  return task, prepared
+
+
+def _evaluates(prepared: PreparedRun) -> bool:
+  """Whether this process is an evaluator (an `evaluator` task, or
+  `--mode=eval`/`continuous_eval`).
+
+  Raises:
+    ConfigError: an evaluating mode on a member of a training cluster.
+  """
+  config, cluster = prepared.config, prepared.cluster
+  evaluating = config.mode in ("eval", "continuous_eval")
+  if evaluating and cluster.task_type not in (
+      cluster_lib.EVALUATOR, cluster_lib.CHIEF) and (
+          cluster.num_workers > 1 or cluster.num_ps):
+    raise ConfigError(
+        f"--mode={config.mode} evaluates in one process; this one is "
+        f"{cluster.task_type} {cluster.task_index} of a training cluster. "
+        "Run it without TF_CONFIG/--worker_hosts, or as the cluster's "
+        "evaluator task.")
+  return cluster.task_type == cluster_lib.EVALUATOR or evaluating
+
+
+def _evaluate(prepared: PreparedRun, *, task: task_lib.Task) -> dict:
+  """The evaluator role: its folders probed, then a dry run or
+  `run_evaluator`."""
+  config = prepared.config
+  # Never a writer of the chief's artifacts, and never the lease holder.
+  for folder in (os.path.join(config.model_dir, "eval"),
+                 os.path.join(config.resolved_tensorboard_dir, "eval")):
+    preflight.probe_writable(folder, flag="--model_dir",
+                             value=config.model_dir)
+  if config.dry_run:
+    return _dry_run(prepared, task=task, writer=False)
+  return run_evaluator(config, task=task, cluster=prepared.cluster,
+                       decision=prepared.decision,
+                       once=config.mode == "eval")
+
+
+def _serve(prepared: PreparedRun) -> Optional[dict]:
+  """A parameter-server cluster's `worker` and `ps` tasks serve until the
+  run ends; returns their result, or None for every other process."""
+  config, cluster = prepared.config, prepared.cluster
+  if not prepared.kind.is_asynchronous:
+    return None
+  ps_lib.set_grpc_fail_fast()
+  if cluster.task_type not in (cluster_lib.WORKER, cluster_lib.PS):
+    return None
+  if config.dry_run:
+    logging.info("tfdist: dry run: %s %d would serve the parameter-server "
+                 "cluster.", cluster.task_type, cluster.task_index)
+    return {"dry_run": True, "role": cluster.task_type,
+            "index": cluster.task_index}
+  status = ps_lib.serve(config.model_dir, cluster,
+                        grace_seconds=config.preemption_grace_seconds)
+  return {"role": cluster.task_type, "index": cluster.task_index,
+          "exit_status": status}
 
 
 def run_experiment(config: TrainConfig, *,
@@ -247,229 +422,27 @@ def run_experiment(config: TrainConfig, *,
     tfdist.step_runner.PeerLostError: a MultiWorkerMirrored peer was lost.
   """
   started = time.time()
-  versions.check_installed_versions()
-  keras_callbacks.check_callbacks(callbacks)
-  # Every role (chief, worker, ps, evaluator) trains or serves in this
-  # process: the malloc settings apply to all (tfdist.allocator).
-  allocator.configure_allocator(config.tune_allocator)
-  # Every task opens files itself (ps workers read the input shards, every
-  # process reads a --feature_spec), so every task imports tensorflow-io
-  # when a path needs it; again once the environment filled the folders.
-  filesystems.require_file_systems(run_options.config_paths(config))
-  if task is None:
-    task = task_lib.from_config(config)
-  config, cluster, decision, applied, trial_fields = prepare_run(
-      config, environment=environment, dataset=task.dataset)
-  filesystems.require_file_systems(run_options.config_paths(config))
-  assembly.check_model_options(config, task=task)
+  task, prepared = start_run(config, callbacks=callbacks,
+                             environment=environment, task=task)
   hypertune_reporter = None
-  if config.hptune_metric:
+  if prepared.config.hptune_metric:
     # Vertex AI hyperparameter tuning: the package now, the metric's name
     # once the model is built (before training).
     hypertune_reporter = hptune.make_hypertune()
-  evaluating = config.mode in ("eval", "continuous_eval")
-  if evaluating and cluster.task_type not in (
-      cluster_lib.EVALUATOR, cluster_lib.CHIEF) and (
-          cluster.num_workers > 1 or cluster.num_ps):
-    raise ConfigError(
-        f"--mode={config.mode} evaluates in one process; this one is "
-        f"{cluster.task_type} {cluster.task_index} of a training cluster. "
-        "Run it without TF_CONFIG/--worker_hosts, or as the cluster's "
-        "evaluator task.")
-  if cluster.task_type == cluster_lib.EVALUATOR or evaluating:
-    # Never a writer of the chief's artifacts, and never the lease holder.
-    for folder in (os.path.join(config.model_dir, "eval"),
-                   os.path.join(config.resolved_tensorboard_dir, "eval")):
-      preflight.probe_writable(folder, flag="--model_dir",
-                               value=config.model_dir)
-    if config.dry_run:
-      return _dry_run(config, task=task, cluster=cluster, decision=decision,
-                      writer=False)
-    return run_evaluator(config, task=task, cluster=cluster,
-                         decision=decision, once=config.mode == "eval")
-  if decision.strategy == "parameter_server":
-    ps_lib.set_grpc_fail_fast()
-    if cluster.task_type in (cluster_lib.WORKER, cluster_lib.PS):
-      if config.dry_run:
-        logging.info("tfdist: dry run: %s %d would serve the parameter-server "
-                     "cluster.", cluster.task_type, cluster.task_index)
-        return {"dry_run": True, "role": cluster.task_type,
-                "index": cluster.task_index}
-      status = ps_lib.serve(config.model_dir, cluster,
-                            grace_seconds=config.preemption_grace_seconds)
-      return {"role": cluster.task_type, "index": cluster.task_index,
-              "exit_status": status}
-  # The process that writes --model_dir: the only one, the MultiWorkerMirrored
-  # chief, the parameter-server coordinator.
-  writer = (cluster.is_chief if decision.strategy == "multi_worker_mirrored"
-            else True)
-  lease = None
-  if writer:
-    preflight.probe_outputs(run_options.output_options(config))
-    export.check_export_dir(
-        config.resolved_export_dir,
-        source=environment_lib.output_sources(config, applied)[
-            "export_dir"][1])
-    lease = lease_lib.Lease(config.model_dir,
-                            timeout_seconds=config.lease_timeout_seconds)
-  # What the run must undo however it ends (signal handlers, the lease).
-  cleanup = contextlib.ExitStack()
-  if lease is not None:
-    cleanup.callback(lease.release)
-  with cleanup, _name_environment_sources(applied):
-    if config.dry_run:
-      if lease is not None:
-        lease.check_free()
-      return _dry_run(config, task=task, cluster=cluster, decision=decision,
-                      writer=writer)
-    if lease is not None:
-      lease.acquire()
-    # A full disk, a refused write, a data file gone: one line, status 2.
-    with failures.named_failures(
-        {"--model_dir": config.model_dir,
-         "--checkpoint_dir": config.resolved_checkpoint_dir,
-         "--tensorboard_dir": config.resolved_tensorboard_dir,
-         "--export_dir": config.resolved_export_dir},
-        data_folders=failures.data_folders(config.train_files,
-                                           config.eval_files,
-                                           config.data_dir),
-        checkpoint_dir=config.resolved_checkpoint_dir):
-      record = _train(config, task=task, cluster=cluster, decision=decision,
-                      applied=applied, trial_fields=trial_fields,
-                      callbacks=callbacks, started=started,
-                      hypertune_reporter=hypertune_reporter, lease=lease,
-                      cleanup=cleanup, exit_plan=exit_plan)
-    if writer:
-      # Tells parameter-server tasks and side-car evaluators the run is
-      # over, only once the training objects are gone: a parameter-server
-      # coordinator removes its functions from the workers and ps tasks as
-      # they are freed, and a server that had already left made each removal
-      # a gRPC error ("Failed to remove function remotely").
-      gc.collect()
-      done_marker.mark_done(config.model_dir)
-    return record
+  if _evaluates(prepared):
+    return _evaluate(prepared, task=task)
+  served = _serve(prepared)
+  if served is not None:
+    return served
+  runner = ExperimentRunner(prepared, task=task, callbacks=callbacks,
+                            exit_plan=exit_plan, started=started,
+                            hypertune_reporter=hypertune_reporter)
+  with _name_environment_sources(prepared.environment_applied):
+    return runner.run()
 
 
-def planned_replicas(config, *, decision, cluster) -> Tuple[int, int]:
-  """`(num_replicas_in_sync, num_workers)` a run will have, without
-  building its strategy (for `--dry_run`; TPUs are asked).
-
-  Raises:
-    ConfigError: as `tfdist.strategy.make_strategy` (TPU only).
-  """
-  name = decision.strategy
-  gpus = len(tf.config.list_physical_devices("GPU"))
-  if config.num_gpus >= 0:
-    gpus = min(gpus, config.num_gpus)
-  if name == "mirrored":
-    return (gpus or max(config.num_cpu_devices, 1)), 1
-  if name == "multi_worker_mirrored":
-    workers = max(cluster.num_workers, 1)
-    return workers * max(gpus, 1), workers
-  if name == "parameter_server":
-    return 1, len(cluster.cluster.get(cluster_lib.WORKER, ()))
-  if name == "tpu":
-    choice = strategy_lib.make_strategy(run_options.strategy_options(config), cluster=cluster)
-    return choice.strategy.num_replicas_in_sync, 1
-  return 1, 1
-
-
-def _dry_run(config, *, task, cluster, decision, writer: bool) -> dict:
-  """`--dry_run`: the checks that need the data and the plan, no model."""
-  spec = task.dataset
-  replicas, num_workers = planned_replicas(config, decision=decision,
-                                           cluster=cluster)
-  asynchronous = decision.strategy == "parameter_server"
-  plan = run_plan_lib.make_run_plan(
-      run_options.plan_options(config), spec, num_replicas_in_sync=replicas, num_workers=num_workers,
-      asynchronous=asynchronous, decision=decision)
-  logging.info("%s", plan.describe(run_options.plan_options(config)))
-  notes = _check_resume(config, plan) if writer else []
-  print(f"tfdist: dry run: every start-up check passed ({cluster.task_type} "
-        f"{cluster.task_index}; {plan.num_train_examples} training and "
-        f"{plan.num_eval_examples} evaluation examples read, output folders "
-        "writable); nothing was built or trained.", flush=True)
-  return {"dry_run": True, "role": cluster.task_type,
-          "index": cluster.task_index,
-          "global_batch_size": plan.global_batch_size,
-          "num_replicas_in_sync": plan.batch.num_replicas_in_sync,
-          "total_steps": plan.total_steps,
-          "num_train_examples": plan.num_train_examples,
-          "num_eval_examples": plan.num_eval_examples,
-          "resume_notes": notes}
-
-
-def _check_resume(config, plan) -> list:
-  """Compares this run with the one that wrote `--model_dir`'s checkpoint
-  (the writing process only); returns what changed (logged).
-
-  Raises:
-    tfdist.checkpointing.IncompatibleResumeError: a changed model or
-      global batch without `--allow_incompatible_resume`.
-  """
-  directory = config.resolved_checkpoint_dir
-  latest = tf.train.latest_checkpoint(directory)
-  if not latest:
-    return []
-  previous = checkpointing.read_run_record(directory, config.model_dir)
-  if previous is None:
-    return []
-  restored_step = checkpoint_paths.checkpoint_step(latest, default=0)
-  notes = checkpointing.check_resume(
-      previous, checkpointing.run_record(
-          run_options.run_record_settings(config), plan), checkpoint=latest,
-      restored_step=restored_step, allow=config.allow_incompatible_resume)
-  if notes:
-    logging.warning("tfdist: resuming from %s, which a run with other "
-                    "settings wrote: %s.", latest, "; ".join(notes))
-  return notes
-
-
-def _train(config, *, task, cluster, decision, applied, callbacks, started,
-           hypertune_reporter=None, trial_fields=(), lease=None,
-           cleanup=None, exit_plan=None):
-  """The training process: the only one, the chief, a worker, or the
-  parameter-server coordinator (`lease`: the writer's `--model_dir`
-  lease, held; `cleanup`: a `contextlib.ExitStack` the caller closes)."""
-  multi_worker = decision.strategy == "multi_worker_mirrored"
-  asynchronous = decision.strategy == "parameter_server"
-  # Under MultiWorkerMirroredStrategy only the chief writes to --model_dir;
-  # the others write what they must (saving and export are collective) to a
-  # scratch folder they delete (Model Garden's pattern), probed first.
-  is_chief = cluster.is_chief if multi_worker else True
-  scratch_dir = None if is_chief else _worker_scratch_dir(cluster)
-  if multi_worker:
-    # Built before anything starts TensorFlow's runtime (it configures the
-    # collective runtime); the decision listed physical devices only. It
-    # may hold the interpreter, and so the lease's renewals, until every
-    # peer has connected.
-    with (lease.extended(config.cluster_start_timeout_seconds)
-          if lease is not None else contextlib.nullcontext()):
-      choice = strategy_lib.make_strategy(run_options.strategy_options(config), cluster=cluster)
-  devices.configure_cpu_devices(config.num_cpu_devices)
-  if not multi_worker:
-    choice = strategy_lib.make_strategy(run_options.strategy_options(config), cluster=cluster)
-  strategy = choice.strategy
-  num_workers = (cluster.num_workers if multi_worker else
-                 len(cluster.cluster.get(cluster_lib.WORKER, ()))
-                 if asynchronous else 1)
-  # Replaces TensorFlow's own SIGTERM handler (installed with the strategy).
-  watcher = preemption.PreemptionWatcher(
-      grace_seconds=config.preemption_grace_seconds).install()
-  if cleanup is not None:
-    # Also when a start-up check below stops the run.
-    cleanup.callback(watcher.uninstall)
-  if config.seed is not None:
-    keras.utils.set_random_seed(config.seed)
-  if config.deterministic:
-    # Reproducible runs (--deterministic): the same seed, data and cluster
-    # give the same weights.
-    tf.config.experimental.enable_op_determinism()
-  spec = task.dataset
-  plan = run_plan_lib.make_run_plan(
-      run_options.plan_options(config), spec, num_replicas_in_sync=strategy.num_replicas_in_sync,
-      num_workers=num_workers, asynchronous=asynchronous, decision=decision)
-  logging.info("%s", plan.describe(run_options.plan_options(config)))
+def _check_profile_window(config: TrainConfig, plan) -> None:
+  """Raises `ConfigError` for a `--profile_steps` window after the run."""
   if config.profile_steps and config.profile_steps[0] > plan.total_steps:
     raise ConfigError(
         f"--profile_steps={config.profile_steps[0]},{config.profile_steps[1]}"
@@ -477,23 +450,9 @@ def _train(config, *, task, cluster, decision, applied, callbacks, started,
         "would be traced. Choose a window within the run, e.g. "
         f"--profile_steps={min(10, plan.total_steps)},"
         f"{min(15, plan.total_steps)}.")
-  if is_chief:
-    _check_resume(config, plan)
-    checkpointing.clean_interrupted_saves(config.resolved_checkpoint_dir)
-    checkpointing.write_run_record(config.resolved_checkpoint_dir,
-                                   checkpointing.run_record(
-                                       run_options.run_record_settings(config),
-                                       plan))
-  on_tpu = decision.strategy == "tpu"
-  policy = precision.configure_precision(config.dtype)
-  parts = assembly.build(config, task=task, strategy=strategy, plan=plan,
-                         on_tpu=on_tpu)
-  model, optimizer, trainer = parts.model, parts.optimizer, parts.trainer
-  if config.hptune_metric:
-    hptune.check_metric(config.hptune_metric, available=[
-        "loss", *parts.metric_sums.results({})])
-  model_memory = memory.estimate_model_memory(model, optimizer,
-                                              sharded=trainer.sharded)
+
+
+def _log_model_memory(model_memory: memory.ModelMemory) -> None:
   logging.info(
       "Model state per replica: parameters %s (%d values), gradients %s, "
       "optimizer %s: %s in all (activations not counted)",
@@ -503,67 +462,349 @@ def _train(config, *, task, cluster, decision, applied, callbacks, started,
       memory.format_bytes(model_memory.optimizer_bytes),
       memory.format_bytes(model_memory.total_bytes))
 
-  def out_dir(path: str, scratch_name: str) -> str:
-    return path if is_chief else os.path.join(scratch_dir, scratch_name)
 
-  checkpoint_dir = out_dir(config.resolved_checkpoint_dir, "checkpoints")
-  tensorboard_dir = out_dir(config.resolved_tensorboard_dir, "tensorboard")
-  # The input position: synchronous strategies reading TFRecord
-  # files only (parameter-server workers read unseeded copies of every file;
-  # a dataset function's epochs are not aligned to steps).
-  input_position = None
-  if (config.checkpoint_input_position and not asynchronous and
-      spec.reads_files):
-    input_position = input_position_lib.InputPosition(
+class ExperimentRunner:
+  """One training process's run: the strategy, the model, the loop and the
+  artifacts, built by named steps on one object that holds the run.
+
+  `run()` checks the outputs and takes the `--model_dir` lease, then either
+  dry-runs (`dry_run`) or trains (`train`), which calls, in order:
+  `build_strategy`, `build_preemption_watcher`, `set_seeds`, `build_plan`,
+  `check_resume`, `build_model_and_optimizer`, `build_checkpoints`,
+  `warm_start`, `build_inputs`, `build_run_log`, `build_callbacks`,
+  `build_profiler`, `build_controller`, `run_controller`, `build_export`,
+  `build_manifest`, `write_outputs` and `leave_together`. Each `build_*`
+  returns its part and reads only what earlier steps set.
+
+  Override a step by subclassing, e.g. another strategy:
+
+      class MyRunner(experiment.ExperimentRunner):
+        def build_strategy(self):
+          choice = super().build_strategy()
+          ...
+          return choice
+
+      task, prepared = experiment.start_run(config)
+      MyRunner(prepared, task=task).run()
+
+  (`run_experiment` does the same with `ExperimentRunner`, after sending
+  evaluator and parameter-server server processes to their own roles.)
+
+  Attributes (the facts, decided once in `__init__`):
+    config, cluster, decision, task: the run's `TrainConfig`,
+      `ClusterInfo`, `auto_select.Decision` and `tfdist.task.Task`.
+    kind: the strategy's `StrategyKind`.
+    is_writer: this process writes `--model_dir` (the only process, the
+      MultiWorkerMirrored chief, the parameter-server coordinator); the
+      other MultiWorkerMirrored workers write to a scratch folder.
+    num_workers: the processes that run training steps
+      (`training_workers`).
+    lease: the `--model_dir` lease of the writer (None elsewhere).
+    cleanup: what `run` undoes however the run ends (an `ExitStack`).
+  Attributes set by the steps: `choice`, `strategy`, `watcher`, `plan`,
+  `policy`, `parts`, `model_memory`, `keeper`, `warm_started`,
+  `strategy_details`, `step_runner`, `evaluate`, `run_log`, `profiler`,
+  `controller`, `result`, `export_dir`. Once a run has ended, `run`
+  releases the training objects (the parameter-server coordinator removes
+  its functions from the servers as they are freed, before the done
+  marker).
+  """
+
+  # The training objects `run` releases once the run is over.
+  _TRAINING_OBJECTS = ("choice", "strategy", "watcher", "parts", "keeper",
+                       "step_runner", "evaluate", "run_log", "profiler",
+                       "controller")
+
+  def __init__(self, prepared: PreparedRun, *, task: task_lib.Task,
+               callbacks: Sequence[keras.callbacks.Callback] = (),
+               exit_plan: Optional[worker_exit.ExitPlan] = None,
+               started: Optional[float] = None,
+               hypertune_reporter: Any = None):
+    self.prepared = prepared
+    self.config = prepared.config
+    self.cluster = prepared.cluster
+    self.decision = prepared.decision
+    self.applied = prepared.environment_applied
+    self.trial_fields = prepared.trial_fields
+    self.kind = prepared.kind
+    self.is_writer = prepared.is_writer
+    self.num_workers = prepared.num_workers
+    self.task = task
+    self.callbacks = tuple(callbacks)
+    self.exit_plan = exit_plan
+    self.started = time.time() if started is None else started
+    self.hypertune_reporter = hypertune_reporter
+    self.lease: Optional[lease_lib.Lease] = None
+    self.cleanup = contextlib.ExitStack()
+    self.scratch_dir: Optional[str] = None
+    for name in self._TRAINING_OBJECTS:
+      setattr(self, name, None)
+    self.plan = self.policy = self.model_memory = self.result = None
+    self.warm_started = self.export_dir = None
+    self.strategy_details = {}
+
+  def run(self) -> dict:
+    """This process's run: the manifest, or the dry run's summary.
+
+    Raises:
+      As `run_experiment`.
+    """
+    self.lease = self.build_lease()
+    with self.cleanup:
+      if self.config.dry_run:
+        return self.dry_run()
+      if self.lease is not None:
+        self.lease.acquire()
+      with self._named_failures():
+        record = self.train()
+      if self.is_writer:
+        self._release_training_objects()
+        # Tells parameter-server tasks and side-car evaluators the run is
+        # over, only once the training objects are gone: a
+        # parameter-server coordinator removes its functions from the
+        # workers and ps tasks as they are freed, and a server that had
+        # already left made each removal a gRPC error ("Failed to remove
+        # function remotely").
+        gc.collect()
+        done_marker.mark_done(self.config.model_dir)
+    return record
+
+  def train(self) -> dict:
+    """The training steps, in order; returns the run manifest."""
+    self.scratch_dir = (None if self.is_writer else
+                        _worker_scratch_dir(self.cluster))
+    self.choice = self.build_strategy()
+    self.strategy = self.choice.strategy
+    self.watcher = self.build_preemption_watcher()
+    self.set_seeds()
+    self.plan = self.build_plan()
+    self.check_resume()
+    self.parts = self.build_model_and_optimizer()
+    self.keeper = self.build_checkpoints()
+    self.warm_started = self.warm_start()
+    if self.is_writer:
+      done_marker.clear_done(self.config.model_dir)
+    self.step_runner, self.evaluate = self.build_inputs()
+    self.run_log = self.build_run_log()
+    callbacks = self.build_callbacks()
+    self.profiler = self.build_profiler()
+    self.controller = self.build_controller(callbacks)
+    self.result = self.run_controller()
+    self.export_dir = self.build_export()
+    record = self.build_manifest()
+    self.write_outputs(record)
+    self.leave_together()
+    return record
+
+  def _release_training_objects(self) -> None:
+    for name in self._TRAINING_OBJECTS:
+      setattr(self, name, None)
+
+  def _named_failures(self):
+    """A full disk, a refused write, a data file gone: one line, status 2."""
+    config = self.config
+    return failures.named_failures(
+        {"--model_dir": config.model_dir,
+         "--checkpoint_dir": config.resolved_checkpoint_dir,
+         "--tensorboard_dir": config.resolved_tensorboard_dir,
+         "--export_dir": config.resolved_export_dir},
+        data_folders=failures.data_folders(config.train_files,
+                                           config.eval_files,
+                                           config.data_dir),
+        checkpoint_dir=config.resolved_checkpoint_dir)
+
+  def _export_source(self) -> str:
+    """The flag or variable that chose the export folder."""
+    return environment_lib.output_sources(
+        self.config, self.applied)["export_dir"][1]
+
+  def out_dir(self, path: str, scratch_name: str) -> str:
+    """`path` for the writer, else `scratch_name` in the scratch folder."""
+    return (path if self.is_writer else
+            os.path.join(self.scratch_dir, scratch_name))
+
+  def build_lease(self) -> Optional[lease_lib.Lease]:
+    """The writer's output checks and its `--model_dir` lease (not yet
+    held; released by `cleanup`); None for other processes."""
+    if not self.is_writer:
+      return None
+    preflight.probe_outputs(run_options.output_options(self.config))
+    export.check_export_dir(self.config.resolved_export_dir,
+                            source=self._export_source())
+    lease = lease_lib.Lease(self.config.model_dir,
+                            timeout_seconds=self.config.lease_timeout_seconds)
+    self.cleanup.callback(lease.release)
+    return lease
+
+  def dry_run(self) -> dict:
+    """`--dry_run`: the lease checked free, the plan made, nothing built."""
+    if self.lease is not None:
+      self.lease.check_free()
+    return _dry_run(self.prepared, task=self.task, writer=self.is_writer)
+
+  def build_strategy(self) -> strategy_lib.StrategyChoice:
+    """The `tf.distribute` strategy (with the CPU devices configured)."""
+    if self.kind is StrategyKind.MULTI_WORKER_MIRRORED:
+      # Built before anything starts TensorFlow's runtime (it configures
+      # the collective runtime); the decision listed physical devices only.
+      # It may hold the interpreter, and so the lease's renewals, until
+      # every peer has connected.
+      with (self.lease.extended(self.config.cluster_start_timeout_seconds)
+            if self.lease is not None else contextlib.nullcontext()):
+        choice = strategy_lib.make_strategy(
+        run_options.strategy_options(self.config), cluster=self.cluster)
+      devices.configure_cpu_devices(self.config.num_cpu_devices)
+      return choice
+    devices.configure_cpu_devices(self.config.num_cpu_devices)
+    return strategy_lib.make_strategy(
+        run_options.strategy_options(self.config), cluster=self.cluster)
+
+  def build_preemption_watcher(self) -> preemption.PreemptionWatcher:
+    """SIGTERM/SIGINT handling, uninstalled however the run ends."""
+    # Replaces TensorFlow's own SIGTERM handler (installed with the
+    # strategy).
+    watcher = preemption.PreemptionWatcher(
+        grace_seconds=self.config.preemption_grace_seconds).install()
+    # Also when a start-up check below stops the run.
+    self.cleanup.callback(watcher.uninstall)
+    return watcher
+
+  def set_seeds(self) -> None:
+    """`--seed` and `--deterministic`."""
+    if self.config.seed is not None:
+      keras.utils.set_random_seed(self.config.seed)
+    if self.config.deterministic:
+      # Reproducible runs (--deterministic): the same seed, data and
+      # cluster give the same weights.
+      tf.config.experimental.enable_op_determinism()
+
+  def build_plan(self) -> run_plan_lib.RunPlan:
+    """The run plan: files, batch, steps, learning rate.
+
+    Raises:
+      ConfigError: as `tfdist.run_plan.make_run_plan`, or a
+        `--profile_steps` window after the last step.
+    """
+    plan = run_plan_lib.make_run_plan(
+        run_options.plan_options(self.config), self.task.dataset,
+        num_replicas_in_sync=self.strategy.num_replicas_in_sync,
+        num_workers=self.num_workers,
+        asynchronous=self.kind.is_asynchronous, decision=self.decision)
+    logging.info("%s", plan.describe(run_options.plan_options(self.config)))
+    _check_profile_window(self.config, plan)
+    return plan
+
+  def check_resume(self) -> None:
+    """The writer compares this run with the checkpoint's and records it.
+
+    Raises:
+      tfdist.checkpointing.IncompatibleResumeError: as `_check_resume`.
+    """
+    if not self.is_writer:
+      return
+    directory = self.config.resolved_checkpoint_dir
+    _check_resume(self.config, self.plan)
+    checkpointing.clean_interrupted_saves(directory)
+    checkpointing.write_run_record(
+        directory, checkpointing.run_record(
+            run_options.run_record_settings(self.config), self.plan))
+
+  def build_model_and_optimizer(self) -> assembly.Parts:
+    """The precision policy, then model, optimizer, trainer and checkpoint
+    under the strategy (`tfdist.assembly.build`)."""
+    self.policy = precision.configure_precision(self.config.dtype)
+    options = run_options.assembly_options(self.config)
+    parts = assembly.build(options, task=self.task, strategy=self.strategy,
+                           plan=self.plan, on_tpu=self.kind.is_tpu)
+    if self.config.hptune_metric:
+      hptune.check_metric(self.config.hptune_metric, available=[
+          "loss", *parts.metric_sums.results({})])
+    self.model_memory = memory.estimate_model_memory(
+        parts.model, parts.optimizer, sharded=parts.trainer.sharded)
+    _log_model_memory(self.model_memory)
+    return parts
+
+  def _input_position(self) -> Optional[input_position_lib.InputPosition]:
+    """The checkpointed input position: synchronous strategies reading
+    TFRecord files only (parameter-server workers read unseeded copies of
+    every file; a dataset function's epochs are not aligned to steps)."""
+    config, plan = self.config, self.plan
+    if not (config.checkpoint_input_position and
+            not self.kind.is_asynchronous and self.task.dataset.reads_files):
+      return None
+    return input_position_lib.InputPosition(
         input_position_lib.input_layout(
             files=plan.train_files, file_record_counts=plan.train_file_counts,
-            num_input_pipelines=num_workers,
+            num_input_pipelines=self.kind.num_input_pipelines(
+                self.num_workers),
             global_batch_size=plan.global_batch_size, seed=config.seed,
             shuffle_buffer_size=config.shuffle_buffer_size,
             cache=config.cache_dataset),
         steps_per_epoch=plan.steps_per_epoch)
-  state = list(model.variables)
-  if optimizer is not None:
-    known = {id(v) for v in state}
-    state += [v for v in optimizer.variables if id(v) not in known]
-  keeper = CheckpointKeeper(
-      checkpoint=parts.checkpoint, directory=checkpoint_dir,
-      step_counter=trainer.global_step, max_to_keep=config.max_checkpoints,
-      restore_dir=config.resolved_checkpoint_dir,
-      input_position=input_position, variables=state,
-      before_save=lease.check if lease is not None else None)
-  warm_started = None
-  if config.init_checkpoint and not tf.train.latest_checkpoint(
-      config.resolved_checkpoint_dir):
-    # A fresh run starts from these weights; a resumed one from its own
-    # checkpoint (which the controller restores).
-    warm_started = assembly.load_init_checkpoint(model,
-                                                 config.init_checkpoint)
 
-  if is_chief:
-    done_marker.clear_done(config.model_dir)
-  strategy_details = {}
-  if asynchronous:
+  def build_checkpoints(self) -> CheckpointKeeper:
+    """The checkpoint keeper: saves, restores, keeps the input position."""
+    parts = self.parts
+    state = list(parts.model.variables)
+    if parts.optimizer is not None:
+      known = {id(v) for v in state}
+      state += [v for v in parts.optimizer.variables if id(v) not in known]
+    return CheckpointKeeper(
+        checkpoint=parts.checkpoint,
+        directory=self.out_dir(self.config.resolved_checkpoint_dir,
+                               "checkpoints"),
+        step_counter=parts.trainer.global_step,
+        max_to_keep=self.config.max_checkpoints,
+        restore_dir=self.config.resolved_checkpoint_dir,
+        input_position=self._input_position(), variables=state,
+        before_save=self.lease.check if self.lease is not None else None)
+
+  def warm_start(self) -> Optional[str]:
+    """`--init_checkpoint` for a fresh run; returns what was loaded."""
+    config = self.config
+    if not config.init_checkpoint or tf.train.latest_checkpoint(
+        config.resolved_checkpoint_dir):
+      # A resumed run starts from its own checkpoint (which the controller
+      # restores).
+      return None
+    return assembly.load_init_checkpoint(self.parts.model,
+                                         config.init_checkpoint)
+
+  def build_inputs(self) -> Tuple[Any, Optional[Callable[[], dict]]]:
+    """`(step_runner, evaluate)`: the input pipelines and what runs the
+    steps on them; `evaluate` (None under `--mode=train`) evaluates the
+    held-out data once."""
+    if self.kind.is_asynchronous:
+      self.strategy_details = self._describe_parameter_servers()
+      return _parameter_server_runner(
+          self.config, spec=self.task.dataset, plan=self.plan,
+          strategy=self.strategy, parts=self.parts, keeper=self.keeper)
+    return self._local_runner(), self._local_evaluation()
+
+  def _describe_parameter_servers(self) -> dict:
+    """Logs and checks the variables' placement on the ps tasks; returns
+    the manifest's `strategy_details`."""
+    config, model = self.config, self.parts.model
     placement = ps_lib.describe_placement(
-        model, optimizer, large_bytes=min(config.ps_min_shard_bytes,
-                                          64 << 10))
+        model, self.parts.optimizer,
+        large_bytes=min(config.ps_min_shard_bytes, 64 << 10))
     logging.info("%s", ps_lib.format_placement(placement))
     ps_lib.check_shard_layout(config.resolved_checkpoint_dir, model)
     ps_lib.write_shard_layout(config.resolved_checkpoint_dir, model)
-    strategy_details = {
-        "num_workers": num_workers, "num_ps": cluster.num_ps,
-        "cluster": cluster.cluster_dict(),
-        "partitioner": config.ps_partitioner,
-        "min_shard_bytes": config.ps_min_shard_bytes,
-        "max_shards": config.ps_max_shards or cluster.num_ps,
-        "steps_per_execution": config.steps_per_execution,
-        "placement": placement}
-    runner, evaluate = _parameter_server_runner(
-        config, spec=spec, plan=plan, strategy=strategy, parts=parts,
-        keeper=keeper)
-  else:
+    return {"num_workers": self.num_workers, "num_ps": self.cluster.num_ps,
+            "cluster": self.cluster.cluster_dict(),
+            "partitioner": config.ps_partitioner,
+            "min_shard_bytes": config.ps_min_shard_bytes,
+            "max_shards": config.ps_max_shards or self.cluster.num_ps,
+            "steps_per_execution": config.steps_per_execution,
+            "placement": placement}
+
+  def _local_runner(self) -> step_runner.LocalStepRunner:
+    """The synchronous strategies' step runner over the training input."""
+    config, plan, strategy = self.config, self.plan, self.strategy
+    input_position = self.keeper.input_position
     train_options = input_pipeline.options_for(
-        spec, files=plan.train_files,
+        self.task.dataset, files=plan.train_files,
         global_batch_size=plan.global_batch_size, is_training=True,
         shuffle_buffer_size=config.shuffle_buffer_size,
         cache=config.cache_dataset, seed=config.seed,
@@ -583,152 +824,224 @@ def _train(config, *, task, cluster, decision, applied, callbacks, started,
       return iter(input_pipeline.distribute(
           strategy, dataclasses.replace(train_options, start_step=start)))
 
-    runner = step_runner.LocalStepRunner(
-        trainer=trainer, iterator_fn=train_iterator, num_workers=num_workers)
-    evaluate = None
-    if config.mode != "train":
-      eval_data = input_pipeline.distribute(
-          strategy, input_pipeline.options_for(
-              spec, files=plan.eval_files,
-              # Micro-batches: what a step's memory was sized for.
-              global_batch_size=plan.eval_batch_size,
-              is_training=False,
-              cache=config.cache_dataset,
-              # TPUs need static shapes: pad the last batches, masked in the
-              # metrics.
-              pad_to_static_batches=on_tpu))
-      evaluate = lambda: trainer.evaluate(eval_data)
+    return step_runner.LocalStepRunner(
+        trainer=self.parts.trainer, iterator_fn=train_iterator,
+        num_workers=self.num_workers)
 
-  run_log = run_log_lib.RunLog(
-      tensorboard_dir=tensorboard_dir,
-      metrics_dir=config.model_dir if is_chief else None,
-      global_batch_size=plan.global_batch_size, total_steps=plan.total_steps,
-      summarize=trainer.summarize,
-      loss_explosion_factor=config.loss_explosion_factor)
-  all_callbacks = [run_log_lib.TrainingTensorBoard(log_dir=tensorboard_dir,
-                                                   write_graph=False)]
-  # Other workers' file-writing callbacks write into their scratch folder.
-  all_callbacks += keras_callbacks.for_this_task(
-      callbacks, scratch_dir=None if is_chief else scratch_dir)
-  # The chief traces its own process (other workers' folders are scratch).
-  profiler = (profiling.ProfileWindow(
-      config.profile_steps, os.path.join(tensorboard_dir, "train"))
-              if config.profile_steps and is_chief else None)
-  if hypertune_reporter is not None and is_chief:
-    # The chief reports each evaluation's metric (every strategy).
-    all_callbacks.append(hptune.HypertuneCallback(
-        config.hptune_metric, reporter=hypertune_reporter,
-        step_fn=lambda: controller.step))
-  controller = Controller(
-      runner=runner,
-      options=ControllerOptions(
-          total_steps=plan.total_steps, steps_per_epoch=plan.steps_per_epoch,
-          log_steps=config.log_steps, checkpoint_steps=config.checkpoint_steps,
-          epochs_between_evals=config.epochs_between_evals,
-          max_consecutive_skipped_steps=config.max_consecutive_skipped_steps),
-      checkpoints=keeper, step_counter=trainer.global_step, run_log=run_log,
-      evaluate=evaluate, model=model,
-      learning_rate=lambda: assembly.current_learning_rate(optimizer),
-      loss_scale=lambda: precision.current_loss_scale(optimizer),
-      callbacks=all_callbacks, preemption=watcher, profiler=profiler)
-  try:
-    result = controller.run()
-  except preemption.PreemptedError:
-    if is_chief:
-      # Servers and side-car evaluators stop with the chief.
-      done_marker.mark_done(config.model_dir)
-    raise
-  except step_runner.PS_LOST_ERRORS + step_runner.PEER_LOST_ERRORS as e:
-    if asynchronous:
-      # Noticed outside the step runner (a checkpoint save, an evaluation).
-      raise step_runner.ps_lost_error(
-          e, after=f"step {controller.step}",
-          last_checkpoint=keeper.latest) from e
-    if multi_worker and isinstance(e, step_runner.PEER_LOST_ERRORS):
-      # A collective (a step, a save, the agreement) failed or timed out.
-      raise step_runner.peer_lost_error(
-          e, after=f"step {controller.step}",
-          last_checkpoint=keeper.latest,
-          own=(cluster.task_type, cluster.task_index),
-          addresses=cluster.cluster) from e
-    raise
-  finally:
-    watcher.uninstall()
-  export_model = model
-  if asynchronous:
-    # The tables are ShardedVariables on the ps tasks, which a SavedModel
-    # cannot capture: export a local copy restored from the final
-    # checkpoint (each table one variable again).
-    export_model = assembly.build_model(
-        config, task=task, sync_batch_norm=plan.sync_batch_norm)
-    tf.train.Checkpoint(model=export_model).restore(
-        keeper.latest).expect_partial()
-  export_dir = export.export_saved_model(
-      export_model, out_dir(config.resolved_export_dir, "saved_model"),
-      source=environment_lib.output_sources(config, applied)["export_dir"][1],
-      details={"step": controller.step, "model": task.model_name})
-  record = manifest_lib.build_manifest(
-      run_options.manifest_options(config),
-      ran=manifest_lib.WhatRan(
-          decision=decision, plan=plan, dtype_policy=policy.name,
-          loss_scale=precision.current_loss_scale(optimizer),
-          optimizer_iterations=int(optimizer.iterations.numpy()),
-          result=result, run_log=run_log, objectives=parts.objectives,
-          model_name=task.model_name, model_memory=model_memory.to_dict(),
-          strategy_details=strategy_details),
-      where=manifest_lib.WhereItRan(
-          cluster=cluster, choice=choice, num_workers=num_workers,
-          is_chief=is_chief, devices=devices.describe_devices(),
-          environment_applied=applied, trial_fields=trial_fields),
-      wrote=manifest_lib.WhatItWrote(
-          artifacts={"checkpoint": keeper.latest,
-                     "checkpoint_dir": config.resolved_checkpoint_dir,
-                     "saved_model": config.resolved_export_dir,
-                     "tensorboard": config.resolved_tensorboard_dir,
-                     "metrics": os.path.join(config.model_dir,
-                                             run_log_lib.METRICS_FILE),
-                     "init_checkpoint": warm_started,
-                     "profile": profiler.latest_trace if profiler else None},
-          seconds={"total": time.time() - started,
-                   "training": result.train_seconds,
-                   "training_all_processes": run_log.training_seconds()}))
-  if not is_chief:
-    shutil.rmtree(scratch_dir, ignore_errors=True)
-    logging.info("%s %d done; the chief writes the artifacts.",
-                 cluster.task_type, cluster.task_index)
-  else:
-    path = manifest_lib.write_manifest(config.model_dir, record)
-    logging.info("Run manifest: %s; SavedModel: %s", path, export_dir)
-    final_eval = result.final_eval
+  def _local_evaluation(self) -> Optional[Callable[[], dict]]:
+    """Held-out evaluation under the run's strategy (None: `--mode=train`)."""
+    if self.config.mode == "train":
+      return None
+    plan, trainer = self.plan, self.parts.trainer
+    eval_data = input_pipeline.distribute(
+        self.strategy, input_pipeline.options_for(
+            self.task.dataset, files=plan.eval_files,
+            # Micro-batches: what a step's memory was sized for.
+            global_batch_size=plan.eval_batch_size,
+            is_training=False,
+            cache=self.config.cache_dataset,
+            # TPUs need static shapes: pad the last batches, masked in the
+            # metrics.
+            pad_to_static_batches=self.kind.is_tpu))
+    return lambda: trainer.evaluate(eval_data)
+
+  def build_run_log(self) -> run_log_lib.RunLog:
+    """Log lines, TensorBoard scalars and the writer's `metrics.jsonl`."""
+    return run_log_lib.RunLog(
+        tensorboard_dir=self.out_dir(self.config.resolved_tensorboard_dir,
+                                     "tensorboard"),
+        metrics_dir=self.config.model_dir if self.is_writer else None,
+        global_batch_size=self.plan.global_batch_size,
+        total_steps=self.plan.total_steps,
+        summarize=self.parts.trainer.summarize,
+        loss_explosion_factor=self.config.loss_explosion_factor)
+
+  def build_callbacks(self) -> List[keras.callbacks.Callback]:
+    """TensorBoard, the caller's callbacks, and hyperparameter tuning's."""
+    tensorboard_dir = self.out_dir(self.config.resolved_tensorboard_dir,
+                                   "tensorboard")
+    callbacks = [run_log_lib.TrainingTensorBoard(log_dir=tensorboard_dir,
+                                                 write_graph=False)]
+    # Other workers' file-writing callbacks write into their scratch folder.
+    callbacks += keras_callbacks.for_this_task(
+        self.callbacks,
+        scratch_dir=None if self.is_writer else self.scratch_dir)
+    if self.hypertune_reporter is not None and self.is_writer:
+      # The chief reports each evaluation's metric (every strategy).
+      callbacks.append(hptune.HypertuneCallback(
+          self.config.hptune_metric, reporter=self.hypertune_reporter,
+          step_fn=lambda: self.controller.step))
+    return callbacks
+
+  def build_profiler(self) -> Optional[profiling.ProfileWindow]:
+    """`--profile_steps` on the writer (other workers' folders are
+    scratch)."""
+    if not (self.config.profile_steps and self.is_writer):
+      return None
+    return profiling.ProfileWindow(
+        self.config.profile_steps,
+        os.path.join(self.config.resolved_tensorboard_dir, "train"))
+
+  def build_controller(self, callbacks: Sequence[keras.callbacks.Callback]
+                       ) -> Controller:
+    """The outer loop: steps, checkpoints, evaluations, callbacks."""
+    config, plan, optimizer = self.config, self.plan, self.parts.optimizer
+    options = ControllerOptions(
+        total_steps=plan.total_steps, steps_per_epoch=plan.steps_per_epoch,
+        log_steps=config.log_steps, checkpoint_steps=config.checkpoint_steps,
+        epochs_between_evals=config.epochs_between_evals,
+        max_consecutive_skipped_steps=config.max_consecutive_skipped_steps)
+    return Controller(
+        runner=self.step_runner, options=options, checkpoints=self.keeper,
+        step_counter=self.parts.trainer.global_step, run_log=self.run_log,
+        evaluate=self.evaluate, model=self.parts.model,
+        learning_rate=lambda: assembly.current_learning_rate(optimizer),
+        loss_scale=lambda: precision.current_loss_scale(optimizer),
+        callbacks=callbacks, preemption=self.watcher,
+        profiler=self.profiler)
+
+  def run_controller(self) -> controller_lib.ControllerResult:
+    """Trains; a lost ps task or peer becomes one named error.
+
+    Raises:
+      tfdist.preemption.PreemptedError: stopped after a checkpoint.
+      tfdist.parameter_server.ParameterServerError: a ps task was lost.
+      tfdist.step_runner.PeerLostError: a MultiWorkerMirrored peer was lost.
+    """
+    controller = self.controller
+    try:
+      return controller.run()
+    except preemption.PreemptedError:
+      if self.is_writer:
+        # Servers and side-car evaluators stop with the chief.
+        done_marker.mark_done(self.config.model_dir)
+      raise
+    except step_runner.PS_LOST_ERRORS + step_runner.PEER_LOST_ERRORS as e:
+      if self.kind.is_asynchronous:
+        # Noticed outside the step runner (a checkpoint save, an
+        # evaluation).
+        raise step_runner.ps_lost_error(
+            e, after=f"step {controller.step}",
+            last_checkpoint=self.keeper.latest) from e
+      if (self.kind is StrategyKind.MULTI_WORKER_MIRRORED and
+          isinstance(e, step_runner.PEER_LOST_ERRORS)):
+        # A collective (a step, a save, the agreement) failed or timed out.
+        raise step_runner.peer_lost_error(
+            e, after=f"step {controller.step}",
+            last_checkpoint=self.keeper.latest,
+            own=(self.cluster.task_type, self.cluster.task_index),
+            addresses=self.cluster.cluster) from e
+      raise
+    finally:
+      self.watcher.uninstall()
+
+  def build_export(self) -> str:
+    """The SavedModel of the trained model; returns its folder (the
+    scratch folder's on other workers: saving is collective)."""
+    model = self.parts.model
+    if self.kind.is_asynchronous:
+      # The tables are ShardedVariables on the ps tasks, which a SavedModel
+      # cannot capture: export a local copy restored from the final
+      # checkpoint (each table one variable again).
+      model = assembly.build_model(
+          run_options.assembly_options(self.config), task=self.task,
+          sync_batch_norm=self.plan.sync_batch_norm)
+      tf.train.Checkpoint(model=model).restore(
+          self.keeper.latest).expect_partial()
+    return export.export_saved_model(
+        model, self.out_dir(self.config.resolved_export_dir, "saved_model"),
+        source=self._export_source(),
+        details={"step": self.controller.step,
+                 "model": self.task.model_name})
+
+  def _artifacts(self) -> dict:
+    config = self.config
+    return {"checkpoint": self.keeper.latest,
+            "checkpoint_dir": config.resolved_checkpoint_dir,
+            "saved_model": config.resolved_export_dir,
+            "tensorboard": config.resolved_tensorboard_dir,
+            "metrics": os.path.join(config.model_dir,
+                                    run_log_lib.METRICS_FILE),
+            "init_checkpoint": self.warm_started,
+            "profile": (self.profiler.latest_trace if self.profiler
+                        else None)}
+
+  def build_manifest(self) -> dict:
+    """The run manifest (`tfdist.manifest.build_manifest`)."""
+    optimizer, result = self.parts.optimizer, self.result
+    return manifest_lib.build_manifest(
+        run_options.manifest_options(self.config),
+        ran=manifest_lib.WhatRan(
+            decision=self.decision, plan=self.plan,
+            dtype_policy=self.policy.name,
+            loss_scale=precision.current_loss_scale(optimizer),
+            optimizer_iterations=int(optimizer.iterations.numpy()),
+            result=result, run_log=self.run_log,
+            objectives=self.parts.objectives,
+            model_name=self.task.model_name,
+            model_memory=self.model_memory.to_dict(),
+            strategy_details=self.strategy_details),
+        where=manifest_lib.WhereItRan(
+            cluster=self.cluster, choice=self.choice,
+            num_workers=self.num_workers, is_chief=self.is_writer,
+            devices=devices.describe_devices(),
+            environment_applied=self.applied, trial_fields=self.trial_fields),
+        wrote=manifest_lib.WhatItWrote(
+            artifacts=self._artifacts(),
+            seconds={"total": time.time() - self.started,
+                     "training": result.train_seconds,
+                     "training_all_processes":
+                         self.run_log.training_seconds()}))
+
+  def write_outputs(self, record: dict) -> None:
+    """The writer writes the manifest and prints the final evaluation;
+    other workers delete their scratch folder."""
+    if not self.is_writer:
+      shutil.rmtree(self.scratch_dir, ignore_errors=True)
+      logging.info("%s %d done; the chief writes the artifacts.",
+                   self.cluster.task_type, self.cluster.task_index)
+      return
+    path = manifest_lib.write_manifest(self.config.model_dir, record)
+    logging.info("Run manifest: %s; SavedModel: %s", path, self.export_dir)
+    final_eval = self.result.final_eval
     if final_eval:
       print("Final eval: " + run_log_lib.format_metrics(
           run_log_lib.metric_values(final_eval)) +
             f" ({final_eval['num_examples']} examples). Artifacts in "
-            f"{config.model_dir}", flush=True)
-  if multi_worker:
+            f"{self.config.model_dir}", flush=True)
+
+  def leave_together(self) -> None:
+    """MultiWorkerMirrored: the final barrier, then (with an `exit_plan`)
+    the process ends here, the chief last.
+
+    Raises:
+      tfdist.step_runner.PeerLostError: a peer was lost at the barrier.
+    """
+    if self.kind is not StrategyKind.MULTI_WORKER_MIRRORED:
+      return
+    cluster = self.cluster
     # No worker leaves while another still needs it (the chief hosts the
     # coordination service).
     try:
-      worker_exit.leave_together(strategy, num_workers=num_workers)
+      worker_exit.leave_together(self.strategy, num_workers=self.num_workers)
     except step_runner.PEER_LOST_ERRORS as e:
       raise step_runner.peer_lost_error(
-          e, after="the final barrier", last_checkpoint=keeper.latest,
+          e, after="the final barrier", last_checkpoint=self.keeper.latest,
           own=(cluster.task_type, cluster.task_index),
           addresses=cluster.cluster) from e
-    if exit_plan is not None and num_workers > 1:
+    if self.exit_plan is None or self.num_workers <= 1:
+      return
 
-      def release():
-        if cleanup is not None:
-          cleanup.close()  # The lease, the signal handlers.
-        # Side-car evaluators stop with the chief.
-        done_marker.mark_done(config.model_dir)
+    def release():
+      self.cleanup.close()  # The lease, the signal handlers.
+      # Side-car evaluators stop with the chief.
+      done_marker.mark_done(self.config.model_dir)
 
-      # Never returns: the objects above stay alive until the process ends.
-      worker_exit.leave_process(
-          exit_plan, task_type=cluster.task_type,
-          task_index=cluster.task_index, jobs=cluster.cluster,
-          is_chief=is_chief, before_exit=release)
-  return record
+    # Never returns: the runner's objects stay alive until the process ends.
+    worker_exit.leave_process(
+        self.exit_plan, task_type=cluster.task_type,
+        task_index=cluster.task_index, jobs=cluster.cluster,
+        is_chief=self.is_writer, before_exit=release)
 
 
 def _parameter_server_runner(config, *, spec, plan, strategy, parts, keeper):
@@ -770,13 +1083,91 @@ def _parameter_server_runner(config, *, spec, plan, strategy, parts, keeper):
   return runner, lambda: evaluator.evaluate(eval_data)
 
 
+def planned_replicas(config, *, decision, cluster) -> Tuple[int, int]:
+  """`(num_replicas_in_sync, num_workers)` a run will have, without
+  building its strategy (for `--dry_run`; TPUs are asked).
+
+  Raises:
+    ConfigError: as `tfdist.strategy.make_strategy` (TPU only).
+  """
+  kind = StrategyKind.parse(decision.strategy)
+  num_workers = training_workers(kind, cluster)
+  gpus = len(tf.config.list_physical_devices("GPU"))
+  if config.num_gpus >= 0:
+    gpus = min(gpus, config.num_gpus)
+  if kind is StrategyKind.MIRRORED:
+    return (gpus or max(config.num_cpu_devices, 1)), num_workers
+  if kind is StrategyKind.MULTI_WORKER_MIRRORED:
+    return num_workers * max(gpus, 1), num_workers
+  if kind.is_tpu:
+    choice = strategy_lib.make_strategy(
+        run_options.strategy_options(config), cluster=cluster)
+    return choice.strategy.num_replicas_in_sync, num_workers
+  return 1, num_workers
+
+
+def _dry_run(prepared: PreparedRun, *, task, writer: bool) -> dict:
+  """`--dry_run`: the checks that need the data and the plan, no model."""
+  config, cluster = prepared.config, prepared.cluster
+  replicas, num_workers = planned_replicas(
+      config, decision=prepared.decision, cluster=cluster)
+  plan = run_plan_lib.make_run_plan(
+      run_options.plan_options(config), task.dataset,
+      num_replicas_in_sync=replicas,
+      num_workers=num_workers, asynchronous=prepared.kind.is_asynchronous,
+      decision=prepared.decision)
+  logging.info("%s", plan.describe(run_options.plan_options(config)))
+  notes = _check_resume(config, plan) if writer else []
+  print(f"tfdist: dry run: every start-up check passed ({cluster.task_type} "
+        f"{cluster.task_index}; {plan.num_train_examples} training and "
+        f"{plan.num_eval_examples} evaluation examples read, output folders "
+        "writable); nothing was built or trained.", flush=True)
+  return {"dry_run": True, "role": cluster.task_type,
+          "index": cluster.task_index,
+          "global_batch_size": plan.global_batch_size,
+          "num_replicas_in_sync": plan.batch.num_replicas_in_sync,
+          "total_steps": plan.total_steps,
+          "num_train_examples": plan.num_train_examples,
+          "num_eval_examples": plan.num_eval_examples,
+          "resume_notes": notes}
+
+
+def _check_resume(config, plan) -> list:
+  """Compares this run with the one that wrote `--model_dir`'s checkpoint
+  (the writing process only); returns what changed (logged).
+
+  Raises:
+    tfdist.checkpointing.IncompatibleResumeError: a changed model or
+      global batch without `--allow_incompatible_resume`.
+  """
+  directory = config.resolved_checkpoint_dir
+  latest = tf.train.latest_checkpoint(directory)
+  if not latest:
+    return []
+  previous = checkpointing.read_run_record(directory, config.model_dir)
+  if previous is None:
+    return []
+  try:
+    restored_step = checkpoint_paths.checkpoint_step(latest, default=0)
+  except (IndexError, ValueError):
+    restored_step = 0
+  notes = checkpointing.check_resume(
+      previous, checkpointing.run_record(
+          run_options.run_record_settings(config), plan), checkpoint=latest,
+      restored_step=restored_step, allow=config.allow_incompatible_resume)
+  if notes:
+    logging.warning("tfdist: resuming from %s, which a run with other "
+                    "settings wrote: %s.", latest, "; ".join(notes))
+  return notes
+
+
 @dataclasses.dataclass(frozen=True)
 class EvaluatorPlan:
   """How an evaluator process evaluates: as the run evaluates, where it can.
 
   Attributes:
-    strategy: the strategy name it evaluates under (`mirrored`,
-      `one_device`, or `off`: the default strategy).
+    strategy: the `StrategyKind` it evaluates under (`mirrored`,
+      `one_device`, or `off`: the default strategy); equal to its name.
     global_batch_size: examples per evaluation batch, over all its replicas.
     batch_source: where the batch came from, for the log.
     reason: why this strategy.
@@ -795,6 +1186,37 @@ def _local_devices(config: TrainConfig) -> int:
   return max(1, config.num_cpu_devices)
 
 
+def _recorded_kind(record: Optional[dict]) -> Optional[StrategyKind]:
+  """The strategy a run record names, or None (no record, no name, or a
+  name this version does not know)."""
+  try:
+    return StrategyKind.parse(record["strategy"])
+  except (TypeError, KeyError, ValueError):
+    return None
+
+
+def _evaluation_batch(config: TrainConfig, *, kind: StrategyKind,
+                      run_record: Optional[dict]) -> Tuple[int, str]:
+  """`(global batch, where it came from)` for `evaluator_plan`."""
+  if run_record and run_record.get("eval_batch_size"):
+    return int(run_record["eval_batch_size"]), "the run's record"
+  if run_record and run_record.get("global_batch_size"):
+    batch = int(run_record["global_batch_size"])
+    recorded = _recorded_kind(run_record)
+    if recorded is not None and recorded.is_asynchronous:
+      batch = max(batch, MIN_EVAL_BATCH_SIZE)
+    return batch, "the run's record (global batch)"
+  if config.batch_size and kind.is_asynchronous:
+    # An evaluator task may start before the chief records the run: the
+    # same flags give the coordinator's rule.
+    return (max(config.batch_size, MIN_EVAL_BATCH_SIZE),
+            "--batch_size (the coordinator's rule)")
+  if config.batch_size:
+    return (max(1, config.batch_size // config.gradient_accumulation_steps),
+            "--batch_size / --gradient_accumulation_steps")
+  return MIN_EVAL_BATCH_SIZE, "the default"
+
+
 def evaluator_plan(config: TrainConfig, *, run_strategy: str,
                    run_record: Optional[dict]) -> EvaluatorPlan:
   """The strategy and batch an evaluator (`--mode=eval`,
@@ -811,46 +1233,208 @@ def evaluator_plan(config: TrainConfig, *, run_strategy: str,
   the checkpoint folder's run record), else the record's
   `global_batch_size`, else the same rule on `config.batch_size` (an
   evaluator task may start before the chief writes the record; it has the
-  job's flags), else `MIN_EVAL_BATCH_SIZE`. A mirrored evaluator whose replicas do not divide
-  the batch evaluates on one device instead (the batch is kept: the
+  job's flags), else `MIN_EVAL_BATCH_SIZE`. A mirrored evaluator whose
+  replicas do not divide the batch evaluates on one device instead (the
+  batch is kept: the
   metrics do not depend on it, summed over examples, but a per-batch
   metric would; `run_evaluator` checks this once the strategy is built).
 
   Args:
     config: the evaluator's `TrainConfig`.
     run_strategy: the run's strategy name (`--distribution_strategy`, or
-      the one the run recorded when the evaluator was given `auto`).
+      the one the run recorded when the evaluator was given `auto`), or its
+      `StrategyKind`.
     run_record: `run_config.json` of the checkpoint folder, or None.
+
+  Raises:
+    ValueError: `run_strategy` is no concrete strategy name.
   """
-  if run_record and run_record.get("eval_batch_size"):
-    batch, source = int(run_record["eval_batch_size"]), "the run's record"
-  elif run_record and run_record.get("global_batch_size"):
-    batch = int(run_record["global_batch_size"])
-    if run_record.get("strategy") == "parameter_server":
-      batch = max(batch, MIN_EVAL_BATCH_SIZE)
-    source = "the run's record (global batch)"
-  elif config.batch_size and run_strategy == "parameter_server":
-    # An evaluator task may start before the chief records the run: the
-    # same flags give the coordinator's rule.
-    batch = max(config.batch_size, MIN_EVAL_BATCH_SIZE)
-    source = "--batch_size (the coordinator's rule)"
-  elif config.batch_size:
-    batch = max(1, config.batch_size // config.gradient_accumulation_steps)
-    source = "--batch_size / --gradient_accumulation_steps"
-  else:
-    batch, source = MIN_EVAL_BATCH_SIZE, "the default"
-  if run_strategy in ("mirrored", "one_device", "off"):
-    name, reason = run_strategy, "the run's strategy"
-  elif run_strategy == "tpu":
-    name, reason = "one_device", ("the run trains on TPU; the evaluator "
-                                  "uses one local device")
+  kind = StrategyKind.parse(run_strategy)
+  batch, source = _evaluation_batch(config, kind=kind, run_record=run_record)
+  if kind.is_single_process and not kind.is_tpu:
+    name, reason = kind, "the run's strategy"
+  elif kind.is_tpu:
+    name, reason = StrategyKind.ONE_DEVICE, (
+        "the run trains on TPU; the evaluator uses one local device")
   else:
     local = _local_devices(config)
-    name = "mirrored" if local > 1 else "one_device"
-    reason = (f"the run's {run_strategy} spans processes; the evaluator is "
+    name = StrategyKind.MIRRORED if local > 1 else StrategyKind.ONE_DEVICE
+    reason = (f"the run's {kind} spans processes; the evaluator is "
               f"one process: its {local} local device(s)")
   return EvaluatorPlan(strategy=name, global_batch_size=batch,
                        batch_source=source, reason=reason)
+
+
+class EvaluatorRunner:
+  """The side-car evaluator's run, built by named steps (as
+  `ExperimentRunner`): `run()` calls `build_plan`, `build_strategy`,
+  `build_model`, `build_controller`, then `evaluate_once` or
+  `evaluate_continuously`. Override a step by subclassing.
+
+  Attributes:
+    config, task, cluster, decision: as `run_evaluator` takes them.
+    once: evaluate the latest checkpoint and stop (`--mode=eval`).
+    latest: that checkpoint (None unless `once`).
+    final_step, eval_files, how: set by `build_plan` (`how`: the
+      `EvaluatorPlan`).
+    choice, strategy, parts, trainer, dataset, run_log, controller: set by
+      the later steps.
+
+  Raises:
+    ConfigError: `once` and no checkpoint to evaluate (in `__init__`).
+  """
+
+  def __init__(self, config: TrainConfig, *, task: task_lib.Task, cluster,
+               decision, poll_seconds: float = 2.0,
+               idle_timeout: Optional[float] = None, once: bool = False):
+    self.started = time.time()
+    self.config, self.task = config, task
+    self.cluster, self.decision = cluster, decision
+    self.poll_seconds, self.idle_timeout, self.once = (poll_seconds,
+                                                       idle_timeout, once)
+    self.checkpoint_dir = config.resolved_checkpoint_dir
+    self.latest = (tf.train.latest_checkpoint(self.checkpoint_dir) if once
+                   else None)
+    if once and not self.latest:
+      raise ConfigError(
+          f"--mode=eval: no checkpoint in {self.checkpoint_dir} to evaluate."
+          " Train first (same --model_dir), or point --checkpoint_dir at "
+          "one.")
+    self.final_step = self.eval_files = self.how = None
+    self.choice = self.strategy = self.parts = self.trainer = None
+    self.dataset = self.run_log = self.controller = None
+
+  def run(self) -> dict:
+    """Returns `{"role": "evaluator", "results": [...]}`."""
+    self.final_step, self.eval_files, self.how = self.build_plan()
+    self.choice = self.build_strategy()
+    self.strategy = self.choice.strategy
+    self.parts, self.trainer, self.dataset = self.build_model()
+    self.run_log = self.build_run_log()
+    self.controller = self.build_controller()
+    if self.once:
+      return self.evaluate_once()
+    return self.evaluate_continuously()
+
+  def build_plan(self) -> Tuple[int, Sequence[str], EvaluatorPlan]:
+    """`(final step, evaluation files, EvaluatorPlan)`."""
+    config, spec = self.config, self.task.dataset
+    plan = run_plan_lib.make_run_plan(
+        run_options.plan_options(config), spec, num_replicas_in_sync=1,
+        num_workers=1,
+        asynchronous=True, decision=self.decision) if (
+            config.train_steps <= 0 and not self.once) else None
+    final_step = (checkpoint_paths.checkpoint_step(self.latest) if self.once
+                  else config.train_steps if config.train_steps > 0 else
+                  plan.total_steps)
+    eval_files = (plan.eval_files if plan else
+                  run_plan_lib.resolve_data_files(
+                      run_options.data_options(config), spec)[1])
+    record = checkpointing.read_run_record(self.checkpoint_dir,
+                                           config.model_dir)
+    # Told no strategy (`auto`), it evaluates with the one the run recorded.
+    run_strategy = (record["strategy"] if record and record.get("strategy")
+                    and self.decision.strategy_reason.startswith("auto")
+                    else self.decision.strategy)
+    how = evaluator_plan(config, run_strategy=run_strategy,
+                         run_record=record)
+    return final_step, eval_files, how
+
+  def build_strategy(self) -> strategy_lib.StrategyChoice:
+    """The plan's strategy; one device when its replicas do not divide the
+    evaluation batch (`how` then says so)."""
+    config, how = self.config, self.how
+    precision.configure_precision(config.dtype)
+    if how.strategy == StrategyKind.MIRRORED:
+      devices.configure_cpu_devices(config.num_cpu_devices)
+    choice = strategy_lib.make_strategy(run_options.strategy_options(
+        config.replace(distribution_strategy=str(how.strategy))))
+    replicas = choice.strategy.num_replicas_in_sync
+    if how.global_batch_size % replicas:
+      self.how = dataclasses.replace(
+          how, strategy=StrategyKind.ONE_DEVICE, reason=(
+              f"{replicas} local replicas do not divide the run's "
+              f"evaluation batch {how.global_batch_size}"))
+      choice = strategy_lib.make_strategy(run_options.strategy_options(
+          config.replace(distribution_strategy=str(StrategyKind.ONE_DEVICE))))
+    logging.info("Evaluator: %s, %d replica(s) (%s); global batch %d (from "
+                 "%s)", self.how.strategy,
+                 choice.strategy.num_replicas_in_sync, self.how.reason,
+                 self.how.global_batch_size, self.how.batch_source)
+    return choice
+
+  def build_model(self) -> Tuple[assembly.Parts, Any, Any]:
+    """`(parts, trainer, dataset)`: the model with its loss and metrics,
+    what evaluates it, and the distributed evaluation data."""
+    strategy, batch = self.strategy, self.how.global_batch_size
+    with strategy.scope():
+      parts = assembly.evaluation_parts(
+          run_options.assembly_options(self.config), task=self.task)
+    trainer = assembly.evaluation_trainer(parts, global_batch_size=batch,
+                                          strategy=strategy)
+    dataset = input_pipeline.distribute(strategy, input_pipeline.options_for(
+        self.task.dataset, files=self.eval_files, global_batch_size=batch,
+        is_training=False, cache=self.config.cache_dataset))
+    return parts, trainer, dataset
+
+  def build_run_log(self) -> run_log_lib.RunLog:
+    """TensorBoard scalars under `<tensorboard_dir>/eval/`."""
+    return run_log_lib.RunLog(
+        tensorboard_dir=self.config.resolved_tensorboard_dir,
+        metrics_dir=None, global_batch_size=self.how.global_batch_size,
+        total_steps=self.final_step, eval_subdir="eval")
+
+  def build_controller(self) -> Controller:
+    """A controller that only evaluates; each result says how."""
+    how, trainer, dataset = self.how, self.trainer, self.dataset
+    evaluated_with = {"strategy": str(how.strategy),
+                      "num_replicas_in_sync":
+                          self.strategy.num_replicas_in_sync,
+                      "global_batch_size": how.global_batch_size,
+                      "reason": how.reason}
+    return Controller(
+        options=ControllerOptions(total_steps=max(self.final_step, 1),
+                                  steps_per_epoch=1),
+        run_log=self.run_log,
+        evaluate=lambda: {**trainer.evaluate(dataset),
+                          "evaluated_with": evaluated_with},
+        model=self.parts.model)
+
+  def restore(self, path: str) -> None:
+    tf.train.Checkpoint(model=self.parts.model).restore(path).expect_partial()
+
+  @property
+  def results_dir(self) -> str:
+    return os.path.join(self.config.model_dir, "eval")
+
+  def evaluate_once(self) -> dict:
+    """`--mode=eval`: the latest checkpoint, once."""
+    self.restore(self.latest)
+    result = self.controller.evaluate(self.final_step)
+    result.update(checkpoint=self.latest)
+    controller_lib.append_eval_result(self.results_dir, result)
+    self.run_log.flush()
+    print(f"Eval of {self.latest}: {run_log_lib.format_eval(result)}",
+          flush=True)
+    return {"role": "evaluator", "results": [result]}
+
+  def evaluate_continuously(self) -> dict:
+    """Each new checkpoint once, until the final step's, the done marker,
+    or `idle_timeout`."""
+    config = self.config
+    logging.info("Evaluator for %d training worker(s): final step %d%s",
+                 training_workers(StrategyKind.parse(self.decision.strategy),
+                                  self.cluster), self.final_step,
+                 "" if config.train_steps > 0 else
+                 " (from --train_epochs; the chief's done marker also ends "
+                 "the evaluation)")
+    results = self.controller.evaluate_continuously(
+        checkpoint_dir=self.checkpoint_dir, results_dir=self.results_dir,
+        restore=self.restore, final_step=self.final_step,
+        finished=lambda: done_marker.marked_done_since(config.model_dir,
+                                                  self.started),
+        poll_seconds=self.poll_seconds, idle_timeout=self.idle_timeout)
+    return {"role": "evaluator", "results": results}
 
 
 def run_evaluator(config: TrainConfig, *, task, cluster, decision,
@@ -872,7 +1456,7 @@ def run_evaluator(config: TrainConfig, *, task, cluster, decision,
   run's evaluation batch, so one checkpoint gives the run's numbers; each
   result records them under `evaluated_with`. Checkpoints of every
   strategy load into the local model (parameter servers' sharded tables
-  included).
+  included). The steps are `EvaluatorRunner`'s.
 
   Returns:
     `{"role": "evaluator", "results": [...]}`.
@@ -880,89 +1464,6 @@ def run_evaluator(config: TrainConfig, *, task, cluster, decision,
   Raises:
     ConfigError: `once` and no checkpoint to evaluate.
   """
-  started = time.time()
-  spec = task.dataset
-  num_workers = max(cluster.num_workers, 1)
-  checkpoint_dir = config.resolved_checkpoint_dir
-  latest = tf.train.latest_checkpoint(checkpoint_dir) if once else None
-  if once and not latest:
-    raise ConfigError(
-        f"--mode=eval: no checkpoint in {checkpoint_dir} to evaluate. Train "
-        "first (same --model_dir), or point --checkpoint_dir at one.")
-  plan = run_plan_lib.make_run_plan(
-      run_options.plan_options(config), spec, num_replicas_in_sync=1, num_workers=1,
-      asynchronous=True, decision=decision) if (
-          config.train_steps <= 0 and not once) else None
-  final_step = (checkpoint_paths.checkpoint_step(latest) if once else
-                config.train_steps if config.train_steps > 0 else
-                plan.total_steps)
-  eval_files = (plan.eval_files if plan else
-                run_plan_lib.resolve_data_files(run_options.data_options(config), spec)[1])
-  record = checkpointing.read_run_record(checkpoint_dir, config.model_dir)
-  # Told no strategy (`auto`), it evaluates with the one the run recorded.
-  run_strategy = (record["strategy"] if record and record.get("strategy")
-                  and decision.strategy_reason.startswith("auto")
-                  else decision.strategy)
-  how = evaluator_plan(config, run_strategy=run_strategy, run_record=record)
-  precision.configure_precision(config.dtype)
-  if how.strategy == "mirrored":
-    devices.configure_cpu_devices(config.num_cpu_devices)
-  choice = strategy_lib.make_strategy(
-      run_options.strategy_options(config.replace(distribution_strategy=how.strategy)))
-  if how.global_batch_size % choice.strategy.num_replicas_in_sync:
-    how = dataclasses.replace(how, strategy="one_device", reason=(
-        f"{choice.strategy.num_replicas_in_sync} local replicas do not "
-        f"divide the run's evaluation batch {how.global_batch_size}"))
-    choice = strategy_lib.make_strategy(
-        run_options.strategy_options(config.replace(distribution_strategy="one_device")))
-  strategy = choice.strategy
-  logging.info("Evaluator: %s, %d replica(s) (%s); global batch %d (from "
-               "%s)", how.strategy, strategy.num_replicas_in_sync,
-               how.reason, how.global_batch_size, how.batch_source)
-  with strategy.scope():
-    parts = assembly.evaluation_parts(config, task=task)
-  model = parts.model
-  trainer = assembly.evaluation_trainer(
-      parts, global_batch_size=how.global_batch_size, strategy=strategy)
-  dataset = input_pipeline.distribute(strategy, input_pipeline.options_for(
-      spec, files=eval_files, global_batch_size=how.global_batch_size,
-      is_training=False, cache=config.cache_dataset))
-  evaluated_with = {"strategy": how.strategy,
-                    "num_replicas_in_sync": strategy.num_replicas_in_sync,
-                    "global_batch_size": how.global_batch_size,
-                    "reason": how.reason}
-  run_log = run_log_lib.RunLog(
-      tensorboard_dir=config.resolved_tensorboard_dir, metrics_dir=None,
-      global_batch_size=how.global_batch_size, total_steps=final_step,
-      eval_subdir="eval")
-  controller = Controller(
-      options=ControllerOptions(total_steps=max(final_step, 1),
-                                steps_per_epoch=1),
-      run_log=run_log, evaluate=lambda: {**trainer.evaluate(dataset),
-                                         "evaluated_with": evaluated_with},
-      model=model)
-
-  def restore(path):
-    tf.train.Checkpoint(model=model).restore(path).expect_partial()
-
-  results_dir = os.path.join(config.model_dir, "eval")
-  if once:
-    restore(latest)
-    result = controller.evaluate(final_step)
-    result.update(checkpoint=latest)
-    controller_lib.append_eval_result(results_dir, result)
-    run_log.flush()
-    print(f"Eval of {latest}: {run_log_lib.format_eval(result)}",
-          flush=True)
-    return {"role": "evaluator", "results": [result]}
-  logging.info("Evaluator for %d training worker(s): final step %d%s",
-               num_workers, final_step,
-               "" if config.train_steps > 0 else
-               " (from --train_epochs; the chief's done marker also ends "
-               "the evaluation)")
-  results = controller.evaluate_continuously(
-      checkpoint_dir=checkpoint_dir, results_dir=results_dir,
-      restore=restore, final_step=final_step,
-      finished=lambda: done_marker.marked_done_since(config.model_dir, started),
-      poll_seconds=poll_seconds, idle_timeout=idle_timeout)
-  return {"role": "evaluator", "results": results}
+  return EvaluatorRunner(config, task=task, cluster=cluster,
+                         decision=decision, poll_seconds=poll_seconds,
+                         idle_timeout=idle_timeout, once=once).run()

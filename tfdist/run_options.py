@@ -8,6 +8,7 @@ reads, never the whole `TrainConfig` (as Orbit's `Controller` takes its
 
 from typing import List, Tuple
 
+from tfdist import assembly
 from tfdist import auto_select
 from tfdist import config as config_lib
 from tfdist import filesystems
@@ -18,6 +19,7 @@ from tfdist import parameter_server
 from tfdist import preflight
 from tfdist import run_plan
 from tfdist import strategy as strategy_lib
+from tfdist import task as task_lib
 from tfdist import tpu as tpu_lib
 from tfdist.strategy_kind import StrategyKind
 
@@ -188,6 +190,44 @@ def eval_input_options(config: TrainConfig, spec, *, files, global_batch_size,
 
 
 # --- model, optimizer and training loop ---
+
+
+def assembly_options(config: TrainConfig) -> assembly.AssemblyOptions:
+  """The model, optimizer and precision settings `tfdist.assembly` reads.
+
+  Args:
+    config: a normalized `TrainConfig` (`steps_per_execution` and `dtype`
+      set, `auto` decided).
+
+  Returns:
+    `assembly.AssemblyOptions`; model builders asking for `config` get
+    `config` itself.
+  """
+  return assembly.AssemblyOptions(
+      optimizer=config.optimizer,
+      momentum=config.momentum,
+      weight_decay=config.weight_decay,
+      clipnorm=config.clipnorm,
+      global_clipnorm=config.global_clipnorm,
+      dtype=config.dtype,
+      loss_scale=config.loss_scale,
+      steps_per_execution=config.steps_per_execution,
+      enable_xla=config.enable_xla,
+      run_eagerly=config.run_eagerly,
+      deterministic=config.deterministic,
+      zero_stage=config.zero_stage_resolved,
+      class_weight=tuple(config.class_weight),
+      activation_recomputation=config.activation_recomputation,
+      builder_config=config)
+
+
+def task_names(config: TrainConfig) -> task_lib.TaskNames:
+  """The names the run's task comes from (`--model`, `--dataset`,
+  `--feature_spec`, `--import_modules`): `tfdist.task.from_names` reads
+  them."""
+  return task_lib.TaskNames(model=config.model, dataset=config.dataset,
+                            feature_spec=config.feature_spec,
+                            import_modules=tuple(config.import_modules))
 
 # --- checkpoints and outputs ---
 def run_record_settings(config: TrainConfig) -> dict:

@@ -5,7 +5,8 @@ and the Python API's objects (`tfdist.fit`) both become one `Task`; every
 later step (the run plan, assembly, input pipelines, export) reads it and
 never the names again:
 
-    config --(from_config)--> Task(model_fn, dataset, loss, metrics)
+    config --(run_options.task_names)--> TaskNames
+           --(from_names)--> Task(model_fn, dataset, loss, metrics)
     tfdist.fit(model_fn, dataset_fn, ...) --> Task
 
 `build_model` calls the builder with the arguments it names (`spec`,
@@ -17,7 +18,11 @@ building metrics) without reading data.
 import dataclasses
 from typing import Any, Callable, Optional, Sequence, Tuple
 
+import keras
+import tensorflow as tf
+
 from tfdist import feature_spec as feature_spec_lib
+from tfdist import input_pipeline
 from tfdist import registry
 from tfdist.config import ConfigError
 from tfdist.dataset_spec import DatasetSpec
@@ -46,24 +51,65 @@ class Task:
 
 
 def load_builtins():
-  # Importing them registers tfdist's own models and data sets.
+  """Registers tfdist's own models and data sets (importing them does).
+
+  Imported here, not at the top: importing them fills the registries, and
+  the callers decide when that happens (`dataset_from_config` imports the
+  user's `--import_modules` first, as the registrations always ran).
+  """
   from tfdist import datasets  # pylint: disable=g-import-not-at-top,unused-import
   from tfdist import models  # pylint: disable=g-import-not-at-top,unused-import
 
 
-def dataset_from_config(config) -> DatasetSpec:
+@dataclasses.dataclass(frozen=True)
+class TaskNames:
+  """The names a run's task comes from (the binary's flags).
+
+  `tfdist.run_options.task_names` makes them from a `TrainConfig`.
+
+  Attributes:
+    model: `--model`: a registered model name or `module:function`.
+    dataset: `--dataset`: a registered data set name (with a feature spec,
+      the name it is given).
+    feature_spec: `--feature_spec`: a feature-spec JSON file, or ''.
+    import_modules: `--import_modules`: modules imported first (they
+      register models and data sets).
+  """
+  model: Optional[str] = None
+  dataset: Optional[str] = None
+  feature_spec: str = ""
+  import_modules: Tuple[str, ...] = ()
+
+
+def _names(config) -> TaskNames:
+  """`config`'s `TaskNames` (`config`: a `TaskNames`, or any object with
+  its four fields, as `from_config` and `dataset_from_config` take)."""
+  if isinstance(config, TaskNames):
+    return config
+  return TaskNames(model=config.model, dataset=config.dataset,
+                   feature_spec=config.feature_spec,
+                   import_modules=tuple(config.import_modules))
+
+
+def dataset_from_names(names: TaskNames) -> DatasetSpec:
   """The `DatasetSpec` that `--dataset`/`--feature_spec` name.
 
   Raises:
     ConfigError: unknown name, a malformed feature spec, an import path
       that cannot be loaded.
   """
-  registry.import_modules(config.import_modules)
+  registry.import_modules(names.import_modules)
   load_builtins()
-  if config.feature_spec:
-    return feature_spec_lib.load(config.feature_spec).dataset_spec(
-        name=config.dataset)
-  return registry.get_dataset(config.dataset)
+  if names.feature_spec:
+    return feature_spec_lib.load(names.feature_spec).dataset_spec(
+        name=names.dataset)
+  return registry.get_dataset(names.dataset)
+
+
+def dataset_from_config(config) -> DatasetSpec:
+  """`dataset_from_names` of an object with `TaskNames`' fields (a
+  `TrainConfig`)."""
+  return dataset_from_names(_names(config))
 
 
 # The keyword arguments `build_model` can give a model builder.
@@ -71,8 +117,8 @@ MODEL_BUILDER_ARGUMENTS = ("spec", "config", "sync_batch_norm",
                            "activation_recomputation")
 
 
-def from_config(config) -> Task:
-  """The `Task` a `TrainConfig` names (imports `--import_modules` first).
+def from_names(names: TaskNames) -> Task:
+  """The `Task` the names give (imports `--import_modules` first).
 
   Raises:
     ConfigError: an unknown model or data set (the message lists the
@@ -80,12 +126,21 @@ def from_config(config) -> Task:
       builder with a required parameter tfdist cannot fill
       (`registry.check_accepted`).
   """
-  dataset = dataset_from_config(config)
-  name, builder = registry.get_model_builder(config.model)
+  dataset = dataset_from_names(names)
+  name, builder = registry.get_model_builder(names.model)
   # At start, not after the plan: a callable that is no model builder.
   registry.check_accepted(builder, MODEL_BUILDER_ARGUMENTS,
                           what=f"--model={name}")
   return Task(model_fn=builder, dataset=dataset, model_name=name)
+
+
+def from_config(config) -> Task:
+  """`from_names` of an object with `TaskNames`' fields (a `TrainConfig`).
+
+  Raises:
+    ConfigError: as `from_names`.
+  """
+  return from_names(_names(config))
 
 
 def describe_function(fn) -> str:
@@ -94,7 +149,8 @@ def describe_function(fn) -> str:
           f"{getattr(fn, '__qualname__', getattr(fn, '__name__', fn))}")
 
 
-def build_model(task: Task, config, *, sync_batch_norm: bool = False):
+def build_model(task: Task, config, *, sync_batch_norm: bool = False,
+                activation_recomputation: Optional[bool] = None):
   """Calls the task's builder (in the current scope); checks the result.
 
   The builder gets, by name, what it asks for of `spec` (the data set's
@@ -105,19 +161,32 @@ def build_model(task: Task, config, *, sync_batch_norm: bool = False):
   blocks' activations in the backward pass; refused before this call for a
   builder without it, see `tfdist.models.check_recomputation`).
 
+  Args:
+    task: the `Task` whose `model_fn` is called.
+    config: what a builder asking for `config` receives (the run's
+      `TrainConfig`, or None); read for nothing else.
+    sync_batch_norm: given to builders that take it.
+    activation_recomputation: given to builders that take it; None: the
+      `activation_recomputation` attribute of `config` (False without one).
+
+  Returns:
+    The `keras.Model` the builder returned.
+
   Raises:
     ConfigError: the builder needs arguments tfdist cannot give, or did not
       return a `keras.Model`.
   """
-  import keras  # pylint: disable=g-import-not-at-top
   what = f"--model={task.model_name}"
+  if activation_recomputation is None:
+    activation_recomputation = getattr(config, "activation_recomputation",
+                                       False)
   model = registry.call_with_accepted(
       task.model_fn, {"spec": task.dataset, "config": config,
                       "embedding_dim": getattr(config, "embedding_dim", 16),
                       "hash_buckets": getattr(config, "hash_buckets", 100_000),
                       "sync_batch_norm": bool(sync_batch_norm),
-                      "activation_recomputation": bool(getattr(
-                          config, "activation_recomputation", False))},
+                      "activation_recomputation": bool(
+                          activation_recomputation)},
       what=what)
   if not isinstance(model, keras.Model):
     raise ConfigError(f"{what} returned {type(model).__name__}, not a "
@@ -151,8 +220,6 @@ def sample_weight_spec(dataset: DatasetSpec) -> Any:
 
 
 def _element_spec(dataset: DatasetSpec):
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  from tfdist import input_pipeline  # pylint: disable=g-import-not-at-top
   if dataset.reads_files:
     return tf.data.Dataset.from_tensors(tf.constant(b"")).map(
         dataset.parse_fn).element_spec
@@ -170,8 +237,6 @@ def example_spec(dataset: DatasetSpec, *, files: Sequence[str] = ()
   Raises:
     ConfigError: the examples are not `(features, labels)` pairs.
   """
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  from tfdist import input_pipeline  # pylint: disable=g-import-not-at-top
   if dataset.reads_files:
     ds = tf.data.Dataset.from_tensors(tf.constant(b"")).map(dataset.parse_fn)
     spec = ds.element_spec

@@ -1,0 +1,229 @@
+"""`tfdist.experiment`: the run as an `ExperimentRunner` of named steps.
+
+* the facts decided once (`training_workers`, `PreparedRun.is_writer`,
+  `PreparedRun.kind`) for every strategy and role, and `prepare_run`'s
+  result read as its former tuple;
+* tiny one-device runs (a 4-feature linear model, 64 examples, 4 steps):
+  the steps run in the documented order, a subclass's step is the one used,
+  the training objects are released at the end, `--dry_run` builds and
+  writes nothing, and `--mode=eval` evaluates through `EvaluatorRunner`.
+"""
+
+import os
+
+from absl.testing import absltest
+from absl.testing import parameterized
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tests import testutil
+from tfdist import api
+from tfdist import auto_select
+from tfdist import cluster as cluster_lib
+from tfdist import environment as environment_lib
+from tfdist import experiment
+from tfdist.config import TrainConfig
+from tfdist.strategy_kind import StrategyKind
+
+# The steps `ExperimentRunner.train` documents, in order.
+TRAINING_STEPS = [
+    "build_strategy", "build_preemption_watcher", "set_seeds", "build_plan",
+    "check_resume", "build_model_and_optimizer", "build_checkpoints",
+    "warm_start", "build_inputs", "build_run_log", "build_callbacks",
+    "build_profiler", "build_controller", "run_controller", "build_export",
+    "build_manifest", "write_outputs", "leave_together"]
+
+
+def _model():
+  return keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+
+
+def _dataset(training):
+  rng = np.random.default_rng(0 if training else 1)
+  features = rng.normal(size=(64, 4)).astype("float32")
+  labels = rng.integers(0, 3, size=(64,)).astype("int64")
+  return tf.data.Dataset.from_tensor_slices((features, labels))
+
+
+def _config(model_dir: str, **overrides) -> TrainConfig:
+  fields = dict(model_dir=model_dir, distribution_strategy="one_device",
+                batch_size=16, train_steps=4, log_steps=2,
+                checkpoint_steps=2, seed=3, num_cpu_devices=1)
+  fields.update(overrides)
+  return TrainConfig(**fields)
+
+
+def _task(config: TrainConfig):
+  return api.make_task(
+      _model, _dataset, config=config,
+      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+      metrics=["accuracy"])
+
+
+def _start(config: TrainConfig):
+  return experiment.start_run(config, task=_task(config),
+                              environment=environment_lib.read_environment(
+                                  {}))
+
+
+def _cluster(task_type: str, task_index: int = 0, *, workers: int = 2,
+             ps: int = 0, chief: bool = True) -> cluster_lib.ClusterInfo:
+  jobs = {"worker": [f"w{i}:1" for i in range(workers)]}
+  if chief:
+    jobs["chief"] = ["c:1"]
+  if ps:
+    jobs["ps"] = [f"p{i}:1" for i in range(ps)]
+  return cluster_lib.ClusterInfo(task_type=task_type, task_index=task_index,
+                                 cluster=jobs, source="TF_CONFIG")
+
+
+def _prepared(strategy: str, cluster) -> experiment.PreparedRun:
+  decision = auto_select.Decision(strategy=strategy, strategy_reason="test",
+                                  dtype="fp32", dtype_reason="test")
+  return experiment.PreparedRun(config=TrainConfig(model_dir="/unused"),
+                                cluster=cluster, decision=decision)
+
+
+class FactsTest(parameterized.TestCase):
+
+  @parameterized.named_parameters(
+      ("one_device", "one_device", cluster_lib.ClusterInfo.single_process(),
+       1, True),
+      ("mirrored", "mirrored", cluster_lib.ClusterInfo.single_process(), 1,
+       True),
+      ("mwms_chief", "multi_worker_mirrored", _cluster("chief"), 3, True),
+      ("mwms_worker", "multi_worker_mirrored", _cluster("worker", 1), 3,
+       False),
+      ("mwms_worker0_no_chief", "multi_worker_mirrored",
+       _cluster("worker", 0, chief=False), 2, True),
+      ("ps_coordinator", "parameter_server", _cluster("chief", ps=2), 2,
+       True),
+      ("tpu", "tpu", cluster_lib.ClusterInfo.single_process(), 1, True))
+  def test_writer_and_workers_are_decided_once(self, strategy, cluster,
+                                               workers, writer):
+    prepared = _prepared(strategy, cluster)
+    self.assertIs(prepared.kind, StrategyKind.parse(strategy))
+    self.assertEqual(prepared.num_workers, workers)
+    self.assertEqual(experiment.training_workers(prepared.kind, cluster),
+                     workers)
+    self.assertEqual(prepared.is_writer, writer)
+
+  def test_prepared_run_reads_as_its_tuple(self):
+    prepared = experiment.prepare_run(
+        TrainConfig(model_dir="/runs/x", train_steps=1,
+                    distribution_strategy="one_device"),
+        environment=environment_lib.read_environment({}))
+    config, cluster, decision, applied, trial_fields = prepared
+    self.assertEqual(len(prepared), 5)
+    self.assertIs(prepared[0], config)
+    self.assertIs(prepared.cluster, cluster)
+    self.assertEqual(decision.strategy, "one_device")
+    self.assertEqual((tuple(applied), tuple(trial_fields)), ((), ()))
+    self.assertIs(prepared.kind, StrategyKind.ONE_DEVICE)
+
+  def test_planned_replicas_use_the_same_workers(self):
+    config = TrainConfig(model_dir="/unused", num_gpus=0, num_cpu_devices=2)
+    for strategy, cluster, expected in (
+        ("mirrored", cluster_lib.ClusterInfo.single_process(), (2, 1)),
+        ("multi_worker_mirrored", _cluster("chief"), (3, 3)),
+        ("parameter_server", _cluster("chief", ps=1), (1, 2)),
+        ("one_device", cluster_lib.ClusterInfo.single_process(), (1, 1))):
+      decision = _prepared(strategy, cluster).decision
+      self.assertEqual(experiment.planned_replicas(
+          config, decision=decision, cluster=cluster), expected, strategy)
+
+
+class _RecordingRunner(experiment.ExperimentRunner):
+  """Records the steps `train` calls."""
+
+  def __init__(self, *args, **kwargs):
+    super().__init__(*args, **kwargs)
+    self.calls = []
+
+  def __getattribute__(self, name):
+    value = super().__getattribute__(name)
+    if name in TRAINING_STEPS:
+      self.calls.append(name)
+    return value
+
+
+class _Counter(keras.callbacks.Callback):
+
+  def __init__(self):
+    super().__init__()
+    self.batches = 0
+
+  def on_train_batch_end(self, batch, logs=None):
+    self.batches += 1
+
+
+class _ExtraCallbackRunner(experiment.ExperimentRunner):
+  """Overrides one step: its callbacks gain a counter."""
+
+  counter = None
+
+  def build_callbacks(self):
+    type(self).counter = _Counter()
+    return super().build_callbacks() + [self.counter]
+
+
+class RunnerTest(absltest.TestCase):
+
+  def test_steps_run_in_the_documented_order(self):
+    model_dir = os.path.join(testutil.scratch_dir(), "run")
+    task, prepared = _start(_config(model_dir))
+    runner = _RecordingRunner(prepared, task=task)
+    record = runner.run()
+    self.assertEqual(runner.calls, TRAINING_STEPS)
+    self.assertIs(runner.kind, StrategyKind.ONE_DEVICE)
+    self.assertEqual((record["strategy"], record["final_step"],
+                      record["num_workers"]), ("one_device", 4, 1))
+    # The manifest, the SavedModel and the checkpoints are the writer's.
+    self.assertTrue(os.path.exists(os.path.join(model_dir,
+                                                "run_manifest.json")))
+    self.assertTrue(os.path.exists(os.path.join(model_dir, "saved_model",
+                                                "saved_model.pb")))
+    self.assertIsNotNone(tf.train.latest_checkpoint(
+        os.path.join(model_dir, "checkpoints")))
+    # Released once the run is over (before the done marker).
+    self.assertIsNone(runner.strategy)
+    self.assertIsNone(runner.controller)
+    self.assertTrue(os.path.exists(os.path.join(model_dir, "training_done")))
+
+  def test_a_subclass_step_is_the_one_used(self):
+    model_dir = os.path.join(testutil.scratch_dir(), "run")
+    task, prepared = _start(_config(model_dir))
+    _ExtraCallbackRunner(prepared, task=task).run()
+    self.assertEqual(_ExtraCallbackRunner.counter.batches, 4)
+
+  def test_dry_run_builds_and_writes_nothing(self):
+    model_dir = os.path.join(testutil.scratch_dir(), "run")
+    config = _config(model_dir, dry_run=True)
+    result = experiment.run_experiment(
+        config, task=_task(config),
+        environment=environment_lib.read_environment({}))
+    self.assertTrue(result["dry_run"])
+    self.assertEqual((result["global_batch_size"], result["total_steps"],
+                      result["num_train_examples"]), (16, 4, 64))
+    for entry in ("checkpoints", "saved_model", "run_manifest.json"):
+      self.assertFalse(os.path.exists(os.path.join(model_dir, entry)), entry)
+
+  def test_eval_mode_evaluates_the_latest_checkpoint(self):
+    model_dir = os.path.join(testutil.scratch_dir(), "run")
+    config = _config(model_dir)
+    environment = environment_lib.read_environment({})
+    experiment.run_experiment(config, task=_task(config),
+                              environment=environment)
+    evaluated = experiment.run_experiment(
+        config.replace(mode="eval"), task=_task(config),
+        environment=environment)
+    self.assertEqual(evaluated["role"], "evaluator")
+    (result,) = evaluated["results"]
+    self.assertTrue(result["checkpoint"].endswith("ckpt-4"))
+    self.assertEqual(result["evaluated_with"]["strategy"], "one_device")
+    self.assertEqual(result["evaluated_with"]["global_batch_size"], 16)
+
+
+if __name__ == "__main__":
+  absltest.main()
