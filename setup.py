@@ -1,7 +1,7 @@
 """pip and Vertex AI packaging for tfdist (`pip install -e .`, `setup.py sdist`).
 
 Supported: TensorFlow 2.17 to 2.21 with Keras 3 (3.12 or newer), on Python
-3.10 and 3.11 (tfdist/versions.py checks TensorFlow and Keras at start).
+3.10 and 3.11 (tfdist/observability/versions.py checks TensorFlow and Keras at start).
 """
 
 import re

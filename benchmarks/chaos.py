@@ -36,7 +36,7 @@ What is checked, for every kill and run (anything failing is "lost"):
   statistics) equals an uninterrupted run's within `WEIGHT_TOLERANCE`.
   Parameter-server runs are asynchronous: their checks are the ones above;
   tfdist counts a step once even when a lost worker's chunk ran again on
-  another (`tfdist.step_runner.CoordinatorStepRunner`), so `global_step` is
+  another (`tfdist.training.step_runner.CoordinatorStepRunner`), so `global_step` is
   exact, and the optimizer's own update count may exceed it by the re-run
   steps (reported as `rerun_updates`, not a loss).
 
@@ -199,7 +199,7 @@ def prepare_data(out_dir: str, *, train_examples: int = 512) -> dict:
   """The first `train_examples` real Fashion-MNIST training images as
   tfdist's TFRecords, in 2 shards (one per worker). Returns `{"train"}`:
   their file glob."""
-  from tfdist import datasets  # pylint: disable=g-import-not-at-top
+  from tfdist.data import datasets  # pylint: disable=g-import-not-at-top
   datasets.convert_fashion_mnist(out_dir, limit=train_examples,
                                  train_shards=2, test_shards=1)
   return {"train": os.path.join(out_dir, "train-*.tfrecord.gz")}

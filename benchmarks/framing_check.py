@@ -8,7 +8,7 @@ warm:
 
 * `tensorflow_reader`: TensorFlow's reader alone (`tf_record_iterator`,
   C++): what the start-up count did before the framing check;
-* `count_file`: `tfdist.data_checks.count_file` on local files: TensorFlow's
+* `count_file`: `tfdist.data.data_checks.count_file` on local files: TensorFlow's
   reader for the count and the CRCs, then a pass reading only the lengths
   for the framing;
 * `one_pass_with_library`: `check_framing` with google-crc32c checking
@@ -57,9 +57,9 @@ def _best(fn, repeats):
 def main(argv):
   del argv
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  from tfdist import data_checks  # pylint: disable=g-import-not-at-top
-  from tfdist import environment  # pylint: disable=g-import-not-at-top
-  from tfdist import fashion_mnist  # pylint: disable=g-import-not-at-top
+  from tfdist.data import data_checks  # pylint: disable=g-import-not-at-top
+  from tfdist.data import fashion_mnist  # pylint: disable=g-import-not-at-top
+  from tfdist.distribute import environment  # pylint: disable=g-import-not-at-top
   data_dir = FLAGS.data_dir or environment.read_environment().default_data_dir
   train_glob, _ = fashion_mnist.prepare(data_dir, "")
   shards = sorted(glob.glob(train_glob))

@@ -54,9 +54,9 @@ def main(argv):
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   import keras  # pylint: disable=g-import-not-at-top
   from tfdist import models  # pylint: disable=g-import-not-at-top
-  from tfdist import checkpointing  # pylint: disable=g-import-not-at-top
-  from tfdist import datasets  # pylint: disable=g-import-not-at-top
-  from tfdist import input_pipeline  # pylint: disable=g-import-not-at-top
+  from tfdist.data import datasets  # pylint: disable=g-import-not-at-top
+  from tfdist.data import input_pipeline  # pylint: disable=g-import-not-at-top
+  from tfdist.training import checkpointing  # pylint: disable=g-import-not-at-top
   spec = datasets.get_dataset_spec("fashion_mnist")
   train_glob, _ = spec.prepare(FLAGS.data_dir or os.path.expanduser(
       "~/.cache/tfdist/datasets"), "")

@@ -2,13 +2,13 @@
 
 Not a test: it prints figures and writes JSON. Both sides train the same
 model (`models.build_model("cnn")`), on the same input pipeline
-(`tfdist.input_pipeline` on the same Fashion-MNIST TFRecords: shuffle
+(`tfdist.data.input_pipeline` on the same Fashion-MNIST TFRecords: shuffle
 buffer, cache, batch, prefetch), with the same optimizer (SGD, constant
 learning rate, momentum), global batch and `steps_per_execution`, in fp32
 without XLA. The sides:
 
 * `keras`: plain Keras 3 `model.compile` + `model.fit`, with the same glibc
-  malloc settings tfdist applies (`tfdist.allocator.configure_allocator`):
+  malloc settings tfdist applies (`tfdist.runtime.allocator.configure_allocator`):
   the fair baseline;
 * `tfdist`: `tfdist.experiment.run_experiment` (what `python -m
   tfdist.train` runs), allocator tuning on, as shipped;
@@ -131,8 +131,8 @@ def _make_meter(warmup_steps: int, steps: int):
 
 
 def _pipeline_options(files):
-  from tfdist import datasets  # pylint: disable=g-import-not-at-top
-  from tfdist import input_pipeline  # pylint: disable=g-import-not-at-top
+  from tfdist.data import datasets  # pylint: disable=g-import-not-at-top
+  from tfdist.data import input_pipeline  # pylint: disable=g-import-not-at-top
   return input_pipeline.PipelineOptions(
       files=files, parse_fn=datasets.get_dataset_spec("fashion_mnist").parse_fn,
       global_batch_size=FLAGS.batch_size, is_training=True,
@@ -143,9 +143,9 @@ def _run_keras(strategy_name: str, train_files, meter):
   import keras  # pylint: disable=g-import-not-at-top
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   import models  # pylint: disable=g-import-not-at-top
-  from tfdist import datasets  # pylint: disable=g-import-not-at-top
-  from tfdist import devices  # pylint: disable=g-import-not-at-top
-  from tfdist import input_pipeline  # pylint: disable=g-import-not-at-top
+  from tfdist.data import datasets  # pylint: disable=g-import-not-at-top
+  from tfdist.data import input_pipeline  # pylint: disable=g-import-not-at-top
+  from tfdist.distribute import devices  # pylint: disable=g-import-not-at-top
   spec = datasets.get_dataset_spec("fashion_mnist")
   options = _pipeline_options(train_files)
   if strategy_name == "mirrored":
@@ -193,7 +193,7 @@ def _run_tfdist(strategy_name: str, train_files, eval_files, meter,
 
 def run_child(side: str, strategy_name: str, train_files, eval_files) -> dict:
   """Trains one side in this process; returns its measured figures."""
-  from tfdist import allocator  # pylint: disable=g-import-not-at-top
+  from tfdist.runtime import allocator  # pylint: disable=g-import-not-at-top
   if side == "keras":
     allocator.configure_allocator(True)  # What tfdist applies.
   meter = _make_meter(FLAGS.warmup_steps, FLAGS.steps)
@@ -223,9 +223,9 @@ def run_child(side: str, strategy_name: str, train_files, eval_files) -> dict:
 
 # --- the driver (parent process) ------------------------------------------
 def _data_files():
-  from tfdist import datasets  # pylint: disable=g-import-not-at-top
-  from tfdist import environment  # pylint: disable=g-import-not-at-top
-  from tfdist import input_pipeline  # pylint: disable=g-import-not-at-top
+  from tfdist.data import datasets  # pylint: disable=g-import-not-at-top
+  from tfdist.data import input_pipeline  # pylint: disable=g-import-not-at-top
+  from tfdist.distribute import environment  # pylint: disable=g-import-not-at-top
   data_dir = (FLAGS.data_dir or
               environment.read_environment().default_data_dir)
   train, test = datasets.get_dataset_spec("fashion_mnist").prepare(data_dir,

@@ -110,7 +110,7 @@ def _case(signame, victim, data):
 
 def main(argv):
   del argv  # Unused.
-  from tfdist import datasets  # pylint: disable=g-import-not-at-top
+  from tfdist.data import datasets  # pylint: disable=g-import-not-at-top
   out = os.path.join(tempfile.mkdtemp(prefix="lost-peer-data-"), "fm")
   datasets.convert_fashion_mnist(out, limit=2048)
   data = {"train": os.path.join(out, "train-*.tfrecord.gz"),

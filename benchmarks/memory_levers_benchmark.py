@@ -3,7 +3,7 @@
 Not a test: it prints figures and writes JSON. It trains the built-in
 ResNet (`--model=resnet`: stem, 3 stages of 2 basic blocks, 32/64/128
 filters, 28x28x1 Fashion-MNIST images; 0.70 M parameters) with tfdist's own
-step (`tfdist.train_loop.Trainer`, SGD with momentum, fp32), one
+step (`tfdist.training.train_loop.Trainer`, SGD with momentum, fp32), one
 configuration per fresh process, alternating, and reports for each:
 
 * `peak_bytes`: the peak of TensorFlow's CPU allocator during the measured
@@ -22,7 +22,7 @@ against K=4 at the same effective global batch B (micro-batch B/4), each
 also with recomputation; all on one device.
 
 Allocator setting: `--tune_allocator` (default off, as the README's figures
-were measured: glibc malloc's defaults) applies `tfdist.allocator`'s
+were measured: glibc malloc's defaults) applies `tfdist.runtime.allocator`'s
 settings, which `tfdist.train` applies by default, in every configuration's
 process; the JSON records the setting in force (`allocator`) and any
 `MALLOC_*` variables of the environment.
@@ -55,7 +55,7 @@ flags.DEFINE_string("data_dir", "", "Where Fashion-MNIST TFRecords live "
                     "(default: tfdist's).")
 flags.DEFINE_string("out", "", "Write the figures here as JSON.")
 flags.DEFINE_integer("repeats", 1, "Rounds over the configurations.")
-flags.DEFINE_bool("tune_allocator", False, "Apply tfdist.allocator's glibc "
+flags.DEFINE_bool("tune_allocator", False, "Apply tfdist.runtime.allocator's glibc "
                   "malloc settings in each configuration's process (as "
                   "tfdist.train does by default).")
 
@@ -67,14 +67,14 @@ CONFIGS = (("baseline", False, 1), ("recompute", True, 1),
 def measure(recompute: bool, k: int, *, global_batch: int, steps: int,
             warmup: int, model_name: str, data_dir: str) -> dict:
   """One configuration, in this process (a fresh one per configuration)."""
-  from tfdist import allocator  # pylint: disable=g-import-not-at-top
+  from tfdist.runtime import allocator  # pylint: disable=g-import-not-at-top
   allocator_state = allocator.configure_allocator(FLAGS.tune_allocator)
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   import keras  # pylint: disable=g-import-not-at-top
   from tfdist import models  # pylint: disable=g-import-not-at-top
-  from tfdist import datasets  # pylint: disable=g-import-not-at-top
-  from tfdist import input_pipeline  # pylint: disable=g-import-not-at-top
-  from tfdist.train_loop import Trainer  # pylint: disable=g-import-not-at-top
+  from tfdist.data import datasets  # pylint: disable=g-import-not-at-top
+  from tfdist.data import input_pipeline  # pylint: disable=g-import-not-at-top
+  from tfdist.training.train_loop import Trainer  # pylint: disable=g-import-not-at-top
   spec = datasets.get_dataset_spec("fashion_mnist")
   train_glob, _ = spec.prepare(data_dir or os.path.expanduser(
       "~/.cache/tfdist/datasets"), "")

@@ -14,7 +14,7 @@ asynchronously and reports, for each worker count in `--workers`:
 * the speed-up of N workers over the first entry.
 
 Every process (ps, workers, coordinator) applies tfdist's malloc settings
-(`tfdist.allocator`) as `tfdist.train` does, unless `--notune_allocator`;
+(`tfdist.runtime.allocator`) as `tfdist.train` does, unless `--notune_allocator`;
 the JSON records which.
 
 Input: synthetic hashed ids, `--ids_per_example` per example drawn uniformly
@@ -58,13 +58,13 @@ flags.DEFINE_integer("steps_per_execution", 10, "Steps per scheduled call.")
 flags.DEFINE_float("learning_rate", 0.1, "SGD learning rate.")
 flags.DEFINE_string("output", "", "Also write the results as JSON here.")
 flags.DEFINE_bool("tune_allocator", True,
-                  "Apply tfdist.allocator's malloc settings in every process "
+                  "Apply tfdist.runtime.allocator's malloc settings in every process "
                   "(as tfdist.train does).")
 flags.DEFINE_string("serve", "", "Internal: 'job:index:cluster_json' to serve.")
 
 
 def _serve(spec: str):
-  from tfdist import allocator  # pylint: disable=g-import-not-at-top
+  from tfdist.runtime import allocator  # pylint: disable=g-import-not-at-top
   allocator.configure_allocator(FLAGS.tune_allocator)
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   job, index, cluster = spec.split(":", 2)
@@ -111,12 +111,12 @@ def _stop(procs):
 def _run(num_workers: int) -> dict:
   """One cluster, one table, one measurement (run in a fresh process)."""
   os.environ["GRPC_FAIL_FAST"] = "use_caller"
-  from tfdist import allocator  # pylint: disable=g-import-not-at-top
+  from tfdist.runtime import allocator  # pylint: disable=g-import-not-at-top
   allocator.configure_allocator(FLAGS.tune_allocator)
   import keras  # pylint: disable=g-import-not-at-top
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  from tfdist import parameter_server as ps_lib  # pylint: disable=g-import-not-at-top
-  from tfdist.sharded_embedding import ShardedEmbedding  # pylint: disable=g-import-not-at-top
+  from tfdist.distribute import parameter_server as ps_lib  # pylint: disable=g-import-not-at-top
+  from tfdist.training.sharded_embedding import ShardedEmbedding  # pylint: disable=g-import-not-at-top
 
   cluster, procs = _start_cluster(num_workers, FLAGS.num_ps)
   result = {"workers": num_workers, "num_ps": FLAGS.num_ps,

@@ -22,10 +22,10 @@ Other jobs may share the machine, so the configurations run in alternation,
 each configuration's runs, and speedups are ratios of medians.
 
 Every child applies tfdist's glibc malloc settings in-process
-(`tfdist.allocator`, on unless `--extra_train_flags=--notune_allocator`);
+(`tfdist.runtime.allocator`, on unless `--extra_train_flags=--notune_allocator`);
 each configuration records whether its runs had them (`malloc_tuning`).
 `--malloc_env` sets the environment variables the figures in
-`benchmarks/results/` were measured with, before `tfdist.allocator` existed.
+`benchmarks/results/` were measured with, before `tfdist.runtime.allocator` existed.
 
 Usage:
   python benchmarks/scaling.py --repeats=3 --steps=100 \\
@@ -70,7 +70,7 @@ flags.DEFINE_list("extra_train_flags", [], "More tfdist.train flags for "
                   "every run, e.g. --extra_train_flags=--nosync_batch_norm.")
 flags.DEFINE_bool("malloc_env", False, "Also set MALLOC_MMAP_THRESHOLD_ "
                   "and MALLOC_TOP_PAD_ to 512 MiB in the children (how the "
-                  "recorded figures were measured, before tfdist.allocator "
+                  "recorded figures were measured, before tfdist.runtime.allocator "
                   "set malloc in-process).")
 flags.DEFINE_float("timeout_seconds", 1200, "Limit of each run.")
 flags.DEFINE_string("output", "", "JSON results file.")
@@ -146,7 +146,7 @@ def summarize(runs) -> dict:
           "input_wait_fraction": statistics.median(waits) if waits else None,
           "cpu_seconds_per_step": statistics.median(cpu) if cpu else None,
           "peak_rss_bytes": max((r.peak_rss_bytes or 0) for r in runs),
-          # tfdist.allocator's settings, from the manifests (None: unknown).
+          # tfdist.runtime.allocator's settings, from the manifests (None: unknown).
           "malloc_tuning": (runs[0].malloc_tuning if len(
               {r.malloc_tuning for r in runs}) == 1 else None),
           "runs": [r.examples_per_second for r in runs]}

@@ -78,7 +78,7 @@ def read_status(pid: int) -> dict:
 
 
 def _data() -> dict:
-  from tfdist import datasets  # pylint: disable=g-import-not-at-top
+  from tfdist.data import datasets  # pylint: disable=g-import-not-at-top
   out = os.path.join(tempfile.mkdtemp(prefix="soak-data-"), "fashion_mnist")
   datasets.convert_fashion_mnist(out, limit=4096, train_shards=4,
                                  test_shards=2)

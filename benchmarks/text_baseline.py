@@ -39,7 +39,7 @@ FLAGS = flags.FLAGS
 flags.DEFINE_string("data_dir", "", "Converted data sets (default: a "
                     "temporary folder).")
 flags.DEFINE_integer("baseline_epochs", 4, "Epochs of the baseline.")
-flags.DEFINE_float("train_epochs", 3, "Epochs of each Transformer run.")
+flags.DEFINE_integer("train_epochs", 3, "Epochs of each Transformer run.")
 flags.DEFINE_list("strategies", ["one_device", "mirrored_zero2"],
                   "Transformer runs: one_device, mirrored_zero2.")
 flags.DEFINE_string("out", "", "Write the figures here as JSON.")
@@ -56,7 +56,7 @@ _FINAL = re.compile(r"Final eval: loss ([0-9.]+), accuracy ([0-9.]+), "
 def _baseline(data_dir: str, epochs: int) -> dict:
   import keras  # pylint: disable=g-import-not-at-top
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  from tfdist import clothing_reviews  # pylint: disable=g-import-not-at-top
+  from tfdist.data import clothing_reviews  # pylint: disable=g-import-not-at-top
   folder = os.path.join(data_dir, "clothing_reviews")
   with open(os.path.join(folder, "dataset_info.json")) as f:
     info = json.load(f)
@@ -110,7 +110,7 @@ def _transformer(data_dir: str, strategy: str, epochs: float) -> dict:
 def main(argv):
   del argv
   data_dir = FLAGS.data_dir or tempfile.mkdtemp(prefix="text_data_")
-  from tfdist import clothing_reviews  # pylint: disable=g-import-not-at-top
+  from tfdist.data import clothing_reviews  # pylint: disable=g-import-not-at-top
   clothing_reviews.prepare(data_dir, "")
   load = os.getloadavg()
   baseline = _baseline(data_dir, FLAGS.baseline_epochs)

@@ -5,7 +5,7 @@ devices (MirroredStrategy) and each stage, in a fresh process per
 configuration, it builds a dense model (`--width`, `--layers`; fp32 Adam)
 with tfdist's `Trainer` and reports the optimizer state each replica holds:
 
-* `estimate_bytes`: `tfdist.memory`'s estimate from an unsharded build
+* `estimate_bytes`: `tfdist.training.memory`'s estimate from an unsharded build
   (`estimate_model_memory`), sharded by `memory.sharded_estimate`;
 * `built_bytes`: what the run built, per replica, from the variables'
   shapes (`estimate_model_memory(..., sharded=trainer.sharded)`);
@@ -51,9 +51,9 @@ def _child(replicas: int, stage: int, width: int, layers: int, steps: int):
   tf.config.set_logical_device_configuration(
       cpu, [tf.config.LogicalDeviceConfiguration()] * replicas)
   import keras  # pylint: disable=g-import-not-at-top
-  from tfdist import memory  # pylint: disable=g-import-not-at-top
-  from tfdist import sharded_optimizer  # pylint: disable=g-import-not-at-top
-  from tfdist.train_loop import Trainer  # pylint: disable=g-import-not-at-top
+  from tfdist.training import memory  # pylint: disable=g-import-not-at-top
+  from tfdist.training import sharded_optimizer  # pylint: disable=g-import-not-at-top
+  from tfdist.training.train_loop import Trainer  # pylint: disable=g-import-not-at-top
 
   def current():
     return tf.config.experimental.get_memory_info("CPU:0")["current"]

@@ -355,7 +355,7 @@ def _define_step_guard_flags() -> None:
       "tune_allocator", _default("tune_allocator"),
       "Set glibc malloc so TensorFlow does not map and unmap every large "
       "tensor buffer at each step (M_MMAP_MAX=0, M_TOP_PAD=64 MiB; see "
-      "tfdist/allocator.py). Costs resident memory: each malloc arena may "
+      "tfdist/runtime/allocator.py). Costs resident memory: each malloc arena may "
       "keep up to 64 MiB of freed memory. --notune_allocator leaves malloc "
       "as it is.")
 
@@ -459,7 +459,7 @@ def define_cluster_flags() -> List[str]:
   """Multi-worker cluster, collective timeouts and preemption.
 
   The cluster comes from the first source present: --worker_hosts (with
-  --task_index), TF_CONFIG, Vertex AI's CLUSTER_SPEC (see tfdist/cluster.py).
+  --task_index), TF_CONFIG, Vertex AI's CLUSTER_SPEC (see tfdist/distribute/cluster.py).
   """
   flags.DEFINE_string(
       "worker_hosts", _default("worker_hosts"),

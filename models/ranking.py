@@ -8,7 +8,7 @@ per-item, ... biases) are summed into one logit, squashed by a sigmoid.
 Ids are strings hashed by `keras.layers.Hashing` inside the model, so the
 model is built under the strategy scope with everything else and the
 hashing runs on the workers (no lookup table, no RPC to the coordinator).
-Every table is a `tfdist.sharded_embedding.ShardedEmbedding`: under
+Every table is a `tfdist.training.sharded_embedding.ShardedEmbedding`: under
 ParameterServerStrategy the large ones (user and item, `hash_buckets` rows
 each) are sharded across the ps tasks; the dense layers stay whole.
 """
@@ -18,7 +18,7 @@ from typing import Sequence
 import keras
 from keras import layers
 
-from tfdist.sharded_embedding import ShardedEmbedding
+from tfdist.training.sharded_embedding import ShardedEmbedding
 
 # Ids that get `hash_buckets` rows; the other id features are low
 # cardinality and get `side_buckets` rows.
@@ -35,7 +35,7 @@ def build_ranking(*, id_features: Sequence[str], num_dense: int,
 
   Args:
     id_features: names of the string id inputs (each [batch, 1]), e.g.
-      `tfdist.movielens.ID_FEATURES` (from the data set's `DatasetSpec`).
+      `tfdist.data.movielens.ID_FEATURES` (from the data set's `DatasetSpec`).
     num_dense: width of the float32 `dense` input (0: no dense input).
     num_classes: must be 1 (one sigmoid output).
     embedding_dim: width of every deep embedding.

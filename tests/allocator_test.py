@@ -1,4 +1,4 @@
-"""Tests for tfdist.allocator: glibc malloc tuning against TensorFlow's churn.
+"""Tests for tfdist.runtime.allocator: glibc malloc tuning against TensorFlow's churn.
 
 Counts page faults, never times. The end-to-end test trains in child
 processes with `TF_ENABLE_ONEDNN_OPTS=0`: with TensorFlow's oneDNN
@@ -17,7 +17,7 @@ import sys
 from absl.testing import absltest
 
 from tests import testutil
-from tfdist import allocator
+from tfdist.runtime import allocator
 
 M_MMAP_THRESHOLD = -3
 BUFFER_BYTES = 12 << 20  # About one conv activation of the CNN at batch 128.
@@ -143,7 +143,7 @@ class PageFaultRegressionTest(absltest.TestCase):
           tfdist["minor_faults_per_step"], 3 * keras["minor_faults_per_step"],
           f"tfdist ({strategy}): {tfdist['minor_faults_per_step']:.0f} minor "
           f"faults per step, plain Keras {keras['minor_faults_per_step']:.0f}"
-          ": the allocator churn is back (see tfdist/allocator.py).")
+          ": the allocator churn is back (see tfdist/runtime/allocator.py).")
     # The same Mirrored run without the fix churns: the check can fail.
     stock = self._faults_per_step("tfdist_stock", data, "mirrored")
     self.assertFalse(stock["allocator"]["applied"])
@@ -151,7 +151,7 @@ class PageFaultRegressionTest(absltest.TestCase):
         stock["minor_faults_per_step"], 5 * keras["minor_faults_per_step"],
         "tfdist with --notune_allocator no longer churns: has TensorFlow "
         "stopped fixing glibc's mmap threshold? Then revisit "
-        "tfdist/allocator.py and this test.")
+        "tfdist/runtime/allocator.py and this test.")
 
 
 if __name__ == "__main__":

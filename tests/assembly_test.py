@@ -1,4 +1,4 @@
-"""`tfdist.assembly`: model, optimizer, trainer and checkpoint, built once.
+"""`tfdist.training.assembly`: model, optimizer, trainer and checkpoint, built once.
 
 * `run_options.assembly_options` reads the config's model, optimizer and
   precision fields into `AssemblyOptions`;
@@ -20,10 +20,10 @@ import pytest
 import tensorflow as tf
 
 from tfdist import api
-from tfdist import assembly
-from tfdist import lr_schedule
-from tfdist import run_options
 from tfdist.config import ConfigError, TrainConfig
+from tfdist.runtime import run_options
+from tfdist.training import assembly
+from tfdist.training import lr_schedule
 
 pytestmark = pytest.mark.compat
 
@@ -55,7 +55,7 @@ def _task(model_fn=_model, dataset_fn=_dataset, config=None):
 
 
 def _plan(learning_rate=0.25, global_batch_size=8):
-  """What `assembly.build` reads of a `tfdist.run_plan.RunPlan`."""
+  """What `assembly.build` reads of a `tfdist.training.run_plan.RunPlan`."""
   return types.SimpleNamespace(
       lr=types.SimpleNamespace(
           schedule=lr_schedule.ConstantLearningRate(learning_rate)),

@@ -1,4 +1,4 @@
-"""Tests for tfdist.auto_select: every `auto` decision, per device situation.
+"""Tests for tfdist.distribute.auto_select: every `auto` decision, per device situation.
 
 The decision is a pure function of a `DeviceInventory`, so every situation
 (TPU, GPUs of each compute capability, clusters, CPUs) is tested directly.
@@ -17,14 +17,14 @@ from absl.testing import parameterized
 import pytest
 
 from tests import testutil
-from tfdist import auto_select
-from tfdist import cluster as cluster_lib
-from tfdist import environment as environment_lib
 from tfdist import experiment
-from tfdist import run_options
-from tfdist import tpu
-from tfdist.auto_select import DeviceInventory, GpuInfo
 from tfdist.config import ConfigError, TrainConfig
+from tfdist.distribute import auto_select
+from tfdist.distribute import cluster as cluster_lib
+from tfdist.distribute import environment as environment_lib
+from tfdist.distribute import tpu
+from tfdist.distribute.auto_select import DeviceInventory, GpuInfo
+from tfdist.runtime import run_options
 
 A100 = GpuInfo("NVIDIA A100-SXM4-40GB", (8, 0))
 H100 = GpuInfo("NVIDIA H100 80GB HBM3", (9, 0))
@@ -176,7 +176,7 @@ class ClusterTest(parameterized.TestCase):
        ("TF_CONFIG", 2, 0)),
   )
   def test_cluster_from_env(self, env, expected):
-    # The inventory counts the cluster that tfdist.cluster (the one
+    # The inventory counts the cluster that tfdist.distribute.cluster (the one
     # TF_CONFIG/CLUSTER_SPEC parser) resolved.
     cluster = cluster_lib.resolve_cluster(environ=env)
     inventory = auto_select.take_inventory(

@@ -1,11 +1,11 @@
-"""Tests for tfdist.batch_plan: arithmetic, steps and every error."""
+"""Tests for tfdist.training.batch_plan: arithmetic, steps and every error."""
 
 from absl.testing import absltest
 from absl.testing import parameterized
 import pytest
 
-from tfdist import batch_plan
 from tfdist.config import ConfigError
+from tfdist.training import batch_plan
 
 # Also run on the oldest supported TensorFlow (see tests/conftest.py).
 pytestmark = pytest.mark.compat

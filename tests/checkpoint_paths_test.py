@@ -1,8 +1,8 @@
-"""Unit tests of tfdist.checkpoint_paths: checkpoint numbers, save leftovers."""
+"""Unit tests of tfdist.training.checkpoint_paths: checkpoint numbers, save leftovers."""
 
 import pytest
 
-from tfdist import checkpoint_paths
+from tfdist.training import checkpoint_paths
 
 
 @pytest.mark.compat

@@ -1,4 +1,4 @@
-"""Unit tests of tfdist.checkpointing with real checkpoints in a temp folder.
+"""Unit tests of tfdist.training.checkpointing with real checkpoints in a temp folder.
 
 A checkpoint is whole or absent (a save's leftovers are removed, a NaN
 state is never saved, a damaged one is named), numbered with its step, and
@@ -15,10 +15,10 @@ import pytest
 import tensorflow as tf
 
 from tests import testutil
-from tfdist import checkpoint_paths
-from tfdist import checkpointing
 from tfdist import errors
-from tfdist import input_position
+from tfdist.data import input_position
+from tfdist.training import checkpoint_paths
+from tfdist.training import checkpointing
 
 
 def _keeper(directory, *, layout=None, max_to_keep=5, before_save=None,

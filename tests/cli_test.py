@@ -1,4 +1,4 @@
-"""tfdist.cli: a console script's usage text is the binary's, and help
+"""tfdist.runtime.cli: a console script's usage text is the binary's, and help
 exits 0; tfdist.train's edge: flags to config, errors to exit statuses."""
 
 import contextlib
@@ -15,10 +15,10 @@ from absl.testing import flagsaver
 from absl.testing import parameterized
 
 from tests import testutil
-from tfdist import cli
 from tfdist import exit_codes
-from tfdist import preemption
 from tfdist import train
+from tfdist.runtime import cli
+from tfdist.runtime import preemption
 
 
 class AdoptUsageTest(absltest.TestCase):

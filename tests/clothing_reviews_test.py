@@ -1,4 +1,4 @@
-"""Unit tests of tfdist.clothing_reviews and models/transformer.py: the
+"""Unit tests of tfdist.data.clothing_reviews and models/transformer.py: the
 conversion of the real reviews (a slice), the records, the model's shapes,
 its padding mask, and the registry's refusal of a data set without tokens."""
 
@@ -10,12 +10,12 @@ import numpy as np
 import tensorflow as tf
 
 from tests import testutil
-from tfdist import clothing_reviews
-from tfdist import datasets
-from tfdist import registry
 from tfdist.config import ConfigError
-from tfdist.dataset_spec import DataNotFoundError
+from tfdist.data import clothing_reviews
+from tfdist.data import datasets
+from tfdist.data.dataset_spec import DataNotFoundError
 from tfdist.models import transformer
+from tfdist.training import registry
 
 LIMIT = 200
 

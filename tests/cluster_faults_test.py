@@ -29,8 +29,8 @@ import tensorflow as tf
 
 from tests import ps_testutil
 from tests import testutil
-from tfdist import datasets
-from tfdist import movielens
+from tfdist.data import datasets
+from tfdist.data import movielens
 
 _TFDIST_MODULES = testutil.TFDIST_MODULES
 _PREFIX = testutil.LOG_PREFIX

@@ -1,4 +1,4 @@
-"""Tests for tfdist.cluster: sources, precedence, aliases and errors."""
+"""Tests for tfdist.distribute.cluster: sources, precedence, aliases and errors."""
 
 import json
 
@@ -6,8 +6,8 @@ from absl.testing import absltest
 from absl.testing import parameterized
 import pytest
 
-from tfdist import cluster as cluster_lib
-from tfdist.cluster import ClusterConfigError
+from tfdist.distribute import cluster as cluster_lib
+from tfdist.distribute.cluster import ClusterConfigError
 
 # Also run on the oldest supported TensorFlow (see tests/conftest.py).
 pytestmark = pytest.mark.compat

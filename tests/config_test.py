@@ -8,8 +8,8 @@ from absl.testing import parameterized
 import pytest
 
 from tfdist import config
-from tfdist import environment
 from tfdist.config import ConfigError, TrainConfig
+from tfdist.distribute import environment
 
 # Also run on the oldest supported TensorFlow (see tests/conftest.py).
 pytestmark = pytest.mark.compat

@@ -1,4 +1,4 @@
-"""Tests for tfdist.controller: the one outer loop, driven in milliseconds.
+"""Tests for tfdist.training.controller: the one outer loop, driven in milliseconds.
 
 As Orbit's own controller test does, most tests drive the `Controller` with
 a fake step runner (it only counts steps and returns sums), real checkpoints
@@ -25,14 +25,14 @@ import portpicker
 import tensorflow as tf
 
 from tests import testutil
-from tfdist import checkpointing
-from tfdist import controller as controller_lib
-from tfdist import preemption
-from tfdist import profiling
-from tfdist import run_log as run_log_lib
-from tfdist import step_runner
-from tfdist.controller import Controller, ControllerOptions
-from tfdist.train_loop import Trainer
+from tfdist.observability import profiling
+from tfdist.observability import run_log as run_log_lib
+from tfdist.runtime import preemption
+from tfdist.training import checkpointing
+from tfdist.training import controller as controller_lib
+from tfdist.training import step_runner
+from tfdist.training.controller import Controller, ControllerOptions
+from tfdist.training.train_loop import Trainer
 
 
 class FakeRunner(step_runner.StepRunner):

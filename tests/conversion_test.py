@@ -1,12 +1,12 @@
-"""Unit tests of tfdist.conversion: a data set converted once, whole."""
+"""Unit tests of tfdist.data.conversion: a data set converted once, whole."""
 
 import json
 import os
 
 import pytest
 
-from tfdist import conversion
-from tfdist.dataset_spec import INFO_FILE
+from tfdist.data import conversion
+from tfdist.data.dataset_spec import INFO_FILE
 
 
 def _write_one_file(tmp_dir):

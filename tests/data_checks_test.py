@@ -1,12 +1,12 @@
-"""Unit tests of tfdist.data_checks on small TFRecord files written here."""
+"""Unit tests of tfdist.data.data_checks on small TFRecord files written here."""
 
 import os
 
 import pytest
 import tensorflow as tf
 
-from tfdist import data_checks
 from tfdist.config import ConfigError
+from tfdist.data import data_checks
 
 FEATURES = {"x": tf.io.FixedLenFeature([2], tf.float32),
             "y": tf.io.FixedLenFeature([], tf.int64)}

@@ -1,12 +1,12 @@
-"""Unit tests of tfdist.dataset_spec: one source per data set."""
+"""Unit tests of tfdist.data.dataset_spec: one source per data set."""
 
 import dataclasses
 
 import pytest
 
 from tfdist.config import ConfigError
-from tfdist.dataset_spec import DataNotFoundError
-from tfdist.dataset_spec import DatasetSpec
+from tfdist.data.dataset_spec import DataNotFoundError
+from tfdist.data.dataset_spec import DatasetSpec
 
 
 def _parse(serialized):

@@ -1,12 +1,12 @@
-"""Unit tests of tfdist.datasets: the built-in data sets by name."""
+"""Unit tests of tfdist.data.datasets: the built-in data sets by name."""
 
 import pytest
 
-from tfdist import datasets
-from tfdist import fashion_mnist
-from tfdist import movielens
-from tfdist import registry
 from tfdist.config import ConfigError
+from tfdist.data import datasets
+from tfdist.data import fashion_mnist
+from tfdist.data import movielens
+from tfdist.training import registry
 
 
 def test_the_built_in_data_sets_are_registered():

@@ -1,4 +1,4 @@
-"""Tests for tfdist.devices (logical CPU devices, the device listing)."""
+"""Tests for tfdist.distribute.devices (logical CPU devices, the device listing)."""
 
 import json
 import os
@@ -10,7 +10,7 @@ import pytest
 import tensorflow as tf
 
 from tests import testutil
-from tfdist import devices
+from tfdist.distribute import devices
 
 pytestmark = pytest.mark.compat
 
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.compat
 _SPLIT = """
 import json
 import tensorflow as tf
-from tfdist import devices
+from tfdist.distribute import devices
 out = {"split": devices.configure_cpu_devices(2)}
 tf.constant(1.0) + 1.0
 out["again"] = devices.configure_cpu_devices(2)

@@ -24,14 +24,14 @@ import numpy as np
 import tensorflow as tf
 
 from tests import testutil
-from tfdist import checkpointing
 from tfdist import diagnose
-from tfdist import memory
-from tfdist import run_log as run_log_lib
-from tfdist import step_runner
-from tfdist.controller import Controller, ControllerOptions
 from tfdist.diagnose import RunMeasurement
-from tfdist.train_loop import Trainer
+from tfdist.observability import run_log as run_log_lib
+from tfdist.training import checkpointing
+from tfdist.training import memory
+from tfdist.training import step_runner
+from tfdist.training.controller import Controller, ControllerOptions
+from tfdist.training.train_loop import Trainer
 
 BATCH = 128
 SLEEP_SECONDS = 0.1  # Per batch, in the slowed pipeline's map.
@@ -309,7 +309,7 @@ class DiagnoseBinaryTest(absltest.TestCase):
     self.assertIn("Verdict: ", out)
     self.assertIn("logical-CPU speedup, not scaling", out)
     self.assertIn("Model state per replica: parameters", out)
-    # tfdist.allocator's malloc settings, on by default, read back from
+    # tfdist.runtime.allocator's malloc settings, on by default, read back from
     # both runs' manifests.
     self.assertIn("malloc tuning on;", out)
     with open(out_json) as f:

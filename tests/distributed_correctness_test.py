@@ -42,8 +42,8 @@ def _ids_per_worker_per_epoch(files, *, workers, global_batch, epochs, seed,
   """Example ids each worker's `make_dataset` yields, per epoch of
   `N // global_batch` steps."""
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  from tfdist import datasets  # pylint: disable=g-import-not-at-top
-  from tfdist import input_pipeline  # pylint: disable=g-import-not-at-top
+  from tfdist.data import datasets  # pylint: disable=g-import-not-at-top
+  from tfdist.data import input_pipeline  # pylint: disable=g-import-not-at-top
   total = input_pipeline.count_records(files)
   steps = total // global_batch
   out = [[[] for _ in range(workers)] for _ in range(epochs)]
@@ -72,7 +72,7 @@ class ExactlyOncePerEpochTest(parameterized.TestCase):
       ("four_files_three_workers", 250, 4, 3, 48, "given"))
   def test_no_example_twice_and_only_the_remainder_missed(
       self, limit, num_files, workers, global_batch, counts):
-    from tfdist import input_pipeline  # pylint: disable=g-import-not-at-top
+    from tfdist.data import input_pipeline  # pylint: disable=g-import-not-at-top
     data = testutil.fashion_mnist_subset(limit=limit, train_shards=num_files,
                                          test_shards=1)
     files = input_pipeline.list_files(data["train"])
@@ -96,7 +96,7 @@ class ExactlyOncePerEpochTest(parameterized.TestCase):
     self.assertNotEqual(left_out[0], left_out[1])
 
   def test_plan_prefers_files_only_when_shares_are_equal(self):
-    from tfdist import input_pipeline  # pylint: disable=g-import-not-at-top
+    from tfdist.data import input_pipeline  # pylint: disable=g-import-not-at-top
     plan = input_pipeline.plan_sharding(
         [80, 80, 80], num_files=3, num_input_pipelines=2,
         global_batch_size=32, is_training=True)
@@ -174,10 +174,10 @@ def _child_main(train_glob: str) -> dict:
   tf.config.set_logical_device_configuration(
       cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
   from tfdist import models  # pylint: disable=g-import-not-at-top
-  from tfdist import datasets  # pylint: disable=g-import-not-at-top
-  from tfdist import input_pipeline  # pylint: disable=g-import-not-at-top
-  from tfdist import precision  # pylint: disable=g-import-not-at-top
-  from tfdist.train_loop import Trainer  # pylint: disable=g-import-not-at-top
+  from tfdist.data import datasets  # pylint: disable=g-import-not-at-top
+  from tfdist.data import input_pipeline  # pylint: disable=g-import-not-at-top
+  from tfdist.training import precision  # pylint: disable=g-import-not-at-top
+  from tfdist.training.train_loop import Trainer  # pylint: disable=g-import-not-at-top
   one = tf.distribute.OneDeviceStrategy("/cpu:0")
   mirrored = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
   # 16 real images; replica 0 gets the first 8, replica 1 the last 8.
@@ -313,7 +313,7 @@ def _child_main(train_glob: str) -> dict:
 class SkippedStepsAreLoudTest(absltest.TestCase):
 
   def test_monitor_counts_and_stops_on_a_window(self):
-    from tfdist import training_checks  # pylint: disable=g-import-not-at-top
+    from tfdist.training import training_checks  # pylint: disable=g-import-not-at-top
     monitor = training_checks.SkippedStepMonitor(5, start_step=10)
     monitor.record_chunk(steps=4, skipped=3, skipped_at_end=2)  # 11-14
     monitor.record_chunk(steps=2, skipped=2, skipped_at_end=2)  # 15-16
@@ -364,16 +364,16 @@ class SkippedStepsAreLoudTest(absltest.TestCase):
     import keras  # pylint: disable=g-import-not-at-top
     import numpy as np  # pylint: disable=g-import-not-at-top
     import tensorflow as tf  # pylint: disable=g-import-not-at-top
-    from tfdist import controller as controller_lib  # pylint: disable=g-import-not-at-top
-    from tfdist import training_checks  # pylint: disable=g-import-not-at-top
-    from tfdist.train_loop import Trainer  # pylint: disable=g-import-not-at-top
+    from tfdist.training import controller as controller_lib  # pylint: disable=g-import-not-at-top
+    from tfdist.training import training_checks  # pylint: disable=g-import-not-at-top
+    from tfdist.training.train_loop import Trainer  # pylint: disable=g-import-not-at-top
     strategy = tf.distribute.get_strategy()
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(
         3, kernel_initializer=keras.initializers.Constant(np.inf))])
     trainer = Trainer(strategy=strategy, model=model,
                       optimizer=keras.optimizers.SGD(0.1),
                       global_batch_size=4)
-    from tfdist import run_log as run_log_lib  # pylint: disable=g-import-not-at-top
+    from tfdist.observability import run_log as run_log_lib  # pylint: disable=g-import-not-at-top
     eval_data = tf.data.Dataset.from_tensors(
         (np.ones((4, 4), np.float32), np.zeros((4,), np.int64)))
     controller = controller_lib.Controller(
@@ -388,7 +388,7 @@ class SkippedStepsAreLoudTest(absltest.TestCase):
 
   def test_manifest_is_strict_json(self):
     import numpy as np  # pylint: disable=g-import-not-at-top
-    from tfdist import manifest  # pylint: disable=g-import-not-at-top
+    from tfdist.observability import manifest  # pylint: disable=g-import-not-at-top
     directory = testutil.scratch_dir()
     manifest.write_manifest(directory, {
         "final_metrics": {"eval_loss": float("inf"), "eval_auc": math.nan,
@@ -431,8 +431,8 @@ class FlagsTest(absltest.TestCase):
               xla_per_replica=True)
 
   def test_clip_flags_reach_the_keras_optimizer(self):
-    from tfdist import optimizers  # pylint: disable=g-import-not-at-top
     from tfdist.config import ConfigError, TrainConfig  # pylint: disable=g-import-not-at-top
+    from tfdist.training import optimizers  # pylint: disable=g-import-not-at-top
     optimizer = optimizers.build_optimizer("adam", 0.1, global_clipnorm=1.5)
     self.assertEqual(optimizer.global_clipnorm, 1.5)
     self.assertEqual(optimizers.build_optimizer(

@@ -13,7 +13,7 @@
   the page).
 * The blocks this file runs, as written: the README's `tfdist.fit` example
   in a child process (its `model_dir` moved to a scratch folder), and the
-  your-model guide's feature spec, parsed by `tfdist.feature_spec`. The
+  your-model guide's feature spec, parsed by `tfdist.data.feature_spec`. The
   quick start's two commands are checked too: its training command passes
   `--dry_run` in a second child, at the same time (every start-up check, on
   the real Fashion-MNIST files), and its test command is what `.ci/run`
@@ -383,7 +383,7 @@ class DocsTest(absltest.TestCase):
   def test_feature_spec_block_parses(self):
     # Imported here, not at the top: TensorFlow then loads in this process
     # while the two children (started in setUpClass) already run.
-    from tfdist import feature_spec  # pylint: disable=g-import-not-at-top
+    from tfdist.data import feature_spec  # pylint: disable=g-import-not-at-top
     block = find_block("docs/guides/your-model.md", "feature-spec")
     spec = feature_spec.from_dict(json.loads(block))
     self.assertEqual(tuple(spec.labels), ("tags",))

@@ -1,4 +1,4 @@
-"""Unit tests of tfdist.done_marker: the chief's "training finished" file."""
+"""Unit tests of tfdist.training.done_marker: the chief's "training finished" file."""
 
 import json
 import os
@@ -7,8 +7,8 @@ import time
 import pytest
 
 from tests import testutil
-from tfdist import done_marker
-from tfdist import parameter_server
+from tfdist.distribute import parameter_server
+from tfdist.training import done_marker
 
 
 @pytest.mark.compat

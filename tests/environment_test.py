@@ -21,13 +21,13 @@ from absl.testing import parameterized
 import pytest
 
 from tests import testutil
-from tfdist import environment as environment_lib
 from tfdist import experiment
-from tfdist import export
-from tfdist import manifest as manifest_lib
-from tfdist.cluster import ClusterConfigError
 from tfdist.config import ConfigError, TrainConfig
-from tfdist.dataset_spec import DataNotFoundError
+from tfdist.data.dataset_spec import DataNotFoundError
+from tfdist.distribute import environment as environment_lib
+from tfdist.distribute.cluster import ClusterConfigError
+from tfdist.observability import manifest as manifest_lib
+from tfdist.training import export
 
 TRAIN_URI = "gs://bucket/dataset-123-tables-2024/training-*"
 EVAL_URI = "gs://bucket/dataset-123-tables-2024/validation-*"

@@ -12,27 +12,27 @@ import pytest
 import tensorflow as tf
 
 from tests import testutil
-from tfdist import checkpointing
-from tfdist import cluster
 from tfdist import config
-from tfdist import data_checks
-from tfdist import dataset_spec
 from tfdist import diagnose
 from tfdist import errors
-from tfdist import export
-from tfdist import failures
-from tfdist import filesystems
 from tfdist import job_spec
-from tfdist import lease
-from tfdist import parameter_server
-from tfdist import preemption
-from tfdist import preflight
-from tfdist import rendezvous
-from tfdist import run_log
-from tfdist import step_runner
-from tfdist import tpu
-from tfdist import training_checks
-from tfdist import versions
+from tfdist.data import data_checks
+from tfdist.data import dataset_spec
+from tfdist.data import filesystems
+from tfdist.distribute import cluster
+from tfdist.distribute import lease
+from tfdist.distribute import parameter_server
+from tfdist.distribute import rendezvous
+from tfdist.distribute import tpu
+from tfdist.observability import run_log
+from tfdist.observability import versions
+from tfdist.runtime import failures
+from tfdist.runtime import preemption
+from tfdist.runtime import preflight
+from tfdist.training import checkpointing
+from tfdist.training import export
+from tfdist.training import step_runner
+from tfdist.training import training_checks
 
 CONFIG_ERRORS = [
     errors.ConfigError, errors.ClusterConfigError, errors.JobSpecError,

@@ -40,16 +40,16 @@ import tensorflow as tf
 
 from tests import testutil
 from tfdist import api
-from tfdist import assembly
-from tfdist import batch_plan
-from tfdist import feature_spec
-from tfdist import input_pipeline
-from tfdist import lr_schedule
-from tfdist import manifest as manifest_lib
-from tfdist import parameter_server as ps_lib
-from tfdist import run_options
-from tfdist import step_runner
 from tfdist.config import TrainConfig
+from tfdist.data import feature_spec
+from tfdist.data import input_pipeline
+from tfdist.distribute import parameter_server as ps_lib
+from tfdist.observability import manifest as manifest_lib
+from tfdist.runtime import run_options
+from tfdist.training import assembly
+from tfdist.training import batch_plan
+from tfdist.training import lr_schedule
+from tfdist.training import step_runner
 
 EXAMPLES = os.path.join(testutil.REPO_ROOT, "examples")
 _CHILD_ENV = "TFDIST_EXAMPLES_TEST_CHILD"

@@ -19,12 +19,12 @@ import tensorflow as tf
 
 from tests import testutil
 from tfdist import api
-from tfdist import auto_select
-from tfdist import cluster as cluster_lib
-from tfdist import environment as environment_lib
 from tfdist import experiment
 from tfdist.config import TrainConfig
-from tfdist.strategy_kind import StrategyKind
+from tfdist.distribute import auto_select
+from tfdist.distribute import cluster as cluster_lib
+from tfdist.distribute import environment as environment_lib
+from tfdist.distribute.strategy_kind import StrategyKind
 
 # The steps `ExperimentRunner.train` documents, in order.
 TRAINING_STEPS = [

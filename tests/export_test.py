@@ -1,4 +1,4 @@
-"""`tfdist.export`: the SavedModel folder is tfdist's alone.
+"""`tfdist.training.export`: the SavedModel folder is tfdist's alone.
 
 * `check_layout` refuses an export folder that is, holds, or lies in an
   entry of the run's other folders, and passes the default;
@@ -18,8 +18,8 @@ import pytest
 import tensorflow as tf
 
 from tests import testutil
-from tfdist import export
 from tfdist.config import ConfigError
+from tfdist.training import export
 
 pytestmark = pytest.mark.compat
 

@@ -1,4 +1,4 @@
-"""Unit tests of tfdist.failures: foreseeable failures as one named line.
+"""Unit tests of tfdist.runtime.failures: foreseeable failures as one named line.
 
 A full disk cannot be made here (no tmpfs of our own), so the OSErrors a
 full disk raises are constructed with their real errno; a refused write is
@@ -13,7 +13,7 @@ import tensorflow as tf
 
 from tests import testutil
 from tfdist import errors
-from tfdist import failures
+from tfdist.runtime import failures
 
 FOLDERS = {"--model_dir": "/runs/m", "--export_dir": "/runs/m/export"}
 

@@ -1,4 +1,4 @@
-"""Unit tests of tfdist.fashion_mnist on a slice of Debian's Fashion-MNIST."""
+"""Unit tests of tfdist.data.fashion_mnist on a slice of Debian's Fashion-MNIST."""
 
 import os
 
@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfdist import fashion_mnist
-from tfdist.dataset_spec import DataNotFoundError
+from tfdist.data import fashion_mnist
+from tfdist.data.dataset_spec import DataNotFoundError
 
 RAW = fashion_mnist.DEBIAN_FASHION_MNIST_DIR
 pytestmark = pytest.mark.skipif(

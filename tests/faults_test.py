@@ -38,11 +38,11 @@ import pytest
 import tensorflow as tf
 
 from tests import testutil
-from tfdist import datasets
 from tfdist import experiment
-from tfdist import manifest as manifest_lib
-from tfdist import run_log as run_log_lib
 from tfdist.config import ConfigError, TrainConfig
+from tfdist.data import datasets
+from tfdist.observability import manifest as manifest_lib
+from tfdist.observability import run_log as run_log_lib
 
 
 def _data():
@@ -234,7 +234,7 @@ class FaultsTest(parameterized.TestCase):
 
   @pytest.mark.compat  # Also on the oldest TensorFlow.
   def test_another_replica_count_at_the_same_global_batch_is_allowed(self):
-    from tfdist import checkpointing  # pylint: disable=g-import-not-at-top
+    from tfdist.training import checkpointing  # pylint: disable=g-import-not-at-top
     before = {"global_batch_size": 64, "num_replicas_in_sync": 2,
               "per_replica_batch_size": 32, "total_steps": 100,
               "config": {"model": "cnn", "dataset": "fashion_mnist"}}
@@ -399,7 +399,7 @@ class FaultsTest(parameterized.TestCase):
 
   @pytest.mark.compat  # Also on the oldest TensorFlow.
   def test_an_expired_lease_is_taken_over_a_live_one_is_not(self):
-    from tfdist import lease as lease_lib  # pylint: disable=g-import-not-at-top
+    from tfdist.distribute import lease as lease_lib  # pylint: disable=g-import-not-at-top
     model_dir = testutil.scratch_dir()
     now = time.time()
 
@@ -442,14 +442,14 @@ class FaultsTest(parameterized.TestCase):
   # --- 6. exit statuses and the job-spec writer -----------------------------
   @pytest.mark.compat  # Also on the oldest TensorFlow.
   def test_exit_statuses_follow_the_retryable_split(self):
-    from tfdist import checkpointing  # pylint: disable=g-import-not-at-top
-    from tfdist import data_checks  # pylint: disable=g-import-not-at-top
     from tfdist import exit_codes  # pylint: disable=g-import-not-at-top
-    from tfdist import lease as lease_lib  # pylint: disable=g-import-not-at-top
-    from tfdist import parameter_server  # pylint: disable=g-import-not-at-top
-    from tfdist import preemption  # pylint: disable=g-import-not-at-top
-    from tfdist import preflight  # pylint: disable=g-import-not-at-top
-    from tfdist import step_runner  # pylint: disable=g-import-not-at-top
+    from tfdist.data import data_checks  # pylint: disable=g-import-not-at-top
+    from tfdist.distribute import lease as lease_lib  # pylint: disable=g-import-not-at-top
+    from tfdist.distribute import parameter_server  # pylint: disable=g-import-not-at-top
+    from tfdist.runtime import preemption  # pylint: disable=g-import-not-at-top
+    from tfdist.runtime import preflight  # pylint: disable=g-import-not-at-top
+    from tfdist.training import checkpointing  # pylint: disable=g-import-not-at-top
+    from tfdist.training import step_runner  # pylint: disable=g-import-not-at-top
     cases = [
         (ConfigError("--batch_size=0"), 2),
         (data_checks.DataError("cut"), 2),

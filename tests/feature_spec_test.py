@@ -1,4 +1,4 @@
-"""Tests for tfdist.feature_spec: user TFRecords described by JSON.
+"""Tests for tfdist.data.feature_spec: user TFRecords described by JSON.
 
 Real records written with `tf.io.TFRecordWriter`, parsed through the spec's
 `parse_fn` and checked by `check_files`, as `--feature_spec` does at start.
@@ -14,9 +14,9 @@ import pytest
 import tensorflow as tf
 
 from tests import testutil
-from tfdist import feature_spec
-from tfdist import fashion_mnist
 from tfdist.config import ConfigError
+from tfdist.data import fashion_mnist
+from tfdist.data import feature_spec
 
 # Unit tests: also run on the oldest supported TensorFlow (tests/conftest.py).
 pytestmark = pytest.mark.compat

@@ -1,4 +1,4 @@
-"""File systems from tensorflow-io (tfdist/filesystems.py), and `s3://`.
+"""File systems from tensorflow-io (tfdist/data/filesystems.py), and `s3://`.
 
 Where tensorflow-io loads (TensorFlow 2.17: tools/test.sh runs this file in
 .venv-tf217 too), a short training run reads its shards from `s3://`,
@@ -27,9 +27,9 @@ import portpicker
 import pytest
 
 from tests import testutil
-from tfdist import filesystems
-from tfdist import run_options
 from tfdist.config import TrainConfig
+from tfdist.data import filesystems
+from tfdist.runtime import run_options
 
 # Also run on the oldest supported TensorFlow (see tests/conftest.py).
 pytestmark = pytest.mark.compat

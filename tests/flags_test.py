@@ -11,10 +11,10 @@ from absl import flags as absl_flags
 from absl.testing import absltest
 from absl.testing import flagsaver
 
-from tfdist import flags as tfdist_flags
-from tfdist.flags import definitions
 from tfdist import config as config_lib
+from tfdist import flags as tfdist_flags
 from tfdist import train  # pylint: disable=unused-import
+from tfdist.flags import definitions
 
 # Importing the binary defined every tfdist flag on absl's FLAGS.
 

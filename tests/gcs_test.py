@@ -182,7 +182,7 @@ class GcsKillAndResumeTest(absltest.TestCase):
     self.assertTrue(np.all(np.isfinite(logits)))
 
   def _first_test_images(self, n: int = 8) -> np.ndarray:
-    from tfdist import datasets  # pylint: disable=g-import-not-at-top
+    from tfdist.data import datasets  # pylint: disable=g-import-not-at-top
     spec = datasets.get_dataset_spec("fashion_mnist")
     files = tf.io.gfile.glob(f"{self.data_dir}/test-*.tfrecord.gz")
     dataset = tf.data.TFRecordDataset(sorted(files), compression_type="GZIP")

@@ -18,10 +18,10 @@ import keras
 
 from tests import testutil
 from tfdist import experiment
-from tfdist import hptune
-from tfdist import manifest as manifest_lib
-from tfdist import task as task_lib
+from tfdist.cloud import hptune
 from tfdist.config import ConfigError, HPTUNE_METRICS, TrainConfig
+from tfdist.observability import manifest as manifest_lib
+from tfdist.runtime import run_options
 
 # Also run on the oldest supported TensorFlow (tests/conftest.py).
 pytestmark = pytest.mark.compat
@@ -77,7 +77,7 @@ class ReportTest(absltest.TestCase):
         eval_files=data["eval"], distribution_strategy="one_device",
         batch_size=64, train_steps=12, log_steps=4,
         hptune_metric="eval_top2")
-    task = dataclasses.replace(task_lib.from_config(config), metrics=[
+    task = dataclasses.replace(run_options.task(config), metrics=[
         "accuracy", keras.metrics.SparseTopKCategoricalAccuracy(
             k=2, name="top2")])
     # A name the model does not evaluate stops the run before training.

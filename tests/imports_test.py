@@ -16,12 +16,23 @@ PACKAGES = ("tfdist", "models", "flags")
 # Module names are built, not written out: a literal dotted name would read
 # as a module this test runs (tests/bazel_targets.py).
 WIRING = f"{PACKAGES[0]}.experiment"
-CONTROLLER = f"{PACKAGES[0]}.controller"
+CONTROLLER = f"{PACKAGES[0]}.training.controller"
 # Entry points: the binaries (the Ray binary's through the part that runs
-# on each Ray worker, tfdist.ray_worker), and `tfdist.fit` (tfdist.api), the
+# on each Ray worker, tfdist.cloud.ray_worker), and `tfdist.fit` (tfdist.api), the
 # Python API's edge, which runs the wiring as the binaries do.
-BINARIES = (f"{PACKAGES[0]}.train", f"{PACKAGES[0]}.ray_worker",
+BINARIES = (f"{PACKAGES[0]}.train", f"{PACKAGES[0]}.cloud.ray_worker",
             f"{PACKAGES[0]}.api")
+
+
+def _module_files(root: str, package: str) -> list:
+  """The package's module files (subpackages too), as paths from `root`."""
+  found = []
+  for folder, dirs, names in os.walk(os.path.join(root, package)):
+    dirs[:] = sorted(d for d in dirs if d != "__pycache__")
+    for name in sorted(names):
+      if name.endswith(".py") and name != "__init__.py":
+        found.append(os.path.relpath(os.path.join(folder, name), root))
+  return found
 
 
 def import_graph(root: str = ROOT) -> dict:
@@ -29,13 +40,10 @@ def import_graph(root: str = ROOT) -> dict:
   roots = bazel_targets.first_party_roots(root)
   graph = {}
   for package in PACKAGES:
-    for name in sorted(os.listdir(os.path.join(root, package))):
-      if not name.endswith(".py") or name == "__init__.py":
-        continue
-      module = f"{package}.{name[:-3]}"
+    for relpath in _module_files(root, package):
+      module = relpath[:-3].replace(os.sep, ".")
       edges = set()
-      for dotted, files in bazel_targets.module_imports(
-          root, os.path.join(package, name), roots):
+      for dotted, files in bazel_targets.module_imports(root, relpath, roots):
         for path in files:
           if path.endswith("__init__.py") or not path.endswith(".py"):
             continue

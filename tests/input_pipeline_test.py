@@ -1,4 +1,4 @@
-"""Tests for tfdist.datasets and tfdist.input_pipeline on real Fashion-MNIST."""
+"""Tests for tfdist.data.datasets and tfdist.data.input_pipeline on real Fashion-MNIST."""
 
 import collections
 import gzip
@@ -11,8 +11,8 @@ import pytest
 import tensorflow as tf
 
 from tests import testutil
-from tfdist import datasets
-from tfdist import input_pipeline
+from tfdist.data import datasets
+from tfdist.data import input_pipeline
 
 # Also run on the oldest supported TensorFlow (see tests/conftest.py).
 pytestmark = pytest.mark.compat

@@ -3,8 +3,8 @@
 Before, a resumed run started its input at the beginning of epoch 0's
 order again: a restarted run's first 40 batches shared 38.9% of their
 examples with the first run's (8.5% by chance). Now every worker
-recomputes its position from the restored step (`tfdist.input_pipeline`,
-`tfdist.checkpointing.InputPosition`).
+recomputes its position from the restored step (`tfdist.data.input_pipeline`,
+`tfdist.training.checkpointing.InputPosition`).
 
 * The pipeline (in this process): resumed at step s, each worker's
   `make_dataset` yields exactly the batches an uninterrupted one yields
@@ -48,7 +48,7 @@ _TIMEOUT_S = 300
 _LIMIT, _BATCH, _STEPS, _STOP = 160, 32, 8, 3
 # With dropout (in its head): Keras 3 keeps a dropout layer's seed state out
 # of the model's checkpoint, so tfdist saves it beside the model
-# (`tfdist.train_loop.random_state`); without it a resumed run's masks
+# (`tfdist.training.train_loop.random_state`); without it a resumed run's masks
 # differ from an uninterrupted run's and so do the weights.
 _MODEL = "cnn"
 
@@ -64,8 +64,8 @@ class ResumedPipelineTest(parameterized.TestCase):
   def test_resumed_input_continues_the_epoch(self, workers, local_replicas,
                                              accumulation):
     import tensorflow as tf  # pylint: disable=g-import-not-at-top
-    from tfdist import fashion_mnist  # pylint: disable=g-import-not-at-top
-    from tfdist import input_pipeline  # pylint: disable=g-import-not-at-top
+    from tfdist.data import fashion_mnist  # pylint: disable=g-import-not-at-top
+    from tfdist.data import input_pipeline  # pylint: disable=g-import-not-at-top
     data = testutil.fashion_mnist_subset(limit=250, train_shards=3,
                                          test_shards=1)
     files = input_pipeline.list_files(data["train"])
@@ -101,7 +101,7 @@ class ResumedPipelineTest(parameterized.TestCase):
                                                    7 * batches_per_step])
 
   def test_layout_change_names_what_changed(self):
-    from tfdist import input_pipeline  # pylint: disable=g-import-not-at-top
+    from tfdist.data import input_pipeline  # pylint: disable=g-import-not-at-top
     layout = lambda **kw: input_pipeline.input_layout(**{
         "files": ["/a/train-0.gz", "/a/train-1.gz"],
         "file_record_counts": [80, 80], "num_input_pipelines": 2,
@@ -127,7 +127,7 @@ class ResumedPipelineTest(parameterized.TestCase):
   def test_checkpoint_records_the_layout(self):
     import keras  # pylint: disable=g-import-not-at-top
     import tensorflow as tf  # pylint: disable=g-import-not-at-top
-    from tfdist import checkpointing  # pylint: disable=g-import-not-at-top
+    from tfdist.training import checkpointing  # pylint: disable=g-import-not-at-top
 
     def keeper(directory, layout):
       model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
@@ -180,8 +180,8 @@ class RandomStateTest(absltest.TestCase):
   def test_checkpoint_holds_the_dropout_state(self):
     import keras  # pylint: disable=g-import-not-at-top
     import tensorflow as tf  # pylint: disable=g-import-not-at-top
-    from tfdist import checkpointing  # pylint: disable=g-import-not-at-top
-    from tfdist import train_loop  # pylint: disable=g-import-not-at-top
+    from tfdist.training import checkpointing  # pylint: disable=g-import-not-at-top
+    from tfdist.training import train_loop  # pylint: disable=g-import-not-at-top
 
     def keeper(directory, with_state):
       inputs = keras.Input((3,))
@@ -237,16 +237,16 @@ def _copy_checkpoint(src_dir, dst_dir, step):
 
 
 class InputPositionTest(absltest.TestCase):
-  """`tfdist.input_position` itself: the epoch a step falls in, a position
+  """`tfdist.data.input_position` itself: the epoch a step falls in, a position
   that round-trips through its serialized form."""
 
   def test_epoch_start(self):
-    from tfdist import input_position  # pylint: disable=g-import-not-at-top
+    from tfdist.data import input_position  # pylint: disable=g-import-not-at-top
     self.assertEqual([input_position.epoch_start(s, 5)
                       for s in (0, 4, 5, 7, 10)], [0, 0, 5, 5, 10])
 
   def test_position_round_trips(self):
-    from tfdist import input_position  # pylint: disable=g-import-not-at-top
+    from tfdist.data import input_position  # pylint: disable=g-import-not-at-top
     layout = {"seed": 1, "files": ["a"], "num_input_pipelines": 2}
     saved = input_position.InputPosition(layout, steps_per_epoch=5)
     restored = input_position.InputPosition(layout, steps_per_epoch=5)
@@ -359,8 +359,8 @@ def _child_main(spec: dict) -> dict:
   tf.config.set_logical_device_configuration(
       cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
   from tfdist.config import TrainConfig  # pylint: disable=g-import-not-at-top
+  from tfdist.distribute import environment  # pylint: disable=g-import-not-at-top
   from tfdist.experiment import run_experiment  # pylint: disable=g-import-not-at-top
-  from tfdist import environment  # pylint: disable=g-import-not-at-top
   data, out = spec["data"], spec["out"]
   results = {}
   for label, extra in (

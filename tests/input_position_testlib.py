@@ -2,7 +2,7 @@
 
 tfdist's own binary (`tfdist.train.main`) with the training input's example
 ids recorded: `record_example_ids(path)` wraps
-`tfdist.input_pipeline.make_dataset` so that training datasets also parse
+`tfdist.data.input_pipeline.make_dataset` so that training datasets also parse
 each Fashion-MNIST example's `id` (a third element of every batch, which
 the trainer ignores: it takes `batch[:2]`) and append each per-replica
 batch's ids, in the order the pipeline hands them out, as one JSON line to
@@ -40,8 +40,8 @@ def record_example_ids(path: str):
   """Training datasets built from now on record their ids under `path`
   (`path` "" stops recording)."""
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  from tfdist import fashion_mnist  # pylint: disable=g-import-not-at-top
-  from tfdist import input_pipeline  # pylint: disable=g-import-not-at-top
+  from tfdist.data import fashion_mnist  # pylint: disable=g-import-not-at-top
+  from tfdist.data import input_pipeline  # pylint: disable=g-import-not-at-top
   _PATH[0] = path
   if getattr(input_pipeline.make_dataset, "records_ids", False):
     return

@@ -1,11 +1,11 @@
-"""Tests for tfdist.job_plan: a job's shape and its replicas' train flags."""
+"""Tests for tfdist.cloud.job_plan: a job's shape and its replicas' train flags."""
 
 from absl.testing import absltest
 from absl.testing import parameterized
 
-from tfdist import job_plan
+from tfdist.cloud import job_plan
 from tfdist.config import TrainConfig
-from tfdist.strategy_kind import StrategyKind
+from tfdist.distribute.strategy_kind import StrategyKind
 
 JobPlan = job_plan.JobPlan
 JobSpecError = job_plan.JobSpecError

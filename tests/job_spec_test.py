@@ -15,8 +15,8 @@ from absl.testing import absltest
 from absl.testing import parameterized
 
 from tests import testutil
-from tfdist import cluster as cluster_lib
 from tfdist import job_spec
+from tfdist.distribute import cluster as cluster_lib
 
 _PACKAGE = "gs://my-bucket/tfdist-0.1.0.tar.gz"
 _TRAIN = ("--model_dir=gs://my-bucket/run", "--train_steps=1000",
@@ -84,7 +84,7 @@ class VertexTest(absltest.TestCase):
         "containerSpec": {"imageUri": cluster_lib.REDUCTION_SERVER_IMAGE}})
     self.assertIn("--reduction_server", pools[0]["pythonPackageSpec"]["args"])
     # The job description Vertex hands the replicas marks pool 2, so auto
-    # picks multi_worker_mirrored there (tfdist.cluster).
+    # picks multi_worker_mirrored there (tfdist.distribute.cluster).
     self.assertTrue(cluster_lib.reduction_server_in_job(job["jobSpec"]))
 
   def test_evaluator_beside_multi_worker_mirrored(self):

@@ -1,4 +1,4 @@
-"""Tests for tfdist.keras_callbacks: refused callbacks and per-task copies."""
+"""Tests for tfdist.training.keras_callbacks: refused callbacks and per-task copies."""
 
 import os
 import tempfile
@@ -6,8 +6,8 @@ import tempfile
 from absl.testing import absltest
 import keras
 
-from tfdist import keras_callbacks
 from tfdist.config import ConfigError
+from tfdist.training import keras_callbacks
 
 
 class CheckCallbacksTest(absltest.TestCase):

@@ -15,8 +15,8 @@ from absl.testing import absltest
 
 from tests import multi_worker_testlib as testlib
 from tests import testutil
-from tfdist import cluster as cluster_lib
 from tfdist import launch
+from tfdist.distribute import cluster as cluster_lib
 
 TIMEOUT = 240
 CHECKPOINT_STEPS = 10

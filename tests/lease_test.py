@@ -1,4 +1,4 @@
-"""Tests for tfdist.lease: the lease on a real temporary --model_dir."""
+"""Tests for tfdist.distribute.lease: the lease on a real temporary --model_dir."""
 
 import dataclasses
 import json
@@ -12,7 +12,7 @@ import time
 from absl.testing import absltest
 import pytest
 
-from tfdist import lease as lease_lib
+from tfdist.distribute import lease as lease_lib
 
 pytestmark = pytest.mark.compat
 

@@ -38,11 +38,11 @@ import portpicker
 
 from tests import multi_worker_testlib as testlib
 from tests import testutil
-from tfdist import cluster as cluster_lib
 from tfdist import config as config_lib
-from tfdist import movielens
-from tfdist import rendezvous
-from tfdist import worker_exit
+from tfdist.data import movielens
+from tfdist.distribute import cluster as cluster_lib
+from tfdist.distribute import rendezvous
+from tfdist.distribute import worker_exit
 
 TIMEOUT = 300
 RUNS = 10

@@ -33,9 +33,9 @@ import tensorflow as tf
 
 from tests import testutil
 from tfdist import experiment
-from tfdist import precision
 from tfdist.config import TrainConfig
-from tfdist.train_loop import Trainer
+from tfdist.training import precision
+from tfdist.training.train_loop import Trainer
 # pylint: enable=g-import-not-at-top,wrong-import-position
 
 _CHILD_TIMEOUT_S = 240

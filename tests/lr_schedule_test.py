@@ -1,4 +1,4 @@
-"""Tests for tfdist.lr_schedule: scaling rules, warmup and decay values."""
+"""Tests for tfdist.training.lr_schedule: scaling rules, warmup and decay values."""
 
 import json
 import math
@@ -9,8 +9,8 @@ import keras
 import numpy as np
 import pytest
 
-from tfdist import lr_schedule
 from tfdist.config import ConfigError
+from tfdist.training import lr_schedule
 
 # Also run on the oldest supported TensorFlow (see tests/conftest.py).
 pytestmark = pytest.mark.compat

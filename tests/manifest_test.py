@@ -1,4 +1,4 @@
-"""The run manifest (tfdist/manifest.py): its keys, values and strict JSON.
+"""The run manifest (tfdist/observability/manifest.py): its keys, values and strict JSON.
 
 A manifest is built from real parts (a `RunLog` that logged two intervals,
 a `BatchPlan`, a `LinearWarmup` schedule, a `ClusterInfo`, a
@@ -16,18 +16,18 @@ from absl.testing import absltest
 import numpy as np
 import tensorflow as tf
 
-from tfdist import auto_select
-from tfdist import batch_plan
-from tfdist import cluster as cluster_lib
-from tfdist import controller
-from tfdist import input_pipeline
-from tfdist import lr_schedule
-from tfdist import manifest
-from tfdist import run_log as run_log_lib
-from tfdist import run_options
-from tfdist import run_plan
-from tfdist import strategy as strategy_lib
 from tfdist.config import TrainConfig
+from tfdist.data import input_pipeline
+from tfdist.distribute import auto_select
+from tfdist.distribute import cluster as cluster_lib
+from tfdist.distribute import strategy as strategy_lib
+from tfdist.observability import manifest
+from tfdist.observability import run_log as run_log_lib
+from tfdist.runtime import run_options
+from tfdist.training import batch_plan
+from tfdist.training import controller
+from tfdist.training import lr_schedule
+from tfdist.training import run_plan
 
 
 def _plan() -> run_plan.RunPlan:

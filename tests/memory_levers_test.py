@@ -105,8 +105,8 @@ class RecomputationTest(absltest.TestCase):
   def test_models_that_cannot_say_so(self):
     import keras  # pylint: disable=g-import-not-at-top
     from tfdist import models  # pylint: disable=g-import-not-at-top
-    from tfdist.models import recompute  # pylint: disable=g-import-not-at-top
     from tfdist.config import ConfigError  # pylint: disable=g-import-not-at-top
+    from tfdist.models import recompute  # pylint: disable=g-import-not-at-top
     self.assertEqual([n for n in models.model_names()
                       if models.supports_recomputation(n)],
                      ["cnn", "resnet"])
@@ -139,8 +139,8 @@ class RecomputationTest(absltest.TestCase):
 class FlagsTest(absltest.TestCase):
 
   def test_accumulation_and_determinism_flags(self):
-    from tfdist import batch_plan  # pylint: disable=g-import-not-at-top
     from tfdist.config import ConfigError, TrainConfig  # pylint: disable=g-import-not-at-top
+    from tfdist.training import batch_plan  # pylint: disable=g-import-not-at-top
     base = dict(model_dir="/tmp/x", train_steps=1)
     self.assertEqual(TrainConfig(gradient_accumulation_steps=4,
                                  **base).gradient_accumulation_steps, 4)
@@ -190,10 +190,10 @@ def _child_main(train_glob: str) -> dict:
   import keras  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
   from tfdist import models  # pylint: disable=g-import-not-at-top
-  from tfdist import datasets  # pylint: disable=g-import-not-at-top
-  from tfdist import input_pipeline  # pylint: disable=g-import-not-at-top
-  from tfdist import precision  # pylint: disable=g-import-not-at-top
-  from tfdist.train_loop import Trainer  # pylint: disable=g-import-not-at-top
+  from tfdist.data import datasets  # pylint: disable=g-import-not-at-top
+  from tfdist.data import input_pipeline  # pylint: disable=g-import-not-at-top
+  from tfdist.training import precision  # pylint: disable=g-import-not-at-top
+  from tfdist.training.train_loop import Trainer  # pylint: disable=g-import-not-at-top
   one = tf.distribute.OneDeviceStrategy("/cpu:0")
   mirrored = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
   # 96 real images and labels: 3 updates of 32.

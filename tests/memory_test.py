@@ -1,4 +1,4 @@
-"""Tests for tfdist.memory: the model-state estimate against the real bytes
+"""Tests for tfdist.training.memory: the model-state estimate against the real bytes
 of a model's variables and its optimizer's, and the data-parallel fit."""
 
 from absl.testing import absltest
@@ -7,8 +7,8 @@ import keras
 import numpy as np
 import pytest
 
-from tfdist import memory
-from tfdist import precision
+from tfdist.training import memory
+from tfdist.training import precision
 
 # Also run on the oldest supported TensorFlow (see tests/conftest.py).
 pytestmark = pytest.mark.compat

@@ -1,4 +1,4 @@
-"""Unit tests of tfdist.movielens on a slice of recbole's MovieLens-100k."""
+"""Unit tests of tfdist.data.movielens on a slice of recbole's MovieLens-100k."""
 
 import importlib.util
 import os
@@ -6,8 +6,8 @@ import os
 import pytest
 import tensorflow as tf
 
-from tfdist import movielens
-from tfdist.dataset_spec import DataNotFoundError
+from tfdist.data import movielens
+from tfdist.data.dataset_spec import DataNotFoundError
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("recbole") is None,
                                 reason="needs recbole==1.2.1's data files")

@@ -22,7 +22,7 @@ TIMEOUT = 180
 
 
 def _convert(limit, train_shards):
-  from tfdist import datasets  # pylint: disable=g-import-not-at-top
+  from tfdist.data import datasets  # pylint: disable=g-import-not-at-top
   out = os.path.join(testutil.scratch_dir(), "fashion_mnist")
   datasets.convert_fashion_mnist(out, limit=limit, train_shards=train_shards,
                                  test_shards=1)
@@ -39,9 +39,9 @@ class StrategyOptionsTest(parameterized.TestCase):
         train_steps=1, num_gpus=0, **kwargs)
 
   def _make(self, config):
-    from tfdist import cluster as cluster_lib  # pylint: disable=g-import-not-at-top
-    from tfdist import run_options  # pylint: disable=g-import-not-at-top
-    from tfdist import strategy as strategy_lib  # pylint: disable=g-import-not-at-top
+    from tfdist.distribute import cluster as cluster_lib  # pylint: disable=g-import-not-at-top
+    from tfdist.distribute import strategy as strategy_lib  # pylint: disable=g-import-not-at-top
+    from tfdist.runtime import run_options  # pylint: disable=g-import-not-at-top
     return strategy_lib.make_strategy(
         run_options.strategy_options(config),
         cluster=cluster_lib.resolve_cluster())
@@ -121,7 +121,7 @@ class EquivalenceTest(absltest.TestCase):
         ["train", multi_dir, pattern, str(steps)], timeout=TIMEOUT)
     self.assertEqual(status, 0, output[-4000:])
     self.assertIn("replicas 2", output)
-    # `auto` is decided in one place (tfdist.auto_select), in its words.
+    # `auto` is decided in one place (tfdist.distribute.auto_select), in its words.
     self.assertIn("strategy multi_worker_mirrored (auto: TF_CONFIG lists 2 "
                   "workers)", output)
     single = np.load(os.path.join(single_dir, "weights.npz"))

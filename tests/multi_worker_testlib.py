@@ -9,7 +9,7 @@ Run as a module (`python -m tests.multi_worker_testlib MODE OUT_DIR ...`,
 normally by the launcher) this file is a worker program:
 
 * `shard OUT_DIR FILES_GLOB...`: under MultiWorkerMirroredStrategy, reads one
-  epoch of each glob through `tfdist.input_pipeline` and writes the example
+  epoch of each glob through `tfdist.data.input_pipeline` and writes the example
   ids this worker saw to `OUT_DIR/ids-<task>.json`.
 * `train OUT_DIR FILES_GLOB STEPS`: trains a small dense model (no batch
   norm, no dropout: per-replica statistics or randomness would make runs
@@ -177,7 +177,7 @@ def run_module_with_timeout(module: str, args, *, timeout: float, env=None):
 
 # --- worker programs -------------------------------------------------------
 def _task_name() -> str:
-  from tfdist import cluster as cluster_lib  # pylint: disable=g-import-not-at-top
+  from tfdist.distribute import cluster as cluster_lib  # pylint: disable=g-import-not-at-top
   info = cluster_lib.resolve_cluster()
   return f"{info.task_type}{info.task_index}"
 
@@ -185,8 +185,8 @@ def _task_name() -> str:
 def _strategy(out_dir: str, collective_timeout_seconds: float = 60):
   from tfdist import config as config_lib  # pylint: disable=g-import-not-at-top
   from tfdist import experiment  # pylint: disable=g-import-not-at-top
-  from tfdist import run_options  # pylint: disable=g-import-not-at-top
-  from tfdist import strategy as strategy_lib  # pylint: disable=g-import-not-at-top
+  from tfdist.distribute import strategy as strategy_lib  # pylint: disable=g-import-not-at-top
+  from tfdist.runtime import run_options  # pylint: disable=g-import-not-at-top
   # Under the launcher (TF_CONFIG set) `auto` must pick the multi-worker
   # strategy from the cluster alone, decided where every run decides it.
   name = "auto" if os.environ.get("TF_CONFIG") else "one_device"
@@ -205,9 +205,9 @@ def shard_main(out_dir: str, globs: List[str]):
   """Writes the ids of one epoch of each glob seen by this worker."""
   strategy = _strategy(out_dir)
   import functools  # pylint: disable=g-import-not-at-top
-  from tfdist import datasets  # pylint: disable=g-import-not-at-top
-  from tfdist import input_pipeline  # pylint: disable=g-import-not-at-top
-  from tfdist import cluster as cluster_lib  # pylint: disable=g-import-not-at-top
+  from tfdist.data import datasets  # pylint: disable=g-import-not-at-top
+  from tfdist.data import input_pipeline  # pylint: disable=g-import-not-at-top
+  from tfdist.distribute import cluster as cluster_lib  # pylint: disable=g-import-not-at-top
   num_workers = cluster_lib.resolve_cluster().num_workers
   result = {}
   for pattern in globs:
@@ -245,9 +245,9 @@ def train_main(out_dir: str, pattern: str, steps: int):
   import keras  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  from tfdist import datasets  # pylint: disable=g-import-not-at-top
-  from tfdist import input_pipeline  # pylint: disable=g-import-not-at-top
-  from tfdist.train_loop import Trainer  # pylint: disable=g-import-not-at-top
+  from tfdist.data import datasets  # pylint: disable=g-import-not-at-top
+  from tfdist.data import input_pipeline  # pylint: disable=g-import-not-at-top
+  from tfdist.training.train_loop import Trainer  # pylint: disable=g-import-not-at-top
   with strategy.scope():
     model = keras.Sequential([
         keras.Input((28, 28, 1)), keras.layers.Flatten(),
@@ -268,7 +268,7 @@ def train_main(out_dir: str, pattern: str, steps: int):
   for _ in range(steps):
     out = trainer.train_function(iterator, tf.constant(1, tf.int32))
     losses.append(float(out["loss"]))
-  from tfdist import cluster as cluster_lib  # pylint: disable=g-import-not-at-top
+  from tfdist.distribute import cluster as cluster_lib  # pylint: disable=g-import-not-at-top
   if cluster_lib.resolve_cluster().is_chief:
     np.savez(os.path.join(out_dir, "weights.npz"), *model.get_weights(),
              losses=np.array(losses))
@@ -282,8 +282,8 @@ def agree_main(out_dir: str):
   import keras  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  from tfdist import precision  # pylint: disable=g-import-not-at-top
-  from tfdist.train_loop import Trainer  # pylint: disable=g-import-not-at-top
+  from tfdist.training import precision  # pylint: disable=g-import-not-at-top
+  from tfdist.training.train_loop import Trainer  # pylint: disable=g-import-not-at-top
   from tests import testutil  # pylint: disable=g-import-not-at-top
   task = _task_name()
   result = {"task": task}
@@ -326,7 +326,7 @@ def agree_main(out_dir: str):
   result["dropout_mask"] = np.asarray(
       strategy.experimental_local_results(masks)[0]).astype(int).tolist()
   # 3. The final barrier: worker 0 arrives 3 s late; nobody leaves before.
-  from tfdist import worker_exit  # pylint: disable=g-import-not-at-top
+  from tfdist.distribute import worker_exit  # pylint: disable=g-import-not-at-top
   if task == "worker0":
     time.sleep(3)
   result["barrier_arrived"] = time.time()
@@ -344,7 +344,7 @@ def train_linger_main(seconds: float, train_args: List[str]):
 
   def main(argv):
     if _task_name() == "worker0":
-      from tfdist import worker_exit  # pylint: disable=g-import-not-at-top
+      from tfdist.distribute import worker_exit  # pylint: disable=g-import-not-at-top
       end_process = worker_exit._end_process  # pylint: disable=protected-access
 
       def linger():

@@ -32,18 +32,17 @@ import pytest
 import tensorflow as tf
 
 from tests import testutil
-from tfdist import checkpointing
-from tfdist import data_checks
-from tfdist import environment as environment_lib
 from tfdist import exit_codes
 from tfdist import experiment
-from tfdist import export
-from tfdist import failures
-from tfdist import manifest as manifest_lib
-from tfdist import run_options
-from tfdist import run_plan
-from tfdist import task as task_lib
 from tfdist.config import ConfigError, TrainConfig
+from tfdist.data import data_checks
+from tfdist.distribute import environment as environment_lib
+from tfdist.observability import manifest as manifest_lib
+from tfdist.runtime import failures
+from tfdist.runtime import run_options
+from tfdist.training import checkpointing
+from tfdist.training import export
+from tfdist.training import run_plan
 
 
 def _data():
@@ -143,7 +142,8 @@ class OutputLayoutTest(parameterized.TestCase):
       self.assertEqual(config.resolved_export_dir, variables["AIP_MODEL_DIR"])
 
   def test_entries_are_the_writers_names(self):
-    from tfdist import lease, parameter_server, run_log  # pylint: disable=g-import-not-at-top
+    from tfdist.distribute import (lease, parameter_server)  # pylint: disable=g-import-not-at-top
+    from tfdist.observability import run_log  # pylint: disable=g-import-not-at-top
     self.assertContainsSubset(
         {run_log.METRICS_FILE, manifest_lib.MANIFEST_FILE, lease.LEASE_FILE,
          parameter_server.DONE_MARKER,
@@ -330,14 +330,14 @@ class FailureTest(absltest.TestCase):
         data_checks.DataError,
         "--train_files mixes GZIP .* and uncompressed TFRecord files") as cm:
       run_plan.resolve_data_files(run_options.data_options(config),
-                                  task_lib.from_config(config).dataset)
+                                  run_options.task(config).dataset)
     self.assertEqual(exit_codes.exit_code_for(cm.exception), exit_codes.CONFIG)
 
   def test_a_callable_that_is_no_model_builder_stops_at_start(self):
     with self.assertRaisesRegex(
         ConfigError, r"--model=json:loads: loads\(s, .* has required "
         r"parameter\(s\) s that tfdist cannot fill"):
-      task_lib.from_config(TrainConfig(model="json:loads", model_dir="/m",
+      run_options.task(TrainConfig(model="json:loads", model_dir="/m",
                                        train_steps=1))
 
   def test_full_disk_during_a_save_is_one_line(self):

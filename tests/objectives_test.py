@@ -1,4 +1,4 @@
-"""Losses and metrics (tfdist/objectives.py): defaults, resolution, sums.
+"""Losses and metrics (tfdist/training/objectives.py): defaults, resolution, sums.
 
 `MetricSums` is checked against Keras's own stateful metrics: the sum of
 per-batch contributions of two halves of the data gives what one metric
@@ -11,9 +11,9 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfdist import objectives
 from tfdist.config import ConfigError
-from tfdist.dataset_spec import DatasetSpec
+from tfdist.data.dataset_spec import DatasetSpec
+from tfdist.training import objectives
 
 SPARSE = dict(y_true=tf.TensorShape([None]),
               y_pred=tf.TensorShape([None, 3]))

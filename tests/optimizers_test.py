@@ -1,12 +1,12 @@
-"""Tests for tfdist.optimizers.build_optimizer."""
+"""Tests for tfdist.training.optimizers.build_optimizer."""
 
 from absl.testing import absltest
 from absl.testing import parameterized
 import keras
 import pytest
 
-from tfdist import optimizers
 from tfdist.config import ConfigError
+from tfdist.training import optimizers
 
 pytestmark = pytest.mark.compat
 

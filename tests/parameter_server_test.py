@@ -1,4 +1,4 @@
-"""Tests for tfdist.parameter_server: roles, partitioners, shard checks.
+"""Tests for tfdist.distribute.parameter_server: roles, partitioners, shard checks.
 
 No cluster here (see ps_training_test.py for real clusters).
 """
@@ -14,12 +14,12 @@ import keras
 import pytest
 import tensorflow as tf
 
-from tfdist import auto_select
-from tfdist import cluster as cluster_lib
-from tfdist import parameter_server as ps_lib
-from tfdist import run_options
-from tfdist import sharded_embedding
 from tfdist.config import ConfigError, TrainConfig
+from tfdist.distribute import auto_select
+from tfdist.distribute import cluster as cluster_lib
+from tfdist.distribute import parameter_server as ps_lib
+from tfdist.runtime import run_options
+from tfdist.training import sharded_embedding
 
 # Also run on the oldest supported TensorFlow (see tests/conftest.py).
 pytestmark = pytest.mark.compat
@@ -38,7 +38,7 @@ def _cluster(text: str):
 
 
 class RolesTest(parameterized.TestCase):
-  """Roles come from tfdist.cluster (the one TF_CONFIG parser)."""
+  """Roles come from tfdist.distribute.cluster (the one TF_CONFIG parser)."""
 
   @parameterized.named_parameters(
       ("chief", "chief", 0), ("master", "master", 0), ("worker", "worker", 1),
@@ -164,8 +164,8 @@ class RecommendedFlagsTest(absltest.TestCase):
   def setUp(self):
     super().setUp()
     # Importing the binary defines every tfdist flag on absl's FLAGS.
-    from tfdist import train  # pylint: disable=g-import-not-at-top,unused-import
     from tfdist import flags as tfdist_flags  # pylint: disable=g-import-not-at-top
+    from tfdist import train  # pylint: disable=g-import-not-at-top,unused-import
     self.flags_to_config = tfdist_flags.flags_to_config
 
   def test_movielens_fills_unset_flags(self):

@@ -1,4 +1,4 @@
-"""Tests for tfdist.preemption: real signals, a real watcher process.
+"""Tests for tfdist.runtime.preemption: real signals, a real watcher process.
 
 Signals to this process are only sent while a `PreemptionWatcher` is
 installed (its handler records them); the grace-period kill runs in a child
@@ -16,7 +16,7 @@ import time
 from absl.testing import absltest
 
 from tests import testutil
-from tfdist import preemption
+from tfdist.runtime import preemption
 
 
 class PreemptionWatcherTest(absltest.TestCase):
@@ -69,7 +69,7 @@ class PreemptionWatcherTest(absltest.TestCase):
     child = subprocess.run(
         [sys.executable, "-c", textwrap.dedent("""
             import os, signal, time
-            from tfdist import preemption
+            from tfdist.runtime import preemption
             preemption.PreemptionWatcher(grace_seconds=0.5).install()
             os.kill(os.getpid(), signal.SIGTERM)
             time.sleep(30)

@@ -1,4 +1,4 @@
-"""Start-up checks (tfdist/preflight.py): registry names and output folders."""
+"""Start-up checks (tfdist/runtime/preflight.py): registry names and output folders."""
 
 import os
 import shutil
@@ -7,10 +7,10 @@ import tempfile
 
 from absl.testing import absltest
 
-from tfdist import preflight
-from tfdist import run_options
 from tfdist.config import ConfigError
 from tfdist.config import TrainConfig
+from tfdist.runtime import preflight
+from tfdist.runtime import run_options
 
 
 class CheckNamesTest(absltest.TestCase):

@@ -1,4 +1,4 @@
-"""Tests for tfdist.profiling: a real TensorFlow profiler trace of a window."""
+"""Tests for tfdist.observability.profiling: a real TensorFlow profiler trace of a window."""
 
 import os
 import tempfile
@@ -6,7 +6,7 @@ import tempfile
 from absl.testing import absltest
 import tensorflow as tf
 
-from tfdist import profiling
+from tfdist.observability import profiling
 
 
 class ProfileWindowTest(absltest.TestCase):

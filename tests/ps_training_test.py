@@ -25,7 +25,7 @@ import tensorflow as tf
 
 from tests import ps_testutil
 from tests import testutil
-from tfdist import movielens
+from tfdist.data import movielens
 
 _DATA = {}
 

@@ -10,7 +10,7 @@ import sys
 
 from absl.testing import absltest
 
-from tfdist import quiet_tensorflow
+from tfdist.runtime import quiet_tensorflow
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -76,7 +76,7 @@ class ImportTest(absltest.TestCase):
   def test_import_tensorflow_leaves_out_only_the_notices(self):
     stderr = _child_stderr(
         "import sys\n"
-        "from tfdist import quiet_tensorflow\n"
+        "from tfdist.runtime import quiet_tensorflow\n"
         "quiet_tensorflow.import_tensorflow()\n"
         "assert 'tensorflow' in sys.modules\n"
         "sys.stderr.write('after the import\\n')\n")
@@ -86,7 +86,7 @@ class ImportTest(absltest.TestCase):
   def test_quiet_on_import_applies_to_a_later_plain_import(self):
     stderr = _child_stderr(
         "import sys\n"
-        "from tfdist import quiet_tensorflow\n"
+        "from tfdist.runtime import quiet_tensorflow\n"
         "quiet_tensorflow.quiet_on_import()\n"
         "import tensorflow\n"
         "assert not any(isinstance(f, quiet_tensorflow._QuietTensorflowFinder)"

@@ -6,9 +6,9 @@ import tensorflow as tf
 
 import models
 from models import ranking
-from tfdist import movielens
 from tfdist.config import ConfigError
-from tfdist.dataset_spec import DatasetSpec
+from tfdist.data import movielens
+from tfdist.data.dataset_spec import DatasetSpec
 
 
 def _features(batch):

@@ -31,9 +31,9 @@ import tensorflow as tf
 
 from tests import ray_testlib
 from tests import testutil
-from tfdist import quiet_tensorflow
 from tfdist import ray as tfdist_ray
 from tfdist.config import ConfigError, TrainConfig
+from tfdist.runtime import quiet_tensorflow
 
 STEPS = 48            # 3 epochs of 16 steps (1024 examples, batch 64).
 CHECKPOINT_STEPS = 8

@@ -39,7 +39,7 @@ class KillOnceCallback(keras.callbacks.Callback):
     self._armed = False
 
   def on_train_begin(self, logs=None):
-    from tfdist import cluster as cluster_lib  # pylint: disable=g-import-not-at-top
+    from tfdist.distribute import cluster as cluster_lib  # pylint: disable=g-import-not-at-top
     info = cluster_lib.resolve_cluster()
     self._armed = ((info.task_type, info.task_index) == self.task and
                    not os.path.exists(self.marker))

@@ -1,4 +1,4 @@
-"""Tests for tfdist.ray_worker: checkpoints copied to and from Ray's
+"""Tests for tfdist.cloud.ray_worker: checkpoints copied to and from Ray's
 folders, the final metrics, and the per-worker set-up (no Ray cluster)."""
 
 import logging as std_logging
@@ -11,7 +11,7 @@ import tensorflow as tf
 
 from tests import testutil
 from tfdist import ray as tfdist_ray
-from tfdist import ray_worker
+from tfdist.cloud import ray_worker
 
 
 def _save(folder: str, step: int, value: float) -> str:

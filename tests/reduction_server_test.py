@@ -15,13 +15,13 @@ import pytest
 from absl.testing import parameterized
 
 from tests import testutil
-from tfdist import auto_select
-from tfdist import cluster as cluster_lib
-from tfdist import environment as environment_lib
 from tfdist import experiment
-from tfdist import run_options
-from tfdist import strategy as strategy_lib
 from tfdist.config import ConfigError, TrainConfig
+from tfdist.distribute import auto_select
+from tfdist.distribute import cluster as cluster_lib
+from tfdist.distribute import environment as environment_lib
+from tfdist.distribute import strategy as strategy_lib
+from tfdist.runtime import run_options
 
 # Also run on the oldest supported TensorFlow (tests/conftest.py).
 pytestmark = pytest.mark.compat

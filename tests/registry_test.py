@@ -1,10 +1,10 @@
-"""Unit tests of tfdist.registry: names, import paths, accepted arguments."""
+"""Unit tests of tfdist.training.registry: names, import paths, accepted arguments."""
 
 import pytest
 
-from tfdist import registry
 from tfdist.config import ConfigError
-from tfdist.dataset_spec import DatasetSpec
+from tfdist.data.dataset_spec import DatasetSpec
+from tfdist.training import registry
 
 
 @pytest.fixture(autouse=True)

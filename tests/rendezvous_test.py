@@ -1,4 +1,4 @@
-"""Tests for tfdist.rendezvous against real local ports."""
+"""Tests for tfdist.distribute.rendezvous against real local ports."""
 
 import os
 import signal
@@ -10,7 +10,7 @@ from absl.testing import absltest
 import portpicker
 import pytest
 
-from tfdist import rendezvous
+from tfdist.distribute import rendezvous
 
 pytestmark = pytest.mark.compat
 

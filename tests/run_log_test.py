@@ -1,4 +1,4 @@
-"""The run log (tfdist/run_log.py): records, log lines, metrics.jsonl."""
+"""The run log (tfdist/observability/run_log.py): records, log lines, metrics.jsonl."""
 
 import math
 import os
@@ -9,7 +9,7 @@ from absl import logging
 from absl.testing import absltest
 import numpy as np
 
-from tfdist import run_log
+from tfdist.observability import run_log
 
 
 class FormatTest(absltest.TestCase):

@@ -1,9 +1,9 @@
-"""Unit tests of tfdist.run_options' inputs-and-data converters."""
+"""Unit tests of tfdist.runtime.run_options' inputs-and-data converters."""
 
-from tfdist import fashion_mnist
-from tfdist import run_options
 from tfdist.config import TrainConfig
-from tfdist.dataset_spec import DatasetSpec
+from tfdist.data import fashion_mnist
+from tfdist.data.dataset_spec import DatasetSpec
+from tfdist.runtime import run_options
 
 
 def _input_fn(training):

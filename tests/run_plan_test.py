@@ -1,4 +1,4 @@
-"""Tests for tfdist.run_plan: a run's plan from real options and data."""
+"""Tests for tfdist.training.run_plan: a run's plan from real options and data."""
 
 import os
 import tempfile
@@ -7,13 +7,13 @@ from absl.testing import absltest
 import pytest
 import tensorflow as tf
 
-from tfdist import auto_select
-from tfdist import lr_schedule
-from tfdist import run_plan
 from tfdist.config import ConfigError
-from tfdist.dataset_spec import DataNotFoundError
-from tfdist.dataset_spec import DatasetSpec
-from tfdist.strategy_kind import StrategyKind
+from tfdist.data.dataset_spec import DataNotFoundError
+from tfdist.data.dataset_spec import DatasetSpec
+from tfdist.distribute import auto_select
+from tfdist.distribute.strategy_kind import StrategyKind
+from tfdist.training import lr_schedule
+from tfdist.training import run_plan
 
 pytestmark = pytest.mark.compat
 

@@ -1,4 +1,4 @@
-"""Tests for tfdist.sharded_embedding.
+"""Tests for tfdist.training.sharded_embedding.
 
 Unsharded behaviour is compared with `keras.layers.Embedding` in this
 process. Strategy cases run in a child process each (this file run as a
@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfdist import sharded_embedding
-from tfdist.sharded_embedding import ShardedEmbedding
+from tfdist.training import sharded_embedding
+from tfdist.training.sharded_embedding import ShardedEmbedding
 
 # Also run on the oldest supported TensorFlow (see tests/conftest.py).
 pytestmark = pytest.mark.compat

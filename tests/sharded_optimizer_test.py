@@ -62,12 +62,12 @@ def _cases(strategy, train_glob: str, cases, *, scratch: str,
   import keras  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  from tfdist import datasets  # pylint: disable=g-import-not-at-top
-  from tfdist import input_pipeline  # pylint: disable=g-import-not-at-top
-  from tfdist import optimizers  # pylint: disable=g-import-not-at-top
-  from tfdist import precision  # pylint: disable=g-import-not-at-top
-  from tfdist import sharded_optimizer  # pylint: disable=g-import-not-at-top
-  from tfdist.train_loop import Trainer  # pylint: disable=g-import-not-at-top
+  from tfdist.data import datasets  # pylint: disable=g-import-not-at-top
+  from tfdist.data import input_pipeline  # pylint: disable=g-import-not-at-top
+  from tfdist.training import optimizers  # pylint: disable=g-import-not-at-top
+  from tfdist.training import precision  # pylint: disable=g-import-not-at-top
+  from tfdist.training import sharded_optimizer  # pylint: disable=g-import-not-at-top
+  from tfdist.training.train_loop import Trainer  # pylint: disable=g-import-not-at-top
 
   images, labels = next(iter(tf.data.TFRecordDataset(
       input_pipeline.list_files(train_glob), compression_type="GZIP").map(

@@ -1,4 +1,4 @@
-"""Tests for tfdist.step_runner: the `StepRunner` protocol, its outputs, a
+"""Tests for tfdist.training.step_runner: the `StepRunner` protocol, its outputs, a
 real `LocalStepRunner` over a one-device `Trainer`, and the lost-task
 errors.
 
@@ -11,9 +11,9 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfdist import parameter_server
-from tfdist import step_runner
-from tfdist.train_loop import Trainer
+from tfdist.distribute import parameter_server
+from tfdist.training import step_runner
+from tfdist.training.train_loop import Trainer
 
 
 def _trainer(steps_per_execution=2):

@@ -1,10 +1,10 @@
-"""Unit tests of tfdist.strategy_kind: parsing and the facts of each kind."""
+"""Unit tests of tfdist.distribute.strategy_kind: parsing and the facts of each kind."""
 
 import json
 
 import pytest
 
-from tfdist.strategy_kind import StrategyKind
+from tfdist.distribute.strategy_kind import StrategyKind
 
 
 @pytest.mark.compat

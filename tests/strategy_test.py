@@ -1,15 +1,15 @@
-"""Tests for the single-host branches of tfdist.strategy.make_strategy."""
+"""Tests for the single-host branches of tfdist.distribute.strategy.make_strategy."""
 
 from absl.testing import absltest
 from absl.testing import parameterized
 import pytest
 import tensorflow as tf
 
-from tfdist import auto_select
-from tfdist import cluster as cluster_lib
-from tfdist import run_options
-from tfdist import strategy as strategy_lib
 from tfdist.config import ConfigError, TrainConfig
+from tfdist.distribute import auto_select
+from tfdist.distribute import cluster as cluster_lib
+from tfdist.distribute import strategy as strategy_lib
+from tfdist.runtime import run_options
 
 # Also run on the oldest supported TensorFlow (see tests/conftest.py).
 pytestmark = pytest.mark.compat

@@ -1,4 +1,4 @@
-"""Unit tests of tfdist.strict_json: values `json.dumps` accepts strictly."""
+"""Unit tests of tfdist.runtime.strict_json: values `json.dumps` accepts strictly."""
 
 import json
 import math
@@ -6,8 +6,8 @@ import math
 import numpy as np
 import pytest
 
-from tfdist import strict_json
-from tfdist import training_checks
+from tfdist.runtime import strict_json
+from tfdist.training import training_checks
 
 
 @pytest.mark.compat

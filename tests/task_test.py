@@ -1,11 +1,11 @@
 """Your model, your data: registries, import paths, loss and metrics.
 
-* `tfdist.registry` and `tfdist.task`: the public decorators, import paths
+* `tfdist.training.registry` and `tfdist.training.task`: the public decorators, import paths
   and `--import_modules` (a real package written to a scratch folder), and
   the errors that list what is registered;
 * no shadowing: a project's own `models/` and `flags.py` (both broken on
   purpose) next to `python -m tfdist.train`, in a subprocess;
-* `tfdist.objectives`: where the loss and metrics come from, resolved as
+* `tfdist.training.objectives`: where the loss and metrics come from, resolved as
   Keras's `compile` resolves them;
 * the `Trainer` with Keras losses and metrics under one device and
   MirroredStrategy over 2 logical CPUs (a child process: the device split
@@ -29,14 +29,14 @@ import pytest
 import tensorflow as tf
 
 from tests import testutil
-from tfdist import assembly
-from tfdist import input_pipeline
-from tfdist import objectives
-from tfdist import registry
-from tfdist import run_options
-from tfdist import task as task_lib
 from tfdist.config import ConfigError, TrainConfig
-from tfdist.dataset_spec import DatasetSpec
+from tfdist.data import input_pipeline
+from tfdist.data.dataset_spec import DatasetSpec
+from tfdist.runtime import run_options
+from tfdist.training import assembly
+from tfdist.training import objectives
+from tfdist.training import registry
+from tfdist.training import task as task_lib
 
 # Unit tests: also run on the oldest supported TensorFlow (tests/conftest.py).
 pytestmark = pytest.mark.compat
@@ -132,7 +132,7 @@ class RegistryTest(parameterized.TestCase):
   )
   def test_unknown_names_list_what_is_registered(self, changes, message):
     with self.assertRaisesRegex(ConfigError, message):
-      task_lib.from_config(TrainConfig(model_dir="/tmp/x", train_steps=1,
+      run_options.task(TrainConfig(model_dir="/tmp/x", train_steps=1,
                                        **changes))
 
   def test_import_paths_and_import_modules(self):
@@ -141,7 +141,7 @@ class RegistryTest(parameterized.TestCase):
     config = TrainConfig(model_dir="/tmp/x", train_steps=1,
                          model=f"{pkg}.mod:build",
                          dataset=f"{pkg}.mod:examples")
-    task = task_lib.from_config(config)
+    task = run_options.task(config)
     self.assertEqual(task.model_name, f"{pkg}.mod:build")
     self.assertEqual(task.dataset.name, f"{pkg}.mod:examples")
     model = task_lib.build_model(task, config)
@@ -151,7 +151,7 @@ class RegistryTest(parameterized.TestCase):
     self.assertEqual((features.shape, labels.shape), ((3,), ()))
     # Registration modules: imported by --import_modules, then by name.
     pkg2 = _write_package({"reg.py": USER_MODULE.replace("{name}", "regtest")})
-    task = task_lib.from_config(TrainConfig(
+    task = run_options.task(TrainConfig(
         model_dir="/tmp/x", train_steps=1, model="regtest_registered",
         dataset="regtest_data", import_modules=f"{pkg2}.reg"))
     self.assertEqual(task.dataset.name, "regtest_data")
@@ -167,7 +167,7 @@ class RegistryTest(parameterized.TestCase):
     task = task_lib.from_names(names)
     self.assertEqual((task.model_name, task.dataset.name),
                      ("cnn", "fashion_mnist"))
-    self.assertEqual(task_lib.from_config(config).model_name, "cnn")
+    self.assertEqual(run_options.task(config).model_name, "cnn")
     self.assertEqual(task_lib.dataset_from_names(names).name,
                      "fashion_mnist")
 
@@ -247,12 +247,13 @@ class NoShadowingTest(absltest.TestCase):
     # tfdist's model registry loads its own models (tfdist.models).
     # ... and the project's own packages are still the project's.
     proc = self._run(project, ["-c", (
-        "from tfdist import registry, task; task.load_builtins(); "
+        "from tfdist.training import registry, task; task.load_builtins(); "
         "import tfdist.models, tfdist.flags; "
         "print('MODELS', registry.model_names()); "
         "print('FILES', tfdist.models.__file__, tfdist.flags.__file__); "
         "import models")])
-    self.assertIn("MODELS ('cnn', 'ranking', 'resnet')", proc.stdout)
+    self.assertIn("MODELS ('cnn', 'ranking', 'resnet', 'transformer')",
+                  proc.stdout)
     self.assertIn(f"FILES {os.path.join(testutil.REPO_ROOT, 'models')}",
                   proc.stdout)
     self.assertIn("RuntimeError: the project's own models was imported",
@@ -367,7 +368,7 @@ def _child_strategies() -> dict:
   cpu = tf.config.list_physical_devices("CPU")[0]
   tf.config.set_logical_device_configuration(
       cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
-  from tfdist.train_loop import Trainer  # pylint: disable=g-import-not-at-top
+  from tfdist.training.train_loop import Trainer  # pylint: disable=g-import-not-at-top
   rng = np.random.RandomState(0)
   x = rng.normal(size=(90, 5)).astype(np.float32)
   y = (rng.rand(90, 3) > 0.5).astype(np.float32)
@@ -458,7 +459,7 @@ class InitCheckpointTest(absltest.TestCase):
         np.testing.assert_array_equal(a, b)
 
   def test_loads_a_tfdist_training_checkpoint(self):
-    # What tfdist.assembly saves: model, optimizer (built over the model's
+    # What tfdist.training.assembly saves: model, optimizer (built over the model's
     # variables, so they are saved under its path) and the global step.
     source = self._model(seed=1)
     optimizer = keras.optimizers.Adam(0.1)

@@ -11,8 +11,8 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # tfdist's own modules (their log lines are not noise).
 TFDIST_MODULES = frozenset(
-    name for name in os.listdir(os.path.join(REPO_ROOT, "tfdist"))
-    if name.endswith(".py"))
+    name for _, _, names in os.walk(os.path.join(REPO_ROOT, "tfdist"))
+    for name in names if name.endswith(".py"))
 # absl / glog line prefix: severity, date, time, thread, file:line.
 LOG_PREFIX = re.compile(r"^(?P<sev>[IWEF])\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ "
                         r"(?P<file>[^:\]\s]+):\d+\] ")
@@ -57,7 +57,7 @@ def fashion_mnist_subset(limit: int = 1024, train_shards: int = 4,
   """
   key = (limit, train_shards, test_shards)
   if key not in _SUBSETS:
-    from tfdist import datasets  # pylint: disable=g-import-not-at-top
+    from tfdist.data import datasets  # pylint: disable=g-import-not-at-top
     out = os.path.join(scratch_dir(), "fashion_mnist")
     datasets.convert_fashion_mnist(out, limit=limit, train_shards=train_shards,
                                    test_shards=test_shards)
@@ -133,7 +133,7 @@ def fp16_dense_model(strategy):
     `(model, optimizer)`, the optimizer built.
   """
   import keras  # pylint: disable=g-import-not-at-top
-  from tfdist import precision  # pylint: disable=g-import-not-at-top
+  from tfdist.training import precision  # pylint: disable=g-import-not-at-top
   with strategy.scope():
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(
         3, kernel_initializer="ones")])

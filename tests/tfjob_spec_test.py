@@ -1,10 +1,10 @@
-"""Tests for tfdist.tfjob_spec: the TFJob's replicas and pod options
+"""Tests for tfdist.cloud.tfjob_spec: the TFJob's replicas and pod options
 (without the Kubeflow SDK; tests/job_spec_test.py validates with it)."""
 
 from absl.testing import absltest
 
-from tfdist import job_plan
-from tfdist import tfjob_spec
+from tfdist.cloud import job_plan
+from tfdist.cloud import tfjob_spec
 
 _ARGS = ("--model_dir=gs://b/run",)
 

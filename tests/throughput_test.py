@@ -1,9 +1,9 @@
-"""Tests for tfdist.throughput with a controlled clock."""
+"""Tests for tfdist.observability.throughput with a controlled clock."""
 
 from absl.testing import absltest
 import pytest
 
-from tfdist.throughput import ThroughputMeter
+from tfdist.observability.throughput import ThroughputMeter
 
 # Also run on the oldest supported TensorFlow (see tests/conftest.py).
 pytestmark = pytest.mark.compat

@@ -1,4 +1,4 @@
-"""Tests for tfdist.tpu: the TPU path with no TPU present, and its rules.
+"""Tests for tfdist.distribute.tpu: the TPU path with no TPU present, and its rules.
 
 No TPU exists here, so the failures run for real: `--tpu=local` against
 TensorFlow's own TPU initialization, a name against the Cloud TPU lookup,
@@ -20,14 +20,14 @@ import pytest
 import tensorflow as tf
 
 from tests import testutil
-from tfdist import auto_select
-from tfdist import environment as environment_lib
 from tfdist import experiment
-from tfdist import input_pipeline
-from tfdist import run_options
-from tfdist import run_plan
-from tfdist import tpu
 from tfdist.config import ConfigError, TrainConfig
+from tfdist.data import input_pipeline
+from tfdist.distribute import auto_select
+from tfdist.distribute import environment as environment_lib
+from tfdist.distribute import tpu
+from tfdist.runtime import run_options
+from tfdist.training import run_plan
 
 # Also run on the oldest supported TensorFlow (see tests/conftest.py).
 pytestmark = pytest.mark.compat
@@ -291,8 +291,8 @@ class TpuRulesTest(parameterized.TestCase):
   def test_dataset_functions_and_feature_specs_on_remote_tpus(self):
     # A dataset function reads no files of tfdist's: nothing to put on
     # gs://. A feature spec reads --train_files/--eval_files: the rule holds.
-    from tfdist import feature_spec  # pylint: disable=g-import-not-at-top
-    from tfdist.dataset_spec import DatasetSpec  # pylint: disable=g-import-not-at-top
+    from tfdist.data import feature_spec  # pylint: disable=g-import-not-at-top
+    from tfdist.data.dataset_spec import DatasetSpec  # pylint: disable=g-import-not-at-top
     cfg = self._with_environment(self._config(tpu="grpc://10.0.0.2:8470"))
     function = DatasetSpec(name="mine", input_fn=lambda training: None)
     self.assertEqual(
@@ -376,11 +376,11 @@ class StaticEvalBatchesTest(parameterized.TestCase):
 
   def test_masked_evaluation_counts_every_example_once(self):
     import keras  # pylint: disable=g-import-not-at-top
-    from tfdist.train_loop import Trainer  # pylint: disable=g-import-not-at-top
+    from tfdist.training.train_loop import Trainer  # pylint: disable=g-import-not-at-top
     data = testutil.fashion_mnist_subset(limit=512, train_shards=4,
                                          test_shards=2)
     files = input_pipeline.list_files(data["eval"])
-    from tfdist import datasets  # pylint: disable=g-import-not-at-top
+    from tfdist.data import datasets  # pylint: disable=g-import-not-at-top
     spec = datasets.get_dataset_spec("fashion_mnist")
     strategy = tf.distribute.OneDeviceStrategy("/cpu:0")
     with strategy.scope():
@@ -408,9 +408,9 @@ class StaticEvalBatchesTest(parameterized.TestCase):
     # Dict features from a dataset function, a multi-label loss and Keras
     # metrics: padded static batches give the unpadded values.
     import keras  # pylint: disable=g-import-not-at-top
-    from tfdist import objectives  # pylint: disable=g-import-not-at-top
-    from tfdist.dataset_spec import DatasetSpec  # pylint: disable=g-import-not-at-top
-    from tfdist.train_loop import Trainer  # pylint: disable=g-import-not-at-top
+    from tfdist.data.dataset_spec import DatasetSpec  # pylint: disable=g-import-not-at-top
+    from tfdist.training import objectives  # pylint: disable=g-import-not-at-top
+    from tfdist.training.train_loop import Trainer  # pylint: disable=g-import-not-at-top
     rng = np.random.RandomState(1)
     x = rng.normal(size=(70, 4)).astype(np.float32)
     ids = np.arange(70, dtype=np.int64)

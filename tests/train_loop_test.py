@@ -1,4 +1,4 @@
-"""Tests for tfdist.train_loop: step counting and mirrored evaluation."""
+"""Tests for tfdist.training.train_loop: step counting and mirrored evaluation."""
 
 import os
 
@@ -9,8 +9,8 @@ import tensorflow as tf
 
 import models
 from tests import testutil
-from tfdist import manifest as manifest_lib
-from tfdist.train_loop import Trainer
+from tfdist.observability import manifest as manifest_lib
+from tfdist.training.train_loop import Trainer
 
 
 class TrainFunctionTest(parameterized.TestCase):

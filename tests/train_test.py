@@ -20,11 +20,11 @@ import tensorflow as tf
 
 from tfdist import models
 from tests import testutil
-from tfdist import datasets
 from tfdist import experiment
-from tfdist import manifest as manifest_lib
 from tfdist.config import ConfigError, TrainConfig
-from tfdist.datasets import DataNotFoundError
+from tfdist.data import datasets
+from tfdist.data.datasets import DataNotFoundError
+from tfdist.observability import manifest as manifest_lib
 
 
 def _config(model_dir, **overrides):

@@ -1,4 +1,4 @@
-"""Supported TensorFlow and Keras versions (tfdist/versions.py).
+"""Supported TensorFlow and Keras versions (tfdist/observability/versions.py).
 
 The binary test installs a real unsupported Keras (3.11.3, from the
 wheelhouse tools/setup.sh fills; no download) into a scratch folder put
@@ -14,7 +14,7 @@ from absl.testing import parameterized
 import pytest
 
 from tests import testutil
-from tfdist import versions
+from tfdist.observability import versions
 
 # Also run on the oldest supported TensorFlow (see tests/conftest.py).
 pytestmark = pytest.mark.compat

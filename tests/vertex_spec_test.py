@@ -1,10 +1,10 @@
-"""Tests for tfdist.vertex_spec: the CustomJob's layout and forms (without
+"""Tests for tfdist.cloud.vertex_spec: the CustomJob's layout and forms (without
 google-cloud-aiplatform; tests/job_spec_test.py validates with it)."""
 
 from absl.testing import absltest
 
-from tfdist import job_plan
-from tfdist import vertex_spec
+from tfdist.cloud import job_plan
+from tfdist.cloud import vertex_spec
 
 _ARGS = ("--model_dir=gs://b/run",)
 

@@ -1,4 +1,4 @@
-"""Tests for tfdist.watchdog: the deadline and the one watcher process.
+"""Tests for tfdist.runtime.watchdog: the deadline and the one watcher process.
 
 Each kill is of a child Python process (the watcher kills the process that
 started it); the watcher's stdin protocol is driven in this process with a
@@ -15,7 +15,7 @@ import time
 from absl.testing import absltest
 
 from tests import testutil
-from tfdist import watchdog
+from tfdist.runtime import watchdog
 
 
 def _run_child(code: str, timeout: float = 60) -> subprocess.CompletedProcess:
@@ -35,7 +35,7 @@ class DeadlineTest(absltest.TestCase):
   def test_a_block_that_overruns_is_killed_with_the_message(self):
     child = _run_child("""
         import time
-        from tfdist import watchdog
+        from tfdist.runtime import watchdog
         with watchdog.Deadline(0.5, "tfdist: the block took over 0.5 s (100%)"):
           time.sleep(30)
         """)
@@ -72,7 +72,7 @@ class WatcherProcessTest(absltest.TestCase):
   def test_a_peer_stop_starts_the_clock_and_names_it(self):
     child = _run_child("""
         import time
-        from tfdist import watchdog
+        from tfdist.runtime import watchdog
         w = watchdog.start_watcher(
             seconds=0.5, armed=False, signals=(15,),
             message="gone after %(elapsed).1f s of %(what)s")
@@ -86,7 +86,7 @@ class WatcherProcessTest(absltest.TestCase):
   def test_disarm_stops_the_clock(self):
     child = _run_child("""
         import time
-        from tfdist import watchdog
+        from tfdist.runtime import watchdog
         w = watchdog.start_watcher(seconds=0.5, armed=False, signals=(15,),
                                    message="killed")
         w.stdin.write(bytes([watchdog.PEER_STOP, watchdog.DISARM]))

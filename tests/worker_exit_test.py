@@ -1,4 +1,4 @@
-"""Tests for tfdist.worker_exit: done markers, the address probe, the
+"""Tests for tfdist.distribute.worker_exit: done markers, the address probe, the
 final barrier."""
 
 import os
@@ -13,7 +13,7 @@ import pytest
 import tensorflow as tf
 
 from tests import testutil
-from tfdist import worker_exit
+from tfdist.distribute import worker_exit
 
 pytestmark = pytest.mark.compat
 
@@ -77,7 +77,7 @@ class ImportTest(absltest.TestCase):
   def test_the_launcher_side_stays_tensorflow_free(self):
     # The launcher imports this module; importing it must not start
     # TensorFlow (seconds, and its threads, in every launcher).
-    code = ("import sys, tfdist.worker_exit; "
+    code = ("import sys, tfdist.distribute.worker_exit; "
             "print('tensorflow' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True,
                          text=True, check=True, timeout=120,

@@ -69,6 +69,10 @@ def _install_sibling_finder():
 
 _install_sibling_finder()
 
+# Old flat import paths (`tfdist.checkpointing`) as deprecated aliases.
+from tfdist import _aliases  # pylint: disable=g-import-not-at-top,g-bad-import-order
+_aliases.install(__name__)
+
 
 def __getattr__(name):
   # Imported lazily so `import tfdist` stays cheap (no TensorFlow import).
@@ -76,10 +80,10 @@ def __getattr__(name):
     from tfdist import config  # pylint: disable=g-import-not-at-top
     return getattr(config, name)
   if name == "DatasetSpec":
-    from tfdist import dataset_spec  # pylint: disable=g-import-not-at-top
+    from tfdist.data import dataset_spec  # pylint: disable=g-import-not-at-top
     return dataset_spec.DatasetSpec
   if name in ("register_model", "register_dataset"):
-    from tfdist import registry  # pylint: disable=g-import-not-at-top
+    from tfdist.training import registry  # pylint: disable=g-import-not-at-top
     return getattr(registry, name)
   if name == "fit":
     from tfdist import api  # pylint: disable=g-import-not-at-top

@@ -41,12 +41,13 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist import experiment
-from tfdist import input_pipeline
-from tfdist import registry
-from tfdist import task as task_lib
 from tfdist.config import ConfigError
 from tfdist.config import TrainConfig
-from tfdist.dataset_spec import DatasetSpec
+from tfdist.data import input_pipeline
+from tfdist.data.dataset_spec import DatasetSpec
+from tfdist.runtime import run_options
+from tfdist.training import registry
+from tfdist.training import task as task_lib
 
 
 def _leaves(name: str, value) -> list:
@@ -237,7 +238,7 @@ def make_task(model_fn: Union[Callable, str],
               config: TrainConfig, parse_fn: Optional[Callable] = None,
               loss: Any = None, metrics: Optional[Sequence[Any]] = None
               ) -> task_lib.Task:
-  """The `tfdist.task.Task` that `fit` trains (see `fit` for the args).
+  """The `tfdist.training.task.Task` that `fit` trains (see `fit` for the args).
 
   Raises:
     ConfigError: no data or two kinds of data given.
@@ -262,7 +263,7 @@ def make_task(model_fn: Union[Callable, str],
     dataset = DatasetSpec(name=task_lib.describe_function(parse_fn),
                           parse_fn=parse_fn)
   else:
-    dataset = task_lib.dataset_from_config(config)
+    dataset = run_options.dataset(config)
   if isinstance(model_fn, str):
     task_lib.load_builtins()
     model_name, builder = registry.get_model_builder(model_fn)
@@ -320,7 +321,7 @@ def fit(model_fn: Union[Callable, str],
       compiled loss.
     metrics: Keras metrics or names; override the compiled ones.
     callbacks: Keras callbacks (see `tfdist.experiment.run_experiment`).
-    environment: a `tfdist.environment.RunEnvironment`; None reads
+    environment: a `tfdist.distribute.environment.RunEnvironment`; None reads
       `os.environ` (`TF_CONFIG`, Vertex AI's variables) now.
 
   Returns:
@@ -337,7 +338,7 @@ def fit(model_fn: Union[Callable, str],
       built or trained (e.g. arrays of different lengths, a
       `validation_split` outside (0, 1) or with a dataset function, no loss
       anywhere, a model that cannot take the features).
-    tfdist.preemption.PreemptedError: SIGTERM or SIGINT stopped training
+    tfdist.runtime.preemption.PreemptedError: SIGTERM or SIGINT stopped training
       after a checkpoint (call again to resume).
   """
   arrays = x is not None or y is not None or sample_weight is not None

@@ -4,7 +4,7 @@ Flags are parsed only at the binary's edge (`flags/`, `tfdist/train.py`); they
 become a `TrainConfig` once. The run assembly (`tfdist.experiment`) reads it
 and hands each part below it (strategy, batch plan, learning rate, input
 pipeline, training loop, artifacts) its own small options object or plain
-arguments, converted in one place (`tfdist.run_options`). A `TrainConfig` can
+arguments, converted in one place (`tfdist.runtime.run_options`). A `TrainConfig` can
 therefore be built and used without absl.
 
 Validation happens in `__post_init__`, before any expensive work starts, one
@@ -19,12 +19,12 @@ import os
 import re
 from typing import Optional, Tuple
 
-from tfdist import training_checks
+from tfdist.distribute.strategy_kind import StrategyKind
 from tfdist.errors import ConfigError
-from tfdist.strategy_kind import StrategyKind
+from tfdist.training import training_checks
 
 # `--distribution_strategy` values: every concrete kind, then `auto`
-# (tfdist.auto_select picks a kind for it).
+# (tfdist.distribute.auto_select picks a kind for it).
 AUTO_STRATEGY = "auto"
 STRATEGIES = tuple(kind.value for kind in StrategyKind) + (AUTO_STRATEGY,)
 DTYPES = ("fp32", "bf16", "fp16", "auto")
@@ -34,7 +34,7 @@ LR_SCALING_RULES = ("linear", "sqrt", "none")
 LR_SCHEDULES = ("constant", "cosine", "piecewise")
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw", "rmsprop", "lamb")
 # Strategies under which --zero_stage > 0 runs (auto resolves to one of
-# them or is refused when the strategy is built: tfdist.assembly).
+# them or is refused when the strategy is built: tfdist.training.assembly).
 SHARDING_STRATEGIES = (AUTO_STRATEGY,) + tuple(
     kind.value for kind in StrategyKind if kind.is_mirrored)
 ALL_REDUCE_ALGS = ("auto", "nccl", "hierarchical_copy", "ring")
@@ -63,7 +63,7 @@ FEATURE_SPEC_DATASET = "feature_spec"
 DEFAULT_DATASET = "fashion_mnist"
 # `--hptune_metric` reports an evaluation value to Vertex AI's
 # hyperparameter tuning: `eval_` and a key of the run's `eval_history`
-# (`loss` or the name of one of the model's metrics; tfdist.hptune checks it
+# (`loss` or the name of one of the model's metrics; tfdist.cloud.hptune checks it
 # against the model once built). tfdist's built-in models evaluate these
 # (eval_auc for binary tasks such as --dataset=movielens).
 HPTUNE_METRICS = ("eval_accuracy", "eval_loss", "eval_auc")
@@ -74,7 +74,7 @@ TPU_DEFAULT_STEPS_PER_EXECUTION = 100
 # Fields a data set may recommend: None means "unset", filled in
 # `TrainConfig.__post_init__` from DATASET_RECOMMENDED_FLAGS, else from
 # UNSET_DEFAULTS (batch_size stays None: 128 unless --per_replica_batch_size
-# is given, see tfdist.batch_plan).
+# is given, see tfdist.training.batch_plan).
 RECOMMENDABLE_FIELDS = ("model", "batch_size", "optimizer",
                         "base_learning_rate", "lr_scaling")
 UNSET_DEFAULTS = {"model": "cnn", "optimizer": "sgd",
@@ -94,7 +94,7 @@ def requested_kind(strategy) -> Optional[StrategyKind]:
     strategy: a flag value (any case) or a `StrategyKind`.
 
   Returns:
-    The kind; None for `auto` (resolved later by `tfdist.auto_select`) and
+    The kind; None for `auto` (resolved later by `tfdist.distribute.auto_select`) and
     for names that are no strategy (`TrainConfig` rejects those).
   """
   try:
@@ -280,7 +280,7 @@ class TrainConfig:
   # None: the data set's recommendation, else the default
   # (see UNSET_DEFAULTS and DATASET_RECOMMENDED_FLAGS). A model or data set
   # is a registered name or an import path `package.module:function`
-  # (tfdist.registry). None for the data set: fashion_mnist, or
+  # (tfdist.training.registry). None for the data set: fashion_mnist, or
   # FEATURE_SPEC_DATASET with a feature_spec.
   model: Optional[str] = None
   dataset: Optional[str] = None
@@ -317,7 +317,7 @@ class TrainConfig:
   num_gpus: int = -1
   num_cpu_devices: int = 0
   all_reduce_alg: str = "auto"
-  # --- Multi-worker cluster (tfdist/cluster.py: TF_CONFIG, CLUSTER_SPEC) ---
+  # --- Multi-worker cluster (tfdist/distribute/cluster.py: TF_CONFIG, CLUSTER_SPEC) ---
   worker_hosts: str = ""
   task_index: int = -1
   collective_timeout_seconds: float = 0.0
@@ -399,18 +399,18 @@ class TrainConfig:
   # 1/N of the parameters (stage 1); with shard_gradients also its shard
   # of the gradient accumulators (stage 2). zero_stage (0, 1, 2) says the
   # same in DeepSpeed's terms; None: from the two switches. See
-  # `zero_stage_resolved` and tfdist/sharded_optimizer.py.
+  # `zero_stage_resolved` and tfdist/training/sharded_optimizer.py.
   shard_optimizer_state: bool = False
   shard_gradients: bool = False
   zero_stage: Optional[int] = None
   # --- Resuming mid-epoch ---
   # Checkpoints record the input order, and a resumed run continues its
   # epoch where it stopped (each worker recomputes its position from the
-  # step; tfdist.input_pipeline). False: a resume starts its epoch over.
+  # step; tfdist.data.input_pipeline). False: a resume starts its epoch over.
   checkpoint_input_position: bool = True
   # --- Your own model and data: feature spec, imports, weights, mode ---
   # A JSON feature spec describing --train_files/--eval_files records
-  # (tfdist.feature_spec); the data set is then FEATURE_SPEC_DATASET.
+  # (tfdist.data.feature_spec); the data set is then FEATURE_SPEC_DATASET.
   feature_spec: str = ""
   # Per-class training weights `{class id: weight}` (Keras's `fit(...,
   # class_weight=...)`): a dict, or `ID:WEIGHT` items (a list or one
@@ -427,7 +427,7 @@ class TrainConfig:
   mode: str = "train_and_eval"
   # --- Host memory allocator ---
   # glibc malloc settings that stop TensorFlow's per-step page-fault churn
-  # (tfdist/allocator.py); False leaves malloc as it is.
+  # (tfdist/runtime/allocator.py); False leaves malloc as it is.
   tune_allocator: bool = True
   # --- Profiler window ---
   # Trace training steps START..END (1-based, inclusive) with TensorFlow's
@@ -437,11 +437,11 @@ class TrainConfig:
   # Warn when the training loss exceeds this multiple of its early value
   # (the first log point's mean loss); 0: no warning.
   loss_explosion_factor: float = 10.0
-  # The chief's lease on --model_dir (tfdist.lease): renewed every quarter
+  # The chief's lease on --model_dir (tfdist.distribute.lease): renewed every quarter
   # of this; a lease not renewed for this long may be taken over.
   lease_timeout_seconds: float = 60.0
   # Resume even when the model or the global batch differs from the
-  # checkpoint's run (tfdist.checkpointing.check_resume).
+  # checkpoint's run (tfdist.training.checkpointing.check_resume).
   allow_incompatible_resume: bool = False
   # --- Dry run ---
   # Run every start-up check, print the plan and return before building
@@ -503,7 +503,7 @@ class TrainConfig:
   def require_model_dir(self):
     """Raises `ConfigError` when no output folder is known.
 
-    Called once the environment is applied (`tfdist.environment`), since
+    Called once the environment is applied (`tfdist.distribute.environment`), since
     Vertex AI's `AIP_*` variables may supply it.
     """
     if not self.model_dir:
@@ -515,7 +515,7 @@ class TrainConfig:
   def require_data_files(self):
     """Raises `ConfigError` when `--feature_spec` has no files to read.
 
-    Called once the environment is applied (`tfdist.environment`), since
+    Called once the environment is applied (`tfdist.distribute.environment`), since
     Vertex AI's `AIP_TRAINING_DATA_URI` / `AIP_VALIDATION_DATA_URI` may
     supply them.
     """

@@ -10,7 +10,7 @@ Everything after `--` is `tfdist.train` flags (checked by tfdist.train's own
 parser before anything runs). The diagnosis:
 
 1. estimates, from the model alone, the bytes of its parameters, gradients
-   and optimizer state (`tfdist.memory`), and whether every replica's copy
+   and optimizer state (`tfdist.training.memory`), and whether every replica's copy
    fits the device's memory under data parallelism (which strategy fits if
    not);
 2. runs the requested configuration and a single-device baseline
@@ -53,9 +53,9 @@ from absl import flags
 from absl import logging
 
 from tfdist import job_spec
-from tfdist import memory
+from tfdist.distribute.strategy_kind import StrategyKind
 from tfdist.errors import DiagnoseError
-from tfdist.strategy_kind import StrategyKind
+from tfdist.training import memory
 
 # The input-wait share of step time above which a run is input-bound, and
 # above which it is "moderately" so: TensorFlow's profiler (the input
@@ -204,12 +204,12 @@ class RunMeasurement:
     input_wait_seconds: seconds per step waiting for input.
     peak_rss_bytes: the chief's peak host memory (bytes).
     device_memory_peak_bytes: the largest GPU peak (bytes), or None.
-    model_memory: `tfdist.memory.ModelMemory.to_dict()`, or None.
+    model_memory: `tfdist.training.memory.ModelMemory.to_dict()`, or None.
     cpu_seconds_per_step: CPU seconds of the chief's process per step (all
       its threads).
     interval_examples_per_second: each measured interval's examples/sec.
     malloc_tuning: whether the chief ran with tfdist's glibc malloc
-      settings (`tfdist.allocator`; they change resident memory and, with
+      settings (`tfdist.runtime.allocator`; they change resident memory and, with
       oneDNN off, speed); None if the manifest does not say.
     model_dir: where the run wrote.
   """
@@ -271,9 +271,9 @@ def measurement_from_run(model_dir: str, label: str) -> RunMeasurement:
   """
   # Imported here, as in `model_memory_of`: they load TensorFlow, which
   # this binary imports quietly first (`tfdist.job_spec.parse_train_flags`,
-  # through `tfdist.quiet_tensorflow`).
-  from tfdist import manifest as manifest_lib  # pylint: disable=g-import-not-at-top
-  from tfdist import run_log  # pylint: disable=g-import-not-at-top
+  # through `tfdist.runtime.quiet_tensorflow`).
+  from tfdist.observability import manifest as manifest_lib  # pylint: disable=g-import-not-at-top
+  from tfdist.observability import run_log  # pylint: disable=g-import-not-at-top
   path = os.path.join(model_dir, manifest_lib.MANIFEST_FILE)
   if not os.path.exists(path):
     raise DiagnoseError(f"{label}: no {path}: the run did not finish.")
@@ -406,7 +406,7 @@ def verdict(requested: RunMeasurement,
   Args:
     requested: the requested run (medians over repeats).
     baseline: the single-device baseline, or None.
-    model_fit: `tfdist.memory.fits_data_parallel` of the model, or None.
+    model_fit: `tfdist.training.memory.fits_data_parallel` of the model, or None.
     device_memory_bytes: one GPU's memory, or None (CPU runs).
     host_memory_bytes: this host's memory, or None.
     cores: CPU cores the runs could use (for the logical-CPU note).
@@ -598,7 +598,7 @@ def _compute_verdict(requested: RunMeasurement, judged: _Judgement,
 # --- the table ----------------------------------------------------------------
 def _malloc_note(rows: Sequence[RunMeasurement]) -> str:
   """`, malloc tuning on` (or off, or per run) from the runs' manifests
-  (`tfdist.allocator`: it changes resident memory); empty if unknown."""
+  (`tfdist.runtime.allocator`: it changes resident memory); empty if unknown."""
   known = {r.label: r.malloc_tuning for r in rows
            if r.malloc_tuning is not None}
   if not known:
@@ -769,25 +769,25 @@ def model_memory_of(config) -> memory.ModelMemory:
   strategy) and returns their `ModelMemory`.
 
   Raises:
-    ConfigError: an unknown model or data set (`tfdist.task.from_config`).
+    ConfigError: an unknown model or data set (`tfdist.training.task.from_names`).
   """
   # Imported here: they load TensorFlow and Keras, which this binary
   # imports quietly first (`tfdist.job_spec.parse_train_flags`, through
-  # `tfdist.quiet_tensorflow`), and the parent process needs them only now.
+  # `tfdist.runtime.quiet_tensorflow`), and the parent process needs them only now.
   import keras  # pylint: disable=g-import-not-at-top
-  from tfdist import assembly  # pylint: disable=g-import-not-at-top
-  from tfdist import lr_schedule  # pylint: disable=g-import-not-at-top
-  from tfdist import optimizers  # pylint: disable=g-import-not-at-top
-  from tfdist import precision  # pylint: disable=g-import-not-at-top
-  from tfdist import run_options  # pylint: disable=g-import-not-at-top
-  from tfdist import task as task_lib  # pylint: disable=g-import-not-at-top
+  from tfdist.runtime import run_options  # pylint: disable=g-import-not-at-top
+  from tfdist.training import assembly  # pylint: disable=g-import-not-at-top
+  from tfdist.training import lr_schedule  # pylint: disable=g-import-not-at-top
+  from tfdist.training import optimizers  # pylint: disable=g-import-not-at-top
+  from tfdist.training import precision  # pylint: disable=g-import-not-at-top
+  from tfdist.training import task as task_lib  # pylint: disable=g-import-not-at-top
   dtype = config.dtype if config.dtype != "auto" else "fp32"
   precision.configure_precision(dtype)
   try:
     model = assembly.build_model(run_options.assembly_options(config),
-                                 task=task_lib.from_config(config))
+                                 task=run_options.task(config))
     optimizer = precision.wrap_optimizer_for_precision(
-        # A schedule, as in every run (tfdist.lr_schedule): the optimizer
+        # A schedule, as in every run (tfdist.training.lr_schedule): the optimizer
         # then keeps no learning-rate variable of its own.
         optimizers.build_optimizer(config.optimizer,
                                    lr_schedule.ConstantLearningRate(0.1),

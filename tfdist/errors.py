@@ -12,7 +12,7 @@ follow the TFJob split:
 |---|---|---|
 | 0 | finished (or `--dry_run` passed) | - |
 | 1 | training diverged (NaN or infinite loss or state) or stalled (fp16 updates skipped), with one message; or an unexpected error (a bug: Python's traceback) | permanent |
-| 2 | invalid flags or configuration, missing or damaged data, unwritable outputs (also a full disk or a refused write during the run: a restart on the same volume fails the same way, `tfdist.failures`), overlapping output folders, a damaged checkpoint, a resume the checkpoint's run does not allow | permanent |
+| 2 | invalid flags or configuration, missing or damaged data, unwritable outputs (also a full disk or a refused write during the run: a restart on the same volume fails the same way, `tfdist.runtime.failures`), overlapping output folders, a damaged checkpoint, a resume the checkpoint's run does not allow | permanent |
 | 130, 143 | stopped by SIGINT / SIGTERM after saving a checkpoint, or while waiting for the cluster's peers at start (128 + signal) | retryable |
 | 137 | killed (SIGKILL): the grace period after a signal ran out, the cluster did not form in time (also without a kill: peers that never answered), or out of memory | retryable |
 | 200 | a peer worker or a ps task was lost (MultiWorkerMirrored, parameter servers) | retryable |
@@ -21,7 +21,7 @@ follow the TFJob split:
 `exit_code_for` maps an exception raised by `run_experiment` to its status.
 The classes are defined here, one home for all of them; the modules that
 raise them also export them under their old names (`tfdist.config.
-ConfigError`, `tfdist.lease.LeaseHeldError`, ...). This module imports
+ConfigError`, `tfdist.distribute.lease.LeaseHeldError`, ...). This module imports
 nothing of tfdist, so every module can import it.
 """
 
@@ -30,7 +30,7 @@ from typing import Optional
 
 OK = 0
 # A bug (Python's own status for an uncaught exception), and a run that
-# diverged or stalled (`tfdist.training_checks`): a restart repeats it.
+# diverged or stalled (`tfdist.training.training_checks`): a restart repeats it.
 UNEXPECTED = 1
 DIVERGED = 1
 CONFIG = 2

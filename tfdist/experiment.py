@@ -2,20 +2,20 @@
 
 Short wiring of one-job modules, in the order data flows:
 
-    config + environment (tfdist.environment)
-      -> task: model builder, data set, loss, metrics (tfdist.task; the
-         registries and import paths of tfdist.registry, or tfdist.fit's
+    config + environment (tfdist.distribute.environment)
+      -> task: model builder, data set, loss, metrics (tfdist.training.task; the
+         registries and import paths of tfdist.training.registry, or tfdist.fit's
          objects)
-      -> cluster (tfdist.cluster)            -> role: train, serve, evaluate
-      -> decision: strategy and dtype (tfdist.auto_select, the one place
+      -> cluster (tfdist.distribute.cluster)            -> role: train, serve, evaluate
+      -> decision: strategy and dtype (tfdist.distribute.auto_select, the one place
          that decides `auto`), parsed once into a `StrategyKind`
-      -> strategy (tfdist.strategy)
-      -> run plan: files, batch, learning rate (tfdist.run_plan)
-      -> model, optimizer, trainer, checkpoint (tfdist.assembly)
-      -> input pipelines (tfdist.input_pipeline)
-      -> step runner (tfdist.step_runner) under one controller
-         (tfdist.controller)
-      -> artifacts: SavedModel (tfdist.export), manifest (tfdist.manifest)
+      -> strategy (tfdist.distribute.strategy)
+      -> run plan: files, batch, learning rate (tfdist.training.run_plan)
+      -> model, optimizer, trainer, checkpoint (tfdist.training.assembly)
+      -> input pipelines (tfdist.data.input_pipeline)
+      -> step runner (tfdist.training.step_runner) under one controller
+         (tfdist.training.controller)
+      -> artifacts: SavedModel (tfdist.training.export), manifest (tfdist.observability.manifest)
 
 A training process runs as an `ExperimentRunner`: one object holding the
 run's state, whose `build_*` methods build one part each, in the order
@@ -43,46 +43,46 @@ from absl import logging
 import keras
 import tensorflow as tf
 
-from tfdist import allocator
-from tfdist import assembly
-from tfdist import auto_select
-from tfdist import checkpoint_paths
-from tfdist import checkpointing
-from tfdist import cluster as cluster_lib
-from tfdist import controller as controller_lib
-from tfdist import devices
-from tfdist import done_marker
-from tfdist import environment as environment_lib
-from tfdist import export
-from tfdist import failures
-from tfdist import filesystems
-from tfdist import hptune
-from tfdist import input_position as input_position_lib
-from tfdist import input_pipeline
-from tfdist import keras_callbacks
-from tfdist import lease as lease_lib
-from tfdist import manifest as manifest_lib
-from tfdist import memory
-from tfdist import parameter_server as ps_lib
-from tfdist import precision
-from tfdist import preemption
-from tfdist import preflight
-from tfdist import profiling
-from tfdist import run_log as run_log_lib
-from tfdist import run_options
-from tfdist import run_plan as run_plan_lib
-from tfdist import step_runner
-from tfdist import strategy as strategy_lib
-from tfdist import task as task_lib
-from tfdist import tpu as tpu_lib
-from tfdist import versions
-from tfdist import worker_exit
-from tfdist.checkpointing import CheckpointKeeper
+from tfdist.cloud import hptune
 from tfdist.config import ConfigError
 from tfdist.config import TrainConfig
-from tfdist.controller import Controller, ControllerOptions
-from tfdist.dataset_spec import DataNotFoundError
-from tfdist.strategy_kind import StrategyKind
+from tfdist.data import filesystems
+from tfdist.data import input_pipeline
+from tfdist.data import input_position as input_position_lib
+from tfdist.data.dataset_spec import DataNotFoundError
+from tfdist.distribute import auto_select
+from tfdist.distribute import cluster as cluster_lib
+from tfdist.distribute import devices
+from tfdist.distribute import environment as environment_lib
+from tfdist.distribute import lease as lease_lib
+from tfdist.distribute import parameter_server as ps_lib
+from tfdist.distribute import strategy as strategy_lib
+from tfdist.distribute import tpu as tpu_lib
+from tfdist.distribute import worker_exit
+from tfdist.distribute.strategy_kind import StrategyKind
+from tfdist.observability import manifest as manifest_lib
+from tfdist.observability import profiling
+from tfdist.observability import run_log as run_log_lib
+from tfdist.observability import versions
+from tfdist.runtime import allocator
+from tfdist.runtime import failures
+from tfdist.runtime import preemption
+from tfdist.runtime import preflight
+from tfdist.runtime import run_options
+from tfdist.training import assembly
+from tfdist.training import checkpoint_paths
+from tfdist.training import checkpointing
+from tfdist.training import controller as controller_lib
+from tfdist.training import done_marker
+from tfdist.training import export
+from tfdist.training import keras_callbacks
+from tfdist.training import memory
+from tfdist.training import precision
+from tfdist.training import run_plan as run_plan_lib
+from tfdist.training import step_runner
+from tfdist.training import task as task_lib
+from tfdist.training.checkpointing import CheckpointKeeper
+from tfdist.training.controller import Controller, ControllerOptions
 
 MIN_EVAL_BATCH_SIZE = run_plan_lib.MIN_EVAL_BATCH_SIZE
 
@@ -91,7 +91,7 @@ def _worker_scratch_dir(cluster: cluster_lib.ClusterInfo) -> str:
   """A local folder for a non-chief worker's writes, deleted at exit.
 
   Raises:
-    tfdist.preflight.OutputNotWritableError: it cannot be made or written.
+    tfdist.runtime.preflight.OutputNotWritableError: it cannot be made or written.
   """
   parent = os.environ.get("TEST_TMPDIR") or tempfile.gettempdir()
   try:
@@ -140,8 +140,8 @@ class PreparedRun:
   Attributes:
     config: the `TrainConfig` with the environment applied and `auto`
       decided.
-    cluster: the `tfdist.cluster.ClusterInfo`.
-    decision: the `tfdist.auto_select.Decision`.
+    cluster: the `tfdist.distribute.cluster.ClusterInfo`.
+    decision: the `tfdist.distribute.auto_select.Decision`.
     environment_applied: the `(field, variable)` pairs the environment
       filled.
     trial_fields: the folder fields given a tuning trial's subfolder.
@@ -216,7 +216,7 @@ def prepare_run(config: TrainConfig, *,
       data URI of another format than `tf-record`, a malformed cluster,
       fp16 on a TPU, local input with a remote TPU, an export folder that
       would replace the run's other outputs
-      (`tfdist.export.ExportRefusedError`).
+      (`tfdist.training.export.ExportRefusedError`).
   """
   if environment is None:
     environment = environment_lib.read_environment()
@@ -282,7 +282,7 @@ def start_run(config: TrainConfig, *,
   the task, `prepare_run` and the model options.
 
   Returns:
-    `(task, prepared)`: the `tfdist.task.Task` (`task`, or what the config
+    `(task, prepared)`: the `tfdist.training.task.Task` (`task`, or what the config
     names) and the `PreparedRun`.
 
   Raises:
@@ -291,7 +291,7 @@ def start_run(config: TrainConfig, *,
   versions.check_installed_versions()
   keras_callbacks.check_callbacks(callbacks)
   # Every role (chief, worker, ps, evaluator) trains or serves in this
-  # process: the malloc settings apply to all (tfdist.allocator).
+  # process: the malloc settings apply to all (tfdist.runtime.allocator).
   allocator.configure_allocator(config.tune_allocator)
   # Every task opens files itself (ps workers read the input shards, every
   # process reads a --feature_spec), so every task imports tensorflow-io
@@ -372,21 +372,21 @@ def run_experiment(config: TrainConfig, *,
   """Runs this process's part of the job `config` describes.
 
   Works from any thread: off the main thread, signal-based preemption is
-  off (the host framework owns signals; see `tfdist.preemption`).
+  off (the host framework owns signals; see `tfdist.runtime.preemption`).
 
   Args:
     config: a `TrainConfig`.
     callbacks: extra Keras callbacks, called by the controller on every
       training process at the same points.
-    environment: the process environment (`tfdist.environment`); None reads
+    environment: the process environment (`tfdist.distribute.environment`); None reads
       `os.environ` once, here.
-    task: what to train (`tfdist.task.Task`: model builder, data set, loss,
+    task: what to train (`tfdist.training.task.Task`: model builder, data set, loss,
       metrics); None: what `config.model`, `config.dataset`,
       `config.feature_spec` and `config.import_modules` name.
     exit_plan: for binaries that end their process when the run is done
       (`tfdist.train`): a MultiWorkerMirrored task of a multi-worker run
       then ends its process inside this call, right after the final
-      barrier, the chief last (`tfdist.worker_exit.leave_process`), and
+      barrier, the chief last (`tfdist.distribute.worker_exit.leave_process`), and
       this call does not return there. None (library use): it returns.
 
   Returns:
@@ -407,19 +407,19 @@ def run_experiment(config: TrainConfig, *,
       or a path whose file system is missing
       (`filesystems.FileSystemUnavailableError`).
     DataNotFoundError: missing data.
-    tfdist.data_checks.DataError: a damaged input file or records of another
+    tfdist.data.data_checks.DataError: a damaged input file or records of another
       schema (before training).
-    tfdist.preflight.OutputNotWritableError: an output folder cannot be
+    tfdist.runtime.preflight.OutputNotWritableError: an output folder cannot be
       written (before anything else is done).
-    tfdist.checkpointing.IncompatibleResumeError: the checkpoint's run had
+    tfdist.training.checkpointing.IncompatibleResumeError: the checkpoint's run had
       another model or global batch (before training).
-    tfdist.lease.LeaseHeldError: another live run holds `--model_dir`.
-    tfdist.preemption.PreemptedError: SIGTERM or SIGINT stopped training
+    tfdist.distribute.lease.LeaseHeldError: another live run holds `--model_dir`.
+    tfdist.runtime.preemption.PreemptedError: SIGTERM or SIGINT stopped training
       after a checkpoint was saved (rerun to resume).
-    tfdist.run_log.DivergenceError: the loss or the state became NaN or
+    tfdist.observability.run_log.DivergenceError: the loss or the state became NaN or
       infinite (the last good checkpoint is kept and named).
-    tfdist.parameter_server.ParameterServerError: a ps task was lost.
-    tfdist.step_runner.PeerLostError: a MultiWorkerMirrored peer was lost.
+    tfdist.distribute.parameter_server.ParameterServerError: a ps task was lost.
+    tfdist.training.step_runner.PeerLostError: a MultiWorkerMirrored peer was lost.
   """
   started = time.time()
   task, prepared = start_run(config, callbacks=callbacks,
@@ -492,7 +492,7 @@ class ExperimentRunner:
 
   Attributes (the facts, decided once in `__init__`):
     config, cluster, decision, task: the run's `TrainConfig`,
-      `ClusterInfo`, `auto_select.Decision` and `tfdist.task.Task`.
+      `ClusterInfo`, `auto_select.Decision` and `tfdist.training.task.Task`.
     kind: the strategy's `StrategyKind`.
     is_writer: this process writes `--model_dir` (the only process, the
       MultiWorkerMirrored chief, the parameter-server coordinator); the
@@ -682,7 +682,7 @@ class ExperimentRunner:
     """The run plan: files, batch, steps, learning rate.
 
     Raises:
-      ConfigError: as `tfdist.run_plan.make_run_plan`, or a
+      ConfigError: as `tfdist.training.run_plan.make_run_plan`, or a
         `--profile_steps` window after the last step.
     """
     plan = run_plan_lib.make_run_plan(
@@ -698,7 +698,7 @@ class ExperimentRunner:
     """The writer compares this run with the checkpoint's and records it.
 
     Raises:
-      tfdist.checkpointing.IncompatibleResumeError: as `_check_resume`.
+      tfdist.training.checkpointing.IncompatibleResumeError: as `_check_resume`.
     """
     if not self.is_writer:
       return
@@ -711,7 +711,7 @@ class ExperimentRunner:
 
   def build_model_and_optimizer(self) -> assembly.Parts:
     """The precision policy, then model, optimizer, trainer and checkpoint
-    under the strategy (`tfdist.assembly.build`)."""
+    under the strategy (`tfdist.training.assembly.build`)."""
     self.policy = precision.configure_precision(self.config.dtype)
     options = run_options.assembly_options(self.config)
     parts = assembly.build(options, task=self.task, strategy=self.strategy,
@@ -904,9 +904,9 @@ class ExperimentRunner:
     """Trains; a lost ps task or peer becomes one named error.
 
     Raises:
-      tfdist.preemption.PreemptedError: stopped after a checkpoint.
-      tfdist.parameter_server.ParameterServerError: a ps task was lost.
-      tfdist.step_runner.PeerLostError: a MultiWorkerMirrored peer was lost.
+      tfdist.runtime.preemption.PreemptedError: stopped after a checkpoint.
+      tfdist.distribute.parameter_server.ParameterServerError: a ps task was lost.
+      tfdist.training.step_runner.PeerLostError: a MultiWorkerMirrored peer was lost.
     """
     controller = self.controller
     try:
@@ -967,7 +967,7 @@ class ExperimentRunner:
                         else None)}
 
   def build_manifest(self) -> dict:
-    """The run manifest (`tfdist.manifest.build_manifest`)."""
+    """The run manifest (`tfdist.observability.manifest.build_manifest`)."""
     optimizer, result = self.parts.optimizer, self.result
     return manifest_lib.build_manifest(
         run_options.manifest_options(self.config),
@@ -1015,7 +1015,7 @@ class ExperimentRunner:
     the process ends here, the chief last.
 
     Raises:
-      tfdist.step_runner.PeerLostError: a peer was lost at the barrier.
+      tfdist.training.step_runner.PeerLostError: a peer was lost at the barrier.
     """
     if self.kind is not StrategyKind.MULTI_WORKER_MIRRORED:
       return
@@ -1088,7 +1088,7 @@ def planned_replicas(config, *, decision, cluster) -> Tuple[int, int]:
   building its strategy (for `--dry_run`; TPUs are asked).
 
   Raises:
-    ConfigError: as `tfdist.strategy.make_strategy` (TPU only).
+    ConfigError: as `tfdist.distribute.strategy.make_strategy` (TPU only).
   """
   kind = StrategyKind.parse(decision.strategy)
   num_workers = training_workers(kind, cluster)
@@ -1137,7 +1137,7 @@ def _check_resume(config, plan) -> list:
   (the writing process only); returns what changed (logged).
 
   Raises:
-    tfdist.checkpointing.IncompatibleResumeError: a changed model or
+    tfdist.training.checkpointing.IncompatibleResumeError: a changed model or
       global batch without `--allow_incompatible_resume`.
   """
   directory = config.resolved_checkpoint_dir

@@ -75,8 +75,8 @@ Validation, before printing (each raises `JobSpecError` naming the field):
 Both validators need their packages (`pip install 'tfdist[jobspec]'`); they
 are not needed to run training.
 
-The job's shape and the train-flag checks are `tfdist.job_plan`'s, the
-builders and validators `tfdist.vertex_spec`'s and `tfdist.tfjob_spec`'s;
+The job's shape and the train-flag checks are `tfdist.cloud.job_plan`'s, the
+builders and validators `tfdist.cloud.vertex_spec`'s and `tfdist.cloud.tfjob_spec`'s;
 their public names are importable from `tfdist.job_spec` as well.
 """
 
@@ -89,31 +89,31 @@ from absl import flags
 from absl import logging
 
 # The parts, and the names `tfdist.job_spec` has always offered.
-from tfdist.job_plan import JobPlan  # pylint: disable=unused-import
-from tfdist.job_plan import JobSpecError  # pylint: disable=unused-import
-from tfdist.job_plan import TRAIN_MODULE  # pylint: disable=unused-import
-from tfdist.job_plan import check_train_config  # pylint: disable=unused-import
-from tfdist.job_plan import need
-from tfdist.job_plan import parse_accelerator  # pylint: disable=unused-import
-from tfdist.job_plan import parse_train_flags  # pylint: disable=unused-import
-from tfdist.tfjob_spec import POD_VALUE_KEYS  # pylint: disable=unused-import
-from tfdist.tfjob_spec import PodOptions  # pylint: disable=unused-import
-from tfdist.tfjob_spec import TFJOB_CONTAINER  # pylint: disable=unused-import
-from tfdist.tfjob_spec import TFJOB_REPLICA_TYPES  # pylint: disable=unused-import
-from tfdist.tfjob_spec import TFJOB_RESTART_POLICIES  # pylint: disable=unused-import
-from tfdist.tfjob_spec import TOLERATION_EFFECTS  # pylint: disable=unused-import
-from tfdist.tfjob_spec import TOLERATION_OPERATORS  # pylint: disable=unused-import
-from tfdist.tfjob_spec import kubernetes_tfjob
-from tfdist.tfjob_spec import pod_options
-from tfdist.tfjob_spec import validate_tfjob
-from tfdist.vertex_spec import PREBUILT_IMAGE_FORMAT  # pylint: disable=unused-import
-from tfdist.vertex_spec import PREBUILT_TF_IMAGES  # pylint: disable=unused-import
-from tfdist.vertex_spec import VERTEX_FORMS
-from tfdist.vertex_spec import prebuilt_image  # pylint: disable=unused-import
-from tfdist.vertex_spec import validate_vertex_custom_job
-from tfdist.vertex_spec import validate_vertex_sdk_kwargs
-from tfdist.vertex_spec import vertex_custom_job
-from tfdist.vertex_spec import vertex_form
+from tfdist.cloud.job_plan import check_train_config  # pylint: disable=unused-import
+from tfdist.cloud.job_plan import JobPlan  # pylint: disable=unused-import
+from tfdist.cloud.job_plan import JobSpecError  # pylint: disable=unused-import
+from tfdist.cloud.job_plan import need
+from tfdist.cloud.job_plan import parse_accelerator  # pylint: disable=unused-import
+from tfdist.cloud.job_plan import parse_train_flags  # pylint: disable=unused-import
+from tfdist.cloud.job_plan import TRAIN_MODULE  # pylint: disable=unused-import
+from tfdist.cloud.tfjob_spec import kubernetes_tfjob
+from tfdist.cloud.tfjob_spec import pod_options
+from tfdist.cloud.tfjob_spec import POD_VALUE_KEYS  # pylint: disable=unused-import
+from tfdist.cloud.tfjob_spec import PodOptions  # pylint: disable=unused-import
+from tfdist.cloud.tfjob_spec import TFJOB_CONTAINER  # pylint: disable=unused-import
+from tfdist.cloud.tfjob_spec import TFJOB_REPLICA_TYPES  # pylint: disable=unused-import
+from tfdist.cloud.tfjob_spec import TFJOB_RESTART_POLICIES  # pylint: disable=unused-import
+from tfdist.cloud.tfjob_spec import TOLERATION_EFFECTS  # pylint: disable=unused-import
+from tfdist.cloud.tfjob_spec import TOLERATION_OPERATORS  # pylint: disable=unused-import
+from tfdist.cloud.tfjob_spec import validate_tfjob
+from tfdist.cloud.vertex_spec import prebuilt_image  # pylint: disable=unused-import
+from tfdist.cloud.vertex_spec import PREBUILT_IMAGE_FORMAT  # pylint: disable=unused-import
+from tfdist.cloud.vertex_spec import PREBUILT_TF_IMAGES  # pylint: disable=unused-import
+from tfdist.cloud.vertex_spec import validate_vertex_custom_job
+from tfdist.cloud.vertex_spec import validate_vertex_sdk_kwargs
+from tfdist.cloud.vertex_spec import vertex_custom_job
+from tfdist.cloud.vertex_spec import vertex_form
+from tfdist.cloud.vertex_spec import VERTEX_FORMS
 
 # PyYAML (the jobspec extra) is optional: `render` imports it for YAML.
 

@@ -19,7 +19,7 @@ Everything after `--` goes to every process (`python -m tfdist.train` unless
   adds `evaluator` 0;
 * prefixes each output line with the role (`[worker:0] ...`);
 * forwards SIGINT (Ctrl-C) and SIGTERM to every task; the tasks save a
-  checkpoint and exit (see `tfdist.preemption`), and any still running
+  checkpoint and exit (see `tfdist.runtime.preemption`), and any still running
   after `--stop_grace_seconds` are killed. A second Ctrl-C kills at once;
 * exits with the chief's exit status (128 + N if a signal N ended it; 1 if
   the chief succeeded but another task failed);
@@ -38,7 +38,7 @@ which are servers there) are stopped; other tasks get
 
 Each task gets a done-marker path in `$TFDIST_DONE_FILE`; `tfdist.train`
 writes it after its run's final barrier, just before its process ends
-(`tfdist.worker_exit`). A task that wrote it and then exits with an error,
+(`tfdist.distribute.worker_exit`). A task that wrote it and then exits with an error,
 or has not exited `min(DONE_EXIT_GRACE_SECONDS, --stop_grace_seconds)`
 later (it is then stopped), has failed: the run's status is then the
 chief's, or 1. Its work is done, so the group is not restarted for it.
@@ -63,9 +63,9 @@ from absl import app
 from absl import flags
 import portpicker
 
-from tfdist import cli
-from tfdist import cluster as cluster_lib
-from tfdist import worker_exit
+from tfdist.distribute import cluster as cluster_lib
+from tfdist.distribute import worker_exit
+from tfdist.runtime import cli
 
 HOST = "127.0.0.1"
 # Survivors of a failed task get this long to exit on their own (they
@@ -119,7 +119,7 @@ def make_cluster(tasks: Sequence[Task], ports: Sequence[int],
 
 
 def tf_config(cluster: Dict[str, List[str]], task: Task) -> str:
-  """The `TF_CONFIG` JSON of `task` (checked with `tfdist.cluster`)."""
+  """The `TF_CONFIG` JSON of `task` (checked with `tfdist.distribute.cluster`)."""
   text = json.dumps({"cluster": cluster,
                      "task": {"type": task.task_type,
                               "index": task.task_index}})

@@ -91,12 +91,12 @@ from absl import app  # pylint: disable=g-import-not-at-top,wrong-import-positio
 from absl import flags  # pylint: disable=g-import-not-at-top,wrong-import-position
 from absl import logging  # pylint: disable=g-import-not-at-top,wrong-import-position
 
-from tfdist import cli  # pylint: disable=g-import-not-at-top,wrong-import-position
-from tfdist import environment  # pylint: disable=g-import-not-at-top,wrong-import-position
 from tfdist import flags as tfdist_flags  # pylint: disable=g-import-not-at-top,wrong-import-position
-from tfdist import quiet_tensorflow  # pylint: disable=g-import-not-at-top,wrong-import-position
 from tfdist.config import ConfigError, TrainConfig  # pylint: disable=g-import-not-at-top,wrong-import-position
-from tfdist.strategy_kind import StrategyKind  # pylint: disable=g-import-not-at-top,wrong-import-position
+from tfdist.distribute import environment  # pylint: disable=g-import-not-at-top,wrong-import-position
+from tfdist.distribute.strategy_kind import StrategyKind  # pylint: disable=g-import-not-at-top,wrong-import-position
+from tfdist.runtime import cli  # pylint: disable=g-import-not-at-top,wrong-import-position
+from tfdist.runtime import quiet_tensorflow  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 INSTALL_HINT = ("Ray Train is not installed. Install it with: pip install "
                 "'tfdist[ray]' (or: pip install 'ray[train]>=2.60,<3').")
@@ -305,18 +305,18 @@ def setup_local_worker_process():
   quiet_tensorflow.quiet_on_import()
 
 
-# --- inside the Ray Train workers (tfdist.ray_worker) ---------------------
-# Names of `tfdist.ray_worker` also importable from here.
+# --- inside the Ray Train workers (tfdist.cloud.ray_worker) ---------------------
+# Names of `tfdist.cloud.ray_worker` also importable from here.
 _WORKER_NAMES = ("RayReportCallback", "checkpoint_step", "export_checkpoint",
                  "import_checkpoint", "final_metrics",
                  "IMPORT_TIMEOUT_SECONDS")
 
 
 def _ray_worker():
-  """`tfdist.ray_worker`, imported on first use: it imports TensorFlow,
+  """`tfdist.cloud.ray_worker`, imported on first use: it imports TensorFlow,
   Keras and Ray Train, which this module's binary imports only after its
   `quiet_tensorflow` set-up, and which a driver never needs."""
-  from tfdist import ray_worker  # pylint: disable=g-import-not-at-top
+  from tfdist.cloud import ray_worker  # pylint: disable=g-import-not-at-top
   return ray_worker
 
 
@@ -328,7 +328,7 @@ def __getattr__(name):  # PEP 562: `tfdist.ray.RayReportCallback`, ...
 
 def train_loop_per_worker(loop_config: dict) -> dict:
   """Ray Train's per-worker function: one tfdist run of `loop_config`
-  (`tfdist.ray_worker.run_worker`).
+  (`tfdist.cloud.ray_worker.run_worker`).
 
   Args:
     loop_config: `{"config": TrainConfig, "callbacks": [Keras callbacks],

@@ -15,7 +15,7 @@ import sys
 import traceback
 from typing import Sequence
 
-from tfdist import quiet_tensorflow  # Standard library only.
+from tfdist.runtime import quiet_tensorflow  # Standard library only.
 
 quiet_tensorflow.default_log_level()
 quiet_tensorflow.import_tensorflow()
@@ -24,16 +24,16 @@ from absl import app  # pylint: disable=g-import-not-at-top,wrong-import-positio
 from absl import flags as absl_flags  # pylint: disable=g-import-not-at-top,wrong-import-position
 from absl import logging  # pylint: disable=g-import-not-at-top,wrong-import-position
 
-from tfdist import cli  # pylint: disable=g-import-not-at-top,wrong-import-position
-from tfdist import flags as tfdist_flags  # pylint: disable=g-import-not-at-top,wrong-import-position
 from tfdist import config as config_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
-from tfdist import environment as environment_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
-from tfdist import filesystems  # pylint: disable=g-import-not-at-top,wrong-import-position
-from tfdist import allocator  # pylint: disable=g-import-not-at-top,wrong-import-position
 from tfdist import exit_codes  # pylint: disable=g-import-not-at-top,wrong-import-position
-from tfdist import versions  # pylint: disable=g-import-not-at-top,wrong-import-position
-from tfdist import worker_exit  # pylint: disable=g-import-not-at-top,wrong-import-position
-from tfdist.strategy_kind import StrategyKind  # pylint: disable=g-import-not-at-top,wrong-import-position
+from tfdist import flags as tfdist_flags  # pylint: disable=g-import-not-at-top,wrong-import-position
+from tfdist.data import filesystems  # pylint: disable=g-import-not-at-top,wrong-import-position
+from tfdist.distribute import environment as environment_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
+from tfdist.distribute import worker_exit  # pylint: disable=g-import-not-at-top,wrong-import-position
+from tfdist.distribute.strategy_kind import StrategyKind  # pylint: disable=g-import-not-at-top,wrong-import-position
+from tfdist.observability import versions  # pylint: disable=g-import-not-at-top,wrong-import-position
+from tfdist.runtime import allocator  # pylint: disable=g-import-not-at-top,wrong-import-position
+from tfdist.runtime import cli  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 KEY_FLAGS = tfdist_flags.define_all_flags()
 for _name in KEY_FLAGS:
@@ -83,7 +83,7 @@ def _leaves_without_teardown(result: dict) -> bool:
   function (gRPC errors) or hang on a half-read distributed iterator.
   `main` itself returns (wrapper binaries go on), except on the tasks of a
   multi-worker MultiWorkerMirrored run, which end their process inside the
-  run, the chief last (tfdist.worker_exit).
+  run, the chief last (tfdist.distribute.worker_exit).
 
   Args:
     result: `run_experiment`'s record (`role`, `strategy`: a concrete
@@ -123,7 +123,7 @@ def _read_config() -> config_lib.TrainConfig:
     # rather than failing inside an import.
     versions.check_installed_versions()
     # Only after the version check: run_options imports Keras.
-    from tfdist import run_options  # pylint: disable=g-import-not-at-top
+    from tfdist.runtime import run_options  # pylint: disable=g-import-not-at-top
     filesystems.require_file_systems(run_options.config_paths(config))
   except config_lib.ConfigError as e:
     _usage_error(e)
@@ -148,7 +148,7 @@ def main(argv, *, callbacks: Sequence["keras.callbacks.Callback"] = ()):
   try:
     # A multi-worker MultiWorkerMirrored task ends its process inside the
     # run, right after the final barrier, the chief last; it writes its
-    # done marker there (tfdist.worker_exit).
+    # done marker there (tfdist.distribute.worker_exit).
     result = experiment.run_experiment(
         config, callbacks=callbacks, environment=environment,
         exit_plan=worker_exit.ExitPlan(
@@ -167,7 +167,7 @@ def main(argv, *, callbacks: Sequence["keras.callbacks.Callback"] = ()):
     # been released.
     print(failure_message(e, status), file=sys.stderr, flush=True)
     _exit_now(status)
-  # This task's work is done: tell the launcher (tfdist.worker_exit).
+  # This task's work is done: tell the launcher (tfdist.distribute.worker_exit).
   worker_exit.mark_done(os.environ.get(worker_exit.DONE_FILE_ENV))
   global _LEAVE_WITHOUT_TEARDOWN
   if _leaves_without_teardown(result):

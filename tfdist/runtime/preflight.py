@@ -1,0 +1,213 @@
+"""Start-up checks that need neither data nor a model: names and outputs.
+
+Run first, right after the flags are read and the cluster is known
+(`tfdist.experiment.run_experiment`), so that a run that cannot finish
+stops in seconds with one line naming the flag:
+
+* `check_names`: the registered `--dataset`, `--model` and
+  `--hptune_metric` exist and fit together (run by `tfdist.job_spec` on
+  every replica's flags: the part of `--dry_run` that needs no access to
+  the job's code and files; a run resolves them itself,
+  `tfdist.training.task.from_names`);
+* `probe_outputs`: the process that writes `--model_dir` creates every
+  output folder (model, checkpoints, TensorBoard, export) and writes and
+  deletes a probe file in each (folders it had to create are removed
+  again); other workers probe their scratch folders.
+  A folder that cannot be written fails with `--model_dir=DIR is not
+  writable: <reason>`.
+"""
+
+import dataclasses
+import os
+import uuid
+from typing import List, Optional, Tuple
+
+import tensorflow as tf
+
+from tfdist.cloud import hptune
+from tfdist.config import ConfigError
+from tfdist.errors import OutputNotWritableError, first_line
+from tfdist.training import objectives
+from tfdist.training import registry
+from tfdist.training import task as task_lib
+
+
+@dataclasses.dataclass(frozen=True)
+class NameOptions:
+  """The registry names a run gives (`tfdist.runtime.run_options.name_options`).
+
+  Attributes:
+    model: `--model`: a registered name or an import path.
+    dataset: `--dataset`: a registered name or an import path.
+    feature_spec: `--feature_spec` ('' when none).
+    import_modules: `--import_modules` (the user's modules).
+    hptune_metric: `--hptune_metric` ('' or None when none).
+  """
+  model: Optional[str]
+  dataset: Optional[str]
+  feature_spec: str = ""
+  import_modules: Tuple[str, ...] = ()
+  hptune_metric: Optional[str] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class OutputOptions:
+  """The output folders a run writes (`tfdist.runtime.run_options.output_options`).
+
+  Attributes:
+    model_dir: `--model_dir`.
+    checkpoint_dir, tensorboard_dir, export_dir: the flags as given ('':
+      derived from `--model_dir`).
+    resolved_checkpoint_dir, resolved_tensorboard_dir, resolved_export_dir:
+      the folders used (the flag's, or the one derived from `--model_dir`).
+  """
+  model_dir: str
+  checkpoint_dir: str
+  tensorboard_dir: str
+  export_dir: str
+  resolved_checkpoint_dir: str
+  resolved_tensorboard_dir: str
+  resolved_export_dir: str
+
+
+def check_names(names: NameOptions):
+  """Checks that the names a run gives tfdist's registries exist and fit.
+
+  The part of `--dry_run` a job-spec writer can run where the job's code
+  and files are not: a `--model` or `--dataset` given as an import path,
+  `--import_modules` and `--feature_spec` are the user's, checked by the
+  job itself at start.
+
+  Args:
+    names: the run's names (`tfdist.runtime.run_options.name_options`).
+
+  Raises:
+    ConfigError: an unknown registered `--dataset` or `--model` (the
+      message lists the known ones), or an `--hptune_metric` the data set's
+      task does not produce.
+  """
+  if names.import_modules:
+    return
+  task_lib.load_builtins()
+  if not registry.is_import_path(names.model):
+    registry.get_model_builder(names.model)
+  if names.feature_spec or registry.is_import_path(names.dataset):
+    return
+  spec = registry.get_dataset(names.dataset)
+  if (names.hptune_metric and spec.task and
+      not registry.is_import_path(names.model)):
+    # tfdist's own models evaluate the data set's default loss and metrics.
+    _, metrics = objectives.task_defaults(spec.task)
+    hptune.check_metric(names.hptune_metric,
+                        available=["loss", *(m.name for m in metrics)])
+
+
+def output_folders(outputs: OutputOptions) -> List[Tuple[str, str, str]]:
+  """`(flag, value, folder)` of every folder the writing process fills.
+
+  The SavedModel is written next to `--export_dir` and renamed into it, so
+  its parent folder is probed. A folder named twice is listed once (the
+  first flag that names it).
+  """
+  model_dir = outputs.model_dir
+  out = [("--model_dir", model_dir, model_dir)]
+  for flag, value, folder in (
+      ("--checkpoint_dir", outputs.checkpoint_dir,
+       outputs.resolved_checkpoint_dir),
+      ("--tensorboard_dir", outputs.tensorboard_dir,
+       outputs.resolved_tensorboard_dir),
+      ("--export_dir", outputs.export_dir,
+       os.path.dirname(outputs.resolved_export_dir.rstrip("/")) or ".")):
+    if value:
+      out.append((flag, value, folder))
+    else:  # Derived from --model_dir.
+      out.append(("--model_dir", model_dir, folder))
+  seen, unique = set(), []
+  for item in out:
+    if item[2] not in seen:
+      seen.add(item[2])
+      unique.append(item)
+  return unique
+
+
+def _reason(folder: str, error: Exception) -> str:
+  """Why `folder` cannot be written, in words (not a bare errno)."""
+  if "://" not in folder:
+    parent = folder
+    while parent and parent != os.path.dirname(parent):
+      if os.path.exists(parent):
+        if not os.path.isdir(parent):
+          return f"{parent} is a file, not a folder"
+        break
+      parent = os.path.dirname(parent)
+  return (f"{type(error).__name__}: "
+          f"{first_line(error, default=type(error).__name__)}")
+
+
+def _missing_folders(folder: str) -> List[str]:
+  """`folder` and those of its parents that do not exist, deepest first
+  (never above a bucket: `gs://bucket`, `s3://bucket`)."""
+  missing = []
+  path = folder.rstrip("/")
+  while path:
+    if "://" in path and "/" not in path.split("://", 1)[1]:
+      break  # A bucket: not created by the run, never removed.
+    try:
+      if tf.io.gfile.exists(path):
+        break
+    except (tf.errors.OpError, OSError):
+      break  # Let makedirs say what is wrong.
+    missing.append(path)
+    parent = os.path.dirname(path)
+    if parent == path:
+      break
+    path = parent
+  return missing
+
+
+def probe_writable(folder: str, *, flag: str, value: str):
+  """Creates `folder`, writes and deletes a probe file in it.
+
+  Folders the probe had to create are removed again (the run creates them
+  when it writes there), so a run stopped at start leaves nothing behind.
+
+  Args:
+    folder: the folder to probe (local or `gs://`).
+    flag, value: the flag (and its value) that chose the folder, for the
+      message.
+
+  Raises:
+    OutputNotWritableError: `{flag}={value} is not writable: <reason>`.
+  """
+  probe = os.path.join(folder, f".tfdist-probe-{uuid.uuid4().hex[:8]}")
+  created = _missing_folders(folder)
+  try:
+    tf.io.gfile.makedirs(folder)
+    with tf.io.gfile.GFile(probe, "w") as f:
+      f.write("tfdist write probe\n")
+    tf.io.gfile.remove(probe)
+  except (tf.errors.OpError, OSError) as e:
+    where = "" if folder == value else f" ({folder})"
+    raise OutputNotWritableError(
+        f"{flag}={value} is not writable{where}: {_reason(folder, e)}. "
+        "Give a folder this process can create and write (local, a "
+        "mounted bucket, or gs://BUCKET/PATH).") from None
+  for path in created:  # Best effort: object stores have no real folders.
+    try:
+      if tf.io.gfile.isdir(path) and not tf.io.gfile.listdir(path):
+        tf.io.gfile.rmtree(path)
+    except (tf.errors.OpError, OSError):
+      break
+
+
+def probe_outputs(outputs: OutputOptions):
+  """Probes every output folder of the process that writes `--model_dir`.
+
+  Args:
+    outputs: the run's folders (`tfdist.runtime.run_options.output_options`).
+
+  Raises:
+    OutputNotWritableError: the first folder that cannot be written.
+  """
+  for flag, value, folder in output_folders(outputs):
+    probe_writable(folder, flag=flag, value=value)

@@ -1,0 +1,309 @@
+"""The one place where a `TrainConfig` becomes each part's own options.
+
+The run assembly (`tfdist.experiment`) calls these converters; every module
+below it takes the small frozen options object (or plain arguments) it
+reads, never the whole `TrainConfig` (as Orbit's `Controller` takes its
+`ControllerOptions`). Each converter is a pure function of the config.
+"""
+
+from typing import List, Tuple
+
+from tfdist import config as config_lib
+from tfdist.data import filesystems
+from tfdist.data import input_pipeline
+from tfdist.distribute import auto_select
+from tfdist.distribute import parameter_server
+from tfdist.distribute import strategy as strategy_lib
+from tfdist.distribute import tpu as tpu_lib
+from tfdist.distribute.strategy_kind import StrategyKind
+from tfdist.observability import manifest
+from tfdist.runtime import preflight
+from tfdist.training import assembly
+from tfdist.training import lr_schedule
+from tfdist.training import run_plan
+from tfdist.training import task as task_lib
+
+TrainConfig = config_lib.TrainConfig
+
+# --- cluster and strategy ---
+
+
+def tpu_options(config: TrainConfig) -> tpu_lib.TpuOptions:
+  """The `--tpu*` flags of `config`."""
+  return tpu_lib.TpuOptions(tpu=config.tpu, zone=config.tpu_zone,
+                            project=config.tpu_gcp_project,
+                            init_timeout=config.tpu_init_timeout)
+
+
+def select_options(config: TrainConfig) -> auto_select.SelectOptions:
+  """What `tfdist.distribute.auto_select.resolve` reads from `config` (flags as given)."""
+  return auto_select.SelectOptions(
+      distribution_strategy=config.distribution_strategy, dtype=config.dtype,
+      dtype_defaulted="dtype" in config.defaulted, num_gpus=config.num_gpus,
+      num_cpu_devices=config.num_cpu_devices, tpu=tpu_options(config))
+
+
+def apply_decision(config: TrainConfig,
+                   decision: auto_select.Decision) -> TrainConfig:
+  """`config` with `auto`'s decision applied (`auto_select.decision_changes`).
+
+  Returns:
+    A validated `TrainConfig` with no `auto` left in it.
+
+  Raises:
+    ConfigError: `--reduction_server` when the decision is not
+      multi_worker_mirrored.
+  """
+  return config.replace(**auto_select.decision_changes(
+      decision, tpu=config.tpu, loss_scale=config.loss_scale,
+      steps_per_execution=config.steps_per_execution,
+      steps_per_execution_defaulted="steps_per_execution" in config.defaulted,
+      reduction_server=bool(getattr(config, "reduction_server", False))))
+
+
+def strategy_kind(config: TrainConfig) -> StrategyKind:
+  """The concrete `StrategyKind` of a config whose `auto` is decided.
+
+  Raises:
+    ConfigError: `--distribution_strategy=auto` (decide it first with
+      `tfdist.distribute.auto_select.resolve` and `apply_decision`).
+  """
+  if config.distribution_strategy == "auto":
+    raise config_lib.ConfigError(
+        "make_strategy takes a concrete strategy; decide `auto` first with "
+        "tfdist.distribute.auto_select.resolve and apply_decision.")
+  return StrategyKind.parse(config.distribution_strategy)
+
+
+def strategy_options(config: TrainConfig) -> strategy_lib.StrategyOptions:
+  """What `tfdist.distribute.strategy.make_strategy` reads from `config`.
+
+  Raises:
+    ConfigError: `auto` not decided yet (`strategy_kind`).
+  """
+  return strategy_lib.StrategyOptions(
+      kind=strategy_kind(config), num_gpus=config.num_gpus,
+      num_cpu_devices=config.num_cpu_devices,
+      all_reduce_alg=config.all_reduce_alg,
+      reduction_server=bool(config.reduction_server),
+      collective_timeout_seconds=config.collective_timeout_seconds,
+      cluster_start_timeout_seconds=config.cluster_start_timeout_seconds,
+      tpu=tpu_options(config),
+      partitioner=parameter_server.PartitionerOptions(
+          kind=config.ps_partitioner, shard_bytes=config.ps_min_shard_bytes,
+          max_shards=config.ps_max_shards))
+
+def lr_options(config: TrainConfig) -> lr_schedule.LROptions:
+  """The learning-rate flags of `config` (its defaults already resolved)."""
+  return lr_schedule.LROptions(
+      base_learning_rate=config.base_learning_rate,
+      base_batch_size=config.base_batch_size, lr_scaling=config.lr_scaling,
+      lr_schedule=config.lr_schedule, warmup_steps=config.warmup_steps,
+      warmup_epochs=config.warmup_epochs,
+      warmup_start_learning_rate=config.warmup_start_learning_rate,
+      end_learning_rate_factor=config.end_learning_rate_factor,
+      piecewise_boundaries=tuple(config.piecewise_boundaries),
+      piecewise_multipliers=tuple(config.piecewise_multipliers))
+
+
+def data_options(config: TrainConfig) -> run_plan.DataOptions:
+  """The data set and file flags of `config`."""
+  return run_plan.DataOptions(
+      dataset=config.dataset, train_files=config.train_files,
+      eval_files=config.eval_files, data_dir=config.data_dir,
+      raw_data_dir=config.raw_data_dir)
+
+
+def plan_options(config: TrainConfig) -> run_plan.PlanOptions:
+  """What `tfdist.training.run_plan.make_run_plan` reads from `config`."""
+  return run_plan.PlanOptions(
+      data=data_options(config), lr=lr_options(config),
+      need_eval=config.mode != "train", batch_size=config.batch_size,
+      per_replica_batch_size=config.per_replica_batch_size,
+      gradient_accumulation_steps=config.gradient_accumulation_steps,
+      train_steps=config.train_steps, train_epochs=config.train_epochs,
+      sync_batch_norm=config.sync_batch_norm, enable_xla=config.enable_xla,
+      model=config.model,
+      activation_recomputation=config.activation_recomputation,
+      zero_stage=config.zero_stage_resolved,
+      deterministic=config.deterministic)
+
+# --- inputs and data ---
+
+
+def train_input_options(config: TrainConfig, spec, *, files, global_batch_size,
+                        file_record_counts=None,
+                        gradient_accumulation_steps: int = 1,
+                        resumable: bool = False
+                        ) -> input_pipeline.PipelineOptions:
+  """The training split's `PipelineOptions` under a synchronous strategy.
+
+  Args:
+    config: the run's config (`shuffle_buffer_size`, `cache_dataset`,
+      `seed`, `deterministic`).
+    spec: the data set's `DatasetSpec`.
+    files: the training TFRecord paths (ignored for a dataset function).
+    global_batch_size: examples per update over all replicas.
+    file_record_counts: records per file, or None.
+    gradient_accumulation_steps: micro-batches per update.
+    resumable: the input position is checkpointed, which needs a
+      reproducible reading order (deterministic).
+  """
+  return input_pipeline.options_for(
+      spec, files=files, global_batch_size=global_batch_size,
+      is_training=True, shuffle_buffer_size=config.shuffle_buffer_size,
+      cache=config.cache_dataset, seed=config.seed,
+      file_record_counts=file_record_counts,
+      gradient_accumulation_steps=gradient_accumulation_steps,
+      deterministic=config.deterministic or resumable)
+
+
+def parameter_server_input_options(config: TrainConfig, spec, *, files,
+                                   global_batch_size
+                                   ) -> input_pipeline.PipelineOptions:
+  """The training split's `PipelineOptions` for parameter-server workers.
+
+  Unseeded: each worker must shuffle its copy differently.
+  """
+  return input_pipeline.options_for(
+      spec, files=files, global_batch_size=global_batch_size,
+      is_training=True, shuffle_buffer_size=config.shuffle_buffer_size,
+      cache=config.cache_dataset, seed=None)
+
+
+def eval_input_options(config: TrainConfig, spec, *, files, global_batch_size,
+                       pad_to_static_batches: bool = False
+                       ) -> input_pipeline.PipelineOptions:
+  """The evaluation split's `PipelineOptions`: read once, in order.
+
+  Args:
+    config: the run's config (`cache_dataset`).
+    spec: the data set's `DatasetSpec`.
+    files: the evaluation TFRecord paths (ignored for a dataset function).
+    global_batch_size: examples per evaluation step over all replicas.
+    pad_to_static_batches: pad the last batches (TPUs need static shapes).
+  """
+  return input_pipeline.options_for(
+      spec, files=files, global_batch_size=global_batch_size,
+      is_training=False, cache=config.cache_dataset,
+      pad_to_static_batches=pad_to_static_batches)
+
+
+# --- model, optimizer and training loop ---
+
+
+def assembly_options(config: TrainConfig) -> assembly.AssemblyOptions:
+  """The model, optimizer and precision settings `tfdist.training.assembly` reads.
+
+  Args:
+    config: a normalized `TrainConfig` (`steps_per_execution` and `dtype`
+      set, `auto` decided).
+
+  Returns:
+    `assembly.AssemblyOptions`; model builders asking for `config` get
+    `config` itself.
+  """
+  return assembly.AssemblyOptions(
+      optimizer=config.optimizer,
+      momentum=config.momentum,
+      weight_decay=config.weight_decay,
+      clipnorm=config.clipnorm,
+      global_clipnorm=config.global_clipnorm,
+      dtype=config.dtype,
+      loss_scale=config.loss_scale,
+      steps_per_execution=config.steps_per_execution,
+      enable_xla=config.enable_xla,
+      run_eagerly=config.run_eagerly,
+      deterministic=config.deterministic,
+      zero_stage=config.zero_stage_resolved,
+      class_weight=tuple(config.class_weight),
+      activation_recomputation=config.activation_recomputation,
+      builder_config=config)
+
+
+def task_names(config: TrainConfig) -> task_lib.TaskNames:
+  """The names the run's task comes from (`--model`, `--dataset`,
+  `--feature_spec`, `--import_modules`): `tfdist.training.task.from_names` reads
+  them."""
+  return task_lib.TaskNames(model=config.model, dataset=config.dataset,
+                            feature_spec=config.feature_spec,
+                            import_modules=tuple(config.import_modules))
+
+
+def task(config: TrainConfig) -> task_lib.Task:
+  """The run's `Task` (`tfdist.training.task.from_names` of `task_names`).
+
+  Raises:
+    ConfigError: as `tfdist.training.task.from_names`.
+  """
+  return task_lib.from_names(task_names(config))
+
+
+def dataset(config: TrainConfig):
+  """The run's `DatasetSpec` (`tfdist.training.task.dataset_from_names`).
+
+  Raises:
+    ConfigError: as `tfdist.training.task.dataset_from_names`.
+  """
+  return task_lib.dataset_from_names(task_names(config))
+
+
+# --- checkpoints and outputs ---
+def run_record_settings(config: TrainConfig) -> dict:
+  """The settings `tfdist.training.checkpointing.run_record` records beside the
+  checkpoints: every config field by flag name, as JSON-serializable values
+  (`TrainConfig.to_dict`)."""
+  return config.to_dict()
+
+
+# --- observability (run log, manifest, diagnose) ---
+
+
+def manifest_options(config: TrainConfig) -> manifest.ManifestOptions:
+  """What `tfdist.observability.manifest.build_manifest` records of `config`."""
+  return manifest.ManifestOptions(
+      flags=tuple(config.flags_snapshot), config=config.to_dict(),
+      base_learning_rate=config.base_learning_rate,
+      base_batch_size=config.base_batch_size, lr_scaling=config.lr_scaling,
+      model=config.model, dataset=config.dataset,
+      feature_spec=config.feature_spec)
+
+
+def name_options(config: TrainConfig) -> preflight.NameOptions:
+  """The registry names `tfdist.runtime.preflight.check_names` checks."""
+  return preflight.NameOptions(
+      model=config.model, dataset=config.dataset,
+      feature_spec=config.feature_spec,
+      import_modules=tuple(config.import_modules),
+      hptune_metric=config.hptune_metric)
+
+
+def output_options(config: TrainConfig) -> preflight.OutputOptions:
+  """The output folders `tfdist.runtime.preflight.probe_outputs` probes."""
+  return preflight.OutputOptions(
+      model_dir=config.model_dir, checkpoint_dir=config.checkpoint_dir,
+      tensorboard_dir=config.tensorboard_dir, export_dir=config.export_dir,
+      resolved_checkpoint_dir=config.resolved_checkpoint_dir,
+      resolved_tensorboard_dir=config.resolved_tensorboard_dir,
+      resolved_export_dir=config.resolved_export_dir)
+
+
+def config_paths(config: TrainConfig) -> List[Tuple[str, str]]:
+  """`(flag, path)` of every path `config` reads or writes, for
+  `tfdist.data.filesystems.require_file_systems` (comma-separated flags give
+  one pair per entry)."""
+  out = []
+  for flag, value in (("--train_files", config.train_files),
+                      ("--eval_files", config.eval_files),
+                      ("--data_dir", config.data_dir),
+                      ("--raw_data_dir", config.raw_data_dir),
+                      ("--model_dir", config.model_dir),
+                      ("--checkpoint_dir", config.checkpoint_dir),
+                      ("--tensorboard_dir", config.tensorboard_dir),
+                      ("--export_dir", config.export_dir),
+                      ("--feature_spec", config.feature_spec),
+                      ("--init_checkpoint", config.init_checkpoint)):
+    out += filesystems.split_paths(flag, value)
+  return out
+
+# --- cloud engines (Ray, Vertex AI, Kubernetes) ---

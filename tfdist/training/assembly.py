@@ -1,0 +1,456 @@
+"""Assembly: the model, optimizer, trainer and checkpoint of a run, once.
+
+`build` calls the task's model builder and creates every variable under the
+strategy's scope (so ParameterServerStrategy places tables, dense weights
+and optimizer slots on the ps tasks, and Mirrored strategies mirror them),
+resolves the loss and metrics (`tfdist.training.objectives`), wraps the optimizer
+for the precision, and returns the parts every strategy uses the same way.
+`load_init_checkpoint` warm-starts the model (`--init_checkpoint`).
+"""
+
+import dataclasses
+import os
+from typing import Any, Optional, Tuple
+
+from absl import logging
+import keras
+import tensorflow as tf
+
+from tfdist import models
+from tfdist.config import ConfigError
+from tfdist.errors import first_line
+from tfdist.training import checkpointing
+from tfdist.training import lr_schedule
+from tfdist.training import objectives as objectives_lib
+from tfdist.training import optimizers
+from tfdist.training import precision
+from tfdist.training import sharded_optimizer
+from tfdist.training import task as task_lib
+from tfdist.training import train_loop
+from tfdist.training.train_loop import Trainer
+
+
+@dataclasses.dataclass(frozen=True)
+class AssemblyOptions:
+  """What assembly reads of a run's settings (model, optimizer, precision).
+
+  `tfdist.runtime.run_options.assembly_options` makes them from a `TrainConfig`.
+
+  Attributes:
+    optimizer: the optimizer's name (`tfdist.training.optimizers.build_optimizer`).
+    momentum: the momentum of `sgd`/`momentum`/`rmsprop`.
+    weight_decay: decoupled weight decay per step (0: none).
+    clipnorm: clip each gradient to this L2 norm (None: no clipping).
+    global_clipnorm: clip all gradients together to this L2 norm.
+    dtype: the precision policy's name (`fp32`, `fp16`, `bf16`).
+    loss_scale: fp16's loss scale: None (dynamic), `dynamic` or a number.
+    steps_per_execution: training steps per `tf.function` call.
+    enable_xla: jit-compile the per-replica step.
+    run_eagerly: run the step without `tf.function` (debugging).
+    deterministic: op determinism (the step is then not timed).
+    zero_stage: ZeRO sharding of the optimizer state (0, 1 or 2).
+    class_weight: `((class id, weight), ...)`; empty: none.
+    activation_recomputation: recompute activations in the backward pass.
+    builder_config: what a model builder asking for `config` receives (the
+      run's `TrainConfig`, passed through unread).
+  """
+  optimizer: str = "sgd"
+  momentum: float = 0.9
+  weight_decay: float = 0.0
+  clipnorm: Optional[float] = None
+  global_clipnorm: Optional[float] = None
+  dtype: str = "fp32"
+  loss_scale: Any = None
+  steps_per_execution: int = 1
+  enable_xla: bool = False
+  run_eagerly: bool = False
+  deterministic: bool = False
+  zero_stage: int = 0
+  class_weight: Tuple[Tuple[int, float], ...] = ()
+  activation_recomputation: bool = False
+  builder_config: Any = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Parts:
+  """The trainable state of a run and what trains it.
+
+  Attributes:
+    model: the Keras model (built under the strategy's scope).
+    optimizer: its optimizer (a `LossScaleOptimizer` for fp16), built.
+    trainer: the `tfdist.training.train_loop.Trainer` owning the compiled steps.
+    checkpoint: a `tf.train.Checkpoint` over model, optimizer and the
+      trainer's global step: the whole training state.
+    objectives: the resolved loss and metrics
+      (`tfdist.training.objectives.Objectives`).
+    metric_sums: the metrics as a built `tfdist.training.objectives.MetricSums`.
+  """
+  model: keras.Model
+  optimizer: Optional[keras.optimizers.Optimizer]
+  trainer: Optional[Trainer]
+  checkpoint: Optional[tf.train.Checkpoint]
+  objectives: Optional[objectives_lib.Objectives] = None
+  metric_sums: Optional[objectives_lib.MetricSums] = None
+
+
+def _output_shape(model: keras.Model, task: task_lib.Task) -> tf.TensorShape:
+  """The model's batched output shape on the task's features (computing it
+  builds a model that builds lazily)."""
+  features, _ = task_lib.example_spec(task.dataset)
+  try:
+    return objectives_lib.output_shape(model, features)
+  except ConfigError:
+    raise
+  except Exception as e:  # pylint: disable=broad-except
+    first = first_line(e)
+    raise ConfigError(
+        f"--model={task.model_name} cannot take --dataset="
+        f"{task.dataset.name}'s features {features}: {type(e).__name__}: "
+        f"{first}") from e
+
+
+def check_model_options(options: AssemblyOptions, *, task: task_lib.Task):
+  """Raises `ConfigError` for model options the task's model cannot honour
+  (`--activation_recomputation` for a builder that cannot recompute, see
+  `tfdist.models.check_recomputation`); checked before any data or model is
+  built."""
+  models.check_recomputation(task.model_name,
+                             options.activation_recomputation,
+                             builder=task.model_fn)
+
+
+def build_model(options: AssemblyOptions, *, task: task_lib.Task,
+                sync_batch_norm: bool = False) -> keras.Model:
+  """The task's model, built (in the current scope); `sync_batch_norm`
+  from the run plan reaches builders that take it (the built-in models with
+  batch normalization).
+
+  Raises:
+    ConfigError: the builder fails (see `tfdist.training.task.build_model`), or the
+      model cannot take the data set's features.
+  """
+  model = task_lib.build_model(
+      task, options.builder_config, sync_batch_norm=sync_batch_norm,
+      activation_recomputation=options.activation_recomputation)
+  _output_shape(model, task)
+  if getattr(model, "optimizer", None) is not None:
+    # compile's optimizer (RMSprop when compile names none) is not used:
+    # tfdist builds its own from the config. Untracked (`del`: assigning
+    # None keeps the checkpoint dependency), so that checkpoints hold only
+    # tfdist's, which training assigns to `model.optimizer`.
+    logging.info("--model=%s is compiled: tfdist uses its loss and metrics, "
+                 "and trains with --optimizer=%s at the scaled learning rate "
+                 "(not with compile's optimizer).", task.model_name,
+                 options.optimizer)
+    del model.optimizer
+    model.optimizer = None
+  return model
+
+
+def resolve_objectives(model: keras.Model, *, task: task_lib.Task
+                       ) -> Tuple[objectives_lib.Objectives,
+                                  objectives_lib.MetricSums]:
+  """The loss and metrics of `model` on the task's data, with the shapes of
+  one example and of the model's output (`tfdist.training.objectives.resolve`).
+
+  Raises:
+    ConfigError: no loss is known; an unknown loss or metric name; a
+      metric whose state is not summed.
+  """
+  _, labels = task_lib.example_spec(task.dataset)
+  out_shape = _output_shape(model, task)
+  y_true = tf.TensorShape([None]).concatenate(labels.shape)
+  resolved = objectives_lib.resolve(
+      loss=task.loss, metrics=task.metrics, model=model,
+      dataset=task.dataset, y_true=y_true, y_pred=out_shape,
+      what=f"--model={task.model_name}")
+  metric_sums = objectives_lib.MetricSums(
+      resolved.metrics, y_true=tf.TensorSpec(y_true, labels.dtype),
+      y_pred=tf.TensorSpec(out_shape, tf.float32),
+      weighted=resolved.weighted)
+  logging.info("Loss %s, metrics [%s] (from %s)", resolved.loss.name,
+               ", ".join(resolved.metric_names), resolved.source)
+  return resolved, metric_sums
+
+
+def _warn_batch_valued_metrics(metric_sums: objectives_lib.MetricSums,
+                               plan) -> None:
+  """Warns, naming them, about metrics whose value depends on the
+  per-replica batch (`tfdist.training.objectives.batch_valued_metrics`)."""
+  splits = (plan.batch.num_replicas_in_sync *
+            plan.batch.gradient_accumulation_steps)
+  if splits <= 1 or metric_sums.y_true is None:
+    return
+  names = objectives_lib.batch_valued_metrics(
+      metric_sums.metrics, y_true=metric_sums.y_true,
+      y_pred=metric_sums.y_pred)
+  if names:
+    logging.warning(
+        "Metric(s) %s return one value per batch, not per example: tfdist "
+        "averages them over per-replica batches of %d examples (%d "
+        "replicas x %d micro-batches per step), where one device's fit "
+        "would average over batches of %d, so their values depend on the "
+        "replica count. Return one value per example to get one device's "
+        "value.", ", ".join(names), plan.global_batch_size // splits,
+        plan.batch.num_replicas_in_sync,
+        plan.batch.gradient_accumulation_steps, plan.global_batch_size)
+
+
+def check_weights(options: AssemblyOptions, *,
+                  task: task_lib.Task) -> Optional[dict]:
+  """The run's class weights (`{class id: weight}`, or None), after
+  checking that the examples do not carry sample weights too (Keras's
+  `fit` refuses both: "You cannot `class_weight` and `sample_weight` at the
+  same time").
+
+  Raises:
+    ConfigError: class weights and sample weights both given; a third
+      example element that is not a number.
+  """
+  weight = task_lib.sample_weight_spec(task.dataset)
+  if weight is not None:
+    logging.info("Examples carry sample weights (%s): each weighs its loss "
+                 "and weighted metrics.", weight)
+  if not options.class_weight:
+    return None
+  if weight is not None:
+    given = ",".join(f"{k}:{w}" for k, w in options.class_weight)
+    raise ConfigError(
+        f"--class_weight={given}"
+        f" and sample weights in --dataset={task.dataset.name}'s examples "
+        "(a third element) cannot be used together (as in Keras's fit). "
+        "Fold the class weights into the sample weights, or drop one.")
+  return dict(options.class_weight)
+
+
+def _sharding_for(options: AssemblyOptions,
+                  strategy: tf.distribute.Strategy
+                  ) -> sharded_optimizer.ShardingOptions:
+  """The ZeRO sharding of the optimizer state, checked against `strategy`.
+
+  Raises:
+    ConfigError: a `zero_stage` above 0 under a strategy that is not
+      Mirrored or MultiWorkerMirrored.
+  """
+  sharding = sharded_optimizer.ShardingOptions(stage=options.zero_stage)
+  if sharding.enabled and not isinstance(
+      strategy, (tf.distribute.MirroredStrategy,
+                 tf.distribute.MultiWorkerMirroredStrategy)):
+    raise ConfigError(
+        f"--zero_stage={sharding.stage} (--shard_optimizer_state) runs under "
+        "mirrored or multi_worker_mirrored; this run's strategy is "
+        f"{type(strategy).__name__}. Set --distribution_strategy=mirrored "
+        "(or multi_worker_mirrored), or drop the flag.")
+  return sharding
+
+
+def _build_optimizer(options: AssemblyOptions, *, model: keras.Model, plan,
+                     sharding: sharded_optimizer.ShardingOptions):
+  """`(optimizer, learning_rate)`: the built optimizer (wrapped for the
+  precision) and its `AdjustableLearningRate`, in the current scope."""
+  # Settable by Keras's learning-rate callbacks (a checkpointed factor
+  # of the schedule, see tfdist.training.lr_schedule.AdjustableLearningRate).
+  learning_rate = lr_schedule.AdjustableLearningRate(plan.lr.schedule)
+  inner_optimizer = optimizers.build_optimizer(
+      options.optimizer, learning_rate, momentum=options.momentum,
+      weight_decay=options.weight_decay, clipnorm=options.clipnorm,
+      global_clipnorm=options.global_clipnorm)
+  learning_rate.bind(inner_optimizer)
+  optimizer = precision.wrap_optimizer_for_precision(
+      inner_optimizer, dtype=options.dtype, loss_scale=options.loss_scale)
+  # Every optimizer variable now, under the scope (created lazily in the
+  # first step, ParameterServerStrategy would place it on the
+  # coordinator). Sharded, its slots live on the shards instead
+  # (tfdist.training.sharded_optimizer): built on no variables.
+  optimizer.build([] if sharding.enabled else model.trainable_variables)
+  return optimizer, learning_rate
+
+
+def _log_trainer(trainer: Trainer, options: AssemblyOptions, *, plan,
+                 sharding: sharded_optimizer.ShardingOptions,
+                 on_tpu: bool) -> None:
+  """Logs how the optimizer state is sharded and how XLA compiles."""
+  if trainer.sharded is not None:
+    layout = trainer.sharded.layout
+    logging.info(
+        "ZeRO stage %d: each of the %d replicas keeps the optimizer state "
+        "and float32 master weights of %d of the %d parameters (one shard of "
+        "a flat buffer, %d elements of padding)%s; gradients are all-reduced "
+        "then sliced (no reduce-scatter on CPU collectives), the updated "
+        "shards all-gathered.", sharding.stage, layout.num_shards,
+        layout.shard_size, layout.total, layout.padding,
+        ", and its shard of the gradient accumulators"
+        if sharding.stage >= 2 and plan.batch.gradient_accumulation_steps > 1
+        else "")
+  if options.enable_xla:
+    logging.info(
+        "--enable_xla: %s", "TPUs compile every step with XLA already."
+        if on_tpu else "Keras 3 turns XLA off under a tf.distribute "
+        "strategy, so tfdist jit-compiles its own per-replica forward and "
+        "backward pass (the optimizer update stays outside XLA).")
+
+
+def _training_checkpoint(model: keras.Model, *, trainer: Trainer, optimizer,
+                         learning_rate) -> tf.train.Checkpoint:
+  """The whole training state: model, step, optimizer, LR factor and the
+  random layers' seed-generator states."""
+  # The random layers' seed-generator states too (Keras keeps them out of
+  # the model's checkpoint dependencies): a resumed run then draws the same
+  # dropout masks as an uninterrupted one.
+  random_state = train_loop.random_state(model)
+  # Sharded, the optimizer saves its slots in their unsharded shapes and
+  # keys (any replica count, or none, restores them).
+  return tf.train.Checkpoint(
+      model=model, global_step=trainer.global_step,
+      optimizer=(trainer.sharded.checkpoint_view() if trainer.sharded
+                 else optimizer),
+      lr_multiplier=learning_rate.multiplier,
+      **({"random_state": random_state} if random_state else {}))
+
+
+def build(options: AssemblyOptions, *, task: task_lib.Task,
+          strategy: tf.distribute.Strategy, plan,
+          on_tpu: bool = False) -> Parts:
+  """Builds model, optimizer, trainer and checkpoint under `strategy`.
+
+  Args:
+    options: the run's `AssemblyOptions` (model, optimizer and precision;
+      `tfdist.runtime.run_options.assembly_options` makes them from a config).
+    task: the `tfdist.training.task.Task` (model builder, data set, loss, metrics).
+    strategy: the run's strategy.
+    plan: the `tfdist.training.run_plan.RunPlan` (global batch, LR schedule).
+    on_tpu: the strategy is TPU (XLA everywhere; padded evaluation).
+
+  Returns:
+    `Parts`.
+
+  Raises:
+    ConfigError: the builder fails tfdist's checks, or no loss is known.
+  """
+  sharding = _sharding_for(options, strategy)
+  with strategy.scope():
+    model = build_model(options, task=task,
+                        sync_batch_norm=plan.sync_batch_norm)
+    optimizer, learning_rate = _build_optimizer(
+        options, model=model, plan=plan, sharding=sharding)
+  # Keras callbacks read `model.optimizer`. Set without tracking it as the
+  # model's checkpoint dependency: the optimizer is saved once, as the
+  # checkpoint's own `optimizer`, and a model restored from the checkpoint
+  # (`tf.train.Checkpoint(model=...)`, compiled with an optimizer of its own
+  # or not) finds no optimizer of tfdist's under `model/`.
+  object.__setattr__(model, "optimizer", optimizer)
+  resolved, metric_sums = resolve_objectives(model, task=task)
+  class_weight = check_weights(options, task=task)
+  _warn_batch_valued_metrics(metric_sums, plan)
+  trainer = Trainer(strategy=strategy, model=model, optimizer=optimizer,
+                    global_batch_size=plan.global_batch_size,
+                    steps_per_execution=options.steps_per_execution,
+                    # TPUs compile everything with XLA already.
+                    enable_xla=options.enable_xla and not on_tpu,
+                    run_eagerly=options.run_eagerly, loss=resolved.loss,
+                    metrics=metric_sums, eval_example_weights=on_tpu,
+                    gradient_accumulation_steps=(
+                        plan.batch.gradient_accumulation_steps),
+                    # Op determinism refuses tf.timestamp.
+                    time_steps=not options.deterministic,
+                    sharding=sharding,
+                    class_weight=class_weight)
+  _log_trainer(trainer, options, plan=plan, sharding=sharding, on_tpu=on_tpu)
+  checkpoint = _training_checkpoint(model, trainer=trainer,
+                                    optimizer=optimizer,
+                                    learning_rate=learning_rate)
+  return Parts(model=model, optimizer=optimizer, trainer=trainer,
+               checkpoint=checkpoint, objectives=resolved,
+               metric_sums=metric_sums)
+
+
+def evaluation_parts(options: AssemblyOptions, *, task: task_lib.Task
+                     ) -> Parts:
+  """A model (in the current scope) with its loss and metrics, and no
+  optimizer: what the side-car evaluator and `--mode=eval` need."""
+  model = build_model(options, task=task)
+  resolved, metric_sums = resolve_objectives(model, task=task)
+  return Parts(model=model, optimizer=None, trainer=None, checkpoint=None,
+               objectives=resolved, metric_sums=metric_sums)
+
+
+def evaluation_trainer(parts: Parts, *, global_batch_size: int,
+                       strategy: Optional[tf.distribute.Strategy] = None
+                       ) -> Trainer:
+  """A `Trainer` that evaluates `parts.model` in this process, with the
+  run's loss and metrics, under `strategy` (the one `parts.model` was built
+  in; None: the current one, e.g. the default strategy on the
+  parameter-server coordinator)."""
+  return Trainer(strategy=strategy or tf.distribute.get_strategy(),
+                 model=parts.model,
+                 optimizer=parts.optimizer or keras.optimizers.SGD(),
+                 global_batch_size=global_batch_size,
+                 loss=parts.objectives.loss, metrics=parts.metric_sums)
+
+
+def load_init_checkpoint(model: keras.Model, path: str) -> str:
+  """Loads weights into `model` before training (`--init_checkpoint`).
+
+  Args:
+    model: the built model.
+    path: a Keras `.weights.h5` file; a checkpoint prefix written by tfdist
+      or by `tf.train.Checkpoint(model=...)` (`.../ckpt-N`); or a folder
+      holding such checkpoints (its latest), e.g. another run's
+      `--model_dir` or its `checkpoints/`.
+
+  Returns:
+    The file or checkpoint prefix loaded.
+
+  Raises:
+    ConfigError: nothing at `path`, a checkpoint without a model, or a
+      variable of another shape. A checkpoint that holds only part of the
+      model (layers added for fine-tuning) is loaded, and the first
+      variable left out is named in a warning.
+  """
+  if path.endswith(".weights.h5"):
+    if not tf.io.gfile.exists(path):
+      raise ConfigError(f"--init_checkpoint={path}: no such file.")
+    model.load_weights(path)
+    logging.info("--init_checkpoint: loaded %s", path)
+    return path
+  prefix = path
+  if tf.io.gfile.isdir(path):
+    prefix = (tf.train.latest_checkpoint(path) or
+              tf.train.latest_checkpoint(os.path.join(path, "checkpoints")))
+    if not prefix:
+      raise ConfigError(
+          f"--init_checkpoint={path} is a folder without checkpoints (and "
+          "without a checkpoints/ folder holding some). Give a checkpoint "
+          "prefix (.../ckpt-N), a folder of checkpoints, or a .weights.h5 "
+          "file.")
+  elif not tf.io.gfile.exists(prefix + ".index"):
+    raise ConfigError(
+        f"--init_checkpoint={path}: no checkpoint there ({path}.index is "
+        "missing). Give a checkpoint prefix (.../ckpt-N), a folder of "
+        "checkpoints, or a .weights.h5 file.")
+  if "model" not in checkpointing.root_children(prefix):
+    raise ConfigError(
+        f"--init_checkpoint={path}: {prefix} holds no model (tfdist loads "
+        "checkpoints written as tf.train.Checkpoint(model=...), as tfdist "
+        "writes them, or .weights.h5 files).")
+  try:
+    status = tf.train.Checkpoint(model=model).restore(prefix)
+  except ValueError as e:  # A variable of another shape.
+    raise ConfigError(f"--init_checkpoint={path}: {prefix} does not fit the "
+                      f"model: {first_line(e)}") from None
+  try:
+    status.assert_existing_objects_matched()
+  except AssertionError as e:
+    logging.warning("--init_checkpoint: %s matches the model only in part; "
+                    "the rest keeps its initial values: %s", prefix,
+                    first_line(e))
+  status.expect_partial()
+  logging.info("--init_checkpoint: loaded the model's weights from %s",
+               prefix)
+  return prefix
+
+
+def current_learning_rate(optimizer) -> float:
+  """The learning rate the optimizer applies at its current step."""
+  inner = getattr(optimizer, "inner_optimizer", optimizer)
+  return float(keras.ops.convert_to_numpy(inner.learning_rate))

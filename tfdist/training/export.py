@@ -1,0 +1,219 @@
+"""SavedModel export with a serving signature, its contract, and its folder.
+
+The `serving_default` signature is the Keras model itself: it does not
+contain the input parser's preprocessing, so a client must give inputs
+exactly as the data set's parser makes them (README "Serving", with a
+serving example that `tests/cluster_faults_test.py` runs):
+
+* image models (`cnn`, `resnet`; `fashion_mnist`): keyword `image`,
+  float32 [batch, 28, 28, 1], pixels scaled to [0, 1] (uint8 / 255, as
+  `tfdist.data.fashion_mnist.parse_image_example` does); output `output_0`,
+  float32 logits [batch, 10];
+* `ranking` (`movielens`): keywords `user_id`, `item_id`, `gender`,
+  `occupation`, `zip3` (string [batch, 1]) and `dense` (float32
+  [batch, 21]), as `tfdist.data.movielens.parse_example` makes them; output
+  `output_0`, float32 probability [batch, 1].
+
+The export folder holds the SavedModel only (`saved_model.pb` at its top,
+as Vertex AI and TF Serving load it) and `tfdist_export.json`, the mark that
+tfdist wrote it. An export replaces an existing folder only when it bears
+that mark; any other non-empty folder is refused (`check_export_dir`, at
+start; again at export). `check_layout` keeps the export folder apart from
+the run's other folders (docs/design/nothing-lost.md).
+"""
+
+import json
+import os
+import posixpath
+import time
+import uuid
+from typing import Mapping, Optional, Tuple
+
+from absl import logging
+import keras
+import tensorflow as tf
+
+from tfdist.errors import ExportRefusedError
+
+# Written into every SavedModel folder tfdist exports: the only folders an
+# export may replace.
+MARKER_FILE = "tfdist_export.json"
+SAVED_MODEL_FILE = "saved_model.pb"
+
+# What a run writes directly under `--model_dir` and under the TensorBoard
+# folder: an export folder inside either must not be one of these
+# (checkpoints: `tfdist.config`; metrics: `tfdist.observability.run_log.METRICS_FILE`;
+# the manifest: `tfdist.observability.manifest.MANIFEST_FILE`; the lease:
+# `tfdist.distribute.lease.LEASE_FILE`; the done marker:
+# `tfdist.distribute.parameter_server.DONE_MARKER`; evaluations: `eval/`).
+MODEL_DIR_ENTRIES = ("checkpoints", "eval", "metrics.jsonl",
+                     "run_manifest.json", "lease.json", "training_done")
+# Keras's TensorBoard callback writes `train/` and `validation/`, evaluators
+# `eval/`.
+TENSORBOARD_ENTRIES = ("train", "validation", "eval")
+# What the checkpoint folder holds: `ckpt-N.*`, `ckpt-N_temp/`, the
+# `checkpoint` index, `run_config.json` (`tfdist.training.checkpointing`) and
+# `shards.json` (`tfdist.distribute.parameter_server`): names starting with these.
+CHECKPOINT_PREFIXES = ("ckpt", "checkpoint", "run_config.json",
+                       "shards.json")
+
+
+def _normalized(path: str) -> str:
+  """`path` without trailing slashes or `.`/`..` steps (local paths made
+  absolute and symbolic links resolved), for comparing folders."""
+  if "://" in path:
+    scheme, rest = path.split("://", 1)
+    return f"{scheme}://" + posixpath.normpath("/" + rest).lstrip("/")
+  return os.path.realpath(os.path.abspath(path))
+
+
+def _relative(path: str, folder: str) -> Optional[Tuple[str, ...]]:
+  """The components of `path` below `folder` (`()` when equal), or None
+  when `path` is not inside `folder` (both `_normalized`)."""
+  if path == folder:
+    return ()
+  prefix = folder.rstrip("/") + "/"
+  if not path.startswith(prefix):
+    return None
+  return tuple(p for p in path[len(prefix):].split("/") if p)
+
+
+def check_layout(*, export_dir: Tuple[str, str],
+                 model_dir: Tuple[str, str],
+                 checkpoint_dir: Tuple[str, str],
+                 tensorboard_dir: Tuple[str, str]):
+  """Refuses an export folder that would replace the run's other outputs.
+
+  Each argument is `(folder, source)`: the folder as the run will use it
+  and what chose it, e.g. `("/runs/a", "--model_dir")`, `("gs://b/model",
+  "$AIP_MODEL_DIR (--export_dir)")`. An export replaces its whole folder, so
+  the export folder must not be, or contain, `--model_dir`, the checkpoint
+  folder or the TensorBoard folder; inside one of them it must not be (or
+  lie inside) an entry the run writes there (`MODEL_DIR_ENTRIES`,
+  `CHECKPOINT_PREFIXES`, `TENSORBOARD_ENTRIES`). The default,
+  `<model_dir>/saved_model`, passes.
+
+  Raises:
+    ExportRefusedError: the first overlap, naming both sources, both
+      folders and the fix (status 2).
+  """
+  export_path, export_source = export_dir
+  export = _normalized(export_path)
+  problem = None
+  taken = (
+      (model_dir, lambda name: name in MODEL_DIR_ENTRIES),
+      (checkpoint_dir, lambda name: name.startswith(CHECKPOINT_PREFIXES)),
+      (tensorboard_dir, lambda name: name in TENSORBOARD_ENTRIES))
+  for (path, source), _ in taken:
+    folder = _normalized(path)
+    if _relative(folder, export) is not None:
+      problem = (f"{source}={path} is "
+                 f"{'the same folder as' if folder == export else 'inside'} "
+                 f"{export_source}={export_path}")
+      break
+  for (path, source), is_taken in taken if problem is None else ():
+    below = _relative(export, _normalized(path))
+    if below is not None and is_taken(below[0]):
+      problem = (f"{export_source}={export_path} is inside {source}={path}, "
+                 f"where the run writes {below[0]}")
+      break
+  if problem is None:
+    return
+  raise ExportRefusedError(
+      f"{problem}: the SavedModel export replaces its whole folder, which "
+      "would delete the run's checkpoints or logs. Give the SavedModel a "
+      "folder of its own (e.g. --export_dir=<model_dir>/saved_model, the "
+      "default) or another --model_dir; on Vertex AI set AIP_CHECKPOINT_DIR "
+      "beside AIP_MODEL_DIR (a base output directory sets both).")
+
+
+def is_tfdist_export(path: str) -> bool:
+  """True when `path` is a SavedModel folder tfdist wrote (its mark and
+  `saved_model.pb` are there)."""
+  return (tf.io.gfile.exists(os.path.join(path, MARKER_FILE)) and
+          tf.io.gfile.exists(os.path.join(path, SAVED_MODEL_FILE)))
+
+
+def _replaceable(path: str) -> bool:
+  """True when an export may take `path`: absent, an empty folder, or a
+  SavedModel tfdist wrote."""
+  if not tf.io.gfile.exists(path):
+    return True
+  if not tf.io.gfile.isdir(path):
+    return False
+  return not tf.io.gfile.listdir(path) or is_tfdist_export(path)
+
+
+def check_export_dir(export_dir: str, *, source: str = "--export_dir"):
+  """Checks at start that the final export may write `export_dir`.
+
+  Raises:
+    ExportRefusedError: it exists and is neither an empty folder nor a
+      SavedModel tfdist wrote (status 2).
+  """
+  if not _replaceable(export_dir):
+    raise ExportRefusedError(_refusal(export_dir, source))
+
+
+def _refusal(export_dir: str, source: str, new: str = "") -> str:
+  kept = (f" The new SavedModel was left at {new}." if new else "")
+  return (f"{source}={export_dir} exists and is not a SavedModel tfdist "
+          f"wrote (no {MARKER_FILE}): tfdist replaces only its own exports "
+          "and never deletes other files." + kept + " Give an empty or new "
+          "folder, or move that one away.")
+
+
+def export_saved_model(model: keras.Model, export_dir: str, *,
+                       source: str = "--export_dir",
+                       details: Optional[Mapping[str, object]] = None) -> str:
+  """Exports `model` as a TensorFlow SavedModel with a `serving_default`.
+
+  The signature takes the model's inputs under their input names (e.g.
+  `image`: float32 [batch, 28, 28, 1] scaled to [0, 1]) and returns
+  `{"output_0": float32 outputs}` (see the module docstring). The export goes
+  to a temporary sibling folder, gets its mark (`MARKER_FILE`: JSON with
+  `written_by`, `time` and `details`), and is renamed to `export_dir`. An
+  existing `export_dir` is replaced only when it is a SavedModel tfdist
+  wrote (moved aside, the new one renamed in, then the old one removed) or
+  an empty folder: `export_dir` is always a whole SavedModel, and nothing
+  else is ever deleted.
+
+  Args:
+    model: the Keras model to export.
+    export_dir: the SavedModel folder (local or `gs://`).
+    source: the flag or variable that chose `export_dir`, for messages.
+    details: JSON-serializable facts recorded in the mark (e.g. the step).
+
+  Returns:
+    `export_dir`.
+
+  Raises:
+    ExportRefusedError: `export_dir` holds something else; the new
+      SavedModel is left in its temporary folder, named in the message.
+  """
+  parent = os.path.dirname(export_dir.rstrip("/")) or "."
+  tf.io.gfile.makedirs(parent)
+  tag = uuid.uuid4().hex[:8]
+  tmp = os.path.join(parent, f".tmp-export-{tag}")
+  model.export(tmp, format="tf_saved_model", verbose=False)
+  with tf.io.gfile.GFile(os.path.join(tmp, MARKER_FILE), "w") as f:
+    f.write(json.dumps({"written_by": "tfdist",
+                        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ",
+                                              time.gmtime()),
+                        "details": dict(details or {})}, sort_keys=True,
+                       default=str))
+  if not _replaceable(export_dir):
+    raise ExportRefusedError(_refusal(export_dir, source, new=tmp))
+  old = None
+  if tf.io.gfile.exists(export_dir):
+    if tf.io.gfile.listdir(export_dir):
+      old = os.path.join(parent, f".old-export-{tag}")
+      tf.io.gfile.rename(export_dir, old)
+    else:
+      tf.io.gfile.rmtree(export_dir)  # An empty folder: nothing is lost.
+  tf.io.gfile.rename(tmp, export_dir)
+  if old is not None:
+    tf.io.gfile.rmtree(old)  # The previous tfdist export, checked above.
+  logging.info("SavedModel written to %s", export_dir)
+  return export_dir
+

@@ -1,0 +1,340 @@
+"""The run plan: files, example counts, batch plan and learning rate, once.
+
+Built after the strategy (it needs `num_replicas_in_sync`) and before the
+model, by `make_run_plan`; every later step (input pipelines, optimizer,
+controller, manifest) reads this one object, and `describe()` is the plan
+printed at start.
+"""
+
+import dataclasses
+from typing import Optional, Sequence, Tuple
+
+from tfdist import models
+from tfdist.data import data_checks
+from tfdist.data import input_pipeline
+from tfdist.data.dataset_spec import DataNotFoundError
+from tfdist.distribute.strategy_kind import StrategyKind
+from tfdist.training import batch_plan as batch_plan_lib
+from tfdist.training import lr_schedule
+from tfdist.training import precision
+
+
+# The parameter-server coordinator's smallest evaluation batch (evaluation
+# keeps no activations for a backward pass).
+MIN_EVAL_BATCH_SIZE = 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class DataOptions:
+  """Which data a run reads (the data set and its file flags).
+
+  Attributes:
+    dataset: `--dataset`, the data set's name.
+    train_files: `--train_files` (a glob or comma-separated globs; '': the
+      data set's own files under `data_dir`).
+    eval_files: `--eval_files` (as `train_files`).
+    data_dir: `--data_dir`, where a named data set is converted to.
+    raw_data_dir: `--raw_data_dir`, where its raw download is.
+  """
+  dataset: Optional[str] = None
+  train_files: str = ""
+  eval_files: str = ""
+  data_dir: str = ""
+  raw_data_dir: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanOptions:
+  """What `make_run_plan` (and `RunPlan.describe`) read of a run's flags.
+
+  Attributes:
+    data: the `DataOptions`.
+    lr: the `tfdist.training.lr_schedule.LROptions`.
+    need_eval: evaluation files are listed (`--mode` other than `train`).
+    batch_size: `--batch_size`, the global batch (None: from the per-replica
+      one).
+    per_replica_batch_size: `--per_replica_batch_size` (None: from the
+      global one).
+    gradient_accumulation_steps: micro-batches per update.
+    train_steps: `--train_steps` (0: from `train_epochs`).
+    train_epochs: `--train_epochs`.
+    sync_batch_norm: `--sync_batch_norm` (None: decided by the model).
+    enable_xla: `--enable_xla`.
+    model: `--model` (for the plan's batch-norm line).
+    activation_recomputation: `--activation_recomputation`.
+    zero_stage: the resolved ZeRO stage (0: none).
+    deterministic: `--deterministic`.
+  """
+  data: DataOptions
+  lr: lr_schedule.LROptions
+  need_eval: bool = True
+  batch_size: Optional[int] = None
+  per_replica_batch_size: Optional[int] = None
+  gradient_accumulation_steps: int = 1
+  train_steps: int = 0
+  train_epochs: int = 5
+  sync_batch_norm: Optional[bool] = None
+  enable_xla: bool = False
+  model: Optional[str] = None
+  activation_recomputation: bool = False
+  zero_stage: int = 0
+  deterministic: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class RunPlan:
+  """What one run will do, decided before anything is built.
+
+  Attributes:
+    train_files, eval_files: the TFRecord files read (sorted paths; empty
+      for a data set from a dataset function, and `eval_files` under
+      `--mode=train`).
+    num_train_examples: examples in one epoch (records in `train_files`).
+    batch: the `BatchPlan` (replicas, per-replica and global batch,
+      steps per epoch).
+    total_steps: optimizer updates in the whole run.
+    lr: the `LRPlan` (peak learning rate, warmup steps, schedule).
+    strategy: the concrete `StrategyKind`.
+    strategy_reason: why it was chosen.
+    dtype: `fp32`, `bf16` or `fp16`.
+    dtype_reason: why.
+    asynchronous: parameter-server training (each worker step is one
+      update; batch sizes are per worker step).
+    num_workers: hosts training (input pipelines under multi-worker
+      strategies; workers under parameter servers).
+    train_file_counts: records in each of `train_files`.
+    sharding: the `input_pipeline.ShardingPlan` of the training split (how
+      the workers split the records, and why).
+    sync_batch_norm: built-in models normalize over the global batch.
+    sync_batch_norm_reason: why (`tfdist.models.resolve_sync_batch_norm`).
+    num_eval_examples: records in `eval_files`.
+  """
+  train_files: Tuple[str, ...]
+  eval_files: Tuple[str, ...]
+  num_train_examples: int
+  batch: batch_plan_lib.BatchPlan
+  total_steps: int
+  lr: lr_schedule.LRPlan
+  strategy: StrategyKind
+  strategy_reason: str
+  dtype: str
+  dtype_reason: str
+  asynchronous: bool = False
+  num_workers: int = 1
+  train_file_counts: Tuple[int, ...] = ()
+  sharding: Optional[input_pipeline.ShardingPlan] = None
+  sync_batch_norm: bool = False
+  sync_batch_norm_reason: str = ""
+  num_eval_examples: int = 0
+
+  @property
+  def steps_per_epoch(self) -> int:
+    return self.batch.steps_per_epoch
+
+  @property
+  def global_batch_size(self) -> int:
+    return self.batch.global_batch_size
+
+  @property
+  def eval_batch_size(self) -> int:
+    """The global batch the run evaluates with: its micro-batch (what a
+    step's memory was sized for) under synchronous strategies; at least
+    `MIN_EVAL_BATCH_SIZE` on the parameter-server coordinator, which
+    evaluates alone."""
+    if self.asynchronous:
+      return max(self.global_batch_size, MIN_EVAL_BATCH_SIZE)
+    return self.global_batch_size // self.batch.gradient_accumulation_steps
+
+  def describe(self, options: "PlanOptions") -> str:
+    """The plan as printed at start (`options`: the run's `PlanOptions`)."""
+    plan = self.batch
+    mode = (f"asynchronous: {self.num_workers} worker(s) each apply their "
+            "own batches" if self.asynchronous else
+            f"synchronous: {self.num_workers} worker(s)")
+    return "\n".join(line for line in [
+        "tfdist plan:",
+        f"  strategy               {self.strategy}: {self.strategy_reason}",
+        f"  training               {mode}",
+        f"  num_replicas_in_sync   {plan.num_replicas_in_sync}",
+        f"  per_replica_batch_size {plan.per_replica_batch_size}"
+        + (" (micro-batch)" if plan.gradient_accumulation_steps > 1
+           else ""),
+        f"  gradient_accumulation  {plan.gradient_accumulation_steps}"
+        + (f" micro-batches per update (one all-reduce and one update "
+           f"every {plan.gradient_accumulation_steps} micro-steps)"
+           if plan.gradient_accumulation_steps > 1 else ""),
+        f"  global_batch_size      {plan.global_batch_size}"
+        + (" (per worker step)" if self.asynchronous else "")
+        + (f" (effective: {plan.per_replica_batch_size} x "
+           f"{plan.num_replicas_in_sync} replica(s) x "
+           f"{plan.gradient_accumulation_steps} micro-batches)"
+           if plan.gradient_accumulation_steps > 1 else ""),
+        f"  train examples         {plan.num_train_examples} in "
+        + (f"{len(self.train_files)} file(s)" if self.train_files else
+           f"--dataset={options.data.dataset}'s dataset function"),
+        (f"  eval examples          {self.num_eval_examples} in "
+         f"{len(self.eval_files)} file(s)" if self.eval_files else ""),
+        f"  steps_per_epoch        {plan.steps_per_epoch} (remainder "
+        "dropped)",
+        f"  train steps            {self.total_steps}",
+        f"  learning rate          {options.lr.base_learning_rate:g} at batch "
+        f"{options.lr.base_batch_size} -> {self.lr.peak_learning_rate:g} at "
+        f"batch {plan.global_batch_size} ({options.lr.lr_scaling} rule), "
+        f"{options.lr.lr_schedule} after warmup",
+        f"  warmup_steps           {self.lr.warmup_steps}",
+        f"  dtype                  {self.dtype} "
+        f"({precision.policy_name(self.dtype)}): {self.dtype_reason}",
+    ] + ([f"  input sharding         {self.sharding.describe()}"]
+         if self.sharding else []) + (
+             [f"  batch norm             "
+              f"{'synchronized (global batch)' if self.sync_batch_norm else 'per replica'}"
+              f" ({self.sync_batch_norm_reason})"]
+             if models.has_batch_norm(options.model) else []) + (
+                 ["  activation recompute   on: blocks recompute their "
+                  "activations in the backward pass"]
+                 if options.activation_recomputation else []) + (
+                     [f"  zero_stage             {options.zero_stage}"
+                      f": optimizer state sharded over the "
+                      f"{plan.num_replicas_in_sync} replicas (1/"
+                      f"{plan.num_replicas_in_sync} each)"
+                      + (", and the gradient accumulators"
+                         if options.zero_stage >= 2 and
+                         plan.gradient_accumulation_steps > 1 else "")]
+                     if options.zero_stage else []) + (
+                     ["  deterministic          op determinism and a "
+                      "deterministic input order"]
+                     if options.deterministic else []) if line)
+
+
+def resolve_data_files(data: DataOptions, spec, *, need_eval: bool = True
+                       ) -> Tuple[Tuple[str, ...], Tuple[str, ...]]:
+  """`(train_files, eval_files)`, converting the named data set if the
+  flags give no files, and checked against the data set
+  (`DatasetSpec.check_files`: a feature spec's features).
+
+  `data` is the run's `DataOptions` (`tfdist.runtime.run_options.data_options`);
+  `spec` its `DatasetSpec`.
+
+  A data set from a dataset function has no files: `((), ())`. Without
+  `need_eval` (`--mode=train`) no evaluation files are listed.
+
+  Raises:
+    DataNotFoundError: a glob matches nothing, or the raw data is missing.
+    ConfigError: the files do not match the data set's spec, or one flag
+      mixes `.gz` and uncompressed files.
+  """
+  if not spec.reads_files:
+    return (), ()
+  train_pattern, eval_pattern = data.train_files, data.eval_files
+  if not train_pattern or (need_eval and not eval_pattern):
+    if spec.prepare is None:
+      raise DataNotFoundError(
+          f"--dataset={spec.name} reads TFRecord files: give them as "
+          "--train_files and --eval_files.")
+    default_train, default_eval = spec.prepare(data.data_dir,
+                                               data.raw_data_dir)
+    train_pattern = train_pattern or default_train
+    eval_pattern = eval_pattern or default_eval
+  train_files = tuple(input_pipeline.list_files(train_pattern,
+                                                flag="--train_files"))
+  eval_files = tuple(input_pipeline.list_files(
+      eval_pattern, flag="--eval_files")) if need_eval else ()
+  for flag, files in (("--train_files", train_files),
+                      ("--eval_files", eval_files)):
+    data_checks.check_compression(files, flag=flag)
+  if spec.check_files is not None:
+    spec.check_files(train_files, "--train_files")
+    spec.check_files(eval_files, "--eval_files")
+  return train_files, eval_files
+
+
+def data_patterns(data: DataOptions, spec=None) -> Sequence[Tuple[str, str]]:
+  """`(flag, path)` pairs of what the run reads, for the TPU `gs://` rule
+  (`data`: the run's `DataOptions`; `spec`: its `DatasetSpec`, where one
+  from a dataset function reads no files of tfdist's)."""
+  if spec is not None and not spec.reads_files:
+    return []
+  out = []
+  for flag, value in (("--train_files", data.train_files),
+                      ("--eval_files", data.eval_files)):
+    if value:
+      out.append((flag, value))
+  if not (data.train_files and data.eval_files):
+    out.append(("--data_dir", data.data_dir))
+  return out
+
+
+def make_run_plan(options: PlanOptions, spec, *, num_replicas_in_sync: int,
+                  num_workers: int, asynchronous: bool, decision) -> RunPlan:
+  """Lists and counts the data, then plans the batch and learning rate.
+
+  Args:
+    options: the run's `PlanOptions` (`tfdist.runtime.run_options.plan_options`).
+    spec: the data set's `DatasetSpec`.
+    num_replicas_in_sync: replicas per update (`strategy.
+      num_replicas_in_sync`; 1 per worker step under parameter servers).
+    num_workers: hosts that each read a disjoint part of the data under
+      synchronous multi-worker training (their input pipelines), or the
+      parameter-server workers (each reads every file).
+    asynchronous: parameter-server training.
+    decision: the `tfdist.distribute.auto_select.Decision` (strategy, dtype, reasons).
+
+  Returns:
+    A `RunPlan`.
+
+  Raises:
+    ConfigError: inconsistent batch sizes, warmup longer than the run.
+    DataNotFoundError: missing data.
+    tfdist.data.data_checks.DataError: a damaged file (named), or records of
+      another schema than the data set's parser reads.
+  """
+  kind = StrategyKind.parse(decision.strategy)
+  train_files, eval_files = resolve_data_files(
+      options.data, spec, need_eval=options.need_eval)
+  num_eval = 0
+  if spec.reads_files:
+    # Every file read to its end and counted, before anything is built: a
+    # damaged one is named (tfdist.data.data_checks).
+    counts = data_checks.check_data(train_files, eval_files)
+    train_file_counts = tuple(n for _, n in counts.train)
+    num_train = counts.num_train_examples
+    num_eval = counts.num_eval_examples
+  else:  # A dataset function: one epoch of its training split, counted.
+    train_file_counts = ()
+    num_train = input_pipeline.count_examples(spec)
+  plan = batch_plan_lib.make_batch_plan(
+      num_replicas_in_sync=num_replicas_in_sync,
+      batch_size=options.batch_size,
+      per_replica_batch_size=options.per_replica_batch_size,
+      gradient_accumulation_steps=options.gradient_accumulation_steps,
+      num_train_examples=num_train,
+      num_input_pipelines=1 if asynchronous else num_workers)
+  total_steps = batch_plan_lib.resolve_train_steps(
+      train_steps=options.train_steps, train_epochs=options.train_epochs,
+      steps_per_epoch=plan.steps_per_epoch)
+  lr_plan = lr_schedule.plan_learning_rate(
+      options.lr, global_batch_size=plan.global_batch_size,
+      steps_per_epoch=plan.steps_per_epoch, total_steps=total_steps)
+  pipelines = 1 if asynchronous else num_workers
+  if spec.reads_files:
+    sharding = input_pipeline.plan_sharding(
+        train_file_counts, num_files=len(train_files),
+        num_input_pipelines=pipelines,
+        global_batch_size=plan.global_batch_size, is_training=True)
+  else:
+    sharding = input_pipeline.function_sharding(
+        spec.input_fn, num_input_pipelines=pipelines)
+  sync_batch_norm, sync_batch_norm_reason = models.resolve_sync_batch_norm(
+      options.sync_batch_norm, strategy_name=kind,
+      num_replicas_in_sync=num_replicas_in_sync,
+      xla_per_replica=options.enable_xla and not kind.is_tpu)
+  return RunPlan(
+      train_file_counts=train_file_counts, sharding=sharding,
+      sync_batch_norm=sync_batch_norm,
+      sync_batch_norm_reason=sync_batch_norm_reason,
+      train_files=train_files, eval_files=eval_files,
+      num_train_examples=num_train, batch=plan, total_steps=total_steps,
+      lr=lr_plan, strategy=kind,
+      strategy_reason=decision.strategy_reason, dtype=decision.dtype,
+      dtype_reason=decision.dtype_reason, asynchronous=asynchronous,
+      num_workers=num_workers, num_eval_examples=num_eval)

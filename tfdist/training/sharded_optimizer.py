@@ -1,0 +1,558 @@
+"""Sharded optimizer state and gradients: ZeRO stages 1 and 2.
+
+Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training
+Trillion Parameter Models". Under data parallelism every replica keeps, per
+float32 parameter with Adam, 4 bytes of weight, 4 of gradient and 8 of
+optimizer state (two moments): 16 bytes. ZeRO stage 1 keeps on each of the
+N replicas the optimizer state of 1/N of the parameters only; stage 2 also
+the gradients (here: the gradient accumulators under gradient accumulation);
+stage 3 would shard the weights themselves (not offered: see
+docs/guides/sharded-training.md).
+
+Layout: one flat, padded float32 buffer. The trainable variables, in
+`model.trainable_variables` order, are flattened and concatenated into a
+vector of P elements, padded with zeros to P' = N x S (S = ceil(P / N)), and
+replica r (`replica_id_in_sync_group`, unique over all workers) owns
+elements [r x S, (r + 1) x S). This balances memory to within one element
+per replica whatever the variables' sizes (assigning whole variables to
+owners cannot split a variable larger than P / N, e.g. an embedding table).
+The price is that an optimizer whose update needs a whole variable's norm
+(LAMB's layer-wise trust ratio) cannot run on a shard; `check_optimizer`
+refuses it.
+
+One update, on every replica:
+
+1. the replica's gradients (per variable) are flattened into [P'] and
+   summed over all replicas of all workers, and the replica keeps its
+   slice [S]. TensorFlow's collectives on CPUs offer no reduce-scatter
+   (its CPU implementation resolves to none; `tf.distribute` exposes only
+   `all_reduce` and `all_gather`), so this is an all-reduce followed by a
+   slice: twice the traffic of a true reduce-scatter for that phase (each
+   replica receives the whole sum, P' elements, not its S), and the whole
+   summed vector exists transiently during the step;
+2. one small all-reduce of [V + 1] statistics (per-variable sums of
+   squares of the shard and its count of non-finite values, V variables):
+   the fp16 finite check, the global norm of `global_clipnorm` and the
+   per-variable norms of `clipnorm` are exact and equal everywhere, so
+   every replica skips a non-finite step in unison;
+3. the shard gradient is unscaled (fp16), clipped, and the user's Keras
+   optimizer, one copy per replica built on that replica's shard, applies
+   it to the replica's float32 master shard [S] (the copy's slots are [S]);
+4. the updated master shards are all-gathered ([S] -> [P']) and written
+   into every replica's (mirrored) model variables.
+
+The master shard is refreshed from the model variables before each
+update (so weights loaded or restored after the trainer was built are
+honoured), and the loss scale, step counter and iterations of the user's
+optimizer advance as Keras's `LossScaleOptimizer` advances them.
+
+Memory per parameter, fp32 Adam, N replicas: unsharded 16 bytes; stage 1:
+4 (weights) + 4 (gradients) + (4 master + 8 moments) / N; stage 2 with
+gradient accumulation: the accumulators (4 bytes unsharded) become 4 / N.
+Without accumulation TensorFlow holds no gradient between steps, so stages
+1 and 2 hold the same memory here.
+
+Checkpoints: the slots are saved in their unsharded shape under the keys
+an unsharded Keras optimizer uses (`checkpoint_view`), gathered at save
+time, and sliced again on restore, so a checkpoint moves between unsharded
+runs and sharded runs of any replica count.
+"""
+
+import dataclasses
+import re
+from typing import Dict, List, Optional, Sequence
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tfdist.config import ConfigError
+from tfdist.training import precision
+
+STAGES = (0, 1, 2)
+
+# Optimizers whose update of one element depends on others of the same
+# variable (a whole-variable norm): they cannot run on a flat shard.
+_WHOLE_VARIABLE_OPTIMIZERS = ("Lamb",)
+
+_STANDIN_PREFIX = "tfdistzero"
+_VARIABLE_VALUE = "VARIABLE_VALUE"
+
+
+def _rate_is_shared(optimizer) -> bool:
+  """Whether `optimizer`'s learning rate is a schedule or a callable (such
+  as `tfdist.training.lr_schedule.AdjustableLearningRate`) that the per-replica
+  copies share as the same object, rather than a variable to copy."""
+  rate = optimizer._learning_rate  # pylint: disable=protected-access
+  if isinstance(rate, keras.optimizers.schedules.LearningRateSchedule):
+    return True
+  return callable(rate) and not isinstance(rate, (keras.Variable,
+                                                   tf.Variable))
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardingOptions:
+  """How the optimizer state is sharded.
+
+  Attributes:
+    stage: ZeRO stage: 0 (off), 1 (optimizer state and master weights), 2
+      (also the gradient accumulators).
+  """
+  stage: int = 0
+
+  def __post_init__(self):
+    if self.stage not in STAGES:
+      raise ValueError(f"ZeRO stage must be 0, 1 or 2. Received: "
+                       f"stage={self.stage!r}")
+
+  @property
+  def enabled(self) -> bool:
+    return self.stage > 0
+
+
+def inner_optimizer(optimizer):
+  """The optimizer under a `LossScaleOptimizer`, or `optimizer` itself."""
+  return getattr(optimizer, "inner_optimizer", None) or optimizer
+
+
+def check_optimizer(optimizer, *, what: str = "--optimizer") -> None:
+  """Raises `ConfigError` for an optimizer that cannot run on a shard.
+
+  LAMB (You et al. 2019) scales each variable's update by the ratio of the
+  variable's norm to the update's norm; a shard cuts across variables, so
+  the ratio would differ from the unsharded one.
+  """
+  name = type(inner_optimizer(optimizer)).__name__
+  if name in _WHOLE_VARIABLE_OPTIMIZERS:
+    raise ConfigError(
+        f"{what}={name.lower()} cannot shard its state "
+        "(--shard_optimizer_state): its trust ratio needs each whole "
+        "variable's norm, and the shards cut across variables. Use adamw "
+        "or adam, or train without sharding.")
+
+
+class FlatLayout:
+  """The padded flat buffer: variables' offsets and the shards.
+
+  Args:
+    shapes: the variables' shapes (`tf.TensorShape`s, fully defined).
+    num_shards: N, the number of replicas in sync.
+  """
+
+  def __init__(self, shapes: Sequence[tf.TensorShape], num_shards: int):
+    self.shapes = [tf.TensorShape(s) for s in shapes]
+    self.sizes = [int(s.num_elements()) for s in self.shapes]
+    self.offsets = list(np.cumsum([0] + self.sizes[:-1]).astype(int))
+    self.total = int(sum(self.sizes))
+    self.num_shards = int(num_shards)
+    self.shard_size = max(1, -(-self.total // self.num_shards))
+    self.padded_total = self.shard_size * self.num_shards
+    self.padding = self.padded_total - self.total
+
+  def flatten(self, tensors) -> tf.Tensor:
+    """float32 [P'] from tensors of `shapes` (None: zeros)."""
+    parts = [tf.zeros([n], tf.float32) if t is None else
+             tf.reshape(tf.cast(tf.convert_to_tensor(t), tf.float32), [-1])
+             for t, n in zip(tensors, self.sizes)]
+    if self.padding:
+      parts.append(tf.zeros([self.padding], tf.float32))
+    return tf.concat(parts, axis=0)
+
+  def unflatten(self, flat) -> List[tf.Tensor]:
+    """Tensors of `shapes` from float32 [P'] (the padding dropped)."""
+    parts = tf.split(flat, self.sizes + ([self.padding] if self.padding
+                                         else []))
+    return [tf.reshape(p, s) for p, s in zip(parts, self.shapes)]
+
+  def segment_ids(self, shard_index) -> tf.Tensor:
+    """int32 [S]: for each element of shard `shard_index` (a scalar, maybe
+    a tensor), the index of its variable, or V for padding."""
+    ends = tf.constant(np.cumsum(self.sizes), tf.int64)
+    positions = (tf.cast(shard_index, tf.int64) * self.shard_size +
+                 tf.range(self.shard_size, dtype=tf.int64))
+    return tf.cast(tf.searchsorted(ends, positions, side="right"), tf.int32)
+
+  def pieces(self, shard_index: int):
+    """(variable index, start in the variable, start in the shard, length)
+    of every variable piece inside shard `shard_index` (a Python int)."""
+    lo = shard_index * self.shard_size
+    hi = lo + self.shard_size
+    out = []
+    for j, (off, n) in enumerate(zip(self.offsets, self.sizes)):
+      a, b = max(lo, off), min(hi, off + n)
+      if a < b:
+        out.append((j, a - off, a - lo, b - a))
+    return out
+
+
+class _FullSlot(tf.__internal__.tracking.Trackable):
+  """One slot variable of one model variable, as an unsharded optimizer
+  keeps it: saved in the variable's own shape (gathered from the shards),
+  restored by slicing it into the shards."""
+
+  def __init__(self, owner: "ShardedOptimizer", kind: str, index: int):
+    self._owner = owner
+    self._kind = kind
+    self._index = index
+
+  def _serialize_to_tensors(self):
+    return {_VARIABLE_VALUE: self._owner.full_slot(self._kind, self._index)}
+
+  def _restore_from_tensors(self, restored_tensors):
+    return self._owner.restore_slot(self._kind, self._index,
+                                    restored_tensors[_VARIABLE_VALUE])
+
+
+class ShardedOptimizer:
+  """Runs a Keras 3 optimizer on per-replica shards (ZeRO stages 1 and 2).
+
+  Args:
+    strategy: a `MirroredStrategy` or `MultiWorkerMirroredStrategy`; the
+      model's variables were created under its scope.
+    optimizer: the user's Keras 3 optimizer (possibly a
+      `LossScaleOptimizer`), built on an empty variable list (its slots are
+      the shards' business): it keeps the iterations, learning rate and
+      loss scale that callbacks and checkpoints read.
+    variables: the model's trainable variables (float32).
+    options: `ShardingOptions` (stage 1 or 2).
+
+  Construct outside the strategy's scope (the per-replica optimizer copies
+  are plain, per-device objects); the shard variables enter the scope
+  themselves.
+
+  Raises:
+    tfdist.config.ConfigError: LAMB (`check_optimizer`); a trainable
+      variable that is not float32.
+  """
+
+  def __init__(self, *, strategy: tf.distribute.Strategy, optimizer,
+               variables: Sequence, options: ShardingOptions):
+    if not options.enabled:
+      raise ValueError("ShardedOptimizer needs stage 1 or 2.")
+    check_optimizer(optimizer)
+    for v in variables:
+      if v.dtype != "float32":
+        raise ConfigError(
+            f"--shard_optimizer_state shards float32 variables; "
+            f"{v.path if hasattr(v, 'path') else v.name} is {v.dtype}. "
+            "Keep trainable variables in float32 (Keras mixed precision "
+            "does), or train without sharding.")
+    self.strategy = strategy
+    self.options = options
+    self.optimizer = optimizer
+    self.inner = inner_optimizer(optimizer)
+    self.variables = list(variables)
+    self.uses_loss_scale = isinstance(optimizer,
+                                      keras.optimizers.LossScaleOptimizer)
+    self.layout = FlatLayout([v.shape for v in self.variables],
+                             strategy.num_replicas_in_sync)
+    self.clipnorm = self.inner.clipnorm
+    self.global_clipnorm = self.inner.global_clipnorm
+    self.devices = list(strategy.extended.worker_devices)
+    with strategy.scope():
+      self.master = tf.Variable(
+          tf.zeros([self.layout.shard_size], tf.float32), trainable=False,
+          name="zero_master_shard",
+          synchronization=tf.VariableSynchronization.ON_READ,
+          aggregation=tf.VariableAggregation.NONE)
+    self.grad_accumulator = None
+    ids = strategy.run(
+        lambda: tf.identity(
+            tf.distribute.get_replica_context().replica_id_in_sync_group))
+    self.replica_ids = [int(x) for x in
+                        strategy.experimental_local_results(ids)]
+    self.copies = [self._make_copy(component, device) for component, device
+                   in zip(self.master.values, self.devices)]
+    self._slots = [self._slot_kinds_of(copy, component) for copy, component
+                   in zip(self.copies, self.master.values)]
+    self._slot_kinds = self._slots[0]
+    self._cache: Dict[str, tuple] = {}
+    self._generation = 0
+
+  # --- construction --------------------------------------------------------
+  def _copy_config(self) -> dict:
+    config = self.inner.get_config()
+    config.update(clipnorm=None, global_clipnorm=None)
+    if _rate_is_shared(self.inner):
+      config["learning_rate"] = self.inner._learning_rate  # pylint: disable=protected-access
+    return config
+
+  def _make_copy(self, component, device):
+    """The user's optimizer (class and configuration, clipping left to
+    this class), built on one replica's master shard, on its device."""
+    with tf.device(device):
+      copy = type(self.inner).from_config(self._copy_config())
+      copy.build([component])
+    return copy
+
+  @staticmethod
+  def _slot_kinds_of(copy, reference) -> Dict[str, keras.Variable]:
+    """The copy's slot variables by kind (`momentum`, `velocity`, ...)."""
+    prefix = str(reference.name).replace("/", "_").replace(":", "_") + "_"
+    kinds = {}
+    for v in copy.variables:
+      if v is copy.iterations or v is getattr(copy, "_learning_rate", None):
+        continue
+      if not v.name.startswith(prefix):
+        raise ValueError(f"unexpected optimizer variable {v.name}")
+      kinds[v.name[len(prefix):]] = v
+    return kinds
+
+  def state_bytes_per_replica(self) -> int:
+    """Bytes one replica keeps for the sharded state: its optimizer
+    copy's variables (slots of S elements, iterations), its master shard
+    and, at stage 2, its gradient-accumulator shard."""
+    copy = self.copies[0]
+    total = sum(int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size
+                for v in copy.variables)
+    shards = 2 if self.grad_accumulator is not None else 1
+    return total + shards * 4 * self.layout.shard_size
+
+  # --- replica context ------------------------------------------------------
+  def replica_shard(self, flat: tf.Tensor) -> tf.Tensor:
+    """This replica's slice [S] of `flat` [P'] summed over all replicas
+    (all-reduce, then slice: no reduce-scatter on CPU collectives).
+    Replica context."""
+    context = tf.distribute.get_replica_context()
+    summed = context.all_reduce(tf.distribute.ReduceOp.SUM, flat)
+    start = context.replica_id_in_sync_group * self.layout.shard_size
+    return tf.slice(summed, [start], [self.layout.shard_size])
+
+  def make_gradient_accumulator(self) -> tf.Variable:
+    """Stage 2 under gradient accumulation: creates this replica's
+    accumulator shard (float32 [S], sync-on-read: one value per replica,
+    zero between updates, not checkpointed). Call in the strategy's
+    scope."""
+    self.grad_accumulator = tf.Variable(
+        tf.zeros([self.layout.shard_size], tf.float32), trainable=False,
+        name="zero_gradient_shard",
+        synchronization=tf.VariableSynchronization.ON_READ,
+        aggregation=tf.VariableAggregation.NONE)
+    return self.grad_accumulator
+
+  def replica_accumulate(self, grads) -> None:
+    """Stage 2 under gradient accumulation: reduces this micro-batch's
+    gradients and adds this replica's shard to its shard accumulator.
+    Replica context."""
+    self.grad_accumulator.assign_add(
+        self.replica_shard(self.layout.flatten(grads)))
+
+  def replica_take_accumulated(self) -> tf.Tensor:
+    """Stage 2: the accumulated shard [S] (already summed over replicas);
+    the accumulator is zeroed after it is read. Replica context."""
+    shard = self.grad_accumulator.read_value()
+    with tf.control_dependencies([shard]):
+      self.grad_accumulator.assign(tf.zeros_like(shard))
+    return tf.identity(shard)
+
+  def replica_prepare(self, grads=None, shard=None):
+    """Steps 1-3 of the module docstring up to the optimizer: the replica's
+    final shard gradient. Replica context.
+
+    Args:
+      grads: this replica's gradients, one per variable (unreduced), or
+      shard: float32 [S], already summed over replicas (stage 2
+        accumulation).
+
+    Returns:
+      `(skipped, update)`: skipped, float32 scalar (1.0: a non-finite fp16
+      gradient somewhere, the same on every replica), and update, a dict
+      of `grad` (float32 [S], unscaled and clipped) and `finite` (bool).
+    """
+    context = tf.distribute.get_replica_context()
+    replica = context.replica_id_in_sync_group
+    # The master shard follows the model's weights (set or restored since).
+    start = replica * self.layout.shard_size
+    self.master.assign(tf.slice(self.layout.flatten(self.variables),
+                                [start], [self.layout.shard_size]))
+    if shard is None:
+      shard = self.replica_shard(self.layout.flatten(grads))
+    nonfinite = tf.reduce_sum(
+        tf.cast(tf.logical_not(tf.math.is_finite(shard)), tf.float32))
+    if self.uses_loss_scale:
+      shard = shard / tf.cast(self.optimizer.dynamic_scale, tf.float32)
+    segments = self.layout.segment_ids(replica)
+    num_vars = len(self.variables)
+    sumsq = tf.math.unsorted_segment_sum(tf.square(shard), segments,
+                                         num_vars + 1)[:num_vars]
+    stats = context.all_reduce(tf.distribute.ReduceOp.SUM,
+                               tf.concat([sumsq, [nonfinite]], axis=0))
+    sumsq, nonfinite = stats[:num_vars], stats[num_vars]
+    if self.clipnorm:
+      # tf.clip_by_norm per variable, as Keras's `clipnorm`.
+      clip = tf.constant(float(self.clipnorm), tf.float32)
+      norms = tf.where(sumsq > 0, tf.sqrt(tf.where(sumsq > 0, sumsq, 1.0)),
+                       sumsq)
+      factors = clip / tf.maximum(norms, clip)
+      shard = shard * tf.gather(tf.concat([factors, [1.0]], axis=0),
+                                segments)
+    elif self.global_clipnorm:
+      # keras.optimizers' clip_by_global_norm.
+      clip = tf.constant(float(self.global_clipnorm), tf.float32)
+      norm = tf.sqrt(tf.reduce_sum(sumsq))
+      scale = clip * tf.minimum(1.0 / norm, 1.0 / clip) + (norm - norm)
+      shard = shard * scale
+    finite = tf.equal(nonfinite, 0.0)
+    skipped = (1.0 - tf.cast(finite, tf.float32) if self.uses_loss_scale
+               else tf.constant(0.0))
+    return skipped, {"grad": shard, "finite": finite}
+
+  def _replica_gather(self):
+    context = tf.distribute.get_replica_context()
+    return self.layout.unflatten(
+        context.all_gather(self.master.read_value(), axis=0))
+
+  # --- cross-replica context ------------------------------------------------
+  def apply(self, update) -> None:
+    """Step 3's optimizer update of every local shard and step 4's
+    all-gather into the model's variables. Cross-replica context, outside
+    `strategy.scope()` (the copies are single-device optimizers).
+
+    Args:
+      update: the per-replica `update` of `replica_prepare`.
+
+    Raises:
+      RuntimeError: called inside a strategy's scope (the Keras optimizer
+        copies would then try to merge across replicas).
+    """
+    if tf.distribute.has_strategy():
+      raise RuntimeError(
+          "The sharded optimizer's update runs outside `strategy.scope()`: "
+          "call the Trainer's train_function outside the scope.")
+    local = self.strategy.experimental_local_results
+    grads = local(update["grad"])
+    finite = local(update["finite"])[0]
+    inner = self.inner
+    uses_schedule = _rate_is_shared(inner)
+
+    def apply_all():
+      for copy, component, grad, device in zip(self.copies,
+                                               self.master.values, grads,
+                                               self.devices):
+        with tf.device(device):
+          copy.iterations.assign(inner.iterations)
+          if not uses_schedule:
+            copy.learning_rate.assign(inner.learning_rate)
+          copy.apply([grad], [component])
+      inner.iterations.assign_add(1)
+      return tf.constant(True)
+
+    if self.uses_loss_scale:
+      tf.cond(finite, apply_all, lambda: tf.constant(False))
+      self._update_loss_scale(finite)
+    else:
+      apply_all()
+    gathered = self.strategy.run(self._replica_gather)
+    for variable, value in zip(self.variables, gathered):
+      self.strategy.extended.update(
+          getattr(variable, "value", variable),
+          lambda var, val: var.assign(val), args=(value,), group=False)
+
+  def _update_loss_scale(self, finite) -> None:
+    """The loss scale after a step, as Keras's `LossScaleOptimizer`
+    changes it (dynamic: x2 after `dynamic_growth_steps` finite steps in a
+    row, /2 on a non-finite one); a `FixedLossScaleOptimizer` keeps it."""
+    opt = self.optimizer
+    if isinstance(opt, precision.FixedLossScaleOptimizer):
+      return
+    grow = tf.logical_and(
+        finite, tf.equal(opt.step_counter, opt.dynamic_growth_steps - 1))
+    counter = tf.where(grow | tf.logical_not(finite),
+                       tf.zeros_like(opt.step_counter),
+                       opt.step_counter + 1)
+    scale = tf.where(grow, opt.dynamic_scale * 2.0,
+                     tf.where(finite, opt.dynamic_scale,
+                              opt.dynamic_scale * 0.5))
+    opt.step_counter.assign(counter)
+    opt.dynamic_scale.assign(scale)
+
+  # --- checkpoints ----------------------------------------------------------
+  def checkpoint_view(self):
+    """A trackable that saves like the unsharded optimizer: the same
+    object graph and keys (`optimizer/inner_optimizer/_variables/3/...`),
+    each slot in its variable's shape. Use it as the checkpoint's
+    `optimizer`."""
+    inner_view = self._view_of(self.inner, inner=True)
+    if self.inner is self.optimizer:
+      return inner_view
+    return self._view_of(self.optimizer, inner=False, inner_view=inner_view)
+
+  def _view_of(self, optimizer, *, inner, inner_view=None):
+    view = tf.__internal__.tracking.AutoTrackable()
+    for name, child in optimizer._trackable_children().items():  # pylint: disable=protected-access
+      if name in ("_trainable_variables", "_trainable_variables_indices"):
+        continue
+      if name == "inner_optimizer":
+        child = inner_view
+      elif name == "_variables" and inner:
+        child = self._unsharded_variables()
+      elif isinstance(child, (list, tuple)) or hasattr(child, "_storage"):
+        if not list(child):
+          continue  # The user's optimizer keeps no slots itself.
+      setattr(view, name, child)
+    view._trainable_variables = list(self.variables)  # pylint: disable=protected-access
+    return view
+
+  def _unsharded_variables(self) -> list:
+    """The `_variables` list an unsharded build of the user's optimizer
+    would have: its iterations and learning rate, then a `_FullSlot` per
+    slot, in Keras's order (read from a build on [1]-sized stand-ins)."""
+    standins = [keras.Variable(np.zeros([1], np.float32),
+                               name=f"{_STANDIN_PREFIX}{j}")
+                for j in range(len(self.variables))]
+    probe = type(self.inner).from_config(self._copy_config())
+    probe.build(standins)
+    pattern = re.compile(rf"^{_STANDIN_PREFIX}(\d+)_(.+)$")
+    out = []
+    for v in probe.variables:
+      if v is probe.iterations:
+        out.append(self.inner.iterations)
+      elif v is getattr(probe, "_learning_rate", None):
+        out.append(self.inner._learning_rate)  # pylint: disable=protected-access
+      else:
+        match = pattern.match(v.name)
+        if not match or match.group(2) not in self._slot_kinds:
+          raise ValueError(f"unexpected optimizer variable {v.name}")
+        out.append(_FullSlot(self, match.group(2), int(match.group(1))))
+    return out
+
+  def _full_kind(self, kind: str) -> np.ndarray:
+    """Slot `kind` over all P elements (gathered from every replica)."""
+    key = (int(self.inner.iterations.numpy()), self._generation)
+    cached = self._cache.get(kind)
+    if cached is not None and cached[0] == key:
+      return cached[1]
+    slots = [kinds[kind] for kinds in self._slots]
+    if len(self.replica_ids) == self.strategy.num_replicas_in_sync:
+      parts = [None] * len(slots)
+      for replica, slot in zip(self.replica_ids, slots):
+        parts[replica] = slot.numpy()
+      flat = np.concatenate(parts)
+    else:
+      base = self.replica_ids[0]
+      values = self.strategy.experimental_distribute_values_from_function(
+          lambda ctx: tf.identity(
+              slots[ctx.replica_id_in_sync_group - base].value))
+      flat = self.strategy.gather(values, axis=0).numpy()
+    self._cache = {k: v for k, v in self._cache.items() if v[0] == key}
+    self._cache[kind] = (key, flat)
+    return flat
+
+  def full_slot(self, kind: str, index: int) -> tf.Tensor:
+    """Slot `kind` of variable `index` in the variable's shape."""
+    flat = self._full_kind(kind)
+    off, n = self.layout.offsets[index], self.layout.sizes[index]
+    return tf.constant(flat[off:off + n].reshape(
+        self.layout.shapes[index].as_list()))
+
+  def restore_slot(self, kind: str, index: int, value) -> None:
+    """Writes slot `kind` of variable `index` (its full shape) into the
+    local shards that hold part of it."""
+    self._generation += 1
+    flat = tf.reshape(tf.cast(value, tf.float32), [-1])
+    for kinds, replica in zip(self._slots, self.replica_ids):
+      slot = kinds[kind]
+      for j, start, shard_start, length in self.layout.pieces(replica):
+        if j == index:
+          slot.value[shard_start:shard_start + length].assign(
+              flat[start:start + length])

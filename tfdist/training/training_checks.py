@@ -1,0 +1,130 @@
+"""Checks the outer loop runs between chunks of steps: loud, not silent.
+
+The compiled step (`tfdist.training.train_loop.Trainer.train_function`) returns, with
+each chunk's sums, how many steps it skipped (fp16: the summed gradient was
+not finite, so the `LossScaleOptimizer` made no update) and how many of the
+chunk's last steps in a row were skipped. From those, with no extra host
+synchronization, `SkippedStepMonitor` counts skipped steps for the log and
+the manifest and stops a run whose optimizer has stopped updating:
+
+* `--max_consecutive_skipped_steps=N` (default 100) steps in a row skipped
+  fail the run. A dynamic loss scale skips a few steps in a row while it
+  settles (each skip halves the scale: 2^15 falls to 1 in 15 skips) and one
+  step after each doubling; 100 skips in a row divide the scale by 2^100,
+  which no healthy run does. A fixed `--loss_scale` that overflows skips
+  every step.
+* A run that made no update at all fails at its end, however short.
+
+`check_eval_loss` treats a non-finite evaluation loss as divergence. The
+errors (`TrainingStalledError`, `TrainingDivergedError`: status 1) live in
+`tfdist.errors`, `json_safe` in `tfdist.runtime.strict_json`; both are exported here
+too.
+"""
+
+import math
+from typing import Callable, Optional
+
+from tfdist.errors import TrainingDivergedError
+from tfdist.errors import TrainingStalledError
+from tfdist.runtime.strict_json import json_safe  # noqa: F401
+
+DEFAULT_MAX_CONSECUTIVE_SKIPPED_STEPS = 100
+
+
+class SkippedStepMonitor:
+  """Counts skipped steps and stops a run whose optimizer does not update.
+
+  Args:
+    max_consecutive_skipped_steps: fail once this many steps in a row were
+      skipped (`--max_consecutive_skipped_steps`; 0: never, except that a
+      run with no update at all still fails at its end).
+    start_step: the global step the run starts (or resumes) from.
+
+  Raises:
+    ValueError: `max_consecutive_skipped_steps` < 0.
+  """
+
+  def __init__(self, max_consecutive_skipped_steps: int =
+               DEFAULT_MAX_CONSECUTIVE_SKIPPED_STEPS, *, start_step: int = 0):
+    if max_consecutive_skipped_steps < 0:
+      raise ValueError(
+          "--max_consecutive_skipped_steps="
+          f"{max_consecutive_skipped_steps} must be >= 0 (0: no limit).")
+    self.max_consecutive = int(max_consecutive_skipped_steps)
+    self.start_step = int(start_step)
+    self.step = int(start_step)
+    self.total_skipped = 0
+    self.consecutive = 0
+    self.interval_skipped = 0  # Since the last `take_interval`.
+
+  def record_chunk(self, *, steps: int, skipped: float,
+                   skipped_at_end: float,
+                   loss_scale: Optional[Callable[[], Optional[float]]] = None):
+    """Adds one chunk's counts (from the compiled step's outputs).
+
+    Args:
+      steps: steps the chunk ran.
+      skipped: steps of the chunk whose update was skipped.
+      skipped_at_end: how many of the chunk's last steps in a row were
+        skipped (`steps` when all were).
+      loss_scale: returns the current fp16 loss scale (or None), for the
+        error message; called only when raising.
+
+    Raises:
+      TrainingStalledError: `max_consecutive_skipped_steps` steps in a row
+        were skipped.
+    """
+    skipped, skipped_at_end = int(round(skipped)), int(round(skipped_at_end))
+    self.step += int(steps)
+    self.total_skipped += skipped
+    self.interval_skipped += skipped
+    if skipped_at_end >= steps:
+      self.consecutive += int(steps)
+    else:
+      self.consecutive = skipped_at_end
+    if self.max_consecutive and self.consecutive >= self.max_consecutive:
+      raise TrainingStalledError(self._message(
+          f"for the last {self.consecutive} steps in a row (steps "
+          f"{self.step - self.consecutive + 1}-{self.step})", loss_scale) +
+                                 " The limit is --max_consecutive_skipped_"
+                                 f"steps={self.max_consecutive}.")
+
+  def take_interval(self) -> int:
+    """Skipped steps since the last call (for the periodic log line)."""
+    out, self.interval_skipped = self.interval_skipped, 0
+    return out
+
+  def finish(self,
+             loss_scale: Optional[Callable[[], Optional[float]]] = None):
+    """Call when the run's last step is done (`loss_scale` as in
+    `record_chunk`).
+
+    Raises:
+      TrainingStalledError: the run took steps but skipped every one.
+    """
+    ran = self.step - self.start_step
+    if ran > 0 and self.total_skipped >= ran:
+      raise TrainingStalledError(self._message(
+          f"at any of this run's {ran} steps (steps {self.start_step + 1}-"
+          f"{self.step})", loss_scale))
+
+  def _message(self, when: str, loss_scale) -> str:
+    value = loss_scale() if loss_scale is not None else None
+    scale = f" at loss scale {value:g}" if value is not None else ""
+    return (f"Training stalled: the optimizer made no update {when}: every "
+            f"step's summed gradient was not finite{scale} (float16 "
+            "overflow), so the step was skipped. With a fixed --loss_scale, "
+            "lower it or use --loss_scale=dynamic; otherwise lower "
+            "--base_learning_rate, add warmup, or use --dtype=bf16 or fp32.")
+
+
+def check_eval_loss(loss: float, *, step: int):
+  """Raises `TrainingDivergedError` if an evaluation loss is not finite.
+
+  A model whose weights or outputs overflowed predicts inf or NaN; that is
+  divergence, not a result to report.
+  """
+  if not math.isfinite(loss):
+    raise TrainingDivergedError(
+        f"Training diverged: the evaluation loss at step {step} is {loss}. "
+        "Lower --base_learning_rate, add warmup, or use --dtype=fp32.")
