@@ -159,6 +159,21 @@ class InputPipelineTest(parameterized.TestCase):
     shapes = [tuple(b[0].shape) for b in ds.take(12)]  # > one epoch
     self.assertEqual(set(shapes), {(64, 28, 28, 1)})
 
+  def test_seed_zero_shuffles(self):
+    # --seed=0 makes 0 TensorFlow's global seed (keras.utils.set_random_seed).
+    data = testutil.fashion_mnist_subset(limit=300, train_shards=3,
+                                         test_shards=2)
+    files = input_pipeline.list_files(data["train"])
+    tf.random.set_seed(0)
+    try:
+      ids = _ids_per_host(files, 1, is_training=True, seed=0, batches=6)[0]
+    finally:
+      tf.random.set_seed(None)
+    # Six batches of 8 (the first epoch's 300 records, shuffled).
+    self.assertLen(ids, 48)
+    self.assertLen(set(ids), 48)
+    self.assertNotEqual(ids, sorted(ids))
+
   @parameterized.named_parameters(
       ("by_file", 4, 2), ("by_data", 1, 2), ("by_data_three_hosts", 2, 3))
   def test_hosts_read_disjoint_data(self, num_files, hosts):

@@ -55,6 +55,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 from absl import logging
 import tensorflow as tf
+from tensorflow.python.framework import random_seed as random_seed_lib  # pylint: disable=g-direct-tensorflow-import
 
 from tfdist.config import ConfigError
 from tfdist.data.dataset_spec import DataNotFoundError
@@ -601,6 +602,23 @@ def _epoch_seed(seed: Optional[int], epoch):
   return tf.constant(seed, tf.int64) * 1_000_003 + tf.cast(epoch, tf.int64)
 
 
+def _avoid_zero_graph_seed() -> None:
+  """Lets `Dataset.shuffle` take a tensor seed under a global seed of 0.
+
+  TensorFlow's `random_seed.get_seed` compares `(global seed, op seed)` with
+  `(0, 0)` in Python; with an op seed that is a tensor (each epoch's seed,
+  `_epoch_seed`) and a global seed of 0 (`--seed=0`, which
+  `keras.utils.set_random_seed` makes TensorFlow's) that comparison asks
+  for a tensor's truth value and fails. In this traced function the
+  graph's own seed stands in for the global one: a 0 there becomes
+  TensorFlow's default graph seed, so the order is still fixed by `--seed`
+  and the epoch.
+  """
+  graph = tf.compat.v1.get_default_graph()
+  if graph.seed is not None and graph.seed % (2**31 - 1) == 0:
+    graph.seed = random_seed_lib.DEFAULT_GRAPH_SEED
+
+
 def start_position(start_step: int, plan: ShardingPlan, *,
                    global_batch_size: int, num_pipelines: int
                    ) -> Tuple[int, int]:
@@ -638,6 +656,8 @@ def _training_epochs(options: PipelineOptions, plan: ShardingPlan,
 
   def one_epoch(epoch):
     seed = _epoch_seed(options.seed, epoch)
+    if seed is not None:
+      _avoid_zero_graph_seed()
     ds = cached if cached is not None else read_share(seed)
     if options.shuffle_buffer_size:
       ds = ds.shuffle(options.shuffle_buffer_size, seed=seed)
