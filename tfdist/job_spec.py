@@ -272,6 +272,7 @@ def build(platform: str, options, train_args: Sequence[str]) -> dict:
 
 def render(job: dict, fmt: str) -> str:
   if fmt == "yaml":
+    # PyYAML comes with the optional jobspec extra: imported only when used.
     import yaml  # pylint: disable=g-import-not-at-top
     return yaml.safe_dump(job, sort_keys=False, default_flow_style=False)
   return json.dumps(job, indent=2) + "\n"

@@ -461,6 +461,7 @@ def _refuse_run_config_duplicates(*, name, storage_path, max_failures):
 
 def _default_run_config(*, name, storage_path: str, max_failures: int):
   """The `ray.train.RunConfig` of a job without the caller's own."""
+  # Ray is optional (pip install 'tfdist[ray]'): imported only when used.
   from ray.train import FailureConfig, RunConfig  # pylint: disable=g-import-not-at-top
   return RunConfig(name=name, storage_path=storage_path,
                    failure_config=FailureConfig(max_failures=max_failures))
@@ -538,6 +539,7 @@ def _require_tune():
   """`ray.tune`, or an ImportError that says how to install it."""
   _require_ray()
   try:
+    # Ray is optional (pip install 'tfdist[ray]'): imported only when used.
     from ray import tune  # pylint: disable=g-import-not-at-top
   except ImportError as e:
     raise ImportError(f"{INSTALL_HINT} Ray Tune: pip install 'ray[tune]' "
@@ -578,6 +580,7 @@ def _run_trial(tune, base: TrainConfig, params: dict, **fit_args):
   """One Tune trial: `base` with `params` as a Ray Train job (`_fit`
   arguments `fit_args`) whose reports reach Tune; the trial ends with the
   job's final metrics and checkpoint, or raises the job's error."""
+  # Ray is optional (pip install 'tfdist[ray]'): imported only when used.
   from ray.train import RunConfig  # pylint: disable=g-import-not-at-top
   from ray.tune.integration.ray_train import TuneReportCallback  # pylint: disable=g-import-not-at-top
   trial = tune.get_context().get_trial_name()

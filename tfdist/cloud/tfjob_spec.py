@@ -110,6 +110,7 @@ def pod_options(*, values_file: str = "", service_account: str = "",
     JobSpecError: an unreadable values file, an unknown key, or a flag not
       of the form KEY=VALUE.
   """
+  # The optional jobspec extra (kubernetes, PyYAML): imported only when used.
   import yaml  # pylint: disable=g-import-not-at-top
   values, replica_values = {}, {}
   if values_file:
@@ -211,6 +212,7 @@ def _check_pod_template(template: dict, where: str):
     JobSpecError: the first problem, naming the field.
   """
   try:
+    # The optional jobspec extra (kubernetes, PyYAML): imported only when used.
     from kubernetes import client as k8s  # pylint: disable=g-import-not-at-top
     from kubernetes import utils as k8s_utils  # pylint: disable=g-import-not-at-top
   except ImportError:
