@@ -93,6 +93,7 @@ def strategy_options(config: TrainConfig) -> strategy_lib.StrategyOptions:
           kind=config.ps_partitioner, shard_bytes=config.ps_min_shard_bytes,
           max_shards=config.ps_max_shards))
 
+
 def lr_options(config: TrainConfig) -> lr_schedule.LROptions:
   """The learning-rate flags of `config` (its defaults already resolved)."""
   return lr_schedule.LROptions(
@@ -249,6 +250,8 @@ def dataset(config: TrainConfig):
 
 
 # --- checkpoints and outputs ---
+
+
 def run_record_settings(config: TrainConfig) -> dict:
   """The settings `tfdist.training.checkpointing.run_record` records beside the
   checkpoints: every config field by flag name, as JSON-serializable values
