@@ -120,24 +120,21 @@ def _serialize(tokens, label: int) -> bytes:
   })).SerializeToString()
 
 
+def _records(rows, vectorize):
+  """Serialized records of `rows`, tokenized 1,024 reviews at a time."""
+  for start in range(0, len(rows), 1024):
+    chunk = rows[start:start + 1024]
+    ids = vectorize(tf.constant([text for text, _, _ in chunk])).numpy()
+    for (_, label, _), tokens in zip(chunk, ids):
+      yield _serialize(tokens, label)
+
+
 def _write_split(tmp_dir, split, rows, vectorize, shards) -> dict:
-  options = tf.io.TFRecordOptions(compression_type="GZIP")
-  paths = [os.path.join(tmp_dir, f"{split}-{i:05d}-of-{shards:05d}"
-                        ".tfrecord.gz") for i in range(shards)]
-  writers = [tf.io.TFRecordWriter(p, options) for p in paths]
-  positives = 0
-  try:
-    for start in range(0, len(rows), 1024):
-      chunk = rows[start:start + 1024]
-      ids = vectorize(tf.constant([text for text, _, _ in chunk])).numpy()
-      for i, ((_, label, _), tokens) in enumerate(zip(chunk, ids)):
-        writers[(start + i) % shards].write(_serialize(tokens, label))
-        positives += label
-  finally:
-    for w in writers:
-      w.close()
-  return {"num_examples": len(rows), "num_shards": shards,
-          "positive_fraction": positives / max(len(rows), 1)}
+  _, count = conversion.write_shards(tmp_dir, split, _records(rows, vectorize),
+                                     num_shards=shards)
+  positives = sum(label for _, label, _ in rows)
+  return {"num_examples": count, "num_shards": shards,
+          "positive_fraction": positives / max(count, 1)}
 
 
 def convert_clothing_reviews(out_dir: str, *, raw_file: str = "",

@@ -12,7 +12,7 @@ their copies.
 import json
 import os
 import uuid
-from typing import Callable, Optional
+from typing import Callable, Iterable, List, Optional, Tuple
 
 import tensorflow as tf
 
@@ -68,3 +68,34 @@ def publish_conversion(out_dir: str, write: Callable[[str], dict]) -> dict:
     if not tf.io.gfile.exists(os.path.join(out_dir, INFO_FILE)):
       raise
   return info
+
+
+def write_shards(out_dir: str, split: str, records: Iterable[bytes], *,
+                 num_shards: int) -> Tuple[List[str], int]:
+  """Writes serialized records round-robin into GZIP TFRecord files.
+
+  Files are named `{split}-{i:05d}-of-{n:05d}.tfrecord.gz` in `out_dir`;
+  record `k` goes to shard `k % num_shards`.
+
+  Args:
+    out_dir: an existing folder (local or `gs://`).
+    split: the file name prefix (`train`, `test`).
+    records: serialized `tf.train.Example`s (bytes), in order.
+    num_shards: files to write (>= 1).
+
+  Returns:
+    `(paths, count)`: the files written and the records written.
+  """
+  options = tf.io.TFRecordOptions(compression_type="GZIP")
+  paths = [os.path.join(out_dir, f"{split}-{i:05d}-of-{num_shards:05d}"
+                        ".tfrecord.gz") for i in range(num_shards)]
+  writers = [tf.io.TFRecordWriter(p, options) for p in paths]
+  count = 0
+  try:
+    for record in records:
+      writers[count % num_shards].write(record)
+      count += 1
+  finally:
+    for w in writers:
+      w.close()
+  return paths, count

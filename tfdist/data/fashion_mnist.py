@@ -106,16 +106,10 @@ def write_image_shards(out_dir: str, split: str, images: np.ndarray,
   Returns:
     The written paths.
   """
-  options = tf.io.TFRecordOptions(compression_type="GZIP")
-  paths = [os.path.join(out_dir, f"{split}-{i:05d}-of-{num_shards:05d}"
-                        ".tfrecord.gz") for i in range(num_shards)]
-  writers = [tf.io.TFRecordWriter(p, options) for p in paths]
-  try:
-    for k, (image, label) in enumerate(zip(images, labels)):
-      writers[k % num_shards].write(_example(image, int(label), first_id + k))
-  finally:
-    for w in writers:
-      w.close()
+  paths, _ = conversion.write_shards(
+      out_dir, split, (_example(image, int(label), first_id + k)
+                       for k, (image, label) in enumerate(zip(images, labels))),
+      num_shards=num_shards)
   return paths
 
 

@@ -218,19 +218,10 @@ def _write_split(out_dir: str, split: str, rows, shards: int) -> dict:
   Returns:
     The split's info: `num_examples`, `num_shards`, `positive_fraction`.
   """
-  options = tf.io.TFRecordOptions(compression_type="GZIP")
-  paths = [os.path.join(out_dir, f"{split}-{i:05d}-of-{shards:05d}"
-                        ".tfrecord.gz") for i in range(shards)]
-  writers = [tf.io.TFRecordWriter(p, options) for p in paths]
-  count = positives = 0
-  try:
-    for features in rows:
-      writers[count % shards].write(_serialize(features))
-      count += 1
-      positives += features["label"]
-  finally:
-    for w in writers:
-      w.close()
+  _, count = conversion.write_shards(
+      out_dir, split, (_serialize(features) for features in rows),
+      num_shards=shards)
+  positives = sum(features["label"] for features in rows)
   return {"num_examples": count, "num_shards": shards,
           "positive_fraction": positives / max(count, 1)}
 
