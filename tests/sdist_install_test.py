@@ -25,10 +25,20 @@ from tests import testutil
 
 # The packages of tools/requirements-tf217.txt a prebuilt container has.
 CONTAINER_PACKAGES = ("tensorflow-cpu", "keras", "cloudml-hypertune")
-# What the sdist build leaves out of the copy it builds from.
-_NOT_SOURCES = shutil.ignore_patterns(
+# What the sdist build leaves out of the copy it builds from: anywhere,
+# and (outputs of runs, not the tfdist.data package) at the top only.
+_NOT_SOURCES_ANYWHERE = shutil.ignore_patterns(
     ".git", ".venv*", ".wheelhouse", "bazel-*", "__pycache__", "*.egg-info",
-    "build", "dist", "runs", "data", ".pytest_cache")
+    ".pytest_cache")
+_NOT_SOURCES_AT_TOP = ("build", "dist", "runs", "data")
+
+
+def _NOT_SOURCES(folder, names):  # pylint: disable=invalid-name
+  """`shutil.copytree`'s ignore: what the sdist build leaves out."""
+  ignored = set(_NOT_SOURCES_ANYWHERE(folder, names))
+  if os.path.realpath(folder) == os.path.realpath(testutil.SOURCE_ROOT):
+    ignored.update(n for n in names if n in _NOT_SOURCES_AT_TOP)
+  return ignored
 TIMEOUT = 600
 # Each binary's console script and a flag its --helpshort must list.
 KEY_FLAG = {"train": "--train_files", "launch": "--num_workers",
