@@ -459,7 +459,8 @@ def define_cluster_flags() -> List[str]:
   """Multi-worker cluster, collective timeouts and preemption.
 
   The cluster comes from the first source present: --worker_hosts (with
-  --task_index), TF_CONFIG, Vertex AI's CLUSTER_SPEC (see tfdist/distribute/cluster.py).
+  --task_index), TF_CONFIG, Vertex AI's CLUSTER_SPEC (see
+  tfdist/distribute/cluster.py).
   """
   flags.DEFINE_string(
       "worker_hosts", _default("worker_hosts"),

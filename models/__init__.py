@@ -2,8 +2,8 @@
 
 Imported as `tfdist.models` (this folder is installed there; see
 `tfdist/__init__.py`), so a project's own `models` package never shadows it.
-Each builder is registered with `tfdist.training.registry.register_model` and takes
-the run's `DatasetSpec` (`spec`) and, by name, only the values it reads:
+Each builder is registered with `tfdist.training.registry.register_model` and
+takes the run's `DatasetSpec` (`spec`) and, by name, only the values it reads:
 the ranking model `embedding_dim` and `hash_buckets`; the text classifier
 (`transformer`) nothing else; those with
 batch normalization also `sync_batch_norm` (the run plan's decision, see

@@ -4,8 +4,8 @@ Flags are parsed only at the binary's edge (`flags/`, `tfdist/train.py`); they
 become a `TrainConfig` once. The run assembly (`tfdist.experiment`) reads it
 and hands each part below it (strategy, batch plan, learning rate, input
 pipeline, training loop, artifacts) its own small options object or plain
-arguments, converted in one place (`tfdist.runtime.run_options`). A `TrainConfig` can
-therefore be built and used without absl.
+arguments, converted in one place (`tfdist.runtime.run_options`). A
+`TrainConfig` can therefore be built and used without absl.
 
 Validation happens in `__post_init__`, before any expensive work starts, one
 short validator per concern (`TrainConfig._validate` lists them in order of
@@ -63,8 +63,8 @@ FEATURE_SPEC_DATASET = "feature_spec"
 DEFAULT_DATASET = "fashion_mnist"
 # `--hptune_metric` reports an evaluation value to Vertex AI's
 # hyperparameter tuning: `eval_` and a key of the run's `eval_history`
-# (`loss` or the name of one of the model's metrics; tfdist.cloud.hptune checks it
-# against the model once built). tfdist's built-in models evaluate these
+# (`loss` or the name of one of the model's metrics; tfdist.cloud.hptune checks
+# it against the model once built). tfdist's built-in models evaluate these
 # (eval_auc for binary tasks such as --dataset=movielens).
 HPTUNE_METRICS = ("eval_accuracy", "eval_loss", "eval_auc")
 HPTUNE_METRIC_PATTERN = r"eval_[A-Za-z0-9_./-]+"
@@ -94,8 +94,9 @@ def requested_kind(strategy) -> Optional[StrategyKind]:
     strategy: a flag value (any case) or a `StrategyKind`.
 
   Returns:
-    The kind; None for `auto` (resolved later by `tfdist.distribute.auto_select`) and
-    for names that are no strategy (`TrainConfig` rejects those).
+    The kind; None for `auto` (resolved later by
+    `tfdist.distribute.auto_select`) and for names that are no strategy
+    (`TrainConfig` rejects those).
   """
   try:
     return StrategyKind.parse(strategy)
@@ -437,8 +438,8 @@ class TrainConfig:
   # Warn when the training loss exceeds this multiple of its early value
   # (the first log point's mean loss); 0: no warning.
   loss_explosion_factor: float = 10.0
-  # The chief's lease on --model_dir (tfdist.distribute.lease): renewed every quarter
-  # of this; a lease not renewed for this long may be taken over.
+  # The chief's lease on --model_dir (tfdist.distribute.lease): renewed every
+  # quarter of this; a lease not renewed for this long may be taken over.
   lease_timeout_seconds: float = 60.0
   # Resume even when the model or the global batch differs from the
   # checkpoint's run (tfdist.training.checkpointing.check_resume).
@@ -503,8 +504,8 @@ class TrainConfig:
   def require_model_dir(self):
     """Raises `ConfigError` when no output folder is known.
 
-    Called once the environment is applied (`tfdist.distribute.environment`), since
-    Vertex AI's `AIP_*` variables may supply it.
+    Called once the environment is applied (`tfdist.distribute.environment`),
+    since Vertex AI's `AIP_*` variables may supply it.
     """
     if not self.model_dir:
       raise ConfigError(
@@ -515,8 +516,8 @@ class TrainConfig:
   def require_data_files(self):
     """Raises `ConfigError` when `--feature_spec` has no files to read.
 
-    Called once the environment is applied (`tfdist.distribute.environment`), since
-    Vertex AI's `AIP_TRAINING_DATA_URI` / `AIP_VALIDATION_DATA_URI` may
+    Called once the environment is applied (`tfdist.distribute.environment`),
+    since Vertex AI's `AIP_TRAINING_DATA_URI` / `AIP_VALIDATION_DATA_URI` may
     supply them.
     """
     if not self.feature_spec:

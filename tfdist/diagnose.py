@@ -10,8 +10,8 @@ Everything after `--` is `tfdist.train` flags (checked by tfdist.train's own
 parser before anything runs). The diagnosis:
 
 1. estimates, from the model alone, the bytes of its parameters, gradients
-   and optimizer state (`tfdist.training.memory`), and whether every replica's copy
-   fits the device's memory under data parallelism (which strategy fits if
+   and optimizer state (`tfdist.training.memory`), and whether every replica's
+   copy fits the device's memory under data parallelism (which strategy fits if
    not);
 2. runs the requested configuration and a single-device baseline
    (`one_device`, the same model, data and per-replica batch) as child
@@ -209,8 +209,8 @@ class RunMeasurement:
       its threads).
     interval_examples_per_second: each measured interval's examples/sec.
     malloc_tuning: whether the chief ran with tfdist's glibc malloc
-      settings (`tfdist.runtime.allocator`; they change resident memory and, with
-      oneDNN off, speed); None if the manifest does not say.
+      settings (`tfdist.runtime.allocator`; they change resident memory and,
+      with oneDNN off, speed); None if the manifest does not say.
     model_dir: where the run wrote.
   """
   label: str
@@ -406,7 +406,8 @@ def verdict(requested: RunMeasurement,
   Args:
     requested: the requested run (medians over repeats).
     baseline: the single-device baseline, or None.
-    model_fit: `tfdist.training.memory.fits_data_parallel` of the model, or None.
+    model_fit: `tfdist.training.memory.fits_data_parallel` of the model, or
+      None.
     device_memory_bytes: one GPU's memory, or None (CPU runs).
     host_memory_bytes: this host's memory, or None.
     cores: CPU cores the runs could use (for the logical-CPU note).
@@ -769,11 +770,13 @@ def model_memory_of(config) -> memory.ModelMemory:
   strategy) and returns their `ModelMemory`.
 
   Raises:
-    ConfigError: an unknown model or data set (`tfdist.training.task.from_names`).
+    ConfigError: an unknown model or data set
+      (`tfdist.training.task.from_names`).
   """
   # Imported here: they load TensorFlow and Keras, which this binary
   # imports quietly first (`tfdist.job_spec.parse_train_flags`, through
-  # `tfdist.runtime.quiet_tensorflow`), and the parent process needs them only now.
+  # `tfdist.runtime.quiet_tensorflow`), and the parent process needs them only
+  # now.
   import keras  # pylint: disable=g-import-not-at-top
   from tfdist.runtime import run_options  # pylint: disable=g-import-not-at-top
   from tfdist.training import assembly  # pylint: disable=g-import-not-at-top
@@ -787,8 +790,8 @@ def model_memory_of(config) -> memory.ModelMemory:
     model = assembly.build_model(run_options.assembly_options(config),
                                  task=run_options.task(config))
     optimizer = precision.wrap_optimizer_for_precision(
-        # A schedule, as in every run (tfdist.training.lr_schedule): the optimizer
-        # then keeps no learning-rate variable of its own.
+        # A schedule, as in every run (tfdist.training.lr_schedule): the
+        # optimizer then keeps no learning-rate variable of its own.
         optimizers.build_optimizer(config.optimizer,
                                    lr_schedule.ConstantLearningRate(0.1),
                                    momentum=config.momentum,

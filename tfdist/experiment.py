@@ -4,10 +4,11 @@ Short wiring of one-job modules, in the order data flows:
 
     config + environment (tfdist.distribute.environment)
       -> task: model builder, data set, loss, metrics (tfdist.training.task; the
-         registries and import paths of tfdist.training.registry, or tfdist.fit's
-         objects)
-      -> cluster (tfdist.distribute.cluster)            -> role: train, serve, evaluate
-      -> decision: strategy and dtype (tfdist.distribute.auto_select, the one place
+         registries and import paths of tfdist.training.registry, or
+         tfdist.fit's objects)
+      -> cluster (tfdist.distribute.cluster)            -> role: train, serve,
+      evaluate -> decision: strategy and dtype (tfdist.distribute.auto_select,
+      the one place
          that decides `auto`), parsed once into a `StrategyKind`
       -> strategy (tfdist.distribute.strategy)
       -> run plan: files, batch, learning rate (tfdist.training.run_plan)
@@ -15,7 +16,8 @@ Short wiring of one-job modules, in the order data flows:
       -> input pipelines (tfdist.data.input_pipeline)
       -> step runner (tfdist.training.step_runner) under one controller
          (tfdist.training.controller)
-      -> artifacts: SavedModel (tfdist.training.export), manifest (tfdist.observability.manifest)
+      -> artifacts: SavedModel (tfdist.training.export), manifest
+      (tfdist.observability.manifest)
 
 A training process runs as an `ExperimentRunner`: one object holding the
 run's state, whose `build_*` methods build one part each, in the order
@@ -91,7 +93,8 @@ def _worker_scratch_dir(cluster: cluster_lib.ClusterInfo) -> str:
   """A local folder for a non-chief worker's writes, deleted at exit.
 
   Raises:
-    tfdist.runtime.preflight.OutputNotWritableError: it cannot be made or written.
+    tfdist.runtime.preflight.OutputNotWritableError: it cannot be made or
+      written.
   """
   parent = os.environ.get("TEST_TMPDIR") or tempfile.gettempdir()
   try:
@@ -282,8 +285,8 @@ def start_run(config: TrainConfig, *,
   the task, `prepare_run` and the model options.
 
   Returns:
-    `(task, prepared)`: the `tfdist.training.task.Task` (`task`, or what the config
-    names) and the `PreparedRun`.
+    `(task, prepared)`: the `tfdist.training.task.Task` (`task`, or what the
+    config names) and the `PreparedRun`.
 
   Raises:
     As `run_experiment`, for what is checked before training.
@@ -378,16 +381,16 @@ def run_experiment(config: TrainConfig, *,
     config: a `TrainConfig`.
     callbacks: extra Keras callbacks, called by the controller on every
       training process at the same points.
-    environment: the process environment (`tfdist.distribute.environment`); None reads
-      `os.environ` once, here.
-    task: what to train (`tfdist.training.task.Task`: model builder, data set, loss,
-      metrics); None: what `config.model`, `config.dataset`,
+    environment: the process environment (`tfdist.distribute.environment`); None
+      reads `os.environ` once, here.
+    task: what to train (`tfdist.training.task.Task`: model builder, data set,
+      loss, metrics); None: what `config.model`, `config.dataset`,
       `config.feature_spec` and `config.import_modules` name.
     exit_plan: for binaries that end their process when the run is done
       (`tfdist.train`): a MultiWorkerMirrored task of a multi-worker run
       then ends its process inside this call, right after the final
-      barrier, the chief last (`tfdist.distribute.worker_exit.leave_process`), and
-      this call does not return there. None (library use): it returns.
+      barrier, the chief last (`tfdist.distribute.worker_exit.leave_process`),
+      and this call does not return there. None (library use): it returns.
 
   Returns:
     The run manifest (the chief also writes it to
@@ -407,19 +410,21 @@ def run_experiment(config: TrainConfig, *,
       or a path whose file system is missing
       (`filesystems.FileSystemUnavailableError`).
     DataNotFoundError: missing data.
-    tfdist.data.data_checks.DataError: a damaged input file or records of another
-      schema (before training).
+    tfdist.data.data_checks.DataError: a damaged input file or records of
+      another schema (before training).
     tfdist.runtime.preflight.OutputNotWritableError: an output folder cannot be
       written (before anything else is done).
-    tfdist.training.checkpointing.IncompatibleResumeError: the checkpoint's run had
-      another model or global batch (before training).
-    tfdist.distribute.lease.LeaseHeldError: another live run holds `--model_dir`.
+    tfdist.training.checkpointing.IncompatibleResumeError: the checkpoint's run
+      had another model or global batch (before training).
+    tfdist.distribute.lease.LeaseHeldError: another live run holds
+      `--model_dir`.
     tfdist.runtime.preemption.PreemptedError: SIGTERM or SIGINT stopped training
       after a checkpoint was saved (rerun to resume).
-    tfdist.observability.run_log.DivergenceError: the loss or the state became NaN or
-      infinite (the last good checkpoint is kept and named).
+    tfdist.observability.run_log.DivergenceError: the loss or the state became
+      NaN or infinite (the last good checkpoint is kept and named).
     tfdist.distribute.parameter_server.ParameterServerError: a ps task was lost.
-    tfdist.training.step_runner.PeerLostError: a MultiWorkerMirrored peer was lost.
+    tfdist.training.step_runner.PeerLostError: a MultiWorkerMirrored peer was
+      lost.
   """
   started = time.time()
   task, prepared = start_run(config, callbacks=callbacks,
@@ -905,8 +910,10 @@ class ExperimentRunner:
 
     Raises:
       tfdist.runtime.preemption.PreemptedError: stopped after a checkpoint.
-      tfdist.distribute.parameter_server.ParameterServerError: a ps task was lost.
-      tfdist.training.step_runner.PeerLostError: a MultiWorkerMirrored peer was lost.
+      tfdist.distribute.parameter_server.ParameterServerError: a ps task was
+        lost.
+      tfdist.training.step_runner.PeerLostError: a MultiWorkerMirrored peer was
+        lost.
     """
     controller = self.controller
     try:

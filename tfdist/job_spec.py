@@ -44,8 +44,8 @@ writes).
   a retryable code (128-255: killed by a signal, e.g. 137 for SIGKILL or an
   out-of-memory kill, 143 for SIGTERM, which tfdist returns after its
   preemption checkpoint) and fails the job on a permanent one (1-127: tfdist
-  exits 2 on invalid flags or configuration, 1 on divergence or a bug). That split is the assumption
-  tfdist's exit codes are held to.
+  exits 2 on invalid flags or configuration, 1 on divergence or a bug). That
+  split is the assumption tfdist's exit codes are held to.
 
 Validation, before printing (each raises `JobSpecError` naming the field):
 * the Vertex spec is parsed with google-cloud-aiplatform's own protobuf type
@@ -76,8 +76,9 @@ Both validators need their packages (`pip install 'tfdist[jobspec]'`); they
 are not needed to run training.
 
 The job's shape and the train-flag checks are `tfdist.cloud.job_plan`'s, the
-builders and validators `tfdist.cloud.vertex_spec`'s and `tfdist.cloud.tfjob_spec`'s;
-their public names are importable from `tfdist.job_spec` as well.
+builders and validators `tfdist.cloud.vertex_spec`'s and
+`tfdist.cloud.tfjob_spec`'s; their public names are importable from
+`tfdist.job_spec` as well.
 """
 
 import json

@@ -38,8 +38,8 @@ which are servers there) are stopped; other tasks get
 
 Each task gets a done-marker path in `$TFDIST_DONE_FILE`; `tfdist.train`
 writes it after its run's final barrier, just before its process ends
-(`tfdist.distribute.worker_exit`). A task that wrote it and then exits with an error,
-or has not exited `min(DONE_EXIT_GRACE_SECONDS, --stop_grace_seconds)`
+(`tfdist.distribute.worker_exit`). A task that wrote it and then exits with an
+error, or has not exited `min(DONE_EXIT_GRACE_SECONDS, --stop_grace_seconds)`
 later (it is then stopped), has failed: the run's status is then the
 chief's, or 1. Its work is done, so the group is not restarted for it.
 

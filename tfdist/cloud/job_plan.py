@@ -149,7 +149,8 @@ def parse_train_flags(args: Sequence[str], *, where: str,
     where: the replica they belong to, for messages.
     environ: variables the job sets (e.g. Vertex's `AIP_MODEL_DIR`): the
       replica's environment, applied as the binary's edge applies it
-      (`tfdist.distribute.environment`); this machine's own variables play no part.
+      (`tfdist.distribute.environment`); this machine's own variables play no
+      part.
 
   Returns:
     The `tfdist.config.TrainConfig` the replica would run with.

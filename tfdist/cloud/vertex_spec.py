@@ -185,7 +185,8 @@ def validate_vertex_sdk_kwargs(kwargs: dict, job: dict):
       differs from the REST body's.
     ImportError: google-cloud-aiplatform is not installed.
   """
-  # The optional jobspec extra (google-cloud-aiplatform): imported only when used.
+  # The optional jobspec extra (google-cloud-aiplatform): imported only when
+  # used.
   from google.cloud.aiplatform_v1.types import custom_job as custom_job_types  # pylint: disable=g-import-not-at-top
   from google.protobuf import json_format  # pylint: disable=g-import-not-at-top
   rest = custom_job_types.CustomJob.pb()()

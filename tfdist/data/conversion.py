@@ -1,10 +1,10 @@
 """Converting a data set once: whole or absent, safe when processes race.
 
-A built-in data set (`tfdist.data.fashion_mnist`, `tfdist.data.movielens`) is turned
-into TFRecord files the first time a run asks for it. The files are written
-into a temporary sibling folder that is renamed into place once complete,
-with `dataset_info.json` (`INFO_FILE`) written last: a folder holding that
-file is a finished conversion, and one without it is never read. When
+A built-in data set (`tfdist.data.fashion_mnist`, `tfdist.data.movielens`) is
+turned into TFRecord files the first time a run asks for it. The files are
+written into a temporary sibling folder that is renamed into place once
+complete, with `dataset_info.json` (`INFO_FILE`) written last: a folder holding
+that file is a finished conversion, and one without it is never read. When
 several workers convert at once, the first rename wins and the others drop
 their copies.
 """

@@ -4,9 +4,9 @@ The spec is the one description every other step reads: the input pipeline
 takes its `parse_fn` (TFRecord files) or its `input_fn` (a dataset function),
 the model builders its shapes and feature names, the training step its
 default loss and metrics. It imports nothing of tfdist's but the config
-error, so data set modules (`tfdist.data.fashion_mnist`, `tfdist.data.movielens`,
-`tfdist.data.feature_spec`) and model builders depend on it and never on each
-other.
+error, so data set modules (`tfdist.data.fashion_mnist`,
+`tfdist.data.movielens`, `tfdist.data.feature_spec`) and model builders depend
+on it and never on each other.
 """
 
 import dataclasses
@@ -40,9 +40,9 @@ class DatasetSpec:
       eval_pattern)`: makes the TFRecord files if needed and returns globs
       (None: the files must be given as `--train_files`/`--eval_files`).
     task: the default loss and metrics when neither the model's `compile`
-      nor the caller gives them (`tfdist.training.objectives.TASKS`): `multiclass`
-      (the model emits logits [batch, num_classes]; sparse categorical
-      cross-entropy, accuracy) or `binary` (sigmoid probabilities
+      nor the caller gives them (`tfdist.training.objectives.TASKS`):
+      `multiclass` (the model emits logits [batch, num_classes]; sparse
+      categorical cross-entropy, accuracy) or `binary` (sigmoid probabilities
       [batch, 1], labels in {0, 1}; binary cross-entropy, accuracy at 0.5
       and ROC AUC); None: no default.
     id_features: names of the string id features (each string [batch, 1])
@@ -65,8 +65,8 @@ class DatasetSpec:
       overrides `task`'s.
     check_files: `check_files(files, flag)`, run on the listed files at
       start; raises `ConfigError` naming what does not match.
-    features: the `tfdist.data.feature_spec.FeatureSpec` the data comes from (for
-      model builders: `spec.features.keras_inputs()`), or None.
+    features: the `tfdist.data.feature_spec.FeatureSpec` the data comes from
+      (for model builders: `spec.features.keras_inputs()`), or None.
     vocabulary_size: for text data sets whose inputs are token ids
       (int64 [batch, input_shape[0]]): the number of ids, padding (0) and
       unknown (1) included; 0 otherwise.

@@ -1,12 +1,13 @@
 """tfdist's built-in data sets, registered by name (`--dataset`).
 
 Importing this module registers each built-in `DatasetSpec`
-(`tfdist.data.dataset_spec`) with `tfdist.training.registry.register_dataset`; each data
-set's conversion and parser live in a module of its own
-(`tfdist.data.fashion_mnist`, `tfdist.data.movielens`, `tfdist.data.clothing_reviews`), which depends only on
+(`tfdist.data.dataset_spec`) with `tfdist.training.registry.register_dataset`;
+each data set's conversion and parser live in a module of its own
+(`tfdist.data.fashion_mnist`, `tfdist.data.movielens`,
+`tfdist.data.clothing_reviews`), which depends only on
 `tfdist.data.dataset_spec`. Your own data sets register the same way, or are
-named by import path (`--dataset=package.module:dataset_fn`). The
-Fashion-MNIST helpers are re-exported here under their old names.
+named by import path (`--dataset=package.module:dataset_fn`). The Fashion-MNIST
+helpers are re-exported here under their old names.
 """
 
 from tfdist.config import ConfigError  # pylint: disable=unused-import

@@ -290,7 +290,8 @@ class SelectOptions:
     dtype_defaulted: `--dtype` was not given (the TPU default is bf16).
     num_gpus: `--num_gpus` (-1: all, 0: none, N: the first N).
     num_cpu_devices: `--num_cpu_devices`.
-    tpu: the TPU flags (`tfdist.distribute.tpu.TpuOptions`), probed under `auto`.
+    tpu: the TPU flags (`tfdist.distribute.tpu.TpuOptions`), probed under
+      `auto`.
   """
   distribution_strategy: str = "auto"
   dtype: str = "auto"
@@ -345,7 +346,8 @@ def take_inventory(options: SelectOptions, *, cluster, environment=None,
   Args:
     options: the `SelectOptions` (`num_gpus`, `num_cpu_devices`, TPU).
     cluster: the resolved `tfdist.distribute.cluster.ClusterInfo`.
-    environment: the `tfdist.distribute.environment.RunEnvironment` (for TPU hints;
+    environment: the `tfdist.distribute.environment.RunEnvironment` (for TPU
+      hints;
       None: no variables).
     connect_fn: replaces `tpu.connect_tpu` for the TPU probe.
     gpu_list_fn, gpu_details_fn: replace TensorFlow's GPU listing.

@@ -28,9 +28,9 @@ Hyperparameter-tuning trials: `trial_folders` gives each trial its own
 output folders (`--model_dir`, `--checkpoint_dir`, `--tensorboard_dir`,
 `--export_dir`), whichever flag or variable gave them: `<dir>/trial_<id>`,
 the trial id coming from `CLUSTER_SPEC`/`TF_CONFIG`
-(`tfdist.distribute.cluster.ClusterInfo.trial`). A folder from `AIP_*` that Vertex AI
-already nested per trial (`<base_output_dir>/<trial>/model/`, ...) is left
-as it is.
+(`tfdist.distribute.cluster.ClusterInfo.trial`). A folder from `AIP_*` that
+Vertex AI already nested per trial (`<base_output_dir>/<trial>/model/`, ...) is
+left as it is.
 
 `output_sources` names each output folder with the flag or variable that
 chose it, for `tfdist.training.export.check_layout`.
@@ -254,8 +254,8 @@ def trial_changes(folders: Mapping[str, str], *, trial: str,
   Args:
     folders: `{field: folder}` of the `TRIAL_FOLDER_FIELDS` (''/None or
       missing: unset), after `environment_changes`.
-    trial: the trial id (`tfdist.distribute.cluster.ClusterInfo.trial`); '' outside a
-      tuning job, which changes nothing.
+    trial: the trial id (`tfdist.distribute.cluster.ClusterInfo.trial`); ''
+      outside a tuning job, which changes nothing.
     filled: the `(field, variable)` pairs `environment_changes` returned.
 
   Returns:

@@ -5,7 +5,8 @@ One binary serves every role of a parameter-server cluster, read from
 "task": {"type": ..., "index": ...}}`):
 
 * `chief`: the coordinator; it builds the strategy and runs the training
-  program (`tfdist.experiment` with `tfdist.training.step_runner.CoordinatorStepRunner`);
+  program (`tfdist.experiment` with
+  `tfdist.training.step_runner.CoordinatorStepRunner`);
 * `worker`, `ps`: start a `tf.distribute.Server` and serve until the chief
   marks the run finished (`DONE_MARKER` in `--model_dir`), then exit 0;
 * `evaluator`: not a cluster member; it evaluates checkpoints as they appear
@@ -15,9 +16,9 @@ Every task sets `GRPC_FAIL_FAST=use_caller`, as TensorFlow requires for the
 coordinator to notice lost workers and ps tasks instead of waiting on them.
 
 Partitioning: only variables created inside
-`tfdist.training.sharded_embedding.sharding_scope()` (embedding tables) may be split;
-every other variable (dense kernels, biases, counters; optimizer slots are
-colocated with their variable anyway) gets one shard, because Keras 3
+`tfdist.training.sharded_embedding.sharding_scope()` (embedding tables) may be
+split; every other variable (dense kernels, biases, counters; optimizer slots
+are colocated with their variable anyway) gets one shard, because Keras 3
 variables cannot be `ShardedVariable`s.
 """
 
@@ -295,8 +296,8 @@ def serve(model_dir: str, cluster, *, poll_seconds: float = 1.0,
   Args:
     model_dir: the run's `--model_dir` (where the chief's done marker
       appears).
-    cluster: this process's `tfdist.distribute.cluster.ClusterInfo` (a `worker` or
-      `ps` task).
+    cluster: this process's `tfdist.distribute.cluster.ClusterInfo` (a `worker`
+      or `ps` task).
     poll_seconds: how often to look for the marker.
     grace_seconds: after a stop signal, serve at most this long
       (`--preemption_grace_seconds`).

@@ -2,8 +2,8 @@
 
 Modelled on Model Garden's `get_distribution_strategy`: a closed set of
 kinds, each built by its own helper. `auto` is decided before this runs, in
-one place (`tfdist.distribute.auto_select.resolve`); the factory takes a concrete
-`StrategyKind` only, in a `StrategyOptions`
+one place (`tfdist.distribute.auto_select.resolve`); the factory takes a
+concrete `StrategyKind` only, in a `StrategyOptions`
 (`tfdist.runtime.run_options.strategy_options` makes one from a `TrainConfig`).
 """
 
@@ -150,7 +150,8 @@ def _mirrored(options: StrategyOptions, reason: str,
 def _tpu(options: StrategyOptions, reason: str, cluster) -> StrategyChoice:
   del cluster  # The TPU system is found by its address.
   tpu = options.tpu
-  # `auto` fills --tpu with the address it found (tfdist.distribute.tpu's one rule).
+  # `auto` fills --tpu with the address it found (tfdist.distribute.tpu's one
+  # rule).
   system = tpu_lib.connect_tpu(
       tpu_lib.resolve_tpu_address(tpu.tpu), zone=tpu.zone,
       project=tpu.project, init_timeout=tpu.init_timeout)
@@ -330,8 +331,8 @@ def make_strategy(options: StrategyOptions, *, cluster=None) -> StrategyChoice:
 
   Args:
     options: a `StrategyOptions` with a concrete `kind` (`auto` is decided
-      first by `tfdist.distribute.auto_select.resolve`; a `TrainConfig` becomes options
-      with `tfdist.runtime.run_options.strategy_options`).
+      first by `tfdist.distribute.auto_select.resolve`; a `TrainConfig` becomes
+      options with `tfdist.runtime.run_options.strategy_options`).
     cluster: the resolved `tfdist.distribute.cluster.ClusterInfo`; needed for
       `multi_worker_mirrored` and `parameter_server`.
 
@@ -343,8 +344,8 @@ def make_strategy(options: StrategyOptions, *, cluster=None) -> StrategyChoice:
     ConfigError: inconsistent device flags, a multi-worker strategy without
       a cluster, or a second MultiWorkerMirroredStrategy in this process.
     ValueError: `options.kind` is not a concrete strategy name.
-    tfdist.distribute.tpu.TPUNotAvailableError: `tpu` with no TPU reachable (raised
-      within `options.tpu.init_timeout` seconds).
+    tfdist.distribute.tpu.TPUNotAvailableError: `tpu` with no TPU reachable
+      (raised within `options.tpu.init_timeout` seconds).
   """
   kind = StrategyKind.parse(options.kind)
   reason = f"--distribution_strategy={kind}"

@@ -1,11 +1,12 @@
 """The kind of `tf.distribute` strategy a run uses, decided once.
 
-`--distribution_strategy` (or `auto`'s decision, `tfdist.distribute.auto_select`) is
-parsed into a `StrategyKind` in one place, `StrategyKind.parse`; every later
-question about the strategy ("is it asynchronous?", "which task writes
-`--model_dir`?", "how many input pipelines?") is a property of the kind,
-never a comparison of strings. Keras 3's trainer and Model Garden's
-`_AsyncTrainer` decide such facts once in the same way (`_is_async`).
+`--distribution_strategy` (or `auto`'s decision,
+`tfdist.distribute.auto_select`) is parsed into a `StrategyKind` in one place,
+`StrategyKind.parse`; every later question about the strategy ("is it
+asynchronous?", "which task writes `--model_dir`?", "how many input pipelines?")
+is a property of the kind, never a comparison of strings. Keras 3's trainer and
+Model Garden's `_AsyncTrainer` decide such facts once in the same way
+(`_is_async`).
 
 The members are `str`-valued, so a kind prints, formats and serializes to
 JSON as the flag value it came from (`multi_worker_mirrored`).
@@ -18,8 +19,8 @@ from typing import Union
 class StrategyKind(str, enum.Enum):
   """A concrete strategy: what `--distribution_strategy` resolved to.
 
-  `auto` is a request, not a kind: `tfdist.distribute.auto_select` turns it into one of
-  these before any strategy is built.
+  `auto` is a request, not a kind: `tfdist.distribute.auto_select` turns it into
+  one of these before any strategy is built.
   """
 
   OFF = "off"

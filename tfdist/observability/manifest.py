@@ -90,14 +90,15 @@ class WhatRan:
     loss_scale: the final loss scale (fp16), or None.
     optimizer_iterations: the optimizer's update count.
     result: the `tfdist.training.controller.ControllerResult`.
-    run_log: the `tfdist.observability.run_log.RunLog` (history of every process).
-    objectives: the run's `tfdist.training.objectives.Objectives` (loss and metric
-      names, where they came from); each metric `m` adds `eval_m` and
+    run_log: the `tfdist.observability.run_log.RunLog` (history of every
+      process).
+    objectives: the run's `tfdist.training.objectives.Objectives` (loss and
+      metric names, where they came from); each metric `m` adds `eval_m` and
       `train_m` to `final_metrics`; None: none recorded.
     model_name: the model trained (a registered name or `module:function`;
       None: `ManifestOptions.model`).
-    model_memory: `tfdist.training.memory.ModelMemory.to_dict()` of the model, or
-      None.
+    model_memory: `tfdist.training.memory.ModelMemory.to_dict()` of the model,
+      or None.
     strategy_details: a dict of strategy-specific facts (parameter-server
       placement, ...), written under the strategy's name (e.g.
       `manifest["parameter_server"]`); None: empty.
@@ -174,7 +175,8 @@ def run_header(options: ManifestOptions) -> dict:
 
 def write_manifest(directory: str, manifest: dict) -> str:
   """Writes `manifest` as `directory/run_manifest.json`, atomically and as
-  strict JSON (non-finite floats become null: `tfdist.runtime.strict_json.json_safe`).
+  strict JSON (non-finite floats become null:
+  `tfdist.runtime.strict_json.json_safe`).
 
   Returns:
     The manifest's path.

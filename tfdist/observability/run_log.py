@@ -23,11 +23,11 @@
   whole.
 
 Where the time goes, per log interval: examples/sec and step time (host
-wall clock between log points, `tfdist.observability.throughput`), and the time the
-compiled step waited for its input (`input_wait_seconds` per step, and
+wall clock between log points, `tfdist.observability.throughput`), and the time
+the compiled step waited for its input (`input_wait_seconds` per step, and
 `input_wait_fraction` of the compiled function's own time), both measured
-inside the compiled function (`tfdist.training.train_loop`) and returned with the
-step sums: no host synchronization of their own. Under
+inside the compiled function (`tfdist.training.train_loop`) and returned with
+the step sums: no host synchronization of their own. Under
 MultiWorkerMirroredStrategy these are the chief's own; under parameter
 servers, every worker's chunks summed. Memory: the process's peak RSS and
 each GPU's current and peak bytes (`tfdist.training.memory`).
@@ -60,7 +60,8 @@ from tfdist.training import training_checks
 METRICS_FILE = "metrics.jsonl"
 # Keys of an evaluation result that are not metric values.
 _NOT_METRICS = ("num_examples", "step", "checkpoint")
-# Step sums that are timings, not metrics (seconds; see tfdist.training.train_loop).
+# Step sums that are timings, not metrics (seconds; see
+# tfdist.training.train_loop).
 INPUT_WAIT_KEY = "input_wait_seconds"
 EXECUTION_KEY = "execution_seconds"
 
@@ -89,8 +90,8 @@ def divergence_advice(*, loss_scaled: bool,
 def metrics_from_sums(sums: Dict[str, np.ndarray], steps: int) -> dict:
   """Mean loss and accuracy from summed step outputs: the summary of a
   runner that returns `loss` (sum of per-step mean losses), `correct` and
-  `count` (examples). A `tfdist.training.train_loop.Trainer` summarizes its own sums
-  (`Trainer.summarize`, any Keras metric).
+  `count` (examples). A `tfdist.training.train_loop.Trainer` summarizes its own
+  sums (`Trainer.summarize`, any Keras metric).
 
   Args:
     sums: `loss`, `correct`, `count`.

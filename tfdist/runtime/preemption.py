@@ -23,8 +23,9 @@ The grace period is a bound measured from the signal's arrival, whatever
 the main thread is doing. A Python signal handler runs only when the main
 thread returns to the interpreter, which a long TensorFlow call (tracing a
 large first step, a step that blocks in C++) delays for minutes. So
-`install` also starts a small watcher process (`tfdist.runtime.watchdog`'s, standard
-library only, no TensorFlow) and hands it the write end of a pipe through
+`install` also starts a small watcher process (`tfdist.runtime.watchdog`'s,
+standard library only, no TensorFlow) and hands it the write end of a pipe
+through
 `signal.set_wakeup_fd`: CPython's C-level signal handler writes the signal
 number there the moment the signal arrives. The watcher starts the clock
 then, reports the arrival time back (so the log says the true delay), and

@@ -3,9 +3,9 @@
 `build` calls the task's model builder and creates every variable under the
 strategy's scope (so ParameterServerStrategy places tables, dense weights
 and optimizer slots on the ps tasks, and Mirrored strategies mirror them),
-resolves the loss and metrics (`tfdist.training.objectives`), wraps the optimizer
-for the precision, and returns the parts every strategy uses the same way.
-`load_init_checkpoint` warm-starts the model (`--init_checkpoint`).
+resolves the loss and metrics (`tfdist.training.objectives`), wraps the
+optimizer for the precision, and returns the parts every strategy uses the same
+way. `load_init_checkpoint` warm-starts the model (`--init_checkpoint`).
 """
 
 import dataclasses
@@ -37,7 +37,8 @@ class AssemblyOptions:
   `tfdist.runtime.run_options.assembly_options` makes them from a `TrainConfig`.
 
   Attributes:
-    optimizer: the optimizer's name (`tfdist.training.optimizers.build_optimizer`).
+    optimizer: the optimizer's name
+      (`tfdist.training.optimizers.build_optimizer`).
     momentum: the momentum of `sgd`/`momentum`/`rmsprop`.
     weight_decay: decoupled weight decay per step (0: none).
     clipnorm: clip each gradient to this L2 norm (None: no clipping).
@@ -126,8 +127,8 @@ def build_model(options: AssemblyOptions, *, task: task_lib.Task,
   batch normalization).
 
   Raises:
-    ConfigError: the builder fails (see `tfdist.training.task.build_model`), or the
-      model cannot take the data set's features.
+    ConfigError: the builder fails (see `tfdist.training.task.build_model`), or
+      the model cannot take the data set's features.
   """
   model = task_lib.build_model(
       task, options.builder_config, sync_batch_norm=sync_batch_norm,
@@ -316,7 +317,8 @@ def build(options: AssemblyOptions, *, task: task_lib.Task,
   Args:
     options: the run's `AssemblyOptions` (model, optimizer and precision;
       `tfdist.runtime.run_options.assembly_options` makes them from a config).
-    task: the `tfdist.training.task.Task` (model builder, data set, loss, metrics).
+    task: the `tfdist.training.task.Task` (model builder, data set, loss,
+      metrics).
     strategy: the run's strategy.
     plan: the `tfdist.training.run_plan.RunPlan` (global batch, LR schedule).
     on_tpu: the strategy is TPU (XLA everywhere; padded evaluation).

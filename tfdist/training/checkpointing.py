@@ -91,10 +91,10 @@ def clean_interrupted_saves(directory: str) -> List[str]:
 
 # Parts of the training state (children of the checkpoint's root) that a
 # checkpoint may lack: the input position (`InputPosition`), the random
-# layers' seed-generator states (`tfdist.training.train_loop.random_state`) and the
-# learning-rate factor Keras's learning-rate callbacks set
-# (`tfdist.training.lr_schedule.AdjustableLearningRate`; absent, it stays 1), which
-# older checkpoints do not hold.
+# layers' seed-generator states (`tfdist.training.train_loop.random_state`) and
+# the learning-rate factor Keras's learning-rate callbacks set
+# (`tfdist.training.lr_schedule.AdjustableLearningRate`; absent, it stays 1),
+# which older checkpoints do not hold.
 OPTIONAL_PARTS = ("input_position", "random_state", "lr_multiplier")
 
 
@@ -122,8 +122,9 @@ class CheckpointKeeper:
       `checkpoint`; None: no input position.
     variables: the state's variables checked for NaN and infinity before
       every save (model and optimizer variables); None or empty: unchecked.
-    before_save: called before every save (e.g. `tfdist.distribute.lease.Lease.check`,
-      which raises once another run took `--model_dir` over).
+    before_save: called before every save (e.g.
+      `tfdist.distribute.lease.Lease.check`, which raises once another run took
+      `--model_dir` over).
   """
 
   def __init__(self, *, checkpoint: tf.train.Checkpoint, directory: str,

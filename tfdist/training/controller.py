@@ -1,28 +1,30 @@
 """The outer loop: one controller for every strategy.
 
-Orbit-style split: a step runner (`tfdist.training.step_runner`) runs steps (a local
-call of the compiled step, or chunks scheduled on a `ClusterCoordinator`);
+Orbit-style split: a step runner (`tfdist.training.step_runner`) runs steps (a
+local call of the compiled step, or chunks scheduled on a `ClusterCoordinator`);
 the `Controller` owns everything between steps, the same way for every
 strategy:
 
 * boundaries: it runs up to the next log, checkpoint, epoch or final step
   (and, for a local runner, at most `steps_per_execution` steps per call),
   so every boundary is hit exactly;
-* logging (`tfdist.observability.run_log.RunLog`: one formatter, one set of TensorBoard
-  scalars, one divergence check);
-* checkpoints (`tfdist.training.checkpointing.CheckpointKeeper`): restore at start,
-  save every `checkpoint_steps` (or at each epoch end) and at the end;
+* logging (`tfdist.observability.run_log.RunLog`: one formatter, one set of
+  TensorBoard scalars, one divergence check);
+* checkpoints (`tfdist.training.checkpointing.CheckpointKeeper`): restore at
+  start, save every `checkpoint_steps` (or at each epoch end) and at the end;
 * evaluation every `epochs_between_evals` epochs and at the end;
 * Keras callbacks (`set_params`, train/epoch/batch hooks with Keras's logs,
   `model.stop_training` honoured: EarlyStopping, TerminateOnNaN);
 * preemption (`tfdist.runtime.preemption.PreemptionWatcher`): a signal on any
   worker stops every worker after the same step, with a checkpoint;
-* a profiler window (`tfdist.observability.profiling.ProfileWindow`, `--profile_steps`):
-  its edges are boundaries too, so the trace holds exactly those steps.
+* a profiler window (`tfdist.observability.profiling.ProfileWindow`,
+  `--profile_steps`): its edges are boundaries too, so the trace holds exactly
+  those steps.
 
 Where the time goes (examples/sec, step time, input wait, memory) is
-logged at every log point by `tfdist.observability.run_log.RunLog` from the step sums and
-the host's clock: the controller adds no host synchronization of its own.
+logged at every log point by `tfdist.observability.run_log.RunLog` from the step
+sums and the host's clock: the controller adds no host synchronization of its
+own.
 
 The loop itself is short (`Controller._run`): the step runner runs a chunk
 up to the next boundary, then each `Action` does its side work, in order:
@@ -241,8 +243,8 @@ class Checkpoints:
     """Saves step `step`; returns the path.
 
     Raises:
-      tfdist.observability.run_log.DivergenceError: the state holds NaN or infinite
-        values (nothing is saved).
+      tfdist.observability.run_log.DivergenceError: the state holds NaN or
+        infinite values (nothing is saved).
     """
     try:
       return self.keeper.save(step)
@@ -401,7 +403,8 @@ class KerasBatchEnd(Action):
 
 class TrainLog(Action):
   """Logs loss, learning rate, skipped steps and throughput every
-  `log_steps` steps and at the end (`tfdist.observability.run_log.RunLog.log_train`)."""
+  `log_steps` steps and at the end
+  (`tfdist.observability.run_log.RunLog.log_train`)."""
 
   def __init__(self, run_log: run_log_lib.RunLog, *,
                options: ControllerOptions, checkpoints: Checkpoints,
@@ -654,7 +657,8 @@ class Controller:
       without an `evaluate` function.
 
     Raises:
-      tfdist.observability.run_log.DivergenceError: the evaluation loss is not finite.
+      tfdist.observability.run_log.DivergenceError: the evaluation loss is not
+        finite.
     """
     if self.evaluate_fn is None:
       return None
@@ -680,12 +684,12 @@ class Controller:
       tfdist.runtime.preemption.PreemptedError: a stop signal reached this or
         another worker; a checkpoint at the step every worker stopped at was
         saved first.
-      tfdist.observability.run_log.DivergenceError: the training loss (checked after
-        every chunk of steps) or the state to be saved (checked before every
-        checkpoint) became NaN or infinite; nothing was saved after the last
-        good checkpoint, which the message names.
-      tfdist.distribute.parameter_server.ParameterServerError: (coordinator runner) a
-        ps task was lost.
+      tfdist.observability.run_log.DivergenceError: the training loss (checked
+        after every chunk of steps) or the state to be saved (checked before
+        every checkpoint) became NaN or infinite; nothing was saved after the
+        last good checkpoint, which the message names.
+      tfdist.distribute.parameter_server.ParameterServerError: (coordinator
+        runner) a ps task was lost.
     """
     if self.runner is None or self.checkpoints is None:
       raise ValueError("Controller.run needs a runner and checkpoints; this "

@@ -1,9 +1,10 @@
 """The marker a chief writes in `--model_dir` when training finished.
 
 `<model_dir>/training_done` holds `{"finished": <seconds since the epoch>}`.
-Parameter-server `worker` and `ps` tasks (`tfdist.distribute.parameter_server.serve`)
-and the continuous evaluator serve a run until it appears; the chief clears
-it at start, so a rerun in the same `--model_dir` is not taken for done.
+Parameter-server `worker` and `ps` tasks
+(`tfdist.distribute.parameter_server.serve`) and the continuous evaluator serve
+a run until it appears; the chief clears it at start, so a rerun in the same
+`--model_dir` is not taken for done.
 """
 
 import json

@@ -42,8 +42,9 @@ SAVED_MODEL_FILE = "saved_model.pb"
 
 # What a run writes directly under `--model_dir` and under the TensorBoard
 # folder: an export folder inside either must not be one of these
-# (checkpoints: `tfdist.config`; metrics: `tfdist.observability.run_log.METRICS_FILE`;
-# the manifest: `tfdist.observability.manifest.MANIFEST_FILE`; the lease:
+# (checkpoints: `tfdist.config`; metrics:
+# `tfdist.observability.run_log.METRICS_FILE`; the manifest:
+# `tfdist.observability.manifest.MANIFEST_FILE`; the lease:
 # `tfdist.distribute.lease.LEASE_FILE`; the done marker:
 # `tfdist.distribute.parameter_server.DONE_MARKER`; evaluations: `eval/`).
 MODEL_DIR_ENTRIES = ("checkpoints", "eval", "metrics.jsonl",
@@ -53,7 +54,8 @@ MODEL_DIR_ENTRIES = ("checkpoints", "eval", "metrics.jsonl",
 TENSORBOARD_ENTRIES = ("train", "validation", "eval")
 # What the checkpoint folder holds: `ckpt-N.*`, `ckpt-N_temp/`, the
 # `checkpoint` index, `run_config.json` (`tfdist.training.checkpointing`) and
-# `shards.json` (`tfdist.distribute.parameter_server`): names starting with these.
+# `shards.json` (`tfdist.distribute.parameter_server`): names starting with
+# these.
 CHECKPOINT_PREFIXES = ("ckpt", "checkpoint", "run_config.json",
                        "shards.json")
 

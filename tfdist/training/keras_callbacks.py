@@ -2,8 +2,8 @@
 their files on the chief.
 
 tfdist's controller calls a user's `keras.callbacks` on every training
-process at the same points (`tfdist.training.controller`), as Keras's multi-worker
-`fit` does. Two kinds need more:
+process at the same points (`tfdist.training.controller`), as Keras's
+multi-worker `fit` does. Two kinds need more:
 
 * **Callbacks that write files** (`ModelCheckpoint`, `TensorBoard`,
   `CSVLogger`): on the chief they write where the user said; on every other

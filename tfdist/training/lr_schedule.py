@@ -87,7 +87,8 @@ class LinearWarmup(LearningRateSchedule):
   For step `s` (the optimizer's update count, starting at 0):
 
       s <  warmup_steps:  lr = warmup_start_learning_rate
-                               + (peak_learning_rate - warmup_start_learning_rate)
+                               + (peak_learning_rate -
+                               warmup_start_learning_rate)
                                * s / warmup_steps
       s >= warmup_steps:  lr = after_warmup(s - warmup_steps)
 
@@ -326,8 +327,8 @@ def plan_learning_rate(options: LROptions, *, global_batch_size: int,
   """Scales `options.base_learning_rate` and builds warmup + decay for a run.
 
   Args:
-    options: the run's `LROptions` (`tfdist.runtime.run_options.lr_options` makes
-      them from a `TrainConfig`).
+    options: the run's `LROptions` (`tfdist.runtime.run_options.lr_options`
+      makes them from a `TrainConfig`).
     global_batch_size: examples per update.
     steps_per_epoch: updates per epoch (for `--warmup_epochs`).
     total_steps: updates in the whole run.

@@ -23,7 +23,8 @@ def build_optimizer(name: str, learning_rate, *, momentum: float = 0.9,
       > 0, as Model Garden does).
     weight_decay: decoupled weight decay (0 disables it).
     clipnorm, global_clipnorm: Keras's gradient clipping (at most one;
-      None: off). Under `tfdist.training.train_loop.Trainer` the optimizer clips the
+      None: off). Under `tfdist.training.train_loop.Trainer` the optimizer clips
+        the
       gradient summed over all replicas (and unscaled under fp16), once.
 
   Raises:

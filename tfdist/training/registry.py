@@ -27,8 +27,8 @@ when it takes one (see `call_with_accepted`).
 
 This module is a leaf (it imports only the config and the data set spec):
 tfdist's own models and data sets register themselves here on import
-(`tfdist.models`, `tfdist.data.datasets`), and `tfdist.training.task` resolves names after
-importing them.
+(`tfdist.models`, `tfdist.data.datasets`), and `tfdist.training.task` resolves
+names after importing them.
 """
 
 import dataclasses

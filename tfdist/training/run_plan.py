@@ -269,7 +269,8 @@ def make_run_plan(options: PlanOptions, spec, *, num_replicas_in_sync: int,
   """Lists and counts the data, then plans the batch and learning rate.
 
   Args:
-    options: the run's `PlanOptions` (`tfdist.runtime.run_options.plan_options`).
+    options: the run's `PlanOptions`
+      (`tfdist.runtime.run_options.plan_options`).
     spec: the data set's `DatasetSpec`.
     num_replicas_in_sync: replicas per update (`strategy.
       num_replicas_in_sync`; 1 per worker step under parameter servers).
@@ -277,7 +278,8 @@ def make_run_plan(options: PlanOptions, spec, *, num_replicas_in_sync: int,
       synchronous multi-worker training (their input pipelines), or the
       parameter-server workers (each reads every file).
     asynchronous: parameter-server training.
-    decision: the `tfdist.distribute.auto_select.Decision` (strategy, dtype, reasons).
+    decision: the `tfdist.distribute.auto_select.Decision` (strategy, dtype,
+      reasons).
 
   Returns:
     A `RunPlan`.

@@ -22,8 +22,8 @@ attribute 'handle'`). `ShardedEmbedding` owns a plain `tf.Variable` instead:
 
 Only tables created inside `sharding_scope()` (which this layer enters while
 creating its table) may be partitioned by tfdist's partitioners
-(`tfdist.distribute.parameter_server.make_partitioner`), so dense kernels and optimizer
-slots created elsewhere always stay whole.
+(`tfdist.distribute.parameter_server.make_partitioner`), so dense kernels and
+optimizer slots created elsewhere always stay whole.
 """
 
 import contextlib

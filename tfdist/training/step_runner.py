@@ -17,8 +17,8 @@ step runner only runs steps and returns their sums:
 Both implement `StepRunner` and return a `StepOutput`: the chunk's sums
 as float64 NumPy values (`loss`: sum of the per-step mean losses, `count`:
 examples, `micro_steps`, each metric's summed state,
-`tfdist.training.objectives.MetricSums`; `Trainer.summarize` makes values of them)
-and, apart from them, its `StepSignals` (stop requests, skipped steps).
+`tfdist.training.objectives.MetricSums`; `Trainer.summarize` makes values of
+them) and, apart from them, its `StepSignals` (stop requests, skipped steps).
 """
 
 import abc
@@ -133,7 +133,8 @@ def ps_lost_error(error: Exception, *, after: str,
     last_checkpoint: the checkpoint a restart resumes from (None: step 0).
 
   Returns:
-    A `tfdist.distribute.parameter_server.ParameterServerError` to raise from `error`.
+    A `tfdist.distribute.parameter_server.ParameterServerError` to raise from
+    `error`.
   """
   first = first_line(error)
   return parameter_server.ParameterServerError(

@@ -25,8 +25,8 @@ Evaluation takes sample weights (not class weights, as `evaluate`): loss
 
 Metrics: any Keras metrics whose state is summed (every built-in one). Each
 step returns each metric's state for its batch, summed over replicas and
-workers by the strategy (see `tfdist.training.objectives.MetricSums`), so the values
-equal one device's on all the data.
+workers by the strategy (see `tfdist.training.objectives.MetricSums`), so the
+values equal one device's on all the data.
 
 What every replica (and worker) does in one step, in order:
 
@@ -297,9 +297,10 @@ class Trainer:
       the iterator then yields per-replica micro-batches of
       `global_batch_size / (K x replicas)` examples, and one training step
       takes K of them (module docstring).
-    sharding: a `tfdist.training.sharded_optimizer.ShardingOptions` (ZeRO stage 1
-      or 2: the optimizer, built on no variables, then runs on per-replica
-      shards, see `tfdist.training.sharded_optimizer`); None or stage 0: unsharded.
+    sharding: a `tfdist.training.sharded_optimizer.ShardingOptions` (ZeRO stage
+      1 or 2: the optimizer, built on no variables, then runs on per-replica
+      shards, see `tfdist.training.sharded_optimizer`); None or stage 0:
+      unsharded.
     time_steps: measure the input wait and the call's execution time with
       `tf.timestamp` (see `train_function`); False under op determinism
       (`--deterministic`), which refuses `tf.timestamp`: both are then NaN
@@ -348,7 +349,8 @@ class Trainer:
       raise ValueError("gradient_accumulation_steps must be >= 1. Received: "
                        f"{gradient_accumulation_steps}")
     # Shapes unknown here: "accuracy" and "crossentropy" resolve for sparse
-    # labels; tfdist.training.objectives.resolve knows the shapes (tfdist.training.assembly).
+    # labels; tfdist.training.objectives.resolve knows the shapes
+    # (tfdist.training.assembly).
     shapes = dict(y_true=tf.TensorShape([None]),
                   y_pred=tf.TensorShape([None, None]))
     self.loss_fn = objectives.resolve_loss(loss, **shapes)
@@ -629,19 +631,19 @@ class Trainer:
     Returns:
       Sums over the executed steps: `loss` (sum of per-step global mean
       losses), `count` (examples), every metric's state
-      (`tfdist.training.objectives.MetricSums`; `summarize` turns them into values),
-      `skipped_steps` (steps whose update was skipped: fp16 gradients not
-      finite; the same on every worker), `micro_steps` (micro-batches run:
+      (`tfdist.training.objectives.MetricSums`; `summarize` turns them into
+      values), `skipped_steps` (steps whose update was skipped: fp16 gradients
+      not finite; the same on every worker), `micro_steps` (micro-batches run:
       `num_steps` x `gradient_accumulation_steps`),
       `skipped_steps_at_end` (how many
       of the last steps in a row were skipped: equal to `num_steps` when
       every step was), and `stop_signal` and `stop_training` (> 0 when any
       worker, in any step of the chunk, asked to stop: every worker gets
       the same sums; `tfdist.training.step_runner.StepSignals.split` takes these
-      four out of the metric sums). Also this worker's own timings (float64 seconds, not
-      reduced across workers): `input_wait_seconds`, the time spent waiting
-      for the input iterator, and `execution_seconds`, the call's time from
-      its first to its last op.
+      four out of the metric sums). Also this worker's own timings (float64
+      seconds, not reduced across workers): `input_wait_seconds`, the time spent
+      waiting for the input iterator, and `execution_seconds`, the call's time
+      from its first to its last op.
     """
     if self.time_steps:
       started = tf.timestamp()

@@ -1,7 +1,7 @@
 """Checks the outer loop runs between chunks of steps: loud, not silent.
 
-The compiled step (`tfdist.training.train_loop.Trainer.train_function`) returns, with
-each chunk's sums, how many steps it skipped (fp16: the summed gradient was
+The compiled step (`tfdist.training.train_loop.Trainer.train_function`) returns,
+with each chunk's sums, how many steps it skipped (fp16: the summed gradient was
 not finite, so the `LossScaleOptimizer` made no update) and how many of the
 chunk's last steps in a row were skipped. From those, with no extra host
 synchronization, `SkippedStepMonitor` counts skipped steps for the log and
@@ -17,8 +17,8 @@ the manifest and stops a run whose optimizer has stopped updating:
 
 `check_eval_loss` treats a non-finite evaluation loss as divergence. The
 errors (`TrainingStalledError`, `TrainingDivergedError`: status 1) live in
-`tfdist.errors`, `json_safe` in `tfdist.runtime.strict_json`; both are exported here
-too.
+`tfdist.errors`, `json_safe` in `tfdist.runtime.strict_json`; both are exported
+here too.
 """
 
 import math
