@@ -155,9 +155,24 @@ def next_boundary(step: int, options: ControllerOptions,
   return min(candidates)
 
 
-def _add(total: Dict[str, np.ndarray], sums: Dict[str, np.ndarray]):
-  for key, value in sums.items():
-    total[key] = total.get(key, 0.0) + value
+class _SumsSince:
+  """The step sums and step count since the last `take` (a log interval,
+  an epoch)."""
+
+  def __init__(self):
+    self.sums: Dict[str, np.ndarray] = {}
+    self.steps = 0
+
+  def add(self, sums: Dict[str, np.ndarray], num_steps: int) -> None:
+    for key, value in sums.items():
+      self.sums[key] = self.sums.get(key, 0.0) + value
+    self.steps += num_steps
+
+  def take(self):
+    """`(sums, steps)` so far; starts the next window empty."""
+    taken = (self.sums, self.steps)
+    self.sums, self.steps = {}, 0
+    return taken
 
 
 @dataclasses.dataclass
@@ -413,19 +428,18 @@ class TrainLog(Action):
     self.options = options
     self.checkpoints = checkpoints
     self.skipped = skipped
-    self.sums: Dict[str, np.ndarray] = {}
-    self.steps = 0
+    self.window = _SumsSince()
 
   def __call__(self, state, output):
-    _add(self.sums, output.sums)
-    self.steps += state.num_steps
+    self.window.add(output.sums, state.num_steps)
     step = state.step
     if step % self.options.log_steps and not self.options.is_last(step):
       return
     monitor = self.skipped.monitor
+    sums, steps = self.window.take()
     try:
       self.run_log.log_train(
-          step, self.sums, self.steps,
+          step, sums, steps,
           learning_rate=self.checkpoints.learning_rate(),
           loss_scale=self.checkpoints.loss_scale(),
           skipped_steps=monitor.take_interval(),
@@ -433,7 +447,6 @@ class TrainLog(Action):
     except run_log_lib.DivergenceError as e:
       raise run_log_lib.DivergenceError(
           f"{e} {self.checkpoints.kept_and_rerun()}") from e
-    self.sums, self.steps = {}, 0
 
 
 class SaveCheckpoint(Action):
@@ -512,16 +525,14 @@ class KerasEpochEnd(Action):
     self.runner = runner
     self.checkpoints = checkpoints
     self.options = options
-    self.sums: Dict[str, np.ndarray] = {}
-    self.steps = 0
+    self.window = _SumsSince()
 
   def __call__(self, state, output):
-    _add(self.sums, output.sums)
-    self.steps += state.num_steps
+    self.window.add(output.sums, state.num_steps)
     step = state.step
     if not (self.options.is_epoch_end(step) or self.options.is_last(step)):
       return
-    logs = self.run_log.summarize(self.sums, self.steps)
+    logs = self.run_log.summarize(*self.window.take())
     if state.last_eval and state.last_eval["step"] == step:
       logs.update({f"val_{k}": v for k, v in
                    run_log_lib.metric_values(state.last_eval).items()})
@@ -532,7 +543,6 @@ class KerasEpochEnd(Action):
       state.saved = self.checkpoints.save(step)
     state.epoch_open = False
     state.epoch += 1
-    self.sums, self.steps = {}, 0
     state.stop_requested = self.runner.agree(
         state.stop_requested or _wants_stop(self.model))
 
