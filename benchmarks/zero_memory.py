@@ -2,8 +2,12 @@
 
 Not a test: it prints figures and writes JSON. For N = 1, 2, 4 logical CPU
 devices (MirroredStrategy) and each stage, in a fresh process per
-configuration, it builds a dense model (`--width`, `--layers`; fp32 Adam)
-with tfdist's `Trainer` and reports the optimizer state each replica holds:
+configuration, it builds the model (`--model`: `transformer`, the built-in
+Transformer text classifier of `--dataset=clothing_reviews`'s shapes,
+1,355,201 parameters, fed random token ids and labels, which do not change
+the state's size; or `dense`, `--layers` hidden layers of `--width`),
+fp32 Adam, with tfdist's `Trainer` and reports the optimizer state each
+replica holds:
 
 * `estimate_bytes`: `tfdist.training.memory`'s estimate from an unsharded build
   (`estimate_model_memory`), sharded by `memory.sharded_estimate`;
@@ -35,6 +39,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 FLAGS = flags.FLAGS
+flags.DEFINE_enum("model", "transformer", ["transformer", "dense"],
+                  "The model measured.")
 flags.DEFINE_integer("width", 1024, "Units of each hidden Dense layer.")
 flags.DEFINE_integer("layers", 3, "Hidden Dense layers.")
 flags.DEFINE_integer("steps", 2, "Measured updates per configuration.")
@@ -44,13 +50,16 @@ flags.DEFINE_string("child", "", "Internal: run one configuration, "
                     "'N,STAGE'.")
 
 
-def _child(replicas: int, stage: int, width: int, layers: int, steps: int):
+def _child(replicas: int, stage: int, model_name: str, width: int,
+           layers: int, steps: int):
   import numpy as np  # pylint: disable=g-import-not-at-top
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   cpu = tf.config.list_physical_devices("CPU")[0]
   tf.config.set_logical_device_configuration(
       cpu, [tf.config.LogicalDeviceConfiguration()] * replicas)
   import keras  # pylint: disable=g-import-not-at-top
+  from models import transformer  # pylint: disable=g-import-not-at-top
+  from tfdist.data import clothing_reviews  # pylint: disable=g-import-not-at-top
   from tfdist.training import memory  # pylint: disable=g-import-not-at-top
   from tfdist.training import sharded_optimizer  # pylint: disable=g-import-not-at-top
   from tfdist.training.train_loop import Trainer  # pylint: disable=g-import-not-at-top
@@ -76,10 +85,15 @@ def _child(replicas: int, stage: int, width: int, layers: int, steps: int):
       [f"/cpu:{i}" for i in range(replicas)])
   global_batch = 8 * replicas
   with strategy.scope():
-    model = keras.Sequential(
-        [keras.Input((width,))] +
-        [keras.layers.Dense(width, activation="relu")
-         for _ in range(layers)] + [keras.layers.Dense(10)])
+    if model_name == "transformer":
+      model = transformer.build_transformer(
+          sequence_length=clothing_reviews.SEQUENCE_LENGTH,
+          vocabulary_size=clothing_reviews.VOCABULARY_SIZE, num_classes=2)
+    else:
+      model = keras.Sequential(
+          [keras.Input((width,))] +
+          [keras.layers.Dense(width, activation="relu")
+           for _ in range(layers)] + [keras.layers.Dense(10)])
   # The estimate: an unsharded build on the host, outside the strategy.
   probe = keras.models.clone_model(model)
   probe_optimizer = keras.optimizers.Adam(1e-3)
@@ -100,7 +114,6 @@ def _child(replicas: int, stage: int, width: int, layers: int, steps: int):
   state = list(optimizer.variables)
   if trainer.sharded is not None:
     state += [v for copy in trainer.sharded.copies for v in copy.variables]
-    state += [trainer.sharded.master]
     if trainer.sharded.grad_accumulator is not None:
       state.append(trainer.sharded.grad_accumulator)
   touch(state)
@@ -109,9 +122,16 @@ def _child(replicas: int, stage: int, width: int, layers: int, steps: int):
                                        sharded=trainer.sharded)
   rng = np.random.default_rng(0)
   k = 2 if stage == 2 else 1
-  data = tf.data.Dataset.from_tensor_slices((
-      rng.normal(size=(global_batch * (steps + 1), width)).astype("float32"),
-      rng.integers(0, 10, size=global_batch * (steps + 1)))).batch(
+  examples = global_batch * (steps + 1)
+  if model_name == "transformer":
+    features = rng.integers(
+        2, clothing_reviews.VOCABULARY_SIZE,
+        size=(examples, clothing_reviews.SEQUENCE_LENGTH)).astype("int64")
+    labels = rng.integers(0, 2, size=examples)
+  else:
+    features = rng.normal(size=(examples, width)).astype("float32")
+    labels = rng.integers(0, 10, size=examples)
+  data = tf.data.Dataset.from_tensor_slices((features, labels)).batch(
           global_batch // k)
   iterator = iter(strategy.experimental_distribute_dataset(data))
   trainer.train_function(iterator, tf.constant(1))  # Traces; not measured.
@@ -137,7 +157,8 @@ def main(argv):
   del argv
   if FLAGS.child:
     replicas, stage = (int(x) for x in FLAGS.child.split(","))
-    _child(replicas, stage, FLAGS.width, FLAGS.layers, FLAGS.steps)
+    _child(replicas, stage, FLAGS.model, FLAGS.width, FLAGS.layers,
+           FLAGS.steps)
     return
   rows = []
   env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
@@ -146,7 +167,8 @@ def main(argv):
     for stage in (0, 1, 2):
       proc = subprocess.run(
           [sys.executable, os.path.abspath(__file__),
-           f"--child={replicas},{stage}", f"--width={FLAGS.width}",
+           f"--child={replicas},{stage}", f"--model={FLAGS.model}",
+           f"--width={FLAGS.width}",
            f"--layers={FLAGS.layers}", f"--steps={FLAGS.steps}"],
           env=env, capture_output=True, text=True, timeout=900, check=False)
       lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
@@ -165,8 +187,10 @@ def main(argv):
           f"{r['step_peak_bytes'] / mib:>10.2f}")
   result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(
       timespec="seconds"), "load_average": os.getloadavg(),
-            "cores": os.cpu_count(), "width": FLAGS.width,
-            "layers": FLAGS.layers, "optimizer": "adam", "rows": rows}
+            "cores": os.cpu_count(), "model": FLAGS.model,
+            "command": " ".join(["python", "benchmarks/zero_memory.py",
+                                 *sys.argv[1:]]),
+            "width": FLAGS.width, "layers": FLAGS.layers, "optimizer": "adam", "rows": rows}
   if FLAGS.out:
     os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
     with open(FLAGS.out, "w") as f:

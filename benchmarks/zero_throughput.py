@@ -9,11 +9,15 @@ Not a test: it prints figures and writes JSON. It trains the Transformer
 * `mwms`: two MultiWorkerMirrored workers, each pinned to its own core
   (`python -m tfdist.launch --num_workers=2 --pin_workers`).
 
-Each run's throughput is its manifest's `throughput.examples_per_second`
-(the log intervals after the first, warm-up one). The figure is the ratio
-sharded / unsharded of each pair (alternated, so slow drifts of a shared
-machine fall on both sides), with the median over pairs. The load average
-is printed: compare only figures taken on a quiet machine.
+Each run's throughput is the median of its manifest's log intervals
+(`throughput.this_process.intervals`, the first, warm-up one excluded):
+an interval a shared machine's other work stole falls out of the median.
+Each run's CPU time per step (`throughput.cpu_seconds_per_step`, every
+thread of the process) is kept too: it is what the step costs, whatever
+else the machine runs. The figures are the ratios sharded / unsharded of
+each pair (alternated, so slow drifts fall on both sides), with their
+median over pairs. The load average is printed: compare throughput only
+from a quiet machine.
 
 Usage:
   python benchmarks/zero_throughput.py --pairs=3 \
@@ -52,7 +56,7 @@ def _train_flags(data_dir, model_dir, steps, log_steps, stage):
           f"--zero_stage={stage}"]
 
 
-def _run(setup: str, stage: int, data_dir: str) -> float:
+def _run(setup: str, stage: int, data_dir: str) -> dict:
   model_dir = tempfile.mkdtemp(prefix=f"zero_{setup}_{stage}_")
   train = _train_flags(data_dir, model_dir, FLAGS.steps, FLAGS.log_steps,
                        stage)
@@ -71,7 +75,12 @@ def _run(setup: str, stage: int, data_dir: str) -> float:
     raise SystemExit(f"{setup} stage {stage}: exit {proc.returncode}\n"
                      f"{(proc.stdout + proc.stderr)[-3000:]}")
   with open(manifest) as f:
-    return float(json.load(f)["throughput"]["examples_per_second"])
+    throughput = json.load(f)["throughput"]
+  intervals = [i["examples_per_second"]
+               for i in throughput["this_process"]["intervals"]
+               if not i["excluded"]]
+  return {"examples_per_second": statistics.median(intervals),
+          "cpu_seconds_per_step": throughput["cpu_seconds_per_step"]}
 
 
 def main(argv):
@@ -90,18 +99,31 @@ def main(argv):
     for _ in range(FLAGS.pairs):
       unsharded = _run(setup, 0, data_dir)
       sharded = _run(setup, FLAGS.zero_stage, data_dir)
-      pairs.append({"unsharded": unsharded, "sharded": sharded,
-                    "ratio": sharded / unsharded})
-      print(f"{setup}: unsharded {unsharded:.1f}, stage {FLAGS.zero_stage} "
-            f"{sharded:.1f} examples/s, ratio {sharded / unsharded:.3f}",
+      pair = {"unsharded": unsharded, "sharded": sharded,
+              "ratio": (sharded["examples_per_second"] /
+                        unsharded["examples_per_second"]),
+              "cpu_ratio": (sharded["cpu_seconds_per_step"] /
+                            unsharded["cpu_seconds_per_step"]),
+              "load_average": os.getloadavg()[0]}
+      pairs.append(pair)
+      print(f"{setup}: unsharded {unsharded['examples_per_second']:.1f}, "
+            f"stage {FLAGS.zero_stage} {sharded['examples_per_second']:.1f} "
+            f"examples/s, ratio {pair['ratio']:.3f}; CPU per step "
+            f"{unsharded['cpu_seconds_per_step'] * 1e3:.0f} vs "
+            f"{sharded['cpu_seconds_per_step'] * 1e3:.0f} ms, ratio "
+            f"{pair['cpu_ratio']:.3f}; load {pair['load_average']:.1f}",
             flush=True)
-    ratios = [p["ratio"] for p in pairs]
-    result["setups"][setup] = {"pairs": pairs,
-                               "median_ratio": statistics.median(ratios),
-                               "min_ratio": min(ratios),
-                               "max_ratio": max(ratios)}
-    print(f"{setup}: median ratio {statistics.median(ratios):.3f} "
-          f"({min(ratios):.3f}..{max(ratios):.3f})")
+    summary = {"pairs": pairs}
+    for key in ("ratio", "cpu_ratio"):
+      values = [p[key] for p in pairs]
+      summary[f"median_{key}"] = statistics.median(values)
+      summary[f"min_{key}"] = min(values)
+      summary[f"max_{key}"] = max(values)
+    result["setups"][setup] = summary
+    print(f"{setup}: throughput ratio median {summary['median_ratio']:.3f} "
+          f"({summary['min_ratio']:.3f}..{summary['max_ratio']:.3f}); CPU "
+          f"per step ratio median {summary['median_cpu_ratio']:.3f} "
+          f"({summary['min_cpu_ratio']:.3f}..{summary['max_cpu_ratio']:.3f})")
   result["load_average_at_end"] = os.getloadavg()
   print(f"load average at start {result['load_average_at_start'][0]:.1f}, "
         f"at end {result['load_average_at_end'][0]:.1f}")

@@ -82,23 +82,23 @@ class FitTest(absltest.TestCase):
                                   gradients_bytes=4 << 30,
                                   optimizer_bytes=8 << 30,
                                   num_parameters=1 << 30)
-    # Stage 1 over 4 replicas: 4 + 4 + (8 + 4) / 4 = 11 bytes each.
+    # Stage 1 over 4 replicas: 4 + 4 + 8 / 4 = 10 bytes each.
     sharded = memory.sharded_estimate(estimate, num_replicas=4)
-    self.assertEqual(sharded.optimizer_bytes, 3 << 30)
-    self.assertEqual(sharded.total_bytes, 11 << 30)
+    self.assertEqual(sharded.optimizer_bytes, 2 << 30)
+    self.assertEqual(sharded.total_bytes, 10 << 30)
     self.assertEqual(memory.sharded_estimate(estimate, num_replicas=4,
                                              stage=0), estimate)
-    # 16 GiB does not fit 12 GiB; 11 GiB does.
+    # 16 GiB does not fit 12 GiB; 10 GiB does.
     fit = memory.fits_data_parallel(estimate, capacity_bytes=12 << 30,
                                     optimizer="adam", num_replicas=4)
     self.assertFalse(fit.fits)
     self.assertIn("--shard_optimizer_state (--zero_stage=1) over the 4 "
-                  "replicas keeps 3.0 GiB", fit.advice)
+                  "replicas keeps 2.0 GiB", fit.advice)
     self.assertTrue(memory.fits_data_parallel(
         estimate, capacity_bytes=12 << 30, num_replicas=4,
         zero_stage=1).fits)
     # One replica, or too little memory even sharded: not recommended.
-    for replicas, capacity in ((1, 12 << 30), (4, 10 << 30)):
+    for replicas, capacity in ((1, 12 << 30), (4, 9 << 30)):
       fit = memory.fits_data_parallel(estimate, capacity_bytes=capacity,
                                       optimizer="adam",
                                       num_replicas=replicas)

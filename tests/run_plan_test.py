@@ -103,13 +103,15 @@ class MakeRunPlanTest(absltest.TestCase):
 
   def test_describe_names_the_plan(self):
     options = _options(batch_size=200, train_steps=10, deterministic=True,
-                       zero_stage=1)
+                       zero_stage=1, model="transformer")
     plan = run_plan.make_run_plan(
         options, _function_spec(1000), num_replicas_in_sync=2,
         num_workers=1, asynchronous=False,
         decision=_decision(StrategyKind.MIRRORED))
     text = plan.describe(options)
     self.assertIn("strategy               mirrored: asked for", text)
+    self.assertIn("model                  transformer", text)
+    self.assertIn("dataset                mine", text)
     self.assertIn("--dataset=mine's dataset function", text)
     self.assertIn("learning rate          0.1 at batch 100 -> 0.2 at batch "
                   "200 (linear rule), constant after warmup", text)

@@ -25,6 +25,7 @@ import json
 import os
 
 from absl.testing import absltest
+import pytest
 
 from tests import multi_worker_testlib
 from tests import testutil
@@ -136,6 +137,14 @@ def _cases(strategy, train_glob: str, cases, *, scratch: str,
           int(np.prod(v.shape)) > 1})
       info["user_optimizer_variables"] = len(
           sharded_optimizer.inner_optimizer(optimizer).variables)
+      # Between steps the master shard holds nothing, and the state
+      # counted per replica is the slots (and accumulator shard) alone.
+      info["master_elements"] = sorted({
+          int(tf.size(c).numpy()) for c in sharded.master.values})
+      slot_bytes = sum(int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size
+                       for v in sharded.copies[0].variables)
+      info["state_bytes_beyond_slots"] = (
+          sharded.state_bytes_per_replica() - slot_bytes)
       if accumulate > 1:
         info["variable_accumulators"] = len(trainer._accumulators[0])  # pylint: disable=protected-access
     return weights(model), info
@@ -302,6 +311,10 @@ class _CaseChecks:
         self.assertEqual(got["padding"], 1)
         self.assertEqual(got["slot_sizes"], [got["shard_size"]])
         self.assertLessEqual(got["user_optimizer_variables"], 2)
+        self.assertEqual(got["master_elements"], [0])
+        self.assertEqual(got["state_bytes_beyond_slots"],
+                         4 * got["shard_size"]
+                         if case[1] == 2 and case[2] > 1 else 0)
         if case[2] > 1:
           self.assertEqual(got["variable_accumulators"],
                            0 if case[1] == 2 else 4)
@@ -331,6 +344,9 @@ class _CaseChecks:
     self.assertEqual(ckpt["replica_counts"], replica_counts)
 
 
+# Also on TensorFlow 2.17 (tools/test.sh's compat pass): one child process,
+# the same cases.
+@pytest.mark.compat
 class MirroredShardedTest(_CaseChecks, absltest.TestCase):
 
   def setUp(self):

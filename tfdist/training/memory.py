@@ -13,7 +13,7 @@
   it with a device's memory and says which strategy fits when it does not.
 * `sharded_estimate`: the same under ZeRO stage 1 or 2
   (`--shard_optimizer_state`, `tfdist.training.sharded_optimizer`): each of N
-  replicas keeps 1/N of the optimizer state plus a float32 master shard.
+  replicas keeps 1/N of the optimizer state.
 """
 
 import dataclasses
@@ -125,7 +125,7 @@ def estimate_model_memory(model, optimizer=None, *,
     model: a built Keras model.
     optimizer: its optimizer, built (`optimizer.build(variables)`), or None.
     sharded: the run's `tfdist.training.sharded_optimizer.ShardedOptimizer`, or
-      None: its per-replica state (one replica's slots, master shard and
+      None: its per-replica state between steps (one replica's slots and
       gradient-accumulator shard) is added to `optimizer`'s own variables
       (iterations and loss scale: the slots live on the shards).
 
@@ -148,14 +148,13 @@ def sharded_estimate(estimate: ModelMemory, *, num_replicas: int,
   """`estimate` (unsharded) as one replica holds it under ZeRO `stage`.
 
   The optimizer's slots are split over `num_replicas` (N) replicas in
-  shards of a flat buffer padded to a multiple of N, and each replica adds
-  a float32 master shard of its trainable parameters (the variable the
-  Keras optimizer updates): optimizer bytes become
-  `ceil(optimizer / N) + ceil(trainable float32 bytes / N)`, i.e. per
-  fp32 Adam parameter 4 + 4 + (8 + 4) / N instead of 16
-  (Rajbhandari et al. 2020 count 4 + 4 + 8 / N: their master weights are
-  the fp32 copy mixed precision keeps anyway; Keras keeps float32
-  variables, so here the master shard is an extra 4 / N). Stage 2 also
+  shards of a flat buffer padded to a multiple of N: optimizer bytes
+  become `ceil(optimizer / N)` (plus at most one shard's padding, N - 1
+  elements per slot), i.e. per fp32 Adam parameter 4 + 4 + 8 / N instead
+  of 16, as Rajbhandari et al. 2020 count stage 1 (Keras keeps float32
+  variables, so the model's weights are the float32 master weights; the
+  master shard the Keras optimizer updates is filled only during an
+  update: transient, not counted here). Stage 2 also
   shards the gradient accumulators (gradient accumulation only), which
   `ModelMemory` does not count, and TensorFlow's per-step gradients are
   whole either way: the estimate is stage 1's for both stages.
@@ -172,8 +171,7 @@ def sharded_estimate(estimate: ModelMemory, *, num_replicas: int,
   if not stage:
     return estimate
   return dataclasses.replace(
-      estimate, optimizer_bytes=(-(-estimate.optimizer_bytes // n) +
-                                 -(-estimate.gradients_bytes // n)))
+      estimate, optimizer_bytes=-(-estimate.optimizer_bytes // n))
 
 
 @dataclasses.dataclass(frozen=True)

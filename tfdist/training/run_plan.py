@@ -155,6 +155,10 @@ class RunPlan:
         "tfdist plan:",
         f"  strategy               {self.strategy}: {self.strategy_reason}",
         f"  training               {mode}",
+        (f"  model                  {options.model}" if options.model
+         else ""),
+        (f"  dataset                {options.data.dataset}"
+         if options.data.dataset else ""),
         f"  num_replicas_in_sync   {plan.num_replicas_in_sync}",
         f"  per_replica_batch_size {plan.per_replica_batch_size}"
         + (" (micro-batch)" if plan.gradient_accumulation_steps > 1

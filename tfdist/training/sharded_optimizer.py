@@ -41,16 +41,24 @@ One update, on every replica:
 4. the updated master shards are all-gathered ([S] -> [P']) and written
    into every replica's (mirrored) model variables.
 
-The master shard is refreshed from the model variables before each
-update (so weights loaded or restored after the trainer was built are
-honoured), and the loss scale, step counter and iterations of the user's
-optimizer advance as Keras's `LossScaleOptimizer` advances them.
+The master shard exists only during the update: it is filled from the
+model variables (a slice of their flat values: weights loaded or
+restored after the trainer was built are honoured) before step 3 and
+emptied (0 elements) after step 4. Keras keeps float32 variables, so the
+model's weights are the float32 master weights; the shard is only the
+variable the Keras optimizer updates, and between steps it holds nothing
+(a variable of shape [None]). The loss scale, step counter and iterations
+of the user's optimizer advance as Keras's `LossScaleOptimizer` advances
+them.
 
-Memory per parameter, fp32 Adam, N replicas: unsharded 16 bytes; stage 1:
-4 (weights) + 4 (gradients) + (4 master + 8 moments) / N; stage 2 with
-gradient accumulation: the accumulators (4 bytes unsharded) become 4 / N.
-Without accumulation TensorFlow holds no gradient between steps, so stages
-1 and 2 hold the same memory here.
+Memory per parameter, fp32 Adam, N replicas, between steps: unsharded 16
+bytes; stage 1: 4 (weights) + 4 (gradients) + 8 (moments) / N, as
+Rajbhandari et al. count it; stage 2 with gradient accumulation: the
+accumulators (4 bytes unsharded) become 4 / N. Without accumulation
+TensorFlow holds no gradient between steps, so stages 1 and 2 hold the
+same memory here. During a step the flat buffers (the gradients' sum
+[P'], the master shard [S], the gathered update [P']) add transient
+memory.
 
 Checkpoints: the slots are saved in their unsharded shape under the keys
 an unsharded Keras optimizer uses (`checkpoint_view`), gathered at save
@@ -95,7 +103,7 @@ class ShardingOptions:
   """How the optimizer state is sharded.
 
   Attributes:
-    stage: ZeRO stage: 0 (off), 1 (optimizer state and master weights), 2
+    stage: ZeRO stage: 0 (off), 1 (optimizer state), 2
       (also the gradient accumulators).
   """
   stage: int = 0
@@ -250,9 +258,10 @@ class ShardedOptimizer:
     self.global_clipnorm = self.inner.global_clipnorm
     self.devices = list(strategy.extended.worker_devices)
     with strategy.scope():
+      # Shape [None]: [S] during an update, [0] between updates.
       self.master = tf.Variable(
-          tf.zeros([self.layout.shard_size], tf.float32), trainable=False,
-          name="zero_master_shard",
+          tf.zeros([0], tf.float32), shape=tf.TensorShape([None]),
+          trainable=False, name="zero_master_shard",
           synchronization=tf.VariableSynchronization.ON_READ,
           aggregation=tf.VariableAggregation.NONE)
     self.grad_accumulator = None
@@ -261,10 +270,10 @@ class ShardedOptimizer:
             tf.distribute.get_replica_context().replica_id_in_sync_group))
     self.replica_ids = [int(x) for x in
                         strategy.experimental_local_results(ids)]
-    self.copies = [self._make_copy(component, device) for component, device
-                   in zip(self.master.values, self.devices)]
-    self._slots = [self._slot_kinds_of(copy, component) for copy, component
-                   in zip(self.copies, self.master.values)]
+    built = [self._make_copy(component, device) for component, device
+             in zip(self.master.values, self.devices)]
+    self.copies = [copy for copy, _ in built]
+    self._slots = [slots for _, slots in built]
     self._slot_kinds = self._slots[0]
     self._cache: Dict[str, tuple] = {}
     self._generation = 0
@@ -279,11 +288,35 @@ class ShardedOptimizer:
 
   def _make_copy(self, component, device):
     """The user's optimizer (class and configuration, clipping left to
-    this class), built on one replica's master shard, on its device."""
+    this class), built for one replica's master shard, on its device.
+
+    Keras sizes an optimizer's slots from its variables' static shapes,
+    and the master shard's is [None]. So the copy is built on a stand-in
+    of shape [S] and the same name (its slots are [S] and named after the
+    shard), then keyed to the shard: Keras finds a variable's slots by
+    `_var_key` in `_trainable_variables_indices` (Keras 3.0 on).
+
+    Returns:
+      `(copy, slots)`: the optimizer and its slot variables by kind.
+    """
     with tf.device(device):
       copy = type(self.inner).from_config(self._copy_config())
-      copy.build([component])
-    return copy
+      stand_in = tf.Variable(tf.zeros([self.layout.shard_size], tf.float32),
+                             trainable=False,
+                             name=str(component.name).split(":")[0])
+      copy.build([stand_in])
+      slots = self._slot_kinds_of(copy, stand_in)
+    # pylint: disable=protected-access
+    if not isinstance(getattr(copy, "_trainable_variables_indices", None),
+                      dict):
+      raise RuntimeError(
+          f"keras {keras.__version__}'s optimizers keep no "
+          "_trainable_variables_indices: tfdist's sharded optimizer "
+          "supports Keras 3.0-3.15's optimizers.")
+    copy._trainable_variables = [component]
+    copy._trainable_variables_indices = {copy._var_key(component): 0}
+    # pylint: enable=protected-access
+    return copy, slots
 
   @staticmethod
   def _slot_kinds_of(copy, reference) -> Dict[str, keras.Variable]:
@@ -299,14 +332,17 @@ class ShardedOptimizer:
     return kinds
 
   def state_bytes_per_replica(self) -> int:
-    """Bytes one replica keeps for the sharded state: its optimizer
-    copy's variables (slots of S elements, iterations), its master shard
-    and, at stage 2, its gradient-accumulator shard."""
+    """Bytes one replica keeps between steps for the sharded state: its
+    optimizer copy's variables (slots of S elements, iterations, learning
+    rate) and, at stage 2 under gradient accumulation, its
+    gradient-accumulator shard (S float32). The master shard is empty
+    between steps."""
     copy = self.copies[0]
     total = sum(int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size
                 for v in copy.variables)
-    shards = 2 if self.grad_accumulator is not None else 1
-    return total + shards * 4 * self.layout.shard_size
+    if self.grad_accumulator is not None:
+      total += 4 * self.layout.shard_size
+    return total
 
   # --- replica context ------------------------------------------------------
   def replica_shard(self, flat: tf.Tensor) -> tf.Tensor:
@@ -400,7 +436,10 @@ class ShardedOptimizer:
   def _replica_gather(self):
     context = tf.distribute.get_replica_context()
     return self.layout.unflatten(
-        context.all_gather(self.master.read_value(), axis=0))
+        context.all_gather(
+            # A static shape: the collective then needs no shape exchange.
+            tf.ensure_shape(self.master.read_value(),
+                            [self.layout.shard_size]), axis=0))
 
   # --- cross-replica context ------------------------------------------------
   def apply(self, update) -> None:
@@ -447,6 +486,11 @@ class ShardedOptimizer:
       self.strategy.extended.update(
           getattr(variable, "value", variable),
           lambda var, val: var.assign(val), args=(value,), group=False)
+    # Emptied after the gather read it (automatic control dependencies
+    # order the ops on each shard's resource as written).
+    for component, device in zip(self.master.values, self.devices):
+      with tf.device(device):
+        component.assign(tf.zeros([0], tf.float32))
 
   def _update_loss_scale(self, finite) -> None:
     """The loss scale after a step, as Keras's `LossScaleOptimizer`
