@@ -489,8 +489,16 @@ class ExperimentRunner:
           ...
           return choice
 
+      from tfdist.config import TrainConfig
+      config = TrainConfig(model_dir="/tmp/run", dataset="fashion_mnist",
+                           distribution_strategy="mirrored")
       task, prepared = experiment.start_run(config)
       MyRunner(prepared, task=task).run()
+
+  `config` is the same `tfdist.config.TrainConfig` that `tfdist.fit` takes
+  (one field per `tfdist.train` flag, validated when built: a bad value
+  raises `ConfigError`); `flags.definitions.flags_to_config()` builds it
+  from parsed absl flags, as `tfdist.train` does.
 
   (`run_experiment` does the same with `ExperimentRunner`, after sending
   evaluator and parameter-server server processes to their own roles.)
