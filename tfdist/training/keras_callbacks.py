@@ -148,10 +148,11 @@ def reads_batch_metrics(callbacks) -> bool:
   """Whether a callback of `callbacks` (a list or a `CallbackList`) may
   read the metrics of `on_train_batch_end`'s logs: one that overrides a
   batch-end hook, other than those reading only the loss and a
-  `TensorBoard` or `ModelCheckpoint` working per epoch. When none does, the controller gives
-  those hooks the loss alone and skips computing the metrics every step.
+  `TensorBoard` or `ModelCheckpoint` working per epoch. When none does,
+  the controller gives those hooks the loss alone and skips computing the
+  metrics every step.
   """
-  for callback in getattr(callbacks, "callbacks", callbacks):
+  for callback in flatten(callbacks):
     if isinstance(callback, _LOSS_ONLY) or (
         isinstance(callback, keras.callbacks.TensorBoard) and
         callback.update_freq == "epoch") or (
