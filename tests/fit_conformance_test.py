@@ -9,7 +9,15 @@ through `keras.Model.fit` + `Model.evaluate` on one device and through
   TensorFlow starts) runs every case once, with start-up paid once;
 * MultiWorkerMirrored (2 workers) and parameter servers (chief, 2 workers,
   1 ps): one local cluster each (`tfdist.launch --module=
-  tests.fit_conformance_testlib`), running the sample-weight case.
+  tests.fit_conformance_testlib`), running the sample-weight case with
+  ReduceLROnPlateau, a custom loss function and metric, and callbacks
+  recording their hooks.
+
+Callbacks: a recording `Callback` subclass and a `LambdaCallback` run in
+every case, with `Model.fit` as with tfdist, and their hooks, `params` and
+logs are compared (`_compare_hooks`). Every public class of
+`keras.callbacks` has a row (`CALLBACK_ROWS`, checked by
+`EveryKerasCallbackTest`).
 
 Tolerances: synchronous strategies make the same updates on the same global
 batches as one device, so weights and metrics agree to float32 round-off
@@ -65,7 +73,59 @@ FEATURES = (
     ("numpy_arrays", "NumPy arrays `x, y, sample_weight`"),
     ("validation_split", "`validation_split` (the arrays' last fraction)"),
     ("validation_data", "`validation_data=(x, y, sample_weight)` arrays"),
+    ("custom_loss_function", "a loss function: `compile(loss=fn)`"),
+    ("custom_loss_class", "a `keras.losses.Loss` subclass"),
+    ("custom_metric", "a `keras.metrics.Metric` subclass (state summed "
+     "over replicas)"),
+    ("steps_per_execution", "`compile(steps_per_execution=N)`"),
+    ("early_stopping", "`keras.callbacks.EarlyStopping` (not restoring): "
+     "stops after the same epoch"),
+    ("terminate_on_nan", "`keras.callbacks.TerminateOnNaN`: stops at the "
+     "step the loss goes NaN"),
+    ("lambda_callback", "`keras.callbacks.LambdaCallback`: the same hooks "
+     "and logs keys"),
+    ("callback_subclass", "a `keras.callbacks.Callback` subclass of yours: "
+     "the same hooks, `params` and logs"),
+    ("progbar_logger", "`keras.callbacks.ProgbarLogger`"),
+    ("remote_monitor", "`keras.callbacks.RemoteMonitor`"),
+    ("swap_ema_weights", "`keras.callbacks.SwapEMAWeights`"),
+    ("orbax_checkpoint", "`keras.callbacks.OrbaxCheckpoint`"),
+    ("callback_list", "`keras.callbacks.CallbackList` (a container of "
+     "callbacks, as `callbacks=` or inside the list)"),
 )
+# Each public class of `keras.callbacks` -> the row that says what tfdist
+# does with it (`EveryKerasCallbackTest` fails on a class missing here).
+CALLBACK_ROWS = {
+    "BackupAndRestore": "backup_and_restore",
+    "CSVLogger": "file_callbacks",
+    "Callback": "callback_subclass",
+    "CallbackList": "callback_list",
+    "EarlyStopping": "early_stopping",
+    "History": "history",
+    "LambdaCallback": "lambda_callback",
+    "LearningRateScheduler": "learning_rate_scheduler",
+    "ModelCheckpoint": "file_callbacks",
+    "OrbaxCheckpoint": "orbax_checkpoint",
+    "ProgbarLogger": "progbar_logger",
+    "ReduceLROnPlateau": "reduce_lr_on_plateau",
+    "RemoteMonitor": "remote_monitor",
+    "SwapEMAWeights": "swap_ema_weights",
+    "TensorBoard": "file_callbacks",
+    "TerminateOnNaN": "terminate_on_nan",
+}
+# Callbacks refused at start: class -> (a pattern of the error, the cell).
+REFUSED_CALLBACKS = {
+    "BackupAndRestore": (r"tfdist's own checkpoints .* Instead, drop it",
+                         "refused at start (tfdist's checkpoints back up "
+                         "and resume the run)"),
+    "SwapEMAWeights": (r"without use_ema=True, so there are no "
+                       r"moving-average weights", "refused at start "
+                       "(tfdist's optimizers keep no moving average)"),
+    "OrbaxCheckpoint": (r"save the model state from every process .* "
+                        r"Instead, drop it", "refused at start (it would "
+                        "save from every process; tfdist's checkpoints "
+                        "hold the state)"),
+}
 
 
 def _case(test, name):
@@ -105,18 +165,69 @@ def _agrees(reference: dict, result: dict) -> dict:
   }
 
 
-# The in-process runs: (case, data source) -> strategies. Mirrored (2
-# replicas) for every case; one device where its code path differs (a
-# single replica), kept few for CI time.
+# The in-process runs: (case, data source) -> strategies: one device and
+# Mirrored (2 replicas) for every case, a few seconds each.
+_BOTH = ("one_device", "mirrored")
 _IN_PROCESS_RUNS = {
-    ("sample_weight", "dataset_fn"): ("one_device", "mirrored"),
-    ("sample_weight", "parse_fn"): ("mirrored",),
-    ("class_weight", "parse_fn"): ("one_device", "mirrored"),
-    ("reduce_lr_on_plateau", "dataset_fn"): ("mirrored",),
-    ("learning_rate_scheduler", "dataset_fn"): ("mirrored",),
-    ("early_stopping_restore", "dataset_fn"): ("one_device", "mirrored"),
-    ("numpy_arrays", "arrays"): ("one_device", "mirrored"),
+    ("sample_weight", "dataset_fn"): _BOTH,
+    ("sample_weight", "parse_fn"): _BOTH,
+    ("class_weight", "parse_fn"): _BOTH,
+    ("reduce_lr_on_plateau", "dataset_fn"): _BOTH,
+    ("learning_rate_scheduler", "dataset_fn"): _BOTH,
+    ("early_stopping_restore", "dataset_fn"): _BOTH,
+    ("numpy_arrays", "arrays"): _BOTH,
+    # validation_data = the arrays, file callbacks, RemoteMonitor; the
+    # mirrored run passes its callbacks as one CallbackList.
+    ("callbacks", "arrays"): _BOTH,
 }
+
+
+def _brief(run: dict) -> dict:
+  """`run` without what is long to print (hooks, printed text)."""
+  return {k: v for k, v in run.items()
+          if k not in ("hooks", "lambda_hooks", "stdout")}
+
+
+def _fit_hooks(run: dict, *, batch: bool = True) -> list:
+  """The hooks a recording callback received, less `Model.fit`'s
+  `on_test_*` hooks of its validation (tfdist does not call them); without
+  the batch hooks unless `batch`."""
+  return [h for h in run["hooks"] if not h[0].startswith("on_test_") and
+          (batch or "batch" not in h[0])]
+
+
+def _compare_hooks(test, reference: dict, run: dict, *, batch: bool = True,
+                   values: bool = True):
+  """Asserts the same hooks, in order, with the same batch or epoch and
+  logs keys (and values within `ATOL` when `values`), and the same
+  `params` steps and epochs."""
+  ours, fits = _fit_hooks(run, batch=batch), _fit_hooks(reference,
+                                                        batch=batch)
+  test.assertEqual([h[:2] for h in ours], [h[:2] for h in fits])
+  for mine, theirs in zip(ours, fits):
+    test.assertEqual(sorted(mine[2]), sorted(theirs[2]), mine[:2])
+    for key, value in theirs[2].items() if values else ():
+      test.assertAlmostEqual(mine[2][key], value, delta=ATOL,
+                             msg=f"{mine[:2]} {key}")
+  test.assertEqual({k: run["params"][k] for k in ("epochs", "steps")},
+                   {k: reference["params"][k] for k in ("epochs", "steps")})
+
+
+def _progbar_lines(stdout: str) -> list:
+  """What a ProgbarLogger printed: its `Epoch i/n` lines and, for each
+  epoch's finished bar (the last `16/16` line: updates in between depend
+  on the clock), the names of the values shown."""
+  plain = re.sub(r"\x1b\[[0-9;]*m|\x08", "", stdout)  # Colours, backspaces.
+  out = []
+  for line in (line.strip() for line in re.split(r"[\r\n]+", plain)):
+    if line.startswith("Epoch "):
+      out.append(line)
+    elif re.match(r"16/16 ", line):
+      if out and not isinstance(out[-1], str):
+        out.pop()  # An update the finished bar replaces.
+      out.append(sorted(re.findall(r"(\w+): ", line)))
+  return out
+
 
 # The cells measured so far by this process's tests: {feature: {strategy:
 # text}}; the last test compares them with the docs table.
@@ -140,8 +251,8 @@ class InProcessStrategiesTest(absltest.TestCase):
                          else 2)
         diffs = _agrees(reference, run)
         for what, diff in diffs.items():
-          self.assertLess(diff, ATOL, f"{what}: {diffs}\nkeras {reference}"
-                          f"\ntfdist {run}")
+          self.assertLess(diff, ATOL, f"{what}: {diffs}\nkeras "
+                          f"{_brief(reference)}\ntfdist {_brief(run)}")
       _cell(feature, strategy, "works")
       _cell("history", strategy, "works")
 
@@ -185,11 +296,12 @@ class InProcessStrategiesTest(absltest.TestCase):
     # 2 epochs with ReduceLROnPlateau (the rate halves once, to 0.05), then
     # the run resumed to 3 epochs without the callback: still 0.05, not the
     # schedule's 0.1.
-    resumed = _case(self, "results")["resumed"]
-    self.assertAlmostEqual(resumed["first_learning_rate"], 0.05, places=6)
-    self.assertAlmostEqual(resumed["learning_rate"], 0.05, places=6)
-    self.assertGreater(resumed["restored_step"], 0)
-    _cell("learning_rate_checkpointed", "one_device", "works")
+    for strategy in _BOTH:
+      resumed = _case(self, "results")["resumed"][strategy]
+      self.assertAlmostEqual(resumed["first_learning_rate"], 0.05, places=6)
+      self.assertAlmostEqual(resumed["learning_rate"], 0.05, places=6)
+      self.assertGreater(resumed["restored_step"], 0)
+      _cell("learning_rate_checkpointed", strategy, "works")
 
   def test_restored_best_weights_are_the_one_answer(self):
     result = _case(self, "results")
@@ -212,6 +324,113 @@ class InProcessStrategiesTest(absltest.TestCase):
     self._check_matches("numpy_arrays", "numpy_arrays", via="arrays")
     for strategy in _IN_PROCESS_RUNS[("numpy_arrays", "arrays")]:
       _cell("validation_split", strategy, "works")
+
+  def test_custom_losses_and_metrics(self):
+    # The metric subclass is compiled into every slope case; the loss
+    # subclass into sample_weight, the loss function into numpy_arrays.
+    result = _case(self, "results")
+    self.assertIn("abs_error", result["keras"]["sample_weight"]["train"])
+    self._check_matches("sample_weight", "custom_loss_class")
+    self._check_matches("numpy_arrays", "custom_loss_function", via="arrays")
+    self._check_matches("numpy_arrays", "custom_metric", via="arrays")
+
+  def test_compiled_steps_per_execution_is_warned_and_changes_nothing(self):
+    result = _case(self, "results")
+    # Model.fit ran 4 steps per call: 4 batch hooks an epoch.
+    batch_ends = [h for h in result["keras"]["class_weight"]["hooks"]
+                  if h[0] == "on_train_batch_end"]
+    self.assertEqual([h[1] for h in batch_ends[:4]], [3, 7, 11, 15])
+    self._check_matches("class_weight", "steps_per_execution", via="parse_fn")
+    for strategy in _BOTH:
+      warnings = result["tfdist"][f"class_weight/parse_fn/{strategy}"][
+          "warnings"]
+      self.assertLen(warnings, 1, warnings)
+      self.assertIn("compiled with steps_per_execution=4, which tfdist does "
+                    "not read: it runs --steps_per_execution=1", warnings[0])
+      self.assertIn("Set --steps_per_execution=4", warnings[0])
+      _cell("steps_per_execution", strategy, "works (warned at start: "
+            "tfdist groups steps by --steps_per_execution; the same "
+            "weights)")
+
+  def test_callbacks_get_fits_hooks_params_and_logs(self):
+    result = _case(self, "results")
+    for case, via in (("reduce_lr_on_plateau", "dataset_fn"),
+                      ("numpy_arrays", "arrays"), ("callbacks", "arrays")):
+      reference = result["keras"][case]
+      self.assertTrue([h for h in reference["hooks"]
+                       if h[0] == "on_test_batch_end"])
+      for strategy in _IN_PROCESS_RUNS[(case, via)]:
+        run = result["tfdist"][f"{case}/{via}/{strategy}"]
+        with self.subTest(case=case, strategy=strategy):
+          _compare_hooks(self, reference, run)
+          self.assertEqual(run["lambda_hooks"], reference["lambda_hooks"])
+          self.assertEqual([h for h in run["hooks"]
+                            if h[0].startswith("on_test_")], [])
+    for strategy in _BOTH:
+      _cell("callback_subclass", strategy, "works (without fit's on_test_* "
+            "hooks of validation)")
+      _cell("lambda_callback", strategy, "works")
+
+  def test_early_stopping_stops_after_the_same_epoch(self):
+    result = _case(self, "results")
+    self.assertEqual(len(result["keras"]["callbacks"]["history"]["loss"]), 2)
+    self._check_matches("callbacks", "early_stopping", via="arrays")
+
+  def test_validation_data_arrays(self):
+    # The callbacks case validates on the arrays in Model.fit and tfdist.
+    self.assertIn("val_loss", _case(self, "results")["keras"]["callbacks"][
+        "history"])
+    self._check_matches("callbacks", "validation_data", via="arrays")
+
+  def test_callback_lists_are_flattened(self):
+    # One device: a CallbackList inside the list; mirrored: callbacks= a
+    # CallbackList (both as Model.fit takes them).
+    self._check_matches("callbacks", "callback_list", via="arrays")
+
+  def test_progbar_logger_prints_what_fit_prints(self):
+    result = _case(self, "results")
+    reference = _progbar_lines(result["keras"]["callbacks"]["stdout"])
+    self.assertEqual([line for line in reference if isinstance(line, str)],
+                     ["Epoch 1/3", "Epoch 2/3"])
+    self.assertIn("val_loss", reference[1])
+    for strategy in _BOTH:
+      run = result["tfdist"][f"callbacks/arrays/{strategy}"]
+      self.assertEqual(_progbar_lines(run["stdout"]), reference)
+      _cell("progbar_logger", strategy, "works")
+
+  def test_remote_monitor_posts_fits_epoch_logs(self):
+    result = _case(self, "results")
+    reference = result["keras"]["callbacks"]["posts"]
+    self.assertEqual([p["epoch"] for p in reference], [0, 1])
+    for strategy in _BOTH:
+      posts = result["tfdist"][f"callbacks/arrays/{strategy}"]["posts"]
+      self.assertEqual([sorted(p) for p in posts],
+                       [sorted(p) for p in reference])
+      for post, fits in zip(posts, reference):
+        for key, value in fits.items():
+          self.assertAlmostEqual(post[key], value, delta=ATOL, msg=key)
+      _cell("remote_monitor", strategy, "works (from the chief only)")
+
+  def test_file_callbacks_write_what_fit_writes(self):
+    result = _case(self, "results")
+    reference = result["keras"]["callbacks"]["files"]
+    self.assertEqual(reference["ckpt"], ["w_1.weights.h5", "w_2.weights.h5"])
+    for strategy in _BOTH:
+      self.assertEqual(result["tfdist"][f"callbacks/arrays/{strategy}"][
+          "files"], reference)
+      _cell("file_callbacks", strategy, "works")
+
+  def test_terminate_on_nan_stops_at_fits_step(self):
+    result = _case(self, "results")
+    steps = result["keras"]["terminate_on_nan"]["iterations"]
+    self.assertEqual(steps, 6)  # The NaN example is in batch 5.
+    for strategy in _BOTH:
+      self.assertRegex(result["terminate_on_nan"][strategy],
+                       rf"^TrainingDivergedError: Training diverged at step "
+                       rf"{steps}: the training loss is nan")
+      _cell("terminate_on_nan", strategy, "works (stops at fit's step, "
+            "then raises TrainingDivergedError, status 1, keeping the last "
+            "good checkpoint)")
 
   def test_backup_and_restore_is_refused_at_start(self):
     error = _case(self, "results")["backup_and_restore"]
@@ -315,6 +534,54 @@ class BatchValuedMetricsTest(absltest.TestCase):
           "depends on the per-replica batch)")
 
 
+class EveryKerasCallbackTest(absltest.TestCase):
+  """Every public class of `keras.callbacks` has a row in the table."""
+
+  def test_every_callback_class_has_a_row(self):
+    import inspect  # pylint: disable=g-import-not-at-top
+    import keras  # pylint: disable=g-import-not-at-top
+    classes = sorted(name for name, value in vars(keras.callbacks).items()
+                     if inspect.isclass(value) and
+                     issubclass(value, keras.callbacks.Callback))
+    self.assertIn("TerminateOnNaN", classes)
+    self.assertEqual([c for c in classes if c not in CALLBACK_ROWS], [],
+                     "a keras.callbacks class without a row: add its row to "
+                     "FEATURES and CALLBACK_ROWS, with a case that shows it "
+                     "works as in Model.fit or is refused at start")
+    rows = {key for key, _ in FEATURES}
+    self.assertEqual({c: CALLBACK_ROWS[c] for c in classes
+                      if CALLBACK_ROWS[c] not in rows}, {})
+
+  def test_refused_callbacks_stop_before_the_model_is_built(self):
+    import keras  # pylint: disable=g-import-not-at-top
+    import numpy as np  # pylint: disable=g-import-not-at-top
+    import tfdist  # pylint: disable=g-import-not-at-top
+
+    def model_fn():
+      raise AssertionError("the model was built before the check")
+    config = tfdist.TrainConfig(
+        model_dir=tempfile.mkdtemp(dir=testutil.scratch_dir()),
+        train_steps=1, batch_size=4, distribution_strategy="one_device")
+    for name, (pattern, cell) in REFUSED_CALLBACKS.items():
+      cls = getattr(keras.callbacks, name, None)
+      if cls is None:
+        continue  # Not in this Keras (OrbaxCheckpoint: Keras >= 3.13).
+      # OrbaxCheckpoint's constructor needs the orbax package: the check
+      # reads only the class.
+      callback = (cls.__new__(cls) if name == "OrbaxCheckpoint" else
+                  cls(tempfile.mkdtemp(dir=testutil.scratch_dir()))
+                  if name == "BackupAndRestore" else cls())
+      # Inside a CallbackList too.
+      for callbacks in ([callback], keras.callbacks.CallbackList([callback])):
+        with self.assertRaisesRegex(
+            tfdist.ConfigError, rf"^callbacks: keras.callbacks.{name} is not "
+            rf"supported: .*{pattern}"):
+          tfdist.fit(model_fn, config=config, x=np.zeros((8, 1), "float32"),
+                     y=np.zeros(8, "float32"), callbacks=callbacks)
+      for strategy in STRATEGIES:
+        _cell(CALLBACK_ROWS[name], strategy, cell)
+
+
 class InMemoryArgumentsTest(absltest.TestCase):
   """`tfdist.fit`'s array arguments are checked before the model is built
   (the model function here fails the test if called)."""
@@ -399,17 +666,49 @@ class InMemoryArgumentsTest(absltest.TestCase):
 
 
 def _cluster(test, case: str, launch_args, files_dir=None) -> dict:
-  """Runs `case` on a local cluster (with `file_callbacks(files_dir)`);
-  returns the chief's result."""
+  """Runs `case` on a local cluster (with `file_callbacks(files_dir)`, and
+  a RemoteMonitor posting to a server of this process); returns the
+  chief's result, with what the processes printed (`output`) and what was
+  posted (`posts`)."""
   out = os.path.join(tempfile.mkdtemp(dir=testutil.scratch_dir()),
                      "result.json")
-  status, output = multi_worker_testlib.run_launcher(
-      [*launch_args, "--module=tests.fit_conformance_testlib"],
-      [out, case, *([files_dir] if files_dir else [])], timeout=240,
-      env={"TF_ENABLE_ONEDNN_OPTS": "0", "CUDA_VISIBLE_DEVICES": ""})
+  server = _RemoteMonitorServer()
+  try:
+    status, output = multi_worker_testlib.run_launcher(
+        [*launch_args, "--module=tests.fit_conformance_testlib"],
+        [out, case, *([files_dir] if files_dir else [])], timeout=240,
+        env={"TF_ENABLE_ONEDNN_OPTS": "0", "CUDA_VISIBLE_DEVICES": "",
+             "TFDIST_TEST_REMOTE_MONITOR": server.root})
+  finally:
+    server.server.shutdown()
   test.assertEqual(status, 0, output[-4000:])
   with open(out) as f:
-    return json.load(f)
+    return {**json.load(f), "output": output, "posts": server.take()}
+
+
+def _check_files(test, files: str, epochs: int = 3):
+  """Asserts one writer: the chief's `file_callbacks(files)`, each once."""
+  test.assertEqual(sorted(os.listdir(os.path.join(files, "ckpt"))),
+                   [f"w_{e}.weights.h5" for e in range(1, epochs + 1)])
+  with open(os.path.join(files, "log.csv")) as f:
+    rows = f.read().splitlines()
+  test.assertEqual([r.split(",")[0] for r in rows],
+                   ["epoch", *(str(e) for e in range(epochs))])
+  for sub in ("train", "validation"):
+    events = [n for n in os.listdir(os.path.join(files, "tb", sub))
+              if "tfevents" in n]
+    test.assertLen(events, 1, sub)
+
+
+def _check_posts(test, reference: dict, run: dict, *, values: bool):
+  """Asserts one post per epoch (the chief's) of fit's epoch logs."""
+  posts = run["posts"]
+  epoch_logs = [h[2] for h in reference["hooks"] if h[0] == "on_epoch_end"]
+  test.assertEqual([p["epoch"] for p in posts], list(range(len(epoch_logs))))
+  for post, logs in zip(posts, epoch_logs):
+    test.assertEqual(sorted(post), sorted([*logs, "epoch"]))
+    for key, value in logs.items() if values else ():
+      test.assertAlmostEqual(post[key], value, delta=ATOL, msg=key)
 
 
 class MultiProcessStrategiesTest(absltest.TestCase):
@@ -422,40 +721,53 @@ class MultiProcessStrategiesTest(absltest.TestCase):
     cls.reference = lib.keras_fit("reduce_lr_on_plateau")
 
   def test_multi_worker_mirrored_matches_one_device(self):
-    # Sample weights, weighted metrics and ReduceLROnPlateau in one run
-    # (one MultiWorkerMirroredStrategy per process).
+    # Sample weights, weighted metrics, ReduceLROnPlateau, a custom loss
+    # function and metric, and the callbacks `main` adds, in one run (one
+    # MultiWorkerMirroredStrategy per process).
     files = tempfile.mkdtemp(dir=testutil.scratch_dir())
     # The examples as NumPy arrays, validation_data the same arrays (what
     # the reference evaluates): each worker reads half of them.
     run = _cluster(self, "reduce_lr_on_plateau:arrays", ["--num_workers=2"],
                    files_dir=files)
     self.assertEqual(run["replicas"], 2)
-    # One writer: the chief's files, each once.
-    self.assertEqual(sorted(os.listdir(os.path.join(files, "ckpt"))),
-                     [f"w_{e}.weights.h5" for e in (1, 2, 3)])
-    with open(os.path.join(files, "log.csv")) as f:
-      rows = f.read().splitlines()
-    self.assertEqual([r.split(",")[0] for r in rows],
-                     ["epoch", "0", "1", "2"])
-    for sub in ("train", "validation"):
-      events = [n for n in os.listdir(os.path.join(files, "tb", sub))
-                if "tfevents" in n]
-      self.assertLen(events, 1, sub)
+    # One writer: the chief's files, each once; one post an epoch.
+    _check_files(self, files)
     _cell("file_callbacks", "multi_worker_mirrored", "works")
+    _check_posts(self, self.reference, run, values=True)
+    _cell("remote_monitor", "multi_worker_mirrored", "works (from the chief "
+          "only)")
     _cell("history", "multi_worker_mirrored", "works")
     diffs = _agrees(self.reference, run)
     for what, diff in diffs.items():
       self.assertLess(diff, ATOL, f"{what}: {diffs}")
     for feature in ("weighted_metrics", "reduce_lr_on_plateau",
-                    "numpy_arrays", "validation_data"):
+                    "numpy_arrays", "validation_data", "custom_loss_function",
+                    "custom_metric"):
       _cell(feature, "multi_worker_mirrored", "works")
+    # Every worker's callbacks got Model.fit's hooks and logs.
+    _compare_hooks(self, self.reference, run)
+    self.assertEqual(run["lambda_hooks"], self.reference["lambda_hooks"])
+    _cell("callback_subclass", "multi_worker_mirrored", "works (without "
+          "fit's on_test_* hooks of validation)")
+    _cell("lambda_callback", "multi_worker_mirrored", "works")
+    # The chief's ProgbarLogger printed; the other worker's did not run.
+    self.assertEqual(run["output"].count("Epoch 1/3"), 1,
+                     run["output"][-3000:])
+    self.assertEqual(run["output"].count("Epoch 3/3"), 1)
+    _cell("progbar_logger", "multi_worker_mirrored", "works (the chief "
+          "prints)")
     # Arrays become a dataset function of (x, y, w) examples in tfdist.
     _cell("sample_weight", "multi_worker_mirrored",
           "works (measured with the arrays as a dataset function)")
 
   def test_parameter_servers_learn_the_weighted_slope(self):
+    files = tempfile.mkdtemp(dir=testutil.scratch_dir())
     run = _cluster(self, "reduce_lr_on_plateau",
-                   ["--num_workers=2", "--num_ps=1"])
+                   ["--num_workers=2", "--num_ps=1"], files_dir=files)
+    _check_files(self, files)
+    _cell("file_callbacks", "parameter_server", "works (the chief writes)")
+    _check_posts(self, self.reference, run, values=False)
+    _cell("remote_monitor", "parameter_server", "works (from the chief)")
     slope = run["weights"][0][0][0]
     self.assertAlmostEqual(slope, self.reference["weights"][0][0][0],
                            delta=PS_SLOPE_TOLERANCE)
@@ -465,6 +777,34 @@ class MultiProcessStrategiesTest(absltest.TestCase):
           f"works (asynchronous: slope within {PS_SLOPE_TOLERANCE})")
     _cell("reduce_lr_on_plateau", "parameter_server", "works (the same "
           "rates; asynchronous updates)")
+    _cell("custom_loss_function", "parameter_server",
+          f"works (asynchronous: slope within {PS_SLOPE_TOLERANCE})")
+    # Keras's names, epochs and hooks; asynchronous values.
+    self.assertEqual(sorted(run["history"]), sorted(self.reference["history"]))
+    self.assertEqual({len(v) for v in run["history"].values()}, {3})
+    self.assertEqual(sorted(set(self.reference["eval"]) - set(run["eval"])),
+                     [])
+    for feature in ("history", "custom_metric", "weighted_metrics"):
+      _cell(feature, "parameter_server", "works (Keras's names and epochs; "
+            "asynchronous values)")
+    _compare_hooks(self, self.reference, run, batch=False, values=False)
+    self.assertEqual([h for h in run["lambda_hooks"] if "batch" not in h[0]],
+                     [h for h in self.reference["lambda_hooks"]
+                      if "batch" not in h[0]])
+    # One chunk of 16 scheduled steps an epoch (no log point or
+    # checkpoint inside), with the batch logs Keras's would hold.
+    batch_hooks = [h for h in run["hooks"] if "batch" in h[0]]
+    self.assertEqual([h[:2] for h in batch_hooks], [
+        ["on_train_batch_begin", 0], ["on_train_batch_end", 15]] * 3)
+    fits_keys = sorted(next(h[2] for h in self.reference["hooks"]
+                            if h[0] == "on_train_batch_end"))
+    self.assertEqual(sorted(batch_hooks[1][2]), fits_keys)
+    for feature in ("callback_subclass", "lambda_callback"):
+      _cell(feature, "parameter_server", "works on the chief (train and "
+            "epoch hooks as in fit; batch hooks once per scheduled chunk)")
+    self.assertEqual(run["output"].count("Epoch 1/3"), 1,
+                     run["output"][-3000:])
+    _cell("progbar_logger", "parameter_server", "works (the chief prints)")
 
 
 def render_table(cells) -> str:
@@ -501,23 +841,121 @@ class ZDocsTableTest(absltest.TestCase):
                      "TFDIST_WRITE_CONFORMANCE_TABLE=1 and commit it.")
 
 
+class _RemoteMonitorServer:
+  """An HTTP server on 127.0.0.1 keeping what RemoteMonitor posts: each
+  post's JSON `data` field."""
+
+  def __init__(self):
+    import http.server  # pylint: disable=g-import-not-at-top
+    import threading  # pylint: disable=g-import-not-at-top
+    import urllib.parse  # pylint: disable=g-import-not-at-top
+    import portpicker  # pylint: disable=g-import-not-at-top
+    posts = self.posts = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+
+      def do_POST(self):  # pylint: disable=invalid-name
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        posts.append(json.loads(urllib.parse.parse_qs(body.decode())[
+            "data"][0]))
+        self.send_response(200)
+        self.end_headers()
+
+      def log_message(self, *args):
+        del args
+
+    self.server = http.server.ThreadingHTTPServer(
+        ("127.0.0.1", portpicker.pick_unused_port()), Handler)
+    self.root = f"http://127.0.0.1:{self.server.server_port}"
+    threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+  def take(self) -> list:
+    taken, self.posts[:] = list(self.posts), []
+    return taken
+
+
+def _files(folder: str) -> dict:
+  """What `file_callbacks(folder)` wrote: the checkpoint names, the CSV's
+  header and epochs, and the number of event files per TensorBoard
+  folder."""
+  with open(os.path.join(folder, "log.csv")) as f:
+    rows = f.read().splitlines()
+  tb = os.path.join(folder, "tb")
+  return {"ckpt": sorted(os.listdir(os.path.join(folder, "ckpt"))),
+          "csv": [rows[0]] + [r.split(",")[0] for r in rows[1:]],
+          "tb": {sub: len([n for n in os.listdir(os.path.join(tb, sub))
+                           if "tfevents" in n]) for sub in sorted(
+                               os.listdir(tb))}}
+
+
+def _captured(run, *, server, warnings, files_dir=None) -> dict:
+  """`run()`'s result with what it printed (`stdout`), what RemoteMonitor
+  posted (`posts`), the warnings about steps_per_execution it logged and
+  what its file callbacks wrote (`files`, given `files_dir`)."""
+  import contextlib  # pylint: disable=g-import-not-at-top
+  import io  # pylint: disable=g-import-not-at-top
+  printed = io.StringIO()
+  del warnings[:]
+  with contextlib.redirect_stdout(printed):
+    result = run()
+  result.update(stdout=printed.getvalue(), posts=server.take(),
+                warnings=[m for m in warnings if "steps_per_execution" in m])
+  if files_dir:
+    result["files"] = _files(files_dir)
+  return result
+
+
 def _child_main() -> dict:
   """The one-device and Mirrored runs of every case, and the references."""
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   cpu = tf.config.list_physical_devices("CPU")[0]
   tf.config.set_logical_device_configuration(
       cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+  import logging  # pylint: disable=g-import-not-at-top
+  from absl import logging as absl_logging  # pylint: disable=g-import-not-at-top
   from tests import fit_conformance_testlib as lib  # pylint: disable=g-import-not-at-top
+  from tfdist import errors  # pylint: disable=g-import-not-at-top
   from tfdist.config import ConfigError  # pylint: disable=g-import-not-at-top
   root = tempfile.mkdtemp(dir=testutil.scratch_dir())
-  out = {"keras": {c: lib.keras_fit(c) for c in
-                   {case for case, _ in _IN_PROCESS_RUNS}}, "tfdist": {}}
+  server = _RemoteMonitorServer()
+  lib.REMOTE_MONITOR_ROOT = server.root
+  logged = []
+  handler = logging.Handler(logging.WARNING)
+  handler.emit = lambda record: logged.append(record.getMessage())
+  absl_logging.get_absl_logger().addHandler(handler)
+
+  def files_dir(name, case):
+    if case != "callbacks":
+      return None
+    folder = os.path.join(root, "files", name.replace("/", "-"))
+    os.makedirs(folder)  # CSVLogger makes none.
+    return folder
+  out = {"keras": {}, "tfdist": {}}
+  for case in {case for case, _ in _IN_PROCESS_RUNS} | {"terminate_on_nan"}:
+    folder = files_dir(f"keras-{case}", case)
+    out["keras"][case] = _captured(
+        lambda: lib.keras_fit(case, files_dir=folder), server=server,
+        warnings=logged, files_dir=folder)
   for (case, via), strategies in _IN_PROCESS_RUNS.items():
     for strategy in strategies:
       name = f"{case}/{via}/{strategy}"
-      out["tfdist"][name] = lib.tfdist_fit(
+      folder = files_dir(name, case)
+      out["tfdist"][name] = _captured(lambda: lib.tfdist_fit(
           case, strategy=strategy, via=via,
-          model_dir=os.path.join(root, name.replace("/", "-")))
+          model_dir=os.path.join(root, name.replace("/", "-")),
+          extra_callbacks=lib.file_callbacks(folder) if folder else (),
+          callback_list=("" if case != "callbacks" else
+                         "inner" if strategy == "one_device" else "outer")),
+                                      server=server, warnings=logged,
+                                      files_dir=folder)
+  out["terminate_on_nan"] = {}
+  for strategy in _BOTH:
+    try:
+      lib.tfdist_fit("terminate_on_nan", strategy=strategy,
+                     model_dir=os.path.join(root, f"nan-{strategy}"))
+      out["terminate_on_nan"][strategy] = "not stopped"
+    except errors.TrainingDivergedError as e:
+      out["terminate_on_nan"][strategy] = f"{type(e).__name__}: {e}"
   try:
     lib.tfdist_fit("sample_weight", strategy="one_device",
                    model_dir=os.path.join(root, "refused"),
@@ -534,19 +972,12 @@ def _child_main() -> dict:
     out["backup_and_restore"] = "not refused"
   except ConfigError as e:
     out["backup_and_restore"] = f"ConfigError: {e}"
-  import logging  # pylint: disable=g-import-not-at-top
-  from absl import logging as absl_logging  # pylint: disable=g-import-not-at-top
-  seen = []
-  handler = logging.Handler(logging.WARNING)
-  handler.emit = lambda record: seen.append(record.getMessage())
-  absl_logging.get_absl_logger().addHandler(handler)
-  try:
-    run = lib.tfdist_fit("batch_valued_metric", strategy="mirrored",
-                         model_dir=os.path.join(root, "batch_valued"),
-                         epochs=1)
-  finally:
-    absl_logging.get_absl_logger().removeHandler(handler)
-  out["batch_valued_warnings"] = [m for m in seen
+  del logged[:]
+  run = lib.tfdist_fit("batch_valued_metric", strategy="mirrored",
+                       model_dir=os.path.join(root, "batch_valued"),
+                       epochs=1)
+  absl_logging.get_absl_logger().removeHandler(handler)
+  out["batch_valued_warnings"] = [m for m in logged
                                   if "one value per batch" in m]
   # --mode=eval on that run's checkpoint, told no strategy (auto).
   evaluated = lib.tfdist_fit("batch_valued_metric", strategy="auto",
@@ -555,14 +986,18 @@ def _child_main() -> dict:
   out["eval_mode"] = {"run_eval": run["eval"],
                       "run_eval_batch_size": run["eval_batch_size"],
                       "results": evaluated["results"]}
-  resumed_dir = os.path.join(root, "resumed")
-  first = lib.tfdist_fit("reduce_lr_on_plateau", strategy="one_device",
-                         model_dir=resumed_dir, epochs=2)
-  second = lib.tfdist_fit("sample_weight", strategy="one_device",
-                          model_dir=resumed_dir)
-  out["resumed"] = {"first_learning_rate": first["learning_rate"],
-                    "learning_rate": second["learning_rate"],
-                    "restored_step": second["restored_step"]}
+  out["resumed"] = {}
+  for strategy in _BOTH:
+    resumed_dir = os.path.join(root, f"resumed-{strategy}")
+    first = lib.tfdist_fit("reduce_lr_on_plateau", strategy=strategy,
+                           model_dir=resumed_dir, epochs=2)
+    second = lib.tfdist_fit("sample_weight", strategy=strategy,
+                            model_dir=resumed_dir)
+    out["resumed"][strategy] = {
+        "first_learning_rate": first["learning_rate"],
+        "learning_rate": second["learning_rate"],
+        "restored_step": second["restored_step"]}
+  server.server.shutdown()
   return {"results": out}
 
 

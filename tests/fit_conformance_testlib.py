@@ -46,6 +46,71 @@ def class_data():
 
 
 CLASS_WEIGHT = {0: 0.5, 1: 2.0, 2: 4.0}
+# The example whose NaN feature makes the loss NaN: in step 6 (batch 5).
+NAN_ROW = 5 * GLOBAL_BATCH + 3
+# Keras's steps_per_execution for the class-weight case's compile.
+STEPS_PER_EXECUTION = 4
+# RemoteMonitor's server (`http://127.0.0.1:<port>`); None: no RemoteMonitor.
+REMOTE_MONITOR_ROOT = None
+
+
+def nan_data():
+  """`slope_data` with a NaN feature at row `NAN_ROW`."""
+  x, y, w = slope_data()
+  x = x.copy()
+  x[NAN_ROW, 0] = np.nan
+  return x, y, w
+
+
+def squared_error(y_true, y_pred):
+  """A loss function: the squared error per example (float32 [batch])."""
+  import keras  # pylint: disable=g-import-not-at-top
+  y_true = keras.ops.cast(y_true, y_pred.dtype)
+  return keras.ops.mean(keras.ops.square(y_pred - y_true), axis=-1)
+
+
+def squared_error_loss():
+  """A `keras.losses.Loss` subclass (built lazily: keras imported late):
+  the squared error, Keras's default reduction."""
+  import keras  # pylint: disable=g-import-not-at-top
+
+  class SquaredError(keras.losses.Loss):
+
+    def call(self, y_true, y_pred):
+      y_true = keras.ops.reshape(keras.ops.cast(y_true, y_pred.dtype),
+                                 keras.ops.shape(y_pred))
+      return keras.ops.mean(keras.ops.square(y_pred - y_true), axis=-1)
+
+  return SquaredError(name="squared_error")
+
+
+def abs_error_metric():
+  """A `keras.metrics.Metric` subclass with summable state (a total and a
+  count, aggregated by sum): the mean absolute error, named `abs_error`."""
+  import keras  # pylint: disable=g-import-not-at-top
+
+  class AbsError(keras.metrics.Metric):
+
+    def __init__(self, name="abs_error", **kwargs):
+      super().__init__(name=name, **kwargs)
+      self.total = self.add_variable(shape=(), initializer="zeros",
+                                     name="total")
+      self.count = self.add_variable(shape=(), initializer="zeros",
+                                     name="count")
+
+    def update_state(self, y_true, y_pred, sample_weight=None):
+      y_true = keras.ops.reshape(keras.ops.cast(y_true, y_pred.dtype),
+                                 keras.ops.shape(y_pred))
+      error = keras.ops.mean(keras.ops.abs(y_pred - y_true), axis=-1)
+      weight = (keras.ops.ones_like(error) if sample_weight is None else
+                keras.ops.cast(sample_weight, error.dtype))
+      self.total.assign_add(keras.ops.sum(error * weight))
+      self.count.assign_add(keras.ops.sum(weight))
+
+    def result(self):
+      return keras.ops.divide_no_nan(self.total, self.count)
+
+  return AbsError()
 
 
 def spread(y_true, y_pred):
@@ -62,8 +127,15 @@ def _compile_args(case: str) -> dict:
   if case == "class_weight":
     return dict(loss=keras.losses.SparseCategoricalCrossentropy(
         from_logits=True), metrics=["accuracy"],
-                weighted_metrics=["accuracy"])
-  return dict(loss="mse", metrics=["mae"], weighted_metrics=["mae"])
+                weighted_metrics=["accuracy"],
+                steps_per_execution=STEPS_PER_EXECUTION)
+  # Custom losses: a Loss subclass, a loss function, or Keras's "mse".
+  loss = {"sample_weight": squared_error_loss,
+          "callbacks": squared_error_loss,
+          "reduce_lr_on_plateau": lambda: squared_error,
+          "numpy_arrays": lambda: squared_error}.get(case, lambda: "mse")()
+  return dict(loss=loss, metrics=["mae", abs_error_metric()],
+              weighted_metrics=["mae"])
 
 
 def build_model(case: str, optimizer=None):
@@ -101,13 +173,37 @@ def _early_stopping():
                                         restore_best_weights=True)]
 
 
-# What each case feeds: the arrays, the class weights, and a function
-# making the case's Keras callbacks (fresh ones for each run).
+def _callback_suite():
+  import keras  # pylint: disable=g-import-not-at-top
+  # EarlyStopping without restoring: stops after epoch 1 (as above).
+  out = [keras.callbacks.EarlyStopping(monitor="loss", mode="max",
+                                       patience=1),
+         keras.callbacks.TerminateOnNaN(), keras.callbacks.ProgbarLogger()]
+  if REMOTE_MONITOR_ROOT:
+    out.append(keras.callbacks.RemoteMonitor(root=REMOTE_MONITOR_ROOT))
+  return out
+
+
+def _terminate_on_nan():
+  import keras  # pylint: disable=g-import-not-at-top
+  return [keras.callbacks.TerminateOnNaN()]
+
+
+# What each case feeds: the arrays, the class weights, a function making
+# the case's Keras callbacks (fresh ones for each run), and whether
+# Model.fit validates on the arrays themselves (`validation`: what tfdist
+# evaluates of a dataset function without an evaluation split).
 CASES = {
     "sample_weight": dict(data=slope_data, class_weight=None),
     "class_weight": dict(data=class_data, class_weight=CLASS_WEIGHT),
     "reduce_lr_on_plateau": dict(data=slope_data, class_weight=None,
-                                 callbacks=_reduce_lr),
+                                 callbacks=_reduce_lr, validation=True),
+    # EarlyStopping, TerminateOnNaN, ProgbarLogger (and RemoteMonitor).
+    "callbacks": dict(data=slope_data, class_weight=None,
+                      callbacks=_callback_suite, validation=True),
+    # The loss goes NaN in step 6.
+    "terminate_on_nan": dict(data=nan_data, class_weight=None,
+                             callbacks=_terminate_on_nan),
     "learning_rate_scheduler": dict(data=slope_data, class_weight=None,
                                     callbacks=_lr_scheduler),
     "early_stopping_restore": dict(data=slope_data, class_weight=None,
@@ -119,29 +215,67 @@ CASES = {
 }
 
 
+def _floats(logs) -> dict:
+  return {k: float(v) for k, v in (logs or {}).items() if np.ndim(v) == 0}
+
+
 class Recorder:
   """A Keras callback (built lazily: keras imported late) keeping the last
-  epoch's logs and the weights at the end of training."""
+  epoch's logs, the weights at the end of training, and every hook it
+  received: `hooks`, `[hook name, batch or epoch (or None), {logs key:
+  float}]`, and `params`."""
+
+  HOOKS = ("on_train_begin", "on_train_end", "on_epoch_begin",
+           "on_epoch_end", "on_train_batch_begin", "on_train_batch_end",
+           "on_test_begin", "on_test_end", "on_test_batch_begin",
+           "on_test_batch_end")
 
   def __new__(cls):
     import keras  # pylint: disable=g-import-not-at-top
+
+    def hook(name):
+      def record(self, *args, **kwargs):
+        index = args[0] if args and not isinstance(args[0], dict) else None
+        logs = kwargs.get("logs", args[-1] if args and isinstance(
+            args[-1], dict) else None)
+        self.hooks.append([name, index, _floats(logs)])
+        if name == "on_epoch_end":
+          self.epoch_logs = _floats(logs)
+        if name == "on_train_end":
+          self.weights = [np.asarray(w).tolist()
+                          for w in self.model.get_weights()]
+          self.learning_rate = float(self.model.optimizer.learning_rate)
+      return record
 
     class _Recorder(keras.callbacks.Callback):
 
       def __init__(self):
         super().__init__()
         self.epoch_logs, self.weights, self.learning_rate = {}, None, None
+        self.hooks = []
 
-      def on_epoch_end(self, epoch, logs=None):
-        self.epoch_logs = {k: float(v) for k, v in (logs or {}).items()
-                           if np.ndim(v) == 0}
-
-      def on_train_end(self, logs=None):
-        self.weights = [np.asarray(w).tolist()
-                        for w in self.model.get_weights()]
-        self.learning_rate = float(self.model.optimizer.learning_rate)
-
+    for name in cls.HOOKS:
+      setattr(_Recorder, name, hook(name))
     return _Recorder()
+
+
+def lambda_recorder():
+  """`(keras.callbacks.LambdaCallback, seen)`: the callback appends
+  `[hook, sorted logs keys]` to `seen` for each hook it takes."""
+  import keras  # pylint: disable=g-import-not-at-top
+  seen = []
+
+  def note(name):
+    def record(*args, **kwargs):
+      logs = kwargs.get("logs", args[-1] if args and not isinstance(
+          args[-1], int) else None)
+      seen.append([name, sorted(logs or {})])
+    return record
+  callback = keras.callbacks.LambdaCallback(**{
+      name: note(name) for name in (
+          "on_train_begin", "on_train_end", "on_epoch_begin", "on_epoch_end",
+          "on_train_batch_begin", "on_train_batch_end")})
+  return callback, seen
 
 
 def _callbacks(case: str) -> list:
@@ -149,19 +283,31 @@ def _callbacks(case: str) -> list:
   return make() if make else []
 
 
-def keras_fit(case: str) -> dict:
-  """`Model.fit` then `Model.evaluate` on one device: the reference."""
+def keras_fit(case: str, files_dir=None) -> dict:
+  """`Model.fit` then `Model.evaluate` on one device: the reference (with
+  `file_callbacks(files_dir)` too, given a folder)."""
   import keras  # pylint: disable=g-import-not-at-top
   spec = CASES[case]
   arrays = spec["data"]()
   split = spec.get("validation_split", 0.0)
   model = build_model(case, keras.optimizers.SGD(learning_rate=LEARNING_RATE))
+  recorder = Recorder()
+  lambda_callback, lambda_hooks = lambda_recorder()
+  progbar = any(isinstance(c, keras.callbacks.ProgbarLogger)
+                for c in _callbacks(case))
   history = model.fit(*arrays[:2], sample_weight=(
       arrays[2] if len(arrays) > 2 else None),
                       class_weight=spec["class_weight"],
                       validation_split=split,
+                      validation_data=arrays if spec.get("validation")
+                      else None,
                       batch_size=GLOBAL_BATCH, epochs=EPOCHS, shuffle=False,
-                      verbose=0, callbacks=_callbacks(case))
+                      # Model.fit's default ("auto") when a ProgbarLogger
+                      # is to print.
+                      verbose="auto" if progbar else 0,
+                      callbacks=[*_callbacks(case), *(
+                          file_callbacks(files_dir) if files_dir else ()),
+                                 recorder, lambda_callback])
   held_out = [a[int(len(a) * (1 - split)):] for a in arrays] if split else (
       arrays)
   evaluation = model.evaluate(*held_out[:2], sample_weight=(
@@ -171,22 +317,27 @@ def keras_fit(case: str) -> dict:
           "train": {k: float(v[-1]) for k, v in history.history.items()
                     if k != "learning_rate"},
           "learning_rate": float(model.optimizer.learning_rate),
+          "iterations": int(model.optimizer.iterations),
           "history": {k: [float(x) for x in v]
                       for k, v in history.history.items()},
+          "hooks": recorder.hooks, "params": dict(recorder.params),
+          "lambda_hooks": lambda_hooks,
           "eval": {k: float(v) for k, v in evaluation.items()}}
 
 
 def tfdist_fit(case: str, *, strategy: str, model_dir: str,
                via: str = "dataset_fn", class_weight=None,
                epochs: int = EPOCHS, extra_callbacks=(),
-               mode: str = "train_and_eval") -> dict:
+               mode: str = "train_and_eval", callback_list: str = "") -> dict:
   """The case through `tfdist.fit` under `strategy` (an in-process one, or
   the cluster's from `TF_CONFIG`). `via`: `dataset_fn` (a function of
   `(x, y[, w])` examples) or `parse_fn` (TFRecords of `tf.train.Example`s
   in `model_dir`, parsed to the same tuples). `class_weight`: instead of
   the case's. `extra_callbacks`: Keras callbacks added to the case's.
   `mode`: the `TrainConfig.mode` (`eval`: `results` holds the
-  evaluator's).
+  evaluator's). `callback_list`: "outer" passes the callbacks as one
+  `keras.callbacks.CallbackList`, "inner" the case's and the extra ones
+  inside a `CallbackList` in the list.
   `via="arrays"`: the NumPy arrays as `x, y, sample_weight`, with the
   case's `validation_split`, else `validation_data` = the arrays."""
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
@@ -194,6 +345,7 @@ def tfdist_fit(case: str, *, strategy: str, model_dir: str,
   spec = CASES[case]
   arrays = spec["data"]()
   recorder = Recorder()
+  lambda_callback, lambda_hooks = lambda_recorder()
   config = dict(model_dir=model_dir, train_epochs=epochs,
                 batch_size=GLOBAL_BATCH, base_batch_size=GLOBAL_BATCH,
                 optimizer="sgd", momentum=0.0,
@@ -229,15 +381,24 @@ def tfdist_fit(case: str, *, strategy: str, model_dir: str,
       return tuple(parsed[f"c{i}"] for i in range(len(arrays)))
     kwargs["parse_fn"] = parse
     config.update(train_files=path, eval_files=path, cache_dataset=True)
-  manifest = tfdist.fit(lambda: build_model(case), config=tfdist.TrainConfig(**config),
-                        callbacks=[*_callbacks(case), *extra_callbacks,
-                                   recorder], **kwargs)
+  import keras  # pylint: disable=g-import-not-at-top
+  callbacks = [*_callbacks(case), *extra_callbacks]
+  if callback_list == "inner":
+    callbacks = [keras.callbacks.CallbackList(callbacks)]
+  callbacks += [recorder, lambda_callback]
+  if callback_list == "outer":
+    callbacks = keras.callbacks.CallbackList(callbacks)
+  manifest = tfdist.fit(lambda: build_model(case),
+                        config=tfdist.TrainConfig(**config),
+                        callbacks=callbacks, **kwargs)
   last_eval = (manifest.get("eval_history") or [{}])[-1]
   return {"weights": recorder.weights, "train": recorder.epoch_logs,
           "eval": {k: v for k, v in last_eval.items()
                    if isinstance(v, float)},
           "learning_rate": recorder.learning_rate,
           "history": manifest.get("history"),
+          "hooks": recorder.hooks, "params": dict(recorder.params or {}),
+          "lambda_hooks": lambda_hooks,
           "results": manifest.get("results"),
           "eval_batch_size": manifest.get("eval_batch_size"),
           "restored_step": _restored_step(manifest),
@@ -289,7 +450,11 @@ def file_callbacks(folder: str) -> list:
 
 def main(argv):
   """`OUT_JSON CASE[:VIA] [FILES_DIR]`: VIA as `tfdist_fit` takes it
-  (default `dataset_fn`); with FILES_DIR, `file_callbacks` too."""
+  (default `dataset_fn`); with FILES_DIR, `file_callbacks` too; a
+  `ProgbarLogger` (printing on the chief only) and a `TerminateOnNaN`
+  (with nothing to stop) always; a `RemoteMonitor` posting to
+  `$TFDIST_TEST_REMOTE_MONITOR` when set."""
+  import keras  # pylint: disable=g-import-not-at-top
   out_path, (case, _, via) = argv[1], argv[2].partition(":")
   tf_config = json.loads(os.environ.get("TF_CONFIG") or "{}")
   task_type = tf_config.get("task", {}).get("type", "chief")
@@ -297,8 +462,12 @@ def main(argv):
               else "multi_worker_mirrored")
   result = tfdist_fit(case, strategy=strategy, via=via or "dataset_fn",
                       model_dir=os.path.join(
-      os.path.dirname(out_path), "run"), extra_callbacks=file_callbacks(
-          argv[3]) if len(argv) > 3 else ())
+      os.path.dirname(out_path), "run"), extra_callbacks=[
+          *(file_callbacks(argv[3]) if len(argv) > 3 else ()),
+          keras.callbacks.ProgbarLogger(), keras.callbacks.TerminateOnNaN(),
+          *([keras.callbacks.RemoteMonitor(root=os.environ[
+              "TFDIST_TEST_REMOTE_MONITOR"])]
+            if os.environ.get("TFDIST_TEST_REMOTE_MONITOR") else [])])
   if task_type == "chief":
     with open(out_path, "w") as f:
       json.dump(result, f)

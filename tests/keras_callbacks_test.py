@@ -1,4 +1,5 @@
-"""Tests for tfdist.training.keras_callbacks: refused callbacks and per-task copies."""
+"""Tests for tfdist.training.keras_callbacks: refused callbacks, per-task
+copies, callback lists and which callbacks read batch metrics."""
 
 import os
 import tempfile
@@ -27,6 +28,59 @@ class CheckCallbacksTest(absltest.TestCase):
     keras_callbacks.check_callbacks([keras.callbacks.EarlyStopping(),
                                      keras.callbacks.TerminateOnNaN()])
 
+  def test_refuses_what_a_callback_list_holds(self):
+    with self.assertRaisesRegex(ConfigError, "SwapEMAWeights"):
+      keras_callbacks.check_callbacks([keras.callbacks.CallbackList(
+          [keras.callbacks.History(), keras.callbacks.SwapEMAWeights()])])
+
+  @absltest.skipUnless(hasattr(keras.callbacks, "OrbaxCheckpoint"),
+                       "Keras < 3.13 has no OrbaxCheckpoint")
+  def test_refuses_orbax_checkpoint(self):
+    cls = keras.callbacks.OrbaxCheckpoint
+    with self.assertRaisesRegex(
+        ConfigError, r"OrbaxCheckpoint is not supported: it would save the "
+        "model state from every process.*use keras.callbacks."
+        "ModelCheckpoint"):
+      # Its constructor needs the orbax package; the check reads the class.
+      keras_callbacks.check_callbacks([cls.__new__(cls)])
+
+
+class FlattenTest(absltest.TestCase):
+
+  def test_callback_lists_are_opened_in_order(self):
+    a, b, c = (keras.callbacks.History() for _ in range(3))
+    self.assertEqual(keras_callbacks.flatten(keras.callbacks.CallbackList(
+        [a, keras.callbacks.CallbackList([b]), c])), [a, b, c])
+    self.assertEqual(keras_callbacks.flatten((a, b)), [a, b])
+
+
+class ReadsBatchMetricsTest(absltest.TestCase):
+
+  def test_only_batch_end_hooks_that_may_read_metrics(self):
+    quiet = [keras.callbacks.History(), keras.callbacks.TerminateOnNaN(),
+             keras.callbacks.EarlyStopping(),
+             keras.callbacks.TensorBoard(log_dir="/unused"),
+             keras.callbacks.ModelCheckpoint("/unused/m.keras"),
+             keras.callbacks.LambdaCallback(on_epoch_end=print)]
+    self.assertFalse(keras_callbacks.reads_batch_metrics(quiet))
+    self.assertFalse(keras_callbacks.reads_batch_metrics(
+        keras.callbacks.CallbackList(quiet)))
+
+    class Mine(keras.callbacks.Callback):
+
+      def on_batch_end(self, batch, logs=None):
+        del batch, logs
+
+    for reader in (keras.callbacks.LambdaCallback(on_train_batch_end=print),
+                   keras.callbacks.ProgbarLogger(), Mine(),
+                   keras.callbacks.TensorBoard(log_dir="/unused",
+                                               update_freq="batch"),
+                   keras.callbacks.ModelCheckpoint("/unused/m.keras",
+                                                   save_freq=10)):
+      with self.subTest(reader=type(reader).__name__):
+        self.assertTrue(keras_callbacks.reads_batch_metrics(
+            [*quiet, reader]))
+
 
 class ForThisTaskTest(absltest.TestCase):
 
@@ -42,6 +96,16 @@ class ForThisTaskTest(absltest.TestCase):
     mine = keras_callbacks.for_this_task(self.callbacks, scratch_dir=None)
     self.assertEqual(mine, self.callbacks)
     self.assertIsNot(mine, self.callbacks)
+
+  def test_progress_bars_print_on_the_chief_only(self):
+    bar = keras.callbacks.ProgbarLogger()
+    (mine,) = keras_callbacks.for_this_task([bar], scratch_dir=None)
+    # tfdist's params say verbose=0; Model.fit's default gives it 1.
+    mine.set_params({"verbose": 0, "epochs": 2, "steps": 5})
+    self.assertEqual((mine.verbose, mine.epochs, mine.target), (1, 2, 5))
+    self.assertIsNot(mine, bar)
+    self.assertEqual(keras_callbacks.for_this_task(
+        [bar], scratch_dir=os.path.join(self.dir, "scratch")), [])
 
   def test_another_worker_writes_into_its_scratch_folder(self):
     scratch = os.path.join(self.dir, "scratch")

@@ -74,3 +74,20 @@ def test_a_non_finite_eval_loss_is_divergence(loss):
 @pytest.mark.compat
 def test_a_finite_eval_loss_passes():
   training_checks.check_eval_loss(0.25, step=9)
+
+
+def test_compiled_steps_per_execution_that_differs_is_warned(caplog):
+  import keras  # pylint: disable=g-import-not-at-top
+  model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1)])
+  assert not training_checks.check_steps_per_execution(
+      model, steps_per_execution=8)  # Not compiled: nothing asked.
+  model.compile(loss="mse", steps_per_execution=4)
+  assert not training_checks.check_steps_per_execution(
+      model, steps_per_execution=4)
+  with caplog.at_level("WARNING"):
+    assert training_checks.check_steps_per_execution(
+        model, steps_per_execution=1, model_name="--model=mine")
+  assert ("--model=mine was compiled with steps_per_execution=4, which "
+          "tfdist does not read: it runs --steps_per_execution=1") in (
+              caplog.text)
+  assert "Set --steps_per_execution=4" in caplog.text

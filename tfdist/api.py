@@ -46,6 +46,7 @@ from tfdist.config import TrainConfig
 from tfdist.data import input_pipeline
 from tfdist.data.dataset_spec import DatasetSpec
 from tfdist.runtime import run_options
+from tfdist.training import keras_callbacks
 from tfdist.training import registry
 from tfdist.training import task as task_lib
 
@@ -320,7 +321,10 @@ def fit(model_fn: Union[Callable, str],
     loss: a Keras loss, loss function or name; overrides the model's
       compiled loss.
     metrics: Keras metrics or names; override the compiled ones.
-    callbacks: Keras callbacks (see `tfdist.experiment.run_experiment`).
+    callbacks: Keras callbacks, a list or a `keras.callbacks.CallbackList`
+      (see `tfdist.experiment.run_experiment` and
+      `docs/guides/fit-conformance.md`: each class works as in `fit` or is
+      refused at start).
     environment: a `tfdist.distribute.environment.RunEnvironment`; None reads
       `os.environ` (`TF_CONFIG`, Vertex AI's variables) now.
 
@@ -351,7 +355,8 @@ def fit(model_fn: Union[Callable, str],
                    loss=loss, metrics=metrics)
   history = keras.callbacks.History()
   result = experiment.run_experiment(_named_config(config, task),
-                                     callbacks=[*callbacks, history],
+                                     callbacks=[*keras_callbacks.flatten(
+                                         callbacks), history],
                                      environment=environment, task=task)
   return _with_history(result, history)
 

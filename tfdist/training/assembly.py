@@ -27,6 +27,7 @@ from tfdist.training import precision
 from tfdist.training import sharded_optimizer
 from tfdist.training import task as task_lib
 from tfdist.training import train_loop
+from tfdist.training import training_checks
 from tfdist.training.train_loop import Trainer
 
 
@@ -134,6 +135,9 @@ def build_model(options: AssemblyOptions, *, task: task_lib.Task,
       task, options.builder_config, sync_batch_norm=sync_batch_norm,
       activation_recomputation=options.activation_recomputation)
   _output_shape(model, task)
+  training_checks.check_steps_per_execution(
+      model, steps_per_execution=options.steps_per_execution,
+      model_name=f"--model={task.model_name}")
   if getattr(model, "optimizer", None) is not None:
     # compile's optimizer (RMSprop when compile names none) is not used:
     # tfdist builds its own from the config. Untracked (`del`: assigning

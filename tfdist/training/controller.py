@@ -67,6 +67,7 @@ from tfdist import errors
 from tfdist.observability import run_log as run_log_lib
 from tfdist.runtime import strict_json
 from tfdist.training import checkpointing
+from tfdist.training import keras_callbacks
 from tfdist.training import step_runner
 from tfdist.training import training_checks
 from tfdist.training.checkpoint_paths import checkpoint_step
@@ -191,6 +192,8 @@ class LoopState:
     last_eval: the last evaluation's result (with its `step`), or None.
     stopped_early: training stopped on a callback's request.
     micro_steps: micro-batches run so far by this process.
+    epoch_logs: the logs of the last `on_epoch_end` (Keras passes them to
+      `on_train_end`), or None.
   """
   step: int
   epoch: int
@@ -203,6 +206,7 @@ class LoopState:
   last_eval: Optional[dict] = None
   stopped_early: bool = False
   micro_steps: int = 0
+  epoch_logs: Optional[dict] = None
 
   @property
   def num_steps(self) -> int:
@@ -327,7 +331,7 @@ class KerasTrainHooks(Action):
     state.stop_training = _wants_stop(self.model)
 
   def on_end(self, state):
-    self.callbacks.on_train_end()
+    self.callbacks.on_train_end(state.epoch_logs)
     restored_best = _restored_best_epoch(self.callbacks,
                                          last_epoch=state.epoch - 1)
     if restored_best is not None:
@@ -403,17 +407,33 @@ class SkippedStepWatch(Action):
 
 
 class KerasBatchEnd(Action):
-  """Keras's `on_train_batch_end`, with the chunk's mean loss."""
+  """Keras's `on_train_batch_end` with Keras's logs: the mean loss over the
+  epoch's steps so far and, with `summarize`, every metric over them.
+
+  Args:
+    callbacks: the callbacks.
+    options: the `ControllerOptions`.
+    summarize: `(sums, steps) -> logs` (`RunLog.summarize`), or None for
+      the loss alone (no callback reads the metrics per batch).
+  """
 
   def __init__(self, callbacks: keras.callbacks.CallbackList,
-               options: ControllerOptions):
+               options: ControllerOptions,
+               summarize: Optional[Callable[..., dict]] = None):
     self.callbacks = callbacks
     self.options = options
+    self.summarize = summarize
+    self.window = _SumsSince()
 
   def __call__(self, state, output):
+    if state.first_step % self.options.steps_per_epoch == 0:
+      self.window.take()  # Keras resets its metrics at each epoch.
+    self.window.add(output.sums, state.num_steps)
+    sums, steps = self.window.sums, self.window.steps
+    logs = (self.summarize(sums, steps) if self.summarize is not None else
+            {"loss": float(sums["loss"]) / steps})
     self.callbacks.on_train_batch_end(
-        (state.step - 1) % self.options.steps_per_epoch,
-        {"loss": float(output.sums["loss"]) / state.num_steps})
+        (state.step - 1) % self.options.steps_per_epoch, logs)
 
 
 class TrainLog(Action):
@@ -538,6 +558,7 @@ class KerasEpochEnd(Action):
                    run_log_lib.metric_values(state.last_eval).items()})
     rate_before = self.checkpoints.learning_rate()
     self.callbacks.on_epoch_end(state.epoch, logs)
+    state.epoch_logs = logs
     if state.saved is not None and not _same_rate(
         rate_before, self.checkpoints.learning_rate()):
       state.saved = self.checkpoints.save(step)
@@ -639,7 +660,9 @@ class Controller:
       actions.append(ProfilerWindow(self.profiler))
     actions += [
         DivergenceCheck(saver), self._skipped,
-        KerasBatchEnd(callbacks, opts),
+        KerasBatchEnd(callbacks, opts, summarize=(
+            self.run_log.summarize
+            if keras_callbacks.reads_batch_metrics(callbacks) else None)),
         TrainLog(self.run_log, options=opts, checkpoints=saver,
                  skipped=self._skipped),
         SaveCheckpoint(saver, opts)]

@@ -3,7 +3,7 @@ their files on the chief.
 
 tfdist's controller calls a user's `keras.callbacks` on every training
 process at the same points (`tfdist.training.controller`), as Keras's
-multi-worker `fit` does. Two kinds need more:
+multi-worker `fit` does, with Keras's logs. Some need more:
 
 * **Callbacks that write files** (`ModelCheckpoint`, `TensorBoard`,
   `CSVLogger`): on the chief they write where the user said; on every other
@@ -11,12 +11,17 @@ multi-worker `fit` does. Two kinds need more:
   at the end (as tfdist's own checkpoints and summaries do, and as Keras's
   multi-worker guide has non-chief workers write to temporary folders).
   Two workers never write the same path. `RemoteMonitor` (which posts to a
-  server) runs on the chief only.
+  server) and `ProgbarLogger` (which prints) run on the chief only.
+* **`ProgbarLogger`** prints as in `Model.fit` (whose `verbose="auto"`
+  gives it 1), although tfdist's `params` say `verbose=0` (tfdist adds no
+  progress bar of its own; it logs every `--log_steps`).
 * **Callbacks that fight tfdist's own state**, refused at start:
   `BackupAndRestore` (tfdist's checkpoints already back up the whole
   training state and a rerun resumes from them; a second restore would put
-  an older state over tfdist's), `SwapEMAWeights` (tfdist's optimizers keep
-  no moving average of the weights).
+  an older state over tfdist's), `OrbaxCheckpoint` (it would save from
+  every process; tfdist's checkpoints already hold the state),
+  `SwapEMAWeights` (tfdist's optimizers keep no moving average of the
+  weights).
 """
 
 import copy
@@ -34,7 +39,10 @@ _PATH_ATTRIBUTES = (
     (keras.callbacks.CSVLogger, "filename"),
 )
 # Callbacks only the chief runs.
-_CHIEF_ONLY = (keras.callbacks.RemoteMonitor,)
+_CHIEF_ONLY = (keras.callbacks.RemoteMonitor, keras.callbacks.ProgbarLogger)
+# Callbacks whose batch hooks read no metric (TerminateOnNaN: the loss).
+_LOSS_ONLY = (keras.callbacks.TerminateOnNaN, keras.callbacks.History)
+_BATCH_END_HOOKS = ("on_train_batch_end", "on_batch_end")
 # Refused: class -> (why, what to do instead).
 _REFUSED = {
     keras.callbacks.BackupAndRestore: (
@@ -49,15 +57,39 @@ _REFUSED = {
         "use_ema=True, so there are no moving-average weights to swap in",
         "drop it"),
 }
+if hasattr(keras.callbacks, "OrbaxCheckpoint"):  # Keras >= 3.13.
+  _REFUSED[keras.callbacks.OrbaxCheckpoint] = (
+      "it would save the model state from every process into one folder "
+      "(its multi-host coordination is JAX's), beside tfdist's own "
+      "checkpoints of the whole training state",
+      "drop it: tfdist checkpoints every --checkpoint_steps (or epoch) and "
+      "a rerun with the same --model_dir resumes; for files of your own, "
+      "use keras.callbacks.ModelCheckpoint (the chief writes them)")
+
+
+def flatten(callbacks) -> List[keras.callbacks.Callback]:
+  """`callbacks` (a sequence of callbacks, or a `keras.callbacks.
+  CallbackList`, which `Model.fit` also takes; either may hold
+  `CallbackList`s) as one list of the callbacks, in the order called."""
+  if isinstance(callbacks, keras.callbacks.CallbackList):
+    callbacks = callbacks.callbacks
+  out = []
+  for callback in callbacks:
+    if isinstance(callback, keras.callbacks.CallbackList):
+      out += flatten(callback)
+    else:
+      out.append(callback)
+  return out
 
 
 def check_callbacks(callbacks: Sequence[keras.callbacks.Callback]) -> None:
-  """Refuses callbacks tfdist cannot honour, before anything is built.
+  """Refuses callbacks tfdist cannot honour, before anything is built
+  (inside `CallbackList`s too).
 
   Raises:
     ConfigError: one of `_REFUSED`, naming the reason and the alternative.
   """
-  for callback in callbacks:
+  for callback in flatten(callbacks):
     for cls, (why, instead) in _REFUSED.items():
       if isinstance(callback, cls):
         raise ConfigError(
@@ -70,17 +102,20 @@ def for_this_task(callbacks: Sequence[keras.callbacks.Callback], *,
   """The callbacks this task runs.
 
   Args:
-    callbacks: the user's callbacks.
+    callbacks: the user's callbacks (`CallbackList`s flattened).
     scratch_dir: None on the chief (every callback as given); on another
       worker, a folder of its own that tfdist deletes at the end.
 
   Returns:
-    On the chief, `callbacks`; elsewhere copies of the file-writing ones
+    On the chief, `callbacks` (a `ProgbarLogger` as a copy that prints);
+    elsewhere copies of the file-writing ones
     writing under `scratch_dir/callbacks/<index>-<class>/` (the last path
     component kept), without the chief-only ones, and the others as given.
   """
+  callbacks = flatten(callbacks)
   if scratch_dir is None:
-    return list(callbacks)
+    return [_printing(c) if isinstance(c, keras.callbacks.ProgbarLogger)
+            else c for c in callbacks]
   out = []
   for i, callback in enumerate(callbacks):
     if isinstance(callback, _CHIEF_ONLY):
@@ -97,3 +132,35 @@ def for_this_task(callbacks: Sequence[keras.callbacks.Callback], *,
         break
     out.append(callback)
   return out
+
+
+def _printing(progbar: keras.callbacks.ProgbarLogger
+              ) -> keras.callbacks.ProgbarLogger:
+  """A copy of `progbar` that prints whatever `params["verbose"]` says
+  (`Model.fit`'s default, `verbose="auto"`, gives it 1)."""
+  out = copy.copy(progbar)
+  set_params = out.set_params
+  out.set_params = lambda params: set_params({**params, "verbose": 1})
+  return out
+
+
+def reads_batch_metrics(callbacks) -> bool:
+  """Whether a callback of `callbacks` (a list or a `CallbackList`) may
+  read the metrics of `on_train_batch_end`'s logs: one that overrides a
+  batch-end hook, other than those reading only the loss and a
+  `TensorBoard` or `ModelCheckpoint` working per epoch. When none does,
+  the controller gives those hooks the loss alone and skips computing the
+  metrics every step.
+  """
+  for callback in flatten(callbacks):
+    if isinstance(callback, _LOSS_ONLY) or (
+        isinstance(callback, keras.callbacks.TensorBoard) and
+        callback.update_freq == "epoch") or (
+            isinstance(callback, keras.callbacks.ModelCheckpoint) and
+            callback.save_freq == "epoch"):
+      continue
+    for hook in _BATCH_END_HOOKS:
+      if (hook in vars(callback) or getattr(type(callback), hook) is not
+          getattr(keras.callbacks.Callback, hook)):
+        return True
+  return False

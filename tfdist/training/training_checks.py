@@ -15,7 +15,9 @@ the manifest and stops a run whose optimizer has stopped updating:
   every step.
 * A run that made no update at all fails at its end, however short.
 
-`check_eval_loss` treats a non-finite evaluation loss as divergence. The
+`check_eval_loss` treats a non-finite evaluation loss as divergence.
+`check_steps_per_execution` warns when a model compiled with Keras's
+`steps_per_execution` meets tfdist's own setting. The
 errors (`TrainingStalledError`, `TrainingDivergedError`: status 1) live in
 `tfdist.errors`, `json_safe` in `tfdist.runtime.strict_json`; both are exported
 here too.
@@ -23,6 +25,8 @@ here too.
 
 import math
 from typing import Callable, Optional
+
+from absl import logging
 
 from tfdist.errors import TrainingDivergedError
 from tfdist.errors import TrainingStalledError
@@ -128,3 +132,33 @@ def check_eval_loss(loss: float, *, step: int):
     raise TrainingDivergedError(
         f"Training diverged: the evaluation loss at step {step} is {loss}. "
         "Lower --base_learning_rate, add warmup, or use --dtype=fp32.")
+
+
+def check_steps_per_execution(model, *, steps_per_execution: int,
+                              model_name: str = "the model") -> bool:
+  """Warns when `model.compile(steps_per_execution=N)` asked for another N
+  than tfdist's `--steps_per_execution`, which is what tfdist runs.
+
+  Both settings only group steps into one `tf.function` call (and the
+  batch hooks of callbacks into one call per group): the steps, their
+  order and the weights are the same either way.
+
+  Args:
+    model: the built Keras model (compiled or not).
+    steps_per_execution: the run's `--steps_per_execution`.
+    model_name: how the warning names the model.
+
+  Returns:
+    Whether it warned.
+  """
+  compiled = getattr(model, "steps_per_execution", 1) or 1
+  if int(compiled) in (1, int(steps_per_execution)):
+    return False
+  logging.warning(
+      "%s was compiled with steps_per_execution=%d, which tfdist does not "
+      "read: it runs --steps_per_execution=%d steps per call (the weights "
+      "are the same: the steps run in the same order). Set "
+      "--steps_per_execution=%d (TrainConfig(steps_per_execution=%d)) to "
+      "group them as compile asked.", model_name, int(compiled),
+      int(steps_per_execution), int(compiled), int(compiled))
+  return True
