@@ -7,6 +7,14 @@ and every time the chief logs a step (every `--sample_steps` steps) reads
 each task's thread count (`Threads:` in `/proc/PID/status`) and resident
 memory (`VmRSS:`, MiB). It prints the curve and writes JSON.
 
+Other layouts for comparison: `--distribution_strategy=one_device` or
+`mirrored` (one process), `--num_workers=1` (MultiWorkerMirrored in one
+process: no collective leaves it), and any tfdist.train flag through
+`--train_flag` (e.g. `--train_flag=--steps_per_execution=10`, which divides
+TensorFlow's per-call memory under MultiWorkerMirrored by 10; see
+docs/design/long-runs.md). `MALLOC_*` variables of the environment are
+recorded in the JSON.
+
 A run whose per-collective timeout is on (`--collective_timeout_seconds`
 greater than 0; TensorFlow keeps one sleeping thread per collective for that
 long) shows the threads growing; the default (0) stays flat.
@@ -16,6 +24,9 @@ Usage:
       --output=benchmarks/results/soak.json
   python benchmarks/soak.py --steps=600 --sample_steps=100 \\
       --collective_timeout_seconds=300 --output=/tmp/soak_300.json
+  python benchmarks/soak.py --steps=5000 --sample_steps=250 \\
+      --train_flag=--steps_per_execution=10 \\
+      --output=benchmarks/results/soak_steps_per_execution_10.json
 """
 
 import datetime
@@ -47,11 +58,19 @@ flags.DEFINE_float("collective_timeout_seconds", 0.0,
                    "--collective_timeout_seconds of the run (0: tfdist's "
                    "default, no per-collective timeout).")
 flags.DEFINE_enum("distribution_strategy", "multi_worker_mirrored",
-                  ["multi_worker_mirrored", "parameter_server", "one_device"],
-                  "multi_worker_mirrored: a chief and a worker; "
-                  "parameter_server: a chief (coordinator), 2 workers and a "
-                  "ps task; one_device: one process (a baseline for the "
-                  "memory curve).")
+                  ["multi_worker_mirrored", "parameter_server", "one_device",
+                   "mirrored"],
+                  "multi_worker_mirrored: a chief and --num_workers - 1 "
+                  "workers; parameter_server: a chief (coordinator), 2 "
+                  "workers and a ps task; one_device: one process (a "
+                  "baseline for the memory curve); mirrored: one process, "
+                  "2 logical CPU devices.")
+flags.DEFINE_integer("num_workers", 2, "multi_worker_mirrored: processes "
+                     "(1: one process, TensorFlow's collectives without "
+                     "gRPC).")
+flags.DEFINE_multi_string("train_flag", [], "Another flag for every task's "
+                          "tfdist.train, e.g. --train_flag=--notune_allocator "
+                          "(repeatable).")
 flags.DEFINE_integer("timeout", 3600, "Seconds after which the run is "
                      "stopped (the result then says so).")
 flags.DEFINE_string("output", os.path.join(REPO, "benchmarks", "results",
@@ -90,9 +109,12 @@ def main(argv):
   del argv  # Unused.
   data = _data()
   model_dir = tempfile.mkdtemp(prefix="soak-run-")
-  layout = {"multi_worker_mirrored": ["--num_workers=2"],
+  layout = {"multi_worker_mirrored": [f"--num_workers={FLAGS.num_workers}"],
             "parameter_server": ["--num_workers=2", "--num_ps=1"],
-            "one_device": ["--num_workers=1"]}[FLAGS.distribution_strategy]
+            "one_device": ["--num_workers=1"],
+            "mirrored": ["--num_workers=1"]}[FLAGS.distribution_strategy]
+  devices = (["--num_cpu_devices=2"]
+             if FLAGS.distribution_strategy == "mirrored" else [])
   command = [
       sys.executable, "-m", "tfdist.launch", *layout,
       "--", f"--distribution_strategy={FLAGS.distribution_strategy}",
@@ -103,7 +125,7 @@ def main(argv):
       f"--checkpoint_steps={max(FLAGS.steps // 5, 1)}",
       f"--epochs_between_evals={10**6}",
       f"--collective_timeout_seconds={FLAGS.collective_timeout_seconds:g}",
-      f"--model_dir={model_dir}"]
+      f"--model_dir={model_dir}", *devices, *FLAGS.train_flag]
   env = dict(os.environ, PYTHONPATH=REPO + os.pathsep +
              os.environ.get("PYTHONPATH", ""))
   started = time.time()
@@ -154,6 +176,11 @@ def main(argv):
       "steps": FLAGS.steps, "sample_steps": FLAGS.sample_steps,
       "batch_size": FLAGS.batch_size, "model": FLAGS.model,
       "distribution_strategy": FLAGS.distribution_strategy,
+      "num_workers": (FLAGS.num_workers if FLAGS.distribution_strategy ==
+                      "multi_worker_mirrored" else None),
+      "train_flags": FLAGS.train_flag,
+      "malloc_environment": {k: v for k, v in os.environ.items()
+                             if k.startswith("MALLOC_")},
       "collective_timeout_seconds": FLAGS.collective_timeout_seconds,
       "exit_status": status, "timed_out": timed_out,
       "seconds": round(time.time() - started, 1),
