@@ -109,6 +109,20 @@ class FactsTest(parameterized.TestCase):
                      workers)
     self.assertEqual(prepared.is_writer, writer)
 
+  def test_long_cross_process_runs_are_warned_about_memory(self):
+    # 30,000 calls of 10 KiB: about 293 MiB per task.
+    warning = experiment.cross_process_memory_warning(
+        total_steps=30_000, steps_per_execution=1, cross_process=True)
+    self.assertIn("about 293 MiB per task", warning)
+    self.assertIn("--steps_per_execution=10 divides that by 10", warning)
+    # Ten steps per call: 3,000 calls, under the threshold.
+    self.assertIsNone(experiment.cross_process_memory_warning(
+        total_steps=30_000, steps_per_execution=10, cross_process=True))
+    self.assertIsNone(experiment.cross_process_memory_warning(
+        total_steps=10**6, steps_per_execution=1, cross_process=False))
+    self.assertIsNone(experiment.cross_process_memory_warning(
+        total_steps=2_000, steps_per_execution=1, cross_process=True))
+
   def test_prepared_run_reads_as_its_tuple(self):
     prepared = experiment.prepare_run(
         TrainConfig(model_dir="/runs/x", train_steps=1,

@@ -457,6 +457,47 @@ def _check_profile_window(config: TrainConfig, plan) -> None:
         f"{min(15, plan.total_steps)}.")
 
 
+# Host memory TensorFlow's runtime keeps per call of a training function
+# whose collectives reach another process (measured: docs/design/
+# long-runs.md; upstream: tensorflow/tensorflow#42616), and the growth over
+# a run from which tfdist warns at start.
+CROSS_PROCESS_BYTES_PER_CALL = 10 << 10
+CROSS_PROCESS_WARN_BYTES = 256 << 20
+
+
+def cross_process_memory_warning(*, total_steps: int,
+                                 steps_per_execution: int,
+                                 cross_process: bool) -> Optional[str]:
+  """The start-up warning for a long run whose collectives cross processes.
+
+  Args:
+    total_steps: the run's training steps.
+    steps_per_execution: steps per call of the compiled training function.
+    cross_process: the run's collectives reach another process (a
+      MultiWorkerMirrored run of more than one worker).
+
+  Returns:
+    The warning (the expected growth, in MiB per task, and the flag that
+    divides it) when the run would grow by `CROSS_PROCESS_WARN_BYTES` or
+    more at `CROSS_PROCESS_BYTES_PER_CALL`; None otherwise.
+  """
+  if not cross_process:
+    return None
+  per_call = max(int(steps_per_execution), 1)
+  calls = -(-int(total_steps) // per_call)
+  growth = calls * CROSS_PROCESS_BYTES_PER_CALL
+  if growth < CROSS_PROCESS_WARN_BYTES:
+    return None
+  suggested = per_call * 10
+  return (f"{total_steps} steps at --steps_per_execution={per_call}: "
+          "TensorFlow's runtime keeps about 10 KiB of host memory per call "
+          "of the training function whose collectives reach another "
+          f"process, about {growth / (1 << 20):,.0f} MiB per task by the "
+          "end of this run (docs/design/long-runs.md). "
+          f"--steps_per_execution={suggested} divides that by "
+          f"{suggested // per_call}.")
+
+
 def _log_model_memory(model_memory: memory.ModelMemory) -> None:
   logging.info(
       "Model state per replica: parameters %s (%d values), gradients %s, "
@@ -705,6 +746,13 @@ class ExperimentRunner:
         asynchronous=self.kind.is_asynchronous, decision=self.decision)
     logging.info("%s", plan.describe(run_options.plan_options(self.config)))
     _check_profile_window(self.config, plan)
+    warning = cross_process_memory_warning(
+        total_steps=plan.total_steps,
+        steps_per_execution=self.config.steps_per_execution,
+        cross_process=(self.kind.is_multi_worker and not
+                       self.kind.is_asynchronous and self.num_workers > 1))
+    if warning:
+      logging.warning("%s", warning)
     return plan
 
   def check_resume(self) -> None:
