@@ -100,11 +100,12 @@ targets=(-- //tests/...)
 if [ "${TFDIST_TF217:-1}" = 0 ]; then
   targets+=(-//tests:compat_tf217)
 fi
-# Two cores: two tests at a time (a multi-process test, tags cpu:2, runs
-# alone). Three CPU slots, letting one run beside a single-process test,
-# measured slower in a fresh clone on 1 December 2026 (1,878 s against
-# 1,632 s). Plain progress lines, at most every 30 s (timeouts per size come
-# from .bazelrc).
+# Two cores: two tests at a time. With --local_test_jobs Bazel counts each
+# test as one job and ignores cpu:N tags (TestTargetProperties
+# .getLocalResourceUsage), so a multi-process test (tags cpu:2) runs beside
+# any other target, multi-process or not. Three at a time measured slower
+# in a fresh clone on 1 December 2026 (1,878 s against 1,632 s). Plain
+# progress lines, at most every 30 s (timeouts per size come from .bazelrc).
 bazel test \
   --local_cpu_resources=2 --local_test_jobs=2 \
   --test_output=errors --test_summary=short \
