@@ -7,9 +7,11 @@ Each test starts ps, worker, chief (and evaluator) processes of
 every process started is killed by PID (the launcher by its own process
 group) at the end. About 1 to 2 minutes per test on 2 CPU cores.
 
-Cost (Bazel on 2 cores, 1 December 2026): 270 to 330 s in all; each test is
-the start-up of 3 to 6 TensorFlow processes (40 to 70 s), the one-controller
-test twice that plus a Mirrored run (about 90 s).
+Cost (Bazel on 2 cores, 1 December 2026): about 240 to 300 s in all; each
+test is the start-up of 3 to 6 TensorFlow processes (35 to 70 s), the
+one-controller test twice that plus a Mirrored run (about 90 s). The
+ps-killed test ends with the chief's exit: the launcher test's restart is
+the resume on a fresh cluster.
 """
 
 import json
@@ -138,7 +140,10 @@ class ParameterServerTrainingTest(absltest.TestCase):
     self.assertEqual(manifest["final_step"], 120)
     self.assertEqual(manifest["history"][-1]["step"], 120)
 
-  def test_ps_killed_fails_fast_then_resumes_from_checkpoint(self):
+  def test_ps_killed_fails_fast(self):
+    # Without a launcher: the chief itself exits, non-zero, naming the loss.
+    # The resume on a fresh cluster is the next test's (the launcher's
+    # restart starts every task again, on new ports).
     flags = _flags(self.model_dir, train_steps=100, steps_per_execution=2)
     cluster = self._cluster(flags, num_workers=1, num_ps=2)
     self.assertTrue(cluster.wait_for_log("chief-0", "tfdist: step 40/100",
@@ -153,16 +158,6 @@ class ParameterServerTrainingTest(absltest.TestCase):
     log = cluster.log("chief-0")
     self.assertIn("lost a ps task", log)
     self.assertIn("resumes from the last checkpoint", log)
-    cluster.stop()
-    # A fresh cluster (new ports) on the same model_dir resumes.
-    again = self._cluster(flags, num_workers=1, num_ps=2)
-    rc = again.wait("chief-0", timeout=240)
-    self.assertEqual(rc, 0, self._chief_log(again))
-    log = again.log("chief-0")
-    self.assertRegex(log, r"restored .*ckpt-(20|40|60|80): resuming at step")
-    manifest = _read_manifest(self.model_dir)
-    self.assertEqual(manifest["final_step"], 100)
-    self.assertIsNotNone(manifest["restored_from"])
 
   def test_launcher_restarts_cluster_after_ps_killed(self):
     flags = _flags(self.model_dir, train_steps=100, steps_per_execution=2)
@@ -198,6 +193,7 @@ class ParameterServerTrainingTest(absltest.TestCase):
     self.assertRegex(log, r"restored .*ckpt-(20|40|60|80): resuming at step")
     manifest = _read_manifest(self.model_dir)
     self.assertEqual(manifest["final_step"], 100)
+    self.assertIsNotNone(manifest["restored_from"])
 
 
 class OneControllerTest(absltest.TestCase):
