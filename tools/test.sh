@@ -100,14 +100,15 @@ targets=(-- //tests/...)
 if [ "${TFDIST_TF217:-1}" = 0 ]; then
   targets+=(-//tests:compat_tf217)
 fi
-# Two cores: two tests at a time. With --local_test_jobs Bazel counts each
-# test as one job and ignores cpu:N tags (TestTargetProperties
-# .getLocalResourceUsage), so a multi-process test (tags cpu:2) runs beside
-# any other target, multi-process or not. Three at a time measured slower
-# in a fresh clone on 1 December 2026 (1,878 s against 1,632 s). Plain
-# progress lines, at most every 30 s (timeouts per size come from .bazelrc).
+# Tests are scheduled by CPU: a multi-process test (tags cpu:2) takes two
+# of three CPU units, a single-process one one, so two multi-process tests
+# never run at once and one single-process target runs beside each (while
+# a cluster waits on start-up or a peer, its core is not idle). No
+# --local_test_jobs: with it Bazel counts every test as one job and ignores
+# cpu:N tags (TestTargetProperties.getLocalResourceUsage). Plain progress
+# lines, at most every 30 s (timeouts per size come from .bazelrc).
 bazel test \
-  --local_cpu_resources=2 --local_test_jobs=2 \
+  --local_cpu_resources=3 \
   --test_output=errors --test_summary=short \
   --curses=no --color=no --show_progress_rate_limit=30 \
   "${targets[@]}" 2>&1 | tee "$log" || status=$?
@@ -120,11 +121,11 @@ echo "test.sh: slowest Bazel targets:"
 grep -oE '^//\S+ .* in [0-9.]+s' "$log" \
   | sed -E 's/^(\S+) .* in ([0-9.]+)s$/\2 \1/' | sort -rn | head -8 \
   | awk '{printf "  %7.1f s  %s\n", $1, $2}' || true
-# Their sum: two at a time, the Bazel pass takes about half of it.
+# Their sum (targets overlap: the Bazel pass takes less).
 grep -oE '^//\S+ .* in [0-9.]+s' "$log" \
   | sed -E 's/.* in ([0-9.]+)s$/\1/' \
   | awk '{s += $1} END {if (NR) printf "test.sh: the targets took %.0f s" \
-      " in all (%d targets, two at a time)\n", s, NR}' || true
+      " in all (%d targets)\n", s, NR}' || true
 rm -f "$log"
 echo "test.sh: total $((SECONDS - suite_started)) s (pytest and Bazel)"
 if [ "$pytest_status" != 0 ]; then
