@@ -34,8 +34,8 @@ class StrategyRunsTest(parameterized.TestCase):
        ["--distribution_strategy=mirrored", "--num_cpu_devices=2"], 2),
       ("multi_worker_mirrored_two_workers", ["--num_workers=2"],
        ["--distribution_strategy=multi_worker_mirrored"], 2),
-      # The worker pinned to a core of its own (it hung with one inter-op
-      # thread: tfdist.launch.PS_WORKER_INTER_OP_THREADS).
+      # The worker pinned to a core of its own: with one inter-op thread it
+      # would never finish a closure (tfdist.launch.PS_WORKER_INTER_OP_THREADS).
       ("parameter_server_one_worker_one_ps",
        ["--num_workers=1", "--num_ps=1", "--pin_workers"],
        ["--distribution_strategy=parameter_server"], 1),
