@@ -8,11 +8,12 @@ implementation), on the same model (`--model`, the CNN by default) and data
 * `one_device`: one process pinned to one core (the baseline);
 * `multi_worker_mirrored` with 1 and 2 workers on 127.0.0.1
   (`tfdist.launch --pin_workers`: each worker pinned to a core of its own);
-* `parameter_server` with 1 and 2 workers and 1 ps task, every task
-  unpinned: the chief (coordinator), the ps task and the workers share the
-  cores, so these figures are for the record, not a scaling measurement (a
-  parameter-server worker pinned to one core hangs: see `tfdist.launch
-  --pin_workers`);
+* `parameter_server` with 1 and 2 workers and 1 ps task, each worker
+  pinned to a core of its own (`tfdist.launch --pin_workers`); the chief
+  (the coordinator) and the ps task share the cores left over, or, with
+  none left (2 workers on 2 cores), every core, so on a machine with no
+  more cores than workers the 2-worker figure pays for them out of the
+  workers' cores (see the README's Parameter servers);
 * precision: `one_device` pinned with `--dtype=fp32`, `bf16` and `fp16`,
   all with TensorFlow's oneDNN ops off (`TF_ENABLE_ONEDNN_OPTS=0`: oneDNN's
   fp16 kernels are catastrophically slow on CPUs, see the shared notes).
@@ -107,7 +108,7 @@ def specs(per_worker: int, extra) -> dict:
     return diagnose.RunSpec(
         f"ps_{n}", tuple([*common, "--distribution_strategy=parameter_server",
                           f"--batch_size={per_worker}"]),
-        num_workers=n, num_ps=1, pin=False, env=env)
+        num_workers=n, num_ps=1, pin=True, env=env)
 
   def dtype(name):
     return diagnose.RunSpec(name, tuple([*one, f"--dtype={name}"]), pin=True,
@@ -197,8 +198,8 @@ def plot(results: dict, path: str, title: str):
 
   Multi-worker efficiency is against `one_device` (pinned, like each
   worker); parameter-server efficiency against its own 1-worker run (its
-  tasks share the cores, unpinned); the `mwms_2_*` variants are marked at 2
-  workers.
+  workers pinned, its coordinator and ps task on the cores left over); the
+  `mwms_2_*` variants are marked at 2 workers.
   """
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use("Agg")
@@ -218,7 +219,7 @@ def plot(results: dict, path: str, title: str):
     low = [v["examples_per_second"] - v["min"] for _, v in points]
     high = [v["max"] - v["examples_per_second"] for _, v in points]
     label = (group if group == "multi_worker_mirrored" else
-             "parameter_server (tasks share the cores)")
+             "parameter_server (coordinator and ps on the spare cores)")
     left.errorbar(workers, eps, yerr=[low, high], marker=marker, capsize=4,
                   label=label)
     right.plot(workers, [e / (reference * w) for w, e in zip(workers, eps)],
@@ -237,7 +238,7 @@ def plot(results: dict, path: str, title: str):
                linestyle="none", label=name)
   left.plot([1, 2], [base, 2 * base], "k--", linewidth=1,
             label="ideal: one_device x workers")
-  left.set(xlabel="workers (one core each; ps: shared)",
+  left.set(xlabel="workers (one core each)",
            ylabel="examples/sec", xticks=[1, 2],
            title="throughput (median, min-max)")
   right.axhline(1.0, color="k", linestyle="--", linewidth=1)

@@ -54,8 +54,43 @@ class TaskLayoutTest(absltest.TestCase):
     cpus = launch.worker_cpus(tasks, [0, 1])
     self.assertEqual({t.name: c for t, c in cpus.items()},
                      {"chief:0": 0, "worker:0": 1, "worker:1": 0})
-    with self.assertRaisesRegex(ValueError, "without ps tasks.*hangs"):
-      launch.worker_cpus(launch.plan_tasks(num_workers=2, num_ps=1), [0, 1])
+    self.assertEqual(launch.service_cpus(tasks, [0, 1, 2, 3]), {})
+    with self.assertRaisesRegex(ValueError, "at least one CPU core"):
+      launch.worker_cpus(tasks, [])
+
+  def test_pin_workers_with_ps_pins_workers_and_spares_the_rest(self):
+    # With ps tasks the chief coordinates: the workers get a core each and
+    # the chief and the ps tasks share the cores left over.
+    tasks = launch.plan_tasks(num_workers=2, num_ps=1, evaluator=True)
+    by_name = lambda d: {t.name: c for t, c in d.items()}
+    self.assertEqual(by_name(launch.worker_cpus(tasks, [0, 1, 2, 3])),
+                     {"worker:0": 0, "worker:1": 1})
+    self.assertEqual(by_name(launch.service_cpus(tasks, [0, 1, 2, 3])),
+                     {"chief:0": [2, 3], "ps:0": [2, 3]})
+    # No core to spare: the chief and the ps tasks stay unpinned.
+    self.assertEqual(launch.service_cpus(tasks, [0, 1]), {})
+
+  def test_pinned_ps_worker_gets_two_inter_op_threads(self):
+    # One inter-op thread (a worker pinned to one core) never finishes a
+    # closure; strategy_runs_test trains with a pinned ps worker.
+    tasks = launch.plan_tasks(num_workers=1, num_ps=1)
+    cluster = launch.make_cluster(tasks, [1, 2, 3])
+    chief, worker, ps = tasks
+    env = launch.task_env({}, cluster, worker, pinned_cpus=[0])
+    self.assertEqual(env["TF_NUM_INTEROP_THREADS"], "2")
+    for task, cpus in ((worker, ()), (worker, [0, 1]), (chief, [1]),
+                       (ps, [1])):
+      self.assertNotIn("TF_NUM_INTEROP_THREADS",
+                       launch.task_env({}, cluster, task, pinned_cpus=cpus))
+    # The caller's own setting wins.
+    env = launch.task_env({"TF_NUM_INTEROP_THREADS": "4"}, cluster, worker,
+                          pinned_cpus=[0])
+    self.assertEqual(env["TF_NUM_INTEROP_THREADS"], "4")
+    # Without ps tasks a pinned worker keeps TensorFlow's own sizing.
+    mwms = launch.plan_tasks(num_workers=2)
+    env = launch.task_env({}, launch.make_cluster(mwms, [1, 2]), mwms[1],
+                          pinned_cpus=[1])
+    self.assertNotIn("TF_NUM_INTEROP_THREADS", env)
 
   def test_no_grpc_fail_fast_without_ps(self):
     tasks = launch.plan_tasks(num_workers=2)

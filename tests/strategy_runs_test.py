@@ -34,7 +34,10 @@ class StrategyRunsTest(parameterized.TestCase):
        ["--distribution_strategy=mirrored", "--num_cpu_devices=2"], 2),
       ("multi_worker_mirrored_two_workers", ["--num_workers=2"],
        ["--distribution_strategy=multi_worker_mirrored"], 2),
-      ("parameter_server_one_worker_one_ps", ["--num_workers=1", "--num_ps=1"],
+      # The worker pinned to a core of its own: with one inter-op thread it
+      # would never finish a closure (tfdist.launch.PS_WORKER_INTER_OP_THREADS).
+      ("parameter_server_one_worker_one_ps",
+       ["--num_workers=1", "--num_ps=1", "--pin_workers"],
        ["--distribution_strategy=parameter_server"], 1),
   )
   def test_trains_evaluates_and_checkpoints(self, launch_args, strategy_args,

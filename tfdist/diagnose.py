@@ -1081,10 +1081,6 @@ def _check_own_flags(options):
     value = getattr(options, name)
     if value < low:
       raise app.UsageError(f"--{name}={value} must be >= {low}.")
-  if options.pin_workers and options.num_ps:
-    raise app.UsageError("--pin_workers applies to clusters without ps tasks"
-                         " (a parameter-server worker pinned to one core "
-                         "hangs); drop --pin_workers or --num_ps.")
   if options.timeout_seconds <= 0:
     raise app.UsageError(
         f"--timeout_seconds={options.timeout_seconds} must be > 0.")

@@ -23,10 +23,14 @@ Everything after `--` goes to every process (`python -m tfdist.train` unless
   after `--stop_grace_seconds` are killed. A second Ctrl-C kills at once;
 * exits with the chief's exit status (128 + N if a signal N ended it; 1 if
   the chief succeeded but another task failed);
-* with `--pin_workers` (clusters without ps tasks): pins the chief and
-  each worker to a CPU core of its own (`os.sched_setaffinity`, as
-  `taskset -c` does), cycling through the cores this process may use; an
-  evaluator stays unpinned. For measurements: one core per worker;
+* with `--pin_workers`: pins each training process (the chief and the
+  workers; with ps tasks, the workers) to a CPU core of its own
+  (`os.sched_setaffinity`, as `taskset -c` does), cycling through the cores
+  this process may use. With ps tasks the chief (the coordinator) and the ps
+  tasks share the cores left over (unpinned when none is left), and a worker
+  pinned to one core gets `TF_NUM_INTEROP_THREADS=2`
+  (`PS_WORKER_INTER_OP_THREADS`); an evaluator stays unpinned. For
+  measurements: one core per worker;
 * with `--max_restarts=K`: when any task exits with an error (or is
   killed), it stops the others and starts the whole group again, with new
   ports, up to K times. The training binary resumes from the last
@@ -75,6 +79,12 @@ FAILURE_STOP_SECONDS = 5.0
 # --stop_grace_seconds) to exit before it is stopped.
 DONE_EXIT_GRACE_SECONDS = 10.0
 POLL_SECONDS = 0.1
+# The fewest inter-op threads a pinned parameter-server worker runs with.
+# TensorFlow sizes the inter-op pool from the cores the process may use:
+# pinned to one core, one thread, and the worker's first closure never
+# finishes (its stacks show the remote function call waiting on a compute
+# thread for ops that the one thread does not run); with two it trains.
+PS_WORKER_INTER_OP_THREADS = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,10 +139,21 @@ def tf_config(cluster: Dict[str, List[str]], task: Task) -> str:
 
 def task_env(base: Dict[str, str], cluster: Dict[str, List[str]], task: Task,
              *, scratch_dir: Optional[str] = None,
-             done_file: Optional[str] = None) -> Dict[str, str]:
+             done_file: Optional[str] = None,
+             pinned_cpus: Sequence[int] = ()) -> Dict[str, str]:
   """The environment of one task: `base` plus TF_CONFIG and friends (and
-  `$TFDIST_DONE_FILE`, where the task marks its work done)."""
+  `$TFDIST_DONE_FILE`, where the task marks its work done).
+
+  `pinned_cpus`: the cores the task is pinned to (`--pin_workers`; empty:
+  not pinned). A parameter-server worker pinned to fewer than
+  `PS_WORKER_INTER_OP_THREADS` cores gets that many inter-op threads
+  (`TF_NUM_INTEROP_THREADS`, unless `base` sets it).
+  """
   env = dict(base)
+  if (pinned_cpus and cluster.get(cluster_lib.PS) and
+      task.task_type == cluster_lib.WORKER and
+      len(pinned_cpus) < PS_WORKER_INTER_OP_THREADS):
+    env.setdefault("TF_NUM_INTEROP_THREADS", str(PS_WORKER_INTER_OP_THREADS))
   env["TF_CONFIG"] = tf_config(cluster, task)
   env.pop("CLUSTER_SPEC", None)  # TF_CONFIG would win anyway; avoid doubt.
   env["PYTHONUNBUFFERED"] = "1"
@@ -152,8 +173,9 @@ def worker_cpus(tasks: Sequence[Task], cpus: Sequence[int]
                 ) -> Dict[Task, int]:
   """The CPU core of each training worker under `--pin_workers`.
 
-  The chief and the workers train (a cluster without ps tasks); they get
-  `cpus` in order, cycling.
+  The training workers get `cpus` in order, cycling: the chief and the
+  workers of a cluster without ps tasks, the workers of one with ps tasks
+  (whose chief coordinates and trains nothing).
 
   Args:
     tasks: from `plan_tasks`.
@@ -163,23 +185,46 @@ def worker_cpus(tasks: Sequence[Task], cpus: Sequence[int]
     `{task: cpu}` for the training workers.
 
   Raises:
-    ValueError: `cpus` is empty, or the cluster has ps tasks.
+    ValueError: `cpus` is empty.
   """
   if not cpus:
     raise ValueError("--pin_workers needs at least one CPU core; none is "
                      "available to this process (os.sched_getaffinity).")
+  return {t: cpus[i % len(cpus)] for i, t in enumerate(_training(tasks))}
+
+
+def service_cpus(tasks: Sequence[Task], cpus: Sequence[int]
+                 ) -> Dict[Task, List[int]]:
+  """The cores of the coordinator and the ps tasks under `--pin_workers`.
+
+  With ps tasks, the cores left after one per worker (`worker_cpus`) go to
+  the chief (the coordinator) and the ps tasks, shared among them, so that
+  no worker shares its core. With no core left, or without ps tasks, they
+  stay unpinned (an evaluator always does).
+
+  Args:
+    tasks: from `plan_tasks`.
+    cpus: the cores to use.
+
+  Returns:
+    `{task: [cpu, ...]}` for the chief and ps tasks of a parameter-server
+    cluster with cores to spare; else `{}`.
+  """
+  if not any(t.task_type == cluster_lib.PS for t in tasks):
+    return {}
+  spare = list(cpus)[len(_training(tasks)):]
+  if not spare:
+    return {}
+  return {t: spare for t in tasks
+          if t.task_type in (cluster_lib.CHIEF, cluster_lib.PS)}
+
+
+def _training(tasks: Sequence[Task]) -> List[Task]:
+  """The tasks that run training steps (see `worker_cpus`)."""
   has_ps = any(t.task_type == cluster_lib.PS for t in tasks)
-  if has_ps:
-    # Measured: a parameter-server worker pinned to one core ran no step
-    # (the coordinator waited for its first closures until killed).
-    raise ValueError(
-        "--pin_workers applies to clusters without ps tasks: a "
-        "parameter-server worker pinned to one core hangs (it ran no step "
-        "here; TensorFlow sizes its inter-op thread pool from the cores, one "
-        "thread then). Drop --pin_workers or --num_ps.")
-  training = [t for t in tasks
-              if t.task_type in (cluster_lib.WORKER, cluster_lib.CHIEF)]
-  return {t: cpus[i % len(cpus)] for i, t in enumerate(training)}
+  kinds = ((cluster_lib.WORKER,) if has_ps else
+           (cluster_lib.WORKER, cluster_lib.CHIEF))
+  return [t for t in tasks if t.task_type in kinds]
 
 
 def _exit_status(code: Optional[int]) -> int:
@@ -201,7 +246,8 @@ class Launcher:
       finished), how long tasks get before they are killed.
     out: where prefixed output goes.
     pin_workers: pin each training worker to a core of its own
-      (`worker_cpus`).
+      (`worker_cpus`), and the coordinator and ps tasks to the cores left
+      over (`service_cpus`).
   """
 
   def __init__(self, *, tasks: Sequence[Task], command: Sequence[str],
@@ -212,8 +258,11 @@ class Launcher:
     self.max_restarts = int(max_restarts)
     self.stop_grace_seconds = float(stop_grace_seconds)
     self.out = out or sys.stdout
-    self.cpus = (worker_cpus(self.tasks, sorted(os.sched_getaffinity(0)))
-                 if pin_workers else {})
+    self.cpus: Dict[Task, List[int]] = {}
+    if pin_workers:
+      cpus = sorted(os.sched_getaffinity(0))
+      self.cpus = {t: [c] for t, c in worker_cpus(self.tasks, cpus).items()}
+      self.cpus.update(service_cpus(self.tasks, cpus))
     self._lock = threading.Lock()
     self._procs: Dict[Task, subprocess.Popen] = {}
     self._signal: Optional[int] = None
@@ -281,7 +330,8 @@ class Launcher:
       os.makedirs(scratch, exist_ok=True)
       self._done_files[task] = os.path.join(scratch, "tfdist-done")
       env = task_env(dict(os.environ), cluster, task, scratch_dir=scratch,
-                     done_file=self._done_files[task])
+                     done_file=self._done_files[task],
+                     pinned_cpus=self.cpus.get(task, ()))
       proc = subprocess.Popen(self.command, env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                               start_new_session=True)
@@ -289,11 +339,13 @@ class Launcher:
       if task in self.cpus:
         # Before the child imports TensorFlow (it sizes its thread pools
         # from the cores it may use); its threads inherit the mask.
-        os.sched_setaffinity(proc.pid, {self.cpus[task]})
+        os.sched_setaffinity(proc.pid, set(self.cpus[task]))
       where = ("" if task.task_type == cluster_lib.EVALUATOR else
                f" at {HOST}:{port}")
       if task in self.cpus:
-        where += f", pinned to CPU {self.cpus[task]}"
+        cpus = self.cpus[task]
+        where += (f", pinned to CPU{'s' if len(cpus) > 1 else ''} "
+                  f"{','.join(map(str, cpus))}")
       self._say(f"attempt {self.attempts}: started {task.name} pid "
                 f"{proc.pid}{where}")
       thread = threading.Thread(target=self._pump, args=(task, proc.stdout),
@@ -460,10 +512,10 @@ def define_launch_flags():
       "training flag --preemption_grace_seconds (default 30).")
   flags.DEFINE_bool(
       "pin_workers", False,
-      "Pin the chief and each worker to a CPU core of its own, as "
-      "`taskset -c` does; for measurements (python -m tfdist.diagnose, "
-      "benchmarks/). Not with --num_ps (a pinned parameter-server worker "
-      "hangs).")
+      "Pin each training process (the chief and the workers; with "
+      "--num_ps, the workers, while the coordinator and the ps tasks share "
+      "the cores left over) to a CPU core of its own, as `taskset -c` does; "
+      "for measurements (python -m tfdist.diagnose, benchmarks/).")
   flags.DEFINE_string("module", "tfdist.train",
                       "Python module every task runs with `python -m`.")
 
@@ -475,10 +527,6 @@ def main(argv):
                        evaluator=FLAGS.evaluator)
   except ValueError as e:
     raise app.UsageError(str(e)) from None
-  if FLAGS.pin_workers and FLAGS.num_ps:
-    raise app.UsageError("--pin_workers applies to clusters without ps tasks"
-                         " (a parameter-server worker pinned to one core "
-                         "hangs); drop --pin_workers or --num_ps.")
   if FLAGS.max_restarts < 0:
     raise app.UsageError(f"--max_restarts={FLAGS.max_restarts} must be >= 0.")
   launcher = Launcher(
