@@ -201,7 +201,13 @@ def plot(results: dict, path: str, title: str):
   workers pinned, its coordinator and ps task on the cores left over); the
   `mwms_2_*` variants are marked at 2 workers.
   """
-  import matplotlib  # pylint: disable=g-import-not-at-top
+  try:
+    import matplotlib  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    raise SystemExit(
+        "scaling.py --plot needs matplotlib: set up with "
+        "TFDIST_BENCHMARKS=1 bash tools/setup.sh (or pip install "
+        "'.[benchmarks]'), or leave --plot out.") from None
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
   base = results["one_device"]["examples_per_second"]
