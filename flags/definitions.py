@@ -329,8 +329,8 @@ def _define_memory_flags() -> None:
   flags.DEFINE_bool(
       "shard_optimizer_state", _default("shard_optimizer_state"),
       "ZeRO stage 1 (mirrored, multi_worker_mirrored): each of the N "
-      "replicas keeps the optimizer slots and float32 master weights of "
-      "1/N of the parameters; gradients are summed and sliced, each "
+      "replicas keeps the optimizer slots of 1/N of the parameters; "
+      "gradients are summed and sliced, each "
       "replica updates its shard, the shards are all-gathered. Same "
       "weights as unsharded; checkpoints interchangeable. Not with lamb.")
   flags.DEFINE_bool(

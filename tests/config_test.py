@@ -17,6 +17,35 @@ pytestmark = pytest.mark.compat
 
 class TrainConfigTest(parameterized.TestCase):
 
+  def test_zero_switches_given_false_can_contradict_the_stage(self):
+    base = dict(model_dir="/tmp/x", train_steps=1)
+    # Unset switches take no side: --zero_stage decides.
+    self.assertEqual(TrainConfig(zero_stage=2, **base).zero_stage_resolved,
+                     2)
+    self.assertFalse(TrainConfig(**base).shard_optimizer_state)
+    self.assertEqual(TrainConfig(zero_stage=1, shard_gradients=False,
+                                 **base).zero_stage_resolved, 1)
+    with self.assertRaisesRegex(
+        ConfigError, r"^--zero_stage=2 contradicts "
+        r"--shard_optimizer_state=False\. Give"):
+      TrainConfig(zero_stage=2, shard_optimizer_state=False, **base)
+    # Only the switches given are named.
+    with self.assertRaisesRegex(
+        ConfigError, r"^--zero_stage=1 contradicts --shard_gradients=True\."):
+      TrainConfig(zero_stage=1, shard_gradients=True, **base)
+    with self.assertRaisesRegex(ConfigError, "contradict each other"):
+      TrainConfig(shard_gradients=True, shard_optimizer_state=False, **base)
+    # A replaced config keeps the switches unset.
+    self.assertEqual(TrainConfig(**base).replace(zero_stage=2)
+                     .zero_stage_resolved, 2)
+
+  def test_only_stage_3_points_at_the_stage_3_notes(self):
+    with self.assertRaisesRegex(ConfigError, "Stage 3"):
+      TrainConfig(model_dir="/tmp/x", zero_stage=3)
+    with self.assertRaises(ConfigError) as caught:
+      TrainConfig(model_dir="/tmp/x", zero_stage=-1)
+    self.assertNotIn("Stage 3", str(caught.exception))
+
   def test_class_weight_forms(self):
     base = dict(model_dir="/tmp/x", train_steps=1)
     want = ((0, 1.0), (1, 4.5))

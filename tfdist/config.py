@@ -75,6 +75,8 @@ TPU_DEFAULT_STEPS_PER_EXECUTION = 100
 # `TrainConfig.__post_init__` from DATASET_RECOMMENDED_FLAGS, else from
 # UNSET_DEFAULTS (batch_size stays None: 128 unless --per_replica_batch_size
 # is given, see tfdist.training.batch_plan).
+# The ZeRO switches (`zero_stage` says the same in DeepSpeed's terms).
+SHARDING_SWITCHES = ("shard_optimizer_state", "shard_gradients")
 RECOMMENDABLE_FIELDS = ("model", "batch_size", "optimizer",
                         "base_learning_rate", "lr_scaling")
 UNSET_DEFAULTS = {"model": "cnn", "optimizer": "sgd",
@@ -396,13 +398,15 @@ class TrainConfig:
   # Op determinism and a deterministic input order (needs --seed).
   deterministic: bool = False
   # --- Sharded data parallelism (ZeRO, Rajbhandari et al. 2020) ---
-  # Each replica keeps the optimizer state (and float32 master weights) of
-  # 1/N of the parameters (stage 1); with shard_gradients also its shard
-  # of the gradient accumulators (stage 2). zero_stage (0, 1, 2) says the
-  # same in DeepSpeed's terms; None: from the two switches. See
-  # `zero_stage_resolved` and tfdist/training/sharded_optimizer.py.
-  shard_optimizer_state: bool = False
-  shard_gradients: bool = False
+  # Each replica keeps the optimizer state of 1/N of the parameters (stage
+  # 1); with shard_gradients also its shard of the gradient accumulators
+  # (stage 2). zero_stage (0, 1, 2) says the same in DeepSpeed's terms;
+  # None: from the two switches. The switches: None (unset) becomes False
+  # (see `defaulted`), so a switch given as False can contradict
+  # zero_stage. See `zero_stage_resolved` and
+  # tfdist/training/sharded_optimizer.py.
+  shard_optimizer_state: Optional[bool] = None
+  shard_gradients: Optional[bool] = None
   zero_stage: Optional[int] = None
   # --- Resuming mid-epoch ---
   # Checkpoints record the input order, and a resumed run continues its
@@ -459,6 +463,10 @@ class TrainConfig:
         kind = requested_kind(self.distribution_strategy)
         set_(name, tpu_default if kind is not None and kind.is_tpu else
              default)
+        defaulted.append(name)
+    for name in SHARDING_SWITCHES:
+      if getattr(self, name) is None:
+        set_(name, False)
         defaulted.append(name)
     set_("defaulted", tuple(sorted(defaulted)))
     set_("import_modules", _split_list(self.import_modules))
@@ -763,17 +771,28 @@ class TrainConfig:
     """ZeRO stages: offered, consistent, under a strategy that shards."""
     _need(self.zero_stage in (None, 0, 1, 2),
           f"--zero_stage={self.zero_stage} is not offered: use 0 (off), 1 "
-          "(shard optimizer state) or 2 (also gradients). Stage 3 (sharded "
-          "weights) needs APIs TensorFlow lacks: see "
-          "docs/guides/sharded-training.md.")
-    switches = (2 if self.shard_gradients else
-                1 if self.shard_optimizer_state else 0)
-    _need(self.zero_stage is None or not switches or
-          switches == self.zero_stage,
-          f"--zero_stage={self.zero_stage} contradicts "
-          f"--shard_optimizer_state={self.shard_optimizer_state} "
-          f"--shard_gradients={self.shard_gradients}. Give --zero_stage "
-          "alone, or the switches alone (--shard_gradients implies stage 2).")
+          "(shard optimizer state) or 2 (also gradients)." + (
+              " Stage 3 (sharded weights) needs APIs TensorFlow lacks: see "
+              "docs/guides/sharded-training.md." if self.zero_stage == 3
+              else ""))
+    given = {name: getattr(self, name) for name in SHARDING_SWITCHES
+             if name not in self.defaulted}
+    said = " ".join(f"--{name}={value}" for name, value in given.items())
+    _need(not (given.get("shard_gradients") and
+               given.get("shard_optimizer_state") is False),
+          f"{said} contradict each other: --shard_gradients (stage 2) "
+          "shards the optimizer state too. Give --shard_gradients alone.")
+    if self.zero_stage is not None and given:
+      # What each switch given says of the stage: True, the stage is at
+      # least (optimizer state) or exactly (gradients) its own; False,
+      # below it.
+      agrees = {"shard_optimizer_state": lambda on: on == (
+                    self.zero_stage >= 1),
+                "shard_gradients": lambda on: on == (self.zero_stage == 2)}
+      _need(all(agrees[name](on) for name, on in given.items()),
+            f"--zero_stage={self.zero_stage} contradicts {said}. Give "
+            "--zero_stage alone, or the switches alone (--shard_gradients "
+            "implies stage 2).")
     stage = self.zero_stage_resolved
     if not stage:
       return

@@ -279,8 +279,8 @@ def _log_trainer(trainer: Trainer, options: AssemblyOptions, *, plan,
     layout = trainer.sharded.layout
     logging.info(
         "ZeRO stage %d: each of the %d replicas keeps the optimizer state "
-        "and float32 master weights of %d of the %d parameters (one shard of "
-        "a flat buffer, %d elements of padding)%s; gradients are all-reduced "
+        "of %d of the %d parameters (one shard of a flat buffer, %d "
+        "elements of padding)%s; gradients are all-reduced "
         "then sliced (no reduce-scatter on CPU collectives), the updated "
         "shards all-gathered.", sharding.stage, layout.num_shards,
         layout.shard_size, layout.total, layout.padding,
