@@ -68,6 +68,11 @@ TEST_GROUP_MEMBER = "tfdist_py_test_group member"
 # by other targets too, so it does not count as their runner.
 TEST_COMPAT_MACRO = "tfdist_py_test_compat"
 COMPAT_MARK = re.compile(r"pytest\.mark\.compat\b")
+# Compat tests that run several processes at once are also marked
+# `cluster`; a compat target whose marker expression selects them ("compat
+# and cluster", not "... and not cluster") runs them apart from the rest.
+CLUSTER_MARK = re.compile(r"pytest\.mark\.cluster\b")
+CLUSTER_SELECTED = re.compile(r"(?<!not )\bcluster\b")
 TEST_KINDS = ("py_test", TEST_MACRO, TEST_GROUP_MACRO)
 # Rules whose `srcs` (and imports) this check reads.
 SOURCE_RULES = PY_RULES + (TEST_MACRO, TEST_GROUP_MEMBER, TEST_COMPAT_MACRO)
@@ -87,6 +92,8 @@ class Target:
   size: Optional[str] = None
   # The BUILD variable that `srcs` names (`srcs = UNIT_TESTS`), if any.
   srcs_variable: Optional[str] = None
+  # A compat target's pytest marker expression (its `marker`).
+  marker: Optional[str] = None
 
 
 class BuildFileError(ValueError):
@@ -286,6 +293,8 @@ def parse_build_file(root: str, package: str,
       target.srcs.append(TEST_MACRO_MAIN)
       target.main = TEST_MACRO_MAIN
     elif kind == TEST_COMPAT_MACRO:
+      marker = ev.value(kw["marker"]) if "marker" in kw else "compat"
+      target.marker = marker if isinstance(marker, str) else None
       target.srcs.append(TEST_MACRO_MAIN)
       target.main = TEST_MACRO_MAIN
       target.deps += list(TEST_MACRO_DEPS)
@@ -572,29 +581,60 @@ class Workspace:
     return problems
 
   def _check_compat(self) -> List[str]:
-    """The compat targets list exactly the files that mark tests `compat`."""
+    """The compat targets list exactly the files that mark tests `compat`.
+
+    A package may split its compat tests between targets by marker (the
+    multi-process ones, marked `cluster` too, in a target of their own):
+    together the targets must list every file that marks a test `compat`;
+    a target whose marker expression selects `cluster` tests lists exactly
+    the files that mark both, and no target lists a file that marks none.
+    """
     problems = []
+    by_package = {}
     for target in sorted(self.targets.values(), key=lambda t: t.label):
-      if target.kind != TEST_COMPAT_MACRO:
-        continue
-      package = target.label[2:].partition(":")[0]
-      listed = {s for s in target.srcs if s != TEST_MACRO_MAIN}
-      where = target.srcs_variable or f"the srcs of {target.label}"
+      if target.kind == TEST_COMPAT_MACRO:
+        package = target.label[2:].partition(":")[0]
+        by_package.setdefault(package, []).append(target)
+    for package, targets in sorted(by_package.items()):
+      listed = {}
+      for target in targets:
+        for src in target.srcs:
+          if src != TEST_MACRO_MAIN:
+            listed.setdefault(src, []).append(target)
       for path in self.test_files():
         if os.path.dirname(path) != package:
           continue
         with open(os.path.join(self.root, path)) as f:
-          marked = bool(COMPAT_MARK.search(f.read()))
+          text = f.read()
+        marked = bool(COMPAT_MARK.search(text))
+        cluster = marked and bool(CLUSTER_MARK.search(text))
         if marked and path not in listed:
+          target = targets[0]
+          where = target.srcs_variable or f"the srcs of {target.label}"
           problems.append(
               f"{path} marks tests `compat`, but {target.label} does not "
               f'run them: add "{os.path.basename(path)}" to {where} in '
               f"{target.build_file} (and the libraries it imports to the "
               "target's deps).")
-        elif not marked and path in listed:
+        for target in listed.get(path, []) if not marked else []:
+          where = target.srcs_variable or f"the srcs of {target.label}"
           problems.append(
               f"{path} is in {where} ({target.build_file}) but marks no "
               f'test `compat`: remove "{os.path.basename(path)}" there.')
+        for target in targets:
+          if not CLUSTER_SELECTED.search(target.marker or ""):
+            continue
+          where = target.srcs_variable or f"the srcs of {target.label}"
+          if cluster and target not in listed.get(path, []):
+            problems.append(
+                f"{path} marks compat tests `cluster`, but {target.label} "
+                f'does not run them: add "{os.path.basename(path)}" to '
+                f"{where} in {target.build_file}.")
+          elif not cluster and target in listed.get(path, []):
+            problems.append(
+                f"{path} is in {where} ({target.build_file}) but marks no "
+                f'compat test `cluster`: remove "{os.path.basename(path)}" '
+                "there.")
     return problems
 
   def _check_imports(self) -> List[str]:

@@ -432,5 +432,72 @@ class CompatTest(absltest.TestCase):
                      ["compat_old", "core_test"])
 
 
+_CLUSTER_MARK = "pytest.mark." + "cluster"
+
+
+class CompatClusterTest(absltest.TestCase):
+  """Compat tests marked `cluster` run in a target of their own."""
+
+  def setUp(self):
+    super().setUp()
+    self.root = os.path.join(testutil.scratch_dir(), "ws")
+    _small_workspace(self.root)
+    _write(self.root, "tests/core_test.py",
+           f"import pytest\nfrom lib import core\n"
+           f"pytestmark = {_COMPAT_MARK}\n")
+    _write(self.root, "tests/run_test.py",
+           f"import pytest\nfrom lib import core\n"
+           f"pytestmark = {_COMPAT_MARK}\n"
+           f"@{_CLUSTER_MARK}\ndef test_x():\n  pass\n")
+    self.build = textwrap.dedent("""\
+        load("//tests:defs.bzl", "tfdist_py_test", "tfdist_py_test_compat")
+        exports_files(["pytest_main.py"])
+        py_library(name = "init", srcs = ["__init__.py"])
+        tfdist_py_test(name = "core_test", size = "small",
+                       deps = ["//lib:core"])
+        tfdist_py_test(name = "run_test", size = "small",
+                       deps = ["//lib:core"])
+        COMPAT_TESTS = ["core_test.py", "run_test.py"]
+        tfdist_py_test_compat(
+            name = "compat_old",
+            size = "large",
+            srcs = COMPAT_TESTS,
+            venv = ".venv-old",
+            marker = "compat and not cluster",
+            deps = ["//lib:core"],
+        )
+        COMPAT_CLUSTER_TESTS = ["run_test.py"]
+        tfdist_py_test_compat(
+            name = "compat_old_cluster",
+            size = "large",
+            srcs = COMPAT_CLUSTER_TESTS,
+            venv = ".venv-old",
+            marker = "compat and cluster",
+            deps = ["//lib:core"],
+        )
+        """)
+    _write(self.root, "tests/BUILD", self.build)
+
+  def test_split_targets_pass(self):
+    self.assertEqual(bazel_targets.check_workspace(self.root), [])
+
+  def test_a_file_with_cluster_tests_must_be_in_the_cluster_target(self):
+    _write(self.root, "tests/BUILD", self.build.replace(
+        'COMPAT_CLUSTER_TESTS = ["run_test.py"]',
+        "COMPAT_CLUSTER_TESTS = []"))
+    self.assertEqual(bazel_targets.check_workspace(self.root), [
+        "tests/run_test.py marks compat tests `cluster`, but "
+        '//tests:compat_old_cluster does not run them: add "run_test.py" to '
+        "COMPAT_CLUSTER_TESTS in tests/BUILD."])
+
+  def test_a_file_without_cluster_tests_is_not_in_the_cluster_target(self):
+    _write(self.root, "tests/BUILD", self.build.replace(
+        'COMPAT_CLUSTER_TESTS = ["run_test.py"]',
+        'COMPAT_CLUSTER_TESTS = ["core_test.py", "run_test.py"]'))
+    self.assertEqual(bazel_targets.check_workspace(self.root), [
+        "tests/core_test.py is in COMPAT_CLUSTER_TESTS (tests/BUILD) but "
+        'marks no compat test `cluster`: remove "core_test.py" there.'])
+
+
 if __name__ == "__main__":
   absltest.main()

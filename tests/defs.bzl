@@ -132,13 +132,14 @@ def tfdist_py_test_compat(
         size,
         srcs,
         venv,
+        marker = "compat",
         deps = [],
         data = [],
         args = [],
         **kwargs):
     """Declares the py_test `name`: the `compat` tests of `srcs` in `venv`.
 
-    One pytest process runs `pytest SRCS -m compat` with the interpreter of
+    One pytest process runs `pytest SRCS -m MARKER` with the interpreter of
     the virtual environment `venv` (the toolchain reads TFDIST_VENV), e.g.
     the oldest supported TensorFlow's. The files also have their own
     targets (or the unit-test group) in the default environment; this one
@@ -150,9 +151,11 @@ def tfdist_py_test_compat(
       srcs: the test files that mark tests `compat`.
       venv: the virtual environment folder, relative to the workspace root
         (".venv-tf217").
+      marker: the pytest marker expression that selects the tests: "compat",
+        or a part of them ("compat and cluster", "compat and not cluster").
       deps: py_library targets any of the files imports.
       data: files the tests read at run time.
-      args: extra pytest arguments, after `-m compat`.
+      args: extra pytest arguments, after `-m MARKER`.
       **kwargs: passed to py_test (tags, shard_count, flaky, ...).
     """
     py_test(
@@ -160,7 +163,11 @@ def tfdist_py_test_compat(
         size = size,
         srcs = srcs + ["//tests:pytest_main.py"],
         main = "//tests:pytest_main.py",
-        args = ["$(rootpath %s)" % src for src in srcs] + ["-m", "compat"] + args,
+        args = ["$(rootpath %s)" % src for src in srcs] + [
+            "-m",
+            # Bazel splits args as a shell would: one quoted word.
+            "'%s'" % marker,
+        ] + args,
         python_version = "PY3",
         deps = deps + ["//tests:init"],
         data = data + [

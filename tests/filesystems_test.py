@@ -137,6 +137,7 @@ class WithoutTensorflowIoTest(absltest.TestCase):
     self.assertFalse(os.listdir(model_dir))
 
 
+@pytest.mark.cluster
 class S3EmulatorTest(absltest.TestCase):
   """`s3://` for real against moto's S3 server (TensorFlow 2.17)."""
 

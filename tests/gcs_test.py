@@ -69,6 +69,7 @@ def _copy_to_gcs(local_dir: str, gcs_dir: str):
     tf.io.gfile.copy(path, f"{gcs_dir}/{os.path.basename(path)}")
 
 
+@pytest.mark.cluster
 class GcsKillAndResumeTest(absltest.TestCase):
   """One killed run and its resumption, shared by the checks below."""
 

@@ -26,22 +26,10 @@ STEPS = 12
 TIMEOUT = 300
 
 
-class StrategyRunsTest(parameterized.TestCase):
+class _RunChecks(parameterized.TestCase):
+  """One run of the binary or the launcher, and what it must leave."""
 
-  @parameterized.named_parameters(
-      ("one_device", [], ["--distribution_strategy=one_device"], 1),
-      ("mirrored_on_two_logical_cpus", [],
-       ["--distribution_strategy=mirrored", "--num_cpu_devices=2"], 2),
-      ("multi_worker_mirrored_two_workers", ["--num_workers=2"],
-       ["--distribution_strategy=multi_worker_mirrored"], 2),
-      # The worker pinned to a core of its own: with one inter-op thread it
-      # would never finish a closure (tfdist.launch.PS_WORKER_INTER_OP_THREADS).
-      ("parameter_server_one_worker_one_ps",
-       ["--num_workers=1", "--num_ps=1", "--pin_workers"],
-       ["--distribution_strategy=parameter_server"], 1),
-  )
-  def test_trains_evaluates_and_checkpoints(self, launch_args, strategy_args,
-                                            replicas):
+  def check_run(self, launch_args, strategy_args, replicas):
     import keras  # pylint: disable=g-import-not-at-top
     import tensorflow as tf  # pylint: disable=g-import-not-at-top
     data = testutil.fashion_mnist_subset(limit=512, train_shards=4,
@@ -81,3 +69,34 @@ class StrategyRunsTest(parameterized.TestCase):
 
 if __name__ == "__main__":
   absltest.main()
+
+
+class StrategyRunsTest(_RunChecks):
+  """The strategies of one process."""
+
+  @parameterized.named_parameters(
+      ("one_device", [], ["--distribution_strategy=one_device"], 1),
+      ("mirrored_on_two_logical_cpus", [],
+       ["--distribution_strategy=mirrored", "--num_cpu_devices=2"], 2),
+  )
+  def test_trains_evaluates_and_checkpoints(self, launch_args, strategy_args,
+                                            replicas):
+    self.check_run(launch_args, strategy_args, replicas)
+
+
+@pytest.mark.cluster
+class ClusterRunsTest(_RunChecks):
+  """The strategies of several processes, through tfdist.launch."""
+
+  @parameterized.named_parameters(
+      ("multi_worker_mirrored_two_workers", ["--num_workers=2"],
+       ["--distribution_strategy=multi_worker_mirrored"], 2),
+      # The worker pinned to a core of its own: with one inter-op thread it
+      # would never finish a closure (tfdist.launch.PS_WORKER_INTER_OP_THREADS).
+      ("parameter_server_one_worker_one_ps",
+       ["--num_workers=1", "--num_ps=1", "--pin_workers"],
+       ["--distribution_strategy=parameter_server"], 1),
+  )
+  def test_trains_evaluates_and_checkpoints(self, launch_args, strategy_args,
+                                            replicas):
+    self.check_run(launch_args, strategy_args, replicas)

@@ -4,10 +4,12 @@
 # time). In tests/BUILD:
 #   * //tests:unit_tests runs the unit-test files together (one pytest
 #     process: one TensorFlow start-up for all of them);
-#   * //tests:compat_tf217 runs the tests marked `compat` (tests/conftest.py:
-#     every module's unit tests, one short training run per strategy, the
-#     tensorflow-io tests) once more in .venv-tf217 (TensorFlow 2.17, which
-#     tools/setup.sh builds), beside the other targets;
+#   * //tests:compat_tf217 and //tests:compat_tf217_cluster run the tests
+#     marked `compat` (tests/conftest.py: every module's unit tests, one
+#     short training run per strategy, the tensorflow-io tests) once more in
+#     .venv-tf217 (TensorFlow 2.17, which tools/setup.sh builds): the
+#     multi-process ones (also marked `cluster`) in the second, the rest in
+#     the first, beside the other targets;
 #   * every other test file has its own target.
 #
 # No pytest pass runs beside Bazel by default: Bazel runs every file already,
@@ -26,7 +28,7 @@
 #   TFDIST_PYTEST=compat  pytest runs the tests marked `compat`
 #   TFDIST_PYTEST=none    no pytest pass (the default when Bazel runs)
 #   TFDIST_TF217=0        no TF 2.17 tests: Bazel leaves out
-#                         //tests:compat_tf217, and without Bazel there is
+#                         //tests:compat_tf217(_cluster), and without Bazel there is
 #                         no TF 2.17 pass (for a set-up without .venv-tf217,
 #                         tools/setup.sh's TFDIST_TF217=0)
 #   TFDIST_BAZEL=0        skip Bazel (a local run without Bazel)
@@ -98,7 +100,7 @@ status=0
 # subtracts).
 targets=(-- //tests/...)
 if [ "${TFDIST_TF217:-1}" = 0 ]; then
-  targets+=(-//tests:compat_tf217)
+  targets+=(-//tests:compat_tf217 -//tests:compat_tf217_cluster)
 fi
 # Tests are scheduled by CPU: a multi-process test (tags cpu:2) takes two
 # of three CPU units, a single-process one one, so two multi-process tests
