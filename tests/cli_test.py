@@ -151,16 +151,6 @@ class TrainEdgeTest(absltest.TestCase):
     self.assertEqual(train.failure_message(preempted, status),
                      f"tfdist.train: {preempted}")
 
-  def test_cluster_processes_leave_without_teardown(self):
-    leaves = train._leaves_without_teardown  # pylint: disable=protected-access
-    self.assertTrue(leaves({"role": "ps"}))
-    self.assertTrue(leaves({"role": "worker", "index": 1}))
-    self.assertTrue(leaves({"strategy": "multi_worker_mirrored"}))
-    self.assertTrue(leaves({"strategy": "parameter_server"}))
-    self.assertFalse(leaves({"strategy": "mirrored"}))
-    self.assertFalse(leaves({"strategy": "one_device", "role": "chief"}))
-    self.assertFalse(leaves({"role": "evaluator", "results": []}))
-
 
 if __name__ == "__main__":
   absltest.main()

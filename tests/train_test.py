@@ -9,6 +9,8 @@ import glob
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -279,12 +281,30 @@ class TrainBinaryTest(absltest.TestCase):
     data = testutil.fashion_mnist_subset(limit=512, train_shards=4,
                                          test_shards=2)
     model_dir = testutil.scratch_dir()
+    # After a finished run the binary ends without Python's teardown, which
+    # took 7 to 45 s after a Mirrored run on this busy machine (long enough
+    # for tfdist.launch to stop a task that had written its done marker and
+    # count the run failed): an atexit hook that every Python process here
+    # registers (sitecustomize) must not run.
+    hook = testutil.scratch_dir()
+    marker = os.path.join(hook, "teardown_ran")
+    with open(os.path.join(hook, "sitecustomize.py"), "w") as f:
+      f.write("import atexit\n"
+              f"atexit.register(lambda: open({marker!r}, 'w').close())\n")
+    env = {"PYTHONPATH": os.pathsep.join([hook, testutil.REPO_ROOT])}
+    control = subprocess.run([sys.executable, "-c", "pass"], env=env,
+                             timeout=60, check=True)
+    self.assertEqual(control.returncode, 0)
+    self.assertTrue(os.path.exists(marker), "the atexit hook did not load")
+    os.remove(marker)
     proc = testutil.run_module("tfdist.train", [
         "--distribution_strategy=mirrored", "--num_cpu_devices=2",
         f"--train_files={data['train']}", f"--eval_files={data['eval']}",
         "--train_steps=10", "--log_steps=5", "--batch_size=64",
-        f"--model_dir={model_dir}"], timeout=400)
+        f"--model_dir={model_dir}"], timeout=400, env=env)
     self.assertEqual(proc.returncode, 0, proc.stdout[-3000:])
+    self.assertFalse(os.path.exists(marker),
+                     "the binary ran Python's teardown after a finished run")
     manifest = _artifacts_ok(self, model_dir)
     self.assertEqual(manifest["strategy"], "mirrored")
     self.assertEqual(manifest["num_replicas_in_sync"], 2)

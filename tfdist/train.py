@@ -40,8 +40,17 @@ for _name in KEY_FLAGS:
   absl_flags.declare_key_flag(_name)
 
 
-# Set by `main` after a run whose processes talk to peers (see
-# `_leaves_without_teardown`): the binary's `run` then exits at once.
+# Set by `main` once the run has finished (its artifacts written, its done
+# marker too): the binary's `run` then ends the process without Python's
+# teardown (`_exit_now`). Teardown serves nothing after a finished run and
+# costs seconds (TensorFlow's objects freed one by one: 3.5 s after a
+# 2-step Mirrored run at load average 7); under `tfdist.launch` a task that
+# has written its done marker and has not exited 10 s later is stopped and
+# the run counted failed. In a cluster, teardown also tells peers already
+# gone about every deleted function (gRPC errors) or hangs on a half-read
+# distributed iterator. `main` itself returns (wrapper binaries go on),
+# except on the tasks of a multi-worker MultiWorkerMirrored run, which end
+# their process inside the run, the chief last (tfdist.distribute.worker_exit).
 _LEAVE_WITHOUT_TEARDOWN = False
 
 
@@ -73,26 +82,6 @@ def _usage_error(error: Exception):
   print(f"tfdist.train: error: {error}\nSee python -m tfdist.train "
         "--helpshort for the key flags.", file=sys.stderr, flush=True)
   sys.exit(2)
-
-
-def _leaves_without_teardown(result: dict) -> bool:
-  """Whether the binary leaves without Python's teardown after `result`.
-
-  A process of a cluster (a multi-worker strategy, or a ps/worker task)
-  does: teardown would tell peers that are already gone about every deleted
-  function (gRPC errors) or hang on a half-read distributed iterator.
-  `main` itself returns (wrapper binaries go on), except on the tasks of a
-  multi-worker MultiWorkerMirrored run, which end their process inside the
-  run, the chief last (tfdist.distribute.worker_exit).
-
-  Args:
-    result: `run_experiment`'s record (`role`, `strategy`: a concrete
-      `--distribution_strategy` value, both optional).
-  """
-  if result.get("role") in ("worker", "ps"):
-    return True
-  strategy = result.get("strategy")
-  return bool(strategy) and StrategyKind.parse(strategy).is_multi_worker
 
 
 def failure_message(error: Exception, status: int) -> str:
@@ -170,8 +159,7 @@ def main(argv, *, callbacks: Sequence["keras.callbacks.Callback"] = ()):
   # This task's work is done: tell the launcher (tfdist.distribute.worker_exit).
   worker_exit.mark_done(os.environ.get(worker_exit.DONE_FILE_ENV))
   global _LEAVE_WITHOUT_TEARDOWN
-  if _leaves_without_teardown(result):
-    _LEAVE_WITHOUT_TEARDOWN = True  # The binary's `run` exits at once.
+  _LEAVE_WITHOUT_TEARDOWN = True  # The binary's `run` exits at once.
   if result.get("exit_status"):  # A ps/worker server stopped by a signal.
     sys.exit(result["exit_status"])
 
@@ -187,6 +175,7 @@ def _exit_now(code) -> None:
     print(code, file=sys.stderr)
     code = 1
   logging.flush()
+  std_logging.shutdown()  # Flushes and closes every Python logging handler.
   sys.stdout.flush()
   sys.stderr.flush()
   os._exit(0 if code is None else code)  # pylint: disable=protected-access
