@@ -14,13 +14,12 @@
 * The pieces those rely on, in-process: address resolution, the rendezvous,
   and the chief's check that a worker's server is gone.
 
-Cost (Bazel on 2 cores, 1 December 2026): the repeated runs about 285 s,
+Cost (Bazel on 2 cores, 1 December 2026): each repeated run about 17 s,
 nearly all of it the start-up of three processes (the launcher and two
-TensorFlow workers) per run, about 25 s each: runs 1-9 train 2 steps, as
-few as a run with a checkpoint and a clean exit takes; run 0's 200 steps
-are what the thread count needs (about 10 threads a step would show as
-1,500 over its 150 sampled steps). Start-up tests about 20 s, the pieces
-under 10 s.
+TensorFlow workers): runs 1-3 train 2 steps, as few as a run with a
+checkpoint and a clean exit takes; run 0's 200 steps are what the thread
+count needs (about 10 threads a step would show as 1,500 over its 150
+sampled steps). Start-up tests about 20 s, the pieces under 10 s.
 """
 
 import json
@@ -45,7 +44,10 @@ from tfdist.distribute import rendezvous
 from tfdist.distribute import worker_exit
 
 TIMEOUT = 300
-RUNS = 10
+# Consecutive 2-worker runs, each of which must exit cleanly: 4 here (about
+# 70 s); the reliability figure in docs/design/long-runs.md is 10 of 10:
+#   TFDIST_LONG_RUNS=10 python -m pytest tests/long_runs_test.py -k every_run
+RUNS = int(os.environ.get("TFDIST_LONG_RUNS", "4"))
 THREAD_STEPS = (50, 125, 200)
 # Threads a task may gain between the first and the last sample: TensorFlow
 # and tf.data start a few on demand; a per-collective timeout adds about 10
