@@ -75,6 +75,18 @@ class ConvertersTest(absltest.TestCase):
     options = run_options.manifest_options(config)
     self.assertTrue(dataclasses.is_dataclass(options))
 
+  def test_manifest_records_the_zero_stage_that_ran(self):
+    for switches, stage in (({}, 0), ({"shard_optimizer_state": True}, 1),
+                            ({"shard_optimizer_state": True,
+                              "shard_gradients": True}, 2)):
+      config = _config(distribution_strategy="mirrored", **switches)
+      recorded = run_options.manifest_options(config).config
+      self.assertEqual(recorded["zero_stage"], stage, switches)
+      self.assertIsNone(config.zero_stage)  # Not given.
+    config = _config(distribution_strategy="mirrored", zero_stage=1)
+    self.assertEqual(run_options.manifest_options(config).config["zero_stage"],
+                     1)
+
 
 if __name__ == "__main__":
   absltest.main()

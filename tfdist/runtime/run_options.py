@@ -263,9 +263,16 @@ def run_record_settings(config: TrainConfig) -> dict:
 
 
 def manifest_options(config: TrainConfig) -> manifest.ManifestOptions:
-  """What `tfdist.observability.manifest.build_manifest` records of `config`."""
+  """What `tfdist.observability.manifest.build_manifest` records of `config`.
+
+  The recorded config has no setting left to resolve: `zero_stage` is the
+  stage that ran (`TrainConfig.zero_stage_resolved`: from the switches when
+  `--zero_stage` was not given; the manifest's `flags` say which were).
+  """
+  recorded = config.to_dict()
+  recorded["zero_stage"] = config.zero_stage_resolved
   return manifest.ManifestOptions(
-      flags=tuple(config.flags_snapshot), config=config.to_dict(),
+      flags=tuple(config.flags_snapshot), config=recorded,
       base_learning_rate=config.base_learning_rate,
       base_batch_size=config.base_batch_size, lr_scaling=config.lr_scaling,
       model=config.model, dataset=config.dataset,
