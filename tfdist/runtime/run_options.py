@@ -255,24 +255,27 @@ def dataset(config: TrainConfig):
 def run_record_settings(config: TrainConfig) -> dict:
   """The settings `tfdist.training.checkpointing.run_record` records beside the
   checkpoints: every config field by flag name, as JSON-serializable values
-  (`TrainConfig.to_dict`)."""
-  return config.to_dict()
+  (`TrainConfig.to_dict`), with nothing left to resolve (`recorded_config`)."""
+  return recorded_config(config)
+
+
+def recorded_config(config: TrainConfig) -> dict:
+  """`config.to_dict()` with nothing left to resolve: `zero_stage` is the
+  stage that runs (`TrainConfig.zero_stage_resolved`: from the switches when
+  `--zero_stage` was not given; the manifest's `flags` say which were)."""
+  recorded = config.to_dict()
+  recorded["zero_stage"] = config.zero_stage_resolved
+  return recorded
 
 
 # --- observability (run log, manifest, diagnose) ---
 
 
 def manifest_options(config: TrainConfig) -> manifest.ManifestOptions:
-  """What `tfdist.observability.manifest.build_manifest` records of `config`.
-
-  The recorded config has no setting left to resolve: `zero_stage` is the
-  stage that ran (`TrainConfig.zero_stage_resolved`: from the switches when
-  `--zero_stage` was not given; the manifest's `flags` say which were).
-  """
-  recorded = config.to_dict()
-  recorded["zero_stage"] = config.zero_stage_resolved
+  """What `tfdist.observability.manifest.build_manifest` records of `config`
+  (its config as `recorded_config` gives it)."""
   return manifest.ManifestOptions(
-      flags=tuple(config.flags_snapshot), config=recorded,
+      flags=tuple(config.flags_snapshot), config=recorded_config(config),
       base_learning_rate=config.base_learning_rate,
       base_batch_size=config.base_batch_size, lr_scaling=config.lr_scaling,
       model=config.model, dataset=config.dataset,
