@@ -848,17 +848,26 @@ class MultiProcessStrategiesTest(absltest.TestCase):
                       if "batch" not in h[0]])
     # One chunk of 16 scheduled steps an epoch (no log point or
     # checkpoint inside), with the batch logs Keras's would hold.
-    batch_hooks = [h for h in run["hooks"] if "batch" in h[0]]
+    batch_hooks = [h for h in run["hooks"]
+                   if h[0].startswith("on_train_batch")]
     self.assertEqual([h[:2] for h in batch_hooks], [
         ["on_train_batch_begin", 0], ["on_train_batch_end", 15]] * 3)
     fits_keys = sorted(next(h[2] for h in self.reference["hooks"]
                             if h[0] == "on_train_batch_end"))
     self.assertEqual(sorted(batch_hooks[1][2]), fits_keys)
+    # The coordinator evaluates in batches of 1,024: one test batch per
+    # validation, with evaluate's logs.
+    test_batches = [h for h in run["hooks"]
+                    if h[0].startswith("on_test_batch")]
+    self.assertEqual([h[:2] for h in test_batches], [
+        ["on_test_batch_begin", 0], ["on_test_batch_end", 0]] * 3)
+    self.assertEqual(sorted(test_batches[1][2]), sorted(next(
+        h[2] for h in self.reference["hooks"] if h[0] == "on_test_end")))
     _cell("lambda_callback", "parameter_server", "works on the chief (train "
           "and epoch hooks as in fit; batch hooks once per scheduled chunk)")
     _cell("callback_subclass", "parameter_server", "works on the chief "
           "(train, epoch and on_test_begin/end hooks as in fit; batch hooks "
-          "once per scheduled chunk)")
+          "once per scheduled chunk and per evaluation batch of 1,024)")
     self.assertEqual(run["output"].count("Epoch 1/3"), 1,
                      run["output"][-3000:])
     _cell("progbar_logger", "parameter_server", "works (the chief prints)")
