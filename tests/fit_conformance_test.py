@@ -456,8 +456,8 @@ class InProcessStrategiesTest(absltest.TestCase):
     import keras  # pylint: disable=g-import-not-at-top
     import tfdist  # pylint: disable=g-import-not-at-top
     with self.assertRaisesRegex(
-        tfdist.ConfigError, r"^callbacks: keras.callbacks.BackupAndRestore is not "
-        r"supported: tfdist's own checkpoints .* Instead, drop it"):
+        tfdist.ConfigError, r"^callbacks: keras.callbacks.BackupAndRestore "
+        r"is not supported: tfdist's own checkpoints .* Instead, drop it"):
       _refused_fit(callbacks=[keras.callbacks.BackupAndRestore(
           tempfile.mkdtemp(dir=testutil.scratch_dir()))])
     for strategy in STRATEGIES:
