@@ -208,9 +208,10 @@ class ControllerTest(parameterized.TestCase):
                               callbacks=[keras.callbacks.TerminateOnNaN()]
                               ).run()
     self.assertTrue(result.stopped_early)
-    # NaN in the chunk ending at step 8; the request rides with the next
-    # chunk's sums, so every worker stops after step 10.
-    self.assertEqual(result.step, 10)
+    # NaN in the chunk ending at step 8: TerminateOnNaN sets the flag in
+    # that chunk's batch hook, and the workers agree on it right after, so
+    # training stops after step 8, as fit stops after that batch.
+    self.assertEqual(result.step, 8)
 
   def test_divergence_is_one_clear_error(self):
     runner = FakeRunner(self.step, loss_at=lambda s: float("inf"))

@@ -546,7 +546,9 @@ class Evaluate(Action):
     if (((opts.is_epoch_end(state.step) or state.stop_requested) and
          (state.epoch + 1) % opts.epochs_between_evals == 0) or
         opts.is_last(state.step)):
-      state.last_eval = self.evaluate(state.step, callbacks=self.callbacks)
+      state.last_eval = (self.evaluate(state.step) if self.callbacks is None
+                         else self.evaluate(state.step,
+                                            callbacks=self.callbacks))
 
   def on_end(self, state):
     if state.last_eval is None or state.last_eval["step"] != state.step:
