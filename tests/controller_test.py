@@ -201,7 +201,7 @@ class ControllerTest(parameterized.TestCase):
     self.assertIn(20, self._saved_steps())  # Stopped with a checkpoint.
     self.assertEqual(runner.agreed[-1], True)  # Every worker agrees.
 
-  def test_terminate_on_nan_stops_at_the_next_chunk(self):
+  def test_terminate_on_nan_stops_after_the_nan_chunk(self):
     runner = FakeRunner(self.step, max_steps_per_call=2,
                         loss_at=lambda s: float("nan") if s >= 6 else 1.0)
     result = self._controller(runner, total=20, log=100,
