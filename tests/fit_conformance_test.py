@@ -814,10 +814,17 @@ class MultiProcessStrategiesTest(absltest.TestCase):
           "works (measured with the arrays as a dataset function)")
 
   def test_parameter_servers_learn_the_weighted_slope(self):
+    # Sample weights (NumPy arrays, validation_data the same arrays),
+    # weighted metrics, LearningRateScheduler with ReduceLROnPlateau, a
+    # custom loss function and metric, the callbacks inside a CallbackList
+    # and the callbacks `main` adds, in one run, against Model.fit with the
+    # same combination.
     from tests import fit_conformance_testlib as lib  # pylint: disable=g-import-not-at-top
-    self.reference = lib.keras_fit("reduce_lr_on_plateau")
+    self.reference = lib.keras_fit("parameter_server")
+    # The scheduler's rate of epoch 2, halved by ReduceLROnPlateau.
+    self.assertAlmostEqual(self.reference["learning_rate"], 0.003125)
     files = tempfile.mkdtemp(dir=testutil.scratch_dir())
-    run = _cluster(self, "reduce_lr_on_plateau",
+    run = _cluster(self, "parameter_server:arrays",
                    ["--num_workers=2", "--num_ps=1"], files_dir=files)
     _check_files(self, files)
     _cell("file_callbacks", "parameter_server", "works (the chief writes)")
@@ -829,17 +836,21 @@ class MultiProcessStrategiesTest(absltest.TestCase):
     self.assertAlmostEqual(run["learning_rate"],
                            self.reference["learning_rate"], places=6)
     _cell("sample_weight", "parameter_server",
-          f"works (asynchronous: slope within {PS_SLOPE_TOLERANCE})")
-    _cell("reduce_lr_on_plateau", "parameter_server", "works (the same "
-          "rates; asynchronous updates)")
-    _cell("custom_loss_function", "parameter_server",
-          f"works (asynchronous: slope within {PS_SLOPE_TOLERANCE})")
+          f"works (asynchronous: slope within {PS_SLOPE_TOLERANCE}; measured "
+          "with the arrays as a dataset function)")
+    for feature in ("reduce_lr_on_plateau", "learning_rate_scheduler"):
+      _cell(feature, "parameter_server", "works (the same rates; "
+            "asynchronous updates)")
+    for feature in ("custom_loss_function", "numpy_arrays", "callback_list"):
+      _cell(feature, "parameter_server",
+            f"works (asynchronous: slope within {PS_SLOPE_TOLERANCE})")
     # Keras's names, epochs and hooks; asynchronous values.
     self.assertEqual(sorted(run["history"]), sorted(self.reference["history"]))
     self.assertEqual({len(v) for v in run["history"].values()}, {3})
     self.assertEqual(sorted(set(self.reference["eval"]) - set(run["eval"])),
                      [])
-    for feature in ("history", "custom_metric", "weighted_metrics"):
+    for feature in ("history", "custom_metric", "weighted_metrics",
+                    "validation_data"):
       _cell(feature, "parameter_server", "works (Keras's names and epochs; "
             "asynchronous values)")
     _compare_hooks(self, self.reference, run, batch=False, values=False)

@@ -134,6 +134,7 @@ def _compile_args(case: str) -> dict:
           "callbacks": squared_error_loss,
           "reduce_lr_on_plateau": lambda: squared_error,
           "multi_worker": lambda: squared_error,
+          "parameter_server": lambda: squared_error,
           "numpy_arrays": lambda: squared_error}.get(case, lambda: "mse")()
   return dict(loss=loss, metrics=["mae", abs_error_metric()],
               weighted_metrics=["mae"])
@@ -248,6 +249,13 @@ CASES = {
     # CallbackList.
     "multi_worker": dict(data=slope_data, class_weight=None,
                          callbacks=_multi_worker_callbacks, validation=True),
+    # The parameter-server run's: both learning-rate callbacks (no stops:
+    # its batch hooks come once per scheduled chunk); tfdist gets them
+    # inside a CallbackList.
+    "parameter_server": dict(data=slope_data, class_weight=None,
+                             callbacks=lambda: [*_lr_scheduler(),
+                                                *_reduce_lr()],
+                             validation=True),
     # Arrays with Keras's validation_split: the last quarter evaluates;
     # a callback stops training in a batch hook of epoch 2.
     "numpy_arrays": dict(data=slope_data, class_weight=None,
@@ -494,8 +502,8 @@ def main(argv):
   (default `dataset_fn`); with FILES_DIR, `file_callbacks` too; a
   `ProgbarLogger` (printing on the chief only) and a `TerminateOnNaN`
   (with nothing to stop) always; a `RemoteMonitor` posting to
-  `$TFDIST_TEST_REMOTE_MONITOR` when set. The `multi_worker` case passes
-  its callbacks inside a `CallbackList`."""
+  `$TFDIST_TEST_REMOTE_MONITOR` when set. The `multi_worker` and
+  `parameter_server` cases pass their callbacks inside a `CallbackList`."""
   import keras  # pylint: disable=g-import-not-at-top
   out_path, (case, _, via) = argv[1], argv[2].partition(":")
   tf_config = json.loads(os.environ.get("TF_CONFIG") or "{}")
@@ -503,7 +511,8 @@ def main(argv):
   strategy = ("parameter_server" if "ps" in tf_config.get("cluster", {})
               else "multi_worker_mirrored")
   result = tfdist_fit(case, strategy=strategy, via=via or "dataset_fn",
-                      callback_list="inner" if case == "multi_worker" else "",
+                      callback_list=("inner" if case in (
+                          "multi_worker", "parameter_server") else ""),
                       model_dir=os.path.join(
       os.path.dirname(out_path), "run"), extra_callbacks=[
           *(file_callbacks(argv[3]) if len(argv) > 3 else ()),
