@@ -201,16 +201,17 @@ class ControllerTest(parameterized.TestCase):
     self.assertIn(20, self._saved_steps())  # Stopped with a checkpoint.
     self.assertEqual(runner.agreed[-1], True)  # Every worker agrees.
 
-  def test_terminate_on_nan_stops_at_the_next_chunk(self):
+  def test_terminate_on_nan_stops_after_the_nan_chunk(self):
     runner = FakeRunner(self.step, max_steps_per_call=2,
                         loss_at=lambda s: float("nan") if s >= 6 else 1.0)
     result = self._controller(runner, total=20, log=100,
                               callbacks=[keras.callbacks.TerminateOnNaN()]
                               ).run()
     self.assertTrue(result.stopped_early)
-    # NaN in the chunk ending at step 8; the request rides with the next
-    # chunk's sums, so every worker stops after step 10.
-    self.assertEqual(result.step, 10)
+    # NaN in the chunk ending at step 8: TerminateOnNaN sets the flag in
+    # that chunk's batch hook, and the workers agree on it right after, so
+    # training stops after step 8, as fit stops after that batch.
+    self.assertEqual(result.step, 8)
 
   def test_divergence_is_one_clear_error(self):
     runner = FakeRunner(self.step, loss_at=lambda s: float("inf"))

@@ -92,6 +92,8 @@ FEATURES = (
     ("orbax_checkpoint", "`keras.callbacks.OrbaxCheckpoint`"),
     ("callback_list", "`keras.callbacks.CallbackList` (a container of "
      "callbacks, as `callbacks=` or inside the list)"),
+    ("stop_in_batch_hook", "`model.stop_training` set in a batch hook: "
+     "stops after that batch"),
 )
 # Each public class of `keras.callbacks` -> the row that says what tfdist
 # does with it (`EveryKerasCallbackTest` fails on a class missing here).
@@ -189,11 +191,9 @@ def _brief(run: dict) -> dict:
 
 
 def _fit_hooks(run: dict, *, batch: bool = True) -> list:
-  """The hooks a recording callback received, less `Model.fit`'s
-  `on_test_*` hooks of its validation (tfdist does not call them); without
-  the batch hooks unless `batch`."""
-  return [h for h in run["hooks"] if not h[0].startswith("on_test_") and
-          (batch or "batch" not in h[0])]
+  """The hooks a recording callback received (the `on_test_*` hooks of
+  validation too); without the batch hooks unless `batch`."""
+  return [h for h in run["hooks"] if batch or "batch" not in h[0]]
 
 
 def _compare_hooks(test, reference: dict, run: dict, *, batch: bool = True,
@@ -357,6 +357,8 @@ class InProcessStrategiesTest(absltest.TestCase):
     for case, via in (("reduce_lr_on_plateau", "dataset_fn"),
                       ("numpy_arrays", "arrays"), ("callbacks", "arrays")):
       reference = result["keras"][case]
+      # Model.fit validates: on_test_* hooks (compared in _compare_hooks)
+      # before each on_epoch_end.
       self.assertTrue([h for h in reference["hooks"]
                        if h[0] == "on_test_batch_end"])
       for strategy in _IN_PROCESS_RUNS[(case, via)]:
@@ -364,12 +366,28 @@ class InProcessStrategiesTest(absltest.TestCase):
         with self.subTest(case=case, strategy=strategy):
           _compare_hooks(self, reference, run)
           self.assertEqual(run["lambda_hooks"], reference["lambda_hooks"])
-          self.assertEqual([h for h in run["hooks"]
-                            if h[0].startswith("on_test_")], [])
     for strategy in _BOTH:
-      _cell("callback_subclass", strategy, "works (without fit's on_test_* "
-            "hooks of validation)")
+      _cell("callback_subclass", strategy, "works")
       _cell("lambda_callback", strategy, "works")
+
+  def test_stop_training_in_a_batch_hook_stops_after_that_batch(self):
+    # numpy_arrays stops in on_train_batch_end of epoch 2's batch 4 (12
+    # steps an epoch): fit runs 29 steps, then validates the cut epoch
+    # and calls its on_epoch_end.
+    from tests import fit_conformance_testlib as lib  # pylint: disable=g-import-not-at-top
+    result = _case(self, "results")
+    reference = result["keras"]["numpy_arrays"]
+    epoch, batch = lib.STOP_AT_BATCH
+    self.assertEqual(reference["iterations"], epoch * 12 + batch + 1)
+    last = [h[:2] for h in reference["hooks"] if h[0] in (
+        "on_train_batch_end", "on_epoch_end")][-2:]
+    self.assertEqual(last, [["on_train_batch_end", batch],
+                            ["on_epoch_end", epoch]])
+    for strategy in _IN_PROCESS_RUNS[("numpy_arrays", "arrays")]:
+      run = result["tfdist"][f"numpy_arrays/arrays/{strategy}"]
+      self.assertEqual(run["final_step"], reference["iterations"])
+    # The same weights, history and hooks (test_callbacks_get_fits_...).
+    self._check_matches("numpy_arrays", "stop_in_batch_hook", via="arrays")
 
   def test_early_stopping_stops_after_the_same_epoch(self):
     result = _case(self, "results")
@@ -433,21 +451,44 @@ class InProcessStrategiesTest(absltest.TestCase):
             "good checkpoint)")
 
   def test_backup_and_restore_is_refused_at_start(self):
-    error = _case(self, "results")["backup_and_restore"]
-    self.assertRegex(error, r"ConfigError: callbacks: keras.callbacks."
-                     r"BackupAndRestore is not supported: tfdist's own "
-                     r"checkpoints .* Instead, drop it")
+    # In this process: refused before the model is built (model_fn fails
+    # the test if called), so it takes no training run.
+    import keras  # pylint: disable=g-import-not-at-top
+    import tfdist  # pylint: disable=g-import-not-at-top
+    with self.assertRaisesRegex(
+        tfdist.ConfigError, r"^callbacks: keras.callbacks.BackupAndRestore "
+        r"is not supported: tfdist's own checkpoints .* Instead, drop it"):
+      _refused_fit(callbacks=[keras.callbacks.BackupAndRestore(
+          tempfile.mkdtemp(dir=testutil.scratch_dir()))])
     for strategy in STRATEGIES:
       _cell("backup_and_restore", strategy, "refused at start (tfdist's "
             "checkpoints back up and resume the run)")
 
   def test_class_and_sample_weights_are_refused_at_start(self):
-    error = _case(self, "results")["refused"]
-    self.assertRegex(error, r"ConfigError: --class_weight=0:1.0 and sample "
-                     r"weights in .* cannot be used together")
+    import numpy as np  # pylint: disable=g-import-not-at-top
+    import tfdist  # pylint: disable=g-import-not-at-top
+    with self.assertRaisesRegex(
+        tfdist.ConfigError, r"^--class_weight=0:1.0 and sample weights in .* "
+        r"cannot be used together"):
+      _refused_fit(class_weight={0: 1.0}, sample_weight=np.ones(8))
     for strategy in STRATEGIES:
       _cell("class_and_sample_weight", strategy,
             "refused at start (as Keras's fit refuses it)")
+
+
+def _refused_fit(*, class_weight=(), **kwargs):
+  """`tfdist.fit` on 8 rows of arrays with a model function that fails if
+  called: for arguments refused at start."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import tfdist  # pylint: disable=g-import-not-at-top
+
+  def model_fn():
+    raise AssertionError("the model was built before the check")
+  tfdist.fit(model_fn, config=tfdist.TrainConfig(
+      model_dir=tempfile.mkdtemp(dir=testutil.scratch_dir()),
+      train_steps=1, batch_size=4, distribution_strategy="one_device",
+      class_weight=class_weight), x=np.zeros((8, 1), "float32"),
+             y=np.zeros(8, "float32"), **kwargs)
 
 
 class EvalModeTest(absltest.TestCase):
@@ -714,46 +755,58 @@ def _check_posts(test, reference: dict, run: dict, *, values: bool):
 class MultiProcessStrategiesTest(absltest.TestCase):
   """MultiWorkerMirrored and parameter servers, one cluster each."""
 
-  @classmethod
-  def setUpClass(cls):
-    super().setUpClass()
-    from tests import fit_conformance_testlib as lib  # pylint: disable=g-import-not-at-top
-    cls.reference = lib.keras_fit("reduce_lr_on_plateau")
-
   def test_multi_worker_mirrored_matches_one_device(self):
-    # Sample weights, weighted metrics, ReduceLROnPlateau, a custom loss
-    # function and metric, and the callbacks `main` adds, in one run (one
-    # MultiWorkerMirroredStrategy per process).
+    # Sample weights, weighted metrics, a custom loss function and metric,
+    # LearningRateScheduler with ReduceLROnPlateau, a stop in a batch hook
+    # of epoch 1, EarlyStopping restoring epoch 0's weights, the callbacks
+    # inside a CallbackList, and the callbacks `main` adds, in one run (one
+    # MultiWorkerMirroredStrategy per process), against Model.fit with the
+    # same combination.
+    from tests import fit_conformance_testlib as lib  # pylint: disable=g-import-not-at-top
+    reference = lib.keras_fit("multi_worker")
+    epoch, batch = lib.MULTI_WORKER_STOP_AT_BATCH
+    self.assertEqual(reference["iterations"], epoch * 16 + batch + 1)
+    self.assertAlmostEqual(reference["learning_rate"], 0.0125)
     files = tempfile.mkdtemp(dir=testutil.scratch_dir())
     # The examples as NumPy arrays, validation_data the same arrays (what
     # the reference evaluates): each worker reads half of them.
-    run = _cluster(self, "reduce_lr_on_plateau:arrays", ["--num_workers=2"],
+    run = _cluster(self, "multi_worker:arrays", ["--num_workers=2"],
                    files_dir=files)
     self.assertEqual(run["replicas"], 2)
-    # One writer: the chief's files, each once; one post an epoch.
-    _check_files(self, files)
+    # One writer: the chief's files, each once (2 epochs); one post an
+    # epoch.
+    _check_files(self, files, epochs=epoch + 1)
     _cell("file_callbacks", "multi_worker_mirrored", "works")
-    _check_posts(self, self.reference, run, values=True)
+    _check_posts(self, reference, run, values=True)
     _cell("remote_monitor", "multi_worker_mirrored", "works (from the chief "
           "only)")
     _cell("history", "multi_worker_mirrored", "works")
-    diffs = _agrees(self.reference, run)
+    diffs = _agrees(reference, run)
     for what, diff in diffs.items():
       self.assertLess(diff, ATOL, f"{what}: {diffs}")
+    # Stopped where fit stopped; one answer of the restored weights.
+    self.assertEqual(run["final_step"], reference["iterations"])
+    for where in ("checkpoint_slope", "export_slope"):
+      self.assertAlmostEqual(run[where], reference["weights"][0][0][0],
+                             delta=ATOL, msg=where)
+    self.assertAlmostEqual(run["final_eval_loss"], reference["eval"]["loss"],
+                           delta=ATOL)
     for feature in ("weighted_metrics", "reduce_lr_on_plateau",
-                    "numpy_arrays", "validation_data", "custom_loss_function",
-                    "custom_metric"):
+                    "learning_rate_scheduler", "numpy_arrays",
+                    "validation_data", "custom_loss_function", "custom_metric",
+                    "early_stopping_restore", "stop_in_batch_hook",
+                    "callback_list"):
       _cell(feature, "multi_worker_mirrored", "works")
-    # Every worker's callbacks got Model.fit's hooks and logs.
-    _compare_hooks(self, self.reference, run)
-    self.assertEqual(run["lambda_hooks"], self.reference["lambda_hooks"])
-    _cell("callback_subclass", "multi_worker_mirrored", "works (without "
-          "fit's on_test_* hooks of validation)")
+    # Every worker's callbacks got Model.fit's hooks and logs (on_test_*
+    # too).
+    _compare_hooks(self, reference, run)
+    self.assertEqual(run["lambda_hooks"], reference["lambda_hooks"])
+    _cell("callback_subclass", "multi_worker_mirrored", "works")
     _cell("lambda_callback", "multi_worker_mirrored", "works")
     # The chief's ProgbarLogger printed; the other worker's did not run.
     self.assertEqual(run["output"].count("Epoch 1/3"), 1,
                      run["output"][-3000:])
-    self.assertEqual(run["output"].count("Epoch 3/3"), 1)
+    self.assertEqual(run["output"].count("Epoch 2/3"), 1)
     _cell("progbar_logger", "multi_worker_mirrored", "works (the chief "
           "prints)")
     # Arrays become a dataset function of (x, y, w) examples in tfdist.
@@ -761,8 +814,17 @@ class MultiProcessStrategiesTest(absltest.TestCase):
           "works (measured with the arrays as a dataset function)")
 
   def test_parameter_servers_learn_the_weighted_slope(self):
+    # Sample weights (NumPy arrays, validation_data the same arrays),
+    # weighted metrics, LearningRateScheduler with ReduceLROnPlateau, a
+    # custom loss function and metric, the callbacks inside a CallbackList
+    # and the callbacks `main` adds, in one run, against Model.fit with the
+    # same combination.
+    from tests import fit_conformance_testlib as lib  # pylint: disable=g-import-not-at-top
+    self.reference = lib.keras_fit("parameter_server")
+    # The scheduler's rate of epoch 2, halved by ReduceLROnPlateau.
+    self.assertAlmostEqual(self.reference["learning_rate"], 0.003125)
     files = tempfile.mkdtemp(dir=testutil.scratch_dir())
-    run = _cluster(self, "reduce_lr_on_plateau",
+    run = _cluster(self, "parameter_server:arrays",
                    ["--num_workers=2", "--num_ps=1"], files_dir=files)
     _check_files(self, files)
     _cell("file_callbacks", "parameter_server", "works (the chief writes)")
@@ -774,17 +836,21 @@ class MultiProcessStrategiesTest(absltest.TestCase):
     self.assertAlmostEqual(run["learning_rate"],
                            self.reference["learning_rate"], places=6)
     _cell("sample_weight", "parameter_server",
-          f"works (asynchronous: slope within {PS_SLOPE_TOLERANCE})")
-    _cell("reduce_lr_on_plateau", "parameter_server", "works (the same "
-          "rates; asynchronous updates)")
-    _cell("custom_loss_function", "parameter_server",
-          f"works (asynchronous: slope within {PS_SLOPE_TOLERANCE})")
+          f"works (asynchronous: slope within {PS_SLOPE_TOLERANCE}; measured "
+          "with the arrays as a dataset function)")
+    for feature in ("reduce_lr_on_plateau", "learning_rate_scheduler"):
+      _cell(feature, "parameter_server", "works (the same rates; "
+            "asynchronous updates)")
+    for feature in ("custom_loss_function", "numpy_arrays", "callback_list"):
+      _cell(feature, "parameter_server",
+            f"works (asynchronous: slope within {PS_SLOPE_TOLERANCE})")
     # Keras's names, epochs and hooks; asynchronous values.
     self.assertEqual(sorted(run["history"]), sorted(self.reference["history"]))
     self.assertEqual({len(v) for v in run["history"].values()}, {3})
     self.assertEqual(sorted(set(self.reference["eval"]) - set(run["eval"])),
                      [])
-    for feature in ("history", "custom_metric", "weighted_metrics"):
+    for feature in ("history", "custom_metric", "weighted_metrics",
+                    "validation_data"):
       _cell(feature, "parameter_server", "works (Keras's names and epochs; "
             "asynchronous values)")
     _compare_hooks(self, self.reference, run, batch=False, values=False)
@@ -793,15 +859,26 @@ class MultiProcessStrategiesTest(absltest.TestCase):
                       if "batch" not in h[0]])
     # One chunk of 16 scheduled steps an epoch (no log point or
     # checkpoint inside), with the batch logs Keras's would hold.
-    batch_hooks = [h for h in run["hooks"] if "batch" in h[0]]
+    batch_hooks = [h for h in run["hooks"]
+                   if h[0].startswith("on_train_batch")]
     self.assertEqual([h[:2] for h in batch_hooks], [
         ["on_train_batch_begin", 0], ["on_train_batch_end", 15]] * 3)
     fits_keys = sorted(next(h[2] for h in self.reference["hooks"]
                             if h[0] == "on_train_batch_end"))
     self.assertEqual(sorted(batch_hooks[1][2]), fits_keys)
-    for feature in ("callback_subclass", "lambda_callback"):
-      _cell(feature, "parameter_server", "works on the chief (train and "
-            "epoch hooks as in fit; batch hooks once per scheduled chunk)")
+    # The coordinator evaluates in batches of 1,024: one test batch per
+    # validation, with evaluate's logs.
+    test_batches = [h for h in run["hooks"]
+                    if h[0].startswith("on_test_batch")]
+    self.assertEqual([h[:2] for h in test_batches], [
+        ["on_test_batch_begin", 0], ["on_test_batch_end", 0]] * 3)
+    self.assertEqual(sorted(test_batches[1][2]), sorted(next(
+        h[2] for h in self.reference["hooks"] if h[0] == "on_test_end")))
+    _cell("lambda_callback", "parameter_server", "works on the chief (train "
+          "and epoch hooks as in fit; batch hooks once per scheduled chunk)")
+    _cell("callback_subclass", "parameter_server", "works on the chief "
+          "(train, epoch and on_test_begin/end hooks as in fit; batch hooks "
+          "once per scheduled chunk and per evaluation batch of 1,024)")
     self.assertEqual(run["output"].count("Epoch 1/3"), 1,
                      run["output"][-3000:])
     _cell("progbar_logger", "parameter_server", "works (the chief prints)")
@@ -915,7 +992,6 @@ def _child_main() -> dict:
   from absl import logging as absl_logging  # pylint: disable=g-import-not-at-top
   from tests import fit_conformance_testlib as lib  # pylint: disable=g-import-not-at-top
   from tfdist import errors  # pylint: disable=g-import-not-at-top
-  from tfdist.config import ConfigError  # pylint: disable=g-import-not-at-top
   root = tempfile.mkdtemp(dir=testutil.scratch_dir())
   server = _RemoteMonitorServer()
   lib.REMOTE_MONITOR_ROOT = server.root
@@ -956,22 +1032,6 @@ def _child_main() -> dict:
       out["terminate_on_nan"][strategy] = "not stopped"
     except errors.TrainingDivergedError as e:
       out["terminate_on_nan"][strategy] = f"{type(e).__name__}: {e}"
-  try:
-    lib.tfdist_fit("sample_weight", strategy="one_device",
-                   model_dir=os.path.join(root, "refused"),
-                   class_weight={0: 1.0})
-    out["refused"] = "not refused"
-  except ConfigError as e:
-    out["refused"] = f"ConfigError: {e}"
-  import keras  # pylint: disable=g-import-not-at-top
-  try:
-    lib.tfdist_fit("sample_weight", strategy="one_device",
-                   model_dir=os.path.join(root, "backup"),
-                   extra_callbacks=[keras.callbacks.BackupAndRestore(
-                       os.path.join(root, "backup", "b"))])
-    out["backup_and_restore"] = "not refused"
-  except ConfigError as e:
-    out["backup_and_restore"] = f"ConfigError: {e}"
   del logged[:]
   run = lib.tfdist_fit("batch_valued_metric", strategy="mirrored",
                        model_dir=os.path.join(root, "batch_valued"),

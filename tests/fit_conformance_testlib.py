@@ -133,6 +133,8 @@ def _compile_args(case: str) -> dict:
   loss = {"sample_weight": squared_error_loss,
           "callbacks": squared_error_loss,
           "reduce_lr_on_plateau": lambda: squared_error,
+          "multi_worker": lambda: squared_error,
+          "parameter_server": lambda: squared_error,
           "numpy_arrays": lambda: squared_error}.get(case, lambda: "mse")()
   return dict(loss=loss, metrics=["mae", abs_error_metric()],
               weighted_metrics=["mae"])
@@ -184,6 +186,39 @@ def _callback_suite():
   return out
 
 
+# Where the numpy_arrays case's callback sets `model.stop_training` in a
+# batch hook: (epoch, batch), 0-based.
+STOP_AT_BATCH = (2, 4)
+# The same for the multi_worker case.
+MULTI_WORKER_STOP_AT_BATCH = (1, 4)
+
+
+def _stop_at_batch(at=STOP_AT_BATCH):
+  """A callback setting `model.stop_training` in `on_train_batch_end` of
+  batch `at[1]` of epoch `at[0]` (built lazily: keras imported late)."""
+  import keras  # pylint: disable=g-import-not-at-top
+
+  class StopAtBatch(keras.callbacks.Callback):
+
+    def on_epoch_begin(self, epoch, logs=None):
+      self.epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+      if (self.epoch, batch) == tuple(at):
+        self.model.stop_training = True
+
+  return [StopAtBatch()]
+
+
+def _multi_worker_callbacks():
+  # Both learning-rate callbacks (the scheduler sets each epoch's rate,
+  # ReduceLROnPlateau halves it at epoch 1's end); a stop in a batch hook
+  # of epoch 1; EarlyStopping (as in early_stopping_restore) then restores
+  # epoch 0's weights.
+  return [*_lr_scheduler(), *_reduce_lr(),
+          *_stop_at_batch(MULTI_WORKER_STOP_AT_BATCH), *_early_stopping()]
+
+
 def _terminate_on_nan():
   import keras  # pylint: disable=g-import-not-at-top
   return [keras.callbacks.TerminateOnNaN()]
@@ -209,9 +244,22 @@ CASES = {
     "early_stopping_restore": dict(data=slope_data, class_weight=None,
                                    callbacks=_early_stopping),
     "batch_valued_metric": dict(data=slope_data, class_weight=None),
-    # Arrays with Keras's validation_split: the last quarter evaluates.
+    # The MultiWorkerMirrored run's combination (with the loss function of
+    # reduce_lr_on_plateau); tfdist gets the callbacks inside a
+    # CallbackList.
+    "multi_worker": dict(data=slope_data, class_weight=None,
+                         callbacks=_multi_worker_callbacks, validation=True),
+    # The parameter-server run's: both learning-rate callbacks (no stops:
+    # its batch hooks come once per scheduled chunk); tfdist gets them
+    # inside a CallbackList.
+    "parameter_server": dict(data=slope_data, class_weight=None,
+                             callbacks=lambda: [*_lr_scheduler(),
+                                                *_reduce_lr()],
+                             validation=True),
+    # Arrays with Keras's validation_split: the last quarter evaluates;
+    # a callback stops training in a batch hook of epoch 2.
     "numpy_arrays": dict(data=slope_data, class_weight=None,
-                         validation_split=0.25),
+                         validation_split=0.25, callbacks=_stop_at_batch),
 }
 
 
@@ -402,6 +450,7 @@ def tfdist_fit(case: str, *, strategy: str, model_dir: str,
           "results": manifest.get("results"),
           "eval_batch_size": manifest.get("eval_batch_size"),
           "restored_step": _restored_step(manifest),
+          "final_step": manifest.get("final_step"),
           "final_eval_loss": (manifest.get("final_metrics") or {}).get(
               "eval_loss"),
           **_artifact_slopes(manifest, arrays[0]),
@@ -453,7 +502,8 @@ def main(argv):
   (default `dataset_fn`); with FILES_DIR, `file_callbacks` too; a
   `ProgbarLogger` (printing on the chief only) and a `TerminateOnNaN`
   (with nothing to stop) always; a `RemoteMonitor` posting to
-  `$TFDIST_TEST_REMOTE_MONITOR` when set."""
+  `$TFDIST_TEST_REMOTE_MONITOR` when set. The `multi_worker` and
+  `parameter_server` cases pass their callbacks inside a `CallbackList`."""
   import keras  # pylint: disable=g-import-not-at-top
   out_path, (case, _, via) = argv[1], argv[2].partition(":")
   tf_config = json.loads(os.environ.get("TF_CONFIG") or "{}")
@@ -461,6 +511,8 @@ def main(argv):
   strategy = ("parameter_server" if "ps" in tf_config.get("cluster", {})
               else "multi_worker_mirrored")
   result = tfdist_fit(case, strategy=strategy, via=via or "dataset_fn",
+                      callback_list=("inner" if case in (
+                          "multi_worker", "parameter_server") else ""),
                       model_dir=os.path.join(
       os.path.dirname(out_path), "run"), extra_callbacks=[
           *(file_callbacks(argv[3]) if len(argv) > 3 else ()),

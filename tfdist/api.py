@@ -392,8 +392,9 @@ def _in_memory_source(dataset_fn, *, config: TrainConfig,
 
   Raises:
     ConfigError: arrays and `dataset_fn` both given, arrays or validation
-      data with `parse_fn` or `config.feature_spec`, a `dataset_fn` that is
-      not a function, or `in_memory_dataset`'s errors.
+      data with `parse_fn` or `config.feature_spec`, `sample_weight` with
+      `config.class_weight`, a `dataset_fn` that is not a function, or
+      `in_memory_dataset`'s errors.
   """
   arrays = x is not None or y is not None or sample_weight is not None
   if arrays and dataset_fn is not None:
@@ -405,6 +406,13 @@ def _in_memory_source(dataset_fn, *, config: TrainConfig,
         "dataset function; parse_fn and config.feature_spec read "
         "config.train_files and config.eval_files (give the evaluation "
         "files there).")
+  if sample_weight is not None and config.class_weight:
+    given = ",".join(f"{k}:{w}" for k, w in config.class_weight)
+    raise ConfigError(
+        f"--class_weight={given} and sample weights in "
+        "fit(sample_weight=...) cannot be used together (as in Keras's "
+        "fit). Fold the class weights into the sample weights, or drop "
+        "one.")
   if dataset_fn is not None and not callable(dataset_fn):
     raise ConfigError("validation_data and validation_split need "
                       "dataset_fn to be a function; received "

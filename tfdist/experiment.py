@@ -904,7 +904,7 @@ class ExperimentRunner:
             # TPUs need static shapes: pad the last batches, masked in the
             # metrics.
             pad_to_static_batches=self.kind.is_tpu))
-    return lambda: trainer.evaluate(eval_data)
+    return lambda **hooks: trainer.evaluate(eval_data, **hooks)
 
   def build_run_log(self) -> run_log_lib.RunLog:
     """Log lines, TensorBoard scalars and the writer's `metrics.jsonl`."""
@@ -1143,7 +1143,7 @@ def _parameter_server_runner(config, *, spec, plan, strategy, parts, keeper):
   eval_data = input_pipeline.make_dataset(input_pipeline.options_for(
       spec, files=plan.eval_files, global_batch_size=eval_batch,
       is_training=False, cache=config.cache_dataset))
-  return runner, lambda: evaluator.evaluate(eval_data)
+  return runner, lambda **hooks: evaluator.evaluate(eval_data, **hooks)
 
 
 def planned_replicas(config, *, decision, cluster) -> Tuple[int, int]:

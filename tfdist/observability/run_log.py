@@ -123,6 +123,14 @@ class TrainingTensorBoard(keras.callbacks.TensorBoard):
     super().on_epoch_end(epoch, {k: v for k, v in (logs or {}).items()
                                  if not k.startswith("val_")})
 
+  # The controller's evaluations call the `on_test_*` hooks as `fit`
+  # does; `RunLog` writes each evaluation itself.
+  def on_test_begin(self, logs=None):
+    del logs  # Unused.
+
+  def on_test_end(self, logs=None):
+    del logs  # Unused.
+
 
 def metric_values(result: dict) -> dict:
   """The loss and metric values of a result (no counts, steps, paths)."""

@@ -14,7 +14,9 @@ strategy:
   start, save every `checkpoint_steps` (or at each epoch end) and at the end;
 * evaluation every `epochs_between_evals` epochs and at the end;
 * Keras callbacks (`set_params`, train/epoch/batch hooks with Keras's logs,
-  `model.stop_training` honoured: EarlyStopping, TerminateOnNaN);
+  the `on_test_*` hooks around each evaluation during training,
+  `model.stop_training` honoured where `fit` honours it: EarlyStopping,
+  TerminateOnNaN);
 * preemption (`tfdist.runtime.preemption.PreemptionWatcher`): a signal on any
   worker stops every worker after the same step, with a checkpoint;
 * a profiler window (`tfdist.observability.profiling.ProfileWindow`,
@@ -37,7 +39,10 @@ next chunk's step sums, which every worker reduces anyway, so workers agree
 without a host synchronization of their own; they come back apart from the
 metrics, as `tfdist.training.step_runner.StepSignals`. At epoch ends, where
 callbacks decide, one all-reduce of one number makes them agree
-(multi-worker only).
+(multi-worker only); after the batch hooks too, when a callback may stop
+there (`keras_callbacks.may_stop_in_batch_hooks`), so training stops after
+the call in whose hooks the flag was set, as `fit` stops after that batch
+(its epoch then ends there: evaluated and given `on_epoch_end`).
 
 Skipped steps (fp16 updates skipped for a non-finite summed gradient) come
 back from the compiled step with each chunk's signals; the controller logs
@@ -410,19 +415,33 @@ class KerasBatchEnd(Action):
   """Keras's `on_train_batch_end` with Keras's logs: the mean loss over the
   epoch's steps so far and, with `summarize`, every metric over them.
 
+  A callback that sets `model.stop_training` there stops training after
+  this call, as `fit` stops after that batch: when a callback may do so
+  (`keras_callbacks.may_stop_in_batch_hooks`), every worker agrees on the
+  flag right after the hooks (`runner.agree`: one all-reduce of one number
+  with several workers, nothing otherwise).
+
   Args:
     callbacks: the callbacks.
     options: the `ControllerOptions`.
     summarize: `(sums, steps) -> logs` (`RunLog.summarize`), or None for
       the loss alone (no callback reads the metrics per batch).
+    model: the Keras model (`stop_training`), or None.
+    runner: the step runner (`agree`), or None: no stop in batch hooks.
   """
 
   def __init__(self, callbacks: keras.callbacks.CallbackList,
                options: ControllerOptions,
-               summarize: Optional[Callable[..., dict]] = None):
+               summarize: Optional[Callable[..., dict]] = None, *,
+               model: Optional[keras.Model] = None,
+               runner: Optional[step_runner.StepRunner] = None):
     self.callbacks = callbacks
     self.options = options
     self.summarize = summarize
+    self.model = model
+    self.runner = (runner if model is not None and
+                   keras_callbacks.may_stop_in_batch_hooks(callbacks)
+                   else None)
     self.window = _SumsSince()
 
   def __call__(self, state, output):
@@ -434,6 +453,9 @@ class KerasBatchEnd(Action):
             {"loss": float(sums["loss"]) / steps})
     self.callbacks.on_train_batch_end(
         (state.step - 1) % self.options.steps_per_epoch, logs)
+    if self.runner is not None:
+      state.stop_requested = self.runner.agree(
+          state.stop_requested or _wants_stop(self.model))
 
 
 class TrainLog(Action):
@@ -506,20 +528,27 @@ class PreemptionStop(Action):
 
 
 class Evaluate(Action):
-  """Evaluates every `epochs_between_evals` epochs and at the end; at the
-  end again when the last evaluation is not of the last step."""
+  """Evaluates every `epochs_between_evals` epochs (an epoch that a stop
+  request ends early too, as `fit` validates it) and at the end, calling
+  Keras's `on_test_*` hooks as `fit` calls them while it validates; at the
+  end again (without hooks) when the last evaluation is not of the last
+  step."""
 
-  def __init__(self, evaluate: Callable[[int], Optional[dict]],
-               options: ControllerOptions):
+  def __init__(self, evaluate: Callable[..., Optional[dict]],
+               options: ControllerOptions,
+               callbacks: Optional[keras.callbacks.CallbackList] = None):
     self.evaluate = evaluate
     self.options = options
+    self.callbacks = callbacks
 
   def __call__(self, state, output):
     opts = self.options
-    if ((opts.is_epoch_end(state.step) and
+    if (((opts.is_epoch_end(state.step) or state.stop_requested) and
          (state.epoch + 1) % opts.epochs_between_evals == 0) or
         opts.is_last(state.step)):
-      state.last_eval = self.evaluate(state.step)
+      state.last_eval = (self.evaluate(state.step) if self.callbacks is None
+                         else self.evaluate(state.step,
+                                            callbacks=self.callbacks))
 
   def on_end(self, state):
     if state.last_eval is None or state.last_eval["step"] != state.step:
@@ -550,7 +579,10 @@ class KerasEpochEnd(Action):
   def __call__(self, state, output):
     self.window.add(output.sums, state.num_steps)
     step = state.step
-    if not (self.options.is_epoch_end(step) or self.options.is_last(step)):
+    # An epoch ends at its last step, or where a stop request ends it (as
+    # `fit` ends an epoch that a batch hook stops).
+    if not (self.options.is_epoch_end(step) or self.options.is_last(step) or
+            state.stop_requested):
       return
     logs = self.run_log.summarize(*self.window.take())
     if state.last_eval and state.last_eval["step"] == step:
@@ -605,7 +637,10 @@ class Controller:
     step_counter: the global step variable (read after restoring).
     run_log: the `tfdist.observability.run_log.RunLog`.
     evaluate: a function returning one evaluation of the current weights
-      (`{"loss", <metric>: value, ..., "num_examples"}`), or None.
+      (`{"loss", <metric>: value, ..., "num_examples"}`), or None; called
+      with `on_batch_begin` and `on_batch_end` (as
+      `tfdist.training.train_loop.Trainer.evaluate` takes them) when a
+      callback overrides Keras's `on_test_batch_*` hooks.
     model: the Keras model (callbacks read it; `stop_training`).
     learning_rate: returns the current learning rate (float).
     loss_scale: returns the current loss scale, or None without one.
@@ -662,7 +697,8 @@ class Controller:
         DivergenceCheck(saver), self._skipped,
         KerasBatchEnd(callbacks, opts, summarize=(
             self.run_log.summarize
-            if keras_callbacks.reads_batch_metrics(callbacks) else None)),
+            if keras_callbacks.reads_batch_metrics(callbacks) else None),
+                      model=model, runner=self.runner),
         TrainLog(self.run_log, options=opts, checkpoints=saver,
                  skipped=self._skipped),
         SaveCheckpoint(saver, opts)]
@@ -670,7 +706,7 @@ class Controller:
       actions.append(PreemptionStop(preemption, checkpoints=saver,
                                     callbacks=callbacks, options=opts))
     actions += [
-        Evaluate(self.evaluate, opts),
+        Evaluate(self.evaluate, opts, callbacks),
         KerasEpochEnd(callbacks, model=model, run_log=self.run_log,
                       runner=self.runner, checkpoints=saver, options=opts),
         StopOnRequest(saver, opts)]
@@ -682,8 +718,19 @@ class Controller:
     return self._skipped.monitor
 
   # --- evaluation ------------------------------------------------------------
-  def evaluate(self, step: int) -> Optional[dict]:
+  def evaluate(self, step: int,
+               callbacks: Optional[keras.callbacks.CallbackList] = None
+               ) -> Optional[dict]:
     """Evaluates the current weights; logs and returns the result.
+
+    Args:
+      step: the step of the weights.
+      callbacks: Keras callbacks to get `on_test_begin`, `on_test_end` (with
+        the loss and metrics) and, when one overrides them
+        (`keras_callbacks.reads_test_batches`), `on_test_batch_begin` and
+        `on_test_batch_end` with the running logs (the `evaluate`
+        function is then called with `on_batch_begin` and `on_batch_end`);
+        None: no hooks.
 
     Returns:
       The evaluation (`loss`, each metric, `num_examples`, `step`), or None
@@ -695,7 +742,15 @@ class Controller:
     """
     if self.evaluate_fn is None:
       return None
-    result = dict(self.evaluate_fn())
+    if callbacks is None:
+      result = dict(self.evaluate_fn())
+    else:
+      callbacks.on_test_begin()
+      hooks = (dict(on_batch_begin=callbacks.on_test_batch_begin,
+                    on_batch_end=callbacks.on_test_batch_end)
+               if keras_callbacks.reads_test_batches(callbacks) else {})
+      result = dict(self.evaluate_fn(**hooks))
+      callbacks.on_test_end(run_log_lib.metric_values(result))
     result["step"] = step
     self.run_log.log_eval(step, result)
     training_checks.check_eval_loss(result["loss"], step=step)

@@ -43,6 +43,16 @@ _CHIEF_ONLY = (keras.callbacks.RemoteMonitor, keras.callbacks.ProgbarLogger)
 # Callbacks whose batch hooks read no metric (TerminateOnNaN: the loss).
 _LOSS_ONLY = (keras.callbacks.TerminateOnNaN, keras.callbacks.History)
 _BATCH_END_HOOKS = ("on_train_batch_end", "on_batch_end")
+_TRAIN_BATCH_HOOKS = ("on_train_batch_begin", "on_train_batch_end",
+                      "on_batch_begin", "on_batch_end")
+_TEST_BATCH_HOOKS = ("on_test_batch_begin", "on_test_batch_end")
+# Keras's callbacks whose batch hooks never set `model.stop_training`
+# (the chief-only ones among them: every worker decides alike).
+_NEVER_STOP_IN_BATCH = (keras.callbacks.ProgbarLogger,
+                        keras.callbacks.RemoteMonitor,
+                        keras.callbacks.TensorBoard,
+                        keras.callbacks.ModelCheckpoint,
+                        keras.callbacks.CSVLogger, keras.callbacks.History)
 # Refused: class -> (why, what to do instead).
 _REFUSED = {
     keras.callbacks.BackupAndRestore: (
@@ -164,3 +174,29 @@ def reads_batch_metrics(callbacks) -> bool:
           getattr(keras.callbacks.Callback, hook)):
         return True
   return False
+
+
+def _overrides(callback: keras.callbacks.Callback, hooks) -> bool:
+  """Whether `callback` defines one of `hooks` (its class or the instance,
+  as `LambdaCallback` does)."""
+  return any(hook in vars(callback) or getattr(type(callback), hook) is not
+             getattr(keras.callbacks.Callback, hook) for hook in hooks)
+
+
+def may_stop_in_batch_hooks(callbacks) -> bool:
+  """Whether a callback of `callbacks` (a list or a `CallbackList`) may set
+  `model.stop_training` in a training batch hook: one that overrides a
+  batch hook, other than Keras's callbacks that never stop there. The
+  answer is the same on every worker (chief-only callbacks never stop),
+  so the controller agrees on the flag after every call of the compiled
+  step only when this is True.
+  """
+  return any(not isinstance(c, _NEVER_STOP_IN_BATCH) and
+             _overrides(c, _TRAIN_BATCH_HOOKS) for c in flatten(callbacks))
+
+
+def reads_test_batches(callbacks) -> bool:
+  """Whether a callback of `callbacks` (a list or a `CallbackList`)
+  overrides `on_test_batch_begin` or `on_test_batch_end`: only then does
+  an evaluation compute the running logs of every batch for them."""
+  return any(_overrides(c, _TEST_BATCH_HOOKS) for c in flatten(callbacks))

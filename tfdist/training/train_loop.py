@@ -72,7 +72,7 @@ inside the step (`micro_steps` in the sums).
 """
 
 import contextlib
-from typing import Dict, Optional
+from typing import Callable, Dict, Optional
 
 import keras
 import numpy as np
@@ -705,19 +705,37 @@ class Trainer:
     return {"loss": float(sums.get("loss", 0.0)) / max(steps, 1),
             **self.metric_sums.results(sums)}
 
-  def evaluate(self, dist_dataset) -> Dict[str, float]:
+  def evaluate(self, dist_dataset, *,
+               on_batch_begin: Optional[Callable[[int], None]] = None,
+               on_batch_end: Optional[Callable[[int, dict], None]] = None
+               ) -> Dict[str, float]:
     """Evaluates every example of `dist_dataset` exactly once.
+
+    Args:
+      dist_dataset: the distributed evaluation dataset.
+      on_batch_begin: called with each batch's index (0-based) before it
+        is evaluated (Keras's `on_test_batch_begin`), or None.
+      on_batch_end: called with each batch's index and the loss and metrics
+        over the batches so far (Keras's `on_test_batch_end` logs), or None.
 
     Returns:
       `{"loss": mean loss per example, <metric name>: value, ...,
       "num_examples": n}`.
     """
     sums = {}
-    for batch in dist_dataset:
+    for index, batch in enumerate(dist_dataset):
+      if on_batch_begin is not None:
+        on_batch_begin(index)
       out = self.eval_function(batch)
       for k, v in out.items():
         sums[k] = sums.get(k, 0.0) + np.asarray(v, np.float64)
+      if on_batch_end is not None:
+        on_batch_end(index, self._eval_results(sums))
+    return {**self._eval_results(sums),
+            "num_examples": int(sums.get("count", 0.0))}
+
+  def _eval_results(self, sums: Dict[str, np.ndarray]) -> Dict[str, float]:
+    """The loss per example and the metrics of summed evaluation state."""
     n = max(float(sums.get("count", 0.0)), 1.0)
     return {"loss": float(sums.get("loss_sum", 0.0)) / n,
-            **self.metric_sums.results(sums),
-            "num_examples": int(sums.get("count", 0.0))}
+            **self.metric_sums.results(sums)}
