@@ -181,9 +181,10 @@ class InputPipelineTest(parameterized.TestCase):
     # The same batches as cutting examples and batching them afterwards.
     shuffled = tf.data.Dataset.range(300).shuffle(
         300, seed=5, reshuffle_each_iteration=False)
-    examples = input_pipeline._first_examples(  # pylint: disable=protected-access
-        shuffled, 256, 64).batch(64)
-    batches = input_pipeline._first_batches(shuffled, 256, 64)  # pylint: disable=protected-access
+    # pylint: disable=protected-access
+    examples = input_pipeline._first_examples(shuffled, 256, 64).batch(64)
+    batches = input_pipeline._first_batches(shuffled, 256, 64)
+    # pylint: enable=protected-access
     self.assertEqual([b.numpy().tolist() for b in batches],
                      [b.numpy().tolist() for b in examples])
 
