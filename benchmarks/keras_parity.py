@@ -28,20 +28,35 @@ whole process. Runs alternate (each pair in the opposite order of the last),
 `--pairs` times per strategy. In each run the first `--warmup_steps` steps
 are not measured; over the next `--steps` a Keras callback (the same class
 on both sides) reads the clock, user and system CPU time and minor page
-faults (`getrusage`) and resident memory. Printed per strategy: each pair's
-throughput ratio tfdist / keras and tfdist / keras_stock, their median and
-spread (min..max), the same for CPU time per step (keras / tfdist: above 1
-tfdist spends less), and per side the medians of examples/sec, CPU
-milliseconds per step (user, system), minor page faults per step and peak
+faults (`getrusage`), the main thread's CPU time (`time.thread_time`: the
+training loop's Python and its calls into TensorFlow, apart from the
+threads that run the ops and tf.data; the steadiest figure of what a loop
+adds) and resident memory. Printed per strategy: each pair's throughput
+ratio tfdist / keras and tfdist / keras_stock, their median and spread
+(min..max), the same for CPU time per step (keras / tfdist: above 1 tfdist
+spends less), and per side the medians of examples/sec, CPU milliseconds
+per step (user, system, main thread), minor page faults per step and peak
 resident memory (MiB, up to the end of the measured steps).
 
 On a machine others are using, absolute speeds are noise; the ratios of
 alternated runs are what count.
 
+`--op_counts` times nothing: it traces both sides' one-device training step
+(Keras's `make_train_function()`, and the `Trainer` tfdist builds for the
+same model, loss, metric and optimizer) on the same input, and prints their
+ops by type where they differ (the bodies of the functions they call
+included): each op is dispatched at every step. `--input_only=N` trains
+nothing: it reads N batches of each side's training input after its first
+epoch (cached), alternated `--pairs` times in one process, and prints the
+CPU time per batch.
+
 Usage:
   python benchmarks/keras_parity.py --pairs=5 --steps=60 \
       --output=/tmp/keras_parity.json
   TF_ENABLE_ONEDNN_OPTS=0 python benchmarks/keras_parity.py   # see README
+  python benchmarks/keras_parity.py --op_counts --output=/tmp/ops.json
+  python benchmarks/keras_parity.py --input_only=400 --pairs=3 \
+      --output=/tmp/input.json
 """
 
 import json
@@ -86,6 +101,15 @@ flags.DEFINE_string("output", "keras_parity.json",
                     "Where to write the JSON results (relative paths: from "
                     "the directory `bazel run` was started in).")
 flags.DEFINE_integer("run_timeout", 1200, "Seconds one child run may take.")
+flags.DEFINE_bool("op_counts", False,
+                  "Instead of timing: trace both sides' compiled training "
+                  "step (one device) and print their ops by type, the "
+                  "bodies of the functions they call included.")
+flags.DEFINE_integer("input_only", 0,
+                     "Instead of training: read this many batches of each "
+                     "side's training input after its first epoch (cached), "
+                     "alternated --pairs times in this process, and print "
+                     "the CPU time per batch.")
 flags.DEFINE_string("child", "", "Internal: run one side in this process.")
 flags.DEFINE_string("child_strategy", "", "Internal.")
 flags.DEFINE_string("child_train_files", "", "Internal.")
@@ -100,7 +124,11 @@ def _resident_bytes() -> int:
 
 def _snapshot() -> dict:
   usage = resource.getrusage(resource.RUSAGE_SELF)
-  return {"time": time.perf_counter(), "user": usage.ru_utime,
+  # The meter runs on the main thread on both sides (a callback that is not
+  # async-safe): `thread_time` is the training loop's own Python and op
+  # dispatch, apart from TensorFlow's and tf.data's threads.
+  return {"time": time.perf_counter(), "main_thread": time.thread_time(),
+          "user": usage.ru_utime,
           "system": usage.ru_stime, "minflt": usage.ru_minflt,
           "majflt": usage.ru_majflt, "maxrss_bytes": usage.ru_maxrss * 1024}
 
@@ -213,12 +241,111 @@ def run_child(side: str, strategy_name: str, train_files, eval_files) -> dict:
       "step_time_seconds": seconds / steps,
       "user_ms_per_step": 1000 * (end["user"] - start["user"]) / steps,
       "system_ms_per_step": 1000 * (end["system"] - start["system"]) / steps,
+      "main_thread_ms_per_step": (
+          1000 * (end["main_thread"] - start["main_thread"]) / steps),
       "minor_faults_per_step": (end["minflt"] - start["minflt"]) / steps,
       "major_faults_per_step": (end["majflt"] - start["majflt"]) / steps,
       "peak_rss_mib": end["maxrss_bytes"] / 2**20,
       "rss_mib_at_end": end["resident_bytes"] / 2**20,
       "allocator": allocator.state().to_dict(),
   }
+
+
+# --- the compiled steps' ops ----------------------------------------------
+def _op_types(concrete) -> dict:
+  """Op type -> count in a concrete function's graph and the bodies of the
+  functions it calls."""
+  graph = concrete.graph.as_graph_def()
+  counts = {}
+  for node in list(graph.node) + [n for f in graph.library.function
+                                  for n in f.node_def]:
+    counts[node.op] = counts.get(node.op, 0) + 1
+  return counts
+
+
+def op_counts(train_files) -> dict:
+  """Both sides' one-device training step traced on the same input (one
+  step per call): `{"keras": {op: count}, "tfdist": {op: count}}`. Keras:
+  `Model.make_train_function()`'s compiled function; tfdist: the `Trainer`
+  `run_experiment` builds for this model, loss, metric and optimizer."""
+  import keras  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  import models  # pylint: disable=g-import-not-at-top
+  from tfdist.data import datasets  # pylint: disable=g-import-not-at-top
+  from tfdist.data import input_pipeline  # pylint: disable=g-import-not-at-top
+  from tfdist.training import train_loop  # pylint: disable=g-import-not-at-top
+  spec = datasets.get_dataset_spec("fashion_mnist")
+  data = input_pipeline.make_dataset(_pipeline_options(train_files))
+
+  def parts():
+    keras.utils.set_random_seed(42)
+    model = models.build_model("cnn", input_shape=spec.input_shape,
+                               num_classes=spec.num_classes)
+    return model, keras.optimizers.SGD(FLAGS.learning_rate,
+                                       momentum=FLAGS.momentum)
+
+  model, optimizer = parts()
+  model.compile(optimizer=optimizer, metrics=["accuracy"], jit_compile=False,
+                loss=keras.losses.SparseCategoricalCrossentropy(
+                    from_logits=True))
+  model.make_train_function()
+  # Keras wraps its compiled function in a plain one; the compiled one is
+  # in its closure.
+  compiled = [c.cell_contents for c in model.train_function.__closure__
+              if isinstance(c.cell_contents,
+                            tf.types.experimental.PolymorphicFunction)]
+  counts = {"keras": _op_types(compiled[0].get_concrete_function(
+      iter(data)))}
+  strategy = tf.distribute.OneDeviceStrategy("/cpu:0")
+  with strategy.scope():
+    model, optimizer = parts()
+    optimizer.build(model.trainable_variables)
+  trainer = train_loop.Trainer(strategy=strategy, model=model,
+                               optimizer=optimizer,
+                               global_batch_size=FLAGS.batch_size)
+  counts["tfdist"] = _op_types(trainer.train_function.get_concrete_function(
+      iter(data), tf.TensorSpec([], tf.int32), tf.TensorSpec([2], tf.float32)))
+  return counts
+
+
+def input_cpu(train_files) -> dict:
+  """CPU milliseconds (all threads) per batch of each side's training
+  input after its first epoch, `--input_only` batches per run, `--pairs`
+  alternated runs: `{"keras": [...], "tfdist": [...]}`. Keras reads the
+  benchmark's pipeline; tfdist the one `run_experiment` makes of the same
+  files (record counts known, so epochs aligned to steps; ordered reading,
+  for the input position)."""
+  import dataclasses  # pylint: disable=g-import-not-at-top
+  from tfdist.data import input_pipeline  # pylint: disable=g-import-not-at-top
+  keras_options = _pipeline_options(train_files)
+  options = {"keras": keras_options, "tfdist": dataclasses.replace(
+      keras_options, deterministic=True,
+      file_record_counts=input_pipeline.count_records_per_file(train_files))}
+  batches_per_epoch = 60000 // FLAGS.batch_size
+  out = {"keras": [], "tfdist": []}
+  for i in range(FLAGS.pairs):
+    for side in (("keras", "tfdist") if i % 2 == 0 else ("tfdist", "keras")):
+      batches = iter(input_pipeline.make_dataset(options[side]))
+      for _ in range(batches_per_epoch + 10):
+        next(batches)
+      started = time.process_time()
+      for _ in range(FLAGS.input_only):
+        next(batches)
+      out[side].append(1000 * (time.process_time() - started) /
+                       FLAGS.input_only)
+      print(f"[input pair {i + 1}/{FLAGS.pairs}] {side:<7} "
+            f"{out[side][-1]:.3f} ms of CPU per batch", flush=True)
+  return out
+
+
+def _print_op_counts(counts: dict):
+  keras_ops, tfdist_ops = counts["keras"], counts["tfdist"]
+  print(f"ops in the compiled step: keras {sum(keras_ops.values())}, "
+        f"tfdist {sum(tfdist_ops.values())}; by type where they differ:")
+  for op in sorted(set(keras_ops) | set(tfdist_ops)):
+    k, t = keras_ops.get(op, 0), tfdist_ops.get(op, 0)
+    if k != t:
+      print(f"  {op:<34} keras {k:>4}  tfdist {t:>4}")
 
 
 # --- the driver (parent process) ------------------------------------------
@@ -295,8 +422,8 @@ def _summarize(strategy_name: str, pairs) -> dict:
     summary["sides"][side] = {
         key: statistics.median(r[key] for r in runs)
         for key in ("examples_per_second", "user_ms_per_step",
-                    "system_ms_per_step", "minor_faults_per_step",
-                    "peak_rss_mib")}
+                    "system_ms_per_step", "main_thread_ms_per_step",
+                    "minor_faults_per_step", "peak_rss_mib")}
   summary["ratios"] = {}
   summary["cpu_ratios"] = {}
   cpu = lambda r: r["user_ms_per_step"] + r["system_ms_per_step"]
@@ -321,10 +448,12 @@ def _print_summary(summary: dict):
       print(f"  {key:<20} median {ratio['median']:.3f}  spread "
             f"{ratio['min']:.3f}..{ratio['max']:.3f}  pairs: {values}")
   print(f"{'side':<13} {'examples/s':>10} {'user ms':>8} {'sys ms':>7} "
-        f"{'faults/step':>11} {'peak RSS MiB':>12}   (medians)")
+        f"{'main ms':>7} {'faults/step':>11} {'peak RSS MiB':>12}   "
+        "(medians)")
   for side, m in summary["sides"].items():
     print(f"{side:<13} {m['examples_per_second']:>10.1f} "
           f"{m['user_ms_per_step']:>8.1f} {m['system_ms_per_step']:>7.1f} "
+          f"{m['main_thread_ms_per_step']:>7.2f} "
           f"{m['minor_faults_per_step']:>11.0f} {m['peak_rss_mib']:>12.0f}")
 
 
@@ -346,6 +475,23 @@ def main(argv):
     raise app.UsageError(f"--strategies: unknown {', '.join(bad)}; use "
                          f"{', '.join(STRATEGIES)}.")
   train_files, eval_files = _data_files()
+  if FLAGS.input_only:
+    per_batch = input_cpu(train_files)
+    ratios = [k / t for k, t in zip(per_batch["keras"], per_batch["tfdist"])]
+    print(f"CPU per batch, keras / tfdist: median "
+          f"{statistics.median(ratios):.3f} ({min(ratios):.3f}.."
+          f"{max(ratios):.3f}); medians keras "
+          f"{statistics.median(per_batch['keras']):.3f} ms, tfdist "
+          f"{statistics.median(per_batch['tfdist']):.3f} ms")
+    _write(FLAGS.output, {"machine": _machine(), "input_cpu_ms_per_batch":
+                          per_batch, "cpu_ratio": _spread(ratios),
+                          "batches": FLAGS.input_only})
+    return
+  if FLAGS.op_counts:
+    counts = op_counts(train_files)
+    _print_op_counts(counts)
+    _write(FLAGS.output, {"machine": _machine(), "op_counts": counts})
+    return
   started = time.time()
   record = {"machine": _machine(), "settings": {
       "model": "cnn", "dataset": "fashion_mnist",
@@ -366,6 +512,7 @@ def main(argv):
               f"{r['examples_per_second']:8.1f} examples/s  "
               f"{r['user_ms_per_step']:6.1f} user ms  "
               f"{r['system_ms_per_step']:6.1f} sys ms  "
+              f"{r['main_thread_ms_per_step']:5.2f} main ms  "
               f"{r['minor_faults_per_step']:8.0f} faults/step", flush=True)
       pairs.append({side: pair[side] for side in sides})
     summary = _summarize(strategy_name, pairs)
@@ -373,13 +520,20 @@ def main(argv):
     _print_summary(summary)
   record["machine"]["load_average_at_end"] = list(os.getloadavg())
   record["wall_seconds"] = time.time() - started
-  output = FLAGS.output
+  _write(FLAGS.output, record)
+  print(f"{record['wall_seconds'] / 60:.1f} min.")
+
+
+def _write(output: str, record: dict) -> str:
+  """Writes `record` as JSON to `output` (relative: to where `bazel run`
+  was started); returns the path."""
   if not os.path.isabs(output):
     output = os.path.join(os.environ.get("BUILD_WORKING_DIRECTORY",
                                          os.getcwd()), output)
   with open(output, "w") as f:
     json.dump(record, f, indent=2)
-  print(f"\nWrote {output} ({record['wall_seconds'] / 60:.1f} min).")
+  print(f"\nWrote {output}.")
+  return output
 
 
 if __name__ == "__main__":

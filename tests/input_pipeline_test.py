@@ -159,6 +159,35 @@ class InputPipelineTest(parameterized.TestCase):
     shapes = [tuple(b[0].shape) for b in ds.take(12)]  # > one epoch
     self.assertEqual(set(shapes), {(64, 28, 28, 1)})
 
+  def test_aligned_epochs_are_batched_once(self):
+    # 300 records, per-replica batch 64: epochs of 256 examples (4 whole
+    # batches), cut on batches: no batch is unbatched and batched again.
+    data = testutil.fashion_mnist_subset(limit=300, train_shards=3,
+                                         test_shards=2)
+    files = input_pipeline.list_files(data["train"])
+    ds = input_pipeline.make_dataset(input_pipeline.PipelineOptions(
+        files=files, parse_fn=_ids_parse, global_batch_size=64,
+        is_training=True, seed=1, deterministic=True,
+        file_record_counts=input_pipeline.count_records_per_file(files)))
+    graph = tf.compat.v1.GraphDef.FromString(
+        ds._as_serialized_graph().numpy())  # pylint: disable=protected-access
+    ops = {n.op for n in graph.node} | {
+        n.op for f in graph.library.function for n in f.node_def}
+    self.assertNotIn("UnbatchDataset", ops)
+    epochs = [b[2].numpy().tolist() for b in ds.take(8)]
+    for epoch in (epochs[:4], epochs[4:]):
+      ids = [i for batch in epoch for i in batch]
+      self.assertLen(set(ids), 256)  # Every example at most once an epoch.
+    # The same batches as cutting examples and batching them afterwards.
+    shuffled = tf.data.Dataset.range(300).shuffle(
+        300, seed=5, reshuffle_each_iteration=False)
+    # pylint: disable=protected-access
+    examples = input_pipeline._first_examples(shuffled, 256, 64).batch(64)
+    batches = input_pipeline._first_batches(shuffled, 256, 64)
+    # pylint: enable=protected-access
+    self.assertEqual([b.numpy().tolist() for b in batches],
+                     [b.numpy().tolist() for b in examples])
+
   def test_seed_zero_shuffles(self):
     # --seed=0 makes 0 TensorFlow's global seed (keras.utils.set_random_seed).
     data = testutil.fashion_mnist_subset(limit=300, train_shards=3,

@@ -82,6 +82,13 @@ class LocalStepRunnerTest(absltest.TestCase):
     self.assertEqual((output.signals.stop_signal,
                       output.signals.stop_training), (False, True))
     self.assertNotIn("stop_signal", output.sums)
+    # The arguments of each value are made once and reused: a request
+    # seen before comes back again, and none after it is none.
+    output = runner.run(1, start_step=2, stop_signal=True)
+    self.assertEqual((output.signals.stop_signal,
+                      output.signals.stop_training), (True, False))
+    output = runner.run(1, start_step=3)
+    self.assertEqual(output.signals, step_runner.StepSignals())
 
   def test_iterator_fn_gets_the_first_start_step(self):
     trainer = _trainer()

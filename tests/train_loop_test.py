@@ -42,6 +42,70 @@ class TrainFunctionTest(parameterized.TestCase):
     self.assertEqual(int(optimizer.iterations.numpy()), sum(chunks))
 
 
+def _op_types(function, *args):
+  """Op type -> count in `function`'s graph for `args`, the bodies of the
+  functions it calls included."""
+  graph = function.get_concrete_function(*args).graph.as_graph_def()
+  counts = {}
+  for node in list(graph.node) + [n for f in graph.library.function
+                                  for n in f.node_def]:
+    counts[node.op] = counts.get(node.op, 0) + 1
+  return counts
+
+
+class OneReplicaStepTest(absltest.TestCase):
+  """One replica in all: the step neither packs its sums for a reduction
+  nor all-reduces the gradients, and trains exactly as the general path."""
+
+  def _train(self, strategy):
+    keras.utils.set_random_seed(7)
+    features = tf.random.stateless_uniform([32, 6], seed=(1, 2))
+    labels = tf.random.stateless_uniform([32], seed=(3, 4), maxval=3,
+                                         dtype=tf.int64)
+    data = tf.data.Dataset.from_tensor_slices((features, labels)).batch(
+        16, drop_remainder=True).repeat()
+    with strategy.scope():
+      model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(3)])
+      optimizer = keras.optimizers.SGD(0.1)
+      optimizer.build(model.trainable_variables)
+    trainer = Trainer(strategy=strategy, model=model, optimizer=optimizer,
+                      global_batch_size=16)
+    iterator = iter(strategy.experimental_distribute_dataset(data))
+    args = (iterator, tf.constant(1, tf.int32), tf.zeros([2], tf.float32))
+    outs = [trainer.train_function(*args) for _ in range(2)]
+    return (trainer, _op_types(trainer.train_function, *args),
+            [{k: float(v) for k, v in out.items() if "seconds" not in k}
+             for out in outs], [w.numpy() for w in model.weights])
+
+  def test_one_device_step_skips_the_reductions(self):
+    trainer, ops, sums, weights = self._train(
+        tf.distribute.OneDeviceStrategy("/cpu:0"))
+    # No packing of the sums (concat, split), no assertion of the batch
+    # size, no identity per gradient for an all-reduce of one replica.
+    for op in ("ConcatV2", "SplitV", "Assert"):
+      self.assertNotIn(op, ops)
+    self.assertLessEqual(ops.get("Identity", 0), len(sums[0]) + 4)
+    self.assertTrue(trainer.one_replica)
+    # A one-replica MirroredStrategy takes the general path: same numbers.
+    general, general_ops, general_sums, general_weights = self._train(
+        tf.distribute.MirroredStrategy(["/cpu:0"]))
+    self.assertFalse(general.one_replica)
+    self.assertIn("ConcatV2", general_ops)
+    for got, want in zip(sums, general_sums):
+      self.assertEqual(got.keys(), want.keys())
+      for key in want:
+        self.assertAlmostEqual(got[key], want[key], places=5, msg=key)
+    for got, want in zip(weights, general_weights):
+      self.assertTrue((abs(got - want) < 1e-6).all())
+
+  def test_batch_size_must_be_positive(self):
+    with self.assertRaisesRegex(ValueError, "global_batch_size.*Received: 0"):
+      Trainer(strategy=tf.distribute.get_strategy(),
+              model=keras.Sequential([keras.Input((2,)),
+                                      keras.layers.Dense(1)]),
+              optimizer=keras.optimizers.SGD(0.1), global_batch_size=0)
+
+
 class MirroredEvaluationTest(absltest.TestCase):
 
   def test_replica_with_empty_last_batch(self):

@@ -428,12 +428,15 @@ def make_dataset(options: PipelineOptions,
                         max(1, options.gradient_accumulation_steps))
   batch = (input_context.get_per_replica_batch_size(micro_global_batch)
            if input_context else micro_global_batch)
+  batched = False
   if options.input_fn is not None:
     ds = _examples_from_function(options, input_context, num_pipelines,
                                  pipeline_id, batch)
   else:
-    ds = _examples_from_files(options, num_pipelines, pipeline_id, batch)
-  return _batch(ds, options, input_context, num_pipelines, batch)
+    ds, batched = _examples_from_files(options, num_pipelines, pipeline_id,
+                                       batch)
+  return _batch(ds, options, input_context, num_pipelines, batch,
+                batched=batched)
 
 
 def _examples_from_function(options: PipelineOptions, input_context,
@@ -470,9 +473,15 @@ def _examples_from_function(options: PipelineOptions, input_context,
 
 
 def _examples_from_files(options: PipelineOptions, num_pipelines: int,
-                         pipeline_id: int, batch: int) -> tf.data.Dataset:
+                         pipeline_id: int, batch: int
+                         ) -> Tuple[tf.data.Dataset, bool]:
   """One host's share of the files, parsed; training: numbered epochs from
-  `options.start_step` on (`_training_epochs`)."""
+  `options.start_step` on (`_training_epochs`).
+
+  Returns:
+    `(dataset, batched)`: `batched` when `_training_epochs` made the
+    dataset of batches of `batch` itself.
+  """
   files = list(options.files)
   counts = options.file_record_counts
   if (counts is None and options.is_training and num_pipelines > 1 and
@@ -518,16 +527,19 @@ def _examples_from_files(options: PipelineOptions, num_pipelines: int,
 
   if not options.is_training:
     ds = read_share(None)
-    return ds.cache() if options.cache else ds
+    return (ds.cache() if options.cache else ds), False
   return _training_epochs(options, plan, read_share, pipeline_id=pipeline_id,
                           num_pipelines=num_pipelines, batch=batch)
 
 
 def _batch(ds: tf.data.Dataset, options: PipelineOptions, input_context,
-           num_pipelines: int, batch: int) -> tf.data.Dataset:
+           num_pipelines: int, batch: int, *,
+           batched: bool = False) -> tf.data.Dataset:
   """Batches (or pads to static batches) and prefetches one host's
-  examples."""
-  if options.pad_to_static_batches and not options.is_training:
+  examples (`batched`: `ds` is of batches already; prefetches it)."""
+  if batched:
+    pass
+  elif options.pad_to_static_batches and not options.is_training:
     local_replicas = 1
     if input_context:
       local_replicas = max(1, input_context.num_replicas_in_sync //
@@ -643,6 +655,22 @@ def start_position(start_step: int, plan: ShardingPlan, *,
   return epoch, done * (global_batch_size // num_pipelines)
 
 
+def _first_batches(ds: tf.data.Dataset, keep: int,
+                   batch: int) -> tf.data.Dataset:
+  """The first `keep` examples of `ds` in batches of `batch` (which
+  divides `keep`), after reading all of it.
+
+  `_first_examples` for an epoch aligned to whole batches, without its
+  unbatching: the examples and their batches are the same, and a step's
+  batch is not taken apart and put together again (about half a
+  millisecond of CPU per 128-example Fashion-MNIST batch).
+  """
+  return ds.batch(batch, drop_remainder=True, num_parallel_calls=AUTOTUNE,
+                  deterministic=True).enumerate().filter(
+                      lambda i, _: i < keep // batch).map(
+                          lambda _, examples: examples)
+
+
 def _first_examples(ds: tf.data.Dataset, keep: int,
                     batch: int) -> tf.data.Dataset:
   """The first `keep` examples of `ds`, after reading all of it.
@@ -663,10 +691,18 @@ def _first_examples(ds: tf.data.Dataset, keep: int,
 
 def _training_epochs(options: PipelineOptions, plan: ShardingPlan,
                      read_share: Callable, *, pipeline_id: int,
-                     num_pipelines: int, batch: int) -> tf.data.Dataset:
+                     num_pipelines: int, batch: int
+                     ) -> Tuple[tf.data.Dataset, bool]:
   """Endless training examples of one host, epoch after epoch, from
   `options.start_step` on (module docstring: epochs and resuming); `batch`:
-  the per-replica batch they are batched into."""
+  the per-replica batch they are batched into.
+
+  Returns:
+    `(dataset, batched)`. Epochs cut to whole batches, resumed after whole
+    batches (`batched`): a dataset of those batches, made per epoch (the
+    same batches as batching the examples afterwards). Otherwise: of
+    examples.
+  """
   share = (plan.records_per_pipeline[pipeline_id]
            if plan.records_per_pipeline else None)
   keep = plan.examples_per_epoch
@@ -684,7 +720,8 @@ def _training_epochs(options: PipelineOptions, plan: ShardingPlan,
     if keep is not None:
       # One epoch reads exactly `examples_per_epoch` records of this host's
       # (reshuffled) share; the rest is left out of this epoch.
-      ds = _first_examples(ds, keep, batch)
+      ds = (_first_batches(ds, keep, batch) if batched else
+            _first_examples(ds, keep, batch))
     return ds
 
   epoch, skip = 0, 0
@@ -703,10 +740,12 @@ def _training_epochs(options: PipelineOptions, plan: ShardingPlan,
           "this worker's %d examples of that epoch.", pipeline_id,
           num_pipelines, options.start_step, epoch, skip,
           plan.examples_per_epoch)
+  # Read by `one_epoch` (traced by `flat_map` below).
+  batched = keep is not None and keep % batch == 0 and skip % batch == 0
   ds = tf.data.Dataset.range(epoch, _NO_LAST_EPOCH).flat_map(one_epoch)
   if skip:
-    ds = ds.skip(skip)
-  return ds
+    ds = ds.skip(skip // batch if batched else skip)
+  return ds, batched
 
 
 def _one_host_cpu(strategy: tf.distribute.Strategy) -> bool:

@@ -269,6 +269,10 @@ class LocalStepRunner(StepRunner):
     # One call runs at most this many steps; the controller asks no more.
     self.max_steps_per_call = trainer.steps_per_execution
     self._agree_fn = None
+    # The call's tensor arguments, made once per value (a chunk's length
+    # and stop requests take few values) instead of once per call.
+    self._arguments: Dict[Tuple[int, bool, bool], Tuple[tf.Tensor,
+                                                        tf.Tensor]] = {}
     if self.num_workers > 1:
       strategy = trainer.strategy
 
@@ -302,9 +306,13 @@ class LocalStepRunner(StepRunner):
     # The compiled function counts steps itself.
     if self.iterator is None:
       self.iterator = self.iterator_fn(start_step)
-    sums = self.trainer.train_function(
-        self.iterator, tf.constant(num_steps, tf.int32),
-        _stop_flags(stop_signal, stop_training))
+    key = (int(num_steps), bool(stop_signal), bool(stop_training))
+    arguments = self._arguments.get(key)
+    if arguments is None:
+      arguments = self._arguments[key] = (
+          tf.constant(num_steps, tf.int32),
+          _stop_flags(stop_signal, stop_training))
+    sums = self.trainer.train_function(self.iterator, *arguments)
     return StepOutput.from_sums(_as_numpy(sums))
 
 

@@ -8,9 +8,10 @@ Mirrored, MultiWorkerMirrored and TPU, and passed to
 `ClusterCoordinator.schedule` under ParameterServerStrategy.
 
 Loss: any Keras loss, computed per example and averaged over the *global*
-batch (`tf.nn.compute_average_loss(..., global_batch_size=...)`), and the
-step sums gradients over replicas, so the update equals the single-device
-update on the whole global batch.
+batch (the replica's sum divided by the global batch size, as
+`tf.nn.compute_average_loss(..., global_batch_size=...)` computes it), and
+the step sums gradients over replicas, so the update equals the
+single-device update on the whole global batch.
 
 Sample weights: a batch `(inputs, labels, weights)` (weights float32
 [batch], as Keras's `fit` takes a dataset of `(x, y, sample_weight)`), or
@@ -191,6 +192,16 @@ def _all_reduce_sum(grads):
   return [None if g is None else next(summed) for g in grads]
 
 
+def _one_replica(strategy: tf.distribute.Strategy) -> bool:
+  """True when `strategy` runs one replica in all: a `OneDeviceStrategy`,
+  or no strategy (TensorFlow's default one, outside any scope). Its
+  replica's values are then already the sums over every replica."""
+  if isinstance(strategy, tf.distribute.OneDeviceStrategy):
+    return True
+  return (not tf.distribute.has_strategy() and
+          strategy is tf.distribute.get_strategy())
+
+
 def _timed_next(iterator):
   """`next(iterator)` and the seconds it took (float64 scalar tensor).
 
@@ -316,8 +327,9 @@ class Trainer:
   while the step is traced (`_sum_gradients_once`).
 
   Raises:
-    ValueError: unknown `task`; `gradient_accumulation_steps` < 1; a
-      `class_weight` key that is not an integer >= 0.
+    ValueError: unknown `task`; `global_batch_size` < 1;
+      `gradient_accumulation_steps` < 1; a `class_weight` key that is not
+      an integer >= 0.
     tfdist.config.ConfigError: a metric whose state is not summed.
   """
 
@@ -335,6 +347,10 @@ class Trainer:
     self.model = model
     self.optimizer = optimizer
     self.global_batch_size = int(global_batch_size)
+    if self.global_batch_size <= 0:
+      raise ValueError("global_batch_size must be > 0. Received: "
+                       f"{global_batch_size}")
+    self.one_replica = _one_replica(strategy)
     self.steps_per_execution = int(steps_per_execution)
     self.eval_example_weights = bool(eval_example_weights)
     if loss is None:
@@ -422,8 +438,10 @@ class Trainer:
     with tf.GradientTape() as tape:
       outputs = tf.cast(self.model(inputs, training=True), tf.float32)
       per_example = self._per_example_loss(labels, outputs, weights)
-      loss = tf.nn.compute_average_loss(
-          per_example, global_batch_size=self.global_batch_size)
+      # `tf.nn.compute_average_loss`'s arithmetic, without its run-time
+      # assertions on a batch size fixed (and checked) at construction.
+      loss = tf.math.divide_no_nan(tf.reduce_sum(per_example),
+                                   float(self.global_batch_size))
       if self.model.losses:
         # Once per update: each of the K micro-steps adds 1/K of it.
         loss += tf.nn.scale_regularization_loss(tf.add_n(
@@ -459,7 +477,8 @@ class Trainer:
       return {**sums, "skipped": skipped, _SHARD_UPDATE: update,
               "stop_signal": stop_flags[0], "stop_training": stop_flags[1]}
     variables = self.model.trainable_variables
-    grads = _all_reduce_sum(grads)
+    if not self.one_replica:  # One replica: the sum is the gradients.
+      grads = _all_reduce_sum(grads)
     # The same summed gradients on every replica and worker: the finite
     # check (here and inside a LossScaleOptimizer) agrees everywhere.
     skipped = precision.step_skipped(self.optimizer, grads)
@@ -558,7 +577,12 @@ class Trainer:
     split and reshaped again; every value keeps its dtype. Under
     MultiWorkerMirroredStrategy each all-reduce is a collective of its own
     with a fixed cost (a gRPC round trip, and a thread held for the
-    collective's timeout), so one per step instead of one per key."""
+    collective's timeout), so one per step instead of one per key. With
+    one replica in all (`one_replica`) the values are the sums: returned as
+    they are, with no packing."""
+    if self.one_replica:
+      return {k: self.strategy.experimental_local_results(v)[0]
+              for k, v in per_replica.items()}
     first = {k: self.strategy.experimental_local_results(v)[0]
              for k, v in per_replica.items()}
     groups: Dict[tf.DType, list] = {}
