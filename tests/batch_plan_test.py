@@ -39,6 +39,21 @@ class MakeBatchPlanTest(parameterized.TestCase):
     plan = batch_plan.make_batch_plan(num_replicas_in_sync=2, batch_size=128,
                                       num_train_examples=60_000)
     self.assertEqual(plan.steps_per_epoch, 468)  # 60000 // 128
+    self.assertEqual(plan.dropped_per_epoch, 96)  # 60000 - 468 * 128
+    warning = plan.remainder_warning()
+    self.assertIn("96 of the 60000 training examples of each epoch are not "
+                  "trained on: 468 steps of 128 examples", warning)
+    self.assertIn("--batch_size", warning)
+
+  def test_a_batch_that_divides_the_epoch_drops_nothing(self):
+    plan = batch_plan.make_batch_plan(num_replicas_in_sync=2, batch_size=100,
+                                      num_train_examples=60_000)
+    self.assertEqual(plan.dropped_per_epoch, 0)
+    self.assertIsNone(plan.remainder_warning())
+    unknown = batch_plan.make_batch_plan(num_replicas_in_sync=2,
+                                         batch_size=100)
+    self.assertIsNone(unknown.dropped_per_epoch)
+    self.assertIsNone(unknown.remainder_warning())
 
   def test_per_pipeline_batch(self):
     plan = batch_plan.make_batch_plan(num_replicas_in_sync=4, batch_size=64,

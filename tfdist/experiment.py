@@ -745,6 +745,9 @@ class ExperimentRunner:
         num_workers=self.num_workers,
         asynchronous=self.kind.is_asynchronous, decision=self.decision)
     logging.info("%s", plan.describe(run_options.plan_options(self.config)))
+    remainder = plan.batch.remainder_warning()
+    if remainder and self.is_writer:
+      logging.warning("%s", remainder)
     _check_profile_window(self.config, plan)
     warning = cross_process_memory_warning(
         total_steps=plan.total_steps,

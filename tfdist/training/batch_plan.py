@@ -41,6 +41,34 @@ class BatchPlan:
   num_input_pipelines: int = 1
 
   @property
+  def dropped_per_epoch(self) -> Optional[int]:
+    """Training examples of an epoch that no step trains on: the last,
+    partial global batch (`num_train_examples % global_batch_size`; None if
+    the count is unknown). `keras.Model.fit` trains a partial last batch;
+    tfdist keeps every step's global batch whole, so that every replica
+    computes a full per-replica batch and the learning rate scaled to the
+    batch (Goyal et al. 2017) holds for every step."""
+    if self.num_train_examples is None or self.steps_per_epoch is None:
+      return None
+    return self.num_train_examples - self.steps_per_epoch * (
+        self.global_batch_size)
+
+  def remainder_warning(self) -> Optional[str]:
+    """The start-up warning when an epoch leaves examples untrained (None
+    when the global batch divides the epoch or the count is unknown)."""
+    dropped = self.dropped_per_epoch
+    if not dropped:
+      return None
+    return (
+        f"{dropped} of the {self.num_train_examples} training examples of "
+        f"each epoch are not trained on: {self.steps_per_epoch} steps of "
+        f"{self.global_batch_size} examples, and the last, partial batch "
+        "is dropped (keras.Model.fit would train it as a smaller batch). "
+        "With shuffling they are other examples every epoch; to train "
+        f"them all, use a global batch that divides {self.num_train_examples} "
+        "(--batch_size, TrainConfig.batch_size).")
+
+  @property
   def per_pipeline_batch_size(self) -> int:
     """Examples one input pipeline (one host) delivers per micro-step."""
     return self.global_batch_size // (self.num_input_pipelines *

@@ -179,7 +179,8 @@ class RunPlan:
         (f"  eval examples          {self.num_eval_examples} in "
          f"{len(self.eval_files)} file(s)" if self.eval_files else ""),
         f"  steps_per_epoch        {plan.steps_per_epoch} (remainder "
-        "dropped)",
+        + (f"dropped: {plan.dropped_per_epoch} examples per epoch untrained)"
+           if plan.dropped_per_epoch else "dropped: none)"),
         f"  train steps            {self.total_steps}",
         f"  learning rate          {options.lr.base_learning_rate:g} at batch "
         f"{options.lr.base_batch_size} -> {self.lr.peak_learning_rate:g} at "
