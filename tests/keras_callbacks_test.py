@@ -28,6 +28,18 @@ class CheckCallbacksTest(absltest.TestCase):
     keras_callbacks.check_callbacks([keras.callbacks.EarlyStopping(),
                                      keras.callbacks.TerminateOnNaN()])
 
+  def test_refuses_whole_model_checkpoints_and_keeps_weights_files(self):
+    with self.assertRaisesRegex(
+        ConfigError, r"ModelCheckpoint\(filepath='/unused/m.keras'\) saves "
+        r"whole .keras models, and is not supported: .*records the optimizer "
+        r"the model was compiled with.*a filepath ending in .weights.h5"):
+      keras_callbacks.check_callbacks(
+          [keras.callbacks.ModelCheckpoint("/unused/m.keras")])
+    keras_callbacks.check_callbacks([
+        keras.callbacks.ModelCheckpoint("/unused/m.weights.h5",
+                                        save_weights_only=True),
+        keras.callbacks.ModelCheckpoint("/unused/w.weights.h5")])
+
   def test_refuses_what_a_callback_list_holds(self):
     with self.assertRaisesRegex(ConfigError, "SwapEMAWeights"):
       keras_callbacks.check_callbacks([keras.callbacks.CallbackList(

@@ -21,7 +21,10 @@ multi-worker `fit` does, with Keras's logs. Some need more:
   an older state over tfdist's), `OrbaxCheckpoint` (it would save from
   every process; tfdist's checkpoints already hold the state),
   `SwapEMAWeights` (tfdist's optimizers keep no moving average of the
-  weights).
+  weights), and a `ModelCheckpoint` that saves whole `.keras` models
+  (their compile config names the model's own optimizer, not tfdist's, so
+  `keras.models.load_model` would not restore the training state; its
+  weights files work).
 """
 
 import copy
@@ -105,6 +108,20 @@ def check_callbacks(callbacks: Sequence[keras.callbacks.Callback]) -> None:
         raise ConfigError(
             f"callbacks: keras.callbacks.{cls.__name__} is not supported: "
             f"{why}. Instead, {instead}.")
+    if (isinstance(callback, keras.callbacks.ModelCheckpoint) and
+        not callback.save_weights_only and
+        not str(callback.filepath).endswith(".weights.h5")):
+      raise ConfigError(
+          "callbacks: keras.callbacks.ModelCheckpoint(filepath="
+          f"{callback.filepath!r}) saves whole .keras models, and is not "
+          "supported: such a file records the optimizer the model was "
+          "compiled with, not the one tfdist trains with (--optimizer, its "
+          "scaled learning rate and warmup), so keras.models.load_model "
+          "would not give back the training state (it warns and skips the "
+          "optimizer, or fails when compile had optimizer=None). Instead, "
+          "save the weights (a filepath ending in .weights.h5, or "
+          "save_weights_only=True), and resume from tfdist's own "
+          "checkpoints (--model_dir) or serve its SavedModel.")
 
 
 def for_this_task(callbacks: Sequence[keras.callbacks.Callback], *,
