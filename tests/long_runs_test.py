@@ -42,15 +42,26 @@ from tfdist import config as config_lib
 from tfdist.data import movielens
 from tfdist.distribute import cluster as cluster_lib
 from tfdist.distribute import rendezvous
+from tfdist.distribute import strategy as strategy_lib
 from tfdist.distribute import worker_exit
 
 TIMEOUT = 300
 RUNS = 10
 THREAD_STEPS = (50, 125, 200)
+# Resident memory is read at every logged step (every 25) from the first to
+# the last of these, after the input pipeline's cache and shuffle buffer
+# are full.
+RSS_STEPS = (100, 400)
 # Threads a task may gain between the first and the last sample: TensorFlow
 # and tf.data start a few on demand; a per-collective timeout adds about 10
 # per step (thousands here).
 MAX_THREAD_GROWTH = 20
+# The median over the 25-step intervals of resident-memory growth per step:
+# TensorFlow's per-call collective instance keys kept about 10 KiB per step
+# (tfdist.distribute.strategy.use_trace_time_instance_keys); a run without
+# them stays near 0. The median ignores the few intervals in which glibc's
+# heap takes new pages at once.
+MAX_RSS_KIB_PER_STEP = 5.0
 
 
 def _status(pid: int) -> dict:
@@ -94,22 +105,34 @@ class RepeatedRunsTest(absltest.TestCase):
 
   def test_threads_stay_flat_and_every_run_exits_cleanly(self):
     env = {"TF_CPP_MIN_LOG_LEVEL": ""}  # As unset: tfdist's default.
-    # Run 0: the thread count over a few hundred steps.
+    # Run 0: threads and resident memory over a few hundred steps.
+    steps = max(THREAD_STEPS[-1], RSS_STEPS[-1])
     watch = testlib.LauncherWatch(
-        ["--num_workers=2"], self._flags("cnn", THREAD_STEPS[-1]),
-        timeout=TIMEOUT, env=env)
+        ["--num_workers=2"], self._flags("cnn", steps), timeout=TIMEOUT,
+        env=env)
     pids = {task: watch.task_pid(task) for task in ("chief:0", "worker:0")}
     threads = {task: [] for task in pids}
-    for step in THREAD_STEPS:
+    rss = {task: [] for task in pids}
+    for step in range(25, steps + 1, 25):
       self.assertIsNotNone(
           watch.wait_for(rf"\[chief:0\] .*step {step}/", TIMEOUT),
           watch.output()[-4000:])
       for task, pid in pids.items():
-        threads[task].append(int(_status(pid)["Threads"]))
+        now = _status(pid)
+        if step in THREAD_STEPS:
+          threads[task].append(int(now["Threads"]))
+        if RSS_STEPS[0] <= step <= RSS_STEPS[-1]:
+          rss[task].append(int(now["VmRSS"].split()[0]))  # KiB
     status = watch.wait()
     for task, counts in threads.items():
       self.assertLessEqual(counts[-1] - counts[0], MAX_THREAD_GROWTH,
                            f"{task} threads at steps {THREAD_STEPS}: {counts}")
+    for task, kib in rss.items():
+      per_step = sorted((b - a) / 25 for a, b in zip(kib, kib[1:]))
+      self.assertLessEqual(
+          per_step[len(per_step) // 2], MAX_RSS_KIB_PER_STEP,
+          f"{task} resident KiB every 25 steps from step {RSS_STEPS[0]} to "
+          f"{RSS_STEPS[-1]}: {kib}")
     self.assertClean(watch.output(), status, 0)
     # Runs 1..RUNS-1: as short as start-up allows, CNN and ranking in turn.
     for run in range(1, RUNS):
@@ -239,6 +262,23 @@ class PiecesTest(absltest.TestCase):
                      rf"answer yet from worker 0 at {silent}\)")
     # The previous handler is back.
     self.assertIs(signal.getsignal(signal.SIGTERM), signal.SIG_DFL)
+
+  def test_instance_keys_fixed_at_trace_time_unless_asked(self):
+    from tensorflow.python.distribute import cross_device_utils  # pylint: disable=g-import-not-at-top
+    launcher = cross_device_utils.CollectiveReplicaLauncher
+    before = launcher._prefer_unique_instance_key  # pylint: disable=protected-access
+    self.addCleanup(setattr, launcher, "_prefer_unique_instance_key", before)
+    name = strategy_lib.PER_CALL_INSTANCE_KEYS_ENV
+    self.addCleanup(os.environ.pop, name, None)
+    for value, fixed in (("", True), ("0", True), ("1", False)):
+      os.environ[name] = value
+      self.assertIs(strategy_lib.use_trace_time_instance_keys(), fixed)
+      self.assertIs(launcher._prefer_unique_instance_key, not fixed)  # pylint: disable=protected-access
+    os.environ[name] = "yes"
+    with self.assertRaisesRegex(
+        config_lib.ConfigError,
+        r"^TFDIST_PER_CALL_INSTANCE_KEYS='yes' is not 0 or 1\. Unset it"):
+      strategy_lib.use_trace_time_instance_keys()
 
   def test_wait_until_gone_sees_a_closed_port(self):
     server = socket.socket()
