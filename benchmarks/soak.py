@@ -10,10 +10,13 @@ memory (`VmRSS:`, MiB). It prints the curve and writes JSON.
 Other layouts for comparison: `--distribution_strategy=one_device` or
 `mirrored` (one process), `--num_workers=1` (MultiWorkerMirrored in one
 process: no collective leaves it), and any tfdist.train flag through
-`--train_flag` (e.g. `--train_flag=--steps_per_execution=10`, which divides
-TensorFlow's per-call memory under MultiWorkerMirrored by 10; see
-docs/design/long-runs.md). `MALLOC_*` variables of the environment are
-recorded in the JSON.
+`--train_flag` (e.g. `--train_flag=--steps_per_execution=10`: ten steps per
+call of the training function). `TFDIST_PER_CALL_INSTANCE_KEYS=1` in the
+environment keeps TensorFlow's per-call collective instance keys, whose
+memory grows about 10 KiB per call (docs/design/long-runs.md). `MALLOC_*`
+and `TFDIST_*` variables of the environment are recorded in the JSON, with
+each task's RSS (KiB) and CPU time (ms, user plus system) per step from the
+first sample after the first checkpoint to the last.
 
 A run whose per-collective timeout is on (`--collective_timeout_seconds`
 greater than 0; TensorFlow keeps one sleeping thread per collective for that
