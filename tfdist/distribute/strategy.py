@@ -309,7 +309,7 @@ def use_trace_time_instance_keys() -> bool:
                     "its collective instance keys are left as they are.")
     return False
   fixed = value != "1"
-  launcher._prefer_unique_instance_key = not fixed  # pylint: disable=protected-access
+  setattr(launcher, "_prefer_unique_instance_key", not fixed)
   return fixed
 
 
