@@ -10,10 +10,13 @@ memory (`VmRSS:`, MiB). It prints the curve and writes JSON.
 Other layouts for comparison: `--distribution_strategy=one_device` or
 `mirrored` (one process), `--num_workers=1` (MultiWorkerMirrored in one
 process: no collective leaves it), and any tfdist.train flag through
-`--train_flag` (e.g. `--train_flag=--steps_per_execution=10`, which divides
-TensorFlow's per-call memory under MultiWorkerMirrored by 10; see
-docs/design/long-runs.md). `MALLOC_*` variables of the environment are
-recorded in the JSON.
+`--train_flag` (e.g. `--train_flag=--steps_per_execution=10`: ten steps per
+call of the training function). `TFDIST_PER_CALL_INSTANCE_KEYS=1` in the
+environment keeps TensorFlow's per-call collective instance keys, whose
+memory grows about 10 KiB per call (docs/design/long-runs.md). `MALLOC_*`
+and `TFDIST_*` variables of the environment are recorded in the JSON, with
+each task's RSS (KiB) and CPU time (ms, user plus system) per step from the
+first sample after the first checkpoint to the last.
 
 A run whose per-collective timeout is on (`--collective_timeout_seconds`
 greater than 0; TensorFlow keeps one sleeping thread per collective for that
@@ -81,8 +84,9 @@ _STEP = re.compile(r"^\[chief:0\] .*step (\d+)/\d+: loss")
 
 
 def read_status(pid: int) -> dict:
-  """`{"threads": int, "rss_mib": float}` of a live process (Linux
-  `/proc/PID/status`); {} once it has exited."""
+  """`{"threads": int, "rss_mib": float, "cpu_seconds": float}` of a live
+  process (Linux `/proc/PID/status`; user plus system CPU time from
+  `/proc/PID/stat`); {} once it has exited."""
   out = {}
   try:
     with open(f"/proc/{pid}/status") as f:
@@ -91,8 +95,46 @@ def read_status(pid: int) -> dict:
           out["threads"] = int(line.split()[1])
         elif line.startswith("VmRSS:"):
           out["rss_mib"] = round(int(line.split()[1]) / 1024, 1)
+    with open(f"/proc/{pid}/stat") as f:
+      # Fields 14 and 15 (utime, stime), counted after the parenthesised
+      # command name, which may hold spaces.
+      fields = f.read().rsplit(")", 1)[1].split()
+    out["cpu_seconds"] = round(
+        (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"), 2)
   except (FileNotFoundError, ProcessLookupError):
     return {}
+  return out
+
+
+def per_step_rates(samples: list, tasks: list, from_step: int) -> dict:
+  """Resident memory (KiB) and CPU time (ms) per step, by task.
+
+  Args:
+    samples: the run's samples (`{"step": int, TASK: read_status(...)}`).
+    tasks: task names, e.g. `["chief:0", "worker:0"]`.
+    from_step: the first sample at or after this step starts the interval
+      (the steps before it are warm-up: tracing, the first checkpoint).
+
+  Returns:
+    `{TASK: {"rss_kib_per_step", "cpu_ms_per_step", "from_step",
+    "to_step"}}` between that sample and the last; {} with fewer than two
+    samples after warm-up.
+  """
+  later = [s for s in samples if s["step"] >= from_step]
+  if len(later) < 2:
+    return {}
+  first, last = later[0], later[-1]
+  steps = last["step"] - first["step"]
+  out = {}
+  for task in tasks:
+    a, b = first.get(task, {}), last.get(task, {})
+    if "rss_mib" in a and "rss_mib" in b:
+      out[task] = {
+          "rss_kib_per_step": round((b["rss_mib"] - a["rss_mib"]) * 1024 /
+                                    steps, 2),
+          "cpu_ms_per_step": round((b["cpu_seconds"] - a["cpu_seconds"]) *
+                                   1000 / steps, 2),
+          "from_step": first["step"], "to_step": last["step"]}
   return out
 
 
@@ -167,6 +209,8 @@ def main(argv):
             "rss_mib": round(last[task]["rss_mib"] - first[task]["rss_mib"],
                              1),
             "from_step": first["step"], "to_step": last["step"]}
+  rates = per_step_rates(samples, sorted(pids),
+                         from_step=FLAGS.steps // 5 + FLAGS.sample_steps)
   result = {
       "command": " ".join(command),
       "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
@@ -181,17 +225,21 @@ def main(argv):
       "train_flags": FLAGS.train_flag,
       "malloc_environment": {k: v for k, v in os.environ.items()
                              if k.startswith("MALLOC_")},
+      "tfdist_environment": {k: v for k, v in os.environ.items()
+                             if k.startswith("TFDIST_")},
       "collective_timeout_seconds": FLAGS.collective_timeout_seconds,
       "exit_status": status, "timed_out": timed_out,
       "seconds": round(time.time() - started, 1),
       "samples": samples, "growth_first_to_last_sample": growth,
+      "per_step_after_warmup": rates,
       "output_tail": tail if status else tail[-5:]}
   os.makedirs(os.path.dirname(os.path.abspath(FLAGS.output)), exist_ok=True)
   with open(FLAGS.output, "w") as f:
     json.dump(result, f, indent=1)
   print(f"exit status {status}{' (timed out)' if timed_out else ''} after "
         f"{result['seconds']:.0f} s; growth first to last sample: "
-        f"{json.dumps(growth)}; JSON: {FLAGS.output}", flush=True)
+        f"{json.dumps(growth)}; per step after warm-up: {json.dumps(rates)}; "
+        f"JSON: {FLAGS.output}", flush=True)
   if status:
     print("\n".join(tail), flush=True)
   return 0 if status == 0 else 1

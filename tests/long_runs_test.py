@@ -12,7 +12,9 @@
   naming it; a peer that never answers is named while the task waits, and
   SIGTERM ends the wait at once (status 143).
 * The pieces those rely on, in-process: address resolution, the rendezvous,
-  and the chief's check that a worker's server is gone.
+  the chief's check that a worker's server is gone, and the collective
+  instance keys fixed at trace time (flat memory under MultiWorkerMirrored,
+  measured by benchmarks/soak.py: see docs/design/long-runs.md).
 
 Cost (Bazel on 2 cores, 1 December 2026): each repeated run about 17 s,
 nearly all of it the start-up of three processes (the launcher and two
@@ -34,6 +36,7 @@ import time
 
 from absl.testing import absltest
 import portpicker
+from tensorflow.python.distribute import cross_device_utils
 
 from tests import multi_worker_testlib as testlib
 from tests import testutil
@@ -41,6 +44,7 @@ from tfdist import config as config_lib
 from tfdist.data import movielens
 from tfdist.distribute import cluster as cluster_lib
 from tfdist.distribute import rendezvous
+from tfdist.distribute import strategy as strategy_lib
 from tfdist.distribute import worker_exit
 
 TIMEOUT = 300
@@ -241,6 +245,23 @@ class PiecesTest(absltest.TestCase):
                      rf"answer yet from worker 0 at {silent}\)")
     # The previous handler is back.
     self.assertIs(signal.getsignal(signal.SIGTERM), signal.SIG_DFL)
+
+  def test_instance_keys_fixed_at_trace_time_unless_asked(self):
+    launcher = cross_device_utils.CollectiveReplicaLauncher
+    before = getattr(launcher, "_prefer_unique_instance_key")
+    self.addCleanup(setattr, launcher, "_prefer_unique_instance_key", before)
+    name = strategy_lib.PER_CALL_INSTANCE_KEYS_ENV
+    self.addCleanup(os.environ.pop, name, None)
+    for value, fixed in (("", True), ("0", True), ("1", False)):
+      os.environ[name] = value
+      self.assertIs(strategy_lib.use_trace_time_instance_keys(), fixed)
+      self.assertIs(getattr(launcher, "_prefer_unique_instance_key"),
+                    not fixed)
+    os.environ[name] = "yes"
+    with self.assertRaisesRegex(
+        config_lib.ConfigError,
+        r"^TFDIST_PER_CALL_INSTANCE_KEYS='yes' is not 0 or 1\. Unset it"):
+      strategy_lib.use_trace_time_instance_keys()
 
   def test_wait_until_gone_sees_a_closed_port(self):
     server = socket.socket()

@@ -753,7 +753,8 @@ class ExperimentRunner:
         total_steps=plan.total_steps,
         steps_per_execution=self.config.steps_per_execution,
         cross_process=(self.kind.is_multi_worker and not
-                       self.kind.is_asynchronous and self.num_workers > 1))
+                       self.kind.is_asynchronous and self.num_workers > 1 and
+                       strategy_lib.per_call_instance_keys()))
     if warning:
       logging.warning("%s", warning)
     return plan

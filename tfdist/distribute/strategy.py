@@ -8,6 +8,7 @@ concrete `StrategyKind` only, in a `StrategyOptions`
 """
 
 import dataclasses
+import os
 
 from absl import logging
 import tensorflow as tf
@@ -32,6 +33,10 @@ START_REPORT_SECONDS = 30.0
 RESOLVE_RETRY_SECONDS = 30.0
 # Once every peer answered, TensorFlow's own wait gets at least this long.
 MIN_JOIN_SECONDS = 60.0
+# "1" keeps TensorFlow's per-call collective instance keys under
+# MultiWorkerMirroredStrategy (see `use_trace_time_instance_keys`); "0" or
+# unset gives each collective one key, fixed when its function is traced.
+PER_CALL_INSTANCE_KEYS_ENV = "TFDIST_PER_CALL_INSTANCE_KEYS"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -252,6 +257,76 @@ def _wait_for_mwms_peers(cluster, seconds: float) -> float:
       describe=f"the multi_worker_mirrored cluster from {cluster.source}")
 
 
+def use_trace_time_instance_keys() -> bool:
+  """Gives each MWMS collective one instance key, fixed at trace time.
+
+  TensorFlow's default (`CollectiveReplicaLauncher._prefer_unique_instance_key`
+  in tensorflow/python/distribute/cross_device_utils.py) feeds every
+  collective a new instance key at every call of its function: the key is a
+  captured call-time value, made by `ops.convert_to_tensor` from a new Python
+  int. Each new key stays in two tables that nothing clears, found with
+  jemalloc's heap profiler over a 2-worker run (docs/design/long-runs.md):
+
+  * `CollectiveParamResolverLocal::GetOrCreateInstanceRec`
+    (tensorflow/core/common_runtime/collective_param_resolver_local.cc): one
+    `InstanceRec` per group, step and instance key, never erased; on a
+    worker it is filled from the leader's answer
+    (`CollectiveParamResolverDistributed::UpdateInstanceCache`);
+  * the Python scalar cache (`TFE_TensorHandleCache`,
+    tensorflow/python/eager/pywrap_tensor_conversion.cc), keyed by the
+    Python value: every new int adds an entry and a device tensor.
+
+  Together about 10 KiB per call of the training function, so resident
+  memory grew without bound. With keys fixed at trace time both tables keep
+  one entry per collective. The cost: the keys are counted as functions are
+  traced, so every task must trace its collective functions in the same
+  order (tfdist's tasks run the same program; training batches have one
+  shape, so no task retraces alone).
+
+  Set `TFDIST_PER_CALL_INSTANCE_KEYS=1` to keep TensorFlow's default.
+
+  Returns:
+    True when keys are fixed at trace time in this process; False when the
+    environment variable keeps the default or this TensorFlow has no such
+    setting.
+
+  Raises:
+    ConfigError: `TFDIST_PER_CALL_INSTANCE_KEYS` is not `0` or `1`.
+  """
+  value = os.environ.get(PER_CALL_INSTANCE_KEYS_ENV, "").strip()
+  if value not in ("", "0", "1"):
+    raise ConfigError(
+        f"{PER_CALL_INSTANCE_KEYS_ENV}={value!r} is not 0 or 1. Unset it "
+        "(or 0: collective instance keys fixed at trace time, flat memory), "
+        "or 1 for TensorFlow's per-call keys.")
+  # pylint: disable=g-import-not-at-top
+  from tensorflow.python.distribute import cross_device_utils
+  # pylint: enable=g-import-not-at-top
+  launcher = getattr(cross_device_utils, "CollectiveReplicaLauncher", None)
+  if not hasattr(launcher, "_prefer_unique_instance_key"):
+    logging.warning("tfdist: this TensorFlow has no "
+                    "CollectiveReplicaLauncher._prefer_unique_instance_key; "
+                    "its collective instance keys are left as they are.")
+    return False
+  fixed = value != "1"
+  setattr(launcher, "_prefer_unique_instance_key", not fixed)
+  return fixed
+
+
+def per_call_instance_keys() -> bool:
+  """Whether this process's collectives take a new instance key per call.
+
+  True with TensorFlow's default (the memory it keeps grows with the calls;
+  see `use_trace_time_instance_keys`), False once that set keys at trace
+  time.
+  """
+  # pylint: disable=g-import-not-at-top
+  from tensorflow.python.distribute import cross_device_utils
+  # pylint: enable=g-import-not-at-top
+  launcher = getattr(cross_device_utils, "CollectiveReplicaLauncher", None)
+  return bool(getattr(launcher, "_prefer_unique_instance_key", True))
+
+
 def _multi_worker_mirrored(options: StrategyOptions, reason: str,
                            cluster) -> StrategyChoice:
   """MultiWorkerMirroredStrategy over the cluster's chief and workers.
@@ -282,16 +357,16 @@ def _multi_worker_mirrored(options: StrategyOptions, reason: str,
   collective fails with `UnavailableError`, which the step runner turns into
   `PeerLostError` naming the task (status 200).
 
-  Resident memory: with a peer in another process, TensorFlow's C++ runtime
-  keeps about 10 KiB of heap per call of the compiled training function
-  (measured with glibc's `mallinfo2`: the bytes in use grow, Python objects
-  and the mapped heap do not; one process and one device do not grow). No
-  TensorFlow option releases it; `--steps_per_execution=N` runs N steps per
-  call and so divides it by N (docs/design/long-runs.md).
+  Resident memory: TensorFlow's default gives every collective a new
+  instance key at every call, and keeps each key's records (about 10 KiB
+  per call of the training function); `use_trace_time_instance_keys`
+  fixes the keys at trace time so memory stays flat
+  (docs/design/long-runs.md).
   """
   _check_first_mwms()
   alg = _mwms_all_reduce(options, cluster)
   _check_mwms_task(cluster)
+  use_trace_time_instance_keys()
   implementation = getattr(tf.distribute.experimental.CommunicationImplementation,
                            _MWMS_IMPLEMENTATIONS[alg])
   # 0: no per-collective timeout (see the docstring: a timeout holds a
