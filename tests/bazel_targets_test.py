@@ -368,16 +368,22 @@ class GroupTest(absltest.TestCase):
 _COMPAT_MARK = "pytest.mark." + "compat"
 
 
+def _compat_workspace() -> str:
+  """A small workspace whose tests/core_test.py marks its tests `compat`."""
+  root = os.path.join(testutil.scratch_dir(), "ws")
+  _small_workspace(root)
+  _write(root, "tests/core_test.py",
+         f"import pytest\nfrom lib import core\n"
+         f"pytestmark = {_COMPAT_MARK}\n")
+  return root
+
+
 class CompatTest(absltest.TestCase):
   """tfdist_py_test_compat lists exactly the files with `compat` tests."""
 
   def setUp(self):
     super().setUp()
-    self.root = os.path.join(testutil.scratch_dir(), "ws")
-    _small_workspace(self.root)
-    _write(self.root, "tests/core_test.py",
-           f"import pytest\nfrom lib import core\n"
-           f"pytestmark = {_COMPAT_MARK}\n")
+    self.root = _compat_workspace()
     _write(self.root, "tests/other_test.py", "from lib import core\n")
     _write(self.root, "tests/BUILD", textwrap.dedent("""\
         load("//tests:defs.bzl", "tfdist_py_test", "tfdist_py_test_compat")
@@ -440,11 +446,7 @@ class CompatClusterTest(absltest.TestCase):
 
   def setUp(self):
     super().setUp()
-    self.root = os.path.join(testutil.scratch_dir(), "ws")
-    _small_workspace(self.root)
-    _write(self.root, "tests/core_test.py",
-           f"import pytest\nfrom lib import core\n"
-           f"pytestmark = {_COMPAT_MARK}\n")
+    self.root = _compat_workspace()
     _write(self.root, "tests/run_test.py",
            f"import pytest\nfrom lib import core\n"
            f"pytestmark = {_COMPAT_MARK}\n"
