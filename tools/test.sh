@@ -107,13 +107,15 @@ fi
 # never run at once and one single-process target runs beside each (while
 # a cluster waits on start-up or a peer, its core is not idle). No
 # --local_test_jobs: with it Bazel counts every test as one job and ignores
-# cpu:N tags (TestTargetProperties.getLocalResourceUsage). --jobs=4: a
-# test waiting for CPU units holds one of Bazel's job slots (by default one
-# per core), so with two slots a multi-process test waiting behind another
-# would leave no slot for a single-process one. Plain progress lines, at
-# most every 30 s (timeouts per size come from .bazelrc).
+# cpu:N tags (TestTargetProperties.getLocalResourceUsage). --jobs=48 (one
+# slot per target and more): a test waiting for CPU units holds one of
+# Bazel's job slots (by default one per core). With 4 slots, three
+# multi-process tests waiting behind a fourth held them all, and one test
+# ran on a machine at load average 1.7 while single-process ones waited;
+# CPU units alone bound what runs. Plain progress lines, at most every 30 s
+# (timeouts per size come from .bazelrc).
 bazel test \
-  --local_cpu_resources=3 --jobs=4 \
+  --local_cpu_resources=3 --jobs=48 \
   --test_output=errors --test_summary=short \
   --curses=no --color=no --show_progress_rate_limit=30 \
   "${targets[@]}" 2>&1 | tee "$log" || status=$?
