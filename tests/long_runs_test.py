@@ -177,6 +177,41 @@ class StartUpTest(absltest.TestCase):
     self.assertIn(f"no answer yet from worker 0 at {silent}", output)
     self.assertIn("tfdist.train: received SIGTERM after", output)
 
+  def test_ctrl_c_ends_tensorflows_wait_for_a_peer_that_never_joins(self):
+    # The worker's port accepts connections (the kernel completes them for
+    # a listening socket) but nothing there joins TensorFlow's cluster: the
+    # chief's rendezvous passes and TensorFlow's own wait, in C++ holding
+    # the GIL, begins. Ctrl-C must still end the chief at once (SIGTERM is
+    # TensorFlow's there: its coordination service installs a handler).
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    self.addCleanup(listener.close)
+    mute = f"127.0.0.1:{listener.getsockname()[1]}"
+    proc = self._chief(mute, ["--cluster_start_timeout_seconds=600"])
+    self.addCleanup(lambda: proc.poll() is None and proc.kill())
+    lines = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout),
+                              daemon=True)
+    reader.start()
+    deadline = time.time() + TIMEOUT
+    while not any("TensorFlow now forms the cluster" in l for l in lines):
+      self.assertLess(time.time(), deadline, "".join(lines)[-3000:])
+      self.assertIsNone(proc.poll(), "".join(lines)[-3000:])
+      time.sleep(0.2)
+    time.sleep(2)  # Inside TensorFlow's wait by now.
+    os.kill(proc.pid, signal.SIGINT)
+    try:
+      status = proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+      status = None
+    reader.join(timeout=10)
+    output = "".join(lines)
+    self.assertEqual(status, -signal.SIGINT,
+                     "Ctrl-C did not end the chief waiting for TensorFlow's "
+                     "cluster:\n" + output[-3000:])
+    self.assertIn("Ctrl-C ends this process at once", output)
+
 
 class PiecesTest(absltest.TestCase):
 

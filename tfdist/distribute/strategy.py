@@ -7,8 +7,11 @@ concrete `StrategyKind` only, in a `StrategyOptions`
 (`tfdist.runtime.run_options.strategy_options` makes one from a `TrainConfig`).
 """
 
+import contextlib
 import dataclasses
 import os
+import signal
+import threading
 
 from absl import logging
 import tensorflow as tf
@@ -327,6 +330,38 @@ def per_call_instance_keys() -> bool:
   return bool(getattr(launcher, "_prefer_unique_instance_key", True))
 
 
+@contextlib.contextmanager
+def _signals_end_the_process():
+  """SIGINT (Ctrl-C) takes its default action inside the block, on the main
+  thread: the process ends (status 130 from a shell).
+
+  Building a MultiWorkerMirroredStrategy waits inside TensorFlow's C++ for
+  every task to join, holding the GIL, so no Python signal handler runs
+  until it returns: a task whose peer accepts connections but never joins
+  (another program on its port, or a task started with another cluster)
+  was deaf to Ctrl-C until the start-up deadline. Nothing is trained or
+  saved yet, so ending at once loses nothing (a `--model_dir` lease left
+  behind is taken over by the next run: its process is gone). SIGTERM is
+  set to its default action too, but TensorFlow's coordination service
+  installs its own SIGTERM handler (its preemption notifier) while it
+  forms the cluster, so a SIGTERM then waits for the cluster or for the
+  start-up deadline (`watchdog.Deadline`). The handlers in place before are
+  put back after the block.
+  """
+  if threading.current_thread() is not threading.main_thread():
+    yield  # Signals stay with the host framework (Ray, a notebook).
+    return
+  saved = {signum: signal.getsignal(signum)
+           for signum in (signal.SIGTERM, signal.SIGINT)}
+  for signum in saved:
+    signal.signal(signum, signal.SIG_DFL)
+  try:
+    yield
+  finally:
+    for signum, handler in saved.items():
+      signal.signal(signum, signal.SIG_DFL if handler is None else handler)
+
+
 def _multi_worker_mirrored(options: StrategyOptions, reason: str,
                            cluster) -> StrategyChoice:
   """MultiWorkerMirroredStrategy over the cluster's chief and workers.
@@ -337,7 +372,9 @@ def _multi_worker_mirrored(options: StrategyOptions, reason: str,
   is bounded by `--cluster_start_timeout_seconds`: first
   `tfdist.distribute.rendezvous.wait_for_peers` waits in Python until every peer
   answers (logging the missing ones every 30 s; SIGTERM or SIGINT stop it),
-  then `tfdist.runtime.watchdog.Deadline` bounds TensorFlow's own, short, wait.
+  then `tfdist.runtime.watchdog.Deadline` bounds TensorFlow's own, short,
+  wait (at least `MIN_JOIN_SECONDS`), during which Ctrl-C ends the process
+  at once (`_signals_end_the_process`; TensorFlow holds SIGTERM there).
 
   Collectives have no timeout by default (`--collective_timeout_seconds=0`).
   A timeout costs one thread per collective for its whole length:
@@ -381,13 +418,22 @@ def _multi_worker_mirrored(options: StrategyOptions, reason: str,
                         _MWMS_JOBS).items()
                     for i, address in enumerate(addresses))
   waited = _wait_for_mwms_peers(cluster, seconds)
+  bound = max(seconds - waited, MIN_JOIN_SECONDS)
+  if cluster.is_multi_worker:
+    logging.info(
+        "tfdist: every peer answered after %.0f s; TensorFlow now forms the "
+        "cluster (at most %.0f s more; Ctrl-C ends this process at once, "
+        "nothing is trained or saved yet; TensorFlow holds SIGTERM until the "
+        "cluster has formed).", waited, bound)
   with watchdog.Deadline(
-      max(seconds - waited, MIN_JOIN_SECONDS),
+      bound,
       f"tfdist: error: {cluster.task_type} {cluster.task_index} could not "
-      f"form the multi_worker_mirrored cluster within "
-      f"--cluster_start_timeout_seconds={seconds:g}: not every task connected "
-      f"(cluster from {cluster.source}: {peers}). Check that every task was "
-      "started with the same cluster and that the addresses are reachable."):
+      f"form the multi_worker_mirrored cluster within {waited + bound:.0f} s "
+      f"(--cluster_start_timeout_seconds={seconds:g}, and at least "
+      f"{MIN_JOIN_SECONDS:g} s for TensorFlow's own wait once every peer "
+      f"answered): not every task connected (cluster from {cluster.source}: "
+      f"{peers}). Check that every task was started with the same cluster "
+      "and that the addresses are reachable."), _signals_end_the_process():
     strategy = tf.distribute.MultiWorkerMirroredStrategy(
         cluster_resolver=resolver, communication_options=communication)
   if cluster.is_multi_worker:
