@@ -37,6 +37,7 @@ import json
 import os
 import platform
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -151,6 +152,17 @@ def main(argv):
   del argv  # Unused.
   data = _data()
   model_dir = tempfile.mkdtemp(prefix="soak-run-")
+  try:
+    return _soak(data, model_dir)
+  finally:  # The data and the run are the soak's own: nothing else uses them.
+    shutil.rmtree(os.path.dirname(os.path.dirname(data["train"])),
+                  ignore_errors=True)
+    shutil.rmtree(model_dir, ignore_errors=True)
+
+
+def _soak(data: dict, model_dir: str) -> int:
+  """Runs the soak on `data` into `model_dir`; prints and writes the JSON;
+  returns the exit status (0: the run succeeded)."""
   layout = {"multi_worker_mirrored": [f"--num_workers={FLAGS.num_workers}"],
             "parameter_server": ["--num_workers=2", "--num_ps=1"],
             "one_device": ["--num_workers=1"],
