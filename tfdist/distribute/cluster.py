@@ -655,8 +655,8 @@ def check_addresses_resolve(info: ClusterInfo, *, retry_seconds: float = 30.0,
     if time.time() + 2 > deadline:
       break
     if not logged:
-      logging.info("tfdist: %s do not resolve yet; retrying for up to %.0f s.",
-                   ", ".join(sorted(errors)), retry_seconds)
+      logging.info("tfdist: not resolving yet: %s; retrying for up to "
+                   "%.0f s.", ", ".join(sorted(errors)), retry_seconds)
       logged = True
     sleep(2)
   address, error = sorted(errors.items())[0]
