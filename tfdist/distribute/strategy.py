@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import os
 import signal
+import sys
 import threading
 
 from absl import logging
@@ -348,8 +349,11 @@ def _signals_end_the_process():
   start-up deadline (`watchdog.Deadline`). The handlers in place before are
   put back after the block.
   """
-  if threading.current_thread() is not threading.main_thread():
-    yield  # Signals stay with the host framework (Ray, a notebook).
+  if (threading.current_thread() is not threading.main_thread() or
+      "ipykernel" in sys.modules):
+    # Signals stay with the host framework (Ray; a notebook's interrupt
+    # must not end its kernel).
+    yield
     return
   saved = {signum: signal.getsignal(signum)
            for signum in (signal.SIGTERM, signal.SIGINT)}
