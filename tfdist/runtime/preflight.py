@@ -165,6 +165,10 @@ def _missing_folders(folder: str) -> List[str]:
   return missing
 
 
+# Tries of a probe whose folder another task removed meanwhile.
+_PROBE_ATTEMPTS = 3
+
+
 def probe_writable(folder: str, *, flag: str, value: str):
   """Creates `folder`, writes and deletes a probe file in it.
 
@@ -181,20 +185,32 @@ def probe_writable(folder: str, *, flag: str, value: str):
   """
   probe = os.path.join(folder, f".tfdist-probe-{uuid.uuid4().hex[:8]}")
   created = _missing_folders(folder)
-  try:
-    tf.io.gfile.makedirs(folder)
-    with tf.io.gfile.GFile(probe, "w") as f:
-      f.write("tfdist write probe\n")
-    tf.io.gfile.remove(probe)
-  except (tf.errors.OpError, OSError) as e:
+  for attempt in range(_PROBE_ATTEMPTS):
+    try:
+      tf.io.gfile.makedirs(folder)
+      with tf.io.gfile.GFile(probe, "w") as f:
+        f.write("tfdist write probe\n")
+      tf.io.gfile.remove(probe)
+      break
+    except tf.errors.NotFoundError as e:
+      # Another task of the run probing the same new folder removed it
+      # between our makedirs and our write: make it again.
+      if attempt + 1 < _PROBE_ATTEMPTS:
+        continue
+      error = e
+    except (tf.errors.OpError, OSError) as e:
+      error = e
     where = "" if folder == value else f" ({folder})"
     raise OutputNotWritableError(
-        f"{flag}={value} is not writable{where}: {_reason(folder, e)}. "
+        f"{flag}={value} is not writable{where}: {_reason(folder, error)}. "
         "Give a folder this process can create and write (local, a "
         "mounted bucket, or gs://BUCKET/PATH).") from None
   for path in created:  # Best effort: object stores have no real folders.
     try:
-      if tf.io.gfile.isdir(path) and not tf.io.gfile.listdir(path):
+      if "://" not in path:
+        # Only if still empty: another task may be probing it too.
+        os.rmdir(path)
+      elif tf.io.gfile.isdir(path) and not tf.io.gfile.listdir(path):
         tf.io.gfile.rmtree(path)
     except (tf.errors.OpError, OSError):
       break

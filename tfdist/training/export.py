@@ -165,6 +165,27 @@ def _refusal(export_dir: str, source: str, new: str = "") -> str:
           "folder, or move that one away.")
 
 
+def _move_folder(src: str, dst: str):
+  """Renames folder `src` to `dst` (which does not exist).
+
+  A local rename is one atomic step. An object store (`gs://`, `s3://`)
+  has no folders to rename: each object is copied, then `src` is deleted
+  (tensorflow-io's S3 rename of a folder failed now and then with "Source
+  is a directory or empty file" against an S3 server).
+  """
+  if "://" not in src:
+    tf.io.gfile.rename(src, dst)
+    return
+  for folder, _, files in tf.io.gfile.walk(src):
+    rel = os.path.relpath(folder, src)
+    target = dst if rel == "." else os.path.join(dst, rel)
+    tf.io.gfile.makedirs(target)
+    for name in files:
+      tf.io.gfile.copy(os.path.join(folder, name), os.path.join(target, name),
+                       overwrite=True)
+  tf.io.gfile.rmtree(src)
+
+
 def export_saved_model(model: keras.Model, export_dir: str, *,
                        source: str = "--export_dir",
                        details: Optional[Mapping[str, object]] = None) -> str:
@@ -210,10 +231,10 @@ def export_saved_model(model: keras.Model, export_dir: str, *,
   if tf.io.gfile.exists(export_dir):
     if tf.io.gfile.listdir(export_dir):
       old = os.path.join(parent, f".old-export-{tag}")
-      tf.io.gfile.rename(export_dir, old)
+      _move_folder(export_dir, old)
     else:
       tf.io.gfile.rmtree(export_dir)  # An empty folder: nothing is lost.
-  tf.io.gfile.rename(tmp, export_dir)
+  _move_folder(tmp, export_dir)
   if old is not None:
     tf.io.gfile.rmtree(old)  # The previous tfdist export, checked above.
   logging.info("SavedModel written to %s", export_dir)
