@@ -154,18 +154,24 @@ class StartUpTest(absltest.TestCase):
                      r"resolve \(")
     self.assertNotIn("Traceback", output)
 
-  def test_sigterm_ends_the_wait_for_a_silent_peer(self):
-    silent = f"127.0.0.1:{portpicker.pick_unused_port()}"
-    proc = self._chief(silent, ["--cluster_start_timeout_seconds=600"])
+  def _read_until(self, proc, text):
+    """Collects `proc`'s output lines on a thread until one holds `text`
+    (the process still running); returns `(lines, reader thread)`."""
     lines = []
     reader = threading.Thread(target=lambda: lines.extend(proc.stdout),
                               daemon=True)
     reader.start()
     deadline = time.time() + TIMEOUT
-    while not any("waiting for the peers" in l for l in lines):
+    while not any(text in l for l in lines):
       self.assertLess(time.time(), deadline, "".join(lines)[-3000:])
       self.assertIsNone(proc.poll(), "".join(lines)[-3000:])
       time.sleep(0.2)
+    return lines, reader
+
+  def test_sigterm_ends_the_wait_for_a_silent_peer(self):
+    silent = f"127.0.0.1:{portpicker.pick_unused_port()}"
+    proc = self._chief(silent, ["--cluster_start_timeout_seconds=600"])
+    lines, reader = self._read_until(proc, "waiting for the peers")
     sent = time.time()
     os.kill(proc.pid, signal.SIGTERM)
     status = proc.wait(timeout=60)
@@ -190,15 +196,7 @@ class StartUpTest(absltest.TestCase):
     mute = f"127.0.0.1:{listener.getsockname()[1]}"
     proc = self._chief(mute, ["--cluster_start_timeout_seconds=600"])
     self.addCleanup(lambda: proc.poll() is None and proc.kill())
-    lines = []
-    reader = threading.Thread(target=lambda: lines.extend(proc.stdout),
-                              daemon=True)
-    reader.start()
-    deadline = time.time() + TIMEOUT
-    while not any("TensorFlow now forms the cluster" in l for l in lines):
-      self.assertLess(time.time(), deadline, "".join(lines)[-3000:])
-      self.assertIsNone(proc.poll(), "".join(lines)[-3000:])
-      time.sleep(0.2)
+    lines, reader = self._read_until(proc, "TensorFlow now forms the cluster")
     time.sleep(2)  # Inside TensorFlow's wait by now.
     os.kill(proc.pid, signal.SIGINT)
     try:
