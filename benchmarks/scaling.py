@@ -63,10 +63,13 @@ flags.DEFINE_string("model", "cnn", "Model to train.")
 flags.DEFINE_string("data_dir", "", "Where Fashion-MNIST TFRecords live "
                     "(default: tfdist's).")
 CONFIGS = ["one_device", "mwms_1", "mwms_2", "mwms_2_no_timeout",
-           "mwms_2_nosync_bn", "mwms_2_neither", "ps_1", "ps_2", "fp32",
+           "mwms_2_packs", "mwms_2_nosync_bn", "mwms_2_neither", "ps_1", "ps_2", "fp32",
            "bf16", "fp16"]
 flags.DEFINE_list("configs", CONFIGS,
                   "Configurations to run (see the module docstring).")
+flags.DEFINE_integer("bytes_per_pack", 256 << 10, "--bytes_per_pack of the "
+                     "mwms_2_packs configuration (gradients all-reduced in "
+                     "packs while the backward pass runs).")
 flags.DEFINE_list("extra_train_flags", [], "More tfdist.train flags for "
                   "every run, e.g. --extra_train_flags=--nosync_batch_norm.")
 flags.DEFINE_bool("malloc_env", False, "Also set MALLOC_MMAP_THRESHOLD_ "
@@ -124,6 +127,10 @@ def specs(per_worker: int, extra) -> dict:
       # norm (no batch-norm all-reduces), both.
       "mwms_2_no_timeout": (mwms(2, "--collective_timeout_seconds=0"), 2,
                             "variant"),
+      # Gradients all-reduced in packs, last layers first, overlapping the
+      # backward pass.
+      "mwms_2_packs": (mwms(2, f"--bytes_per_pack={FLAGS.bytes_per_pack}"),
+                       2, "variant"),
       "mwms_2_nosync_bn": (mwms(2, "--nosync_batch_norm"), 2, "variant"),
       "mwms_2_neither": (mwms(2, "--collective_timeout_seconds=0",
                               "--nosync_batch_norm"), 2, "variant"),

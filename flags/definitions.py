@@ -243,6 +243,14 @@ def define_distribution_flags() -> List[str]:
       "All-reduce. mirrored: nccl or hierarchical_copy (GPUs); "
       "multi_worker_mirrored: ring (gRPC, works on CPUs) or nccl (GPUs; what "
       "Vertex AI's Reduction Server needs); auto lets TensorFlow choose.")
+  flags.DEFINE_integer(
+      "bytes_per_pack", _default("bytes_per_pack"),
+      "multi_worker_mirrored: all-reduce the gradients in packs of about "
+      "this many bytes, last layers first, so each pack's all-reduce can "
+      "start while the backward pass computes the earlier layers' gradients "
+      "(TensorFlow's CommunicationOptions.bytes_per_pack). 0 (the default): "
+      "one all-reduce of every gradient after the whole backward pass. No "
+      "effect with one replica; refused for other strategies.")
   flags.DEFINE_enum(
       "ps_partitioner", _default("ps_partitioner"),
       list(config_lib.PS_PARTITIONERS),

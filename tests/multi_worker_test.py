@@ -51,12 +51,27 @@ class StrategyOptionsTest(parameterized.TestCase):
   def test_communication_options(self, alg, implementation):
     with mock.patch.dict(os.environ, {"TF_CONFIG": "", "CLUSTER_SPEC": ""}):
       choice = self._make(self._config(
-          all_reduce_alg=alg, collective_timeout_seconds=12))
+          all_reduce_alg=alg, collective_timeout_seconds=12,
+          bytes_per_pack=4096))
     self.assertEqual(choice.name, "multi_worker_mirrored")
     self.assertEqual(choice.strategy.num_replicas_in_sync, 1)
     options = choice.strategy.extended._communication_options  # pylint: disable=protected-access
     self.assertEqual(options.implementation.name, implementation)
     self.assertEqual(options.timeout_seconds, 12)
+    self.assertEqual(options.bytes_per_pack, 4096)
+
+  def test_bytes_per_pack_refused_where_it_does_nothing(self):
+    from tfdist import config as config_lib  # pylint: disable=g-import-not-at-top
+    from tfdist.distribute import strategy as strategy_lib  # pylint: disable=g-import-not-at-top
+    with self.assertRaisesRegex(
+        config_lib.ConfigError,
+        r"--bytes_per_pack=1024 applies to multi_worker_mirrored, not "
+        r"mirrored.*Drop --bytes_per_pack"):
+      strategy_lib.make_strategy(strategy_lib.StrategyOptions(
+          kind="mirrored", bytes_per_pack=1024))
+    with self.assertRaisesRegex(config_lib.ConfigError,
+                                "--bytes_per_pack=-1 must be >= 0"):
+      self._config(bytes_per_pack=-1)
 
   @parameterized.named_parameters(
       ("hierarchical_copy", "hierarchical_copy",
@@ -116,11 +131,16 @@ class EquivalenceTest(absltest.TestCase):
                                        str(steps)], timeout=TIMEOUT)
     self.assertEqual(code, 0, out[-3000:])
     self.assertIn("replicas 1", out)
+    # The gradients all-reduced in packs of 2 KiB (--bytes_per_pack),
+    # last layers first: the 10-way layer's kernel and the biases (1.4 KiB)
+    # in one, the first kernel (100 KiB) in another.
     status, output = testlib.run_launcher(
         ["--num_workers=2", "--module=tests.multi_worker_testlib"],
-        ["train", multi_dir, pattern, str(steps)], timeout=TIMEOUT)
+        ["train", multi_dir, pattern, str(steps), "2048"], timeout=TIMEOUT)
     self.assertEqual(status, 0, output[-4000:])
     self.assertIn("replicas 2", output)
+    # 2 gradient packs and the step's sums.
+    self.assertIn("all-reduces per step 3", output)
     # `auto` is decided in one place (tfdist.distribute.auto_select), in its words.
     self.assertIn("strategy multi_worker_mirrored (auto: TF_CONFIG lists 2 "
                   "workers)", output)

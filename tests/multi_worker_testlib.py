@@ -239,8 +239,10 @@ def shard_main(out_dir: str, globs: List[str]):
     json.dump(result, f)
 
 
-def train_main(out_dir: str, pattern: str, steps: int):
-  """Trains the dense model; the chief writes weights.npz."""
+def train_main(out_dir: str, pattern: str, steps: int,
+               bytes_per_pack: int = 0):
+  """Trains the dense model; the chief writes weights.npz. Prints the
+  step's all-reduce count (`bytes_per_pack`: the gradients' packs)."""
   strategy = _strategy(out_dir)
   import keras  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
@@ -258,7 +260,8 @@ def train_main(out_dir: str, pattern: str, steps: int):
   model.set_weights([rng.normal(0, 0.1, w.shape).astype(np.float32)
                      for w in model.get_weights()])
   trainer = Trainer(strategy=strategy, model=model, optimizer=optimizer,
-                    global_batch_size=GLOBAL_BATCH)
+                    global_batch_size=GLOBAL_BATCH,
+                    bytes_per_pack=bytes_per_pack)
   options = input_pipeline.PipelineOptions(
       files=input_pipeline.list_files(pattern),
       parse_fn=datasets.parse_image_example, global_batch_size=GLOBAL_BATCH,
@@ -268,12 +271,18 @@ def train_main(out_dir: str, pattern: str, steps: int):
   for _ in range(steps):
     out = trainer.train_function(iterator, tf.constant(1, tf.int32))
     losses.append(float(out["loss"]))
+  graph = trainer.train_function.get_concrete_function(
+      iterator, tf.TensorSpec([], tf.int32)).graph.as_graph_def()
+  reduces = sum(node.op.startswith("CollectiveReduce")
+                for node in [*graph.node, *(n for f in graph.library.function
+                                            for n in f.node_def)])
   from tfdist.distribute import cluster as cluster_lib  # pylint: disable=g-import-not-at-top
   if cluster_lib.resolve_cluster().is_chief:
     np.savez(os.path.join(out_dir, "weights.npz"), *model.get_weights(),
              losses=np.array(losses))
   print(f"trained {steps} steps, replicas {strategy.num_replicas_in_sync}, "
-        f"last loss {losses[-1]:.6f}", flush=True)
+        f"last loss {losses[-1]:.6f}, all-reduces per step {reduces}",
+        flush=True)
 
 
 def agree_main(out_dir: str):
@@ -365,7 +374,8 @@ if __name__ == "__main__":
   if _mode == "shard":
     shard_main(sys.argv[2], sys.argv[3:])
   elif _mode == "train":
-    train_main(sys.argv[2], sys.argv[3], int(sys.argv[4]))
+    train_main(sys.argv[2], sys.argv[3], int(sys.argv[4]),
+               *map(int, sys.argv[5:6]))
   elif _mode == "train_linger":
     train_linger_main(float(sys.argv[2]), sys.argv[3:])
   elif _mode == "agree":

@@ -320,6 +320,7 @@ class TrainConfig:
   num_gpus: int = -1
   num_cpu_devices: int = 0
   all_reduce_alg: str = "auto"
+  bytes_per_pack: int = 0
   # --- Multi-worker cluster (tfdist/distribute/cluster.py: TF_CONFIG, CLUSTER_SPEC) ---
   worker_hosts: str = ""
   task_index: int = -1
@@ -664,6 +665,9 @@ class TrainConfig:
           f"--num_cpu_devices={self.num_cpu_devices} must be >= 0.")
     _need(self.task_index >= -1,
           f"--task_index={self.task_index} must be >= 0 (-1: unset).")
+    _need(self.bytes_per_pack >= 0,
+          f"--bytes_per_pack={self.bytes_per_pack} must be >= 0 (0: the "
+          "gradients in one all-reduce).")
     _need(self.collective_timeout_seconds >= 0,
           f"--collective_timeout_seconds={self.collective_timeout_seconds} "
           "must be > 0, or 0 for no per-collective timeout.")

@@ -74,6 +74,9 @@ class StrategyOptions:
       `ring`).
     reduction_server: `--reduction_server` (Vertex AI's Reduction Server:
       NCCL all-reduce under multi_worker_mirrored, GPUs only).
+    bytes_per_pack: `--bytes_per_pack`, the size of the gradients' all-reduce
+      packs under multi_worker_mirrored (TensorFlow's
+      `CommunicationOptions.bytes_per_pack`; 0: one pack).
     collective_timeout_seconds: `--collective_timeout_seconds` (0: none).
     cluster_start_timeout_seconds: `--cluster_start_timeout_seconds`, the
       bound on forming a multi-worker cluster.
@@ -86,6 +89,7 @@ class StrategyOptions:
   num_cpu_devices: int = 0
   all_reduce_alg: str = "auto"
   reduction_server: bool = False
+  bytes_per_pack: int = 0
   collective_timeout_seconds: float = 0.0
   cluster_start_timeout_seconds: float = 900.0
   tpu: tpu_lib.TpuOptions = tpu_lib.TpuOptions()
@@ -413,7 +417,7 @@ def _multi_worker_mirrored(options: StrategyOptions, reason: str,
   # 0: no per-collective timeout (see the docstring: a timeout holds a
   # sleeping thread per collective).
   communication = tf.distribute.experimental.CommunicationOptions(
-      implementation=implementation,
+      implementation=implementation, bytes_per_pack=options.bytes_per_pack,
       timeout_seconds=options.collective_timeout_seconds or None)
   resolver = cluster.cluster_resolver(jobs=_MWMS_JOBS)
   seconds = options.cluster_start_timeout_seconds
@@ -474,7 +478,8 @@ def make_strategy(options: StrategyOptions, *, cluster=None) -> StrategyChoice:
 
   Raises:
     ConfigError: inconsistent device flags, a multi-worker strategy without
-      a cluster, or a second MultiWorkerMirroredStrategy in this process.
+      a cluster, `bytes_per_pack` for a strategy it does not apply to, or a
+      second MultiWorkerMirroredStrategy in this process.
     ValueError: `options.kind` is not a concrete strategy name.
     tfdist.distribute.tpu.TPUNotAvailableError: `tpu` with no TPU reachable
       (raised within `options.tpu.init_timeout` seconds).
@@ -484,6 +489,13 @@ def make_strategy(options: StrategyOptions, *, cluster=None) -> StrategyChoice:
   if kind.is_multi_worker and cluster is None:
     raise ConfigError(f"--distribution_strategy={kind} needs the resolved "
                       "cluster (tfdist.distribute.cluster.resolve_cluster).")
+  if options.bytes_per_pack and kind in (
+      StrategyKind.MIRRORED, StrategyKind.PARAMETER_SERVER, StrategyKind.TPU):
+    # One replica (off, one_device) has nothing to all-reduce: no effect.
+    raise ConfigError(
+        f"--bytes_per_pack={options.bytes_per_pack} applies to "
+        f"multi_worker_mirrored, not {kind} (its all-reduce does not split "
+        "the gradients into packs). Drop --bytes_per_pack.")
   choice = _BUILDERS[kind](options, reason, cluster)
   logging.info("Strategy: %s; %d replica(s) on %s", choice.name,
                choice.strategy.num_replicas_in_sync, ", ".join(choice.devices))

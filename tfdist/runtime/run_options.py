@@ -86,6 +86,7 @@ def strategy_options(config: TrainConfig) -> strategy_lib.StrategyOptions:
       num_cpu_devices=config.num_cpu_devices,
       all_reduce_alg=config.all_reduce_alg,
       reduction_server=bool(config.reduction_server),
+      bytes_per_pack=config.bytes_per_pack,
       collective_timeout_seconds=config.collective_timeout_seconds,
       cluster_start_timeout_seconds=config.cluster_start_timeout_seconds,
       tpu=tpu_options(config),
@@ -219,6 +220,7 @@ def assembly_options(config: TrainConfig) -> assembly.AssemblyOptions:
       zero_stage=config.zero_stage_resolved,
       class_weight=tuple(config.class_weight),
       activation_recomputation=config.activation_recomputation,
+      bytes_per_pack=config.bytes_per_pack,
       builder_config=config)
 
 

@@ -53,6 +53,7 @@ class AssemblyOptions:
     zero_stage: ZeRO sharding of the optimizer state (0, 1 or 2).
     class_weight: `((class id, weight), ...)`; empty: none.
     activation_recomputation: recompute activations in the backward pass.
+    bytes_per_pack: the gradients' all-reduce packs, in bytes (0: one).
     builder_config: what a model builder asking for `config` receives (the
       run's `TrainConfig`, passed through unread).
   """
@@ -70,6 +71,7 @@ class AssemblyOptions:
   zero_stage: int = 0
   class_weight: Tuple[Tuple[int, float], ...] = ()
   activation_recomputation: bool = False
+  bytes_per_pack: int = 0
   builder_config: Any = None
 
 
@@ -360,7 +362,8 @@ def build(options: AssemblyOptions, *, task: task_lib.Task,
                     # Op determinism refuses tf.timestamp.
                     time_steps=not options.deterministic,
                     sharding=sharding,
-                    class_weight=class_weight)
+                    class_weight=class_weight,
+                    bytes_per_pack=options.bytes_per_pack)
   _log_trainer(trainer, options, plan=plan, sharding=sharding, on_tpu=on_tpu)
   checkpoint = _training_checkpoint(model, trainer=trainer,
                                     optimizer=optimizer,

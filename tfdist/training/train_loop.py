@@ -181,14 +181,25 @@ def _sum_gradients_once(optimizer):
   return context()
 
 
-def _all_reduce_sum(grads):
+def _all_reduce_sum(grads, bytes_per_pack: int = 0):
   """Sums gradients (tensors or `IndexedSlices`; None kept) over all
-  replicas of all workers, in one batched all-reduce. Replica context."""
+  replicas of all workers. Replica context.
+
+  `bytes_per_pack` 0: one batched all-reduce after the whole backward pass.
+  N > 0 (MultiWorkerMirroredStrategy): TensorFlow's `CollectiveAllReduce`
+  groups the dense gradients, last variable first, into packs of about N
+  bytes and launches one all-reduce per pack, each depending only on its
+  own gradients, so the last layers' packs travel while the earlier
+  layers' gradients are computed. Other strategies' all-reduce ignores it.
+  """
   context = tf.distribute.get_replica_context()
   present = [g for g in grads if g is not None]
   if context is None or not present:
     return list(grads)
-  summed = iter(context.all_reduce(tf.distribute.ReduceOp.SUM, present))
+  options = (tf.distribute.experimental.CommunicationOptions(
+      bytes_per_pack=bytes_per_pack) if bytes_per_pack else None)
+  summed = iter(context.all_reduce(tf.distribute.ReduceOp.SUM, present,
+                                   options=options))
   return [None if g is None else next(summed) for g in grads]
 
 
@@ -320,6 +331,8 @@ class Trainer:
       (module docstring), or None. Batches must then be `(inputs, labels)`:
       Keras refuses class and sample weights together, and so does
       `tfdist.training.assembly.build` at start.
+    bytes_per_pack: all-reduce the gradients in packs of about this many
+      bytes, last layers first (`_all_reduce_sum`); 0: in one.
 
   The Trainer changes `model` and `optimizer` for its step (see the module
   docstring): the model's random layers draw per replica
@@ -341,8 +354,9 @@ class Trainer:
                gradient_accumulation_steps: int = 1,
                time_steps: bool = True,
                sharding: Optional[sharded_optimizer.ShardingOptions] = None,
-               class_weight=None):
+               class_weight=None, bytes_per_pack: int = 0):
     self.strategy = strategy
+    self.bytes_per_pack = int(bytes_per_pack)
     self.time_steps = bool(time_steps)
     self.model = model
     self.optimizer = optimizer
@@ -478,7 +492,7 @@ class Trainer:
               "stop_signal": stop_flags[0], "stop_training": stop_flags[1]}
     variables = self.model.trainable_variables
     if not self.one_replica:  # One replica: the sum is the gradients.
-      grads = _all_reduce_sum(grads)
+      grads = _all_reduce_sum(grads, self.bytes_per_pack)
     # The same summed gradients on every replica and worker: the finite
     # check (here and inside a LossScaleOptimizer) agrees everywhere.
     skipped = precision.step_skipped(self.optimizer, grads)
