@@ -77,8 +77,9 @@ flags.DEFINE_multi_string("train_flag", [], "Another flag for every task's "
                           "(repeatable).")
 flags.DEFINE_integer("timeout", 3600, "Seconds after which the run is "
                      "stopped (the result then says so).")
-flags.DEFINE_string("output", os.path.join(REPO, "benchmarks", "results",
-                                           "soak.json"), "JSON written here.")
+flags.DEFINE_string("output", "soak.json", "JSON written here (relative "
+                    "paths: from the current directory; the recorded runs "
+                    "are under benchmarks/results/).")
 
 _STARTED = re.compile(r"^\[launch\] attempt \d+: started (\S+) pid (\d+)")
 _STEP = re.compile(r"^\[chief:0\] .*step (\d+)/\d+: loss")

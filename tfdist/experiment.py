@@ -458,9 +458,12 @@ def _check_profile_window(config: TrainConfig, plan) -> None:
 
 
 # Host memory TensorFlow's runtime keeps per call of a training function
-# whose collectives reach another process (measured: docs/design/
-# long-runs.md; upstream: tensorflow/tensorflow#42616), and the growth over
-# a run from which tfdist warns at start.
+# whose collectives reach another process when every call gets new
+# collective instance keys (TensorFlow's default, which
+# `TFDIST_PER_CALL_INSTANCE_KEYS=1` keeps; tfdist otherwise fixes the keys
+# at trace time and memory stays flat: docs/design/long-runs.md; upstream:
+# tensorflow/tensorflow#42616), and the growth over a run from which tfdist
+# warns at start.
 CROSS_PROCESS_BYTES_PER_CALL = 10 << 10
 CROSS_PROCESS_WARN_BYTES = 256 << 20
 
@@ -490,9 +493,10 @@ def cross_process_memory_warning(*, total_steps: int,
     return None
   suggested = per_call * 10
   return (f"{total_steps} steps at --steps_per_execution={per_call}: "
-          "TensorFlow's runtime keeps about 10 KiB of host memory per call "
-          "of the training function whose collectives reach another "
-          f"process, about {growth / (1 << 20):,.0f} MiB per task by the "
+          "with per-call collective instance keys "
+          "(TFDIST_PER_CALL_INSTANCE_KEYS=1), TensorFlow's runtime keeps "
+          "about 10 KiB of host memory per call of the training function "
+          f"whose collectives reach another process, about {growth / (1 << 20):,.0f} MiB per task by the "
           "end of this run (docs/design/long-runs.md). "
           f"--steps_per_execution={suggested} divides that by "
           f"{suggested // per_call}.")
