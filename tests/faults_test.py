@@ -266,10 +266,14 @@ class FaultsTest(parameterized.TestCase):
       f.write(content[:len(content) // 2])  # Cut mid-record.
     model_dir = os.path.join(testutil.scratch_dir(), "run")
     with self.assertRaisesRegex(
-        ConfigError, rf"{what} {re.escape(path)} is damaged: DataLossError: "
-        r".*\(after \d+ good record\(s\)\)"):
+        ConfigError, rf"{what} {re.escape(path)} is damaged: the GZIP data "
+        r"ends inside record (\d+) \(at byte \d+ of the decompressed "
+        r"records\) \(after (\d+) good record\(s\)\)\. The file") as caught:
       experiment.run_experiment(_config(model_dir, train_files=data["train"],
                                         eval_files=data["eval"]))
+    record, good = re.search(r"inside record (\d+) .*after (\d+) good",
+                             str(caught.exception)).groups()
+    self.assertEqual(int(record), int(good) + 1)
     # Before any training: no checkpoint.
     self.assertFalse(os.path.exists(os.path.join(model_dir, "checkpoints")))
 

@@ -29,6 +29,7 @@ checks can run before a MultiWorkerMirroredStrategy is built.
 import contextlib
 import dataclasses
 import logging as std_logging
+import re
 import struct
 from typing import Dict, Mapping, Optional, Sequence, Tuple
 
@@ -76,11 +77,24 @@ def _records(path: str):
     return tf.compat.v1.io.tf_record_iterator(path, options)
 
 
+# TensorFlow's reader on a cut file: "truncated record at N' failed with
+# EOF reached" (N: a byte offset; in a GZIP file, of the inflated stream).
+_TRUNCATED = re.compile(r"truncated record at (\d+)")
+
+
 def _damaged(path: str, what: str, error: Exception, good: int
              ) -> DataError:
   first = first_line(error)
+  truncated = _TRUNCATED.search(first)
+  if truncated and path.endswith(".gz"):
+    first = (f"the GZIP data ends inside record {good + 1} (at byte "
+             f"{truncated.group(1)} of the decompressed records)")
+  elif truncated:
+    first = f"the file ends inside the record at byte {truncated.group(1)}"
+  else:
+    first = f"{type(error).__name__}: {first}"
   return DataError(
-      f"{what} {path} is damaged: {type(error).__name__}: {first} (after "
+      f"{what} {path} is damaged: {first} (after "
       f"{good} good record(s)). The file is cut short or corrupted: write "
       "it again (a --dataset converted under --data_dir: delete its folder "
       "there and run again to convert it anew), or leave it out of the "
