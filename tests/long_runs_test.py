@@ -41,6 +41,7 @@ from tensorflow.python.distribute import cross_device_utils
 from tests import multi_worker_testlib as testlib
 from tests import testutil
 from tfdist import config as config_lib
+from tfdist import errors
 from tfdist.data import movielens
 from tfdist.distribute import cluster as cluster_lib
 from tfdist.distribute import rendezvous
@@ -230,6 +231,27 @@ class PiecesTest(absltest.TestCase):
         {"cluster": {"chief": ["127.0.0.1:1"], "worker": ["localhost:2"]},
          "task": {"type": "worker", "index": 0}}))
     cluster_lib.check_addresses_resolve(good, retry_seconds=0)
+
+  def test_sigterm_while_names_are_retried_stops_with_a_message(self):
+    info = cluster_lib.from_tf_config(json.dumps(
+        {"cluster": {"chief": ["127.0.0.1:1"],
+                     "worker": ["no-such-host.invalid:3"]},
+         "task": {"type": "chief", "index": 0}}))
+    # The signal arrives during the wait between lookups (its default
+    # action would end the process without a word).
+    before = signal.getsignal(signal.SIGTERM)
+    with self.assertRaisesRegex(
+        errors.StoppedAtStartError,
+        r"^received SIGTERM after \d+ s of waiting for the host names of "
+        r"the cluster from TF_CONFIG to resolve \(not resolving yet: "
+        r"no-such-host.invalid:3\); nothing was trained or saved yet\.$"
+    ) as caught:
+      cluster_lib.check_addresses_resolve(
+          info, retry_seconds=30,
+          sleep=lambda seconds: os.kill(os.getpid(), signal.SIGTERM))
+    self.assertEqual(caught.exception.exit_code, 143)
+    # The handlers are back as they were.
+    self.assertIs(signal.getsignal(signal.SIGTERM), before)
 
   def test_rendezvous_waits_for_a_listening_peer_and_names_a_silent_one(self):
     peer = socket.socket()

@@ -40,6 +40,7 @@ import dataclasses
 import json
 import os
 import re
+import signal
 import socket
 import threading
 import time
@@ -49,7 +50,8 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 from absl import logging
 
 from tfdist.config import ConfigError
-from tfdist.errors import ClusterConfigError
+from tfdist.distribute import rendezvous
+from tfdist.errors import ClusterConfigError, StoppedAtStartError
 
 CHIEF, WORKER, PS, EVALUATOR = "chief", "worker", "ps", "evaluator"
 TASK_TYPES = (CHIEF, WORKER, PS, EVALUATOR)
@@ -638,6 +640,8 @@ def check_addresses_resolve(info: ClusterInfo, *, retry_seconds: float = 30.0,
   Raises:
     ClusterConfigError: an address still does not resolve; the message names
       the task, the address, the error and the source of the cluster.
+    StoppedAtStartError: SIGTERM or SIGINT arrived while names were being
+      retried (seen after the current lookup, at most 10 s).
   """
   if not info.is_multi_worker or info.task_type == EVALUATOR:
     return
@@ -645,20 +649,29 @@ def check_addresses_resolve(info: ClusterInfo, *, retry_seconds: float = 30.0,
   for job, addresses in info.cluster.items():
     for i, address in enumerate(addresses):
       tasks.setdefault(address, []).append(f"{job} {i}")
-  deadline = time.time() + retry_seconds
+  started = time.time()
+  deadline = started + retry_seconds
   logged = False
-  while True:
-    errors = _resolve_once(sorted(tasks), timeout=min(
-        10.0, max(retry_seconds, 1.0)))
-    if not errors:
-      return
-    if time.time() + 2 > deadline:
-      break
-    if not logged:
-      logging.info("tfdist: not resolving yet: %s; retrying for up to "
-                   "%.0f s.", ", ".join(sorted(errors)), retry_seconds)
-      logged = True
-    sleep(2)
+  with rendezvous.recording_stop_signals() as received:
+    while True:
+      errors = _resolve_once(sorted(tasks), timeout=min(
+          10.0, max(retry_seconds, 1.0)))
+      if not errors:
+        return
+      if received:
+        raise StoppedAtStartError(
+            f"received {signal.Signals(received[0]).name} after "
+            f"{time.time() - started:.0f} s of waiting for the host names "
+            f"of the cluster from {info.source} to resolve (not resolving "
+            f"yet: {', '.join(sorted(errors))}); nothing was trained or "
+            "saved yet.", received[0])
+      if time.time() + 2 > deadline:
+        break
+      if not logged:
+        logging.info("tfdist: not resolving yet: %s; retrying for up to "
+                     "%.0f s.", ", ".join(sorted(errors)), retry_seconds)
+        logged = True
+      sleep(2)
   address, error = sorted(errors.items())[0]
   others = (f" (and {len(errors) - 1} other address(es): "
             f"{', '.join(sorted(errors)[1:])})" if len(errors) > 1 else "")

@@ -18,6 +18,7 @@ left of the start-up (the peers are up) takes seconds.
 Standard library only.
 """
 
+import contextlib
 import signal
 import socket
 import threading
@@ -70,6 +71,26 @@ def _accept_all(server):
     conn.close()
 
 
+@contextlib.contextmanager
+def recording_stop_signals():
+  """While the block runs, SIGTERM and SIGINT are recorded instead of acted
+  on (on the main thread; elsewhere nothing changes), so that a wait before
+  training can stop with a message. Yields the list of signal numbers
+  received, in order; the previous handlers are restored after the block."""
+  received = []
+  previous = {}
+  if threading.current_thread() is threading.main_thread():
+    for signum in (signal.SIGTERM, signal.SIGINT):
+      previous[signum] = signal.signal(
+          signum, lambda signum, frame: received.append(signum))
+  try:
+    yield received
+  finally:
+    for signum, handler in previous.items():
+      signal.signal(signum, handler if handler is not None else
+                    signal.SIG_DFL)
+
+
 def wait_for_peers(own_address: Optional[str], peers: Mapping[str, str], *,
                    timeout_seconds: float, report_seconds: float = 30.0,
                    poll_seconds: float = 0.2,
@@ -96,12 +117,16 @@ def wait_for_peers(own_address: Optional[str], peers: Mapping[str, str], *,
   """
   started = clock()
   missing = dict(peers)
-  received = []
-  previous = {}
-  if threading.current_thread() is threading.main_thread():
-    for signum in (signal.SIGTERM, signal.SIGINT):
-      previous[signum] = signal.signal(
-          signum, lambda signum, frame: received.append(signum))
+  with recording_stop_signals() as received:
+    return _wait(own_address, missing, received, started=started,
+                 timeout_seconds=timeout_seconds,
+                 report_seconds=report_seconds, poll_seconds=poll_seconds,
+                 describe=describe, clock=clock)
+
+
+def _wait(own_address, missing, received, *, started, timeout_seconds,
+          report_seconds, poll_seconds, describe, clock) -> float:
+  """`wait_for_peers`'s loop, with the stop signals recorded."""
   server = _listen(own_address)
   next_report = started + report_seconds
   announced = False
@@ -146,6 +171,3 @@ def wait_for_peers(own_address: Optional[str], peers: Mapping[str, str], *,
   finally:
     if server is not None:
       server.close()
-    for signum, handler in previous.items():
-      signal.signal(signum, handler if handler is not None else
-                    signal.SIG_DFL)
