@@ -4,8 +4,12 @@ Cheap: the checks stop before a model is built; one tiny one-device fit
 of a few steps checks what `fit` returns.
 """
 
+import os
 import shutil
+import subprocess
+import sys
 import tempfile
+import textwrap
 
 from absl.testing import absltest
 import keras
@@ -121,6 +125,43 @@ class FitTest(absltest.TestCase):
           api.fit(_model, config=self.config, **kwargs)
     with self.assertRaisesRegex(ConfigError, "model_fn must be a function"):
       api.fit(3, x=self.x, y=self.y, config=self.config)
+    with self.assertRaisesRegex(ConfigError, r"verbose='yes'\): use"):
+      api.fit(_model, x=self.x, y=self.y, config=self.config, verbose="yes")
+
+  def test_a_plain_script_prints_tfdist_lines_unless_verbose_is_0(self):
+    # A script without absl.app.run: absl's logging is not set up there.
+    script = textwrap.dedent("""
+        import sys
+        import keras
+        import numpy as np
+        import tfdist
+
+        def build():
+          model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+          model.compile(loss="mse")
+          return model
+
+        x, y = np.ones((16, 2), np.float32), np.ones((16,), np.float32)
+        for verbose, folder in ((0, sys.argv[1]), ("auto", sys.argv[2])):
+          print(f"=== verbose={verbose}", file=sys.stderr, flush=True)
+          tfdist.fit(build, x=x, y=y, verbose=verbose,
+                     config=tfdist.TrainConfig(
+                         model_dir=folder, train_steps=4, batch_size=4,
+                         log_steps=2, distribution_strategy="one_device"))
+        print("=== done", file=sys.stderr, flush=True)
+        """)
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    run = subprocess.run(
+        [sys.executable, "-c", script, os.path.join(self.dir, "quiet"),
+         os.path.join(self.dir, "auto")], cwd=self.dir, capture_output=True,
+        text=True, timeout=300, check=False,
+        env={**os.environ, "PYTHONPATH": repo, "TF_CPP_MIN_LOG_LEVEL": "2"})
+    self.assertEqual(run.returncode, 0, run.stderr[-3000:])
+    quiet = run.stderr.split("=== verbose=0")[1].split("=== verbose=auto")[0]
+    auto = run.stderr.split("=== verbose=auto")[1].split("=== done")[0]
+    self.assertRegex(auto, r"tfdist: step 2/4: loss \d")
+    self.assertEqual(auto.count("tfdist: step 2/4"), 1)  # Once, not twice.
+    self.assertNotIn("tfdist: step", quiet)
 
   def test_a_tiny_fit_returns_the_manifest_and_history(self):
     result = api.fit(_model, x=self.x, y=self.y, config=self.config)

@@ -34,8 +34,12 @@ This module is an entry point, like the binaries: it runs
 called.
 """
 
+import contextlib
+import logging as std_logging
 from typing import Any, Callable, Optional, Sequence, Union
 
+from absl import flags as absl_flags
+from absl import logging
 import keras
 import numpy as np
 import tensorflow as tf
@@ -283,7 +287,8 @@ def fit(model_fn: Union[Callable, str],
         sample_weight: Any = None, validation_data: Any = None,
         validation_split: float = 0.0, parse_fn: Optional[Callable] = None,
         loss: Any = None, metrics: Optional[Sequence[Any]] = None,
-        callbacks: Sequence[Any] = (), environment=None) -> dict:
+        callbacks: Sequence[Any] = (), environment=None,
+        verbose: Union[str, int] = "auto") -> dict:
   """Trains `model_fn`'s model on `dataset_fn`'s examples, distributed.
 
   Args:
@@ -327,6 +332,13 @@ def fit(model_fn: Union[Callable, str],
       refused at start).
     environment: a `tfdist.distribute.environment.RunEnvironment`; None reads
       `os.environ` (`TF_CONFIG`, Vertex AI's variables) now.
+    verbose: as `keras.Model.fit`'s: "auto", 1 or 2 print tfdist's lines
+      (the plan at start, a line every `config.log_steps` steps, each
+      evaluation; no progress bar: add `keras.callbacks.ProgbarLogger` for
+      one) on stderr also in a plain script, where absl's logging is not
+      set up (its default WARNING level: `_info_lines`); 0 leaves logging
+      as it is. Under `absl.app.run` absl's own flags
+      (`--verbosity`, `--logtostderr`) decide either way.
 
   Returns:
     The run manifest (as `run_manifest.json` holds it) on the chief and
@@ -339,12 +351,16 @@ def fit(model_fn: Union[Callable, str],
 
   Raises:
     ConfigError: bad arguments or configuration, found before the model is
-      built or trained (e.g. arrays of different lengths, a
+      built or trained (e.g. a `verbose` other than "auto", 0, 1 or 2,
+      arrays of different lengths, a
       `validation_split` outside (0, 1) or with a dataset function, no loss
       anywhere, a model that cannot take the features).
     tfdist.runtime.preemption.PreemptedError: SIGTERM or SIGINT stopped training
       after a checkpoint (call again to resume).
   """
+  if verbose not in ("auto", 0, 1, 2) or isinstance(verbose, bool):
+    raise ConfigError(f"tfdist.fit(verbose={verbose!r}): use \"auto\", 1 or "
+                      "2 (tfdist's log lines) or 0 (logging as it is).")
   arrays = x is not None or y is not None or sample_weight is not None
   if arrays or validation_data is not None or validation_split:
     dataset_fn, config = _in_memory_source(
@@ -354,11 +370,44 @@ def fit(model_fn: Union[Callable, str],
   task = make_task(model_fn, dataset_fn, config=config, parse_fn=parse_fn,
                    loss=loss, metrics=metrics)
   history = keras.callbacks.History()
-  result = experiment.run_experiment(_named_config(config, task),
-                                     callbacks=[*keras_callbacks.flatten(
-                                         callbacks), history],
-                                     environment=environment, task=task)
+  with _info_lines(verbose != 0):
+    result = experiment.run_experiment(_named_config(config, task),
+                                       callbacks=[*keras_callbacks.flatten(
+                                           callbacks), history],
+                                       environment=environment, task=task)
   return _with_history(result, history)
+
+
+@contextlib.contextmanager
+def _info_lines(wanted: bool):
+  """tfdist's INFO lines on stderr while the block runs, where nothing asked
+  for them: outside an absl app (its flags unparsed), with absl's logger
+  above INFO (its default: WARNING, from Python's root logger), the level
+  is INFO and, unless absl's handler is on the root logger already, absl's
+  logger writes through that handler alone (not also through a handler
+  Python's `logging.warning` put on the root logger). Everything is
+  restored after the block. Otherwise (or not `wanted`) nothing changes."""
+  absl_logger = logging.get_absl_logger()
+  if (not wanted or absl_flags.FLAGS.is_parsed()
+      or absl_logger.getEffectiveLevel() <= std_logging.INFO):
+    yield
+    return
+  handler = logging.get_absl_handler()
+  verbosity, level = logging.get_verbosity(), absl_logger.level
+  propagate = absl_logger.propagate
+  own_handler = handler not in std_logging.getLogger().handlers
+  logging.set_verbosity(logging.INFO)
+  if own_handler:
+    absl_logger.addHandler(handler)
+    absl_logger.propagate = False
+  try:
+    yield
+  finally:
+    if own_handler:
+      absl_logger.removeHandler(handler)
+      absl_logger.propagate = propagate
+    logging.set_verbosity(verbosity)
+    absl_logger.setLevel(level)
 
 
 def _with_history(result, history: keras.callbacks.History):
