@@ -255,8 +255,8 @@ def plot(results: dict, path: str, title: str):
            ylabel="examples/sec", xticks=[1, 2],
            title="throughput (median, min-max)")
   right.axhline(1.0, color="k", linestyle="--", linewidth=1)
-  right.axhline(0.9, color="grey", linestyle=":", linewidth=1,
-                label="1.8x target for 2 workers")
+  right.axhline(0.925, color="grey", linestyle=":", linewidth=1,
+                label="1.85x goal for 2 workers")
   right.set(xlabel="workers", ylabel="scaling efficiency (speedup/workers)",
             xticks=[1, 2], ylim=(0, 1.5), title="scaling efficiency")
   left.legend(fontsize=7)
@@ -269,10 +269,12 @@ def plot(results: dict, path: str, title: str):
 
 def _title(record: dict) -> str:
   info = record["machine"]
+  load = info.get("load_average_at_start")
   return (f"tfdist {record.get('model', 'cnn')}, "
           f"{record['per_worker_batch_size']} examples per worker and step; "
-          f"{info['cores']} cores ({info['cpu']}), shared with other jobs; "
-          f"medians of {record['repeats']} alternated runs")
+          f"{info['cores']} cores ({info['cpu']})"
+          + (f", load average {load[0]:.1f} at start" if load else "")
+          + f"; medians of {record['repeats']} alternated runs")
 
 
 def main(argv):
