@@ -16,6 +16,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tests import testutil
 from tfdist import api
 from tfdist.config import ConfigError
 from tfdist.config import TrainConfig
@@ -150,12 +151,13 @@ class FitTest(absltest.TestCase):
                          log_steps=2, distribution_strategy="one_device"))
         print("=== done", file=sys.stderr, flush=True)
         """)
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     run = subprocess.run(
         [sys.executable, "-c", script, os.path.join(self.dir, "quiet"),
          os.path.join(self.dir, "auto")], cwd=self.dir, capture_output=True,
         text=True, timeout=300, check=False,
-        env={**os.environ, "PYTHONPATH": repo, "TF_CPP_MIN_LOG_LEVEL": "2"})
+        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2",
+             "PYTHONPATH": os.pathsep.join(
+                 [testutil.REPO_ROOT, os.environ.get("PYTHONPATH", "")])})
     self.assertEqual(run.returncode, 0, run.stderr[-3000:])
     quiet = run.stderr.split("=== verbose=0")[1].split("=== verbose=auto")[0]
     auto = run.stderr.split("=== verbose=auto")[1].split("=== done")[0]
