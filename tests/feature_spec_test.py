@@ -14,6 +14,7 @@ import pytest
 import tensorflow as tf
 
 from tests import testutil
+from tfdist import errors
 from tfdist.config import ConfigError
 from tfdist.data import fashion_mnist
 from tfdist.data import feature_spec
@@ -216,6 +217,15 @@ class CheckFilesTest(absltest.TestCase):
     with tf.io.TFRecordWriter(path, "GZIP") as writer:
       writer.write(_record(x=_feature("float", [1.0])))
     with self.assertRaisesRegex(ConfigError, "feature 'x'"):
+      spec.check_files([path], "--train_files")
+
+  def test_an_uncompressed_file_named_gz_is_named(self):
+    spec = feature_spec.from_dict(SPEC, path="spec.json")
+    path = _write([_record()], name="plain.tfrecord.gz")
+    with self.assertRaisesRegex(
+        errors.DataError,
+        rf"--train_files: file {path} is damaged: DataLossError: .*the name "
+        r"ends in \.gz but the file is not GZIP data"):
       spec.check_files([path], "--train_files")
 
   def test_not_an_example(self):

@@ -264,6 +264,67 @@ class FramingTest(parameterized.TestCase):
                        data_checks._python_crc32c(self.data[:4096]))
 
 
+@pytest.mark.compat
+class GzipEndTest(parameterized.TestCase):
+  """A GZIP file cut anywhere is named, also where TensorFlow's reader
+  reads it as a whole shorter file (a cut on a record boundary, or before
+  the first record)."""
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    folder = testutil.scratch_dir()
+    cls.path = os.path.join(folder, "whole.tfrecord.gz")
+    with tf.io.TFRecordWriter(cls.path, options="GZIP") as writer:
+      for i in range(300):
+        writer.write(bytes([i % 251]) * 60 + os.urandom(16))
+    with open(cls.path, "rb") as f:
+      cls.data = f.read()
+
+  def _write(self, name, data) -> str:
+    path = os.path.join(testutil.scratch_dir(), name + ".tfrecord.gz")
+    with open(path, "wb") as f:
+      f.write(data)
+    return path
+
+  def test_whole_files_pass(self):
+    self.assertEqual(data_checks.count_file(self.path), 300)
+    # Two GZIP members in one file (gzip reads them as one stream).
+    two = self._write("two_members", self.data + self.data)
+    self.assertEqual(data_checks.count_file(two), 600)
+
+  @parameterized.named_parameters(
+      ("in_the_header", 12), ("before_the_first_record", 30),
+      ("a_few_records_in", 200), ("without_its_size", -4))
+  def test_a_cut_file_is_named(self, keep):
+    path = self._write(f"cut{keep}", self.data[:keep])
+    # What TensorFlow's reader alone reads of it (with or without an
+    # error: a cut inside a record raises, a cut elsewhere does not).
+    read = 0
+    try:
+      for _ in tf.compat.v1.io.tf_record_iterator(
+          path, tf.io.TFRecordOptions(compression_type="GZIP")):
+        read += 1
+    except tf.errors.DataLossError:
+      pass
+    self.assertLessEqual(read, 300)
+    with self.assertRaisesRegex(
+        data_checks.DataError,
+        rf"training file {path} is damaged: the GZIP data .*\(after "
+        rf"{read} good record\(s\)\)\. The file is cut short"):
+      data_checks.check_data([path], [])
+
+  def test_an_uncompressed_file_named_gz_is_named(self):
+    with open(self.path, "rb") as f:
+      plain = gzip.decompress(f.read())
+    path = self._write("plain_named_gz", plain)
+    with self.assertRaisesRegex(
+        data_checks.DataError,
+        rf"training file {path} is damaged: .*the name ends in \.gz but the "
+        r"file is not GZIP data"):
+      data_checks.check_data([path], [])
+
+
 def _tiny_model():
   inputs = keras.Input((3,), name="x")
   return keras.Model(inputs, keras.layers.Dense(1)(inputs))

@@ -31,6 +31,7 @@ import dataclasses
 import logging as std_logging
 import re
 import struct
+import zlib
 from typing import Dict, Mapping, Optional, Sequence, Tuple
 
 import tensorflow as tf
@@ -82,11 +83,17 @@ def _records(path: str):
 _TRUNCATED = re.compile(r"truncated record at (\d+)")
 
 
-def _damaged(path: str, what: str, error: Exception, good: int
-             ) -> DataError:
+def damaged_error(path: str, what: str, error: Exception, good: int
+                  ) -> DataError:
+  """The `DataError` for TensorFlow's reader failing on `path` (`what`
+  names it) after `good` records, with TensorFlow's cause in words."""
   first = first_line(error)
   truncated = _TRUNCATED.search(first)
-  if truncated and path.endswith(".gz"):
+  if path.endswith(".gz") and "incorrect header check" in first:
+    first = (f"{type(error).__name__}: {first}: the name ends in .gz but "
+             "the file is not GZIP data (an uncompressed TFRecord file must "
+             "not be named .gz)")
+  elif truncated and path.endswith(".gz"):
     first = (f"the GZIP data ends inside record {good + 1} (at byte "
              f"{truncated.group(1)} of the decompressed records)")
   elif truncated:
@@ -244,7 +251,7 @@ def check_framing(path: str, *, what: str = "file",
         if not chunk:
           break
   except (tf.errors.OpError, OSError) as e:
-    raise _damaged(path, what, e, count) from None
+    raise damaged_error(path, what, e, count) from None
   left = end - pos
   if left:
     if left < HEADER_BYTES:
@@ -279,20 +286,82 @@ def count_file(path: str, *, what: str = "file") -> int:
   if plain and "://" in path and LIBRARY_CRC32C is not None:
     return check_framing(path, what=what, check_data=True)
   count = 0
+  inflated = 0  # Bytes of the decompressed records, framing included.
   try:
-    for _ in _records(path):
+    for record in _records(path):
       count += 1
+      inflated += HEADER_BYTES + len(record) + FOOTER_BYTES
   except (tf.errors.OpError, OSError) as e:
     if plain and isinstance(e, tf.errors.DataLossError):
       # Name what is wrong and where, from the record framing (the data
       # CRCs again only when that is fast).
       check_framing(path, what=what,
                     check_data=LIBRARY_CRC32C is not None)
-    raise _damaged(path, what, e, count) from None
+    raise damaged_error(path, what, e, count) from None
   if plain:
     # The reader checked every CRC: only where the records end is left.
     check_framing(path, what=what, check_headers=False, check_data=False)
+  else:
+    check_gzip_end(path, inflated, what=what, count=count)
   return count
+
+
+def check_gzip_end(path: str, inflated: int, *, what: str = "file",
+                   count: int = 0):
+  """Checks that the GZIP file `path` ends where its data ends.
+
+  TensorFlow's reader stops without an error where a cut GZIP file happens
+  to stop on a record boundary (or before the first record), so a cut file
+  reads as a shorter whole one. A whole file ends with the size of its
+  decompressed data (ISIZE, mod 2**32, RFC 1952): that is read (4 bytes)
+  and compared with `inflated`; only when they differ (a cut file, or one
+  made of several GZIP members) is the file decompressed again, in Python,
+  to tell which.
+
+  Args:
+    path: a `.gz` TFRecord file (local or remote).
+    inflated: the bytes its records take decompressed (framing included),
+      as TensorFlow's reader read them.
+    what: how the message names the file.
+    count: the records read, for the message.
+
+  Raises:
+    DataError: the GZIP data ends before its end-of-stream mark, or holds
+      more than the reader read.
+  """
+  damaged = lambda problem: DataError(
+      f"{what} {path} is damaged: {problem} (after {count} good "
+      "record(s)). The file is cut short or corrupted: write it again (a "
+      "--dataset converted under --data_dir: delete its folder there and "
+      "run again to convert it anew), or leave it out of the file pattern.")
+  size = tf.io.gfile.stat(path).length
+  with tf.io.gfile.GFile(path, "rb") as f:
+    if size >= 18:  # The smallest GZIP member: 10 header + 8 trailer bytes.
+      f.seek(size - 4)
+      (isize,) = struct.unpack("<I", f.read(4))
+      if isize == inflated % (1 << 32):
+        return
+    f.seek(0)
+    total, inflater = 0, zlib.decompressobj(wbits=31)
+    try:
+      while True:
+        chunk = f.read(_CHUNK_BYTES)
+        if not chunk:
+          break
+        while chunk:
+          total += len(inflater.decompress(chunk))
+          chunk = b""
+          if inflater.eof:  # The next member, if any.
+            chunk = inflater.unused_data
+            inflater = zlib.decompressobj(wbits=31) if chunk else inflater
+    except zlib.error as e:
+      raise damaged(f"the GZIP data is corrupted ({e})") from None
+  if not inflater.eof:
+    raise damaged(f"the GZIP data ends before its end-of-stream mark "
+                  f"({size} bytes; {total} bytes of records decompressed)")
+  if total != inflated:
+    raise damaged(f"the GZIP data holds {total} bytes of records, the "
+                  f"reader read {inflated}")
 
 
 # --- the schema ---------------------------------------------------------------
@@ -402,7 +471,7 @@ def first_record_check(features: Mapping, *, dataset: str):
       try:
         record = next(iter(_records(path)), None)
       except (tf.errors.OpError, OSError) as e:
-        raise _damaged(path, f"{flag}: {what}", e, 0) from None
+        raise damaged_error(path, f"{flag}: {what}", e, 0) from None
       if record is not None:
         check_schema(path, record, features, what=f"{flag}: {what}",
                      dataset=dataset)

@@ -54,6 +54,7 @@ import keras
 import tensorflow as tf
 
 from tfdist.config import ConfigError
+from tfdist.data import data_checks
 from tfdist.data.dataset_spec import DatasetSpec
 
 # The kinds of `tf.train.Feature`, by dtype name.
@@ -242,13 +243,18 @@ class FeatureSpec:
     Raises:
       ConfigError: a mismatch (every one named), or a record that is not a
         `tf.train.Example`.
+      tfdist.errors.DataError: the first record cannot be read (e.g. a file
+        named `.gz` that is not GZIP data).
     """
     if not files:
       return
     path = files[0]
     compression = "GZIP" if path.endswith(".gz") else ""
-    records = list(tf.data.TFRecordDataset(
-        path, compression_type=compression).take(1).as_numpy_iterator())
+    try:
+      records = list(tf.data.TFRecordDataset(
+          path, compression_type=compression).take(1).as_numpy_iterator())
+    except tf.errors.OpError as e:
+      raise data_checks.damaged_error(path, f"{flag}: file", e, 0) from None
     if not records:
       return  # An empty file has nothing to check.
     try:
