@@ -76,8 +76,8 @@ class ControllerTest(parameterized.TestCase):
 
   def _controller(self, runner, *, total=20, per_epoch=10, log=5,
                   checkpoint_steps=0, callbacks=(), preemption_watcher=None,
-                  evals_every=1, model=None, profiler=None):
-    keeper = checkpointing.CheckpointKeeper(
+                  evals_every=1, model=None, profiler=None, keeper=None):
+    keeper = keeper or checkpointing.CheckpointKeeper(
         checkpoint=tf.train.Checkpoint(step=self.step),
         directory=os.path.join(self.dir, "checkpoints"),
         step_counter=self.step, max_to_keep=100)
@@ -213,6 +213,62 @@ class ControllerTest(parameterized.TestCase):
     # training stops after step 8, as fit stops after that batch.
     self.assertEqual(result.step, 8)
 
+  def test_a_divergence_ends_the_epoch_and_the_run_as_fit_does(self):
+    # The loss and a model variable go NaN in the chunk ending at step 7:
+    # the callbacks get that chunk's batch end (NaN loss), the epoch's
+    # validation, its end and the end of training (a CSVLogger closes its
+    # file), as fit gives them when TerminateOnNaN stops it; then the
+    # error, with nothing saved after step 5 (epoch 0's checkpoint).
+    weight = tf.Variable(1.0)
+    runner = FakeRunner(
+        self.step, max_steps_per_call=2,
+        loss_at=lambda s: float("nan") if s >= 5 else 1.0,
+        on_step=lambda s: weight.assign(float("nan") if s >= 6 else 1.0))
+    hooks = []
+
+    def note(name):
+      return lambda *args, **kwargs: hooks.append(
+          (name, args[0] if args and isinstance(args[0], int) else None))
+    recorder = keras.callbacks.LambdaCallback(**{
+        name: note(name) for name in (
+            "on_train_batch_end", "on_test_begin", "on_test_end",
+            "on_epoch_end", "on_train_end")})
+    csv_path = os.path.join(self.dir, "log.csv")
+    csv = keras.callbacks.CSVLogger(csv_path)
+    keeper = checkpointing.CheckpointKeeper(
+        checkpoint=tf.train.Checkpoint(step=self.step, w=weight),
+        directory=os.path.join(self.dir, "checkpoints"),
+        step_counter=self.step, max_to_keep=100, variables=[weight])
+    controller = self._controller(
+        runner, total=20, per_epoch=5, log=100, keeper=keeper,
+        callbacks=[recorder, csv, keras.callbacks.TerminateOnNaN()])
+    with self.assertRaisesRegex(run_log_lib.DivergenceError,
+                                r"at step 7 \(in steps 6-7\).*ckpt-5"):
+      controller.run()
+    self.assertEqual(hooks[-5:], [
+        ("on_train_batch_end", 1), ("on_test_begin", None),
+        ("on_test_end", None), ("on_epoch_end", 1), ("on_train_end", None)])
+    self.assertEqual(self._saved_steps(), [5])
+    self.assertIsNone(csv.writer)  # Closed by on_train_end.
+    with open(csv_path) as f:
+      self.assertEqual([row.split(",")[0] for row in f.read().splitlines()],
+                       ["epoch", "0", "1"])
+
+  def test_a_callback_whose_hook_comes_from_getattribute_gets_metrics(self):
+    seen = []
+
+    class Dynamic(keras.callbacks.Callback):
+
+      def __getattribute__(self, name):
+        if name == "on_train_batch_end":
+          return lambda batch, logs=None: seen.append(sorted(logs))
+        return super().__getattribute__(name)
+
+    self._controller(FakeRunner(self.step), total=4, per_epoch=2, log=2,
+                     callbacks=[Dynamic()]).run()
+    # Every batch metric (the fake runner's accuracy), not the loss alone.
+    self.assertEqual(seen, [["accuracy", "loss"]] * 2)
+
   def test_divergence_is_one_clear_error(self):
     runner = FakeRunner(self.step, loss_at=lambda s: float("inf"))
     with self.assertRaisesRegex(run_log_lib.DivergenceError,
@@ -313,6 +369,25 @@ class ActionsTest(absltest.TestCase):
     with self.assertRaisesRegex(run_log_lib.DivergenceError,
                                 "diverged at step 8.*starts from step 0"):
       action(self._state(8), _output())
+
+  def test_a_state_found_non_finite_rereads_the_input_since_the_last_save(
+      self):
+    asked = []
+    saver = controller_lib.Checkpoints(
+        self.keeper, learning_rate=lambda: 0.1, loss_scale=lambda: None,
+        nonfinite_input=lambda after, step: asked.append((after, step)) or
+        "the batch of step 6 on this worker holds 1 NaN in its features")
+    action = controller_lib.SaveCheckpoint(saver, self.options)
+    action(self._state(4), _output())
+    self.weight.assign(float("nan"))  # A NaN the loss did not show.
+    with self.assertRaisesRegex(
+        run_log_lib.DivergenceError,
+        r"diverged at step 8: the model or optimizer state holds NaN or "
+        r"infinite values\. The training data is the likely cause: the "
+        r"batch of step 6 on this worker holds 1 NaN in its features\. "
+        r".*tf\.debugging\.check_numerics.*ckpt-4, is kept"):
+      action(self._state(8), _output())
+    self.assertEqual(asked, [(4, 8)])  # The steps since the last save.
 
   def test_divergence_check_reads_the_state_only_for_a_bad_loss(self):
     action = controller_lib.DivergenceCheck(self.saver)
@@ -471,15 +546,17 @@ def _tiny_dataset(_=None):
   return tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(8)
 
 
-def _run_controller(runner, trainer, tmp):
+def _run_controller(runner, trainer, tmp, *, check_state=False):
   """Runs 10 steps (epochs of 5) under a real controller; returns
-  `(ControllerResult, RunLog)`."""
+  `(ControllerResult, RunLog)`. `check_state`: the checkpoints check the
+  model's variables (a NaN weight is a divergence)."""
   keeper = checkpointing.CheckpointKeeper(
       checkpoint=tf.train.Checkpoint(model=trainer.model,
                                      optimizer=trainer.optimizer,
                                      global_step=trainer.global_step),
       directory=os.path.join(tmp, "checkpoints"),
-      step_counter=trainer.global_step)
+      step_counter=trainer.global_step,
+      variables=list(trainer.model.variables) if check_state else None)
   log = run_log_lib.RunLog(tensorboard_dir=None, metrics_dir=tmp,
                            global_batch_size=8, total_steps=10)
   return Controller(
@@ -505,6 +582,45 @@ class RealRunnersTest(absltest.TestCase):
     self.assertEqual(int(trainer.optimizer.iterations.numpy()), 10)
     self.assertEqual([r["step"] for r in log.history], [5, 10])
     self.assertTrue(all(np.isfinite(r["loss"]) for r in log.history))
+
+  def test_a_nan_feature_is_named_after_the_divergence(self):
+    # Row 2 of batch 6 (step 7's) holds a NaN feature: the loss of the
+    # chunk of steps 6-7 is NaN, and the error names the data, not the
+    # learning rate.
+    tmp = tempfile.mkdtemp(dir=os.environ.get("TEST_TMPDIR"))
+    strategy = tf.distribute.OneDeviceStrategy("/cpu:0")
+    trainer = _tiny_trainer(strategy)
+    rng = np.random.RandomState(0)
+    x = rng.rand(64, 4).astype(np.float32)
+    x[6 * 8 + 2, 1] = np.nan
+    y = rng.randint(0, 3, 64).astype(np.int64)
+    starts = []
+
+    def iterator_fn(start):
+      starts.append(start)
+      return iter(strategy.experimental_distribute_dataset(
+          tf.data.Dataset.from_tensor_slices((x, y)).batch(8)))
+    runner = step_runner.LocalStepRunner(trainer=trainer,
+                                         iterator_fn=iterator_fn)
+    with self.assertRaisesRegex(
+        run_log_lib.DivergenceError,
+        r"at step 7 \(in steps 6-7\): the training loss is nan .* The "
+        r"training data is the likely cause: the batch of step 7 on this "
+        r"worker holds 1 NaN in its features \(rows \[2\] of replica 0's "
+        r"batch\)\.") as raised:
+      _run_controller(runner, trainer, tmp, check_state=True)
+    self.assertNotIn("--base_learning_rate", str(raised.exception))
+    self.assertEqual(starts, [0, 0])  # Read again once, from the start.
+
+  def test_non_finite_values_name_the_part_and_the_rows(self):
+    batch = ({"a": tf.constant([[1.0], [np.inf]]), "b": tf.constant([1, 2])},
+             tf.constant([np.nan, 1.0]))
+    self.assertEqual(step_runner.nonfinite_values(batch),
+                     "1 infinite in its features (`a`; rows [1] of replica "
+                     "0's batch); 1 NaN in its labels (rows [0] of replica "
+                     "0's batch)")
+    self.assertIsNone(step_runner.nonfinite_values(
+        (tf.ones([2, 1]), tf.ones([2]), tf.ones([2]))))
 
   def test_coordinator_runner_on_an_in_process_cluster(self):
     # In a child process: connecting this process's eager context to a

@@ -124,6 +124,13 @@ def _compile_args(case: str) -> dict:
   import keras  # pylint: disable=g-import-not-at-top
   if case == "batch_valued_metric":
     return dict(loss="mse", metrics=[spread])
+  if case in ("multi_worker_files", "parameter_server_files"):
+    # The second cluster runs: a Loss subclass, a metric with one value
+    # per batch and Keras's steps_per_execution, beside the usual metrics.
+    return dict(loss=squared_error_loss(),
+                metrics=["mae", abs_error_metric(), spread],
+                weighted_metrics=["mae"],
+                steps_per_execution=STEPS_PER_EXECUTION)
   if case == "class_weight":
     return dict(loss=keras.losses.SparseCategoricalCrossentropy(
         from_logits=True), metrics=["accuracy"],
@@ -224,6 +231,17 @@ def _terminate_on_nan():
   return [keras.callbacks.TerminateOnNaN()]
 
 
+def _early_stopping_not_restoring():
+  import keras  # pylint: disable=g-import-not-at-top
+  # As _early_stopping: stops after epoch 1; the weights stay epoch 1's.
+  return [keras.callbacks.EarlyStopping(monitor="loss", mode="max",
+                                        patience=1)]
+
+
+# The cluster cases whose parse_fn reads two files (`tfdist_fit`).
+TWO_FILE_CASES = ("multi_worker_files", "parameter_server_files")
+
+
 # What each case feeds: the arrays, the class weights, a function making
 # the case's Keras callbacks (fresh ones for each run), and whether
 # Model.fit validates on the arrays themselves (`validation`: what tfdist
@@ -236,9 +254,10 @@ CASES = {
     # EarlyStopping, TerminateOnNaN, ProgbarLogger (and RemoteMonitor).
     "callbacks": dict(data=slope_data, class_weight=None,
                       callbacks=_callback_suite, validation=True),
-    # The loss goes NaN in step 6.
+    # The loss goes NaN in step 6; fit validates the cut epoch (with NaN
+    # weights) before it ends the run.
     "terminate_on_nan": dict(data=nan_data, class_weight=None,
-                             callbacks=_terminate_on_nan),
+                             callbacks=_terminate_on_nan, validation=True),
     "learning_rate_scheduler": dict(data=slope_data, class_weight=None,
                                     callbacks=_lr_scheduler),
     "early_stopping_restore": dict(data=slope_data, class_weight=None,
@@ -256,6 +275,21 @@ CASES = {
                              callbacks=lambda: [*_lr_scheduler(),
                                                 *_reduce_lr()],
                              validation=True),
+    # The second MultiWorkerMirrored run: sample weights from a parse_fn
+    # (TFRecord files, validated on the same file), a Loss subclass, a
+    # metric with one value per batch, compile(steps_per_execution=4) and
+    # EarlyStopping not restoring (stops after epoch 1).
+    "multi_worker_files": dict(data=slope_data, class_weight=None,
+                               callbacks=_early_stopping_not_restoring,
+                               validation=True),
+    # The second parameter-server run: the same, with EarlyStopping
+    # restoring the best epoch's weights beside the one not restoring
+    # (both stop after epoch 1).
+    "parameter_server_files": dict(
+        data=slope_data, class_weight=None,
+        callbacks=lambda: [*_early_stopping(),
+                           *_early_stopping_not_restoring()],
+        validation=True),
     # Arrays with Keras's validation_split: the last quarter evaluates;
     # a callback stops training in a batch hook of epoch 2.
     "numpy_arrays": dict(data=slope_data, class_weight=None,
@@ -390,6 +424,7 @@ def tfdist_fit(case: str, *, strategy: str, model_dir: str,
   case's `validation_split`, else `validation_data` = the arrays."""
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   import tfdist  # pylint: disable=g-import-not-at-top
+  from tfdist import errors  # pylint: disable=g-import-not-at-top
   spec = CASES[case]
   arrays = spec["data"]()
   recorder = Recorder()
@@ -412,14 +447,30 @@ def tfdist_fit(case: str, *, strategy: str, model_dir: str,
     else:
       kwargs["validation_data"] = arrays
   else:
-    path = os.path.join(model_dir, "data.tfrecord")
     os.makedirs(model_dir, exist_ok=True)
-    with tf.io.TFRecordWriter(path) as writer:
-      for row in zip(*arrays):
-        feature = {f"c{i}": tf.train.Feature(float_list=tf.train.FloatList(
-            value=np.ravel(v).astype("float32"))) for i, v in enumerate(row)}
-        writer.write(tf.train.Example(features=tf.train.Features(
-            feature=feature)).SerializeToString())
+    if case in TWO_FILE_CASES:
+      # Two files, one per worker (sharded by file): file 0 holds the first
+      # half of every global batch, file 1 the second, so the two workers'
+      # per-replica batches make up fit's global batches.
+      half = (np.arange(len(arrays[0])) // (GLOBAL_BATCH // 2)) % 2
+      files = {os.path.join(model_dir, f"data-{i}.tfrecord"):
+               [a[half == i] for a in arrays] for i in (0, 1)}
+      pattern = os.path.join(model_dir, "data-*.tfrecord")
+    else:
+      pattern = os.path.join(model_dir, "data.tfrecord")
+      files = {pattern: arrays}
+    for path, rows in files.items():
+      # Every task of a cluster writes the same records: each its own
+      # file, renamed into place, so none reads a file being written.
+      part = f"{path}.{os.getpid()}.part"
+      with tf.io.TFRecordWriter(part) as writer:
+        for row in zip(*rows):
+          feature = {f"c{i}": tf.train.Feature(float_list=tf.train.FloatList(
+              value=np.ravel(v).astype("float32")))
+                     for i, v in enumerate(row)}
+          writer.write(tf.train.Example(features=tf.train.Features(
+              feature=feature)).SerializeToString())
+      os.replace(part, path)
     shapes = [a.shape[1:] for a in arrays]
     description = {f"c{i}": tf.io.FixedLenFeature(list(s), tf.float32)
                    for i, s in enumerate(shapes)}
@@ -428,7 +479,7 @@ def tfdist_fit(case: str, *, strategy: str, model_dir: str,
       parsed = tf.io.parse_single_example(record, description)
       return tuple(parsed[f"c{i}"] for i in range(len(arrays)))
     kwargs["parse_fn"] = parse
-    config.update(train_files=path, eval_files=path, cache_dataset=True)
+    config.update(train_files=pattern, eval_files=pattern, cache_dataset=True)
   import keras  # pylint: disable=g-import-not-at-top
   callbacks = [*_callbacks(case), *extra_callbacks]
   if callback_list == "inner":
@@ -436,9 +487,15 @@ def tfdist_fit(case: str, *, strategy: str, model_dir: str,
   callbacks += [recorder, lambda_callback]
   if callback_list == "outer":
     callbacks = keras.callbacks.CallbackList(callbacks)
-  manifest = tfdist.fit(lambda: build_model(case),
-                        config=tfdist.TrainConfig(**config),
-                        callbacks=callbacks, **kwargs)
+  try:
+    manifest = tfdist.fit(lambda: build_model(case),
+                          config=tfdist.TrainConfig(**config),
+                          callbacks=callbacks, **kwargs)
+  except errors.TrainingDivergedError as e:
+    # What the callbacks saw before the error (TerminateOnNaN's case).
+    return {"diverged": f"{type(e).__name__}: {e}", "hooks": recorder.hooks,
+            "params": dict(recorder.params or {}),
+            "lambda_hooks": lambda_hooks}
   last_eval = (manifest.get("eval_history") or [{}])[-1]
   return {"weights": recorder.weights, "train": recorder.epoch_logs,
           "eval": {k: v for k, v in last_eval.items()
@@ -512,7 +569,8 @@ def main(argv):
               else "multi_worker_mirrored")
   result = tfdist_fit(case, strategy=strategy, via=via or "dataset_fn",
                       callback_list=("inner" if case in (
-                          "multi_worker", "parameter_server") else ""),
+                          "multi_worker", "parameter_server",
+                          *TWO_FILE_CASES) else ""),
                       model_dir=os.path.join(
       os.path.dirname(out_path), "run"), extra_callbacks=[
           *(file_callbacks(argv[3]) if len(argv) > 3 else ()),

@@ -94,6 +94,32 @@ class ReadsBatchMetricsTest(absltest.TestCase):
             [*quiet, reader]))
 
 
+  def test_hooks_not_defined_in_the_class_count_as_reading(self):
+    # tfdist cannot see these hooks in the class: they must get every
+    # metric (and may stop training), not the loss alone.
+
+    class Dynamic(keras.callbacks.Callback):
+
+      def __getattribute__(self, name):
+        if name == "on_train_batch_end":
+          return lambda batch, logs=None: None
+        return super().__getattribute__(name)
+
+    class MyTerminateOnNaN(keras.callbacks.TerminateOnNaN):
+
+      def on_train_batch_end(self, batch, logs=None):
+        del batch, logs
+
+    on_the_instance = keras.callbacks.TerminateOnNaN()
+    on_the_instance.on_batch_end = lambda batch, logs=None: None
+    for reader in (Dynamic(), MyTerminateOnNaN(), on_the_instance):
+      with self.subTest(reader=type(reader).__name__):
+        self.assertTrue(keras_callbacks.reads_batch_metrics([reader]))
+        self.assertTrue(keras_callbacks.may_stop_in_batch_hooks([reader]))
+    self.assertFalse(keras_callbacks.may_stop_in_batch_hooks(
+        [keras.callbacks.EarlyStopping(), keras.callbacks.Callback()]))
+
+
 class ForThisTaskTest(absltest.TestCase):
 
   def setUp(self):

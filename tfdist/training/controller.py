@@ -48,7 +48,11 @@ Skipped steps (fp16 updates skipped for a non-finite summed gradient) come
 back from the compiled step with each chunk's signals; the controller logs
 them and stops a run whose optimizer no longer updates
 (`tfdist.training.training_checks.SkippedStepMonitor`). A non-finite training or
-evaluation loss stops the run as diverged.
+evaluation loss stops the run as diverged: the actions after the one that
+found it end the epoch and the run for the callbacks (`Action.on_diverged`,
+as `fit` ends a run that TerminateOnNaN stops), then the error is raised;
+it names the data as the cause when the batches concerned, read again
+(`StepRunner.nonfinite_input`), hold NaN or infinite values.
 
 `Controller.evaluate_continuously` is the one side-car evaluator: it
 evaluates every checkpoint once, in step order (evaluator tasks of every
@@ -247,6 +251,12 @@ class Action:
   def on_end(self, state: LoopState) -> None:
     """Training ended at `state.step`."""
 
+  def on_diverged(self, state: LoopState,
+                  output: step_runner.StepOutput) -> None:
+    """An action before this one raised a divergence error after the chunk
+    that ended at `state.step` (with `output`): end the epoch and the run
+    as `fit` ends them (the run then raises that error)."""
+
 
 class Checkpoints:
   """Saves through a `CheckpointKeeper`, and words divergence errors.
@@ -255,13 +265,21 @@ class Checkpoints:
     keeper: the `tfdist.training.checkpointing.CheckpointKeeper`.
     learning_rate: returns the current learning rate (float).
     loss_scale: returns the current loss scale, or None without one.
+    nonfinite_input: `(after_step, step) -> str or None`
+      (`StepRunner.nonfinite_input`): what in the training batches of
+      steps `after_step + 1 .. step` (`after_step` None: since the input
+      started) is NaN or infinite, re-read after a divergence; None: not
+      checked.
   """
 
   def __init__(self, keeper, *, learning_rate: Callable[[], float],
-               loss_scale: Callable[[], Optional[float]]):
+               loss_scale: Callable[[], Optional[float]],
+               nonfinite_input: Optional[Callable[[Optional[int], int],
+                                                  Optional[str]]] = None):
     self.keeper = keeper
     self.learning_rate = learning_rate
     self.loss_scale = loss_scale
+    self.nonfinite_input = nonfinite_input
 
   def save(self, step: int) -> str:
     """Saves step `step`; returns the path.
@@ -279,16 +297,41 @@ class Checkpoints:
   def diverged(self, first: Optional[int], step: int,
                what: str) -> run_log_lib.DivergenceError:
     """The one divergence error: what went wrong, where, the last good
-    checkpoint (kept: nothing was saved after it) and what to change."""
+    checkpoint (kept: nothing was saved after it) and what to change.
+
+    `first`: the step before the chunk whose loss went non-finite (None:
+    the state was found non-finite at a checkpoint). The training batches
+    since then (since the last checkpoint when `first` is None) are read
+    again; when they hold NaN or infinite features, labels or weights, the
+    error says the data is the cause instead of advising a lower learning
+    rate.
+    """
     where = f"at step {step}" + (
         f" (in steps {first + 1}-{step})"
         if first is not None and first + 1 < step else "")
+    found = None
+    if self.nonfinite_input is not None:
+      after = first
+      if after is None and self.keeper.latest:
+        after = checkpoint_step(self.keeper.latest)
+      found = self.nonfinite_input(after, step)
+    if found:
+      advice = (
+          f"The training data is the likely cause: {found}. A NaN or "
+          "infinite input makes the loss or the gradients non-finite "
+          "whatever the learning rate. Find those examples with "
+          "tf.debugging.check_numerics(tensor, name) (or "
+          "tf.math.is_finite) on each feature and label in your parse_fn "
+          "or dataset function, then fix or drop them (e.g. "
+          "dataset.filter(lambda x, y, *w: tf.reduce_all("
+          "tf.math.is_finite(x))))")
+    else:
+      advice = run_log_lib.divergence_advice(
+          loss_scaled=self.loss_scale() is not None,
+          learning_rate=self.learning_rate()).rstrip(".")
     return run_log_lib.DivergenceError(
-        f"Training diverged {where}: {what}. " +
-        run_log_lib.divergence_advice(
-            loss_scaled=self.loss_scale() is not None,
-            learning_rate=self.learning_rate()) +
-        f" {self.kept_and_rerun()}")
+        f"Training diverged {where}: {what}. {advice}. "
+        f"{self.kept_and_rerun()}")
 
   def kept_and_rerun(self) -> str:
     """Which checkpoint survives a divergence and what a rerun does."""
@@ -445,6 +488,17 @@ class KerasBatchEnd(Action):
     self.window = _SumsSince()
 
   def __call__(self, state, output):
+    self._batch_end(state, output)
+    if self.runner is not None:
+      state.stop_requested = self.runner.agree(
+          state.stop_requested or _wants_stop(self.model))
+
+  def on_diverged(self, state, output):
+    # The hooks see the non-finite loss, as fit's do (TerminateOnNaN
+    # decides there); the run stops whatever they set.
+    self._batch_end(state, output)
+
+  def _batch_end(self, state, output):
     if state.first_step % self.options.steps_per_epoch == 0:
       self.window.take()  # Keras resets its metrics at each epoch.
     self.window.add(output.sums, state.num_steps)
@@ -453,9 +507,6 @@ class KerasBatchEnd(Action):
             {"loss": float(sums["loss"]) / steps})
     self.callbacks.on_train_batch_end(
         (state.step - 1) % self.options.steps_per_epoch, logs)
-    if self.runner is not None:
-      state.stop_requested = self.runner.agree(
-          state.stop_requested or _wants_stop(self.model))
 
 
 class TrainLog(Action):
@@ -554,6 +605,15 @@ class Evaluate(Action):
     if state.last_eval is None or state.last_eval["step"] != state.step:
       state.last_eval = self.evaluate(state.step)
 
+  def on_diverged(self, state, output):
+    # fit validates the epoch a stop cuts short (TerminateOnNaN's too),
+    # with the non-finite weights: the same hooks, the same NaN logs.
+    if (self.callbacks is not None and
+        ((state.epoch + 1) % self.options.epochs_between_evals == 0 or
+         self.options.is_last(state.step))):
+      state.last_eval = self.evaluate(state.step, callbacks=self.callbacks,
+                                      check_loss=False)
+
 
 class KerasEpochEnd(Action):
   """Keras's `on_epoch_end` with the epoch's metrics (and this step's
@@ -598,6 +658,22 @@ class KerasEpochEnd(Action):
     state.epoch += 1
     state.stop_requested = self.runner.agree(
         state.stop_requested or _wants_stop(self.model))
+
+  def on_diverged(self, state, output):
+    # As fit ends a run that TerminateOnNaN stops: this epoch's
+    # on_epoch_end (its logs hold the non-finite values), then
+    # on_train_end with them (a CSVLogger closes its file). Nothing is
+    # saved and the workers need not agree: the run raises on all alike.
+    self.window.add(output.sums, state.num_steps)
+    if state.epoch_open:
+      logs = self.run_log.summarize(*self.window.take())
+      if state.last_eval and state.last_eval["step"] == state.step:
+        logs.update({f"val_{k}": v for k, v in
+                     run_log_lib.metric_values(state.last_eval).items()})
+      self.callbacks.on_epoch_end(state.epoch, logs)
+      state.epoch_logs = logs
+      state.epoch_open = False
+    self.callbacks.on_train_end(state.epoch_logs)
 
 
 class StopOnRequest(Action):
@@ -681,7 +757,9 @@ class Controller:
     if checkpoints is not None:
       self.actions = self._make_actions(
           Checkpoints(checkpoints, learning_rate=learning_rate,
-                      loss_scale=loss_scale),
+                      loss_scale=loss_scale,
+                      nonfinite_input=getattr(runner, "nonfinite_input",
+                                              None)),
           keras.callbacks.CallbackList(list(callbacks), model=model),
           model=model, preemption=preemption)
 
@@ -719,8 +797,8 @@ class Controller:
 
   # --- evaluation ------------------------------------------------------------
   def evaluate(self, step: int,
-               callbacks: Optional[keras.callbacks.CallbackList] = None
-               ) -> Optional[dict]:
+               callbacks: Optional[keras.callbacks.CallbackList] = None, *,
+               check_loss: bool = True) -> Optional[dict]:
     """Evaluates the current weights; logs and returns the result.
 
     Args:
@@ -731,6 +809,8 @@ class Controller:
         `on_test_batch_end` with the running logs (the `evaluate`
         function is then called with `on_batch_begin` and `on_batch_end`);
         None: no hooks.
+      check_loss: raise when the loss is not finite (False: the run has
+        diverged already and this evaluation is for the callbacks).
 
     Returns:
       The evaluation (`loss`, each metric, `num_examples`, `step`), or None
@@ -753,7 +833,8 @@ class Controller:
       callbacks.on_test_end(run_log_lib.metric_values(result))
     result["step"] = step
     self.run_log.log_eval(step, result)
-    training_checks.check_eval_loss(result["loss"], step=step)
+    if check_loss:
+      training_checks.check_eval_loss(result["loss"], step=step)
     return result
 
   # --- training --------------------------------------------------------------
@@ -829,8 +910,25 @@ class Controller:
     state.micro_steps += int(output.sums.get("micro_steps", num_steps))
     state.saved = None
     state.stop_requested = output.signals.stop_training
-    for action in self.actions:
-      action(state, output)
+    for index, action in enumerate(self.actions):
+      try:
+        action(state, output)
+      except run_log_lib.DivergenceError:
+        self._wind_down(state, output, self.actions[index + 1:])
+        raise
+
+  def _wind_down(self, state: LoopState, output: step_runner.StepOutput,
+                 rest: Sequence[Action]) -> None:
+    """After a divergence error of an action: the actions after it end the
+    epoch and the run as `fit` ends a run that TerminateOnNaN stops
+    (`Action.on_diverged`); the caller then raises the error. A failure
+    here is logged and does not replace that error."""
+    try:
+      for action in rest:
+        action.on_diverged(state, output)
+    except Exception:  # pylint: disable=broad-except
+      logging.exception("tfdist: ending the diverged run at step %d failed "
+                        "(the divergence error follows):", state.step)
 
   # --- the side-car evaluator ------------------------------------------------
   def evaluate_continuously(self, *, checkpoint_dir: str, results_dir: str,

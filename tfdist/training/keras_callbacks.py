@@ -43,9 +43,17 @@ _PATH_ATTRIBUTES = (
 )
 # Callbacks only the chief runs.
 _CHIEF_ONLY = (keras.callbacks.RemoteMonitor, keras.callbacks.ProgbarLogger)
-# Callbacks whose batch hooks read no metric (TerminateOnNaN: the loss).
-_LOSS_ONLY = (keras.callbacks.TerminateOnNaN, keras.callbacks.History)
 _BATCH_END_HOOKS = ("on_train_batch_end", "on_batch_end")
+# Keras's own batch-end hooks that read no metric (TerminateOnNaN's: the
+# loss), and those that read none when their callback works per epoch.
+_LOSS_ONLY_HOOKS = tuple(
+    vars(cls)[hook] for cls in (keras.callbacks.TerminateOnNaN,
+                                keras.callbacks.History)
+    for hook in _BATCH_END_HOOKS if hook in vars(cls))
+_PER_EPOCH_HOOKS = tuple(
+    vars(cls)[hook] for cls in (keras.callbacks.TensorBoard,
+                                keras.callbacks.ModelCheckpoint)
+    for hook in _BATCH_END_HOOKS if hook in vars(cls))
 _TRAIN_BATCH_HOOKS = ("on_train_batch_begin", "on_train_batch_end",
                       "on_batch_begin", "on_batch_end")
 _TEST_BATCH_HOOKS = ("on_test_batch_begin", "on_test_batch_end")
@@ -173,31 +181,52 @@ def _printing(progbar: keras.callbacks.ProgbarLogger
 
 def reads_batch_metrics(callbacks) -> bool:
   """Whether a callback of `callbacks` (a list or a `CallbackList`) may
-  read the metrics of `on_train_batch_end`'s logs: one that overrides a
-  batch-end hook, other than those reading only the loss and a
-  `TensorBoard` or `ModelCheckpoint` working per epoch. When none does,
-  the controller gives those hooks the loss alone and skips computing the
+  read the metrics of `on_train_batch_end`'s logs. When none does, the
+  controller gives those hooks the loss alone and skips computing the
   metrics every step.
+
+  Only callbacks whose batch-end hooks are known not to read them are
+  left out: those whose hooks are `keras.callbacks.Callback`'s own (which
+  do nothing), `TerminateOnNaN`'s and `History`'s own (the loss at most),
+  and `TensorBoard`'s or `ModelCheckpoint`'s own when they work per epoch.
+  Any other hook, however it is found (a subclass, an attribute of the
+  instance, `__getattribute__`), may read them: tfdist then gives every
+  metric.
   """
   for callback in flatten(callbacks):
-    if isinstance(callback, _LOSS_ONLY) or (
-        isinstance(callback, keras.callbacks.TensorBoard) and
-        callback.update_freq == "epoch") or (
+    known = _LOSS_ONLY_HOOKS
+    if (isinstance(callback, keras.callbacks.TensorBoard) and
+        getattr(callback, "update_freq", None) == "epoch") or (
             isinstance(callback, keras.callbacks.ModelCheckpoint) and
-            callback.save_freq == "epoch"):
-      continue
-    for hook in _BATCH_END_HOOKS:
-      if (hook in vars(callback) or getattr(type(callback), hook) is not
-          getattr(keras.callbacks.Callback, hook)):
-        return True
+            getattr(callback, "save_freq", None) == "epoch"):
+      known = known + _PER_EPOCH_HOOKS
+    if any(_defines(callback, hook, known=known)
+           for hook in _BATCH_END_HOOKS):
+      return True
   return False
 
 
+def _defines(callback, hook: str, *, known=()) -> bool:
+  """Whether `callback`'s `hook`, as Keras calls it (looked up on the
+  instance), may do something: True unless it is a method of `callback`
+  whose function is `keras.callbacks.Callback`'s own (which does nothing,
+  or calls the older `on_batch_*` hook, checked on its own) or one of
+  `known`. Whatever tfdist cannot tell counts as defined."""
+  try:
+    bound = getattr(callback, hook)
+  except Exception:  # pylint: disable=broad-except
+    return True  # A __getattribute__ or property that fails: cannot tell.
+  function = getattr(bound, "__func__", None)
+  if getattr(bound, "__self__", None) is not callback or function is None:
+    return True  # Set on the instance (LambdaCallback), or not a method.
+  return not (function is getattr(keras.callbacks.Callback, hook, None) or
+              function in known)
+
+
 def _overrides(callback: keras.callbacks.Callback, hooks) -> bool:
-  """Whether `callback` defines one of `hooks` (its class or the instance,
-  as `LambdaCallback` does)."""
-  return any(hook in vars(callback) or getattr(type(callback), hook) is not
-             getattr(keras.callbacks.Callback, hook) for hook in hooks)
+  """Whether `callback` defines one of `hooks` (`_defines`: its class, the
+  instance, as `LambdaCallback` does, or `__getattribute__`)."""
+  return any(_defines(callback, hook) for hook in hooks)
 
 
 def may_stop_in_batch_hooks(callbacks) -> bool:

@@ -26,6 +26,7 @@ import dataclasses
 import re
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
+from absl import logging
 import numpy as np
 import tensorflow as tf
 
@@ -234,6 +235,14 @@ class StepRunner(abc.ABC):
     point. This base: the caller alone decides (`flag` itself)."""
     return bool(flag)
 
+  def nonfinite_input(self, after_step: Optional[int],
+                      step: int) -> Optional[str]:
+    """What in the training batches of steps `after_step + 1 .. step` is
+    NaN or infinite, read again after a divergence; None when they are
+    finite or cannot be read again. This base: None (not known)."""
+    del after_step, step  # Unused.
+    return None
+
 
 def _as_numpy(sums) -> Dict[str, np.ndarray]:
   return {k: np.asarray(v, np.float64) for k, v in sums.items()}
@@ -269,6 +278,9 @@ class LocalStepRunner(StepRunner):
     # One call runs at most this many steps; the controller asks no more.
     self.max_steps_per_call = trainer.steps_per_execution
     self._agree_fn = None
+    # The step whose position `iterator_fn` made the iterator at (None: an
+    # iterator given, or none made yet).
+    self._input_start: Optional[int] = None
     # The call's tensor arguments, made once per value (a chunk's length
     # and stop requests take few values) instead of once per call.
     self._arguments: Dict[Tuple[int, bool, bool], Tuple[tf.Tensor,
@@ -306,6 +318,7 @@ class LocalStepRunner(StepRunner):
     # The compiled function counts steps itself.
     if self.iterator is None:
       self.iterator = self.iterator_fn(start_step)
+      self._input_start = start_step
     key = (int(num_steps), bool(stop_signal), bool(stop_training))
     arguments = self._arguments.get(key)
     if arguments is None:
@@ -314,6 +327,117 @@ class LocalStepRunner(StepRunner):
           _stop_flags(stop_signal, stop_training))
     sums = self.trainer.train_function(self.iterator, *arguments)
     return StepOutput.from_sums(_as_numpy(sums))
+
+  def nonfinite_input(self, after_step: Optional[int],
+                      step: int) -> Optional[str]:
+    """After a divergence: what in this worker's training batches of steps
+    `after_step + 1 .. step` (None: from where the input started) is NaN
+    or infinite, e.g. "the batch of step 6 on this worker holds 1 NaN in
+    its features (rows [3] of replica 0's batch)"; None when they are all
+    finite or cannot be read again.
+
+    Nothing is checked while training runs: a fresh iterator from
+    `iterator_fn` reads the batches again, skipping those before (in the
+    run's order when that order is reproducible: a seeded or unshuffled
+    input). At most `MAX_REREAD_STEPS` steps of batches are read, and only
+    with `iterator_fn`. With several workers, each reads its own batches
+    and one all-reduce of one number tells the others (every worker calls
+    this at the same point): theirs then say another worker's input holds
+    them.
+    """
+    found = None
+    start = self._input_start
+    after = start if after_step is None else after_step
+    if (start is not None and start <= after < step and
+        step - start <= MAX_REREAD_STEPS):
+      try:
+        found = self._find_nonfinite(start, after, step)
+      except Exception as e:  # pylint: disable=broad-except
+        # A diagnosis only: the divergence error is raised either way.
+        logging.warning("Could not read the training input again to check "
+                        "it for NaN or infinite values: %s", first_line(e))
+    if self.num_workers > 1 and self.agree(found is not None) and not found:
+      return (f"another worker's training batch of steps {after + 1}-"
+              f"{step} holds NaN or infinite values (its own error names "
+              "them)")
+    return found
+
+  def _find_nonfinite(self, start: int, after: int,
+                      step: int) -> Optional[str]:
+    """`nonfinite_input` on a fresh iterator made at step `start`."""
+    iterator = self.iterator_fn(start)
+    per_step = self.trainer.gradient_accumulation_steps
+    for _ in range((after - start) * per_step):
+      next(iterator)
+    strategy = self.trainer.strategy
+    for current in range(after + 1, step + 1):
+      for _ in range(per_step):
+        found = nonfinite_values(next(iterator), strategy)
+        if found:
+          return f"the batch of step {current} on this worker holds {found}"
+    return None
+
+
+# The most steps of training batches `LocalStepRunner.nonfinite_input`
+# reads again after a divergence (a few seconds to a minute of input).
+MAX_REREAD_STEPS = 5_000
+_ROLES = ("features", "labels", "sample weights")
+
+
+def nonfinite_values(batch, strategy: Optional[tf.distribute.Strategy] = None
+                     ) -> Optional[str]:
+  """What of a training batch `(features, labels[, sample_weights])` is
+  NaN or infinite, e.g. "1 NaN in its features (`x`; rows [3] of replica
+  0's batch)", or None when every floating-point value is finite.
+
+  Args:
+    batch: a batch as the input pipeline gives it: tensors, or per-replica
+      values of `strategy` (a dict or list of features is named by key or
+      index).
+    strategy: the strategy whose per-replica values `batch` holds (None:
+      plain tensors).
+  """
+  parts = []
+  for role, part in zip(_ROLES, tuple(batch)):
+    for name, value in _leaves(part):
+      local = (strategy.experimental_local_results(value)
+               if strategy is not None else (value,))
+      for replica, tensor in enumerate(local):
+        if isinstance(tensor, tf.SparseTensor):
+          tensor = tensor.values
+        elif isinstance(tensor, tf.RaggedTensor):
+          tensor = tensor.flat_values
+        if not tensor.dtype.is_floating:
+          continue
+        array = np.asarray(tensor)
+        bad = ~np.isfinite(array)
+        if not bad.any():
+          continue
+        nans = int(np.isnan(array).sum())
+        kinds = ", ".join(f"{n} {what}" for n, what in (
+            (nans, "NaN"), (int(bad.sum()) - nans, "infinite")) if n)
+        rows = (np.nonzero(bad.reshape(bad.shape[0], -1).any(axis=1))[0]
+                if bad.ndim else np.array([0]))
+        shown = ", ".join(str(r) for r in rows[:5]) + (
+            ", ..." if len(rows) > 5 else "")
+        parts.append(f"{kinds} in its {role}" + (f" (`{name}`" if name
+                                                   else " (") +
+                     f"{'; ' if name else ''}rows [{shown}] of replica "
+                     f"{replica}'s batch)")
+  return "; ".join(parts) or None
+
+
+def _leaves(part, name: str = ""):
+  """`(name, tensor)` of each leaf of a batch's part: dict keys and list
+  indices joined by `/` ("" for a single tensor)."""
+  if isinstance(part, dict):
+    for key in sorted(part):
+      yield from _leaves(part[key], f"{name}/{key}" if name else str(key))
+  elif isinstance(part, (list, tuple)):
+    for i, value in enumerate(part):
+      yield from _leaves(value, f"{name}/{i}" if name else str(i))
+  else:
+    yield name, part
 
 
 class CoordinatorStepRunner(StepRunner):
