@@ -72,6 +72,19 @@ class StrategyOptionsTest(parameterized.TestCase):
     with self.assertRaisesRegex(config_lib.ConfigError,
                                 "--bytes_per_pack=-1 must be >= 0"):
       self._config(bytes_per_pack=-1)
+    # In the config too, so that --dry_run refuses what the run would.
+    for strategy in ("mirrored", "parameter_server", "tpu"):
+      with self.assertRaisesRegex(
+          config_lib.ConfigError,
+          rf"--bytes_per_pack=1024 applies to multi_worker_mirrored, not "
+          rf"{strategy}"):
+        config_lib.TrainConfig(model_dir="/tmp/x", train_steps=1,
+                               distribution_strategy=strategy,
+                               bytes_per_pack=1024)
+    with self.assertRaisesRegex(
+        config_lib.ConfigError,
+        r"--bytes_per_pack=1024 does not apply with --zero_stage=1"):
+      self._config(bytes_per_pack=1024, zero_stage=1)
 
   @parameterized.named_parameters(
       ("hierarchical_copy", "hierarchical_copy",

@@ -668,6 +668,20 @@ class TrainConfig:
     _need(self.bytes_per_pack >= 0,
           f"--bytes_per_pack={self.bytes_per_pack} must be >= 0 (0: the "
           "gradients in one all-reduce).")
+    if self.bytes_per_pack:
+      kind = self._strategy_kind
+      # `auto` is checked again once decided (tfdist.distribute.strategy).
+      _need(kind is None or kind in (StrategyKind.OFF, StrategyKind.ONE_DEVICE,
+                                     StrategyKind.MULTI_WORKER_MIRRORED),
+            f"--bytes_per_pack={self.bytes_per_pack} applies to "
+            f"multi_worker_mirrored, not {self.distribution_strategy} (its "
+            "all-reduce does not split the gradients into packs). Drop "
+            "--bytes_per_pack.")
+      _need(not self.zero_stage_resolved,
+            f"--bytes_per_pack={self.bytes_per_pack} does not apply with "
+            f"--zero_stage={self.zero_stage_resolved} (ZeRO all-reduces its "
+            "flat gradient buffer in one collective, then slices it). Drop "
+            "one of them.")
     _need(self.collective_timeout_seconds >= 0,
           f"--collective_timeout_seconds={self.collective_timeout_seconds} "
           "must be > 0, or 0 for no per-collective timeout.")

@@ -276,7 +276,13 @@ def _build_optimizer(options: AssemblyOptions, *, model: keras.Model, plan,
 def _log_trainer(trainer: Trainer, options: AssemblyOptions, *, plan,
                  sharding: sharded_optimizer.ShardingOptions,
                  on_tpu: bool) -> None:
-  """Logs how the optimizer state is sharded and how XLA compiles."""
+  """Logs how the optimizer state is sharded, how the gradients travel and
+  how XLA compiles."""
+  if options.bytes_per_pack and not trainer.one_replica:
+    logging.info(
+        "--bytes_per_pack=%d: the gradients are all-reduced in packs of about "
+        "%d bytes, last layers first, while the backward pass goes on.",
+        options.bytes_per_pack, options.bytes_per_pack)
   if trainer.sharded is not None:
     layout = trainer.sharded.layout
     logging.info(
