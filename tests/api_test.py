@@ -132,7 +132,9 @@ class FitTest(absltest.TestCase):
   def test_a_plain_script_prints_tfdist_lines_unless_verbose_is_0(self):
     # A script without absl.app.run: absl's logging is not set up there.
     script = textwrap.dedent("""
+        import logging
         import sys
+        from absl import logging as absl_logging
         import keras
         import numpy as np
         import tfdist
@@ -142,28 +144,49 @@ class FitTest(absltest.TestCase):
           model.compile(loss="mse")
           return model
 
-        x, y = np.ones((16, 2), np.float32), np.ones((16,), np.float32)
-        for verbose, folder in ((0, sys.argv[1]), ("auto", sys.argv[2])):
-          print(f"=== verbose={verbose}", file=sys.stderr, flush=True)
-          tfdist.fit(build, x=x, y=y, verbose=verbose,
+        def fit(verbose, folder):
+          tfdist.fit(build, x=x, y=y, verbose=verbose, validation_split=0.25,
                      config=tfdist.TrainConfig(
                          model_dir=folder, train_steps=4, batch_size=4,
                          log_steps=2, distribution_strategy="one_device"))
+
+        x, y = np.ones((32, 2), np.float32), np.ones((32,), np.float32)
+        for verbose, folder in ((0, sys.argv[1]), ("auto", sys.argv[2])):
+          print(f"=== verbose={verbose}", file=sys.stderr, flush=True)
+          fit(verbose, folder)
+        print("=== after", file=sys.stderr, flush=True)
+        absl_logging.info("hidden after the call")
+        # A script that logs at INFO itself: its lines, and tfdist's once.
+        logging.basicConfig(level=logging.INFO, force=True)
+        print("=== basic", file=sys.stderr, flush=True)
+        fit("auto", sys.argv[3])
+        absl_logging.info("still shown after the export")
         print("=== done", file=sys.stderr, flush=True)
         """)
     run = subprocess.run(
-        [sys.executable, "-c", script, os.path.join(self.dir, "quiet"),
-         os.path.join(self.dir, "auto")], cwd=self.dir, capture_output=True,
-        text=True, timeout=300, check=False,
+        [sys.executable, "-c", script,
+         *(os.path.join(self.dir, name) for name in ("quiet", "auto", "basic"))],
+        cwd=self.dir, capture_output=True, text=True, timeout=300,
+        check=False,
         env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2",
              "PYTHONPATH": os.pathsep.join(
                  [testutil.REPO_ROOT, os.environ.get("PYTHONPATH", "")])})
     self.assertEqual(run.returncode, 0, run.stderr[-3000:])
-    quiet = run.stderr.split("=== verbose=0")[1].split("=== verbose=auto")[0]
-    auto = run.stderr.split("=== verbose=auto")[1].split("=== done")[0]
-    self.assertRegex(auto, r"tfdist: step 2/4: loss \d")
-    self.assertEqual(auto.count("tfdist: step 2/4"), 1)  # Once, not twice.
-    self.assertNotIn("tfdist: step", quiet)
+    parts = {}
+    for name, text in zip(["start", "quiet", "auto", "after", "basic"],
+                          run.stderr.split("=== ")):
+      parts[name] = text
+    self.assertNotIn("tfdist: step", parts["quiet"])
+    self.assertRegex(parts["auto"], r"tfdist: step 2/4: loss \d")
+    self.assertEqual(parts["auto"].count("tfdist: step 2/4"), 1)
+    # TensorFlow's own INFO lines stay hidden.
+    self.assertNotIn("Sharding callback", parts["auto"])
+    # Logging is as it was after the call.
+    self.assertNotIn("hidden after the call", parts["after"])
+    self.assertEqual(parts["basic"].count("tfdist: step 2/4"), 1)
+    self.assertIn("still shown after the export", parts["basic"])
+    # The final evaluation on stdout, except with verbose=0.
+    self.assertEqual(run.stdout.count("Final eval: "), 2, run.stdout)
 
   def test_a_tiny_fit_returns_the_manifest_and_history(self):
     result = api.fit(_model, x=self.x, y=self.y, config=self.config)
@@ -173,7 +196,6 @@ class FitTest(absltest.TestCase):
     self.assertIn("loss", result["history"])
     self.assertTrue(all(isinstance(v, float)
                         for v in result["history"]["loss"]))
-
 
 if __name__ == "__main__":
   absltest.main()

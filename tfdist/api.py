@@ -36,6 +36,7 @@ called.
 
 import contextlib
 import logging as std_logging
+import os
 from typing import Any, Callable, Optional, Sequence, Union
 
 from absl import flags as absl_flags
@@ -332,12 +333,13 @@ def fit(model_fn: Union[Callable, str],
       refused at start).
     environment: a `tfdist.distribute.environment.RunEnvironment`; None reads
       `os.environ` (`TF_CONFIG`, Vertex AI's variables) now.
-    verbose: as `keras.Model.fit`'s: "auto", 1 or 2 print tfdist's lines
-      (the plan at start, a line every `config.log_steps` steps, each
-      evaluation; no progress bar: add `keras.callbacks.ProgbarLogger` for
-      one) on stderr also in a plain script, where absl's logging is not
-      set up (its default WARNING level: `_info_lines`); 0 leaves logging
-      as it is. Under `absl.app.run` absl's own flags
+    verbose: as `keras.Model.fit`'s: "auto", 1 or 2 (or True) print
+      tfdist's lines (the plan at start, a line every `config.log_steps`
+      steps, each evaluation; no progress bar: add
+      `keras.callbacks.ProgbarLogger` for one) on stderr also in a plain
+      script, where absl's logging is not set up (its default WARNING
+      level: `_info_lines`), and the final evaluation on stdout; 0 (or
+      False) prints neither and leaves logging as it is. Under `absl.app.run` absl's own flags
       (`--verbosity`, `--logtostderr`) decide either way.
 
   Returns:
@@ -358,7 +360,8 @@ def fit(model_fn: Union[Callable, str],
     tfdist.runtime.preemption.PreemptedError: SIGTERM or SIGINT stopped training
       after a checkpoint (call again to resume).
   """
-  if verbose not in ("auto", 0, 1, 2) or isinstance(verbose, bool):
+  if (isinstance(verbose, float) or verbose is None
+      or verbose not in ("auto", 0, 1, 2)):
     raise ConfigError(f"tfdist.fit(verbose={verbose!r}): use \"auto\", 1 or "
                       "2 (tfdist's log lines) or 0 (logging as it is).")
   arrays = x is not None or y is not None or sample_weight is not None
@@ -374,8 +377,18 @@ def fit(model_fn: Union[Callable, str],
     result = experiment.run_experiment(_named_config(config, task),
                                        callbacks=[*keras_callbacks.flatten(
                                            callbacks), history],
-                                       environment=environment, task=task)
+                                       environment=environment, task=task,
+                                       print_final_eval=verbose != 0)
   return _with_history(result, history)
+
+
+_TFDIST_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def _tfdist_lines(record: std_logging.LogRecord) -> bool:
+  """tfdist's own records, and every warning."""
+  return (record.levelno >= std_logging.WARNING or
+          os.path.abspath(record.pathname).startswith(_TFDIST_DIR))
 
 
 @contextlib.contextmanager
@@ -400,10 +413,14 @@ def _info_lines(wanted: bool):
   if own_handler:
     absl_logger.addHandler(handler)
     absl_logger.propagate = False
+    # TensorFlow's and Keras's own INFO lines (saver timings and the like)
+    # stay as hidden as before; their warnings show.
+    handler.addFilter(_tfdist_lines)
   try:
     yield
   finally:
     if own_handler:
+      handler.removeFilter(_tfdist_lines)
       absl_logger.removeHandler(handler)
       absl_logger.propagate = propagate
     logging.set_verbosity(verbosity)

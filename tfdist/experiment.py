@@ -371,7 +371,8 @@ def run_experiment(config: TrainConfig, *,
                    callbacks: Sequence[keras.callbacks.Callback] = (),
                    environment: Optional[environment_lib.RunEnvironment] = None,
                    task: Optional[task_lib.Task] = None,
-                   exit_plan: Optional[worker_exit.ExitPlan] = None) -> dict:
+                   exit_plan: Optional[worker_exit.ExitPlan] = None,
+                   print_final_eval: bool = True) -> dict:
   """Runs this process's part of the job `config` describes.
 
   Works from any thread: off the main thread, signal-based preemption is
@@ -391,6 +392,8 @@ def run_experiment(config: TrainConfig, *,
       then ends its process inside this call, right after the final
       barrier, the chief last (`tfdist.distribute.worker_exit.leave_process`),
       and this call does not return there. None (library use): it returns.
+    print_final_eval: the chief prints the final evaluation's line
+      (`Final eval: ...`) on stdout at the end, as `tfdist.train` does.
 
   Returns:
     The run manifest (the chief also writes it to
@@ -441,7 +444,8 @@ def run_experiment(config: TrainConfig, *,
     return served
   runner = ExperimentRunner(prepared, task=task, callbacks=callbacks,
                             exit_plan=exit_plan, started=started,
-                            hypertune_reporter=hypertune_reporter)
+                            hypertune_reporter=hypertune_reporter,
+                            print_final_eval=print_final_eval)
   with _name_environment_sources(prepared.environment_applied):
     return runner.run()
 
@@ -577,8 +581,10 @@ class ExperimentRunner:
                callbacks: Sequence[keras.callbacks.Callback] = (),
                exit_plan: Optional[worker_exit.ExitPlan] = None,
                started: Optional[float] = None,
-               hypertune_reporter: Any = None):
+               hypertune_reporter: Any = None,
+               print_final_eval: bool = True):
     self.prepared = prepared
+    self.print_final_eval = print_final_eval
     self.config = prepared.config
     self.cluster = prepared.cluster
     self.decision = prepared.decision
@@ -1075,7 +1081,7 @@ class ExperimentRunner:
     path = manifest_lib.write_manifest(self.config.model_dir, record)
     logging.info("Run manifest: %s; SavedModel: %s", path, self.export_dir)
     final_eval = self.result.final_eval
-    if final_eval:
+    if final_eval and self.print_final_eval:
       print("Final eval: " + run_log_lib.format_metrics(
           run_log_lib.metric_values(final_eval)) +
             f" ({final_eval['num_examples']} examples). Artifacts in "

@@ -22,6 +22,7 @@ start; again at export). `check_layout` keeps the export folder apart from
 the run's other folders (docs/design/nothing-lost.md).
 """
 
+import contextlib
 import json
 import os
 import posixpath
@@ -186,6 +187,22 @@ def _move_folder(src: str, dst: str):
   tf.io.gfile.rmtree(src)
 
 
+@contextlib.contextmanager
+def _absl_level_kept():
+  """Restores absl's logger level after the block. Saving a SavedModel
+  sets absl's verbosity to FATAL and back to the value `get_verbosity`
+  reported (TensorFlow's `AutoTrackable._trackable_children`), which
+  leaves the level set explicitly (WARNING by default) where it was
+  inherited: a script that logs at INFO through Python's root logger
+  would lose absl's INFO lines after an export."""
+  absl_logger = logging.get_absl_logger()
+  level = absl_logger.level
+  try:
+    yield
+  finally:
+    absl_logger.setLevel(level)
+
+
 def export_saved_model(model: keras.Model, export_dir: str, *,
                        source: str = "--export_dir",
                        details: Optional[Mapping[str, object]] = None) -> str:
@@ -218,7 +235,8 @@ def export_saved_model(model: keras.Model, export_dir: str, *,
   tf.io.gfile.makedirs(parent)
   tag = uuid.uuid4().hex[:8]
   tmp = os.path.join(parent, f".tmp-export-{tag}")
-  model.export(tmp, format="tf_saved_model", verbose=False)
+  with _absl_level_kept():
+    model.export(tmp, format="tf_saved_model", verbose=False)
   with tf.io.gfile.GFile(os.path.join(tmp, MARKER_FILE), "w") as f:
     f.write(json.dumps({"written_by": "tfdist",
                         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ",
