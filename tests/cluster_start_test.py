@@ -5,6 +5,9 @@ one peer is not a TensorFlow process:
 
 * a peer whose name does not resolve stops the task with status 2 naming
   it;
+* a peer that never starts: the task gives up within
+  `--cluster_start_timeout_seconds` with the retryable status 137, naming
+  it (moved from tests/multi_worker_test.py);
 * a peer that never answers is named while the task waits, and SIGTERM
   ends the wait at once (status 143);
 * a peer whose port accepts connections but never joins: Ctrl-C ends
@@ -31,6 +34,7 @@ import time
 from absl.testing import absltest
 import portpicker
 
+from tests import multi_worker_testlib as testlib
 from tests import testutil
 from tfdist.distribute import cluster as cluster_lib
 from tfdist.distribute import rendezvous
@@ -191,6 +195,33 @@ class PiecesTest(absltest.TestCase):
                      rf"answer yet from worker 0 at {silent}\)")
     # The previous handler is back.
     self.assertIs(signal.getsignal(signal.SIGTERM), signal.SIG_DFL)
+
+
+class PeerNeverStartsTest(absltest.TestCase):
+
+  def test_clear_error_within_timeout(self):
+    # A two-task cluster whose worker is never started.
+    from tfdist import launch  # pylint: disable=g-import-not-at-top
+    import portpicker  # pylint: disable=g-import-not-at-top
+    tasks = launch.plan_tasks(num_workers=2)
+    cluster = launch.make_cluster(
+        tasks, [portpicker.pick_unused_port() for _ in tasks])
+    data = testutil.fashion_mnist_subset(limit=256)
+    started = time.time()
+    code, out, seconds = testlib.run_module_with_timeout(
+        "tfdist.train",
+        ["--distribution_strategy=multi_worker_mirrored",
+         f"--train_files={data['train']}", f"--eval_files={data['eval']}",
+         "--train_steps=2", f"--model_dir={testutil.scratch_dir()}",
+         "--cluster_start_timeout_seconds=8"],
+        timeout=90, env={"TF_CONFIG": launch.tf_config(cluster, tasks[0])})
+    self.assertIsNotNone(code, "the worker hung:\n" + out[-3000:])
+    self.assertEqual(code, 137, out[-3000:])  # Retryable: no cluster in time.
+    self.assertLess(seconds, 60)
+    self.assertLess(time.time() - started, 90)
+    self.assertIn("did not all answer within "
+                  "--cluster_start_timeout_seconds=8", out)
+    self.assertIn(cluster["worker"][0], out)  # Names the missing peer.
 
 
 if __name__ == "__main__":
