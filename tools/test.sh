@@ -90,35 +90,74 @@ if ! command -v bazel >/dev/null 2>&1; then
     "bazel-bootstrap), or set TFDIST_BAZEL=0 to skip the Bazel tests." >&2
   exit 1
 fi
+# Two lanes, each its own Bazel server (output base), at the same time:
+#   the cluster lane: the multi-process targets (tags cpu:2) one at a time
+#     (--local_cpu_resources=2: each takes both units), after a few
+#     single-process targets (CLUSTER_LANE_SINGLES, two at a time, while
+#     the other lane starts);
+#   the single lane: every other target, one at a time
+#     (--local_cpu_resources=1).
+# So a cluster never runs beside another one, and one single-process
+# target runs beside each. In one Bazel server with three CPU units,
+# single-process targets, each fitting the one unit left free, kept taking
+# it before a multi-process one found two free: every multi-process target
+# waited until the single-process ones had all run, and the last 15
+# minutes of the suite ran them alone with a unit idle (1,678 s of tests
+# on 1-2 December 2026). The lanes hold about the same work: the cluster
+# lane ~1,100 s of multi-process targets and ~300 s of single-process ones
+# two at a time, the single lane ~1,270 s.
+# No --local_test_jobs: with it Bazel counts every test as one job and
+# ignores cpu:N tags (TestTargetProperties.getLocalResourceUsage).
+# --jobs=48 (one slot per target and more): a test waiting for CPU units
+# holds one of Bazel's job slots (by default one per core). Plain progress
+# lines, at most every 30 s (timeouts per size come from .bazelrc).
+CLUSTER_LANE_SINGLES=(//tests:compat_tf217 //tests:tpu_test
+                      //tests:reduction_server_test)
+singles_base="${TFDIST_BAZEL_SINGLES_BASE:-${HOME}/.cache/bazel/tfdist-singles-$(
+  printf '%s' "$PWD" | md5sum | cut -c1-12)}"
 if [ -n "${CI:-}" ]; then
-  # Stop this workspace's Bazel server when done, rather than leave it idle.
-  trap 'bazel shutdown >/dev/null 2>&1 || true' EXIT
+  # Stop this workspace's Bazel servers when done, rather than leave them
+  # idle.
+  trap 'bazel shutdown >/dev/null 2>&1 || true;
+        bazel --output_base="$singles_base" shutdown >/dev/null 2>&1 || true' \
+    EXIT
 fi
-log="$(mktemp)"
-status=0
-# The target patterns, last: after `--` everything is one (a leading `-`
-# subtracts).
-targets=(-- //tests/...)
+mapfile -t cluster_targets < <(bazel query --noshow_progress \
+  'attr(tags, "cpu:2", tests(//tests/...))' 2>/dev/null)
+if [ ${#cluster_targets[@]} -eq 0 ]; then
+  echo "test.sh: bazel query found no multi-process (cpu:2) test targets" >&2
+  exit 1
+fi
+cluster_lane=("${cluster_targets[@]}" "${CLUSTER_LANE_SINGLES[@]}")
 if [ "${TFDIST_TF217:-1}" = 0 ]; then
-  targets+=(-//tests:compat_tf217 -//tests:compat_tf217_cluster)
+  cluster_lane=("${cluster_lane[@]/\/\/tests:compat_tf217*/}")
 fi
-# Tests are scheduled by CPU: a multi-process test (tags cpu:2) takes two
-# of three CPU units, a single-process one one, so two multi-process tests
-# never run at once and one single-process target runs beside each (while
-# a cluster waits on start-up or a peer, its core is not idle). No
-# --local_test_jobs: with it Bazel counts every test as one job and ignores
-# cpu:N tags (TestTargetProperties.getLocalResourceUsage). --jobs=48 (one
-# slot per target and more): a test waiting for CPU units holds one of
-# Bazel's job slots (by default one per core). With 4 slots, three
-# multi-process tests waiting behind a fourth held them all, and one test
-# ran on a machine at load average 1.7 while single-process ones waited;
-# CPU units alone bound what runs. Plain progress lines, at most every 30 s
-# (timeouts per size come from .bazelrc).
-bazel test \
-  --local_cpu_resources=3 --jobs=48 \
-  --test_output=errors --test_summary=short \
-  --curses=no --color=no --show_progress_rate_limit=30 \
-  "${targets[@]}" 2>&1 | tee "$log" || status=$?
+single_lane=(//tests/...)
+for target in "${cluster_lane[@]}" //tests:compat_tf217 \
+    //tests:compat_tf217_cluster; do
+  [ -n "$target" ] && single_lane+=("-$target")
+done
+common=(--jobs=48 --test_output=errors --test_summary=short --curses=no
+        --color=no --show_progress_rate_limit=30)
+log="$(mktemp)"
+singles_log="$(mktemp)"
+status=0
+singles_status=0
+bazel --output_base="$singles_base" test --local_cpu_resources=1 \
+  "${common[@]}" -- "${single_lane[@]}" >"$singles_log" 2>&1 &
+singles_pid=$!
+# The cluster lane's progress shows as it runs; the single lane's log
+# follows when both are done.
+bazel test --local_cpu_resources=2 "${common[@]}" \
+  -- $(printf '%s ' "${cluster_lane[@]}") 2>&1 | tee "$log" || status=$?
+wait "$singles_pid" || singles_status=$?
+echo "test.sh: the single-process lane (exit ${singles_status}):"
+cat "$singles_log"
+cat "$singles_log" >>"$log"
+rm -f "$singles_log"
+if [ "$status" = 0 ]; then
+  status=$singles_status
+fi
 passed=$(grep -cE '^//\S+ .*PASSED in ' "$log" || true)
 failed=$(grep -cE '^//\S+ .*(FAILED|TIMEOUT|NO STATUS|INCOMPLETE|FLAKY)' \
   "$log" || true)
