@@ -113,7 +113,7 @@ fi
 # lines, at most every 30 s (timeouts per size come from .bazelrc).
 CLUSTER_LANE_SINGLES=(//tests:compat_tf217 //tests:tpu_test
                       //tests:reduction_server_test)
-singles_base="${TFDIST_BAZEL_SINGLES_BASE:-${HOME}/.cache/bazel/tfdist-singles-$(
+singles_base="${TFDIST_BAZEL_SINGLES_BASE:-${HOME:-/tmp}/.cache/bazel/tfdist-singles-$(
   printf '%s' "$PWD" | md5sum | cut -c1-12)}"
 if [ -n "${CI:-}" ]; then
   # Stop this workspace's Bazel servers when done, rather than leave them
