@@ -32,6 +32,10 @@
 #                         no TF 2.17 pass (for a set-up without .venv-tf217,
 #                         tools/setup.sh's TFDIST_TF217=0)
 #   TFDIST_BAZEL=0        skip Bazel (a local run without Bazel)
+#   TFDIST_BAZEL_SINGLES_BASE=DIR
+#                         the output base of the second Bazel server (the
+#                         single-process lane; default under
+#                         ~/.cache/bazel, one per checkout)
 # Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
