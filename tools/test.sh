@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Runs the whole test suite: every Bazel test target (`bazel test
-# //tests/...`: every test file once, in Bazel's sandbox, two targets at a
-# time). In tests/BUILD:
+# Runs the whole test suite: every Bazel test target of //tests/... (every
+# test file once, in Bazel's sandbox), in two lanes at once (below: the
+# multi-process targets one at a time, the others one at a time beside
+# them). In tests/BUILD:
 #   * //tests:unit_tests runs the unit-test files together (one pytest
 #     process: one TensorFlow start-up for all of them);
 #   * //tests:compat_tf217 and //tests:compat_tf217_cluster run the tests
