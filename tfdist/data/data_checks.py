@@ -78,6 +78,12 @@ def _records(path: str):
     return tf.compat.v1.io.tf_record_iterator(path, options)
 
 
+# What every damaged-file error ends with.
+_REWRITE_ADVICE = (
+    "The file is cut short or corrupted: write it again (a --dataset "
+    "converted under --data_dir: delete its folder there and run again to "
+    "convert it anew), or leave it out of the file pattern.")
+
 # TensorFlow's reader on a cut file: "truncated record at N' failed with
 # EOF reached" (N: a byte offset; in a GZIP file, of the inflated stream).
 _TRUNCATED = re.compile(r"truncated record at (\d+)")
@@ -100,12 +106,8 @@ def damaged_error(path: str, what: str, error: Exception, good: int
     first = f"the file ends inside the record at byte {truncated.group(1)}"
   else:
     first = f"{type(error).__name__}: {first}"
-  return DataError(
-      f"{what} {path} is damaged: {first} (after "
-      f"{good} good record(s)). The file is cut short or corrupted: write "
-      "it again (a --dataset converted under --data_dir: delete its folder "
-      "there and run again to convert it anew), or leave it out of the "
-      "file pattern.")
+  return DataError(f"{what} {path} is damaged: {first} (after {good} good "
+                   f"record(s)). {_REWRITE_ADVICE}")
 
 
 def check_compression(files: Sequence[str], *, flag: str):
@@ -222,10 +224,7 @@ def check_framing(path: str, *, what: str = "file",
   def fail(problem: str, offset: int):
     return DataError(
         f"{what} {path} is damaged: {problem} at byte {offset} (record "
-        f"{count + 1}; after {count} good record(s)). The file is cut short "
-        "or corrupted: write it again (a --dataset converted under "
-        "--data_dir: delete its folder there and run again to convert it "
-        "anew), or leave it out of the file pattern.")
+        f"{count + 1}; after {count} good record(s)). {_REWRITE_ADVICE}")
 
   try:
     with tf.io.gfile.GFile(path, "rb") as f:
@@ -331,9 +330,7 @@ def check_gzip_end(path: str, inflated: int, *, what: str = "file",
   """
   damaged = lambda problem: DataError(
       f"{what} {path} is damaged: {problem} (after {count} good "
-      "record(s)). The file is cut short or corrupted: write it again (a "
-      "--dataset converted under --data_dir: delete its folder there and "
-      "run again to convert it anew), or leave it out of the file pattern.")
+      f"record(s)). {_REWRITE_ADVICE}")
   size = tf.io.gfile.stat(path).length
   with tf.io.gfile.GFile(path, "rb") as f:
     if size >= 18:  # The smallest GZIP member: 10 header + 8 trailer bytes.
