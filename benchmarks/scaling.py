@@ -14,6 +14,10 @@ implementation), on the same model (`--model`, the CNN by default) and data
   none left (2 workers on 2 cores), every core, so on a machine with no
   more cores than workers the 2-worker figure pays for them out of the
   workers' cores (see the README's Parameter servers);
+* `one_device_x2`: two `one_device` processes at once, each pinned to a
+  core of its own, sharing nothing (their examples/sec summed): what the
+  machine gives two workers that never communicate, the ceiling of any
+  2-worker figure here;
 * precision: `one_device` pinned with `--dtype=fp32`, `bf16` and `fp16`,
   all with TensorFlow's oneDNN ops off (`TF_ENABLE_ONEDNN_OPTS=0`: oneDNN's
   fp16 kernels are catastrophically slow on CPUs, see the shared notes).
@@ -34,10 +38,12 @@ Usage:
       --plot=benchmarks/results/scaling.png
 """
 
+import dataclasses
 import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -62,7 +68,7 @@ flags.DEFINE_integer("per_worker_batch_size", 128, "Examples per worker and "
 flags.DEFINE_string("model", "cnn", "Model to train.")
 flags.DEFINE_string("data_dir", "", "Where Fashion-MNIST TFRecords live "
                     "(default: tfdist's).")
-CONFIGS = ["one_device", "mwms_1", "mwms_2", "mwms_2_no_timeout",
+CONFIGS = ["one_device", "one_device_x2", "mwms_1", "mwms_2", "mwms_2_no_timeout",
            "mwms_2_packs", "mwms_2_nosync_bn", "mwms_2_neither", "ps_1", "ps_2", "fp32",
            "bf16", "fp16"]
 flags.DEFINE_list("configs", CONFIGS,
@@ -120,6 +126,10 @@ def specs(per_worker: int, extra) -> dict:
   return {
       "one_device": (diagnose.RunSpec("one_device", tuple(one), pin=True,
                                       env=env), 1, "baseline"),
+      # Two copies of one_device at once, each on its own core (run by
+      # `run_independent`, not by tfdist.launch).
+      "one_device_x2": (diagnose.RunSpec("one_device_x2", tuple(one),
+                                         pin=True, env=env), 2, "ceiling"),
       "mwms_1": (mwms(1), 1, "multi_worker_mirrored"),
       "mwms_2": (mwms(2), 2, "multi_worker_mirrored"),
       # What each collective costs (see the README): no per-collective
@@ -140,6 +150,52 @@ def specs(per_worker: int, extra) -> dict:
       "bf16": (dtype("bf16"), 1, "precision"),
       "fp16": (dtype("fp16"), 1, "precision"),
   }
+
+
+def run_independent(spec, copies: int, model_dir: str, timeout_seconds: float
+                    ) -> diagnose.RunMeasurement:
+  """Runs `copies` of the single-process `spec` at once, copy i pinned to
+  core i (before it imports TensorFlow); returns copy 0's measurement with
+  `examples_per_second` summed over the copies (step and CPU times: copy
+  0's).
+
+  Raises:
+    app.UsageError: fewer cores than copies.
+    diagnose.DiagnoseError: a copy failed or timed out.
+  """
+  cores = sorted(os.sched_getaffinity(0))
+  if len(cores) < copies:
+    raise app.UsageError(f"{spec.label} needs {copies} cores; this process "
+                         f"may use {len(cores)}")
+  env = {**os.environ, **dict(spec.env),
+         "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
+  procs = []
+  for i in range(copies):
+    path = f"{model_dir}-{i}"
+    log = open(path + ".log", "wb")  # pylint: disable=consider-using-with
+    proc = subprocess.Popen(diagnose.command_for(spec, path), cwd=REPO,
+                            env=env, stdout=log, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL, start_new_session=True)
+    os.sched_setaffinity(proc.pid, {cores[i]})
+    procs.append((proc, log, path))
+  deadline = time.time() + timeout_seconds
+  failed = []
+  for proc, log, path in procs:
+    try:
+      code = proc.wait(timeout=max(1.0, deadline - time.time()))
+    except subprocess.TimeoutExpired:
+      os.killpg(proc.pid, 9)
+      proc.wait()
+      code = "timeout"
+    log.close()
+    if code != 0:
+      failed.append(f"{path}.log ({code})")
+  if failed:
+    raise diagnose.DiagnoseError(f"{spec.label}: copies failed: {failed}")
+  measured = [diagnose.measurement_from_run(path, spec.label)
+              for _, _, path in procs]
+  return dataclasses.replace(measured[0], examples_per_second=sum(
+      m.examples_per_second for m in measured))
 
 
 def summarize(runs) -> dict:
@@ -206,7 +262,8 @@ def plot(results: dict, path: str, title: str):
   Multi-worker efficiency is against `one_device` (pinned, like each
   worker); parameter-server efficiency against its own 1-worker run (its
   workers pinned, its coordinator and ps task on the cores left over); the
-  `mwms_2_*` variants are marked at 2 workers.
+  `mwms_2_*` variants and the `one_device_x2` ceiling are marked at 2
+  workers.
   """
   try:
     import matplotlib  # pylint: disable=g-import-not-at-top
@@ -240,7 +297,8 @@ def plot(results: dict, path: str, title: str):
                label=label + (" vs one_device" if reference == base else
                               " vs its 1 worker"))
   variants = [(name, v) for name, v in results.items()
-              if v["group"] == "variant" and v["examples_per_second"]]
+              if v["group"] in ("variant", "ceiling")
+              and v["examples_per_second"]]
   for i, (name, v) in enumerate(variants):
     x = 2 + 0.06 * (i + 1)
     left.errorbar([x], [v["examples_per_second"]],
@@ -298,10 +356,14 @@ def main(argv):
   with tempfile.TemporaryDirectory(prefix="tfdist-scaling-") as tmp:
     for repeat in range(FLAGS.repeats):
       for name in FLAGS.configs:
-        spec = table[name][0]
-        measured = diagnose.run_training(
-            spec, os.path.join(tmp, f"{name}-{repeat}"),
-            timeout_seconds=FLAGS.timeout_seconds)
+        spec, workers, group = table[name]
+        path = os.path.join(tmp, f"{name}-{repeat}")
+        if group == "ceiling":
+          measured = run_independent(spec, workers, path,
+                                     FLAGS.timeout_seconds)
+        else:
+          measured = diagnose.run_training(
+              spec, path, timeout_seconds=FLAGS.timeout_seconds)
         runs[name].append(measured)
         print(f"round {repeat + 1}/{FLAGS.repeats} {name}: "
               f"{measured.examples_per_second:.1f} examples/sec", flush=True)
