@@ -46,6 +46,9 @@ from tests import testutil
 _CHILD_ENV = "TFDIST_FIT_CONFORMANCE_CHILD"
 ATOL = 1e-4
 PS_SLOPE_TOLERANCE = 0.3
+# Parameter servers, class weights: the largest weight's distance from
+# Model.fit's after two epochs of asynchronous updates.
+PS_CLASS_WEIGHT_TOLERANCE = 0.1
 DOC = os.path.join(testutil.REPO_ROOT, "docs", "guides",
                    "fit-conformance.md")
 STRATEGIES = ("one_device", "mirrored", "multi_worker_mirrored",
@@ -759,7 +762,9 @@ def _cluster(test, case: str, launch_args, files_dir=None) -> dict:
     server.server.shutdown()
   test.assertEqual(status, 0, output[-4000:])
   with open(out) as f:
-    return {**json.load(f), "output": output, "posts": server.take()}
+    return {**json.load(f), "output": output, "posts": server.take(),
+            "first_path": f"{out}.first.json",
+            "model_dir": os.path.join(os.path.dirname(out), "run")}
 
 
 def _check_files(test, files: str, epochs: int = 3):
@@ -997,6 +1002,144 @@ class MultiProcessFilesTest(absltest.TestCase):
           "start: tfdist groups steps by --steps_per_execution; "
           "asynchronous values)")
 
+
+class MultiProcessResumedTest(absltest.TestCase):
+  """The third cluster run of each multi-process strategy, two attempts of
+  one launcher group (`--max_restarts=1`): NumPy arrays with class
+  weights and a validation split, ReduceLROnPlateau and TerminateOnNaN;
+  the first attempt's tasks fail at the start of epoch 2, the restarted
+  group resumes from epoch 1's checkpoint and meets a NaN feature in
+  epoch 2's batch 5. Against `Model.fit` on one device: two calls, the
+  second with `initial_epoch=2` on the NaN arrays
+  (`fit_conformance_testlib.keras_fit_resumed`)."""
+
+  def _run(self, launch_args):
+    from tests import fit_conformance_testlib as lib  # pylint: disable=g-import-not-at-top
+    reference = lib.keras_fit_resumed()
+    # The rate halved at epoch 1's end (ReduceLROnPlateau); TerminateOnNaN
+    # stopped the second call in the NaN batch (step 6 of epoch 2).
+    self.assertAlmostEqual(reference["first"]["learning_rate"], 0.05)
+    self.assertEqual(reference["second"]["iterations"],
+                     lib.RESUMED_AT_EPOCH * 12 + 6)
+    run = _cluster(self, "class_weight_resumed:arrays",
+                   [*launch_args, "--max_restarts=1",
+                    "--stop_grace_seconds=10"])
+    self.assertIn("restarting the group (1 of 1)", run["output"])
+    with open(run["first_path"]) as f:
+      first = json.load(f)
+    return lib, reference, first, run
+
+  def _resumed_at_epoch_2(self, lib, reference, run):
+    """The second attempt resumed from epoch 1's checkpoint with its rate
+    (the callback's 0.05, not the schedule's 0.1) and went on at epoch 2,
+    as fit's second call did."""
+    self.assertAlmostEqual(run["first_learning_rate"],
+                           reference["second"]["first_learning_rate"],
+                           places=6)
+    self.assertEqual(run["hooks"][:2], [["on_train_begin", None, {}],
+                                        ["on_epoch_begin",
+                                         lib.RESUMED_AT_EPOCH, {}]])
+
+  def _checkpoint_kept(self, run, step: int):
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+    folder = os.path.join(run["model_dir"], "checkpoints")
+    latest = tf.train.latest_checkpoint(folder)
+    self.assertIsNotNone(latest, os.listdir(folder))
+    self.assertTrue(latest.endswith(f"-{step}"), latest)
+
+  def test_multi_worker_mirrored_matches_one_device(self):
+    lib, reference, first, run = self._run(["--num_workers=2"])
+    # Epochs 0 and 1: class weights and the validation split as fit's
+    # (every epoch's training and validation metrics, the weights, the
+    # rate).
+    fits = reference["first"]
+    self.assertEqual(sorted(first["history"]), sorted(fits["history"]))
+    for key, values in fits["history"].items():
+      for mine, theirs in zip(first["history"][key], values):
+        self.assertAlmostEqual(mine, theirs, delta=ATOL, msg=key)
+    self.assertLess(_max_diff(first["weights"], fits["weights"]), ATOL)
+    self.assertAlmostEqual(first["learning_rate"], 0.05, places=6)
+    # The resumed attempt: fit's hooks and logs, batch by batch, up to the
+    # NaN and after it (the cut epoch's validation, its end, the end).
+    self._resumed_at_epoch_2(lib, reference, run)
+    _compare_hooks(self, reference["second"], run)
+    steps = reference["second"]["iterations"]
+    self.assertRegex(run.get("diverged", "not stopped"),
+                     rf"^TrainingDivergedError: Training diverged at step "
+                     rf"{steps}: the training loss is nan")
+    # The NaN row is in the other worker's half of the batch: the chief's
+    # error points there, the worker's names it.
+    self.assertIn(f"another worker's training batch of steps {steps}-{steps} "
+                  "holds NaN or infinite values", run["diverged"])
+    self.assertRegex(run["output"], rf"\[worker:0\] test: diverged: .*the "
+                     rf"batch of step {steps} on this worker holds 1 NaN in "
+                     "its features")
+    # The last good checkpoint (epoch 1's end) is kept.
+    self.assertIn("the last good checkpoint", run["diverged"])
+    self._checkpoint_kept(run, lib.RESUMED_AT_EPOCH * 12)
+    for feature in ("class_weight", "validation_split",
+                    "learning_rate_checkpointed"):
+      _cell(feature, "multi_worker_mirrored", "works")
+    _cell("terminate_on_nan", "multi_worker_mirrored", "works (stops at "
+          "fit's step after fit's hooks, then raises TrainingDivergedError, "
+          "status 1, keeping the last good checkpoint)")
+
+  def test_parameter_servers_resume_with_the_rate_and_stop_on_nan(self):
+    import numpy as np  # pylint: disable=g-import-not-at-top
+    lib, reference, first, run = self._run(["--num_workers=2",
+                                            "--num_ps=1"])
+    fits = reference["first"]
+    self.assertEqual(sorted(first["history"]), sorted(fits["history"]))
+    self.assertEqual({len(v) for v in first["history"].values()}, {2})
+    # Asynchronous updates: the weights are near fit's with class weights,
+    # much nearer than to fit's without them.
+    unweighted = lib.keras_fit_resumed(class_weight=None)["first"]
+    near = _max_diff(first["weights"], fits["weights"])
+    self.assertLess(near, PS_CLASS_WEIGHT_TOLERANCE)
+    self.assertLess(near, _max_diff(first["weights"],
+                                    unweighted["weights"]) / 2)
+    # The validation split: epoch 1's val_ metrics are those of its
+    # weights on the arrays' last quarter, as evaluate computes them.
+    x, y = lib.class_data()
+    held_out = int(len(x) * (1 - lib.RESUMED_SPLIT))
+    model = lib.build_model("class_weight_resumed")
+    model.set_weights([np.asarray(w, "float32") for w in first["weights"]])
+    evaluated = model.evaluate(x[held_out:], y[held_out:],
+                               batch_size=lib.GLOBAL_BATCH, verbose=0,
+                               return_dict=True)
+    for key, value in evaluated.items():
+      self.assertAlmostEqual(first["history"][f"val_{key}"][-1], value,
+                             delta=ATOL, msg=key)
+    self.assertAlmostEqual(first["learning_rate"], 0.05, places=6)
+    # Resumed at epoch 2 with the callback's rate; the NaN step's chunk
+    # (the epoch's 12 steps: no log point or checkpoint inside) ends with
+    # a NaN loss in its batch logs, TerminateOnNaN stops the run, and the
+    # epoch's hooks follow as in fit.
+    self._resumed_at_epoch_2(lib, reference, run)
+    _compare_hooks(self, reference["second"], run, batch=False,
+                   values=False)
+    batch_ends = [h for h in run["hooks"] if h[0] == "on_train_batch_end"]
+    self.assertEqual([h[1] for h in batch_ends], [11])
+    self.assertTrue(math.isnan(batch_ends[0][2]["loss"]))
+    self.assertRegex(run.get("diverged", "not stopped"),
+                     r"^TrainingDivergedError: Training diverged at step "
+                     r"36 \(in steps 25-36\): the training loss is nan")
+    # The coordinator read the input again and found the NaN row (batch 5,
+    # row 3 of an unshuffled read): no advice to lower the rate.
+    self.assertIn("The training data is the likely cause: the training input "
+                  "holds 1 NaN in its features (rows [3] of replica 0's "
+                  "batch) in batch 5 of an unshuffled read", run["diverged"])
+    self.assertNotIn("--base_learning_rate", run["diverged"])
+    self.assertIn("the last good checkpoint", run["diverged"])
+    self._checkpoint_kept(run, lib.RESUMED_AT_EPOCH * 12)
+    _cell("class_weight", "parameter_server", "works (asynchronous: weights "
+          f"within {PS_CLASS_WEIGHT_TOLERANCE})")
+    _cell("validation_split", "parameter_server", "works")
+    _cell("learning_rate_checkpointed", "parameter_server", "works")
+    _cell("terminate_on_nan", "parameter_server", "works late: stops after "
+          "the scheduled chunk that holds the NaN step (its batch hooks come "
+          "once per chunk), then raises TrainingDivergedError, status 1, "
+          "keeping the last good checkpoint")
 
 def render_table(cells) -> str:
   """The docs table: one row per feature, one column per strategy; a cell

@@ -62,6 +62,21 @@ def nan_data():
   return x, y, w
 
 
+def class_nan_data():
+  """`class_data` with a NaN feature at row `NAN_ROW` (in the first 3/4,
+  which a validation split of 0.25 trains on)."""
+  x, y = class_data()
+  x = x.copy()
+  x[NAN_ROW, 0] = np.nan
+  return x, y
+
+
+# The resumed case: its validation split, and the epoch its first attempt
+# ends before (after epoch 1's checkpoint).
+RESUMED_SPLIT = 0.25
+RESUMED_AT_EPOCH = 2
+
+
 def squared_error(y_true, y_pred):
   """A loss function: the squared error per example (float32 [batch])."""
   import keras  # pylint: disable=g-import-not-at-top
@@ -131,11 +146,14 @@ def _compile_args(case: str) -> dict:
                 metrics=["mae", abs_error_metric(), spread],
                 weighted_metrics=["mae"],
                 steps_per_execution=STEPS_PER_EXECUTION)
-  if case == "class_weight":
+  if case.startswith("class_weight"):
+    # The resumed case leaves Keras's steps_per_execution out: fit would
+    # see the NaN loss only at the end of a group of 4 steps.
     return dict(loss=keras.losses.SparseCategoricalCrossentropy(
         from_logits=True), metrics=["accuracy"],
                 weighted_metrics=["accuracy"],
-                steps_per_execution=STEPS_PER_EXECUTION)
+                **({} if case == "class_weight_resumed" else dict(
+                    steps_per_execution=STEPS_PER_EXECUTION)))
   # Custom losses: a Loss subclass, a loss function, or Keras's "mse".
   loss = {"sample_weight": squared_error_loss,
           "callbacks": squared_error_loss,
@@ -151,7 +169,7 @@ def build_model(case: str, optimizer=None):
   """The case's model, zero-initialized, compiled with its loss and
   metrics (and `optimizer`, for `Model.fit`)."""
   import keras  # pylint: disable=g-import-not-at-top
-  inputs, units, bias = ((4, 3, True) if case == "class_weight"
+  inputs, units, bias = ((4, 3, True) if case.startswith("class_weight")
                          else (1, 1, False))
   model = keras.Sequential([keras.Input((inputs,)), keras.layers.Dense(
       units, use_bias=bias, kernel_initializer="zeros")])
@@ -290,6 +308,18 @@ CASES = {
         callbacks=lambda: [*_early_stopping(),
                            *_early_stopping_not_restoring()],
         validation=True),
+    # The third cluster run of each multi-process strategy, in two
+    # attempts of one `tfdist.launch --max_restarts=1` (`main`): NumPy
+    # arrays with class weights and a validation split, ReduceLROnPlateau
+    # (the rate halves to 0.05 at epoch 1's end) and TerminateOnNaN. The
+    # first attempt's tasks exit at the start of epoch 2 (after epoch 1's
+    # checkpoint); the restarted group resumes there, its arrays
+    # (`class_nan_data`) hold a NaN feature in epoch 2's batch 5, and
+    # TerminateOnNaN stops it. `keras_fit_resumed` is the reference.
+    "class_weight_resumed": dict(
+        data=class_data, class_weight=CLASS_WEIGHT,
+        validation_split=RESUMED_SPLIT,
+        callbacks=lambda: [*_reduce_lr(), *_terminate_on_nan()]),
     # Arrays with Keras's validation_split: the last quarter evaluates;
     # a callback stops training in a batch hook of epoch 2.
     "numpy_arrays": dict(data=slope_data, class_weight=None,
@@ -321,6 +351,8 @@ class Recorder:
         logs = kwargs.get("logs", args[-1] if args and isinstance(
             args[-1], dict) else None)
         self.hooks.append([name, index, _floats(logs)])
+        if name == "on_train_begin":
+          self.first_learning_rate = float(self.model.optimizer.learning_rate)
         if name == "on_epoch_end":
           self.epoch_logs = _floats(logs)
         if name == "on_train_end":
@@ -334,6 +366,7 @@ class Recorder:
       def __init__(self):
         super().__init__()
         self.epoch_logs, self.weights, self.learning_rate = {}, None, None
+        self.first_learning_rate = None
         self.hooks = []
 
     for name in cls.HOOKS:
@@ -410,7 +443,8 @@ def keras_fit(case: str, files_dir=None) -> dict:
 def tfdist_fit(case: str, *, strategy: str, model_dir: str,
                via: str = "dataset_fn", class_weight=None,
                epochs: int = EPOCHS, extra_callbacks=(),
-               mode: str = "train_and_eval", callback_list: str = "") -> dict:
+               mode: str = "train_and_eval", callback_list: str = "",
+               data=None) -> dict:
   """The case through `tfdist.fit` under `strategy` (an in-process one, or
   the cluster's from `TF_CONFIG`). `via`: `dataset_fn` (a function of
   `(x, y[, w])` examples) or `parse_fn` (TFRecords of `tf.train.Example`s
@@ -421,12 +455,13 @@ def tfdist_fit(case: str, *, strategy: str, model_dir: str,
   `keras.callbacks.CallbackList`, "inner" the case's and the extra ones
   inside a `CallbackList` in the list.
   `via="arrays"`: the NumPy arrays as `x, y, sample_weight`, with the
-  case's `validation_split`, else `validation_data` = the arrays."""
+  case's `validation_split`, else `validation_data` = the arrays.
+  `data`: a function making the arrays, instead of the case's."""
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   import tfdist  # pylint: disable=g-import-not-at-top
   from tfdist import errors  # pylint: disable=g-import-not-at-top
   spec = CASES[case]
-  arrays = spec["data"]()
+  arrays = (data or spec["data"])()
   recorder = Recorder()
   lambda_callback, lambda_hooks = lambda_recorder()
   config = dict(model_dir=model_dir, train_epochs=epochs,
@@ -441,7 +476,8 @@ def tfdist_fit(case: str, *, strategy: str, model_dir: str,
     kwargs["dataset_fn"] = lambda training: (
         tf.data.Dataset.from_tensor_slices(arrays))
   elif via == "arrays":
-    kwargs.update(x=arrays[0], y=arrays[1], sample_weight=arrays[2])
+    kwargs.update(x=arrays[0], y=arrays[1],
+                  sample_weight=arrays[2] if len(arrays) > 2 else None)
     if spec.get("validation_split"):
       kwargs["validation_split"] = spec["validation_split"]
     else:
@@ -495,6 +531,7 @@ def tfdist_fit(case: str, *, strategy: str, model_dir: str,
     # What the callbacks saw before the error (TerminateOnNaN's case).
     return {"diverged": f"{type(e).__name__}: {e}", "hooks": recorder.hooks,
             "params": dict(recorder.params or {}),
+            "first_learning_rate": recorder.first_learning_rate,
             "lambda_hooks": lambda_hooks}
   last_eval = (manifest.get("eval_history") or [{}])[-1]
   return {"weights": recorder.weights, "train": recorder.epoch_logs,
@@ -513,6 +550,81 @@ def tfdist_fit(case: str, *, strategy: str, model_dir: str,
           **_artifact_slopes(manifest, arrays[0]),
           "replicas": manifest.get("num_replicas_in_sync",
                                    manifest.get("replicas"))}
+
+
+def keras_fit_resumed(class_weight=CLASS_WEIGHT) -> dict:
+  """The `class_weight_resumed` reference, as a resumed `fit` script runs:
+  `Model.fit` of epochs 0-1 on `class_data`, then, on the same model,
+  `fit(initial_epoch=2)` on `class_nan_data`, each call with fresh
+  callbacks (a new process's). Returns `{"first": ..., "second": ...}`:
+  each call's hooks, `params`, history, final weights and rates.
+  `class_weight`: instead of `CLASS_WEIGHT` (None: none)."""
+  import keras  # pylint: disable=g-import-not-at-top
+  case = "class_weight_resumed"
+  model = build_model(case, keras.optimizers.SGD(learning_rate=LEARNING_RATE))
+  out = {}
+  for name, data, epochs in (("first", class_data, (0, RESUMED_AT_EPOCH)),
+                             ("second", class_nan_data,
+                              (RESUMED_AT_EPOCH, EPOCHS))):
+    recorder = Recorder()
+    history = model.fit(*data(), class_weight=class_weight,
+                        validation_split=RESUMED_SPLIT,
+                        batch_size=GLOBAL_BATCH, initial_epoch=epochs[0],
+                        epochs=epochs[1], shuffle=False, verbose=0,
+                        callbacks=[*_callbacks(case), recorder])
+    out[name] = {"hooks": recorder.hooks, "params": dict(recorder.params),
+                 "history": {k: [float(v) for v in values]
+                             for k, values in history.history.items()
+                             if k != "learning_rate"},
+                 "weights": [w.tolist() for w in model.get_weights()],
+                 "first_learning_rate": recorder.first_learning_rate,
+                 "learning_rate": float(model.optimizer.learning_rate),
+                 "iterations": int(model.optimizer.iterations)}
+  return out
+
+
+def end_first_attempt(path: str, *, writes: bool):
+  """A Keras callback that ends the first attempt of the
+  `class_weight_resumed` run at the start of epoch `RESUMED_AT_EPOCH`
+  (after the previous epoch's checkpoint), with `os._exit(3)` (a failed
+  task: `tfdist.launch --max_restarts` restarts the group). The task that
+  `writes` (the chief) first writes `path`: the epochs' logs (`history`),
+  the weights and the rate; the others wait up to 60 s for that file, so
+  no task is stopped by the launcher before the chief has written it."""
+  import time  # pylint: disable=g-import-not-at-top
+  import keras  # pylint: disable=g-import-not-at-top
+
+  class EndFirstAttempt(keras.callbacks.Callback):
+
+    def __init__(self):
+      super().__init__()
+      self.history = {}
+
+    def on_epoch_end(self, epoch, logs=None):
+      for key, value in _floats(logs).items():
+        self.history.setdefault(key, []).append(value)
+
+    def on_epoch_begin(self, epoch, logs=None):
+      if epoch != RESUMED_AT_EPOCH:
+        return
+      if writes:
+        part = f"{path}.part"
+        with open(part, "w") as f:
+          json.dump({"history": {k: v for k, v in self.history.items()
+                                 if k != "learning_rate"},
+                     "weights": [np.asarray(w).tolist()
+                                 for w in self.model.get_weights()],
+                     "learning_rate": float(
+                         self.model.optimizer.learning_rate)}, f)
+        os.replace(part, path)
+      else:
+        deadline = time.time() + 60
+        while not os.path.exists(path) and time.time() < deadline:
+          time.sleep(0.05)
+      sys.stdout.flush()
+      os._exit(3)  # pylint: disable=protected-access
+
+  return EndFirstAttempt()
 
 
 def _artifact_slopes(manifest: dict, x) -> dict:
@@ -560,14 +672,31 @@ def main(argv):
   `ProgbarLogger` (printing on the chief only) and a `TerminateOnNaN`
   (with nothing to stop) always; a `RemoteMonitor` posting to
   `$TFDIST_TEST_REMOTE_MONITOR` when set. The `multi_worker` and
-  `parameter_server` cases pass their callbacks inside a `CallbackList`."""
+  `parameter_server` cases pass their callbacks inside a `CallbackList`.
+  `class_weight_resumed` runs in two attempts of one launcher group (see
+  `CASES`): the chief writes the first's results to `OUT_JSON.first.json`
+  (`end_first_attempt`), the second's to OUT_JSON."""
   import keras  # pylint: disable=g-import-not-at-top
   out_path, (case, _, via) = argv[1], argv[2].partition(":")
   tf_config = json.loads(os.environ.get("TF_CONFIG") or "{}")
   task_type = tf_config.get("task", {}).get("type", "chief")
   strategy = ("parameter_server" if "ps" in tf_config.get("cluster", {})
               else "multi_worker_mirrored")
+  data, ending = None, []
+  if case == "class_weight_resumed":
+    # Which attempt of the launcher's group this task is in: a marker per
+    # task, left by the first.
+    task = tf_config.get("task", {})
+    marker = f"{out_path}.{task.get('type')}-{task.get('index')}.started"
+    if os.path.exists(marker):
+      data = class_nan_data
+    else:
+      with open(marker, "w"):
+        pass
+      ending = [end_first_attempt(f"{out_path}.first.json",
+                                  writes=task_type == "chief")]
   result = tfdist_fit(case, strategy=strategy, via=via or "dataset_fn",
+                      data=data,
                       callback_list=("inner" if case in (
                           "multi_worker", "parameter_server",
                           *TWO_FILE_CASES) else ""),
@@ -577,10 +706,13 @@ def main(argv):
           keras.callbacks.ProgbarLogger(), keras.callbacks.TerminateOnNaN(),
           *([keras.callbacks.RemoteMonitor(root=os.environ[
               "TFDIST_TEST_REMOTE_MONITOR"])]
-            if os.environ.get("TFDIST_TEST_REMOTE_MONITOR") else [])])
+            if os.environ.get("TFDIST_TEST_REMOTE_MONITOR") else []),
+          *ending])
   if task_type == "chief":
     with open(out_path, "w") as f:
       json.dump(result, f)
+  elif "diverged" in result:
+    print(f"test: diverged: {result['diverged']}", flush=True)
 
 
 if __name__ == "__main__":

@@ -118,6 +118,47 @@ class LocalStepRunnerTest(absltest.TestCase):
     self.assertFalse(runner.agree(False))
 
 
+class CoordinatorRereadTest(absltest.TestCase):
+  """After a divergence, the parameter-server coordinator reads the input
+  again (unshuffled) to name NaN or infinite values in it."""
+
+  def _runner(self, reread_fn, batches=10):
+    return step_runner.CoordinatorStepRunner(
+        trainer=None, coordinator=None, iterator=None, reread_fn=reread_fn,
+        reread_batches=batches)
+
+  def test_names_the_batch_and_rows_of_a_nan_feature(self):
+    x = np.zeros((12, 2), "float32")
+    x[9, 1] = np.nan
+    data = tf.data.Dataset.from_tensor_slices((x, np.zeros(12))).batch(4)
+    self.assertEqual(
+        self._runner(lambda: data).nonfinite_input(24, 36),
+        "the training input holds 1 NaN in its features (rows [1] of "
+        "replica 0's batch) in batch 2 of an unshuffled read "
+        "(parameter-server workers' batches are not matched to steps)")
+
+  def test_reads_at_most_reread_batches(self):
+    x = np.zeros((12, 1), "float32")
+    x[9] = np.inf
+    data = tf.data.Dataset.from_tensor_slices((x, np.zeros(12))).batch(4)
+    self.assertIsNone(self._runner(lambda: data, batches=2).nonfinite_input(
+        None, 3))
+    self.assertIn("1 infinite in its features", self._runner(
+        lambda: data, batches=3).nonfinite_input(None, 3))
+
+  def test_finite_or_unreadable_input_is_not_named(self):
+    data = tf.data.Dataset.from_tensor_slices((np.ones((8, 1), "float32"),
+                                               np.ones(8))).batch(4)
+    self.assertIsNone(self._runner(lambda: data).nonfinite_input(0, 2))
+    self.assertIsNone(self._runner(None).nonfinite_input(0, 2))
+
+    def unreadable():
+      raise OSError("gone")
+    with self.assertLogs(level="WARNING") as logs:
+      self.assertIsNone(self._runner(unreadable).nonfinite_input(0, 2))
+    self.assertIn("Could not read the training input again", logs.output[0])
+
+
 class LostTaskTest(absltest.TestCase):
 
   def test_lost_tasks_reads_the_heartbeat_list(self):

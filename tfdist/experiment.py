@@ -1144,9 +1144,14 @@ def _parameter_server_runner(config, *, spec, plan, strategy, parts, keeper):
   tf.random.set_seed(None)
   iterator = iter(coordinator.create_per_worker_dataset(
       per_worker_dataset_fn))
+  # After a divergence, the input read again here, unshuffled (every
+  # worker reads all of it): an epoch of it at most.
+  reread_options = dataclasses.replace(train_options, shuffle_buffer_size=0)
   runner = step_runner.CoordinatorStepRunner(
       trainer=parts.trainer, coordinator=coordinator, iterator=iterator,
-      last_checkpoint=lambda: keeper.latest)
+      last_checkpoint=lambda: keeper.latest,
+      reread_fn=lambda: input_pipeline.make_dataset(reread_options),
+      reread_batches=plan.steps_per_epoch)
   if config.mode == "train":
     return runner, None
   # Held-out evaluation on the coordinator (it reads the ps tasks'

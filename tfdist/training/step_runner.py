@@ -451,17 +451,72 @@ class CoordinatorStepRunner(StepRunner):
       (`iter(coordinator.create_per_worker_dataset(...))`).
     last_checkpoint: returns the latest checkpoint path (or None), for the
       error message when a ps task is lost.
+    reread_fn: returns a fresh, unshuffled copy of the training input
+      (every worker reads all of it) for this process to read again after
+      a divergence (`nonfinite_input`); None: not read.
+    reread_batches: the most batches of it read again.
   """
 
   # The coordinator joins only at the controller's boundaries.
   max_steps_per_call: Optional[int] = None
 
   def __init__(self, *, trainer, coordinator, iterator,
-               last_checkpoint: Callable[[], Optional[str]] = lambda: None):
+               last_checkpoint: Callable[[], Optional[str]] = lambda: None,
+               reread_fn: Optional[Callable[[], tf.data.Dataset]] = None,
+               reread_batches: int = MAX_REREAD_STEPS):
     self.trainer = trainer
     self.coordinator = coordinator
     self.iterator = iterator
     self.last_checkpoint = last_checkpoint
+    self.reread_fn = reread_fn
+    self.reread_batches = max(1, min(int(reread_batches), MAX_REREAD_STEPS))
+
+  def nonfinite_input(self, after_step: Optional[int],
+                      step: int) -> Optional[str]:
+    """After a divergence: what in the training input is NaN or infinite,
+    e.g. "the training input holds 1 NaN in its features (rows [3] of
+    replica 0's batch) in batch 5 of an unshuffled read"; None when every
+    value read is finite or the input cannot be read.
+
+    The coordinator hands each step to whichever worker is free, and each
+    worker shuffles its copy of the input without a fixed seed, so the
+    steps' batches cannot be read again in order as `LocalStepRunner`
+    reads them. Instead this process reads the input again, unshuffled,
+    at most `reread_batches` batches (an epoch, as `tfdist.experiment`
+    sets it): values found there are the likely cause, though not proven
+    to be in steps `after_step + 1 .. step`.
+    """
+    del after_step, step  # See above: not matched to steps.
+    if self.reread_fn is None:
+      return None
+    try:
+      for index, batch in enumerate(
+          self.reread_fn().take(self.reread_batches)):
+        found = nonfinite_values(batch)
+        if found:
+          return (f"the training input holds {found} in batch {index} of an "
+                  "unshuffled read (parameter-server workers' batches are "
+                  "not matched to steps)")
+    except Exception as e:  # pylint: disable=broad-except
+      # A diagnosis only: the divergence error is raised either way.
+      logging.warning("Could not read the training input again to check it "
+                      "for NaN or infinite values: %s", first_line(e))
+    return None
+    for worker in range(self.num_workers):
+      try:
+        batches = self.worker_dataset_fn(worker).take(self.reread_batches)
+        for index, batch in enumerate(batches):
+          found = nonfinite_values(batch)
+          if found:
+            return (f"worker {worker}'s training input holds {found} in "
+                    f"batch {index} of a fresh read (parameter-server "
+                    "workers' batches are not matched to steps)")
+      except Exception as e:  # pylint: disable=broad-except
+        # A diagnosis only: the divergence error is raised either way.
+        logging.warning("Could not read the training input again to check "
+                        "it for NaN or infinite values: %s", first_line(e))
+        return None
+    return None
 
   def run(self, num_steps: int, *, start_step: int, stop_signal: bool = False,
           stop_training: bool = False) -> StepOutput:
