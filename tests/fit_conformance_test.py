@@ -529,6 +529,37 @@ def _refused_fit(*, class_weight=(), **kwargs):
              y=np.zeros(8, "float32"), **kwargs)
 
 
+class NonFiniteValidationDataTest(absltest.TestCase):
+  """`fit` reports a NaN `val_loss` for NaN validation data; tfdist stops,
+  and says the data (not the learning rate) is the cause."""
+
+  def test_nan_in_validation_data_is_named_as_the_cause(self):
+    import tfdist  # pylint: disable=g-import-not-at-top
+    from tests import fit_conformance_testlib as lib  # pylint: disable=g-import-not-at-top
+    x, y, w = lib.slope_data()
+    held_out = [a[:128].copy() for a in (x, y, w)]
+    held_out[0][5, 0] = float("nan")
+    model_dir = tempfile.mkdtemp(dir=testutil.scratch_dir())
+    from tfdist import errors  # pylint: disable=g-import-not-at-top
+    with self.assertRaises(errors.DataError) as raised:
+      tfdist.fit(lambda: lib.build_model("sample_weight"),
+                 config=tfdist.TrainConfig(
+                     model_dir=model_dir, train_epochs=1,
+                     batch_size=lib.GLOBAL_BATCH, optimizer="sgd",
+                     distribution_strategy="one_device", log_steps=1000),
+                 x=x, y=y, sample_weight=w,
+                 validation_data=tuple(held_out))
+    message = str(raised.exception)
+    self.assertIn("The evaluation loss at step 16 is nan while the model's "
+                  "weights and optimizer state are finite, so the evaluation "
+                  "data is the likely cause", message)
+    self.assertNotIn("--base_learning_rate", message)
+    # The epoch's checkpoint (finite) is kept.
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+    self.assertTrue(tf.train.latest_checkpoint(os.path.join(
+        model_dir, "checkpoints")).endswith("-16"))
+
+
 class EvalModeTest(absltest.TestCase):
   """`--mode=eval` evaluates as the run evaluated."""
 

@@ -818,7 +818,9 @@ class Controller:
 
     Raises:
       tfdist.observability.run_log.DivergenceError: the evaluation loss is not
-        finite.
+        finite, nor the model's state.
+      tfdist.errors.DataError: the evaluation loss is not finite while the
+        model's state is (the evaluation data is the likely cause).
     """
     if self.evaluate_fn is None:
       return None
@@ -834,7 +836,13 @@ class Controller:
     result["step"] = step
     self.run_log.log_eval(step, result)
     if check_loss:
-      training_checks.check_eval_loss(result["loss"], step=step)
+      finite_state = None
+      if (not math.isfinite(result["loss"]) and
+          self.checkpoints is not None):
+        # Every worker has the same (reduced) loss, so all check together.
+        finite_state = self.checkpoints.state_is_finite()
+      training_checks.check_eval_loss(result["loss"], step=step,
+                                      state_is_finite=finite_state)
     return result
 
   # --- training --------------------------------------------------------------
