@@ -894,6 +894,9 @@ class MultiProcessStrategiesTest(absltest.TestCase):
     self.reference = lib.keras_fit("parameter_server")
     # The scheduler's rate of epoch 2, halved by ReduceLROnPlateau.
     self.assertAlmostEqual(self.reference["learning_rate"], 0.003125)
+    # fit stopped after batch 4 of epoch 2.
+    epoch, batch = lib.PS_STOP_AT_BATCH
+    self.assertEqual(self.reference["iterations"], epoch * 16 + batch + 1)
     files = tempfile.mkdtemp(dir=testutil.scratch_dir())
     run = _cluster(self, "parameter_server:arrays",
                    ["--num_workers=2", "--num_ps=1"], files_dir=files)
@@ -928,12 +931,21 @@ class MultiProcessStrategiesTest(absltest.TestCase):
     self.assertEqual([h for h in run["lambda_hooks"] if "batch" not in h[0]],
                      [h for h in self.reference["lambda_hooks"]
                       if "batch" not in h[0]])
-    # One chunk of 16 scheduled steps an epoch (no log point or
-    # checkpoint inside), with the batch logs Keras's would hold.
+    # One chunk of 4 scheduled steps between log points, with the batch
+    # logs Keras's would hold; the stop set in the hook of batches 4-7 of
+    # epoch 2 took effect after that chunk (fit stopped after batch 4).
     batch_hooks = [h for h in run["hooks"]
                    if h[0].startswith("on_train_batch")]
-    self.assertEqual([h[:2] for h in batch_hooks], [
-        ["on_train_batch_begin", 0], ["on_train_batch_end", 15]] * 3)
+    chunks = [[["on_train_batch_begin", first],
+               ["on_train_batch_end", first + lib.PS_LOG_STEPS - 1]]
+              for first in range(0, 16, lib.PS_LOG_STEPS)]
+    self.assertEqual([h[:2] for h in batch_hooks],
+                     sum(chunks * epoch + chunks[:2], []))
+    self.assertEqual(run["final_step"], epoch * 16 + 2 * lib.PS_LOG_STEPS)
+    _cell("stop_in_batch_hook", "parameter_server", "works late: stops "
+          "after the scheduled chunk whose batch hook set it (batch hooks "
+          "come once per chunk, which ends at a log point, checkpoint or "
+          "epoch end)")
     fits_keys = sorted(next(h[2] for h in self.reference["hooks"]
                             if h[0] == "on_train_batch_end"))
     self.assertEqual(sorted(batch_hooks[1][2]), fits_keys)

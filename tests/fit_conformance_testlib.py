@@ -216,11 +216,17 @@ def _callback_suite():
 STOP_AT_BATCH = (2, 4)
 # The same for the multi_worker case.
 MULTI_WORKER_STOP_AT_BATCH = (1, 4)
+# The same for the parameter_server case, whose batch hooks come once per
+# chunk of PS_LOG_STEPS steps (a log point ends each chunk).
+PS_STOP_AT_BATCH = (2, 4)
+PS_LOG_STEPS = 4
 
 
 def _stop_at_batch(at=STOP_AT_BATCH):
   """A callback setting `model.stop_training` in `on_train_batch_end` of
-  batch `at[1]` of epoch `at[0]` (built lazily: keras imported late)."""
+  the first batch at or after batch `at[1]` of epoch `at[0]` that it is
+  called for (`fit` calls it for every batch; tfdist under parameter
+  servers once per scheduled chunk) (built lazily: keras imported late)."""
   import keras  # pylint: disable=g-import-not-at-top
 
   class StopAtBatch(keras.callbacks.Callback):
@@ -229,7 +235,7 @@ def _stop_at_batch(at=STOP_AT_BATCH):
       self.epoch = epoch
 
     def on_train_batch_end(self, batch, logs=None):
-      if (self.epoch, batch) == tuple(at):
+      if self.epoch == at[0] and batch >= at[1]:
         self.model.stop_training = True
 
   return [StopAtBatch()]
@@ -286,13 +292,15 @@ CASES = {
     # CallbackList.
     "multi_worker": dict(data=slope_data, class_weight=None,
                          callbacks=_multi_worker_callbacks, validation=True),
-    # The parameter-server run's: both learning-rate callbacks (no stops:
-    # its batch hooks come once per scheduled chunk); tfdist gets them
-    # inside a CallbackList.
+    # The parameter-server run's: both learning-rate callbacks and a stop
+    # in a batch hook of epoch 2 (its batch hooks come once per chunk of
+    # PS_LOG_STEPS scheduled steps); tfdist gets them inside a
+    # CallbackList.
     "parameter_server": dict(data=slope_data, class_weight=None,
-                             callbacks=lambda: [*_lr_scheduler(),
-                                                *_reduce_lr()],
-                             validation=True),
+                             callbacks=lambda: [
+                                 *_lr_scheduler(), *_reduce_lr(),
+                                 *_stop_at_batch(PS_STOP_AT_BATCH)],
+                             validation=True, log_steps=PS_LOG_STEPS),
     # The second MultiWorkerMirrored run: sample weights from a parse_fn
     # (TFRecord files, validated on the same file), a Loss subclass, a
     # metric with one value per batch, compile(steps_per_execution=4) and
@@ -469,7 +477,8 @@ def tfdist_fit(case: str, *, strategy: str, model_dir: str,
                 optimizer="sgd", momentum=0.0,
                 base_learning_rate=LEARNING_RATE, warmup_steps=0,
                 lr_schedule="constant", shuffle_buffer_size=0,
-                distribution_strategy=strategy, log_steps=1000, mode=mode,
+                distribution_strategy=strategy,
+                log_steps=spec.get("log_steps", 1000), mode=mode,
                 class_weight=class_weight or spec["class_weight"] or ())
   kwargs = {}
   if via == "dataset_fn":
