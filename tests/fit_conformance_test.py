@@ -733,6 +733,27 @@ class InMemoryArgumentsTest(absltest.TestCase):
                                  input_context=tf.distribute.InputContext())),
                    10)
 
+  def test_a_resumed_run_continues_the_arrays_epoch(self):
+    # 300 rows at batch 32: epochs of 9 steps. Stopped after step 13 (epoch
+    # 1, 4 steps in), the rerun's input continues epoch 1 after those 4
+    # steps' rows (the input position), not from its start.
+    import numpy as np  # pylint: disable=g-import-not-at-top
+    import tfdist  # pylint: disable=g-import-not-at-top
+    from tests import fit_conformance_testlib as lib  # pylint: disable=g-import-not-at-top
+    model_dir = tempfile.mkdtemp(dir=testutil.scratch_dir())
+    x = np.linspace(-1, 1, 300, dtype="float32")[:, None]
+    for steps in (13, 18):
+      config = tfdist.TrainConfig(
+          model_dir=model_dir, train_steps=steps, batch_size=32,
+          optimizer="sgd", distribution_strategy="one_device",
+          checkpoint_steps=13, log_steps=1000, mode="train")
+      with self.assertLogs(level="INFO") as logs:
+        tfdist.fit(lambda: lib.build_model("sample_weight"), config=config,
+                   x=x, y=3 * x[:, 0])
+    self.assertIn("tfdist: input position restored: step 13 continues "
+                  "epoch 1 where the checkpoint stopped.",
+                  "\n".join(logs.output))
+
   def test_mismatched_lengths(self):
     import numpy as np  # pylint: disable=g-import-not-at-top
     self._refused(r"Arrays of different lengths: x has 8 rows, y has 7 "

@@ -103,6 +103,57 @@ class DatasetsTest(absltest.TestCase):
       datasets.get_dataset_spec("imagenet")
 
 
+class ArraysEpochsTest(absltest.TestCase):
+  """`tfdist.fit`'s arrays, 300 rows at a global batch of 32: epochs of
+  9 whole steps (12 rows left out of each), every row at most once an
+  epoch, and a resumed input continuing where its step left it."""
+
+  def _options(self, **kwargs):
+    import dataclasses  # pylint: disable=g-import-not-at-top
+    from tfdist import api  # pylint: disable=g-import-not-at-top
+    fn, _ = api.in_memory_dataset(x=np.arange(300, dtype="float32")[:, None],
+                                  y=np.zeros(300))
+    options = input_pipeline.PipelineOptions(
+        files=(), parse_fn=None, input_fn=fn, global_batch_size=32,
+        is_training=True, shuffle_buffer_size=1000, seed=1,
+        examples_per_epoch=288)
+    return dataclasses.replace(options, **kwargs)
+
+  def _ids(self, options, batches, context=None):
+    return [b[0].numpy()[:, 0].astype(int) for b in input_pipeline.make_dataset(
+        options, context).take(batches)]
+
+  def test_no_row_twice_in_an_epoch(self):
+    ids = self._ids(self._options(), 27)
+    for epoch in range(3):
+      rows = np.concatenate(ids[epoch * 9:(epoch + 1) * 9])
+      self.assertLen(set(rows), 288, f"epoch {epoch}")
+    # Reshuffled: other rows left out in other epochs.
+    self.assertNotEqual(set(np.concatenate(ids[:9])),
+                        set(np.concatenate(ids[9:18])))
+    # Without the epoch size: one endless stream, whose second "epoch" of
+    # 9 steps holds rows twice (the 12 rows left from the first pass, then
+    # the second pass).
+    endless = self._ids(self._options(examples_per_epoch=None), 18)
+    self.assertLess(len(set(np.concatenate(endless[9:18]))), 288)
+
+  def test_resumed_input_continues_its_epoch(self):
+    ids = self._ids(self._options(), 18)
+    resumed = self._ids(self._options(start_step=13), 5)
+    for step, (mine, theirs) in enumerate(zip(resumed, ids[13:18]), 14):
+      np.testing.assert_array_equal(mine, theirs, err_msg=f"step {step}")
+
+  def test_two_pipelines_read_disjoint_shares(self):
+    shares = []
+    for pipeline in range(2):
+      context = tf.distribute.InputContext(2, pipeline, 2)
+      rows = np.concatenate(self._ids(self._options(examples_per_epoch=144),
+                                      9, context))
+      self.assertLen(set(rows), 144)
+      shares.append(set(rows))
+    self.assertEqual(shares[0] & shares[1], set())
+
+
 class InputPipelineTest(parameterized.TestCase):
 
   def test_glob_matching_nothing_names_flag(self):

@@ -179,6 +179,10 @@ def in_memory_dataset(*, x=None, y=None, sample_weight=None,
     # (as Model.evaluate(x, y) would).
     return _from_arrays(train, input_context)
 
+  if train is not None:
+    # Its training split's shares are tfdist's (example i to pipeline i mod
+    # n), so the pipeline can align its epochs to steps.
+    setattr(input_fn, input_pipeline.SHARDS_BY_EXAMPLE, True)
   return input_fn, validation is not None or validation_data is not None
 
 

@@ -801,15 +801,21 @@ class ExperimentRunner:
 
   def _input_position(self) -> Optional[input_position_lib.InputPosition]:
     """The checkpointed input position: synchronous strategies reading
-    TFRecord files only (parameter-server workers read unseeded copies of
-    every file; a dataset function's epochs are not aligned to steps)."""
-    config, plan = self.config, self.plan
+    TFRecord files or `tfdist.fit`'s arrays (parameter-server workers read
+    unseeded copies of every file; a user's dataset function may order its
+    examples differently in every pass, so its epoch resumes from its
+    start). The arrays' layout names them as one file of their rows."""
+    config, plan, spec = self.config, self.plan, self.task.dataset
+    arrays = getattr(spec.input_fn, input_pipeline.SHARDS_BY_EXAMPLE, False)
     if not (config.checkpoint_input_position and
-            not self.kind.is_asynchronous and self.task.dataset.reads_files):
+            not self.kind.is_asynchronous and (spec.reads_files or arrays)):
       return None
+    files, counts = plan.train_files, plan.train_file_counts
+    if not spec.reads_files:
+      files, counts = ["<in-memory arrays>"], [plan.num_train_examples]
     return input_position_lib.InputPosition(
         input_position_lib.input_layout(
-            files=plan.train_files, file_record_counts=plan.train_file_counts,
+            files=files, file_record_counts=counts,
             num_input_pipelines=self.kind.num_input_pipelines(
                 self.num_workers),
             global_batch_size=plan.global_batch_size, seed=config.seed,
@@ -886,7 +892,13 @@ class ExperimentRunner:
         file_record_counts=plan.train_file_counts,
         gradient_accumulation_steps=plan.batch.gradient_accumulation_steps,
         # A resumable position needs a reproducible reading order.
-        deterministic=config.deterministic or input_position is not None)
+        deterministic=config.deterministic or input_position is not None,
+        # A dataset function's epochs of whole steps (as files'): the
+        # examples each pipeline reads per epoch.
+        examples_per_epoch=(
+            None if self.task.dataset.reads_files else
+            plan.steps_per_epoch * plan.global_batch_size //
+            self.kind.num_input_pipelines(self.num_workers)))
 
     def train_iterator(restored_step: int):
       """The training input from the restored step's position: where the

@@ -181,6 +181,14 @@ class PipelineOptions:
     input_fn: instead of files, a data set's dataset function
       (`DatasetSpec.input_fn`), called by `call_input_fn`.
     name: the data set's name, for messages.
+    examples_per_epoch: training with `input_fn`: the examples each host
+      reads per epoch (the run's `steps_per_epoch` x `global_batch_size` /
+      hosts). Each epoch is then exactly that many examples of a fresh
+      pass over the host's share, reshuffled with the epoch's seed, as for
+      files: no example twice in an epoch, epochs aligned to steps. Used
+      when tfdist shards the function's examples (or
+      `SHARDS_BY_EXAMPLE` marks a function that shards them the same way
+      itself); None: one endless reshuffled stream.
   """
   files: Sequence[str]
   parse_fn: Callable
@@ -196,6 +204,14 @@ class PipelineOptions:
   start_step: int = 0
   input_fn: Optional[Callable] = None
   name: str = ""
+  examples_per_epoch: Optional[int] = None
+
+
+# A dataset function with this attribute set (to True) shards its examples
+# by its `input_context` as tfdist shards a dataset function (example i to
+# host i mod n), so each host's share is known from the example count
+# (`tfdist.api.in_memory_dataset`'s arrays).
+SHARDS_BY_EXAMPLE = "tfdist_shards_by_example"
 
 
 def options_for(spec: DatasetSpec, *, files: Sequence[str] = (),
@@ -430,8 +446,8 @@ def make_dataset(options: PipelineOptions,
            if input_context else micro_global_batch)
   batched = False
   if options.input_fn is not None:
-    ds = _examples_from_function(options, input_context, num_pipelines,
-                                 pipeline_id, batch)
+    ds, batched = _examples_from_function(options, input_context,
+                                          num_pipelines, pipeline_id, batch)
   else:
     ds, batched = _examples_from_files(options, num_pipelines, pipeline_id,
                                        batch)
@@ -441,10 +457,17 @@ def make_dataset(options: PipelineOptions,
 
 def _examples_from_function(options: PipelineOptions, input_context,
                             num_pipelines: int, pipeline_id: int,
-                            batch: int) -> tf.data.Dataset:
+                            batch: int) -> Tuple[tf.data.Dataset, bool]:
   """One host's examples from a dataset function (sharded by example
   unless the function takes `input_context`); training: cached, shuffled
-  and repeated (epochs not aligned to steps, no resumable position)."""
+  and repeated, in epochs of `options.examples_per_epoch` examples when
+  given and the share is known (`_training_epochs`), else as one endless
+  stream (epochs not aligned to steps, no resumable position).
+
+  Returns:
+    `(dataset, batched)` as `_training_epochs` returns them (`batched`:
+    already in batches of `batch`).
+  """
   shards_itself = takes_input_context(options.input_fn)
   plan = function_sharding(options.input_fn,
                            num_input_pipelines=num_pipelines)
@@ -456,6 +479,15 @@ def _examples_from_function(options: PipelineOptions, input_context,
                      input_context=input_context, name=options.name)
   if num_pipelines > 1 and not shards_itself:
     ds = ds.shard(num_pipelines, pipeline_id)
+  aligned = (options.is_training and options.examples_per_epoch and
+             (not shards_itself or
+              getattr(options.input_fn, SHARDS_BY_EXAMPLE, False)))
+  if aligned:
+    plan = dataclasses.replace(
+        plan, examples_per_epoch=int(options.examples_per_epoch))
+    return _training_epochs(options, plan, lambda seed: ds,
+                            pipeline_id=pipeline_id,
+                            num_pipelines=num_pipelines, batch=batch)
   if options.cache:
     ds = ds.cache()
   if options.is_training:
@@ -469,7 +501,7 @@ def _examples_from_function(options: PipelineOptions, input_context,
       ds = ds.shuffle(options.shuffle_buffer_size, seed=options.seed,
                       reshuffle_each_iteration=True)
     ds = ds.repeat()
-  return ds
+  return ds, False
 
 
 def _examples_from_files(options: PipelineOptions, num_pipelines: int,
