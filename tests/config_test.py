@@ -64,6 +64,14 @@ class TrainConfigTest(parameterized.TestCase):
                                 "CLASS_ID:WEIGHT"):
       TrainConfig(model_dir="/tmp/x", train_steps=1, class_weight=value)
 
+  def test_class_weight_dict_with_string_keys_is_refused(self):
+    # keras.Model.fit looks weights up by int(class) and would ignore
+    # these keys; tfdist applied them (a tester's case).
+    with self.assertRaisesRegex(ConfigError, r"class_weight key '0' is not a "
+                                r"class id: keras.Model.fit .* ignore it"):
+      TrainConfig(model_dir="/tmp/x", train_steps=1,
+                  class_weight={"0": 1.0, "1": 4.0})
+
   def test_defaults_are_valid_and_frozen(self):
     cfg = TrainConfig(model_dir="/tmp/x", train_steps=10)
     self.assertEqual(cfg.dtype, "fp32")

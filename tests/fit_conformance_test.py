@@ -530,34 +530,87 @@ def _refused_fit(*, class_weight=(), **kwargs):
 
 
 class NonFiniteValidationDataTest(absltest.TestCase):
-  """`fit` reports a NaN `val_loss` for NaN validation data; tfdist stops,
-  and says the data (not the learning rate) is the cause."""
+  """NaN validation data: `fit` trains on and reports a NaN `val_loss`;
+  so does tfdist, with a warning that names the data (not the learning
+  rate) as the cause, and fit's hooks (a CSVLogger writes every epoch)."""
 
-  def test_nan_in_validation_data_is_named_as_the_cause(self):
+  def test_nan_in_validation_data_is_reported_and_named(self):
+    import keras  # pylint: disable=g-import-not-at-top
     import tfdist  # pylint: disable=g-import-not-at-top
     from tests import fit_conformance_testlib as lib  # pylint: disable=g-import-not-at-top
     x, y, w = lib.slope_data()
     held_out = [a[:128].copy() for a in (x, y, w)]
     held_out[0][5, 0] = float("nan")
     model_dir = tempfile.mkdtemp(dir=testutil.scratch_dir())
-    from tfdist import errors  # pylint: disable=g-import-not-at-top
-    with self.assertRaises(errors.DataError) as raised:
-      tfdist.fit(lambda: lib.build_model("sample_weight"),
-                 config=tfdist.TrainConfig(
-                     model_dir=model_dir, train_epochs=1,
-                     batch_size=lib.GLOBAL_BATCH, optimizer="sgd",
-                     distribution_strategy="one_device", log_steps=1000),
-                 x=x, y=y, sample_weight=w,
-                 validation_data=tuple(held_out))
-    message = str(raised.exception)
-    self.assertIn("The evaluation loss at step 16 is nan while the model's "
+    csv = os.path.join(model_dir, "log.csv")
+    with self.assertLogs(level="INFO") as logs:
+      result = tfdist.fit(
+          lambda: lib.build_model("sample_weight"),
+          config=tfdist.TrainConfig(
+              model_dir=model_dir, train_epochs=2,
+              batch_size=lib.GLOBAL_BATCH, optimizer="sgd",
+              distribution_strategy="one_device", log_steps=1000),
+          x=x, y=y, sample_weight=w, validation_data=tuple(held_out),
+          callbacks=[keras.callbacks.CSVLogger(csv)])
+    # Keras's: both epochs trained, each val_loss NaN.
+    self.assertEqual(result["final_step"], 32)
+    val_loss = result["history"]["val_loss"]
+    self.assertLen(val_loss, 2)
+    self.assertTrue(all(math.isnan(v) for v in val_loss), val_loss)
+    warned = "\n".join(logs.output)
+    self.assertIn("the evaluation loss at step 16 is nan while the model's "
                   "weights and optimizer state are finite, so the evaluation "
-                  "data is the likely cause", message)
-    self.assertNotIn("--base_learning_rate", message)
-    # The epoch's checkpoint (finite) is kept.
+                  "data is the likely cause", warned)
+    self.assertNotIn("--base_learning_rate", warned)
+    with open(csv) as f:
+      self.assertLen(f.read().splitlines(), 3)  # A header, two epochs.
+
+
+class SchedulerWithDefaultWarmupTest(absltest.TestCase):
+  """`LearningRateScheduler` sets epoch 0's rate at step 0, where tfdist's
+  default warmup gives 0 (the rate was not settable there: a crash at step
+  0). Without a warmup asked for, the scheduler's rates are the run's, as
+  in `fit`; a warmup from 0 asked for is refused at start."""
+
+  def test_the_schedulers_rates_without_a_warmup_asked_for(self):
     import tensorflow as tf  # pylint: disable=g-import-not-at-top
-    self.assertTrue(tf.train.latest_checkpoint(os.path.join(
-        model_dir, "checkpoints")).endswith("-16"))
+    import tfdist  # pylint: disable=g-import-not-at-top
+    from tests import fit_conformance_testlib as lib  # pylint: disable=g-import-not-at-top
+    reference = lib.keras_fit("learning_rate_scheduler")
+    recorder = lib.Recorder()
+    arrays = lib.slope_data()
+    tfdist.fit(lambda: lib.build_model("learning_rate_scheduler"),
+               config=tfdist.TrainConfig(
+                   model_dir=tempfile.mkdtemp(dir=testutil.scratch_dir()),
+                   train_epochs=lib.EPOCHS, batch_size=lib.GLOBAL_BATCH,
+                   optimizer="sgd", momentum=0.0, shuffle_buffer_size=0,
+                   distribution_strategy="one_device", log_steps=1000),
+               dataset_fn=lambda training: tf.data.Dataset.from_tensor_slices(
+                   arrays),
+               callbacks=[*lib.CASES["learning_rate_scheduler"][
+                   "callbacks"](), recorder])
+    self.assertAlmostEqual(recorder.learning_rate, reference["learning_rate"],
+                           places=6)
+    self.assertLess(_max_diff(recorder.weights, reference["weights"]), ATOL)
+
+  def test_a_warmup_from_zero_is_refused_at_start(self):
+    import keras  # pylint: disable=g-import-not-at-top
+    import numpy as np  # pylint: disable=g-import-not-at-top
+    import tfdist  # pylint: disable=g-import-not-at-top
+
+    def model_fn():
+      raise AssertionError("the model was built before the check")
+    with self.assertRaisesRegex(
+        tfdist.ConfigError, r"^callbacks: keras.callbacks."
+        r"LearningRateScheduler with warmup_steps=2 .* Instead, leave the "
+        r"warmup out .*warmup_start_learning_rate"):
+      tfdist.fit(model_fn, config=tfdist.TrainConfig(
+          model_dir=tempfile.mkdtemp(dir=testutil.scratch_dir()),
+          train_steps=4, batch_size=4, warmup_steps=2,
+          distribution_strategy="one_device"),
+                 x=np.zeros((8, 1), "float32"), y=np.zeros(8, "float32"),
+                 callbacks=[keras.callbacks.LearningRateScheduler(
+                     lambda epoch, lr: 0.1)])
 
 
 class EvalModeTest(absltest.TestCase):

@@ -374,6 +374,12 @@ def fit(model_fn: Union[Callable, str],
         dataset_fn, config=config, parse_fn=parse_fn, x=x, y=y,
         sample_weight=sample_weight, validation_data=validation_data,
         validation_split=validation_split)
+  warmup = keras_callbacks.warmup_for_rate_callbacks(
+      keras_callbacks.flatten(callbacks), warmup_steps=config.warmup_steps,
+      warmup_epochs=config.warmup_epochs,
+      warmup_start_learning_rate=config.warmup_start_learning_rate)
+  if warmup is not None:
+    config = config.replace(warmup_steps=warmup)
   task = make_task(model_fn, dataset_fn, config=config, parse_fn=parse_fn,
                    loss=loss, metrics=metrics)
   history = keras.callbacks.History()

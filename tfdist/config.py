@@ -204,9 +204,17 @@ def parse_class_weight(value) -> Tuple[Tuple[int, float], ...]:
 
   Raises:
     ConfigError: an item that is not `ID:WEIGHT`, an id given twice, a
-      negative id or weight.
+      negative id or weight, a dict key that is a string or bool (which
+      `keras.Model.fit` would ignore).
   """
   if isinstance(value, dict):
+    named = [k for k in value if isinstance(k, (str, bytes, bool))]
+    if named:
+      raise ConfigError(
+          f"class_weight key {named[0]!r} is not a class id: keras.Model.fit "
+          "looks class weights up by integer class id and would ignore it "
+          "(every class weighing 1). Use integer keys, e.g. "
+          "class_weight={0: 1.0, 1: 4.0} (or --class_weight=0:1.0,1:4.0).")
     items = list(value.items())
   elif value and all(isinstance(v, (tuple, list)) and len(v) == 2
                      for v in value) and not isinstance(value, str):

@@ -818,9 +818,8 @@ class Controller:
 
     Raises:
       tfdist.observability.run_log.DivergenceError: the evaluation loss is not
-        finite, nor the model's state.
-      tfdist.errors.DataError: the evaluation loss is not finite while the
-        model's state is (the evaluation data is the likely cause).
+        finite, nor the model's state (while the state is finite, a warning
+        names the evaluation data and training goes on).
     """
     if self.evaluate_fn is None:
       return None

@@ -31,6 +31,7 @@ import copy
 import os
 from typing import List, Optional, Sequence
 
+from absl import logging
 import keras
 
 from tfdist.config import ConfigError
@@ -130,6 +131,48 @@ def check_callbacks(callbacks: Sequence[keras.callbacks.Callback]) -> None:
           "save the weights (a filepath ending in .weights.h5, or "
           "save_weights_only=True), and resume from tfdist's own "
           "checkpoints (--model_dir) or serve its SavedModel.")
+
+
+def warmup_for_rate_callbacks(callbacks: Sequence[keras.callbacks.Callback],
+                              *, warmup_steps: Optional[int],
+                              warmup_epochs: Optional[float],
+                              warmup_start_learning_rate: float
+                              ) -> Optional[int]:
+  """The warmup a run with these callbacks gets: `0` (off) when a
+  `keras.callbacks.LearningRateScheduler` sets every epoch's rate and no
+  warmup was asked for (tfdist's default warmup would make the schedule 0
+  at step 0, where no factor of it gives the scheduler's rate); None: as
+  configured.
+
+  Args:
+    callbacks: the user's callbacks (`CallbackList`s flattened).
+    warmup_steps, warmup_epochs, warmup_start_learning_rate: the run's
+      `TrainConfig` values (None: not given).
+
+  Raises:
+    ConfigError: a `LearningRateScheduler` with a warmup asked for that
+      starts at 0.
+  """
+  if not any(isinstance(c, keras.callbacks.LearningRateScheduler)
+             for c in flatten(callbacks)):
+    return None
+  if warmup_steps is None and warmup_epochs is None:
+    logging.info("tfdist: warmup off (warmup_steps=0): "
+                 "keras.callbacks.LearningRateScheduler sets every epoch's "
+                 "rate, as in keras.Model.fit.")
+    return 0
+  if (warmup_steps or warmup_epochs) and warmup_start_learning_rate <= 0:
+    asked = (f"warmup_steps={warmup_steps}" if warmup_steps is not None
+             else f"warmup_epochs={warmup_epochs}")
+    raise ConfigError(
+        f"callbacks: keras.callbacks.LearningRateScheduler with {asked} "
+        "(--warmup_steps / --warmup_epochs) from a rate of 0: the scheduler "
+        "sets epoch 0's rate at step 0, where the warmup gives 0, so no "
+        "factor of tfdist's schedule gives it. Instead, leave the warmup "
+        "out (the scheduler's rates are the run's), or start it above 0 "
+        "(TrainConfig(warmup_start_learning_rate=...), "
+        "--warmup_start_learning_rate).")
+  return None
 
 
 def for_this_task(callbacks: Sequence[keras.callbacks.Callback], *,

@@ -16,7 +16,8 @@ the manifest and stops a run whose optimizer has stopped updating:
 * A run that made no update at all fails at its end, however short.
 
 `check_eval_loss` treats a non-finite evaluation loss as divergence, or,
-when the weights are finite, as bad evaluation data.
+when the weights are finite, warns that the evaluation data is the likely
+cause (training goes on, as in `fit`).
 `check_steps_per_execution` warns when a model compiled with Keras's
 `steps_per_execution` meets tfdist's own setting. The
 errors (`TrainingStalledError`, `TrainingDivergedError`: status 1) live in
@@ -29,7 +30,6 @@ from typing import Callable, Optional
 
 from absl import logging
 
-from tfdist.errors import DataError
 from tfdist.errors import TrainingDivergedError
 from tfdist.errors import TrainingStalledError
 from tfdist.runtime.strict_json import json_safe  # noqa: F401
@@ -125,8 +125,13 @@ class SkippedStepMonitor:
 
 
 def check_eval_loss(loss: float, *, step: int,
-                    state_is_finite: Optional[bool] = None):
-  """Raises when an evaluation loss is not finite.
+                    state_is_finite: Optional[bool] = None) -> bool:
+  """Checks an evaluation loss; returns whether it is finite.
+
+  A NaN or infinite loss while the model's state is finite comes from the
+  evaluation data (or outputs that overflow on it), not from training:
+  as `keras.Model.fit` does, the run goes on (the value is reported as it
+  is), with a warning that names the data as the likely cause.
 
   Args:
     loss: the evaluation loss.
@@ -138,24 +143,22 @@ def check_eval_loss(loss: float, *, step: int,
     TrainingDivergedError: (status 1) the loss is NaN or infinite and the
       state is not known to be finite: a model whose weights overflowed
       predicts inf or NaN; that is divergence, not a result to report.
-    DataError: (status 2) the loss is NaN or infinite while the state is
-      finite: the evaluation data (or the model's outputs on it) is the
-      likely cause, not the learning rate.
   """
   if math.isfinite(loss):
-    return
+    return True
   if state_is_finite:
-    raise DataError(
-        f"The evaluation loss at step {step} is {loss} while the model's "
+    logging.warning(
+        "tfdist: the evaluation loss at step %d is %s while the model's "
         "weights and optimizer state are finite, so the evaluation data is "
         "the likely cause: NaN or infinite features, labels or sample "
         "weights in --eval_files (or the evaluation split of your dataset "
         "function or validation data), or inputs on which the model's "
-        "outputs overflow (with --dtype=fp16, try --dtype=fp32). Find those "
-        "examples with tf.debugging.check_numerics(tensor, name) on each "
-        "feature and label in your parse_fn or dataset function, then fix "
-        "or drop them. The checkpoints are kept: a rerun with the same "
-        "--model_dir resumes from the latest.")
+        "outputs overflow (with --dtype=fp16, try --dtype=fp32). Training "
+        "goes on, as keras.Model.fit's does. Find those examples with "
+        "tf.debugging.check_numerics(tensor, name) on each feature and "
+        "label in your parse_fn or dataset function, then fix or drop "
+        "them.", step, loss)
+    return False
   raise TrainingDivergedError(
       f"Training diverged: the evaluation loss at step {step} is {loss}. "
       "Lower --base_learning_rate, add warmup, or use --dtype=fp32.")
