@@ -375,7 +375,7 @@ def fit(model_fn: Union[Callable, str],
         sample_weight=sample_weight, validation_data=validation_data,
         validation_split=validation_split)
   warmup = keras_callbacks.warmup_for_rate_callbacks(
-      keras_callbacks.flatten(callbacks), warmup_steps=config.warmup_steps,
+      callbacks, warmup_steps=config.warmup_steps,
       warmup_epochs=config.warmup_epochs,
       warmup_start_learning_rate=config.warmup_start_learning_rate)
   if warmup is not None:

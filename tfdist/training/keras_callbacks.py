@@ -145,7 +145,8 @@ def warmup_for_rate_callbacks(callbacks: Sequence[keras.callbacks.Callback],
   configured.
 
   Args:
-    callbacks: the user's callbacks (`CallbackList`s flattened).
+    callbacks: the user's callbacks (a `CallbackList` or a sequence, which
+      may hold `CallbackList`s).
     warmup_steps, warmup_epochs, warmup_start_learning_rate: the run's
       `TrainConfig` values (None: not given).
 

@@ -502,21 +502,6 @@ class CoordinatorStepRunner(StepRunner):
       logging.warning("Could not read the training input again to check it "
                       "for NaN or infinite values: %s", first_line(e))
     return None
-    for worker in range(self.num_workers):
-      try:
-        batches = self.worker_dataset_fn(worker).take(self.reread_batches)
-        for index, batch in enumerate(batches):
-          found = nonfinite_values(batch)
-          if found:
-            return (f"worker {worker}'s training input holds {found} in "
-                    f"batch {index} of a fresh read (parameter-server "
-                    "workers' batches are not matched to steps)")
-      except Exception as e:  # pylint: disable=broad-except
-        # A diagnosis only: the divergence error is raised either way.
-        logging.warning("Could not read the training input again to check "
-                        "it for NaN or infinite values: %s", first_line(e))
-        return None
-    return None
 
   def run(self, num_steps: int, *, start_step: int, stop_signal: bool = False,
           stop_training: bool = False) -> StepOutput:
