@@ -210,6 +210,40 @@ class InputPipelineTest(parameterized.TestCase):
     shapes = [tuple(b[0].shape) for b in ds.take(12)]  # > one epoch
     self.assertEqual(set(shapes), {(64, 28, 28, 1)})
 
+  def test_training_input_says_it_is_endless(self):
+    # A multi-worker distributed iterator over a dataset of unknown
+    # cardinality takes its partial-batch path: a cross-worker all-reduce
+    # and a tf.cond before every step (TensorFlow's
+    # input_lib._enable_get_next_as_optional). Epochs through flat_map
+    # have unknown cardinality unless the pipeline says otherwise.
+    data = testutil.fashion_mnist_subset(limit=300, train_shards=3,
+                                         test_shards=2)
+    files = input_pipeline.list_files(data["train"])
+    from tfdist import api  # pylint: disable=g-import-not-at-top
+    fn, _ = api.in_memory_dataset(x=np.arange(300, dtype="float32")[:, None],
+                                  y=np.zeros(300))
+    cases = {
+        "aligned epochs": input_pipeline.PipelineOptions(
+            files=files, parse_fn=_ids_parse, global_batch_size=64,
+            is_training=True, seed=1,
+            file_record_counts=input_pipeline.count_records_per_file(files)),
+        "files": input_pipeline.PipelineOptions(
+            files=files, parse_fn=_ids_parse, global_batch_size=64,
+            is_training=True, seed=1),
+        "arrays": input_pipeline.PipelineOptions(
+            files=(), parse_fn=None, input_fn=fn, global_batch_size=32,
+            is_training=True, seed=1, examples_per_epoch=288),
+    }
+    for name, options in cases.items():
+      ds = input_pipeline.make_dataset(options)
+      self.assertEqual(int(ds.cardinality()),
+                       int(tf.data.INFINITE_CARDINALITY), name)
+      self.assertLen(list(ds.take(6)), 6, name)  # Past one epoch.
+    evaluation = input_pipeline.make_dataset(input_pipeline.PipelineOptions(
+        files=files, parse_fn=_ids_parse, global_batch_size=64,
+        is_training=False))
+    self.assertEqual(sum(int(b[0].shape[0]) for b in evaluation), 300)
+
   def test_aligned_epochs_are_batched_once(self):
     # 300 records, per-replica batch 64: epochs of 256 examples (4 whole
     # batches), cut on batches: no batch is unbatched and batched again.

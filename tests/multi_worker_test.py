@@ -144,16 +144,17 @@ class EquivalenceTest(absltest.TestCase):
                                        str(steps)], timeout=TIMEOUT)
     self.assertEqual(code, 0, out[-3000:])
     self.assertIn("replicas 1", out)
-    # The gradients all-reduced in packs of 2 KiB (--bytes_per_pack),
-    # last layers first: the 10-way layer's kernel and the biases (1.4 KiB)
-    # in one, the first kernel (100 KiB) in another.
+    # The gradients all-reduced in packs of 1 KiB (--bytes_per_pack), last
+    # layers first: the step's sums (24 bytes), the 10-way layer's bias and
+    # kernel (1.3 KiB) in one, the first layer's in another.
     status, output = testlib.run_launcher(
         ["--num_workers=2", "--module=tests.multi_worker_testlib"],
-        ["train", multi_dir, pattern, str(steps), "2048"], timeout=TIMEOUT)
+        ["train", multi_dir, pattern, str(steps), "1024"], timeout=TIMEOUT)
     self.assertEqual(status, 0, output[-4000:])
     self.assertIn("replicas 2", output)
-    # 2 gradient packs and the step's sums.
-    self.assertIn("all-reduces per step 3", output)
+    # The 2 packs, and nothing else: the sums ride in the first, and the
+    # endless input needs no all-reduce of "has a batch" before the step.
+    self.assertIn("all-reduces per step 2", output)
     # `auto` is decided in one place (tfdist.distribute.auto_select), in its words.
     self.assertIn("strategy multi_worker_mirrored (auto: TF_CONFIG lists 2 "
                   "workers)", output)

@@ -585,6 +585,15 @@ def _batch(ds: tf.data.Dataset, options: PipelineOptions, input_context,
     ds = ds.batch(batch, drop_remainder=options.is_training,
                   num_parallel_calls=AUTOTUNE, deterministic=True)
   ds = ds.prefetch(AUTOTUNE)
+  if options.is_training and ds.cardinality() == tf.data.UNKNOWN_CARDINALITY:
+    # Training input is endless (`repeat()`, or numbered epochs through
+    # `flat_map`, whose cardinality tf.data does not know). Saying so keeps
+    # a multi-worker distributed iterator off its partial-batch path, which
+    # runs a cross-worker all-reduce of "has a batch" and a `tf.cond`
+    # before every step (`_enable_get_next_as_optional` in TensorFlow's
+    # input_lib). A dataset that ends anyway fails with tf.data's error.
+    ds = ds.apply(tf.data.experimental.assert_cardinality(
+        tf.data.INFINITE_CARDINALITY))
   # The pipeline shards itself above; stop tf.data from sharding it again.
   data_options = tf.data.Options()
   data_options.experimental_distribute.auto_shard_policy = (

@@ -34,7 +34,12 @@ What every replica (and worker) does in one step, in order:
 1. forward and backward pass on its share of the batch (the loss scaled by
    the fp16 loss scale, if any), with dropout and other random layers drawing
    from the replica's own random stream (see `per_replica_random_streams`);
-2. one all-reduce (sum) of the gradients over all replicas of all workers;
+2. one all-reduce (sum) of the gradients over all replicas of all workers,
+   which also carries the step's float32 sums (loss, example count, metric
+   states, the stop requests) under Mirrored and MultiWorkerMirrored: one
+   collective per step, not one for the gradients and another for the sums
+   (each collective is a point where a worker waits for its peers;
+   `_all_reduce_sum`);
 3. the optimizer's `apply` on those summed gradients, with the optimizer's
    own all-reduce turned off (Keras 3 optimizers sum gradients inside
    `apply`, after their fp16 finite check and their clipping). So:
@@ -86,6 +91,9 @@ from tfdist.training import sharded_optimizer
 
 # The key of the sharded optimizer's per-replica update in a step's sums.
 _SHARD_UPDATE = "_shard_update"
+# The key of a step's sums already summed over replicas (they rode with the
+# gradients' all-reduce): every replica holds the same values.
+_SUMMED = "_summed"
 
 
 class _PerReplicaSeedGenerator(keras.random.SeedGenerator):
@@ -181,7 +189,7 @@ def _sum_gradients_once(optimizer):
   return context()
 
 
-def _all_reduce_sum(grads, bytes_per_pack: int = 0):
+def _all_reduce_sum(grads, bytes_per_pack: int = 0, riders=None):
   """Sums gradients (tensors or `IndexedSlices`; None kept) over all
   replicas of all workers. Replica context.
 
@@ -191,16 +199,41 @@ def _all_reduce_sum(grads, bytes_per_pack: int = 0):
   bytes and launches one all-reduce per pack, each depending only on its
   own gradients, so the last layers' packs travel while the earlier
   layers' gradients are computed. Other strategies' all-reduce ignores it.
+
+  `riders`: `{key: tensor}` summed in the same all-reduce (TensorFlow packs
+  dense values of one dtype into one collective: they must have the dense
+  gradients' dtype). Placed after the gradients, so they travel in the
+  first pack, with the last layers' gradients.
+
+  Returns:
+    The summed gradients (a list like `grads`), or `(gradients, summed
+    riders)` when `riders` is given.
   """
   context = tf.distribute.get_replica_context()
   present = [g for g in grads if g is not None]
-  if context is None or not present:
-    return list(grads)
+  riders = dict(riders or {})
+  keys = sorted(riders)
+  if context is None or not (present or keys):
+    return list(grads) if not keys else (list(grads), riders)
   options = (tf.distribute.experimental.CommunicationOptions(
       bytes_per_pack=bytes_per_pack) if bytes_per_pack else None)
-  summed = iter(context.all_reduce(tf.distribute.ReduceOp.SUM, present,
-                                   options=options))
-  return [None if g is None else next(summed) for g in grads]
+  summed = context.all_reduce(tf.distribute.ReduceOp.SUM,
+                              present + [riders[k] for k in keys],
+                              options=options)
+  out = iter(summed[:len(present)])
+  grads = [None if g is None else next(out) for g in grads]
+  if not keys:
+    return grads
+  return grads, dict(zip(keys, summed[len(present):]))
+
+
+def _rides_with_gradients(strategy: tf.distribute.Strategy) -> bool:
+  """Whether the step's sums join the gradients' all-reduce: under
+  Mirrored and MultiWorkerMirrored, where that all-reduce is
+  `CollectiveAllReduce` or a `CrossDeviceOps` batch over the replicas of
+  the whole group (other strategies keep a reduction of their own)."""
+  return isinstance(strategy, (tf.distribute.MirroredStrategy,
+                               tf.distribute.MultiWorkerMirroredStrategy))
 
 
 def _one_replica(strategy: tf.distribute.Strategy) -> bool:
@@ -365,6 +398,7 @@ class Trainer:
       raise ValueError("global_batch_size must be > 0. Received: "
                        f"{global_batch_size}")
     self.one_replica = _one_replica(strategy)
+    self.rides_with_gradients = _rides_with_gradients(strategy)
     self.steps_per_execution = int(steps_per_execution)
     self.eval_example_weights = bool(eval_example_weights)
     if loss is None:
@@ -492,6 +526,14 @@ class Trainer:
               "stop_signal": stop_flags[0], "stop_training": stop_flags[1]}
     variables = self.model.trainable_variables
     if not self.one_replica:  # One replica: the sum is the gradients.
+      riders = self._riders(grads, {**sums, "stop_signal": stop_flags[0],
+                                    "stop_training": stop_flags[1]})
+      if riders:
+        grads, summed = _all_reduce_sum(grads, self.bytes_per_pack, riders)
+        sums = {k: v for k, v in sums.items() if k not in summed}
+        skipped = precision.step_skipped(self.optimizer, grads)
+        self.optimizer.apply(grads, variables)
+        return {**sums, "skipped": skipped, _SUMMED: summed}
       grads = _all_reduce_sum(grads, self.bytes_per_pack)
     # The same summed gradients on every replica and worker: the finite
     # check (here and inside a LossScaleOptimizer) agrees everywhere.
@@ -499,6 +541,19 @@ class Trainer:
     self.optimizer.apply(grads, variables)
     return {**sums, "skipped": skipped,
             "stop_signal": stop_flags[0], "stop_training": stop_flags[1]}
+
+  def _riders(self, grads, sums):
+    """The `sums` that ride with the gradients' all-reduce
+    (`_all_reduce_sum`): under `_rides_with_gradients` strategies, those
+    of the dense gradients' dtype (float32 unless the variables are not);
+    the others keep `_reduce`. `{}`: none ride."""
+    if not self.rides_with_gradients:
+      return {}
+    dense = {g.dtype for g in grads
+             if g is not None and not isinstance(g, tf.IndexedSlices)}
+    dtype = dense.pop() if len(dense) == 1 else (
+        tf.float32 if not dense else None)
+    return {k: v for k, v in sums.items() if v.dtype == dtype}
 
   # --- gradient accumulation (K > 1) ----------------------------------------
   def _shards_gradients(self) -> bool:
@@ -649,7 +704,10 @@ class Trainer:
     # Equal on every replica: read the first local one (no all-reduce).
     skipped = self.strategy.experimental_local_results(
         per_replica.pop("skipped"))[0]
-    step = self._reduce(per_replica)
+    summed = per_replica.pop(_SUMMED, {})
+    step = self._reduce(per_replica) if per_replica else {}
+    step.update({k: self.strategy.experimental_local_results(v)[0]
+                 for k, v in summed.items()})
     step["skipped_steps"] = skipped
     step["micro_steps"] = tf.constant(float(accumulate))
     return step, waited
