@@ -534,9 +534,19 @@ class LocalRayClusterTest(absltest.TestCase):
                       if quiet_tensorflow.IMPORT_NOTICES.search(
                           _ANSI.sub("", line))], [])
     # The output read is the workers': a TensorFlow line of each trial's
-    # worker, once.
-    strategy_lines = [line for line in output.splitlines()
-                      if "RayTrainWorker pid=" in line and
+    # worker, once. A trial's worker is alone in its cluster; lines of an
+    # earlier test's two-worker cluster that Ray's log monitor forwards
+    # late (a loaded machine) are not this test's.
+    def pid(line):
+      found = re.search(r"RayTrainWorker pid=(\d+)", line)
+      return found.group(1) if found else None
+
+    lines = output.splitlines()
+    trial_pids = {pid(line) for line in lines if pid(line) and
+                  "MultiWorkerMirroredStrategy with cluster_spec" in line and
+                  "num_workers = 1," in line}
+    self.assertLen(trial_pids, 2, output)
+    strategy_lines = [line for line in lines if pid(line) in trial_pids and
                       "Using MirroredStrategy with devices" in line]
     self.assertLen(strategy_lines, 2, output)
     self.assertNotIn("error", outcome, repr(outcome.get("error")))

@@ -107,6 +107,38 @@ class OneReplicaStepTest(absltest.TestCase):
               optimizer=keras.optimizers.SGD(0.1), global_batch_size=0)
 
 
+class StepSumsTest(absltest.TestCase):
+  """The step's sums ride in the gradients' all-reduce when they have the
+  gradients' dtype; the others, the stop requests among them, still reach
+  the output."""
+
+  def test_stop_requests_survive_float64_gradients(self):
+    # float64 variables and metric states: the metric states ride with the
+    # gradients, the float32 loss, count and stop requests do not.
+    keras.config.set_floatx("float64")
+    self.addCleanup(keras.config.set_floatx, "float32")
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0"])
+    with strategy.scope():
+      model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(3)])
+      optimizer = keras.optimizers.SGD(0.1)
+      optimizer.build(model.trainable_variables)
+    data = tf.data.Dataset.from_tensor_slices((
+        tf.ones([32, 6], tf.float64), tf.zeros([32], tf.int64))).batch(
+            8, drop_remainder=True).repeat()
+    for steps_per_execution in (1, 2):
+      trainer = Trainer(strategy=strategy, model=model, optimizer=optimizer,
+                        global_batch_size=8,
+                        steps_per_execution=steps_per_execution)
+      out = trainer.train_function(
+          iter(strategy.experimental_distribute_dataset(data)),
+          tf.constant(steps_per_execution, tf.int32),
+          tf.constant([1.0, 0.0], tf.float32))
+      self.assertGreater(float(out["stop_signal"]), 0.0, steps_per_execution)
+      self.assertEqual(float(out["stop_training"]), 0.0)
+      self.assertEqual(float(out["count"]), 8.0 * steps_per_execution)
+      self.assertIn("metric/0/0", out)
+
+
 class MirroredEvaluationTest(absltest.TestCase):
 
   def test_replica_with_empty_last_batch(self):

@@ -585,7 +585,10 @@ def _batch(ds: tf.data.Dataset, options: PipelineOptions, input_context,
     ds = ds.batch(batch, drop_remainder=options.is_training,
                   num_parallel_calls=AUTOTUNE, deterministic=True)
   ds = ds.prefetch(AUTOTUNE)
-  if options.is_training and ds.cardinality() == tf.data.UNKNOWN_CARDINALITY:
+  # Static where it can be known; inside a traced dataset function (the
+  # parameter-server coordinator's) it is not, and nothing is asserted.
+  cardinality = tf.get_static_value(ds.cardinality())
+  if options.is_training and cardinality == tf.data.UNKNOWN_CARDINALITY:
     # Training input is endless (`repeat()`, or numbered epochs through
     # `flat_map`, whose cardinality tf.data does not know). Saying so keeps
     # a multi-worker distributed iterator off its partial-batch path, which

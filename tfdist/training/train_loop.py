@@ -35,9 +35,12 @@ What every replica (and worker) does in one step, in order:
    the fp16 loss scale, if any), with dropout and other random layers drawing
    from the replica's own random stream (see `per_replica_random_streams`);
 2. one all-reduce (sum) of the gradients over all replicas of all workers,
-   which also carries the step's float32 sums (loss, example count, metric
-   states, the stop requests) under Mirrored and MultiWorkerMirrored: one
-   collective per step, not one for the gradients and another for the sums
+   which also carries the step's sums of the gradients' dtype (float32:
+   loss, example count, metric states, the stop requests) under Mirrored
+   and MultiWorkerMirrored: one collective per step, not one for the
+   gradients and another for the sums (sums of another dtype, and every
+   sum under ZeRO sharding or other strategies, keep a reduction of their
+   own, `_reduce`)
    (each collective is a point where a worker waits for its peers;
    `_all_reduce_sum`);
 3. the optimizer's `apply` on those summed gradients, with the optimizer's
@@ -516,7 +519,8 @@ class Trainer:
   def _replica_apply(self, grads, sums, stop_flags, shard=None):
     """Steps 2-4 of the module docstring on one replica's gradients (of one
     batch, or accumulated over K micro-batches); returns `sums` with
-    `skipped` and the stop requests added. Sharded (`self.sharded`): the
+    `skipped` and the stop requests added (those that rode in the
+    gradients' all-reduce, already summed, under `_SUMMED`). Sharded (`self.sharded`): the
     gradients (or the reduced `shard` of stage 2) are reduced and sliced
     here, and `sums` also carries the shard's update, which
     `_train_step` applies in cross-replica context."""
@@ -526,14 +530,15 @@ class Trainer:
               "stop_signal": stop_flags[0], "stop_training": stop_flags[1]}
     variables = self.model.trainable_variables
     if not self.one_replica:  # One replica: the sum is the gradients.
-      riders = self._riders(grads, {**sums, "stop_signal": stop_flags[0],
-                                    "stop_training": stop_flags[1]})
+      everything = {**sums, "stop_signal": stop_flags[0],
+                    "stop_training": stop_flags[1]}
+      riders = self._riders(grads, everything)
       if riders:
         grads, summed = _all_reduce_sum(grads, self.bytes_per_pack, riders)
-        sums = {k: v for k, v in sums.items() if k not in summed}
+        rest = {k: v for k, v in everything.items() if k not in summed}
         skipped = precision.step_skipped(self.optimizer, grads)
         self.optimizer.apply(grads, variables)
-        return {**sums, "skipped": skipped, _SUMMED: summed}
+        return {**rest, "skipped": skipped, _SUMMED: summed}
       grads = _all_reduce_sum(grads, self.bytes_per_pack)
     # The same summed gradients on every replica and worker: the finite
     # check (here and inside a LossScaleOptimizer) agrees everywhere.
