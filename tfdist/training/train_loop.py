@@ -38,11 +38,10 @@ What every replica (and worker) does in one step, in order:
    which also carries the step's sums of the gradients' dtype (float32:
    loss, example count, metric states, the stop requests) under Mirrored
    and MultiWorkerMirrored: one collective per step, not one for the
-   gradients and another for the sums (sums of another dtype, and every
-   sum under ZeRO sharding or other strategies, keep a reduction of their
-   own, `_reduce`)
-   (each collective is a point where a worker waits for its peers;
-   `_all_reduce_sum`);
+   gradients and another for the sums, each a point where a worker waits
+   for its peers (`_all_reduce_sum`). Sums of another dtype, and every sum
+   under ZeRO sharding or other strategies, keep a reduction of their own
+   (`_reduce`);
 3. the optimizer's `apply` on those summed gradients, with the optimizer's
    own all-reduce turned off (Keras 3 optimizers sum gradients inside
    `apply`, after their fp16 finite check and their clipping). So:
@@ -209,25 +208,23 @@ def _all_reduce_sum(grads, bytes_per_pack: int = 0, riders=None):
   first pack, with the last layers' gradients.
 
   Returns:
-    The summed gradients (a list like `grads`), or `(gradients, summed
-    riders)` when `riders` is given.
+    `(gradients, summed riders)`: the gradients a list like `grads`, the
+    riders a dict like `riders` (`{}` when None).
   """
   context = tf.distribute.get_replica_context()
   present = [g for g in grads if g is not None]
   riders = dict(riders or {})
   keys = sorted(riders)
   if context is None or not (present or keys):
-    return list(grads) if not keys else (list(grads), riders)
+    return list(grads), riders
   options = (tf.distribute.experimental.CommunicationOptions(
       bytes_per_pack=bytes_per_pack) if bytes_per_pack else None)
   summed = context.all_reduce(tf.distribute.ReduceOp.SUM,
                               present + [riders[k] for k in keys],
                               options=options)
   out = iter(summed[:len(present)])
-  grads = [None if g is None else next(out) for g in grads]
-  if not keys:
-    return grads
-  return grads, dict(zip(keys, summed[len(present):]))
+  return ([None if g is None else next(out) for g in grads],
+          dict(zip(keys, summed[len(present):])))
 
 
 def _rides_with_gradients(strategy: tf.distribute.Strategy) -> bool:
@@ -520,32 +517,25 @@ class Trainer:
     """Steps 2-4 of the module docstring on one replica's gradients (of one
     batch, or accumulated over K micro-batches); returns `sums` with
     `skipped` and the stop requests added (those that rode in the
-    gradients' all-reduce, already summed, under `_SUMMED`). Sharded (`self.sharded`): the
-    gradients (or the reduced `shard` of stage 2) are reduced and sliced
-    here, and `sums` also carries the shard's update, which
-    `_train_step` applies in cross-replica context."""
+    gradients' all-reduce, already summed, under `_SUMMED`). Sharded
+    (`self.sharded`): the gradients (or the reduced `shard` of stage 2)
+    are reduced and sliced here, and `sums` also carries the shard's
+    update, which `_train_step` applies in cross-replica context."""
+    sums = {**sums, "stop_signal": stop_flags[0],
+            "stop_training": stop_flags[1]}
     if self.sharded is not None:
       skipped, update = self.sharded.replica_prepare(grads, shard)
-      return {**sums, "skipped": skipped, _SHARD_UPDATE: update,
-              "stop_signal": stop_flags[0], "stop_training": stop_flags[1]}
-    variables = self.model.trainable_variables
+      return {**sums, "skipped": skipped, _SHARD_UPDATE: update}
+    summed = {}
     if not self.one_replica:  # One replica: the sum is the gradients.
-      everything = {**sums, "stop_signal": stop_flags[0],
-                    "stop_training": stop_flags[1]}
-      riders = self._riders(grads, everything)
-      if riders:
-        grads, summed = _all_reduce_sum(grads, self.bytes_per_pack, riders)
-        rest = {k: v for k, v in everything.items() if k not in summed}
-        skipped = precision.step_skipped(self.optimizer, grads)
-        self.optimizer.apply(grads, variables)
-        return {**rest, "skipped": skipped, _SUMMED: summed}
-      grads = _all_reduce_sum(grads, self.bytes_per_pack)
+      grads, summed = _all_reduce_sum(grads, self.bytes_per_pack,
+                                      self._riders(grads, sums))
+      sums = {k: v for k, v in sums.items() if k not in summed}
     # The same summed gradients on every replica and worker: the finite
     # check (here and inside a LossScaleOptimizer) agrees everywhere.
     skipped = precision.step_skipped(self.optimizer, grads)
-    self.optimizer.apply(grads, variables)
-    return {**sums, "skipped": skipped,
-            "stop_signal": stop_flags[0], "stop_training": stop_flags[1]}
+    self.optimizer.apply(grads, self.model.trainable_variables)
+    return {**sums, "skipped": skipped, _SUMMED: summed}
 
   def _riders(self, grads, sums):
     """The `sums` that ride with the gradients' all-reduce
@@ -710,7 +700,7 @@ class Trainer:
     skipped = self.strategy.experimental_local_results(
         per_replica.pop("skipped"))[0]
     summed = per_replica.pop(_SUMMED, {})
-    step = self._reduce(per_replica) if per_replica else {}
+    step = self._reduce(per_replica)
     step.update({k: self.strategy.experimental_local_results(v)[0]
                  for k, v in summed.items()})
     step["skipped_steps"] = skipped
