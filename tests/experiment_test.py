@@ -123,18 +123,23 @@ class FactsTest(parameterized.TestCase):
     self.assertIsNone(experiment.cross_process_memory_warning(
         total_steps=2_000, steps_per_execution=1, cross_process=True))
 
-  def test_prepared_run_reads_as_its_tuple(self):
+  def test_prepared_run_holds_its_backend_and_role(self):
     prepared = experiment.prepare_run(
         TrainConfig(model_dir="/runs/x", train_steps=1,
                     distribution_strategy="one_device"),
         environment=environment_lib.read_environment({}))
-    config, cluster, decision, applied, trial_fields = prepared
-    self.assertEqual(len(prepared), 5)
-    self.assertIs(prepared[0], config)
-    self.assertIs(prepared.cluster, cluster)
-    self.assertEqual(decision.strategy, "one_device")
-    self.assertEqual((tuple(applied), tuple(trial_fields)), ((), ()))
+    self.assertEqual(prepared.decision.strategy, "one_device")
+    self.assertEqual((tuple(prepared.environment_applied),
+                      tuple(prepared.trial_fields)), ((), ()))
     self.assertIs(prepared.kind, StrategyKind.ONE_DEVICE)
+    self.assertIs(prepared.backend.kind, StrategyKind.ONE_DEVICE)
+    self.assertIs(prepared.backend, prepared.backend)  # decided once
+    self.assertTrue(prepared.role.is_writer)
+    self.assertEqual(prepared.role.num_workers, 1)
+    self.assertFalse(prepared.role.serves)
+    # A record of decisions, not a tuple to unpack.
+    with self.assertRaises(TypeError):
+      iter(prepared)
 
   def test_planned_replicas_use_the_same_workers(self):
     config = TrainConfig(model_dir="/unused", num_gpus=0, num_cpu_devices=2)

@@ -194,7 +194,9 @@ def _strategy(out_dir: str, collective_timeout_seconds: float = 60):
       distribution_strategy=name, model_dir=out_dir, train_steps=1,
       num_gpus=0, collective_timeout_seconds=collective_timeout_seconds,
       cluster_start_timeout_seconds=60)
-  config, cluster, decision, _, _ = experiment.prepare_run(config)
+  prepared = experiment.prepare_run(config)
+  config, cluster, decision = (prepared.config, prepared.cluster,
+                               prepared.decision)
   choice = strategy_lib.make_strategy(run_options.strategy_options(config),
                                       cluster=cluster)
   print(f"strategy {choice.name} ({decision.strategy_reason})", flush=True)

@@ -124,10 +124,10 @@ def _counts(env, reduction_server=False):
 
 def _make_strategy(config, env):
   """As the binary does: environment, cluster, decision, then the factory."""
-  config, cluster, _, _, _ = experiment.prepare_run(
+  prepared = experiment.prepare_run(
       config, environment=environment_lib.read_environment(env))
-  return strategy_lib.make_strategy(run_options.strategy_options(config),
-                                    cluster=cluster)
+  return strategy_lib.make_strategy(
+      run_options.strategy_options(prepared.config), cluster=prepared.cluster)
 
 
 class ClusterSpecTest(parameterized.TestCase):

@@ -1,0 +1,271 @@
+"""The backend protocol: everything one `tf.distribute` strategy does its own way.
+
+A run's wiring (`tfdist.experiment`) asks its backend, never the strategy's
+kind: how many processes step, which one writes `--model_dir`, how the
+strategy is built, what feeds it and runs its steps, how its failures read,
+what it exports and how its processes finish together. A new strategy is
+one `StrategyKind` member (`tfdist.distribute.strategy_kind`), one module
+here with a `Backend` subclass registered for that kind
+(`register_backend`), its test, and one selection rule in
+`tfdist.distribute.auto_select`. The built-in backends:
+
+| kind | module |
+|---|---|
+| `off`, `one_device`, `mirrored` | `tfdist.backends.single_process` |
+| `multi_worker_mirrored` | `tfdist.backends.multi_worker` |
+| `parameter_server` | `tfdist.backends.parameter_server` |
+| `tpu` | `tfdist.backends.tpu` |
+
+The pattern is Keras's backend-neutral `Trainer` with a thin
+`TensorFlowTrainer` subclass: the shared loop lives once, above; what one
+strategy does differently lives in one subclass.
+"""
+
+import dataclasses
+from typing import Any, Callable, Dict, Optional, Tuple, Type
+
+import tensorflow as tf
+
+from tfdist.distribute import devices
+from tfdist.distribute import strategy as strategy_lib
+from tfdist.distribute.strategy_kind import StrategyKind
+from tfdist.runtime import run_options
+
+
+@dataclasses.dataclass(frozen=True)
+class Role:
+  """What this process does in the run: the one answer to chief/worker
+  questions.
+
+  Attributes:
+    task_type: the cluster task's type (`chief`, `worker`, `ps`,
+      `evaluator`; `chief` outside a cluster).
+    task_index: its index in that job.
+    is_writer: this process writes `--model_dir` (checkpoints, TensorBoard,
+      SavedModel, manifest): the only process of a one-process run, the
+      MultiWorkerMirrored chief, the parameter-server coordinator. Other
+      training processes write into a scratch folder.
+    num_workers: the processes that run training steps
+      (`Backend.training_workers`).
+    serves: this process only serves the cluster until the run ends (a
+      parameter-server cluster's `worker` and `ps` tasks).
+  """
+  task_type: str
+  task_index: int
+  is_writer: bool
+  num_workers: int
+  serves: bool = False
+
+
+class Backend:
+  """One strategy's behaviour. Subclass it and register the subclass for a
+  `StrategyKind` with `register_backend`.
+
+  The defaults are those of a synchronous strategy in one process (one
+  device, Mirrored); each built-in subclass overrides only what its
+  strategy does otherwise.
+
+  Class attributes:
+    kind: the `StrategyKind` this backend serves (set by
+      `register_backend`).
+    asynchronous: workers step independently, scheduled by a coordinator
+      (the run plan sizes batches per worker step).
+    on_tpu: the model is built for a TPU (static shapes, padded
+      evaluation batches).
+    keeps_input_position: checkpoints record where the input stands, so a
+      resumed run continues the epoch (needs one deterministic reading
+      order).
+  """
+
+  kind: StrategyKind = StrategyKind.ONE_DEVICE
+  asynchronous: bool = False
+  on_tpu: bool = False
+  keeps_input_position: bool = True
+
+  # -- Roles -----------------------------------------------------------------
+
+  def training_workers(self, cluster) -> int:
+    """The processes that run training steps (1 in one process).
+
+    Args:
+      cluster: the run's `tfdist.distribute.cluster.ClusterInfo`.
+    """
+    del cluster
+    return 1
+
+  def writes_model_dir(self, cluster) -> bool:
+    """Whether this process writes `--model_dir` (see `Role.is_writer`)."""
+    del cluster
+    return True
+
+  def serves(self, cluster) -> bool:
+    """Whether this process only serves the cluster (see `Role.serves`)."""
+    del cluster
+    return False
+
+  def role(self, cluster) -> Role:
+    """This process's `Role` in the run."""
+    return Role(task_type=cluster.task_type, task_index=cluster.task_index,
+                is_writer=self.writes_model_dir(cluster),
+                num_workers=self.training_workers(cluster),
+                serves=self.serves(cluster))
+
+  def num_input_pipelines(self, num_workers: int) -> int:
+    """How many `tf.data` pipelines feed the run (one per reading process).
+
+    Args:
+      num_workers: the run's training workers.
+    """
+    return self.kind.num_input_pipelines(num_workers)
+
+  def cross_process_collectives(self, num_workers: int) -> bool:
+    """Whether a training step's collectives reach another process."""
+    del num_workers
+    return False
+
+  # -- Start-up ----------------------------------------------------------------
+
+  def validate(self, config, *, dataset) -> None:
+    """Checks only this strategy makes, before anything is built.
+
+    Args:
+      config: the run's `TrainConfig` (`auto` decided).
+      dataset: the run's `DatasetSpec`, or None when not known.
+
+    Raises:
+      ConfigError: the configuration cannot run under this strategy.
+    """
+    del config, dataset
+
+  def serve(self, config, cluster) -> Optional[dict]:
+    """Runs a serving process's part until the run ends; returns its result
+    (None: this process trains or evaluates instead)."""
+    del config, cluster
+    return None
+
+  def build_strategy(self, config, *, cluster,
+                     lease=None) -> strategy_lib.StrategyChoice:
+    """The `tf.distribute` strategy, with the CPU devices configured.
+
+    Args:
+      config: the run's `TrainConfig`.
+      cluster: its `ClusterInfo` (None for a lone evaluator).
+      lease: the writer's `--model_dir` lease (None elsewhere); a backend
+        that waits for peers extends it while it waits.
+
+    Raises:
+      ConfigError: as `tfdist.distribute.strategy.make_strategy`.
+    """
+    del lease
+    devices.configure_cpu_devices(config.num_cpu_devices)
+    return strategy_lib.make_strategy(run_options.strategy_options(config),
+                                      cluster=cluster)
+
+  def planned_replicas(self, config, *, cluster) -> Tuple[int, int]:
+    """`(num_replicas_in_sync, num_workers)` a run will have, without
+    building the strategy (for `--dry_run`)."""
+    del config
+    return 1, self.training_workers(cluster)
+
+  # -- Training ----------------------------------------------------------------
+
+  def build_inputs(self, run) -> Tuple[Any, Optional[Callable[..., dict]],
+                                       Dict[str, Any]]:
+    """`(step_runner, evaluate, strategy_details)` for a training run.
+
+    Args:
+      run: the `tfdist.experiment.runner.ExperimentRunner` whose steps have
+        built its strategy, plan, parts and checkpoint keeper.
+
+    Returns:
+      The `tfdist.training.step_runner.StepRunner`, the held-out evaluation
+      (None under `--mode=train`), and the manifest's `strategy_details`.
+    """
+    raise NotImplementedError(
+        f"{type(self).__name__} (the {self.kind} backend) builds no inputs: "
+        "subclass tfdist.backends.synchronous.SynchronousBackend or "
+        "implement build_inputs.")
+
+  def translate_failure(self, error: Exception, *, after: str,
+                        last_checkpoint: Optional[str],
+                        cluster) -> Optional[Exception]:
+    """The tfdist error for a TensorFlow failure noticed outside the steps
+    (a save, an evaluation, the final barrier), or None to let it through.
+
+    Args:
+      error: what TensorFlow raised.
+      after: where training was, e.g. "step 40".
+      last_checkpoint: the checkpoint a restart resumes from.
+      cluster: the run's `ClusterInfo`.
+    """
+    del error, after, last_checkpoint, cluster
+    return None
+
+  def export_model(self, run):
+    """The Keras model the SavedModel is made of (the trained one)."""
+    return run.parts.model
+
+  def leave_together(self, run) -> None:
+    """Ends the run's processes together (nothing to do in one process)."""
+    del run
+
+  # -- Evaluators ----------------------------------------------------------------
+
+  def evaluation_batch(self, global_batch_size: int) -> int:
+    """A side-car evaluator's batch for a run of this strategy whose
+    global batch is `global_batch_size`."""
+    return global_batch_size
+
+  def evaluator_strategy(self, local_devices: int
+                         ) -> Tuple[StrategyKind, str]:
+    """`(strategy, reason)` a side-car evaluator of this strategy's runs
+    uses in its one process with `local_devices` devices."""
+    del local_devices
+    return self.kind, "the run's strategy"
+
+
+def local_accelerators(num_gpus: int) -> int:
+  """The GPUs a run of this process uses (`--num_gpus`; -1: all)."""
+  gpus = len(tf.config.list_physical_devices("GPU"))
+  if num_gpus >= 0:
+    gpus = min(gpus, num_gpus)
+  return gpus
+
+
+_BACKENDS: Dict[StrategyKind, Type[Backend]] = {}
+
+
+def register_backend(kind, backend: Optional[Type[Backend]] = None):
+  """Registers `backend` (a `Backend` subclass) for `kind`.
+
+  Usable as a decorator (`@register_backend(StrategyKind.MIRRORED)`) or a
+  call; a later registration for the same kind replaces the earlier one
+  (a user's subclass replacing a built-in backend).
+
+  Args:
+    kind: a `StrategyKind` or its name.
+    backend: the class; omitted when used as a decorator.
+
+  Returns:
+    `backend` (or the decorator).
+
+  Raises:
+    TypeError: `backend` is not a `Backend` subclass.
+    ValueError: `kind` is not a concrete strategy name.
+  """
+  kind = StrategyKind.parse(kind)
+
+  def register(cls):
+    if not (isinstance(cls, type) and issubclass(cls, Backend)):
+      raise TypeError(f"register_backend({kind}, {cls!r}): the backend must "
+                      "be a subclass of tfdist.backends.base.Backend.")
+    cls.kind = kind
+    _BACKENDS[kind] = cls
+    return cls
+
+  return register if backend is None else register(backend)
+
+
+def registered_backend(kind) -> Optional[Type[Backend]]:
+  """The class registered for `kind`, or None."""
+  return _BACKENDS.get(StrategyKind.parse(kind))

@@ -1,0 +1,35 @@
+"""`backend_for`: the registered backend of a strategy kind.
+
+Importing this module registers the built-in backends
+(`tfdist.backends.base` lists them); `register_backend` adds or replaces
+one.
+"""
+
+from tfdist.backends import base
+# Registered on import.
+from tfdist.backends import multi_worker  # pylint: disable=unused-import
+from tfdist.backends import parameter_server  # pylint: disable=unused-import
+from tfdist.backends import single_process  # pylint: disable=unused-import
+from tfdist.backends import tpu  # pylint: disable=unused-import
+
+Backend = base.Backend
+Role = base.Role
+register_backend = base.register_backend
+
+
+def backend_for(kind) -> base.Backend:
+  """A new instance of the backend registered for `kind`.
+
+  Args:
+    kind: a `StrategyKind` or a concrete `--distribution_strategy` name.
+
+  Raises:
+    ValueError: `kind` is not a concrete strategy name, or no backend is
+      registered for it.
+  """
+  cls = base.registered_backend(kind)
+  if cls is None:
+    raise ValueError(
+        f"No backend is registered for --distribution_strategy={kind}: "
+        "register one with tfdist.backends.registry.register_backend.")
+  return cls()

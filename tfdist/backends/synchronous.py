@@ -1,0 +1,89 @@
+"""Synchronous data parallelism: what one device, Mirrored, MultiWorkerMirrored
+and TPU runs share.
+
+Every training process calls the `Trainer`'s compiled step on its own
+distributed input (`tfdist.training.step_runner.LocalStepRunner`), and
+evaluates the held-out data under the same strategy.
+"""
+
+import dataclasses
+from typing import Callable, Optional
+
+from tfdist.backends import base
+from tfdist.data import input_pipeline
+from tfdist.data import input_position as input_position_lib
+from tfdist.training import step_runner
+
+
+class SynchronousBackend(base.Backend):
+  """Every training process runs every step on its share of the batch."""
+
+  def build_inputs(self, run):
+    return (local_runner(run, num_input_pipelines=self.num_input_pipelines(
+        run.num_workers)), local_evaluation(run, pad=self.on_tpu), {})
+
+
+def local_runner(run, *, num_input_pipelines: int
+                 ) -> step_runner.LocalStepRunner:
+  """The step runner over this process's distributed training input.
+
+  Args:
+    run: the `ExperimentRunner` (its config, task, plan, strategy, parts and
+      keeper built).
+    num_input_pipelines: the `tf.data` pipelines that feed the run (a
+      dataset function's epoch is split among them).
+  """
+  config, plan, strategy = run.config, run.plan, run.strategy
+  input_position = run.keeper.input_position
+  train_options = input_pipeline.options_for(
+      run.task.dataset, files=plan.train_files,
+      global_batch_size=plan.global_batch_size, is_training=True,
+      shuffle_buffer_size=config.shuffle_buffer_size,
+      cache=config.cache_dataset, seed=config.seed,
+      file_record_counts=plan.train_file_counts,
+      gradient_accumulation_steps=plan.batch.gradient_accumulation_steps,
+      # A resumable position needs a reproducible reading order.
+      deterministic=config.deterministic or input_position is not None,
+      # A dataset function's epochs of whole steps (as files'): the
+      # examples each pipeline reads per epoch.
+      examples_per_epoch=(
+          None if run.task.dataset.reads_files else
+          plan.steps_per_epoch * plan.global_batch_size //
+          num_input_pipelines))
+
+  def train_iterator(restored_step: int):
+    """The training input from the restored step's position: where the
+    checkpoint left the epoch, or the start of that epoch."""
+    if input_position is not None:
+      start = input_position.resume_step(restored_step)
+    else:
+      start = input_position_lib.epoch_start(restored_step,
+                                             plan.steps_per_epoch)
+    return iter(input_pipeline.distribute(
+        strategy, dataclasses.replace(train_options, start_step=start)))
+
+  return step_runner.LocalStepRunner(
+      trainer=run.parts.trainer, iterator_fn=train_iterator,
+      num_workers=run.num_workers)
+
+
+def local_evaluation(run, *, pad: bool) -> Optional[Callable[..., dict]]:
+  """Held-out evaluation under the run's strategy (None: `--mode=train`).
+
+  Args:
+    run: the `ExperimentRunner`.
+    pad: pad the last batches to the static batch shape (masked in the
+      metrics), as TPUs need.
+  """
+  if run.config.mode == "train":
+    return None
+  plan, trainer = run.plan, run.parts.trainer
+  eval_data = input_pipeline.distribute(
+      run.strategy, input_pipeline.options_for(
+          run.task.dataset, files=plan.eval_files,
+          # Micro-batches: what a step's memory was sized for.
+          global_batch_size=plan.eval_batch_size,
+          is_training=False,
+          cache=run.config.cache_dataset,
+          pad_to_static_batches=pad))
+  return lambda **hooks: trainer.evaluate(eval_data, **hooks)

@@ -1,0 +1,64 @@
+"""`--dry_run`: every start-up check that needs the data and the plan, and
+nothing built or trained."""
+
+from typing import Tuple
+
+from absl import logging
+
+from tfdist.backends import registry as backends
+from tfdist.distribute.strategy_kind import StrategyKind
+from tfdist.experiment import prepare
+from tfdist.runtime import run_options
+from tfdist.training import run_plan as run_plan_lib
+
+
+def planned_replicas(config, *, decision, cluster) -> Tuple[int, int]:
+  """`(num_replicas_in_sync, num_workers)` a run will have, without
+  building its strategy (its backend's `planned_replicas`; TPUs are asked).
+
+  Raises:
+    ConfigError: as `tfdist.distribute.strategy.make_strategy` (TPU only).
+  """
+  backend = backends.backend_for(StrategyKind.parse(decision.strategy))
+  return backend.planned_replicas(config, cluster=cluster)
+
+
+def dry_run(prepared: prepare.PreparedRun, *, task, writer: bool) -> dict:
+  """The plan made and printed, the resume compared (by the writer).
+
+  Args:
+    prepared: the run's `PreparedRun`.
+    task: its `tfdist.training.task.Task`.
+    writer: this process writes `--model_dir` (it compares the run with the
+      checkpoint's).
+
+  Returns:
+    The dry run's summary: role, batch, replicas, steps, examples, notes.
+
+  Raises:
+    ConfigError: as `tfdist.training.run_plan.make_run_plan`.
+    tfdist.training.checkpointing.IncompatibleResumeError: as
+      `tfdist.experiment.prepare.check_resume`.
+  """
+  config, cluster = prepared.config, prepared.cluster
+  replicas, num_workers = prepared.backend.planned_replicas(
+      config, cluster=cluster)
+  plan = run_plan_lib.make_run_plan(
+      run_options.plan_options(config), task.dataset,
+      num_replicas_in_sync=replicas,
+      num_workers=num_workers, asynchronous=prepared.backend.asynchronous,
+      decision=prepared.decision)
+  logging.info("%s", plan.describe(run_options.plan_options(config)))
+  notes = prepare.check_resume(config, plan) if writer else []
+  print(f"tfdist: dry run: every start-up check passed ({cluster.task_type} "
+        f"{cluster.task_index}; {plan.num_train_examples} training and "
+        f"{plan.num_eval_examples} evaluation examples read, output folders "
+        "writable); nothing was built or trained.", flush=True)
+  return {"dry_run": True, "role": cluster.task_type,
+          "index": cluster.task_index,
+          "global_batch_size": plan.global_batch_size,
+          "num_replicas_in_sync": plan.batch.num_replicas_in_sync,
+          "total_steps": plan.total_steps,
+          "num_train_examples": plan.num_train_examples,
+          "num_eval_examples": plan.num_eval_examples,
+          "resume_notes": notes}

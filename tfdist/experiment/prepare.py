@@ -1,0 +1,261 @@
+"""Preparing a run: the decisions every role makes first.
+
+`start_run` checks what needs no model (versions, callbacks, allocator, file
+systems, the task) and calls `prepare_run`, which applies the environment,
+resolves the cluster and decides `auto`. Its `PreparedRun` holds the
+config, the cluster, the decision, the strategy's backend
+(`tfdist.backends`) and this process's `Role`; nothing in it is written
+back into the config the caller gave beyond the environment's fields and
+the decided strategy and dtype.
+"""
+
+import contextlib
+import dataclasses
+import functools
+from typing import Optional, Sequence, Tuple
+
+from absl import logging
+import keras
+import tensorflow as tf
+
+from tfdist.backends import registry as backends
+from tfdist.config import TrainConfig
+from tfdist.data import filesystems
+from tfdist.data.dataset_spec import DataNotFoundError
+from tfdist.distribute import auto_select
+from tfdist.distribute import cluster as cluster_lib
+from tfdist.distribute import environment as environment_lib
+from tfdist.distribute.strategy_kind import StrategyKind
+from tfdist.observability import versions
+from tfdist.runtime import allocator
+from tfdist.runtime import run_options
+from tfdist.training import assembly
+from tfdist.training import checkpoint_paths
+from tfdist.training import checkpointing
+from tfdist.training import export
+from tfdist.training import keras_callbacks
+from tfdist.training import task as task_lib
+
+
+def training_workers(kind: StrategyKind,
+                     cluster: cluster_lib.ClusterInfo) -> int:
+  """The processes that run training steps (`Backend.training_workers`).
+
+  Args:
+    kind: the run's strategy kind.
+    cluster: its resolved cluster.
+
+  Returns:
+    Under MultiWorkerMirrored, the chief and the workers
+    (`ClusterInfo.num_workers`, at least 1); under parameter servers, the
+    `worker` tasks (the coordinator schedules, it does not step; 0 in a
+    cluster without workers); otherwise 1.
+  """
+  return backends.backend_for(kind).training_workers(cluster)
+
+
+@dataclasses.dataclass(frozen=True)
+class PreparedRun:
+  """The decisions every role makes first (`prepare_run`).
+
+  Attributes:
+    config: the `TrainConfig` with the environment applied and `auto`
+      decided.
+    cluster: the `tfdist.distribute.cluster.ClusterInfo`.
+    decision: the `tfdist.distribute.auto_select.Decision`.
+    environment_applied: the `(field, variable)` pairs the environment
+      filled.
+    trial_fields: the folder fields given a tuning trial's subfolder.
+  """
+  config: TrainConfig
+  cluster: cluster_lib.ClusterInfo
+  decision: auto_select.Decision
+  environment_applied: Tuple[Tuple[str, str], ...] = ()
+  trial_fields: Tuple[str, ...] = ()
+
+  @property
+  def kind(self) -> StrategyKind:
+    """The decided strategy, parsed once."""
+    return StrategyKind.parse(self.decision.strategy)
+
+  @functools.cached_property
+  def backend(self) -> backends.Backend:
+    """The decided strategy's backend (`tfdist.backends`)."""
+    return backends.backend_for(self.kind)
+
+  @functools.cached_property
+  def role(self) -> backends.Role:
+    """This process's `Role`: writer or not, training workers, server."""
+    return self.backend.role(self.cluster)
+
+  @property
+  def num_workers(self) -> int:
+    """The processes that run training steps (`Role.num_workers`)."""
+    return self.role.num_workers
+
+  @property
+  def is_writer(self) -> bool:
+    """Whether this process writes `--model_dir` (`Role.is_writer`): the
+    only process, the MultiWorkerMirrored chief, the parameter-server
+    coordinator."""
+    return self.role.is_writer
+
+
+def _log_environment(config: TrainConfig, applied) -> None:
+  """Logs the fields the environment and `--dataset` filled."""
+  for field, variable in applied:
+    logging.info("--%s=%s from $%s", field, getattr(config, field), variable)
+  if config.recommended_applied:
+    logging.info("--dataset=%s sets flags left unset: %s (pass them to "
+                 "override).", config.dataset,
+                 " ".join(f"--{k}={v}" for k, v in config.recommended_applied))
+
+
+def prepare_run(config: TrainConfig, *,
+                environment: Optional[environment_lib.RunEnvironment] = None,
+                dataset=None) -> PreparedRun:
+  """The decisions every role makes first: environment, cluster, `auto`.
+
+  Nothing expensive runs here (no model, no data); the TPU is probed only
+  when `auto` needs it, boundedly.
+
+  Args:
+    config: the caller's `TrainConfig`.
+    environment: the environment to use (None: read `os.environ` now).
+    dataset: the run's `DatasetSpec`, if known (a dataset function reads
+      no files, so the TPU `gs://` rule has nothing to check).
+
+  Returns:
+    A `PreparedRun`: the config with the environment
+    applied (a tuning trial's folders nested, `environment.trial_folders`)
+    and `auto` decided, the `ClusterInfo`, the `auto_select.Decision`, the
+    `(field, variable)` pairs the environment filled, and the folder fields
+    given the trial's subfolder.
+
+  Raises:
+    ConfigError: missing `--model_dir`, `--feature_spec` without files, a
+      data URI of another format than `tf-record`, a malformed cluster,
+      fp16 on a TPU, local input with a remote TPU, an export folder that
+      would replace the run's other outputs
+      (`tfdist.training.export.ExportRefusedError`).
+  """
+  if environment is None:
+    environment = environment_lib.read_environment()
+  config, applied = environment_lib.apply_environment(config, environment)
+  config.require_model_dir()
+  config.require_data_files()
+  _log_environment(config, applied)
+  cluster = cluster_lib.resolve_cluster(
+      worker_hosts=config.worker_hosts, task_index=config.task_index,
+      environ=environment.variables,
+      reduction_server=config.reduction_server)
+  logging.info("%s", cluster.describe())
+  # Hyperparameter tuning: trials never share a checkpoint.
+  config, trial_fields = environment_lib.trial_folders(
+      config, trial=cluster.trial, filled=applied)
+  for field in trial_fields:
+    logging.info("--%s=%s: hyperparameter-tuning trial %s's own folder "
+                 "(from %s)", field, getattr(config, field), cluster.trial,
+                 cluster.source)
+  # The export replaces its folder: never one holding the run's outputs.
+  export.check_layout(**environment_lib.output_sources(config, applied))
+  decision = auto_select.resolve(run_options.select_options(config), cluster=cluster,
+                                 environment=environment)
+  config = run_options.apply_decision(config, decision)
+  prepared = PreparedRun(config=config, cluster=cluster, decision=decision,
+                         environment_applied=applied,
+                         trial_fields=trial_fields)
+  prepared.backend.validate(config, dataset=dataset)
+  logging.info("%s", decision.describe())
+  return prepared
+
+
+@contextlib.contextmanager
+def name_environment_sources(applied):
+  """Missing data named by a field the environment filled (Vertex AI's
+  `AIP_TRAINING_DATA_URI` filled `--train_files`) also names the variable:
+  the user gave no such flag.
+
+  Raises:
+    DataNotFoundError: the same message, with the variable and the fix
+      appended when a filled field is the one named.
+  """
+  try:
+    yield
+  except DataNotFoundError as e:
+    message = str(e)
+    notes = [f"--{field} came from ${variable}: fix that variable, or pass "
+             f"--{field} (a flag wins over ${variable})."
+             for field, variable in applied if f"--{field}=" in message]
+    if not notes:
+      raise
+    raise DataNotFoundError(" ".join([message, *notes])) from e
+
+
+def start_run(config: TrainConfig, *,
+              callbacks: Sequence[keras.callbacks.Callback] = (),
+              environment: Optional[environment_lib.RunEnvironment] = None,
+              task: Optional[task_lib.Task] = None
+              ) -> Tuple[task_lib.Task, PreparedRun]:
+  """The checks of every role before anything is built: the installed
+  TensorFlow and Keras, the callbacks, the allocator, the file systems,
+  the task, `prepare_run` and the model options.
+
+  Returns:
+    `(task, prepared)`: the `tfdist.training.task.Task` (`task`, or what the
+    config names) and the `PreparedRun`.
+
+  Raises:
+    As `run_experiment`, for what is checked before training.
+  """
+  versions.check_installed_versions()
+  keras_callbacks.check_callbacks(callbacks)
+  # Every role (chief, worker, ps, evaluator) trains or serves in this
+  # process: the malloc settings apply to all (tfdist.runtime.allocator).
+  allocator.configure_allocator(config.tune_allocator)
+  # Every task opens files itself (ps workers read the input shards, every
+  # process reads a --feature_spec), so every task imports tensorflow-io
+  # when a path needs it; again once the environment filled the folders.
+  filesystems.require_file_systems(run_options.config_paths(config))
+  if task is None:
+    task = task_lib.from_names(run_options.task_names(config))
+  prepared = prepare_run(config, environment=environment,
+                         dataset=task.dataset)
+  filesystems.require_file_systems(
+      run_options.config_paths(prepared.config))
+  options = run_options.assembly_options(prepared.config)
+  assembly.check_model_options(options, task=task)
+  return task, prepared
+
+
+
+
+def check_resume(config, plan) -> list:
+  """Compares this run with the one that wrote `--model_dir`'s checkpoint
+  (the writing process only); returns what changed (logged).
+
+  Raises:
+    tfdist.training.checkpointing.IncompatibleResumeError: a changed model or
+      global batch without `--allow_incompatible_resume`.
+  """
+  directory = config.resolved_checkpoint_dir
+  latest = tf.train.latest_checkpoint(directory)
+  if not latest:
+    return []
+  previous = checkpointing.read_run_record(directory, config.model_dir)
+  if previous is None:
+    return []
+  try:
+    restored_step = checkpoint_paths.checkpoint_step(latest, default=0)
+  except (IndexError, ValueError):
+    restored_step = 0
+  notes = checkpointing.check_resume(
+      previous, checkpointing.run_record(
+          run_options.run_record_settings(config), plan), checkpoint=latest,
+      restored_step=restored_step, allow=config.allow_incompatible_resume)
+  if notes:
+    logging.warning("tfdist: resuming from %s, which a run with other "
+                    "settings wrote: %s.", latest, "; ".join(notes))
+  return notes
+
+

@@ -1,0 +1,148 @@
+"""`run_experiment`: this process's part of the job, by role.
+
+Every role first runs `tfdist.experiment.prepare.start_run`; then an
+evaluator evaluates (`tfdist.experiment.evaluator`), a serving task serves
+(its backend's `serve`), and a training process runs an
+`ExperimentRunner` (`tfdist.experiment.runner`).
+"""
+
+import os
+import time
+from typing import Optional, Sequence
+
+import keras
+
+from tfdist.cloud import hptune
+from tfdist.config import ConfigError
+from tfdist.config import TrainConfig
+from tfdist.distribute import cluster as cluster_lib
+from tfdist.distribute import environment as environment_lib
+from tfdist.distribute import worker_exit
+from tfdist.experiment import dry_run as dry_run_lib
+from tfdist.experiment import evaluator as evaluator_lib
+from tfdist.experiment import prepare
+from tfdist.experiment import runner as runner_lib
+from tfdist.runtime import preflight
+from tfdist.training import task as task_lib
+
+
+def _evaluates(prepared: prepare.PreparedRun) -> bool:
+  """Whether this process is an evaluator (an `evaluator` task, or
+  `--mode=eval`/`continuous_eval`).
+
+  Raises:
+    ConfigError: an evaluating mode on a member of a training cluster.
+  """
+  config, cluster = prepared.config, prepared.cluster
+  evaluating = config.mode in ("eval", "continuous_eval")
+  if evaluating and cluster.task_type not in (
+      cluster_lib.EVALUATOR, cluster_lib.CHIEF) and (
+          cluster.num_workers > 1 or cluster.num_ps):
+    raise ConfigError(
+        f"--mode={config.mode} evaluates in one process; this one is "
+        f"{cluster.task_type} {cluster.task_index} of a training cluster. "
+        "Run it without TF_CONFIG/--worker_hosts, or as the cluster's "
+        "evaluator task.")
+  return cluster.task_type == cluster_lib.EVALUATOR or evaluating
+
+
+def _evaluate(prepared: prepare.PreparedRun, *, task: task_lib.Task) -> dict:
+  """The evaluator role: its folders probed, then a dry run or
+  `run_evaluator`."""
+  config = prepared.config
+  # Never a writer of the chief's artifacts, and never the lease holder.
+  for folder in (os.path.join(config.model_dir, "eval"),
+                 os.path.join(config.resolved_tensorboard_dir, "eval")):
+    preflight.probe_writable(folder, flag="--model_dir",
+                             value=config.model_dir)
+  if config.dry_run:
+    return dry_run_lib.dry_run(prepared, task=task, writer=False)
+  return evaluator_lib.run_evaluator(config, task=task, cluster=prepared.cluster,
+                       decision=prepared.decision,
+                       once=config.mode == "eval")
+
+
+def run_experiment(config: TrainConfig, *,
+                   callbacks: Sequence[keras.callbacks.Callback] = (),
+                   environment: Optional[environment_lib.RunEnvironment] = None,
+                   task: Optional[task_lib.Task] = None,
+                   exit_plan: Optional[worker_exit.ExitPlan] = None,
+                   print_final_eval: bool = True) -> dict:
+  """Runs this process's part of the job `config` describes.
+
+  Works from any thread: off the main thread, signal-based preemption is
+  off (the host framework owns signals; see `tfdist.runtime.preemption`).
+
+  Args:
+    config: a `TrainConfig`.
+    callbacks: extra Keras callbacks, called by the controller on every
+      training process at the same points.
+    environment: the process environment (`tfdist.distribute.environment`); None
+      reads `os.environ` once, here.
+    task: what to train (`tfdist.training.task.Task`: model builder, data set,
+      loss, metrics); None: what `config.model`, `config.dataset`,
+      `config.feature_spec` and `config.import_modules` name.
+    exit_plan: for binaries that end their process when the run is done
+      (`tfdist.train`): a MultiWorkerMirrored task of a multi-worker run
+      then ends its process inside this call, right after the final
+      barrier, the chief last (`tfdist.distribute.worker_exit.leave_process`),
+      and this call does not return there. None (library use): it returns.
+    print_final_eval: the chief prints the final evaluation's line
+      (`Final eval: ...`) on stdout at the end, as `tfdist.train` does.
+
+  Returns:
+    The run manifest (the chief also writes it to
+    `model_dir/run_manifest.json`); for a parameter-server `worker` or `ps`
+    task, `{"role": ..., "index": ...}`; for an `evaluator` task and the
+    `eval` and `continuous_eval` modes, `{"role": "evaluator", "results":
+    [...]}`.
+
+  With `config.dry_run`, every start-up check runs (names, cluster, output
+  folders, the `--model_dir` lease, data files and schema, resumption) and
+  the plan is printed; nothing is built or trained.
+
+  Raises:
+    ConfigError: invalid or inconsistent configuration, an unknown model or
+      data set, a model or data the other does not fit (before training),
+      an unsupported TensorFlow or Keras (`versions.UnsupportedVersionError`)
+      or a path whose file system is missing
+      (`filesystems.FileSystemUnavailableError`).
+    DataNotFoundError: missing data.
+    tfdist.data.data_checks.DataError: a damaged input file or records of
+      another schema (before training).
+    tfdist.runtime.preflight.OutputNotWritableError: an output folder cannot be
+      written (before anything else is done).
+    tfdist.training.checkpointing.IncompatibleResumeError: the checkpoint's run
+      had another model or global batch (before training).
+    tfdist.distribute.lease.LeaseHeldError: another live run holds
+      `--model_dir`.
+    tfdist.runtime.preemption.PreemptedError: SIGTERM or SIGINT stopped training
+      after a checkpoint was saved (rerun to resume).
+    tfdist.observability.run_log.DivergenceError: the loss or the state became
+      NaN or infinite (the last good checkpoint is kept and named).
+    tfdist.distribute.parameter_server.ParameterServerError: a ps task was lost.
+    tfdist.training.step_runner.PeerLostError: a MultiWorkerMirrored peer was
+      lost.
+  """
+  started = time.time()
+  task, prepared = prepare.start_run(config, callbacks=callbacks,
+                             environment=environment, task=task)
+  hypertune_reporter = None
+  if prepared.config.hptune_metric:
+    # Vertex AI hyperparameter tuning: the package now, the metric's name
+    # once the model is built (before training).
+    hypertune_reporter = hptune.make_hypertune()
+  if _evaluates(prepared):
+    return _evaluate(prepared, task=task)
+  # A parameter-server cluster's `worker` and `ps` tasks serve until the
+  # run ends.
+  served = prepared.backend.serve(prepared.config, prepared.cluster)
+  if served is not None:
+    return served
+  runner = runner_lib.ExperimentRunner(prepared, task=task, callbacks=callbacks,
+                            exit_plan=exit_plan, started=started,
+                            hypertune_reporter=hypertune_reporter,
+                            print_final_eval=print_final_eval)
+  with prepare.name_environment_sources(prepared.environment_applied):
+    return runner.run()
+
