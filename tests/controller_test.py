@@ -76,7 +76,8 @@ class ControllerTest(parameterized.TestCase):
 
   def _controller(self, runner, *, total=20, per_epoch=10, log=5,
                   checkpoint_steps=0, callbacks=(), preemption_watcher=None,
-                  evals_every=1, model=None, profiler=None, keeper=None):
+                  evals_every=1, model=None, profiler=None, keeper=None,
+                  train_actions=(), eval_actions=()):
     keeper = keeper or checkpointing.CheckpointKeeper(
         checkpoint=tf.train.Checkpoint(step=self.step),
         directory=os.path.join(self.dir, "checkpoints"),
@@ -99,7 +100,8 @@ class ControllerTest(parameterized.TestCase):
         checkpoints=keeper, step_counter=self.step, run_log=self.log,
         evaluate=evaluate, model=model or keras.Sequential(),
         learning_rate=lambda: 0.1, callbacks=callbacks,
-        preemption=preemption_watcher, profiler=profiler)
+        preemption=preemption_watcher, profiler=profiler,
+        train_actions=train_actions, eval_actions=eval_actions)
 
   def _saved_steps(self):
     state = tf.train.get_checkpoint_state(os.path.join(self.dir,
@@ -121,6 +123,49 @@ class ControllerTest(parameterized.TestCase):
     self.assertEqual([r["step"] for r in self.log.history], [5, 10, 15, 20])
     self.assertEqual(self.evaluations, [10, 20])  # Each epoch end.
     self.assertEqual(result.final_eval["step"], 20)
+
+  def test_the_callers_actions_run_after_the_controllers_own(self):
+    seen = []
+
+    class EveryChunk(controller_lib.Action):
+      """A user's action, defined outside tfdist."""
+
+      def on_begin(self, state):
+        seen.append(("begin", state.step))
+
+      def boundaries(self, step):
+        return (7,) if step < 7 else ()
+
+      def __call__(self, state, output):
+        # After the built-in actions: the log line and the checkpoint of
+        # this chunk exist already.
+        seen.append((state.step, state.saved is not None,
+                     float(output.sums["loss"])))
+
+      def on_end(self, state):
+        seen.append(("end", state.step))
+
+    evaluated = []
+    runner = FakeRunner(self.step)
+    result = self._controller(
+        runner, checkpoint_steps=10, train_actions=[EveryChunk()],
+        eval_actions=[evaluated.append]).run()
+    self.assertEqual(result.step, 20)
+    # Its boundary (7) ends a chunk as the controller's own do.
+    self.assertEqual([c for c in runner.calls], [(0, 5), (5, 2), (7, 3),
+                                                 (10, 5), (15, 5)])
+    self.assertEqual(seen, [("begin", 0), (5, False, 5.0), (7, False, 2.0),
+                            (10, True, 3.0), (15, False, 5.0),
+                            (20, True, 5.0), ("end", 20)])
+    self.assertEqual([(r["step"], r["loss"]) for r in evaluated],
+                     [(10, 0.5), (20, 0.5)])
+
+  def test_actions_of_other_types_are_refused(self):
+    with self.assertRaisesRegex(TypeError, "not a tfdist.training.controller"
+                                ".Action"):
+      self._controller(FakeRunner(self.step), train_actions=[print])
+    with self.assertRaisesRegex(TypeError, "not callable"):
+      self._controller(FakeRunner(self.step), eval_actions=["loss"])
 
   def test_a_profiler_window_traces_exactly_its_steps(self):
     # --profile_steps=7,9: the trace starts after step 6 and stops after

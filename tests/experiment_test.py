@@ -1,8 +1,10 @@
 """`tfdist.experiment`: the run as an `ExperimentRunner` of named steps.
 
 * the facts decided once (`training_workers`, `PreparedRun.is_writer`,
-  `PreparedRun.kind`) for every strategy and role, and `prepare_run`'s
-  result read as its former tuple;
+  `PreparedRun.kind`, its backend and `Role`) for every strategy and role;
+* the backends (`tfdist.backends`): one registered per strategy kind, no
+  strategy-kind branch in the assembly package, and a backend registered
+  from outside tfdist used by a run in place of the built-in one;
 * tiny one-device runs (a 4-feature linear model, 64 examples, 4 steps):
   the steps run in the documented order, a subclass's step is the one used,
   the training objects are released at the end, `--dry_run` builds and
@@ -10,6 +12,7 @@
 """
 
 import os
+import re
 
 from absl.testing import absltest
 from absl.testing import parameterized
@@ -20,6 +23,8 @@ import tensorflow as tf
 from tests import testutil
 from tfdist import api
 from tfdist import experiment
+from tfdist.backends import registry as backends
+from tfdist.backends import single_process
 from tfdist.config import TrainConfig
 from tfdist.distribute import auto_select
 from tfdist.distribute import cluster as cluster_lib
@@ -242,6 +247,90 @@ class RunnerTest(absltest.TestCase):
     self.assertTrue(result["checkpoint"].endswith("ckpt-4"))
     self.assertEqual(result["evaluated_with"]["strategy"], "one_device")
     self.assertEqual(result["evaluated_with"]["global_batch_size"], 16)
+
+
+# What a branch on the strategy looks like: a kind's property, or a
+# comparison with a member.
+_KIND_BRANCH = re.compile(
+    r"\.is_(asynchronous|multi_worker|mirrored|tpu|single_process)\b|"
+    r"(\bis|==|!=|\bin)\s*\(?\s*StrategyKind\.|"
+    r"\bkind\s*(is|==|!=|in)\b")
+
+
+class _CountingBackend(single_process.OneDeviceBackend):
+  """A user's backend, defined outside tfdist: the one-device strategy,
+  counting what the run asks of it."""
+
+  calls = []
+
+  def build_strategy(self, config, *, cluster, lease=None):
+    type(self).calls.append("build_strategy")
+    return super().build_strategy(config, cluster=cluster, lease=lease)
+
+  def build_inputs(self, run):
+    type(self).calls.append("build_inputs")
+    runner, evaluate, details = super().build_inputs(run)
+    return runner, evaluate, {**details, "backend": "counting"}
+
+  def export_model(self, run):
+    type(self).calls.append("export_model")
+    return super().export_model(run)
+
+  def leave_together(self, run):
+    type(self).calls.append("leave_together")
+
+
+class BackendTest(parameterized.TestCase):
+
+  def test_every_strategy_kind_has_a_backend(self):
+    for kind in StrategyKind:
+      backend = backends.backend_for(kind)
+      self.assertIsInstance(backend, backends.Backend)
+      self.assertIs(backend.kind, kind)
+
+  def test_the_assembly_package_never_branches_on_the_strategy(self):
+    package = os.path.dirname(experiment.__file__)
+    found = []
+    for name in sorted(os.listdir(package)):
+      if not name.endswith(".py"):
+        continue
+      with open(os.path.join(package, name)) as f:
+        for number, line in enumerate(f, 1):
+          code = line.split("#")[0]
+          if _KIND_BRANCH.search(code):
+            found.append(f"tfdist/experiment/{name}:{number}: {line.strip()}")
+    self.assertEqual(found, [], "strategy-kind branches outside the "
+                     "backends (tfdist/backends/):\n" + "\n".join(found))
+
+  def test_the_branch_pattern_finds_branches(self):
+    for line in ("if self.kind.is_asynchronous:",
+                 "if kind is StrategyKind.MIRRORED:",
+                 "elif how.strategy == StrategyKind.MIRRORED:",
+                 "if kind in (StrategyKind.TPU,):"):
+      self.assertRegex(line, _KIND_BRANCH)
+    self.assertNotRegex("name = StrategyKind.ONE_DEVICE", _KIND_BRANCH)
+
+  def test_a_registered_backend_runs_the_strategy(self):
+    original = backends.base.registered_backend(StrategyKind.ONE_DEVICE)
+    backends.register_backend(StrategyKind.ONE_DEVICE, _CountingBackend)
+    self.addCleanup(backends.register_backend, StrategyKind.ONE_DEVICE,
+                    original)
+    _CountingBackend.calls = []
+    model_dir = os.path.join(testutil.scratch_dir(), "run")
+    task, prepared = _start(_config(model_dir))
+    self.assertIsInstance(prepared.backend, _CountingBackend)
+    record = experiment.ExperimentRunner(prepared, task=task).run()
+    self.assertEqual(_CountingBackend.calls, [
+        "build_strategy", "build_inputs", "export_model", "leave_together"])
+    self.assertEqual(record["final_step"], 4)
+    self.assertEqual(record["one_device"], {"backend": "counting"})
+
+  def test_register_backend_refuses_what_is_no_backend(self):
+    with self.assertRaisesRegex(TypeError, "subclass of .*Backend"):
+      backends.register_backend(StrategyKind.MIRRORED, object)
+    with self.assertRaisesRegex(ValueError, "--distribution_strategy"):
+      backends.register_backend("pipeline_of_dreams",
+                                single_process.MirroredBackend)
 
 
 if __name__ == "__main__":

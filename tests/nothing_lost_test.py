@@ -136,7 +136,7 @@ class OutputLayoutTest(parameterized.TestCase):
   )
   def test_separate_folders_pass(self, fields, variables):
     config = experiment.prepare_run(TrainConfig(train_steps=1, **fields),
-                                    environment=_env(**variables))[0]
+                                    environment=_env(**variables)).config
     if "AIP_MODEL_DIR" in variables:
       # Vertex AI loads saved_model.pb from AIP_MODEL_DIR itself.
       self.assertEqual(config.resolved_export_dir, variables["AIP_MODEL_DIR"])
@@ -167,7 +167,7 @@ class TrialFoldersTest(parameterized.TestCase):
           TrainConfig(train_steps=1,
                       model_dir="" if variables else "/s/flag"),
           environment=_env(CLUSTER_SPEC=_cluster_spec(trial),
-                           **variables))[0]
+                           **variables)).config
       folders.append(config.resolved_checkpoint_dir)
     self.assertEqual(folders[0], expected.format(3) +
                      ("" if variables else "/checkpoints"))
@@ -178,7 +178,7 @@ class TrialFoldersTest(parameterized.TestCase):
                      AIP_CHECKPOINT_DIR="gs://b/out/4/checkpoints/")
     config = experiment.prepare_run(
         TrainConfig(train_steps=1),
-        environment=_env(CLUSTER_SPEC=_cluster_spec("4"), **variables))[0]
+        environment=_env(CLUSTER_SPEC=_cluster_spec("4"), **variables)).config
     self.assertEqual((config.resolved_checkpoint_dir,
                       config.resolved_export_dir),
                      (variables["AIP_CHECKPOINT_DIR"],

@@ -8,7 +8,7 @@ evaluator evaluates (`tfdist.experiment.evaluator`), a serving task serves
 
 import os
 import time
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import keras
 
@@ -67,7 +67,9 @@ def run_experiment(config: TrainConfig, *,
                    environment: Optional[environment_lib.RunEnvironment] = None,
                    task: Optional[task_lib.Task] = None,
                    exit_plan: Optional[worker_exit.ExitPlan] = None,
-                   print_final_eval: bool = True) -> dict:
+                   print_final_eval: bool = True,
+                   train_actions: Sequence[Any] = (),
+                   eval_actions: Sequence[Any] = ()) -> dict:
   """Runs this process's part of the job `config` describes.
 
   Works from any thread: off the main thread, signal-based preemption is
@@ -89,6 +91,11 @@ def run_experiment(config: TrainConfig, *,
       and this call does not return there. None (library use): it returns.
     print_final_eval: the chief prints the final evaluation's line
       (`Final eval: ...`) on stdout at the end, as `tfdist.train` does.
+    train_actions: `tfdist.training.controller.Action`s run after the
+      controller's own after each chunk of steps, on every training
+      process (`Controller(train_actions=...)`).
+    eval_actions: callables given each evaluation's result on the
+      training processes (`Controller(eval_actions=...)`).
 
   Returns:
     The run manifest (the chief also writes it to
@@ -142,7 +149,9 @@ def run_experiment(config: TrainConfig, *,
   runner = runner_lib.ExperimentRunner(prepared, task=task, callbacks=callbacks,
                             exit_plan=exit_plan, started=started,
                             hypertune_reporter=hypertune_reporter,
-                            print_final_eval=print_final_eval)
+                            print_final_eval=print_final_eval,
+                            train_actions=train_actions,
+                            eval_actions=eval_actions)
   with prepare.name_environment_sources(prepared.environment_applied):
     return runner.run()
 

@@ -210,9 +210,13 @@ class ExperimentRunner:
                exit_plan: Optional[worker_exit.ExitPlan] = None,
                started: Optional[float] = None,
                hypertune_reporter: Any = None,
-               print_final_eval: bool = True):
+               print_final_eval: bool = True,
+               train_actions: Sequence[controller_lib.Action] = (),
+               eval_actions: Sequence[Any] = ()):
     self.prepared = prepared
     self.print_final_eval = print_final_eval
+    self.train_actions = tuple(train_actions)
+    self.eval_actions = tuple(eval_actions)
     self.config = prepared.config
     self.cluster = prepared.cluster
     self.decision = prepared.decision
@@ -532,7 +536,8 @@ class ExperimentRunner:
         learning_rate=lambda: assembly.current_learning_rate(optimizer),
         loss_scale=lambda: precision.current_loss_scale(optimizer),
         callbacks=callbacks, preemption=self.watcher,
-        profiler=self.profiler)
+        profiler=self.profiler, train_actions=self.train_actions,
+        eval_actions=self.eval_actions)
 
   def run_controller(self) -> controller_lib.ControllerResult:
     """Trains; a lost ps task or peer becomes one named error.

@@ -723,9 +723,20 @@ class Controller:
     callbacks: Keras callbacks.
     preemption: a `tfdist.runtime.preemption.PreemptionWatcher`, or None.
     profiler: a `tfdist.observability.profiling.ProfileWindow`, or None.
+    train_actions: the caller's `Action`s, run after the built-in ones
+      (Orbit's `Controller(train_actions=...)`): each gets every hook of
+      `Action` with the `LoopState` and each chunk's `StepOutput`, after the
+      controller's own work for that chunk (its log, checkpoint,
+      evaluation and epoch end) is done.
+    eval_actions: the caller's callables `(result: dict) -> None`, each
+      given every evaluation's result (`loss`, each metric,
+      `num_examples`, `step`) after it is logged, during training and in
+      `evaluate_continuously`, in order.
 
   Raises:
     ValueError: `options` with a non-positive step count.
+    TypeError: a train action that is not an `Action`, or an eval action
+      that is not callable.
   """
 
   def __init__(self, *, runner: Optional[step_runner.StepRunner] = None,
@@ -737,7 +748,21 @@ class Controller:
                learning_rate: Callable[[], float] = lambda: float("nan"),
                loss_scale: Callable[[], Optional[float]] = lambda: None,
                callbacks: Sequence[keras.callbacks.Callback] = (),
-               preemption=None, profiler=None):
+               preemption=None, profiler=None,
+               train_actions: Sequence["Action"] = (),
+               eval_actions: Sequence[Callable[[dict], None]] = ()):
+    for action in train_actions:
+      if not isinstance(action, Action):
+        raise TypeError(
+            f"Controller(train_actions=...): {action!r} is not a "
+            "tfdist.training.controller.Action; subclass Action and "
+            "override the hooks it needs.")
+    for action in eval_actions:
+      if not callable(action):
+        raise TypeError(
+            f"Controller(eval_actions=...): {action!r} is not callable; "
+            "give functions of one argument, the evaluation's result.")
+    self.eval_actions = tuple(eval_actions)
     for name in ("total_steps", "steps_per_epoch", "log_steps",
                  "epochs_between_evals"):
       if getattr(options, name) <= 0:
@@ -761,11 +786,33 @@ class Controller:
                       nonfinite_input=getattr(runner, "nonfinite_input",
                                               None)),
           keras.callbacks.CallbackList(list(callbacks), model=model),
-          model=model, preemption=preemption)
+          model=model, preemption=preemption) + list(train_actions)
 
   def _make_actions(self, saver: Checkpoints, callbacks, *, model,
                     preemption) -> List[Action]:
-    """The side work after each chunk, in the order it runs."""
+    """The built-in side work after each chunk, in the order it runs.
+
+    The order is part of the contract, since the actions share one
+    `LoopState`:
+
+    1. `KerasTrainHooks`: Keras's train and batch-begin hooks; sets
+       `stop_training` from a batch hook's request.
+    2. `ProfilerWindow` (with `--profile_steps`).
+    3. `DivergenceCheck`: a non-finite loss stops here, before anything
+       reads the chunk's metrics.
+    4. `SkippedStepWatch`: fp16 steps skipped; reads the chunk's signals.
+    5. `KerasBatchEnd`: Keras's batch-end hooks; sets `stop_requested`.
+    6. `TrainLog`: the log line and scalars of a log point.
+    7. `SaveCheckpoint`: sets `saved` at checkpoint boundaries.
+    8. `PreemptionStop`: reads `saved`, saves if needed, raises.
+    9. `Evaluate`: sets `last_eval` at evaluation boundaries.
+    10. `KerasEpochEnd`: reads `last_eval`; sets `epoch_logs` and
+        `stop_requested` at epoch ends.
+    11. `StopOnRequest`: reads `stop_requested` and `saved`; sets
+        `stopped_early`.
+
+    The caller's `train_actions` follow, in their order.
+    """
     opts = self.options
     actions = [KerasTrainHooks(callbacks, model=model, options=opts,
                                checkpoints=saver)]
@@ -834,6 +881,8 @@ class Controller:
       callbacks.on_test_end(run_log_lib.metric_values(result))
     result["step"] = step
     self.run_log.log_eval(step, result)
+    for action in self.eval_actions:
+      action(dict(result))
     if check_loss:
       finite_state = None
       if (not math.isfinite(result["loss"]) and
