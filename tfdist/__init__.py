@@ -69,11 +69,6 @@ def _install_sibling_finder():
 
 _install_sibling_finder()
 
-# Old flat import paths (`tfdist.checkpointing`) as deprecated aliases.
-from tfdist import _aliases  # pylint: disable=g-import-not-at-top,g-bad-import-order
-_aliases.install(__name__)
-
-
 def __getattr__(name):
   # Imported lazily so `import tfdist` stays cheap (no TensorFlow import).
   if name in ("TrainConfig", "ConfigError"):
