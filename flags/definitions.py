@@ -13,6 +13,7 @@ from typing import List
 from absl import flags
 
 from tfdist import config as config_lib
+from tfdist.training import optimizers
 
 FLAGS = flags.FLAGS
 _DEFAULTS = config_lib.TrainConfig.__dataclass_fields__
@@ -340,7 +341,8 @@ def _define_memory_flags() -> None:
       "replicas keeps the optimizer slots of 1/N of the parameters; "
       "gradients are summed and sliced, each "
       "replica updates its shard, the shards are all-gathered. Same "
-      "weights as unsharded; checkpoints interchangeable. Not with lamb.")
+      "weights as unsharded; checkpoints interchangeable. Not with "
+      f"{', '.join(optimizers.not_shardable())}.")
   flags.DEFINE_bool(
       "shard_gradients", _default("shard_gradients"),
       "ZeRO stage 2: --shard_optimizer_state, and under "
@@ -400,12 +402,14 @@ def define_tpu_flags() -> List[str]:
 
 def define_lr_flags() -> List[str]:
   """Optimizer, learning-rate scaling, warmup and schedule."""
-  flags.DEFINE_enum("optimizer", _default("optimizer"),
-                    list(config_lib.OPTIMIZERS),
-                    "Keras optimizer: sgd and momentum (SGD with --momentum), "
-                    "adam, adamw, rmsprop, lamb. Default: the --dataset's "
-                    "recommendation, else "
-                    f"{config_lib.UNSET_DEFAULTS['optimizer']}.")
+  names = optimizers.registered_optimizers()
+  flags.DEFINE_string(
+      "optimizer", _default("optimizer"),
+      "Keras optimizer: sgd and momentum (SGD with --momentum), "
+      f"{', '.join(n for n in names if n not in ('sgd', 'momentum'))} "
+      "(tfdist.training.optimizers.register_optimizer adds more), or any "
+      "name keras.optimizers.get accepts. Default: the --dataset's "
+      f"recommendation, else {config_lib.UNSET_DEFAULTS['optimizer']}.")
   flags.DEFINE_float("momentum", _default("momentum"),
                      "Momentum for sgd, momentum and rmsprop.")
   flags.DEFINE_float("weight_decay", _default("weight_decay"),

@@ -1,4 +1,5 @@
-"""Tests for tfdist.training.optimizers.build_optimizer."""
+"""Tests for tfdist.training.optimizers: the registry, its traits, and
+`build_optimizer`."""
 
 from absl.testing import absltest
 from absl.testing import parameterized
@@ -6,7 +7,10 @@ import keras
 import pytest
 
 from tfdist.config import ConfigError
+from tfdist.config import TrainConfig
+from tfdist.training import memory
 from tfdist.training import optimizers
+from tfdist.training import sharded_optimizer
 
 pytestmark = pytest.mark.compat
 
@@ -51,9 +55,81 @@ class BuildOptimizerTest(parameterized.TestCase):
 
   def test_unknown_name(self):
     with self.assertRaisesRegex(
-        ConfigError, "--optimizer='adagrad' is unknown. Use sgd, momentum, "
-        "adam, adamw, rmsprop or lamb."):
-      optimizers.build_optimizer("adagrad", 0.1)
+        ConfigError, "--optimizer='adagradient' is unknown. Use one of: sgd, "
+        "momentum, adam, adamw, rmsprop, lamb, .*or a name that "
+        "keras.optimizers.get accepts."):
+      optimizers.build_optimizer("adagradient", 0.1)
+
+
+class RegistryTest(parameterized.TestCase):
+
+  def test_keras_names_are_accepted_with_measured_slots(self):
+    # Not registered by tfdist: Keras's own name.
+    optimizer = optimizers.build_optimizer("ScheduleFreeAdamW", 0.1)
+    self.assertIsInstance(optimizer, keras.optimizers.ScheduleFreeAdamW)
+    spec = optimizers.optimizer_spec("ScheduleFreeAdamW")
+    self.assertGreater(spec.traits.slots_per_parameter, 0)
+    # Unknown to tfdist: not taken as shardable, and the refusal says why.
+    self.assertFalse(spec.traits.shardable)
+    with self.assertRaisesRegex(ConfigError, "register_optimizer"):
+      TrainConfig(model_dir="/x", train_steps=1, optimizer="ScheduleFreeAdamW",
+                  distribution_strategy="mirrored", zero_stage=1)
+
+  @parameterized.parameters("sgd", "adam", "adamw", "rmsprop", "nadam",
+                            "adamax", "adagrad", "lion", "adadelta", "ftrl")
+  def test_registered_slot_counts_match_keras(self, name):
+    spec = optimizers.optimizer_spec(name)
+    built = optimizers.build_optimizer(name, 0.1, momentum=0.9)
+    measured = optimizers._measured_slots(type(built))  # pylint: disable=protected-access
+    if name == "sgd":
+      measured = 1.0  # Keras's default SGD has no momentum; tfdist's has.
+    # Per-variable scalars (Nadam's momentum product) aside.
+    self.assertEqual(spec.traits.slots_per_parameter, round(measured), name)
+    self.assertIs(optimizers.spec_of(built).class_name, spec.class_name)
+
+  def test_one_trait_serves_every_reader(self):
+    # LAMB's "not shardable" is read by the config, the sharded optimizer,
+    # the memory advice and the flag help from the one registration.
+    with self.assertRaisesRegex(ConfigError, "--optimizer=lamb cannot run "
+                                "with --zero_stage=1: LAMB's trust ratio"):
+      TrainConfig(model_dir="/x", train_steps=1, optimizer="lamb",
+                  distribution_strategy="mirrored", zero_stage=1)
+    with self.assertRaisesRegex(ConfigError, "--optimizer=lamb cannot shard"):
+      sharded_optimizer.check_optimizer(keras.optimizers.Lamb())
+    self.assertIn("lamb", optimizers.not_shardable())
+    estimate = memory.ModelMemory(num_parameters=10**6,
+                                  parameters_bytes=4 << 20,
+                                  gradients_bytes=4 << 20,
+                                  optimizer_bytes=8 << 20)
+    for name, shard_advice in (("lamb", False), ("adam", True)):
+      fit = memory.fits_data_parallel(estimate, capacity_bytes=12 << 20,
+                                      num_replicas=4,
+                                      optimizer=name)
+      self.assertFalse(fit.fits)
+      self.assertEqual("--shard_optimizer_state" in fit.advice,
+                       shard_advice, name)
+      self.assertIn(f"--optimizer={name} keeps 2 slots", fit.advice)
+
+  def test_a_user_registers_an_optimizer(self):
+
+    def sgd_nesterov(learning_rate, *, momentum, weight_decay, **clip):
+      return keras.optimizers.SGD(learning_rate, momentum=momentum,
+                                  nesterov=True, weight_decay=weight_decay,
+                                  **clip)
+
+    optimizers.register_optimizer("sgd_nesterov", slots_per_parameter=1)(
+        sgd_nesterov)
+    self.addCleanup(optimizers._OPTIMIZERS.pop, "sgd_nesterov")  # pylint: disable=protected-access
+    built = optimizers.build_optimizer("sgd_nesterov", 0.1, momentum=0.5)
+    self.assertTrue(built.nesterov)
+    self.assertIn("sgd_nesterov", optimizers.registered_optimizers())
+    # The config accepts it, sharded too (its traits say it may be).
+    config = TrainConfig(model_dir="/x", train_steps=1,
+                         optimizer="sgd_nesterov",
+                         distribution_strategy="mirrored", zero_stage=1)
+    self.assertEqual(config.optimizer, "sgd_nesterov")
+    with self.assertRaisesRegex(ValueError, "lower case"):
+      optimizers.register_optimizer("SGD2", slots_per_parameter=1)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from typing import Optional, Tuple
 
 from tfdist.distribute.strategy_kind import StrategyKind
 from tfdist.errors import ConfigError
+from tfdist.training import optimizers
 from tfdist.training import training_checks
 
 # `--distribution_strategy` values: every concrete kind, then `auto`
@@ -32,7 +33,6 @@ DTYPE_ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16",
                  "fp32": "fp32", "bf16": "bf16", "fp16": "fp16", "auto": "auto"}
 LR_SCALING_RULES = ("linear", "sqrt", "none")
 LR_SCHEDULES = ("constant", "cosine", "piecewise")
-OPTIMIZERS = ("sgd", "momentum", "adam", "adamw", "rmsprop", "lamb")
 # Strategies under which --zero_stage > 0 runs (auto resolves to one of
 # them or is refused when the strategy is built: tfdist.training.assembly).
 SHARDING_STRATEGIES = (AUTO_STRATEGY,) + tuple(
@@ -581,10 +581,11 @@ class TrainConfig:
         ("distribution_strategy", self.distribution_strategy, STRATEGIES),
         ("lr_scaling", self.lr_scaling, LR_SCALING_RULES),
         ("lr_schedule", self.lr_schedule, LR_SCHEDULES),
-        ("optimizer", self.optimizer, OPTIMIZERS),
         ("all_reduce_alg", self.all_reduce_alg, ALL_REDUCE_ALGS)):
       _need(value in choices, f"--{flag}={value!r} is unknown. Use one of: "
             f"{', '.join(choices)}.")
+    if self.optimizer is not None:
+      optimizers.optimizer_spec(self.optimizer)  # Raises for an unknown one.
 
   def _validate_length(self):
     """How long to train: steps or epochs."""
@@ -829,10 +830,11 @@ class TrainConfig:
           f"--distribution_strategy={self.distribution_strategy}. Use "
           "mirrored or multi_worker_mirrored (parameter_server partitions "
           "variables itself), or drop the flag.")
-    _need(self.optimizer != "lamb",
-          f"--optimizer=lamb cannot run with --zero_stage={stage}: LAMB's "
-          "trust ratio needs each whole variable's norm and the shards cut "
-          "across variables. Use --optimizer=adamw, or drop the flag.")
+    traits = optimizers.optimizer_spec(self.optimizer).traits
+    _need(traits.shardable,
+          f"--optimizer={self.optimizer} cannot run with --zero_stage="
+          f"{stage}: {traits.not_shardable_because}. Use --optimizer=adamw, "
+          "or drop the flag.")
 
   def _validate_step_guards(self):
     """Skipped-step limit and the allocator switch."""

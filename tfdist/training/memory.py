@@ -24,6 +24,8 @@ import shutil
 import subprocess
 from typing import Dict, List, Optional, Sequence
 
+from tfdist.training import optimizers
+
 # Linux reports ru_maxrss in KiB.
 _RUSAGE_UNIT_BYTES = 1024
 
@@ -237,7 +239,9 @@ def fits_data_parallel(estimate: ModelMemory, *, capacity_bytes: int,
   if needed <= capacity_bytes:
     return Fit(True, needed, capacity_bytes, share)
   shard_advice = ""
-  if not zero_stage and num_replicas > 1 and optimizer != "lamb":
+  traits = optimizers.optimizer_spec(optimizer).traits if optimizer else None
+  if (not zero_stage and num_replicas > 1 and
+      (traits is None or traits.shardable)):
     sharded = sharded_estimate(estimate, num_replicas=num_replicas)
     if sharded.total_bytes * sharing <= capacity_bytes:
       shard_advice = (
@@ -260,9 +264,10 @@ def fits_data_parallel(estimate: ModelMemory, *, capacity_bytes: int,
       f"({format_bytes(sharded)}) sharded (--ps_partitioner); it suits models"
       " whose size is in embedding tables, of which each step reads a few "
       "rows."]
-  if optimizer in ("adam", "adamw", "lamb"):
-    advice.append(f"--optimizer={optimizer} keeps 2 slots per parameter; sgd"
-                  " with momentum keeps 1.")
+  if traits is not None and traits.slots_per_parameter > 1:
+    advice.append(
+        f"--optimizer={optimizer} keeps {traits.slots_per_parameter:g} slots"
+        " per parameter; sgd with momentum keeps 1.")
   advice.append("Mixed precision (--dtype=bf16/fp16) and recomputation shrink"
                 " activations only; Keras keeps variables in float32.")
   return Fit(False, needed, capacity_bytes, share, " ".join(advice))

@@ -75,13 +75,10 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist.config import ConfigError
+from tfdist.training import optimizers
 from tfdist.training import precision
 
 STAGES = (0, 1, 2)
-
-# Optimizers whose update of one element depends on others of the same
-# variable (a whole-variable norm): they cannot run on a flat shard.
-_WHOLE_VARIABLE_OPTIMIZERS = ("Lamb",)
 
 _STANDIN_PREFIX = "tfdistzero"
 _VARIABLE_VALUE = "VARIABLE_VALUE"
@@ -124,19 +121,18 @@ def inner_optimizer(optimizer):
 
 
 def check_optimizer(optimizer, *, what: str = "--optimizer") -> None:
-  """Raises `ConfigError` for an optimizer that cannot run on a shard.
-
-  LAMB (You et al. 2019) scales each variable's update by the ratio of the
-  variable's norm to the update's norm; a shard cuts across variables, so
-  the ratio would differ from the unsharded one.
+  """Raises `ConfigError` for an optimizer that cannot run on a shard: one
+  whose registered traits say so (`tfdist.training.optimizers`; LAMB, You
+  et al. 2019, scales each variable's update by the ratio of the
+  variable's norm to the update's norm, and a shard cuts across
+  variables), or one tfdist does not know.
   """
-  name = type(inner_optimizer(optimizer)).__name__
-  if name in _WHOLE_VARIABLE_OPTIMIZERS:
+  spec = optimizers.spec_of(optimizer)
+  if not spec.traits.shardable:
     raise ConfigError(
-        f"{what}={name.lower()} cannot shard its state "
-        "(--shard_optimizer_state): its trust ratio needs each whole "
-        "variable's norm, and the shards cut across variables. Use adamw "
-        "or adam, or train without sharding.")
+        f"{what}={spec.name} cannot shard its state "
+        f"(--shard_optimizer_state): {spec.traits.not_shardable_because}. "
+        "Use adamw or adam, or train without sharding.")
 
 
 class FlatLayout:
