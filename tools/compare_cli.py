@@ -71,7 +71,9 @@ def _normalize(text: str, model_dir: str) -> list:
     line = _NOISE.sub("<n>", line)
     # TensorFlow's and absl's own start-up chatter.
     if (line.startswith(("WARNING: All log messages", "I0000 ", "W0000 ",
-                         "To enable the following instructions")) or
+                         "To enable the following instructions",
+                         # A data set's one-time conversion (cached after).
+                         "Converting ")) or
         "oneDNN custom operations" in line or
         "cpu_feature_guard" in line):
       continue
