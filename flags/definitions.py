@@ -13,6 +13,7 @@ from typing import List
 from absl import flags
 
 from tfdist import config as config_lib
+from tfdist.training import decay_schedules
 from tfdist.training import optimizers
 
 FLAGS = flags.FLAGS
@@ -440,10 +441,13 @@ def define_lr_flags() -> List[str]:
                      _default("warmup_start_learning_rate"),
                      "Learning rate at step 0, where warmup starts.")
   flags.DEFINE_enum(
-      "lr_schedule", _default("lr_schedule"), list(config_lib.LR_SCHEDULES),
+      "lr_schedule", _default("lr_schedule"),
+      list(decay_schedules.registered_decay_schedules()),
       "Decay after warmup: constant; cosine (to end_learning_rate_factor x "
       "peak); piecewise (peak x --piecewise_multipliers at "
-      "--piecewise_boundaries).")
+      "--piecewise_boundaries); or one registered with tfdist.training."
+      "decay_schedules.register_decay_schedule before the flags are "
+      "defined.")
   flags.DEFINE_float("end_learning_rate_factor",
                      _default("end_learning_rate_factor"),
                      "cosine: final LR as a fraction of the peak.")

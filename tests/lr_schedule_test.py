@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 
 from tfdist.config import ConfigError
+from tfdist.config import TrainConfig
+from tfdist.training import decay_schedules
 from tfdist.training import lr_schedule
 
 # Also run on the oldest supported TensorFlow (see tests/conftest.py).
@@ -120,6 +122,39 @@ class SerializationTest(parameterized.TestCase):
     for step in (0, 15, 30, 200, 299):
       self.assertAlmostEqual(float(restored(step)), float(sched(step)),
                              places=6)
+
+
+class DecayRegistryTest(absltest.TestCase):
+
+  def test_a_user_registers_a_decay(self):
+
+    @decay_schedules.register_decay_schedule("halving")
+    def halving(peak_learning_rate, decay_steps, **options):
+      del options
+      return keras.optimizers.schedules.ExponentialDecay(
+          peak_learning_rate, decay_steps=decay_steps, decay_rate=0.5)
+
+    self.addCleanup(decay_schedules._SCHEDULES.pop, "halving")  # pylint: disable=protected-access
+    self.assertIs(halving, decay_schedules._SCHEDULES["halving"])  # pylint: disable=protected-access
+    # The config accepts the name; the run's schedule warms up into it.
+    config = TrainConfig(model_dir="/x", train_steps=1, lr_schedule="halving")
+    self.assertEqual(config.lr_schedule, "halving")
+    schedule = lr_schedule.build_lr_schedule(
+        peak_learning_rate=0.8, total_steps=110, warmup_steps=10,
+        schedule="halving")
+    self.assertAlmostEqual(float(schedule(10)), 0.8, places=6)
+    self.assertAlmostEqual(float(schedule(110)), 0.4, places=6)
+
+  def test_unknown_names_are_refused_with_the_registered_ones(self):
+    message = ("--lr_schedule='warm' is unknown. Use one of: constant, "
+               "cosine, piecewise")
+    with self.assertRaisesRegex(ConfigError, message):
+      TrainConfig(model_dir="/x", train_steps=1, lr_schedule="warm")
+    with self.assertRaisesRegex(ConfigError, message):
+      lr_schedule.build_lr_schedule(peak_learning_rate=0.1, total_steps=10,
+                                    warmup_steps=0, schedule="warm")
+    with self.assertRaisesRegex(ValueError, "lower case"):
+      decay_schedules.register_decay_schedule("Warm")
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from typing import Optional, Tuple
 
 from tfdist.distribute.strategy_kind import StrategyKind
 from tfdist.errors import ConfigError
+from tfdist.training import decay_schedules
 from tfdist.training import optimizers
 from tfdist.training import training_checks
 
@@ -32,7 +33,6 @@ DTYPES = ("fp32", "bf16", "fp16", "auto")
 DTYPE_ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16",
                  "fp32": "fp32", "bf16": "bf16", "fp16": "fp16", "auto": "auto"}
 LR_SCALING_RULES = ("linear", "sqrt", "none")
-LR_SCHEDULES = ("constant", "cosine", "piecewise")
 # Strategies under which --zero_stage > 0 runs (auto resolves to one of
 # them or is refused when the strategy is built: tfdist.training.assembly).
 SHARDING_STRATEGIES = (AUTO_STRATEGY,) + tuple(
@@ -580,12 +580,12 @@ class TrainConfig:
     for flag, value, choices in (
         ("distribution_strategy", self.distribution_strategy, STRATEGIES),
         ("lr_scaling", self.lr_scaling, LR_SCALING_RULES),
-        ("lr_schedule", self.lr_schedule, LR_SCHEDULES),
         ("all_reduce_alg", self.all_reduce_alg, ALL_REDUCE_ALGS)):
       _need(value in choices, f"--{flag}={value!r} is unknown. Use one of: "
             f"{', '.join(choices)}.")
     if self.optimizer is not None:
       optimizers.optimizer_spec(self.optimizer)  # Raises for an unknown one.
+    decay_schedules.check_decay_schedule(self.lr_schedule)
 
   def _validate_length(self):
     """How long to train: steps or epochs."""

@@ -26,6 +26,8 @@ import tensorflow as tf
 
 from tfdist.config import ConfigError
 from tfdist.training import batch_plan
+from tfdist.training import constant_schedule
+from tfdist.training import decay_schedules
 
 LearningRateSchedule = keras.optimizers.schedules.LearningRateSchedule
 
@@ -61,23 +63,8 @@ def scale_learning_rate(base_learning_rate: float, *, global_batch_size: int,
       f"--lr_scaling={rule!r} is unknown. Use linear, sqrt or none.")
 
 
-@keras.saving.register_keras_serializable(package="tfdist")
-class ConstantLearningRate(LearningRateSchedule):
-  """A constant learning rate, as a schedule (so it serializes with the rest).
-
-  Args:
-    learning_rate: the value returned for every step.
-  """
-
-  def __init__(self, learning_rate: float):
-    self.learning_rate = float(learning_rate)
-
-  def __call__(self, step):
-    del step
-    return tf.constant(self.learning_rate, tf.float32)
-
-  def get_config(self):
-    return {"learning_rate": self.learning_rate}
+# Defined apart so that the light decay registry can build it.
+ConstantLearningRate = constant_schedule.ConstantLearningRate
 
 
 @keras.saving.register_keras_serializable(package="tfdist")
@@ -238,10 +225,12 @@ def build_lr_schedule(*, peak_learning_rate: float, total_steps: int,
     peak_learning_rate: LR at the end of warmup (already batch-scaled).
     total_steps: optimizer updates in the whole run.
     warmup_steps: steps of linear warmup (0: none); must be <= total_steps.
-    schedule: `constant`; `cosine` (Keras `CosineDecay` from the peak to
+    schedule: a decay registered in `tfdist.training.decay_schedules`:
+      `constant`; `cosine` (Keras `CosineDecay` from the peak to
       `peak * end_learning_rate_factor` over the steps after warmup);
       `piecewise` (Keras `PiecewiseConstantDecay`, the peak times each
-      multiplier, boundaries given as fractions of the post-warmup steps).
+      multiplier, boundaries given as fractions of the post-warmup steps);
+      or one registered with `register_decay_schedule`.
     warmup_start_learning_rate: LR at step 0.
     end_learning_rate_factor: cosine's final LR as a fraction of the peak.
     piecewise_boundaries: increasing fractions in (0, 1).
@@ -258,22 +247,11 @@ def build_lr_schedule(*, peak_learning_rate: float, total_steps: int,
         f"Warmup of {warmup_steps} steps is longer than the run "
         f"({total_steps} steps). Lower --warmup_steps/--warmup_epochs or "
         "train longer.")
-  decay_steps = max(total_steps - warmup_steps, 1)
-  if schedule == "constant":
-    after = ConstantLearningRate(peak_learning_rate)
-  elif schedule == "cosine":
-    after = keras.optimizers.schedules.CosineDecay(
-        initial_learning_rate=peak_learning_rate, decay_steps=decay_steps,
-        alpha=end_learning_rate_factor)
-  elif schedule == "piecewise":
-    boundaries = [int(round(b * decay_steps)) for b in piecewise_boundaries]
-    after = keras.optimizers.schedules.PiecewiseConstantDecay(
-        boundaries=boundaries,
-        values=[peak_learning_rate * m for m in piecewise_multipliers])
-  else:
-    raise ConfigError(
-        f"--lr_schedule={schedule!r} is unknown. Use constant, cosine or "
-        "piecewise.")
+  after = decay_schedules.build_decay(
+      schedule, peak_learning_rate, total_steps - warmup_steps,
+      end_learning_rate_factor=end_learning_rate_factor,
+      piecewise_boundaries=piecewise_boundaries,
+      piecewise_multipliers=piecewise_multipliers)
   return LinearWarmup(after, warmup_steps=warmup_steps,
                       peak_learning_rate=peak_learning_rate,
                       warmup_start_learning_rate=warmup_start_learning_rate)
