@@ -21,7 +21,7 @@ import tensorflow as tf
 
 from tfdist import api
 from tfdist.config import ConfigError, TrainConfig
-from tfdist.runtime import run_options
+from tfdist.training import run_options
 from tfdist.training import assembly
 from tfdist.training import lr_schedule
 

@@ -24,7 +24,7 @@ from tfdist.distribute import cluster as cluster_lib
 from tfdist.distribute import environment as environment_lib
 from tfdist.distribute import tpu
 from tfdist.distribute.auto_select import DeviceInventory, GpuInfo
-from tfdist.runtime import run_options
+from tfdist.training import run_options
 
 A100 = GpuInfo("NVIDIA A100-SXM4-40GB", (8, 0))
 H100 = GpuInfo("NVIDIA H100 80GB HBM3", (9, 0))

@@ -28,7 +28,7 @@ from tfdist.observability import run_log
 from tfdist.observability import versions
 from tfdist.runtime import failures
 from tfdist.runtime import preemption
-from tfdist.runtime import preflight
+from tfdist.training import preflight
 from tfdist.training import checkpointing
 from tfdist.training import export
 from tfdist.training import step_runner

@@ -40,7 +40,7 @@ from tfdist.config import TrainConfig
 from tfdist.data import feature_spec
 from tfdist.data import input_pipeline
 from tfdist.distribute import parameter_server as ps_lib
-from tfdist.runtime import run_options
+from tfdist.training import run_options
 from tfdist.training import assembly
 from tfdist.training import batch_plan
 from tfdist.training import lr_schedule

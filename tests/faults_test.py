@@ -451,7 +451,7 @@ class FaultsTest(parameterized.TestCase):
     from tfdist.distribute import lease as lease_lib  # pylint: disable=g-import-not-at-top
     from tfdist.distribute import parameter_server  # pylint: disable=g-import-not-at-top
     from tfdist.runtime import preemption  # pylint: disable=g-import-not-at-top
-    from tfdist.runtime import preflight  # pylint: disable=g-import-not-at-top
+    from tfdist.training import preflight  # pylint: disable=g-import-not-at-top
     from tfdist.training import checkpointing  # pylint: disable=g-import-not-at-top
     from tfdist.training import step_runner  # pylint: disable=g-import-not-at-top
     cases = [

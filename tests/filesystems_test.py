@@ -29,7 +29,7 @@ import pytest
 from tests import testutil
 from tfdist.config import TrainConfig
 from tfdist.data import filesystems
-from tfdist.runtime import run_options
+from tfdist.training import run_options
 
 # Also run on the oldest supported TensorFlow (see tests/conftest.py).
 pytestmark = pytest.mark.compat

@@ -21,7 +21,7 @@ from tfdist import experiment
 from tfdist.cloud import hptune
 from tfdist.config import ConfigError, HPTUNE_METRICS, TrainConfig
 from tfdist.observability import manifest as manifest_lib
-from tfdist.runtime import run_options
+from tfdist.training import run_options
 
 # Also run on the oldest supported TensorFlow (tests/conftest.py).
 pytestmark = pytest.mark.compat

@@ -1,4 +1,5 @@
-"""The modules of tfdist/, models/ and flags/ import each other one way.
+"""The modules of tfdist/, models/ and flags/ import each other one way,
+and their floors read bottom-up (`FLOORS`).
 
 Every import counts: at module level and inside functions (a lazy import
 hides a cycle, it does not remove it). A package's own `__init__.py` is not
@@ -91,6 +92,56 @@ def _wiring(graph: dict) -> set:
   return {m for m in graph if m == WIRING or m.startswith(WIRING + ".")}
 
 
+# The floors, bottom-up: each module imports from its own floor and those
+# below. A leaf (a module that imports no first-party module but leaves:
+# errors, StrategyKind, strict JSON, checkpoint numbering, the optimizer
+# and decay registries, ...) is on floor 0 wherever it lives. The first
+# prefix that matches gives the floor.
+FLOORS = (
+    ("tfdist.config", 1),
+    ("tfdist.cloud.hptune", 2),
+    ("tfdist.runtime", 2),
+    ("tfdist.observability", 2),
+    ("tfdist.data", 2),
+    ("tfdist.distribute", 2),
+    ("tfdist.training", 3),
+    ("tfdist.parallel", 3),
+    ("models", 3),
+    ("tfdist.backends", 4),
+    ("tfdist.experiment", 5),
+    # The edges: binaries, `tfdist.fit`, job specs, Ray's workers, flags.
+    ("tfdist", 6),
+    ("flags", 6),
+)
+# At most this many imports point up the floors (issue: "floors that read
+# bottom-up"); those left are named in `test_floors_read_bottom_up`.
+MAX_UPWARD_IMPORTS = 3
+
+
+def floors(graph: dict) -> dict:
+  """`{module: floor}` for every module of `graph`."""
+  bare = {m for m, edges in graph.items() if not edges}
+  out = {}
+  for module, edges in graph.items():
+    if edges <= bare:
+      out[module] = 0
+      continue
+    for prefix, floor in FLOORS:
+      if module == prefix or module.startswith(prefix + "."):
+        out[module] = floor
+        break
+    else:
+      raise AssertionError(f"{module} is on no floor: add it to FLOORS.")
+  return out
+
+
+def upward_imports(graph: dict) -> list:
+  """`[(importer, imported)]` whose floor is above the importer's."""
+  floor = floors(graph)
+  return sorted((a, b) for a, edges in graph.items() for b in edges
+                if floor[b] > floor[a])
+
+
 class ImportCycleTest(absltest.TestCase):
 
   def test_no_import_cycle(self):
@@ -109,6 +160,24 @@ class ImportCycleTest(absltest.TestCase):
     # Only the binaries' edge runs the wiring (through the package's
     # `__init__.py`, which names its modules).
     self.assertEqual(importers, sorted(BINARIES))
+
+  def test_floors_read_bottom_up(self):
+    upward = upward_imports(import_graph())
+    self.assertLessEqual(
+        len(upward), MAX_UPWARD_IMPORTS,
+        "imports pointing up the floors:\n" +
+        "\n".join(f"{a} -> {b}" for a, b in upward))
+
+  def test_an_upward_import_is_found(self):
+    graph = {"tfdist.config": {"tfdist.training.x"},
+             "tfdist.training.x": {"tfdist.errors"},
+             "tfdist.training.y": {"tfdist.training.x", "tfdist.config"},
+             "tfdist.errors": set()}
+    self.assertEqual(floors(graph)["tfdist.training.x"], 0)  # A leaf.
+    self.assertEqual(upward_imports(graph), [])
+    graph["tfdist.config"] = {"tfdist.training.y"}
+    self.assertEqual(upward_imports(graph),
+                     [("tfdist.config", "tfdist.training.y")])
 
   def test_cycle_finder_finds_a_cycle(self):
     self.assertEqual(find_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}}),

@@ -23,7 +23,7 @@ from tfdist.distribute import cluster as cluster_lib
 from tfdist.distribute import strategy as strategy_lib
 from tfdist.observability import manifest
 from tfdist.observability import run_log as run_log_lib
-from tfdist.runtime import run_options
+from tfdist.training import run_options
 from tfdist.training import batch_plan
 from tfdist.training import controller
 from tfdist.training import lr_schedule

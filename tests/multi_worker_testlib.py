@@ -186,7 +186,7 @@ def _strategy(out_dir: str, collective_timeout_seconds: float = 60):
   from tfdist import config as config_lib  # pylint: disable=g-import-not-at-top
   from tfdist import experiment  # pylint: disable=g-import-not-at-top
   from tfdist.distribute import strategy as strategy_lib  # pylint: disable=g-import-not-at-top
-  from tfdist.runtime import run_options  # pylint: disable=g-import-not-at-top
+  from tfdist.training import run_options  # pylint: disable=g-import-not-at-top
   # Under the launcher (TF_CONFIG set) `auto` must pick the multi-worker
   # strategy from the cluster alone, decided where every run decides it.
   name = "auto" if os.environ.get("TF_CONFIG") else "one_device"

@@ -39,7 +39,7 @@ from tfdist.data import data_checks
 from tfdist.distribute import environment as environment_lib
 from tfdist.observability import manifest as manifest_lib
 from tfdist.runtime import failures
-from tfdist.runtime import run_options
+from tfdist.training import run_options
 from tfdist.training import checkpointing
 from tfdist.training import export
 from tfdist.training import run_plan

@@ -18,7 +18,7 @@ from tfdist.config import ConfigError, TrainConfig
 from tfdist.distribute import auto_select
 from tfdist.distribute import cluster as cluster_lib
 from tfdist.distribute import parameter_server as ps_lib
-from tfdist.runtime import run_options
+from tfdist.training import run_options
 from tfdist.training import sharded_embedding
 
 # Also run on the oldest supported TensorFlow (see tests/conftest.py).

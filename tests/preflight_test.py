@@ -1,4 +1,4 @@
-"""Start-up checks (tfdist/runtime/preflight.py): registry names and output folders."""
+"""Start-up checks (tfdist/training/preflight.py): registry names and output folders."""
 
 import os
 import shutil
@@ -9,8 +9,8 @@ from absl.testing import absltest
 
 from tfdist.config import ConfigError
 from tfdist.config import TrainConfig
-from tfdist.runtime import preflight
-from tfdist.runtime import run_options
+from tfdist.training import preflight
+from tfdist.training import run_options
 
 
 class CheckNamesTest(absltest.TestCase):

@@ -21,7 +21,7 @@ from tfdist.distribute import auto_select
 from tfdist.distribute import cluster as cluster_lib
 from tfdist.distribute import environment as environment_lib
 from tfdist.distribute import strategy as strategy_lib
-from tfdist.runtime import run_options
+from tfdist.training import run_options
 
 # Also run on the oldest supported TensorFlow (tests/conftest.py).
 pytestmark = pytest.mark.compat

@@ -1,9 +1,9 @@
-"""Unit tests of tfdist.runtime.run_options' inputs-and-data converters."""
+"""Unit tests of tfdist.training.run_options' inputs-and-data converters."""
 
 from tfdist.config import TrainConfig
 from tfdist.data import fashion_mnist
 from tfdist.data.dataset_spec import DatasetSpec
-from tfdist.runtime import run_options
+from tfdist.training import run_options
 
 
 def _input_fn(training):

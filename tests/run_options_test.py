@@ -1,4 +1,4 @@
-"""Unit tests of tfdist.runtime.run_options: each converter reads the
+"""Unit tests of tfdist.training.run_options: each converter reads the
 config's own values into its part's options (the inputs' converters are in
 tests/run_options_inputs_test.py)."""
 
@@ -9,7 +9,7 @@ from absl.testing import absltest
 from tfdist.config import ConfigError, TrainConfig
 from tfdist.distribute import auto_select
 from tfdist.distribute.strategy_kind import StrategyKind
-from tfdist.runtime import run_options
+from tfdist.training import run_options
 
 
 def _config(**kwargs):

@@ -9,7 +9,7 @@ from tfdist.config import ConfigError, TrainConfig
 from tfdist.distribute import auto_select
 from tfdist.distribute import cluster as cluster_lib
 from tfdist.distribute import strategy as strategy_lib
-from tfdist.runtime import run_options
+from tfdist.training import run_options
 
 # Also run on the oldest supported TensorFlow (see tests/conftest.py).
 pytestmark = pytest.mark.compat

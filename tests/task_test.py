@@ -32,7 +32,7 @@ from tests import testutil
 from tfdist.config import ConfigError, TrainConfig
 from tfdist.data import input_pipeline
 from tfdist.data.dataset_spec import DatasetSpec
-from tfdist.runtime import run_options
+from tfdist.training import run_options
 from tfdist.training import assembly
 from tfdist.training import objectives
 from tfdist.training import registry

@@ -26,7 +26,7 @@ from tfdist.data import input_pipeline
 from tfdist.distribute import auto_select
 from tfdist.distribute import environment as environment_lib
 from tfdist.distribute import tpu
-from tfdist.runtime import run_options
+from tfdist.training import run_options
 from tfdist.training import run_plan
 
 # Also run on the oldest supported TensorFlow (see tests/conftest.py).

@@ -50,7 +50,7 @@ from tfdist.config import ConfigError
 from tfdist.config import TrainConfig
 from tfdist.data import input_pipeline
 from tfdist.data.dataset_spec import DatasetSpec
-from tfdist.runtime import run_options
+from tfdist.training import run_options
 from tfdist.training import keras_callbacks
 from tfdist.training import registry
 from tfdist.training import task as task_lib

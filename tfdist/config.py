@@ -4,7 +4,7 @@ Flags are parsed only at the binary's edge (`flags/`, `tfdist/train.py`); they
 become a `TrainConfig` once. The run assembly (`tfdist.experiment`) reads it
 and hands each part below it (strategy, batch plan, learning rate, input
 pipeline, training loop, artifacts) its own small options object or plain
-arguments, converted in one place (`tfdist.runtime.run_options`). A
+arguments, converted in one place (`tfdist.training.run_options`). A
 `TrainConfig` can therefore be built and used without absl.
 
 Validation happens in `__post_init__`, before any expensive work starts, one

@@ -779,7 +779,7 @@ def model_memory_of(config) -> memory.ModelMemory:
   # `tfdist.runtime.quiet_tensorflow`), and the parent process needs them only
   # now.
   import keras  # pylint: disable=g-import-not-at-top
-  from tfdist.runtime import run_options  # pylint: disable=g-import-not-at-top
+  from tfdist.training import run_options  # pylint: disable=g-import-not-at-top
   from tfdist.training import assembly  # pylint: disable=g-import-not-at-top
   from tfdist.training import lr_schedule  # pylint: disable=g-import-not-at-top
   from tfdist.training import optimizers  # pylint: disable=g-import-not-at-top

@@ -112,7 +112,7 @@ def _read_config() -> config_lib.TrainConfig:
     # rather than failing inside an import.
     versions.check_installed_versions()
     # Only after the version check: run_options imports Keras.
-    from tfdist.runtime import run_options  # pylint: disable=g-import-not-at-top
+    from tfdist.training import run_options  # pylint: disable=g-import-not-at-top
     filesystems.require_file_systems(run_options.config_paths(config))
   except config_lib.ConfigError as e:
     _usage_error(e)

@@ -29,7 +29,7 @@ import tensorflow as tf
 from tfdist.distribute import devices
 from tfdist.distribute import strategy as strategy_lib
 from tfdist.distribute.strategy_kind import StrategyKind
-from tfdist.runtime import run_options
+from tfdist.training import run_options
 
 
 @dataclasses.dataclass(frozen=True)

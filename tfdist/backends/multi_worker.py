@@ -10,7 +10,7 @@ from tfdist.distribute import devices
 from tfdist.distribute import strategy as strategy_lib
 from tfdist.distribute import worker_exit
 from tfdist.distribute.strategy_kind import StrategyKind
-from tfdist.runtime import run_options
+from tfdist.training import run_options
 from tfdist.training import done_marker
 from tfdist.training import step_runner
 

@@ -7,7 +7,7 @@ from tfdist.backends import synchronous
 from tfdist.distribute import strategy as strategy_lib
 from tfdist.distribute import tpu as tpu_lib
 from tfdist.distribute.strategy_kind import StrategyKind
-from tfdist.runtime import run_options
+from tfdist.training import run_options
 from tfdist.training import run_plan as run_plan_lib
 
 

@@ -179,8 +179,8 @@ def parse_train_flags(args: Sequence[str], *, where: str,
     # files, cluster or devices: names that exist and fit together.
     quiet_tensorflow.import_tensorflow()  # The spec alone on stdout.
     # Imported only now: it imports TensorFlow, quietly after the line above.
-    from tfdist.runtime import preflight  # pylint: disable=g-import-not-at-top
-    from tfdist.runtime import run_options  # pylint: disable=g-import-not-at-top
+    from tfdist.training import preflight  # pylint: disable=g-import-not-at-top
+    from tfdist.training import run_options  # pylint: disable=g-import-not-at-top
     preflight.check_names(run_options.name_options(config))
   except ConfigError as e:
     raise JobSpecError(f"{where}: tfdist.train would stop at start: {e}"

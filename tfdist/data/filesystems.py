@@ -103,7 +103,7 @@ def require_file_systems(paths: Iterable[Tuple[str, str]]) -> Tuple[str, ...]:
 
   Args:
     paths: `(flag, path)` pairs, e.g.
-      `tfdist.runtime.run_options.config_paths(config)`; local paths and
+      `tfdist.training.run_options.config_paths(config)`; local paths and
       TensorFlow's own schemes (`gs://`, `ram://`, `file://`) pass as they
       are.
 

@@ -380,7 +380,7 @@ def resolve(options: SelectOptions, *, cluster, environment=None,
 
   Args:
     options: the run's `SelectOptions`
-      (`tfdist.runtime.run_options.select_options`).
+      (`tfdist.training.run_options.select_options`).
     cluster: the resolved `tfdist.distribute.cluster.ClusterInfo`.
     environment: the `tfdist.distribute.environment.RunEnvironment` (TPU hints).
     inventory: use this instead of looking (tests).
@@ -410,7 +410,7 @@ def decision_changes(decision: Decision, *, tpu: str = "",
   unset `--steps_per_execution` becomes `TPU_DEFAULT_STEPS_PER_EXECUTION`;
   an explicit 1 is kept, with a warning. A `--loss_scale` given with
   `--dtype=auto` that did not choose fp16 is dropped, with a warning.
-  `tfdist.runtime.run_options.apply_decision` applies them to a `TrainConfig`.
+  `tfdist.training.run_options.apply_decision` applies them to a `TrainConfig`.
 
   Args:
     decision: the `Decision`.

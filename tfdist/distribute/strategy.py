@@ -4,7 +4,7 @@ Modelled on Model Garden's `get_distribution_strategy`: a closed set of
 kinds, each built by its own helper. `auto` is decided before this runs, in
 one place (`tfdist.distribute.auto_select.resolve`); the factory takes a
 concrete `StrategyKind` only, in a `StrategyOptions`
-(`tfdist.runtime.run_options.strategy_options` makes one from a `TrainConfig`).
+(`tfdist.training.run_options.strategy_options` makes one from a `TrainConfig`).
 """
 
 import contextlib
@@ -468,7 +468,7 @@ def make_strategy(options: StrategyOptions, *, cluster=None) -> StrategyChoice:
   Args:
     options: a `StrategyOptions` with a concrete `kind` (`auto` is decided
       first by `tfdist.distribute.auto_select.resolve`; a `TrainConfig` becomes
-      options with `tfdist.runtime.run_options.strategy_options`).
+      options with `tfdist.training.run_options.strategy_options`).
     cluster: the resolved `tfdist.distribute.cluster.ClusterInfo`; needed for
       `multi_worker_mirrored` and `parameter_server`.
 

@@ -8,7 +8,7 @@ from absl import logging
 from tfdist.backends import registry as backends
 from tfdist.distribute.strategy_kind import StrategyKind
 from tfdist.experiment import prepare
-from tfdist.runtime import run_options
+from tfdist.training import run_options
 from tfdist.training import run_plan as run_plan_lib
 
 

@@ -21,7 +21,7 @@ from tfdist.distribute import strategy as strategy_lib
 from tfdist.distribute.strategy_kind import StrategyKind
 from tfdist.experiment import prepare
 from tfdist.observability import run_log as run_log_lib
-from tfdist.runtime import run_options
+from tfdist.training import run_options
 from tfdist.training import assembly
 from tfdist.training import checkpoint_paths
 from tfdist.training import checkpointing

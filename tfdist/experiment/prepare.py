@@ -28,7 +28,7 @@ from tfdist.distribute import environment as environment_lib
 from tfdist.distribute.strategy_kind import StrategyKind
 from tfdist.observability import versions
 from tfdist.runtime import allocator
-from tfdist.runtime import run_options
+from tfdist.training import run_options
 from tfdist.training import assembly
 from tfdist.training import checkpoint_paths
 from tfdist.training import checkpointing

@@ -22,7 +22,7 @@ from tfdist.experiment import dry_run as dry_run_lib
 from tfdist.experiment import evaluator as evaluator_lib
 from tfdist.experiment import prepare
 from tfdist.experiment import runner as runner_lib
-from tfdist.runtime import preflight
+from tfdist.training import preflight
 from tfdist.training import task as task_lib
 
 
@@ -117,7 +117,7 @@ def run_experiment(config: TrainConfig, *,
     DataNotFoundError: missing data.
     tfdist.data.data_checks.DataError: a damaged input file or records of
       another schema (before training).
-    tfdist.runtime.preflight.OutputNotWritableError: an output folder cannot be
+    tfdist.training.preflight.OutputNotWritableError: an output folder cannot be
       written (before anything else is done).
     tfdist.training.checkpointing.IncompatibleResumeError: the checkpoint's run
       had another model or global batch (before training).

@@ -38,8 +38,8 @@ from tfdist.observability import profiling
 from tfdist.observability import run_log as run_log_lib
 from tfdist.runtime import failures
 from tfdist.runtime import preemption
-from tfdist.runtime import preflight
-from tfdist.runtime import run_options
+from tfdist.training import preflight
+from tfdist.training import run_options
 from tfdist.training import assembly
 from tfdist.training import checkpointing
 from tfdist.training import controller as controller_lib
@@ -57,7 +57,7 @@ def _worker_scratch_dir(cluster: cluster_lib.ClusterInfo) -> str:
   """A local folder for a non-chief worker's writes, deleted at exit.
 
   Raises:
-    tfdist.runtime.preflight.OutputNotWritableError: it cannot be made or
+    tfdist.training.preflight.OutputNotWritableError: it cannot be made or
       written.
   """
   parent = os.environ.get("TEST_TMPDIR") or tempfile.gettempdir()

@@ -31,7 +31,7 @@ MANIFEST_FILE = "run_manifest.json"
 class ManifestOptions:
   """What the manifest records of the run's configuration.
 
-  Built from a `TrainConfig` by `tfdist.runtime.run_options.manifest_options`.
+  Built from a `TrainConfig` by `tfdist.training.run_options.manifest_options`.
 
   Attributes:
     flags: the flags as given, `(name, value)` pairs
@@ -213,7 +213,7 @@ def build_manifest(options: ManifestOptions, *, ran: WhatRan,
 
   Args:
     options: the run's configuration as the manifest records it (no `auto`
-      left; `tfdist.runtime.run_options.manifest_options`).
+      left; `tfdist.training.run_options.manifest_options`).
     ran: what ran (decisions, plan, result, logs, model).
     where: where it ran (cluster, strategy, devices, environment).
     wrote: what it wrote, and the seconds it took.

@@ -35,7 +35,7 @@ from tfdist.training.train_loop import Trainer
 class AssemblyOptions:
   """What assembly reads of a run's settings (model, optimizer, precision).
 
-  `tfdist.runtime.run_options.assembly_options` makes them from a `TrainConfig`.
+  `tfdist.training.run_options.assembly_options` makes them from a `TrainConfig`.
 
   Attributes:
     optimizer: the optimizer's name
@@ -328,7 +328,7 @@ def build(options: AssemblyOptions, *, task: task_lib.Task,
 
   Args:
     options: the run's `AssemblyOptions` (model, optimizer and precision;
-      `tfdist.runtime.run_options.assembly_options` makes them from a config).
+      `tfdist.training.run_options.assembly_options` makes them from a config).
     task: the `tfdist.training.task.Task` (model builder, data set, loss,
       metrics).
     strategy: the run's strategy.

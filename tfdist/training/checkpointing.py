@@ -287,7 +287,7 @@ def run_record(settings: Mapping[str, Any], plan) -> dict:
   """What a run trains, as recorded beside its checkpoints.
 
   Args:
-    settings: the run's settings by flag name (`tfdist.runtime.run_options.
+    settings: the run's settings by flag name (`tfdist.training.run_options.
       run_record_settings`); the operational ones are left out.
     plan: its `tfdist.training.run_plan.RunPlan`.
 

@@ -305,7 +305,7 @@ def plan_learning_rate(options: LROptions, *, global_batch_size: int,
   """Scales `options.base_learning_rate` and builds warmup + decay for a run.
 
   Args:
-    options: the run's `LROptions` (`tfdist.runtime.run_options.lr_options`
+    options: the run's `LROptions` (`tfdist.training.run_options.lr_options`
       makes them from a `TrainConfig`).
     global_batch_size: examples per update.
     steps_per_epoch: updates per epoch (for `--warmup_epochs`).

@@ -217,7 +217,7 @@ def resolve_data_files(data: DataOptions, spec, *, need_eval: bool = True
   flags give no files, and checked against the data set
   (`DatasetSpec.check_files`: a feature spec's features).
 
-  `data` is the run's `DataOptions` (`tfdist.runtime.run_options.data_options`);
+  `data` is the run's `DataOptions` (`tfdist.training.run_options.data_options`);
   `spec` its `DatasetSpec`.
 
   A data set from a dataset function has no files: `((), ())`. Without
@@ -275,7 +275,7 @@ def make_run_plan(options: PlanOptions, spec, *, num_replicas_in_sync: int,
 
   Args:
     options: the run's `PlanOptions`
-      (`tfdist.runtime.run_options.plan_options`).
+      (`tfdist.training.run_options.plan_options`).
     spec: the data set's `DatasetSpec`.
     num_replicas_in_sync: replicas per update (`strategy.
       num_replicas_in_sync`; 1 per worker step under parameter servers).

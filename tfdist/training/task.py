@@ -65,7 +65,7 @@ def load_builtins():
 class TaskNames:
   """The names a run's task comes from (the binary's flags).
 
-  `tfdist.runtime.run_options.task_names` makes them from a `TrainConfig`.
+  `tfdist.training.run_options.task_names` makes them from a `TrainConfig`.
 
   Attributes:
     model: `--model`: a registered model name or `module:function`.

@@ -34,7 +34,7 @@ from tfdist.training import task as task_lib
 
 @dataclasses.dataclass(frozen=True)
 class NameOptions:
-  """The registry names a run gives (`tfdist.runtime.run_options.name_options`).
+  """The registry names a run gives (`tfdist.training.run_options.name_options`).
 
   Attributes:
     model: `--model`: a registered name or an import path.
@@ -52,7 +52,7 @@ class NameOptions:
 
 @dataclasses.dataclass(frozen=True)
 class OutputOptions:
-  """The output folders a run writes (`tfdist.runtime.run_options.output_options`).
+  """The output folders a run writes (`tfdist.training.run_options.output_options`).
 
   Attributes:
     model_dir: `--model_dir`.
@@ -79,7 +79,7 @@ def check_names(names: NameOptions):
   job itself at start.
 
   Args:
-    names: the run's names (`tfdist.runtime.run_options.name_options`).
+    names: the run's names (`tfdist.training.run_options.name_options`).
 
   Raises:
     ConfigError: an unknown registered `--dataset` or `--model` (the
@@ -220,7 +220,7 @@ def probe_outputs(outputs: OutputOptions):
   """Probes every output folder of the process that writes `--model_dir`.
 
   Args:
-    outputs: the run's folders (`tfdist.runtime.run_options.output_options`).
+    outputs: the run's folders (`tfdist.training.run_options.output_options`).
 
   Raises:
     OutputNotWritableError: the first folder that cannot be written.

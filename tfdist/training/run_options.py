@@ -17,7 +17,7 @@ from tfdist.distribute import strategy as strategy_lib
 from tfdist.distribute import tpu as tpu_lib
 from tfdist.distribute.strategy_kind import StrategyKind
 from tfdist.observability import manifest
-from tfdist.runtime import preflight
+from tfdist.training import preflight
 from tfdist.training import assembly
 from tfdist.training import lr_schedule
 from tfdist.training import run_plan
@@ -285,7 +285,7 @@ def manifest_options(config: TrainConfig) -> manifest.ManifestOptions:
 
 
 def name_options(config: TrainConfig) -> preflight.NameOptions:
-  """The registry names `tfdist.runtime.preflight.check_names` checks."""
+  """The registry names `tfdist.training.preflight.check_names` checks."""
   return preflight.NameOptions(
       model=config.model, dataset=config.dataset,
       feature_spec=config.feature_spec,
@@ -294,7 +294,7 @@ def name_options(config: TrainConfig) -> preflight.NameOptions:
 
 
 def output_options(config: TrainConfig) -> preflight.OutputOptions:
-  """The output folders `tfdist.runtime.preflight.probe_outputs` probes."""
+  """The output folders `tfdist.training.preflight.probe_outputs` probes."""
   return preflight.OutputOptions(
       model_dir=config.model_dir, checkpoint_dir=config.checkpoint_dir,
       tensorboard_dir=config.tensorboard_dir, export_dir=config.export_dir,
