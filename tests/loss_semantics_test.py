@@ -8,7 +8,8 @@ train_loop.py `Trainer`):
   a per-example value divided by the batch;
 * `model.losses` (a kernel regularizer, `add_loss`): in the training loss
   and in the evaluation loss, as `Model.evaluate` reports it;
-* a `keras.losses.Loss` with `reduction="sum"`, and with `reduction=None`
+* a `keras.losses.Loss` with `reduction="sum"` (with and without sample
+  weights), and with `reduction=None`
   (`fit` differentiates the sum of the values and reports their mean).
 
 Each case runs `Model.fit` then `Model.evaluate` on one device (the
@@ -37,19 +38,23 @@ EPOCHS = 2
 # Relative to the values' size (the "sum" case's losses are about 64x).
 RTOL = 1e-4
 CASES = ("batch_valued_lambda", "batch_valued_function", "regularized",
-         "sum", "none")
+         "sum", "sum_weighted", "none")
+# Cases whose examples carry sample weights (`fit(sample_weight=...)`).
+WEIGHTED = ("sum_weighted",)
 STRATEGIES = ("one_device", "mirrored")
 _RESULTS = {}
 
 
-def _data():
+def _data(case: str = ""):
   """`(x, y)`: float32 [256, 3] and [256, 1], y = x . (1, 2, 3) + 1.5 +
-  noise."""
+  noise; `WEIGHTED` cases also `w`, float32 [256] in [0, 2)."""
   import numpy as np  # pylint: disable=g-import-not-at-top
   rng = np.random.default_rng(0)
   x = rng.normal(size=(EXAMPLES, 3)).astype("float32")
   y = x @ np.array([1.0, 2.0, 3.0]) + 1.5 + rng.normal(0, 0.1, EXAMPLES)
-  return x, y.astype("float32")[:, None]
+  w = rng.uniform(0, 2, EXAMPLES).astype("float32")
+  return (x, y.astype("float32")[:, None]) + ((w,) if case in WEIGHTED
+                                               else ())
 
 
 def batch_mean_squared_error(y_true, y_pred):
@@ -82,7 +87,7 @@ def _build(case: str):
     loss = batch_mean_squared_error
   elif case == "regularized":
     loss, regularizer = "mse", keras.regularizers.L2(0.1)
-  elif case == "sum":
+  elif case in ("sum", "sum_weighted"):
     loss, rate = keras.losses.MeanSquaredError(reduction="sum"), 0.001
   else:
     loss, rate = SquaredError(reduction=None, name="squared_error"), 0.001
@@ -97,19 +102,22 @@ def _build(case: str):
 
 
 def _keras_fit(case: str) -> dict:
-  x, y = _data()
+  x, y, *w = _data(case)
+  w = w[0] if w else None
   model, _ = _build(case)
-  history = model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=EPOCHS,
-                      shuffle=False, verbose=0)
-  return {"weights": [w.tolist() for w in model.get_weights()],
+  history = model.fit(x, y, sample_weight=w, batch_size=GLOBAL_BATCH,
+                      epochs=EPOCHS, shuffle=False, verbose=0)
+  return {"weights": [v.tolist() for v in model.get_weights()],
           "loss": [float(v) for v in history.history["loss"]],
-          "eval_loss": float(model.evaluate(x, y, batch_size=GLOBAL_BATCH,
+          "eval_loss": float(model.evaluate(x, y, sample_weight=w,
+                                            batch_size=GLOBAL_BATCH,
                                             verbose=0))}
 
 
 def _tfdist_fit(case: str, strategy: str, model_dir: str) -> dict:
   import tfdist  # pylint: disable=g-import-not-at-top
-  x, y = _data()
+  x, y, *w = _data(case)
+  w = w[0] if w else None
   built = []
 
   def model_fn():
@@ -118,7 +126,8 @@ def _tfdist_fit(case: str, strategy: str, model_dir: str) -> dict:
     return model
 
   rate = _build(case)[1]
-  result = tfdist.fit(model_fn, x=x, y=y, validation_data=(x, y),
+  result = tfdist.fit(model_fn, x=x, y=y, sample_weight=w,
+                      validation_data=(x, y) if w is None else (x, y, w),
                       verbose=0, config=tfdist.TrainConfig(
                           model_dir=model_dir, train_epochs=EPOCHS,
                           batch_size=GLOBAL_BATCH,
@@ -210,6 +219,10 @@ class TfdistFitAgreesWithModelFitTest(parameterized.TestCase):
   @parameterized.parameters(*STRATEGIES)
   def test_reduction_sum(self, strategy):
     self._check("sum", strategy)
+
+  @parameterized.parameters(*STRATEGIES)
+  def test_reduction_sum_with_sample_weights(self, strategy):
+    self._check("sum_weighted", strategy)
 
   @parameterized.parameters(*STRATEGIES)
   def test_reduction_none(self, strategy):
