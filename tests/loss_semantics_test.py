@@ -82,7 +82,7 @@ def _build(case: str):
   rate = 0.05
   regularizer = None
   if case == "batch_valued_lambda":
-    loss = lambda y, p: tf.reduce_mean(tf.square(y - p))  # pylint: disable=g-long-lambda
+    loss = lambda y, p: tf.reduce_mean(tf.square(y - p))
   elif case == "batch_valued_function":
     loss = batch_mean_squared_error
   elif case == "regularized":
