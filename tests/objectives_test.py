@@ -92,6 +92,86 @@ class ResolveTest(parameterized.TestCase):
     self.assertEqual(got.metric_names, ("mae", "mae_1"))
 
 
+class LossValuesTest(parameterized.TestCase):
+  """`resolve_loss` keeps how `fit` reduces a loss; `loss_values` gives the
+  step its values (tfdist.fit against Model.fit: tests/loss_semantics_test.py).
+  """
+
+  def _values(self, identifier, y_true, y_pred):
+    loss = objectives.resolve_loss(identifier, **BINARY)
+    values, elements, reduction = objectives.loss_values(
+        loss, tf.constant(y_true, tf.float32), tf.constant(y_pred,
+                                                           tf.float32))
+    return values.numpy(), float(elements), reduction
+
+  @parameterized.named_parameters(
+      ("default", keras.losses.MeanSquaredError(), "sum_over_batch_size"),
+      ("mean", keras.losses.MeanSquaredError(reduction="mean"),
+       "sum_over_batch_size"),
+      ("sum", keras.losses.MeanSquaredError(reduction="sum"), "sum"),
+      ("none", keras.losses.MeanSquaredError(reduction=None), "none"),
+      ("weighted_mean", keras.losses.MeanSquaredError(
+          reduction="mean_with_sample_weight"), "mean_with_sample_weight"),
+      ("function", keras.losses.mean_squared_error, "sum_over_batch_size"),
+      ("name", "mse", "sum_over_batch_size"))
+  def test_the_reduction_fit_applies_is_kept(self, identifier, reduction):
+    values, elements, got = self._values(identifier, [[1.0], [0.0]],
+                                         [[0.5], [0.0]])
+    np.testing.assert_allclose(values, [0.25, 0.0])
+    self.assertEqual(elements, 1.0)
+    self.assertEqual(got, reduction)
+    loss = objectives.resolve_loss(identifier, **BINARY)
+    self.assertIs(objectives.resolve_loss(loss, **BINARY), loss)
+
+  def test_one_value_per_batch_is_every_examples_loss(self):
+    # As fit takes it: the value is the batch's loss, whatever the
+    # reduction (Keras's reduce_values returns a scalar as it is).
+    for identifier in (lambda y, p: tf.reduce_mean(tf.square(y - p)),
+                       _BatchMean(reduction="sum")):
+      values, elements, reduction = self._values(
+          identifier, [[1.0], [0.0], [0.0]], [[0.0], [0.0], [0.0]])
+      np.testing.assert_allclose(values, [1 / 3] * 3, rtol=1e-6)
+      self.assertEqual((elements, reduction), (1.0, "sum_over_batch_size"))
+
+  def test_values_of_trailing_axes_are_averaged_and_counted(self):
+    loss = objectives.resolve_loss(lambda y, p: tf.square(y - p), **BINARY)
+    values, elements, _ = objectives.loss_values(
+        loss, tf.zeros([2, 3]), tf.constant([[1.0, 2.0, 3.0], [0, 0, 0]]))
+    np.testing.assert_allclose(values.numpy(), [14 / 3, 0.0], rtol=1e-6)
+    self.assertEqual(float(elements), 3.0)
+
+  def test_a_lambda_gets_a_valid_scope_name(self):
+    loss = objectives.resolve_loss(lambda y, p: tf.square(y - p), **BINARY)
+    self.assertEqual(loss.name, "lambda")
+    # Keras opens a name scope named after the loss ('<lambda>' is refused).
+    tf.function(lambda: loss(tf.zeros([2, 1]), tf.ones([2, 1])))()
+
+  def test_batch_valued_loss_is_found_at_start(self):
+    specs = dict(y_true=tf.TensorSpec([None, 1]),
+                 y_pred=tf.TensorSpec([None, 1]))
+    batch = objectives.resolve_loss(
+        lambda y, p: tf.reduce_mean(tf.square(y - p)), **BINARY)
+    self.assertTrue(objectives.batch_valued_loss(batch, **specs))
+    self.assertFalse(objectives.batch_valued_loss(
+        objectives.resolve_loss("mse", **BINARY), **specs))
+
+  def test_mean_with_sample_weight_is_refused_with_weights(self):
+    loss = objectives.resolve_loss(keras.losses.MeanSquaredError(
+        reduction="mean_with_sample_weight"), **BINARY)
+    objectives.check_reduction(loss, weighted=False)
+    with self.assertRaisesRegex(
+        ConfigError, r"'mean_squared_error' has reduction='mean_with_sample"
+        r"_weight' and the examples carry sample or class weights.*Use "
+        r"reduction='sum_over_batch_size'"):
+      objectives.check_reduction(loss, weighted=True)
+
+
+class _BatchMean(keras.losses.Loss):
+
+  def call(self, y_true, y_pred):
+    return keras.ops.mean(keras.ops.square(y_true - y_pred))
+
+
 class MetricSumsTest(absltest.TestCase):
 
   def test_summed_halves_equal_one_keras_metric(self):

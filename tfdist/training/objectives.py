@@ -29,6 +29,7 @@ with a variable that is not summed is refused with its name.
 """
 
 import dataclasses
+import re
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import keras
@@ -102,15 +103,48 @@ def _binary_or_sparse(y_true: tf.TensorShape, y_pred: tf.TensorShape):
   return is_binary, bool(is_sparse)
 
 
+# How Keras's `fit` turns a loss's values into the loss it differentiates
+# (`keras.losses.Loss.reduction`, after `compile`'s wrapping), as tfdist
+# applies it over the global batch (`loss_values`, and
+# `tfdist.training.train_loop.Trainer`):
+#   "sum_over_batch_size": sum(weight x loss) / examples in the global batch
+#     (also Keras's "mean"); the loss reported is that value.
+#   "sum": sum(weight x loss) over the global batch, reported as is.
+#   "none": the loss's values are not reduced (`reduction=None`): fit's
+#     gradient is that of their sum (`GradientTape.gradient` sums a
+#     non-scalar target), and the loss it reports is their mean.
+#   "mean_with_sample_weight": sum(weight x loss) / sum(weight); without
+#     sample or class weights, "sum_over_batch_size" (tfdist refuses it
+#     with weights: `check_reduction`).
+REDUCTIONS = ("sum_over_batch_size", "sum", "none", "mean_with_sample_weight")
+_FIT_REDUCTION = {None: "none", "none": "none", "mean": "sum_over_batch_size",
+                  "sum_over_batch_size": "sum_over_batch_size", "sum": "sum",
+                  "mean_with_sample_weight": "mean_with_sample_weight"}
+
+
+def _scope_name(name: str) -> str:
+  """`name` made a valid TensorFlow name scope (Keras opens one named after
+  the loss): a function's `__name__` such as `<lambda>` becomes `lambda`."""
+  name = re.sub(r"[^A-Za-z0-9_.\-]", "_", str(name)).strip("_")
+  return name if name and name[0].isalnum() else "loss"
+
+
 class FunctionLoss(keras.losses.Loss):
   """A loss function `fn(y_true, y_pred) -> losses` as a Keras `Loss` with
   one value per example (`reduction=None`), labels brought to the
   prediction's rank first as Keras's own wrapper does ([batch] against
-  [batch, 1])."""
+  [batch, 1]). A function returning one value for the whole batch (a
+  scalar) is handled by `loss_values`.
+
+  Attributes:
+    fit_reduction: how `fit` reduces the values (`REDUCTIONS`): a function
+      given to `compile` is reduced as `"sum_over_batch_size"`.
+  """
 
   def __init__(self, fn, name: str = "loss"):
-    super().__init__(name=name, reduction=None)
+    super().__init__(name=_scope_name(name), reduction=None)
     self.fn = fn
+    self.fit_reduction = "sum_over_batch_size"
 
   def call(self, y_true, y_pred):
     true_rank, pred_rank = len(y_true.shape), len(y_pred.shape)
@@ -124,29 +158,99 @@ class FunctionLoss(keras.losses.Loss):
 class PerExampleLoss(keras.losses.Loss):
   """A Keras `Loss` whose values are not reduced: `loss.call` (its values
   per element, before the reduction `Loss.__call__` applies), with the
-  wrapped loss's name and dtype, and `reduction=None`."""
+  wrapped loss's name and dtype, and `reduction=None`.
+
+  Attributes:
+    inner: the wrapped loss.
+    fit_reduction: how `fit` reduces the wrapped loss's values
+      (`REDUCTIONS`), from its `reduction`.
+  """
 
   def __init__(self, loss: keras.losses.Loss):
-    super().__init__(name=loss.name, reduction=None, dtype=loss.dtype)
+    super().__init__(name=_scope_name(loss.name), reduction=None,
+                     dtype=loss.dtype)
     self.inner = loss
+    self.fit_reduction = _FIT_REDUCTION[loss.reduction]
 
   def call(self, y_true, y_pred):
     return self.inner.call(y_true, y_pred)
 
 
-def resolve_loss(identifier, *, y_true: tf.TensorShape,
-                 y_pred: tf.TensorShape) -> keras.losses.Loss:
-  """A Keras `Loss` returning one loss per example (`reduction=None`).
+def fit_reduction(loss: keras.losses.Loss) -> str:
+  """How `fit` reduces `loss`'s values (`REDUCTIONS`): a loss made by
+  `resolve_loss` says; any other is taken as per-example values reduced by
+  `"sum_over_batch_size"`."""
+  return getattr(loss, "fit_reduction", "sum_over_batch_size")
+
+
+def loss_values(loss: keras.losses.Loss, y_true, y_pred
+                ) -> Tuple[tf.Tensor, tf.Tensor, str]:
+  """One batch's loss values as the step reduces them (tf.function-safe).
 
   Args:
-    identifier: a `keras.losses.Loss`, a loss function
-      `fn(y_true, y_pred) -> per-example losses`, or a name
-      (`"mse"`, `"binary_crossentropy"`, `"crossentropy"`, ...).
+    loss: a loss from `resolve_loss` (`reduction=None`).
+    y_true, y_pred: the batch's labels and float32 outputs [batch, ...].
+
+  Returns:
+    `(values, elements, reduction)`: `values` float32 [batch], each
+    example's loss (its values over trailing axes averaged); `elements`
+    float32 scalar, the values per example (the product of the trailing
+    axes: 1 for one value per example), so that `values * elements` sums
+    them; `reduction`, the `REDUCTIONS` entry to apply. A loss that returns
+    one value for the whole batch (a scalar, e.g.
+    `lambda y, p: tf.reduce_mean(tf.square(y - p))`) is the batch's loss,
+    as in `fit`: every example gets that value and the reduction is
+    `"sum_over_batch_size"`, so the batch's loss is the value itself (times
+    the mean sample weight, as `fit` weighs it), and under N replicas each
+    replica's value weighs 1/N (its share of the global batch).
+  """
+  values = tf.cast(loss(y_true, y_pred), tf.float32)
+  if values.shape.rank == 0:
+    return (tf.fill(tf.shape(y_pred)[:1], values), tf.constant(1.0),
+            "sum_over_batch_size")
+  elements = tf.constant(1.0)
+  if values.shape.rank and values.shape.rank > 1:
+    axes = list(range(1, values.shape.rank))
+    elements = tf.cast(tf.reduce_prod(tf.shape(values)[1:]), tf.float32)
+    values = tf.reduce_mean(values, axis=axes)
+  return values, elements, fit_reduction(loss)
+
+
+def check_reduction(loss: keras.losses.Loss, *, weighted: bool,
+                    what: str = "The loss") -> None:
+  """Refuses `reduction="mean_with_sample_weight"` when the examples carry
+  sample or class weights (`weighted`): its divisor, the global batch's
+  sum of weights, is not known to a replica before the step.
+
+  Raises:
+    ConfigError: that reduction with weights.
+  """
+  if weighted and fit_reduction(loss) == "mean_with_sample_weight":
+    raise ConfigError(
+        f"{what} {loss.name!r} has reduction='mean_with_sample_weight' and "
+        "the examples carry sample or class weights: tfdist does not divide "
+        "by the global batch's sum of weights. Use "
+        "reduction='sum_over_batch_size' (the default), or 'sum' and "
+        "normalize the weights in the data.")
+
+
+def resolve_loss(identifier, *, y_true: tf.TensorShape,
+                 y_pred: tf.TensorShape) -> keras.losses.Loss:
+  """A Keras `Loss` returning the loss's values unreduced
+  (`reduction=None`), with `fit_reduction` saying how `fit` reduces them.
+
+  Args:
+    identifier: a `keras.losses.Loss` (any `reduction` of `REDUCTIONS`),
+      a loss function `fn(y_true, y_pred) -> per-example losses` (or one
+      value for the batch, see `loss_values`), or a name (`"mse"`,
+      `"binary_crossentropy"`, `"crossentropy"`, ...).
     y_true, y_pred: batched shapes of the labels and the model's output.
 
   Raises:
     ConfigError: an unknown name, or losses per output (dict/list).
   """
+  if isinstance(identifier, (FunctionLoss, PerExampleLoss)):
+    return identifier  # Resolved already.
   if isinstance(identifier, (dict, list, tuple)):
     raise ConfigError(
         "Losses per output (a dict or list) are not supported: tfdist "
@@ -167,7 +271,7 @@ def resolve_loss(identifier, *, y_true: tf.TensorShape,
   else:
     loss = identifier
   if isinstance(loss, keras.losses.Loss):
-    return loss if loss.reduction in (None, "none") else PerExampleLoss(loss)
+    return PerExampleLoss(loss)
   if callable(loss):
     name = identifier if isinstance(identifier, str) else getattr(
         loss, "__name__", "loss")
@@ -210,7 +314,8 @@ class Objectives:
   """The resolved loss and metrics of a run.
 
   Attributes:
-    loss: a Keras `Loss` with `reduction=None` (one value per example).
+    loss: a Keras `Loss` with `reduction=None` (unreduced values) and a
+      `fit_reduction` (`resolve_loss`).
     metrics: Keras `Metric`s, names unique.
     source: where they came from (`arguments`, `compile`, `dataset`, or
       `task <name>`), for the log.
@@ -341,6 +446,23 @@ def batch_valued_metrics(metrics: Sequence[keras.metrics.Metric], *,
     if getattr(out, "shape", None) is not None and out.shape.rank == 0:
       names.append(metric.name)
   return names
+
+
+def batch_valued_loss(loss: keras.losses.Loss, *, y_true: tf.TensorSpec,
+                      y_pred: tf.TensorSpec) -> bool:
+  """Whether `loss` (from `resolve_loss`) gives one value for the whole
+  batch (a scalar), e.g. `lambda y, p: tf.reduce_mean(tf.square(y - p))`:
+  `loss_values` then takes that value as the batch's loss, as `fit` does.
+  Found by tracing it on batches of the `y_true` / `y_pred` specs (batch
+  dimension unknown); False when it cannot be traced alone."""
+  try:
+    out = tf.function(lambda t, p: loss(t, p)).get_concrete_function(
+        tf.TensorSpec([None] + list(y_true.shape[1:]), y_true.dtype),
+        tf.TensorSpec([None] + list(y_pred.shape[1:]), y_pred.dtype)
+    ).structured_outputs
+  except Exception:  # pylint: disable=broad-except
+    return False  # Not traceable alone: the step handles it when traced.
+  return getattr(out, "shape", None) is not None and out.shape.rank == 0
 
 
 # --- metric state as sums ---------------------------------------------------

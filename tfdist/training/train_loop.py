@@ -7,11 +7,19 @@ losses through its own step (as Model Garden's Orbit does). The same
 Mirrored, MultiWorkerMirrored and TPU, and passed to
 `ClusterCoordinator.schedule` under ParameterServerStrategy.
 
-Loss: any Keras loss, computed per example and averaged over the *global*
-batch (the replica's sum divided by the global batch size, as
-`tf.nn.compute_average_loss(..., global_batch_size=...)` computes it), and
-the step sums gradients over replicas, so the update equals the
-single-device update on the whole global batch.
+Loss: any Keras loss, reduced over the *global* batch as `Model.fit`
+reduces it on one device (`tfdist.training.objectives.REDUCTIONS`): by
+default (`"sum_over_batch_size"`) computed per example and averaged over
+the global batch (the replica's sum divided by the global batch size, as
+`tf.nn.compute_average_loss(..., global_batch_size=...)` computes it);
+`reduction="sum"` summed over it; `reduction=None` differentiated as the
+sum and reported as the mean, as `fit` does. A loss returning one value for
+the whole batch is that batch's loss (each replica's value weighs its share
+of the global batch, 1/N of N equal shares; `objectives.loss_values`). The
+step sums gradients over replicas, so the update equals the single-device
+update on the whole global batch. `model.losses` (regularizers, `add_loss`)
+are added once per step (`tf.nn.scale_regularization_loss`: each replica
+adds 1/N), in training and in evaluation, as `fit` and `evaluate` add them.
 
 Sample weights: a batch `(inputs, labels, weights)` (weights float32
 [batch], as Keras's `fit` takes a dataset of `(x, y, sample_weight)`), or
@@ -343,8 +351,8 @@ class Trainer:
       `input_pipeline.pad_to_static_batches` makes for TPUs (after the
       sample weights, if any).
     loss: a Keras loss (object, function `fn(y_true, y_pred)` or name);
-      computed per example (its own reduction is replaced), losses of
-      trailing axes averaged, then averaged over the global batch.
+      computed per example, losses of trailing axes averaged, then reduced
+      over the global batch as its `reduction` says (module docstring).
     metrics: Keras metrics (objects, functions or names), or a built
       `tfdist.training.objectives.MetricSums`; None: the `task`'s when `loss` is
       None, else none.
@@ -376,7 +384,10 @@ class Trainer:
     ValueError: unknown `task`; `global_batch_size` < 1;
       `gradient_accumulation_steps` < 1; a `class_weight` key that is not
       an integer >= 0.
-    tfdist.config.ConfigError: a metric whose state is not summed.
+    tfdist.config.ConfigError: a metric whose state is not summed; a loss
+      with `reduction="mean_with_sample_weight"` and `class_weight`
+      (`objectives.check_reduction`; with sample weights, when the step is
+      traced).
   """
 
   def __init__(self, *, strategy: tf.distribute.Strategy, model: keras.Model,
@@ -418,6 +429,11 @@ class Trainer:
     shapes = dict(y_true=tf.TensorShape([None]),
                   y_pred=tf.TensorShape([None, None]))
     self.loss_fn = objectives.resolve_loss(loss, **shapes)
+    objectives.check_reduction(self.loss_fn,
+                               weighted=bool(self.class_weight))
+    # The reduction of the evaluation loss, known once `eval_function` is
+    # traced (a loss returning one value per batch is averaged).
+    self.eval_loss_reduction = objectives.fit_reduction(self.loss_fn)
     self.metric_sums = (metrics if isinstance(metrics, objectives.MetricSums)
                         else objectives.MetricSums([
                             objectives.resolve_metric(m, **shapes)
@@ -453,13 +469,37 @@ class Trainer:
     self.eval_function = compile_fn(self._eval_function)
 
   # --- replica functions -------------------------------------------------
-  def _per_example_loss(self, labels, outputs, weights=None) -> tf.Tensor:
-    """The loss of each example, float32 [batch] (trailing axes averaged;
-    `weights`, float32 [batch], multiply it)."""
-    values = self.loss_fn(labels, outputs, sample_weight=weights)
-    if values.shape.rank and values.shape.rank > 1:
-      values = tf.reduce_mean(values, axis=list(range(1, values.shape.rank)))
-    return tf.cast(values, tf.float32)
+  def _replica_losses(self, labels, outputs, weights=None):
+    """`(objective, reported)`: one replica's share of the step's loss as
+    `fit` reduces it (`tfdist.training.objectives.REDUCTIONS`), float32
+    scalars, `model.losses` not included. `objective` is differentiated;
+    summed over replicas (and micro-batches) it is one device's loss on the
+    global batch, so the summed gradients are one device's. `reported`,
+    summed likewise, is the loss `fit` reports for the batch. `weights`:
+    the examples' training weights, float32 [batch], or None."""
+    values, elements, reduction = objectives.loss_values(self.loss_fn,
+                                                         labels, outputs)
+    if weights is not None:
+      if reduction == "mean_with_sample_weight":
+        objectives.check_reduction(self.loss_fn, weighted=True)
+      values = values * weights
+    total = tf.reduce_sum(values)
+    # `tf.nn.compute_average_loss`'s arithmetic, without its run-time
+    # assertions on a batch size fixed (and checked) at construction.
+    mean = tf.math.divide_no_nan(total, float(self.global_batch_size))
+    if reduction == "sum":
+      return total * elements, total * elements
+    if reduction == "none":
+      return total * elements, mean
+    return mean, mean
+
+  def _regularization_loss(self) -> Optional[tf.Tensor]:
+    """The sum of `model.losses` (weight and activity regularizers,
+    `add_loss`) from the last forward pass, float32, or None: none."""
+    if not self.model.losses:
+      return None
+    return tf.add_n([tf.cast(tf.reduce_sum(l), tf.float32)
+                     for l in self.model.losses])
 
   def _metric_sums(self, labels, outputs, mask=None, sample_weight=None
                    ) -> Dict[str, tf.Tensor]:
@@ -485,16 +525,16 @@ class Trainer:
     `weights`: the examples' training weights, float32 [batch], or None."""
     with tf.GradientTape() as tape:
       outputs = tf.cast(self.model(inputs, training=True), tf.float32)
-      per_example = self._per_example_loss(labels, outputs, weights)
-      # `tf.nn.compute_average_loss`'s arithmetic, without its run-time
-      # assertions on a batch size fixed (and checked) at construction.
-      loss = tf.math.divide_no_nan(tf.reduce_sum(per_example),
-                                   float(self.global_batch_size))
-      if self.model.losses:
+      objective, loss = self._replica_losses(labels, outputs, weights)
+      regularization = self._regularization_loss()
+      if regularization is not None:
         # Once per update: each of the K micro-steps adds 1/K of it.
-        loss += tf.nn.scale_regularization_loss(tf.add_n(
-            self.model.losses)) / self.gradient_accumulation_steps
-      scaled = self.optimizer.scale_loss(loss) if self.uses_loss_scale else loss
+        regularization = tf.nn.scale_regularization_loss(
+            regularization) / self.gradient_accumulation_steps
+        objective += regularization
+        loss += regularization
+      scaled = (self.optimizer.scale_loss(objective) if self.uses_loss_scale
+                else objective)
     grads = tape.gradient(scaled, self.model.trainable_variables)
     return loss, grads, outputs
 
@@ -612,8 +652,9 @@ class Trainer:
     # those ("Incompatible shapes: [64] vs. [0,14,14,32]" in the CNN), so an
     # empty batch skips the model and adds zeros.
     def empty():
-      return {"loss_sum": tf.constant(0.0), "count": tf.constant(0.0),
-              **self.metric_sums.zeros()}
+      return {"loss_sum": tf.constant(0.0),
+              "regularization_sum": tf.constant(0.0),
+              "count": tf.constant(0.0), **self.metric_sums.zeros()}
 
     return tf.cond(tf.shape(labels)[0] > 0,
                    lambda: self._replica_eval_sums(inputs, labels, weights,
@@ -623,14 +664,26 @@ class Trainer:
   def _replica_eval_sums(self, inputs, labels, weights=None, mask=None):
     """Summed loss, count and metric state of one replica's evaluation
     batch; `weights`: sample weights, `mask`: 1 real / 0 padding (float32
-    [batch] each, or None)."""
+    [batch] each, or None). `loss_sum`: the loss's weighted values summed
+    (times the values per example under `"sum"`); `regularization_sum`:
+    the sum of `model.losses` times the batch's examples (`Model.evaluate`
+    adds them to each batch's loss, and averages batches by size)."""
     outputs = tf.cast(self.model(inputs, training=False), tf.float32)
     weights = _as_weights(weights)
     loss_weights = (weights if mask is None else mask if weights is None
                     else weights * mask)
-    per_example = self._per_example_loss(labels, outputs, loss_weights)
-    return {"loss_sum": tf.reduce_sum(per_example),
-            **self._metric_sums(labels, outputs, mask, weights)}
+    values, elements, reduction = objectives.loss_values(self.loss_fn,
+                                                         labels, outputs)
+    if loss_weights is not None:
+      values = values * loss_weights
+    self.eval_loss_reduction = reduction
+    sums = self._metric_sums(labels, outputs, mask, weights)
+    regularization = self._regularization_loss()
+    return {"loss_sum": tf.reduce_sum(values) * (
+        elements if reduction == "sum" else 1.0),
+            "regularization_sum": (tf.constant(0.0) if regularization is None
+                                   else regularization * sums["count"]),
+            **sums}
 
   # --- cross-replica functions -------------------------------------------
   def _reduce(self, per_replica: Dict[str, tf.Tensor]) -> Dict[str, tf.Tensor]:
@@ -810,7 +863,9 @@ class Trainer:
         over the batches so far (Keras's `on_test_batch_end` logs), or None.
 
     Returns:
-      `{"loss": mean loss per example, <metric name>: value, ...,
+      `{"loss": the loss as `Model.evaluate` reports it (the mean per
+      example, or under `reduction="sum"` the batches' sums averaged by
+      batch size; plus `model.losses`), <metric name>: value, ...,
       "num_examples": n}`.
     """
     sums = {}
@@ -818,6 +873,11 @@ class Trainer:
       if on_batch_begin is not None:
         on_batch_begin(index)
       out = self.eval_function(batch)
+      if self.eval_loss_reduction == "sum":
+        # `Model.evaluate` averages each batch's sum, weighted by the
+        # batch's size.
+        out = {**out, "loss_sum": np.asarray(out["loss_sum"]) *
+               np.asarray(out["count"])}
       for k, v in out.items():
         sums[k] = sums.get(k, 0.0) + np.asarray(v, np.float64)
       if on_batch_end is not None:
@@ -828,5 +888,6 @@ class Trainer:
   def _eval_results(self, sums: Dict[str, np.ndarray]) -> Dict[str, float]:
     """The loss per example and the metrics of summed evaluation state."""
     n = max(float(sums.get("count", 0.0)), 1.0)
-    return {"loss": float(sums.get("loss_sum", 0.0)) / n,
+    return {"loss": (float(sums.get("loss_sum", 0.0)) +
+                     float(sums.get("regularization_sum", 0.0))) / n,
             **self.metric_sums.results(sums)}
