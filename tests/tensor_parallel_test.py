@@ -33,6 +33,7 @@ def _child(n: int) -> dict:
   """The cases on `n` replicas, run in this (fresh) process; a dict of
   results by case."""
   # pylint: disable=g-import-not-at-top
+  import json
   import keras
   import numpy as np
   import tensorflow as tf
@@ -110,7 +111,7 @@ def _child(n: int) -> dict:
                                 tp.ParallelMultiHeadAttention)):
         continue
       for variable, full in zip(layer.weights, tp.gathered_weights(layer)):
-        components = variable.value.values
+        components = tp._components(variable)  # pylint: disable=protected-access
         values = [np.asarray(c.numpy()) for c in components]
         if tuple(variable.shape) == full.shape:
           whole.append(all(np.array_equal(values[0], v) for v in values))
@@ -203,7 +204,26 @@ def _child(n: int) -> dict:
             "outputs_diff": max(float(np.abs(np.asarray(o) - reread(x)).max())
                                 for o in outputs)}
 
+  def config_case():
+    """get_config -> JSON -> Keras deserialization -> get_config."""
+    same = {}
+    for layer in (tp.ColumnParallelDense(8, activation="relu",
+                                         gather_output=True, name="c"),
+                  tp.RowParallelDense(4, use_bias=False, name="r"),
+                  tp.ParallelMultiHeadAttention(2, 3, value_dim=5,
+                                                output_shape=7, name="a")):
+      text = json.dumps(keras.saving.serialize_keras_object(layer))
+      copy = keras.saving.deserialize_keras_object(json.loads(text))
+      same[type(layer).__name__] = (type(copy) is type(layer) and
+                                    copy.get_config() == layer.get_config())
+    return same
+
   results = {}
+  if n == 2:
+    results["config_2"] = config_case()
+    # No strategy at all: one replica, the operators are identities.
+    results["attention_sgd_1"] = train_case(tf.distribute.get_strategy(),
+                                            "attention", "sgd", "float32")
   strategy = tf.distribute.MirroredStrategy(
       [d.name for d in tf.config.list_logical_devices("CPU")])
   cases = [("mlp", "sgd", "float32"), ("attention", "sgd", "float32"),
@@ -274,6 +294,9 @@ class TensorParallelTest(absltest.TestCase):
         with self.subTest(n=n, optimizer=optimizer):
           self.assert_trains_like_keras(f"attention_{optimizer}_{n}")
 
+  def test_without_a_strategy_the_layers_are_keras_layers(self):
+    self.assert_trains_like_keras("attention_sgd_1")
+
   def test_gathered_column_output_feeds_a_dense(self):
     self.assert_trains_like_keras("mlp_gathered_sgd_2")
 
@@ -301,6 +324,11 @@ class TensorParallelTest(absltest.TestCase):
     result = self.case("checkpoint_2")
     self.assertEqual(result["restored_diff"], 0.0)
     self.assertLess(result["outputs_diff"], _TOLERANCE)
+
+  def test_layers_serialize_to_json_and_back(self):
+    self.assertEqual(self.results["config_2"],
+                     {"ColumnParallelDense": True, "RowParallelDense": True,
+                      "ParallelMultiHeadAttention": True})
 
   def test_clear_errors(self):
     found = self.results["errors_4"]

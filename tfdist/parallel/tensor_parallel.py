@@ -346,8 +346,8 @@ class ColumnParallelDense(_TensorParallelLayer):
       `RowParallelDense`).
 
   Raises:
-    ConfigError: `units` is not a multiple of the replica count (at
-      build); built inside `strategy.run` or under a strategy spanning
+    ConfigError: `units` <= 0; `units` is not a multiple of the replica
+      count (at build); built inside `strategy.run` or under a strategy spanning
       hosts; called in cross-replica context or under another replica
       count.
   """
@@ -426,9 +426,9 @@ class RowParallelDense(_TensorParallelLayer):
       the whole kernel [in, units] (as Dense) before it is split.
 
   Raises:
-    ConfigError: built inside `strategy.run` or under a strategy spanning
-      hosts; called in cross-replica context or under another replica
-      count.
+    ConfigError: `units` <= 0; built inside `strategy.run` or under a
+      strategy spanning hosts; called in cross-replica context or under
+      another replica count.
   """
 
   def __init__(self, units: int, activation=None, use_bias: bool = True,
@@ -509,7 +509,8 @@ class ParallelMultiHeadAttention(_TensorParallelLayer):
       each whole weight before it is split.
 
   Raises:
-    ConfigError: `num_heads` is not a multiple of the replica count (at
+    ConfigError: `num_heads`, `key_dim` or `value_dim` <= 0; `num_heads`
+      is not a multiple of the replica count (at
       build); inputs not of rank 3; built inside `strategy.run` or under a
       strategy spanning hosts; called in cross-replica context or under
       another replica count.
