@@ -176,6 +176,16 @@ def _child(n: int) -> dict:
         found["optimizer_in_scope"] = None
       except errors.ConfigError as e:
         found["optimizer_in_scope"] = str(e)
+    for name, optimizer in (
+        ("loss_scale", keras.optimizers.LossScaleOptimizer(
+            keras.optimizers.SGD(0.1))),
+        ("accumulation", keras.optimizers.SGD(
+            0.1, gradient_accumulation_steps=2))):
+      try:
+        tp.ReplicaOptimizer(optimizer, model.trainable_variables, strategy)
+        found[name] = None
+      except errors.ConfigError as e:
+        found[name] = str(e)
     return found
 
   def checkpoint_case(strategy, folder):
@@ -338,6 +348,9 @@ class TensorParallelTest(absltest.TestCase):
     self.assertIn("strategy.run", found["cross_replica_call"] or "")
     self.assertIn("outside `strategy.scope()`",
                   found["optimizer_in_scope"] or "")
+    self.assertIn("LossScaleOptimizer", found["loss_scale"] or "")
+    self.assertIn("gradient_accumulation_steps=2",
+                  found["accumulation"] or "")
 
   def test_docs_example_runs(self):
     path = os.path.join(testutil.REPO_ROOT, "docs", "guides",

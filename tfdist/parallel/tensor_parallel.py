@@ -60,7 +60,7 @@ import tensorflow as tf
 
 from tfdist.errors import ConfigError
 
-# Attributes set on a sharded Keras variable: the axis its shards split.
+# The attribute of a sharded Keras variable naming the axis it is split on.
 _SHARD_AXIS = "_tfdist_tensor_parallel_axis"
 
 
