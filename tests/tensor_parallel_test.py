@@ -1,0 +1,373 @@
+"""tfdist.parallel.tensor_parallel: sharded layers train like unsharded Keras.
+
+A child process per N splits the CPU into N logical devices (one
+MirroredStrategy per process: two strategies of different sizes in one
+process reuse a collective group key and abort) and, for N = 2 and 4, trains a column -> row MLP and an
+attention block (ParallelMultiHeadAttention, residual, column -> row MLP)
+for K steps next to the same unsharded Keras model (Dense,
+MultiHeadAttention) from the same initial weights, then compares the
+gathered weights. SGD runs in float32. Adam runs in float64: the key
+projection's bias has an exact gradient of zero (softmax ignores a shift
+that is the same for every key), so its float32 gradients are rounding
+noise of about 1e-9, which Adam divides by its epsilon (1e-7) into updates
+near 1e-4 that differ between any two orders of summation; in float64 the
+noise is 1e-18. A second child runs the example of
+docs/guides/tensor-parallelism.md (block docs-example).
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+from absl.testing import absltest
+
+from tests import testutil
+
+_STEPS = 4
+_TOLERANCE = 1e-5
+
+
+def _child(n: int) -> dict:
+  """The cases on `n` replicas, run in this (fresh) process; a dict of
+  results by case."""
+  # pylint: disable=g-import-not-at-top
+  import json
+  import keras
+  import numpy as np
+  import tensorflow as tf
+  tf.config.set_logical_device_configuration(
+      tf.config.list_physical_devices("CPU")[0],
+      [tf.config.LogicalDeviceConfiguration()] * n)
+  from tfdist import errors
+  from tfdist.parallel import tensor_parallel as tp
+  # pylint: enable=g-import-not-at-top
+
+  def build(kind: str, parallel: bool, dtype: str):
+    inputs = keras.Input((5, 8), dtype=dtype)
+    x = inputs
+    if kind == "attention":
+      attention = (tp.ParallelMultiHeadAttention if parallel else
+                   keras.layers.MultiHeadAttention)(4, 3, dtype=dtype)
+      x = x + attention(x, x, use_causal_mask=True)
+    if kind == "mlp_gathered":
+      hidden = (tp.ColumnParallelDense(16, activation="relu", dtype=dtype,
+                                       gather_output=True) if parallel else
+                keras.layers.Dense(16, activation="relu", dtype=dtype))(x)
+      outputs = keras.layers.Dense(8, dtype=dtype)(hidden)
+    else:
+      hidden = (tp.ColumnParallelDense if parallel else keras.layers.Dense)(
+          16, activation="relu", dtype=dtype)(x)
+      outputs = (tp.RowParallelDense if parallel else keras.layers.Dense)(
+          8, dtype=dtype)(hidden)
+    return keras.Model(inputs, outputs)
+
+  def data(dtype):
+    rng = np.random.RandomState(0)
+    return (rng.normal(size=(6, 5, 8)).astype(dtype),
+            rng.normal(size=(6, 5, 8)).astype(dtype))
+
+  def make_optimizer(name):
+    return (keras.optimizers.SGD(0.1, momentum=0.5) if name == "sgd" else
+            keras.optimizers.Adam(0.01))
+
+  def train_reference(model, optimizer, x, y):
+    optimizer.build(model.trainable_variables)
+
+    @tf.function
+    def step():
+      with tf.GradientTape() as tape:
+        loss = tf.reduce_mean(tf.square(model(x) - y))
+      optimizer.apply_gradients(
+          zip(tape.gradient(loss, model.trainable_variables),
+              model.trainable_variables))
+      return loss
+    return [float(step()) for _ in range(_STEPS)]
+
+  def train_parallel(strategy, model, optimizer, x, y):
+    replica_optimizer = tp.ReplicaOptimizer(optimizer,
+                                            model.trainable_variables,
+                                            strategy)
+
+    @tf.function
+    def step():
+      def replica_step():
+        with tf.GradientTape() as tape:
+          loss = tf.reduce_mean(tf.square(model(x) - y))
+        return loss, tape.gradient(loss, model.trainable_variables)
+      loss, grads = strategy.run(replica_step)
+      replica_optimizer.apply_gradients(grads)
+      return strategy.experimental_local_results(loss)
+    return [[float(v) for v in step()] for _ in range(_STEPS)]
+
+  def shard_report(model, n):
+    """Per sharded weight: full shape, component shapes, devices, whether
+    the components differ; per whole weight of a parallel layer: whether
+    its mirrors are equal."""
+    sharded, whole = [], []
+    for layer in model.layers:
+      if not isinstance(layer, (tp.ColumnParallelDense, tp.RowParallelDense,
+                                tp.ParallelMultiHeadAttention)):
+        continue
+      for variable, full in zip(layer.weights, tp.gathered_weights(layer)):
+        components = tp._components(variable)  # pylint: disable=protected-access
+        values = [np.asarray(c.numpy()) for c in components]
+        if tuple(variable.shape) == full.shape:
+          whole.append(all(np.array_equal(values[0], v) for v in values))
+          continue
+        sharded.append({
+            "path": variable.path, "full": list(full.shape),
+            "shards": [list(v.shape) for v in values],
+            "devices": sorted({c.device for c in components}),
+            "distinct": not any(np.array_equal(values[0], v)
+                                for v in values[1:])})
+    return {"sharded": sharded, "whole_mirrors_equal": whole, "n": n}
+
+  def train_case(strategy, kind, optimizer_name, dtype):
+    x, y = data(dtype)
+    reference = build(kind, parallel=False, dtype=dtype)
+    initial = reference.get_weights()
+    with strategy.scope():
+      model = build(kind, parallel=True, dtype=dtype)
+    tp.load_full_weights(model, initial)
+    reference_losses = train_reference(reference,
+                                       make_optimizer(optimizer_name), x, y)
+    losses = train_parallel(strategy, model, make_optimizer(optimizer_name),
+                            x, y)
+    gathered = tp.gathered_weights(model)
+    final = reference.get_weights()
+    return {
+        "shapes_match": [list(a.shape) for a in gathered] ==
+                        [list(b.shape) for b in final],
+        "max_weight_diff": max(float(np.abs(a - b).max())
+                               for a, b in zip(gathered, final)),
+        "moved": max(float(np.abs(a - b).max())
+                     for a, b in zip(initial, final)),
+        "max_loss_diff": max(abs(v - r) for row, r in
+                             zip(losses, reference_losses) for v in row),
+        **shard_report(model, strategy.num_replicas_in_sync)}
+
+  def error_case(strategy):
+    found = {}
+    with strategy.scope():
+      for name, make in (
+          ("units", lambda: tp.ColumnParallelDense(6)),
+          ("heads", lambda: tp.ParallelMultiHeadAttention(6, 2))):
+        try:
+          layer = make()
+          inputs = keras.Input((5, 8))
+          if name == "heads":
+            layer(inputs, inputs)
+          else:
+            layer(inputs)
+          found[name] = None
+        except errors.ConfigError as e:
+          found[name] = str(e)
+      model = build("mlp", parallel=True, dtype="float32")
+      try:
+        model(np.zeros((2, 5, 8), np.float32))
+        found["cross_replica_call"] = None
+      except errors.ConfigError as e:
+        found["cross_replica_call"] = str(e)
+      try:
+        tp.ReplicaOptimizer(keras.optimizers.SGD(0.1),
+                            model.trainable_variables, strategy)
+        found["optimizer_in_scope"] = None
+      except errors.ConfigError as e:
+        found["optimizer_in_scope"] = str(e)
+    for name, optimizer in (
+        ("loss_scale", keras.optimizers.LossScaleOptimizer(
+            keras.optimizers.SGD(0.1))),
+        ("accumulation", keras.optimizers.SGD(
+            0.1, gradient_accumulation_steps=2))):
+      try:
+        tp.ReplicaOptimizer(optimizer, model.trainable_variables, strategy)
+        found[name] = None
+      except errors.ConfigError as e:
+        found[name] = str(e)
+    return found
+
+  def checkpoint_case(strategy, folder):
+    """Unsharded file -> sharded model -> training -> unsharded file."""
+    x, y = data("float32")
+    saved = build("attention", parallel=False, dtype="float32")
+    first = os.path.join(folder, "unsharded.weights.h5")
+    saved.save_weights(first)
+    loaded = build("attention", parallel=False, dtype="float32")
+    loaded.load_weights(first)
+    with strategy.scope():
+      model = build("attention", parallel=True, dtype="float32")
+    tp.load_full_weights(model, loaded.get_weights())
+    restored = max(float(np.abs(a - b).max()) for a, b in
+                   zip(tp.gathered_weights(model), saved.get_weights()))
+    train_parallel(strategy, model, make_optimizer("sgd"), x, y)
+    back = build("attention", parallel=False, dtype="float32")
+    back.set_weights(tp.gathered_weights(model))
+    second = os.path.join(folder, "trained.weights.h5")
+    back.save_weights(second)
+    reread = build("attention", parallel=False, dtype="float32")
+    reread.load_weights(second)
+    outputs = strategy.experimental_local_results(
+        tf.function(lambda: strategy.run(lambda: model(x)))())
+    return {"restored_diff": restored,
+            "outputs_diff": max(float(np.abs(np.asarray(o) - reread(x)).max())
+                                for o in outputs)}
+
+  def config_case():
+    """get_config -> JSON -> Keras deserialization -> get_config."""
+    same = {}
+    for layer in (tp.ColumnParallelDense(8, activation="relu",
+                                         gather_output=True, name="c"),
+                  tp.RowParallelDense(4, use_bias=False, name="r"),
+                  tp.ParallelMultiHeadAttention(2, 3, value_dim=5,
+                                                output_shape=7, name="a")):
+      text = json.dumps(keras.saving.serialize_keras_object(layer))
+      copy = keras.saving.deserialize_keras_object(json.loads(text))
+      same[type(layer).__name__] = (type(copy) is type(layer) and
+                                    copy.get_config() == layer.get_config())
+    return same
+
+  results = {}
+  if n == 2:
+    results["config_2"] = config_case()
+    # No strategy at all: one replica, the operators are identities.
+    results["attention_sgd_1"] = train_case(tf.distribute.get_strategy(),
+                                            "attention", "sgd", "float32")
+  strategy = tf.distribute.MirroredStrategy(
+      [d.name for d in tf.config.list_logical_devices("CPU")])
+  cases = [("mlp", "sgd", "float32"), ("attention", "sgd", "float32"),
+           ("mlp", "adam", "float64"), ("attention", "adam", "float64")]
+  if n == 2:
+    cases.append(("mlp_gathered", "sgd", "float32"))
+  for kind, optimizer_name, dtype in cases:
+    name = f"{kind}_{optimizer_name}_{n}"
+    try:
+      results[name] = train_case(strategy, kind, optimizer_name, dtype)
+    except Exception as e:  # pylint: disable=broad-except
+      results[name] = {"error": f"{type(e).__name__}: {e}"}
+  if n == 4:
+    results["errors_4"] = error_case(strategy)
+  else:
+    try:
+      results["checkpoint_2"] = checkpoint_case(strategy,
+                                                testutil.scratch_dir())
+    except Exception as e:  # pylint: disable=broad-except
+      results["checkpoint_2"] = {"error": f"{type(e).__name__}: {e}"}
+  return results
+
+
+def _run_child(code: str) -> subprocess.CompletedProcess:
+  return subprocess.run(
+      [sys.executable, "-c", code], cwd=testutil.REPO_ROOT,
+      capture_output=True, text=True, timeout=400,
+      env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2",
+           "PYTHONPATH": testutil.REPO_ROOT + os.pathsep +
+                         os.environ.get("PYTHONPATH", "")})
+
+
+class TensorParallelTest(absltest.TestCase):
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    cls.results = {}
+    for n in (2, 4):
+      proc = _run_child("import json; from tests import tensor_parallel_test "
+                        f"as t; print(json.dumps(t._child({n})))")
+      if proc.returncode:
+        raise AssertionError(f"child (N={n}) failed:\n{proc.stderr[-4000:]}")
+      cls.results.update(json.loads(proc.stdout.strip().splitlines()[-1]))
+
+  def case(self, name):
+    result = self.results[name]
+    self.assertNotIn("error", result, result.get("error"))
+    return result
+
+  def assert_trains_like_keras(self, name):
+    result = self.case(name)
+    self.assertTrue(result["shapes_match"], result)
+    self.assertGreater(result["moved"], 1e-3, result)
+    self.assertLess(result["max_weight_diff"], _TOLERANCE, result)
+    self.assertLess(result["max_loss_diff"], _TOLERANCE, result)
+    return result
+
+  def test_mlp_equals_dense(self):
+    for n in (2, 4):
+      for optimizer in ("sgd", "adam"):
+        with self.subTest(n=n, optimizer=optimizer):
+          self.assert_trains_like_keras(f"mlp_{optimizer}_{n}")
+
+  def test_attention_block_equals_multi_head_attention(self):
+    for n in (2, 4):
+      for optimizer in ("sgd", "adam"):
+        with self.subTest(n=n, optimizer=optimizer):
+          self.assert_trains_like_keras(f"attention_{optimizer}_{n}")
+
+  def test_without_a_strategy_the_layers_are_keras_layers(self):
+    self.assert_trains_like_keras("attention_sgd_1")
+
+  def test_gathered_column_output_feeds_a_dense(self):
+    self.assert_trains_like_keras("mlp_gathered_sgd_2")
+
+  def test_each_replica_holds_one_nth_of_each_sharded_weight(self):
+    for n in (2, 4):
+      result = self.case(f"attention_sgd_{n}")
+      # Column kernel and bias, row kernel; query, key, value kernels and
+      # biases, output kernel.
+      self.assertLen(result["sharded"], 10)
+      for weight in result["sharded"]:
+        with self.subTest(n=n, path=weight["path"]):
+          self.assertLen(weight["shards"], n)
+          self.assertLen(weight["devices"], n)
+          self.assertTrue(weight["distinct"], weight)
+          for shard in weight["shards"]:
+            # One axis split N ways, the others whole.
+            ratios = [f / s for f, s in zip(weight["full"], shard)]
+            self.assertEqual(sorted(ratios), [1.0] * (len(ratios) - 1) +
+                             [float(n)], weight)
+      # The whole weights (row and attention output biases) stay equal on
+      # every replica.
+      self.assertEqual(result["whole_mirrors_equal"], [True, True])
+
+  def test_unsharded_checkpoint_restores_and_trained_weights_save(self):
+    result = self.case("checkpoint_2")
+    self.assertEqual(result["restored_diff"], 0.0)
+    self.assertLess(result["outputs_diff"], _TOLERANCE)
+
+  def test_layers_serialize_to_json_and_back(self):
+    self.assertEqual(self.results["config_2"],
+                     {"ColumnParallelDense": True, "RowParallelDense": True,
+                      "ParallelMultiHeadAttention": True})
+
+  def test_clear_errors(self):
+    found = self.results["errors_4"]
+    self.assertIn("units=6 is not a multiple of 4", found["units"] or "")
+    self.assertIn("e.g. 4 or 8", found["units"])
+    self.assertIn("num_heads=6 is not a multiple of 4", found["heads"] or "")
+    self.assertIn("strategy.run", found["cross_replica_call"] or "")
+    self.assertIn("outside `strategy.scope()`",
+                  found["optimizer_in_scope"] or "")
+    self.assertIn("LossScaleOptimizer", found["loss_scale"] or "")
+    self.assertIn("gradient_accumulation_steps=2",
+                  found["accumulation"] or "")
+
+  def test_docs_example_runs(self):
+    path = os.path.join(testutil.REPO_ROOT, "docs", "guides",
+                        "tensor-parallelism.md")
+    with open(path, encoding="utf-8") as f:
+      page = f.read()
+    example = re.search(
+        r"<!-- run: tests/tensor_parallel_test.py docs-example -->\n"
+        r"```python\n(.*?)```", page, re.S).group(1)
+    proc = _run_child(example)
+    self.assertEqual(proc.returncode, 0, proc.stderr[-4000:])
+    losses = [float(v) for v in
+              re.findall(r"^step \d+ loss ([\d.e-]+)$", proc.stdout, re.M)]
+    self.assertLen(losses, 5, proc.stdout)
+    self.assertLess(losses[-1], losses[0], proc.stdout)
+    self.assertIn("unsharded kernel (8, 32)", proc.stdout)
+
+
+if __name__ == "__main__":
+  absltest.main()
