@@ -388,6 +388,28 @@ class Pipeline:
       out.append(value)
     return out
 
+  def check_step(self, batch_size: int, num_microbatches: int,
+                 schedule: str = GPIPE) -> int:
+    """Checks a step's batch, micro-batches and schedule before tracing.
+
+    `train_step` makes the same checks while it is traced, but autograph
+    (on by default in `tf.function`) re-raises errors raised while tracing
+    as its own `StagingError`: call this at the edge, first.
+
+    Args:
+      batch_size: B, the global batch of one step (examples).
+      num_microbatches: M.
+      schedule: "gpipe" or "1f1b".
+
+    Returns:
+      The micro-batch size, B // M.
+
+    Raises:
+      PipelineConfigError: M does not divide B, or an unknown schedule.
+    """
+    check_schedule(schedule)
+    return check_microbatches(batch_size, num_microbatches)
+
   @staticmethod
   def _pack(outputs):
     return outputs[0] if len(outputs) == 1 else list(outputs)
@@ -414,6 +436,10 @@ class Pipeline:
 
     Call it inside a `tf.function` (the schedule's ordering is a graph's
     control dependencies; eagerly the tasks simply run in schedule order).
+    It has no tensor-dependent Python control flow, so
+    `tf.function(..., autograph=False)` traces it as well and lets its
+    errors through unwrapped; check the arguments first with
+    `check_step`.
 
     Args:
       x: the global batch's inputs: a tensor or a list of tensors in the
