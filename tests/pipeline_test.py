@@ -11,8 +11,11 @@ imported, before TensorFlow's runtime starts: run it as its own process):
 * each stage runs its forward and backward tasks in the schedule's order
   (recorded by the tasks themselves), and 1F1B keeps at most P - s
   micro-batches in flight on stage s where GPipe keeps M;
-* a pipelined run's checkpoint (model and optimizer) restores into the
-  unsplit model, whose next update equals the pipelined run's;
+* `place_variables` moves each stage's variables to its device, and the
+  optimizer's state follows them; trained so, the run is still equal;
+* a pipelined run's checkpoint (model and optimizer, the variables on 4
+  devices) restores into the unsplit model, whose next update equals the
+  pipelined run's;
 * the refusals: P above the layers or the devices, M not dividing the
   batch, a layer shared across stages, a subclassed model, bad cut names,
   an unknown schedule.
@@ -195,11 +198,56 @@ class EqualToUnsplitTest(parameterized.TestCase):
                      4 * model.count_params())
 
 
+class PlacementTest(absltest.TestCase):
+
+  def test_placed_variables_and_optimizer_state_train_like_unsplit(self):
+    model, optimizer = skip_model(), OPTIMIZERS["adam"]()
+    names = [v.path for v in model.weights]
+    pipe = pipeline.split_model(model, 4)
+    per_device = pipe.place_variables()
+    self.assertEqual(per_device, {s.device: s.param_bytes
+                                  for s in pipe.stages})
+    self.assertEqual(sum(per_device.values()), 4 * model.count_params())
+    self.assertEqual([v.path for v in model.weights], names)
+    optimizer.build(model.trainable_variables)
+    device_of = {}
+    for stage in pipe.stages:
+      for v in stage.weights:
+        self.assertEqual(tf.DeviceSpec.from_string(v.value.device)
+                         .device_index,
+                         tf.DeviceSpec.from_string(stage.device)
+                         .device_index, v.path)
+        device_of[v.path] = v.value.device
+    # Adam's moments sit beside their variables (Keras colocates them):
+    # "adam/block_1_kernel_momentum" beside "block_1/kernel".
+    slots = {v.path: v.value.device for v in optimizer.variables}
+    for path, device in device_of.items():
+      for moment in ("momentum", "velocity"):
+        slot = f"adam/{path.replace('/', '_')}_{moment}"
+        self.assertEqual(slots[slot], device, slot)
+
+    loss_fn = _loss_fn()
+
+    @tf.function
+    def step(x, y):
+      return pipe.train_step(x, y, loss_fn=loss_fn, optimizer=optimizer,
+                             num_microbatches=4, schedule="1f1b")
+
+    losses = [float(step(X[i], Y[i])) for i in range(STEPS)]
+    weights, expected_losses = reference(skip_model, "adam")
+    np.testing.assert_allclose(losses, expected_losses, atol=TOLERANCE,
+                               rtol=0)
+    for want, got in zip(weights, model.weights):
+      np.testing.assert_allclose(got.numpy(), want, atol=TOLERANCE, rtol=0,
+                                 err_msg=got.path)
+
+
 class CheckpointTest(absltest.TestCase):
 
   def test_pipelined_checkpoint_restores_into_the_unsplit_model(self):
     model, optimizer = skip_model(), OPTIMIZERS["adam"]()
-    _, step = pipelined(model, optimizer, 4, "1f1b", num_stages=4)
+    pipe, step = pipelined(model, optimizer, 4, "1f1b", num_stages=4)
+    pipe.place_variables()  # the variables on 4 devices: same checkpoint
     for i in range(2):
       step(X[i], Y[i])
     path = tf.train.Checkpoint(model=model, optimizer=optimizer).save(

@@ -26,10 +26,11 @@ stage's previous task has produced its outputs.
 The idle fraction of each stage (the bubble) is (P-1)/(M+P-1) for equal
 stage costs (`benchmarks/pipeline_bubble.py` measures it).
 
-What is not here yet: the flags of `tfdist.train`, stages on other tasks
-of a cluster, pipelines combined with data parallelism, and placing the
-variables on their stage's device (they stay where Keras created them;
-stage i's ops read them on devices[i]). Batch normalization sees
+The variables stay where Keras created them unless
+`Pipeline.place_variables` moves each stage's to its device (then an
+optimizer built afterwards keeps its state there too). What is not here yet: the flags of
+`tfdist.train`, stages on other tasks of a cluster, and pipelines combined
+with data parallelism. Batch normalization sees
 micro-batches (its statistics are those of B/M examples), as under gradient
 accumulation; `model.losses` (activity and weight regularizers) are not
 added to the loss.
@@ -307,6 +308,7 @@ class Stage:
     layer_names: the names of its layers, in call order.
     trainable_variables: its layers' trainable variables: the model's own
       objects (same names), in the model's order.
+    weights: all its layers' variables (trainable or not).
     param_bytes: bytes of all its layers' weights (trainable or not).
     input_keys: the graph tensors it receives (from the stage before or,
       for stage 0, the model's inputs), in a fixed order.
@@ -318,6 +320,7 @@ class Stage:
   device: str
   layer_names: Tuple[str, ...]
   trainable_variables: Tuple[Any, ...]
+  weights: Tuple[Any, ...]
   param_bytes: int
   input_keys: Tuple[Hashable, ...]
   output_keys: Tuple[Hashable, ...]
@@ -387,6 +390,53 @@ class Pipeline:
         value = tf.cast(value, dtype)
       out.append(value)
     return out
+
+  def place_variables(self) -> Dict[str, int]:
+    """Moves each stage's variables to its device; returns bytes per device.
+
+    The model's variables stay the same Keras objects with the same names
+    (checkpoints are unchanged); the TensorFlow variable under each is
+    re-created on its stage's device with the same value. Keras creates an
+    optimizer's slot variables beside their variable, so an optimizer built
+    afterwards keeps its state on the stage devices too.
+
+    Call it once, right after `split_model`: before the optimizer is built
+    and before any `tf.function` has used the model (a traced function
+    would keep the old variables).
+
+    Returns:
+      `{device: bytes of the model's variables placed there}`.
+
+    Raises:
+      PipelineConfigError: the Keras variables are not TensorFlow-backed
+        ones this function knows how to move (another Keras backend or
+        version).
+    """
+    per_device = {}
+    for stage in self.stages:
+      want = tf.DeviceSpec.from_string(stage.device)
+      for v in stage.weights:
+        current = getattr(v, "_value", None)
+        if not isinstance(current, tf.Variable):
+          raise PipelineConfigError(
+              f"variable {v.path!r} ({type(v).__name__}) does not wrap a "
+              f"tf.Variable, so place_variables cannot move it to "
+              f"{stage.device} (Keras {keras.__version__}, backend "
+              f"{keras.backend.backend()}): use the TensorFlow backend, or "
+              "leave the variables where Keras made them.")
+        have = tf.DeviceSpec.from_string(current.device)
+        if (have.device_type, have.device_index) != (want.device_type,
+                                                     want.device_index):
+          with tf.init_scope(), tf.device(stage.device):
+            moved = tf.Variable(
+                current.read_value(), dtype=current.dtype,
+                trainable=current.trainable, name=v.name,
+                aggregation=current.aggregation,
+                synchronization=current.synchronization)
+          v._value = moved  # pylint: disable=protected-access
+        per_device[stage.device] = (per_device.get(stage.device, 0) +
+                                    _param_bytes([v]))
+    return per_device
 
   def check_step(self, batch_size: int, num_microbatches: int,
                  schedule: str = GPIPE) -> int:
@@ -698,6 +748,7 @@ def split_model(model, num_stages: Optional[int] = None, *,
     stages.append(Stage(
         index=s, device=devices[s], layer_names=tuple(layers),
         trainable_variables=tuple(ordered),
+        weights=tuple(weights.values()),
         param_bytes=_param_bytes(weights.values()), input_keys=received,
         output_keys=handed, calls=tuple(group)))
     received = handed
