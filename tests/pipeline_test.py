@@ -298,6 +298,21 @@ class ScheduleTest(parameterized.TestCase):
     self.assertEqual(pipeline.balanced_cuts([8, 1, 1, 1, 1, 4, 4], 3),
                      [1, 5])
     self.assertEqual(pipeline.balanced_cuts([1, 2, 3], 3), [1, 2])
+    with self.assertRaisesRegex(errors.PipelineConfigError,
+                                r"num_stages=4 is more than the 3 items"):
+      pipeline.balanced_cuts([1, 2, 3], 4)
+
+  def test_balance_counts_activations_when_asked(self):
+    # Weight bytes per call: 576, 1088, 1088, 0 (Add), 1088, 204: the best
+    # cut of 2 is after block_2 (1664 | 2380 bytes). With 1000 examples'
+    # outputs (64 bytes each for the 16-wide calls, 12 for the last) it
+    # moves after block_3 (194752 | 141292).
+    self.assertEqual(pipeline.split_model(skip_model(), 2).stages[0]
+                     .layer_names, ("block_1", "block_2"))
+    self.assertEqual(pipeline.split_model(skip_model(), 2,
+                                          activation_examples=1000)
+                     .stages[0].layer_names,
+                     ("block_1", "block_2", "block_3"))
 
   @parameterized.parameters("gpipe", "1f1b")
   def test_stages_run_their_tasks_in_the_schedules_order(self, schedule):

@@ -165,8 +165,16 @@ def balanced_cuts(costs: Sequence[float], num_stages: int) -> List[int]:
 
   Returns:
     P-1 increasing indices: the first item of stages 1..P-1.
+
+  Raises:
+    PipelineConfigError: P below 1 or above len(costs).
   """
   n = len(costs)
+  _check_positive("num_stages", num_stages)
+  if num_stages > n:
+    raise PipelineConfigError(
+        f"num_stages={num_stages} is more than the {n} items to cut: "
+        f"choose num_stages <= {n}.")
   prefix = np.concatenate([[0.0], np.cumsum(np.asarray(costs, float))])
   inf = float("inf")
   best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
