@@ -174,6 +174,15 @@ class EqualToUnsplitTest(parameterized.TestCase):
     losses = [float(step(X[i], Y[i])) for i in range(STEPS)]
     self.assert_same_run(reference(skip_model, optimizer), model, losses)
 
+  def test_eager_step(self):
+    model, optimizer = skip_model(), OPTIMIZERS["sgd_momentum"]()
+    pipe = pipeline.split_model(model, 2)
+    losses = [float(pipe.train_step(
+        X[i], Y[i], loss_fn=_loss_fn(), optimizer=optimizer,
+        num_microbatches=2, schedule="1f1b")) for i in range(STEPS)]
+    self.assert_same_run(reference(skip_model, "sgd_momentum"), model,
+                         losses)
+
   def test_sequential_model(self):
     model = sequential_model()
     pipe, step = pipelined(model, OPTIMIZERS["adam"](), 2, "1f1b",
@@ -219,11 +228,13 @@ class PlacementTest(absltest.TestCase):
                          .device_index, v.path)
         device_of[v.path] = v.value.device
     # Adam's moments sit beside their variables (Keras colocates them):
-    # "adam/block_1_kernel_momentum" beside "block_1/kernel".
-    slots = {v.path: v.value.device for v in optimizer.variables}
+    # ".../block_1_kernel_momentum" beside "block_1/kernel" (the
+    # optimizer's own name is "adam", "adam_1", ... in this process).
+    slots = {v.path.split("/")[-1]: v.value.device
+             for v in optimizer.variables}
     for path, device in device_of.items():
       for moment in ("momentum", "velocity"):
-        slot = f"adam/{path.replace('/', '_')}_{moment}"
+        slot = f"{path.replace('/', '_')}_{moment}"
         self.assertEqual(slots[slot], device, slot)
 
     loss_fn = _loss_fn()

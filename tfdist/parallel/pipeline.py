@@ -516,7 +516,9 @@ class Pipeline:
       The loss, a scalar: the mean over the global batch.
 
     Raises:
-      PipelineConfigError: M does not divide B, or an unknown schedule.
+      PipelineConfigError: M does not divide B, B is not known when
+        traced, x has another number of tensors than the model's inputs,
+        or an unknown schedule.
     """
     inputs = self._flat_inputs(x)
     batch = inputs[0].shape[0]
