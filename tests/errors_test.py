@@ -40,7 +40,8 @@ CONFIG_ERRORS = [
     errors.TPUNotAvailableError, errors.DataNotFoundError, errors.DataError,
     errors.OutputNotWritableError, errors.OutputWriteError,
     errors.ExportRefusedError, errors.DamagedCheckpointError,
-    errors.IncompatibleResumeError, errors.ShardCountMismatchError]
+    errors.IncompatibleResumeError, errors.ShardCountMismatchError,
+    errors.PipelineConfigError]
 
 # (an instance, its status) for every class a run raises.
 CASES = [(cls("bad"), 2) for cls in CONFIG_ERRORS] + [

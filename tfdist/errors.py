@@ -128,6 +128,12 @@ class ShardCountMismatchError(ConfigError):
   """A checkpoint's tables are split into a different number of shards."""
 
 
+class PipelineConfigError(ConfigError):
+  """A model cannot be cut into the requested pipeline stages, or the
+  stages, micro-batches and devices do not fit together
+  (`tfdist.parallel.pipeline`)."""
+
+
 # --- status 1: divergence and stalls -----------------------------------------
 class TrainingStalledError(FloatingPointError):
   """The optimizer made no update for too many steps in a row."""

@@ -1,2 +1,14 @@
-"""tfdist.parallel: model parallelism beside the trainer (layers and
-schedules that split one model over the replicas of a strategy)."""
+"""tfdist.parallel: model parallelism beside the data-parallel trainer.
+
+Modules:
+  pipeline         cuts a Keras functional or Sequential model into stages
+                   on consecutive devices and trains it with micro-batches
+                   (GPipe or 1F1B schedules), equal to the unsplit model's
+                   step.
+  tensor_parallel  Megatron-style column- and row-parallel Dense layers and
+                   a parallel multi-head attention, each replica holding
+                   1/N of their weights.
+
+Nothing is imported here: import the module you use
+(`from tfdist.parallel import pipeline`).
+"""

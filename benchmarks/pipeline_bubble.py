@@ -1,0 +1,235 @@
+"""The pipeline bubble and in-flight activations, measured from stage timelines.
+
+Each stage of a P-stage model (tfdist.parallel.pipeline) is one layer of
+known cost: its forward sleeps `--forward_ms`, its backward `--backward_ms`
+(a stateless `tf.numpy_function`, so only the schedule's control
+dependencies order the tasks), and each records its start and end time.
+Sleeping needs no CPU, so the timeline shows the schedule, not this
+2-core machine's contention. Per configuration (P, M, schedule), after one
+step that traces, `--steps` steps are timed and for each:
+
+  * the bubble: per stage, 1 - busy / span (span: the step's first task
+    start to its last task end, over all stages), averaged over the stages;
+    compared with the ideal (P-1)/(M+P-1);
+  * the micro-batches in flight per stage: the most forwards started whose
+    backward has not ended (GPipe: M; 1F1B: P - s on stage s).
+
+Figures printed and written as JSON:
+
+  python benchmarks/pipeline_bubble.py \\
+      --out=benchmarks/results/pipeline_bubble.json
+"""
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import threading
+import time
+
+from absl import app
+from absl import flags
+
+FLAGS = flags.FLAGS
+flags.DEFINE_list("stages", ["2", "4"], "Pipeline stages (P).")
+flags.DEFINE_list("microbatches", ["4", "8", "16"], "Micro-batches (M).")
+flags.DEFINE_list("schedules", ["gpipe", "1f1b"], "Schedules.")
+flags.DEFINE_float("forward_ms", 40.0, "Forward time of one stage on one "
+                   "micro-batch (ms).")
+flags.DEFINE_float("backward_ms", 80.0, "Backward time of one stage on one "
+                   "micro-batch (ms).")
+flags.DEFINE_integer("steps", 3, "Timed steps per configuration.")
+flags.DEFINE_string("out", "", "Write the figures here as JSON.")
+
+
+def _cpu_model() -> str:
+  try:
+    out = subprocess.run(["lscpu"], capture_output=True, text=True,
+                         check=False).stdout
+  except OSError:
+    return platform.processor()
+  for line in out.splitlines():
+    if line.startswith("Model name"):
+      return line.split(":", 1)[1].strip()
+  return platform.processor()
+
+
+def _work_layer(keras, tf, log, lock):
+  """A Keras layer y = x * w whose forward and backward sleep and log."""
+
+  def record(kind, stage, x, seconds):
+    start = time.perf_counter()
+    time.sleep(seconds)
+    end = time.perf_counter()
+    with lock:
+      log.append((stage, kind, int(round(float(x.reshape(-1)[0]))), start,
+                  end))
+
+  class Work(keras.layers.Layer):
+
+    def __init__(self, stage, forward_s, backward_s, **kwargs):
+      super().__init__(**kwargs)
+      self.stage, self.forward_s, self.backward_s = (stage, forward_s,
+                                                     backward_s)
+
+    def build(self, input_shape):
+      self.w = self.add_weight(shape=(), initializer="ones", name="w")
+
+    def call(self, x):
+
+      @tf.custom_gradient
+      def timed(x):
+
+        def forward(a):
+          record("F", self.stage, a, self.forward_s)
+          return a
+
+        def backward(dy, a):
+          record("B", self.stage, a, self.backward_s)
+          return dy
+
+        y = tf.numpy_function(forward, [x], tf.float32, stateful=False)
+        y.set_shape(x.shape)
+
+        def grad(dy):
+          g = tf.numpy_function(backward, [dy, x], tf.float32,
+                                stateful=False)
+          g.set_shape(dy.shape)
+          return g
+
+        return y, grad
+
+      # w stays 1 (learning rate 0): the micro-batch's index rides in x;
+      # w before the timed op makes every stage's backward run it.
+      return timed(x * self.w)
+
+  return Work
+
+
+def _timeline_figures(events, num_stages, num_microbatches):
+  """The bubble and in-flight counts of one step's events."""
+  span_start = min(e[3] for e in events)
+  span = max(e[4] for e in events) - span_start
+  bubbles, in_flight, order_ok = [], [], True
+  for s in range(num_stages):
+    own = sorted((e for e in events if e[0] == s), key=lambda e: e[3])
+    busy = sum(e[4] - e[3] for e in own)
+    bubbles.append(1.0 - busy / span)
+    # A stage's tasks never overlap when its chain holds.
+    order_ok &= all(a[4] <= b[3] + 1e-4 for a, b in zip(own, own[1:]))
+    points = sorted([(e[3], +1) for e in own if e[1] == "F"] +
+                    [(e[4], -1) for e in own if e[1] == "B"],
+                    key=lambda p: (p[0], p[1]))
+    alive = peak = 0
+    for _, delta in points:
+      alive += delta
+      peak = max(peak, alive)
+    in_flight.append(peak)
+    assert len(own) == 2 * num_microbatches, (s, len(own))
+  return dict(span_s=span, bubble_per_stage=bubbles,
+              bubble=sum(bubbles) / len(bubbles),
+              in_flight_per_stage=in_flight, stage_tasks_serial=order_ok,
+              order=[[(e[1], e[2]) for e in sorted(
+                  (e for e in events if e[0] == s), key=lambda e: e[3])]
+                     for s in range(num_stages)])
+
+
+def run_config(num_stages, num_microbatches, schedule, forward_ms,
+               backward_ms, steps):
+  """Times `steps` pipelined steps of one configuration."""
+  import keras  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  from tfdist.parallel import pipeline  # pylint: disable=g-import-not-at-top
+
+  log, lock = [], threading.Lock()
+  work = _work_layer(keras, tf, log, lock)
+  x = keras.Input((1,))
+  h = x
+  for s in range(num_stages):
+    h = work(s, forward_ms / 1e3, backward_ms / 1e3, name=f"stage_{s}")(h)
+  model = keras.Model(x, h)
+  pipe = pipeline.split_model(model, num_stages)
+  optimizer = keras.optimizers.SGD(0.0)
+
+  @tf.function
+  def step(x, y):
+    return pipe.train_step(x, y, loss_fn=lambda y, p: tf.reduce_mean(p),
+                           optimizer=optimizer,
+                           num_microbatches=num_microbatches,
+                           schedule=schedule)
+
+  # One example per micro-batch, holding its index.
+  xs = np.arange(num_microbatches, dtype="float32").reshape(-1, 1)
+  ys = np.zeros_like(xs)
+  step(xs, ys)  # traces
+  results = []
+  for _ in range(steps):
+    del log[:]
+    step(xs, ys)
+    results.append(_timeline_figures(list(log), num_stages,
+                                     num_microbatches))
+  order = pipeline.schedule_order(num_stages, num_microbatches, schedule)
+  best = min(results, key=lambda r: r["span_s"])
+  measured = [r["bubble"] for r in results]
+  ideal = pipeline.bubble_fraction(num_stages, num_microbatches)
+  return dict(
+      stages=num_stages, microbatches=num_microbatches, schedule=schedule,
+      forward_ms=forward_ms, backward_ms=backward_ms,
+      ideal_bubble=ideal,
+      bubble_median=float(np.median(measured)), bubble_all=measured,
+      relative_error=float(np.median(measured)) / ideal - 1.0,
+      ideal_span_s=(num_microbatches + num_stages - 1) * (
+          forward_ms + backward_ms) / 1e3,
+      span_s_all=[r["span_s"] for r in results],
+      in_flight_per_stage=best["in_flight_per_stage"],
+      in_flight_planned=[pipeline.peak_in_flight(o) for o in order],
+      order_as_planned=all(r["order"] == [list(o) for o in order]
+                           for r in results),
+      stage_tasks_serial=all(r["stage_tasks_serial"] for r in results))
+
+
+def main(argv):
+  del argv
+  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  from tfdist.distribute import devices  # pylint: disable=g-import-not-at-top
+  stages = [int(p) for p in FLAGS.stages]
+  # Enough executor threads for every stage's task at once (the default is
+  # the core count, 2 here, which would serialize a 4-stage pipeline); set
+  # before the runtime starts, as the logical devices.
+  tf.config.threading.set_inter_op_parallelism_threads(4 * max(stages))
+  devices.configure_cpu_devices(max(stages))
+  rows = []
+  started = time.time()
+  for p in stages:
+    for m in [int(m) for m in FLAGS.microbatches]:
+      for schedule in FLAGS.schedules:
+        row = run_config(p, m, schedule, FLAGS.forward_ms, FLAGS.backward_ms,
+                         FLAGS.steps)
+        rows.append(row)
+        print(f"P={p} M={m:2d} {schedule:5s} bubble "
+              f"{row['bubble_median']:.3f} (ideal {row['ideal_bubble']:.3f}, "
+              f"{100 * row['relative_error']:+.1f}%) span "
+              f"{min(row['span_s_all']):.3f} s (ideal "
+              f"{row['ideal_span_s']:.3f}) in flight "
+              f"{row['in_flight_per_stage']} (planned "
+              f"{row['in_flight_planned']}) order as planned "
+              f"{row['order_as_planned']}", flush=True)
+  result = dict(
+      benchmark="pipeline_bubble",
+      date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+      cpu=_cpu_model(), cores=os.cpu_count(),
+      tensorflow=tf.__version__,
+      command=" ".join([os.path.basename(sys.executable)] + sys.argv),
+      seconds=round(time.time() - started, 1), rows=rows)
+  if FLAGS.out:
+    os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
+    with open(FLAGS.out, "w") as f:
+      json.dump(result, f, indent=1)
+    print(f"wrote {FLAGS.out}")
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,488 @@
+"""Pipeline parallelism (tfdist.parallel.pipeline) trains like the unsplit model.
+
+On 4 logical CPU devices with op determinism (set when this file is
+imported, before TensorFlow's runtime starts: run it as its own process):
+
+* 3 updates of SGD with momentum and of Adam through P = 2 and 4 stages,
+  M = 1, 2, 4 and 8 micro-batches, GPipe and 1F1B, give the unsplit
+  one-device run's weights and losses within 1e-5, on a functional model
+  whose skip connection crosses every cut (balanced cuts and named cuts),
+  and on a Sequential model;
+* each stage runs its forward and backward tasks in the schedule's order
+  (recorded by the tasks themselves), and 1F1B keeps at most P - s
+  micro-batches in flight on stage s where GPipe keeps M;
+* `place_variables` moves each stage's variables to its device, and the
+  optimizer's state follows them; trained so, the run is still equal;
+* a pipelined run's checkpoint (model and optimizer, the variables on 4
+  devices) restores into the unsplit model, whose next update equals the
+  pipelined run's;
+* the refusals: P above the layers or the devices, M not dividing the
+  batch, a layer shared across stages, a subclassed model, bad cut names,
+  an unknown schedule.
+"""
+
+import os
+import threading
+
+os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
+
+from absl.testing import absltest  # pylint: disable=g-import-not-at-top
+from absl.testing import parameterized  # pylint: disable=g-import-not-at-top
+import keras  # pylint: disable=g-import-not-at-top
+import numpy as np  # pylint: disable=g-import-not-at-top
+import tensorflow as tf  # pylint: disable=g-import-not-at-top
+
+from tfdist import errors  # pylint: disable=g-import-not-at-top
+from tfdist.distribute import devices  # pylint: disable=g-import-not-at-top
+from tfdist.parallel import pipeline  # pylint: disable=g-import-not-at-top
+from tests import testutil  # pylint: disable=g-import-not-at-top
+
+DEVICES = devices.configure_cpu_devices(4)
+tf.config.experimental.enable_op_determinism()
+
+BATCH = 16
+STEPS = 3
+TOLERANCE = 1e-5
+_RNG = np.random.default_rng(0)
+X = _RNG.normal(size=(STEPS, BATCH, 8)).astype("float32")
+Y = _RNG.normal(size=(STEPS, BATCH, 3)).astype("float32")
+OPTIMIZERS = {
+    "sgd_momentum": lambda: keras.optimizers.SGD(0.05, momentum=0.9),
+    "adam": lambda: keras.optimizers.Adam(0.01),
+}
+
+
+def skip_model(seed=1):
+  """Six layer calls; block_1's output skips to block_4 (an Add)."""
+  keras.utils.set_random_seed(seed)
+  x = keras.Input((8,), name="features")
+  h1 = keras.layers.Dense(16, activation="tanh", name="block_1")(x)
+  h2 = keras.layers.Dense(16, activation="tanh", name="block_2")(h1)
+  h3 = keras.layers.Dense(16, activation="tanh", name="block_3")(h2)
+  added = keras.layers.Add(name="block_4")([h1, h3])
+  h5 = keras.layers.Dense(16, activation="tanh", name="block_5")(added)
+  return keras.Model(x, keras.layers.Dense(3, name="block_6")(h5),
+                     name="skip")
+
+
+def sequential_model(seed=1):
+  keras.utils.set_random_seed(seed)
+  return keras.Sequential(
+      [keras.Input((8,))] +
+      [keras.layers.Dense(16, activation="relu", name=f"dense_{i}")
+       for i in range(3)] + [keras.layers.Dense(3, name="logits")],
+      name="chain")
+
+
+def _loss_fn():
+  return keras.losses.MeanSquaredError()
+
+
+def unsplit_run(make_model, optimizer_name, steps=STEPS):
+  """`(weights, losses)` of `steps` plain one-device updates."""
+  model, optimizer, loss_fn = (make_model(), OPTIMIZERS[optimizer_name](),
+                               _loss_fn())
+
+  @tf.function
+  def step(x, y):
+    with tf.GradientTape() as tape:
+      loss = loss_fn(y, model(x, training=True))
+    grads = tape.gradient(loss, model.trainable_variables)
+    optimizer.apply_gradients(zip(grads, model.trainable_variables))
+    return loss
+
+  losses = [float(step(X[i], Y[i])) for i in range(steps)]
+  return [w.numpy() for w in model.weights], losses
+
+
+def pipelined(model, optimizer, num_microbatches, schedule, **split):
+  pipe = pipeline.split_model(model, **split)
+  loss_fn = _loss_fn()
+
+  @tf.function
+  def step(x, y):
+    return pipe.train_step(x, y, loss_fn=loss_fn, optimizer=optimizer,
+                           num_microbatches=num_microbatches,
+                           schedule=schedule)
+
+  return pipe, step
+
+
+_REFERENCE = {}
+
+
+def reference(make_model, optimizer_name):
+  key = (make_model.__name__, optimizer_name)
+  if key not in _REFERENCE:
+    _REFERENCE[key] = unsplit_run(make_model, optimizer_name)
+  return _REFERENCE[key]
+
+
+def _cases():
+  cases = []
+  for optimizer in OPTIMIZERS:
+    for stages in (2, 4):
+      for micro in (1, 2, 4):
+        for schedule in pipeline.SCHEDULES:
+          cases.append(dict(
+              testcase_name=f"{optimizer}_P{stages}_M{micro}_{schedule}",
+              optimizer=optimizer, stages=stages, micro=micro,
+              schedule=schedule))
+  for schedule in pipeline.SCHEDULES:
+    cases.append(dict(testcase_name=f"adam_P4_M8_{schedule}",
+                      optimizer="adam", stages=4, micro=8,
+                      schedule=schedule))
+  return cases
+
+
+class EqualToUnsplitTest(parameterized.TestCase):
+
+  def assert_same_run(self, expected, model, losses):
+    weights, expected_losses = expected
+    np.testing.assert_allclose(losses, expected_losses, atol=TOLERANCE,
+                               rtol=0)
+    self.assertLen(model.weights, len(weights))
+    for want, got in zip(weights, model.weights):
+      np.testing.assert_allclose(got.numpy(), want, atol=TOLERANCE, rtol=0,
+                                 err_msg=got.path)
+
+  @parameterized.named_parameters(*_cases())
+  def test_balanced_cuts(self, optimizer, stages, micro, schedule):
+    model = skip_model()
+    pipe, step = pipelined(model, OPTIMIZERS[optimizer](), micro, schedule,
+                           num_stages=stages)
+    self.assertLen(pipe.stages, stages)
+    # block_1's output crosses the first cut: stage 0 hands on more than
+    # the next layer's input when block_1 is alone in it.
+    self.assertEqual([s.device for s in pipe.stages], DEVICES[:stages])
+    losses = [float(step(X[i], Y[i])) for i in range(STEPS)]
+    self.assert_same_run(reference(skip_model, optimizer), model, losses)
+
+  @parameterized.named_parameters(
+      ("gpipe", "gpipe", "sgd_momentum"), ("1f1b", "1f1b", "adam"))
+  def test_named_cuts_carry_the_skip_across_two_stages(self, schedule,
+                                                       optimizer):
+    model = skip_model()
+    pipe, step = pipelined(model, OPTIMIZERS[optimizer](), 4, schedule,
+                           cuts=["block_2", "block_3", "block_5"])
+    self.assertEqual([s.layer_names for s in pipe.stages],
+                     [("block_1",), ("block_2",), ("block_3", "block_4"),
+                      ("block_5", "block_6")])
+    # Stages 1 and 2 receive block_1's output too (stage 1 only carries it).
+    self.assertEqual([len(s.input_keys) for s in pipe.stages], [1, 1, 2, 1])
+    self.assertEqual([len(s.output_keys) for s in pipe.stages], [1, 2, 1, 1])
+    losses = [float(step(X[i], Y[i])) for i in range(STEPS)]
+    self.assert_same_run(reference(skip_model, optimizer), model, losses)
+
+  def test_eager_step(self):
+    model, optimizer = skip_model(), OPTIMIZERS["sgd_momentum"]()
+    pipe = pipeline.split_model(model, 2)
+    losses = [float(pipe.train_step(
+        X[i], Y[i], loss_fn=_loss_fn(), optimizer=optimizer,
+        num_microbatches=2, schedule="1f1b")) for i in range(STEPS)]
+    self.assert_same_run(reference(skip_model, "sgd_momentum"), model,
+                         losses)
+
+  def test_sequential_model(self):
+    model = sequential_model()
+    pipe, step = pipelined(model, OPTIMIZERS["adam"](), 2, "1f1b",
+                           num_stages=2)
+    self.assertLen(pipe.stages, 2)
+    losses = [float(step(X[i], Y[i])) for i in range(STEPS)]
+    self.assert_same_run(reference(sequential_model, "adam"), model, losses)
+
+  def test_forward_equals_the_model(self):
+    model = skip_model()
+    pipe = pipeline.split_model(model, 4)
+    np.testing.assert_allclose(pipe(X[0]).numpy(), model(X[0]).numpy(),
+                               atol=1e-6)
+
+  def test_stages_hold_the_models_own_variables(self):
+    model = skip_model()
+    pipe = pipeline.split_model(model, 4)
+    staged = [v for s in pipe.stages for v in s.trainable_variables]
+    self.assertEqual([id(v) for v in staged],
+                     [id(v) for v in model.trainable_variables])
+    self.assertEqual(sum(s.param_bytes for s in pipe.stages),
+                     4 * model.count_params())
+
+
+class PlacementTest(absltest.TestCase):
+
+  def test_placed_variables_and_optimizer_state_train_like_unsplit(self):
+    model, optimizer = skip_model(), OPTIMIZERS["adam"]()
+    names = [v.path for v in model.weights]
+    pipe = pipeline.split_model(model, 4)
+    per_device = pipe.place_variables()
+    self.assertEqual(per_device, {s.device: s.param_bytes
+                                  for s in pipe.stages})
+    self.assertEqual(sum(per_device.values()), 4 * model.count_params())
+    self.assertEqual([v.path for v in model.weights], names)
+    optimizer.build(model.trainable_variables)
+    device_of = {}
+    for stage in pipe.stages:
+      for v in stage.weights:
+        self.assertEqual(tf.DeviceSpec.from_string(v.value.device)
+                         .device_index,
+                         tf.DeviceSpec.from_string(stage.device)
+                         .device_index, v.path)
+        device_of[v.path] = v.value.device
+    # Adam's moments sit beside their variables (Keras colocates them):
+    # ".../block_1_kernel_momentum" beside "block_1/kernel" (the
+    # optimizer's own name is "adam", "adam_1", ... in this process).
+    slots = {v.path.split("/")[-1]: v.value.device
+             for v in optimizer.variables}
+    for path, device in device_of.items():
+      for moment in ("momentum", "velocity"):
+        slot = f"{path.replace('/', '_')}_{moment}"
+        self.assertEqual(slots[slot], device, slot)
+
+    loss_fn = _loss_fn()
+
+    @tf.function
+    def step(x, y):
+      return pipe.train_step(x, y, loss_fn=loss_fn, optimizer=optimizer,
+                             num_microbatches=4, schedule="1f1b")
+
+    losses = [float(step(X[i], Y[i])) for i in range(STEPS)]
+    weights, expected_losses = reference(skip_model, "adam")
+    np.testing.assert_allclose(losses, expected_losses, atol=TOLERANCE,
+                               rtol=0)
+    for want, got in zip(weights, model.weights):
+      np.testing.assert_allclose(got.numpy(), want, atol=TOLERANCE, rtol=0,
+                                 err_msg=got.path)
+
+
+class CheckpointTest(absltest.TestCase):
+
+  def test_pipelined_checkpoint_restores_into_the_unsplit_model(self):
+    model, optimizer = skip_model(), OPTIMIZERS["adam"]()
+    pipe, step = pipelined(model, optimizer, 4, "1f1b", num_stages=4)
+    pipe.place_variables()  # the variables on 4 devices: same checkpoint
+    for i in range(2):
+      step(X[i], Y[i])
+    path = tf.train.Checkpoint(model=model, optimizer=optimizer).save(
+        os.path.join(testutil.scratch_dir(), "ckpt"))
+    step(X[2], Y[2])  # the pipelined run's third update
+
+    unsplit, unsplit_optimizer = skip_model(seed=7), OPTIMIZERS["adam"]()
+    unsplit_optimizer.build(unsplit.trainable_variables)
+    tf.train.Checkpoint(model=unsplit, optimizer=unsplit_optimizer).restore(
+        path).assert_consumed()
+    self.assertEqual([v.path for v in unsplit.weights],
+                     [v.path for v in model.weights])
+    loss_fn = _loss_fn()
+    with tf.GradientTape() as tape:
+      loss = loss_fn(Y[2], unsplit(X[2], training=True))
+    unsplit_optimizer.apply_gradients(zip(
+        tape.gradient(loss, unsplit.trainable_variables),
+        unsplit.trainable_variables))
+    for want, got in zip(model.weights, unsplit.weights):
+      np.testing.assert_allclose(got.numpy(), want.numpy(), atol=TOLERANCE,
+                                 rtol=0, err_msg=got.path)
+
+
+class ScheduleTest(parameterized.TestCase):
+
+  def test_orders(self):
+    self.assertEqual(pipeline.schedule_order(2, 3, "gpipe")[0],
+                     [("F", 0), ("F", 1), ("F", 2), ("B", 0), ("B", 1),
+                      ("B", 2)])
+    self.assertEqual(pipeline.schedule_order(2, 3, "1f1b"),
+                     [[("F", 0), ("F", 1), ("B", 0), ("F", 2), ("B", 1),
+                       ("B", 2)],
+                      [("F", 0), ("B", 0), ("F", 1), ("B", 1), ("F", 2),
+                       ("B", 2)]])
+
+  @parameterized.parameters((2, 8), (4, 8), (4, 2), (3, 1))
+  def test_in_flight(self, stages, micro):
+    gpipe = pipeline.schedule_order(stages, micro, "gpipe")
+    one_f = pipeline.schedule_order(stages, micro, "1f1b")
+    self.assertEqual([pipeline.peak_in_flight(o) for o in gpipe],
+                     [micro] * stages)
+    self.assertEqual([pipeline.peak_in_flight(o) for o in one_f],
+                     [min(stages - s, micro) for s in range(stages)])
+
+  def test_bubble_and_balance(self):
+    self.assertAlmostEqual(pipeline.bubble_fraction(4, 8), 3 / 11)
+    self.assertEqual(pipeline.balanced_cuts([1, 1, 1, 1], 2), [2])
+    self.assertEqual(pipeline.balanced_cuts([8, 1, 1, 1, 1, 4, 4], 3),
+                     [1, 5])
+    self.assertEqual(pipeline.balanced_cuts([1, 2, 3], 3), [1, 2])
+    with self.assertRaisesRegex(errors.PipelineConfigError,
+                                r"num_stages=4 is more than the 3 items"):
+      pipeline.balanced_cuts([1, 2, 3], 4)
+
+  def test_balance_counts_activations_when_asked(self):
+    # Weight bytes per call: 576, 1088, 1088, 0 (Add), 1088, 204: the best
+    # cut of 2 is after block_2 (1664 | 2380 bytes). With 1000 examples'
+    # outputs (64 bytes each for the 16-wide calls, 12 for the last) it
+    # moves after block_3 (194752 | 141292).
+    self.assertEqual(pipeline.split_model(skip_model(), 2).stages[0]
+                     .layer_names, ("block_1", "block_2"))
+    self.assertEqual(pipeline.split_model(skip_model(), 2,
+                                          activation_examples=1000)
+                     .stages[0].layer_names,
+                     ("block_1", "block_2", "block_3"))
+
+  @parameterized.parameters("gpipe", "1f1b")
+  def test_stages_run_their_tasks_in_the_schedules_order(self, schedule):
+    events, lock = [], threading.Lock()
+
+    class Recorded(keras.layers.Layer):
+      """y = x * w; forward and backward log (stage, kind, micro-batch)."""
+
+      def __init__(self, stage, **kwargs):
+        super().__init__(**kwargs)
+        self.stage = stage
+
+      def build(self, input_shape):
+        self.w = self.add_weight(shape=(), initializer="ones", name="w")
+
+      def call(self, x):
+        stage = self.stage
+
+        def log(kind, a):
+          with lock:
+            events.append((stage, kind, int(a.reshape(-1)[0])))
+
+        @tf.custom_gradient
+        def recorded(x):
+
+          def forward(a):
+            log("F", a)
+            return a
+
+          def backward(dy, a):
+            log("B", a)
+            return dy
+
+          y = tf.numpy_function(forward, [x], tf.float32, stateful=False)
+          y.set_shape(x.shape)
+
+          def grad(dy):
+            g = tf.numpy_function(backward, [dy, x], tf.float32,
+                                  stateful=False)
+            g.set_shape(dy.shape)
+            return g
+
+          return y, grad
+
+        return recorded(x * self.w)
+
+    stages, micro = 3, 4
+    x = keras.Input((1,))
+    h = x
+    for s in range(stages):
+      h = Recorded(s, name=f"stage_{s}")(h)
+    model = keras.Model(x, h)
+    pipe = pipeline.split_model(model, stages)
+    optimizer = keras.optimizers.SGD(0.0)
+
+    @tf.function
+    def mean_step(x, y):
+      return pipe.train_step(x, y, loss_fn=lambda _, p: tf.reduce_mean(p),
+                             optimizer=optimizer,
+                             num_microbatches=micro, schedule=schedule)
+
+    # One example per micro-batch, holding its index (w stays 1).
+    xs = np.arange(micro, dtype="float32").reshape(-1, 1)
+    mean_step(xs, np.zeros_like(xs))
+    order = pipeline.schedule_order(stages, micro, schedule)
+    for s in range(stages):
+      self.assertEqual([(kind, m) for st, kind, m in events if st == s],
+                       order[s], f"stage {s}")
+
+
+class RefusalTest(absltest.TestCase):
+
+  def test_more_stages_than_layers(self):
+    with self.assertRaisesRegex(
+        errors.PipelineConfigError,
+        r"num_stages=7 is more than the 6 layer call\(s\) of model 'skip'.*"
+        r"choose num_stages <= 6"):
+      pipeline.split_model(skip_model(), 7, devices=["/cpu:0"] * 8)
+
+  def test_more_stages_than_devices(self):
+    with self.assertRaisesRegex(
+        errors.PipelineConfigError,
+        r"num_stages=3 is more than the 2 device\(s\).*--num_cpu_devices=3"):
+      pipeline.split_model(skip_model(), 3, devices=DEVICES[:2])
+    with self.assertRaisesRegex(errors.PipelineConfigError,
+                                r"more than the 4 device\(s\)"):
+      pipeline.split_model(skip_model(), 5)
+
+  def test_microbatches_not_dividing_the_batch(self):
+    pipe = pipeline.split_model(skip_model(), 2)
+    message = (r"num_microbatches=3 does not divide the batch of 16 "
+               r"examples.*\[1, 2, 4, 8, 16\]")
+    # At the edge, before anything is traced.
+    with self.assertRaisesRegex(errors.PipelineConfigError, message):
+      pipe.check_step(BATCH, 3, "gpipe")
+    with self.assertRaisesRegex(errors.PipelineConfigError,
+                                r"schedule='zb' is not offered"):
+      pipe.check_step(BATCH, 2, "zb")
+    self.assertEqual(pipe.check_step(BATCH, 4, "1f1b"), 4)
+    # While tracing (autograph off: autograph re-raises as StagingError).
+    optimizer = OPTIMIZERS["adam"]()
+
+    @tf.function(autograph=False)
+    def step(x, y):
+      return pipe.train_step(x, y, loss_fn=_loss_fn(), optimizer=optimizer,
+                             num_microbatches=3)
+
+    with self.assertRaisesRegex(errors.PipelineConfigError, message):
+      step(X[0], Y[0])
+
+  def test_layer_shared_across_stages(self):
+    shared = keras.layers.Dense(8, name="shared")
+    x = keras.Input((8,))
+    h = shared(x)
+    h = keras.layers.Dense(8, name="middle")(h)
+    model = keras.Model(x, shared(h))
+    with self.assertRaisesRegex(
+        errors.PipelineConfigError,
+        r"layer 'shared' is called in pipeline stages 0 and 1"):
+      pipeline.split_model(model, cuts=["middle"])
+    # Both calls in one stage is fine.
+    self.assertLen(pipeline.split_model(model, 1).stages, 1)
+
+  def test_subclassed_model(self):
+
+    class Subclassed(keras.Model):
+
+      def __init__(self):
+        super().__init__(name="custom")
+        self.dense = keras.layers.Dense(2)
+
+      def call(self, x):
+        return self.dense(x)
+
+    model = Subclassed()
+    model(X[0])
+    with self.assertRaisesRegex(
+        errors.PipelineConfigError,
+        r"model 'custom' \(Subclassed\) is a subclassed model without a "
+        r"functional graph.*functional API"):
+      pipeline.split_model(model, 2)
+
+  def test_bad_cuts_and_schedule(self):
+    with self.assertRaisesRegex(errors.PipelineConfigError,
+                                r"cut 'block_9' is not a layer.*'block_3'"):
+      pipeline.split_model(skip_model(), cuts=["block_9"])
+    with self.assertRaisesRegex(errors.PipelineConfigError,
+                                r"cuts=block_5,block_3 must name distinct"):
+      pipeline.split_model(skip_model(), cuts=["block_5", "block_3"])
+    with self.assertRaisesRegex(errors.PipelineConfigError,
+                                r"num_stages=3 disagrees with cuts=block_3"):
+      pipeline.split_model(skip_model(), 3, cuts=["block_3"])
+    with self.assertRaisesRegex(errors.PipelineConfigError,
+                                r"schedule='zb' is not offered.*gpipe, 1f1b"):
+      pipeline.schedule_order(2, 2, "zb")
+    self.assertTrue(issubclass(errors.PipelineConfigError, ValueError))
+    self.assertEqual(errors.exit_code_for(errors.PipelineConfigError("x")),
+                     2)
+
+
+if __name__ == "__main__":
+  absltest.main()

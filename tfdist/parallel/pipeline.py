@@ -1,0 +1,765 @@
+"""Pipeline parallelism for Keras 3 models on TensorFlow (GPipe and 1F1B).
+
+A Keras functional or Sequential model is cut into P stages of consecutive
+layers (`split_model`); stage i runs under `tf.device(devices[i])`. A
+training step (`Pipeline.train_step`, called inside the caller's
+`tf.function`) splits the global batch into M micro-batches, runs each
+micro-batch's forward pass stage by stage on its own `tf.GradientTape`,
+passes the gradient of each stage's outputs to the stage before it with
+`output_gradients`, sums the variables' gradients over the micro-batches and
+applies ONE optimizer update. The loss is the mean over the global batch,
+as in the unsplit step, so the update equals the unsplit model's (up to
+float summation order).
+
+TensorFlow does not pipeline by itself: ops run when their inputs are
+ready, so without ordering all micro-batches of a stage would run at once.
+The schedule (`schedule_order`) is imposed with one control-dependency chain
+per stage: each forward (F) or backward (B) task of a stage starts after the
+stage's previous task has produced its outputs.
+
+* `gpipe` (Huang et al. 2019): all forwards, then all backwards; a stage
+  holds the activations of all M micro-batches at once.
+* `1f1b` (Narayanan et al. 2019, PipeDream-flush): stage s runs P-s-1
+  warm-up forwards, then alternates one forward and one backward; it holds
+  at most P-s micro-batches' activations. Same bubble as GPipe.
+
+The idle fraction of each stage (the bubble) is (P-1)/(M+P-1) for equal
+stage costs (`benchmarks/pipeline_bubble.py` measures it).
+
+The variables stay where Keras created them unless
+`Pipeline.place_variables` moves each stage's to its device (then an
+optimizer built afterwards keeps its state there too). What is not here yet: the flags of
+`tfdist.train`, stages on other tasks of a cluster, and pipelines combined
+with data parallelism. Batch normalization sees
+micro-batches (its statistics are those of B/M examples), as under gradient
+accumulation; `model.losses` (activity and weight regularizers) are not
+added to the loss.
+
+Example (inside your `tf.function`):
+
+    pipe = pipeline.split_model(model, num_stages=2)
+    loss = pipe.train_step(x, y, loss_fn=keras.losses.MeanSquaredError(),
+                           optimizer=optimizer, num_microbatches=4,
+                           schedule="1f1b")
+"""
+
+import dataclasses
+from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence, Tuple
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tfdist.errors import PipelineConfigError
+
+GPIPE = "gpipe"
+ONE_F_ONE_B = "1f1b"
+SCHEDULES = (GPIPE, ONE_F_ONE_B)
+
+__all__ = [
+    "GPIPE", "ONE_F_ONE_B", "SCHEDULES", "Pipeline", "PipelineConfigError",
+    "Stage", "balanced_cuts", "bubble_fraction", "check_microbatches",
+    "peak_in_flight", "schedule_order", "split_model",
+]
+
+
+# --- schedules (pure) ---------------------------------------------------------
+def schedule_order(num_stages: int, num_microbatches: int,
+                   schedule: str = GPIPE) -> List[List[Tuple[str, int]]]:
+  """Each stage's tasks in the order it runs them.
+
+  Args:
+    num_stages: P >= 1.
+    num_microbatches: M >= 1.
+    schedule: "gpipe" or "1f1b".
+
+  Returns:
+    A list of P lists; list s holds ("F", m) and ("B", m) pairs, the forward
+    and backward pass of micro-batch m on stage s, 2*M of them.
+
+  Raises:
+    PipelineConfigError: an unknown schedule, or P or M below 1.
+  """
+  _check_positive("num_stages", num_stages)
+  _check_positive("num_microbatches", num_microbatches)
+  check_schedule(schedule)
+  orders = []
+  for s in range(num_stages):
+    if schedule == GPIPE:
+      order = [("F", m) for m in range(num_microbatches)]
+      order += [("B", m) for m in range(num_microbatches)]
+    else:
+      warmup = min(num_stages - s - 1, num_microbatches)
+      order = [("F", m) for m in range(warmup)]
+      for i in range(num_microbatches - warmup):
+        order += [("F", warmup + i), ("B", i)]
+      order += [("B", m) for m in range(num_microbatches - warmup,
+                                         num_microbatches)]
+    orders.append(order)
+  return orders
+
+
+def peak_in_flight(order: Sequence[Tuple[str, int]]) -> int:
+  """The most micro-batches whose activations one stage holds at once.
+
+  Args:
+    order: one stage's tasks (an element of `schedule_order`'s result).
+
+  Returns:
+    The largest number of forwards done whose backward has not run: M for
+    GPipe, at most P - s for 1F1B on stage s.
+  """
+  alive = peak = 0
+  for kind, _ in order:
+    alive += 1 if kind == "F" else -1
+    peak = max(peak, alive)
+  return peak
+
+
+def bubble_fraction(num_stages: int, num_microbatches: int) -> float:
+  """The ideal idle fraction of each stage, (P-1)/(M+P-1)."""
+  return (num_stages - 1) / (num_microbatches + num_stages - 1)
+
+
+def check_schedule(schedule: str) -> str:
+  """Returns `schedule` if it is a known one, else raises
+  PipelineConfigError naming the valid names."""
+  if schedule not in SCHEDULES:
+    raise PipelineConfigError(
+        f"pipeline schedule={schedule!r} is not offered: choose one of "
+        f"{', '.join(SCHEDULES)}.")
+  return schedule
+
+
+def check_microbatches(batch_size: int, num_microbatches: int) -> int:
+  """The micro-batch size, B / M.
+
+  Args:
+    batch_size: B, the global batch of one step (examples).
+    num_microbatches: M.
+
+  Returns:
+    B // M.
+
+  Raises:
+    PipelineConfigError: M < 1 or M does not divide B.
+  """
+  _check_positive("num_microbatches", num_microbatches)
+  if batch_size % num_microbatches:
+    divisors = [d for d in range(1, batch_size + 1) if batch_size % d == 0]
+    raise PipelineConfigError(
+        f"num_microbatches={num_microbatches} does not divide the batch of "
+        f"{batch_size} examples: every micro-batch must have the same size "
+        f"for the update to equal the unsplit one. Choose num_microbatches "
+        f"among {divisors} or a batch size that is a multiple of "
+        f"{num_microbatches}.")
+  return batch_size // num_microbatches
+
+
+def balanced_cuts(costs: Sequence[float], num_stages: int) -> List[int]:
+  """Cuts a sequence into contiguous stages with the smallest largest sum.
+
+  Args:
+    costs: the cost of each item, in order (bytes, >= 0).
+    num_stages: P, 1 <= P <= len(costs).
+
+  Returns:
+    P-1 increasing indices: the first item of stages 1..P-1.
+
+  Raises:
+    PipelineConfigError: P below 1 or above len(costs).
+  """
+  n = len(costs)
+  _check_positive("num_stages", num_stages)
+  if num_stages > n:
+    raise PipelineConfigError(
+        f"num_stages={num_stages} is more than the {n} items to cut: "
+        f"choose num_stages <= {n}.")
+  prefix = np.concatenate([[0.0], np.cumsum(np.asarray(costs, float))])
+  inf = float("inf")
+  best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
+  start = [[0] * (n + 1) for _ in range(num_stages + 1)]
+  best[0][0] = 0.0
+  for k in range(1, num_stages + 1):
+    for i in range(k, n - (num_stages - k) + 1):
+      for j in range(k - 1, i):
+        cost = max(best[k - 1][j], prefix[i] - prefix[j])
+        if cost < best[k][i]:
+          best[k][i], start[k][i] = cost, j
+  cuts, i = [], n
+  for k in range(num_stages, 0, -1):
+    i = start[k][i]
+    cuts.append(i)
+  return sorted(cuts)[1:]
+
+
+def _check_positive(name: str, value: int) -> None:
+  if not isinstance(value, int) or value < 1:
+    raise PipelineConfigError(
+        f"{name}={value!r} must be a positive integer.")
+
+
+# --- the model's graph as a list of layer calls -------------------------------
+@dataclasses.dataclass(frozen=True)
+class _Call:
+  """One call of a layer (or Keras operation) in the model's graph."""
+  layer: Any
+  in_keys: Tuple[Hashable, ...]
+  out_keys: Tuple[Hashable, ...]
+  run: Callable[[Dict[Hashable, Any], Optional[bool]], None]
+  activation_bytes: int  # of the outputs, per example
+
+
+def _nbytes_per_example(keras_tensors) -> int:
+  total = 0
+  for t in keras_tensors:
+    try:
+      dims = [d for d in t.shape[1:]]
+      if any(d is None for d in dims):
+        continue
+      total += int(np.prod(dims)) * tf.as_dtype(t.dtype).size
+    except (AttributeError, TypeError, ValueError):
+      continue
+  return total
+
+
+def _with_training(layer, kwargs, training):
+  if training is not None and "training" in getattr(
+      layer, "_call_context_args", ()):
+    kwargs["training"] = training
+  return kwargs
+
+
+def _functional_calls(model):
+  """`(calls, input_keys, input_dtypes, output_keys)` of a functional
+  model, in an order where every call's inputs come first."""
+  nodes = []
+  for depth in sorted(model._nodes_by_depth, reverse=True):  # pylint: disable=protected-access
+    nodes.extend(model._nodes_by_depth[depth])  # pylint: disable=protected-access
+  input_keys = tuple(id(t) for t in model.inputs)
+  known = set(input_keys)
+  calls = []
+  for node in nodes:
+    if not node.operation or node.is_input:
+      continue
+    in_keys = tuple(id(t) for t in node.input_tensors)
+    if any(k not in known for k in in_keys):
+      continue  # not reachable from the model's inputs (as Keras skips it)
+    out_keys = tuple(id(t) for t in node.outputs)
+    known.update(out_keys)
+
+    def run(tensors, training, node=node):
+      args, kwargs = node.arguments.fill_in(tensors)
+      kwargs = _with_training(node.operation, kwargs, training)
+      outputs = node.operation(*args, **kwargs)
+      for t, value in zip(node.outputs, keras.tree.flatten(outputs)):
+        tensors[id(t)] = value
+
+    calls.append(_Call(node.operation, in_keys, out_keys, run,
+                       _nbytes_per_example(node.outputs)))
+  return (calls, input_keys, [t.dtype for t in model.inputs],
+          tuple(id(t) for t in model.outputs))
+
+
+def _sequential_calls(model):
+  """The same for a Sequential model: a chain of its layers."""
+  calls = []
+  for i, layer in enumerate(model.layers):
+
+    def run(tensors, training, layer=layer, i=i):
+      tensors[i] = layer(tensors[i - 1],
+                         **_with_training(layer, {}, training))
+
+    try:
+      outputs = keras.tree.flatten(layer.output)
+    except (AttributeError, ValueError):
+      outputs = []
+    calls.append(_Call(layer, (i - 1,), (i,), run,
+                       _nbytes_per_example(outputs)))
+  try:
+    dtypes = [model.inputs[0].dtype]
+  except (AttributeError, ValueError, TypeError, IndexError):
+    dtypes = [None]
+  return calls, (-1,), dtypes, (len(model.layers) - 1,)
+
+
+def _model_calls(model):
+  if isinstance(model, keras.Sequential):
+    if not model.built or not model.layers:
+      raise PipelineConfigError(
+          f"model {model.name!r} is a Sequential model that is not built: "
+          "give it a keras.Input(shape) first (or call it once on a batch) "
+          "before splitting it into pipeline stages.")
+    return _sequential_calls(model)
+  if hasattr(model, "_nodes_by_depth") and getattr(model, "inputs", None):
+    return _functional_calls(model)
+  raise PipelineConfigError(
+      f"model {model.name!r} ({type(model).__name__}) is a subclassed model "
+      "without a functional graph, so it cannot be cut into pipeline "
+      "stages: build it with the functional API (keras.Model(inputs, "
+      "outputs)) or as keras.Sequential.")
+
+
+def _param_bytes(variables) -> int:
+  return sum(int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size
+             for v in variables)
+
+
+# --- stages and the pipeline -------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Stage:
+  """Consecutive layer calls of the model that run on one device.
+
+  Attributes:
+    index: the stage's position, 0 .. P-1.
+    device: the device its ops run on (a `tf.device` name).
+    layer_names: the names of its layers, in call order.
+    trainable_variables: its layers' trainable variables: the model's own
+      objects (same names), in the model's order.
+    weights: all its layers' variables (trainable or not).
+    param_bytes: bytes of all its layers' weights (trainable or not).
+    input_keys: the graph tensors it receives (from the stage before or,
+      for stage 0, the model's inputs), in a fixed order.
+    output_keys: the graph tensors it hands on: what later stages use,
+      including tensors it only carries (a skip connection across a cut),
+      or the model's outputs for the last stage.
+  """
+  index: int
+  device: str
+  layer_names: Tuple[str, ...]
+  trainable_variables: Tuple[Any, ...]
+  weights: Tuple[Any, ...]
+  param_bytes: int
+  input_keys: Tuple[Hashable, ...]
+  output_keys: Tuple[Hashable, ...]
+  calls: Tuple[_Call, ...] = dataclasses.field(repr=False)
+
+  def run(self, inputs: Sequence[tf.Tensor],
+          training: Optional[bool] = None) -> List[tf.Tensor]:
+    """The stage's layers on `inputs` (tensors for `input_keys`).
+
+    Returns:
+      Tensors for `output_keys`, on the caller's device scope.
+    """
+    tensors = dict(zip(self.input_keys, inputs))
+    for call in self.calls:
+      call.run(tensors, training)
+    return [tensors[k] for k in self.output_keys]
+
+
+def _is_float(t) -> bool:
+  return tf.as_dtype(t.dtype).is_floating
+
+
+@dataclasses.dataclass
+class _Forward:
+  tape: tf.GradientTape
+  inputs: List[tf.Tensor]
+  outputs: List[tf.Tensor]  # stage outputs, or [scaled loss] on the last
+
+
+class Pipeline:
+  """A Keras model cut into stages on consecutive devices.
+
+  Build it with `split_model`. The model keeps its variables: training
+  through the pipeline updates the model itself, and its checkpoints,
+  weights files and exports are those of the unsplit model.
+
+  Attributes:
+    model: the Keras model.
+    stages: the `Stage`s, P of them.
+    num_stages: P.
+  """
+
+  def __init__(self, model, stages: Sequence[Stage], input_dtypes):
+    self.model = model
+    self.stages = tuple(stages)
+    self.num_stages = len(self.stages)
+    self._input_dtypes = list(input_dtypes)
+
+  def describe(self) -> List[dict]:
+    """Per stage: index, device, layer names, parameter bytes and the
+    number of tensors it receives and hands on."""
+    return [dict(index=s.index, device=s.device, layers=list(s.layer_names),
+                 param_bytes=s.param_bytes, inputs=len(s.input_keys),
+                 outputs=len(s.output_keys)) for s in self.stages]
+
+  def _flat_inputs(self, x) -> List[tf.Tensor]:
+    flat = list(x) if isinstance(x, (list, tuple)) else [x]
+    if len(flat) != len(self._input_dtypes):
+      raise PipelineConfigError(
+          f"the pipeline of model {self.model.name!r} takes "
+          f"{len(self._input_dtypes)} input tensor(s) and got {len(flat)}: "
+          "pass one tensor, or a list in the order of model.inputs.")
+    out = []
+    for value, dtype in zip(flat, self._input_dtypes):
+      value = tf.convert_to_tensor(value)
+      if dtype is not None and value.dtype != tf.as_dtype(dtype):
+        value = tf.cast(value, dtype)
+      out.append(value)
+    return out
+
+  def place_variables(self) -> Dict[str, int]:
+    """Moves each stage's variables to its device; returns bytes per device.
+
+    The model's variables stay the same Keras objects with the same names
+    (checkpoints are unchanged); the TensorFlow variable under each is
+    re-created on its stage's device with the same value. Keras creates an
+    optimizer's slot variables beside their variable, so an optimizer built
+    afterwards keeps its state on the stage devices too.
+
+    Call it once, right after `split_model`: before the optimizer is built
+    and before any `tf.function` has used the model (a traced function
+    would keep the old variables).
+
+    Returns:
+      `{device: bytes of the model's variables placed there}`.
+
+    Raises:
+      PipelineConfigError: the Keras variables are not TensorFlow-backed
+        ones this function knows how to move (another Keras backend or
+        version).
+    """
+    per_device = {}
+    for stage in self.stages:
+      want = tf.DeviceSpec.from_string(stage.device)
+      for v in stage.weights:
+        current = getattr(v, "_value", None)
+        if not isinstance(current, tf.Variable):
+          raise PipelineConfigError(
+              f"variable {v.path!r} ({type(v).__name__}) does not wrap a "
+              f"tf.Variable, so place_variables cannot move it to "
+              f"{stage.device} (Keras {keras.__version__}, backend "
+              f"{keras.backend.backend()}): use the TensorFlow backend, or "
+              "leave the variables where Keras made them.")
+        have = tf.DeviceSpec.from_string(current.device)
+        if (have.device_type, have.device_index) != (want.device_type,
+                                                     want.device_index):
+          with tf.init_scope(), tf.device(stage.device):
+            moved = tf.Variable(
+                current.read_value(), dtype=current.dtype,
+                trainable=current.trainable, name=v.name,
+                aggregation=current.aggregation,
+                synchronization=current.synchronization)
+          v._value = moved  # pylint: disable=protected-access
+        per_device[stage.device] = (per_device.get(stage.device, 0) +
+                                    _param_bytes([v]))
+    return per_device
+
+  def check_step(self, batch_size: int, num_microbatches: int,
+                 schedule: str = GPIPE) -> int:
+    """Checks a step's batch, micro-batches and schedule before tracing.
+
+    `train_step` makes the same checks while it is traced, but autograph
+    (on by default in `tf.function`) re-raises errors raised while tracing
+    as its own `StagingError`: call this at the edge, first.
+
+    Args:
+      batch_size: B, the global batch of one step (examples).
+      num_microbatches: M.
+      schedule: "gpipe" or "1f1b".
+
+    Returns:
+      The micro-batch size, B // M.
+
+    Raises:
+      PipelineConfigError: M does not divide B, or an unknown schedule.
+    """
+    check_schedule(schedule)
+    return check_microbatches(batch_size, num_microbatches)
+
+  @staticmethod
+  def _pack(outputs):
+    return outputs[0] if len(outputs) == 1 else list(outputs)
+
+  def __call__(self, x, training: Optional[bool] = None):
+    """The model's outputs for batch `x`, stage after stage (no
+    micro-batches): the same values as `model(x, training=training)`.
+
+    Args:
+      x: a tensor, or a list of tensors in the order of `model.inputs`;
+        shape [batch, ...].
+      training: passed to the layers that take it.
+    """
+    tensors = self._flat_inputs(x)
+    for stage in self.stages:
+      with tf.device(stage.device):
+        tensors = [tf.identity(t) for t in stage.run(tensors, training)]
+    return self._pack(tensors)
+
+  def train_step(self, x, y, *, loss_fn: Callable[[Any, Any], tf.Tensor],
+                 optimizer, num_microbatches: int,
+                 schedule: str = GPIPE) -> tf.Tensor:
+    """One pipelined training step: M micro-batches, ONE optimizer update.
+
+    Call it inside a `tf.function` (the schedule's ordering is a graph's
+    control dependencies; eagerly the tasks simply run in schedule order).
+    It has no tensor-dependent Python control flow, so
+    `tf.function(..., autograph=False)` traces it as well and lets its
+    errors through unwrapped; check the arguments first with
+    `check_step`.
+
+    Args:
+      x: the global batch's inputs: a tensor or a list of tensors in the
+        order of `model.inputs`, each [B, ...] with B known when traced.
+      y: the targets, a tensor [B, ...].
+      loss_fn: `loss_fn(y_true, y_pred)` -> a scalar float32 tensor, the
+        MEAN loss over the examples it is given (a `keras.losses.Loss`
+        with its default reduction does this). The step's loss is the
+        mean over the B examples, as in the unsplit step.
+      optimizer: a Keras optimizer; it gets the summed gradients of all
+        the model's trainable variables once.
+      num_microbatches: M, dividing B.
+      schedule: "gpipe" or "1f1b".
+
+    Returns:
+      The loss, a scalar: the mean over the global batch.
+
+    Raises:
+      PipelineConfigError: M does not divide B, B is not known when
+        traced, x has another number of tensors than the model's inputs,
+        or an unknown schedule.
+    """
+    inputs = self._flat_inputs(x)
+    batch = inputs[0].shape[0]
+    if batch is None:
+      raise PipelineConfigError(
+          "the pipeline's batch size is not known when the step is traced: "
+          "give the tf.function an input_signature with a fixed batch, or "
+          "a dataset with drop_remainder=True.")
+    check_microbatches(int(batch), num_microbatches)
+    orders = schedule_order(self.num_stages, num_microbatches, schedule)
+    micro_x = list(zip(*[tf.split(t, num_microbatches) for t in inputs]))
+    micro_y = tf.split(tf.convert_to_tensor(y), num_microbatches)
+    scale = 1.0 / num_microbatches
+
+    last = self.num_stages - 1
+    forwards: Dict[Tuple[int, int], _Forward] = {}
+    input_grads: Dict[Tuple[int, int], List[tf.Tensor]] = {}
+    sums: List[List[Optional[tf.Tensor]]] = [
+        [None] * len(s.trainable_variables) for s in self.stages]
+    # The tensors of each stage's latest task: its next task waits on them.
+    chain: List[List[tf.Tensor]] = [[] for _ in self.stages]
+    losses = []
+
+    def forward(s, m):
+      stage = self.stages[s]
+      with tf.device(stage.device), tf.control_dependencies(chain[s]):
+        received = micro_x[m] if s == 0 else forwards[(s - 1, m)].outputs
+        received = [tf.identity(t) for t in received]
+        with tf.GradientTape() as tape:
+          tape.watch([t for t in received if _is_float(t)])
+          outputs = [tf.identity(t) for t in stage.run(received, True)]
+          if s == last:
+            loss = tf.cast(loss_fn(micro_y[m], self._pack(outputs)),
+                           tf.float32)
+            losses.append(loss * scale)
+            outputs = [losses[-1]]
+      forwards[(s, m)] = _Forward(tape, received, outputs)
+      chain[s] = outputs
+
+    def backward(s, m):
+      stage = self.stages[s]
+      done = forwards.pop((s, m))
+      with tf.device(stage.device), tf.control_dependencies(chain[s]):
+        if s == last:
+          targets, upstream = done.outputs, None
+        else:
+          upstream = input_grads.pop((s + 1, m))
+          pairs = [(o, g) for o, g in zip(done.outputs, upstream)
+                   if g is not None]
+          targets, upstream = [p[0] for p in pairs], [p[1] for p in pairs]
+        sources = [t for t in done.inputs if _is_float(t)] if s else []
+        grads = done.tape.gradient(
+            targets, sources + list(stage.trainable_variables),
+            output_gradients=upstream,
+            unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        if s:
+          it = iter(grads[:len(sources)])
+          input_grads[(s, m)] = [next(it) if _is_float(t) else None
+                                 for t in done.inputs]
+        var_grads = grads[len(sources):]
+        for j, g in enumerate(var_grads):
+          sums[s][j] = g if sums[s][j] is None else sums[s][j] + g
+        chain[s] = [g for g in grads if g is not None] or chain[s]
+
+    def ready(s, kind, m):
+      if kind == "F":
+        return s == 0 or (s - 1, m) in forwards
+      return (s, m) in forwards and (s == last or (s + 1, m) in input_grads)
+
+    # Build the tasks in an order that respects both the data and each
+    # stage's chain (a topological order of the schedule).
+    position = [0] * self.num_stages
+    while any(p < len(o) for p, o in zip(position, orders)):
+      progressed = False
+      for s, order in enumerate(orders):
+        while position[s] < len(order):
+          kind, m = order[position[s]]
+          if not ready(s, kind, m):
+            break
+          (forward if kind == "F" else backward)(s, m)
+          position[s] += 1
+          progressed = True
+      if not progressed:
+        raise RuntimeError(f"pipeline schedule {schedule!r} deadlocks at "
+                           f"tasks {position} (a bug in tfdist)")
+
+    grads_by_var = {}
+    for stage, stage_sums in zip(self.stages, sums):
+      for v, g in zip(stage.trainable_variables, stage_sums):
+        grads_by_var[id(v)] = g
+    optimizer.apply_gradients(
+        [(grads_by_var[id(v)], v) for v in self.model.trainable_variables
+         if id(v) in grads_by_var])
+    return tf.add_n(losses)
+
+
+def _default_devices() -> List[str]:
+  gpus = tf.config.list_logical_devices("GPU")
+  return [d.name for d in (gpus or tf.config.list_logical_devices("CPU"))]
+
+
+def split_model(model, num_stages: Optional[int] = None, *,
+                cuts: Optional[Sequence[str]] = None,
+                devices: Optional[Sequence[str]] = None,
+                activation_examples: int = 0) -> Pipeline:
+  """Cuts a Keras functional or Sequential model into pipeline stages.
+
+  Stages are contiguous runs of the model's layer calls in execution
+  order. With `cuts`, each named layer begins a new stage (as
+  `torch.distributed.pipelining`'s default split point); without, the
+  calls are split into `num_stages` runs with the smallest largest cost,
+  a call's cost being its layer's weight bytes plus
+  `activation_examples` x its outputs' bytes per example. A tensor used
+  by a later stage than the next (a skip connection across a cut) is
+  carried through the stages between.
+
+  Args:
+    model: a built `keras.Model` made with the functional API, or a built
+      `keras.Sequential`.
+    num_stages: P, 1 <= P <= the number of layer calls and of devices.
+      Optional with `cuts` (then len(cuts) + 1, and must agree).
+    cuts: layer names, each the first layer of a stage after the first,
+      in the model's call order (e.g. ["block_3", "block_6"]).
+    devices: P or more device names; stage i runs on devices[i]. Defaults
+      to this process's logical GPUs, else its logical CPUs.
+    activation_examples: examples' worth of activations to count in the
+      balance (e.g. the micro-batch size times the micro-batches in
+      flight); 0 balances weight bytes alone.
+
+  Returns:
+    A `Pipeline` over the model's own variables.
+
+  Raises:
+    PipelineConfigError: a subclassed model without a functional graph, an
+      unbuilt Sequential model, P below 1 or above the number of layer
+      calls or of devices, unknown or out-of-order cut names, cuts that
+      disagree with num_stages, or a layer (or variable) used in two
+      stages.
+  """
+  calls, input_keys, input_dtypes, output_keys = _model_calls(model)
+  names = [c.layer.name for c in calls]
+  if cuts is not None:
+    cuts = list(cuts)
+    starts = []
+    for name in cuts:
+      if name not in names:
+        raise PipelineConfigError(
+            f"pipeline cut {name!r} is not a layer of model {model.name!r}: "
+            f"give layer names among {names[:30]}"
+            f"{' ...' if len(names) > 30 else ''}.")
+      starts.append(names.index(name))
+    if starts != sorted(set(starts)) or (starts and starts[0] == 0):
+      raise PipelineConfigError(
+          f"pipeline cuts={','.join(cuts)} must name distinct layers in the "
+          f"model's call order, none of them its first layer "
+          f"({names[0]!r}): the layers run in the order {names[:30]}.")
+    if num_stages is not None and num_stages != len(cuts) + 1:
+      raise PipelineConfigError(
+          f"num_stages={num_stages} disagrees with cuts={','.join(cuts)} "
+          f"({len(cuts) + 1} stages): give one of them, or "
+          f"{num_stages - 1} cut(s).")
+    num_stages = len(cuts) + 1
+  if num_stages is None:
+    raise PipelineConfigError(
+        "split_model needs num_stages or cuts: give the number of stages "
+        "(e.g. num_stages=2) or the layers that begin stages.")
+  _check_positive("num_stages", num_stages)
+  if num_stages > len(calls):
+    raise PipelineConfigError(
+        f"num_stages={num_stages} is more than the {len(calls)} layer "
+        f"call(s) of model {model.name!r}: each stage needs at least one; "
+        f"choose num_stages <= {len(calls)}.")
+  devices = list(devices) if devices is not None else _default_devices()
+  if num_stages > len(devices):
+    raise PipelineConfigError(
+        f"num_stages={num_stages} is more than the {len(devices)} "
+        f"device(s) {devices}: stage i runs on device i. Lower num_stages, "
+        f"or on a CPU split it into logical devices before TensorFlow "
+        f"starts (tfdist.distribute.devices.configure_cpu_devices("
+        f"{num_stages}), --num_cpu_devices={num_stages}).")
+  if cuts is None:
+    seen, costs = set(), []
+    for call in calls:
+      weights = getattr(call.layer, "weights", [])
+      own = 0 if id(call.layer) in seen else _param_bytes(weights)
+      seen.add(id(call.layer))
+      costs.append(own + activation_examples * call.activation_bytes)
+    starts = balanced_cuts(costs, num_stages)
+  bounds = [0] + starts + [len(calls)]
+  groups = [calls[a:b] for a, b in zip(bounds, bounds[1:])]
+
+  stage_of_layer, stage_of_var = {}, {}
+  for s, group in enumerate(groups):
+    for call in group:
+      other = stage_of_layer.setdefault(id(call.layer), s)
+      if other != s:
+        raise PipelineConfigError(
+            f"layer {call.layer.name!r} is called in pipeline stages {other} "
+            f"and {s}: a layer's weights live in one stage. Choose cuts "
+            f"that keep all its calls in one stage, or give each call its "
+            f"own layer.")
+      for v in getattr(call.layer, "weights", []):
+        other = stage_of_var.setdefault(id(v), s)
+        if other != s:
+          raise PipelineConfigError(
+              f"variable {v.path!r} is used by layers in pipeline stages "
+              f"{other} and {s} (a shared or tied weight): choose cuts that "
+              f"keep its layers in one stage.")
+
+  # Carried tensors: stage s hands on what stages after it (or the model's
+  # outputs) use, among the tensors known by its end.
+  produced = [set(input_keys)]
+  for group in groups:
+    produced.append(produced[-1] | {k for c in group for k in c.out_keys})
+  rank = {k: i for i, k in enumerate(
+      list(input_keys) + [k for c in calls for k in c.out_keys])}
+  stages = []
+  received = tuple(input_keys)
+  model_vars = {id(v): i for i, v in enumerate(model.trainable_variables)}
+  for s, group in enumerate(groups):
+    if s == num_stages - 1:
+      handed = tuple(output_keys)
+    else:
+      later = {k for g in groups[s + 1:] for c in g for k in c.in_keys}
+      later |= set(output_keys)
+      handed = tuple(sorted(later & produced[s + 1], key=rank.__getitem__))
+    layers, variables, weights = [], {}, {}
+    for call in group:
+      if call.layer.name not in layers:
+        layers.append(call.layer.name)
+      for v in getattr(call.layer, "trainable_variables", []):
+        if id(v) in model_vars:
+          variables[id(v)] = v
+      for v in getattr(call.layer, "weights", []):
+        weights[id(v)] = v
+    ordered = sorted(variables.values(), key=lambda v: model_vars[id(v)])
+    stages.append(Stage(
+        index=s, device=devices[s], layer_names=tuple(layers),
+        trainable_variables=tuple(ordered),
+        weights=tuple(weights.values()),
+        param_bytes=_param_bytes(weights.values()), input_keys=received,
+        output_keys=handed, calls=tuple(group)))
+    received = handed
+  return Pipeline(model, stages, input_dtypes)
