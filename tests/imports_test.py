@@ -97,21 +97,22 @@ def _wiring(graph: dict) -> set:
 # errors, StrategyKind, strict JSON, checkpoint numbering, the optimizer
 # and decay registries, ...) is on floor 0 wherever it lives. The first
 # prefix that matches gives the floor.
+_T = PACKAGES[0]
 FLOORS = (
-    ("tfdist.config", 1),
-    ("tfdist.cloud.hptune", 2),
-    ("tfdist.runtime", 2),
-    ("tfdist.observability", 2),
-    ("tfdist.data", 2),
-    ("tfdist.distribute", 2),
-    ("tfdist.training", 3),
-    ("tfdist.parallel", 3),
-    ("models", 3),
-    ("tfdist.backends", 4),
-    ("tfdist.experiment", 5),
+    (f"{_T}.config", 1),
+    (f"{_T}.cloud.hptune", 2),
+    (f"{_T}.runtime", 2),
+    (f"{_T}.observability", 2),
+    (f"{_T}.data", 2),
+    (f"{_T}.distribute", 2),
+    (f"{_T}.training", 3),
+    (f"{_T}.parallel", 3),
+    (PACKAGES[1], 3),  # models
+    (f"{_T}.backends", 4),
+    (WIRING, 5),
     # The edges: binaries, `tfdist.fit`, job specs, Ray's workers, flags.
-    ("tfdist", 6),
-    ("flags", 6),
+    (_T, 6),
+    (PACKAGES[2], 6),
 )
 # At most this many imports point up the floors (issue: "floors that read
 # bottom-up"); those left are named in `test_floors_read_bottom_up`.
