@@ -50,7 +50,9 @@ from tfdist.config import ConfigError
 from tfdist.config import TrainConfig
 from tfdist.data import input_pipeline
 from tfdist.data.dataset_spec import DatasetSpec
+from tfdist.errors import PreemptedError
 from tfdist.runtime import run_options
+from tfdist.runtime import script_exit
 from tfdist.training import keras_callbacks
 from tfdist.training import registry
 from tfdist.training import task as task_lib
@@ -361,8 +363,13 @@ def fit(model_fn: Union[Callable, str],
       arrays of different lengths, a
       `validation_split` outside (0, 1) or with a dataset function, no loss
       anywhere, a model that cannot take the features).
-    tfdist.runtime.preemption.PreemptedError: SIGTERM or SIGINT stopped training
-      after a checkpoint (call again to resume).
+    tfdist.errors.PreemptedError: SIGTERM or SIGINT stopped training after
+      every worker saved a checkpoint (call again with the same
+      `config.model_dir` to resume). Uncaught, it ends the script as
+      `tfdist.train` ends: its message as one line on stderr, no
+      traceback, exit status 130 (SIGINT) or 143 (SIGTERM), through the
+      `sys.excepthook` that `fit` installs then
+      (`tfdist.runtime.script_exit`).
   """
   if (isinstance(verbose, float) or verbose is None
       or verbose not in ("auto", 0, 1, 2)):
@@ -383,13 +390,27 @@ def fit(model_fn: Union[Callable, str],
   task = make_task(model_fn, dataset_fn, config=config, parse_fn=parse_fn,
                    loss=loss, metrics=metrics)
   history = keras.callbacks.History()
-  with _info_lines(verbose != 0):
-    result = experiment.run_experiment(_named_config(config, task),
-                                       callbacks=[*keras_callbacks.flatten(
-                                           callbacks), history],
-                                       environment=environment, task=task,
-                                       print_final_eval=verbose != 0)
+  try:
+    with _info_lines(verbose != 0):
+      result = experiment.run_experiment(_named_config(config, task),
+                                         callbacks=[*keras_callbacks.flatten(
+                                             callbacks), history],
+                                         environment=environment, task=task,
+                                         print_final_eval=verbose != 0)
+  except PreemptedError as e:
+    raise _stopped_in_fit(e, config) from None
   return _with_history(result, history)
+
+
+def _stopped_in_fit(error: PreemptedError,
+                    config: TrainConfig) -> PreemptedError:
+  """`error` saying how to resume in a script's terms, with the hook that
+  ends an uncaught one as `tfdist.train` ends (`script_exit`) installed."""
+  script_exit.install_stop_hook()
+  return PreemptedError(
+      signum=error.signum, step=error.step, checkpoint=error.checkpoint,
+      resume=("Run the script again with the same model_dir in its "
+              f"TrainConfig (model_dir={config.model_dir!r}) to resume."))
 
 
 _TFDIST_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
