@@ -227,6 +227,9 @@ class FitTest(absltest.TestCase):
     self.assertIn("loss", result["history"])
     self.assertTrue(all(isinstance(v, float)
                         for v in result["history"]["loss"]))
+    # Nothing that does not apply: no batch norm, no AUC, no evaluation.
+    self.assertNotIn("sync_batch_norm", result)
+    self.assertEqual(set(result["final_metrics"]), {"train_loss"})
 
 if __name__ == "__main__":
   absltest.main()
