@@ -51,6 +51,7 @@ from tfdist.config import TrainConfig
 from tfdist.data import input_pipeline
 from tfdist.data.dataset_spec import DatasetSpec
 from tfdist.errors import PreemptedError
+from tfdist.errors import StoppedAtStartError
 from tfdist.runtime import run_options
 from tfdist.runtime import script_exit
 from tfdist.training import keras_callbacks
@@ -380,6 +381,9 @@ def fit(model_fn: Union[Callable, str],
       traceback, exit status 130 (SIGINT) or 143 (SIGTERM), through the
       `sys.excepthook` that `fit` installs then
       (`tfdist.runtime.script_exit`).
+    tfdist.errors.StoppedAtStartError: SIGTERM or SIGINT arrived while this
+      task waited for its cluster's peers (nothing trained); uncaught, it
+      ends the script the same way.
   """
   if (isinstance(verbose, float) or verbose is None
       or verbose not in ("auto", 0, 1, 2)):
@@ -410,6 +414,9 @@ def fit(model_fn: Union[Callable, str],
                                          print_final_eval=verbose != 0)
   except PreemptedError as e:
     raise _stopped_in_fit(e, config) from None
+  except StoppedAtStartError:
+    script_exit.install_stop_hook()  # Nothing trained: one line, 128 + sig.
+    raise
   return _with_history(result, history)
 
 
