@@ -18,6 +18,10 @@ follow the TFJob split:
 | 200 | a peer worker or a ps task was lost (MultiWorkerMirrored, parameter servers) | retryable |
 | 201 | `--model_dir` is held by another run's live lease | retryable |
 
+A `tfdist.fit` script that does not catch a stop (`PreemptedError`,
+`StoppedAtStartError`) exits 130 or 143 in the same way, with one line
+(`tfdist.runtime.script_exit`).
+
 `exit_code_for` maps an exception raised by `run_experiment` to its status.
 The classes are defined here, one home for all of them; the modules that
 raise them also export them under their old names (`tfdist.config.
