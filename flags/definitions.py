@@ -586,14 +586,18 @@ def define_reliability_flags() -> List[str]:
   return ["dry_run"]
 
 
+# Every group `tfdist.train` uses, in order (the flags reference,
+# docs/reference/flags.md, is generated from them: tfdist.flags.reference).
+GROUPS = (define_base_flags, define_train_flags, define_distribution_flags,
+          define_cluster_flags, define_performance_flags, define_tpu_flags,
+          define_lr_flags, define_vertex_flags, define_measure_flags,
+          define_reliability_flags)
+
+
 def define_all_flags() -> List[str]:
   """Defines every group `tfdist.train` uses; returns the key flag names."""
   names = []
-  for define in (define_base_flags, define_train_flags,
-                 define_distribution_flags, define_cluster_flags,
-                 define_performance_flags,
-                 define_tpu_flags, define_lr_flags, define_vertex_flags,
-                 define_measure_flags, define_reliability_flags):
+  for define in GROUPS:
     names += define()
   return names
 

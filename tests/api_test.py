@@ -129,6 +129,37 @@ class FitTest(absltest.TestCase):
     with self.assertRaisesRegex(ConfigError, r"verbose='yes'\): use"):
       api.fit(_model, x=self.x, y=self.y, config=self.config, verbose="yes")
 
+  def test_keras_epochs_and_batch_size_set_the_configs_fields(self):
+    config = self.config.replace(train_steps=0, batch_size=None)
+    result = api.fit(_model, x=self.x, y=self.y, epochs=2, batch_size=8,
+                     config=config)
+    self.assertEqual(result["final_step"], 4)  # 16 examples, 2 epochs of 8.
+    self.assertLen(result["history"]["loss"], 2)
+
+  def test_keras_epochs_and_batch_size_conflicts_are_refused(self):
+    for kwargs, config, message in (
+        (dict(epochs=2), self.config,
+         r"fit\(epochs=2\) and TrainConfig\(train_steps=4\) both set how "
+         r"long to train: drop one \(train_steps=0 lets epochs decide\)"),
+        (dict(epochs=2), self.config.replace(train_steps=0, train_epochs=3),
+         r"fit\(epochs=2\) and TrainConfig\(train_epochs=3\) disagree"),
+        (dict(batch_size=8), self.config,
+         r"fit\(batch_size=8\) and TrainConfig\(batch_size=4\) disagree"),
+        (dict(batch_size=8), self.config.replace(
+            batch_size=None, per_replica_batch_size=2),
+         r"fit\(batch_size=8\) is the global batch, and TrainConfig\("
+         r"per_replica_batch_size=2\) sets it per replica"),
+        (dict(epochs=0), self.config, r"fit\(epochs=0\): epochs must be an "
+         "integer >= 1"),
+        (dict(batch_size=2.5), self.config,
+         r"fit\(batch_size=2.5\): batch_size must be an integer >= 1")):
+      with self.subTest(message=message):
+        with self.assertRaisesRegex(ConfigError, message):
+          api.fit(_model, x=self.x, y=self.y, config=config, **kwargs)
+    # The same values as the config's are no conflict.
+    self.assertEqual(api.with_keras_length(self.config, batch_size=4),
+                     self.config)
+
   def test_a_plain_script_prints_tfdist_lines_unless_verbose_is_0(self):
     # A script without absl.app.run: absl's logging is not set up there.
     script = textwrap.dedent("""
@@ -196,6 +227,9 @@ class FitTest(absltest.TestCase):
     self.assertIn("loss", result["history"])
     self.assertTrue(all(isinstance(v, float)
                         for v in result["history"]["loss"]))
+    # Nothing that does not apply: no batch norm, no AUC, no evaluation.
+    self.assertNotIn("sync_batch_norm", result)
+    self.assertEqual(set(result["final_metrics"]), {"train_loss"})
 
 if __name__ == "__main__":
   absltest.main()

@@ -101,6 +101,31 @@ class StartUpTest(absltest.TestCase):
     self.assertIn(f"no answer yet from worker 0 at {silent}", output)
     self.assertIn("tfdist.train: received SIGTERM after", output)
 
+  def test_sigterm_ends_a_fit_scripts_wait_with_one_line_and_143(self):
+    # tests/fit_stop_testlib.py: a plain tfdist.fit script, nothing caught.
+    silent = f"127.0.0.1:{portpicker.pick_unused_port()}"
+    chief = f"127.0.0.1:{portpicker.pick_unused_port()}"
+    tf_config = {"cluster": {"chief": [chief], "worker": [silent]},
+                 "task": {"type": "chief", "index": 0}}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.fit_stop_testlib",
+         os.path.join(testutil.scratch_dir(), "run"), "10"],
+        cwd=testutil.REPO_ROOT, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, errors="replace",
+        env=dict(os.environ, TF_CONFIG=json.dumps(tf_config),
+                 PYTHONPATH=testutil.REPO_ROOT))
+    self.addCleanup(lambda: proc.poll() is None and proc.kill())
+    lines, reader = self._read_until(proc, "waiting for the peers")
+    os.kill(proc.pid, signal.SIGTERM)
+    status = proc.wait(timeout=60)
+    reader.join(timeout=10)
+    output = "".join(lines)
+    self.assertEqual(status, 143, output[-3000:])
+    self.assertNotIn("Traceback", output)
+    self.assertRegex(output, r"(?m)^fit_stop_testlib\.py: received SIGTERM "
+                     r"after \d+ s of waiting .*nothing was trained or saved "
+                     r"yet\.$")
+
   def test_ctrl_c_ends_tensorflows_wait_for_a_peer_that_never_joins(self):
     # The worker's port accepts connections (the kernel completes them for
     # a listening socket) but nothing there joins TensorFlow's cluster: the

@@ -10,6 +10,7 @@
 import json
 import os
 
+from absl import logging
 from absl.testing import absltest
 from absl.testing import parameterized
 import keras
@@ -121,6 +122,31 @@ class ExportFolderTest(absltest.TestCase):
         x=tf.constant(x))
     np.testing.assert_allclose(served["output_0"].numpy(), model(x).numpy(),
                                rtol=1e-5)
+
+  def test_the_signature_is_logged_at_export_for_any_model(self):
+    # Two named inputs of other dtypes and shapes, two outputs.
+    ids = keras.Input((5,), dtype="int64", name="ids")
+    weight = keras.Input((2, 4), name="weight")
+    pooled = keras.layers.GlobalAveragePooling1D()(
+        keras.layers.Embedding(10, 4)(ids))
+    score = keras.layers.Dense(1, name="score")(
+        keras.layers.Concatenate()([pooled, keras.layers.Flatten()(weight)]))
+    model = keras.Model({"ids": ids, "weight": weight},
+                        [score, keras.layers.Dense(3)(pooled)])
+    target = os.path.join(testutil.scratch_dir(), "saved_model")
+    with self.assertLogs(logging.get_absl_logger(), "INFO") as logs:
+      export.export_saved_model(model, target)
+    line = ("serving_default(ids: int64 [batch, 5], weight: float32 [batch, "
+            "2, 4]) -> output_0: float32 [batch, 1], output_1: float32 "
+            "[batch, 3]")
+    self.assertEqual(export.describe_signature(target), line)
+    self.assertIn(f"SavedModel written to {target}; its signature: {line}",
+                  "\n".join(logs.output))
+    self.assertEqual(export.signature(target)["inputs"],
+                     {"ids": "int64 [batch, 5]",
+                      "weight": "float32 [batch, 2, 4]"})
+    with self.assertRaisesRegex(KeyError, "no 'predict' serving signature"):
+      export.signature(target, "predict")
 
   def test_export_refuses_a_foreign_folder_and_keeps_the_new_model(self):
     root = testutil.scratch_dir()

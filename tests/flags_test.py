@@ -6,6 +6,11 @@ such flag reaches its field through `flags_to_config`.
 """
 
 import dataclasses
+import json
+import os
+import subprocess
+import sys
+import textwrap
 
 from absl import flags as absl_flags
 from absl.testing import absltest
@@ -15,6 +20,7 @@ from tfdist import config as config_lib
 from tfdist import flags as tfdist_flags
 from tfdist import train  # pylint: disable=unused-import
 from tfdist.flags import definitions
+from tests import testutil
 
 # Importing the binary defined every tfdist flag on absl's FLAGS.
 
@@ -67,6 +73,57 @@ class FlagsMatchConfigTest(absltest.TestCase):
     # Flags left unset: the config's own defaults.
     self.assertEqual(config.model, "cnn")
     self.assertIn("model", config.unset_fields)
+
+
+class FlagsReferenceTest(absltest.TestCase):
+  """docs/reference/flags.md's generated part (`tfdist.flags.reference`)."""
+
+  PAGE = os.path.join(testutil.REPO_ROOT, "docs", "reference", "flags.md")
+
+  def _check(self, pages: dict) -> dict:
+    """`reference.check` of each page text, in a child process (the
+    generator defines the flags; this process has them already)."""
+    script = textwrap.dedent("""
+        import json, sys
+        from tfdist.flags import reference
+        groups = reference.define_groups()
+        pages = json.load(sys.stdin)
+        print(json.dumps({
+            "names": [f.name for _, group in groups for f in group],
+            "checks": {k: reference.check(v, groups)
+                       for k, v in pages.items()}}))
+        """)
+    proc = subprocess.run(
+        [sys.executable, "-c", script], input=json.dumps(pages), text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=120,
+        cwd=testutil.REPO_ROOT,
+        env=dict(os.environ, PYTHONPATH=testutil.REPO_ROOT))
+    self.assertEqual(proc.returncode, 0, proc.stderr)
+    return json.loads(proc.stdout)
+
+  def test_every_flag_has_an_entry_and_the_page_is_up_to_date(self):
+    with open(self.PAGE, encoding="utf-8") as f:
+      page = f.read()
+    without_row = "\n".join(line for line in page.splitlines()
+                             if not line.startswith("| `--export_dir` |"))
+    edited = page.replace("Where the SavedModel goes.", "Where it goes.")
+    result = self._check({"page": page, "without_row": without_row + "\n",
+                          "edited": edited})
+    # The groups hold every flag the binary defines (TensorFlow's and
+    # absl's own apart), each once.
+    ours = [name for name, flag in FLAGS.flags_by_module_dict().items()
+            if name.endswith("definitions")]
+    self.assertLen(ours, 1)
+    defined = {f.name for f in FLAGS.flags_by_module_dict()[ours[0]]}
+    self.assertCountEqual(result["names"], defined)
+    self.assertEqual(result["checks"]["page"],
+                     {"missing": [], "stale": False},
+                     "docs/reference/flags.md is out of date: run python -m "
+                     "tfdist.flags.reference --write docs/reference/flags.md")
+    self.assertEqual(result["checks"]["without_row"],
+                     {"missing": ["export_dir"], "stale": True})
+    self.assertEqual(result["checks"]["edited"],
+                     {"missing": [], "stale": True})
 
 
 if __name__ == "__main__":

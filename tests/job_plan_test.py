@@ -23,12 +23,12 @@ class JobPlanTest(parameterized.TestCase):
     self.assertEqual(strategy, kind.value)  # Still equal to the flag value.
 
   @parameterized.named_parameters(
-      ("negative_workers", {"num_workers": -1}, r"--num_workers=-1 must be"),
+      ("negative_workers", {"num_workers": -1}, r"--worker_replicas=-1 must be"),
       ("ps_and_reduction", {"num_workers": 1, "num_ps": 1,
                             "reduction_server_replicas": 1,
                             "accelerator_type": "T4",
                             "accelerator_count": 1}, r"either"),
-      ("ps_without_workers", {"num_ps": 1}, r"needs --num_workers >= 1"),
+      ("ps_without_workers", {"num_ps": 1}, r"needs --worker_replicas >= 1"),
       ("accelerator_half", {"accelerator_type": "T4"}, r"given together"),
       ("positional", {"train_args": ("model_dir=x",)}, r"is not a flag"))
   def test_bad_plans(self, fields, pattern):

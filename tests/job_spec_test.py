@@ -8,6 +8,9 @@ would let through.
 
 import copy
 import json
+import os
+import subprocess
+import sys
 import types
 
 from absl import flags
@@ -32,6 +35,17 @@ def _options(**overrides):
   return types.SimpleNamespace(**values)
 
 
+def _run_binary(args) -> subprocess.CompletedProcess:
+  """`python -m tfdist.job_spec args`, stdout and stderr apart."""
+  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+  env["PYTHONPATH"] = testutil.REPO_ROOT + os.pathsep + env.get(
+      "PYTHONPATH", "")
+  return subprocess.run([sys.executable, "-m", "tfdist.job_spec", *args],
+                        cwd=testutil.REPO_ROOT, env=env, text=True,
+                        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                        timeout=120)
+
+
 def _vertex(train=_TRAIN, **overrides):
   return job_spec.build("vertex", _options(**overrides), list(train))
 
@@ -43,7 +57,7 @@ def _tfjob(train=_TRAIN, **overrides):
 class VertexTest(absltest.TestCase):
 
   def test_multi_worker_mirrored(self):
-    job = _vertex(num_workers=3, accelerator="NVIDIA_TESLA_T4:2")
+    job = _vertex(worker_replicas=3, accelerator="NVIDIA_TESLA_T4:2")
     pools = job["jobSpec"]["workerPoolSpecs"]
     self.assertLen(pools, 2)
     self.assertEqual([p["replicaCount"] for p in pools], [1, 3])
@@ -58,7 +72,7 @@ class VertexTest(absltest.TestCase):
       self.assertEqual(pool["machineSpec"]["acceleratorCount"], 2)
 
   def test_parameter_server_with_evaluator(self):
-    job = _vertex(num_workers=2, num_ps=2, evaluator=True,
+    job = _vertex(worker_replicas=2, num_ps=2, evaluator=True,
                   base_output_dir="gs://my-bucket/ps", train=(
                       "--dataset=movielens", "--train_steps=500",
                       "--train_files=gs://my-bucket/movielens/train-*",
@@ -75,7 +89,7 @@ class VertexTest(absltest.TestCase):
     self.assertEqual(configs[0][1].model, "ranking")
 
   def test_reduction_server(self):
-    job = _vertex(num_workers=2, reduction_server_replicas=4,
+    job = _vertex(worker_replicas=2, reduction_server_replicas=4,
                   accelerator="NVIDIA_L4:1")
     pools = job["jobSpec"]["workerPoolSpecs"]
     self.assertLen(pools, 3)
@@ -88,7 +102,7 @@ class VertexTest(absltest.TestCase):
     self.assertTrue(cluster_lib.reduction_server_in_job(job["jobSpec"]))
 
   def test_evaluator_beside_multi_worker_mirrored(self):
-    job = _vertex(num_workers=2, evaluator=True)
+    job = _vertex(worker_replicas=2, evaluator=True)
     pools = job["jobSpec"]["workerPoolSpecs"]
     self.assertEqual([p.get("replicaCount") for p in pools], [1, 2, None, 1])
     self.assertEqual(pools[2], {})
@@ -96,7 +110,7 @@ class VertexTest(absltest.TestCase):
     self.assertEqual([i for i, _ in configs], [0, 1, 3])
 
   def test_chief_workers_reduction_server_and_evaluator(self):
-    job = _vertex(num_workers=2, reduction_server_replicas=2, evaluator=True,
+    job = _vertex(worker_replicas=2, reduction_server_replicas=2, evaluator=True,
                   accelerator="NVIDIA_L4:1")
     pools = job["jobSpec"]["workerPoolSpecs"]
     self.assertEqual([p["replicaCount"] for p in pools], [1, 2, 2, 1])
@@ -108,24 +122,52 @@ class VertexTest(absltest.TestCase):
     self.assertTrue(all(c.reduction_server for _, c in configs))
 
   def test_spec_only_is_the_job_spec(self):
-    job = _vertex(num_workers=1)
-    self.assertEqual(_vertex(num_workers=1, spec_only=True), job["jobSpec"])
+    job = _vertex(worker_replicas=1)
+    self.assertEqual(_vertex(worker_replicas=1, spec_only=True), job["jobSpec"])
 
-  def test_binary_prints_the_spec(self):
-    proc = testutil.run_module(
-        "tfdist.job_spec",
-        ["vertex", "--num_workers=1", f"--package_uris={_PACKAGE}", "--",
-         *_TRAIN], timeout=120)
-    self.assertEqual(proc.returncode, 0, proc.stdout[-2000:])
+  def test_binary_prints_the_spec_and_the_machines(self):
+    proc = _run_binary(["vertex", "--worker_replicas=1",
+                        f"--package_uris={_PACKAGE}", "--", *_TRAIN])
+    self.assertEqual(proc.returncode, 0, proc.stderr[-2000:])
     job = json.loads(proc.stdout)
-    self.assertEqual(job, _vertex(num_workers=1))
+    self.assertEqual(job, _vertex(worker_replicas=1))
+    self.assertEqual(proc.stderr, "tfdist.job_spec: vertex job of 2 machines: "
+                     "1 chief, 1 worker; 2 of them train "
+                     "(multi_worker_mirrored)\n")
+
+  def test_num_workers_is_refused_naming_worker_replicas(self):
+    # tfdist.launch --num_workers=2 is two processes; here 2 meant three.
+    with self.assertRaisesRegex(
+        job_spec.JobSpecError,
+        r"--num_workers=2 is not a tfdist.job_spec flag: give "
+        r"--worker_replicas, the workers besides the chief .* "
+        r"--worker_replicas=1 makes 2 machines that train \(the chief and 1 "
+        r"worker\), as tfdist.launch --num_workers=2 does; "
+        r"--worker_replicas=2 makes 3\."):
+      _vertex(num_workers=2)
+    proc = _run_binary(["kubernetes", "--image=example.com/tfdist:0.1",
+                        "--num_workers=2", "--", *_TRAIN])
+    self.assertEqual(proc.returncode, 1)
+    self.assertEqual(proc.stdout, "")
+    self.assertIn("tfdist.job_spec: error: --num_workers=2 is not a "
+                  "tfdist.job_spec flag: give --worker_replicas", proc.stderr)
+
+  def test_the_plan_states_the_machine_count(self):
+    for plan, line in (
+        (job_spec.JobPlan(), "1 machine: 1 chief; 1 of them train "
+         "(one_device)"),
+        (job_spec.JobPlan(num_workers=2, num_ps=1, evaluator=True),
+         "5 machines: 1 chief, 2 workers, 1 parameter server, 1 evaluator; "
+         "2 of them train (parameter_server)")):
+      with self.subTest(line=line):
+        self.assertEqual(plan.describe(), line)
 
 
 class VertexFormsTest(absltest.TestCase):
   """The same job for each client: REST, the Python SDK, gcloud's config."""
 
   def _job(self, **overrides):
-    return _vertex(num_workers=2, reduction_server_replicas=2,
+    return _vertex(worker_replicas=2, reduction_server_replicas=2,
                    evaluator=True, accelerator="NVIDIA_L4:1",
                    base_output_dir="gs://my-bucket/out", **overrides)
 
@@ -187,7 +229,7 @@ class VertexRejectsTest(parameterized.TestCase):
   """What a toy validator would accept and google-cloud-aiplatform does not."""
 
   def _job(self):
-    return _vertex(num_workers=1, accelerator="NVIDIA_TESLA_T4:1")
+    return _vertex(worker_replicas=1, accelerator="NVIDIA_TESLA_T4:1")
 
   def _pool0(self, job):
     return job["jobSpec"]["workerPoolSpecs"][0]
@@ -230,7 +272,7 @@ class VertexRejectsTest(parameterized.TestCase):
 class KubernetesTest(absltest.TestCase):
 
   def test_multi_worker_mirrored(self):
-    job = _tfjob(num_workers=3, accelerator="NVIDIA_TESLA_T4:2")
+    job = _tfjob(worker_replicas=3, accelerator="NVIDIA_TESLA_T4:2")
     specs = job["spec"]["tfReplicaSpecs"]
     self.assertEqual(list(specs), ["Chief", "Worker"])
     self.assertEqual([s["replicas"] for s in specs.values()], [1, 3])
@@ -243,7 +285,7 @@ class KubernetesTest(absltest.TestCase):
       self.assertEqual(container["resources"]["limits"]["nvidia.com/gpu"], "2")
 
   def test_parameter_server_with_evaluator(self):
-    job = _tfjob(num_workers=2, num_ps=2, evaluator=True, name="ranking",
+    job = _tfjob(worker_replicas=2, num_ps=2, evaluator=True, name="ranking",
                  namespace="ml")
     specs = job["spec"]["tfReplicaSpecs"]
     self.assertEqual(list(specs), ["Chief", "Worker", "PS", "Evaluator"])
@@ -253,13 +295,11 @@ class KubernetesTest(absltest.TestCase):
     self.assertLen(configs, 4)
 
   def test_binary_prints_yaml(self):
-    proc = testutil.run_module(
-        "tfdist.job_spec",
-        ["kubernetes", "--image=example.com/tfdist:0.1", "--num_workers=1",
-         "--", *_TRAIN], timeout=120)
-    self.assertEqual(proc.returncode, 0, proc.stdout[-2000:])
+    proc = _run_binary(["kubernetes", "--image=example.com/tfdist:0.1",
+                        "--worker_replicas=1", "--", *_TRAIN])
+    self.assertEqual(proc.returncode, 0, proc.stderr[-2000:])
     import yaml  # pylint: disable=g-import-not-at-top
-    self.assertEqual(yaml.safe_load(proc.stdout), _tfjob(num_workers=1))
+    self.assertEqual(yaml.safe_load(proc.stdout), _tfjob(worker_replicas=1))
 
 
 _VALUES = """\
@@ -291,7 +331,7 @@ class TfJobPodsTest(absltest.TestCase):
     values = testutil.scratch_dir() + "/values.yaml"
     with open(values, "w") as f:
       f.write(_VALUES)
-    job = _tfjob(num_workers=2, num_ps=1, evaluator=True,
+    job = _tfjob(worker_replicas=2, num_ps=1, evaluator=True,
                  accelerator="NVIDIA_L4:1", values=values,
                  service_account="tfdist-trainer", cpu="4", memory="16Gi",
                  ps_cpu="2", ps_memory="8Gi",
@@ -337,7 +377,7 @@ class TfJobPodsTest(absltest.TestCase):
     )
     for overrides, pattern in cases:
       with self.assertRaisesRegex(job_spec.JobSpecError, pattern):
-        _tfjob(num_workers=1, **overrides)
+        _tfjob(worker_replicas=1, **overrides)
     for text, pattern in (
         ("restartPolicy: Always\n", "unknown key.*restartPolicy.*The "
          "restart policy is tfdist's"),
@@ -358,7 +398,7 @@ class TfJobPodsTest(absltest.TestCase):
       with open(values, "w") as f:
         f.write(text)
       with self.assertRaisesRegex(job_spec.JobSpecError, pattern):
-        _tfjob(num_workers=1, values=values)
+        _tfjob(worker_replicas=1, values=values)
 
 
 class TfJobRejectsTest(parameterized.TestCase):
@@ -392,7 +432,7 @@ class TfJobRejectsTest(parameterized.TestCase):
        "TFJob Chief: tfdist.train rejects its flags: .*--dtype=fp8"),
   )
   def test_rejects(self, change, pattern):
-    job = copy.deepcopy(_tfjob(num_workers=1))
+    job = copy.deepcopy(_tfjob(worker_replicas=1))
     change(job, self._container(job))
     with self.assertRaisesRegex(job_spec.JobSpecError, pattern):
       job_spec.validate_tfjob(job)
@@ -402,12 +442,12 @@ class PlanAndFlagsTest(parameterized.TestCase):
 
   @parameterized.named_parameters(
       ("ps_and_reduction_server",
-       dict(num_workers=1, num_ps=1, reduction_server_replicas=1),
+       dict(worker_replicas=1, num_ps=1, reduction_server_replicas=1),
        "either parameter servers or the Reduction Server"),
       ("reduction_server_on_cpus",
-       dict(num_workers=1, reduction_server_replicas=2),
+       dict(worker_replicas=1, reduction_server_replicas=2),
        "--reduction_server_replicas needs GPU workers"),
-      ("ps_without_workers", dict(num_ps=1), "needs --num_workers >= 1"),
+      ("ps_without_workers", dict(num_ps=1), "needs --worker_replicas >= 1"),
   )
   def test_bad_plans(self, overrides, pattern):
     with self.assertRaisesRegex(job_spec.JobSpecError, pattern):
@@ -436,7 +476,7 @@ class PlanAndFlagsTest(parameterized.TestCase):
     train = tuple(a for a in _TRAIN if not a.startswith("--model_dir"))
     self.assertLen(train, 3)
     with self.assertRaisesRegex(job_spec.JobSpecError, pattern):
-      _tfjob(num_workers=2, train=train + extra)
+      _tfjob(worker_replicas=2, train=train + extra)
 
   def test_every_train_flag_passes_through(self):
     # Any flag tfdist.train defines is accepted, with its own validators,

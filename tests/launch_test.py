@@ -9,6 +9,7 @@ import json
 import os
 import re
 import signal
+import sys
 import time
 
 from absl.testing import absltest
@@ -247,6 +248,60 @@ class FaultToleranceTest(absltest.TestCase):
     finite, step = _checkpoint_is_finite(model_dir)
     self.assertTrue(finite)
     self.assertEqual(step, interrupted)
+
+
+class FitScriptStopTest(absltest.TestCase):
+  """A `tfdist.fit` script (tests/fit_stop_testlib.py) stopped by a signal
+  ends as `tfdist.train` does: a checkpoint, one line, 128 + signal."""
+
+  def _check_stopped(self, status: int, output: str, signum: int,
+                     tasks) -> int:
+    """The step every task in `tasks` stopped at, after checking the
+    status, the one line each printed and that no traceback was printed."""
+    name = signal.Signals(signum).name
+    self.assertEqual(status, 128 + signum, output[-6000:])
+    self.assertNotIn("Traceback", output, output[-6000:])
+    steps = set()
+    for task in tasks:
+      lines = re.findall(
+          rf"^{re.escape(task)}fit_stop_testlib\.py: Stopped by {name} at "
+          r"step (\d+); checkpoint \S+\. Run the script again with the "
+          r"same model_dir in its TrainConfig \(model_dir='[^']+'\) to "
+          r"resume\.$", output, re.M)
+      self.assertLen(lines, 1, output[-6000:])
+      steps.add(int(lines[0]))
+    self.assertLen(steps, 1, output[-6000:])  # Every worker, one step.
+    return steps.pop()
+
+  def test_ctrl_c_under_the_launcher_then_alone_rerun_resumes(self):
+    model_dir = os.path.join(testutil.scratch_dir(), "run")
+    args = [model_dir, "100000"]
+    watch = testlib.LauncherWatch(
+        ["--num_workers=2", "--module=tests.fit_stop_testlib"], args,
+        timeout=TIMEOUT)
+    self.assertIsNotNone(
+        watch.wait_for(r"\[chief:0\] .*step 10/100000: loss", 150),
+        watch.output()[-4000:])
+    watch.proc.send_signal(signal.SIGINT)  # What Ctrl-C sends the launcher.
+    stopped = self._check_stopped(watch.wait(), watch.output(),
+                                  signal.SIGINT, ["[chief:0] ", "[worker:0] "])
+    finite, step = _checkpoint_is_finite(model_dir)
+    self.assertTrue(finite)
+    self.assertEqual(step, stopped)
+
+    # The same script alone resumes there; SIGTERM stops it with 143.
+    watch = testlib.LauncherWatch(
+        [], [], timeout=TIMEOUT,
+        command=[sys.executable, "-m", "tests.fit_stop_testlib", *args])
+    self.assertIsNotNone(
+        watch.wait_for(rf"resuming at step {stopped}\b", 150),
+        watch.output()[-4000:])
+    self.assertIsNotNone(watch.wait_for(r"step \d+/100000: loss", 150),
+                         watch.output()[-4000:])
+    watch.proc.send_signal(signal.SIGTERM)
+    again = self._check_stopped(watch.wait(), watch.output(), signal.SIGTERM,
+                                [""])
+    self.assertGreater(again, stopped)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ import shutil
 import tempfile
 
 from absl.testing import absltest
+import keras
 import numpy as np
 import tensorflow as tf
 
@@ -130,9 +131,31 @@ class ManifestTest(absltest.TestCase):
     self.assertEqual(
         manifest.final_metrics({"loss": 1.0, "auc": 0.7, "mae": 0.3},
                                {"loss": 2.0, "mae": 0.4}, ("mae",)),
-        {"eval_loss": 1.0, "eval_accuracy": None, "eval_auc": 0.7,
-         "eval_examples": None, "train_loss": 2.0, "train_accuracy": None,
-         "train_auc": None, "eval_mae": 0.3, "train_mae": 0.4})
+        {"eval_loss": 1.0, "eval_auc": 0.7, "eval_examples": None,
+         "train_loss": 2.0, "train_auc": None, "eval_mae": 0.3,
+         "train_mae": 0.4})
+
+  def test_final_metrics_omit_what_does_not_apply(self):
+    # A regression model without accuracy or AUC, and no evaluation.
+    self.assertEqual(
+        manifest.final_metrics({}, {"loss": 2.0, "mae": 0.4}, ("mae",)),
+        {"train_loss": 2.0, "train_mae": 0.4})
+    self.assertEqual(
+        manifest.final_metrics({"loss": 1.0, "num_examples": 8, "mae": 0.3},
+                               {"loss": 2.0, "mae": 0.4}, ("mae",)),
+        {"eval_loss": 1.0, "eval_examples": 8, "eval_mae": 0.3,
+         "train_loss": 2.0, "train_mae": 0.4})
+
+  def test_batch_norm_facts_only_for_a_model_with_batch_norm(self):
+    plain = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    nested = keras.Sequential([keras.Input((3,)), keras.Sequential(
+        [keras.layers.Dense(2), keras.layers.BatchNormalization()])])
+    self.assertFalse(manifest.has_batch_norm(plain))
+    self.assertTrue(manifest.has_batch_norm(nested))
+    self.assertIn("sync_batch_norm", self._build())
+    record = self._build(batch_norm=False)
+    self.assertNotIn("sync_batch_norm", record)
+    self.assertNotIn("sync_batch_norm_reason", record)
 
   def test_written_as_strict_json_and_read_back(self):
     path = manifest.write_manifest(

@@ -75,16 +75,20 @@ class LauncherWatch:
     task_args: arguments after `--`.
     timeout: seconds after which the launcher is stopped (and the test
       fails when it calls `wait`).
+    command: run this command line instead of the launcher (one process
+      alone, watched the same way); `launch_args` and `task_args` are then
+      unused.
   """
 
   def __init__(self, launch_args: List[str], task_args: List[str], *,
-               timeout: float, env=None):
+               timeout: float, env=None,
+               command: Optional[List[str]] = None):
     self.lines: List[str] = []
     self.timed_out = False
     self._cond = threading.Condition()
     self.proc = subprocess.Popen(
-        [sys.executable, "-m", "tfdist.launch", *launch_args, "--",
-         *task_args], cwd=REPO_ROOT, env=_env(env), stdout=subprocess.PIPE,
+        command or [sys.executable, "-m", "tfdist.launch", *launch_args, "--",
+                    *task_args], cwd=REPO_ROOT, env=_env(env), stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True,
         errors="replace")
     self._deadline = time.time() + timeout

@@ -91,6 +91,62 @@ class PreemptedErrorTest(absltest.TestCase):
     self.assertEqual(error.exit_code, 130)
     self.assertIn("--model_dir to resume", str(error))
 
+  def test_the_resume_sentence_can_be_the_callers(self):
+    error = preemption.PreemptedError(signum=signal.SIGTERM, step=2,
+                                      checkpoint="ckpt-2",
+                                      resume="Call fit again.")
+    self.assertEqual(str(error), "Stopped by SIGTERM at step 2; checkpoint "
+                     "ckpt-2. Call fit again.")
+
+
+class StopHookTest(absltest.TestCase):
+  """`tfdist.runtime.script_exit`'s hook in a real child script."""
+
+  def _run(self, raised: str, install: str = "script_exit.install_stop_hook()"):
+    script = textwrap.dedent(f"""
+        import atexit, signal
+        from tfdist import errors
+        from tfdist.runtime import script_exit
+        atexit.register(print, "atexit ran")
+        print("installed", {install})
+        raise {raised}
+        """)
+    return subprocess.run(
+        [sys.executable, "-c", script], cwd=testutil.REPO_ROOT,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        timeout=60, env=dict(os.environ, PYTHONPATH=testutil.REPO_ROOT))
+
+  def test_an_uncaught_stop_prints_one_line_and_exits_128_plus_signal(self):
+    for signum in (signal.SIGINT, signal.SIGTERM):
+      proc = self._run(f"errors.PreemptedError(signum={int(signum)}, step=7, "
+                       "checkpoint='ckpt-7', resume='Run it again.')")
+      self.assertEqual(proc.returncode, 128 + signum, proc.stderr)
+      self.assertEqual(proc.stderr,
+                       f"-c: Stopped by {signum.name} at step 7; checkpoint "
+                       "ckpt-7. Run it again.\n")
+      self.assertEqual(proc.stdout, "installed True\n")  # No teardown.
+
+  def test_a_stop_at_start_exits_with_its_status(self):
+    proc = self._run("errors.StoppedAtStartError('Stopped while waiting.', "
+                     "signal.SIGTERM)")
+    self.assertEqual(proc.returncode, 143, proc.stderr)
+    self.assertEqual(proc.stderr, "-c: Stopped while waiting.\n")
+
+  def test_other_errors_go_to_the_previous_hook(self):
+    proc = self._run("ValueError('a bug')")
+    self.assertEqual(proc.returncode, 1)
+    self.assertIn("Traceback", proc.stderr)
+    self.assertIn("ValueError: a bug", proc.stderr)
+    self.assertIn("atexit ran", proc.stdout)
+
+  def test_off_the_main_thread_no_hook_is_installed(self):
+    proc = self._run(
+        "errors.PreemptedError(signum=2, step=1, checkpoint=None)",
+        install="(lambda t: (t.start(), t.join()))(__import__('threading')."
+        "Thread(target=script_exit.install_stop_hook))")
+    self.assertEqual(proc.returncode, 1)
+    self.assertIn("Traceback", proc.stderr)
+
 
 if __name__ == "__main__":
   absltest.main()

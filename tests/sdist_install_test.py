@@ -42,7 +42,7 @@ def _NOT_SOURCES(folder, names):  # pylint: disable=invalid-name
 TIMEOUT = 600
 # Each binary's console script and a flag its --helpshort must list.
 KEY_FLAG = {"train": "--train_files", "launch": "--num_workers",
-            "diagnose": "--num_workers", "job_spec": "--num_workers",
+            "diagnose": "--num_workers", "job_spec": "--worker_replicas",
             "ray": "--num_workers"}
 
 

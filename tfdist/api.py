@@ -50,9 +50,12 @@ from tfdist.config import ConfigError
 from tfdist.config import TrainConfig
 from tfdist.data import input_pipeline
 from tfdist.data.dataset_spec import DatasetSpec
-from tfdist.training import run_options
+from tfdist.errors import PreemptedError
+from tfdist.errors import StoppedAtStartError
+from tfdist.runtime import script_exit
 from tfdist.training import keras_callbacks
 from tfdist.training import registry
+from tfdist.training import run_options
 from tfdist.training import task as task_lib
 
 
@@ -289,6 +292,7 @@ def make_task(model_fn: Union[Callable, str],
 def fit(model_fn: Union[Callable, str],
         dataset_fn: Union[Callable, DatasetSpec, str, None] = None, *,
         config: TrainConfig, x: Any = None, y: Any = None,
+        epochs: Optional[int] = None, batch_size: Optional[int] = None,
         sample_weight: Any = None, validation_data: Any = None,
         validation_split: float = 0.0, parse_fn: Optional[Callable] = None,
         loss: Any = None, metrics: Optional[Sequence[Any]] = None,
@@ -319,6 +323,12 @@ def fit(model_fn: Union[Callable, str],
       input pipeline `i mod n`), every example once an epoch. Without
       validation data (and `config.mode` "train_and_eval") the run only
       trains, as `fit` evaluates nothing then.
+    epochs: passes over the training examples, as `keras.Model.fit`'s
+      `epochs` (int >= 1): sets `config.train_epochs`. None: the config's.
+    batch_size: the global batch in examples (int >= 1; split over every
+      replica of every worker, as Keras's `batch_size` is under a
+      distribution strategy): sets `config.batch_size`, also for a dataset
+      function (tfdist batches its unbatched examples). None: the config's.
     validation_data: the evaluation split: a tuple `(x_val, y_val)` or
       `(x_val, y_val, val_sample_weight)` of arrays, or a dataset function
       (called with `training=False`); overrides `validation_split` and, with
@@ -358,16 +368,28 @@ def fit(model_fn: Union[Callable, str],
   Raises:
     ConfigError: bad arguments or configuration, found before the model is
       built or trained (e.g. a `verbose` other than "auto", 0, 1 or 2,
+      `epochs` with `config.train_steps` or another `config.train_epochs`,
+      `batch_size` with another `config.batch_size` or with
+      `config.per_replica_batch_size`,
       arrays of different lengths, a
       `validation_split` outside (0, 1) or with a dataset function, no loss
       anywhere, a model that cannot take the features).
-    tfdist.runtime.preemption.PreemptedError: SIGTERM or SIGINT stopped training
-      after a checkpoint (call again to resume).
+    tfdist.errors.PreemptedError: SIGTERM or SIGINT stopped training after
+      every worker saved a checkpoint (call again with the same
+      `config.model_dir` to resume). Uncaught, it ends the script as
+      `tfdist.train` ends: its message as one line on stderr, no
+      traceback, exit status 130 (SIGINT) or 143 (SIGTERM), through the
+      `sys.excepthook` that `fit` installs then
+      (`tfdist.runtime.script_exit`).
+    tfdist.errors.StoppedAtStartError: SIGTERM or SIGINT arrived while this
+      task waited for its cluster's peers (nothing trained); uncaught, it
+      ends the script the same way.
   """
   if (isinstance(verbose, float) or verbose is None
       or verbose not in ("auto", 0, 1, 2)):
     raise ConfigError(f"tfdist.fit(verbose={verbose!r}): use \"auto\", 1 or "
                       "2 (tfdist's log lines) or 0 (logging as it is).")
+  config = with_keras_length(config, epochs=epochs, batch_size=batch_size)
   arrays = x is not None or y is not None or sample_weight is not None
   if arrays or validation_data is not None or validation_split:
     dataset_fn, config = _in_memory_source(
@@ -383,13 +405,81 @@ def fit(model_fn: Union[Callable, str],
   task = make_task(model_fn, dataset_fn, config=config, parse_fn=parse_fn,
                    loss=loss, metrics=metrics)
   history = keras.callbacks.History()
-  with _info_lines(verbose != 0):
-    result = experiment.run_experiment(_named_config(config, task),
-                                       callbacks=[*keras_callbacks.flatten(
-                                           callbacks), history],
-                                       environment=environment, task=task,
-                                       print_final_eval=verbose != 0)
+  try:
+    with _info_lines(verbose != 0):
+      result = experiment.run_experiment(_named_config(config, task),
+                                         callbacks=[*keras_callbacks.flatten(
+                                             callbacks), history],
+                                         environment=environment, task=task,
+                                         print_final_eval=verbose != 0)
+  except PreemptedError as e:
+    raise _stopped_in_fit(e, config) from None
+  except StoppedAtStartError:
+    script_exit.install_stop_hook()  # Nothing trained: one line, 128 + sig.
+    raise
   return _with_history(result, history)
+
+
+def _stopped_in_fit(error: PreemptedError,
+                    config: TrainConfig) -> PreemptedError:
+  """`error` saying how to resume in a script's terms, with the hook that
+  ends an uncaught one as `tfdist.train` ends (`script_exit`) installed."""
+  script_exit.install_stop_hook()
+  return PreemptedError(
+      signum=error.signum, step=error.step, checkpoint=error.checkpoint,
+      resume=("Run the script again with the same model_dir in its "
+              f"TrainConfig (model_dir={config.model_dir!r}) to resume."))
+
+
+def _positive_int(name: str, value) -> int:
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or (
+      value < 1):
+    raise ConfigError(f"tfdist.fit({name}={value!r}): {name} must be an "
+                      "integer >= 1, as keras.Model.fit takes it.")
+  return int(value)
+
+
+def with_keras_length(config: TrainConfig, *, epochs: Optional[int] = None,
+                      batch_size: Optional[int] = None) -> TrainConfig:
+  """`config` with `keras.Model.fit`'s `epochs` and `batch_size` (`fit`'s
+  args) as its `train_epochs` and `batch_size`.
+
+  Raises:
+    ConfigError: a value that is not an integer >= 1, or one the config
+      sets otherwise: `epochs` with `train_steps` > 0 (steps decide the
+      length then) or another `train_epochs`; `batch_size` with another
+      `batch_size` or with `per_replica_batch_size`.
+  """
+  changes = {}
+  if epochs is not None:
+    epochs = _positive_int("epochs", epochs)
+    if config.train_steps:
+      raise ConfigError(
+          f"tfdist.fit(epochs={epochs}) and TrainConfig(train_steps="
+          f"{config.train_steps}) both set how long to train: drop one "
+          "(train_steps=0 lets epochs decide).")
+    default = TrainConfig.__dataclass_fields__["train_epochs"].default
+    if config.train_epochs not in (default, epochs):
+      raise ConfigError(
+          f"tfdist.fit(epochs={epochs}) and TrainConfig(train_epochs="
+          f"{config.train_epochs}) disagree: set the number of epochs in one "
+          "place.")
+    changes["train_epochs"] = epochs
+  if batch_size is not None:
+    batch_size = _positive_int("batch_size", batch_size)
+    if config.per_replica_batch_size is not None:
+      raise ConfigError(
+          f"tfdist.fit(batch_size={batch_size}) is the global batch, and "
+          "TrainConfig(per_replica_batch_size="
+          f"{config.per_replica_batch_size}) sets it per replica: give one.")
+    if ("batch_size" not in config.unset_fields and
+        config.batch_size not in (None, batch_size)):
+      raise ConfigError(
+          f"tfdist.fit(batch_size={batch_size}) and TrainConfig(batch_size="
+          f"{config.batch_size}) disagree: set the global batch in one "
+          "place.")
+    changes["batch_size"] = batch_size
+  return config.replace(**changes) if changes else config
 
 
 _TFDIST_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep

@@ -18,6 +18,10 @@ follow the TFJob split:
 | 200 | a peer worker or a ps task was lost (MultiWorkerMirrored, parameter servers) | retryable |
 | 201 | `--model_dir` is held by another run's live lease | retryable |
 
+A `tfdist.fit` script that does not catch a stop (`PreemptedError`,
+`StoppedAtStartError`) exits 130 or 143 in the same way, with one line
+(`tfdist.runtime.script_exit`).
+
 `exit_code_for` maps an exception raised by `run_experiment` to its status.
 The classes are defined here, one home for all of them; the modules that
 raise them also export them under their old names (`tfdist.config.
@@ -157,16 +161,23 @@ class PreemptedError(Exception):
     step: the step at which every worker stopped and saved.
     checkpoint: the checkpoint path this process wrote (None if unknown).
     exit_code: 128 + signum, the shell's convention for "ended by signal".
+    resume: how to resume, in the caller's terms (the message's last
+      sentence): the binary's flag by default; `tfdist.fit` names the
+      `TrainConfig`'s `model_dir`.
   """
 
-  def __init__(self, *, signum: int, step: int, checkpoint: Optional[str]):
+  RESUME_WITH_FLAGS = "Run again with the same --model_dir to resume."
+
+  def __init__(self, *, signum: int, step: int, checkpoint: Optional[str],
+               resume: str = RESUME_WITH_FLAGS):
     self.signum = signum
     self.step = step
     self.checkpoint = checkpoint
     self.exit_code = 128 + signum
+    self.resume = resume
     super().__init__(
         f"Stopped by {signal.Signals(signum).name} at step {step}; checkpoint "
-        f"{checkpoint}. Run again with the same --model_dir to resume.")
+        f"{checkpoint}. {resume}")
 
 
 class StoppedAtStartError(RuntimeError):

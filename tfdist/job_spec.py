@@ -1,19 +1,21 @@
 """Validated job specs: a Vertex AI CustomJob or a Kubeflow TFJob for tfdist.
 
 Usage:
-  python -m tfdist.job_spec vertex --num_workers=N [--num_ps=M] [--evaluator]
+  python -m tfdist.job_spec vertex --worker_replicas=N [--num_ps=M] [--evaluator]
       [--reduction_server_replicas=R] [--machine_type=TYPE]
       [--accelerator=TYPE[:COUNT]] --package_uris=gs://.../tfdist-X.tar.gz
       [--base_output_dir=gs://...] [--form=rest|sdk|gcloud]
       -- <tfdist.train flags>
-  python -m tfdist.job_spec kubernetes --image=IMAGE --num_workers=N
+  python -m tfdist.job_spec kubernetes --image=IMAGE --worker_replicas=N
       [--num_ps=M] [--evaluator] [--accelerator=TYPE[:COUNT]]
       [--cpu=4 --memory=16Gi] [--service_account=SA] [--env=NAME=VALUE]
       [--node_selector=KEY=VALUE] [--values=values.yaml]
       -- <tfdist.train flags>
 
 The spec is printed (JSON for Vertex, YAML for Kubernetes); nothing is sent
-anywhere. The job has one chief, `--num_workers` workers, either
+anywhere; a line on stderr states the machines it asks for. The job has
+one chief, `--worker_replicas` workers (`--num_workers` is refused: in
+`tfdist.launch` it counts the chief too), either
 `--num_ps` parameter servers or, on Vertex, `--reduction_server_replicas`
 Reduction Server replicas, and with `--evaluator` tfdist's side-car
 evaluator (under every strategy: it evaluates each checkpoint the chief
@@ -83,7 +85,7 @@ builders and validators `tfdist.cloud.vertex_spec`'s and
 
 import json
 import sys
-from typing import Sequence
+from typing import Optional, Sequence
 
 from absl import app
 from absl import flags
@@ -123,8 +125,13 @@ PLATFORMS = ("vertex", "kubernetes")
 
 # --- the binary --------------------------------------------------------------
 _FLAGS = flags.FlagValues()
-flags.DEFINE_integer("num_workers", 0, "Worker replicas besides the chief "
-                     "(Vertex pool 1, TFJob Worker).", flag_values=_FLAGS)
+flags.DEFINE_integer("worker_replicas", 0, "Worker replicas besides the "
+                     "chief (Vertex pool 1, TFJob Worker): the job has "
+                     "1 + N machines that train (N under parameter servers, "
+                     "where the chief coordinates).", flag_values=_FLAGS)
+flags.DEFINE_integer("num_workers", None, "Refused: use --worker_replicas "
+                     "(tfdist.launch's --num_workers counts every training "
+                     "process, the chief included).", flag_values=_FLAGS)
 flags.DEFINE_integer("num_ps", 0, "Parameter-server replicas (Vertex pool 2, "
                      "TFJob PS).", flag_values=_FLAGS)
 flags.DEFINE_bool("evaluator", False, "One evaluator replica (Vertex pool 3, "
@@ -213,14 +220,37 @@ flags.DEFINE_enum("format", None, ["json", "yaml"], "Output format. Default: "
                   "kubernetes.", flag_values=_FLAGS)
 
 
-def build(platform: str, options, train_args: Sequence[str]) -> dict:
-  """Builds and validates the spec for `platform` from parsed `options`.
+def refuse_num_workers(value: Optional[int]) -> None:
+  """`--num_workers` is refused here: it named the workers besides the
+  chief, while `tfdist.launch --num_workers` counts every process that
+  trains (2 gave three machines here, two there).
 
   Raises:
-    JobSpecError: invalid options, spec or train flags.
+    JobSpecError: `value` is not None; names `--worker_replicas` and what
+      the job would hold.
   """
+  if value is None:
+    return
+  workers = max(value - 1, 0)
+  need(False,
+       f"--num_workers={value} is not a tfdist.job_spec flag: give "
+       f"--worker_replicas, the workers besides the chief (Vertex pool 1, "
+       f"TFJob Worker). --worker_replicas={workers} makes {workers + 1} "
+       f"machine{'s' if workers else ''} that train (the chief and "
+       f"{workers} worker{'' if workers == 1 else 's'}), as tfdist.launch "
+       f"--num_workers={workers + 1} does; --worker_replicas={value} makes "
+       f"{value + 1}.")
+
+
+def job_plan(options, train_args: Sequence[str] = ()) -> JobPlan:
+  """The `JobPlan` of the parsed `options` (the binary's flags).
+
+  Raises:
+    JobSpecError: invalid options (`--num_workers` among them).
+  """
+  refuse_num_workers(getattr(options, "num_workers", None))
   kind, count = parse_accelerator(options.accelerator)
-  plan = JobPlan(num_workers=options.num_workers, num_ps=options.num_ps,
+  return JobPlan(num_workers=options.worker_replicas, num_ps=options.num_ps,
                  evaluator=options.evaluator,
                  reduction_server_replicas=options.reduction_server_replicas,
                  machine_type=options.machine_type,
@@ -229,6 +259,15 @@ def build(platform: str, options, train_args: Sequence[str]) -> dict:
                  reduction_server_machine_type=(
                      options.reduction_server_machine_type),
                  train_args=tuple(train_args))
+
+
+def build(platform: str, options, train_args: Sequence[str]) -> dict:
+  """Builds and validates the spec for `platform` from parsed `options`.
+
+  Raises:
+    JobSpecError: invalid options, spec or train flags.
+  """
+  plan = job_plan(options, train_args)
   if platform == "vertex":
     need(options.package_uris or options.container_image_uri,
           "--package_uris is required for vertex: the gs:// URI of tfdist's "
@@ -301,6 +340,8 @@ def main(argv):
   except ImportError as e:
     sys.exit(f"tfdist.job_spec: error: validating a {platform} spec needs "
              f"{e.name}: pip install 'tfdist[jobspec]'.")
+  print(f"tfdist.job_spec: {platform} job of {job_plan(_FLAGS).describe()}",
+        file=sys.stderr, flush=True)
   fmt = _FLAGS.format or ("json" if platform == "vertex" and
                           _FLAGS.form != "gcloud" else "yaml")
   sys.stdout.write(render(job, fmt))

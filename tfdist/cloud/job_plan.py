@@ -33,7 +33,7 @@ class JobPlan:
 
   Attributes:
     num_workers: worker replicas besides the chief (Vertex pool 1, TFJob
-      `Worker`).
+      `Worker`; `tfdist.job_spec --worker_replicas`).
     num_ps: parameter-server replicas (pool 2, `PS`).
     evaluator: one evaluator replica (pool 3, `Evaluator`): tfdist's
       side-car evaluator (`--mode=continuous_eval` by itself), which
@@ -61,8 +61,8 @@ class JobPlan:
 
   def __post_init__(self):
     need(self.num_workers >= 0,
-         f"--num_workers={self.num_workers} must be >= 0 (workers besides "
-         "the chief).")
+         f"--worker_replicas={self.num_workers} must be >= 0 (workers "
+         "besides the chief).")
     need(self.num_ps >= 0, f"--num_ps={self.num_ps} must be >= 0.")
     need(self.reduction_server_replicas >= 0,
          f"--reduction_server_replicas={self.reduction_server_replicas} must "
@@ -72,10 +72,10 @@ class JobPlan:
          f"{self.reduction_server_replicas}: worker pool 2 holds either "
          "parameter servers or the Reduction Server. Give one.")
     need(not self.num_ps or self.num_workers >= 1,
-         f"--num_ps={self.num_ps} needs --num_workers >= 1: under "
+         f"--num_ps={self.num_ps} needs --worker_replicas >= 1: under "
          "parameter_server the chief only coordinates; workers train.")
     need(not self.reduction_server_replicas or self.num_workers >= 1,
-         "--reduction_server_replicas needs --num_workers >= 1: the "
+         "--reduction_server_replicas needs --worker_replicas >= 1: the "
          "Reduction Server all-reduces between workers.")
     need(not self.reduction_server_replicas or self.accelerator_count > 0,
          "--reduction_server_replicas needs GPU workers (it serves NCCL "
@@ -92,6 +92,20 @@ class JobPlan:
       need(arg.startswith("-"),
            f"train flag {arg!r} is not a flag: everything after `--` goes to "
            "tfdist.train as --name=value.")
+
+  def describe(self) -> str:
+    """The machines the job asks for, in one line: `5 machines: 1 chief,
+    2 workers, 1 parameter server, 1 evaluator; 2 of them train
+    (parameter_server)`."""
+    parts = [("chief", 1), ("worker", self.num_workers),
+             ("parameter server", self.num_ps),
+             ("Reduction Server replica", self.reduction_server_replicas),
+             ("evaluator", int(self.evaluator))]
+    total = sum(n for _, n in parts)
+    training = self.num_workers + (0 if self.num_ps else 1)
+    return (f"{total} machine{'s' if total != 1 else ''}: " + ", ".join(
+        f"{n} {name}{'s' if n != 1 else ''}" for name, n in parts if n)
+            + f"; {training} of them train ({self.strategy.value})")
 
   @property
   def strategy(self) -> StrategyKind:

@@ -603,7 +603,8 @@ class ExperimentRunner:
             objectives=self.parts.objectives,
             model_name=self.task.model_name,
             model_memory=self.model_memory.to_dict(),
-            strategy_details=self.strategy_details),
+            strategy_details=self.strategy_details,
+            batch_norm=manifest_lib.has_batch_norm(self.parts.model)),
         where=manifest_lib.WhereItRan(
             cluster=self.cluster, choice=self.choice,
             num_workers=self.num_workers, is_chief=self.is_writer,

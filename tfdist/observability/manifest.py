@@ -102,6 +102,8 @@ class WhatRan:
     strategy_details: a dict of strategy-specific facts (parameter-server
       placement, ...), written under the strategy's name (e.g.
       `manifest["parameter_server"]`); None: empty.
+    batch_norm: the model has batch normalization (`has_batch_norm`); False
+      leaves `sync_batch_norm` and its reason out of the manifest.
   """
   decision: Any
   plan: Any
@@ -114,6 +116,16 @@ class WhatRan:
   model_name: Optional[str] = None
   model_memory: Optional[dict] = None
   strategy_details: Optional[dict] = None
+  batch_norm: bool = True
+
+
+def has_batch_norm(model) -> bool:
+  """Whether `model` (a `keras.Model`) holds a batch-normalization layer at
+  any depth: the manifest's `sync_batch_norm` facts apply only then."""
+  layers = (model._flatten_layers(include_self=False, recursive=True)  # pylint: disable=protected-access
+            if hasattr(model, "_flatten_layers") else model.layers)
+  return any(isinstance(layer, keras.layers.BatchNormalization)
+             for layer in layers)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -313,8 +325,9 @@ def _model_section(options: ManifestOptions, ran: WhatRan) -> dict:
   return {
       "dtype_policy": ran.dtype_policy,
       "loss_scale": ran.loss_scale,
-      "sync_batch_norm": ran.plan.sync_batch_norm,
-      "sync_batch_norm_reason": ran.plan.sync_batch_norm_reason,
+      **({"sync_batch_norm": ran.plan.sync_batch_norm,
+          "sync_batch_norm_reason": ran.plan.sync_batch_norm_reason}
+         if ran.batch_norm else {}),
       "model": ran.model_name or options.model,
       "objectives": ({"loss": objectives.loss.name,
                       "metrics": list(_metric_names(objectives)),
@@ -366,20 +379,21 @@ def final_metrics(final_eval: dict, last_train: dict,
       `train_m`.
 
   Returns:
-    `eval_loss`, `eval_accuracy`, `eval_auc`, `eval_examples`,
-    `train_loss`, `train_accuracy`, `train_auc` and the metrics' keys; a
-    value missing from its record is None.
+    Only what applies to the run: `train_loss`; `eval_loss` and
+    `eval_examples` when an evaluation ran; `train_m` and (with an
+    evaluation) `eval_m` for each metric `m` of `metric_names` and for
+    `accuracy` and `auc` where their record holds them (a value missing
+    from its record is None). A model without AUC has no `eval_auc`.
   """
-  out = {
-      "eval_loss": final_eval.get("loss"),
-      "eval_accuracy": final_eval.get("accuracy"),
-      "eval_auc": final_eval.get("auc"),
-      "eval_examples": final_eval.get("num_examples"),
-      "train_loss": last_train.get("loss"),
-      "train_accuracy": last_train.get("accuracy"),
-      "train_auc": last_train.get("auc"),
-  }
-  for name in metric_names:
-    out[f"eval_{name}"] = final_eval.get(name)
+  names = [*metric_names, *(m for m in ("accuracy", "auc")
+                            if m not in metric_names and
+                            (m in final_eval or m in last_train))]
+  out = {"train_loss": last_train.get("loss")}
+  if final_eval:
+    out.update(eval_loss=final_eval.get("loss"),
+               eval_examples=final_eval.get("num_examples"))
+  for name in names:
+    if final_eval:
+      out[f"eval_{name}"] = final_eval.get(name)
     out[f"train_{name}"] = last_train.get(name)
   return out

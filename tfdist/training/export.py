@@ -12,7 +12,14 @@ serving example that `tests/cluster_faults_test.py` runs):
 * `ranking` (`movielens`): keywords `user_id`, `item_id`, `gender`,
   `occupation`, `zip3` (string [batch, 1]) and `dense` (float32
   [batch, 21]), as `tfdist.data.movielens.parse_example` makes them; output
-  `output_0`, float32 probability [batch, 1].
+  `output_0`, float32 probability [batch, 1];
+* `transformer` (`clothing_reviews`): keyword `tokens`, int64 [batch, 128],
+  word ids of the conversion's `vocabulary.txt` (0 pads), as
+  `tfdist.data.clothing_reviews` tokenizes; output `output_0`, float32
+  probability [batch, 1].
+
+Any model's signature (its `keras.Input` names, dtypes and shapes, and its
+outputs) is logged at export (`describe_signature`).
 
 The export folder holds the SavedModel only (`saved_model.pb` at its top,
 as Vertex AI and TF Serving load it) and `tfdist_export.json`, the mark that
@@ -255,6 +262,61 @@ def export_saved_model(model: keras.Model, export_dir: str, *,
   _move_folder(tmp, export_dir)
   if old is not None:
     tf.io.gfile.rmtree(old)  # The previous tfdist export, checked above.
-  logging.info("SavedModel written to %s", export_dir)
+  logging.info("SavedModel written to %s; its signature: %s", export_dir,
+               describe_signature(export_dir))
   return export_dir
+
+
+SERVING_SIGNATURE = "serving_default"
+
+
+def _tensor_text(info) -> str:
+  """`float32 [batch, 28, 28, 1]` for a `TensorInfo` proto."""
+  dtype = tf.dtypes.as_dtype(info.dtype).name
+  if info.tensor_shape.unknown_rank:
+    return f"{dtype} [unknown rank]"
+  dims = ["batch" if i == 0 and d.size < 0 else ("?" if d.size < 0
+                                                 else str(d.size))
+          for i, d in enumerate(info.tensor_shape.dim)]
+  return f"{dtype} [{', '.join(dims)}]"
+
+
+def signature(export_dir: str, name: str = SERVING_SIGNATURE) -> dict:
+  """The inputs and outputs of a SavedModel's signature, read from its
+  `saved_model.pb` (no variables are loaded).
+
+  Args:
+    export_dir: the SavedModel folder (local or `gs://`).
+    name: the signature.
+
+  Returns:
+    `{"inputs": {keyword: "dtype [shape]"}, "outputs": {key: "dtype
+    [shape]"}}`, each sorted by name; a dimension of unknown size is `?`
+    (`batch` when it is the first).
+
+  Raises:
+    KeyError: the SavedModel has no serving graph or no signature `name`.
+  """
+  from tensorflow.core.protobuf import saved_model_pb2  # pylint: disable=g-import-not-at-top
+  saved = saved_model_pb2.SavedModel()
+  with tf.io.gfile.GFile(os.path.join(export_dir, SAVED_MODEL_FILE),
+                         "rb") as f:
+    saved.ParseFromString(f.read())
+  graphs = [g for g in saved.meta_graphs
+            if tf.saved_model.SERVING in g.meta_info_def.tags]
+  if not graphs or name not in graphs[0].signature_def:
+    raise KeyError(f"{export_dir} has no {name!r} serving signature.")
+  sig = graphs[0].signature_def[name]
+  return {"inputs": {k: _tensor_text(v) for k, v in sorted(sig.inputs.items())},
+          "outputs": {k: _tensor_text(v)
+                      for k, v in sorted(sig.outputs.items())}}
+
+
+def describe_signature(export_dir: str,
+                       name: str = SERVING_SIGNATURE) -> str:
+  """`serving_default(image: float32 [batch, 28, 28, 1]) -> output_0:
+  float32 [batch, 10]`: `signature` in one line (see it)."""
+  sig = signature(export_dir, name)
+  join = lambda part: ", ".join(f"{k}: {v}" for k, v in sig[part].items())
+  return f"{name}({join('inputs')}) -> {join('outputs')}"
 
