@@ -620,6 +620,7 @@ class ExperimentRunner:
         return self.dry_run()
       if self.lease is not None:
         self.lease.acquire()
+        export.remove_stale_exports(self.config.resolved_export_dir)
       with self._named_failures():
         record = self.train()
       if self.is_writer:
@@ -1040,9 +1041,10 @@ class ExperimentRunner:
           self.keeper.latest).expect_partial()
     return export.export_saved_model(
         model, self.out_dir(self.config.resolved_export_dir, "saved_model"),
-        source=self._export_source(),
+        source=self._export_source() if self.is_writer else "TMPDIR",
         details={"step": self.controller.step,
-                 "model": self.task.model_name})
+                 "model": self.task.model_name},
+        last_checkpoint=self.keeper.latest)
 
   def _artifacts(self) -> dict:
     config = self.config

@@ -214,7 +214,8 @@ def probe_writable(folder: str, *, flag: str, value: str):
   """Creates `folder`, writes and deletes a probe file in it.
 
   Folders the probe had to create are removed again (the run creates them
-  when it writes there), so a run stopped at start leaves nothing behind.
+  when it writes there), and the probe file also when its write failed (a
+  full disk), so a run stopped at start leaves nothing behind.
 
   Args:
     folder: the folder to probe (local or `gs://`).
@@ -241,6 +242,12 @@ def probe_writable(folder: str, *, flag: str, value: str):
       error = e
     except (tf.errors.OpError, OSError) as e:
       error = e
+    # A write that failed (a full disk) may have left the file, empty.
+    try:
+      if tf.io.gfile.exists(probe):
+        tf.io.gfile.remove(probe)
+    except (tf.errors.OpError, OSError):
+      pass
     where = "" if folder == value else f" ({folder})"
     raise OutputNotWritableError(
         f"{flag}={value} is not writable{where}: {_reason(folder, error)}. "
