@@ -21,6 +21,7 @@ from tests import testutil
 from tfdist import api
 from tfdist.config import ConfigError
 from tfdist.config import TrainConfig
+from tfdist.data import input_pipeline
 
 
 def _context(pipelines: int = 1, pipeline: int = 0):
@@ -75,6 +76,15 @@ class InMemoryDatasetTest(absltest.TestCase):
     self.assertEqual(
         list(input_fn(True, _context(2, 0)).as_numpy_iterator()), [0, 2, 4])
     self.assertLen(_rows(input_fn(False, _context())), 3)
+    # Sharded as tfdist shards it: its epochs align to steps (a resumed run
+    # continues its epoch). One that shards itself is left alone.
+    self.assertTrue(getattr(input_fn, input_pipeline.SHARDS_BY_EXAMPLE,
+                            False))
+    input_fn, _ = api.in_memory_dataset(
+        dataset_fn=lambda training, input_context: tf.data.Dataset.range(6),
+        validation_data=(self.x[:3], self.y[:3]))
+    self.assertFalse(getattr(input_fn, input_pipeline.SHARDS_BY_EXAMPLE,
+                             False))
 
   def test_the_checks(self):
     for kwargs, message in (

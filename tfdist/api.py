@@ -182,10 +182,11 @@ def in_memory_dataset(*, x=None, y=None, sample_weight=None,
     # (as Model.evaluate(x, y) would).
     return _from_arrays(train, input_context)
 
-  if train is not None or not input_pipeline.takes_input_context(
-      dataset_fn):
+  if train is not None or (dataset_fn is not None and
+                           not input_pipeline.takes_input_context(dataset_fn)):
     # Its training split's shares are tfdist's (example i to pipeline i mod
-    # n), so the pipeline can align its epochs to steps.
+    # n: the arrays, or a function that does not shard itself), so the
+    # pipeline can align its epochs to steps.
     setattr(input_fn, input_pipeline.SHARDS_BY_EXAMPLE, True)
   return input_fn, validation is not None or validation_data is not None
 
