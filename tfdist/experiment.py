@@ -656,9 +656,12 @@ class ExperimentRunner:
     self.profiler = self.build_profiler()
     self.controller = self.build_controller(callbacks)
     self.result = self.run_controller()
-    self.export_dir = self.build_export()
-    record = self.build_manifest()
-    self.write_outputs(record)
+    with worker_exit.failures_shared(
+        lambda failed: self.leave_together(failed=failed)), \
+        self._named_failures():
+      self.export_dir = self.build_export()
+      record = self.build_manifest()
+      self.write_outputs(record)
     self.leave_together()
     return record
 
@@ -1102,12 +1105,14 @@ class ExperimentRunner:
             f" ({final_eval['num_examples']} examples). Artifacts in "
             f"{self.config.model_dir}", flush=True)
 
-  def leave_together(self) -> None:
-    """MultiWorkerMirrored: the final barrier, then (with an `exit_plan`)
-    the process ends here, the chief last.
+  def leave_together(self, failed: bool = False) -> None:
+    """MultiWorkerMirrored: the final barrier, then (with an `exit_plan`,
+    unless this task or another arrived `failed`) the process ends here,
+    the chief last.
 
     Raises:
       tfdist.training.step_runner.PeerLostError: a peer was lost at the barrier.
+      tfdist.errors.PeerStoppedError: another task arrived `failed`.
     """
     if self.kind is not StrategyKind.MULTI_WORKER_MIRRORED:
       return
@@ -1115,13 +1120,14 @@ class ExperimentRunner:
     # No worker leaves while another still needs it (the chief hosts the
     # coordination service).
     try:
-      worker_exit.leave_together(self.strategy, num_workers=self.num_workers)
+      worker_exit.leave_together(self.strategy, num_workers=self.num_workers,
+                                 failed=failed)
     except step_runner.PEER_LOST_ERRORS as e:
       raise step_runner.peer_lost_error(
           e, after="the final barrier", last_checkpoint=self.keeper.latest,
           own=(cluster.task_type, cluster.task_index),
           addresses=cluster.cluster) from e
-    if self.exit_plan is None or self.num_workers <= 1:
+    if failed or self.exit_plan is None or self.num_workers <= 1:
       return
 
     def release():
