@@ -49,7 +49,10 @@ from tfdist import experiment
 from tfdist.config import ConfigError
 from tfdist.config import TrainConfig
 from tfdist.data import input_pipeline
+from tfdist.data import python_inputs
 from tfdist.data.dataset_spec import DatasetSpec
+from tfdist.distribute import cluster as cluster_lib
+from tfdist.distribute import environment as environment_lib
 from tfdist.errors import PreemptedError
 from tfdist.errors import StoppedAtStartError
 from tfdist.runtime import script_exit
@@ -182,9 +185,11 @@ def in_memory_dataset(*, x=None, y=None, sample_weight=None,
     # (as Model.evaluate(x, y) would).
     return _from_arrays(train, input_context)
 
-  if train is not None:
+  if train is not None or (dataset_fn is not None and
+                           not input_pipeline.takes_input_context(dataset_fn)):
     # Its training split's shares are tfdist's (example i to pipeline i mod
-    # n), so the pipeline can align its epochs to steps.
+    # n: the arrays, or a function that does not shard itself), so the
+    # pipeline can align its epochs to steps.
     setattr(input_fn, input_pipeline.SHARDS_BY_EXAMPLE, True)
   return input_fn, validation is not None or validation_data is not None
 
@@ -322,7 +327,14 @@ def fit(model_fn: Union[Callable, str],
       [examples]). Each worker reads a disjoint share (example i goes to
       input pipeline `i mod n`), every example once an epoch. Without
       validation data (and `config.mode` "train_and_eval") the run only
-      trains, as `fit` evaluates nothing then.
+      trains, as `fit` evaluates nothing then. `x` may also be a
+      `keras.utils.PyDataset` (or `Sequence`), a generator or an iterator of
+      `(x, y)` or `(x, y, sample_weight)` batches (without `y` and
+      `sample_weight`): their batches are split into examples and batched
+      by `config.batch_size`; one device and Mirrored only (refused at
+      start for several workers or parameter servers); a generator is read
+      to its end at start (it cannot be rewound). How often each is read,
+      and what resuming does: `tfdist.data.python_inputs`.
     epochs: passes over the training examples, as `keras.Model.fit`'s
       `epochs` (int >= 1): sets `config.train_epochs`. None: the config's.
     batch_size: the global batch in examples (int >= 1; split over every
@@ -330,8 +342,9 @@ def fit(model_fn: Union[Callable, str],
       distribution strategy): sets `config.batch_size`, also for a dataset
       function (tfdist batches its unbatched examples). None: the config's.
     validation_data: the evaluation split: a tuple `(x_val, y_val)` or
-      `(x_val, y_val, val_sample_weight)` of arrays, or a dataset function
-      (called with `training=False`); overrides `validation_split` and, with
+      `(x_val, y_val, val_sample_weight)` of arrays, a dataset function
+      (called with `training=False`), or a `PyDataset`, generator or
+      iterator as `x` takes them; overrides `validation_split` and, with
       a `dataset_fn`, its `training=False` split.
     validation_split: in (0, 1): the last fraction of the arrays' rows,
       taken before any shuffling (as `fit` takes it), is the evaluation
@@ -371,7 +384,8 @@ def fit(model_fn: Union[Callable, str],
       `epochs` with `config.train_steps` or another `config.train_epochs`,
       `batch_size` with another `config.batch_size` or with
       `config.per_replica_batch_size`,
-      arrays of different lengths, a
+      arrays of different lengths, a `PyDataset` or generator for a run of
+      several workers or parameter servers, a
       `validation_split` outside (0, 1) or with a dataset function, no loss
       anywhere, a model that cannot take the features).
     tfdist.errors.PreemptedError: SIGTERM or SIGINT stopped training after
@@ -390,8 +404,18 @@ def fit(model_fn: Union[Callable, str],
     raise ConfigError(f"tfdist.fit(verbose={verbose!r}): use \"auto\", 1 or "
                       "2 (tfdist's log lines) or 0 (logging as it is).")
   config = with_keras_length(config, epochs=epochs, batch_size=batch_size)
+  python = python_inputs.python_input_names(x=x,
+                                            validation_data=validation_data)
+  if python is not None:
+    environment = environment or environment_lib.read_environment()
+    _check_one_host(python, config=config, environment=environment)
+    x, y, sample_weight, dataset_fn, validation_data = python_inputs.resolve(
+        x=x, y=y, sample_weight=sample_weight,
+        validation_data=validation_data, dataset_fn=dataset_fn,
+        validation_split=validation_split)
   arrays = x is not None or y is not None or sample_weight is not None
-  if arrays or validation_data is not None or validation_split:
+  if (arrays or validation_data is not None or validation_split or
+      python is not None):
     dataset_fn, config = _in_memory_source(
         dataset_fn, config=config, parse_fn=parse_fn, x=x, y=y,
         sample_weight=sample_weight, validation_data=validation_data,
@@ -480,6 +504,25 @@ def with_keras_length(config: TrainConfig, *, epochs: Optional[int] = None,
           "place.")
     changes["batch_size"] = batch_size
   return config.replace(**changes) if changes else config
+def _check_one_host(python: tuple, *, config: TrainConfig,
+                    environment: environment_lib.RunEnvironment):
+  """Refuses a Python input (`(name, value)`) for a run of several workers
+  or parameter servers (`python_inputs.check_one_host`), from the cluster
+  the run will resolve.
+
+  Raises:
+    ConfigError: as `python_inputs.check_one_host`, or a malformed cluster.
+  """
+  cluster = cluster_lib.resolve_cluster(
+      worker_hosts=config.worker_hosts, task_index=config.task_index,
+      environ=environment.variables,
+      reduction_server=config.reduction_server)
+  name, value = python
+  python_inputs.check_one_host(
+      name=name, value=value,
+      distribution_strategy=config.distribution_strategy,
+      num_workers=cluster.num_workers,
+      num_ps=cluster.num_ps)
 
 
 _TFDIST_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep

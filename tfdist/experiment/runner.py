@@ -253,6 +253,7 @@ class ExperimentRunner:
         return self.dry_run()
       if self.lease is not None:
         self.lease.acquire()
+        export.remove_stale_exports(self.config.resolved_export_dir)
       with self._named_failures():
         record = self.train()
       if self.is_writer:
@@ -288,9 +289,14 @@ class ExperimentRunner:
     self.profiler = self.build_profiler()
     self.controller = self.build_controller(callbacks)
     self.result = self.run_controller()
-    self.export_dir = self.build_export()
-    record = self.build_manifest()
-    self.write_outputs(record)
+    # A task whose export or manifest fails tells the others at the final
+    # barrier, so that every task of the run exits with the same status.
+    with worker_exit.failures_shared(
+        lambda failed: self.leave_together(failed=failed)), \
+        self._named_failures():
+      self.export_dir = self.build_export()
+      record = self.build_manifest()
+      self.write_outputs(record)
     self.leave_together()
     return record
 
@@ -573,9 +579,10 @@ class ExperimentRunner:
     model = self.backend.export_model(self)
     return export.export_saved_model(
         model, self.out_dir(self.config.resolved_export_dir, "saved_model"),
-        source=self._export_source(),
+        source=self._export_source() if self.is_writer else "TMPDIR",
         details={"step": self.controller.step,
-                 "model": self.task.model_name})
+                 "model": self.task.model_name},
+        last_checkpoint=self.keeper.latest)
 
   def _artifacts(self) -> dict:
     config = self.config
@@ -634,12 +641,13 @@ class ExperimentRunner:
             f" ({final_eval['num_examples']} examples). Artifacts in "
             f"{self.config.model_dir}", flush=True)
 
-  def leave_together(self) -> None:
+  def leave_together(self, failed: bool = False) -> None:
     """The backend ends the run's processes together (MultiWorkerMirrored:
-    the final barrier, then, with an `exit_plan`, the process ends there,
-    the chief last).
+    the final barrier, then, with an `exit_plan`, unless this task or
+    another arrived `failed`, the process ends there, the chief last).
 
     Raises:
       tfdist.errors.PeerLostError: a peer was lost at the barrier.
+      tfdist.errors.PeerStoppedError: another task arrived `failed`.
     """
-    self.backend.leave_together(self)
+    self.backend.leave_together(self, failed=failed)

@@ -140,6 +140,8 @@ def build_model(options: AssemblyOptions, *, task: task_lib.Task,
   training_checks.check_steps_per_execution(
       model, steps_per_execution=options.steps_per_execution,
       model_name=f"--model={task.model_name}")
+  training_checks.check_jit_compile(model, enable_xla=options.enable_xla,
+                                    model_name=f"--model={task.model_name}")
   if getattr(model, "optimizer", None) is not None:
     # compile's optimizer (RMSprop when compile names none) is not used:
     # tfdist builds its own from the config. Untracked (`del`: assigning

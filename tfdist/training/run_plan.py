@@ -107,7 +107,8 @@ class RunPlan:
       the workers split the records, and why).
     sync_batch_norm: built-in models normalize over the global batch.
     sync_batch_norm_reason: why (`tfdist.models.resolve_sync_batch_norm`).
-    num_eval_examples: records in `eval_files`.
+    num_eval_examples: records in `eval_files`, or examples in a dataset
+      function's evaluation split (0 when the run does not evaluate).
   """
   train_files: Tuple[str, ...]
   eval_files: Tuple[str, ...]
@@ -177,7 +178,10 @@ class RunPlan:
         + (f"{len(self.train_files)} file(s)" if self.train_files else
            f"--dataset={options.data.dataset}'s dataset function"),
         (f"  eval examples          {self.num_eval_examples} in "
-         f"{len(self.eval_files)} file(s)" if self.eval_files else ""),
+         f"{len(self.eval_files)} file(s)" if self.eval_files else
+         f"  eval examples          {self.num_eval_examples} in "
+         f"--dataset={options.data.dataset}'s dataset function"
+         if self.num_eval_examples else ""),
         f"  steps_per_epoch        {plan.steps_per_epoch} (remainder "
         + (f"dropped: {plan.dropped_per_epoch} examples per epoch untrained)"
            if plan.dropped_per_epoch else "dropped: none)"),
@@ -309,6 +313,8 @@ def make_run_plan(options: PlanOptions, spec, *, num_replicas_in_sync: int,
   else:  # A dataset function: one epoch of its training split, counted.
     train_file_counts = ()
     num_train = input_pipeline.count_examples(spec)
+    if options.need_eval:  # The run evaluates its whole evaluation split.
+      num_eval = input_pipeline.count_examples(spec, training=False)
   plan = batch_plan_lib.make_batch_plan(
       num_replicas_in_sync=num_replicas_in_sync,
       batch_size=options.batch_size,
