@@ -782,22 +782,18 @@ def model_memory_of(config) -> memory.ModelMemory:
   from tfdist.training import run_options  # pylint: disable=g-import-not-at-top
   from tfdist.training import assembly  # pylint: disable=g-import-not-at-top
   from tfdist.training import lr_schedule  # pylint: disable=g-import-not-at-top
-  from tfdist.training import optimizers  # pylint: disable=g-import-not-at-top
   from tfdist.training import precision  # pylint: disable=g-import-not-at-top
   from tfdist.training import task as task_lib  # pylint: disable=g-import-not-at-top
   dtype = config.dtype if config.dtype != "auto" else "fp32"
   precision.configure_precision(dtype)
   try:
-    model = assembly.build_model(run_options.assembly_options(config),
-                                 task=run_options.task(config))
-    optimizer = precision.wrap_optimizer_for_precision(
-        # A schedule, as in every run (tfdist.training.lr_schedule): the
-        # optimizer then keeps no learning-rate variable of its own.
-        optimizers.build_optimizer(config.optimizer,
-                                   lr_schedule.ConstantLearningRate(0.1),
-                                   momentum=config.momentum,
-                                   weight_decay=config.weight_decay),
-        dtype=dtype, loss_scale=config.loss_scale)
+    options = dataclasses.replace(run_options.assembly_options(config),
+                                  dtype=dtype)
+    model = assembly.build_model(options, task=run_options.task(config))
+    # A schedule, as in every run (tfdist.training.lr_schedule): the
+    # optimizer then keeps no learning-rate variable of its own.
+    optimizer = assembly.run_optimizer(options,
+                                       lr_schedule.ConstantLearningRate(0.1))
     optimizer.build(model.trainable_variables)
     return memory.estimate_model_memory(model, optimizer)
   finally:

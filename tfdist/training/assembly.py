@@ -262,6 +262,19 @@ def _sharding_for(options: AssemblyOptions,
   return sharding
 
 
+def run_optimizer(options: AssemblyOptions, learning_rate):
+  """The run's optimizer for `learning_rate` (a schedule or a callable):
+  `options.optimizer` by name (`tfdist.training.optimizers`), wrapped for
+  the precision policy (fp16's loss scaling). Not built. The one way a run,
+  `tfdist.diagnose` and the memory estimate make it."""
+  return precision.wrap_optimizer_for_precision(
+      optimizers.build_optimizer(
+          options.optimizer, learning_rate, momentum=options.momentum,
+          weight_decay=options.weight_decay, clipnorm=options.clipnorm,
+          global_clipnorm=options.global_clipnorm),
+      dtype=options.dtype, loss_scale=options.loss_scale)
+
+
 def _build_optimizer(options: AssemblyOptions, *, model: keras.Model, plan,
                      sharding: sharded_optimizer.ShardingOptions):
   """`(optimizer, learning_rate)`: the built optimizer (wrapped for the
@@ -269,13 +282,8 @@ def _build_optimizer(options: AssemblyOptions, *, model: keras.Model, plan,
   # Settable by Keras's learning-rate callbacks (a checkpointed factor
   # of the schedule, see tfdist.training.lr_schedule.AdjustableLearningRate).
   learning_rate = lr_schedule.AdjustableLearningRate(plan.lr.schedule)
-  inner_optimizer = optimizers.build_optimizer(
-      options.optimizer, learning_rate, momentum=options.momentum,
-      weight_decay=options.weight_decay, clipnorm=options.clipnorm,
-      global_clipnorm=options.global_clipnorm)
-  learning_rate.bind(inner_optimizer)
-  optimizer = precision.wrap_optimizer_for_precision(
-      inner_optimizer, dtype=options.dtype, loss_scale=options.loss_scale)
+  optimizer = run_optimizer(options, learning_rate)
+  learning_rate.bind(sharded_optimizer.inner_optimizer(optimizer))
   # Every optimizer variable now, under the scope (created lazily in the
   # first step, ParameterServerStrategy would place it on the
   # coordinator). Sharded, its slots live on the shards instead
