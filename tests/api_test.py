@@ -176,14 +176,14 @@ class FitTest(absltest.TestCase):
     for name, text in zip(["start", "quiet", "auto", "after", "basic"],
                           run.stderr.split("=== ")):
       parts[name] = text
-    self.assertNotIn("tfdist: step", parts["quiet"])
-    self.assertRegex(parts["auto"], r"tfdist: step 2/4: loss \d")
-    self.assertEqual(parts["auto"].count("tfdist: step 2/4"), 1)
+    self.assertNotRegex(parts["quiet"], r"tfdist: (epoch \d+/\d+, )?step")
+    self.assertRegex(parts["auto"], r"tfdist: epoch 1/1, step 2/4: loss \d")
+    self.assertEqual(parts["auto"].count("tfdist: epoch 1/1, step 2/4"), 1)
     # TensorFlow's own INFO lines stay hidden.
     self.assertNotIn("Sharding callback", parts["auto"])
     # Logging is as it was after the call.
     self.assertNotIn("hidden after the call", parts["after"])
-    self.assertEqual(parts["basic"].count("tfdist: step 2/4"), 1)
+    self.assertEqual(parts["basic"].count("tfdist: epoch 1/1, step 2/4"), 1)
     self.assertIn("still shown after the export", parts["basic"])
     # The final evaluation on stdout, except with verbose=0.
     self.assertEqual(run.stdout.count("Final eval: "), 2, run.stdout)
