@@ -22,10 +22,15 @@
   earlier processes up to the step it resumed from, so its history is
   whole.
 
+A step line reads `tfdist: epoch E/N, step S/T: <values>, ..., ETA 1m12s`
+(epochs counted from 1, as Keras's callbacks print them:
+`tfdist.observability.progress`); an evaluation at its step ends it.
+
 Where the time goes, per log interval: examples/sec and step time (host
 wall clock between log points, `tfdist.observability.throughput`), and the time
 the compiled step waited for its input (`input_wait_seconds` per step, and
-`input_wait_fraction` of the compiled function's own time), both measured
+`input_wait_fraction` of the compiled function's own time; the log line
+shows the wait as a share of the whole step's wall time), both measured
 inside the compiled function (`tfdist.training.train_loop`) and returned with
 the step sums: no host synchronization of their own. Under
 MultiWorkerMirroredStrategy these are the chief's own; under parameter
