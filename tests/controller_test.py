@@ -267,6 +267,8 @@ class ControllerTest(parameterized.TestCase):
     self.assertEqual((keras_best, keras_stopped), ("1", "2"))
     lines = "\n".join(r.getMessage() for r in logs.records)
     self.assertIn(f"restored the weights of epoch {keras_best}:", lines)
+    self.assertIn(f"Stopping at step 20 of 100 (epoch {keras_stopped}, ",
+                  lines)
     # The step lines at the ends of those epochs (each with its epoch's
     # evaluation) name the same epochs.
     self.assertRegex(lines, rf"tfdist: epoch {keras_best}/10, step 10/100: "

@@ -73,6 +73,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist import errors
+from tfdist.observability import progress
 from tfdist.observability import run_log as run_log_lib
 from tfdist.runtime import strict_json
 from tfdist.training import checkpointing
@@ -696,8 +697,10 @@ class StopOnRequest(Action):
   def __call__(self, state, output):
     if not state.stop_requested or self.options.is_last(state.step):
       return
-    logging.info("Stopping at step %d of %d: a callback set "
-                 "model.stop_training.", state.step, self.options.total_steps)
+    logging.info("Stopping at step %d of %d (epoch %d, counted from 1 as "
+                 "Keras's callbacks count it): a callback set "
+                 "model.stop_training.", state.step, self.options.total_steps,
+                 progress.epoch_of(state.step, self.options.steps_per_epoch))
     if state.saved is None:
       self.checkpoints.save(state.step)
     state.stopped_early = True
