@@ -6,11 +6,15 @@ of a few steps checks what `fit` returns.
 
 import json
 import os
+import pty
+import re
+import select
 import shutil
 import subprocess
 import sys
 import tempfile
 import textwrap
+import time
 
 from absl.testing import absltest
 import keras
@@ -170,6 +174,91 @@ class FitTest(absltest.TestCase):
     # The same values as the config's are no conflict.
     self.assertEqual(api.with_keras_length(self.config, batch_size=4),
                      self.config)
+  def _fit_script(self, folder: str, *, terminal: bool) -> tuple:
+    """Runs a 4-epoch `tfdist.fit(verbose="auto")` script (6 steps an
+    epoch, a line every 12 steps, a checkpoint and an evaluation every
+    epoch) with stdout a pseudo-terminal or a pipe; returns (stdout,
+    stderr)."""
+    script = textwrap.dedent("""
+        import sys
+        import keras
+        import numpy as np
+        import tfdist
+
+        def build():
+          model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+          model.compile(loss="mse", metrics=["mae"])
+          return model
+
+        x = np.ones((32, 2), np.float32)
+        tfdist.fit(build, x=x, y=x.sum(axis=1), validation_split=0.25,
+                   config=tfdist.TrainConfig(
+                       model_dir=sys.argv[1], train_epochs=4, batch_size=4,
+                       log_steps=12, distribution_strategy="one_device"))
+        """)
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2",
+           "PYTHONPATH": os.pathsep.join(
+               [testutil.REPO_ROOT, os.environ.get("PYTHONPATH", "")])}
+    command = [sys.executable, "-c", script, os.path.join(self.dir, folder)]
+    if not terminal:
+      run = subprocess.run(command, cwd=self.dir, capture_output=True,
+                           text=True, timeout=300, check=False, env=env)
+      self.assertEqual(run.returncode, 0, run.stderr[-3000:])
+      return run.stdout, run.stderr
+    main, child = pty.openpty()
+    with tempfile.TemporaryFile() as stderr:
+      proc = subprocess.Popen(command, cwd=self.dir, stdout=child,
+                              stderr=stderr, env=env)
+      os.close(child)
+      stdout, deadline = b"", time.time() + 300
+      while time.time() < deadline:
+        if select.select([main], [], [], 1.0)[0]:
+          try:
+            chunk = os.read(main, 65536)
+          except OSError:  # EIO: the child closed the terminal.
+            break
+          if not chunk:
+            break
+          stdout += chunk
+        elif proc.poll() is not None:
+          break
+      os.close(main)
+      if proc.poll() is None:
+        proc.kill()
+      returncode = proc.wait(timeout=60)
+      stderr.seek(0)
+      err = stderr.read().decode(errors="replace")
+    self.assertEqual(returncode, 0, err[-3000:])
+    return stdout.decode(errors="replace"), err
+
+  def test_a_terminal_gets_kerass_progress_bar_and_a_pipe_log_lines(self):
+    stdout, stderr = self._fit_script("terminal", terminal=True)
+    # keras.utils.Progbar's bar, one per epoch, as fit(verbose=1) shows it,
+    # with the epoch's validation values; tfdist's step and evaluation lines
+    # (which the bar repeats) are left out, its other lines stay.
+    for epoch in range(1, 5):
+      self.assertIn(f"Epoch {epoch}/4", stdout)
+    self.assertIn("\u2501", stdout)  # The bar.
+    self.assertRegex(stdout, r"6/6\S* \S*\u2501+.* - loss: \d.* - val_loss: ")
+    self.assertNotRegex(stderr, r"tfdist: epoch \d|held-out evaluation")
+    self.assertIn("tfdist plan:", stderr)
+
+    stdout, stderr = self._fit_script("pipe", terminal=False)
+    self.assertNotIn("\u2501", stdout)
+    self.assertIn("Final eval: ", stdout)
+    # One line for each epoch, counted from 1, each with its evaluation; a
+    # step line's ETA.
+    progress_lines = re.findall(r"tfdist: epoch \d/4, .*", stderr)
+    self.assertEqual([re.match(r"tfdist: epoch (\d)", l)[1]
+                      for l in progress_lines], ["1", "2", "3", "4"],
+                     stderr[-3000:])
+    for line in progress_lines:
+      self.assertRegex(line, r"held-out evaluation at step \d+: loss ")
+    self.assertRegex(progress_lines[1], r"^tfdist: epoch 2/4, step 12/24: "
+                     r"loss .*, ETA \d+s; held-out evaluation at step 12: ")
+    # A short run's checkpoints do not bury its progress.
+    self.assertLess(stderr.count("Saved checkpoint"), len(progress_lines),
+                    stderr[-3000:])
 
   def test_a_plain_script_prints_tfdist_lines_unless_verbose_is_0(self):
     # A script without absl.app.run: absl's logging is not set up there.
@@ -218,14 +307,14 @@ class FitTest(absltest.TestCase):
     for name, text in zip(["start", "quiet", "auto", "after", "basic"],
                           run.stderr.split("=== ")):
       parts[name] = text
-    self.assertNotIn("tfdist: step", parts["quiet"])
-    self.assertRegex(parts["auto"], r"tfdist: step 2/4: loss \d")
-    self.assertEqual(parts["auto"].count("tfdist: step 2/4"), 1)
+    self.assertNotRegex(parts["quiet"], r"tfdist: (epoch \d+/\d+, )?step")
+    self.assertRegex(parts["auto"], r"tfdist: epoch 1/1, step 2/4: loss \d")
+    self.assertEqual(parts["auto"].count("tfdist: epoch 1/1, step 2/4"), 1)
     # TensorFlow's own INFO lines stay hidden.
     self.assertNotIn("Sharding callback", parts["auto"])
     # Logging is as it was after the call.
     self.assertNotIn("hidden after the call", parts["after"])
-    self.assertEqual(parts["basic"].count("tfdist: step 2/4"), 1)
+    self.assertEqual(parts["basic"].count("tfdist: epoch 1/1, step 2/4"), 1)
     self.assertIn("still shown after the export", parts["basic"])
     # The final evaluation on stdout, except with verbose=0.
     self.assertEqual(run.stdout.count("Final eval: "), 2, run.stdout)

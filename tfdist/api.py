@@ -55,6 +55,7 @@ from tfdist.distribute import cluster as cluster_lib
 from tfdist.distribute import environment as environment_lib
 from tfdist.errors import PreemptedError
 from tfdist.errors import StoppedAtStartError
+from tfdist.observability import progress
 from tfdist.runtime import script_exit
 from tfdist.training import keras_callbacks
 from tfdist.training import registry
@@ -360,14 +361,22 @@ def fit(model_fn: Union[Callable, str],
       refused at start).
     environment: a `tfdist.distribute.environment.RunEnvironment`; None reads
       `os.environ` (`TF_CONFIG`, Vertex AI's variables) now.
-    verbose: as `keras.Model.fit`'s: "auto", 1 or 2 (or True) print
-      tfdist's lines (the plan at start, a line every `config.log_steps`
-      steps, each evaluation; no progress bar: add
-      `keras.callbacks.ProgbarLogger` for one) on stderr also in a plain
-      script, where absl's logging is not set up (its default WARNING
-      level: `_info_lines`), and the final evaluation on stdout; 0 (or
-      False) prints neither and leaves logging as it is. Under `absl.app.run` absl's own flags
-      (`--verbosity`, `--logtostderr`) decide either way.
+    verbose: as `keras.Model.fit`'s. 1 (or True): a progress bar per
+      epoch on stdout (`keras.callbacks.ProgbarLogger`, as `fit(verbose=1)`
+      shows it: `Epoch 2/5`, steps of the epoch, ETA, the epoch's loss,
+      metrics and `val_*` values) on the chief, and tfdist's other lines
+      (the plan at start, warnings, checkpoints) on stderr, without the
+      step and evaluation lines the bar repeats. 2: tfdist's lines, a line
+      every `config.log_steps` steps (`tfdist: epoch E/N, step S/T: ...,
+      ETA 1m12s`, epochs counted from 1 as Keras's callbacks count them)
+      and each evaluation (one line with the step line at its step).
+      "auto" (the default): 1 when stdout is a terminal or a notebook's,
+      else 2 (`tfdist.observability.progress.resolve_verbose`). 1 and 2
+      print the lines on stderr also in a plain script, where absl's
+      logging is not set up (its default WARNING level: `_info_lines`),
+      and the final evaluation on stdout; 0 (or False) prints neither and
+      leaves logging as it is. Under `absl.app.run` absl's own flags
+      (`--verbosity`, `--logtostderr`) decide which lines show.
 
   Returns:
     The run manifest (as `run_manifest.json` holds it) on the chief and
@@ -429,11 +438,15 @@ def fit(model_fn: Union[Callable, str],
   task = make_task(model_fn, dataset_fn, config=config, parse_fn=parse_fn,
                    loss=loss, metrics=metrics)
   history = keras.callbacks.History()
+  verbose = progress.resolve_verbose(verbose)
+  callbacks = keras_callbacks.flatten(callbacks)
+  if verbose == 1 and not any(isinstance(c, keras.callbacks.ProgbarLogger)
+                              for c in callbacks):
+    callbacks.append(keras.callbacks.ProgbarLogger())
   try:
-    with _info_lines(verbose != 0):
+    with _info_lines(verbose != 0, without_progress=verbose == 1):
       result = experiment.run_experiment(_named_config(config, task),
-                                         callbacks=[*keras_callbacks.flatten(
-                                             callbacks), history],
+                                         callbacks=[*callbacks, history],
                                          environment=environment, task=task,
                                          print_final_eval=verbose != 0)
   except PreemptedError as e:
@@ -534,15 +547,22 @@ def _tfdist_lines(record: std_logging.LogRecord) -> bool:
           os.path.abspath(record.pathname).startswith(_TFDIST_DIR))
 
 
+def _not_progress(record: std_logging.LogRecord) -> bool:
+  """Not a line a progress bar shows already."""
+  return not progress.is_progress_line(record)
+
+
 @contextlib.contextmanager
-def _info_lines(wanted: bool):
+def _info_lines(wanted: bool, *, without_progress: bool = False):
   """tfdist's INFO lines on stderr while the block runs, where nothing asked
   for them: outside an absl app (its flags unparsed), with absl's logger
   above INFO (its default: WARNING, from Python's root logger), the level
   is INFO and, unless absl's handler is on the root logger already, absl's
   logger writes through that handler alone (not also through a handler
-  Python's `logging.warning` put on the root logger). Everything is
-  restored after the block. Otherwise (or not `wanted`) nothing changes."""
+  Python's `logging.warning` put on the root logger); `without_progress`
+  leaves out the step and evaluation lines a progress bar shows
+  (`progress.PROGRESS`). Everything is restored after the block.
+  Otherwise (or not `wanted`) nothing changes."""
   absl_logger = logging.get_absl_logger()
   if (not wanted or absl_flags.FLAGS.is_parsed()
       or absl_logger.getEffectiveLevel() <= std_logging.INFO):
@@ -559,10 +579,13 @@ def _info_lines(wanted: bool):
     # TensorFlow's and Keras's own INFO lines (saver timings and the like)
     # stay as hidden as before; their warnings show.
     handler.addFilter(_tfdist_lines)
+    if without_progress:
+      handler.addFilter(_not_progress)
   try:
     yield
   finally:
     if own_handler:
+      handler.removeFilter(_not_progress)
       handler.removeFilter(_tfdist_lines)
       absl_logger.removeHandler(handler)
       absl_logger.propagate = propagate

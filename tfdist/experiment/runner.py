@@ -498,7 +498,8 @@ class ExperimentRunner:
         global_batch_size=self.plan.global_batch_size,
         total_steps=self.plan.total_steps,
         summarize=self.parts.trainer.summarize,
-        loss_explosion_factor=self.config.loss_explosion_factor)
+        loss_explosion_factor=self.config.loss_explosion_factor,
+        steps_per_epoch=self.plan.steps_per_epoch)
 
   def build_callbacks(self) -> List[keras.callbacks.Callback]:
     """TensorBoard, the caller's callbacks, and hyperparameter tuning's."""

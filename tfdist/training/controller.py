@@ -73,6 +73,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist import errors
+from tfdist.observability import progress
 from tfdist.observability import run_log as run_log_lib
 from tfdist.runtime import strict_json
 from tfdist.training import checkpointing
@@ -383,9 +384,10 @@ class KerasTrainHooks(Action):
     restored_best = _restored_best_epoch(self.callbacks,
                                          last_epoch=state.epoch - 1)
     if restored_best is not None:
+      # Epochs counted from 1, as EarlyStopping's own "best epoch: N".
       logging.info("EarlyStopping(restore_best_weights=True) restored the "
                    "weights of epoch %d: saving them as step %d's checkpoint "
-                   "and evaluating them.", restored_best, state.step)
+                   "and evaluating them.", restored_best + 1, state.step)
       self.checkpoints.save(state.step)
       state.last_eval = None
 
@@ -512,15 +514,18 @@ class KerasBatchEnd(Action):
 class TrainLog(Action):
   """Logs loss, learning rate, skipped steps and throughput every
   `log_steps` steps and at the end
-  (`tfdist.observability.run_log.RunLog.log_train`)."""
+  (`tfdist.observability.run_log.RunLog.log_train`); a line followed by an
+  evaluation at its step (`evaluates`) is held and logged with it, as one
+  line."""
 
   def __init__(self, run_log: run_log_lib.RunLog, *,
                options: ControllerOptions, checkpoints: Checkpoints,
-               skipped: SkippedStepWatch):
+               skipped: SkippedStepWatch, evaluates: bool = False):
     self.run_log = run_log
     self.options = options
     self.checkpoints = checkpoints
     self.skipped = skipped
+    self.evaluates = evaluates
     self.window = _SumsSince()
 
   def __call__(self, state, output):
@@ -536,7 +541,8 @@ class TrainLog(Action):
           learning_rate=self.checkpoints.learning_rate(),
           loss_scale=self.checkpoints.loss_scale(),
           skipped_steps=monitor.take_interval(),
-          total_skipped=monitor.total_skipped)
+          total_skipped=monitor.total_skipped,
+          hold=self.evaluates and _evaluation_due(self.options, state))
     except run_log_lib.DivergenceError as e:
       raise run_log_lib.DivergenceError(
           f"{e} {self.checkpoints.kept_and_rerun()}") from e
@@ -593,10 +599,7 @@ class Evaluate(Action):
     self.callbacks = callbacks
 
   def __call__(self, state, output):
-    opts = self.options
-    if (((opts.is_epoch_end(state.step) or state.stop_requested) and
-         (state.epoch + 1) % opts.epochs_between_evals == 0) or
-        opts.is_last(state.step)):
+    if _evaluation_due(self.options, state):
       state.last_eval = (self.evaluate(state.step) if self.callbacks is None
                          else self.evaluate(state.step,
                                             callbacks=self.callbacks))
@@ -613,6 +616,13 @@ class Evaluate(Action):
          self.options.is_last(state.step))):
       state.last_eval = self.evaluate(state.step, callbacks=self.callbacks,
                                       check_loss=False)
+
+
+def _evaluation_due(options: ControllerOptions, state: LoopState) -> bool:
+  """`Evaluate` evaluates after the chunk that ended at `state.step`."""
+  return (((options.is_epoch_end(state.step) or state.stop_requested) and
+           (state.epoch + 1) % options.epochs_between_evals == 0) or
+          options.is_last(state.step))
 
 
 class KerasEpochEnd(Action):
@@ -687,8 +697,10 @@ class StopOnRequest(Action):
   def __call__(self, state, output):
     if not state.stop_requested or self.options.is_last(state.step):
       return
-    logging.info("Stopping at step %d of %d: a callback set "
-                 "model.stop_training.", state.step, self.options.total_steps)
+    logging.info("Stopping at step %d of %d (epoch %d, counted from 1 as "
+                 "Keras's callbacks count it): a callback set "
+                 "model.stop_training.", state.step, self.options.total_steps,
+                 progress.epoch_of(state.step, self.options.steps_per_epoch))
     if state.saved is None:
       self.checkpoints.save(state.step)
     state.stopped_early = True
@@ -825,7 +837,8 @@ class Controller:
             if keras_callbacks.reads_batch_metrics(callbacks) else None),
                       model=model, runner=self.runner),
         TrainLog(self.run_log, options=opts, checkpoints=saver,
-                 skipped=self._skipped),
+                 skipped=self._skipped,
+                 evaluates=self.evaluate_fn is not None),
         SaveCheckpoint(saver, opts)]
     if preemption is not None:
       actions.append(PreemptionStop(preemption, checkpoints=saver,
@@ -922,6 +935,7 @@ class Controller:
     try:
       return self._run()
     finally:
+      self.run_log.release()  # A step line held for a failed evaluation.
       if self.profiler is not None:
         self.profiler.stop()  # Training stopped inside the window.
 
