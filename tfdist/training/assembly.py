@@ -20,6 +20,7 @@ from tfdist import models
 from tfdist.config import ConfigError
 from tfdist.errors import first_line
 from tfdist.training import checkpointing
+from tfdist.training import custom_step
 from tfdist.training import lr_schedule
 from tfdist.training import objectives as objectives_lib
 from tfdist.training import optimizers
@@ -353,6 +354,10 @@ def build(options: AssemblyOptions, *, task: task_lib.Task,
   # (`tf.train.Checkpoint(model=...)`, compiled with an optimizer of its own
   # or not) finds no optimizer of tfdist's under `model/`.
   object.__setattr__(model, "optimizer", optimizer)
+  if custom_step.overrides(model):
+    return _custom_step_parts(options, model=model, task=task,
+                              strategy=strategy, plan=plan, on_tpu=on_tpu,
+                              learning_rate=learning_rate)
   resolved, metric_sums = resolve_objectives(model, task=task)
   class_weight = check_weights(options, task=task)
   _warn_batch_valued_metrics(metric_sums, plan)
@@ -377,6 +382,44 @@ def build(options: AssemblyOptions, *, task: task_lib.Task,
   return Parts(model=model, optimizer=optimizer, trainer=trainer,
                checkpoint=checkpoint, objectives=resolved,
                metric_sums=metric_sums)
+
+
+def _custom_step_parts(options: AssemblyOptions, *, model: keras.Model,
+                       task: task_lib.Task, strategy: tf.distribute.Strategy,
+                       plan, on_tpu: bool, learning_rate) -> Parts:
+  """`build`'s parts for a model that overrides its `train_step` (or
+  `test_step`, `compute_loss`, `compute_metrics`): tfdist runs the model's
+  own step (`tfdist.training.custom_step`); no objectives of tfdist's.
+
+  Raises:
+    ConfigError: a setting that needs tfdist's own step
+      (`custom_step.check`).
+  """
+  found = custom_step.overrides(model)
+  custom_step.check(
+      found, model_name=task.model_name, compiled=model.compiled,
+      gradient_accumulation_steps=plan.batch.gradient_accumulation_steps,
+      zero_stage=options.zero_stage, clipnorm=options.clipnorm,
+      global_clipnorm=options.global_clipnorm,
+      enable_xla=options.enable_xla, class_weight=options.class_weight,
+      loss_or_metrics_given=(task.loss is not None or
+                             task.metrics is not None),
+      strategy=strategy, on_tpu=on_tpu)
+  features, labels = task_lib.example_spec(task.dataset)
+  weight = task_lib.sample_weight_spec(task.dataset)
+  trainer = custom_step.build_trainer(
+      model, found, strategy=strategy,
+      batch_spec=(features, labels) + ((weight,) if weight is not None
+                                       else ()),
+      steps_per_epoch=plan.steps_per_epoch,
+      steps_per_execution=options.steps_per_execution,
+      run_eagerly=options.run_eagerly)
+  checkpoint = _training_checkpoint(model, trainer=trainer,
+                                    optimizer=model.optimizer,
+                                    learning_rate=learning_rate)
+  return Parts(model=model, optimizer=model.optimizer, trainer=trainer,
+               checkpoint=checkpoint, objectives=None,
+               metric_sums=objectives_lib.MetricSums([]))
 
 
 def evaluation_parts(options: AssemblyOptions, *, task: task_lib.Task
