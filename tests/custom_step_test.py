@@ -231,7 +231,9 @@ def _config(model_dir: str, strategy: str, **overrides):
 
 
 def _tfdist_fit(builder, strategy: str, model_dir: str,
-                evaluate: bool = True) -> dict:
+                evaluate: bool = True, **overrides) -> dict:
+  """`tfdist.fit` of the case's model (`overrides`: of the config); in
+  `mode="eval"`, the manifest's `results`."""
   import keras  # pylint: disable=g-import-not-at-top
   import tfdist  # pylint: disable=g-import-not-at-top
   x, y = _data()
@@ -245,8 +247,10 @@ def _tfdist_fit(builder, strategy: str, model_dir: str,
   manifest = tfdist.fit(lambda: builder(keras.optimizers.SGD(RATE)),
                         x=x, y=y,
                         validation_data=(x, y) if evaluate else None,
-                        config=_config(model_dir, strategy),
+                        config=_config(model_dir, strategy, **overrides),
                         callbacks=[Final()], verbose=0)
+  if overrides.get("mode") == "eval":
+    return {"results": manifest["results"]}
   last_eval = (manifest.get("eval_history") or [{}])[-1]
   return {"weights": weights["final"],
           "train": _floats({k: v[-1] for k, v in
@@ -326,6 +330,22 @@ def _child_main() -> dict:
                                   evaluate=case not in NOT_EVALUATED)}
       except Exception:  # pylint: disable=broad-except
         out[name] = {"error": traceback.format_exc()}
+  # Several steps per tf.function call (tfdist's --steps_per_execution).
+  try:
+    out["steps_per_execution"] = {
+        "keras": _keras_fit(models["low_level_no_loss"], mirrored),
+        "tfdist": _tfdist_fit(models["low_level_no_loss"], "mirrored",
+                              os.path.join(root, "spe"),
+                              steps_per_execution=4)}
+  except Exception:  # pylint: disable=broad-except
+    out["steps_per_execution"] = {"error": traceback.format_exc()}
+  # --mode=eval on the test_step case's checkpoint: its own test_step.
+  try:
+    out["eval_mode"] = _tfdist_fit(
+        models["test_step"], "one_device",
+        os.path.join(root, "test_step-one_device"), mode="eval")
+  except Exception:  # pylint: disable=broad-except
+    out["eval_mode"] = {"error": traceback.format_exc()}
   out["refusals"] = _refusals(models["frozen_bias"], root)
   return out
 
@@ -408,6 +428,23 @@ class CustomStepTest(absltest.TestCase):
     for result in self._check("test_step").values():
       self.assertEqual(set(result["keras"]["eval"]), {"abs_error"})
       self.assertIn("abs_error", result["tfdist"]["eval"])
+
+  def test_several_steps_per_call(self):
+    result = self._case("steps_per_execution")
+    keras_run, ours = result["keras"], result["tfdist"]
+    self.assertSequenceAlmostEqual(_flatten(ours["weights"]),
+                                   _flatten(keras_run["weights"]),
+                                   delta=ATOL)
+    for key, value in keras_run["train"].items():
+      self.assertAlmostEqual(ours["train"][key], value, delta=ATOL)
+
+  def test_eval_mode_runs_the_models_test_step(self):
+    results = self._case("eval_mode")["results"]
+    reference = self._case("test_step/one_device")["keras"]["eval"]
+    self.assertLen(results, 1)
+    self.assertAlmostEqual(results[0]["abs_error"], reference["abs_error"],
+                           delta=ATOL)
+    self.assertEqual(results[0]["num_examples"], 512)
 
   def test_settings_that_need_tfdists_own_step_are_refused(self):
     refusals = self._case("refusals")

@@ -405,12 +405,8 @@ def _custom_step_parts(options: AssemblyOptions, *, model: keras.Model,
       loss_or_metrics_given=(task.loss is not None or
                              task.metrics is not None),
       strategy=strategy, on_tpu=on_tpu)
-  features, labels = task_lib.example_spec(task.dataset)
-  weight = task_lib.sample_weight_spec(task.dataset)
-  trainer = custom_step.build_trainer(
-      model, found, strategy=strategy,
-      batch_spec=(features, labels) + ((weight,) if weight is not None
-                                       else ()),
+  trainer = _custom_step_trainer(
+      model, task=task, strategy=strategy,
       steps_per_epoch=plan.steps_per_epoch,
       steps_per_execution=options.steps_per_execution,
       run_eagerly=options.run_eagerly)
@@ -422,11 +418,29 @@ def _custom_step_parts(options: AssemblyOptions, *, model: keras.Model,
                metric_sums=objectives_lib.MetricSums([]))
 
 
+def _custom_step_trainer(model: keras.Model, *, task: task_lib.Task,
+                         strategy: tf.distribute.Strategy, **kwargs
+                         ) -> custom_step.CustomStepTrainer:
+  """`custom_step.build_trainer` for `model` on the task's examples
+  (`kwargs`: its step settings)."""
+  features, labels = task_lib.example_spec(task.dataset)
+  weight = task_lib.sample_weight_spec(task.dataset)
+  return custom_step.build_trainer(
+      model, custom_step.overrides(model), strategy=strategy,
+      batch_spec=(features, labels) + ((weight,) if weight is not None
+                                       else ()), **kwargs)
+
+
 def evaluation_parts(options: AssemblyOptions, *, task: task_lib.Task
                      ) -> Parts:
   """A model (in the current scope) with its loss and metrics, and no
   optimizer: what the side-car evaluator and `--mode=eval` need."""
   model = build_model(options, task=task)
+  if custom_step.overrides(model):  # It evaluates with its own test_step.
+    return Parts(model=model, optimizer=None, checkpoint=None,
+                 trainer=_custom_step_trainer(
+                     model, task=task, strategy=tf.distribute.get_strategy()),
+                 metric_sums=objectives_lib.MetricSums([]))
   resolved, metric_sums = resolve_objectives(model, task=task)
   return Parts(model=model, optimizer=None, trainer=None, checkpoint=None,
                objectives=resolved, metric_sums=metric_sums)
@@ -438,7 +452,10 @@ def evaluation_trainer(parts: Parts, *, global_batch_size: int,
   """A `Trainer` that evaluates `parts.model` in this process, with the
   run's loss and metrics, under `strategy` (the one `parts.model` was built
   in; None: the current one, e.g. the default strategy on the
-  parameter-server coordinator)."""
+  parameter-server coordinator). A model with its own step
+  (`tfdist.training.custom_step`) keeps its `parts.trainer`."""
+  if isinstance(parts.trainer, custom_step.CustomStepTrainer):
+    return parts.trainer
   return Trainer(strategy=strategy or tf.distribute.get_strategy(),
                  model=parts.model,
                  optimizer=parts.optimizer or keras.optimizers.SGD(),
