@@ -7,7 +7,11 @@ MirroredStrategy on 2 logical CPUs, and the final weights, the last
 epoch's logs and the evaluation logs are compared (`ATOL`). One child
 process (this file run as a script: the logical devices must exist before
 TensorFlow starts) runs every case once. The refusals (`REFUSALS`) of
-settings that need tfdist's own step run in the same child.
+settings that need tfdist's own step run in the same child. The
+two-optimizer case also runs on two MultiWorkerMirrored workers (a local
+cluster, `tfdist.launch --module=tests.custom_step_test`), against
+`Model.fit` under Mirrored (Keras's own `fit` fails under
+MultiWorkerMirrored).
 
 Data: y = 3x + 1 on 512 examples, batches of 64, plain SGD at 0.1 with no
 shuffling, so both loops make the same updates on the same batches (float32
@@ -458,6 +462,47 @@ class CustomStepTest(absltest.TestCase):
         self.assertIn("Fix:", result["message"])
 
 
+def _cluster_main(out_path: str, case: str):
+  """One case through `tfdist.fit` on the cluster of `TF_CONFIG` (run by
+  `tfdist.launch --module=tests.custom_step_test OUT_JSON CASE`); the
+  chief writes the result to OUT_JSON."""
+  tf_config = json.loads(os.environ["TF_CONFIG"])
+  result = _tfdist_fit(_models()[case], "multi_worker_mirrored",
+                       os.path.join(os.path.dirname(out_path), case),
+                       evaluate=case not in NOT_EVALUATED)
+  if tf_config["task"]["type"] == "chief":
+    with open(out_path, "w") as f:
+      json.dump(result, f)
+
+
+class MultiWorkerTest(absltest.TestCase):
+  """Two MultiWorkerMirrored workers (one replica each) against
+  `Model.fit` under Mirrored on 2 devices: the same global batches, the
+  same reduction of the step's logs over replicas (an all-reduce between
+  the workers)."""
+
+  def test_two_optimizers_on_two_workers(self):
+    from tests import multi_worker_testlib  # pylint: disable=g-import-not-at-top
+    out = os.path.join(tempfile.mkdtemp(dir=testutil.scratch_dir()),
+                       "result.json")
+    status, output = multi_worker_testlib.run_launcher(
+        ["--num_workers=2", "--module=tests.custom_step_test"],
+        [out, "two_optimizers"], timeout=300,
+        env={"TF_ENABLE_ONEDNN_OPTS": "0", "CUDA_VISIBLE_DEVICES": ""})
+    self.assertEqual(status, 0, output[-4000:])
+    with open(out) as f:
+      ours = json.load(f)
+    reference = _child_results()["two_optimizers/mirrored"]["keras"]
+    self.assertEqual(ours["replicas"], 2)
+    self.assertSequenceAlmostEqual(_flatten(ours["weights"]),
+                                   _flatten(reference["weights"]),
+                                   delta=ATOL)
+    self.assertEqual(set(ours["train"]), set(reference["train"]))
+    for key, value in reference["train"].items():
+      # Each worker's last-batch loss alone would be off by about 2%.
+      self.assertAlmostEqual(ours["train"][key], value, delta=ATOL)
+
+
 def _flatten(value) -> list:
   if isinstance(value, list):
     return [v for item in value for v in _flatten(item)]
@@ -467,5 +512,7 @@ def _flatten(value) -> list:
 if __name__ == "__main__":
   if os.environ.get(_CHILD_ENV):
     print(json.dumps(_child_main()), flush=True)
+  elif os.environ.get("TF_CONFIG"):
+    _cluster_main(*sys.argv[1:3])
   else:
     absltest.main()

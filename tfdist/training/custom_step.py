@@ -144,14 +144,26 @@ def check(found: Sequence[str], *, model_name: str, compiled: bool,
           f"cannot go with it: {why}. Fix: {fix}.")
 
 
-def _mean_over_replicas(strategy: tf.distribute.Strategy, value):
-  """A value returned by `strategy.run`: its mean over every replica (of
-  every worker) when it is per replica, else itself (Keras's
-  `reduce_per_replica(..., reduction="mean")`; under MultiWorkerMirrored an
-  all-reduce, where Keras's own reduction fails: keras-team/keras#20585)."""
-  if isinstance(value, tf.distribute.DistributedValues):
-    return strategy.reduce(tf.distribute.ReduceOp.MEAN, value, axis=None)
-  return value
+def _all_replicas(fn: Callable, reduce_op=tf.distribute.ReduceOp.MEAN
+                  ) -> Callable:
+  """`fn` (a replica function returning a structure of values) followed by
+  an all-reduce of each floating-point value over every replica of every
+  worker (`reduce_op`, Keras's `reduce_per_replica(..., "mean")` for the
+  logs); other values keep the replica's own. Every replica then returns
+  the same values (read the first local one). In the replica function, not
+  after `strategy.run`: under MultiWorkerMirrored with one replica per
+  worker `strategy.run` returns plain tensors, which `strategy.reduce`
+  would take as equal on every worker and not reduce."""
+
+  def replica_fn(*args):
+    values = tf.nest.map_structure(tf.convert_to_tensor, fn(*args))
+    context = tf.distribute.get_replica_context()
+    if context is None or context.num_replicas_in_sync == 1:
+      return values
+    return tf.nest.map_structure(
+        lambda v: context.all_reduce(reduce_op, v) if v.dtype.is_floating
+        else v, values)
+  return replica_fn
 
 
 def _flat(prefix: str, logs) -> Dict[str, tf.Tensor]:
@@ -232,10 +244,14 @@ class CustomStepTrainer:
   def _train_once(self, iterator) -> Dict[str, tf.Tensor]:
     """One `model.train_step` on every replica; its logs, mean over
     replicas."""
-    outputs = self.strategy.run(self.model.train_step,
+    outputs = self.strategy.run(_all_replicas(self.model.train_step),
                                 args=(next(iterator),))
+    return self._first(outputs)
+
+  def _first(self, values):
+    """The first local replica's values (equal on every replica)."""
     return tf.nest.map_structure(
-        lambda v: _mean_over_replicas(self.strategy, v), outputs)
+        lambda v: self.strategy.experimental_local_results(v)[0], values)
 
   def _metric_results(self, prefix: str) -> Dict[str, tf.Tensor]:
     """The model's metrics over every replica (cross-replica context: their
@@ -258,23 +274,19 @@ class CustomStepTrainer:
     out = {**logs, **loss, **self._metric_results(_METRICS)}
     if not self.one_replica:
       # Every worker's stop requests reach every worker after this call.
-      stop_flags = self.strategy.reduce(
-          tf.distribute.ReduceOp.SUM,
-          self.strategy.run(tf.identity, args=(stop_flags,)), axis=None)
+      stop_flags = self._first(self.strategy.run(_all_replicas(
+          tf.identity, tf.distribute.ReduceOp.SUM), args=(stop_flags,)))
     self.global_step.assign_add(tf.cast(num_steps, tf.int64))
     return {**out, "stop_signal": stop_flags[0],
             "stop_training": stop_flags[1]}
 
   def _eval_function(self, batch):
-    outputs = self.strategy.run(self.model.test_step, args=(batch,))
-    logs = _flat(_LOGS, tf.nest.map_structure(
-        lambda v: _mean_over_replicas(self.strategy, v), outputs))
-    count = self.strategy.run(
+    logs = _flat(_LOGS, self._first(self.strategy.run(
+        _all_replicas(self.model.test_step), args=(batch,))))
+    count = self._first(self.strategy.run(_all_replicas(
         lambda b: tf.cast(tf.shape(tf.nest.flatten(b[0])[0])[0],
-                          tf.float32), args=(batch,))
-    if isinstance(count, tf.distribute.DistributedValues):
-      count = self.strategy.reduce(tf.distribute.ReduceOp.SUM, count,
-                                   axis=None)
+                          tf.float32), tf.distribute.ReduceOp.SUM),
+                                          args=(batch,)))
     return {**logs, **self._metric_results(_METRICS), _COUNT: count}
 
   # --- what the step runner and controller call ---------------------------
