@@ -182,19 +182,23 @@ def _models():
       "frozen_bias": build(Frozen, loss="mse", metrics=["mae"]),
       "two_optimizers": lambda optimizer: _two_optimizers(TwoOptimizers,
                                                           optimizer),
+      # The model's own optimizer keeps state (momentum) to checkpoint.
+      "two_optimizers_momentum": lambda optimizer: _two_optimizers(
+          TwoOptimizers, optimizer, momentum=0.9),
       "compute_loss": build(AbsoluteLoss, loss="mse", metrics=["mae"]),
       "low_level_no_loss": build(LowLevel),
       "test_step": build(OwnEvaluation, loss="mse"),
   }
 
 
-def _two_optimizers(cls, optimizer):
+def _two_optimizers(cls, optimizer, momentum: float = 0.0):
   import keras  # pylint: disable=g-import-not-at-top
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   model = cls()
   model(tf.zeros((1, 1)))
   model.b(tf.zeros((1, 1)))
-  model.compile(b_optimizer=keras.optimizers.SGD(RATE), optimizer=optimizer)
+  model.compile(b_optimizer=keras.optimizers.SGD(RATE, momentum=momentum),
+                optimizer=optimizer)
   return model
 
 
@@ -202,8 +206,10 @@ def _floats(logs: dict) -> dict:
   return {k: float(v) for k, v in logs.items() if k != "learning_rate"}
 
 
+# Cases run only by the resumed test.
+RESUMED_ONLY = ("two_optimizers_momentum",)
 # Cases that Keras cannot evaluate (no loss for the default test_step).
-NOT_EVALUATED = ("two_optimizers",)
+NOT_EVALUATED = ("two_optimizers", "two_optimizers_momentum")
 
 
 def _keras_fit(builder, strategy, evaluate: bool = True) -> dict:
@@ -322,6 +328,8 @@ def _child_main() -> dict:
   out = {}
   models = _models()
   for case, builder in models.items():
+    if case in RESUMED_ONLY:
+      continue
     for strategy in STRATEGIES:
       name = f"{case}/{strategy}"
       try:
@@ -343,6 +351,19 @@ def _child_main() -> dict:
                               steps_per_execution=4)}
   except Exception:  # pylint: disable=broad-except
     out["steps_per_execution"] = {"error": traceback.format_exc()}
+  # Trained one epoch, then resumed from its checkpoint for the second.
+  try:
+    builder = models["two_optimizers_momentum"]
+    resumed_dir = os.path.join(root, "resumed")
+    first = _tfdist_fit(builder, "one_device", resumed_dir, evaluate=False,
+                        train_epochs=1)
+    out["resumed"] = {
+        "keras": _keras_fit(builder, None, evaluate=False),
+        "first": first,
+        "tfdist": _tfdist_fit(builder, "one_device", resumed_dir,
+                              evaluate=False)}
+  except Exception:  # pylint: disable=broad-except
+    out["resumed"] = {"error": traceback.format_exc()}
   # --mode=eval on the test_step case's checkpoint: its own test_step.
   try:
     out["eval_mode"] = _tfdist_fit(
@@ -442,6 +463,16 @@ class CustomStepTest(absltest.TestCase):
     for key, value in keras_run["train"].items():
       self.assertAlmostEqual(ours["train"][key], value, delta=ATOL)
 
+  def test_resumed_run_restores_the_models_own_optimizer(self):
+    result = self._case("resumed")
+    keras_run, ours = result["keras"], result["tfdist"]
+    # The first attempt stopped half-way (another model than the end's).
+    self.assertGreater(_max_diff(result["first"]["weights"],
+                                 keras_run["weights"]), 0.01)
+    self.assertLess(_max_diff(ours["weights"], keras_run["weights"]), ATOL)
+    for key, value in keras_run["train"].items():
+      self.assertAlmostEqual(ours["train"][key], value, delta=ATOL)
+
   def test_eval_mode_runs_the_models_test_step(self):
     results = self._case("eval_mode")["results"]
     reference = self._case("test_step/one_device")["keras"]["eval"]
@@ -501,6 +532,10 @@ class MultiWorkerTest(absltest.TestCase):
     for key, value in reference["train"].items():
       # Each worker's last-batch loss alone would be off by about 2%.
       self.assertAlmostEqual(ours["train"][key], value, delta=ATOL)
+
+
+def _max_diff(a, b) -> float:
+  return max(abs(x - y) for x, y in zip(_flatten(a), _flatten(b)))
 
 
 def _flatten(value) -> list:
