@@ -493,6 +493,47 @@ class CustomStepTest(absltest.TestCase):
         self.assertIn("Fix:", result["message"])
 
 
+class OverridesAndChecksTest(absltest.TestCase):
+  """`custom_step.overrides` and `check` alone (this process)."""
+
+  def test_overrides_are_found_by_class(self):
+    import keras  # pylint: disable=g-import-not-at-top
+    from tfdist.training import custom_step  # pylint: disable=g-import-not-at-top
+
+    class Plain(keras.Model):
+
+      def call(self, x):
+        return x
+
+    class Own(Plain):
+
+      def train_step(self, data):
+        return {}
+
+      def compute_metrics(self, x, y, y_pred, sample_weight=None):
+        return {}
+
+    self.assertEqual(custom_step.overrides(Plain()), ())
+    self.assertEqual(custom_step.overrides(
+        keras.Sequential([keras.layers.Dense(1)])), ())
+    self.assertEqual(custom_step.overrides(Own()),
+                     ("Own.train_step", "Own.compute_metrics"))
+
+  def test_fp16_train_step_is_warned_to_scale_its_loss(self):
+    from tfdist.training import custom_step  # pylint: disable=g-import-not-at-top
+    with self.assertLogs(level="WARNING") as logs:
+      custom_step.check(("Gan.train_step",), model_name="gan", compiled=True,
+                        loss_scaled=True)
+    self.assertIn("self.optimizer.scale_loss(loss)", logs.output[0])
+    # Nothing to say without an override, or with one that leaves Keras's
+    # train_step (which scales the loss).
+    with self.assertNoLogs(level="WARNING"):
+      custom_step.check((), model_name="m", compiled=False,
+                        gradient_accumulation_steps=4, loss_scaled=True)
+      custom_step.check(("M.compute_loss",), model_name="m", compiled=True,
+                        loss_scaled=True)
+
+
 def _cluster_main(out_path: str, case: str):
   """One case through `tfdist.fit` on the cluster of `TF_CONFIG` (run by
   `tfdist.launch --module=tests.custom_step_test OUT_JSON CASE`); the

@@ -404,7 +404,9 @@ def _custom_step_parts(options: AssemblyOptions, *, model: keras.Model,
       enable_xla=options.enable_xla, class_weight=options.class_weight,
       loss_or_metrics_given=(task.loss is not None or
                              task.metrics is not None),
-      strategy=strategy, on_tpu=on_tpu)
+      strategy=strategy, on_tpu=on_tpu,
+      loss_scaled=isinstance(model.optimizer,
+                             keras.optimizers.LossScaleOptimizer))
   trainer = _custom_step_trainer(
       model, task=task, strategy=strategy,
       steps_per_epoch=plan.steps_per_epoch,

@@ -71,7 +71,7 @@ def check(found: Sequence[str], *, model_name: str, compiled: bool,
           class_weight: Sequence[Tuple[int, float]] = (),
           loss_or_metrics_given: bool = False,
           strategy: Optional[tf.distribute.Strategy] = None,
-          on_tpu: bool = False) -> None:
+          on_tpu: bool = False, loss_scaled: bool = False) -> None:
   """Refuses what cannot run with a model's own step (`found`: `overrides`).
 
   Args:
@@ -84,6 +84,8 @@ def check(found: Sequence[str], *, model_name: str, compiled: bool,
     loss_or_metrics_given: `tfdist.fit` was given `loss=` or `metrics=`.
     strategy: the run's strategy (parameter servers are refused).
     on_tpu: the strategy is TPU (refused).
+    loss_scaled: the optimizer is a `LossScaleOptimizer` (`--dtype=fp16`):
+      an overridden `train_step` is warned that it must scale its loss.
 
   Raises:
     ConfigError: the first setting that needs tfdist's own step, naming
@@ -142,6 +144,15 @@ def check(found: Sequence[str], *, model_name: str, compiled: bool,
           f"--model={model_name} overrides {', '.join(found)}, so tfdist "
           f"runs the model's own step as Keras's Model.fit does; {flag} "
           f"cannot go with it: {why}. Fix: {fix}.")
+  steps = [name for name in found if name.endswith(".train_step")]
+  if loss_scaled and steps:
+    logging.warning(
+        "--model=%s overrides %s under --dtype=fp16: its optimizer is a "
+        "LossScaleOptimizer, which divides the gradients by the loss scale "
+        "(32768 at first). As in Keras's fit, the step must take the "
+        "gradients of self.optimizer.scale_loss(loss), as Keras's own "
+        "train_step does; otherwise every update is that many times too "
+        "small.", model_name, steps[0])
 
 
 def _all_replicas(fn: Callable, reduce_op=tf.distribute.ReduceOp.MEAN
