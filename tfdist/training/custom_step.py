@@ -19,7 +19,9 @@ trainer.py`):
 * evaluation: `strategy.run(model.test_step, args=(batch,))` on each
   evaluation batch;
 * the step's returned logs are reduced as `fit` reduces them: the mean over
-  replicas (Keras's `reduce_per_replica(..., "auto")` off TPUs), and, as
+  replicas (Keras's `reduce_per_replica(..., "auto")` off TPUs; an
+  all-reduce inside the replica function, so that it spans the workers of
+  MultiWorkerMirrored too, where Keras's own `fit` fails), and, as
   `fit`'s `_get_metrics_result_or_logs`, replaced by the model's metrics
   read over every replica (`model.get_metrics_result()` in cross-replica
   context) when their names are the logs' names. The model's metrics are
@@ -32,7 +34,10 @@ optimizer it owns, and tfdist's optimizer), resumption, callbacks, the run
 log and the manifest. What only tfdist's own step can do is refused at
 start (`check`), naming the override and the flag: gradient accumulation,
 ZeRO sharding, tfdist's gradient clipping flags, XLA, class weights,
-`tfdist.fit(loss=..., metrics=...)`, parameter servers and TPUs.
+`tfdist.fit(loss=..., metrics=...)`, parameter servers and TPUs. Under
+`--dtype=fp16` an overridden `train_step` is warned to scale its loss
+(`self.optimizer.scale_loss`), as Keras's own does. The step's input wait
+and execution time are not measured (the run log leaves them out).
 """
 
 from typing import Any, Callable, Dict, Optional, Sequence, Tuple
