@@ -311,7 +311,10 @@ def fit(model_fn: Union[Callable, str],
       used; the optimizer comes from `config`) or not. tfdist calls it in
       the strategy's scope, with the keyword arguments it names among `spec`
       (the data set's `DatasetSpec`) and `config`. A registered name works
-      too.
+      too. A model whose class overrides `train_step`, `test_step`,
+      `compute_loss` or `compute_metrics` is trained and evaluated with
+      its own step, as `keras.Model.fit` runs it
+      (`tfdist.training.custom_step`).
     dataset_fn: returns a finite `tf.data.Dataset` of unbatched `(features,
       labels)` examples, one epoch of a split; called with the keyword
       arguments it names among `training` (True: training split, False:
@@ -396,7 +399,8 @@ def fit(model_fn: Union[Callable, str],
       arrays of different lengths, a `PyDataset` or generator for a run of
       several workers or parameter servers, a
       `validation_split` outside (0, 1) or with a dataset function, no loss
-      anywhere, a model that cannot take the features).
+      anywhere, a model that cannot take the features, a setting that a
+      model with its own `train_step` cannot take).
     tfdist.errors.PreemptedError: SIGTERM or SIGINT stopped training after
       every worker saved a checkpoint (call again with the same
       `config.model_dir` to resume). Uncaught, it ends the script as

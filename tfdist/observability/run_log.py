@@ -399,14 +399,18 @@ class RunLog:
     self.history.append(record)
     self._append(record)
     self.release()
-    finite = all(math.isfinite(v) for v in (record["loss"], learning_rate))
+    # A model's own train_step may log no "loss" (a GAN's d_loss and
+    # g_loss): then every value it logs is watched.
+    watched = ([record["loss"]] if "loss" in record else
+               [v for v in values.values() if isinstance(v, float)])
+    finite = all(math.isfinite(v) for v in (*watched, learning_rate))
     if hold and finite:
       self._held = (step, text)
     else:
       logging.info("%s", text, extra=progress.PROGRESS)
     if not finite:
       raise DivergenceError(
-          f"Training diverged at step {step}: loss {record['loss']}, "
+          f"Training diverged at step {step}: loss {record.get('loss')}, "
           f"learning rate {learning_rate}. " +
           divergence_advice(loss_scaled=loss_scale is not None))
     self._check_explosion(record)
@@ -467,7 +471,8 @@ class RunLog:
   def _check_explosion(self, record: dict):
     """Warns once when the loss exceeds `loss_explosion_factor` times the
     run's first logged loss (earlier processes' records included)."""
-    if not self.loss_explosion_factor or self.explosion_warned:
+    if (not self.loss_explosion_factor or self.explosion_warned or
+        "loss" not in record):
       return
     first = next((r for r in self.all_records("train")
                   if r.get("loss") is not None and

@@ -20,6 +20,7 @@ from tfdist import models
 from tfdist.config import ConfigError
 from tfdist.errors import first_line
 from tfdist.training import checkpointing
+from tfdist.training import custom_step
 from tfdist.training import lr_schedule
 from tfdist.training import objectives as objectives_lib
 from tfdist.training import optimizers
@@ -372,6 +373,10 @@ def build(options: AssemblyOptions, *, task: task_lib.Task,
   # (`tf.train.Checkpoint(model=...)`, compiled with an optimizer of its own
   # or not) finds no optimizer of tfdist's under `model/`.
   object.__setattr__(model, "optimizer", optimizer)
+  if custom_step.overrides(model):
+    return _custom_step_parts(options, model=model, task=task,
+                              strategy=strategy, plan=plan, on_tpu=on_tpu,
+                              learning_rate=learning_rate)
   resolved, metric_sums = resolve_objectives(model, task=task)
   class_weight = check_weights(options, task=task)
   _warn_batch_valued_metrics(metric_sums, plan)
@@ -398,11 +403,65 @@ def build(options: AssemblyOptions, *, task: task_lib.Task,
                metric_sums=metric_sums)
 
 
+def _custom_step_parts(options: AssemblyOptions, *, model: keras.Model,
+                       task: task_lib.Task, strategy: tf.distribute.Strategy,
+                       plan, on_tpu: bool, learning_rate) -> Parts:
+  """`build`'s parts for a model that overrides its `train_step` (or
+  `test_step`, `compute_loss`, `compute_metrics`): tfdist runs the model's
+  own step (`tfdist.training.custom_step`); no objectives of tfdist's.
+
+  Raises:
+    ConfigError: a setting that needs tfdist's own step
+      (`custom_step.check`).
+  """
+  found = custom_step.overrides(model)
+  custom_step.check(
+      found, model_name=task.model_name, compiled=model.compiled,
+      gradient_accumulation_steps=plan.batch.gradient_accumulation_steps,
+      zero_stage=options.zero_stage, clipnorm=options.clipnorm,
+      global_clipnorm=options.global_clipnorm,
+      enable_xla=options.enable_xla, class_weight=options.class_weight,
+      loss_or_metrics_given=(task.loss is not None or
+                             task.metrics is not None),
+      strategy=strategy, on_tpu=on_tpu,
+      loss_scaled=isinstance(model.optimizer,
+                             keras.optimizers.LossScaleOptimizer))
+  trainer = _custom_step_trainer(
+      model, task=task, strategy=strategy,
+      steps_per_epoch=plan.steps_per_epoch,
+      steps_per_execution=options.steps_per_execution,
+      run_eagerly=options.run_eagerly)
+  checkpoint = _training_checkpoint(model, trainer=trainer,
+                                    optimizer=model.optimizer,
+                                    learning_rate=learning_rate)
+  return Parts(model=model, optimizer=model.optimizer, trainer=trainer,
+               checkpoint=checkpoint, objectives=None,
+               metric_sums=objectives_lib.MetricSums([]))
+
+
+def _custom_step_trainer(model: keras.Model, *, task: task_lib.Task,
+                         strategy: tf.distribute.Strategy, **kwargs
+                         ) -> custom_step.CustomStepTrainer:
+  """`custom_step.build_trainer` for `model` on the task's examples
+  (`kwargs`: its step settings)."""
+  features, labels = task_lib.example_spec(task.dataset)
+  weight = task_lib.sample_weight_spec(task.dataset)
+  return custom_step.build_trainer(
+      model, custom_step.overrides(model), strategy=strategy,
+      batch_spec=(features, labels) + ((weight,) if weight is not None
+                                       else ()), **kwargs)
+
+
 def evaluation_parts(options: AssemblyOptions, *, task: task_lib.Task
                      ) -> Parts:
   """A model (in the current scope) with its loss and metrics, and no
   optimizer: what the side-car evaluator and `--mode=eval` need."""
   model = build_model(options, task=task)
+  if custom_step.overrides(model):  # It evaluates with its own test_step.
+    return Parts(model=model, optimizer=None, checkpoint=None,
+                 trainer=_custom_step_trainer(
+                     model, task=task, strategy=tf.distribute.get_strategy()),
+                 metric_sums=objectives_lib.MetricSums([]))
   resolved, metric_sums = resolve_objectives(model, task=task)
   return Parts(model=model, optimizer=None, trainer=None, checkpoint=None,
                objectives=resolved, metric_sums=metric_sums)
@@ -414,7 +473,10 @@ def evaluation_trainer(parts: Parts, *, global_batch_size: int,
   """A `Trainer` that evaluates `parts.model` in this process, with the
   run's loss and metrics, under `strategy` (the one `parts.model` was built
   in; None: the current one, e.g. the default strategy on the
-  parameter-server coordinator)."""
+  parameter-server coordinator). A model with its own step
+  (`tfdist.training.custom_step`) keeps its `parts.trainer`."""
+  if isinstance(parts.trainer, custom_step.CustomStepTrainer):
+    return parts.trainer
   return Trainer(strategy=strategy or tf.distribute.get_strategy(),
                  model=parts.model,
                  optimizer=parts.optimizer or keras.optimizers.SGD(),

@@ -506,7 +506,8 @@ class KerasBatchEnd(Action):
     self.window.add(output.sums, state.num_steps)
     sums, steps = self.window.sums, self.window.steps
     logs = (self.summarize(sums, steps) if self.summarize is not None else
-            {"loss": float(sums["loss"]) / steps})
+            # A model's own train_step may log no loss (custom_step).
+            {"loss": float(sums["loss"]) / steps} if "loss" in sums else {})
     self.callbacks.on_train_batch_end(
         (state.step - 1) % self.options.steps_per_epoch, logs)
 
@@ -896,7 +897,8 @@ class Controller:
     self.run_log.log_eval(step, result)
     for action in self.eval_actions:
       action(dict(result))
-    if check_loss:
+    # A model's own test_step may report no loss (custom_step).
+    if check_loss and "loss" in result:
       finite_state = None
       if (not math.isfinite(result["loss"]) and
           self.checkpoints is not None):
