@@ -848,6 +848,93 @@ class InMemoryArgumentsTest(absltest.TestCase):
     self._refused(r"y or sample_weight given without x", x=None,
                   y=np.zeros(8))
 
+class CallbackStateResumeTest(absltest.TestCase):
+  """An interrupted and resumed `tfdist.fit` (one device, in this process)
+  stops and restores as the uninterrupted run: EarlyStopping's and
+  ReduceLROnPlateau's state rides in every checkpoint."""
+
+  EPOCHS = 8
+
+  def _fit(self, model_dir: str, *, interrupt_at_epoch=None,
+           extra_callbacks=()) -> dict:
+    """One `tfdist.fit` call; returns its epochs, rates, best epoch and
+    final weights (or `preempted`: the step a SIGTERM stopped it at)."""
+    import signal  # pylint: disable=g-import-not-at-top
+    import keras  # pylint: disable=g-import-not-at-top
+    import numpy as np  # pylint: disable=g-import-not-at-top
+    import tfdist  # pylint: disable=g-import-not-at-top
+    rng = np.random.default_rng(0)
+    x = rng.uniform(-1, 1, (256, 1)).astype("float32")
+    y = 3 * x[:, 0] + rng.normal(0, 0.1, 256).astype("float32")
+    models = []
+
+    def model_fn():
+      model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(
+          1, use_bias=False, kernel_initializer="zeros")])
+      model.compile(loss="mse")
+      models.append(model)
+      return model
+
+    seen = {"epochs": [], "rates": []}
+
+    class Record(keras.callbacks.Callback):
+
+      def on_epoch_end(self, epoch, logs=None):
+        seen["epochs"].append(epoch)
+        seen["rates"].append(float(logs["learning_rate"]))
+
+    class Interrupt(keras.callbacks.Callback):
+
+      def on_epoch_begin(self, epoch, logs=None):
+        if epoch == interrupt_at_epoch:
+          os.kill(os.getpid(), signal.SIGTERM)
+
+    # "max" on a falling val_loss: epoch 0 stays the best, so EarlyStopping
+    # (patience 2) stops after epoch 2 and restores epoch 0's weights, and
+    # ReduceLROnPlateau halves the rate after epoch 1 (then cools down).
+    early = keras.callbacks.EarlyStopping(
+        monitor="val_loss", mode="max", patience=2,
+        restore_best_weights=True)
+    reduce = keras.callbacks.ReduceLROnPlateau(
+        monitor="val_loss", mode="max", patience=1, factor=0.5, cooldown=1)
+    config = tfdist.TrainConfig(
+        model_dir=model_dir, train_epochs=self.EPOCHS, batch_size=32,
+        optimizer="sgd", base_learning_rate=0.05, lr_scaling="none",
+        distribution_strategy="one_device", log_steps=2)
+    try:
+      result = tfdist.fit(model_fn, config=config, x=x, y=y,
+                          validation_split=0.25, verbose=0,
+                          callbacks=[early, reduce, Record(), Interrupt(),
+                                     *extra_callbacks])
+    except tfdist.errors.PreemptedError as e:
+      return {"preempted": e.step}
+    return {**seen, "best_epoch": early.best_epoch,
+            "stopped_epoch": early.stopped_epoch, "step": result["final_step"],
+            "weights": [w.tolist() for w in models[-1].get_weights()]}
+
+  def test_a_resumed_run_stops_and_restores_as_the_uninterrupted_one(self):
+    import numpy as np  # pylint: disable=g-import-not-at-top
+    whole = self._fit(tempfile.mkdtemp(dir=testutil.scratch_dir()))
+    self.assertEqual((whole["stopped_epoch"], whole["best_epoch"]), (2, 0))
+    model_dir = tempfile.mkdtemp(dir=testutil.scratch_dir())
+    # 6 steps an epoch (192 training rows, batch 32): the SIGTERM sent as
+    # epoch 2 begins stops the run after its first chunk, mid-epoch, with a
+    # checkpoint there.
+    first = self._fit(model_dir, interrupt_at_epoch=2)
+    self.assertBetween(first.get("preempted", 0), 13, 17, first)
+    with self.assertLogs(level="INFO") as logs:
+      resumed = self._fit(model_dir)
+    self.assertEqual(resumed["epochs"], whole["epochs"][2:])
+    self.assertEqual(resumed["stopped_epoch"], whole["stopped_epoch"])
+    self.assertEqual(resumed["best_epoch"], whole["best_epoch"])
+    self.assertEqual(resumed["step"], whole["step"])
+    self.assertEqual(resumed["rates"], whole["rates"][2:])
+    np.testing.assert_allclose(resumed["weights"], whole["weights"],
+                               atol=1e-6)
+    self.assertIn("tfdist: callback state restored: 0-EarlyStopping, "
+                  "1-ReduceLROnPlateau.", "\n".join(logs.output))
+
+
 
 def _cluster(test, case: str, launch_args, files_dir=None) -> dict:
   """Runs `case` on a local cluster (with `file_callbacks(files_dir)`, and

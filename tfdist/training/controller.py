@@ -75,6 +75,7 @@ import tensorflow as tf
 from tfdist import errors
 from tfdist.observability import run_log as run_log_lib
 from tfdist.runtime import strict_json
+from tfdist.training import callback_state as callback_state_lib
 from tfdist.training import checkpointing
 from tfdist.training import keras_callbacks
 from tfdist.training import step_runner
@@ -270,16 +271,20 @@ class Checkpoints:
       steps `after_step + 1 .. step` (`after_step` None: since the input
       started) is NaN or infinite, re-read after a divergence; None: not
       checked.
+    callback_state: the `tfdist.training.callback_state.CallbackState`
+      saved with each checkpoint, or None.
   """
 
   def __init__(self, keeper, *, learning_rate: Callable[[], float],
                loss_scale: Callable[[], Optional[float]],
                nonfinite_input: Optional[Callable[[Optional[int], int],
-                                                  Optional[str]]] = None):
+                                                  Optional[str]]] = None,
+               callback_state=None):
     self.keeper = keeper
     self.learning_rate = learning_rate
     self.loss_scale = loss_scale
     self.nonfinite_input = nonfinite_input
+    self.callback_state = callback_state
 
   def save(self, step: int) -> str:
     """Saves step `step`; returns the path.
@@ -369,6 +374,9 @@ class KerasTrainHooks(Action):
     if self.model is not None:
       self.model.stop_training = False
     self.callbacks.on_train_begin()
+    if state.step > 0:  # Resumed: the callbacks go on from their state.
+      callback_state_lib.resume(self.checkpoints.callback_state,
+                                self.callbacks.callbacks)
 
   def before_steps(self, state):
     if not state.epoch_open:
@@ -620,8 +628,9 @@ class KerasEpochEnd(Action):
   evaluation as `val_*`); then every worker agrees on a stop request.
 
   A learning-rate callback (ReduceLROnPlateau) that changed the rate after
-  this step's checkpoint has it saved again, so a resume from it trains on
-  with the new rate.
+  this step's checkpoint, or a callback whose kept state changed
+  (`tfdist.training.callback_state`), has it saved again, so a resume from
+  it trains on with the new rate and the callbacks' new state.
   """
 
   def __init__(self, callbacks: keras.callbacks.CallbackList, *,
@@ -651,8 +660,10 @@ class KerasEpochEnd(Action):
     rate_before = self.checkpoints.learning_rate()
     self.callbacks.on_epoch_end(state.epoch, logs)
     state.epoch_logs = logs
-    if state.saved is not None and not _same_rate(
-        rate_before, self.checkpoints.learning_rate()):
+    if state.saved is not None and (
+        not _same_rate(rate_before, self.checkpoints.learning_rate()) or
+        callback_state_lib.changed_since_save(
+            self.checkpoints.callback_state)):
       state.saved = self.checkpoints.save(step)
     state.epoch_open = False
     state.epoch += 1
@@ -784,7 +795,10 @@ class Controller:
           Checkpoints(checkpoints, learning_rate=learning_rate,
                       loss_scale=loss_scale,
                       nonfinite_input=getattr(runner, "nonfinite_input",
-                                              None)),
+                                              None),
+                      callback_state=callback_state_lib.attach(
+                          checkpoints.checkpoint,
+                          keras_callbacks.flatten(callbacks))),
           keras.callbacks.CallbackList(list(callbacks), model=model),
           model=model, preemption=preemption) + list(train_actions)
 
