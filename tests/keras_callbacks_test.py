@@ -236,7 +236,7 @@ class CallbackStateTest(absltest.TestCase):
     self.assertEqual(self._round_trip([Counter(5)], [fresh]), ["0-Counter"])
     self.assertEqual(fresh.seen, 5)
 
-  def test_a_hook_returning_what_json_cannot_hold_fails_at_start(self):
+  def test_a_hook_returning_what_json_cannot_hold_fails_before_a_step(self):
     import tensorflow as tf  # pylint: disable=g-import-not-at-top
     from tfdist.training import callback_state  # pylint: disable=g-import-not-at-top
 
@@ -248,10 +248,11 @@ class CallbackStateTest(absltest.TestCase):
       def set_state(self, state):
         pass
 
+    state = callback_state.attach(tf.train.Checkpoint(), [Bad()])
     with self.assertRaisesRegex(
         ConfigError, r"callbacks: Bad.get_state\(\) returned a dict JSON "
         r"cannot hold .*Instead, return numbers"):
-      callback_state.attach(tf.train.Checkpoint(), [Bad()])
+      callback_state.after_train_begin(state, [Bad()], resumed=False)
 
   def test_no_stateful_callback_adds_nothing_to_the_checkpoint(self):
     import tensorflow as tf  # pylint: disable=g-import-not-at-top
@@ -281,3 +282,25 @@ class CallbackStateTest(absltest.TestCase):
     self.assertRegex(lost[1], r"TensorBoard\(update_freq=10\)")
     self.assertRegex(lost[2], r"Mine \(attributes total\) has no "
                      r"get_state\(\)/set_state\(\) hook")
+
+  def test_the_guides_hook_example_keeps_its_state(self):
+    # The block of docs/guides/fit-conformance.md marked
+    # callback_state_hook, as written.
+    from tests import docs_test  # pylint: disable=g-import-not-at-top
+    from tests import testutil  # pylint: disable=g-import-not-at-top
+    path = os.path.join(testutil.REPO_ROOT, "docs", "guides",
+                        "fit-conformance.md")
+    with open(path, encoding="utf-8") as f:
+      blocks = [b for b in docs_test.code_blocks(f.read()) if b["marker"] ==
+                "<!-- run: tests/keras_callbacks_test.py "
+                "callback_state_hook -->"]
+    self.assertLen(blocks, 1)
+    namespace = {}
+    exec(blocks[0]["code"], namespace)  # pylint: disable=exec-used
+    before = namespace["BestSoFar"]()
+    before.on_train_begin()
+    for epoch, loss in enumerate((0.5, 0.4, 0.45)):
+      before.on_epoch_end(epoch, {"val_loss": loss})
+    after = namespace["BestSoFar"]()
+    self.assertEqual(self._round_trip([before], [after]), ["0-BestSoFar"])
+    self.assertEqual((after.best, after.improved), (0.4, 2))

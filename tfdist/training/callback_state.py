@@ -167,7 +167,7 @@ class CallbackState(tf.train.experimental.PythonState):
       self._restored_arrays = {name: npz[name] for name in npz.files}
 
   def check_hooks(self) -> None:
-    """Calls every `get_state()` hook once, so a bad one fails at start.
+    """Calls every `get_state()` hook once, so a bad one fails before training.
 
     Raises:
       ConfigError: a hook returning no dict, or one JSON cannot hold.
@@ -256,16 +256,10 @@ def attach(checkpoint: tf.train.Checkpoint,
            callbacks: Sequence[keras.callbacks.Callback]
            ) -> Optional[CallbackState]:
   """Adds the callbacks' state to `checkpoint` (as its `callback_state`
-  part) when any callback has state tfdist keeps; returns it, or None.
-
-  Raises:
-    ConfigError: a `get_state()` hook returning no dict, or one JSON cannot
-      hold (checked now, before training).
-  """
+  part) when any callback has state tfdist keeps; returns it, or None."""
   state = CallbackState(callbacks)
   if not state.keeps_any:
     return None
-  state.check_hooks()
   setattr(checkpoint, PART, state)
   return state
 
@@ -275,11 +269,27 @@ def changed_since_save(state: Optional[CallbackState]) -> bool:
   return state is not None and state.changed_since_save()
 
 
-def resume(state: Optional[CallbackState],
-           callbacks: Sequence[keras.callbacks.Callback]) -> None:
-  """At a resumed run's `on_train_begin`: gives the callbacks the state
-  restored (`state`: None when no callback keeps any), then warns once
-  about the state of `callbacks` that is lost (`unkept_warnings`)."""
+def after_train_begin(state: Optional[CallbackState],
+                      callbacks: Sequence[keras.callbacks.Callback], *,
+                      resumed: bool) -> None:
+  """Right after `on_train_begin`, before the first step: checks every
+  `get_state()` hook once; in a `resumed` run, gives the callbacks the
+  state restored, then warns once about the state of `callbacks` that is
+  lost (`unkept_warnings`).
+
+  Args:
+    state: the run's `CallbackState`; None when no callback keeps any.
+    callbacks: the run's callbacks (flattened).
+    resumed: the run resumed from a checkpoint.
+
+  Raises:
+    ConfigError: a `get_state()` hook returning no dict, or one JSON cannot
+      hold.
+  """
+  if state is not None:
+    state.check_hooks()
+  if not resumed:
+    return
   if state is not None:
     state.apply()
   lost = unkept_warnings(list(callbacks))

@@ -374,9 +374,9 @@ class KerasTrainHooks(Action):
     if self.model is not None:
       self.model.stop_training = False
     self.callbacks.on_train_begin()
-    if state.step > 0:  # Resumed: the callbacks go on from their state.
-      callback_state_lib.resume(self.checkpoints.callback_state,
-                                self.callbacks.callbacks)
+    callback_state_lib.after_train_begin(
+        self.checkpoints.callback_state, self.callbacks.callbacks,
+        resumed=state.step > 0)
 
   def before_steps(self, state):
     if not state.epoch_open:
