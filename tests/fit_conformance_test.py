@@ -855,10 +855,12 @@ class CallbackStateResumeTest(absltest.TestCase):
 
   EPOCHS = 8
 
-  def _fit(self, model_dir: str, *, interrupt_at_epoch=None,
-           extra_callbacks=()) -> dict:
+  def _fit(self, model_dir: str, *, interrupt_at=None,
+           log_steps: int = 2) -> dict:
     """One `tfdist.fit` call; returns its epochs, rates, best epoch and
-    final weights (or `preempted`: the step a SIGTERM stopped it at)."""
+    final weights (or `preempted`: the step a SIGTERM stopped it at).
+    `interrupt_at`: `(epoch, batch)` whose `on_train_batch_begin` sends the
+    SIGTERM (the run stops after the step that follows)."""
     import signal  # pylint: disable=g-import-not-at-top
     import keras  # pylint: disable=g-import-not-at-top
     import numpy as np  # pylint: disable=g-import-not-at-top
@@ -886,7 +888,10 @@ class CallbackStateResumeTest(absltest.TestCase):
     class Interrupt(keras.callbacks.Callback):
 
       def on_epoch_begin(self, epoch, logs=None):
-        if epoch == interrupt_at_epoch:
+        seen["epoch"] = epoch
+
+      def on_train_batch_begin(self, batch, logs=None):
+        if (seen.get("epoch"), batch) == interrupt_at:
           os.kill(os.getpid(), signal.SIGTERM)
 
     # "max" on a falling val_loss: epoch 0 stays the best, so EarlyStopping
@@ -900,35 +905,51 @@ class CallbackStateResumeTest(absltest.TestCase):
     config = tfdist.TrainConfig(
         model_dir=model_dir, train_epochs=self.EPOCHS, batch_size=32,
         optimizer="sgd", base_learning_rate=0.05, lr_scaling="none",
-        distribution_strategy="one_device", log_steps=2)
+        distribution_strategy="one_device", log_steps=log_steps)
     try:
       result = tfdist.fit(model_fn, config=config, x=x, y=y,
                           validation_split=0.25, verbose=0,
-                          callbacks=[early, reduce, Record(), Interrupt(),
-                                     *extra_callbacks])
+                          callbacks=[early, reduce, Record(), Interrupt()])
     except tfdist.errors.PreemptedError as e:
       return {"preempted": e.step}
+    seen.pop("epoch", None)
     return {**seen, "best_epoch": early.best_epoch,
             "stopped_epoch": early.stopped_epoch, "step": result["final_step"],
             "weights": [w.tolist() for w in models[-1].get_weights()]}
 
   def test_a_resumed_run_stops_and_restores_as_the_uninterrupted_one(self):
+    # 6 steps an epoch (192 training rows, batch 32): the SIGTERM sent as
+    # epoch 2 begins stops the run after step 13, mid-epoch, with a
+    # checkpoint there.
+    self._check_resume(interrupt_at=(2, 0), log_steps=2, stopped_at=13)
+
+  def test_a_run_stopped_at_an_epoch_end_finishes_that_epoch(self):
+    # The SIGTERM sent before epoch 1's last step stops the run at that
+    # epoch's end (step 12): after its evaluation and on_epoch_end, as the
+    # uninterrupted run, so the resumed run starts with epoch 2.
+    self._check_resume(interrupt_at=(1, 5), log_steps=1, stopped_at=12)
+
+  def _check_resume(self, *, interrupt_at, log_steps: int, stopped_at: int):
     import numpy as np  # pylint: disable=g-import-not-at-top
-    whole = self._fit(tempfile.mkdtemp(dir=testutil.scratch_dir()))
+    whole = self._fit(tempfile.mkdtemp(dir=testutil.scratch_dir()),
+                      log_steps=log_steps)
     self.assertEqual((whole["stopped_epoch"], whole["best_epoch"]), (2, 0))
     model_dir = tempfile.mkdtemp(dir=testutil.scratch_dir())
-    # 6 steps an epoch (192 training rows, batch 32): the SIGTERM sent as
-    # epoch 2 begins stops the run after its first chunk, mid-epoch, with a
-    # checkpoint there.
-    first = self._fit(model_dir, interrupt_at_epoch=2)
-    self.assertBetween(first.get("preempted", 0), 13, 17, first)
+    first = self._fit(model_dir, interrupt_at=interrupt_at,
+                      log_steps=log_steps)
+    self.assertEqual(first, {"preempted": stopped_at})
     with self.assertLogs(level="INFO") as logs:
-      resumed = self._fit(model_dir)
-    self.assertEqual(resumed["epochs"], whole["epochs"][2:])
+      resumed = self._fit(model_dir, log_steps=log_steps)
+    self.assertEqual(resumed["epochs"],
+                     whole["epochs"][len(whole["epochs"]) -
+                                     len(resumed["epochs"]):])
+    self.assertEqual(resumed["epochs"][-1], whole["epochs"][-1])
     self.assertEqual(resumed["stopped_epoch"], whole["stopped_epoch"])
     self.assertEqual(resumed["best_epoch"], whole["best_epoch"])
     self.assertEqual(resumed["step"], whole["step"])
-    self.assertEqual(resumed["rates"], whole["rates"][2:])
+    self.assertEqual(resumed["rates"],
+                     whole["rates"][len(whole["rates"]) -
+                                    len(resumed["rates"]):])
     np.testing.assert_allclose(resumed["weights"], whole["weights"],
                                atol=1e-6)
     self.assertIn("tfdist: callback state restored: 0-EarlyStopping, "

@@ -204,6 +204,8 @@ class LoopState:
     micro_steps: micro-batches run so far by this process.
     epoch_logs: the logs of the last `on_epoch_end` (Keras passes them to
       `on_train_end`), or None.
+    preempted: the checkpoint saved for a stop signal at an epoch end,
+      which stops the run once that epoch has ended; None: no such stop.
   """
   step: int
   epoch: int
@@ -217,6 +219,7 @@ class LoopState:
   stopped_early: bool = False
   micro_steps: int = 0
   epoch_logs: Optional[dict] = None
+  preempted: Optional[str] = None
 
   @property
   def num_steps(self) -> int:
@@ -564,7 +567,14 @@ class SaveCheckpoint(Action):
 
 class PreemptionStop(Action):
   """A stop signal on any worker stops every worker after the same step,
-  with a checkpoint (`tfdist.runtime.preemption.PreemptionWatcher`)."""
+  with a checkpoint (`tfdist.runtime.preemption.PreemptionWatcher`).
+
+  At an epoch end the checkpoint is saved here and the stop comes after
+  the epoch's evaluation and `on_epoch_end` (`PreemptionStopAfterEpoch`),
+  which a resumed run, starting with the next epoch, would not run: so
+  callbacks deciding per epoch see every epoch, as in an uninterrupted
+  run.
+  """
 
   def __init__(self, watcher, *, checkpoints: Checkpoints,
                callbacks: keras.callbacks.CallbackList,
@@ -582,8 +592,26 @@ class PreemptionStop(Action):
       return
     self.watcher.note_peer_stop()
     path = state.saved or self.checkpoints.save(state.step)
+    if self.options.is_epoch_end(state.step):
+      state.saved = state.preempted = path
+      return
     self.callbacks.on_train_end()
     raise self.watcher.preempted(step=state.step, checkpoint=path)
+
+
+class PreemptionStopAfterEpoch(Action):
+  """Raises the stop `PreemptionStop` deferred to the end of an epoch (the
+  checkpoint `KerasEpochEnd` saved again, if it did, is the one named)."""
+
+  def __init__(self, stop: PreemptionStop):
+    self.stop = stop
+
+  def __call__(self, state, output):
+    if state.preempted is None:
+      return
+    path = state.saved or state.preempted
+    self.stop.callbacks.on_train_end()
+    raise self.stop.watcher.preempted(step=state.step, checkpoint=path)
 
 
 class Evaluate(Action):
@@ -818,11 +846,13 @@ class Controller:
     5. `KerasBatchEnd`: Keras's batch-end hooks; sets `stop_requested`.
     6. `TrainLog`: the log line and scalars of a log point.
     7. `SaveCheckpoint`: sets `saved` at checkpoint boundaries.
-    8. `PreemptionStop`: reads `saved`, saves if needed, raises.
+    8. `PreemptionStop`: reads `saved`, saves if needed, raises (at an
+       epoch end: sets `saved` and `preempted` instead).
     9. `Evaluate`: sets `last_eval` at evaluation boundaries.
     10. `KerasEpochEnd`: reads `last_eval`; sets `epoch_logs` and
         `stop_requested` at epoch ends.
-    11. `StopOnRequest`: reads `stop_requested` and `saved`; sets
+    11. `PreemptionStopAfterEpoch`: reads `preempted` and `saved`, raises.
+    12. `StopOnRequest`: reads `stop_requested` and `saved`; sets
         `stopped_early`.
 
     The caller's `train_actions` follow, in their order.
@@ -841,14 +871,18 @@ class Controller:
         TrainLog(self.run_log, options=opts, checkpoints=saver,
                  skipped=self._skipped),
         SaveCheckpoint(saver, opts)]
+    stop = None
     if preemption is not None:
-      actions.append(PreemptionStop(preemption, checkpoints=saver,
-                                    callbacks=callbacks, options=opts))
+      stop = PreemptionStop(preemption, checkpoints=saver,
+                            callbacks=callbacks, options=opts)
+      actions.append(stop)
     actions += [
         Evaluate(self.evaluate, opts, callbacks),
         KerasEpochEnd(callbacks, model=model, run_log=self.run_log,
-                      runner=self.runner, checkpoints=saver, options=opts),
-        StopOnRequest(saver, opts)]
+                      runner=self.runner, checkpoints=saver, options=opts)]
+    if stop is not None:
+      actions.append(PreemptionStopAfterEpoch(stop))
+    actions.append(StopOnRequest(saver, opts))
     return actions
 
   @property
