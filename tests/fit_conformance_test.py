@@ -66,6 +66,9 @@ FEATURES = (
     ("learning_rate_scheduler", "`keras.callbacks.LearningRateScheduler`"),
     ("learning_rate_checkpointed", "a rate set by a callback survives a "
      "resume"),
+    ("callback_state_resumed", "`EarlyStopping(restore_best_weights=True)`"
+     " and `ReduceLROnPlateau` interrupted and resumed: the uninterrupted "
+     "run's stop, weights and rates"),
     ("early_stopping_restore", "`EarlyStopping(restore_best_weights=True)`:"
      " one answer in export, final checkpoint, manifest"),
     ("file_callbacks", "`ModelCheckpoint`, `CSVLogger`, `TensorBoard`: "
@@ -950,6 +953,7 @@ class CallbackStateResumeTest(absltest.TestCase):
       runs = _callback_state_runs(strategy="one_device", interrupt_at=(2, 0),
                                   log_steps=2)
     self._check(runs, stopped_at=13)
+    _cell("callback_state_resumed", "one_device", "works")
     self.assertIn("tfdist: callback state restored: 0-EarlyStopping, "
                   "1-ReduceLROnPlateau.", "\n".join(logs.output))
 
@@ -977,6 +981,7 @@ class CallbackStateResumeTest(absltest.TestCase):
     runs = json.loads(lines[-1])
     self.assertEqual(runs["whole"]["replicas"], 2)
     self._check(runs, stopped_at=13)
+    _cell("callback_state_resumed", "mirrored", "works")
 
   def _check(self, runs: dict, *, stopped_at: int):
     import numpy as np  # pylint: disable=g-import-not-at-top
