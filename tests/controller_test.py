@@ -545,6 +545,36 @@ class ActionsTest(absltest.TestCase):
     self.assertTrue(caught.exception.checkpoint.endswith("ckpt-3"))
     self.assertEqual(ended, [True])
 
+  def test_preemption_at_an_epoch_end_raises_after_the_epoch_ends(self):
+    # The resumed run starts with the next epoch, so this one's evaluation
+    # and on_epoch_end run first; the checkpoint is saved before them.
+    ended = []
+
+    class Recorder(keras.callbacks.Callback):
+
+      def on_train_end(self, logs=None):
+        ended.append(True)
+
+    watcher = preemption.PreemptionWatcher(grace_seconds=60)
+    callbacks = keras.callbacks.CallbackList([Recorder()])
+    callbacks.on_train_begin()
+    stop = controller_lib.PreemptionStop(
+        watcher, checkpoints=self.saver, callbacks=callbacks,
+        options=self.options)
+    after = controller_lib.PreemptionStopAfterEpoch(stop)
+    step = self.options.steps_per_epoch
+    state = self._state(step)
+    stop(state, _output(stop_signal=True))  # Saves, defers the stop.
+    self.assertTrue(state.preempted.endswith(f"ckpt-{step}"))
+    self.assertEqual(state.saved, state.preempted)
+    self.assertEqual(ended, [])
+    state.saved = "resaved-after-on_epoch_end"
+    with self.assertRaises(preemption.PreemptedError) as caught:
+      after(state, _output(stop_signal=True))
+    self.assertEqual((caught.exception.step, caught.exception.checkpoint),
+                     (step, "resaved-after-on_epoch_end"))
+    self.assertEqual(ended, [True])
+
 
 class EvaluateContinuouslyTest(absltest.TestCase):
 

@@ -95,8 +95,10 @@ def clean_interrupted_saves(directory: str) -> List[str]:
 # layers' seed-generator states (`tfdist.training.train_loop.random_state`) and
 # the learning-rate factor Keras's learning-rate callbacks set
 # (`tfdist.training.lr_schedule.AdjustableLearningRate`; absent, it stays 1),
-# which older checkpoints do not hold.
-OPTIONAL_PARTS = ("input_position", "random_state", "lr_multiplier")
+# which older checkpoints do not hold; and the Keras callbacks' state
+# (`tfdist.training.callback_state`), saved only when a callback has some.
+OPTIONAL_PARTS = ("input_position", "random_state", "lr_multiplier",
+                  "callback_state")
 
 
 def root_children(prefix: str) -> set:
