@@ -563,6 +563,12 @@ class ExperimentRunner:
       if self.is_writer:
         # Servers and side-car evaluators stop with the chief.
         done_marker.mark_done(self.config.model_dir)
+      if self.exit_plan is None:
+        # Library use (`tfdist.fit`): the checkpoint is saved and the caller
+        # decides what comes next (a notebook's Ctrl-C, a script that
+        # resumes), so the grace period no longer applies. A binary ends
+        # its process now and keeps the bound on that.
+        self.watcher.cancel_deadline()
       raise
     except tf.errors.OpError as e:
       named = self.backend.translate_failure(
