@@ -382,6 +382,11 @@ class PlanTest(absltest.TestCase):
     self.assertIn("--distribution_strategy=one_device",
                   plan["baseline_args"])
     self.assertIn("--per_replica_batch_size=32", plan["baseline_args"])
+    baseline = job_spec.parse_train_flags(
+        [*plan["baseline_args"], f"--model_dir={root}-baseline"],
+        where="baseline")
+    self.assertEqual(baseline.zero_stage_resolved, 0)
+    self.assertEqual(baseline.num_cpu_devices, 0)
     self.assertEqual(plan["baseline_dropped"],
                      ["--num_cpu_devices=2", "--shard_optimizer_state"])
     self.assertIn("Baseline: one_device, per-replica batch 32; dropped "
@@ -412,6 +417,12 @@ class PlanTest(absltest.TestCase):
       diagnose.diagnose([*self._data_flags(),
                          "--distribution_strategy=parameter_server"],
                         num_workers=2, out=io.StringIO())
+    # The requested run's own flags, as tfdist.train would refuse them.
+    with self.assertRaisesRegex(job_spec.JobSpecError,
+                                r"the requested run: .*--zero_stage=1"):
+      diagnose.diagnose([*self._data_flags(),
+                         "--distribution_strategy=one_device",
+                         "--zero_stage=1"], out=io.StringIO())
     # The batch must split over the planned replicas (here 3 logical CPUs).
     with self.assertRaisesRegex(
         diagnose.ConfigError, r"--batch_size=64 \(global\) is not divisible "

@@ -1034,7 +1034,7 @@ def plan_measurements(args: Sequence[str], config, *, num_workers: int = 1,
     # tfdist.train's own parser, as the baseline child would meet it.
     job_spec.parse_train_flags(
         [*base.train_args, "--model_dir=/tmp/tfdist-diagnose/baseline"],
-        where="tfdist.diagnose: the one-device baseline",
+        where="the one-device baseline",
         environ=dict(os.environ))
   return MeasurementPlan(
       requested=RunSpec("requested", tuple(args), num_workers=num_workers,
@@ -1171,7 +1171,7 @@ def diagnose(train_args: Sequence[str], *, num_workers: int = 1,
   # tfdist.train's own parser checks the flags before anything runs.
   config = job_spec.parse_train_flags(
       [*args, f"--model_dir={root or '/tmp/tfdist-diagnose'}"],
-      where="tfdist.diagnose", environ=dict(os.environ))
+      where="the requested run", environ=dict(os.environ))
   plan = plan_measurements(args, config, num_workers=num_workers,
                            num_ps=num_ps, pin=pin, baseline=baseline)
   _say(out, plan.describe(repeats=repeats))
