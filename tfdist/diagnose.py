@@ -81,7 +81,7 @@ DEFAULT_LOG_STEPS = 10
 # the batch, the cluster, and where it writes.
 _BASELINE_DROPS = ("distribution_strategy", "num_cpu_devices", "num_gpus",
                    "batch_size", "per_replica_batch_size", "all_reduce_alg",
-                   "bytes_per_pack",
+                   "bytes_per_pack", "all_reduce_dtype",
                    "worker_hosts", "task_index", "reduction_server",
                    "model_dir", "checkpoint_dir", "tensorboard_dir",
                    "export_dir", "profile_steps", "sync_batch_norm")
