@@ -59,6 +59,15 @@ def compresses(all_reduce_dtype: str) -> bool:
   return all_reduce_dtype != FLOAT32
 
 
+def check_name(all_reduce_dtype: str) -> None:
+  """Raises `ConfigError` unless `all_reduce_dtype` is one of
+  `ALL_REDUCE_DTYPES`."""
+  if all_reduce_dtype not in ALL_REDUCE_DTYPES:
+    raise ConfigError(
+        f"--all_reduce_dtype={all_reduce_dtype!r} is unknown. Use one of: "
+        f"{', '.join(ALL_REDUCE_DTYPES)}.")
+
+
 def check_config(all_reduce_dtype: str, *, strategy: str,
                  dtype: str) -> None:
   """The start-up checks of `--all_reduce_dtype` against the other flags.
@@ -74,10 +83,7 @@ def check_config(all_reduce_dtype: str, *, strategy: str,
       `--distribution_strategy=parameter_server`; float16 with a `--dtype`
       that has no loss scaling.
   """
-  if all_reduce_dtype not in ALL_REDUCE_DTYPES:
-    raise ConfigError(
-        f"--all_reduce_dtype={all_reduce_dtype!r} is unknown. Use one of: "
-        f"{', '.join(ALL_REDUCE_DTYPES)}.")
+  check_name(all_reduce_dtype)
   if not compresses(all_reduce_dtype):
     return
   check_strategy(all_reduce_dtype, str(strategy).lower())

@@ -262,7 +262,7 @@ def _checked_reduce_dtype(all_reduce_dtype: str,
   """`all_reduce_dtype`, checked against the strategy and the optimizer
   (`tfdist.training.reduce_dtype`: parameter servers have no all-reduce;
   float16 needs a loss scale)."""
-  reduce_dtype.check_config(all_reduce_dtype, strategy="", dtype="auto")
+  reduce_dtype.check_name(all_reduce_dtype)
   if isinstance(strategy, tf.distribute.experimental.ParameterServerStrategy):
     reduce_dtype.check_strategy(all_reduce_dtype, "parameter_server")
   reduce_dtype.check_loss_scaling(
