@@ -11,8 +11,9 @@
     policy) and float16 (mixed_float16, loss-scaled) reduction give weights
     within `TOLERANCE` of float32 reduction, relative to how far training
     moved them; the first step's loss is the same (the sums stay float32);
-  - ZeRO stage 1 reduces its flat gradient buffer in bfloat16 as well,
-    within the same tolerance of its float32 run.
+  - ZeRO stage 1, and stage 2 under gradient accumulation, reduce their
+    flat gradient buffer in bfloat16 as well, within the same tolerance of
+    their float32 runs.
 * The refusals: unknown values, parameter servers, float16 without a loss
   scale; the flag reaches the config, the run plan, the manifest and the
   Trainer (`python -m tfdist.train --all_reduce_dtype=bfloat16` under
@@ -75,10 +76,10 @@ def _child(train_glob: str) -> dict:
     out[f"sum/{dtype}/{value!r}"] = {"dtype": got.dtype.name,
                                      "values": got.numpy().tolist()}
 
-  def batches():
+  def batches(accumulate=1):
     # Endless: a finite input adds an all-reduce of "has a batch".
     ds = tf.data.Dataset.from_tensor_slices((images, labels)).batch(
-        GLOBAL_BATCH).repeat()
+        GLOBAL_BATCH // accumulate).repeat()
     options = tf.data.Options()
     options.experimental_distribute.auto_shard_policy = (
         tf.data.experimental.AutoShardPolicy.DATA)
@@ -100,7 +101,7 @@ def _child(train_glob: str) -> dict:
         found[name] = found.get(name, 0) + 1
     return {k: v / strategy.num_replicas_in_sync for k, v in found.items()}
 
-  def train(all_reduce_dtype, policy="fp32", stage=0):
+  def train(all_reduce_dtype, policy="fp32", stage=0, accumulate=1):
     keras.utils.set_random_seed(3)
     precision.configure_precision(policy)
     try:
@@ -117,8 +118,9 @@ def _child(train_glob: str) -> dict:
           strategy=strategy, model=model, optimizer=optimizer,
           global_batch_size=GLOBAL_BATCH, time_steps=False,
           all_reduce_dtype=all_reduce_dtype,
+          gradient_accumulation_steps=accumulate,
           sharding=sharded_optimizer.ShardingOptions(stage=stage))
-      iterator = batches()
+      iterator = batches(accumulate)
       losses = [float(trainer.train_function(
           iterator, tf.constant(1, tf.int32))["loss"]) for _ in range(STEPS)]
       return {"before": [w.tolist() for w in before],
@@ -129,15 +131,19 @@ def _child(train_glob: str) -> dict:
     finally:
       precision.configure_precision("fp32")
 
-  for name, dtype, policy, stage in (
-      ("fp32/float32", "float32", "fp32", 0),
-      ("fp32/bfloat16", "bfloat16", "fp32", 0),
-      ("fp16/float32", "float32", "fp16", 0),
-      ("fp16/float16", "float16", "fp16", 0),
-      ("zero1/float32", "float32", "fp32", 1),
-      ("zero1/bfloat16", "bfloat16", "fp32", 1)):
+  for name, dtype, policy, stage, accumulate in (
+      ("fp32/float32", "float32", "fp32", 0, 1),
+      ("fp32/bfloat16", "bfloat16", "fp32", 0, 1),
+      ("fp16/float32", "float32", "fp16", 0, 1),
+      ("fp16/float16", "float16", "fp16", 0, 1),
+      ("zero1/float32", "float32", "fp32", 1, 1),
+      ("zero1/bfloat16", "bfloat16", "fp32", 1, 1),
+      # Stage 2 under accumulation reduces every micro-batch's gradients
+      # into its shard accumulator.
+      ("zero2acc/float32", "float32", "fp32", 2, 2),
+      ("zero2acc/bfloat16", "bfloat16", "fp32", 2, 2)):
     try:
-      out[name] = train(dtype, policy, stage)
+      out[name] = train(dtype, policy, stage, accumulate)
     except Exception as e:  # pylint: disable=broad-except
       import traceback  # pylint: disable=g-import-not-at-top
       out[name] = {"error": f"{e}\n{traceback.format_exc()}"}
@@ -168,7 +174,9 @@ class MirroredTest(parameterized.TestCase):
   @parameterized.named_parameters(
       ("bfloat16", "fp32/float32", "fp32/bfloat16"),
       ("float16_loss_scaled", "fp16/float32", "fp16/float16"),
-      ("zero_stage_1_bfloat16", "zero1/float32", "zero1/bfloat16"))
+      ("zero_stage_1_bfloat16", "zero1/float32", "zero1/bfloat16"),
+      ("zero_stage_2_accumulating_bfloat16", "zero2acc/float32",
+       "zero2acc/bfloat16"))
   def test_weights_within_tolerance_of_float32(self, reference, compressed):
     import numpy as np  # pylint: disable=g-import-not-at-top
     want, got = self._case(reference), self._case(compressed)
