@@ -241,6 +241,38 @@ class EquivalenceTest(absltest.TestCase):
     first = rng.normal(0, 0.1, single["arr_0"].shape).astype(np.float32)
     self.assertGreater(np.max(np.abs(single["arr_0"] - first)), 1e-4)
 
+  def test_bfloat16_reduction_stays_near_one_process(self):
+    # --all_reduce_dtype=bfloat16: the gradients travel in bfloat16, the
+    # step's float32 sums in a float32 collective of their own (2 per
+    # step, the endless input adding none), and the weights stay within
+    # 1% of how far one float32 process moved them.
+    pattern = _convert(256, 2)
+    steps = 5
+    single_dir, multi_dir = testutil.scratch_dir(), testutil.scratch_dir()
+    code, out, _ = testlib.run_module_with_timeout(
+        "tests.multi_worker_testlib", ["train", single_dir, pattern,
+                                       str(steps)], timeout=TIMEOUT)
+    self.assertEqual(code, 0, out[-3000:])
+    status, output = testlib.run_launcher(
+        ["--num_workers=2", "--module=tests.multi_worker_testlib"],
+        ["train", multi_dir, pattern, str(steps), "0", "bfloat16"],
+        timeout=TIMEOUT)
+    self.assertEqual(status, 0, output[-4000:])
+    self.assertIn("all-reduces per step 2 (bfloat16,float32)", output)
+    single = np.load(os.path.join(single_dir, "weights.npz"))
+    multi = np.load(os.path.join(multi_dir, "weights.npz"))
+    self.assertAlmostEqual(float(multi["losses"][0]),
+                           float(single["losses"][0]), places=5)
+    rng = np.random.RandomState(0)
+    names = [k for k in single.files if k.startswith("arr_")]
+    first = [rng.normal(0, 0.1, single[n].shape).astype(np.float32)
+             for n in names]
+    moved = max(np.max(np.abs(single[n] - f)) for n, f in zip(names, first))
+    differ = max(np.max(np.abs(single[n] - multi[n])) for n in names)
+    print(f"bfloat16 reduction: moved {moved:.3g}, differ {differ:.3g}")
+    self.assertGreater(differ, 0.0)
+    self.assertLessEqual(differ / moved, 0.01)
+
 
 if __name__ == "__main__":
   absltest.main()

@@ -246,9 +246,10 @@ def shard_main(out_dir: str, globs: List[str]):
 
 
 def train_main(out_dir: str, pattern: str, steps: int,
-               bytes_per_pack: int = 0):
+               bytes_per_pack: int = 0, all_reduce_dtype: str = "float32"):
   """Trains the dense model; the chief writes weights.npz. Prints the
-  step's all-reduce count (`bytes_per_pack`: the gradients' packs)."""
+  step's all-reduce count (`bytes_per_pack`: the gradients' packs;
+  `all_reduce_dtype`: the dtype the gradients travel in)."""
   strategy = _strategy(out_dir)
   import keras  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
@@ -267,7 +268,8 @@ def train_main(out_dir: str, pattern: str, steps: int,
                      for w in model.get_weights()])
   trainer = Trainer(strategy=strategy, model=model, optimizer=optimizer,
                     global_batch_size=GLOBAL_BATCH,
-                    bytes_per_pack=bytes_per_pack)
+                    bytes_per_pack=bytes_per_pack,
+                    all_reduce_dtype=all_reduce_dtype)
   options = input_pipeline.PipelineOptions(
       files=input_pipeline.list_files(pattern),
       parse_fn=datasets.parse_image_example, global_batch_size=GLOBAL_BATCH,
@@ -279,15 +281,19 @@ def train_main(out_dir: str, pattern: str, steps: int,
     losses.append(float(out["loss"]))
   graph = trainer.train_function.get_concrete_function(
       iterator, tf.TensorSpec([], tf.int32)).graph.as_graph_def()
-  reduces = sum(node.op.startswith("CollectiveReduce")
-                for node in [*graph.node, *(n for f in graph.library.function
-                                            for n in f.node_def)])
+  collectives = [node for node in [*graph.node, *(
+      n for f in graph.library.function for n in f.node_def)]
+                 if node.op.startswith("CollectiveReduce")]
+  reduces = len(collectives)
+  dtypes = ",".join(sorted(tf.as_dtype(node.attr["T"].type).name
+                           for node in collectives))
   from tfdist.distribute import cluster as cluster_lib  # pylint: disable=g-import-not-at-top
   if cluster_lib.resolve_cluster().is_chief:
     np.savez(os.path.join(out_dir, "weights.npz"), *model.get_weights(),
              losses=np.array(losses))
   print(f"trained {steps} steps, replicas {strategy.num_replicas_in_sync}, "
-        f"last loss {losses[-1]:.6f}, all-reduces per step {reduces}",
+        f"last loss {losses[-1]:.6f}, all-reduces per step {reduces} "
+        f"({dtypes})",
         flush=True)
 
 
@@ -381,7 +387,7 @@ if __name__ == "__main__":
     shard_main(sys.argv[2], sys.argv[3:])
   elif _mode == "train":
     train_main(sys.argv[2], sys.argv[3], int(sys.argv[4]),
-               *map(int, sys.argv[5:6]))
+               *map(int, sys.argv[5:6]), *sys.argv[6:7])
   elif _mode == "train_linger":
     train_linger_main(float(sys.argv[2]), sys.argv[3:])
   elif _mode == "agree":

@@ -25,6 +25,7 @@ from tfdist.training import lr_schedule
 from tfdist.training import objectives as objectives_lib
 from tfdist.training import optimizers
 from tfdist.training import precision
+from tfdist.training import reduce_dtype
 from tfdist.training import sharded_optimizer
 from tfdist.training import task as task_lib
 from tfdist.training import train_loop
@@ -55,6 +56,8 @@ class AssemblyOptions:
     class_weight: `((class id, weight), ...)`; empty: none.
     activation_recomputation: recompute activations in the backward pass.
     bytes_per_pack: the gradients' all-reduce packs, in bytes (0: one).
+    all_reduce_dtype: the dtype the gradients travel in between replicas
+      (`tfdist.training.reduce_dtype`).
     builder_config: what a model builder asking for `config` receives (the
       run's `TrainConfig`, passed through unread).
   """
@@ -73,6 +76,7 @@ class AssemblyOptions:
   class_weight: Tuple[Tuple[int, float], ...] = ()
   activation_recomputation: bool = False
   bytes_per_pack: int = 0
+  all_reduce_dtype: str = "float32"
   builder_config: Any = None
 
 
@@ -303,6 +307,14 @@ def _log_trainer(trainer: Trainer, options: AssemblyOptions, *, plan,
         "--bytes_per_pack=%d: the gradients are all-reduced in packs of about "
         "%d bytes, last layers first, while the backward pass goes on.",
         options.bytes_per_pack, options.bytes_per_pack)
+  if reduce_dtype.compresses(options.all_reduce_dtype):
+    if trainer.strategy.num_replicas_in_sync == 1:
+      logging.warning(
+          "--all_reduce_dtype=%s has no effect: one replica in all, so "
+          "nothing is all-reduced.", options.all_reduce_dtype)
+    else:
+      logging.info("--all_reduce_dtype=%s: %s.", options.all_reduce_dtype,
+                   reduce_dtype.describe(options.all_reduce_dtype))
   if trainer.sharded is not None:
     layout = trainer.sharded.layout
     logging.info(
@@ -393,7 +405,8 @@ def build(options: AssemblyOptions, *, task: task_lib.Task,
                     time_steps=not options.deterministic,
                     sharding=sharding,
                     class_weight=class_weight,
-                    bytes_per_pack=options.bytes_per_pack)
+                    bytes_per_pack=options.bytes_per_pack,
+                    all_reduce_dtype=options.all_reduce_dtype)
   _log_trainer(trainer, options, plan=plan, sharding=sharding, on_tpu=on_tpu)
   checkpoint = _training_checkpoint(model, trainer=trainer,
                                     optimizer=optimizer,

@@ -306,7 +306,7 @@ OPERATIONAL_FIELDS = frozenset({
     "allow_incompatible_resume", "dry_run", "num_gpus", "num_cpu_devices",
     "mode", "import_modules", "init_checkpoint",
     "distribution_strategy", "all_reduce_alg", "reduction_server",
-    "bytes_per_pack",
+    "bytes_per_pack", "all_reduce_dtype",
     "train_steps", "train_epochs", "batch_size", "per_replica_batch_size"})
 
 

@@ -17,6 +17,7 @@ from tfdist.distribute.strategy_kind import StrategyKind
 from tfdist.training import batch_plan as batch_plan_lib
 from tfdist.training import lr_schedule
 from tfdist.training import precision
+from tfdist.training import reduce_dtype
 
 
 # The parameter-server coordinator's smallest evaluation batch (evaluation
@@ -64,6 +65,7 @@ class PlanOptions:
     activation_recomputation: `--activation_recomputation`.
     zero_stage: the resolved ZeRO stage (0: none).
     deterministic: `--deterministic`.
+    all_reduce_dtype: `--all_reduce_dtype` (the gradients' wire dtype).
   """
   data: DataOptions
   lr: lr_schedule.LROptions
@@ -79,6 +81,7 @@ class PlanOptions:
   activation_recomputation: bool = False
   zero_stage: int = 0
   deterministic: bool = False
+  all_reduce_dtype: str = reduce_dtype.FLOAT32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,7 +215,14 @@ class RunPlan:
                      if options.zero_stage else []) + (
                      ["  deterministic          op determinism and a "
                       "deterministic input order"]
-                     if options.deterministic else []) if line)
+                     if options.deterministic else []) + (
+                     [f"  all_reduce_dtype       {options.all_reduce_dtype}: "
+                      + (reduce_dtype.describe(options.all_reduce_dtype)
+                         if plan.num_replicas_in_sync > 1 and
+                         not self.asynchronous else
+                         "no effect (no all-reduce: one replica)")]
+                     if reduce_dtype.compresses(options.all_reduce_dtype)
+                     else []) if line)
 
 
 def resolve_data_files(data: DataOptions, spec, *, need_eval: bool = True
