@@ -22,6 +22,12 @@ class SynchronousBackend(base.Backend):
     return (local_runner(run, num_input_pipelines=self.num_input_pipelines(
         run.num_workers)), local_evaluation(run, pad=self.on_tpu), {})
 
+  def export_model(self, run):
+    """The trained model, its per-replica batch-norm statistics averaged
+    (`tfdist.training.moving_statistics`): what was last evaluated."""
+    run.parts.trainer.moving_statistics.synchronize()
+    return super().export_model(run)
+
 
 def local_runner(run, *, num_input_pipelines: int
                  ) -> step_runner.LocalStepRunner:

@@ -47,6 +47,7 @@ from tfdist.training import done_marker
 from tfdist.training import export
 from tfdist.training import keras_callbacks
 from tfdist.training import memory
+from tfdist.training import moving_statistics
 from tfdist.training import precision
 from tfdist.training import run_plan as run_plan_lib
 from tfdist.training import task as task_lib
@@ -279,6 +280,9 @@ class ExperimentRunner:
     self.plan = self.build_plan()
     self.check_resume()
     self.parts = self.build_model_and_optimizer()
+    self.plan = moving_statistics.note_in_plan(
+        self.plan, self.parts.model,
+        num_replicas_in_sync=self.strategy.num_replicas_in_sync)
     self.keeper = self.build_checkpoints()
     self.warm_started = self.warm_start()
     if self.is_writer:
@@ -469,7 +473,9 @@ class ExperimentRunner:
         max_to_keep=self.config.max_checkpoints,
         restore_dir=self.config.resolved_checkpoint_dir,
         input_position=self._input_position(), variables=state,
-        before_save=self.lease.check if self.lease is not None else None)
+        before_save=moving_statistics.before_save(
+            parts.trainer.moving_statistics,
+            self.lease.check if self.lease is not None else None))
 
   def warm_start(self) -> Optional[str]:
     """`--init_checkpoint` for a fresh run; returns what was loaded."""
