@@ -222,7 +222,7 @@ class NoteInPlanTest(absltest.TestCase):
   def test_unsynchronized_layers_under_several_replicas_are_named(self):
     with self.assertLogs("absl", "INFO") as logs:
       plan = moving_statistics.note_in_plan(
-          _plan(True), _bn_model(), num_replicas_in_sync=2)
+          _plan(True), _bn_model(), model_name="m:f", num_replicas_in_sync=2)
     self.assertFalse(plan.sync_batch_norm)
     self.assertIn("per replica in the model's bn (synchronized=False)",
                   plan.sync_batch_norm_reason)
@@ -233,21 +233,29 @@ class NoteInPlanTest(absltest.TestCase):
 
   def test_what_the_model_has_replaces_what_was_planned(self):
     synchronized = moving_statistics.note_in_plan(
-        _plan(False), _bn_model(synchronized=True), num_replicas_in_sync=2)
+        _plan(False), _bn_model(synchronized=True), model_name="m:f",
+        num_replicas_in_sync=2)
     self.assertTrue(synchronized.sync_batch_norm)
     self.assertIn("synchronized=True", synchronized.sync_batch_norm_reason)
+    # A built-in model follows the plan, whose line said so already
+    # (--nosync_batch_norm here).
+    planned = _plan(False)
+    self.assertIs(moving_statistics.note_in_plan(
+        planned, _bn_model(), model_name="cnn", num_replicas_in_sync=2),
+                  planned)
     # One replica (or parameter servers): per replica is one device's.
     for plan, replicas in ((_plan(False, 1), 1),
                            (_plan(False, 2, asynchronous=True), 2)):
       self.assertIs(moving_statistics.note_in_plan(
-          plan, _bn_model(), num_replicas_in_sync=replicas), plan)
+          plan, _bn_model(), model_name="m:f",
+          num_replicas_in_sync=replicas), plan)
 
   def test_a_model_without_batch_norm_keeps_the_plan(self):
     import keras  # pylint: disable=g-import-not-at-top
     model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
     plan = _plan(True)
     self.assertIs(moving_statistics.note_in_plan(
-        plan, model, num_replicas_in_sync=2), plan)
+        plan, model, model_name="m:f", num_replicas_in_sync=2), plan)
 
 
 if __name__ == "__main__":

@@ -281,7 +281,7 @@ class ExperimentRunner:
     self.check_resume()
     self.parts = self.build_model_and_optimizer()
     self.plan = moving_statistics.note_in_plan(
-        self.plan, self.parts.model,
+        self.plan, self.parts.model, model_name=self.config.model,
         num_replicas_in_sync=self.strategy.num_replicas_in_sync)
     self.keeper = self.build_checkpoints()
     self.warm_started = self.warm_start()

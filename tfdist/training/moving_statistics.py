@@ -34,6 +34,8 @@ from absl import logging
 import keras
 import tensorflow as tf
 
+from tfdist import models
+
 
 def batch_norm_layers(model: keras.Model) -> List[keras.layers.Layer]:
   """The `keras.layers.BatchNormalization` layers of `model`, at any depth,
@@ -142,35 +144,41 @@ def describe(names: Sequence[str], *, num_replicas_in_sync: int) -> str:
           "models: --sync_batch_norm)")
 
 
-def note_in_plan(plan, model: keras.Model, *, num_replicas_in_sync: int):
+def note_in_plan(plan, model: keras.Model, *, model_name: str,
+                 num_replicas_in_sync: int):
   """The run plan with its batch-norm facts as `model` has them, logged.
 
   Args:
     plan: the `tfdist.training.run_plan.RunPlan` (its `sync_batch_norm`
       says what a built-in model's builder was asked for).
     model: the built Keras model (a user's builder may ignore the plan).
+    model_name: `--model` (a built-in model's name, or a user's
+      `module:function`).
     num_replicas_in_sync: replicas over all workers.
 
   Returns:
-    `plan` itself for a model without batch normalization or one whose
-    layers follow the plan; else a copy whose `sync_batch_norm` and
-    `sync_batch_norm_reason` describe the model's layers. With several
-    replicas and unsynchronized layers, the plan's batch-norm line (the
-    layers and the fix) is logged.
+    `plan` itself for a model without batch normalization, or a built-in
+    model whose layers follow the plan (its plan line said so already);
+    else a copy whose `sync_batch_norm` and `sync_batch_norm_reason`
+    describe the model's layers. Unsynchronized layers under several
+    replicas of a synchronous strategy are named in a logged plan line,
+    with the fix.
   """
   layers = batch_norm_layers(model)
   if not layers:
     return plan
   unsynchronized = [layer.name for layer in layers
                     if not getattr(layer, "synchronized", False)]
-  several = num_replicas_in_sync > 1 and not plan.asynchronous
-  if unsynchronized and several:
+  synchronized = not unsynchronized
+  if models.has_batch_norm(model_name) and (
+      synchronized == plan.sync_batch_norm):
+    return plan
+  if unsynchronized and num_replicas_in_sync > 1 and not plan.asynchronous:
     reason = describe(unsynchronized,
                       num_replicas_in_sync=num_replicas_in_sync)
     logging.info("tfdist plan:\n  batch norm             %s", reason)
     return dataclasses.replace(plan, sync_batch_norm=False,
                                sync_batch_norm_reason=reason)
-  synchronized = not unsynchronized
   if synchronized == plan.sync_batch_norm:
     return plan
   return dataclasses.replace(
