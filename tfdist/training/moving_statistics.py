@@ -68,23 +68,29 @@ class MovingStatistics:
       synchronization per value of it is enough (training alone moves the
       statistics). None: every call synchronizes.
 
-  `variables` is empty (and `synchronize` does nothing) with one replica,
-  or when no unsynchronized batch-normalization layer's statistics are
-  mirrored over several replicas (parameter servers hold one copy).
+  `variables` (found at the first `synchronize`, when the model is built)
+  is empty, and `synchronize` does nothing, with one replica or when no
+  unsynchronized batch-normalization layer's statistics are mirrored over
+  several replicas (parameter servers hold one copy).
   """
 
   def __init__(self, strategy: tf.distribute.Strategy, model: keras.Model,
                *, step_counter: Optional[tf.Variable] = None):
     self.strategy = strategy
+    self.model = model
     self.step_counter = step_counter
-    self.variables = []
-    if strategy.num_replicas_in_sync > 1:
-      self.variables = [
-          v for layer in unsynchronized_layers(model)
-          for v in (layer.moving_mean, layer.moving_variance)
-          if isinstance(_tf_variable(v), tf.distribute.DistributedValues)]
+    self.variables = None
     self._synchronized_at = None
-    self._fn = tf.function(self._synchronize) if self.variables else None
+    self._fn = None
+
+  def _find_variables(self) -> list:
+    if self.strategy.num_replicas_in_sync <= 1:
+      return []
+    return [v for layer in unsynchronized_layers(self.model)
+            for v in (getattr(layer, "moving_mean", None),
+                      getattr(layer, "moving_variance", None))
+            if v is not None and
+            isinstance(_tf_variable(v), tf.distribute.DistributedValues)]
 
   def _synchronize(self):
     variables = self.variables
@@ -107,6 +113,10 @@ class MovingStatistics:
     replicas (a collective: under MultiWorkerMirroredStrategy every worker
     calls it at the same steps). Returns whether anything ran: False without
     such statistics, or when they were synchronized at this step already."""
+    if self.variables is None:
+      self.variables = self._find_variables()
+      if self.variables:
+        self._fn = tf.function(self._synchronize)
     if self._fn is None:
       return False
     step = (None if self.step_counter is None else
