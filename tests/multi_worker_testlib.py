@@ -298,6 +298,7 @@ def agree_main(out_dir: str):
   import keras  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  from tfdist.training import moving_statistics  # pylint: disable=g-import-not-at-top
   from tfdist.training import precision  # pylint: disable=g-import-not-at-top
   from tfdist.training.train_loop import Trainer  # pylint: disable=g-import-not-at-top
   from tests import testutil  # pylint: disable=g-import-not-at-top
@@ -366,8 +367,10 @@ def agree_main(out_dir: str):
         bn_model.layers[-1].moving_mean.value)[0], np.float64).tolist()
 
   result["bn_before"] = local_mean()
-  result["bn_synchronized"] = [bn_trainer.moving_statistics.synchronize(),
-                               bn_trainer.moving_statistics.synchronize()]
+  statistics = moving_statistics.MovingStatistics(
+      strategy, bn_model, step_counter=bn_trainer.global_step)
+  result["bn_synchronized"] = [statistics.synchronize(),
+                               statistics.synchronize()]
   result["bn_after"] = local_mean()
   # 4. The final barrier: worker 0 arrives 3 s late; nobody leaves before.
   from tfdist.distribute import worker_exit  # pylint: disable=g-import-not-at-top

@@ -25,7 +25,7 @@ class SynchronousBackend(base.Backend):
   def export_model(self, run):
     """The trained model, its per-replica batch-norm statistics averaged
     (`tfdist.training.moving_statistics`): what was last evaluated."""
-    run.parts.trainer.moving_statistics.synchronize()
+    run.moving_statistics.synchronize()
     return super().export_model(run)
 
 
@@ -92,4 +92,11 @@ def local_evaluation(run, *, pad: bool) -> Optional[Callable[..., dict]]:
           is_training=False,
           cache=run.config.cache_dataset,
           pad_to_static_batches=pad))
-  return lambda **hooks: trainer.evaluate(eval_data, **hooks)
+
+  def evaluate(**hooks):
+    # The model evaluated is the one checkpointed and exported: one copy of
+    # unsynchronized batch norm's per-replica statistics.
+    run.moving_statistics.synchronize()
+    return trainer.evaluate(eval_data, **hooks)
+
+  return evaluate

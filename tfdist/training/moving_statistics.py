@@ -154,6 +154,18 @@ def describe(names: Sequence[str], *, num_replicas_in_sync: int) -> str:
           "models: --sync_batch_norm)")
 
 
+def for_run(plan, parts, *, strategy: tf.distribute.Strategy,
+            model_name: str):
+  """`(plan, statistics)` of a training run: `note_in_plan`'s plan, and the
+  `MovingStatistics` of `parts.model` (a `tfdist.training.assembly.Parts`
+  whose trainer's `global_step` counts the steps) for the runner to
+  synchronize before each evaluation, checkpoint and export."""
+  return (note_in_plan(plan, parts.model, model_name=model_name,
+                       num_replicas_in_sync=strategy.num_replicas_in_sync),
+          MovingStatistics(strategy, parts.model,
+                           step_counter=parts.trainer.global_step))
+
+
 def note_in_plan(plan, model: keras.Model, *, model_name: str,
                  num_replicas_in_sync: int):
   """The run plan with its batch-norm facts as `model` has them, logged.

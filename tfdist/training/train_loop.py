@@ -94,7 +94,6 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfdist.training import moving_statistics
 from tfdist.training import objectives
 from tfdist.training import precision
 from tfdist.training import sharded_optimizer
@@ -454,10 +453,6 @@ class Trainer:
           aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
       self._accumulators = (self._make_accumulators()
                             if self.gradient_accumulation_steps > 1 else None)
-    # Evaluations (and the runner's checkpoints and export) see one copy of
-    # unsynchronized batch norm's per-replica statistics.
-    self.moving_statistics = moving_statistics.MovingStatistics(
-        strategy, model, step_counter=self.global_step)
     # XLA compiles the per-replica forward and backward pass; Keras 3 turns
     # XLA off under a tf.distribute strategy, so tfdist applies it to its own
     # step. The gradients are applied outside the compiled function: the
@@ -860,11 +855,6 @@ class Trainer:
                ) -> Dict[str, float]:
     """Evaluates every example of `dist_dataset` exactly once.
 
-    Unsynchronized batch normalization's per-replica moving statistics are
-    first averaged over the replicas (`moving_statistics`, once per
-    training step): the model evaluated is the one checkpointed and
-    exported.
-
     Args:
       dist_dataset: the distributed evaluation dataset.
       on_batch_begin: called with each batch's index (0-based) before it
@@ -878,7 +868,6 @@ class Trainer:
       batch size; plus `model.losses`), <metric name>: value, ...,
       "num_examples": n}`.
     """
-    self.moving_statistics.synchronize()
     sums = {}
     for index, batch in enumerate(dist_dataset):
       if on_batch_begin is not None:
