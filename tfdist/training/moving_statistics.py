@@ -140,7 +140,7 @@ def before_save(statistics: MovingStatistics, hook=None):
   return before
 
 
-def describe(names: Sequence[str], *, num_replicas_in_sync: int) -> str:
+def plan_line(names: Sequence[str], *, num_replicas_in_sync: int) -> str:
   """The plan's batch-norm line for a model whose layers `names` are
   unsynchronized under `num_replicas_in_sync` (> 1) replicas."""
   shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more"
@@ -196,8 +196,8 @@ def note_in_plan(plan, model: keras.Model, *, model_name: str,
       synchronized == plan.sync_batch_norm):
     return plan
   if unsynchronized and num_replicas_in_sync > 1 and not plan.asynchronous:
-    reason = describe(unsynchronized,
-                      num_replicas_in_sync=num_replicas_in_sync)
+    reason = plan_line(unsynchronized,
+                       num_replicas_in_sync=num_replicas_in_sync)
     logging.info("tfdist plan:\n  batch norm             %s", reason)
     return dataclasses.replace(plan, sync_batch_norm=False,
                                sync_batch_norm_reason=reason)
