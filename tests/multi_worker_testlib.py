@@ -298,11 +298,13 @@ def train_main(out_dir: str, pattern: str, steps: int,
 
 
 def agree_main(out_dir: str):
-  """fp16 skip in unison, per-worker dropout masks, the final barrier."""
+  """fp16 skip in unison, per-worker dropout masks, batch norm's moving
+  statistics averaged over the workers, the final barrier."""
   strategy = _strategy(out_dir, collective_timeout_seconds=COLLECTIVE_TIMEOUT)
   import keras  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  from tfdist.training import moving_statistics  # pylint: disable=g-import-not-at-top
   from tfdist.training import precision  # pylint: disable=g-import-not-at-top
   from tfdist.training.train_loop import Trainer  # pylint: disable=g-import-not-at-top
   from tests import testutil  # pylint: disable=g-import-not-at-top
@@ -346,7 +348,37 @@ def agree_main(out_dir: str):
       lambda: dropout_model(tf.ones((2, 64)), training=True) != 0))
   result["dropout_mask"] = np.asarray(
       strategy.experimental_local_results(masks)[0]).astype(int).tolist()
-  # 3. The final barrier: worker 0 arrives 3 s late; nobody leaves before.
+  # 3. Unsynchronized batch norm: each worker's copy of the moving mean
+  # follows its own data (inputs of 1 on the chief, 5 on worker 0), until
+  # the copies are averaged over both workers (once per step).
+  with strategy.scope():
+    bn_model = keras.Sequential([
+        keras.Input((2,)), keras.layers.Dense(2, kernel_initializer="ones"),
+        keras.layers.BatchNormalization(momentum=0.5)])
+  bn_trainer = Trainer(strategy=strategy, model=bn_model,
+                       optimizer=keras.optimizers.SGD(0.1), global_batch_size=8)
+
+  def bn_dataset_fn(context):
+    value = 1.0 + 4.0 * context.input_pipeline_id
+    return tf.data.Dataset.from_tensor_slices(
+        (np.full((4, 2), value, np.float32), np.zeros((4,), np.int64))
+    ).batch(4).repeat()
+
+  bn_iterator = iter(strategy.distribute_datasets_from_function(
+      bn_dataset_fn))
+  bn_trainer.train_function(bn_iterator, tf.constant(1, tf.int32))
+
+  def local_mean():
+    return np.asarray(strategy.experimental_local_results(
+        bn_model.layers[-1].moving_mean.value)[0], np.float64).tolist()
+
+  result["bn_before"] = local_mean()
+  statistics = moving_statistics.MovingStatistics(
+      strategy, bn_model, step_counter=bn_trainer.global_step)
+  result["bn_synchronized"] = [statistics.synchronize(),
+                               statistics.synchronize()]
+  result["bn_after"] = local_mean()
+  # 4. The final barrier: worker 0 arrives 3 s late; nobody leaves before.
   from tfdist.distribute import worker_exit  # pylint: disable=g-import-not-at-top
   if task == "worker0":
     time.sleep(3)

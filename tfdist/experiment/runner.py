@@ -47,6 +47,7 @@ from tfdist.training import done_marker
 from tfdist.training import export
 from tfdist.training import keras_callbacks
 from tfdist.training import memory
+from tfdist.training import moving_statistics
 from tfdist.training import precision
 from tfdist.training import run_plan as run_plan_lib
 from tfdist.training import task as task_lib
@@ -192,18 +193,18 @@ class ExperimentRunner:
     lease: the `--model_dir` lease of the writer (None elsewhere).
     cleanup: what `run` undoes however the run ends (an `ExitStack`).
   Attributes set by the steps: `choice`, `strategy`, `watcher`, `plan`,
-  `policy`, `parts`, `model_memory`, `keeper`, `warm_started`,
-  `strategy_details`, `step_runner`, `evaluate`, `run_log`, `profiler`,
-  `controller`, `result`, `export_dir`. Once a run has ended, `run`
+  `policy`, `parts`, `moving_statistics`, `model_memory`, `keeper`,
+  `warm_started`, `strategy_details`, `step_runner`, `evaluate`, `run_log`,
+  `profiler`, `controller`, `result`, `export_dir`. Once a run has ended, `run`
   releases the training objects (the parameter-server coordinator removes
   its functions from the servers as they are freed, before the done
   marker).
   """
 
   # The training objects `run` releases once the run is over.
-  _TRAINING_OBJECTS = ("choice", "strategy", "watcher", "parts", "keeper",
-                       "step_runner", "evaluate", "run_log", "profiler",
-                       "controller")
+  _TRAINING_OBJECTS = ("choice", "strategy", "watcher", "parts",
+                       "moving_statistics", "keeper", "step_runner",
+                       "evaluate", "run_log", "profiler", "controller")
 
   def __init__(self, prepared: prepare.PreparedRun, *, task: task_lib.Task,
                callbacks: Sequence[keras.callbacks.Callback] = (),
@@ -279,6 +280,9 @@ class ExperimentRunner:
     self.plan = self.build_plan()
     self.check_resume()
     self.parts = self.build_model_and_optimizer()
+    self.plan, self.moving_statistics = moving_statistics.for_run(
+        self.plan, self.parts, strategy=self.strategy,
+        model_name=self.config.model)
     self.keeper = self.build_checkpoints()
     self.warm_started = self.warm_start()
     if self.is_writer:
@@ -469,7 +473,9 @@ class ExperimentRunner:
         max_to_keep=self.config.max_checkpoints,
         restore_dir=self.config.resolved_checkpoint_dir,
         input_position=self._input_position(), variables=state,
-        before_save=self.lease.check if self.lease is not None else None)
+        before_save=moving_statistics.before_save(
+            self.moving_statistics,
+            self.lease.check if self.lease is not None else None))
 
   def warm_start(self) -> Optional[str]:
     """`--init_checkpoint` for a fresh run; returns what was loaded."""
