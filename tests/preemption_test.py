@@ -83,6 +83,41 @@ class PreemptionWatcherTest(absltest.TestCase):
                      "process without a final checkpoint")
 
 
+class _ReentrantStderr:
+  """A `sys.stderr` whose writes fail as a buffered stream does when a
+  signal handler writes to it in the middle of the main thread's write."""
+
+  def write(self, text):
+    raise RuntimeError("reentrant call inside <_io.BufferedWriter "
+                       "name='<stderr>'>")
+
+  def flush(self):
+    pass
+
+
+class SignalDuringLogLineTest(absltest.TestCase):
+
+  def test_the_handler_never_writes_through_sys_stderr(self):
+    # A signal that arrives while the main thread writes a log line: the
+    # handler's own line must not go through the same buffered stream.
+    watcher = preemption.PreemptionWatcher(grace_seconds=5)
+    read_end, write_end = os.pipe()
+    saved_fd, saved_stderr = os.dup(2), sys.stderr
+    os.dup2(write_end, 2)
+    sys.stderr = _ReentrantStderr()
+    try:
+      watcher._handle(signal.SIGTERM, None)  # pylint: disable=protected-access
+    finally:
+      sys.stderr = saved_stderr
+      os.dup2(saved_fd, 2)
+      os.close(saved_fd)
+      os.close(write_end)
+    with os.fdopen(read_end) as f:
+      written = f.read()
+    self.assertEqual(watcher.signum, signal.SIGTERM)
+    self.assertIn("tfdist: received SIGTERM: saving a checkpoint", written)
+
+
 class PreemptedErrorTest(absltest.TestCase):
 
   def test_exit_code_is_128_plus_the_signal(self):

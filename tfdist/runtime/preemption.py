@@ -61,6 +61,21 @@ from tfdist.errors import PreemptedError
 from tfdist.runtime import watchdog
 
 
+def _say(text: str) -> None:
+  """Writes `text` to file descriptor 2 directly, from a signal handler.
+
+  The handler runs in the main thread between two bytecodes, possibly in
+  the middle of the main thread's own write to `sys.stderr` (a log line):
+  writing through that buffered stream again raises `RuntimeError:
+  reentrant call`, which `logging` prints as a traceback. An unbuffered
+  write to the descriptor cannot.
+  """
+  try:
+    os.write(2, text.encode(errors="replace"))
+  except OSError:
+    pass
+
+
 class PreemptionWatcher:
   """Records SIGTERM/SIGINT and ends the process if a stop takes too long.
 
@@ -175,19 +190,16 @@ class PreemptionWatcher:
     del frame  # Unused.
     name = signal.Signals(signum).name
     if self.signum is not None:
-      sys.stderr.write(f"tfdist: second signal ({name}): exiting now.\n")
-      sys.stderr.flush()
+      _say(f"tfdist: second signal ({name}): exiting now.\n")
       sys.exit(128 + signum)
     self.signum = signum
     self.received_at = self._arrival_time() or time.time()
     late = time.time() - self.received_at
-    sys.stderr.write(
-        f"tfdist: received {name}"
-        + (f" {late:.1f} s ago" if late >= 0.5 else "")
-        + ": saving a checkpoint at the next step boundary and exiting "
-        f"within {self.grace_seconds:g} s of its arrival "
-        "(--preemption_grace_seconds).\n")
-    sys.stderr.flush()
+    _say(f"tfdist: received {name}"
+         + (f" {late:.1f} s ago" if late >= 0.5 else "")
+         + ": saving a checkpoint at the next step boundary and exiting "
+         f"within {self.grace_seconds:g} s of its arrival "
+         "(--preemption_grace_seconds).\n")
 
   def _arrival_time(self) -> Optional[float]:
     """When the watcher saw the first signal arrive (None: unknown)."""
