@@ -17,6 +17,7 @@ from tfdist.distribute import strategy as strategy_lib
 from tfdist.distribute import tpu as tpu_lib
 from tfdist.distribute.strategy_kind import StrategyKind
 from tfdist.observability import manifest
+from tfdist.parallel import pipeline_options as pipeline_options_lib
 from tfdist.training import preflight
 from tfdist.training import assembly
 from tfdist.training import lr_schedule
@@ -38,7 +39,11 @@ def tpu_options(config: TrainConfig) -> tpu_lib.TpuOptions:
 def select_options(config: TrainConfig) -> auto_select.SelectOptions:
   """What `tfdist.distribute.auto_select.resolve` reads from `config` (flags as given)."""
   return auto_select.SelectOptions(
-      distribution_strategy=config.distribution_strategy, dtype=config.dtype,
+      # Pipeline stages run in one process (tfdist.backends.pipeline).
+      distribution_strategy=(
+          "one_device" if config.pipeline_stages > 1 and
+          config.distribution_strategy == config_lib.AUTO_STRATEGY
+          else config.distribution_strategy), dtype=config.dtype,
       dtype_defaulted="dtype" in config.defaulted, num_gpus=config.num_gpus,
       num_cpu_devices=config.num_cpu_devices, tpu=tpu_options(config))
 
@@ -116,6 +121,17 @@ def data_options(config: TrainConfig) -> run_plan.DataOptions:
       raw_data_dir=config.raw_data_dir)
 
 
+def pipeline_options(config: TrainConfig
+                     ) -> pipeline_options_lib.PipelineOptions:
+  """The pipeline flags of `config` (`--num_microbatches` defaulted to
+  `--pipeline_stages`)."""
+  return pipeline_options_lib.PipelineOptions(
+      num_stages=config.pipeline_stages,
+      num_microbatches=pipeline_options_lib.resolved_microbatches(
+          config.pipeline_stages, config.num_microbatches),
+      schedule=config.pipeline_schedule, cuts=tuple(config.pipeline_cuts))
+
+
 def plan_options(config: TrainConfig) -> run_plan.PlanOptions:
   """What `tfdist.training.run_plan.make_run_plan` reads from `config`."""
   return run_plan.PlanOptions(
@@ -128,7 +144,8 @@ def plan_options(config: TrainConfig) -> run_plan.PlanOptions:
       model=config.model,
       activation_recomputation=config.activation_recomputation,
       zero_stage=config.zero_stage_resolved,
-      deterministic=config.deterministic)
+      deterministic=config.deterministic,
+      pipeline=pipeline_options(config))
 
 # --- inputs and data ---
 
@@ -221,6 +238,7 @@ def assembly_options(config: TrainConfig) -> assembly.AssemblyOptions:
       class_weight=tuple(config.class_weight),
       activation_recomputation=config.activation_recomputation,
       bytes_per_pack=config.bytes_per_pack,
+      pipeline=pipeline_options(config),
       builder_config=config)
 
 

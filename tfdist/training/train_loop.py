@@ -88,6 +88,7 @@ inside the step (`micro_steps` in the sums).
 """
 
 import contextlib
+import functools
 from typing import Callable, Dict, Optional
 
 import keras
@@ -374,6 +375,9 @@ class Trainer:
       `tfdist.training.assembly.build` at start.
     bytes_per_pack: all-reduce the gradients in packs of about this many
       bytes, last layers first (`_all_reduce_sum`); 0: in one.
+    pipeline: a `tfdist.training.pipeline_step.PipelineStep`: the
+      forward and backward pass runs through the model's pipeline stages
+      in micro-batches (one replica, no XLA); None: the whole model.
 
   The Trainer changes `model` and `optimizer` for its step (see the module
   docstring): the model's random layers draw per replica
@@ -398,7 +402,7 @@ class Trainer:
                gradient_accumulation_steps: int = 1,
                time_steps: bool = True,
                sharding: Optional[sharded_optimizer.ShardingOptions] = None,
-               class_weight=None, bytes_per_pack: int = 0):
+               class_weight=None, bytes_per_pack: int = 0, pipeline=None):
     self.strategy = strategy
     self.bytes_per_pack = int(bytes_per_pack)
     self.time_steps = bool(time_steps)
@@ -463,6 +467,9 @@ class Trainer:
                                        jit_compile=True)
                            if self.xla_applied
                            else self._replica_forward_backward)
+    self.pipeline = pipeline
+    if pipeline is not None:
+      self._replica_grads = functools.partial(pipeline.forward_backward, self)
     self._replica_train = self._replica_train_step
     compile_fn = (lambda f: f) if run_eagerly else tf.function
     self.train_function = compile_fn(self._train_function)
