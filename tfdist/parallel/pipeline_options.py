@@ -38,11 +38,13 @@ class PipelineOptions:
     schedule: `gpipe` or `1f1b`.
     cuts: layer names, each the first layer of a stage after the first;
       empty: balanced by weight and activation bytes.
+    microbatches_defaulted: `--num_microbatches` was not given (M = P).
   """
   num_stages: int = 1
   num_microbatches: int = 1
   schedule: str = GPIPE
   cuts: Tuple[str, ...] = ()
+  microbatches_defaulted: bool = False
 
   @property
   def enabled(self) -> bool:
@@ -171,8 +173,10 @@ def check_batch(options: PipelineOptions, *, micro_step_batch: int,
   step = ("each of the --gradient_accumulation_steps="
           f"{gradient_accumulation_steps} micro-steps' "
           if gradient_accumulation_steps > 1 else "the step's ")
+  given = (" (not given: it defaults to --pipeline_stages)"
+           if options.microbatches_defaulted else "")
   raise ConfigError(
-      f"--num_microbatches={m} does not divide {step}batch of "
+      f"--num_microbatches={m}{given} does not divide {step}batch of "
       f"{micro_step_batch} examples (--pipeline_stages="
       f"{options.num_stages}): every micro-batch must have the same size "
       f"for the update to equal the unsplit one. Choose --num_microbatches "

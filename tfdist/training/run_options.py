@@ -129,7 +129,8 @@ def pipeline_options(config: TrainConfig
       num_stages=config.pipeline_stages,
       num_microbatches=pipeline_options_lib.resolved_microbatches(
           config.pipeline_stages, config.num_microbatches),
-      schedule=config.pipeline_schedule, cuts=tuple(config.pipeline_cuts))
+      schedule=config.pipeline_schedule, cuts=tuple(config.pipeline_cuts),
+      microbatches_defaulted=config.num_microbatches is None)
 
 
 def plan_options(config: TrainConfig) -> run_plan.PlanOptions:
