@@ -372,7 +372,7 @@ def define_pipeline_flags() -> List[str]:
       "step, equal to the unsplit model's. 1: no pipeline. With "
       "--distribution_strategy auto, one_device or off (not with data "
       "parallelism: TensorFlow has no public sub-group collectives), not "
-      "with --zero_stage, --enable_xla or --dtype=bf16/fp16. See "
+      "with --zero_stage or --enable_xla. See "
       "docs/guides/pipeline-parallelism.md.")
   flags.DEFINE_integer(
       "num_microbatches", None,

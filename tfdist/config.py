@@ -859,8 +859,7 @@ class TrainConfig:
         pipeline_schedule=self.pipeline_schedule,
         pipeline_cuts=self.pipeline_cuts,
         distribution_strategy=self.distribution_strategy,
-        zero_stage=self.zero_stage_resolved, dtype=self.dtype,
-        enable_xla=self.enable_xla)
+        zero_stage=self.zero_stage_resolved, enable_xla=self.enable_xla)
 
   def _validate_step_guards(self):
     """Skipped-step limit and the allocator switch."""

@@ -24,8 +24,6 @@ SCHEDULES = (GPIPE, ONE_F_ONE_B)
 # replica; CollectiveOps' group keys are internal).
 _DATA_PARALLEL = ("mirrored", "multi_worker_mirrored", "parameter_server",
                   "tpu")
-# Precisions the pipelined step is not tested with yet.
-_UNTESTED_DTYPES = ("bf16", "fp16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,7 +84,7 @@ def resolved_microbatches(num_stages: int,
 
 def check_flags(*, pipeline_stages: int, num_microbatches: Optional[int],
                 pipeline_schedule: str, pipeline_cuts: Sequence[str],
-                distribution_strategy: str, zero_stage: int, dtype: str,
+                distribution_strategy: str, zero_stage: int,
                 enable_xla: bool) -> None:
   """Refuses pipeline flags that cannot run, naming the flag, the value and
   the fix. Pure: the devices, the model and the batch are checked later
@@ -96,7 +94,7 @@ def check_flags(*, pipeline_stages: int, num_microbatches: Optional[int],
   Raises:
     ConfigError: P < 1; M < 1; an unknown schedule; cuts disagreeing with
       P; micro-batches or cuts without P > 1; P > 1 with a data-parallel
-      strategy, ZeRO, XLA or a precision the pipeline is not tested with.
+      strategy, ZeRO or XLA.
   """
   if not isinstance(pipeline_stages, int) or pipeline_stages < 1:
     raise ConfigError(f"--pipeline_stages={pipeline_stages} must be a "
@@ -142,11 +140,6 @@ def check_flags(*, pipeline_stages: int, num_microbatches: Optional[int],
         f"--enable_xla cannot compile a pipelined step (--pipeline_stages="
         f"{pipeline_stages}): one XLA cluster cannot span the stages' "
         "devices. Drop --enable_xla.")
-  if dtype in _UNTESTED_DTYPES:
-    raise ConfigError(
-        f"--dtype={dtype} with --pipeline_stages={pipeline_stages} is not "
-        "supported yet (the pipelined step is proven equal to the unsplit "
-        "one in fp32 only). Use --dtype=fp32, or drop --pipeline_stages.")
 
 
 def check_batch(options: PipelineOptions, *, micro_step_batch: int,
