@@ -15,10 +15,11 @@ TensorFlow's runtime starts: run it as its own process), with
   model and serves its outputs;
 * the manifest and the plan say the stages, the micro-batches, the schedule
   and that batch normalization sees micro-batches;
-* the refusals at start, as `ConfigError` (exit status 2) naming the flag:
-  more stages than layers or devices, micro-batches not dividing the
-  step's batch, a subclassed model, an activity regularizer, a
-  data-parallel strategy;
+* the refusals at start that need the model or the devices, as
+  `ConfigError` (exit status 2) naming the flag, before any step: more
+  stages than layers or devices, micro-batches not dividing the step's
+  batch, a subclassed model, unknown cuts, an activity regularizer (the
+  flags' own refusals are `tests/config_test.py`'s);
 * `--model=transformer --transformer_layers=8` is cut into 4 stages, and
   its `--dry_run` on the clothing reviews plans them.
 """
@@ -266,32 +267,6 @@ class RefusalTest(absltest.TestCase):
                   r"layer", pipeline_stages=2, pipeline_cuts="nope")
     self._refused(r"layer 'block_2' has an activity regularizer",
                   lambda: skip_model(activity=True), pipeline_stages=2)
-
-  def test_data_parallel_strategies_and_zero(self):
-    for strategy in ("mirrored", "multi_worker_mirrored", "parameter_server",
-                     "tpu"):
-      with self.subTest(strategy=strategy):
-        with self.assertRaisesRegex(
-            ConfigError, rf"--pipeline_stages=2 cannot run under "
-            rf"--distribution_strategy={strategy}: .* TensorFlow has no "
-            "public sub-group collectives"):
-          _config("/tmp/unused", deterministic=False, pipeline_stages=2,
-                  distribution_strategy=strategy)
-    with self.assertRaisesRegex(ConfigError, r"--pipeline_stages=2 and "
-                                r"--zero_stage=1 .* cannot be combined"):
-      _config("/tmp/unused", deterministic=False, pipeline_stages=2, zero_stage=1)
-    for changes, message in (
-        (dict(num_microbatches=4), r"--num_microbatches=4 applies to a "
-         r"pipeline"),
-        (dict(pipeline_stages=2, pipeline_cuts="a,b"), r"--pipeline_cuts=a,b"
-         r" makes 3 stages but --pipeline_stages=2"),
-        (dict(pipeline_stages=2, enable_xla=True), r"--enable_xla cannot "
-         r"compile a pipelined step"),
-        (dict(pipeline_stages=2, pipeline_schedule="zb"),
-         r"--pipeline_schedule='zb' is unknown")):
-      with self.subTest(changes=changes):
-        with self.assertRaisesRegex(ConfigError, message):
-          _config("/tmp/unused", deterministic=False, **changes)
 
 
 class TransformerTest(absltest.TestCase):
