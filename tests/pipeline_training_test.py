@@ -311,6 +311,9 @@ class TransformerTest(absltest.TestCase):
                   "activation bytes), 4 micro-batches per step, gpipe "
                   "schedule; batch normalization sees micro-batches of 16 "
                   "examples", "\n".join(logs.output))
+    self.assertIn("strategy               one_device: auto: "
+                  "--pipeline_stages=4 runs its stages in one process",
+                  "\n".join(logs.output))
     self.assertFalse(os.path.exists(os.path.join(model_dir, "checkpoints")))
 
 

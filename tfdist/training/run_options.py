@@ -39,13 +39,10 @@ def tpu_options(config: TrainConfig) -> tpu_lib.TpuOptions:
 def select_options(config: TrainConfig) -> auto_select.SelectOptions:
   """What `tfdist.distribute.auto_select.resolve` reads from `config` (flags as given)."""
   return auto_select.SelectOptions(
-      # Pipeline stages run in one process (tfdist.backends.pipeline).
-      distribution_strategy=(
-          "one_device" if config.pipeline_stages > 1 and
-          config.distribution_strategy == config_lib.AUTO_STRATEGY
-          else config.distribution_strategy), dtype=config.dtype,
+      distribution_strategy=config.distribution_strategy, dtype=config.dtype,
       dtype_defaulted="dtype" in config.defaulted, num_gpus=config.num_gpus,
-      num_cpu_devices=config.num_cpu_devices, tpu=tpu_options(config))
+      num_cpu_devices=config.num_cpu_devices, tpu=tpu_options(config),
+      pipeline_stages=config.pipeline_stages)
 
 
 def apply_decision(config: TrainConfig,
