@@ -7,8 +7,8 @@ TensorFlow's runtime starts: run it as its own process), with
 * `tfdist.fit` with `pipeline_stages=2` and 4, GPipe and 1F1B, gives the
   one-device run's weights within 1e-5 after K updates, on a functional
   model whose skip connection crosses the cuts; also with
-  `gradient_accumulation_steps=2`, with named cuts and with weight
-  regularizers; under bf16 and fp16 it equals the one-device run that
+  `gradient_accumulation_steps=2`, with named cuts, with weight
+  regularizers, and on a model with a dict of inputs and class weights; under bf16 and fp16 it equals the one-device run that
   accumulates over the same micro-batches;
 * a pipelined run's checkpoint resumes unsplit, and that one's under
   another P, to the weights of one unsplit run; the SavedModel is the whole
@@ -103,6 +103,23 @@ def _max_difference(a, b) -> float:
   return max(float(np.max(np.abs(x - y))) for x, y in zip(a, b))
 
 
+def dict_model():
+  """Two named inputs (a dict, given in another order than their names
+  sort), concatenated."""
+  keras.utils.set_random_seed(1)
+  b = keras.Input((8,), name="b_dense")
+  a = keras.Input((8,), name="a_dense")
+  h = keras.layers.Concatenate(name="cat")([b, a])
+  h = keras.layers.Dense(16, activation="tanh", name="block_1")(h)
+  h = keras.layers.Dense(16, activation="tanh", name="block_2")(h)
+  out = keras.layers.Dense(3, name="logits")(h)
+  model = keras.Model({"b_dense": b, "a_dense": a}, out, name="dict_model")
+  model.compile(
+      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+  _Built.model = model
+  return model
+
+
 class EqualToUnsplitTest(parameterized.TestCase):
 
   @classmethod
@@ -145,6 +162,17 @@ class EqualToUnsplitTest(parameterized.TestCase):
     self.assertLess(_max_difference(weights, unsplit), TOLERANCE)
     if dtype == "fp16":
       self.assertGreater(manifest["loss_scale"], 1.0)
+
+  def test_dict_inputs_and_class_weights(self):
+    x = {"b_dense": X, "a_dense": X[::-1].copy()}
+    runs = []
+    for stages in (1, 2):
+      model_dir = os.path.join(testutil.scratch_dir(), "run")
+      api.fit(dict_model, x=x, y=Y, verbose=0, config=_config(
+          model_dir, class_weight="0:1.0,1:2.0,2:0.5",
+          pipeline_stages=stages))
+      runs.append(_Built.model.get_weights())
+    self.assertLess(_max_difference(*runs), TOLERANCE)
 
   def test_weight_regularizers_are_added_once_per_update(self):
     unsplit, _, _ = _fit(lambda: skip_model(regularize=True))

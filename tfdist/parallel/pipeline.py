@@ -384,7 +384,10 @@ class Pipeline:
                  outputs=len(s.output_keys)) for s in self.stages]
 
   def _flat_inputs(self, x) -> List[tf.Tensor]:
-    flat = list(x) if isinstance(x, (list, tuple)) else [x]
+    # A dict flattens by sorted key, as Keras flattens a model's dict of
+    # inputs into `model.inputs`.
+    flat = (keras.tree.flatten(x) if isinstance(x, dict) else
+            list(x) if isinstance(x, (list, tuple)) else [x])
     if len(flat) != len(self._input_dtypes):
       raise PipelineConfigError(
           f"the pipeline of model {self.model.name!r} takes "
@@ -499,8 +502,10 @@ class Pipeline:
     `check_step`.
 
     Args:
-      x: the global batch's inputs: a tensor or a list of tensors in the
-        order of `model.inputs`, each [B, ...] with B known when traced.
+      x: the global batch's inputs: a tensor, a list of tensors in the
+        order of `model.inputs`, or a dict of them by input name (a model
+        built on a dict of inputs), each [B, ...] with B known when
+        traced.
       y: the targets, a tensor [B, ...].
       loss_fn: `loss_fn(y_true, y_pred)` -> a scalar float32 tensor, the
         MEAN loss over the examples it is given (a `keras.losses.Loss`
