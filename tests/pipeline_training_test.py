@@ -10,6 +10,7 @@ TensorFlow's runtime starts: run it as its own process), with
   `gradient_accumulation_steps=2`, with named cuts, with weight
   regularizers, and on a model with a dict of inputs and class weights; under bf16 and fp16 it equals the one-device run that
   accumulates over the same micro-batches;
+* its evaluation is the one-device run's;
 * a pipelined run's checkpoint resumes unsplit, and that one's under
   another P, to the weights of one unsplit run; the SavedModel is the whole
   model and serves its outputs;
@@ -173,6 +174,19 @@ class EqualToUnsplitTest(parameterized.TestCase):
           pipeline_stages=stages))
       runs.append(_Built.model.get_weights())
     self.assertLess(_max_difference(*runs), TOLERANCE)
+
+  def test_evaluation_equals_one_device(self):
+    metrics = []
+    for stages in (1, 2):
+      model_dir = os.path.join(testutil.scratch_dir(), "run")
+      result = api.fit(skip_model, x=X, y=Y, validation_split=0.25,
+                       verbose=0, config=_config(
+                           model_dir, mode="train_and_eval",
+                           pipeline_stages=stages))
+      metrics.append(result["final_metrics"])
+    self.assertEqual(metrics[1]["eval_examples"], 16)
+    for key in ("eval_loss", "eval_accuracy", "train_loss"):
+      self.assertAlmostEqual(metrics[1][key], metrics[0][key], places=5)
 
   def test_weight_regularizers_are_added_once_per_update(self):
     unsplit, _, _ = _fit(lambda: skip_model(regularize=True))
