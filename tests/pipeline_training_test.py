@@ -228,6 +228,9 @@ class ArtifactsTest(absltest.TestCase):
         "batch_norm": "micro-batches"})
     with open(os.path.join(model_dir, "run_manifest.json")) as f:
       self.assertEqual(json.load(f)["pipeline"]["stages"], 2)
+    stages = manifest["one_device"]["pipeline_stages"]
+    self.assertEqual([s["device"] for s in stages], DEVICES[:2])
+    self.assertEqual(sum(len(s["layers"]) for s in stages), 5)
     plan = "\n".join(logs.output)
     self.assertIn("pipeline               2 stages (balanced by weight and "
                   "activation bytes), 4 micro-batches per step, 1f1b "

@@ -97,6 +97,15 @@ class PipelineBackend(single_process.OneDeviceBackend):
         f"--pipeline_stages={config.pipeline_stages}: one process, stage i "
         f"on {names[0].rsplit(':', 2)[-2]} device i", tuple(names))
 
+  def build_inputs(self, run):
+    """The one-device runner and evaluation; the manifest's strategy
+    details list the stages (device, layers, weight bytes)."""
+    runner, evaluate, details = super().build_inputs(run)
+    pipeline = getattr(run.parts.trainer, "pipeline", None)
+    if pipeline is not None:
+      details = {**details, "pipeline_stages": pipeline.pipeline.describe()}
+    return runner, evaluate, details
+
   def planned_replicas(self, config, *, cluster) -> Tuple[int, int]:
     del config
     return 1, self.training_workers(cluster)
