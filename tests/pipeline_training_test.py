@@ -7,7 +7,8 @@ TensorFlow's runtime starts: run it as its own process), with
 * `tfdist.fit` with `pipeline_stages=2` and 4, GPipe and 1F1B, gives the
   one-device run's weights within 1e-5 after K updates, on a functional
   model whose skip connection crosses the cuts; also with
-  `gradient_accumulation_steps=2`, with named cuts, with weight
+  `gradient_accumulation_steps=2` and `steps_per_execution=2`, with named
+  cuts, with weight
   regularizers, and on a model with a dict of inputs and class weights; under bf16 and fp16 it equals the one-device run that
   accumulates over the same micro-batches;
 * its evaluation is the one-device run's;
@@ -143,11 +144,12 @@ class EqualToUnsplitTest(parameterized.TestCase):
                            self.unsplit_manifest["final_metrics"]["train_loss"],
                            places=5)
 
-  def test_with_gradient_accumulation_and_named_cuts(self):
+  def test_with_accumulation_named_cuts_and_steps_per_execution(self):
     unsplit, _, _ = _fit(gradient_accumulation_steps=2)
     weights, manifest, _ = _fit(
         gradient_accumulation_steps=2, pipeline_stages=3,
-        num_microbatches=2, pipeline_cuts="block_2,logits")
+        num_microbatches=2, pipeline_cuts="block_2,logits",
+        steps_per_execution=2)
     self.assertLess(_max_difference(weights, unsplit), TOLERANCE)
     self.assertEqual(manifest["pipeline"]["cuts"], ["block_2", "logits"])
 
