@@ -80,7 +80,7 @@ WEIGHT_TOLERANCE = 1e-6
 # A kill timed to a checkpoint write polls the checkpoint folder this often.
 _SAVE_POLL_SECONDS = 0.002
 _TEMP_RE = re.compile(r"-(\d+)_temp$")
-_STEP_RE = r"tfdist: step (\d+)/\d+"
+_STEP_RE = r"tfdist: (?:epoch \d+/\d+, )?step (\d+)/\d+"
 _RESUMED_RE = r"tfdist: restored \S*ckpt-(\d+): resuming at step (\d+)"
 
 

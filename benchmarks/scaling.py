@@ -18,6 +18,8 @@ implementation), on the same model (`--model`, the CNN by default) and data
   core of its own, sharing nothing (their examples/sec summed): what the
   machine gives two workers that never communicate, the ceiling of any
   2-worker figure here;
+* `mwms_2_bf16_reduce`: `mwms_2` with `--all_reduce_dtype=bfloat16` (the
+  gradients travel in 2 bytes a value; compare with `mwms_2`, alternated);
 * precision: `one_device` pinned with `--dtype=fp32`, `bf16` and `fp16`,
   all with TensorFlow's oneDNN ops off (`TF_ENABLE_ONEDNN_OPTS=0`: oneDNN's
   fp16 kernels are catastrophically slow on CPUs, see the shared notes).
@@ -69,8 +71,8 @@ flags.DEFINE_string("model", "cnn", "Model to train.")
 flags.DEFINE_string("data_dir", "", "Where Fashion-MNIST TFRecords live "
                     "(default: tfdist's).")
 CONFIGS = ["one_device", "one_device_x2", "mwms_1", "mwms_2", "mwms_2_no_timeout",
-           "mwms_2_packs", "mwms_2_nosync_bn", "mwms_2_neither", "ps_1", "ps_2", "fp32",
-           "bf16", "fp16"]
+           "mwms_2_packs", "mwms_2_nosync_bn", "mwms_2_neither",
+           "mwms_2_bf16_reduce", "ps_1", "ps_2", "fp32", "bf16", "fp16"]
 flags.DEFINE_list("configs", CONFIGS,
                   "Configurations to run (see the module docstring).")
 flags.DEFINE_integer("bytes_per_pack", 256 << 10, "--bytes_per_pack of the "
@@ -142,6 +144,10 @@ def specs(per_worker: int, extra) -> dict:
       "mwms_2_packs": (mwms(2, f"--bytes_per_pack={FLAGS.bytes_per_pack}"),
                        2, "variant"),
       "mwms_2_nosync_bn": (mwms(2, "--nosync_batch_norm"), 2, "variant"),
+      # Gradients all-reduced in bfloat16 (half the bytes), the step's
+      # sums in a float32 all-reduce of their own.
+      "mwms_2_bf16_reduce": (mwms(2, "--all_reduce_dtype=bfloat16"), 2,
+                             "variant"),
       "mwms_2_neither": (mwms(2, "--collective_timeout_seconds=0",
                               "--nosync_batch_norm"), 2, "variant"),
       "ps_1": (ps(1), 1, "parameter_server"),

@@ -16,6 +16,7 @@ from tfdist import config as config_lib
 from tfdist.parallel import pipeline_options
 from tfdist.training import decay_schedules
 from tfdist.training import optimizers
+from tfdist.training import reduce_dtype
 
 FLAGS = flags.FLAGS
 _DEFAULTS = config_lib.TrainConfig.__dataclass_fields__
@@ -259,6 +260,17 @@ def define_distribution_flags() -> List[str]:
       "(TensorFlow's CommunicationOptions.bytes_per_pack). 0 (the default): "
       "one all-reduce of every gradient after the whole backward pass. No "
       "effect with one replica; refused for other strategies.")
+  flags.DEFINE_enum(
+      "all_reduce_dtype", _default("all_reduce_dtype"),
+      list(reduce_dtype.ALL_REDUCE_DTYPES),
+      "The dtype gradients travel in between replicas (mirrored, "
+      "multi_worker_mirrored, tpu, and ZeRO's gradient all-reduce): cast "
+      "before the all-reduce, cast back to float32 after it. bfloat16 and "
+      "float16 send half the bytes of float32 and round each gradient to "
+      "about 3 significant digits; float16 needs --dtype=fp16 (a loss scale "
+      "catches its overflow). The step's loss and metric sums stay float32 "
+      "(then one more small all-reduce per step). No effect with one "
+      "replica; refused with parameter_server.")
   flags.DEFINE_enum(
       "ps_partitioner", _default("ps_partitioner"),
       list(config_lib.PS_PARTITIONERS),

@@ -4,12 +4,17 @@ Cheap: the checks stop before a model is built; one tiny one-device fit
 of a few steps checks what `fit` returns.
 """
 
+import json
 import os
+import pty
+import re
+import select
 import shutil
 import subprocess
 import sys
 import tempfile
 import textwrap
+import time
 
 from absl.testing import absltest
 import keras
@@ -20,6 +25,7 @@ from tests import testutil
 from tfdist import api
 from tfdist.config import ConfigError
 from tfdist.config import TrainConfig
+from tfdist.data import input_pipeline
 
 
 def _context(pipelines: int = 1, pipeline: int = 0):
@@ -74,6 +80,15 @@ class InMemoryDatasetTest(absltest.TestCase):
     self.assertEqual(
         list(input_fn(True, _context(2, 0)).as_numpy_iterator()), [0, 2, 4])
     self.assertLen(_rows(input_fn(False, _context())), 3)
+    # Sharded as tfdist shards it: its epochs align to steps (a resumed run
+    # continues its epoch). One that shards itself is left alone.
+    self.assertTrue(getattr(input_fn, input_pipeline.SHARDS_BY_EXAMPLE,
+                            False))
+    input_fn, _ = api.in_memory_dataset(
+        dataset_fn=lambda training, input_context: tf.data.Dataset.range(6),
+        validation_data=(self.x[:3], self.y[:3]))
+    self.assertFalse(getattr(input_fn, input_pipeline.SHARDS_BY_EXAMPLE,
+                             False))
 
   def test_the_checks(self):
     for kwargs, message in (
@@ -159,6 +174,91 @@ class FitTest(absltest.TestCase):
     # The same values as the config's are no conflict.
     self.assertEqual(api.with_keras_length(self.config, batch_size=4),
                      self.config)
+  def _fit_script(self, folder: str, *, terminal: bool) -> tuple:
+    """Runs a 4-epoch `tfdist.fit(verbose="auto")` script (6 steps an
+    epoch, a line every 12 steps, a checkpoint and an evaluation every
+    epoch) with stdout a pseudo-terminal or a pipe; returns (stdout,
+    stderr)."""
+    script = textwrap.dedent("""
+        import sys
+        import keras
+        import numpy as np
+        import tfdist
+
+        def build():
+          model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+          model.compile(loss="mse", metrics=["mae"])
+          return model
+
+        x = np.ones((32, 2), np.float32)
+        tfdist.fit(build, x=x, y=x.sum(axis=1), validation_split=0.25,
+                   config=tfdist.TrainConfig(
+                       model_dir=sys.argv[1], train_epochs=4, batch_size=4,
+                       log_steps=12, distribution_strategy="one_device"))
+        """)
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2",
+           "PYTHONPATH": os.pathsep.join(
+               [testutil.REPO_ROOT, os.environ.get("PYTHONPATH", "")])}
+    command = [sys.executable, "-c", script, os.path.join(self.dir, folder)]
+    if not terminal:
+      run = subprocess.run(command, cwd=self.dir, capture_output=True,
+                           text=True, timeout=300, check=False, env=env)
+      self.assertEqual(run.returncode, 0, run.stderr[-3000:])
+      return run.stdout, run.stderr
+    main, child = pty.openpty()
+    with tempfile.TemporaryFile() as stderr:
+      proc = subprocess.Popen(command, cwd=self.dir, stdout=child,
+                              stderr=stderr, env=env)
+      os.close(child)
+      stdout, deadline = b"", time.time() + 300
+      while time.time() < deadline:
+        if select.select([main], [], [], 1.0)[0]:
+          try:
+            chunk = os.read(main, 65536)
+          except OSError:  # EIO: the child closed the terminal.
+            break
+          if not chunk:
+            break
+          stdout += chunk
+        elif proc.poll() is not None:
+          break
+      os.close(main)
+      if proc.poll() is None:
+        proc.kill()
+      returncode = proc.wait(timeout=60)
+      stderr.seek(0)
+      err = stderr.read().decode(errors="replace")
+    self.assertEqual(returncode, 0, err[-3000:])
+    return stdout.decode(errors="replace"), err
+
+  def test_a_terminal_gets_kerass_progress_bar_and_a_pipe_log_lines(self):
+    stdout, stderr = self._fit_script("terminal", terminal=True)
+    # keras.utils.Progbar's bar, one per epoch, as fit(verbose=1) shows it,
+    # with the epoch's validation values; tfdist's step and evaluation lines
+    # (which the bar repeats) are left out, its other lines stay.
+    for epoch in range(1, 5):
+      self.assertIn(f"Epoch {epoch}/4", stdout)
+    self.assertIn("\u2501", stdout)  # The bar.
+    self.assertRegex(stdout, r"6/6\S* \S*\u2501+.* - loss: \d.* - val_loss: ")
+    self.assertNotRegex(stderr, r"tfdist: epoch \d|held-out evaluation")
+    self.assertIn("tfdist plan:", stderr)
+
+    stdout, stderr = self._fit_script("pipe", terminal=False)
+    self.assertNotIn("\u2501", stdout)
+    self.assertIn("Final eval: ", stdout)
+    # One line for each epoch, counted from 1, each with its evaluation; a
+    # step line's ETA.
+    progress_lines = re.findall(r"tfdist: epoch \d/4, .*", stderr)
+    self.assertEqual([re.match(r"tfdist: epoch (\d)", l)[1]
+                      for l in progress_lines], ["1", "2", "3", "4"],
+                     stderr[-3000:])
+    for line in progress_lines:
+      self.assertRegex(line, r"held-out evaluation at step \d+: loss ")
+    self.assertRegex(progress_lines[1], r"^tfdist: epoch 2/4, step 12/24: "
+                     r"loss .*, ETA \d+s; held-out evaluation at step 12: ")
+    # A short run's checkpoints do not bury its progress.
+    self.assertLess(stderr.count("Saved checkpoint"), len(progress_lines),
+                    stderr[-3000:])
 
   def test_a_plain_script_prints_tfdist_lines_unless_verbose_is_0(self):
     # A script without absl.app.run: absl's logging is not set up there.
@@ -207,14 +307,14 @@ class FitTest(absltest.TestCase):
     for name, text in zip(["start", "quiet", "auto", "after", "basic"],
                           run.stderr.split("=== ")):
       parts[name] = text
-    self.assertNotIn("tfdist: step", parts["quiet"])
-    self.assertRegex(parts["auto"], r"tfdist: step 2/4: loss \d")
-    self.assertEqual(parts["auto"].count("tfdist: step 2/4"), 1)
+    self.assertNotRegex(parts["quiet"], r"tfdist: (epoch \d+/\d+, )?step")
+    self.assertRegex(parts["auto"], r"tfdist: epoch 1/1, step 2/4: loss \d")
+    self.assertEqual(parts["auto"].count("tfdist: epoch 1/1, step 2/4"), 1)
     # TensorFlow's own INFO lines stay hidden.
     self.assertNotIn("Sharding callback", parts["auto"])
     # Logging is as it was after the call.
     self.assertNotIn("hidden after the call", parts["after"])
-    self.assertEqual(parts["basic"].count("tfdist: step 2/4"), 1)
+    self.assertEqual(parts["basic"].count("tfdist: epoch 1/1, step 2/4"), 1)
     self.assertIn("still shown after the export", parts["basic"])
     # The final evaluation on stdout, except with verbose=0.
     self.assertEqual(run.stdout.count("Final eval: "), 2, run.stdout)
@@ -230,6 +330,166 @@ class FitTest(absltest.TestCase):
     # Nothing that does not apply: no batch norm, no AUC, no evaluation.
     self.assertNotIn("sync_batch_norm", result)
     self.assertEqual(set(result["final_metrics"]), {"train_loss"})
+
+
+
+class _Batches(keras.utils.PyDataset):
+  """`x`, `y` in batches of 3 (the last one shorter), counting the passes."""
+
+  def __init__(self, x, y, size=3):
+    super().__init__()
+    self.x, self.y, self.size = x, y, size
+    self.passes = 0
+
+  def __len__(self):
+    return -(-len(self.x) // self.size)
+
+  def __getitem__(self, index):
+    rows = slice(index * self.size, (index + 1) * self.size)
+    return self.x[rows], self.y[rows]
+
+  def on_epoch_end(self):
+    self.passes += 1
+
+
+def _batches(x, y, size=3):
+  for start in range(0, len(x), size):
+    yield x[start:start + size], y[start:start + size]
+
+
+class PythonInputsTest(absltest.TestCase):
+  """`tfdist.fit(x=PyDataset | generator | iterator)` (tfdist.data.python_inputs)."""
+
+  def setUp(self):
+    super().setUp()
+    self.dir = tempfile.mkdtemp()
+    self.addCleanup(shutil.rmtree, self.dir, ignore_errors=True)
+    rng = np.random.default_rng(5)
+    self.x = rng.normal(size=(16, 2)).astype(np.float32)
+    self.y = rng.normal(size=(16,)).astype(np.float32)
+
+  def _config(self, name, **overrides):
+    fields = dict(model_dir=os.path.join(self.dir, name), train_steps=8,
+                  batch_size=4, log_steps=4, distribution_strategy="one_device",
+                  optimizer="sgd", base_learning_rate=0.05, base_batch_size=4,
+                  warmup_steps=0, seed=3)
+    fields.update(overrides)
+    return TrainConfig(**fields)
+
+  def test_py_dataset_examples_are_its_batches_split(self):
+    from tfdist.data import python_inputs  # pylint: disable=g-import-not-at-top
+    data = _Batches(self.x, self.y)
+    fn = python_inputs.py_dataset_function(data, name="x")
+    rows = _rows(fn())
+    self.assertEqual(rows, _rows(tf.data.Dataset.from_tensor_slices(
+        (self.x, self.y))))
+    self.assertEqual(data.passes, 1)
+    self.assertEqual(fn.__qualname__, "_Batches")
+    x, y = python_inputs.generator_arrays(_batches(self.x, self.y), name="x")
+    np.testing.assert_array_equal(x, self.x)
+    np.testing.assert_array_equal(y, self.y)
+
+  def test_bad_batches_are_named(self):
+    from tfdist.data import python_inputs  # pylint: disable=g-import-not-at-top
+    for value, message in (
+        (iter([self.x]), r"batch 0 of tfdist.fit\(x=...\)'s an iterator "
+         r"\(list_iterator\) is ndarray; training needs batches \(x, y\)"),
+        (iter([]), "yielded no batch"),
+        ((b for b in [(self.x, self.y[:3])]), "different numbers of rows"),
+        (iter([(self.x, 1.0)]), "holds a scalar")):
+      with self.subTest(message=message):
+        with self.assertRaisesRegex(ConfigError, message):
+          python_inputs.generator_arrays(value, name="x")
+    with self.assertRaisesRegex(ConfigError, "more than 100 bytes in 1 "
+                                "batches: a generator cannot be rewound"):
+      python_inputs.generator_arrays(_batches(self.x, self.y, 16), name="x",
+                                     max_bytes=100)
+
+  def test_py_dataset_and_generator_train_as_the_arrays_do(self):
+    # Before: a NumPy traceback from api._leaves (PyDataset) and "x holds a
+    # scalar" (a generator).
+    arrays = api.fit(_model, x=self.x, y=self.y, config=self._config("a"),
+                     verbose=0)
+    data = _Batches(self.x, self.y)
+    py_dataset = api.fit(_model, x=data, validation_data=_batches(
+        self.x[:8], self.y[:8]), config=self._config("p"), verbose=0)
+    generator = api.fit(_model, x=_batches(self.x, self.y),
+                        config=self._config("g"), verbose=0)
+    # The same examples in the same seeded order: the same losses.
+    for result in (py_dataset, generator):
+      np.testing.assert_allclose(result["history"]["loss"],
+                                 arrays["history"]["loss"], rtol=1e-5)
+    self.assertEqual(py_dataset["data"]["dataset"], "__main__:_Batches"
+                     if _Batches.__module__ == "__main__" else
+                     f"{_Batches.__module__}:_Batches")
+    self.assertIn("val_loss", py_dataset["history"])
+    self.assertNotIn("val_loss", generator["history"])
+    # One pass to count, one to fill the cache.
+    self.assertEqual(data.passes, 2)
+
+  def test_py_dataset_and_generator_under_mirrored(self):
+    # A child process: two logical CPUs are set before TensorFlow starts.
+    script = textwrap.dedent("""
+        import json, sys
+        import numpy as np
+        import tensorflow as tf
+        tf.config.set_logical_device_configuration(
+            tf.config.list_physical_devices("CPU")[0],
+            [tf.config.LogicalDeviceConfiguration()] * 2)
+        import tfdist
+        from tests import api_test
+        x = np.ones((16, 2), np.float32)
+        y = np.ones((16,), np.float32)
+        result = tfdist.fit(
+            api_test._model, x=api_test._Batches(x, y),
+            validation_data=api_test._batches(x[:8], y[:8]), verbose=0,
+            config=tfdist.TrainConfig(
+                model_dir=sys.argv[1], train_steps=8, batch_size=4,
+                log_steps=4, distribution_strategy="mirrored",
+                num_cpu_devices=2))
+        print("RESULT " + json.dumps(
+            [result["strategy"], result["final_step"],
+             sorted(result["history"])]))
+        """)
+    proc = subprocess.run(
+        [sys.executable, "-c", script, os.path.join(self.dir, "m")],
+        cwd=testutil.REPO_ROOT, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, timeout=300,
+        env=dict(os.environ, PYTHONPATH=testutil.REPO_ROOT,
+                 TF_CPP_MIN_LOG_LEVEL="2"))
+    self.assertEqual(proc.returncode, 0, proc.stdout[-3000:])
+    self.assertEqual(json.loads(proc.stdout.split("RESULT ", 1)[1]),
+                     ["mirrored", 8, ["loss", "val_loss"]])
+
+  def test_several_workers_are_refused_at_start_with_the_form(self):
+    from tfdist.distribute import environment as environment_lib  # pylint: disable=g-import-not-at-top
+    two_workers = environment_lib.read_environment({"TF_CONFIG": json.dumps(
+        {"cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:2"]},
+         "task": {"type": "worker", "index": 0}})})
+    for config, environment, where in (
+        (self._config("w"), two_workers,
+         "a cluster of 2 worker\\(s\\) and 0 ps task"),
+        (self._config("s", distribution_strategy="parameter_server"), None,
+         "--distribution_strategy=parameter_server")):
+      generator = _batches(self.x, self.y)
+      with self.subTest(where=where):
+        with self.assertRaisesRegex(
+            ConfigError, r"tfdist.fit\(x=...\) got a generator, which only "
+            f"this Python process can read; the run uses {where}.*Pass a "
+            r"dataset function instead.*def make_dataset\(training\)"):
+          api.fit(_model, x=generator, config=config, environment=environment)
+        self.assertLen(list(generator), 6)  # Not read.
+
+  def test_argument_checks(self):
+    for kwargs, message in (
+        (dict(x=_Batches(self.x, self.y), y=self.y), "its batches hold them"),
+        (dict(x=_Batches(self.x, self.y), validation_split=0.5),
+         "with a keras.utils.PyDataset pass validation_data"),
+        (dict(x=_Batches(self.x[:0], self.y[:0])), "has no batches")):
+      with self.subTest(message=message):
+        with self.assertRaisesRegex(ConfigError, message):
+          api.fit(_model, config=self._config("c"), **kwargs)
+
 
 if __name__ == "__main__":
   absltest.main()

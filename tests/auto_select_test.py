@@ -160,8 +160,6 @@ class ClusterTest(parameterized.TestCase):
           "cluster": {"master": ["a:1"], "worker": ["b:1"]},
           "task": {"type": "master", "index": 0}})},
        ("TF_CONFIG", 2, 0)),
-      ("tf_config_without_cluster", {"TF_CONFIG": json.dumps({
-          "task": {"type": "worker", "index": 0}})}, ("", 0, 0)),
       ("cluster_spec", {"CLUSTER_SPEC": json.dumps({
           "cluster": {"workerpool0": ["a:1"], "workerpool1": ["b:1", "c:1"],
                       "workerpool2": ["d:1"]},
@@ -185,6 +183,13 @@ class ClusterTest(parameterized.TestCase):
             distribution_strategy="one_device")), cluster=cluster)
     self.assertEqual((inventory.cluster_source, inventory.cluster_workers,
                       inventory.cluster_ps), expected)
+
+  def test_tf_config_without_cluster_is_refused(self):
+    # It ran as a single process (the inventory counted no cluster); the
+    # messages: tests/cluster_test.py.
+    with self.assertRaisesRegex(ConfigError, "no usable 'cluster'"):
+      cluster_lib.resolve_cluster(environ={"TF_CONFIG": json.dumps({
+          "task": {"type": "worker", "index": 0}})})
 
   def test_bad_json(self):
     with self.assertRaisesRegex(ConfigError, "TF_CONFIG is not valid JSON"):

@@ -6,6 +6,7 @@ records the run that wrote it and the input position.
 """
 
 import json
+import logging
 import os
 import types
 
@@ -49,6 +50,29 @@ def test_checkpoints_are_numbered_with_their_step_and_rotate():
   assert tf.train.get_checkpoint_state(
       directory).all_model_checkpoint_paths == paths[1:]
   assert not tf.io.gfile.glob(paths[0] + ".*")
+
+
+def test_saves_are_logged_at_info_now_and_then(caplog):
+  # The first save, then at most one a minute at INFO (counting the ones
+  # between); the others at DEBUG, so a short run's lines stay readable.
+  now = [0.0]
+  model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+  step = tf.Variable(0, dtype=tf.int64)
+  keeper = checkpointing.CheckpointKeeper(
+      checkpoint=tf.train.Checkpoint(model=model, global_step=step),
+      directory=testutil.scratch_dir(), step_counter=step,
+      log_every_seconds=60, clock=lambda: now[0])
+  caplog.set_level(logging.DEBUG, logger="absl")
+  for number, seconds in ((1, 0), (2, 10), (3, 20), (4, 61), (5, 62)):
+    now[0] = seconds
+    step.assign(number)
+    keeper.save(number)
+  saves = [(r.levelname, r.getMessage().rsplit("/", 1)[-1])
+           for r in caplog.records if "Saved checkpoint" in r.getMessage()]
+  assert saves == [
+      ("INFO", "ckpt-1"), ("DEBUG", "ckpt-2"), ("DEBUG", "ckpt-3"),
+      ("INFO", "ckpt-4 (2 more saved since the last such line)"),
+      ("DEBUG", "ckpt-5")]
 
 
 def test_resume_restores_the_newest_state():

@@ -4,6 +4,7 @@ its padding mask, and the registry's refusal of a data set without tokens."""
 
 import json
 import os
+import re
 
 from absl.testing import absltest
 import numpy as np
@@ -15,6 +16,7 @@ from tfdist.data import clothing_reviews
 from tfdist.data import datasets
 from tfdist.data.dataset_spec import DataNotFoundError
 from tfdist.models import transformer
+from tfdist.training import export
 from tfdist.training import registry
 
 LIMIT = 200
@@ -57,6 +59,44 @@ class ConversionTest(absltest.TestCase):
     # Every review has words; the longest (115) fits, so each row ends padded.
     self.assertTrue((tokens[:, 0] > 0).all())
     self.assertTrue((tokens[:, -1] == 0).all())
+
+  def test_the_serving_guides_request_tokenizes_as_the_conversion(self):
+    guide = open(os.path.join(testutil.REPO_ROOT, "docs", "guides",
+                              "serving.md")).read()
+    example = re.search(
+        r"<!-- run: tests/clothing_reviews_test.py transformer-request -->\n"
+        r"```python\n(.*?)```", guide, re.S).group(1)
+    # An untrained Transformer of the data set's shape, exported as a run
+    # exports it.
+    spec = datasets.get_dataset_spec("clothing_reviews")
+    _, build = registry.get_model_builder("transformer")
+    export_dir = os.path.join(testutil.scratch_dir(), "saved_model")
+    export.export_saved_model(build(spec), export_dir)
+    # This conversion's reviews, as the request sends them.
+    rows = clothing_reviews.read_reviews(clothing_reviews.default_raw_file(),
+                                         limit=LIMIT)
+    texts = [text for text, _, is_eval in rows if not is_eval][:6]
+    for name, value in (
+        ("vocabulary_file", os.path.join(self.out,
+                                         clothing_reviews.VOCABULARY_FILE)),
+        ("export_dir", export_dir)):
+      line = re.search(rf"^{name} = .*$", example, re.M).group(0)
+      example = example.replace(line, f"{name} = {value!r}")
+    line = re.search(r"^reviews = \[.*?\]  # [^\n]*$", example,
+                     re.M | re.S).group(0)
+    example = example.replace(line, f"reviews = {texts!r}")
+    scope = {}
+    exec(compile(example, "docs/guides/serving.md (transformer request)",
+                 "exec"), scope)  # pylint: disable=exec-used
+    self.assertEqual(scope["tokens"].dtype, tf.int64)
+    self.assertEqual(scope["probability"].shape, (6, 1))
+    # The request's token ids are the records' (the first training rows).
+    files = sorted(tf.io.gfile.glob(os.path.join(self.out,
+                                                 "train-*.tfrecord.gz")))
+    records = [t.numpy() for t, _ in tf.data.TFRecordDataset(
+        files, compression_type="GZIP").map(clothing_reviews.parse_example)]
+    for row in scope["tokens"].numpy():
+      self.assertTrue(any((row == r).all() for r in records), row)
 
   def test_a_finished_conversion_is_reused(self):
     again = clothing_reviews.convert_clothing_reviews(self.out, limit=3)

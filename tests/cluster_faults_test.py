@@ -168,7 +168,7 @@ class CleanRunsTest(absltest.TestCase):
     for name in ("chief-0", "worker-0", "ps-0"):
       self.assertEqual(cluster.wait(name, timeout=400), 0,
                        cluster.log(name)[-4000:])
-    self.assertIn("tfdist: held-out evaluation at step 30",
+    self.assertIn("held-out evaluation at step 30: ",
                   cluster.log("chief-0"))
     for name in ("chief-0", "worker-0", "ps-0"):
       self.assertQuiet(cluster.log(name), name)

@@ -6,6 +6,7 @@ from absl.testing import absltest
 from absl.testing import parameterized
 import pytest
 
+from tfdist import errors
 from tfdist.distribute import cluster as cluster_lib
 from tfdist.distribute.cluster import ClusterConfigError
 
@@ -134,10 +135,31 @@ class FromTfConfigTest(parameterized.TestCase):
        r"TF_CONFIG: the chief is listed twice"),
       ("no_task", json.dumps({"cluster": {"worker": ["a:1", "b:1"]}}),
        r"TF_CONFIG has a cluster but no 'task'"),
+      # Kubeflow's dynamic-worker form: it ran as a single process before.
+      ("sparse_cluster",
+       json.dumps({"sparseCluster": {"worker": {"1": "w1:2222"}},
+                   "task": {"type": "worker", "index": 1}}),
+       r"TF_CONFIG names a task \(\{\"type\": \"worker\", \"index\": 1\}\) "
+       r"but no usable 'cluster' \(its keys: 'sparseCluster', 'task'\); "
+       r"'sparseCluster' .* is not read .*Give the whole cluster, e\.g\. "
+       r"\{\"cluster\": \{\"worker\""),
+      ("task_without_cluster",
+       json.dumps({"task": {"type": "chief", "index": 0}}),
+       r"TF_CONFIG names a task .* no usable 'cluster' \(its keys: 'task'\)"
+       r".*or unset TF_CONFIG"),
+      ("empty_cluster",
+       json.dumps({"cluster": {}, "task": {"type": "worker", "index": 0}}),
+       r"no usable 'cluster' \(its keys: 'cluster', 'task'\)"),
   )
   def test_errors(self, text, pattern):
-    with self.assertRaisesRegex(ClusterConfigError, pattern):
+    with self.assertRaisesRegex(ClusterConfigError, pattern) as cm:
       cluster_lib.resolve_cluster(environ={"TF_CONFIG": text})
+    self.assertEqual(errors.exit_code_for(cm.exception), errors.CONFIG)
+
+  def test_evaluator_needs_no_cluster(self):
+    info = cluster_lib.resolve_cluster(environ={"TF_CONFIG": json.dumps(
+        {"task": {"type": "evaluator", "index": 0}})})
+    self.assertEqual(info.task_type, "evaluator")
 
 
 class FromClusterSpecTest(parameterized.TestCase):

@@ -8,9 +8,12 @@ then run under the same controller: `LocalStepRunner` over a one-device
 cluster (a worker and a ps as `tf.distribute.Server`s on 127.0.0.1).
 """
 
+import contextlib
 import dataclasses
+import io
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -85,7 +88,7 @@ class ControllerTest(parameterized.TestCase):
     self.keeper = keeper
     self.log = run_log_lib.RunLog(
         tensorboard_dir=os.path.join(self.dir, "tb"), metrics_dir=self.dir,
-        global_batch_size=2, total_steps=total)
+        global_batch_size=2, total_steps=total, steps_per_epoch=per_epoch)
 
     def evaluate():
       self.evaluations.append(int(self.step.numpy()))
@@ -245,6 +248,33 @@ class ControllerTest(parameterized.TestCase):
     self.assertEqual(result.step, 20)
     self.assertIn(20, self._saved_steps())  # Stopped with a checkpoint.
     self.assertEqual(runner.agreed[-1], True)  # Every worker agrees.
+
+  def test_epochs_are_numbered_as_keras_early_stopping_numbers_them(self):
+    # Epoch 1 is the best, epoch 2 is worse: EarlyStopping stops after
+    # epoch 2 and puts epoch 1's weights back, and says so counting from 1.
+    model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1)])
+    runner = FakeRunner(self.step, loss_at=lambda s: 1.0 if s < 10 else 2.0)
+    stopper = keras.callbacks.EarlyStopping(
+        monitor="loss", patience=1, restore_best_weights=True, verbose=1)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed), self.assertLogs(
+        absl_logging.get_absl_logger(), "INFO") as logs:
+      self._controller(runner, total=100, model=model,
+                       callbacks=[stopper]).run()
+    keras_best = re.search(r"best epoch: (\d+)", printed.getvalue())[1]
+    keras_stopped = re.search(r"Epoch (\d+): early stopping",
+                              printed.getvalue())[1]
+    self.assertEqual((keras_best, keras_stopped), ("1", "2"))
+    lines = "\n".join(r.getMessage() for r in logs.records)
+    self.assertIn(f"restored the weights of epoch {keras_best}:", lines)
+    self.assertIn(f"Stopping at step 20 of 100 (epoch {keras_stopped}, ",
+                  lines)
+    # The step lines at the ends of those epochs (each with its epoch's
+    # evaluation) name the same epochs.
+    self.assertRegex(lines, rf"tfdist: epoch {keras_best}/10, step 10/100: "
+                     r"[^\n]*; held-out evaluation at step 10: ")
+    self.assertRegex(lines, rf"tfdist: epoch {keras_stopped}/10, step "
+                     r"20/100: [^\n]*; held-out evaluation at step 20: ")
 
   def test_terminate_on_nan_stops_after_the_nan_chunk(self):
     runner = FakeRunner(self.step, max_steps_per_call=2,
@@ -513,6 +543,36 @@ class ActionsTest(absltest.TestCase):
       action(state, _output(stop_signal=True))
     self.assertEqual(caught.exception.step, 3)
     self.assertTrue(caught.exception.checkpoint.endswith("ckpt-3"))
+    self.assertEqual(ended, [True])
+
+  def test_preemption_at_an_epoch_end_raises_after_the_epoch_ends(self):
+    # The resumed run starts with the next epoch, so this one's evaluation
+    # and on_epoch_end run first; the checkpoint is saved before them.
+    ended = []
+
+    class Recorder(keras.callbacks.Callback):
+
+      def on_train_end(self, logs=None):
+        ended.append(True)
+
+    watcher = preemption.PreemptionWatcher(grace_seconds=60)
+    callbacks = keras.callbacks.CallbackList([Recorder()])
+    callbacks.on_train_begin()
+    stop = controller_lib.PreemptionStop(
+        watcher, checkpoints=self.saver, callbacks=callbacks,
+        options=self.options)
+    after = controller_lib.PreemptionStopAfterEpoch(stop)
+    step = self.options.steps_per_epoch
+    state = self._state(step)
+    stop(state, _output(stop_signal=True))  # Saves, defers the stop.
+    self.assertTrue(state.preempted.endswith(f"ckpt-{step}"))
+    self.assertEqual(state.saved, state.preempted)
+    self.assertEqual(ended, [])
+    state.saved = "resaved-after-on_epoch_end"
+    with self.assertRaises(preemption.PreemptedError) as caught:
+      after(state, _output(stop_signal=True))
+    self.assertEqual((caught.exception.step, caught.exception.checkpoint),
+                     (step, "resaved-after-on_epoch_end"))
     self.assertEqual(ended, [True])
 
 

@@ -10,6 +10,7 @@
 Speed targets are not asserted here (benchmarks/ measures them).
 """
 
+import io
 import json
 import os
 import re
@@ -25,6 +26,7 @@ import tensorflow as tf
 
 from tests import testutil
 from tfdist import diagnose
+from tfdist import job_spec
 from tfdist.diagnose import RunMeasurement
 from tfdist.observability import run_log as run_log_lib
 from tfdist.training import checkpointing
@@ -132,7 +134,7 @@ class VerdictTest(parameterized.TestCase):
     self.assertEqual(cpu.label, "communication-bound")
     for absent in ("GPU", "nccl", "Reduction Server", "bf16", "XLA"):
       self.assertNotIn(absent, cpu.advice[0])
-    compute = diagnose.verdict(_run("CPU"), cores=2)
+    compute = diagnose.verdict(_run("CPU", workers=2, replicas=2), cores=2)
     self.assertEqual(compute.label, "compute-bound")
     for absent in ("GPU", "bf16", "fp16", "XLA"):
       self.assertNotIn(absent, compute.advice[0])
@@ -152,6 +154,74 @@ class VerdictTest(parameterized.TestCase):
     tpu = diagnose.verdict(_run("TPU"))
     self.assertIn("--dtype=bf16", tpu.advice[0])
     self.assertNotIn("XLA", tpu.advice[0])
+
+  def test_a_one_process_run_gets_no_cluster_advice(self):
+    # Compute-, memory- and communication-bound runs of one process, and a
+    # logical-CPU speedup: nothing about workers, ps tasks or pinning.
+    cluster_words = ("--pin_workers", "parameter_server", "ps task",
+                     "Reduction Server", "--reduction_server", "worker",
+                     "--num_workers", "tfdist.launch")
+    huge = memory.fits_data_parallel(
+        memory.ModelMemory(parameters_bytes=40 << 30,
+                           gradients_bytes=40 << 30,
+                           optimizer_bytes=80 << 30, num_parameters=10 << 30),
+        capacity_bytes=80 << 30)
+    one_device = _run("CPU", label="baseline")
+    verdicts = {
+        "compute": diagnose.verdict(_run("CPU"), cores=2),
+        "memory": diagnose.verdict(_run("CPU"), model_fit=huge),
+        "communication": diagnose.verdict(
+            _run(replicas=4, eps=200.0), _run(label="baseline", eps=100.0)),
+        "logical CPU": diagnose.verdict(
+            _run("logical CPU", replicas=2, eps=110.0), one_device, cores=2),
+    }
+    for constraint, result in verdicts.items():
+      text = " ".join(result.advice + result.notes)
+      for word in cluster_words:
+        self.assertNotIn(word, text, f"{constraint}: {text}")
+    self.assertIn("a machine with more cores",
+                  verdicts["compute"].advice[0])
+    self.assertIn("--all_reduce_alg=nccl",
+                  verdicts["communication"].advice[0])
+    # One replica: no sharding to offer either.
+    self.assertNotIn("--shard_optimizer_state",
+                     verdicts["memory"].advice[0])
+    # Two workers do get the cluster's options.
+    two = _run("CPU", replicas=2, workers=2)
+    self.assertIn("--pin_workers", diagnose.compute_advice(two))
+    self.assertIn("--shard_optimizer_state", diagnose.memory_advice(two))
+    self.assertIn("parameter_server", diagnose.memory_advice(two))
+
+  def test_zero_is_called_unneeded_for_a_small_model(self):
+    small = memory.ModelMemory(parameters_bytes=4 << 20,
+                               gradients_bytes=4 << 20,
+                               optimizer_bytes=8 << 20,
+                               num_parameters=1 << 20)
+    notes = diagnose.layout_notes(
+        small, optimizer="adamw", zero_stage=1, num_replicas=2,
+        capacity_bytes=16 << 30, replicas_sharing=2, where="host")
+    self.assertLen(notes, 1)
+    self.assertIn("ZeRO stage 1 is not needed at this size", notes[0])
+    self.assertIn("plain data parallelism holds 16.0 MiB per replica",
+                  notes[0])
+    self.assertIn("2 slot(s) per parameter", notes[0])  # The registry's.
+    self.assertIn("4.0 MiB per replica instead of 8.0 MiB", notes[0])
+    self.assertIn("about the same bytes per step", notes[0])
+    self.assertIn("stage 3 1.5x (Rajbhandari et al. 2020)", notes[0])
+    self.assertIn("Drop --zero_stage=1", notes[0])
+    # Where plain data parallelism does not fit, stage 1 is needed.
+    needed = diagnose.layout_notes(
+        small, optimizer="adamw", zero_stage=1, num_replicas=8,
+        capacity_bytes=15 << 20)
+    self.assertIn("ZeRO stage 1 is needed at this size", needed[0])
+    self.assertIn("does not fit unsharded", needed[0])
+    # Plain data parallelism has no layout note; one replica shards nothing.
+    self.assertEqual(diagnose.layout_notes(
+        small, optimizer="sgd", zero_stage=0, num_replicas=2,
+        capacity_bytes=1 << 30), [])
+    self.assertIn("one replica to shard over", diagnose.layout_notes(
+        small, optimizer="sgd", zero_stage=2, num_replicas=1,
+        capacity_bytes=1 << 30)[0])
 
   def test_cpu_bf16_from_cpuinfo(self):
     path = os.path.join(testutil.scratch_dir(), "cpuinfo")
@@ -186,6 +256,19 @@ class VerdictTest(parameterized.TestCase):
                                 "--dtype=bf16"], 128),
         ["--dataset=fashion_mnist", "--dtype=bf16",
          "--distribution_strategy=one_device", "--per_replica_batch_size=128"])
+    # ZeRO's switches and stage, in every spelling, apply only to several
+    # replicas: the baseline drops them and says so.
+    sharded = ["--dataset=fashion_mnist", "--distribution_strategy=mirrored",
+               "--num_cpu_devices=2", "--shard_optimizer_state",
+               "--noshard_gradients", "--zero_stage", "1",
+               "--optimizer=adamw"]
+    self.assertEqual(diagnose.baseline_args(sharded, 32),
+                     ["--dataset=fashion_mnist", "--optimizer=adamw",
+                      "--distribution_strategy=one_device",
+                      "--per_replica_batch_size=32"])
+    self.assertEqual(diagnose.baseline_dropped(sharded),
+                     ["--num_cpu_devices=2", "--shard_optimizer_state",
+                      "--noshard_gradients", "--zero_stage 1"])
 
 
 def _dataset(slow: bool, cached: bool) -> tf.data.Dataset:
@@ -270,19 +353,113 @@ class InputWaitTest(parameterized.TestCase):
                      f"{result.render()}\n{throughput}")
 
 
+class PlanTest(absltest.TestCase):
+  """Every run planned and checked before any is measured (no training)."""
+
+  def _data_flags(self):
+    data = testutil.fashion_mnist_subset(limit=1024)
+    return [f"--train_files={data['train']}", f"--eval_files={data['eval']}"]
+
+  def test_a_sharded_setup_is_adapted_before_anything_runs(self):
+    # Issue 38 item 3: the baseline inherited --shard_optimizer_state and
+    # was refused (status 2) only after the requested run.
+    root = os.path.join(testutil.scratch_dir(), "plan-sharded")
+    out = io.StringIO()
+    started = time.monotonic()
+    result = diagnose.diagnose(
+        [*self._data_flags(), "--distribution_strategy=mirrored",
+         "--num_cpu_devices=2", "--shard_optimizer_state",
+         "--optimizer=adamw", "--batch_size=64", f"--model_dir={root}"],
+        plan_only=True, out=out)
+    elapsed = time.monotonic() - started
+    text = out.getvalue()
+    plan = result["plan"]
+    self.assertEqual(plan["strategy"], "mirrored")
+    self.assertEqual(plan["num_replicas"], 2)
+    self.assertEqual(plan["per_replica_batch_size"], 32)
+    for arg in plan["baseline_args"]:
+      self.assertNotRegex(arg, r"shard|zero_stage|num_cpu_devices")
+    self.assertIn("--distribution_strategy=one_device",
+                  plan["baseline_args"])
+    self.assertIn("--per_replica_batch_size=32", plan["baseline_args"])
+    baseline = job_spec.parse_train_flags(
+        [*plan["baseline_args"], f"--model_dir={root}-baseline"],
+        where="baseline")
+    self.assertEqual(baseline.zero_stage_resolved, 0)
+    self.assertEqual(baseline.num_cpu_devices, 0)
+    self.assertEqual(plan["baseline_dropped"],
+                     ["--num_cpu_devices=2", "--shard_optimizer_state"])
+    self.assertIn("Baseline: one_device, per-replica batch 32; dropped "
+                  "--num_cpu_devices=2 --shard_optimizer_state", text)
+    self.assertIn("ZeRO stage 1 is not needed at this size", text)
+    self.assertEqual(result["layout"], [line for line in text.splitlines()
+                                        if line.startswith("ZeRO")])
+    # Nothing trained: no run folder, and seconds (flags parsed, the model
+    # built once for its estimate), not a measured run.
+    self.assertFalse(os.path.exists(root))
+    self.assertLess(elapsed, 60.0)
+
+  def test_a_cluster_the_strategy_cannot_use_is_refused_at_start(self):
+    # Refused by the plan, before a run starts: status 2 naming the flags.
+    started = time.monotonic()
+    with self.assertRaisesRegex(diagnose.ConfigError,
+                                r"--num_workers=2 --num_ps=0 .*"
+                                r"--distribution_strategy=mirrored"):
+      diagnose.diagnose([*self._data_flags(),
+                         "--distribution_strategy=mirrored"], num_workers=2,
+                        out=io.StringIO())
+    self.assertLess(time.monotonic() - started, 30.0)
+    with self.assertRaisesRegex(diagnose.ConfigError, r"--num_ps=1"):
+      diagnose.diagnose([*self._data_flags(),
+                         "--distribution_strategy=multi_worker_mirrored"],
+                        num_workers=2, num_ps=1, out=io.StringIO())
+    with self.assertRaisesRegex(diagnose.ConfigError, r"--num_ps=1 or more"):
+      diagnose.diagnose([*self._data_flags(),
+                         "--distribution_strategy=parameter_server"],
+                        num_workers=2, out=io.StringIO())
+    # The requested run's own flags, as tfdist.train would refuse them.
+    with self.assertRaisesRegex(job_spec.JobSpecError,
+                                r"the requested run: .*--zero_stage=1"):
+      diagnose.diagnose([*self._data_flags(),
+                         "--distribution_strategy=one_device",
+                         "--zero_stage=1"], out=io.StringIO())
+    # The batch must split over the planned replicas (here 3 logical CPUs).
+    with self.assertRaisesRegex(
+        diagnose.ConfigError, r"--batch_size=64 \(global\) is not divisible "
+        r"by 3 replicas"):
+      diagnose.plan_measurements([], job_spec.parse_train_flags(
+          [*self._data_flags(), "--distribution_strategy=mirrored",
+           "--num_cpu_devices=3", "--batch_size=64", "--model_dir=/tmp/x"],
+          where="test"), gpus=0)
+
+  def test_the_binary_exits_2_on_a_refused_plan(self):
+    proc = testutil.run_module("tfdist.diagnose", [
+        "--num_workers=2", "--", *self._data_flags(),
+        "--distribution_strategy=one_device"], timeout=300)
+    self.assertEqual(proc.returncode, 2, proc.stdout[-3000:])
+    self.assertIn("tfdist.diagnose: error: --num_workers=2", proc.stdout)
+    self.assertNotIn("run: started", proc.stdout)
+
+
 class DiagnoseBinaryTest(absltest.TestCase):
   """`python -m tfdist.diagnose` on a real short run (two children)."""
 
   def test_a_temporary_folder_is_never_named_once_deleted(self):
     # A run that fails (its data files do not exist) keeps its log where
     # the error says; a finished one's temporary folder is not named.
+    out = io.StringIO()
     with self.assertRaisesRegex(diagnose.DiagnoseError,
                                 r"exited with status \d+; the end of its "
                                 r"output \((\S+\.log)\)") as caught:
       diagnose.diagnose([
           "--train_files=/nonexistent/train-*.tfrecord.gz",
           "--eval_files=/nonexistent/test-*.tfrecord.gz"], baseline=False,
-                        steps=2, log_steps=1, timeout_seconds=300)
+                        steps=2, log_steps=1, timeout_seconds=300, out=out)
+    # Progress: the plan, and a line as the run starts and as it ends.
+    self.assertRegex(out.getvalue(),
+                     r"Plan: 1 run\(s\).*\n"
+                     r"\[1/1\] requested run: started \(tfdist.train\)\.\n"
+                     r"\[1/1\] requested run: failed after \d+ s\.")
     log = re.search(r"\((\S+\.log)\)", str(caught.exception)).group(1)
     self.assertTrue(os.path.exists(log), log)
     shutil.rmtree(os.path.dirname(log))
@@ -308,6 +485,14 @@ class DiagnoseBinaryTest(absltest.TestCase):
     self.assertRegex(out, r"requested\s+mirrored\s+2 logical CPU\s+64")
     self.assertIn("Verdict: ", out)
     self.assertIn("logical-CPU speedup, not scaling", out)
+    # Progress, in order: each run's start and end with its seconds.
+    self.assertRegex(out, r"\[1/2\] requested run: started[^\n]*\n"
+                          r"\[1/2\] requested run: finished in \d+ s, "
+                          r"[\d.]+ examples/sec\.\n"
+                          r"\[2/2\] baseline run: started[^\n]*\n"
+                          r"\[2/2\] baseline run: finished in \d+ s")
+    # One process: no cluster advice.
+    self.assertNotIn("--pin_workers", out.split("Verdict: ")[1])
     self.assertIn("Model state per replica: parameters", out)
     # tfdist.runtime.allocator's malloc settings, on by default, read back from
     # both runs' manifests.

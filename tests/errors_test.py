@@ -39,6 +39,7 @@ CONFIG_ERRORS = [
     errors.UnsupportedVersionError, errors.FileSystemUnavailableError,
     errors.TPUNotAvailableError, errors.DataNotFoundError, errors.DataError,
     errors.OutputNotWritableError, errors.OutputWriteError,
+    errors.PeerStoppedError,
     errors.ExportRefusedError, errors.DamagedCheckpointError,
     errors.IncompatibleResumeError, errors.ShardCountMismatchError,
     errors.PipelineConfigError]

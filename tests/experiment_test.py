@@ -228,8 +228,11 @@ class RunnerTest(absltest.TestCase):
         config, task=_task(config),
         environment=environment_lib.read_environment({}))
     self.assertTrue(result["dry_run"])
+    # The evaluation split of the dataset function, which the run evaluates
+    # whole (0 before: only files were counted).
     self.assertEqual((result["global_batch_size"], result["total_steps"],
-                      result["num_train_examples"]), (16, 4, 64))
+                      result["num_train_examples"],
+                      result["num_eval_examples"]), (16, 4, 64, 64))
     for entry in ("checkpoints", "saved_model", "run_manifest.json"):
       self.assertFalse(os.path.exists(os.path.join(model_dir, entry)), entry)
 
@@ -276,7 +279,7 @@ class _CountingBackend(single_process.OneDeviceBackend):
     type(self).calls.append("export_model")
     return super().export_model(run)
 
-  def leave_together(self, run):
+  def leave_together(self, run, *, failed=False):
     type(self).calls.append("leave_together")
 
 

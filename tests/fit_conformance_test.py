@@ -66,6 +66,9 @@ FEATURES = (
     ("learning_rate_scheduler", "`keras.callbacks.LearningRateScheduler`"),
     ("learning_rate_checkpointed", "a rate set by a callback survives a "
      "resume"),
+    ("callback_state_resumed", "`EarlyStopping(restore_best_weights=True)`"
+     " and `ReduceLROnPlateau` interrupted and resumed: the uninterrupted "
+     "run's stop, weights and rates"),
     ("early_stopping_restore", "`EarlyStopping(restore_best_weights=True)`:"
      " one answer in export, final checkpoint, manifest"),
     ("file_callbacks", "`ModelCheckpoint`, `CSVLogger`, `TensorBoard`: "
@@ -848,6 +851,151 @@ class InMemoryArgumentsTest(absltest.TestCase):
     self._refused(r"y or sample_weight given without x", x=None,
                   y=np.zeros(8))
 
+# The callback-state runs: epochs of 6 steps (192 training rows, batch 32).
+_CALLBACK_STATE_EPOCHS = 8
+_CALLBACK_STATE_CHILD_ENV = "TFDIST_CALLBACK_STATE_CHILD"
+
+
+def _callback_state_fit(model_dir: str, *, strategy: str, interrupt_at=None,
+                        log_steps: int = 2) -> dict:
+  """One `tfdist.fit` call with EarlyStopping(restore_best_weights=True,
+  patience=2) and ReduceLROnPlateau; returns its epochs, rates, best and
+  stopped epochs, final step and final weights (or `preempted`: the step a
+  SIGTERM stopped it at). `interrupt_at`: `(epoch, batch)` whose
+  `on_train_batch_begin` sends the SIGTERM (the run stops after the step
+  that follows)."""
+  import signal  # pylint: disable=g-import-not-at-top
+  import keras  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import tfdist  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(0)
+  x = rng.uniform(-1, 1, (256, 1)).astype("float32")
+  y = 3 * x[:, 0] + rng.normal(0, 0.1, 256).astype("float32")
+  models = []
+
+  def model_fn():
+    model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(
+        1, use_bias=False, kernel_initializer="zeros")])
+    model.compile(loss="mse")
+    models.append(model)
+    return model
+
+  seen = {"epochs": [], "rates": []}
+
+  class Record(keras.callbacks.Callback):
+
+    def on_epoch_end(self, epoch, logs=None):
+      seen["epochs"].append(epoch)
+      seen["rates"].append(float(logs["learning_rate"]))
+
+  class Interrupt(keras.callbacks.Callback):
+
+    def on_epoch_begin(self, epoch, logs=None):
+      seen["epoch"] = epoch
+
+    def on_train_batch_begin(self, batch, logs=None):
+      if (seen.get("epoch"), batch) == interrupt_at:
+        os.kill(os.getpid(), signal.SIGTERM)
+
+  # "max" on a falling val_loss: epoch 0 stays the best, so EarlyStopping
+  # (patience 2) stops after epoch 2 and restores epoch 0's weights, and
+  # ReduceLROnPlateau halves the rate after epoch 1 (then cools down).
+  early = keras.callbacks.EarlyStopping(
+      monitor="val_loss", mode="max", patience=2, restore_best_weights=True)
+  reduce = keras.callbacks.ReduceLROnPlateau(
+      monitor="val_loss", mode="max", patience=1, factor=0.5, cooldown=1)
+  config = tfdist.TrainConfig(
+      model_dir=model_dir, train_epochs=_CALLBACK_STATE_EPOCHS,
+      batch_size=32, optimizer="sgd", base_learning_rate=0.05,
+      lr_scaling="none", distribution_strategy=strategy, log_steps=log_steps,
+      # After a signal the grace-period clock runs until the process exits
+      # (it ends one still running after that long); this process trains
+      # on, resuming, so the bound is far beyond the test.
+      preemption_grace_seconds=3600)
+  try:
+    result = tfdist.fit(model_fn, config=config, x=x, y=y,
+                        validation_split=0.25, verbose=0,
+                        callbacks=[early, reduce, Record(), Interrupt()])
+  except tfdist.errors.PreemptedError as e:
+    return {"preempted": e.step}
+  seen.pop("epoch", None)
+  return {**seen, "best_epoch": early.best_epoch,
+          "stopped_epoch": early.stopped_epoch, "step": result["final_step"],
+          "replicas": result["num_replicas_in_sync"],
+          "weights": [w.tolist() for w in models[-1].get_weights()]}
+
+
+def _callback_state_runs(*, strategy: str, interrupt_at,
+                         log_steps: int) -> dict:
+  """The uninterrupted run (`whole`), then one interrupted at
+  `interrupt_at` (`first`) and its resumed run (`resumed`)."""
+  whole = _callback_state_fit(tempfile.mkdtemp(dir=testutil.scratch_dir()),
+                              strategy=strategy, log_steps=log_steps)
+  model_dir = tempfile.mkdtemp(dir=testutil.scratch_dir())
+  first = _callback_state_fit(model_dir, strategy=strategy,
+                              interrupt_at=interrupt_at, log_steps=log_steps)
+  resumed = _callback_state_fit(model_dir, strategy=strategy,
+                                log_steps=log_steps)
+  return {"whole": whole, "first": first, "resumed": resumed}
+
+
+class CallbackStateResumeTest(absltest.TestCase):
+  """An interrupted and resumed `tfdist.fit` stops and restores as the
+  uninterrupted run: EarlyStopping's and ReduceLROnPlateau's state rides in
+  every checkpoint. One device in this process; MirroredStrategy on 2
+  logical CPUs in a child process (the devices must exist before
+  TensorFlow starts)."""
+
+  def test_a_resumed_run_stops_and_restores_as_the_uninterrupted_one(self):
+    # The SIGTERM sent as epoch 2 begins stops the run after step 13,
+    # mid-epoch, with a checkpoint there.
+    with self.assertLogs(level="INFO") as logs:
+      runs = _callback_state_runs(strategy="one_device", interrupt_at=(2, 0),
+                                  log_steps=2)
+    self._check(runs, stopped_at=13)
+    _cell("callback_state_resumed", "one_device", "works")
+    self.assertIn("tfdist: callback state restored: 0-EarlyStopping, "
+                  "1-ReduceLROnPlateau.", "\n".join(logs.output))
+
+  def test_a_run_stopped_at_an_epoch_end_finishes_that_epoch(self):
+    # The SIGTERM sent before epoch 1's last step stops the run at that
+    # epoch's end (step 12): after its evaluation and on_epoch_end, as the
+    # uninterrupted run, so the resumed run starts with epoch 2.
+    self._check(_callback_state_runs(strategy="one_device",
+                                     interrupt_at=(1, 5), log_steps=1),
+                stopped_at=12)
+
+  def test_mirrored_on_two_logical_cpus(self):
+    import subprocess  # pylint: disable=g-import-not-at-top
+    import sys  # pylint: disable=g-import-not-at-top
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
+               **{_CALLBACK_STATE_CHILD_ENV: "1"})
+    env["PYTHONPATH"] = os.pathsep.join(
+        [testutil.REPO_ROOT] + [p for p in [env.get("PYTHONPATH")] if p])
+    child = subprocess.run(
+        [sys.executable, os.path.abspath(__file__)], cwd=testutil.REPO_ROOT,
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        timeout=600)
+    lines = [l for l in child.stdout.splitlines() if l.startswith("{")]
+    self.assertTrue(child.returncode == 0 and lines, child.stdout[-4000:])
+    runs = json.loads(lines[-1])
+    self.assertEqual(runs["whole"]["replicas"], 2)
+    self._check(runs, stopped_at=13)
+    _cell("callback_state_resumed", "mirrored", "works")
+
+  def _check(self, runs: dict, *, stopped_at: int):
+    import numpy as np  # pylint: disable=g-import-not-at-top
+    whole, first, resumed = runs["whole"], runs["first"], runs["resumed"]
+    self.assertEqual((whole["stopped_epoch"], whole["best_epoch"]), (2, 0))
+    self.assertEqual(first, {"preempted": stopped_at})
+    done = len(whole["epochs"]) - len(resumed["epochs"])
+    self.assertEqual(resumed["epochs"], whole["epochs"][done:])
+    self.assertEqual(resumed["rates"], whole["rates"][done:])
+    for key in ("stopped_epoch", "best_epoch", "step"):
+      self.assertEqual(resumed[key], whole[key], key)
+    np.testing.assert_allclose(resumed["weights"], whole["weights"],
+                               atol=1e-6)
+
 
 def _cluster(test, case: str, launch_args, files_dir=None) -> dict:
   """Runs `case` on a local cluster (with `file_callbacks(files_dir)`, and
@@ -1432,8 +1580,20 @@ def _child_main() -> dict:
   return {"results": out}
 
 
+def _callback_state_child() -> dict:
+  """`CallbackStateResumeTest`'s MirroredStrategy runs, on 2 logical CPUs."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  cpu = tf.config.list_physical_devices("CPU")[0]
+  tf.config.set_logical_device_configuration(
+      cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+  return _callback_state_runs(strategy="mirrored", interrupt_at=(2, 0),
+                              log_steps=2)
+
+
 if __name__ == "__main__":
   if os.environ.get(_CHILD_ENV):
     print(json.dumps(_child_main()), flush=True)
+  elif os.environ.get(_CALLBACK_STATE_CHILD_ENV):
+    print(json.dumps(_callback_state_child()), flush=True)
   else:
     absltest.main()

@@ -166,3 +166,141 @@ class ForThisTaskTest(absltest.TestCase):
 
 if __name__ == "__main__":
   absltest.main()
+
+
+class CallbackStateTest(absltest.TestCase):
+  """`tfdist.training.callback_state`: the callbacks' state through a real
+  `tf.train.Checkpoint` save and restore."""
+
+  def _round_trip(self, before, after):
+    """Saves `before`'s state, restores it for `after` (fresh callbacks of
+    a resumed run, after their `on_train_begin`); returns `apply`'s keys."""
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+    from tfdist.training import callback_state  # pylint: disable=g-import-not-at-top
+    prefix = os.path.join(tempfile.mkdtemp(), "ckpt")
+    saved = tf.train.Checkpoint()
+    self.assertIsNotNone(callback_state.attach(saved, before))
+    path = saved.save(prefix)
+    restored = tf.train.Checkpoint()
+    state = callback_state.attach(restored, after)
+    restored.restore(path).assert_existing_objects_matched()
+    for callback in after:
+      callback.on_train_begin()
+    return state.apply()
+
+  def test_keras_callbacks_and_best_weights_come_back(self):
+    import numpy as np  # pylint: disable=g-import-not-at-top
+    early = keras.callbacks.EarlyStopping(restore_best_weights=True)
+    early.on_train_begin()
+    early.best, early.wait, early.best_epoch = 0.25, 2, 3
+    early.best_weights = [np.arange(6, dtype="float32").reshape(2, 3),
+                          np.float32(7)]
+    plateau = keras.callbacks.ReduceLROnPlateau(cooldown=2)
+    plateau.best, plateau.wait, plateau.cooldown_counter = 0.5, 1, 2
+    checkpoint = keras.callbacks.ModelCheckpoint(
+        os.path.join(tempfile.mkdtemp(), "w.weights.h5"),
+        save_best_only=True)
+    checkpoint.best = float("inf")
+    fresh = [keras.callbacks.EarlyStopping(restore_best_weights=True),
+             keras.callbacks.ReduceLROnPlateau(cooldown=2),
+             keras.callbacks.ModelCheckpoint(checkpoint.filepath,
+                                             save_best_only=True)]
+    self.assertEqual(self._round_trip([early, plateau, checkpoint], fresh),
+                     ["0-EarlyStopping", "1-ReduceLROnPlateau",
+                      "2-ModelCheckpoint"])
+    self.assertEqual((fresh[0].best, fresh[0].wait, fresh[0].best_epoch),
+                     (0.25, 2, 3))
+    self.assertLen(fresh[0].best_weights, 2)
+    np.testing.assert_array_equal(fresh[0].best_weights[0],
+                                  early.best_weights[0])
+    self.assertEqual(float(fresh[0].best_weights[1]), 7.0)
+    self.assertEqual((fresh[1].best, fresh[1].wait,
+                      fresh[1].cooldown_counter), (0.5, 1, 2))
+    self.assertEqual(fresh[2].best, float("inf"))
+
+  def test_a_callback_with_the_hook_gets_its_state_back(self):
+
+    class Counter(keras.callbacks.Callback):
+
+      def __init__(self, seen=0):
+        super().__init__()
+        self.seen = seen
+
+      def get_state(self):
+        return {"seen": self.seen}
+
+      def set_state(self, state):
+        self.seen = state["seen"]
+
+    fresh = Counter()
+    self.assertEqual(self._round_trip([Counter(5)], [fresh]), ["0-Counter"])
+    self.assertEqual(fresh.seen, 5)
+
+  def test_a_hook_returning_what_json_cannot_hold_fails_before_a_step(self):
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+    from tfdist.training import callback_state  # pylint: disable=g-import-not-at-top
+
+    class Bad(keras.callbacks.Callback):
+
+      def get_state(self):
+        return {"when": object()}
+
+      def set_state(self, state):
+        pass
+
+    state = callback_state.attach(tf.train.Checkpoint(), [Bad()])
+    with self.assertRaisesRegex(
+        ConfigError, r"callbacks: Bad.get_state\(\) returned a dict JSON "
+        r"cannot hold .*Instead, return numbers"):
+      callback_state.after_train_begin(state, [Bad()], resumed=False)
+
+  def test_no_stateful_callback_adds_nothing_to_the_checkpoint(self):
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+    from tfdist.training import callback_state  # pylint: disable=g-import-not-at-top
+    checkpoint = tf.train.Checkpoint()
+    self.assertIsNone(callback_state.attach(
+        checkpoint, [keras.callbacks.TerminateOnNaN()]))
+    self.assertFalse(hasattr(checkpoint, callback_state.PART))
+
+  def test_state_that_is_lost_is_named(self):
+    from tfdist.training import callback_state  # pylint: disable=g-import-not-at-top
+
+    class Mine(keras.callbacks.Callback):
+
+      def __init__(self):
+        super().__init__()
+        self.total = 0
+
+    lost = callback_state.unkept_warnings([
+        keras.callbacks.CSVLogger("/unused/log.csv"),
+        keras.callbacks.CSVLogger("/unused/log.csv", append=True),
+        keras.callbacks.TensorBoard("/unused/tb", update_freq=10),
+        keras.callbacks.TerminateOnNaN(), Mine()])
+    self.assertLen(lost, 3)
+    self.assertRegex(lost[0], r"CSVLogger\(filename='/unused/log.csv', "
+                     r"append=False\) .*pass append=True")
+    self.assertRegex(lost[1], r"TensorBoard\(update_freq=10\)")
+    self.assertRegex(lost[2], r"Mine \(attributes total\) has no "
+                     r"get_state\(\)/set_state\(\) hook")
+
+  def test_the_guides_hook_example_keeps_its_state(self):
+    # The block of docs/guides/fit-conformance.md marked
+    # callback_state_hook, as written.
+    import re  # pylint: disable=g-import-not-at-top
+    from tests import testutil  # pylint: disable=g-import-not-at-top
+    path = os.path.join(testutil.REPO_ROOT, "docs", "guides",
+                        "fit-conformance.md")
+    with open(path, encoding="utf-8") as f:
+      blocks = re.findall(r"^<!-- run: tests/keras_callbacks_test.py "
+                          r"callback_state_hook -->\n```py\n(.*?)^```$",
+                          f.read(), re.M | re.S)
+    self.assertLen(blocks, 1)
+    namespace = {}
+    exec(blocks[0], namespace)  # pylint: disable=exec-used
+    before = namespace["BestSoFar"]()
+    before.on_train_begin()
+    for epoch, loss in enumerate((0.5, 0.4, 0.45)):
+      before.on_epoch_end(epoch, {"val_loss": loss})
+    after = namespace["BestSoFar"]()
+    self.assertEqual(self._round_trip([before], [after]), ["0-BestSoFar"])
+    self.assertEqual((after.best, after.improved), (0.4, 2))

@@ -5,6 +5,8 @@
   step; before, one worker all-reduced while the other skipped and both
   failed with `DeadlineExceededError` after the collective timeout.
 * Each worker draws its own dropout mask from the same seed.
+* Unsynchronized batch norm's moving statistics, which each worker updates
+  from its own data, are one after `MovingStatistics.synchronize`.
 * The final barrier: a worker that arrives late is waited for.
 * A worker that finished its work but does not exit (a test-only linger in
   `tests.multi_worker_testlib`, standing in for a shutdown that hangs once
@@ -19,6 +21,7 @@ import json
 import os
 
 from absl.testing import absltest
+import numpy as np
 
 from tests import multi_worker_testlib as testlib
 from tests import testutil
@@ -58,6 +61,15 @@ class WorkersAgreeTest(absltest.TestCase):
     self.assertEqual(chief["fp16_steps"], worker["fp16_steps"])
     # Same seed, different workers: different masks.
     self.assertNotEqual(chief["dropout_mask"], worker["dropout_mask"])
+    # Unsynchronized batch norm: the workers' moving means differed after a
+    # step (Dense of ones: 2 on the chief, 10 on worker 0, times 1 -
+    # momentum); once averaged (one all-reduce per step) they are one.
+    self.assertNotEqual(chief["bn_before"], worker["bn_before"])
+    for task in (chief, worker):
+      self.assertEqual(task["bn_synchronized"], [True, False])
+      np.testing.assert_allclose(
+          task["bn_after"],
+          (np.array(chief["bn_before"]) + worker["bn_before"]) / 2, rtol=1e-6)
     # Worker 0 arrived 3 s late; the chief waited for it.
     self.assertGreaterEqual(chief["barrier_left"], worker["barrier_arrived"])
     self.assertGreater(chief["barrier_left"] - chief["barrier_arrived"], 2.0)

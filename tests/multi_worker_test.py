@@ -133,6 +133,75 @@ class ExactlyOnceShardingTest(absltest.TestCase):
           self.assertEqual(r["batch_sizes"], [testlib.GLOBAL_BATCH // 2])
 
 
+def deep_narrow_model():
+  """A Fashion-MNIST classifier of 42 narrow layers: its checkpoints are
+  small (under 100 KiB) and its SavedModel's graph large (over 400 KiB)."""
+  import keras  # pylint: disable=g-import-not-at-top
+  inputs = keras.Input((28, 28, 1), name="image")
+  hidden = keras.layers.Dense(4)(keras.layers.Flatten()(inputs))
+  for _ in range(40):
+    hidden = keras.layers.Dense(4)(hidden)
+  return keras.Model(inputs, keras.layers.Dense(10)(hidden))
+
+
+class ExportFailureTest(absltest.TestCase):
+
+  def test_every_task_exits_2_when_the_chiefs_export_disk_is_full(self):
+    # The chief's files may not pass 256 KiB (RLIMIT_FSIZE, as in
+    # tests/nothing_lost_test.py): its checkpoints fit, its SavedModel's
+    # saved_model.pb does not. The worker exported to its own scratch
+    # folder and exited 200 (a lost peer, retryable) while the chief exited
+    # 2 for the full disk; now both exit 2.
+    import resource  # pylint: disable=g-import-not-at-top
+    import subprocess  # pylint: disable=g-import-not-at-top
+    import sys  # pylint: disable=g-import-not-at-top
+    import portpicker  # pylint: disable=g-import-not-at-top
+    from tfdist import launch  # pylint: disable=g-import-not-at-top
+
+    def limit_file_size():
+      resource.setrlimit(resource.RLIMIT_FSIZE, (256 << 10, 256 << 10))
+    root = testutil.scratch_dir()
+    export_dir = os.path.join(root, "exports", "serving")
+    tasks = launch.plan_tasks(num_workers=2)
+    cluster = launch.make_cluster(
+        tasks, [portpicker.pick_unused_port() for _ in tasks])
+    procs = []
+    for task in tasks:
+      chief = task.task_type == "chief"
+      procs.append(subprocess.Popen(
+          [sys.executable, "-m", "tfdist.train",
+           f"--model_dir={os.path.join(root, 'run')}",
+           f"--train_files={_convert(256, 2)}", "--mode=train",
+           "--distribution_strategy=multi_worker_mirrored",
+           f"--model={__name__}:deep_narrow_model", "--batch_size=64",
+           "--train_steps=2", "--checkpoint_steps=2", "--log_steps=1",
+           f"--export_dir={export_dir}", "--collective_timeout_seconds=60"],
+          cwd=testutil.REPO_ROOT, stdout=subprocess.PIPE,
+          stderr=subprocess.STDOUT, text=True,
+          preexec_fn=limit_file_size if chief else None,
+          env=testlib._env({"TF_CONFIG": launch.tf_config(cluster, task)})))  # pylint: disable=protected-access
+    outputs = []
+    try:
+      for proc in procs:
+        outputs.append(proc.communicate(timeout=TIMEOUT)[0])
+    finally:
+      for proc in procs:
+        if proc.poll() is None:
+          proc.kill()
+          proc.wait()
+    chief_out, worker_out = outputs
+    self.assertEqual([p.returncode for p in procs], [2, 2],
+                     chief_out[-3000:] + "\n----\n" + worker_out[-3000:])
+    self.assertRegex(chief_out, "tfdist.train: error: --export_dir="
+                     f"{export_dir}: a write failed: the disk or quota is "
+                     "full .*File too large")
+    self.assertRegex(worker_out, "tfdist.train: error: 1 replica.* of "
+                     "another task of this run stopped at the end of "
+                     "training with a status-2 error")
+    # Nothing of the failed export is left.
+    self.assertEqual(os.listdir(os.path.dirname(export_dir)), [])
+
+
 class EquivalenceTest(absltest.TestCase):
 
   def test_two_workers_match_one_process(self):
@@ -171,6 +240,38 @@ class EquivalenceTest(absltest.TestCase):
     rng = np.random.RandomState(0)
     first = rng.normal(0, 0.1, single["arr_0"].shape).astype(np.float32)
     self.assertGreater(np.max(np.abs(single["arr_0"] - first)), 1e-4)
+
+  def test_bfloat16_reduction_stays_near_one_process(self):
+    # --all_reduce_dtype=bfloat16: the gradients travel in bfloat16, the
+    # step's float32 sums in a float32 collective of their own (2 per
+    # step, the endless input adding none), and the weights stay within
+    # 1% of how far one float32 process moved them.
+    pattern = _convert(256, 2)
+    steps = 5
+    single_dir, multi_dir = testutil.scratch_dir(), testutil.scratch_dir()
+    code, out, _ = testlib.run_module_with_timeout(
+        "tests.multi_worker_testlib", ["train", single_dir, pattern,
+                                       str(steps)], timeout=TIMEOUT)
+    self.assertEqual(code, 0, out[-3000:])
+    status, output = testlib.run_launcher(
+        ["--num_workers=2", "--module=tests.multi_worker_testlib"],
+        ["train", multi_dir, pattern, str(steps), "0", "bfloat16"],
+        timeout=TIMEOUT)
+    self.assertEqual(status, 0, output[-4000:])
+    self.assertIn("all-reduces per step 2 (bfloat16,float32)", output)
+    single = np.load(os.path.join(single_dir, "weights.npz"))
+    multi = np.load(os.path.join(multi_dir, "weights.npz"))
+    self.assertAlmostEqual(float(multi["losses"][0]),
+                           float(single["losses"][0]), places=5)
+    rng = np.random.RandomState(0)
+    names = [k for k in single.files if k.startswith("arr_")]
+    first = [rng.normal(0, 0.1, single[n].shape).astype(np.float32)
+             for n in names]
+    moved = max(np.max(np.abs(single[n] - f)) for n, f in zip(names, first))
+    differ = max(np.max(np.abs(single[n] - multi[n])) for n in names)
+    print(f"bfloat16 reduction: moved {moved:.3g}, differ {differ:.3g}")
+    self.assertGreater(differ, 0.0)
+    self.assertLessEqual(differ / moved, 0.01)
 
 
 if __name__ == "__main__":

@@ -246,9 +246,10 @@ def shard_main(out_dir: str, globs: List[str]):
 
 
 def train_main(out_dir: str, pattern: str, steps: int,
-               bytes_per_pack: int = 0):
+               bytes_per_pack: int = 0, all_reduce_dtype: str = "float32"):
   """Trains the dense model; the chief writes weights.npz. Prints the
-  step's all-reduce count (`bytes_per_pack`: the gradients' packs)."""
+  step's all-reduce count (`bytes_per_pack`: the gradients' packs;
+  `all_reduce_dtype`: the dtype the gradients travel in)."""
   strategy = _strategy(out_dir)
   import keras  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
@@ -267,7 +268,8 @@ def train_main(out_dir: str, pattern: str, steps: int,
                      for w in model.get_weights()])
   trainer = Trainer(strategy=strategy, model=model, optimizer=optimizer,
                     global_batch_size=GLOBAL_BATCH,
-                    bytes_per_pack=bytes_per_pack)
+                    bytes_per_pack=bytes_per_pack,
+                    all_reduce_dtype=all_reduce_dtype)
   options = input_pipeline.PipelineOptions(
       files=input_pipeline.list_files(pattern),
       parse_fn=datasets.parse_image_example, global_batch_size=GLOBAL_BATCH,
@@ -279,24 +281,30 @@ def train_main(out_dir: str, pattern: str, steps: int,
     losses.append(float(out["loss"]))
   graph = trainer.train_function.get_concrete_function(
       iterator, tf.TensorSpec([], tf.int32)).graph.as_graph_def()
-  reduces = sum(node.op.startswith("CollectiveReduce")
-                for node in [*graph.node, *(n for f in graph.library.function
-                                            for n in f.node_def)])
+  collectives = [node for node in [*graph.node, *(
+      n for f in graph.library.function for n in f.node_def)]
+                 if node.op.startswith("CollectiveReduce")]
+  reduces = len(collectives)
+  dtypes = ",".join(sorted(tf.as_dtype(node.attr["T"].type).name
+                           for node in collectives))
   from tfdist.distribute import cluster as cluster_lib  # pylint: disable=g-import-not-at-top
   if cluster_lib.resolve_cluster().is_chief:
     np.savez(os.path.join(out_dir, "weights.npz"), *model.get_weights(),
              losses=np.array(losses))
   print(f"trained {steps} steps, replicas {strategy.num_replicas_in_sync}, "
-        f"last loss {losses[-1]:.6f}, all-reduces per step {reduces}",
+        f"last loss {losses[-1]:.6f}, all-reduces per step {reduces} "
+        f"({dtypes})",
         flush=True)
 
 
 def agree_main(out_dir: str):
-  """fp16 skip in unison, per-worker dropout masks, the final barrier."""
+  """fp16 skip in unison, per-worker dropout masks, batch norm's moving
+  statistics averaged over the workers, the final barrier."""
   strategy = _strategy(out_dir, collective_timeout_seconds=COLLECTIVE_TIMEOUT)
   import keras  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  from tfdist.training import moving_statistics  # pylint: disable=g-import-not-at-top
   from tfdist.training import precision  # pylint: disable=g-import-not-at-top
   from tfdist.training.train_loop import Trainer  # pylint: disable=g-import-not-at-top
   from tests import testutil  # pylint: disable=g-import-not-at-top
@@ -340,7 +348,37 @@ def agree_main(out_dir: str):
       lambda: dropout_model(tf.ones((2, 64)), training=True) != 0))
   result["dropout_mask"] = np.asarray(
       strategy.experimental_local_results(masks)[0]).astype(int).tolist()
-  # 3. The final barrier: worker 0 arrives 3 s late; nobody leaves before.
+  # 3. Unsynchronized batch norm: each worker's copy of the moving mean
+  # follows its own data (inputs of 1 on the chief, 5 on worker 0), until
+  # the copies are averaged over both workers (once per step).
+  with strategy.scope():
+    bn_model = keras.Sequential([
+        keras.Input((2,)), keras.layers.Dense(2, kernel_initializer="ones"),
+        keras.layers.BatchNormalization(momentum=0.5)])
+  bn_trainer = Trainer(strategy=strategy, model=bn_model,
+                       optimizer=keras.optimizers.SGD(0.1), global_batch_size=8)
+
+  def bn_dataset_fn(context):
+    value = 1.0 + 4.0 * context.input_pipeline_id
+    return tf.data.Dataset.from_tensor_slices(
+        (np.full((4, 2), value, np.float32), np.zeros((4,), np.int64))
+    ).batch(4).repeat()
+
+  bn_iterator = iter(strategy.distribute_datasets_from_function(
+      bn_dataset_fn))
+  bn_trainer.train_function(bn_iterator, tf.constant(1, tf.int32))
+
+  def local_mean():
+    return np.asarray(strategy.experimental_local_results(
+        bn_model.layers[-1].moving_mean.value)[0], np.float64).tolist()
+
+  result["bn_before"] = local_mean()
+  statistics = moving_statistics.MovingStatistics(
+      strategy, bn_model, step_counter=bn_trainer.global_step)
+  result["bn_synchronized"] = [statistics.synchronize(),
+                               statistics.synchronize()]
+  result["bn_after"] = local_mean()
+  # 4. The final barrier: worker 0 arrives 3 s late; nobody leaves before.
   from tfdist.distribute import worker_exit  # pylint: disable=g-import-not-at-top
   if task == "worker0":
     time.sleep(3)
@@ -381,7 +419,7 @@ if __name__ == "__main__":
     shard_main(sys.argv[2], sys.argv[3:])
   elif _mode == "train":
     train_main(sys.argv[2], sys.argv[3], int(sys.argv[4]),
-               *map(int, sys.argv[5:6]))
+               *map(int, sys.argv[5:6]), *sys.argv[6:7])
   elif _mode == "train_linger":
     train_linger_main(float(sys.argv[2]), sys.argv[3:])
   elif _mode == "agree":

@@ -361,6 +361,100 @@ class ExportFolderTest(absltest.TestCase):
                                 if n.startswith(".tmp-export")])
 
 
+# Run in a child whose writes past RLIMIT_FSIZE fail with EFBIG ("File too
+# large"), as on a full disk (see test_full_disk_during_a_save_is_one_line):
+# an export of a model bigger than the limit, then a probe under a limit of
+# 0 bytes. Prints what each raised.
+_FULL_DISK_CHILD = """
+import json, resource, sys
+import keras
+from tfdist.training import preflight
+from tfdist.training import export
+export_dir, probed = sys.argv[1:]
+inputs = keras.Input((256,), name="x")
+model = keras.Model(inputs, keras.layers.Dense(256)(inputs))  # 257 KiB.
+out = {}
+resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, resource.RLIM_INFINITY))
+try:
+  export.export_saved_model(model, export_dir, source="--export_dir",
+                            last_checkpoint="/m/checkpoints/ckpt-2")
+except Exception as e:  # pylint: disable=broad-except
+  out["export"] = [type(e).__name__, str(e)]
+resource.setrlimit(resource.RLIMIT_FSIZE, (0, resource.RLIM_INFINITY))
+try:
+  preflight.probe_writable(probed, flag="--model_dir", value=probed)
+except Exception as e:  # pylint: disable=broad-except
+  out["probe"] = [type(e).__name__, str(e)]
+print("RESULT " + json.dumps(out))
+"""
+
+
+class FullDiskLeavesNothingTest(absltest.TestCase):
+  """A failed export or probe removes what it wrote; the next start
+  removes what an earlier failed export left (tfdist's names only)."""
+
+  def test_failed_export_and_probe_leave_nothing_and_name_the_flag(self):
+    root = testutil.scratch_dir()
+    export_dir = os.path.join(root, "exports", "serving")
+    probed = os.path.join(root, "run")
+    os.makedirs(probed)
+    env = dict(os.environ, PYTHONPATH=testutil.REPO_ROOT,
+               TF_CPP_MIN_LOG_LEVEL="2")
+    proc = subprocess.run(
+        [sys.executable, "-c", _FULL_DISK_CHILD, export_dir, probed],
+        cwd=testutil.REPO_ROOT, env=env, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, timeout=240)
+    self.assertEqual(proc.returncode, 0, proc.stdout[-3000:])
+    result = json.loads(proc.stdout.split("RESULT ", 1)[1])
+    # Before: a raw OpError, and .tmp-export-* (and the probe file) stayed.
+    kind, message = result["export"]
+    self.assertEqual(kind, "OutputWriteError", message)
+    self.assertRegex(
+        message, f"^--export_dir={export_dir}: a write failed: the disk or "
+        "quota is full .*File too large.*rerun the same command to resume "
+        "from /m/checkpoints/ckpt-2")
+    self.assertEqual(_tree(os.path.join(root, "exports")), [])
+    self.assertEqual(result["probe"][0], "OutputNotWritableError")
+    self.assertEqual(os.listdir(probed), [])
+
+  def test_stale_unfinished_exports_are_removed_and_nothing_else(self):
+    parent = testutil.scratch_dir()
+    export_dir = os.path.join(parent, "serving")
+
+    def folder(name, marked=False):
+      os.makedirs(os.path.join(parent, name, "variables"))
+      if marked:
+        with open(os.path.join(parent, name, export.MARKER_FILE), "w") as f:
+          f.write("{}")
+    folder(".tmp-export-serving-0123abcd")  # Failed part way: removed.
+    folder(".tmp-export-serving-89abcdef", marked=True)  # Whole: kept.
+    folder(".old-export-serving-00ff00ff")  # Previous export: no new one.
+    folder(".tmp-export-other-0123abcd")  # Another export folder's.
+    folder(".tmp-export-serving-notahex1")
+    folder("serving-notes")
+    self.assertEqual(export.remove_stale_exports(export_dir),
+                     [os.path.join(parent, ".tmp-export-serving-0123abcd")])
+    # Once the export folder holds a tfdist export, the moved-aside
+    # previous one goes too.
+    export.export_saved_model(_tiny_model(), export_dir)
+    self.assertEqual(export.remove_stale_exports(export_dir),
+                     [os.path.join(parent, ".old-export-serving-00ff00ff")])
+    self.assertEqual(sorted(os.listdir(parent)), [
+        ".tmp-export-other-0123abcd", ".tmp-export-serving-89abcdef",
+        ".tmp-export-serving-notahex1", "serving", "serving-notes"])
+
+  def test_a_run_removes_an_earlier_runs_unfinished_export(self):
+    model_dir = testutil.scratch_dir()
+    stale = os.path.join(model_dir, ".tmp-export-saved_model-0badf00d")
+    os.makedirs(os.path.join(stale, "variables"))
+    experiment.run_experiment(_config(model_dir, mode="train"))
+    self.assertFalse(os.path.exists(stale))
+    self.assertTrue(export.is_tfdist_export(
+        os.path.join(model_dir, "saved_model")))
+    self.assertEqual([n for n in os.listdir(model_dir)
+                      if n.startswith(".")], [])
+
+
 class OutputRunTest(absltest.TestCase):
   """A real run: the overlap is refused before any work (a run's artifacts
   and its manifest's paths: tests/environment_test.py)."""

@@ -264,6 +264,22 @@ def _subclassed():
   return model
 
 
+class _OwnStep(keras.Model):
+
+  def train_step(self, data):
+    return super().train_step(data)
+
+
+def _own_step():
+  x = keras.Input((8,))
+  model = _OwnStep(x, keras.layers.Dense(3)(keras.layers.Dense(4)(x)))
+  model.compile(
+      optimizer="sgd",
+      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+  _Built.model = model
+  return model
+
+
 def _two_layers():
   model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4),
                             keras.layers.Dense(3)])
@@ -312,6 +328,8 @@ class RefusalTest(absltest.TestCase):
                   pipeline_stages=2)
     self._refused(r"--pipeline_cuts=nope: pipeline cut 'nope' is not a "
                   r"layer", pipeline_stages=2, pipeline_cuts="nope")
+    self._refused(r"--pipeline_stages=2: model .* defines its own step "
+                  r"\(_OwnStep.train_step\)", _own_step, pipeline_stages=2)
     self._refused(r"layer 'block_2' has an activity regularizer",
                   lambda: skip_model(activity=True), pipeline_stages=2)
 

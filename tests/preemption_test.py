@@ -148,5 +148,53 @@ class StopHookTest(absltest.TestCase):
     self.assertIn("Traceback", proc.stderr)
 
 
+class CaughtStopTest(absltest.TestCase):
+  """A `tfdist.fit` script that catches the stop and goes on (a notebook's
+  Ctrl-C): the grace period no longer applies once `fit` has raised."""
+
+  def test_a_caught_stop_lives_past_the_grace_period_and_resumes(self):
+    script = textwrap.dedent("""
+        import os, signal, sys, time
+        import keras
+        import numpy as np
+        import tfdist
+        from tfdist import errors
+
+        class Interrupt(keras.callbacks.Callback):
+          def on_train_batch_end(self, batch, logs=None):
+            if batch == 2 and not os.environ.get("RESUMED"):
+              os.kill(os.getpid(), signal.SIGINT)
+
+        def build():
+          model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+          model.compile(loss="mse")
+          return model
+
+        x = np.ones((64, 2), np.float32)
+        config = tfdist.TrainConfig(
+            model_dir=sys.argv[1], train_steps=12, batch_size=4,
+            distribution_strategy="one_device", preemption_grace_seconds=2)
+        try:
+          tfdist.fit(build, x=x, y=x.sum(axis=1), config=config,
+                     callbacks=[Interrupt()], verbose=0)
+        except errors.PreemptedError as e:
+          print("stopped at step", e.step, flush=True)
+        time.sleep(5)  # Past the 2 s grace period.
+        os.environ["RESUMED"] = "1"
+        result = tfdist.fit(build, x=x, y=x.sum(axis=1), config=config,
+                            verbose=0)
+        print("resumed to step", result["final_step"], flush=True)
+        """)
+    model_dir = os.path.join(testutil.scratch_dir(), "run")
+    proc = subprocess.run(
+        [sys.executable, "-c", script, model_dir], cwd=testutil.REPO_ROOT,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        timeout=300, env=dict(os.environ, PYTHONPATH=testutil.REPO_ROOT,
+                              TF_CPP_MIN_LOG_LEVEL="2"))
+    self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
+    self.assertRegex(proc.stdout, r"stopped at step \d+\n")
+    self.assertIn("resumed to step 12\n", proc.stdout)
+
+
 if __name__ == "__main__":
   absltest.main()

@@ -50,6 +50,45 @@ class CheckNamesTest(absltest.TestCase):
         model="cnn", dataset="fashion_mnist", hptune_metric="eval_accuracy"))
 
 
+class KerasDistributionTest(absltest.TestCase):
+  """A `keras.distribution` set in the process: Keras ignores it under
+  TensorFlow (the run went on without a word); refused at start."""
+
+  def tearDown(self):
+    import keras  # pylint: disable=g-import-not-at-top
+    keras.distribution.set_distribution(None)
+    super().tearDown()
+
+  def test_data_parallel_is_refused_at_start_naming_the_flags(self):
+    import keras  # pylint: disable=g-import-not-at-top
+    from tfdist import errors  # pylint: disable=g-import-not-at-top
+    from tfdist import experiment  # pylint: disable=g-import-not-at-top
+    keras.distribution.set_distribution(keras.distribution.DataParallel())
+    with self.assertRaisesRegex(
+        ConfigError, r"keras.distribution.set_distribution\(DataParallel"
+        r"\(...\)\) is set in this process, which Keras ignores under the "
+        r"TensorFlow backend.*--distribution_strategy=mirrored .*"
+        "multi_worker_mirrored") as cm:
+      experiment.prepare_run(TrainConfig(model_dir="/unused/run",
+                                         train_steps=1))
+    self.assertEqual(errors.exit_code_for(cm.exception), errors.CONFIG)
+
+  def test_model_parallel_names_zero_and_parameter_servers(self):
+    import keras  # pylint: disable=g-import-not-at-top
+    devices = keras.distribution.list_devices()
+    mesh = keras.distribution.DeviceMesh((len(devices),), ["model"], devices)
+    keras.distribution.set_distribution(keras.distribution.ModelParallel(
+        layout_map=keras.distribution.LayoutMap(mesh)))
+    with self.assertRaisesRegex(
+        ConfigError, r"ModelParallel.*--zero_stage=1 or 2.*"
+        "--distribution_strategy=parameter_server.*pipeline and tensor "
+        "parallel layouts are not yet available"):
+      preflight.check_no_keras_distribution()
+
+  def test_none_set_passes(self):
+    preflight.check_no_keras_distribution()
+
+
 class OutputFoldersTest(absltest.TestCase):
 
   def setUp(self):

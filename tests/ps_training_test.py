@@ -90,7 +90,7 @@ class ParameterServerTrainingTest(absltest.TestCase):
     cluster = self._cluster(
         _flags(self.model_dir, train_steps=120, steps_per_execution=2),
         num_workers=2, num_ps=2, evaluator=True)
-    self.assertTrue(cluster.wait_for_log("chief-0", "tfdist: step 20/120",
+    self.assertTrue(cluster.wait_for_log("chief-0", ", step 20/120: ",
                                          timeout=180),
                     self._chief_log(cluster))
     cluster.kill("worker-1")
@@ -122,7 +122,7 @@ class ParameterServerTrainingTest(absltest.TestCase):
       self.assertLen(names, 3, slots)  # The table shard and its 2 slots.
       self.assertEqual({slots[n] for n in names}, {task})
     self.assertIsNotNone(manifest["final_metrics"]["eval_auc"])
-    self.assertIn("tfdist: held-out evaluation at step 120",
+    self.assertIn("held-out evaluation at step 120: ",
                   cluster.log("chief-0"))
     # The evaluator saw each checkpoint once, in order.
     with open(os.path.join(self.model_dir, "eval",
@@ -168,7 +168,7 @@ class ParameterServerTrainingTest(absltest.TestCase):
         self.assertIsNone(launcher.poll(), read_log()[-4000:])
         time.sleep(0.2)
 
-    wait_for("tfdist: step 40/100", 180)
+    wait_for(", step 40/100: ", 180)
     ps_task = None
     for child in psutil.Process(launcher.pid).children(recursive=True):
       try:
@@ -225,7 +225,7 @@ class OneControllerTest(absltest.TestCase):
     log_path = os.path.join(self.tmp, "first.log")
     launcher = self._launch(args, log_path)
     deadline = time.time() + 240
-    while "tfdist: step 10/40" not in self._read(log_path):
+    while ", step 10/40: " not in self._read(log_path):
       self.assertLess(time.time(), deadline, self._read(log_path)[-4000:])
       self.assertIsNone(launcher.poll(), self._read(log_path)[-4000:])
       time.sleep(0.2)

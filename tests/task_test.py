@@ -212,6 +212,12 @@ class RegistryTest(parameterized.TestCase):
     with self.assertRaisesRegex(ConfigError, "infinite dataset: return one "
                                 "epoch"):
       input_pipeline.count_examples(spec)
+    spec = DatasetSpec(name="eval_forever", input_fn=lambda training: (
+        tf.data.Dataset.range(3).repeat(1 if training else -1)))
+    self.assertEqual(input_pipeline.count_examples(spec), 3)
+    with self.assertRaisesRegex(ConfigError, "infinite evaluation "
+                                r"\(training=False\) dataset"):
+      input_pipeline.count_examples(spec, training=False)
     spec = DatasetSpec(name="list", input_fn=lambda: [1, 2])
     with self.assertRaisesRegex(ConfigError, "returned list, not a "
                                 "tf.data.Dataset"):

@@ -113,3 +113,20 @@ def test_compiled_steps_per_execution_that_differs_is_warned(caplog):
           "tfdist does not read: it runs --steps_per_execution=1") in (
               caplog.text)
   assert "Set --steps_per_execution=4" in caplog.text
+
+
+def test_compiled_jit_compile_without_enable_xla_is_warned(caplog):
+  # compile(jit_compile=True) was dropped without a word before.
+  import keras  # pylint: disable=g-import-not-at-top
+  model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1)])
+  assert not training_checks.check_jit_compile(model, enable_xla=False)
+  model.compile(loss="mse")  # "auto": False on this CPU-only machine.
+  assert not training_checks.check_jit_compile(model, enable_xla=False)
+  model.compile(loss="mse", jit_compile=True)
+  assert not training_checks.check_jit_compile(model, enable_xla=True)
+  with caplog.at_level("WARNING"):
+    assert training_checks.check_jit_compile(model, enable_xla=False,
+                                             model_name="--model=mine")
+  assert ("--model=mine was compiled with jit_compile=True, which tfdist "
+          "does not read") in caplog.text
+  assert "Set --enable_xla" in caplog.text

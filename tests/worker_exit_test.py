@@ -72,6 +72,40 @@ class LeaveTogetherTest(absltest.TestCase):
     self.assertGreaterEqual(waited, 0.0)
 
 
+class FailuresSharedTest(absltest.TestCase):
+  """A status-2 error at the end of a run is announced at the final barrier
+  (every task then exits 2: tests/multi_worker_test.py ExportFailureTest)."""
+
+  def test_a_status_2_error_joins_the_barrier_as_failed(self):
+    from tfdist import errors  # pylint: disable=g-import-not-at-top
+    calls = []
+    with self.assertRaises(errors.OutputWriteError):
+      with worker_exit.failures_shared(lambda failed: calls.append(failed)):
+        raise errors.OutputWriteError("--export_dir=/e: full")
+    self.assertEqual(calls, [True])
+    # Anything else is not a shared failure (the peers see a lost peer).
+    with self.assertRaises(RuntimeError):
+      with worker_exit.failures_shared(lambda failed: calls.append(failed)):
+        raise RuntimeError("a bug")
+    with worker_exit.failures_shared(lambda failed: calls.append(failed)):
+      pass
+    self.assertEqual(calls, [True])
+
+  def test_a_barrier_that_fails_keeps_the_error(self):
+    from tfdist import errors  # pylint: disable=g-import-not-at-top
+
+    def leave(failed):
+      raise tf.errors.UnavailableError(None, None, "chief gone")
+    with self.assertRaisesRegex(errors.OutputWriteError, "full"):
+      with worker_exit.failures_shared(leave):
+        raise errors.OutputWriteError("full")
+
+  def test_the_failed_barrier_over_a_real_strategy(self):
+    strategy = tf.distribute.OneDeviceStrategy("/cpu:0")
+    # Only this task failed: nothing raised here (it raises its own error).
+    worker_exit.leave_together(strategy, num_workers=2, failed=True)
+
+
 class ImportTest(absltest.TestCase):
 
   def test_the_launcher_side_stays_tensorflow_free(self):

@@ -49,9 +49,13 @@ from tfdist import experiment
 from tfdist.config import ConfigError
 from tfdist.config import TrainConfig
 from tfdist.data import input_pipeline
+from tfdist.data import python_inputs
 from tfdist.data.dataset_spec import DatasetSpec
+from tfdist.distribute import cluster as cluster_lib
+from tfdist.distribute import environment as environment_lib
 from tfdist.errors import PreemptedError
 from tfdist.errors import StoppedAtStartError
+from tfdist.observability import progress
 from tfdist.runtime import script_exit
 from tfdist.training import keras_callbacks
 from tfdist.training import registry
@@ -182,9 +186,11 @@ def in_memory_dataset(*, x=None, y=None, sample_weight=None,
     # (as Model.evaluate(x, y) would).
     return _from_arrays(train, input_context)
 
-  if train is not None:
+  if train is not None or (dataset_fn is not None and
+                           not input_pipeline.takes_input_context(dataset_fn)):
     # Its training split's shares are tfdist's (example i to pipeline i mod
-    # n), so the pipeline can align its epochs to steps.
+    # n: the arrays, or a function that does not shard itself), so the
+    # pipeline can align its epochs to steps.
     setattr(input_fn, input_pipeline.SHARDS_BY_EXAMPLE, True)
   return input_fn, validation is not None or validation_data is not None
 
@@ -305,7 +311,10 @@ def fit(model_fn: Union[Callable, str],
       used; the optimizer comes from `config`) or not. tfdist calls it in
       the strategy's scope, with the keyword arguments it names among `spec`
       (the data set's `DatasetSpec`) and `config`. A registered name works
-      too.
+      too. A model whose class overrides `train_step`, `test_step`,
+      `compute_loss` or `compute_metrics` is trained and evaluated with
+      its own step, as `keras.Model.fit` runs it
+      (`tfdist.training.custom_step`).
     dataset_fn: returns a finite `tf.data.Dataset` of unbatched `(features,
       labels)` examples, one epoch of a split; called with the keyword
       arguments it names among `training` (True: training split, False:
@@ -322,7 +331,14 @@ def fit(model_fn: Union[Callable, str],
       [examples]). Each worker reads a disjoint share (example i goes to
       input pipeline `i mod n`), every example once an epoch. Without
       validation data (and `config.mode` "train_and_eval") the run only
-      trains, as `fit` evaluates nothing then.
+      trains, as `fit` evaluates nothing then. `x` may also be a
+      `keras.utils.PyDataset` (or `Sequence`), a generator or an iterator of
+      `(x, y)` or `(x, y, sample_weight)` batches (without `y` and
+      `sample_weight`): their batches are split into examples and batched
+      by `config.batch_size`; one device and Mirrored only (refused at
+      start for several workers or parameter servers); a generator is read
+      to its end at start (it cannot be rewound). How often each is read,
+      and what resuming does: `tfdist.data.python_inputs`.
     epochs: passes over the training examples, as `keras.Model.fit`'s
       `epochs` (int >= 1): sets `config.train_epochs`. None: the config's.
     batch_size: the global batch in examples (int >= 1; split over every
@@ -330,8 +346,9 @@ def fit(model_fn: Union[Callable, str],
       distribution strategy): sets `config.batch_size`, also for a dataset
       function (tfdist batches its unbatched examples). None: the config's.
     validation_data: the evaluation split: a tuple `(x_val, y_val)` or
-      `(x_val, y_val, val_sample_weight)` of arrays, or a dataset function
-      (called with `training=False`); overrides `validation_split` and, with
+      `(x_val, y_val, val_sample_weight)` of arrays, a dataset function
+      (called with `training=False`), or a `PyDataset`, generator or
+      iterator as `x` takes them; overrides `validation_split` and, with
       a `dataset_fn`, its `training=False` split.
     validation_split: in (0, 1): the last fraction of the arrays' rows,
       taken before any shuffling (as `fit` takes it), is the evaluation
@@ -347,14 +364,22 @@ def fit(model_fn: Union[Callable, str],
       refused at start).
     environment: a `tfdist.distribute.environment.RunEnvironment`; None reads
       `os.environ` (`TF_CONFIG`, Vertex AI's variables) now.
-    verbose: as `keras.Model.fit`'s: "auto", 1 or 2 (or True) print
-      tfdist's lines (the plan at start, a line every `config.log_steps`
-      steps, each evaluation; no progress bar: add
-      `keras.callbacks.ProgbarLogger` for one) on stderr also in a plain
-      script, where absl's logging is not set up (its default WARNING
-      level: `_info_lines`), and the final evaluation on stdout; 0 (or
-      False) prints neither and leaves logging as it is. Under `absl.app.run` absl's own flags
-      (`--verbosity`, `--logtostderr`) decide either way.
+    verbose: as `keras.Model.fit`'s. 1 (or True): a progress bar per
+      epoch on stdout (`keras.callbacks.ProgbarLogger`, as `fit(verbose=1)`
+      shows it: `Epoch 2/5`, steps of the epoch, ETA, the epoch's loss,
+      metrics and `val_*` values) on the chief, and tfdist's other lines
+      (the plan at start, warnings, checkpoints) on stderr, without the
+      step and evaluation lines the bar repeats. 2: tfdist's lines, a line
+      every `config.log_steps` steps (`tfdist: epoch E/N, step S/T: ...,
+      ETA 1m12s`, epochs counted from 1 as Keras's callbacks count them)
+      and each evaluation (one line with the step line at its step).
+      "auto" (the default): 1 when stdout is a terminal or a notebook's,
+      else 2 (`tfdist.observability.progress.resolve_verbose`). 1 and 2
+      print the lines on stderr also in a plain script, where absl's
+      logging is not set up (its default WARNING level: `_info_lines`),
+      and the final evaluation on stdout; 0 (or False) prints neither and
+      leaves logging as it is. Under `absl.app.run` absl's own flags
+      (`--verbosity`, `--logtostderr`) decide which lines show.
 
   Returns:
     The run manifest (as `run_manifest.json` holds it) on the chief and
@@ -371,9 +396,11 @@ def fit(model_fn: Union[Callable, str],
       `epochs` with `config.train_steps` or another `config.train_epochs`,
       `batch_size` with another `config.batch_size` or with
       `config.per_replica_batch_size`,
-      arrays of different lengths, a
+      arrays of different lengths, a `PyDataset` or generator for a run of
+      several workers or parameter servers, a
       `validation_split` outside (0, 1) or with a dataset function, no loss
-      anywhere, a model that cannot take the features).
+      anywhere, a model that cannot take the features, a setting that a
+      model with its own `train_step` cannot take).
     tfdist.errors.PreemptedError: SIGTERM or SIGINT stopped training after
       every worker saved a checkpoint (call again with the same
       `config.model_dir` to resume). Uncaught, it ends the script as
@@ -390,8 +417,18 @@ def fit(model_fn: Union[Callable, str],
     raise ConfigError(f"tfdist.fit(verbose={verbose!r}): use \"auto\", 1 or "
                       "2 (tfdist's log lines) or 0 (logging as it is).")
   config = with_keras_length(config, epochs=epochs, batch_size=batch_size)
+  python = python_inputs.python_input_names(x=x,
+                                            validation_data=validation_data)
+  if python is not None:
+    environment = environment or environment_lib.read_environment()
+    _check_one_host(python, config=config, environment=environment)
+    x, y, sample_weight, dataset_fn, validation_data = python_inputs.resolve(
+        x=x, y=y, sample_weight=sample_weight,
+        validation_data=validation_data, dataset_fn=dataset_fn,
+        validation_split=validation_split)
   arrays = x is not None or y is not None or sample_weight is not None
-  if arrays or validation_data is not None or validation_split:
+  if (arrays or validation_data is not None or validation_split or
+      python is not None):
     dataset_fn, config = _in_memory_source(
         dataset_fn, config=config, parse_fn=parse_fn, x=x, y=y,
         sample_weight=sample_weight, validation_data=validation_data,
@@ -405,11 +442,15 @@ def fit(model_fn: Union[Callable, str],
   task = make_task(model_fn, dataset_fn, config=config, parse_fn=parse_fn,
                    loss=loss, metrics=metrics)
   history = keras.callbacks.History()
+  verbose = progress.resolve_verbose(verbose)
+  callbacks = keras_callbacks.flatten(callbacks)
+  if verbose == 1 and not any(isinstance(c, keras.callbacks.ProgbarLogger)
+                              for c in callbacks):
+    callbacks.append(keras.callbacks.ProgbarLogger())
   try:
-    with _info_lines(verbose != 0):
+    with _info_lines(verbose != 0, without_progress=verbose == 1):
       result = experiment.run_experiment(_named_config(config, task),
-                                         callbacks=[*keras_callbacks.flatten(
-                                             callbacks), history],
+                                         callbacks=[*callbacks, history],
                                          environment=environment, task=task,
                                          print_final_eval=verbose != 0)
   except PreemptedError as e:
@@ -480,6 +521,25 @@ def with_keras_length(config: TrainConfig, *, epochs: Optional[int] = None,
           "place.")
     changes["batch_size"] = batch_size
   return config.replace(**changes) if changes else config
+def _check_one_host(python: tuple, *, config: TrainConfig,
+                    environment: environment_lib.RunEnvironment):
+  """Refuses a Python input (`(name, value)`) for a run of several workers
+  or parameter servers (`python_inputs.check_one_host`), from the cluster
+  the run will resolve.
+
+  Raises:
+    ConfigError: as `python_inputs.check_one_host`, or a malformed cluster.
+  """
+  cluster = cluster_lib.resolve_cluster(
+      worker_hosts=config.worker_hosts, task_index=config.task_index,
+      environ=environment.variables,
+      reduction_server=config.reduction_server)
+  name, value = python
+  python_inputs.check_one_host(
+      name=name, value=value,
+      distribution_strategy=config.distribution_strategy,
+      num_workers=cluster.num_workers,
+      num_ps=cluster.num_ps)
 
 
 _TFDIST_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
@@ -491,15 +551,22 @@ def _tfdist_lines(record: std_logging.LogRecord) -> bool:
           os.path.abspath(record.pathname).startswith(_TFDIST_DIR))
 
 
+def _not_progress(record: std_logging.LogRecord) -> bool:
+  """Not a line a progress bar shows already."""
+  return not progress.is_progress_line(record)
+
+
 @contextlib.contextmanager
-def _info_lines(wanted: bool):
+def _info_lines(wanted: bool, *, without_progress: bool = False):
   """tfdist's INFO lines on stderr while the block runs, where nothing asked
   for them: outside an absl app (its flags unparsed), with absl's logger
   above INFO (its default: WARNING, from Python's root logger), the level
   is INFO and, unless absl's handler is on the root logger already, absl's
   logger writes through that handler alone (not also through a handler
-  Python's `logging.warning` put on the root logger). Everything is
-  restored after the block. Otherwise (or not `wanted`) nothing changes."""
+  Python's `logging.warning` put on the root logger); `without_progress`
+  leaves out the step and evaluation lines a progress bar shows
+  (`progress.PROGRESS`). Everything is restored after the block.
+  Otherwise (or not `wanted`) nothing changes."""
   absl_logger = logging.get_absl_logger()
   if (not wanted or absl_flags.FLAGS.is_parsed()
       or absl_logger.getEffectiveLevel() <= std_logging.INFO):
@@ -516,10 +583,13 @@ def _info_lines(wanted: bool):
     # TensorFlow's and Keras's own INFO lines (saver timings and the like)
     # stay as hidden as before; their warnings show.
     handler.addFilter(_tfdist_lines)
+    if without_progress:
+      handler.addFilter(_not_progress)
   try:
     yield
   finally:
     if own_handler:
+      handler.removeFilter(_not_progress)
       handler.removeFilter(_tfdist_lines)
       absl_logger.removeHandler(handler)
       absl_logger.propagate = propagate

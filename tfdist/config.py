@@ -24,6 +24,7 @@ from tfdist.errors import ConfigError
 from tfdist.parallel import pipeline_options
 from tfdist.training import decay_schedules
 from tfdist.training import optimizers
+from tfdist.training import reduce_dtype
 from tfdist.training import training_checks
 
 # `--distribution_strategy` values: every concrete kind, then `auto`
@@ -332,6 +333,9 @@ class TrainConfig:
   num_cpu_devices: int = 0
   all_reduce_alg: str = "auto"
   bytes_per_pack: int = 0
+  # The dtype gradients travel in between replicas (float32, bfloat16,
+  # float16): tfdist/training/reduce_dtype.py.
+  all_reduce_dtype: str = reduce_dtype.FLOAT32
   # --- Multi-worker cluster (tfdist/distribute/cluster.py: TF_CONFIG, CLUSTER_SPEC) ---
   worker_hosts: str = ""
   task_index: int = -1
@@ -703,6 +707,9 @@ class TrainConfig:
             f"--zero_stage={self.zero_stage_resolved} (ZeRO all-reduces its "
             "flat gradient buffer in one collective, then slices it). Drop "
             "one of them.")
+    reduce_dtype.check_config(self.all_reduce_dtype,
+                              strategy=self.distribution_strategy,
+                              dtype=self.dtype)
     _need(self.collective_timeout_seconds >= 0,
           f"--collective_timeout_seconds={self.collective_timeout_seconds} "
           "must be > 0, or 0 for no per-collective timeout.")

@@ -6,25 +6,35 @@ Usage:
   python -m tfdist.diagnose --num_workers=2 --pin_workers -- \\
       --distribution_strategy=multi_worker_mirrored --dataset=fashion_mnist
 
-Everything after `--` is `tfdist.train` flags (checked by tfdist.train's own
-parser before anything runs). The diagnosis:
+Everything after `--` is `tfdist.train` flags. The diagnosis:
 
-1. estimates, from the model alone, the bytes of its parameters, gradients
+1. plans every run and checks it before any is measured
+   (`plan_measurements`, seconds): the requested run's flags and the
+   baseline's, each by tfdist.train's own parser, the local cluster against
+   the strategy, the batch against the replicas; a refusal ends the binary
+   with status 2 (`tfdist.errors.CONFIG`) naming the flag. The baseline
+   drops what applies only to several replicas (`MULTI_REPLICA_FLAGS`: ZeRO
+   stages and sharding switches, `--num_cpu_devices`, collectives, cluster,
+   parameter-server and TPU flags) and the report says which it dropped;
+2. estimates, from the model alone, the bytes of its parameters, gradients
    and optimizer state (`tfdist.training.memory`), and whether every replica's
    copy fits the device's memory under data parallelism (which strategy fits if
-   not);
-2. runs the requested configuration and a single-device baseline
+   not); for a sharded layout (ZeRO), whether it is needed at this size and
+   what it costs in traffic (`layout_notes`);
+3. runs the requested configuration and a single-device baseline
    (`one_device`, the same model, data and per-replica batch) as child
    processes of `tfdist.train` (through `tfdist.launch` for a local cluster,
    `--num_workers` / `--num_ps`), for `--train_steps` steps (default 60),
    each in its own `--model_dir` (a temporary folder unless `--model_dir` is
    given; then `<model_dir>/baseline` and `<model_dir>/requested`), in
-   alternation `--repeats` times;
-3. reads their manifests and `metrics.jsonl`, prints a table (examples/sec,
+   alternation `--repeats` times, with a line as each starts and ends;
+   `--plan_only` stops before this step;
+4. reads their manifests and `metrics.jsonl`, prints a table (examples/sec,
    step time, input-wait share, peak memory, speedup, scaling efficiency;
    medians over repeats, with the range) and a verdict with the numbers
    behind it (`verdict`): memory-bound, input-bound, communication-bound or
-   compute-bound, with what to try.
+   compute-bound, with what to try (for the hardware measured, and no
+   cluster advice for a run of one process).
 
 The rule: measure one device first and find the binding constraint
 before adding devices; judge N devices by speedup (examples/sec against the
@@ -46,16 +56,18 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 from absl import app
 from absl import flags
-from absl import logging
 
 from tfdist import job_spec
 from tfdist.distribute.strategy_kind import StrategyKind
+from tfdist import errors
+from tfdist.errors import ConfigError
 from tfdist.errors import DiagnoseError
 from tfdist.training import memory
+from tfdist.training import optimizers
 
 # The input-wait share of step time above which a run is input-bound, and
 # above which it is "moderately" so: TensorFlow's profiler (the input
@@ -77,16 +89,27 @@ NOISY_INTERVAL_RATIO = 1.5
 MEMORY_FULL_SHARE = 0.90
 DEFAULT_STEPS = 60
 DEFAULT_LOG_STEPS = 10
-# Flags the baseline sets itself (or drops): the strategy and its devices,
-# the batch, the cluster, and where it writes.
-_BASELINE_DROPS = ("distribution_strategy", "num_cpu_devices", "num_gpus",
-                   "batch_size", "per_replica_batch_size", "all_reduce_alg",
-                   "bytes_per_pack",
-                   "worker_hosts", "task_index", "reduction_server",
-                   "model_dir", "checkpoint_dir", "tensorboard_dir",
-                   "export_dir", "profile_steps", "sync_batch_norm")
+# Flags the baseline sets itself: its strategy and batch, and where it
+# writes (not reported as dropped: the baseline always sets them).
+_BASELINE_SETS = ("distribution_strategy", "batch_size",
+                  "per_replica_batch_size", "model_dir", "checkpoint_dir",
+                  "tensorboard_dir", "export_dir", "profile_steps")
+# Flags that apply only to several replicas, a cluster or another strategy:
+# the devices, ZeRO's sharding, collectives, the cluster, parameter servers
+# and TPUs. The one-device baseline drops them and says so.
+MULTI_REPLICA_FLAGS = ("num_cpu_devices", "num_gpus", "zero_stage",
+                       "shard_optimizer_state", "shard_gradients",
+                       "all_reduce_alg", "all_reduce_dtype", "bytes_per_pack",
+                       "sync_batch_norm",
+                       "reduction_server", "collective_timeout_seconds",
+                       "cluster_start_timeout_seconds", "worker_hosts",
+                       "task_index", "ps_partitioner", "ps_min_shard_bytes",
+                       "ps_max_shards", "tpu", "tpu_zone", "tpu_gcp_project",
+                       "tpu_init_timeout")
+_BASELINE_DROPS = _BASELINE_SETS + MULTI_REPLICA_FLAGS
 # Boolean flags among them (`--name`, `--noname`: no separate value).
-_BOOLEAN_DROPS = ("reduction_server", "sync_batch_norm")
+_BOOLEAN_DROPS = ("reduction_server", "sync_batch_norm",
+                  "shard_optimizer_state", "shard_gradients")
 
 INPUT_ADVICE = (
     "input pipeline knobs: keep --cache_dataset on (parsed examples cached in "
@@ -117,6 +140,12 @@ _MORE_COMPUTE = {
            "(Vertex AI, a TFJob, Ray), or on one machine a core each "
            "(--pin_workers)",
 }
+# The same for a run of one process: no cluster advice (more processes is
+# another setup, measured with tfdist.diagnose --num_workers).
+_MORE_COMPUTE_ONE_PROCESS = {
+    "CPU": "a machine with more cores (one process already uses all of "
+           "this one's), or GPUs",
+}
 _MIXED_PRECISION = {
     "GPU": "mixed precision (--dtype=bf16 on GPUs of compute capability >= "
            "8.0, fp16 on 7.x)",
@@ -126,11 +155,15 @@ _MIXED_PRECISION = {
 }
 MEMORY_ADVICE = (
     "{mixed}activation recomputation, a smaller per-replica batch with "
-    "gradient accumulation, sharded optimizer state "
-    "(--shard_optimizer_state: each replica keeps 1/N of it), or parameter "
-    "servers "
-    "(--distribution_strategy=parameter_server: variables and optimizer "
-    "slots sharded over ps tasks)")
+    "gradient accumulation{sharded}")
+# Where the optimizer state can be split: over several replicas (ZeRO), or
+# over ps tasks (a cluster).
+_MEMORY_ZERO = (
+    "sharded optimizer state (--shard_optimizer_state: each replica keeps "
+    "1/N of it)")
+_MEMORY_PS = (
+    "parameter servers (--distribution_strategy=parameter_server: variables "
+    "and optimizer slots sharded over ps tasks)")
 
 
 def _kind(device_kind: str) -> str:
@@ -158,10 +191,13 @@ def _mixed_precision(run: "RunMeasurement", cpu_bf16: bool) -> Optional[str]:
 
 
 def compute_advice(run: "RunMeasurement", *, cpu_bf16: bool = False) -> str:
-  """What to try on a compute-bound `run`, for the hardware it ran on."""
+  """What to try on a compute-bound `run`, for the hardware it ran on (no
+  cluster advice for a run of one process)."""
   kind = _kind(run.device_kind)
-  parts = ["the devices are busy computing: " + _MORE_COMPUTE.get(
-      kind, "add devices while efficiency holds")]
+  more = _MORE_COMPUTE.get(kind, "add devices while efficiency holds")
+  if run.num_workers <= 1:
+    more = _MORE_COMPUTE_ONE_PROCESS.get(kind, more)
+  parts = ["the devices are busy computing: " + more]
   mixed = _mixed_precision(run, cpu_bf16)
   if mixed:
     parts.append(mixed)
@@ -171,17 +207,27 @@ def compute_advice(run: "RunMeasurement", *, cpu_bf16: bool = False) -> str:
 
 
 def communication_advice(run: "RunMeasurement") -> str:
-  """What to try on a communication-bound `run` (NCCL and the Reduction
-  Server only for GPUs)."""
-  return COMMUNICATION_ADVICE.format(
-      gpu=_COMMUNICATION_GPU if _kind(run.device_kind) == "GPU" else "")
+  """What to try on a communication-bound `run` (NCCL only for GPUs; the
+  Reduction Server, which sums between hosts, only for GPU workers)."""
+  gpu = ""
+  if _kind(run.device_kind) == "GPU":
+    gpu = (_COMMUNICATION_GPU if run.num_workers > 1 else
+           ", NCCL (--all_reduce_alg=nccl)")
+  return COMMUNICATION_ADVICE.format(gpu=gpu)
 
 
 def memory_advice(run: "RunMeasurement", *, cpu_bf16: bool = False) -> str:
-  """What to try on a memory-bound `run`, for its hardware."""
+  """What to try on a memory-bound `run`, for its hardware: sharded
+  optimizer state only with several replicas, parameter servers only for
+  a cluster."""
   mixed = _mixed_precision(run, cpu_bf16)
+  sharded = [text for text, applies in ((_MEMORY_ZERO, run.num_replicas > 1),
+                                        (_MEMORY_PS, run.num_workers > 1))
+             if applies]
   return MEMORY_ADVICE.format(
-      mixed=f"{mixed[:-1]}: half-size activations), " if mixed else "")
+      mixed=f"{mixed[:-1]}: half-size activations), " if mixed else "",
+      sharded="".join(f", {text}" for text in sharded[:-1]) +
+      (f", or {sharded[-1]}" if sharded else ""))
 
 
 @dataclasses.dataclass
@@ -566,8 +612,9 @@ def _scaling_verdict(requested: RunMeasurement, baseline: RunMeasurement,
     judged.notes.append(
         f"{speedup:.2f}x is a logical-CPU speedup, not scaling: "
         f"{shared}, so it measures how one step uses the cores, "
-        "not what more devices would give. Measure on GPUs, TPUs "
-        "or hosts (pinned workers: --pin_workers).")
+        "not what more devices would give. Measure on GPUs or TPUs"
+        + (", or hosts (pinned workers: --pin_workers)."
+           if requested.num_workers > 1 else "."))
     return judged.verdict("compute", [numbers + f" ({shared})."], [compute])
   if efficiency >= COMMUNICATION_EFFICIENCY:
     return judged.verdict("compute", [numbers + "."], [compute])
@@ -655,25 +702,36 @@ def _flag_name(arg: str) -> Optional[str]:
   return arg[2:].split("=", 1)[0]
 
 
-def without_flags(args: Sequence[str], names: Sequence[str],
-                  booleans: Sequence[str] = _BOOLEAN_DROPS) -> List[str]:
-  """`args` without the flags `names`, in any of absl's spellings:
-  `--name=value`, `--name value`, and for `booleans` `--name` and
-  `--noname`."""
-  out, skip_value = [], False
+def split_flags(args: Sequence[str], names: Sequence[str],
+                booleans: Sequence[str] = _BOOLEAN_DROPS
+                ) -> Tuple[List[str], List[str]]:
+  """`(kept, taken)`: `args` without the flags `names`, and those flags as
+  given (`--name value` joined into one string), in any of absl's
+  spellings: `--name=value`, `--name value`, and for `booleans` `--name`
+  and `--noname`."""
+  kept, taken, take_value = [], [], False
   for arg in args:
-    if skip_value:
-      skip_value = False
+    if take_value:
+      take_value = False
+      taken[-1] += f" {arg}"
       continue
     name = _flag_name(arg)
     if name in booleans or (name and name.startswith("no") and
                             name[2:] in booleans):
+      taken.append(arg)
       continue
     if name in names:
-      skip_value = "=" not in arg
+      take_value = "=" not in arg
+      taken.append(arg)
       continue
-    out.append(arg)
-  return out
+    kept.append(arg)
+  return kept, taken
+
+
+def without_flags(args: Sequence[str], names: Sequence[str],
+                  booleans: Sequence[str] = _BOOLEAN_DROPS) -> List[str]:
+  """`args` without the flags `names` (see `split_flags`)."""
+  return split_flags(args, names, booleans)[0]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -728,7 +786,6 @@ def run_training(spec: RunSpec, model_dir: str, *,
   # The children import this checkout's tfdist (and its `flags`).
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-  started = time.time()
   with open(log_path, "wb") as log:
     proc = subprocess.Popen(command_for(spec, model_dir), cwd=root, env=env,
                             stdout=log, stderr=subprocess.STDOUT,
@@ -743,9 +800,6 @@ def run_training(spec: RunSpec, model_dir: str, *,
       os.killpg(proc.pid, 9)
       proc.wait()
       code = None
-  logging.info("%s: %s in %.0f s (log: %s)", spec.label,
-               "finished" if code == 0 else f"exit {code}",
-               time.time() - started, log_path)
   if code != 0:
     with open(log_path, errors="replace") as f:
       tail = f.read()[-3000:]
@@ -759,11 +813,19 @@ def run_training(spec: RunSpec, model_dir: str, *,
 def baseline_args(train_args: Sequence[str], per_replica_batch_size: int
                   ) -> List[str]:
   """The single-device baseline's flags: the requested run's, without its
-  strategy, devices, batch and cluster, on `one_device` (the first GPU when
+  strategy, batch and what applies only to several replicas
+  (`MULTI_REPLICA_FLAGS`: devices, ZeRO sharding, collectives, the
+  cluster, parameter servers, TPUs), on `one_device` (the first GPU when
   there is one, else the CPU) with the same per-replica batch."""
   return [*without_flags(train_args, _BASELINE_DROPS),
           f"--distribution_strategy={StrategyKind.ONE_DEVICE}",
           f"--per_replica_batch_size={per_replica_batch_size}"]
+
+
+def baseline_dropped(train_args: Sequence[str]) -> List[str]:
+  """The flags of `train_args` the baseline drops because they apply only
+  to several replicas (`MULTI_REPLICA_FLAGS`), as given."""
+  return split_flags(train_args, MULTI_REPLICA_FLAGS)[1]
 
 
 def model_memory_of(config) -> memory.ModelMemory:
@@ -782,26 +844,273 @@ def model_memory_of(config) -> memory.ModelMemory:
   from tfdist.training import run_options  # pylint: disable=g-import-not-at-top
   from tfdist.training import assembly  # pylint: disable=g-import-not-at-top
   from tfdist.training import lr_schedule  # pylint: disable=g-import-not-at-top
-  from tfdist.training import optimizers  # pylint: disable=g-import-not-at-top
   from tfdist.training import precision  # pylint: disable=g-import-not-at-top
   from tfdist.training import task as task_lib  # pylint: disable=g-import-not-at-top
   dtype = config.dtype if config.dtype != "auto" else "fp32"
   precision.configure_precision(dtype)
   try:
-    model = assembly.build_model(run_options.assembly_options(config),
-                                 task=run_options.task(config))
-    optimizer = precision.wrap_optimizer_for_precision(
-        # A schedule, as in every run (tfdist.training.lr_schedule): the
-        # optimizer then keeps no learning-rate variable of its own.
-        optimizers.build_optimizer(config.optimizer,
-                                   lr_schedule.ConstantLearningRate(0.1),
-                                   momentum=config.momentum,
-                                   weight_decay=config.weight_decay),
-        dtype=dtype, loss_scale=config.loss_scale)
+    options = dataclasses.replace(run_options.assembly_options(config),
+                                  dtype=dtype)
+    model = assembly.build_model(options, task=run_options.task(config))
+    # A schedule, as in every run (tfdist.training.lr_schedule): the
+    # optimizer then keeps no learning-rate variable of its own.
+    optimizer = assembly.run_optimizer(options,
+                                       lr_schedule.ConstantLearningRate(0.1))
     optimizer.build(model.trainable_variables)
     return memory.estimate_model_memory(model, optimizer)
   finally:
     keras.mixed_precision.set_dtype_policy("float32")
+
+
+# --- the plan: every run checked before any is measured -------------------
+@dataclasses.dataclass(frozen=True)
+class MeasurementPlan:
+  """The runs a diagnosis measures, each checked before any starts.
+
+  Attributes:
+    requested: the requested run's `RunSpec`.
+    baseline: the one-device baseline's `RunSpec` with the planned
+      per-replica batch (the measured one replaces it once the requested
+      run has run), or None without a baseline.
+    dropped: the requested run's flags the baseline drops, as given
+      (`baseline_dropped`: they apply only to several replicas).
+    strategy: the requested run's strategy (`auto` resolved as
+      `tfdist.distribute.auto_select` would, from this host's GPUs).
+    num_replicas: replicas in sync the requested run will have (parameter
+      servers: 1, each worker's step); None where only the device knows
+      (TPUs).
+    per_replica_batch_size: examples per replica per step; None likewise.
+    on_gpu: the requested run's replicas are GPUs of this host.
+  """
+  requested: RunSpec
+  baseline: Optional[RunSpec]
+  dropped: Tuple[str, ...]
+  strategy: StrategyKind
+  num_replicas: Optional[int]
+  per_replica_batch_size: Optional[int]
+  on_gpu: bool
+
+  @property
+  def num_runs(self) -> int:
+    """Runs per repeat (the requested one, and the baseline)."""
+    return 2 if self.baseline else 1
+
+  def describe(self, *, repeats: int) -> str:
+    """The plan's lines for the report: the runs, and what the baseline
+    dropped."""
+    replicas = (f"{self.num_replicas} replica(s)" if self.num_replicas
+                else "the TPU's replicas")
+    workers = self.requested.num_workers
+    lines = [
+        f"Plan: {self.num_runs * repeats} run(s), every one's flags checked "
+        f"by tfdist.train's parser: the requested run ({self.strategy}, "
+        f"{replicas}" + (f", {workers} worker processes" if workers > 1
+                         else "") + ")" +
+        (", then the one-device baseline" if self.baseline else "") +
+        (f", alternated {repeats} times" if repeats > 1 else "") + "."]
+    if self.baseline:
+      batch = (f"per-replica batch {self.per_replica_batch_size}"
+               if self.per_replica_batch_size else
+               "the requested run's per-replica batch")
+      lines.append(
+          f"Baseline: {StrategyKind.ONE_DEVICE}, {batch}" +
+          (f"; dropped {' '.join(self.dropped)} (they apply only to "
+           "several replicas)." if self.dropped else "."))
+    return "\n".join(lines)
+
+
+def _planned_strategy(config, *, num_workers: int, num_ps: int,
+                      gpus: int) -> StrategyKind:
+  """The requested run's strategy; `auto` decided as
+  `tfdist.distribute.auto_select.decide_strategy` decides it for the
+  cluster `tfdist.launch` starts and `gpus` GPUs (a TPU is not probed)."""
+  from tfdist import config as config_lib  # pylint: disable=g-import-not-at-top
+  kind = config_lib.requested_kind(config.distribution_strategy)
+  if kind is not None:
+    return kind
+  from tfdist.distribute import auto_select  # pylint: disable=g-import-not-at-top
+  cluster = num_workers > 1 or num_ps > 0
+  return auto_select.decide_strategy(auto_select.DeviceInventory(
+      gpus=(auto_select.GpuInfo(),) * gpus,
+      cluster_source="tfdist.launch" if cluster else "",
+      cluster_workers=num_workers if cluster else 0, cluster_ps=num_ps,
+      num_cpu_devices=config.num_cpu_devices))[0]
+
+
+def planned_replicas(kind: StrategyKind, *, num_workers: int, gpus: int,
+                     num_cpu_devices: int) -> Optional[int]:
+  """Replicas in sync under `kind` (parameter servers: 1, each worker's
+  step), as `tfdist.backends`' `planned_replicas` count them; None for
+  TPUs (only the TPU knows its cores)."""
+  if kind.is_tpu:
+    return None
+  if kind is StrategyKind.MIRRORED:
+    return gpus or max(num_cpu_devices, 1)
+  if kind is StrategyKind.MULTI_WORKER_MIRRORED:
+    return num_workers * max(gpus, 1)
+  return 1  # One device, off, and parameter servers (per worker's step).
+
+
+def check_cluster(kind: StrategyKind, *, num_workers: int,
+                  num_ps: int) -> None:
+  """Refuses a local cluster the requested strategy cannot use.
+
+  Raises:
+    ConfigError: `--num_workers` / `--num_ps` and the strategy disagree.
+  """
+  if (num_workers > 1 or num_ps) and kind.is_single_process:
+    raise ConfigError(
+        f"--num_workers={num_workers} --num_ps={num_ps} start a cluster of "
+        f"processes, but --distribution_strategy={kind} trains in one. Use "
+        "--distribution_strategy=multi_worker_mirrored (parameter_server "
+        "with --num_ps), or leave tfdist.diagnose's --num_workers and "
+        "--num_ps out.")
+  if kind.is_asynchronous and not num_ps:
+    raise ConfigError(
+        f"--distribution_strategy={kind} needs parameter-server tasks: give "
+        "tfdist.diagnose --num_ps=1 or more (and --num_workers).")
+  if num_ps and not kind.is_asynchronous:
+    raise ConfigError(
+        f"--num_ps={num_ps} starts parameter-server tasks, which "
+        f"--distribution_strategy={kind} does not use. Use "
+        "--distribution_strategy=parameter_server, or drop --num_ps.")
+
+
+def _local_gpus(num_gpus: int) -> int:
+  """The GPUs a run of this host uses (`--num_gpus`; -1: all)."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  gpus = len(tf.config.list_physical_devices("GPU"))
+  return min(gpus, num_gpus) if num_gpus >= 0 else gpus
+
+
+def plan_measurements(args: Sequence[str], config, *, num_workers: int = 1,
+                      num_ps: int = 0, pin: bool = False,
+                      baseline: bool = True,
+                      gpus: Optional[int] = None) -> MeasurementPlan:
+  """Plans and checks every run of a diagnosis before any is measured
+  (seconds: flags are parsed, nothing is built or trained).
+
+  Args:
+    args: the requested run's `tfdist.train` flags (no `--model_dir`).
+    config: their `tfdist.config.TrainConfig` (parsed and checked).
+    num_workers, num_ps: the requested run's local cluster.
+    pin: pin every worker (and the baseline) to a core of its own.
+    baseline: plan the one-device baseline too.
+    gpus: GPUs a run uses (None: this host's, after `--num_gpus`).
+
+  Returns:
+    A `MeasurementPlan`.
+
+  Raises:
+    ConfigError: the cluster does not suit the strategy (`check_cluster`),
+      or the batch does not split over the planned replicas.
+    tfdist.job_spec.JobSpecError: tfdist.train would refuse the baseline's
+      flags (the message names the flag).
+  """
+  from tfdist.training import batch_plan  # pylint: disable=g-import-not-at-top
+  gpus = _local_gpus(config.num_gpus) if gpus is None else gpus
+  kind = _planned_strategy(config, num_workers=num_workers, num_ps=num_ps,
+                           gpus=gpus)
+  check_cluster(kind, num_workers=num_workers, num_ps=num_ps)
+  replicas = planned_replicas(kind, num_workers=num_workers, gpus=gpus,
+                              num_cpu_devices=config.num_cpu_devices)
+  per_replica = config.per_replica_batch_size
+  if replicas is not None:
+    per_replica = batch_plan.make_batch_plan(
+        num_replicas_in_sync=replicas, batch_size=config.batch_size,
+        per_replica_batch_size=config.per_replica_batch_size,
+        gradient_accumulation_steps=config.gradient_accumulation_steps,
+        # As tfdist.training.run_plan: a pipeline per synchronous worker.
+        num_input_pipelines=(1 if kind.is_asynchronous else
+                             kind.num_input_pipelines(num_workers)),
+    ).per_replica_batch_size
+  base = None
+  if baseline:
+    base = RunSpec("baseline", tuple(baseline_args(
+        args, per_replica or batch_plan.DEFAULT_GLOBAL_BATCH_SIZE)), pin=pin)
+    # tfdist.train's own parser, as the baseline child would meet it.
+    job_spec.parse_train_flags(
+        [*base.train_args, "--model_dir=/tmp/tfdist-diagnose/baseline"],
+        where="the one-device baseline",
+        environ=dict(os.environ))
+  return MeasurementPlan(
+      requested=RunSpec("requested", tuple(args), num_workers=num_workers,
+                        num_ps=num_ps, pin=pin),
+      baseline=base, dropped=tuple(baseline_dropped(args)), strategy=kind,
+      num_replicas=replicas, per_replica_batch_size=per_replica,
+      on_gpu=bool(gpus) and not kind.is_tpu)
+
+
+# --- layouts: needed at this size, and at what cost ------------------------
+# What ZeRO costs in traffic, per step, against data parallelism's
+# all-reduce of the gradients (2 x the parameters' bytes, ring): stages 1-2
+# a reduce-scatter and an all-gather, about the same bytes; stage 3 1.5x
+# (the weights gathered in the forward and again in the backward pass).
+# Rajbhandari et al. 2020, section 7.
+ZERO_TRAFFIC = (
+    "ZeRO stages 1-2 move about the same bytes per step as data "
+    "parallelism's all-reduce where the collectives offer a reduce-scatter, "
+    "stage 3 1.5x (Rajbhandari et al. 2020); TensorFlow offers tfdist no "
+    "reduce-scatter, so it all-reduces the gradients and then all-gathers "
+    "the updated weights: about 1.5x the bytes of plain data parallelism, "
+    "and a flat copy of the gradients and weights every step")
+
+
+def layout_notes(estimate: memory.ModelMemory, *, optimizer: str,
+                 zero_stage: int, num_replicas: int, capacity_bytes: int,
+                 replicas_sharing: int = 1, where: str = "device"
+                 ) -> List[str]:
+  """Whether the run's layout is needed at this model's size, and what it
+  costs, as sentences for the verdict's notes (empty for plain data
+  parallelism, which `tfdist.training.memory.fits_data_parallel` judges).
+
+  Args:
+    estimate: the model's unsharded `memory.ModelMemory` per replica.
+    optimizer: `--optimizer`'s name (its slots per parameter from
+      `tfdist.training.optimizers`).
+    zero_stage: the ZeRO stage in force (0: none).
+    num_replicas: replicas the state is sharded over.
+    capacity_bytes: the memory those replicas use (one GPU's, or the
+      host's), bytes.
+    replicas_sharing: replicas whose copies share `capacity_bytes`.
+    where: the memory's name (`GPU`, `host`).
+
+  Returns:
+    Sentences (empty without a layout beyond data parallelism).
+  """
+  if not zero_stage:
+    return []
+  fmt = memory.format_bytes
+  sharing = max(int(replicas_sharing), 1)
+  flag = f"--zero_stage={zero_stage} (--shard_optimizer_state)"
+  if num_replicas <= 1:
+    return [f"{flag} has one replica to shard over: it saves nothing; drop "
+            "it, or add replicas."]
+  slots = optimizers.optimizer_spec(optimizer).traits.slots_per_parameter
+  plain = estimate.total_bytes * sharing
+  share = plain / capacity_bytes if capacity_bytes else float("inf")
+  sharded = memory.sharded_estimate(estimate, num_replicas=num_replicas,
+                                    stage=zero_stage)
+  state = (
+      f"plain data parallelism holds {fmt(estimate.total_bytes)} per replica"
+      f" (parameters {fmt(estimate.parameters_bytes)}, gradients "
+      f"{fmt(estimate.gradients_bytes)}, {optimizer}'s state "
+      f"{fmt(estimate.optimizer_bytes)}: {slots:g} slot(s) per parameter)" +
+      (f", {sharing} replicas {fmt(plain)}" if sharing > 1 else "") +
+      f": {share:.2%} of the {fmt(capacity_bytes)} of {where} memory")
+  saving = (f"sharded over {num_replicas} replicas, the optimizer state is "
+            f"{fmt(sharded.optimizer_bytes)} per replica instead of "
+            f"{fmt(estimate.optimizer_bytes)}")
+  if plain <= memory.TIGHT_SHARE * capacity_bytes:
+    return [f"ZeRO stage {zero_stage} is not needed at this size: {state}, "
+            f"which fits unsharded; {saving}. What it costs: {ZERO_TRAFFIC}."
+            f" Drop {flag} unless the model grows."]
+  fits = plain <= capacity_bytes
+  return [f"ZeRO stage {zero_stage} is " +
+          ("worth it" if fits else "needed") + f" at this size: {state}" +
+          (" (above half: activations need the rest)" if fits else
+           ", which does not fit unsharded") +
+          f"; {saving}. What it costs: {ZERO_TRAFFIC}."]
 
 
 def device_memory_capacity() -> Optional[int]:
@@ -815,8 +1124,14 @@ def diagnose(train_args: Sequence[str], *, num_workers: int = 1,
              baseline: bool = True, steps: int = DEFAULT_STEPS,
              log_steps: int = DEFAULT_LOG_STEPS,
              model_dir: Optional[str] = None,
-             timeout_seconds: float = 900, out=None) -> dict:
+             timeout_seconds: float = 900, plan_only: bool = False,
+             out=None) -> dict:
   """Runs the diagnosis of `train_args` (see the module docstring).
+
+  Every run is planned and its flags checked first (`plan_measurements`),
+  so a refusal comes in seconds, before anything is measured; the report
+  prints the plan, a line as each run starts and ends, then the table and
+  the verdict.
 
   Args:
     train_args: `tfdist.train` flags.
@@ -830,15 +1145,20 @@ def diagnose(train_args: Sequence[str], *, num_workers: int = 1,
       deleted at the end unless a run failed: its log stays where the
       error says).
     timeout_seconds: per child run.
+    plan_only: check and print the plan, the model's state and the layout
+      notes, and measure nothing.
     out: where the report goes (default stdout).
 
   Returns:
     `{"requested", "baseline", "runs", "model_memory", "model_fit",
-    "verdict"}` (JSON-ready).
+    "verdict", "plan"}` (JSON-ready); with `plan_only`, `{"plan",
+    "model_memory", "model_fit", "layout"}`.
 
   Raises:
-    tfdist.job_spec.JobSpecError: `train_args` are not valid tfdist.train
-      flags.
+    tfdist.job_spec.JobSpecError: `train_args`, or the baseline made of
+      them, are not valid tfdist.train flags.
+    ConfigError: the cluster does not suit the strategy, or the batch does
+      not split over the replicas (`plan_measurements`).
     DiagnoseError: a run failed.
   """
   out = out or sys.stdout
@@ -848,41 +1168,57 @@ def diagnose(train_args: Sequence[str], *, num_workers: int = 1,
   # tfdist.train's own parser checks the flags before anything runs.
   config = job_spec.parse_train_flags(
       [*args, f"--model_dir={root or '/tmp/tfdist-diagnose'}"],
-      where="tfdist.diagnose", environ=dict(os.environ))
+      where="the requested run", environ=dict(os.environ))
+  plan = plan_measurements(args, config, num_workers=num_workers,
+                           num_ps=num_ps, pin=pin, baseline=baseline)
+  _say(out, plan.describe(repeats=repeats))
   facts = _train_facts(config)
-  keep = root is not None
-  root = root or tempfile.mkdtemp(prefix="tfdist-diagnose-")
   cores = len(os.sched_getaffinity(0))
   estimate = model_memory_of(config)
   gpu_bytes = device_memory_capacity()
   host_bytes = memory.host_memory_bytes()
+  if plan_only:
+    fitted = _fit_model(estimate, facts, on_gpu=plan.on_gpu,
+                        num_replicas=plan.num_replicas or 1,
+                        gpu_bytes=gpu_bytes, host_bytes=host_bytes)
+    layout = _layout_notes(estimate, fitted, facts)
+    _say(out, "\n".join([_model_state_line(fitted, facts), *layout,
+                         "Nothing measured (--plan_only)."]))
+    return {"plan": _plan_record(plan), "model_memory":
+            fitted.estimate.to_dict(),
+            "model_fit": dataclasses.asdict(fitted.fit), "layout": layout}
+  keep = root is not None
+  root = root or tempfile.mkdtemp(prefix="tfdist-diagnose-")
   try:
     requested_runs, baseline_runs = _run_alternately(
-        RunSpec("requested", tuple(args), num_workers=num_workers,
-                num_ps=num_ps, pin=pin),
-        root, repeats=repeats, baseline=baseline,
-        timeout_seconds=timeout_seconds)
+        plan, root, repeats=repeats, timeout_seconds=timeout_seconds,
+        out=out)
     requested = median_measurement(requested_runs)
     base = median_measurement(baseline_runs) if baseline_runs else None
-    fitted = _fit_model(estimate, requested, facts, gpu_bytes=gpu_bytes,
-                        host_bytes=host_bytes)
+    fitted = _fit_model(estimate, facts,
+                        on_gpu=requested.device_kind == "GPU",
+                        num_replicas=requested.num_replicas,
+                        gpu_bytes=gpu_bytes, host_bytes=host_bytes)
     result = verdict(requested, base, model_fit=fitted.fit,
                      device_memory_bytes=gpu_bytes,
                      host_memory_bytes=host_bytes, cores=cores, pinned=pin,
                      cpu_bf16=cpu_has_bf16())
+    result.notes.extend(_layout_notes(estimate, fitted, facts))
     rows = [r for r in (base, requested) if r is not None]
     runs_line = _runs_line(
         steps=steps if "train_steps" not in given else facts.train_steps,
         repeats=repeats, cores=cores, pin=pin, rows=rows,
         log_steps=facts.log_steps)
-    report = [render_table(rows, base), "", _model_state_line(fitted, facts),
+    report = ["", render_table(rows, base), "",
+              _model_state_line(fitted, facts),
               runs_line + _runs_folder_note(root, keep), "", result.render()]
-    print("\n".join(report), file=out, flush=True)
+    _say(out, "\n".join(report))
     return {**_run_records(requested, base, requested_runs + baseline_runs,
                            keep=keep),
             "model_memory": fitted.estimate.to_dict(),
             "model_fit": dataclasses.asdict(fitted.fit), "cores": cores,
-            "pinned": pin, "verdict": result.to_dict()}
+            "pinned": pin, "verdict": result.to_dict(),
+            "plan": _plan_record(plan)}
   except DiagnoseError:
     # The failed run's log, which the message names, stays.
     keep = True
@@ -890,6 +1226,30 @@ def diagnose(train_args: Sequence[str], *, num_workers: int = 1,
   finally:
     if not keep:
       shutil.rmtree(root, ignore_errors=True)
+
+
+def _say(out, text: str) -> None:
+  print(text, file=out, flush=True)
+
+
+def _plan_record(plan: MeasurementPlan) -> dict:
+  """The plan, JSON-ready."""
+  return {"strategy": str(plan.strategy), "num_replicas": plan.num_replicas,
+          "per_replica_batch_size": plan.per_replica_batch_size,
+          "requested_args": list(plan.requested.train_args),
+          "baseline_args": (list(plan.baseline.train_args)
+                            if plan.baseline else None),
+          "baseline_dropped": list(plan.dropped)}
+
+
+def _layout_notes(estimate: memory.ModelMemory, fitted: "_FittedModel",
+                  facts: "TrainFacts") -> List[str]:
+  """`layout_notes` for the run's replicas and the memory they share."""
+  return layout_notes(
+      estimate, optimizer=facts.optimizer, zero_stage=facts.zero_stage,
+      num_replicas=fitted.num_replicas,
+      capacity_bytes=fitted.fit.capacity_bytes,
+      replicas_sharing=fitted.sharing, where=fitted.where)
 
 
 def _model_dir_flag(train_args: Sequence[str]) -> Optional[str]:
@@ -951,34 +1311,61 @@ def _measured_args(train_args: Sequence[str], given: set, *, steps: int,
   return args
 
 
-def _run_alternately(requested_spec: RunSpec, root: str, *, repeats: int,
-                     baseline: bool, timeout_seconds: float):
-  """Runs the requested configuration and (with `baseline`) the baseline,
-  alternated, `repeats` times each, into folders under `root`.
+def _run_alternately(plan: MeasurementPlan, root: str, *, repeats: int,
+                     timeout_seconds: float, out=None):
+  """Runs the plan's requested configuration and its baseline (if any),
+  alternated, `repeats` times each, into folders under `root`, with a
+  line to `out` as each run starts and ends.
 
   Returns:
     `(requested_runs, baseline_runs)`: lists of `RunMeasurement`
-    (`baseline_runs` empty without `baseline`).
+    (`baseline_runs` empty without a baseline).
 
   Raises:
     DiagnoseError: a run failed.
   """
   requested_runs, baseline_runs = [], []
+  total = plan.num_runs * repeats
   for i in range(repeats):
     suffix = f"-{i}" if repeats > 1 else ""
-    requested_runs.append(run_training(
-        requested_spec, os.path.join(root, f"requested{suffix}"),
-        timeout_seconds=timeout_seconds))
-    if baseline:
-      base_spec = RunSpec(
-          "baseline", tuple(baseline_args(
-              requested_spec.train_args,
-              requested_runs[0].per_replica_batch_size)),
-          pin=requested_spec.pin)
-      baseline_runs.append(run_training(
+    requested_runs.append(_run_with_progress(
+        plan.requested, os.path.join(root, f"requested{suffix}"),
+        number=len(requested_runs) + len(baseline_runs) + 1, total=total,
+        timeout_seconds=timeout_seconds, out=out))
+    if plan.baseline:
+      # The requested run's measured per-replica batch (planned the same).
+      base_spec = dataclasses.replace(plan.baseline, train_args=tuple(
+          baseline_args(plan.requested.train_args,
+                        requested_runs[0].per_replica_batch_size)))
+      baseline_runs.append(_run_with_progress(
           base_spec, os.path.join(root, f"baseline{suffix}"),
-          timeout_seconds=timeout_seconds))
+          number=len(requested_runs) + len(baseline_runs) + 1, total=total,
+          timeout_seconds=timeout_seconds, out=out))
   return requested_runs, baseline_runs
+
+
+def _run_with_progress(spec: RunSpec, model_dir: str, *, number: int,
+                       total: int, timeout_seconds: float,
+                       out=None) -> RunMeasurement:
+  """`run_training`, with a line to `out` when it starts and when it ends
+  (elapsed seconds)."""
+  out = out or sys.stdout
+  what = ("tfdist.launch, " f"{spec.num_workers} worker(s)"
+          + (f", {spec.num_ps} ps" if spec.num_ps else "")
+          if spec.num_workers > 1 or spec.num_ps else "tfdist.train")
+  _say(out, f"[{number}/{total}] {spec.label} run: started ({what}).")
+  started = time.monotonic()
+  try:
+    run = run_training(spec, model_dir, timeout_seconds=timeout_seconds)
+  except DiagnoseError:
+    _say(out, f"[{number}/{total}] {spec.label} run: failed after "
+              f"{time.monotonic() - started:.0f} s.")
+    raise
+  eps = (f", {run.examples_per_second:.1f} examples/sec"
+         if run.examples_per_second else "")
+  _say(out, f"[{number}/{total}] {spec.label} run: finished in "
+            f"{time.monotonic() - started:.0f} s{eps}.")
+  return run
 
 
 @dataclasses.dataclass(frozen=True)
@@ -988,32 +1375,35 @@ class _FittedModel:
   Attributes:
     estimate: the `memory.ModelMemory` per replica (ZeRO-sharded).
     fit: `memory.fits_data_parallel`'s `Fit`.
+    num_replicas: replicas in sync.
     sharing: replicas whose copies share one memory.
     where: `GPU` or `host`: the memory they share.
   """
   estimate: memory.ModelMemory
   fit: memory.Fit
+  num_replicas: int
   sharing: int
   where: str
 
 
-def _fit_model(estimate: memory.ModelMemory, requested: RunMeasurement,
-               facts: TrainFacts, *, gpu_bytes: Optional[int],
+def _fit_model(estimate: memory.ModelMemory, facts: "TrainFacts", *,
+               on_gpu: bool, num_replicas: int, gpu_bytes: Optional[int],
                host_bytes: Optional[int]) -> _FittedModel:
-  """Whether the requested run's replicas' model state fits their memory
-  (bytes: one GPU's, or the host's)."""
+  """Whether the run's replicas' model state fits their memory (bytes:
+  one GPU's, or the host's)."""
   # Replicas whose copies share one memory: a GPU holds one; CPU
   # replicas (logical devices, or the workers of a local cluster) each
   # hold a copy in this host's memory.
-  on_gpu = bool(requested.device_kind == "GPU" and gpu_bytes)
-  sharing = 1 if on_gpu else requested.num_replicas
+  on_gpu = bool(on_gpu and gpu_bytes)
+  sharing = 1 if on_gpu else num_replicas
   fit = memory.fits_data_parallel(
       estimate, capacity_bytes=gpu_bytes if on_gpu else host_bytes,
       replicas_sharing=sharing, optimizer=facts.optimizer,
-      num_replicas=requested.num_replicas, zero_stage=facts.zero_stage)
+      num_replicas=num_replicas, zero_stage=facts.zero_stage)
   estimate = memory.sharded_estimate(
-      estimate, num_replicas=requested.num_replicas, stage=facts.zero_stage)
-  return _FittedModel(estimate, fit, sharing, "GPU" if on_gpu else "host")
+      estimate, num_replicas=num_replicas, stage=facts.zero_stage)
+  return _FittedModel(estimate, fit, num_replicas, sharing,
+                      "GPU" if on_gpu else "host")
 
 
 def _model_state_line(fitted: _FittedModel, facts: TrainFacts) -> str:
@@ -1074,6 +1464,10 @@ flags.DEFINE_float("timeout_seconds", 900, "Limit of each child run.",
                    flag_values=_FLAGS)
 flags.DEFINE_string("output", "", "Also write the measurements and the "
                     "verdict to this JSON file.", flag_values=_FLAGS)
+flags.DEFINE_bool("plan_only", False, "Check every planned run's flags, "
+                  "print the plan (what the baseline drops), the model's "
+                  "state per replica and whether its layout (ZeRO) is "
+                  "needed, and measure nothing.", flag_values=_FLAGS)
 
 
 def _check_own_flags(options):
@@ -1085,6 +1479,13 @@ def _check_own_flags(options):
   if options.timeout_seconds <= 0:
     raise app.UsageError(
         f"--timeout_seconds={options.timeout_seconds} must be > 0.")
+
+
+def _exit(message: str, status: int):
+  """Ends the binary with `message` on stderr and `status`
+  (`tfdist.errors`' table)."""
+  print(f"tfdist.diagnose: error: {message}", file=sys.stderr, flush=True)
+  sys.exit(status)
 
 
 def main(argv):
@@ -1100,18 +1501,21 @@ def main(argv):
     rest = _FLAGS(head)
     _check_own_flags(_FLAGS)
   except (flags.Error, app.UsageError) as e:
-    sys.exit(f"tfdist.diagnose: error: {e}")
+    _exit(str(e), errors.CONFIG)
   if len(rest) > 1:
-    sys.exit(f"tfdist.diagnose: error: unexpected arguments {rest[1:]}; put "
-             "tfdist.train's flags after `--`.")
+    _exit(f"unexpected arguments {rest[1:]}; put tfdist.train's flags after "
+          "`--`.", errors.CONFIG)
   try:
     result = diagnose(train_args, num_workers=_FLAGS.num_workers,
                       num_ps=_FLAGS.num_ps, pin=_FLAGS.pin_workers,
                       repeats=_FLAGS.repeats, baseline=_FLAGS.baseline,
                       steps=_FLAGS.steps, log_steps=_FLAGS.log_steps,
-                      timeout_seconds=_FLAGS.timeout_seconds)
-  except (job_spec.JobSpecError, DiagnoseError) as e:
-    sys.exit(f"tfdist.diagnose: error: {e}")
+                      timeout_seconds=_FLAGS.timeout_seconds,
+                      plan_only=_FLAGS.plan_only)
+  except (ConfigError, DiagnoseError) as e:
+    # Flags or a plan refused: CONFIG (2), before anything ran; a run that
+    # failed: 1.
+    _exit(str(e), errors.exit_code_for(e) or errors.UNEXPECTED)
   if _FLAGS.output:
     with open(_FLAGS.output, "w") as f:
       json.dump(result, f, indent=2, sort_keys=True)

@@ -12,7 +12,7 @@ follow the TFJob split:
 |---|---|---|
 | 0 | finished (or `--dry_run` passed) | - |
 | 1 | training diverged (NaN or infinite loss or state) or stalled (fp16 updates skipped), with one message; or an unexpected error (a bug: Python's traceback) | permanent |
-| 2 | invalid flags or configuration, missing or damaged data, unwritable outputs (also a full disk or a refused write during the run: a restart on the same volume fails the same way, `tfdist.runtime.failures`), overlapping output folders, a damaged checkpoint, a resume the checkpoint's run does not allow | permanent |
+| 2 | invalid flags or configuration, missing or damaged data, unwritable outputs (also a full disk or a refused write during the run: a restart on the same volume fails the same way, `tfdist.runtime.failures`; every MultiWorkerMirrored task when one fails so at the end, `PeerStoppedError`), overlapping output folders, a damaged checkpoint, a resume the checkpoint's run does not allow | permanent |
 | 130, 143 | stopped by SIGINT / SIGTERM after saving a checkpoint, or while waiting for the cluster's peers at start (128 + signal) | retryable |
 | 137 | killed (SIGKILL): the grace period after a signal ran out, the cluster did not form in time (also without a kill: peers that never answered), or out of memory | retryable |
 | 200 | a peer worker or a ps task was lost (MultiWorkerMirrored, parameter servers) | retryable |
@@ -112,6 +112,12 @@ class OutputNotWritableError(ConfigError):
 
 class OutputWriteError(ConfigError):
   """An output folder could not be written during the run (full, denied)."""
+
+
+class PeerStoppedError(ConfigError):
+  """Another task of a MultiWorkerMirrored run stopped at the end of
+  training with a status-2 error (its export or manifest could not be
+  written, say): this task stops with the same status."""
 
 
 class ExportRefusedError(ConfigError):

@@ -208,9 +208,16 @@ class Backend:
     """The Keras model the SavedModel is made of (the trained one)."""
     return run.parts.model
 
-  def leave_together(self, run) -> None:
-    """Ends the run's processes together (nothing to do in one process)."""
-    del run
+  def leave_together(self, run, *, failed: bool = False) -> None:
+    """Ends the run's processes together (nothing to do in one process).
+
+    Args:
+      run: the `ExperimentRunner`.
+      failed: this task's export or outputs failed (its error follows);
+        a backend of several processes tells the others, whose
+        `leave_together` then raises `tfdist.errors.PeerStoppedError`.
+    """
+    del run, failed
 
   # -- Evaluators ----------------------------------------------------------------
 

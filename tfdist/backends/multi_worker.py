@@ -58,23 +58,25 @@ class MultiWorkerMirroredBackend(synchronous.SynchronousBackend):
         own=(cluster.task_type, cluster.task_index),
         addresses=cluster.cluster)
 
-  def leave_together(self, run) -> None:
-    """The final barrier, then (with an `exit_plan`) the process ends here,
-    the chief last.
+  def leave_together(self, run, *, failed: bool = False) -> None:
+    """The final barrier, then (with an `exit_plan`, unless this task or
+    another arrived `failed`) the process ends here, the chief last.
 
     Raises:
       tfdist.errors.PeerLostError: a peer was lost at the barrier.
+      tfdist.errors.PeerStoppedError: another task arrived `failed`.
     """
     cluster = run.cluster
     # No worker leaves while another still needs it (the chief hosts the
     # coordination service).
     try:
-      worker_exit.leave_together(run.strategy, num_workers=run.num_workers)
+      worker_exit.leave_together(run.strategy, num_workers=run.num_workers,
+                                 failed=failed)
     except step_runner.PEER_LOST_ERRORS as e:
       raise self.translate_failure(
           e, after="the final barrier", last_checkpoint=run.keeper.latest,
           cluster=cluster) from e
-    if run.exit_plan is None or run.num_workers <= 1:
+    if failed or run.exit_plan is None or run.num_workers <= 1:
       return
 
     def release():

@@ -22,6 +22,12 @@ class SynchronousBackend(base.Backend):
     return (local_runner(run, num_input_pipelines=self.num_input_pipelines(
         run.num_workers)), local_evaluation(run, pad=self.on_tpu), {})
 
+  def export_model(self, run):
+    """The trained model, its per-replica batch-norm statistics averaged
+    (`tfdist.training.moving_statistics`): what was last evaluated."""
+    run.moving_statistics.synchronize()
+    return super().export_model(run)
+
 
 def local_runner(run, *, num_input_pipelines: int
                  ) -> step_runner.LocalStepRunner:
@@ -86,4 +92,11 @@ def local_evaluation(run, *, pad: bool) -> Optional[Callable[..., dict]]:
           is_training=False,
           cache=run.config.cache_dataset,
           pad_to_static_batches=pad))
-  return lambda **hooks: trainer.evaluate(eval_data, **hooks)
+
+  def evaluate(**hooks):
+    # The model evaluated is the one checkpointed and exported: one copy of
+    # unsynchronized batch norm's per-replica statistics.
+    run.moving_statistics.synchronize()
+    return trainer.evaluate(eval_data, **hooks)
+
+  return evaluate

@@ -261,25 +261,32 @@ def call_input_fn(spec_or_fn, *, training: bool,
   return ds
 
 
-def count_examples(spec: DatasetSpec) -> int:
-  """Examples in one epoch of a dataset function's training split.
+def count_examples(spec: DatasetSpec, *, training: bool = True) -> int:
+  """Examples in one epoch of a dataset function's split.
 
   Uses the dataset's cardinality when tf.data knows it, else reads it once.
 
+  Args:
+    spec: the data set (a dataset function's `DatasetSpec`).
+    training: count the training split (True) or the evaluation split,
+      which the run evaluates whole.
+
   Raises:
-    ConfigError: the dataset is infinite (the function must return one
-      epoch; tfdist repeats it), or empty.
+    ConfigError: the split is infinite (the function must return one
+      epoch; tfdist repeats the training split), or the training split is
+      empty (an empty evaluation split counts 0).
   """
-  ds = call_input_fn(spec, training=True)
+  ds = call_input_fn(spec, training=training)
+  split = "" if training else " evaluation (training=False)"
   cardinality = int(ds.cardinality())
   if cardinality == int(tf.data.INFINITE_CARDINALITY):
     raise ConfigError(
-        f"--dataset={spec.name} returns an infinite dataset: return one "
-        "epoch of examples (no .repeat()); tfdist repeats, shuffles and "
+        f"--dataset={spec.name} returns an infinite{split} dataset: return "
+        "one epoch of examples (no .repeat()); tfdist repeats, shuffles and "
         "batches it.")
   if cardinality < 0:
     cardinality = int(ds.reduce(tf.constant(0, tf.int64), lambda n, _: n + 1))
-  if cardinality == 0:
+  if cardinality == 0 and training:
     raise DataNotFoundError(f"--dataset={spec.name}: the training split has "
                             "no examples.")
   return cardinality

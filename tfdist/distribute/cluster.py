@@ -473,7 +473,9 @@ def from_tf_config(text: str, source: str = "TF_CONFIG", *,
 
   Raises:
     ClusterConfigError: bad JSON, unknown job or task type, index out of
-      range, missing port, duplicate address, or the chief listed twice.
+      range, missing port, duplicate address, the chief listed twice, or a
+      training `task` with no cluster (Kubeflow's `sparseCluster` form, or
+      none at all; an evaluator needs none).
   """
   value = _load_json(text, source)
   cluster = _normalize_cluster(value.get("cluster", {}), source)
@@ -488,7 +490,7 @@ def from_tf_config(text: str, source: str = "TF_CONFIG", *,
   if cluster:
     _check_index(task_type, index, cluster, source, evaluator_listed=False)
   elif task_type != EVALUATOR:
-    return dataclasses.replace(ClusterInfo.single_process(), source=source)
+    raise ClusterConfigError(_no_cluster_message(value, source))
   info = ClusterInfo(task_type=task_type, task_index=index, cluster=cluster,
                      source=source, rpc_layer=value.get("rpc_layer") or "grpc",
                      environment=str(value.get("environment", "") or ""),
@@ -497,6 +499,21 @@ def from_tf_config(text: str, source: str = "TF_CONFIG", *,
     info = _drop_reduction_server(
         info, PS, "--reduction_server, or CLUSTER_SPEC's job description")
   return info
+
+
+def _no_cluster_message(value: dict, source: str) -> str:
+  """Why a `TF_CONFIG` with a `task` but no cluster is refused: the keys it
+  has (Kubeflow's `sparseCluster`, say) and the form TensorFlow reads."""
+  keys = ", ".join(repr(k) for k in value) or "none"
+  sparse = ("; 'sparseCluster' (Kubeflow's dynamic-worker form) is not read "
+            "by TensorFlow's strategies" if "sparseCluster" in value else "")
+  return (f"{source} names a task ({json.dumps(value.get('task'))[:80]}) but "
+          f"no usable 'cluster' (its keys: {keys}){sparse}: the task would "
+          "run alone, as a single process. Give the whole cluster, e.g. "
+          "{\"cluster\": {\"worker\": [\"host0:2222\", \"host1:2222\"]}, "
+          "\"task\": {\"type\": \"worker\", \"index\": 0}} (on Kubeflow: "
+          f"a TFJob without enableDynamicWorker), or unset {source} to train "
+          "in one process.")
 
 
 def from_cluster_spec(text: str, source: str = "CLUSTER_SPEC", *,

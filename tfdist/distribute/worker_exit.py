@@ -27,6 +27,7 @@ A task that wrote its done marker has finished its work; the launcher still
 reports it as failed if it then exits with an error or does not exit.
 """
 
+import contextlib
 import dataclasses
 import os
 import socket
@@ -36,23 +37,30 @@ from typing import Callable, Mapping, Optional, Sequence
 
 from absl import logging
 
+from tfdist import errors
+
 # The environment variable through which `tfdist.launch` tells each task
 # where to write its done marker (read only by binaries).
 DONE_FILE_ENV = "TFDIST_DONE_FILE"
 
 
-def leave_together(strategy, *, num_workers: int) -> float:
+def leave_together(strategy, *, num_workers: int,
+                   failed: bool = False) -> float:
   """Waits until every worker has reached this point (a final barrier).
 
   Call it on every worker after the run's last collective operation (final
   evaluation, checkpoint, export), at the same point in the program. With
-  one worker it returns at once. The barrier is a float32 scalar all-reduce
+  one worker it returns at once. The barrier is a float32 all-reduce
   (bounded by `--collective_timeout_seconds` when that is set; a lost peer
-  fails it through the coordination service's heartbeats).
+  fails it through the coordination service's heartbeats) of two numbers:
+  the replicas that arrived and those of tasks that arrived `failed`, so
+  that every task stops with the status of a task whose writes failed
+  (`failures_shared`), not with a lost peer's.
 
   Args:
     strategy: the run's `tf.distribute.Strategy`.
     num_workers: workers training in sync.
+    failed: this task arrives after a status-2 error (it raises it next).
 
   Returns:
     Seconds spent waiting for the other workers.
@@ -60,20 +68,49 @@ def leave_together(strategy, *, num_workers: int) -> float:
   Raises:
     tf.errors.DeadlineExceededError, tf.errors.UnavailableError: a peer
       never arrived (timed out or gone).
+    tfdist.errors.PeerStoppedError: another task arrived `failed` (and
+      this one did not).
   """
   if num_workers <= 1:
     return 0.0
   # Imported here: the launcher imports this module and not TensorFlow.
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   started = time.time()
+  mark = [1.0, 1.0 if failed else 0.0]
   total = tf.function(lambda: strategy.reduce(
       tf.distribute.ReduceOp.SUM,
-      strategy.run(lambda: tf.constant(1.0)), axis=None))()
-  arrived = int(round(float(total)))
+      strategy.run(lambda: tf.constant(mark)), axis=None))()
+  arrived, failing = (int(round(float(v))) for v in total.numpy())
   waited = time.time() - started
+  if failing and not failed:
+    raise errors.PeerStoppedError(
+        f"{failing} replica(s) of another task of this run stopped at the "
+        "end of training with a status-2 error (its writes failed: a full "
+        "disk or quota, a refused write, e.g. of the chief's export; that "
+        "task's log names the flag and the fix), so this task stops with "
+        "the same status. Fix that and rerun the same command: it resumes "
+        "from the last checkpoint.")
   logging.info("All %d replicas reached the end (waited %.2f s); leaving "
                "together.", arrived, waited)
   return waited
+
+
+@contextlib.contextmanager
+def failures_shared(leave: Callable[..., object]):
+  """Runs the block; on a status-2 error (`tfdist.errors.ConfigError`)
+  inside it calls `leave(failed=True)` (the run's `leave_together`), so
+  the other tasks, waiting at the final barrier, stop with status 2 too,
+  then re-raises the error. An error of the barrier itself is logged, not
+  raised: the block's error is what this task reports."""
+  try:
+    yield
+  except errors.ConfigError:
+    try:
+      leave(failed=True)
+    except Exception as e:  # pylint: disable=broad-except
+      logging.warning("tfdist: could not tell the other tasks that this one "
+                      "stops (%s: %s).", type(e).__name__, e)
+    raise
 
 
 _LEAVING_KEY = "tfdist_leaving/{task_type}/{task_index}"

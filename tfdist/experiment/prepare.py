@@ -34,6 +34,7 @@ from tfdist.training import checkpoint_paths
 from tfdist.training import checkpointing
 from tfdist.training import export
 from tfdist.training import keras_callbacks
+from tfdist.training import preflight
 from tfdist.training import task as task_lib
 
 
@@ -135,7 +136,8 @@ def prepare_run(config: TrainConfig, *,
 
   Raises:
     ConfigError: missing `--model_dir`, `--feature_spec` without files, a
-      data URI of another format than `tf-record`, a malformed cluster,
+      `keras.distribution` distribution set in the process, a data URI of
+      another format than `tf-record`, a malformed cluster,
       fp16 on a TPU, local input with a remote TPU, an export folder that
       would replace the run's other outputs
       (`tfdist.training.export.ExportRefusedError`).
@@ -145,6 +147,7 @@ def prepare_run(config: TrainConfig, *,
   config, applied = environment_lib.apply_environment(config, environment)
   config.require_model_dir()
   config.require_data_files()
+  preflight.check_no_keras_distribution()
   _log_environment(config, applied)
   cluster = cluster_lib.resolve_cluster(
       worker_hosts=config.worker_hosts, task_index=config.task_index,

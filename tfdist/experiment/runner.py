@@ -47,6 +47,7 @@ from tfdist.training import done_marker
 from tfdist.training import export
 from tfdist.training import keras_callbacks
 from tfdist.training import memory
+from tfdist.training import moving_statistics
 from tfdist.training import precision
 from tfdist.training import run_plan as run_plan_lib
 from tfdist.training import task as task_lib
@@ -192,18 +193,18 @@ class ExperimentRunner:
     lease: the `--model_dir` lease of the writer (None elsewhere).
     cleanup: what `run` undoes however the run ends (an `ExitStack`).
   Attributes set by the steps: `choice`, `strategy`, `watcher`, `plan`,
-  `policy`, `parts`, `model_memory`, `keeper`, `warm_started`,
-  `strategy_details`, `step_runner`, `evaluate`, `run_log`, `profiler`,
-  `controller`, `result`, `export_dir`. Once a run has ended, `run`
+  `policy`, `parts`, `moving_statistics`, `model_memory`, `keeper`,
+  `warm_started`, `strategy_details`, `step_runner`, `evaluate`, `run_log`,
+  `profiler`, `controller`, `result`, `export_dir`. Once a run has ended, `run`
   releases the training objects (the parameter-server coordinator removes
   its functions from the servers as they are freed, before the done
   marker).
   """
 
   # The training objects `run` releases once the run is over.
-  _TRAINING_OBJECTS = ("choice", "strategy", "watcher", "parts", "keeper",
-                       "step_runner", "evaluate", "run_log", "profiler",
-                       "controller")
+  _TRAINING_OBJECTS = ("choice", "strategy", "watcher", "parts",
+                       "moving_statistics", "keeper", "step_runner",
+                       "evaluate", "run_log", "profiler", "controller")
 
   def __init__(self, prepared: prepare.PreparedRun, *, task: task_lib.Task,
                callbacks: Sequence[keras.callbacks.Callback] = (),
@@ -253,6 +254,7 @@ class ExperimentRunner:
         return self.dry_run()
       if self.lease is not None:
         self.lease.acquire()
+        export.remove_stale_exports(self.config.resolved_export_dir)
       with self._named_failures():
         record = self.train()
       if self.is_writer:
@@ -278,6 +280,9 @@ class ExperimentRunner:
     self.plan = self.build_plan()
     self.check_resume()
     self.parts = self.build_model_and_optimizer()
+    self.plan, self.moving_statistics = moving_statistics.for_run(
+        self.plan, self.parts, strategy=self.strategy,
+        model_name=self.config.model)
     self.keeper = self.build_checkpoints()
     self.warm_started = self.warm_start()
     if self.is_writer:
@@ -288,9 +293,14 @@ class ExperimentRunner:
     self.profiler = self.build_profiler()
     self.controller = self.build_controller(callbacks)
     self.result = self.run_controller()
-    self.export_dir = self.build_export()
-    record = self.build_manifest()
-    self.write_outputs(record)
+    # A task whose export or manifest fails tells the others at the final
+    # barrier, so that every task of the run exits with the same status.
+    with worker_exit.failures_shared(
+        lambda failed: self.leave_together(failed=failed)), \
+        self._named_failures():
+      self.export_dir = self.build_export()
+      record = self.build_manifest()
+      self.write_outputs(record)
     self.leave_together()
     return record
 
@@ -463,7 +473,9 @@ class ExperimentRunner:
         max_to_keep=self.config.max_checkpoints,
         restore_dir=self.config.resolved_checkpoint_dir,
         input_position=self._input_position(), variables=state,
-        before_save=self.lease.check if self.lease is not None else None)
+        before_save=moving_statistics.before_save(
+            self.moving_statistics,
+            self.lease.check if self.lease is not None else None))
 
   def warm_start(self) -> Optional[str]:
     """`--init_checkpoint` for a fresh run; returns what was loaded."""
@@ -492,7 +504,8 @@ class ExperimentRunner:
         global_batch_size=self.plan.global_batch_size,
         total_steps=self.plan.total_steps,
         summarize=self.parts.trainer.summarize,
-        loss_explosion_factor=self.config.loss_explosion_factor)
+        loss_explosion_factor=self.config.loss_explosion_factor,
+        steps_per_epoch=self.plan.steps_per_epoch)
 
   def build_callbacks(self) -> List[keras.callbacks.Callback]:
     """TensorBoard, the caller's callbacks, and hyperparameter tuning's."""
@@ -556,6 +569,12 @@ class ExperimentRunner:
       if self.is_writer:
         # Servers and side-car evaluators stop with the chief.
         done_marker.mark_done(self.config.model_dir)
+      if self.exit_plan is None:
+        # Library use (`tfdist.fit`): the checkpoint is saved and the caller
+        # decides what comes next (a notebook's Ctrl-C, a script that
+        # resumes), so the grace period no longer applies. A binary ends
+        # its process now and keeps the bound on that.
+        self.watcher.cancel_deadline()
       raise
     except tf.errors.OpError as e:
       named = self.backend.translate_failure(
@@ -573,9 +592,10 @@ class ExperimentRunner:
     model = self.backend.export_model(self)
     return export.export_saved_model(
         model, self.out_dir(self.config.resolved_export_dir, "saved_model"),
-        source=self._export_source(),
+        source=self._export_source() if self.is_writer else "TMPDIR",
         details={"step": self.controller.step,
-                 "model": self.task.model_name})
+                 "model": self.task.model_name},
+        last_checkpoint=self.keeper.latest)
 
   def _artifacts(self) -> dict:
     config = self.config
@@ -634,12 +654,13 @@ class ExperimentRunner:
             f" ({final_eval['num_examples']} examples). Artifacts in "
             f"{self.config.model_dir}", flush=True)
 
-  def leave_together(self) -> None:
+  def leave_together(self, failed: bool = False) -> None:
     """The backend ends the run's processes together (MultiWorkerMirrored:
-    the final barrier, then, with an `exit_plan`, the process ends there,
-    the chief last).
+    the final barrier, then, with an `exit_plan`, unless this task or
+    another arrived `failed`, the process ends there, the chief last).
 
     Raises:
       tfdist.errors.PeerLostError: a peer was lost at the barrier.
+      tfdist.errors.PeerStoppedError: another task arrived `failed`.
     """
-    self.backend.leave_together(self)
+    self.backend.leave_together(self, failed=failed)

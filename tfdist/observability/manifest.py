@@ -44,6 +44,8 @@ class ManifestOptions:
     model: `--model` (a registered name or `module:function`).
     dataset: `--dataset`.
     feature_spec: `--feature_spec` ('' when none).
+    all_reduce_dtype: `--all_reduce_dtype`, the dtype gradients travel in
+      between replicas.
   """
   flags: Tuple[Tuple[str, str], ...]
   config: dict
@@ -53,6 +55,7 @@ class ManifestOptions:
   model: str
   dataset: str
   feature_spec: str = ""
+  all_reduce_dtype: str = "float32"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -328,6 +331,7 @@ def _model_section(options: ManifestOptions, ran: WhatRan) -> dict:
   return {
       "dtype_policy": ran.dtype_policy,
       "loss_scale": ran.loss_scale,
+      "all_reduce_dtype": options.all_reduce_dtype,
       **({"sync_batch_norm": ran.plan.sync_batch_norm,
           "sync_batch_norm_reason": ran.plan.sync_batch_norm_reason}
          if ran.batch_norm else {}),

@@ -21,11 +21,13 @@ from tfdist.config import ConfigError
 from tfdist.errors import first_line
 from tfdist.parallel import pipeline_options
 from tfdist.training import checkpointing
+from tfdist.training import custom_step
 from tfdist.training import lr_schedule
 from tfdist.training import objectives as objectives_lib
 from tfdist.training import optimizers
 from tfdist.training import pipeline_step
 from tfdist.training import precision
+from tfdist.training import reduce_dtype
 from tfdist.training import sharded_optimizer
 from tfdist.training import task as task_lib
 from tfdist.training import train_loop
@@ -56,6 +58,8 @@ class AssemblyOptions:
     class_weight: `((class id, weight), ...)`; empty: none.
     activation_recomputation: recompute activations in the backward pass.
     bytes_per_pack: the gradients' all-reduce packs, in bytes (0: one).
+    all_reduce_dtype: the dtype the gradients travel in between replicas
+      (`tfdist.training.reduce_dtype`).
     pipeline: the model cut into pipeline stages
       (`tfdist.parallel.pipeline_options.PipelineOptions`; None or one
       stage: not cut).
@@ -77,6 +81,7 @@ class AssemblyOptions:
   class_weight: Tuple[Tuple[int, float], ...] = ()
   activation_recomputation: bool = False
   bytes_per_pack: int = 0
+  all_reduce_dtype: str = "float32"
   pipeline: Optional[pipeline_options.PipelineOptions] = None
   builder_config: Any = None
 
@@ -146,6 +151,8 @@ def build_model(options: AssemblyOptions, *, task: task_lib.Task,
   training_checks.check_steps_per_execution(
       model, steps_per_execution=options.steps_per_execution,
       model_name=f"--model={task.model_name}")
+  training_checks.check_jit_compile(model, enable_xla=options.enable_xla,
+                                    model_name=f"--model={task.model_name}")
   if getattr(model, "optimizer", None) is not None:
     # compile's optimizer (RMSprop when compile names none) is not used:
     # tfdist builds its own from the config. Untracked (`del`: assigning
@@ -266,6 +273,19 @@ def _sharding_for(options: AssemblyOptions,
   return sharding
 
 
+def run_optimizer(options: AssemblyOptions, learning_rate):
+  """The run's optimizer for `learning_rate` (a schedule or a callable):
+  `options.optimizer` by name (`tfdist.training.optimizers`), wrapped for
+  the precision policy (fp16's loss scaling). Not built. The one way a run,
+  `tfdist.diagnose` and the memory estimate make it."""
+  return precision.wrap_optimizer_for_precision(
+      optimizers.build_optimizer(
+          options.optimizer, learning_rate, momentum=options.momentum,
+          weight_decay=options.weight_decay, clipnorm=options.clipnorm,
+          global_clipnorm=options.global_clipnorm),
+      dtype=options.dtype, loss_scale=options.loss_scale)
+
+
 def _build_optimizer(options: AssemblyOptions, *, model: keras.Model, plan,
                      sharding: sharded_optimizer.ShardingOptions):
   """`(optimizer, learning_rate)`: the built optimizer (wrapped for the
@@ -273,13 +293,8 @@ def _build_optimizer(options: AssemblyOptions, *, model: keras.Model, plan,
   # Settable by Keras's learning-rate callbacks (a checkpointed factor
   # of the schedule, see tfdist.training.lr_schedule.AdjustableLearningRate).
   learning_rate = lr_schedule.AdjustableLearningRate(plan.lr.schedule)
-  inner_optimizer = optimizers.build_optimizer(
-      options.optimizer, learning_rate, momentum=options.momentum,
-      weight_decay=options.weight_decay, clipnorm=options.clipnorm,
-      global_clipnorm=options.global_clipnorm)
-  learning_rate.bind(inner_optimizer)
-  optimizer = precision.wrap_optimizer_for_precision(
-      inner_optimizer, dtype=options.dtype, loss_scale=options.loss_scale)
+  optimizer = run_optimizer(options, learning_rate)
+  learning_rate.bind(sharded_optimizer.inner_optimizer(optimizer))
   # Every optimizer variable now, under the scope (created lazily in the
   # first step, ParameterServerStrategy would place it on the
   # coordinator). Sharded, its slots live on the shards instead
@@ -298,6 +313,14 @@ def _log_trainer(trainer: Trainer, options: AssemblyOptions, *, plan,
         "--bytes_per_pack=%d: the gradients are all-reduced in packs of about "
         "%d bytes, last layers first, while the backward pass goes on.",
         options.bytes_per_pack, options.bytes_per_pack)
+  if reduce_dtype.compresses(options.all_reduce_dtype):
+    if trainer.strategy.num_replicas_in_sync == 1:
+      logging.warning(
+          "--all_reduce_dtype=%s has no effect: one replica in all, so "
+          "nothing is all-reduced.", options.all_reduce_dtype)
+    else:
+      logging.info("--all_reduce_dtype=%s: %s.", options.all_reduce_dtype,
+                   reduce_dtype.describe(options.all_reduce_dtype))
   if trainer.sharded is not None:
     layout = trainer.sharded.layout
     logging.info(
@@ -374,6 +397,10 @@ def build(options: AssemblyOptions, *, task: task_lib.Task,
   # (`tf.train.Checkpoint(model=...)`, compiled with an optimizer of its own
   # or not) finds no optimizer of tfdist's under `model/`.
   object.__setattr__(model, "optimizer", optimizer)
+  if custom_step.overrides(model):
+    return _custom_step_parts(options, model=model, task=task,
+                              strategy=strategy, plan=plan, on_tpu=on_tpu,
+                              learning_rate=learning_rate)
   resolved, metric_sums = resolve_objectives(model, task=task)
   class_weight = check_weights(options, task=task)
   _warn_batch_valued_metrics(metric_sums, plan)
@@ -391,6 +418,7 @@ def build(options: AssemblyOptions, *, task: task_lib.Task,
                     sharding=sharding,
                     class_weight=class_weight,
                     bytes_per_pack=options.bytes_per_pack,
+                    all_reduce_dtype=options.all_reduce_dtype,
                     pipeline=pipeline)
   _log_trainer(trainer, options, plan=plan, sharding=sharding, on_tpu=on_tpu)
   checkpoint = _training_checkpoint(model, trainer=trainer,
@@ -401,11 +429,65 @@ def build(options: AssemblyOptions, *, task: task_lib.Task,
                metric_sums=metric_sums)
 
 
+def _custom_step_parts(options: AssemblyOptions, *, model: keras.Model,
+                       task: task_lib.Task, strategy: tf.distribute.Strategy,
+                       plan, on_tpu: bool, learning_rate) -> Parts:
+  """`build`'s parts for a model that overrides its `train_step` (or
+  `test_step`, `compute_loss`, `compute_metrics`): tfdist runs the model's
+  own step (`tfdist.training.custom_step`); no objectives of tfdist's.
+
+  Raises:
+    ConfigError: a setting that needs tfdist's own step
+      (`custom_step.check`).
+  """
+  found = custom_step.overrides(model)
+  custom_step.check(
+      found, model_name=task.model_name, compiled=model.compiled,
+      gradient_accumulation_steps=plan.batch.gradient_accumulation_steps,
+      zero_stage=options.zero_stage, clipnorm=options.clipnorm,
+      global_clipnorm=options.global_clipnorm,
+      enable_xla=options.enable_xla, class_weight=options.class_weight,
+      loss_or_metrics_given=(task.loss is not None or
+                             task.metrics is not None),
+      strategy=strategy, on_tpu=on_tpu,
+      loss_scaled=isinstance(model.optimizer,
+                             keras.optimizers.LossScaleOptimizer))
+  trainer = _custom_step_trainer(
+      model, task=task, strategy=strategy,
+      steps_per_epoch=plan.steps_per_epoch,
+      steps_per_execution=options.steps_per_execution,
+      run_eagerly=options.run_eagerly)
+  checkpoint = _training_checkpoint(model, trainer=trainer,
+                                    optimizer=model.optimizer,
+                                    learning_rate=learning_rate)
+  return Parts(model=model, optimizer=model.optimizer, trainer=trainer,
+               checkpoint=checkpoint, objectives=None,
+               metric_sums=objectives_lib.MetricSums([]))
+
+
+def _custom_step_trainer(model: keras.Model, *, task: task_lib.Task,
+                         strategy: tf.distribute.Strategy, **kwargs
+                         ) -> custom_step.CustomStepTrainer:
+  """`custom_step.build_trainer` for `model` on the task's examples
+  (`kwargs`: its step settings)."""
+  features, labels = task_lib.example_spec(task.dataset)
+  weight = task_lib.sample_weight_spec(task.dataset)
+  return custom_step.build_trainer(
+      model, custom_step.overrides(model), strategy=strategy,
+      batch_spec=(features, labels) + ((weight,) if weight is not None
+                                       else ()), **kwargs)
+
+
 def evaluation_parts(options: AssemblyOptions, *, task: task_lib.Task
                      ) -> Parts:
   """A model (in the current scope) with its loss and metrics, and no
   optimizer: what the side-car evaluator and `--mode=eval` need."""
   model = build_model(options, task=task)
+  if custom_step.overrides(model):  # It evaluates with its own test_step.
+    return Parts(model=model, optimizer=None, checkpoint=None,
+                 trainer=_custom_step_trainer(
+                     model, task=task, strategy=tf.distribute.get_strategy()),
+                 metric_sums=objectives_lib.MetricSums([]))
   resolved, metric_sums = resolve_objectives(model, task=task)
   return Parts(model=model, optimizer=None, trainer=None, checkpoint=None,
                objectives=resolved, metric_sums=metric_sums)
@@ -417,7 +499,10 @@ def evaluation_trainer(parts: Parts, *, global_batch_size: int,
   """A `Trainer` that evaluates `parts.model` in this process, with the
   run's loss and metrics, under `strategy` (the one `parts.model` was built
   in; None: the current one, e.g. the default strategy on the
-  parameter-server coordinator)."""
+  parameter-server coordinator). A model with its own step
+  (`tfdist.training.custom_step`) keeps its `parts.trainer`."""
+  if isinstance(parts.trainer, custom_step.CustomStepTrainer):
+    return parts.trainer
   return Trainer(strategy=strategy or tf.distribute.get_strategy(),
                  model=parts.model,
                  optimizer=parts.optimizer or keras.optimizers.SGD(),

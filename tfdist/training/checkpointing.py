@@ -36,7 +36,8 @@ checkpoint also records the training input's layout, not any iterator state
 
 import json
 import os
-from typing import Any, Dict, List, Mapping, Optional, Sequence
+import time
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 
 from absl import logging
 import tensorflow as tf
@@ -94,8 +95,10 @@ def clean_interrupted_saves(directory: str) -> List[str]:
 # layers' seed-generator states (`tfdist.training.train_loop.random_state`) and
 # the learning-rate factor Keras's learning-rate callbacks set
 # (`tfdist.training.lr_schedule.AdjustableLearningRate`; absent, it stays 1),
-# which older checkpoints do not hold.
-OPTIONAL_PARTS = ("input_position", "random_state", "lr_multiplier")
+# which older checkpoints do not hold; and the Keras callbacks' state
+# (`tfdist.training.callback_state`), saved only when a callback has some.
+OPTIONAL_PARTS = ("input_position", "random_state", "lr_multiplier",
+                  "callback_state")
 
 
 def root_children(prefix: str) -> set:
@@ -125,6 +128,11 @@ class CheckpointKeeper:
     before_save: called before every save (e.g.
       `tfdist.distribute.lease.Lease.check`, which raises once another run took
       `--model_dir` over).
+    log_every_seconds: a save is logged at INFO when it is this process's
+      first or the last INFO line of a save is at least this old (seconds;
+      the line then counts the saves since); the others at DEBUG, so a
+      short run's progress lines are not buried. 0: every save at INFO.
+    clock: seconds, for `log_every_seconds` (default `time.monotonic`).
   """
 
   def __init__(self, *, checkpoint: tf.train.Checkpoint, directory: str,
@@ -132,8 +140,13 @@ class CheckpointKeeper:
                restore_dir: Optional[str] = None,
                input_position: Optional[InputPosition] = None,
                variables: Optional[Sequence[tf.Variable]] = None,
-               before_save=None):
+               before_save=None, log_every_seconds: float = 600.0,
+               clock: Callable[[], float] = time.monotonic):
     self.checkpoint = checkpoint
+    self.log_every_seconds = float(log_every_seconds)
+    self._clock = clock
+    self._last_info: Optional[float] = None
+    self._saves_unlogged = 0
     self.input_position = input_position
     if input_position is not None:
       checkpoint.input_position = input_position
@@ -257,8 +270,22 @@ class CheckpointKeeper:
           f"The training state at step {step} holds NaN or infinite values: "
           "no checkpoint was saved.")
     path = self.manager.save(checkpoint_number=step)
-    logging.info("Saved checkpoint %s", path)
+    self._log_save(path)
     return path
+
+  def _log_save(self, path: str):
+    """`Saved checkpoint PATH` at INFO now and then (`log_every_seconds`),
+    else at DEBUG."""
+    now = self._clock()
+    if (self._last_info is not None and
+        now - self._last_info < self.log_every_seconds):
+      self._saves_unlogged += 1
+      logging.debug("Saved checkpoint %s", path)
+      return
+    since = (f" ({self._saves_unlogged} more saved since the last such "
+             "line)" if self._saves_unlogged else "")
+    logging.info("Saved checkpoint %s%s", path, since)
+    self._last_info, self._saves_unlogged = now, 0
 
 
 # --- the run that wrote the checkpoints --------------------------------------
@@ -279,7 +306,7 @@ OPERATIONAL_FIELDS = frozenset({
     "allow_incompatible_resume", "dry_run", "num_gpus", "num_cpu_devices",
     "mode", "import_modules", "init_checkpoint",
     "distribution_strategy", "all_reduce_alg", "reduction_server",
-    "bytes_per_pack",
+    "bytes_per_pack", "all_reduce_dtype",
     # Pipeline stages train the same weights as the unsplit model (their
     # micro-batches, which batch normalization sees, are compared).
     "pipeline_stages", "pipeline_schedule", "pipeline_cuts",

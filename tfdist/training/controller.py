@@ -73,8 +73,10 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist import errors
+from tfdist.observability import progress
 from tfdist.observability import run_log as run_log_lib
 from tfdist.runtime import strict_json
+from tfdist.training import callback_state as callback_state_lib
 from tfdist.training import checkpointing
 from tfdist.training import keras_callbacks
 from tfdist.training import step_runner
@@ -203,6 +205,8 @@ class LoopState:
     micro_steps: micro-batches run so far by this process.
     epoch_logs: the logs of the last `on_epoch_end` (Keras passes them to
       `on_train_end`), or None.
+    preempted: the checkpoint saved for a stop signal at an epoch end,
+      which stops the run once that epoch has ended; None: no such stop.
   """
   step: int
   epoch: int
@@ -216,6 +220,7 @@ class LoopState:
   stopped_early: bool = False
   micro_steps: int = 0
   epoch_logs: Optional[dict] = None
+  preempted: Optional[str] = None
 
   @property
   def num_steps(self) -> int:
@@ -270,16 +275,20 @@ class Checkpoints:
       steps `after_step + 1 .. step` (`after_step` None: since the input
       started) is NaN or infinite, re-read after a divergence; None: not
       checked.
+    callback_state: the `tfdist.training.callback_state.CallbackState`
+      saved with each checkpoint, or None.
   """
 
   def __init__(self, keeper, *, learning_rate: Callable[[], float],
                loss_scale: Callable[[], Optional[float]],
                nonfinite_input: Optional[Callable[[Optional[int], int],
-                                                  Optional[str]]] = None):
+                                                  Optional[str]]] = None,
+               callback_state=None):
     self.keeper = keeper
     self.learning_rate = learning_rate
     self.loss_scale = loss_scale
     self.nonfinite_input = nonfinite_input
+    self.callback_state = callback_state
 
   def save(self, step: int) -> str:
     """Saves step `step`; returns the path.
@@ -369,6 +378,9 @@ class KerasTrainHooks(Action):
     if self.model is not None:
       self.model.stop_training = False
     self.callbacks.on_train_begin()
+    callback_state_lib.after_train_begin(
+        self.checkpoints.callback_state, self.callbacks.callbacks,
+        resumed=state.step > 0)
 
   def before_steps(self, state):
     if not state.epoch_open:
@@ -383,9 +395,10 @@ class KerasTrainHooks(Action):
     restored_best = _restored_best_epoch(self.callbacks,
                                          last_epoch=state.epoch - 1)
     if restored_best is not None:
+      # Epochs counted from 1, as EarlyStopping's own "best epoch: N".
       logging.info("EarlyStopping(restore_best_weights=True) restored the "
                    "weights of epoch %d: saving them as step %d's checkpoint "
-                   "and evaluating them.", restored_best, state.step)
+                   "and evaluating them.", restored_best + 1, state.step)
       self.checkpoints.save(state.step)
       state.last_eval = None
 
@@ -504,7 +517,8 @@ class KerasBatchEnd(Action):
     self.window.add(output.sums, state.num_steps)
     sums, steps = self.window.sums, self.window.steps
     logs = (self.summarize(sums, steps) if self.summarize is not None else
-            {"loss": float(sums["loss"]) / steps})
+            # A model's own train_step may log no loss (custom_step).
+            {"loss": float(sums["loss"]) / steps} if "loss" in sums else {})
     self.callbacks.on_train_batch_end(
         (state.step - 1) % self.options.steps_per_epoch, logs)
 
@@ -512,15 +526,18 @@ class KerasBatchEnd(Action):
 class TrainLog(Action):
   """Logs loss, learning rate, skipped steps and throughput every
   `log_steps` steps and at the end
-  (`tfdist.observability.run_log.RunLog.log_train`)."""
+  (`tfdist.observability.run_log.RunLog.log_train`); a line followed by an
+  evaluation at its step (`evaluates`) is held and logged with it, as one
+  line."""
 
   def __init__(self, run_log: run_log_lib.RunLog, *,
                options: ControllerOptions, checkpoints: Checkpoints,
-               skipped: SkippedStepWatch):
+               skipped: SkippedStepWatch, evaluates: bool = False):
     self.run_log = run_log
     self.options = options
     self.checkpoints = checkpoints
     self.skipped = skipped
+    self.evaluates = evaluates
     self.window = _SumsSince()
 
   def __call__(self, state, output):
@@ -536,7 +553,8 @@ class TrainLog(Action):
           learning_rate=self.checkpoints.learning_rate(),
           loss_scale=self.checkpoints.loss_scale(),
           skipped_steps=monitor.take_interval(),
-          total_skipped=monitor.total_skipped)
+          total_skipped=monitor.total_skipped,
+          hold=self.evaluates and _evaluation_due(self.options, state))
     except run_log_lib.DivergenceError as e:
       raise run_log_lib.DivergenceError(
           f"{e} {self.checkpoints.kept_and_rerun()}") from e
@@ -556,7 +574,14 @@ class SaveCheckpoint(Action):
 
 class PreemptionStop(Action):
   """A stop signal on any worker stops every worker after the same step,
-  with a checkpoint (`tfdist.runtime.preemption.PreemptionWatcher`)."""
+  with a checkpoint (`tfdist.runtime.preemption.PreemptionWatcher`).
+
+  At an epoch end the checkpoint is saved here and the stop comes after
+  the epoch's evaluation and `on_epoch_end` (`PreemptionStopAfterEpoch`),
+  which a resumed run, starting with the next epoch, would not run: so
+  callbacks deciding per epoch see every epoch, as in an uninterrupted
+  run.
+  """
 
   def __init__(self, watcher, *, checkpoints: Checkpoints,
                callbacks: keras.callbacks.CallbackList,
@@ -574,8 +599,26 @@ class PreemptionStop(Action):
       return
     self.watcher.note_peer_stop()
     path = state.saved or self.checkpoints.save(state.step)
+    if self.options.is_epoch_end(state.step):
+      state.saved = state.preempted = path
+      return
     self.callbacks.on_train_end()
     raise self.watcher.preempted(step=state.step, checkpoint=path)
+
+
+class PreemptionStopAfterEpoch(Action):
+  """Raises the stop `PreemptionStop` deferred to the end of an epoch (the
+  checkpoint `KerasEpochEnd` saved again, if it did, is the one named)."""
+
+  def __init__(self, stop: PreemptionStop):
+    self.stop = stop
+
+  def __call__(self, state, output):
+    if state.preempted is None:
+      return
+    path = state.saved or state.preempted
+    self.stop.callbacks.on_train_end()
+    raise self.stop.watcher.preempted(step=state.step, checkpoint=path)
 
 
 class Evaluate(Action):
@@ -593,10 +636,7 @@ class Evaluate(Action):
     self.callbacks = callbacks
 
   def __call__(self, state, output):
-    opts = self.options
-    if (((opts.is_epoch_end(state.step) or state.stop_requested) and
-         (state.epoch + 1) % opts.epochs_between_evals == 0) or
-        opts.is_last(state.step)):
+    if _evaluation_due(self.options, state):
       state.last_eval = (self.evaluate(state.step) if self.callbacks is None
                          else self.evaluate(state.step,
                                             callbacks=self.callbacks))
@@ -615,13 +655,21 @@ class Evaluate(Action):
                                       check_loss=False)
 
 
+def _evaluation_due(options: ControllerOptions, state: LoopState) -> bool:
+  """`Evaluate` evaluates after the chunk that ended at `state.step`."""
+  return (((options.is_epoch_end(state.step) or state.stop_requested) and
+           (state.epoch + 1) % options.epochs_between_evals == 0) or
+          options.is_last(state.step))
+
+
 class KerasEpochEnd(Action):
   """Keras's `on_epoch_end` with the epoch's metrics (and this step's
   evaluation as `val_*`); then every worker agrees on a stop request.
 
   A learning-rate callback (ReduceLROnPlateau) that changed the rate after
-  this step's checkpoint has it saved again, so a resume from it trains on
-  with the new rate.
+  this step's checkpoint, or a callback whose kept state changed
+  (`tfdist.training.callback_state`), has it saved again, so a resume from
+  it trains on with the new rate and the callbacks' new state.
   """
 
   def __init__(self, callbacks: keras.callbacks.CallbackList, *,
@@ -651,8 +699,10 @@ class KerasEpochEnd(Action):
     rate_before = self.checkpoints.learning_rate()
     self.callbacks.on_epoch_end(state.epoch, logs)
     state.epoch_logs = logs
-    if state.saved is not None and not _same_rate(
-        rate_before, self.checkpoints.learning_rate()):
+    if state.saved is not None and (
+        not _same_rate(rate_before, self.checkpoints.learning_rate()) or
+        callback_state_lib.changed_since_save(
+            self.checkpoints.callback_state)):
       state.saved = self.checkpoints.save(step)
     state.epoch_open = False
     state.epoch += 1
@@ -687,8 +737,10 @@ class StopOnRequest(Action):
   def __call__(self, state, output):
     if not state.stop_requested or self.options.is_last(state.step):
       return
-    logging.info("Stopping at step %d of %d: a callback set "
-                 "model.stop_training.", state.step, self.options.total_steps)
+    logging.info("Stopping at step %d of %d (epoch %d, counted from 1 as "
+                 "Keras's callbacks count it): a callback set "
+                 "model.stop_training.", state.step, self.options.total_steps,
+                 progress.epoch_of(state.step, self.options.steps_per_epoch))
     if state.saved is None:
       self.checkpoints.save(state.step)
     state.stopped_early = True
@@ -784,7 +836,10 @@ class Controller:
           Checkpoints(checkpoints, learning_rate=learning_rate,
                       loss_scale=loss_scale,
                       nonfinite_input=getattr(runner, "nonfinite_input",
-                                              None)),
+                                              None),
+                      callback_state=callback_state_lib.attach(
+                          checkpoints.checkpoint,
+                          keras_callbacks.flatten(callbacks))),
           keras.callbacks.CallbackList(list(callbacks), model=model),
           model=model, preemption=preemption) + list(train_actions)
 
@@ -804,11 +859,13 @@ class Controller:
     5. `KerasBatchEnd`: Keras's batch-end hooks; sets `stop_requested`.
     6. `TrainLog`: the log line and scalars of a log point.
     7. `SaveCheckpoint`: sets `saved` at checkpoint boundaries.
-    8. `PreemptionStop`: reads `saved`, saves if needed, raises.
+    8. `PreemptionStop`: reads `saved`, saves if needed, raises (at an
+       epoch end: sets `saved` and `preempted` instead).
     9. `Evaluate`: sets `last_eval` at evaluation boundaries.
     10. `KerasEpochEnd`: reads `last_eval`; sets `epoch_logs` and
         `stop_requested` at epoch ends.
-    11. `StopOnRequest`: reads `stop_requested` and `saved`; sets
+    11. `PreemptionStopAfterEpoch`: reads `preempted` and `saved`, raises.
+    12. `StopOnRequest`: reads `stop_requested` and `saved`; sets
         `stopped_early`.
 
     The caller's `train_actions` follow, in their order.
@@ -825,16 +882,21 @@ class Controller:
             if keras_callbacks.reads_batch_metrics(callbacks) else None),
                       model=model, runner=self.runner),
         TrainLog(self.run_log, options=opts, checkpoints=saver,
-                 skipped=self._skipped),
+                 skipped=self._skipped,
+                 evaluates=self.evaluate_fn is not None),
         SaveCheckpoint(saver, opts)]
+    stop = None
     if preemption is not None:
-      actions.append(PreemptionStop(preemption, checkpoints=saver,
-                                    callbacks=callbacks, options=opts))
+      stop = PreemptionStop(preemption, checkpoints=saver,
+                            callbacks=callbacks, options=opts)
+      actions.append(stop)
     actions += [
         Evaluate(self.evaluate, opts, callbacks),
         KerasEpochEnd(callbacks, model=model, run_log=self.run_log,
-                      runner=self.runner, checkpoints=saver, options=opts),
-        StopOnRequest(saver, opts)]
+                      runner=self.runner, checkpoints=saver, options=opts)]
+    if stop is not None:
+      actions.append(PreemptionStopAfterEpoch(stop))
+    actions.append(StopOnRequest(saver, opts))
     return actions
 
   @property
@@ -883,7 +945,8 @@ class Controller:
     self.run_log.log_eval(step, result)
     for action in self.eval_actions:
       action(dict(result))
-    if check_loss:
+    # A model's own test_step may report no loss (custom_step).
+    if check_loss and "loss" in result:
       finite_state = None
       if (not math.isfinite(result["loss"]) and
           self.checkpoints is not None):
@@ -922,6 +985,7 @@ class Controller:
     try:
       return self._run()
     finally:
+      self.run_log.release()  # A step line held for a failed evaluation.
       if self.profiler is not None:
         self.profiler.stop()  # Training stopped inside the window.
 

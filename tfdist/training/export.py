@@ -33,6 +33,7 @@ import contextlib
 import json
 import os
 import posixpath
+import re
 import time
 import uuid
 from typing import Mapping, Optional, Tuple
@@ -42,6 +43,7 @@ import keras
 import tensorflow as tf
 
 from tfdist.errors import ExportRefusedError
+from tfdist.runtime import failures
 
 # Written into every SavedModel folder tfdist exports: the only folders an
 # export may replace.
@@ -173,6 +175,86 @@ def _refusal(export_dir: str, source: str, new: str = "") -> str:
           "folder, or move that one away.")
 
 
+# The folders an export makes beside `export_dir` (`_scratch_name`): the
+# SavedModel being written, and the previous export moved aside.
+_TEMPORARY = "tmp"
+_PREVIOUS = "old"
+
+
+def _scratch_name(export_dir: str, kind: str, tag: str) -> str:
+  """`.<kind>-export-<export folder's name>-<8 hex digits>`, beside
+  `export_dir`: the only names `remove_stale_exports` removes."""
+  parent = os.path.dirname(export_dir.rstrip("/")) or "."
+  base = os.path.basename(export_dir.rstrip("/"))
+  return os.path.join(parent, f".{kind}-export-{base}-{tag}")
+
+
+def _scratch_folders(export_dir: str, kind: str) -> list:
+  """The `_scratch_name` folders of `kind` beside `export_dir`."""
+  parent = os.path.dirname(export_dir.rstrip("/")) or "."
+  base = os.path.basename(export_dir.rstrip("/"))
+  pattern = re.compile(rf"\.{kind}-export-{re.escape(base)}-[0-9a-f]{{8}}/?$")
+  return [os.path.join(parent, name.rstrip("/"))
+          for name in tf.io.gfile.listdir(parent) if pattern.match(name)]
+
+
+def _remove_quietly(path: str) -> bool:
+  """Removes folder `path`; False (and a warning) when it cannot."""
+  try:
+    if tf.io.gfile.exists(path):
+      tf.io.gfile.rmtree(path)
+    return True
+  except (tf.errors.OpError, OSError) as e:
+    logging.warning("Could not remove the unfinished export %s: %s", path,
+                    failures.what_happened(e))
+    return False
+
+
+def remove_stale_exports(export_dir: str) -> list:
+  """Removes what an earlier export to `export_dir` left when it failed.
+
+  Run at start by the process that writes the export, once it holds the
+  `--model_dir` lease (no other run of it is exporting). Only tfdist's own
+  names beside `export_dir` are touched: `.tmp-export-<name>-<hex>`
+  folders without the mark (a SavedModel whose writing failed part way),
+  and `.old-export-<name>-<hex>` folders (a previous export moved aside)
+  once `export_dir` holds a whole tfdist export again. A temporary folder
+  that has the mark is a whole SavedModel (an export refused at its end,
+  or a failed move): it is kept, and named in a warning. Errors (a parent
+  that cannot be listed) are left to the output probes to report.
+
+  Args:
+    export_dir: the run's export folder (local or `gs://`).
+
+  Returns:
+    The folders removed.
+  """
+  removed = []
+  try:
+    temporary = _scratch_folders(export_dir, _TEMPORARY)
+    previous = _scratch_folders(export_dir, _PREVIOUS)
+    replaced = is_tfdist_export(export_dir)
+  except (tf.errors.OpError, OSError):
+    return removed
+  for path in temporary:
+    if tf.io.gfile.exists(os.path.join(path, MARKER_FILE)):
+      logging.warning("%s is a whole SavedModel an earlier export left "
+                      "(kept); move or remove it yourself.", path)
+    elif _remove_quietly(path):
+      removed.append(path)
+  for path in previous:
+    if not replaced:
+      logging.warning("%s is the previous export, moved aside by an export "
+                      "that did not finish (kept: %s holds no SavedModel); "
+                      "move it back to keep it.", path, export_dir)
+    elif _remove_quietly(path):
+      removed.append(path)
+  if removed:
+    logging.info("Removed %d unfinished export folder(s) of an earlier run: "
+                 "%s", len(removed), ", ".join(removed))
+  return removed
+
+
 def _move_folder(src: str, dst: str):
   """Renames folder `src` to `dst` (which does not exist).
 
@@ -212,7 +294,8 @@ def _absl_level_kept():
 
 def export_saved_model(model: keras.Model, export_dir: str, *,
                        source: str = "--export_dir",
-                       details: Optional[Mapping[str, object]] = None) -> str:
+                       details: Optional[Mapping[str, object]] = None,
+                       last_checkpoint: Optional[str] = None) -> str:
   """Exports `model` as a TensorFlow SavedModel with a `serving_default`.
 
   The signature takes the model's inputs under their input names (e.g.
@@ -230,6 +313,8 @@ def export_saved_model(model: keras.Model, export_dir: str, *,
     export_dir: the SavedModel folder (local or `gs://`).
     source: the flag or variable that chose `export_dir`, for messages.
     details: JSON-serializable facts recorded in the mark (e.g. the step).
+    last_checkpoint: the run's newest checkpoint, named by a failure's
+      message as the one to resume from.
 
   Returns:
     `export_dir`.
@@ -237,25 +322,37 @@ def export_saved_model(model: keras.Model, export_dir: str, *,
   Raises:
     ExportRefusedError: `export_dir` holds something else; the new
       SavedModel is left in its temporary folder, named in the message.
+    tfdist.errors.OutputWriteError: the disk or quota of `export_dir`'s
+      volume is full, or writing there is refused: the message names
+      `source` (status 2); the temporary folder is removed.
   """
   parent = os.path.dirname(export_dir.rstrip("/")) or "."
-  tf.io.gfile.makedirs(parent)
   tag = uuid.uuid4().hex[:8]
-  tmp = os.path.join(parent, f".tmp-export-{tag}")
-  with _absl_level_kept():
-    model.export(tmp, format="tf_saved_model", verbose=False)
-  with tf.io.gfile.GFile(os.path.join(tmp, MARKER_FILE), "w") as f:
-    f.write(json.dumps({"written_by": "tfdist",
-                        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ",
-                                              time.gmtime()),
-                        "details": dict(details or {})}, sort_keys=True,
-                       default=str))
+  tmp = _scratch_name(export_dir, _TEMPORARY, tag)
+  try:
+    tf.io.gfile.makedirs(parent)
+    with _absl_level_kept():
+      model.export(tmp, format="tf_saved_model", verbose=False)
+    with tf.io.gfile.GFile(os.path.join(tmp, MARKER_FILE), "w") as f:
+      f.write(json.dumps({"written_by": "tfdist",
+                          "time": time.strftime("%Y-%m-%dT%H:%M:%SZ",
+                                                time.gmtime()),
+                          "details": dict(details or {})}, sort_keys=True,
+                         default=str))
+  except BaseException as e:
+    _remove_quietly(tmp)  # An unfinished SavedModel: nothing to keep.
+    if isinstance(e, (tf.errors.OpError, OSError)):
+      named = failures.describe(e, folders={source: export_dir},
+                                last_checkpoint=last_checkpoint)
+      if named is not None:
+        raise named from e
+    raise
   if not _replaceable(export_dir):
     raise ExportRefusedError(_refusal(export_dir, source, new=tmp))
   old = None
   if tf.io.gfile.exists(export_dir):
     if tf.io.gfile.listdir(export_dir):
-      old = os.path.join(parent, f".old-export-{tag}")
+      old = _scratch_name(export_dir, _PREVIOUS, tag)
       _move_folder(export_dir, old)
     else:
       tf.io.gfile.rmtree(export_dir)  # An empty folder: nothing is lost.

@@ -13,8 +13,8 @@ multi-worker `fit` does, with Keras's logs. Some need more:
   Two workers never write the same path. `RemoteMonitor` (which posts to a
   server) and `ProgbarLogger` (which prints) run on the chief only.
 * **`ProgbarLogger`** prints as in `Model.fit` (whose `verbose="auto"`
-  gives it 1), although tfdist's `params` say `verbose=0` (tfdist adds no
-  progress bar of its own; it logs every `--log_steps`).
+  gives it 1), although tfdist's `params` say `verbose=0` (`tfdist.fit`
+  adds one under `verbose=1`; otherwise tfdist logs every `--log_steps`).
 * **Callbacks that fight tfdist's own state**, refused at start:
   `BackupAndRestore` (tfdist's checkpoints already back up the whole
   training state and a rerun resumes from them; a second restore would put

@@ -30,6 +30,7 @@ from tfdist.errors import ConfigError
 from tfdist.errors import PipelineConfigError
 from tfdist.parallel import pipeline as pipeline_lib
 from tfdist.parallel import pipeline_options
+from tfdist.training import custom_step
 
 
 @dataclasses.dataclass
@@ -131,7 +132,8 @@ def build(model: keras.Model, options: pipeline_options.PipelineOptions, *,
   Raises:
     ConfigError (a `PipelineConfigError`, status 2): the model cannot be
       cut (subclassed, a layer shared across stages, unknown cuts, fewer
-      layers or devices than stages), an activity regularizer, or
+      layers or devices than stages), a model with its own `train_step`
+      (`tfdist.training.custom_step`), an activity regularizer, or
       micro-batches that do not divide the batch; each names the flag.
   """
   if not options.enabled:
@@ -139,6 +141,14 @@ def build(model: keras.Model, options: pipeline_options.PipelineOptions, *,
   pipeline_options.check_batch(
       options, micro_step_batch=micro_step_batch,
       gradient_accumulation_steps=gradient_accumulation_steps)
+  own_step = custom_step.overrides(model)
+  if own_step:
+    raise PipelineConfigError(
+        f"--pipeline_stages={options.num_stages}: model {model.name!r} "
+        f"defines its own step ({', '.join(own_step)}), which runs the "
+        "whole model, not tfdist's pipelined step. Drop --pipeline_stages, "
+        "or the override (tfdist's step then trains it through the "
+        "stages).")
   for layer in model._flatten_layers(include_self=False):  # pylint: disable=protected-access
     if getattr(layer, "activity_regularizer", None) is not None:
       raise PipelineConfigError(

@@ -9,6 +9,8 @@ stops in seconds with one line naming the flag:
   every replica's flags: the part of `--dry_run` that needs no access to
   the job's code and files; a run resolves them itself,
   `tfdist.training.task.from_names`);
+* `check_no_keras_distribution`: a `keras.distribution` distribution set
+  in the process (ignored by Keras under TensorFlow) is refused;
 * `probe_outputs`: the process that writes `--model_dir` creates every
   output folder (model, checkpoints, TensorBoard, export) and writes and
   deletes a probe file in each (folders it had to create are removed
@@ -102,6 +104,45 @@ def check_names(names: NameOptions):
                         available=["loss", *(m.name for m in metrics)])
 
 
+def check_no_keras_distribution(distribution=None):
+  """Refuses a `keras.distribution` distribution set in this process.
+
+  Keras 3 reads `keras.distribution.set_distribution(...)` only on the JAX
+  backend (its TensorFlow path is a DTensor prototype): under TensorFlow it
+  is dropped without a word, and tfdist distributes with `tf.distribute`.
+  The message names tfdist's flags for the same layouts.
+
+  Args:
+    distribution: the distribution to check; None: the process's
+      (`keras.distribution.distribution()`).
+
+  Raises:
+    ConfigError: a distribution is set (status 2).
+  """
+  if distribution is None:
+    import keras  # pylint: disable=g-import-not-at-top
+    distribution = keras.distribution.distribution()
+  if distribution is None:
+    return
+  kind = type(distribution).__name__
+  if kind == "DataParallel":
+    same = ("for data parallel training use --distribution_strategy="
+            "mirrored (one host; --num_cpu_devices on a CPU) or "
+            "multi_worker_mirrored (TF_CONFIG or --worker_hosts), or auto")
+  else:
+    same = ("for model parallel layouts use --zero_stage=1 or 2 (optimizer "
+            "state and gradients sharded over the replicas) or "
+            "--distribution_strategy=parameter_server (variables and "
+            "embedding tables sharded over ps tasks); pipeline and tensor "
+            "parallel layouts are not yet available in tfdist")
+  raise ConfigError(
+      f"keras.distribution.set_distribution({kind}(...)) is set in this "
+      "process, which Keras ignores under the TensorFlow backend; tfdist "
+      f"distributes with tf.distribute instead: {same}. Remove the "
+      "set_distribution call (or call "
+      "keras.distribution.set_distribution(None)) before tfdist runs.")
+
+
 def output_folders(outputs: OutputOptions) -> List[Tuple[str, str, str]]:
   """`(flag, value, folder)` of every folder the writing process fills.
 
@@ -173,7 +214,8 @@ def probe_writable(folder: str, *, flag: str, value: str):
   """Creates `folder`, writes and deletes a probe file in it.
 
   Folders the probe had to create are removed again (the run creates them
-  when it writes there), so a run stopped at start leaves nothing behind.
+  when it writes there), and the probe file also when its write failed (a
+  full disk), so a run stopped at start leaves nothing behind.
 
   Args:
     folder: the folder to probe (local or `gs://`).
@@ -200,6 +242,12 @@ def probe_writable(folder: str, *, flag: str, value: str):
       error = e
     except (tf.errors.OpError, OSError) as e:
       error = e
+    # A write that failed (a full disk) may have left the file, empty.
+    try:
+      if tf.io.gfile.exists(probe):
+        tf.io.gfile.remove(probe)
+    except (tf.errors.OpError, OSError):
+      pass
     where = "" if folder == value else f" ({folder})"
     raise OutputNotWritableError(
         f"{flag}={value} is not writable{where}: {_reason(folder, error)}. "

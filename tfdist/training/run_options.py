@@ -143,6 +143,7 @@ def plan_options(config: TrainConfig) -> run_plan.PlanOptions:
       activation_recomputation=config.activation_recomputation,
       zero_stage=config.zero_stage_resolved,
       deterministic=config.deterministic,
+      all_reduce_dtype=config.all_reduce_dtype,
       pipeline=pipeline_options(config))
 
 # --- inputs and data ---
@@ -236,6 +237,7 @@ def assembly_options(config: TrainConfig) -> assembly.AssemblyOptions:
       class_weight=tuple(config.class_weight),
       activation_recomputation=config.activation_recomputation,
       bytes_per_pack=config.bytes_per_pack,
+      all_reduce_dtype=config.all_reduce_dtype,
       pipeline=pipeline_options(config),
       builder_config=config)
 
@@ -297,7 +299,8 @@ def manifest_options(config: TrainConfig) -> manifest.ManifestOptions:
       base_learning_rate=config.base_learning_rate,
       base_batch_size=config.base_batch_size, lr_scaling=config.lr_scaling,
       model=config.model, dataset=config.dataset,
-      feature_spec=config.feature_spec)
+      feature_spec=config.feature_spec,
+      all_reduce_dtype=config.all_reduce_dtype)
 
 
 def name_options(config: TrainConfig) -> preflight.NameOptions:

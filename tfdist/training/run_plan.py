@@ -18,6 +18,7 @@ from tfdist.parallel import pipeline_options
 from tfdist.training import batch_plan as batch_plan_lib
 from tfdist.training import lr_schedule
 from tfdist.training import precision
+from tfdist.training import reduce_dtype
 
 
 # The parameter-server coordinator's smallest evaluation batch (evaluation
@@ -65,6 +66,7 @@ class PlanOptions:
     activation_recomputation: `--activation_recomputation`.
     zero_stage: the resolved ZeRO stage (0: none).
     deterministic: `--deterministic`.
+    all_reduce_dtype: `--all_reduce_dtype` (the gradients' wire dtype).
     pipeline: the `tfdist.parallel.pipeline_options.PipelineOptions`
       (None or one stage: no pipeline).
   """
@@ -82,6 +84,7 @@ class PlanOptions:
   activation_recomputation: bool = False
   zero_stage: int = 0
   deterministic: bool = False
+  all_reduce_dtype: str = reduce_dtype.FLOAT32
   pipeline: Optional[pipeline_options.PipelineOptions] = None
 
 
@@ -111,7 +114,8 @@ class RunPlan:
       the workers split the records, and why).
     sync_batch_norm: built-in models normalize over the global batch.
     sync_batch_norm_reason: why (`tfdist.models.resolve_sync_batch_norm`).
-    num_eval_examples: records in `eval_files`.
+    num_eval_examples: records in `eval_files`, or examples in a dataset
+      function's evaluation split (0 when the run does not evaluate).
     pipeline: the run's `PipelineOptions` when the model is cut into
       stages (its micro-batches checked against the batch), else None.
   """
@@ -184,7 +188,10 @@ class RunPlan:
         + (f"{len(self.train_files)} file(s)" if self.train_files else
            f"--dataset={options.data.dataset}'s dataset function"),
         (f"  eval examples          {self.num_eval_examples} in "
-         f"{len(self.eval_files)} file(s)" if self.eval_files else ""),
+         f"{len(self.eval_files)} file(s)" if self.eval_files else
+         f"  eval examples          {self.num_eval_examples} in "
+         f"--dataset={options.data.dataset}'s dataset function"
+         if self.num_eval_examples else ""),
         f"  steps_per_epoch        {plan.steps_per_epoch} (remainder "
         + (f"dropped: {plan.dropped_per_epoch} examples per epoch untrained)"
            if plan.dropped_per_epoch else "dropped: none)"),
@@ -216,6 +223,13 @@ class RunPlan:
                      ["  deterministic          op determinism and a "
                       "deterministic input order"]
                      if options.deterministic else []) + (
+                     [f"  all_reduce_dtype       {options.all_reduce_dtype}: "
+                      + (reduce_dtype.describe(options.all_reduce_dtype)
+                         if plan.num_replicas_in_sync > 1 and
+                         not self.asynchronous else
+                         "no effect (no all-reduce: one replica)")]
+                     if reduce_dtype.compresses(options.all_reduce_dtype)
+                     else []) + (
                      [f"  pipeline               {self.pipeline.describe()}"
                       f" of {plan.per_replica_batch_size // self.pipeline.num_microbatches}"
                       " examples"]
@@ -320,6 +334,8 @@ def make_run_plan(options: PlanOptions, spec, *, num_replicas_in_sync: int,
   else:  # A dataset function: one epoch of its training split, counted.
     train_file_counts = ()
     num_train = input_pipeline.count_examples(spec)
+    if options.need_eval:  # The run evaluates its whole evaluation split.
+      num_eval = input_pipeline.count_examples(spec, training=False)
   plan = batch_plan_lib.make_batch_plan(
       num_replicas_in_sync=num_replicas_in_sync,
       batch_size=options.batch_size,

@@ -23,7 +23,8 @@ refuses it.
 One update, on every replica:
 
 1. the replica's gradients (per variable) are flattened into [P'] and
-   summed over all replicas of all workers, and the replica keeps its
+   summed over all replicas of all workers (in `--all_reduce_dtype`,
+   `tfdist.training.reduce_dtype`, then float32 again), and the replica keeps its
    slice [S]. TensorFlow's collectives on CPUs offer no reduce-scatter
    (its CPU implementation resolves to none; `tf.distribute` exposes only
    `all_reduce` and `all_gather`), so this is an all-reduce followed by a
@@ -77,6 +78,7 @@ import tensorflow as tf
 from tfdist.config import ConfigError
 from tfdist.training import optimizers
 from tfdist.training import precision
+from tfdist.training import reduce_dtype
 
 STAGES = (0, 1, 2)
 
@@ -219,6 +221,10 @@ class ShardedOptimizer:
       loss scale that callbacks and checkpoints read.
     variables: the model's trainable variables (float32).
     options: `ShardingOptions` (stage 1 or 2).
+    all_reduce_dtype: the dtype the flat gradient buffer travels in
+      (`tfdist.training.reduce_dtype`; summed back to float32 before the
+      finite check, clipping and the update); the gather of the updated
+      shards stays float32 (the master weights).
 
   Construct outside the strategy's scope (the per-replica optimizer copies
   are plain, per-device objects); the shard variables enter the scope
@@ -230,7 +236,8 @@ class ShardedOptimizer:
   """
 
   def __init__(self, *, strategy: tf.distribute.Strategy, optimizer,
-               variables: Sequence, options: ShardingOptions):
+               variables: Sequence, options: ShardingOptions,
+               all_reduce_dtype: str = reduce_dtype.FLOAT32):
     if not options.enabled:
       raise ValueError("ShardedOptimizer needs stage 1 or 2.")
     check_optimizer(optimizer)
@@ -243,6 +250,7 @@ class ShardedOptimizer:
             "does), or train without sharding.")
     self.strategy = strategy
     self.options = options
+    self.all_reduce_dtype = all_reduce_dtype
     self.optimizer = optimizer
     self.inner = inner_optimizer(optimizer)
     self.variables = list(variables)
@@ -346,7 +354,8 @@ class ShardedOptimizer:
     (all-reduce, then slice: no reduce-scatter on CPU collectives).
     Replica context."""
     context = tf.distribute.get_replica_context()
-    summed = context.all_reduce(tf.distribute.ReduceOp.SUM, flat)
+    summed, = reduce_dtype.all_reduce_sum(context, [flat],
+                                          self.all_reduce_dtype)
     start = context.replica_id_in_sync_group * self.layout.shard_size
     return tf.slice(summed, [start], [self.layout.shard_size])
 

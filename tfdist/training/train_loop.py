@@ -49,7 +49,9 @@ What every replica (and worker) does in one step, in order:
    gradients and another for the sums, each a point where a worker waits
    for its peers (`_all_reduce_sum`). Sums of another dtype, and every sum
    under ZeRO sharding or other strategies, keep a reduction of their own
-   (`_reduce`);
+   (`_reduce`). With `all_reduce_dtype` bfloat16 or float16 the gradients
+   travel in that dtype and come back in float32
+   (`tfdist.training.reduce_dtype`), and the float32 sums take `_reduce`;
 3. the optimizer's `apply` on those summed gradients, with the optimizer's
    own all-reduce turned off (Keras 3 optimizers sum gradients inside
    `apply`, after their fp16 finite check and their clipping). So:
@@ -97,6 +99,7 @@ import tensorflow as tf
 
 from tfdist.training import objectives
 from tfdist.training import precision
+from tfdist.training import reduce_dtype
 from tfdist.training import sharded_optimizer
 
 
@@ -200,7 +203,8 @@ def _sum_gradients_once(optimizer):
   return context()
 
 
-def _all_reduce_sum(grads, bytes_per_pack: int = 0, riders=None):
+def _all_reduce_sum(grads, bytes_per_pack: int = 0, riders=None,
+                    all_reduce_dtype: str = reduce_dtype.FLOAT32):
   """Sums gradients (tensors or `IndexedSlices`; None kept) over all
   replicas of all workers. Replica context.
 
@@ -216,6 +220,10 @@ def _all_reduce_sum(grads, bytes_per_pack: int = 0, riders=None):
   gradients' dtype). Placed after the gradients, so they travel in the
   first pack, with the last layers' gradients.
 
+  `all_reduce_dtype`: the gradients travel in this dtype and come back in
+  their own (`tfdist.training.reduce_dtype`); riders must then have the
+  wire dtype, so a caller reducing in a 2-byte dtype passes none.
+
   Returns:
     `(gradients, summed riders)`: the gradients a list like `grads`, the
     riders a dict like `riders` (`{}` when None).
@@ -228,9 +236,12 @@ def _all_reduce_sum(grads, bytes_per_pack: int = 0, riders=None):
     return list(grads), riders
   options = (tf.distribute.experimental.CommunicationOptions(
       bytes_per_pack=bytes_per_pack) if bytes_per_pack else None)
-  summed = context.all_reduce(tf.distribute.ReduceOp.SUM,
-                              present + [riders[k] for k in keys],
-                              options=options)
+  if keys and reduce_dtype.compresses(all_reduce_dtype):
+    raise ValueError("Riders travel with float32 gradients only. Received: "
+                     f"all_reduce_dtype={all_reduce_dtype!r}")
+  summed = reduce_dtype.all_reduce_sum(
+      context, present + [riders[k] for k in keys], all_reduce_dtype,
+      options)
   out = iter(summed[:len(present)])
   return ([None if g is None else next(out) for g in grads],
           dict(zip(keys, summed[len(present):])))
@@ -253,6 +264,20 @@ def _one_replica(strategy: tf.distribute.Strategy) -> bool:
     return True
   return (not tf.distribute.has_strategy() and
           strategy is tf.distribute.get_strategy())
+
+
+def _checked_reduce_dtype(all_reduce_dtype: str,
+                          strategy: tf.distribute.Strategy, optimizer) -> str:
+  """`all_reduce_dtype`, checked against the strategy and the optimizer
+  (`tfdist.training.reduce_dtype`: parameter servers have no all-reduce;
+  float16 needs a loss scale)."""
+  reduce_dtype.check_name(all_reduce_dtype)
+  if isinstance(strategy, tf.distribute.experimental.ParameterServerStrategy):
+    reduce_dtype.check_strategy(all_reduce_dtype, "parameter_server")
+  reduce_dtype.check_loss_scaling(
+      all_reduce_dtype,
+      isinstance(optimizer, keras.optimizers.LossScaleOptimizer))
+  return all_reduce_dtype
 
 
 def _timed_next(iterator):
@@ -375,6 +400,13 @@ class Trainer:
       `tfdist.training.assembly.build` at start.
     bytes_per_pack: all-reduce the gradients in packs of about this many
       bytes, last layers first (`_all_reduce_sum`); 0: in one.
+    all_reduce_dtype: the dtype the gradients travel in between replicas
+      (`tfdist.training.reduce_dtype.ALL_REDUCE_DTYPES`: float32, bfloat16,
+      float16); the sums come back in the variables' dtype before
+      clipping, the finite check and the update. A 2-byte dtype gives the
+      step's sums (loss, count, metrics) a float32 all-reduce of their own.
+      No effect with one replica (`self.all_reduce_dtype` is then
+      float32).
     pipeline: a `tfdist.training.pipeline_step.PipelineStep`: the
       forward and backward pass runs through the model's pipeline stages
       in micro-batches (one replica, no XLA); None: the whole model.
@@ -391,7 +423,9 @@ class Trainer:
     tfdist.config.ConfigError: a metric whose state is not summed; a loss
       with `reduction="mean_with_sample_weight"` and `class_weight`
       (`objectives.check_reduction`; with sample weights, when the step is
-      traced).
+      traced); an unknown `all_reduce_dtype`, a 2-byte one under
+      ParameterServerStrategy, or float16 without a `LossScaleOptimizer`
+      (`tfdist.training.reduce_dtype`).
   """
 
   def __init__(self, *, strategy: tf.distribute.Strategy, model: keras.Model,
@@ -402,9 +436,15 @@ class Trainer:
                gradient_accumulation_steps: int = 1,
                time_steps: bool = True,
                sharding: Optional[sharded_optimizer.ShardingOptions] = None,
-               class_weight=None, bytes_per_pack: int = 0, pipeline=None):
+               class_weight=None, bytes_per_pack: int = 0,
+               all_reduce_dtype: str = reduce_dtype.FLOAT32, pipeline=None):
     self.strategy = strategy
     self.bytes_per_pack = int(bytes_per_pack)
+    self.all_reduce_dtype = _checked_reduce_dtype(all_reduce_dtype, strategy,
+                                                  optimizer)
+    if strategy.num_replicas_in_sync == 1:
+      # Nothing travels: rounding the gradients would buy nothing.
+      self.all_reduce_dtype = reduce_dtype.FLOAT32
     self.time_steps = bool(time_steps)
     self.model = model
     self.optimizer = optimizer
@@ -447,7 +487,8 @@ class Trainer:
     per_replica_random_streams(model)
     self.sharded = (sharded_optimizer.ShardedOptimizer(
         strategy=strategy, optimizer=optimizer,
-        variables=model.trainable_variables, options=sharding)
+        variables=model.trainable_variables, options=sharding,
+        all_reduce_dtype=self.all_reduce_dtype)
                     if sharding is not None and sharding.enabled else None)
     with strategy.scope():
       # Counts updates made by this loop (skipped fp16 steps included), for
@@ -576,7 +617,8 @@ class Trainer:
     summed = {}
     if not self.one_replica:  # One replica: the sum is the gradients.
       grads, summed = _all_reduce_sum(grads, self.bytes_per_pack,
-                                      self._riders(grads, sums))
+                                      self._riders(grads, sums),
+                                      self.all_reduce_dtype)
       sums = {k: v for k, v in sums.items() if k not in summed}
     # The same summed gradients on every replica and worker: the finite
     # check (here and inside a LossScaleOptimizer) agrees everywhere.
@@ -588,8 +630,11 @@ class Trainer:
     """The `sums` that ride with the gradients' all-reduce
     (`_all_reduce_sum`): under `_rides_with_gradients` strategies, those
     of the dense gradients' dtype (float32 unless the variables are not);
-    the others keep `_reduce`. `{}`: none ride."""
-    if not self.rides_with_gradients:
+    the others keep `_reduce`. `{}`: none ride, and none can when the
+    gradients travel in a 2-byte `all_reduce_dtype` (the sums stay
+    float32)."""
+    if (not self.rides_with_gradients or
+        reduce_dtype.compresses(self.all_reduce_dtype)):
       return {}
     dense = {g.dtype for g in grads
              if g is not None and not isinstance(g, tf.IndexedSlices)}

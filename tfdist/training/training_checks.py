@@ -19,7 +19,8 @@ the manifest and stops a run whose optimizer has stopped updating:
 when the weights are finite, warns that the evaluation data is the likely
 cause (training goes on, as in `fit`).
 `check_steps_per_execution` warns when a model compiled with Keras's
-`steps_per_execution` meets tfdist's own setting. The
+`steps_per_execution` meets tfdist's own setting, `check_jit_compile` when
+one compiled with `jit_compile=True` meets a run without `--enable_xla`. The
 errors (`TrainingStalledError`, `TrainingDivergedError`: status 1) live in
 `tfdist.errors`, `json_safe` in `tfdist.runtime.strict_json`; both are exported
 here too.
@@ -191,4 +192,36 @@ def check_steps_per_execution(model, *, steps_per_execution: int,
       "--steps_per_execution=%d (TrainConfig(steps_per_execution=%d)) to "
       "group them as compile asked.", model_name, int(compiled),
       int(steps_per_execution), int(compiled), int(compiled))
+  return True
+
+
+def check_jit_compile(model, *, enable_xla: bool,
+                      model_name: str = "the model") -> bool:
+  """Warns when the model was compiled with `jit_compile=True` and the run
+  does not compile with XLA: tfdist runs its own step, which reads
+  `--enable_xla`, not the model's `jit_compile`.
+
+  Keras resolves `jit_compile="auto"` (compile's default) when compiling:
+  to False on a CPU-only machine and under a `tf.distribute` strategy, to
+  True on a GPU outside one; so a model compiled on a GPU outside the
+  strategy's scope is warned about too.
+
+  Args:
+    model: the built Keras model (compiled or not).
+    enable_xla: the run's `--enable_xla`.
+    model_name: how the warning names the model.
+
+  Returns:
+    Whether it warned.
+  """
+  if enable_xla or not getattr(model, "compiled", False):
+    return False
+  if getattr(model, "_jit_compile", None) is not True:
+    return False
+  logging.warning(
+      "%s was compiled with jit_compile=True, which tfdist does not read: "
+      "tfdist compiles its own training step, with XLA only under "
+      "--enable_xla (now off). Set --enable_xla (TrainConfig(enable_xla="
+      "True)) to compile the step with XLA, or compile with "
+      "jit_compile=False to silence this.", model_name)
   return True

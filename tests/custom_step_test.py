@@ -1,0 +1,605 @@
+"""A model's own `train_step`, `test_step` and `compute_loss` run in tfdist.
+
+Each case (`CASES`) is a Keras model subclass in the style of Keras's guide
+"Customizing what happens in fit()"; it trains with `Model.fit` (then
+`Model.evaluate`) and with `tfdist.fit`, on one device and under
+MirroredStrategy on 2 logical CPUs, and the final weights, the last
+epoch's logs and the evaluation logs are compared (`ATOL`). One child
+process (this file run as a script: the logical devices must exist before
+TensorFlow starts) runs every case once. The refusals (`REFUSALS`) of
+settings that need tfdist's own step run in the same child. The
+two-optimizer case also runs on two MultiWorkerMirrored workers (a local
+cluster, `tfdist.launch --module=tests.custom_step_test`), against
+`Model.fit` under Mirrored (Keras's own `fit` fails under
+MultiWorkerMirrored).
+
+Data: y = 3x + 1 on 512 examples, batches of 64, plain SGD at 0.1 with no
+shuffling, so both loops make the same updates on the same batches (float32
+round-off apart). Weights start at zero (a fixed initializer).
+"""
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+from absl.testing import absltest
+
+from tests import testutil
+
+_CHILD_ENV = "TFDIST_CUSTOM_STEP_CHILD"
+ATOL = 1e-4
+BATCH = 64
+EPOCHS = 2
+RATE = 0.1
+STRATEGIES = ("one_device", "mirrored")
+
+
+def _data():
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(0)
+  x = rng.uniform(-1, 1, (512, 1)).astype("float32")
+  return x, (3 * x[:, 0] + 1).astype("float32")
+
+
+def _models():
+  """`{case: builder(optimizer)}`: each returns the case's compiled model
+  (`optimizer`: compile's, which tfdist replaces with its own)."""
+  import keras  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+
+  def dense(name="dense"):
+    return keras.layers.Dense(1, kernel_initializer="zeros", name=name)
+
+  class Frozen(keras.Model):
+    """Trains the kernel only: the bias stays 0."""
+
+    def __init__(self):
+      super().__init__()
+      self.dense = dense()
+
+    def call(self, x):
+      return self.dense(x)
+
+    def train_step(self, data):
+      x, y = data
+      with tf.GradientTape() as tape:
+        y_pred = self(x, training=True)
+        loss = self.compute_loss(x=x, y=y, y_pred=y_pred)
+      kernel = self.dense.kernel
+      self.optimizer.apply([tape.gradient(loss, kernel)], [kernel])
+      return self.compute_metrics(x, y, y_pred)
+
+  class TwoOptimizers(keras.Model):
+    """A GAN's layout: two parts, each with its loss and optimizer (the
+    second one's own, given to `compile`); logs two raw losses."""
+
+    def __init__(self):
+      super().__init__()
+      self.a = dense("a")
+      self.b = dense("b")
+
+    def compile(self, b_optimizer, **kwargs):
+      super().compile(**kwargs)
+      self.b_optimizer = b_optimizer
+
+    def call(self, x):
+      return self.a(x)
+
+    def train_step(self, data):
+      x, y = data
+      mse = keras.losses.MeanSquaredError()
+      with tf.GradientTape() as tape:
+        a_loss = mse(y[:, None], self.a(x))
+      self.optimizer.apply(tape.gradient(a_loss, self.a.trainable_weights),
+                           self.a.trainable_weights)
+      with tf.GradientTape() as tape:
+        # The second part learns from the first's output.
+        b_loss = mse(2.0 * y[:, None], self.b(self.a(x)) + x)
+      self.b_optimizer.apply(
+          tape.gradient(b_loss, self.b.trainable_weights),
+          self.b.trainable_weights)
+      return {"a_loss": a_loss, "b_loss": b_loss}
+
+  class AbsoluteLoss(keras.Model):
+    """`compute_loss` overridden: mean absolute error, whatever compile
+    says (mean squared error)."""
+
+    def __init__(self):
+      super().__init__()
+      self.dense = dense()
+
+    def call(self, x):
+      return self.dense(x)
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None,
+                     training=True):
+      return keras.losses.MeanAbsoluteError()(y, y_pred)
+
+  class LowLevel(keras.Model):
+    """Keras's "going lower-level" step: compiled without a loss; its own
+    loss function and metric trackers."""
+
+    def __init__(self):
+      super().__init__()
+      self.dense = dense()
+      self.loss_tracker = keras.metrics.Mean(name="loss")
+      self.mae = keras.metrics.MeanAbsoluteError(name="mae")
+      self.loss_fn = keras.losses.MeanSquaredError()
+
+    def call(self, x):
+      return self.dense(x)
+
+    @property
+    def metrics(self):
+      return [self.loss_tracker, self.mae]
+
+    def train_step(self, data):
+      x, y = data
+      with tf.GradientTape() as tape:
+        y_pred = self(x, training=True)
+        loss = self.loss_fn(y[:, None], y_pred)
+      self.optimizer.apply(tape.gradient(loss, self.trainable_weights),
+                           self.trainable_weights)
+      self.loss_tracker.update_state(loss)
+      self.mae.update_state(y[:, None], y_pred)
+      return {"loss": self.loss_tracker.result(), "mae": self.mae.result()}
+
+    def test_step(self, data):
+      x, y = data
+      y_pred = self(x, training=False)
+      self.loss_tracker.update_state(self.loss_fn(y[:, None], y_pred))
+      self.mae.update_state(y[:, None], y_pred)
+      return {m.name: m.result() for m in self.metrics}
+
+  class OwnEvaluation(keras.Model):
+    """`test_step` overridden: reports its own error metric, under a name
+    of its own."""
+
+    def __init__(self):
+      super().__init__()
+      self.dense = dense()
+      self.error = keras.metrics.MeanAbsoluteError(name="error")
+
+    def call(self, x):
+      return self.dense(x)
+
+    def test_step(self, data):
+      x, y = data
+      self.error.update_state(y[:, None], self(x))
+      return {"abs_error": self.error.result()}
+
+  def build(cls, **compile_args):
+    def builder(optimizer):
+      model = cls()
+      model(tf.zeros((1, 1)))
+      model.compile(optimizer=optimizer, **compile_args)
+      return model
+    return builder
+
+  return {
+      "frozen_bias": build(Frozen, loss="mse", metrics=["mae"]),
+      "two_optimizers": lambda optimizer: _two_optimizers(TwoOptimizers,
+                                                          optimizer),
+      # The model's own optimizer keeps state (momentum) to checkpoint.
+      "two_optimizers_momentum": lambda optimizer: _two_optimizers(
+          TwoOptimizers, optimizer, momentum=0.9),
+      "compute_loss": build(AbsoluteLoss, loss="mse", metrics=["mae"]),
+      "low_level_no_loss": build(LowLevel),
+      "test_step": build(OwnEvaluation, loss="mse"),
+  }
+
+
+def _two_optimizers(cls, optimizer, momentum: float = 0.0):
+  import keras  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  model = cls()
+  model(tf.zeros((1, 1)))
+  model.b(tf.zeros((1, 1)))
+  model.compile(b_optimizer=keras.optimizers.SGD(RATE, momentum=momentum),
+                optimizer=optimizer)
+  return model
+
+
+def _floats(logs: dict) -> dict:
+  return {k: float(v) for k, v in logs.items() if k != "learning_rate"}
+
+
+# Cases run only by the resumed test.
+RESUMED_ONLY = ("two_optimizers_momentum",)
+# Cases that Keras cannot evaluate (no loss for the default test_step).
+NOT_EVALUATED = ("two_optimizers", "two_optimizers_momentum")
+
+
+def _keras_fit(builder, strategy, evaluate: bool = True) -> dict:
+  """`Model.fit` and `Model.evaluate` in `strategy`'s scope (None: one
+  device)."""
+  import contextlib  # pylint: disable=g-import-not-at-top
+  import keras  # pylint: disable=g-import-not-at-top
+  x, y = _data()
+  with strategy.scope() if strategy else contextlib.nullcontext():
+    model = builder(keras.optimizers.SGD(RATE))
+  history = model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False,
+                      verbose=0)
+  evaluation = (model.evaluate(x, y, batch_size=BATCH, verbose=0,
+                               return_dict=True) if evaluate else {})
+  return {"weights": [w.tolist() for w in model.get_weights()],
+          "train": _floats({k: v[-1] for k, v in history.history.items()}),
+          "eval": _floats(evaluation)}
+
+
+def _config(model_dir: str, strategy: str, **overrides):
+  import tfdist  # pylint: disable=g-import-not-at-top
+  return tfdist.TrainConfig(**{
+      **dict(model_dir=model_dir, train_epochs=EPOCHS, batch_size=BATCH,
+             base_batch_size=BATCH, optimizer="sgd", momentum=0.0,
+             base_learning_rate=RATE, warmup_steps=0, lr_schedule="constant",
+             shuffle_buffer_size=0, distribution_strategy=strategy,
+             log_steps=1000),
+      **overrides})
+
+
+def _tfdist_fit(builder, strategy: str, model_dir: str,
+                evaluate: bool = True, **overrides) -> dict:
+  """`tfdist.fit` of the case's model (`overrides`: of the config); in
+  `mode="eval"`, the manifest's `results`."""
+  import keras  # pylint: disable=g-import-not-at-top
+  import tfdist  # pylint: disable=g-import-not-at-top
+  x, y = _data()
+  weights = {}
+
+  class Final(keras.callbacks.Callback):
+
+    def on_train_end(self, logs=None):
+      weights["final"] = [w.tolist() for w in self.model.get_weights()]
+
+  manifest = tfdist.fit(lambda: builder(keras.optimizers.SGD(RATE)),
+                        x=x, y=y,
+                        validation_data=(x, y) if evaluate else None,
+                        config=_config(model_dir, strategy, **overrides),
+                        callbacks=[Final()], verbose=0)
+  if overrides.get("mode") == "eval":
+    return {"results": manifest["results"]}
+  last_eval = (manifest.get("eval_history") or [{}])[-1]
+  return {"weights": weights["final"],
+          "train": _floats({k: v[-1] for k, v in
+                            manifest["history"].items()
+                            if not k.startswith("val_")}),
+          "eval": {k: v for k, v in last_eval.items()
+                   if isinstance(v, float) and k not in (
+                       "eval_seconds", "time", "process_seconds",
+                       "examples_per_second")},
+          "replicas": manifest.get("num_replicas_in_sync")}
+
+
+# Settings that need tfdist's own step: (name, TrainConfig overrides,
+# fit keyword arguments, a text the error must hold).
+REFUSALS = (
+    ("gradient_accumulation", {"gradient_accumulation_steps": 2}, {},
+     "--gradient_accumulation_steps=2"),
+    ("zero", {"zero_stage": 1, "distribution_strategy": "mirrored"}, {},
+     "--zero_stage=1"),
+    ("clipnorm", {"clipnorm": 1.0}, {}, "--clipnorm"),
+    ("global_clipnorm", {"global_clipnorm": 1.0}, {}, "--global_clipnorm"),
+    ("class_weight", {"class_weight": ((0, 1.0),)}, {}, "--class_weight"),
+    ("enable_xla", {"enable_xla": True}, {}, "--enable_xla"),
+    ("fit_loss", {}, {"loss": "mae"}, "tfdist.fit(loss=..., metrics=...)"),
+)
+
+
+def _refusals(builder, root: str) -> dict:
+  """Each of `REFUSALS` with the frozen-bias model, and an uncompiled one:
+  the error's class and message."""
+  import keras  # pylint: disable=g-import-not-at-top
+  import tfdist  # pylint: disable=g-import-not-at-top
+  x, y = _data()
+  out = {}
+
+  def uncompiled(optimizer):
+    model = builder(optimizer)
+    model.compiled = False
+    return model
+
+  for name, overrides, kwargs, _ in REFUSALS + (
+      ("uncompiled", {}, {}, "not compiled"),):
+    make = uncompiled if name == "uncompiled" else builder
+    try:
+      tfdist.fit(lambda make=make: make(keras.optimizers.SGD(RATE)), x=x, y=y,
+                 config=_config(os.path.join(root, name),
+                                overrides.pop("distribution_strategy",
+                                              "one_device"), **overrides),
+                 verbose=0, **kwargs)
+      out[name] = {"error": None}
+    except Exception as e:  # pylint: disable=broad-except
+      out[name] = {"error": type(e).__name__, "message": str(e),
+                   "config_error": isinstance(e, tfdist.ConfigError)}
+  return out
+
+
+def _child_main() -> dict:
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  tf.config.set_logical_device_configuration(
+      tf.config.list_physical_devices("CPU")[0],
+      [tf.config.LogicalDeviceConfiguration()] * 2)
+  import traceback  # pylint: disable=g-import-not-at-top
+  root = tempfile.mkdtemp(dir=testutil.scratch_dir())
+  mirrored = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+  out = {}
+  models = _models()
+  for case, builder in models.items():
+    if case in RESUMED_ONLY:
+      continue
+    for strategy in STRATEGIES:
+      name = f"{case}/{strategy}"
+      try:
+        out[name] = {
+            "keras": _keras_fit(builder, mirrored if strategy == "mirrored"
+                                else None,
+                                evaluate=case not in NOT_EVALUATED),
+            "tfdist": _tfdist_fit(builder, strategy,
+                                  os.path.join(root, name.replace("/", "-")),
+                                  evaluate=case not in NOT_EVALUATED)}
+      except Exception:  # pylint: disable=broad-except
+        out[name] = {"error": traceback.format_exc()}
+  # Several steps per tf.function call (tfdist's --steps_per_execution).
+  try:
+    out["steps_per_execution"] = {
+        "keras": _keras_fit(models["low_level_no_loss"], mirrored),
+        "tfdist": _tfdist_fit(models["low_level_no_loss"], "mirrored",
+                              os.path.join(root, "spe"),
+                              steps_per_execution=4)}
+  except Exception:  # pylint: disable=broad-except
+    out["steps_per_execution"] = {"error": traceback.format_exc()}
+  # Trained one epoch, then resumed from its checkpoint for the second.
+  try:
+    builder = models["two_optimizers_momentum"]
+    resumed_dir = os.path.join(root, "resumed")
+    first = _tfdist_fit(builder, "one_device", resumed_dir, evaluate=False,
+                        train_epochs=1)
+    out["resumed"] = {
+        "keras": _keras_fit(builder, None, evaluate=False),
+        "first": first,
+        "tfdist": _tfdist_fit(builder, "one_device", resumed_dir,
+                              evaluate=False),
+        # Keras's own fit fails on this model under Mirrored (the model's
+        # optimizer creates its momentum inside the replica step:
+        # InvalidArgumentError at cond/Placeholder); tfdist trains it.
+        "mirrored": _tfdist_fit(builder, "mirrored",
+                                os.path.join(root, "momentum-mirrored"),
+                                evaluate=False)}
+  except Exception:  # pylint: disable=broad-except
+    out["resumed"] = {"error": traceback.format_exc()}
+  # --mode=eval on the test_step case's checkpoint: its own test_step.
+  try:
+    out["eval_mode"] = _tfdist_fit(
+        models["test_step"], "one_device",
+        os.path.join(root, "test_step-one_device"), mode="eval")
+  except Exception:  # pylint: disable=broad-except
+    out["eval_mode"] = {"error": traceback.format_exc()}
+  out["refusals"] = _refusals(models["frozen_bias"], root)
+  return out
+
+
+_RESULTS = {}
+
+
+def _child_results() -> dict:
+  """`_child_main`'s results, from one child process per test process."""
+  if not _RESULTS:
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
+               TF_ENABLE_ONEDNN_OPTS="0", **{_CHILD_ENV: "1"})
+    env["PYTHONPATH"] = (testutil.REPO_ROOT + os.pathsep +
+                         env.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__)],
+                          cwd=testutil.REPO_ROOT, env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, timeout=900)
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
+    if proc.returncode or not lines:
+      raise AssertionError(f"child failed ({proc.returncode}):\n"
+                           f"{proc.stdout[-4000:]}")
+    _RESULTS.update(json.loads(lines[-1]))
+  return _RESULTS
+
+
+class CustomStepTest(absltest.TestCase):
+  """tfdist against `Model.fit` for models that customize their step."""
+
+  def _case(self, name: str) -> dict:
+    result = _child_results()[name]
+    self.assertNotIn("error", result, result.get("error"))
+    return result
+
+  def _check(self, case: str) -> dict:
+    out = {}
+    for strategy in STRATEGIES:
+      with self.subTest(strategy=strategy):
+        result = self._case(f"{case}/{strategy}")
+        keras_run, ours = result["keras"], result["tfdist"]
+        self.assertEqual(ours["replicas"], 2 if strategy == "mirrored" else 1)
+        for mine, theirs in zip(ours["weights"], keras_run["weights"]):
+          self.assertSequenceAlmostEqual(
+              _flatten(mine), _flatten(theirs), delta=ATOL,
+              msg=f"weights {ours['weights']} vs {keras_run['weights']}")
+        self.assertEqual(set(ours["train"]), set(keras_run["train"]))
+        for key, value in keras_run["train"].items():
+          self.assertAlmostEqual(ours["train"][key], value, delta=ATOL,
+                                 msg=f"train {key}: {ours['train']} vs "
+                                 f"{keras_run['train']}")
+        for key, value in keras_run["eval"].items():
+          self.assertIn(key, ours["eval"])
+          self.assertAlmostEqual(ours["eval"][key], value, delta=ATOL,
+                                 msg=f"eval {key}: {ours['eval']} vs "
+                                 f"{keras_run['eval']}")
+        out[strategy] = result
+    return out
+
+  def test_frozen_variable_stays_frozen(self):
+    for result in self._check("frozen_bias").values():
+      self.assertEqual(result["tfdist"]["weights"][1], [0.0])
+      # The kernel trained.
+      self.assertGreater(result["tfdist"]["weights"][0][0][0], 1.0)
+
+  def test_two_optimizers_gan_style(self):
+    for result in self._check("two_optimizers").values():
+      self.assertEqual(set(result["tfdist"]["train"]), {"a_loss", "b_loss"})
+
+  def test_compute_loss_override_is_the_loss(self):
+    for result in self._check("compute_loss").values():
+      # The mean absolute error, not the compiled mean squared error.
+      self.assertAlmostEqual(result["tfdist"]["eval"]["loss"],
+                             result["keras"]["eval"]["mae"], delta=ATOL)
+
+  def test_low_level_step_without_a_compiled_loss(self):
+    for result in self._check("low_level_no_loss").values():
+      self.assertEqual(set(result["tfdist"]["train"]), {"loss", "mae"})
+
+  def test_test_step_override_reports_its_logs(self):
+    for result in self._check("test_step").values():
+      self.assertEqual(set(result["keras"]["eval"]), {"abs_error"})
+      self.assertIn("abs_error", result["tfdist"]["eval"])
+
+  def test_several_steps_per_call(self):
+    result = self._case("steps_per_execution")
+    keras_run, ours = result["keras"], result["tfdist"]
+    self.assertSequenceAlmostEqual(_flatten(ours["weights"]),
+                                   _flatten(keras_run["weights"]),
+                                   delta=ATOL)
+    for key, value in keras_run["train"].items():
+      self.assertAlmostEqual(ours["train"][key], value, delta=ATOL)
+
+  def test_resumed_run_restores_the_models_own_optimizer(self):
+    result = self._case("resumed")
+    keras_run, ours = result["keras"], result["tfdist"]
+    # The first attempt stopped half-way (another model than the end's).
+    self.assertGreater(_max_diff(result["first"]["weights"],
+                                 keras_run["weights"]), 0.01)
+    self.assertLess(_max_diff(ours["weights"], keras_run["weights"]), ATOL)
+    for key, value in keras_run["train"].items():
+      self.assertAlmostEqual(ours["train"][key], value, delta=ATOL)
+    # Mirrored makes one device's updates (each replica's loss is scaled
+    # by 1/2 and the gradients summed).
+    self.assertEqual(result["mirrored"]["replicas"], 2)
+    self.assertLess(_max_diff(result["mirrored"]["weights"],
+                              keras_run["weights"]), ATOL)
+
+  def test_eval_mode_runs_the_models_test_step(self):
+    results = self._case("eval_mode")["results"]
+    reference = self._case("test_step/one_device")["keras"]["eval"]
+    self.assertLen(results, 1)
+    self.assertAlmostEqual(results[0]["abs_error"], reference["abs_error"],
+                           delta=ATOL)
+    self.assertEqual(results[0]["num_examples"], 512)
+
+  def test_settings_that_need_tfdists_own_step_are_refused(self):
+    refusals = self._case("refusals")
+    for name, _, _, text in REFUSALS + (("uncompiled", {}, {},
+                                         "not compiled"),):
+      with self.subTest(name):
+        result = refusals[name]
+        self.assertTrue(result.get("config_error"), result)
+        self.assertIn("Frozen.train_step", result["message"])
+        self.assertIn(text, result["message"])
+        self.assertIn("Fix:", result["message"])
+
+
+class OverridesAndChecksTest(absltest.TestCase):
+  """`custom_step.overrides` and `check` alone (this process)."""
+
+  def test_overrides_are_found_by_class(self):
+    import keras  # pylint: disable=g-import-not-at-top
+    from tfdist.training import custom_step  # pylint: disable=g-import-not-at-top
+
+    class Plain(keras.Model):
+
+      def call(self, x):
+        return x
+
+    class Own(Plain):
+
+      def train_step(self, data):
+        return {}
+
+      def compute_metrics(self, x, y, y_pred, sample_weight=None):
+        return {}
+
+    self.assertEqual(custom_step.overrides(Plain()), ())
+    self.assertEqual(custom_step.overrides(
+        keras.Sequential([keras.layers.Dense(1)])), ())
+    self.assertEqual(custom_step.overrides(Own()),
+                     ("Own.train_step", "Own.compute_metrics"))
+
+  def test_fp16_train_step_is_warned_to_scale_its_loss(self):
+    from tfdist.training import custom_step  # pylint: disable=g-import-not-at-top
+    with self.assertLogs(level="WARNING") as logs:
+      custom_step.check(("Gan.train_step",), model_name="gan", compiled=True,
+                        loss_scaled=True)
+    self.assertIn("self.optimizer.scale_loss(loss)", logs.output[0])
+    # Nothing to say without an override, or with one that leaves Keras's
+    # train_step (which scales the loss).
+    with self.assertNoLogs(level="WARNING"):
+      custom_step.check((), model_name="m", compiled=False,
+                        gradient_accumulation_steps=4, loss_scaled=True)
+      custom_step.check(("M.compute_loss",), model_name="m", compiled=True,
+                        loss_scaled=True)
+
+
+def _cluster_main(out_path: str, case: str):
+  """One case through `tfdist.fit` on the cluster of `TF_CONFIG` (run by
+  `tfdist.launch --module=tests.custom_step_test OUT_JSON CASE`); the
+  chief writes the result to OUT_JSON."""
+  tf_config = json.loads(os.environ["TF_CONFIG"])
+  result = _tfdist_fit(_models()[case], "multi_worker_mirrored",
+                       os.path.join(os.path.dirname(out_path), case),
+                       evaluate=case not in NOT_EVALUATED)
+  if tf_config["task"]["type"] == "chief":
+    with open(out_path, "w") as f:
+      json.dump(result, f)
+
+
+class MultiWorkerTest(absltest.TestCase):
+  """Two MultiWorkerMirrored workers (one replica each) against
+  `Model.fit` under Mirrored on 2 devices: the same global batches, the
+  same reduction of the step's logs over replicas (an all-reduce between
+  the workers)."""
+
+  def test_two_optimizers_on_two_workers(self):
+    from tests import multi_worker_testlib  # pylint: disable=g-import-not-at-top
+    out = os.path.join(tempfile.mkdtemp(dir=testutil.scratch_dir()),
+                       "result.json")
+    status, output = multi_worker_testlib.run_launcher(
+        ["--num_workers=2", "--module=tests.custom_step_test"],
+        [out, "two_optimizers"], timeout=300,
+        env={"TF_ENABLE_ONEDNN_OPTS": "0", "CUDA_VISIBLE_DEVICES": ""})
+    self.assertEqual(status, 0, output[-4000:])
+    with open(out) as f:
+      ours = json.load(f)
+    reference = _child_results()["two_optimizers/mirrored"]["keras"]
+    self.assertEqual(ours["replicas"], 2)
+    self.assertSequenceAlmostEqual(_flatten(ours["weights"]),
+                                   _flatten(reference["weights"]),
+                                   delta=ATOL)
+    self.assertEqual(set(ours["train"]), set(reference["train"]))
+    for key, value in reference["train"].items():
+      # Each worker's last-batch loss alone would be off by about 2%.
+      self.assertAlmostEqual(ours["train"][key], value, delta=ATOL)
+
+
+def _max_diff(a, b) -> float:
+  return max(abs(x - y) for x, y in zip(_flatten(a), _flatten(b)))
+
+
+def _flatten(value) -> list:
+  if isinstance(value, list):
+    return [v for item in value for v in _flatten(item)]
+  return [value]
+
+
+if __name__ == "__main__":
+  if os.environ.get(_CHILD_ENV):
+    print(json.dumps(_child_main()), flush=True)
+  elif os.environ.get("TF_CONFIG"):
+    _cluster_main(*sys.argv[1:3])
+  else:
+    absltest.main()
