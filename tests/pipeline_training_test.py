@@ -354,8 +354,8 @@ class TransformerTest(absltest.TestCase):
                                atol=1e-5)
 
   def test_dry_run_plans_four_stages(self):
-    # The command of docs/guides/pipeline-parallelism.md, on a converted
-    # subset of the reviews.
+    # The command of docs/guides/pipeline-parallelism.md and of
+    # docs/guides/does-not-fit.md, on a converted subset of the reviews.
     from tfdist.data import clothing_reviews  # pylint: disable=g-import-not-at-top
     out = os.path.join(testutil.scratch_dir(), "clothing_reviews")
     clothing_reviews.convert_clothing_reviews(out, limit=200, train_shards=1,
