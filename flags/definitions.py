@@ -13,6 +13,7 @@ from typing import List
 from absl import flags
 
 from tfdist import config as config_lib
+from tfdist.parallel import pipeline_options
 from tfdist.training import decay_schedules
 from tfdist.training import optimizers
 from tfdist.training import reduce_dtype
@@ -169,6 +170,11 @@ def _define_input_and_model_shape_flags() -> None:
       "Ranking models: rows of the user and item tables (ids are hashed "
       "into them). Large values make large tables, sharded across ps tasks "
       "under --distribution_strategy=parameter_server.")
+  flags.DEFINE_integer(
+      "transformer_layers", _default("transformer_layers"),
+      "The Transformer (--model=transformer): encoder blocks (each "
+      "multi-head self-attention and a feed-forward layer). Deeper models "
+      "can be cut into more --pipeline_stages.")
 
 
 def define_train_flags() -> List[str]:
@@ -366,6 +372,38 @@ def _define_memory_flags() -> None:
       "DeepSpeed's name for the two switches above: 0 off, 1 "
       "--shard_optimizer_state, 2 --shard_gradients (3, sharded weights, "
       "is not offered). Default: from the switches.")
+
+
+def define_pipeline_flags() -> List[str]:
+  """Pipeline parallelism: the model's layers cut into stages on devices."""
+  flags.DEFINE_integer(
+      "pipeline_stages", _default("pipeline_stages"),
+      "Cut the model (functional or Sequential) into P stages of "
+      "consecutive layers, stage i on GPU i (on a CPU, logical CPU device "
+      "i); micro-batches flow through them and one update is applied per "
+      "step, equal to the unsplit model's. 1: no pipeline. With "
+      "--distribution_strategy auto, one_device or off (not with data "
+      "parallelism: TensorFlow has no public sub-group collectives), not "
+      "with --zero_stage or --enable_xla. See "
+      "docs/guides/pipeline-parallelism.md.")
+  flags.DEFINE_integer(
+      "num_microbatches", None,
+      "Pipeline micro-batches per step (M): each is 1/M of the step's batch "
+      "(of each micro-step under --gradient_accumulation_steps), so M must "
+      "divide it. The idle fraction of each stage is (P-1)/(M+P-1). "
+      "Default: --pipeline_stages.")
+  flags.DEFINE_enum(
+      "pipeline_schedule", _default("pipeline_schedule"),
+      list(pipeline_options.SCHEDULES),
+      "gpipe: every micro-batch's forward, then every backward (a stage "
+      "holds M micro-batches' activations); 1f1b: one forward, one "
+      "backward after a warm-up (at most P). Same bubble, same update.")
+  flags.DEFINE_list(
+      "pipeline_cuts", list(_default("pipeline_cuts")),
+      "Layer names, each the first layer of a stage after the first "
+      "(P-1 names, in the model's call order), e.g. block_3,block_6. "
+      "Default: stages balanced by weight and activation bytes.")
+  return []
 
 
 def _define_step_guard_flags() -> None:
@@ -602,8 +640,8 @@ def define_reliability_flags() -> List[str]:
 # docs/reference/flags.md, is generated from them: tfdist.flags.reference).
 GROUPS = (define_base_flags, define_train_flags, define_distribution_flags,
           define_cluster_flags, define_performance_flags, define_tpu_flags,
-          define_lr_flags, define_vertex_flags, define_measure_flags,
-          define_reliability_flags)
+          define_lr_flags, define_pipeline_flags, define_vertex_flags,
+          define_measure_flags, define_reliability_flags)
 
 
 def define_all_flags() -> List[str]:

@@ -233,6 +233,20 @@ class InventoryTest(absltest.TestCase):
     inventory = self._inventory(self._config(num_cpu_devices=2), {})
     self.assertEqual(auto_select.decide(inventory).strategy, "mirrored")
 
+  def test_pipeline_stages_run_in_one_process(self):
+    # Where auto would mirror (two GPUs, logical CPU devices), a run with
+    # pipeline stages gets one process and says why.
+    for inventory in (DeviceInventory(gpus=(A100, A100)),
+                      DeviceInventory(num_cpu_devices=4)):
+      decision = auto_select.resolve(
+          auto_select.SelectOptions(pipeline_stages=2),
+          cluster=cluster_lib.resolve_cluster(environ={}),
+          inventory=inventory)
+      self.assertEqual(decision.strategy, "one_device")
+      self.assertEqual(decision.strategy_reason,
+                       "auto: --pipeline_stages=2 runs its stages in one "
+                       "process, stage i on GPU i or logical CPU device i")
+
   def test_tpu_hint_with_real_failing_probe(self):
     # A TPU hint on a machine without TPU: the real probe (TensorFlow's
     # local TPU initialization) fails fast and auto falls back, saying why.

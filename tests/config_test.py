@@ -123,12 +123,53 @@ class TrainConfigTest(parameterized.TestCase):
       ("log_steps", dict(log_steps=0), "--log_steps=0"),
       ("num_gpus", dict(num_gpus=-3), "--num_gpus=-3"),
       ("base_lr", dict(base_learning_rate=0.0), "--base_learning_rate=0.0"),
+      ("transformer_layers", dict(transformer_layers=0),
+       "--transformer_layers=0 must be > 0"),
+      ("pipeline_stages", dict(pipeline_stages=0),
+       "--pipeline_stages=0 must be a positive integer"),
+      ("num_microbatches", dict(pipeline_stages=2, num_microbatches=0),
+       "--num_microbatches=0 must be a positive integer"),
+      ("microbatches_without_stages", dict(num_microbatches=4),
+       "--num_microbatches=4 applies to a pipeline: pass "
+       "--pipeline_stages=P"),
+      ("pipeline_schedule", dict(pipeline_stages=2, pipeline_schedule="zb"),
+       "--pipeline_schedule='zb' is unknown. Use one of: gpipe, 1f1b"),
+      ("cuts_and_stages", dict(pipeline_stages=2, pipeline_cuts="a,b"),
+       "--pipeline_cuts=a,b makes 3 stages but --pipeline_stages=2: pass "
+       "--pipeline_stages=3"),
+      ("cuts_without_stages", dict(pipeline_cuts="a"),
+       "--pipeline_cuts=a makes 2 stages but --pipeline_stages=1"),
+      ("pipeline_mirrored", dict(pipeline_stages=2,
+                                 distribution_strategy="mirrored"),
+       "--pipeline_stages=2 cannot run under --distribution_strategy="
+       "mirrored: .* TensorFlow has no public sub-group collectives"),
+      ("pipeline_multi_worker", dict(
+          pipeline_stages=2, distribution_strategy="multi_worker_mirrored"),
+       "--pipeline_stages=2 cannot run under --distribution_strategy="
+       "multi_worker_mirrored"),
+      ("pipeline_parameter_server", dict(
+          pipeline_stages=2, distribution_strategy="parameter_server"),
+       "--pipeline_stages=2 cannot run under --distribution_strategy="
+       "parameter_server"),
+      ("pipeline_tpu", dict(pipeline_stages=2, distribution_strategy="tpu"),
+       "--pipeline_stages=2 cannot run under --distribution_strategy=tpu"),
+      ("pipeline_zero", dict(pipeline_stages=2, zero_stage=1),
+       "--pipeline_stages=2 and --zero_stage=1 .* cannot be combined"),
+      ("pipeline_xla", dict(pipeline_stages=2, enable_xla=True),
+       "--enable_xla cannot compile a pipelined step"),
   )
   def test_errors(self, changes, message):
     kwargs = dict(model_dir="/m", train_steps=10)
     kwargs.update(changes)
     with self.assertRaisesRegex(ConfigError, message):
       TrainConfig(**kwargs)
+
+  def test_pipeline_fields(self):
+    config = TrainConfig(model_dir="/m", train_steps=1, pipeline_stages=3,
+                         pipeline_cuts="block_3, block_6",
+                         distribution_strategy="one_device")
+    self.assertEqual(config.pipeline_cuts, ("block_3", "block_6"))
+    self.assertIsNone(config.num_microbatches)  # P, once resolved.
 
   def test_no_model_dir(self):
     # Checked once the environment is applied (Vertex may supply it).

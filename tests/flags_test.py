@@ -72,7 +72,20 @@ class FlagsMatchConfigTest(absltest.TestCase):
                       2, "z"))
     # Flags left unset: the config's own defaults.
     self.assertEqual(config.model, "cnn")
+    self.assertEqual(config.pipeline_stages, 1)
     self.assertIn("model", config.unset_fields)
+
+
+  def test_pipeline_flags_reach_their_fields(self):
+    given = {"model_dir": "/m", "train_steps": "1", "pipeline_stages": "3",
+             "num_microbatches": "6", "pipeline_schedule": "1f1b",
+             "pipeline_cuts": "block_3,block_6", "transformer_layers": "8"}
+    with flagsaver.as_parsed(**given):
+      config = tfdist_flags.flags_to_config()
+    self.assertEqual((config.pipeline_stages, config.num_microbatches,
+                      config.pipeline_schedule, config.pipeline_cuts,
+                      config.transformer_layers),
+                     (3, 6, "1f1b", ("block_3", "block_6"), 8))
 
 
 class FlagsReferenceTest(absltest.TestCase):

@@ -197,6 +197,18 @@ class EqualToUnsplitTest(parameterized.TestCase):
     np.testing.assert_allclose(pipe(X[0]).numpy(), model(X[0]).numpy(),
                                atol=1e-6)
 
+  def test_dict_inputs_flatten_as_the_models(self):
+    # Named so that the dict's order and the sorted order differ.
+    b = keras.Input((8,), name="b")
+    a = keras.Input((8,), name="a")
+    h = keras.layers.Dense(4, name="left")(b)
+    out = keras.layers.Concatenate(name="cat")(
+        [h, keras.layers.Dense(4, name="right")(a)])
+    model = keras.Model({"b": b, "a": a}, out)
+    pipe = pipeline.split_model(model, 2)
+    x = {"b": X[0], "a": X[1]}
+    np.testing.assert_allclose(pipe(x).numpy(), model(x).numpy(), atol=1e-6)
+
   def test_stages_hold_the_models_own_variables(self):
     model = skip_model()
     pipe = pipeline.split_model(model, 4)

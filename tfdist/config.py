@@ -21,6 +21,7 @@ from typing import Optional, Tuple
 
 from tfdist.distribute.strategy_kind import StrategyKind
 from tfdist.errors import ConfigError
+from tfdist.parallel import pipeline_options
 from tfdist.training import decay_schedules
 from tfdist.training import optimizers
 from tfdist.training import reduce_dtype
@@ -306,6 +307,8 @@ class TrainConfig:
   # The embedding width and the rows of each hashed id table.
   embedding_dim: int = 16
   hash_buckets: int = 100_000
+  # The Transformer's encoder blocks (models/transformer.py).
+  transformer_layers: int = 2
   # --- Output folders ---
   model_dir: str = ""
   checkpoint_dir: str = ""
@@ -421,6 +424,13 @@ class TrainConfig:
   shard_optimizer_state: Optional[bool] = None
   shard_gradients: Optional[bool] = None
   zero_stage: Optional[int] = None
+  # --- Pipeline parallelism (tfdist/parallel/pipeline_options.py) ---
+  # P stages on P devices (1: off), M micro-batches per step (None: P),
+  # the schedule, and the layers that begin stages 2..P (empty: balanced).
+  pipeline_stages: int = 1
+  num_microbatches: Optional[int] = None
+  pipeline_schedule: str = "gpipe"
+  pipeline_cuts: Tuple[str, ...] = ()
   # --- Resuming mid-epoch ---
   # Checkpoints record the input order, and a resumed run continues its
   # epoch where it stopped (each worker recomputes its position from the
@@ -512,6 +522,7 @@ class TrainConfig:
     set_("flags_snapshot", tuple(tuple(kv) for kv in self.flags_snapshot))
     set_("profile_steps", parse_profile_steps(self.profile_steps))
     set_("class_weight", parse_class_weight(self.class_weight))
+    set_("pipeline_cuts", pipeline_options.parse_cuts(self.pipeline_cuts))
     self._validate()
 
   @property
@@ -570,7 +581,8 @@ class TrainConfig:
                      self._validate_model_and_data,
                      self._validate_async_precision,
                      self._validate_vertex_ai, self._validate_clipping,
-                     self._validate_sharding, self._validate_step_guards,
+                     self._validate_sharding, self._validate_pipeline,
+                     self._validate_step_guards,
                      self._validate_reliability, self._validate_loss_scale):
       validate()
 
@@ -718,6 +730,8 @@ class TrainConfig:
           f"--embedding_dim={self.embedding_dim} must be > 0.")
     _need(self.hash_buckets > 0,
           f"--hash_buckets={self.hash_buckets} must be > 0.")
+    _need(self.transformer_layers > 0,
+          f"--transformer_layers={self.transformer_layers} must be > 0.")
 
   def _validate_parameter_servers(self):
     """How parameter servers shard the variables."""
@@ -842,6 +856,17 @@ class TrainConfig:
           f"--optimizer={self.optimizer} cannot run with --zero_stage="
           f"{stage}: {traits.not_shardable_because}. Use --optimizer=adamw, "
           "or drop the flag.")
+
+  def _validate_pipeline(self):
+    """Pipeline stages, micro-batches, schedule and cuts
+    (`tfdist.parallel.pipeline_options.check_flags`)."""
+    pipeline_options.check_flags(
+        pipeline_stages=self.pipeline_stages,
+        num_microbatches=self.num_microbatches,
+        pipeline_schedule=self.pipeline_schedule,
+        pipeline_cuts=self.pipeline_cuts,
+        distribution_strategy=self.distribution_strategy,
+        zero_stage=self.zero_stage_resolved, enable_xla=self.enable_xla)
 
   def _validate_step_guards(self):
     """Skipped-step limit and the allocator switch."""

@@ -16,6 +16,9 @@ here with a `Backend` subclass registered for that kind
 | `parameter_server` | `tfdist.backends.parameter_server` |
 | `tpu` | `tfdist.backends.tpu` |
 
+A run with `--pipeline_stages` > 1 gets `tfdist.backends.pipeline`'s
+backend instead (`tfdist.backends.registry.backend_for_run`).
+
 The pattern is Keras's backend-neutral `Trainer` with a thin
 `TensorFlowTrainer` subclass: the shared loop lives once, above; what one
 strategy does differently lives in one subclass.

@@ -9,6 +9,7 @@ from tfdist.backends import base
 # Registered on import.
 from tfdist.backends import multi_worker  # pylint: disable=unused-import
 from tfdist.backends import parameter_server  # pylint: disable=unused-import
+from tfdist.backends import pipeline
 from tfdist.backends import single_process  # pylint: disable=unused-import
 from tfdist.backends import tpu  # pylint: disable=unused-import
 
@@ -33,3 +34,20 @@ def backend_for(kind) -> base.Backend:
         f"No backend is registered for --distribution_strategy={kind}: "
         "register one with tfdist.backends.registry.register_backend.")
   return cls()
+
+
+def backend_for_run(kind, config) -> base.Backend:
+  """The backend of a run: the pipeline's (`tfdist.backends.pipeline`)
+  when `config` cuts the model into stages (`pipeline_stages > 1`), else
+  `backend_for(kind)`.
+
+  Args:
+    kind: the decided `StrategyKind`.
+    config: the run's `TrainConfig` (anything with `pipeline_stages`).
+
+  Raises:
+    As `backend_for`.
+  """
+  if pipeline.uses_pipeline(config):
+    return pipeline.PipelineBackend()
+  return backend_for(kind)

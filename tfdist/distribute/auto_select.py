@@ -292,6 +292,8 @@ class SelectOptions:
     num_cpu_devices: `--num_cpu_devices`.
     tpu: the TPU flags (`tfdist.distribute.tpu.TpuOptions`), probed under
       `auto`.
+    pipeline_stages: `--pipeline_stages`; above 1, `auto` is one_device
+      (the stages run in one process, `tfdist.backends.pipeline`).
   """
   distribution_strategy: str = "auto"
   dtype: str = "auto"
@@ -299,6 +301,7 @@ class SelectOptions:
   num_gpus: int = -1
   num_cpu_devices: int = 0
   tpu: tpu_lib.TpuOptions = tpu_lib.TpuOptions()
+  pipeline_stages: int = 1
 
 
 def probe_tpu(tpu: tpu_lib.TpuOptions, *, hints: Tuple[str, ...] = (),
@@ -395,6 +398,13 @@ def resolve(options: SelectOptions, *, cluster, environment=None,
                                  environment=environment)
     else:
       inventory = DeviceInventory(num_cpu_devices=options.num_cpu_devices)
+  if options.distribution_strategy == "auto" and options.pipeline_stages > 1:
+    decision = decide(inventory, strategy=StrategyKind.ONE_DEVICE.value,
+                      dtype=options.dtype,
+                      dtype_defaulted=options.dtype_defaulted)
+    return dataclasses.replace(decision, strategy_reason=(
+        f"auto: --pipeline_stages={options.pipeline_stages} runs its "
+        "stages in one process, stage i on GPU i or logical CPU device i"))
   return decide(inventory, strategy=options.distribution_strategy,
                 dtype=options.dtype,
                 dtype_defaulted=options.dtype_defaulted)

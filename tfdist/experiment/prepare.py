@@ -81,8 +81,9 @@ class PreparedRun:
 
   @functools.cached_property
   def backend(self) -> backends.Backend:
-    """The decided strategy's backend (`tfdist.backends`)."""
-    return backends.backend_for(self.kind)
+    """The decided strategy's backend (`tfdist.backends`; the pipeline's
+    under `--pipeline_stages`)."""
+    return backends.backend_for_run(self.kind, self.config)
 
   @functools.cached_property
   def role(self) -> backends.Role:

@@ -294,6 +294,9 @@ def _batch_section(plan) -> dict:
       "eval_batch_size": plan.eval_batch_size,
       "steps_per_epoch": plan.batch.steps_per_epoch,
       "train_steps": plan.total_steps,
+      # Pipeline parallelism: stages, micro-batches, schedule, cuts.
+      **({"pipeline": plan.pipeline.to_dict()}
+         if getattr(plan, "pipeline", None) else {}),
   }
 
 

@@ -51,10 +51,9 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist.errors import PipelineConfigError
-
-GPIPE = "gpipe"
-ONE_F_ONE_B = "1f1b"
-SCHEDULES = (GPIPE, ONE_F_ONE_B)
+from tfdist.parallel.pipeline_options import GPIPE
+from tfdist.parallel.pipeline_options import ONE_F_ONE_B
+from tfdist.parallel.pipeline_options import SCHEDULES
 
 __all__ = [
     "GPIPE", "ONE_F_ONE_B", "SCHEDULES", "Pipeline", "PipelineConfigError",
@@ -385,7 +384,10 @@ class Pipeline:
                  outputs=len(s.output_keys)) for s in self.stages]
 
   def _flat_inputs(self, x) -> List[tf.Tensor]:
-    flat = list(x) if isinstance(x, (list, tuple)) else [x]
+    # A dict flattens by sorted key, as Keras flattens a model's dict of
+    # inputs into `model.inputs`.
+    flat = (keras.tree.flatten(x) if isinstance(x, dict) else
+            list(x) if isinstance(x, (list, tuple)) else [x])
     if len(flat) != len(self._input_dtypes):
       raise PipelineConfigError(
           f"the pipeline of model {self.model.name!r} takes "
@@ -500,8 +502,10 @@ class Pipeline:
     `check_step`.
 
     Args:
-      x: the global batch's inputs: a tensor or a list of tensors in the
-        order of `model.inputs`, each [B, ...] with B known when traced.
+      x: the global batch's inputs: a tensor, a list of tensors in the
+        order of `model.inputs`, or a dict of them by input name (a model
+        built on a dict of inputs), each [B, ...] with B known when
+        traced.
       y: the targets, a tensor [B, ...].
       loss_fn: `loss_fn(y_true, y_pred)` -> a scalar float32 tensor, the
         MEAN loss over the examples it is given (a `keras.losses.Loss`
@@ -520,6 +524,50 @@ class Pipeline:
         traced, x has another number of tensors than the model's inputs,
         or an unknown schedule.
     """
+    loss, grads, _ = self.forward_backward(
+        x, y, loss_fn=loss_fn, num_microbatches=num_microbatches,
+        schedule=schedule)
+    optimizer.apply_gradients(
+        [(g, v) for g, v in zip(grads, self.model.trainable_variables)
+         if g is not None])
+    return loss
+
+  def forward_backward(self, x, y, *, loss_fn: Callable[..., tf.Tensor],
+                       num_microbatches: int, schedule: str = GPIPE,
+                       sample_weight=None, mean_loss: bool = True
+                       ) -> Tuple[tf.Tensor, List[Optional[tf.Tensor]],
+                                  Any]:
+    """The loss, gradients and outputs of one pipelined step; no update.
+
+    As `train_step` (the same schedule, micro-batches and ordering), for a
+    caller that applies the gradients itself (tfdist's `Trainer`: its
+    all-reduce, loss scaling, accumulation and metrics stay its own).
+
+    Args:
+      x: the global batch's inputs, as `train_step`'s.
+      y: the targets, a tensor [B, ...].
+      loss_fn: `loss_fn(y_true, y_pred)`, or `loss_fn(y_true, y_pred,
+        sample_weight)` when `sample_weight` is given: a scalar float32
+        tensor for one micro-batch, the one differentiated.
+      num_microbatches: M, dividing B.
+      schedule: "gpipe" or "1f1b".
+      sample_weight: None, or a tensor [B] split with the batch and passed
+        to `loss_fn` per micro-batch.
+      mean_loss: `loss_fn` returns the micro-batch's MEAN loss, so each is
+        weighed 1/M (the mean over B); False: `loss_fn` returns the
+        micro-batch's share of the global batch's loss already (e.g. its
+        sum divided by B), and the shares are added.
+
+    Returns:
+      `(loss, grads, outputs)`: the loss (a scalar, the sum of the
+      micro-batches' weighed losses), the gradients of that loss for each
+      of `model.trainable_variables` in its order (None for a variable no
+      stage uses), and the model's outputs on the whole batch (the last
+      stage's outputs of the micro-batches, concatenated in batch order).
+
+    Raises:
+      As `train_step`.
+    """
     inputs = self._flat_inputs(x)
     batch = inputs[0].shape[0]
     if batch is None:
@@ -531,7 +579,10 @@ class Pipeline:
     orders = schedule_order(self.num_stages, num_microbatches, schedule)
     micro_x = list(zip(*[tf.split(t, num_microbatches) for t in inputs]))
     micro_y = tf.split(tf.convert_to_tensor(y), num_microbatches)
-    scale = 1.0 / num_microbatches
+    micro_w = (tf.split(tf.convert_to_tensor(sample_weight),
+                        num_microbatches)
+               if sample_weight is not None else None)
+    scale = 1.0 / num_microbatches if mean_loss else 1.0
 
     last = self.num_stages - 1
     forwards: Dict[Tuple[int, int], _Forward] = {}
@@ -541,6 +592,7 @@ class Pipeline:
     # The tensors of each stage's latest task: its next task waits on them.
     chain: List[List[tf.Tensor]] = [[] for _ in self.stages]
     losses = []
+    final_outputs: Dict[int, List[tf.Tensor]] = {}
 
     def forward(s, m):
       stage = self.stages[s]
@@ -551,8 +603,11 @@ class Pipeline:
           tape.watch([t for t in received if _is_float(t)])
           outputs = [tf.identity(t) for t in stage.run(received, True)]
           if s == last:
-            loss = tf.cast(loss_fn(micro_y[m], self._pack(outputs)),
-                           tf.float32)
+            final_outputs[m] = outputs
+            args = (micro_y[m], self._pack(outputs))
+            if micro_w is not None:
+              args += (micro_w[m],)
+            loss = tf.cast(loss_fn(*args), tf.float32)
             losses.append(loss * scale)
             outputs = [losses[-1]]
       forwards[(s, m)] = _Forward(tape, received, outputs)
@@ -609,10 +664,11 @@ class Pipeline:
     for stage, stage_sums in zip(self.stages, sums):
       for v, g in zip(stage.trainable_variables, stage_sums):
         grads_by_var[id(v)] = g
-    optimizer.apply_gradients(
-        [(grads_by_var[id(v)], v) for v in self.model.trainable_variables
-         if id(v) in grads_by_var])
-    return tf.add_n(losses)
+    grads = [grads_by_var.get(id(v)) for v in self.model.trainable_variables]
+    outputs = [tf.concat([final_outputs[m][i]
+                          for m in range(num_microbatches)], axis=0)
+               for i in range(len(final_outputs[0]))]
+    return tf.add_n(losses), grads, self._pack(outputs)
 
 
 def _default_devices() -> List[str]:

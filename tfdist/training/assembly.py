@@ -19,11 +19,13 @@ import tensorflow as tf
 from tfdist import models
 from tfdist.config import ConfigError
 from tfdist.errors import first_line
+from tfdist.parallel import pipeline_options
 from tfdist.training import checkpointing
 from tfdist.training import custom_step
 from tfdist.training import lr_schedule
 from tfdist.training import objectives as objectives_lib
 from tfdist.training import optimizers
+from tfdist.training import pipeline_step
 from tfdist.training import precision
 from tfdist.training import reduce_dtype
 from tfdist.training import sharded_optimizer
@@ -58,6 +60,9 @@ class AssemblyOptions:
     bytes_per_pack: the gradients' all-reduce packs, in bytes (0: one).
     all_reduce_dtype: the dtype the gradients travel in between replicas
       (`tfdist.training.reduce_dtype`).
+    pipeline: the model cut into pipeline stages
+      (`tfdist.parallel.pipeline_options.PipelineOptions`; None or one
+      stage: not cut).
     builder_config: what a model builder asking for `config` receives (the
       run's `TrainConfig`, passed through unread).
   """
@@ -77,6 +82,7 @@ class AssemblyOptions:
   activation_recomputation: bool = False
   bytes_per_pack: int = 0
   all_reduce_dtype: str = "float32"
+  pipeline: Optional[pipeline_options.PipelineOptions] = None
   builder_config: Any = None
 
 
@@ -377,6 +383,12 @@ def build(options: AssemblyOptions, *, task: task_lib.Task,
   with strategy.scope():
     model = build_model(options, task=task,
                         sync_batch_norm=plan.sync_batch_norm)
+    # Before the optimizer: its slots follow the stages' variables.
+    pipeline = (pipeline_step.build(
+        model, options.pipeline,
+        micro_step_batch=plan.batch.per_replica_batch_size,
+        gradient_accumulation_steps=plan.batch.gradient_accumulation_steps)
+                if options.pipeline is not None else None)
     optimizer, learning_rate = _build_optimizer(
         options, model=model, plan=plan, sharding=sharding)
   # Keras callbacks read `model.optimizer`. Set without tracking it as the
@@ -406,7 +418,8 @@ def build(options: AssemblyOptions, *, task: task_lib.Task,
                     sharding=sharding,
                     class_weight=class_weight,
                     bytes_per_pack=options.bytes_per_pack,
-                    all_reduce_dtype=options.all_reduce_dtype)
+                    all_reduce_dtype=options.all_reduce_dtype,
+                    pipeline=pipeline)
   _log_trainer(trainer, options, plan=plan, sharding=sharding, on_tpu=on_tpu)
   checkpoint = _training_checkpoint(model, trainer=trainer,
                                     optimizer=optimizer,

@@ -291,7 +291,7 @@ class CheckpointKeeper:
 # --- the run that wrote the checkpoints --------------------------------------
 # Fields that define the model: a checkpoint of one does not fit another.
 MODEL_FIELDS = ("model", "dataset", "feature_spec", "embedding_dim",
-                "hash_buckets")
+                "hash_buckets", "transformer_layers")
 # Config fields that do not change what is trained (paths, logging,
 # cluster plumbing, timeouts): left out of the comparison.
 OPERATIONAL_FIELDS = frozenset({
@@ -307,6 +307,9 @@ OPERATIONAL_FIELDS = frozenset({
     "mode", "import_modules", "init_checkpoint",
     "distribution_strategy", "all_reduce_alg", "reduction_server",
     "bytes_per_pack", "all_reduce_dtype",
+    # Pipeline stages train the same weights as the unsplit model (their
+    # micro-batches, which batch normalization sees, are compared).
+    "pipeline_stages", "pipeline_schedule", "pipeline_cuts",
     "train_steps", "train_epochs", "batch_size", "per_replica_batch_size"})
 
 

@@ -17,6 +17,7 @@ from tfdist.distribute import strategy as strategy_lib
 from tfdist.distribute import tpu as tpu_lib
 from tfdist.distribute.strategy_kind import StrategyKind
 from tfdist.observability import manifest
+from tfdist.parallel import pipeline_options as pipeline_options_lib
 from tfdist.training import preflight
 from tfdist.training import assembly
 from tfdist.training import lr_schedule
@@ -40,7 +41,8 @@ def select_options(config: TrainConfig) -> auto_select.SelectOptions:
   return auto_select.SelectOptions(
       distribution_strategy=config.distribution_strategy, dtype=config.dtype,
       dtype_defaulted="dtype" in config.defaulted, num_gpus=config.num_gpus,
-      num_cpu_devices=config.num_cpu_devices, tpu=tpu_options(config))
+      num_cpu_devices=config.num_cpu_devices, tpu=tpu_options(config),
+      pipeline_stages=config.pipeline_stages)
 
 
 def apply_decision(config: TrainConfig,
@@ -116,6 +118,18 @@ def data_options(config: TrainConfig) -> run_plan.DataOptions:
       raw_data_dir=config.raw_data_dir)
 
 
+def pipeline_options(config: TrainConfig
+                     ) -> pipeline_options_lib.PipelineOptions:
+  """The pipeline flags of `config` (`--num_microbatches` defaulted to
+  `--pipeline_stages`)."""
+  return pipeline_options_lib.PipelineOptions(
+      num_stages=config.pipeline_stages,
+      num_microbatches=pipeline_options_lib.resolved_microbatches(
+          config.pipeline_stages, config.num_microbatches),
+      schedule=config.pipeline_schedule, cuts=tuple(config.pipeline_cuts),
+      microbatches_defaulted=config.num_microbatches is None)
+
+
 def plan_options(config: TrainConfig) -> run_plan.PlanOptions:
   """What `tfdist.training.run_plan.make_run_plan` reads from `config`."""
   return run_plan.PlanOptions(
@@ -129,7 +143,8 @@ def plan_options(config: TrainConfig) -> run_plan.PlanOptions:
       activation_recomputation=config.activation_recomputation,
       zero_stage=config.zero_stage_resolved,
       deterministic=config.deterministic,
-      all_reduce_dtype=config.all_reduce_dtype)
+      all_reduce_dtype=config.all_reduce_dtype,
+      pipeline=pipeline_options(config))
 
 # --- inputs and data ---
 
@@ -223,6 +238,7 @@ def assembly_options(config: TrainConfig) -> assembly.AssemblyOptions:
       activation_recomputation=config.activation_recomputation,
       bytes_per_pack=config.bytes_per_pack,
       all_reduce_dtype=config.all_reduce_dtype,
+      pipeline=pipeline_options(config),
       builder_config=config)
 
 

@@ -14,6 +14,7 @@ from tfdist.data import data_checks
 from tfdist.data import input_pipeline
 from tfdist.data.dataset_spec import DataNotFoundError
 from tfdist.distribute.strategy_kind import StrategyKind
+from tfdist.parallel import pipeline_options
 from tfdist.training import batch_plan as batch_plan_lib
 from tfdist.training import lr_schedule
 from tfdist.training import precision
@@ -66,6 +67,8 @@ class PlanOptions:
     zero_stage: the resolved ZeRO stage (0: none).
     deterministic: `--deterministic`.
     all_reduce_dtype: `--all_reduce_dtype` (the gradients' wire dtype).
+    pipeline: the `tfdist.parallel.pipeline_options.PipelineOptions`
+      (None or one stage: no pipeline).
   """
   data: DataOptions
   lr: lr_schedule.LROptions
@@ -82,6 +85,7 @@ class PlanOptions:
   zero_stage: int = 0
   deterministic: bool = False
   all_reduce_dtype: str = reduce_dtype.FLOAT32
+  pipeline: Optional[pipeline_options.PipelineOptions] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,6 +116,8 @@ class RunPlan:
     sync_batch_norm_reason: why (`tfdist.models.resolve_sync_batch_norm`).
     num_eval_examples: records in `eval_files`, or examples in a dataset
       function's evaluation split (0 when the run does not evaluate).
+    pipeline: the run's `PipelineOptions` when the model is cut into
+      stages (its micro-batches checked against the batch), else None.
   """
   train_files: Tuple[str, ...]
   eval_files: Tuple[str, ...]
@@ -130,6 +136,7 @@ class RunPlan:
   sync_batch_norm: bool = False
   sync_batch_norm_reason: str = ""
   num_eval_examples: int = 0
+  pipeline: Optional[pipeline_options.PipelineOptions] = None
 
   @property
   def steps_per_epoch(self) -> int:
@@ -222,7 +229,11 @@ class RunPlan:
                          not self.asynchronous else
                          "no effect (no all-reduce: one replica)")]
                      if reduce_dtype.compresses(options.all_reduce_dtype)
-                     else []) if line)
+                     else []) + (
+                     [f"  pipeline               {self.pipeline.describe()}"
+                      f" of {plan.per_replica_batch_size // self.pipeline.num_microbatches}"
+                      " examples"]
+                     if self.pipeline else []) if line)
 
 
 def resolve_data_files(data: DataOptions, spec, *, need_eval: bool = True
@@ -347,6 +358,13 @@ def make_run_plan(options: PlanOptions, spec, *, num_replicas_in_sync: int,
   else:
     sharding = input_pipeline.function_sharding(
         spec.input_fn, num_input_pipelines=pipelines)
+  pipeline = options.pipeline
+  if pipeline is not None and pipeline.enabled:
+    pipeline_options.check_batch(
+        pipeline, micro_step_batch=plan.per_replica_batch_size,
+        gradient_accumulation_steps=plan.gradient_accumulation_steps)
+  else:
+    pipeline = None
   sync_batch_norm, sync_batch_norm_reason = models.resolve_sync_batch_norm(
       options.sync_batch_norm, strategy_name=kind,
       num_replicas_in_sync=num_replicas_in_sync,
@@ -360,4 +378,5 @@ def make_run_plan(options: PlanOptions, spec, *, num_replicas_in_sync: int,
       lr=lr_plan, strategy=kind,
       strategy_reason=decision.strategy_reason, dtype=decision.dtype,
       dtype_reason=decision.dtype_reason, asynchronous=asynchronous,
-      num_workers=num_workers, num_eval_examples=num_eval)
+      num_workers=num_workers, num_eval_examples=num_eval,
+      pipeline=pipeline)

@@ -159,6 +159,8 @@ def build_model(task: Task, config, *, sync_batch_norm: bool = False,
       task.model_fn, {"spec": task.dataset, "config": config,
                       "embedding_dim": getattr(config, "embedding_dim", 16),
                       "hash_buckets": getattr(config, "hash_buckets", 100_000),
+                      "transformer_layers": getattr(
+                          config, "transformer_layers", 2),
                       "sync_batch_norm": bool(sync_batch_norm),
                       "activation_recomputation": bool(
                           activation_recomputation)},

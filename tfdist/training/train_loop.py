@@ -90,6 +90,7 @@ inside the step (`micro_steps` in the sums).
 """
 
 import contextlib
+import functools
 from typing import Callable, Dict, Optional
 
 import keras
@@ -406,6 +407,9 @@ class Trainer:
       step's sums (loss, count, metrics) a float32 all-reduce of their own.
       No effect with one replica (`self.all_reduce_dtype` is then
       float32).
+    pipeline: a `tfdist.training.pipeline_step.PipelineStep`: the
+      forward and backward pass runs through the model's pipeline stages
+      in micro-batches (one replica, no XLA); None: the whole model.
 
   The Trainer changes `model` and `optimizer` for its step (see the module
   docstring): the model's random layers draw per replica
@@ -433,7 +437,7 @@ class Trainer:
                time_steps: bool = True,
                sharding: Optional[sharded_optimizer.ShardingOptions] = None,
                class_weight=None, bytes_per_pack: int = 0,
-               all_reduce_dtype: str = reduce_dtype.FLOAT32):
+               all_reduce_dtype: str = reduce_dtype.FLOAT32, pipeline=None):
     self.strategy = strategy
     self.bytes_per_pack = int(bytes_per_pack)
     self.all_reduce_dtype = _checked_reduce_dtype(all_reduce_dtype, strategy,
@@ -504,6 +508,9 @@ class Trainer:
                                        jit_compile=True)
                            if self.xla_applied
                            else self._replica_forward_backward)
+    self.pipeline = pipeline
+    if pipeline is not None:
+      self._replica_grads = functools.partial(pipeline.forward_backward, self)
     self._replica_train = self._replica_train_step
     compile_fn = (lambda f: f) if run_eagerly else tf.function
     self.train_function = compile_fn(self._train_function)

@@ -1,0 +1,386 @@
+"""Pipeline stages in tfdist's trainer (`--pipeline_stages`, `tfdist.fit`).
+
+On 4 logical CPU devices (configured when this file is imported, before
+TensorFlow's runtime starts: run it as its own process), with
+`--deterministic --seed`:
+
+* `tfdist.fit` with `pipeline_stages=2` and 4, GPipe and 1F1B, gives the
+  one-device run's weights within 1e-5 after K updates, on a functional
+  model whose skip connection crosses the cuts; also with
+  `gradient_accumulation_steps=2` and `steps_per_execution=2`, with named
+  cuts, with weight
+  regularizers, and on a model with a dict of inputs and class weights; under bf16 and fp16 it equals the one-device run that
+  accumulates over the same micro-batches;
+* its evaluation is the one-device run's;
+* a pipelined run's checkpoint resumes unsplit, and that one's under
+  another P, to the weights of one unsplit run; the SavedModel is the whole
+  model and serves its outputs;
+* the manifest and the plan say the stages, the micro-batches, the schedule
+  and that batch normalization sees micro-batches;
+* the refusals at start that need the model or the devices, as
+  `ConfigError` (exit status 2) naming the flag, before any step: more
+  stages than layers or devices, micro-batches not dividing the step's
+  batch, a subclassed model, unknown cuts, an activity regularizer (the
+  flags' own refusals are `tests/config_test.py`'s);
+* `--model=transformer --transformer_layers=8` is cut into 4 stages, and
+  its `--dry_run` on the clothing reviews plans them.
+"""
+
+import json
+import os
+
+os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
+
+from absl.testing import absltest  # pylint: disable=g-import-not-at-top
+from absl.testing import parameterized  # pylint: disable=g-import-not-at-top
+import keras  # pylint: disable=g-import-not-at-top
+import numpy as np  # pylint: disable=g-import-not-at-top
+import tensorflow as tf  # pylint: disable=g-import-not-at-top
+
+from tfdist import api  # pylint: disable=g-import-not-at-top
+from tfdist import errors  # pylint: disable=g-import-not-at-top
+from tfdist import experiment  # pylint: disable=g-import-not-at-top
+from tfdist.config import ConfigError  # pylint: disable=g-import-not-at-top
+from tfdist.config import TrainConfig  # pylint: disable=g-import-not-at-top
+from tfdist.distribute import devices  # pylint: disable=g-import-not-at-top
+from tfdist.distribute import environment as environment_lib  # pylint: disable=g-import-not-at-top
+from tfdist.parallel import pipeline  # pylint: disable=g-import-not-at-top
+from tests import testutil  # pylint: disable=g-import-not-at-top
+
+DEVICES = devices.configure_cpu_devices(4)
+
+BATCH = 16
+STEPS = 3
+TOLERANCE = 1e-5
+_RNG = np.random.default_rng(0)
+X = _RNG.normal(size=(64, 8)).astype("float32")
+Y = _RNG.integers(0, 3, size=(64,)).astype("int32")
+
+
+class _Built:
+  """The last model a builder made (the one `fit` trained)."""
+  model = None
+
+
+def skip_model(regularize: bool = False, activity: bool = False):
+  """Five layer calls; block_1's output skips to the Add."""
+  keras.utils.set_random_seed(1)
+  reg = keras.regularizers.L2(1e-3) if regularize else None
+  x = keras.Input((8,), name="features")
+  h1 = keras.layers.Dense(16, activation="tanh", name="block_1",
+                          kernel_regularizer=reg)(x)
+  h2 = keras.layers.Dense(
+      16, activation="tanh", name="block_2",
+      activity_regularizer=keras.regularizers.L2(1e-3) if activity
+      else None)(h1)
+  h3 = keras.layers.Dense(16, activation="tanh", name="block_3")(h2)
+  h4 = keras.layers.Add(name="skip")([h3, h1])
+  out = keras.layers.Dense(3, name="logits", kernel_regularizer=reg)(h4)
+  model = keras.Model(x, out, name="skip_model")
+  model.compile(
+      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+      metrics=["accuracy"])
+  _Built.model = model
+  return model
+
+
+def _config(model_dir, **changes):
+  settings = dict(model_dir=model_dir, train_steps=STEPS, batch_size=BATCH,
+                  deterministic=True, seed=3, optimizer="adam",
+                  base_learning_rate=0.01, lr_scaling="none", mode="train",
+                  log_steps=STEPS)
+  settings.update(changes)
+  return TrainConfig(**settings)
+
+
+def _fit(builder=skip_model, model_dir=None, **changes):
+  """`(weights, manifest, model_dir)` of a `tfdist.fit` run."""
+  model_dir = model_dir or os.path.join(testutil.scratch_dir(), "run")
+  result = api.fit(builder, x=X, y=Y, config=_config(model_dir, **changes),
+                   verbose=0)
+  return [w.copy() for w in _Built.model.get_weights()], result, model_dir
+
+
+def _max_difference(a, b) -> float:
+  return max(float(np.max(np.abs(x - y))) for x, y in zip(a, b))
+
+
+def dict_model():
+  """Two named inputs (a dict, given in another order than their names
+  sort), concatenated."""
+  keras.utils.set_random_seed(1)
+  b = keras.Input((8,), name="b_dense")
+  a = keras.Input((8,), name="a_dense")
+  h = keras.layers.Concatenate(name="cat")([b, a])
+  h = keras.layers.Dense(16, activation="tanh", name="block_1")(h)
+  h = keras.layers.Dense(16, activation="tanh", name="block_2")(h)
+  out = keras.layers.Dense(3, name="logits")(h)
+  model = keras.Model({"b_dense": b, "a_dense": a}, out, name="dict_model")
+  model.compile(
+      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+  _Built.model = model
+  return model
+
+
+class EqualToUnsplitTest(parameterized.TestCase):
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    cls.unsplit, cls.unsplit_manifest, _ = _fit()
+
+  @parameterized.named_parameters(
+      ("p2_gpipe", 2, 4, "gpipe"),
+      ("p2_1f1b", 2, 2, "1f1b"),
+      ("p4_1f1b", 4, 8, "1f1b"),
+      ("p4_gpipe", 4, 4, "gpipe"))
+  def test_fit_trains_like_one_device(self, stages, micro, schedule):
+    weights, manifest, _ = _fit(pipeline_stages=stages,
+                                num_microbatches=micro,
+                                pipeline_schedule=schedule)
+    self.assertLess(_max_difference(weights, self.unsplit), TOLERANCE)
+    self.assertEqual(manifest["final_step"], STEPS)
+    self.assertAlmostEqual(manifest["final_metrics"]["train_loss"],
+                           self.unsplit_manifest["final_metrics"]["train_loss"],
+                           places=5)
+
+  def test_with_accumulation_named_cuts_and_steps_per_execution(self):
+    unsplit, _, _ = _fit(gradient_accumulation_steps=2)
+    weights, manifest, _ = _fit(
+        gradient_accumulation_steps=2, pipeline_stages=3,
+        num_microbatches=2, pipeline_cuts="block_2,logits",
+        steps_per_execution=2)
+    self.assertLess(_max_difference(weights, unsplit), TOLERANCE)
+    self.assertEqual(manifest["pipeline"]["cuts"], ["block_2", "logits"])
+
+  @parameterized.parameters("bf16", "fp16")
+  def test_mixed_precision_equals_accumulation_over_the_micro_batches(
+      self, dtype):
+    # Micro-batches of the same size compute the same bf16/fp16
+    # activations (fp16: under the same loss scale); against one step on
+    # the whole batch they differ by the precision's rounding.
+    unsplit, _, _ = _fit(dtype=dtype, gradient_accumulation_steps=4)
+    weights, manifest, _ = _fit(dtype=dtype, pipeline_stages=2,
+                                num_microbatches=4)
+    self.assertLess(_max_difference(weights, unsplit), TOLERANCE)
+    if dtype == "fp16":
+      self.assertGreater(manifest["loss_scale"], 1.0)
+
+  def test_dict_inputs_and_class_weights(self):
+    x = {"b_dense": X, "a_dense": X[::-1].copy()}
+    runs = []
+    for stages in (1, 2):
+      model_dir = os.path.join(testutil.scratch_dir(), "run")
+      api.fit(dict_model, x=x, y=Y, verbose=0, config=_config(
+          model_dir, class_weight="0:1.0,1:2.0,2:0.5",
+          pipeline_stages=stages))
+      runs.append(_Built.model.get_weights())
+    self.assertLess(_max_difference(*runs), TOLERANCE)
+
+  def test_evaluation_equals_one_device(self):
+    metrics = []
+    for stages in (1, 2):
+      model_dir = os.path.join(testutil.scratch_dir(), "run")
+      result = api.fit(skip_model, x=X, y=Y, validation_split=0.25,
+                       verbose=0, config=_config(
+                           model_dir, mode="train_and_eval",
+                           pipeline_stages=stages))
+      metrics.append(result["final_metrics"])
+    self.assertEqual(metrics[1]["eval_examples"], 16)
+    for key in ("eval_loss", "eval_accuracy", "train_loss"):
+      self.assertAlmostEqual(metrics[1][key], metrics[0][key], places=5)
+
+  def test_weight_regularizers_are_added_once_per_update(self):
+    unsplit, _, _ = _fit(lambda: skip_model(regularize=True))
+    weights, _, _ = _fit(lambda: skip_model(regularize=True),
+                         pipeline_stages=2)
+    self.assertLess(_max_difference(weights, unsplit), TOLERANCE)
+
+
+class ArtifactsTest(absltest.TestCase):
+
+  def test_checkpoints_move_between_pipelined_and_unsplit_runs(self):
+    # 2 steps in 2 stages, to 4 unsplit, to 6 in 4 stages: one unsplit
+    # run of 6 steps.
+    straight, _, _ = _fit(train_steps=6)
+    model_dir = os.path.join(testutil.scratch_dir(), "run")
+    for steps, stages in ((2, 2), (4, 1), (6, 4)):
+      weights, manifest, _ = _fit(model_dir=model_dir, train_steps=steps,
+                                  pipeline_stages=stages)
+      self.assertEqual(manifest["final_step"], steps)
+    self.assertIn("ckpt-4", manifest["restored_from"])
+    self.assertLess(_max_difference(weights, straight), TOLERANCE)
+
+  def test_saved_model_is_the_whole_model(self):
+    _, _, model_dir = _fit(pipeline_stages=4)
+    loaded = tf.saved_model.load(os.path.join(model_dir, "saved_model"))
+    serve = loaded.signatures["serving_default"]
+    outputs = list(serve(tf.constant(X[:5])).values())
+    self.assertLen(outputs, 1)
+    np.testing.assert_allclose(outputs[0].numpy(),
+                               _Built.model(X[:5]).numpy(), atol=1e-6)
+
+  def test_manifest_and_plan_say_the_pipeline(self):
+    model_dir = os.path.join(testutil.scratch_dir(), "run")
+    with self.assertLogs(level="INFO") as logs:
+      _, manifest, _ = _fit(model_dir=model_dir, pipeline_stages=2,
+                            num_microbatches=4, pipeline_schedule="1f1b")
+    self.assertEqual(manifest["pipeline"], {
+        "stages": 2, "num_microbatches": 4, "schedule": "1f1b", "cuts": [],
+        "batch_norm": "micro-batches"})
+    with open(os.path.join(model_dir, "run_manifest.json")) as f:
+      self.assertEqual(json.load(f)["pipeline"]["stages"], 2)
+    stages = manifest["one_device"]["pipeline_stages"]
+    self.assertEqual([s["device"] for s in stages], DEVICES[:2])
+    self.assertEqual(sum(len(s["layers"]) for s in stages), 5)
+    plan = "\n".join(logs.output)
+    self.assertIn("pipeline               2 stages (balanced by weight and "
+                  "activation bytes), 4 micro-batches per step, 1f1b "
+                  "schedule; batch normalization sees micro-batches of 4 "
+                  "examples", plan)
+    self.assertIn(f"stage 1 on {DEVICES[1]}", plan)
+    # An unsplit run's manifest has no pipeline entry.
+    _, unsplit, _ = _fit()
+    self.assertNotIn("pipeline", unsplit)
+
+
+class _Subclassed(keras.Model):
+
+  def __init__(self):
+    super().__init__()
+    self.a = keras.layers.Dense(4)
+    self.b = keras.layers.Dense(3)
+
+  def call(self, x):
+    return self.b(self.a(x))
+
+
+def _subclassed():
+  model = _Subclassed()
+  model(X[:1])
+  model.compile(
+      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+  _Built.model = model
+  return model
+
+
+class _OwnStep(keras.Model):
+
+  def train_step(self, data):
+    return super().train_step(data)
+
+
+def _own_step():
+  x = keras.Input((8,))
+  model = _OwnStep(x, keras.layers.Dense(3)(keras.layers.Dense(4)(x)))
+  model.compile(
+      optimizer="sgd",
+      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+  _Built.model = model
+  return model
+
+
+def _two_layers():
+  model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4),
+                            keras.layers.Dense(3)])
+  model.compile(
+      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+  _Built.model = model
+  return model
+
+
+class RefusalTest(absltest.TestCase):
+
+  def _refused(self, message, builder=skip_model, **changes):
+    model_dir = os.path.join(testutil.scratch_dir(), "run")
+    with self.assertRaisesRegex(ConfigError, message) as caught:
+      _fit(builder, model_dir=model_dir, **changes)
+    self.assertEqual(errors.exit_code_for(caught.exception), 2)
+    # Refused before any step: no checkpoint.
+    self.assertIsNone(tf.train.latest_checkpoint(
+        os.path.join(model_dir, "checkpoints")))
+    return caught.exception
+
+  def test_more_stages_than_layers(self):
+    self._refused(r"--pipeline_stages=3: num_stages=3 is more than the 2 "
+                  r"layer call\(s\)", _two_layers, pipeline_stages=3,
+                  num_microbatches=2)
+    self._refused(r"--num_microbatches=3 \(not given: it defaults to "
+                  r"--pipeline_stages\) does not divide", _two_layers,
+                  pipeline_stages=3)
+
+  def test_more_stages_than_devices(self):
+    self._refused(r"--pipeline_stages=5 needs 5 logical CPU devices, and "
+                  r"TensorFlow already started with 4", pipeline_stages=5)
+
+  def test_microbatches_not_dividing_the_batch(self):
+    self._refused(r"--num_microbatches=3 does not divide the step's batch "
+                  r"of 16 examples .* among \[1, 2, 4, 8, 16\]",
+                  pipeline_stages=2, num_microbatches=3)
+    self._refused(r"--num_microbatches=16 does not divide each of the "
+                  r"--gradient_accumulation_steps=2 micro-steps' batch of 8",
+                  pipeline_stages=2, num_microbatches=16,
+                  gradient_accumulation_steps=2)
+
+  def test_model_that_cannot_be_cut(self):
+    self._refused(r"--pipeline_stages=2: model .* is a subclassed model "
+                  r"without a functional graph", _subclassed,
+                  pipeline_stages=2)
+    self._refused(r"--pipeline_cuts=nope: pipeline cut 'nope' is not a "
+                  r"layer", pipeline_stages=2, pipeline_cuts="nope")
+    self._refused(r"--pipeline_stages=2: model .* defines its own step "
+                  r"\(_OwnStep.train_step\)", _own_step, pipeline_stages=2)
+    self._refused(r"layer 'block_2' has an activity regularizer",
+                  lambda: skip_model(activity=True), pipeline_stages=2)
+
+
+class TransformerTest(absltest.TestCase):
+
+  def test_eight_layers_cut_into_four_stages(self):
+    from tfdist.data import datasets  # pylint: disable=g-import-not-at-top
+    from tfdist.training import registry  # pylint: disable=g-import-not-at-top
+    spec = datasets.get_dataset_spec("clothing_reviews")
+    _, build = registry.get_model_builder("transformer")
+    model = build(spec, transformer_layers=8)
+    names = [layer.name for layer in model.layers]
+    self.assertIn("block7_ff_out", names)
+    self.assertNotIn("block8_ff_out", names)
+    pipe = pipeline.split_model(model, 4, devices=DEVICES)
+    self.assertLen(pipe.stages, 4)
+    tokens = np.zeros((4, spec.input_shape[0]), np.int64)
+    tokens[:, :3] = [2, 3, 4]
+    np.testing.assert_allclose(pipe(tokens, training=False).numpy(),
+                               model(tokens, training=False).numpy(),
+                               atol=1e-5)
+
+  def test_dry_run_plans_four_stages(self):
+    # The command of docs/guides/pipeline-parallelism.md and of
+    # docs/guides/does-not-fit.md, on a converted subset of the reviews.
+    from tfdist.data import clothing_reviews  # pylint: disable=g-import-not-at-top
+    out = os.path.join(testutil.scratch_dir(), "clothing_reviews")
+    clothing_reviews.convert_clothing_reviews(out, limit=200, train_shards=1,
+                                              test_shards=1)
+    model_dir = os.path.join(testutil.scratch_dir(), "run")
+    config = TrainConfig(
+        model_dir=model_dir, model="transformer", dataset="clothing_reviews",
+        transformer_layers=8, pipeline_stages=4, num_microbatches=4,
+        train_files=os.path.join(out, "train-*.tfrecord.gz"),
+        eval_files=os.path.join(out, "test-*.tfrecord.gz"), dry_run=True,
+        train_steps=10)
+    with self.assertLogs(level="INFO") as logs:
+      result = experiment.run_experiment(
+          config, environment=environment_lib.read_environment({}))
+    self.assertTrue(result["dry_run"])
+    self.assertEqual(result["num_replicas_in_sync"], 1)
+    self.assertIn("pipeline               4 stages (balanced by weight and "
+                  "activation bytes), 4 micro-batches per step, gpipe "
+                  "schedule; batch normalization sees micro-batches of 16 "
+                  "examples", "\n".join(logs.output))
+    self.assertIn("strategy               one_device: auto: "
+                  "--pipeline_stages=4 runs its stages in one process",
+                  "\n".join(logs.output))
+    self.assertFalse(os.path.exists(os.path.join(model_dir, "checkpoints")))
+
+
+if __name__ == "__main__":
+  absltest.main()

@@ -1,0 +1,177 @@
+"""The trainer's step through a pipeline (`--pipeline_stages=P`, P > 1).
+
+`build` cuts the run's model into P stages (`tfdist.parallel.pipeline`)
+on P devices, moves each stage's variables to its device and checks the
+step's batch, all before any optimizer or step is built. `PipelineStep`
+replaces the `Trainer`'s per-replica forward and backward pass: the step's
+batch is split into M micro-batches that flow through the stages under the
+schedule, and it returns what the unsplit pass returns (the loss, the
+gradients of every trainable variable, the outputs), so the trainer's
+metrics, loss scaling, gradient accumulation, clipping, checkpoints,
+callbacks and export stay as they are.
+
+The loss differentiated per micro-batch is the trainer's own objective on
+those examples (their share of the global batch's loss, sample or class
+weights applied), so the summed gradients are the unsplit step's. Weight
+regularizers (`kernel_regularizer`, ...) are added once per update, as the
+unsplit step adds `model.losses`. Activity regularizers are refused at
+start; losses a layer adds with `add_loss` are not added to the pipelined
+loss.
+"""
+
+import dataclasses
+from typing import Optional
+
+from absl import logging
+import keras
+import tensorflow as tf
+
+from tfdist.errors import ConfigError
+from tfdist.errors import PipelineConfigError
+from tfdist.parallel import pipeline as pipeline_lib
+from tfdist.parallel import pipeline_options
+from tfdist.training import custom_step
+
+
+@dataclasses.dataclass
+class PipelineStep:
+  """The model's pipeline and how a step runs through it.
+
+  Attributes:
+    pipeline: the `tfdist.parallel.pipeline.Pipeline` over the run's model.
+    num_microbatches: M.
+    schedule: `gpipe` or `1f1b`.
+  """
+  pipeline: pipeline_lib.Pipeline
+  num_microbatches: int
+  schedule: str
+
+  def describe(self) -> str:
+    """One line per stage: its device, layers and weight bytes."""
+    return "\n".join(
+        f"  stage {s['index']} on {s['device']}: {len(s['layers'])} "
+        f"layer(s) {s['layers'][0]} .. {s['layers'][-1]}, "
+        f"{s['param_bytes']} weight bytes"
+        for s in self.pipeline.describe())
+
+  def forward_backward(self, trainer, inputs, labels, weights=None):
+    """`Trainer._replica_forward_backward` through the pipeline.
+
+    Args:
+      trainer: the `tfdist.training.train_loop.Trainer`.
+      inputs: the step's (micro-step's) inputs, [B, ...] (a tensor, or a
+        list in the order of `model.inputs`).
+      labels: [B, ...].
+      weights: the examples' training weights, float32 [B], or None.
+
+    Returns:
+      `(loss, grads, outputs)` as the unsplit pass: the reported loss
+      (float32 scalar), the gradients of `model.trainable_variables` (loss
+      scaled under fp16's loss scale), the outputs as float32 [B, ...].
+    """
+    def loss_fn(y, prediction, w=None):
+      objective, _ = trainer._replica_losses(  # pylint: disable=protected-access
+          y, tf.cast(prediction, tf.float32), w)
+      return (trainer.optimizer.scale_loss(objective)
+              if trainer.uses_loss_scale else objective)
+
+    _, grads, outputs = self.pipeline.forward_backward(
+        inputs, labels, loss_fn=loss_fn,
+        num_microbatches=self.num_microbatches, schedule=self.schedule,
+        sample_weight=weights, mean_loss=False)
+    outputs = tf.cast(outputs, tf.float32)
+    _, loss = trainer._replica_losses(labels, outputs, weights)  # pylint: disable=protected-access
+    regularized = [v for v in trainer.model.trainable_variables
+                   if getattr(v, "regularizer", None) is not None]
+    if regularized:
+      with tf.GradientTape() as tape:
+        regularization = tf.add_n([
+            tf.cast(tf.reduce_sum(v.regularizer(v)), tf.float32)
+            for v in regularized])
+        # Once per update: each of the K micro-steps adds 1/K of it.
+        regularization = tf.nn.scale_regularization_loss(
+            regularization) / trainer.gradient_accumulation_steps
+        scaled = (trainer.optimizer.scale_loss(regularization)
+                  if trainer.uses_loss_scale else regularization)
+      extra = tape.gradient(scaled, regularized)
+      by_id = {id(v): g for v, g in zip(regularized, extra)}
+      grads = [g if id(v) not in by_id or by_id[id(v)] is None else
+               (by_id[id(v)] if g is None else g + by_id[id(v)])
+               for v, g in zip(trainer.model.trainable_variables, grads)]
+      loss += regularization
+    return loss, grads, outputs
+
+
+def _flag_error(options: pipeline_options.PipelineOptions,
+                error: PipelineConfigError) -> ConfigError:
+  cuts = (f" --pipeline_cuts={','.join(options.cuts)}" if options.cuts
+          else "")
+  return PipelineConfigError(
+      f"--pipeline_stages={options.num_stages}{cuts}: {error}")
+
+
+def build(model: keras.Model, options: pipeline_options.PipelineOptions, *,
+          micro_step_batch: int,
+          gradient_accumulation_steps: int = 1) -> Optional[PipelineStep]:
+  """Cuts `model` into the run's stages and places their variables.
+
+  Call it right after the model is built, outside any strategy scope,
+  before the optimizer is built (its slots then follow the variables to
+  their stage's device) and before any step is traced.
+
+  Args:
+    model: the run's built Keras model (functional or Sequential).
+    options: the run's `PipelineOptions`.
+    micro_step_batch: examples of one step (one micro-step under gradient
+      accumulation).
+    gradient_accumulation_steps: K (named in errors).
+
+  Returns:
+    The `PipelineStep`, or None when `options` has one stage.
+
+  Raises:
+    ConfigError (a `PipelineConfigError`, status 2): the model cannot be
+      cut (subclassed, a layer shared across stages, unknown cuts, fewer
+      layers or devices than stages), a model with its own `train_step`
+      (`tfdist.training.custom_step`), an activity regularizer, or
+      micro-batches that do not divide the batch; each names the flag.
+  """
+  if not options.enabled:
+    return None
+  pipeline_options.check_batch(
+      options, micro_step_batch=micro_step_batch,
+      gradient_accumulation_steps=gradient_accumulation_steps)
+  own_step = custom_step.overrides(model)
+  if own_step:
+    raise PipelineConfigError(
+        f"--pipeline_stages={options.num_stages}: model {model.name!r} "
+        f"defines its own step ({', '.join(own_step)}), which runs the "
+        "whole model, not tfdist's pipelined step. Drop --pipeline_stages, "
+        "or the override (tfdist's step then trains it through the "
+        "stages).")
+  for layer in model._flatten_layers(include_self=False):  # pylint: disable=protected-access
+    if getattr(layer, "activity_regularizer", None) is not None:
+      raise PipelineConfigError(
+          f"--pipeline_stages={options.num_stages}: layer {layer.name!r} "
+          "has an activity regularizer, which the pipelined step does not "
+          "add to the loss yet. Remove it (weight regularizers are "
+          "supported), or drop --pipeline_stages.")
+  micro = micro_step_batch // options.num_microbatches
+  try:
+    pipe = pipeline_lib.split_model(
+        model, options.num_stages, cuts=list(options.cuts) or None,
+        # Balance weights and the activations of the micro-batches a stage
+        # holds at once (M under GPipe, at most P under 1F1B).
+        activation_examples=micro * (
+            options.num_microbatches if options.schedule ==
+            pipeline_options.GPIPE else min(options.num_stages,
+                                             options.num_microbatches)))
+    pipe.check_step(micro_step_batch, options.num_microbatches,
+                    options.schedule)
+    placed = pipe.place_variables()
+  except PipelineConfigError as e:
+    raise _flag_error(options, e) from None
+  step = PipelineStep(pipe, options.num_microbatches, options.schedule)
+  logging.info("Pipeline: %s; weight bytes per device %s\n%s",
+               options.describe(), placed, step.describe())
+  return step
