@@ -427,6 +427,16 @@ class PythonInputsTest(absltest.TestCase):
     # One pass to count, one to fill the cache.
     self.assertEqual(data.passes, 2)
 
+  def test_a_py_dataset_without_validation_data_trains_and_evaluates(self):
+    # Before: "object of type 'NoneType' has no len()" (the evaluation
+    # split of a PyDataset without validation data was taken for arrays).
+    for mode in ("train", "train_and_eval"):
+      with self.subTest(mode=mode):
+        result = api.fit(_model, x=_Batches(self.x, self.y),
+                         config=self._config(f"nv_{mode}", mode=mode),
+                         verbose=0)
+        self.assertEqual(result["final_step"], 8)
+
   def test_py_dataset_and_generator_under_mirrored(self):
     # A child process: two logical CPUs are set before TensorFlow starts.
     script = textwrap.dedent("""

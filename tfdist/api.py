@@ -182,8 +182,11 @@ def in_memory_dataset(*, x=None, y=None, sample_weight=None,
     if validation_data is not None:
       return _from_function(validation_data, training=False,
                             input_context=input_context)
-    # No validation data: the eval modes evaluate the arrays themselves
-    # (as Model.evaluate(x, y) would).
+    # No validation data: the eval modes evaluate the arrays (or the
+    # dataset function's split) themselves, as Model.evaluate(x, y) would.
+    if train is None:
+      return _from_function(dataset_fn, training=False,
+                            input_context=input_context)
     return _from_arrays(train, input_context)
 
   if train is not None or (dataset_fn is not None and
