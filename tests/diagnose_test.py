@@ -223,6 +223,34 @@ class VerdictTest(parameterized.TestCase):
         small, optimizer="sgd", zero_stage=2, num_replicas=1,
         capacity_bytes=1 << 30)[0])
 
+  def test_pipeline_stages_are_judged_at_this_size(self):
+    small = memory.ModelMemory(parameters_bytes=4 << 20,
+                               gradients_bytes=4 << 20,
+                               optimizer_bytes=8 << 20,
+                               num_parameters=1 << 20)
+    notes = diagnose.layout_notes(
+        small, optimizer="adamw", zero_stage=0, num_replicas=1,
+        capacity_bytes=16 << 30, where="host", pipeline_stages=4,
+        num_microbatches=4)
+    self.assertLen(notes, 1)
+    self.assertIn("4 pipeline stages are not needed at this size: the "
+                  "whole model's state is 16.0 MiB", notes[0])
+    self.assertIn("about 4.0 MiB per stage", notes[0])
+    self.assertIn("a bubble of 3/7 = 43% of each step (Huang et al. 2019;",
+                  notes[0])
+    self.assertIn("Drop --pipeline_stages=4", notes[0])
+    needed = diagnose.layout_notes(
+        small, optimizer="adamw", zero_stage=0, num_replicas=1,
+        capacity_bytes=10 << 20, pipeline_stages=2, num_microbatches=8)
+    self.assertIn("2 pipeline stages are needed at this size", needed[0])
+    self.assertIn("does not fit one device", needed[0])
+    self.assertIn("1/9 = 11%", needed[0])
+
+  def test_the_baseline_drops_pipeline_flags(self):
+    for flag in ("pipeline_stages", "num_microbatches", "pipeline_schedule",
+                 "pipeline_cuts"):
+      self.assertIn(flag, diagnose.MULTI_REPLICA_FLAGS)
+
   def test_cpu_bf16_from_cpuinfo(self):
     path = os.path.join(testutil.scratch_dir(), "cpuinfo")
     for flags, expected in (("fpu avx2 avx512f", False),

@@ -94,9 +94,10 @@ DEFAULT_LOG_STEPS = 10
 _BASELINE_SETS = ("distribution_strategy", "batch_size",
                   "per_replica_batch_size", "model_dir", "checkpoint_dir",
                   "tensorboard_dir", "export_dir", "profile_steps")
-# Flags that apply only to several replicas, a cluster or another strategy:
-# the devices, ZeRO's sharding, collectives, the cluster, parameter servers
-# and TPUs. The one-device baseline drops them and says so.
+# Flags that apply only to several replicas or devices, a cluster or another
+# strategy: the devices, ZeRO's sharding, collectives, the cluster,
+# parameter servers, TPUs and pipeline stages. The one-device baseline drops
+# them and says so.
 MULTI_REPLICA_FLAGS = ("num_cpu_devices", "num_gpus", "zero_stage",
                        "shard_optimizer_state", "shard_gradients",
                        "all_reduce_alg", "all_reduce_dtype", "bytes_per_pack",
@@ -105,7 +106,9 @@ MULTI_REPLICA_FLAGS = ("num_cpu_devices", "num_gpus", "zero_stage",
                        "cluster_start_timeout_seconds", "worker_hosts",
                        "task_index", "ps_partitioner", "ps_min_shard_bytes",
                        "ps_max_shards", "tpu", "tpu_zone", "tpu_gcp_project",
-                       "tpu_init_timeout")
+                       "tpu_init_timeout", "pipeline_stages",
+                       "num_microbatches", "pipeline_schedule",
+                       "pipeline_cuts")
 _BASELINE_DROPS = _BASELINE_SETS + MULTI_REPLICA_FLAGS
 # Boolean flags among them (`--name`, `--noname`: no separate value).
 _BOOLEAN_DROPS = ("reduction_server", "sync_batch_norm",
@@ -915,7 +918,7 @@ class MeasurementPlan:
       lines.append(
           f"Baseline: {StrategyKind.ONE_DEVICE}, {batch}" +
           (f"; dropped {' '.join(self.dropped)} (they apply only to "
-           "several replicas)." if self.dropped else "."))
+           "several replicas or devices)." if self.dropped else "."))
     return "\n".join(lines)
 
 
@@ -1058,7 +1061,8 @@ ZERO_TRAFFIC = (
 
 def layout_notes(estimate: memory.ModelMemory, *, optimizer: str,
                  zero_stage: int, num_replicas: int, capacity_bytes: int,
-                 replicas_sharing: int = 1, where: str = "device"
+                 replicas_sharing: int = 1, where: str = "device",
+                 pipeline_stages: int = 1, num_microbatches: int = 1
                  ) -> List[str]:
   """Whether the run's layout is needed at this model's size, and what it
   costs, as sentences for the verdict's notes (empty for plain data
@@ -1074,10 +1078,17 @@ def layout_notes(estimate: memory.ModelMemory, *, optimizer: str,
       host's), bytes.
     replicas_sharing: replicas whose copies share `capacity_bytes`.
     where: the memory's name (`GPU`, `host`).
+    pipeline_stages: the run's pipeline stages P (1: none), each on a
+      device of its own.
+    num_microbatches: its micro-batches M per step.
 
   Returns:
     Sentences (empty without a layout beyond data parallelism).
   """
+  if pipeline_stages > 1:
+    return [_pipeline_note(estimate, stages=pipeline_stages,
+                           microbatches=num_microbatches,
+                           capacity_bytes=capacity_bytes, where=where)]
   if not zero_stage:
     return []
   fmt = memory.format_bytes
@@ -1111,6 +1122,34 @@ def layout_notes(estimate: memory.ModelMemory, *, optimizer: str,
           (" (above half: activations need the rest)" if fits else
            ", which does not fit unsharded") +
           f"; {saving}. What it costs: {ZERO_TRAFFIC}."]
+
+
+def _pipeline_note(estimate: memory.ModelMemory, *, stages: int,
+                   microbatches: int, capacity_bytes: int, where: str) -> str:
+  """Whether P pipeline stages are needed at this size, and their cost: a
+  stage holds about 1/P of the weights, gradients and optimizer state (the
+  cuts balance weight bytes), and each step idles (P-1)/(M+P-1) of its time
+  (Huang et al. 2019)."""
+  fmt = memory.format_bytes
+  whole = estimate.total_bytes
+  share = whole / capacity_bytes if capacity_bytes else float("inf")
+  idle = stages - 1
+  cost = (f"each step then idles: a bubble of {idle}/{microbatches + idle} = "
+          f"{idle / (microbatches + idle):.0%} of each step (Huang et al. "
+          "2019; more micro-batches shrink it), and batch normalization sees "
+          "micro-batches")
+  state = (f"the whole model's state is {fmt(whole)} ({share:.2%} of the "
+           f"{fmt(capacity_bytes)} of {where} memory); {stages} stages keep "
+           f"about {fmt(whole / stages)} per stage")
+  if whole <= memory.TIGHT_SHARE * capacity_bytes:
+    return (f"{stages} pipeline stages are not needed at this size: {state}"
+            f", but it fits one device whole; {cost}. Drop "
+            f"--pipeline_stages={stages} unless the model grows.")
+  fits = whole <= capacity_bytes
+  return (f"{stages} pipeline stages are " +
+          ("worth it" if fits else "needed") + f" at this size: {state}" +
+          (" (above half on one device: activations need the rest)" if fits
+           else "; whole, it does not fit one device") + f"; {cost}.")
 
 
 def device_memory_capacity() -> Optional[int]:
@@ -1249,7 +1288,9 @@ def _layout_notes(estimate: memory.ModelMemory, fitted: "_FittedModel",
       estimate, optimizer=facts.optimizer, zero_stage=facts.zero_stage,
       num_replicas=fitted.num_replicas,
       capacity_bytes=fitted.fit.capacity_bytes,
-      replicas_sharing=fitted.sharing, where=fitted.where)
+      replicas_sharing=fitted.sharing, where=fitted.where,
+      pipeline_stages=facts.pipeline_stages,
+      num_microbatches=facts.num_microbatches)
 
 
 def _model_dir_flag(train_args: Sequence[str]) -> Optional[str]:
@@ -1281,19 +1322,26 @@ class TrainFacts:
     zero_stage: the ZeRO stage in force (0: optimizer state not sharded).
     train_steps: `--train_steps` of each run.
     log_steps: `--log_steps` (the measurement interval, steps).
+    pipeline_stages: `--pipeline_stages` (1: none).
+    num_microbatches: the micro-batches per step of a pipelined run.
   """
   optimizer: str
   zero_stage: int
   train_steps: int
   log_steps: int
+  pipeline_stages: int = 1
+  num_microbatches: int = 1
 
 
 def _train_facts(config) -> TrainFacts:
   """The `TrainFacts` of a parsed `tfdist.config.TrainConfig`."""
+  stages = int(getattr(config, "pipeline_stages", 1) or 1)
   return TrainFacts(optimizer=config.optimizer,
                     zero_stage=config.zero_stage_resolved,
                     train_steps=config.train_steps,
-                    log_steps=config.log_steps)
+                    log_steps=config.log_steps, pipeline_stages=stages,
+                    num_microbatches=int(getattr(config, "num_microbatches",
+                                                 None) or stages))
 
 
 def _measured_args(train_args: Sequence[str], given: set, *, steps: int,
