@@ -317,6 +317,49 @@ def _refusals(builder, root: str) -> dict:
   return out
 
 
+def _no_call_run(model_dir: str) -> dict:
+  """A GAN as Keras's tutorial writes it (no `call`, its own `compile` and
+  two optimizers) through `tfdist.fit`: it trains; there is no SavedModel."""
+  import keras  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  import tfdist  # pylint: disable=g-import-not-at-top
+
+  class TutorialGAN(keras.Model):
+
+    def __init__(self):
+      super().__init__()
+      self.d = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1)])
+      self.g = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1)])
+
+    def compile(self, d_optimizer, g_optimizer):  # pylint: disable=arguments-differ
+      super().compile()
+      self.d_optimizer, self.g_optimizer = d_optimizer, g_optimizer
+
+    def train_step(self, data):
+      x, _ = data
+      with tf.GradientTape() as tape:
+        d_loss = tf.reduce_mean(tf.square(self.d(x) - 1.0))
+      grads = tape.gradient(d_loss, self.d.trainable_weights)
+      self.d_optimizer.apply_gradients(zip(grads, self.d.trainable_weights))
+      with tf.GradientTape() as tape:
+        g_loss = tf.reduce_mean(tf.square(self.d(self.g(x))))
+      grads = tape.gradient(g_loss, self.g.trainable_weights)
+      self.g_optimizer.apply_gradients(zip(grads, self.g.trainable_weights))
+      return {"d_loss": d_loss, "g_loss": g_loss}
+
+  def build():
+    model = TutorialGAN()
+    model.compile(keras.optimizers.SGD(RATE), keras.optimizers.SGD(RATE))
+    return model
+
+  x, y = _data()
+  manifest = tfdist.fit(build, x=x, y=y, verbose=0, config=_config(
+      model_dir, "one_device", mode="train", train_epochs=1))
+  return {"saved_model": manifest["artifacts"]["saved_model"],
+          "final_step": manifest["final_step"],
+          "written": os.path.exists(os.path.join(model_dir, "saved_model"))}
+
+
 def _child_main() -> dict:
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   tf.config.set_logical_device_configuration(
@@ -378,6 +421,10 @@ def _child_main() -> dict:
   except Exception:  # pylint: disable=broad-except
     out["eval_mode"] = {"error": traceback.format_exc()}
   out["refusals"] = _refusals(models["frozen_bias"], root)
+  try:
+    out["no_call"] = _no_call_run(os.path.join(root, "no-call"))
+  except Exception:  # pylint: disable=broad-except
+    out["no_call"] = {"error": traceback.format_exc()}
   return out
 
 
@@ -491,6 +538,16 @@ class CustomStepTest(absltest.TestCase):
     self.assertAlmostEqual(results[0]["abs_error"], reference["abs_error"],
                            delta=ATOL)
     self.assertEqual(results[0]["num_examples"], 512)
+
+  def test_a_gan_without_call_trains_and_writes_no_saved_model(self):
+    # Before: refused at start ("cannot take --dataset=arrays's features
+    # ... Could not automatically infer the output shape"), where
+    # Model.fit trains it.
+    result = _child_results()["no_call"]
+    self.assertNotIn("error", result, result.get("error"))
+    self.assertEqual(result["final_step"], 512 // BATCH)
+    self.assertIsNone(result["saved_model"])
+    self.assertFalse(result["written"])
 
   def test_settings_that_need_tfdists_own_step_are_refused(self):
     refusals = self._case("refusals")

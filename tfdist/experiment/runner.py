@@ -586,10 +586,20 @@ class ExperimentRunner:
     finally:
       self.watcher.uninstall()
 
-  def build_export(self) -> str:
+  def build_export(self) -> Optional[str]:
     """The SavedModel of the trained model; returns its folder (the
-    scratch folder's on other workers: saving is collective)."""
+    scratch folder's on other workers: saving is collective), or None for
+    a model that cannot be called on its features (its own `train_step`
+    trains it; the checkpoint holds its weights)."""
     model = self.backend.export_model(self)
+    features, _ = task_lib.example_spec(self.task.dataset)
+    reason = export.exportable(model, features)
+    if reason is not None:
+      logging.warning("tfdist: no SavedModel: %s. The checkpoint in %s "
+                      "holds the trained weights: restore the model there "
+                      "and export the parts you serve.", reason,
+                      self.config.resolved_checkpoint_dir)
+      return None
     return export.export_saved_model(
         model, self.out_dir(self.config.resolved_export_dir, "saved_model"),
         source=self._export_source() if self.is_writer else "TMPDIR",
@@ -601,7 +611,8 @@ class ExperimentRunner:
     config = self.config
     return {"checkpoint": self.keeper.latest,
             "checkpoint_dir": config.resolved_checkpoint_dir,
-            "saved_model": config.resolved_export_dir,
+            "saved_model": (config.resolved_export_dir
+                            if self.export_dir is not None else None),
             "tensorboard": config.resolved_tensorboard_dir,
             "metrics": os.path.join(config.model_dir,
                                     run_log_lib.METRICS_FILE),

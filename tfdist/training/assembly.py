@@ -147,7 +147,17 @@ def build_model(options: AssemblyOptions, *, task: task_lib.Task,
   model = task_lib.build_model(
       task, options.builder_config, sync_batch_norm=sync_batch_norm,
       activation_recomputation=options.activation_recomputation)
-  _output_shape(model, task)
+  if custom_step.overrides(model):
+    # Its own train_step reads the data: a model without a call on the
+    # features (a GAN of Keras's tutorial) trains as under `fit`; only
+    # its SavedModel is left out (said again at export).
+    try:
+      _output_shape(model, task)
+    except ConfigError as e:
+      logging.warning("%s. Its own train_step trains it; the run writes no "
+                      "SavedModel for it.", e)
+  else:
+    _output_shape(model, task)
   training_checks.check_steps_per_execution(
       model, steps_per_execution=options.steps_per_execution,
       model_name=f"--model={task.model_name}")

@@ -48,6 +48,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist.config import ConfigError
+from tfdist.errors import first_line
 
 # The `keras.Model` methods whose override makes tfdist run the model's
 # own step.
@@ -384,7 +385,16 @@ def build_trainer(model: keras.Model, found: Sequence[str], *,
   batched = tf.nest.map_structure(
       lambda s: tf.TensorSpec([None, *s.shape], s.dtype), tuple(batch_spec))
   with strategy.scope():
-    model._symbolic_build(data_batch=batched)  # pylint: disable=protected-access
+    try:
+      model._symbolic_build(data_batch=batched)  # pylint: disable=protected-access
+    except RuntimeError as e:
+      # A model without a `call` on its features (a GAN of Keras's
+      # tutorial) cannot be built symbolically; `fit` on one device then
+      # defers to its first step, and so does tfdist.
+      logging.warning(
+          "%s cannot be built before its first step (%s): its own "
+          "train_step builds what it uses there, as Model.fit does on one "
+          "device.", type(model).__name__, first_line(e))
   logging.info(
       "The model overrides %s: tfdist runs its own train_step and "
       "test_step on each replica, as Keras's Model.fit does (the logs "

@@ -43,6 +43,7 @@ import keras
 import tensorflow as tf
 
 from tfdist.errors import ExportRefusedError
+from tfdist.errors import first_line
 from tfdist.runtime import failures
 
 # Written into every SavedModel folder tfdist exports: the only folders an
@@ -290,6 +291,43 @@ def _absl_level_kept():
     yield
   finally:
     absl_logger.setLevel(level)
+
+
+def exportable(model: keras.Model, features) -> Optional[str]:
+  """Makes `model` exportable if it can be; returns why not, else None.
+
+  Keras exports a subclassed model only once it has been called (it reads
+  the input signature from that call); a model whose own `train_step`
+  trains it may never have been (built with `build`), or may have no
+  `call` at all (a GAN of Keras's tutorial). A subclassed model without
+  recorded input shapes is called here once, on a batch of one zero
+  example of `features`.
+
+  Args:
+    model: the trained Keras model.
+    features: `tf.TensorSpec`s of one unbatched example's features (a
+      nest), as `tfdist.training.task.example_spec` gives them.
+
+  Returns:
+    None (exportable), or the reason there is no SavedModel to write (the
+    model cannot be called on its features).
+  """
+  if (isinstance(model, keras.Sequential) or
+      type(model).__name__ == "Functional"):
+    return None  # Their inputs are their signature.
+  shapes = getattr(model, "_build_shapes_dict", None) or {}
+  if (getattr(model, "_called", False) and shapes and
+      all(v is not None for v in shapes.values())):
+    return None  # Called and built on its inputs: Keras reads those.
+  zeros = tf.nest.map_structure(
+      lambda s: tf.zeros([1, *[d or 1 for d in s.shape]], s.dtype), features)
+  try:
+    model(zeros, training=False)
+  except Exception as e:  # pylint: disable=broad-except
+    return (f"{type(model).__name__} cannot be called on its features "
+            f"{features} ({type(e).__name__}: {first_line(e)}), and a "
+            "SavedModel serves the model's call")
+  return None
 
 
 def export_saved_model(model: keras.Model, export_dir: str, *,
