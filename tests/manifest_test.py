@@ -146,6 +146,14 @@ class ManifestTest(absltest.TestCase):
         {"eval_loss": 1.0, "eval_examples": 8, "eval_mae": 0.3,
          "train_loss": 2.0, "train_mae": 0.4})
 
+  def test_final_metrics_of_a_step_that_logs_no_loss(self):
+    # A GAN's own train_step logs d_loss and g_loss: no None train_loss.
+    self.assertEqual(
+        manifest.final_metrics({}, {"d_loss": 0.5, "g_loss": 0.7}), {})
+    self.assertEqual(
+        manifest.final_metrics({"num_examples": 8}, {"d_loss": 0.5}),
+        {"eval_examples": 8})
+
   def test_batch_norm_facts_only_for_a_model_with_batch_norm(self):
     plain = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
     nested = keras.Sequential([keras.Input((3,)), keras.Sequential(

@@ -386,8 +386,9 @@ def final_metrics(final_eval: dict, last_train: dict,
       `train_m`.
 
   Returns:
-    Only what applies to the run: `train_loss`; `eval_loss` and
-    `eval_examples` when an evaluation ran; `train_m` and (with an
+    Only what applies to the run: `train_loss` (when the last record has
+    a `loss`); `eval_loss` (likewise) and `eval_examples` when an
+    evaluation ran; `train_m` and (with an
     evaluation) `eval_m` for each metric `m` of `metric_names` and for
     `accuracy` and `auc` where their record holds them (a value missing
     from its record is None). A model without AUC has no `eval_auc`.
@@ -395,10 +396,12 @@ def final_metrics(final_eval: dict, last_train: dict,
   names = [*metric_names, *(m for m in ("accuracy", "auc")
                             if m not in metric_names and
                             (m in final_eval or m in last_train))]
-  out = {"train_loss": last_train.get("loss")}
+  # A model's own train_step may log no `loss` (a GAN's d_loss, g_loss).
+  out = {"train_loss": last_train["loss"]} if "loss" in last_train else {}
   if final_eval:
-    out.update(eval_loss=final_eval.get("loss"),
-               eval_examples=final_eval.get("num_examples"))
+    if "loss" in final_eval:
+      out["eval_loss"] = final_eval["loss"]
+    out["eval_examples"] = final_eval.get("num_examples")
   for name in names:
     if final_eval:
       out[f"eval_{name}"] = final_eval.get(name)
