@@ -257,7 +257,7 @@ class RefusalTest(parameterized.TestCase):
     self.assertEqual(trainer.all_reduce_dtype, "float32")
 
   def test_reaches_the_parts(self):
-    from tfdist.runtime import run_options  # pylint: disable=g-import-not-at-top
+    from tfdist.training import run_options  # pylint: disable=g-import-not-at-top
     config = TrainConfig(all_reduce_dtype="bfloat16",
                          distribution_strategy="mirrored", **self._BASE)
     self.assertEqual(run_options.assembly_options(config).all_reduce_dtype,
