@@ -75,6 +75,10 @@ class FitTest(absltest.TestCase):
     # Variables and slots (12 GiB) sharded over ps tasks of 5 GiB: 3.
     self.assertIn("parameter_server with at least 3 ps task(s)", small.advice)
     self.assertIn("--optimizer=adam keeps 2 slots", small.advice)
+    # 16 GiB of state over devices of 5 GiB: at least 4 pipeline stages.
+    self.assertIn("--pipeline_stages=4 cuts the model into 4 stages on 4 "
+                  "devices", small.advice)
+    self.assertIn("each holding about 4.0 GiB", small.advice)
 
   def test_sharding_recommended_when_it_makes_the_state_fit(self):
     # fp32 Adam, 1 Gi parameters: 4 + 4 + 8 bytes each.

@@ -264,6 +264,15 @@ def fits_data_parallel(estimate: ModelMemory, *, capacity_bytes: int,
       f"({format_bytes(sharded)}) sharded (--ps_partitioner); it suits models"
       " whose size is in embedding tables, of which each step reads a few "
       "rows."]
+  # The layers' state split over consecutive devices (Huang et al. 2019).
+  stages = max(2, math.ceil(estimate.total_bytes / max(capacity_bytes, 1)))
+  advice.append(
+      f"--pipeline_stages={stages} cuts the model into {stages} stages on "
+      f"{stages} devices (GPUs; logical CPU devices share the host's "
+      f"memory), each holding about {format_bytes(estimate.total_bytes / stages)}"
+      " of parameters, gradients and optimizer state, at the cost of a "
+      f"pipeline bubble of ({stages}-1)/(M+{stages}-1) of each step for M "
+      "micro-batches (--num_microbatches).")
   if traits is not None and traits.slots_per_parameter > 1:
     advice.append(
         f"--optimizer={optimizer} keeps {traits.slots_per_parameter:g} slots"
