@@ -204,15 +204,26 @@ class ExportFailureTest(absltest.TestCase):
 
 class EquivalenceTest(absltest.TestCase):
 
+  STEPS = 5
+  _single = None
+
+  def _one_process(self):
+    """`(data pattern, folder)` of the one-process float32 reference run,
+    trained once for every test of the class."""
+    if EquivalenceTest._single is None:
+      pattern, single_dir = _convert(256, 2), testutil.scratch_dir()
+      code, out, _ = testlib.run_module_with_timeout(
+          "tests.multi_worker_testlib", ["train", single_dir, pattern,
+                                         str(self.STEPS)], timeout=TIMEOUT)
+      self.assertEqual(code, 0, out[-3000:])
+      self.assertIn("replicas 1", out)
+      EquivalenceTest._single = (pattern, single_dir)
+    return EquivalenceTest._single
+
   def test_two_workers_match_one_process(self):
-    pattern = _convert(256, 2)
-    steps = 5
-    single_dir, multi_dir = testutil.scratch_dir(), testutil.scratch_dir()
-    code, out, _ = testlib.run_module_with_timeout(
-        "tests.multi_worker_testlib", ["train", single_dir, pattern,
-                                       str(steps)], timeout=TIMEOUT)
-    self.assertEqual(code, 0, out[-3000:])
-    self.assertIn("replicas 1", out)
+    pattern, single_dir = self._one_process()
+    steps = self.STEPS
+    multi_dir = testutil.scratch_dir()
     # The gradients all-reduced in packs of 1 KiB (--bytes_per_pack), last
     # layers first: the step's sums (24 bytes), the 10-way layer's bias and
     # kernel (1.3 KiB) in one, the first layer's in another.
@@ -246,13 +257,9 @@ class EquivalenceTest(absltest.TestCase):
     # step's float32 sums in a float32 collective of their own (2 per
     # step, the endless input adding none), and the weights stay within
     # 1% of how far one float32 process moved them.
-    pattern = _convert(256, 2)
-    steps = 5
-    single_dir, multi_dir = testutil.scratch_dir(), testutil.scratch_dir()
-    code, out, _ = testlib.run_module_with_timeout(
-        "tests.multi_worker_testlib", ["train", single_dir, pattern,
-                                       str(steps)], timeout=TIMEOUT)
-    self.assertEqual(code, 0, out[-3000:])
+    pattern, single_dir = self._one_process()
+    steps = self.STEPS
+    multi_dir = testutil.scratch_dir()
     status, output = testlib.run_launcher(
         ["--num_workers=2", "--module=tests.multi_worker_testlib"],
         ["train", multi_dir, pattern, str(steps), "0", "bfloat16"],
