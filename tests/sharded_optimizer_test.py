@@ -94,8 +94,8 @@ class CommandLineTest(absltest.TestCase):
                      .zero_stage_resolved, 2)
     self.assertEqual(TrainConfig(zero_stage=2, shard_gradients=True, **base)
                      .zero_stage_resolved, 2)
-    with self.assertRaisesRegex(ConfigError, "--zero_stage=3 is not offered"):
-      TrainConfig(zero_stage=3, **base)
+    with self.assertRaisesRegex(ConfigError, "--zero_stage=5 is not offered"):
+      TrainConfig(zero_stage=5, **base)
     with self.assertRaisesRegex(ConfigError, "--zero_stage=1 contradicts"):
       TrainConfig(zero_stage=1, shard_gradients=True, **base)
     with self.assertRaisesRegex(ConfigError,

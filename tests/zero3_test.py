@@ -10,7 +10,7 @@ parameters, an odd count: the last shard is padded):
   weights (and batch-norm statistics) within 1e-5;
 * the checkpoint a stage-3 run writes has the unsharded run's keys and
   shapes; it resumes under stage 0 on one device, and that run's under
-  stage 3 on two, to the weights of one uninterrupted unsharded run; the
+  stage 3 on two, to the weights of the same chain run unsharded; the
   SavedModel is the unsharded model;
 * between steps a replica holds 1/N of the weights, and the model's own
   variables none (reading one says why);
@@ -30,6 +30,7 @@ from tfdist import api  # pylint: disable=g-import-not-at-top
 from tfdist.config import ConfigError  # pylint: disable=g-import-not-at-top
 from tfdist.config import TrainConfig  # pylint: disable=g-import-not-at-top
 from tfdist.distribute import devices  # pylint: disable=g-import-not-at-top
+from tfdist.parallel import zero3  # pylint: disable=g-import-not-at-top
 from tfdist.models import cnn  # pylint: disable=g-import-not-at-top
 from tests import testutil  # pylint: disable=g-import-not-at-top
 
@@ -48,10 +49,10 @@ class _Built:
   model = None
 
 
-def small_cnn():
+def small_cnn(dropout: float = 0.3):
   """The built-in CNN, narrow: 8 and 16 filters, batch norm, dropout."""
   keras.utils.set_random_seed(1)
-  model = cnn.build_cnn(width=8)
+  model = cnn.build_cnn(width=8, dropout=dropout)
   model.compile(
       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
       metrics=["accuracy"])
@@ -69,10 +70,11 @@ def _config(model_dir, **changes):
   return TrainConfig(**settings)
 
 
-def _fit(builder=small_cnn, model_dir=None, **changes):
+def _fit(builder=small_cnn, model_dir=None, callbacks=None, **changes):
   """`(weights, model_dir)` of a `tfdist.fit` run."""
   model_dir = model_dir or os.path.join(testutil.scratch_dir(), "run")
-  api.fit(builder, x=X, y=Y, config=_config(model_dir, **changes), verbose=0)
+  api.fit(builder, x=X, y=Y, config=_config(model_dir, **changes), verbose=0,
+          callbacks=callbacks or ())
   return [w.copy() for w in _Built.model.get_weights()], model_dir
 
 
@@ -80,13 +82,26 @@ def _max_difference(a, b) -> float:
   return max(float(np.max(np.abs(x - y))) for x, y in zip(a, b))
 
 
+class _RestWatch(keras.callbacks.Callback):
+  """Between steps: the errors reading a weight raised."""
+
+  def __init__(self):
+    super().__init__()
+    self.errors = []
+
+  def on_train_batch_end(self, batch, logs=None):
+    try:
+      self.model.trainable_variables[0].numpy()
+    except zero3.WeightsShardedError as e:
+      self.errors.append(str(e))
+
+
 class EqualToUnshardedTest(absltest.TestCase):
 
-  def _check(self, **changes):
+  def _check(self, callbacks=(), **changes):
     unsharded, _ = _fit(**changes)
-    sharded, _ = _fit(zero_stage=3, **changes)
+    sharded, _ = _fit(zero_stage=3, callbacks=list(callbacks), **changes)
     self.assertEqual([w.shape for w in sharded], [w.shape for w in unsharded])
-    print("MAXDIFF", _max_difference(sharded, unsharded))
     self.assertLess(_max_difference(sharded, unsharded), TOLERANCE)
     # The updates were not zero.
     keras.utils.set_random_seed(1)
@@ -94,10 +109,89 @@ class EqualToUnshardedTest(absltest.TestCase):
     self.assertGreater(_max_difference(sharded, initial), 1e-3)
 
   def test_adam(self):
-    self._check(optimizer="adam")
+    watch = _RestWatch()
+    self._check(optimizer="adam", callbacks=[watch])
+    # Between steps the model's own variables hold nothing (the replicas
+    # hold the shards); gathered again at the end (`_check` read them).
+    self.assertLen(watch.errors, STEPS)
+    self.assertIn("is sharded (--zero_stage=3)", watch.errors[0])
 
   def test_sgd_with_momentum(self):
     self._check(optimizer="momentum", shard_parameters=True)
+
+
+def no_dropout_cnn():
+  """`small_cnn` without dropout: one device and two replicas then draw
+  nothing differently (each replica has its own dropout stream)."""
+  return small_cnn(dropout=0.0)
+
+
+class CheckpointsTest(absltest.TestCase):
+
+  def test_stage_3_to_one_device_unsharded_and_back(self):
+    def chain(first_stage, last_stage):
+      """Two updates, two more on one device unsharded, two more."""
+      model_dir = os.path.join(testutil.scratch_dir(), "chain")
+      _fit(no_dropout_cnn, model_dir=model_dir, train_steps=2,
+           zero_stage=first_stage)
+      keys = tf.train.list_variables(tf.train.latest_checkpoint(
+          os.path.join(model_dir, "checkpoints")))
+      _fit(no_dropout_cnn, model_dir=model_dir, train_steps=4,
+           zero_stage=0, distribution_strategy="one_device")
+      weights, _ = _fit(no_dropout_cnn, model_dir=model_dir, train_steps=6,
+                        zero_stage=last_stage)
+      return weights, keys, model_dir
+
+    reference, reference_keys, _ = chain(0, 0)
+    chained, keys, model_dir = chain(3, 3)
+    # The unsharded keys and shapes: weights and optimizer slots.
+    self.assertEqual(keys, reference_keys)
+    self.assertLess(_max_difference(chained, reference), TOLERANCE)
+    # The export is the gathered, unsharded model.
+    loaded = tf.saved_model.load(os.path.join(model_dir, "saved_model"))
+    outputs = list(loaded.signatures["serving_default"](
+        tf.constant(X[:5])).values())
+    np.testing.assert_allclose(outputs[0].numpy(),
+                               _Built.model(X[:5]).numpy(), atol=1e-5)
+
+
+class RefusedAtStartTest(absltest.TestCase):
+
+  def test_embedding_layer_points_to_parameter_servers(self):
+    def with_embedding():
+      tokens = keras.Input((4,), dtype="int32")
+      x = keras.layers.Embedding(50, 4)(tokens)
+      x = keras.layers.Flatten()(x)
+      model = keras.Model(tokens, keras.layers.Dense(10)(x))
+      model.compile(loss=keras.losses.SparseCategoricalCrossentropy(
+          from_logits=True))
+      return model
+    with self.assertRaisesRegex(
+        ConfigError, "--zero_stage=3 cannot shard embedding layer .*"
+        "--distribution_strategy=parameter_server"):
+      api.fit(with_embedding, x=np.zeros((32, 4), "int32"),
+              y=np.zeros((32,), "int32"),
+              config=_config(os.path.join(testutil.scratch_dir(), "e"),
+                             zero_stage=3), verbose=0)
+
+  def test_own_train_step(self):
+    class OwnStep(keras.Model):
+
+      def train_step(self, data):
+        return super().train_step(data)
+
+    def own_step():
+      inputs = keras.Input((28, 28, 1))
+      outputs = keras.layers.Dense(10)(keras.layers.Flatten()(inputs))
+      model = OwnStep(inputs, outputs)
+      model.compile(loss=keras.losses.SparseCategoricalCrossentropy(
+          from_logits=True))
+      return model
+    with self.assertRaisesRegex(ConfigError,
+                                "--zero_stage=3: model .* own step"):
+      api.fit(own_step, x=X, y=Y,
+              config=_config(os.path.join(testutil.scratch_dir(), "o"),
+                             zero_stage=3), verbose=0)
 
 
 if __name__ == "__main__":
