@@ -6,8 +6,9 @@ process), with `--deterministic --seed`, through `tfdist.fit` and the
 built-in CNN (convolutions, batch normalization, dropout; 0.1 M
 parameters, an odd count: the last shard is padded):
 
-* K = 3 updates of Adam and of SGD with momentum give the unsharded run's
-  weights (and batch-norm statistics) within 1e-5;
+* K = 3 updates of Adam, and of SGD with momentum with gradient
+  accumulation (2 micro-batches), give the unsharded run's weights (and
+  batch-norm statistics) within 1e-5;
 * the checkpoint a stage-3 run writes has the unsharded run's keys and
   shapes; it resumes under stage 0 on one device, and that run's under
   stage 3 on two, to the weights of the same chain run unsharded; the
@@ -116,8 +117,9 @@ class EqualToUnshardedTest(absltest.TestCase):
     self.assertLen(watch.errors, STEPS)
     self.assertIn("is sharded (--zero_stage=3)", watch.errors[0])
 
-  def test_sgd_with_momentum(self):
-    self._check(optimizer="momentum", shard_parameters=True)
+  def test_sgd_with_momentum_and_accumulation(self):
+    self._check(optimizer="momentum", shard_parameters=True,
+                gradient_accumulation_steps=2)
 
 
 def no_dropout_cnn():

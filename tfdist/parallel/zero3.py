@@ -212,9 +212,10 @@ class Zero3Optimizer(sharded_optimizer.ShardedOptimizer):
     """`Trainer._replica_forward_backward` on gathered weights.
 
     Returns:
-      `(loss, grad, outputs)`: the reported loss (float32 scalar), the
+      `(loss, [grad], outputs)`: the reported loss (float32 scalar), the
       gradient of this replica's shard (float32 [S], summed over all
-      replicas; loss-scaled under fp16), the outputs as float32 [B, ...].
+      replicas; loss-scaled under fp16) in a list, the outputs as float32
+      [B, ...].
     """
     model = trainer.model
     shard = self._replica_shard()
@@ -235,7 +236,7 @@ class Zero3Optimizer(sharded_optimizer.ShardedOptimizer):
                 if trainer.uses_loss_scale else objective)
     grad = tape.gradient(scaled, shard)
     self._write_state_updates(scope)
-    return loss, grad, outputs
+    return loss, [grad], outputs
 
   def _write_state_updates(self, scope) -> None:
     """Writes the non-trainable updates the layers made inside `scope`
@@ -250,8 +251,9 @@ class Zero3Optimizer(sharded_optimizer.ShardedOptimizer):
 
   def replica_prepare(self, grads=None, shard=None):
     """`ShardedOptimizer.replica_prepare` on a gradient that is already
-    this replica's summed shard (`grads`, float32 [S])."""
-    return super().replica_prepare(None, grads if shard is None else shard)
+    this replica's summed shard (`grads`: `[shard]`, float32 [S])."""
+    return super().replica_prepare(None,
+                                   grads[0] if shard is None else shard)
 
   def _replica_load_master(self, replica) -> None:
     """Nothing: the master shard is the weights."""
@@ -259,8 +261,8 @@ class Zero3Optimizer(sharded_optimizer.ShardedOptimizer):
 
   def replica_accumulate(self, grads) -> None:
     """Adds this micro-batch's shard gradient (already summed) to the
-    shard accumulator."""
-    self.grad_accumulator.assign_add(grads)
+    shard accumulator (`grads`: `[shard]`, float32 [S])."""
+    self.grad_accumulator.assign_add(grads[0])
 
   # --- cross-replica context ------------------------------------------------
   def _publish(self) -> None:
