@@ -371,7 +371,8 @@ def _define_memory_flags() -> None:
       "shard_parameters", _default("shard_parameters"),
       "ZeRO stage 3 (mirrored, multi_worker_mirrored): --shard_gradients, "
       "and each replica keeps only 1/N of the weights, all-gathered for "
-      "each step's forward and backward pass (about 1.5x the traffic). Not "
+      "each step's forward and backward pass (1.5x the traffic of plain data "
+      "parallelism). Not "
       "with embedding layers, a model's own train_step, --enable_xla or "
       "--pipeline_stages.")
   flags.DEFINE_integer(
