@@ -6,9 +6,10 @@ process), with `--deterministic --seed`, through `tfdist.fit` and the
 built-in CNN (convolutions, batch normalization, dropout; 0.1 M
 parameters, an odd count: the last shard is padded):
 
-* K = 3 updates of Adam, and of SGD with momentum with gradient
-  accumulation (2 micro-batches), give the unsharded run's weights (and
-  batch-norm statistics) within 1e-5;
+* K = 3 updates of Adam (global-norm clipping), and of SGD with momentum
+  (per-variable clipping, gradient accumulation over 2 micro-batches),
+  give the unsharded run's weights (and batch-norm statistics) within
+  1e-5;
 * the checkpoint a stage-3 run writes has the unsharded run's keys and
   shapes; it resumes under stage 0 on one device, and that run's under
   stage 3 on two, to the weights of the same chain run unsharded; the
@@ -109,17 +110,17 @@ class EqualToUnshardedTest(absltest.TestCase):
     initial = cnn.build_cnn(width=8).get_weights()
     self.assertGreater(_max_difference(sharded, initial), 1e-3)
 
-  def test_adam(self):
+  def test_adam_with_global_clipping(self):
     watch = _RestWatch()
-    self._check(optimizer="adam", callbacks=[watch])
+    self._check(optimizer="adam", global_clipnorm=0.05, callbacks=[watch])
     # Between steps the model's own variables hold nothing (the replicas
     # hold the shards); gathered again at the end (`_check` read them).
     self.assertLen(watch.errors, STEPS)
     self.assertIn("is sharded (--zero_stage=3)", watch.errors[0])
 
-  def test_sgd_with_momentum_and_accumulation(self):
+  def test_sgd_with_momentum_clipping_and_accumulation(self):
     self._check(optimizer="momentum", shard_parameters=True,
-                gradient_accumulation_steps=2)
+                gradient_accumulation_steps=2, clipnorm=0.05)
 
 
 def no_dropout_cnn():

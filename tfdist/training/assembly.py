@@ -339,12 +339,14 @@ def _log_trainer(trainer: Trainer, options: AssemblyOptions, *, plan,
         "ZeRO stage %d: each of the %d replicas keeps the optimizer state "
         "of %d of the %d parameters (one shard of a flat buffer, %d "
         "elements of padding)%s; gradients are all-reduced "
-        "then sliced (no reduce-scatter on CPU collectives), the updated "
-        "shards all-gathered.", sharding.stage, layout.num_shards,
+        "then sliced (no reduce-scatter on CPU collectives), %s.",
+        sharding.stage, layout.num_shards,
         layout.shard_size, layout.total, layout.padding,
         ", and its shard of the gradient accumulators"
         if sharding.stage >= 2 and plan.batch.gradient_accumulation_steps > 1
-        else "")
+        else "", "its shard of the weights too, all-gathered for each step "
+        "(tfdist.parallel.zero3)" if sharding.stage == zero3.STAGE
+        else "the updated shards all-gathered")
   if options.enable_xla:
     logging.info(
         "--enable_xla: %s", "TPUs compile every step with XLA already."
