@@ -11,8 +11,11 @@ owning elements [r x S, (r + 1) x S)):
   instead of emptied. The model is built as usual (so its initial weights
   are those of an unsharded run with the same seed), its trainable weights
   are copied into the shards, and the Keras variables' own storage is then
-  released: they keep their shape and dtype, and reading one outside a
-  step raises `WeightsShardedError`.
+  released: they keep their shape and dtype. Between steps, in eager code
+  of a one-process run (a Keras callback's `get_weights`, `set_weights`),
+  reading one gathers a temporary copy from the shards and assigning one
+  writes into them; elsewhere (traced code, several workers) it raises
+  `WeightsShardedError`.
 * **Forward and backward.** Each step the replica all-gathers the shards
   (`ReplicaContext.all_gather`, [S] -> [P']) and runs the model under
   `keras.StatelessScope(state_mapping=...)`, which gives the layers the
@@ -103,14 +106,24 @@ def check_model(model: keras.Model) -> None:
           "does), or use --zero_stage=0.")
 
 
-def _released(path: str):
+def _released(path: str, owner: "Zero3Optimizer", index: int):
+  """The initializer a released weight reads through: in eager code with
+  every replica in this process (a callback's `get_weights`), the weight
+  gathered from the shards, a temporary copy; elsewhere (a traced
+  function, or replicas on other workers, which a read on one task would
+  wait for) `WeightsShardedError`."""
   def initializer(shape, dtype=None):
-    del shape, dtype
+    del shape
+    if tf.executing_eagerly() and owner.all_local:
+      return tf.cast(owner.full_weight(index), dtype or tf.float32)
     raise WeightsShardedError(
         f"{path} is sharded (--zero_stage=3): each replica holds 1/N of it, "
         "and the whole weight exists only inside a training or evaluation "
-        "step. Read the weights from a checkpoint (saved unsharded) or "
-        "after training ends (tfdist gathers them for the export).")
+        "step" + ("" if owner.all_local else
+                  " (read between steps only with every replica in one "
+                  "process)") + ". Read the weights from a checkpoint "
+        "(saved unsharded) or after training ends (tfdist gathers them "
+        "for the export).")
   return initializer
 
 
@@ -130,6 +143,10 @@ class Zero3Optimizer(sharded_optimizer.ShardedOptimizer):
   def __init__(self, **kwargs):
     super().__init__(**kwargs)
     self.model = None
+    # Every replica in this process: released weights read and written
+    # between steps through the local shards.
+    self.all_local = (len(self.replica_ids) ==
+                      self.strategy.num_replicas_in_sync)
     self.materialized = False
     flat = self.layout.flatten([v.value for v in self.variables]).numpy()
     size = self.layout.shard_size
@@ -149,7 +166,7 @@ class Zero3Optimizer(sharded_optimizer.ShardedOptimizer):
     variable._save_slice_info = types.SimpleNamespace(
         full_name=variable._shared_name)
     variable._value = None
-    variable._initializer = _released(variable.path)
+    variable._initializer = _released(variable.path, self, index)
     owner = self
 
     def serialize(self_):
@@ -160,8 +177,19 @@ class Zero3Optimizer(sharded_optimizer.ShardedOptimizer):
       del self_
       return owner.restore_weight(index, restored[_VARIABLE_VALUE])
 
+    def direct_assign(self_, value):
+      # `variable.assign` outside a step (`set_weights`, a callback
+      # restoring its best weights): into the shards.
+      del self_
+      if not (tf.executing_eagerly() and owner.all_local):
+        raise WeightsShardedError(
+            f"{variable.path} is sharded (--zero_stage=3): assign it in "
+            "eager code of a one-process run, or restore a checkpoint.")
+      owner.restore_weight(index, value)
+
     variable._serialize_to_tensors = types.MethodType(serialize, variable)
     variable._restore_from_tensors = types.MethodType(restore, variable)
+    variable._direct_assign = types.MethodType(direct_assign, variable)
     # pylint: enable=protected-access
 
   def attach(self, trainer) -> None:
@@ -314,7 +342,7 @@ class Zero3Optimizer(sharded_optimizer.ShardedOptimizer):
         variable._initializer = None
         variable._initialize(value)
         for name in ("_serialize_to_tensors", "_restore_from_tensors",
-                     "_save_slice_info"):
+                     "_save_slice_info", "_direct_assign"):
           variable.__dict__.pop(name, None)
         # pylint: enable=protected-access
     self.materialized = True
