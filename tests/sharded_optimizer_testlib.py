@@ -267,7 +267,8 @@ def mirrored_child(train_glob: str) -> dict:
   single = tf.distribute.MirroredStrategy(["/cpu:0"])
   return {"mirrored": guarded(lambda: run_cases(
       mirrored, train_glob, MIRRORED_CASES, scratch=testutil.scratch_dir(),
-      chain_stages=(0, 1, 2, 0), single_replica=single))}
+      fp16_stages=(1, 2, 3), chain_stages=(0, 1, 2, 0),
+      single_replica=single))}
 
 
 def worker_main(out_dir: str, train_glob: str):
