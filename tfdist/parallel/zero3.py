@@ -56,7 +56,7 @@ optimizers that need a whole variable (LAMB, as stages 1-2).
 """
 
 import types
-from typing import Dict, List
+from typing import List
 
 import keras
 import numpy as np
@@ -222,9 +222,11 @@ class Zero3Optimizer(sharded_optimizer.ShardedOptimizer):
 
     trainer._replica_eval_step = eval_step  # pylint: disable=protected-access
 
-  def state_bytes_per_replica(self) -> int:
-    """Stage 1's sharded state plus the weight shard (S float32)."""
-    return super().state_bytes_per_replica() + 4 * self.layout.shard_size
+  def weight_bytes_per_replica(self) -> int:
+    """The weight shard one replica keeps (S float32), beside
+    `state_bytes_per_replica` (the optimizer's and accumulators' shards,
+    as stages 1-2 count them for `tfdist.training.memory`)."""
+    return 4 * self.layout.shard_size
 
   # --- replica context ------------------------------------------------------
   def _replica_shard(self) -> tf.Tensor:
@@ -364,15 +366,6 @@ def state_variables(model: keras.Model, trainer) -> list:
   released = {id(v) for v in sharded.variables}
   return ([v for v in model.variables if id(v) not in released] +
           list(sharded.master.values))
-
-
-def per_replica_bytes(trainer) -> Dict[str, int]:
-  """What one replica keeps between steps under stage 3: `weights` (the
-  shard, S float32) and `optimizer` (its optimizer copy's variables)."""
-  sharded = trainer.sharded
-  return {"weights": 4 * sharded.layout.shard_size,
-          "optimizer": sharded.state_bytes_per_replica() -
-                       4 * sharded.layout.shard_size}
 
 
 sharded_optimizer.register_stage(STAGE, Zero3Optimizer)
