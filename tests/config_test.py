@@ -58,6 +58,10 @@ class TrainConfigTest(parameterized.TestCase):
     with self.assertRaisesRegex(ConfigError, "--optimizer=lamb cannot"):
       TrainConfig(shard_parameters=True, optimizer="lamb", **base)
     with self.assertRaisesRegex(ConfigError,
+                                "--zero_stage=3 cannot shard "
+                                "--model=transformer's embedding"):
+      TrainConfig(zero_stage=3, dataset="clothing_reviews", **base)
+    with self.assertRaisesRegex(ConfigError,
                                 "--distribution_strategy=parameter_server"):
       TrainConfig(zero_stage=3, distribution_strategy="parameter_server",
                   **base)
