@@ -28,6 +28,7 @@ import portpicker
 import tensorflow as tf
 
 from tests import testutil
+from tfdist import errors
 from tfdist.observability import profiling
 from tfdist.observability import run_log as run_log_lib
 from tfdist.runtime import preemption
@@ -317,7 +318,7 @@ class ControllerTest(parameterized.TestCase):
     controller = self._controller(
         runner, total=20, per_epoch=5, log=100, keeper=keeper,
         callbacks=[recorder, csv, keras.callbacks.TerminateOnNaN()])
-    with self.assertRaisesRegex(run_log_lib.DivergenceError,
+    with self.assertRaisesRegex(errors.TrainingDivergedError,
                                 r"at step 7 \(in steps 6-7\).*ckpt-5"):
       controller.run()
     self.assertEqual(hooks[-5:], [
@@ -346,7 +347,7 @@ class ControllerTest(parameterized.TestCase):
 
   def test_divergence_is_one_clear_error(self):
     runner = FakeRunner(self.step, loss_at=lambda s: float("inf"))
-    with self.assertRaisesRegex(run_log_lib.DivergenceError,
+    with self.assertRaisesRegex(errors.TrainingDivergedError,
                                 "diverged at step 5.*--base_learning_rate"):
       self._controller(runner).run()
 
@@ -360,7 +361,7 @@ class ControllerTest(parameterized.TestCase):
         os.kill(os.getpid(), signal.SIGTERM)
 
     runner = FakeRunner(self.step, max_steps_per_call=2, on_step=signal_at)
-    with self.assertRaises(preemption.PreemptedError) as caught:
+    with self.assertRaises(errors.PreemptedError) as caught:
       self._controller(runner, preemption_watcher=watcher).run()
     # The signal reached the host after step 4; the next chunk (up to the
     # log point at 5) carried it, so every worker stops after step 5, with a
@@ -383,7 +384,7 @@ class ControllerTest(parameterized.TestCase):
               output.signals, stop_signal=True))
         return output
 
-    with self.assertRaises(preemption.PreemptedError) as caught:
+    with self.assertRaises(errors.PreemptedError) as caught:
       self._controller(PeerRunner(self.step, max_steps_per_call=2),
                        preemption_watcher=watcher).run()
     self.assertEqual(caught.exception.step, 4)
@@ -441,7 +442,7 @@ class ActionsTest(absltest.TestCase):
   def test_a_non_finite_state_is_not_saved_but_diverged(self):
     action = controller_lib.SaveCheckpoint(self.saver, self.options)
     self.weight.assign(float("nan"))
-    with self.assertRaisesRegex(run_log_lib.DivergenceError,
+    with self.assertRaisesRegex(errors.TrainingDivergedError,
                                 "diverged at step 8.*starts from step 0"):
       action(self._state(8), _output())
 
@@ -456,7 +457,7 @@ class ActionsTest(absltest.TestCase):
     action(self._state(4), _output())
     self.weight.assign(float("nan"))  # A NaN the loss did not show.
     with self.assertRaisesRegex(
-        run_log_lib.DivergenceError,
+        errors.TrainingDivergedError,
         r"diverged at step 8: the model or optimizer state holds NaN or "
         r"infinite values\. The training data is the likely cause: the "
         r"batch of step 6 on this worker holds 1 NaN in its features\. "
@@ -468,7 +469,7 @@ class ActionsTest(absltest.TestCase):
     action = controller_lib.DivergenceCheck(self.saver)
     self.weight.assign(float("nan"))
     action(self._state(3), _output(loss=1.0))  # A finite loss: no check.
-    with self.assertRaisesRegex(run_log_lib.DivergenceError,
+    with self.assertRaisesRegex(errors.TrainingDivergedError,
                                 r"at step 6 \(in steps 4-6\): the training "
                                 "loss is nan"):
       action(self._state(6, first_step=3), _output(loss=float("nan")))
@@ -539,7 +540,7 @@ class ActionsTest(absltest.TestCase):
     action.before_steps(state)
     self.assertFalse(state.stop_signal)
     action(state, _output())  # No signal: nothing.
-    with self.assertRaises(preemption.PreemptedError) as caught:
+    with self.assertRaises(errors.PreemptedError) as caught:
       action(state, _output(stop_signal=True))
     self.assertEqual(caught.exception.step, 3)
     self.assertTrue(caught.exception.checkpoint.endswith("ckpt-3"))
@@ -569,7 +570,7 @@ class ActionsTest(absltest.TestCase):
     self.assertEqual(state.saved, state.preempted)
     self.assertEqual(ended, [])
     state.saved = "resaved-after-on_epoch_end"
-    with self.assertRaises(preemption.PreemptedError) as caught:
+    with self.assertRaises(errors.PreemptedError) as caught:
       after(state, _output(stop_signal=True))
     self.assertEqual((caught.exception.step, caught.exception.checkpoint),
                      (step, "resaved-after-on_epoch_end"))
@@ -708,7 +709,7 @@ class RealRunnersTest(absltest.TestCase):
     runner = step_runner.LocalStepRunner(trainer=trainer,
                                          iterator_fn=iterator_fn)
     with self.assertRaisesRegex(
-        run_log_lib.DivergenceError,
+        errors.TrainingDivergedError,
         r"at step 7 \(in steps 6-7\): the training loss is nan .* The "
         r"training data is the likely cause: the batch of step 7 on this "
         r"worker holds 1 NaN in its features \(rows \[2\] of replica 0's "

@@ -3,12 +3,13 @@
 from absl.testing import absltest
 from absl.testing import parameterized
 
+from tfdist import errors
 from tfdist.cloud import job_plan
 from tfdist.config import TrainConfig
 from tfdist.distribute.strategy_kind import StrategyKind
 
 JobPlan = job_plan.JobPlan
-JobSpecError = job_plan.JobSpecError
+JobSpecError = errors.JobSpecError
 
 
 class JobPlanTest(parameterized.TestCase):

@@ -294,17 +294,17 @@ class Checkpoints:
     """Saves step `step`; returns the path.
 
     Raises:
-      tfdist.observability.run_log.DivergenceError: the state holds NaN or
+      tfdist.errors.TrainingDivergedError: the state holds NaN or
         infinite values (nothing is saved).
     """
     try:
       return self.keeper.save(step)
-    except checkpointing.NonFiniteStateError as e:
+    except errors.NonFiniteStateError as e:
       raise self.diverged(None, step, "the model or optimizer state holds "
                           "NaN or infinite values") from e
 
   def diverged(self, first: Optional[int], step: int,
-               what: str) -> run_log_lib.DivergenceError:
+               what: str) -> errors.TrainingDivergedError:
     """The one divergence error: what went wrong, where, the last good
     checkpoint (kept: nothing was saved after it) and what to change.
 
@@ -338,7 +338,7 @@ class Checkpoints:
       advice = run_log_lib.divergence_advice(
           loss_scaled=self.loss_scale() is not None,
           learning_rate=self.learning_rate()).rstrip(".")
-    return run_log_lib.DivergenceError(
+    return errors.TrainingDivergedError(
         f"Training diverged {where}: {what}. {advice}. "
         f"{self.kept_and_rerun()}")
 
@@ -555,8 +555,8 @@ class TrainLog(Action):
           skipped_steps=monitor.take_interval(),
           total_skipped=monitor.total_skipped,
           hold=self.evaluates and _evaluation_due(self.options, state))
-    except run_log_lib.DivergenceError as e:
-      raise run_log_lib.DivergenceError(
+    except errors.TrainingDivergedError as e:
+      raise errors.TrainingDivergedError(
           f"{e} {self.checkpoints.kept_and_rerun()}") from e
 
 
@@ -926,7 +926,7 @@ class Controller:
       without an `evaluate` function.
 
     Raises:
-      tfdist.observability.run_log.DivergenceError: the evaluation loss is not
+      tfdist.errors.TrainingDivergedError: the evaluation loss is not
         finite, nor the model's state (while the state is finite, a warning
         names the evaluation data and training goes on).
     """
@@ -969,14 +969,14 @@ class Controller:
 
     Raises:
       ValueError: an evaluation-only controller (no runner or checkpoints).
-      tfdist.runtime.preemption.PreemptedError: a stop signal reached this or
+      tfdist.errors.PreemptedError: a stop signal reached this or
         another worker; a checkpoint at the step every worker stopped at was
         saved first.
-      tfdist.observability.run_log.DivergenceError: the training loss (checked
+      tfdist.errors.TrainingDivergedError: the training loss (checked
         after every chunk of steps) or the state to be saved (checked before
         every checkpoint) became NaN or infinite; nothing was saved after the
         last good checkpoint, which the message names.
-      tfdist.distribute.parameter_server.ParameterServerError: (coordinator
+      tfdist.errors.ParameterServerError: (coordinator
         runner) a ps task was lost.
     """
     if self.runner is None or self.checkpoints is None:
@@ -1033,7 +1033,7 @@ class Controller:
     for index, action in enumerate(self.actions):
       try:
         action(state, output)
-      except run_log_lib.DivergenceError:
+      except errors.TrainingDivergedError:
         self._wind_down(state, output, self.actions[index + 1:])
         raise
 
