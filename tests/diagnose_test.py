@@ -422,6 +422,24 @@ class PlanTest(absltest.TestCase):
     self.assertIn("ZeRO stage 1 is not needed at this size", text)
     self.assertEqual(result["layout"], [line for line in text.splitlines()
                                         if line.startswith("ZeRO")])
+    # Every layout side by side for 2 replicas on this host's memory; the
+    # CNN's state fits whole, so plain data parallelism is recommended.
+    layouts = result["layouts"]
+    self.assertEqual([row["layout"] for row in layouts["rows"]],
+                     ["data parallel", "ZeRO 1", "ZeRO 2", "ZeRO 3",
+                      "pipeline", "tensor parallel"])
+    rows = {row["layout"]: row for row in layouts["rows"]}
+    self.assertEqual(rows["data parallel"]["devices"], 2)
+    self.assertGreater(rows["data parallel"]["activations_bytes"], 0)
+    self.assertLess(rows["ZeRO 3"]["per_device_bytes"],
+                    rows["ZeRO 1"]["per_device_bytes"])
+    self.assertLess(rows["ZeRO 1"]["optimizer_bytes"],
+                    rows["data parallel"]["optimizer_bytes"])
+    self.assertIn("--pipeline_stages=2", rows["pipeline"]["flags"])
+    # The CNN has no attention or feed-forward pair to split.
+    self.assertFalse(rows["tensor parallel"]["available"])
+    self.assertEqual(layouts["recommended"], "data parallel")
+    self.assertIn("Recommended layout: data parallel (no extra flags)", text)
     # Nothing trained: no run folder, and seconds (flags parsed, the model
     # built once for its estimate), not a measured run.
     self.assertFalse(os.path.exists(root))
