@@ -182,7 +182,8 @@ class LayoutTableTest(absltest.TestCase):
     self.assertEqual(rows["ZeRO 3"].activations_bytes, 8 << 20)
     self.assertEqual(rows["pipeline"].activations_bytes, 16 << 20)
     self.assertEqual(rows["pipeline"].flags,
-                     "--pipeline_stages=2 --num_microbatches=2")
+                     "--distribution_strategy=one_device --pipeline_stages=2"
+                     " --num_microbatches=2")
     self.assertEqual(rows["tensor parallel"].activations_bytes, 32 << 20)
     self.assertTrue(all(r.fits for r in choice.rows))
     text = choice.render()
@@ -237,7 +238,17 @@ class LayoutTableTest(absltest.TestCase):
     # Without ZeRO (an unshardable optimizer), the pipeline.
     self.assertEqual(self.table(estimate, optimizer="lamb",
                                 capacity_bytes=15 * _GIB).recommended.flags,
-                     "--pipeline_stages=3 --num_microbatches=3")
+                     "--distribution_strategy=one_device --pipeline_stages=3"
+                     " --num_microbatches=3")
+
+  def test_a_refused_layout_is_shown_but_not_recommended(self):
+    choice = self.table(_adam_state(8), capacity_bytes=15 * _GIB,
+                        refused={"ZeRO 3": "--zero_stage=3 is not offered"})
+    zero3 = self.rows(choice)["ZeRO 3"]
+    self.assertFalse(zero3.available)
+    self.assertEqual(zero3.per_device_bytes, 8 * _GIB)
+    self.assertIn("n/a: --zero_stage=3 is not offered", choice.render())
+    self.assertEqual(choice.recommended.layout, "pipeline")
 
   def test_gradient_accumulators_are_what_zero_2_adds(self):
     rows = self.rows(self.table(_adam_state(2), gradient_accumulation=True))
@@ -269,7 +280,7 @@ class LayoutTableTest(absltest.TestCase):
       self.assertFalse(rows[name].available, name)
     self.assertIsNone(choice.recommended)
     rows = self.rows(self.table(_adam_state(1), tensor_parallel_bytes=_GIB))
-    self.assertIn("only as a library", rows["tensor parallel"].note)
+    self.assertIn("no tfdist.train flag", rows["tensor parallel"].note)
     rows = self.rows(self.table(_adam_state(1)))
     self.assertIn("no layer of this model can be split",
                   rows["tensor parallel"].note)

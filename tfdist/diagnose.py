@@ -1360,8 +1360,23 @@ def layout_choice(sizes: ModelSizes, fitted: "_FittedModel",
       num_microbatches=(facts.num_microbatches
                         if facts.pipeline_stages > 1 else 0),
       pipeline_schedule=facts.pipeline_schedule,
+      # tfdist.train has no tensor-parallel flag: the row shows what the
+      # layers would save, and is never recommended.
       tensor_parallel_bytes=sizes.tensor_parallel_bytes,
-      tensor_parallel_flag=facts.tensor_parallel_flag(devices))
+      refused=_refused_layouts())
+
+
+def _refused_layouts() -> dict:
+  """Layouts this tfdist's configuration refuses whatever the run, with
+  the first sentence of the refusal: ZeRO stage 3 where it is not offered
+  (a config of Mirrored replicas with `--zero_stage=3`, checked)."""
+  from tfdist import config as config_lib  # pylint: disable=g-import-not-at-top
+  try:
+    config_lib.TrainConfig(model_dir="/tmp/tfdist-diagnose", zero_stage=3,
+                           distribution_strategy="mirrored")
+  except ConfigError as e:
+    return {"ZeRO 3": str(e).split(":")[0]}
+  return {}
 
 
 def _model_dir_flag(train_args: Sequence[str]) -> Optional[str]:
@@ -1398,7 +1413,6 @@ class TrainFacts:
     pipeline_schedule: `--pipeline_schedule`.
     global_batch_size: `--batch_size` (0: the plan's).
     gradient_accumulation_steps: `--gradient_accumulation_steps`.
-    model: `--model`.
   """
   optimizer: str
   zero_stage: int
@@ -1409,13 +1423,6 @@ class TrainFacts:
   pipeline_schedule: str = "gpipe"
   global_batch_size: int = 0
   gradient_accumulation_steps: int = 1
-  model: str = ""
-
-  def tensor_parallel_flag(self, devices: int) -> str:
-    """The flag that splits this model over `devices` replicas, or "" when
-    `tfdist.train` offers none for it."""
-    del devices
-    return ""
 
 
 def _train_facts(config) -> TrainFacts:
@@ -1431,8 +1438,7 @@ def _train_facts(config) -> TrainFacts:
                                               "gpipe") or "gpipe",
                     global_batch_size=int(config.batch_size or 0),
                     gradient_accumulation_steps=int(
-                        config.gradient_accumulation_steps or 1),
-                    model=config.model or "")
+                        config.gradient_accumulation_steps or 1))
 
 
 def _measured_args(train_args: Sequence[str], given: set, *, steps: int,

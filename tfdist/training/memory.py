@@ -477,7 +477,8 @@ def layout_table(estimate: ModelMemory, *, num_devices: int,
                  optimizer: str = "", gradient_accumulation: bool = False,
                  num_microbatches: int = 0, pipeline_schedule: str = "gpipe",
                  tensor_parallel_bytes: int = 0,
-                 tensor_parallel_flag: str = "") -> LayoutChoice:
+                 tensor_parallel_flag: str = "",
+                 refused: Optional[Dict[str, str]] = None) -> LayoutChoice:
   """Per-device bytes of every layout on `num_devices` devices, side by side.
 
   With S = weights + gradients + optimizer state (`estimate`), T the
@@ -526,6 +527,8 @@ def layout_table(estimate: ModelMemory, *, num_devices: int,
     tensor_parallel_flag: the flag that turns tensor parallelism on for this
       model; empty: unavailable (the layers exist only as a library,
       `tfdist.parallel.tensor_parallel`).
+    refused: layouts (`LAYOUTS` names) that this tfdist refuses, with the
+      reason: shown, never recommended.
 
   Returns:
     A `LayoutChoice`.
@@ -583,7 +586,9 @@ def layout_table(estimate: ModelMemory, *, num_devices: int,
     m = num_microbatches or p
     in_flight = m if pipeline_schedule == "gpipe" else min(p, m)
     act = _ceil_div(a * global_batch_size * in_flight, p * m)
+    # Pipelines run in one process, without data parallelism.
     return row("pipeline",
+               "--distribution_strategy=one_device "
                f"--pipeline_stages={p} --num_microbatches={m}", p,
                _ceil_div(weights, p), _ceil_div(grads + accumulators, p),
                _ceil_div(opt, p), act, n > 1, one)
@@ -600,9 +605,13 @@ def layout_table(estimate: ModelMemory, *, num_devices: int,
   tp_opt = opt - _ceil_div(opt * share * (n - 1), n)
   tp_note = one or ("no layer of this model can be split" if not split else
                     "" if tensor_parallel_flag else
-                    "only as a library (tfdist.parallel.tensor_parallel)")
+                    "no tfdist.train flag: a library "
+                    "(tfdist.parallel.tensor_parallel)")
   rows.append(row("tensor parallel", tensor_parallel_flag, n, tp_weights,
                   tp_grads, tp_opt, a * global_batch_size, not tp_note,
                   tp_note))
+  for name, reason in (refused or {}).items():
+    rows = [dataclasses.replace(r, available=False, fits=False, note=reason)
+            if r.layout == name and r.available else r for r in rows]
   recommended = next((r for r in rows if r.fits), None)
   return LayoutChoice(tuple(rows), recommended, int(capacity_bytes))
