@@ -540,6 +540,8 @@ class DiagnoseBinaryTest(absltest.TestCase):
     # One process: no cluster advice.
     self.assertNotIn("--pin_workers", out.split("Verdict: ")[1])
     self.assertIn("Model state per replica: parameters", out)
+    # Every layout side by side after the measured runs too.
+    self.assertIn("Recommended layout: data parallel (no extra flags)", out)
     # tfdist.runtime.allocator's malloc settings, on by default, read back from
     # both runs' manifests.
     self.assertIn("malloc tuning on;", out)
@@ -550,6 +552,7 @@ class DiagnoseBinaryTest(absltest.TestCase):
     self.assertTrue(result["model_fit"]["fits"])
     self.assertTrue(result["requested"]["malloc_tuning"])
     self.assertEqual(result["verdict"]["label"], "compute-bound")
+    self.assertEqual(result["layouts"]["recommended"], "data parallel")
     # The manifest's model estimate is the same as the diagnosis's own.
     self.assertEqual(result["requested"]["model_memory"],
                      result["model_memory"])

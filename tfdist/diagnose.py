@@ -1347,9 +1347,8 @@ def layout_choice(sizes: ModelSizes, fitted: "_FittedModel",
   """
   replicas = plan.num_replicas or 1
   devices = max(replicas, facts.pipeline_stages)
-  per_replica = plan.per_replica_batch_size or facts.global_batch_size
-  global_batch = (per_replica * replicas if plan.per_replica_batch_size
-                  else facts.global_batch_size) or 1
+  global_batch = ((plan.per_replica_batch_size or 0) * replicas or
+                  facts.global_batch_size or 1)
   return memory.layout_table(
       sizes.estimate, num_devices=devices,
       capacity_bytes=fitted.fit.capacity_bytes,
