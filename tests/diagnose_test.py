@@ -423,6 +423,24 @@ class PlanTest(absltest.TestCase):
     self.assertIn("ZeRO stage 1 is not needed at this size", text)
     self.assertEqual(result["layout"], [line for line in text.splitlines()
                                         if line.startswith("ZeRO")])
+    # Every layout side by side for 2 replicas on this host's memory; the
+    # CNN's state fits whole, so plain data parallelism is recommended.
+    layouts = result["layouts"]
+    self.assertEqual([row["layout"] for row in layouts["rows"]],
+                     ["data parallel", "ZeRO 1", "ZeRO 2", "ZeRO 3",
+                      "pipeline", "tensor parallel"])
+    rows = {row["layout"]: row for row in layouts["rows"]}
+    self.assertEqual(rows["data parallel"]["devices"], 2)
+    self.assertGreater(rows["data parallel"]["activations_bytes"], 0)
+    self.assertLess(rows["ZeRO 3"]["per_device_bytes"],
+                    rows["ZeRO 1"]["per_device_bytes"])
+    self.assertLess(rows["ZeRO 1"]["optimizer_bytes"],
+                    rows["data parallel"]["optimizer_bytes"])
+    self.assertIn("--pipeline_stages=2", rows["pipeline"]["flags"])
+    # The CNN has no attention or feed-forward pair to split.
+    self.assertFalse(rows["tensor parallel"]["available"])
+    self.assertEqual(layouts["recommended"], "data parallel")
+    self.assertIn("Recommended layout: data parallel (no extra flags)", text)
     # Nothing trained: no run folder, and seconds (flags parsed, the model
     # built once for its estimate), not a measured run.
     self.assertFalse(os.path.exists(root))
@@ -523,6 +541,8 @@ class DiagnoseBinaryTest(absltest.TestCase):
     # One process: no cluster advice.
     self.assertNotIn("--pin_workers", out.split("Verdict: ")[1])
     self.assertIn("Model state per replica: parameters", out)
+    # Every layout side by side after the measured runs too.
+    self.assertIn("Recommended layout: data parallel (no extra flags)", out)
     # tfdist.runtime.allocator's malloc settings, on by default, read back from
     # both runs' manifests.
     self.assertIn("malloc tuning on;", out)
@@ -533,6 +553,7 @@ class DiagnoseBinaryTest(absltest.TestCase):
     self.assertTrue(result["model_fit"]["fits"])
     self.assertTrue(result["requested"]["malloc_tuning"])
     self.assertEqual(result["verdict"]["label"], "compute-bound")
+    self.assertEqual(result["layouts"]["recommended"], "data parallel")
     # The manifest's model estimate is the same as the diagnosis's own.
     self.assertEqual(result["requested"]["model_memory"],
                      result["model_memory"])

@@ -20,7 +20,10 @@ Everything after `--` is `tfdist.train` flags. The diagnosis:
    and optimizer state (`tfdist.training.memory`), and whether every replica's
    copy fits the device's memory under data parallelism (which strategy fits if
    not); for a sharded layout (ZeRO), whether it is needed at this size and
-   what it costs in traffic (`layout_notes`);
+   what it costs in traffic (`layout_notes`); and every layout side by side
+   (`layout_choice`: plain data parallelism, ZeRO 1/2/3, pipeline stages,
+   tensor parallelism; state and activations per device) with the cheapest
+   that fits recommended with its flags;
 3. runs the requested configuration and a single-device baseline
    (`one_device`, the same model, data and per-replica batch) as child
    processes of `tfdist.train` (through `tfdist.launch` for a local cluster,
@@ -830,9 +833,36 @@ def baseline_dropped(train_args: Sequence[str]) -> List[str]:
   return split_flags(train_args, MULTI_REPLICA_FLAGS)[1]
 
 
+@dataclasses.dataclass(frozen=True)
+class ModelSizes:
+  """What the layout table needs of a model, read from one build.
+
+  Attributes:
+    estimate: its unsharded `memory.ModelMemory` (one replica).
+    activation_bytes_per_example: its layers' outputs for one example, in
+      their compute dtype (`memory.activation_bytes_per_example`).
+    tensor_parallel_bytes: bytes of the weights tensor-parallel layers
+      would split (0: none can be split).
+  """
+  estimate: memory.ModelMemory
+  activation_bytes_per_example: int = 0
+  tensor_parallel_bytes: int = 0
+
+
 def model_memory_of(config) -> memory.ModelMemory:
   """Builds `config`'s model and optimizer on this host (no data, no
   strategy) and returns their `ModelMemory`.
+
+  Raises:
+    ConfigError: an unknown model or data set
+      (`tfdist.training.task.from_names`).
+  """
+  return model_sizes_of(config).estimate
+
+
+def model_sizes_of(config) -> ModelSizes:
+  """`model_memory_of`, with the model's activations per example and the
+  bytes tensor parallelism would split (`ModelSizes`).
 
   Raises:
     ConfigError: an unknown model or data set
@@ -859,7 +889,11 @@ def model_memory_of(config) -> memory.ModelMemory:
     optimizer = assembly.run_optimizer(options,
                                        lr_schedule.ConstantLearningRate(0.1))
     optimizer.build(model.trainable_variables)
-    return memory.estimate_model_memory(model, optimizer)
+    from tfdist.parallel import tensor_parallel  # pylint: disable=g-import-not-at-top
+    return ModelSizes(
+        memory.estimate_model_memory(model, optimizer),
+        memory.activation_bytes_per_example(model),
+        tensor_parallel.splittable_weight_bytes(model))
   finally:
     keras.mixed_precision.set_dtype_policy("float32")
 
@@ -1212,7 +1246,8 @@ def diagnose(train_args: Sequence[str], *, num_workers: int = 1,
   _say(out, plan.describe(repeats=repeats))
   facts = _train_facts(config)
   cores = len(os.sched_getaffinity(0))
-  estimate = model_memory_of(config)
+  sizes = model_sizes_of(config)
+  estimate = sizes.estimate
   gpu_bytes = device_memory_capacity()
   host_bytes = memory.host_memory_bytes()
   if plan_only:
@@ -1220,11 +1255,14 @@ def diagnose(train_args: Sequence[str], *, num_workers: int = 1,
                         num_replicas=plan.num_replicas or 1,
                         gpu_bytes=gpu_bytes, host_bytes=host_bytes)
     layout = _layout_notes(estimate, fitted, facts)
+    choice = layout_choice(sizes, fitted, facts, plan)
     _say(out, "\n".join([_model_state_line(fitted, facts), *layout,
-                         "Nothing measured (--plan_only)."]))
+                         "", "Layouts (per device, state and activations):",
+                         choice.render(), "Nothing measured (--plan_only)."]))
     return {"plan": _plan_record(plan), "model_memory":
             fitted.estimate.to_dict(),
-            "model_fit": dataclasses.asdict(fitted.fit), "layout": layout}
+            "model_fit": dataclasses.asdict(fitted.fit), "layout": layout,
+            "layouts": choice.to_dict()}
   keep = root is not None
   root = root or tempfile.mkdtemp(prefix="tfdist-diagnose-")
   try:
@@ -1242,6 +1280,7 @@ def diagnose(train_args: Sequence[str], *, num_workers: int = 1,
                      host_memory_bytes=host_bytes, cores=cores, pinned=pin,
                      cpu_bf16=cpu_has_bf16())
     result.notes.extend(_layout_notes(estimate, fitted, facts))
+    choice = layout_choice(sizes, fitted, facts, plan)
     rows = [r for r in (base, requested) if r is not None]
     runs_line = _runs_line(
         steps=steps if "train_steps" not in given else facts.train_steps,
@@ -1249,14 +1288,16 @@ def diagnose(train_args: Sequence[str], *, num_workers: int = 1,
         log_steps=facts.log_steps)
     report = ["", render_table(rows, base), "",
               _model_state_line(fitted, facts),
-              runs_line + _runs_folder_note(root, keep), "", result.render()]
+              runs_line + _runs_folder_note(root, keep), "",
+              "Layouts (per device, state and activations):",
+              choice.render(), "", result.render()]
     _say(out, "\n".join(report))
     return {**_run_records(requested, base, requested_runs + baseline_runs,
                            keep=keep),
             "model_memory": fitted.estimate.to_dict(),
             "model_fit": dataclasses.asdict(fitted.fit), "cores": cores,
             "pinned": pin, "verdict": result.to_dict(),
-            "plan": _plan_record(plan)}
+            "plan": _plan_record(plan), "layouts": choice.to_dict()}
   except errors.DiagnoseError:
     # The failed run's log, which the message names, stays.
     keep = True
@@ -1292,6 +1333,50 @@ def _layout_notes(estimate: memory.ModelMemory, fitted: "_FittedModel",
       num_microbatches=facts.num_microbatches)
 
 
+def layout_choice(sizes: ModelSizes, fitted: "_FittedModel",
+                  facts: "TrainFacts", plan: MeasurementPlan
+                  ) -> memory.LayoutChoice:
+  """Every layout's bytes per device for the run's model, batch, dtype and
+  devices, and the cheapest that fits (`memory.layout_table`).
+
+  The devices are the requested run's replicas in sync (its pipeline
+  stages, when it has more); the memory is one GPU's, or the host's that
+  CPU devices share; the global batch is the requested run's per-replica
+  batch times its replicas (per micro-step under gradient accumulation).
+  """
+  replicas = plan.num_replicas or 1
+  devices = max(replicas, facts.pipeline_stages)
+  global_batch = ((plan.per_replica_batch_size or 0) * replicas or
+                  facts.global_batch_size or 1)
+  return memory.layout_table(
+      sizes.estimate, num_devices=devices,
+      capacity_bytes=fitted.fit.capacity_bytes,
+      shared_memory=fitted.where == "host", global_batch_size=global_batch,
+      activation_bytes_per_example=sizes.activation_bytes_per_example,
+      optimizer=facts.optimizer,
+      gradient_accumulation=facts.gradient_accumulation_steps > 1,
+      num_microbatches=(facts.num_microbatches
+                        if facts.pipeline_stages > 1 else 0),
+      pipeline_schedule=facts.pipeline_schedule,
+      # tfdist.train has no tensor-parallel flag: the row shows what the
+      # layers would save, and is never recommended.
+      tensor_parallel_bytes=sizes.tensor_parallel_bytes,
+      refused=_refused_layouts())
+
+
+def _refused_layouts() -> dict:
+  """Layouts this tfdist's configuration refuses whatever the run, with
+  the first sentence of the refusal: ZeRO stage 3 where it is not offered
+  (a config of Mirrored replicas with `--zero_stage=3`, checked)."""
+  from tfdist import config as config_lib  # pylint: disable=g-import-not-at-top
+  try:
+    config_lib.TrainConfig(model_dir="/tmp/tfdist-diagnose", zero_stage=3,
+                           distribution_strategy="mirrored")
+  except errors.ConfigError as e:
+    return {"ZeRO 3": str(e).split(":")[0]}
+  return {}
+
+
 def _model_dir_flag(train_args: Sequence[str]) -> Optional[str]:
   """The value of `--model_dir=DIR` among `train_args`, or None."""
   return next((a.split("=", 1)[1] for a in train_args
@@ -1323,6 +1408,9 @@ class TrainFacts:
     log_steps: `--log_steps` (the measurement interval, steps).
     pipeline_stages: `--pipeline_stages` (1: none).
     num_microbatches: the micro-batches per step of a pipelined run.
+    pipeline_schedule: `--pipeline_schedule`.
+    global_batch_size: `--batch_size` (0: the plan's).
+    gradient_accumulation_steps: `--gradient_accumulation_steps`.
   """
   optimizer: str
   zero_stage: int
@@ -1330,6 +1418,9 @@ class TrainFacts:
   log_steps: int
   pipeline_stages: int = 1
   num_microbatches: int = 1
+  pipeline_schedule: str = "gpipe"
+  global_batch_size: int = 0
+  gradient_accumulation_steps: int = 1
 
 
 def _train_facts(config) -> TrainFacts:
@@ -1340,7 +1431,12 @@ def _train_facts(config) -> TrainFacts:
                     train_steps=config.train_steps,
                     log_steps=config.log_steps, pipeline_stages=stages,
                     num_microbatches=int(getattr(config, "num_microbatches",
-                                                 None) or stages))
+                                                 None) or stages),
+                    pipeline_schedule=getattr(config, "pipeline_schedule",
+                                              "gpipe") or "gpipe",
+                    global_batch_size=int(config.batch_size or 0),
+                    gradient_accumulation_steps=int(
+                        config.gradient_accumulation_steps or 1))
 
 
 def _measured_args(train_args: Sequence[str], given: set, *, steps: int,

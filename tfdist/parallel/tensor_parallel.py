@@ -304,6 +304,51 @@ def load_full_weights(layer: keras.layers.Layer,
     _assign_full(variable, np.asarray(value))
 
 
+# The feed-forward pair of a block that `splittable_weight_bytes` counts:
+# `<block>_ff_in` column-parallel, `<block>_ff_out` row-parallel (the names
+# the built-in Transformer gives them, `models/transformer.py`).
+FEED_FORWARD_IN, FEED_FORWARD_OUT = "_ff_in", "_ff_out"
+
+
+def splittable_weight_bytes(model: keras.Model) -> int:
+  """Bytes of the weights of an unsharded model that tensor parallelism
+  would split (N replicas then hold 1/N of them each).
+
+  Counted: every `keras.layers.MultiHeadAttention` (its query, key and
+  value kernels and biases and its output kernel: all but the output
+  bias), and every `keras.layers.Dense` whose name ends in
+  `FEED_FORWARD_IN` (kernel and bias, split by columns) or
+  `FEED_FORWARD_OUT` (kernel, split by rows) when its block has both.
+
+  Args:
+    model: a built Keras model.
+
+  Returns:
+    Bytes (int), from shapes and dtypes; 0 when nothing can be split.
+  """
+  layers = {layer.name: layer
+            for layer in model._flatten_layers(include_self=False)}  # pylint: disable=protected-access
+  total = 0
+
+  def nbytes(variable):
+    return int(np.prod(variable.shape)) * tf.as_dtype(variable.dtype).size
+
+  for name, layer in layers.items():
+    if isinstance(layer, keras.layers.MultiHeadAttention):
+      weights = list(layer.weights)
+      # MultiHeadAttention's last weight is its output bias, kept whole.
+      if layer.use_bias:
+        weights = weights[:-1]
+      total += sum(nbytes(v) for v in weights)
+    elif (isinstance(layer, keras.layers.Dense) and
+          name.endswith(FEED_FORWARD_IN)):
+      partner = layers.get(name[:-len(FEED_FORWARD_IN)] + FEED_FORWARD_OUT)
+      if isinstance(partner, keras.layers.Dense):
+        total += sum(nbytes(v) for v in layer.weights)
+        total += nbytes(partner.kernel)
+  return total
+
+
 class _TensorParallelLayer(keras.layers.Layer):
   """Remembers the replica count the shards were made for."""
 
