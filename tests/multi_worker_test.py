@@ -17,6 +17,7 @@ import numpy as np
 
 from tests import multi_worker_testlib as testlib
 from tests import testutil
+from tfdist import errors
 
 TIMEOUT = 180
 
@@ -64,25 +65,25 @@ class StrategyOptionsTest(parameterized.TestCase):
     from tfdist import config as config_lib  # pylint: disable=g-import-not-at-top
     from tfdist.distribute import strategy as strategy_lib  # pylint: disable=g-import-not-at-top
     with self.assertRaisesRegex(
-        config_lib.ConfigError,
+        errors.ConfigError,
         r"--bytes_per_pack=1024 applies to multi_worker_mirrored, not "
         r"mirrored.*Drop --bytes_per_pack"):
       strategy_lib.make_strategy(strategy_lib.StrategyOptions(
           kind="mirrored", bytes_per_pack=1024))
-    with self.assertRaisesRegex(config_lib.ConfigError,
+    with self.assertRaisesRegex(errors.ConfigError,
                                 "--bytes_per_pack=-1 must be >= 0"):
       self._config(bytes_per_pack=-1)
     # In the config too, so that --dry_run refuses what the run would.
     for strategy in ("mirrored", "parameter_server", "tpu"):
       with self.assertRaisesRegex(
-          config_lib.ConfigError,
+          errors.ConfigError,
           rf"--bytes_per_pack=1024 applies to multi_worker_mirrored, not "
           rf"{strategy}"):
         config_lib.TrainConfig(model_dir="/tmp/x", train_steps=1,
                                distribution_strategy=strategy,
                                bytes_per_pack=1024)
     with self.assertRaisesRegex(
-        config_lib.ConfigError,
+        errors.ConfigError,
         r"--bytes_per_pack=1024 does not apply with --zero_stage=1"):
       self._config(bytes_per_pack=1024, zero_stage=1)
 
@@ -93,7 +94,7 @@ class StrategyOptionsTest(parameterized.TestCase):
       ("nccl_on_cpu", "nccl", "--all_reduce_alg=nccl needs GPUs"))
   def test_all_reduce_errors(self, alg, message):
     from tfdist import config as config_lib  # pylint: disable=g-import-not-at-top
-    with self.assertRaisesRegex(config_lib.ConfigError, message):
+    with self.assertRaisesRegex(errors.ConfigError, message):
       self._make(self._config(all_reduce_alg=alg))
 
   def test_ps_task_cannot_run_mirrored(self):
@@ -102,7 +103,7 @@ class StrategyOptionsTest(parameterized.TestCase):
                                         "ps": ["127.0.0.1:2"]},
                             "task": {"type": "ps", "index": 0}})
     with mock.patch.dict(os.environ, {"TF_CONFIG": tf_config}):
-      with self.assertRaisesRegex(config_lib.ConfigError,
+      with self.assertRaisesRegex(errors.ConfigError,
                                   "runs only on chief and worker tasks"):
         self._make(self._config())
 

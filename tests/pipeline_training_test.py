@@ -40,7 +40,7 @@ import tensorflow as tf  # pylint: disable=g-import-not-at-top
 from tfdist import api  # pylint: disable=g-import-not-at-top
 from tfdist import errors  # pylint: disable=g-import-not-at-top
 from tfdist import experiment  # pylint: disable=g-import-not-at-top
-from tfdist.config import ConfigError  # pylint: disable=g-import-not-at-top
+from tfdist import errors
 from tfdist.config import TrainConfig  # pylint: disable=g-import-not-at-top
 from tfdist.distribute import devices  # pylint: disable=g-import-not-at-top
 from tfdist.distribute import environment as environment_lib  # pylint: disable=g-import-not-at-top
@@ -293,7 +293,7 @@ class RefusalTest(absltest.TestCase):
 
   def _refused(self, message, builder=skip_model, **changes):
     model_dir = os.path.join(testutil.scratch_dir(), "run")
-    with self.assertRaisesRegex(ConfigError, message) as caught:
+    with self.assertRaisesRegex(errors.ConfigError, message) as caught:
       _fit(builder, model_dir=model_dir, **changes)
     self.assertEqual(errors.exit_code_for(caught.exception), 2)
     # Refused before any step: no checkpoint.

@@ -71,9 +71,12 @@ _install_sibling_finder()
 
 def __getattr__(name):
   # Imported lazily so `import tfdist` stays cheap (no TensorFlow import).
-  if name in ("TrainConfig", "ConfigError"):
+  if name == "TrainConfig":
     from tfdist import config  # pylint: disable=g-import-not-at-top
-    return getattr(config, name)
+    return config.TrainConfig
+  if name == "ConfigError":
+    from tfdist import errors  # pylint: disable=g-import-not-at-top
+    return errors.ConfigError
   if name == "DatasetSpec":
     from tfdist.data import dataset_spec  # pylint: disable=g-import-not-at-top
     return dataset_spec.DatasetSpec

@@ -23,7 +23,7 @@ from tfdist.backends import single_process
 from tfdist.distribute import devices as devices_lib
 from tfdist.distribute import strategy as strategy_lib
 from tfdist.distribute.strategy_kind import StrategyKind
-from tfdist.errors import ConfigError
+from tfdist import errors
 
 
 def stage_devices(num_stages: int, num_gpus: int = -1) -> List[str]:
@@ -42,7 +42,7 @@ def stage_devices(num_stages: int, num_gpus: int = -1) -> List[str]:
   if gpus:
     names = [d.name for d in tf.config.list_logical_devices("GPU")][:gpus]
     if len(names) < num_stages:
-      raise ConfigError(
+      raise errors.ConfigError(
           f"--pipeline_stages={num_stages} needs {num_stages} GPUs (stage i "
           f"runs on GPU i); this process sees {len(names)}. Lower "
           f"--pipeline_stages to {len(names)} or fewer, or pass "
@@ -53,7 +53,7 @@ def stage_devices(num_stages: int, num_gpus: int = -1) -> List[str]:
     try:
       devices_lib.configure_cpu_devices(num_stages)
     except RuntimeError as e:
-      raise ConfigError(
+      raise errors.ConfigError(
           f"--pipeline_stages={num_stages} needs {num_stages} logical CPU "
           f"devices, and TensorFlow already started with {len(cpus)}: "
           "run the pipeline in a fresh process, or call "
@@ -78,7 +78,7 @@ class PipelineBackend(single_process.OneDeviceBackend):
     del dataset
     gpus = base.local_accelerators(config.num_gpus)
     if 0 < gpus < config.pipeline_stages:
-      raise ConfigError(
+      raise errors.ConfigError(
           f"--pipeline_stages={config.pipeline_stages} needs "
           f"{config.pipeline_stages} GPUs (stage i runs on GPU i); this "
           f"host has {gpus}. Lower --pipeline_stages to {gpus} or fewer, or "

@@ -41,7 +41,7 @@ from typing import Optional, Tuple
 from absl import logging
 
 from tfdist.config import check_tpu_precision
-from tfdist.config import ConfigError
+from tfdist import errors
 from tfdist.config import TPU_DEFAULT_STEPS_PER_EXECUTION
 from tfdist.distribute import tpu as tpu_lib
 from tfdist.distribute.strategy_kind import StrategyKind
@@ -330,7 +330,7 @@ def probe_tpu(tpu: tpu_lib.TpuOptions, *, hints: Tuple[str, ...] = (),
   try:
     system = connect(address, zone=tpu.zone, project=tpu.project,
                      init_timeout=tpu.init_timeout)
-  except ConfigError as e:
+  except errors.ConfigError as e:
     why = f"--tpu={tpu.tpu}" if tpu.tpu else ", ".join(hints)
     logging.warning("auto: %s suggested a TPU, but: %s", why, e)
     return 0, address, f"{why} suggested a TPU but none answered"
@@ -439,7 +439,7 @@ def decision_changes(decision: Decision, *, tpu: str = "",
   """
   if (reduction_server and
       decision.strategy is not StrategyKind.MULTI_WORKER_MIRRORED):
-    raise ConfigError(
+    raise errors.ConfigError(
         "--reduction_server needs a multi-worker cluster under "
         f"multi_worker_mirrored, but this run resolved to {decision.strategy}"
         f" ({decision.strategy_reason}). Vertex AI sets CLUSTER_SPEC for a "

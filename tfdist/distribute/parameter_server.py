@@ -33,12 +33,10 @@ from typing import Optional, Tuple
 from absl import logging
 import tensorflow as tf
 
-from tfdist.config import ConfigError
+from tfdist import errors
 from tfdist.training import sharded_embedding
 from tfdist.training.done_marker import (  # noqa: F401
     DONE_MARKER, clear_done, done_marker, mark_done, marked_done_since)
-from tfdist.errors import (  # noqa: F401
-    ParameterServerError, ShardCountMismatchError)
 
 _partitioners = tf.distribute.experimental.partitioners
 
@@ -60,7 +58,7 @@ def cluster_resolver(cluster
   """
   spec = cluster.cluster_dict(("chief", "worker", "ps"))
   if not spec.get("ps") or not spec.get("worker"):
-    raise ConfigError(
+    raise errors.ConfigError(
         "--distribution_strategy=parameter_server needs a cluster with ps and "
         "worker tasks in TF_CONFIG or CLUSTER_SPEC (found jobs: "
         f"{', '.join(sorted(spec)) or 'none'}). Start the cluster with "
@@ -107,10 +105,11 @@ def make_partitioner(kind: str, *, num_ps: int, shard_bytes: int,
     ConfigError: unknown kind or non-positive sizes.
   """
   if num_ps <= 0:
-    raise ConfigError(f"A parameter-server cluster needs ps tasks; found "
-                      f"{num_ps}.")
+    raise errors.ConfigError(
+        f"A parameter-server cluster needs ps tasks; found "
+        f"{num_ps}.")
   if shard_bytes <= 0:
-    raise ConfigError(f"--ps_min_shard_bytes={shard_bytes} must be > 0.")
+    raise errors.ConfigError(f"--ps_min_shard_bytes={shard_bytes} must be > 0.")
   shards = max_shards or num_ps
   if kind == "none":
     return None
@@ -123,8 +122,9 @@ def make_partitioner(kind: str, *, num_ps: int, shard_bytes: int,
   elif kind == "fixed":
     inner = _partitioners.FixedShardsPartitioner(num_shards=shards)
   else:
-    raise ConfigError(f"--ps_partitioner={kind!r} is unknown. Use one of: "
-                      "min_size, fixed, max_size, none.")
+    raise errors.ConfigError(
+        f"--ps_partitioner={kind!r} is unknown. Use one of: "
+        "min_size, fixed, max_size, none.")
   return EmbeddingOnlyPartitioner(inner)
 
 
@@ -275,7 +275,7 @@ def check_shard_layout(checkpoint_dir: str, model):
   now = shard_layout(model)
   for layer, count in sorted(saved.items()):
     if layer in now and now[layer] != count:
-      raise ShardCountMismatchError(
+      raise errors.ShardCountMismatchError(
           f"The checkpoints in {checkpoint_dir} hold table {layer!r} in "
           f"{count} shard(s), but this cluster splits it into {now[layer]} "
           "shard(s). Restore with the same number of ps tasks and the same "

@@ -26,8 +26,7 @@ from absl import logging
 import keras
 import tensorflow as tf
 
-from tfdist.errors import ConfigError
-from tfdist.errors import PipelineConfigError
+from tfdist import errors
 from tfdist.parallel import pipeline as pipeline_lib
 from tfdist.parallel import pipeline_options
 from tfdist.training import custom_step
@@ -103,10 +102,10 @@ class PipelineStep:
 
 
 def _flag_error(options: pipeline_options.PipelineOptions,
-                error: PipelineConfigError) -> ConfigError:
+                error: errors.PipelineConfigError) -> errors.ConfigError:
   cuts = (f" --pipeline_cuts={','.join(options.cuts)}" if options.cuts
           else "")
-  return PipelineConfigError(
+  return errors.PipelineConfigError(
       f"--pipeline_stages={options.num_stages}{cuts}: {error}")
 
 
@@ -143,7 +142,7 @@ def build(model: keras.Model, options: pipeline_options.PipelineOptions, *,
       gradient_accumulation_steps=gradient_accumulation_steps)
   own_step = custom_step.overrides(model)
   if own_step:
-    raise PipelineConfigError(
+    raise errors.PipelineConfigError(
         f"--pipeline_stages={options.num_stages}: model {model.name!r} "
         f"defines its own step ({', '.join(own_step)}), which runs the "
         "whole model, not tfdist's pipelined step. Drop --pipeline_stages, "
@@ -151,7 +150,7 @@ def build(model: keras.Model, options: pipeline_options.PipelineOptions, *,
         "stages).")
   for layer in model._flatten_layers(include_self=False):  # pylint: disable=protected-access
     if getattr(layer, "activity_regularizer", None) is not None:
-      raise PipelineConfigError(
+      raise errors.PipelineConfigError(
           f"--pipeline_stages={options.num_stages}: layer {layer.name!r} "
           "has an activity regularizer, which the pipelined step does not "
           "add to the loss yet. Remove it (weight regularizers are "
@@ -169,7 +168,7 @@ def build(model: keras.Model, options: pipeline_options.PipelineOptions, *,
     pipe.check_step(micro_step_batch, options.num_microbatches,
                     options.schedule)
     placed = pipe.place_variables()
-  except PipelineConfigError as e:
+  except errors.PipelineConfigError as e:
     raise _flag_error(options, e) from None
   step = PipelineStep(pipe, options.num_microbatches, options.schedule)
   logging.info("Pipeline: %s; weight bytes per device %s\n%s",

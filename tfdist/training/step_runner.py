@@ -31,7 +31,8 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist.distribute import parameter_server
-from tfdist.errors import PeerLostError, first_line
+from tfdist import errors
+from tfdist.errors import first_line
 
 # Errors that mean a ps task (or the whole cluster) is gone.
 PS_LOST_ERRORS = (tf.errors.UnavailableError, tf.errors.AbortedError,
@@ -92,7 +93,7 @@ def peer_lost_error(error: Exception, *, after: str,
                     last_checkpoint: Optional[str],
                     own: Optional[Tuple[str, int]] = None,
                     addresses: Optional[Mapping[str, Sequence[str]]] = None
-                    ) -> PeerLostError:
+                    ) -> errors.PeerLostError:
   """The one error for a lost MultiWorkerMirrored peer, whatever noticed it.
 
   Args:
@@ -115,7 +116,7 @@ def peer_lost_error(error: Exception, *, after: str,
     names.append(f"{job} {index}" + (f" at {listed[index]}"
                                      if index < len(listed) else ""))
   who = (f"lost {', '.join(names)}" if names else "lost a peer worker")
-  return PeerLostError(
+  return errors.PeerLostError(
       f"MultiWorkerMirrored training {who} after {after}: "
       f"{type(error).__name__}: {first}. Every worker must take part in "
       "every step: restart the whole cluster (python -m tfdist.launch "
@@ -134,11 +135,11 @@ def ps_lost_error(error: Exception, *, after: str,
     last_checkpoint: the checkpoint a restart resumes from (None: step 0).
 
   Returns:
-    A `tfdist.distribute.parameter_server.ParameterServerError` to raise from
+    A `tfdist.errors.ParameterServerError` to raise from
     `error`.
   """
   first = first_line(error)
-  return parameter_server.ParameterServerError(
+  return errors.ParameterServerError(
       f"Parameter-server training lost a ps task (or the whole cluster) "
       f"after {after}: {type(error).__name__}: {first}. Worker failures are "
       "tolerated, ps failures are not: restart the cluster (python -m "
@@ -515,7 +516,7 @@ class CoordinatorStepRunner(StepRunner):
     the signals.
 
     Raises:
-      tfdist.distribute.parameter_server.ParameterServerError: a ps task (or the
+      tfdist.errors.ParameterServerError: a ps task (or the
         whole cluster) became unreachable; the message names the last
         checkpoint training will resume from.
     """
