@@ -170,6 +170,17 @@ class Backend:
     del config
     return 1, self.training_workers(cluster)
 
+  def assembly_options(self, options, *, choice):
+    """The run's `tfdist.training.assembly.AssemblyOptions` as this backend
+    needs them, once its strategy is built (default: unchanged).
+
+    Args:
+      options: the options made from the config.
+      choice: the `StrategyChoice` that `build_strategy` returned.
+    """
+    del choice
+    return options
+
   # -- Training ----------------------------------------------------------------
 
   def build_inputs(self, run) -> Tuple[Any, Optional[Callable[..., dict]],

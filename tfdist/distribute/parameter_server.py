@@ -285,7 +285,7 @@ def check_shard_layout(checkpoint_dir: str, model):
 
 # --- worker and ps tasks --------------------------------------------------
 def serve(model_dir: str, cluster, *, poll_seconds: float = 1.0,
-          grace_seconds: float = 30.0) -> int:
+          grace_seconds: float = 30.0, resolver=None) -> int:
   """Runs this worker or ps task's server until the chief marks the run done.
 
   On SIGTERM or SIGINT (a preemption reaches every task of a job at once)
@@ -301,13 +301,15 @@ def serve(model_dir: str, cluster, *, poll_seconds: float = 1.0,
     poll_seconds: how often to look for the marker.
     grace_seconds: after a stop signal, serve at most this long
       (`--preemption_grace_seconds`).
+    resolver: the cluster's resolver (default: its chief, worker and ps
+      tasks, `cluster_resolver`; a pipeline's has no ps tasks).
 
   Returns:
     The exit status: 0, or 128 + the signal when one arrived.
   """
   set_grpc_fail_fast()
   task_type, task_index = cluster.task_type, cluster.task_index
-  resolver = cluster_resolver(cluster)
+  resolver = resolver or cluster_resolver(cluster)
   server = tf.distribute.Server(
       resolver.cluster_spec(), job_name=task_type, task_index=task_index,
       protocol=resolver.rpc_layer or "grpc", start=True)

@@ -37,12 +37,16 @@ class PipelineOptions:
     cuts: layer names, each the first layer of a stage after the first;
       empty: balanced by weight and activation bytes.
     microbatches_defaulted: `--num_microbatches` was not given (M = P).
+    devices: the stages' device names, stage i on `devices[i]` (set by
+      the pipeline backend once its devices are known; empty: this
+      process's first P GPUs, else its logical CPU devices).
   """
   num_stages: int = 1
   num_microbatches: int = 1
   schedule: str = GPIPE
   cuts: Tuple[str, ...] = ()
   microbatches_defaulted: bool = False
+  devices: Tuple[str, ...] = ()
 
   @property
   def enabled(self) -> bool:

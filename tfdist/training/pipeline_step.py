@@ -160,6 +160,7 @@ def build(model: keras.Model, options: pipeline_options.PipelineOptions, *,
   try:
     pipe = pipeline_lib.split_model(
         model, options.num_stages, cuts=list(options.cuts) or None,
+        devices=list(options.devices) or None,
         # Balance weights and the activations of the micro-batches a stage
         # holds at once (M under GPipe, at most P under 1F1B).
         activation_examples=micro * (
