@@ -185,7 +185,10 @@ class AcrossWorkersTest(absltest.TestCase):
                      for a, b in zip(weights, unsplit))
     self.assertLess(difference, TOLERANCE)
     with open(os.path.join(out_dir, "run", "run_manifest.json")) as f:
-      stages = json.load(f)["one_device"]["pipeline_stages"]
+      manifest = json.load(f)
+    self.assertIn("stages on the 2 chief and worker tasks of the cluster",
+                  manifest["strategy_reason"])
+    stages = manifest["one_device"]["pipeline_stages"]
     self.assertEqual([s["device"] for s in stages],
                      ["/job:chief/replica:0/task:0/device:CPU:0",
                       "/job:worker/replica:0/task:0/device:CPU:0"])

@@ -130,8 +130,9 @@ def check_flags(*, pipeline_stages: int, num_microbatches: Optional[int],
         "combined with data parallelism need each stage's gradients "
         "all-reduced across that stage's copies only, and TensorFlow has "
         "no public sub-group collectives. Use --distribution_strategy=auto"
-        ", one_device or off (the stages run in one process, stage i on "
-        "GPU i or logical CPU device i), or drop --pipeline_stages.")
+        ", one_device or off (one replica: the stages run in one process, "
+        "stage i on GPU i or logical CPU device i, or on the chief and "
+        "worker tasks of a cluster), or drop --pipeline_stages.")
   if zero_stage:
     raise ConfigError(
         f"--pipeline_stages={pipeline_stages} and --zero_stage={zero_stage}"
