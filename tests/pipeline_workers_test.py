@@ -7,7 +7,8 @@ One local cluster of two processes per test, started by `tfdist.launch
 serves stage 2 on its CPU. With `--deterministic --seed`:
 
 * K updates of `tfdist.fit` (Adam, 2 stages, 4 micro-batches, 1F1B) give
-  the one-device run's weights within 1e-5 (the reference is trained in
+  the one-device run's weights within 1e-5, across two processes and in
+  one fresh process (which splits its CPU into 2 logical devices itself) (the reference is trained in
   this process), and the run's SavedModel serves the trained model's
   outputs; both processes exit 0;
 * where the stages go (P/T per task, GPUs first) and the refusals: ps
@@ -158,7 +159,28 @@ class ClusterLayoutTest(absltest.TestCase):
       backend_lib.cluster_stage_devices(tasks, 3, logical_devices=logical)
 
 
+def _saved_weights(out_dir):
+  with np.load(os.path.join(out_dir, "weights.npz")) as saved:
+    return [saved[f"arr_{i}"] for i in range(len(saved.files))]
+
+
+def _max_difference(a, b) -> float:
+  assert len(a) == len(b), (len(a), len(b))
+  return max(float(np.max(np.abs(x - y))) for x, y in zip(a, b))
+
+
 class AcrossWorkersTest(absltest.TestCase):
+  _unsplit = None
+
+  @classmethod
+  def unsplit(cls):
+    """The one-device run's weights after STEPS updates (trained here,
+    once)."""
+    if cls._unsplit is None:
+      from tests import testutil  # pylint: disable=g-import-not-at-top
+      _fit(os.path.join(testutil.scratch_dir(), "one_device"), STEPS)
+      cls._unsplit = [w.copy() for w in _Built.model.get_weights()]
+    return cls._unsplit
 
   def _launch(self, out_dir, steps, verbose=0, timeout=LAUNCH_TIMEOUT):
     from tests import multi_worker_testlib  # pylint: disable=g-import-not-at-top
@@ -171,19 +193,13 @@ class AcrossWorkersTest(absltest.TestCase):
     from tests import testutil  # pylint: disable=g-import-not-at-top
     out_dir = testutil.scratch_dir()
     watch = self._launch(out_dir, STEPS)
-    # The one-device reference, trained here meanwhile.
-    _fit(os.path.join(testutil.scratch_dir(), "one_device"), STEPS)
-    unsplit = [w.copy() for w in _Built.model.get_weights()]
+    unsplit = self.unsplit()  # Trained here meanwhile.
     status = watch.wait()
     output = watch.output()
     self.assertEqual(status, 0, output)
     self.assertIn("serving at", output)
-    with np.load(os.path.join(out_dir, "weights.npz")) as saved:
-      weights = [saved[f"arr_{i}"] for i in range(len(saved.files))]
-    self.assertLen(weights, len(unsplit))
-    difference = max(float(np.max(np.abs(a - b)))
-                     for a, b in zip(weights, unsplit))
-    self.assertLess(difference, TOLERANCE)
+    self.assertLess(_max_difference(_saved_weights(out_dir), unsplit),
+                    TOLERANCE)
     with open(os.path.join(out_dir, "run", "run_manifest.json")) as f:
       manifest = json.load(f)
     self.assertIn("stages on the 2 chief and worker tasks of the cluster",
@@ -202,6 +218,20 @@ class AcrossWorkersTest(absltest.TestCase):
     self.assertLess(
         float(np.max(np.abs(next(iter(served.values())).numpy() -
                             _Built.model(x[:4]).numpy()))), TOLERANCE)
+
+  def test_one_fresh_process_splits_its_cpu_itself(self):
+    # Without a cluster, in a process whose TensorFlow has not started:
+    # tfdist makes the 2 logical CPU devices (listing them first started
+    # the runtime, and the split was refused).
+    from tests import multi_worker_testlib  # pylint: disable=g-import-not-at-top
+    from tests import testutil  # pylint: disable=g-import-not-at-top
+    out_dir = testutil.scratch_dir()
+    code, output, _ = multi_worker_testlib.run_module_with_timeout(
+        "tests.pipeline_workers_test", ["fit", out_dir, str(STEPS), "0"],
+        timeout=LAUNCH_TIMEOUT)
+    self.assertEqual(code, 0, output)
+    self.assertLess(_max_difference(_saved_weights(out_dir), self.unsplit()),
+                    TOLERANCE)
 
   def test_lost_stage_task_stops_the_chief_with_peer_lost(self):
     from tests import testutil  # pylint: disable=g-import-not-at-top

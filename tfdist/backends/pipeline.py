@@ -69,18 +69,22 @@ def stage_devices(num_stages: int, num_gpus: int = -1) -> List[str]:
           f"--pipeline_stages to {len(names)} or fewer, or pass "
           "--num_gpus=0 to run the stages on logical CPU devices.")
     return names[:num_stages]
-  cpus = tf.config.list_logical_devices("CPU")
-  if len(cpus) < num_stages:
+  # Before anything lists the devices: listing starts TensorFlow's runtime,
+  # after which the CPU can no longer be split.
+  cpu = tf.config.list_physical_devices("CPU")[0]
+  if len(tf.config.get_logical_device_configuration(cpu) or ()) < num_stages:
     try:
       devices_lib.configure_cpu_devices(num_stages)
-    except RuntimeError as e:
-      raise ConfigError(
-          f"--pipeline_stages={num_stages} needs {num_stages} logical CPU "
-          f"devices, and TensorFlow already started with {len(cpus)}: "
-          "run the pipeline in a fresh process, or call "
-          f"tfdist.distribute.devices.configure_cpu_devices({num_stages}) "
-          "before any TensorFlow op.") from e
-    cpus = tf.config.list_logical_devices("CPU")
+    except RuntimeError:
+      pass  # Started already: its devices are enough, or refused below.
+  cpus = tf.config.list_logical_devices("CPU")
+  if len(cpus) < num_stages:
+    raise ConfigError(
+        f"--pipeline_stages={num_stages} needs {num_stages} logical CPU "
+        f"devices, and TensorFlow already started with {len(cpus)}: "
+        "run the pipeline in a fresh process, or call "
+        f"tfdist.distribute.devices.configure_cpu_devices({num_stages}) "
+        "before any TensorFlow op.")
   return [d.name for d in cpus][:num_stages]
 
 
