@@ -1,16 +1,19 @@
 """Pipeline stages across the tasks of a cluster (`--pipeline_stages` under
 `tfdist.launch`, from `TF_CONFIG`).
 
-One local cluster of two processes per test, started by `tfdist.launch
---num_workers=2 --module=tests.pipeline_workers_test`: the chief drives
-(stage 1 on its CPU, all the input, the steps, `--model_dir`), worker 0
-serves stage 2 on its CPU. With `--deterministic --seed`:
+One local cluster of two processes per launching test, started by
+`tfdist.launch --num_workers=2 --module=tests.pipeline_workers_test`: the
+chief drives (stages 1-2 on its 2 logical CPU devices, all the input, the
+steps, `--model_dir`), worker 0 serves stages 3-4 on its own 2. With
+`--deterministic --seed`:
 
-* K updates of `tfdist.fit` (Adam, 2 stages, 4 micro-batches, 1F1B) give
-  the one-device run's weights within 1e-5, across two processes and in
-  one fresh process (which splits its CPU into 2 logical devices itself) (the reference is trained in
-  this process), and the run's SavedModel serves the trained model's
-  outputs; both processes exit 0;
+* K updates of `tfdist.fit` (Adam, 4 stages, 4 micro-batches, 1F1B, a
+  skip connection across the cuts) give the one-device run's weights
+  within 1e-5 (the reference is trained once, in this process), across
+  two processes and in one fresh process (which splits its CPU into 4
+  logical devices itself: it failed before); the manifest lists the
+  stages' devices and the SavedModel serves the trained model's outputs;
+  both processes exit 0;
 * where the stages go (P/T per task, GPUs first) and the refusals: ps
   tasks in the cluster, T not dividing P (no processes);
 * a worker killed mid-run stops the chief with `PeerLostError`'s line and
@@ -84,10 +87,10 @@ def _fit(model_dir, steps, verbose=0, **changes):
 
 
 def fit_main(out_dir: str, steps: int, verbose: int):
-  """A task's program: 2 stages across the cluster; the chief saves the
-  trained weights."""
+  """A task's program: 4 stages, 2 a task across a 2-task cluster (in one
+  process without one); the chief saves the trained weights."""
   result = _fit(os.path.join(out_dir, "run"), steps, verbose,
-                pipeline_stages=2, num_microbatches=4,
+                pipeline_stages=4, num_microbatches=4,
                 pipeline_schedule="1f1b")
   if "role" not in result:
     np.savez(os.path.join(out_dir, "weights.npz"),
@@ -206,8 +209,8 @@ class AcrossWorkersTest(absltest.TestCase):
                   manifest["strategy_reason"])
     stages = manifest["one_device"]["pipeline_stages"]
     self.assertEqual([s["device"] for s in stages],
-                     ["/job:chief/replica:0/task:0/device:CPU:0",
-                      "/job:worker/replica:0/task:0/device:CPU:0"])
+                     [f"/job:{job}/replica:0/task:0/device:CPU:{i}"
+                      for job in ("chief", "worker") for i in (0, 1)])
     # The SavedModel is the whole trained model.
     import tensorflow as tf  # pylint: disable=g-import-not-at-top
     exported = tf.saved_model.load(os.path.join(out_dir, "run",

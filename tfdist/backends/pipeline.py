@@ -249,11 +249,14 @@ class PipelineBackend(single_process.OneDeviceBackend):
                    cluster.task_type, cluster.task_index)
       return {"dry_run": True, "role": cluster.task_type,
               "index": cluster.task_index}
-    # Before the server starts TensorFlow's runtime: the stages' devices.
-    devices_lib.configure_cpu_devices(max(per_task, config.num_cpu_devices))
-    status = ps_lib.serve(config.model_dir, cluster,
-                          grace_seconds=config.preemption_grace_seconds,
-                          resolver=cluster.cluster_resolver(jobs=STAGE_JOBS))
+    # The server's own devices (not the eager context's logical ones): P/T
+    # CPU devices, for the stages the task hosts when it has no GPUs.
+    cpus = max(per_task, config.num_cpu_devices, 1)
+    status = ps_lib.serve(
+        config.model_dir, cluster,
+        grace_seconds=config.preemption_grace_seconds,
+        resolver=cluster.cluster_resolver(jobs=STAGE_JOBS),
+        server_config=tf.compat.v1.ConfigProto(device_count={"CPU": cpus}))
     return {"role": cluster.task_type, "index": cluster.task_index,
             "exit_status": status}
 
