@@ -17,7 +17,8 @@ here with a `Backend` subclass registered for that kind
 | `tpu` | `tfdist.backends.tpu` |
 
 A run with `--pipeline_stages` > 1 gets `tfdist.backends.pipeline`'s
-backend instead (`tfdist.backends.registry.backend_for_run`).
+backend instead (`tfdist.backends.registry.backend_for_run`), in one
+process or across a cluster's chief and workers.
 
 The pattern is Keras's backend-neutral `Trainer` with a thin
 `TensorFlowTrainer` subclass: the shared loop lives once, above; what one
