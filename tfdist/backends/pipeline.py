@@ -309,11 +309,12 @@ class PipelineBackend(single_process.OneDeviceBackend):
 
   def build_inputs(self, run):
     """The one-device runner and evaluation; the manifest's strategy
-    details list the stages (device, layers, weight bytes)."""
+    details list the stages (device, layers, weight bytes, activation
+    estimate)."""
     runner, evaluate, details = super().build_inputs(run)
     pipeline = getattr(run.parts.trainer, "pipeline", None)
     if pipeline is not None:
-      details = {**details, "pipeline_stages": pipeline.pipeline.describe()}
+      details = {**details, "pipeline_stages": pipeline.stages()}
     return runner, evaluate, details
 
   def planned_replicas(self, config, *, cluster) -> Tuple[int, int]:
