@@ -288,7 +288,8 @@ class PipelineBackend(single_process.OneDeviceBackend):
     with (lease.extended(config.cluster_start_timeout_seconds)
           if lease is not None else contextlib.nullcontext()):
       strategy_lib.wait_for_peers(cluster, STAGE_JOBS,
-                                  config.cluster_start_timeout_seconds)
+                                  config.cluster_start_timeout_seconds,
+                                  describe="the pipeline's cluster")
     tf.config.experimental_connect_to_cluster(
         resolver.cluster_spec(), job_name=cluster.task_type, task_index=cluster.task_index,
         protocol=resolver.rpc_layer or "grpc")
