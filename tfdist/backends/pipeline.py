@@ -214,11 +214,13 @@ class PipelineBackend(single_process.OneDeviceBackend):
 
   def validate(self, config, *, dataset) -> None:
     """Refuses, before anything is built, more stages than GPUs in one
-    process (logical CPU devices are made as needed), and across a cluster
-    ps tasks or a number of stage tasks that does not divide P.
+    process (logical CPU devices are made as needed). Across a cluster,
+    `serve` checks it on every task (ps tasks, T not dividing P) and the
+    chief each task's devices once connected.
 
     Raises:
-      ConfigError: as said, naming `--pipeline_stages` and the fix.
+      ConfigError: one process, a host with GPUs, fewer of them than
+        `pipeline_stages`.
     """
     del dataset
     if self._tasks:
@@ -291,8 +293,8 @@ class PipelineBackend(single_process.OneDeviceBackend):
                                   config.cluster_start_timeout_seconds,
                                   describe="the pipeline's cluster")
     tf.config.experimental_connect_to_cluster(
-        resolver.cluster_spec(), job_name=cluster.task_type, task_index=cluster.task_index,
-        protocol=resolver.rpc_layer or "grpc")
+        resolver.cluster_spec(), job_name=cluster.task_type,
+        task_index=cluster.task_index, protocol=resolver.rpc_layer or "grpc")
     names = cluster_stage_devices(self._tasks, per_task, config.num_gpus)
     return strategy_lib.StrategyChoice(
         tf.distribute.get_strategy(),
