@@ -233,12 +233,24 @@ class ArtifactsTest(absltest.TestCase):
     stages = manifest["one_device"]["pipeline_stages"]
     self.assertEqual([s["device"] for s in stages], DEVICES[:2])
     self.assertEqual(sum(len(s["layers"]) for s in stages), 5)
+    # Activations at each stage's peak: its layers' float32 outputs per
+    # example x 4 examples a micro-batch x the micro-batches 1F1B keeps in
+    # flight there (P - s).
+    per_example = {"block_1": 64, "block_2": 64, "block_3": 64, "skip": 64,
+                   "logits": 12}
+    self.assertEqual([s["microbatches_in_flight"] for s in stages], [2, 1])
+    self.assertEqual(
+        [s["activation_bytes"] for s in stages],
+        [sum(per_example[name] for name in s["layers"]) * 4 *
+         s["microbatches_in_flight"] for s in stages])
     plan = "\n".join(logs.output)
     self.assertIn("pipeline               2 stages (balanced by weight and "
                   "activation bytes), 4 micro-batches per step, 1f1b "
                   "schedule; batch normalization sees micro-batches of 4 "
                   "examples", plan)
     self.assertIn(f"stage 1 on {DEVICES[1]}", plan)
+    self.assertRegex(plan, r"stage 0 on .*activations at least \d+ bytes "
+                     r"\(2 micro-batch\(es\) of 4 in flight\)")
     # An unsplit run's manifest has no pipeline entry.
     _, unsplit, _ = _fit()
     self.assertNotIn("pipeline", unsplit)

@@ -546,7 +546,8 @@ def _check_one_host(python: tuple, *, config: TrainConfig,
   python_inputs.check_one_host(
       name=name, value=value,
       distribution_strategy=config.distribution_strategy,
-      num_workers=cluster.num_workers,
+      # A pipeline's chief alone reads the input, across a cluster too.
+      num_workers=1 if config.pipeline_stages > 1 else cluster.num_workers,
       num_ps=cluster.num_ps)
 
 

@@ -16,7 +16,9 @@ Everything after `--` goes to every process (`python -m tfdist.train` unless
   (MultiWorkerMirroredStrategy). With `--num_ps=M` there is a `chief`
   (the coordinator) plus `worker` 0..N-1 plus `ps` 0..M-1, and every task
   gets `GRPC_FAIL_FAST=use_caller` (ParameterServerStrategy). `--evaluator`
-  adds `evaluator` 0;
+  adds `evaluator` 0. With `--pipeline_stages` among the task flags, the
+  same chief and workers hold the stages: the chief drives, the workers
+  serve until it marks the run done (`tfdist.backends.pipeline`);
 * prefixes each output line with the role (`[worker:0] ...`);
 * forwards SIGINT (Ctrl-C) and SIGTERM to every task; the tasks save a
   checkpoint and exit (see `tfdist.runtime.preemption`), and any still running

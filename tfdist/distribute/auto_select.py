@@ -293,7 +293,8 @@ class SelectOptions:
     tpu: the TPU flags (`tfdist.distribute.tpu.TpuOptions`), probed under
       `auto`.
     pipeline_stages: `--pipeline_stages`; above 1, `auto` is one_device
-      (the stages run in one process, `tfdist.backends.pipeline`).
+      (one replica: the stages run in one process, or across a cluster's
+      chief and workers, `tfdist.backends.pipeline`).
   """
   distribution_strategy: str = "auto"
   dtype: str = "auto"
@@ -402,9 +403,13 @@ def resolve(options: SelectOptions, *, cluster, environment=None,
     decision = decide(inventory, strategy=StrategyKind.ONE_DEVICE.value,
                       dtype=options.dtype,
                       dtype_defaulted=options.dtype_defaulted)
+    where = ("in one process, stage i on GPU i or logical CPU device i"
+             if cluster.num_workers <= 1 else
+             f"on the {cluster.num_workers} chief and worker tasks of the "
+             "cluster, driven by the chief")
     return dataclasses.replace(decision, strategy_reason=(
         f"auto: --pipeline_stages={options.pipeline_stages} runs its "
-        "stages in one process, stage i on GPU i or logical CPU device i"))
+        f"stages {where}"))
   return decide(inventory, strategy=options.distribution_strategy,
                 dtype=options.dtype,
                 dtype_defaulted=options.dtype_defaulted)

@@ -285,7 +285,8 @@ def check_shard_layout(checkpoint_dir: str, model):
 
 # --- worker and ps tasks --------------------------------------------------
 def serve(model_dir: str, cluster, *, poll_seconds: float = 1.0,
-          grace_seconds: float = 30.0) -> int:
+          grace_seconds: float = 30.0, resolver=None,
+          server_config=None) -> int:
   """Runs this worker or ps task's server until the chief marks the run done.
 
   On SIGTERM or SIGINT (a preemption reaches every task of a job at once)
@@ -301,16 +302,22 @@ def serve(model_dir: str, cluster, *, poll_seconds: float = 1.0,
     poll_seconds: how often to look for the marker.
     grace_seconds: after a stop signal, serve at most this long
       (`--preemption_grace_seconds`).
+    resolver: the cluster's resolver (default: its chief, worker and ps
+      tasks, `cluster_resolver`; a pipeline's has no ps tasks).
+    server_config: the server's `tf.compat.v1.ConfigProto` (a pipeline's
+      worker sets its CPU device count there: a server's devices are its
+      own, not the eager context's logical devices).
 
   Returns:
     The exit status: 0, or 128 + the signal when one arrived.
   """
   set_grpc_fail_fast()
   task_type, task_index = cluster.task_type, cluster.task_index
-  resolver = cluster_resolver(cluster)
+  resolver = resolver or cluster_resolver(cluster)
   server = tf.distribute.Server(
       resolver.cluster_spec(), job_name=task_type, task_index=task_index,
-      protocol=resolver.rpc_layer or "grpc", start=True)
+      protocol=resolver.rpc_layer or "grpc", config=server_config,
+      start=True)
   started = time.time()
   stop = {}
 

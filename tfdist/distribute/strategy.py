@@ -248,9 +248,30 @@ def _wait_for_mwms_peers(cluster, seconds: float) -> float:
   In Python, SIGTERM and SIGINT work and the missing tasks can be named;
   TensorFlow's own wait after this is then short. 0 outside a cluster.
   """
+  return wait_for_peers(cluster, _MWMS_JOBS, seconds,
+                        describe="the multi_worker_mirrored cluster")
+
+
+def wait_for_peers(cluster, jobs, seconds: float, *,
+                   describe: str = "the cluster") -> float:
+  """Waits in Python until every task of `jobs` but this one answers.
+
+  Args:
+    cluster: this process's `ClusterInfo`.
+    jobs: the jobs whose tasks to wait for (e.g. `("chief", "worker")`).
+    seconds: the longest wait (`--cluster_start_timeout_seconds`).
+    describe: names the cluster in messages (its source is appended).
+
+  Returns:
+    Seconds waited (0 outside a cluster).
+
+  Raises:
+    tfdist.errors.ClusterStartError: a task did not answer in time.
+    tfdist.errors.StoppedAtStartError: SIGTERM or SIGINT meanwhile.
+  """
   if not cluster.is_multi_worker:
     return 0.0
-  members = cluster.cluster_dict(_MWMS_JOBS)
+  members = cluster.cluster_dict(tuple(jobs))
   mine = members.get(cluster.task_type, [])
   me = mine[cluster.task_index] if cluster.task_index < len(mine) else None
   probes = {address: f"{job} {i}" for job, addresses in members.items()
@@ -262,7 +283,7 @@ def _wait_for_mwms_peers(cluster, seconds: float) -> float:
   return rendezvous.wait_for_peers(
       me, probes, timeout_seconds=seconds,
       report_seconds=START_REPORT_SECONDS,
-      describe=f"the multi_worker_mirrored cluster from {cluster.source}")
+      describe=f"{describe} from {cluster.source}")
 
 
 def use_trace_time_instance_keys() -> bool:

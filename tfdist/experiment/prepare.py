@@ -83,7 +83,7 @@ class PreparedRun:
   def backend(self) -> backends.Backend:
     """The decided strategy's backend (`tfdist.backends`; the pipeline's
     under `--pipeline_stages`)."""
-    return backends.backend_for_run(self.kind, self.config)
+    return backends.backend_for_run(self.kind, self.config, self.cluster)
 
   @functools.cached_property
   def role(self) -> backends.Role:

@@ -423,7 +423,8 @@ class ExperimentRunner:
     """The precision policy, then model, optimizer, trainer and checkpoint
     under the strategy (`tfdist.training.assembly.build`)."""
     self.policy = precision.configure_precision(self.config.dtype)
-    options = run_options.assembly_options(self.config)
+    options = self.backend.assembly_options(
+        run_options.assembly_options(self.config), choice=self.choice)
     parts = assembly.build(options, task=self.task, strategy=self.strategy,
                            plan=self.plan, on_tpu=self.backend.on_tpu)
     if self.config.hptune_metric:

@@ -57,7 +57,7 @@ from tfdist.parallel.pipeline_options import SCHEDULES
 
 __all__ = [
     "GPIPE", "ONE_F_ONE_B", "SCHEDULES", "Pipeline", "PipelineConfigError",
-    "Stage", "balanced_cuts", "bubble_fraction", "check_microbatches",
+    "ActivationEstimate", "Stage", "balanced_cuts", "bubble_fraction", "check_microbatches",
     "peak_in_flight", "schedule_order", "split_model",
 ]
 
@@ -306,6 +306,18 @@ def _param_bytes(variables) -> int:
 
 # --- stages and the pipeline -------------------------------------------------
 @dataclasses.dataclass(frozen=True)
+class ActivationEstimate:
+  """Activations alive on each stage at its peak (`Pipeline.activation_estimate`).
+
+  Attributes:
+    bytes_per_stage: bytes, stage s at index s.
+    in_flight: the micro-batches stage s holds then.
+  """
+  bytes_per_stage: Tuple[int, ...]
+  in_flight: Tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
 class Stage:
   """Consecutive layer calls of the model that run on one device.
 
@@ -322,6 +334,10 @@ class Stage:
     output_keys: the graph tensors it hands on: what later stages use,
       including tensors it only carries (a skip connection across a cut),
       or the model's outputs for the last stage.
+    activation_bytes_per_example: bytes of its layer calls' outputs for
+      one example (the Keras graph's static shapes and dtypes; unknown
+      dimensions count 0): what one micro-batch in flight keeps alive, at
+      least (a layer's tape may keep inner tensors too).
   """
   index: int
   device: str
@@ -332,6 +348,10 @@ class Stage:
   input_keys: Tuple[Hashable, ...]
   output_keys: Tuple[Hashable, ...]
   calls: Tuple[_Call, ...] = dataclasses.field(repr=False)
+
+  @property
+  def activation_bytes_per_example(self) -> int:
+    return sum(call.activation_bytes for call in self.calls)
 
   def run(self, inputs: Sequence[tf.Tensor],
           training: Optional[bool] = None) -> List[tf.Tensor]:
@@ -376,12 +396,50 @@ class Pipeline:
     self.num_stages = len(self.stages)
     self._input_dtypes = list(input_dtypes)
 
-  def describe(self) -> List[dict]:
-    """Per stage: index, device, layer names, parameter bytes and the
-    number of tensors it receives and hands on."""
+  def describe(self, micro_batch: int = 0, num_microbatches: int = 1,
+               schedule: str = GPIPE) -> List[dict]:
+    """Per stage: index, device, layer names, parameter bytes, the number
+    of tensors it receives and hands on, and, given a step's shape, its
+    activation estimate (`activation_estimate`).
+
+    Args:
+      micro_batch: examples per micro-batch (0: no activation estimate).
+      num_microbatches: M.
+      schedule: `gpipe` or `1f1b`.
+    """
+    held = (self.activation_estimate(micro_batch, num_microbatches, schedule)
+            if micro_batch else None)
     return [dict(index=s.index, device=s.device, layers=list(s.layer_names),
                  param_bytes=s.param_bytes, inputs=len(s.input_keys),
-                 outputs=len(s.output_keys)) for s in self.stages]
+                 outputs=len(s.output_keys),
+                 **({"activation_bytes": held.bytes_per_stage[s.index],
+                     "microbatches_in_flight": held.in_flight[s.index]}
+                    if held else {})) for s in self.stages]
+
+  def activation_estimate(self, micro_batch: int, num_microbatches: int,
+                          schedule: str = GPIPE) -> "ActivationEstimate":
+    """Each stage's activations alive at its peak, in bytes: its layer
+    calls' output bytes per example x `micro_batch` x the micro-batches the
+    schedule keeps in flight on it (`peak_in_flight`: M under GPipe, at
+    most P - s under 1F1B). A lower bound: a layer's tape may keep inner
+    tensors too, and TensorFlow's workspace is not counted.
+
+    Args:
+      micro_batch: examples per micro-batch.
+      num_microbatches: M.
+      schedule: `gpipe` or `1f1b`.
+
+    Returns:
+      An `ActivationEstimate` (P byte counts, P micro-batch counts).
+
+    Raises:
+      PipelineConfigError: an unknown schedule, or M below 1.
+    """
+    in_flight = [peak_in_flight(order) for order in schedule_order(
+        self.num_stages, num_microbatches, schedule)]
+    return ActivationEstimate(
+        tuple(s.activation_bytes_per_example * micro_batch * n
+              for s, n in zip(self.stages, in_flight)), tuple(in_flight))
 
   def _flat_inputs(self, x) -> List[tf.Tensor]:
     # A dict flattens by sorted key, as Keras flattens a model's dict of

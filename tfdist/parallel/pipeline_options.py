@@ -37,12 +37,16 @@ class PipelineOptions:
     cuts: layer names, each the first layer of a stage after the first;
       empty: balanced by weight and activation bytes.
     microbatches_defaulted: `--num_microbatches` was not given (M = P).
+    devices: the stages' device names, stage i on `devices[i]` (set by
+      the pipeline backend once its devices are known; empty: this
+      process's first P GPUs, else its logical CPU devices).
   """
   num_stages: int = 1
   num_microbatches: int = 1
   schedule: str = GPIPE
   cuts: Tuple[str, ...] = ()
   microbatches_defaulted: bool = False
+  devices: Tuple[str, ...] = ()
 
   @property
   def enabled(self) -> bool:
@@ -126,8 +130,9 @@ def check_flags(*, pipeline_stages: int, num_microbatches: Optional[int],
         "combined with data parallelism need each stage's gradients "
         "all-reduced across that stage's copies only, and TensorFlow has "
         "no public sub-group collectives. Use --distribution_strategy=auto"
-        ", one_device or off (the stages run in one process, stage i on "
-        "GPU i or logical CPU device i), or drop --pipeline_stages.")
+        ", one_device or off (one replica: the stages run in one process, "
+        "stage i on GPU i or logical CPU device i, or on the chief and "
+        "worker tasks of a cluster), or drop --pipeline_stages.")
   if zero_stage:
     raise errors.ConfigError(
         f"--pipeline_stages={pipeline_stages} and --zero_stage={zero_stage}"

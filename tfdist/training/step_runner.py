@@ -92,7 +92,8 @@ def lost_tasks(error: Exception, *, own: Optional[Tuple[str, int]] = None,
 def peer_lost_error(error: Exception, *, after: str,
                     last_checkpoint: Optional[str],
                     own: Optional[Tuple[str, int]] = None,
-                    addresses: Optional[Mapping[str, Sequence[str]]] = None
+                    addresses: Optional[Mapping[str, Sequence[str]]] = None,
+                    what: str = "MultiWorkerMirrored training"
                     ) -> errors.PeerLostError:
   """The one error for a lost MultiWorkerMirrored peer, whatever noticed it.
 
@@ -105,6 +106,8 @@ def peer_lost_error(error: Exception, *, after: str,
     own: this task's `(job, index)`.
     addresses: the cluster's job -> `host:port` list, to name the lost
       task's address.
+    what: the run, as the message begins (a pipeline's stage tasks are
+      peers too).
   """
   first = first_line(error)
   names = []
@@ -117,7 +120,7 @@ def peer_lost_error(error: Exception, *, after: str,
                                      if index < len(listed) else ""))
   who = (f"lost {', '.join(names)}" if names else "lost a peer worker")
   return errors.PeerLostError(
-      f"MultiWorkerMirrored training {who} after {after}: "
+      f"{what} {who} after {after}: "
       f"{type(error).__name__}: {first}. Every worker must take part in "
       "every step: restart the whole cluster (python -m tfdist.launch "
       "--max_restarts=N does; Vertex AI and Kubernetes restart on this exit "
