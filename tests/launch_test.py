@@ -140,6 +140,8 @@ _CHATTER = (
 )
 _WORKER_WARNING = ("W1204 22:09:41.000000 140371414051712 input_pipeline.py:"
                    "99] worker 0 reads 3 of 4 files")
+_EVALUATION = ("I1204 22:09:42.000000 140371414051712 evaluator.py:99] "
+               "tfdist evaluator: checkpoint 32: loss 1.7615")
 
 
 class OutputTest(absltest.TestCase):
@@ -161,19 +163,21 @@ class OutputTest(absltest.TestCase):
       self.assertFalse(task_output.concerns_task(line), line)
 
   def _launch(self, worker_status: int, **kwargs):
-    """Runs a chief and a worker that print real tasks' lines (no
-    TensorFlow); returns (status, output)."""
+    """Runs a chief, a worker and an evaluator that print real tasks'
+    lines (no TensorFlow); returns (status, output)."""
     script = textwrap.dedent(f"""
         import json, os, sys
-        chief = json.loads(os.environ["TF_CONFIG"])["task"]["type"] == "chief"
+        task = json.loads(os.environ["TF_CONFIG"])["task"]["type"]
         lines = [*{_CHATTER!r}, {_PROGRESS!r}]
-        lines += ["Final eval: loss 1.75"] if chief else [{_WORKER_WARNING!r}]
+        lines += {{"chief": ["Final eval: loss 1.75"],
+                   "worker": [{_WORKER_WARNING!r}],
+                   "evaluator": [{_EVALUATION!r}]}}[task]
         print("\\n".join(lines), flush=True)
-        sys.exit(0 if chief else {worker_status})
+        sys.exit({worker_status} if task == "worker" else 0)
         """)
     out = io.StringIO()
     launcher = launch.Launcher(
-        tasks=launch.plan_tasks(num_workers=2),
+        tasks=launch.plan_tasks(num_workers=2, evaluator=True),
         command=[sys.executable, "-c", script], out=out,
         stop_grace_seconds=30, **kwargs)
     return launcher.run(), out.getvalue()
@@ -194,8 +198,10 @@ class OutputTest(absltest.TestCase):
         [l for l in lines if l.startswith("[worker:0]")],
         [f"[worker:0] {_WORKER_WARNING}"], output)
     self.assertNotIn("[chief:0]", output)
+    # The evaluator's lines (its evaluations are its own), prefixed.
+    self.assertIn(f"[evaluator:0] {_EVALUATION}", lines)
     # Each task's whole output stays in --task_log_dir.
-    for name in ("chief-0.log", "worker-0.log"):
+    for name in ("chief-0.log", "worker-0.log", "evaluator-0.log"):
       with open(os.path.join(logs, name)) as f:
         logged = f.read()
       for line in (*_CHATTER, _PROGRESS):
@@ -213,7 +219,7 @@ class OutputTest(absltest.TestCase):
   def test_output_all_and_verbose(self):
     status, output = self._launch(0, output=task_output.OUTPUT_ALL)
     self.assertEqual(status, 0, output)
-    for task in ("chief:0", "worker:0"):
+    for task in ("chief:0", "worker:0", "evaluator:0"):
       for line in (*_CHATTER, _PROGRESS):
         self.assertIn(f"[{task}] {line}\n", output)
     status, output = self._launch(0, verbose=True)

@@ -17,8 +17,9 @@ Everything after `--` goes to every process (`python -m tfdist.train` unless
   (the coordinator) plus `worker` 0..N-1 plus `ps` 0..M-1, and every task
   gets `GRPC_FAIL_FAST=use_caller` (ParameterServerStrategy). `--evaluator`
   adds `evaluator` 0;
-* shows the chief's output as it is, and of the other tasks only their
-  warnings, errors and failures, prefixed with the task (`[worker:0] ...`);
+* shows the chief's output as it is, the evaluator's prefixed with its
+  task, and of the other tasks only their warnings, errors and failures,
+  prefixed with the task (`[worker:0] ...`);
   TensorFlow's own C++ log and import notices stay hidden unless
   `--verbose`; a task that fails gets its last lines shown
   (`tfdist.runtime.task_output`). `--output=all` shows every line of every
@@ -336,6 +337,9 @@ class Launcher:
           shown, text = True, prefix + line
         elif task == self.tasks[0]:
           shown, text = self._chief_line(line), line
+        elif task.task_type == cluster_lib.EVALUATOR:
+          # Its evaluations are its own, not a copy of the chief's lines.
+          shown, text = self._chief_line(line), prefix + line
         else:
           shown, text = self._task_line(line), prefix + line
         tail.add(line, shown)
@@ -346,7 +350,8 @@ class Launcher:
       log.close()
 
   def _chief_line(self, line: bytes) -> bool:
-    """Whether the chief's `line` is shown (`--output=chief`)."""
+    """Whether the chief's (or the evaluator's) `line` is shown
+    (`--output=chief`)."""
     text = line.decode(errors="replace").rstrip("\n")
     if not self.verbose and task_output.is_chatter(text):
       return False
@@ -627,9 +632,10 @@ def define_launch_flags():
   flags.DEFINE_enum(
       "output", task_output.OUTPUT_CHIEF, task_output.OUTPUT_MODES,
       "What of the tasks' output to show. chief: the chief's lines as they "
-      "are, the other tasks' warnings and errors prefixed with the task "
-      "([worker:0] ...), and the last lines of a task that fails. all: every "
-      "line of every task, prefixed with the task.")
+      "are, the evaluator's, the other tasks' warnings and errors (each "
+      "prefixed with its task: [worker:0] ...), and the last lines of a "
+      "task that fails. all: every line of every task, prefixed with the "
+      "task.")
   flags.DEFINE_bool(
       "verbose", False,
       "With --output=chief, also show TensorFlow's own C++ log lines and "

@@ -7,6 +7,8 @@ With `--output=chief` (the launcher's default) a user reads:
 
 * the chief's lines as it wrote them (no prefix), less TensorFlow's
   chatter (`is_chatter`) unless `--verbose`;
+* the evaluator's lines likewise, prefixed with its task
+  (`[evaluator:0] `): its evaluations are its own;
 * of every other task only what concerns it (`concerns_task`: warnings,
   errors, tracebacks), prefixed with the task (`[worker:0] `);
 * for a task that fails, its last `FAILURE_TAIL_LINES` lines, chatter
