@@ -229,6 +229,17 @@ class OutputTest(absltest.TestCase):
     with self.assertRaisesRegex(ValueError, "--output='some' is not one of"):
       launch.Launcher(tasks=[], command=[], output="some")
 
+  def test_an_unusable_task_log_dir_is_refused_before_any_task(self):
+    blocker = os.path.join(testutil.scratch_dir(), "a_file")
+    open(blocker, "w").close()
+    out = testutil.run_module(
+        "tfdist.launch", [f"--task_log_dir={blocker}/logs", "--", "x"],
+        timeout=60)
+    self.assertEqual(out.returncode, 2, out.stdout)
+    self.assertIn(f"--task_log_dir='{blocker}/logs': Not a directory; give "
+                  "a folder this user can write", out.stdout)
+    self.assertNotIn("started chief:0", out.stdout)
+
 
 def _train_args(model_dir, steps, data, extra=()):
   return ["--distribution_strategy=multi_worker_mirrored",

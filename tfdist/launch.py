@@ -17,11 +17,11 @@ Everything after `--` goes to every process (`python -m tfdist.train` unless
   (the coordinator) plus `worker` 0..N-1 plus `ps` 0..M-1, and every task
   gets `GRPC_FAIL_FAST=use_caller` (ParameterServerStrategy). `--evaluator`
   adds `evaluator` 0;
-* shows the chief's output as it is, the evaluator's prefixed with its
-  task, and of the other tasks only their warnings, errors and failures,
-  prefixed with the task (`[worker:0] ...`);
-  TensorFlow's own C++ log and import notices stay hidden unless
-  `--verbose`; a task that fails gets its last lines shown
+* shows the chief's output as the chief writes it (once, not once per
+  worker), the evaluator's prefixed with its task, and of the other tasks
+  only their warnings and errors, prefixed with the task
+  (`[worker:0] ...`); TensorFlow's own C++ log and import notices stay
+  hidden unless `--verbose`; a task that fails gets its last lines shown
   (`tfdist.runtime.task_output`). `--output=all` shows every line of every
   task, prefixed; `--task_log_dir=DIR` keeps each task's whole output in
   `DIR/<type>-<index>.log`;
@@ -647,6 +647,22 @@ def define_launch_flags():
       "if missing.")
 
 
+def _check_task_log_dir(path: str):
+  """Creates `--task_log_dir` if missing; exits with `errors.CONFIG` and one
+  line naming the flag, the folder and the fix when it cannot be written
+  (before any task starts)."""
+  try:
+    os.makedirs(path, exist_ok=True)
+    why = None if os.access(path, os.W_OK) else "not writable"
+  except OSError as e:
+    why = e.strerror or str(e)
+  if why:
+    print(f"tfdist.launch: error: --task_log_dir={path!r}: {why}; give a "
+          "folder this user can write (or leave the flag out).",
+          file=sys.stderr)
+    sys.exit(errors.CONFIG)
+
+
 def main(argv):
   train_args = argv[1:]
   try:
@@ -657,13 +673,7 @@ def main(argv):
   if FLAGS.max_restarts < 0:
     raise app.UsageError(f"--max_restarts={FLAGS.max_restarts} must be >= 0.")
   if FLAGS.task_log_dir:
-    try:
-      os.makedirs(FLAGS.task_log_dir, exist_ok=True)
-    except OSError as e:
-      print(f"tfdist.launch: error: --task_log_dir={FLAGS.task_log_dir!r} "
-            f"cannot be created ({e.strerror}): give a folder this user can "
-            "write.", file=sys.stderr)
-      sys.exit(errors.CONFIG)
+    _check_task_log_dir(FLAGS.task_log_dir)
   launcher = Launcher(
       tasks=tasks, command=[sys.executable, "-m", FLAGS.module, *train_args],
       max_restarts=FLAGS.max_restarts,
