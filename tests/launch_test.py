@@ -140,6 +140,14 @@ _CHATTER = (
 )
 _WORKER_WARNING = ("W1204 22:09:41.000000 140371414051712 input_pipeline.py:"
                    "99] worker 0 reads 3 of 4 files")
+# What the chief and a worker say when both stop (their own numbers and
+# folders): the worker's copy is not shown.
+_STOPPED = ("W1204 22:34:17.521827 140360695827328 preemption.py:246] Stopped "
+            "at step 17, 0.4 s after the signal; checkpoint /tmp/run/ckpt-17.")
+_WORKER_STOPPED = (
+    "W1204 22:34:17.537664 140084735122304 preemption.py:246] Stopped at "
+    "step 17, 0.3 s after the signal; checkpoint /tmp/tfdist-launch-x/"
+    "attempt0/worker0/ckpt-17.")
 _EVALUATION = ("I1204 22:09:42.000000 140371414051712 evaluator.py:99] "
                "tfdist evaluator: checkpoint 32: loss 1.7615")
 
@@ -161,6 +169,10 @@ class OutputTest(absltest.TestCase):
       self.assertTrue(task_output.concerns_task(line), line)
     for line in (_PROGRESS, "Final eval: loss 1.75", "  strategy  mwms"):
       self.assertFalse(task_output.concerns_task(line), line)
+    self.assertEqual(task_output.message_key(_STOPPED),
+                     task_output.message_key(_WORKER_STOPPED))
+    self.assertNotEqual(task_output.message_key(_STOPPED),
+                        task_output.message_key(_WORKER_WARNING))
 
   def _launch(self, worker_status: int, **kwargs):
     """Runs a chief, a worker and an evaluator that print real tasks'
@@ -206,6 +218,21 @@ class OutputTest(absltest.TestCase):
         logged = f.read()
       for line in (*_CHATTER, _PROGRESS):
         self.assertIn(line, logged)
+
+  def test_a_workers_copy_of_a_chief_line_is_not_shown(self):
+    # The chief's output, then the worker's, through the launcher's reader
+    # (in this order, as the launcher reads them when the chief is first).
+    out = io.StringIO()
+    launcher = launch.Launcher(tasks=launch.plan_tasks(num_workers=2),
+                               command=[], out=out)
+    chief, worker = launcher.tasks
+    for task, lines in ((chief, [_STOPPED]),
+                        (worker, [_WORKER_STOPPED, _WORKER_WARNING])):
+      launcher._tails[task] = task_output.TaskTail()  # pylint: disable=protected-access
+      launcher._pump(task, io.BytesIO("".join(  # pylint: disable=protected-access
+          f"{line}\n" for line in lines).encode()))
+    self.assertEqual(out.getvalue().splitlines(),
+                     [_STOPPED, f"[worker:0] {_WORKER_WARNING}"])
 
   def test_a_failed_task_shows_its_last_lines(self):
     status, output = self._launch(3)

@@ -355,21 +355,21 @@ class Launcher:
     text = line.decode(errors="replace").rstrip("\n")
     if not self.verbose and task_output.is_chatter(text):
       return False
-    self._shown_messages.add(text.split("] ", 1)[-1])
+    self._shown_messages.add(task_output.message_key(text))
     return True
 
   def _task_line(self, line: bytes) -> bool:
     """Whether another task's `line` is shown (`--output=chief`): what
-    concerns it, less what the chief or another task has shown already, and
-    a signal it received unless the launcher forwarded one to every task."""
+    concerns it, less what the chief or another task has said already
+    (`task_output.message_key`), and a signal it received unless the
+    launcher forwarded one to every task."""
     text = line.decode(errors="replace").rstrip("\n")
     if text.startswith("tfdist: received SIG"):
       return self._signal is None
-    message = text.split("] ", 1)[-1]
-    if not task_output.concerns_task(text) or (
-        message in self._shown_messages):
+    key = task_output.message_key(text)
+    if not task_output.concerns_task(text) or key in self._shown_messages:
       return False
-    self._shown_messages.add(message)
+    self._shown_messages.add(key)
     return True
 
   def _show_tail(self, task: Task):

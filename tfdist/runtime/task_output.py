@@ -45,11 +45,27 @@ _NATIVE_SOURCE = re.compile(r"\.(cc|cpp|c|h)$")
 _OTHER_CHATTER = re.compile(
     r"^WARNING: Logging before flag parsing goes to stderr\.|"
     r"^/job:\w+/replica:\d+/task:\d+\s*$")
+_PATH = re.compile(r"(?<![\w.])(/[^\s;:,'\"()]+)+")
+_NUMBER = re.compile(r"\d+(\.\d+)?")
 # A Python warning (`warnings.warn`), a traceback and its last line.
 _PROBLEM = re.compile(
     r":\d+: \w*Warning: |"
     r"^Traceback \(most recent call last\):|"
     r"^[\w.]*(Error|Exception|Exit|Interrupt)\b(: |$)")
+
+
+def message_key(line: str) -> str:
+  """What two tasks' lines share when they say the same thing: the text
+  after the log header, with paths and numbers left out (a worker's
+  "Stopped at step 17, 0.4 s after the signal; checkpoint <its folder>"
+  says what the chief's line says).
+
+  Args:
+    line: one line of a task's output, without its end of line.
+  """
+  match = _LOG_LINE.match(line)
+  text = line[match.end():] if match else line
+  return _NUMBER.sub("#", _PATH.sub("<path>", text))
 
 
 def is_chatter(line: str) -> bool:
