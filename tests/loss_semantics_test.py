@@ -29,6 +29,7 @@ import tempfile
 from absl.testing import absltest
 from absl.testing import parameterized
 
+from tests import conformance_table
 from tests import testutil
 
 _CHILD_ENV = "TFDIST_LOSS_SEMANTICS_CHILD"
@@ -42,6 +43,16 @@ CASES = ("batch_valued_lambda", "batch_valued_function", "regularized",
 # Cases whose examples carry sample weights (`fit(sample_weight=...)`).
 WEIGHTED = ("sum_weighted",)
 STRATEGIES = ("one_device", "mirrored")
+# The case whose model tfdist gets compiled with jit_compile=True (the
+# reference is compiled without: XLA changes only round-off).
+JIT_COMPILED = "regularized"
+# The conformance-table rows (tests/conformance_table.py) of the cases.
+CELL_ROWS = {"batch_valued_lambda": "batch_valued_loss",
+             "regularized": "model_losses", "sum": "reduction_sum",
+             "none": "reduction_none"}
+WORKS = "works (the weights, training and evaluation losses of `Model.fit`)"
+JIT_WARNED = ("warned at start (the step compiles with XLA only under "
+              "`--enable_xla`; the same weights)")
 _RESULTS = {}
 
 
@@ -63,8 +74,15 @@ def batch_mean_squared_error(y_true, y_pred):
   return tf.reduce_mean(tf.square(y_true - y_pred))
 
 
-def _build(case: str):
-  """`(model, learning rate)` of `case`, compiled as the user would."""
+def _rate(case: str) -> float:
+  """`case`'s SGD learning rate (lower for the losses summed over the
+  batch)."""
+  return 0.001 if case in ("sum", "sum_weighted", "none") else 0.05
+
+
+def _build(case: str, jit_compile: bool = False):
+  """`(model, learning rate)` of `case`, compiled as the user would
+  (`jit_compile`: with `compile(jit_compile=True)`)."""
   import keras  # pylint: disable=g-import-not-at-top
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
 
@@ -79,7 +97,7 @@ def _build(case: str):
       self.add_loss(0.01 * keras.ops.mean(keras.ops.square(inputs)))
       return inputs
 
-  rate = 0.05
+  rate = _rate(case)
   regularizer = None
   if case == "batch_valued_lambda":
     loss = lambda y, p: tf.reduce_mean(tf.square(y - p))
@@ -88,16 +106,17 @@ def _build(case: str):
   elif case == "regularized":
     loss, regularizer = "mse", keras.regularizers.L2(0.1)
   elif case in ("sum", "sum_weighted"):
-    loss, rate = keras.losses.MeanSquaredError(reduction="sum"), 0.001
+    loss = keras.losses.MeanSquaredError(reduction="sum")
   else:
-    loss, rate = SquaredError(reduction=None, name="squared_error"), 0.001
+    loss = SquaredError(reduction=None, name="squared_error")
   layers = [keras.Input((3,))]
   if case == "regularized":
     layers.append(AddsLoss())
   layers.append(keras.layers.Dense(1, kernel_initializer="zeros",
                                    kernel_regularizer=regularizer))
   model = keras.Sequential(layers)
-  model.compile(optimizer=keras.optimizers.SGD(rate), loss=loss)
+  model.compile(optimizer=keras.optimizers.SGD(rate), loss=loss,
+                **({"jit_compile": True} if jit_compile else {}))
   return model, rate
 
 
@@ -115,30 +134,46 @@ def _keras_fit(case: str) -> dict:
 
 
 def _tfdist_fit(case: str, strategy: str, model_dir: str) -> dict:
+  """`tfdist.fit` of `case` under `strategy`; `warnings` holds what it
+  logged about jit_compile (the `JIT_COMPILED` case's model is compiled
+  with `jit_compile=True`)."""
+  import logging  # pylint: disable=g-import-not-at-top
+  from absl import logging as absl_logging  # pylint: disable=g-import-not-at-top
   import tfdist  # pylint: disable=g-import-not-at-top
   x, y, *w = _data(case)
   w = w[0] if w else None
   built = []
 
   def model_fn():
-    model, _ = _build(case)
+    model, _ = _build(case, jit_compile=case == JIT_COMPILED)
     built.append(model)
     return model
 
-  rate = _build(case)[1]
-  result = tfdist.fit(model_fn, x=x, y=y, sample_weight=w,
-                      validation_data=(x, y) if w is None else (x, y, w),
-                      verbose=0, config=tfdist.TrainConfig(
-                          model_dir=model_dir, train_epochs=EPOCHS,
-                          batch_size=GLOBAL_BATCH,
-                          base_batch_size=GLOBAL_BATCH, optimizer="sgd",
-                          momentum=0.0, base_learning_rate=rate,
-                          warmup_steps=0, lr_schedule="constant",
-                          shuffle_buffer_size=0, log_steps=1000,
-                          distribution_strategy=strategy))
+  logged = []
+  handler = logging.Handler(logging.WARNING)
+  handler.emit = lambda record: logged.append(record.getMessage())
+  absl_logging.get_absl_logger().addHandler(handler)
+  # Not _build's rate: a model built before tfdist.fit would start
+  # TensorFlow before MultiWorkerMirroredStrategy configures it.
+  rate = _rate(case)
+  try:
+    result = tfdist.fit(model_fn, x=x, y=y, sample_weight=w,
+                        validation_data=(x, y) if w is None else (x, y, w),
+                        verbose=0, config=tfdist.TrainConfig(
+                            model_dir=model_dir, train_epochs=EPOCHS,
+                            batch_size=GLOBAL_BATCH,
+                            base_batch_size=GLOBAL_BATCH, optimizer="sgd",
+                            momentum=0.0, base_learning_rate=rate,
+                            warmup_steps=0, lr_schedule="constant",
+                            shuffle_buffer_size=0, log_steps=1000,
+                            distribution_strategy=strategy))
+  finally:
+    absl_logging.get_absl_logger().removeHandler(handler)
   return {"weights": [w.tolist() for w in built[-1].get_weights()],
           "loss": result["history"]["loss"],
-          "eval_loss": result["history"]["val_loss"][-1]}
+          "eval_loss": result["history"]["val_loss"][-1],
+          "replicas": result["num_replicas_in_sync"],
+          "warnings": [m for m in logged if "jit_compile" in m]}
 
 
 def _child_main() -> dict:
@@ -186,12 +221,15 @@ def _flat(weights) -> list:
   return np.concatenate([np.ravel(np.asarray(w)) for w in weights])
 
 
-class TfdistFitAgreesWithModelFitTest(parameterized.TestCase):
+class _Checks:
+  """What a run of a case must show (a mixin of the test classes)."""
 
-  def _check(self, case: str, strategy: str):
+  def _check(self, case: str, strategy: str, run=None):
+    """Asserts `case`'s tfdist run under `strategy` (`run`, else the
+    child's) matches `Model.fit`, and checks its conformance cell."""
     import numpy as np  # pylint: disable=g-import-not-at-top
     result = _results()[case]
-    reference, run = result["keras"], result[strategy]
+    reference, run = result["keras"], run or result[strategy]
     self.assertNotIn("error", run, run.get("error"))
     scale = max(1.0, float(np.max(np.abs(_flat(reference["weights"])))))
     np.testing.assert_allclose(_flat(run["weights"]),
@@ -203,6 +241,20 @@ class TfdistFitAgreesWithModelFitTest(parameterized.TestCase):
     np.testing.assert_allclose(run["eval_loss"], reference["eval_loss"],
                                rtol=RTOL,
                                err_msg=f"{case} evaluation loss, {strategy}")
+    self.assertEqual(run["replicas"], 1 if strategy == "one_device" else 2)
+    if case in CELL_ROWS:
+      conformance_table.check_cell(self, CELL_ROWS[case], strategy, WORKS)
+
+  def _check_jit_warning(self, run: dict, strategy: str):
+    warnings = run["warnings"]
+    self.assertLen(warnings, 1, warnings)
+    self.assertIn("compiled with jit_compile=True, which tfdist does not "
+                  "read", warnings[0])
+    self.assertIn("--enable_xla", warnings[0])
+    conformance_table.check_cell(self, "jit_compile", strategy, JIT_WARNED)
+
+
+class TfdistFitAgreesWithModelFitTest(_Checks, parameterized.TestCase):
 
   @parameterized.parameters(*STRATEGIES)
   def test_a_lambda_returning_one_value_per_batch(self, strategy):
@@ -228,9 +280,52 @@ class TfdistFitAgreesWithModelFitTest(parameterized.TestCase):
   def test_reduction_none(self, strategy):
     self._check("none", strategy)
 
+  @parameterized.parameters(*STRATEGIES)
+  def test_jit_compile_is_warned_and_changes_nothing(self, strategy):
+    # The JIT_COMPILED case trains as Model.fit (compiled without XLA).
+    self._check(JIT_COMPILED, strategy)
+    self._check_jit_warning(_results()[JIT_COMPILED][strategy], strategy)
+
+
+class TwoWorkersTest(_Checks, parameterized.TestCase):
+  """Two MultiWorkerMirrored workers (one replica each; a local cluster,
+  `tfdist.launch --module=tests.loss_semantics_test`) against `Model.fit`
+  on one device: one cluster run per case of `CELL_ROWS` (the
+  `JIT_COMPILED` one also checks the warning)."""
+
+  @parameterized.parameters(*CELL_ROWS)
+  def test_two_workers_match_model_fit(self, case):
+    from tests import multi_worker_testlib  # pylint: disable=g-import-not-at-top
+    out = os.path.join(tempfile.mkdtemp(dir=testutil.scratch_dir()),
+                       "result.json")
+    status, output = multi_worker_testlib.run_launcher(
+        ["--num_workers=2", "--module=tests.loss_semantics_test"],
+        [out, case], timeout=240,
+        env={"TF_ENABLE_ONEDNN_OPTS": "0", "CUDA_VISIBLE_DEVICES": ""})
+    self.assertEqual(status, 0, output[-4000:])
+    with open(out) as f:
+      run = json.load(f)
+    self._check(case, "multi_worker_mirrored", run)
+    if case == JIT_COMPILED:
+      self._check_jit_warning(run, "multi_worker_mirrored")
+
+
+def _cluster_main(out_path: str, case: str):
+  """`case` through `tfdist.fit` on the cluster of `TF_CONFIG` (run by
+  `tfdist.launch --module=tests.loss_semantics_test OUT_JSON CASE`); the
+  chief writes the result to OUT_JSON."""
+  tf_config = json.loads(os.environ["TF_CONFIG"])
+  result = _tfdist_fit(case, "multi_worker_mirrored",
+                       os.path.join(os.path.dirname(out_path), case))
+  if tf_config["task"]["type"] == "chief":
+    with open(out_path, "w") as f:
+      json.dump(result, f)
+
 
 if __name__ == "__main__":
   if os.environ.get(_CHILD_ENV):
     print(json.dumps(_child_main()), flush=True)
+  elif os.environ.get("TF_CONFIG"):
+    _cluster_main(*sys.argv[1:3])
   else:
     absltest.main()
