@@ -22,6 +22,9 @@ DOC = os.path.join(REPO_ROOT, "docs", "guides", "fit-conformance.md")
 WRITE_ENV = "TFDIST_WRITE_CONFORMANCE_TABLE"
 COLUMNS = ("one_device", "mirrored", "multi_worker_mirrored")
 _ALL = COLUMNS
+_LOSSES = {"one_device": "loss_semantics_test",
+           "mirrored": "loss_semantics_test",
+           "multi_worker_mirrored": "loss_semantics_multi_worker_test"}
 # (row key, what the row says, {column: the test file measuring it}).
 ROWS = (
     ("own_step_frozen", "a model's own `train_step` keeping a variable "
@@ -34,14 +37,14 @@ ROWS = (
      dict.fromkeys(_ALL, "custom_step_test")),
     ("batch_valued_loss", "a loss returning one value per batch (a "
      "`lambda`)",
-     dict.fromkeys(_ALL, "loss_semantics_test")),
+     _LOSSES),
     ("model_losses", "`model.losses` (a kernel regularizer and `add_loss`) "
      "in the evaluation loss",
-     dict.fromkeys(_ALL, "loss_semantics_test")),
+     _LOSSES),
     ("reduction_sum", "`keras.losses.Loss(reduction=\"sum\")`",
-     dict.fromkeys(_ALL, "loss_semantics_test")),
+     _LOSSES),
     ("reduction_none", "`keras.losses.Loss(reduction=None)`",
-     dict.fromkeys(_ALL, "loss_semantics_test")),
+     _LOSSES),
     ("unsynchronized_batch_norm", "`BatchNormalization` not synchronized: "
      "the reported evaluation is the exported model's",
      dict.fromkeys(_ALL, "batch_norm_metrics_test")),
@@ -49,7 +52,7 @@ ROWS = (
         _ALL, "api_test")),
     ("generator", "`x=` a Python generator", dict.fromkeys(_ALL, "api_test")),
     ("jit_compile", "`compile(jit_compile=True)`",
-     dict.fromkeys(_ALL, "loss_semantics_test")),
+     _LOSSES),
     ("tf_config_without_cluster", "`TF_CONFIG` with a task but no `cluster` "
      "(Kubeflow's `sparseCluster`)", dict.fromkeys(_ALL, "api_test")),
     ("keras_distribution", "`keras.distribution.set_distribution(...)` in "
