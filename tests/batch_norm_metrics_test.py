@@ -28,8 +28,8 @@ from tests import testutil
 _CHILD_ENV = "TFDIST_BATCH_NORM_METRICS_CHILD"
 # The reported loss against the export's and the checkpoint's (float32).
 ATOL = 1e-5
-CELL = ("works (the reported evaluation loss is `Model.evaluate`'s of the "
-        "exported SavedModel and of the final checkpoint)")
+CELL = ("works (the reported evaluation loss is what the exported "
+        "SavedModel and the final checkpoint give)")
 CELL_NAMED = CELL[:-1] + "; the plan names the layer and the fix)"
 
 

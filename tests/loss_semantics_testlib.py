@@ -35,14 +35,21 @@ CASES = ("batch_valued_lambda", "batch_valued_function", "regularized",
          "sum", "sum_weighted", "none")
 # Cases whose examples carry sample weights (`fit(sample_weight=...)`).
 WEIGHTED = ("sum_weighted",)
-# The case whose model tfdist gets compiled with jit_compile=True (the
+# The two-worker runs' cases (one cluster run each): the lambda of
+# batch_valued_lambda on regularized's model stands for both.
+MULTI_WORKER_CASES = ("batch_valued_regularized", "sum", "none")
+# The cases whose model tfdist gets compiled with jit_compile=True (the
 # reference is compiled without: XLA changes only round-off).
-JIT_COMPILED = "regularized"
+JIT_COMPILED = ("regularized", "batch_valued_regularized")
 # The conformance-table rows (tests/conformance_table.py) of the cases.
-CELL_ROWS = {"batch_valued_lambda": "batch_valued_loss",
-             "regularized": "model_losses", "sum": "reduction_sum",
-             "none": "reduction_none"}
+CELL_ROWS = {"batch_valued_lambda": ("batch_valued_loss",),
+             "regularized": ("model_losses",), "sum": ("reduction_sum",),
+             "none": ("reduction_none",),
+             "batch_valued_regularized": ("batch_valued_loss",
+                                          "model_losses")}
 WORKS = "works (the weights, training and evaluation losses of `Model.fit`)"
+# The cell of a case that stands for two rows.
+WORKS_BOTH = WORKS[:-1] + "; measured with one model holding both rows)"
 JIT_WARNED = ("warned at start (the step compiles with XLA only under "
               "`--enable_xla`; the same weights)")
 
@@ -90,18 +97,19 @@ def build(case: str, jit_compile: bool = False):
 
   rate = learning_rate(case)
   regularizer = None
-  if case == "batch_valued_lambda":
+  if case in ("batch_valued_lambda", "batch_valued_regularized"):
     loss = lambda y, p: tf.reduce_mean(tf.square(y - p))
   elif case == "batch_valued_function":
     loss = batch_mean_squared_error
   elif case == "regularized":
-    loss, regularizer = "mse", keras.regularizers.L2(0.1)
+    loss = "mse"
   elif case in ("sum", "sum_weighted"):
     loss = keras.losses.MeanSquaredError(reduction="sum")
   else:
     loss = SquaredError(reduction=None, name="squared_error")
   layers = [keras.Input((3,))]
-  if case == "regularized":
+  if case in ("regularized", "batch_valued_regularized"):
+    regularizer = keras.regularizers.L2(0.1)
     layers.append(AddsLoss())
   layers.append(keras.layers.Dense(1, kernel_initializer="zeros",
                                    kernel_regularizer=regularizer))
@@ -136,7 +144,7 @@ def tfdist_fit(case: str, strategy: str, model_dir: str) -> dict:
   built = []
 
   def model_fn():
-    model, _ = build(case, jit_compile=case == JIT_COMPILED)
+    model, _ = build(case, jit_compile=case in JIT_COMPILED)
     built.append(model)
     return model
 
@@ -192,8 +200,9 @@ class Checks:
                                rtol=RTOL,
                                err_msg=f"{case} evaluation loss, {strategy}")
     self.assertEqual(run["replicas"], 1 if strategy == "one_device" else 2)
-    if case in CELL_ROWS:
-      conformance_table.check_cell(self, CELL_ROWS[case], strategy, WORKS)
+    for row in CELL_ROWS.get(case, ()):
+      conformance_table.check_cell(self, row, strategy, WORKS if len(
+          CELL_ROWS[case]) == 1 else WORKS_BOTH)
 
   def check_jit_warning(self, run: dict, strategy: str):
     warnings = run["warnings"]
