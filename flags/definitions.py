@@ -12,6 +12,7 @@ from typing import List
 
 from absl import flags
 
+from tfdist import errors
 from tfdist import config as config_lib
 from tfdist.parallel import pipeline_options
 from tfdist.training import decay_schedules
@@ -324,7 +325,7 @@ def _define_precision_flags() -> None:
     try:
       config_lib.parse_loss_scale(value)
       return True
-    except config_lib.ConfigError:
+    except errors.ConfigError:
       return False
 
   flags.DEFINE_bool(
@@ -389,7 +390,9 @@ def define_pipeline_flags() -> List[str]:
       "Cut the model (functional or Sequential) into P stages of "
       "consecutive layers, stage i on GPU i (on a CPU, logical CPU device "
       "i); micro-batches flow through them and one update is applied per "
-      "step, equal to the unsplit model's. 1: no pipeline. With "
+      "step, equal to the unsplit model's. In a cluster of a chief and "
+      "workers (tfdist.launch, TF_CONFIG) the chief drives and each task "
+      "hosts P/tasks consecutive stages. 1: no pipeline. With "
       "--distribution_strategy auto, one_device or off (not with data "
       "parallelism: TensorFlow has no public sub-group collectives), not "
       "with --zero_stage or --enable_xla. See "
@@ -680,7 +683,7 @@ def flags_to_config(flag_values=FLAGS) -> config_lib.TrainConfig:
   (`TrainConfig.unset_fields`), exactly as for library callers.
 
   Raises:
-    tfdist.config.ConfigError: invalid or inconsistent values.
+    tfdist.errors.ConfigError: invalid or inconsistent values.
   """
   kwargs, snapshot = {}, []
   for name in config_flag_names():

@@ -35,6 +35,7 @@ import pytest
 
 from tests import sharded_optimizer_testlib as cases_lib
 from tests import testutil
+from tfdist import errors
 
 _CHILD_ENV = "TFDIST_SHARDED_CHILD"
 
@@ -87,7 +88,6 @@ class CommandLineTest(absltest.TestCase):
     self.assertIn("step 4/4", second.stdout)
 
   def test_bad_flags_fail_at_start(self):
-    from tfdist.config import ConfigError  # pylint: disable=g-import-not-at-top
     from tfdist.config import TrainConfig  # pylint: disable=g-import-not-at-top
     base = dict(model_dir="/tmp/x", train_steps=1)
     self.assertEqual(TrainConfig(**base).zero_stage_resolved, 0)
@@ -97,15 +97,17 @@ class CommandLineTest(absltest.TestCase):
                      .zero_stage_resolved, 2)
     self.assertEqual(TrainConfig(zero_stage=2, shard_gradients=True, **base)
                      .zero_stage_resolved, 2)
-    with self.assertRaisesRegex(ConfigError, "--zero_stage=5 is not offered"):
+    with self.assertRaisesRegex(
+        errors.ConfigError, "--zero_stage=5 is not offered"):
       TrainConfig(zero_stage=5, **base)
-    with self.assertRaisesRegex(ConfigError, "--zero_stage=1 contradicts"):
+    with self.assertRaisesRegex(
+        errors.ConfigError, "--zero_stage=1 contradicts"):
       TrainConfig(zero_stage=1, shard_gradients=True, **base)
-    with self.assertRaisesRegex(ConfigError,
+    with self.assertRaisesRegex(errors.ConfigError,
                                 "--distribution_strategy=parameter_server"):
       TrainConfig(zero_stage=1, distribution_strategy="parameter_server",
                   **base)
-    with self.assertRaisesRegex(ConfigError, "--optimizer=lamb cannot"):
+    with self.assertRaisesRegex(errors.ConfigError, "--optimizer=lamb cannot"):
       TrainConfig(shard_optimizer_state=True, optimizer="lamb", **base)
 
 

@@ -30,10 +30,9 @@ import numpy as np  # pylint: disable=g-import-not-at-top
 import tensorflow as tf  # pylint: disable=g-import-not-at-top
 
 from tfdist import api  # pylint: disable=g-import-not-at-top
-from tfdist.config import ConfigError  # pylint: disable=g-import-not-at-top
+from tfdist import errors  # pylint: disable=g-import-not-at-top
 from tfdist.config import TrainConfig  # pylint: disable=g-import-not-at-top
 from tfdist.distribute import devices  # pylint: disable=g-import-not-at-top
-from tfdist.parallel import zero3  # pylint: disable=g-import-not-at-top
 from tfdist.models import cnn  # pylint: disable=g-import-not-at-top
 from tests import testutil  # pylint: disable=g-import-not-at-top
 
@@ -180,7 +179,7 @@ class RefusedAtStartTest(absltest.TestCase):
           from_logits=True))
       return model
     with self.assertRaisesRegex(
-        ConfigError, "--zero_stage=3 cannot shard embedding layer .*"
+        errors.ConfigError, "--zero_stage=3 cannot shard embedding layer .*"
         "--distribution_strategy=parameter_server"):
       api.fit(with_embedding, x=np.zeros((32, 4), "int32"),
               y=np.zeros((32,), "int32"),
@@ -200,7 +199,7 @@ class RefusedAtStartTest(absltest.TestCase):
       model.compile(loss=keras.losses.SparseCategoricalCrossentropy(
           from_logits=True))
       return model
-    with self.assertRaisesRegex(ConfigError,
+    with self.assertRaisesRegex(errors.ConfigError,
                                 "--zero_stage=3: model .* own step"):
       api.fit(own_step, x=X, y=Y,
               config=_config(os.path.join(testutil.scratch_dir(), "o"),

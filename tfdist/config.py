@@ -20,7 +20,7 @@ import re
 from typing import Optional, Tuple
 
 from tfdist.distribute.strategy_kind import StrategyKind
-from tfdist.errors import ConfigError
+from tfdist import errors
 from tfdist.parallel import pipeline_options
 from tfdist.training import decay_schedules
 from tfdist.training import optimizers
@@ -89,7 +89,7 @@ UNSET_DEFAULTS = {"model": "cnn", "optimizer": "sgd",
 def _need(condition, message: str) -> None:
   """Raises `ConfigError(message)` unless `condition` holds."""
   if not condition:
-    raise ConfigError(message)
+    raise errors.ConfigError(message)
 
 
 def requested_kind(strategy) -> Optional[StrategyKind]:
@@ -117,7 +117,7 @@ def normalize_dtype(value: str) -> str:
   """
   key = str(value).strip().lower()
   if key not in DTYPE_ALIASES:
-    raise ConfigError(
+    raise errors.ConfigError(
         f"--dtype={value!r} is not a known precision. Use one of "
         f"{', '.join(sorted(DTYPE_ALIASES))}.")
   return DTYPE_ALIASES[key]
@@ -141,7 +141,7 @@ def parse_loss_scale(value) -> Optional[object]:
   except (TypeError, ValueError):
     number = float("nan")
   if not math.isfinite(number) or number <= 0:
-    raise ConfigError(
+    raise errors.ConfigError(
         f"--loss_scale={value!r} is neither 'dynamic' nor a positive number. "
         "Use --loss_scale=dynamic or, for a fixed scale, e.g. --loss_scale=128.")
   return number
@@ -162,7 +162,7 @@ def check_tpu_precision(strategy: str, dtype: str, *, why: str = "") -> None:
   kind = requested_kind(strategy)
   if kind is not None and kind.is_tpu and dtype == "fp16":
     how = f" ({why})" if why else ""
-    raise ConfigError(
+    raise errors.ConfigError(
         f"--dtype=fp16 is not supported with --distribution_strategy=tpu"
         f"{how}: fp16 is not supported on TPUs, which compute in bfloat16 "
         "and have no float16 arithmetic or loss scaling. Use --dtype=bf16 "
@@ -189,7 +189,7 @@ def parse_profile_steps(value) -> Tuple[int, ...]:
   if len(steps) == 1:
     steps = steps * 2
   if len(steps) != 2 or not 1 <= steps[0] <= steps[1]:
-    raise ConfigError(
+    raise errors.ConfigError(
         f"--profile_steps={','.join(items)} is not a window of training "
         "steps. Use --profile_steps=START,END with 1 <= START <= END (steps "
         "are counted from 1 and both ends are traced), e.g. "
@@ -213,7 +213,7 @@ def parse_class_weight(value) -> Tuple[Tuple[int, float], ...]:
   if isinstance(value, dict):
     named = [k for k in value if isinstance(k, (str, bytes, bool))]
     if named:
-      raise ConfigError(
+      raise errors.ConfigError(
           f"class_weight key {named[0]!r} is not a class id: keras.Model.fit "
           "looks class weights up by integer class id and would ignore it "
           "(every class weighing 1). Use integer keys, e.g. "
@@ -237,7 +237,7 @@ def parse_class_weight(value) -> Tuple[Tuple[int, float], ...]:
         raise ValueError
     except (TypeError, ValueError):
       text = ":".join(map(str, item))
-      raise ConfigError(
+      raise errors.ConfigError(
           f"--class_weight item {text!r} is not CLASS_ID:WEIGHT with a class"
           " id (an integer >= 0, each once) and a weight >= 0. Example: "
           "--class_weight=0:1.0,1:4.0 (class 1 counts four times).") from None
@@ -258,7 +258,7 @@ def check_accumulation_strategy(strategy: str, steps: int) -> None:
   """
   kind = requested_kind(strategy)
   if steps > 1 and kind is not None and not kind.supports_gradient_accumulation:
-    raise ConfigError(
+    raise errors.ConfigError(
         f"--gradient_accumulation_steps={steps} is not supported with "
         "--distribution_strategy=parameter_server: there each worker step is "
         "its own asynchronous update of the shared weights, so there is no "
@@ -544,7 +544,7 @@ class TrainConfig:
     since Vertex AI's `AIP_*` variables may supply it.
     """
     if not self.model_dir:
-      raise ConfigError(
+      raise errors.ConfigError(
           "--model_dir is required (or set AIP_CHECKPOINT_DIR as Vertex AI "
           "does). Example: "
           "--model_dir=/tmp/tfdist_run.")
@@ -559,12 +559,12 @@ class TrainConfig:
     if not self.feature_spec:
       return
     if not self.train_files and self.mode != "eval":
-      raise ConfigError(
+      raise errors.ConfigError(
           f"--feature_spec={self.feature_spec} describes your TFRecords: "
           "give them as --train_files (and --eval_files), or set "
           "AIP_TRAINING_DATA_URI with AIP_DATA_FORMAT=tf-record.")
     if not self.eval_files and self.mode != "train":
-      raise ConfigError(
+      raise errors.ConfigError(
           f"--feature_spec={self.feature_spec} describes your TFRecords: "
           "give the evaluation files as --eval_files (or set "
           "AIP_VALIDATION_DATA_URI with AIP_DATA_FORMAT=tf-record; or train "

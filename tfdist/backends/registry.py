@@ -37,7 +37,7 @@ def backend_for(kind) -> base.Backend:
   return cls()
 
 
-def backend_for_run(kind, config) -> base.Backend:
+def backend_for_run(kind, config, cluster=None) -> base.Backend:
   """The backend of a run: the pipeline's (`tfdist.backends.pipeline`)
   when `config` cuts the model into stages (`pipeline_stages > 1`), ZeRO
   stage 3's (`tfdist.backends.zero3`) at `--zero_stage=3`, else
@@ -46,10 +46,11 @@ def backend_for_run(kind, config) -> base.Backend:
   Args:
     kind: the decided `StrategyKind`.
     config: the run's `TrainConfig` (anything with `pipeline_stages`).
+    cluster: the run's `ClusterInfo` (a pipeline's stages may span it).
 
   Raises:
     As `backend_for`.
   """
   if pipeline.uses_pipeline(config):
-    return pipeline.PipelineBackend()
+    return pipeline.PipelineBackend(cluster)
   return zero3.backend_for(kind, config) or backend_for(kind)

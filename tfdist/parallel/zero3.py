@@ -15,7 +15,7 @@ owning elements [r x S, (r + 1) x S)):
   of a one-process run (a Keras callback's `get_weights`, `set_weights`),
   reading one gathers a temporary copy from the shards and assigning one
   writes into them; elsewhere (traced code, several workers) it raises
-  `WeightsShardedError`.
+  `tfdist.errors.WeightsShardedError`.
 * **Forward and backward.** Each step the replica all-gathers the shards
   (`ReplicaContext.all_gather`, [S] -> [P']) and runs the model under
   `keras.StatelessScope(state_mapping=...)`, which gives the layers the
@@ -62,7 +62,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfdist.errors import ConfigError
+from tfdist import errors
 from tfdist.training import custom_step
 from tfdist.training import sharded_optimizer
 
@@ -70,22 +70,18 @@ STAGE = 3
 _VARIABLE_VALUE = "VARIABLE_VALUE"
 
 
-class WeightsShardedError(RuntimeError):
-  """A ZeRO stage-3 weight was read outside a step: it has no storage."""
-
-
 def check_model(model: keras.Model) -> None:
   """Refuses a model stage 3 cannot train, before anything is sharded.
 
   Raises:
-    ConfigError: an embedding layer (a `keras.layers.Embedding` or a
-      subclass), a model overriding `train_step` (or `compute_loss`, ...:
+    tfdist.errors.ConfigError: an embedding layer (a
+      `keras.layers.Embedding` or a subclass), a model overriding `train_step` (or `compute_loss`, ...:
       `tfdist.training.custom_step.overrides`), or a trainable variable
       that is not float32; each names `--zero_stage=3` and the fix.
   """
   for layer in model._flatten_layers(include_self=False):  # pylint: disable=protected-access
     if isinstance(layer, keras.layers.Embedding):
-      raise ConfigError(
+      raise errors.ConfigError(
           f"--zero_stage=3 cannot shard embedding layer {layer.name!r} of "
           f"model {model.name!r}: the gradient of a gathered table is dense "
           "and as large as the vocabulary on every replica, every step. "
@@ -93,14 +89,14 @@ def check_model(model: keras.Model) -> None:
           "and sends only the rows used), or --zero_stage=1 or 2.")
   own_step = custom_step.overrides(model)
   if own_step:
-    raise ConfigError(
+    raise errors.ConfigError(
         f"--zero_stage=3: model {model.name!r} defines its own step "
         f"({', '.join(own_step)}), which reads the model's variables "
         "directly, and stage 3 keeps no whole copy of them. Drop the "
         "override, or use --zero_stage=1 or 2.")
   for v in model.trainable_variables:
     if v.dtype != "float32":
-      raise ConfigError(
+      raise errors.ConfigError(
           f"--zero_stage=3 shards float32 variables; {v.path} is {v.dtype}. "
           "Keep trainable variables in float32 (Keras mixed precision "
           "does), or use --zero_stage=0.")
@@ -111,12 +107,12 @@ def _released(path: str, owner: "Zero3Optimizer", index: int):
   every replica in this process (a callback's `get_weights`), the weight
   gathered from the shards, a temporary copy; elsewhere (a traced
   function, or replicas on other workers, which a read on one task would
-  wait for) `WeightsShardedError`."""
+  wait for) `tfdist.errors.WeightsShardedError`."""
   def initializer(shape, dtype=None):
     del shape
     if tf.executing_eagerly() and owner.all_local:
       return tf.cast(owner.full_weight(index), dtype or tf.float32)
-    raise WeightsShardedError(
+    raise errors.WeightsShardedError(
         f"{path} is sharded (--zero_stage=3): each replica holds 1/N of it, "
         "and the whole weight exists only inside a training or evaluation "
         "step" + ("" if owner.all_local else
@@ -137,7 +133,8 @@ class Zero3Optimizer(sharded_optimizer.ShardedOptimizer):
   variables' storage is released.
 
   Raises:
-    ConfigError: as `ShardedOptimizer` (LAMB, non-float32 variables).
+    tfdist.errors.ConfigError: as `ShardedOptimizer` (LAMB, non-float32
+      variables).
   """
 
   def __init__(self, **kwargs):
@@ -182,7 +179,7 @@ class Zero3Optimizer(sharded_optimizer.ShardedOptimizer):
       # restoring its best weights): into the shards.
       del self_
       if not (tf.executing_eagerly() and owner.all_local):
-        raise WeightsShardedError(
+        raise errors.WeightsShardedError(
             f"{variable.path} is sharded (--zero_stage=3): assign it in "
             "eager code of a one-process run, or restore a checkpoint.")
       owner.restore_weight(index, value)
@@ -197,11 +194,11 @@ class Zero3Optimizer(sharded_optimizer.ShardedOptimizer):
     step with ones that gather the shards first.
 
     Raises:
-      ConfigError: XLA (`trainer.xla_applied`), pipeline stages, or a
-        model `check_model` refuses.
+      tfdist.errors.ConfigError: XLA (`trainer.xla_applied`), pipeline
+        stages, or a model `check_model` refuses.
     """
     if trainer.xla_applied or trainer.pipeline is not None:
-      raise ConfigError(
+      raise errors.ConfigError(
           "--zero_stage=3 runs its own forward pass (gather, then the "
           "model): it cannot be combined with "
           f"{'--enable_xla' if trainer.xla_applied else '--pipeline_stages'}"

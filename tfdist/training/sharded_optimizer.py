@@ -75,7 +75,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfdist.config import ConfigError
+from tfdist import errors
 from tfdist.training import optimizers
 from tfdist.training import precision
 from tfdist.training import reduce_dtype
@@ -157,7 +157,7 @@ def check_optimizer(optimizer, *, what: str = "--optimizer") -> None:
   """
   spec = optimizers.spec_of(optimizer)
   if not spec.traits.shardable:
-    raise ConfigError(
+    raise errors.ConfigError(
         f"{what}={spec.name} cannot shard its state "
         f"(--shard_optimizer_state): {spec.traits.not_shardable_because}. "
         "Use adamw or adam, or train without sharding.")
@@ -257,7 +257,7 @@ class ShardedOptimizer:
   themselves.
 
   Raises:
-    tfdist.config.ConfigError: LAMB (`check_optimizer`); a trainable
+    tfdist.errors.ConfigError: LAMB (`check_optimizer`); a trainable
       variable that is not float32.
   """
 
@@ -269,7 +269,7 @@ class ShardedOptimizer:
     check_optimizer(optimizer)
     for v in variables:
       if v.dtype != "float32":
-        raise ConfigError(
+        raise errors.ConfigError(
             f"--shard_optimizer_state shards float32 variables; "
             f"{v.path if hasattr(v, 'path') else v.name} is {v.dtype}. "
             "Keep trainable variables in float32 (Keras mixed precision "

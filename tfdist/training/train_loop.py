@@ -420,7 +420,7 @@ class Trainer:
     ValueError: unknown `task`; `global_batch_size` < 1;
       `gradient_accumulation_steps` < 1; a `class_weight` key that is not
       an integer >= 0.
-    tfdist.config.ConfigError: a metric whose state is not summed; a loss
+    tfdist.errors.ConfigError: a metric whose state is not summed; a loss
       with `reduction="mean_with_sample_weight"` and `class_weight`
       (`objectives.check_reduction`; with sample weights, when the step is
       traced); an unknown `all_reduce_dtype`, a 2-byte one under
