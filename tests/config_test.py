@@ -48,7 +48,8 @@ class TrainConfigTest(parameterized.TestCase):
                      .zero_stage_resolved, 3)
     self.assertEqual(TrainConfig(zero_stage=3, shard_gradients=True, **base)
                      .zero_stage_resolved, 3)
-    with self.assertRaisesRegex(errors.ConfigError, "--zero_stage=4 is not offered"):
+    with self.assertRaisesRegex(errors.ConfigError,
+                                "--zero_stage=4 is not offered"):
       TrainConfig(zero_stage=4, **base)
     with self.assertRaisesRegex(errors.ConfigError, "--zero_stage=2 contradicts"):
       TrainConfig(zero_stage=2, shard_parameters=True, **base)
