@@ -3,8 +3,9 @@
 The strategy, inputs and step runner are the strategy's own; the trainer's
 step gathers the sharded weights itself (`tfdist.parallel.zero3`). What
 the backend adds: the weights are gathered into the Keras model before the
-export and when the run ends (`zero3.materialize`), so the SavedModel and
-the model a `tfdist.fit` caller gets back are the unsharded model.
+export (`zero3.materialize`), and under Mirrored also when the run ends,
+so the SavedModel and the model a `tfdist.fit` caller gets back are the
+unsharded model.
 `backend_for_run` chooses these backends for a config with
 `zero_stage_resolved == 3`.
 """
@@ -15,12 +16,20 @@ from tfdist.distribute.strategy_kind import StrategyKind
 from tfdist.parallel import zero3
 
 
-class _GathersAtEnd:
-  """Gathers the weights into the model before the export and the end."""
+class _GathersForExport:
+  """Gathers the weights into the model before the export (every task
+  exports: the gather is collective as the save is)."""
 
   def export_model(self, run):
     zero3.materialize(run.parts.trainer)
     return super().export_model(run)
+
+
+class Zero3MirroredBackend(_GathersForExport,
+                           single_process.MirroredBackend):
+  """MirroredStrategy, weights sharded over its replicas; the weights are
+  also gathered into the model when the run ends (for `tfdist.fit`'s
+  caller, with or without an export)."""
 
   def leave_together(self, run, *, failed: bool = False) -> None:
     parts = getattr(run, "parts", None)
@@ -29,14 +38,12 @@ class _GathersAtEnd:
     super().leave_together(run, failed=failed)
 
 
-class Zero3MirroredBackend(_GathersAtEnd, single_process.MirroredBackend):
-  """MirroredStrategy, weights sharded over its replicas."""
-
-
-class Zero3MultiWorkerBackend(_GathersAtEnd,
+class Zero3MultiWorkerBackend(_GathersForExport,
                               multi_worker.MultiWorkerMirroredBackend):
   """MultiWorkerMirroredStrategy, weights sharded over every replica of
-  every worker."""
+  every worker. Not gathered when the run ends without an export: the
+  gather is a collective, and a task that failed would leave its peers
+  waiting in it before the final barrier tells them."""
 
 
 def backend_for(kind, config):
