@@ -368,11 +368,19 @@ def _define_memory_flags() -> None:
       "ZeRO stage 2: --shard_optimizer_state, and under "
       "--gradient_accumulation_steps > 1 each replica accumulates only its "
       "shard of the summed gradients (one all-reduce per micro-batch).")
+  flags.DEFINE_bool(
+      "shard_parameters", _default("shard_parameters"),
+      "ZeRO stage 3 (mirrored, multi_worker_mirrored): --shard_gradients, "
+      "and each replica keeps only 1/N of the weights, all-gathered for "
+      "each step's forward and backward pass (1.5x the traffic of plain data "
+      "parallelism). Not "
+      "with embedding layers, a model's own train_step, --enable_xla or "
+      "--pipeline_stages.")
   flags.DEFINE_integer(
       "zero_stage", _default("zero_stage"),
-      "DeepSpeed's name for the two switches above: 0 off, 1 "
-      "--shard_optimizer_state, 2 --shard_gradients (3, sharded weights, "
-      "is not offered). Default: from the switches.")
+      "DeepSpeed's name for the three switches above: 0 off, 1 "
+      "--shard_optimizer_state, 2 --shard_gradients, 3 --shard_parameters "
+      "(sharded weights). Default: from the switches.")
 
 
 def define_pipeline_flags() -> List[str]:

@@ -41,12 +41,33 @@ class TrainConfigTest(parameterized.TestCase):
     self.assertEqual(TrainConfig(**base).replace(zero_stage=2)
                      .zero_stage_resolved, 2)
 
-  def test_only_stage_3_points_at_the_stage_3_notes(self):
-    with self.assertRaisesRegex(errors.ConfigError, "Stage 3"):
-      TrainConfig(model_dir="/tmp/x", zero_stage=3)
-    with self.assertRaises(errors.ConfigError) as caught:
-      TrainConfig(model_dir="/tmp/x", zero_stage=-1)
-    self.assertNotIn("Stage 3", str(caught.exception))
+  def test_stage_3_and_its_switch(self):
+    base = dict(model_dir="/tmp/x", train_steps=1)
+    self.assertEqual(TrainConfig(zero_stage=3, **base).zero_stage_resolved, 3)
+    self.assertEqual(TrainConfig(shard_parameters=True, **base)
+                     .zero_stage_resolved, 3)
+    self.assertEqual(TrainConfig(zero_stage=3, shard_gradients=True, **base)
+                     .zero_stage_resolved, 3)
+    with self.assertRaisesRegex(errors.ConfigError,
+                                "--zero_stage=4 is not offered"):
+      TrainConfig(zero_stage=4, **base)
+    with self.assertRaisesRegex(errors.ConfigError, "--zero_stage=2 contradicts"):
+      TrainConfig(zero_stage=2, shard_parameters=True, **base)
+    with self.assertRaisesRegex(errors.ConfigError, "contradict each other"):
+      TrainConfig(shard_parameters=True, shard_gradients=False, **base)
+    with self.assertRaisesRegex(errors.ConfigError,
+                                "--zero_stage=3 .* --enable_xla"):
+      TrainConfig(zero_stage=3, enable_xla=True, **base)
+    with self.assertRaisesRegex(errors.ConfigError, "--optimizer=lamb cannot"):
+      TrainConfig(shard_parameters=True, optimizer="lamb", **base)
+    with self.assertRaisesRegex(errors.ConfigError,
+                                "--zero_stage=3 cannot shard "
+                                "--model=transformer's embedding"):
+      TrainConfig(zero_stage=3, dataset="clothing_reviews", **base)
+    with self.assertRaisesRegex(errors.ConfigError,
+                                "--distribution_strategy=parameter_server"):
+      TrainConfig(zero_stage=3, distribution_strategy="parameter_server",
+                  **base)
 
   def test_class_weight_forms(self):
     base = dict(model_dir="/tmp/x", train_steps=1)

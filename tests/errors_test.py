@@ -22,7 +22,7 @@ CONFIG_ERRORS = [
     errors.PeerStoppedError,
     errors.ExportRefusedError, errors.DamagedCheckpointError,
     errors.IncompatibleResumeError, errors.ShardCountMismatchError,
-    errors.PipelineConfigError]
+    errors.PipelineConfigError, errors.WeightsShardedError]
 
 # (an instance, its status) for every class a run raises.
 CASES = [(cls("bad"), 2) for cls in CONFIG_ERRORS] + [

@@ -78,7 +78,8 @@ TPU_DEFAULT_STEPS_PER_EXECUTION = 100
 # UNSET_DEFAULTS (batch_size stays None: 128 unless --per_replica_batch_size
 # is given, see tfdist.training.batch_plan).
 # The ZeRO switches (`zero_stage` says the same in DeepSpeed's terms).
-SHARDING_SWITCHES = ("shard_optimizer_state", "shard_gradients")
+SHARDING_SWITCHES = ("shard_optimizer_state", "shard_gradients",
+                     "shard_parameters")
 RECOMMENDABLE_FIELDS = ("model", "batch_size", "optimizer",
                         "base_learning_rate", "lr_scaling")
 UNSET_DEFAULTS = {"model": "cnn", "optimizer": "sgd",
@@ -416,13 +417,16 @@ class TrainConfig:
   # --- Sharded data parallelism (ZeRO, Rajbhandari et al. 2020) ---
   # Each replica keeps the optimizer state of 1/N of the parameters (stage
   # 1); with shard_gradients also its shard of the gradient accumulators
-  # (stage 2). zero_stage (0, 1, 2) says the same in DeepSpeed's terms;
+  # (stage 2); with shard_parameters also the weights (stage 3,
+  # tfdist/parallel/zero3.py). zero_stage (0-3) says the same in DeepSpeed's
+  # terms;
   # None: from the two switches. The switches: None (unset) becomes False
   # (see `defaulted`), so a switch given as False can contradict
   # zero_stage. See `zero_stage_resolved` and
   # tfdist/training/sharded_optimizer.py.
   shard_optimizer_state: Optional[bool] = None
   shard_gradients: Optional[bool] = None
+  shard_parameters: Optional[bool] = None
   zero_stage: Optional[int] = None
   # --- Pipeline parallelism (tfdist/parallel/pipeline_options.py) ---
   # P stages on P devices (1: off), M micro-batches per step (None: P),
@@ -817,12 +821,10 @@ class TrainConfig:
 
   def _validate_sharding(self):
     """ZeRO stages: offered, consistent, under a strategy that shards."""
-    _need(self.zero_stage in (None, 0, 1, 2),
+    _need(self.zero_stage in (None, 0, 1, 2, 3),
           f"--zero_stage={self.zero_stage} is not offered: use 0 (off), 1 "
-          "(shard optimizer state) or 2 (also gradients)." + (
-              " Stage 3 (sharded weights) needs APIs TensorFlow lacks: see "
-              "docs/guides/sharded-training.md." if self.zero_stage == 3
-              else ""))
+          "(shard optimizer state), 2 (also gradients) or 3 (also "
+          "weights).")
     given = {name: getattr(self, name) for name in SHARDING_SWITCHES
              if name not in self.defaulted}
     said = " ".join(f"--{name}={value}" for name, value in given.items())
@@ -830,17 +832,24 @@ class TrainConfig:
                given.get("shard_optimizer_state") is False),
           f"{said} contradict each other: --shard_gradients (stage 2) "
           "shards the optimizer state too. Give --shard_gradients alone.")
+    _need(not (given.get("shard_parameters") and False in (
+               given.get("shard_gradients"),
+               given.get("shard_optimizer_state"))),
+          f"{said} contradict each other: --shard_parameters (stage 3) "
+          "shards the optimizer state and gradients too. Give "
+          "--shard_parameters alone.")
     if self.zero_stage is not None and given:
       # What each switch given says of the stage: True, the stage is at
       # least (optimizer state) or exactly (gradients) its own; False,
       # below it.
       agrees = {"shard_optimizer_state": lambda on: on == (
                     self.zero_stage >= 1),
-                "shard_gradients": lambda on: on == (self.zero_stage == 2)}
+                "shard_gradients": lambda on: on == (self.zero_stage >= 2),
+                "shard_parameters": lambda on: on == (self.zero_stage == 3)}
       _need(all(agrees[name](on) for name, on in given.items()),
             f"--zero_stage={self.zero_stage} contradicts {said}. Give "
             "--zero_stage alone, or the switches alone (--shard_gradients "
-            "implies stage 2).")
+            "implies stage 2, --shard_parameters stage 3).")
     stage = self.zero_stage_resolved
     if not stage:
       return
@@ -856,6 +865,19 @@ class TrainConfig:
           f"--optimizer={self.optimizer} cannot run with --zero_stage="
           f"{stage}: {traits.not_shardable_because}. Use --optimizer=adamw, "
           "or drop the flag.")
+    _need(stage < 3 or not self.enable_xla,
+          "--zero_stage=3 (--shard_parameters) and --enable_xla cannot be "
+          "combined: stage 3 gathers the weights inside its own forward "
+          "pass, which tfdist does not compile. Drop --enable_xla, or use "
+          "--zero_stage=2.")
+    # The built-in models with embedding tables (tfdist.parallel.zero3
+    # refuses any model's embedding layer once built).
+    _need(stage < 3 or self.model not in ("transformer", "ranking"),
+          f"--zero_stage=3 cannot shard --model={self.model}'s embedding "
+          "table: its gathered gradient is dense and as large as the "
+          "vocabulary on every replica, every step. Use "
+          "--distribution_strategy=parameter_server (it shards tables and "
+          "sends only the rows used), or --zero_stage=2.")
 
   def _validate_pipeline(self):
     """Pipeline stages, micro-batches, schedule and cuts
@@ -897,11 +919,13 @@ class TrainConfig:
 
   @property
   def zero_stage_resolved(self) -> int:
-    """The ZeRO stage: `zero_stage` if given, else 2 with
-    `shard_gradients`, 1 with `shard_optimizer_state`, else 0."""
+    """The ZeRO stage: `zero_stage` if given, else 3 with
+    `shard_parameters`, 2 with `shard_gradients`, 1 with
+    `shard_optimizer_state`, else 0."""
     if self.zero_stage is not None:
       return int(self.zero_stage)
-    return (2 if self.shard_gradients else
+    return (3 if self.shard_parameters else
+            2 if self.shard_gradients else
             1 if self.shard_optimizer_state else 0)
 
   # --- Derived paths -------------------------------------------------------

@@ -101,6 +101,7 @@ _BASELINE_SETS = ("distribution_strategy", "batch_size",
 # them and says so.
 MULTI_REPLICA_FLAGS = ("num_cpu_devices", "num_gpus", "zero_stage",
                        "shard_optimizer_state", "shard_gradients",
+                       "shard_parameters",
                        "all_reduce_alg", "all_reduce_dtype", "bytes_per_pack",
                        "sync_batch_norm",
                        "reduction_server", "collective_timeout_seconds",
@@ -113,7 +114,8 @@ MULTI_REPLICA_FLAGS = ("num_cpu_devices", "num_gpus", "zero_stage",
 _BASELINE_DROPS = _BASELINE_SETS + MULTI_REPLICA_FLAGS
 # Boolean flags among them (`--name`, `--noname`: no separate value).
 _BOOLEAN_DROPS = ("reduction_server", "sync_batch_norm",
-                  "shard_optimizer_state", "shard_gradients")
+                  "shard_optimizer_state", "shard_gradients",
+                  "shard_parameters")
 
 INPUT_ADVICE = (
     "input pipeline knobs: keep --cache_dataset on (parsed examples cached in "

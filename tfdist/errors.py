@@ -147,6 +147,13 @@ class PipelineConfigError(ConfigError):
 
 
 # --- status 1: divergence and stalls -----------------------------------------
+class WeightsShardedError(ConfigError):
+  """A ZeRO stage-3 weight (`--zero_stage=3`) was read or assigned where
+  it has no whole value: in traced code outside tfdist's step, or between
+  steps with replicas on other workers (status 2: the same code fails the
+  same way)."""
+
+
 class TrainingStalledError(FloatingPointError):
   """The optimizer made no update for too many steps in a row."""
 

@@ -20,6 +20,7 @@ from tfdist import models
 from tfdist import errors
 from tfdist.errors import first_line
 from tfdist.parallel import pipeline_options
+from tfdist.parallel import zero3  # Registers ZeRO stage 3's optimizer.
 from tfdist.training import checkpointing
 from tfdist.training import custom_step
 from tfdist.training import lr_schedule
@@ -54,7 +55,8 @@ class AssemblyOptions:
     enable_xla: jit-compile the per-replica step.
     run_eagerly: run the step without `tf.function` (debugging).
     deterministic: op determinism (the step is then not timed).
-    zero_stage: ZeRO sharding of the optimizer state (0, 1 or 2).
+    zero_stage: ZeRO sharding of the optimizer state (0, 1 or 2), or of
+      the weights too (3: `tfdist.parallel.zero3`).
     class_weight: `((class id, weight), ...)`; empty: none.
     activation_recomputation: recompute activations in the backward pass.
     bytes_per_pack: the gradients' all-reduce packs, in bytes (0: one).
@@ -337,12 +339,14 @@ def _log_trainer(trainer: Trainer, options: AssemblyOptions, *, plan,
         "ZeRO stage %d: each of the %d replicas keeps the optimizer state "
         "of %d of the %d parameters (one shard of a flat buffer, %d "
         "elements of padding)%s; gradients are all-reduced "
-        "then sliced (no reduce-scatter on CPU collectives), the updated "
-        "shards all-gathered.", sharding.stage, layout.num_shards,
+        "then sliced (no reduce-scatter on CPU collectives), %s.",
+        sharding.stage, layout.num_shards,
         layout.shard_size, layout.total, layout.padding,
         ", and its shard of the gradient accumulators"
         if sharding.stage >= 2 and plan.batch.gradient_accumulation_steps > 1
-        else "")
+        else "", "its shard of the weights too, all-gathered for each step "
+        "(tfdist.parallel.zero3)" if sharding.stage == zero3.STAGE
+        else "the updated shards all-gathered")
   if options.enable_xla:
     logging.info(
         "--enable_xla: %s", "TPUs compile every step with XLA already."
@@ -407,6 +411,8 @@ def build(options: AssemblyOptions, *, task: task_lib.Task,
   # (`tf.train.Checkpoint(model=...)`, compiled with an optimizer of its own
   # or not) finds no optimizer of tfdist's under `model/`.
   object.__setattr__(model, "optimizer", optimizer)
+  if sharding.stage == zero3.STAGE:
+    zero3.check_model(model)
   if custom_step.overrides(model):
     return _custom_step_parts(options, model=model, task=task,
                               strategy=strategy, plan=plan, on_tpu=on_tpu,

@@ -218,7 +218,9 @@ class RunPlan:
                       f"{plan.num_replicas_in_sync} each)"
                       + (", and the gradient accumulators"
                          if options.zero_stage >= 2 and
-                         plan.gradient_accumulation_steps > 1 else "")]
+                         plan.gradient_accumulation_steps > 1 else "")
+                      + (", and the weights (gathered for each step)"
+                         if options.zero_stage == 3 else "")]
                      if options.zero_stage else []) + (
                      ["  deterministic          op determinism and a "
                       "deterministic input order"]
