@@ -41,7 +41,8 @@ from tests import testutil
 _CHILD_ENV = "TFDIST_FIT_CONFORMANCE_CHILD"
 ATOL = lib.ATOL
 STRATEGIES = lib.STRATEGIES
-# Each public classeryKerasCallbackTest` fails on a class missing here).
+# Each public class of `keras.callbacks` -> the row that says what tfdist
+# does with it (`EveryKerasCallbackTest` fails on a class missing here).
 CALLBACK_ROWS = {
     "BackupAndRestore": "backup_and_restore",
     "CSVLogger": "file_callbacks",
