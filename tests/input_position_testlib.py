@@ -108,6 +108,8 @@ def compare_runs(test, ids_a, ids_b, weights: float, batches_per_step: int,
       a = consumed_ids(ids_a[task], STEPS * batches_per_step)
       b = consumed_ids(ids_b[task], (STEPS - STOP) * batches_per_step)
       test.assertEqual(b, a[STOP * batches_per_step:])
+      # Each epoch of 5 steps used every example at most once, across the
+      # restart too.
       resumed = a[:STOP * batches_per_step] + b
       per_epoch = 5 * batches_per_step
       for start in (0, per_epoch):
