@@ -4,15 +4,24 @@ Each cell is checked by the test that measures it
 (`conformance_table.check_cell`); this file checks, without running
 anything, that the guide has every row of `conformance_table.ROWS` in
 order, that no cell is left "not measured", and that each cell's test file
-names the row (so a row cannot lose its measurement unnoticed).
+names the row (so a row cannot lose its measurement unnoticed). For the
+guide's first table (the `fit` arguments and callbacks, checked cell by
+cell by the two fit_conformance files), that it has every row of
+`fit_conformance_testlib.FEATURES` and each cell one of those files.
 """
 
 import os
 import re
+import shutil
+import sys
+import tempfile
+import types
+from unittest import mock
 
 from absl.testing import absltest
 
 from tests import conformance_table
+from tests import fit_conformance_testlib
 
 
 class ContractTableTest(absltest.TestCase):
@@ -53,6 +62,69 @@ class ContractTableTest(absltest.TestCase):
                      "refused at start (why)")
     with self.assertRaisesRegex(ValueError, "no <!-- contract-table -->"):
       conformance_table.read_cells("no table")
+
+
+class FitTableTest(absltest.TestCase):
+
+  def test_every_row_is_there_and_each_cell_has_a_test_file(self):
+    lib = fit_conformance_testlib
+    with open(lib.DOC) as f:
+      cells = lib.read_table(f.read())
+    self.assertEqual(list(cells), [key for key, _ in lib.FEATURES])
+    for key, row in cells.items():
+      self.assertEqual(list(row), list(lib.STRATEGIES), key)
+    owners = {lib.table_owner(key, strategy) for key, _ in lib.FEATURES
+              for strategy in lib.STRATEGIES}
+    self.assertEqual(owners, {lib.ONE_PROCESS_TEST, lib.CLUSTER_TEST})
+    for owner in owners:
+      self.assertTrue(os.path.exists(os.path.join(
+          conformance_table.REPO_ROOT, "tests", owner + ".py")), owner)
+
+  def _measured_by(self, name: str):
+    """A test case whose class is in a module named `name` (the file
+    `check_table` takes the measurer from)."""
+    module = types.ModuleType(name)
+    module.__file__ = os.path.join(conformance_table.REPO_ROOT, "tests",
+                                   name + ".py")
+    self.enter_context(mock.patch.dict(sys.modules, {name: module}))
+    case = type("Case", (absltest.TestCase,), {"runTest": lambda _: None,
+                                               "__module__": name})
+    return case()
+
+  def test_each_file_checks_and_writes_its_own_cells(self):
+    lib = fit_conformance_testlib
+    folder = tempfile.mkdtemp()
+    self.addCleanup(shutil.rmtree, folder)
+    doc = os.path.join(folder, "guide.md")
+    shutil.copy(lib.DOC, doc)
+    self.enter_context(mock.patch.object(lib, "DOC", doc))
+    with open(doc) as f:
+      table = lib.read_table(f.read())
+    one = self._measured_by(lib.ONE_PROCESS_TEST)
+    cluster = self._measured_by(lib.CLUSTER_TEST)
+    mine = {f: {s: v for s, v in row.items()
+                if lib.table_owner(f, s) == lib.ONE_PROCESS_TEST}
+            for f, row in table.items()}
+    lib.check_table(one, mine)
+    # A cell that differs, one left unmeasured, one of the other file's.
+    changed = {**mine, "history": {**mine["history"], "mirrored": "fails"}}
+    with self.assertRaisesRegex(AssertionError, "differs from what "
+                                "fit_conformance_one_process_test measured"):
+      lib.check_table(one, changed)
+    with self.assertRaisesRegex(AssertionError, "differs"):
+      lib.check_table(one, {f: row for f, row in mine.items()
+                            if f != "history"})
+    with self.assertRaisesRegex(AssertionError, "owned by another file"):
+      lib.check_table(cluster, mine)
+    # Writing: the file's own cells change, the other file's stay.
+    with mock.patch.dict(os.environ, {lib.WRITE_ENV: "1"}):
+      lib.check_table(one, changed)
+    with open(doc) as f:
+      written = lib.read_table(f.read())
+    self.assertEqual(written["history"], {**table["history"],
+                                          "mirrored": "fails"})
+    self.assertEqual({f: row for f, row in written.items() if f != "history"},
+                     {f: row for f, row in table.items() if f != "history"})
 
 
 if __name__ == "__main__":

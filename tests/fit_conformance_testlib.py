@@ -14,7 +14,9 @@ parameter servers), it runs one case with tfdist (the strategy from
 """
 
 import json
+import math
 import os
+import re
 import sys
 
 import numpy as np
@@ -673,6 +675,245 @@ def file_callbacks(folder: str) -> list:
           keras.callbacks.CSVLogger(os.path.join(folder, "log.csv")),
           keras.callbacks.TensorBoard(os.path.join(folder, "tb"),
                                       write_graph=False)]
+
+
+# The checks both test files make (fit_conformance_test: the clusters;
+# fit_conformance_one_process_test: one device, Mirrored, and what is
+# refused at start).
+
+# Synchronous strategies agree with one device to float32 round-off.
+ATOL = 1e-4
+DOC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
+    __file__))), "docs", "guides", "fit-conformance.md")
+WRITE_ENV = "TFDIST_WRITE_CONFORMANCE_TABLE"
+STRATEGIES = ("one_device", "mirrored", "multi_worker_mirrored",
+              "parameter_server")
+# (row key, what the docs row says).
+FEATURES = (
+    ("sample_weight", "sample weights: dataset of `(x, y, w)`"),
+    ("sample_weight_parse_fn", "sample weights: `parse_fn` returning "
+     "`(x, y, w)`"),
+    ("weighted_metrics", "`compile(weighted_metrics=...)` (named as Keras "
+     "names them)"),
+    ("class_weight", "`class_weight` (`TrainConfig`, `--class_weight`)"),
+    ("class_and_sample_weight", "`class_weight` with sample weights"),
+    ("reduce_lr_on_plateau", "`keras.callbacks.ReduceLROnPlateau`"),
+    ("learning_rate_scheduler", "`keras.callbacks.LearningRateScheduler`"),
+    ("learning_rate_checkpointed", "a rate set by a callback survives a "
+     "resume"),
+    ("callback_state_resumed", "`EarlyStopping(restore_best_weights=True)`"
+     " and `ReduceLROnPlateau` interrupted and resumed: the uninterrupted "
+     "run's stop, weights and rates"),
+    ("early_stopping_restore", "`EarlyStopping(restore_best_weights=True)`:"
+     " one answer in export, final checkpoint, manifest"),
+    ("file_callbacks", "`ModelCheckpoint`, `CSVLogger`, `TensorBoard`: "
+     "files from the chief only"),
+    ("backup_and_restore", "`BackupAndRestore`"),
+    ("history", "`History`: `tfdist.fit` returns its `history`"),
+    ("batch_valued_metric", "a metric function returning one value per "
+     "batch"),
+    ("numpy_arrays", "NumPy arrays `x, y, sample_weight`"),
+    ("validation_split", "`validation_split` (the arrays' last fraction)"),
+    ("validation_data", "`validation_data=(x, y, sample_weight)` arrays"),
+    ("custom_loss_function", "a loss function: `compile(loss=fn)`"),
+    ("custom_loss_class", "a `keras.losses.Loss` subclass"),
+    ("custom_metric", "a `keras.metrics.Metric` subclass (state summed "
+     "over replicas)"),
+    ("steps_per_execution", "`compile(steps_per_execution=N)`"),
+    ("early_stopping", "`keras.callbacks.EarlyStopping` (not restoring): "
+     "stops after the same epoch"),
+    ("terminate_on_nan", "`keras.callbacks.TerminateOnNaN`: stops at the "
+     "step the loss goes NaN"),
+    ("lambda_callback", "`keras.callbacks.LambdaCallback`: the same hooks "
+     "and logs keys"),
+    ("callback_subclass", "a `keras.callbacks.Callback` subclass of yours: "
+     "the same hooks, `params` and logs"),
+    ("progbar_logger", "`keras.callbacks.ProgbarLogger`"),
+    ("remote_monitor", "`keras.callbacks.RemoteMonitor`"),
+    ("swap_ema_weights", "`keras.callbacks.SwapEMAWeights`"),
+    ("orbax_checkpoint", "`keras.callbacks.OrbaxCheckpoint`"),
+    ("callback_list", "`keras.callbacks.CallbackList` (a container of "
+     "callbacks, as `callbacks=` or inside the list)"),
+    ("stop_in_batch_hook", "`model.stop_training` set in a batch hook: "
+     "stops after that batch"),
+)
+# Rows refused at start, before a strategy is built: one process measures
+# every column of them.
+REFUSED_AT_START = ("backup_and_restore", "class_and_sample_weight",
+                    "swap_ema_weights", "orbax_checkpoint")
+ONE_PROCESS_TEST = "fit_conformance_one_process_test"
+CLUSTER_TEST = "fit_conformance_test"
+_TABLE = re.compile(r"(<!-- conformance-table -->\n)(.*?)(\n<!-- "
+                    r"/conformance-table -->)", re.S)
+
+
+def table_owner(feature: str, strategy: str) -> str:
+  """The test file (module name) that measures the docs table's cell:
+  the cluster file the multi-process columns, the one-process file the
+  rest."""
+  if feature in REFUSED_AT_START or strategy in ("one_device", "mirrored"):
+    return ONE_PROCESS_TEST
+  return CLUSTER_TEST
+
+
+def render_table(cells: dict) -> str:
+  """The docs table: one row per feature, one column per strategy; a cell
+  `cells` (`{feature: {strategy: text}}`) lacks reads "not measured"."""
+  lines = ["| `fit` feature | " + " | ".join(STRATEGIES) + " |",
+           "|---" * (len(STRATEGIES) + 1) + "|"]
+  for key, text in FEATURES:
+    row = [cells.get(key, {}).get(s, "not measured") for s in STRATEGIES]
+    lines.append(f"| {text} | " + " | ".join(row) + " |")
+  return "\n".join(lines)
+
+
+def read_table(doc_text: str) -> dict:
+  """`{feature: {strategy: text}}` as the guide's table has them (the rows
+  whose text is a `FEATURES` row's).
+
+  Raises:
+    ValueError: the guide has no conformance-table markers.
+  """
+  match = _TABLE.search(doc_text)
+  if not match:
+    raise ValueError(f"{DOC} has no <!-- conformance-table --> markers")
+  keys = {text: key for key, text in FEATURES}
+  cells = {}
+  for line in match.group(2).splitlines()[2:]:
+    text, *values = line[2:-2].split(" | ")
+    if text in keys:
+      cells[keys[text]] = dict(zip(STRATEGIES, values))
+  return cells
+
+
+def check_table(test, cells: dict) -> None:
+  """Asserts that the docs table's cells `test`'s file owns
+  (`table_owner`) read what it measured (`cells`: `{feature: {strategy:
+  text}}`, "not measured" where it has none) and that its rows are
+  `FEATURES`; with `WRITE_ENV` set, writes those cells into the guide
+  instead (run both files to rewrite the whole table)."""
+  import inspect  # pylint: disable=g-import-not-at-top
+  measurer = os.path.splitext(os.path.basename(inspect.getfile(type(test))))[0]
+  owned = [(f, s) for f, _ in FEATURES for s in STRATEGIES
+           if table_owner(f, s) == measurer]
+  test.assertTrue(owned, f"{measurer} owns no cell of the table")
+  test.assertEqual(
+      sorted((f, s) for f, row in cells.items() for s in row
+             if table_owner(f, s) != measurer), [],
+      f"cells measured by {measurer} but owned by another file "
+      "(fit_conformance_testlib.table_owner)")
+  mine = {(f, s): cells.get(f, {}).get(s, "not measured") for f, s in owned}
+  with open(DOC) as f:
+    doc_text = f.read()
+  in_doc = read_table(doc_text)
+  if os.environ.get(WRITE_ENV):
+    for (f, s), text in mine.items():
+      in_doc.setdefault(f, {})[s] = text
+    with open(DOC, "w") as f:
+      f.write(_TABLE.sub(lambda m: m.group(1) + render_table(in_doc) +
+                         m.group(3), doc_text))
+    return
+  test.assertEqual(_TABLE.search(doc_text).group(2), render_table(in_doc),
+                   f"the rows of {DOC}'s table are not FEATURES: rewrite "
+                   f"it with {WRITE_ENV}=1 (both files) and commit it")
+  test.assertEqual(
+      {cell: in_doc.get(cell[0], {}).get(cell[1]) for cell in owned}, mine,
+      f"the table in docs/guides/fit-conformance.md differs from what "
+      f"{measurer} measured: rerun it with {WRITE_ENV}=1 and commit it.")
+
+
+def max_diff(a, b) -> float:
+  """The largest absolute difference of two lists of arrays."""
+  return max(float(np.max(np.abs(np.asarray(x) - np.asarray(y))))
+             for x, y in zip(a, b))
+
+
+def _without(values: dict, skip: str) -> dict:
+  """`values` without the keys that contain `skip` ("": all of them)."""
+  return {k: v for k, v in values.items() if not skip or skip not in k}
+
+
+def agrees(reference: dict, result: dict, *, skip: str = "") -> dict:
+  """Largest absolute differences of weights, training and evaluation
+  metrics (Keras's names) and the final learning rate between `Model.fit`
+  and a tfdist run; metrics whose names contain `skip` are left out."""
+  reference = {**reference, **{k: _without(reference[k], skip)
+                               for k in ("history", "train", "eval")}}
+  return {
+      "weights": max_diff(reference["weights"], result["weights"]),
+      "learning_rate": abs(reference["learning_rate"] -
+                           result["learning_rate"]),
+      # tfdist.fit returns what Model.fit's History holds, epoch by epoch.
+      "history": max(abs(a - b) for k, v in reference["history"].items()
+                     for a, b in zip(v, result["history"][k])) if all(
+                         len(v) == len(result["history"].get(k, ()))
+                         for k, v in reference["history"].items())
+                 else float("inf"),
+      "train": max(abs(v - result["train"][k])
+                   for k, v in reference["train"].items()),
+      "eval": max(abs(v - result["eval"][k])
+                  for k, v in reference["eval"].items()),
+  }
+
+
+def _fit_hooks(run: dict, *, batch: bool = True) -> list:
+  """The hooks a recording callback received (the `on_test_*` hooks of
+  validation too); without the batch hooks unless `batch`."""
+  return [h for h in run["hooks"] if batch or "batch" not in h[0]]
+
+
+def compare_hooks(test, reference: dict, run: dict, *, batch: bool = True,
+                  values: bool = True, skip: str = ""):
+  """Asserts the same hooks, in order, with the same batch or epoch and
+  logs keys (and values within `ATOL` when `values`, NaN where fit's is
+  NaN, except for keys containing `skip`), and the same `params` steps and
+  epochs."""
+  ours, fits = _fit_hooks(run, batch=batch), _fit_hooks(reference,
+                                                        batch=batch)
+  test.assertEqual([h[:2] for h in ours], [h[:2] for h in fits])
+  for mine, theirs in zip(ours, fits):
+    test.assertEqual(sorted(mine[2]), sorted(theirs[2]), mine[:2])
+    for key, value in _without(theirs[2], skip).items() if values else ():
+      if math.isnan(value):
+        test.assertTrue(math.isnan(mine[2][key]), f"{mine[:2]} {key}")
+      else:
+        test.assertAlmostEqual(mine[2][key], value, delta=ATOL,
+                               msg=f"{mine[:2]} {key}")
+  test.assertEqual({k: run["params"][k] for k in ("epochs", "steps")},
+                   {k: reference["params"][k] for k in ("epochs", "steps")})
+
+
+class RemoteMonitorServer:
+  """An HTTP server on 127.0.0.1 keeping what RemoteMonitor posts: each
+  post's JSON `data` field."""
+
+  def __init__(self):
+    import http.server  # pylint: disable=g-import-not-at-top
+    import threading  # pylint: disable=g-import-not-at-top
+    import urllib.parse  # pylint: disable=g-import-not-at-top
+    import portpicker  # pylint: disable=g-import-not-at-top
+    posts = self.posts = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+
+      def do_POST(self):  # pylint: disable=invalid-name
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        posts.append(json.loads(urllib.parse.parse_qs(body.decode())[
+            "data"][0]))
+        self.send_response(200)
+        self.end_headers()
+
+      def log_message(self, *args):
+        del args
+
+    self.server = http.server.ThreadingHTTPServer(
+        ("127.0.0.1", portpicker.pick_unused_port()), Handler)
+    self.root = f"http://127.0.0.1:{self.server.server_port}"
+    threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+  def take(self) -> list:
+    taken, self.posts[:] = list(self.posts), []
+    return taken
 
 
 def main(argv):

@@ -83,6 +83,74 @@ def consumed_ids(path: str, batches: int) -> List[List[int]]:
   return lines[:batches]
 
 
+# The resumed runs of input_position_test (2 workers) and
+# input_position_one_process_test (one device, Mirrored): run A trains
+# STEPS steps uninterrupted (checkpoints every STOP steps), run B resumes
+# from A's step-STOP checkpoint; 160 training examples, global batch 32:
+# 5 steps per epoch.
+LIMIT, BATCH, STEPS, STOP = 160, 32, 8, 3
+TIMEOUT_S = 300
+# With dropout (in its head): Keras 3 keeps a dropout layer's seed state out
+# of the model's checkpoint, so tfdist saves it beside the model
+# (`tfdist.training.train_loop.random_state`); without it a resumed run's
+# masks differ from an uninterrupted run's and so do the weights.
+MODEL = "cnn"
+
+
+def compare_runs(test, ids_a, ids_b, weights: float, batches_per_step: int,
+                 label: str):
+  """Asserts that run B (`ids_b`: task -> its ids file) trained on run A's
+  batches from step `STOP` on, each epoch using every example at most once
+  across the restart, and ended with A's weights (`weights`: their largest
+  relative difference, at most 1e-6)."""
+  for task in ids_a:
+    with test.subTest(label=label, task=task):
+      a = consumed_ids(ids_a[task], STEPS * batches_per_step)
+      b = consumed_ids(ids_b[task], (STEPS - STOP) * batches_per_step)
+      test.assertEqual(b, a[STOP * batches_per_step:])
+      # Each epoch of 5 steps used every example at most once, across the
+      # restart too.
+      resumed = a[:STOP * batches_per_step] + b
+      per_epoch = 5 * batches_per_step
+      for start in (0, per_epoch):
+        epoch = [i for batch in resumed[start:start + per_epoch]
+                 for i in batch]
+        test.assertLen(set(epoch), len(epoch))
+  test.assertLessEqual(weights, 1e-6, label)
+
+
+def copy_checkpoint(src_dir: str, dst_dir: str, step: int):
+  """`dst_dir/checkpoints` holding only `src_dir`'s checkpoint `step`, as a
+  run stopped after `step` leaves it."""
+  import glob  # pylint: disable=g-import-not-at-top
+  import shutil  # pylint: disable=g-import-not-at-top
+  src, dst = (os.path.join(d, "checkpoints") for d in (src_dir, dst_dir))
+  os.makedirs(dst)
+  for path in glob.glob(os.path.join(src, f"ckpt-{step}.*")):
+    shutil.copy(path, dst)
+  with open(os.path.join(dst, "checkpoint"), "w") as f:
+    f.write(f'model_checkpoint_path: "ckpt-{step}"\n'
+            f'all_model_checkpoint_paths: "ckpt-{step}"\n')
+
+
+def max_weight_difference(path_a: str, path_b: str) -> float:
+  """Largest relative difference between two checkpoints' float variables
+  (weights, optimizer slots, batch-norm statistics). A folder stands for
+  its latest checkpoint."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  readers = [tf.train.load_checkpoint(
+      tf.train.latest_checkpoint(os.path.join(p, "checkpoints"))
+      if os.path.isdir(p) else p) for p in (path_a, path_b)]
+  keys = [k for k, dtype in readers[0].get_variable_to_dtype_map().items()
+          if dtype.is_floating]
+  assert len(keys) > 10, keys
+  return max(float(np.abs(readers[0].get_tensor(k) -
+                          readers[1].get_tensor(k)).max() /
+                   max(np.abs(readers[0].get_tensor(k)).max(), 1e-12))
+             for k in keys)
+
+
 def main(argv):
   if FLAGS.ids_file:
     record_example_ids(FLAGS.ids_file)

@@ -1,0 +1,316 @@
+"""A run stopped mid-epoch and resumed sees the same examples: the input
+pipeline, and real runs on one device and under MirroredStrategy.
+
+Before, a resumed run started its input at the beginning of epoch 0's
+order again: a restarted run's first 40 batches shared 38.9% of their
+examples with the first run's (8.5% by chance). Now every worker
+recomputes its position from the restored step (`tfdist.data.input_pipeline`,
+`tfdist.training.checkpointing.InputPosition`).
+
+* The pipeline (in this process): resumed at step s, each worker's
+  `make_dataset` yields exactly the batches an uninterrupted one yields
+  from step s on: one worker, two workers on balanced record ranges, two
+  replicas with gradient accumulation; the checkpoint records the layout,
+  a changed layout (worker count, files) discards the position with a
+  message, checkpoints without a position still restore.
+* Real runs, `--deterministic`: run A trains 8 steps uninterrupted
+  (checkpoints at 3 and 6, 5 steps per epoch); run B resumes from A's
+  step-3 checkpoint (mid-epoch) in another folder and trains to 8. The
+  example ids B's training used (recorded by
+  `tests.input_position_testlib`) equal A's from step 4 on, and B ends
+  with A's weights (the cnn: its dropout continues from the checkpoint's
+  random state): one device and 2 Mirrored replicas with 2-step
+  accumulation, both in one child process (logical devices must be set
+  before TensorFlow starts) while this one waits. Two MultiWorkerMirrored
+  workers through `tfdist.launch` are `tests/input_position_test.py` (a
+  cluster target); this file runs one TensorFlow process at a time.
+
+Cost (pytest on 2 cores, load 3-5, 4 December 2026): 23 s in all, the
+child's four runs (8 steps each) included.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+from absl.testing import absltest
+from absl.testing import parameterized
+import pytest
+
+from tests import input_position_testlib as ids_lib
+from tests import testutil
+
+_CHILD_ENV = "TFDIST_INPUT_POSITION_CHILD"
+
+@pytest.mark.compat
+class ResumedPipelineTest(parameterized.TestCase):
+
+  @parameterized.named_parameters(
+      ("one_worker", 1, 1, 1),
+      # 3 files of 84, 83, 83 records: by file 167 vs 83, so by range.
+      ("two_workers_by_range", 2, 1, 1),
+      ("two_replicas_accumulating", 1, 2, 2))
+  def test_resumed_input_continues_the_epoch(self, workers, local_replicas,
+                                             accumulation):
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+    from tfdist.data import fashion_mnist  # pylint: disable=g-import-not-at-top
+    from tfdist.data import input_pipeline  # pylint: disable=g-import-not-at-top
+    data = testutil.fashion_mnist_subset(limit=250, train_shards=3,
+                                         test_shards=1)
+    files = input_pipeline.list_files(data["train"])
+    counts = input_pipeline.count_records_per_file(files)
+    batches_per_step = local_replicas * accumulation
+    steps = 17  # 7 steps per epoch: resumes in epochs 0, 1 and 2.
+
+    def ids(worker, start_step, num_steps):
+      context = tf.distribute.InputContext(
+          num_input_pipelines=workers, input_pipeline_id=worker,
+          num_replicas_in_sync=workers * local_replicas)
+      ds = input_pipeline.make_dataset(input_pipeline.PipelineOptions(
+          files=files, global_batch_size=32, is_training=True, seed=3,
+          parse_fn=lambda s: fashion_mnist.parse_image_example(
+              s, with_id=True),
+          deterministic=True, file_record_counts=counts,
+          shuffle_buffer_size=64, gradient_accumulation_steps=accumulation,
+          start_step=start_step), context)
+      batches = iter(ds)
+      return [next(batches)[2].numpy().tolist()
+              for _ in range(num_steps * batches_per_step)]
+
+    for worker in range(workers):
+      uninterrupted = ids(worker, 0, steps)
+      self.assertLen(uninterrupted[0], 32 // (workers * batches_per_step))
+      for stop in (3, 7, 12):
+        with self.subTest(worker=worker, stop=stop):
+          self.assertEqual(ids(worker, stop, steps - stop),
+                           uninterrupted[stop * batches_per_step:])
+      # What a resume did before: epoch 0's order again, from its start.
+      restarted = ids(worker, 0, 4)
+      self.assertNotEqual(restarted, uninterrupted[3 * batches_per_step:
+                                                   7 * batches_per_step])
+
+  def test_layout_change_names_what_changed(self):
+    from tfdist.data import input_pipeline  # pylint: disable=g-import-not-at-top
+    layout = lambda **kw: input_pipeline.input_layout(**{
+        "files": ["/a/train-0.gz", "/a/train-1.gz"],
+        "file_record_counts": [80, 80], "num_input_pipelines": 2,
+        "global_batch_size": 32, "seed": 42, "shuffle_buffer_size": 100,
+        "cache": True, **kw})
+    saved = layout()
+    change = input_pipeline.layout_change
+    self.assertIsNone(change(saved, layout()))
+    # The same files in another folder or bucket keep the position.
+    self.assertIsNone(change(saved, layout(
+        files=["gs://b/train-0.gz", "gs://b/train-1.gz"])))
+    self.assertEqual(change(saved, layout(num_input_pipelines=3)),
+                     "the worker count (input pipelines) changed from 2 to 3")
+    self.assertIn("the training files changed (2 -> 3 files",
+                  change(saved, layout(files=["x", "y", "z"],
+                                       file_record_counts=[1, 2, 3])))
+    self.assertIn("record counts of the training files changed",
+                  change(saved, layout(file_record_counts=[80, 81])))
+    self.assertIn("--seed is unset", change(saved, layout(seed=None)))
+    self.assertEqual(change(None, layout()),
+                     "the checkpoint recorded no input position")
+
+  def test_checkpoint_records_the_layout(self):
+    import keras  # pylint: disable=g-import-not-at-top
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+    from tfdist.training import checkpointing  # pylint: disable=g-import-not-at-top
+
+    def keeper(directory, layout):
+      model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+      step = tf.Variable(0, dtype=tf.int64)
+      position = (None if layout is None else checkpointing.InputPosition(
+          layout, steps_per_epoch=4))
+      return checkpointing.CheckpointKeeper(
+          checkpoint=tf.train.Checkpoint(model=model, global_step=step),
+          directory=directory, step_counter=step,
+          input_position=position), step
+
+    two_workers = {"num_input_pipelines": 2, "seed": 1, "files": ["f"]}
+    directory = testutil.scratch_dir()
+    saver, step = keeper(directory, two_workers)
+    step.assign(6)
+    path = saver.save(6)
+    reader = tf.train.load_checkpoint(path)
+    self.assertEqual(json.loads(reader.get_tensor(
+        checkpointing.INPUT_POSITION_KEY)), two_workers)
+    # Same layout: the epoch continues at step 6.
+    same, _ = keeper(directory, two_workers)
+    self.assertEqual(same.restore(), path)
+    self.assertEqual(same.input_position.resume_step(6), 6)
+    # Three workers now: the position is discarded, epoch 1 starts over.
+    changed, _ = keeper(directory, dict(two_workers, num_input_pipelines=3))
+    changed.restore()
+    with self.assertLogs(level="WARNING") as logs:
+      self.assertEqual(changed.input_position.resume_step(6), 4)
+    self.assertIn("input position discarded: the worker count (input "
+                  "pipelines) changed from 2 to 3. The input starts epoch 1 "
+                  "over", "\n".join(logs.output))
+    # --nocheckpoint_input_position restores it; a checkpoint without a
+    # position (written so, or before positions existed) restores too.
+    plain, plain_step = keeper(directory, None)
+    self.assertEqual(plain.restore(), path)
+    self.assertEqual(int(plain_step.numpy()), 6)
+    old_dir = testutil.scratch_dir()
+    old, old_step = keeper(old_dir, None)
+    old_step.assign(2)
+    old.save(2)
+    newer, newer_step = keeper(old_dir, two_workers)
+    newer.restore()
+    self.assertEqual(int(newer_step.numpy()), 2)
+    self.assertIsNone(newer.input_position.saved)
+    self.assertEqual(newer.input_position.resume_step(2), 0)
+
+
+class RandomStateTest(absltest.TestCase):
+
+  def test_checkpoint_holds_the_dropout_state(self):
+    import keras  # pylint: disable=g-import-not-at-top
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+    from tfdist.training import checkpointing  # pylint: disable=g-import-not-at-top
+    from tfdist.training import train_loop  # pylint: disable=g-import-not-at-top
+
+    def keeper(directory, with_state):
+      inputs = keras.Input((3,))
+      model = keras.Model(inputs, keras.layers.Dense(2)(
+          keras.layers.Dropout(0.5)(inputs)))
+      state = train_loop.random_state(model)
+      step = tf.Variable(0, dtype=tf.int64)
+      parts = {"random_state": state} if with_state else {}
+      return checkpointing.CheckpointKeeper(
+          checkpoint=tf.train.Checkpoint(model=model, global_step=step,
+                                         **parts),
+          directory=directory, step_counter=step), state, model
+
+    directory = testutil.scratch_dir()
+    saver, state, model = keeper(directory, True)
+    self.assertLen(state, 1)
+    model(tf.ones([4, 3]), training=True)  # Draws a mask: the state moves.
+    drawn = state[0].numpy().tolist()
+    saver.save(1)
+    resumed, resumed_state, _ = keeper(directory, True)
+    self.assertNotEqual(resumed_state[0].numpy().tolist(), drawn)
+    resumed.restore()
+    self.assertEqual(resumed_state[0].numpy().tolist(), drawn)
+    # A checkpoint written before tfdist saved the state restores the rest,
+    # with a warning.
+    old_dir = testutil.scratch_dir()
+    keeper(old_dir, False)[0].save(1)
+    newer = keeper(old_dir, True)[0]
+    with self.assertLogs(level="WARNING") as logs:
+      self.assertIsNotNone(newer.restore())
+    self.assertIn("holds no random-layer state", "\n".join(logs.output))
+
+
+class InputPositionTest(absltest.TestCase):
+  """`tfdist.data.input_position` itself: the epoch a step falls in, a position
+  that round-trips through its serialized form."""
+
+  def test_epoch_start(self):
+    from tfdist.data import input_position  # pylint: disable=g-import-not-at-top
+    self.assertEqual([input_position.epoch_start(s, 5)
+                      for s in (0, 4, 5, 7, 10)], [0, 0, 5, 5, 10])
+
+  def test_position_round_trips(self):
+    from tfdist.data import input_position  # pylint: disable=g-import-not-at-top
+    layout = {"seed": 1, "files": ["a"], "num_input_pipelines": 2}
+    saved = input_position.InputPosition(layout, steps_per_epoch=5)
+    restored = input_position.InputPosition(layout, steps_per_epoch=5)
+    self.assertEqual(restored.resume_step(0), 0)
+    restored.deserialize(saved.serialize().encode("utf-8"))
+    self.assertEqual(restored.saved, layout)
+    self.assertEqual(restored.resume_step(7), 7)
+    moved = input_position.InputPosition(dict(layout, seed=2),
+                                         steps_per_epoch=5)
+    moved.deserialize(saved.serialize())
+    self.assertEqual(moved.resume_step(7), 5)
+
+
+class ResumedRunsTest(absltest.TestCase):
+  """Runs A (uninterrupted) and B (resumed from A's step-3 checkpoint)."""
+
+  def test_one_device_and_mirrored(self):
+    data = testutil.fashion_mnist_subset(limit=ids_lib.LIMIT,
+                                         train_shards=2, test_shards=1)
+    out = testutil.scratch_dir()
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
+               **{_CHILD_ENV: json.dumps({"data": data, "out": out})})
+    env["PYTHONPATH"] = testutil.REPO_ROOT + os.pathsep + env.get(
+        "PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__)],
+                          cwd=testutil.REPO_ROOT, env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, timeout=ids_lib.TIMEOUT_S)
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
+    self.assertEqual(proc.returncode, 0, proc.stdout[-4000:])
+    results = json.loads(lines[-1])
+    self.assertIn("input position restored: step 3 continues epoch 0",
+                  proc.stdout)
+    # Mirrored: 2 replicas x 2 micro-batches per step.
+    for label, batches_per_step, micro_steps in (("one_device", 1, 5),
+                                                 ("mirrored", 4, 10)):
+      result = results[label]
+      self.assertEqual(result["restored_from"].rsplit("/", 1)[-1], "ckpt-3")
+      self.assertEqual(result["micro_steps"], micro_steps)
+      ids_lib.compare_runs(self, result["ids_a"], result["ids_b"],
+                           result["weights"], batches_per_step, label)
+      self.assertGreater(result["moved"], 1e-3)
+
+
+# --- the child process: one device and Mirrored, in-process runs ---------------
+def _child_main(spec: dict) -> dict:
+  from absl import logging  # pylint: disable=g-import-not-at-top
+  logging.set_verbosity(logging.INFO)
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  cpu = tf.config.list_physical_devices("CPU")[0]
+  tf.config.set_logical_device_configuration(
+      cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+  from tfdist.config import TrainConfig  # pylint: disable=g-import-not-at-top
+  from tfdist.distribute import environment  # pylint: disable=g-import-not-at-top
+  from tfdist.experiment import run_experiment  # pylint: disable=g-import-not-at-top
+  data, out = spec["data"], spec["out"]
+  results = {}
+  for label, extra in (
+      ("one_device", {"distribution_strategy": "one_device"}),
+      ("mirrored", {"distribution_strategy": "mirrored",
+                    "num_cpu_devices": 2,
+                    "gradient_accumulation_steps": 2})):
+    result, manifests = {}, {}
+    for run in ("a", "b"):
+      model_dir = os.path.join(out, label, run)
+      if run == "b":
+        ids_lib.copy_checkpoint(os.path.join(out, label, "a"), model_dir,
+                                ids_lib.STOP)
+      ids_file = os.path.join(out, f"{label}-ids-{run}")
+      ids_lib.record_example_ids(ids_file)
+      config = TrainConfig(
+          train_files=data["train"], eval_files=data["eval"],
+          model_dir=model_dir, train_steps=ids_lib.STEPS,
+          batch_size=ids_lib.BATCH, checkpoint_steps=ids_lib.STOP,
+          max_checkpoints=10, deterministic=True, log_steps=4,
+          warmup_steps=0, shuffle_buffer_size=64, model=ids_lib.MODEL,
+          **extra)
+      manifests[run] = run_experiment(
+          config, environment=environment.RunEnvironment(variables={}))
+      result[f"ids_{run}"] = {"single": f"{ids_file}.single"}
+    result["restored_from"] = manifests["b"]["restored_from"]
+    result["micro_steps"] = manifests["b"]["micro_steps"]
+    result["weights"] = ids_lib.max_weight_difference(
+        os.path.join(out, label, "a"), os.path.join(out, label, "b"))
+    # The comparison can fail: steps 4-8 moved the weights.
+    result["moved"] = ids_lib.max_weight_difference(
+        os.path.join(out, label, "a"),
+        os.path.join(out, label, "a", "checkpoints", f"ckpt-{ids_lib.STOP}"))
+    results[label] = result
+  return results
+
+
+if __name__ == "__main__":
+  if os.environ.get(_CHILD_ENV):
+    print(json.dumps(_child_main(json.loads(os.environ[_CHILD_ENV]))),
+          flush=True)
+  else:
+    absltest.main()
