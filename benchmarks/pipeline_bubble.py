@@ -40,9 +40,9 @@ FLAGS = flags.FLAGS
 flags.DEFINE_list("stages", ["2", "4"], "Pipeline stages (P).")
 flags.DEFINE_list("microbatches", ["4", "8", "16"], "Micro-batches (M).")
 flags.DEFINE_list("schedules", ["gpipe", "1f1b"], "Schedules.")
-flags.DEFINE_float("forward_ms", 40.0, "Forward time of one stage on one "
+flags.DEFINE_float("forward_ms", 100.0, "Forward time of one stage on one "
                    "micro-batch (ms).")
-flags.DEFINE_float("backward_ms", 80.0, "Backward time of one stage on one "
+flags.DEFINE_float("backward_ms", 200.0, "Backward time of one stage on one "
                    "micro-batch (ms).")
 flags.DEFINE_integer("steps", 3, "Timed steps per configuration.")
 flags.DEFINE_string("out", "", "Write the figures here as JSON.")
