@@ -76,7 +76,8 @@ def _build_ranking(spec, embedding_dim: int = 16,
 
 
 @registry.register_model("transformer")
-def _build_transformer(spec, transformer_layers: int = 2) -> keras.Model:
+def _build_transformer(spec, transformer_layers: int = 2,
+                       tensor_parallel: bool = False) -> keras.Model:
   if not spec.vocabulary_size or len(spec.input_shape) != 1:
     raise ConfigError(
         f"--model=transformer classifies token ids: it needs a text data set "
@@ -86,7 +87,8 @@ def _build_transformer(spec, transformer_layers: int = 2) -> keras.Model:
   return transformer.build_transformer(
       sequence_length=spec.input_shape[0],
       vocabulary_size=spec.vocabulary_size,
-      num_classes=max(1, spec.num_classes), num_layers=transformer_layers)
+      num_classes=max(1, spec.num_classes), num_layers=transformer_layers,
+      tensor_parallel=tensor_parallel)
 
 
 def _is_synchronous(kind: Optional[StrategyKind]) -> bool:

@@ -280,7 +280,8 @@ class LayoutTableTest(absltest.TestCase):
       self.assertFalse(rows[name].available, name)
     self.assertIsNone(choice.recommended)
     rows = self.rows(self.table(_adam_state(1), tensor_parallel_bytes=_GIB))
-    self.assertIn("no tfdist.train flag", rows["tensor parallel"].note)
+    self.assertIn("--tensor_parallel splits only --model=transformer",
+                  rows["tensor parallel"].note)
     rows = self.rows(self.table(_adam_state(1)))
     self.assertIn("no layer of this model can be split",
                   rows["tensor parallel"].note)

@@ -69,6 +69,7 @@ from tfdist.distribute.strategy_kind import StrategyKind
 from tfdist import errors
 from tfdist.errors import ConfigError
 from tfdist.errors import DiagnoseError
+from tfdist.parallel import tensor_parallel_options
 from tfdist.training import memory
 from tfdist.training import optimizers
 
@@ -1359,9 +1360,9 @@ def layout_choice(sizes: ModelSizes, fitted: "_FittedModel",
       num_microbatches=(facts.num_microbatches
                         if facts.pipeline_stages > 1 else 0),
       pipeline_schedule=facts.pipeline_schedule,
-      # tfdist.train has no tensor-parallel flag: the row shows what the
-      # layers would save, and is never recommended.
       tensor_parallel_bytes=sizes.tensor_parallel_bytes,
+      tensor_parallel_flag=tensor_parallel_options.flags_for(facts.model,
+                                                             devices),
       refused=_refused_layouts())
 
 
@@ -1412,6 +1413,7 @@ class TrainFacts:
     pipeline_schedule: `--pipeline_schedule`.
     global_batch_size: `--batch_size` (0: the plan's).
     gradient_accumulation_steps: `--gradient_accumulation_steps`.
+    model: `--model` (whether `--tensor_parallel` can split it).
   """
   optimizer: str
   zero_stage: int
@@ -1422,6 +1424,7 @@ class TrainFacts:
   pipeline_schedule: str = "gpipe"
   global_batch_size: int = 0
   gradient_accumulation_steps: int = 1
+  model: str = ""
 
 
 def _train_facts(config) -> TrainFacts:
@@ -1437,7 +1440,8 @@ def _train_facts(config) -> TrainFacts:
                                               "gpipe") or "gpipe",
                     global_batch_size=int(config.batch_size or 0),
                     gradient_accumulation_steps=int(
-                        config.gradient_accumulation_steps or 1))
+                        config.gradient_accumulation_steps or 1),
+                    model=str(getattr(config, "model", "") or ""))
 
 
 def _measured_args(train_args: Sequence[str], given: set, *, steps: int,

@@ -239,6 +239,7 @@ def assembly_options(config: TrainConfig) -> assembly.AssemblyOptions:
       bytes_per_pack=config.bytes_per_pack,
       all_reduce_dtype=config.all_reduce_dtype,
       pipeline=pipeline_options(config),
+      tensor_parallel=config.tensor_parallel,
       builder_config=config)
 
 
