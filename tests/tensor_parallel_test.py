@@ -14,6 +14,10 @@ noise of about 1e-9, which Adam divides by its epsilon (1e-7) into updates
 near 1e-4 that differ between any two orders of summation; in float64 the
 noise is 1e-18. A second child runs the example of
 docs/guides/tensor-parallelism.md (block docs-example).
+
+`TrainerTest` runs tfdist's trainer with `--tensor_parallel=2` (a
+`TrainConfig`, as `tfdist.train` makes it) against one device, in two more
+children (`_trainer_child`).
 """
 
 import json
