@@ -14,17 +14,44 @@ SavedModel is the unsharded Transformer holding the gathered weights.
 `tfdist.parallel.tensor_parallel_options`).
 """
 
-from typing import Tuple
+from typing import List, Tuple
 
 import tensorflow as tf
 
 from tfdist.backends import base
-from tfdist.backends import pipeline
 from tfdist.backends import single_process
 from tfdist.distribute import devices as devices_lib
 from tfdist.distribute import strategy as strategy_lib
 from tfdist.distribute.strategy_kind import StrategyKind
 from tfdist.errors import ConfigError
+
+
+def _group_devices(n: int, num_gpus: int = -1) -> List[str]:
+  """The first N GPUs, or (none) N logical CPU devices, configured before
+  TensorFlow's runtime starts.
+
+  Raises:
+    ConfigError: fewer than N GPUs, or the runtime already started with
+      another number of CPU devices.
+  """
+  gpus = base.local_accelerators(num_gpus) if num_gpus != 0 else 0
+  if gpus:
+    names = [d.name for d in tf.config.list_logical_devices("GPU")][:gpus]
+    if len(names) < n:
+      raise ConfigError(
+          f"--tensor_parallel={n} needs {n} GPUs of this host; this process "
+          f"sees {len(names)}. Lower --tensor_parallel, or pass --num_gpus=0 "
+          "to run on logical CPU devices.")
+    return names[:n]
+  try:
+    names = devices_lib.configure_cpu_devices(n)
+  except RuntimeError as e:
+    raise ConfigError(
+        f"--tensor_parallel={n} needs {n} logical CPU devices, and "
+        f"TensorFlow already started with another number: {e} Run it in a "
+        f"fresh process, or call tfdist.distribute.devices."
+        f"configure_cpu_devices({n}) before any TensorFlow op.") from e
+  return names[:n]
 
 
 class TensorParallelBackend(single_process.MirroredBackend):
@@ -54,7 +81,7 @@ class TensorParallelBackend(single_process.MirroredBackend):
 
     Raises:
       ConfigError: a cluster of several tasks (`TF_CONFIG`), or the
-        devices cannot be made (`pipeline.stage_devices`).
+        devices cannot be made (`_group_devices`).
     """
     del lease
     if cluster is not None and getattr(cluster, "num_workers", 1) > 1:
@@ -63,9 +90,7 @@ class TensorParallelBackend(single_process.MirroredBackend):
           "on one host; this task is one of a cluster of "
           f"{cluster.num_workers} workers. Run it without TF_CONFIG.")
     n = config.tensor_parallel
-    if config.num_cpu_devices > n:
-      devices_lib.configure_cpu_devices(config.num_cpu_devices)
-    names = pipeline.stage_devices(n, config.num_gpus)
+    names = _group_devices(n, config.num_gpus)
     return strategy_lib.StrategyChoice(
         tf.distribute.MirroredStrategy(names), StrategyKind.MIRRORED,
         f"--tensor_parallel={n}: one tensor-parallel group of {n} replicas "

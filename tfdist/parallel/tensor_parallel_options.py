@@ -28,8 +28,7 @@ def flags_for(model: str, num_devices: int) -> str:
   or "" when `--tensor_parallel` cannot (another model, one device)."""
   if model not in MODELS or num_devices < 2:
     return ""
-  return (f"--distribution_strategy=mirrored --num_cpu_devices={num_devices}"
-          f" --tensor_parallel={num_devices}")
+  return f"--distribution_strategy=mirrored --tensor_parallel={num_devices}"
 
 
 def check_flags(*, tensor_parallel: int, model: str,

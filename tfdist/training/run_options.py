@@ -42,7 +42,8 @@ def select_options(config: TrainConfig) -> auto_select.SelectOptions:
       distribution_strategy=config.distribution_strategy, dtype=config.dtype,
       dtype_defaulted="dtype" in config.defaulted, num_gpus=config.num_gpus,
       num_cpu_devices=config.num_cpu_devices, tpu=tpu_options(config),
-      pipeline_stages=config.pipeline_stages)
+      pipeline_stages=config.pipeline_stages,
+      tensor_parallel=config.tensor_parallel)
 
 
 def apply_decision(config: TrainConfig,
