@@ -319,6 +319,7 @@ def _trainer_child(root: str, resume: bool = False) -> dict:
   (a second MirroredStrategy in one process would reuse the first one's
   collective keys), and the two resumed checkpoints compared."""
   # pylint: disable=g-import-not-at-top
+  import keras
   import numpy as np
   import tensorflow as tf
   from tfdist import experiment
@@ -326,6 +327,7 @@ def _trainer_child(root: str, resume: bool = False) -> dict:
   from tfdist.data import clothing_reviews
   from tfdist.distribute import devices
   from tfdist.distribute import environment as environment_lib
+  from tfdist.parallel import tensor_parallel as tp
   # pylint: enable=g-import-not-at-top
   devices.configure_cpu_devices(2)
   data = os.path.join(root, "clothing_reviews")
@@ -336,7 +338,37 @@ def _trainer_child(root: str, resume: bool = False) -> dict:
                                      distribution_strategy="mirrored"),
              "one_device": dict(distribution_strategy="one_device")}
 
-  def run(folder, steps, layout):
+  class Replicas(keras.callbacks.Callback):
+    """At the end, what each replica holds of the trained model's weights
+    and the optimizer's slots."""
+    found = {}
+
+    def on_train_end(self, logs=None):
+      def parts(variable):
+        return [np.asarray(c.numpy()) for c in tp._components(variable)]  # pylint: disable=protected-access
+
+      sharded = {v.path for v in self.model.weights
+                 if getattr(v, tp._SHARD_AXIS, None) is not None}  # pylint: disable=protected-access
+      spread, distinct = 0.0, []
+      for v in self.model.weights:
+        a, b = parts(v)
+        if v.path in sharded:
+          distinct.append(bool(np.any(a != b)))
+        else:
+          spread = max(spread, float(np.max(np.abs(a - b))))
+      # SGD's momentum of each trainable weight, in their order.
+      slots = [(v, m) for v, m in zip(self.model.trainable_variables,
+                                      self.model.optimizer.momentums)
+               if v.path in sharded]
+      Replicas.found.update(
+          replicated_spread=spread, shards=len(distinct),
+          shards_distinct=all(distinct), shard_slots=len(slots),
+          shard_slots_shard_shaped=all(m.shape == v.shape
+                                       for v, m in slots),
+          shard_slots_distinct=sum(bool(np.any(a != b)) for a, b in
+                                   (parts(m) for _, m in slots)))
+
+  def run(folder, steps, layout, callbacks=()):
     config = TrainConfig(
         model_dir=os.path.join(root, folder), model="transformer",
         dataset="clothing_reviews",
@@ -346,7 +378,8 @@ def _trainer_child(root: str, resume: bool = False) -> dict:
         optimizer="sgd", base_learning_rate=0.01, lr_scaling="none",
         log_steps=steps, **layouts[layout])
     return experiment.run_experiment(
-        config, environment=environment_lib.read_environment({}))
+        config, environment=environment_lib.read_environment({}),
+        callbacks=list(callbacks))
 
   def served(folder):
     """The SavedModel's serving outputs for two reviews."""
@@ -379,7 +412,10 @@ def _trainer_child(root: str, resume: bool = False) -> dict:
     return {"after_resume": compare(saved("tensor_parallel"),
                                     saved("one_device"))}
   results = {}
-  runs = {layout: run(layout, 3, layout) for layout in layouts}
+  runs = {layout: run(layout, 3, layout,
+                      [Replicas()] if layout == "tensor_parallel" else [])
+          for layout in layouts}
+  results["replicas_hold"] = Replicas.found
   results["losses"] = {k: r["final_metrics"]["train_loss"]
                        for k, r in runs.items()}
   results["evaluations"] = {k: r["final_metrics"]["eval_loss"]
@@ -552,6 +588,19 @@ class TrainerTest(absltest.TestCase):
     self.assertLess(results["after_3"]["max_diff"], _TOLERANCE, results)
     # The SavedModel is the unsharded Transformer: the same outputs.
     self.assertLess(results["export_outputs_diff"], _TOLERANCE, results)
+
+  def test_replicas_hold_shards_and_equal_copies(self):
+    held = self.results["replicas_hold"]
+    # No gradient all-reduce: the replicated weights' copies stay equal
+    # (the same whole gradient on every replica) ...
+    self.assertEqual(held["replicated_spread"], 0.0, held)
+    # ... each replica trains its own shards (2 blocks x 10 split weights)
+    # and keeps the momentum of its shards only, shard-sized.
+    self.assertEqual(held["shards"], 20, held)
+    self.assertTrue(held["shards_distinct"], held)
+    self.assertEqual(held["shard_slots"], 20, held)
+    self.assertTrue(held["shard_slots_shard_shaped"], held)
+    self.assertEqual(held["shard_slots_distinct"], 20, held)
 
   def test_checkpoints_resume_in_the_other_layout(self):
     # The tensor-parallel checkpoint resumed unsharded, the unsharded one
