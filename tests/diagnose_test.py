@@ -25,6 +25,7 @@ import numpy as np
 import tensorflow as tf
 
 from tests import testutil
+from tfdist import errors
 from tfdist import diagnose
 from tfdist import job_spec
 from tfdist.diagnose import RunMeasurement
@@ -448,30 +449,30 @@ class PlanTest(absltest.TestCase):
   def test_a_cluster_the_strategy_cannot_use_is_refused_at_start(self):
     # Refused by the plan, before a run starts: status 2 naming the flags.
     started = time.monotonic()
-    with self.assertRaisesRegex(diagnose.ConfigError,
+    with self.assertRaisesRegex(errors.ConfigError,
                                 r"--num_workers=2 --num_ps=0 .*"
                                 r"--distribution_strategy=mirrored"):
       diagnose.diagnose([*self._data_flags(),
                          "--distribution_strategy=mirrored"], num_workers=2,
                         out=io.StringIO())
     self.assertLess(time.monotonic() - started, 30.0)
-    with self.assertRaisesRegex(diagnose.ConfigError, r"--num_ps=1"):
+    with self.assertRaisesRegex(errors.ConfigError, r"--num_ps=1"):
       diagnose.diagnose([*self._data_flags(),
                          "--distribution_strategy=multi_worker_mirrored"],
                         num_workers=2, num_ps=1, out=io.StringIO())
-    with self.assertRaisesRegex(diagnose.ConfigError, r"--num_ps=1 or more"):
+    with self.assertRaisesRegex(errors.ConfigError, r"--num_ps=1 or more"):
       diagnose.diagnose([*self._data_flags(),
                          "--distribution_strategy=parameter_server"],
                         num_workers=2, out=io.StringIO())
     # The requested run's own flags, as tfdist.train would refuse them.
-    with self.assertRaisesRegex(job_spec.JobSpecError,
+    with self.assertRaisesRegex(errors.JobSpecError,
                                 r"the requested run: .*--zero_stage=1"):
       diagnose.diagnose([*self._data_flags(),
                          "--distribution_strategy=one_device",
                          "--zero_stage=1"], out=io.StringIO())
     # The batch must split over the planned replicas (here 3 logical CPUs).
     with self.assertRaisesRegex(
-        diagnose.ConfigError, r"--batch_size=64 \(global\) is not divisible "
+        errors.ConfigError, r"--batch_size=64 \(global\) is not divisible "
         r"by 3 replicas"):
       diagnose.plan_measurements([], job_spec.parse_train_flags(
           [*self._data_flags(), "--distribution_strategy=mirrored",
@@ -494,7 +495,7 @@ class DiagnoseBinaryTest(absltest.TestCase):
     # A run that fails (its data files do not exist) keeps its log where
     # the error says; a finished one's temporary folder is not named.
     out = io.StringIO()
-    with self.assertRaisesRegex(diagnose.DiagnoseError,
+    with self.assertRaisesRegex(errors.DiagnoseError,
                                 r"exited with status \d+; the end of its "
                                 r"output \((\S+\.log)\)") as caught:
       diagnose.diagnose([

@@ -67,8 +67,6 @@ from absl import flags
 from tfdist import job_spec
 from tfdist.distribute.strategy_kind import StrategyKind
 from tfdist import errors
-from tfdist.errors import ConfigError
-from tfdist.errors import DiagnoseError
 from tfdist.parallel import tensor_parallel_options
 from tfdist.training import memory
 from tfdist.training import optimizers
@@ -104,6 +102,7 @@ _BASELINE_SETS = ("distribution_strategy", "batch_size",
 # them and says so.
 MULTI_REPLICA_FLAGS = ("num_cpu_devices", "num_gpus", "zero_stage",
                        "shard_optimizer_state", "shard_gradients",
+                       "shard_parameters",
                        "all_reduce_alg", "all_reduce_dtype", "bytes_per_pack",
                        "sync_batch_norm",
                        "reduction_server", "collective_timeout_seconds",
@@ -116,7 +115,8 @@ MULTI_REPLICA_FLAGS = ("num_cpu_devices", "num_gpus", "zero_stage",
 _BASELINE_DROPS = _BASELINE_SETS + MULTI_REPLICA_FLAGS
 # Boolean flags among them (`--name`, `--noname`: no separate value).
 _BOOLEAN_DROPS = ("reduction_server", "sync_batch_norm",
-                  "shard_optimizer_state", "shard_gradients")
+                  "shard_optimizer_state", "shard_gradients",
+                  "shard_parameters")
 
 INPUT_ADVICE = (
     "input pipeline knobs: keep --cache_dataset on (parsed examples cached in "
@@ -330,7 +330,7 @@ def measurement_from_run(model_dir: str, label: str) -> RunMeasurement:
   from tfdist.observability import run_log  # pylint: disable=g-import-not-at-top
   path = os.path.join(model_dir, manifest_lib.MANIFEST_FILE)
   if not os.path.exists(path):
-    raise DiagnoseError(f"{label}: no {path}: the run did not finish.")
+    raise errors.DiagnoseError(f"{label}: no {path}: the run did not finish.")
   manifest = manifest_lib.read_manifest(model_dir)
   throughput = manifest.get("throughput", {})
   mem = manifest.get("memory", {})
@@ -812,8 +812,9 @@ def run_training(spec: RunSpec, model_dir: str, *,
       tail = f.read()[-3000:]
     what = (f"timed out after {timeout_seconds:g} s" if code is None else
             f"exited with status {code}")
-    raise DiagnoseError(f"The {spec.label} run {what}; the end of its output "
-                        f"({log_path}):\n{tail}")
+    raise errors.DiagnoseError(
+        f"The {spec.label} run {what}; the end of its output "
+        f"({log_path}):\n{tail}")
   return measurement_from_run(model_dir, spec.label)
 
 
@@ -997,18 +998,18 @@ def check_cluster(kind: StrategyKind, *, num_workers: int,
     ConfigError: `--num_workers` / `--num_ps` and the strategy disagree.
   """
   if (num_workers > 1 or num_ps) and kind.is_single_process:
-    raise ConfigError(
+    raise errors.ConfigError(
         f"--num_workers={num_workers} --num_ps={num_ps} start a cluster of "
         f"processes, but --distribution_strategy={kind} trains in one. Use "
         "--distribution_strategy=multi_worker_mirrored (parameter_server "
         "with --num_ps), or leave tfdist.diagnose's --num_workers and "
         "--num_ps out.")
   if kind.is_asynchronous and not num_ps:
-    raise ConfigError(
+    raise errors.ConfigError(
         f"--distribution_strategy={kind} needs parameter-server tasks: give "
         "tfdist.diagnose --num_ps=1 or more (and --num_workers).")
   if num_ps and not kind.is_asynchronous:
-    raise ConfigError(
+    raise errors.ConfigError(
         f"--num_ps={num_ps} starts parameter-server tasks, which "
         f"--distribution_strategy={kind} does not use. Use "
         "--distribution_strategy=parameter_server, or drop --num_ps.")
@@ -1042,7 +1043,7 @@ def plan_measurements(args: Sequence[str], config, *, num_workers: int = 1,
   Raises:
     ConfigError: the cluster does not suit the strategy (`check_cluster`),
       or the batch does not split over the planned replicas.
-    tfdist.job_spec.JobSpecError: tfdist.train would refuse the baseline's
+    tfdist.errors.JobSpecError: tfdist.train would refuse the baseline's
       flags (the message names the flag).
   """
   from tfdist.training import batch_plan  # pylint: disable=g-import-not-at-top
@@ -1229,7 +1230,7 @@ def diagnose(train_args: Sequence[str], *, num_workers: int = 1,
     "model_memory", "model_fit", "layout"}`.
 
   Raises:
-    tfdist.job_spec.JobSpecError: `train_args`, or the baseline made of
+    tfdist.errors.JobSpecError: `train_args`, or the baseline made of
       them, are not valid tfdist.train flags.
     ConfigError: the cluster does not suit the strategy, or the batch does
       not split over the replicas (`plan_measurements`).
@@ -1300,7 +1301,7 @@ def diagnose(train_args: Sequence[str], *, num_workers: int = 1,
             "model_fit": dataclasses.asdict(fitted.fit), "cores": cores,
             "pinned": pin, "verdict": result.to_dict(),
             "plan": _plan_record(plan), "layouts": choice.to_dict()}
-  except DiagnoseError:
+  except errors.DiagnoseError:
     # The failed run's log, which the message names, stays.
     keep = True
     raise
@@ -1374,7 +1375,7 @@ def _refused_layouts() -> dict:
   try:
     config_lib.TrainConfig(model_dir="/tmp/tfdist-diagnose", zero_stage=3,
                            distribution_strategy="mirrored")
-  except ConfigError as e:
+  except errors.ConfigError as e:
     return {"ZeRO 3": str(e).split(":")[0]}
   return {}
 
@@ -1505,7 +1506,7 @@ def _run_with_progress(spec: RunSpec, model_dir: str, *, number: int,
   started = time.monotonic()
   try:
     run = run_training(spec, model_dir, timeout_seconds=timeout_seconds)
-  except DiagnoseError:
+  except errors.DiagnoseError:
     _say(out, f"[{number}/{total}] {spec.label} run: failed after "
               f"{time.monotonic() - started:.0f} s.")
     raise
@@ -1660,7 +1661,7 @@ def main(argv):
                       steps=_FLAGS.steps, log_steps=_FLAGS.log_steps,
                       timeout_seconds=_FLAGS.timeout_seconds,
                       plan_only=_FLAGS.plan_only)
-  except (ConfigError, DiagnoseError) as e:
+  except (errors.ConfigError, errors.DiagnoseError) as e:
     # Flags or a plan refused: CONFIG (2), before anything ran; a run that
     # failed: 1.
     _exit(str(e), errors.exit_code_for(e) or errors.UNEXPECTED)
