@@ -23,7 +23,7 @@ from tfdist.backends import single_process
 from tfdist.distribute import devices as devices_lib
 from tfdist.distribute import strategy as strategy_lib
 from tfdist.distribute.strategy_kind import StrategyKind
-from tfdist.errors import ConfigError
+from tfdist import errors
 
 
 def _group_devices(n: int, num_gpus: int = -1) -> List[str]:
@@ -31,14 +31,14 @@ def _group_devices(n: int, num_gpus: int = -1) -> List[str]:
   TensorFlow's runtime starts.
 
   Raises:
-    ConfigError: fewer than N GPUs, or the runtime already started with
-      another number of CPU devices.
+    errors.ConfigError: fewer than N GPUs, or the runtime already started
+      with another number of CPU devices.
   """
   gpus = base.local_accelerators(num_gpus) if num_gpus != 0 else 0
   if gpus:
     names = [d.name for d in tf.config.list_logical_devices("GPU")][:gpus]
     if len(names) < n:
-      raise ConfigError(
+      raise errors.ConfigError(
           f"--tensor_parallel={n} needs {n} GPUs of this host; this process "
           f"sees {len(names)}. Lower --tensor_parallel, or pass --num_gpus=0 "
           "to run on logical CPU devices.")
@@ -46,7 +46,7 @@ def _group_devices(n: int, num_gpus: int = -1) -> List[str]:
   try:
     names = devices_lib.configure_cpu_devices(n)
   except RuntimeError as e:
-    raise ConfigError(
+    raise errors.ConfigError(
         f"--tensor_parallel={n} needs {n} logical CPU devices, and "
         f"TensorFlow already started with another number: {e} Run it in a "
         f"fresh process, or call tfdist.distribute.devices."
@@ -64,12 +64,12 @@ class TensorParallelBackend(single_process.MirroredBackend):
     is built (logical CPU devices are made as needed).
 
     Raises:
-      ConfigError: fewer GPUs than `tensor_parallel`.
+      errors.ConfigError: fewer GPUs than `tensor_parallel`.
     """
     del dataset
     gpus = base.local_accelerators(config.num_gpus)
     if 0 < gpus < config.tensor_parallel:
-      raise ConfigError(
+      raise errors.ConfigError(
           f"--tensor_parallel={config.tensor_parallel} needs "
           f"{config.tensor_parallel} GPUs of this host; it has {gpus}. Lower "
           f"--tensor_parallel to a divisor of the heads that is at most "
@@ -80,12 +80,12 @@ class TensorParallelBackend(single_process.MirroredBackend):
     """`MirroredStrategy` over the first N devices.
 
     Raises:
-      ConfigError: a cluster of several tasks (`TF_CONFIG`), or the
+      errors.ConfigError: a cluster of several tasks (`TF_CONFIG`), or the
         devices cannot be made (`_group_devices`).
     """
     del lease
     if cluster is not None and getattr(cluster, "num_workers", 1) > 1:
-      raise ConfigError(
+      raise errors.ConfigError(
           f"--tensor_parallel={config.tensor_parallel} runs in one process "
           "on one host; this task is one of a cluster of "
           f"{cluster.num_workers} workers. Run it without TF_CONFIG.")

@@ -12,7 +12,7 @@ calls it while it validates a `TrainConfig`. The backend is
 
 from typing import Optional
 
-from tfdist.errors import ConfigError
+from tfdist import errors
 
 # The one model built from the tensor-parallel layers.
 MODELS = ("transformer",)
@@ -46,27 +46,27 @@ def check_flags(*, tensor_parallel: int, model: str,
       num_cpu_devices: the run's flags of those names.
 
   Raises:
-    ConfigError: N < 1; N > 1 with another model than the built-in
+    errors.ConfigError: N < 1; N > 1 with another model than the built-in
       Transformer, another strategy than mirrored (or auto), ZeRO,
       pipeline stages, XLA, fp16, gradient clipping, --init_checkpoint,
       or more devices than N (data parallelism beside tensor
       parallelism).
   """
   if not isinstance(tensor_parallel, int) or tensor_parallel < 1:
-    raise ConfigError(f"--tensor_parallel={tensor_parallel} must be a "
-                      "positive integer (1: off).")
+    raise errors.ConfigError(f"--tensor_parallel={tensor_parallel} must be "
+                             "a positive integer (1: off).")
   n = tensor_parallel
   if n == 1:
     return
   flag = f"--tensor_parallel={n}"
   if model not in MODELS:
-    raise ConfigError(
+    raise errors.ConfigError(
         f"{flag} splits the built-in Transformer's attention heads and "
         f"feed-forward units; --model={model} has no tensor-parallel "
         "layers. Use --model=transformer, or build your model from "
         "tfdist.parallel.tensor_parallel's layers and drop the flag.")
   if distribution_strategy not in STRATEGIES:
-    raise ConfigError(
+    raise errors.ConfigError(
         f"{flag} runs under --distribution_strategy=mirrored on one host "
         f"(its N replicas are the tensor-parallel group); received "
         f"--distribution_strategy={distribution_strategy}. Combining it "
@@ -76,7 +76,7 @@ def check_flags(*, tensor_parallel: int, model: str,
   devices = num_gpus if num_gpus > 0 else num_cpu_devices
   if devices > 1 and devices != n:
     name = "--num_gpus" if num_gpus > 0 else "--num_cpu_devices"
-    raise ConfigError(
+    raise errors.ConfigError(
         f"{flag} with {name}={devices}: every replica is one "
         f"tensor-parallel rank, so the run needs exactly {n} replicas; "
         f"{devices} would add data parallelism, which needs sub-group "
@@ -101,5 +101,5 @@ def check_flags(*, tensor_parallel: int, model: str,
        "warm starts load into an unsharded model only (resuming from "
        "--model_dir's own checkpoints works)")):
     if given:
-      raise ConfigError(f"{flag} cannot run with {name}: {why}. Drop one "
-                        "of the two.")
+      raise errors.ConfigError(
+          f"{flag} cannot run with {name}: {why}. Drop one of the two.")
