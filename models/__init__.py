@@ -5,7 +5,8 @@ Imported as `tfdist.models` (this folder is installed there; see
 Each builder is registered with `tfdist.training.registry.register_model` and
 takes the run's `DatasetSpec` (`spec`) and, by name, only the values it reads:
 the ranking model `embedding_dim` and `hash_buckets`; the text classifier
-(`transformer`) `transformer_layers` (its depth); those with
+(`transformer`) `transformer_layers` (its depth) and `tensor_parallel`
+(built from the tensor-parallel layers, `--tensor_parallel`); those with
 batch normalization also `sync_batch_norm` (the run plan's decision, see
 `resolve_sync_batch_norm`), and those that can recompute their activations
 (`cnn`, `resnet`; `recompute.py`) `activation_recomputation`. Every model

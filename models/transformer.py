@@ -104,7 +104,8 @@ def build_transformer(*, sequence_length: int, vocabulary_size: int,
       units over the replicas of the current `tf.distribute.MirroredStrategy`
       (see the module docstring). Build inside `strategy.scope()`, call
       inside `strategy.run` with the same batch on every replica, and train
-      with `tfdist.parallel.tensor_parallel.ReplicaOptimizer`.
+      with `tfdist.parallel.tensor_parallel.ReplicaOptimizer` (or let
+      `tfdist.train --tensor_parallel=N` train it).
 
   Returns:
     An uncompiled `keras.Model` named `transformer`.

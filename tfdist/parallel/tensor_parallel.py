@@ -44,7 +44,10 @@ updates that replica's variables (its shards, its copy of the whole
 weights) with that replica's gradients, so its slots for a shard are
 shard-sized. A Keras optimizer applied inside `strategy.run` (and so
 `Model.fit`) sums every gradient over the replicas, which would add up
-gradients of different shards: it is not supported.
+gradients of different shards: it is not supported. (tfdist's trainer
+under `--tensor_parallel` applies the run's optimizer inside
+`strategy.run` with that sum turned off, so each replica's variables get
+that replica's gradients: `tfdist.training.tensor_parallel_step`.)
 
 Every replica is one tensor-parallel rank; combining with data parallelism
 needs collectives over sub-groups of the replicas, which `tf.distribute`

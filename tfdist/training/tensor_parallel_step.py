@@ -126,13 +126,13 @@ class TensorParallelStep:
 
   def describe(self) -> str:
     """One line for the manifest and the log."""
-    sharded = sum(int(np.prod(v.shape)) for v in self.model.weights
-                  if getattr(v, tp_lib._SHARD_AXIS, None) is not None)  # pylint: disable=protected-access
-    return (f"{self.num_shards} replicas split the attention heads and "
-            f"feed-forward units: {sharded} of "
-            f"{sum(int(np.prod(v.shape)) for v in self.unsharded.weights)} "
-            "weights per replica are shards (1/"
-            f"{self.num_shards} each); every replica trains on the whole "
+    shard = sum(int(np.prod(v.shape)) for v in self.model.weights
+                if getattr(v, tp_lib._SHARD_AXIS, None) is not None)  # pylint: disable=protected-access
+    total = sum(int(np.prod(v.shape)) for v in self.unsharded.weights)
+    n = self.num_shards
+    return (f"{n} replicas split the attention heads and feed-forward "
+            f"units: each holds {shard} of their {shard * n} weights (1/{n}) "
+            f"and all {total - shard * n} others, and trains on the whole "
             "batch")
 
   # --- the step -----------------------------------------------------------
