@@ -16,6 +16,10 @@ from tfdist.distribute import environment
 pytestmark = pytest.mark.compat
 
 
+# The built-in Transformer on its text data set (what --tensor_parallel splits).
+_TRANSFORMER = dict(model="transformer", dataset="clothing_reviews")
+
+
 class TrainConfigTest(parameterized.TestCase):
 
   def test_zero_switches_given_false_can_contradict_the_stage(self):
@@ -182,6 +186,33 @@ class TrainConfigTest(parameterized.TestCase):
        "--pipeline_stages=2 and --zero_stage=1 .* cannot be combined"),
       ("pipeline_xla", dict(pipeline_stages=2, enable_xla=True),
        "--enable_xla cannot compile a pipelined step"),
+      ("tensor_parallel", dict(tensor_parallel=0),
+       "--tensor_parallel=0 must be a positive integer"),
+      ("tensor_parallel_model", dict(tensor_parallel=2, model="cnn"),
+       "--tensor_parallel=2 splits the built-in Transformer.*--model=cnn "
+       "has no tensor-parallel layers"),
+      ("tensor_parallel_multi_worker", dict(
+          _TRANSFORMER, tensor_parallel=2,
+          distribution_strategy="multi_worker_mirrored"),
+       "--tensor_parallel=2 runs under --distribution_strategy=mirrored on "
+       "one host.*sub-groups"),
+      ("tensor_parallel_data_parallel", dict(
+          _TRANSFORMER, tensor_parallel=2, num_cpu_devices=4),
+       "--tensor_parallel=2 with --num_cpu_devices=4.* would add data "
+       "parallelism.*Pass --num_cpu_devices=2"),
+      ("tensor_parallel_zero", dict(_TRANSFORMER, tensor_parallel=2,
+                                    zero_stage=1,
+                                    distribution_strategy="mirrored"),
+       "--tensor_parallel=2 cannot run with --zero_stage=1"),
+      ("tensor_parallel_pipeline", dict(_TRANSFORMER, tensor_parallel=2,
+                                        pipeline_stages=2),
+       "--tensor_parallel=2 cannot run with --pipeline_stages=2"),
+      ("tensor_parallel_fp16", dict(_TRANSFORMER, tensor_parallel=2,
+                                    dtype="fp16"),
+       "--tensor_parallel=2 cannot run with --dtype=fp16"),
+      ("tensor_parallel_clipnorm", dict(_TRANSFORMER, tensor_parallel=2,
+                                        global_clipnorm=1.0),
+       "--tensor_parallel=2 cannot run with --global_clipnorm=1.0"),
   )
   def test_errors(self, changes, message):
     kwargs = dict(model_dir="/m", train_steps=10)

@@ -7,6 +7,7 @@ import keras
 import numpy as np
 import pytest
 
+from tfdist.parallel import tensor_parallel_options
 from tfdist.training import memory
 from tfdist.training import precision
 
@@ -280,10 +281,26 @@ class LayoutTableTest(absltest.TestCase):
       self.assertFalse(rows[name].available, name)
     self.assertIsNone(choice.recommended)
     rows = self.rows(self.table(_adam_state(1), tensor_parallel_bytes=_GIB))
-    self.assertIn("no tfdist.train flag", rows["tensor parallel"].note)
+    self.assertIn("--tensor_parallel splits only --model=transformer",
+                  rows["tensor parallel"].note)
     rows = self.rows(self.table(_adam_state(1)))
     self.assertIn("no layer of this model can be split",
                   rows["tensor parallel"].note)
+
+  def test_tensor_parallel_is_recommended_with_its_flags(self):
+    # The built-in Transformer's row names --tensor_parallel; with the
+    # layouts before it refused, it is the one recommended.
+    flags = tensor_parallel_options.flags_for("transformer", 4)
+    self.assertEqual(flags,
+                     "--distribution_strategy=mirrored --tensor_parallel=4")
+    self.assertEqual(tensor_parallel_options.flags_for("cnn", 4), "")
+    self.assertEqual(tensor_parallel_options.flags_for("transformer", 1), "")
+    refused = {name: "refused here" for name in memory.LAYOUTS[:-1]}
+    choice = self.table(_adam_state(2), tensor_parallel_bytes=_GIB,
+                        tensor_parallel_flag=flags, refused=refused)
+    self.assertEqual(choice.recommended.layout, "tensor parallel")
+    self.assertIn(f"Recommended layout: tensor parallel ({flags})",
+                  choice.render())
 
   def test_bad_arguments_are_refused(self):
     with self.assertRaisesRegex(ValueError, "num_devices=0"):

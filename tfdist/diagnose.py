@@ -67,6 +67,7 @@ from absl import flags
 from tfdist import job_spec
 from tfdist.distribute.strategy_kind import StrategyKind
 from tfdist import errors
+from tfdist.parallel import tensor_parallel_options
 from tfdist.training import memory
 from tfdist.training import optimizers
 
@@ -1360,9 +1361,9 @@ def layout_choice(sizes: ModelSizes, fitted: "_FittedModel",
       num_microbatches=(facts.num_microbatches
                         if facts.pipeline_stages > 1 else 0),
       pipeline_schedule=facts.pipeline_schedule,
-      # tfdist.train has no tensor-parallel flag: the row shows what the
-      # layers would save, and is never recommended.
       tensor_parallel_bytes=sizes.tensor_parallel_bytes,
+      tensor_parallel_flag=tensor_parallel_options.flags_for(facts.model,
+                                                             devices),
       refused=_refused_layouts())
 
 
@@ -1413,6 +1414,7 @@ class TrainFacts:
     pipeline_schedule: `--pipeline_schedule`.
     global_batch_size: `--batch_size` (0: the plan's).
     gradient_accumulation_steps: `--gradient_accumulation_steps`.
+    model: `--model` (whether `--tensor_parallel` can split it).
   """
   optimizer: str
   zero_stage: int
@@ -1423,6 +1425,7 @@ class TrainFacts:
   pipeline_schedule: str = "gpipe"
   global_batch_size: int = 0
   gradient_accumulation_steps: int = 1
+  model: str = ""
 
 
 def _train_facts(config) -> TrainFacts:
@@ -1438,7 +1441,8 @@ def _train_facts(config) -> TrainFacts:
                                               "gpipe") or "gpipe",
                     global_batch_size=int(config.batch_size or 0),
                     gradient_accumulation_steps=int(
-                        config.gradient_accumulation_steps or 1))
+                        config.gradient_accumulation_steps or 1),
+                    model=str(getattr(config, "model", "") or ""))
 
 
 def _measured_args(train_args: Sequence[str], given: set, *, steps: int,

@@ -524,8 +524,10 @@ def layout_table(estimate: ModelMemory, *, num_devices: int,
     tensor_parallel_bytes: bytes of the weights the tensor-parallel layers
       would split (attention and feed-forward kernels); 0: the model cannot
       be split, the row is unavailable.
-    tensor_parallel_flag: the flag that turns tensor parallelism on for this
-      model; empty: unavailable (the layers exist only as a library,
+    tensor_parallel_flag: the flags that turn tensor parallelism on for
+      this model (`tfdist.parallel.tensor_parallel_options.flags_for`:
+      `--tensor_parallel=N` for the built-in Transformer); empty:
+      unavailable (another model can use the layers as a library,
       `tfdist.parallel.tensor_parallel`).
     refused: layouts (`LAYOUTS` names) that this tfdist refuses, with the
       reason: shown, never recommended.
@@ -605,8 +607,9 @@ def layout_table(estimate: ModelMemory, *, num_devices: int,
   tp_opt = opt - _ceil_div(opt * share * (n - 1), n)
   tp_note = one or ("no layer of this model can be split" if not split else
                     "" if tensor_parallel_flag else
-                    "no tfdist.train flag: a library "
-                    "(tfdist.parallel.tensor_parallel)")
+                    "--tensor_parallel splits only --model=transformer: "
+                    "build this model from tfdist.parallel.tensor_parallel's "
+                    "layers")
   rows.append(row("tensor parallel", tensor_parallel_flag, n, tp_weights,
                   tp_grads, tp_opt, a * global_batch_size, not tp_note,
                   tp_note))
