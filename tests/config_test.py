@@ -11,6 +11,7 @@ from tfdist import config
 from tfdist import errors
 from tfdist.config import TrainConfig
 from tfdist.distribute import environment
+from tfdist.parallel import tensor_parallel_options
 
 # Also run on the oldest supported TensorFlow (see tests/conftest.py).
 pytestmark = pytest.mark.compat
@@ -191,6 +192,11 @@ class TrainConfigTest(parameterized.TestCase):
       ("tensor_parallel_model", dict(tensor_parallel=2, model="cnn"),
        "--tensor_parallel=2 splits the built-in Transformer.*--model=cnn "
        "has no tensor-parallel layers"),
+      ("tensor_parallel_uneven", dict(_TRANSFORMER, tensor_parallel=3,
+                                      num_cpu_devices=3),
+       "--tensor_parallel=3 cannot split the built-in Transformer evenly: "
+       "each rank takes an equal share of its 4 attention heads, 128 "
+       "feed-forward units. Use --tensor_parallel=2 or 4."),
       ("tensor_parallel_multi_worker", dict(
           _TRANSFORMER, tensor_parallel=2,
           distribution_strategy="multi_worker_mirrored"),
@@ -219,6 +225,12 @@ class TrainConfigTest(parameterized.TestCase):
     kwargs.update(changes)
     with self.assertRaisesRegex(errors.ConfigError, message):
       TrainConfig(**kwargs)
+
+  def test_tensor_parallel_is_offered_only_where_it_divides(self):
+    self.assertEqual(
+        [n for n in range(1, 6)
+         if tensor_parallel_options.flags_for("transformer", n)], [2, 4])
+    self.assertEqual(tensor_parallel_options.flags_for("cnn", 2), "")
 
   def test_pipeline_fields(self):
     config = TrainConfig(model_dir="/m", train_steps=1, pipeline_stages=3,

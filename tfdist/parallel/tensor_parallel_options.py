@@ -21,12 +21,21 @@ MODELS = ("transformer",)
 # of the replicas (the same shard on each data-parallel copy), and
 # tf.distribute exposes only collectives over all replicas.
 STRATEGIES = ("auto", "mirrored")
+# What each rank gets a share of in the built-in Transformer
+# (models/transformer.py's defaults): its 4 attention heads and 128
+# feed-forward units, so N must divide both.
+SPLIT_SIZES = {"attention heads": 4, "feed-forward units": 128}
+
+
+def divides(n: int) -> bool:
+  """Whether N ranks can split the built-in Transformer evenly."""
+  return all(size % n == 0 for size in SPLIT_SIZES.values())
 
 
 def flags_for(model: str, num_devices: int) -> str:
   """The flags that split `model` over `num_devices` replicas of one host,
   or "" when `--tensor_parallel` cannot (another model, one device)."""
-  if model not in MODELS or num_devices < 2:
+  if model not in MODELS or num_devices < 2 or not divides(num_devices):
     return ""
   return f"--distribution_strategy=mirrored --tensor_parallel={num_devices}"
 
@@ -46,7 +55,8 @@ def check_flags(*, tensor_parallel: int, model: str,
       num_cpu_devices: the run's flags of those names.
 
   Raises:
-    errors.ConfigError: N < 1; N > 1 with another model than the built-in
+    errors.ConfigError: N < 1; N not dividing the Transformer's heads and
+      feed-forward units; N > 1 with another model than the built-in
       Transformer, another strategy than mirrored (or auto), ZeRO,
       pipeline stages, XLA, fp16, gradient clipping, --init_checkpoint,
       or more devices than N (data parallelism beside tensor
@@ -65,6 +75,13 @@ def check_flags(*, tensor_parallel: int, model: str,
         f"feed-forward units; --model={model} has no tensor-parallel "
         "layers. Use --model=transformer, or build your model from "
         "tfdist.parallel.tensor_parallel's layers and drop the flag.")
+  if not divides(n):
+    sizes = ", ".join(f"{size} {what}" for what, size in SPLIT_SIZES.items())
+    fits = [k for k in range(2, 9) if divides(k)]
+    raise errors.ConfigError(
+        f"{flag} cannot split the built-in Transformer evenly: each rank "
+        f"takes an equal share of its {sizes}. Use --tensor_parallel="
+        f"{' or '.join(map(str, fits))}.")
   if distribution_strategy not in STRATEGIES:
     raise errors.ConfigError(
         f"{flag} runs under --distribution_strategy=mirrored on one host "
