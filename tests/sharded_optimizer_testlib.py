@@ -257,6 +257,7 @@ def resting_memory(strategy) -> dict:
   parameters, so that each replica's shard (1 MiB of int32 per replica at
   N = 2) is under Grappler's 10 MiB constant-folding limit."""
   import gc  # pylint: disable=g-import-not-at-top
+  import time  # pylint: disable=g-import-not-at-top
   import keras  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
@@ -265,6 +266,9 @@ def resting_memory(strategy) -> dict:
 
   def at_rest():
     gc.collect()
+    # The collectives' threads release their buffers shortly after a step
+    # returns.
+    time.sleep(0.5)
     return tf.config.experimental.get_memory_info("CPU:0")["current"]
 
   with strategy.scope():

@@ -200,8 +200,8 @@ class _PerVariable:
   are static slices. Segment ids [S] computed from that constant index
   would be constant-folded by Grappler (up to its 10 MiB limit per
   constant) into constants that the compiled step keeps between calls:
-  about 8 x S bytes per replica at rest (tests/sharded_optimizer_test.py
-  checks that none is kept). Only an index unknown at trace time takes the
+  4 to 8 bytes per shard element per replica at rest (measured;
+  tests/sharded_optimizer_test.py checks that none is kept). Only an index unknown at trace time takes the
   segment-id route (computed at every step, freed after it).
 
   Args:
