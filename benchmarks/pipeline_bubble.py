@@ -14,10 +14,15 @@ step that traces, `--steps` steps are timed and for each:
   * the micro-batches in flight per stage: the most forwards started whose
     backward has not ended (GPipe: M; 1F1B: P - s on stage s).
 
-Figures printed and written as JSON:
+Figures printed and written as JSON, and drawn as an SVG (written here
+by hand: matplotlib is not a dependency), also from a JSON written before:
 
   python benchmarks/pipeline_bubble.py \\
-      --out=benchmarks/results/pipeline_bubble.json
+      --out=benchmarks/results/pipeline_bubble.json \\
+      --plot=benchmarks/results/pipeline_bubble.svg
+  python benchmarks/pipeline_bubble.py \\
+      --from_json=benchmarks/results/pipeline_bubble.json \\
+      --plot=benchmarks/results/pipeline_bubble.svg
 """
 
 import json
@@ -41,6 +46,9 @@ flags.DEFINE_float("backward_ms", 80.0, "Backward time of one stage on one "
                    "micro-batch (ms).")
 flags.DEFINE_integer("steps", 3, "Timed steps per configuration.")
 flags.DEFINE_string("out", "", "Write the figures here as JSON.")
+flags.DEFINE_string("plot", "", "Draw the figures here as an SVG.")
+flags.DEFINE_string("from_json", "", "Plot this JSON (written by --out) "
+                    "instead of measuring.")
 
 
 def _cpu_model() -> str:
@@ -190,8 +198,113 @@ def run_config(num_stages, num_microbatches, schedule, forward_ms,
       stage_tasks_serial=all(r["stage_tasks_serial"] for r in results))
 
 
+_SVG_COLORS = {2: "#1f77b4", 4: "#d62728"}
+
+
+def svg_plot(result: dict) -> str:
+  """Two panels as an SVG document: the bubble against M (the ideal
+  (P-1)/(M+P-1) as lines, each schedule's measured median as marks), and
+  the most micro-batches in flight on stage 0 against M (GPipe M, 1F1B
+  at most P).
+
+  Args:
+    result: the benchmark's JSON (`rows` of P, M, schedule, figures).
+  """
+  rows = result["rows"]
+  ms = sorted({r["microbatches"] for r in rows})
+  ps = sorted({r["stages"] for r in rows})
+  width, height, pad = 360, 260, 50
+  out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{2 * width}" '
+         f'height="{height + 40}" font-family="sans-serif" font-size="11">',
+         '<rect width="100%" height="100%" fill="white"/>',
+         f'<text x="{width}" y="16" text-anchor="middle" font-size="13">'
+         f'Pipeline bubble and micro-batches in flight ({result["date"]}, '
+         f'{result["cpu"]}, {result["cores"]} cores)</text>']
+
+  def x_of(m, left):
+    span = max(len(ms) - 1, 1)
+    return left + pad + (width - 2 * pad) * ms.index(m) / span
+
+  def panel(left, title, y_max, y_label, ticks):
+    def y_of(v):
+      return 50 + (height - pad - 20) * (1 - v / y_max)
+    out.append(f'<text x="{left + width / 2}" y="40" text-anchor="middle">'
+               f'{title}</text>')
+    base = y_of(0)
+    out.append(f'<line x1="{left + pad}" y1="{base}" x2="{left + width - pad}"'
+               f' y2="{base}" stroke="black"/>')
+    out.append(f'<line x1="{left + pad}" y1="{y_of(y_max)}" x2="{left + pad}"'
+               f' y2="{base}" stroke="black"/>')
+    for m in ms:
+      out.append(f'<text x="{x_of(m, left)}" y="{base + 14}" '
+                 f'text-anchor="middle">{m}</text>')
+    out.append(f'<text x="{left + width / 2}" y="{base + 30}" '
+               'text-anchor="middle">micro-batches M</text>')
+    for t in ticks:
+      out.append(f'<text x="{left + pad - 4}" y="{y_of(t) + 4}" '
+                 f'text-anchor="end">{t:g}</text>')
+      out.append(f'<line x1="{left + pad}" y1="{y_of(t)}" '
+                 f'x2="{left + width - pad}" y2="{y_of(t)}" stroke="#ddd"/>')
+    middle = y_of(y_max / 2)
+    out.append(f'<text x="{left + 12}" y="{middle}" text-anchor="middle" '
+               f'transform="rotate(-90 {left + 12} {middle})">{y_label}'
+               '</text>')
+    return y_of
+
+  def mark(x, y, schedule, color):
+    if schedule == "gpipe":
+      out.append(f'<circle cx="{x:.1f}" cy="{y:.1f}" r="4" fill="none" '
+                 f'stroke="{color}" stroke-width="1.5"/>')
+    else:
+      out.append(f'<rect x="{x - 3:.1f}" y="{y - 3:.1f}" width="6" '
+                 f'height="6" fill="{color}"/>')
+
+  y_of = panel(0, "bubble: ideal (P-1)/(M+P-1) (line), measured (marks)",
+               0.5, "idle fraction of the step", (0, 0.1, 0.2, 0.3, 0.4, 0.5))
+  for p in ps:
+    color = _SVG_COLORS.get(p, "black")
+    points = " ".join(f"{x_of(m, 0):.1f},{y_of((p - 1) / (m + p - 1)):.1f}"
+                      for m in ms)
+    out.append(f'<polyline points="{points}" fill="none" stroke="{color}"/>')
+    for r in rows:
+      if r["stages"] == p:
+        mark(x_of(r["microbatches"], 0), y_of(r["bubble_median"]),
+             r["schedule"], color)
+  top = max(max(r["in_flight_per_stage"]) for r in rows)
+  y_of = panel(width, "micro-batches in flight on stage 0", top,
+               "activations held", sorted({0, *ms, *ps}))
+  for r in rows:
+    mark(x_of(r["microbatches"], width), y_of(r["in_flight_per_stage"][0]),
+         r["schedule"], _SVG_COLORS.get(r["stages"], "black"))
+  legend = [(f"P = {p}", _SVG_COLORS.get(p, "black"), None) for p in ps]
+  legend += [("gpipe", "black", "gpipe"), ("1f1b", "black", "1f1b")]
+  for i, (label, color, schedule) in enumerate(legend):
+    x, y = pad + 110 * i, height + 30
+    if schedule:
+      mark(x, y - 4, schedule, color)
+    else:
+      out.append(f'<line x1="{x - 8}" y1="{y - 4}" x2="{x + 8}" '
+                 f'y2="{y - 4}" stroke="{color}" stroke-width="2"/>')
+    out.append(f'<text x="{x + 12}" y="{y}">{label}</text>')
+  out.append("</svg>")
+  return "\n".join(out) + "\n"
+
+
+def _write_plot(result: dict, path: str):
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  with open(path, "w") as f:
+    f.write(svg_plot(result))
+  print(f"wrote {path}")
+
+
 def main(argv):
   del argv
+  if FLAGS.from_json:
+    with open(FLAGS.from_json) as f:
+      result = json.load(f)
+    if FLAGS.plot:
+      _write_plot(result, FLAGS.plot)
+    return
   os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   from tfdist.distribute import devices  # pylint: disable=g-import-not-at-top
@@ -229,6 +342,8 @@ def main(argv):
     with open(FLAGS.out, "w") as f:
       json.dump(result, f, indent=1)
     print(f"wrote {FLAGS.out}")
+  if FLAGS.plot:
+    _write_plot(result, FLAGS.plot)
 
 
 if __name__ == "__main__":

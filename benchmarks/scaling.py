@@ -57,6 +57,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
   sys.path.insert(0, REPO)
 
+from tfdist import errors
 from tfdist import diagnose  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 FLAGS = flags.FLAGS
@@ -167,7 +168,7 @@ def run_independent(spec, copies: int, model_dir: str, timeout_seconds: float
 
   Raises:
     app.UsageError: fewer cores than copies.
-    diagnose.DiagnoseError: a copy failed or timed out.
+    tfdist.errors.DiagnoseError: a copy failed or timed out.
   """
   cores = sorted(os.sched_getaffinity(0))
   if len(cores) < copies:
@@ -197,7 +198,7 @@ def run_independent(spec, copies: int, model_dir: str, timeout_seconds: float
     if code != 0:
       failed.append(f"{path}.log ({code})")
   if failed:
-    raise diagnose.DiagnoseError(f"{spec.label}: copies failed: {failed}")
+    raise errors.DiagnoseError(f"{spec.label}: copies failed: {failed}")
   measured = [diagnose.measurement_from_run(path, spec.label)
               for _, _, path in procs]
   return dataclasses.replace(measured[0], examples_per_second=sum(

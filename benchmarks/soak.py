@@ -171,7 +171,7 @@ def _soak(data: dict, model_dir: str) -> int:
   devices = (["--num_cpu_devices=2"]
              if FLAGS.distribution_strategy == "mirrored" else [])
   command = [
-      sys.executable, "-m", "tfdist.launch", *layout,
+      sys.executable, "-m", "tfdist.launch", "--output=all", *layout,
       "--", f"--distribution_strategy={FLAGS.distribution_strategy}",
       f"--model={FLAGS.model}",
       f"--train_files={data['train']}", f"--eval_files={data['eval']}",

@@ -12,6 +12,7 @@ from typing import List
 
 from absl import flags
 
+from tfdist import errors
 from tfdist import config as config_lib
 from tfdist.parallel import pipeline_options
 from tfdist.training import decay_schedules
@@ -324,7 +325,7 @@ def _define_precision_flags() -> None:
     try:
       config_lib.parse_loss_scale(value)
       return True
-    except config_lib.ConfigError:
+    except errors.ConfigError:
       return False
 
   flags.DEFINE_bool(
@@ -367,11 +368,19 @@ def _define_memory_flags() -> None:
       "ZeRO stage 2: --shard_optimizer_state, and under "
       "--gradient_accumulation_steps > 1 each replica accumulates only its "
       "shard of the summed gradients (one all-reduce per micro-batch).")
+  flags.DEFINE_bool(
+      "shard_parameters", _default("shard_parameters"),
+      "ZeRO stage 3 (mirrored, multi_worker_mirrored): --shard_gradients, "
+      "and each replica keeps only 1/N of the weights, all-gathered for "
+      "each step's forward and backward pass (1.5x the traffic of plain data "
+      "parallelism). Not "
+      "with embedding layers, a model's own train_step, --enable_xla or "
+      "--pipeline_stages.")
   flags.DEFINE_integer(
       "zero_stage", _default("zero_stage"),
-      "DeepSpeed's name for the two switches above: 0 off, 1 "
-      "--shard_optimizer_state, 2 --shard_gradients (3, sharded weights, "
-      "is not offered). Default: from the switches.")
+      "DeepSpeed's name for the three switches above: 0 off, 1 "
+      "--shard_optimizer_state, 2 --shard_gradients, 3 --shard_parameters "
+      "(sharded weights). Default: from the switches.")
 
 
 def define_pipeline_flags() -> List[str]:
@@ -381,7 +390,9 @@ def define_pipeline_flags() -> List[str]:
       "Cut the model (functional or Sequential) into P stages of "
       "consecutive layers, stage i on GPU i (on a CPU, logical CPU device "
       "i); micro-batches flow through them and one update is applied per "
-      "step, equal to the unsplit model's. 1: no pipeline. With "
+      "step, equal to the unsplit model's. In a cluster of a chief and "
+      "workers (tfdist.launch, TF_CONFIG) the chief drives and each task "
+      "hosts P/tasks consecutive stages. 1: no pipeline. With "
       "--distribution_strategy auto, one_device or off (not with data "
       "parallelism: TensorFlow has no public sub-group collectives), not "
       "with --zero_stage or --enable_xla. See "
@@ -672,7 +683,7 @@ def flags_to_config(flag_values=FLAGS) -> config_lib.TrainConfig:
   (`TrainConfig.unset_fields`), exactly as for library callers.
 
   Raises:
-    tfdist.config.ConfigError: invalid or inconsistent values.
+    tfdist.errors.ConfigError: invalid or inconsistent values.
   """
   kwargs, snapshot = {}, []
   for name in config_flag_names():

@@ -21,7 +21,7 @@ from typing import Optional, Tuple
 
 import keras
 
-from tfdist.config import ConfigError
+from tfdist import errors
 from tfdist.config import requested_kind
 from tfdist.data.dataset_spec import DatasetSpec
 from tfdist.distribute.strategy_kind import StrategyKind
@@ -34,7 +34,7 @@ from . import transformer
 
 def _image_shape(name: str, spec) -> Tuple[Tuple[int, ...], int]:
   if not spec.input_shape or spec.num_classes < 2:
-    raise ConfigError(
+    raise errors.ConfigError(
         f"--model={name} is an image classifier: it needs a data set with an "
         f"input_shape and num_classes (e.g. --dataset=fashion_mnist); "
         f"--dataset={spec.name} has input_shape={spec.input_shape}, "
@@ -66,7 +66,7 @@ def _build_resnet(spec, sync_batch_norm: bool = False,
 def _build_ranking(spec, embedding_dim: int = 16,
                    hash_buckets: int = 100_000) -> keras.Model:
   if not spec.id_features:
-    raise ConfigError(
+    raise errors.ConfigError(
         f"--model=ranking embeds id features; --dataset={spec.name} has none "
         "(use --dataset=movielens).")
   return ranking.build_ranking(
@@ -78,7 +78,7 @@ def _build_ranking(spec, embedding_dim: int = 16,
 @registry.register_model("transformer")
 def _build_transformer(spec, transformer_layers: int = 2) -> keras.Model:
   if not spec.vocabulary_size or len(spec.input_shape) != 1:
-    raise ConfigError(
+    raise errors.ConfigError(
         f"--model=transformer classifies token ids: it needs a text data set "
         f"with a vocabulary (e.g. --dataset=clothing_reviews); --dataset="
         f"{spec.name} has input_shape={spec.input_shape}, vocabulary_size="
@@ -141,7 +141,7 @@ def check_recomputation(name: str, activation_recomputation: bool, *,
       name, "its builder takes no activation_recomputation argument (a "
             "builder that can recompute names it and wraps its blocks, e.g. "
             "with tfdist.models.recompute.recomputing_model)")
-  raise ConfigError(
+  raise errors.ConfigError(
       f"--activation_recomputation (--gradient_checkpointing) is not "
       f"available for --model={name}: {reason}. The built-in models that "
       f"recompute: cnn, resnet; or drop the flag.")
@@ -175,12 +175,12 @@ def resolve_sync_batch_norm(value: Optional[bool], *, strategy_name: str,
     updates alone), or with `xla_per_replica`, statistics are per replica.
 
   Raises:
-    tfdist.config.ConfigError: `--sync_batch_norm` with `--enable_xla` off
+    tfdist.errors.ConfigError: `--sync_batch_norm` with `--enable_xla` off
       TPUs (compiling the all-reduce into one replica's XLA cluster fails
       under MirroredStrategy).
   """
   if value and xla_per_replica and num_replicas_in_sync > 1:
-    raise ConfigError(
+    raise errors.ConfigError(
         "--sync_batch_norm needs an all-reduce inside the forward pass, "
         "which --enable_xla compiles per replica (off TPUs) where it cannot "
         "run. Drop one of --sync_batch_norm and --enable_xla.")

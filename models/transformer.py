@@ -14,9 +14,19 @@ small layer of this module.
 With Adam, its training state is 16 bytes per parameter on every replica
 (weights, gradients, two moments): the model the ZeRO benchmark measures
 (`--zero_stage`, `benchmarks/zero_memory.py`).
+
+`tensor_parallel=True` builds the same model with Megatron's layers
+(`tfdist.parallel.tensor_parallel`): each block's attention is a
+`ParallelMultiHeadAttention` (heads split over the replicas), its
+feed-forward pair a `ColumnParallelDense` then a `RowParallelDense`; the
+embeddings, norms and output layer stay whole on every replica. Its
+gathered weights (`tensor_parallel.gathered_weights`) are the unsharded
+model's `get_weights()`, in the same order and shapes.
 """
 
 import keras
+
+from tfdist.parallel import tensor_parallel as tp
 
 
 @keras.saving.register_keras_serializable(package="tfdist")
@@ -43,17 +53,28 @@ class PositionEmbedding(keras.layers.Layer):
     return {**super().get_config(), "sequence_length": self.sequence_length}
 
 
-def _encoder_block(x, mask, *, num_heads, ff_dim, dropout, index):
+def _encoder_block(x, mask, *, num_heads, ff_dim, dropout, index,
+                   tensor_parallel=False):
   dim = x.shape[-1]
-  attention = keras.layers.MultiHeadAttention(
-      num_heads=num_heads, key_dim=dim // num_heads, dropout=dropout,
-      name=f"block{index}_attention")(x, x, attention_mask=mask)
+  if tensor_parallel:
+    # No dropout of the attention probabilities: the parallel layer has
+    # none (the other dropout layers stay).
+    attention = tp.ParallelMultiHeadAttention(
+        num_heads=num_heads, key_dim=dim // num_heads,
+        name=f"block{index}_attention")(x, x, attention_mask=mask)
+  else:
+    attention = keras.layers.MultiHeadAttention(
+        num_heads=num_heads, key_dim=dim // num_heads, dropout=dropout,
+        name=f"block{index}_attention")(x, x, attention_mask=mask)
   attention = keras.layers.Dropout(dropout)(attention)
   x = keras.layers.LayerNormalization(
       epsilon=1e-6, name=f"block{index}_attention_norm")(x + attention)
-  ff = keras.layers.Dense(ff_dim, activation="gelu",
-                          name=f"block{index}_ff_in")(x)
-  ff = keras.layers.Dense(dim, name=f"block{index}_ff_out")(ff)
+  column, row = ((tp.ColumnParallelDense, tp.RowParallelDense)
+                 if tensor_parallel else (keras.layers.Dense,) * 2)
+  # The names end as `tensor_parallel.splittable_weight_bytes` expects.
+  ff = column(ff_dim, activation="gelu",
+              name=f"block{index}{tp.FEED_FORWARD_IN}")(x)
+  ff = row(dim, name=f"block{index}{tp.FEED_FORWARD_OUT}")(ff)
   ff = keras.layers.Dropout(dropout)(ff)
   return keras.layers.LayerNormalization(
       epsilon=1e-6, name=f"block{index}_ff_norm")(x + ff)
@@ -62,8 +83,8 @@ def _encoder_block(x, mask, *, num_heads, ff_dim, dropout, index):
 def build_transformer(*, sequence_length: int, vocabulary_size: int,
                       num_classes: int, embed_dim: int = 64,
                       num_heads: int = 4, ff_dim: int = 128,
-                      num_layers: int = 2, dropout: float = 0.1
-                      ) -> keras.Model:
+                      num_layers: int = 2, dropout: float = 0.1,
+                      tensor_parallel: bool = False) -> keras.Model:
   """Builds the classifier.
 
   Args:
@@ -79,7 +100,13 @@ def build_transformer(*, sequence_length: int, vocabulary_size: int,
     num_heads: attention heads per block.
     ff_dim: width of the feed-forward layer of each block.
     num_layers: encoder blocks.
-    dropout: dropout rate after attention and feed-forward layers.
+    dropout: dropout rate after attention and feed-forward layers (and of
+      the attention probabilities, without `tensor_parallel`).
+    tensor_parallel: split each block's attention heads and feed-forward
+      units over the replicas of the current `tf.distribute.MirroredStrategy`
+      (see the module docstring). Build inside `strategy.scope()`, call
+      inside `strategy.run` with the same batch on every replica, and train
+      with `tfdist.parallel.tensor_parallel.ReplicaOptimizer`.
 
   Returns:
     An uncompiled `keras.Model` named `transformer`.
@@ -87,6 +114,9 @@ def build_transformer(*, sequence_length: int, vocabulary_size: int,
   Raises:
     ValueError: `embed_dim` is not a multiple of `num_heads`, or a size is
       not positive.
+    tfdist.errors.ConfigError: with `tensor_parallel`, `num_heads` or
+      `ff_dim` not a multiple of the replicas, or built inside
+      `strategy.run` or under a strategy spanning hosts.
   """
   if min(sequence_length, vocabulary_size, embed_dim, num_heads, ff_dim,
          num_layers, num_classes) < 1 or embed_dim % num_heads:
@@ -104,7 +134,8 @@ def build_transformer(*, sequence_length: int, vocabulary_size: int,
   mask = keep[:, None, :]
   for index in range(num_layers):
     x = _encoder_block(x, mask, num_heads=num_heads, ff_dim=ff_dim,
-                       dropout=dropout, index=index)
+                       dropout=dropout, index=index,
+                       tensor_parallel=tensor_parallel)
   x = keras.layers.GlobalAveragePooling1D(name="mean_over_tokens")(
       x, mask=keep)
   x = keras.layers.Dropout(dropout)(x)

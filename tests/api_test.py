@@ -21,9 +21,10 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tests import conformance_table
 from tests import testutil
 from tfdist import api
-from tfdist.config import ConfigError
+from tfdist import errors
 from tfdist.config import TrainConfig
 from tfdist.data import input_pipeline
 
@@ -107,7 +108,7 @@ class InMemoryDatasetTest(absltest.TestCase):
          "leaves 0 for training and 1 for evaluation"),
         (dict(x=np.float32(1.0)), "holds a scalar")):
       with self.subTest(message=message):
-        with self.assertRaisesRegex(ConfigError, message):
+        with self.assertRaisesRegex(errors.ConfigError, message):
           api.in_memory_dataset(**kwargs)
 
 
@@ -137,11 +138,12 @@ class FitTest(absltest.TestCase):
         (dict(dataset_fn=lambda training: None, parse_fn=lambda r: r),
          "Pass one source of data")):
       with self.subTest(message=message):
-        with self.assertRaisesRegex(ConfigError, message):
+        with self.assertRaisesRegex(errors.ConfigError, message):
           api.fit(_model, config=self.config, **kwargs)
-    with self.assertRaisesRegex(ConfigError, "model_fn must be a function"):
+    with self.assertRaisesRegex(
+        errors.ConfigError, "model_fn must be a function"):
       api.fit(3, x=self.x, y=self.y, config=self.config)
-    with self.assertRaisesRegex(ConfigError, r"verbose='yes'\): use"):
+    with self.assertRaisesRegex(errors.ConfigError, r"verbose='yes'\): use"):
       api.fit(_model, x=self.x, y=self.y, config=self.config, verbose="yes")
 
   def test_keras_epochs_and_batch_size_set_the_configs_fields(self):
@@ -169,7 +171,7 @@ class FitTest(absltest.TestCase):
         (dict(batch_size=2.5), self.config,
          r"fit\(batch_size=2.5\): batch_size must be an integer >= 1")):
       with self.subTest(message=message):
-        with self.assertRaisesRegex(ConfigError, message):
+        with self.assertRaisesRegex(errors.ConfigError, message):
           api.fit(_model, x=self.x, y=self.y, config=config, **kwargs)
     # The same values as the config's are no conflict.
     self.assertEqual(api.with_keras_length(self.config, batch_size=4),
@@ -357,6 +359,52 @@ def _batches(x, y, size=3):
     yield x[start:start + size], y[start:start + size]
 
 
+_RATE = 0.05
+_FIT_CELL = ("works (the weights and losses of `Model.fit` on the same "
+             "batches)")
+_WORKERS_CELL = ("refused at start (only the script's process can read it; "
+                 "the error shows the dataset-function form)")
+
+
+def _zero_model(optimizer=None):
+  model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(
+      1, kernel_initializer="zeros")])
+  model.compile(loss="mse", optimizer=optimizer)
+  return model
+
+
+def _two_workers():
+  """The environment of worker 0 of two (nothing listens at the ports)."""
+  from tfdist.distribute import environment as environment_lib  # pylint: disable=g-import-not-at-top
+  return environment_lib.read_environment({"TF_CONFIG": json.dumps(
+      {"cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:2"]},
+       "task": {"type": "worker", "index": 0}})})
+
+
+def _fit_python_inputs(x, y, model_dir: str, strategy: str) -> dict:
+  """`tfdist.fit` of `_zero_model` on `_Batches(x, y)` and on `_batches(x,
+  y)` (batches of 3, rebatched to 4), 2 epochs in order (no shuffling),
+  plain SGD: `{"py_dataset" | "generator": {"weights", "loss"}}`."""
+  import tfdist  # pylint: disable=g-import-not-at-top
+  out = {}
+  for name, data in (("py_dataset", _Batches(x, y)),
+                     ("generator", _batches(x, y))):
+    built = []
+
+    def model_fn():
+      built.append(_zero_model())
+      return built[-1]
+    result = tfdist.fit(model_fn, x=data, verbose=0, config=TrainConfig(
+        model_dir=f"{model_dir}-{name}", train_epochs=2, batch_size=4,
+        base_batch_size=4, optimizer="sgd", momentum=0.0,
+        base_learning_rate=_RATE, warmup_steps=0, lr_schedule="constant",
+        shuffle_buffer_size=0, log_steps=1000, mode="train",
+        distribution_strategy=strategy))
+    out[name] = {"weights": [w.tolist() for w in built[-1].get_weights()],
+                 "loss": result["history"]["loss"]}
+  return out
+
+
 class PythonInputsTest(absltest.TestCase):
   """`tfdist.fit(x=PyDataset | generator | iterator)` (tfdist.data.python_inputs)."""
 
@@ -398,9 +446,9 @@ class PythonInputsTest(absltest.TestCase):
         ((b for b in [(self.x, self.y[:3])]), "different numbers of rows"),
         (iter([(self.x, 1.0)]), "holds a scalar")):
       with self.subTest(message=message):
-        with self.assertRaisesRegex(ConfigError, message):
+        with self.assertRaisesRegex(errors.ConfigError, message):
           python_inputs.generator_arrays(value, name="x")
-    with self.assertRaisesRegex(ConfigError, "more than 100 bytes in 1 "
+    with self.assertRaisesRegex(errors.ConfigError, "more than 100 bytes in 1 "
                                 "batches: a generator cannot be rewound"):
       python_inputs.generator_arrays(_batches(self.x, self.y, 16), name="x",
                                      max_bytes=100)
@@ -437,6 +485,35 @@ class PythonInputsTest(absltest.TestCase):
                          verbose=0)
         self.assertEqual(result["final_step"], 8)
 
+  def _keras_fit(self) -> dict:
+    """`Model.fit` of `_zero_model` on `_Batches(self.x, self.y, 4)` (the
+    batches tfdist makes at --batch_size=4), 2 epochs, not shuffled."""
+    model = _zero_model(keras.optimizers.SGD(_RATE))
+    history = model.fit(_Batches(self.x, self.y, 4), epochs=2, shuffle=False,
+                        verbose=0)
+    return {"weights": [w.tolist() for w in model.get_weights()],
+            "loss": [float(v) for v in history.history["loss"]]}
+
+  def _check_against_fit(self, runs: dict, strategy: str):
+    """Asserts each of `runs` (`py_dataset`, `generator`: `weights`,
+    `loss`) trained as `Model.fit` did; checks the rows' cells."""
+    reference = self._keras_fit()
+    for name, row in (("py_dataset", "py_dataset"),
+                      ("generator", "generator")):
+      run = runs[name]
+      np.testing.assert_allclose(np.concatenate(
+          [np.ravel(w) for w in run["weights"]]), np.concatenate(
+              [np.ravel(w) for w in reference["weights"]]), atol=1e-5,
+                                 err_msg=f"{name} weights, {strategy}")
+      np.testing.assert_allclose(run["loss"], reference["loss"], rtol=1e-5,
+                                 err_msg=f"{name} loss, {strategy}")
+      conformance_table.check_cell(self, row, strategy, _FIT_CELL)
+
+  def test_py_dataset_and_generator_train_as_model_fit(self):
+    self._check_against_fit(_fit_python_inputs(
+        self.x, self.y, os.path.join(self.dir, "fit"), "one_device"),
+                            "one_device")
+
   def test_py_dataset_and_generator_under_mirrored(self):
     # A child process: two logical CPUs are set before TensorFlow starts.
     script = textwrap.dedent("""
@@ -457,38 +534,54 @@ class PythonInputsTest(absltest.TestCase):
                 model_dir=sys.argv[1], train_steps=8, batch_size=4,
                 log_steps=4, distribution_strategy="mirrored",
                 num_cpu_devices=2))
+        x, y = (np.load(sys.argv[2])[k] for k in ("x", "y"))
         print("RESULT " + json.dumps(
             [result["strategy"], result["final_step"],
-             sorted(result["history"])]))
+             sorted(result["history"]),
+             api_test._fit_python_inputs(x, y, sys.argv[1] + "-fit",
+                                         "mirrored")]))
         """)
+    arrays = os.path.join(self.dir, "arrays.npz")
+    np.savez(arrays, x=self.x, y=self.y)
     proc = subprocess.run(
-        [sys.executable, "-c", script, os.path.join(self.dir, "m")],
+        [sys.executable, "-c", script, os.path.join(self.dir, "m"), arrays],
         cwd=testutil.REPO_ROOT, stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True, timeout=300,
         env=dict(os.environ, PYTHONPATH=testutil.REPO_ROOT,
                  TF_CPP_MIN_LOG_LEVEL="2"))
     self.assertEqual(proc.returncode, 0, proc.stdout[-3000:])
-    self.assertEqual(json.loads(proc.stdout.split("RESULT ", 1)[1]),
-                     ["mirrored", 8, ["loss", "val_loss"]])
+    *summary, runs = json.loads(proc.stdout.split("RESULT ", 1)[1])
+    self.assertEqual(summary, ["mirrored", 8, ["loss", "val_loss"]])
+    self._check_against_fit(runs, "mirrored")
 
   def test_several_workers_are_refused_at_start_with_the_form(self):
-    from tfdist.distribute import environment as environment_lib  # pylint: disable=g-import-not-at-top
-    two_workers = environment_lib.read_environment({"TF_CONFIG": json.dumps(
-        {"cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:2"]},
-         "task": {"type": "worker", "index": 0}})})
     for config, environment, where in (
-        (self._config("w"), two_workers,
+        (self._config("w"), _two_workers(),
          "a cluster of 2 worker\\(s\\) and 0 ps task"),
         (self._config("s", distribution_strategy="parameter_server"), None,
          "--distribution_strategy=parameter_server")):
       generator = _batches(self.x, self.y)
       with self.subTest(where=where):
         with self.assertRaisesRegex(
-            ConfigError, r"tfdist.fit\(x=...\) got a generator, which only "
+            errors.ConfigError,
+            r"tfdist.fit\(x=...\) got a generator, which only "
             f"this Python process can read; the run uses {where}.*Pass a "
             r"dataset function instead.*def make_dataset\(training\)"):
           api.fit(_model, x=generator, config=config, environment=environment)
         self.assertLen(list(generator), 6)  # Not read.
+    # A PyDataset too, on one of two MultiWorkerMirrored workers.
+    data = _Batches(self.x, self.y)
+    with self.assertRaisesRegex(
+        ConfigError, r"tfdist.fit\(x=...\) got keras.utils.PyDataset "
+        r"\(_Batches\), which only this Python process can read.*def "
+        r"make_dataset"):
+      api.fit(_model, x=data, environment=_two_workers(),
+              config=self._config("pw", distribution_strategy=(
+                  "multi_worker_mirrored")))
+    self.assertEqual(data.passes, 0)
+    for row in ("py_dataset", "generator"):
+      conformance_table.check_cell(self, row, "multi_worker_mirrored",
+                                   _WORKERS_CELL)
 
   def test_argument_checks(self):
     for kwargs, message in (
@@ -497,8 +590,58 @@ class PythonInputsTest(absltest.TestCase):
          "with a keras.utils.PyDataset pass validation_data"),
         (dict(x=_Batches(self.x[:0], self.y[:0])), "has no batches")):
       with self.subTest(message=message):
-        with self.assertRaisesRegex(ConfigError, message):
+        with self.assertRaisesRegex(errors.ConfigError, message):
           api.fit(_model, config=self._config("c"), **kwargs)
+
+
+class RefusedSettingsTest(absltest.TestCase):
+  """What `fit` would drop without a word, refused at start by `tfdist.fit`
+  under each strategy (the model function fails the test if called): a
+  `TF_CONFIG` with a task but no usable cluster, a `keras.distribution`."""
+
+  def _refused(self, strategy: str, pattern: str, environment=None):
+    from tfdist import errors  # pylint: disable=g-import-not-at-top
+
+    def model_fn():
+      raise AssertionError("the model was built before the check")
+    config = TrainConfig(model_dir=os.path.join(tempfile.mkdtemp(), "m"),
+                         train_steps=1, batch_size=4,
+                         distribution_strategy=strategy)
+    with self.assertRaisesRegex(ConfigError, pattern) as cm:
+      api.fit(model_fn, x=np.zeros((8, 1), np.float32),
+              y=np.zeros(8, np.float32), config=config,
+              environment=environment)
+    self.assertEqual(errors.exit_code_for(cm.exception), errors.CONFIG)
+    return cm.exception
+
+  def test_tf_config_without_a_cluster(self):
+    from tfdist.distribute import environment as environment_lib  # pylint: disable=g-import-not-at-top
+    # Kubeflow's form for dynamic workers: it ran as one process before.
+    sparse = environment_lib.read_environment({"TF_CONFIG": json.dumps(
+        {"sparseCluster": {"worker": {"1": "w1:2222"}},
+         "task": {"type": "worker", "index": 1}})})
+    for strategy in conformance_table.COLUMNS:
+      with self.subTest(strategy=strategy):
+        self._refused(strategy, r"TF_CONFIG names a task .* but no usable "
+                      r"'cluster' \(its keys: 'sparseCluster', 'task'\).*"
+                      r"Give the whole cluster", environment=sparse)
+        conformance_table.check_cell(
+            self, "tf_config_without_cluster", strategy, "refused at start "
+            "(status 2, naming the form it got and the form it needs)")
+
+  def test_a_keras_distribution(self):
+    keras.distribution.set_distribution(keras.distribution.DataParallel())
+    self.addCleanup(keras.distribution.set_distribution, None)
+    for strategy in conformance_table.COLUMNS:
+      with self.subTest(strategy=strategy):
+        self._refused(strategy, r"keras.distribution.set_distribution\("
+                      r"DataParallel\(...\)\) is set in this process, which "
+                      r"Keras ignores.*--distribution_strategy=mirrored",
+                      environment=(_two_workers() if strategy ==
+                                   "multi_worker_mirrored" else None))
+        conformance_table.check_cell(
+            self, "keras_distribution", strategy, "refused at start "
+            "(status 2, naming tfdist's flags for the same layout)")
 
 
 if __name__ == "__main__":

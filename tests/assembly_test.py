@@ -20,7 +20,8 @@ import pytest
 import tensorflow as tf
 
 from tfdist import api
-from tfdist.config import ConfigError, TrainConfig
+from tfdist import errors
+from tfdist.config import TrainConfig
 from tfdist.training import run_options
 from tfdist.training import assembly
 from tfdist.training import lr_schedule
@@ -104,7 +105,7 @@ class BuildTest(absltest.TestCase):
     # pylint: enable=protected-access
 
   def test_sharding_needs_a_mirrored_strategy(self):
-    with self.assertRaisesRegex(ConfigError, "--zero_stage=1"):
+    with self.assertRaisesRegex(errors.ConfigError, "--zero_stage=1"):
       assembly.build(assembly.AssemblyOptions(zero_stage=1), task=_task(),
                      strategy=tf.distribute.get_strategy(), plan=_plan())
 
@@ -114,13 +115,15 @@ class BuildTest(absltest.TestCase):
                      {0: 1.0, 1: 3.0})
     self.assertIsNone(assembly.check_weights(
         assembly.AssemblyOptions(), task=_task(dataset_fn=_weighted_dataset)))
-    with self.assertRaisesRegex(ConfigError, "--class_weight=0:1.0,1:3.0"):
+    with self.assertRaisesRegex(
+        errors.ConfigError, "--class_weight=0:1.0,1:3.0"):
       assembly.check_weights(options,
                              task=_task(dataset_fn=_weighted_dataset))
 
   def test_recomputation_needs_a_builder_that_takes_it(self):
     recompute = assembly.AssemblyOptions(activation_recomputation=True)
-    with self.assertRaisesRegex(ConfigError, "--activation_recomputation"):
+    with self.assertRaisesRegex(
+        errors.ConfigError, "--activation_recomputation"):
       assembly.check_model_options(recompute, task=_task())
 
     def recomputing(activation_recomputation):
@@ -164,7 +167,7 @@ class BuildModelTest(absltest.TestCase):
     def no_model():
       return keras.layers.Dense(3)
 
-    with self.assertRaisesRegex(ConfigError, "not a keras.Model"):
+    with self.assertRaisesRegex(errors.ConfigError, "not a keras.Model"):
       assembly.build_model(assembly.AssemblyOptions(),
                            task=_task(model_fn=no_model))
 

@@ -18,7 +18,8 @@ import pytest
 
 from tests import testutil
 from tfdist import experiment
-from tfdist.config import ConfigError, TrainConfig
+from tfdist import errors
+from tfdist.config import TrainConfig
 from tfdist.distribute import auto_select
 from tfdist.distribute import cluster as cluster_lib
 from tfdist.distribute import environment as environment_lib
@@ -133,7 +134,8 @@ class DecideTest(parameterized.TestCase):
     self.assertIn("default", decision.dtype_reason)
 
   def test_fp16_on_tpu_refused(self):
-    with self.assertRaisesRegex(ConfigError, "fp16 is not supported on TPUs"):
+    with self.assertRaisesRegex(
+        errors.ConfigError, "fp16 is not supported on TPUs"):
       auto_select.decide(DeviceInventory(tpu_cores=8), dtype="fp16")
 
   def test_loss_scale_dropped_unless_fp16(self):
@@ -187,12 +189,13 @@ class ClusterTest(parameterized.TestCase):
   def test_tf_config_without_cluster_is_refused(self):
     # It ran as a single process (the inventory counted no cluster); the
     # messages: tests/cluster_test.py.
-    with self.assertRaisesRegex(ConfigError, "no usable 'cluster'"):
+    with self.assertRaisesRegex(errors.ConfigError, "no usable 'cluster'"):
       cluster_lib.resolve_cluster(environ={"TF_CONFIG": json.dumps({
           "task": {"type": "worker", "index": 0}})})
 
   def test_bad_json(self):
-    with self.assertRaisesRegex(ConfigError, "TF_CONFIG is not valid JSON"):
+    with self.assertRaisesRegex(
+        errors.ConfigError, "TF_CONFIG is not valid JSON"):
       cluster_lib.resolve_cluster(environ={"TF_CONFIG": "{not json"})
 
 

@@ -4,7 +4,7 @@ from absl.testing import absltest
 from absl.testing import parameterized
 import pytest
 
-from tfdist.config import ConfigError
+from tfdist import errors
 from tfdist.training import batch_plan
 
 # Also run on the oldest supported TensorFlow (see tests/conftest.py).
@@ -61,18 +61,19 @@ class MakeBatchPlanTest(parameterized.TestCase):
     self.assertEqual(plan.per_pipeline_batch_size, 32)
 
   def test_inconsistent_flags_name_both(self):
-    with self.assertRaisesRegex(ConfigError,
+    with self.assertRaisesRegex(errors.ConfigError,
                                 r"--batch_size=100.*--per_replica_batch_size=32"):
       batch_plan.make_batch_plan(num_replicas_in_sync=2, batch_size=100,
                                  per_replica_batch_size=32)
 
   def test_indivisible_global_batch(self):
-    with self.assertRaisesRegex(ConfigError,
+    with self.assertRaisesRegex(errors.ConfigError,
                                 r"--batch_size=129.*not divisible by 2"):
       batch_plan.make_batch_plan(num_replicas_in_sync=2, batch_size=129)
 
   def test_batch_larger_than_data(self):
-    with self.assertRaisesRegex(ConfigError, "larger than the 100 training"):
+    with self.assertRaisesRegex(
+        errors.ConfigError, "larger than the 100 training"):
       batch_plan.make_batch_plan(num_replicas_in_sync=1, batch_size=128,
                                  num_train_examples=100)
 
@@ -86,11 +87,11 @@ class MakeBatchPlanTest(parameterized.TestCase):
   def test_non_positive(self, kwargs, message):
     args = dict(num_replicas_in_sync=1)
     args.update(kwargs)
-    with self.assertRaisesRegex(ConfigError, message):
+    with self.assertRaisesRegex(errors.ConfigError, message):
       batch_plan.make_batch_plan(**args)
 
   def test_uneven_split_across_workers(self):
-    with self.assertRaisesRegex(ConfigError, "3 workers"):
+    with self.assertRaisesRegex(errors.ConfigError, "3 workers"):
       batch_plan.make_batch_plan(num_replicas_in_sync=1, batch_size=64,
                                  num_input_pipelines=3)
 
@@ -121,7 +122,7 @@ class StepsTest(parameterized.TestCase):
         total_steps=5000), 100)
 
   def test_warmup_longer_than_run(self):
-    with self.assertRaisesRegex(ConfigError,
+    with self.assertRaisesRegex(errors.ConfigError,
                                 r"--warmup_epochs=3.*longer than the run"):
       batch_plan.resolve_warmup_steps(warmup_steps=None, warmup_epochs=3,
                                       steps_per_epoch=100, total_steps=200)

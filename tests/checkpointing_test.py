@@ -277,4 +277,3 @@ def test_check_resume():
 def test_old_names_stay_importable():
   assert checkpointing.InputPosition is input_position.InputPosition
   assert checkpointing.checkpoint_step is checkpoint_paths.checkpoint_step
-  assert checkpointing.NonFiniteStateError is errors.NonFiniteStateError

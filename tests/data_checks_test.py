@@ -5,7 +5,7 @@ import os
 import pytest
 import tensorflow as tf
 
-from tfdist.config import ConfigError
+from tfdist import errors
 from tfdist.data import data_checks
 
 FEATURES = {"x": tf.io.FixedLenFeature([2], tf.float32),
@@ -42,7 +42,7 @@ def test_a_file_cut_inside_a_header_is_named_with_its_offset(tmp_path):
   size = os.path.getsize(path)
   with open(path, "ab") as f:
     f.write(b"\0" * 5)  # 5 bytes of a 12-byte header
-  with pytest.raises(data_checks.DataError,
+  with pytest.raises(errors.DataError,
                      match=f"ends 5 byte\\(s\\) into a record's 12-byte "
                      f"header at byte {size} \\(record 3; after 2 good"):
     data_checks.count_file(path, what="training file")
@@ -53,7 +53,7 @@ def test_a_flipped_data_byte_fails_its_crc(tmp_path):
   data = bytearray(open(path, "rb").read())
   data[data_checks.HEADER_BYTES + 3] ^= 0xFF
   open(path, "wb").write(bytes(data))
-  with pytest.raises(data_checks.DataError, match="data fails its CRC32C"):
+  with pytest.raises(errors.DataError, match="data fails its CRC32C"):
     data_checks.check_framing(path, check_data=True)
 
 
@@ -66,7 +66,7 @@ def test_python_and_library_crc32c_agree_with_the_standard_check_value():
 
 def test_mixed_compression_is_refused():
   data_checks.check_compression(["a.gz", "b.gz"], flag="--train_files")
-  with pytest.raises(data_checks.DataError, match="--train_files mixes GZIP"):
+  with pytest.raises(errors.DataError, match="--train_files mixes GZIP"):
     data_checks.check_compression(["a.gz", "b"], flag="--train_files")
 
 
@@ -78,10 +78,10 @@ def test_first_record_check_names_each_mismatch(tmp_path):
       "x": tf.train.Feature(int64_list=tf.train.Int64List(value=[1, 2])),
   })).SerializeToString()
   bad = _write(tmp_path / "bad.tfrecord", [other])
-  with pytest.raises(data_checks.DataError) as raised:
+  with pytest.raises(errors.DataError) as raised:
     check([bad], "--eval_files")
   message = str(raised.value)
   assert "--eval_files: evaluation file" in message
   assert "x is int64, not float; y is missing." in message
   assert "expected: x float[2], y int64[1]" in message
-  assert isinstance(raised.value, ConfigError)
+  assert isinstance(raised.value, errors.ConfigError)

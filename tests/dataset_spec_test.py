@@ -4,8 +4,7 @@ import dataclasses
 
 import pytest
 
-from tfdist.config import ConfigError
-from tfdist.data.dataset_spec import DataNotFoundError
+from tfdist import errors
 from tfdist.data.dataset_spec import DatasetSpec
 
 
@@ -42,4 +41,4 @@ def test_a_spec_is_frozen_with_documented_defaults():
 
 @pytest.mark.compat
 def test_a_missing_data_set_is_a_config_error():
-  assert issubclass(DataNotFoundError, ConfigError)
+  assert issubclass(errors.DataNotFoundError, errors.ConfigError)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from tfdist.config import ConfigError
+from tfdist import errors
 from tfdist.data import datasets
 from tfdist.data import fashion_mnist
 from tfdist.data import movielens
@@ -25,7 +25,7 @@ def test_their_shapes_and_tasks():
 
 
 def test_an_unknown_name_lists_the_registered_ones():
-  with pytest.raises(ConfigError, match="Registered: .*fashion_mnist"):
+  with pytest.raises(errors.ConfigError, match="Registered: .*fashion_mnist"):
     datasets.get_dataset_spec("imagenet")
 
 

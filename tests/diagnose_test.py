@@ -25,6 +25,7 @@ import numpy as np
 import tensorflow as tf
 
 from tests import testutil
+from tfdist import errors
 from tfdist import diagnose
 from tfdist import job_spec
 from tfdist.diagnose import RunMeasurement
@@ -422,6 +423,24 @@ class PlanTest(absltest.TestCase):
     self.assertIn("ZeRO stage 1 is not needed at this size", text)
     self.assertEqual(result["layout"], [line for line in text.splitlines()
                                         if line.startswith("ZeRO")])
+    # Every layout side by side for 2 replicas on this host's memory; the
+    # CNN's state fits whole, so plain data parallelism is recommended.
+    layouts = result["layouts"]
+    self.assertEqual([row["layout"] for row in layouts["rows"]],
+                     ["data parallel", "ZeRO 1", "ZeRO 2", "ZeRO 3",
+                      "pipeline", "tensor parallel"])
+    rows = {row["layout"]: row for row in layouts["rows"]}
+    self.assertEqual(rows["data parallel"]["devices"], 2)
+    self.assertGreater(rows["data parallel"]["activations_bytes"], 0)
+    self.assertLess(rows["ZeRO 3"]["per_device_bytes"],
+                    rows["ZeRO 1"]["per_device_bytes"])
+    self.assertLess(rows["ZeRO 1"]["optimizer_bytes"],
+                    rows["data parallel"]["optimizer_bytes"])
+    self.assertIn("--pipeline_stages=2", rows["pipeline"]["flags"])
+    # The CNN has no attention or feed-forward pair to split.
+    self.assertFalse(rows["tensor parallel"]["available"])
+    self.assertEqual(layouts["recommended"], "data parallel")
+    self.assertIn("Recommended layout: data parallel (no extra flags)", text)
     # Nothing trained: no run folder, and seconds (flags parsed, the model
     # built once for its estimate), not a measured run.
     self.assertFalse(os.path.exists(root))
@@ -430,30 +449,30 @@ class PlanTest(absltest.TestCase):
   def test_a_cluster_the_strategy_cannot_use_is_refused_at_start(self):
     # Refused by the plan, before a run starts: status 2 naming the flags.
     started = time.monotonic()
-    with self.assertRaisesRegex(diagnose.ConfigError,
+    with self.assertRaisesRegex(errors.ConfigError,
                                 r"--num_workers=2 --num_ps=0 .*"
                                 r"--distribution_strategy=mirrored"):
       diagnose.diagnose([*self._data_flags(),
                          "--distribution_strategy=mirrored"], num_workers=2,
                         out=io.StringIO())
     self.assertLess(time.monotonic() - started, 30.0)
-    with self.assertRaisesRegex(diagnose.ConfigError, r"--num_ps=1"):
+    with self.assertRaisesRegex(errors.ConfigError, r"--num_ps=1"):
       diagnose.diagnose([*self._data_flags(),
                          "--distribution_strategy=multi_worker_mirrored"],
                         num_workers=2, num_ps=1, out=io.StringIO())
-    with self.assertRaisesRegex(diagnose.ConfigError, r"--num_ps=1 or more"):
+    with self.assertRaisesRegex(errors.ConfigError, r"--num_ps=1 or more"):
       diagnose.diagnose([*self._data_flags(),
                          "--distribution_strategy=parameter_server"],
                         num_workers=2, out=io.StringIO())
     # The requested run's own flags, as tfdist.train would refuse them.
-    with self.assertRaisesRegex(job_spec.JobSpecError,
+    with self.assertRaisesRegex(errors.JobSpecError,
                                 r"the requested run: .*--zero_stage=1"):
       diagnose.diagnose([*self._data_flags(),
                          "--distribution_strategy=one_device",
                          "--zero_stage=1"], out=io.StringIO())
     # The batch must split over the planned replicas (here 3 logical CPUs).
     with self.assertRaisesRegex(
-        diagnose.ConfigError, r"--batch_size=64 \(global\) is not divisible "
+        errors.ConfigError, r"--batch_size=64 \(global\) is not divisible "
         r"by 3 replicas"):
       diagnose.plan_measurements([], job_spec.parse_train_flags(
           [*self._data_flags(), "--distribution_strategy=mirrored",
@@ -476,7 +495,7 @@ class DiagnoseBinaryTest(absltest.TestCase):
     # A run that fails (its data files do not exist) keeps its log where
     # the error says; a finished one's temporary folder is not named.
     out = io.StringIO()
-    with self.assertRaisesRegex(diagnose.DiagnoseError,
+    with self.assertRaisesRegex(errors.DiagnoseError,
                                 r"exited with status \d+; the end of its "
                                 r"output \((\S+\.log)\)") as caught:
       diagnose.diagnose([
@@ -522,6 +541,8 @@ class DiagnoseBinaryTest(absltest.TestCase):
     # One process: no cluster advice.
     self.assertNotIn("--pin_workers", out.split("Verdict: ")[1])
     self.assertIn("Model state per replica: parameters", out)
+    # Every layout side by side after the measured runs too.
+    self.assertIn("Recommended layout: data parallel (no extra flags)", out)
     # tfdist.runtime.allocator's malloc settings, on by default, read back from
     # both runs' manifests.
     self.assertIn("malloc tuning on;", out)
@@ -532,6 +553,7 @@ class DiagnoseBinaryTest(absltest.TestCase):
     self.assertTrue(result["model_fit"]["fits"])
     self.assertTrue(result["requested"]["malloc_tuning"])
     self.assertEqual(result["verdict"]["label"], "compute-bound")
+    self.assertEqual(result["layouts"]["recommended"], "data parallel")
     # The manifest's model estimate is the same as the diagnosis's own.
     self.assertEqual(result["requested"]["model_memory"],
                      result["model_memory"])

@@ -26,6 +26,7 @@ from absl.testing import absltest
 from absl.testing import parameterized
 
 from tests import testutil
+from tfdist import errors
 
 _CHILD_ENV = "TFDIST_CORRECTNESS_CHILD"
 
@@ -321,7 +322,7 @@ class SkippedStepsAreLoudTest(absltest.TestCase):
     self.assertEqual(monitor.take_interval(), 5)
     self.assertEqual(monitor.take_interval(), 0)
     with self.assertRaisesRegex(
-        training_checks.TrainingStalledError,
+        errors.TrainingStalledError,
         r"no update for the last 5 steps in a row \(steps 13-17\).*"
         r"at loss scale 8.*--max_consecutive_skipped_steps=5"):
       monitor.record_chunk(steps=1, skipped=1, skipped_at_end=1,
@@ -333,7 +334,7 @@ class SkippedStepsAreLoudTest(absltest.TestCase):
     monitor.finish()
     monitor = training_checks.SkippedStepMonitor(100)
     monitor.record_chunk(steps=16, skipped=16, skipped_at_end=16)
-    with self.assertRaisesRegex(training_checks.TrainingStalledError,
+    with self.assertRaisesRegex(errors.TrainingStalledError,
                                 "at any of this run's 16 steps"):
       monitor.finish()
 
@@ -382,7 +383,7 @@ class SkippedStepsAreLoudTest(absltest.TestCase):
         run_log=run_log_lib.RunLog(tensorboard_dir=None, metrics_dir=None,
                                    global_batch_size=4, total_steps=1),
         evaluate=lambda: trainer.evaluate(eval_data), model=model)
-    with self.assertRaisesRegex(training_checks.TrainingDivergedError,
+    with self.assertRaisesRegex(errors.TrainingDivergedError,
                                 "evaluation loss at step 3 is (nan|inf)"):
       controller.evaluate(3)
 
@@ -411,7 +412,6 @@ class FlagsTest(absltest.TestCase):
 
   def test_sync_batch_norm_default_and_flag(self):
     from tfdist import models  # pylint: disable=g-import-not-at-top
-    from tfdist.config import ConfigError  # pylint: disable=g-import-not-at-top
     resolve = models.resolve_sync_batch_norm
     for strategy, replicas, expected in (
         ("mirrored", 2, True), ("multi_worker_mirrored", 4, True),
@@ -425,13 +425,14 @@ class FlagsTest(absltest.TestCase):
                      (False, "--sync_batch_norm=false"))
     self.assertFalse(resolve(None, strategy_name="mirrored",
                              num_replicas_in_sync=2, xla_per_replica=True)[0])
-    with self.assertRaisesRegex(ConfigError, "Drop one of --sync_batch_norm "
+    with self.assertRaisesRegex(
+        errors.ConfigError, "Drop one of --sync_batch_norm "
                                 "and --enable_xla"):
       resolve(True, strategy_name="mirrored", num_replicas_in_sync=2,
               xla_per_replica=True)
 
   def test_clip_flags_reach_the_keras_optimizer(self):
-    from tfdist.config import ConfigError, TrainConfig  # pylint: disable=g-import-not-at-top
+    from tfdist.config import TrainConfig
     from tfdist.training import optimizers  # pylint: disable=g-import-not-at-top
     optimizer = optimizers.build_optimizer("adam", 0.1, global_clipnorm=1.5)
     self.assertEqual(optimizer.global_clipnorm, 1.5)
@@ -439,12 +440,13 @@ class FlagsTest(absltest.TestCase):
         "sgd", 0.1, clipnorm=0.5).clipnorm, 0.5)
     base = dict(model_dir="/tmp/x", train_steps=1)
     self.assertEqual(TrainConfig(clipnorm=2.0, **base).clipnorm, 2.0)
-    with self.assertRaisesRegex(ConfigError, "were both given"):
+    with self.assertRaisesRegex(errors.ConfigError, "were both given"):
       TrainConfig(clipnorm=1.0, global_clipnorm=1.0, **base)
-    with self.assertRaisesRegex(ConfigError, "--global_clipnorm=-1.0 must be "
+    with self.assertRaisesRegex(
+        errors.ConfigError, "--global_clipnorm=-1.0 must be "
                                 "a positive number"):
       TrainConfig(global_clipnorm=-1.0, **base)
-    with self.assertRaisesRegex(ConfigError,
+    with self.assertRaisesRegex(errors.ConfigError,
                                 "--max_consecutive_skipped_steps=-1"):
       TrainConfig(max_consecutive_skipped_steps=-1, **base)
 

@@ -22,10 +22,9 @@ import pytest
 
 from tests import testutil
 from tfdist import experiment
-from tfdist.config import ConfigError, TrainConfig
-from tfdist.data.dataset_spec import DataNotFoundError
+from tfdist import errors
+from tfdist.config import TrainConfig
 from tfdist.distribute import environment as environment_lib
-from tfdist.distribute.cluster import ClusterConfigError
 from tfdist.observability import manifest as manifest_lib
 from tfdist.training import export
 
@@ -91,7 +90,7 @@ class DataUriTest(parameterized.TestCase):
       ("bigquery", "bigquery", "bq://project.dataset_123.training"),
   )
   def test_other_format_is_a_clear_error(self, data_format, uri):
-    with self.assertRaises(ConfigError) as raised:
+    with self.assertRaises(errors.ConfigError) as raised:
       environment_lib.apply_environment(
           TrainConfig(model_dir="/m", train_steps=1),
           _env(AIP_DATA_FORMAT=data_format, AIP_TRAINING_DATA_URI=uri))
@@ -103,7 +102,8 @@ class DataUriTest(parameterized.TestCase):
 
   def test_unset_format_is_an_error(self):
     with self.assertRaisesRegex(
-        ConfigError, r"\$AIP_VALIDATION_DATA_URI='gs://.*validation-\*'.*"
+        errors.ConfigError,
+        r"\$AIP_VALIDATION_DATA_URI='gs://.*validation-\*'.*"
         r"AIP_DATA_FORMAT is unset.*--eval_files"):
       environment_lib.apply_environment(
           TrainConfig(model_dir="/m", train_steps=1, train_files="/t-*"),
@@ -111,7 +111,7 @@ class DataUriTest(parameterized.TestCase):
 
   def test_error_comes_before_any_work(self):
     model_dir = os.path.join(testutil.scratch_dir(), "run")
-    with self.assertRaisesRegex(ConfigError, "AIP_DATA_FORMAT='jsonl'"):
+    with self.assertRaisesRegex(errors.ConfigError, "AIP_DATA_FORMAT='jsonl'"):
       experiment.run_experiment(
           TrainConfig(model_dir=model_dir, train_steps=1),
           environment=_env(AIP_DATA_FORMAT="jsonl",
@@ -122,7 +122,7 @@ class DataUriTest(parameterized.TestCase):
     # The user gave no --train_files: the error must say where it came from.
     model_dir = os.path.join(testutil.scratch_dir(), "run")
     with self.assertRaisesRegex(
-        DataNotFoundError,
+        errors.DataNotFoundError,
         r"--train_files='/no/such/training-\*' matches no file.* "
         r"--train_files came from \$AIP_TRAINING_DATA_URI: fix that "
         r"variable, or pass --train_files"):
@@ -137,7 +137,8 @@ class DataUriTest(parameterized.TestCase):
     # environment is applied, not when the flags are parsed).
     config = TrainConfig(model_dir="/m", train_steps=1,
                          feature_spec="/spec.json")
-    with self.assertRaisesRegex(ConfigError, "give them as --train_files"):
+    with self.assertRaisesRegex(
+        errors.ConfigError, "give them as --train_files"):
       config.require_data_files()
     config, _ = environment_lib.apply_environment(
         config, _env(AIP_DATA_FORMAT="tf-record",
@@ -199,7 +200,7 @@ class TrialFolderTest(parameterized.TestCase):
     self.assertEqual((again.model_dir, fields), ("/runs/study/trial_7", ()))
 
   def test_trial_that_cannot_name_a_folder(self):
-    with self.assertRaisesRegex(ClusterConfigError,
+    with self.assertRaisesRegex(errors.ClusterConfigError,
                                 "CLUSTER_SPEC: task trial '../x'"):
       experiment.prepare_run(
           TrainConfig(model_dir="/m", train_steps=1),

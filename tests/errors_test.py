@@ -12,27 +12,7 @@ import pytest
 import tensorflow as tf
 
 from tests import testutil
-from tfdist import config
-from tfdist import diagnose
 from tfdist import errors
-from tfdist import job_spec
-from tfdist.data import data_checks
-from tfdist.data import dataset_spec
-from tfdist.data import filesystems
-from tfdist.distribute import cluster
-from tfdist.distribute import lease
-from tfdist.distribute import parameter_server
-from tfdist.distribute import rendezvous
-from tfdist.distribute import tpu
-from tfdist.observability import run_log
-from tfdist.observability import versions
-from tfdist.runtime import failures
-from tfdist.runtime import preemption
-from tfdist.training import preflight
-from tfdist.training import checkpointing
-from tfdist.training import export
-from tfdist.training import step_runner
-from tfdist.training import training_checks
 
 CONFIG_ERRORS = [
     errors.ConfigError, errors.ClusterConfigError, errors.JobSpecError,
@@ -42,7 +22,7 @@ CONFIG_ERRORS = [
     errors.PeerStoppedError,
     errors.ExportRefusedError, errors.DamagedCheckpointError,
     errors.IncompatibleResumeError, errors.ShardCountMismatchError,
-    errors.PipelineConfigError]
+    errors.PipelineConfigError, errors.WeightsShardedError]
 
 # (an instance, its status) for every class a run raises.
 CASES = [(cls("bad"), 2) for cls in CONFIG_ERRORS] + [
@@ -156,32 +136,3 @@ def test_first_line(message, default, line):
 def test_first_line_of_a_tensorflow_error():
   error = tf.errors.NotFoundError(None, None, "ckpt-4.index gone\ndetail")
   assert errors.first_line(error) == "ckpt-4.index gone"
-
-
-@pytest.mark.compat
-def test_old_import_paths_name_the_same_classes():
-  old = {
-      config: ["ConfigError"], cluster: ["ClusterConfigError"],
-      versions: ["UnsupportedVersionError"],
-      filesystems: ["FileSystemUnavailableError"],
-      tpu: ["TPUNotAvailableError"], dataset_spec: ["DataNotFoundError"],
-      data_checks: ["DataError"], preflight: ["OutputNotWritableError"],
-      failures: ["OutputWriteError"], export: ["ExportRefusedError"],
-      checkpointing: ["DamagedCheckpointError", "IncompatibleResumeError",
-                      "NonFiniteStateError"],
-      parameter_server: ["ParameterServerError", "ShardCountMismatchError"],
-      training_checks: ["TrainingStalledError", "TrainingDivergedError"],
-      preemption: ["PreemptedError"],
-      rendezvous: ["StoppedAtStartError", "ClusterStartError"],
-      step_runner: ["PeerLostError"],
-      lease: ["LeaseHeldError", "LeaseLostError"]}
-  for module, names in old.items():
-    for name in names:
-      assert getattr(module, name) is getattr(errors, name), (module, name)
-  assert run_log.DivergenceError is errors.TrainingDivergedError
-
-
-@pytest.mark.compat
-def test_diagnose_and_job_spec_keep_their_names():
-  assert diagnose.DiagnoseError is errors.DiagnoseError
-  assert job_spec.JobSpecError is errors.JobSpecError

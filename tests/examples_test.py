@@ -36,7 +36,8 @@ class TaggingProjectTest(examples_testlib.TaggingProject):
     model_dir = os.path.join(testutil.scratch_dir(), "run")
     self.train(model_dir, "--distribution_strategy=multi_worker_mirrored",
                "--train_steps=16",
-               launcher=["-m", "tfdist.launch", "--num_workers=2", "--"])
+               launcher=["-m", "tfdist.launch", "--num_workers=2",
+                         "--output=all", "--"])
     manifest = self.manifest(model_dir)
     self.check_manifest(manifest, strategy="multi_worker_mirrored",
                         replicas=2, final_step=16)

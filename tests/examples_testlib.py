@@ -130,7 +130,7 @@ class RatingProject(ProjectTest):
     cls.project = copy_project("movielens_rating")
 
   def train(self, model_dir, *extra, module=False):
-    args = (["-m", "tfdist.launch", "--num_workers=2",
+    args = (["-m", "tfdist.launch", "--num_workers=2", "--output=all",
              "--module=rating_regression", "--"] if module else
             ["rating_regression.py"])
     return self.run_ok(args + [f"--model_dir={model_dir}",

@@ -142,9 +142,10 @@ class FactsTest(parameterized.TestCase):
     self.assertTrue(prepared.role.is_writer)
     self.assertEqual(prepared.role.num_workers, 1)
     self.assertFalse(prepared.role.serves)
-    # A record of decisions, not a tuple to unpack.
-    with self.assertRaises(TypeError):
-      iter(prepared)
+    # A record of decisions, not a tuple to unpack, index or count.
+    for tuple_use in (iter, len, lambda p: p[0]):
+      with self.assertRaises(TypeError):
+        tuple_use(prepared)
 
   def test_planned_replicas_use_the_same_workers(self):
     config = TrainConfig(model_dir="/unused", num_gpus=0, num_cpu_devices=2)

@@ -19,7 +19,7 @@ import pytest
 import tensorflow as tf
 
 from tests import testutil
-from tfdist.config import ConfigError
+from tfdist import errors
 from tfdist.training import export
 
 pytestmark = pytest.mark.compat
@@ -58,14 +58,14 @@ class LayoutTest(parameterized.TestCase):
       ("is_eval", "/r/run/eval", "where the run writes eval"),
       ("is_tensorboard_train", "/r/run/train", "where the run writes train"))
   def test_an_overlap_is_refused(self, export_dir, expected):
-    with self.assertRaises(export.ExportRefusedError) as cm:
+    with self.assertRaises(errors.ExportRefusedError) as cm:
       export.check_layout(**_layout(export_dir))
     self.assertIn(expected, str(cm.exception))
-    self.assertIsInstance(cm.exception, ConfigError)  # Status 2.
+    self.assertIsInstance(cm.exception, errors.ConfigError)  # Status 2.
     self.assertIn("--export_dir", str(cm.exception))
 
   def test_gcs_paths_compare_without_their_trailing_slash(self):
-    with self.assertRaises(export.ExportRefusedError):
+    with self.assertRaises(errors.ExportRefusedError):
       export.check_layout(**_layout(
           "gs://b/run/", model_dir="gs://b/run",
           checkpoint_dir="gs://b/run/checkpoints",
@@ -86,7 +86,7 @@ class ExportFolderTest(absltest.TestCase):
     os.makedirs(folder)
     with open(os.path.join(folder, "notes.txt"), "w") as f:
       f.write("keep me")
-    with self.assertRaises(export.ExportRefusedError) as cm:
+    with self.assertRaises(errors.ExportRefusedError) as cm:
       export.check_export_dir(folder, source="$AIP_MODEL_DIR")
     self.assertIn("$AIP_MODEL_DIR=", str(cm.exception))
     self.assertIn(export.MARKER_FILE, str(cm.exception))
@@ -96,7 +96,7 @@ class ExportFolderTest(absltest.TestCase):
     path = os.path.join(testutil.scratch_dir(), "file")
     with open(path, "w") as f:
       f.write("x")
-    with self.assertRaises(export.ExportRefusedError):
+    with self.assertRaises(errors.ExportRefusedError):
       export.check_export_dir(path)
 
   def test_export_marks_and_replaces_only_its_own(self):
@@ -155,7 +155,7 @@ class ExportFolderTest(absltest.TestCase):
     with open(os.path.join(target, "saved_model.pb"), "w") as f:
       f.write("not tfdist's")  # A SavedModel without tfdist's mark.
     self.assertFalse(export.is_tfdist_export(target))
-    with self.assertRaises(export.ExportRefusedError) as cm:
+    with self.assertRaises(errors.ExportRefusedError) as cm:
       export.export_saved_model(_model(), target)
     left = [n for n in os.listdir(root) if n.startswith(".tmp-export-")]
     self.assertLen(left, 1)

@@ -7,7 +7,7 @@ import pytest
 import tensorflow as tf
 
 from tfdist.data import fashion_mnist
-from tfdist.data.dataset_spec import DataNotFoundError
+from tfdist import errors
 
 RAW = fashion_mnist.DEBIAN_FASHION_MNIST_DIR
 pytestmark = pytest.mark.skipif(
@@ -23,7 +23,7 @@ def test_read_idx_gives_the_test_split_as_uint8():
 
 
 def test_read_idx_of_a_missing_file_says_how_to_install(tmp_path):
-  with pytest.raises(DataNotFoundError, match="dataset-fashion-mnist"):
+  with pytest.raises(errors.DataNotFoundError, match="dataset-fashion-mnist"):
     fashion_mnist.read_idx(str(tmp_path / "missing.gz"))
 
 

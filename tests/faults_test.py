@@ -39,7 +39,8 @@ import tensorflow as tf
 
 from tests import testutil
 from tfdist import experiment
-from tfdist.config import ConfigError, TrainConfig
+from tfdist import errors
+from tfdist.config import TrainConfig
 from tfdist.data import datasets
 from tfdist.observability import manifest as manifest_lib
 from tfdist.observability import run_log as run_log_lib
@@ -211,10 +212,11 @@ class FaultsTest(parameterized.TestCase):
   def test_resume_refuses_a_changed_model_or_global_batch(self):
     model_dir = self._copy_healthy()
     with self.assertRaisesRegex(
-        ConfigError, r"Cannot resume from .*ckpt-8: the global batch changed "
+        errors.ConfigError,
+        r"Cannot resume from .*ckpt-8: the global batch changed "
         r"from 64 to 32 .*--allow_incompatible_resume"):
       experiment.run_experiment(_config(model_dir, batch_size=32))
-    with self.assertRaisesRegex(ConfigError,
+    with self.assertRaisesRegex(errors.ConfigError,
                                 r"the model changed \(--model cnn -> resnet\)"):
       experiment.run_experiment(_config(model_dir, model="resnet"))
     self.assertTrue(_checkpoints(model_dir)[-1].endswith("ckpt-8"))
@@ -266,7 +268,8 @@ class FaultsTest(parameterized.TestCase):
       f.write(content[:len(content) // 2])  # Cut mid-record.
     model_dir = os.path.join(testutil.scratch_dir(), "run")
     with self.assertRaisesRegex(
-        ConfigError, rf"{what} {re.escape(path)} is damaged: the GZIP data "
+        errors.ConfigError,
+        rf"{what} {re.escape(path)} is damaged: the GZIP data "
         r"ends inside record (\d+) \(at byte \d+ of the decompressed "
         r"records\) \(after (\d+) good record\(s\)\)\. The file") as caught:
       experiment.run_experiment(_config(model_dir, train_files=data["train"],
@@ -284,7 +287,7 @@ class FaultsTest(parameterized.TestCase):
       _write_records(os.path.join(folder, f"{split}.tfrecord.gz"),
                      [{"img": _bytes(bytes(784)), "y": _int64(3)}] * 8)
     model_dir = os.path.join(testutil.scratch_dir(), "run")
-    with self.assertRaises(ConfigError) as caught:
+    with self.assertRaises(errors.ConfigError) as caught:
       experiment.run_experiment(_config(
           model_dir, train_files=os.path.join(folder, "train.tfrecord.gz"),
           eval_files=os.path.join(folder, "test.tfrecord.gz"),
@@ -336,7 +339,7 @@ class FaultsTest(parameterized.TestCase):
     overrides.pop("model_dir", None)
     # The data does not exist either: the output check comes first.
     with self.assertRaisesRegex(
-        ConfigError, rf"--{flag}={re.escape(bad)} is not writable.*: "
+        errors.ConfigError, rf"--{flag}={re.escape(bad)} is not writable.*: "
         rf"{re.escape(blocker)} is a file, not a folder"):
       experiment.run_experiment(_config(model_dir, train_files="/no/such/*",
                                         **overrides))
@@ -416,7 +419,7 @@ class FaultsTest(parameterized.TestCase):
         json.dump(info, f)
 
     write()  # Another host, renewed 5 s ago.
-    with self.assertRaisesRegex(lease_lib.LeaseHeldError,
+    with self.assertRaisesRegex(errors.LeaseHeldError,
                                 r"pid 7 on host other-host.*expires in"):
       lease_lib.Lease(model_dir).acquire()
     write(heartbeat=now - 90, expires=now - 30)  # Its host was preempted.
@@ -437,7 +440,7 @@ class FaultsTest(parameterized.TestCase):
     # The holder notices when another run takes its lease over.
     write(heartbeat=now, expires=now + 60)
     self.assertFalse(lease.renew())
-    with self.assertRaises(lease_lib.LeaseLostError):
+    with self.assertRaises(errors.LeaseLostError):
       lease.check()
     lease.release()
     self.assertEqual(lease_lib.read_lease(model_dir).holder,
@@ -455,15 +458,15 @@ class FaultsTest(parameterized.TestCase):
     from tfdist.training import checkpointing  # pylint: disable=g-import-not-at-top
     from tfdist.training import step_runner  # pylint: disable=g-import-not-at-top
     cases = [
-        (ConfigError("--batch_size=0"), 2),
-        (data_checks.DataError("cut"), 2),
-        (preflight.OutputNotWritableError("ro"), 2),
-        (checkpointing.IncompatibleResumeError("batch"), 2),
-        (run_log_lib.DivergenceError("nan"), 1),
-        (checkpointing.NonFiniteStateError("nan"), 1),
-        (preemption.PreemptedError(signum=signal.SIGTERM, step=3,
+        (errors.ConfigError("--batch_size=0"), 2),
+        (errors.DataError("cut"), 2),
+        (errors.OutputNotWritableError("ro"), 2),
+        (errors.IncompatibleResumeError("batch"), 2),
+        (errors.TrainingDivergedError("nan"), 1),
+        (errors.NonFiniteStateError("nan"), 1),
+        (errors.PreemptedError(signum=signal.SIGTERM, step=3,
                                    checkpoint=None), 143),
-        (preemption.PreemptedError(signum=signal.SIGINT, step=3,
+        (errors.PreemptedError(signum=signal.SIGINT, step=3,
                                    checkpoint=None), 130),
         (step_runner.ps_lost_error(tf.errors.UnavailableError(
             None, None, "ps gone"), after="step 4", last_checkpoint=None),
@@ -471,12 +474,12 @@ class FaultsTest(parameterized.TestCase):
         (step_runner.peer_lost_error(tf.errors.UnavailableError(
             None, None, "peer gone"), after="step 4", last_checkpoint=None),
          200),
-        (lease_lib.LeaseHeldError("held"), 201),
+        (errors.LeaseHeldError("held"), 201),
     ]
     for error, status in cases:
       self.assertEqual(exit_codes.exit_code_for(error), status, repr(error))
       self.assertEqual(exit_codes.is_retryable(status), status >= 128)
-    self.assertIsInstance(cases[8][0], parameter_server.ParameterServerError)
+    self.assertIsInstance(cases[8][0], errors.ParameterServerError)
     self.assertIsNone(exit_codes.exit_code_for(RuntimeError("a bug")))
     # The exit-code reference's table says the same.
     with open(os.path.join(testutil.REPO_ROOT, "docs", "reference",
@@ -491,12 +494,12 @@ class FaultsTest(parameterized.TestCase):
 
   def test_job_specs_get_the_dry_run_name_checks(self):
     from tfdist import job_spec  # pylint: disable=g-import-not-at-top
-    with self.assertRaisesRegex(job_spec.JobSpecError,
+    with self.assertRaisesRegex(errors.JobSpecError,
                                 r"pool 0: tfdist.train would stop at start: "
                                 r"--model='vit' is unknown"):
       job_spec.parse_train_flags(["--model_dir=gs://b/run", "--model=vit"],
                                  where="pool 0")
-    with self.assertRaisesRegex(job_spec.JobSpecError,
+    with self.assertRaisesRegex(errors.JobSpecError,
                                 "pool 0: --dry_run makes every replica"):
       job_spec.parse_train_flags(["--model_dir=gs://b/run", "--dry_run"],
                                  where="pool 0")

@@ -15,7 +15,6 @@ import tensorflow as tf
 
 from tests import testutil
 from tfdist import errors
-from tfdist.config import ConfigError
 from tfdist.data import fashion_mnist
 from tfdist.data import feature_spec
 
@@ -119,7 +118,8 @@ class ParseTest(absltest.TestCase):
     self.assertTrue(spec.reads_files)
     self.assertEqual(spec.name, "feature_spec")
     self.assertIsNone(spec.task)
-    with self.assertRaisesRegex(ConfigError, "--train_files and --eval_files"):
+    with self.assertRaisesRegex(
+        errors.ConfigError, "--train_files and --eval_files"):
       spec.prepare("/data", "")
 
   def test_fashion_mnist_records_without_id_parse(self):
@@ -161,17 +161,18 @@ class MalformedSpecTest(parameterized.TestCase):
        "labels a, b have different dtypes"),
   )
   def test_errors_name_the_feature(self, data, message):
-    with self.assertRaisesRegex(ConfigError, message):
+    with self.assertRaisesRegex(errors.ConfigError, message):
       feature_spec.from_dict(data, path="spec.json")
 
   def test_load_reports_bad_json_and_missing_file(self):
     path = os.path.join(testutil.scratch_dir(), "spec.json")
     with open(path, "w") as f:
       f.write("{not json")
-    with self.assertRaisesRegex(ConfigError, f"--feature_spec={path} is not "
+    with self.assertRaisesRegex(
+        errors.ConfigError, f"--feature_spec={path} is not "
                                 "valid JSON"):
       feature_spec.load(path)
-    with self.assertRaisesRegex(ConfigError, "no such file"):
+    with self.assertRaisesRegex(errors.ConfigError, "no such file"):
       feature_spec.load(path + ".missing")
     with open(path, "w") as f:
       json.dump(SPEC, f)
@@ -197,7 +198,7 @@ class CheckFilesTest(absltest.TestCase):
                            a=_feature("int", [1]),
                            pixels=_feature("bytes", [bytes(3)]),
                            b=None)])
-    with self.assertRaises(ConfigError) as caught:
+    with self.assertRaises(errors.ConfigError) as caught:
       spec.check_files([path], "--eval_files")
     message = str(caught.exception)
     self.assertIn(f"--feature_spec=spec.json does not match --eval_files "
@@ -216,7 +217,7 @@ class CheckFilesTest(absltest.TestCase):
     path = os.path.join(testutil.scratch_dir(), "data.tfrecord.gz")
     with tf.io.TFRecordWriter(path, "GZIP") as writer:
       writer.write(_record(x=_feature("float", [1.0])))
-    with self.assertRaisesRegex(ConfigError, "feature 'x'"):
+    with self.assertRaisesRegex(errors.ConfigError, "feature 'x'"):
       spec.check_files([path], "--train_files")
 
   def test_an_uncompressed_file_named_gz_is_named(self):
@@ -231,7 +232,8 @@ class CheckFilesTest(absltest.TestCase):
   def test_not_an_example(self):
     spec = feature_spec.from_dict(SPEC, path="spec.json")
     path = _write([b"\xff\xfe not a proto"])
-    with self.assertRaisesRegex(ConfigError, "is not a tf.train.Example"):
+    with self.assertRaisesRegex(
+        errors.ConfigError, "is not a tf.train.Example"):
       spec.check_files([path], "--train_files")
 
 

@@ -27,6 +27,7 @@ import portpicker
 import pytest
 
 from tests import testutil
+from tfdist import errors
 from tfdist.config import TrainConfig
 from tfdist.data import filesystems
 from tfdist.training import run_options
@@ -48,7 +49,7 @@ def _tensorflow_io_loads() -> bool:
   try:
     filesystems.require_file_systems([("--train_files", "s3://b/x")])
     return True
-  except filesystems.FileSystemUnavailableError:
+  except errors.FileSystemUnavailableError:
     return False
 
 
@@ -78,7 +79,7 @@ class SchemeTest(parameterized.TestCase):
 
   def test_unknown_scheme_names_flag_and_registered_schemes(self):
     with self.assertRaisesRegex(
-        filesystems.FileSystemUnavailableError,
+        errors.FileSystemUnavailableError,
         r"--eval_files='nosuch://b/x': TensorFlow \S+ has no 'nosuch://' "
         r"file system \(registered: .*gs://"):
       filesystems.require_file_systems([("--eval_files", "nosuch://b/x")])

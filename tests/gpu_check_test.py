@@ -86,7 +86,7 @@ class GpuCheckScriptTest(absltest.TestCase):
         check("keras_parity", _flags(line.split("keras_parity.py")[-1]),
               self.parity)
       elif ("${TRAIN[@]}" in line or "tfdist.train" in line or
-            line.lstrip().startswith("RESNET=")):
+            line.lstrip().startswith(("RESNET=", "PIPE="))):
         check("train", _flags(line), self.train)
     self.assertEqual(unknown, [])
     # Each program's command was found and read.

@@ -19,7 +19,8 @@ import keras
 from tests import testutil
 from tfdist import experiment
 from tfdist.cloud import hptune
-from tfdist.config import ConfigError, HPTUNE_METRICS, TrainConfig
+from tfdist import errors
+from tfdist.config import HPTUNE_METRICS, TrainConfig
 from tfdist.observability import manifest as manifest_lib
 from tfdist.training import run_options
 
@@ -31,7 +32,8 @@ class ConfigTest(absltest.TestCase):
 
   def test_a_name_without_eval_prefix_is_refused(self):
     with self.assertRaisesRegex(
-        ConfigError, "--hptune_metric='val_acc' is not an evaluation metric: "
+        errors.ConfigError,
+        "--hptune_metric='val_acc' is not an evaluation metric: "
         "give eval_ and the metric's name, e.g. eval_loss or eval_accuracy, "
         "eval_auc for tfdist's models, eval_<name> for a metric of your "
         "model"):
@@ -40,7 +42,7 @@ class ConfigTest(absltest.TestCase):
   def test_any_metric_of_the_model(self):
     hptune.check_metric("eval_f1", available=["loss", "accuracy", "f1"])
     with self.assertRaisesRegex(
-        ConfigError, "--hptune_metric=eval_auc: this model's evaluation "
+        errors.ConfigError, "--hptune_metric=eval_auc: this model's evaluation "
         "reports eval_loss, eval_accuracy. Use one of them"):
       hptune.check_metric("eval_auc", available=["loss", "accuracy"])
 
@@ -81,7 +83,8 @@ class ReportTest(absltest.TestCase):
         "accuracy", keras.metrics.SparseTopKCategoricalAccuracy(
             k=2, name="top2")])
     # A name the model does not evaluate stops the run before training.
-    with self.assertRaisesRegex(ConfigError, "--hptune_metric=eval_top5: "
+    with self.assertRaisesRegex(
+        errors.ConfigError, "--hptune_metric=eval_top5: "
                                 "this model's evaluation reports eval_loss, "
                                 "eval_accuracy, eval_top2"):
       experiment.run_experiment(

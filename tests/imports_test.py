@@ -6,7 +6,9 @@ hides a cycle, it does not remove it). A package's own `__init__.py` is not
 a node: importing any module imports it first anyway.
 """
 
+import ast
 import os
+import tempfile
 
 from absl.testing import absltest
 
@@ -141,6 +143,82 @@ def upward_imports(graph: dict) -> list:
   floor = floors(graph)
   return sorted((a, b) for a, edges in graph.items() for b in edges
                 if floor[b] > floor[a])
+
+
+ERRORS_MODULE = os.path.join(PACKAGES[0], "errors.py")
+
+
+def error_classes(root: str = ROOT) -> set:
+  """The class names `tfdist/errors.py` defines."""
+  with open(os.path.join(root, ERRORS_MODULE)) as f:
+    tree = ast.parse(f.read())
+  return {node.name for node in tree.body if isinstance(node, ast.ClassDef)}
+
+
+def error_homes_outside(root: str = ROOT) -> list:
+  """`path:line: what` for each place outside `tfdist/errors.py` that
+  defines an exception class or binds an error class of tfdist.errors to a
+  module-level name (an import of one by name, `X = errors.X`), so that
+  `other_module.ConfigError` would work: the old-name re-exports."""
+  names = error_classes(root)
+  found = []
+  for package in PACKAGES:
+    for folder, dirs, files in os.walk(os.path.join(root, package)):
+      dirs[:] = sorted(d for d in dirs if d != "__pycache__")
+      for name in sorted(files):
+        path = os.path.join(folder, name)
+        rel = os.path.relpath(path, root)
+        if not name.endswith(".py") or rel == ERRORS_MODULE:
+          continue
+        with open(path) as f:
+          tree = ast.parse(f.read())
+        for node in ast.walk(tree):
+          if isinstance(node, ast.ClassDef) and any(
+              (getattr(base, "id", None) or getattr(base, "attr", "")
+               ).endswith(("Error", "Exception")) for base in node.bases):
+            found.append(f"{rel}:{node.lineno}: defines {node.name}")
+        for node in tree.body:  # module level
+          if isinstance(node, ast.ImportFrom):
+            for alias in node.names:
+              if alias.name in names:
+                found.append(f"{rel}:{node.lineno}: imports {alias.name} "
+                             f"from {node.module}")
+          elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            value = node.value
+            if (getattr(value, "id", None) or
+                getattr(value, "attr", None)) in names:
+              found.append(f"{rel}:{node.lineno}: binds "
+                           f"{ast.unparse(value)} to a module name")
+  return found
+
+
+class ErrorsHaveOneHomeTest(absltest.TestCase):
+  """`tfdist.errors` is the one module that defines or exports the error
+  classes: everything else says `errors.ConfigError`, so there is one
+  name for each (no `tfdist.config.ConfigError`)."""
+
+  def test_no_other_module_defines_or_re_exports_an_error(self):
+    self.assertIn("ConfigError", error_classes())
+    found = error_homes_outside()
+    self.assertEqual(found, [], "\n".join(found))
+
+  def test_a_re_export_is_found(self):
+    root = tempfile.mkdtemp(dir=os.environ.get("TEST_TMPDIR"))
+    for package in PACKAGES:
+      os.makedirs(os.path.join(root, package))
+    with open(os.path.join(root, ERRORS_MODULE), "w") as f:
+      f.write("class ConfigError(ValueError):\n  pass\n")
+    with open(os.path.join(root, PACKAGES[0], "config.py"), "w") as f:
+      f.write("from tfdist import errors\n"
+              "from tfdist.errors import ConfigError\n"
+              "OldName = errors.ConfigError\n"
+              "class OwnError(ValueError):\n  pass\n"
+              "def f():\n  raise errors.ConfigError('fine')\n")
+    path = os.path.join(PACKAGES[0], "config.py")
+    self.assertEqual(error_homes_outside(root), [
+        f"{path}:4: defines OwnError",
+        f"{path}:2: imports ConfigError from tfdist.errors",
+        f"{path}:3: binds errors.ConfigError to a module name"])
 
 
 class ImportCycleTest(absltest.TestCase):

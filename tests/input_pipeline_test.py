@@ -11,6 +11,7 @@ import pytest
 import tensorflow as tf
 
 from tests import testutil
+from tfdist import errors
 from tfdist.data import datasets
 from tfdist.data import input_pipeline
 
@@ -85,7 +86,7 @@ class DatasetsTest(absltest.TestCase):
 
   def test_missing_raw_data_names_path_and_fix(self):
     out = os.path.join(testutil.scratch_dir(), "fm")
-    with self.assertRaisesRegex(datasets.DataNotFoundError,
+    with self.assertRaisesRegex(errors.DataNotFoundError,
                                 r"/nonexistent/train-images.*apt-get install"):
       datasets.convert_fashion_mnist(out, raw_data_dir="/nonexistent")
     self.assertFalse(os.path.exists(out))
@@ -98,7 +99,7 @@ class DatasetsTest(absltest.TestCase):
       datasets.read_idx(path)
 
   def test_unknown_dataset(self):
-    with self.assertRaisesRegex(datasets.ConfigError,
+    with self.assertRaisesRegex(errors.ConfigError,
                                 "--dataset='imagenet'.*fashion_mnist"):
       datasets.get_dataset_spec("imagenet")
 
@@ -157,7 +158,7 @@ class ArraysEpochsTest(absltest.TestCase):
 class InputPipelineTest(parameterized.TestCase):
 
   def test_glob_matching_nothing_names_flag(self):
-    with self.assertRaisesRegex(datasets.DataNotFoundError,
+    with self.assertRaisesRegex(errors.DataNotFoundError,
                                 r"--eval_files='/no/such/\*.gz' matches no"):
       input_pipeline.list_files("/no/such/*.gz", flag="--eval_files")
 

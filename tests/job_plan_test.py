@@ -3,12 +3,12 @@
 from absl.testing import absltest
 from absl.testing import parameterized
 
+from tfdist import errors
 from tfdist.cloud import job_plan
 from tfdist.config import TrainConfig
 from tfdist.distribute.strategy_kind import StrategyKind
 
 JobPlan = job_plan.JobPlan
-JobSpecError = job_plan.JobSpecError
 
 
 class JobPlanTest(parameterized.TestCase):
@@ -32,7 +32,7 @@ class JobPlanTest(parameterized.TestCase):
       ("accelerator_half", {"accelerator_type": "T4"}, r"given together"),
       ("positional", {"train_args": ("model_dir=x",)}, r"is not a flag"))
   def test_bad_plans(self, fields, pattern):
-    with self.assertRaisesRegex(JobSpecError, pattern):
+    with self.assertRaisesRegex(errors.JobSpecError, pattern):
       JobPlan(**fields)
 
   def test_parse_accelerator(self):
@@ -41,12 +41,12 @@ class JobPlanTest(parameterized.TestCase):
                      ("NVIDIA_L4", 1))
     self.assertEqual(job_plan.parse_accelerator("NVIDIA_TESLA_T4:2"),
                      ("NVIDIA_TESLA_T4", 2))
-    with self.assertRaisesRegex(JobSpecError, r"positive integer"):
+    with self.assertRaisesRegex(errors.JobSpecError, r"positive integer"):
       job_plan.parse_accelerator("NVIDIA_TESLA_T4:0")
 
   def test_need(self):
     job_plan.need(True, "unused")
-    with self.assertRaisesRegex(JobSpecError, "^the rule$"):
+    with self.assertRaisesRegex(errors.JobSpecError, "^the rule$"):
       job_plan.need(0, "the rule")
 
 
@@ -64,7 +64,7 @@ class CheckTrainConfigTest(parameterized.TestCase):
   def test_strategy_against_the_job(self, strategy, fields, pattern):
     config = TrainConfig(model_dir="gs://b/run",
                          distribution_strategy=strategy)
-    with self.assertRaisesRegex(JobSpecError,
+    with self.assertRaisesRegex(errors.JobSpecError,
                                 r"^pool 1: --distribution_strategy=" + pattern):
       job_plan.check_train_config(config, JobPlan(**fields), where="pool 1")
 
@@ -80,7 +80,8 @@ class CheckTrainConfigTest(parameterized.TestCase):
 
   def test_local_model_dir_on_a_cluster(self):
     config = TrainConfig(model_dir="/tmp/run")
-    with self.assertRaisesRegex(JobSpecError, r"own disk.*workers resume"):
+    with self.assertRaisesRegex(errors.JobSpecError,
+                                r"own disk.*workers resume"):
       job_plan.check_train_config(config, JobPlan(num_workers=1),
                                   where="pool 0")
     job_plan.check_train_config(config, JobPlan(num_workers=1),

@@ -18,6 +18,7 @@ from absl.testing import absltest
 from absl.testing import parameterized
 
 from tests import testutil
+from tfdist import errors
 from tfdist import job_spec
 from tfdist.distribute import cluster as cluster_lib
 
@@ -138,7 +139,7 @@ class VertexTest(absltest.TestCase):
   def test_num_workers_is_refused_naming_worker_replicas(self):
     # tfdist.launch --num_workers=2 is two processes; here 2 meant three.
     with self.assertRaisesRegex(
-        job_spec.JobSpecError,
+        errors.JobSpecError,
         r"--num_workers=2 is not a tfdist.job_spec flag: give "
         r"--worker_replicas, the workers besides the chief .* "
         r"--worker_replicas=1 makes 2 machines that train \(the chief and 1 "
@@ -192,7 +193,7 @@ class VertexFormsTest(absltest.TestCase):
     self.assertEqual(built, parsed)
     self.assertEqual(job._gca_resource.display_name, "tfdist")  # pylint: disable=protected-access
     # The REST body itself is what the SDK refuses.
-    with self.assertRaisesRegex(job_spec.JobSpecError,
+    with self.assertRaisesRegex(errors.JobSpecError,
                                 "Unknown field for WorkerPoolSpec: "
                                 "machineSpec"):
       job_spec.validate_vertex_sdk_kwargs(
@@ -219,7 +220,7 @@ class VertexFormsTest(absltest.TestCase):
     bad = copy.deepcopy(job)
     bad["jobSpec"]["workerPoolSpecs"][3]["containerSpec"]["args"].append(
         "--batch_size=0")
-    with self.assertRaisesRegex(job_spec.JobSpecError,
+    with self.assertRaisesRegex(errors.JobSpecError,
                                 r"workerPoolSpecs\[3\]: tfdist.train would "
                                 "stop at start: --batch_size=0"):
       job_spec.validate_vertex_custom_job(bad)
@@ -265,7 +266,7 @@ class VertexRejectsTest(parameterized.TestCase):
   def test_rejects(self, change, pattern):
     job = copy.deepcopy(self._job())
     change(job, self._pool0(job))
-    with self.assertRaisesRegex(job_spec.JobSpecError, pattern):
+    with self.assertRaisesRegex(errors.JobSpecError, pattern):
       job_spec.validate_vertex_custom_job(job)
 
 
@@ -376,7 +377,7 @@ class TfJobPodsTest(absltest.TestCase):
         (dict(env=["1PROJECT=x"]), "env name '1PROJECT' is not a valid"),
     )
     for overrides, pattern in cases:
-      with self.assertRaisesRegex(job_spec.JobSpecError, pattern):
+      with self.assertRaisesRegex(errors.JobSpecError, pattern):
         _tfjob(worker_replicas=1, **overrides)
     for text, pattern in (
         ("restartPolicy: Always\n", "unknown key.*restartPolicy.*The "
@@ -397,7 +398,7 @@ class TfJobPodsTest(absltest.TestCase):
       values = testutil.scratch_dir() + "/values.yaml"
       with open(values, "w") as f:
         f.write(text)
-      with self.assertRaisesRegex(job_spec.JobSpecError, pattern):
+      with self.assertRaisesRegex(errors.JobSpecError, pattern):
         _tfjob(worker_replicas=1, values=values)
 
 
@@ -434,7 +435,7 @@ class TfJobRejectsTest(parameterized.TestCase):
   def test_rejects(self, change, pattern):
     job = copy.deepcopy(_tfjob(worker_replicas=1))
     change(job, self._container(job))
-    with self.assertRaisesRegex(job_spec.JobSpecError, pattern):
+    with self.assertRaisesRegex(errors.JobSpecError, pattern):
       job_spec.validate_tfjob(job)
 
 
@@ -450,12 +451,12 @@ class PlanAndFlagsTest(parameterized.TestCase):
       ("ps_without_workers", dict(num_ps=1), "needs --worker_replicas >= 1"),
   )
   def test_bad_plans(self, overrides, pattern):
-    with self.assertRaisesRegex(job_spec.JobSpecError, pattern):
+    with self.assertRaisesRegex(errors.JobSpecError, pattern):
       _vertex(**overrides)
 
   def test_evaluator_reads_the_chiefs_checkpoints_from_shared_storage(self):
     with self.assertRaisesRegex(
-        job_spec.JobSpecError, "--model_dir=/tmp/run is a folder on each "
+        errors.JobSpecError, "--model_dir=/tmp/run is a folder on each "
         "replica's own disk, but the evaluator reads the chief's"):
       _tfjob(evaluator=True, train=_TRAIN[1:] + ("--model_dir=/tmp/run",))
     specs = _tfjob(evaluator=True)["spec"]["tfReplicaSpecs"]
@@ -475,7 +476,7 @@ class PlanAndFlagsTest(parameterized.TestCase):
   def test_train_flags_checked_against_the_job(self, extra, pattern):
     train = tuple(a for a in _TRAIN if not a.startswith("--model_dir"))
     self.assertLen(train, 3)
-    with self.assertRaisesRegex(job_spec.JobSpecError, pattern):
+    with self.assertRaisesRegex(errors.JobSpecError, pattern):
       _tfjob(worker_replicas=2, train=train + extra)
 
   def test_every_train_flag_passes_through(self):
@@ -489,11 +490,11 @@ class PlanAndFlagsTest(parameterized.TestCase):
     self.assertNotEqual(flags.FLAGS["train_steps"].value, 7)
     # A metric tfdist's model for the data set does not evaluate.
     with self.assertRaisesRegex(
-        job_spec.JobSpecError, "--hptune_metric=eval_auc: this model's "
+        errors.JobSpecError, "--hptune_metric=eval_auc: this model's "
         "evaluation reports eval_loss, eval_accuracy"):
       job_spec.parse_train_flags(["--model_dir=gs://b/r", "--train_steps=1",
                                   "--hptune_metric=eval_auc"], where="test")
-    with self.assertRaisesRegex(job_spec.JobSpecError,
+    with self.assertRaisesRegex(errors.JobSpecError,
                                 "--loss_scale must be 'dynamic'"):
       job_spec.parse_train_flags(["--model_dir=/m", "--train_steps=1",
                                   "--loss_scale=zero"], where="test")

@@ -7,7 +7,7 @@ import tempfile
 from absl.testing import absltest
 import keras
 
-from tfdist.config import ConfigError
+from tfdist import errors
 from tfdist.training import keras_callbacks
 
 
@@ -15,13 +15,14 @@ class CheckCallbacksTest(absltest.TestCase):
 
   def test_refuses_backup_and_restore_with_the_alternative(self):
     with self.assertRaisesRegex(
-        ConfigError, r"BackupAndRestore is not supported.*Instead, drop it: "
+        errors.ConfigError,
+        r"BackupAndRestore is not supported.*Instead, drop it: "
         "rerun with the same --model_dir"):
       keras_callbacks.check_callbacks(
           [keras.callbacks.BackupAndRestore(backup_dir="/tmp/unused")])
 
   def test_refuses_swap_ema_weights(self):
-    with self.assertRaisesRegex(ConfigError, "SwapEMAWeights"):
+    with self.assertRaisesRegex(errors.ConfigError, "SwapEMAWeights"):
       keras_callbacks.check_callbacks([keras.callbacks.SwapEMAWeights()])
 
   def test_accepts_the_others(self):
@@ -30,7 +31,8 @@ class CheckCallbacksTest(absltest.TestCase):
 
   def test_refuses_whole_model_checkpoints_and_keeps_weights_files(self):
     with self.assertRaisesRegex(
-        ConfigError, r"ModelCheckpoint\(filepath='/unused/m.keras'\) saves "
+        errors.ConfigError,
+        r"ModelCheckpoint\(filepath='/unused/m.keras'\) saves "
         r"whole .keras models, and is not supported: .*records the optimizer "
         r"the model was compiled with.*a filepath ending in .weights.h5"):
       keras_callbacks.check_callbacks(
@@ -41,7 +43,7 @@ class CheckCallbacksTest(absltest.TestCase):
         keras.callbacks.ModelCheckpoint("/unused/w.weights.h5")])
 
   def test_refuses_what_a_callback_list_holds(self):
-    with self.assertRaisesRegex(ConfigError, "SwapEMAWeights"):
+    with self.assertRaisesRegex(errors.ConfigError, "SwapEMAWeights"):
       keras_callbacks.check_callbacks([keras.callbacks.CallbackList(
           [keras.callbacks.History(), keras.callbacks.SwapEMAWeights()])])
 
@@ -50,7 +52,8 @@ class CheckCallbacksTest(absltest.TestCase):
   def test_refuses_orbax_checkpoint(self):
     cls = keras.callbacks.OrbaxCheckpoint
     with self.assertRaisesRegex(
-        ConfigError, r"OrbaxCheckpoint is not supported: it would save the "
+        errors.ConfigError,
+        r"OrbaxCheckpoint is not supported: it would save the "
         "model state from every process.*use keras.callbacks."
         "ModelCheckpoint"):
       # Its constructor needs the orbax package; the check reads the class.
@@ -250,7 +253,8 @@ class CallbackStateTest(absltest.TestCase):
 
     state = callback_state.attach(tf.train.Checkpoint(), [Bad()])
     with self.assertRaisesRegex(
-        ConfigError, r"callbacks: Bad.get_state\(\) returned a dict JSON "
+        errors.ConfigError,
+        r"callbacks: Bad.get_state\(\) returned a dict JSON "
         r"cannot hold .*Instead, return numbers"):
       callback_state.after_train_begin(state, [Bad()], resumed=False)
 

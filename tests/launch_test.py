@@ -5,11 +5,14 @@ of `tfdist.train` under the launcher on 127.0.0.1, each with a hard timeout;
 they signal only PIDs the launcher reports having started.
 """
 
+import collections
+import io
 import json
 import os
 import re
 import signal
 import sys
+import textwrap
 import time
 
 from absl.testing import absltest
@@ -18,6 +21,7 @@ from tests import multi_worker_testlib as testlib
 from tests import testutil
 from tfdist import launch
 from tfdist.distribute import cluster as cluster_lib
+from tfdist.runtime import task_output
 
 TIMEOUT = 240
 CHECKPOINT_STEPS = 10
@@ -114,6 +118,156 @@ class TaskLayoutTest(absltest.TestCase):
     self.assertEqual(launch._exit_status(143), 143)  # pylint: disable=protected-access
 
 
+# Lines as the tasks of a 2-worker run print them (TF_CPP_MIN_LOG_LEVEL
+# unset): absl's Python log, TensorFlow's C++ log and import notices.
+_PROGRESS = ("I1204 22:09:40.582683 140249846459264 run_log.py:410] tfdist: "
+             "epoch 1/2, step 10/40: loss 2.4781, accuracy 0.2531")
+_CHATTER = (
+    "WARNING: All log messages before absl::InitializeLog() is called are "
+    "written to STDERR",
+    "I0000 00:00:1796422189.066052   31501 port.cc:153] oneDNN custom "
+    "operations are on.",
+    "I0000 00:00:1796422189.098343   31501 cpu_feature_guard.cc:227] This "
+    "TensorFlow binary is optimized to use available CPU instructions.",
+    "To enable the following instructions: AVX2 FMA, in other operations, "
+    "rebuild TensorFlow with the appropriate compiler flags.",
+    "WARNING: Logging before flag parsing goes to stderr.",
+    "I0000 00:00:1796422191.146889   31543 coordination_service.cc:502] "
+    "Waiting for 1/2 tasks to connect.",
+    "/job:worker/replica:0/task:0",
+    "W0000 00:00:1796422193.257812   31503 loop_optimizer.cc:934] Skipping "
+    "loop optimization for Merge node with control input: cond/_16",
+)
+_WORKER_WARNING = ("W1204 22:09:41.000000 140371414051712 input_pipeline.py:"
+                   "99] worker 0 reads 3 of 4 files")
+# What the chief and a worker say when both stop (their own numbers and
+# folders): the worker's copy is not shown.
+_STOPPED = ("W1204 22:34:17.521827 140360695827328 preemption.py:246] Stopped "
+            "at step 17, 0.4 s after the signal; checkpoint /tmp/run/ckpt-17.")
+_WORKER_STOPPED = (
+    "W1204 22:34:17.537664 140084735122304 preemption.py:246] Stopped at "
+    "step 17, 0.3 s after the signal; checkpoint /tmp/tfdist-launch-x/"
+    "attempt0/worker0/ckpt-17.")
+_EVALUATION = ("I1204 22:09:42.000000 140371414051712 evaluator.py:99] "
+               "tfdist evaluator: checkpoint 32: loss 1.7615")
+
+
+class OutputTest(absltest.TestCase):
+  """What the launcher shows of its tasks' output (`--output`)."""
+
+  def test_chatter_and_what_concerns_a_task(self):
+    for line in _CHATTER:
+      self.assertTrue(task_output.is_chatter(line), line)
+      self.assertFalse(task_output.concerns_task(line), line)
+    for line in (_PROGRESS, _WORKER_WARNING, "Final eval: loss 1.75",
+                 "E0000 00:00:1.0  31501 collective_ops.cc:9] lost a peer"):
+      self.assertFalse(task_output.is_chatter(line), line)
+    for line in (_WORKER_WARNING, "Traceback (most recent call last):",
+                 "tfdist.errors.PeerLostError: worker 1 left",
+                 "/x/y.py:3: UserWarning: careful",
+                 "E0000 00:00:1.0  31501 collective_ops.cc:9] lost a peer"):
+      self.assertTrue(task_output.concerns_task(line), line)
+    for line in (_PROGRESS, "Final eval: loss 1.75", "  strategy  mwms"):
+      self.assertFalse(task_output.concerns_task(line), line)
+    self.assertEqual(task_output.message_key(_STOPPED),
+                     task_output.message_key(_WORKER_STOPPED))
+    self.assertNotEqual(task_output.message_key(_STOPPED),
+                        task_output.message_key(_WORKER_WARNING))
+
+  def _launch(self, worker_status: int, **kwargs):
+    """Runs a chief, a worker and an evaluator that print real tasks'
+    lines (no TensorFlow); returns (status, output)."""
+    script = textwrap.dedent(f"""
+        import json, os, sys
+        task = json.loads(os.environ["TF_CONFIG"])["task"]["type"]
+        lines = [*{_CHATTER!r}, {_PROGRESS!r}]
+        lines += {{"chief": ["Final eval: loss 1.75"],
+                   "worker": [{_WORKER_WARNING!r}],
+                   "evaluator": [{_EVALUATION!r}]}}[task]
+        print("\\n".join(lines), flush=True)
+        sys.exit({worker_status} if task == "worker" else 0)
+        """)
+    out = io.StringIO()
+    launcher = launch.Launcher(
+        tasks=launch.plan_tasks(num_workers=2, evaluator=True),
+        command=[sys.executable, "-c", script], out=out,
+        stop_grace_seconds=30, **kwargs)
+    return launcher.run(), out.getvalue()
+
+  def test_chief_lines_once_worker_warnings_prefixed_all_kept(self):
+    logs = testutil.scratch_dir()
+    status, output = self._launch(0, task_log_dir=logs)
+    self.assertEqual(status, 0, output)
+    lines = output.splitlines()
+    # The chief's own lines as it printed them, once; no chatter.
+    self.assertEqual(lines.count(_PROGRESS), 1, output)
+    self.assertIn("Final eval: loss 1.75", lines)
+    for line in _CHATTER:
+      self.assertNotIn(line, output)
+    # The worker: its warning alone, prefixed.
+    self.assertIn(f"[worker:0] {_WORKER_WARNING}", lines)
+    self.assertEqual(
+        [l for l in lines if l.startswith("[worker:0]")],
+        [f"[worker:0] {_WORKER_WARNING}"], output)
+    self.assertNotIn("[chief:0]", output)
+    # The evaluator's lines (its evaluations are its own), prefixed.
+    self.assertIn(f"[evaluator:0] {_EVALUATION}", lines)
+    # Each task's whole output stays in --task_log_dir.
+    for name in ("chief-0.log", "worker-0.log", "evaluator-0.log"):
+      with open(os.path.join(logs, name)) as f:
+        logged = f.read()
+      for line in (*_CHATTER, _PROGRESS):
+        self.assertIn(line, logged)
+
+  def test_a_workers_copy_of_a_chief_line_is_not_shown(self):
+    # The chief's output, then the worker's, through the launcher's reader
+    # (in this order, as the launcher reads them when the chief is first).
+    out = io.StringIO()
+    launcher = launch.Launcher(tasks=launch.plan_tasks(num_workers=2),
+                               command=[], out=out)
+    chief, worker = launcher.tasks
+    for task, lines in ((chief, [_STOPPED]),
+                        (worker, [_WORKER_STOPPED, _WORKER_WARNING])):
+      launcher._tails[task] = task_output.TaskTail()  # pylint: disable=protected-access
+      launcher._pump(task, io.BytesIO("".join(  # pylint: disable=protected-access
+          f"{line}\n" for line in lines).encode()))
+    self.assertEqual(out.getvalue().splitlines(),
+                     [_STOPPED, f"[worker:0] {_WORKER_WARNING}"])
+
+  def test_a_failed_task_shows_its_last_lines(self):
+    status, output = self._launch(3)
+    self.assertEqual(status, 1, output)
+    self.assertIn("[launch] worker:0 exited with status 3.", output)
+    tail = output[output.index("[launch] the last 10 lines of worker:0"):]
+    for line in (*_CHATTER, _PROGRESS, _WORKER_WARNING):
+      self.assertIn(f"[worker:0] {line}\n", tail)
+    self.assertIn("--output=all or --task_log_dir=DIR", tail)
+
+  def test_output_all_and_verbose(self):
+    status, output = self._launch(0, output=task_output.OUTPUT_ALL)
+    self.assertEqual(status, 0, output)
+    for task in ("chief:0", "worker:0", "evaluator:0"):
+      for line in (*_CHATTER, _PROGRESS):
+        self.assertIn(f"[{task}] {line}\n", output)
+    status, output = self._launch(0, verbose=True)
+    self.assertEqual(status, 0, output)
+    for line in _CHATTER:
+      self.assertIn(f"\n{line}\n", output)  # The chief's, unprefixed.
+    with self.assertRaisesRegex(ValueError, "--output='some' is not one of"):
+      launch.Launcher(tasks=[], command=[], output="some")
+
+  def test_an_unusable_task_log_dir_is_refused_before_any_task(self):
+    blocker = os.path.join(testutil.scratch_dir(), "a_file")
+    open(blocker, "w").close()
+    out = testutil.run_module(
+        "tfdist.launch", [f"--task_log_dir={blocker}/logs", "--", "x"],
+        timeout=60)
+    self.assertEqual(out.returncode, 2, out.stdout)
+    self.assertIn(f"--task_log_dir='{blocker}/logs': Not a directory; give "
+                  "a folder this user can write", out.stdout)
+    self.assertNotIn("started chief:0", out.stdout)
+
+
 def _train_args(model_dir, steps, data, extra=()):
   return ["--distribution_strategy=multi_worker_mirrored",
           f"--train_files={data['train']}", f"--eval_files={data['eval']}",
@@ -186,21 +340,52 @@ class FaultToleranceTest(absltest.TestCase):
     self.assertTrue(finite)
     self.assertEqual(step, steps)
 
+  def _check_chief_output(self, output: str):
+    """The launcher's default output (`--output=chief`) of a 2-worker run
+    whose worker alone got SIGTERM: each chief line once, as the chief
+    wrote it; of the worker, the signal it alone received and, if the
+    launcher saw it exit first, its last lines."""
+    self.assertNotIn("[chief:0]", output)
+    # Up to the first exit the launcher saw (the chief's or the worker's,
+    # both 143): the chief's lines and the worker's signal.
+    exited = re.search(r"^\[launch\] (\S+) exited with status 143\.$",
+                       output, re.M)
+    self.assertIsNotNone(exited, output[-6000:])
+    before, tail = output[:exited.start()], output[exited.end():]
+    steps = collections.Counter(
+        re.findall(r"^I\S+ .*step (\d+)/1000: loss", before, re.M))
+    self.assertGreaterEqual(len(steps), 1, before)
+    self.assertEqual(set(steps.values()), {1}, before)
+    self.assertLen(re.findall(r"^tfdist.train: Stopped by SIGTERM at step "
+                              r"\d+", output, re.M), 1, output[-6000:])
+    worker_lines = "\n".join(re.findall(r"^\[worker:0\] (.*)", before, re.M))
+    self.assertIn("tfdist: received SIGTERM", worker_lines)
+    self.assertNotRegex(worker_lines, r"step \d+/1000: loss")
+    for line in before.splitlines():
+      line = re.sub(r"^\[worker:0\] ", "", line)
+      self.assertFalse(task_output.is_chatter(line), line)
+    if exited.group(1) == "worker:0":
+      self.assertRegex(tail, r"\[launch\] the last 20 lines of worker:0 "
+                       r"\(all of its output: .*worker-0\.log\)")
+      self.assertRegex(tail,
+                       r"\[worker:0\] tfdist.train: Stopped by SIGTERM")
+
   def test_sigterm_saves_exits_in_time_then_rerun_resumes_and_ctrl_c(self):
     # Two launches: a SIGTERM to the worker stops the first; the same
     # command resumes from that checkpoint and is then stopped by Ctrl-C
-    # (the launcher forwards SIGINT to every task, and each saves).
-    model_dir = testutil.scratch_dir()
+    # (the launcher forwards SIGINT to every task, and each saves). The
+    # first shows the launcher's default output (`_check_chief_output`).
+    model_dir, logs = testutil.scratch_dir(), testutil.scratch_dir()
     grace = 25
     watch = testlib.LauncherWatch(
-        ["--num_workers=2", "--stop_grace_seconds=60"],
+        ["--num_workers=2", "--stop_grace_seconds=60", "--output=chief",
+         f"--task_log_dir={logs}"],
         _train_args(model_dir, 1000, self.data,
                     [f"--preemption_grace_seconds={grace}"]),
         timeout=TIMEOUT)
     worker_pid = watch.task_pid("worker:0")
-    self.assertIsNotNone(
-        watch.wait_for(r"\[chief:0\] .*step 5/1000: loss", 150),
-        watch.output()[-4000:])
+    self.assertIsNotNone(watch.wait_for(r"^I\S+ .*step 5/1000: loss", 150),
+                         watch.output()[-4000:])
     # Preempt only the worker: the chief learns of it through the agreement
     # all-reduce and both save at the same step.
     sent = time.time()
@@ -210,13 +395,15 @@ class FaultToleranceTest(absltest.TestCase):
     output = watch.output()
     self.assertEqual(status, 128 + signal.SIGTERM, output[-6000:])
     self.assertLess(elapsed, grace, output[-3000:])
-    self.assertIn("[worker:0] tfdist: received SIGTERM", output)
-    stopped = re.search(r"\[chief:0\] .*Stopped by SIGTERM at step (\d+)",
-                        output)
+    self._check_chief_output(output)
+    stopped = re.search(r"^tfdist.train: Stopped by SIGTERM at step (\d+)",
+                        output, re.M)
     self.assertIsNotNone(stopped, output[-6000:])
     stopped = int(stopped.group(1))
-    self.assertIsNotNone(re.search(
-        rf"\[worker:0\] .*Stopped by SIGTERM at step {stopped};", output))
+    with open(os.path.join(logs, "worker-0.log")) as f:
+      worker_log = f.read()
+    self.assertRegex(worker_log, r"step 5/1000: loss")
+    self.assertRegex(worker_log, rf"Stopped by SIGTERM at step {stopped};")
     finite, step = _checkpoint_is_finite(model_dir)
     self.assertTrue(finite)
     self.assertEqual(step, stopped)
@@ -248,6 +435,7 @@ class FaultToleranceTest(absltest.TestCase):
     finite, step = _checkpoint_is_finite(model_dir)
     self.assertTrue(finite)
     self.assertEqual(step, interrupted)
+
 
 
 class FitScriptStopTest(absltest.TestCase):

@@ -12,6 +12,7 @@ import time
 from absl.testing import absltest
 import pytest
 
+from tfdist import errors
 from tfdist.distribute import lease as lease_lib
 
 pytestmark = pytest.mark.compat
@@ -59,11 +60,11 @@ class LeaseTest(absltest.TestCase):
 
   def test_a_live_holder_is_refused_by_name(self):
     holder = self._lease().acquire()
-    with self.assertRaisesRegex(lease_lib.LeaseHeldError,
+    with self.assertRaisesRegex(errors.LeaseHeldError,
                                 f"in use by another run: holder "
                                 f"{holder.holder}"):
       self._lease().acquire()
-    with self.assertRaises(lease_lib.LeaseHeldError):
+    with self.assertRaises(errors.LeaseHeldError):
       self._lease().check_free()
     # The holder keeps its lease.
     self.assertEqual(lease_lib.read_lease(self.model_dir).holder,
@@ -102,7 +103,7 @@ class LeaseTest(absltest.TestCase):
     self._write(holder="thief:2:def")
     self.assertFalse(lease.renew())
     self.assertEqual(lease.lost.holder, "thief:2:def")
-    with self.assertRaisesRegex(lease_lib.LeaseLostError, "thief:2:def"):
+    with self.assertRaisesRegex(errors.LeaseLostError, "thief:2:def"):
       lease.check()
     # Release leaves the other run's lease alone.
     lease.release()

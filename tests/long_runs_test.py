@@ -35,6 +35,7 @@ from tensorflow.python.distribute import cross_device_utils
 
 from tests import multi_worker_testlib as testlib
 from tests import testutil
+from tfdist import errors
 from tfdist import config as config_lib
 from tfdist.data import movielens
 from tfdist.distribute import strategy as strategy_lib
@@ -135,7 +136,7 @@ class PiecesTest(absltest.TestCase):
                     not fixed)
     os.environ[name] = "yes"
     with self.assertRaisesRegex(
-        config_lib.ConfigError,
+        errors.ConfigError,
         r"^TFDIST_PER_CALL_INSTANCE_KEYS='yes' is not 0 or 1\. Unset it"):
       strategy_lib.use_trace_time_instance_keys()
 

@@ -12,10 +12,12 @@ train_loop.py `Trainer`):
   weights), and with `reduction=None`
   (`fit` differentiates the sum of the values and reports their mean).
 
-Each case runs `Model.fit` then `Model.evaluate` on one device (the
-reference) and `tfdist.fit` on one device and under MirroredStrategy on 2
-logical CPUs, in one child process (this file run as a script: the logical
-devices must exist before TensorFlow starts), which prints one JSON line.
+Each case (tests/loss_semantics_testlib.py) runs `Model.fit` then
+`Model.evaluate` on one device (the reference) and `tfdist.fit` on one
+device and under MirroredStrategy on 2 logical CPUs, in one child process
+(this file run as a script: the logical devices must exist before
+TensorFlow starts), which prints one JSON line. (Two MultiWorkerMirrored
+workers: tests/loss_semantics_multi_worker_test.py.)
 The same updates on the same global batches (plain SGD, no shuffling,
 zero-initialized weights): weights and losses agree to float32 round-off.
 """
@@ -29,116 +31,12 @@ import tempfile
 from absl.testing import absltest
 from absl.testing import parameterized
 
+from tests import loss_semantics_testlib as lib
 from tests import testutil
 
 _CHILD_ENV = "TFDIST_LOSS_SEMANTICS_CHILD"
-EXAMPLES = 256
-GLOBAL_BATCH = 64
-EPOCHS = 2
-# Relative to the values' size (the "sum" case's losses are about 64x).
-RTOL = 1e-4
-CASES = ("batch_valued_lambda", "batch_valued_function", "regularized",
-         "sum", "sum_weighted", "none")
-# Cases whose examples carry sample weights (`fit(sample_weight=...)`).
-WEIGHTED = ("sum_weighted",)
 STRATEGIES = ("one_device", "mirrored")
 _RESULTS = {}
-
-
-def _data(case: str = ""):
-  """`(x, y)`: float32 [256, 3] and [256, 1], y = x . (1, 2, 3) + 1.5 +
-  noise; `WEIGHTED` cases also `w`, float32 [256] in [0, 2)."""
-  import numpy as np  # pylint: disable=g-import-not-at-top
-  rng = np.random.default_rng(0)
-  x = rng.normal(size=(EXAMPLES, 3)).astype("float32")
-  y = x @ np.array([1.0, 2.0, 3.0]) + 1.5 + rng.normal(0, 0.1, EXAMPLES)
-  w = rng.uniform(0, 2, EXAMPLES).astype("float32")
-  return (x, y.astype("float32")[:, None]) + ((w,) if case in WEIGHTED
-                                               else ())
-
-
-def batch_mean_squared_error(y_true, y_pred):
-  """One value for the whole batch: the mean squared error."""
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  return tf.reduce_mean(tf.square(y_true - y_pred))
-
-
-def _build(case: str):
-  """`(model, learning rate)` of `case`, compiled as the user would."""
-  import keras  # pylint: disable=g-import-not-at-top
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
-
-  class SquaredError(keras.losses.Loss):
-
-    def call(self, y_true, y_pred):
-      return keras.ops.mean(keras.ops.square(y_true - y_pred), axis=-1)
-
-  class AddsLoss(keras.layers.Layer):
-
-    def call(self, inputs):
-      self.add_loss(0.01 * keras.ops.mean(keras.ops.square(inputs)))
-      return inputs
-
-  rate = 0.05
-  regularizer = None
-  if case == "batch_valued_lambda":
-    loss = lambda y, p: tf.reduce_mean(tf.square(y - p))
-  elif case == "batch_valued_function":
-    loss = batch_mean_squared_error
-  elif case == "regularized":
-    loss, regularizer = "mse", keras.regularizers.L2(0.1)
-  elif case in ("sum", "sum_weighted"):
-    loss, rate = keras.losses.MeanSquaredError(reduction="sum"), 0.001
-  else:
-    loss, rate = SquaredError(reduction=None, name="squared_error"), 0.001
-  layers = [keras.Input((3,))]
-  if case == "regularized":
-    layers.append(AddsLoss())
-  layers.append(keras.layers.Dense(1, kernel_initializer="zeros",
-                                   kernel_regularizer=regularizer))
-  model = keras.Sequential(layers)
-  model.compile(optimizer=keras.optimizers.SGD(rate), loss=loss)
-  return model, rate
-
-
-def _keras_fit(case: str) -> dict:
-  x, y, *w = _data(case)
-  w = w[0] if w else None
-  model, _ = _build(case)
-  history = model.fit(x, y, sample_weight=w, batch_size=GLOBAL_BATCH,
-                      epochs=EPOCHS, shuffle=False, verbose=0)
-  return {"weights": [v.tolist() for v in model.get_weights()],
-          "loss": [float(v) for v in history.history["loss"]],
-          "eval_loss": float(model.evaluate(x, y, sample_weight=w,
-                                            batch_size=GLOBAL_BATCH,
-                                            verbose=0))}
-
-
-def _tfdist_fit(case: str, strategy: str, model_dir: str) -> dict:
-  import tfdist  # pylint: disable=g-import-not-at-top
-  x, y, *w = _data(case)
-  w = w[0] if w else None
-  built = []
-
-  def model_fn():
-    model, _ = _build(case)
-    built.append(model)
-    return model
-
-  rate = _build(case)[1]
-  result = tfdist.fit(model_fn, x=x, y=y, sample_weight=w,
-                      validation_data=(x, y) if w is None else (x, y, w),
-                      verbose=0, config=tfdist.TrainConfig(
-                          model_dir=model_dir, train_epochs=EPOCHS,
-                          batch_size=GLOBAL_BATCH,
-                          base_batch_size=GLOBAL_BATCH, optimizer="sgd",
-                          momentum=0.0, base_learning_rate=rate,
-                          warmup_steps=0, lr_schedule="constant",
-                          shuffle_buffer_size=0, log_steps=1000,
-                          distribution_strategy=strategy))
-  return {"weights": [w.tolist() for w in built[-1].get_weights()],
-          "loss": result["history"]["loss"],
-          "eval_loss": result["history"]["val_loss"][-1]}
 
 
 def _child_main() -> dict:
@@ -149,11 +47,11 @@ def _child_main() -> dict:
   root = tempfile.mkdtemp(dir=testutil.scratch_dir())
   out = {}
   try:
-    for case in CASES:
-      out[case] = {"keras": _keras_fit(case)}
+    for case in lib.CASES:
+      out[case] = {"keras": lib.keras_fit(case)}
       for strategy in STRATEGIES:
         try:
-          out[case][strategy] = _tfdist_fit(
+          out[case][strategy] = lib.tfdist_fit(
               case, strategy, os.path.join(root, f"{case}-{strategy}"))
         except Exception as e:  # pylint: disable=broad-except
           out[case][strategy] = {"error": f"{type(e).__name__}: {e}"}
@@ -181,28 +79,11 @@ def _results() -> dict:
   return _RESULTS
 
 
-def _flat(weights) -> list:
-  import numpy as np  # pylint: disable=g-import-not-at-top
-  return np.concatenate([np.ravel(np.asarray(w)) for w in weights])
-
-
-class TfdistFitAgreesWithModelFitTest(parameterized.TestCase):
+class TfdistFitAgreesWithModelFitTest(lib.Checks, parameterized.TestCase):
 
   def _check(self, case: str, strategy: str):
-    import numpy as np  # pylint: disable=g-import-not-at-top
     result = _results()[case]
-    reference, run = result["keras"], result[strategy]
-    self.assertNotIn("error", run, run.get("error"))
-    scale = max(1.0, float(np.max(np.abs(_flat(reference["weights"])))))
-    np.testing.assert_allclose(_flat(run["weights"]),
-                               _flat(reference["weights"]),
-                               rtol=RTOL, atol=RTOL * scale,
-                               err_msg=f"{case} weights, {strategy}")
-    np.testing.assert_allclose(run["loss"], reference["loss"], rtol=RTOL,
-                               err_msg=f"{case} training loss, {strategy}")
-    np.testing.assert_allclose(run["eval_loss"], reference["eval_loss"],
-                               rtol=RTOL,
-                               err_msg=f"{case} evaluation loss, {strategy}")
+    self.check_run(case, strategy, result[strategy], result["keras"])
 
   @parameterized.parameters(*STRATEGIES)
   def test_a_lambda_returning_one_value_per_batch(self, strategy):
@@ -227,6 +108,12 @@ class TfdistFitAgreesWithModelFitTest(parameterized.TestCase):
   @parameterized.parameters(*STRATEGIES)
   def test_reduction_none(self, strategy):
     self._check("none", strategy)
+
+  @parameterized.parameters(*STRATEGIES)
+  def test_jit_compile_is_warned_and_changes_nothing(self, strategy):
+    # regularized (JIT_COMPILED) trains as Model.fit (compiled without XLA).
+    self._check("regularized", strategy)
+    self.check_jit_warning(_results()["regularized"][strategy], strategy)
 
 
 if __name__ == "__main__":

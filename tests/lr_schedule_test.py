@@ -9,7 +9,7 @@ import keras
 import numpy as np
 import pytest
 
-from tfdist.config import ConfigError
+from tfdist import errors
 from tfdist.config import TrainConfig
 from tfdist.training import decay_schedules
 from tfdist.training import lr_schedule
@@ -53,7 +53,7 @@ class ScalingTest(parameterized.TestCase):
                            expected)
 
   def test_unknown_rule(self):
-    with self.assertRaisesRegex(ConfigError, "--lr_scaling='cube'"):
+    with self.assertRaisesRegex(errors.ConfigError, "--lr_scaling='cube'"):
       lr_schedule.scale_learning_rate(0.1, global_batch_size=8,
                                       base_batch_size=8, rule="cube")
 
@@ -85,7 +85,7 @@ class ScheduleValuesTest(parameterized.TestCase):
     self.assertAlmostEqual(float(sched(0)), 0.3, places=6)
 
   def test_warmup_longer_than_run(self):
-    with self.assertRaisesRegex(ConfigError, "longer than the run"):
+    with self.assertRaisesRegex(errors.ConfigError, "longer than the run"):
       lr_schedule.build_lr_schedule(peak_learning_rate=0.1, total_steps=10,
                                     warmup_steps=11)
 
@@ -148,9 +148,9 @@ class DecayRegistryTest(absltest.TestCase):
   def test_unknown_names_are_refused_with_the_registered_ones(self):
     message = ("--lr_schedule='warm' is unknown. Use one of: constant, "
                "cosine, piecewise")
-    with self.assertRaisesRegex(ConfigError, message):
+    with self.assertRaisesRegex(errors.ConfigError, message):
       TrainConfig(model_dir="/x", train_steps=1, lr_schedule="warm")
-    with self.assertRaisesRegex(ConfigError, message):
+    with self.assertRaisesRegex(errors.ConfigError, message):
       lr_schedule.build_lr_schedule(peak_learning_rate=0.1, total_steps=10,
                                     warmup_steps=0, schedule="warm")
     with self.assertRaisesRegex(ValueError, "lower case"):

@@ -29,6 +29,7 @@ from absl.testing import absltest
 import pytest
 
 from tests import testutil
+from tfdist import errors
 
 _CHILD_ENV = "TFDIST_LEVERS_CHILD"
 
@@ -105,19 +106,19 @@ class RecomputationTest(absltest.TestCase):
   def test_models_that_cannot_say_so(self):
     import keras  # pylint: disable=g-import-not-at-top
     from tfdist import models  # pylint: disable=g-import-not-at-top
-    from tfdist.config import ConfigError  # pylint: disable=g-import-not-at-top
     from tfdist.models import recompute  # pylint: disable=g-import-not-at-top
     self.assertEqual([n for n in models.model_names()
                       if models.supports_recomputation(n)],
                      ["cnn", "resnet"])
     with self.assertRaisesRegex(
-        ConfigError, r"--activation_recomputation \(--gradient_checkpointing"
+        errors.ConfigError,
+        r"--activation_recomputation \(--gradient_checkpointing"
         r"\) is not available for --model=ranking: its activations are"):
       models.check_recomputation("ranking", True)
     models.check_recomputation("ranking", False)
     # A user's builder says so by taking the argument (or **kwargs).
     with self.assertRaisesRegex(
-        ConfigError, "--model=my_project:build: its builder takes no "
+        errors.ConfigError, "--model=my_project:build: its builder takes no "
         "activation_recomputation argument"):
       models.check_recomputation("my_project:build", True,
                                  builder=lambda spec: None)
@@ -139,22 +140,24 @@ class RecomputationTest(absltest.TestCase):
 class FlagsTest(absltest.TestCase):
 
   def test_accumulation_and_determinism_flags(self):
-    from tfdist.config import ConfigError, TrainConfig  # pylint: disable=g-import-not-at-top
+    from tfdist.config import TrainConfig
     from tfdist.training import batch_plan  # pylint: disable=g-import-not-at-top
     base = dict(model_dir="/tmp/x", train_steps=1)
     self.assertEqual(TrainConfig(gradient_accumulation_steps=4,
                                  **base).gradient_accumulation_steps, 4)
-    with self.assertRaisesRegex(ConfigError,
+    with self.assertRaisesRegex(errors.ConfigError,
                                 "--gradient_accumulation_steps=0 must be"):
       TrainConfig(gradient_accumulation_steps=0, **base)
     with self.assertRaisesRegex(
-        ConfigError, "--gradient_accumulation_steps=2 is not supported with "
+        errors.ConfigError,
+        "--gradient_accumulation_steps=2 is not supported with "
         "--distribution_strategy=parameter_server: there each worker step"):
       TrainConfig(gradient_accumulation_steps=2,
                   distribution_strategy="parameter_server", **base)
-    with self.assertRaisesRegex(ConfigError, "--deterministic needs a --seed"):
+    with self.assertRaisesRegex(
+        errors.ConfigError, "--deterministic needs a --seed"):
       TrainConfig(deterministic=True, seed=None, **base)
-    with self.assertRaisesRegex(ConfigError, "--deterministic is not "
+    with self.assertRaisesRegex(errors.ConfigError, "--deterministic is not "
                                 "supported with --distribution_strategy="
                                 "parameter_server"):
       TrainConfig(deterministic=True,

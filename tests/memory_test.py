@@ -112,6 +112,23 @@ class FitTest(absltest.TestCase):
         estimate, capacity_bytes=12 << 30, optimizer="lamb",
         num_replicas=4).advice)
 
+  def test_stage_3_splits_weights_gradients_and_optimizer_state(self):
+    # fp32 Adam, 1 Gi trainable parameters and 1 MiB of batch-norm
+    # statistics: 16 bytes per parameter unsharded, 16 / N under stage 3.
+    estimate = memory.ModelMemory(parameters_bytes=(4 << 30) + (1 << 20),
+                                  gradients_bytes=4 << 30,
+                                  optimizer_bytes=8 << 30,
+                                  num_parameters=(1 << 30) + (1 << 18))
+    stage3 = memory.sharded_estimate(estimate, num_replicas=4, stage=3)
+    self.assertEqual(stage3.parameters_bytes, (1 << 30) + (1 << 20))
+    self.assertEqual(stage3.gradients_bytes, 1 << 30)
+    self.assertEqual(stage3.optimizer_bytes, 2 << 30)
+    self.assertEqual(stage3.total_bytes - (1 << 20), (16 << 30) // 4)
+    # Stage 2's per-step gradients stay whole (no reduce-scatter).
+    self.assertEqual(
+        memory.sharded_estimate(estimate, num_replicas=4, stage=2),
+        memory.sharded_estimate(estimate, num_replicas=4))
+
   def test_peak_rss_is_this_process(self):
     self.assertGreater(memory.peak_rss_bytes(), 50 << 20)
     self.assertGreater(memory.host_memory_bytes(), memory.peak_rss_bytes())
@@ -119,6 +136,165 @@ class FitTest(absltest.TestCase):
     if not tf.config.list_physical_devices("GPU"):
       self.assertEqual(memory.device_memory(), {})
     self.assertEqual(memory.format_bytes(3 << 20), "3.0 MiB")
+
+
+_GIB = 1 << 30
+
+
+def _adam_state(gib_of_weights: float) -> memory.ModelMemory:
+  """fp32 Adam: weights W, gradients W, two moments 2W (no scalars)."""
+  w = int(gib_of_weights * _GIB)
+  return memory.ModelMemory(parameters_bytes=w, gradients_bytes=w,
+                            optimizer_bytes=2 * w, num_parameters=w // 4)
+
+
+class LayoutTableTest(absltest.TestCase):
+  """`layout_table` on synthetic sizes: 4 GPUs of 16 GiB each, batch 32."""
+
+  def table(self, estimate, **kwargs):
+    options = dict(num_devices=4, capacity_bytes=16 * _GIB,
+                   shared_memory=False, global_batch_size=32,
+                   optimizer="adam")
+    options.update(kwargs)
+    return memory.layout_table(estimate, **options)
+
+  def rows(self, choice):
+    return {r.layout: r for r in choice.rows}
+
+  def test_every_layout_side_by_side(self):
+    choice = self.table(_adam_state(2), activation_bytes_per_example=1 << 20,
+                        tensor_parallel_bytes=_GIB,
+                        tensor_parallel_flag="--tensor_parallel=4")
+    self.assertEqual([r.layout for r in choice.rows], list(memory.LAYOUTS))
+    rows = self.rows(choice)
+    state = {name: r.per_device_bytes - r.activations_bytes
+             for name, r in rows.items()}
+    # Plain: 16 bytes per parameter (8 GiB); ZeRO 1 and 2: 4 + 4 + 8/4;
+    # ZeRO 3: 16/4; one of 2 pipeline stages: 16/2; tensor parallel over 4
+    # with half the weights split: 4 + 4/4.
+    self.assertEqual(state, {
+        "data parallel": 8 * _GIB, "ZeRO 1": 5 * _GIB, "ZeRO 2": 5 * _GIB,
+        "ZeRO 3": 2 * _GIB, "pipeline": 4 * _GIB,
+        "tensor parallel": 5 * _GIB})
+    # Activations: 8 examples per replica; a pipeline stage (GPipe, M = P =
+    # 2) half the whole batch's; tensor parallelism the whole batch's.
+    self.assertEqual(rows["data parallel"].activations_bytes, 8 << 20)
+    self.assertEqual(rows["ZeRO 3"].activations_bytes, 8 << 20)
+    self.assertEqual(rows["pipeline"].activations_bytes, 16 << 20)
+    self.assertEqual(rows["pipeline"].flags,
+                     "--distribution_strategy=one_device --pipeline_stages=2"
+                     " --num_microbatches=2")
+    self.assertEqual(rows["tensor parallel"].activations_bytes, 32 << 20)
+    self.assertTrue(all(r.fits for r in choice.rows))
+    text = choice.render()
+    self.assertIn("Recommended layout: data parallel (no extra flags)", text)
+    for name in memory.LAYOUTS:
+      self.assertIn(name, text)
+    self.assertEqual(choice.to_dict()["recommended"], "data parallel")
+
+  def test_one_f_one_b_keeps_fewer_micro_batches_in_flight(self):
+    rows = self.rows(self.table(_adam_state(2),
+                                activation_bytes_per_example=1 << 20,
+                                num_microbatches=8, pipeline_schedule="1f1b"))
+    # Stage 0 holds P = 2 of the 8 micro-batches of 4 examples, each half
+    # the layers' outputs: 2 * 4 * 1 MiB / 2.
+    self.assertEqual(rows["pipeline"].activations_bytes, 4 << 20)
+
+  def test_state_that_fits_recommends_plain_data_parallelism(self):
+    choice = self.table(_adam_state(2))  # 8 GiB of 16.
+    self.assertEqual(choice.recommended.layout, "data parallel")
+    self.assertEqual(choice.recommended.flags, "")
+
+  def test_optimizer_state_too_big_recommends_zero_1(self):
+    # 4.5 GiB of weights: 18 GiB plain; 4.5 + 4.5 + 9/4 with ZeRO 1.
+    estimate = _adam_state(4.5)
+    choice = self.table(estimate)
+    self.assertFalse(self.rows(choice)["data parallel"].fits)
+    self.assertEqual(choice.recommended.layout, "ZeRO 1")
+    self.assertIn("Recommended layout: ZeRO 1 (--zero_stage=1): 11.2 GiB "
+                  "per device", choice.advice())
+    # An optimizer that cannot be sharded (LAMB) skips ZeRO: the pipeline.
+    lamb = self.table(estimate, optimizer="lamb")
+    self.assertFalse(self.rows(lamb)["ZeRO 1"].available)
+    self.assertIn("--optimizer=lamb cannot be sharded",
+                  self.rows(lamb)["ZeRO 1"].note)
+    self.assertEqual(lamb.recommended.layout, "pipeline")
+
+  def test_weights_too_big_recommend_zero_3_or_pipeline(self):
+    # 8 GiB of weights on 15 GiB devices: 32 GiB plain, 8 + 8 + 16/4 = 20
+    # with ZeRO 1 and 2, 32/4 = 8 with ZeRO 3; pipeline stages hold 32/2 =
+    # 16 (too much) or 32/3.
+    estimate = _adam_state(8)
+    choice = self.table(estimate, capacity_bytes=15 * _GIB)
+    rows = self.rows(choice)
+    for name in ("data parallel", "ZeRO 1", "ZeRO 2"):
+      self.assertFalse(rows[name].fits, name)
+    self.assertTrue(rows["ZeRO 3"].fits)
+    self.assertEqual(choice.recommended.layout, "ZeRO 3")
+    self.assertEqual(choice.recommended.flags, "--zero_stage=3")
+    # The pipeline row takes the fewest stages that fit: 3.
+    self.assertEqual(rows["pipeline"].devices, 3)
+    self.assertTrue(rows["pipeline"].fits)
+    # Without ZeRO (an unshardable optimizer), the pipeline.
+    self.assertEqual(self.table(estimate, optimizer="lamb",
+                                capacity_bytes=15 * _GIB).recommended.flags,
+                     "--distribution_strategy=one_device --pipeline_stages=3"
+                     " --num_microbatches=3")
+
+  def test_a_refused_layout_is_shown_but_not_recommended(self):
+    choice = self.table(_adam_state(8), capacity_bytes=15 * _GIB,
+                        refused={"ZeRO 3": "--zero_stage=3 is not offered"})
+    zero3 = self.rows(choice)["ZeRO 3"]
+    self.assertFalse(zero3.available)
+    self.assertEqual(zero3.per_device_bytes, 8 * _GIB)
+    self.assertIn("n/a: --zero_stage=3 is not offered", choice.render())
+    self.assertEqual(choice.recommended.layout, "pipeline")
+
+  def test_gradient_accumulators_are_what_zero_2_adds(self):
+    rows = self.rows(self.table(_adam_state(2), gradient_accumulation=True))
+    self.assertEqual(rows["data parallel"].gradients_bytes, 4 * _GIB)
+    self.assertEqual(rows["ZeRO 1"].gradients_bytes, 4 * _GIB)
+    self.assertEqual(rows["ZeRO 2"].gradients_bytes, 2 * _GIB + _GIB // 2)
+    self.assertEqual(rows["ZeRO 3"].gradients_bytes, _GIB)
+
+  def test_nothing_fits(self):
+    choice = self.table(_adam_state(20))  # 80 GiB: 20 per device at best.
+    self.assertIsNone(choice.recommended)
+    self.assertIn("No layout fits 16.0 GiB: the smallest is ZeRO 3 "
+                  "(--zero_stage=3) at 20.0 GiB", choice.advice())
+
+  def test_devices_sharing_one_memory_count_together(self):
+    # 4 logical CPU devices on a 24 GiB host: plain holds 4 copies of
+    # 8 GiB; ZeRO 3 holds the state once.
+    choice = self.table(_adam_state(2), capacity_bytes=24 * _GIB,
+                        shared_memory=True)
+    rows = self.rows(choice)
+    self.assertEqual(rows["data parallel"].needed_bytes, 32 * _GIB)
+    self.assertEqual(rows["ZeRO 3"].needed_bytes, 8 * _GIB)
+    self.assertEqual(choice.recommended.layout, "ZeRO 1")  # 4 x 5 GiB.
+
+  def test_one_device_offers_no_split_and_tensor_parallel_needs_a_flag(self):
+    choice = self.table(_adam_state(8), num_devices=1)
+    rows = self.rows(choice)
+    for name in memory.LAYOUTS[1:]:
+      self.assertFalse(rows[name].available, name)
+    self.assertIsNone(choice.recommended)
+    rows = self.rows(self.table(_adam_state(1), tensor_parallel_bytes=_GIB))
+    self.assertIn("no tfdist.train flag", rows["tensor parallel"].note)
+    rows = self.rows(self.table(_adam_state(1)))
+    self.assertIn("no layer of this model can be split",
+                  rows["tensor parallel"].note)
+
+  def test_bad_arguments_are_refused(self):
+    with self.assertRaisesRegex(ValueError, "num_devices=0"):
+      self.table(_adam_state(1), num_devices=0)
+    with self.assertRaisesRegex(ValueError, "pipeline_schedule='1F1B'"):
+      self.table(_adam_state(1), pipeline_schedule="1F1B")
+
+  def test_activations_of_a_functional_model_per_example(self):
+    model = _model()  # Dense 32, batch norm 32, Dense 3, float32.
+    self.assertEqual(memory.activation_bytes_per_example(model),
+                     (32 + 32 + 3) * 4)
 
 
 if __name__ == "__main__":

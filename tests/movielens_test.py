@@ -7,7 +7,7 @@ import pytest
 import tensorflow as tf
 
 from tfdist.data import movielens
-from tfdist.data.dataset_spec import DataNotFoundError
+from tfdist import errors
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("recbole") is None,
                                 reason="needs recbole==1.2.1's data files")
@@ -35,7 +35,7 @@ def test_read_ratings_joins_users_and_items():
 
 
 def test_missing_raw_files_say_how_to_install(tmp_path):
-  with pytest.raises(DataNotFoundError, match="recbole"):
+  with pytest.raises(errors.DataNotFoundError, match="recbole"):
     movielens.read_ratings(str(tmp_path))
 
 

@@ -15,8 +15,10 @@ from absl.testing import absltest
 from absl.testing import parameterized
 import numpy as np
 
+from tests import conformance_table
 from tests import multi_worker_testlib as testlib
 from tests import testutil
+from tfdist import errors
 
 TIMEOUT = 180
 
@@ -64,25 +66,25 @@ class StrategyOptionsTest(parameterized.TestCase):
     from tfdist import config as config_lib  # pylint: disable=g-import-not-at-top
     from tfdist.distribute import strategy as strategy_lib  # pylint: disable=g-import-not-at-top
     with self.assertRaisesRegex(
-        config_lib.ConfigError,
+        errors.ConfigError,
         r"--bytes_per_pack=1024 applies to multi_worker_mirrored, not "
         r"mirrored.*Drop --bytes_per_pack"):
       strategy_lib.make_strategy(strategy_lib.StrategyOptions(
           kind="mirrored", bytes_per_pack=1024))
-    with self.assertRaisesRegex(config_lib.ConfigError,
+    with self.assertRaisesRegex(errors.ConfigError,
                                 "--bytes_per_pack=-1 must be >= 0"):
       self._config(bytes_per_pack=-1)
     # In the config too, so that --dry_run refuses what the run would.
     for strategy in ("mirrored", "parameter_server", "tpu"):
       with self.assertRaisesRegex(
-          config_lib.ConfigError,
+          errors.ConfigError,
           rf"--bytes_per_pack=1024 applies to multi_worker_mirrored, not "
           rf"{strategy}"):
         config_lib.TrainConfig(model_dir="/tmp/x", train_steps=1,
                                distribution_strategy=strategy,
                                bytes_per_pack=1024)
     with self.assertRaisesRegex(
-        config_lib.ConfigError,
+        errors.ConfigError,
         r"--bytes_per_pack=1024 does not apply with --zero_stage=1"):
       self._config(bytes_per_pack=1024, zero_stage=1)
 
@@ -93,7 +95,7 @@ class StrategyOptionsTest(parameterized.TestCase):
       ("nccl_on_cpu", "nccl", "--all_reduce_alg=nccl needs GPUs"))
   def test_all_reduce_errors(self, alg, message):
     from tfdist import config as config_lib  # pylint: disable=g-import-not-at-top
-    with self.assertRaisesRegex(config_lib.ConfigError, message):
+    with self.assertRaisesRegex(errors.ConfigError, message):
       self._make(self._config(all_reduce_alg=alg))
 
   def test_ps_task_cannot_run_mirrored(self):
@@ -102,7 +104,7 @@ class StrategyOptionsTest(parameterized.TestCase):
                                         "ps": ["127.0.0.1:2"]},
                             "task": {"type": "ps", "index": 0}})
     with mock.patch.dict(os.environ, {"TF_CONFIG": tf_config}):
-      with self.assertRaisesRegex(config_lib.ConfigError,
+      with self.assertRaisesRegex(errors.ConfigError,
                                   "runs only on chief and worker tasks"):
         self._make(self._config())
 
@@ -144,62 +146,100 @@ def deep_narrow_model():
   return keras.Model(inputs, keras.layers.Dense(10)(hidden))
 
 
+def _limit_file_size():
+  """In a child before it runs: its files may not pass 256 KiB
+  (RLIMIT_FSIZE, as in tests/nothing_lost_test.py), so its checkpoints fit
+  and its SavedModel's saved_model.pb (`deep_narrow_model`) does not, as
+  on a disk that fills during the export."""
+  import resource  # pylint: disable=g-import-not-at-top
+  resource.setrlimit(resource.RLIMIT_FSIZE, (256 << 10, 256 << 10))
+
+
+def _full_disk_runs(runs) -> list:
+  """Runs `python -m tfdist.train` once per `(root, flags, environment,
+  limited)` of `runs` at once (`limited`: under `_limit_file_size`), each
+  training 2 steps of `deep_narrow_model` with `--model_dir=root/run` and
+  `--export_dir=root/exports/serving`; returns `[(exit status, output)]`."""
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  procs = []
+  for root, flags, environment, limited in runs:
+    procs.append(subprocess.Popen(
+        [sys.executable, "-m", "tfdist.train",
+         f"--train_files={_convert(256, 2)}", "--mode=train",
+         f"--model={__name__}:deep_narrow_model", "--batch_size=64",
+         "--train_steps=2", "--checkpoint_steps=2", "--log_steps=1",
+         f"--model_dir={os.path.join(root, 'run')}",
+         f"--export_dir={os.path.join(root, 'exports', 'serving')}",
+         *flags],
+        cwd=testutil.REPO_ROOT, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True,
+        preexec_fn=_limit_file_size if limited else None,
+        env=testlib._env(environment)))  # pylint: disable=protected-access
+  outputs = []
+  try:
+    for proc in procs:
+      outputs.append((proc.communicate(timeout=TIMEOUT)[0], proc))
+  finally:
+    for proc in procs:
+      if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+  return [(proc.returncode, out) for out, proc in outputs]
+
+
 class ExportFailureTest(absltest.TestCase):
 
+  def _check_message(self, output: str, export_dir: str):
+    self.assertRegex(output, "tfdist.train: error: --export_dir="
+                     f"{export_dir}: a write failed: the disk or quota is "
+                     "full .*File too large")
+
+  def test_one_process_exits_2_and_leaves_nothing(self):
+    # One device and Mirrored (2 logical CPUs), each in its own folders.
+    roots = {s: testutil.scratch_dir() for s in ("one_device", "mirrored")}
+    results = _full_disk_runs([
+        (root, [f"--distribution_strategy={strategy}"] + (
+            ["--num_cpu_devices=2"] if strategy == "mirrored" else []),
+         {}, True) for strategy, root in roots.items()])
+    for (strategy, root), (status, output) in zip(roots.items(), results):
+      with self.subTest(strategy=strategy):
+        self.assertEqual(status, 2, output[-3000:])
+        self._check_message(output, os.path.join(root, "exports", "serving"))
+        # Nothing of the failed export is left.
+        self.assertEqual(os.listdir(os.path.join(root, "exports")), [])
+        conformance_table.check_cell(
+            self, "failed_export", strategy, "works (status 2 naming "
+            "`--export_dir`; nothing of the export is left)")
+
   def test_every_task_exits_2_when_the_chiefs_export_disk_is_full(self):
-    # The chief's files may not pass 256 KiB (RLIMIT_FSIZE, as in
-    # tests/nothing_lost_test.py): its checkpoints fit, its SavedModel's
-    # saved_model.pb does not. The worker exported to its own scratch
-    # folder and exited 200 (a lost peer, retryable) while the chief exited
-    # 2 for the full disk; now both exit 2.
-    import resource  # pylint: disable=g-import-not-at-top
-    import subprocess  # pylint: disable=g-import-not-at-top
-    import sys  # pylint: disable=g-import-not-at-top
+    # Only the chief's files are limited. The worker exported to its own
+    # scratch folder and exited 200 (a lost peer, retryable) while the
+    # chief exited 2 for the full disk; now both exit 2.
     import portpicker  # pylint: disable=g-import-not-at-top
     from tfdist import launch  # pylint: disable=g-import-not-at-top
-
-    def limit_file_size():
-      resource.setrlimit(resource.RLIMIT_FSIZE, (256 << 10, 256 << 10))
     root = testutil.scratch_dir()
     export_dir = os.path.join(root, "exports", "serving")
     tasks = launch.plan_tasks(num_workers=2)
     cluster = launch.make_cluster(
         tasks, [portpicker.pick_unused_port() for _ in tasks])
-    procs = []
-    for task in tasks:
-      chief = task.task_type == "chief"
-      procs.append(subprocess.Popen(
-          [sys.executable, "-m", "tfdist.train",
-           f"--model_dir={os.path.join(root, 'run')}",
-           f"--train_files={_convert(256, 2)}", "--mode=train",
-           "--distribution_strategy=multi_worker_mirrored",
-           f"--model={__name__}:deep_narrow_model", "--batch_size=64",
-           "--train_steps=2", "--checkpoint_steps=2", "--log_steps=1",
-           f"--export_dir={export_dir}", "--collective_timeout_seconds=60"],
-          cwd=testutil.REPO_ROOT, stdout=subprocess.PIPE,
-          stderr=subprocess.STDOUT, text=True,
-          preexec_fn=limit_file_size if chief else None,
-          env=testlib._env({"TF_CONFIG": launch.tf_config(cluster, task)})))  # pylint: disable=protected-access
-    outputs = []
-    try:
-      for proc in procs:
-        outputs.append(proc.communicate(timeout=TIMEOUT)[0])
-    finally:
-      for proc in procs:
-        if proc.poll() is None:
-          proc.kill()
-          proc.wait()
-    chief_out, worker_out = outputs
-    self.assertEqual([p.returncode for p in procs], [2, 2],
+    (chief_status, chief_out), (worker_status, worker_out) = _full_disk_runs([
+        (root, ["--distribution_strategy=multi_worker_mirrored",
+                "--collective_timeout_seconds=60"],
+         {"TF_CONFIG": launch.tf_config(cluster, task)},
+         task.task_type == "chief") for task in tasks])
+    self.assertEqual([chief_status, worker_status], [2, 2],
                      chief_out[-3000:] + "\n----\n" + worker_out[-3000:])
-    self.assertRegex(chief_out, "tfdist.train: error: --export_dir="
-                     f"{export_dir}: a write failed: the disk or quota is "
-                     "full .*File too large")
+    self._check_message(chief_out, export_dir)
     self.assertRegex(worker_out, "tfdist.train: error: 1 replica.* of "
                      "another task of this run stopped at the end of "
                      "training with a status-2 error")
     # Nothing of the failed export is left.
     self.assertEqual(os.listdir(os.path.dirname(export_dir)), [])
+    conformance_table.check_cell(
+        self, "failed_export", "multi_worker_mirrored", "works (every task "
+        "exits 2, the chief naming `--export_dir`; nothing of the export is "
+        "left)")
 
 
 class EquivalenceTest(absltest.TestCase):

@@ -71,7 +71,9 @@ class LauncherWatch:
   """Runs the launcher in the background and collects its output lines.
 
   Args:
-    launch_args: flags of `tfdist.launch` (before `--`).
+    launch_args: flags of `tfdist.launch` (before `--`), after
+      `--output=all` (every task's lines, prefixed `[chief:0] `, which the
+      tests read; `--output=chief` here overrides it).
     task_args: arguments after `--`.
     timeout: seconds after which the launcher is stopped (and the test
       fails when it calls `wait`).
@@ -87,7 +89,8 @@ class LauncherWatch:
     self.timed_out = False
     self._cond = threading.Condition()
     self.proc = subprocess.Popen(
-        command or [sys.executable, "-m", "tfdist.launch", *launch_args, "--",
+        command or [sys.executable, "-m", "tfdist.launch", "--output=all",
+                    *launch_args, "--",
                     *task_args], cwd=REPO_ROOT, env=_env(env), stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True,
         errors="replace")

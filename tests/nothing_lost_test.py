@@ -34,7 +34,8 @@ import tensorflow as tf
 from tests import testutil
 from tfdist import exit_codes
 from tfdist import experiment
-from tfdist.config import ConfigError, TrainConfig
+from tfdist import errors
+from tfdist.config import TrainConfig
 from tfdist.data import data_checks
 from tfdist.distribute import environment as environment_lib
 from tfdist.observability import manifest as manifest_lib
@@ -115,7 +116,7 @@ class OutputLayoutTest(parameterized.TestCase):
        r"--model_dir=gs://b/out/model is the same folder as \$AIP_MODEL_DIR"),
   )
   def test_overlap_is_refused_naming_both(self, fields, variables, message):
-    with self.assertRaisesRegex(export.ExportRefusedError, message) as cm:
+    with self.assertRaisesRegex(errors.ExportRefusedError, message) as cm:
       experiment.prepare_run(TrainConfig(train_steps=1, **fields),
                              environment=_env(**variables))
     self.assertEqual(exit_codes.exit_code_for(cm.exception), exit_codes.CONFIG)
@@ -186,7 +187,7 @@ class TrialFoldersTest(parameterized.TestCase):
 
   def test_aip_model_dir_alone_in_a_trial_is_refused(self):
     # Both folders would be <AIP_MODEL_DIR>/trial_4: refused, never shared.
-    with self.assertRaisesRegex(export.ExportRefusedError,
+    with self.assertRaisesRegex(errors.ExportRefusedError,
                                 "trial_4 is the same folder as"):
       experiment.prepare_run(
           TrainConfig(train_steps=1),
@@ -239,7 +240,7 @@ class FramingTest(parameterized.TestCase):
   )
   def test_damage_is_named_with_its_offset(self, damage, message):
     path = self._write("damaged", damage(self.data, self.first))
-    with self.assertRaisesRegex(data_checks.DataError,
+    with self.assertRaisesRegex(errors.DataError,
                                 f"training file {path} is damaged: " +
                                 message.format(r=self.first)):
       data_checks.check_data([path], [])
@@ -248,11 +249,11 @@ class FramingTest(parameterized.TestCase):
     at = self.first + 12 + 20
     path = self._write("flipped", self.data[:at] + bytes(
         [self.data[at] ^ 1]) + self.data[at + 1:])
-    with self.assertRaisesRegex(data_checks.DataError,
+    with self.assertRaisesRegex(errors.DataError,
                                 f"evaluation file {path} is damaged"):
       data_checks.check_data([], [path])
     with self.assertRaisesRegex(
-        data_checks.DataError,
+        errors.DataError,
         f"a record's data fails its CRC32C at byte {self.first}"):
       data_checks.check_framing(path, check_data=True)
 
@@ -309,7 +310,7 @@ class GzipEndTest(parameterized.TestCase):
       pass
     self.assertLessEqual(read, 300)
     with self.assertRaisesRegex(
-        data_checks.DataError,
+        errors.DataError,
         rf"training file {path} is damaged: the GZIP data .*\(after "
         rf"{read} good record\(s\)\)\. The file is cut short"):
       data_checks.check_data([path], [])
@@ -319,7 +320,7 @@ class GzipEndTest(parameterized.TestCase):
       plain = gzip.decompress(f.read())
     path = self._write("plain_named_gz", plain)
     with self.assertRaisesRegex(
-        data_checks.DataError,
+        errors.DataError,
         rf"training file {path} is damaged: .*the name ends in \.gz but the "
         r"file is not GZIP data"):
       data_checks.check_data([path], [])
@@ -339,10 +340,10 @@ class ExportFolderTest(absltest.TestCase):
     os.makedirs(os.path.join(target, "notes"))
     with open(os.path.join(target, "notes", "keep.txt"), "w") as f:
       f.write("mine")
-    with self.assertRaisesRegex(export.ExportRefusedError,
+    with self.assertRaisesRegex(errors.ExportRefusedError,
                                 "is not a SavedModel tfdist wrote"):
       export.check_export_dir(target)
-    with self.assertRaisesRegex(export.ExportRefusedError,
+    with self.assertRaisesRegex(errors.ExportRefusedError,
                                 "The new SavedModel was left at"):
       export.export_saved_model(_tiny_model(), target)
     self.assertEqual(_tree(target), ["notes", "notes/keep.txt"])
@@ -464,7 +465,7 @@ class OutputRunTest(absltest.TestCase):
     # Before any work: the final export used to replace model_dir whole
     # (checkpoints/, train/, metrics.jsonl gone, exit 0).
     with self.assertRaisesRegex(
-        ConfigError,
+        errors.ConfigError,
         f"--model_dir={model_dir} is the same folder as --export_dir"):
       experiment.run_experiment(_config(model_dir, export_dir=model_dir))
     self.assertEqual(os.listdir(model_dir), [])
@@ -482,7 +483,7 @@ class FailureTest(absltest.TestCase):
     os.symlink(shards[1], os.path.join(folder, "train-0.tfrecord.gz"))
     config = _config("/unused", train_files=os.path.join(folder, "train-*"))
     with self.assertRaisesRegex(
-        data_checks.DataError,
+        errors.DataError,
         "--train_files mixes GZIP .* and uncompressed TFRecord files") as cm:
       run_plan.resolve_data_files(run_options.data_options(config),
                                   run_options.task(config).dataset)
@@ -490,7 +491,7 @@ class FailureTest(absltest.TestCase):
 
   def test_a_callable_that_is_no_model_builder_stops_at_start(self):
     with self.assertRaisesRegex(
-        ConfigError, r"--model=json:loads: loads\(s, .* has required "
+        errors.ConfigError, r"--model=json:loads: loads\(s, .* has required "
         r"parameter\(s\) s that tfdist cannot fill"):
       run_options.task(TrainConfig(model="json:loads", model_dir="/m",
                                        train_steps=1))
@@ -533,7 +534,7 @@ class FailureTest(absltest.TestCase):
         cm.exception, folders={"--model_dir": "/runs/a"},
         data_folders=failures.data_folders(os.path.join(folder, "train-*")),
         last_checkpoint="/runs/a/checkpoints/ckpt-4")
-    self.assertIsInstance(named, ConfigError)
+    self.assertIsInstance(named, errors.ConfigError)
     self.assertRegex(str(named), "A file the run reads vanished during "
                      f"training .*{path}.*resume from /runs/a/checkpoints/"
                      "ckpt-4")
@@ -561,7 +562,7 @@ class FailureTest(absltest.TestCase):
     keeper = checkpointing.CheckpointKeeper(
         checkpoint=checkpoint, directory=folder, step_counter=step)
     with self.assertRaisesRegex(
-        checkpointing.DamagedCheckpointError,
+        errors.DamagedCheckpointError,
         f"The checkpoint {path} cannot be read, its files are damaged .*"
         r"move its files \(ckpt-3\.\*\) out of") as cm:
       keeper.restore()

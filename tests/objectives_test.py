@@ -11,7 +11,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfdist.config import ConfigError
+from tfdist import errors
 from tfdist.data.dataset_spec import DatasetSpec
 from tfdist.training import objectives
 
@@ -66,11 +66,11 @@ class ResolveTest(parameterized.TestCase):
     np.testing.assert_allclose(values, [0.25, 0.0])
 
   def test_unknown_names_and_losses_per_output(self):
-    with self.assertRaisesRegex(ConfigError, "loss='nope'"):
+    with self.assertRaisesRegex(errors.ConfigError, "loss='nope'"):
       objectives.resolve_loss("nope", **BINARY)
-    with self.assertRaisesRegex(ConfigError, "per output"):
+    with self.assertRaisesRegex(errors.ConfigError, "per output"):
       objectives.resolve_loss({"a": "mse"}, **BINARY)
-    with self.assertRaisesRegex(ConfigError, "metric 'nope'"):
+    with self.assertRaisesRegex(errors.ConfigError, "metric 'nope'"):
       objectives.resolve_metric("nope", **BINARY)
 
   def test_resolve_prefers_arguments_then_the_dataset_task(self):
@@ -84,7 +84,7 @@ class ResolveTest(parameterized.TestCase):
     self.assertEqual(got.metric_names, ("mae",))
 
   def test_resolve_without_a_loss_says_where_to_give_one(self):
-    with self.assertRaisesRegex(ConfigError, "has no loss"):
+    with self.assertRaisesRegex(errors.ConfigError, "has no loss"):
       objectives.resolve(dataset=DatasetSpec(name="d", input_fn=_no_data))
 
   def test_duplicate_metric_names_are_made_unique(self):
@@ -160,7 +160,8 @@ class LossValuesTest(parameterized.TestCase):
         reduction="mean_with_sample_weight"), **BINARY)
     objectives.check_reduction(loss, weighted=False)
     with self.assertRaisesRegex(
-        ConfigError, r"'mean_squared_error' has reduction='mean_with_sample"
+        errors.ConfigError,
+        r"'mean_squared_error' has reduction='mean_with_sample"
         r"_weight' and the examples carry sample or class weights.*Use "
         r"reduction='sum_over_batch_size'"):
       objectives.check_reduction(loss, weighted=True)

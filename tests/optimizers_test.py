@@ -6,7 +6,7 @@ from absl.testing import parameterized
 import keras
 import pytest
 
-from tfdist.config import ConfigError
+from tfdist import errors
 from tfdist.config import TrainConfig
 from tfdist.training import memory
 from tfdist.training import optimizers
@@ -55,7 +55,8 @@ class BuildOptimizerTest(parameterized.TestCase):
 
   def test_unknown_name(self):
     with self.assertRaisesRegex(
-        ConfigError, "--optimizer='adagradient' is unknown. Use one of: sgd, "
+        errors.ConfigError,
+        "--optimizer='adagradient' is unknown. Use one of: sgd, "
         "momentum, adam, adamw, rmsprop, lamb, .*or a name that "
         "keras.optimizers.get accepts."):
       optimizers.build_optimizer("adagradient", 0.1)
@@ -74,7 +75,7 @@ class RegistryTest(parameterized.TestCase):
     self.assertEqual(round(unknown.traits.slots_per_parameter), 2)
     # Unknown to tfdist: not taken as shardable, and the refusal says why.
     self.assertFalse(unknown.traits.shardable)
-    with self.assertRaisesRegex(ConfigError, "register_optimizer"):
+    with self.assertRaisesRegex(errors.ConfigError, "register_optimizer"):
       TrainConfig(model_dir="/x", train_steps=1, optimizer="Nadam",
                   distribution_strategy="mirrored", zero_stage=1)
 
@@ -93,11 +94,13 @@ class RegistryTest(parameterized.TestCase):
   def test_one_trait_serves_every_reader(self):
     # LAMB's "not shardable" is read by the config, the sharded optimizer,
     # the memory advice and the flag help from the one registration.
-    with self.assertRaisesRegex(ConfigError, "--optimizer=lamb cannot run "
+    with self.assertRaisesRegex(
+        errors.ConfigError, "--optimizer=lamb cannot run "
                                 "with --zero_stage=1: LAMB's trust ratio"):
       TrainConfig(model_dir="/x", train_steps=1, optimizer="lamb",
                   distribution_strategy="mirrored", zero_stage=1)
-    with self.assertRaisesRegex(ConfigError, "--optimizer=lamb cannot shard"):
+    with self.assertRaisesRegex(
+        errors.ConfigError, "--optimizer=lamb cannot shard"):
       sharded_optimizer.check_optimizer(keras.optimizers.Lamb())
     self.assertIn("lamb", optimizers.not_shardable())
     estimate = memory.ModelMemory(num_parameters=10**6,

@@ -14,7 +14,8 @@ import keras
 import pytest
 import tensorflow as tf
 
-from tfdist.config import ConfigError, TrainConfig
+from tfdist import errors
+from tfdist.config import TrainConfig
 from tfdist.distribute import auto_select
 from tfdist.distribute import cluster as cluster_lib
 from tfdist.distribute import parameter_server as ps_lib
@@ -54,7 +55,7 @@ class RolesTest(parameterized.TestCase):
     self.assertEqual(info.num_ps, 0)
 
   def test_unknown_role(self):
-    with self.assertRaisesRegex(ConfigError, "driver"):
+    with self.assertRaisesRegex(errors.ConfigError, "driver"):
       _cluster(_tf_config("driver"))
 
   def test_uses_parameter_server(self):
@@ -74,7 +75,7 @@ class RolesTest(parameterized.TestCase):
         _tf_config("chief", ps=0)), "parameter_server")
 
   def test_cluster_without_ps_is_a_clear_error(self):
-    with self.assertRaisesRegex(ConfigError, "needs a cluster with ps"):
+    with self.assertRaisesRegex(errors.ConfigError, "needs a cluster with ps"):
       ps_lib.cluster_resolver(_cluster(_tf_config("chief", ps=0)))
 
 
@@ -110,17 +111,17 @@ class PartitionerTest(parameterized.TestCase):
                                               shard_bytes=1))
 
   def test_bad_arguments(self):
-    with self.assertRaisesRegex(ConfigError, "--ps_partitioner='even'"):
+    with self.assertRaisesRegex(errors.ConfigError, "--ps_partitioner='even'"):
       ps_lib.make_partitioner("even", num_ps=2, shard_bytes=1)
-    with self.assertRaisesRegex(ConfigError, "needs ps tasks"):
+    with self.assertRaisesRegex(errors.ConfigError, "needs ps tasks"):
       ps_lib.make_partitioner("min_size", num_ps=0, shard_bytes=1)
 
   def test_config_validates_flags(self):
-    with self.assertRaisesRegex(ConfigError, "--ps_partitioner='even'"):
+    with self.assertRaisesRegex(errors.ConfigError, "--ps_partitioner='even'"):
       TrainConfig(model_dir="/tmp/x", train_steps=1, ps_partitioner="even")
-    with self.assertRaisesRegex(ConfigError, "--ps_min_shard_bytes=0"):
+    with self.assertRaisesRegex(errors.ConfigError, "--ps_min_shard_bytes=0"):
       TrainConfig(model_dir="/tmp/x", train_steps=1, ps_min_shard_bytes=0)
-    with self.assertRaisesRegex(ConfigError, "--hash_buckets=0"):
+    with self.assertRaisesRegex(errors.ConfigError, "--hash_buckets=0"):
       TrainConfig(model_dir="/tmp/x", train_steps=1, hash_buckets=0)
 
 
@@ -140,7 +141,7 @@ class ShardLayoutTest(absltest.TestCase):
     with open(os.path.join(ckpt_dir, ps_lib.SHARDS_FILE), "w") as f:
       json.dump({"users": 4}, f)
     with self.assertRaisesRegex(
-        ps_lib.ShardCountMismatchError,
+        errors.ShardCountMismatchError,
         r"table 'users' in 4 shard\(s\), but this cluster splits it into 1"):
       ps_lib.check_shard_layout(ckpt_dir, model)
 

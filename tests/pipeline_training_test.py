@@ -40,7 +40,7 @@ import tensorflow as tf  # pylint: disable=g-import-not-at-top
 from tfdist import api  # pylint: disable=g-import-not-at-top
 from tfdist import errors  # pylint: disable=g-import-not-at-top
 from tfdist import experiment  # pylint: disable=g-import-not-at-top
-from tfdist.config import ConfigError  # pylint: disable=g-import-not-at-top
+from tfdist import errors
 from tfdist.config import TrainConfig  # pylint: disable=g-import-not-at-top
 from tfdist.distribute import devices  # pylint: disable=g-import-not-at-top
 from tfdist.distribute import environment as environment_lib  # pylint: disable=g-import-not-at-top
@@ -233,12 +233,24 @@ class ArtifactsTest(absltest.TestCase):
     stages = manifest["one_device"]["pipeline_stages"]
     self.assertEqual([s["device"] for s in stages], DEVICES[:2])
     self.assertEqual(sum(len(s["layers"]) for s in stages), 5)
+    # Activations at each stage's peak: its layers' float32 outputs per
+    # example x 4 examples a micro-batch x the micro-batches 1F1B keeps in
+    # flight there (P - s).
+    per_example = {"block_1": 64, "block_2": 64, "block_3": 64, "skip": 64,
+                   "logits": 12}
+    self.assertEqual([s["microbatches_in_flight"] for s in stages], [2, 1])
+    self.assertEqual(
+        [s["activation_bytes"] for s in stages],
+        [sum(per_example[name] for name in s["layers"]) * 4 *
+         s["microbatches_in_flight"] for s in stages])
     plan = "\n".join(logs.output)
     self.assertIn("pipeline               2 stages (balanced by weight and "
                   "activation bytes), 4 micro-batches per step, 1f1b "
                   "schedule; batch normalization sees micro-batches of 4 "
                   "examples", plan)
     self.assertIn(f"stage 1 on {DEVICES[1]}", plan)
+    self.assertRegex(plan, r"stage 0 on .*activations at least \d+ bytes "
+                     r"\(2 micro-batch\(es\) of 4 in flight\)")
     # An unsplit run's manifest has no pipeline entry.
     _, unsplit, _ = _fit()
     self.assertNotIn("pipeline", unsplit)
@@ -293,7 +305,7 @@ class RefusalTest(absltest.TestCase):
 
   def _refused(self, message, builder=skip_model, **changes):
     model_dir = os.path.join(testutil.scratch_dir(), "run")
-    with self.assertRaisesRegex(ConfigError, message) as caught:
+    with self.assertRaisesRegex(errors.ConfigError, message) as caught:
       _fit(builder, model_dir=model_dir, **changes)
     self.assertEqual(errors.exit_code_for(caught.exception), 2)
     # Refused before any step: no checkpoint.

@@ -16,6 +16,7 @@ import time
 from absl.testing import absltest
 
 from tests import testutil
+from tfdist import errors
 from tfdist.runtime import preemption
 
 
@@ -121,13 +122,13 @@ class SignalDuringLogLineTest(absltest.TestCase):
 class PreemptedErrorTest(absltest.TestCase):
 
   def test_exit_code_is_128_plus_the_signal(self):
-    error = preemption.PreemptedError(signum=signal.SIGINT, step=2,
+    error = errors.PreemptedError(signum=signal.SIGINT, step=2,
                                       checkpoint="ckpt-2")
     self.assertEqual(error.exit_code, 130)
     self.assertIn("--model_dir to resume", str(error))
 
   def test_the_resume_sentence_can_be_the_callers(self):
-    error = preemption.PreemptedError(signum=signal.SIGTERM, step=2,
+    error = errors.PreemptedError(signum=signal.SIGTERM, step=2,
                                       checkpoint="ckpt-2",
                                       resume="Call fit again.")
     self.assertEqual(str(error), "Stopped by SIGTERM at step 2; checkpoint "

@@ -7,7 +7,7 @@ import tempfile
 
 from absl.testing import absltest
 
-from tfdist.config import ConfigError
+from tfdist import errors
 from tfdist.config import TrainConfig
 from tfdist.training import preflight
 from tfdist.training import run_options
@@ -20,17 +20,17 @@ class CheckNamesTest(absltest.TestCase):
                                                 dataset="fashion_mnist"))
 
   def test_an_unknown_model_lists_the_known_ones(self):
-    with self.assertRaisesRegex(ConfigError, "no_such_model.*cnn"):
+    with self.assertRaisesRegex(errors.ConfigError, "no_such_model.*cnn"):
       preflight.check_names(preflight.NameOptions(
           model="no_such_model", dataset="fashion_mnist"))
 
   def test_an_unknown_dataset_is_named(self):
-    with self.assertRaisesRegex(ConfigError, "no_such_data"):
+    with self.assertRaisesRegex(errors.ConfigError, "no_such_data"):
       preflight.check_names(preflight.NameOptions(model="cnn",
                                                   dataset="no_such_data"))
 
   def test_a_metric_the_task_does_not_produce(self):
-    with self.assertRaisesRegex(ConfigError, "auc_of_nothing"):
+    with self.assertRaisesRegex(errors.ConfigError, "auc_of_nothing"):
       preflight.check_names(preflight.NameOptions(
           model="cnn", dataset="fashion_mnist",
           hptune_metric="eval_auc_of_nothing"))
@@ -65,7 +65,7 @@ class KerasDistributionTest(absltest.TestCase):
     from tfdist import experiment  # pylint: disable=g-import-not-at-top
     keras.distribution.set_distribution(keras.distribution.DataParallel())
     with self.assertRaisesRegex(
-        ConfigError, r"keras.distribution.set_distribution\(DataParallel"
+        errors.ConfigError, r"keras.distribution.set_distribution\(DataParallel"
         r"\(...\)\) is set in this process, which Keras ignores under the "
         r"TensorFlow backend.*--distribution_strategy=mirrored .*"
         "multi_worker_mirrored") as cm:
@@ -80,7 +80,7 @@ class KerasDistributionTest(absltest.TestCase):
     keras.distribution.set_distribution(keras.distribution.ModelParallel(
         layout_map=keras.distribution.LayoutMap(mesh)))
     with self.assertRaisesRegex(
-        ConfigError, r"ModelParallel.*--zero_stage=1 or 2.*"
+        errors.ConfigError, r"ModelParallel.*--zero_stage=1 or 2.*"
         "--distribution_strategy=parameter_server.*pipeline and tensor "
         "parallel layouts are not yet available"):
       preflight.check_no_keras_distribution()
@@ -135,7 +135,7 @@ class OutputFoldersTest(absltest.TestCase):
       f.write("x")
     folder = os.path.join(blocker, "run")
     with self.assertRaisesRegex(
-        preflight.OutputNotWritableError,
+        errors.OutputNotWritableError,
         rf"--model_dir={folder} is not writable: {blocker} is a file, not a "
         "folder"):
       preflight.probe_writable(folder, flag="--model_dir", value=folder)
@@ -145,7 +145,7 @@ class OutputFoldersTest(absltest.TestCase):
       self.skipTest("root writes into read-only folders")
     os.chmod(self.root, stat.S_IRUSR | stat.S_IXUSR)
     self.addCleanup(os.chmod, self.root, stat.S_IRWXU)
-    with self.assertRaisesRegex(preflight.OutputNotWritableError,
+    with self.assertRaisesRegex(errors.OutputNotWritableError,
                                 r"--export_dir=E is not writable \("):
       preflight.probe_writable(os.path.join(self.root, "x"),
                                flag="--export_dir", value="E")

@@ -27,7 +27,8 @@ def start_launcher(test_case, launch_args: List[str], train_args: List[str],
   env["PYTHONPATH"] = REPO_ROOT + os.pathsep + env.get("PYTHONPATH", "")
   with open(log_path, "wb") as log:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tfdist.launch", *launch_args, "--",
+        [sys.executable, "-m", "tfdist.launch", "--output=all", *launch_args,
+         "--",
          *train_args], cwd=REPO_ROOT, env=env, stdout=log,
         stderr=subprocess.STDOUT, start_new_session=True)
 

@@ -10,6 +10,7 @@ import sys
 
 from absl.testing import absltest
 
+from tests import testutil
 from tfdist.runtime import quiet_tensorflow
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -92,6 +93,64 @@ class ImportTest(absltest.TestCase):
         "assert not any(isinstance(f, quiet_tensorflow._QuietTensorflowFinder)"
         " for f in sys.meta_path)\n")
     self.assertNotRegex(stderr, quiet_tensorflow.IMPORT_NOTICES)
+
+
+# A tiny `tfdist.fit` script as a user writes it: tfdist imported first.
+_FIT_SCRIPT = """
+import sys
+import tfdist
+import keras
+import numpy as np
+import tensorflow as tf
+
+def build_model():
+  model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+  model.compile(loss="mse")
+  return model
+
+x = np.random.default_rng(0).random((128, 4), dtype="float32")
+
+def make_dataset(training):
+  return tf.data.Dataset.from_tensor_slices((x, x.sum(axis=1)))
+
+tfdist.fit(build_model, make_dataset, verbose=2, config=tfdist.TrainConfig(
+    model_dir=sys.argv[1], train_steps=2, batch_size=64))
+"""
+# TensorFlow's C++ log lines (its import notices are IMPORT_NOTICES).
+_NATIVE_LOG_LINE = r"(?m)^[IWEF]\d{4} [\d:.]+ +\d+ \S+\.(cc|h):\d+\] "
+
+
+class LibraryUseTest(absltest.TestCase):
+  """`import tfdist` before TensorFlow: a script shows none of
+  TensorFlow's start-up or C++ lines (tfdist/__init__.py)."""
+
+  def test_a_fit_script_shows_no_tensorflow_lines(self):
+    model_dir = os.path.join(testutil.scratch_dir(), "run")
+    environ = {**os.environ, "PYTHONPATH": ROOT}
+    environ.pop(quiet_tensorflow.LEVEL_VARIABLE, None)
+    out = subprocess.run([sys.executable, "-c", _FIT_SCRIPT, model_dir],
+                         env=environ, cwd=ROOT, capture_output=True,
+                         text=True, timeout=300, check=False)
+    self.assertEqual(out.returncode, 0, out.stderr[-4000:])
+    self.assertIn("Final eval: loss", out.stdout)
+    self.assertIn("tfdist: epoch 1/1, step 2/2", out.stderr)
+    self.assertNotRegex(out.stderr, quiet_tensorflow.IMPORT_NOTICES)
+    self.assertNotRegex(out.stderr, _NATIVE_LOG_LINE)
+
+  def test_the_users_level_is_kept_and_zero_shows_everything(self):
+    code = ("import os, tfdist\n"
+            "print(os.environ.get('TF_CPP_MIN_LOG_LEVEL'))\n")
+    for level, expected in (("", "2"), ("1", "1")):
+      environ = {**os.environ, "PYTHONPATH": ROOT,
+                 quiet_tensorflow.LEVEL_VARIABLE: level}
+      out = subprocess.run([sys.executable, "-c", code], env=environ,
+                           cwd=ROOT, capture_output=True, text=True,
+                           timeout=60, check=True)
+      self.assertEqual(out.stdout.strip(), expected)
+    self.assertRegex(
+        _child_stderr("import tfdist\nimport tensorflow\n",
+                      TF_CPP_MIN_LOG_LEVEL="0"),
+        quiet_tensorflow.IMPORT_NOTICES)
 
 
 if __name__ == "__main__":

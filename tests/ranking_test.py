@@ -6,7 +6,7 @@ import tensorflow as tf
 
 import models
 from models import ranking
-from tfdist.config import ConfigError
+from tfdist import errors
 from tfdist.data import movielens
 from tfdist.data.dataset_spec import DatasetSpec
 
@@ -57,5 +57,5 @@ def test_the_registered_builder_takes_the_table_sizes():
 def test_the_registered_builder_needs_id_features():
   spec = DatasetSpec(name="images", input_shape=(28, 28, 1), num_classes=10,
                      parse_fn=lambda serialized: serialized)
-  with pytest.raises(ConfigError, match="--dataset=movielens"):
+  with pytest.raises(errors.ConfigError, match="--dataset=movielens"):
     models.build_model("ranking", spec=spec)

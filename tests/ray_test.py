@@ -32,7 +32,8 @@ import tensorflow as tf
 from tests import ray_testlib
 from tests import testutil
 from tfdist import ray as tfdist_ray
-from tfdist.config import ConfigError, TrainConfig
+from tfdist import errors
+from tfdist.config import TrainConfig
 from tfdist.runtime import quiet_tensorflow
 
 STEPS = 48            # 3 epochs of 16 steps (1024 examples, batch 64).
@@ -205,7 +206,8 @@ class PrepareConfigTest(absltest.TestCase):
     config = _config("/tmp/x", self.data,
                      distribution_strategy="parameter_server")
     with self.assertRaisesRegex(
-        ConfigError, r"parameter_server: parameter-server training does not "
+        errors.ConfigError,
+        r"parameter_server: parameter-server training does not "
         r"run under tfdist.ray: .*only 'worker' tasks.*tfdist.launch "
         r"--num_ps=M"):
       tfdist_ray.prepare_config(config)
@@ -213,13 +215,15 @@ class PrepareConfigTest(absltest.TestCase):
   def test_single_process_strategy_refused(self):
     config = _config("/tmp/x", self.data, distribution_strategy="mirrored")
     with self.assertRaisesRegex(
-        ConfigError, r"--distribution_strategy=mirrored does not apply under "
+        errors.ConfigError,
+        r"--distribution_strategy=mirrored does not apply under "
         r"tfdist.ray.*multi_worker_mirrored"):
       tfdist_ray.prepare_config(config)
 
   def test_worker_hosts_refused(self):
     config = _config("/tmp/x", self.data, worker_hosts="127.0.0.1:1234")
-    with self.assertRaisesRegex(ConfigError, r"--worker_hosts=.*Drop both"):
+    with self.assertRaisesRegex(
+        errors.ConfigError, r"--worker_hosts=.*Drop both"):
       tfdist_ray.prepare_config(config)
 
   def test_local_paths_become_absolute(self):
@@ -251,13 +255,14 @@ class PrepareConfigTest(absltest.TestCase):
   def test_tune_trials_cannot_share_a_checkpoint_dir(self):
     config = _config("/tmp/x", self.data, checkpoint_dir="/tmp/shared")
     with self.assertRaisesRegex(
-        ConfigError, r"--checkpoint_dir='/tmp/shared' would be shared by "
+        errors.ConfigError,
+        r"--checkpoint_dir='/tmp/shared' would be shared by "
         r"every Tune trial: leave it unset"):
       tfdist_ray.tune_trainable(config)
 
   def test_local_glob_without_files_named(self):
     config = _config("/tmp/x", self.data, train_files="/nonexistent/t-*")
-    with self.assertRaisesRegex(ConfigError,
+    with self.assertRaisesRegex(errors.ConfigError,
                                 r"--train_files='/nonexistent/t-\*' matches "
                                 r"no file"):
       tfdist_ray.prepare_config(config)

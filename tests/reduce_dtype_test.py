@@ -27,7 +27,7 @@ from absl.testing import absltest
 from absl.testing import parameterized
 
 from tests import testutil
-from tfdist.config import ConfigError
+from tfdist import errors
 from tfdist.config import TrainConfig
 from tfdist.training import reduce_dtype
 
@@ -238,7 +238,7 @@ class RefusalTest(parameterized.TestCase):
        "--all_reduce_dtype=float16 needs dynamic loss scaling "
        r"\(--dtype=fp16\), received --dtype=bf16.*bfloat16"))
   def test_refused_at_start(self, fields, message):
-    with self.assertRaisesRegex(ConfigError, message):
+    with self.assertRaisesRegex(errors.ConfigError, message):
       TrainConfig(**fields, **self._BASE)
 
   def test_trainer_refuses_float16_without_loss_scale(self):
@@ -246,7 +246,7 @@ class RefusalTest(parameterized.TestCase):
     import tensorflow as tf  # pylint: disable=g-import-not-at-top
     from tfdist.training.train_loop import Trainer  # pylint: disable=g-import-not-at-top
     model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
-    with self.assertRaisesRegex(ConfigError, "LossScaleOptimizer"):
+    with self.assertRaisesRegex(errors.ConfigError, "LossScaleOptimizer"):
       Trainer(strategy=tf.distribute.get_strategy(), model=model,
               optimizer=keras.optimizers.SGD(0.1), global_batch_size=2,
               all_reduce_dtype="float16")

@@ -16,7 +16,8 @@ from absl.testing import parameterized
 
 from tests import testutil
 from tfdist import experiment
-from tfdist.config import ConfigError, TrainConfig
+from tfdist import errors
+from tfdist.config import TrainConfig
 from tfdist.distribute import auto_select
 from tfdist.distribute import cluster as cluster_lib
 from tfdist.distribute import environment as environment_lib
@@ -192,7 +193,7 @@ class ClusterSpecTest(parameterized.TestCase):
   def test_task_in_reduction_server_pool_is_an_error(self):
     spec = _cluster_spec(_job_spec(_REDUCTION_SERVER_POOL), "workerpool2", 0)
     with self.assertRaisesRegex(
-        cluster_lib.ClusterConfigError,
+        errors.ClusterConfigError,
         "this task is ps 0, but worker pool 2 runs Vertex AI's Reduction "
         "Server"):
       cluster_lib.resolve_cluster(environ={"CLUSTER_SPEC": spec})
@@ -221,24 +222,26 @@ class StrategyTest(absltest.TestCase):
     return TrainConfig(model_dir="/m", train_steps=1, **kwargs)
 
   def test_config_rules(self):
-    with self.assertRaisesRegex(ConfigError, "--reduction_server needs "
+    with self.assertRaisesRegex(errors.ConfigError, "--reduction_server needs "
                                 "--distribution_strategy=multi_worker_mirrored"):
       self._config(reduction_server=True,
                    distribution_strategy="parameter_server")
-    with self.assertRaisesRegex(ConfigError, "implies --all_reduce_alg=nccl"):
+    with self.assertRaisesRegex(
+        errors.ConfigError, "implies --all_reduce_alg=nccl"):
       self._config(reduction_server=True, all_reduce_alg="ring")
 
   def test_refused_without_gpus(self):
     # auto picks multi_worker_mirrored for the reduction-server job, then
     # refuses: NCCL needs GPUs (this machine has none). Nothing connects.
     with self.assertRaisesRegex(
-        ConfigError, r"Reduction Server \(CLUSTER_SPEC's job description "
+        errors.ConfigError,
+        r"Reduction Server \(CLUSTER_SPEC's job description "
         r"runs it in worker pool 2\) needs GPU workers"):
       _make_strategy(self._config(), {"CLUSTER_SPEC": REDUCTION_SERVER_JOB})
 
   def test_flag_needs_a_cluster(self):
     with self.assertRaisesRegex(
-        ConfigError, "--reduction_server needs a multi-worker cluster"):
+        errors.ConfigError, "--reduction_server needs a multi-worker cluster"):
       # auto on one process resolves to one_device.
       _make_strategy(self._config(reduction_server=True), {})
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from tfdist.config import ConfigError
+from tfdist import errors
 from tfdist.data.dataset_spec import DatasetSpec
 from tfdist.training import registry
 
@@ -57,10 +57,10 @@ def test_register_a_dataset_function_with_spec_fields():
 
 def test_unknown_names_list_the_registered_ones():
   registry.register_model("toy")(lambda: None)
-  with pytest.raises(ConfigError, match=r"--model='nope' is unknown\. "
+  with pytest.raises(errors.ConfigError, match=r"--model='nope' is unknown\. "
                      r"Registered: .*toy"):
     registry.get_model_builder("nope")
-  with pytest.raises(ConfigError, match="--dataset='nope' is unknown"):
+  with pytest.raises(errors.ConfigError, match="--dataset='nope' is unknown"):
     registry.get_dataset("nope")
 
 
@@ -70,11 +70,12 @@ def test_import_paths_load_module_attributes():
       __import__("os").path.join)
   name, builder = registry.get_model_builder("os.path:join")
   assert name == "os.path:join" and callable(builder)
-  with pytest.raises(ConfigError, match="has no attribute 'nope'"):
+  with pytest.raises(errors.ConfigError, match="has no attribute 'nope'"):
     registry.load_object("os.path:nope", flag="--model")
-  with pytest.raises(ConfigError, match="cannot import no_such_module_x"):
+  with pytest.raises(
+      errors.ConfigError, match="cannot import no_such_module_x"):
     registry.load_object("no_such_module_x:f", flag="--model")
-  with pytest.raises(ConfigError, match="is not an import path"):
+  with pytest.raises(errors.ConfigError, match="is not an import path"):
     registry.load_object(":f", flag="--model")
 
 
@@ -98,6 +99,7 @@ def test_call_with_accepted_passes_only_the_named_arguments():
                                      what="f") == ["config", "extra", "spec"]
   assert registry.accepts(lambda config=None: 0, "config")
   assert not registry.accepts(lambda spec: 0, "config")
-  with pytest.raises(ConfigError, match=r"required parameter\(s\) missing"):
+  with pytest.raises(
+      errors.ConfigError, match=r"required parameter\(s\) missing"):
     registry.call_with_accepted(lambda spec, missing: 0, available,
                                 what="--model=f")

@@ -10,6 +10,7 @@ from absl.testing import absltest
 import portpicker
 import pytest
 
+from tfdist import errors
 from tfdist.distribute import rendezvous
 
 pytestmark = pytest.mark.compat
@@ -66,7 +67,7 @@ class RendezvousTest(absltest.TestCase):
     there = self._listener().address
     missing = _address(portpicker.pick_unused_port())
     with self.assertRaisesRegex(
-        rendezvous.ClusterStartError,
+        errors.ClusterStartError,
         f"did not all answer within --cluster_start_timeout_seconds=0.3: no "
         f"answer from worker 1 at {missing}"):
       rendezvous.wait_for_peers(
@@ -84,7 +85,7 @@ class RendezvousTest(absltest.TestCase):
       try:
         rendezvous.wait_for_peers(own, {missing: "worker 1"},
                                   timeout_seconds=3, poll_seconds=0.05)
-      except rendezvous.ClusterStartError as e:
+      except errors.ClusterStartError as e:
         results["error"] = e
 
     thread = threading.Thread(target=task)
@@ -107,7 +108,7 @@ class RendezvousTest(absltest.TestCase):
     previous = signal.getsignal(signal.SIGTERM)
     timer.start()
     try:
-      with self.assertRaisesRegex(rendezvous.StoppedAtStartError,
+      with self.assertRaisesRegex(errors.StoppedAtStartError,
                                   "received SIGTERM .*no answer yet from "
                                   f"worker 1 at {missing}") as cm:
         rendezvous.wait_for_peers(None, {missing: "worker 1"},

@@ -9,6 +9,7 @@ from absl import logging
 from absl.testing import absltest
 import numpy as np
 
+from tfdist import errors
 from tfdist.observability import progress
 from tfdist.observability import run_log
 from tfdist.observability import throughput
@@ -146,7 +147,7 @@ class EpochLinesTest(absltest.TestCase):
 
   def test_a_diverged_line_is_never_held(self):
     with self.assertLogs(logging.get_absl_logger(), "INFO") as logs:
-      with self.assertRaises(run_log.DivergenceError):
+      with self.assertRaises(errors.TrainingDivergedError):
         self.log.log_train(4, {"loss": math.nan}, 4, learning_rate=0.1,
                            hold=True)
     self.assertRegex(logs.records[0].getMessage(),
@@ -203,7 +204,7 @@ class LogTrainTest(absltest.TestCase):
                      [4, 8])
 
   def test_a_nan_loss_raises_divergence(self):
-    with self.assertRaisesRegex(run_log.DivergenceError,
+    with self.assertRaisesRegex(errors.TrainingDivergedError,
                                 "Training diverged at step 2: loss nan"):
       self.log.log_train(2, {"loss": math.nan, "correct": 0.0,
                              "count": 8.0}, 2, learning_rate=0.1)

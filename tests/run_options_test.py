@@ -6,7 +6,8 @@ import dataclasses
 
 from absl.testing import absltest
 
-from tfdist.config import ConfigError, TrainConfig
+from tfdist import errors
+from tfdist.config import TrainConfig
 from tfdist.distribute import auto_select
 from tfdist.distribute.strategy_kind import StrategyKind
 from tfdist.training import run_options
@@ -31,7 +32,7 @@ class ConvertersTest(absltest.TestCase):
       options.num_cpu_devices = 4
 
   def test_auto_must_be_decided_first(self):
-    with self.assertRaisesRegex(ConfigError, "decide `auto` first"):
+    with self.assertRaisesRegex(errors.ConfigError, "decide `auto` first"):
       run_options.strategy_kind(_config(distribution_strategy="auto"))
 
   def test_apply_decision_leaves_no_auto(self):

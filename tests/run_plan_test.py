@@ -7,8 +7,7 @@ from absl.testing import absltest
 import pytest
 import tensorflow as tf
 
-from tfdist.config import ConfigError
-from tfdist.data.dataset_spec import DataNotFoundError
+from tfdist import errors
 from tfdist.data.dataset_spec import DatasetSpec
 from tfdist.distribute import auto_select
 from tfdist.distribute.strategy_kind import StrategyKind
@@ -95,7 +94,8 @@ class MakeRunPlanTest(absltest.TestCase):
     self.assertEqual(plan.eval_batch_size, 50)
 
   def test_a_batch_larger_than_the_data_is_refused(self):
-    with self.assertRaisesRegex(ConfigError, "larger than the 100 training"):
+    with self.assertRaisesRegex(
+        errors.ConfigError, "larger than the 100 training"):
       run_plan.make_run_plan(
           _options(batch_size=128), _function_spec(100),
           num_replicas_in_sync=1, num_workers=1, asynchronous=False,
@@ -157,11 +157,11 @@ class DataFilesTest(absltest.TestCase):
     data = run_plan.DataOptions(
         dataset="records", train_files=os.path.join(folder, "none-*"),
         eval_files=os.path.join(folder, "none-*"))
-    with self.assertRaises(DataNotFoundError):
+    with self.assertRaises(errors.DataNotFoundError):
       run_plan.resolve_data_files(data, self._file_spec())
 
   def test_no_files_and_nothing_to_convert(self):
-    with self.assertRaisesRegex(DataNotFoundError, "--train_files"):
+    with self.assertRaisesRegex(errors.DataNotFoundError, "--train_files"):
       run_plan.resolve_data_files(run_plan.DataOptions(dataset="records"),
                                   self._file_spec())
 

@@ -28,7 +28,10 @@ MIRRORED_CASES = (
     # tfdist's `sgd` is Keras's SGD with momentum, as `momentum` is.
     ("adamw", 2, 2, None), ("rmsprop", 1, 1, None))
 MWMS_CASES = (("adam", 2, 2, "global_clipnorm"),
-              ("momentum", 1, 1, "clipnorm"))
+              ("momentum", 1, 1, "clipnorm"),
+              # ZeRO stage 3 (tfdist.parallel.zero3): the weights sharded
+              # across the two workers too.
+              ("adam", 3, 2, "global_clipnorm"))
 
 
 def case_name(case) -> str:
@@ -53,6 +56,7 @@ def run_cases(strategy, train_glob: str, cases, *, scratch: str,
   from tfdist.data import input_pipeline  # pylint: disable=g-import-not-at-top
   from tfdist.training import optimizers  # pylint: disable=g-import-not-at-top
   from tfdist.training import precision  # pylint: disable=g-import-not-at-top
+  from tfdist.parallel import zero3  # pylint: disable=g-import-not-at-top
   from tfdist.training import sharded_optimizer  # pylint: disable=g-import-not-at-top
   from tfdist.training.train_loop import Trainer  # pylint: disable=g-import-not-at-top
 
@@ -108,6 +112,8 @@ def run_cases(strategy, train_glob: str, cases, *, scratch: str,
     batches = iterator(strategy, accumulate)
     for _ in range(STEPS):
       trainer.train_function(batches, tf.constant(1, tf.int32))
+    # Stage 3: the weights gathered into the model (all workers at once).
+    zero3.materialize(trainer)
     info = {"moved": max_diff(weights(model), before),
             "iterations": int(optimizer.iterations.numpy())}
     if stage:
@@ -123,8 +129,9 @@ def run_cases(strategy, train_glob: str, cases, *, scratch: str,
           int(np.prod(v.shape)) > 1})
       info["user_optimizer_variables"] = len(
           sharded_optimizer.inner_optimizer(optimizer).variables)
-      # Between steps the master shard holds nothing, and the state
-      # counted per replica is the slots (and accumulator shard) alone.
+      # Between steps the master shard holds nothing (stage 3: the
+      # weights), and the state counted per replica is the slots (and
+      # accumulator shard) alone.
       info["master_elements"] = sorted({
           int(tf.size(c).numpy()) for c in sharded.master.values})
       slot_bytes = sum(int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size
@@ -308,7 +315,8 @@ def mirrored_child(train_glob: str) -> dict:
   single = tf.distribute.MirroredStrategy(["/cpu:0"])
   return {"mirrored": guarded(lambda: run_cases(
       mirrored, train_glob, MIRRORED_CASES, scratch=testutil.scratch_dir(),
-      chain_stages=(0, 1, 2, 0), single_replica=single)),
+      fp16_stages=(1, 2, 3), chain_stages=(0, 1, 2, 0),
+      single_replica=single)),
           "resting": guarded(lambda: resting_memory(mirrored))}
 
 
@@ -346,13 +354,15 @@ class CaseChecks:
         self.assertEqual(got["padding"], 1)
         self.assertEqual(got["slot_sizes"], [got["shard_size"]])
         self.assertLessEqual(got["user_optimizer_variables"], 2)
-        self.assertEqual(got["master_elements"], [0])
+        stage3 = case[1] == 3
+        self.assertEqual(got["master_elements"],
+                         [got["shard_size"] if stage3 else 0])
         self.assertEqual(got["state_bytes_beyond_slots"],
                          4 * got["shard_size"]
-                         if case[1] == 2 and case[2] > 1 else 0)
+                         if case[1] >= 2 and case[2] > 1 else 0)
         if case[2] > 1:
           self.assertEqual(got["variable_accumulators"],
-                           0 if case[1] == 2 else 4)
+                           0 if case[1] >= 2 else 4)
 
   def check_fp16(self, result, stages=(1, 2)):
     self.assertNotIn("fp16_cases", result, result.get("fp16_cases"))

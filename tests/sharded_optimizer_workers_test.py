@@ -3,8 +3,9 @@ MultiWorkerMirroredStrategy workers train like unsharded training.
 
 `tfdist.launch` runs 2 workers of `tests.sharded_optimizer_testlib`: 3
 updates of Adam and SGD with momentum at stage 1 and 2, with and without
-gradient accumulation and clipping, give the unsharded run's weights within
-1e-5; an fp16 overflow on one worker skips the update on both; a checkpoint
+gradient accumulation and clipping, and Adam at stage 3 (the weights
+sharded across the workers, `tfdist.parallel.zero3`), give the unsharded
+run's weights within 1e-5; an fp16 overflow on one worker skips the update on both; a checkpoint
 goes unsharded -> stage 2 -> unsharded (the save gathers the shards across
 workers) and the weights at the end equal an uninterrupted run's. The same
 cases under MirroredStrategy, and the binary's: tests/sharded_optimizer_test.py.

@@ -11,6 +11,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tfdist import errors
 from tfdist.distribute import parameter_server
 from tfdist.training import step_runner
 from tfdist.training.train_loop import Trainer
@@ -174,7 +175,7 @@ class LostTaskTest(absltest.TestCase):
         tf.errors.UnavailableError(None, None, "/job:worker/task:1 gone"),
         after="step 40", last_checkpoint="/m/ckpt-40", own=("worker", 0),
         addresses={"worker": ["h0:1", "h1:2"]})
-    self.assertIsInstance(error, step_runner.PeerLostError)
+    self.assertIsInstance(error, errors.PeerLostError)
     self.assertIn("lost worker 1 at h1:2 after step 40", str(error))
     self.assertIn("/m/ckpt-40", str(error))
 
@@ -182,7 +183,7 @@ class LostTaskTest(absltest.TestCase):
     error = step_runner.ps_lost_error(
         tf.errors.UnavailableError(None, None, "ps down"), after="step 3",
         last_checkpoint=None)
-    self.assertIsInstance(error, parameter_server.ParameterServerError)
+    self.assertIsInstance(error, errors.ParameterServerError)
     self.assertIn("none yet (from step 0)", str(error))
 
 

@@ -5,7 +5,8 @@ from absl.testing import parameterized
 import pytest
 import tensorflow as tf
 
-from tfdist.config import ConfigError, TrainConfig
+from tfdist import errors
+from tfdist.config import TrainConfig
 from tfdist.distribute import auto_select
 from tfdist.distribute import cluster as cluster_lib
 from tfdist.distribute import strategy as strategy_lib
@@ -49,13 +50,14 @@ class MakeStrategyTest(parameterized.TestCase):
       ("ring_on_mirrored", "ring", "--all_reduce_alg=ring applies to "
        "multi_worker_mirrored"))
   def test_all_reduce_errors(self, alg, message):
-    with self.assertRaisesRegex(ConfigError, message):
+    with self.assertRaisesRegex(errors.ConfigError, message):
       strategy_lib.make_strategy(run_options.strategy_options(
           _config(distribution_strategy="mirrored", all_reduce_alg=alg,
                   num_gpus=0)))
 
   def test_too_many_gpus(self):
-    with self.assertRaisesRegex(ConfigError, r"--num_gpus=4 but only \d GPU"):
+    with self.assertRaisesRegex(
+        errors.ConfigError, r"--num_gpus=4 but only \d GPU"):
       strategy_lib.make_strategy(run_options.strategy_options(
           _config(distribution_strategy="mirrored", num_gpus=4)))
 
@@ -73,7 +75,7 @@ class MakeStrategyTest(parameterized.TestCase):
     self.assertEqual(choice.name, "one_device")
 
   def test_factory_never_sees_auto(self):
-    with self.assertRaisesRegex(ConfigError, "decide `auto` first"):
+    with self.assertRaisesRegex(errors.ConfigError, "decide `auto` first"):
       strategy_lib.make_strategy(run_options.strategy_options(
           _config(distribution_strategy="auto")))
 

@@ -29,7 +29,8 @@ import pytest
 import tensorflow as tf
 
 from tests import testutil
-from tfdist.config import ConfigError, TrainConfig
+from tfdist import errors
+from tfdist.config import TrainConfig
 from tfdist.data import input_pipeline
 from tfdist.data.dataset_spec import DatasetSpec
 from tfdist.training import run_options
@@ -131,7 +132,7 @@ class RegistryTest(parameterized.TestCase):
        " Registered: .*fashion_mnist, movielens.*register_dataset"),
   )
   def test_unknown_names_list_what_is_registered(self, changes, message):
-    with self.assertRaisesRegex(ConfigError, message):
+    with self.assertRaisesRegex(errors.ConfigError, message):
       run_options.task(TrainConfig(model_dir="/tmp/x", train_steps=1,
                                        **changes))
 
@@ -182,9 +183,11 @@ class RegistryTest(parameterized.TestCase):
   def test_bad_import_paths(self, value, message):
     pkg = _write_package({"mod.py": USER_MODULE.replace("{name}",
                                                         "badpath")})
-    with self.assertRaisesRegex(ConfigError, message.replace("{pkg}", pkg)):
+    with self.assertRaisesRegex(
+        errors.ConfigError, message.replace("{pkg}", pkg)):
       registry.get_model_builder(value.replace("{pkg}", pkg))
-    with self.assertRaisesRegex(ConfigError, "--import_modules=nosuchpkg_y"):
+    with self.assertRaisesRegex(
+        errors.ConfigError, "--import_modules=nosuchpkg_y"):
       registry.import_modules(["nosuchpkg_y"])
 
   def test_call_with_accepted(self):
@@ -195,31 +198,33 @@ class RegistryTest(parameterized.TestCase):
     self.assertEqual(call(lambda config, spec=None: (config, spec)), (2, 1))
     self.assertEqual(call(lambda **kw: sorted(kw)), ["config", "spec"])
     self.assertEqual(call(lambda spec, width=3: width), 3)
-    with self.assertRaisesRegex(ConfigError, "--model=x: .* required "
+    with self.assertRaisesRegex(errors.ConfigError, "--model=x: .* required "
                                 "parameter\\(s\\) units .* only: spec, config"):
       call(lambda units: units)
 
   def test_builder_must_return_a_model(self):
     task = task_lib.Task(model_fn=lambda: "nope", model_name="x:y",
                          dataset=DatasetSpec(name="d", parse_fn=lambda s: s))
-    with self.assertRaisesRegex(ConfigError, "--model=x:y returned str, not "
+    with self.assertRaisesRegex(
+        errors.ConfigError, "--model=x:y returned str, not "
                                 "a keras.Model"):
       task_lib.build_model(task, None)
 
   def test_infinite_dataset_function_is_refused(self):
     spec = DatasetSpec(name="forever", input_fn=lambda: tf.data.Dataset.range(
         3).repeat())
-    with self.assertRaisesRegex(ConfigError, "infinite dataset: return one "
+    with self.assertRaisesRegex(
+        errors.ConfigError, "infinite dataset: return one "
                                 "epoch"):
       input_pipeline.count_examples(spec)
     spec = DatasetSpec(name="eval_forever", input_fn=lambda training: (
         tf.data.Dataset.range(3).repeat(1 if training else -1)))
     self.assertEqual(input_pipeline.count_examples(spec), 3)
-    with self.assertRaisesRegex(ConfigError, "infinite evaluation "
+    with self.assertRaisesRegex(errors.ConfigError, "infinite evaluation "
                                 r"\(training=False\) dataset"):
       input_pipeline.count_examples(spec, training=False)
     spec = DatasetSpec(name="list", input_fn=lambda: [1, 2])
-    with self.assertRaisesRegex(ConfigError, "returned list, not a "
+    with self.assertRaisesRegex(errors.ConfigError, "returned list, not a "
                                 "tf.data.Dataset"):
       input_pipeline.count_examples(spec)
 
@@ -291,10 +296,11 @@ class ObjectivesTest(parameterized.TestCase):
     loss = objectives.resolve_loss("crossentropy", **shapes)
     self.assertEqual(loss.name, "binary_crossentropy")
     self.assertIsNone(loss.reduction)
-    with self.assertRaisesRegex(ConfigError, "loss='nope' is not a Keras "
+    with self.assertRaisesRegex(
+        errors.ConfigError, "loss='nope' is not a Keras "
                                 "loss name"):
       objectives.resolve_loss("nope", **shapes)
-    with self.assertRaisesRegex(ConfigError, "Losses per output"):
+    with self.assertRaisesRegex(errors.ConfigError, "Losses per output"):
       objectives.resolve_loss({"a": "mse"}, **shapes)
 
   def test_where_they_come_from(self):
@@ -315,7 +321,8 @@ class ObjectivesTest(parameterized.TestCase):
     got = resolve(model=plain, dataset=binary)
     self.assertEqual((got.source, got.metric_names),
                      ("task binary", ("accuracy", "auc")))
-    with self.assertRaisesRegex(ConfigError, "--model=m has no loss: compile "
+    with self.assertRaisesRegex(
+        errors.ConfigError, "--model=m has no loss: compile "
                                 "it .*--dataset=bare has none"):
       resolve(model=plain, dataset=bare, what="--model=m")
 
@@ -333,10 +340,11 @@ class ObjectivesTest(parameterized.TestCase):
       def result(self):
         return self.value
 
-    with self.assertRaisesRegex(ConfigError, "Metric 'last' keeps its "
+    with self.assertRaisesRegex(errors.ConfigError, "Metric 'last' keeps its "
                                 "variable .* aggregation='mean'"):
       objectives.MetricSums([Last()])
-    with self.assertRaisesRegex(ConfigError, "Metric 'auc' sizes its state "
+    with self.assertRaisesRegex(
+        errors.ConfigError, "Metric 'auc' sizes its state "
                                 "from its first batch"):
       objectives.MetricSums([keras.metrics.AUC(multi_label=True)])
 
@@ -497,18 +505,19 @@ class InitCheckpointTest(absltest.TestCase):
                                   extra_before)
 
   def test_errors(self):
-    with self.assertRaisesRegex(ConfigError, "no checkpoint there"):
+    with self.assertRaisesRegex(errors.ConfigError, "no checkpoint there"):
       assembly.load_init_checkpoint(self._model(), "/no/such/ckpt-3")
-    with self.assertRaisesRegex(ConfigError, "folder without checkpoints"):
+    with self.assertRaisesRegex(
+        errors.ConfigError, "folder without checkpoints"):
       assembly.load_init_checkpoint(self._model(), testutil.scratch_dir())
     other = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
     prefix = tf.train.Checkpoint(step=tf.Variable(3)).save(
         os.path.join(testutil.scratch_dir(), "ckpt"))
-    with self.assertRaisesRegex(ConfigError, "holds no model"):
+    with self.assertRaisesRegex(errors.ConfigError, "holds no model"):
       assembly.load_init_checkpoint(other, prefix)
     prefix = tf.train.Checkpoint(model=self._model(seed=1)).save(
         os.path.join(testutil.scratch_dir(), "ckpt"))
-    with self.assertRaisesRegex(ConfigError, "does not fit the model: "
+    with self.assertRaisesRegex(errors.ConfigError, "does not fit the model: "
                                 "Received incompatible tensor with shape "
                                 "\\(8, 2\\)"):
       assembly.load_init_checkpoint(self._model(head=5), prefix)

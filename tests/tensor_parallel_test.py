@@ -6,7 +6,8 @@ process reuse a collective group key and abort) and, for N = 2 and 4, trains a c
 attention block (ParallelMultiHeadAttention, residual, column -> row MLP)
 for K steps next to the same unsharded Keras model (Dense,
 MultiHeadAttention) from the same initial weights, then compares the
-gathered weights. SGD runs in float32. Adam runs in float64: the key
+gathered weights; on 2 replicas also the built-in Transformer
+(`models/transformer.py`, `tensor_parallel=True`). SGD runs in float32. Adam runs in float64: the key
 projection's bias has an exact gradient of zero (softmax ignores a shift
 that is the same for every key), so its float32 gradients are rounding
 noise of about 1e-9, which Adam divides by its epsilon (1e-7) into updates
@@ -40,11 +41,22 @@ def _child(n: int) -> dict:
   tf.config.set_logical_device_configuration(
       tf.config.list_physical_devices("CPU")[0],
       [tf.config.LogicalDeviceConfiguration()] * n)
+  from models import transformer
   from tfdist import errors
   from tfdist.parallel import tensor_parallel as tp
   # pylint: enable=g-import-not-at-top
 
   def build(kind: str, parallel: bool, dtype: str):
+    if kind == "transformer":
+      # The built-in classifier, small; no dropout, so both draw nothing.
+      keras.config.set_dtype_policy(dtype)
+      try:
+        return transformer.build_transformer(
+            sequence_length=5, vocabulary_size=20, num_classes=8,
+            embed_dim=8, num_heads=4, ff_dim=16, num_layers=1, dropout=0.0,
+            tensor_parallel=parallel)
+      finally:
+        keras.config.set_dtype_policy("float32")
     inputs = keras.Input((5, 8), dtype=dtype)
     x = inputs
     if kind == "attention":
@@ -63,8 +75,14 @@ def _child(n: int) -> dict:
           8, dtype=dtype)(hidden)
     return keras.Model(inputs, outputs)
 
-  def data(dtype):
+  def data(dtype, kind=""):
     rng = np.random.RandomState(0)
+    if kind == "transformer":
+      # Token ids with padding (0) at the end of some examples; targets
+      # for the 8 logits.
+      tokens = rng.randint(1, 20, size=(6, 5)).astype(np.int64)
+      tokens[::2, 3:] = 0
+      return tokens, rng.normal(size=(6, 8)).astype(dtype)
     return (rng.normal(size=(6, 5, 8)).astype(dtype),
             rng.normal(size=(6, 5, 8)).astype(dtype))
 
@@ -125,7 +143,7 @@ def _child(n: int) -> dict:
     return {"sharded": sharded, "whole_mirrors_equal": whole, "n": n}
 
   def train_case(strategy, kind, optimizer_name, dtype):
-    x, y = data(dtype)
+    x, y = data(dtype, kind)
     reference = build(kind, parallel=False, dtype=dtype)
     initial = reference.get_weights()
     with strategy.scope():
@@ -137,7 +155,11 @@ def _child(n: int) -> dict:
                             x, y)
     gathered = tp.gathered_weights(model)
     final = reference.get_weights()
+    extra = {}
+    if kind == "transformer" and optimizer_name == "sgd":
+      extra = transformer_checkpoint(strategy, model, x, dtype)
     return {
+        **extra,
         "shapes_match": [list(a.shape) for a in gathered] ==
                         [list(b.shape) for b in final],
         "max_weight_diff": max(float(np.abs(a - b).max())
@@ -147,6 +169,29 @@ def _child(n: int) -> dict:
         "max_loss_diff": max(abs(v - r) for row, r in
                              zip(losses, reference_losses) for v in row),
         **shard_report(model, strategy.num_replicas_in_sync)}
+
+  def transformer_checkpoint(strategy, model, x, dtype):
+    """The trained sharded Transformer's gathered weights, saved as the
+    unsharded Transformer's checkpoint and restored into a fresh one:
+    its outputs against the sharded model's on every replica."""
+    path = os.path.join(testutil.scratch_dir(), "transformer.weights.h5")
+    saved = build("transformer", parallel=False, dtype=dtype)
+    saved.set_weights(tp.gathered_weights(model))
+    saved.save_weights(path)
+    restored = build("transformer", parallel=False, dtype=dtype)
+    restored.load_weights(path)
+    outputs = strategy.experimental_local_results(
+        tf.function(lambda: strategy.run(lambda: model(x)))())
+    sharded_bytes = sum(
+        int(np.prod(c.shape)) * c.dtype.size
+        for v in model.weights if getattr(v, tp._SHARD_AXIS, None) is not None  # pylint: disable=protected-access
+        for c in tp._components(v)[:1])  # pylint: disable=protected-access
+    return {"restored_outputs_diff": max(
+        float(np.abs(np.asarray(o) - np.asarray(restored(x))).max())
+        for o in outputs),
+            # One replica's shards against the weights they split.
+            "shard_bytes_ratio": sharded_bytes / tp.splittable_weight_bytes(
+                restored)}
 
   def error_case(strategy):
     found = {}
@@ -239,7 +284,9 @@ def _child(n: int) -> dict:
   cases = [("mlp", "sgd", "float32"), ("attention", "sgd", "float32"),
            ("mlp", "adam", "float64"), ("attention", "adam", "float64")]
   if n == 2:
-    cases.append(("mlp_gathered", "sgd", "float32"))
+    cases.extend([("mlp_gathered", "sgd", "float32"),
+                  ("transformer", "sgd", "float32"),
+                  ("transformer", "adam", "float64")])
   for kind, optimizer_name, dtype in cases:
     name = f"{kind}_{optimizer_name}_{n}"
     try:
@@ -306,6 +353,21 @@ class TensorParallelTest(absltest.TestCase):
 
   def test_without_a_strategy_the_layers_are_keras_layers(self):
     self.assert_trains_like_keras("attention_sgd_1")
+
+  def test_built_in_transformer_equals_unsharded(self):
+    for optimizer in ("sgd", "adam"):
+      with self.subTest(optimizer=optimizer):
+        result = self.assert_trains_like_keras(f"transformer_{optimizer}_2")
+        # One block: the attention's query, key, value kernels and biases
+        # and output kernel, the feed-forward kernels and the first's bias.
+        self.assertLen(result["sharded"], 10)
+        for weight in result["sharded"]:
+          self.assertTrue(weight["distinct"], weight)
+    result = self.case("transformer_sgd_2")
+    # Each replica holds half of the weights the layers split.
+    self.assertAlmostEqual(result["shard_bytes_ratio"], 0.5)
+    # The gathered view is the unsharded Transformer's checkpoint.
+    self.assertLess(result["restored_outputs_diff"], _TOLERANCE)
 
   def test_gathered_column_output_feeds_a_dense(self):
     self.assert_trains_like_keras("mlp_gathered_sgd_2")

@@ -3,6 +3,7 @@
 
 from absl.testing import absltest
 
+from tfdist import errors
 from tfdist.cloud import job_plan
 from tfdist.cloud import tfjob_spec
 
@@ -37,7 +38,7 @@ class KubernetesTfJobTest(absltest.TestCase):
     self.assertEqual(pods.values["serviceAccountName"], "trainer")
     self.assertEqual(pods.for_replica("PS")["resources"]["limits"]["cpu"],
                      "1")
-    with self.assertRaisesRegex(job_plan.JobSpecError, r"--env"):
+    with self.assertRaisesRegex(errors.JobSpecError, r"--env"):
       tfjob_spec.pod_options(env=["NO_VALUE"])
 
 

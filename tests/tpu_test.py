@@ -21,7 +21,8 @@ import tensorflow as tf
 
 from tests import testutil
 from tfdist import experiment
-from tfdist.config import ConfigError, TrainConfig
+from tfdist import errors
+from tfdist.config import TrainConfig
 from tfdist.data import input_pipeline
 from tfdist.distribute import auto_select
 from tfdist.distribute import environment as environment_lib
@@ -91,14 +92,14 @@ class AddressTest(parameterized.TestCase):
   @parameterized.named_parameters(
       ("empty", "", "needs --tpu"), ("http", "http://x:1", "only grpc://"))
   def test_bad_addresses(self, address, message):
-    with self.assertRaisesRegex(ConfigError, message):
+    with self.assertRaisesRegex(errors.ConfigError, message):
       tpu.tpu_address_kind(address)
 
   def test_grpc_port(self):
     self.assertEqual(tpu.parse_grpc_address("grpc://10.0.0.2"),
                      ("10.0.0.2", 8470))
     self.assertEqual(tpu.parse_grpc_address("grpc://h:9"), ("h", 9))
-    with self.assertRaisesRegex(ConfigError, "grpc://HOST:PORT"):
+    with self.assertRaisesRegex(errors.ConfigError, "grpc://HOST:PORT"):
       tpu.parse_grpc_address("grpc://h:port")
 
 
@@ -107,7 +108,7 @@ class ProbeTest(absltest.TestCase):
   def test_closed_port_is_refused_at_once(self):
     port = portpicker.pick_unused_port()
     started = time.monotonic()
-    with self.assertRaisesRegex(tpu.TPUNotAvailableError,
+    with self.assertRaisesRegex(errors.TPUNotAvailableError,
                                 f"127.0.0.1:{port} failed"):
       tpu.probe_grpc("127.0.0.1", port, timeout=2)
     self.assertLess(time.monotonic() - started, 1.0)
@@ -116,7 +117,7 @@ class ProbeTest(absltest.TestCase):
     server = _Server(reply=None)
     self.addCleanup(server.close)
     started = time.monotonic()
-    with self.assertRaisesRegex(tpu.TPUNotAvailableError,
+    with self.assertRaisesRegex(errors.TPUNotAvailableError,
                                 "no gRPC \\(HTTP/2\\) answer within 1 s"):
       tpu.probe_grpc("127.0.0.1", server.port, timeout=1)
     self.assertLess(time.monotonic() - started, 2.5)
@@ -124,7 +125,7 @@ class ProbeTest(absltest.TestCase):
   def test_http1_server_is_not_grpc(self):
     server = _Server(reply=b"HTTP/1.1 400 Bad Request\r\n\r\n")
     self.addCleanup(server.close)
-    with self.assertRaisesRegex(tpu.TPUNotAvailableError,
+    with self.assertRaisesRegex(errors.TPUNotAvailableError,
                                 "not as a gRPC \\(HTTP/2\\) server"):
       tpu.probe_grpc("127.0.0.1", server.port, timeout=2)
 
@@ -150,7 +151,7 @@ class NoTpuTest(absltest.TestCase):
 
   def _fails_fast(self, address, *patterns, **kwargs):
     started = time.monotonic()
-    with self.assertRaises(tpu.TPUNotAvailableError) as ctx:
+    with self.assertRaises(errors.TPUNotAvailableError) as ctx:
       tpu.connect_tpu(address, **kwargs)
     elapsed = time.monotonic() - started
     self.assertLess(elapsed, _BOUND_S)
@@ -257,13 +258,14 @@ class TpuRulesTest(parameterized.TestCase):
                                 cfg.defaulted)
 
   def test_fp16_refused(self):
-    with self.assertRaisesRegex(ConfigError, "--dtype=fp16 is not supported"
+    with self.assertRaisesRegex(
+        errors.ConfigError, "--dtype=fp16 is not supported"
                                 " with --distribution_strategy=tpu"):
       self._config(dtype="fp16")
 
   def test_tpu_address_required(self):
     # Checked once the environment is applied ($TPU_NAME may supply it).
-    with self.assertRaisesRegex(ConfigError, "needs --tpu"):
+    with self.assertRaisesRegex(errors.ConfigError, "needs --tpu"):
       tpu.validate_tpu_config(self._config(tpu="").tpu, data_patterns=[])
 
   @parameterized.named_parameters(
@@ -275,7 +277,7 @@ class TpuRulesTest(parameterized.TestCase):
        "--data_dir=/data"))
   def test_gcs_required_for_remote_tpus(self, address, files, message):
     cfg = self._with_environment(self._config(tpu=address, **files))
-    with self.assertRaisesRegex(ConfigError, message):
+    with self.assertRaisesRegex(errors.ConfigError, message):
       tpu.validate_tpu_config(cfg.tpu, data_patterns=run_plan.data_patterns(
           run_options.data_options(cfg)))
 
@@ -307,7 +309,7 @@ class TpuRulesTest(parameterized.TestCase):
         "features": {"x": {"dtype": "float32", "shape": [2]},
                      "y": {"dtype": "int64"}}, "labels": ["y"]}
     ).dataset_spec()
-    with self.assertRaisesRegex(ConfigError, "input must be on gs://"):
+    with self.assertRaisesRegex(errors.ConfigError, "input must be on gs://"):
       tpu.validate_tpu_config(cfg.tpu, data_patterns=run_plan.data_patterns(
           run_options.data_options(cfg), records))
 
@@ -315,7 +317,7 @@ class TpuRulesTest(parameterized.TestCase):
     # A remote TPU with local files fails on the rule, without any network.
     cfg = self._config(tpu=f"grpc://127.0.0.1:{portpicker.pick_unused_port()}",
                        train_files="/d/train-*", eval_files="/d/test-*")
-    with self.assertRaisesRegex(ConfigError, "input must be on gs://"):
+    with self.assertRaisesRegex(errors.ConfigError, "input must be on gs://"):
       experiment.prepare_run(
           cfg, environment=environment_lib.read_environment({}))
 

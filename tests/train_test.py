@@ -23,9 +23,9 @@ import tensorflow as tf
 from tfdist import models
 from tests import testutil
 from tfdist import experiment
-from tfdist.config import ConfigError, TrainConfig
+from tfdist import errors
+from tfdist.config import TrainConfig
 from tfdist.data import datasets
-from tfdist.data.datasets import DataNotFoundError
 from tfdist.observability import manifest as manifest_lib
 
 
@@ -214,15 +214,16 @@ class RunExperimentTest(parameterized.TestCase):
 
   @parameterized.named_parameters(
       ("glob_matches_nothing", dict(train_files="/no/such/*.gz"),
-       DataNotFoundError, r"--train_files='/no/such/\*.gz' matches no file"),
+       errors.DataNotFoundError,
+       r"--train_files='/no/such/\*.gz' matches no file"),
       ("inconsistent_batch", dict(batch_size=64, per_replica_batch_size=32),
-       ConfigError, "--batch_size=64.*--per_replica_batch_size=32"),
-      ("warmup_too_long", dict(warmup_steps=50), ConfigError,
+       errors.ConfigError, "--batch_size=64.*--per_replica_batch_size=32"),
+      ("warmup_too_long", dict(warmup_steps=50), errors.ConfigError,
        "--warmup_steps=50 is longer than the run"),
-      ("unknown_model", dict(model="vit"), ConfigError, "--model='vit'"),
+      ("unknown_model", dict(model="vit"), errors.ConfigError, "--model='vit'"),
       ("not_available_yet_or_unknown_dataset", dict(dataset="cifar10",
                                                     train_files=""),
-       ConfigError, "--dataset='cifar10'"),
+       errors.ConfigError, "--dataset='cifar10'"),
   )
   def test_errors_before_training(self, changes, error, message):
     model_dir = testutil.scratch_dir()

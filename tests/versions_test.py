@@ -14,6 +14,7 @@ from absl.testing import parameterized
 import pytest
 
 from tests import testutil
+from tfdist import errors
 from tfdist.observability import versions
 
 # Also run on the oldest supported TensorFlow (see tests/conftest.py).
@@ -46,7 +47,7 @@ class CheckVersionsTest(parameterized.TestCase):
   )
   def test_unsupported_names_found_range_and_fix(self, tf_version,
                                                  keras_version, problem):
-    with self.assertRaises(versions.UnsupportedVersionError) as caught:
+    with self.assertRaises(errors.UnsupportedVersionError) as caught:
       versions.check_versions(
           versions.Versions(tf_version, keras_version, "3.11.7"))
     message = str(caught.exception)
@@ -59,7 +60,7 @@ class CheckVersionsTest(parameterized.TestCase):
 
   def test_both_problems_are_named(self):
     with self.assertRaisesRegex(
-        versions.UnsupportedVersionError,
+        errors.UnsupportedVersionError,
         "TensorFlow 2.15.1 is not supported; Keras 2.15.0 is not supported"):
       versions.check_versions(versions.Versions("2.15.1", "2.15.0", "3.10.1"))
 

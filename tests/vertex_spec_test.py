@@ -3,6 +3,7 @@ google-cloud-aiplatform; tests/job_spec_test.py validates with it)."""
 
 from absl.testing import absltest
 
+from tfdist import errors
 from tfdist.cloud import job_plan
 from tfdist.cloud import vertex_spec
 
@@ -43,7 +44,7 @@ class VertexCustomJobTest(absltest.TestCase):
     self.assertNotIn("acceleratorType", pools[2]["machineSpec"])
 
   def test_prebuilt_image_unknown_version(self):
-    with self.assertRaisesRegex(job_plan.JobSpecError,
+    with self.assertRaisesRegex(errors.JobSpecError,
                                 r"--tf_version=2.99.*Known: 2.17"):
       vertex_spec.prebuilt_image("2.99", gpu=False)
 
@@ -59,7 +60,7 @@ class VertexCustomJobTest(absltest.TestCase):
     self.assertIn("python_package_spec", sdk["worker_pool_specs"][0])
     self.assertIn("executor_image_uri",
                   sdk["worker_pool_specs"][0]["python_package_spec"])
-    with self.assertRaisesRegex(job_plan.JobSpecError, r"--form=xml"):
+    with self.assertRaisesRegex(errors.JobSpecError, r"--form=xml"):
       vertex_spec.vertex_form(job, "xml")
 
 

@@ -69,11 +69,21 @@ def _install_sibling_finder():
 
 _install_sibling_finder()
 
+# Before any `import tensorflow` of the script that imports tfdist: hides
+# TensorFlow's import-time notices and its C++ INFO and WARNING lines
+# (`TF_CPP_MIN_LOG_LEVEL=0` keeps them). Standard library only.
+from tfdist.runtime import quiet_tensorflow as _quiet_tensorflow  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+_quiet_tensorflow.quiet_library_import()
+
 def __getattr__(name):
   # Imported lazily so `import tfdist` stays cheap (no TensorFlow import).
-  if name in ("TrainConfig", "ConfigError"):
+  if name == "TrainConfig":
     from tfdist import config  # pylint: disable=g-import-not-at-top
-    return getattr(config, name)
+    return config.TrainConfig
+  if name == "ConfigError":
+    from tfdist import errors  # pylint: disable=g-import-not-at-top
+    return errors.ConfigError
   if name == "DatasetSpec":
     from tfdist.data import dataset_spec  # pylint: disable=g-import-not-at-top
     return dataset_spec.DatasetSpec

@@ -46,15 +46,13 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist import experiment
-from tfdist.config import ConfigError
+from tfdist import errors
 from tfdist.config import TrainConfig
 from tfdist.data import input_pipeline
 from tfdist.data import python_inputs
 from tfdist.data.dataset_spec import DatasetSpec
 from tfdist.distribute import cluster as cluster_lib
 from tfdist.distribute import environment as environment_lib
-from tfdist.errors import PreemptedError
-from tfdist.errors import StoppedAtStartError
 from tfdist.observability import progress
 from tfdist.runtime import script_exit
 from tfdist.training import keras_callbacks
@@ -69,13 +67,14 @@ def _leaves(name: str, value) -> list:
   leaves = tf.nest.flatten(value)
   for leaf in leaves:
     if isinstance(leaf, (tf.data.Dataset,)) or callable(leaf):
-      raise ConfigError(
+      raise errors.ConfigError(
           f"{name} must be NumPy arrays or tensors (or a list or dict of "
           f"them); received {type(leaf).__name__}. Pass a dataset function "
           "as dataset_fn (or validation_data) instead.")
     if np.ndim(leaf) == 0:
-      raise ConfigError(f"{name} holds a scalar ({leaf!r}): every array "
-                        "needs a leading dimension of one row per example.")
+      raise errors.ConfigError(
+          f"{name} holds a scalar ({leaf!r}): every array "
+          "needs a leading dimension of one row per example.")
   return leaves
 
 
@@ -83,9 +82,10 @@ def _length(name: str, value) -> int:
   """Rows of every array in `value`; `ConfigError` when they differ."""
   lengths = {int(np.shape(leaf)[0]) for leaf in _leaves(name, value)}
   if len(lengths) != 1:
-    raise ConfigError(f"{name}: the arrays have different numbers of rows "
-                      f"({sorted(lengths)}); give one row per example in "
-                      "each.")
+    raise errors.ConfigError(
+        f"{name}: the arrays have different numbers of rows "
+        f"({sorted(lengths)}); give one row per example in "
+        "each.")
   return lengths.pop()
 
 
@@ -97,7 +97,7 @@ def _examples(name: str, arrays: Sequence[Any]) -> tuple:
   lengths = [(f"{name}{names[i]}", _length(f"{name}{names[i]}", a))
              for i, a in enumerate(arrays)]
   if len({n for _, n in lengths}) != 1:
-    raise ConfigError(
+    raise errors.ConfigError(
         "Arrays of different lengths: " + ", ".join(
             f"{what} has {n} rows" for what, n in lengths) +
         ". Give one row per example in each (as keras.Model.fit requires).")
@@ -206,14 +206,16 @@ def _check_array_args(*, x, y, sample_weight, validation_split: float):
       without `x`, or `validation_split` without arrays.
   """
   if not 0.0 <= validation_split < 1.0:
-    raise ConfigError(f"validation_split={validation_split!r} must be in "
-                      "(0, 1): the fraction of the arrays kept for "
-                      "evaluation (0: none), as keras.Model.fit takes it.")
+    raise errors.ConfigError(
+        f"validation_split={validation_split!r} must be in "
+        "(0, 1): the fraction of the arrays kept for "
+        "evaluation (0: none), as keras.Model.fit takes it.")
   if x is None and (y is not None or sample_weight is not None):
-    raise ConfigError("y or sample_weight given without x: pass the inputs "
-                      "as x (arrays), or the examples as dataset_fn.")
+    raise errors.ConfigError(
+        "y or sample_weight given without x: pass the inputs "
+        "as x (arrays), or the examples as dataset_fn.")
   if validation_split and x is None:
-    raise ConfigError(
+    raise errors.ConfigError(
         f"validation_split={validation_split} is only for arrays (x, y), as "
         "in keras.Model.fit; with a dataset function, pass validation_data "
         "or return the evaluation split for training=False.")
@@ -230,7 +232,7 @@ def _validation_arrays(validation_data) -> tuple:
       len(validation_data) not in (2, 3)):
     entries = ("" if not isinstance(validation_data, (tuple, list))
                else f" of {len(validation_data)} entries")
-    raise ConfigError(
+    raise errors.ConfigError(
         "validation_data must be a tuple (x_val, y_val) or (x_val, y_val, "
         "val_sample_weight) of arrays, or a dataset function; received "
         f"{type(validation_data).__name__}{entries}.")
@@ -248,7 +250,7 @@ def _split_off_validation(train: tuple, rows: int,
   """
   kept = int(rows * (1.0 - validation_split))
   if kept <= 0 or kept >= rows:
-    raise ConfigError(
+    raise errors.ConfigError(
         f"validation_split={validation_split} of {rows} examples leaves "
         f"{kept} for training and {rows - kept} for evaluation; choose a "
         "split that leaves examples for both.")
@@ -270,10 +272,11 @@ def make_task(model_fn: Union[Callable, str],
                                     ("config.feature_spec",
                                      config.feature_spec)) if value]
   if len(given) > 1:
-    raise ConfigError(f"Pass one source of data; received {' and '.join(given)}"
-                      ". dataset_fn makes the examples; parse_fn or "
-                      "config.feature_spec read config.train_files and "
-                      "config.eval_files.")
+    raise errors.ConfigError(
+        f"Pass one source of data; received {' and '.join(given)}"
+        ". dataset_fn makes the examples; parse_fn or "
+        "config.feature_spec read config.train_files and "
+        "config.eval_files.")
   if dataset_fn is not None:
     if isinstance(dataset_fn, str):
       task_lib.load_builtins()
@@ -292,8 +295,9 @@ def make_task(model_fn: Union[Callable, str],
   elif callable(model_fn):
     model_name, builder = task_lib.describe_function(model_fn), model_fn
   else:
-    raise ConfigError(f"model_fn must be a function returning a keras.Model "
-                      f"(or a registered name); received {model_fn!r}.")
+    raise errors.ConfigError(
+        f"model_fn must be a function returning a keras.Model "
+        f"(or a registered name); received {model_fn!r}.")
   return task_lib.Task(model_fn=builder, dataset=dataset,
                        model_name=model_name, loss=loss, metrics=metrics)
 
@@ -417,8 +421,9 @@ def fit(model_fn: Union[Callable, str],
   """
   if (isinstance(verbose, float) or verbose is None
       or verbose not in ("auto", 0, 1, 2)):
-    raise ConfigError(f"tfdist.fit(verbose={verbose!r}): use \"auto\", 1 or "
-                      "2 (tfdist's log lines) or 0 (logging as it is).")
+    raise errors.ConfigError(
+        f"tfdist.fit(verbose={verbose!r}): use \"auto\", 1 or "
+        "2 (tfdist's log lines) or 0 (logging as it is).")
   config = with_keras_length(config, epochs=epochs, batch_size=batch_size)
   python = python_inputs.python_input_names(x=x,
                                             validation_data=validation_data)
@@ -456,20 +461,20 @@ def fit(model_fn: Union[Callable, str],
                                          callbacks=[*callbacks, history],
                                          environment=environment, task=task,
                                          print_final_eval=verbose != 0)
-  except PreemptedError as e:
+  except errors.PreemptedError as e:
     raise _stopped_in_fit(e, config) from None
-  except StoppedAtStartError:
+  except errors.StoppedAtStartError:
     script_exit.install_stop_hook()  # Nothing trained: one line, 128 + sig.
     raise
   return _with_history(result, history)
 
 
-def _stopped_in_fit(error: PreemptedError,
-                    config: TrainConfig) -> PreemptedError:
+def _stopped_in_fit(error: errors.PreemptedError,
+                    config: TrainConfig) -> errors.PreemptedError:
   """`error` saying how to resume in a script's terms, with the hook that
   ends an uncaught one as `tfdist.train` ends (`script_exit`) installed."""
   script_exit.install_stop_hook()
-  return PreemptedError(
+  return errors.PreemptedError(
       signum=error.signum, step=error.step, checkpoint=error.checkpoint,
       resume=("Run the script again with the same model_dir in its "
               f"TrainConfig (model_dir={config.model_dir!r}) to resume."))
@@ -478,8 +483,8 @@ def _stopped_in_fit(error: PreemptedError,
 def _positive_int(name: str, value) -> int:
   if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or (
       value < 1):
-    raise ConfigError(f"tfdist.fit({name}={value!r}): {name} must be an "
-                      "integer >= 1, as keras.Model.fit takes it.")
+    raise errors.ConfigError(f"tfdist.fit({name}={value!r}): {name} must be an "
+                             "integer >= 1, as keras.Model.fit takes it.")
   return int(value)
 
 
@@ -498,13 +503,13 @@ def with_keras_length(config: TrainConfig, *, epochs: Optional[int] = None,
   if epochs is not None:
     epochs = _positive_int("epochs", epochs)
     if config.train_steps:
-      raise ConfigError(
+      raise errors.ConfigError(
           f"tfdist.fit(epochs={epochs}) and TrainConfig(train_steps="
           f"{config.train_steps}) both set how long to train: drop one "
           "(train_steps=0 lets epochs decide).")
     default = TrainConfig.__dataclass_fields__["train_epochs"].default
     if config.train_epochs not in (default, epochs):
-      raise ConfigError(
+      raise errors.ConfigError(
           f"tfdist.fit(epochs={epochs}) and TrainConfig(train_epochs="
           f"{config.train_epochs}) disagree: set the number of epochs in one "
           "place.")
@@ -512,13 +517,13 @@ def with_keras_length(config: TrainConfig, *, epochs: Optional[int] = None,
   if batch_size is not None:
     batch_size = _positive_int("batch_size", batch_size)
     if config.per_replica_batch_size is not None:
-      raise ConfigError(
+      raise errors.ConfigError(
           f"tfdist.fit(batch_size={batch_size}) is the global batch, and "
           "TrainConfig(per_replica_batch_size="
           f"{config.per_replica_batch_size}) sets it per replica: give one.")
     if ("batch_size" not in config.unset_fields and
         config.batch_size not in (None, batch_size)):
-      raise ConfigError(
+      raise errors.ConfigError(
           f"tfdist.fit(batch_size={batch_size}) and TrainConfig(batch_size="
           f"{config.batch_size}) disagree: set the global batch in one "
           "place.")
@@ -541,7 +546,8 @@ def _check_one_host(python: tuple, *, config: TrainConfig,
   python_inputs.check_one_host(
       name=name, value=value,
       distribution_strategy=config.distribution_strategy,
-      num_workers=cluster.num_workers,
+      # A pipeline's chief alone reads the input, across a cluster too.
+      num_workers=1 if config.pipeline_stages > 1 else cluster.num_workers,
       num_ps=cluster.num_ps)
 
 
@@ -637,25 +643,26 @@ def _in_memory_source(dataset_fn, *, config: TrainConfig,
   """
   arrays = x is not None or y is not None or sample_weight is not None
   if arrays and dataset_fn is not None:
-    raise ConfigError("Pass the examples once: arrays (x, y) or dataset_fn"
-                      ", not both.")
+    raise errors.ConfigError(
+        "Pass the examples once: arrays (x, y) or dataset_fn"
+        ", not both.")
   if parse_fn is not None or config.feature_spec:
-    raise ConfigError(
+    raise errors.ConfigError(
         "x, y, validation_data and validation_split go with arrays or a "
         "dataset function; parse_fn and config.feature_spec read "
         "config.train_files and config.eval_files (give the evaluation "
         "files there).")
   if sample_weight is not None and config.class_weight:
     given = ",".join(f"{k}:{w}" for k, w in config.class_weight)
-    raise ConfigError(
+    raise errors.ConfigError(
         f"--class_weight={given} and sample weights in "
         "fit(sample_weight=...) cannot be used together (as in Keras's "
         "fit). Fold the class weights into the sample weights, or drop "
         "one.")
   if dataset_fn is not None and not callable(dataset_fn):
-    raise ConfigError("validation_data and validation_split need "
-                      "dataset_fn to be a function; received "
-                      f"{dataset_fn!r}.")
+    raise errors.ConfigError("validation_data and validation_split need "
+                             "dataset_fn to be a function; received "
+                             f"{dataset_fn!r}.")
   input_fn, has_validation = in_memory_dataset(
       x=x, y=y, sample_weight=sample_weight, dataset_fn=dataset_fn,
       validation_data=validation_data, validation_split=validation_split)

@@ -20,7 +20,10 @@ Everything after `--` is `tfdist.train` flags. The diagnosis:
    and optimizer state (`tfdist.training.memory`), and whether every replica's
    copy fits the device's memory under data parallelism (which strategy fits if
    not); for a sharded layout (ZeRO), whether it is needed at this size and
-   what it costs in traffic (`layout_notes`);
+   what it costs in traffic (`layout_notes`); and every layout side by side
+   (`layout_choice`: plain data parallelism, ZeRO 1/2/3, pipeline stages,
+   tensor parallelism; state and activations per device) with the cheapest
+   that fits recommended with its flags;
 3. runs the requested configuration and a single-device baseline
    (`one_device`, the same model, data and per-replica batch) as child
    processes of `tfdist.train` (through `tfdist.launch` for a local cluster,
@@ -64,8 +67,6 @@ from absl import flags
 from tfdist import job_spec
 from tfdist.distribute.strategy_kind import StrategyKind
 from tfdist import errors
-from tfdist.errors import ConfigError
-from tfdist.errors import DiagnoseError
 from tfdist.training import memory
 from tfdist.training import optimizers
 
@@ -100,6 +101,7 @@ _BASELINE_SETS = ("distribution_strategy", "batch_size",
 # them and says so.
 MULTI_REPLICA_FLAGS = ("num_cpu_devices", "num_gpus", "zero_stage",
                        "shard_optimizer_state", "shard_gradients",
+                       "shard_parameters",
                        "all_reduce_alg", "all_reduce_dtype", "bytes_per_pack",
                        "sync_batch_norm",
                        "reduction_server", "collective_timeout_seconds",
@@ -112,7 +114,8 @@ MULTI_REPLICA_FLAGS = ("num_cpu_devices", "num_gpus", "zero_stage",
 _BASELINE_DROPS = _BASELINE_SETS + MULTI_REPLICA_FLAGS
 # Boolean flags among them (`--name`, `--noname`: no separate value).
 _BOOLEAN_DROPS = ("reduction_server", "sync_batch_norm",
-                  "shard_optimizer_state", "shard_gradients")
+                  "shard_optimizer_state", "shard_gradients",
+                  "shard_parameters")
 
 INPUT_ADVICE = (
     "input pipeline knobs: keep --cache_dataset on (parsed examples cached in "
@@ -326,7 +329,7 @@ def measurement_from_run(model_dir: str, label: str) -> RunMeasurement:
   from tfdist.observability import run_log  # pylint: disable=g-import-not-at-top
   path = os.path.join(model_dir, manifest_lib.MANIFEST_FILE)
   if not os.path.exists(path):
-    raise DiagnoseError(f"{label}: no {path}: the run did not finish.")
+    raise errors.DiagnoseError(f"{label}: no {path}: the run did not finish.")
   manifest = manifest_lib.read_manifest(model_dir)
   throughput = manifest.get("throughput", {})
   mem = manifest.get("memory", {})
@@ -808,8 +811,9 @@ def run_training(spec: RunSpec, model_dir: str, *,
       tail = f.read()[-3000:]
     what = (f"timed out after {timeout_seconds:g} s" if code is None else
             f"exited with status {code}")
-    raise DiagnoseError(f"The {spec.label} run {what}; the end of its output "
-                        f"({log_path}):\n{tail}")
+    raise errors.DiagnoseError(
+        f"The {spec.label} run {what}; the end of its output "
+        f"({log_path}):\n{tail}")
   return measurement_from_run(model_dir, spec.label)
 
 
@@ -831,9 +835,36 @@ def baseline_dropped(train_args: Sequence[str]) -> List[str]:
   return split_flags(train_args, MULTI_REPLICA_FLAGS)[1]
 
 
+@dataclasses.dataclass(frozen=True)
+class ModelSizes:
+  """What the layout table needs of a model, read from one build.
+
+  Attributes:
+    estimate: its unsharded `memory.ModelMemory` (one replica).
+    activation_bytes_per_example: its layers' outputs for one example, in
+      their compute dtype (`memory.activation_bytes_per_example`).
+    tensor_parallel_bytes: bytes of the weights tensor-parallel layers
+      would split (0: none can be split).
+  """
+  estimate: memory.ModelMemory
+  activation_bytes_per_example: int = 0
+  tensor_parallel_bytes: int = 0
+
+
 def model_memory_of(config) -> memory.ModelMemory:
   """Builds `config`'s model and optimizer on this host (no data, no
   strategy) and returns their `ModelMemory`.
+
+  Raises:
+    ConfigError: an unknown model or data set
+      (`tfdist.training.task.from_names`).
+  """
+  return model_sizes_of(config).estimate
+
+
+def model_sizes_of(config) -> ModelSizes:
+  """`model_memory_of`, with the model's activations per example and the
+  bytes tensor parallelism would split (`ModelSizes`).
 
   Raises:
     ConfigError: an unknown model or data set
@@ -860,7 +891,11 @@ def model_memory_of(config) -> memory.ModelMemory:
     optimizer = assembly.run_optimizer(options,
                                        lr_schedule.ConstantLearningRate(0.1))
     optimizer.build(model.trainable_variables)
-    return memory.estimate_model_memory(model, optimizer)
+    from tfdist.parallel import tensor_parallel  # pylint: disable=g-import-not-at-top
+    return ModelSizes(
+        memory.estimate_model_memory(model, optimizer),
+        memory.activation_bytes_per_example(model),
+        tensor_parallel.splittable_weight_bytes(model))
   finally:
     keras.mixed_precision.set_dtype_policy("float32")
 
@@ -962,18 +997,18 @@ def check_cluster(kind: StrategyKind, *, num_workers: int,
     ConfigError: `--num_workers` / `--num_ps` and the strategy disagree.
   """
   if (num_workers > 1 or num_ps) and kind.is_single_process:
-    raise ConfigError(
+    raise errors.ConfigError(
         f"--num_workers={num_workers} --num_ps={num_ps} start a cluster of "
         f"processes, but --distribution_strategy={kind} trains in one. Use "
         "--distribution_strategy=multi_worker_mirrored (parameter_server "
         "with --num_ps), or leave tfdist.diagnose's --num_workers and "
         "--num_ps out.")
   if kind.is_asynchronous and not num_ps:
-    raise ConfigError(
+    raise errors.ConfigError(
         f"--distribution_strategy={kind} needs parameter-server tasks: give "
         "tfdist.diagnose --num_ps=1 or more (and --num_workers).")
   if num_ps and not kind.is_asynchronous:
-    raise ConfigError(
+    raise errors.ConfigError(
         f"--num_ps={num_ps} starts parameter-server tasks, which "
         f"--distribution_strategy={kind} does not use. Use "
         "--distribution_strategy=parameter_server, or drop --num_ps.")
@@ -1007,7 +1042,7 @@ def plan_measurements(args: Sequence[str], config, *, num_workers: int = 1,
   Raises:
     ConfigError: the cluster does not suit the strategy (`check_cluster`),
       or the batch does not split over the planned replicas.
-    tfdist.job_spec.JobSpecError: tfdist.train would refuse the baseline's
+    tfdist.errors.JobSpecError: tfdist.train would refuse the baseline's
       flags (the message names the flag).
   """
   from tfdist.training import batch_plan  # pylint: disable=g-import-not-at-top
@@ -1194,7 +1229,7 @@ def diagnose(train_args: Sequence[str], *, num_workers: int = 1,
     "model_memory", "model_fit", "layout"}`.
 
   Raises:
-    tfdist.job_spec.JobSpecError: `train_args`, or the baseline made of
+    tfdist.errors.JobSpecError: `train_args`, or the baseline made of
       them, are not valid tfdist.train flags.
     ConfigError: the cluster does not suit the strategy, or the batch does
       not split over the replicas (`plan_measurements`).
@@ -1213,7 +1248,8 @@ def diagnose(train_args: Sequence[str], *, num_workers: int = 1,
   _say(out, plan.describe(repeats=repeats))
   facts = _train_facts(config)
   cores = len(os.sched_getaffinity(0))
-  estimate = model_memory_of(config)
+  sizes = model_sizes_of(config)
+  estimate = sizes.estimate
   gpu_bytes = device_memory_capacity()
   host_bytes = memory.host_memory_bytes()
   if plan_only:
@@ -1221,11 +1257,14 @@ def diagnose(train_args: Sequence[str], *, num_workers: int = 1,
                         num_replicas=plan.num_replicas or 1,
                         gpu_bytes=gpu_bytes, host_bytes=host_bytes)
     layout = _layout_notes(estimate, fitted, facts)
+    choice = layout_choice(sizes, fitted, facts, plan)
     _say(out, "\n".join([_model_state_line(fitted, facts), *layout,
-                         "Nothing measured (--plan_only)."]))
+                         "", "Layouts (per device, state and activations):",
+                         choice.render(), "Nothing measured (--plan_only)."]))
     return {"plan": _plan_record(plan), "model_memory":
             fitted.estimate.to_dict(),
-            "model_fit": dataclasses.asdict(fitted.fit), "layout": layout}
+            "model_fit": dataclasses.asdict(fitted.fit), "layout": layout,
+            "layouts": choice.to_dict()}
   keep = root is not None
   root = root or tempfile.mkdtemp(prefix="tfdist-diagnose-")
   try:
@@ -1243,6 +1282,7 @@ def diagnose(train_args: Sequence[str], *, num_workers: int = 1,
                      host_memory_bytes=host_bytes, cores=cores, pinned=pin,
                      cpu_bf16=cpu_has_bf16())
     result.notes.extend(_layout_notes(estimate, fitted, facts))
+    choice = layout_choice(sizes, fitted, facts, plan)
     rows = [r for r in (base, requested) if r is not None]
     runs_line = _runs_line(
         steps=steps if "train_steps" not in given else facts.train_steps,
@@ -1250,15 +1290,17 @@ def diagnose(train_args: Sequence[str], *, num_workers: int = 1,
         log_steps=facts.log_steps)
     report = ["", render_table(rows, base), "",
               _model_state_line(fitted, facts),
-              runs_line + _runs_folder_note(root, keep), "", result.render()]
+              runs_line + _runs_folder_note(root, keep), "",
+              "Layouts (per device, state and activations):",
+              choice.render(), "", result.render()]
     _say(out, "\n".join(report))
     return {**_run_records(requested, base, requested_runs + baseline_runs,
                            keep=keep),
             "model_memory": fitted.estimate.to_dict(),
             "model_fit": dataclasses.asdict(fitted.fit), "cores": cores,
             "pinned": pin, "verdict": result.to_dict(),
-            "plan": _plan_record(plan)}
-  except DiagnoseError:
+            "plan": _plan_record(plan), "layouts": choice.to_dict()}
+  except errors.DiagnoseError:
     # The failed run's log, which the message names, stays.
     keep = True
     raise
@@ -1293,6 +1335,50 @@ def _layout_notes(estimate: memory.ModelMemory, fitted: "_FittedModel",
       num_microbatches=facts.num_microbatches)
 
 
+def layout_choice(sizes: ModelSizes, fitted: "_FittedModel",
+                  facts: "TrainFacts", plan: MeasurementPlan
+                  ) -> memory.LayoutChoice:
+  """Every layout's bytes per device for the run's model, batch, dtype and
+  devices, and the cheapest that fits (`memory.layout_table`).
+
+  The devices are the requested run's replicas in sync (its pipeline
+  stages, when it has more); the memory is one GPU's, or the host's that
+  CPU devices share; the global batch is the requested run's per-replica
+  batch times its replicas (per micro-step under gradient accumulation).
+  """
+  replicas = plan.num_replicas or 1
+  devices = max(replicas, facts.pipeline_stages)
+  global_batch = ((plan.per_replica_batch_size or 0) * replicas or
+                  facts.global_batch_size or 1)
+  return memory.layout_table(
+      sizes.estimate, num_devices=devices,
+      capacity_bytes=fitted.fit.capacity_bytes,
+      shared_memory=fitted.where == "host", global_batch_size=global_batch,
+      activation_bytes_per_example=sizes.activation_bytes_per_example,
+      optimizer=facts.optimizer,
+      gradient_accumulation=facts.gradient_accumulation_steps > 1,
+      num_microbatches=(facts.num_microbatches
+                        if facts.pipeline_stages > 1 else 0),
+      pipeline_schedule=facts.pipeline_schedule,
+      # tfdist.train has no tensor-parallel flag: the row shows what the
+      # layers would save, and is never recommended.
+      tensor_parallel_bytes=sizes.tensor_parallel_bytes,
+      refused=_refused_layouts())
+
+
+def _refused_layouts() -> dict:
+  """Layouts this tfdist's configuration refuses whatever the run, with
+  the first sentence of the refusal: ZeRO stage 3 where it is not offered
+  (a config of Mirrored replicas with `--zero_stage=3`, checked)."""
+  from tfdist import config as config_lib  # pylint: disable=g-import-not-at-top
+  try:
+    config_lib.TrainConfig(model_dir="/tmp/tfdist-diagnose", zero_stage=3,
+                           distribution_strategy="mirrored")
+  except errors.ConfigError as e:
+    return {"ZeRO 3": str(e).split(":")[0]}
+  return {}
+
+
 def _model_dir_flag(train_args: Sequence[str]) -> Optional[str]:
   """The value of `--model_dir=DIR` among `train_args`, or None."""
   return next((a.split("=", 1)[1] for a in train_args
@@ -1324,6 +1410,9 @@ class TrainFacts:
     log_steps: `--log_steps` (the measurement interval, steps).
     pipeline_stages: `--pipeline_stages` (1: none).
     num_microbatches: the micro-batches per step of a pipelined run.
+    pipeline_schedule: `--pipeline_schedule`.
+    global_batch_size: `--batch_size` (0: the plan's).
+    gradient_accumulation_steps: `--gradient_accumulation_steps`.
   """
   optimizer: str
   zero_stage: int
@@ -1331,6 +1420,9 @@ class TrainFacts:
   log_steps: int
   pipeline_stages: int = 1
   num_microbatches: int = 1
+  pipeline_schedule: str = "gpipe"
+  global_batch_size: int = 0
+  gradient_accumulation_steps: int = 1
 
 
 def _train_facts(config) -> TrainFacts:
@@ -1341,7 +1433,12 @@ def _train_facts(config) -> TrainFacts:
                     train_steps=config.train_steps,
                     log_steps=config.log_steps, pipeline_stages=stages,
                     num_microbatches=int(getattr(config, "num_microbatches",
-                                                 None) or stages))
+                                                 None) or stages),
+                    pipeline_schedule=getattr(config, "pipeline_schedule",
+                                              "gpipe") or "gpipe",
+                    global_batch_size=int(config.batch_size or 0),
+                    gradient_accumulation_steps=int(
+                        config.gradient_accumulation_steps or 1))
 
 
 def _measured_args(train_args: Sequence[str], given: set, *, steps: int,
@@ -1405,7 +1502,7 @@ def _run_with_progress(spec: RunSpec, model_dir: str, *, number: int,
   started = time.monotonic()
   try:
     run = run_training(spec, model_dir, timeout_seconds=timeout_seconds)
-  except DiagnoseError:
+  except errors.DiagnoseError:
     _say(out, f"[{number}/{total}] {spec.label} run: failed after "
               f"{time.monotonic() - started:.0f} s.")
     raise
@@ -1560,7 +1657,7 @@ def main(argv):
                       steps=_FLAGS.steps, log_steps=_FLAGS.log_steps,
                       timeout_seconds=_FLAGS.timeout_seconds,
                       plan_only=_FLAGS.plan_only)
-  except (ConfigError, DiagnoseError) as e:
+  except (errors.ConfigError, errors.DiagnoseError) as e:
     # Flags or a plan refused: CONFIG (2), before anything ran; a run that
     # failed: 1.
     _exit(str(e), errors.exit_code_for(e) or errors.UNEXPECTED)

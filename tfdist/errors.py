@@ -23,10 +23,12 @@ A `tfdist.fit` script that does not catch a stop (`PreemptedError`,
 (`tfdist.runtime.script_exit`).
 
 `exit_code_for` maps an exception raised by `run_experiment` to its status.
-The classes are defined here, one home for all of them; the modules that
-raise them also export them under their old names (`tfdist.config.
-ConfigError`, `tfdist.distribute.lease.LeaseHeldError`, ...). This module imports
-nothing of tfdist, so every module can import it.
+The classes are defined here and only here: every module raises and
+catches them as `errors.ConfigError`, ... (`from tfdist import errors`);
+no other module defines or re-exports one (`tests/imports_test.py`). The
+package root's `tfdist.ConfigError` is the one shortcut, for `tfdist.fit`
+scripts. This module imports nothing of tfdist, so every module can import
+it.
 """
 
 import signal
@@ -145,6 +147,13 @@ class PipelineConfigError(ConfigError):
 
 
 # --- status 1: divergence and stalls -----------------------------------------
+class WeightsShardedError(ConfigError):
+  """A ZeRO stage-3 weight (`--zero_stage=3`) was read or assigned where
+  it has no whole value: in traced code outside tfdist's step, or between
+  steps with replicas on other workers (status 2: the same code fails the
+  same way)."""
+
+
 class TrainingStalledError(FloatingPointError):
   """The optimizer made no update for too many steps in a row."""
 

@@ -94,7 +94,7 @@ from absl import logging
 # The parts, and the names `tfdist.job_spec` has always offered.
 from tfdist.cloud.job_plan import check_train_config  # pylint: disable=unused-import
 from tfdist.cloud.job_plan import JobPlan  # pylint: disable=unused-import
-from tfdist.cloud.job_plan import JobSpecError  # pylint: disable=unused-import
+from tfdist import errors
 from tfdist.cloud.job_plan import need
 from tfdist.cloud.job_plan import parse_accelerator  # pylint: disable=unused-import
 from tfdist.cloud.job_plan import parse_train_flags  # pylint: disable=unused-import
@@ -335,7 +335,7 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)
   try:
     job = build(platform, _FLAGS, rest[2:])
-  except JobSpecError as e:
+  except errors.JobSpecError as e:
     sys.exit(f"tfdist.job_spec: error: {e}")
   except ImportError as e:
     sys.exit(f"tfdist.job_spec: error: validating a {platform} spec needs "

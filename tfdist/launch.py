@@ -16,8 +16,17 @@ Everything after `--` goes to every process (`python -m tfdist.train` unless
   (MultiWorkerMirroredStrategy). With `--num_ps=M` there is a `chief`
   (the coordinator) plus `worker` 0..N-1 plus `ps` 0..M-1, and every task
   gets `GRPC_FAIL_FAST=use_caller` (ParameterServerStrategy). `--evaluator`
-  adds `evaluator` 0;
-* prefixes each output line with the role (`[worker:0] ...`);
+  adds `evaluator` 0. With `--pipeline_stages` among the task flags, the
+  same chief and workers hold the stages: the chief drives, the workers
+  serve until it marks the run done (`tfdist.backends.pipeline`);
+* shows the chief's output as the chief writes it (once, not once per
+  worker), the evaluator's prefixed with its task, and of the other tasks
+  only their warnings and errors, prefixed with the task
+  (`[worker:0] ...`); TensorFlow's own C++ log and import notices stay
+  hidden unless `--verbose`; a task that fails gets its last lines shown
+  (`tfdist.runtime.task_output`). `--output=all` shows every line of every
+  task, prefixed; `--task_log_dir=DIR` keeps each task's whole output in
+  `DIR/<type>-<index>.log`;
 * forwards SIGINT (Ctrl-C) and SIGTERM to every task; the tasks save a
   checkpoint and exit (see `tfdist.runtime.preemption`), and any still running
   after `--stop_grace_seconds` are killed. A second Ctrl-C kills at once;
@@ -67,9 +76,11 @@ from absl import app
 from absl import flags
 import portpicker
 
+from tfdist import errors
 from tfdist.distribute import cluster as cluster_lib
 from tfdist.distribute import worker_exit
 from tfdist.runtime import cli
+from tfdist.runtime import task_output
 
 HOST = "127.0.0.1"
 # Survivors of a failed task get this long to exit on their own (they
@@ -227,6 +238,11 @@ def _training(tasks: Sequence[Task]) -> List[Task]:
   return [t for t in tasks if t.task_type in kinds]
 
 
+def _log_name(task: Task) -> str:
+  """The file name of `task`'s whole output under `--task_log_dir`."""
+  return f"{task.task_type}-{task.task_index}.log"
+
+
 def _exit_status(code: Optional[int]) -> int:
   """A subprocess return code as a shell exit status (signal N -> 128+N)."""
   if code is None:
@@ -248,11 +264,33 @@ class Launcher:
     pin_workers: pin each training worker to a core of its own
       (`worker_cpus`), and the coordinator and ps tasks to the cores left
       over (`service_cpus`).
+    output: `task_output.OUTPUT_CHIEF` (the chief's lines, the other
+      tasks' warnings and errors) or `OUTPUT_ALL` (every line, prefixed).
+    verbose: with `OUTPUT_CHIEF`, show the chief's TensorFlow chatter too.
+    task_log_dir: a folder for each task's whole output (`<type>-<index>.log`,
+      appended to by every attempt); None: no files.
+
+  Raises:
+    ValueError: `output` is not one of `task_output.OUTPUT_MODES`.
   """
 
   def __init__(self, *, tasks: Sequence[Task], command: Sequence[str],
                max_restarts: int = 0, stop_grace_seconds: float = 40.0,
-               out=None, pin_workers: bool = False):
+               out=None, pin_workers: bool = False,
+               output: str = task_output.OUTPUT_CHIEF, verbose: bool = False,
+               task_log_dir: Optional[str] = None):
+    if output not in task_output.OUTPUT_MODES:
+      raise ValueError(
+          f"--output={output!r} is not one of "
+          f"{', '.join(task_output.OUTPUT_MODES)}: `chief` shows the chief's "
+          "lines and the other tasks' warnings and errors, `all` every line "
+          "of every task.")
+    self.output = output
+    self.verbose = bool(verbose)
+    self.task_log_dir = task_log_dir
+    self._tails: Dict[Task, task_output.TaskTail] = {}
+    self._pumps: Dict[Task, threading.Thread] = {}
+    self._shown_messages = set()
     self.tasks = list(tasks)
     self.command = list(command)
     self.max_restarts = int(max_restarts)
@@ -278,19 +316,85 @@ class Launcher:
       self.out.write(f"[launch] {text}\n")
       self.out.flush()
 
-  def _pump(self, task: Task, stream):
-    prefix = f"[{task.name}] ".encode()
+  def _write(self, data: bytes):
+    """Writes `data` (whole lines) to the output; the caller holds the lock."""
     out = getattr(self.out, "buffer", None)
+    if out is not None:
+      out.write(data)
+    else:
+      self.out.write(data.decode(errors="replace"))
+    self.out.flush()
+
+  def _pump(self, task: Task, stream, log=None):
+    prefix = f"[{task.name}] ".encode()
+    tail = self._tails[task]
     for line in iter(stream.readline, b""):
+      if not line.endswith(b"\n"):
+        line += b"\n"
+      if log is not None:
+        log.write(line)
+        log.flush()
       with self._lock:
-        if out is not None:
-          out.write(prefix + line if line.endswith(b"\n") else
-                    prefix + line + b"\n")
-          out.flush()
+        if self.output == task_output.OUTPUT_ALL:
+          shown, text = True, prefix + line
+        elif task == self.tasks[0]:
+          shown, text = self._chief_line(line), line
+        elif task.task_type == cluster_lib.EVALUATOR:
+          # Its evaluations are its own, not a copy of the chief's lines.
+          shown, text = self._chief_line(line), prefix + line
         else:
-          self.out.write((prefix + line).decode(errors="replace"))
-          self.out.flush()
+          shown, text = self._task_line(line), prefix + line
+        tail.add(line, shown)
+        if shown:
+          self._write(text)
     stream.close()
+    if log is not None:
+      log.close()
+
+  def _chief_line(self, line: bytes) -> bool:
+    """Whether the chief's (or the evaluator's) `line` is shown
+    (`--output=chief`)."""
+    text = line.decode(errors="replace").rstrip("\n")
+    if not self.verbose and task_output.is_chatter(text):
+      return False
+    self._shown_messages.add(task_output.message_key(text))
+    return True
+
+  def _task_line(self, line: bytes) -> bool:
+    """Whether another task's `line` is shown (`--output=chief`): what
+    concerns it, less what the chief or another task has said already
+    (`task_output.message_key`), and a signal it received unless the
+    launcher forwarded one to every task."""
+    text = line.decode(errors="replace").rstrip("\n")
+    if text.startswith("tfdist: received SIG"):
+      return self._signal is None
+    key = task_output.message_key(text)
+    if not task_output.concerns_task(text) or key in self._shown_messages:
+      return False
+    self._shown_messages.add(key)
+    return True
+
+  def _show_tail(self, task: Task):
+    """After `task` failed: its last lines, when the user has not seen
+    them all (`--output=chief`)."""
+    if self.output == task_output.OUTPUT_ALL:
+      return
+    thread = self._pumps.get(task)
+    if thread is not None:
+      thread.join(timeout=5)  # The task has exited: its last lines come.
+    tail = self._tails[task]
+    if not tail.any_hidden():
+      return
+    where = (os.path.join(self.task_log_dir, _log_name(task))
+             if self.task_log_dir else
+             "run with --output=all or --task_log_dir=DIR")
+    lines = tail.lines()
+    what = f"{len(lines)} lines" if len(lines) > 1 else "line"
+    self._say(f"the last {what} of {task.name} (all of its output: "
+              f"{where}):")
+    prefix = f"[{task.name}] ".encode()
+    with self._lock:
+      self._write(b"".join(prefix + line for line in lines))
 
   # --- signals -------------------------------------------------------------
   def _on_signal(self, signum, frame):
@@ -324,6 +428,7 @@ class Launcher:
         ports.append(port)
     cluster = make_cluster(self.tasks, ports)
     pumps = []
+    self._shown_messages = set()
     for task, port in zip(self.tasks, ports):
       scratch = os.path.join(scratch_root, f"attempt{self.attempts}",
                              task.name.replace(":", ""))
@@ -348,10 +453,16 @@ class Launcher:
                   f"{','.join(map(str, cpus))}")
       self._say(f"attempt {self.attempts}: started {task.name} pid "
                 f"{proc.pid}{where}")
-      thread = threading.Thread(target=self._pump, args=(task, proc.stdout),
-                                daemon=True)
+      log = None
+      if self.task_log_dir:
+        log = open(os.path.join(self.task_log_dir, _log_name(task)), "ab")
+        log.write(f"[launch] attempt {self.attempts}\n".encode())
+      self._tails[task] = task_output.TaskTail()
+      thread = threading.Thread(target=self._pump,
+                                args=(task, proc.stdout, log), daemon=True)
       thread.start()
       pumps.append(thread)
+      self._pumps[task] = thread
     return pumps
 
   def _wait_attempt(self) -> str:
@@ -388,6 +499,7 @@ class Launcher:
         for task in failed:
           self._say(f"{task.name} exited with status "
                     f"{_exit_status(codes[task])}.")
+          self._show_tail(task)
         self._stop_survivors()
         return "failed"
       for task, at in self._done_at.items():
@@ -400,6 +512,7 @@ class Launcher:
               "finishing its work")
           self._say(f"{task.name} {self._failed_after_work[task]}: the run "
                     "failed (not restarted: the work is done).")
+          self._show_tail(task)
         elif codes[task] is None and now - at > done_grace:
           noted.add(task)
           self._failed_after_work[task] = (
@@ -518,6 +631,38 @@ def define_launch_flags():
       "for measurements (python -m tfdist.diagnose, benchmarks/).")
   flags.DEFINE_string("module", "tfdist.train",
                       "Python module every task runs with `python -m`.")
+  flags.DEFINE_enum(
+      "output", task_output.OUTPUT_CHIEF, task_output.OUTPUT_MODES,
+      "What of the tasks' output to show. chief: the chief's lines as they "
+      "are, the evaluator's, the other tasks' warnings and errors (each "
+      "prefixed with its task: [worker:0] ...), and the last lines of a "
+      "task that fails. all: every line of every task, prefixed with the "
+      "task.")
+  flags.DEFINE_bool(
+      "verbose", False,
+      "With --output=chief, also show TensorFlow's own C++ log lines and "
+      "import notices (the cluster's start-up chatter), hidden otherwise.")
+  flags.DEFINE_string(
+      "task_log_dir", "",
+      "Write each task's whole output to DIR/<type>-<index>.log (for "
+      "example chief-0.log, worker-0.log), every attempt appended; created "
+      "if missing.")
+
+
+def _check_task_log_dir(path: str):
+  """Creates `--task_log_dir` if missing; exits with `errors.CONFIG` and one
+  line naming the flag, the folder and the fix when it cannot be written
+  (before any task starts)."""
+  try:
+    os.makedirs(path, exist_ok=True)
+    why = None if os.access(path, os.W_OK) else "not writable"
+  except OSError as e:
+    why = e.strerror or str(e)
+  if why:
+    print(f"tfdist.launch: error: --task_log_dir={path!r}: {why}; give a "
+          "folder this user can write (or leave the flag out).",
+          file=sys.stderr)
+    sys.exit(errors.CONFIG)
 
 
 def main(argv):
@@ -529,11 +674,14 @@ def main(argv):
     raise app.UsageError(str(e)) from None
   if FLAGS.max_restarts < 0:
     raise app.UsageError(f"--max_restarts={FLAGS.max_restarts} must be >= 0.")
+  if FLAGS.task_log_dir:
+    _check_task_log_dir(FLAGS.task_log_dir)
   launcher = Launcher(
       tasks=tasks, command=[sys.executable, "-m", FLAGS.module, *train_args],
       max_restarts=FLAGS.max_restarts,
       stop_grace_seconds=FLAGS.stop_grace_seconds,
-      pin_workers=FLAGS.pin_workers)
+      pin_workers=FLAGS.pin_workers, output=FLAGS.output,
+      verbose=FLAGS.verbose, task_log_dir=FLAGS.task_log_dir or None)
   sys.exit(launcher.run())
 
 

@@ -92,7 +92,8 @@ from absl import flags  # pylint: disable=g-import-not-at-top,wrong-import-posit
 from absl import logging  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 from tfdist import flags as tfdist_flags  # pylint: disable=g-import-not-at-top,wrong-import-position
-from tfdist.config import ConfigError, TrainConfig  # pylint: disable=g-import-not-at-top,wrong-import-position
+from tfdist import errors
+from tfdist.config import TrainConfig
 from tfdist.distribute import environment  # pylint: disable=g-import-not-at-top,wrong-import-position
 from tfdist.distribute.strategy_kind import StrategyKind  # pylint: disable=g-import-not-at-top,wrong-import-position
 from tfdist.runtime import cli  # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -166,16 +167,16 @@ def prepare_config(config: TrainConfig) -> TrainConfig:
   strategy = config.distribution_strategy
   kind = None if strategy == "auto" else StrategyKind.parse(strategy)
   if kind is not None and kind.is_asynchronous:
-    raise ConfigError(f"--distribution_strategy={kind}: {PS_REFUSAL}")
+    raise errors.ConfigError(f"--distribution_strategy={kind}: {PS_REFUSAL}")
   if kind not in (None, StrategyKind.MULTI_WORKER_MIRRORED):
-    raise ConfigError(
+    raise errors.ConfigError(
         f"--distribution_strategy={strategy} does not apply under tfdist.ray: "
         "each Ray Train worker is one task of a MultiWorkerMirroredStrategy "
         "cluster with one device. Use --distribution_strategy="
         "multi_worker_mirrored (or auto), or run `python -m tfdist.train` "
         "for one process.")
   if config.worker_hosts or config.task_index >= 0:
-    raise ConfigError(
+    raise errors.ConfigError(
         f"--worker_hosts={config.worker_hosts!r} / --task_index="
         f"{config.task_index}: Ray Train gives every worker its place in the "
         "cluster (TF_CONFIG). Drop both flags.")
@@ -192,7 +193,7 @@ def prepare_config(config: TrainConfig) -> TrainConfig:
                 if p.strip()]
     for pattern in patterns:
       if _is_local(pattern) and not glob.glob(_absolute(pattern)):
-        raise ConfigError(
+        raise errors.ConfigError(
             f"{flag}={pattern!r} matches no file (looked for "
             f"{_absolute(pattern)}). Check the path, or leave {flag} empty "
             "to use the --dataset's own files.")
@@ -426,11 +427,12 @@ def check_worker_counts(*, num_workers: int, cpus_per_worker: float,
     ConfigError: a count out of range (the message names the flag).
   """
   if num_workers < 1:
-    raise ConfigError(f"--num_workers={num_workers} must be >= 1.")
+    raise errors.ConfigError(f"--num_workers={num_workers} must be >= 1.")
   if cpus_per_worker <= 0:
-    raise ConfigError(f"--cpus_per_worker={cpus_per_worker} must be > 0.")
+    raise errors.ConfigError(
+        f"--cpus_per_worker={cpus_per_worker} must be > 0.")
   if max_failures < -1:
-    raise ConfigError(
+    raise errors.ConfigError(
         f"--max_failures={max_failures} must be >= 0 (or -1: no limit).")
 
 
@@ -455,8 +457,9 @@ def _refuse_run_config_duplicates(*, name, storage_path, max_failures):
   if given:
     where = ("failure_config=FailureConfig(max_failures=...)"
              if given[0] == "max_failures" else f"{given[0]}=...")
-    raise ConfigError(f"run_on_ray: {given[0]} and run_config given: set "
-                      f"it in the RunConfig (RunConfig({where})).")
+    raise errors.ConfigError(
+        f"run_on_ray: {given[0]} and run_config given: set "
+        f"it in the RunConfig (RunConfig({where})).")
 
 
 def _default_run_config(*, name, storage_path: str, max_failures: int):
@@ -529,7 +532,7 @@ def _refuse_shared_trial_folders(config: TrainConfig):
   shared = [f for f in ("checkpoint_dir", "tensorboard_dir", "export_dir")
             if getattr(config, f)]
   if shared:
-    raise ConfigError(
+    raise errors.ConfigError(
         f"--{shared[0]}={getattr(config, shared[0])!r} would be shared by "
         "every Tune trial: leave it unset, and each trial's goes under its "
         "own --model_dir (<model_dir>/<trial name>).")
@@ -568,7 +571,7 @@ def trial_train_config(base: TrainConfig, params: dict,
   bad = sorted(k for k in params
                if k not in fields or k in _TRIAL_FIXED_FIELDS)
   if bad:
-    raise ConfigError(
+    raise errors.ConfigError(
         f"Tune parameter {bad[0]!r}: not a tfdist.train flag a trial may "
         f"set ({'each trial has its own' if bad[0] in fields else 'no such field'}"
         "). Use TrainConfig field names (the flag names), other than "
@@ -656,9 +659,9 @@ def tune_trainable(config: TrainConfig, *, num_workers: int = 1,
       fails that trial with a ConfigError naming it.
   """
   if num_workers < 1:
-    raise ConfigError(f"num_workers={num_workers} must be >= 1.")
+    raise errors.ConfigError(f"num_workers={num_workers} must be >= 1.")
   if cpus_per_worker <= 0:
-    raise ConfigError(f"cpus_per_worker={cpus_per_worker} must be > 0.")
+    raise errors.ConfigError(f"cpus_per_worker={cpus_per_worker} must be > 0.")
   _refuse_shared_trial_folders(config)
   base = prepare_config(config)
   tune = _require_tune()
@@ -740,7 +743,7 @@ def _train_config(argv) -> TrainConfig:
     check_worker_counts(num_workers=FLAGS.num_workers,
                         cpus_per_worker=FLAGS.cpus_per_worker,
                         max_failures=FLAGS.max_failures)
-  except ConfigError as e:
+  except errors.ConfigError as e:
     raise app.UsageError(str(e)) from None
   return config
 

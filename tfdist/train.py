@@ -15,6 +15,7 @@ import sys
 import traceback
 from typing import Sequence
 
+from tfdist import errors
 from tfdist.runtime import quiet_tensorflow  # Standard library only.
 
 quiet_tensorflow.default_log_level()
@@ -114,7 +115,7 @@ def _read_config() -> config_lib.TrainConfig:
     # Only after the version check: run_options imports Keras.
     from tfdist.training import run_options  # pylint: disable=g-import-not-at-top
     filesystems.require_file_systems(run_options.config_paths(config))
-  except config_lib.ConfigError as e:
+  except errors.ConfigError as e:
     _usage_error(e)
   return config
 

@@ -19,6 +19,10 @@
 #   xla           the bf16 ResNet run with --enable_xla, against the bf16 run
 #                 without it
 #   diagnose      python -m tfdist.diagnose on a one-device run
+#   pipeline      the quick start's run cut into 2 pipeline stages (1F1B, 4
+#                 micro-batches): stage i on GPU i with two GPUs or more,
+#                 else on 2 logical CPU devices; its examples/sec against
+#                 main_job's (the same run unsplit) and each device's peak
 # and then gpu_check.json (GPU name or "no GPU", TensorFlow version, each
 # part's status and figures, the bf16/fp32 ratio) and a short table.
 #
@@ -128,7 +132,7 @@ if [ "$GPU_COUNT" -gt 0 ]; then
   RES_STEPS=60 RES_LOG=20
   PARITY=(--pairs=2 --steps=200 --warmup_steps=20)
   DIAG=(--steps=200 --log_steps=50)
-  CAP_MAIN=120 CAP_PARITY=150 CAP_RUN=90 CAP_DIAG=120
+  CAP_MAIN=120 CAP_PARITY=150 CAP_RUN=90 CAP_DIAG=120 CAP_PIPE=90
 else
   MODE=cpu
   BATCH=${GPU_CHECK_BATCH:-32}
@@ -136,7 +140,7 @@ else
   RES_STEPS=6 RES_LOG=2
   PARITY=(--pairs=1 --steps=10 --warmup_steps=3)
   DIAG=(--steps=6 --log_steps=2)
-  CAP_MAIN=240 CAP_PARITY=300 CAP_RUN=240 CAP_DIAG=300
+  CAP_MAIN=240 CAP_PARITY=300 CAP_RUN=240 CAP_DIAG=300 CAP_PIPE=240
   # CPU quick mode: the budget covers a loaded 2-core machine.
   BUDGET=${GPU_CHECK_BUDGET:-900}
 fi
@@ -200,6 +204,11 @@ run_part resnet_bf16_xla "$CAP_RUN" "${TRAIN[@]}" \
 run_part diagnose "$CAP_DIAG" "$PY" -m tfdist.diagnose --nobaseline \
   "${DIAG[@]}" --timeout_seconds="$CAP_DIAG" --output="$OUT/diagnose.json" \
   -- --distribution_strategy=one_device --dataset=fashion_mnist --seed=42
+# Last: the parts above keep the budget they had before it was added.
+PIPE=(--pipeline_stages=2 --num_microbatches=4 --pipeline_schedule=1f1b)
+[ "$GPU_COUNT" -lt 2 ] && PIPE+=(--num_gpus=0)
+run_part pipeline "$CAP_PIPE" "${TRAIN[@]}" --model_dir="$RUNS/pipeline" \
+  --train_steps="$MAIN_STEPS" --log_steps="$MAIN_LOG" "${PIPE[@]}"
 
 # --- the summary ------------------------------------------------------------------
 "$PY" - "$OUT" "$MODE" "$BATCH" $((SECONDS - STARTED)) <<'EOF'
@@ -297,6 +306,11 @@ if not gpu:
   summary["bf16_over_fp32_cpu"] = bf16
   summary["note"] = ("CPU quick mode: tiny runs, figures for the record "
                      "only; resnet_fp16 ran with TF_ENABLE_ONEDNN_OPTS=0.")
+run_figures("pipeline")
+# The same run as main_job, cut into 2 stages: on GPU 0 and 1 only with
+# two GPUs (else on logical CPU devices, where the ratio is not a GPU's).
+summary["pipeline_over_one_device"] = ratio("pipeline", "main_job")
+summary["pipeline_devices"] = parts["pipeline"].get("replica_devices")
 p = part("diagnose")
 diag = load(os.path.join(out, "diagnose.json"))
 if diag:
@@ -329,6 +343,9 @@ print(f"bf16/fp32: {fmt(summary['bf16_over_fp32'], '{:.2f}')} (goal >= 1.8)"
       + f"; XLA on/off (bf16): {fmt(summary['xla_over_no_xla_bf16'], '{:.2f}')}"
       + f"; keras_parity tfdist/keras: "
       f"{fmt(parts['keras_parity'].get('tfdist_over_keras'), '{:.3f}')}")
+print(f"pipeline (2 stages, 1f1b) / one device: "
+      f"{fmt(summary['pipeline_over_one_device'], '{:.2f}')} on "
+      f"{summary['pipeline_devices'] or '-'}")
 if diag and diag.get("verdict"):
   v = diag["verdict"]
   print("diagnose verdict:", v.get("label", v) if isinstance(v, dict) else v)

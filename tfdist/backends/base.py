@@ -17,7 +17,8 @@ here with a `Backend` subclass registered for that kind
 | `tpu` | `tfdist.backends.tpu` |
 
 A run with `--pipeline_stages` > 1 gets `tfdist.backends.pipeline`'s
-backend instead (`tfdist.backends.registry.backend_for_run`).
+backend instead (`tfdist.backends.registry.backend_for_run`), in one
+process or across a cluster's chief and workers.
 
 The pattern is Keras's backend-neutral `Trainer` with a thin
 `TensorFlowTrainer` subclass: the shared loop lives once, above; what one
@@ -169,6 +170,17 @@ class Backend:
     building the strategy (for `--dry_run`)."""
     del config
     return 1, self.training_workers(cluster)
+
+  def assembly_options(self, options, *, choice):
+    """The run's `tfdist.training.assembly.AssemblyOptions` as this backend
+    needs them, once its strategy is built (default: unchanged).
+
+    Args:
+      options: the options made from the config.
+      choice: the `StrategyChoice` that `build_strategy` returned.
+    """
+    del choice
+    return options
 
   # -- Training ----------------------------------------------------------------
 

@@ -1,29 +1,50 @@
-"""Pipeline parallelism in one process (`--pipeline_stages=P`, P > 1).
+"""Pipeline parallelism (`--pipeline_stages=P`, P > 1), in one process or
+across the tasks of a cluster.
 
-The model's stages run on this process's devices, stage i on GPU i or, on a
-CPU-only host, on logical CPU device i (configured here: P of them). The
-run is otherwise a one-device run: one replica, the trainer's loop,
-checkpoints and export, with the trainer's per-replica forward and backward
-pass replaced by the pipeline's micro-batched one
+In one process the model's stages run on this process's devices, stage i on
+GPU i or, on a CPU-only host, on logical CPU device i (configured here: P
+of them). The run is otherwise a one-device run: one replica, the trainer's
+loop, checkpoints and export, with the trainer's per-replica forward and
+backward pass replaced by the pipeline's micro-batched one
 (`tfdist.training.pipeline_step`). The strategy is TensorFlow's default
 one: `OneDeviceStrategy` would place every variable on its one device,
 where the stages' variables must live on theirs.
+
+Across a cluster (`TF_CONFIG` or `tfdist.launch` with a chief and T-1
+workers, no ps tasks), the chief is the one client: it connects to the
+cluster (`tf.config.experimental_connect_to_cluster`), reads all the input,
+runs the steps and writes `--model_dir`, as a parameter-server coordinator
+does; each worker only serves its devices (a `tf.distribute.Server`) until
+the chief marks the run done. The P stages go P/T to a task, in order
+(chief, worker 0, worker 1, ...), stage i on device i mod P/T of its task
+(its GPUs, else its logical CPU devices). A lost task stops the run with
+`tfdist.errors.PeerLostError` (exit status 200; restart and resume from the
+last checkpoint), as under MultiWorkerMirrored.
 
 `backend_for_run` chooses this backend for a config with
 `pipeline_stages > 1` (the flags allow it only with `--distribution_strategy`
 auto, one_device or off; `tfdist.parallel.pipeline_options`).
 """
 
-from typing import List, Tuple
+import contextlib
+import dataclasses
+from typing import List, Optional, Tuple
 
+from absl import logging
 import tensorflow as tf
 
 from tfdist.backends import base
 from tfdist.backends import single_process
+from tfdist.distribute import cluster as cluster_lib
 from tfdist.distribute import devices as devices_lib
+from tfdist.distribute import parameter_server as ps_lib
 from tfdist.distribute import strategy as strategy_lib
 from tfdist.distribute.strategy_kind import StrategyKind
-from tfdist.errors import ConfigError
+from tfdist import errors
+from tfdist.training import step_runner
+
+# The jobs whose tasks host stages, in stage order.
+STAGE_JOBS = (cluster_lib.CHIEF, cluster_lib.WORKER)
 
 
 def stage_devices(num_stages: int, num_gpus: int = -1) -> List[str]:
@@ -35,59 +56,220 @@ def stage_devices(num_stages: int, num_gpus: int = -1) -> List[str]:
     num_gpus: `--num_gpus` (-1: all visible; 0: none).
 
   Raises:
-    ConfigError: fewer than P GPUs, or the CPU already split into fewer
+    errors.ConfigError: fewer than P GPUs, or the CPU already split into fewer
       than P logical devices (TensorFlow's runtime started).
   """
   gpus = base.local_accelerators(num_gpus) if num_gpus != 0 else 0
   if gpus:
     names = [d.name for d in tf.config.list_logical_devices("GPU")][:gpus]
     if len(names) < num_stages:
-      raise ConfigError(
+      raise errors.ConfigError(
           f"--pipeline_stages={num_stages} needs {num_stages} GPUs (stage i "
           f"runs on GPU i); this process sees {len(names)}. Lower "
           f"--pipeline_stages to {len(names)} or fewer, or pass "
           "--num_gpus=0 to run the stages on logical CPU devices.")
     return names[:num_stages]
-  cpus = tf.config.list_logical_devices("CPU")
-  if len(cpus) < num_stages:
+  # Before anything lists the devices: listing starts TensorFlow's runtime,
+  # after which the CPU can no longer be split.
+  cpu = tf.config.list_physical_devices("CPU")[0]
+  if len(tf.config.get_logical_device_configuration(cpu) or ()) < num_stages:
     try:
       devices_lib.configure_cpu_devices(num_stages)
-    except RuntimeError as e:
-      raise ConfigError(
-          f"--pipeline_stages={num_stages} needs {num_stages} logical CPU "
-          f"devices, and TensorFlow already started with {len(cpus)}: "
-          "run the pipeline in a fresh process, or call "
-          f"tfdist.distribute.devices.configure_cpu_devices({num_stages}) "
-          "before any TensorFlow op.") from e
-    cpus = tf.config.list_logical_devices("CPU")
+    except RuntimeError:
+      pass  # Started already: its devices are enough, or refused below.
+  cpus = tf.config.list_logical_devices("CPU")
+  if len(cpus) < num_stages:
+    raise errors.ConfigError(
+        f"--pipeline_stages={num_stages} needs {num_stages} logical CPU "
+        f"devices, and TensorFlow already started with {len(cpus)}: "
+        "run the pipeline in a fresh process, or call "
+        f"tfdist.distribute.devices.configure_cpu_devices({num_stages}) "
+        "before any TensorFlow op.")
   return [d.name for d in cpus][:num_stages]
 
 
+def stage_tasks(cluster) -> List[Tuple[str, int]]:
+  """The tasks that host stages, in stage order: the chief, then worker 0,
+  1, ...; empty outside a cluster of two or more such tasks (the stages
+  then run in this process).
+
+  Args:
+    cluster: the run's `tfdist.distribute.cluster.ClusterInfo`, or None.
+  """
+  if cluster is None:
+    return []
+  tasks = [(job, index) for job in STAGE_JOBS
+           for index in range(len(cluster.cluster.get(job, ())))]
+  return tasks if len(tasks) > 1 else []
+
+
+def stages_per_task(num_stages: int, cluster) -> int:
+  """P/T: the stages each of the cluster's T stage tasks hosts (P outside
+  a cluster).
+
+  Args:
+    num_stages: P (`--pipeline_stages`).
+    cluster: the run's `ClusterInfo`, or None.
+
+  Raises:
+    errors.ConfigError: the cluster has ps tasks, or T does not divide P.
+  """
+  tasks = stage_tasks(cluster)
+  if not tasks:
+    return num_stages
+  source = cluster.source or "the cluster"
+  if cluster.num_ps:
+    raise errors.ConfigError(
+        f"--pipeline_stages={num_stages} runs its stages on the chief and "
+        f"worker tasks of a cluster; the cluster from {source} also has "
+        f"{cluster.num_ps} ps task(s), which a pipeline has no use for. "
+        "Start the cluster without ps tasks (python -m tfdist.launch "
+        f"--num_workers={len(tasks)} -- ...), or drop --pipeline_stages.")
+  if num_stages % len(tasks):
+    fits = sorted({len(tasks), 2 * len(tasks)})
+    raise errors.ConfigError(
+        f"--pipeline_stages={num_stages} cannot be spread evenly over the "
+        f"{len(tasks)} chief and worker tasks of the cluster from {source} "
+        "(each task hosts --pipeline_stages / tasks consecutive stages). "
+        f"Use --pipeline_stages={' or '.join(map(str, fits))}, or a cluster "
+        f"whose number of tasks divides {num_stages}.")
+  return num_stages // len(tasks)
+
+
+def cluster_stage_devices(tasks, per_task: int, num_gpus: int = -1,
+                          logical_devices=None) -> List[str]:
+  """The stages' devices across a cluster this process is connected to:
+  per task, in `tasks` order, its first `per_task` GPUs, or, without
+  enough GPUs, its first `per_task` logical CPU devices.
+
+  Args:
+    tasks: `[(job, index), ...]` (`stage_tasks`).
+    per_task: P/T (`stages_per_task`).
+    num_gpus: `--num_gpus` (-1: all of a task's GPUs; 0: none; N: the
+      first N).
+    logical_devices: the cluster's logical devices (default:
+      `tf.config.list_logical_devices()`, which lists the remote tasks'
+      after `tf.config.experimental_connect_to_cluster`).
+
+  Returns:
+    P device names, stage i's at index i.
+
+  Raises:
+    errors.ConfigError: a task offers fewer than `per_task` devices.
+  """
+  if logical_devices is None:
+    logical_devices = tf.config.list_logical_devices()
+  names = []
+  for job, index in tasks:
+    prefix = f"/job:{job}/replica:0/task:{index}/"
+    mine = sorted((d for d in logical_devices if d.name.startswith(prefix)),
+                  key=lambda d: tf.DeviceSpec.from_string(d.name)
+                  .device_index or 0)
+    gpus = [d.name for d in mine if d.device_type == "GPU"]
+    gpus = [] if num_gpus == 0 else gpus[:num_gpus] if num_gpus > 0 else gpus
+    cpus = [d.name for d in mine if d.device_type == "CPU"]
+    pick = gpus if len(gpus) >= per_task else cpus
+    if len(pick) < per_task:
+      raise errors.ConfigError(
+          f"--pipeline_stages puts {per_task} stages on {job} {index}, "
+          f"which offers {len(gpus)} GPU(s) and {len(cpus)} CPU device(s). "
+          "Lower --pipeline_stages, or add tasks to the cluster.")
+    names += pick[:per_task]
+  return names
+
+
 class PipelineBackend(single_process.OneDeviceBackend):
-  """One process, one replica; the model's stages on P devices."""
+  """The model's stages on P devices: of this process, or of the chief and
+  worker tasks of a cluster (the chief drives, the workers serve)."""
 
   kind = StrategyKind.ONE_DEVICE
 
+  def __init__(self, cluster=None):
+    """`cluster`: the run's `ClusterInfo` (None: one process)."""
+    self._tasks = stage_tasks(cluster)
+
+  # -- Roles -----------------------------------------------------------------
+
+  def _is_driver(self, cluster) -> bool:
+    return (not self._tasks or
+            (cluster.task_type, cluster.task_index) == self._tasks[0])
+
+  def training_workers(self, cluster) -> int:
+    """1: one process (the chief, across a cluster) runs the steps."""
+    del cluster
+    return 1
+
+  def writes_model_dir(self, cluster) -> bool:
+    """The driving process: the only one, or the cluster's chief."""
+    return self._is_driver(cluster)
+
+  def serves(self, cluster) -> bool:
+    """The other stage tasks of a cluster: they serve their devices."""
+    return bool(self._tasks) and not self._is_driver(cluster) and (
+        cluster.task_type in STAGE_JOBS)
+
+  def cross_process_collectives(self, num_workers: int) -> bool:
+    del num_workers
+    return False
+
   def validate(self, config, *, dataset) -> None:
-    """Refuses more stages than GPUs before anything is built (logical
-    CPU devices are made as needed).
+    """Refuses, before anything is built, more stages than GPUs in one
+    process (logical CPU devices are made as needed). Across a cluster,
+    `serve` checks it on every task (ps tasks, T not dividing P) and the
+    chief each task's devices once connected.
 
     Raises:
-      ConfigError: a host with GPUs, fewer of them than `pipeline_stages`.
+      errors.ConfigError: one process, a host with GPUs, fewer of them than
+        `pipeline_stages`.
     """
     del dataset
+    if self._tasks:
+      return  # Checked by `serve`, on every task, with the cluster.
     gpus = base.local_accelerators(config.num_gpus)
     if 0 < gpus < config.pipeline_stages:
-      raise ConfigError(
+      raise errors.ConfigError(
           f"--pipeline_stages={config.pipeline_stages} needs "
           f"{config.pipeline_stages} GPUs (stage i runs on GPU i); this "
           f"host has {gpus}. Lower --pipeline_stages to {gpus} or fewer, or "
           "pass --num_gpus=0 to run the stages on logical CPU devices.")
 
+  def serve(self, config, cluster) -> Optional[dict]:
+    """Across a cluster: checks it (every task, at start); a worker then
+    serves its devices until the chief marks the run done, and returns
+    `{"role", "index", "exit_status"}`. None for the driving process.
+
+    Raises:
+      errors.ConfigError: as `stages_per_task`.
+    """
+    if not self._tasks:
+      return None
+    per_task = stages_per_task(config.pipeline_stages, cluster)
+    if not self.serves(cluster):
+      return None
+    if config.dry_run:
+      logging.info("tfdist: dry run: %s %d would serve pipeline stages.",
+                   cluster.task_type, cluster.task_index)
+      return {"dry_run": True, "role": cluster.task_type,
+              "index": cluster.task_index}
+    # The server's own devices (not the eager context's logical ones): P/T
+    # CPU devices, for the stages the task hosts when it has no GPUs.
+    cpus = max(per_task, config.num_cpu_devices, 1)
+    status = ps_lib.serve(
+        config.model_dir, cluster,
+        grace_seconds=config.preemption_grace_seconds,
+        resolver=cluster.cluster_resolver(jobs=STAGE_JOBS),
+        server_config=tf.compat.v1.ConfigProto(device_count={"CPU": cpus}))
+    return {"role": cluster.task_type, "index": cluster.task_index,
+            "exit_status": status}
+
+  # -- Start-up ----------------------------------------------------------------
+
   def build_strategy(self, config, *, cluster,
                      lease=None) -> strategy_lib.StrategyChoice:
-    """TensorFlow's default strategy, with the stages' devices ready."""
-    del cluster, lease
+    """TensorFlow's default strategy, with the stages' devices ready (in a
+    cluster: this process connected to the other stage tasks)."""
+    if self._tasks:
+      return self._connect(config, cluster=cluster, lease=lease)
     if config.num_cpu_devices > config.pipeline_stages:
       devices_lib.configure_cpu_devices(config.num_cpu_devices)
     names = stage_devices(config.pipeline_stages, config.num_gpus)
@@ -97,18 +279,61 @@ class PipelineBackend(single_process.OneDeviceBackend):
         f"--pipeline_stages={config.pipeline_stages}: one process, stage i "
         f"on {names[0].rsplit(':', 2)[-2]} device i", tuple(names))
 
+  def _connect(self, config, *, cluster, lease):
+    """The chief: waits for the other stage tasks, connects to them, and
+    finds the stages' devices there."""
+    per_task = stages_per_task(config.pipeline_stages, cluster)
+    # A stage task that is gone fails the call at once instead of waiting.
+    ps_lib.set_grpc_fail_fast()
+    devices_lib.configure_cpu_devices(max(per_task, config.num_cpu_devices))
+    resolver = cluster.cluster_resolver(jobs=STAGE_JOBS)
+    with (lease.extended(config.cluster_start_timeout_seconds)
+          if lease is not None else contextlib.nullcontext()):
+      strategy_lib.wait_for_peers(cluster, STAGE_JOBS,
+                                  config.cluster_start_timeout_seconds,
+                                  describe="the pipeline's cluster")
+    tf.config.experimental_connect_to_cluster(
+        resolver.cluster_spec(), job_name=cluster.task_type,
+        task_index=cluster.task_index, protocol=resolver.rpc_layer or "grpc")
+    names = cluster_stage_devices(self._tasks, per_task, config.num_gpus)
+    return strategy_lib.StrategyChoice(
+        tf.distribute.get_strategy(),
+        StrategyKind.parse(config.distribution_strategy),
+        f"--pipeline_stages={config.pipeline_stages}: {per_task} stage(s) "
+        f"on each of {len(self._tasks)} tasks, driven by "
+        f"{cluster.task_type} {cluster.task_index}", tuple(names))
+
+  def assembly_options(self, options, *, choice):
+    """The stages go on the devices `build_strategy` found."""
+    if options.pipeline is None or not choice.devices:
+      return options
+    return dataclasses.replace(options, pipeline=dataclasses.replace(
+        options.pipeline, devices=tuple(choice.devices)))
+
   def build_inputs(self, run):
     """The one-device runner and evaluation; the manifest's strategy
-    details list the stages (device, layers, weight bytes)."""
+    details list the stages (device, layers, weight bytes, activation
+    estimate)."""
     runner, evaluate, details = super().build_inputs(run)
     pipeline = getattr(run.parts.trainer, "pipeline", None)
     if pipeline is not None:
-      details = {**details, "pipeline_stages": pipeline.pipeline.describe()}
+      details = {**details, "pipeline_stages": pipeline.stages()}
     return runner, evaluate, details
 
   def planned_replicas(self, config, *, cluster) -> Tuple[int, int]:
     del config
     return 1, self.training_workers(cluster)
+
+  def translate_failure(self, error, *, after: str,
+                        last_checkpoint: Optional[str], cluster):
+    """Across a cluster, a lost stage task: `PeerLostError`."""
+    if not self._tasks or not isinstance(error,
+                                         step_runner.PEER_LOST_ERRORS):
+      return None
+    return step_runner.peer_lost_error(
+        error, after=after, last_checkpoint=last_checkpoint,
+        own=(cluster.task_type, cluster.task_index),
+        addresses=cluster.cluster, what="Pipeline training")
 
 
 def uses_pipeline(config) -> bool:

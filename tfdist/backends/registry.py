@@ -12,6 +12,7 @@ from tfdist.backends import parameter_server  # pylint: disable=unused-import
 from tfdist.backends import pipeline
 from tfdist.backends import single_process  # pylint: disable=unused-import
 from tfdist.backends import tpu  # pylint: disable=unused-import
+from tfdist.backends import zero3
 
 Backend = base.Backend
 Role = base.Role
@@ -36,18 +37,20 @@ def backend_for(kind) -> base.Backend:
   return cls()
 
 
-def backend_for_run(kind, config) -> base.Backend:
+def backend_for_run(kind, config, cluster=None) -> base.Backend:
   """The backend of a run: the pipeline's (`tfdist.backends.pipeline`)
-  when `config` cuts the model into stages (`pipeline_stages > 1`), else
+  when `config` cuts the model into stages (`pipeline_stages > 1`), ZeRO
+  stage 3's (`tfdist.backends.zero3`) at `--zero_stage=3`, else
   `backend_for(kind)`.
 
   Args:
     kind: the decided `StrategyKind`.
     config: the run's `TrainConfig` (anything with `pipeline_stages`).
+    cluster: the run's `ClusterInfo` (a pipeline's stages may span it).
 
   Raises:
     As `backend_for`.
   """
   if pipeline.uses_pipeline(config):
-    return pipeline.PipelineBackend()
-  return backend_for(kind)
+    return pipeline.PipelineBackend(cluster)
+  return zero3.backend_for(kind, config) or backend_for(kind)

@@ -25,7 +25,7 @@ from typing import Callable, Iterable, Optional
 from absl import logging
 import keras
 
-from tfdist.config import ConfigError
+from tfdist import errors
 
 PREFIX = "eval_"
 
@@ -47,7 +47,7 @@ def make_hypertune():
     # Optional (cloudml-hypertune, the vertex extra): imported on first use.
     import hypertune  # pylint: disable=g-import-not-at-top
   except ImportError:
-    raise ConfigError(
+    raise errors.ConfigError(
         "--hptune_metric needs the package cloudml-hypertune (preinstalled "
         "in Vertex AI's prebuilt TensorFlow containers): pip install "
         "'tfdist[vertex]' or cloudml-hypertune, or drop --hptune_metric."
@@ -68,7 +68,7 @@ def check_metric(metric: str, *, available: Iterable[str]):
   """
   names = [PREFIX + n for n in available]
   if metric not in names:
-    raise ConfigError(
+    raise errors.ConfigError(
         f"--hptune_metric={metric}: this model's evaluation reports "
         f"{', '.join(names)}. Use one of them (eval_ and the name of the "
         "model's loss or metric).")
@@ -95,8 +95,9 @@ class HypertuneCallback(keras.callbacks.Callback):
                None, reporter=None):
     super().__init__()
     if not metric.startswith(PREFIX):
-      raise ConfigError(f"--hptune_metric={metric!r} must be eval_ and a "
-                        "metric's name, e.g. eval_accuracy.")
+      raise errors.ConfigError(
+          f"--hptune_metric={metric!r} must be eval_ and a "
+          "metric's name, e.g. eval_accuracy.")
     self.metric = metric
     self.step_fn = step_fn
     self.reporter = reporter if reporter is not None else make_hypertune()

@@ -17,10 +17,9 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from absl import flags
 
 from tfdist import flags as tfdist_flags
-from tfdist.config import ConfigError
+from tfdist import errors
 from tfdist.distribute import environment as environment_lib
 from tfdist.distribute.strategy_kind import StrategyKind
-from tfdist.errors import JobSpecError
 from tfdist.runtime import quiet_tensorflow
 
 TRAIN_MODULE = "tfdist.train"
@@ -120,7 +119,7 @@ class JobPlan:
 def need(cond, message: str):
   """Raises `JobSpecError(message)` unless `cond` holds."""
   if not cond:
-    raise JobSpecError(message)
+    raise errors.JobSpecError(message)
 
 
 def parse_accelerator(value: str) -> Tuple[str, int]:
@@ -134,7 +133,7 @@ def parse_accelerator(value: str) -> Tuple[str, int]:
   kind, _, count = value.partition(":")
   count = count or "1"
   if not count.isdigit() or int(count) < 1:
-    raise JobSpecError(
+    raise errors.JobSpecError(
         f"--accelerator={value!r}: the count after ':' must be a positive "
         "integer, e.g. NVIDIA_TESLA_T4:2.")
   return kind.strip().upper(), int(count)
@@ -179,10 +178,12 @@ def parse_train_flags(args: Sequence[str], *, where: str,
   try:
     rest = values([TRAIN_MODULE, *args])
   except flags.Error as e:
-    raise JobSpecError(f"{where}: tfdist.train rejects its flags: {e}") from None
+    raise errors.JobSpecError(
+        f"{where}: tfdist.train rejects its flags: {e}") from None
   if len(rest) > 1:
-    raise JobSpecError(f"{where}: tfdist.train takes no positional arguments;"
-                       f" received {' '.join(rest[1:])}.")
+    raise errors.JobSpecError(
+        f"{where}: tfdist.train takes no positional arguments;"
+        f" received {' '.join(rest[1:])}.")
   try:
     config = tfdist_flags.flags_to_config(values)
     config, _ = environment_lib.apply_environment(
@@ -196,11 +197,11 @@ def parse_train_flags(args: Sequence[str], *, where: str,
     from tfdist.training import preflight  # pylint: disable=g-import-not-at-top
     from tfdist.training import run_options  # pylint: disable=g-import-not-at-top
     preflight.check_names(run_options.name_options(config))
-  except ConfigError as e:
-    raise JobSpecError(f"{where}: tfdist.train would stop at start: {e}"
-                       ) from None
+  except errors.ConfigError as e:
+    raise errors.JobSpecError(f"{where}: tfdist.train would stop at start: {e}"
+                              ) from None
   if config.dry_run:
-    raise JobSpecError(
+    raise errors.JobSpecError(
         f"{where}: --dry_run makes every replica check its flags and exit "
         "without training. Run python -m tfdist.train --dry_run with these "
         "flags where the job's data and --model_dir are reachable, and "

@@ -18,7 +18,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from tfdist.cloud.job_plan import check_train_config
 from tfdist.cloud.job_plan import JobPlan
-from tfdist.cloud.job_plan import JobSpecError
+from tfdist import errors
 from tfdist.cloud.job_plan import need
 from tfdist.cloud.job_plan import parse_train_flags
 from tfdist.cloud.job_plan import TRAIN_MODULE
@@ -118,7 +118,7 @@ def pod_options(*, values_file: str = "", service_account: str = "",
       with open(values_file) as f:
         loaded = yaml.safe_load(f) or {}
     except (OSError, yaml.YAMLError) as e:
-      raise JobSpecError(f"--values={values_file}: {e}") from None
+      raise errors.JobSpecError(f"--values={values_file}: {e}") from None
     need(isinstance(loaded, dict), f"--values={values_file}: a YAML "
           "mapping of pod settings is needed (e.g. serviceAccountName: "
           "trainer).")
@@ -225,8 +225,8 @@ def _check_pod_template(template: dict, where: str):
   try:
     model = api.deserialize(_Response(), "V1PodTemplateSpec")
   except (ValueError, TypeError) as e:
-    raise JobSpecError(f"{where}: the kubernetes client rejects the pod "
-                       f"template: {e}") from None
+    raise errors.JobSpecError(f"{where}: the kubernetes client rejects the pod "
+                              f"template: {e}") from None
   lost = _diff(template, api.sanitize_for_serialization(model))
   need(not lost, f"{where}: unknown pod field(s) {', '.join(lost)} (not in "
         "the kubernetes client's V1PodTemplateSpec).")
@@ -241,7 +241,7 @@ def _check_pod_template(template: dict, where: str):
         try:
           amounts[part, resource] = k8s_utils.parse_quantity(value)
         except ValueError:
-          raise JobSpecError(
+          raise errors.JobSpecError(
               f"{where}: resources.{part}.{resource}={value!r} is not a "
               "Kubernetes quantity (e.g. cpu: 4 or 500m; memory: 16Gi or "
               "512Mi).") from None
@@ -310,8 +310,9 @@ def validate_tfjob(job: dict, plan: Optional[JobPlan] = None) -> List:
   try:
     model = client.deserialize(_Response(), "KubeflowOrgV1TFJob")
   except (ValueError, TypeError) as e:
-    raise JobSpecError(f"TFJob: the Kubeflow training SDK rejects it: {e}"
-                       ) from None
+    raise errors.JobSpecError(
+        f"TFJob: the Kubeflow training SDK rejects it: {e}"
+        ) from None
   lost = _diff(job, client.sanitize_for_serialization(model))
   need(not lost, f"TFJob: unknown field(s) {', '.join(lost)} (not in the "
         "Kubeflow training SDK's models).")

@@ -15,7 +15,7 @@ from typing import Dict, List, Optional, Sequence
 
 from tfdist.cloud.job_plan import check_train_config
 from tfdist.cloud.job_plan import JobPlan
-from tfdist.cloud.job_plan import JobSpecError
+from tfdist import errors
 from tfdist.cloud.job_plan import need
 from tfdist.cloud.job_plan import parse_train_flags
 from tfdist.cloud.job_plan import TRAIN_MODULE
@@ -45,7 +45,7 @@ def prebuilt_image(tf_version: str, *, gpu: bool) -> str:
     JobSpecError: no prebuilt image is known for that version.
   """
   if tf_version not in PREBUILT_TF_IMAGES:
-    raise JobSpecError(
+    raise errors.JobSpecError(
         f"--tf_version={tf_version}: Vertex AI has no prebuilt TensorFlow "
         f"training image for it that tfdist knows. Known: "
         f"{', '.join(PREBUILT_TF_IMAGES)}; or give --executor_image_uri.")
@@ -200,8 +200,8 @@ def validate_vertex_sdk_kwargs(kwargs: dict, job: dict):
     try:
       message = custom_job_types.WorkerPoolSpec(pool)
     except (ValueError, TypeError, KeyError) as e:
-      raise JobSpecError(f"Vertex SDK worker_pool_specs[{index}]: {e}"
-                         ) from None
+      raise errors.JobSpecError(f"Vertex SDK worker_pool_specs[{index}]: {e}"
+                                ) from None
     need(custom_job_types.WorkerPoolSpec.pb(message) == expected,
           f"Vertex SDK worker_pool_specs[{index}] differs from the REST "
           f"body's workerPoolSpecs[{index}].")
@@ -306,7 +306,7 @@ def validate_vertex_custom_job(job: dict, plan: Optional[JobPlan] = None
   try:
     json_format.Parse(json.dumps(job), message, ignore_unknown_fields=False)
   except json_format.ParseError as e:
-    raise JobSpecError(f"Vertex CustomJob: {e}") from None
+    raise errors.JobSpecError(f"Vertex CustomJob: {e}") from None
   need(message.display_name.strip(),
         "Vertex CustomJob: displayName is required.")
   pools = message.job_spec.worker_pool_specs

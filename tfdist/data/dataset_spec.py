@@ -12,8 +12,7 @@ on it and never on each other.
 import dataclasses
 from typing import Any, Callable, Optional, Sequence, Tuple
 
-from tfdist.config import ConfigError
-from tfdist.errors import DataNotFoundError  # noqa: F401
+from tfdist import errors
 
 # `dataset_info.json`: written last into a converted data set's folder.
 INFO_FILE = "dataset_info.json"

@@ -10,11 +10,10 @@ named by import path (`--dataset=package.module:dataset_fn`). The Fashion-MNIST
 helpers are re-exported here under their old names.
 """
 
-from tfdist.config import ConfigError  # pylint: disable=unused-import
+from tfdist import errors
 from tfdist.data import clothing_reviews
 from tfdist.data import fashion_mnist
 from tfdist.data import movielens
-from tfdist.data.dataset_spec import DataNotFoundError  # pylint: disable=unused-import
 from tfdist.data.dataset_spec import DatasetSpec
 from tfdist.data.dataset_spec import INFO_FILE  # pylint: disable=unused-import
 from tfdist.data.fashion_mnist import convert_fashion_mnist  # pylint: disable=unused-import

@@ -24,7 +24,7 @@ import tensorflow as tf
 
 from tfdist.data import conversion
 from tfdist.data import data_checks
-from tfdist.data.dataset_spec import DataNotFoundError
+from tfdist import errors
 from tfdist.data.dataset_spec import DatasetSpec
 
 DEBIAN_FASHION_MNIST_DIR = "/usr/share/datasets/fashion-mnist"
@@ -70,7 +70,7 @@ def read_idx(path: str) -> np.ndarray:
     ValueError: the file is not an IDX file of unsigned bytes.
   """
   if not tf.io.gfile.exists(path):
-    raise DataNotFoundError(
+    raise errors.DataNotFoundError(
         f"{path} does not exist. Install Debian's dataset-fashion-mnist "
         "(apt-get install -y dataset-fashion-mnist) or point --raw_data_dir "
         "at a folder holding the four Fashion-MNIST .gz files.")

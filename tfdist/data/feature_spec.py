@@ -53,7 +53,7 @@ from absl import logging
 import keras
 import tensorflow as tf
 
-from tfdist.config import ConfigError
+from tfdist import errors
 from tfdist.data import data_checks
 from tfdist.data.dataset_spec import DatasetSpec
 
@@ -260,13 +260,13 @@ class FeatureSpec:
     try:
       example = tf.train.Example.FromString(records[0])
     except Exception as e:  # pylint: disable=broad-except
-      raise ConfigError(
+      raise errors.ConfigError(
           f"{flag}: the first record of {path} is not a tf.train.Example "
           f"({type(e).__name__}), which --feature_spec={self.path} "
           "describes.") from None
     problems = self.mismatches(example)
     if problems:
-      raise ConfigError(
+      raise errors.ConfigError(
           f"--feature_spec={self.path} does not match {flag} (first record "
           f"of {path}):\n  " + "\n  ".join(problems))
     absent = [f.name for f in self.features if f.default is not None and
@@ -291,8 +291,8 @@ class FeatureSpec:
 def _needs_files(path: str):
   def prepare(data_dir, raw_data_dir):
     del data_dir, raw_data_dir
-    raise ConfigError(f"--feature_spec={path} describes your TFRecords: "
-                      "give them as --train_files and --eval_files.")
+    raise errors.ConfigError(f"--feature_spec={path} describes your TFRecords: "
+                             "give them as --train_files and --eval_files.")
   return prepare
 
 
@@ -320,7 +320,7 @@ def from_dict(data: dict, *, path: str = "") -> FeatureSpec:
   where = f"--feature_spec={path}" if path else "feature spec"
 
   def fail(message):
-    raise ConfigError(f"{where}: {message}")
+    raise errors.ConfigError(f"{where}: {message}")
 
   _check_top_level(data, fail)
   features = [_parse_feature(name, entry, fail)
@@ -443,12 +443,12 @@ def load(path: str) -> FeatureSpec:
   """
   try:
     if not tf.io.gfile.exists(path):
-      raise ConfigError(f"--feature_spec={path}: no such file (cwd "
-                        f"{os.getcwd()}).")
+      raise errors.ConfigError(f"--feature_spec={path}: no such file (cwd "
+                               f"{os.getcwd()}).")
     with tf.io.gfile.GFile(path) as f:
       text = f.read()
   except tf.errors.OpError as e:
-    raise ConfigError(
+    raise errors.ConfigError(
         f"--feature_spec={path} cannot be read: {type(e).__name__}: "
         f"{' '.join(e.message.split())}. Check that this machine can reach "
         "and read it (for gs://: the network and credentials), or give a "
@@ -456,5 +456,6 @@ def load(path: str) -> FeatureSpec:
   try:
     data = json.loads(text)
   except ValueError as e:
-    raise ConfigError(f"--feature_spec={path} is not valid JSON: {e}") from None
+    raise errors.ConfigError(
+        f"--feature_spec={path} is not valid JSON: {e}") from None
   return from_dict(data, path=path)

@@ -26,7 +26,8 @@ import sys
 import warnings
 from typing import Iterable, List, Tuple
 
-from tfdist.errors import FileSystemUnavailableError, first_line
+from tfdist import errors
+from tfdist.errors import first_line
 
 TENSORFLOW_IO_PACKAGE = "tensorflow-io"
 TENSORFLOW_IO_VERSION = "0.37.1"
@@ -136,7 +137,7 @@ def require_file_systems(paths: Iterable[Tuple[str, str]]) -> Tuple[str, ...]:
       continue
     tf = _tensorflow()
     if scheme in TENSORFLOW_IO_SCHEMES:
-      raise FileSystemUnavailableError(
+      raise errors.FileSystemUnavailableError(
           f"{flag}={path!r}: TensorFlow {tf.__version__} has no '{scheme}://' "
           f"file system. The package {TENSORFLOW_IO_PACKAGE} provides it, and "
           f"{TENSORFLOW_IO_PACKAGE} {TENSORFLOW_IO_VERSION} (its last release) "
@@ -144,7 +145,7 @@ def require_file_systems(paths: Iterable[Tuple[str, str]]) -> Tuple[str, ...]:
           "Fix: use TensorFlow 2.17 (e.g. Vertex AI's tf-cpu.2-17.py310 "
           "container) with `pip install 'tfdist[io]'`, or copy the data to "
           "a local or gs:// path.")
-    raise FileSystemUnavailableError(
+    raise errors.FileSystemUnavailableError(
         f"{flag}={path!r}: TensorFlow {tf.__version__} has no '{scheme}://' "
         f"file system (registered: "
         f"{', '.join(sorted(s + '://' for s in registered if s))}; local "

@@ -58,8 +58,7 @@ from absl import logging
 import tensorflow as tf
 from tensorflow.python.framework import random_seed as random_seed_lib  # pylint: disable=g-direct-tensorflow-import
 
-from tfdist.config import ConfigError
-from tfdist.data.dataset_spec import DataNotFoundError
+from tfdist import errors
 from tfdist.data.dataset_spec import DatasetSpec
 from tfdist.data.input_position import input_layout, layout_change  # noqa: F401
 from tfdist.training import registry
@@ -84,7 +83,7 @@ def list_files(patterns: str, *, flag: str = "--train_files") -> List[str]:
     try:
       matched = tf.io.gfile.glob(pattern)
     except tf.errors.OpError as e:
-      raise DataNotFoundError(
+      raise errors.DataNotFoundError(
           f"{flag}={pattern!r} cannot be listed: {type(e).__name__}: "
           f"{' '.join(e.message.split())}. Check the path's scheme and that "
           "this machine can reach and read it (for gs://: the network and "
@@ -92,12 +91,13 @@ def list_files(patterns: str, *, flag: str = "--train_files") -> List[str]:
           "the VM's service account), or copy the files to a local "
           "path.") from e
     if not matched:
-      raise DataNotFoundError(
+      raise errors.DataNotFoundError(
           f"{flag}={pattern!r} matches no file. Check the path, or leave "
           f"{flag} empty to use the --dataset's own files.")
     files.extend(matched)
   if not files:
-    raise DataNotFoundError(f"{flag} is empty: give at least one file glob.")
+    raise errors.DataNotFoundError(
+        f"{flag} is empty: give at least one file glob.")
   return sorted(set(files))
 
 
@@ -256,8 +256,8 @@ def call_input_fn(spec_or_fn, *, training: bool,
   ds = registry.call_with_accepted(
       fn, {"input_context": input_context, "training": training}, what=what)
   if not isinstance(ds, tf.data.Dataset):
-    raise ConfigError(f"{what} returned {type(ds).__name__}, not a "
-                      "tf.data.Dataset of (features, labels) examples.")
+    raise errors.ConfigError(f"{what} returned {type(ds).__name__}, not a "
+                             "tf.data.Dataset of (features, labels) examples.")
   return ds
 
 
@@ -280,15 +280,16 @@ def count_examples(spec: DatasetSpec, *, training: bool = True) -> int:
   split = "" if training else " evaluation (training=False)"
   cardinality = int(ds.cardinality())
   if cardinality == int(tf.data.INFINITE_CARDINALITY):
-    raise ConfigError(
+    raise errors.ConfigError(
         f"--dataset={spec.name} returns an infinite{split} dataset: return "
         "one epoch of examples (no .repeat()); tfdist repeats, shuffles and "
         "batches it.")
   if cardinality < 0:
     cardinality = int(ds.reduce(tf.constant(0, tf.int64), lambda n, _: n + 1))
   if cardinality == 0 and training:
-    raise DataNotFoundError(f"--dataset={spec.name}: the training split has "
-                            "no examples.")
+    raise errors.DataNotFoundError(
+        f"--dataset={spec.name}: the training split has "
+        "no examples.")
   return cardinality
 
 

@@ -35,7 +35,7 @@ import tensorflow as tf
 
 from tfdist.data import conversion
 from tfdist.data import data_checks
-from tfdist.data.dataset_spec import DataNotFoundError
+from tfdist import errors
 from tfdist.data.dataset_spec import DatasetSpec
 
 GENRES = ("Action", "Adventure", "Animation", "Children's", "Comedy",
@@ -70,7 +70,7 @@ def default_raw_dir() -> str:
   """
   spec = importlib.util.find_spec("recbole")
   if spec is None or not spec.submodule_search_locations:
-    raise DataNotFoundError(
+    raise errors.DataNotFoundError(
         "MovieLens-100k comes from the PyPI package recbole==1.2.1, which is "
         "not installed. Run: pip install --no-deps recbole==1.2.1 "
         "(or point --raw_data_dir at a folder holding ml-100k.inter, "
@@ -86,7 +86,7 @@ def is_eval_pair(user_id: str, item_id: str) -> bool:
 
 def _read_tsv(path: str):
   if not tf.io.gfile.exists(path):
-    raise DataNotFoundError(
+    raise errors.DataNotFoundError(
         f"{path} does not exist. Install recbole==1.2.1 (pip install "
         "--no-deps recbole==1.2.1) or fix --raw_data_dir.")
   with tf.io.gfile.GFile(path) as f:

@@ -38,7 +38,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfdist.errors import ConfigError
+from tfdist import errors
 
 # The most a generator may yield (its arrays' bytes) before it is refused
 # as endless: it is held in memory whole.
@@ -93,7 +93,7 @@ def check_one_host(*, name: str, value: Any, distribution_strategy: str,
   where = (f"--distribution_strategy={distribution_strategy}"
            if distribution_strategy not in _ONE_HOST_STRATEGIES else
            f"a cluster of {num_workers} worker(s) and {num_ps} ps task(s)")
-  raise ConfigError(
+  raise errors.ConfigError(
       f"tfdist.fit({name}=...) got {_kind(value)}, which only this Python "
       f"process can read; the run uses {where}, whose workers each need "
       "their own share of the examples (one device and "
@@ -103,9 +103,10 @@ def check_one_host(*, name: str, value: Any, distribution_strategy: str,
 def _as_array(value, what: str) -> np.ndarray:
   array = np.asarray(value)
   if array.ndim == 0:
-    raise ConfigError(f"{what} holds a scalar ({value!r}): every array of a "
-                      "batch needs a leading dimension of one row per "
-                      "example.")
+    raise errors.ConfigError(
+        f"{what} holds a scalar ({value!r}): every array of a "
+        "batch needs a leading dimension of one row per "
+        "example.")
   return array
 
 
@@ -117,18 +118,20 @@ def _batch(value, what: str) -> tuple:
   if not isinstance(value, tuple) or len(value) not in (2, 3):
     got = (f"a tuple of {len(value)}" if isinstance(value, tuple)
            else type(value).__name__)
-    raise ConfigError(
+    raise errors.ConfigError(
         f"{what} is {got}; training needs batches (x, y) or (x, y, "
         "sample_weight), as keras.Model.fit takes them.")
   if any(part is None for part in value):
-    raise ConfigError(f"{what} holds None (as x, y or sample_weight): give "
-                      "arrays, or leave sample_weight out of the tuple.")
+    raise errors.ConfigError(
+        f"{what} holds None (as x, y or sample_weight): give "
+        "arrays, or leave sample_weight out of the tuple.")
   arrays = tuple(tf.nest.map_structure(lambda a: _as_array(a, what), part)
                  for part in value)
   rows = {int(a.shape[0]) for a in tf.nest.flatten(arrays)}
   if len(rows) != 1:
-    raise ConfigError(f"{what}: its arrays have different numbers of rows "
-                      f"({sorted(rows)}); give one row per example in each.")
+    raise errors.ConfigError(
+        f"{what}: its arrays have different numbers of rows "
+        f"({sorted(rows)}); give one row per example in each.")
   return arrays
 
 
@@ -158,14 +161,14 @@ def py_dataset_function(data: keras.utils.PyDataset, *, name: str
   batches = data.num_batches
   kind = _kind(data)
   if batches is None:
-    raise ConfigError(
+    raise errors.ConfigError(
         f"tfdist.fit({name}=...) got an endless {kind} (num_batches is "
         "None): tfdist trains in epochs of a finite set of examples. Give "
         "__len__ the number of batches of one epoch; train longer with "
         "train_epochs or train_steps.")
   if not batches:
-    raise ConfigError(f"tfdist.fit({name}=...): {kind} has no batches "
-                      "(len() is 0).")
+    raise errors.ConfigError(f"tfdist.fit({name}=...): {kind} has no batches "
+                             "(len() is 0).")
   first = _batch(data[0], f"{kind}[0]")
   signature = tf.nest.map_structure(_spec, first)
 
@@ -205,7 +208,7 @@ def generator_arrays(iterator, *, name: str,
     batch = _batch(value, f"batch {index} of tfdist.fit({name}=...)'s {kind}")
     size += sum(a.nbytes for a in tf.nest.flatten(batch))
     if size > max_bytes:
-      raise ConfigError(
+      raise errors.ConfigError(
           f"tfdist.fit({name}=...)'s {kind} yielded more than "
           f"{max_bytes} bytes in {index + 1} batches: a generator cannot be "
           "rewound, so tfdist reads it to its end at start and keeps it in "
@@ -214,13 +217,14 @@ def generator_arrays(iterator, *, name: str,
           "keras.utils.PyDataset. " + _DATASET_FUNCTION_FORM)
     batches.append(batch)
   if not batches:
-    raise ConfigError(f"tfdist.fit({name}=...)'s {kind} yielded no batch "
-                      "(was it read already? a generator can be read once).")
+    raise errors.ConfigError(
+        f"tfdist.fit({name}=...)'s {kind} yielded no batch "
+        "(was it read already? a generator can be read once).")
   try:
     return tuple(tf.nest.map_structure(lambda *a: np.concatenate(a),
                                        *batches))
   except (ValueError, TypeError) as e:
-    raise ConfigError(
+    raise errors.ConfigError(
         f"tfdist.fit({name}=...)'s {kind} yielded batches of different "
         f"structures or shapes: {e}") from None
 
@@ -241,15 +245,16 @@ def resolve(*, x, y, sample_weight, validation_data, dataset_fn,
   """
   if is_python_input(x):
     if y is not None or sample_weight is not None:
-      raise ConfigError(
+      raise errors.ConfigError(
           f"tfdist.fit(x=...) got {_kind(x)} and also y or sample_weight: "
           "its batches hold them ((x, y) or (x, y, sample_weight)), as in "
           "keras.Model.fit; leave y and sample_weight out.")
     if dataset_fn is not None:
-      raise ConfigError("Pass the examples once: x or dataset_fn, not both.")
+      raise errors.ConfigError(
+          "Pass the examples once: x or dataset_fn, not both.")
     if isinstance(x, keras.utils.PyDataset):
       if validation_split:
-        raise ConfigError(
+        raise errors.ConfigError(
             f"validation_split={validation_split} is only for arrays and "
             "generators (as keras.Model.fit takes it); with a "
             "keras.utils.PyDataset pass validation_data.")

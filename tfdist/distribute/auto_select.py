@@ -41,7 +41,7 @@ from typing import Optional, Tuple
 from absl import logging
 
 from tfdist.config import check_tpu_precision
-from tfdist.config import ConfigError
+from tfdist import errors
 from tfdist.config import TPU_DEFAULT_STEPS_PER_EXECUTION
 from tfdist.distribute import tpu as tpu_lib
 from tfdist.distribute.strategy_kind import StrategyKind
@@ -293,7 +293,8 @@ class SelectOptions:
     tpu: the TPU flags (`tfdist.distribute.tpu.TpuOptions`), probed under
       `auto`.
     pipeline_stages: `--pipeline_stages`; above 1, `auto` is one_device
-      (the stages run in one process, `tfdist.backends.pipeline`).
+      (one replica: the stages run in one process, or across a cluster's
+      chief and workers, `tfdist.backends.pipeline`).
   """
   distribution_strategy: str = "auto"
   dtype: str = "auto"
@@ -330,7 +331,7 @@ def probe_tpu(tpu: tpu_lib.TpuOptions, *, hints: Tuple[str, ...] = (),
   try:
     system = connect(address, zone=tpu.zone, project=tpu.project,
                      init_timeout=tpu.init_timeout)
-  except ConfigError as e:
+  except errors.ConfigError as e:
     why = f"--tpu={tpu.tpu}" if tpu.tpu else ", ".join(hints)
     logging.warning("auto: %s suggested a TPU, but: %s", why, e)
     return 0, address, f"{why} suggested a TPU but none answered"
@@ -402,9 +403,13 @@ def resolve(options: SelectOptions, *, cluster, environment=None,
     decision = decide(inventory, strategy=StrategyKind.ONE_DEVICE.value,
                       dtype=options.dtype,
                       dtype_defaulted=options.dtype_defaulted)
+    where = ("in one process, stage i on GPU i or logical CPU device i"
+             if cluster.num_workers <= 1 else
+             f"on the {cluster.num_workers} chief and worker tasks of the "
+             "cluster, driven by the chief")
     return dataclasses.replace(decision, strategy_reason=(
         f"auto: --pipeline_stages={options.pipeline_stages} runs its "
-        "stages in one process, stage i on GPU i or logical CPU device i"))
+        f"stages {where}"))
   return decide(inventory, strategy=options.distribution_strategy,
                 dtype=options.dtype,
                 dtype_defaulted=options.dtype_defaulted)
@@ -439,7 +444,7 @@ def decision_changes(decision: Decision, *, tpu: str = "",
   """
   if (reduction_server and
       decision.strategy is not StrategyKind.MULTI_WORKER_MIRRORED):
-    raise ConfigError(
+    raise errors.ConfigError(
         "--reduction_server needs a multi-worker cluster under "
         f"multi_worker_mirrored, but this run resolved to {decision.strategy}"
         f" ({decision.strategy_reason}). Vertex AI sets CLUSTER_SPEC for a "

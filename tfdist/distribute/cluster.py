@@ -49,9 +49,8 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from absl import logging
 
-from tfdist.config import ConfigError
+from tfdist import errors
 from tfdist.distribute import rendezvous
-from tfdist.errors import ClusterConfigError, StoppedAtStartError
 
 CHIEF, WORKER, PS, EVALUATOR = "chief", "worker", "ps", "evaluator"
 TASK_TYPES = (CHIEF, WORKER, PS, EVALUATOR)
@@ -214,16 +213,16 @@ class ClusterInfo:
 def _check_address(address, where: str) -> str:
   """Returns `address` if it is `host:port` with a valid port."""
   if not isinstance(address, str) or not address.strip():
-    raise ClusterConfigError(
+    raise errors.ClusterConfigError(
         f"{where}: address {address!r} is not a 'host:port' string.")
   address = address.strip()
   host, sep, port = address.rpartition(":")
   if not sep or not host or not port:
-    raise ClusterConfigError(
+    raise errors.ClusterConfigError(
         f"{where}: address {address!r} has no port. Write it as host:port, "
         "e.g. 10.0.0.2:2222.")
   if not port.isdigit() or not 0 < int(port) < 65536:
-    raise ClusterConfigError(
+    raise errors.ClusterConfigError(
         f"{where}: address {address!r} has an invalid port {port!r}; use a "
         "number in 1..65535.")
   return address
@@ -246,7 +245,7 @@ def _normalize_cluster(raw, source: str, *, pools: Optional[Mapping[str, str]]
       of `host:port`, the chief listed twice, or a duplicate address.
   """
   if not isinstance(raw, dict):
-    raise ClusterConfigError(
+    raise errors.ClusterConfigError(
         f"{source}: 'cluster' must be an object mapping job names to lists of "
         f"addresses; got {type(raw).__name__}.")
   known = pools if pools is not None else {
@@ -258,31 +257,31 @@ def _normalize_cluster(raw, source: str, *, pools: Optional[Mapping[str, str]]
       hint = (", ".join(sorted(known)))
       extra = (" (the evaluator is not listed in TF_CONFIG's cluster; only "
                "its task.type is 'evaluator')") if job == EVALUATOR else ""
-      raise ClusterConfigError(
+      raise errors.ClusterConfigError(
           f"{source}: unknown job {job!r} in 'cluster'{extra}. Known jobs: "
           f"{hint}.")
     if isinstance(addresses, str):
       addresses = [a for a in addresses.split(",") if a.strip()]
     if not isinstance(addresses, (list, tuple)):
-      raise ClusterConfigError(
+      raise errors.ClusterConfigError(
           f"{source}: cluster[{job!r}] must be a list of 'host:port' "
           f"strings; got {addresses!r}.")
     name = known[job]
     if name in out:
-      raise ClusterConfigError(
+      raise errors.ClusterConfigError(
           f"{source}: the {name} is listed twice (as {job!r} and as an "
           f"alias). Keep only one of {sorted(k for k, v in known.items() if v == name)}.")
     checked = tuple(_check_address(a, f"{source} cluster[{job!r}]")
                     for a in addresses)
     for address in checked:
       if address in seen:
-        raise ClusterConfigError(
+        raise errors.ClusterConfigError(
             f"{source}: address {address} is used twice (by {seen[address]} "
             f"and {name}); every task needs its own host:port.")
       seen[address] = name
     out[name] = checked
   if len(out.get(CHIEF, ())) > 1:
-    raise ClusterConfigError(
+    raise errors.ClusterConfigError(
         f"{source}: the chief is listed {len(out[CHIEF])} times "
         f"({', '.join(out[CHIEF])}); a cluster has exactly one chief. Put the "
         "others under 'worker'.")
@@ -292,32 +291,32 @@ def _normalize_cluster(raw, source: str, *, pools: Optional[Mapping[str, str]]
 def _task(raw, source: str, pools: Optional[Mapping[str, str]] = None):
   """Parses the `task` object into (task_type, task_index, trial)."""
   if not isinstance(raw, dict):
-    raise ClusterConfigError(
+    raise errors.ClusterConfigError(
         f"{source}: 'task' must be an object like "
         "{\"type\": \"worker\", \"index\": 0}; got "
         f"{json.dumps(raw)[:80]}.")
   raw_type = raw.get("type")
   if pools is not None:
     if raw_type not in pools:
-      raise ClusterConfigError(
+      raise errors.ClusterConfigError(
           f"{source}: unknown task type {raw_type!r}. Known: "
           f"{', '.join(sorted(pools))}.")
     task_type = pools[raw_type]
   else:
     task_type = TASK_TYPE_ALIASES.get(raw_type, raw_type)
     if task_type not in TASK_TYPES:
-      raise ClusterConfigError(
+      raise errors.ClusterConfigError(
           f"{source}: unknown task type {raw_type!r}. Known: "
           f"{', '.join(TASK_TYPES + tuple(TASK_TYPE_ALIASES))}.")
   index = raw.get("index", 0)
   if isinstance(index, str) and index.strip().isdigit():
     index = int(index)
   if isinstance(index, bool) or not isinstance(index, int) or index < 0:
-    raise ClusterConfigError(
+    raise errors.ClusterConfigError(
         f"{source}: task index {index!r} must be an integer >= 0.")
   trial = str(raw.get("trial", "") or "").strip()
   if trial and not _TRIAL_RE.match(trial):
-    raise ClusterConfigError(
+    raise errors.ClusterConfigError(
         f"{source}: task trial {trial!r} cannot name a folder (tfdist keeps "
         "each hyperparameter-tuning trial in <model_dir>/trial_<id>). Vertex "
         "AI's trial ids are numbers, e.g. \"trial\": \"7\"; use letters, "
@@ -330,11 +329,11 @@ def _check_index(task_type, index, cluster, source, *, evaluator_listed):
     return
   size = len(cluster.get(task_type, ()))
   if not size:
-    raise ClusterConfigError(
+    raise errors.ClusterConfigError(
         f"{source}: this task is {task_type} {index}, but the cluster lists "
         f"no {task_type} tasks (jobs: {', '.join(cluster) or 'none'}).")
   if index >= size:
-    raise ClusterConfigError(
+    raise errors.ClusterConfigError(
         f"{source}: task index {index} is out of range for {task_type}, "
         f"which has {size} task(s) (valid: 0..{size - 1}).")
 
@@ -343,10 +342,10 @@ def _load_json(text: str, source: str) -> dict:
   try:
     value = json.loads(text)
   except ValueError as e:
-    raise ClusterConfigError(
+    raise errors.ClusterConfigError(
         f"{source} is not valid JSON ({e}). Received: {text[:120]!r}") from None
   if not isinstance(value, dict):
-    raise ClusterConfigError(
+    raise errors.ClusterConfigError(
         f"{source} must be a JSON object with 'cluster' and 'task'; got "
         f"{type(value).__name__}.")
   return value
@@ -422,7 +421,7 @@ def _drop_reduction_server(info: "ClusterInfo", job: str, why: str
     ClusterConfigError: this task itself is in that job.
   """
   if info.task_type == job and job in info.cluster:
-    raise ClusterConfigError(
+    raise errors.ClusterConfigError(
         f"{info.source}: this task is {job} {info.task_index}, but worker pool "
         f"2 runs Vertex AI's Reduction Server ({why}); tfdist runs only on the "
         "chief (pool 0), workers (pool 1) and evaluator (pool 3). Run the "
@@ -444,17 +443,18 @@ def from_flags(worker_hosts: str, task_index: int) -> ClusterInfo:
   """
   hosts = [h for h in str(worker_hosts).split(",") if h.strip()]
   if not hosts:
-    raise ClusterConfigError("--worker_hosts is empty: give host:port,... .")
+    raise errors.ClusterConfigError(
+        "--worker_hosts is empty: give host:port,... .")
   if task_index is None or task_index < 0:
     if len(hosts) == 1:
       task_index = 0
     else:
-      raise ClusterConfigError(
+      raise errors.ClusterConfigError(
           f"--worker_hosts lists {len(hosts)} hosts: set --task_index to this "
           f"host's position (0..{len(hosts) - 1}).")
   cluster = _normalize_cluster({WORKER: hosts}, "--worker_hosts")
   if task_index >= len(hosts):
-    raise ClusterConfigError(
+    raise errors.ClusterConfigError(
         f"--task_index={task_index} is out of range for --worker_hosts with "
         f"{len(hosts)} host(s) (valid: 0..{len(hosts) - 1}).")
   return ClusterInfo(task_type=WORKER, task_index=task_index, cluster=cluster,
@@ -481,7 +481,7 @@ def from_tf_config(text: str, source: str = "TF_CONFIG", *,
   cluster = _normalize_cluster(value.get("cluster", {}), source)
   if "task" not in value:
     if sum(len(v) for v in cluster.values()) > 1:
-      raise ClusterConfigError(
+      raise errors.ClusterConfigError(
           f"{source} has a cluster but no 'task': add "
           "\"task\": {\"type\": \"worker\", \"index\": N}.")
     task_type, index, trial = (WORKER if WORKER in cluster else CHIEF), 0, ""
@@ -490,7 +490,7 @@ def from_tf_config(text: str, source: str = "TF_CONFIG", *,
   if cluster:
     _check_index(task_type, index, cluster, source, evaluator_listed=False)
   elif task_type != EVALUATOR:
-    raise ClusterConfigError(_no_cluster_message(value, source))
+    raise errors.ClusterConfigError(_no_cluster_message(value, source))
   info = ClusterInfo(task_type=task_type, task_index=index, cluster=cluster,
                      source=source, rpc_layer=value.get("rpc_layer") or "grpc",
                      environment=str(value.get("environment", "") or ""),
@@ -536,7 +536,7 @@ def from_cluster_spec(text: str, source: str = "CLUSTER_SPEC", *,
   raw_cluster = value.get("cluster", {})
   cluster = _normalize_cluster(raw_cluster, source, pools=VERTEX_WORKER_POOLS)
   if "task" not in value:
-    raise ClusterConfigError(
+    raise errors.ClusterConfigError(
         f"{source} has no 'task': expected "
         "\"task\": {\"type\": \"workerpool0\", \"index\": 0}.")
   task_type, index, trial = _task(value["task"], source,
@@ -584,7 +584,7 @@ def resolve_cluster(*, worker_hosts: str = "", task_index: int = -1,
   if worker_hosts:
     info = from_flags(worker_hosts, task_index)
   elif task_index is not None and task_index >= 0 and not present:
-    raise ClusterConfigError(
+    raise errors.ClusterConfigError(
         f"--task_index={task_index} needs --worker_hosts (or a TF_CONFIG / "
         "CLUSTER_SPEC environment variable).")
   elif "TF_CONFIG" in present:
@@ -614,7 +614,7 @@ def _resolve_once(addresses: Sequence[str], timeout: float
   """`{address: error}` for the addresses that did not resolve (each looked
   up in a thread of its own; one still unresolved after `timeout` seconds
   counts as failed)."""
-  errors: Dict[str, str] = {}
+  failures: Dict[str, str] = {}
   done: Dict[str, bool] = {}
 
   def look_up(address):
@@ -622,7 +622,7 @@ def _resolve_once(addresses: Sequence[str], timeout: float
     try:
       socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except (socket.gaierror, UnicodeError, OSError) as e:
-      errors[address] = str(e)
+      failures[address] = str(e)
     done[address] = True
 
   threads = [threading.Thread(target=look_up, args=(a,), daemon=True)
@@ -634,9 +634,9 @@ def _resolve_once(addresses: Sequence[str], timeout: float
     thread.join(max(deadline - time.time(), 0))
   for address in addresses:
     if not done.get(address):
-      errors.setdefault(address, f"no answer from the resolver within "
+      failures.setdefault(address, f"no answer from the resolver within "
                         f"{timeout:g} s")
-  return errors
+  return failures
 
 
 def check_addresses_resolve(info: ClusterInfo, *, retry_seconds: float = 30.0,
@@ -671,28 +671,28 @@ def check_addresses_resolve(info: ClusterInfo, *, retry_seconds: float = 30.0,
   logged = False
   with rendezvous.recording_stop_signals() as received:
     while True:
-      errors = _resolve_once(sorted(tasks), timeout=min(
+      failures = _resolve_once(sorted(tasks), timeout=min(
           10.0, max(retry_seconds, 1.0)))
-      if not errors:
+      if not failures:
         return
       if received:
-        raise StoppedAtStartError(
+        raise errors.StoppedAtStartError(
             f"received {signal.Signals(received[0]).name} after "
             f"{time.time() - started:.0f} s of waiting for the host names "
             f"of the cluster from {info.source} to resolve (not resolving "
-            f"yet: {', '.join(sorted(errors))}); nothing was trained or "
+            f"yet: {', '.join(sorted(failures))}); nothing was trained or "
             "saved yet.", received[0])
       if time.time() + 2 > deadline:
         break
       if not logged:
         logging.info("tfdist: not resolving yet: %s; retrying for up to "
-                     "%.0f s.", ", ".join(sorted(errors)), retry_seconds)
+                     "%.0f s.", ", ".join(sorted(failures)), retry_seconds)
         logged = True
       sleep(2)
-  address, error = sorted(errors.items())[0]
-  others = (f" (and {len(errors) - 1} other address(es): "
-            f"{', '.join(sorted(errors)[1:])})" if len(errors) > 1 else "")
-  raise ClusterConfigError(
+  address, error = sorted(failures.items())[0]
+  others = (f" (and {len(failures) - 1} other address(es): "
+            f"{', '.join(sorted(failures)[1:])})" if len(failures) > 1 else "")
+  raise errors.ClusterConfigError(
       f"{info.source}: {' / '.join(tasks[address])} at {address}: the host "
       f"name does not resolve ({error}){others}, tried for "
       f"{retry_seconds:g} s. Fix the address in {info.source}, or start the "

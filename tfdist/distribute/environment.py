@@ -41,7 +41,7 @@ import os
 import types
 from typing import Dict, Mapping, Optional, Tuple
 
-from tfdist.config import ConfigError
+from tfdist import errors
 
 # The variables tfdist reads (and records in the manifest).
 VARIABLES = (
@@ -214,7 +214,7 @@ def check_data_format(environment: RunEnvironment, variable: str):
   flag = "--" + dict((v, f) for f, v in DATA_URI_VARIABLES)[variable]
   given = (f"AIP_DATA_FORMAT={data_format!r}" if data_format else
            "AIP_DATA_FORMAT is unset")
-  raise ConfigError(
+  raise errors.ConfigError(
       f"${variable}={environment.get(variable)!r} names a Vertex AI managed "
       f"dataset, but {given}: tfdist reads TFRecord files of "
       f"tf.train.Example only (AIP_DATA_FORMAT={TFRECORD_DATA_FORMAT!r}). "

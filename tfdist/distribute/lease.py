@@ -55,7 +55,7 @@ from typing import Optional
 from absl import logging
 import tensorflow as tf
 
-from tfdist.errors import LeaseHeldError, LeaseLostError
+from tfdist import errors
 
 LEASE_FILE = "lease.json"
 
@@ -267,9 +267,10 @@ class Lease:
       return current, "it was released"
     return later, later.gone_reason(time.time())
 
-  def _held_error(self, current: LeaseInfo, now: float) -> LeaseHeldError:
+  def _held_error(self, current: LeaseInfo,
+                  now: float) -> errors.LeaseHeldError:
     wait = max(0.0, current.expires - now)
-    return LeaseHeldError(
+    return errors.LeaseHeldError(
         f"--model_dir={self.model_dir} is in use by another run: "
         f"{current.describe(now)}. Two runs in one --model_dir would "
         "overwrite each other's checkpoints, SavedModel and manifest. Wait "
@@ -310,17 +311,19 @@ class Lease:
       how = "taken over"
       break
     else:
-      raise LeaseHeldError(f"--model_dir={self.model_dir}: the lease file "
-                           f"{self.path} keeps appearing and vanishing; "
-                           "another run is starting there.")
+      raise errors.LeaseHeldError(
+          f"--model_dir={self.model_dir}: the lease file "
+          f"{self.path} keeps appearing and vanishing; "
+          "another run is starting there.")
     if self.settle_seconds:
       time.sleep(self.settle_seconds)
     current = self._read()
     if current is None or current.holder != self.holder:
       if current is None:
-        raise LeaseHeldError(f"--model_dir={self.model_dir}: this run's "
-                             f"lease {self.path} vanished just after it was "
-                             "written; another run is starting there.")
+        raise errors.LeaseHeldError(
+            f"--model_dir={self.model_dir}: this run's "
+            f"lease {self.path} vanished just after it was "
+            "written; another run is starting there.")
       raise self._held_error(current, time.time())
     self.held = True
     logging.info("tfdist: lease on %s %s (%s; renewed every %.0f s).",
@@ -387,7 +390,7 @@ class Lease:
   def check(self):
     """Raises `LeaseLostError` if another run has taken the lease."""
     if self.lost is not None:
-      raise LeaseLostError(
+      raise errors.LeaseLostError(
           f"--model_dir={self.model_dir}: another run took over this run's "
           f"lease ({self.lost.describe()}): this run stalled for longer than "
           "--lease_timeout_seconds. Stopping without writing more there.")

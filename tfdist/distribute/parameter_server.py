@@ -33,12 +33,10 @@ from typing import Optional, Tuple
 from absl import logging
 import tensorflow as tf
 
-from tfdist.config import ConfigError
+from tfdist import errors
 from tfdist.training import sharded_embedding
 from tfdist.training.done_marker import (  # noqa: F401
     DONE_MARKER, clear_done, done_marker, mark_done, marked_done_since)
-from tfdist.errors import (  # noqa: F401
-    ParameterServerError, ShardCountMismatchError)
 
 _partitioners = tf.distribute.experimental.partitioners
 
@@ -60,7 +58,7 @@ def cluster_resolver(cluster
   """
   spec = cluster.cluster_dict(("chief", "worker", "ps"))
   if not spec.get("ps") or not spec.get("worker"):
-    raise ConfigError(
+    raise errors.ConfigError(
         "--distribution_strategy=parameter_server needs a cluster with ps and "
         "worker tasks in TF_CONFIG or CLUSTER_SPEC (found jobs: "
         f"{', '.join(sorted(spec)) or 'none'}). Start the cluster with "
@@ -107,10 +105,11 @@ def make_partitioner(kind: str, *, num_ps: int, shard_bytes: int,
     ConfigError: unknown kind or non-positive sizes.
   """
   if num_ps <= 0:
-    raise ConfigError(f"A parameter-server cluster needs ps tasks; found "
-                      f"{num_ps}.")
+    raise errors.ConfigError(
+        f"A parameter-server cluster needs ps tasks; found "
+        f"{num_ps}.")
   if shard_bytes <= 0:
-    raise ConfigError(f"--ps_min_shard_bytes={shard_bytes} must be > 0.")
+    raise errors.ConfigError(f"--ps_min_shard_bytes={shard_bytes} must be > 0.")
   shards = max_shards or num_ps
   if kind == "none":
     return None
@@ -123,8 +122,9 @@ def make_partitioner(kind: str, *, num_ps: int, shard_bytes: int,
   elif kind == "fixed":
     inner = _partitioners.FixedShardsPartitioner(num_shards=shards)
   else:
-    raise ConfigError(f"--ps_partitioner={kind!r} is unknown. Use one of: "
-                      "min_size, fixed, max_size, none.")
+    raise errors.ConfigError(
+        f"--ps_partitioner={kind!r} is unknown. Use one of: "
+        "min_size, fixed, max_size, none.")
   return EmbeddingOnlyPartitioner(inner)
 
 
@@ -275,7 +275,7 @@ def check_shard_layout(checkpoint_dir: str, model):
   now = shard_layout(model)
   for layer, count in sorted(saved.items()):
     if layer in now and now[layer] != count:
-      raise ShardCountMismatchError(
+      raise errors.ShardCountMismatchError(
           f"The checkpoints in {checkpoint_dir} hold table {layer!r} in "
           f"{count} shard(s), but this cluster splits it into {now[layer]} "
           "shard(s). Restore with the same number of ps tasks and the same "
@@ -285,7 +285,8 @@ def check_shard_layout(checkpoint_dir: str, model):
 
 # --- worker and ps tasks --------------------------------------------------
 def serve(model_dir: str, cluster, *, poll_seconds: float = 1.0,
-          grace_seconds: float = 30.0) -> int:
+          grace_seconds: float = 30.0, resolver=None,
+          server_config=None) -> int:
   """Runs this worker or ps task's server until the chief marks the run done.
 
   On SIGTERM or SIGINT (a preemption reaches every task of a job at once)
@@ -301,16 +302,22 @@ def serve(model_dir: str, cluster, *, poll_seconds: float = 1.0,
     poll_seconds: how often to look for the marker.
     grace_seconds: after a stop signal, serve at most this long
       (`--preemption_grace_seconds`).
+    resolver: the cluster's resolver (default: its chief, worker and ps
+      tasks, `cluster_resolver`; a pipeline's has no ps tasks).
+    server_config: the server's `tf.compat.v1.ConfigProto` (a pipeline's
+      worker sets its CPU device count there: a server's devices are its
+      own, not the eager context's logical devices).
 
   Returns:
     The exit status: 0, or 128 + the signal when one arrived.
   """
   set_grpc_fail_fast()
   task_type, task_index = cluster.task_type, cluster.task_index
-  resolver = cluster_resolver(cluster)
+  resolver = resolver or cluster_resolver(cluster)
   server = tf.distribute.Server(
       resolver.cluster_spec(), job_name=task_type, task_index=task_index,
-      protocol=resolver.rpc_layer or "grpc", start=True)
+      protocol=resolver.rpc_layer or "grpc", config=server_config,
+      start=True)
   started = time.time()
   stop = {}
 

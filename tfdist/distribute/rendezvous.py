@@ -27,7 +27,7 @@ from typing import Callable, Mapping, Optional
 
 from absl import logging
 
-from tfdist.errors import ClusterStartError, StoppedAtStartError
+from tfdist import errors
 
 
 def _split(address: str):
@@ -144,7 +144,7 @@ def _wait(own_address, missing, received, *, started, timeout_seconds,
                         for address, name in missing.items())
       if received:
         name = signal.Signals(received[0]).name
-        raise StoppedAtStartError(
+        raise errors.StoppedAtStartError(
             f"received {name} after {now - started:.0f} s of waiting for "
             f"the peers of {describe}"
             + (f" (no answer yet from {names})" if names else "")
@@ -157,7 +157,7 @@ def _wait(own_address, missing, received, *, started, timeout_seconds,
                      "no answer yet from %s.", describe, timeout_seconds,
                      names)
       if now - started >= timeout_seconds:
-        raise ClusterStartError(
+        raise errors.ClusterStartError(
             f"the peers of {describe} did not all answer within "
             f"--cluster_start_timeout_seconds={timeout_seconds:g}: no answer "
             f"from {names}. Check that every task was started with the same "

@@ -17,7 +17,7 @@ import threading
 from absl import logging
 import tensorflow as tf
 
-from tfdist.config import ConfigError
+from tfdist import errors
 from tfdist.distribute import cluster as cluster_lib
 from tfdist.distribute import parameter_server
 from tfdist.distribute import rendezvous
@@ -102,7 +102,7 @@ def _gpus(num_gpus: int):
   if num_gpus == -1:
     return gpus
   if num_gpus > len(gpus):
-    raise ConfigError(
+    raise errors.ConfigError(
         f"--num_gpus={num_gpus} but only {len(gpus)} GPU(s) are visible. "
         f"Use --num_gpus={len(gpus)} or -1 for all.")
   return gpus[:num_gpus]
@@ -111,14 +111,14 @@ def _gpus(num_gpus: int):
 def _all_reduce(alg: str, on_gpu: bool):
   if alg == "nccl":
     if not on_gpu:
-      raise ConfigError(
+      raise errors.ConfigError(
           "--all_reduce_alg=nccl needs GPUs; on CPU devices use "
           "--all_reduce_alg=auto.")
     return tf.distribute.NcclAllReduce()
   if alg == "hierarchical_copy":
     return tf.distribute.HierarchicalCopyAllReduce()
   if alg == "ring":
-    raise ConfigError(
+    raise errors.ConfigError(
         "--all_reduce_alg=ring applies to multi_worker_mirrored; for "
         "mirrored use auto, nccl or hierarchical_copy.")
   return None if on_gpu else tf.distribute.ReductionToOneDevice()
@@ -149,7 +149,7 @@ def _mirrored(options: StrategyOptions, reason: str,
     devices = [d.name for d in tf.config.list_logical_devices("CPU")]
     wanted = options.num_cpu_devices
     if wanted > 1 and len(devices) != wanted:
-      raise ConfigError(
+      raise errors.ConfigError(
           f"--num_cpu_devices={wanted} but "
           f"{len(devices)} logical CPU device(s) exist: call "
           "tfdist.distribute.devices.configure_cpu_devices before building the strategy.")
@@ -202,7 +202,7 @@ def _mwms_all_reduce(options: StrategyOptions, cluster) -> str:
     why = ("--reduction_server" if options.reduction_server else
            f"{cluster.source}'s job description runs it in worker pool 2")
     if not tf.config.list_physical_devices("GPU"):
-      raise ConfigError(
+      raise errors.ConfigError(
           f"Vertex AI's Reduction Server ({why}) needs GPU workers: it works "
           "with NCCL all-reduce, and this task sees no GPU. Give the chief "
           "and worker pools accelerators (python -m tfdist.job_spec vertex "
@@ -210,12 +210,12 @@ def _mwms_all_reduce(options: StrategyOptions, cluster) -> str:
           "--reduction_server) to all-reduce over gRPC on CPUs.")
     alg = "nccl"
   if alg not in _MWMS_IMPLEMENTATIONS:
-    raise ConfigError(
+    raise errors.ConfigError(
         f"--all_reduce_alg={alg} does not apply to multi_worker_mirrored. Use "
         "ring (gRPC; CPUs or GPUs), nccl (GPUs; Vertex AI Reduction Server) "
         "or auto.")
   if alg == "nccl" and not tf.config.list_physical_devices("GPU"):
-    raise ConfigError(
+    raise errors.ConfigError(
         "--all_reduce_alg=nccl needs GPUs; on CPU-only workers use "
         "--all_reduce_alg=ring or auto.")
   return alg
@@ -224,7 +224,7 @@ def _mwms_all_reduce(options: StrategyOptions, cluster) -> str:
 def _check_first_mwms() -> None:
   """Raises ConfigError when this process already built an MWMS."""
   if _MWMS_BUILT:
-    raise ConfigError(
+    raise errors.ConfigError(
         "A MultiWorkerMirroredStrategy was already built in this process "
         f"({_MWMS_BUILT[0]}); TensorFlow configures its collective runtime "
         "once per process, so a second one cannot be built. Run each "
@@ -235,7 +235,7 @@ def _check_first_mwms() -> None:
 def _check_mwms_task(cluster) -> None:
   """Raises ConfigError when this task is not a chief or worker."""
   if cluster.is_multi_worker and cluster.task_type not in _MWMS_JOBS:
-    raise ConfigError(
+    raise errors.ConfigError(
         f"This task is {cluster.task_type} {cluster.task_index} "
         f"({cluster.source}); multi_worker_mirrored runs only on chief and "
         "worker tasks. Use --distribution_strategy=parameter_server for a "
@@ -248,9 +248,30 @@ def _wait_for_mwms_peers(cluster, seconds: float) -> float:
   In Python, SIGTERM and SIGINT work and the missing tasks can be named;
   TensorFlow's own wait after this is then short. 0 outside a cluster.
   """
+  return wait_for_peers(cluster, _MWMS_JOBS, seconds,
+                        describe="the multi_worker_mirrored cluster")
+
+
+def wait_for_peers(cluster, jobs, seconds: float, *,
+                   describe: str = "the cluster") -> float:
+  """Waits in Python until every task of `jobs` but this one answers.
+
+  Args:
+    cluster: this process's `ClusterInfo`.
+    jobs: the jobs whose tasks to wait for (e.g. `("chief", "worker")`).
+    seconds: the longest wait (`--cluster_start_timeout_seconds`).
+    describe: names the cluster in messages (its source is appended).
+
+  Returns:
+    Seconds waited (0 outside a cluster).
+
+  Raises:
+    tfdist.errors.ClusterStartError: a task did not answer in time.
+    tfdist.errors.StoppedAtStartError: SIGTERM or SIGINT meanwhile.
+  """
   if not cluster.is_multi_worker:
     return 0.0
-  members = cluster.cluster_dict(_MWMS_JOBS)
+  members = cluster.cluster_dict(tuple(jobs))
   mine = members.get(cluster.task_type, [])
   me = mine[cluster.task_index] if cluster.task_index < len(mine) else None
   probes = {address: f"{job} {i}" for job, addresses in members.items()
@@ -262,7 +283,7 @@ def _wait_for_mwms_peers(cluster, seconds: float) -> float:
   return rendezvous.wait_for_peers(
       me, probes, timeout_seconds=seconds,
       report_seconds=START_REPORT_SECONDS,
-      describe=f"the multi_worker_mirrored cluster from {cluster.source}")
+      describe=f"{describe} from {cluster.source}")
 
 
 def use_trace_time_instance_keys() -> bool:
@@ -303,7 +324,7 @@ def use_trace_time_instance_keys() -> bool:
   """
   value = os.environ.get(PER_CALL_INSTANCE_KEYS_ENV, "").strip()
   if value not in ("", "0", "1"):
-    raise ConfigError(
+    raise errors.ConfigError(
         f"{PER_CALL_INSTANCE_KEYS_ENV}={value!r} is not 0 or 1. Unset it "
         "(or 0: collective instance keys fixed at trace time, flat memory), "
         "or 1 for TensorFlow's per-call keys.")
@@ -481,18 +502,19 @@ def make_strategy(options: StrategyOptions, *, cluster=None) -> StrategyChoice:
       a cluster, `bytes_per_pack` for a strategy it does not apply to, or a
       second MultiWorkerMirroredStrategy in this process.
     ValueError: `options.kind` is not a concrete strategy name.
-    tfdist.distribute.tpu.TPUNotAvailableError: `tpu` with no TPU reachable
+    tfdist.errors.TPUNotAvailableError: `tpu` with no TPU reachable
       (raised within `options.tpu.init_timeout` seconds).
   """
   kind = StrategyKind.parse(options.kind)
   reason = f"--distribution_strategy={kind}"
   if kind.is_multi_worker and cluster is None:
-    raise ConfigError(f"--distribution_strategy={kind} needs the resolved "
-                      "cluster (tfdist.distribute.cluster.resolve_cluster).")
+    raise errors.ConfigError(
+        f"--distribution_strategy={kind} needs the resolved "
+        "cluster (tfdist.distribute.cluster.resolve_cluster).")
   if options.bytes_per_pack and kind in (
       StrategyKind.MIRRORED, StrategyKind.PARAMETER_SERVER, StrategyKind.TPU):
     # One replica (off, one_device) has nothing to all-reduce: no effect.
-    raise ConfigError(
+    raise errors.ConfigError(
         f"--bytes_per_pack={options.bytes_per_pack} applies to "
         f"multi_worker_mirrored, not {kind} (its all-reduce does not split "
         "the gradients into packs). Drop --bytes_per_pack.")

@@ -36,9 +36,8 @@ import urllib.parse
 
 from absl import logging
 
-from tfdist.config import ConfigError
+from tfdist import errors
 from tfdist.config import TPU_DEFAULT_STEPS_PER_EXECUTION  # pylint: disable=unused-import
-from tfdist.errors import TPUNotAvailableError
 
 # The port Cloud TPU nodes serve gRPC on.
 DEFAULT_TPU_PORT = 8470
@@ -99,7 +98,7 @@ def tpu_address_kind(tpu: str) -> str:
   """
   value = (tpu or "").strip()
   if not value:
-    raise ConfigError(
+    raise errors.ConfigError(
         "--distribution_strategy=tpu needs --tpu: `local` on a Cloud TPU VM, "
         "the TPU's name (with --tpu_zone and --tpu_gcp_project), or "
         "grpc://HOST:8470 (or set $TPU_NAME). Received --tpu=''.")
@@ -107,7 +106,7 @@ def tpu_address_kind(tpu: str) -> str:
     return "local"
   if "://" in value:
     if not value.startswith("grpc://"):
-      raise ConfigError(
+      raise errors.ConfigError(
           f"--tpu={value!r}: only grpc:// addresses are understood, e.g. "
           "--tpu=grpc://10.0.0.2:8470.")
     return "grpc"
@@ -126,7 +125,7 @@ def parse_grpc_address(tpu: str) -> Tuple[str, int]:
   except ValueError:
     port = -1
   if not parsed.hostname or not 0 < port < 65536:
-    raise ConfigError(
+    raise errors.ConfigError(
         f"--tpu={tpu!r} is not a valid gRPC address. Use grpc://HOST:PORT, "
         "e.g. grpc://10.0.0.2:8470.")
   return parsed.hostname, port
@@ -158,11 +157,11 @@ def probe_grpc(host: str, port: int, *,
   try:
     conn = socket.create_connection((host, port), timeout=timeout)
   except socket.timeout:
-    raise TPUNotAvailableError(
+    raise errors.TPUNotAvailableError(
         f"Nothing answered a TCP connect to {where} within {timeout:g} s "
         "(the address is unreachable or filtered).") from None
   except OSError as e:
-    raise TPUNotAvailableError(
+    raise errors.TPUNotAvailableError(
         f"TCP connect to {where} failed: {e.strerror or e}.") from None
   with conn:
     conn.settimeout(timeout)
@@ -175,16 +174,16 @@ def probe_grpc(host: str, port: int, *,
           break
         header += chunk
     except socket.timeout:
-      raise TPUNotAvailableError(
+      raise errors.TPUNotAvailableError(
           f"{where} accepted a TCP connection but sent no gRPC (HTTP/2) "
           f"answer within {timeout:g} s: it is not a TPU's gRPC server, or "
           "the server is stuck.") from None
     except OSError as e:
-      raise TPUNotAvailableError(
+      raise errors.TPUNotAvailableError(
           f"{where} accepted a TCP connection, then failed: "
           f"{e.strerror or e}.") from None
   if len(header) < 9 or header[3] != _HTTP2_SETTINGS_TYPE:
-    raise TPUNotAvailableError(
+    raise errors.TPUNotAvailableError(
         f"{where} answered, but not as a gRPC (HTTP/2) server "
         f"(first bytes {header[:9]!r}).")
   return time.monotonic() - started
@@ -328,7 +327,7 @@ def connect_tpu(tpu: str, *, zone: str = "", project: str = "",
     host, port = parse_grpc_address(tpu)
     try:
       probe_grpc(host, port, timeout=probe_timeout)
-    except TPUNotAvailableError as e:
+    except errors.TPUNotAvailableError as e:
       raise fail(str(e)) from None
   resolver, topology = _initialize_bounded(
       tpu, kind, zone=zone, project=project, init_timeout=init_timeout,
@@ -363,8 +362,8 @@ def _failure(tpu: str, kind: str, *, zone: str, project: str,
     tried.append(f"--tpu_gcp_project={project or '(from metadata)'}")
   tried_text = " ".join(tried)
 
-  def fail(problem: str) -> TPUNotAvailableError:
-    return TPUNotAvailableError(
+  def fail(problem: str) -> errors.TPUNotAvailableError:
+    return errors.TPUNotAvailableError(
         f"No TPU available: {problem} Tried: {tried_text} (after "
         f"{time.monotonic() - started:.1f} s). Check: {_CHECKS[kind]}.")
 
@@ -396,7 +395,7 @@ def _initialize_bounded(tpu: str, kind: str, *, zone: str, project: str,
     raise fail(f"{e} (TensorFlow waits forever here; tfdist gave up). "
                "Raise --tpu_init_timeout if a large pod needs longer."
                ) from None
-  except ConfigError:
+  except errors.ConfigError:
     raise
   except Exception as e:  # pylint: disable=broad-except
     # NotFoundError ("TPUs not found in the cluster") for local, URLError or
@@ -477,7 +476,7 @@ def validate_tpu_config(tpu: str, *, data_patterns: Sequence[Tuple[str, str]]
            if any(not is_gcs_path(x) for x in p.split(",") if x.strip())]
   if local:
     given = ", ".join(f"{flag}={p}" for flag, p in local)
-    raise ConfigError(
+    raise errors.ConfigError(
         f"--tpu={address} runs the input pipeline on the TPU workers, "
         "which read files themselves and cannot see this machine's disk: "
         f"input must be on gs://. Received {given}. Copy the data to a "

@@ -37,7 +37,7 @@ def dry_run(prepared: prepare.PreparedRun, *, task, writer: bool) -> dict:
 
   Raises:
     ConfigError: as `tfdist.training.run_plan.make_run_plan`.
-    tfdist.training.checkpointing.IncompatibleResumeError: as
+    tfdist.errors.IncompatibleResumeError: as
       `tfdist.experiment.prepare.check_resume`.
   """
   config, cluster = prepared.config, prepared.cluster

@@ -14,7 +14,7 @@ from absl import logging
 import tensorflow as tf
 
 from tfdist.backends import registry as backends
-from tfdist.config import ConfigError
+from tfdist import errors
 from tfdist.config import TrainConfig
 from tfdist.data import input_pipeline
 from tfdist.distribute import strategy as strategy_lib
@@ -168,7 +168,7 @@ class EvaluatorRunner:
     self.latest = (tf.train.latest_checkpoint(self.checkpoint_dir) if once
                    else None)
     if once and not self.latest:
-      raise ConfigError(
+      raise errors.ConfigError(
           f"--mode=eval: no checkpoint in {self.checkpoint_dir} to evaluate."
           " Train first (same --model_dir), or point --checkpoint_dir at "
           "one.")

@@ -21,7 +21,7 @@ import tensorflow as tf
 from tfdist.backends import registry as backends
 from tfdist.config import TrainConfig
 from tfdist.data import filesystems
-from tfdist.data.dataset_spec import DataNotFoundError
+from tfdist import errors
 from tfdist.distribute import auto_select
 from tfdist.distribute import cluster as cluster_lib
 from tfdist.distribute import environment as environment_lib
@@ -83,7 +83,7 @@ class PreparedRun:
   def backend(self) -> backends.Backend:
     """The decided strategy's backend (`tfdist.backends`; the pipeline's
     under `--pipeline_stages`)."""
-    return backends.backend_for_run(self.kind, self.config)
+    return backends.backend_for_run(self.kind, self.config, self.cluster)
 
   @functools.cached_property
   def role(self) -> backends.Role:
@@ -140,7 +140,7 @@ def prepare_run(config: TrainConfig, *,
       another format than `tf-record`, a malformed cluster,
       fp16 on a TPU, local input with a remote TPU, an export folder that
       would replace the run's other outputs
-      (`tfdist.training.export.ExportRefusedError`).
+      (`tfdist.errors.ExportRefusedError`).
   """
   if environment is None:
     environment = environment_lib.read_environment()
@@ -186,14 +186,14 @@ def name_environment_sources(applied):
   """
   try:
     yield
-  except DataNotFoundError as e:
+  except errors.DataNotFoundError as e:
     message = str(e)
     notes = [f"--{field} came from ${variable}: fix that variable, or pass "
              f"--{field} (a flag wins over ${variable})."
              for field, variable in applied if f"--{field}=" in message]
     if not notes:
       raise
-    raise DataNotFoundError(" ".join([message, *notes])) from e
+    raise errors.DataNotFoundError(" ".join([message, *notes])) from e
 
 
 def start_run(config: TrainConfig, *,
@@ -239,7 +239,7 @@ def check_resume(config, plan) -> list:
   (the writing process only); returns what changed (logged).
 
   Raises:
-    tfdist.training.checkpointing.IncompatibleResumeError: a changed model or
+    tfdist.errors.IncompatibleResumeError: a changed model or
       global batch without `--allow_incompatible_resume`.
   """
   directory = config.resolved_checkpoint_dir

@@ -13,7 +13,7 @@ from typing import Any, Optional, Sequence
 import keras
 
 from tfdist.cloud import hptune
-from tfdist.config import ConfigError
+from tfdist import errors
 from tfdist.config import TrainConfig
 from tfdist.distribute import cluster as cluster_lib
 from tfdist.distribute import environment as environment_lib
@@ -38,7 +38,7 @@ def _evaluates(prepared: prepare.PreparedRun) -> bool:
   if evaluating and cluster.task_type not in (
       cluster_lib.EVALUATOR, cluster_lib.CHIEF) and (
           cluster.num_workers > 1 or cluster.num_ps):
-    raise ConfigError(
+    raise errors.ConfigError(
         f"--mode={config.mode} evaluates in one process; this one is "
         f"{cluster.task_type} {cluster.task_index} of a training cluster. "
         "Run it without TF_CONFIG/--worker_hosts, or as the cluster's "
@@ -111,24 +111,24 @@ def run_experiment(config: TrainConfig, *,
   Raises:
     ConfigError: invalid or inconsistent configuration, an unknown model or
       data set, a model or data the other does not fit (before training),
-      an unsupported TensorFlow or Keras (`versions.UnsupportedVersionError`)
-      or a path whose file system is missing
-      (`filesystems.FileSystemUnavailableError`).
+      an unsupported TensorFlow or Keras
+      (`tfdist.errors.UnsupportedVersionError`) or a path whose file
+      system is missing (`tfdist.errors.FileSystemUnavailableError`).
     DataNotFoundError: missing data.
-    tfdist.data.data_checks.DataError: a damaged input file or records of
+    tfdist.errors.DataError: a damaged input file or records of
       another schema (before training).
-    tfdist.training.preflight.OutputNotWritableError: an output folder cannot be
+    tfdist.errors.OutputNotWritableError: an output folder cannot be
       written (before anything else is done).
-    tfdist.training.checkpointing.IncompatibleResumeError: the checkpoint's run
+    tfdist.errors.IncompatibleResumeError: the checkpoint's run
       had another model or global batch (before training).
-    tfdist.distribute.lease.LeaseHeldError: another live run holds
+    tfdist.errors.LeaseHeldError: another live run holds
       `--model_dir`.
-    tfdist.runtime.preemption.PreemptedError: SIGTERM or SIGINT stopped training
+    tfdist.errors.PreemptedError: SIGTERM or SIGINT stopped training
       after a checkpoint was saved (rerun to resume).
-    tfdist.observability.run_log.DivergenceError: the loss or the state became
+    tfdist.errors.TrainingDivergedError: the loss or the state became
       NaN or infinite (the last good checkpoint is kept and named).
-    tfdist.distribute.parameter_server.ParameterServerError: a ps task was lost.
-    tfdist.training.step_runner.PeerLostError: a MultiWorkerMirrored peer was
+    tfdist.errors.ParameterServerError: a ps task was lost.
+    tfdist.errors.PeerLostError: a MultiWorkerMirrored peer was
       lost.
   """
   started = time.time()

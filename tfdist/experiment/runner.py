@@ -21,7 +21,7 @@ import keras
 import tensorflow as tf
 
 from tfdist.cloud import hptune
-from tfdist.config import ConfigError
+from tfdist import errors
 from tfdist.config import TrainConfig
 from tfdist.data import input_pipeline
 from tfdist.data import input_position as input_position_lib
@@ -35,6 +35,7 @@ from tfdist.experiment import dry_run as dry_run_lib
 from tfdist.experiment import prepare
 from tfdist.observability import manifest as manifest_lib
 from tfdist.observability import profiling
+from tfdist.parallel import zero3
 from tfdist.observability import run_log as run_log_lib
 from tfdist.runtime import failures
 from tfdist.runtime import preemption
@@ -58,7 +59,7 @@ def _worker_scratch_dir(cluster: cluster_lib.ClusterInfo) -> str:
   """A local folder for a non-chief worker's writes, deleted at exit.
 
   Raises:
-    tfdist.training.preflight.OutputNotWritableError: it cannot be made or
+    tfdist.errors.OutputNotWritableError: it cannot be made or
       written.
   """
   parent = os.environ.get("TEST_TMPDIR") or tempfile.gettempdir()
@@ -67,7 +68,7 @@ def _worker_scratch_dir(cluster: cluster_lib.ClusterInfo) -> str:
         prefix=f"tfdist-{cluster.task_type}{cluster.task_index}-",
         dir=parent)
   except OSError as e:
-    raise preflight.OutputNotWritableError(
+    raise errors.OutputNotWritableError(
         f"The scratch folder of {cluster.task_type} {cluster.task_index} "
         f"(under {parent}: $TMPDIR) is not writable: {e}. Point TMPDIR at "
         "a writable local folder.") from None
@@ -79,7 +80,7 @@ def _worker_scratch_dir(cluster: cluster_lib.ClusterInfo) -> str:
 def _check_profile_window(config: TrainConfig, plan) -> None:
   """Raises `ConfigError` for a `--profile_steps` window after the run."""
   if config.profile_steps and config.profile_steps[0] > plan.total_steps:
-    raise ConfigError(
+    raise errors.ConfigError(
         f"--profile_steps={config.profile_steps[0]},{config.profile_steps[1]}"
         f" starts after the run's last step ({plan.total_steps}): nothing "
         "would be traced. Choose a window within the run, e.g. "
@@ -407,7 +408,8 @@ class ExperimentRunner:
     """The writer compares this run with the checkpoint's and records it.
 
     Raises:
-      tfdist.training.checkpointing.IncompatibleResumeError: as `tfdist.experiment.prepare.check_resume`.
+      tfdist.errors.IncompatibleResumeError: as
+        `tfdist.experiment.prepare.check_resume`.
     """
     if not self.is_writer:
       return
@@ -422,7 +424,8 @@ class ExperimentRunner:
     """The precision policy, then model, optimizer, trainer and checkpoint
     under the strategy (`tfdist.training.assembly.build`)."""
     self.policy = precision.configure_precision(self.config.dtype)
-    options = run_options.assembly_options(self.config)
+    options = self.backend.assembly_options(
+        run_options.assembly_options(self.config), choice=self.choice)
     parts = assembly.build(options, task=self.task, strategy=self.strategy,
                            plan=self.plan, on_tpu=self.backend.on_tpu)
     if self.config.hptune_metric:
@@ -461,7 +464,8 @@ class ExperimentRunner:
   def build_checkpoints(self) -> CheckpointKeeper:
     """The checkpoint keeper: saves, restores, keeps the input position."""
     parts = self.parts
-    state = list(parts.model.variables)
+    # ZeRO stage 3: its weight shards in place of the released weights.
+    state = zero3.state_variables(parts.model, parts.trainer)
     if parts.optimizer is not None:
       known = {id(v) for v in state}
       state += [v for v in parts.optimizer.variables if id(v) not in known]
@@ -556,16 +560,16 @@ class ExperimentRunner:
     """Trains; a lost ps task or peer becomes one named error.
 
     Raises:
-      tfdist.runtime.preemption.PreemptedError: stopped after a checkpoint.
-      tfdist.distribute.parameter_server.ParameterServerError: a ps task was
+      tfdist.errors.PreemptedError: stopped after a checkpoint.
+      tfdist.errors.ParameterServerError: a ps task was
         lost.
-      tfdist.training.step_runner.PeerLostError: a MultiWorkerMirrored peer was
+      tfdist.errors.PeerLostError: a MultiWorkerMirrored peer was
         lost.
     """
     controller = self.controller
     try:
       return controller.run()
-    except preemption.PreemptedError:
+    except errors.PreemptedError:
       if self.is_writer:
         # Servers and side-car evaluators stop with the chief.
         done_marker.mark_done(self.config.model_dir)

@@ -38,10 +38,11 @@ servers, every worker's chunks summed. Memory: the process's peak RSS and
 each GPU's current and peak bytes (`tfdist.training.memory`).
 
 It also holds the divergence checks of the log points: a non-finite
-training loss raises `DivergenceError` (a `FloatingPointError`; the
-controller checks every chunk of steps as well, before any checkpoint), and
-a loss that stays finite but exceeds `loss_explosion_factor` times its
-early value (the first log point's) is named in one warning.
+training loss raises `tfdist.errors.TrainingDivergedError` (a
+`FloatingPointError`; the controller checks every chunk of steps as well,
+before any checkpoint), and a loss that stays finite but exceeds
+`loss_explosion_factor` times its early value (the first log point's) is
+named in one warning.
 """
 
 import json
@@ -57,6 +58,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tfdist import errors
 from tfdist.observability import progress
 from tfdist.observability.throughput import ThroughputMeter
 from tfdist.runtime import strict_json
@@ -71,9 +73,6 @@ _NOT_METRICS = ("num_examples", "step", "checkpoint")
 INPUT_WAIT_KEY = "input_wait_seconds"
 EXECUTION_KEY = "execution_seconds"
 
-
-# The training loss became NaN or infinite (one error for every check).
-DivergenceError = training_checks.TrainingDivergedError
 
 
 def divergence_advice(*, loss_scaled: bool,
@@ -375,7 +374,8 @@ class RunLog:
     it differs from `steps`.
 
     Raises:
-      DivergenceError: the mean loss or the learning rate is not finite.
+      tfdist.errors.TrainingDivergedError: the mean loss or the learning
+        rate is not finite.
     """
     interval = self.meter.record(step)
     values = self.summarize(sums, steps)
@@ -409,7 +409,7 @@ class RunLog:
     else:
       logging.info("%s", text, extra=progress.PROGRESS)
     if not finite:
-      raise DivergenceError(
+      raise errors.TrainingDivergedError(
           f"Training diverged at step {step}: loss {record.get('loss')}, "
           f"learning rate {learning_rate}. " +
           divergence_advice(loss_scaled=loss_scale is not None))

@@ -18,7 +18,7 @@ import platform
 import re
 from typing import Optional, Tuple
 
-from tfdist.errors import UnsupportedVersionError
+from tfdist import errors
 
 # Inclusive (major, minor) bounds.
 TENSORFLOW_RANGE = ((2, 17), (2, 21))
@@ -67,8 +67,8 @@ def _keras_problem(version: str) -> str:
 
 
 def _unsupported(problems, tensorflow: str, keras: str,
-                 python: str) -> UnsupportedVersionError:
-  return UnsupportedVersionError(
+                 python: str) -> errors.UnsupportedVersionError:
+  return errors.UnsupportedVersionError(
       f"{'; '.join(problems)} (found TensorFlow {tensorflow}, Keras {keras}, "
       f"Python {python}). tfdist supports {SUPPORTED_TEXT}. {FIX_TEXT}")
 
@@ -117,7 +117,7 @@ def installed_versions() -> Versions:
   try:
     import tensorflow as tf  # pylint: disable=g-import-not-at-top
   except ImportError as e:
-    raise UnsupportedVersionError(
+    raise errors.UnsupportedVersionError(
         f"TensorFlow does not import ({type(e).__name__}: {e}). tfdist "
         f"supports {SUPPORTED_TEXT}. {FIX_TEXT}") from e
   problem = _tensorflow_problem(tf.__version__)
@@ -129,7 +129,7 @@ def installed_versions() -> Versions:
   try:
     import keras  # pylint: disable=g-import-not-at-top
   except ImportError as e:
-    raise UnsupportedVersionError(
+    raise errors.UnsupportedVersionError(
         f"Keras {_distribution_version('keras')} does not import with "
         f"TensorFlow {tf.__version__} ({type(e).__name__}: {e}). tfdist "
         f"supports {SUPPORTED_TEXT}. {FIX_TEXT}") from e

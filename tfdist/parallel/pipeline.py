@@ -50,14 +50,14 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfdist.errors import PipelineConfigError
+from tfdist import errors
 from tfdist.parallel.pipeline_options import GPIPE
 from tfdist.parallel.pipeline_options import ONE_F_ONE_B
 from tfdist.parallel.pipeline_options import SCHEDULES
 
 __all__ = [
     "GPIPE", "ONE_F_ONE_B", "SCHEDULES", "Pipeline", "PipelineConfigError",
-    "Stage", "balanced_cuts", "bubble_fraction", "check_microbatches",
+    "ActivationEstimate", "Stage", "balanced_cuts", "bubble_fraction", "check_microbatches",
     "peak_in_flight", "schedule_order", "split_model",
 ]
 
@@ -124,7 +124,7 @@ def check_schedule(schedule: str) -> str:
   """Returns `schedule` if it is a known one, else raises
   PipelineConfigError naming the valid names."""
   if schedule not in SCHEDULES:
-    raise PipelineConfigError(
+    raise errors.PipelineConfigError(
         f"pipeline schedule={schedule!r} is not offered: choose one of "
         f"{', '.join(SCHEDULES)}.")
   return schedule
@@ -146,7 +146,7 @@ def check_microbatches(batch_size: int, num_microbatches: int) -> int:
   _check_positive("num_microbatches", num_microbatches)
   if batch_size % num_microbatches:
     divisors = [d for d in range(1, batch_size + 1) if batch_size % d == 0]
-    raise PipelineConfigError(
+    raise errors.PipelineConfigError(
         f"num_microbatches={num_microbatches} does not divide the batch of "
         f"{batch_size} examples: every micro-batch must have the same size "
         f"for the update to equal the unsplit one. Choose num_microbatches "
@@ -171,7 +171,7 @@ def balanced_cuts(costs: Sequence[float], num_stages: int) -> List[int]:
   n = len(costs)
   _check_positive("num_stages", num_stages)
   if num_stages > n:
-    raise PipelineConfigError(
+    raise errors.PipelineConfigError(
         f"num_stages={num_stages} is more than the {n} items to cut: "
         f"choose num_stages <= {n}.")
   prefix = np.concatenate([[0.0], np.cumsum(np.asarray(costs, float))])
@@ -194,7 +194,7 @@ def balanced_cuts(costs: Sequence[float], num_stages: int) -> List[int]:
 
 def _check_positive(name: str, value: int) -> None:
   if not isinstance(value, int) or value < 1:
-    raise PipelineConfigError(
+    raise errors.PipelineConfigError(
         f"{name}={value!r} must be a positive integer.")
 
 
@@ -285,14 +285,14 @@ def _sequential_calls(model):
 def _model_calls(model):
   if isinstance(model, keras.Sequential):
     if not model.built or not model.layers:
-      raise PipelineConfigError(
+      raise errors.PipelineConfigError(
           f"model {model.name!r} is a Sequential model that is not built: "
           "give it a keras.Input(shape) first (or call it once on a batch) "
           "before splitting it into pipeline stages.")
     return _sequential_calls(model)
   if hasattr(model, "_nodes_by_depth") and getattr(model, "inputs", None):
     return _functional_calls(model)
-  raise PipelineConfigError(
+  raise errors.PipelineConfigError(
       f"model {model.name!r} ({type(model).__name__}) is a subclassed model "
       "without a functional graph, so it cannot be cut into pipeline "
       "stages: build it with the functional API (keras.Model(inputs, "
@@ -305,6 +305,18 @@ def _param_bytes(variables) -> int:
 
 
 # --- stages and the pipeline -------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class ActivationEstimate:
+  """Activations alive on each stage at its peak (`Pipeline.activation_estimate`).
+
+  Attributes:
+    bytes_per_stage: bytes, stage s at index s.
+    in_flight: the micro-batches stage s holds then.
+  """
+  bytes_per_stage: Tuple[int, ...]
+  in_flight: Tuple[int, ...]
+
+
 @dataclasses.dataclass(frozen=True)
 class Stage:
   """Consecutive layer calls of the model that run on one device.
@@ -322,6 +334,10 @@ class Stage:
     output_keys: the graph tensors it hands on: what later stages use,
       including tensors it only carries (a skip connection across a cut),
       or the model's outputs for the last stage.
+    activation_bytes_per_example: bytes of its layer calls' outputs for
+      one example (the Keras graph's static shapes and dtypes; unknown
+      dimensions count 0): what one micro-batch in flight keeps alive, at
+      least (a layer's tape may keep inner tensors too).
   """
   index: int
   device: str
@@ -332,6 +348,10 @@ class Stage:
   input_keys: Tuple[Hashable, ...]
   output_keys: Tuple[Hashable, ...]
   calls: Tuple[_Call, ...] = dataclasses.field(repr=False)
+
+  @property
+  def activation_bytes_per_example(self) -> int:
+    return sum(call.activation_bytes for call in self.calls)
 
   def run(self, inputs: Sequence[tf.Tensor],
           training: Optional[bool] = None) -> List[tf.Tensor]:
@@ -376,12 +396,50 @@ class Pipeline:
     self.num_stages = len(self.stages)
     self._input_dtypes = list(input_dtypes)
 
-  def describe(self) -> List[dict]:
-    """Per stage: index, device, layer names, parameter bytes and the
-    number of tensors it receives and hands on."""
+  def describe(self, micro_batch: int = 0, num_microbatches: int = 1,
+               schedule: str = GPIPE) -> List[dict]:
+    """Per stage: index, device, layer names, parameter bytes, the number
+    of tensors it receives and hands on, and, given a step's shape, its
+    activation estimate (`activation_estimate`).
+
+    Args:
+      micro_batch: examples per micro-batch (0: no activation estimate).
+      num_microbatches: M.
+      schedule: `gpipe` or `1f1b`.
+    """
+    held = (self.activation_estimate(micro_batch, num_microbatches, schedule)
+            if micro_batch else None)
     return [dict(index=s.index, device=s.device, layers=list(s.layer_names),
                  param_bytes=s.param_bytes, inputs=len(s.input_keys),
-                 outputs=len(s.output_keys)) for s in self.stages]
+                 outputs=len(s.output_keys),
+                 **({"activation_bytes": held.bytes_per_stage[s.index],
+                     "microbatches_in_flight": held.in_flight[s.index]}
+                    if held else {})) for s in self.stages]
+
+  def activation_estimate(self, micro_batch: int, num_microbatches: int,
+                          schedule: str = GPIPE) -> "ActivationEstimate":
+    """Each stage's activations alive at its peak, in bytes: its layer
+    calls' output bytes per example x `micro_batch` x the micro-batches the
+    schedule keeps in flight on it (`peak_in_flight`: M under GPipe, at
+    most P - s under 1F1B). A lower bound: a layer's tape may keep inner
+    tensors too, and TensorFlow's workspace is not counted.
+
+    Args:
+      micro_batch: examples per micro-batch.
+      num_microbatches: M.
+      schedule: `gpipe` or `1f1b`.
+
+    Returns:
+      An `ActivationEstimate` (P byte counts, P micro-batch counts).
+
+    Raises:
+      PipelineConfigError: an unknown schedule, or M below 1.
+    """
+    in_flight = [peak_in_flight(order) for order in schedule_order(
+        self.num_stages, num_microbatches, schedule)]
+    return ActivationEstimate(
+        tuple(s.activation_bytes_per_example * micro_batch * n
+              for s, n in zip(self.stages, in_flight)), tuple(in_flight))
 
   def _flat_inputs(self, x) -> List[tf.Tensor]:
     # A dict flattens by sorted key, as Keras flattens a model's dict of
@@ -389,7 +447,7 @@ class Pipeline:
     flat = (keras.tree.flatten(x) if isinstance(x, dict) else
             list(x) if isinstance(x, (list, tuple)) else [x])
     if len(flat) != len(self._input_dtypes):
-      raise PipelineConfigError(
+      raise errors.PipelineConfigError(
           f"the pipeline of model {self.model.name!r} takes "
           f"{len(self._input_dtypes)} input tensor(s) and got {len(flat)}: "
           "pass one tensor, or a list in the order of model.inputs.")
@@ -428,7 +486,7 @@ class Pipeline:
       for v in stage.weights:
         current = getattr(v, "_value", None)
         if not isinstance(current, tf.Variable):
-          raise PipelineConfigError(
+          raise errors.PipelineConfigError(
               f"variable {v.path!r} ({type(v).__name__}) does not wrap a "
               f"tf.Variable, so place_variables cannot move it to "
               f"{stage.device} (Keras {keras.__version__}, backend "
@@ -571,7 +629,7 @@ class Pipeline:
     inputs = self._flat_inputs(x)
     batch = inputs[0].shape[0]
     if batch is None:
-      raise PipelineConfigError(
+      raise errors.PipelineConfigError(
           "the pipeline's batch size is not known when the step is traced: "
           "give the tf.function an input_signature with a fixed batch, or "
           "a dataset with drop_remainder=True.")
@@ -721,35 +779,35 @@ def split_model(model, num_stages: Optional[int] = None, *,
     starts = []
     for name in cuts:
       if name not in names:
-        raise PipelineConfigError(
+        raise errors.PipelineConfigError(
             f"pipeline cut {name!r} is not a layer of model {model.name!r}: "
             f"give layer names among {names[:30]}"
             f"{' ...' if len(names) > 30 else ''}.")
       starts.append(names.index(name))
     if starts != sorted(set(starts)) or (starts and starts[0] == 0):
-      raise PipelineConfigError(
+      raise errors.PipelineConfigError(
           f"pipeline cuts={','.join(cuts)} must name distinct layers in the "
           f"model's call order, none of them its first layer "
           f"({names[0]!r}): the layers run in the order {names[:30]}.")
     if num_stages is not None and num_stages != len(cuts) + 1:
-      raise PipelineConfigError(
+      raise errors.PipelineConfigError(
           f"num_stages={num_stages} disagrees with cuts={','.join(cuts)} "
           f"({len(cuts) + 1} stages): give one of them, or "
           f"{num_stages - 1} cut(s).")
     num_stages = len(cuts) + 1
   if num_stages is None:
-    raise PipelineConfigError(
+    raise errors.PipelineConfigError(
         "split_model needs num_stages or cuts: give the number of stages "
         "(e.g. num_stages=2) or the layers that begin stages.")
   _check_positive("num_stages", num_stages)
   if num_stages > len(calls):
-    raise PipelineConfigError(
+    raise errors.PipelineConfigError(
         f"num_stages={num_stages} is more than the {len(calls)} layer "
         f"call(s) of model {model.name!r}: each stage needs at least one; "
         f"choose num_stages <= {len(calls)}.")
   devices = list(devices) if devices is not None else _default_devices()
   if num_stages > len(devices):
-    raise PipelineConfigError(
+    raise errors.PipelineConfigError(
         f"num_stages={num_stages} is more than the {len(devices)} "
         f"device(s) {devices}: stage i runs on device i. Lower num_stages, "
         f"or on a CPU split it into logical devices before TensorFlow "
@@ -771,7 +829,7 @@ def split_model(model, num_stages: Optional[int] = None, *,
     for call in group:
       other = stage_of_layer.setdefault(id(call.layer), s)
       if other != s:
-        raise PipelineConfigError(
+        raise errors.PipelineConfigError(
             f"layer {call.layer.name!r} is called in pipeline stages {other} "
             f"and {s}: a layer's weights live in one stage. Choose cuts "
             f"that keep all its calls in one stage, or give each call its "
@@ -779,7 +837,7 @@ def split_model(model, num_stages: Optional[int] = None, *,
       for v in getattr(call.layer, "weights", []):
         other = stage_of_var.setdefault(id(v), s)
         if other != s:
-          raise PipelineConfigError(
+          raise errors.PipelineConfigError(
               f"variable {v.path!r} is used by layers in pipeline stages "
               f"{other} and {s} (a shared or tied weight): choose cuts that "
               f"keep its layers in one stage.")

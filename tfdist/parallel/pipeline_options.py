@@ -12,7 +12,7 @@ while it validates a `TrainConfig`. The pipeline itself is
 import dataclasses
 from typing import Optional, Sequence, Tuple
 
-from tfdist.errors import ConfigError
+from tfdist import errors
 
 GPIPE = "gpipe"
 ONE_F_ONE_B = "1f1b"
@@ -37,12 +37,16 @@ class PipelineOptions:
     cuts: layer names, each the first layer of a stage after the first;
       empty: balanced by weight and activation bytes.
     microbatches_defaulted: `--num_microbatches` was not given (M = P).
+    devices: the stages' device names, stage i on `devices[i]` (set by
+      the pipeline backend once its devices are known; empty: this
+      process's first P GPUs, else its logical CPU devices).
   """
   num_stages: int = 1
   num_microbatches: int = 1
   schedule: str = GPIPE
   cuts: Tuple[str, ...] = ()
   microbatches_defaulted: bool = False
+  devices: Tuple[str, ...] = ()
 
   @property
   def enabled(self) -> bool:
@@ -97,46 +101,47 @@ def check_flags(*, pipeline_stages: int, num_microbatches: Optional[int],
       strategy, ZeRO or XLA.
   """
   if not isinstance(pipeline_stages, int) or pipeline_stages < 1:
-    raise ConfigError(f"--pipeline_stages={pipeline_stages} must be a "
-                      "positive integer (1: no pipeline).")
+    raise errors.ConfigError(f"--pipeline_stages={pipeline_stages} must be a "
+                             "positive integer (1: no pipeline).")
   if num_microbatches is not None and (
       not isinstance(num_microbatches, int) or num_microbatches < 1):
-    raise ConfigError(f"--num_microbatches={num_microbatches} must be a "
-                      "positive integer (default: --pipeline_stages).")
+    raise errors.ConfigError(f"--num_microbatches={num_microbatches} must be a "
+                             "positive integer (default: --pipeline_stages).")
   if pipeline_schedule not in SCHEDULES:
-    raise ConfigError(f"--pipeline_schedule={pipeline_schedule!r} is "
-                      f"unknown. Use one of: {', '.join(SCHEDULES)}.")
+    raise errors.ConfigError(f"--pipeline_schedule={pipeline_schedule!r} is "
+                             f"unknown. Use one of: {', '.join(SCHEDULES)}.")
   if pipeline_cuts and len(pipeline_cuts) + 1 != pipeline_stages:
-    raise ConfigError(
+    raise errors.ConfigError(
         f"--pipeline_cuts={','.join(pipeline_cuts)} makes "
         f"{len(pipeline_cuts) + 1} stages but --pipeline_stages="
         f"{pipeline_stages}: pass --pipeline_stages={len(pipeline_cuts) + 1}"
         f" with these cuts, or {pipeline_stages - 1} cut(s).")
   if pipeline_stages == 1:
     if num_microbatches not in (None, 1):
-      raise ConfigError(
+      raise errors.ConfigError(
           f"--num_microbatches={num_microbatches} applies to a pipeline: "
           "pass --pipeline_stages=P (P > 1) too, or use "
           "--gradient_accumulation_steps to split the batch without one.")
     return
   if distribution_strategy in _DATA_PARALLEL:
-    raise ConfigError(
+    raise errors.ConfigError(
         f"--pipeline_stages={pipeline_stages} cannot run under "
         f"--distribution_strategy={distribution_strategy}: pipelines "
         "combined with data parallelism need each stage's gradients "
         "all-reduced across that stage's copies only, and TensorFlow has "
         "no public sub-group collectives. Use --distribution_strategy=auto"
-        ", one_device or off (the stages run in one process, stage i on "
-        "GPU i or logical CPU device i), or drop --pipeline_stages.")
+        ", one_device or off (one replica: the stages run in one process, "
+        "stage i on GPU i or logical CPU device i, or on the chief and "
+        "worker tasks of a cluster), or drop --pipeline_stages.")
   if zero_stage:
-    raise ConfigError(
+    raise errors.ConfigError(
         f"--pipeline_stages={pipeline_stages} and --zero_stage={zero_stage}"
         " (--shard_optimizer_state) cannot be combined: ZeRO shards the "
         "optimizer state across data-parallel replicas, and a pipeline "
         "already keeps each stage's optimizer state on its own device. "
         "Drop one of them.")
   if enable_xla:
-    raise ConfigError(
+    raise errors.ConfigError(
         f"--enable_xla cannot compile a pipelined step (--pipeline_stages="
         f"{pipeline_stages}): one XLA cluster cannot span the stages' "
         "devices. Drop --enable_xla.")
@@ -168,7 +173,7 @@ def check_batch(options: PipelineOptions, *, micro_step_batch: int,
           if gradient_accumulation_steps > 1 else "the step's ")
   given = (" (not given: it defaults to --pipeline_stages)"
            if options.microbatches_defaulted else "")
-  raise ConfigError(
+  raise errors.ConfigError(
       f"--num_microbatches={m}{given} does not divide {step}batch of "
       f"{micro_step_batch} examples (--pipeline_stages="
       f"{options.num_stages}): every micro-batch must have the same size "

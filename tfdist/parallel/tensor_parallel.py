@@ -58,7 +58,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfdist.errors import ConfigError
+from tfdist import errors
 
 # The attribute of a sharded Keras variable naming the axis it is split on.
 _SHARD_AXIS = "_tfdist_tensor_parallel_axis"
@@ -67,7 +67,7 @@ _SHARD_AXIS = "_tfdist_tensor_parallel_axis"
 # --- the two operators (and a gather) ----------------------------------------
 def _replica_context(what: str) -> tf.distribute.ReplicaContext:
   if tf.distribute.in_cross_replica_context():
-    raise ConfigError(
+    raise errors.ConfigError(
         f"{what} runs inside `strategy.run` (replica context), and was called "
         "in cross-replica context. Call the model inside "
         "`strategy.run(fn, args=...)`.")
@@ -185,14 +185,14 @@ def _num_shards(layer_name: str) -> int:
   """The replicas of the current strategy; refuses what cannot work."""
   strategy = tf.distribute.get_strategy()
   if tf.distribute.has_strategy() and not tf.distribute.in_cross_replica_context():
-    raise ConfigError(
+    raise errors.ConfigError(
         f"{layer_name} was built inside `strategy.run`. Build the model in "
         "`strategy.scope()` first (call it on `keras.Input`s, or "
         "`layer.build(shape)`), then call it inside `strategy.run`.")
   n = strategy.num_replicas_in_sync
   local = len(_local_devices(strategy))
   if n != local:
-    raise ConfigError(
+    raise errors.ConfigError(
         f"{layer_name} splits its weights over the replicas of one host; "
         f"{type(strategy).__name__} has {n} replicas, {local} of them here. "
         "Use MirroredStrategy over this host's devices.")
@@ -202,7 +202,7 @@ def _num_shards(layer_name: str) -> int:
 def _check_divides(layer_name: str, argument: str, value: int, n: int):
   if value % n:
     smaller = value - value % n
-    raise ConfigError(
+    raise errors.ConfigError(
         f"{layer_name} splits {argument} over the {n} replicas in sync, and "
         f"{argument}={value} is not a multiple of {n}. Choose a multiple of "
         f"{n} (e.g. {smaller or n} or {smaller + n}), or run on a number of "
@@ -304,6 +304,51 @@ def load_full_weights(layer: keras.layers.Layer,
     _assign_full(variable, np.asarray(value))
 
 
+# The feed-forward pair of a block that `splittable_weight_bytes` counts:
+# `<block>_ff_in` column-parallel, `<block>_ff_out` row-parallel (the names
+# the built-in Transformer gives them, `models/transformer.py`).
+FEED_FORWARD_IN, FEED_FORWARD_OUT = "_ff_in", "_ff_out"
+
+
+def splittable_weight_bytes(model: keras.Model) -> int:
+  """Bytes of the weights of an unsharded model that tensor parallelism
+  would split (N replicas then hold 1/N of them each).
+
+  Counted: every `keras.layers.MultiHeadAttention` (its query, key and
+  value kernels and biases and its output kernel: all but the output
+  bias), and every `keras.layers.Dense` whose name ends in
+  `FEED_FORWARD_IN` (kernel and bias, split by columns) or
+  `FEED_FORWARD_OUT` (kernel, split by rows) when its block has both.
+
+  Args:
+    model: a built Keras model.
+
+  Returns:
+    Bytes (int), from shapes and dtypes; 0 when nothing can be split.
+  """
+  layers = {layer.name: layer
+            for layer in model._flatten_layers(include_self=False)}  # pylint: disable=protected-access
+  total = 0
+
+  def nbytes(variable):
+    return int(np.prod(variable.shape)) * tf.as_dtype(variable.dtype).size
+
+  for name, layer in layers.items():
+    if isinstance(layer, keras.layers.MultiHeadAttention):
+      weights = list(layer.weights)
+      # MultiHeadAttention's last weight is its output bias, kept whole.
+      if layer.use_bias:
+        weights = weights[:-1]
+      total += sum(nbytes(v) for v in weights)
+    elif (isinstance(layer, keras.layers.Dense) and
+          name.endswith(FEED_FORWARD_IN)):
+      partner = layers.get(name[:-len(FEED_FORWARD_IN)] + FEED_FORWARD_OUT)
+      if isinstance(partner, keras.layers.Dense):
+        total += sum(nbytes(v) for v in layer.weights)
+        total += nbytes(partner.kernel)
+  return total
+
+
 class _TensorParallelLayer(keras.layers.Layer):
   """Remembers the replica count the shards were made for."""
 
@@ -316,7 +361,7 @@ class _TensorParallelLayer(keras.layers.Layer):
   def _replica_context(self) -> tf.distribute.ReplicaContext:
     context = _replica_context(f"{type(self).__name__} {self.name!r}")
     if context.num_replicas_in_sync != self.num_shards:
-      raise ConfigError(
+      raise errors.ConfigError(
           f"{type(self).__name__} {self.name!r} holds {self.num_shards} "
           f"shards and was called with {context.num_replicas_in_sync} "
           "replicas in sync. Build and call it under the same strategy.")
@@ -357,8 +402,9 @@ class ColumnParallelDense(_TensorParallelLayer):
                gather_output: bool = False, **kwargs):
     super().__init__(**kwargs)
     if int(units) <= 0:
-      raise ConfigError(f"ColumnParallelDense needs units > 0. Received: "
-                        f"units={units}.")
+      raise errors.ConfigError(
+          f"ColumnParallelDense needs units > 0. Received: "
+          f"units={units}.")
     self.units = int(units)
     self.activation = keras.activations.get(activation)
     self.use_bias = bool(use_bias)
@@ -436,8 +482,8 @@ class RowParallelDense(_TensorParallelLayer):
                **kwargs):
     super().__init__(**kwargs)
     if int(units) <= 0:
-      raise ConfigError(f"RowParallelDense needs units > 0. Received: "
-                        f"units={units}.")
+      raise errors.ConfigError(f"RowParallelDense needs units > 0. Received: "
+                               f"units={units}.")
     self.units = int(units)
     self.activation = keras.activations.get(activation)
     self.use_bias = bool(use_bias)
@@ -525,8 +571,9 @@ class ParallelMultiHeadAttention(_TensorParallelLayer):
     for argument, value in (("num_heads", num_heads), ("key_dim", key_dim),
                             ("value_dim", value_dim or key_dim)):
       if int(value) <= 0:
-        raise ConfigError(f"ParallelMultiHeadAttention needs {argument} > 0."
-                          f" Received: {argument}={value}.")
+        raise errors.ConfigError(
+            f"ParallelMultiHeadAttention needs {argument} > 0."
+            f" Received: {argument}={value}.")
     self.num_heads = int(num_heads)
     self.key_dim = int(key_dim)
     self.value_dim = int(value_dim or key_dim)
@@ -540,7 +587,7 @@ class ParallelMultiHeadAttention(_TensorParallelLayer):
     for name, shape in (("query", query_shape), ("value", value_shape),
                         ("key", key_shape)):
       if len(shape) != 3:
-        raise ConfigError(
+        raise errors.ConfigError(
             f"ParallelMultiHeadAttention {self.name!r} takes [batch, "
             f"sequence, features] inputs; {name} has shape {tuple(shape)}.")
     n = self._set_num_shards()
@@ -656,16 +703,16 @@ class ReplicaOptimizer:
   def __init__(self, optimizer: keras.optimizers.Optimizer, variables,
                strategy: tf.distribute.Strategy):
     if tf.distribute.has_strategy():
-      raise ConfigError(
+      raise errors.ConfigError(
           "ReplicaOptimizer keeps plain per-replica optimizer copies: create "
           "it outside `strategy.scope()` (after building the model inside).")
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-      raise ConfigError(
+      raise errors.ConfigError(
           "ReplicaOptimizer does not support LossScaleOptimizer (mixed "
           "float16); train in float32 or mixed_bfloat16.")
     for option in ("gradient_accumulation_steps", "use_ema"):
       if getattr(optimizer, option, None):
-        raise ConfigError(
+        raise errors.ConfigError(
             f"ReplicaOptimizer does not support {option}="
             f"{getattr(optimizer, option)}; leave it unset.")
     self.strategy = strategy
@@ -674,7 +721,7 @@ class ReplicaOptimizer:
     per_variable = [_components(v) for v in self.variables]
     for v, components in zip(self.variables, per_variable):
       if len(components) != len(self.devices):
-        raise ConfigError(
+        raise errors.ConfigError(
             f"ReplicaOptimizer: {getattr(v, 'path', v.name)} has "
             f"{len(components)} component(s), the strategy "
             f"{len(self.devices)} replicas. Build the model inside "
@@ -706,7 +753,7 @@ class ReplicaOptimizer:
       ValueError: `grads` has another length than `variables`.
     """
     if tf.distribute.has_strategy():
-      raise ConfigError(
+      raise errors.ConfigError(
           "ReplicaOptimizer.apply_gradients updates each replica's "
           "variables with plain optimizers: call it outside `strategy.run` "
           "and outside `strategy.scope()`.")

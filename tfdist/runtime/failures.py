@@ -25,9 +25,6 @@ from typing import Mapping, Optional, Sequence
 import tensorflow as tf
 
 from tfdist import errors
-from tfdist.errors import ConfigError
-from tfdist.errors import DataNotFoundError
-from tfdist.errors import OutputWriteError
 
 # Words of a full disk or quota in TensorFlow's and the OS's messages
 # (ENOSPC, EDQUOT; EFBIG: a file-size limit).
@@ -76,7 +73,7 @@ def _folder_named(text: str, folders: Mapping[str, str]):
 def describe(error: BaseException, *, folders: Mapping[str, str],
              data_folders: Sequence[str] = (),
              last_checkpoint: Optional[str] = None,
-             step: Optional[int] = None) -> Optional[ConfigError]:
+             step: Optional[int] = None) -> Optional[errors.ConfigError]:
   """The one-line error for a foreseeable failure, or None for others.
 
   Args:
@@ -112,14 +109,14 @@ def describe(error: BaseException, *, folders: Mapping[str, str],
             "this process may no longer write there")
     fix = ("free space there or give a larger volume" if full else
            "restore write access")
-    return OutputWriteError(
+    return errors.OutputWriteError(
         f"{flag}={folder}: a write failed{at}: {what} "
         f"({type(error).__name__}: {text}). The run stopped; {fix}"
         f"{resume}.")
   if isinstance(error, tf.errors.NotFoundError) or number == errno.ENOENT:
     if not any(d and d.rstrip("/") in whole for d in data_folders):
       return None
-    return DataNotFoundError(
+    return errors.DataNotFoundError(
         f"A file the run reads vanished during training{at} "
         f"({type(error).__name__}: {text}): --train_files and --eval_files "
         "must stay in place while a run reads them. Restore it (or list "

@@ -57,7 +57,7 @@ from typing import Optional, Sequence
 
 from absl import logging
 
-from tfdist.errors import PreemptedError
+from tfdist import errors
 from tfdist.runtime import watchdog
 
 
@@ -239,10 +239,11 @@ class PreemptionWatcher:
     self._send(watchdog.PEER_STOP)
 
   def preempted(self, *, step: int,
-                checkpoint: Optional[str]) -> PreemptedError:
+                checkpoint: Optional[str]) -> errors.PreemptedError:
     """The error to raise once the checkpoint at `step` is saved."""
     signum = self.signum if self.signum is not None else signal.SIGTERM
     elapsed = time.time() - (self.received_at or time.time())
     logging.warning("Stopped at step %d, %.1f s after the signal; checkpoint "
                     "%s.", step, elapsed, checkpoint)
-    return PreemptedError(signum=signum, step=step, checkpoint=checkpoint)
+    return errors.PreemptedError(
+        signum=signum, step=step, checkpoint=checkpoint)

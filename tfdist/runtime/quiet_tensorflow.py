@@ -1,11 +1,13 @@
-"""Importing TensorFlow without its import-time notices (binaries only).
+"""Importing TensorFlow without its import-time notices.
 
 TensorFlow's native code prints, while it is imported and whatever
 `TF_CPP_MIN_LOG_LEVEL` says, absl's notice that logging is not initialized
 (a line starting "WARNING:") and the oneDNN and CPU-feature notices. The
 binaries (`tfdist.train`, `tfdist.job_spec`) import TensorFlow through
 `import_tensorflow`, which leaves exactly those lines out of stderr and
-writes everything else through. `TF_CPP_MIN_LOG_LEVEL=0` shows them all.
+writes everything else through. In library use `import tfdist` calls
+`quiet_library_import`, so a script that imports tfdist before TensorFlow
+(or Keras) gets the same. `TF_CPP_MIN_LOG_LEVEL=0` shows them all.
 
 Standard library only: imported before TensorFlow.
 """
@@ -111,3 +113,16 @@ def import_tensorflow():
       import tensorflow  # pylint: disable=g-import-not-at-top,unused-import
     except Exception:  # pylint: disable=broad-except
       pass
+
+
+def quiet_library_import():
+  """What `import tfdist` does for a script that has not imported
+  TensorFlow yet: `default_log_level` and `quiet_on_import`, so neither the
+  import-time notices nor TensorFlow's C++ INFO and WARNING lines reach
+  stderr. Nothing when TensorFlow is imported already (its C++ log level
+  is then fixed) or `TF_CPP_MIN_LOG_LEVEL=0`; a level the user set is
+  kept."""
+  if "tensorflow" in sys.modules or not quiet_requested():
+    return
+  default_log_level()
+  quiet_on_import()

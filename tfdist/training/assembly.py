@@ -17,9 +17,10 @@ import keras
 import tensorflow as tf
 
 from tfdist import models
-from tfdist.config import ConfigError
+from tfdist import errors
 from tfdist.errors import first_line
 from tfdist.parallel import pipeline_options
+from tfdist.parallel import zero3  # Registers ZeRO stage 3's optimizer.
 from tfdist.training import checkpointing
 from tfdist.training import custom_step
 from tfdist.training import lr_schedule
@@ -54,7 +55,8 @@ class AssemblyOptions:
     enable_xla: jit-compile the per-replica step.
     run_eagerly: run the step without `tf.function` (debugging).
     deterministic: op determinism (the step is then not timed).
-    zero_stage: ZeRO sharding of the optimizer state (0, 1 or 2).
+    zero_stage: ZeRO sharding of the optimizer state (0, 1 or 2), or of
+      the weights too (3: `tfdist.parallel.zero3`).
     class_weight: `((class id, weight), ...)`; empty: none.
     activation_recomputation: recompute activations in the backward pass.
     bytes_per_pack: the gradients' all-reduce packs, in bytes (0: one).
@@ -114,11 +116,11 @@ def _output_shape(model: keras.Model, task: task_lib.Task) -> tf.TensorShape:
   features, _ = task_lib.example_spec(task.dataset)
   try:
     return objectives_lib.output_shape(model, features)
-  except ConfigError:
+  except errors.ConfigError:
     raise
   except Exception as e:  # pylint: disable=broad-except
     first = first_line(e)
-    raise ConfigError(
+    raise errors.ConfigError(
         f"--model={task.model_name} cannot take --dataset="
         f"{task.dataset.name}'s features {features}: {type(e).__name__}: "
         f"{first}") from e
@@ -153,7 +155,7 @@ def build_model(options: AssemblyOptions, *, task: task_lib.Task,
     # its SavedModel is left out (said again at export).
     try:
       _output_shape(model, task)
-    except ConfigError as e:
+    except errors.ConfigError as e:
       logging.warning("%s. Its own train_step trains it; the run writes no "
                       "SavedModel for it.", e)
   else:
@@ -254,7 +256,7 @@ def check_weights(options: AssemblyOptions, *,
     return None
   if weight is not None:
     given = ",".join(f"{k}:{w}" for k, w in options.class_weight)
-    raise ConfigError(
+    raise errors.ConfigError(
         f"--class_weight={given}"
         f" and sample weights in --dataset={task.dataset.name}'s examples "
         "(a third element) cannot be used together (as in Keras's fit). "
@@ -275,7 +277,7 @@ def _sharding_for(options: AssemblyOptions,
   if sharding.enabled and not isinstance(
       strategy, (tf.distribute.MirroredStrategy,
                  tf.distribute.MultiWorkerMirroredStrategy)):
-    raise ConfigError(
+    raise errors.ConfigError(
         f"--zero_stage={sharding.stage} (--shard_optimizer_state) runs under "
         "mirrored or multi_worker_mirrored; this run's strategy is "
         f"{type(strategy).__name__}. Set --distribution_strategy=mirrored "
@@ -337,12 +339,14 @@ def _log_trainer(trainer: Trainer, options: AssemblyOptions, *, plan,
         "ZeRO stage %d: each of the %d replicas keeps the optimizer state "
         "of %d of the %d parameters (one shard of a flat buffer, %d "
         "elements of padding)%s; gradients are all-reduced "
-        "then sliced (no reduce-scatter on CPU collectives), the updated "
-        "shards all-gathered.", sharding.stage, layout.num_shards,
+        "then sliced (no reduce-scatter on CPU collectives), %s.",
+        sharding.stage, layout.num_shards,
         layout.shard_size, layout.total, layout.padding,
         ", and its shard of the gradient accumulators"
         if sharding.stage >= 2 and plan.batch.gradient_accumulation_steps > 1
-        else "")
+        else "", "its shard of the weights too, all-gathered for each step "
+        "(tfdist.parallel.zero3)" if sharding.stage == zero3.STAGE
+        else "the updated shards all-gathered")
   if options.enable_xla:
     logging.info(
         "--enable_xla: %s", "TPUs compile every step with XLA already."
@@ -407,6 +411,8 @@ def build(options: AssemblyOptions, *, task: task_lib.Task,
   # (`tf.train.Checkpoint(model=...)`, compiled with an optimizer of its own
   # or not) finds no optimizer of tfdist's under `model/`.
   object.__setattr__(model, "optimizer", optimizer)
+  if sharding.stage == zero3.STAGE:
+    zero3.check_model(model)
   if custom_step.overrides(model):
     return _custom_step_parts(options, model=model, task=task,
                               strategy=strategy, plan=plan, on_tpu=on_tpu,
@@ -541,7 +547,7 @@ def load_init_checkpoint(model: keras.Model, path: str) -> str:
   """
   if path.endswith(".weights.h5"):
     if not tf.io.gfile.exists(path):
-      raise ConfigError(f"--init_checkpoint={path}: no such file.")
+      raise errors.ConfigError(f"--init_checkpoint={path}: no such file.")
     model.load_weights(path)
     logging.info("--init_checkpoint: loaded %s", path)
     return path
@@ -550,26 +556,27 @@ def load_init_checkpoint(model: keras.Model, path: str) -> str:
     prefix = (tf.train.latest_checkpoint(path) or
               tf.train.latest_checkpoint(os.path.join(path, "checkpoints")))
     if not prefix:
-      raise ConfigError(
+      raise errors.ConfigError(
           f"--init_checkpoint={path} is a folder without checkpoints (and "
           "without a checkpoints/ folder holding some). Give a checkpoint "
           "prefix (.../ckpt-N), a folder of checkpoints, or a .weights.h5 "
           "file.")
   elif not tf.io.gfile.exists(prefix + ".index"):
-    raise ConfigError(
+    raise errors.ConfigError(
         f"--init_checkpoint={path}: no checkpoint there ({path}.index is "
         "missing). Give a checkpoint prefix (.../ckpt-N), a folder of "
         "checkpoints, or a .weights.h5 file.")
   if "model" not in checkpointing.root_children(prefix):
-    raise ConfigError(
+    raise errors.ConfigError(
         f"--init_checkpoint={path}: {prefix} holds no model (tfdist loads "
         "checkpoints written as tf.train.Checkpoint(model=...), as tfdist "
         "writes them, or .weights.h5 files).")
   try:
     status = tf.train.Checkpoint(model=model).restore(prefix)
   except ValueError as e:  # A variable of another shape.
-    raise ConfigError(f"--init_checkpoint={path}: {prefix} does not fit the "
-                      f"model: {first_line(e)}") from None
+    raise errors.ConfigError(
+        f"--init_checkpoint={path}: {prefix} does not fit the "
+        f"model: {first_line(e)}") from None
   try:
     status.assert_existing_objects_matched()
   except AssertionError as e:

@@ -12,7 +12,7 @@ import dataclasses
 import math
 from typing import Optional
 
-from tfdist.config import ConfigError
+from tfdist import errors
 
 DEFAULT_GLOBAL_BATCH_SIZE = 128
 
@@ -87,14 +87,14 @@ def _global_batch_size(*, batch_size: Optional[int],
   """
   per_update = num_replicas_in_sync * gradient_accumulation_steps
   if batch_size is not None and batch_size <= 0:
-    raise ConfigError(f"--batch_size={batch_size} must be > 0.")
+    raise errors.ConfigError(f"--batch_size={batch_size} must be > 0.")
   if per_replica_batch_size is not None and per_replica_batch_size <= 0:
-    raise ConfigError(
+    raise errors.ConfigError(
         f"--per_replica_batch_size={per_replica_batch_size} must be > 0.")
   if per_replica_batch_size is not None:
     implied = per_replica_batch_size * per_update
     if batch_size is not None and batch_size != implied:
-      raise ConfigError(
+      raise errors.ConfigError(
           f"--batch_size={batch_size} (global) disagrees with "
           f"--per_replica_batch_size={per_replica_batch_size} x "
           f"{num_replicas_in_sync} replicas x {gradient_accumulation_steps} "
@@ -103,7 +103,7 @@ def _global_batch_size(*, batch_size: Optional[int],
   global_batch_size = (batch_size if batch_size is not None else
                        DEFAULT_GLOBAL_BATCH_SIZE)
   if global_batch_size % per_update:
-    raise ConfigError(
+    raise errors.ConfigError(
         f"--batch_size={global_batch_size} (global) is not divisible by "
         f"{num_replicas_in_sync} replicas x {gradient_accumulation_steps} "
         "accumulation steps. Use a multiple of "
@@ -142,10 +142,10 @@ def make_batch_plan(*,
       fewer examples than one global batch.
   """
   if num_replicas_in_sync < 1:
-    raise ConfigError(
+    raise errors.ConfigError(
         f"num_replicas_in_sync={num_replicas_in_sync} must be >= 1.")
   if gradient_accumulation_steps < 1:
-    raise ConfigError(
+    raise errors.ConfigError(
         f"--gradient_accumulation_steps={gradient_accumulation_steps} must "
         "be >= 1.")
   per_update = num_replicas_in_sync * gradient_accumulation_steps
@@ -154,7 +154,7 @@ def make_batch_plan(*,
       num_replicas_in_sync=num_replicas_in_sync,
       gradient_accumulation_steps=gradient_accumulation_steps)
   if global_batch_size % (num_input_pipelines * gradient_accumulation_steps):
-    raise ConfigError(
+    raise errors.ConfigError(
         f"Global batch {global_batch_size} does not split evenly across "
         f"{num_input_pipelines} workers. Use a multiple of "
         f"{num_input_pipelines * gradient_accumulation_steps}.")
@@ -162,7 +162,7 @@ def make_batch_plan(*,
   if num_train_examples is not None:
     steps_per_epoch = num_train_examples // global_batch_size
     if steps_per_epoch < 1:
-      raise ConfigError(
+      raise errors.ConfigError(
           f"The global batch {global_batch_size} is larger than the "
           f"{num_train_examples} training examples: lower --batch_size.")
   return BatchPlan(
@@ -204,7 +204,7 @@ def resolve_warmup_steps(*, warmup_steps: Optional[int],
   else:
     return min(steps_per_epoch, total_steps // 10)
   if steps > total_steps:
-    raise ConfigError(
+    raise errors.ConfigError(
         f"{source} is longer than the run ({total_steps} steps). Lower the "
         "warmup or train longer.")
   return steps

@@ -34,7 +34,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfdist.errors import ConfigError
+from tfdist import errors
 
 # The checkpoint part's name (`tfdist.training.checkpointing.OPTIONAL_PARTS`).
 PART = "callback_state"
@@ -114,7 +114,7 @@ class CallbackState(tf.train.experimental.PythonState):
       if _has_hook(callback):
         state = callback.get_state()
         if not isinstance(state, dict):
-          raise ConfigError(
+          raise errors.ConfigError(
               f"callbacks: {type(callback).__name__}.get_state() returned "
               f"{type(state).__name__}, not a dict. Instead, return a dict "
               "of JSON values (numbers, strings, lists, dicts), which "
@@ -123,7 +123,7 @@ class CallbackState(tf.train.experimental.PythonState):
         try:
           json.dumps(state)
         except (TypeError, ValueError) as e:
-          raise ConfigError(
+          raise errors.ConfigError(
               f"callbacks: {type(callback).__name__}.get_state() returned "
               f"a dict JSON cannot hold ({e}). Instead, return numbers, "
               "strings, lists and dicts (arrays as .tolist()).") from None

@@ -46,20 +46,18 @@ from tensorflow.core.protobuf import trackable_object_graph_pb2
 from tfdist import errors
 from tfdist.data.input_position import INPUT_POSITION_KEY  # noqa: F401
 from tfdist.data.input_position import InputPosition
-from tfdist.errors import DamagedCheckpointError
-from tfdist.errors import IncompatibleResumeError
-from tfdist.errors import NonFiniteStateError
 from tfdist.training.checkpoint_paths import checkpoint_step  # noqa: F401
 from tfdist.training.checkpoint_paths import is_interrupted_save
 
 RUN_RECORD_FILE = "run_config.json"
 
 
-def _damaged_checkpoint(path: str, error: Exception) -> DamagedCheckpointError:
+def _damaged_checkpoint(path: str,
+                        error: Exception) -> errors.DamagedCheckpointError:
   """The error naming a checkpoint `path` whose files `error` could not read."""
   first = errors.first_line(error, default=type(error).__name__)
   folder, name = os.path.split(path)
-  return DamagedCheckpointError(
+  return errors.DamagedCheckpointError(
       f"The checkpoint {path} cannot be read, its files are damaged "
       f"({type(error).__name__}: {first}). tfdist deletes nothing it did "
       f"not write: move its files ({name}.*) out of {folder} to resume "
@@ -221,7 +219,7 @@ class CheckpointKeeper:
     else:
       if candidates and any(tf.io.gfile.exists(c + ".index")
                             for c in candidates):
-        raise NonFiniteStateError(
+        raise errors.NonFiniteStateError(
             f"Every checkpoint in {self.restore_dir} holds NaN or infinite "
             "values: no good state to resume from. Start a fresh "
             "--model_dir.")
@@ -266,7 +264,7 @@ class CheckpointKeeper:
     if self.before_save is not None:
       self.before_save()
     if not self.state_is_finite():
-      raise NonFiniteStateError(
+      raise errors.NonFiniteStateError(
           f"The training state at step {step} holds NaN or infinite values: "
           "no checkpoint was saved.")
     path = self.manager.save(checkpoint_number=step)
@@ -421,7 +419,7 @@ def check_resume(previous: dict, current: dict, *, checkpoint: str,
         "learning-rate scaling, the warmup and the steps per epoch of the "
         f"first {restored_step} steps were planned for {old_batch}")
   if problems and not allow:
-    raise IncompatibleResumeError(
+    raise errors.IncompatibleResumeError(
         f"Cannot resume from {checkpoint}: " + "; ".join(problems) + ". "
         "Resume with the checkpoint's settings, start a fresh --model_dir, "
         "or pass --allow_incompatible_resume to resume anyway (weights "

@@ -32,7 +32,11 @@ The loop itself is short (`Controller._run`): the step runner runs a chunk
 up to the next boundary, then each `Action` does its side work, in order:
 the profiler window, the divergence check, the skipped-step watch, Keras's
 batch hooks, the log, the checkpoint, the preemption stop, the evaluation,
-Keras's epoch hooks and the stop on a callback's request.
+Keras's epoch hooks and the stop on a callback's request. The actions share
+no mutable state: each receives an immutable record (`Progress` between
+chunks, `StepRequest` before one, `Chunk` after one) with what the actions
+before it produced, and returns what it produces (`{"saved": path}`);
+the controller threads the results from one action to the next.
 
 Stop requests (a signal, a callback's `model.stop_training`) ride with the
 next chunk's step sums, which every worker reduces anyway, so workers agree
@@ -61,11 +65,12 @@ the latest checkpoint once).
 """
 
 import dataclasses
+import inspect
 import json
 import math
 import os
 import time
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 
 from absl import logging
 import keras
@@ -187,49 +192,134 @@ class _SumsSince:
     return taken
 
 
-@dataclasses.dataclass
-class LoopState:
-  """Where the outer loop is; the actions read and update it.
+@dataclasses.dataclass(frozen=True)
+class Progress:
+  """Where the outer loop stands between chunks of steps (immutable).
+
+  Given to `Action.on_begin`, `Action.before_steps` and `Action.on_end`.
+  The controller makes a new one after each chunk from the chunk's
+  results; `on_end` hooks may produce `last_eval` (see `Action`).
 
   Attributes:
-    step: the last step trained.
-    epoch: the epoch being trained (0-based).
-    first_step: the step before the last chunk of steps.
-    epoch_open: `on_epoch_begin` was called for `epoch`.
-    stop_signal: passed to the next chunk: this process got a stop signal.
-    stop_training: passed to the next chunk: a callback asks to stop.
-    saved: the checkpoint an action saved at `step` (None: none yet).
-    stop_requested: after a chunk, a callback of some worker asks to stop.
-    last_eval: the last evaluation's result (with its `step`), or None.
-    stopped_early: training stopped on a callback's request.
-    micro_steps: micro-batches run so far by this process.
+    step: the last step trained (the step counter).
+    epoch: the epoch being trained, or next to train (0-based).
+    epoch_begun: `on_epoch_begin` was called for `epoch`.
+    last_eval: the last evaluation's result (`loss`, each metric,
+      `num_examples`, `step`), or None.
     epoch_logs: the logs of the last `on_epoch_end` (Keras passes them to
       `on_train_end`), or None.
-    preempted: the checkpoint saved for a stop signal at an epoch end,
-      which stops the run once that epoch has ended; None: no such stop.
   """
   step: int
   epoch: int
-  first_step: int = 0
-  epoch_open: bool = False
+  epoch_begun: bool = False
+  last_eval: Optional[dict] = None
+  epoch_logs: Optional[dict] = None
+
+  # What an `on_end` hook may produce.
+  RESULTS = ("last_eval",)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepRequest:
+  """What the actions ask of the next chunk (`Action.before_steps`);
+  it rides with the chunk's step sums to every worker.
+
+  Attributes:
+    stop_signal: this process got a stop signal (SIGTERM, SIGINT).
+    stop_training: a callback set `model.stop_training`.
+  """
   stop_signal: bool = False
   stop_training: bool = False
-  saved: Optional[str] = None
+
+  # What a `before_steps` hook may produce.
+  RESULTS = ("stop_signal", "stop_training")
+
+
+@dataclasses.dataclass(frozen=True)
+class Chunk:
+  """One chunk of steps as the actions after it see it (immutable).
+
+  The first four fields are the chunk's; the rest are results of the
+  actions, filled in as the controller threads the record through them:
+  each action receives the record with what the actions before it
+  produced, and returns what it produces (`Action.__call__`).
+
+  Attributes:
+    step: the last step of the chunk.
+    first_step: the step before the chunk (`step - first_step` steps ran).
+    epoch: the epoch the chunk trained in (0-based).
+    output: the runner's `tfdist.training.step_runner.StepOutput`: the
+      step sums (`loss`, the metrics' sums, `micro_steps`, timings) and
+      the `StepSignals` every worker reduced.
+    stop_requested: a callback of some worker asks to stop (from the
+      signals; then from the batch-end and epoch-end hooks).
+    saved: the checkpoint saved at `step`, or None.
+    evaluation: the evaluation at `step` (`loss`, each metric,
+      `num_examples`, `step`), or None.
+    epoch_logs: the logs given to `on_epoch_end` when the chunk ended an
+      epoch, else None.
+    preempted: the checkpoint saved for a stop signal at an epoch end,
+      which stops the run once that epoch has ended; None: no such stop.
+    stopped_early: training stops here on a callback's request.
+  """
+  step: int
+  first_step: int
+  epoch: int
+  output: step_runner.StepOutput
   stop_requested: bool = False
-  last_eval: Optional[dict] = None
-  stopped_early: bool = False
-  micro_steps: int = 0
+  saved: Optional[str] = None
+  evaluation: Optional[dict] = None
   epoch_logs: Optional[dict] = None
   preempted: Optional[str] = None
+  stopped_early: bool = False
+
+  # What an action may produce (`Action.__call__`, `Action.on_diverged`).
+  RESULTS = ("stop_requested", "saved", "evaluation", "epoch_logs",
+             "preempted", "stopped_early")
 
   @property
   def num_steps(self) -> int:
-    """Steps in the last chunk."""
+    """Steps in the chunk."""
     return self.step - self.first_step
+
+
+def with_results(record, action, produced: Optional[Mapping[str, Any]]):
+  """`record` (a `Progress`, `StepRequest` or `Chunk`) with what `action`
+  returned: None (nothing) or a mapping of some of `record.RESULTS` to
+  their new values.
+
+  Raises:
+    TypeError: a return value that is no mapping, or names a field that
+      is not a result of this hook (e.g. `step`).
+  """
+  if produced is None:
+    return record
+  kind = type(record).__name__
+  if not isinstance(produced, Mapping):
+    raise TypeError(
+        f"{type(action).__name__} returned {produced!r}; an action returns "
+        f"None or a dict of what it produces for the {kind}: "
+        f"{', '.join(record.RESULTS)}.")
+  unknown = sorted(set(produced) - set(record.RESULTS))
+  if unknown:
+    raise TypeError(
+        f"{type(action).__name__} returned {', '.join(unknown)}, which no "
+        f"action produces for the {kind}; it may produce "
+        f"{', '.join(record.RESULTS)}.")
+  return dataclasses.replace(record, **produced)
+
+
+Produced = Optional[Dict[str, Any]]
 
 
 class Action:
   """Side work of the outer loop; every hook is optional.
+
+  Each hook receives an immutable record and returns what it produces:
+  None, or a dict of the record's `RESULTS` fields with new values, which
+  the controller puts into the record it gives the next action. So an
+  action reads what the actions before it produced, and the order of the
+  built-in ones (`Controller._make_actions`) is the order of that data.
 
   The controller calls, for each action in its order: `on_begin` once
   (after restoring), `boundaries` and `before_steps` before each chunk of
@@ -237,8 +327,8 @@ class Action:
   training ends normally (not on an error or a preemption).
   """
 
-  def on_begin(self, state: LoopState) -> None:
-    """Training starts at `state.step`."""
+  def on_begin(self, progress: Progress) -> None:
+    """Training starts at `progress.step`."""
 
   def boundaries(self, step: int) -> Sequence[int]:
     """Steps after `step` at which a chunk must end, beyond the
@@ -246,21 +336,22 @@ class Action:
     del step  # Unused.
     return ()
 
-  def before_steps(self, state: LoopState) -> None:
-    """The next chunk starts after `state.step`."""
+  def before_steps(self, progress: Progress) -> Produced:
+    """The next chunk starts after `progress.step`; may return
+    `StepRequest` fields (`{"stop_signal": True}`) to send with it."""
 
-  def __call__(self, state: LoopState,
-               output: step_runner.StepOutput) -> None:
-    """A chunk ended at `state.step` with `output`."""
+  def __call__(self, chunk: Chunk) -> Produced:
+    """A chunk ended at `chunk.step`; may return `Chunk.RESULTS` fields
+    (`{"saved": path}`)."""
 
-  def on_end(self, state: LoopState) -> None:
-    """Training ended at `state.step`."""
+  def on_end(self, progress: Progress) -> Produced:
+    """Training ended at `progress.step`; may return `Progress.RESULTS`
+    fields (`{"last_eval": None}`: evaluate again)."""
 
-  def on_diverged(self, state: LoopState,
-                  output: step_runner.StepOutput) -> None:
-    """An action before this one raised a divergence error after the chunk
-    that ended at `state.step` (with `output`): end the epoch and the run
-    as `fit` ends them (the run then raises that error)."""
+  def on_diverged(self, chunk: Chunk) -> Produced:
+    """An action before this one raised a divergence error after `chunk`:
+    end the epoch and the run as `fit` ends them (the run then raises that
+    error); may return `Chunk.RESULTS` fields, as `__call__`."""
 
 
 class Checkpoints:
@@ -294,17 +385,17 @@ class Checkpoints:
     """Saves step `step`; returns the path.
 
     Raises:
-      tfdist.observability.run_log.DivergenceError: the state holds NaN or
+      tfdist.errors.TrainingDivergedError: the state holds NaN or
         infinite values (nothing is saved).
     """
     try:
       return self.keeper.save(step)
-    except checkpointing.NonFiniteStateError as e:
+    except errors.NonFiniteStateError as e:
       raise self.diverged(None, step, "the model or optimizer state holds "
                           "NaN or infinite values") from e
 
   def diverged(self, first: Optional[int], step: int,
-               what: str) -> run_log_lib.DivergenceError:
+               what: str) -> errors.TrainingDivergedError:
     """The one divergence error: what went wrong, where, the last good
     checkpoint (kept: nothing was saved after it) and what to change.
 
@@ -338,7 +429,7 @@ class Checkpoints:
       advice = run_log_lib.divergence_advice(
           loss_scaled=self.loss_scale() is not None,
           learning_rate=self.learning_rate()).rstrip(".")
-    return run_log_lib.DivergenceError(
+    return errors.TrainingDivergedError(
         f"Training diverged {where}: {what}. {advice}. "
         f"{self.kept_and_rerun()}")
 
@@ -370,7 +461,7 @@ class KerasTrainHooks(Action):
     self.options = options
     self.checkpoints = checkpoints
 
-  def on_begin(self, state):
+  def on_begin(self, progress):
     opts = self.options
     self.callbacks.set_params({
         "verbose": 0, "steps": opts.steps_per_epoch,
@@ -380,27 +471,27 @@ class KerasTrainHooks(Action):
     self.callbacks.on_train_begin()
     callback_state_lib.after_train_begin(
         self.checkpoints.callback_state, self.callbacks.callbacks,
-        resumed=state.step > 0)
+        resumed=progress.step > 0)
 
-  def before_steps(self, state):
-    if not state.epoch_open:
-      self.callbacks.on_epoch_begin(state.epoch)
-      state.epoch_open = True
+  def before_steps(self, progress):
+    if not progress.epoch_begun:
+      self.callbacks.on_epoch_begin(progress.epoch)
     self.callbacks.on_train_batch_begin(
-        state.step % self.options.steps_per_epoch)
-    state.stop_training = _wants_stop(self.model)
+        progress.step % self.options.steps_per_epoch)
+    return {"stop_training": _wants_stop(self.model)}
 
-  def on_end(self, state):
-    self.callbacks.on_train_end(state.epoch_logs)
+  def on_end(self, progress):
+    self.callbacks.on_train_end(progress.epoch_logs)
     restored_best = _restored_best_epoch(self.callbacks,
-                                         last_epoch=state.epoch - 1)
-    if restored_best is not None:
-      # Epochs counted from 1, as EarlyStopping's own "best epoch: N".
-      logging.info("EarlyStopping(restore_best_weights=True) restored the "
-                   "weights of epoch %d: saving them as step %d's checkpoint "
-                   "and evaluating them.", restored_best + 1, state.step)
-      self.checkpoints.save(state.step)
-      state.last_eval = None
+                                         last_epoch=progress.epoch - 1)
+    if restored_best is None:
+      return None
+    # Epochs counted from 1, as EarlyStopping's own "best epoch: N".
+    logging.info("EarlyStopping(restore_best_weights=True) restored the "
+                 "weights of epoch %d: saving them as step %d's checkpoint "
+                 "and evaluating them.", restored_best + 1, progress.step)
+    self.checkpoints.save(progress.step)
+    return {"last_eval": None}  # `Evaluate.on_end` evaluates them.
 
 
 class ProfilerWindow(Action):
@@ -413,11 +504,11 @@ class ProfilerWindow(Action):
   def boundaries(self, step):
     return self.window.boundaries(step)
 
-  def before_steps(self, state):
-    self.window.before_steps(state.step)
+  def before_steps(self, progress):
+    self.window.before_steps(progress.step)
 
-  def __call__(self, state, output):
-    self.window.after_steps(state.step)
+  def __call__(self, chunk):
+    self.window.after_steps(chunk.step)
 
 
 class DivergenceCheck(Action):
@@ -433,14 +524,14 @@ class DivergenceCheck(Action):
   def __init__(self, checkpoints: Checkpoints):
     self.checkpoints = checkpoints
 
-  def __call__(self, state, output):
-    loss = float(output.sums.get("loss", 0.0))
+  def __call__(self, chunk):
+    loss = float(chunk.output.sums.get("loss", 0.0))
     if (not math.isfinite(loss) and
         not self.checkpoints.keeper.state_is_finite()):
       raise self.checkpoints.diverged(
-          state.first_step, state.step, f"the training loss is "
-          f"{float(output.sums['loss'])} and the model or optimizer state "
-          "holds NaN or infinite values")
+          chunk.first_step, chunk.step, f"the training loss is "
+          f"{float(chunk.output.sums['loss'])} and the model or optimizer "
+          "state holds NaN or infinite values")
 
 
 class SkippedStepWatch(Action):
@@ -454,16 +545,17 @@ class SkippedStepWatch(Action):
     self.monitor = training_checks.SkippedStepMonitor(
         options.max_consecutive_skipped_steps)
 
-  def on_begin(self, state):
+  def on_begin(self, progress):
     self.monitor = training_checks.SkippedStepMonitor(
-        self.options.max_consecutive_skipped_steps, start_step=state.step)
+        self.options.max_consecutive_skipped_steps, start_step=progress.step)
 
-  def __call__(self, state, output):
+  def __call__(self, chunk):
+    signals = chunk.output.signals
     self.monitor.record_chunk(
-        steps=state.num_steps, skipped=output.signals.skipped_steps,
-        skipped_at_end=output.signals.skipped_steps_at_end,
+        steps=chunk.num_steps, skipped=signals.skipped_steps,
+        skipped_at_end=signals.skipped_steps_at_end,
         loss_scale=self.loss_scale)
-    if self.options.is_last(state.step):
+    if self.options.is_last(chunk.step):
       self.monitor.finish(loss_scale=self.loss_scale)
 
 
@@ -500,27 +592,28 @@ class KerasBatchEnd(Action):
                    else None)
     self.window = _SumsSince()
 
-  def __call__(self, state, output):
-    self._batch_end(state, output)
-    if self.runner is not None:
-      state.stop_requested = self.runner.agree(
-          state.stop_requested or _wants_stop(self.model))
+  def __call__(self, chunk):
+    self._batch_end(chunk)
+    if self.runner is None:
+      return None
+    return {"stop_requested": self.runner.agree(
+        chunk.stop_requested or _wants_stop(self.model))}
 
-  def on_diverged(self, state, output):
+  def on_diverged(self, chunk):
     # The hooks see the non-finite loss, as fit's do (TerminateOnNaN
     # decides there); the run stops whatever they set.
-    self._batch_end(state, output)
+    self._batch_end(chunk)
 
-  def _batch_end(self, state, output):
-    if state.first_step % self.options.steps_per_epoch == 0:
+  def _batch_end(self, chunk):
+    if chunk.first_step % self.options.steps_per_epoch == 0:
       self.window.take()  # Keras resets its metrics at each epoch.
-    self.window.add(output.sums, state.num_steps)
+    self.window.add(chunk.output.sums, chunk.num_steps)
     sums, steps = self.window.sums, self.window.steps
     logs = (self.summarize(sums, steps) if self.summarize is not None else
             # A model's own train_step may log no loss (custom_step).
             {"loss": float(sums["loss"]) / steps} if "loss" in sums else {})
     self.callbacks.on_train_batch_end(
-        (state.step - 1) % self.options.steps_per_epoch, logs)
+        (chunk.step - 1) % self.options.steps_per_epoch, logs)
 
 
 class TrainLog(Action):
@@ -540,9 +633,9 @@ class TrainLog(Action):
     self.evaluates = evaluates
     self.window = _SumsSince()
 
-  def __call__(self, state, output):
-    self.window.add(output.sums, state.num_steps)
-    step = state.step
+  def __call__(self, chunk):
+    self.window.add(chunk.output.sums, chunk.num_steps)
+    step = chunk.step
     if step % self.options.log_steps and not self.options.is_last(step):
       return
     monitor = self.skipped.monitor
@@ -554,9 +647,9 @@ class TrainLog(Action):
           loss_scale=self.checkpoints.loss_scale(),
           skipped_steps=monitor.take_interval(),
           total_skipped=monitor.total_skipped,
-          hold=self.evaluates and _evaluation_due(self.options, state))
-    except run_log_lib.DivergenceError as e:
-      raise run_log_lib.DivergenceError(
+          hold=self.evaluates and _evaluation_due(self.options, chunk))
+    except errors.TrainingDivergedError as e:
+      raise errors.TrainingDivergedError(
           f"{e} {self.checkpoints.kept_and_rerun()}") from e
 
 
@@ -567,9 +660,10 @@ class SaveCheckpoint(Action):
     self.checkpoints = checkpoints
     self.options = options
 
-  def __call__(self, state, output):
-    if self.options.is_checkpoint_step(state.step):
-      state.saved = self.checkpoints.save(state.step)
+  def __call__(self, chunk):
+    if not self.options.is_checkpoint_step(chunk.step):
+      return None
+    return {"saved": self.checkpoints.save(chunk.step)}
 
 
 class PreemptionStop(Action):
@@ -591,19 +685,19 @@ class PreemptionStop(Action):
     self.callbacks = callbacks
     self.options = options
 
-  def before_steps(self, state):
-    state.stop_signal = self.watcher.signal_received()
+  def before_steps(self, progress):
+    return {"stop_signal": self.watcher.signal_received()}
 
-  def __call__(self, state, output):
-    if not output.signals.stop_signal or self.options.is_last(state.step):
-      return
+  def __call__(self, chunk):
+    if (not chunk.output.signals.stop_signal or
+        self.options.is_last(chunk.step)):
+      return None
     self.watcher.note_peer_stop()
-    path = state.saved or self.checkpoints.save(state.step)
-    if self.options.is_epoch_end(state.step):
-      state.saved = state.preempted = path
-      return
+    path = chunk.saved or self.checkpoints.save(chunk.step)
+    if self.options.is_epoch_end(chunk.step):
+      return {"saved": path, "preempted": path}
     self.callbacks.on_train_end()
-    raise self.watcher.preempted(step=state.step, checkpoint=path)
+    raise self.watcher.preempted(step=chunk.step, checkpoint=path)
 
 
 class PreemptionStopAfterEpoch(Action):
@@ -613,12 +707,12 @@ class PreemptionStopAfterEpoch(Action):
   def __init__(self, stop: PreemptionStop):
     self.stop = stop
 
-  def __call__(self, state, output):
-    if state.preempted is None:
+  def __call__(self, chunk):
+    if chunk.preempted is None:
       return
-    path = state.saved or state.preempted
+    path = chunk.saved or chunk.preempted
     self.stop.callbacks.on_train_end()
-    raise self.stop.watcher.preempted(step=state.step, checkpoint=path)
+    raise self.stop.watcher.preempted(step=chunk.step, checkpoint=path)
 
 
 class Evaluate(Action):
@@ -635,31 +729,35 @@ class Evaluate(Action):
     self.options = options
     self.callbacks = callbacks
 
-  def __call__(self, state, output):
-    if _evaluation_due(self.options, state):
-      state.last_eval = (self.evaluate(state.step) if self.callbacks is None
-                         else self.evaluate(state.step,
-                                            callbacks=self.callbacks))
+  def __call__(self, chunk):
+    if not _evaluation_due(self.options, chunk):
+      return None
+    return {"evaluation": (
+        self.evaluate(chunk.step) if self.callbacks is None
+        else self.evaluate(chunk.step, callbacks=self.callbacks))}
 
-  def on_end(self, state):
-    if state.last_eval is None or state.last_eval["step"] != state.step:
-      state.last_eval = self.evaluate(state.step)
+  def on_end(self, progress):
+    if (progress.last_eval is not None and
+        progress.last_eval["step"] == progress.step):
+      return None
+    return {"last_eval": self.evaluate(progress.step)}
 
-  def on_diverged(self, state, output):
+  def on_diverged(self, chunk):
     # fit validates the epoch a stop cuts short (TerminateOnNaN's too),
     # with the non-finite weights: the same hooks, the same NaN logs.
-    if (self.callbacks is not None and
-        ((state.epoch + 1) % self.options.epochs_between_evals == 0 or
-         self.options.is_last(state.step))):
-      state.last_eval = self.evaluate(state.step, callbacks=self.callbacks,
-                                      check_loss=False)
+    if (self.callbacks is None or not (
+        (chunk.epoch + 1) % self.options.epochs_between_evals == 0 or
+        self.options.is_last(chunk.step))):
+      return None
+    return {"evaluation": self.evaluate(chunk.step, callbacks=self.callbacks,
+                                        check_loss=False)}
 
 
-def _evaluation_due(options: ControllerOptions, state: LoopState) -> bool:
-  """`Evaluate` evaluates after the chunk that ended at `state.step`."""
-  return (((options.is_epoch_end(state.step) or state.stop_requested) and
-           (state.epoch + 1) % options.epochs_between_evals == 0) or
-          options.is_last(state.step))
+def _evaluation_due(options: ControllerOptions, chunk: Chunk) -> bool:
+  """`Evaluate` evaluates after `chunk`."""
+  return (((options.is_epoch_end(chunk.step) or chunk.stop_requested) and
+           (chunk.epoch + 1) % options.epochs_between_evals == 0) or
+          options.is_last(chunk.step))
 
 
 class KerasEpochEnd(Action):
@@ -684,46 +782,46 @@ class KerasEpochEnd(Action):
     self.options = options
     self.window = _SumsSince()
 
-  def __call__(self, state, output):
-    self.window.add(output.sums, state.num_steps)
-    step = state.step
+  def __call__(self, chunk):
+    self.window.add(chunk.output.sums, chunk.num_steps)
+    step = chunk.step
     # An epoch ends at its last step, or where a stop request ends it (as
     # `fit` ends an epoch that a batch hook stops).
     if not (self.options.is_epoch_end(step) or self.options.is_last(step) or
-            state.stop_requested):
-      return
-    logs = self.run_log.summarize(*self.window.take())
-    if state.last_eval and state.last_eval["step"] == step:
-      logs.update({f"val_{k}": v for k, v in
-                   run_log_lib.metric_values(state.last_eval).items()})
+            chunk.stop_requested):
+      return None
+    logs = self._epoch_logs(chunk)
     rate_before = self.checkpoints.learning_rate()
-    self.callbacks.on_epoch_end(state.epoch, logs)
-    state.epoch_logs = logs
-    if state.saved is not None and (
+    self.callbacks.on_epoch_end(chunk.epoch, logs)
+    produced = {"epoch_logs": logs}
+    if chunk.saved is not None and (
         not _same_rate(rate_before, self.checkpoints.learning_rate()) or
         callback_state_lib.changed_since_save(
             self.checkpoints.callback_state)):
-      state.saved = self.checkpoints.save(step)
-    state.epoch_open = False
-    state.epoch += 1
-    state.stop_requested = self.runner.agree(
-        state.stop_requested or _wants_stop(self.model))
+      produced["saved"] = self.checkpoints.save(step)
+    produced["stop_requested"] = self.runner.agree(
+        chunk.stop_requested or _wants_stop(self.model))
+    return produced
 
-  def on_diverged(self, state, output):
+  def on_diverged(self, chunk):
     # As fit ends a run that TerminateOnNaN stops: this epoch's
     # on_epoch_end (its logs hold the non-finite values), then
     # on_train_end with them (a CSVLogger closes its file). Nothing is
     # saved and the workers need not agree: the run raises on all alike.
-    self.window.add(output.sums, state.num_steps)
-    if state.epoch_open:
-      logs = self.run_log.summarize(*self.window.take())
-      if state.last_eval and state.last_eval["step"] == state.step:
-        logs.update({f"val_{k}": v for k, v in
-                     run_log_lib.metric_values(state.last_eval).items()})
-      self.callbacks.on_epoch_end(state.epoch, logs)
-      state.epoch_logs = logs
-      state.epoch_open = False
-    self.callbacks.on_train_end(state.epoch_logs)
+    # The epoch is open: this action had not run for the chunk.
+    self.window.add(chunk.output.sums, chunk.num_steps)
+    logs = self._epoch_logs(chunk)
+    self.callbacks.on_epoch_end(chunk.epoch, logs)
+    self.callbacks.on_train_end(logs)
+    return {"epoch_logs": logs}
+
+  def _epoch_logs(self, chunk):
+    """The epoch's metrics, with the chunk's evaluation as `val_*`."""
+    logs = self.run_log.summarize(*self.window.take())
+    if chunk.evaluation:
+      logs.update({f"val_{k}": v for k, v in
+                   run_log_lib.metric_values(chunk.evaluation).items()})
+    return logs
 
 
 class StopOnRequest(Action):
@@ -734,20 +832,54 @@ class StopOnRequest(Action):
     self.checkpoints = checkpoints
     self.options = options
 
-  def __call__(self, state, output):
-    if not state.stop_requested or self.options.is_last(state.step):
-      return
+  def __call__(self, chunk):
+    if not chunk.stop_requested or self.options.is_last(chunk.step):
+      return None
     logging.info("Stopping at step %d of %d (epoch %d, counted from 1 as "
                  "Keras's callbacks count it): a callback set "
-                 "model.stop_training.", state.step, self.options.total_steps,
-                 progress.epoch_of(state.step, self.options.steps_per_epoch))
-    if state.saved is None:
-      self.checkpoints.save(state.step)
-    state.stopped_early = True
+                 "model.stop_training.", chunk.step, self.options.total_steps,
+                 progress.epoch_of(chunk.step, self.options.steps_per_epoch))
+    if chunk.saved is None:
+      return {"saved": self.checkpoints.save(chunk.step),
+              "stopped_early": True}
+    return {"stopped_early": True}
 
 
 def _wants_stop(model: Optional[keras.Model]) -> bool:
   return bool(model is not None and model.stop_training)
+
+
+def _check_hooks_take_one_record(action: Action) -> None:
+  """Raises `TypeError` when a hook of `action` cannot be called with one
+  record (e.g. `__call__(self, state, output)`, an older signature)."""
+  for name in ("on_begin", "before_steps", "__call__", "on_end",
+               "on_diverged"):
+    hook = getattr(action, name)
+    try:
+      inspect.signature(hook).bind(None)
+    except TypeError:
+      raise TypeError(
+          f"Controller(train_actions=...): {type(action).__name__}.{name}"
+          f"{inspect.signature(hook)} does not take one argument; each hook "
+          "of an Action takes one immutable record (`Progress` for on_begin, "
+          "before_steps and on_end; `Chunk` for __call__ and on_diverged: "
+          "chunk.output is the step output) and returns what it produces. "
+          "Write e.g. `def __call__(self, chunk):`.") from None
+    except ValueError:
+      pass  # No signature to read (a builtin): called as it is.
+
+
+def _after(loop: Progress, chunk: Chunk) -> Progress:
+  """Where the loop stands after `chunk` and its actions' results: the
+  epoch begun before its steps, the next one once it produced
+  `epoch_logs`."""
+  ended = chunk.epoch_logs is not None
+  return Progress(
+      step=chunk.step, epoch=loop.epoch + 1 if ended else loop.epoch,
+      epoch_begun=not ended,
+      last_eval=(chunk.evaluation if chunk.evaluation is not None
+                 else loop.last_eval),
+      epoch_logs=chunk.epoch_logs if ended else loop.epoch_logs)
 
 
 class Controller:
@@ -777,9 +909,11 @@ class Controller:
     profiler: a `tfdist.observability.profiling.ProfileWindow`, or None.
     train_actions: the caller's `Action`s, run after the built-in ones
       (Orbit's `Controller(train_actions=...)`): each gets every hook of
-      `Action` with the `LoopState` and each chunk's `StepOutput`, after the
-      controller's own work for that chunk (its log, checkpoint,
-      evaluation and epoch end) is done.
+      `Action`: `Progress` between chunks, and after each chunk the
+      `Chunk` record (its steps, `StepOutput`, and the built-in actions'
+      results: `saved`, `evaluation`, `epoch_logs`, `stop_requested`,
+      ...), once the controller's own work for that chunk (its log,
+      checkpoint, evaluation and epoch end) is done.
     eval_actions: the caller's callables `(result: dict) -> None`, each
       given every evaluation's result (`loss`, each metric,
       `num_examples`, `step`) after it is logged, during training and in
@@ -809,6 +943,7 @@ class Controller:
             f"Controller(train_actions=...): {action!r} is not a "
             "tfdist.training.controller.Action; subclass Action and "
             "override the hooks it needs.")
+      _check_hooks_take_one_record(action)
     for action in eval_actions:
       if not callable(action):
         raise TypeError(
@@ -847,28 +982,37 @@ class Controller:
                     preemption) -> List[Action]:
     """The built-in side work after each chunk, in the order it runs.
 
-    The order is part of the contract, since the actions share one
-    `LoopState`:
+    Each action reads the `Chunk` fields that the ones before it produced
+    (and returns its own), so the order is the order of that data:
 
-    1. `KerasTrainHooks`: Keras's train and batch-begin hooks; sets
-       `stop_training` from a batch hook's request.
+    1. `KerasTrainHooks`: Keras's train, epoch-begin and batch-begin hooks;
+       before the steps, produces `stop_training` (a batch hook's request)
+       for the `StepRequest`; at the end, `last_eval=None` when
+       EarlyStopping restored other weights (saved again).
     2. `ProfilerWindow` (with `--profile_steps`).
     3. `DivergenceCheck`: a non-finite loss stops here, before anything
        reads the chunk's metrics.
     4. `SkippedStepWatch`: fp16 steps skipped; reads the chunk's signals.
-    5. `KerasBatchEnd`: Keras's batch-end hooks; sets `stop_requested`.
-    6. `TrainLog`: the log line and scalars of a log point.
-    7. `SaveCheckpoint`: sets `saved` at checkpoint boundaries.
-    8. `PreemptionStop`: reads `saved`, saves if needed, raises (at an
-       epoch end: sets `saved` and `preempted` instead).
-    9. `Evaluate`: sets `last_eval` at evaluation boundaries.
-    10. `KerasEpochEnd`: reads `last_eval`; sets `epoch_logs` and
-        `stop_requested` at epoch ends.
+    5. `KerasBatchEnd`: Keras's batch-end hooks; produces `stop_requested`
+       (agreed by every worker).
+    6. `TrainLog`: the log line and scalars of a log point; reads
+       `stop_requested` (a line held for this step's evaluation).
+    7. `SaveCheckpoint`: produces `saved` at checkpoint boundaries.
+    8. `PreemptionStop`: before the steps, produces `stop_signal`; after,
+       reads `saved`, saves if needed, raises (at an epoch end: produces
+       `saved` and `preempted` instead).
+    9. `Evaluate`: reads `stop_requested`; produces `evaluation` at
+       evaluation boundaries (at the end, `last_eval` when the last one is
+       not of the last step).
+    10. `KerasEpochEnd`: reads `evaluation` and `saved`; produces
+        `epoch_logs`, `stop_requested` and, when a callback changed what a
+        checkpoint holds, `saved` at epoch ends.
     11. `PreemptionStopAfterEpoch`: reads `preempted` and `saved`, raises.
-    12. `StopOnRequest`: reads `stop_requested` and `saved`; sets
-        `stopped_early`.
+    12. `StopOnRequest`: reads `stop_requested` and `saved`; produces
+        `stopped_early` (and `saved`).
 
-    The caller's `train_actions` follow, in their order.
+    The caller's `train_actions` follow, in their order, and receive the
+    record with all of the above.
     """
     opts = self.options
     actions = [KerasTrainHooks(callbacks, model=model, options=opts,
@@ -926,7 +1070,7 @@ class Controller:
       without an `evaluate` function.
 
     Raises:
-      tfdist.observability.run_log.DivergenceError: the evaluation loss is not
+      tfdist.errors.TrainingDivergedError: the evaluation loss is not
         finite, nor the model's state (while the state is finite, a warning
         names the evaluation data and training goes on).
     """
@@ -969,14 +1113,14 @@ class Controller:
 
     Raises:
       ValueError: an evaluation-only controller (no runner or checkpoints).
-      tfdist.runtime.preemption.PreemptedError: a stop signal reached this or
+      tfdist.errors.PreemptedError: a stop signal reached this or
         another worker; a checkpoint at the step every worker stopped at was
         saved first.
-      tfdist.observability.run_log.DivergenceError: the training loss (checked
+      tfdist.errors.TrainingDivergedError: the training loss (checked
         after every chunk of steps) or the state to be saved (checked before
         every checkpoint) became NaN or infinite; nothing was saved after the
         last good checkpoint, which the message names.
-      tfdist.distribute.parameter_server.ParameterServerError: (coordinator
+      tfdist.errors.ParameterServerError: (coordinator
         runner) a ps task was lost.
     """
     if self.runner is None or self.checkpoints is None:
@@ -992,63 +1136,74 @@ class Controller:
   def _run(self) -> ControllerResult:
     restored = self.checkpoints.restore()
     self.step = self._current_step()
-    state = LoopState(step=self.step,
-                      epoch=self.step // self.options.steps_per_epoch)
+    loop = Progress(step=self.step,
+                    epoch=self.step // self.options.steps_per_epoch)
     if restored:
       logging.info("tfdist: restored %s: resuming at step %d", restored,
-                   state.step)
-    self.run_log.resume(state.step)
+                   loop.step)
+    self.run_log.resume(loop.step)
     started = time.time()
     for action in self.actions:
-      action.on_begin(state)
-    while state.step < self.options.total_steps and not state.stopped_early:
-      self._run_chunk(state)
+      action.on_begin(loop)
+    micro_steps = 0
+    stopped_early = False
+    while loop.step < self.options.total_steps and not stopped_early:
+      chunk = self._run_chunk(loop)
+      micro_steps += int(chunk.output.sums.get("micro_steps",
+                                               chunk.num_steps))
+      stopped_early = chunk.stopped_early
+      loop = _after(loop, chunk)
     for action in self.actions:
-      action.on_end(state)
+      loop = with_results(loop, action, action.on_end(loop))
     self.run_log.flush()
     return ControllerResult(
-        step=state.step, final_eval=state.last_eval,
-        stopped_early=state.stopped_early, restored_from=restored,
+        step=loop.step, final_eval=loop.last_eval,
+        stopped_early=stopped_early, restored_from=restored,
         train_seconds=time.time() - started,
         skipped_steps=self.skipped.total_skipped,
-        micro_steps=state.micro_steps)
+        micro_steps=micro_steps)
 
-  def _run_chunk(self, state: LoopState):
-    """Runs the steps up to the next boundary, then every action."""
+  def _run_chunk(self, loop: Progress) -> Chunk:
+    """Runs the steps up to the next boundary, then threads the chunk's
+    record through every action; returns the record with their results."""
     extra = [b for action in self.actions for b in action.boundaries(
-        state.step)]
-    num_steps = next_boundary(state.step, self.options, extra) - state.step
+        loop.step)]
+    num_steps = next_boundary(loop.step, self.options, extra) - loop.step
     if self.runner.max_steps_per_call:
       num_steps = min(num_steps, self.runner.max_steps_per_call)
+    request = StepRequest()
     for action in self.actions:
-      action.before_steps(state)
-    output = self.runner.run(num_steps, start_step=state.step,
-                             stop_signal=state.stop_signal,
-                             stop_training=state.stop_training)
-    state.first_step, state.step = state.step, state.step + num_steps
-    self.step = state.step
-    state.micro_steps += int(output.sums.get("micro_steps", num_steps))
-    state.saved = None
-    state.stop_requested = output.signals.stop_training
+      asked = with_results(StepRequest(), action, action.before_steps(loop))
+      # Each request stands: one action's False clears none.
+      request = StepRequest(
+          stop_signal=request.stop_signal or asked.stop_signal,
+          stop_training=request.stop_training or asked.stop_training)
+    output = self.runner.run(num_steps, start_step=loop.step,
+                             stop_signal=request.stop_signal,
+                             stop_training=request.stop_training)
+    self.step = loop.step + num_steps
+    chunk = Chunk(step=self.step, first_step=loop.step, epoch=loop.epoch,
+                  output=output,
+                  stop_requested=output.signals.stop_training)
     for index, action in enumerate(self.actions):
       try:
-        action(state, output)
-      except run_log_lib.DivergenceError:
-        self._wind_down(state, output, self.actions[index + 1:])
+        chunk = with_results(chunk, action, action(chunk))
+      except errors.TrainingDivergedError:
+        self._wind_down(chunk, self.actions[index + 1:])
         raise
+    return chunk
 
-  def _wind_down(self, state: LoopState, output: step_runner.StepOutput,
-                 rest: Sequence[Action]) -> None:
+  def _wind_down(self, chunk: Chunk, rest: Sequence[Action]) -> None:
     """After a divergence error of an action: the actions after it end the
     epoch and the run as `fit` ends a run that TerminateOnNaN stops
     (`Action.on_diverged`); the caller then raises the error. A failure
     here is logged and does not replace that error."""
     try:
       for action in rest:
-        action.on_diverged(state, output)
+        chunk = with_results(chunk, action, action.on_diverged(chunk))
     except Exception:  # pylint: disable=broad-except
       logging.exception("tfdist: ending the diverged run at step %d failed "
-                        "(the divergence error follows):", state.step)
+                        "(the divergence error follows):", chunk.step)
 
   # --- the side-car evaluator ------------------------------------------------
   def evaluate_continuously(self, *, checkpoint_dir: str, results_dir: str,

@@ -47,7 +47,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfdist.config import ConfigError
+from tfdist import errors
 from tfdist.errors import first_line
 
 # The `keras.Model` methods whose override makes tfdist run the model's
@@ -146,7 +146,7 @@ def check(found: Sequence[str], *, model_name: str, compiled: bool,
   ]
   for refused, flag, why, fix in refusals:
     if refused:
-      raise ConfigError(
+      raise errors.ConfigError(
           f"--model={model_name} overrides {', '.join(found)}, so tfdist "
           f"runs the model's own step as Keras's Model.fit does; {flag} "
           f"cannot go with it: {why}. Fix: {fix}.")

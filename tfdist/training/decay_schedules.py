@@ -29,7 +29,7 @@ config validation reads the names).
 
 from typing import Callable, Dict, Tuple
 
-from tfdist.errors import ConfigError
+from tfdist import errors
 
 _SCHEDULES: Dict[str, Callable] = {}
 
@@ -67,7 +67,7 @@ def registered_decay_schedules() -> Tuple[str, ...]:
 def check_decay_schedule(name: str) -> None:
   """Raises ConfigError for a name that is not registered."""
   if name not in _SCHEDULES:
-    raise ConfigError(
+    raise errors.ConfigError(
         f"--lr_schedule={name!r} is unknown. Use one of: "
         f"{', '.join(_SCHEDULES)} (tfdist.training.decay_schedules."
         "register_decay_schedule adds more).")

@@ -42,7 +42,7 @@ from absl import logging
 import keras
 import tensorflow as tf
 
-from tfdist.errors import ExportRefusedError
+from tfdist import errors
 from tfdist.errors import first_line
 from tfdist.runtime import failures
 
@@ -132,7 +132,7 @@ def check_layout(*, export_dir: Tuple[str, str],
       break
   if problem is None:
     return
-  raise ExportRefusedError(
+  raise errors.ExportRefusedError(
       f"{problem}: the SavedModel export replaces its whole folder, which "
       "would delete the run's checkpoints or logs. Give the SavedModel a "
       "folder of its own (e.g. --export_dir=<model_dir>/saved_model, the "
@@ -165,7 +165,7 @@ def check_export_dir(export_dir: str, *, source: str = "--export_dir"):
       SavedModel tfdist wrote (status 2).
   """
   if not _replaceable(export_dir):
-    raise ExportRefusedError(_refusal(export_dir, source))
+    raise errors.ExportRefusedError(_refusal(export_dir, source))
 
 
 def _refusal(export_dir: str, source: str, new: str = "") -> str:
@@ -386,7 +386,7 @@ def export_saved_model(model: keras.Model, export_dir: str, *,
         raise named from e
     raise
   if not _replaceable(export_dir):
-    raise ExportRefusedError(_refusal(export_dir, source, new=tmp))
+    raise errors.ExportRefusedError(_refusal(export_dir, source, new=tmp))
   old = None
   if tf.io.gfile.exists(export_dir):
     if tf.io.gfile.listdir(export_dir):

@@ -34,7 +34,7 @@ from typing import List, Optional, Sequence
 from absl import logging
 import keras
 
-from tfdist.config import ConfigError
+from tfdist import errors
 
 # Callback class -> the attribute holding the path it writes.
 _PATH_ATTRIBUTES = (
@@ -114,13 +114,13 @@ def check_callbacks(callbacks: Sequence[keras.callbacks.Callback]) -> None:
   for callback in flatten(callbacks):
     for cls, (why, instead) in _REFUSED.items():
       if isinstance(callback, cls):
-        raise ConfigError(
+        raise errors.ConfigError(
             f"callbacks: keras.callbacks.{cls.__name__} is not supported: "
             f"{why}. Instead, {instead}.")
     if (isinstance(callback, keras.callbacks.ModelCheckpoint) and
         not callback.save_weights_only and
         not str(callback.filepath).endswith(".weights.h5")):
-      raise ConfigError(
+      raise errors.ConfigError(
           "callbacks: keras.callbacks.ModelCheckpoint(filepath="
           f"{callback.filepath!r}) saves whole .keras models, and is not "
           "supported: such a file records the optimizer the model was "
@@ -165,7 +165,7 @@ def warmup_for_rate_callbacks(callbacks: Sequence[keras.callbacks.Callback],
   if (warmup_steps or warmup_epochs) and warmup_start_learning_rate <= 0:
     asked = (f"warmup_steps={warmup_steps}" if warmup_steps is not None
              else f"warmup_epochs={warmup_epochs}")
-    raise ConfigError(
+    raise errors.ConfigError(
         f"callbacks: keras.callbacks.LearningRateScheduler with {asked} "
         "(--warmup_steps / --warmup_epochs) from a rate of 0: the scheduler "
         "sets epoch 0's rate at step 0, where the warmup gives 0, so no "

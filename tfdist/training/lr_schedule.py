@@ -24,7 +24,7 @@ from typing import Optional, Sequence, Tuple
 import keras
 import tensorflow as tf
 
-from tfdist.config import ConfigError
+from tfdist import errors
 from tfdist.training import batch_plan
 from tfdist.training import constant_schedule
 from tfdist.training import decay_schedules
@@ -49,7 +49,7 @@ def scale_learning_rate(base_learning_rate: float, *, global_batch_size: int,
     ConfigError: unknown rule or non-positive sizes.
   """
   if global_batch_size <= 0 or base_batch_size <= 0:
-    raise ConfigError(
+    raise errors.ConfigError(
         f"Batch sizes must be > 0 (global_batch_size={global_batch_size}, "
         f"--base_batch_size={base_batch_size}).")
   ratio = global_batch_size / base_batch_size
@@ -59,7 +59,7 @@ def scale_learning_rate(base_learning_rate: float, *, global_batch_size: int,
     return base_learning_rate * math.sqrt(ratio)
   if rule == "none":
     return base_learning_rate
-  raise ConfigError(
+  raise errors.ConfigError(
       f"--lr_scaling={rule!r} is unknown. Use linear, sqrt or none.")
 
 
@@ -243,7 +243,7 @@ def build_lr_schedule(*, peak_learning_rate: float, total_steps: int,
     ConfigError: the warmup is longer than the run, or an unknown schedule.
   """
   if warmup_steps > total_steps:
-    raise ConfigError(
+    raise errors.ConfigError(
         f"Warmup of {warmup_steps} steps is longer than the run "
         f"({total_steps} steps). Lower --warmup_steps/--warmup_epochs or "
         "train longer.")

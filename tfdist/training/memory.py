@@ -11,9 +11,14 @@
   scale), from the variables' shapes and dtypes: what every replica holds
   under data parallelism, before activations. `fits_data_parallel` compares
   it with a device's memory and says which strategy fits when it does not.
-* `sharded_estimate`: the same under ZeRO stage 1 or 2
+* `sharded_estimate`: the same under ZeRO stage 1, 2 or 3
   (`--shard_optimizer_state`, `tfdist.training.sharded_optimizer`): each of N
-  replicas keeps 1/N of the optimizer state.
+  replicas keeps 1/N of the optimizer state (stage 3: also of the
+  trainable weights and their gradients).
+* `layout_table`: per-device bytes of plain data parallelism, ZeRO 1/2/3,
+  pipeline stages and tensor parallelism side by side (state and
+  activations), and the cheapest layout that fits, with its flags
+  (`tfdist.diagnose` prints it).
 """
 
 import dataclasses
@@ -159,12 +164,16 @@ def sharded_estimate(estimate: ModelMemory, *, num_replicas: int,
   update: transient, not counted here). Stage 2 also
   shards the gradient accumulators (gradient accumulation only), which
   `ModelMemory` does not count, and TensorFlow's per-step gradients are
-  whole either way: the estimate is stage 1's for both stages.
+  whole either way: the estimate is stage 1's for both stages. Stage 3
+  also splits the trainable weights and their gradients (the gradients
+  arrive shard-shaped): weights + gradients + optimizer state about
+  16 bytes / N per fp32 Adam parameter (Rajbhandari et al. 2020's
+  P_os+g+p); non-trainable weights (batch-norm statistics) stay whole.
 
   Args:
     estimate: from `estimate_model_memory` of an unsharded build.
     num_replicas: replicas in sync (N >= 1).
-    stage: 1 or 2 (0 returns `estimate`).
+    stage: 1, 2 or 3 (0 returns `estimate`).
 
   Returns:
     A `ModelMemory`.
@@ -172,8 +181,15 @@ def sharded_estimate(estimate: ModelMemory, *, num_replicas: int,
   n = max(int(num_replicas), 1)
   if not stage:
     return estimate
-  return dataclasses.replace(
+  sharded = dataclasses.replace(
       estimate, optimizer_bytes=-(-estimate.optimizer_bytes // n))
+  if stage < 3:
+    return sharded
+  trainable = estimate.gradients_bytes
+  return dataclasses.replace(
+      sharded, gradients_bytes=-(-trainable // n),
+      parameters_bytes=estimate.parameters_bytes - trainable +
+      -(-trainable // n))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -296,3 +312,306 @@ def peak_device_bytes(devices: Dict[str, Dict[str, int]]) -> Optional[int]:
   """The largest peak over `device_memory()`'s devices, or None."""
   peaks: Sequence[int] = [d["peak"] for d in devices.values()]
   return max(peaks) if peaks else None
+
+
+# --- every layout side by side ------------------------------------------------
+# The layouts in the order the advice prefers them when several fit: least
+# communication and fewest constraints first. ZeRO 1-2 add a gather of the
+# updated weights to data parallelism's all-reduce, ZeRO 3 gathers the
+# weights again for every forward and backward pass (about 1.5x data
+# parallelism's traffic, Rajbhandari et al. 2020); pipeline stages idle a
+# bubble of (P-1)/(M+P-1) of each step and forbid data parallelism here;
+# tensor parallelism all-reduces activations twice per block forward and
+# backward, which pays only on fast device links (NVLink).
+LAYOUTS = ("data parallel", "ZeRO 1", "ZeRO 2", "ZeRO 3", "pipeline",
+           "tensor parallel")
+
+
+@dataclasses.dataclass(frozen=True)
+class LayoutMemory:
+  """One layout's bytes per device, and whether it fits.
+
+  Attributes:
+    layout: one of `LAYOUTS`.
+    flags: the `tfdist.train` flags that choose it (empty for plain data
+      parallelism).
+    devices: devices the layout uses (replicas, or pipeline stages).
+    parameters_bytes, gradients_bytes, optimizer_bytes: the model state one
+      device holds (gradients include gradient accumulators, when
+      accumulating).
+    activations_bytes: activations one device keeps for its backward pass
+      (see `activation_bytes_per_example`; 0 when unknown).
+    needed_bytes: what the devices sharing one memory hold together
+      (`per_device_bytes` times the devices sharing it).
+    fits: `needed_bytes` <= the memory's capacity.
+    available: the layout can run here (enough devices, a shardable
+      optimizer, a model the layout can split).
+    note: why it is not available, or what the figure leaves out.
+  """
+  layout: str
+  flags: str
+  devices: int
+  parameters_bytes: int
+  gradients_bytes: int
+  optimizer_bytes: int
+  activations_bytes: int
+  needed_bytes: int
+  fits: bool
+  available: bool = True
+  note: str = ""
+
+  @property
+  def per_device_bytes(self) -> int:
+    return (self.parameters_bytes + self.gradients_bytes +
+            self.optimizer_bytes + self.activations_bytes)
+
+  def to_dict(self) -> dict:
+    return {**dataclasses.asdict(self),
+            "per_device_bytes": self.per_device_bytes}
+
+
+@dataclasses.dataclass(frozen=True)
+class LayoutChoice:
+  """Every layout's `LayoutMemory` and the one recommended.
+
+  Attributes:
+    rows: one `LayoutMemory` per layout, in `LAYOUTS` order.
+    recommended: the first available row (in `LAYOUTS` order: the cheapest
+      in communication) that fits, or None when none does.
+    capacity_bytes: the memory one device (or the shared host) has.
+  """
+  rows: tuple
+  recommended: Optional[LayoutMemory]
+  capacity_bytes: int
+
+  def advice(self) -> str:
+    """One sentence: the recommended layout with its flags, or what comes
+    closest when nothing fits."""
+    fmt = format_bytes
+    if self.recommended is not None:
+      row = self.recommended
+      how = f" ({row.flags})" if row.flags else " (no extra flags)"
+      return (f"Recommended layout: {row.layout}{how}: "
+              f"{fmt(row.per_device_bytes)} per device, "
+              f"{fmt(row.needed_bytes)} of {fmt(self.capacity_bytes)}.")
+    usable = [r for r in self.rows if r.available] or list(self.rows)
+    closest = min(usable, key=lambda r: r.needed_bytes)
+    return (f"No layout fits {fmt(self.capacity_bytes)}: the smallest is "
+            f"{closest.layout} ({closest.flags or 'no extra flags'}) at "
+            f"{fmt(closest.needed_bytes)}; add devices, or shrink the batch "
+            "or the model.")
+
+  def render(self) -> str:
+    """The rows as a text table, then `advice()`."""
+    fmt = format_bytes
+    header = ("layout", "flags", "devices", "weights", "gradients",
+              "optimizer", "activations", "per device", "fits")
+    lines = [header]
+    for r in self.rows:
+      lines.append((
+          r.layout, r.flags or "-", str(r.devices), fmt(r.parameters_bytes),
+          fmt(r.gradients_bytes), fmt(r.optimizer_bytes),
+          fmt(r.activations_bytes), fmt(r.per_device_bytes),
+          ("yes" if r.fits else "no") if r.available else
+          f"n/a: {r.note}"))
+    widths = [max(len(row[i]) for row in lines)
+              for i in range(len(header) - 1)]
+    # Indented: the rows read as a table under the report's heading.
+    text = ["  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)) +
+            "  " + row[-1] for row in lines]
+    return "\n".join([*text, self.advice()])
+
+  def to_dict(self) -> dict:
+    return {"rows": [r.to_dict() for r in self.rows],
+            "recommended": (self.recommended.layout
+                            if self.recommended else None),
+            "recommended_flags": (self.recommended.flags
+                                  if self.recommended else None),
+            "capacity_bytes": self.capacity_bytes}
+
+
+def _ceil_div(a: float, n: int) -> int:
+  return int(-(-int(a) // max(int(n), 1)))
+
+
+def activation_bytes_per_example(model) -> int:
+  """Bytes of the outputs of `model`'s layers for one example: what a
+  functional or Sequential model keeps for its backward pass, per example
+  of the batch, in each layer's compute dtype (half under bf16/fp16).
+
+  A lower bound: a layer's inner tensors (attention scores, a nested
+  model's layers) are not counted. 0 for a subclassed model (no symbolic
+  outputs).
+
+  Args:
+    model: a built Keras model.
+
+  Returns:
+    Bytes per example (int).
+  """
+  # Imported here: see `device_memory`.
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  total = 0
+  for layer in getattr(model, "layers", []):
+    if type(layer).__name__ == "InputLayer":
+      continue
+    try:
+      outputs = tf.nest.flatten(layer.output)
+    except (AttributeError, ValueError):
+      continue
+    for output in outputs:
+      shape = getattr(output, "shape", None)
+      if shape is None or any(d is None for d in list(shape)[1:]):
+        continue
+      elements = 1
+      for dim in list(shape)[1:]:
+        elements *= int(dim)
+      total += elements * tf.as_dtype(output.dtype).size
+  return total
+
+
+def layout_table(estimate: ModelMemory, *, num_devices: int,
+                 capacity_bytes: int, shared_memory: bool,
+                 global_batch_size: int,
+                 activation_bytes_per_example: int = 0,
+                 optimizer: str = "", gradient_accumulation: bool = False,
+                 num_microbatches: int = 0, pipeline_schedule: str = "gpipe",
+                 tensor_parallel_bytes: int = 0,
+                 tensor_parallel_flag: str = "",
+                 refused: Optional[Dict[str, str]] = None) -> LayoutChoice:
+  """Per-device bytes of every layout on `num_devices` devices, side by side.
+
+  With S = weights + gradients + optimizer state (`estimate`), T the
+  trainable weights' bytes (= the gradients' bytes), a the activation bytes
+  of one example, B the global batch and N the devices:
+
+  * data parallel: S + a*B/N per replica.
+  * ZeRO 1: the optimizer state / N (Rajbhandari et al. 2020's P_os: 4+4+8/N
+    bytes per fp32 Adam parameter).
+  * ZeRO 2: also the gradient accumulators / N (TensorFlow has no
+    reduce-scatter, so each step's gradients stay whole: without
+    `gradient_accumulation` ZeRO 2 equals ZeRO 1).
+  * ZeRO 3: trainable weights, gradients and optimizer state all / N, about
+    16 bytes / N per fp32 Adam parameter (P_os+g+p); non-trainable weights
+    (batch-norm statistics) stay whole. The transient gather of one block's
+    weights during its pass is not counted.
+  * pipeline: P stages (the fewest, 2 <= P <= N, that fit; else N), no data
+    parallelism: each stage about S/P, and the activations of the micro-
+    batches it has in flight for the whole batch B: GPipe all M of them,
+    a*B/P; 1F1B at most P on the first stage, a*B*min(P, M)/(P*M).
+  * tensor parallel: the splittable layers' state (`tensor_parallel_bytes`
+    of weights, their gradients and optimizer slots in proportion) / N, the
+    rest whole; every replica runs the whole batch B, and its activations
+    are counted whole (an upper bound: the split heads' are 1/N).
+
+  Args:
+    estimate: the model's unsharded `ModelMemory` (one replica, plain data
+      parallelism).
+    num_devices: devices available (replicas in sync; stages at most).
+    capacity_bytes: memory of one device, or of the host when the devices
+      share it.
+    shared_memory: the devices share `capacity_bytes` (logical CPU devices,
+      workers of one host): a layout needs its per-device bytes times its
+      devices.
+    global_batch_size: examples per step over all replicas (B).
+    activation_bytes_per_example: a (see `activation_bytes_per_example`).
+    optimizer: `--optimizer`'s name: an optimizer that cannot be sharded
+      makes the ZeRO rows unavailable.
+    gradient_accumulation: `--gradient_accumulation_steps` > 1: replicas
+      also keep an accumulator per gradient.
+    num_microbatches: M for the pipeline row (0: as many as stages).
+    pipeline_schedule: `gpipe` or `1f1b`.
+    tensor_parallel_bytes: bytes of the weights the tensor-parallel layers
+      would split (attention and feed-forward kernels); 0: the model cannot
+      be split, the row is unavailable.
+    tensor_parallel_flag: the flag that turns tensor parallelism on for this
+      model; empty: unavailable (the layers exist only as a library,
+      `tfdist.parallel.tensor_parallel`).
+    refused: layouts (`LAYOUTS` names) that this tfdist refuses, with the
+      reason: shown, never recommended.
+
+  Returns:
+    A `LayoutChoice`.
+
+  Raises:
+    ValueError: `num_devices` or `global_batch_size` < 1, or an unknown
+      `pipeline_schedule`.
+  """
+  if num_devices < 1 or global_batch_size < 1:
+    raise ValueError(
+        "layout_table needs num_devices >= 1 and global_batch_size >= 1; "
+        f"received num_devices={num_devices}, "
+        f"global_batch_size={global_batch_size}.")
+  if pipeline_schedule not in ("gpipe", "1f1b"):
+    raise ValueError(
+        "layout_table's pipeline_schedule is 'gpipe' or '1f1b'; received "
+        f"pipeline_schedule={pipeline_schedule!r}.")
+  n = int(num_devices)
+  a = int(activation_bytes_per_example)
+  weights = estimate.parameters_bytes
+  trainable = estimate.gradients_bytes
+  grads = estimate.gradients_bytes
+  accumulators = grads if gradient_accumulation else 0
+  opt = estimate.optimizer_bytes
+  shardable = True
+  if optimizer:
+    shardable = optimizers.optimizer_spec(optimizer).traits.shardable
+
+  def row(layout, flags, devices, w, g, o, act, available=True, note=""):
+    per_device = w + g + o + act
+    needed = per_device * (devices if shared_memory else 1)
+    return LayoutMemory(layout, flags, devices, int(w), int(g), int(o),
+                        int(act), int(needed),
+                        bool(available and needed <= capacity_bytes),
+                        bool(available), note)
+
+  one = "one device: nothing to split over" if n == 1 else ""
+  zero_note = one or ("" if shardable else
+                      f"--optimizer={optimizer} cannot be sharded")
+  replica_act = _ceil_div(a * global_batch_size, n)
+  rows = [
+      row("data parallel", "", n, weights, grads + accumulators, opt,
+          replica_act),
+      row("ZeRO 1", "--zero_stage=1", n, weights, grads + accumulators,
+          _ceil_div(opt, n), replica_act, not zero_note, zero_note),
+      row("ZeRO 2", "--zero_stage=2", n, weights,
+          grads + _ceil_div(accumulators, n), _ceil_div(opt, n), replica_act,
+          not zero_note, zero_note),
+      row("ZeRO 3", "--zero_stage=3", n,
+          weights - trainable + _ceil_div(trainable, n),
+          _ceil_div(grads + accumulators, n), _ceil_div(opt, n), replica_act,
+          not zero_note, zero_note)]
+
+  def stage_row(p):
+    m = num_microbatches or p
+    in_flight = m if pipeline_schedule == "gpipe" else min(p, m)
+    act = _ceil_div(a * global_batch_size * in_flight, p * m)
+    # Pipelines run in one process, without data parallelism.
+    return row("pipeline",
+               "--distribution_strategy=one_device "
+               f"--pipeline_stages={p} --num_microbatches={m}", p,
+               _ceil_div(weights, p), _ceil_div(grads + accumulators, p),
+               _ceil_div(opt, p), act, n > 1, one)
+
+  stages = [stage_row(p) for p in range(2, n + 1)]
+  rows.append(next((r for r in stages if r.fits), None) or
+              (stages[-1] if stages else stage_row(1)))
+  split = min(max(int(tensor_parallel_bytes), 0), trainable)
+  share = split / trainable if trainable else 0.0
+  # The split layers' share of the weights, gradients and slots, / N.
+  tp_weights = weights - split + _ceil_div(split, n)
+  tp_grads = grads + accumulators - _ceil_div(
+      (grads + accumulators) * share * (n - 1), n)
+  tp_opt = opt - _ceil_div(opt * share * (n - 1), n)
+  tp_note = one or ("no layer of this model can be split" if not split else
+                    "" if tensor_parallel_flag else
+                    "no tfdist.train flag: a library "
+                    "(tfdist.parallel.tensor_parallel)")
+  rows.append(row("tensor parallel", tensor_parallel_flag, n, tp_weights,
+                  tp_grads, tp_opt, a * global_batch_size, not tp_note,
+                  tp_note))
+  for name, reason in (refused or {}).items():
+    rows = [dataclasses.replace(r, available=False, fits=False, note=reason)
+            if r.layout == name and r.available else r for r in rows]
+  recommended = next((r for r in rows if r.fits), None)
+  return LayoutChoice(tuple(rows), recommended, int(capacity_bytes))

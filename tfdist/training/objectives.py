@@ -36,7 +36,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfdist.config import ConfigError
+from tfdist import errors
 
 # Default losses and metrics by `DatasetSpec.task`.
 TASKS = ("multiclass", "binary")
@@ -89,7 +89,7 @@ def _as_list(value) -> Sequence:
   if value is None:
     return ()
   if isinstance(value, dict):
-    raise ConfigError(
+    raise errors.ConfigError(
         "Metrics per output (a dict) are not supported: tfdist trains models "
         "with one output. Pass a list of metrics.")
   return value if isinstance(value, (list, tuple)) else (value,)
@@ -226,7 +226,7 @@ def check_reduction(loss: keras.losses.Loss, *, weighted: bool,
     ConfigError: that reduction with weights.
   """
   if weighted and fit_reduction(loss) == "mean_with_sample_weight":
-    raise ConfigError(
+    raise errors.ConfigError(
         f"{what} {loss.name!r} has reduction='mean_with_sample_weight' and "
         "the examples carry sample or class weights: tfdist does not divide "
         "by the global batch's sum of weights. Use "
@@ -252,7 +252,7 @@ def resolve_loss(identifier, *, y_true: tf.TensorShape,
   if isinstance(identifier, (FunctionLoss, PerExampleLoss)):
     return identifier  # Resolved already.
   if isinstance(identifier, (dict, list, tuple)):
-    raise ConfigError(
+    raise errors.ConfigError(
         "Losses per output (a dict or list) are not supported: tfdist "
         "trains models with one output and one loss. Combine them in one "
         "custom loss function.")
@@ -266,8 +266,9 @@ def resolve_loss(identifier, *, y_true: tf.TensorShape,
     try:
       loss = keras.losses.get(identifier)
     except ValueError:
-      raise ConfigError(f"loss={identifier!r} is not a Keras loss name (see "
-                        "keras.losses).") from None
+      raise errors.ConfigError(
+          f"loss={identifier!r} is not a Keras loss name (see "
+          "keras.losses).") from None
   else:
     loss = identifier
   if isinstance(loss, keras.losses.Loss):
@@ -276,8 +277,9 @@ def resolve_loss(identifier, *, y_true: tf.TensorShape,
     name = identifier if isinstance(identifier, str) else getattr(
         loss, "__name__", "loss")
     return FunctionLoss(loss, name=name)
-  raise ConfigError(f"loss={identifier!r} is neither a Keras loss, a loss "
-                    "function nor a loss name.")
+  raise errors.ConfigError(
+      f"loss={identifier!r} is neither a Keras loss, a loss "
+      "function nor a loss name.")
 
 
 def resolve_metric(identifier, *, y_true: tf.TensorShape,
@@ -299,8 +301,9 @@ def resolve_metric(identifier, *, y_true: tf.TensorShape,
   try:
     metric = keras.metrics.get(identifier)
   except ValueError:
-    raise ConfigError(f"metric {identifier!r} is not a Keras metric name "
-                      "(see keras.metrics).") from None
+    raise errors.ConfigError(
+        f"metric {identifier!r} is not a Keras metric name "
+        "(see keras.metrics).") from None
   if not isinstance(metric, keras.metrics.Metric):
     metric = keras.metrics.MeanMetricWrapper(
         metric, name=getattr(metric, "__name__", "metric"))
@@ -364,7 +367,7 @@ def resolve(*, loss=None, metrics=None, model: Optional[keras.Model] = None,
   elif task:
     source, loss = f"task {task}", task_defaults(task)[0]
   else:
-    raise ConfigError(
+    raise errors.ConfigError(
         f"{what} has no loss: compile it (model.compile(loss=..., "
         "metrics=[...]) in the builder), pass loss= to tfdist.fit, or use a "
         f"data set that gives one (--dataset={getattr(dataset, 'name', '?')}"
@@ -411,7 +414,7 @@ def output_shape(model: keras.Model, features_spec) -> tf.TensorShape:
       features_spec)
   out = model.compute_output_spec(inputs)
   if isinstance(out, (list, tuple, dict)):
-    raise ConfigError(
+    raise errors.ConfigError(
         "The model has several outputs; tfdist trains models with one "
         "output and one loss.")
   return tf.TensorShape(out.shape)
@@ -499,7 +502,7 @@ class MetricSums:
     for metric in self.metrics:
       if getattr(metric, "_built", True) is False:
         if y_true is None or y_pred is None:
-          raise ConfigError(
+          raise errors.ConfigError(
               f"Metric {metric.name!r} sizes its state from its first batch:"
               " give MetricSums the y_true and y_pred specs to build it with "
               "(tfdist.training.assembly does), or build it first.")
@@ -507,7 +510,7 @@ class MetricSums:
       for variable in metric.variables:
         aggregation = str(getattr(variable, "aggregation", "sum")).lower()
         if "sum" not in aggregation:
-          raise ConfigError(
+          raise errors.ConfigError(
               f"Metric {metric.name!r} keeps its variable {variable.name!r} "
               f"with aggregation={aggregation!r}: tfdist sums metric state "
               "over replicas and workers, which only works for states "

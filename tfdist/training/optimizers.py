@@ -38,7 +38,7 @@ config validation reads the traits).
 import dataclasses
 from typing import Any, Callable, Dict, Optional, Tuple
 
-from tfdist.errors import ConfigError
+from tfdist import errors
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,7 +140,7 @@ def optimizer_spec(name: str) -> OptimizerSpec:
   try:
     cls = type(keras.optimizers.get(name))
   except (ValueError, TypeError):
-    raise ConfigError(
+    raise errors.ConfigError(
         f"--optimizer={name!r} is unknown. Use one of: "
         f"{', '.join(registered_optimizers())}, or a name that "
         "keras.optimizers.get accepts.") from None

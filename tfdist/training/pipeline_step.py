@@ -26,8 +26,7 @@ from absl import logging
 import keras
 import tensorflow as tf
 
-from tfdist.errors import ConfigError
-from tfdist.errors import PipelineConfigError
+from tfdist import errors
 from tfdist.parallel import pipeline as pipeline_lib
 from tfdist.parallel import pipeline_options
 from tfdist.training import custom_step
@@ -41,18 +40,31 @@ class PipelineStep:
     pipeline: the `tfdist.parallel.pipeline.Pipeline` over the run's model.
     num_microbatches: M.
     schedule: `gpipe` or `1f1b`.
+    micro_batch: examples per micro-batch (0: unknown).
   """
   pipeline: pipeline_lib.Pipeline
   num_microbatches: int
   schedule: str
+  micro_batch: int = 0
+
+  def stages(self) -> list:
+    """`Pipeline.describe` at this step's shape: per stage its device,
+    layers, weight bytes and activation estimate (bytes, micro-batches in
+    flight)."""
+    return self.pipeline.describe(self.micro_batch, self.num_microbatches,
+                                  self.schedule)
 
   def describe(self) -> str:
-    """One line per stage: its device, layers and weight bytes."""
+    """One line per stage: its device, layers, weight bytes and the
+    activations it holds at its peak (a lower bound)."""
     return "\n".join(
         f"  stage {s['index']} on {s['device']}: {len(s['layers'])} "
         f"layer(s) {s['layers'][0]} .. {s['layers'][-1]}, "
-        f"{s['param_bytes']} weight bytes"
-        for s in self.pipeline.describe())
+        f"{s['param_bytes']} weight bytes" +
+        (f", activations at least {s['activation_bytes']} bytes "
+         f"({s['microbatches_in_flight']} micro-batch(es) of "
+         f"{self.micro_batch} in flight)" if "activation_bytes" in s else "")
+        for s in self.stages())
 
   def forward_backward(self, trainer, inputs, labels, weights=None):
     """`Trainer._replica_forward_backward` through the pipeline.
@@ -103,10 +115,10 @@ class PipelineStep:
 
 
 def _flag_error(options: pipeline_options.PipelineOptions,
-                error: PipelineConfigError) -> ConfigError:
+                error: errors.PipelineConfigError) -> errors.ConfigError:
   cuts = (f" --pipeline_cuts={','.join(options.cuts)}" if options.cuts
           else "")
-  return PipelineConfigError(
+  return errors.PipelineConfigError(
       f"--pipeline_stages={options.num_stages}{cuts}: {error}")
 
 
@@ -143,7 +155,7 @@ def build(model: keras.Model, options: pipeline_options.PipelineOptions, *,
       gradient_accumulation_steps=gradient_accumulation_steps)
   own_step = custom_step.overrides(model)
   if own_step:
-    raise PipelineConfigError(
+    raise errors.PipelineConfigError(
         f"--pipeline_stages={options.num_stages}: model {model.name!r} "
         f"defines its own step ({', '.join(own_step)}), which runs the "
         "whole model, not tfdist's pipelined step. Drop --pipeline_stages, "
@@ -151,7 +163,7 @@ def build(model: keras.Model, options: pipeline_options.PipelineOptions, *,
         "stages).")
   for layer in model._flatten_layers(include_self=False):  # pylint: disable=protected-access
     if getattr(layer, "activity_regularizer", None) is not None:
-      raise PipelineConfigError(
+      raise errors.PipelineConfigError(
           f"--pipeline_stages={options.num_stages}: layer {layer.name!r} "
           "has an activity regularizer, which the pipelined step does not "
           "add to the loss yet. Remove it (weight regularizers are "
@@ -160,6 +172,7 @@ def build(model: keras.Model, options: pipeline_options.PipelineOptions, *,
   try:
     pipe = pipeline_lib.split_model(
         model, options.num_stages, cuts=list(options.cuts) or None,
+        devices=list(options.devices) or None,
         # Balance weights and the activations of the micro-batches a stage
         # holds at once (M under GPipe, at most P under 1F1B).
         activation_examples=micro * (
@@ -169,9 +182,10 @@ def build(model: keras.Model, options: pipeline_options.PipelineOptions, *,
     pipe.check_step(micro_step_batch, options.num_microbatches,
                     options.schedule)
     placed = pipe.place_variables()
-  except PipelineConfigError as e:
+  except errors.PipelineConfigError as e:
     raise _flag_error(options, e) from None
-  step = PipelineStep(pipe, options.num_microbatches, options.schedule)
+  step = PipelineStep(pipe, options.num_microbatches, options.schedule,
+                      micro_batch=micro)
   logging.info("Pipeline: %s; weight bytes per device %s\n%s",
                options.describe(), placed, step.describe())
   return step

@@ -27,8 +27,8 @@ from typing import List, Optional, Tuple
 import tensorflow as tf
 
 from tfdist.cloud import hptune
-from tfdist.config import ConfigError
-from tfdist.errors import OutputNotWritableError, first_line
+from tfdist import errors
+from tfdist.errors import first_line
 from tfdist.training import objectives
 from tfdist.training import registry
 from tfdist.training import task as task_lib
@@ -135,7 +135,7 @@ def check_no_keras_distribution(distribution=None):
             "--distribution_strategy=parameter_server (variables and "
             "embedding tables sharded over ps tasks); pipeline and tensor "
             "parallel layouts are not yet available in tfdist")
-  raise ConfigError(
+  raise errors.ConfigError(
       f"keras.distribution.set_distribution({kind}(...)) is set in this "
       "process, which Keras ignores under the TensorFlow backend; tfdist "
       f"distributes with tf.distribute instead: {same}. Remove the "
@@ -249,7 +249,7 @@ def probe_writable(folder: str, *, flag: str, value: str):
     except (tf.errors.OpError, OSError):
       pass
     where = "" if folder == value else f" ({folder})"
-    raise OutputNotWritableError(
+    raise errors.OutputNotWritableError(
         f"{flag}={value} is not writable{where}: {_reason(folder, error)}. "
         "Give a folder this process can create and write (local, a "
         "mounted bucket, or gs://BUCKET/PATH).") from None

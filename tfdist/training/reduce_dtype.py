@@ -41,7 +41,7 @@ run).
 
 from typing import List, Optional, Sequence
 
-from tfdist.errors import ConfigError
+from tfdist import errors
 
 FLOAT32 = "float32"
 # `--all_reduce_dtype` values, the default first.
@@ -63,7 +63,7 @@ def check_name(all_reduce_dtype: str) -> None:
   """Raises `ConfigError` unless `all_reduce_dtype` is one of
   `ALL_REDUCE_DTYPES`."""
   if all_reduce_dtype not in ALL_REDUCE_DTYPES:
-    raise ConfigError(
+    raise errors.ConfigError(
         f"--all_reduce_dtype={all_reduce_dtype!r} is unknown. Use one of: "
         f"{', '.join(ALL_REDUCE_DTYPES)}.")
 
@@ -88,7 +88,7 @@ def check_config(all_reduce_dtype: str, *, strategy: str,
     return
   check_strategy(all_reduce_dtype, str(strategy).lower())
   if all_reduce_dtype == "float16" and dtype not in _LOSS_SCALED_DTYPES:
-    raise ConfigError(_FLOAT16_UNSCALED.format(value=all_reduce_dtype,
+    raise errors.ConfigError(_FLOAT16_UNSCALED.format(value=all_reduce_dtype,
                                                 what=f"--dtype={dtype}"))
 
 
@@ -113,7 +113,7 @@ def check_strategy(all_reduce_dtype: str, strategy: str) -> None:
       is not float32.
   """
   if compresses(all_reduce_dtype) and strategy == "parameter_server":
-    raise ConfigError(
+    raise errors.ConfigError(
         f"--all_reduce_dtype={all_reduce_dtype} does not apply to "
         "--distribution_strategy=parameter_server: its workers send their "
         "gradients to the parameter servers one by one, with no all-reduce "
@@ -128,7 +128,7 @@ def check_loss_scaling(all_reduce_dtype: str, loss_scaled: bool) -> None:
     ConfigError: `all_reduce_dtype` is float16 and `loss_scaled` is False.
   """
   if all_reduce_dtype == "float16" and not loss_scaled:
-    raise ConfigError(_FLOAT16_UNSCALED.format(
+    raise errors.ConfigError(_FLOAT16_UNSCALED.format(
         value=all_reduce_dtype,
         what="an optimizer without a LossScaleOptimizer"))
 

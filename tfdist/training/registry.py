@@ -37,7 +37,7 @@ import inspect
 import os
 from typing import Callable, Dict, Iterable, Mapping, Optional, Tuple, Union
 
-from tfdist.config import ConfigError
+from tfdist import errors
 from tfdist.data.dataset_spec import DatasetSpec
 
 _MODELS: Dict[str, Callable] = {}
@@ -193,16 +193,16 @@ def load_object(path: str, *, flag: str):
   """
   module_name, _, attribute = path.partition(":")
   if not module_name or not attribute:
-    raise ConfigError(f"{flag}={path!r} is not an import path: write "
-                      "package.module:function, e.g. "
-                      f"{flag}=my_project.models:build_model.")
+    raise errors.ConfigError(f"{flag}={path!r} is not an import path: write "
+                             "package.module:function, e.g. "
+                             f"{flag}=my_project.models:build_model.")
   module = _import(module_name, flag=f"{flag}={path}")
   obj = module
   for part in attribute.split("."):
     if not hasattr(obj, part):
       public = sorted(n for n in dir(module) if not n.startswith("_")
                       and callable(getattr(module, n)))
-      raise ConfigError(
+      raise errors.ConfigError(
           f"{flag}={path!r}: module {module_name} has no attribute "
           f"{attribute!r}. It has: {', '.join(public) or 'nothing callable'}.")
     obj = getattr(obj, part)
@@ -215,7 +215,7 @@ def _import(module_name: str, *, flag: str):
   except ModuleNotFoundError as e:
     missing = e.name or ""
     if module_name == missing or module_name.startswith(missing + "."):
-      raise ConfigError(
+      raise errors.ConfigError(
           f"{flag}: cannot import {module_name} (no module named "
           f"{missing!r}). Run from the folder that holds it, or add that "
           "folder to PYTHONPATH.") from e
@@ -234,8 +234,8 @@ def import_modules(names: Iterable[str], *, flag: str = "--import_modules"):
 
 
 def _unknown(kind: str, flag: str, value: str, known: Iterable[str],
-             decorator: str, example: str) -> ConfigError:
-  return ConfigError(
+             decorator: str, example: str) -> errors.ConfigError:
+  return errors.ConfigError(
       f"{flag}={value!r} is unknown. Registered: {', '.join(known)}. Give a "
       f"registered name, an import path ({flag}={example}), or register "
       f"your {kind} with @tfdist.{decorator} in a module named by "
@@ -252,8 +252,9 @@ def get_model_builder(name: str) -> Tuple[str, Callable]:
   if is_import_path(name):
     builder = load_object(name, flag="--model")
     if not callable(builder):
-      raise ConfigError(f"--model={name!r} names {builder!r}, which is not a "
-                        "function returning a keras.Model.")
+      raise errors.ConfigError(
+          f"--model={name!r} names {builder!r}, which is not a "
+          "function returning a keras.Model.")
     return name, builder
   if name not in _MODELS:
     raise _unknown("model", "--model", name, model_names(), "register_model",
@@ -274,7 +275,7 @@ def get_dataset(name: str) -> DatasetSpec:
     try:
       return as_dataset_spec(obj, name=name)
     except TypeError as e:
-      raise ConfigError(f"--dataset={name!r}: {e}") from None
+      raise errors.ConfigError(f"--dataset={name!r}: {e}") from None
   if name not in _DATASETS:
     raise _unknown("data set", "--dataset", name, dataset_names(),
                    "register_dataset", "my_project.data:make_dataset")
@@ -315,7 +316,7 @@ def check_accepted(fn: Callable, names: Iterable[str], *, what: str):
                      name not in names or
                      param.kind is param.POSITIONAL_ONLY)]
   if missing:
-    raise ConfigError(
+    raise errors.ConfigError(
         f"{what}: {getattr(fn, '__name__', fn)}{signature} has required "
         f"parameter(s) {', '.join(missing)} that tfdist cannot fill; it "
         f"passes, by name, only: {', '.join(names)}. Name a function that "

@@ -8,6 +8,7 @@ reads, never the whole `TrainConfig` (as Orbit's `Controller` takes its
 
 from typing import List, Tuple
 
+from tfdist import errors
 from tfdist import config as config_lib
 from tfdist.data import filesystems
 from tfdist.data import input_pipeline
@@ -71,7 +72,7 @@ def strategy_kind(config: TrainConfig) -> StrategyKind:
       `tfdist.distribute.auto_select.resolve` and `apply_decision`).
   """
   if config.distribution_strategy == "auto":
-    raise config_lib.ConfigError(
+    raise errors.ConfigError(
         "make_strategy takes a concrete strategy; decide `auto` first with "
         "tfdist.distribute.auto_select.resolve and apply_decision.")
   return StrategyKind.parse(config.distribution_strategy)

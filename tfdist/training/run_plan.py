@@ -12,7 +12,7 @@ from typing import Optional, Sequence, Tuple
 from tfdist import models
 from tfdist.data import data_checks
 from tfdist.data import input_pipeline
-from tfdist.data.dataset_spec import DataNotFoundError
+from tfdist import errors
 from tfdist.distribute.strategy_kind import StrategyKind
 from tfdist.parallel import pipeline_options
 from tfdist.training import batch_plan as batch_plan_lib
@@ -218,7 +218,9 @@ class RunPlan:
                       f"{plan.num_replicas_in_sync} each)"
                       + (", and the gradient accumulators"
                          if options.zero_stage >= 2 and
-                         plan.gradient_accumulation_steps > 1 else "")]
+                         plan.gradient_accumulation_steps > 1 else "")
+                      + (", and the weights (gathered for each step)"
+                         if options.zero_stage == 3 else "")]
                      if options.zero_stage else []) + (
                      ["  deterministic          op determinism and a "
                       "deterministic input order"]
@@ -258,7 +260,7 @@ def resolve_data_files(data: DataOptions, spec, *, need_eval: bool = True
   train_pattern, eval_pattern = data.train_files, data.eval_files
   if not train_pattern or (need_eval and not eval_pattern):
     if spec.prepare is None:
-      raise DataNotFoundError(
+      raise errors.DataNotFoundError(
           f"--dataset={spec.name} reads TFRecord files: give them as "
           "--train_files and --eval_files.")
     default_train, default_eval = spec.prepare(data.data_dir,
@@ -317,7 +319,7 @@ def make_run_plan(options: PlanOptions, spec, *, num_replicas_in_sync: int,
   Raises:
     ConfigError: inconsistent batch sizes, warmup longer than the run.
     DataNotFoundError: missing data.
-    tfdist.data.data_checks.DataError: a damaged file (named), or records of
+    tfdist.errors.DataError: a damaged file (named), or records of
       another schema than the data set's parser reads.
   """
   kind = StrategyKind.parse(decision.strategy)

@@ -6,8 +6,8 @@ float32 parameter with Adam, 4 bytes of weight, 4 of gradient and 8 of
 optimizer state (two moments): 16 bytes. ZeRO stage 1 keeps on each of the
 N replicas the optimizer state of 1/N of the parameters only; stage 2 also
 the gradients (here: the gradient accumulators under gradient accumulation);
-stage 3 would shard the weights themselves (not offered: see
-docs/guides/sharded-training.md).
+stage 3 shards the weights themselves (`tfdist.parallel.zero3`, a subclass
+of `ShardedOptimizer` registered for stage 3).
 
 Layout: one flat, padded float32 buffer. The trainable variables, in
 `model.trainable_variables` order, are flattened and concatenated into a
@@ -75,12 +75,12 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfdist.config import ConfigError
+from tfdist import errors
 from tfdist.training import optimizers
 from tfdist.training import precision
 from tfdist.training import reduce_dtype
 
-STAGES = (0, 1, 2)
+STAGES = (0, 1, 2, 3)
 
 _STANDIN_PREFIX = "tfdistzero"
 _VARIABLE_VALUE = "VARIABLE_VALUE"
@@ -103,18 +103,44 @@ class ShardingOptions:
 
   Attributes:
     stage: ZeRO stage: 0 (off), 1 (optimizer state), 2
-      (also the gradient accumulators).
+      (also the gradient accumulators), 3 (also the weights:
+      `tfdist.parallel.zero3`).
   """
   stage: int = 0
 
   def __post_init__(self):
     if self.stage not in STAGES:
-      raise ValueError(f"ZeRO stage must be 0, 1 or 2. Received: "
+      raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3. Received: "
                        f"stage={self.stage!r}")
 
   @property
   def enabled(self) -> bool:
     return self.stage > 0
+
+
+# The optimizer class of each ZeRO stage above 0 (`optimizer_class`);
+# `tfdist.parallel.zero3` registers stage 3's when imported.
+_STAGE_CLASSES: Dict[int, type] = {}
+
+
+def register_stage(stage: int, cls: type) -> None:
+  """Makes `cls` (a `ShardedOptimizer` subclass) the optimizer of ZeRO
+  `stage`."""
+  _STAGE_CLASSES[int(stage)] = cls
+
+
+def optimizer_class(options: "ShardingOptions") -> type:
+  """The `ShardedOptimizer` class that runs `options.stage`.
+
+  Raises:
+    ValueError: stage 3 and `tfdist.parallel.zero3` was not imported.
+  """
+  if options.stage in _STAGE_CLASSES:
+    return _STAGE_CLASSES[options.stage]
+  if options.stage == 3:
+    raise ValueError("ZeRO stage 3 needs tfdist.parallel.zero3 imported "
+                     "(it registers its optimizer).")
+  return ShardedOptimizer
 
 
 def inner_optimizer(optimizer):
@@ -131,7 +157,7 @@ def check_optimizer(optimizer, *, what: str = "--optimizer") -> None:
   """
   spec = optimizers.spec_of(optimizer)
   if not spec.traits.shardable:
-    raise ConfigError(
+    raise errors.ConfigError(
         f"{what}={spec.name} cannot shard its state "
         f"(--shard_optimizer_state): {spec.traits.not_shardable_because}. "
         "Use adamw or adam, or train without sharding.")
@@ -281,7 +307,7 @@ class ShardedOptimizer:
   themselves.
 
   Raises:
-    tfdist.config.ConfigError: LAMB (`check_optimizer`); a trainable
+    tfdist.errors.ConfigError: LAMB (`check_optimizer`); a trainable
       variable that is not float32.
   """
 
@@ -293,7 +319,7 @@ class ShardedOptimizer:
     check_optimizer(optimizer)
     for v in variables:
       if v.dtype != "float32":
-        raise ConfigError(
+        raise errors.ConfigError(
             f"--shard_optimizer_state shards float32 variables; "
             f"{v.path if hasattr(v, 'path') else v.name} is {v.dtype}. "
             "Keep trainable variables in float32 (Keras mixed precision "
@@ -452,10 +478,7 @@ class ShardedOptimizer:
     """
     context = tf.distribute.get_replica_context()
     replica = context.replica_id_in_sync_group
-    # The master shard follows the model's weights (set or restored since).
-    start = replica * self.layout.shard_size
-    self.master.assign(tf.slice(self.layout.flatten(self.variables),
-                                [start], [self.layout.shard_size]))
+    self._replica_load_master(replica)
     if shard is None:
       shard = self.replica_shard(self.layout.flatten(grads))
     nonfinite = tf.reduce_sum(
@@ -485,6 +508,18 @@ class ShardedOptimizer:
     skipped = (1.0 - tf.cast(finite, tf.float32) if self.uses_loss_scale
                else tf.constant(0.0))
     return skipped, {"grad": shard, "finite": finite}
+
+  def _replica_load_master(self, replica) -> None:
+    """Fills the master shard from the model's weights (set or restored
+    since the last update). Replica context."""
+    start = replica * self.layout.shard_size
+    self.master.assign(tf.slice(self.layout.flatten(self.variables),
+                                [start], [self.layout.shard_size]))
+
+  def attach(self, trainer) -> None:
+    """Called once by the `Trainer` that owns this optimizer, after its
+    step functions are chosen (stages 1-2: nothing to change)."""
+    del trainer
 
   def _replica_gather(self):
     context = tf.distribute.get_replica_context()
@@ -534,6 +569,11 @@ class ShardedOptimizer:
       self._update_loss_scale(finite)
     else:
       apply_all()
+    self._publish()
+
+  def _publish(self) -> None:
+    """Step 4: the updated master shards all-gathered into every replica's
+    model variables; the master shards emptied. Cross-replica context."""
     gathered = self.strategy.run(self._replica_gather)
     for variable, value in zip(self.variables, gathered):
       self.strategy.extended.update(

@@ -31,7 +31,8 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist.distribute import parameter_server
-from tfdist.errors import PeerLostError, first_line
+from tfdist import errors
+from tfdist.errors import first_line
 
 # Errors that mean a ps task (or the whole cluster) is gone.
 PS_LOST_ERRORS = (tf.errors.UnavailableError, tf.errors.AbortedError,
@@ -91,8 +92,9 @@ def lost_tasks(error: Exception, *, own: Optional[Tuple[str, int]] = None,
 def peer_lost_error(error: Exception, *, after: str,
                     last_checkpoint: Optional[str],
                     own: Optional[Tuple[str, int]] = None,
-                    addresses: Optional[Mapping[str, Sequence[str]]] = None
-                    ) -> PeerLostError:
+                    addresses: Optional[Mapping[str, Sequence[str]]] = None,
+                    what: str = "MultiWorkerMirrored training"
+                    ) -> errors.PeerLostError:
   """The one error for a lost MultiWorkerMirrored peer, whatever noticed it.
 
   Args:
@@ -104,6 +106,8 @@ def peer_lost_error(error: Exception, *, after: str,
     own: this task's `(job, index)`.
     addresses: the cluster's job -> `host:port` list, to name the lost
       task's address.
+    what: the run, as the message begins (a pipeline's stage tasks are
+      peers too).
   """
   first = first_line(error)
   names = []
@@ -115,8 +119,8 @@ def peer_lost_error(error: Exception, *, after: str,
     names.append(f"{job} {index}" + (f" at {listed[index]}"
                                      if index < len(listed) else ""))
   who = (f"lost {', '.join(names)}" if names else "lost a peer worker")
-  return PeerLostError(
-      f"MultiWorkerMirrored training {who} after {after}: "
+  return errors.PeerLostError(
+      f"{what} {who} after {after}: "
       f"{type(error).__name__}: {first}. Every worker must take part in "
       "every step: restart the whole cluster (python -m tfdist.launch "
       "--max_restarts=N does; Vertex AI and Kubernetes restart on this exit "
@@ -134,11 +138,11 @@ def ps_lost_error(error: Exception, *, after: str,
     last_checkpoint: the checkpoint a restart resumes from (None: step 0).
 
   Returns:
-    A `tfdist.distribute.parameter_server.ParameterServerError` to raise from
+    A `tfdist.errors.ParameterServerError` to raise from
     `error`.
   """
   first = first_line(error)
-  return parameter_server.ParameterServerError(
+  return errors.ParameterServerError(
       f"Parameter-server training lost a ps task (or the whole cluster) "
       f"after {after}: {type(error).__name__}: {first}. Worker failures are "
       "tolerated, ps failures are not: restart the cluster (python -m "
@@ -515,7 +519,7 @@ class CoordinatorStepRunner(StepRunner):
     the signals.
 
     Raises:
-      tfdist.distribute.parameter_server.ParameterServerError: a ps task (or the
+      tfdist.errors.ParameterServerError: a ps task (or the
         whole cluster) became unreachable; the message names the last
         checkpoint training will resume from.
     """

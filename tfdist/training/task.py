@@ -21,7 +21,7 @@ from typing import Any, Callable, Optional, Sequence, Tuple
 import keras
 import tensorflow as tf
 
-from tfdist.config import ConfigError
+from tfdist import errors
 from tfdist.data import feature_spec as feature_spec_lib
 from tfdist.data import input_pipeline
 from tfdist.data.dataset_spec import DatasetSpec
@@ -166,9 +166,10 @@ def build_model(task: Task, config, *, sync_batch_norm: bool = False,
                           activation_recomputation)},
       what=what)
   if not isinstance(model, keras.Model):
-    raise ConfigError(f"{what} returned {type(model).__name__}, not a "
-                      "keras.Model. Return the model (built, or buildable "
-                      "from its first batch).")
+    raise errors.ConfigError(
+        f"{what} returned {type(model).__name__}, not a "
+        "keras.Model. Return the model (built, or buildable "
+        "from its first batch).")
   return model
 
 
@@ -187,7 +188,7 @@ def sample_weight_spec(dataset: DatasetSpec) -> Any:
   weight = spec[2]
   dtype = getattr(weight, "dtype", None)
   if dtype is None or not (dtype.is_floating or dtype.is_integer):
-    raise ConfigError(
+    raise errors.ConfigError(
         f"--dataset={dataset.name} yields examples of {len(spec)} elements;"
         f" the third is taken as the sample weight (as Keras's fit takes "
         f"(x, y, sample_weight)) but is {weight}, not a number. Return "
@@ -221,7 +222,7 @@ def example_spec(dataset: DatasetSpec, *, files: Sequence[str] = ()
   else:
     spec = input_pipeline.call_input_fn(dataset, training=False).element_spec
   if not isinstance(spec, tuple) or len(spec) < 2:
-    raise ConfigError(
+    raise errors.ConfigError(
         f"--dataset={dataset.name} yields {spec}, not (features, labels) "
         "pairs: return a tf.data.Dataset of (features, labels) examples.")
   return spec[0], spec[1]

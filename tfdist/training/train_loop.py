@@ -420,7 +420,7 @@ class Trainer:
     ValueError: unknown `task`; `global_batch_size` < 1;
       `gradient_accumulation_steps` < 1; a `class_weight` key that is not
       an integer >= 0.
-    tfdist.config.ConfigError: a metric whose state is not summed; a loss
+    tfdist.errors.ConfigError: a metric whose state is not summed; a loss
       with `reduction="mean_with_sample_weight"` and `class_weight`
       (`objectives.check_reduction`; with sample weights, when the step is
       traced); an unknown `all_reduce_dtype`, a 2-byte one under
@@ -485,7 +485,7 @@ class Trainer:
     self.uses_loss_scale = isinstance(optimizer,
                                       keras.optimizers.LossScaleOptimizer)
     per_replica_random_streams(model)
-    self.sharded = (sharded_optimizer.ShardedOptimizer(
+    self.sharded = (sharded_optimizer.optimizer_class(sharding)(
         strategy=strategy, optimizer=optimizer,
         variables=model.trainable_variables, options=sharding,
         all_reduce_dtype=self.all_reduce_dtype)
@@ -511,6 +511,8 @@ class Trainer:
     self.pipeline = pipeline
     if pipeline is not None:
       self._replica_grads = functools.partial(pipeline.forward_backward, self)
+    if self.sharded is not None:  # Stage 3 replaces the forward pass.
+      self.sharded.attach(self)
     self._replica_train = self._replica_train_step
     compile_fn = (lambda f: f) if run_eagerly else tf.function
     self.train_function = compile_fn(self._train_function)

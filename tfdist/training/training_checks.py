@@ -31,8 +31,7 @@ from typing import Callable, Optional
 
 from absl import logging
 
-from tfdist.errors import TrainingDivergedError
-from tfdist.errors import TrainingStalledError
+from tfdist import errors
 from tfdist.runtime.strict_json import json_safe  # noqa: F401
 
 DEFAULT_MAX_CONSECUTIVE_SKIPPED_STEPS = 100
@@ -90,7 +89,7 @@ class SkippedStepMonitor:
     else:
       self.consecutive = skipped_at_end
     if self.max_consecutive and self.consecutive >= self.max_consecutive:
-      raise TrainingStalledError(self._message(
+      raise errors.TrainingStalledError(self._message(
           f"for the last {self.consecutive} steps in a row (steps "
           f"{self.step - self.consecutive + 1}-{self.step})", loss_scale) +
                                  " The limit is --max_consecutive_skipped_"
@@ -111,7 +110,7 @@ class SkippedStepMonitor:
     """
     ran = self.step - self.start_step
     if ran > 0 and self.total_skipped >= ran:
-      raise TrainingStalledError(self._message(
+      raise errors.TrainingStalledError(self._message(
           f"at any of this run's {ran} steps (steps {self.start_step + 1}-"
           f"{self.step})", loss_scale))
 
@@ -160,7 +159,7 @@ def check_eval_loss(loss: float, *, step: int,
         "label in your parse_fn or dataset function, then fix or drop "
         "them.", step, loss)
     return False
-  raise TrainingDivergedError(
+  raise errors.TrainingDivergedError(
       f"Training diverged: the evaluation loss at step {step} is {loss}. "
       "Lower --base_learning_rate, add warmup, or use --dtype=fp32.")
 

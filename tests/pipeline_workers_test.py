@@ -1,0 +1,265 @@
+"""Pipeline stages across the tasks of a cluster (`--pipeline_stages` under
+`tfdist.launch`, from `TF_CONFIG`).
+
+One local cluster of two processes per launching test, started by
+`tfdist.launch --num_workers=2 --module=tests.pipeline_workers_test`: the
+chief drives (stages 1-2 on its 2 logical CPU devices, all the input, the
+steps, `--model_dir`), worker 0 serves stages 3-4 on its own 2. With
+`--deterministic --seed`:
+
+* K updates of `tfdist.fit` (Adam, 4 stages, 4 micro-batches, 1F1B, a
+  skip connection across the cuts) give the one-device run's weights
+  within 1e-5 (the reference is trained once, in this process), across
+  two processes and in one fresh process (which splits its CPU into 4
+  logical devices itself: it failed before); the manifest lists the
+  stages' devices and the SavedModel serves the trained model's outputs;
+  both processes exit 0;
+* where the stages go (P/T per task, GPUs first) and the refusals: ps
+  tasks in the cluster, T not dividing P (no processes);
+* a worker killed mid-run stops the chief with `PeerLostError`'s line and
+  exit status (200), naming the lost task.
+
+Run as a module (by the launcher), this file is the tasks' program:
+`fit OUT_DIR STEPS VERBOSE` trains and (the chief) writes
+`OUT_DIR/weights.npz`; a tfdist error ends it with its exit status, as
+`tfdist.train` ends.
+"""
+
+import json
+import os
+import re
+import sys
+
+os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
+
+from absl.testing import absltest  # pylint: disable=g-import-not-at-top
+import keras  # pylint: disable=g-import-not-at-top
+import numpy as np  # pylint: disable=g-import-not-at-top
+import tensorflow as tf  # pylint: disable=g-import-not-at-top
+
+from tests import multi_worker_testlib  # pylint: disable=g-import-not-at-top
+from tests import testutil  # pylint: disable=g-import-not-at-top
+from tfdist import api  # pylint: disable=g-import-not-at-top
+from tfdist import errors  # pylint: disable=g-import-not-at-top
+from tfdist import exit_codes  # pylint: disable=g-import-not-at-top
+from tfdist.backends import pipeline as backend_lib  # pylint: disable=g-import-not-at-top
+from tfdist.config import TrainConfig  # pylint: disable=g-import-not-at-top
+from tfdist.distribute import cluster as cluster_lib  # pylint: disable=g-import-not-at-top
+
+BATCH = 16
+STEPS = 3
+TOLERANCE = 1e-5
+# The chief's start, two processes' TensorFlow imports and the steps.
+LAUNCH_TIMEOUT = 120
+
+
+def _data():
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(64, 8)).astype("float32")
+  y = rng.integers(0, 3, size=(64,)).astype("int32")
+  return x, y
+
+
+class _Built:
+  model = None
+
+
+def skip_model():
+  """Four layer calls; block_1's output skips to the Add (across the cut)."""
+  keras.utils.set_random_seed(1)
+  x = keras.Input((8,), name="features")
+  h1 = keras.layers.Dense(16, activation="tanh", name="block_1")(x)
+  h2 = keras.layers.Dense(16, activation="tanh", name="block_2")(h1)
+  h3 = keras.layers.Add(name="skip")([h2, h1])
+  out = keras.layers.Dense(3, name="logits")(h3)
+  model = keras.Model(x, out, name="skip_model")
+  model.compile(
+      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+  _Built.model = model
+  return model
+
+
+def _config(model_dir, steps, **changes):
+  settings = dict(model_dir=model_dir, train_steps=steps, batch_size=BATCH,
+                  deterministic=True, seed=3, optimizer="adam",
+                  base_learning_rate=0.01, lr_scaling="none", mode="train",
+                  log_steps=1, num_gpus=0, cluster_start_timeout_seconds=60)
+  settings.update(changes)
+  return TrainConfig(**settings)
+
+
+def _fit(model_dir, steps, verbose=0, **changes):
+  x, y = _data()
+  return api.fit(skip_model, x=x, y=y, verbose=verbose,
+                 config=_config(model_dir, steps, **changes))
+
+
+def fit_main(out_dir: str, steps: int, verbose: int):
+  """A task's program: 4 stages, 2 a task across a 2-task cluster (in one
+  process without one); the chief saves the trained weights."""
+  result = _fit(os.path.join(out_dir, "run"), steps, verbose,
+                pipeline_stages=4, num_microbatches=4,
+                pipeline_schedule="1f1b")
+  if "role" not in result:
+    np.savez(os.path.join(out_dir, "weights.npz"),
+             *_Built.model.get_weights())
+
+
+def _cluster(workers: int, ps: int = 0, task=("chief", 0)):
+  jobs = {"chief": ["127.0.0.1:1000"],
+          "worker": [f"127.0.0.1:{1001 + i}" for i in range(workers)]}
+  if ps:
+    jobs["ps"] = [f"127.0.0.1:{2000 + i}" for i in range(ps)]
+  return cluster_lib.ClusterInfo(task_type=task[0], task_index=task[1],
+                                 cluster=jobs, source="TF_CONFIG")
+
+
+class ClusterLayoutTest(absltest.TestCase):
+  """Where the stages go in a cluster, and the refusals (no processes)."""
+
+  def test_stage_tasks_roles_and_stages_per_task(self):
+    cluster = _cluster(workers=1)
+    self.assertEqual(backend_lib.stage_tasks(cluster),
+                     [("chief", 0), ("worker", 0)])
+    self.assertEqual(backend_lib.stages_per_task(4, cluster), 2)
+    self.assertEqual(backend_lib.stage_tasks(None), [])
+    chief = backend_lib.PipelineBackend(cluster).role(cluster)
+    self.assertTrue(chief.is_writer)
+    self.assertFalse(chief.serves)
+    self.assertEqual(chief.num_workers, 1)
+    worker = _cluster(workers=1, task=("worker", 0))
+    role = backend_lib.PipelineBackend(worker).role(worker)
+    self.assertFalse(role.is_writer)
+    self.assertTrue(role.serves)
+
+  def test_refuses_ps_tasks_and_uneven_stages(self):
+    with self.assertRaisesRegex(
+        errors.ConfigError,
+        r"--pipeline_stages=2 .*1 ps task.*without ps tasks"):
+      backend_lib.stages_per_task(2, _cluster(workers=1, ps=1))
+    with self.assertRaisesRegex(
+        errors.ConfigError,
+        r"--pipeline_stages=3 cannot be spread evenly over the 2 chief and "
+        r"worker tasks .*Use --pipeline_stages=2 or 4"):
+      backend_lib.stages_per_task(3, _cluster(workers=1))
+
+  def test_devices_per_task_gpus_first(self):
+    def device(name):
+      kind = tf.DeviceSpec.from_string(name).device_type
+      return tf.config.LogicalDevice(name=name, device_type=kind)
+    chief = "/job:chief/replica:0/task:0"
+    worker = "/job:worker/replica:0/task:0"
+    logical = [device(f"{worker}/device:CPU:1"),
+               device(f"{worker}/device:CPU:0"),
+               device(f"{chief}/device:CPU:0"),
+               device(f"{chief}/device:GPU:1"),
+               device(f"{chief}/device:GPU:0")]
+    tasks = [("chief", 0), ("worker", 0)]
+    self.assertEqual(
+        backend_lib.cluster_stage_devices(tasks, 2, logical_devices=logical),
+        [f"{chief}/device:GPU:0", f"{chief}/device:GPU:1",
+         f"{worker}/device:CPU:0", f"{worker}/device:CPU:1"])
+    self.assertEqual(
+        backend_lib.cluster_stage_devices(tasks, 1, num_gpus=0,
+                                          logical_devices=logical),
+        [f"{chief}/device:CPU:0", f"{worker}/device:CPU:0"])
+    with self.assertRaisesRegex(
+        errors.ConfigError,
+        r"3 stages on chief 0, which offers 2 GPU\(s\) and 1 CPU"):
+      backend_lib.cluster_stage_devices(tasks, 3, logical_devices=logical)
+
+
+def _saved_weights(out_dir):
+  with np.load(os.path.join(out_dir, "weights.npz")) as saved:
+    return [saved[f"arr_{i}"] for i in range(len(saved.files))]
+
+
+def _max_difference(a, b) -> float:
+  assert len(a) == len(b), (len(a), len(b))
+  return max(float(np.max(np.abs(x - y))) for x, y in zip(a, b))
+
+
+class AcrossWorkersTest(absltest.TestCase):
+  _unsplit = None
+
+  @classmethod
+  def unsplit(cls):
+    """The one-device run's weights after STEPS updates (trained here,
+    once)."""
+    if cls._unsplit is None:
+      _fit(os.path.join(testutil.scratch_dir(), "one_device"), STEPS)
+      cls._unsplit = [w.copy() for w in _Built.model.get_weights()]
+    return cls._unsplit
+
+  def _launch(self, out_dir, steps, verbose=0, timeout=LAUNCH_TIMEOUT):
+    return multi_worker_testlib.LauncherWatch(
+        ["--num_workers=2", "--module=tests.pipeline_workers_test",
+         "--stop_grace_seconds=20"],
+        ["fit", out_dir, str(steps), str(verbose)], timeout=timeout)
+
+  def test_two_processes_train_like_one_device(self):
+    out_dir = testutil.scratch_dir()
+    watch = self._launch(out_dir, STEPS)
+    unsplit = self.unsplit()  # Trained here meanwhile.
+    status = watch.wait()
+    output = watch.output()
+    self.assertEqual(status, 0, output)
+    self.assertIn("serving at", output)
+    self.assertLess(_max_difference(_saved_weights(out_dir), unsplit),
+                    TOLERANCE)
+    with open(os.path.join(out_dir, "run", "run_manifest.json")) as f:
+      manifest = json.load(f)
+    self.assertIn("stages on the 2 chief and worker tasks of the cluster",
+                  manifest["strategy_reason"])
+    stages = manifest["one_device"]["pipeline_stages"]
+    self.assertEqual([s["device"] for s in stages],
+                     [f"/job:{job}/replica:0/task:0/device:CPU:{i}"
+                      for job in ("chief", "worker") for i in (0, 1)])
+    # The SavedModel is the whole trained model.
+    exported = tf.saved_model.load(os.path.join(out_dir, "run",
+                                                "saved_model"))
+    x, _ = _data()
+    served = exported.signatures["serving_default"](
+        features=tf.constant(x[:4]))
+    reference = skip_model()
+    reference.set_weights(unsplit)
+    self.assertLess(
+        float(np.max(np.abs(next(iter(served.values())).numpy() -
+                            reference(x[:4]).numpy()))), TOLERANCE)
+
+  def test_one_fresh_process_splits_its_cpu_itself(self):
+    # Without a cluster, in a process whose TensorFlow has not started:
+    # tfdist makes the 4 logical CPU devices (it listed them first, which
+    # started the runtime, and the split was refused).
+    out_dir = testutil.scratch_dir()
+    code, output, _ = multi_worker_testlib.run_module_with_timeout(
+        "tests.pipeline_workers_test", ["fit", out_dir, str(STEPS), "0"],
+        timeout=LAUNCH_TIMEOUT)
+    self.assertEqual(code, 0, output)
+    self.assertLess(_max_difference(_saved_weights(out_dir), self.unsplit()),
+                    TOLERANCE)
+
+  def test_lost_stage_task_stops_the_chief_with_peer_lost(self):
+    out_dir = testutil.scratch_dir()
+    watch = self._launch(out_dir, 100000, verbose=2)
+    self.assertIsNotNone(watch.wait_for(r"\[chief:0\].*step 2\b", 90),
+                         watch.output())
+    os.kill(watch.task_pid("worker:0"), 9)
+    status = watch.wait()
+    output = watch.output()
+    self.assertEqual(status, exit_codes.PEER_LOST, output)
+    self.assertRegex(output, re.compile(
+        r"\[chief:0\] PeerLostError: Pipeline training lost worker 0 at "
+        r"127\.0\.0\.1:\d+ after step \d+"))
+
+
+if __name__ == "__main__":
+  if len(sys.argv) > 1 and sys.argv[1] == "fit":
+    try:
+      fit_main(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
+    except Exception as e:  # pylint: disable=broad-except
+      # Ends as tfdist.train ends: the error's line and its exit status.
+      print(f"{type(e).__name__}: {e}", flush=True)
+      sys.exit(errors.exit_code_for(e) or 1)
+  else:
+    absltest.main()

@@ -1,0 +1,210 @@
+"""ZeRO stage 3 (`--zero_stage=3`, `--shard_parameters`) in tfdist's trainer.
+
+On 2 logical CPU devices under MirroredStrategy (configured when this file
+is imported, before TensorFlow's runtime starts: run it as its own
+process), with `--deterministic --seed`, through `tfdist.fit` and the
+built-in CNN (convolutions, batch normalization, dropout; 0.1 M
+parameters, an odd count: the last shard is padded):
+
+* K = 3 updates of Adam (global-norm clipping), and of SGD with momentum
+  (per-variable clipping, gradient accumulation over 2 micro-batches),
+  give the unsharded run's weights (and batch-norm statistics) within
+  1e-5; so does Adam under bf16 mixed precision;
+* the checkpoint a stage-3 run writes has the unsharded run's keys and
+  shapes; it resumes under stage 0 on one device, and that run's under
+  stage 3 on two, to the weights of the same chain run unsharded; the
+  SavedModel is the unsharded model;
+* between steps the model's own variables hold nothing (the replicas
+  hold the shards), and reading and assigning a weight there go through
+  the shards;
+* what stage 3 cannot train is refused at start, naming the flag.
+"""
+
+import os
+
+os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
+
+from absl.testing import absltest  # pylint: disable=g-import-not-at-top
+import keras  # pylint: disable=g-import-not-at-top
+import numpy as np  # pylint: disable=g-import-not-at-top
+import tensorflow as tf  # pylint: disable=g-import-not-at-top
+
+from tfdist import api  # pylint: disable=g-import-not-at-top
+from tfdist import errors  # pylint: disable=g-import-not-at-top
+from tfdist.config import TrainConfig  # pylint: disable=g-import-not-at-top
+from tfdist.distribute import devices  # pylint: disable=g-import-not-at-top
+from tfdist.models import cnn  # pylint: disable=g-import-not-at-top
+from tests import testutil  # pylint: disable=g-import-not-at-top
+
+DEVICES = devices.configure_cpu_devices(2)
+
+BATCH = 16
+STEPS = 3
+TOLERANCE = 1e-5
+_RNG = np.random.default_rng(0)
+X = _RNG.uniform(size=(64, 28, 28, 1)).astype("float32")
+Y = _RNG.integers(0, 10, size=(64,)).astype("int32")
+
+
+class _Built:
+  """The last model a builder made (the one `fit` trained)."""
+  model = None
+
+
+def small_cnn(dropout: float = 0.3):
+  """The built-in CNN, narrow: 8 and 16 filters, batch norm, dropout."""
+  keras.utils.set_random_seed(1)
+  model = cnn.build_cnn(width=8, dropout=dropout)
+  model.compile(
+      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+      metrics=["accuracy"])
+  _Built.model = model
+  return model
+
+
+def _config(model_dir, **changes):
+  settings = dict(model_dir=model_dir, train_steps=STEPS, batch_size=BATCH,
+                  deterministic=True, seed=3, optimizer="adam",
+                  base_learning_rate=0.01, lr_scaling="none", mode="train",
+                  log_steps=STEPS, distribution_strategy="mirrored",
+                  num_cpu_devices=2)
+  settings.update(changes)
+  return TrainConfig(**settings)
+
+
+def _fit(builder=small_cnn, model_dir=None, callbacks=None, **changes):
+  """`(weights, model_dir)` of a `tfdist.fit` run."""
+  model_dir = model_dir or os.path.join(testutil.scratch_dir(), "run")
+  api.fit(builder, x=X, y=Y, config=_config(model_dir, **changes), verbose=0,
+          callbacks=callbacks or ())
+  return [w.copy() for w in _Built.model.get_weights()], model_dir
+
+
+def _max_difference(a, b) -> float:
+  return max(float(np.max(np.abs(x - y))) for x, y in zip(a, b))
+
+
+class _RestWatch(keras.callbacks.Callback):
+  """Between steps: whether the model's first weight has storage of its
+  own; reads every trainable weight (gathered from the shards) and writes
+  it back (into the shards), as callbacks restoring weights do. (Not
+  `set_weights`: it also sets every replica's non-trainable state to the
+  first replica's, which moves even unsharded training.)"""
+
+  def __init__(self):
+    super().__init__()
+    self.released = []
+
+  def on_train_batch_end(self, batch, logs=None):
+    self.released.append(
+        self.model.trainable_variables[0]._value is None)  # pylint: disable=protected-access
+    for variable in self.model.trainable_variables:
+      variable.assign(variable.numpy())
+
+
+class EqualToUnshardedTest(absltest.TestCase):
+
+  def _check(self, callbacks=(), **changes):
+    unsharded, _ = _fit(**changes)
+    sharded, _ = _fit(zero_stage=3, callbacks=list(callbacks), **changes)
+    self.assertEqual([w.shape for w in sharded], [w.shape for w in unsharded])
+    self.assertLess(_max_difference(sharded, unsharded), TOLERANCE)
+    # The updates were not zero.
+    keras.utils.set_random_seed(1)
+    initial = cnn.build_cnn(width=8).get_weights()
+    self.assertGreater(_max_difference(sharded, initial), 1e-3)
+
+  def test_adam_with_global_clipping(self):
+    watch = _RestWatch()
+    self._check(optimizer="adam", global_clipnorm=0.05, callbacks=[watch])
+    # Between steps the model's own variables hold nothing (the replicas
+    # hold the shards), and reading and assigning them went through the
+    # shards (the weights still equal the unsharded run's).
+    self.assertEqual(watch.released, [True] * STEPS)
+
+  def test_sgd_with_momentum_clipping_and_accumulation(self):
+    self._check(optimizer="momentum", shard_parameters=True,
+                gradient_accumulation_steps=2, clipnorm=0.05)
+
+  def test_bf16_mixed_precision(self):
+    # The shards stay float32 (the master weights); the layers cast the
+    # gathered weights as they cast their variables.
+    self._check(optimizer="adam", dtype="bf16")
+
+
+def no_dropout_cnn():
+  """`small_cnn` without dropout: one device and two replicas then draw
+  nothing differently (each replica has its own dropout stream)."""
+  return small_cnn(dropout=0.0)
+
+
+class CheckpointsTest(absltest.TestCase):
+
+  def test_stage_3_to_one_device_unsharded_and_back(self):
+    def chain(first_stage, last_stage):
+      """Two updates, two more on one device unsharded, two more."""
+      model_dir = os.path.join(testutil.scratch_dir(), "chain")
+      _fit(no_dropout_cnn, model_dir=model_dir, train_steps=2,
+           zero_stage=first_stage)
+      keys = tf.train.list_variables(tf.train.latest_checkpoint(
+          os.path.join(model_dir, "checkpoints")))
+      _fit(no_dropout_cnn, model_dir=model_dir, train_steps=4,
+           zero_stage=0, distribution_strategy="one_device")
+      weights, _ = _fit(no_dropout_cnn, model_dir=model_dir, train_steps=6,
+                        zero_stage=last_stage)
+      return weights, keys, model_dir
+
+    reference, reference_keys, _ = chain(0, 0)
+    chained, keys, model_dir = chain(3, 3)
+    # The unsharded keys and shapes: weights and optimizer slots.
+    self.assertEqual(keys, reference_keys)
+    self.assertLess(_max_difference(chained, reference), TOLERANCE)
+    # The export is the gathered, unsharded model.
+    loaded = tf.saved_model.load(os.path.join(model_dir, "saved_model"))
+    outputs = list(loaded.signatures["serving_default"](
+        tf.constant(X[:5])).values())
+    np.testing.assert_allclose(outputs[0].numpy(),
+                               _Built.model(X[:5]).numpy(), atol=1e-5)
+
+
+class RefusedAtStartTest(absltest.TestCase):
+
+  def test_embedding_layer_points_to_parameter_servers(self):
+    def with_embedding():
+      tokens = keras.Input((4,), dtype="int32")
+      x = keras.layers.Embedding(50, 4)(tokens)
+      x = keras.layers.Flatten()(x)
+      model = keras.Model(tokens, keras.layers.Dense(10)(x))
+      model.compile(loss=keras.losses.SparseCategoricalCrossentropy(
+          from_logits=True))
+      return model
+    with self.assertRaisesRegex(
+        errors.ConfigError, "--zero_stage=3 cannot shard embedding layer .*"
+        "--distribution_strategy=parameter_server"):
+      api.fit(with_embedding, x=np.zeros((32, 4), "int32"),
+              y=np.zeros((32,), "int32"),
+              config=_config(os.path.join(testutil.scratch_dir(), "e"),
+                             zero_stage=3), verbose=0)
+
+  def test_own_train_step(self):
+    class OwnStep(keras.Model):
+
+      def train_step(self, data):
+        return super().train_step(data)
+
+    def own_step():
+      inputs = keras.Input((28, 28, 1))
+      outputs = keras.layers.Dense(10)(keras.layers.Flatten()(inputs))
+      model = OwnStep(inputs, outputs)
+      model.compile(loss=keras.losses.SparseCategoricalCrossentropy(
+          from_logits=True))
+      return model
+    with self.assertRaisesRegex(errors.ConfigError,
+                                "--zero_stage=3: model .* own step"):
+      api.fit(own_step, x=X, y=Y,
+              config=_config(os.path.join(testutil.scratch_dir(), "o"),
+                             zero_stage=3), verbose=0)
+
+
+if __name__ == "__main__":
+  absltest.main()

@@ -1,0 +1,368 @@
+"""ZeRO stage 3 (`--zero_stage=3`): the weights themselves sharded.
+
+Rajbhandari et al. 2020. Stages 1 and 2 (`tfdist.training.sharded_optimizer`)
+keep a whole copy of every weight on every replica. Stage 3 keeps, per
+replica, only its shard of the same flat, padded float32 buffer
+(`sharded_optimizer.FlatLayout`: P parameters padded to N x S, replica r
+owning elements [r x S, (r + 1) x S)):
+
+* **Storage.** The shard is the master variable of stage 1 (sync-on-read,
+  aggregation NONE: a different [S] on every replica), kept between steps
+  instead of emptied. The model is built as usual (so its initial weights
+  are those of an unsharded run with the same seed), its trainable weights
+  are copied into the shards, and the Keras variables' own storage is then
+  released: they keep their shape and dtype. Between steps, in eager code
+  of a one-process run (a Keras callback's `get_weights`, `set_weights`),
+  reading one gathers a temporary copy from the shards and assigning one
+  writes into them; elsewhere (traced code, several workers) it raises
+  `tfdist.errors.WeightsShardedError`.
+* **Forward and backward.** Each step the replica all-gathers the shards
+  (`ReplicaContext.all_gather`, [S] -> [P']) and runs the model under
+  `keras.StatelessScope(state_mapping=...)`, which gives the layers the
+  gathered tensors in place of their variables. The gradient of the
+  all-gather is an all-reduce followed by the replica's slice, so the
+  gradient arrives shard-shaped and already summed over replicas: stage
+  1's update (`ShardedOptimizer.replica_prepare` with `shard=`: the fp16
+  finite check, unscaling, clipping, then the per-replica Keras optimizer
+  copy) applies it to the shard in place. No gather of updated weights
+  follows: the next step's gather reads the shards.
+* **Non-trainable state** (batch-norm moving statistics, the random
+  layers' seed states) keeps its ordinary mirrored variables: the updates
+  the layers make inside the scope are written to them after the pass.
+* **Evaluation** gathers the same way; **checkpoints** save every weight
+  under its unsharded key and shape (each Keras variable's
+  `_serialize_to_tensors` gathers its piece from the local shards, and
+  `_restore_from_tensors` slices a restored value into them), so a stage-3
+  checkpoint restores into stages 0-2 and any replica count, and back;
+  the optimizer's slots are saved as stage 1 saves them.
+* **Export** (and a `tfdist.fit` caller) gets the weights back:
+  `materialize` gathers them into the Keras variables again at the end of
+  the run, so the SavedModel is the unsharded model's.
+
+Costs: the whole flat weight buffer is gathered for the step (one block:
+the whole model; the step's peak holds every weight once, as stage 1's
+update does), and gathered again for evaluation. Traffic per step: the
+all-gather (P'), its gradient's all-reduce (2 P' on a ring): 1.5x stage
+1's all-reduce plus gather by ZeRO's count, more here because CPU
+collectives offer no reduce-scatter (the gradient is an all-reduce, then
+a slice).
+
+What is refused at start (`check_model`, `check_config`), with the
+reason: embedding layers (their gathered gradients are dense and
+vocabulary-sized: use parameter servers, or stage 1-2), a model with its
+own `train_step` (it runs its own forward pass on the unsharded
+variables), non-float32 trainable variables, XLA, pipeline stages, and
+optimizers that need a whole variable (LAMB, as stages 1-2).
+"""
+
+import types
+from typing import List
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tfdist import errors
+from tfdist.training import custom_step
+from tfdist.training import sharded_optimizer
+
+STAGE = 3
+_VARIABLE_VALUE = "VARIABLE_VALUE"
+
+
+def check_model(model: keras.Model) -> None:
+  """Refuses a model stage 3 cannot train, before anything is sharded.
+
+  Raises:
+    tfdist.errors.ConfigError: an embedding layer (a
+      `keras.layers.Embedding` or a subclass), a model overriding `train_step` (or `compute_loss`, ...:
+      `tfdist.training.custom_step.overrides`), or a trainable variable
+      that is not float32; each names `--zero_stage=3` and the fix.
+  """
+  for layer in model._flatten_layers(include_self=False):  # pylint: disable=protected-access
+    if isinstance(layer, keras.layers.Embedding):
+      raise errors.ConfigError(
+          f"--zero_stage=3 cannot shard embedding layer {layer.name!r} of "
+          f"model {model.name!r}: the gradient of a gathered table is dense "
+          "and as large as the vocabulary on every replica, every step. "
+          "Use --distribution_strategy=parameter_server (it shards tables "
+          "and sends only the rows used), or --zero_stage=1 or 2.")
+  own_step = custom_step.overrides(model)
+  if own_step:
+    raise errors.ConfigError(
+        f"--zero_stage=3: model {model.name!r} defines its own step "
+        f"({', '.join(own_step)}), which reads the model's variables "
+        "directly, and stage 3 keeps no whole copy of them. Drop the "
+        "override, or use --zero_stage=1 or 2.")
+  for v in model.trainable_variables:
+    if v.dtype != "float32":
+      raise errors.ConfigError(
+          f"--zero_stage=3 shards float32 variables; {v.path} is {v.dtype}. "
+          "Keep trainable variables in float32 (Keras mixed precision "
+          "does), or use --zero_stage=0.")
+
+
+def _released(path: str, owner: "Zero3Optimizer", index: int):
+  """The initializer a released weight reads through: in eager code with
+  every replica in this process (a callback's `get_weights`), the weight
+  gathered from the shards, a temporary copy; elsewhere (a traced
+  function, or replicas on other workers, which a read on one task would
+  wait for) `tfdist.errors.WeightsShardedError`."""
+  def initializer(shape, dtype=None):
+    del shape
+    if tf.executing_eagerly() and owner.all_local:
+      return tf.cast(owner.full_weight(index), dtype or tf.float32)
+    raise errors.WeightsShardedError(
+        f"{path} is sharded (--zero_stage=3): each replica holds 1/N of it, "
+        "and the whole weight exists only inside a training or evaluation "
+        "step" + ("" if owner.all_local else
+                  " (read between steps only with every replica in one "
+                  "process)") + ". Read the weights from a checkpoint "
+        "(saved unsharded) or after training ends (tfdist gathers them "
+        "for the export).")
+  return initializer
+
+
+class Zero3Optimizer(sharded_optimizer.ShardedOptimizer):
+  """ZeRO stage 3: the master shards are the only copy of the weights.
+
+  Constructed by the `Trainer` for `ShardingOptions(stage=3)` (registered
+  with `sharded_optimizer.register_stage`); arguments as
+  `ShardedOptimizer`'s. `variables` (the model's trainable variables)
+  must hold the initial weights: they are copied into the shards and the
+  variables' storage is released.
+
+  Raises:
+    tfdist.errors.ConfigError: as `ShardedOptimizer` (LAMB, non-float32
+      variables).
+  """
+
+  def __init__(self, **kwargs):
+    super().__init__(**kwargs)
+    self.model = None
+    # Every replica in this process: released weights read and written
+    # between steps through the local shards.
+    self.all_local = (len(self.replica_ids) ==
+                      self.strategy.num_replicas_in_sync)
+    self.materialized = False
+    flat = self.layout.flatten([v.value for v in self.variables]).numpy()
+    size = self.layout.shard_size
+    for component, replica in zip(self.master.values, self.replica_ids):
+      with tf.device(component.device):
+        component.assign(flat[replica * size:(replica + 1) * size])
+    del flat
+    for index, variable in enumerate(self.variables):
+      self._release(variable, index)
+
+  def _release(self, variable, index: int) -> None:
+    """Drops `variable`'s storage and makes it save and restore through
+    the shards (its unsharded key and shape)."""
+    # pylint: disable=protected-access
+    # The name TensorFlow records for name-based restores (read from the
+    # storage, which `_shared_name` needs).
+    variable._save_slice_info = types.SimpleNamespace(
+        full_name=variable._shared_name)
+    variable._value = None
+    variable._initializer = _released(variable.path, self, index)
+    owner = self
+
+    def serialize(self_):
+      del self_
+      return {_VARIABLE_VALUE: owner.full_weight(index)}
+
+    def restore(self_, restored):
+      del self_
+      return owner.restore_weight(index, restored[_VARIABLE_VALUE])
+
+    def direct_assign(self_, value):
+      # `variable.assign` outside a step (`set_weights`, a callback
+      # restoring its best weights): into the shards.
+      del self_
+      if not (tf.executing_eagerly() and owner.all_local):
+        raise errors.WeightsShardedError(
+            f"{variable.path} is sharded (--zero_stage=3): assign it in "
+            "eager code of a one-process run, or restore a checkpoint.")
+      owner.restore_weight(index, value)
+
+    variable._serialize_to_tensors = types.MethodType(serialize, variable)
+    variable._restore_from_tensors = types.MethodType(restore, variable)
+    variable._direct_assign = types.MethodType(direct_assign, variable)
+    # pylint: enable=protected-access
+
+  def attach(self, trainer) -> None:
+    """Replaces `trainer`'s forward and backward pass and its evaluation
+    step with ones that gather the shards first.
+
+    Raises:
+      tfdist.errors.ConfigError: XLA (`trainer.xla_applied`), pipeline
+        stages, or a model `check_model` refuses.
+    """
+    if trainer.xla_applied or trainer.pipeline is not None:
+      raise errors.ConfigError(
+          "--zero_stage=3 runs its own forward pass (gather, then the "
+          "model): it cannot be combined with "
+          f"{'--enable_xla' if trainer.xla_applied else '--pipeline_stages'}"
+          ". Drop one of them.")
+    check_model(trainer.model)
+    self.model = trainer.model
+    trainer._replica_grads = lambda inputs, labels, weights=None: (  # pylint: disable=protected-access
+        self.replica_forward_backward(trainer, inputs, labels, weights))
+    evaluate = trainer._replica_eval_step  # pylint: disable=protected-access
+
+    def eval_step(inputs, labels, weights=None, mask=None):
+      # Gathered outside the step's empty-batch `tf.cond`: every replica
+      # joins the collective.
+      values = self._replica_gather_weights(self._replica_shard())
+      with keras.StatelessScope(
+          state_mapping=list(zip(self.variables, values))):
+        return evaluate(inputs, labels, weights, mask)
+
+    trainer._replica_eval_step = eval_step  # pylint: disable=protected-access
+
+  def weight_bytes_per_replica(self) -> int:
+    """The weight shard one replica keeps (S float32), beside
+    `state_bytes_per_replica` (the optimizer's and accumulators' shards,
+    as stages 1-2 count them for `tfdist.training.memory`)."""
+    return 4 * self.layout.shard_size
+
+  # --- replica context ------------------------------------------------------
+  def _replica_shard(self) -> tf.Tensor:
+    return tf.ensure_shape(self.master.read_value(), [self.layout.shard_size])
+
+  def _replica_gather_weights(self, shard: tf.Tensor) -> List[tf.Tensor]:
+    """Every trainable weight in its shape, from this replica's `shard`
+    [S] and the others' (one all-gather)."""
+    context = tf.distribute.get_replica_context()
+    return self.layout.unflatten(context.all_gather(shard, axis=0))
+
+  def replica_forward_backward(self, trainer, inputs, labels, weights=None):
+    """`Trainer._replica_forward_backward` on gathered weights.
+
+    Returns:
+      `(loss, [grad], outputs)`: the reported loss (float32 scalar), the
+      gradient of this replica's shard (float32 [S], summed over all
+      replicas; loss-scaled under fp16) in a list, the outputs as float32
+      [B, ...].
+    """
+    model = trainer.model
+    shard = self._replica_shard()
+    with tf.GradientTape() as tape:
+      tape.watch(shard)
+      values = self._replica_gather_weights(shard)
+      with keras.StatelessScope(
+          state_mapping=list(zip(self.variables, values))) as scope:
+        outputs = tf.cast(model(inputs, training=True), tf.float32)
+        objective, loss = trainer._replica_losses(labels, outputs, weights)  # pylint: disable=protected-access
+        regularization = trainer._regularization_loss()  # pylint: disable=protected-access
+      if regularization is not None:
+        regularization = tf.nn.scale_regularization_loss(
+            regularization) / trainer.gradient_accumulation_steps
+        objective += regularization
+        loss += regularization
+      scaled = (trainer.optimizer.scale_loss(objective)
+                if trainer.uses_loss_scale else objective)
+    grad = tape.gradient(scaled, shard)
+    self._write_state_updates(scope)
+    return loss, [grad], outputs
+
+  def _write_state_updates(self, scope) -> None:
+    """Writes the non-trainable updates the layers made inside `scope`
+    (moving statistics, seed states) to their variables."""
+    trainable = {id(v) for v in self.variables}
+    for variable in self.model.variables:
+      if id(variable) in trainable:
+        continue
+      value = scope.get_current_value(variable)
+      if value is not None:
+        variable.assign(value)
+
+  def replica_prepare(self, grads=None, shard=None):
+    """`ShardedOptimizer.replica_prepare` on a gradient that is already
+    this replica's summed shard (`grads`: `[shard]`, float32 [S])."""
+    return super().replica_prepare(None,
+                                   grads[0] if shard is None else shard)
+
+  def _replica_load_master(self, replica) -> None:
+    """Nothing: the master shard is the weights."""
+    del replica
+
+  def replica_accumulate(self, grads) -> None:
+    """Adds this micro-batch's shard gradient (already summed) to the
+    shard accumulator (`grads`: `[shard]`, float32 [S])."""
+    self.grad_accumulator.assign_add(grads[0])
+
+  # --- cross-replica context ------------------------------------------------
+  def _publish(self) -> None:
+    """Nothing: the updated shards are the weights."""
+    return None
+
+  def _flat_weights(self) -> np.ndarray:
+    """The whole flat buffer [P'] (every replica's shard, in order)."""
+    values = self.strategy.experimental_local_results(self.master)
+    if len(self.replica_ids) == self.strategy.num_replicas_in_sync:
+      parts = [None] * len(values)
+      for replica, value in zip(self.replica_ids, values):
+        parts[replica] = value.numpy()
+      return np.concatenate(parts)
+    base = self.replica_ids[0]
+    gathered = self.strategy.experimental_distribute_values_from_function(
+        lambda ctx: tf.identity(values[ctx.replica_id_in_sync_group - base]))
+    return self.strategy.gather(gathered, axis=0).numpy()
+
+  def full_weight(self, index: int) -> tf.Tensor:
+    """Trainable variable `index` in its own shape (gathered)."""
+    flat = self._flat_weights()
+    off, n = self.layout.offsets[index], self.layout.sizes[index]
+    return tf.constant(flat[off:off + n].reshape(
+        self.layout.shapes[index].as_list()))
+
+  def restore_weight(self, index: int, value) -> None:
+    """Writes variable `index`'s restored value (its whole shape) into the
+    local shards that hold part of it."""
+    flat = tf.reshape(tf.cast(value, tf.float32), [-1])
+    for component, replica in zip(self.master.values, self.replica_ids):
+      for j, start, shard_start, length in self.layout.pieces(replica):
+        if j == index:
+          component[shard_start:shard_start + length].assign(
+              flat[start:start + length])
+
+  def materialize(self) -> None:
+    """Gives the Keras variables storage again, holding the gathered
+    weights (mirrored, under the strategy's scope): for the export and
+    for the caller of `tfdist.fit` at the end of the run. Training must
+    not continue afterwards (the step reads the shards, not these)."""
+    if self.materialized:
+      return
+    flat = self._flat_weights()
+    values = self.layout.unflatten(tf.constant(flat))
+    with self.strategy.scope():
+      for variable, value in zip(self.variables, values):
+        # pylint: disable=protected-access
+        variable._initializer = None
+        variable._initialize(value)
+        for name in ("_serialize_to_tensors", "_restore_from_tensors",
+                     "_save_slice_info", "_direct_assign"):
+          variable.__dict__.pop(name, None)
+        # pylint: enable=protected-access
+    self.materialized = True
+
+
+def materialize(trainer) -> None:
+  """`Zero3Optimizer.materialize` for `trainer`'s optimizer, if stage 3."""
+  if isinstance(getattr(trainer, "sharded", None), Zero3Optimizer):
+    trainer.sharded.materialize()
+
+
+def state_variables(model: keras.Model, trainer) -> list:
+  """`model.variables` with the released weights replaced by the local
+  weight shards (for the checkpoint keeper's finite check); all of
+  `model.variables` unless `trainer` runs stage 3 unmaterialized."""
+  sharded = getattr(trainer, "sharded", None)
+  if not isinstance(sharded, Zero3Optimizer) or sharded.materialized:
+    return list(model.variables)
+  released = {id(v) for v in sharded.variables}
+  return ([v for v in model.variables if id(v) not in released] +
+          list(sharded.master.values))
+
+
+sharded_optimizer.register_stage(STAGE, Zero3Optimizer)
