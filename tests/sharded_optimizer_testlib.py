@@ -257,8 +257,8 @@ def guarded(fn):
     return {"error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"}
 
 
-def resting_memory(strategy) -> dict:
-  """What the compiled stage-1 step keeps between calls: the allocator's
+def resting_memory(strategy, stage: int = 1) -> dict:
+  """What the compiled step of ZeRO `stage` keeps between calls: the allocator's
   bytes at rest with the step function alive, less without it (one
   allocator serves all logical CPU devices). A model of 529,930
   parameters, so that each replica's shard (1 MiB of int32 per replica at
@@ -268,6 +268,7 @@ def resting_memory(strategy) -> dict:
   import keras  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  from tfdist.parallel import zero3  # pylint: disable=g-import-not-at-top,unused-import
   from tfdist.training import sharded_optimizer  # pylint: disable=g-import-not-at-top
   from tfdist.training.train_loop import Trainer  # pylint: disable=g-import-not-at-top
 
@@ -286,7 +287,7 @@ def resting_memory(strategy) -> dict:
     optimizer.build([])
   trainer = Trainer(strategy=strategy, model=model, optimizer=optimizer,
                     global_batch_size=GLOBAL_BATCH, time_steps=False,
-                    sharding=sharded_optimizer.ShardingOptions(stage=1))
+                    sharding=sharded_optimizer.ShardingOptions(stage=stage))
   rng = np.random.default_rng(0)
   data = tf.data.Dataset.from_tensor_slices(
       (rng.normal(size=(3 * GLOBAL_BATCH, 1024)).astype(np.float32),
@@ -317,7 +318,8 @@ def mirrored_child(train_glob: str) -> dict:
       mirrored, train_glob, MIRRORED_CASES, scratch=testutil.scratch_dir(),
       fp16_stages=(1, 2, 3), chain_stages=(0, 1, 2, 0),
       single_replica=single)),
-          "resting": guarded(lambda: resting_memory(mirrored))}
+          "resting": guarded(lambda: resting_memory(mirrored)),
+          "resting_stage3": guarded(lambda: resting_memory(mirrored, 3))}
 
 
 def worker_main(out_dir: str, train_glob: str):
