@@ -173,7 +173,11 @@ class Zero3Optimizer(sharded_optimizer.ShardedOptimizer):
     size = self.layout.shard_size
     for component, replica in zip(self.master.values, self.replica_ids):
       with tf.device(component.device):
-        component.assign(flat[replica * size:(replica + 1) * size])
+        # A copy: a tensor made from a slice of `flat` (itself a view of
+        # the flattened tensor's buffer) can share that memory, and the
+        # shard would keep the whole flat buffer alive.
+        component.assign(tf.raw_ops.DeepCopy(
+            x=tf.constant(flat[replica * size:(replica + 1) * size])))
     del flat
     for index, variable in enumerate(self.variables):
       self._release(variable, index)
