@@ -70,6 +70,30 @@ STAGE = 3
 _VARIABLE_VALUE = "VARIABLE_VALUE"
 
 
+def _all_gather_shards(context, shard) -> tf.Tensor:
+  """Every replica's `shard` (float32 [S], the same S on all), concatenated
+  in replica order: float32 [N x S]. Replica context.
+
+  `ReplicaContext.all_gather`, with its gradient written here: the
+  all-reduced gradient sliced at `replica_id_in_sync_group x S`. The
+  built-in gradient takes the slice with `tf.gather` at
+  `tf.range(begin, end)`, and a compiled step that differentiates it keeps
+  a shard-sized buffer between calls (measured:
+  `benchmarks/gather_memory.py`).
+  """
+  size = int(shard.shape[0])
+
+  @tf.custom_gradient
+  def gather(value):
+    def gradient(upstream):
+      summed = context.all_reduce(tf.distribute.ReduceOp.SUM, upstream)
+      return tf.slice(summed, [context.replica_id_in_sync_group * size],
+                      [size])
+    return context.all_gather(value, axis=0), gradient
+
+  return gather(shard)
+
+
 def check_model(model: keras.Model) -> None:
   """Refuses a model stage 3 cannot train, before anything is sharded.
 
@@ -149,7 +173,11 @@ class Zero3Optimizer(sharded_optimizer.ShardedOptimizer):
     size = self.layout.shard_size
     for component, replica in zip(self.master.values, self.replica_ids):
       with tf.device(component.device):
-        component.assign(flat[replica * size:(replica + 1) * size])
+        # A copy: a tensor made from a slice of `flat` (itself a view of
+        # the flattened tensor's buffer) can share that memory, and the
+        # shard would keep the whole flat buffer alive.
+        component.assign(tf.raw_ops.DeepCopy(
+            x=tf.constant(flat[replica * size:(replica + 1) * size])))
     del flat
     for index, variable in enumerate(self.variables):
       self._release(variable, index)
@@ -233,7 +261,8 @@ class Zero3Optimizer(sharded_optimizer.ShardedOptimizer):
     """Every trainable weight in its shape, from this replica's `shard`
     [S] and the others' (one all-gather)."""
     context = tf.distribute.get_replica_context()
-    return self.layout.unflatten(context.all_gather(shard, axis=0))
+    return self.layout.unflatten(
+        _all_gather_shards(context, shard))
 
   def replica_forward_backward(self, trainer, inputs, labels, weights=None):
     """`Trainer._replica_forward_backward` on gathered weights.
