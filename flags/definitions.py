@@ -373,9 +373,9 @@ def _define_memory_flags() -> None:
       "ZeRO stage 3 (mirrored, multi_worker_mirrored): --shard_gradients, "
       "and each replica keeps only 1/N of the weights, all-gathered for "
       "each step's forward and backward pass (1.5x the traffic of plain data "
-      "parallelism). Not "
-      "with embedding layers, a model's own train_step, --enable_xla or "
-      "--pipeline_stages.")
+      "parallelism). Embedding tables stay replicated (their optimizer "
+      "state sharded). Not with a model's own train_step, --model=ranking, "
+      "--enable_xla or --pipeline_stages.")
   flags.DEFINE_integer(
       "zero_stage", _default("zero_stage"),
       "DeepSpeed's name for the three switches above: 0 off, 1 "

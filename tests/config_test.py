@@ -65,10 +65,14 @@ class TrainConfigTest(parameterized.TestCase):
       TrainConfig(zero_stage=3, enable_xla=True, **base)
     with self.assertRaisesRegex(errors.ConfigError, "--optimizer=lamb cannot"):
       TrainConfig(shard_parameters=True, optimizer="lamb", **base)
+    # The Transformer's token embedding stays replicated
+    # (tfdist.parallel.zero3.replicated_variables).
+    self.assertEqual(TrainConfig(zero_stage=3, dataset="clothing_reviews",
+                                 **base).model, "transformer")
     with self.assertRaisesRegex(errors.ConfigError,
-                                "--zero_stage=3 cannot shard "
-                                "--model=transformer's embedding"):
-      TrainConfig(zero_stage=3, dataset="clothing_reviews", **base)
+                                "--zero_stage=3 cannot train --model=ranking"
+                                ".*ShardedEmbedding"):
+      TrainConfig(zero_stage=3, model="ranking", **base)
     with self.assertRaisesRegex(errors.ConfigError,
                                 "--distribution_strategy=parameter_server"):
       TrainConfig(zero_stage=3, distribution_strategy="parameter_server",

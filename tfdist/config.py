@@ -875,12 +875,14 @@ class TrainConfig:
           "combined: stage 3 gathers the weights inside its own forward "
           "pass, which tfdist does not compile. Drop --enable_xla, or use "
           "--zero_stage=2.")
-    # The built-in models with embedding tables (tfdist.parallel.zero3
-    # refuses any model's embedding layer once built).
-    _need(stage < 3 or self.model not in ("transformer", "ranking"),
-          f"--zero_stage=3 cannot shard --model={self.model}'s embedding "
-          "table: its gathered gradient is dense and as large as the "
-          "vocabulary on every replica, every step. Use "
+    # Keras embedding layers stay replicated at stage 3
+    # (tfdist.parallel.zero3.replicated_variables); the ranking model's
+    # tables are ShardedEmbedding's plain tf.Variables, which stage 3's
+    # gathered weights cannot stand in for.
+    _need(stage < 3 or self.model != "ranking",
+          "--zero_stage=3 cannot train --model=ranking: its tables "
+          "(ShardedEmbedding) are plain tf.Variables, outside the Keras "
+          "variables stage 3 shards or keeps replicated. Use "
           "--distribution_strategy=parameter_server (it shards tables and "
           "sends only the rows used), or --zero_stage=2.")
 

@@ -354,6 +354,12 @@ def _log_trainer(trainer: Trainer, options: AssemblyOptions, *, plan,
         else "", "its shard of the weights too, all-gathered for each step "
         "(tfdist.parallel.zero3)" if sharding.stage == zero3.STAGE
         else "the updated shards all-gathered")
+    replicated = getattr(trainer.sharded, "replicated_paths", list)()
+    if replicated:
+      logging.info(
+          "ZeRO stage 3 keeps %d embedding table(s) replicated (read in "
+          "place, gradients all-reduced; their optimizer state sharded): "
+          "%s.", len(replicated), ", ".join(replicated))
   if options.enable_xla:
     logging.info(
         "--enable_xla: %s", "TPUs compile every step with XLA already."
