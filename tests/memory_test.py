@@ -1,6 +1,8 @@
 """Tests for tfdist.training.memory: the model-state estimate against the real bytes
 of a model's variables and its optimizer's, and the data-parallel fit."""
 
+import dataclasses
+
 from absl.testing import absltest
 from absl.testing import parameterized
 import keras
@@ -125,6 +127,19 @@ class FitTest(absltest.TestCase):
     self.assertEqual(stage3.gradients_bytes, 1 << 30)
     self.assertEqual(stage3.optimizer_bytes, 2 << 30)
     self.assertEqual(stage3.total_bytes - (1 << 20), (16 << 30) // 4)
+    # Embedding tables stay whole at stage 3, with their gradients: of 1 GiB
+    # of trainable tables, nothing is split.
+    tables = dataclasses.replace(estimate, replicated_bytes=1 << 30)
+    stage3 = memory.sharded_estimate(tables, num_replicas=4, stage=3)
+    self.assertEqual(stage3.parameters_bytes,
+                     (1 << 30) + (3 << 30) // 4 + (1 << 20))
+    self.assertEqual(stage3.gradients_bytes, (1 << 30) + (3 << 30) // 4)
+    rows = {r.layout: r for r in memory.layout_table(
+        tables, num_devices=4, global_batch_size=4, shared_memory=False,
+        activation_bytes_per_example=0, capacity_bytes=1 << 40).rows}
+    self.assertEqual(rows["ZeRO 3"].parameters_bytes,
+                     stage3.parameters_bytes)
+    self.assertEqual(rows["ZeRO 3"].gradients_bytes, stage3.gradients_bytes)
     # Stage 2's per-step gradients stay whole (no reduce-scatter).
     self.assertEqual(
         memory.sharded_estimate(estimate, num_replicas=4, stage=2),

@@ -893,8 +893,11 @@ def model_sizes_of(config) -> ModelSizes:
                                        lr_schedule.ConstantLearningRate(0.1))
     optimizer.build(model.trainable_variables)
     from tfdist.parallel import tensor_parallel  # pylint: disable=g-import-not-at-top
+    from tfdist.parallel import zero3  # pylint: disable=g-import-not-at-top
     return ModelSizes(
-        memory.estimate_model_memory(model, optimizer),
+        memory.estimate_model_memory(
+            model, optimizer,
+            replicated_variables=zero3.replicated_variables(model)),
         memory.activation_bytes_per_example(model),
         tensor_parallel.splittable_weight_bytes(model))
   finally:
