@@ -23,6 +23,7 @@ parameters, an odd count: the last shard is padded):
 * what stage 3 cannot train is refused at start, naming the flag.
 """
 
+import json
 import os
 
 os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
@@ -85,6 +86,11 @@ def _fit(builder=small_cnn, model_dir=None, callbacks=None, x=X,
   return [w.copy() for w in _Built.model.get_weights()], model_dir
 
 
+def _manifest(model_dir) -> dict:
+  with open(os.path.join(model_dir, "run_manifest.json")) as f:
+    return json.load(f)
+
+
 def _max_difference(a, b) -> float:
   return max(float(np.max(np.abs(x - y))) for x, y in zip(a, b))
 
@@ -109,9 +115,21 @@ class _RestWatch(keras.callbacks.Callback):
 
 class EqualToUnshardedTest(absltest.TestCase):
 
-  def _check(self, callbacks=(), **changes):
-    unsharded, _ = _fit(**changes)
-    sharded, _ = _fit(zero_stage=3, callbacks=list(callbacks), **changes)
+  def _check(self, callbacks=(), shard_parameters=False, **changes):
+    unsharded, plain_dir = _fit(**changes)
+    # Stage 3 by its DeepSpeed name or by its switch.
+    stage_3 = (dict(shard_parameters=True) if shard_parameters else
+               dict(zero_stage=3))
+    sharded, sharded_dir = _fit(callbacks=list(callbacks), **stage_3,
+                                **changes)
+    # The manifest's model state per replica is stage 3's: the trainable
+    # weights and their gradients halved over the 2 replicas.
+    plain, staged = (_manifest(d)["memory"]["model"]
+                     for d in (plain_dir, sharded_dir))
+    self.assertLess(staged["gradients_bytes"],
+                    plain["gradients_bytes"] // 2 + 1024)
+    self.assertLess(staged["parameters_bytes"],
+                    plain["parameters_bytes"] * 0.6)
     self.assertEqual([w.shape for w in sharded], [w.shape for w in unsharded])
     self.assertLess(_max_difference(sharded, unsharded), TOLERANCE)
     # The updates were not zero.

@@ -182,6 +182,20 @@ class Backend:
     del choice
     return options
 
+  def model_memory(self, parts, *, num_replicas: int):
+    """The model state one replica holds (`tfdist.training.memory.ModelMemory`,
+    bytes): the run's "Model state per replica" line and manifest.
+
+    Args:
+      parts: the run's `tfdist.training.assembly.Parts` (model, optimizer,
+        trainer).
+      num_replicas: `num_replicas_in_sync`.
+    """
+    del num_replicas
+    from tfdist.training import memory  # pylint: disable=g-import-not-at-top
+    return memory.estimate_model_memory(parts.model, parts.optimizer,
+                                        sharded=parts.trainer.sharded)
+
   # -- Training ----------------------------------------------------------------
 
   def build_inputs(self, run) -> Tuple[Any, Optional[Callable[..., dict]],

@@ -10,10 +10,13 @@ unsharded model.
 `zero_stage_resolved == 3`.
 """
 
+import dataclasses
+
 from tfdist.backends import multi_worker
 from tfdist.backends import single_process
 from tfdist.distribute.strategy_kind import StrategyKind
 from tfdist.parallel import zero3
+from tfdist.training import memory
 
 
 class _GathersForExport:
@@ -23,6 +26,18 @@ class _GathersForExport:
   def export_model(self, run):
     zero3.materialize(run.parts.trainer)
     return super().export_model(run)
+
+  def model_memory(self, parts, *, num_replicas: int):
+    """Weights and gradients as stage 3 holds them (1/N, embedding tables
+    whole: `memory.sharded_estimate`), the optimizer's per-replica shards
+    as stage 1 holds them."""
+    estimate = memory.estimate_model_memory(
+        parts.model, parts.optimizer, sharded=parts.trainer.sharded,
+        replicated_variables=zero3.replicated_variables(parts.model))
+    staged = memory.sharded_estimate(estimate, num_replicas=num_replicas,
+                                     stage=zero3.STAGE)
+    return dataclasses.replace(staged,
+                               optimizer_bytes=estimate.optimizer_bytes)
 
 
 class Zero3MirroredBackend(_GathersForExport,

@@ -431,8 +431,8 @@ class ExperimentRunner:
     if self.config.hptune_metric:
       hptune.check_metric(self.config.hptune_metric, available=[
           "loss", *parts.metric_sums.results({})])
-    self.model_memory = memory.estimate_model_memory(
-        parts.model, parts.optimizer, sharded=parts.trainer.sharded)
+    self.model_memory = self.backend.model_memory(
+        parts, num_replicas=self.strategy.num_replicas_in_sync)
     _log_model_memory(self.model_memory)
     return parts
 
