@@ -229,8 +229,12 @@ class ArtifactsTest(absltest.TestCase):
         "stages": 2, "num_microbatches": 4, "schedule": "1f1b", "cuts": [],
         "batch_norm": "micro-batches"})
     with open(os.path.join(model_dir, "run_manifest.json")) as f:
-      self.assertEqual(json.load(f)["pipeline"]["stages"], 2)
+      written = json.load(f)
+    self.assertEqual(written["pipeline"]["stages"], 2)
     stages = manifest["one_device"]["pipeline_stages"]
+    # The model state per device is the heaviest stage's, not the model's.
+    self.assertEqual(written["memory"]["model"]["parameters_bytes"],
+                     max(s["param_bytes"] for s in stages))
     self.assertEqual([s["device"] for s in stages], DEVICES[:2])
     self.assertEqual(sum(len(s["layers"]) for s in stages), 5)
     # Activations at each stage's peak: its layers' float32 outputs per

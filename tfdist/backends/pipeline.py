@@ -310,6 +310,17 @@ class PipelineBackend(single_process.OneDeviceBackend):
     return dataclasses.replace(options, pipeline=dataclasses.replace(
         options.pipeline, devices=tuple(choice.devices)))
 
+  def model_memory(self, parts, *, num_replicas: int):
+    """The stage that holds the most: its weights, gradients and share of
+    the optimizer's state (a device holds one stage, or P/T of them per
+    task)."""
+    from tfdist.training import memory  # pylint: disable=g-import-not-at-top
+    whole = super().model_memory(parts, num_replicas=num_replicas)
+    step = parts.trainer.pipeline
+    if step is None:
+      return whole
+    return memory.heaviest_stage(whole, step.pipeline.stages)
+
   def build_inputs(self, run):
     """The one-device runner and evaluation; the manifest's strategy
     details list the stages (device, layers, weight bytes, activation

@@ -202,6 +202,33 @@ def sharded_estimate(estimate: ModelMemory, *, num_replicas: int,
       parameters_bytes=estimate.parameters_bytes - split + -(-split // n))
 
 
+def heaviest_stage(estimate: ModelMemory, stages) -> ModelMemory:
+  """The model state of the pipeline stage that holds the most (bytes).
+
+  Args:
+    estimate: the whole model's (`estimate_model_memory`).
+    stages: the `tfdist.parallel.pipeline.Stage`s (their `weights` and
+      `trainable_variables`).
+
+  Returns:
+    A `ModelMemory`: the stage's weights and gradients, and the
+    optimizer's state in proportion to its trainable bytes (slots are per
+    trainable variable).
+  """
+  trainable = max(estimate.gradients_bytes, 1)
+  best = None
+  for stage in stages:
+    grads = _variable_bytes(stage.trainable_variables)
+    one = ModelMemory(
+        parameters_bytes=_variable_bytes(stage.weights),
+        gradients_bytes=grads,
+        optimizer_bytes=-(-estimate.optimizer_bytes * grads // trainable),
+        num_parameters=sum(_elements(v) for v in stage.weights))
+    if best is None or one.total_bytes > best.total_bytes:
+      best = one
+  return best or estimate
+
+
 @dataclasses.dataclass(frozen=True)
 class Fit:
   """Whether a model's state fits a device under data parallelism.
