@@ -2,6 +2,7 @@
 of a model's variables and its optimizer's, and the data-parallel fit."""
 
 import dataclasses
+import math
 
 from absl.testing import absltest
 from absl.testing import parameterized
@@ -256,6 +257,17 @@ class LayoutTableTest(absltest.TestCase):
                                 capacity_bytes=15 * _GIB).recommended.flags,
                      "--distribution_strategy=one_device --pipeline_stages=3"
                      " --num_microbatches=3")
+
+  def test_an_uneven_cut_needs_more_stages(self):
+    # The same 32 GiB, but one layer holds 60% of the weights: 2 and 3
+    # stages leave a stage with 60% (19.2 GiB: too much); the first cut
+    # whose heaviest stage holds 40% (12.8 GiB) takes 4 stages.
+    choice = self.table(_adam_state(8), capacity_bytes=15 * _GIB,
+                        optimizer="lamb",
+                        pipeline_shares={2: 0.6, 3: 0.6, 4: 0.4})
+    row = self.rows(choice)["pipeline"]
+    self.assertEqual(row.devices, 4)
+    self.assertEqual(row.parameters_bytes, math.ceil(8 * _GIB * 0.4))
 
   def test_a_refused_layout_is_shown_but_not_recommended(self):
     choice = self.table(_adam_state(8), capacity_bytes=15 * _GIB,

@@ -59,7 +59,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from absl import app
 from absl import flags
@@ -846,10 +846,32 @@ class ModelSizes:
       their compute dtype (`memory.activation_bytes_per_example`).
     tensor_parallel_bytes: bytes of the weights tensor-parallel layers
       would split (0: none can be split).
+    pipeline_shares: P -> the heaviest of P pipeline stages' share of the
+      weight bytes, from the model's cut (`pipeline.split_model`, balanced
+      by weight bytes); P absent: the model cannot be cut into P.
   """
   estimate: memory.ModelMemory
   activation_bytes_per_example: int = 0
   tensor_parallel_bytes: int = 0
+  pipeline_shares: Optional[Dict[int, float]] = None
+
+
+def _pipeline_shares(model, most: int = 8) -> Dict[int, float]:
+  """P -> the heaviest of P stages' share of `model`'s weight bytes, for
+  P = 2 .. `most` while the model can be cut so (device names only name
+  the stages: nothing is placed)."""
+  from tfdist.parallel import pipeline  # pylint: disable=g-import-not-at-top
+  shares = {}
+  for p in range(2, most + 1):
+    try:
+      stages = pipeline.split_model(
+          model, p, devices=[f"/device:CPU:{i}" for i in range(p)]).stages
+    except (errors.PipelineConfigError, ValueError):
+      break
+    total = sum(s.param_bytes for s in stages)
+    if total:
+      shares[p] = max(s.param_bytes for s in stages) / total
+  return shares
 
 
 def model_memory_of(config) -> memory.ModelMemory:
@@ -899,7 +921,8 @@ def model_sizes_of(config) -> ModelSizes:
             model, optimizer,
             replicated_variables=zero3.replicated_variables(model)),
         memory.activation_bytes_per_example(model),
-        tensor_parallel.splittable_weight_bytes(model))
+        tensor_parallel.splittable_weight_bytes(model),
+        _pipeline_shares(model))
   finally:
     keras.mixed_precision.set_dtype_policy("float32")
 
@@ -1367,7 +1390,8 @@ def layout_choice(sizes: ModelSizes, fitted: "_FittedModel",
       tensor_parallel_bytes=sizes.tensor_parallel_bytes,
       tensor_parallel_flag=tensor_parallel_options.flags_for(facts.model,
                                                              devices),
-      refused=_refused_layouts())
+      refused=_refused_layouts(),
+      pipeline_shares=sizes.pipeline_shares)
 
 
 def _refused_layouts() -> dict:

@@ -515,7 +515,9 @@ def layout_table(estimate: ModelMemory, *, num_devices: int,
                  num_microbatches: int = 0, pipeline_schedule: str = "gpipe",
                  tensor_parallel_bytes: int = 0,
                  tensor_parallel_flag: str = "",
-                 refused: Optional[Dict[str, str]] = None) -> LayoutChoice:
+                 refused: Optional[Dict[str, str]] = None,
+                 pipeline_shares: Optional[Dict[int, float]] = None
+                 ) -> LayoutChoice:
   """Per-device bytes of every layout on `num_devices` devices, side by side.
 
   With S = weights + gradients + optimizer state (`estimate`), T the
@@ -568,6 +570,9 @@ def layout_table(estimate: ModelMemory, *, num_devices: int,
       `tfdist.parallel.tensor_parallel`).
     refused: layouts (`LAYOUTS` names) that this tfdist refuses, with the
       reason: shown, never recommended.
+    pipeline_shares: P -> the share of the weight bytes the heaviest of P
+      stages holds, from the model's real cut (one layer can outweigh the
+      rest: a stage never holds less than its layers); P absent: 1/P.
 
   Returns:
     A `LayoutChoice`.
@@ -628,12 +633,14 @@ def layout_table(estimate: ModelMemory, *, num_devices: int,
     m = num_microbatches or p
     in_flight = m if pipeline_schedule == "gpipe" else min(p, m)
     act = _ceil_div(a * global_batch_size * in_flight, p * m)
+    share = (pipeline_shares or {}).get(p, 1 / p)
     # Pipelines run in one process, without data parallelism.
     return row("pipeline",
                "--distribution_strategy=one_device "
                f"--pipeline_stages={p} --num_microbatches={m}", p,
-               _ceil_div(weights, p), _ceil_div(grads + accumulators, p),
-               _ceil_div(opt, p), act, n > 1, one)
+               math.ceil(weights * share),
+               math.ceil((grads + accumulators) * share),
+               math.ceil(opt * share), act, n > 1, one)
 
   stages = [stage_row(p) for p in range(2, n + 1)]
   rows.append(next((r for r in stages if r.fits), None) or
