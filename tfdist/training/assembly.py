@@ -395,13 +395,16 @@ def build(options: AssemblyOptions, *, task: task_lib.Task,
   """
   sharding = _sharding_for(options, strategy)
   with strategy.scope():
-    model = build_model(options, task=task,
-                        sync_batch_norm=plan.sync_batch_norm)
+    model, deferred = pipeline_step.build_model(
+        lambda: build_model(options, task=task,
+                            sync_batch_norm=plan.sync_batch_norm),
+        options.pipeline)
     # Before the optimizer: its slots follow the stages' variables.
     pipeline = (pipeline_step.build(
         model, options.pipeline,
         micro_step_batch=plan.batch.per_replica_batch_size,
-        gradient_accumulation_steps=plan.batch.gradient_accumulation_steps)
+        gradient_accumulation_steps=plan.batch.gradient_accumulation_steps,
+        deferred=deferred)
                 if options.pipeline is not None else None)
     optimizer, learning_rate = _build_optimizer(
         options, model=model, plan=plan, sharding=sharding)
