@@ -221,10 +221,14 @@ class WhereWeightsAreCreatedTest(absltest.TestCase):
     placed = _stage_devices(_Built.model)
     self.assertEqual(sorted({_index(d) for _, _, d in placed}), [0, 1, 2, 3])
     names = {name for name, _, _ in placed}
-    # Every tf.Variable named as a weight (the optimizer's slots are named
-    # after their layer), once each, already on its stage's device: none
-    # made on device 0 and copied. (Equal training: EqualToUnsplitTest.)
-    self.assertEqual(sorted(c for c in log.created if c[0] in names), placed)
+    # Every tf.Variable named as a weight (`block_1/kernel` or `kernel`;
+    # the optimizer's slots are named after their layer), once each,
+    # already on its stage's device: none made on device 0 and copied.
+    # (Equal training: EqualToUnsplitTest.)
+    self.assertEqual(
+        sorted((name.rsplit("/", 1)[-1], shape, device)
+               for name, shape, device in log.created
+               if name.rsplit("/", 1)[-1] in names), placed)
 
   def test_initial_weights_equal_an_unsplit_builds(self):
     options = pipeline_options.PipelineOptions(

@@ -379,6 +379,8 @@ class DeferredVariables:
     for key, (placeholder, kwargs) in pending.items():
       if key in devices and not bool(placeholder.is_initialized()):
         keras_variable, device = devices[key]
+        # Its name as made (within its layer's name scope, if any).
+        kwargs = dict(kwargs, name=placeholder.name.split(":")[0])
         with tf.init_scope(), tf.device(device):
           keras_variable._value = tf.Variable(**kwargs)  # pylint: disable=protected-access
       elif not bool(placeholder.is_initialized()):
