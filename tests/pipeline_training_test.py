@@ -12,6 +12,11 @@ TensorFlow's runtime starts: run it as its own process), with
   regularizers, and on a model with a dict of inputs and class weights; under bf16 and fp16 it equals the one-device run that
   accumulates over the same micro-batches;
 * its evaluation is the one-device run's;
+* each stage's weights are created once, on the stage's device (a
+  `tf.variable_creator_scope` sees no copy made on device 0 first), with
+  the values of an unsplit build; weights a builder assigns are kept; a
+  builder that runs the model on data is built whole once more (the same
+  seeds and names), with a warning;
 * a pipelined run's checkpoint resumes unsplit, and that one's under
   another P, to the weights of one unsplit run; the SavedModel is the whole
   model and serves its outputs;
