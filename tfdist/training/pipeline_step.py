@@ -130,9 +130,10 @@ def _flag_error(options: pipeline_options.PipelineOptions,
       f"--pipeline_stages={options.num_stages}{cuts}: {error}")
 
 
-def build_model(build: Callable[[], keras.Model],
-                options: Optional[pipeline_options.PipelineOptions]
-                ) -> Tuple[keras.Model, Optional[pipeline_lib.DeferredVariables]]:
+def build_model(
+    build: Callable[[], keras.Model],
+    options: Optional[pipeline_options.PipelineOptions]
+) -> Tuple[keras.Model, Optional[pipeline_lib.DeferredVariables]]:
   """Calls `build` so that, with stages, the model's variables get no
   storage until `build` (below) creates each on its stage's device
   (`tfdist.parallel.pipeline.deferred_variables`).
