@@ -20,17 +20,28 @@ replica holds:
   CPU devices share their initial buffer until written), and
   `step_peak_bytes`, the allocator's peak above the
   model's weights during the measured steps (weights' gradients,
-  activations and the summed gradient included), divided by N.
+  activations and the summed gradient included), divided by N;
+* at rest, after the measured steps: `rest_bytes`, the allocator's bytes
+  above what it held before the model was built, divided by N (weights,
+  optimizer state and, at stage 2, the accumulator shard: TensorFlow holds
+  no gradient between steps), beside `rest_estimate_bytes`,
+  `tfdist.training.memory`'s parameters + optimizer state (+ the
+  accumulator shard, 4 bytes per parameter / N, at stage 2), and
+  `function_bytes`, what the allocator frees when the compiled step
+  function is released (what the function itself keeps between calls),
+  divided by N.
 
 Usage:
   python benchmarks/zero_memory.py --out=benchmarks/results/zero_memory.json
 """
 
 import datetime
+import gc
 import json
 import os
 import subprocess
 import sys
+import time
 
 from absl import app
 from absl import flags
@@ -45,6 +56,7 @@ flags.DEFINE_integer("width", 1024, "Units of each hidden Dense layer.")
 flags.DEFINE_integer("layers", 3, "Hidden Dense layers.")
 flags.DEFINE_integer("steps", 2, "Measured updates per configuration.")
 flags.DEFINE_list("replicas", ["1", "2", "4"], "Logical CPU devices (N).")
+flags.DEFINE_list("stages", ["0", "1", "2"], "ZeRO stages measured.")
 flags.DEFINE_string("out", "", "Write the figures here as JSON.")
 flags.DEFINE_string("child", "", "Internal: run one configuration, "
                     "'N,STAGE'.")
@@ -65,6 +77,10 @@ def _child(replicas: int, stage: int, model_name: str, width: int,
   from tfdist.training.train_loop import Trainer  # pylint: disable=g-import-not-at-top
 
   def current():
+    gc.collect()
+    # Buffers of the collectives' threads are released shortly after a
+    # step returns: a reading straight after varied by a few MiB.
+    time.sleep(0.5)
     return tf.config.experimental.get_memory_info("CPU:0")["current"]
 
   def touch(variables):
@@ -84,6 +100,7 @@ def _child(replicas: int, stage: int, model_name: str, width: int,
   strategy = tf.distribute.MirroredStrategy(
       [f"/cpu:{i}" for i in range(replicas)])
   global_batch = 8 * replicas
+  empty = current()
   with strategy.scope():
     if model_name == "transformer":
       model = transformer.build_transformer(
@@ -140,6 +157,11 @@ def _child(replicas: int, stage: int, model_name: str, width: int,
   for _ in range(steps):
     trainer.train_function(iterator, tf.constant(1))
   peak = tf.config.experimental.get_memory_info("CPU:0")["peak"]
+  at_rest = current()
+  trainer.train_function = None
+  function_bytes = at_rest - current()
+  accumulator = (4 * -(-(unsharded.gradients_bytes // 4) // replicas)
+                 if stage == 2 and k > 1 else 0)
   print(json.dumps({
       "replicas": replicas, "stage": stage,
       "gradient_accumulation_steps": k,
@@ -149,8 +171,25 @@ def _child(replicas: int, stage: int, model_name: str, width: int,
       "built_bytes": built.optimizer_bytes,
       "allocator_bytes": built_allocator // replicas,
       "step_peak_bytes": (peak - resting) // replicas,
+      "rest_bytes": (at_rest - empty) // replicas,
+      "rest_estimate_bytes": (unsharded.parameters_bytes +
+                              estimate.optimizer_bytes + accumulator),
+      "function_bytes": function_bytes // replicas,
+      "sixteen_psi_bytes": estimate.total_bytes,
+      "tensorflow": tf.__version__, "keras": keras.__version__,
       "shard_padding": (trainer.sharded.layout.padding
                         if trainer.sharded else 0)}), flush=True)
+
+
+def _cpu_model() -> str:
+  try:
+    with open("/proc/cpuinfo") as f:
+      for line in f:
+        if line.startswith("model name"):
+          return line.split(":", 1)[1].strip()
+  except OSError:
+    pass
+  return "unknown"
 
 
 def main(argv):
@@ -164,7 +203,7 @@ def main(argv):
   env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
              PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
   for replicas in (int(r) for r in FLAGS.replicas):
-    for stage in (0, 1, 2):
+    for stage in (int(s) for s in FLAGS.stages):
       proc = subprocess.run(
           [sys.executable, os.path.abspath(__file__),
            f"--child={replicas},{stage}", f"--model={FLAGS.model}",
@@ -178,16 +217,22 @@ def main(argv):
       rows.append(json.loads(lines[-1]))
   mib = 1 << 20
   print(f"{'N':>2} {'stage':>5} {'estimate':>10} {'built':>10} "
-        f"{'allocator':>10} {'step peak':>10}  (MiB of optimizer state per "
-        "replica; step peak: above the resting state)")
+        f"{'allocator':>10} {'step peak':>10} {'rest est.':>10} "
+        f"{'rest':>10} {'function':>10}  (MiB per replica: optimizer "
+        "state; step peak above the resting state; the whole state at "
+        "rest, estimated and measured; kept by the step function)")
   for r in rows:
     print(f"{r['replicas']:>2} {r['stage']:>5} "
           f"{r['estimate_bytes'] / mib:>10.2f} {r['built_bytes'] / mib:>10.2f}"
           f" {r['allocator_bytes'] / mib:>10.2f} "
-          f"{r['step_peak_bytes'] / mib:>10.2f}")
+          f"{r['step_peak_bytes'] / mib:>10.2f} "
+          f"{r['rest_estimate_bytes'] / mib:>10.2f} "
+          f"{r['rest_bytes'] / mib:>10.2f} {r['function_bytes'] / mib:>10.2f}")
   result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(
       timespec="seconds"), "load_average": os.getloadavg(),
-            "cores": os.cpu_count(), "model": FLAGS.model,
+            "cores": os.cpu_count(), "cpu_model": _cpu_model(),
+            "tensorflow": rows[0]["tensorflow"], "keras": rows[0]["keras"],
+            "model": FLAGS.model,
             "command": " ".join(["python", "benchmarks/zero_memory.py",
                                  *sys.argv[1:]]),
             "width": FLAGS.width, "layers": FLAGS.layers, "optimizer": "adam", "rows": rows}

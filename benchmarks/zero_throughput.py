@@ -2,8 +2,8 @@
 
 Not a test: it prints figures and writes JSON. It trains the Transformer
 (`--dataset=clothing_reviews`, `--model=transformer`, AdamW) for
-`--steps` steps per run, alternating an unsharded run and a sharded one
-(`--zero_stage`) `--pairs` times, in a fresh process each, for each setup:
+`--steps` steps per run, alternating an unsharded run (or one at
+`--baseline_stage`) and a sharded one (`--zero_stage`) `--pairs` times, in a fresh process each, for each setup:
 
 * `mirrored`: MirroredStrategy on 2 logical CPU devices, one process;
 * `mwms`: two MultiWorkerMirrored workers, each pinned to its own core
@@ -42,7 +42,11 @@ FLAGS = flags.FLAGS
 flags.DEFINE_integer("pairs", 3, "Unsharded/sharded pairs per setup.")
 flags.DEFINE_integer("steps", 80, "Training steps per run.")
 flags.DEFINE_integer("log_steps", 10, "Steps per measured interval.")
-flags.DEFINE_integer("zero_stage", 1, "The sharded runs' ZeRO stage (1, 2).")
+flags.DEFINE_integer("zero_stage", 1,
+                     "The sharded runs' ZeRO stage (1, 2, 3).")
+flags.DEFINE_integer("baseline_stage", 0,
+                     "The other runs' ZeRO stage (0: unsharded; 1: stage 3 "
+                     "against stage 1).")
 flags.DEFINE_list("setups", ["mirrored", "mwms"], "mirrored, mwms.")
 flags.DEFINE_string("data_dir", "", "Converted data sets (default: a "
                     "temporary folder).")
@@ -92,12 +96,13 @@ def main(argv):
             "command": " ".join(["python", "benchmarks/zero_throughput.py",
                                  *sys.argv[1:]]),
             "load_average_at_start": os.getloadavg(),
-            "zero_stage": FLAGS.zero_stage, "steps": FLAGS.steps,
+            "zero_stage": FLAGS.zero_stage,
+            "baseline_stage": FLAGS.baseline_stage, "steps": FLAGS.steps,
             "setups": {}}
   for setup in FLAGS.setups:
     pairs = []
     for _ in range(FLAGS.pairs):
-      unsharded = _run(setup, 0, data_dir)
+      unsharded = _run(setup, FLAGS.baseline_stage, data_dir)
       sharded = _run(setup, FLAGS.zero_stage, data_dir)
       pair = {"unsharded": unsharded, "sharded": sharded,
               "ratio": (sharded["examples_per_second"] /
@@ -106,7 +111,8 @@ def main(argv):
                             unsharded["cpu_seconds_per_step"]),
               "load_average": os.getloadavg()[0]}
       pairs.append(pair)
-      print(f"{setup}: unsharded {unsharded['examples_per_second']:.1f}, "
+      print(f"{setup}: stage {FLAGS.baseline_stage} "
+            f"{unsharded['examples_per_second']:.1f}, "
             f"stage {FLAGS.zero_stage} {sharded['examples_per_second']:.1f} "
             f"examples/s, ratio {pair['ratio']:.3f}; CPU per step "
             f"{unsharded['cpu_seconds_per_step'] * 1e3:.0f} vs "

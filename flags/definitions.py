@@ -373,9 +373,9 @@ def _define_memory_flags() -> None:
       "ZeRO stage 3 (mirrored, multi_worker_mirrored): --shard_gradients, "
       "and each replica keeps only 1/N of the weights, all-gathered for "
       "each step's forward and backward pass (1.5x the traffic of plain data "
-      "parallelism). Not "
-      "with embedding layers, a model's own train_step, --enable_xla or "
-      "--pipeline_stages.")
+      "parallelism). Embedding tables stay replicated (their optimizer "
+      "state sharded). Not with a model's own train_step, --model=ranking, "
+      "--enable_xla or --pipeline_stages.")
   flags.DEFINE_integer(
       "zero_stage", _default("zero_stage"),
       "DeepSpeed's name for the three switches above: 0 off, 1 "
@@ -414,6 +414,18 @@ def define_pipeline_flags() -> List[str]:
       "Layer names, each the first layer of a stage after the first "
       "(P-1 names, in the model's call order), e.g. block_3,block_6. "
       "Default: stages balanced by weight and activation bytes.")
+  flags.DEFINE_integer(
+      "tensor_parallel", _default("tensor_parallel"),
+      "Split the built-in Transformer's attention heads and feed-forward "
+      "units over N replicas of one host (Megatron's tensor-parallel "
+      "layers): each replica keeps 1/N of those weights and their "
+      "optimizer state, and trains on the whole global batch; the update "
+      "equals one device's. 1: off. Only with --model=transformer and "
+      "--distribution_strategy mirrored (or auto) on exactly N devices "
+      "(no data parallelism beside it: TensorFlow has no public sub-group "
+      "collectives); not with --zero_stage, --pipeline_stages, "
+      "--enable_xla, --dtype=fp16 or clipping. Pays on fast device links "
+      "(NVLink), not on CPUs. See docs/guides/tensor-parallelism.md.")
   return []
 
 

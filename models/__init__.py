@@ -5,7 +5,8 @@ Imported as `tfdist.models` (this folder is installed there; see
 Each builder is registered with `tfdist.training.registry.register_model` and
 takes the run's `DatasetSpec` (`spec`) and, by name, only the values it reads:
 the ranking model `embedding_dim` and `hash_buckets`; the text classifier
-(`transformer`) `transformer_layers` (its depth); those with
+(`transformer`) `transformer_layers` (its depth) and `tensor_parallel`
+(built from the tensor-parallel layers, `--tensor_parallel`); those with
 batch normalization also `sync_batch_norm` (the run plan's decision, see
 `resolve_sync_batch_norm`), and those that can recompute their activations
 (`cnn`, `resnet`; `recompute.py`) `activation_recomputation`. Every model
@@ -76,7 +77,8 @@ def _build_ranking(spec, embedding_dim: int = 16,
 
 
 @registry.register_model("transformer")
-def _build_transformer(spec, transformer_layers: int = 2) -> keras.Model:
+def _build_transformer(spec, transformer_layers: int = 2,
+                       tensor_parallel: bool = False) -> keras.Model:
   if not spec.vocabulary_size or len(spec.input_shape) != 1:
     raise errors.ConfigError(
         f"--model=transformer classifies token ids: it needs a text data set "
@@ -86,7 +88,8 @@ def _build_transformer(spec, transformer_layers: int = 2) -> keras.Model:
   return transformer.build_transformer(
       sequence_length=spec.input_shape[0],
       vocabulary_size=spec.vocabulary_size,
-      num_classes=max(1, spec.num_classes), num_layers=transformer_layers)
+      num_classes=max(1, spec.num_classes), num_layers=transformer_layers,
+      tensor_parallel=tensor_parallel)
 
 
 def _is_synchronous(kind: Optional[StrategyKind]) -> bool:

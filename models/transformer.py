@@ -57,10 +57,8 @@ def _encoder_block(x, mask, *, num_heads, ff_dim, dropout, index,
                    tensor_parallel=False):
   dim = x.shape[-1]
   if tensor_parallel:
-    # No dropout of the attention probabilities: the parallel layer has
-    # none (the other dropout layers stay).
     attention = tp.ParallelMultiHeadAttention(
-        num_heads=num_heads, key_dim=dim // num_heads,
+        num_heads=num_heads, key_dim=dim // num_heads, dropout=dropout,
         name=f"block{index}_attention")(x, x, attention_mask=mask)
   else:
     attention = keras.layers.MultiHeadAttention(
@@ -100,13 +98,14 @@ def build_transformer(*, sequence_length: int, vocabulary_size: int,
     num_heads: attention heads per block.
     ff_dim: width of the feed-forward layer of each block.
     num_layers: encoder blocks.
-    dropout: dropout rate after attention and feed-forward layers (and of
-      the attention probabilities, without `tensor_parallel`).
+    dropout: dropout rate after attention and feed-forward layers and of
+      the attention probabilities.
     tensor_parallel: split each block's attention heads and feed-forward
       units over the replicas of the current `tf.distribute.MirroredStrategy`
       (see the module docstring). Build inside `strategy.scope()`, call
       inside `strategy.run` with the same batch on every replica, and train
-      with `tfdist.parallel.tensor_parallel.ReplicaOptimizer`.
+      with `tfdist.parallel.tensor_parallel.ReplicaOptimizer` (or let
+      `tfdist.train --tensor_parallel=N` train it).
 
   Returns:
     An uncompiled `keras.Model` named `transformer`.

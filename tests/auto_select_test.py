@@ -250,6 +250,20 @@ class InventoryTest(absltest.TestCase):
                        "auto: --pipeline_stages=2 runs its stages in one "
                        "process, stage i on GPU i or logical CPU device i")
 
+  def test_tensor_parallel_mirrors_without_probing(self):
+    # On one CPU device (where auto is one_device), --tensor_parallel=2
+    # gets MirroredStrategy: its backend makes the 2 logical CPU devices.
+    # (auto then takes no inventory, which would start TensorFlow's runtime
+    # first; tfdist.train --tensor_parallel=2 alone runs.)
+    decision = auto_select.resolve(
+        auto_select.SelectOptions(tensor_parallel=2, dtype="fp32"),
+        cluster=cluster_lib.resolve_cluster(environ={}),
+        inventory=DeviceInventory())
+    self.assertEqual(decision.strategy, "mirrored")
+    self.assertEqual(decision.strategy_reason,
+                     "auto: --tensor_parallel=2 splits the layers over 2 "
+                     "replicas of one host")
+
   def test_tpu_hint_with_real_failing_probe(self):
     # A TPU hint on a machine without TPU: the real probe (TensorFlow's
     # local TPU initialization) fails fast and auto falls back, saying why.

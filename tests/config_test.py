@@ -11,9 +11,14 @@ from tfdist import config
 from tfdist import errors
 from tfdist.config import TrainConfig
 from tfdist.distribute import environment
+from tfdist.parallel import tensor_parallel_options
 
 # Also run on the oldest supported TensorFlow (see tests/conftest.py).
 pytestmark = pytest.mark.compat
+
+
+# The built-in Transformer on its text data set (what --tensor_parallel splits).
+_TRANSFORMER = dict(model="transformer", dataset="clothing_reviews")
 
 
 class TrainConfigTest(parameterized.TestCase):
@@ -60,10 +65,14 @@ class TrainConfigTest(parameterized.TestCase):
       TrainConfig(zero_stage=3, enable_xla=True, **base)
     with self.assertRaisesRegex(errors.ConfigError, "--optimizer=lamb cannot"):
       TrainConfig(shard_parameters=True, optimizer="lamb", **base)
+    # The Transformer's token embedding stays replicated
+    # (tfdist.parallel.zero3.replicated_variables).
+    self.assertEqual(TrainConfig(zero_stage=3, dataset="clothing_reviews",
+                                 **base).model, "transformer")
     with self.assertRaisesRegex(errors.ConfigError,
-                                "--zero_stage=3 cannot shard "
-                                "--model=transformer's embedding"):
-      TrainConfig(zero_stage=3, dataset="clothing_reviews", **base)
+                                "--zero_stage=3 cannot train --model=ranking"
+                                ".*ShardedEmbedding"):
+      TrainConfig(zero_stage=3, model="ranking", **base)
     with self.assertRaisesRegex(errors.ConfigError,
                                 "--distribution_strategy=parameter_server"):
       TrainConfig(zero_stage=3, distribution_strategy="parameter_server",
@@ -182,12 +191,50 @@ class TrainConfigTest(parameterized.TestCase):
        "--pipeline_stages=2 and --zero_stage=1 .* cannot be combined"),
       ("pipeline_xla", dict(pipeline_stages=2, enable_xla=True),
        "--enable_xla cannot compile a pipelined step"),
+      ("tensor_parallel", dict(tensor_parallel=0),
+       "--tensor_parallel=0 must be a positive integer"),
+      ("tensor_parallel_model", dict(tensor_parallel=2, model="cnn"),
+       "--tensor_parallel=2 splits the built-in Transformer.*--model=cnn "
+       "has no tensor-parallel layers"),
+      ("tensor_parallel_uneven", dict(_TRANSFORMER, tensor_parallel=3,
+                                      num_cpu_devices=3),
+       "--tensor_parallel=3 cannot split the built-in Transformer evenly: "
+       "each rank takes an equal share of its 4 attention heads, 128 "
+       "feed-forward units. Use --tensor_parallel=2 or 4."),
+      ("tensor_parallel_multi_worker", dict(
+          _TRANSFORMER, tensor_parallel=2,
+          distribution_strategy="multi_worker_mirrored"),
+       "--tensor_parallel=2 runs under --distribution_strategy=mirrored on "
+       "one host.*sub-groups"),
+      ("tensor_parallel_data_parallel", dict(
+          _TRANSFORMER, tensor_parallel=2, num_cpu_devices=4),
+       "--tensor_parallel=2 with --num_cpu_devices=4.* would add data "
+       "parallelism.*Pass --num_cpu_devices=2"),
+      ("tensor_parallel_zero", dict(_TRANSFORMER, tensor_parallel=2,
+                                    zero_stage=1,
+                                    distribution_strategy="mirrored"),
+       "--tensor_parallel=2 cannot run with --zero_stage=1"),
+      ("tensor_parallel_pipeline", dict(_TRANSFORMER, tensor_parallel=2,
+                                        pipeline_stages=2),
+       "--tensor_parallel=2 cannot run with --pipeline_stages=2"),
+      ("tensor_parallel_fp16", dict(_TRANSFORMER, tensor_parallel=2,
+                                    dtype="fp16"),
+       "--tensor_parallel=2 cannot run with --dtype=fp16"),
+      ("tensor_parallel_clipnorm", dict(_TRANSFORMER, tensor_parallel=2,
+                                        global_clipnorm=1.0),
+       "--tensor_parallel=2 cannot run with --global_clipnorm=1.0"),
   )
   def test_errors(self, changes, message):
     kwargs = dict(model_dir="/m", train_steps=10)
     kwargs.update(changes)
     with self.assertRaisesRegex(errors.ConfigError, message):
       TrainConfig(**kwargs)
+
+  def test_tensor_parallel_is_offered_only_where_it_divides(self):
+    self.assertEqual(
+        [n for n in range(1, 6)
+         if tensor_parallel_options.flags_for("transformer", n)], [2, 4])
+    self.assertEqual(tensor_parallel_options.flags_for("cnn", 2), "")
 
   def test_pipeline_fields(self):
     config = TrainConfig(model_dir="/m", train_steps=1, pipeline_stages=3,

@@ -141,13 +141,14 @@ class ResumedPipelineTest(parameterized.TestCase):
     same, _ = keeper(directory, two_workers)
     self.assertEqual(same.restore(), path)
     self.assertEqual(same.input_position.resume_step(6), 6)
-    # Three workers now: the position is discarded, epoch 1 starts over.
+    # Three workers now: the position is discarded, the second epoch (epoch
+    # 2, counted from 1) starts over.
     changed, _ = keeper(directory, dict(two_workers, num_input_pipelines=3))
     changed.restore()
     with self.assertLogs(level="WARNING") as logs:
       self.assertEqual(changed.input_position.resume_step(6), 4)
     self.assertIn("input position discarded: the worker count (input "
-                  "pipelines) changed from 2 to 3. The input starts epoch 1 "
+                  "pipelines) changed from 2 to 3. The input starts epoch 2 "
                   "over", "\n".join(logs.output))
     # --nocheckpoint_input_position restores it; a checkpoint without a
     # position (written so, or before positions existed) restores too.
@@ -247,7 +248,7 @@ class ResumedRunsTest(absltest.TestCase):
     lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
     self.assertEqual(proc.returncode, 0, proc.stdout[-4000:])
     results = json.loads(lines[-1])
-    self.assertIn("input position restored: step 3 continues epoch 0",
+    self.assertIn("input position restored: step 3 continues epoch 1",
                   proc.stdout)
     # Mirrored: 2 replicas x 2 micro-batches per step.
     for label, batches_per_step, micro_steps in (("one_device", 1, 5),

@@ -54,7 +54,7 @@ class ResumedRunsTest(absltest.TestCase):
       self.assertEqual(status, 0, output[-4000:])
       ids[run] = {task: os.path.join(out, f"ids-{run}.{task}")
                   for task in ("chief-0", "worker-0")}
-    self.assertIn("input position restored: step 3 continues epoch 0",
+    self.assertIn("input position restored: step 3 continues epoch 1",
                   output)
     self.assertIn("after 48 of this worker's 80 examples", output)
     ids_lib.compare_runs(self, ids["a"], ids["b"],

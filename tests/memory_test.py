@@ -1,12 +1,15 @@
 """Tests for tfdist.training.memory: the model-state estimate against the real bytes
 of a model's variables and its optimizer's, and the data-parallel fit."""
 
+import dataclasses
+
 from absl.testing import absltest
 from absl.testing import parameterized
 import keras
 import numpy as np
 import pytest
 
+from tfdist.parallel import tensor_parallel_options
 from tfdist.training import memory
 from tfdist.training import precision
 
@@ -124,6 +127,19 @@ class FitTest(absltest.TestCase):
     self.assertEqual(stage3.gradients_bytes, 1 << 30)
     self.assertEqual(stage3.optimizer_bytes, 2 << 30)
     self.assertEqual(stage3.total_bytes - (1 << 20), (16 << 30) // 4)
+    # Embedding tables stay whole at stage 3, with their gradients: of 1 GiB
+    # of trainable tables, nothing is split.
+    tables = dataclasses.replace(estimate, replicated_bytes=1 << 30)
+    stage3 = memory.sharded_estimate(tables, num_replicas=4, stage=3)
+    self.assertEqual(stage3.parameters_bytes,
+                     (1 << 30) + (3 << 30) // 4 + (1 << 20))
+    self.assertEqual(stage3.gradients_bytes, (1 << 30) + (3 << 30) // 4)
+    rows = {r.layout: r for r in memory.layout_table(
+        tables, num_devices=4, global_batch_size=4, shared_memory=False,
+        activation_bytes_per_example=0, capacity_bytes=1 << 40).rows}
+    self.assertEqual(rows["ZeRO 3"].parameters_bytes,
+                     stage3.parameters_bytes)
+    self.assertEqual(rows["ZeRO 3"].gradients_bytes, stage3.gradients_bytes)
     # Stage 2's per-step gradients stay whole (no reduce-scatter).
     self.assertEqual(
         memory.sharded_estimate(estimate, num_replicas=4, stage=2),
@@ -280,10 +296,26 @@ class LayoutTableTest(absltest.TestCase):
       self.assertFalse(rows[name].available, name)
     self.assertIsNone(choice.recommended)
     rows = self.rows(self.table(_adam_state(1), tensor_parallel_bytes=_GIB))
-    self.assertIn("no tfdist.train flag", rows["tensor parallel"].note)
+    self.assertIn("--tensor_parallel splits only --model=transformer",
+                  rows["tensor parallel"].note)
     rows = self.rows(self.table(_adam_state(1)))
     self.assertIn("no layer of this model can be split",
                   rows["tensor parallel"].note)
+
+  def test_tensor_parallel_is_recommended_with_its_flags(self):
+    # The built-in Transformer's row names --tensor_parallel; with the
+    # layouts before it refused, it is the one recommended.
+    flags = tensor_parallel_options.flags_for("transformer", 4)
+    self.assertEqual(flags,
+                     "--distribution_strategy=mirrored --tensor_parallel=4")
+    self.assertEqual(tensor_parallel_options.flags_for("cnn", 4), "")
+    self.assertEqual(tensor_parallel_options.flags_for("transformer", 1), "")
+    refused = {name: "refused here" for name in memory.LAYOUTS[:-1]}
+    choice = self.table(_adam_state(2), tensor_parallel_bytes=_GIB,
+                        tensor_parallel_flag=flags, refused=refused)
+    self.assertEqual(choice.recommended.layout, "tensor parallel")
+    self.assertIn(f"Recommended layout: tensor parallel ({flags})",
+                  choice.render())
 
   def test_bad_arguments_are_refused(self):
     with self.assertRaisesRegex(ValueError, "num_devices=0"):

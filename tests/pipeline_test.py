@@ -191,6 +191,36 @@ class EqualToUnsplitTest(parameterized.TestCase):
     losses = [float(step(X[i], Y[i])) for i in range(STEPS)]
     self.assert_same_run(reference(sequential_model, "adam"), model, losses)
 
+  @parameterized.named_parameters(("gpipe", "gpipe"), ("1f1b", "1f1b"))
+  def test_embedding_gradients_sum_over_microbatches(self, schedule):
+    # An Embedding's gradient is an IndexedSlices per micro-batch; summing
+    # them with `+` failed (the built-in Transformer in stages).
+    tokens = _RNG.integers(0, 20, size=(STEPS, BATCH, 6)).astype("int32")
+
+    def embedding_model():
+      keras.utils.set_random_seed(3)
+      x = keras.Input((6,), dtype="int32", name="tokens")
+      h = keras.layers.Embedding(20, 8, name="embed")(x)
+      h = keras.layers.GlobalAveragePooling1D(name="pool")(h)
+      h = keras.layers.Dense(16, activation="tanh", name="hidden")(h)
+      return keras.Model(x, keras.layers.Dense(3, name="out")(h))
+
+    want_model, want_opt, loss_fn = (embedding_model(),
+                                     OPTIMIZERS["adam"](), _loss_fn())
+    want_losses = []
+    for i in range(STEPS):
+      with tf.GradientTape() as tape:
+        loss = loss_fn(Y[i], want_model(tokens[i], training=True))
+      grads = tape.gradient(loss, want_model.trainable_variables)
+      want_opt.apply_gradients(zip(grads, want_model.trainable_variables))
+      want_losses.append(float(loss))
+    model = embedding_model()
+    _, step = pipelined(model, OPTIMIZERS["adam"](), 4, schedule,
+                        cuts=["hidden"])
+    losses = [float(step(tokens[i], Y[i])) for i in range(STEPS)]
+    self.assert_same_run(([w.numpy() for w in want_model.weights],
+                          want_losses), model, losses)
+
   def test_forward_equals_the_model(self):
     model = skip_model()
     pipe = pipeline.split_model(model, 4)

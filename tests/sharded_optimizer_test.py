@@ -19,6 +19,11 @@ unsharded training, and their checkpoints do not care.
   unsharded under MultiWorkerMirrored (where the save gathers the shards
   across workers), and the weights at the end equal an uninterrupted
   run's; the sharded checkpoints have the unsharded one's keys and shapes.
+* The compiled stage-1 and stage-3 steps keep no shard-sized buffer
+  between steps
+  (TensorFlow's allocator at rest, with the step function and without);
+  per-variable statistics over a shard are the same by static slices and
+  by segment ids.
 * `python -m tfdist.train --zero_stage=2` trains, exports, and an unsharded
   run resumes from its checkpoint; bad flag combinations fail at start.
 
@@ -61,6 +66,56 @@ class MirroredShardedTest(cases_lib.CaseChecks, absltest.TestCase):
 
   def test_checkpoints_move_between_sharded_and_unsharded(self):
     self.check_checkpoint(self.result, [2, 2, 1, 2])
+
+  def test_step_keeps_no_shard_sized_buffer_between_steps(self):
+    # Stages 1-3: per-variable statistics once used int32 segment ids [S]
+    # built from the replica's constant index, which Grappler folded into
+    # a constant the compiled step kept (4-8 bytes per shard element per
+    # replica). Stage 3: all_gather's built-in gradient (tf.gather at
+    # tf.range(begin, end)) kept about 6 more.
+    for key in ("resting", "resting_stage3"):
+      resting = testutil.child_cases(os.path.abspath(__file__),
+                                     _CHILD_ENV, timeout=900)[key]
+      with self.subTest(key):
+        self.assertNotIn("error", resting, resting.get("error"))
+        self.assertLess(resting["function_bytes"],
+                        4 * resting["shard_size"] / 2, resting)
+
+
+class PerVariableTest(absltest.TestCase):
+
+  def test_static_pieces_equal_segment_ids(self):
+    # A constant replica index takes static slices, one unknown at trace
+    # time segment ids: the same sums and scaling, padding included.
+    import numpy as np  # pylint: disable=g-import-not-at-top
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+    from tfdist.training import sharded_optimizer  # pylint: disable=g-import-not-at-top
+    layout = sharded_optimizer.FlatLayout([[2, 3], [2], [4]], num_shards=3)
+    self.assertEqual((layout.shard_size, layout.padding), (4, 0))
+    layout = sharded_optimizer.FlatLayout([[2, 3], [2], [3]], num_shards=3)
+    self.assertEqual((layout.shard_size, layout.padding), (4, 1))
+    shard = tf.constant([1.0, -2.0, 3.0, 0.5])
+    factors = tf.constant([0.5, 2.0, 3.0])
+
+    @tf.function(input_signature=[tf.TensorSpec([], tf.int32)])
+    def traced(replica):
+      per_variable = sharded_optimizer._PerVariable(layout, replica)  # pylint: disable=protected-access
+      self.assertIsNone(per_variable.pieces)
+      return (per_variable.sums_of_squares(shard),
+              per_variable.scale(shard, factors))
+
+    for replica in range(3):
+      per_variable = sharded_optimizer._PerVariable(  # pylint: disable=protected-access
+          layout, tf.constant(replica))
+      self.assertIsNotNone(per_variable.pieces)
+      want_sums, want_scaled = traced(tf.constant(replica))
+      np.testing.assert_allclose(per_variable.sums_of_squares(shard),
+                                 want_sums, rtol=1e-6)
+      np.testing.assert_allclose(per_variable.scale(shard, factors),
+                                 want_scaled, rtol=1e-6)
+    # The last shard: variable 2's 3 elements, then padding.
+    np.testing.assert_allclose(want_sums, [0.0, 0.0, 1.0 + 4.0 + 9.0])
+    np.testing.assert_allclose(want_scaled, [3.0, -6.0, 9.0, 0.5])
 
 
 class CommandLineTest(absltest.TestCase):

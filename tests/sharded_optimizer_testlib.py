@@ -257,7 +257,56 @@ def guarded(fn):
     return {"error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"}
 
 
+def resting_memory(strategy, stage: int = 1) -> dict:
+  """What the compiled step of ZeRO `stage` keeps between calls: the allocator's
+  bytes at rest with the step function alive, less without it (one
+  allocator serves all logical CPU devices). A model of 529,930
+  parameters, so that each replica's shard (1 MiB of int32 per replica at
+  N = 2) is under Grappler's 10 MiB constant-folding limit."""
+  import gc  # pylint: disable=g-import-not-at-top
+  import time  # pylint: disable=g-import-not-at-top
+  import keras  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  from tfdist.parallel import zero3  # pylint: disable=g-import-not-at-top,unused-import
+  from tfdist.training import sharded_optimizer  # pylint: disable=g-import-not-at-top
+  from tfdist.training.train_loop import Trainer  # pylint: disable=g-import-not-at-top
+
+  def at_rest():
+    gc.collect()
+    # The collectives' threads release their buffers shortly after a step
+    # returns.
+    time.sleep(0.5)
+    return tf.config.experimental.get_memory_info("CPU:0")["current"]
+
+  with strategy.scope():
+    model = keras.Sequential([keras.Input((1024,)),
+                              keras.layers.Dense(512, activation="relu"),
+                              keras.layers.Dense(10)])
+    optimizer = keras.optimizers.Adam(1e-3)
+    optimizer.build([])
+  trainer = Trainer(strategy=strategy, model=model, optimizer=optimizer,
+                    global_batch_size=GLOBAL_BATCH, time_steps=False,
+                    sharding=sharded_optimizer.ShardingOptions(stage=stage))
+  rng = np.random.default_rng(0)
+  data = tf.data.Dataset.from_tensor_slices(
+      (rng.normal(size=(3 * GLOBAL_BATCH, 1024)).astype(np.float32),
+       rng.integers(0, 10, size=3 * GLOBAL_BATCH))).batch(GLOBAL_BATCH)
+  batches = iter(strategy.experimental_distribute_dataset(data))
+  for _ in range(2):
+    trainer.train_function(batches, tf.constant(1, tf.int32))
+  with_function = at_rest()
+  trainer.train_function = None
+  return {"function_bytes": with_function - at_rest(),
+          "shard_size": trainer.sharded.layout.shard_size}
+
+
 def mirrored_child(train_glob: str) -> dict:
+  # With oneDNN off (`testutil.child_cases`), TensorFlow's default CPU
+  # allocator keeps no statistics ("Allocator stats not available for
+  # device 'CPU:0'"); its BFC allocator does (`resting_memory`). Read when
+  # TensorFlow first allocates.
+  os.environ["TF_CPU_ALLOCATOR_USE_BFC"] = "true"
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   cpu = tf.config.list_physical_devices("CPU")[0]
   tf.config.set_logical_device_configuration(
@@ -268,7 +317,9 @@ def mirrored_child(train_glob: str) -> dict:
   return {"mirrored": guarded(lambda: run_cases(
       mirrored, train_glob, MIRRORED_CASES, scratch=testutil.scratch_dir(),
       fp16_stages=(1, 2, 3), chain_stages=(0, 1, 2, 0),
-      single_replica=single))}
+      single_replica=single)),
+          "resting": guarded(lambda: resting_memory(mirrored)),
+          "resting_stage3": guarded(lambda: resting_memory(mirrored, 3))}
 
 
 def worker_main(out_dir: str, train_glob: str):

@@ -14,6 +14,10 @@ noise of about 1e-9, which Adam divides by its epsilon (1e-7) into updates
 near 1e-4 that differ between any two orders of summation; in float64 the
 noise is 1e-18. A second child runs the example of
 docs/guides/tensor-parallelism.md (block docs-example).
+
+`TrainerTest` runs tfdist's trainer with `--tensor_parallel=2` (a
+`TrainConfig`, as `tfdist.train` makes it) against one device, in two more
+children (`_trainer_child`).
 """
 
 import json
@@ -304,6 +308,126 @@ def _child(n: int) -> dict:
   return results
 
 
+def _trainer_child(root: str, resume: bool = False) -> dict:
+  """`--tensor_parallel=2` in tfdist's trainer against one device, in this
+  (fresh) process split into 2 logical CPU devices, in folders under
+  `root`: K = 3 steps of the built-in Transformer on a subset of the
+  clothing reviews (dropout 0.1 on, SGD with momentum 0.9, float32: Adam's
+  float32 noise, see the module docstring), each run's checkpoint read
+  back, and the tensor-parallel run resumed unsharded for one more step.
+  `resume`: only the one-device run resumed with `--tensor_parallel=2`
+  (a second MirroredStrategy in one process would reuse the first one's
+  collective keys), and the two resumed checkpoints compared."""
+  # pylint: disable=g-import-not-at-top
+  import keras
+  import numpy as np
+  import tensorflow as tf
+  from tfdist import experiment
+  from tfdist.config import TrainConfig
+  from tfdist.data import clothing_reviews
+  from tfdist.distribute import devices
+  from tfdist.distribute import environment as environment_lib
+  from tfdist.parallel import tensor_parallel as tp
+  # pylint: enable=g-import-not-at-top
+  devices.configure_cpu_devices(2)
+  data = os.path.join(root, "clothing_reviews")
+  if not resume:
+    clothing_reviews.convert_clothing_reviews(data, limit=200,
+                                              train_shards=1, test_shards=1)
+  layouts = {"tensor_parallel": dict(tensor_parallel=2, num_cpu_devices=2,
+                                     distribution_strategy="mirrored"),
+             "one_device": dict(distribution_strategy="one_device")}
+
+  class Replicas(keras.callbacks.Callback):
+    """At the end, what each replica holds of the trained model's weights
+    and the optimizer's slots."""
+    found = {}
+
+    def on_train_end(self, logs=None):
+      def parts(variable):
+        return [np.asarray(c.numpy()) for c in tp._components(variable)]  # pylint: disable=protected-access
+
+      sharded = {v.path for v in self.model.weights
+                 if getattr(v, tp._SHARD_AXIS, None) is not None}  # pylint: disable=protected-access
+      spread, distinct = 0.0, []
+      for v in self.model.weights:
+        a, b = parts(v)
+        if v.path in sharded:
+          distinct.append(bool(np.any(a != b)))
+        else:
+          spread = max(spread, float(np.max(np.abs(a - b))))
+      # SGD's momentum of each trainable weight, in their order.
+      slots = [(v, m) for v, m in zip(self.model.trainable_variables,
+                                      self.model.optimizer.momentums)
+               if v.path in sharded]
+      Replicas.found.update(
+          replicated_spread=spread, shards=len(distinct),
+          shards_distinct=all(distinct), shard_slots=len(slots),
+          shard_slots_shard_shaped=all(m.shape == v.shape
+                                       for v, m in slots),
+          shard_slots_distinct=sum(bool(np.any(a != b)) for a, b in
+                                   (parts(m) for _, m in slots)))
+
+  def run(folder, steps, layout, callbacks=()):
+    config = TrainConfig(
+        model_dir=os.path.join(root, folder), model="transformer",
+        dataset="clothing_reviews",
+        train_files=os.path.join(data, "train-*.tfrecord.gz"),
+        eval_files=os.path.join(data, "test-*.tfrecord.gz"),
+        train_steps=steps, batch_size=8, deterministic=True, seed=3,
+        optimizer="sgd", base_learning_rate=0.01, lr_scaling="none",
+        log_steps=steps, **layouts[layout])
+    return experiment.run_experiment(
+        config, environment=environment_lib.read_environment({}),
+        callbacks=list(callbacks))
+
+  def served(folder):
+    """The SavedModel's serving outputs for two reviews."""
+    serve = tf.saved_model.load(os.path.join(
+        root, folder, "saved_model")).signatures["serving_default"]
+    (name, spec), = serve.structured_input_signature[1].items()
+    if spec.dtype == tf.string:
+      request = tf.constant(["a lovely dress", "too small, sent it back"])
+    else:
+      request = tf.constant([[2, 3, 4] + [0] * (spec.shape[1] - 3)] * 2,
+                            spec.dtype)
+    return np.concatenate([np.ravel(v.numpy())
+                           for v in serve(**{name: request}).values()])
+
+  def saved(folder):
+    reader = tf.train.load_checkpoint(tf.train.latest_checkpoint(
+        os.path.join(root, folder, "checkpoints")))
+    return {k: reader.get_tensor(k) for k in reader.get_variable_to_shape_map()
+            if k.endswith("VARIABLE_VALUE")}
+
+  def compare(a, b):
+    floats = [k for k in a if k in b and a[k].dtype.kind == "f"]
+    return {"same_keys": sorted(a) == sorted(b),
+            "same_shapes": all(a[k].shape == b[k].shape for k in floats),
+            "max_diff": max(float(np.max(np.abs(a[k] - b[k])))
+                            for k in floats)}
+
+  if resume:
+    run("one_device", 4, "tensor_parallel")
+    return {"after_resume": compare(saved("tensor_parallel"),
+                                    saved("one_device"))}
+  results = {}
+  runs = {layout: run(layout, 3, layout,
+                      [Replicas()] if layout == "tensor_parallel" else [])
+          for layout in layouts}
+  results["replicas_hold"] = Replicas.found
+  results["losses"] = {k: r["final_metrics"]["train_loss"]
+                       for k, r in runs.items()}
+  results["evaluations"] = {k: r["final_metrics"]["eval_loss"]
+                            for k, r in runs.items()}
+  results["replicas"] = runs["tensor_parallel"]["num_replicas_in_sync"]
+  results["after_3"] = compare(saved("tensor_parallel"), saved("one_device"))
+  results["export_outputs_diff"] = float(np.max(np.abs(
+      served("tensor_parallel") - served("one_device"))))
+  run("tensor_parallel", 4, "one_device")  # Resumed unsharded.
+  return results
+
+
 def _run_child(code: str) -> subprocess.CompletedProcess:
   return subprocess.run(
       [sys.executable, "-c", code], cwd=testutil.REPO_ROOT,
@@ -429,6 +553,61 @@ class TensorParallelTest(absltest.TestCase):
     self.assertLen(losses, 5, proc.stdout)
     self.assertLess(losses[-1], losses[0], proc.stdout)
     self.assertIn("unsharded kernel (8, 32)", proc.stdout)
+
+
+class TrainerTest(absltest.TestCase):
+  """`tfdist.train --model=transformer --tensor_parallel=2` (the same
+  `TrainConfig`, run in a child process of 2 logical CPU devices)."""
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    root = testutil.scratch_dir()
+    cls.results = {}
+    for resume in (False, True):
+      proc = _run_child(
+          "import json; from tests import tensor_parallel_test as t; "
+          f"print(json.dumps(t._trainer_child({root!r}, {resume})))")
+      if proc.returncode:
+        raise AssertionError(
+            f"trainer child failed:\n{proc.stderr[-4000:]}")
+      cls.results.update(json.loads(proc.stdout.strip().splitlines()[-1]))
+
+  def test_three_steps_equal_one_device(self):
+    results = self.results
+    self.assertEqual(results["replicas"], 2)
+    # Loss counted once, the same dropout masks: one device's loss.
+    self.assertAlmostEqual(results["losses"]["tensor_parallel"],
+                           results["losses"]["one_device"], places=5)
+    self.assertAlmostEqual(results["evaluations"]["tensor_parallel"],
+                           results["evaluations"]["one_device"], places=5)
+    # The checkpoint holds the gathered view: the unsharded run's keys and
+    # shapes (momentum slots included) and its values.
+    self.assertEqual(results["after_3"]["same_keys"], True, results)
+    self.assertEqual(results["after_3"]["same_shapes"], True, results)
+    self.assertLess(results["after_3"]["max_diff"], _TOLERANCE, results)
+    # The SavedModel is the unsharded Transformer: the same outputs.
+    self.assertLess(results["export_outputs_diff"], _TOLERANCE, results)
+
+  def test_replicas_hold_shards_and_equal_copies(self):
+    held = self.results["replicas_hold"]
+    # No gradient all-reduce: the replicated weights' copies stay equal
+    # (the same whole gradient on every replica) ...
+    self.assertEqual(held["replicated_spread"], 0.0, held)
+    # ... each replica trains its own shards (2 blocks x 10 split weights)
+    # and keeps the momentum of its shards only, shard-sized.
+    self.assertEqual(held["shards"], 20, held)
+    self.assertTrue(held["shards_distinct"], held)
+    self.assertEqual(held["shard_slots"], 20, held)
+    self.assertTrue(held["shard_slots_shard_shaped"], held)
+    self.assertEqual(held["shard_slots_distinct"], 20, held)
+
+  def test_checkpoints_resume_in_the_other_layout(self):
+    # The tensor-parallel checkpoint resumed unsharded, the unsharded one
+    # with --tensor_parallel=2: one more step each, the same state.
+    result = self.results["after_resume"]
+    self.assertEqual(result["same_keys"], True, result)
+    self.assertLess(result["max_diff"], _TOLERANCE, result)
 
 
 if __name__ == "__main__":

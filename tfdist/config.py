@@ -22,6 +22,7 @@ from typing import Optional, Tuple
 from tfdist.distribute.strategy_kind import StrategyKind
 from tfdist import errors
 from tfdist.parallel import pipeline_options
+from tfdist.parallel import tensor_parallel_options
 from tfdist.training import decay_schedules
 from tfdist.training import optimizers
 from tfdist.training import reduce_dtype
@@ -435,6 +436,9 @@ class TrainConfig:
   num_microbatches: Optional[int] = None
   pipeline_schedule: str = "gpipe"
   pipeline_cuts: Tuple[str, ...] = ()
+  # --- Tensor parallelism (tfdist/parallel/tensor_parallel_options.py) ---
+  # N replicas of one host split the Transformer's heads and units (1: off).
+  tensor_parallel: int = 1
   # --- Resuming mid-epoch ---
   # Checkpoints record the input order, and a resumed run continues its
   # epoch where it stopped (each worker recomputes its position from the
@@ -586,6 +590,7 @@ class TrainConfig:
                      self._validate_async_precision,
                      self._validate_vertex_ai, self._validate_clipping,
                      self._validate_sharding, self._validate_pipeline,
+                     self._validate_tensor_parallel,
                      self._validate_step_guards,
                      self._validate_reliability, self._validate_loss_scale):
       validate()
@@ -870,12 +875,14 @@ class TrainConfig:
           "combined: stage 3 gathers the weights inside its own forward "
           "pass, which tfdist does not compile. Drop --enable_xla, or use "
           "--zero_stage=2.")
-    # The built-in models with embedding tables (tfdist.parallel.zero3
-    # refuses any model's embedding layer once built).
-    _need(stage < 3 or self.model not in ("transformer", "ranking"),
-          f"--zero_stage=3 cannot shard --model={self.model}'s embedding "
-          "table: its gathered gradient is dense and as large as the "
-          "vocabulary on every replica, every step. Use "
+    # Keras embedding layers stay replicated at stage 3
+    # (tfdist.parallel.zero3.replicated_variables); the ranking model's
+    # tables are ShardedEmbedding's plain tf.Variables, which stage 3's
+    # gathered weights cannot stand in for.
+    _need(stage < 3 or self.model != "ranking",
+          "--zero_stage=3 cannot train --model=ranking: its tables "
+          "(ShardedEmbedding) are plain tf.Variables, outside the Keras "
+          "variables stage 3 shards or keeps replicated. Use "
           "--distribution_strategy=parameter_server (it shards tables and "
           "sends only the rows used), or --zero_stage=2.")
 
@@ -889,6 +896,18 @@ class TrainConfig:
         pipeline_cuts=self.pipeline_cuts,
         distribution_strategy=self.distribution_strategy,
         zero_stage=self.zero_stage_resolved, enable_xla=self.enable_xla)
+
+  def _validate_tensor_parallel(self):
+    """`--tensor_parallel` (`tensor_parallel_options.check_flags`)."""
+    tensor_parallel_options.check_flags(
+        tensor_parallel=self.tensor_parallel, model=self.model,
+        distribution_strategy=self.distribution_strategy,
+        zero_stage=self.zero_stage_resolved,
+        pipeline_stages=self.pipeline_stages, enable_xla=self.enable_xla,
+        dtype=self.dtype, clipnorm=self.clipnorm,
+        global_clipnorm=self.global_clipnorm,
+        init_checkpoint=self.init_checkpoint, num_gpus=self.num_gpus,
+        num_cpu_devices=self.num_cpu_devices)
 
   def _validate_step_guards(self):
     """Skipped-step limit and the allocator switch."""

@@ -67,6 +67,7 @@ from absl import flags
 from tfdist import job_spec
 from tfdist.distribute.strategy_kind import StrategyKind
 from tfdist import errors
+from tfdist.parallel import tensor_parallel_options
 from tfdist.training import memory
 from tfdist.training import optimizers
 
@@ -892,8 +893,11 @@ def model_sizes_of(config) -> ModelSizes:
                                        lr_schedule.ConstantLearningRate(0.1))
     optimizer.build(model.trainable_variables)
     from tfdist.parallel import tensor_parallel  # pylint: disable=g-import-not-at-top
+    from tfdist.parallel import zero3  # pylint: disable=g-import-not-at-top
     return ModelSizes(
-        memory.estimate_model_memory(model, optimizer),
+        memory.estimate_model_memory(
+            model, optimizer,
+            replicated_variables=zero3.replicated_variables(model)),
         memory.activation_bytes_per_example(model),
         tensor_parallel.splittable_weight_bytes(model))
   finally:
@@ -1360,9 +1364,9 @@ def layout_choice(sizes: ModelSizes, fitted: "_FittedModel",
       num_microbatches=(facts.num_microbatches
                         if facts.pipeline_stages > 1 else 0),
       pipeline_schedule=facts.pipeline_schedule,
-      # tfdist.train has no tensor-parallel flag: the row shows what the
-      # layers would save, and is never recommended.
       tensor_parallel_bytes=sizes.tensor_parallel_bytes,
+      tensor_parallel_flag=tensor_parallel_options.flags_for(facts.model,
+                                                             devices),
       refused=_refused_layouts())
 
 
@@ -1413,6 +1417,7 @@ class TrainFacts:
     pipeline_schedule: `--pipeline_schedule`.
     global_batch_size: `--batch_size` (0: the plan's).
     gradient_accumulation_steps: `--gradient_accumulation_steps`.
+    model: `--model` (whether `--tensor_parallel` can split it).
   """
   optimizer: str
   zero_stage: int
@@ -1423,6 +1428,7 @@ class TrainFacts:
   pipeline_schedule: str = "gpipe"
   global_batch_size: int = 0
   gradient_accumulation_steps: int = 1
+  model: str = ""
 
 
 def _train_facts(config) -> TrainFacts:
@@ -1438,7 +1444,8 @@ def _train_facts(config) -> TrainFacts:
                                               "gpipe") or "gpipe",
                     global_batch_size=int(config.batch_size or 0),
                     gradient_accumulation_steps=int(
-                        config.gradient_accumulation_steps or 1))
+                        config.gradient_accumulation_steps or 1),
+                    model=str(getattr(config, "model", "") or ""))
 
 
 def _measured_args(train_args: Sequence[str], given: set, *, steps: int,

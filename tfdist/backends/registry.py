@@ -11,6 +11,7 @@ from tfdist.backends import multi_worker  # pylint: disable=unused-import
 from tfdist.backends import parameter_server  # pylint: disable=unused-import
 from tfdist.backends import pipeline
 from tfdist.backends import single_process  # pylint: disable=unused-import
+from tfdist.backends import tensor_parallel
 from tfdist.backends import tpu  # pylint: disable=unused-import
 from tfdist.backends import zero3
 
@@ -39,9 +40,10 @@ def backend_for(kind) -> base.Backend:
 
 def backend_for_run(kind, config, cluster=None) -> base.Backend:
   """The backend of a run: the pipeline's (`tfdist.backends.pipeline`)
-  when `config` cuts the model into stages (`pipeline_stages > 1`), ZeRO
-  stage 3's (`tfdist.backends.zero3`) at `--zero_stage=3`, else
-  `backend_for(kind)`.
+  when `config` cuts the model into stages (`pipeline_stages > 1`), the
+  tensor-parallel one (`tfdist.backends.tensor_parallel`) when it splits
+  the layers (`tensor_parallel > 1`), ZeRO stage 3's
+  (`tfdist.backends.zero3`) at `--zero_stage=3`, else `backend_for(kind)`.
 
   Args:
     kind: the decided `StrategyKind`.
@@ -53,4 +55,6 @@ def backend_for_run(kind, config, cluster=None) -> base.Backend:
   """
   if pipeline.uses_pipeline(config):
     return pipeline.PipelineBackend(cluster)
+  if tensor_parallel.uses_tensor_parallel(config):
+    return tensor_parallel.TensorParallelBackend()
   return zero3.backend_for(kind, config) or backend_for(kind)

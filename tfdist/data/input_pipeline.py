@@ -790,7 +790,7 @@ def _training_epochs(options: PipelineOptions, plan: ShardingPlan,
       logging.info(
           "Input pipeline %d/%d: resuming at step %d: epoch %d, after %d of "
           "this worker's %d examples of that epoch.", pipeline_id,
-          num_pipelines, options.start_step, epoch, skip,
+          num_pipelines, options.start_step, epoch + 1, skip,
           plan.examples_per_epoch)
   # Read by `one_epoch` (traced by `flat_map` below).
   batched = keep is not None and keep % batch == 0 and skip % batch == 0

@@ -136,13 +136,14 @@ class InputPosition(tf.train.experimental.PythonState):
       return 0
     change = layout_change(self.saved, self.layout)
     if change is None:
+      # Epochs counted from 1, as in the progress lines and Keras's logs.
       logging.info("tfdist: input position restored: step %d continues "
                    "epoch %d where the checkpoint stopped.", step,
-                   step // self.steps_per_epoch)
+                   step // self.steps_per_epoch + 1)
       return step
     start = epoch_start(step, self.steps_per_epoch)
     logging.warning(
         "tfdist: input position discarded: %s. The input starts epoch %d "
         "over (examples the first %d steps of that epoch used may be used "
-        "again).", change, step // self.steps_per_epoch, step - start)
+        "again).", change, step // self.steps_per_epoch + 1, step - start)
     return start

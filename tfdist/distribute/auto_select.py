@@ -295,6 +295,8 @@ class SelectOptions:
     pipeline_stages: `--pipeline_stages`; above 1, `auto` is one_device
       (one replica: the stages run in one process, or across a cluster's
       chief and workers, `tfdist.backends.pipeline`).
+    tensor_parallel: `--tensor_parallel`; above 1, `auto` is mirrored
+      (one tensor-parallel group, `tfdist.backends.tensor_parallel`).
   """
   distribution_strategy: str = "auto"
   dtype: str = "auto"
@@ -303,6 +305,7 @@ class SelectOptions:
   num_cpu_devices: int = 0
   tpu: tpu_lib.TpuOptions = tpu_lib.TpuOptions()
   pipeline_stages: int = 1
+  tensor_parallel: int = 1
 
 
 def probe_tpu(tpu: tpu_lib.TpuOptions, *, hints: Tuple[str, ...] = (),
@@ -392,6 +395,13 @@ def resolve(options: SelectOptions, *, cluster, environment=None,
   Raises:
     ConfigError: fp16 on a TPU.
   """
+  # Decided without looking at the devices (looking starts TensorFlow's
+  # runtime before the backend makes N logical CPU devices).
+  tensor_parallel = (options.distribution_strategy == "auto" and
+                     options.tensor_parallel > 1)
+  if tensor_parallel:
+    options = dataclasses.replace(
+        options, distribution_strategy=StrategyKind.MIRRORED.value)
   needs_inventory = "auto" in (options.distribution_strategy, options.dtype)
   if inventory is None:
     if needs_inventory:
@@ -410,9 +420,14 @@ def resolve(options: SelectOptions, *, cluster, environment=None,
     return dataclasses.replace(decision, strategy_reason=(
         f"auto: --pipeline_stages={options.pipeline_stages} runs its "
         f"stages {where}"))
-  return decide(inventory, strategy=options.distribution_strategy,
-                dtype=options.dtype,
-                dtype_defaulted=options.dtype_defaulted)
+  decision = decide(inventory, strategy=options.distribution_strategy,
+                    dtype=options.dtype,
+                    dtype_defaulted=options.dtype_defaulted)
+  if tensor_parallel:
+    decision = dataclasses.replace(decision, strategy_reason=(
+        f"auto: --tensor_parallel={options.tensor_parallel} splits the "
+        f"layers over {options.tensor_parallel} replicas of one host"))
+  return decision
 
 
 def decision_changes(decision: Decision, *, tpu: str = "",

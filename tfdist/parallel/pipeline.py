@@ -470,6 +470,31 @@ class Stage:
     return [tensors[k] for k in self.output_keys]
 
 
+
+def _add_gradients(total, gradient):
+  """`total + gradient`, either None; `tf.IndexedSlices` (an embedding's
+  gradient) are summed by concatenating their rows, as Keras optimizers
+  take repeated indices, so a sparse gradient stays sparse."""
+  if total is None:
+    return gradient
+  if gradient is None:
+    return total
+  if isinstance(total, tf.IndexedSlices) and isinstance(
+      gradient, tf.IndexedSlices):
+    return tf.IndexedSlices(
+        tf.concat([total.values, gradient.values], axis=0),
+        tf.concat([total.indices, gradient.indices], axis=0),
+        total.dense_shape)
+  return tf.convert_to_tensor(total) + tf.convert_to_tensor(gradient)
+
+
+def _dense_part(gradient):
+  """A tensor to order on: an `IndexedSlices`' values, else the gradient."""
+  if isinstance(gradient, tf.IndexedSlices):
+    return gradient.values
+  return gradient
+
+
 def _is_float(t) -> bool:
   return tf.as_dtype(t.dtype).is_floating
 
@@ -812,8 +837,8 @@ class Pipeline:
                                  for t in done.inputs]
         var_grads = grads[len(sources):]
         for j, g in enumerate(var_grads):
-          sums[s][j] = g if sums[s][j] is None else sums[s][j] + g
-        chain[s] = [g for g in grads if g is not None] or chain[s]
+          sums[s][j] = _add_gradients(sums[s][j], g)
+        chain[s] = [_dense_part(g) for g in grads if g is not None] or chain[s]
 
     def ready(s, kind, m):
       if kind == "F":

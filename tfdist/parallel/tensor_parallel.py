@@ -44,7 +44,10 @@ updates that replica's variables (its shards, its copy of the whole
 weights) with that replica's gradients, so its slots for a shard are
 shard-sized. A Keras optimizer applied inside `strategy.run` (and so
 `Model.fit`) sums every gradient over the replicas, which would add up
-gradients of different shards: it is not supported.
+gradients of different shards: it is not supported. (tfdist's trainer
+under `--tensor_parallel` applies the run's optimizer inside
+`strategy.run` with that sum turned off, so each replica's variables get
+that replica's gradients: `tfdist.training.tensor_parallel_step`.)
 
 Every replica is one tensor-parallel rank; combining with data parallelism
 needs collectives over sub-groups of the replicas, which `tf.distribute`
@@ -549,6 +552,11 @@ class ParallelMultiHeadAttention(_TensorParallelLayer):
     num_heads: H, heads of the whole layer; a multiple of N.
     key_dim: size of each query and key head.
     value_dim: size of each value head. Defaults to `key_dim`.
+    dropout: dropout rate of the attention probabilities in training, as
+      `MultiHeadAttention`'s. Each replica draws the mask of all H heads
+      [B, H, T, S] and applies its heads' part, so with the same random
+      stream on every replica the heads together get the mask an unsharded
+      layer draws. Defaults to 0.
     use_bias: whether the projections have biases. Defaults to True.
     output_shape: last dimension of the output. Defaults to `dq`.
     kernel_initializer, bias_initializer: Keras initializers, applied to
@@ -563,7 +571,8 @@ class ParallelMultiHeadAttention(_TensorParallelLayer):
   """
 
   def __init__(self, num_heads: int, key_dim: int,
-               value_dim: Optional[int] = None, use_bias: bool = True,
+               value_dim: Optional[int] = None, dropout: float = 0.0,
+               use_bias: bool = True,
                output_shape: Optional[int] = None,
                kernel_initializer="glorot_uniform", bias_initializer="zeros",
                **kwargs):
@@ -578,6 +587,10 @@ class ParallelMultiHeadAttention(_TensorParallelLayer):
     self.key_dim = int(key_dim)
     self.value_dim = int(value_dim or key_dim)
     self.use_bias = bool(use_bias)
+    self.dropout = float(dropout)
+    if not 0.0 <= self.dropout < 1.0:
+      raise ConfigError("ParallelMultiHeadAttention needs 0 <= dropout < 1. "
+                        f"Received: dropout={dropout}.")
     self.output_dim = None if output_shape is None else int(output_shape)
     self.kernel_initializer = keras.initializers.get(kernel_initializer)
     self.bias_initializer = keras.initializers.get(bias_initializer)
@@ -616,6 +629,8 @@ class ParallelMultiHeadAttention(_TensorParallelLayer):
     if self.use_bias:
       self.output_bias = self.add_weight(name="output_bias", shape=(out,),
                                          initializer=self.bias_initializer)
+    # As MultiHeadAttention, a Dropout with its own seed generator.
+    self._dropout_layer = keras.layers.Dropout(self.dropout)
 
   def compute_output_shape(self, query_shape, value_shape, key_shape=None):
     return tuple(query_shape[:-1]) + (self.output_dim or query_shape[-1],)
@@ -625,8 +640,8 @@ class ParallelMultiHeadAttention(_TensorParallelLayer):
     return y + bias if bias is not None else y
 
   def call(self, query, value, key=None, attention_mask=None,
-           use_causal_mask: bool = False):
-    self._replica_context()
+           use_causal_mask: bool = False, training=None):
+    replica = self._replica_context()
     key = value if key is None else key
     # One f per distinct input: self-attention all-reduces one gradient.
     copied = {}
@@ -651,6 +666,8 @@ class ParallelMultiHeadAttention(_TensorParallelLayer):
     if mask is not None:
       scores = tf.where(mask, scores, tf.cast(-1e9, scores.dtype))
     weights = tf.nn.softmax(scores, axis=-1)
+    if training and self.dropout > 0:
+      weights = weights * self._head_dropout_mask(weights, replica)
     context = tf.einsum("bhts,bshv->bthv", weights, v)
     outputs = reduce_from_tensor_parallel_region(
         tf.einsum("bthv,hvo->bto", context, self.output_kernel))
@@ -658,11 +675,26 @@ class ParallelMultiHeadAttention(_TensorParallelLayer):
       outputs = outputs + self.output_bias
     return outputs
 
+  def _head_dropout_mask(self, weights, replica):
+    """This replica's heads' part of the dropout mask of all heads: 0 or
+    1/(1-rate), of the shape of `weights` [B, H/N, T, S]."""
+    shape = tf.shape(weights)
+    n = self.num_shards or 1
+    full = self._dropout_layer(
+        tf.ones([shape[0], self.num_heads, shape[2], shape[3]],
+                weights.dtype), training=True)
+    if n == 1:
+      return full
+    full = tf.reshape(full, [shape[0], n, self.num_heads // n, shape[2],
+                             shape[3]])
+    return tf.gather(full, replica.replica_id_in_sync_group, axis=1)
+
   def get_config(self):
     config = super().get_config()
     config.update(
         num_heads=self.num_heads, key_dim=self.key_dim,
-        value_dim=self.value_dim, use_bias=self.use_bias,
+        value_dim=self.value_dim, dropout=self.dropout,
+        use_bias=self.use_bias,
         output_shape=self.output_dim,
         kernel_initializer=keras.initializers.serialize(
             self.kernel_initializer),

@@ -19,13 +19,22 @@ owning elements [r x S, (r + 1) x S)):
 * **Forward and backward.** Each step the replica all-gathers the shards
   (`ReplicaContext.all_gather`, [S] -> [P']) and runs the model under
   `keras.StatelessScope(state_mapping=...)`, which gives the layers the
-  gathered tensors in place of their variables. The gradient of the
-  all-gather is an all-reduce followed by the replica's slice, so the
-  gradient arrives shard-shaped and already summed over replicas: stage
+  gathered tensors in place of their variables. The gradient with
+  respect to the gathered buffer [P'] is all-reduced (in
+  `--all_reduce_dtype`) and the replica keeps its slice (the all-gather's
+  own gradient, written out so the replicated weights' gradients ride in
+  it), so the gradient is shard-shaped and summed over replicas: stage
   1's update (`ShardedOptimizer.replica_prepare` with `shard=`: the fp16
   finite check, unscaling, clipping, then the per-replica Keras optimizer
   copy) applies it to the shard in place. No gather of updated weights
   follows: the next step's gather reads the shards.
+* **Replicated weights** (`replicated_variables`: embedding tables):
+  mirrored as at stage 0 and read in place (gathering a table each step
+  would move the whole vocabulary); their gradients are placed in the
+  flat gradient before its all-reduce, their optimizer state is sharded
+  as at stage 1 (their pieces of the master shard are refreshed from the
+  variables before the update), and after it each replica's updated
+  pieces are summed into every copy (one all-reduce of their size).
 * **Non-trainable state** (batch-norm moving statistics, the random
   layers' seed states) keeps its ordinary mirrored variables: the updates
   the layers make inside the scope are written to them after the pass.
@@ -47,10 +56,9 @@ all-gather (P'), its gradient's all-reduce (2 P' on a ring): 1.5x stage
 collectives offer no reduce-scatter (the gradient is an all-reduce, then
 a slice).
 
-What is refused at start (`check_model`, `check_config`), with the
-reason: embedding layers (their gathered gradients are dense and
-vocabulary-sized: use parameter servers, or stage 1-2), a model with its
-own `train_step` (it runs its own forward pass on the unsharded
+What is refused at start (`check_model`, and the flags:
+`--model=ranking`, whose tables are plain `tf.Variable`s), with the
+reason: a model with its own `train_step` (it runs its own forward pass on the unsharded
 variables), non-float32 trainable variables, XLA, pipeline stages, and
 optimizers that need a whole variable (LAMB, as stages 1-2).
 """
@@ -70,23 +78,42 @@ STAGE = 3
 _VARIABLE_VALUE = "VARIABLE_VALUE"
 
 
+def _all_gather_shards(context, shard) -> tf.Tensor:
+  """Every replica's `shard` (float32 [S], the same S on all), concatenated
+  in replica order: float32 [N x S]. Replica context.
+
+  `ReplicaContext.all_gather`, with its gradient written here: the
+  all-reduced gradient sliced at `replica_id_in_sync_group x S`. The
+  built-in gradient takes the slice with `tf.gather` at
+  `tf.range(begin, end)`, and a compiled step that differentiates it keeps
+  a shard-sized buffer between calls (measured:
+  `benchmarks/gather_memory.py`).
+  """
+  size = int(shard.shape[0])
+
+  @tf.custom_gradient
+  def gather(value):
+    def gradient(upstream):
+      summed = context.all_reduce(tf.distribute.ReduceOp.SUM, upstream)
+      return tf.slice(summed, [context.replica_id_in_sync_group * size],
+                      [size])
+    return context.all_gather(value, axis=0), gradient
+
+  return gather(shard)
+
+
 def check_model(model: keras.Model) -> None:
   """Refuses a model stage 3 cannot train, before anything is sharded.
 
+  Embedding layers are not refused: their tables stay replicated
+  (`replicated_variables`).
+
   Raises:
-    tfdist.errors.ConfigError: an embedding layer (a
-      `keras.layers.Embedding` or a subclass), a model overriding `train_step` (or `compute_loss`, ...:
-      `tfdist.training.custom_step.overrides`), or a trainable variable
-      that is not float32; each names `--zero_stage=3` and the fix.
+    tfdist.errors.ConfigError: a model overriding `train_step` (or
+      `compute_loss`, ...: `tfdist.training.custom_step.overrides`), or a
+      trainable variable that is not float32; each names `--zero_stage=3`
+      and the fix.
   """
-  for layer in model._flatten_layers(include_self=False):  # pylint: disable=protected-access
-    if isinstance(layer, keras.layers.Embedding):
-      raise errors.ConfigError(
-          f"--zero_stage=3 cannot shard embedding layer {layer.name!r} of "
-          f"model {model.name!r}: the gradient of a gathered table is dense "
-          "and as large as the vocabulary on every replica, every step. "
-          "Use --distribution_strategy=parameter_server (it shards tables "
-          "and sends only the rows used), or --zero_stage=1 or 2.")
   own_step = custom_step.overrides(model)
   if own_step:
     raise errors.ConfigError(
@@ -100,6 +127,22 @@ def check_model(model: keras.Model) -> None:
           f"--zero_stage=3 shards float32 variables; {v.path} is {v.dtype}. "
           "Keep trainable variables in float32 (Keras mixed precision "
           "does), or use --zero_stage=0.")
+
+
+def replicated_variables(model: keras.Model) -> list:
+  """The trainable variables stage 3 keeps replicated, not sharded: the
+  tables of embedding layers (`keras.layers.Embedding` and subclasses).
+  Gathering a table for each step would move the whole vocabulary; kept
+  mirrored, it is read in place, as at stage 0, and only its optimizer
+  state is sharded (as at stage 1)."""
+  out, seen = [], set()
+  for layer in model._flatten_layers(include_self=False):  # pylint: disable=protected-access
+    if isinstance(layer, keras.layers.Embedding):
+      for v in layer.trainable_variables:
+        if id(v) not in seen:
+          seen.add(id(v))
+          out.append(v)
+  return out
 
 
 def _released(path: str, owner: "Zero3Optimizer", index: int):
@@ -145,14 +188,33 @@ class Zero3Optimizer(sharded_optimizer.ShardedOptimizer):
     self.all_local = (len(self.replica_ids) ==
                       self.strategy.num_replicas_in_sync)
     self.materialized = False
+    # Indices (into `variables`) of the weights kept replicated
+    # (`replicated_variables`), chosen by `attach`; the others are
+    # released and live only in the shards.
+    self.replicated: List[int] = []
+    self._sharded_indices = list(range(len(self.variables)))
+
+  def _shard_weights(self, replicated) -> None:
+    """Copies every trainable weight into the shards (the replicated ones
+    too: their optimizer state is sharded) and releases the storage of
+    all but `replicated`."""
+    keep = {id(v) for v in replicated}
+    self.replicated = [j for j, v in enumerate(self.variables)
+                       if id(v) in keep]
+    self._sharded_indices = [j for j, v in enumerate(self.variables)
+                             if id(v) not in keep]
     flat = self.layout.flatten([v.value for v in self.variables]).numpy()
     size = self.layout.shard_size
     for component, replica in zip(self.master.values, self.replica_ids):
       with tf.device(component.device):
-        component.assign(flat[replica * size:(replica + 1) * size])
+        # A copy: a tensor made from a slice of `flat` (itself a view of
+        # the flattened tensor's buffer) can share that memory, and the
+        # shard would keep the whole flat buffer alive.
+        component.assign(tf.raw_ops.DeepCopy(
+            x=tf.constant(flat[replica * size:(replica + 1) * size])))
     del flat
-    for index, variable in enumerate(self.variables):
-      self._release(variable, index)
+    for index in self._sharded_indices:
+      self._release(self.variables[index], index)
 
   def _release(self, variable, index: int) -> None:
     """Drops `variable`'s storage and makes it save and restore through
@@ -205,6 +267,7 @@ class Zero3Optimizer(sharded_optimizer.ShardedOptimizer):
           ". Drop one of them.")
     check_model(trainer.model)
     self.model = trainer.model
+    self._shard_weights(replicated_variables(trainer.model))
     trainer._replica_grads = lambda inputs, labels, weights=None: (  # pylint: disable=protected-access
         self.replica_forward_backward(trainer, inputs, labels, weights))
     evaluate = trainer._replica_eval_step  # pylint: disable=protected-access
@@ -213,17 +276,27 @@ class Zero3Optimizer(sharded_optimizer.ShardedOptimizer):
       # Gathered outside the step's empty-batch `tf.cond`: every replica
       # joins the collective.
       values = self._replica_gather_weights(self._replica_shard())
-      with keras.StatelessScope(
-          state_mapping=list(zip(self.variables, values))):
+      with keras.StatelessScope(state_mapping=self._mapping(values)):
         return evaluate(inputs, labels, weights, mask)
 
     trainer._replica_eval_step = eval_step  # pylint: disable=protected-access
 
   def weight_bytes_per_replica(self) -> int:
-    """The weight shard one replica keeps (S float32), beside
+    """The weights one replica keeps: its shard (S float32) and the whole
+    replicated weights (`replicated_variables`), beside
     `state_bytes_per_replica` (the optimizer's and accumulators' shards,
     as stages 1-2 count them for `tfdist.training.memory`)."""
-    return 4 * self.layout.shard_size
+    return 4 * (self.layout.shard_size +
+                sum(self.layout.sizes[j] for j in self.replicated))
+
+  def replicated_paths(self) -> List[str]:
+    """The paths of the weights kept replicated (for the log)."""
+    return [self.variables[j].path for j in self.replicated]
+
+  def _mapping(self, values) -> list:
+    """`(variable, gathered value)` of every sharded weight (the
+    replicated ones are read from their own storage)."""
+    return [(self.variables[j], values[j]) for j in self._sharded_indices]
 
   # --- replica context ------------------------------------------------------
   def _replica_shard(self) -> tf.Tensor:
@@ -232,8 +305,13 @@ class Zero3Optimizer(sharded_optimizer.ShardedOptimizer):
   def _replica_gather_weights(self, shard: tf.Tensor) -> List[tf.Tensor]:
     """Every trainable weight in its shape, from this replica's `shard`
     [S] and the others' (one all-gather)."""
+    return self.layout.unflatten(self._replica_gather_flat(shard))
+
+  @staticmethod
+  def _replica_gather_flat(shard: tf.Tensor) -> tf.Tensor:
+    """float32 [P']: every replica's `shard` [S], in order."""
     context = tf.distribute.get_replica_context()
-    return self.layout.unflatten(context.all_gather(shard, axis=0))
+    return _all_gather_shards(context, shard)
 
   def replica_forward_backward(self, trainer, inputs, labels, weights=None):
     """`Trainer._replica_forward_backward` on gathered weights.
@@ -245,12 +323,18 @@ class Zero3Optimizer(sharded_optimizer.ShardedOptimizer):
       [B, ...].
     """
     model = trainer.model
-    shard = self._replica_shard()
+    replicated = [self.variables[j] for j in self.replicated]
     with tf.GradientTape() as tape:
-      tape.watch(shard)
-      values = self._replica_gather_weights(shard)
+      # The gradient is taken with respect to the gathered buffer [P'],
+      # then summed over replicas and sliced (`replica_shard`, in
+      # `--all_reduce_dtype`): the all-gather's own gradient, with the
+      # replicated weights' gradients added in their places first, so
+      # one all-reduce carries both.
+      gathered = self._replica_gather_flat(self._replica_shard())
+      tape.watch(gathered)
+      values = self.layout.unflatten(gathered)
       with keras.StatelessScope(
-          state_mapping=list(zip(self.variables, values))) as scope:
+          state_mapping=self._mapping(values)) as scope:
         outputs = tf.cast(model(inputs, training=True), tf.float32)
         objective, loss = trainer._replica_losses(labels, outputs, weights)  # pylint: disable=protected-access
         regularization = trainer._regularization_loss()  # pylint: disable=protected-access
@@ -261,7 +345,16 @@ class Zero3Optimizer(sharded_optimizer.ShardedOptimizer):
         loss += regularization
       scaled = (trainer.optimizer.scale_loss(objective)
                 if trainer.uses_loss_scale else objective)
-    grad = tape.gradient(scaled, shard)
+    flat_grad, *replicated_grads = tape.gradient(scaled,
+                                                 [gathered] + replicated)
+    if flat_grad is None:
+      flat_grad = tf.zeros_like(gathered)
+    if replicated:
+      placed = [None] * len(self.variables)
+      for j, grad in zip(self.replicated, replicated_grads):
+        placed[j] = None if grad is None else tf.convert_to_tensor(grad)
+      flat_grad += self.layout.flatten(placed)
+    grad = self.replica_shard(flat_grad)
     self._write_state_updates(scope)
     return loss, [grad], outputs
 
@@ -283,8 +376,53 @@ class Zero3Optimizer(sharded_optimizer.ShardedOptimizer):
                                    grads[0] if shard is None else shard)
 
   def _replica_load_master(self, replica) -> None:
-    """Nothing: the master shard is the weights."""
-    del replica
+    """The replicated weights' pieces of the master shard refreshed from
+    their own storage (assigned or restored since the last update); the
+    sharded weights' pieces are the weights already. Replica context."""
+    pieces = self._replicated_pieces(replica)
+    if not pieces:
+      return
+    current = self._replica_shard()
+    parts, at = [], 0
+    for j, start, shard_start, length in pieces:
+      parts.append(current[at:shard_start])
+      parts.append(tf.reshape(tf.cast(self.variables[j], tf.float32),
+                              [-1])[start:start + length])
+      at = shard_start + length
+    parts.append(current[at:])
+    self.master.assign(tf.concat(parts, axis=0))
+
+  def _replicated_pieces(self, replica) -> list:
+    """`FlatLayout.pieces` of the replicated weights in shard `replica`
+    (an int, or a tensor with a static value)."""
+    if not self.replicated:
+      return []
+    replica = int(tf.get_static_value(replica))
+    keep = set(self.replicated)
+    return [p for p in self.layout.pieces(replica) if p[0] in keep]
+
+  def _replica_gather_replicated(self) -> List[tf.Tensor]:
+    """The replicated weights, updated, in their shapes: each replica
+    places its pieces in zeros and one all-reduce sums them (one nonzero
+    per element: exact). Replica context."""
+    context = tf.distribute.get_replica_context()
+    replica = context.replica_id_in_sync_group
+    shard = self._replica_shard()
+    by_variable = {j: [] for j in self.replicated}
+    for j, start, shard_start, length in self._replicated_pieces(replica):
+      by_variable[j].append((start, shard[shard_start:shard_start + length]))
+    parts = []
+    for j in self.replicated:
+      at = 0
+      for start, piece in by_variable[j]:
+        parts += [tf.zeros([start - at], tf.float32), piece]
+        at = start + int(piece.shape[0])
+      parts.append(tf.zeros([self.layout.sizes[j] - at], tf.float32))
+    summed = context.all_reduce(tf.distribute.ReduceOp.SUM,
+                                tf.concat(parts, axis=0))
+    sizes = [self.layout.sizes[j] for j in self.replicated]
+    return [tf.reshape(part, self.layout.shapes[j])
+            for part, j in zip(tf.split(summed, sizes), self.replicated)]
 
   def replica_accumulate(self, grads) -> None:
     """Adds this micro-batch's shard gradient (already summed) to the
@@ -293,8 +431,17 @@ class Zero3Optimizer(sharded_optimizer.ShardedOptimizer):
 
   # --- cross-replica context ------------------------------------------------
   def _publish(self) -> None:
-    """Nothing: the updated shards are the weights."""
-    return None
+    """The updated replicated weights written into every replica's copy
+    (`_replica_gather_replicated`); nothing else: the updated shards are
+    the weights. Cross-replica context."""
+    if not self.replicated:
+      return
+    gathered = self.strategy.run(self._replica_gather_replicated)
+    for j, value in zip(self.replicated, gathered):
+      variable = self.variables[j]
+      self.strategy.extended.update(
+          getattr(variable, "value", variable),
+          lambda var, val: var.assign(val), args=(value,), group=False)
 
   def _flat_weights(self) -> np.ndarray:
     """The whole flat buffer [P'] (every replica's shard, in order)."""
@@ -336,7 +483,8 @@ class Zero3Optimizer(sharded_optimizer.ShardedOptimizer):
     flat = self._flat_weights()
     values = self.layout.unflatten(tf.constant(flat))
     with self.strategy.scope():
-      for variable, value in zip(self.variables, values):
+      for index in self._sharded_indices:
+        variable, value = self.variables[index], values[index]
         # pylint: disable=protected-access
         variable._initializer = None
         variable._initialize(value)
@@ -360,7 +508,7 @@ def state_variables(model: keras.Model, trainer) -> list:
   sharded = getattr(trainer, "sharded", None)
   if not isinstance(sharded, Zero3Optimizer) or sharded.materialized:
     return list(model.variables)
-  released = {id(v) for v in sharded.variables}
+  released = {id(sharded.variables[j]) for j in sharded._sharded_indices}  # pylint: disable=protected-access
   return ([v for v in model.variables if id(v) not in released] +
           list(sharded.master.values))
 

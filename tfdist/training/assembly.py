@@ -9,6 +9,7 @@ way. `load_init_checkpoint` warm-starts the model (`--init_checkpoint`).
 """
 
 import dataclasses
+import functools
 import os
 from typing import Any, Optional, Tuple
 
@@ -31,6 +32,7 @@ from tfdist.training import precision
 from tfdist.training import reduce_dtype
 from tfdist.training import sharded_optimizer
 from tfdist.training import task as task_lib
+from tfdist.training import tensor_parallel_step
 from tfdist.training import train_loop
 from tfdist.training import training_checks
 from tfdist.training.train_loop import Trainer
@@ -65,6 +67,8 @@ class AssemblyOptions:
     pipeline: the model cut into pipeline stages
       (`tfdist.parallel.pipeline_options.PipelineOptions`; None or one
       stage: not cut).
+    tensor_parallel: N replicas split the model's layers
+      (`tfdist.training.tensor_parallel_step`; 1: off).
     builder_config: what a model builder asking for `config` receives (the
       run's `TrainConfig`, passed through unread).
   """
@@ -85,6 +89,7 @@ class AssemblyOptions:
   bytes_per_pack: int = 0
   all_reduce_dtype: str = "float32"
   pipeline: Optional[pipeline_options.PipelineOptions] = None
+  tensor_parallel: int = 1
   builder_config: Any = None
 
 
@@ -137,7 +142,8 @@ def check_model_options(options: AssemblyOptions, *, task: task_lib.Task):
 
 
 def build_model(options: AssemblyOptions, *, task: task_lib.Task,
-                sync_batch_norm: bool = False) -> keras.Model:
+                sync_batch_norm: bool = False,
+                tensor_parallel: bool = False) -> keras.Model:
   """The task's model, built (in the current scope); `sync_batch_norm`
   from the run plan reaches builders that take it (the built-in models with
   batch normalization).
@@ -148,7 +154,8 @@ def build_model(options: AssemblyOptions, *, task: task_lib.Task,
   """
   model = task_lib.build_model(
       task, options.builder_config, sync_batch_norm=sync_batch_norm,
-      activation_recomputation=options.activation_recomputation)
+      activation_recomputation=options.activation_recomputation,
+      tensor_parallel=tensor_parallel)
   if custom_step.overrides(model):
     # Its own train_step reads the data: a model without a call on the
     # features (a GAN of Keras's tutorial) trains as under `fit`; only
@@ -347,6 +354,12 @@ def _log_trainer(trainer: Trainer, options: AssemblyOptions, *, plan,
         else "", "its shard of the weights too, all-gathered for each step "
         "(tfdist.parallel.zero3)" if sharding.stage == zero3.STAGE
         else "the updated shards all-gathered")
+    replicated = getattr(trainer.sharded, "replicated_paths", list)()
+    if replicated:
+      logging.info(
+          "ZeRO stage 3 keeps %d embedding table(s) replicated (read in "
+          "place, gradients all-reduced; their optimizer state sharded): "
+          "%s.", len(replicated), ", ".join(replicated))
   if options.enable_xla:
     logging.info(
         "--enable_xla: %s", "TPUs compile every step with XLA already."
@@ -394,11 +407,18 @@ def build(options: AssemblyOptions, *, task: task_lib.Task,
     ConfigError: the builder fails tfdist's checks, or no loss is known.
   """
   sharding = _sharding_for(options, strategy)
+  tensor_parallel = (tensor_parallel_step.build(
+      functools.partial(build_model, options, task=task,
+                        sync_batch_norm=plan.sync_batch_norm),
+      strategy) if options.tensor_parallel > 1 else None)
   with strategy.scope():
-    model, deferred = pipeline_step.build_model(
-        lambda: build_model(options, task=task,
+    if tensor_parallel is not None:
+      model, deferred = tensor_parallel.model, None
+    else:
+      model, deferred = pipeline_step.build_model(
+          functools.partial(build_model, options, task=task,
                             sync_batch_norm=plan.sync_batch_norm),
-        options.pipeline)
+          options.pipeline)
     # Before the optimizer: its slots follow the stages' variables.
     pipeline = (pipeline_step.build(
         model, options.pipeline,
@@ -438,11 +458,14 @@ def build(options: AssemblyOptions, *, task: task_lib.Task,
                     class_weight=class_weight,
                     bytes_per_pack=options.bytes_per_pack,
                     all_reduce_dtype=options.all_reduce_dtype,
-                    pipeline=pipeline)
+                    pipeline=pipeline, tensor_parallel=tensor_parallel)
   _log_trainer(trainer, options, plan=plan, sharding=sharding, on_tpu=on_tpu)
   checkpoint = _training_checkpoint(model, trainer=trainer,
                                     optimizer=optimizer,
                                     learning_rate=learning_rate)
+  if tensor_parallel is not None:  # Saved through the gathered view.
+    checkpoint.model = tensor_parallel.checkpoint_model()
+    checkpoint.optimizer = tensor_parallel.checkpoint_optimizer(optimizer)
   return Parts(model=model, optimizer=optimizer, trainer=trainer,
                checkpoint=checkpoint, objectives=resolved,
                metric_sums=metric_sums)

@@ -108,6 +108,16 @@ def root_children(prefix: str) -> set:
   return {child.local_name for child in graph.nodes[0].children}
 
 
+def _components(variable) -> tuple:
+  """The per-device variables of a distributed (Keras) variable, each
+  checked on its own: a tensor-parallel shard (sync-on-read, no
+  aggregation) cannot be read whole; `(variable,)` otherwise."""
+  value = getattr(variable, "value", variable)
+  if isinstance(value, tf.distribute.DistributedValues):
+    return tuple(value.values)
+  return (variable,)
+
+
 class CheckpointKeeper:
   """Restores and saves one run's checkpoints; never saves a NaN state.
 
@@ -155,8 +165,8 @@ class CheckpointKeeper:
         step_counter=step_counter)
     self.restored_from: Optional[str] = None
     self.before_save = before_save
-    floats = [v for v in (variables or ())
-              if tf.as_dtype(v.dtype).is_floating]
+    floats = [c for v in (variables or ())
+              if tf.as_dtype(v.dtype).is_floating for c in _components(v)]
     self._check_fn = None
     if floats:
       def all_finite():

@@ -106,11 +106,16 @@ class ModelMemory:
     optimizer_bytes: every optimizer variable: slots (momentum: 1 per
       trainable variable; Adam: 2), iteration count, loss scale.
     num_parameters: elements of the model's variables.
+    replicated_bytes: the trainable bytes ZeRO stage 3 keeps whole on
+      every replica (embedding tables:
+      `tfdist.parallel.zero3.replicated_variables`); part of
+      `parameters_bytes` and `gradients_bytes`.
   """
   parameters_bytes: int
   gradients_bytes: int
   optimizer_bytes: int
   num_parameters: int
+  replicated_bytes: int = 0
 
   @property
   def total_bytes(self) -> int:
@@ -120,8 +125,8 @@ class ModelMemory:
     return {**dataclasses.asdict(self), "total_bytes": self.total_bytes}
 
 
-def estimate_model_memory(model, optimizer=None, *,
-                          sharded=None) -> ModelMemory:
+def estimate_model_memory(model, optimizer=None, *, sharded=None,
+                          replicated_variables=()) -> ModelMemory:
   """The bytes of `model`'s parameters, gradients and `optimizer`'s state.
 
   From the variables' shapes and dtypes only (no values are read, so it
@@ -135,6 +140,8 @@ def estimate_model_memory(model, optimizer=None, *,
       None: its per-replica state between steps (one replica's slots and
       gradient-accumulator shard) is added to `optimizer`'s own variables
       (iterations and loss scale: the slots live on the shards).
+    replicated_variables: the trainable variables ZeRO stage 3 would keep
+      whole (`tfdist.parallel.zero3.replicated_variables(model)`).
 
   Returns:
     A `ModelMemory`.
@@ -147,7 +154,8 @@ def estimate_model_memory(model, optimizer=None, *,
       parameters_bytes=_variable_bytes(model.variables),
       gradients_bytes=_variable_bytes(model.trainable_variables),
       optimizer_bytes=optimizer_bytes,
-      num_parameters=sum(_elements(v) for v in model.variables))
+      num_parameters=sum(_elements(v) for v in model.variables),
+      replicated_bytes=_variable_bytes(replicated_variables))
 
 
 def sharded_estimate(estimate: ModelMemory, *, num_replicas: int,
@@ -168,7 +176,9 @@ def sharded_estimate(estimate: ModelMemory, *, num_replicas: int,
   also splits the trainable weights and their gradients (the gradients
   arrive shard-shaped): weights + gradients + optimizer state about
   16 bytes / N per fp32 Adam parameter (Rajbhandari et al. 2020's
-  P_os+g+p); non-trainable weights (batch-norm statistics) stay whole.
+  P_os+g+p); non-trainable weights (batch-norm statistics) and the
+  tables stage 3 keeps replicated (`estimate.replicated_bytes`: embedding
+  tables, with their whole gradients) stay whole.
 
   Args:
     estimate: from `estimate_model_memory` of an unsharded build.
@@ -185,11 +195,11 @@ def sharded_estimate(estimate: ModelMemory, *, num_replicas: int,
       estimate, optimizer_bytes=-(-estimate.optimizer_bytes // n))
   if stage < 3:
     return sharded
-  trainable = estimate.gradients_bytes
+  split = estimate.gradients_bytes - estimate.replicated_bytes
   return dataclasses.replace(
-      sharded, gradients_bytes=-(-trainable // n),
-      parameters_bytes=estimate.parameters_bytes - trainable +
-      -(-trainable // n))
+      sharded,
+      gradients_bytes=estimate.replicated_bytes + -(-split // n),
+      parameters_bytes=estimate.parameters_bytes - split + -(-split // n))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -524,8 +534,10 @@ def layout_table(estimate: ModelMemory, *, num_devices: int,
     tensor_parallel_bytes: bytes of the weights the tensor-parallel layers
       would split (attention and feed-forward kernels); 0: the model cannot
       be split, the row is unavailable.
-    tensor_parallel_flag: the flag that turns tensor parallelism on for this
-      model; empty: unavailable (the layers exist only as a library,
+    tensor_parallel_flag: the flags that turn tensor parallelism on for
+      this model (`tfdist.parallel.tensor_parallel_options.flags_for`:
+      `--tensor_parallel=N` for the built-in Transformer); empty:
+      unavailable (another model can use the layers as a library,
       `tfdist.parallel.tensor_parallel`).
     refused: layouts (`LAYOUTS` names) that this tfdist refuses, with the
       reason: shown, never recommended.
@@ -553,6 +565,9 @@ def layout_table(estimate: ModelMemory, *, num_devices: int,
   grads = estimate.gradients_bytes
   accumulators = grads if gradient_accumulation else 0
   opt = estimate.optimizer_bytes
+  # Stage 3 keeps embedding tables whole (and their gradients).
+  replicated = min(estimate.replicated_bytes, trainable)
+  split3 = trainable - replicated
   shardable = True
   if optimizer:
     shardable = optimizers.optimizer_spec(optimizer).traits.shardable
@@ -578,9 +593,9 @@ def layout_table(estimate: ModelMemory, *, num_devices: int,
           grads + _ceil_div(accumulators, n), _ceil_div(opt, n), replica_act,
           not zero_note, zero_note),
       row("ZeRO 3", "--zero_stage=3", n,
-          weights - trainable + _ceil_div(trainable, n),
-          _ceil_div(grads + accumulators, n), _ceil_div(opt, n), replica_act,
-          not zero_note, zero_note)]
+          weights - split3 + _ceil_div(split3, n),
+          replicated + _ceil_div(grads - replicated + accumulators, n),
+          _ceil_div(opt, n), replica_act, not zero_note, zero_note)]
 
   def stage_row(p):
     m = num_microbatches or p
@@ -605,8 +620,9 @@ def layout_table(estimate: ModelMemory, *, num_devices: int,
   tp_opt = opt - _ceil_div(opt * share * (n - 1), n)
   tp_note = one or ("no layer of this model can be split" if not split else
                     "" if tensor_parallel_flag else
-                    "no tfdist.train flag: a library "
-                    "(tfdist.parallel.tensor_parallel)")
+                    "--tensor_parallel splits only --model=transformer: "
+                    "build this model from tfdist.parallel.tensor_parallel's "
+                    "layers")
   rows.append(row("tensor parallel", tensor_parallel_flag, n, tp_weights,
                   tp_grads, tp_opt, a * global_batch_size, not tp_note,
                   tp_note))

@@ -43,7 +43,8 @@ def select_options(config: TrainConfig) -> auto_select.SelectOptions:
       distribution_strategy=config.distribution_strategy, dtype=config.dtype,
       dtype_defaulted="dtype" in config.defaulted, num_gpus=config.num_gpus,
       num_cpu_devices=config.num_cpu_devices, tpu=tpu_options(config),
-      pipeline_stages=config.pipeline_stages)
+      pipeline_stages=config.pipeline_stages,
+      tensor_parallel=config.tensor_parallel)
 
 
 def apply_decision(config: TrainConfig,
@@ -240,6 +241,7 @@ def assembly_options(config: TrainConfig) -> assembly.AssemblyOptions:
       bytes_per_pack=config.bytes_per_pack,
       all_reduce_dtype=config.all_reduce_dtype,
       pipeline=pipeline_options(config),
+      tensor_parallel=config.tensor_parallel,
       builder_config=config)
 
 

@@ -219,7 +219,8 @@ class RunPlan:
                       + (", and the gradient accumulators"
                          if options.zero_stage >= 2 and
                          plan.gradient_accumulation_steps > 1 else "")
-                      + (", and the weights (gathered for each step)"
+                      + (", and the weights (gathered for each step; "
+                         "embedding tables stay replicated)"
                          if options.zero_stage == 3 else "")]
                      if options.zero_stage else []) + (
                      ["  deterministic          op determinism and a "

@@ -125,7 +125,8 @@ def describe_function(fn) -> str:
 
 
 def build_model(task: Task, config, *, sync_batch_norm: bool = False,
-                activation_recomputation: Optional[bool] = None):
+                activation_recomputation: Optional[bool] = None,
+                tensor_parallel: bool = False):
   """Calls the task's builder (in the current scope); checks the result.
 
   The builder gets, by name, what it asks for of `spec` (the data set's
@@ -143,6 +144,8 @@ def build_model(task: Task, config, *, sync_batch_norm: bool = False,
     sync_batch_norm: given to builders that take it.
     activation_recomputation: given to builders that take it; None: the
       `activation_recomputation` attribute of `config` (False without one).
+    tensor_parallel: given to builders that take it (the built-in
+      Transformer: build from the tensor-parallel layers).
 
   Returns:
     The `keras.Model` the builder returned.
@@ -163,7 +166,8 @@ def build_model(task: Task, config, *, sync_batch_norm: bool = False,
                           config, "transformer_layers", 2),
                       "sync_batch_norm": bool(sync_batch_norm),
                       "activation_recomputation": bool(
-                          activation_recomputation)},
+                          activation_recomputation),
+                      "tensor_parallel": bool(tensor_parallel)},
       what=what)
   if not isinstance(model, keras.Model):
     raise errors.ConfigError(

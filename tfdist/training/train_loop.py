@@ -410,6 +410,10 @@ class Trainer:
     pipeline: a `tfdist.training.pipeline_step.PipelineStep`: the
       forward and backward pass runs through the model's pipeline stages
       in micro-batches (one replica, no XLA); None: the whole model.
+    tensor_parallel: a `tfdist.training.tensor_parallel_step
+      .TensorParallelStep`: every replica runs the gathered global batch
+      through the tensor-parallel model and applies its own gradients (no
+      all-reduce); None: data parallelism.
 
   The Trainer changes `model` and `optimizer` for its step (see the module
   docstring): the model's random layers draw per replica
@@ -437,7 +441,8 @@ class Trainer:
                time_steps: bool = True,
                sharding: Optional[sharded_optimizer.ShardingOptions] = None,
                class_weight=None, bytes_per_pack: int = 0,
-               all_reduce_dtype: str = reduce_dtype.FLOAT32, pipeline=None):
+               all_reduce_dtype: str = reduce_dtype.FLOAT32, pipeline=None,
+               tensor_parallel=None):
     self.strategy = strategy
     self.bytes_per_pack = int(bytes_per_pack)
     self.all_reduce_dtype = _checked_reduce_dtype(all_reduce_dtype, strategy,
@@ -513,6 +518,10 @@ class Trainer:
       self._replica_grads = functools.partial(pipeline.forward_backward, self)
     if self.sharded is not None:  # Stage 3 replaces the forward pass.
       self.sharded.attach(self)
+    self.tensor_parallel = tensor_parallel
+    if tensor_parallel is not None:
+      self._replica_grads = functools.partial(tensor_parallel.forward_backward,
+                                              self)
     self._replica_train = self._replica_train_step
     compile_fn = (lambda f: f) if run_eagerly else tf.function
     self.train_function = compile_fn(self._train_function)
@@ -617,7 +626,9 @@ class Trainer:
       skipped, update = self.sharded.replica_prepare(grads, shard)
       return {**sums, "skipped": skipped, _SHARD_UPDATE: update}
     summed = {}
-    if not self.one_replica:  # One replica: the sum is the gradients.
+    # One replica: the sum is the gradients. Tensor parallelism: each
+    # replica's are its own (its shards', and the same replicated ones).
+    if not self.one_replica and self.tensor_parallel is None:
       grads, summed = _all_reduce_sum(grads, self.bytes_per_pack,
                                       self._riders(grads, sums),
                                       self.all_reduce_dtype)
@@ -705,6 +716,10 @@ class Trainer:
     # others get an empty batch. TensorFlow 2.21's oneDNN CPU kernels fail on
     # those ("Incompatible shapes: [64] vs. [0,14,14,32]" in the CNN), so an
     # empty batch skips the model and adds zeros.
+    if self.tensor_parallel is not None:  # Every replica in every batch.
+      return self.tensor_parallel.eval_sums(self, inputs, labels, weights,
+                                            mask)
+
     def empty():
       return {"loss_sum": tf.constant(0.0),
               "regularization_sum": tf.constant(0.0),
@@ -715,14 +730,17 @@ class Trainer:
                                                    mask),
                    empty)
 
-  def _replica_eval_sums(self, inputs, labels, weights=None, mask=None):
+  def _replica_eval_sums(self, inputs, labels, weights=None, mask=None,
+                         outputs=None):
     """Summed loss, count and metric state of one replica's evaluation
     batch; `weights`: sample weights, `mask`: 1 real / 0 padding (float32
     [batch] each, or None). `loss_sum`: the loss's weighted values summed
     (times the values per example under `"sum"`); `regularization_sum`:
     the sum of `model.losses` times the batch's examples (`Model.evaluate`
-    adds them to each batch's loss, and averages batches by size)."""
-    outputs = tf.cast(self.model(inputs, training=False), tf.float32)
+    adds them to each batch's loss, and averages batches by size).
+    `outputs`: the model's outputs on `inputs` when already computed."""
+    if outputs is None:
+      outputs = tf.cast(self.model(inputs, training=False), tf.float32)
     weights = _as_weights(weights)
     loss_weights = (weights if mask is None else mask if weights is None
                     else weights * mask)

@@ -1,0 +1,120 @@
+"""Tensor parallelism on one host (`--tensor_parallel=N`, N > 1).
+
+A `MirroredStrategy` over N devices of this process (the first N GPUs,
+or N logical CPU devices, configured here) whose replicas are one
+tensor-parallel group: the built-in Transformer's heads and feed-forward
+units are split over them (`tfdist.parallel.tensor_parallel`), every
+replica trains on the whole global batch, and the trainer's step skips
+the gradient all-reduce (`tfdist.training.tensor_parallel_step`). The
+SavedModel is the unsharded Transformer holding the gathered weights.
+
+`backend_for_run` chooses this backend for a config with
+`tensor_parallel > 1` (the flags allow it only with
+`--distribution_strategy` auto or mirrored and exactly N devices;
+`tfdist.parallel.tensor_parallel_options`).
+"""
+
+from typing import List, Tuple
+
+import tensorflow as tf
+
+from tfdist.backends import base
+from tfdist.backends import single_process
+from tfdist.distribute import devices as devices_lib
+from tfdist.distribute import strategy as strategy_lib
+from tfdist.distribute.strategy_kind import StrategyKind
+from tfdist import errors
+
+
+def _group_devices(n: int, num_gpus: int = -1) -> List[str]:
+  """The first N GPUs, or (none) N logical CPU devices, configured before
+  TensorFlow's runtime starts.
+
+  Raises:
+    errors.ConfigError: fewer than N GPUs, or the runtime already started
+      with another number of CPU devices.
+  """
+  gpus = base.local_accelerators(num_gpus) if num_gpus != 0 else 0
+  if gpus:
+    names = [d.name for d in tf.config.list_logical_devices("GPU")][:gpus]
+    if len(names) < n:
+      raise errors.ConfigError(
+          f"--tensor_parallel={n} needs {n} GPUs of this host; this process "
+          f"sees {len(names)}. Lower --tensor_parallel, or pass --num_gpus=0 "
+          "to run on logical CPU devices.")
+    return names[:n]
+  try:
+    names = devices_lib.configure_cpu_devices(n)
+  except RuntimeError as e:
+    raise errors.ConfigError(
+        f"--tensor_parallel={n} needs {n} logical CPU devices, and "
+        f"TensorFlow already started with another number: {e} Run it in a "
+        f"fresh process, or call tfdist.distribute.devices."
+        f"configure_cpu_devices({n}) before any TensorFlow op.") from e
+  return names[:n]
+
+
+class TensorParallelBackend(single_process.MirroredBackend):
+  """One process; its N replicas split the model's layers."""
+
+  kind = StrategyKind.MIRRORED
+
+  def validate(self, config, *, dataset) -> None:
+    """Refuses a host with GPUs, fewer than N of them, before anything
+    is built (logical CPU devices are made as needed).
+
+    Raises:
+      errors.ConfigError: fewer GPUs than `tensor_parallel`.
+    """
+    del dataset
+    gpus = base.local_accelerators(config.num_gpus)
+    if 0 < gpus < config.tensor_parallel:
+      raise errors.ConfigError(
+          f"--tensor_parallel={config.tensor_parallel} needs "
+          f"{config.tensor_parallel} GPUs of this host; it has {gpus}. Lower "
+          f"--tensor_parallel to a divisor of the heads that is at most "
+          f"{gpus}, or pass --num_gpus=0 to run on logical CPU devices.")
+
+  def build_strategy(self, config, *, cluster,
+                     lease=None) -> strategy_lib.StrategyChoice:
+    """`MirroredStrategy` over the first N devices.
+
+    Raises:
+      errors.ConfigError: a cluster of several tasks (`TF_CONFIG`), or the
+        devices cannot be made (`_group_devices`).
+    """
+    del lease
+    if cluster is not None and getattr(cluster, "num_workers", 1) > 1:
+      raise errors.ConfigError(
+          f"--tensor_parallel={config.tensor_parallel} runs in one process "
+          "on one host; this task is one of a cluster of "
+          f"{cluster.num_workers} workers. Run it without TF_CONFIG.")
+    n = config.tensor_parallel
+    names = _group_devices(n, config.num_gpus)
+    return strategy_lib.StrategyChoice(
+        tf.distribute.MirroredStrategy(names), StrategyKind.MIRRORED,
+        f"--tensor_parallel={n}: one tensor-parallel group of {n} replicas "
+        "(heads and feed-forward units split; the whole batch on each)",
+        tuple(names))
+
+  def build_inputs(self, run):
+    """The Mirrored runner and evaluation; the manifest's strategy
+    details say how the layers are split."""
+    runner, evaluate, details = super().build_inputs(run)
+    step = getattr(run.parts.trainer, "tensor_parallel", None)
+    if step is not None:
+      details = {**details, "tensor_parallel": step.describe()}
+    return runner, evaluate, details
+
+  def export_model(self, run):
+    """The unsharded Transformer with the gathered weights."""
+    step = getattr(run.parts.trainer, "tensor_parallel", None)
+    return step.gathered_model() if step is not None else run.parts.model
+
+  def planned_replicas(self, config, *, cluster) -> Tuple[int, int]:
+    return config.tensor_parallel, self.training_workers(cluster)
+
+
+def uses_tensor_parallel(config) -> bool:
+  """Whether `config` splits the model's layers (`tensor_parallel > 1`)."""
+  return getattr(config, "tensor_parallel", 1) > 1
