@@ -12,6 +12,11 @@ TensorFlow's runtime starts: run it as its own process), with
   regularizers, and on a model with a dict of inputs and class weights; under bf16 and fp16 it equals the one-device run that
   accumulates over the same micro-batches;
 * its evaluation is the one-device run's;
+* each stage's weights are created once, on the stage's device (a
+  `tf.variable_creator_scope` sees no copy made on device 0 first), with
+  the values of an unsplit build; weights a builder assigns are kept; a
+  builder that runs the model on data is built whole once more (the same
+  seeds and names), with a warning;
 * a pipelined run's checkpoint resumes unsplit, and that one's under
   another P, to the weights of one unsplit run; the SavedModel is the whole
   model and serves its outputs;
@@ -45,6 +50,8 @@ from tfdist.config import TrainConfig  # pylint: disable=g-import-not-at-top
 from tfdist.distribute import devices  # pylint: disable=g-import-not-at-top
 from tfdist.distribute import environment as environment_lib  # pylint: disable=g-import-not-at-top
 from tfdist.parallel import pipeline  # pylint: disable=g-import-not-at-top
+from tfdist.parallel import pipeline_options  # pylint: disable=g-import-not-at-top
+from tfdist.training import pipeline_step  # pylint: disable=g-import-not-at-top
 from tests import testutil  # pylint: disable=g-import-not-at-top
 
 DEVICES = devices.configure_cpu_devices(4)
@@ -195,6 +202,110 @@ class EqualToUnsplitTest(parameterized.TestCase):
     weights, _, _ = _fit(lambda: skip_model(regularize=True),
                          pipeline_stages=2)
     self.assertLess(_max_difference(weights, unsplit), TOLERANCE)
+
+
+def _index(device: str) -> int:
+  """The device's index (this process's logical CPU devices)."""
+  return tf.DeviceSpec.from_string(device).device_index
+
+
+def _stage_devices(model):
+  """`[(name, shape, device)]` of the model's weights, where they are."""
+  return sorted((v.name, tuple(v.shape), v.value.device)
+                for v in model.weights)
+
+
+class WhereWeightsAreCreatedTest(absltest.TestCase):
+  """Each stage's weights are created on its device, from their
+  initializers, never first on device 0 and copied (the whole model must
+  not have to fit one device)."""
+
+  def test_each_weight_is_created_once_on_its_stages_device(self):
+    with testutil.VariableCreations() as log:
+      _fit(pipeline_stages=4, num_microbatches=4, pipeline_schedule="1f1b")
+    placed = _stage_devices(_Built.model)
+    self.assertEqual(sorted({_index(d) for _, _, d in placed}), [0, 1, 2, 3])
+    names = {name for name, _, _ in placed}
+    # Every tf.Variable named as a weight (`block_1/kernel` or `kernel`;
+    # the optimizer's slots are named after their layer), once each,
+    # already on its stage's device: none made on device 0 and copied.
+    # (Equal training: EqualToUnsplitTest.)
+    self.assertEqual(
+        sorted((name.rsplit("/", 1)[-1], shape, device)
+               for name, shape, device in log.created
+               if name.rsplit("/", 1)[-1] in names), placed)
+
+  def test_initial_weights_equal_an_unsplit_builds(self):
+    options = pipeline_options.PipelineOptions(
+        num_stages=4, num_microbatches=4, devices=tuple(DEVICES))
+    for builder in (skip_model, dict_model):
+      unsplit = builder().get_weights()
+      model, deferred = pipeline_step.build_model(builder, options)
+      self.assertGreaterEqual(len(deferred), len(model.weights))
+      step = pipeline_step.build(model, options, micro_step_batch=BATCH,
+                                 deferred=deferred)
+      self.assertLen(deferred, 0)
+      for stage in step.pipeline.stages:
+        for v in stage.weights:
+          self.assertEqual(_index(v.value.device), _index(stage.device),
+                           v.path)
+      for a, b in zip(model.get_weights(), unsplit):
+        np.testing.assert_array_equal(a, b)
+      # compile's own variables (its loss tracker) have storage too.
+      for metric in model.metrics:
+        for v in metric.variables:
+          self.assertIsNotNone(v.numpy())
+
+  def test_weights_a_builder_assigns_keep_their_values(self):
+
+    def loads_weights():
+      model = skip_model()
+      model.get_layer("logits").kernel.assign(np.ones((16, 3), "float32"))
+      return model
+
+    options = pipeline_options.PipelineOptions(
+        num_stages=2, num_microbatches=2, devices=tuple(DEVICES[:2]))
+    model, deferred = pipeline_step.build_model(loads_weights, options)
+    step = pipeline_step.build(model, options, micro_step_batch=BATCH,
+                               deferred=deferred)
+    kernel = model.get_layer("logits").kernel
+    np.testing.assert_array_equal(kernel.numpy(), np.ones((16, 3)))
+    self.assertEqual(_index(kernel.value.device),
+                     _index(step.pipeline.stages[-1].device))
+
+  def test_a_builder_that_runs_the_model_is_built_whole_once_more(self):
+
+    def runs_it():
+      # Unseeded, auto-named: its seeds and names come from global state.
+      x = keras.Input((8,))
+      h = keras.layers.Dense(16, activation="tanh")(x)
+      model = keras.Model(x, keras.layers.Dense(3)(h))
+      model(X[:1])  # Runs it: its weights have no storage yet.
+      return model
+
+    options = pipeline_options.PipelineOptions(
+        num_stages=2, num_microbatches=2, devices=tuple(DEVICES[:2]))
+    keras.utils.set_random_seed(7)
+    expected = runs_it()
+    keras.utils.set_random_seed(7)
+    with self.assertLogs(level="WARNING") as logs:
+      model, deferred = pipeline_step.build_model(runs_it, options)
+    self.assertIsNone(deferred)
+    self.assertRegex("\n".join(logs.output),
+                     r"--pipeline_stages=2: the model's builder runs "
+                     r"TensorFlow ops on its weights before the model is cut "
+                     r"\(InvalidArgumentError: .*it is built again, whole")
+    # Auto-named as by one more call (the failed call's names given back):
+    # dense_2, dense_3 after dense, dense_1.
+    def numbers(m):
+      return [int(l.name.rsplit("_", 1)[1]) if "_" in l.name else 0
+              for l in m.layers[1:]]
+    self.assertEqual(numbers(model), [n + 2 for n in numbers(expected)])
+    for a, b in zip(model.get_weights(), expected.get_weights()):
+      np.testing.assert_array_equal(a, b)
+    step = pipeline_step.build(model, options, micro_step_batch=BATCH)
+    self.assertEqual(_index(model.layers[-1].kernel.value.device),
+                     _index(step.pipeline.stages[-1].device))
 
 
 class ArtifactsTest(absltest.TestCase):

@@ -13,7 +13,9 @@ steps, `--model_dir`), worker 0 serves stages 3-4 on its own 2. With
   two processes and in one fresh process (which splits its CPU into 4
   logical devices itself: it failed before); the manifest lists the
   stages' devices and the SavedModel serves the trained model's outputs;
-  both processes exit 0;
+  the chief creates the storage of its own stages' weights only (the
+  worker's are created on the worker, from their initializers); both
+  processes exit 0;
 * where the stages go (P/T per task, GPUs first) and the refusals: ps
   tasks in the cluster, T not dividing P (no processes);
 * a worker killed mid-run stops the chief with `PeerLostError`'s line and
@@ -97,12 +99,15 @@ def _fit(model_dir, steps, verbose=0, **changes):
 def fit_main(out_dir: str, steps: int, verbose: int):
   """A task's program: 4 stages, 2 a task across a 2-task cluster (in one
   process without one); the chief saves the trained weights."""
-  result = _fit(os.path.join(out_dir, "run"), steps, verbose,
-                pipeline_stages=4, num_microbatches=4,
-                pipeline_schedule="1f1b")
+  with testutil.VariableCreations() as log:
+    result = _fit(os.path.join(out_dir, "run"), steps, verbose,
+                  pipeline_stages=4, num_microbatches=4,
+                  pipeline_schedule="1f1b")
   if "role" not in result:
     np.savez(os.path.join(out_dir, "weights.npz"),
              *_Built.model.get_weights())
+    with open(os.path.join(out_dir, "created.json"), "w") as f:
+      json.dump(log.created, f)
 
 
 def _cluster(workers: int, ps: int = 0, task=("chief", 0)):
@@ -215,6 +220,22 @@ class AcrossWorkersTest(absltest.TestCase):
     self.assertEqual([s["device"] for s in stages],
                      [f"/job:{job}/replica:0/task:0/device:CPU:{i}"
                       for job in ("chief", "worker") for i in (0, 1)])
+    # The chief made the storage of its own stages' weights only (those
+    # of the worker's stages were created there, from their initializers):
+    # the bytes of the weights (`kernel`, `bias`; slots have other names)
+    # created on each task are its stages' weight bytes.
+    with open(os.path.join(out_dir, "created.json")) as f:
+      created = json.load(f)
+    made = {}
+    for name, shape, device in created:
+      if name.rsplit("/", 1)[-1] in ("kernel", "bias"):
+        task = device.split("/device:")[0]
+        made[task] = made.get(task, 0) + 4 * int(np.prod(shape))
+    per_task = {}
+    for stage in stages:
+      task = stage["device"].split("/device:")[0]
+      per_task[task] = per_task.get(task, 0) + stage["param_bytes"]
+    self.assertEqual(made, per_task)
     # The SavedModel is the whole trained model.
     exported = tf.saved_model.load(os.path.join(out_dir, "run",
                                                 "saved_model"))

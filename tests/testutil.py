@@ -143,6 +143,29 @@ def fp16_dense_model(strategy):
   return model, optimizer
 
 
+class VariableCreations:
+  """Inside, records every `tf.Variable` created in this thread (through
+  `tf.variable_creator_scope`), as `(name, shape, device)` in `created`:
+  where a variable's storage was first made."""
+
+  def __enter__(self):
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+    self.created = []
+
+    def creator(next_creator, **kwargs):
+      variable = next_creator(**kwargs)
+      self.created.append((variable.name.split(":")[0],
+                           tuple(variable.shape), variable.device))
+      return variable
+
+    self._scope = tf.variable_creator_scope(creator)
+    self._scope.__enter__()  # pylint: disable=unnecessary-dunder-call
+    return self
+
+  def __exit__(self, *exc):
+    return self._scope.__exit__(*exc)
+
+
 # The source checkout itself (not Bazel's runfiles tree, whose files are
 # links into it): what tools/setup.sh built next to it lives there.
 SOURCE_ROOT = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))

@@ -28,12 +28,14 @@ stage costs (`benchmarks/pipeline_bubble.py` measures it).
 
 The variables stay where Keras created them unless
 `Pipeline.place_variables` moves each stage's to its device (then an
-optimizer built afterwards keeps its state there too). What is not here yet: the flags of
-`tfdist.train`, stages on other tasks of a cluster, and pipelines combined
-with data parallelism. Batch normalization sees
-micro-batches (its statistics are those of B/M examples), as under gradient
-accumulation; `model.losses` (activity and weight regularizers) are not
-added to the loss.
+optimizer built afterwards keeps its state there too). A model built
+inside `deferred_variables()` gets variables without storage, and
+`place_variables(deferred)` creates each stage's from its initializer
+directly on the stage's device: the whole model is never held by one
+device. Pipelines combined with data parallelism are not here. Batch
+normalization sees micro-batches (its statistics are those of B/M
+examples), as under gradient accumulation; `model.losses` (activity and
+weight regularizers) are not added to the loss.
 
 Example (inside your `tf.function`):
 
@@ -43,12 +45,14 @@ Example (inside your `tf.function`):
                            schedule="1f1b")
 """
 
+import contextlib
 import dataclasses
 from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence, Tuple
 
 import keras
 import numpy as np
 import tensorflow as tf
+from tensorflow.python.ops import resource_variable_ops  # pylint: disable=g-direct-tensorflow-import
 
 from tfdist import errors
 from tfdist.parallel.pipeline_options import GPIPE
@@ -57,8 +61,9 @@ from tfdist.parallel.pipeline_options import SCHEDULES
 
 __all__ = [
     "GPIPE", "ONE_F_ONE_B", "SCHEDULES", "Pipeline", "PipelineConfigError",
-    "ActivationEstimate", "Stage", "balanced_cuts", "bubble_fraction", "check_microbatches",
-    "peak_in_flight", "schedule_order", "split_model",
+    "ActivationEstimate", "DeferredVariables", "Stage", "balanced_cuts",
+    "bubble_fraction", "check_microbatches",
+    "deferred_variables", "peak_in_flight", "schedule_order", "split_model",
 ]
 
 
@@ -304,6 +309,105 @@ def _param_bytes(variables) -> int:
              for v in variables)
 
 
+# --- variables created without storage until their stage is known -----------
+class DeferredVariables:
+  """The variables a model got inside `deferred_variables()`: TensorFlow
+  resource handles without storage, each with the initializer that would
+  have filled it.
+
+  Keras's TensorFlow variables create their `tf.Variable` from a callable
+  (their initializer on their shape and dtype); inside the scope that call
+  makes an uninitialized variable of the same shape, dtype and name
+  instead, and keeps the callable. `Pipeline.place_variables(deferred)`
+  then creates each stage's variables with their initializer under the
+  stage's device, in creation order, and `initialize_rest` fills the
+  others (metrics, seed states) where they were made. The initializers
+  draw the values they would have drawn at creation (Keras seeds them when
+  the layer is made), so the model equals one built without the scope.
+
+  Until then the model's variables cannot be read eagerly: one reads as an
+  empty tensor, so a builder that runs the model on data fails in its
+  first op (a `tf.errors.OpError`; `tfdist.training.pipeline_step.
+  build_model` then builds the model again, whole). A variable the builder
+  assigns (loads weights into) gets storage where it was made, and
+  `place_variables` moves it as any other.
+  """
+
+  def __init__(self):
+    # id(placeholder) -> (placeholder, tf.Variable keyword arguments).
+    self._pending: Dict[int, Tuple[tf.Variable, dict]] = {}
+
+  def __len__(self) -> int:
+    return len(self._pending)
+
+  def _create(self, next_creator, **kwargs):
+    initial_value = kwargs.get("initial_value")
+    if not callable(initial_value) or not tf.executing_eagerly():
+      return next_creator(**kwargs)
+    # The value's shape and dtype without computing it: a trace.
+    spec = tf.function(initial_value, autograph=False
+                       ).get_concrete_function().structured_outputs
+    if not isinstance(spec, tf.Tensor) or not spec.shape.is_fully_defined():
+      return next_creator(**kwargs)
+    placeholder = resource_variable_ops.UninitializedVariable(
+        shape=spec.shape, dtype=kwargs.get("dtype") or spec.dtype,
+        name=kwargs.get("name"), trainable=kwargs.get("trainable"),
+        aggregation=kwargs.get("aggregation"),
+        synchronization=kwargs.get("synchronization"))
+    self._pending[id(placeholder)] = (placeholder, kwargs)
+    return placeholder
+
+  def owns(self, variable) -> bool:
+    """Whether `variable` (a `tf.Variable`) is one of these, still without
+    storage."""
+    entry = self._pending.get(id(variable))
+    return entry is not None and entry[0] is variable and not bool(
+        variable.is_initialized())
+
+  def initialize(self, devices: Optional[Dict[int, Tuple[Any, str]]] = None
+                 ) -> None:
+    """Gives every pending variable storage, in creation order.
+
+    Args:
+      devices: `{id(placeholder): (keras_variable, device)}`: these are
+        created from their initializer under `tf.device(device)` and
+        replace the placeholder in `keras_variable`; the others are filled
+        in place (on the device they were made on).
+    """
+    devices = devices or {}
+    pending, self._pending = self._pending, {}
+    for key, (placeholder, kwargs) in pending.items():
+      if key in devices and not bool(placeholder.is_initialized()):
+        keras_variable, device = devices[key]
+        # Its name as made (within its layer's name scope, if any).
+        kwargs = dict(kwargs, name=placeholder.name.split(":")[0])
+        with tf.init_scope(), tf.device(device):
+          keras_variable._value = tf.Variable(**kwargs)  # pylint: disable=protected-access
+      elif not bool(placeholder.is_initialized()):
+        with tf.init_scope():
+          placeholder.assign(kwargs["initial_value"]())
+
+  def initialize_rest(self) -> None:
+    """Fills every pending variable in place (where it was made)."""
+    self.initialize()
+
+
+@contextlib.contextmanager
+def deferred_variables():
+  """Variables created inside get no storage until `place_variables`.
+
+  Build the model inside, cut it (`split_model` needs only shapes and
+  dtypes), then call `Pipeline.place_variables(deferred)`: each stage's
+  variables are created directly on its device.
+
+  Yields:
+    A `DeferredVariables`.
+  """
+  deferred = DeferredVariables()
+  with tf.variable_creator_scope(deferred._create):  # pylint: disable=protected-access
+    yield deferred
+
+
 # --- stages and the pipeline -------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class ActivationEstimate:
@@ -484,18 +588,25 @@ class Pipeline:
       out.append(value)
     return out
 
-  def place_variables(self) -> Dict[str, int]:
-    """Moves each stage's variables to its device; returns bytes per device.
+  def place_variables(self, deferred: Optional[DeferredVariables] = None
+                      ) -> Dict[str, int]:
+    """Puts each stage's variables on its device; returns bytes per device.
 
     The model's variables stay the same Keras objects with the same names
-    (checkpoints are unchanged); the TensorFlow variable under each is
-    re-created on its stage's device with the same value. Keras creates an
-    optimizer's slot variables beside their variable, so an optimizer built
-    afterwards keeps its state on the stage devices too.
+    (checkpoints are unchanged). A variable of `deferred` (the model was
+    built inside `deferred_variables()`) is created from its initializer
+    on its stage's device, so its values never exist elsewhere; any other
+    is re-created there with its value. `deferred`'s variables outside the
+    stages (metrics, seed states) are filled where they were made. Keras
+    creates an optimizer's slot variables beside their variable, so an
+    optimizer built afterwards keeps its state on the stage devices too.
 
     Call it once, right after `split_model`: before the optimizer is built
     and before any `tf.function` has used the model (a traced function
     would keep the old variables).
+
+    Args:
+      deferred: the `DeferredVariables` the model was built with, or None.
 
     Returns:
       `{device: bytes of the model's variables placed there}`.
@@ -505,7 +616,7 @@ class Pipeline:
         ones this function knows how to move (another Keras backend or
         version).
     """
-    per_device = {}
+    per_device, created = {}, {}
     for stage in self.stages:
       want = tf.DeviceSpec.from_string(stage.device)
       for v in stage.weights:
@@ -517,9 +628,17 @@ class Pipeline:
               f"{stage.device} (Keras {keras.__version__}, backend "
               f"{keras.backend.backend()}): use the TensorFlow backend, or "
               "leave the variables where Keras made them.")
+        per_device[stage.device] = (per_device.get(stage.device, 0) +
+                                    _param_bytes([v]))
+        if deferred is not None and deferred.owns(current):
+          created[id(current)] = (v, stage.device)
+          continue
         have = tf.DeviceSpec.from_string(current.device)
-        if (have.device_type, have.device_index) != (want.device_type,
-                                                     want.device_index):
+        # A field the stage's device leaves open (a local name has no job
+        # or task) matches any; a remote stage's task must match too.
+        fields = ("job", "replica", "task", "device_type", "device_index")
+        if any(getattr(want, f) is not None and
+               getattr(want, f) != getattr(have, f) for f in fields):
           with tf.init_scope(), tf.device(stage.device):
             moved = tf.Variable(
                 current.read_value(), dtype=current.dtype,
@@ -527,8 +646,8 @@ class Pipeline:
                 aggregation=current.aggregation,
                 synchronization=current.synchronization)
           v._value = moved  # pylint: disable=protected-access
-        per_device[stage.device] = (per_device.get(stage.device, 0) +
-                                    _param_bytes([v]))
+    if deferred is not None:
+      deferred.initialize(created)
     return per_device
 
   def check_step(self, batch_size: int, num_microbatches: int,

@@ -412,14 +412,19 @@ def build(options: AssemblyOptions, *, task: task_lib.Task,
                         sync_batch_norm=plan.sync_batch_norm),
       strategy) if options.tensor_parallel > 1 else None)
   with strategy.scope():
-    model = (tensor_parallel.model if tensor_parallel is not None else
-             build_model(options, task=task,
-                         sync_batch_norm=plan.sync_batch_norm))
+    if tensor_parallel is not None:
+      model, deferred = tensor_parallel.model, None
+    else:
+      model, deferred = pipeline_step.build_model(
+          functools.partial(build_model, options, task=task,
+                            sync_batch_norm=plan.sync_batch_norm),
+          options.pipeline)
     # Before the optimizer: its slots follow the stages' variables.
     pipeline = (pipeline_step.build(
         model, options.pipeline,
         micro_step_batch=plan.batch.per_replica_batch_size,
-        gradient_accumulation_steps=plan.batch.gradient_accumulation_steps)
+        gradient_accumulation_steps=plan.batch.gradient_accumulation_steps,
+        deferred=deferred)
                 if options.pipeline is not None else None)
     optimizer, learning_rate = _build_optimizer(
         options, model=model, plan=plan, sharding=sharding)

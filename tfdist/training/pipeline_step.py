@@ -1,8 +1,10 @@
 """The trainer's step through a pipeline (`--pipeline_stages=P`, P > 1).
 
 `build` cuts the run's model into P stages (`tfdist.parallel.pipeline`)
-on P devices, moves each stage's variables to its device and checks the
-step's batch, all before any optimizer or step is built. `PipelineStep`
+on P devices, creates each stage's variables on its device (a model built
+inside `deferred_variables`: from their initializers, never all on one
+device; one built before: moved there) and checks the step's batch, all
+before any optimizer or step is built. `PipelineStep`
 replaces the `Trainer`'s per-replica forward and backward pass: the step's
 batch is split into M micro-batches that flow through the stages under the
 schedule, and it returns what the unsplit pass returns (the loss, the
@@ -19,14 +21,20 @@ start; losses a layer adds with `add_loss` are not added to the pipelined
 loss.
 """
 
+import collections
+import copy
 import dataclasses
-from typing import Optional
+import random
+from typing import Callable, Optional, Tuple
 
 from absl import logging
 import keras
+from keras.src.backend.common import global_state  # pylint: disable=g-direct-keras-import
+import numpy as np
 import tensorflow as tf
 
 from tfdist import errors
+from tfdist.errors import first_line
 from tfdist.parallel import pipeline as pipeline_lib
 from tfdist.parallel import pipeline_options
 from tfdist.training import custom_step
@@ -122,9 +130,73 @@ def _flag_error(options: pipeline_options.PipelineOptions,
       f"--pipeline_stages={options.num_stages}{cuts}: {error}")
 
 
+def build_model(
+    build: Callable[[], keras.Model],
+    options: Optional[pipeline_options.PipelineOptions]
+) -> Tuple[keras.Model, Optional[pipeline_lib.DeferredVariables]]:
+  """Calls `build` so that, with stages, the model's variables get no
+  storage until `build` (below) creates each on its stage's device
+  (`tfdist.parallel.pipeline.deferred_variables`).
+
+  A builder that runs TensorFlow ops on the weights before the cut (calls
+  the model on data to build it, reads a weight) fails there, since a
+  weight without storage reads as an empty tensor: it is then called
+  again without deferral, its random state and Keras's layer names
+  restored first (the same weights and names as one call), and the
+  stages' variables are moved to their devices as for a model built
+  before (the whole model must then fit one device once; a warning says
+  so and why).
+
+  Args:
+    build: makes the run's model (the task's builder).
+    options: the run's `PipelineOptions`, or None.
+
+  Returns:
+    `(model, deferred)`: `deferred` to give `build` (None without stages,
+    or when the builder needed its weights).
+  """
+  if options is None or not options.enabled:
+    return build(), None
+  state = _random_and_name_state()
+  try:
+    with pipeline_lib.deferred_variables() as deferred:
+      return build(), deferred
+  except tf.errors.OpError as e:
+    logging.warning(
+        "--pipeline_stages=%d: the model's builder runs TensorFlow ops on "
+        "its weights before the model is cut (%s: %s), so they cannot be "
+        "created on their stages' devices from the start: it is built "
+        "again, whole, where Keras puts it, and each stage's weights are "
+        "moved to their device afterwards (the whole model must fit there "
+        "once). Build the model without calling it on data (give it a "
+        "keras.Input) to avoid this.", options.num_stages,
+        type(e).__name__, first_line(e)[:200])
+    _restore(state)
+    return build(), None
+
+
+def _random_and_name_state():
+  """What a second call of a builder must start from to make the same
+  model: Python's and NumPy's random state (Keras draws its initializers'
+  seeds from Python's) and Keras's counters of automatic names."""
+  uids = global_state.get_global_attribute("object_name_uids")
+  return (random.getstate(), np.random.get_state(),
+          copy.copy(uids) if uids is not None else None)
+
+
+def _restore(state) -> None:
+  python_state, numpy_state, uids = state
+  random.setstate(python_state)
+  np.random.set_state(numpy_state)
+  global_state.set_global_attribute(
+      "object_name_uids",
+      uids if uids is not None else collections.defaultdict(int))
+
+
 def build(model: keras.Model, options: pipeline_options.PipelineOptions, *,
-          micro_step_batch: int,
-          gradient_accumulation_steps: int = 1) -> Optional[PipelineStep]:
+          micro_step_batch: int, gradient_accumulation_steps: int = 1,
+          deferred: Optional[pipeline_lib.DeferredVariables] = None
+          ) -> Optional[PipelineStep]:
   """Cuts `model` into the run's stages and places their variables.
 
   Call it right after the model is built, outside any strategy scope,
@@ -137,6 +209,9 @@ def build(model: keras.Model, options: pipeline_options.PipelineOptions, *,
     micro_step_batch: examples of one step (one micro-step under gradient
       accumulation).
     gradient_accumulation_steps: K (named in errors).
+    deferred: what `build_model` returned with the model
+      (its variables are created on their stages' devices here; if the
+      model cannot be cut, where they were made), or None.
 
   Returns:
     The `PipelineStep`, or None when `options` has one stage.
@@ -150,6 +225,17 @@ def build(model: keras.Model, options: pipeline_options.PipelineOptions, *,
   """
   if not options.enabled:
     return None
+  try:
+    return _build(model, options, micro_step_batch=micro_step_batch,
+                  gradient_accumulation_steps=gradient_accumulation_steps,
+                  deferred=deferred)
+  finally:
+    if deferred is not None:
+      deferred.initialize_rest()  # All of them when the cut was refused.
+
+
+def _build(model, options, *, micro_step_batch, gradient_accumulation_steps,
+           deferred):
   pipeline_options.check_batch(
       options, micro_step_batch=micro_step_batch,
       gradient_accumulation_steps=gradient_accumulation_steps)
@@ -181,7 +267,7 @@ def build(model: keras.Model, options: pipeline_options.PipelineOptions, *,
                                              options.num_microbatches)))
     pipe.check_step(micro_step_batch, options.num_microbatches,
                     options.schedule)
-    placed = pipe.place_variables()
+    placed = pipe.place_variables(deferred)
   except errors.PipelineConfigError as e:
     raise _flag_error(options, e) from None
   step = PipelineStep(pipe, options.num_microbatches, options.schedule,
