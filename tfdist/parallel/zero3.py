@@ -19,7 +19,10 @@ owning elements [r x S, (r + 1) x S)):
 * **Forward and backward.** Each step the replica all-gathers the shards
   (`ReplicaContext.all_gather`, [S] -> [P']) and runs the model under
   `keras.StatelessScope(state_mapping=...)`, which gives the layers the
-  gathered tensors in place of their variables. The gradient with
+  gathered tensors in place of their variables. Under mixed precision
+  the weights the layers autocast (`autocast_elements`) are gathered in
+  the compute dtype, half the bytes, rounded as the layers would round
+  them. The gradient with
   respect to the gathered buffer [P'] is all-reduced (in
   `--all_reduce_dtype`) and the replica keeps its slice (the all-gather's
   own gradient, written out so the replicated weights' gradients ride in
