@@ -39,6 +39,8 @@ from tfdist.config import TrainConfig  # pylint: disable=g-import-not-at-top
 from tfdist.distribute import devices  # pylint: disable=g-import-not-at-top
 from tfdist.models import cnn  # pylint: disable=g-import-not-at-top
 from tfdist.models import transformer  # pylint: disable=g-import-not-at-top
+from tfdist.parallel import zero3  # pylint: disable=g-import-not-at-top
+from tfdist.training import sharded_optimizer  # pylint: disable=g-import-not-at-top
 from tests import testutil  # pylint: disable=g-import-not-at-top
 
 DEVICES = devices.configure_cpu_devices(2)
@@ -153,6 +155,56 @@ class EqualToUnshardedTest(absltest.TestCase):
     # The shards stay float32 (the master weights); the layers cast the
     # gathered weights as they cast their variables.
     self._check(optimizer="adam", dtype="bf16")
+
+
+class GatherInComputeDtypeTest(absltest.TestCase):
+
+  def test_autocast_weights_gathered_in_bfloat16(self):
+    # Under mixed_bfloat16 the convolution and dense weights travel in
+    # bfloat16 (their layers autocast them); batch normalization's stay
+    # float32. The gathered buffer is what the layers read after their
+    # own cast: the weights rounded to bfloat16, the others exact.
+    keras.mixed_precision.set_dtype_policy("mixed_bfloat16")
+    try:
+      model = small_cnn()
+    finally:
+      keras.mixed_precision.set_dtype_policy("float32")
+    variables = model.trainable_variables
+    layout = sharded_optimizer.FlatLayout([v.shape for v in variables], 2)
+    dtype, mask = zero3.autocast_elements(model, layout, variables)
+    self.assertEqual(dtype, tf.bfloat16)
+    batch_norm = [j for j, v in enumerate(variables)
+                  if "batch_normalization" in v.path]
+    self.assertNotEmpty(batch_norm)
+    for j, v in enumerate(variables):
+      off = layout.offsets[j]
+      self.assertEqual(bool(mask[off]), j not in batch_norm, v.path)
+    flat = layout.flatten([v.value for v in variables])
+    size = layout.shard_size
+    strategy = tf.distribute.MirroredStrategy(DEVICES)
+    shards = strategy.experimental_distribute_values_from_function(
+        lambda ctx: flat[ctx.replica_id_in_sync_group * size:][:size])
+
+    @tf.function
+    def gather(shards):
+      return strategy.run(
+          lambda shard: zero3._all_gather_shards(  # pylint: disable=protected-access
+              tf.distribute.get_replica_context(), shard, (dtype, mask)),
+          args=(shards,))
+
+    gathered = strategy.experimental_local_results(gather(shards))
+    rounded = np.where(mask, tf.cast(tf.cast(flat, tf.bfloat16),
+                                     tf.float32).numpy(), flat.numpy())
+    for value in gathered:
+      np.testing.assert_array_equal(value.numpy(), rounded)
+    # The bfloat16 part went into the gather as int32 pairs (CPU
+    # collectives refuse bfloat16), and it is nearly all of the buffer:
+    # about half the bytes of a float32 gather.
+    graph = gather.get_concrete_function(shards).graph
+    packed = [op for op in graph.get_operations() if op.type == "Bitcast"
+              and op.inputs[0].dtype == tf.bfloat16]
+    self.assertLen(packed, 2)  # One per replica.
+    self.assertLess(np.count_nonzero(~mask), 0.02 * mask.size)
 
 
 def no_dropout_cnn():

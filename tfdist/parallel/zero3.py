@@ -19,7 +19,10 @@ owning elements [r x S, (r + 1) x S)):
 * **Forward and backward.** Each step the replica all-gathers the shards
   (`ReplicaContext.all_gather`, [S] -> [P']) and runs the model under
   `keras.StatelessScope(state_mapping=...)`, which gives the layers the
-  gathered tensors in place of their variables. The gradient with
+  gathered tensors in place of their variables. Under mixed precision
+  the weights the layers autocast (`autocast_elements`) are gathered in
+  the compute dtype, half the bytes, rounded as the layers would round
+  them. The gradient with
   respect to the gathered buffer [P'] is all-reduced (in
   `--all_reduce_dtype`) and the replica keeps its slice (the all-gather's
   own gradient, written out so the replicated weights' gradients ride in
@@ -78,9 +81,14 @@ STAGE = 3
 _VARIABLE_VALUE = "VARIABLE_VALUE"
 
 
-def _all_gather_shards(context, shard) -> tf.Tensor:
+def _all_gather_shards(context, shard, cast=None) -> tf.Tensor:
   """Every replica's `shard` (float32 [S], the same S on all), concatenated
   in replica order: float32 [N x S]. Replica context.
+
+  `cast` (from `autocast_elements`), if given: `(dtype, mask)`, mask a
+  bool array [N x S]; the elements it marks travel in `dtype` (half the
+  bytes of float32 for bfloat16 and float16) and come back rounded to it,
+  still as float32: what the layers' autocast makes of them anyway.
 
   `ReplicaContext.all_gather`, with its gradient written here: the
   all-reduced gradient sliced at `replica_id_in_sync_group x S`. The
@@ -97,9 +105,81 @@ def _all_gather_shards(context, shard) -> tf.Tensor:
       summed = context.all_reduce(tf.distribute.ReduceOp.SUM, upstream)
       return tf.slice(summed, [context.replica_id_in_sync_group * size],
                       [size])
-    return context.all_gather(value, axis=0), gradient
+    if cast is None:
+      return context.all_gather(value, axis=0), gradient
+    return _gather_cast(context, value, *cast), gradient
 
   return gather(shard)
+
+
+def _runs(marked: np.ndarray) -> list:
+  """`(start, end, value)` of the runs of equal values in bool `marked`."""
+  edges = [0] + list(np.flatnonzero(np.diff(marked)) + 1) + [marked.size]
+  return [(a, b, bool(marked[a])) for a, b in zip(edges[:-1], edges[1:])]
+
+
+def _gather_cast(context, shard, dtype, mask) -> tf.Tensor:
+  """`_all_gather_shards` with the elements `mask` marks in `dtype`: two
+  all-gathers (the marked elements of each shard, cast and padded to the
+  most any shard has; the others in float32), put back in flat order.
+  Static slices only: index arrays would be constants of the size of the
+  buffer, kept by the compiled step."""
+  replicas = mask.size // int(shard.shape[0])
+  masks = mask.reshape(replicas, -1)
+  sizes = {True: int(masks.sum(axis=1).max()),
+           False: int((~masks).sum(axis=1).max())}
+  sizes[True] += sizes[True] % 2  # Even: bfloat16 travels in pairs.
+  replica = int(tf.get_static_value(context.replica_id_in_sync_group))
+  runs = _runs(masks[replica])
+
+  def gather(marked, part_dtype):
+    pieces = [shard[a:b] for a, b, value in runs if value == marked]
+    count = sum(int(p.shape[0]) for p in pieces)
+    piece = tf.cast(tf.concat(pieces + [tf.zeros([sizes[marked] - count])],
+                              axis=0), part_dtype)
+    if part_dtype != tf.bfloat16:
+      return context.all_gather(piece, axis=0)
+    # CPU collectives refuse bfloat16: it travels as int32 (pairs of
+    # elements' bits; a gather moves bits, no arithmetic).
+    words = tf.bitcast(tf.reshape(piece, [-1, 2]), tf.int32)
+    return tf.reshape(tf.bitcast(context.all_gather(words, axis=0),
+                                 tf.bfloat16), [-1])
+
+  gathered = {True: tf.cast(gather(True, dtype), tf.float32)}
+  if sizes[False]:
+    gathered[False] = gather(False, tf.float32)
+  out = []
+  for r in range(replicas):
+    at = {True: r * sizes[True], False: r * sizes[False]}
+    for a, b, value in _runs(masks[r]):
+      out.append(gathered[value][at[value]:at[value] + b - a])
+      at[value] += b - a
+  return tf.concat(out, axis=0)
+
+
+def autocast_elements(model: keras.Model, layout, variables):
+  """`(dtype, mask)` for `_all_gather_shards`: the elements of the flat
+  buffer (`layout` of `variables`: bool [P'], padding marked) whose
+  weights the model's layers autocast to their compute dtype `dtype`
+  when read (Keras: the variable's `autocast` is on and its layer's
+  `autocast` too, with a float compute dtype other than float32; not
+  batch or layer normalization, which keep float32). None when no
+  weight is autocast, or layers autocast to different dtypes."""
+  dtypes = {}
+  for layer in model._flatten_layers(include_self=True):  # pylint: disable=protected-access
+    dtype = layer.compute_dtype
+    if (layer.autocast and dtype != layer.variable_dtype and
+        dtype in ("bfloat16", "float16")):
+      for v in layer._trainable_variables:  # pylint: disable=protected-access
+        if v._autocast:  # pylint: disable=protected-access
+          dtypes[id(v)] = dtype
+  if len(set(dtypes.values())) != 1:
+    return None
+  mask = np.ones([layout.padded_total], bool)
+  for j, v in enumerate(variables):
+    off, n = layout.offsets[j], layout.sizes[j]
+    mask[off:off + n] = id(v) in dtypes
+  return tf.as_dtype(next(iter(dtypes.values()))), mask
 
 
 def check_model(model: keras.Model) -> None:
@@ -193,6 +273,8 @@ class Zero3Optimizer(sharded_optimizer.ShardedOptimizer):
     # released and live only in the shards.
     self.replicated: List[int] = []
     self._sharded_indices = list(range(len(self.variables)))
+    # `autocast_elements` of the model, set by `attach`.
+    self.gather_cast = None
 
   def _shard_weights(self, replicated) -> None:
     """Copies every trainable weight into the shards (the replicated ones
@@ -267,6 +349,8 @@ class Zero3Optimizer(sharded_optimizer.ShardedOptimizer):
           ". Drop one of them.")
     check_model(trainer.model)
     self.model = trainer.model
+    self.gather_cast = autocast_elements(trainer.model, self.layout,
+                                         self.variables)
     self._shard_weights(replicated_variables(trainer.model))
     trainer._replica_grads = lambda inputs, labels, weights=None: (  # pylint: disable=protected-access
         self.replica_forward_backward(trainer, inputs, labels, weights))
@@ -307,11 +391,11 @@ class Zero3Optimizer(sharded_optimizer.ShardedOptimizer):
     [S] and the others' (one all-gather)."""
     return self.layout.unflatten(self._replica_gather_flat(shard))
 
-  @staticmethod
-  def _replica_gather_flat(shard: tf.Tensor) -> tf.Tensor:
-    """float32 [P']: every replica's `shard` [S], in order."""
+  def _replica_gather_flat(self, shard: tf.Tensor) -> tf.Tensor:
+    """float32 [P']: every replica's `shard` [S], in order (the weights
+    the layers autocast gathered in their compute dtype)."""
     context = tf.distribute.get_replica_context()
-    return _all_gather_shards(context, shard)
+    return _all_gather_shards(context, shard, self.gather_cast)
 
   def replica_forward_backward(self, trainer, inputs, labels, weights=None):
     """`Trainer._replica_forward_backward` on gathered weights.
