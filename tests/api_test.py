@@ -572,7 +572,7 @@ class PythonInputsTest(absltest.TestCase):
     # A PyDataset too, on one of two MultiWorkerMirrored workers.
     data = _Batches(self.x, self.y)
     with self.assertRaisesRegex(
-        ConfigError, r"tfdist.fit\(x=...\) got keras.utils.PyDataset "
+        errors.ConfigError, r"tfdist.fit\(x=...\) got keras.utils.PyDataset "
         r"\(_Batches\), which only this Python process can read.*def "
         r"make_dataset"):
       api.fit(_model, x=data, environment=_two_workers(),
@@ -607,7 +607,7 @@ class RefusedSettingsTest(absltest.TestCase):
     config = TrainConfig(model_dir=os.path.join(tempfile.mkdtemp(), "m"),
                          train_steps=1, batch_size=4,
                          distribution_strategy=strategy)
-    with self.assertRaisesRegex(ConfigError, pattern) as cm:
+    with self.assertRaisesRegex(errors.ConfigError, pattern) as cm:
       api.fit(model_fn, x=np.zeros((8, 1), np.float32),
               y=np.zeros(8, np.float32), config=config,
               environment=environment)

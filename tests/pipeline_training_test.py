@@ -45,7 +45,6 @@ import tensorflow as tf  # pylint: disable=g-import-not-at-top
 from tfdist import api  # pylint: disable=g-import-not-at-top
 from tfdist import errors  # pylint: disable=g-import-not-at-top
 from tfdist import experiment  # pylint: disable=g-import-not-at-top
-from tfdist import errors
 from tfdist.config import TrainConfig  # pylint: disable=g-import-not-at-top
 from tfdist.distribute import devices  # pylint: disable=g-import-not-at-top
 from tfdist.distribute import environment as environment_lib  # pylint: disable=g-import-not-at-top

@@ -437,6 +437,18 @@ def _run_child(code: str) -> subprocess.CompletedProcess:
                          os.environ.get("PYTHONPATH", "")})
 
 
+class ArgumentsTest(absltest.TestCase):
+
+  def test_bad_dropout_is_a_config_error(self):
+    # In this process: checked before anything is built or placed.
+    from tfdist import errors  # pylint: disable=g-import-not-at-top
+    from tfdist.parallel import tensor_parallel  # pylint: disable=g-import-not-at-top
+    with self.assertRaisesRegex(errors.ConfigError,
+                                r"0 <= dropout < 1\. Received: dropout=1\.5"):
+      tensor_parallel.ParallelMultiHeadAttention(num_heads=2, key_dim=4,
+                                                 dropout=1.5)
+
+
 class TensorParallelTest(absltest.TestCase):
 
   @classmethod

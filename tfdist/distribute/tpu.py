@@ -347,7 +347,7 @@ def connect_tpu(tpu: str, *, zone: str = "", project: str = "",
 
 
 def _failure(tpu: str, kind: str, *, zone: str, project: str,
-             started: float) -> Callable[[str], "TPUNotAvailableError"]:
+             started: float) -> Callable[[str], "errors.TPUNotAvailableError"]:
   """`problem -> TPUNotAvailableError` naming what was tried and for how long.
 
   Args:

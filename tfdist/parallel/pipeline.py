@@ -60,7 +60,7 @@ from tfdist.parallel.pipeline_options import ONE_F_ONE_B
 from tfdist.parallel.pipeline_options import SCHEDULES
 
 __all__ = [
-    "GPIPE", "ONE_F_ONE_B", "SCHEDULES", "Pipeline", "PipelineConfigError",
+    "GPIPE", "ONE_F_ONE_B", "SCHEDULES", "Pipeline",
     "ActivationEstimate", "DeferredVariables", "Stage", "balanced_cuts",
     "bubble_fraction", "check_microbatches",
     "deferred_variables", "peak_in_flight", "schedule_order", "split_model",

@@ -589,8 +589,9 @@ class ParallelMultiHeadAttention(_TensorParallelLayer):
     self.use_bias = bool(use_bias)
     self.dropout = float(dropout)
     if not 0.0 <= self.dropout < 1.0:
-      raise ConfigError("ParallelMultiHeadAttention needs 0 <= dropout < 1. "
-                        f"Received: dropout={dropout}.")
+      raise errors.ConfigError(
+          "ParallelMultiHeadAttention needs 0 <= dropout < 1. "
+          f"Received: dropout={dropout}.")
     self.output_dim = None if output_shape is None else int(output_shape)
     self.kernel_initializer = keras.initializers.get(kernel_initializer)
     self.bias_initializer = keras.initializers.get(bias_initializer)
