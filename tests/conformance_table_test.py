@@ -86,7 +86,11 @@ class FitTableTest(absltest.TestCase):
     module = types.ModuleType(name)
     module.__file__ = os.path.join(conformance_table.REPO_ROOT, "tests",
                                    name + ".py")
-    self.enter_context(mock.patch.dict(sys.modules, {name: module}))
+    # Only this name comes and goes: mock.patch.dict(sys.modules) would
+    # also drop every module imported meanwhile (tfdist.train among them,
+    # whose flags a later import would then define twice).
+    sys.modules[name] = module
+    self.addCleanup(sys.modules.pop, name, None)
     case = type("Case", (absltest.TestCase,), {"runTest": lambda _: None,
                                                "__module__": name})
     return case()
