@@ -18,7 +18,6 @@ from absl.testing import absltest
 
 from tests import testutil
 from tfdist import diagnose
-from tfdist import flags as tfdist_flags
 
 SCRIPT = os.path.join(testutil.REPO_ROOT, "tools", "gpu_check.sh")
 PARITY = os.path.join(testutil.REPO_ROOT, "benchmarks", "keras_parity.py")
@@ -27,9 +26,14 @@ PIP_FLAGS = {"no-index", "find-links", "no-deps"}
 
 
 def _train_flags():
-  """tfdist.train's flags: what `tfdist.flags.define_all_flags` defines."""
-  if "model_dir" not in absl_flags.FLAGS:  # Not yet, by tfdist.train.
-    tfdist_flags.define_all_flags()
+  """tfdist.train's flags: what `tfdist.flags.define_all_flags` defines.
+
+  Through the binary's import, which defines them once per process (a
+  second `define_all_flags` raises DuplicateFlagError, so a call here
+  broke any later test file of the same process importing tfdist.train).
+  """
+  from tfdist import train  # pylint: disable=g-import-not-at-top
+  del train
   return absl_flags.FLAGS
 
 
