@@ -666,9 +666,10 @@ class InMemoryArgumentsTest(absltest.TestCase):
                    10)
 
   def test_a_resumed_run_continues_the_arrays_epoch(self):
-    # 300 rows at batch 32: epochs of 9 steps. Stopped after step 13 (epoch
-    # 1, 4 steps in), the rerun's input continues epoch 1 after those 4
-    # steps' rows (the input position), not from its start.
+    # 300 rows at batch 32: epochs of 9 steps. Stopped after step 13 (the
+    # second epoch, 4 steps in), the rerun's input continues epoch 2
+    # (counted from 1, as Keras counts) after those 4 steps' rows (the
+    # input position), not from its start.
     import numpy as np  # pylint: disable=g-import-not-at-top
     import tfdist  # pylint: disable=g-import-not-at-top
     model_dir = tempfile.mkdtemp(dir=testutil.scratch_dir())
@@ -682,7 +683,7 @@ class InMemoryArgumentsTest(absltest.TestCase):
         tfdist.fit(lambda: lib.build_model("sample_weight"), config=config,
                    x=x, y=3 * x[:, 0])
     self.assertIn("tfdist: input position restored: step 13 continues "
-                  "epoch 1 where the checkpoint stopped.",
+                  "epoch 2 where the checkpoint stopped.",
                   "\n".join(logs.output))
 
   def test_mismatched_lengths(self):
