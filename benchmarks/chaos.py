@@ -246,12 +246,27 @@ def _listdir(folder: str) -> List[str]:
     return []
 
 
-def _unlisted_entries(checkpoint_dir: str, before: set) -> List[str]:
-  """Entries new since `before` that belong to a save in progress: a
-  `_temp` folder, or files of a checkpoint the index does not list yet."""
+def _snapshot(folder: str) -> dict:
+  """name -> (inode, mtime in ns) of `folder`'s entries."""
+  out = {}
+  for name in _listdir(folder):
+    try:
+      stat = os.stat(os.path.join(folder, name))
+    except OSError:
+      continue
+    out[name] = (stat.st_ino, stat.st_mtime_ns)
+  return out
+
+
+def _unlisted_entries(checkpoint_dir: str, before: dict) -> List[str]:
+  """Entries new or changed since `before` (`_snapshot`) that belong to a
+  save in progress: a `_temp` folder, or files of a checkpoint the index
+  does not list yet. Changed counts: a killed save's leftover `_temp`
+  folder is written again by the same save after the restart."""
   listed = set(listed_checkpoints(checkpoint_dir))
+  now = _snapshot(checkpoint_dir)
   out = []
-  for name in set(_listdir(checkpoint_dir)) - before:
+  for name in [n for n, key in now.items() if before.get(n) != key]:
     match = _TEMP_RE.search(name) or re.match(r"ckpt-(\d+)\.", name)
     if match and int(match.group(1)) not in listed:
       out.append(name)
@@ -405,7 +420,7 @@ def _kill(pid: int, signum: int, mode: str, checkpoint_dir: str, *,
   shows in `checkpoint_dir` (mode "save"). Returns what to record; `sent`
   is False when the process had already exited."""
   if mode == "save":
-    before = set(_listdir(checkpoint_dir))
+    before = _snapshot(checkpoint_dir)
     while time.time() < deadline and alive():
       entries = _unlisted_entries(checkpoint_dir, before)
       if entries:
