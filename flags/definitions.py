@@ -20,7 +20,7 @@ from tfdist.training import optimizers
 from tfdist.training import reduce_dtype
 
 FLAGS = flags.FLAGS
-_DEFAULTS = config_lib.TrainConfig.__dataclass_fields__
+_DEFAULTS = config_lib.flat_fields()
 
 
 def _default(name):
