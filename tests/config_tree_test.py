@@ -4,12 +4,14 @@ and reads, and the settings' flag metadata (tfdist.config_tree)."""
 import dataclasses
 import pickle
 
+from absl import flags
 from absl.testing import absltest
 
 from tfdist import config
 from tfdist import config_tree
 from tfdist import errors
 from tfdist.config import TrainConfig
+from tfdist.flags import definitions
 
 _BASE = dict(model_dir="/tmp/x", train_steps=3)
 
@@ -121,6 +123,47 @@ class MetadataTest(absltest.TestCase):
       config_tree.setting(1, "int", "train", help="x")
     with self.assertRaisesRegex(ValueError, "choices exactly"):
       config_tree.setting("a", "enum", "train", help="x")
+
+
+@dataclasses.dataclass(frozen=True)
+class _OwnSection:
+  """A section written outside tfdist: one field a setting, one flag."""
+  eval_batches: int = config_tree.setting(
+      0, "integer", "train", help="Batches per evaluation (0: all).")
+  head: str = config_tree.setting(
+      "mlp", "enum", "base", choices=lambda: ("mlp", "linear"),
+      case_sensitive=False, help=lambda: "The model's head.")
+  tags: tuple = config_tree.setting(("a", "b"), "list", "base",
+                                    help="Tags.", alias="labels")
+
+
+class GeneratedFlagsTest(absltest.TestCase):
+
+  def test_a_new_setting_is_one_field(self):
+    flag_values = flags.FlagValues()
+    for name, field in (
+        (field.name, field) for _, field in config_tree.settings(
+            _OwnSection)):
+      definitions._define_setting(name, field, flag_values=flag_values)
+    flag_values(["prog", "--eval_batches=3", "--head=LINEAR",
+                 "--labels=x,y"])
+    self.assertEqual(flag_values.eval_batches, 3)
+    self.assertEqual(flag_values.head, "linear")
+    self.assertEqual(flag_values.tags, ["x", "y"])
+    self.assertEqual(flag_values["eval_batches"].help,
+                     "Batches per evaluation (0: all).")
+    self.assertEqual(flag_values["tags"].default, ["a", "b"])
+    self.assertEqual(flag_values["head"].help, "<mlp|linear>: The model's "
+                     "head.")
+
+  def test_parse_checks_stay_on_their_flags(self):
+    flag_values = flags.FlagValues()
+    fields = config.flat_fields()
+    definitions._define_setting("loss_scale", fields["loss_scale"],
+                                flag_values=flag_values)
+    with self.assertRaisesRegex(flags.IllegalFlagValueError,
+                                "must be 'dynamic' or a positive number"):
+      flag_values(["prog", "--loss_scale=-1"])
 
 
 if __name__ == "__main__":

@@ -397,13 +397,13 @@ class TaskConfig:
             "record, else the --dataset's test files."))
   shuffle_buffer_size: int = setting(
       10_000, "integer", "base",
-      help=("Examples in the training shuffle buffer (0: none)."))
+      help="Examples in the training shuffle buffer (0: none).")
   cache_dataset: bool = setting(
       True, "bool", "base",
-      help=("Cache parsed examples in memory after the first pass."))
+      help="Cache parsed examples in memory after the first pass.")
   embedding_dim: int = setting(
       16, "integer", "base",
-      help=("Ranking models (--model=ranking): width of each embedding."))
+      help="Ranking models (--model=ranking): width of each embedding.")
   sync_batch_norm: Optional[bool] = setting(
       None, "bool", "base",
       help=("Built-in models (cnn, resnet): batch normalization over the "
@@ -525,10 +525,10 @@ class LoopConfig:
             "--train_epochs."))
   train_epochs: int = setting(
       5, "integer", "train", key=True,
-      help=("Epochs to train for when --train_steps is 0."))
+      help="Epochs to train for when --train_steps is 0.")
   epochs_between_evals: int = setting(
       1, "integer", "train",
-      help=("Evaluate after every this many epochs, and at the end."))
+      help="Evaluate after every this many epochs, and at the end.")
   batch_size: Optional[int] = setting(
       None, "integer", "train", key=True,
       help=("Global batch size: examples per update over all replicas. Give "
@@ -557,7 +557,7 @@ class LoopConfig:
             "end. A checkpoint is always saved at the end."))
   max_checkpoints: int = setting(
       5, "integer", "train",
-      help=("Checkpoints to keep."))
+      help="Checkpoints to keep.")
   checkpoint_input_position: bool = setting(
       True, "bool", "train",
       help=("A resumed run continues the epoch where the checkpoint left it, "
@@ -570,10 +570,10 @@ class LoopConfig:
             "resume starts its epoch over."))
   seed: Optional[int] = setting(
       42, "integer", "train",
-      help=("Random seed for weights and shuffling."))
+      help="Random seed for weights and shuffling.")
   run_eagerly: bool = setting(
       False, "bool", "train",
-      help=("Run the step without tf.function (for debugging)."))
+      help="Run the step without tf.function (for debugging).")
   steps_per_execution: Optional[int] = setting(
       None, "integer", "performance",
       help=("Training steps run inside one tf.function call (fewer round "
@@ -634,7 +634,7 @@ class ClusterConfig:
             "TF_CONFIG and CLUSTER_SPEC."))
   task_index: int = setting(
       -1, "integer", "cluster", key=True,
-      help=("This host's position in --worker_hosts (0-based; -1: unset)."))
+      help="This host's position in --worker_hosts (0-based; -1: unset).")
   collective_timeout_seconds: float = setting(
       0.0, "float", "cluster",
       help=("multi_worker_mirrored: a collective (all-reduce) that has not "
@@ -711,7 +711,7 @@ class TpuConfig:
             "grpc://HOST:8470. Empty: $TPU_NAME."))
   tpu_zone: str = setting(
       "", "string", "tpu",
-      help=("Zone of the Cloud TPU named by --tpu (default: this VM's zone)."))
+      help="Zone of the Cloud TPU named by --tpu (default: this VM's zone).")
   tpu_gcp_project: str = setting(
       "", "string", "tpu",
       help=("Google Cloud project of the Cloud TPU named by --tpu (default: "
@@ -791,7 +791,7 @@ class StrategyConfig:
             "the devices and cluster found, and the choice is printed."))
   num_gpus: int = setting(
       -1, "integer", "distribution", key=True,
-      help=("GPUs to use: -1 for all visible, 0 for none."))
+      help="GPUs to use: -1 for all visible, 0 for none.")
   num_cpu_devices: int = setting(
       0, "integer", "distribution", key=True,
       help=("Split the host CPU into this many logical devices, so mirrored "
@@ -813,7 +813,8 @@ class StrategyConfig:
             "reduce of every gradient after the whole backward pass. No "
             "effect with one replica; refused for other strategies."))
   all_reduce_dtype: str = setting(
-      reduce_dtype.FLOAT32, "enum", "distribution", choices=reduce_dtype.ALL_REDUCE_DTYPES,
+      reduce_dtype.FLOAT32, "enum", "distribution",
+      choices=reduce_dtype.ALL_REDUCE_DTYPES,
       help=("The dtype gradients travel in between replicas (mirrored, "
             "multi_worker_mirrored, tpu, and ZeRO's gradient all-reduce): "
             "cast before the all-reduce, cast back to float32 after it. "
@@ -866,7 +867,8 @@ class PrecisionConfig:
   bf16 on TPU: `TrainConfig`).
   """
   dtype: Optional[str] = setting(
-      None, "enum", "performance", choices=DTYPE_FLAG_VALUES, key=True, case_sensitive=False,
+      None, "enum", "performance", choices=DTYPE_FLAG_VALUES, key=True,
+      case_sensitive=False,
       help=("Precision: fp32; bf16 (Keras policy mixed_bfloat16); fp16 "
             "(mixed_float16 with loss scaling; not on TPUs); auto: chosen "
             "from the hardware (bf16 on TPUs and GPUs of compute capability "
@@ -982,10 +984,10 @@ class OptimizationConfig:
       None, "string", "lr", key=True, help=lambda: _optimizer_help())
   momentum: float = setting(
       0.9, "float", "lr",
-      help=("Momentum for sgd, momentum and rmsprop."))
+      help="Momentum for sgd, momentum and rmsprop.")
   weight_decay: float = setting(
       0.0, "float", "lr",
-      help=("Decoupled weight decay (0: none; adamw uses 0.004 when 0)."))
+      help="Decoupled weight decay (0: none; adamw uses 0.004 when 0).")
   base_learning_rate: Optional[float] = setting(
       None, "float", "lr", key=True,
       help=("Learning rate tuned for --base_batch_size examples; scaled to "
@@ -994,7 +996,7 @@ class OptimizationConfig:
             f"{UNSET_DEFAULTS['base_learning_rate']}."))
   base_batch_size: int = setting(
       256, "integer", "lr",
-      help=("The batch size --base_learning_rate was tuned for."))
+      help="The batch size --base_learning_rate was tuned for.")
   lr_scaling: Optional[str] = setting(
       None, "enum", "lr", choices=LR_SCALING_RULES, key=True,
       help=("linear: base_lr * global_batch / base_batch (Goyal et al. 2017, "
@@ -1009,12 +1011,14 @@ class OptimizationConfig:
             "the run."))
   warmup_epochs: Optional[float] = setting(
       None, "float", "lr", key=True,
-      help=("Warmup length in epochs (instead of --warmup_steps)."))
+      help="Warmup length in epochs (instead of --warmup_steps).")
   warmup_start_learning_rate: float = setting(
       0.0, "float", "lr",
-      help=("Learning rate at step 0, where warmup starts."))
+      help="Learning rate at step 0, where warmup starts.")
   lr_schedule: str = setting(
-      "constant", "enum", "lr", choices=decay_schedules.registered_decay_schedules, key=True,
+      "constant", "enum", "lr", key=True,
+      # A function: schedules registered before the flags are defined count.
+      choices=decay_schedules.registered_decay_schedules,
       help=("Decay after warmup: constant; cosine (to "
             "end_learning_rate_factor x peak); piecewise (peak x "
             "--piecewise_multipliers at --piecewise_boundaries); or one "
@@ -1023,14 +1027,14 @@ class OptimizationConfig:
             "the flags are defined."))
   end_learning_rate_factor: float = setting(
       0.0, "float", "lr",
-      help=("cosine: final LR as a fraction of the peak."))
+      help="cosine: final LR as a fraction of the peak.")
   piecewise_boundaries: Tuple[float, ...] = setting(
       (0.5, 0.75), "list", "lr",
       help=("piecewise: boundaries as fractions of the steps after warmup, "
             "increasing, in (0, 1)."))
   piecewise_multipliers: Tuple[float, ...] = setting(
       (1.0, 0.1, 0.01), "list", "lr",
-      help=("piecewise: multipliers of the peak LR, one more than boundaries."))
+      help="piecewise: multipliers of the peak LR, one more than boundaries.")
   global_clipnorm: Optional[float] = setting(
       None, "float", "lr",
       help=("Clip the gradient so that the global norm of all variables' "
@@ -1108,7 +1112,8 @@ class ReliabilityConfig:
   resumption checks, the dry run.
   """
   max_consecutive_skipped_steps: int = setting(
-      training_checks.DEFAULT_MAX_CONSECUTIVE_SKIPPED_STEPS, "integer", "performance",
+      training_checks.DEFAULT_MAX_CONSECUTIVE_SKIPPED_STEPS, "integer",
+      "performance",
       help=("Fail once this many steps in a row made no update (fp16: the "
             "summed gradient was not finite, so the step was skipped). A "
             "dynamic loss scale skips a few steps while it settles; 0: no "

@@ -26,7 +26,8 @@ from typing import Any, Callable, Dict, Iterator, Mapping, Optional, Tuple
 FLAG_TYPES = ("string", "integer", "float", "bool", "enum", "list")
 
 
-def setting(default: Any, flag: str, group: str, *, help: Any,  # pylint: disable=redefined-builtin
+def setting(default: Any, flag: str, group: str, *,
+            help: Any,  # pylint: disable=redefined-builtin
             choices: Any = None, key: bool = False,
             case_sensitive: bool = True,
             alias: Optional[str] = None) -> Any:
