@@ -13,7 +13,6 @@ from tfdist import config as config_lib
 from tfdist.data import filesystems
 from tfdist.data import input_pipeline
 from tfdist.distribute import auto_select
-from tfdist.distribute import parameter_server
 from tfdist.distribute import strategy as strategy_lib
 from tfdist.distribute import tpu as tpu_lib
 from tfdist.distribute.strategy_kind import StrategyKind
@@ -31,10 +30,8 @@ TrainConfig = config_lib.TrainConfig
 
 
 def tpu_options(config: TrainConfig) -> tpu_lib.TpuOptions:
-  """The `--tpu*` flags of `config`."""
-  return tpu_lib.TpuOptions(tpu=config.tpu, zone=config.tpu_zone,
-                            project=config.tpu_gcp_project,
-                            init_timeout=config.tpu_init_timeout)
+  """The `--tpu*` flags of `config`: its TPU section."""
+  return config.strategy.tpu
 
 
 def select_options(config: TrainConfig) -> auto_select.SelectOptions:
@@ -93,10 +90,8 @@ def strategy_options(config: TrainConfig) -> strategy_lib.StrategyOptions:
       bytes_per_pack=config.bytes_per_pack,
       collective_timeout_seconds=config.collective_timeout_seconds,
       cluster_start_timeout_seconds=config.cluster_start_timeout_seconds,
-      tpu=tpu_options(config),
-      partitioner=parameter_server.PartitionerOptions(
-          kind=config.ps_partitioner, shard_bytes=config.ps_min_shard_bytes,
-          max_shards=config.ps_max_shards))
+      tpu=config.strategy.tpu,
+      partitioner=config.strategy.parameter_servers)
 
 
 def lr_options(config: TrainConfig) -> lr_schedule.LROptions:
