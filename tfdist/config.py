@@ -973,21 +973,13 @@ class MemoryConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class OptimizationConfig:
-  """The optimizer, its learning rate (base, scaling, warmup, decay) and
-  gradient clipping.
+class LearningRateConfig:
+  """The learning rate: its base, scaling to the global batch, warmup and
+  decay; the options of `tfdist.training.lr_schedule` (`LROptions`).
 
-  `optimizer`, `base_learning_rate`, `lr_scaling` None: not resolved yet
+  `base_learning_rate` and `lr_scaling` None: not resolved yet
   (`TrainConfig`).
   """
-  optimizer: Optional[str] = setting(
-      None, "string", "lr", key=True, help=lambda: _optimizer_help())
-  momentum: float = setting(
-      0.9, "float", "lr",
-      help="Momentum for sgd, momentum and rmsprop.")
-  weight_decay: float = setting(
-      0.0, "float", "lr",
-      help="Decoupled weight decay (0: none; adamw uses 0.004 when 0).")
   base_learning_rate: Optional[float] = setting(
       None, "float", "lr", key=True,
       help=("Learning rate tuned for --base_batch_size examples; scaled to "
@@ -1035,18 +1027,6 @@ class OptimizationConfig:
   piecewise_multipliers: Tuple[float, ...] = setting(
       (1.0, 0.1, 0.01), "list", "lr",
       help="piecewise: multipliers of the peak LR, one more than boundaries.")
-  global_clipnorm: Optional[float] = setting(
-      None, "float", "lr",
-      help=("Clip the gradient so that the global norm of all variables' "
-            "gradients is at most this (Keras optimizer option). Applied once"
-            " per step, to the gradient summed over all replicas and workers "
-            "(and unscaled under fp16), so N replicas clip as one device "
-            "would."))
-  clipnorm: Optional[float] = setting(
-      None, "float", "lr",
-      help=("Clip each variable's gradient to at most this norm (Keras "
-            "optimizer option); applied like --global_clipnorm, to the summed"
-            " gradient. Give at most one of the two."))
 
   def __post_init__(self):
     _set(self, "piecewise_boundaries",
@@ -1056,11 +1036,8 @@ class OptimizationConfig:
     _need(self.lr_scaling is None or self.lr_scaling in LR_SCALING_RULES,
           f"--lr_scaling={self.lr_scaling!r} is unknown. Use one of: "
           f"{', '.join(LR_SCALING_RULES)}.")
-    if self.optimizer is not None:
-      optimizers.optimizer_spec(self.optimizer)  # Raises for an unknown one.
     decay_schedules.check_decay_schedule(self.lr_schedule)
     self._validate_learning_rate()
-    self._validate_clipping()
 
   def _validate_learning_rate(self):
     """Base learning rate and batch, warmup, and the schedule's shape."""
@@ -1091,6 +1068,41 @@ class OptimizationConfig:
           f"--piecewise_boundaries={','.join(map(str, boundaries))}"
           " must be increasing fractions of training in (0, 1), e.g. "
           "0.5,0.75.")
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizationConfig:
+  """The optimizer, its learning rate and gradient clipping.
+
+  `optimizer` None: not resolved yet (`TrainConfig`).
+  """
+  optimizer: Optional[str] = setting(
+      None, "string", "lr", key=True, help=lambda: _optimizer_help())
+  momentum: float = setting(
+      0.9, "float", "lr",
+      help="Momentum for sgd, momentum and rmsprop.")
+  weight_decay: float = setting(
+      0.0, "float", "lr",
+      help="Decoupled weight decay (0: none; adamw uses 0.004 when 0).")
+  learning_rate: LearningRateConfig = config_tree.section(
+      LearningRateConfig)
+  global_clipnorm: Optional[float] = setting(
+      None, "float", "lr",
+      help=("Clip the gradient so that the global norm of all variables' "
+            "gradients is at most this (Keras optimizer option). Applied once"
+            " per step, to the gradient summed over all replicas and workers "
+            "(and unscaled under fp16), so N replicas clip as one device "
+            "would."))
+  clipnorm: Optional[float] = setting(
+      None, "float", "lr",
+      help=("Clip each variable's gradient to at most this norm (Keras "
+            "optimizer option); applied like --global_clipnorm, to the summed"
+            " gradient. Give at most one of the two."))
+
+  def __post_init__(self):
+    if self.optimizer is not None:
+      optimizers.optimizer_spec(self.optimizer)  # Raises for an unknown one.
+    self._validate_clipping()
 
   def _validate_clipping(self):
     """Gradient clipping: positive norms, at most one of the two."""

@@ -20,7 +20,6 @@ from tfdist.observability import manifest
 from tfdist.parallel import pipeline_options as pipeline_options_lib
 from tfdist.training import preflight
 from tfdist.training import assembly
-from tfdist.training import lr_schedule
 from tfdist.training import run_plan
 from tfdist.training import task as task_lib
 
@@ -94,19 +93,6 @@ def strategy_options(config: TrainConfig) -> strategy_lib.StrategyOptions:
       partitioner=config.strategy.parameter_servers)
 
 
-def lr_options(config: TrainConfig) -> lr_schedule.LROptions:
-  """The learning-rate flags of `config` (its defaults already resolved)."""
-  return lr_schedule.LROptions(
-      base_learning_rate=config.base_learning_rate,
-      base_batch_size=config.base_batch_size, lr_scaling=config.lr_scaling,
-      lr_schedule=config.lr_schedule, warmup_steps=config.warmup_steps,
-      warmup_epochs=config.warmup_epochs,
-      warmup_start_learning_rate=config.warmup_start_learning_rate,
-      end_learning_rate_factor=config.end_learning_rate_factor,
-      piecewise_boundaries=tuple(config.piecewise_boundaries),
-      piecewise_multipliers=tuple(config.piecewise_multipliers))
-
-
 def data_options(config: TrainConfig) -> run_plan.DataOptions:
   """The data set and file flags of `config`."""
   return run_plan.DataOptions(
@@ -130,7 +116,7 @@ def pipeline_options(config: TrainConfig
 def plan_options(config: TrainConfig) -> run_plan.PlanOptions:
   """What `tfdist.training.run_plan.make_run_plan` reads from `config`."""
   return run_plan.PlanOptions(
-      data=data_options(config), lr=lr_options(config),
+      data=data_options(config), lr=config.optimization.learning_rate,
       need_eval=config.mode != "train", batch_size=config.batch_size,
       per_replica_batch_size=config.per_replica_batch_size,
       gradient_accumulation_steps=config.gradient_accumulation_steps,

@@ -51,7 +51,8 @@ class PlanOptions:
 
   Attributes:
     data: the `DataOptions`.
-    lr: the `tfdist.training.lr_schedule.LROptions`.
+    lr: the `tfdist.training.lr_schedule.LROptions` (a `TrainConfig`'s
+      `optimization.learning_rate`).
     need_eval: evaluation files are listed (`--mode` other than `train`).
     batch_size: `--batch_size`, the global batch (None: from the per-replica
       one).
