@@ -10,11 +10,14 @@ arguments, converted in one place (`tfdist.training.run_options`). A
 A `TrainConfig` is a tree of frozen sections, one per part of the run
 (`task`, `outputs`, `loop`, `strategy` with its `cluster`,
 `parameter_servers`, `tpu` and `parallelism`, `precision`, `memory`,
-`optimization`, `reliability`, `cloud`). Each setting is one field of its
-section, with the metadata its flag is generated from
-(`tfdist.config_tree.setting`: flag type, group, help text, choices); its
-name is the flag's. Adding a setting is adding that field (and reading it
-where it is used).
+`optimization` with its `learning_rate`, `reliability`, `cloud`). Each
+setting is one field of its section, with the metadata its flag is
+generated from (`tfdist.config_tree.setting`: flag type, group, help text,
+choices); its name is the flag's. Adding a setting is adding that field
+(and reading it where it is used). A part whose options are exactly one
+section takes that section (`config.strategy.tpu` is the TPU part's
+`TpuOptions`, `config.strategy.parameter_servers` its `PartitionerOptions`,
+`config.optimization.learning_rate` the `LROptions`).
 
 Validation happens as the config is built, before any expensive work
 starts: each section checks its own settings in `__post_init__`,
