@@ -355,11 +355,14 @@ class TaskConfig:
             "float32|int64|string, \"shape\": [...], \"default\": optional}}, "
             "\"labels\": [names]}. The other features are the model's inputs (a"
             " dict). Checked against the first record at start."))
+  # Stored as a tuple of module names (a comma-separated string is split).
   import_modules: Tuple[str, ...] = setting(
       (), "list", "base",
       help=("Comma-separated modules to import first, e.g. modules that "
             "register models and data sets with @tfdist.register_model / "
             "@tfdist.register_dataset."))
+  # A dict, `ID:WEIGHT` items (a list or one comma-separated string), or
+  # pairs; stored as sorted `(id, weight)` pairs (`parse_class_weight`).
   class_weight: Tuple[Tuple[int, float], ...] = setting(
       (), "list", "base",
       help=("Per-class training weights, as Keras's fit(class_weight=...): "
@@ -490,6 +493,7 @@ class OutputsConfig:
       "", "string", "base",
       help=("Where the SavedModel goes. Default: $AIP_MODEL_DIR, else "
             "<model_dir>/saved_model."))
+  # Stored as `(START, END)`, or () for no trace (`parse_profile_steps`).
   profile_steps: Tuple[int, ...] = setting(
       (), "list", "measure", key=True,
       help=("Trace training steps START,END (counted from 1, both included) "
@@ -758,6 +762,7 @@ class ParallelismConfig:
       help=("gpipe: every micro-batch's forward, then every backward (a stage"
             " holds M micro-batches' activations); 1f1b: one forward, one "
             "backward after a warm-up (at most P). Same bubble, same update."))
+  # Stored as a tuple of layer names (`pipeline_options.parse_cuts`).
   pipeline_cuts: Tuple[str, ...] = setting(
       (), "list", "pipeline",
       help=("Layer names, each the first layer of a stage after the first "
@@ -869,6 +874,7 @@ class PrecisionConfig:
   """Precision and compilation. `dtype` None: not resolved yet (fp32, or
   bf16 on TPU: `TrainConfig`).
   """
+  # Stored normalized: fp32, bf16, fp16 or auto (`normalize_dtype`).
   dtype: Optional[str] = setting(
       None, "enum", "performance", choices=DTYPE_FLAG_VALUES, key=True,
       case_sensitive=False,
@@ -877,6 +883,7 @@ class PrecisionConfig:
             "from the hardware (bf16 on TPUs and GPUs of compute capability "
             ">= 8.0, fp16 on 7.x GPUs, fp32 on CPUs) and printed. Default: "
             "bf16 with --distribution_strategy=tpu, else fp32."))
+  # Stored as None, 'dynamic' or a float > 0 (`parse_loss_scale`).
   loss_scale: Optional[object] = setting(
       None, "string", "performance", key=True,
       help=("fp16 only: 'dynamic' (the default with --dtype=fp16) or a fixed "
