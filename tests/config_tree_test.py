@@ -46,9 +46,12 @@ class SectionsTest(absltest.TestCase):
     cfg = TrainConfig(loop=config.LoopConfig(train_steps=7, log_steps=2),
                       model_dir="/tmp/x", log_steps=5)
     self.assertEqual((cfg.train_steps, cfg.log_steps), (7, 5))
-    # Its unset (None) settings are still resolved by the root.
+    # Its unset (None) settings are still resolved by the root; a None that
+    # is a value (no seed) stays.
     self.assertEqual(cfg.steps_per_execution, 1)
     self.assertIn("steps_per_execution", cfg.defaulted)
+    self.assertIsNone(TrainConfig(loop=config.LoopConfig(seed=None),
+                                  **_BASE).seed)
 
   def test_sections_validate_their_own_settings(self):
     with self.assertRaisesRegex(errors.ConfigError,

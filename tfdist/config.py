@@ -1551,9 +1551,8 @@ def _given_settings(given: dict) -> dict:
   for name in _SECTION_NAMES:
     if given.get(name) is None:
       continue
-    for key, value in config_tree.flat_values(given[name]).items():
-      if value is not None:  # None: unset, resolved below.
-        values[key] = value
+    # A section resolves nothing itself: its None is unset, as a flat one.
+    values.update(config_tree.flat_values(given[name]))
   values.update((k, v) for k, v in given.items() if k not in _SECTION_NAMES)
   return values
 
