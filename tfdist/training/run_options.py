@@ -94,11 +94,8 @@ def strategy_options(config: TrainConfig) -> strategy_lib.StrategyOptions:
 
 
 def data_options(config: TrainConfig) -> run_plan.DataOptions:
-  """The data set and file flags of `config`."""
-  return run_plan.DataOptions(
-      dataset=config.dataset, train_files=config.train_files,
-      eval_files=config.eval_files, data_dir=config.data_dir,
-      raw_data_dir=config.raw_data_dir)
+  """The data set and file flags of `config`: its data section."""
+  return config.task.data
 
 
 def pipeline_options(config: TrainConfig
@@ -116,7 +113,7 @@ def pipeline_options(config: TrainConfig
 def plan_options(config: TrainConfig) -> run_plan.PlanOptions:
   """What `tfdist.training.run_plan.make_run_plan` reads from `config`."""
   return run_plan.PlanOptions(
-      data=data_options(config), lr=config.optimization.learning_rate,
+      data=config.task.data, lr=config.optimization.learning_rate,
       need_eval=config.mode != "train", batch_size=config.batch_size,
       per_replica_batch_size=config.per_replica_batch_size,
       gradient_accumulation_steps=config.gradient_accumulation_steps,
