@@ -26,7 +26,7 @@ strategy does differently lives in one subclass.
 """
 
 import dataclasses
-from typing import Any, Callable, Dict, Optional, Tuple, Type
+from typing import Any, Callable, Dict, List, Optional, Tuple, Type
 
 import tensorflow as tf
 
@@ -271,6 +271,18 @@ def local_accelerators(num_gpus: int) -> int:
   if num_gpus >= 0:
     gpus = min(gpus, num_gpus)
   return gpus
+
+
+def first_gpus(n: int, num_gpus: int = -1) -> Optional[List[str]]:
+  """The logical device names of this host's first `n` GPUs that a run of
+  this process uses (`--num_gpus`; -1: all; 0: none), or None when it
+  uses none. Fewer than `n` names when it has fewer: the caller refuses
+  that with its own flag's message."""
+  gpus = local_accelerators(num_gpus) if num_gpus != 0 else 0
+  if not gpus:
+    return None
+  names = [d.name for d in tf.config.list_logical_devices("GPU")]
+  return names[:min(gpus, n)]
 
 
 _BACKENDS: Dict[StrategyKind, Type[Backend]] = {}

@@ -59,16 +59,15 @@ def stage_devices(num_stages: int, num_gpus: int = -1) -> List[str]:
     errors.ConfigError: fewer than P GPUs, or the CPU already split into fewer
       than P logical devices (TensorFlow's runtime started).
   """
-  gpus = base.local_accelerators(num_gpus) if num_gpus != 0 else 0
-  if gpus:
-    names = [d.name for d in tf.config.list_logical_devices("GPU")][:gpus]
+  names = base.first_gpus(num_stages, num_gpus)
+  if names is not None:
     if len(names) < num_stages:
       raise errors.ConfigError(
           f"--pipeline_stages={num_stages} needs {num_stages} GPUs (stage i "
           f"runs on GPU i); this process sees {len(names)}. Lower "
           f"--pipeline_stages to {len(names)} or fewer, or pass "
           "--num_gpus=0 to run the stages on logical CPU devices.")
-    return names[:num_stages]
+    return names
   # Before anything lists the devices: listing starts TensorFlow's runtime,
   # after which the CPU can no longer be split.
   cpu = tf.config.list_physical_devices("CPU")[0]

@@ -34,15 +34,14 @@ def _group_devices(n: int, num_gpus: int = -1) -> List[str]:
     errors.ConfigError: fewer than N GPUs, or the runtime already started
       with another number of CPU devices.
   """
-  gpus = base.local_accelerators(num_gpus) if num_gpus != 0 else 0
-  if gpus:
-    names = [d.name for d in tf.config.list_logical_devices("GPU")][:gpus]
+  names = base.first_gpus(n, num_gpus)
+  if names is not None:
     if len(names) < n:
       raise errors.ConfigError(
           f"--tensor_parallel={n} needs {n} GPUs of this host; this process "
           f"sees {len(names)}. Lower --tensor_parallel, or pass --num_gpus=0 "
           "to run on logical CPU devices.")
-    return names[:n]
+    return names
   try:
     names = devices_lib.configure_cpu_devices(n)
   except RuntimeError as e:
