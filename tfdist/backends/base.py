@@ -129,30 +129,35 @@ class Backend:
 
   # -- Start-up ----------------------------------------------------------------
 
-  def validate(self, config, *, dataset) -> None:
+  def validate(self, config, decisions, *, dataset) -> None:
     """Checks only this strategy makes, before anything is built.
 
     Args:
-      config: the run's `TrainConfig` (`auto` decided).
+      config: the run's `TrainConfig`, as the caller gave it.
+      decisions: what preparing the run decided
+        (`tfdist.distribute.decisions.Decisions`: the strategy, dtype,
+        TPU, folders and files that run).
       dataset: the run's `DatasetSpec`, or None when not known.
 
     Raises:
       ConfigError: the configuration cannot run under this strategy.
     """
-    del config, dataset
+    del config, decisions, dataset
 
-  def serve(self, config, cluster) -> Optional[dict]:
+  def serve(self, config, decisions, cluster) -> Optional[dict]:
     """Runs a serving process's part until the run ends; returns its result
-    (None: this process trains or evaluates instead)."""
-    del config, cluster
+    (None: this process trains or evaluates instead). Arguments as
+    `validate`'s, and the run's `ClusterInfo`."""
+    del config, decisions, cluster
     return None
 
-  def build_strategy(self, config, *, cluster,
+  def build_strategy(self, config, decisions, *, cluster,
                      lease=None) -> strategy_lib.StrategyChoice:
     """The `tf.distribute` strategy, with the CPU devices configured.
 
     Args:
       config: the run's `TrainConfig`.
+      decisions: its `tfdist.distribute.decisions.Decisions`.
       cluster: its `ClusterInfo` (None for a lone evaluator).
       lease: the writer's `--model_dir` lease (None elsewhere); a backend
         that waits for peers extends it while it waits.
@@ -162,13 +167,13 @@ class Backend:
     """
     del lease
     devices.configure_cpu_devices(config.num_cpu_devices)
-    return strategy_lib.make_strategy(run_options.strategy_options(config),
+    return strategy_lib.make_strategy(run_options.strategy_options(config, decisions),
                                       cluster=cluster)
 
-  def planned_replicas(self, config, *, cluster) -> Tuple[int, int]:
+  def planned_replicas(self, config, decisions, *, cluster) -> Tuple[int, int]:
     """`(num_replicas_in_sync, num_workers)` a run will have, without
-    building the strategy (for `--dry_run`)."""
-    del config
+    building the strategy (for `--dry_run`); arguments as `validate`'s."""
+    del config, decisions
     return 1, self.training_workers(cluster)
 
   def assembly_options(self, options, *, choice):

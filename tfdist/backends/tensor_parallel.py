@@ -58,7 +58,7 @@ class TensorParallelBackend(single_process.MirroredBackend):
 
   kind = StrategyKind.MIRRORED
 
-  def validate(self, config, *, dataset) -> None:
+  def validate(self, config, decisions, *, dataset) -> None:
     """Refuses a host with GPUs, fewer than N of them, before anything
     is built (logical CPU devices are made as needed).
 
@@ -74,7 +74,7 @@ class TensorParallelBackend(single_process.MirroredBackend):
           f"--tensor_parallel to a divisor of the heads that is at most "
           f"{gpus}, or pass --num_gpus=0 to run on logical CPU devices.")
 
-  def build_strategy(self, config, *, cluster,
+  def build_strategy(self, config, decisions, *, cluster,
                      lease=None) -> strategy_lib.StrategyChoice:
     """`MirroredStrategy` over the first N devices.
 
@@ -110,7 +110,7 @@ class TensorParallelBackend(single_process.MirroredBackend):
     step = getattr(run.parts.trainer, "tensor_parallel", None)
     return step.gathered_model() if step is not None else run.parts.model
 
-  def planned_replicas(self, config, *, cluster) -> Tuple[int, int]:
+  def planned_replicas(self, config, decisions, *, cluster) -> Tuple[int, int]:
     return config.tensor_parallel, self.training_workers(cluster)
 
 
