@@ -440,7 +440,7 @@ def decision_changes(decision: Decision, *, tpu: str = "",
   unset `--steps_per_execution` becomes `TPU_DEFAULT_STEPS_PER_EXECUTION`;
   an explicit 1 is kept, with a warning. A `--loss_scale` given with
   `--dtype=auto` that did not choose fp16 is dropped, with a warning.
-  `tfdist.training.run_options.apply_decision` applies them to a `TrainConfig`.
+  `tfdist.experiment.prepare_run` keeps them in its `tfdist.distribute.decisions.Decisions`.
 
   Args:
     decision: the `Decision`.
