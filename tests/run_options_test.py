@@ -10,6 +10,7 @@ from tfdist import errors
 from tfdist.config import TrainConfig
 from tfdist.distribute import decisions as decisions_lib
 from tfdist.distribute import auto_select
+from tfdist.distribute import strategy as strategy_lib
 from tfdist.distribute.strategy_kind import StrategyKind
 from tfdist.training import run_options
 
@@ -31,6 +32,20 @@ class ConvertersTest(absltest.TestCase):
     self.assertTrue(dataclasses.is_dataclass(options))
     with self.assertRaises(dataclasses.FrozenInstanceError):
       options.num_cpu_devices = 4
+
+  def test_the_tpu_and_ps_parts_receive_their_sections(self):
+    config = _config(distribution_strategy="tpu", tpu="grpc://127.0.0.1:1",
+                     tpu_zone="z", tpu_init_timeout=2, ps_max_shards=3)
+    options = run_options.strategy_options(config)
+    # The sections themselves (the TPU's with its decided address).
+    self.assertEqual(options.tpu, config.strategy.tpu)
+    self.assertIs(options.partitioner, config.strategy.parameter_servers)
+    self.assertEqual(options.partitioner.ps_max_shards, 3)
+    # The strategy factory reads the TPU section by its flag names (nothing
+    # listens on port 1: the connection is refused at once).
+    with self.assertRaisesRegex(errors.TPUNotAvailableError,
+                                "--tpu=grpc://127.0.0.1:1"):
+      strategy_lib.make_strategy(options)
 
   def test_auto_must_be_decided_first(self):
     with self.assertRaisesRegex(errors.ConfigError, "decide `auto` first"):

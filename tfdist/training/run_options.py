@@ -6,6 +6,7 @@ reads, never the whole `TrainConfig` (as Orbit's `Controller` takes its
 `ControllerOptions`). Each converter is a pure function of the config.
 """
 
+import dataclasses
 import json
 from typing import List, Tuple
 
@@ -14,14 +15,12 @@ from tfdist.data import filesystems
 from tfdist.data import input_pipeline
 from tfdist.distribute import auto_select
 from tfdist.distribute import decisions as decisions_lib
-from tfdist.distribute import parameter_server
 from tfdist.distribute import strategy as strategy_lib
 from tfdist.distribute import tpu as tpu_lib
 from tfdist.observability import manifest
 from tfdist.parallel import pipeline_options as pipeline_options_lib
 from tfdist.training import preflight
 from tfdist.training import assembly
-from tfdist.training import lr_schedule
 from tfdist.training import run_plan
 from tfdist.training import task as task_lib
 
@@ -31,10 +30,8 @@ TrainConfig = config_lib.TrainConfig
 
 
 def tpu_options(config: TrainConfig) -> tpu_lib.TpuOptions:
-  """The `--tpu*` flags of `config`."""
-  return tpu_lib.TpuOptions(tpu=config.tpu, zone=config.tpu_zone,
-                            project=config.tpu_gcp_project,
-                            init_timeout=config.tpu_init_timeout)
+  """The `--tpu*` flags of `config`: its TPU section."""
+  return config.strategy.tpu
 
 
 def select_options(config: TrainConfig) -> auto_select.SelectOptions:
@@ -62,35 +59,20 @@ def strategy_options(config: TrainConfig, decisions=None
       bytes_per_pack=config.bytes_per_pack,
       collective_timeout_seconds=config.collective_timeout_seconds,
       cluster_start_timeout_seconds=config.cluster_start_timeout_seconds,
-      tpu=tpu_lib.TpuOptions(tpu=decisions.tpu, zone=config.tpu_zone,
-                             project=config.tpu_gcp_project,
-                             init_timeout=config.tpu_init_timeout),
-      partitioner=parameter_server.PartitionerOptions(
-          kind=config.ps_partitioner, shard_bytes=config.ps_min_shard_bytes,
-          max_shards=config.ps_max_shards))
-
-
-def lr_options(config: TrainConfig) -> lr_schedule.LROptions:
-  """The learning-rate flags of `config` (its defaults already resolved)."""
-  return lr_schedule.LROptions(
-      base_learning_rate=config.base_learning_rate,
-      base_batch_size=config.base_batch_size, lr_scaling=config.lr_scaling,
-      lr_schedule=config.lr_schedule, warmup_steps=config.warmup_steps,
-      warmup_epochs=config.warmup_epochs,
-      warmup_start_learning_rate=config.warmup_start_learning_rate,
-      end_learning_rate_factor=config.end_learning_rate_factor,
-      piecewise_boundaries=tuple(config.piecewise_boundaries),
-      piecewise_multipliers=tuple(config.piecewise_multipliers))
+      # The TPU and parameter-server sections are those parts' options;
+      # the TPU's address is the decided one.
+      tpu=dataclasses.replace(config.strategy.tpu, tpu=decisions.tpu),
+      partitioner=config.strategy.parameter_servers)
 
 
 def data_options(config: TrainConfig, decisions=None) -> run_plan.DataOptions:
-  """The data set flags of `config` and the files `decisions`
+  """The data section of `config`, with the files `decisions`
   (`tfdist.distribute.decisions.Decisions`; None: `config`'s own) chose."""
-  files = config if decisions is None else decisions
-  return run_plan.DataOptions(
-      dataset=config.dataset, train_files=files.train_files,
-      eval_files=files.eval_files, data_dir=files.data_dir,
-      raw_data_dir=config.raw_data_dir)
+  if decisions is None:
+    return config.task.data
+  return dataclasses.replace(
+      config.task.data, train_files=decisions.train_files,
+      eval_files=decisions.eval_files, data_dir=decisions.data_dir)
 
 
 def pipeline_options(config: TrainConfig
@@ -109,7 +91,8 @@ def plan_options(config: TrainConfig, decisions=None) -> run_plan.PlanOptions:
   """What `tfdist.training.run_plan.make_run_plan` reads from `config` and
   the run's `decisions` (its files)."""
   return run_plan.PlanOptions(
-      data=data_options(config, decisions), lr=lr_options(config),
+      data=data_options(config, decisions),
+      lr=config.optimization.learning_rate,
       need_eval=config.mode != "train", batch_size=config.batch_size,
       per_replica_batch_size=config.per_replica_batch_size,
       gradient_accumulation_steps=config.gradient_accumulation_steps,
