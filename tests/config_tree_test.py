@@ -101,6 +101,43 @@ class SectionsTest(absltest.TestCase):
     self.assertEqual(pickle.loads(pickle.dumps(cfg)), cfg)
 
 
+class ModelBuilderConfigTest(absltest.TestCase):
+
+  def test_a_builder_reads_its_model_options_and_is_warned_of_the_rest(self):
+    run = TrainConfig(model_dir="/m", train_steps=1, model="transformer",
+                      embedding_dim=8, transformer_layers=1, batch_size=16,
+                      train_files="/d/train-*", activation_recomputation=True)
+    seen = {}
+
+    def builder(config):
+      import warnings  # pylint: disable=g-import-not-at-top
+      with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        seen["options"] = (config.embedding_dim, config.transformer_layers,
+                           config.train_files, config.model,
+                           config.activation_recomputation,
+                           config.task is run.task)
+        seen["quiet"] = list(caught)
+        seen["batch_size"] = config.batch_size
+        seen["warned"] = [str(w.message) for w in caught
+                          if issubclass(w.category, DeprecationWarning)]
+      with self.assertRaises(dataclasses.FrozenInstanceError):
+        config.embedding_dim = 4
+      with self.assertRaisesRegex(AttributeError, "no 'embeding_dim'"):
+        _ = config.embeding_dim
+      return "model"
+
+    from tfdist.training import run_options  # pylint: disable=g-import-not-at-top
+    builder(run_options.assembly_options(run).builder_config)
+    self.assertEqual(seen["options"],
+                     (8, 1, "/d/train-*", "transformer", True, True))
+    self.assertEqual(seen["quiet"], [])
+    self.assertEqual(seen["batch_size"], 16)  # the run's, as before
+    self.assertLen(seen["warned"], 1)
+    self.assertIn("read config.batch_size, which is not a model option",
+                  seen["warned"][0])
+
+
 class MetadataTest(absltest.TestCase):
 
   def test_every_setting_has_a_flag_type_group_and_help(self):

@@ -161,7 +161,7 @@ def _child_parameter_server(project: str) -> dict:
       gradient_accumulation_steps=1, num_train_examples=80034,
       num_input_pipelines=1)
   lr = lr_schedule.plan_learning_rate(
-      run_options.lr_options(config), global_batch_size=64,
+      config.optimization.learning_rate, global_batch_size=64,
       steps_per_epoch=plan_batch.steps_per_epoch,
       total_steps=6)
 

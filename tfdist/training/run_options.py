@@ -180,7 +180,7 @@ def assembly_options(config: TrainConfig,
 
   Returns:
     `assembly.AssemblyOptions`; model builders asking for `config` get
-    `config` itself.
+    its model options (`tfdist.config.ModelBuilderConfig`).
   """
   decided = config if decisions is None else decisions
   return assembly.AssemblyOptions(
@@ -202,7 +202,7 @@ def assembly_options(config: TrainConfig,
       all_reduce_dtype=config.all_reduce_dtype,
       pipeline=pipeline_options(config),
       tensor_parallel=config.tensor_parallel,
-      builder_config=config)
+      builder_config=config_lib.ModelBuilderConfig(config))
 
 
 def task_names(config: TrainConfig) -> task_lib.TaskNames:

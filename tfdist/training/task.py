@@ -35,7 +35,8 @@ class Task:
   Attributes:
     model_fn: returns a `keras.Model` (compiled or not); called inside the
       strategy's scope with the keyword arguments it names among `spec` (the
-      `DatasetSpec`) and `config` (the `TrainConfig`).
+      `DatasetSpec`) and `config` (the run's model options,
+      `tfdist.config.ModelBuilderConfig`).
     dataset: the `DatasetSpec` (TFRecord files or a dataset function).
     model_name: how the model is named in logs and the manifest (a
       registered name or `module:function`).
@@ -130,7 +131,8 @@ def build_model(task: Task, config, *, sync_batch_norm: bool = False,
   """Calls the task's builder (in the current scope); checks the result.
 
   The builder gets, by name, what it asks for of `spec` (the data set's
-  `DatasetSpec`), `config` (the `TrainConfig`), `sync_batch_norm`
+  `DatasetSpec`), `config` (the run's model options,
+  `tfdist.config.ModelBuilderConfig`), `sync_batch_norm`
   (whether batch normalization should use the global batch: the run plan's
   decision, see `tfdist.models.resolve_sync_batch_norm`) and
   `activation_recomputation` (`--activation_recomputation`: recompute its
@@ -139,8 +141,10 @@ def build_model(task: Task, config, *, sync_batch_norm: bool = False,
 
   Args:
     task: the `Task` whose `model_fn` is called.
-    config: what a builder asking for `config` receives (the run's
-      `TrainConfig`, or None); read for nothing else.
+    config: what a builder asking for `config` receives (the run's model
+      options, `tfdist.config.ModelBuilderConfig`, or None); read for the
+      built-in models' shape (`embedding_dim`, `hash_buckets`,
+      `transformer_layers`) and nothing else.
     sync_batch_norm: given to builders that take it.
     activation_recomputation: given to builders that take it; None: the
       `activation_recomputation` attribute of `config` (False without one).
