@@ -82,8 +82,6 @@ from tfdist.training import sharded_optimizer
 
 STAGE = 3
 _VARIABLE_VALUE = "VARIABLE_VALUE"
-# Blocks a model is cut into by default (`Zero3Optimizer`'s `num_blocks`).
-DEFAULT_NUM_BLOCKS = 4
 
 
 def _all_gather_shards(context, shard, cast=None) -> tf.Tensor:
@@ -373,11 +371,12 @@ class Zero3Optimizer(sharded_optimizer.ShardedOptimizer):
       variables).
   """
 
-  def __init__(self, *, num_blocks: Optional[int] = None,
-               prefetch: bool = False, **kwargs):
-    self.num_blocks = int(DEFAULT_NUM_BLOCKS if num_blocks is None
-                          else num_blocks)
-    self.prefetch = bool(prefetch)
+  def __init__(self, **kwargs):
+    options = kwargs["options"]
+    # `ShardingOptions.num_blocks` and `prefetch` (`_layout_blocks`, in
+    # the base class's constructor, reads the first).
+    self.num_blocks = options.num_blocks
+    self.prefetch = options.prefetch
     self._split = None
     self.blocks: Optional[List[Block]] = None
     super().__init__(**kwargs)

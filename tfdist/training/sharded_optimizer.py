@@ -107,13 +107,24 @@ class ShardingOptions:
     stage: ZeRO stage: 0 (off), 1 (optimizer state), 2
       (also the gradient accumulators), 3 (also the weights:
       `tfdist.parallel.zero3`).
+    num_blocks: stage 3: the most blocks the model is cut into, each
+      gathering its weights just before it runs (1: the whole model at
+      once). Stages 1-2 ignore it.
+    prefetch: stage 3: gather each block's weights while the block before
+      it computes (two blocks' weights alive at the peak) rather than
+      after it. Stages 1-2 ignore it.
   """
   stage: int = 0
+  num_blocks: int = 4
+  prefetch: bool = False
 
   def __post_init__(self):
     if self.stage not in STAGES:
       raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3. Received: "
                        f"stage={self.stage!r}")
+    if not isinstance(self.num_blocks, int) or self.num_blocks < 1:
+      raise ValueError(f"ZeRO stage 3's num_blocks must be a positive "
+                       f"integer. Received: num_blocks={self.num_blocks!r}")
 
   @property
   def enabled(self) -> bool:
