@@ -2,9 +2,12 @@
 
 Rajbhandari et al. 2020. Stages 1 and 2 (`tfdist.training.sharded_optimizer`)
 keep a whole copy of every weight on every replica. Stage 3 keeps, per
-replica, only its shard of the same flat, padded float32 buffer
-(`sharded_optimizer.FlatLayout`: P parameters padded to N x S, replica r
-owning elements [r x S, (r + 1) x S)):
+replica, only its shard of a flat, padded float32 buffer laid out block
+by block (`sharded_optimizer.FlatLayout` with `blocks`: the model is cut
+into at most `ShardingOptions.num_blocks` blocks of consecutive layer
+calls, `plan_blocks`; block b's weights padded to N x S_b, replica r
+owning its elements [r x S_b, (r + 1) x S_b); the shard [S] is the
+replica's slice of every block, in order):
 
 * **Storage.** The shard is the master variable of stage 1 (sync-on-read,
   aggregation NONE: a different [S] on every replica), kept between steps
@@ -16,25 +19,39 @@ owning elements [r x S, (r + 1) x S)):
   reading one gathers a temporary copy from the shards and assigning one
   writes into them; elsewhere (traced code, several workers) it raises
   `tfdist.errors.WeightsShardedError`.
-* **Forward and backward.** Each step the replica all-gathers the shards
-  (`ReplicaContext.all_gather`, [S] -> [P']) and runs the model under
-  `keras.StatelessScope(state_mapping=...)`, which gives the layers the
-  gathered tensors in place of their variables. Under mixed precision
-  the weights the layers autocast (`autocast_elements`) are gathered in
-  the compute dtype, half the bytes, rounded as the layers would round
-  them. The gradient with
-  respect to the gathered buffer [P'] is all-reduced (in
-  `--all_reduce_dtype`) and the replica keeps its slice (the all-gather's
-  own gradient, written out so the replicated weights' gradients ride in
-  it), so the gradient is shard-shaped and summed over replicas: stage
-  1's update (`ShardedOptimizer.replica_prepare` with `shard=`: the fp16
-  finite check, unscaling, clipping, then the per-replica Keras optimizer
-  copy) applies it to the shard in place. No gather of updated weights
-  follows: the next step's gather reads the shards.
+* **Forward and backward, block by block** (`_replica_block`). Each
+  block is a `tf.custom_gradient` of its inputs, the replica's slice of
+  its weights [S_b], and the values of the replicated weights and the
+  non-trainable state (batch-norm statistics, seed states) it reads. The
+  forward pass all-gathers the slice ([S_b] -> [N x S_b]) once the block
+  before has produced its output (a control dependency; with `prefetch`,
+  once that block starts) and runs the block's layers under
+  `keras.StatelessScope(state_mapping=...)`, which gives them the
+  gathered tensors in place of their variables; nothing gathered is kept.
+  The backward pass gathers again once the block's upstream gradient
+  exists, recomputes the block under a tape (its seed states are inputs:
+  the same dropout masks; the recomputation's state updates are dropped,
+  the forward pass's written once after the pass), and all-reduces the
+  gathered weights' gradient (in `--all_reduce_dtype`), keeping this
+  replica's slice: the gradient is shard-shaped and summed over
+  replicas. Under mixed precision the weights the layers autocast
+  (`autocast_elements`) are gathered in the compute dtype, half the
+  bytes, rounded as the layers would round them. Stage 1's update
+  (`ShardedOptimizer.replica_prepare` with `shard=`: the fp16 finite
+  check, unscaling, clipping, then the per-replica Keras optimizer copy)
+  applies the gradient to the shard in place. No gather of updated
+  weights follows: the next step's gathers read the shards.
+* **One block** (a model `plan_blocks` cannot cut: subclassed without a
+  functional graph, a layer called twice, a weight shared across
+  blocks, weight regularizers, fewer than two layers with weights; or
+  `num_blocks=1`): the whole buffer is all-gathered once for the step and
+  the model runs under the scope, differentiated as a whole (the
+  all-gather's gradient written out in `_all_gather_shards`).
 * **Replicated weights** (`replicated_variables`: embedding tables):
   mirrored as at stage 0 and read in place (gathering a table each step
   would move the whole vocabulary); their gradients are placed in the
-  flat gradient before its all-reduce, their optimizer state is sharded
+  gradient of their block's gathered weights (of the whole buffer, as
+  one block) before its all-reduce, their optimizer state is sharded
   as at stage 1 (their pieces of the master shard are refreshed from the
   variables before the update), and after it each replica's updated
   pieces are summed into every copy (one all-reduce of their size).
@@ -51,13 +68,16 @@ owning elements [r x S, (r + 1) x S)):
   `materialize` gathers them into the Keras variables again at the end of
   the run, so the SavedModel is the unsharded model's.
 
-Costs: the whole flat weight buffer is gathered for the step (one block:
-the whole model; the step's peak holds every weight once, as stage 1's
-update does), and gathered again for evaluation. Traffic per step: the
-all-gather (P'), its gradient's all-reduce (2 P' on a ring): 1.5x stage
-1's all-reduce plus gather by ZeRO's count, more here because CPU
-collectives offer no reduce-scatter (the gradient is an all-reduce, then
-a slice).
+Costs: each block's weights are gathered twice per step (forward and
+backward) and each block computed twice (the recomputation); the step's
+peak holds the largest block's gathered weights (two blocks' with
+prefetch) instead of the whole model's (`benchmarks/zero3_peak.py`;
+measured in docs/guides/sharded-training.md, "Stage 3"). Evaluation
+gathers every block at once. Traffic per step: the all-gathers (2 P'),
+the gradients' all-reduces (2 P' on a ring): 2x plain data parallelism,
+more than ZeRO's 1.5x because the gathered weights are not kept for the
+backward pass, and because CPU collectives offer no reduce-scatter (the
+gradient is an all-reduce, then a slice).
 
 What is refused at start (`check_model`, and the flags:
 `--model=ranking`, whose tables are plain `tf.Variable`s), with the
