@@ -90,6 +90,7 @@ import dataclasses
 import types
 from typing import List, Optional, Tuple
 
+from absl import logging
 import keras
 import numpy as np
 import tensorflow as tf
@@ -537,6 +538,13 @@ class Zero3Optimizer(sharded_optimizer.ShardedOptimizer):
                                          self.variables)
     self._shard_weights(replicated_variables(trainer.model))
     self._make_blocks(trainer.model)
+    sizes = self.layout.block_sizes
+    logging.info(
+        "ZeRO stage 3 gathers the weights in %d block(s) (the largest: %d "
+        "elements per replica, %d gathered)%s.", len(sizes), max(sizes),
+        max(sizes) * self.layout.num_shards,
+        ", each block's gather issued while the block before it computes "
+        "(prefetch)" if self.blocks and self.prefetch else "")
     trainer._replica_grads = lambda inputs, labels, weights=None: (  # pylint: disable=protected-access
         self.replica_forward_backward(trainer, inputs, labels, weights))
     evaluate = trainer._replica_eval_step  # pylint: disable=protected-access
