@@ -53,6 +53,19 @@ X = _RNG.uniform(size=(64, 28, 28, 1)).astype("float32")
 Y = _RNG.integers(0, 10, size=(64,)).astype("int32")
 
 
+_STRATEGY = []
+
+
+def _strategy() -> tf.distribute.MirroredStrategy:
+  """One MirroredStrategy on DEVICES for the tests that make their own:
+  two strategies on the same devices number their collectives alike, and
+  the second one's gathers then meet the first one's (a shape mismatch
+  in the collective instance)."""
+  if not _STRATEGY:
+    _STRATEGY.append(tf.distribute.MirroredStrategy(DEVICES))
+  return _STRATEGY[0]
+
+
 class _Built:
   """The last model a builder made (the one `fit` trained)."""
   model = None
@@ -181,7 +194,7 @@ class GatherInComputeDtypeTest(absltest.TestCase):
       self.assertEqual(bool(mask[off]), j not in batch_norm, v.path)
     flat = layout.flatten([v.value for v in variables])
     size = layout.shard_size
-    strategy = tf.distribute.MirroredStrategy(DEVICES)
+    strategy = _strategy()
     shards = strategy.experimental_distribute_values_from_function(
         lambda ctx: flat[ctx.replica_id_in_sync_group * size:][:size])
 
@@ -372,16 +385,19 @@ class BlockLayoutTest(absltest.TestCase):
 
 
 def _dense_trainer(strategy, num_blocks: int, prefetch: bool = False):
-  """A stage-3 `Trainer` under `strategy` (one per process: the
-  collectives' keys are the strategy's) for a Sequential of 5 Dense
+  """A stage-3 `Trainer` under `strategy` (`_strategy()`) for a
+  Sequential of 5 Dense
   layers with dropout, and its dataset iterator (3 batches of 16)."""
   from tfdist.training.train_loop import Trainer  # pylint: disable=g-import-not-at-top
   keras.utils.set_random_seed(1)
   with strategy.scope():
+    # float32 whatever policy an earlier test's run left set: the gathers
+    # counted below are float32 ones.
     model = keras.Sequential(
         [keras.Input((32,))] +
-        [keras.layers.Dense(32, activation="relu") for _ in range(4)] +
-        [keras.layers.Dropout(0.2), keras.layers.Dense(10)])
+        [keras.layers.Dense(32, activation="relu", dtype="float32")
+         for _ in range(4)] +
+        [keras.layers.Dropout(0.2), keras.layers.Dense(10, dtype="float32")])
     optimizer = keras.optimizers.Adam(0.01)
     optimizer.build([])
   trainer = Trainer(
@@ -400,7 +416,7 @@ class BlockGatherTest(absltest.TestCase):
 
   def test_one_gather_per_block_each_way_and_equal_to_whole_model(self):
     weights = {}
-    strategy = tf.distribute.MirroredStrategy(DEVICES)
+    strategy = _strategy()
     for num_blocks, prefetch in ((1, False), (4, False), (4, True)):
       trainer, batches = _dense_trainer(strategy, num_blocks, prefetch)
       layout = trainer.sharded.layout
