@@ -75,9 +75,9 @@ prefetch) instead of the whole model's (`benchmarks/zero3_peak.py`;
 measured in docs/guides/sharded-training.md, "Stage 3"). Evaluation
 gathers every block at once. Traffic per step: the all-gathers (2 P'),
 the gradients' all-reduces (2 P' on a ring): 2x plain data parallelism,
-more than ZeRO's 1.5x because the gathered weights are not kept for the
-backward pass, and because CPU collectives offer no reduce-scatter (the
-gradient is an all-reduce, then a slice).
+more than ZeRO's 1.5x (the same gathers, then a reduce-scatter of P')
+because CPU collectives offer no reduce-scatter (the gradient is an
+all-reduce, then a slice).
 
 What is refused at start (`check_model`, and the flags:
 `--model=ranking`, whose tables are plain `tf.Variable`s), with the
