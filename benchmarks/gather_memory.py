@@ -27,12 +27,17 @@ import datetime
 import gc
 import json
 import os
-import subprocess
 import sys
 import time
 
 from absl import app
 from absl import flags
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+  sys.path.insert(0, REPO)
+
+from benchmarks import machine  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("elements", 1 << 20, "Elements of each replica's shard.")
@@ -109,17 +114,6 @@ def _child(variant: str, grad: bool, elements: int, replicas: int) -> dict:
           "tensorflow": tf.__version__}
 
 
-def _cpu_model() -> str:
-  try:
-    with open("/proc/cpuinfo") as f:
-      for line in f:
-        if line.startswith("model name"):
-          return line.split(":", 1)[1].strip()
-  except OSError:
-    pass
-  return "unknown"
-
-
 def main(argv):
   del argv
   if FLAGS.child:
@@ -127,20 +121,13 @@ def main(argv):
     print(json.dumps(_child(variant, grad == "1", FLAGS.elements,
                             FLAGS.replicas)), flush=True)
     return
-  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
   rows = []
   for grad in (0, 1):
     for variant in VARIANTS:
-      proc = subprocess.run(
-          [sys.executable, os.path.abspath(__file__),
-           f"--child={variant},{grad}", f"--elements={FLAGS.elements}",
-           f"--replicas={FLAGS.replicas}"],
-          env=env, capture_output=True, text=True, timeout=600, check=False)
-      lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
-      if proc.returncode or not lines:
-        raise SystemExit(f"{variant} grad={grad} failed:\n"
-                         f"{proc.stdout[-2000:]}{proc.stderr[-3000:]}")
-      rows.append(json.loads(lines[-1]))
+      rows.append(machine.run_child(
+          [os.path.abspath(__file__), f"--child={variant},{grad}",
+           f"--elements={FLAGS.elements}", f"--replicas={FLAGS.replicas}"],
+          timeout=600, what=f"{variant} grad={grad}"))
   mib = 1 << 20
   print(f"{'variant':>18} {'gradient':>8} {'kept by the step':>18}  (MiB per "
         f"replica; shard {4 * FLAGS.elements / mib:.2f} MiB)")
@@ -148,17 +135,12 @@ def main(argv):
     print(f"{r['variant']:>18} {str(r['grad']):>8} "
           f"{r['function_bytes'] / mib:>18.2f}")
   result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(
-      timespec="seconds"), "load_average": os.getloadavg(),
-            "cores": os.cpu_count(), "cpu_model": _cpu_model(),
+      timespec="seconds"), "load_average": machine.load_average(),
+            "cores": os.cpu_count(), "cpu_model": machine.cpu_model(),
             "tensorflow": rows[0]["tensorflow"],
-            "command": " ".join(["python", "benchmarks/gather_memory.py",
-                                 *sys.argv[1:]]),
-            "rows": rows}
+            "command": machine.command_line(), "rows": rows}
   if FLAGS.out:
-    os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
-    with open(FLAGS.out, "w") as f:
-      json.dump(result, f, indent=1)
-    print(f"wrote {FLAGS.out}")
+    machine.write_json(FLAGS.out, result)
 
 
 if __name__ == "__main__":

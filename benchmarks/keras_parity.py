@@ -64,7 +64,6 @@ import os
 import platform
 import resource
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -75,6 +74,8 @@ from absl import flags
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _REPO not in sys.path:
   sys.path.insert(0, _REPO)
+
+from benchmarks import machine  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 SIDES = ("keras", "tfdist", "keras_stock", "tfdist_stock")
 STRATEGIES = ("one_device", "mirrored")
@@ -365,7 +366,7 @@ def _data_files():
 
 
 def _launch(side: str, strategy_name: str, train_files, eval_files) -> dict:
-  args = [sys.executable, os.path.abspath(__file__), f"--child={side}",
+  args = [os.path.abspath(__file__), f"--child={side}",
           f"--child_strategy={strategy_name}",
           f"--child_train_files={','.join(train_files)}",
           f"--child_eval_files={','.join(eval_files)}",
@@ -374,17 +375,10 @@ def _launch(side: str, strategy_name: str, train_files, eval_files) -> dict:
           f"--steps_per_execution={FLAGS.steps_per_execution}",
           f"--learning_rate={FLAGS.learning_rate}",
           f"--momentum={FLAGS.momentum}"]
-  env = dict(os.environ)
-  env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-  env["PYTHONPATH"] = _REPO + os.pathsep + env.get("PYTHONPATH", "")
-  proc = subprocess.run(args, cwd=_REPO, env=env, stdout=subprocess.PIPE,
-                        stderr=subprocess.STDOUT, text=True,
-                        timeout=FLAGS.run_timeout)
-  for line in proc.stdout.splitlines():
-    if line.startswith(_RESULT_PREFIX):
-      return json.loads(line[len(_RESULT_PREFIX):])
-  raise RuntimeError(f"{side}/{strategy_name} failed (exit {proc.returncode})"
-                     f":\n{proc.stdout[-4000:]}")
+  return machine.run_child(args, timeout=FLAGS.run_timeout,
+                           what=f"{side}/{strategy_name}",
+                           prefix=_RESULT_PREFIX,
+                           timeout_flag="--run_timeout")
 
 
 def _spread(values):
@@ -393,25 +387,14 @@ def _spread(values):
 
 
 def _machine() -> dict:
-  def read(path):
-    try:
-      with open(path) as f:
-        return f.read()
-    except OSError:
-      return ""
-  model = next((line.split(":", 1)[1].strip()
-                for line in read("/proc/cpuinfo").splitlines()
-                if line.startswith("model name")), platform.processor())
-  flags_line = next((line for line in read("/proc/cpuinfo").splitlines()
-                     if line.startswith("flags")), "")
-  return {"cpu": model, "cpu_count": os.cpu_count(),
+  return {"cpu": machine.cpu_model(), "cpu_count": os.cpu_count(),
           "memory_gib": round(os.sysconf("SC_PAGE_SIZE") *
                               os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
-          "avx512_vnni": "avx512_vnni" in flags_line.split(),
+          "avx512_vnni": "avx512_vnni" in machine.cpu_flags(),
           "platform": platform.platform(),
           "python": platform.python_version(),
           "TF_ENABLE_ONEDNN_OPTS": os.environ.get("TF_ENABLE_ONEDNN_OPTS"),
-          "load_average_at_start": list(os.getloadavg())}
+          "load_average_at_start": machine.load_average()}
 
 
 def _summarize(strategy_name: str, pairs) -> dict:
@@ -483,14 +466,15 @@ def main(argv):
           f"{max(ratios):.3f}); medians keras "
           f"{statistics.median(per_batch['keras']):.3f} ms, tfdist "
           f"{statistics.median(per_batch['tfdist']):.3f} ms")
-    _write(FLAGS.output, {"machine": _machine(), "input_cpu_ms_per_batch":
-                          per_batch, "cpu_ratio": _spread(ratios),
-                          "batches": FLAGS.input_only})
+    machine.write_json(FLAGS.output, {
+        "machine": _machine(), "input_cpu_ms_per_batch": per_batch,
+        "cpu_ratio": _spread(ratios), "batches": FLAGS.input_only}, indent=2)
     return
   if FLAGS.op_counts:
     counts = op_counts(train_files)
     _print_op_counts(counts)
-    _write(FLAGS.output, {"machine": _machine(), "op_counts": counts})
+    machine.write_json(FLAGS.output, {"machine": _machine(),
+                                      "op_counts": counts}, indent=2)
     return
   started = time.time()
   record = {"machine": _machine(), "settings": {
@@ -518,22 +502,10 @@ def main(argv):
     summary = _summarize(strategy_name, pairs)
     record["results"].append(summary)
     _print_summary(summary)
-  record["machine"]["load_average_at_end"] = list(os.getloadavg())
+  record["machine"]["load_average_at_end"] = machine.load_average()
   record["wall_seconds"] = time.time() - started
-  _write(FLAGS.output, record)
+  machine.write_json(FLAGS.output, record, indent=2)
   print(f"{record['wall_seconds'] / 60:.1f} min.")
-
-
-def _write(output: str, record: dict) -> str:
-  """Writes `record` as JSON to `output` (relative: to where `bazel run`
-  was started); returns the path."""
-  if not os.path.isabs(output):
-    output = os.path.join(os.environ.get("BUILD_WORKING_DIRECTORY",
-                                         os.getcwd()), output)
-  with open(output, "w") as f:
-    json.dump(record, f, indent=2)
-  print(f"\nWrote {output}.")
-  return output
 
 
 if __name__ == "__main__":

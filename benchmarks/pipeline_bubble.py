@@ -27,14 +27,18 @@ by hand: matplotlib is not a dependency), also from a JSON written before:
 
 import json
 import os
-import platform
-import subprocess
 import sys
 import threading
 import time
 
 from absl import app
 from absl import flags
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+  sys.path.insert(0, REPO)
+
+from benchmarks import machine  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("stages", ["2", "4"], "Pipeline stages (P).")
@@ -49,18 +53,6 @@ flags.DEFINE_string("out", "", "Write the figures here as JSON.")
 flags.DEFINE_string("plot", "", "Draw the figures here as an SVG.")
 flags.DEFINE_string("from_json", "", "Plot this JSON (written by --out) "
                     "instead of measuring.")
-
-
-def _cpu_model() -> str:
-  try:
-    out = subprocess.run(["lscpu"], capture_output=True, text=True,
-                         check=False).stdout
-  except OSError:
-    return platform.processor()
-  for line in out.splitlines():
-    if line.startswith("Model name"):
-      return line.split(":", 1)[1].strip()
-  return platform.processor()
 
 
 def _work_layer(keras, tf, log, lock):
@@ -333,15 +325,13 @@ def main(argv):
   result = dict(
       benchmark="pipeline_bubble",
       date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-      cpu=_cpu_model(), cores=os.cpu_count(),
+      cpu=machine.cpu_model(), cores=os.cpu_count(),
+      load_average=machine.load_average(),
       tensorflow=tf.__version__,
-      command=" ".join([os.path.basename(sys.executable)] + sys.argv),
+      command=machine.command_line(),
       seconds=round(time.time() - started, 1), rows=rows)
   if FLAGS.out:
-    os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
-    with open(FLAGS.out, "w") as f:
-      json.dump(result, f, indent=1)
-    print(f"wrote {FLAGS.out}")
+    machine.write_json(FLAGS.out, result)
   if FLAGS.plot:
     _write_plot(result, FLAGS.plot)
 

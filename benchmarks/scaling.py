@@ -57,6 +57,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
   sys.path.insert(0, REPO)
 
+from benchmarks import machine as machine_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
 from tfdist import errors
 from tfdist import diagnose  # pylint: disable=g-import-not-at-top,wrong-import-position
 
@@ -247,20 +248,14 @@ def markdown_table(record: dict) -> str:
 
 
 def machine() -> dict:
-  model = ""
-  try:
-    with open("/proc/cpuinfo") as f:
-      model = next((l.split(":", 1)[1].strip() for l in f
-                    if l.startswith("model name")), "")
-  except OSError:
-    pass
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  return {"cpu": model, "cores": len(os.sched_getaffinity(0)),
+  return {"cpu": machine_lib.cpu_model(),
+          "cores": len(os.sched_getaffinity(0)),
           "memory_bytes": os.sysconf("SC_PHYS_PAGES") *
                           os.sysconf("SC_PAGE_SIZE"),
           "platform": platform.platform(), "python":
               platform.python_version(), "tensorflow": tf.__version__,
-          "load_average_at_start": os.getloadavg()}
+          "load_average_at_start": machine_lib.load_average()}
 
 
 def plot(results: dict, path: str, title: str):
@@ -404,11 +399,7 @@ def main(argv):
             "results": results}
   print("\n" + markdown_table(record))
   if FLAGS.output:
-    os.makedirs(os.path.dirname(os.path.abspath(FLAGS.output)),
-                exist_ok=True)
-    with open(FLAGS.output, "w") as f:
-      json.dump(record, f, indent=2, sort_keys=True)
-    print(f"JSON: {FLAGS.output}")
+    machine_lib.write_json(FLAGS.output, record, indent=2, sort_keys=True)
   if FLAGS.plot and base:
     plot(results, FLAGS.plot, _title(record))
     print(f"Plot: {FLAGS.plot}")

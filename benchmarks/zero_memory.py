@@ -39,7 +39,6 @@ import datetime
 import gc
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -48,6 +47,8 @@ from absl import flags
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+
+from benchmarks import machine  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 FLAGS = flags.FLAGS
 flags.DEFINE_enum("model", "transformer", ["transformer", "dense"],
@@ -181,17 +182,6 @@ def _child(replicas: int, stage: int, model_name: str, width: int,
                         if trainer.sharded else 0)}), flush=True)
 
 
-def _cpu_model() -> str:
-  try:
-    with open("/proc/cpuinfo") as f:
-      for line in f:
-        if line.startswith("model name"):
-          return line.split(":", 1)[1].strip()
-  except OSError:
-    pass
-  return "unknown"
-
-
 def main(argv):
   del argv
   if FLAGS.child:
@@ -200,21 +190,13 @@ def main(argv):
            FLAGS.steps)
     return
   rows = []
-  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
-             PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
   for replicas in (int(r) for r in FLAGS.replicas):
     for stage in (int(s) for s in FLAGS.stages):
-      proc = subprocess.run(
-          [sys.executable, os.path.abspath(__file__),
-           f"--child={replicas},{stage}", f"--model={FLAGS.model}",
-           f"--width={FLAGS.width}",
+      rows.append(machine.run_child(
+          [os.path.abspath(__file__), f"--child={replicas},{stage}",
+           f"--model={FLAGS.model}", f"--width={FLAGS.width}",
            f"--layers={FLAGS.layers}", f"--steps={FLAGS.steps}"],
-          env=env, capture_output=True, text=True, timeout=900, check=False)
-      lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
-      if proc.returncode or not lines:
-        raise SystemExit(f"N={replicas} stage={stage} failed:\n"
-                         f"{proc.stdout[-2000:]}{proc.stderr[-3000:]}")
-      rows.append(json.loads(lines[-1]))
+          timeout=900, what=f"N={replicas} stage={stage}"))
   mib = 1 << 20
   print(f"{'N':>2} {'stage':>5} {'estimate':>10} {'built':>10} "
         f"{'allocator':>10} {'step peak':>10} {'rest est.':>10} "
@@ -229,18 +211,15 @@ def main(argv):
           f"{r['rest_estimate_bytes'] / mib:>10.2f} "
           f"{r['rest_bytes'] / mib:>10.2f} {r['function_bytes'] / mib:>10.2f}")
   result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(
-      timespec="seconds"), "load_average": os.getloadavg(),
-            "cores": os.cpu_count(), "cpu_model": _cpu_model(),
+      timespec="seconds"), "load_average": machine.load_average(),
+            "cores": os.cpu_count(), "cpu_model": machine.cpu_model(),
             "tensorflow": rows[0]["tensorflow"], "keras": rows[0]["keras"],
             "model": FLAGS.model,
-            "command": " ".join(["python", "benchmarks/zero_memory.py",
-                                 *sys.argv[1:]]),
-            "width": FLAGS.width, "layers": FLAGS.layers, "optimizer": "adam", "rows": rows}
+            "command": machine.command_line(),
+            "width": FLAGS.width, "layers": FLAGS.layers, "optimizer": "adam",
+            "rows": rows}
   if FLAGS.out:
-    os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
-    with open(FLAGS.out, "w") as f:
-      json.dump(result, f, indent=1)
-    print(f"wrote {FLAGS.out}")
+    machine.write_json(FLAGS.out, result)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from tests import testutil
 from tfdist import experiment
 from tfdist import errors
 from tfdist.config import TrainConfig
+from tfdist.distribute import decisions as decisions_lib
 from tfdist.distribute import auto_select
 from tfdist.distribute import cluster as cluster_lib
 from tfdist.distribute import environment as environment_lib
@@ -143,8 +144,9 @@ class DecideTest(parameterized.TestCase):
                       loss_scale="128")
     for gpus, want in (((A100,), None), ((V100,), 128.0)):
       decision = auto_select.decide(DeviceInventory(gpus=gpus), dtype="auto")
-      resolved = run_options.apply_decision(cfg, decision)
-      self.assertEqual(resolved.loss_scale, want)
+      decided = decisions_lib.Decisions.of(cfg, choice=decision)
+      self.assertEqual(decided.loss_scale, want)
+      self.assertEqual(cfg.loss_scale, 128.0)  # the config keeps its own
 
 
 @pytest.mark.compat

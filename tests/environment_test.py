@@ -158,11 +158,12 @@ class TrialFolderTest(parameterized.TestCase):
     prepared = experiment.prepare_run(
         TrainConfig(model_dir="/runs/study", train_steps=1),
         environment=_env(**{variable: make("7")}))
-    config, cluster = prepared.config, prepared.cluster
+    decided, cluster = prepared.decisions, prepared.cluster
     self.assertEqual(cluster.trial, "7")
-    self.assertEqual(config.model_dir, "/runs/study/trial_7")
-    self.assertEqual(config.resolved_checkpoint_dir,
+    self.assertEqual(decided.model_dir, "/runs/study/trial_7")
+    self.assertEqual(decided.checkpoint_dir,
                      "/runs/study/trial_7/checkpoints")
+    self.assertEqual(prepared.config.model_dir, "/runs/study")
     self.assertEqual(prepared.trial_fields, ("model_dir",))
     # Vertex already nests AIP_* per trial (<base>/<trial>/checkpoints/):
     # kept as they are.
@@ -171,9 +172,9 @@ class TrialFolderTest(parameterized.TestCase):
         environment=_env(**{variable: make("7")},
                          AIP_MODEL_DIR="gs://b/out/7/model/",
                          AIP_CHECKPOINT_DIR="gs://b/out/7/checkpoints/"))
-    config = prepared.config
-    self.assertEqual((config.model_dir, config.resolved_checkpoint_dir,
-                      config.resolved_export_dir),
+    decided = prepared.decisions
+    self.assertEqual((decided.model_dir, decided.checkpoint_dir,
+                      decided.export_dir),
                      ("gs://b/out/7/checkpoints/", "gs://b/out/7/checkpoints/",
                       "gs://b/out/7/model/"))
     self.assertEqual(prepared.trial_fields, ())
@@ -181,15 +182,16 @@ class TrialFolderTest(parameterized.TestCase):
     prepared = experiment.prepare_run(
         TrainConfig(model_dir="/runs/one", train_steps=1),
         environment=_env(**{variable: make("")}))
-    self.assertEqual((prepared.config.model_dir, prepared.trial_fields), ("/runs/one", ()))
+    self.assertEqual((prepared.decisions.model_dir, prepared.trial_fields),
+                     ("/runs/one", ()))
 
   def test_explicit_checkpoint_dir_is_nested_too(self):
     prepared = experiment.prepare_run(
         TrainConfig(model_dir="gs://b/run/", checkpoint_dir="gs://b/ckpt",
                     train_steps=1),
         environment=_env(CLUSTER_SPEC=_cluster_spec("12")))
-    config = prepared.config
-    self.assertEqual((config.model_dir, config.resolved_checkpoint_dir),
+    decided = prepared.decisions
+    self.assertEqual((decided.model_dir, decided.checkpoint_dir),
                      ("gs://b/run/trial_12", "gs://b/ckpt/trial_12"))
     self.assertEqual(prepared.trial_fields, ("model_dir", "checkpoint_dir"))
 

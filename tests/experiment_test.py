@@ -11,6 +11,7 @@
   writes nothing, and `--mode=eval` evaluates through `EvaluatorRunner`.
 """
 
+import dataclasses
 import os
 import re
 
@@ -26,10 +27,11 @@ from tfdist import experiment
 from tfdist.backends import registry as backends
 from tfdist.backends import single_process
 from tfdist.config import TrainConfig
-from tfdist.distribute import auto_select
+from tfdist.distribute import decisions as decisions_lib
 from tfdist.distribute import cluster as cluster_lib
 from tfdist.distribute import environment as environment_lib
 from tfdist.distribute.strategy_kind import StrategyKind
+from tfdist.training import run_options
 
 # The steps `ExperimentRunner.train` documents, in order.
 TRAINING_STEPS = [
@@ -84,10 +86,11 @@ def _cluster(task_type: str, task_index: int = 0, *, workers: int = 2,
 
 
 def _prepared(strategy: str, cluster) -> experiment.PreparedRun:
-  decision = auto_select.Decision(strategy=strategy, strategy_reason="test",
-                                  dtype="fp32", dtype_reason="test")
-  return experiment.PreparedRun(config=TrainConfig(model_dir="/unused"),
-                                cluster=cluster, decision=decision)
+  config = TrainConfig(model_dir="/unused")
+  decisions = decisions_lib.Decisions.of(config.replace(
+      distribution_strategy=strategy, dtype="fp32"))
+  return experiment.PreparedRun(config=config, cluster=cluster,
+                                decisions=decisions)
 
 
 class FactsTest(parameterized.TestCase):
@@ -147,6 +150,34 @@ class FactsTest(parameterized.TestCase):
       with self.assertRaises(TypeError):
         tuple_use(prepared)
 
+  def test_decisions_are_kept_beside_the_config_never_in_it(self):
+    # auto, and Vertex AI's folders: decided into `decisions`; the config
+    # stays what the caller gave.
+    config = TrainConfig(train_steps=1, num_cpu_devices=2,
+                         distribution_strategy="auto", dtype="auto")
+    prepared = experiment.prepare_run(
+        config, environment=environment_lib.read_environment(
+            {"AIP_MODEL_DIR": "/runs/vertex/model",
+             "AIP_CHECKPOINT_DIR": "/runs/vertex/checkpoints"}))
+    self.assertIs(prepared.config, config)
+    self.assertEqual((config.distribution_strategy, config.dtype,
+                      config.model_dir), ("auto", "auto", ""))
+    decided = prepared.decisions
+    self.assertIs(decided.strategy, StrategyKind.MIRRORED)
+    self.assertEqual(decided.dtype, "fp32")
+    self.assertEqual(decided.model_dir, "/runs/vertex/checkpoints")
+    self.assertEqual(decided.checkpoint_dir, "/runs/vertex/checkpoints")
+    self.assertEqual(decided.export_dir, "/runs/vertex/model")
+    self.assertIn(("model_dir", "AIP_CHECKPOINT_DIR"),
+                  decided.environment_applied)
+    with self.assertRaises(dataclasses.FrozenInstanceError):
+      decided.dtype = "bf16"
+    # What the records list by flag name: the decided values.
+    recorded = run_options.recorded_config(config, decided)
+    self.assertEqual((recorded["distribution_strategy"], recorded["dtype"],
+                      recorded["model_dir"]),
+                     ("mirrored", "fp32", "/runs/vertex/checkpoints"))
+
   def test_planned_replicas_use_the_same_workers(self):
     config = TrainConfig(model_dir="/unused", num_gpus=0, num_cpu_devices=2)
     for strategy, cluster, expected in (
@@ -154,9 +185,9 @@ class FactsTest(parameterized.TestCase):
         ("multi_worker_mirrored", _cluster("chief"), (3, 3)),
         ("parameter_server", _cluster("chief", ps=1), (1, 2)),
         ("one_device", cluster_lib.ClusterInfo.single_process(), (1, 1))):
-      decision = _prepared(strategy, cluster).decision
+      decisions = _prepared(strategy, cluster).decisions
       self.assertEqual(experiment.planned_replicas(
-          config, decision=decision, cluster=cluster), expected, strategy)
+          config, decisions=decisions, cluster=cluster), expected, strategy)
 
 
 class _RecordingRunner(experiment.ExperimentRunner):
@@ -267,9 +298,10 @@ class _CountingBackend(single_process.OneDeviceBackend):
 
   calls = []
 
-  def build_strategy(self, config, *, cluster, lease=None):
+  def build_strategy(self, config, decisions, *, cluster, lease=None):
     type(self).calls.append("build_strategy")
-    return super().build_strategy(config, cluster=cluster, lease=lease)
+    return super().build_strategy(config, decisions, cluster=cluster,
+                                  lease=lease)
 
   def build_inputs(self, run):
     type(self).calls.append("build_inputs")

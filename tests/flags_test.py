@@ -5,7 +5,6 @@ field's default, or is library-only (`flags.LIBRARY_ONLY_FIELDS`); every
 such flag reaches its field through `flags_to_config`.
 """
 
-import dataclasses
 import json
 import os
 import subprocess
@@ -25,7 +24,7 @@ from tests import testutil
 # Importing the binary defined every tfdist flag on absl's FLAGS.
 
 FLAGS = absl_flags.FLAGS
-FIELDS = {f.name: f for f in dataclasses.fields(config_lib.TrainConfig)}
+FIELDS = config_lib.flat_fields()
 
 
 class FlagsMatchConfigTest(absltest.TestCase):

@@ -204,8 +204,9 @@ def _strategy(out_dir: str, collective_timeout_seconds: float = 60):
   prepared = experiment.prepare_run(config)
   config, cluster, decision = (prepared.config, prepared.cluster,
                                prepared.decision)
-  choice = strategy_lib.make_strategy(run_options.strategy_options(config),
-                                      cluster=cluster)
+  choice = strategy_lib.make_strategy(
+      run_options.strategy_options(config, prepared.decisions),
+      cluster=cluster)
   print(f"strategy {choice.name} ({decision.strategy_reason})", flush=True)
   return choice.strategy
 

@@ -136,11 +136,11 @@ class OutputLayoutTest(parameterized.TestCase):
             AIP_CHECKPOINT_DIR="gs://b/out/checkpoints/")),
   )
   def test_separate_folders_pass(self, fields, variables):
-    config = experiment.prepare_run(TrainConfig(train_steps=1, **fields),
-                                    environment=_env(**variables)).config
+    decided = experiment.prepare_run(TrainConfig(train_steps=1, **fields),
+                                     environment=_env(**variables)).decisions
     if "AIP_MODEL_DIR" in variables:
       # Vertex AI loads saved_model.pb from AIP_MODEL_DIR itself.
-      self.assertEqual(config.resolved_export_dir, variables["AIP_MODEL_DIR"])
+      self.assertEqual(decided.export_dir, variables["AIP_MODEL_DIR"])
 
   def test_entries_are_the_writers_names(self):
     from tfdist.distribute import (lease, parameter_server)  # pylint: disable=g-import-not-at-top
@@ -164,12 +164,12 @@ class TrialFoldersTest(parameterized.TestCase):
                                                       expected):
     folders = []
     for trial in ("3", "4"):
-      config = experiment.prepare_run(
+      decided = experiment.prepare_run(
           TrainConfig(train_steps=1,
                       model_dir="" if variables else "/s/flag"),
           environment=_env(CLUSTER_SPEC=_cluster_spec(trial),
-                           **variables)).config
-      folders.append(config.resolved_checkpoint_dir)
+                           **variables)).decisions
+      folders.append(decided.checkpoint_dir)
     self.assertEqual(folders[0], expected.format(3) +
                      ("" if variables else "/checkpoints"))
     self.assertNotEqual(*folders)
@@ -177,11 +177,11 @@ class TrialFoldersTest(parameterized.TestCase):
   def test_vertex_nested_folders_are_kept(self):
     variables = dict(AIP_MODEL_DIR="gs://b/out/4/model/",
                      AIP_CHECKPOINT_DIR="gs://b/out/4/checkpoints/")
-    config = experiment.prepare_run(
+    decided = experiment.prepare_run(
         TrainConfig(train_steps=1),
-        environment=_env(CLUSTER_SPEC=_cluster_spec("4"), **variables)).config
-    self.assertEqual((config.resolved_checkpoint_dir,
-                      config.resolved_export_dir),
+        environment=_env(CLUSTER_SPEC=_cluster_spec("4"), **variables)
+    ).decisions
+    self.assertEqual((decided.checkpoint_dir, decided.export_dir),
                      (variables["AIP_CHECKPOINT_DIR"],
                       variables["AIP_MODEL_DIR"]))
 

@@ -128,7 +128,8 @@ def _make_strategy(config, env):
   prepared = experiment.prepare_run(
       config, environment=environment_lib.read_environment(env))
   return strategy_lib.make_strategy(
-      run_options.strategy_options(prepared.config), cluster=prepared.cluster)
+      run_options.strategy_options(prepared.config, prepared.decisions),
+      cluster=prepared.cluster)
 
 
 class ClusterSpecTest(parameterized.TestCase):

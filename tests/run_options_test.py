@@ -8,7 +8,9 @@ from absl.testing import absltest
 
 from tfdist import errors
 from tfdist.config import TrainConfig
+from tfdist.distribute import decisions as decisions_lib
 from tfdist.distribute import auto_select
+from tfdist.distribute import strategy as strategy_lib
 from tfdist.distribute.strategy_kind import StrategyKind
 from tfdist.training import run_options
 
@@ -31,19 +33,38 @@ class ConvertersTest(absltest.TestCase):
     with self.assertRaises(dataclasses.FrozenInstanceError):
       options.num_cpu_devices = 4
 
+  def test_the_tpu_and_ps_parts_receive_their_sections(self):
+    config = _config(distribution_strategy="tpu", tpu="grpc://127.0.0.1:1",
+                     tpu_zone="z", tpu_init_timeout=2, ps_max_shards=3)
+    options = run_options.strategy_options(config)
+    # The sections themselves (the TPU's with its decided address).
+    self.assertEqual(options.tpu, config.strategy.tpu)
+    self.assertIs(options.partitioner, config.strategy.parameter_servers)
+    self.assertEqual(options.partitioner.ps_max_shards, 3)
+    # The strategy factory reads the TPU section by its flag names (nothing
+    # listens on port 1: the connection is refused at once).
+    with self.assertRaisesRegex(errors.TPUNotAvailableError,
+                                "--tpu=grpc://127.0.0.1:1"):
+      strategy_lib.make_strategy(options)
+
   def test_auto_must_be_decided_first(self):
     with self.assertRaisesRegex(errors.ConfigError, "decide `auto` first"):
-      run_options.strategy_kind(_config(distribution_strategy="auto"))
+      run_options.strategy_options(_config(distribution_strategy="auto"))
 
-  def test_apply_decision_leaves_no_auto(self):
+  def test_decisions_leave_no_auto_and_the_config_unchanged(self):
     config = _config(distribution_strategy="auto", dtype="auto")
     decision = auto_select.Decision(
         strategy=StrategyKind.ONE_DEVICE, strategy_reason="auto: test",
         dtype="fp32", dtype_reason="auto: test")
-    decided = run_options.apply_decision(config, decision)
-    self.assertEqual(decided.distribution_strategy, "one_device")
+    decided = decisions_lib.Decisions.of(config, choice=decision)
+    self.assertIs(decided.strategy, StrategyKind.ONE_DEVICE)
     self.assertEqual(decided.dtype, "fp32")
-    self.assertIs(run_options.strategy_kind(decided), StrategyKind.ONE_DEVICE)
+    self.assertEqual((config.distribution_strategy, config.dtype),
+                     ("auto", "auto"))
+    self.assertIs(run_options.strategy_options(config, decided).kind,
+                  StrategyKind.ONE_DEVICE)
+    self.assertEqual(run_options.assembly_options(config, decided).dtype,
+                     "fp32")
 
   def test_plan_options_hold_batch_learning_rate_and_data(self):
     options = run_options.plan_options(_config(

@@ -32,6 +32,12 @@ MWMS_CASES = (("adam", 2, 2, "global_clipnorm"),
               # ZeRO stage 3 (tfdist.parallel.zero3): the weights sharded
               # across the two workers too.
               ("adam", 3, 2, "global_clipnorm"))
+# Stage 3 on the built-in Transformer (its token embedding kept
+# replicated), Adam with global-norm clipping, against unsharded training:
+# tokens that never repeat within a batch, as in tests/zero3_test.py (with
+# repeats, stage 0's Keras Adam takes the table's IndexedSlices otherwise
+# than stages 1-3).
+TRANSFORMER_CASE = ("adam", 3, 1, "global_clipnorm")
 
 
 def case_name(case) -> str:
@@ -39,15 +45,35 @@ def case_name(case) -> str:
 
 
 # --- the cases, run under one strategy (child process or worker) -----------
+def small_transformer():
+  """The built-in Transformer as tests/zero3_test.py's: one block, 8 tokens
+  of a 400-token vocabulary, width 16, dropout; logits of 10 classes."""
+  from tfdist.models import transformer  # pylint: disable=g-import-not-at-top
+  return transformer.build_transformer(
+      sequence_length=8, vocabulary_size=400, num_classes=10, embed_dim=16,
+      num_heads=2, ff_dim=32, num_layers=1, dropout=0.1)
+
+
+def unique_tokens(rows: int):
+  """`(tokens, labels)`: int64 token ids [rows, 8], 6 per row then 2 of
+  padding (0), no id repeated anywhere; int64 labels in [0, 10)."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(0)
+  tokens = np.zeros((rows, 8), "int64")
+  tokens[:, :6] = rng.permutation(np.arange(1, 6 * rows + 1)).reshape(rows, 6)
+  return tokens, rng.integers(0, 10, size=rows).astype("int64")
+
+
 def run_cases(strategy, train_glob: str, cases, *, scratch: str,
            fp16_stages=(1, 2), chain_stages=(0, 2, 0),
-           single_replica=None) -> dict:
+           single_replica=None, transformer=False) -> dict:
   """Runs the equality, fp16 and checkpoint cases under `strategy`.
 
   `fp16_stages`: the stages of the fp16 case; `chain_stages`: the stages
   of the checkpoint chain's segments (2 Adam updates each);
   `single_replica`: a one-replica MirroredStrategy that runs the chain's
-  third segment (a change of replica count), or None.
+  third segment (a change of replica count), or None; `transformer`: also
+  `TRANSFORMER_CASE` (result `"transformer"`).
   """
   import keras  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
@@ -65,12 +91,13 @@ def run_cases(strategy, train_glob: str, cases, *, scratch: str,
           datasets.parse_image_example).batch(GLOBAL_BATCH * 8)))
   images, labels = images.numpy(), labels.numpy()
 
-  def build(strat, opt_name, stage, clip=None, dtype="fp32"):
+  def build(strat, opt_name, stage, clip=None, dtype="fp32",
+            model_fn=None):
     keras.utils.set_random_seed(5)
     with strat.scope():
       # 784 x 7 + 7 + 7 x 10 + 10 = 5575 parameters: odd, so the last of
       # 2 shards holds one element of padding.
-      model = keras.Sequential([
+      model = model_fn() if model_fn else keras.Sequential([
           keras.Input((28, 28, 1)), keras.layers.Flatten(),
           keras.layers.Dense(7, activation="relu"), keras.layers.Dense(10)])
       optimizer = precision.wrap_optimizer_for_precision(
@@ -87,10 +114,11 @@ def run_cases(strategy, train_glob: str, cases, *, scratch: str,
         gradient_accumulation_steps=accumulate, time_steps=False,
         sharding=sharded_optimizer.ShardingOptions(stage=stage))
 
-  def iterator(strat, accumulate, first_step=0, steps=STEPS):
+  def iterator(strat, accumulate, first_step=0, steps=STEPS,
+               data=(images, labels)):
     start, end = first_step * GLOBAL_BATCH, (first_step + steps) * GLOBAL_BATCH
     ds = tf.data.Dataset.from_tensor_slices(
-        (images[start:end], labels[start:end])).batch(
+        (data[0][start:end], data[1][start:end])).batch(
             GLOBAL_BATCH // accumulate)
     options = tf.data.Options()
     options.experimental_distribute.auto_shard_policy = (
@@ -105,11 +133,13 @@ def run_cases(strategy, train_glob: str, cases, *, scratch: str,
   def max_diff(a, b):
     return max(float(np.max(np.abs(x - y))) for x, y in zip(a, b))
 
-  def train(opt_name, stage, accumulate, clip):
-    model, optimizer = build(strategy, opt_name, stage, clip)
+  def train(opt_name, stage, accumulate, clip, model_fn=None,
+            data=(images, labels)):
+    model, optimizer = build(strategy, opt_name, stage, clip,
+                             model_fn=model_fn)
     before = weights(model)
     trainer = trainer_for(strategy, model, optimizer, stage, accumulate)
-    batches = iterator(strategy, accumulate)
+    batches = iterator(strategy, accumulate, data=data)
     for _ in range(STEPS):
       trainer.train_function(batches, tf.constant(1, tf.int32))
     # Stage 3: the weights gathered into the model (all workers at once).
@@ -157,6 +187,15 @@ def run_cases(strategy, train_glob: str, cases, *, scratch: str,
       out["equal"][case_name(case)] = {"max_diff": max_diff(got, reference),
                                    "reference": ref_info, **info}
     out["parameters"] = int(sum(w.size for w in reference))
+
+  def transformer_case():
+    tokens = unique_tokens(STEPS * GLOBAL_BATCH)
+    opt_name, stage, accumulate, clip = TRANSFORMER_CASE
+    reference, _ = train(opt_name, 0, accumulate, clip,
+                         model_fn=small_transformer, data=tokens)
+    got, info = train(*TRANSFORMER_CASE, model_fn=small_transformer,
+                      data=tokens)
+    out["transformer"] = {"max_diff": max_diff(got, reference), **info}
 
   def fp16_cases():
     # fp16: replica 1's (worker 1's) half of the first batch has inputs of
@@ -241,7 +280,8 @@ def run_cases(strategy, train_glob: str, cases, *, scratch: str,
                              if n.startswith("optimizer/_variables/")]),
         "replica_counts": [s.num_replicas_in_sync for s, _ in chain]}
 
-  for part in (equal_cases, fp16_cases, checkpoint_chain):
+  for part in (equal_cases, fp16_cases, checkpoint_chain) + (
+      (transformer_case,) if transformer else ()):
     error = guarded(part)
     if error:
       out[part.__name__] = error
@@ -332,7 +372,8 @@ def worker_main(out_dir: str, train_glob: str):
   os.makedirs(scratch, exist_ok=True)
   result = guarded(lambda: run_cases(strategy, train_glob, MWMS_CASES,
                                    scratch=scratch, fp16_stages=(1,),
-                                   chain_stages=(0, 2, 0)))
+                                   chain_stages=(0, 2, 0),
+                                   transformer=True))
   with open(os.path.join(out_dir, f"sharded-{task}.json"), "w") as f:
     json.dump(result, f)
   print(f"sharded: {task} done", flush=True)
@@ -380,6 +421,18 @@ class CaseChecks:
       self.assertEqual(second["iterations"], 1)
       self.assertTrue(second["kernel_finite"])
       self.assertFalse(second["kernel_unchanged"])
+
+  def check_transformer(self, result):
+    self.assertNotIn("transformer_case", result,
+                     result.get("transformer_case"))
+    got = result["transformer"]
+    self.assertLess(got["max_diff"], TOLERANCE, got)
+    self.assertGreater(got["moved"], 1e-3, got)
+    self.assertEqual(got["iterations"], STEPS)
+    # The weights were sharded (the token table stays whole on each
+    # replica, out of the shards).
+    self.assertEqual(got["master_elements"], [got["shard_size"]])
+    self.assertGreater(got["shard_size"], 0)
 
   def check_checkpoint(self, result, replica_counts):
     self.assertNotIn("checkpoint_chain", result,

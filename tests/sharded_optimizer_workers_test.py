@@ -4,8 +4,10 @@ MultiWorkerMirroredStrategy workers train like unsharded training.
 `tfdist.launch` runs 2 workers of `tests.sharded_optimizer_testlib`: 3
 updates of Adam and SGD with momentum at stage 1 and 2, with and without
 gradient accumulation and clipping, and Adam at stage 3 (the weights
-sharded across the workers, `tfdist.parallel.zero3`), give the unsharded
-run's weights within 1e-5; an fp16 overflow on one worker skips the update on both; a checkpoint
+sharded across the workers, `tfdist.parallel.zero3`) on a small dense model
+and on the built-in Transformer (no token repeated within a batch), give
+the unsharded run's weights within 1e-5; an fp16 overflow on one worker
+skips the update on both; a checkpoint
 goes unsharded -> stage 2 -> unsharded (the save gathers the shards across
 workers) and the weights at the end equal an uninterrupted run's. The same
 cases under MirroredStrategy, and the binary's: tests/sharded_optimizer_test.py.
@@ -41,6 +43,7 @@ class MultiWorkerShardedTest(cases_lib.CaseChecks, absltest.TestCase):
       self.check_equal(result, cases_lib.MWMS_CASES)
       self.check_fp16(result, stages=(1,))
       self.check_checkpoint(result, [2, 2, 2])
+      self.check_transformer(result)
     self.assertEqual(results["chief0"]["equal"], results["worker0"]["equal"])
 
 

@@ -7,6 +7,7 @@ import tensorflow as tf
 
 from tfdist import errors
 from tfdist.config import TrainConfig
+from tfdist.distribute import decisions as decisions_lib
 from tfdist.distribute import auto_select
 from tfdist.distribute import cluster as cluster_lib
 from tfdist.distribute import strategy as strategy_lib
@@ -71,7 +72,7 @@ class MakeStrategyTest(parameterized.TestCase):
     self.assertEqual(decision.strategy, "one_device")
     self.assertIn("auto: ", decision.strategy_reason)
     choice = strategy_lib.make_strategy(run_options.strategy_options(
-        run_options.apply_decision(config, decision)))
+        config, decisions_lib.Decisions.of(config, choice=decision)))
     self.assertEqual(choice.name, "one_device")
 
   def test_factory_never_sees_auto(self):

@@ -24,6 +24,7 @@ from tfdist import experiment
 from tfdist import errors
 from tfdist.config import TrainConfig
 from tfdist.data import input_pipeline
+from tfdist.distribute import decisions as decisions_lib
 from tfdist.distribute import auto_select
 from tfdist.distribute import environment as environment_lib
 from tfdist.distribute import tpu
@@ -327,9 +328,9 @@ class TpuRulesTest(parameterized.TestCase):
         tpu_cores=8, tpu_address="local"),
                                   dtype=cfg.dtype,
                                   dtype_defaulted="dtype" in cfg.defaulted)
-    resolved = run_options.apply_decision(cfg, decision)
-    self.assertEqual((resolved.distribution_strategy, resolved.tpu,
-                      resolved.dtype, resolved.steps_per_execution),
+    decided = decisions_lib.Decisions.of(cfg, choice=decision)
+    self.assertEqual((decided.strategy, decided.tpu,
+                      decided.dtype, decided.steps_per_execution),
                      ("tpu", "local", "bf16",
                       tpu.TPU_DEFAULT_STEPS_PER_EXECUTION))
 

@@ -47,6 +47,7 @@ import tensorflow as tf
 
 from tfdist import experiment
 from tfdist import errors
+from tfdist import config as config_lib
 from tfdist.config import TrainConfig
 from tfdist.data import input_pipeline
 from tfdist.data import python_inputs
@@ -507,7 +508,7 @@ def with_keras_length(config: TrainConfig, *, epochs: Optional[int] = None,
           f"tfdist.fit(epochs={epochs}) and TrainConfig(train_steps="
           f"{config.train_steps}) both set how long to train: drop one "
           "(train_steps=0 lets epochs decide).")
-    default = TrainConfig.__dataclass_fields__["train_epochs"].default
+    default = config_lib.flat_fields()["train_epochs"].default
     if config.train_epochs not in (default, epochs):
       raise errors.ConfigError(
           f"tfdist.fit(epochs={epochs}) and TrainConfig(train_epochs="

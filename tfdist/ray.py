@@ -93,6 +93,7 @@ from absl import logging  # pylint: disable=g-import-not-at-top,wrong-import-pos
 
 from tfdist import flags as tfdist_flags  # pylint: disable=g-import-not-at-top,wrong-import-position
 from tfdist import errors
+from tfdist import config as config_lib
 from tfdist.config import TrainConfig
 from tfdist.distribute import environment  # pylint: disable=g-import-not-at-top,wrong-import-position
 from tfdist.distribute.strategy_kind import StrategyKind  # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -567,7 +568,7 @@ def trial_train_config(base: TrainConfig, params: dict,
     ConfigError: a parameter that is no `TrainConfig` field or one of
       `_TRIAL_FIXED_FIELDS` (the message names it), or a bad value.
   """
-  fields = set(TrainConfig.__dataclass_fields__)
+  fields = set(config_lib.flat_fields())
   bad = sorted(k for k in params
                if k not in fields or k in _TRIAL_FIXED_FIELDS)
   if bad:

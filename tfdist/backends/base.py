@@ -26,7 +26,7 @@ strategy does differently lives in one subclass.
 """
 
 import dataclasses
-from typing import Any, Callable, Dict, Optional, Tuple, Type
+from typing import Any, Callable, Dict, List, Optional, Tuple, Type
 
 import tensorflow as tf
 
@@ -129,30 +129,35 @@ class Backend:
 
   # -- Start-up ----------------------------------------------------------------
 
-  def validate(self, config, *, dataset) -> None:
+  def validate(self, config, decisions, *, dataset) -> None:
     """Checks only this strategy makes, before anything is built.
 
     Args:
-      config: the run's `TrainConfig` (`auto` decided).
+      config: the run's `TrainConfig`, as the caller gave it.
+      decisions: what preparing the run decided
+        (`tfdist.distribute.decisions.Decisions`: the strategy, dtype,
+        TPU, folders and files that run).
       dataset: the run's `DatasetSpec`, or None when not known.
 
     Raises:
       ConfigError: the configuration cannot run under this strategy.
     """
-    del config, dataset
+    del config, decisions, dataset
 
-  def serve(self, config, cluster) -> Optional[dict]:
+  def serve(self, config, decisions, cluster) -> Optional[dict]:
     """Runs a serving process's part until the run ends; returns its result
-    (None: this process trains or evaluates instead)."""
-    del config, cluster
+    (None: this process trains or evaluates instead). Arguments as
+    `validate`'s, and the run's `ClusterInfo`."""
+    del config, decisions, cluster
     return None
 
-  def build_strategy(self, config, *, cluster,
+  def build_strategy(self, config, decisions, *, cluster,
                      lease=None) -> strategy_lib.StrategyChoice:
     """The `tf.distribute` strategy, with the CPU devices configured.
 
     Args:
       config: the run's `TrainConfig`.
+      decisions: its `tfdist.distribute.decisions.Decisions`.
       cluster: its `ClusterInfo` (None for a lone evaluator).
       lease: the writer's `--model_dir` lease (None elsewhere); a backend
         that waits for peers extends it while it waits.
@@ -162,13 +167,13 @@ class Backend:
     """
     del lease
     devices.configure_cpu_devices(config.num_cpu_devices)
-    return strategy_lib.make_strategy(run_options.strategy_options(config),
+    return strategy_lib.make_strategy(run_options.strategy_options(config, decisions),
                                       cluster=cluster)
 
-  def planned_replicas(self, config, *, cluster) -> Tuple[int, int]:
+  def planned_replicas(self, config, decisions, *, cluster) -> Tuple[int, int]:
     """`(num_replicas_in_sync, num_workers)` a run will have, without
-    building the strategy (for `--dry_run`)."""
-    del config
+    building the strategy (for `--dry_run`); arguments as `validate`'s."""
+    del config, decisions
     return 1, self.training_workers(cluster)
 
   def assembly_options(self, options, *, choice):
@@ -266,6 +271,18 @@ def local_accelerators(num_gpus: int) -> int:
   if num_gpus >= 0:
     gpus = min(gpus, num_gpus)
   return gpus
+
+
+def first_gpus(n: int, num_gpus: int = -1) -> Optional[List[str]]:
+  """The logical device names of this host's first `n` GPUs that a run of
+  this process uses (`--num_gpus`; -1: all; 0: none), or None when it
+  uses none. Fewer than `n` names when it has fewer: the caller refuses
+  that with its own flag's message."""
+  gpus = local_accelerators(num_gpus) if num_gpus != 0 else 0
+  if not gpus:
+    return None
+  names = [d.name for d in tf.config.list_logical_devices("GPU")]
+  return names[:min(gpus, n)]
 
 
 _BACKENDS: Dict[StrategyKind, Type[Backend]] = {}

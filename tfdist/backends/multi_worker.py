@@ -31,7 +31,7 @@ class MultiWorkerMirroredBackend(synchronous.SynchronousBackend):
   def cross_process_collectives(self, num_workers: int) -> bool:
     return num_workers > 1
 
-  def build_strategy(self, config, *, cluster,
+  def build_strategy(self, config, decisions, *, cluster,
                      lease=None) -> strategy_lib.StrategyChoice:
     # Built before anything starts TensorFlow's runtime (it configures the
     # collective runtime). It may hold the interpreter, and so the lease's
@@ -39,11 +39,11 @@ class MultiWorkerMirroredBackend(synchronous.SynchronousBackend):
     with (lease.extended(config.cluster_start_timeout_seconds)
           if lease is not None else contextlib.nullcontext()):
       choice = strategy_lib.make_strategy(
-          run_options.strategy_options(config), cluster=cluster)
+          run_options.strategy_options(config, decisions), cluster=cluster)
     devices.configure_cpu_devices(config.num_cpu_devices)
     return choice
 
-  def planned_replicas(self, config, *, cluster) -> Tuple[int, int]:
+  def planned_replicas(self, config, decisions, *, cluster) -> Tuple[int, int]:
     workers = self.training_workers(cluster)
     return workers * max(base.local_accelerators(config.num_gpus), 1), workers
 
@@ -82,7 +82,7 @@ class MultiWorkerMirroredBackend(synchronous.SynchronousBackend):
     def release():
       run.cleanup.close()  # The lease, the signal handlers.
       # Side-car evaluators stop with the chief.
-      done_marker.mark_done(run.config.model_dir)
+      done_marker.mark_done(run.decisions.model_dir)
 
     # Never returns: the runner's objects stay alive until the process ends.
     worker_exit.leave_process(

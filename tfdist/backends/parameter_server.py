@@ -39,7 +39,7 @@ class ParameterServerBackend(base.Backend):
   def serves(self, cluster) -> bool:
     return cluster.task_type in (cluster_lib.WORKER, cluster_lib.PS)
 
-  def serve(self, config, cluster) -> Optional[dict]:
+  def serve(self, config, decisions, cluster) -> Optional[dict]:
     """`worker` and `ps` tasks serve until the coordinator marks the run
     done; returns `{"role", "index", "exit_status"}` (or the dry run's)."""
     ps_lib.set_grpc_fail_fast()
@@ -50,7 +50,7 @@ class ParameterServerBackend(base.Backend):
                    "cluster.", cluster.task_type, cluster.task_index)
       return {"dry_run": True, "role": cluster.task_type,
               "index": cluster.task_index}
-    status = ps_lib.serve(config.model_dir, cluster,
+    status = ps_lib.serve(decisions.model_dir, cluster,
                           grace_seconds=config.preemption_grace_seconds)
     return {"role": cluster.task_type, "index": cluster.task_index,
             "exit_status": status}
@@ -70,14 +70,14 @@ class ParameterServerBackend(base.Backend):
         model, run.parts.optimizer,
         large_bytes=min(config.ps_min_shard_bytes, 64 << 10))
     logging.info("%s", ps_lib.format_placement(placement))
-    ps_lib.check_shard_layout(config.resolved_checkpoint_dir, model)
-    ps_lib.write_shard_layout(config.resolved_checkpoint_dir, model)
+    ps_lib.check_shard_layout(run.decisions.checkpoint_dir, model)
+    ps_lib.write_shard_layout(run.decisions.checkpoint_dir, model)
     return {"num_workers": run.num_workers, "num_ps": run.cluster.num_ps,
             "cluster": run.cluster.cluster_dict(),
             "partitioner": config.ps_partitioner,
             "min_shard_bytes": config.ps_min_shard_bytes,
             "max_shards": config.ps_max_shards or run.cluster.num_ps,
-            "steps_per_execution": config.steps_per_execution,
+            "steps_per_execution": run.decisions.steps_per_execution,
             "placement": placement}
 
   def translate_failure(self, error, *, after: str,
@@ -95,7 +95,7 @@ class ParameterServerBackend(base.Backend):
     ShardedVariables on the ps tasks, which a SavedModel cannot capture
     (each table is one variable again)."""
     model = assembly.build_model(
-        run_options.assembly_options(run.config), task=run.task,
+        run_options.assembly_options(run.config, run.decisions), task=run.task,
         sync_batch_norm=run.plan.sync_batch_norm)
     tf.train.Checkpoint(model=model).restore(
         run.keeper.latest).expect_partial()

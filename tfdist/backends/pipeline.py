@@ -59,16 +59,15 @@ def stage_devices(num_stages: int, num_gpus: int = -1) -> List[str]:
     errors.ConfigError: fewer than P GPUs, or the CPU already split into fewer
       than P logical devices (TensorFlow's runtime started).
   """
-  gpus = base.local_accelerators(num_gpus) if num_gpus != 0 else 0
-  if gpus:
-    names = [d.name for d in tf.config.list_logical_devices("GPU")][:gpus]
+  names = base.first_gpus(num_stages, num_gpus)
+  if names is not None:
     if len(names) < num_stages:
       raise errors.ConfigError(
           f"--pipeline_stages={num_stages} needs {num_stages} GPUs (stage i "
           f"runs on GPU i); this process sees {len(names)}. Lower "
           f"--pipeline_stages to {len(names)} or fewer, or pass "
           "--num_gpus=0 to run the stages on logical CPU devices.")
-    return names[:num_stages]
+    return names
   # Before anything lists the devices: listing starts TensorFlow's runtime,
   # after which the CPU can no longer be split.
   cpu = tf.config.list_physical_devices("CPU")[0]
@@ -212,7 +211,7 @@ class PipelineBackend(single_process.OneDeviceBackend):
     del num_workers
     return False
 
-  def validate(self, config, *, dataset) -> None:
+  def validate(self, config, decisions, *, dataset) -> None:
     """Refuses, before anything is built, more stages than GPUs in one
     process (logical CPU devices are made as needed). Across a cluster,
     `serve` checks it on every task (ps tasks, T not dividing P) and the
@@ -233,7 +232,7 @@ class PipelineBackend(single_process.OneDeviceBackend):
           f"host has {gpus}. Lower --pipeline_stages to {gpus} or fewer, or "
           "pass --num_gpus=0 to run the stages on logical CPU devices.")
 
-  def serve(self, config, cluster) -> Optional[dict]:
+  def serve(self, config, decisions, cluster) -> Optional[dict]:
     """Across a cluster: checks it (every task, at start); a worker then
     serves its devices until the chief marks the run done, and returns
     `{"role", "index", "exit_status"}`. None for the driving process.
@@ -255,7 +254,7 @@ class PipelineBackend(single_process.OneDeviceBackend):
     # CPU devices, for the stages the task hosts when it has no GPUs.
     cpus = max(per_task, config.num_cpu_devices, 1)
     status = ps_lib.serve(
-        config.model_dir, cluster,
+        decisions.model_dir, cluster,
         grace_seconds=config.preemption_grace_seconds,
         resolver=cluster.cluster_resolver(jobs=STAGE_JOBS),
         server_config=tf.compat.v1.ConfigProto(device_count={"CPU": cpus}))
@@ -264,22 +263,22 @@ class PipelineBackend(single_process.OneDeviceBackend):
 
   # -- Start-up ----------------------------------------------------------------
 
-  def build_strategy(self, config, *, cluster,
+  def build_strategy(self, config, decisions, *, cluster,
                      lease=None) -> strategy_lib.StrategyChoice:
     """TensorFlow's default strategy, with the stages' devices ready (in a
     cluster: this process connected to the other stage tasks)."""
     if self._tasks:
-      return self._connect(config, cluster=cluster, lease=lease)
+      return self._connect(config, decisions, cluster=cluster, lease=lease)
     if config.num_cpu_devices > config.pipeline_stages:
       devices_lib.configure_cpu_devices(config.num_cpu_devices)
     names = stage_devices(config.pipeline_stages, config.num_gpus)
     return strategy_lib.StrategyChoice(
         tf.distribute.get_strategy(),
-        StrategyKind.parse(config.distribution_strategy),
+        decisions.strategy,
         f"--pipeline_stages={config.pipeline_stages}: one process, stage i "
         f"on {names[0].rsplit(':', 2)[-2]} device i", tuple(names))
 
-  def _connect(self, config, *, cluster, lease):
+  def _connect(self, config, decisions, *, cluster, lease):
     """The chief: waits for the other stage tasks, connects to them, and
     finds the stages' devices there."""
     per_task = stages_per_task(config.pipeline_stages, cluster)
@@ -298,7 +297,7 @@ class PipelineBackend(single_process.OneDeviceBackend):
     names = cluster_stage_devices(self._tasks, per_task, config.num_gpus)
     return strategy_lib.StrategyChoice(
         tf.distribute.get_strategy(),
-        StrategyKind.parse(config.distribution_strategy),
+        decisions.strategy,
         f"--pipeline_stages={config.pipeline_stages}: {per_task} stage(s) "
         f"on each of {len(self._tasks)} tasks, driven by "
         f"{cluster.task_type} {cluster.task_index}", tuple(names))
@@ -331,8 +330,8 @@ class PipelineBackend(single_process.OneDeviceBackend):
       details = {**details, "pipeline_stages": pipeline.stages()}
     return runner, evaluate, details
 
-  def planned_replicas(self, config, *, cluster) -> Tuple[int, int]:
-    del config
+  def planned_replicas(self, config, decisions, *, cluster) -> Tuple[int, int]:
+    del config, decisions
     return 1, self.training_workers(cluster)
 
   def translate_failure(self, error, *, after: str,

@@ -22,7 +22,7 @@ class OneDeviceBackend(synchronous.SynchronousBackend):
 class MirroredBackend(synchronous.SynchronousBackend):
   """`MirroredStrategy`: one replica per local GPU (or logical CPU device)."""
 
-  def planned_replicas(self, config, *, cluster) -> Tuple[int, int]:
+  def planned_replicas(self, config, decisions, *, cluster) -> Tuple[int, int]:
     gpus = base.local_accelerators(config.num_gpus)
     return (gpus or max(config.num_cpu_devices, 1),
             self.training_workers(cluster))

@@ -34,15 +34,14 @@ def _group_devices(n: int, num_gpus: int = -1) -> List[str]:
     errors.ConfigError: fewer than N GPUs, or the runtime already started
       with another number of CPU devices.
   """
-  gpus = base.local_accelerators(num_gpus) if num_gpus != 0 else 0
-  if gpus:
-    names = [d.name for d in tf.config.list_logical_devices("GPU")][:gpus]
+  names = base.first_gpus(n, num_gpus)
+  if names is not None:
     if len(names) < n:
       raise errors.ConfigError(
           f"--tensor_parallel={n} needs {n} GPUs of this host; this process "
           f"sees {len(names)}. Lower --tensor_parallel, or pass --num_gpus=0 "
           "to run on logical CPU devices.")
-    return names[:n]
+    return names
   try:
     names = devices_lib.configure_cpu_devices(n)
   except RuntimeError as e:
@@ -59,7 +58,7 @@ class TensorParallelBackend(single_process.MirroredBackend):
 
   kind = StrategyKind.MIRRORED
 
-  def validate(self, config, *, dataset) -> None:
+  def validate(self, config, decisions, *, dataset) -> None:
     """Refuses a host with GPUs, fewer than N of them, before anything
     is built (logical CPU devices are made as needed).
 
@@ -75,7 +74,7 @@ class TensorParallelBackend(single_process.MirroredBackend):
           f"--tensor_parallel to a divisor of the heads that is at most "
           f"{gpus}, or pass --num_gpus=0 to run on logical CPU devices.")
 
-  def build_strategy(self, config, *, cluster,
+  def build_strategy(self, config, decisions, *, cluster,
                      lease=None) -> strategy_lib.StrategyChoice:
     """`MirroredStrategy` over the first N devices.
 
@@ -111,7 +110,7 @@ class TensorParallelBackend(single_process.MirroredBackend):
     step = getattr(run.parts.trainer, "tensor_parallel", None)
     return step.gathered_model() if step is not None else run.parts.model
 
-  def planned_replicas(self, config, *, cluster) -> Tuple[int, int]:
+  def planned_replicas(self, config, decisions, *, cluster) -> Tuple[int, int]:
     return config.tensor_parallel, self.training_workers(cluster)
 
 

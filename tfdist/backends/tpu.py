@@ -18,17 +18,17 @@ class TPUBackend(synchronous.SynchronousBackend):
 
   on_tpu = True
 
-  def validate(self, config, *, dataset) -> None:
+  def validate(self, config, decisions, *, dataset) -> None:
     """Raises ConfigError: fp16, or local input files with a remote TPU
     (`tfdist.distribute.tpu.validate_tpu_config`)."""
     tpu_lib.validate_tpu_config(
-        config.tpu, data_patterns=run_plan_lib.data_patterns(
-            run_options.data_options(config), dataset))
+        decisions.tpu, data_patterns=run_plan_lib.data_patterns(
+            run_options.data_options(config, decisions), dataset))
 
-  def planned_replicas(self, config, *, cluster) -> Tuple[int, int]:
+  def planned_replicas(self, config, decisions, *, cluster) -> Tuple[int, int]:
     # Only the TPU knows its cores: asked, boundedly.
     choice = strategy_lib.make_strategy(
-        run_options.strategy_options(config), cluster=cluster)
+        run_options.strategy_options(config, decisions), cluster=cluster)
     return (choice.strategy.num_replicas_in_sync,
             self.training_workers(cluster))
 

@@ -290,8 +290,8 @@ class SelectOptions:
     dtype_defaulted: `--dtype` was not given (the TPU default is bf16).
     num_gpus: `--num_gpus` (-1: all, 0: none, N: the first N).
     num_cpu_devices: `--num_cpu_devices`.
-    tpu: the TPU flags (`tfdist.distribute.tpu.TpuOptions`), probed under
-      `auto`.
+    tpu: the TPU flags (the config's TPU section,
+      `tfdist.config.TpuConfig`), probed under `auto`.
     pipeline_stages: `--pipeline_stages`; above 1, `auto` is one_device
       (one replica: the stages run in one process, or across a cluster's
       chief and workers, `tfdist.backends.pipeline`).
@@ -332,8 +332,8 @@ def probe_tpu(tpu: tpu_lib.TpuOptions, *, hints: Tuple[str, ...] = (),
     return 0, "", ""
   connect = connect_fn or tpu_lib.connect_tpu
   try:
-    system = connect(address, zone=tpu.zone, project=tpu.project,
-                     init_timeout=tpu.init_timeout)
+    system = connect(address, zone=tpu.tpu_zone, project=tpu.tpu_gcp_project,
+                     init_timeout=tpu.tpu_init_timeout)
   except errors.ConfigError as e:
     why = f"--tpu={tpu.tpu}" if tpu.tpu else ", ".join(hints)
     logging.warning("auto: %s suggested a TPU, but: %s", why, e)
@@ -440,7 +440,7 @@ def decision_changes(decision: Decision, *, tpu: str = "",
   unset `--steps_per_execution` becomes `TPU_DEFAULT_STEPS_PER_EXECUTION`;
   an explicit 1 is kept, with a warning. A `--loss_scale` given with
   `--dtype=auto` that did not choose fp16 is dropped, with a warning.
-  `tfdist.training.run_options.apply_decision` applies them to a `TrainConfig`.
+  `tfdist.experiment.prepare_run` keeps them in its `tfdist.distribute.decisions.Decisions`.
 
   Args:
     decision: the `Decision`.

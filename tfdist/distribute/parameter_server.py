@@ -22,7 +22,6 @@ are colocated with their variable anyway) gets one shard, because Keras 3
 variables cannot be `ShardedVariable`s.
 """
 
-import dataclasses
 import json
 import os
 import signal
@@ -33,6 +32,7 @@ from typing import Optional, Tuple
 from absl import logging
 import tensorflow as tf
 
+from tfdist import config as config_lib
 from tfdist import errors
 from tfdist.training import sharded_embedding
 from tfdist.training.done_marker import (  # noqa: F401
@@ -128,19 +128,10 @@ def make_partitioner(kind: str, *, num_ps: int, shard_bytes: int,
   return EmbeddingOnlyPartitioner(inner)
 
 
-@dataclasses.dataclass(frozen=True)
-class PartitionerOptions:
-  """How parameter servers shard variables (`make_partitioner`'s flags).
-
-  Attributes:
-    kind: `--ps_partitioner` (`min_size`, `fixed`, `max_size`, `none`).
-    shard_bytes: `--ps_min_shard_bytes` (bytes per shard for the size
-      partitioners).
-    max_shards: `--ps_max_shards` (0: one shard per ps task).
-  """
-  kind: str = "min_size"
-  shard_bytes: int = 256 << 10
-  max_shards: int = 0
+# How parameter servers shard variables: the config's parameter-server
+# section (`--ps_partitioner`, `--ps_min_shard_bytes`, `--ps_max_shards`),
+# handed to this part as it is.
+PartitionerOptions = config_lib.ParameterServerConfig
 
 
 def make_ps_strategy(options: PartitionerOptions, cluster
@@ -161,8 +152,8 @@ def make_ps_strategy(options: PartitionerOptions, cluster
   resolver = cluster_resolver(cluster)
   num_ps = len(resolver.cluster_spec().as_dict()["ps"])
   partitioner = make_partitioner(
-      options.kind, num_ps=num_ps,
-      shard_bytes=options.shard_bytes, max_shards=options.max_shards)
+      options.ps_partitioner, num_ps=num_ps,
+      shard_bytes=options.ps_min_shard_bytes, max_shards=options.ps_max_shards)
   strategy = tf.distribute.ParameterServerStrategy(
       resolver, variable_partitioner=partitioner)
   logging.info("ParameterServerStrategy: %d ps, %d worker(s), partitioner %s",

@@ -80,9 +80,10 @@ class StrategyOptions:
     collective_timeout_seconds: `--collective_timeout_seconds` (0: none).
     cluster_start_timeout_seconds: `--cluster_start_timeout_seconds`, the
       bound on forming a multi-worker cluster.
-    tpu: the TPU to connect to (`tfdist.distribute.tpu.TpuOptions`).
-    partitioner: the parameter-server variable partitioner
-      (`tfdist.distribute.parameter_server.PartitionerOptions`).
+    tpu: the TPU to connect to (the config's TPU section,
+      `tfdist.config.TpuConfig`).
+    partitioner: the parameter-server variable partitioner (the config's
+      parameter-server section, `tfdist.config.ParameterServerConfig`).
   """
   kind: StrategyKind
   num_gpus: int = -1
@@ -166,8 +167,8 @@ def _tpu(options: StrategyOptions, reason: str, cluster) -> StrategyChoice:
   # `auto` fills --tpu with the address it found (tfdist.distribute.tpu's one
   # rule).
   system = tpu_lib.connect_tpu(
-      tpu_lib.resolve_tpu_address(tpu.tpu), zone=tpu.zone,
-      project=tpu.project, init_timeout=tpu.init_timeout)
+      tpu_lib.resolve_tpu_address(tpu.tpu), zone=tpu.tpu_zone,
+      project=tpu.tpu_gcp_project, init_timeout=tpu.tpu_init_timeout)
   strategy = tpu_lib.make_tpu_strategy(system)
   return StrategyChoice(strategy, StrategyKind.TPU, reason,
                         tuple(strategy.extended.worker_devices))
@@ -503,7 +504,7 @@ def make_strategy(options: StrategyOptions, *, cluster=None) -> StrategyChoice:
       second MultiWorkerMirroredStrategy in this process.
     ValueError: `options.kind` is not a concrete strategy name.
     tfdist.errors.TPUNotAvailableError: `tpu` with no TPU reachable
-      (raised within `options.tpu.init_timeout` seconds).
+      (raised within `options.tpu.tpu_init_timeout` seconds).
   """
   kind = StrategyKind.parse(options.kind)
   reason = f"--distribution_strategy={kind}"

@@ -37,6 +37,7 @@ import urllib.parse
 from absl import logging
 
 from tfdist import errors
+from tfdist import config as config_lib
 from tfdist.config import TPU_DEFAULT_STEPS_PER_EXECUTION  # pylint: disable=unused-import
 
 # The port Cloud TPU nodes serve gRPC on.
@@ -264,22 +265,10 @@ def _first_sentences(text: str, limit: int = 200) -> str:
   return text[:cut] if cut > 0 else text[:limit] + "..."
 
 
-@dataclasses.dataclass(frozen=True)
-class TpuOptions:
-  """Which TPU to connect to, and how long to try (the `--tpu*` flags).
-
-  Attributes:
-    tpu: `--tpu` (`local`, `grpc://HOST:PORT`, a Cloud TPU name, or '':
-      none given).
-    zone: `--tpu_zone` (names only; '': this VM's zone).
-    project: `--tpu_gcp_project` (names only; '': this VM's project).
-    init_timeout: `--tpu_init_timeout`, seconds for resolve + connect +
-      initialize.
-  """
-  tpu: str = ""
-  zone: str = ""
-  project: str = ""
-  init_timeout: float = DEFAULT_INIT_TIMEOUT
+# Which TPU to connect to, and how long to try: the config's TPU section
+# (`--tpu`, `--tpu_zone`, `--tpu_gcp_project`, `--tpu_init_timeout`), handed
+# to this part as it is.
+TpuOptions = config_lib.TpuConfig
 
 
 _CONNECTED = {}

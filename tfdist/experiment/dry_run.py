@@ -6,21 +6,25 @@ from typing import Tuple
 from absl import logging
 
 from tfdist.backends import registry as backends
-from tfdist.distribute.strategy_kind import StrategyKind
 from tfdist.experiment import prepare
 from tfdist.training import run_options
 from tfdist.training import run_plan as run_plan_lib
 
 
-def planned_replicas(config, *, decision, cluster) -> Tuple[int, int]:
+def planned_replicas(config, *, decisions, cluster) -> Tuple[int, int]:
   """`(num_replicas_in_sync, num_workers)` a run will have, without
   building its strategy (its backend's `planned_replicas`; TPUs are asked).
+
+  Args:
+    config: the run's `TrainConfig`.
+    decisions: its `tfdist.distribute.decisions.Decisions`.
+    cluster: its `ClusterInfo`.
 
   Raises:
     ConfigError: as `tfdist.distribute.strategy.make_strategy` (TPU only).
   """
-  backend = backends.backend_for(StrategyKind.parse(decision.strategy))
-  return backend.planned_replicas(config, cluster=cluster)
+  backend = backends.backend_for(decisions.strategy)
+  return backend.planned_replicas(config, decisions, cluster=cluster)
 
 
 def dry_run(prepared: prepare.PreparedRun, *, task, writer: bool) -> dict:
@@ -41,15 +45,17 @@ def dry_run(prepared: prepare.PreparedRun, *, task, writer: bool) -> dict:
       `tfdist.experiment.prepare.check_resume`.
   """
   config, cluster = prepared.config, prepared.cluster
+  decided = prepared.decisions
   replicas, num_workers = prepared.backend.planned_replicas(
-      config, cluster=cluster)
+      config, decided, cluster=cluster)
   plan = run_plan_lib.make_run_plan(
-      run_options.plan_options(config), task.dataset,
+      run_options.plan_options(config, decided), task.dataset,
       num_replicas_in_sync=replicas,
       num_workers=num_workers, asynchronous=prepared.backend.asynchronous,
       decision=prepared.decision)
-  logging.info("%s", plan.describe(run_options.plan_options(config)))
-  notes = prepare.check_resume(config, plan) if writer else []
+  logging.info("%s", plan.describe(run_options.plan_options(config,
+                                                            decided)))
+  notes = prepare.check_resume(config, decided, plan) if writer else []
   print(f"tfdist: dry run: every start-up check passed ({cluster.task_type} "
         f"{cluster.task_index}; {plan.num_train_examples} training and "
         f"{plan.num_eval_examples} evaluation examples read, output folders "

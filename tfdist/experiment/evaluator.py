@@ -131,10 +131,10 @@ def evaluator_plan(config: TrainConfig, *, run_strategy: str,
                        batch_source=source, reason=reason)
 
 
-def _local_strategy(config: TrainConfig, kind: StrategyKind):
+def _local_strategy(config: TrainConfig, decisions, kind: StrategyKind):
   """The evaluator's one-process strategy `kind`, as its backend builds it."""
   return backends.backend_for(kind).build_strategy(
-      config.replace(distribution_strategy=str(kind)), cluster=None)
+      config, dataclasses.replace(decisions, strategy=kind), cluster=None)
 
 
 class EvaluatorRunner:
@@ -144,7 +144,8 @@ class EvaluatorRunner:
   `evaluate_continuously`. Override a step by subclassing.
 
   Attributes:
-    config, task, cluster, decision: as `run_evaluator` takes them.
+    config, task, cluster, decisions: as `run_evaluator` takes them.
+    decision: `decisions.choice`.
     once: evaluate the latest checkpoint and stop (`--mode=eval`).
     latest: that checkpoint (None unless `once`).
     final_step, eval_files, how: set by `build_plan` (`how`: the
@@ -157,14 +158,15 @@ class EvaluatorRunner:
   """
 
   def __init__(self, config: TrainConfig, *, task: task_lib.Task, cluster,
-               decision, poll_seconds: float = 2.0,
+               decisions, poll_seconds: float = 2.0,
                idle_timeout: Optional[float] = None, once: bool = False):
     self.started = time.time()
     self.config, self.task = config, task
-    self.cluster, self.decision = cluster, decision
+    self.cluster, self.decisions = cluster, decisions
+    self.decision = decisions.choice
     self.poll_seconds, self.idle_timeout, self.once = (poll_seconds,
                                                        idle_timeout, once)
-    self.checkpoint_dir = config.resolved_checkpoint_dir
+    self.checkpoint_dir = decisions.checkpoint_dir
     self.latest = (tf.train.latest_checkpoint(self.checkpoint_dir) if once
                    else None)
     if once and not self.latest:
@@ -192,7 +194,8 @@ class EvaluatorRunner:
     """`(final step, evaluation files, EvaluatorPlan)`."""
     config, spec = self.config, self.task.dataset
     plan = run_plan_lib.make_run_plan(
-        run_options.plan_options(config), spec, num_replicas_in_sync=1,
+        run_options.plan_options(config, self.decisions), spec,
+        num_replicas_in_sync=1,
         num_workers=1,
         asynchronous=True, decision=self.decision) if (
             config.train_steps <= 0 and not self.once) else None
@@ -201,9 +204,10 @@ class EvaluatorRunner:
                   plan.total_steps)
     eval_files = (plan.eval_files if plan else
                   run_plan_lib.resolve_data_files(
-                      run_options.data_options(config), spec)[1])
+                      run_options.data_options(config, self.decisions),
+                      spec)[1])
     record = checkpointing.read_run_record(self.checkpoint_dir,
-                                           config.model_dir)
+                                           self.decisions.model_dir)
     # Told no strategy (`auto`), it evaluates with the one the run recorded.
     run_strategy = (record["strategy"] if record and record.get("strategy")
                     and self.decision.strategy_reason.startswith("auto")
@@ -216,15 +220,16 @@ class EvaluatorRunner:
     """The plan's strategy; one device when its replicas do not divide the
     evaluation batch (`how` then says so)."""
     config, how = self.config, self.how
-    precision.configure_precision(config.dtype)
-    choice = _local_strategy(config, how.strategy)
+    precision.configure_precision(self.decisions.dtype)
+    choice = _local_strategy(config, self.decisions, how.strategy)
     replicas = choice.strategy.num_replicas_in_sync
     if how.global_batch_size % replicas:
       self.how = dataclasses.replace(
           how, strategy=StrategyKind.ONE_DEVICE, reason=(
               f"{replicas} local replicas do not divide the run's "
               f"evaluation batch {how.global_batch_size}"))
-      choice = _local_strategy(config, StrategyKind.ONE_DEVICE)
+      choice = _local_strategy(config, self.decisions,
+                               StrategyKind.ONE_DEVICE)
     logging.info("Evaluator: %s, %d replica(s) (%s); global batch %d (from "
                  "%s)", self.how.strategy,
                  choice.strategy.num_replicas_in_sync, self.how.reason,
@@ -237,7 +242,8 @@ class EvaluatorRunner:
     strategy, batch = self.strategy, self.how.global_batch_size
     with strategy.scope():
       parts = assembly.evaluation_parts(
-          run_options.assembly_options(self.config), task=self.task)
+          run_options.assembly_options(self.config, self.decisions),
+          task=self.task)
     trainer = assembly.evaluation_trainer(parts, global_batch_size=batch,
                                           strategy=strategy)
     dataset = input_pipeline.distribute(strategy, input_pipeline.options_for(
@@ -248,7 +254,7 @@ class EvaluatorRunner:
   def build_run_log(self) -> run_log_lib.RunLog:
     """TensorBoard scalars under `<tensorboard_dir>/eval/`."""
     return run_log_lib.RunLog(
-        tensorboard_dir=self.config.resolved_tensorboard_dir,
+        tensorboard_dir=self.decisions.tensorboard_dir,
         metrics_dir=None, global_batch_size=self.how.global_batch_size,
         total_steps=self.final_step, eval_subdir="eval")
 
@@ -273,7 +279,7 @@ class EvaluatorRunner:
 
   @property
   def results_dir(self) -> str:
-    return os.path.join(self.config.model_dir, "eval")
+    return os.path.join(self.decisions.model_dir, "eval")
 
   def evaluate_once(self) -> dict:
     """`--mode=eval`: the latest checkpoint, once."""
@@ -300,13 +306,13 @@ class EvaluatorRunner:
     results = self.controller.evaluate_continuously(
         checkpoint_dir=self.checkpoint_dir, results_dir=self.results_dir,
         restore=self.restore, final_step=self.final_step,
-        finished=lambda: done_marker.marked_done_since(config.model_dir,
-                                                  self.started),
+        finished=lambda: done_marker.marked_done_since(
+            self.decisions.model_dir, self.started),
         poll_seconds=self.poll_seconds, idle_timeout=self.idle_timeout)
     return {"role": "evaluator", "results": results}
 
 
-def run_evaluator(config: TrainConfig, *, task, cluster, decision,
+def run_evaluator(config: TrainConfig, *, task, cluster, decisions,
                   poll_seconds: float = 2.0,
                   idle_timeout: Optional[float] = None,
                   once: bool = False) -> dict:
@@ -334,5 +340,5 @@ def run_evaluator(config: TrainConfig, *, task, cluster, decision,
     ConfigError: `once` and no checkpoint to evaluate.
   """
   return EvaluatorRunner(config, task=task, cluster=cluster,
-                         decision=decision, poll_seconds=poll_seconds,
+                         decisions=decisions, poll_seconds=poll_seconds,
                          idle_timeout=idle_timeout, once=once).run()

@@ -24,6 +24,7 @@ from tfdist.data import filesystems
 from tfdist import errors
 from tfdist.distribute import auto_select
 from tfdist.distribute import cluster as cluster_lib
+from tfdist.distribute import decisions as decisions_lib
 from tfdist.distribute import environment as environment_lib
 from tfdist.distribute.strategy_kind import StrategyKind
 from tfdist.observability import versions
@@ -60,24 +61,35 @@ class PreparedRun:
   """The decisions every role makes first (`prepare_run`).
 
   Attributes:
-    config: the `TrainConfig` with the environment applied and `auto`
-      decided.
+    config: the caller's `TrainConfig`, as given (nothing decided is
+      written into it).
     cluster: the `tfdist.distribute.cluster.ClusterInfo`.
-    decision: the `tfdist.distribute.auto_select.Decision`.
-    environment_applied: the `(field, variable)` pairs the environment
-      filled.
-    trial_fields: the folder fields given a tuning trial's subfolder.
+    decisions: the `tfdist.distribute.decisions.Decisions`: the strategy and dtype `auto` chose, the
+      folders and files the environment or a tuning trial set.
   """
   config: TrainConfig
   cluster: cluster_lib.ClusterInfo
-  decision: auto_select.Decision
-  environment_applied: Tuple[Tuple[str, str], ...] = ()
-  trial_fields: Tuple[str, ...] = ()
+  decisions: decisions_lib.Decisions
+
+  @property
+  def decision(self) -> auto_select.Decision:
+    """`auto`'s choice and its reasons (`Decisions.choice`)."""
+    return self.decisions.choice
+
+  @property
+  def environment_applied(self) -> Tuple[Tuple[str, str], ...]:
+    """The `(field, variable)` pairs the environment filled."""
+    return self.decisions.environment_applied
+
+  @property
+  def trial_fields(self) -> Tuple[str, ...]:
+    """The folder fields given a tuning trial's subfolder."""
+    return self.decisions.trial_fields
 
   @property
   def kind(self) -> StrategyKind:
-    """The decided strategy, parsed once."""
-    return StrategyKind.parse(self.decision.strategy)
+    """The decided strategy."""
+    return self.decisions.strategy
 
   @functools.cached_property
   def backend(self) -> backends.Backend:
@@ -144,33 +156,36 @@ def prepare_run(config: TrainConfig, *,
   """
   if environment is None:
     environment = environment_lib.read_environment()
-  config, applied = environment_lib.apply_environment(config, environment)
-  config.require_model_dir()
-  config.require_data_files()
+  # `settled` is the config with the decided fields set: made to validate
+  # and normalize them (the cross-field rules run on what will run), read
+  # into `Decisions`, and dropped; `config` stays as the caller gave it.
+  settled, applied = environment_lib.apply_environment(config, environment)
+  settled.require_model_dir()
+  settled.require_data_files()
   preflight.check_no_keras_distribution()
-  _log_environment(config, applied)
+  _log_environment(settled, applied)
   cluster = cluster_lib.resolve_cluster(
       worker_hosts=config.worker_hosts, task_index=config.task_index,
       environ=environment.variables,
       reduction_server=config.reduction_server)
   logging.info("%s", cluster.describe())
   # Hyperparameter tuning: trials never share a checkpoint.
-  config, trial_fields = environment_lib.trial_folders(
-      config, trial=cluster.trial, filled=applied)
+  settled, trial_fields = environment_lib.trial_folders(
+      settled, trial=cluster.trial, filled=applied)
   for field in trial_fields:
     logging.info("--%s=%s: hyperparameter-tuning trial %s's own folder "
-                 "(from %s)", field, getattr(config, field), cluster.trial,
+                 "(from %s)", field, getattr(settled, field), cluster.trial,
                  cluster.source)
   # The export replaces its folder: never one holding the run's outputs.
-  export.check_layout(**environment_lib.output_sources(config, applied))
-  decision = auto_select.resolve(run_options.select_options(config), cluster=cluster,
-                                 environment=environment)
-  config = run_options.apply_decision(config, decision)
-  prepared = PreparedRun(config=config, cluster=cluster, decision=decision,
-                         environment_applied=applied,
-                         trial_fields=trial_fields)
-  prepared.backend.validate(config, dataset=dataset)
-  logging.info("%s", decision.describe())
+  export.check_layout(**environment_lib.output_sources(settled, applied))
+  choice = auto_select.resolve(run_options.select_options(settled),
+                               cluster=cluster, environment=environment)
+  decisions = decisions_lib.Decisions.of(settled, choice=choice,
+                           environment_applied=applied,
+                           trial_fields=trial_fields)
+  prepared = PreparedRun(config=config, cluster=cluster, decisions=decisions)
+  prepared.backend.validate(config, decisions, dataset=dataset)
+  logging.info("%s", choice.describe())
   return prepared
 
 
@@ -226,15 +241,15 @@ def start_run(config: TrainConfig, *,
   prepared = prepare_run(config, environment=environment,
                          dataset=task.dataset)
   filesystems.require_file_systems(
-      run_options.config_paths(prepared.config))
-  options = run_options.assembly_options(prepared.config)
+      run_options.config_paths(prepared.config, prepared.decisions))
+  options = run_options.assembly_options(prepared.config, prepared.decisions)
   assembly.check_model_options(options, task=task)
   return task, prepared
 
 
 
 
-def check_resume(config, plan) -> list:
+def check_resume(config, decisions, plan) -> list:
   """Compares this run with the one that wrote `--model_dir`'s checkpoint
   (the writing process only); returns what changed (logged).
 
@@ -242,11 +257,11 @@ def check_resume(config, plan) -> list:
     tfdist.errors.IncompatibleResumeError: a changed model or
       global batch without `--allow_incompatible_resume`.
   """
-  directory = config.resolved_checkpoint_dir
+  directory = decisions.checkpoint_dir
   latest = tf.train.latest_checkpoint(directory)
   if not latest:
     return []
-  previous = checkpointing.read_run_record(directory, config.model_dir)
+  previous = checkpointing.read_run_record(directory, decisions.model_dir)
   if previous is None:
     return []
   try:
@@ -255,7 +270,8 @@ def check_resume(config, plan) -> list:
     restored_step = 0
   notes = checkpointing.check_resume(
       previous, checkpointing.run_record(
-          run_options.run_record_settings(config), plan), checkpoint=latest,
+          run_options.run_record_settings(config, decisions), plan),
+      checkpoint=latest,
       restored_step=restored_step, allow=config.allow_incompatible_resume)
   if notes:
     logging.warning("tfdist: resuming from %s, which a run with other "

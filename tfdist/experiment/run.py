@@ -49,16 +49,16 @@ def _evaluates(prepared: prepare.PreparedRun) -> bool:
 def _evaluate(prepared: prepare.PreparedRun, *, task: task_lib.Task) -> dict:
   """The evaluator role: its folders probed, then a dry run or
   `run_evaluator`."""
-  config = prepared.config
+  config, decided = prepared.config, prepared.decisions
   # Never a writer of the chief's artifacts, and never the lease holder.
-  for folder in (os.path.join(config.model_dir, "eval"),
-                 os.path.join(config.resolved_tensorboard_dir, "eval")):
+  for folder in (os.path.join(decided.model_dir, "eval"),
+                 os.path.join(decided.tensorboard_dir, "eval")):
     preflight.probe_writable(folder, flag="--model_dir",
-                             value=config.model_dir)
+                             value=decided.model_dir)
   if config.dry_run:
     return dry_run_lib.dry_run(prepared, task=task, writer=False)
   return evaluator_lib.run_evaluator(config, task=task, cluster=prepared.cluster,
-                       decision=prepared.decision,
+                       decisions=decided,
                        once=config.mode == "eval")
 
 
@@ -143,7 +143,8 @@ def run_experiment(config: TrainConfig, *,
     return _evaluate(prepared, task=task)
   # A parameter-server cluster's `worker` and `ps` tasks serve until the
   # run ends.
-  served = prepared.backend.serve(prepared.config, prepared.cluster)
+  served = prepared.backend.serve(prepared.config, prepared.decisions,
+                                  prepared.cluster)
   if served is not None:
     return served
   runner = runner_lib.ExperimentRunner(prepared, task=task, callbacks=callbacks,

@@ -27,7 +27,6 @@ from tfdist.data import input_pipeline
 from tfdist.data import input_position as input_position_lib
 from tfdist.distribute import cluster as cluster_lib
 from tfdist.distribute import devices
-from tfdist.distribute import environment as environment_lib
 from tfdist.distribute import lease as lease_lib
 from tfdist.distribute import strategy as strategy_lib
 from tfdist.distribute import worker_exit
@@ -221,6 +220,7 @@ class ExperimentRunner:
     self.eval_actions = tuple(eval_actions)
     self.config = prepared.config
     self.cluster = prepared.cluster
+    self.decisions = prepared.decisions
     self.decision = prepared.decision
     self.applied = prepared.environment_applied
     self.trial_fields = prepared.trial_fields
@@ -255,7 +255,7 @@ class ExperimentRunner:
         return self.dry_run()
       if self.lease is not None:
         self.lease.acquire()
-        export.remove_stale_exports(self.config.resolved_export_dir)
+        export.remove_stale_exports(self.decisions.export_dir)
       with self._named_failures():
         record = self.train()
       if self.is_writer:
@@ -267,7 +267,7 @@ class ExperimentRunner:
         # already left made each removal a gRPC error ("Failed to remove
         # function remotely").
         gc.collect()
-        done_marker.mark_done(self.config.model_dir)
+        done_marker.mark_done(self.decisions.model_dir)
     return record
 
   def train(self) -> dict:
@@ -287,7 +287,7 @@ class ExperimentRunner:
     self.keeper = self.build_checkpoints()
     self.warm_started = self.warm_start()
     if self.is_writer:
-      done_marker.clear_done(self.config.model_dir)
+      done_marker.clear_done(self.decisions.model_dir)
     self.step_runner, self.evaluate = self.build_inputs()
     self.run_log = self.build_run_log()
     callbacks = self.build_callbacks()
@@ -311,21 +311,20 @@ class ExperimentRunner:
 
   def _named_failures(self):
     """A full disk, a refused write, a data file gone: one line, status 2."""
-    config = self.config
+    decided = self.decisions
     return failures.named_failures(
-        {"--model_dir": config.model_dir,
-         "--checkpoint_dir": config.resolved_checkpoint_dir,
-         "--tensorboard_dir": config.resolved_tensorboard_dir,
-         "--export_dir": config.resolved_export_dir},
-        data_folders=failures.data_folders(config.train_files,
-                                           config.eval_files,
-                                           config.data_dir),
-        checkpoint_dir=config.resolved_checkpoint_dir)
+        {"--model_dir": decided.model_dir,
+         "--checkpoint_dir": decided.checkpoint_dir,
+         "--tensorboard_dir": decided.tensorboard_dir,
+         "--export_dir": decided.export_dir},
+        data_folders=failures.data_folders(decided.train_files,
+                                           decided.eval_files,
+                                           decided.data_dir),
+        checkpoint_dir=decided.checkpoint_dir)
 
   def _export_source(self) -> str:
     """The flag or variable that chose the export folder."""
-    return environment_lib.output_sources(
-        self.config, self.applied)["export_dir"][1]
+    return self.decisions.output_sources()["export_dir"][1]
 
   def out_dir(self, path: str, scratch_name: str) -> str:
     """`path` for the writer, else `scratch_name` in the scratch folder."""
@@ -337,10 +336,10 @@ class ExperimentRunner:
     held; released by `cleanup`); None for other processes."""
     if not self.is_writer:
       return None
-    preflight.probe_outputs(run_options.output_options(self.config))
-    export.check_export_dir(self.config.resolved_export_dir,
+    preflight.probe_outputs(run_options.output_options(self.config, self.decisions))
+    export.check_export_dir(self.decisions.export_dir,
                             source=self._export_source())
-    lease = lease_lib.Lease(self.config.model_dir,
+    lease = lease_lib.Lease(self.decisions.model_dir,
                             timeout_seconds=self.config.lease_timeout_seconds)
     self.cleanup.callback(lease.release)
     return lease
@@ -355,8 +354,8 @@ class ExperimentRunner:
   def build_strategy(self) -> strategy_lib.StrategyChoice:
     """The `tf.distribute` strategy (with the CPU devices configured), as
     the backend builds it."""
-    return self.backend.build_strategy(self.config, cluster=self.cluster,
-                                       lease=self.lease)
+    return self.backend.build_strategy(self.config, self.decisions,
+                                       cluster=self.cluster, lease=self.lease)
 
   def build_preemption_watcher(self) -> preemption.PreemptionWatcher:
     """SIGTERM/SIGINT handling, uninstalled however the run ends."""
@@ -385,18 +384,18 @@ class ExperimentRunner:
         `--profile_steps` window after the last step.
     """
     plan = run_plan_lib.make_run_plan(
-        run_options.plan_options(self.config), self.task.dataset,
+        run_options.plan_options(self.config, self.decisions), self.task.dataset,
         num_replicas_in_sync=self.strategy.num_replicas_in_sync,
         num_workers=self.num_workers,
         asynchronous=self.backend.asynchronous, decision=self.decision)
-    logging.info("%s", plan.describe(run_options.plan_options(self.config)))
+    logging.info("%s", plan.describe(run_options.plan_options(self.config, self.decisions)))
     remainder = plan.batch.remainder_warning()
     if remainder and self.is_writer:
       logging.warning("%s", remainder)
     _check_profile_window(self.config, plan)
     warning = cross_process_memory_warning(
         total_steps=plan.total_steps,
-        steps_per_execution=self.config.steps_per_execution,
+        steps_per_execution=self.decisions.steps_per_execution,
         cross_process=(
             self.backend.cross_process_collectives(self.num_workers) and
             strategy_lib.per_call_instance_keys()))
@@ -413,19 +412,19 @@ class ExperimentRunner:
     """
     if not self.is_writer:
       return
-    directory = self.config.resolved_checkpoint_dir
-    prepare.check_resume(self.config, self.plan)
+    directory = self.decisions.checkpoint_dir
+    prepare.check_resume(self.config, self.decisions, self.plan)
     checkpointing.clean_interrupted_saves(directory)
     checkpointing.write_run_record(
         directory, checkpointing.run_record(
-            run_options.run_record_settings(self.config), self.plan))
+            run_options.run_record_settings(self.config, self.decisions), self.plan))
 
   def build_model_and_optimizer(self) -> assembly.Parts:
     """The precision policy, then model, optimizer, trainer and checkpoint
     under the strategy (`tfdist.training.assembly.build`)."""
-    self.policy = precision.configure_precision(self.config.dtype)
+    self.policy = precision.configure_precision(self.decisions.dtype)
     options = self.backend.assembly_options(
-        run_options.assembly_options(self.config), choice=self.choice)
+        run_options.assembly_options(self.config, self.decisions), choice=self.choice)
     parts = assembly.build(options, task=self.task, strategy=self.strategy,
                            plan=self.plan, on_tpu=self.backend.on_tpu)
     if self.config.hptune_metric:
@@ -471,11 +470,11 @@ class ExperimentRunner:
       state += [v for v in parts.optimizer.variables if id(v) not in known]
     return CheckpointKeeper(
         checkpoint=parts.checkpoint,
-        directory=self.out_dir(self.config.resolved_checkpoint_dir,
+        directory=self.out_dir(self.decisions.checkpoint_dir,
                                "checkpoints"),
         step_counter=parts.trainer.global_step,
         max_to_keep=self.config.max_checkpoints,
-        restore_dir=self.config.resolved_checkpoint_dir,
+        restore_dir=self.decisions.checkpoint_dir,
         input_position=self._input_position(), variables=state,
         before_save=moving_statistics.before_save(
             self.moving_statistics,
@@ -485,7 +484,7 @@ class ExperimentRunner:
     """`--init_checkpoint` for a fresh run; returns what was loaded."""
     config = self.config
     if not config.init_checkpoint or tf.train.latest_checkpoint(
-        config.resolved_checkpoint_dir):
+        self.decisions.checkpoint_dir):
       # A resumed run starts from its own checkpoint (which the controller
       # restores).
       return None
@@ -502,9 +501,9 @@ class ExperimentRunner:
   def build_run_log(self) -> run_log_lib.RunLog:
     """Log lines, TensorBoard scalars and the writer's `metrics.jsonl`."""
     return run_log_lib.RunLog(
-        tensorboard_dir=self.out_dir(self.config.resolved_tensorboard_dir,
+        tensorboard_dir=self.out_dir(self.decisions.tensorboard_dir,
                                      "tensorboard"),
-        metrics_dir=self.config.model_dir if self.is_writer else None,
+        metrics_dir=self.decisions.model_dir if self.is_writer else None,
         global_batch_size=self.plan.global_batch_size,
         total_steps=self.plan.total_steps,
         summarize=self.parts.trainer.summarize,
@@ -513,7 +512,7 @@ class ExperimentRunner:
 
   def build_callbacks(self) -> List[keras.callbacks.Callback]:
     """TensorBoard, the caller's callbacks, and hyperparameter tuning's."""
-    tensorboard_dir = self.out_dir(self.config.resolved_tensorboard_dir,
+    tensorboard_dir = self.out_dir(self.decisions.tensorboard_dir,
                                    "tensorboard")
     callbacks = [run_log_lib.TrainingTensorBoard(log_dir=tensorboard_dir,
                                                  write_graph=False)]
@@ -535,7 +534,7 @@ class ExperimentRunner:
       return None
     return profiling.ProfileWindow(
         self.config.profile_steps,
-        os.path.join(self.config.resolved_tensorboard_dir, "train"))
+        os.path.join(self.decisions.tensorboard_dir, "train"))
 
   def build_controller(self, callbacks: Sequence[keras.callbacks.Callback]
                        ) -> Controller:
@@ -572,7 +571,7 @@ class ExperimentRunner:
     except errors.PreemptedError:
       if self.is_writer:
         # Servers and side-car evaluators stop with the chief.
-        done_marker.mark_done(self.config.model_dir)
+        done_marker.mark_done(self.decisions.model_dir)
       if self.exit_plan is None:
         # Library use (`tfdist.fit`): the checkpoint is saved and the caller
         # decides what comes next (a notebook's Ctrl-C, a script that
@@ -602,23 +601,23 @@ class ExperimentRunner:
       logging.warning("tfdist: no SavedModel: %s. The checkpoint in %s "
                       "holds the trained weights: restore the model there "
                       "and export the parts you serve.", reason,
-                      self.config.resolved_checkpoint_dir)
+                      self.decisions.checkpoint_dir)
       return None
     return export.export_saved_model(
-        model, self.out_dir(self.config.resolved_export_dir, "saved_model"),
+        model, self.out_dir(self.decisions.export_dir, "saved_model"),
         source=self._export_source() if self.is_writer else "TMPDIR",
         details={"step": self.controller.step,
                  "model": self.task.model_name},
         last_checkpoint=self.keeper.latest)
 
   def _artifacts(self) -> dict:
-    config = self.config
+    decided = self.decisions
     return {"checkpoint": self.keeper.latest,
-            "checkpoint_dir": config.resolved_checkpoint_dir,
-            "saved_model": (config.resolved_export_dir
+            "checkpoint_dir": decided.checkpoint_dir,
+            "saved_model": (decided.export_dir
                             if self.export_dir is not None else None),
-            "tensorboard": config.resolved_tensorboard_dir,
-            "metrics": os.path.join(config.model_dir,
+            "tensorboard": decided.tensorboard_dir,
+            "metrics": os.path.join(decided.model_dir,
                                     run_log_lib.METRICS_FILE),
             "init_checkpoint": self.warm_started,
             "profile": (self.profiler.latest_trace if self.profiler
@@ -628,7 +627,7 @@ class ExperimentRunner:
     """The run manifest (`tfdist.observability.manifest.build_manifest`)."""
     optimizer, result = self.parts.optimizer, self.result
     return manifest_lib.build_manifest(
-        run_options.manifest_options(self.config),
+        run_options.manifest_options(self.config, self.decisions),
         ran=manifest_lib.WhatRan(
             decision=self.decision, plan=self.plan,
             dtype_policy=self.policy.name,
@@ -660,14 +659,14 @@ class ExperimentRunner:
       logging.info("%s %d done; the chief writes the artifacts.",
                    self.cluster.task_type, self.cluster.task_index)
       return
-    path = manifest_lib.write_manifest(self.config.model_dir, record)
+    path = manifest_lib.write_manifest(self.decisions.model_dir, record)
     logging.info("Run manifest: %s; SavedModel: %s", path, self.export_dir)
     final_eval = self.result.final_eval
     if final_eval and self.print_final_eval:
       print("Final eval: " + run_log_lib.format_metrics(
           run_log_lib.metric_values(final_eval)) +
             f" ({final_eval['num_examples']} examples). Artifacts in "
-            f"{self.config.model_dir}", flush=True)
+            f"{self.decisions.model_dir}", flush=True)
 
   def leave_together(self, failed: bool = False) -> None:
     """The backend ends the run's processes together (MultiWorkerMirrored:

@@ -24,6 +24,7 @@ from typing import Optional, Sequence, Tuple
 import keras
 import tensorflow as tf
 
+from tfdist import config as config_lib
 from tfdist import errors
 from tfdist.training import batch_plan
 from tfdist.training import constant_schedule
@@ -271,33 +272,13 @@ class LRPlan:
   schedule: LinearWarmup
 
 
-@dataclasses.dataclass(frozen=True)
-class LROptions:
-  """The learning-rate flags a run plan reads (`plan_learning_rate`).
-
-  Attributes:
-    base_learning_rate: `--base_learning_rate`, the LR at `base_batch_size`.
-    base_batch_size: `--base_batch_size` (examples).
-    lr_scaling: `--lr_scaling`, `scale_learning_rate`'s rule (`linear`,
-      `sqrt`, `none`).
-    lr_schedule: `--lr_schedule` (`constant`, `cosine`, `piecewise`).
-    warmup_steps: `--warmup_steps` (None: from `warmup_epochs`).
-    warmup_epochs: `--warmup_epochs` (None: no epoch-based warmup).
-    warmup_start_learning_rate: `--warmup_start_learning_rate`.
-    end_learning_rate_factor: `--end_learning_rate_factor` (cosine).
-    piecewise_boundaries: `--piecewise_boundaries` (fractions in (0, 1)).
-    piecewise_multipliers: `--piecewise_multipliers` (one more value).
-  """
-  base_learning_rate: float
-  base_batch_size: int = 256
-  lr_scaling: str = "linear"
-  lr_schedule: str = "constant"
-  warmup_steps: Optional[int] = None
-  warmup_epochs: Optional[float] = None
-  warmup_start_learning_rate: float = 0.0
-  end_learning_rate_factor: float = 0.0
-  piecewise_boundaries: Tuple[float, ...] = (0.5, 0.75)
-  piecewise_multipliers: Tuple[float, ...] = (1.0, 0.1, 0.01)
+# The learning-rate flags a run plan reads (`plan_learning_rate`): the
+# config's learning-rate section (`--base_learning_rate`,
+# `--base_batch_size`, `--lr_scaling`, `--lr_schedule`, `--warmup_steps`,
+# `--warmup_epochs`, `--warmup_start_learning_rate`,
+# `--end_learning_rate_factor`, `--piecewise_boundaries`,
+# `--piecewise_multipliers`), handed to this part as it is.
+LROptions = config_lib.LearningRateConfig
 
 
 def plan_learning_rate(options: LROptions, *, global_batch_size: int,
@@ -305,8 +286,8 @@ def plan_learning_rate(options: LROptions, *, global_batch_size: int,
   """Scales `options.base_learning_rate` and builds warmup + decay for a run.
 
   Args:
-    options: the run's `LROptions` (`tfdist.training.run_options.lr_options`
-      makes them from a `TrainConfig`).
+    options: the run's `LROptions` (a `TrainConfig`'s
+      `optimization.learning_rate`).
     global_batch_size: examples per update.
     steps_per_epoch: updates per epoch (for `--warmup_epochs`).
     total_steps: updates in the whole run.

@@ -6,22 +6,21 @@ reads, never the whole `TrainConfig` (as Orbit's `Controller` takes its
 `ControllerOptions`). Each converter is a pure function of the config.
 """
 
+import dataclasses
+import json
 from typing import List, Tuple
 
-from tfdist import errors
 from tfdist import config as config_lib
 from tfdist.data import filesystems
 from tfdist.data import input_pipeline
 from tfdist.distribute import auto_select
-from tfdist.distribute import parameter_server
+from tfdist.distribute import decisions as decisions_lib
 from tfdist.distribute import strategy as strategy_lib
 from tfdist.distribute import tpu as tpu_lib
-from tfdist.distribute.strategy_kind import StrategyKind
 from tfdist.observability import manifest
 from tfdist.parallel import pipeline_options as pipeline_options_lib
 from tfdist.training import preflight
 from tfdist.training import assembly
-from tfdist.training import lr_schedule
 from tfdist.training import run_plan
 from tfdist.training import task as task_lib
 
@@ -31,10 +30,8 @@ TrainConfig = config_lib.TrainConfig
 
 
 def tpu_options(config: TrainConfig) -> tpu_lib.TpuOptions:
-  """The `--tpu*` flags of `config`."""
-  return tpu_lib.TpuOptions(tpu=config.tpu, zone=config.tpu_zone,
-                            project=config.tpu_gcp_project,
-                            init_timeout=config.tpu_init_timeout)
+  """The `--tpu*` flags of `config`: its TPU section."""
+  return config.strategy.tpu
 
 
 def select_options(config: TrainConfig) -> auto_select.SelectOptions:
@@ -47,77 +44,35 @@ def select_options(config: TrainConfig) -> auto_select.SelectOptions:
       tensor_parallel=config.tensor_parallel)
 
 
-def apply_decision(config: TrainConfig,
-                   decision: auto_select.Decision) -> TrainConfig:
-  """`config` with `auto`'s decision applied (`auto_select.decision_changes`).
-
-  Returns:
-    A validated `TrainConfig` with no `auto` left in it.
-
-  Raises:
-    ConfigError: `--reduction_server` when the decision is not
-      multi_worker_mirrored.
-  """
-  return config.replace(**auto_select.decision_changes(
-      decision, tpu=config.tpu, loss_scale=config.loss_scale,
-      steps_per_execution=config.steps_per_execution,
-      steps_per_execution_defaulted="steps_per_execution" in config.defaulted,
-      reduction_server=bool(getattr(config, "reduction_server", False))))
-
-
-def strategy_kind(config: TrainConfig) -> StrategyKind:
-  """The concrete `StrategyKind` of a config whose `auto` is decided.
-
-  Raises:
-    ConfigError: `--distribution_strategy=auto` (decide it first with
-      `tfdist.distribute.auto_select.resolve` and `apply_decision`).
-  """
-  if config.distribution_strategy == "auto":
-    raise errors.ConfigError(
-        "make_strategy takes a concrete strategy; decide `auto` first with "
-        "tfdist.distribute.auto_select.resolve and apply_decision.")
-  return StrategyKind.parse(config.distribution_strategy)
-
-
-def strategy_options(config: TrainConfig) -> strategy_lib.StrategyOptions:
-  """What `tfdist.distribute.strategy.make_strategy` reads from `config`.
-
-  Raises:
-    ConfigError: `auto` not decided yet (`strategy_kind`).
-  """
+def strategy_options(config: TrainConfig, decisions=None
+                     ) -> strategy_lib.StrategyOptions:
+  """What `tfdist.distribute.strategy.make_strategy` reads: the strategy
+  flags of `config`, with the strategy and TPU `decisions`
+  (`tfdist.distribute.decisions.Decisions`; None: `config`'s own, which
+  must not say `auto`) made."""
+  decisions = decisions_lib.resolved(config, decisions)
   return strategy_lib.StrategyOptions(
-      kind=strategy_kind(config), num_gpus=config.num_gpus,
+      kind=decisions.strategy, num_gpus=config.num_gpus,
       num_cpu_devices=config.num_cpu_devices,
       all_reduce_alg=config.all_reduce_alg,
       reduction_server=bool(config.reduction_server),
       bytes_per_pack=config.bytes_per_pack,
       collective_timeout_seconds=config.collective_timeout_seconds,
       cluster_start_timeout_seconds=config.cluster_start_timeout_seconds,
-      tpu=tpu_options(config),
-      partitioner=parameter_server.PartitionerOptions(
-          kind=config.ps_partitioner, shard_bytes=config.ps_min_shard_bytes,
-          max_shards=config.ps_max_shards))
+      # The TPU and parameter-server sections are those parts' options;
+      # the TPU's address is the decided one.
+      tpu=dataclasses.replace(config.strategy.tpu, tpu=decisions.tpu),
+      partitioner=config.strategy.parameter_servers)
 
 
-def lr_options(config: TrainConfig) -> lr_schedule.LROptions:
-  """The learning-rate flags of `config` (its defaults already resolved)."""
-  return lr_schedule.LROptions(
-      base_learning_rate=config.base_learning_rate,
-      base_batch_size=config.base_batch_size, lr_scaling=config.lr_scaling,
-      lr_schedule=config.lr_schedule, warmup_steps=config.warmup_steps,
-      warmup_epochs=config.warmup_epochs,
-      warmup_start_learning_rate=config.warmup_start_learning_rate,
-      end_learning_rate_factor=config.end_learning_rate_factor,
-      piecewise_boundaries=tuple(config.piecewise_boundaries),
-      piecewise_multipliers=tuple(config.piecewise_multipliers))
-
-
-def data_options(config: TrainConfig) -> run_plan.DataOptions:
-  """The data set and file flags of `config`."""
-  return run_plan.DataOptions(
-      dataset=config.dataset, train_files=config.train_files,
-      eval_files=config.eval_files, data_dir=config.data_dir,
-      raw_data_dir=config.raw_data_dir)
+def data_options(config: TrainConfig, decisions=None) -> run_plan.DataOptions:
+  """The data section of `config`, with the files `decisions`
+  (`tfdist.distribute.decisions.Decisions`; None: `config`'s own) chose."""
+  if decisions is None:
+    return config.task.data
+  return dataclasses.replace(
+      config.task.data, train_files=decisions.train_files,
+      eval_files=decisions.eval_files, data_dir=decisions.data_dir)
 
 
 def pipeline_options(config: TrainConfig
@@ -132,10 +87,12 @@ def pipeline_options(config: TrainConfig
       microbatches_defaulted=config.num_microbatches is None)
 
 
-def plan_options(config: TrainConfig) -> run_plan.PlanOptions:
-  """What `tfdist.training.run_plan.make_run_plan` reads from `config`."""
+def plan_options(config: TrainConfig, decisions=None) -> run_plan.PlanOptions:
+  """What `tfdist.training.run_plan.make_run_plan` reads from `config` and
+  the run's `decisions` (its files)."""
   return run_plan.PlanOptions(
-      data=data_options(config), lr=lr_options(config),
+      data=data_options(config, decisions),
+      lr=config.optimization.learning_rate,
       need_eval=config.mode != "train", batch_size=config.batch_size,
       per_replica_batch_size=config.per_replica_batch_size,
       gradient_accumulation_steps=config.gradient_accumulation_steps,
@@ -212,26 +169,29 @@ def eval_input_options(config: TrainConfig, spec, *, files, global_batch_size,
 # --- model, optimizer and training loop ---
 
 
-def assembly_options(config: TrainConfig) -> assembly.AssemblyOptions:
+def assembly_options(config: TrainConfig,
+                     decisions=None) -> assembly.AssemblyOptions:
   """The model, optimizer and precision settings `tfdist.training.assembly` reads.
 
   Args:
-    config: a normalized `TrainConfig` (`steps_per_execution` and `dtype`
-      set, `auto` decided).
+    config: the run's `TrainConfig`.
+    decisions: its `tfdist.distribute.decisions.Decisions` (the dtype, loss
+      scale and steps per execution that run); None: `config`'s own.
 
   Returns:
     `assembly.AssemblyOptions`; model builders asking for `config` get
     `config` itself.
   """
+  decided = config if decisions is None else decisions
   return assembly.AssemblyOptions(
       optimizer=config.optimizer,
       momentum=config.momentum,
       weight_decay=config.weight_decay,
       clipnorm=config.clipnorm,
       global_clipnorm=config.global_clipnorm,
-      dtype=config.dtype,
-      loss_scale=config.loss_scale,
-      steps_per_execution=config.steps_per_execution,
+      dtype=decided.dtype,
+      loss_scale=decided.loss_scale,
+      steps_per_execution=decided.steps_per_execution,
       enable_xla=config.enable_xla,
       run_eagerly=config.run_eagerly,
       deterministic=config.deterministic,
@@ -275,18 +235,23 @@ def dataset(config: TrainConfig):
 # --- checkpoints and outputs ---
 
 
-def run_record_settings(config: TrainConfig) -> dict:
+def run_record_settings(config: TrainConfig, decisions=None) -> dict:
   """The settings `tfdist.training.checkpointing.run_record` records beside the
   checkpoints: every config field by flag name, as JSON-serializable values
   (`TrainConfig.to_dict`), with nothing left to resolve (`recorded_config`)."""
-  return recorded_config(config)
+  return recorded_config(config, decisions)
 
 
-def recorded_config(config: TrainConfig) -> dict:
-  """`config.to_dict()` with nothing left to resolve: `zero_stage` is the
-  stage that runs (`TrainConfig.zero_stage_resolved`: from the switches when
+def recorded_config(config: TrainConfig, decisions=None) -> dict:
+  """`config.to_dict()` with nothing left to resolve: the decided fields
+  as `decisions` (`tfdist.distribute.decisions.Decisions.field_values`) set
+  them (None: as `config` has them), and `zero_stage` the stage that runs
+  (`TrainConfig.zero_stage_resolved`: from the switches when
   `--zero_stage` was not given; the manifest's `flags` say which were)."""
   recorded = config.to_dict()
+  if decisions is not None:
+    recorded.update(json.loads(json.dumps(decisions.field_values(),
+                                          default=str)))
   recorded["zero_stage"] = config.zero_stage_resolved
   return recorded
 
@@ -294,11 +259,13 @@ def recorded_config(config: TrainConfig) -> dict:
 # --- observability (run log, manifest, diagnose) ---
 
 
-def manifest_options(config: TrainConfig) -> manifest.ManifestOptions:
+def manifest_options(config: TrainConfig,
+                     decisions=None) -> manifest.ManifestOptions:
   """What `tfdist.observability.manifest.build_manifest` records of `config`
-  (its config as `recorded_config` gives it)."""
+  and the run's `decisions` (the config as `recorded_config` gives it)."""
   return manifest.ManifestOptions(
-      flags=tuple(config.flags_snapshot), config=recorded_config(config),
+      flags=tuple(config.flags_snapshot),
+      config=recorded_config(config, decisions),
       base_learning_rate=config.base_learning_rate,
       base_batch_size=config.base_batch_size, lr_scaling=config.lr_scaling,
       model=config.model, dataset=config.dataset,
@@ -315,32 +282,45 @@ def name_options(config: TrainConfig) -> preflight.NameOptions:
       hptune_metric=config.hptune_metric)
 
 
-def output_options(config: TrainConfig) -> preflight.OutputOptions:
-  """The output folders `tfdist.training.preflight.probe_outputs` probes."""
+def output_options(config: TrainConfig,
+                   decisions=None) -> preflight.OutputOptions:
+  """The output folders `tfdist.training.preflight.probe_outputs` probes:
+  those the run's `decisions` (`tfdist.distribute.decisions.Decisions`;
+  None: `config`'s own) chose."""
+  if decisions is None:
+    return preflight.OutputOptions(
+        model_dir=config.model_dir, checkpoint_dir=config.checkpoint_dir,
+        tensorboard_dir=config.tensorboard_dir, export_dir=config.export_dir,
+        resolved_checkpoint_dir=config.resolved_checkpoint_dir,
+        resolved_tensorboard_dir=config.resolved_tensorboard_dir,
+        resolved_export_dir=config.resolved_export_dir)
+  values = decisions.field_values()
   return preflight.OutputOptions(
-      model_dir=config.model_dir, checkpoint_dir=config.checkpoint_dir,
-      tensorboard_dir=config.tensorboard_dir, export_dir=config.export_dir,
-      resolved_checkpoint_dir=config.resolved_checkpoint_dir,
-      resolved_tensorboard_dir=config.resolved_tensorboard_dir,
-      resolved_export_dir=config.resolved_export_dir)
+      model_dir=decisions.model_dir, checkpoint_dir=values["checkpoint_dir"],
+      tensorboard_dir=values["tensorboard_dir"],
+      export_dir=values["export_dir"],
+      resolved_checkpoint_dir=decisions.checkpoint_dir,
+      resolved_tensorboard_dir=decisions.tensorboard_dir,
+      resolved_export_dir=decisions.export_dir)
 
 
-def config_paths(config: TrainConfig) -> List[Tuple[str, str]]:
+def config_paths(config: TrainConfig,
+                 decisions=None) -> List[Tuple[str, str]]:
   """`(flag, path)` of every path `config` reads or writes, for
   `tfdist.data.filesystems.require_file_systems` (comma-separated flags give
-  one pair per entry)."""
+  one pair per entry); with `decisions`
+  (`tfdist.distribute.decisions.Decisions`), the folders and files they chose
+  (the environment's, a trial's) in place of the flags'."""
+  names = ("train_files", "eval_files", "data_dir", "raw_data_dir",
+           "model_dir", "checkpoint_dir", "tensorboard_dir", "export_dir",
+           "feature_spec", "init_checkpoint")
+  values = {name: getattr(config, name) for name in names}
+  if decisions is not None:
+    values.update({name: value for name, value
+                   in decisions.field_values().items() if name in values})
   out = []
-  for flag, value in (("--train_files", config.train_files),
-                      ("--eval_files", config.eval_files),
-                      ("--data_dir", config.data_dir),
-                      ("--raw_data_dir", config.raw_data_dir),
-                      ("--model_dir", config.model_dir),
-                      ("--checkpoint_dir", config.checkpoint_dir),
-                      ("--tensorboard_dir", config.tensorboard_dir),
-                      ("--export_dir", config.export_dir),
-                      ("--feature_spec", config.feature_spec),
-                      ("--init_checkpoint", config.init_checkpoint)):
-    out += filesystems.split_paths(flag, value)
+  for name in names:
+    out += filesystems.split_paths(f"--{name}", values[name])
   return out
 
 # --- cloud engines (Ray, Vertex AI, Kubernetes) ---

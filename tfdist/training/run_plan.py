@@ -9,6 +9,7 @@ printed at start.
 import dataclasses
 from typing import Optional, Sequence, Tuple
 
+from tfdist import config as config_lib
 from tfdist import models
 from tfdist.data import data_checks
 from tfdist.data import input_pipeline
@@ -26,23 +27,10 @@ from tfdist.training import reduce_dtype
 MIN_EVAL_BATCH_SIZE = 1024
 
 
-@dataclasses.dataclass(frozen=True)
-class DataOptions:
-  """Which data a run reads (the data set and its file flags).
-
-  Attributes:
-    dataset: `--dataset`, the data set's name.
-    train_files: `--train_files` (a glob or comma-separated globs; '': the
-      data set's own files under `data_dir`).
-    eval_files: `--eval_files` (as `train_files`).
-    data_dir: `--data_dir`, where a named data set is converted to.
-    raw_data_dir: `--raw_data_dir`, where its raw download is.
-  """
-  dataset: Optional[str] = None
-  train_files: str = ""
-  eval_files: str = ""
-  data_dir: str = ""
-  raw_data_dir: str = ""
+# Which data a run reads: the config's data section (`--dataset`,
+# `--data_dir`, `--raw_data_dir`, `--train_files`, `--eval_files`), handed to
+# this part as it is.
+DataOptions = config_lib.DataConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,7 +39,8 @@ class PlanOptions:
 
   Attributes:
     data: the `DataOptions`.
-    lr: the `tfdist.training.lr_schedule.LROptions`.
+    lr: the `tfdist.training.lr_schedule.LROptions` (a `TrainConfig`'s
+      `optimization.learning_rate`).
     need_eval: evaluation files are listed (`--mode` other than `train`).
     batch_size: `--batch_size`, the global batch (None: from the per-replica
       one).
@@ -245,7 +234,7 @@ def resolve_data_files(data: DataOptions, spec, *, need_eval: bool = True
   flags give no files, and checked against the data set
   (`DatasetSpec.check_files`: a feature spec's features).
 
-  `data` is the run's `DataOptions` (`tfdist.training.run_options.data_options`);
+  `data` is the run's `DataOptions` (a `TrainConfig`'s `task.data`);
   `spec` its `DatasetSpec`.
 
   A data set from a dataset function has no files: `((), ())`. Without
