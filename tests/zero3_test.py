@@ -53,6 +53,19 @@ X = _RNG.uniform(size=(64, 28, 28, 1)).astype("float32")
 Y = _RNG.integers(0, 10, size=(64,)).astype("int32")
 
 
+_STRATEGY = []
+
+
+def _strategy() -> tf.distribute.MirroredStrategy:
+  """One MirroredStrategy on DEVICES for the tests that make their own:
+  two strategies on the same devices number their collectives alike, and
+  the second one's gathers then meet the first one's (a shape mismatch
+  in the collective instance)."""
+  if not _STRATEGY:
+    _STRATEGY.append(tf.distribute.MirroredStrategy(DEVICES))
+  return _STRATEGY[0]
+
+
 class _Built:
   """The last model a builder made (the one `fit` trained)."""
   model = None
@@ -181,7 +194,7 @@ class GatherInComputeDtypeTest(absltest.TestCase):
       self.assertEqual(bool(mask[off]), j not in batch_norm, v.path)
     flat = layout.flatten([v.value for v in variables])
     size = layout.shard_size
-    strategy = tf.distribute.MirroredStrategy(DEVICES)
+    strategy = _strategy()
     shards = strategy.experimental_distribute_values_from_function(
         lambda ctx: flat[ctx.replica_id_in_sync_group * size:][:size])
 
@@ -301,6 +314,136 @@ class CheckpointsTest(absltest.TestCase):
         tf.constant(X[:5])).values())
     np.testing.assert_allclose(outputs[0].numpy(),
                                _Built.model(X[:5]).numpy(), atol=1e-5)
+
+
+class BlockLayoutTest(absltest.TestCase):
+  """`FlatLayout` with blocks: each block padded and split on its own."""
+
+  def test_pieces_and_shard_round_trip(self):
+    # Block 0: 3 + 4 = 7 elements -> S_0 = 4 (1 padding); block 1: the
+    # variables 2 and 3, out of order, 5 + 1 = 6 -> S_1 = 3.
+    layout = sharded_optimizer.FlatLayout([[3], [2, 2], [1], [5]], 2,
+                                          blocks=[[0, 1], [3, 2]])
+    self.assertEqual((layout.block_sizes, layout.block_offsets), ([4, 3],
+                                                                  [0, 4]))
+    self.assertEqual((layout.shard_size, layout.padded_total,
+                      layout.padding), (7, 14, 1))
+    self.assertEqual(layout.offsets, [0, 3, 13, 8])
+    # (variable, start in it, start in the shard, length); the shard's
+    # element 3 of replica 1 is block 0's padding.
+    self.assertEqual(layout.pieces(0), [(0, 0, 0, 3), (1, 0, 3, 1),
+                                        (3, 0, 4, 3)])
+    self.assertEqual(layout.pieces(1), [(1, 1, 0, 3), (3, 3, 4, 2),
+                                        (2, 0, 6, 1)])
+    values = [np.arange(1, 4), np.arange(4, 8).reshape(2, 2), [8],
+              np.arange(9, 14)]
+    flat = layout.flatten(values).numpy()
+    np.testing.assert_array_equal(
+        flat, [1, 2, 3, 4, 5, 6, 7, 0, 9, 10, 11, 12, 13, 8])
+    for got, want in zip(layout.unflatten(tf.constant(flat)), values):
+      np.testing.assert_array_equal(got.numpy(), np.reshape(want, got.shape))
+    shards = [layout.shard_of_array(flat, r) for r in range(2)]
+    np.testing.assert_array_equal(shards[0], [1, 2, 3, 4, 9, 10, 11])
+    np.testing.assert_array_equal(shards[1], [5, 6, 7, 0, 12, 13, 8])
+    for r in range(2):
+      np.testing.assert_array_equal(
+          layout.shard_of(tf.constant(flat), tf.constant(r)).numpy(),
+          shards[r])
+      # Each element's variable (4: padding), as the pieces say.
+      np.testing.assert_array_equal(layout.segment_ids(tf.constant(r)),
+                                    [[0, 0, 0, 1, 3, 3, 3],
+                                     [1, 1, 1, 4, 3, 3, 2]][r])
+    np.testing.assert_array_equal(layout.flat_from_shards(shards), flat)
+    np.testing.assert_array_equal(
+        layout.flat_from_shards(np.concatenate(shards)), flat)
+    # All-gathering every replica's part of a block gives its region.
+    for b, (o, size) in enumerate(zip(layout.block_offsets,
+                                      layout.block_sizes)):
+      start = layout.block_start(b)
+      np.testing.assert_array_equal(
+          np.concatenate([shard[o:o + size] for shard in shards]),
+          flat[start:start + 2 * size])
+    with self.assertRaisesRegex(ValueError, "exactly one non-empty block"):
+      sharded_optimizer.FlatLayout([[3], [2]], 2, blocks=[[0], [0, 1]])
+
+  def test_built_in_models_cut_into_blocks(self):
+    # The CNN's blocks hold its convolutions, its wide dense layer, and
+    # the head with its dropout; the Transformer's dropout layers sit
+    # inside blocks too (the recomputation draws the same masks: the
+    # equality tests above and TransformerTest train them).
+    for model in (small_cnn(), small_transformer()):
+      split, blocks = zero3.plan_blocks(
+          model, model.trainable_variables, 4,
+          zero3.replicated_variables(model))
+      self.assertLen(blocks, 4)
+      self.assertEqual(sorted(j for b in blocks for j in b),
+                       list(range(len(model.trainable_variables))))
+      self.assertTrue(any(
+          name.startswith("dropout") for stage in split.stages[1:]
+          for name in stage.layer_names), model.name)
+    self.assertIsNone(zero3.plan_blocks(model, model.trainable_variables, 1))
+
+
+def _dense_trainer(strategy, num_blocks: int, prefetch: bool = False):
+  """A stage-3 `Trainer` under `strategy` (`_strategy()`) for a
+  Sequential of 5 Dense
+  layers with dropout, and its dataset iterator (3 batches of 16)."""
+  from tfdist.training.train_loop import Trainer  # pylint: disable=g-import-not-at-top
+  keras.utils.set_random_seed(1)
+  with strategy.scope():
+    # float32 whatever policy an earlier test's run left set: the gathers
+    # counted below are float32 ones.
+    model = keras.Sequential(
+        [keras.Input((32,))] +
+        [keras.layers.Dense(32, activation="relu", dtype="float32")
+         for _ in range(4)] +
+        [keras.layers.Dropout(0.2), keras.layers.Dense(10, dtype="float32")])
+    optimizer = keras.optimizers.Adam(0.01)
+    optimizer.build([])
+  trainer = Trainer(
+      strategy=strategy, model=model, optimizer=optimizer,
+      global_batch_size=16, time_steps=False,
+      sharding=sharded_optimizer.ShardingOptions(
+          stage=3, num_blocks=num_blocks, prefetch=prefetch))
+  rng = np.random.default_rng(0)
+  data = tf.data.Dataset.from_tensor_slices((
+      rng.normal(size=(48, 32)).astype(np.float32),
+      rng.integers(0, 10, size=48))).batch(16)
+  return trainer, iter(strategy.experimental_distribute_dataset(data))
+
+
+class BlockGatherTest(absltest.TestCase):
+
+  def test_one_gather_per_block_each_way_and_equal_to_whole_model(self):
+    weights = {}
+    strategy = _strategy()
+    for num_blocks, prefetch in ((1, False), (4, False), (4, True)):
+      trainer, batches = _dense_trainer(strategy, num_blocks, prefetch)
+      layout = trainer.sharded.layout
+      for _ in range(3):
+        trainer.train_function(batches, tf.constant(1, tf.int32))
+      trainer.sharded.materialize()
+      weights[num_blocks, prefetch] = trainer.model.get_weights()
+      if num_blocks == 1:
+        continue
+      # The step's graph gathers each block's slice [S_b] twice per
+      # replica (the forward pass, the recomputation), and never the
+      # whole shard [S].
+      self.assertLen(layout.blocks, 4)
+      graph = trainer.train_function.get_concrete_function(
+          batches, tf.constant(1, tf.int32)).graph
+      # (`all_gather` exchanges the shapes first, then gathers the values
+      # padded to the largest: the size sent is the padding's input's.)
+      sent = sorted(op.inputs[0].op.inputs[0].shape.num_elements()
+                    for op in graph.get_operations()
+                    if op.type == "CollectiveGatherV2" and
+                    op.inputs[0].dtype == tf.float32)
+      self.assertEqual(sent, sorted(layout.block_sizes * 2 * 2))
+      self.assertNotIn(layout.shard_size, sent)
+    self.assertLess(_max_difference(weights[4, False], weights[1, False]),
+                    1e-6)
+    self.assertLess(_max_difference(weights[4, True], weights[1, False]),
+                    1e-6)
 
 
 class RefusedAtStartTest(absltest.TestCase):

@@ -2,9 +2,12 @@
 
 Rajbhandari et al. 2020. Stages 1 and 2 (`tfdist.training.sharded_optimizer`)
 keep a whole copy of every weight on every replica. Stage 3 keeps, per
-replica, only its shard of the same flat, padded float32 buffer
-(`sharded_optimizer.FlatLayout`: P parameters padded to N x S, replica r
-owning elements [r x S, (r + 1) x S)):
+replica, only its shard of a flat, padded float32 buffer laid out block
+by block (`sharded_optimizer.FlatLayout` with `blocks`: the model is cut
+into at most `ShardingOptions.num_blocks` blocks of consecutive layer
+calls, `plan_blocks`; block b's weights padded to N x S_b, replica r
+owning its elements [r x S_b, (r + 1) x S_b); the shard [S] is the
+replica's slice of every block, in order):
 
 * **Storage.** The shard is the master variable of stage 1 (sync-on-read,
   aggregation NONE: a different [S] on every replica), kept between steps
@@ -16,25 +19,39 @@ owning elements [r x S, (r + 1) x S)):
   reading one gathers a temporary copy from the shards and assigning one
   writes into them; elsewhere (traced code, several workers) it raises
   `tfdist.errors.WeightsShardedError`.
-* **Forward and backward.** Each step the replica all-gathers the shards
-  (`ReplicaContext.all_gather`, [S] -> [P']) and runs the model under
-  `keras.StatelessScope(state_mapping=...)`, which gives the layers the
-  gathered tensors in place of their variables. Under mixed precision
-  the weights the layers autocast (`autocast_elements`) are gathered in
-  the compute dtype, half the bytes, rounded as the layers would round
-  them. The gradient with
-  respect to the gathered buffer [P'] is all-reduced (in
-  `--all_reduce_dtype`) and the replica keeps its slice (the all-gather's
-  own gradient, written out so the replicated weights' gradients ride in
-  it), so the gradient is shard-shaped and summed over replicas: stage
-  1's update (`ShardedOptimizer.replica_prepare` with `shard=`: the fp16
-  finite check, unscaling, clipping, then the per-replica Keras optimizer
-  copy) applies it to the shard in place. No gather of updated weights
-  follows: the next step's gather reads the shards.
+* **Forward and backward, block by block** (`_replica_block`). Each
+  block is a `tf.custom_gradient` of its inputs, the replica's slice of
+  its weights [S_b], and the values of the replicated weights and the
+  non-trainable state (batch-norm statistics, seed states) it reads. The
+  forward pass all-gathers the slice ([S_b] -> [N x S_b]) once the block
+  before has produced its output (a control dependency; with `prefetch`,
+  once that block starts) and runs the block's layers under
+  `keras.StatelessScope(state_mapping=...)`, which gives them the
+  gathered tensors in place of their variables; nothing gathered is kept.
+  The backward pass gathers again once the block's upstream gradient
+  exists, recomputes the block under a tape (its seed states are inputs:
+  the same dropout masks; the recomputation's state updates are dropped,
+  the forward pass's written once after the pass), and all-reduces the
+  gathered weights' gradient (in `--all_reduce_dtype`), keeping this
+  replica's slice: the gradient is shard-shaped and summed over
+  replicas. Under mixed precision the weights the layers autocast
+  (`autocast_elements`) are gathered in the compute dtype, half the
+  bytes, rounded as the layers would round them. Stage 1's update
+  (`ShardedOptimizer.replica_prepare` with `shard=`: the fp16 finite
+  check, unscaling, clipping, then the per-replica Keras optimizer copy)
+  applies the gradient to the shard in place. No gather of updated
+  weights follows: the next step's gathers read the shards.
+* **One block** (a model `plan_blocks` cannot cut: subclassed without a
+  functional graph, a layer called twice, a weight shared across
+  blocks, weight regularizers, fewer than two layers with weights; or
+  `num_blocks=1`): the whole buffer is all-gathered once for the step and
+  the model runs under the scope, differentiated as a whole (the
+  all-gather's gradient written out in `_all_gather_shards`).
 * **Replicated weights** (`replicated_variables`: embedding tables):
   mirrored as at stage 0 and read in place (gathering a table each step
   would move the whole vocabulary); their gradients are placed in the
-  flat gradient before its all-reduce, their optimizer state is sharded
+  gradient of their block's gathered weights (of the whole buffer, as
+  one block) before its all-reduce, their optimizer state is sharded
   as at stage 1 (their pieces of the master shard are refreshed from the
   variables before the update), and after it each replica's updated
   pieces are summed into every copy (one all-reduce of their size).
@@ -51,13 +68,16 @@ owning elements [r x S, (r + 1) x S)):
   `materialize` gathers them into the Keras variables again at the end of
   the run, so the SavedModel is the unsharded model's.
 
-Costs: the whole flat weight buffer is gathered for the step (one block:
-the whole model; the step's peak holds every weight once, as stage 1's
-update does), and gathered again for evaluation. Traffic per step: the
-all-gather (P'), its gradient's all-reduce (2 P' on a ring): 1.5x stage
-1's all-reduce plus gather by ZeRO's count, more here because CPU
-collectives offer no reduce-scatter (the gradient is an all-reduce, then
-a slice).
+Costs: each block's weights are gathered twice per step (forward and
+backward) and each block computed twice (the recomputation); the step's
+peak holds the largest block's gathered weights (two blocks' with
+prefetch) instead of the whole model's (`benchmarks/zero3_peak.py`;
+measured in docs/guides/sharded-training.md, "Stage 3"). Evaluation
+gathers every block at once. Traffic per step: the all-gathers (2 P'),
+the gradients' all-reduces (2 P' on a ring): 2x plain data parallelism,
+more than ZeRO's 1.5x (the same gathers, then a reduce-scatter of P')
+because CPU collectives offer no reduce-scatter (the gradient is an
+all-reduce, then a slice).
 
 What is refused at start (`check_model`, and the flags:
 `--model=ranking`, whose tables are plain `tf.Variable`s), with the
@@ -66,15 +86,19 @@ variables), non-float32 trainable variables, XLA, pipeline stages, and
 optimizers that need a whole variable (LAMB, as stages 1-2).
 """
 
+import dataclasses
 import types
-from typing import List
+from typing import List, Optional, Tuple
 
+from absl import logging
 import keras
 import numpy as np
 import tensorflow as tf
 
 from tfdist import errors
+from tfdist.parallel import pipeline
 from tfdist.training import custom_step
+from tfdist.training import reduce_dtype
 from tfdist.training import sharded_optimizer
 
 STAGE = 3
@@ -225,6 +249,114 @@ def replicated_variables(model: keras.Model) -> list:
   return out
 
 
+_REGULARIZERS = ("kernel_regularizer", "bias_regularizer",
+                 "activity_regularizer", "embeddings_regularizer",
+                 "gamma_regularizer", "beta_regularizer",
+                 "depthwise_regularizer", "pointwise_regularizer",
+                 "recurrent_regularizer")
+
+
+@dataclasses.dataclass(frozen=True)
+class Block:
+  """Consecutive layer calls of the model whose weights are gathered
+  together (one `FlatLayout` block).
+
+  Attributes:
+    stage: the calls, as `tfdist.parallel.pipeline.split_model` cuts them
+      (`stage.run` runs them; it carries tensors later blocks read).
+    index: the block's index in the layout (`FlatLayout.blocks`).
+    sharded: `(position in the block, variable)` of the weights read
+      from the gathered region (released at rest).
+    replicated: `(position in the block, variable)` of the weights kept
+      replicated (`replicated_variables`), read from their own storage.
+    state: the non-trainable variables its layers read and update (batch
+      normalization's moving statistics, random layers' seed states).
+  """
+  stage: pipeline.Stage
+  index: int
+  sharded: Tuple[Tuple[int, object], ...]
+  replicated: Tuple[Tuple[int, object], ...]
+  state: Tuple[object, ...]
+
+
+def _has_regularizers(model: keras.Model) -> bool:
+  return any(getattr(layer, name, None) is not None
+             for layer in model._flatten_layers(include_self=False)  # pylint: disable=protected-access
+             for name in _REGULARIZERS)
+
+
+def plan_blocks(model, variables, num_blocks: int, replicated=()):
+  """Cuts `model` into at most `num_blocks` blocks of consecutive layer
+  calls with about equal sharded weight bytes (the largest block's
+  gathered weights are the step's peak), each holding trainable weights.
+
+  Args:
+    model: a built functional or Sequential Keras model.
+    variables: its trainable variables (the layout's order).
+    num_blocks: the most blocks; 1 keeps the whole model one block.
+    replicated: the variables kept replicated (not counted in the
+      balance: they are not gathered).
+
+  Returns:
+    `(split, blocks)`: the `pipeline.Pipeline` the blocks come from and
+    a list of layout blocks (lists of indices into `variables`), or None
+    when the model is one block: `num_blocks` 1, a subclassed model
+    without a functional graph, a layer called twice or a weight shared
+    across blocks, weight regularizers (their losses read every weight
+    after the forward pass), or fewer than two layers with weights.
+  """
+  if num_blocks <= 1 or _has_regularizers(model):
+    return None
+  try:
+    calls = pipeline._model_calls(model)[0]  # pylint: disable=protected-access
+  except errors.PipelineConfigError:
+    return None
+  index = {id(v): j for j, v in enumerate(variables)}
+  skip = {id(v) for v in replicated}
+  seen, costs, weighted = set(), [], []
+  for call in calls:
+    own = [v for v in getattr(call.layer, "trainable_variables", [])
+           if id(v) in index and id(v) not in seen]
+    seen.update(id(v) for v in own)
+    weighted.append(bool(own))
+    costs.append(sum(int(np.prod(v.shape)) for v in own
+                     if id(v) not in skip))
+  count = min(int(num_blocks), sum(weighted))
+  if count <= 1:
+    return None
+  starts = pipeline.balanced_cuts(costs, count)
+  # Each block holds trainable weights: one without is joined to the
+  # block before it (the first, to the block after it).
+  bounds = [0] + starts + [len(calls)]
+  ranges = []
+  for a, b in zip(bounds[:-1], bounds[1:]):
+    if ranges and not any(weighted[a:b]):
+      ranges[-1] = (ranges[-1][0], b)
+    else:
+      ranges.append((a, b))
+  if len(ranges) > 1 and not any(weighted[slice(*ranges[0])]):
+    ranges[:2] = [(ranges[0][0], ranges[1][1])]
+  if len(ranges) <= 1:
+    return None
+  keep = [a for a, _ in ranges]
+  names = [call.layer.name for call in calls]
+  try:
+    split = pipeline.split_model(model, cuts=[names[a] for a in keep[1:]],
+                                 devices=[""] * len(keep))
+  except errors.PipelineConfigError:
+    return None
+  blocks, placed = [], set()
+  for stage in split.stages:
+    block = [index[id(v)] for v in stage.trainable_variables
+             if id(v) in index and index[id(v)] not in placed]
+    placed.update(block)
+    blocks.append(block)
+  blocks[-1] += [j for j in range(len(variables)) if j not in placed]
+  if not all(blocks):
+    return None
+  return split, blocks
+
+
 def _released(path: str, owner: "Zero3Optimizer", index: int):
   """The initializer a released weight reads through: in eager code with
   every replica in this process (a callback's `get_weights`), the weight
@@ -261,6 +393,13 @@ class Zero3Optimizer(sharded_optimizer.ShardedOptimizer):
   """
 
   def __init__(self, **kwargs):
+    options = kwargs["options"]
+    # `ShardingOptions.num_blocks` and `prefetch` (`_layout_blocks`, in
+    # the base class's constructor, reads the first).
+    self.num_blocks = options.num_blocks
+    self.prefetch = options.prefetch
+    self._split = None
+    self.blocks: Optional[List[Block]] = None
     super().__init__(**kwargs)
     self.model = None
     # Every replica in this process: released weights read and written
@@ -276,6 +415,53 @@ class Zero3Optimizer(sharded_optimizer.ShardedOptimizer):
     # `autocast_elements` of the model, set by `attach`.
     self.gather_cast = None
 
+  def _layout_blocks(self, model):
+    """The layout's blocks: `plan_blocks` of `model` (None: one block)."""
+    if model is None:
+      return None
+    planned = plan_blocks(model, self.variables, self.num_blocks,
+                          replicated_variables(model))
+    if planned is None:
+      return None
+    self._split, layout_blocks = planned
+    return layout_blocks
+
+  def _make_blocks(self, model) -> None:
+    """`self.blocks` from the split `_layout_blocks` made (after the
+    replicated weights are chosen)."""
+    if self._split is None:
+      return
+    keep = {id(self.variables[j]) for j in self.replicated}
+    blocks = []
+    for b, stage in enumerate(self._split.stages):
+      members = [(p, self.variables[j])
+                 for p, j in enumerate(self.layout.blocks[b])]
+      trainable = {id(v) for v in self.variables}
+      state, seen = [], set()
+      for call in stage.calls:
+        for v in getattr(call.layer, "variables", []):
+          if id(v) not in trainable and id(v) not in seen:
+            seen.add(id(v))
+            state.append(v)
+      blocks.append(Block(
+          stage=stage, index=b,
+          sharded=tuple((p, v) for p, v in members if id(v) not in keep),
+          replicated=tuple((p, v) for p, v in members if id(v) in keep),
+          state=tuple(state)))
+    del model
+    self.blocks = blocks
+
+  def _block_cast(self, b: int):
+    """`gather_cast` restricted to block b's region (None: nothing in it
+    travels in the compute dtype)."""
+    if self.gather_cast is None:
+      return None
+    dtype, mask = self.gather_cast
+    start = self.layout.block_start(b)
+    region = mask[start:start + self.layout.num_shards *
+                  self.layout.block_sizes[b]]
+    return (dtype, region) if region.any() else None
+
   def _shard_weights(self, replicated) -> None:
     """Copies every trainable weight into the shards (the replicated ones
     too: their optimizer state is sharded) and releases the storage of
@@ -286,14 +472,13 @@ class Zero3Optimizer(sharded_optimizer.ShardedOptimizer):
     self._sharded_indices = [j for j, v in enumerate(self.variables)
                              if id(v) not in keep]
     flat = self.layout.flatten([v.value for v in self.variables]).numpy()
-    size = self.layout.shard_size
     for component, replica in zip(self.master.values, self.replica_ids):
       with tf.device(component.device):
         # A copy: a tensor made from a slice of `flat` (itself a view of
         # the flattened tensor's buffer) can share that memory, and the
         # shard would keep the whole flat buffer alive.
         component.assign(tf.raw_ops.DeepCopy(
-            x=tf.constant(flat[replica * size:(replica + 1) * size])))
+            x=tf.constant(self.layout.shard_of_array(flat, replica))))
     del flat
     for index in self._sharded_indices:
       self._release(self.variables[index], index)
@@ -352,6 +537,14 @@ class Zero3Optimizer(sharded_optimizer.ShardedOptimizer):
     self.gather_cast = autocast_elements(trainer.model, self.layout,
                                          self.variables)
     self._shard_weights(replicated_variables(trainer.model))
+    self._make_blocks(trainer.model)
+    sizes = self.layout.block_sizes
+    logging.info(
+        "ZeRO stage 3 gathers the weights in %d block(s) (the largest: %d "
+        "elements per replica, %d gathered)%s.", len(sizes), max(sizes),
+        max(sizes) * self.layout.num_shards,
+        ", each block's gather issued while the block before it computes "
+        "(prefetch)" if self.blocks and self.prefetch else "")
     trainer._replica_grads = lambda inputs, labels, weights=None: (  # pylint: disable=protected-access
         self.replica_forward_backward(trainer, inputs, labels, weights))
     evaluate = trainer._replica_eval_step  # pylint: disable=protected-access
@@ -395,7 +588,13 @@ class Zero3Optimizer(sharded_optimizer.ShardedOptimizer):
     """float32 [P']: every replica's `shard` [S], in order (the weights
     the layers autocast gathered in their compute dtype)."""
     context = tf.distribute.get_replica_context()
-    return _all_gather_shards(context, shard, self.gather_cast)
+    if len(self.layout.blocks) == 1:
+      return _all_gather_shards(context, shard, self.gather_cast)
+    return tf.concat(
+        [_all_gather_shards(context, shard[o:o + size], self._block_cast(b))
+         for b, (o, size) in enumerate(zip(self.layout.block_offsets,
+                                           self.layout.block_sizes))],
+        axis=0)
 
   def replica_forward_backward(self, trainer, inputs, labels, weights=None):
     """`Trainer._replica_forward_backward` on gathered weights.
@@ -406,6 +605,9 @@ class Zero3Optimizer(sharded_optimizer.ShardedOptimizer):
       replicas; loss-scaled under fp16) in a list, the outputs as float32
       [B, ...].
     """
+    if self.blocks:
+      return self._replica_blocks_forward_backward(trainer, inputs, labels,
+                                                   weights)
     model = trainer.model
     replicated = [self.variables[j] for j in self.replicated]
     with tf.GradientTape() as tape:
@@ -441,6 +643,142 @@ class Zero3Optimizer(sharded_optimizer.ShardedOptimizer):
     grad = self.replica_shard(flat_grad)
     self._write_state_updates(scope)
     return loss, [grad], outputs
+
+  def _replica_blocks_forward_backward(self, trainer, inputs, labels,
+                                       weights=None):
+    """`replica_forward_backward` block by block (`self.blocks`): each
+    block gathers its weights just before it runs and again in the
+    backward pass (`_replica_block`). Returns as
+    `replica_forward_backward`."""
+    shard = self._replica_shard()
+    layout = self.layout
+    tensors = self._split._flat_inputs(inputs)  # pylint: disable=protected-access
+    updates = []
+    with tf.GradientTape() as tape:
+      slices = [shard[o:o + size] for o, size in
+                zip(layout.block_offsets, layout.block_sizes)]
+      tape.watch(slices)
+      previous = tensors
+      for block in self.blocks:
+        # The gather waits for the previous block's output (or, with
+        # prefetch, for its input: it then runs while that block computes).
+        after = previous if self.prefetch else tensors
+        previous = tensors
+        tensors, states = self._replica_block(block, tensors,
+                                              slices[block.index], after)
+        updates += list(zip(block.state, states))
+      outputs = tf.cast(self._split._pack(tensors), tf.float32)  # pylint: disable=protected-access
+      objective, loss = trainer._replica_losses(labels, outputs, weights)  # pylint: disable=protected-access
+      scaled = (trainer.optimizer.scale_loss(objective)
+                if trainer.uses_loss_scale else objective)
+    grads = tape.gradient(scaled, slices)
+    grad = tf.concat([tf.zeros_like(s) if g is None else g
+                      for s, g in zip(slices, grads)], axis=0)
+    # The forward pass's updates of the non-trainable state (the
+    # recomputation's are dropped): one update per step, as unsharded.
+    for variable, value in updates:
+      variable.assign(value)
+    return loss, [grad], outputs
+
+  def _block_pass(self, block: Block, xs, region, replicated, states):
+    """Runs `block`'s layers on `xs` with its weights from `region`
+    (float32 [N x S_b], gathered), `replicated` and `states` (tensors for
+    `block.replicated` and `block.state`). Returns `(outputs, new
+    states)`."""
+    values = self.layout.unflatten_block(block.index, region)
+    mapping = ([(v, values[p]) for p, v in block.sharded] +
+               [(v, t) for (_, v), t in zip(block.replicated, replicated)] +
+               list(zip(block.state, states)))
+    with keras.StatelessScope(state_mapping=mapping) as scope:
+      outputs = block.stage.run(list(xs), training=True)
+    new_states = []
+    for variable, old in zip(block.state, states):
+      value = scope.get_current_value(variable)
+      new_states.append(old if value is None else tf.convert_to_tensor(value))
+    return list(outputs), new_states
+
+  def _replica_block(self, block: Block, xs, shard_slice, after):
+    """One block's forward pass, its backward pass written out:
+    `tf.custom_gradient` of (the block's inputs `xs`, this replica's slice
+    of its weights `shard_slice` [S_b], the replicated weights' and the
+    non-trainable state's values).
+
+    Forward: the slice is all-gathered (after the tensors `after`, so the
+    executor cannot gather every block at the start of the step) and the
+    block runs on the gathered weights, which are not kept. Backward:
+    gathered again (after the upstream gradient arrives), the block is
+    recomputed under a tape (its seed states are inputs: the same dropout
+    masks), and the weights' gradient (the replicated weights' placed in
+    it) is all-reduced in `--all_reduce_dtype`; the replica keeps its
+    slice [S_b].
+
+    Returns:
+      `(outputs, new states)`: tensors for the stage's `output_keys`, and
+      the values of `block.state` after the forward pass.
+    """
+    context = tf.distribute.get_replica_context()
+    layout = self.layout
+    b = block.index
+    size = layout.block_sizes[b]
+    cast = self._block_cast(b)
+    replicated = [tf.identity(v.value) for _, v in block.replicated]
+    states = [tf.identity(v.value) for v in block.state]
+    n_in, n_rep = len(xs), len(replicated)
+    float_in = [i for i, x in enumerate(xs) if x.dtype.is_floating]
+
+    def gather(value):
+      if cast is None:
+        return context.all_gather(value, axis=0)
+      return _gather_cast(context, value, *cast)
+
+    @tf.custom_gradient
+    def run(*args):
+      xs_, shard_, reps_ = (list(args[:n_in]), args[n_in],
+                            list(args[n_in + 1:n_in + 1 + n_rep]))
+      states_ = list(args[n_in + 1 + n_rep:])
+      with tf.control_dependencies([t for t in after if t is not None]):
+        region = gather(shard_)
+      outputs, new_states = self._block_pass(block, xs_, region, reps_,
+                                             states_)
+      n_out = len(outputs)
+
+      def gradient(*upstream):
+        upstream = list(upstream[:n_out])
+        with tf.control_dependencies([u for u in upstream if u is not None]):
+          again = gather(shard_)
+        sources = [xs_[i] for i in float_in] + [again] + reps_
+        with tf.GradientTape() as tape:
+          tape.watch(sources)
+          recomputed, _ = self._block_pass(block, xs_, again, reps_, states_)
+        targets, seeds = [], []
+        for out, up in zip(recomputed, upstream):
+          if out.dtype.is_floating:
+            targets.append(out)
+            seeds.append(tf.zeros_like(out) if up is None
+                         else tf.cast(up, out.dtype))
+        got = tape.gradient(targets, sources, output_gradients=seeds)
+        x_grads = [None] * n_in
+        for i, g in zip(float_in, got):
+          x_grads[i] = g
+        region_grad = got[len(float_in)]
+        if region_grad is None:
+          region_grad = tf.zeros_like(again)
+        if block.replicated:
+          placed = [None] * len(layout.blocks[b])
+          for (p, _), g in zip(block.replicated, got[len(float_in) + 1:]):
+            placed[p] = None if g is None else tf.convert_to_tensor(g)
+          region_grad += layout.flatten_block(b, placed)
+        summed, = reduce_dtype.all_reduce_sum(context, [region_grad],
+                                              self.all_reduce_dtype)
+        shard_grad = tf.slice(
+            summed, [context.replica_id_in_sync_group * size], [size])
+        return x_grads + [shard_grad] + [None] * (len(args) - n_in - 1)
+
+      return outputs + new_states, gradient
+
+    results = run(*(list(xs) + [shard_slice] + replicated + states))
+    n_out = len(results) - len(states)
+    return list(results[:n_out]), list(results[n_out:])
 
   def _write_state_updates(self, scope) -> None:
     """Writes the non-trainable updates the layers made inside `scope`
@@ -534,11 +872,12 @@ class Zero3Optimizer(sharded_optimizer.ShardedOptimizer):
       parts = [None] * len(values)
       for replica, value in zip(self.replica_ids, values):
         parts[replica] = value.numpy()
-      return np.concatenate(parts)
+      return self.layout.flat_from_shards(parts)
     base = self.replica_ids[0]
     gathered = self.strategy.experimental_distribute_values_from_function(
         lambda ctx: tf.identity(values[ctx.replica_id_in_sync_group - base]))
-    return self.strategy.gather(gathered, axis=0).numpy()
+    return self.layout.flat_from_shards(
+        self.strategy.gather(gathered, axis=0).numpy())
 
   def full_weight(self, index: int) -> tf.Tensor:
     """Trainable variable `index` in its own shape (gathered)."""

@@ -13,7 +13,9 @@ Layout: one flat, padded float32 buffer. The trainable variables, in
 `model.trainable_variables` order, are flattened and concatenated into a
 vector of P elements, padded with zeros to P' = N x S (S = ceil(P / N)), and
 replica r (`replica_id_in_sync_group`, unique over all workers) owns
-elements [r x S, (r + 1) x S). This balances memory to within one element
+elements [r x S, (r + 1) x S). (Stage 3 lays the same buffer out block by
+block, each block padded and split over the replicas on its own:
+`FlatLayout`'s `blocks`.) This balances memory to within one element
 per replica whatever the variables' sizes (assigning whole variables to
 owners cannot split a variable larger than P / N, e.g. an embedding table).
 The price is that an optimizer whose update needs a whole variable's norm
@@ -105,13 +107,24 @@ class ShardingOptions:
     stage: ZeRO stage: 0 (off), 1 (optimizer state), 2
       (also the gradient accumulators), 3 (also the weights:
       `tfdist.parallel.zero3`).
+    num_blocks: stage 3: the most blocks the model is cut into, each
+      gathering its weights just before it runs (1: the whole model at
+      once). Stages 1-2 ignore it.
+    prefetch: stage 3: gather each block's weights while the block before
+      it computes (two blocks' weights alive at the peak) rather than
+      after it. Stages 1-2 ignore it.
   """
   stage: int = 0
+  num_blocks: int = 4
+  prefetch: bool = False
 
   def __post_init__(self):
     if self.stage not in STAGES:
       raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3. Received: "
                        f"stage={self.stage!r}")
+    if not isinstance(self.num_blocks, int) or self.num_blocks < 1:
+      raise ValueError(f"ZeRO stage 3's num_blocks must be a positive "
+                       f"integer. Received: num_blocks={self.num_blocks!r}")
 
   @property
   def enabled(self) -> bool:
@@ -166,54 +179,167 @@ def check_optimizer(optimizer, *, what: str = "--optimizer") -> None:
 class FlatLayout:
   """The padded flat buffer: variables' offsets and the shards.
 
+  The variables are grouped into blocks (`blocks`: lists of variable
+  indices; default one block of all of them, in order). Block b's
+  variables, concatenated in its order, are padded with zeros to N x S_b
+  elements (S_b = ceil(P_b / N), P_b its elements), and replica r owns
+  elements [r x S_b, (r + 1) x S_b) of that region. The flat buffer [P']
+  is the blocks' regions in order (P' = N x S, S = the sum of the S_b);
+  replica r's shard [S] is its slice of every block, in block order, so
+  the shard's elements [o_b, o_b + S_b) (o_b: `block_offsets[b]`) are its
+  part of block b, and all-gathering them gives block b's region whole.
+  With one block this is the whole model's flat buffer, replica r owning
+  [r x S, (r + 1) x S). Use `shard_of` / `flat_from_shards` to move
+  between the flat buffer and the shards.
+
   Args:
     shapes: the variables' shapes (`tf.TensorShape`s, fully defined).
     num_shards: N, the number of replicas in sync.
+    blocks: lists of variable indices (each variable in exactly one,
+      no block empty), in the order their regions take in the flat
+      buffer; default `[range(len(shapes))]`.
+
+  Raises:
+    ValueError: `blocks` not a partition of the variables into non-empty
+      blocks.
   """
 
-  def __init__(self, shapes: Sequence[tf.TensorShape], num_shards: int):
+  def __init__(self, shapes: Sequence[tf.TensorShape], num_shards: int,
+               blocks: Optional[Sequence[Sequence[int]]] = None):
     self.shapes = [tf.TensorShape(s) for s in shapes]
     self.sizes = [int(s.num_elements()) for s in self.shapes]
-    self.offsets = list(np.cumsum([0] + self.sizes[:-1]).astype(int))
     self.total = int(sum(self.sizes))
     self.num_shards = int(num_shards)
-    self.shard_size = max(1, -(-self.total // self.num_shards))
+    if blocks is None:
+      blocks = [list(range(len(self.sizes)))]
+    self.blocks = [tuple(int(j) for j in block) for block in blocks]
+    flat_indices = sorted(j for block in self.blocks for j in block)
+    if (flat_indices != list(range(len(self.sizes))) or
+        (len(self.blocks) > 1 and not all(self.blocks))):
+      raise ValueError(
+          f"FlatLayout blocks must put each of the {len(self.sizes)} "
+          f"variables in exactly one non-empty block. Received: "
+          f"blocks={[list(b) for b in self.blocks]}")
+    block_totals = [sum(self.sizes[j] for j in b) for b in self.blocks]
+    self.block_sizes = [-(-n // self.num_shards) for n in block_totals]
+    if len(self.blocks) == 1:
+      self.block_sizes = [max(1, self.block_sizes[0])]
+    self.block_offsets = [int(x) for x in
+                          np.cumsum([0] + self.block_sizes[:-1])]
+    self.shard_size = int(sum(self.block_sizes))
     self.padded_total = self.shard_size * self.num_shards
     self.padding = self.padded_total - self.total
+    self.offsets = [0] * len(self.sizes)
+    for b, block in enumerate(self.blocks):
+      at = self.block_start(b)
+      for j in block:
+        self.offsets[j] = at
+        at += self.sizes[j]
 
+  # --- blocks ---------------------------------------------------------------
+  def block_start(self, b: int) -> int:
+    """Where block b's region [N x S_b] begins in the flat buffer."""
+    return self.num_shards * self.block_offsets[b]
+
+  def block_padding(self, b: int) -> int:
+    return (self.num_shards * self.block_sizes[b] -
+            sum(self.sizes[j] for j in self.blocks[b]))
+
+  def flatten_block(self, b: int, tensors) -> tf.Tensor:
+    """float32 [N x S_b], block b's region, from tensors of its
+    variables' shapes, in the block's order (None: zeros)."""
+    parts = [tf.zeros([self.sizes[j]], tf.float32) if t is None else
+             tf.reshape(tf.cast(tf.convert_to_tensor(t), tf.float32), [-1])
+             for t, j in zip(tensors, self.blocks[b])]
+    padding = self.block_padding(b)
+    if padding:
+      parts.append(tf.zeros([padding], tf.float32))
+    return tf.concat(parts, axis=0)
+
+  def unflatten_block(self, b: int, region) -> List[tf.Tensor]:
+    """Block b's variables (in the block's order) from its region
+    float32 [N x S_b]."""
+    sizes = [self.sizes[j] for j in self.blocks[b]]
+    padding = self.block_padding(b)
+    parts = tf.split(region, sizes + ([padding] if padding else []))
+    return [tf.reshape(p, self.shapes[j])
+            for p, j in zip(parts, self.blocks[b])]
+
+  # --- the whole buffer -----------------------------------------------------
   def flatten(self, tensors) -> tf.Tensor:
     """float32 [P'] from tensors of `shapes` (None: zeros)."""
-    parts = [tf.zeros([n], tf.float32) if t is None else
-             tf.reshape(tf.cast(tf.convert_to_tensor(t), tf.float32), [-1])
-             for t, n in zip(tensors, self.sizes)]
-    if self.padding:
-      parts.append(tf.zeros([self.padding], tf.float32))
-    return tf.concat(parts, axis=0)
+    return tf.concat([self.flatten_block(b, [tensors[j] for j in block])
+                      for b, block in enumerate(self.blocks)], axis=0)
 
   def unflatten(self, flat) -> List[tf.Tensor]:
     """Tensors of `shapes` from float32 [P'] (the padding dropped)."""
-    parts = tf.split(flat, self.sizes + ([self.padding] if self.padding
-                                         else []))
-    return [tf.reshape(p, s) for p, s in zip(parts, self.shapes)]
+    regions = tf.split(flat, [self.num_shards * s for s in self.block_sizes])
+    out = [None] * len(self.sizes)
+    for b, region in enumerate(regions):
+      for j, value in zip(self.blocks[b], self.unflatten_block(b, region)):
+        out[j] = value
+    return out
+
+  def shard_of(self, flat, shard_index) -> tf.Tensor:
+    """float32 [S]: shard `shard_index` (an int or an int32 scalar
+    tensor) of the flat buffer `flat` [P'] (a tensor)."""
+    parts = [tf.slice(flat, [self.block_start(b) + shard_index * size],
+                      [size])
+             for b, size in enumerate(self.block_sizes) if size]
+    return parts[0] if len(parts) == 1 else tf.concat(parts, axis=0)
+
+  def shard_of_array(self, flat: np.ndarray, shard_index: int) -> np.ndarray:
+    """`shard_of` for a NumPy [P'] and a Python int (a copy)."""
+    return np.concatenate(
+        [flat[self.block_start(b) + shard_index * size:][:size]
+         for b, size in enumerate(self.block_sizes)])
+
+  def flat_from_shards(self, shards) -> np.ndarray:
+    """NumPy [P']: the flat buffer from every replica's shard (N NumPy
+    arrays [S], in replica order, or one [N x S] array of them
+    concatenated, as an all-gather of the shards gives)."""
+    shards = np.reshape(np.asarray(shards), [self.num_shards,
+                                             self.shard_size])
+    return np.concatenate(
+        [shards[:, o:o + size].reshape(-1)
+         for o, size in zip(self.block_offsets, self.block_sizes)])
 
   def segment_ids(self, shard_index) -> tf.Tensor:
     """int32 [S]: for each element of shard `shard_index` (a scalar, maybe
     a tensor), the index of its variable, or V for padding."""
-    ends = tf.constant(np.cumsum(self.sizes), tf.int64)
-    positions = (tf.cast(shard_index, tf.int64) * self.shard_size +
-                 tf.range(self.shard_size, dtype=tf.int64))
-    return tf.cast(tf.searchsorted(ends, positions, side="right"), tf.int32)
+    shard_index = tf.cast(shard_index, tf.int64)
+    positions = tf.concat(
+        [self.block_start(b) + shard_index * size +
+         tf.range(size, dtype=tf.int64)
+         for b, size in enumerate(self.block_sizes) if size], axis=0)
+    # The flat buffer as consecutive intervals: each variable, and each
+    # block's padding (id V).
+    starts, ids = [], []
+    for b, block in enumerate(self.blocks):
+      for j in block:
+        starts.append(self.offsets[j])
+        ids.append(j)
+      if self.block_padding(b):
+        starts.append(self.block_start(b) + self.num_shards *
+                      self.block_sizes[b] - self.block_padding(b))
+        ids.append(len(self.sizes))
+    interval = tf.searchsorted(tf.constant(starts, tf.int64), positions,
+                               side="right") - 1
+    return tf.gather(tf.constant(ids, tf.int32), interval)
 
   def pieces(self, shard_index: int):
     """(variable index, start in the variable, start in the shard, length)
-    of every variable piece inside shard `shard_index` (a Python int)."""
-    lo = shard_index * self.shard_size
-    hi = lo + self.shard_size
+    of every variable piece inside shard `shard_index` (a Python int), in
+    shard order. The shard's elements outside them are padding."""
     out = []
-    for j, (off, n) in enumerate(zip(self.offsets, self.sizes)):
-      a, b = max(lo, off), min(hi, off + n)
-      if a < b:
-        out.append((j, a - off, a - lo, b - a))
+    for b, block in enumerate(self.blocks):
+      lo = self.block_start(b) + shard_index * self.block_sizes[b]
+      hi = lo + self.block_sizes[b]
+      for j in block:
+        off, n = self.offsets[j], self.sizes[j]
+        a, b_ = max(lo, off), min(hi, off + n)
+        if a < b_:
+          out.append((j, a - off, self.block_offsets[b] + a - lo, b_ - a))
     return out
 
 
@@ -259,11 +385,14 @@ class _PerVariable:
     if self.pieces is None:
       return shard * tf.gather(tf.concat([factors, [1.0]], axis=0),
                                self.layout.segment_ids(self.replica))
-    parts = [shard[start:start + length] * factors[j]
-             for j, _, start, length in self.pieces]
-    covered = sum(length for _, _, _, length in self.pieces)
-    if covered < self.layout.shard_size:
-      parts.append(shard[covered:])
+    parts, at = [], 0
+    for j, _, start, length in self.pieces:
+      if start > at:  # Padding (of a block's last shard) kept as it is.
+        parts.append(shard[at:start])
+      parts.append(shard[start:start + length] * factors[j])
+      at = start + length
+    if at < self.layout.shard_size:
+      parts.append(shard[at:])
     return tf.concat(parts, axis=0)
 
 
@@ -301,6 +430,8 @@ class ShardedOptimizer:
       (`tfdist.training.reduce_dtype`; summed back to float32 before the
       finite check, clipping and the update); the gather of the updated
       shards stays float32 (the master weights).
+    model: the Keras model the variables belong to (stage 3 cuts it into
+      blocks for its layout; stages 1-2 ignore it).
 
   Construct outside the strategy's scope (the per-replica optimizer copies
   are plain, per-device objects); the shard variables enter the scope
@@ -313,7 +444,7 @@ class ShardedOptimizer:
 
   def __init__(self, *, strategy: tf.distribute.Strategy, optimizer,
                variables: Sequence, options: ShardingOptions,
-               all_reduce_dtype: str = reduce_dtype.FLOAT32):
+               all_reduce_dtype: str = reduce_dtype.FLOAT32, model=None):
     if not options.enabled:
       raise ValueError("ShardedOptimizer needs stage 1 or 2.")
     check_optimizer(optimizer)
@@ -333,7 +464,8 @@ class ShardedOptimizer:
     self.uses_loss_scale = isinstance(optimizer,
                                       keras.optimizers.LossScaleOptimizer)
     self.layout = FlatLayout([v.shape for v in self.variables],
-                             strategy.num_replicas_in_sync)
+                             strategy.num_replicas_in_sync,
+                             blocks=self._layout_blocks(model))
     self.clipnorm = self.inner.clipnorm
     self.global_clipnorm = self.inner.global_clipnorm
     self.devices = list(strategy.extended.worker_devices)
@@ -359,6 +491,12 @@ class ShardedOptimizer:
     self._generation = 0
 
   # --- construction --------------------------------------------------------
+  def _layout_blocks(self, model):
+    """The `FlatLayout` blocks for `model` (None: one block, the flat
+    buffer of stages 1-2; stage 3 groups the weights by model block)."""
+    del model
+    return None
+
   def _copy_config(self) -> dict:
     config = self.inner.get_config()
     config.update(clipnorm=None, global_clipnorm=None)
@@ -432,8 +570,7 @@ class ShardedOptimizer:
     context = tf.distribute.get_replica_context()
     summed, = reduce_dtype.all_reduce_sum(context, [flat],
                                           self.all_reduce_dtype)
-    start = context.replica_id_in_sync_group * self.layout.shard_size
-    return tf.slice(summed, [start], [self.layout.shard_size])
+    return self.layout.shard_of(summed, context.replica_id_in_sync_group)
 
   def make_gradient_accumulator(self) -> tf.Variable:
     """Stage 2 under gradient accumulation: creates this replica's
@@ -512,9 +649,8 @@ class ShardedOptimizer:
   def _replica_load_master(self, replica) -> None:
     """Fills the master shard from the model's weights (set or restored
     since the last update). Replica context."""
-    start = replica * self.layout.shard_size
-    self.master.assign(tf.slice(self.layout.flatten(self.variables),
-                                [start], [self.layout.shard_size]))
+    self.master.assign(self.layout.shard_of(
+        self.layout.flatten(self.variables), replica))
 
   def attach(self, trainer) -> None:
     """Called once by the `Trainer` that owns this optimizer, after its
@@ -523,11 +659,14 @@ class ShardedOptimizer:
 
   def _replica_gather(self):
     context = tf.distribute.get_replica_context()
-    return self.layout.unflatten(
-        context.all_gather(
-            # A static shape: the collective then needs no shape exchange.
-            tf.ensure_shape(self.master.read_value(),
-                            [self.layout.shard_size]), axis=0))
+    # A static shape: the collective then needs no shape exchange.
+    shard = tf.ensure_shape(self.master.read_value(),
+                            [self.layout.shard_size])
+    if len(self.layout.blocks) == 1:
+      return self.layout.unflatten(context.all_gather(shard, axis=0))
+    return self.layout.unflatten(tf.concat(
+        [context.all_gather(shard[o:o + size], axis=0) for o, size in
+         zip(self.layout.block_offsets, self.layout.block_sizes)], axis=0))
 
   # --- cross-replica context ------------------------------------------------
   def apply(self, update) -> None:
@@ -664,13 +803,14 @@ class ShardedOptimizer:
       parts = [None] * len(slots)
       for replica, slot in zip(self.replica_ids, slots):
         parts[replica] = slot.numpy()
-      flat = np.concatenate(parts)
+      flat = self.layout.flat_from_shards(parts)
     else:
       base = self.replica_ids[0]
       values = self.strategy.experimental_distribute_values_from_function(
           lambda ctx: tf.identity(
               slots[ctx.replica_id_in_sync_group - base].value))
-      flat = self.strategy.gather(values, axis=0).numpy()
+      flat = self.layout.flat_from_shards(
+          self.strategy.gather(values, axis=0).numpy())
     self._cache = {k: v for k, v in self._cache.items() if v[0] == key}
     self._cache[kind] = (key, flat)
     return flat

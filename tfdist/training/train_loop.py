@@ -493,7 +493,7 @@ class Trainer:
     self.sharded = (sharded_optimizer.optimizer_class(sharding)(
         strategy=strategy, optimizer=optimizer,
         variables=model.trainable_variables, options=sharding,
-        all_reduce_dtype=self.all_reduce_dtype)
+        all_reduce_dtype=self.all_reduce_dtype, model=model)
                     if sharding is not None and sharding.enabled else None)
     with strategy.scope():
       # Counts updates made by this loop (skipped fp16 steps included), for
