@@ -446,6 +446,56 @@ class BlockGatherTest(absltest.TestCase):
                     1e-6)
 
 
+class BlockEvaluationTest(absltest.TestCase):
+
+  def test_evaluation_gathers_block_by_block_and_equals_whole_model(self):
+    strategy = _strategy()
+    rng = np.random.default_rng(1)
+    # 33 examples in batches of 16: the last global batch of 1 leaves one
+    # replica an empty batch.
+    data = tf.data.Dataset.from_tensor_slices((
+        rng.normal(size=(33, 32)).astype(np.float32),
+        rng.integers(0, 10, size=33))).batch(16)
+    results = {}
+    for num_blocks in (1, 4):
+      trainer, batches = _dense_trainer(strategy, num_blocks)
+      trainer.train_function(batches, tf.constant(1, tf.int32))
+      evaluation = strategy.experimental_distribute_dataset(data)
+      results[num_blocks] = trainer.evaluate(evaluation)
+      if num_blocks == 1:
+        continue
+      layout = trainer.sharded.layout
+      graph = trainer.eval_function.get_concrete_function(
+          next(iter(evaluation))).graph
+      sent = sorted(op.inputs[0].op.inputs[0].shape.num_elements()
+                    for op in graph.get_operations()
+                    if op.type == "CollectiveGatherV2" and
+                    op.inputs[0].dtype == tf.float32)
+      # Each block's slice once per replica, never the whole shard.
+      self.assertEqual(sent, sorted(layout.block_sizes * 2))
+    self.assertEqual(results[4]["num_examples"], 33)
+    for key in ("loss", "accuracy"):
+      if key in results[1]:
+        self.assertAlmostEqual(results[4][key], results[1][key], delta=1e-5)
+
+  def test_a_layer_adding_a_loss_keeps_the_model_one_block(self):
+
+    class Penalized(keras.layers.Layer):
+
+      def call(self, x):
+        self.add_loss(0.01 * tf.reduce_sum(tf.square(x)))
+        return x
+
+    inputs = keras.Input((32,))
+    x = inputs
+    for _ in range(3):
+      x = keras.layers.Dense(32, activation="relu")(x)
+    x = Penalized()(x)
+    model = keras.Model(inputs, keras.layers.Dense(10)(x))
+    self.assertIsNone(zero3.plan_blocks(model, model.trainable_variables,
+                                        num_blocks=4))
+
+
 class RefusedAtStartTest(absltest.TestCase):
 
   def test_own_train_step(self):

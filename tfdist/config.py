@@ -960,8 +960,9 @@ class MemoryConfig:
       None, "bool", "performance",
       help=("ZeRO stage 3 (mirrored, multi_worker_mirrored): "
             "--shard_gradients, and each replica keeps only 1/N of the "
-            "weights, all-gathered for each step's forward and backward pass "
-            "(1.5x the traffic of plain data parallelism). Embedding tables "
+            "weights, gathered block by block for each step's forward pass "
+            "and again for its backward pass, which recomputes each block "
+            "(about 2x the traffic of plain data parallelism). Embedding tables "
             "stay replicated (their optimizer state sharded). Not with a "
             "model's own train_step, --model=ranking, --enable_xla or "
             "--pipeline_stages."))

@@ -58,7 +58,10 @@ replica's slice of every block, in order):
 * **Non-trainable state** (batch-norm moving statistics, the random
   layers' seed states) keeps its ordinary mirrored variables: the updates
   the layers make inside the scope are written to them after the pass.
-* **Evaluation** gathers the same way; **checkpoints** save every weight
+* **Evaluation** gathers block by block too (each block after the one
+  before it has run; a replica with an empty batch runs the blocks on
+  one example of zeros, dropped, so it joins every gather); **checkpoints**
+  save every weight
   under its unsharded key and shape (each Keras variable's
   `_serialize_to_tensors` gathers its piece from the local shards, and
   `_restore_from_tensors` slices a restored value into them), so a stage-3
@@ -72,8 +75,8 @@ Costs: each block's weights are gathered twice per step (forward and
 backward) and each block computed twice (the recomputation); the step's
 peak holds the largest block's gathered weights (two blocks' with
 prefetch) instead of the whole model's (`benchmarks/zero3_peak.py`;
-measured in docs/guides/sharded-training.md, "Stage 3"). Evaluation
-gathers every block at once. Traffic per step: the all-gathers (2 P'),
+measured in docs/guides/sharded-training.md, "Stage 3"), in evaluation
+too. Traffic per step: the all-gathers (2 P'),
 the gradients' all-reduces (2 P' on a ring): 2x plain data parallelism,
 more than ZeRO's 1.5x (the same gathers, then a reduce-scatter of P')
 because CPU collectives offer no reduce-scatter (the gradient is an
@@ -285,6 +288,22 @@ def _has_regularizers(model: keras.Model) -> bool:
              for name in _REGULARIZERS)
 
 
+def _adds_losses(model: keras.Model) -> bool:
+  """Whether a forward pass of `model` adds losses (`add_loss` in a
+  layer's `call`): one pass on a batch of one example of zeros, its state
+  updates and losses kept in a scope and dropped. False when the model
+  cannot be called so (its inputs' shapes unknown)."""
+  try:
+    inputs = [np.zeros([1] + [d or 1 for d in t.shape[1:]],
+                       keras.backend.standardize_dtype(t.dtype))
+              for t in model.inputs]
+  except (AttributeError, TypeError, ValueError):
+    return False
+  with keras.StatelessScope(collect_losses=True) as scope:
+    model(inputs if len(inputs) > 1 else inputs[0], training=True)
+  return bool(scope.losses)
+
+
 def plan_blocks(model, variables, num_blocks: int, replicated=()):
   """Cuts `model` into at most `num_blocks` blocks of consecutive layer
   calls with about equal sharded weight bytes (the largest block's
@@ -303,9 +322,11 @@ def plan_blocks(model, variables, num_blocks: int, replicated=()):
     when the model is one block: `num_blocks` 1, a subclassed model
     without a functional graph, a layer called twice or a weight shared
     across blocks, weight regularizers (their losses read every weight
-    after the forward pass), or fewer than two layers with weights.
+    after the forward pass), a layer adding a loss as it runs
+    (`add_loss`: a pass on one example of zeros says), or fewer than two
+    layers with weights.
   """
-  if num_blocks <= 1 or _has_regularizers(model):
+  if num_blocks <= 1 or _has_regularizers(model) or _adds_losses(model):
     return None
   try:
     calls = pipeline._model_calls(model)[0]  # pylint: disable=protected-access
@@ -552,6 +573,9 @@ class Zero3Optimizer(sharded_optimizer.ShardedOptimizer):
     def eval_step(inputs, labels, weights=None, mask=None):
       # Gathered outside the step's empty-batch `tf.cond`: every replica
       # joins the collective.
+      if self.blocks:
+        return self._replica_blocks_eval(trainer, inputs, labels, weights,
+                                         mask)
       values = self._replica_gather_weights(self._replica_shard())
       with keras.StatelessScope(state_mapping=self._mapping(values)):
         return evaluate(inputs, labels, weights, mask)
@@ -680,17 +704,74 @@ class Zero3Optimizer(sharded_optimizer.ShardedOptimizer):
       variable.assign(value)
     return loss, [grad], outputs
 
-  def _block_pass(self, block: Block, xs, region, replicated, states):
+  def _replica_blocks_eval(self, trainer, inputs, labels, weights=None,
+                           mask=None):
+    """The trainer's evaluation step, block by block: each block gathers
+    its weights after the block before it has run (or while it runs, with
+    prefetch) and drops them after use, as in training, so evaluation's
+    peak is one block's weights too. An empty batch (the last round's
+    spare replicas) runs the blocks on one example of zeros, whose result
+    is dropped: every replica joins every block's gather. Returns the
+    trainer's summed loss, count and metric state."""
+    present = tf.shape(labels)[0] > 0
+    tensors = [tf.cond(present, lambda x=x: x,
+                       lambda x=x: tf.zeros(tf.concat(
+                           [[1], tf.shape(x)[1:]], 0), x.dtype))
+               for x in self._split._flat_inputs(inputs)]  # pylint: disable=protected-access
+    shard, layout = self._replica_shard(), self.layout
+    context = tf.distribute.get_replica_context()
+    previous = tensors
+    for block in self.blocks:
+      after = previous if self.prefetch else tensors
+      previous = tensors
+      o, size = layout.block_offsets[block.index], layout.block_sizes[
+          block.index]
+      cast = self._block_cast(block.index)
+      with tf.control_dependencies(after):
+        region = (context.all_gather(shard[o:o + size], axis=0)
+                  if cast is None else
+                  _gather_cast(context, shard[o:o + size], *cast))
+      tensors, _ = self._block_pass(
+          block, tensors, region,
+          [tf.identity(v.value) for _, v in block.replicated],
+          [tf.identity(v.value) for v in block.state], training=False)
+    outputs = tf.cast(self._split._pack(tensors), tf.float32)  # pylint: disable=protected-access
+
+    def empty():
+      return {"loss_sum": tf.constant(0.0),
+              "regularization_sum": tf.constant(0.0),
+              "count": tf.constant(0.0), **trainer.metric_sums.zeros()}
+
+    return tf.cond(
+        present, lambda: trainer._replica_eval_sums(  # pylint: disable=protected-access
+            inputs, labels, weights, mask, outputs=outputs), empty)
+
+  def _block_pass(self, block: Block, xs, region, replicated, states,
+                  training: bool = True):
     """Runs `block`'s layers on `xs` with its weights from `region`
     (float32 [N x S_b], gathered), `replicated` and `states` (tensors for
     `block.replicated` and `block.state`). Returns `(outputs, new
-    states)`."""
+    states)`.
+
+    Raises:
+      tfdist.errors.ConfigError: a layer of the block adds a loss
+        (`add_loss`) while it runs, which the block's pass cannot carry
+        (`plan_blocks` keeps such models one block; this catches what its
+        probe missed, when the step is traced).
+    """
     values = self.layout.unflatten_block(block.index, region)
     mapping = ([(v, values[p]) for p, v in block.sharded] +
                [(v, t) for (_, v), t in zip(block.replicated, replicated)] +
                list(zip(block.state, states)))
-    with keras.StatelessScope(state_mapping=mapping) as scope:
-      outputs = block.stage.run(list(xs), training=True)
+    with keras.StatelessScope(state_mapping=mapping,
+                              collect_losses=True) as scope:
+      outputs = block.stage.run(list(xs), training=training)
+    if scope.losses:
+      raise errors.ConfigError(
+          f"--zero_stage=3: a layer among {', '.join(block.stage.layer_names)}"
+          " adds a loss (add_loss) as it runs, which stage 3's block-by-block"
+          " gathering cannot carry. Gather the whole model at once "
+          "(ShardingOptions(num_blocks=1)), or use --zero_stage=2.")
     new_states = []
     for variable, old in zip(block.state, states):
       value = scope.get_current_value(variable)

@@ -355,8 +355,9 @@ def peak_device_bytes(devices: Dict[str, Dict[str, int]]) -> Optional[int]:
 # The layouts in the order the advice prefers them when several fit: least
 # communication and fewest constraints first. ZeRO 1-2 add a gather of the
 # updated weights to data parallelism's all-reduce, ZeRO 3 gathers the
-# weights again for every forward and backward pass (about 1.5x data
-# parallelism's traffic, Rajbhandari et al. 2020); pipeline stages idle a
+# weights again for every forward and backward pass (1.5x data
+# parallelism's traffic by Rajbhandari et al. 2020's count, about 2x here
+# without a reduce-scatter); pipeline stages idle a
 # bubble of (P-1)/(M+P-1) of each step and forbid data parallelism here;
 # tensor parallelism all-reduces activations twice per block forward and
 # backward, which pays only on fast device links (NVLink).
