@@ -321,6 +321,16 @@ class FitTest(absltest.TestCase):
     # The final evaluation on stdout, except with verbose=0.
     self.assertEqual(run.stdout.count("Final eval: "), 2, run.stdout)
 
+  def test_the_callers_dtype_policy_is_back_after_a_mixed_precision_fit(self):
+    before = keras.mixed_precision.global_policy().name
+    result = api.fit(_model, x=self.x, y=self.y,
+                     config=self.config.replace(dtype="bf16"))
+    self.assertEqual(result["dtype_policy"], "mixed_bfloat16")
+    # As after `Model.fit`: a layer the script builds next has its usual
+    # dtype.
+    self.assertEqual(keras.mixed_precision.global_policy().name, before)
+    self.assertEqual(keras.layers.Dense(2).dtype_policy.name, before)
+
   def test_a_tiny_fit_returns_the_manifest_and_history(self):
     result = api.fit(_model, x=self.x, y=self.y, config=self.config)
     self.assertEqual(result["final_step"], 4)

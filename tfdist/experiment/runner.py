@@ -422,6 +422,11 @@ class ExperimentRunner:
   def build_model_and_optimizer(self) -> assembly.Parts:
     """The precision policy, then model, optimizer, trainer and checkpoint
     under the strategy (`tfdist.training.assembly.build`)."""
+    # The run's policy builds its model; the caller's is back when the
+    # run ends (a later `keras.layers.Dense()` of a `tfdist.fit` script
+    # is float32 again, as after `Model.fit`).
+    self.cleanup.callback(keras.mixed_precision.set_global_policy,
+                          keras.mixed_precision.global_policy())
     self.policy = precision.configure_precision(self.decisions.dtype)
     options = self.backend.assembly_options(
         run_options.assembly_options(self.config, self.decisions), choice=self.choice)
