@@ -36,7 +36,7 @@ from tfdist.training import task as task_lib
 
 @dataclasses.dataclass(frozen=True)
 class NameOptions:
-  """The registry names a run gives (`tfdist.training.run_options.name_options`).
+  """The registry names a run gives (`NameOptions.of`).
 
   Attributes:
     model: `--model`: a registered name or an import path.
@@ -51,10 +51,20 @@ class NameOptions:
   import_modules: Tuple[str, ...] = ()
   hptune_metric: Optional[str] = None
 
+  @classmethod
+  def of(cls, task, cloud) -> "NameOptions":
+    """The names of the config's model and data section
+    (`tfdist.config.TaskConfig`) and cloud section
+    (`tfdist.config.CloudConfig`: `hptune_metric`)."""
+    return cls(model=task.model, dataset=task.data.dataset,
+               feature_spec=task.feature_spec,
+               import_modules=tuple(task.import_modules),
+               hptune_metric=cloud.hptune_metric)
+
 
 @dataclasses.dataclass(frozen=True)
 class OutputOptions:
-  """The output folders a run writes (`tfdist.training.run_options.output_options`).
+  """The output folders a run writes (`OutputOptions.of`).
 
   Attributes:
     model_dir: `--model_dir`.
@@ -71,6 +81,30 @@ class OutputOptions:
   resolved_tensorboard_dir: str
   resolved_export_dir: str
 
+  @classmethod
+  def of(cls, outputs, decisions=None) -> "OutputOptions":
+    """The folders of the config's outputs section
+    (`tfdist.config.OutputsConfig`), or those the run's `decisions`
+    (`tfdist.distribute.decisions.Decisions`: the environment's, a tuning
+    trial's) chose."""
+    if decisions is None:
+      return cls(
+          model_dir=outputs.model_dir, checkpoint_dir=outputs.checkpoint_dir,
+          tensorboard_dir=outputs.tensorboard_dir,
+          export_dir=outputs.export_dir,
+          resolved_checkpoint_dir=outputs.resolved_checkpoint_dir,
+          resolved_tensorboard_dir=outputs.resolved_tensorboard_dir,
+          resolved_export_dir=outputs.resolved_export_dir)
+    values = decisions.field_values()
+    return cls(
+        model_dir=decisions.model_dir,
+        checkpoint_dir=values["checkpoint_dir"],
+        tensorboard_dir=values["tensorboard_dir"],
+        export_dir=values["export_dir"],
+        resolved_checkpoint_dir=decisions.checkpoint_dir,
+        resolved_tensorboard_dir=decisions.tensorboard_dir,
+        resolved_export_dir=decisions.export_dir)
+
 
 def check_names(names: NameOptions):
   """Checks that the names a run gives tfdist's registries exist and fit.
@@ -81,7 +115,7 @@ def check_names(names: NameOptions):
   job itself at start.
 
   Args:
-    names: the run's names (`tfdist.training.run_options.name_options`).
+    names: the run's names (`NameOptions.of`).
 
   Raises:
     ConfigError: an unknown registered `--dataset` or `--model` (the
@@ -268,7 +302,7 @@ def probe_outputs(outputs: OutputOptions):
   """Probes every output folder of the process that writes `--model_dir`.
 
   Args:
-    outputs: the run's folders (`tfdist.training.run_options.output_options`).
+    outputs: the run's folders (`OutputOptions.of`).
 
   Raises:
     OutputNotWritableError: the first folder that cannot be written.
