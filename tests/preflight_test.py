@@ -98,8 +98,7 @@ class OutputFoldersTest(absltest.TestCase):
 
   def test_derived_folders_name_model_dir(self):
     model_dir = os.path.join(self.root, "run")
-    outputs = preflight.OutputOptions.of(
-        TrainConfig(model_dir=model_dir, train_steps=1).outputs)
+    outputs = TrainConfig(model_dir=model_dir, train_steps=1).outputs
     folders = preflight.output_folders(outputs)
     self.assertEqual(folders[0], ("--model_dir", model_dir, model_dir))
     self.assertTrue(all(flag == "--model_dir" for flag, _, _ in folders))
@@ -108,9 +107,9 @@ class OutputFoldersTest(absltest.TestCase):
   def test_a_given_folder_names_its_flag(self):
     model_dir = os.path.join(self.root, "run")
     export = os.path.join(self.root, "exports", "model")
-    outputs = preflight.OutputOptions.of(TrainConfig(
+    outputs = TrainConfig(
         model_dir=model_dir, train_steps=1, export_dir=export,
-        checkpoint_dir=model_dir).outputs)
+        checkpoint_dir=model_dir).outputs
     folders = preflight.output_folders(outputs)
     # The export's parent is probed (the SavedModel is renamed into it);
     # --checkpoint_dir names --model_dir's folder, listed once.
@@ -120,8 +119,8 @@ class OutputFoldersTest(absltest.TestCase):
 
   def test_probe_outputs_leaves_nothing_behind(self):
     model_dir = os.path.join(self.root, "a", "run")
-    preflight.probe_outputs(preflight.OutputOptions.of(
-        TrainConfig(model_dir=model_dir, train_steps=1).outputs))
+    preflight.probe_outputs(
+        TrainConfig(model_dir=model_dir, train_steps=1).outputs)
     self.assertEqual(os.listdir(self.root), [])
 
   def test_probe_keeps_an_existing_folder_and_removes_the_probe(self):

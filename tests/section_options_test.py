@@ -1,6 +1,7 @@
 """Unit tests of each part's options built from the config's sections
 (`StrategyOptions.of`, `SelectOptions.of`, `PlanOptions.of`,
-`AssemblyOptions.of`, `TaskNames.of`, `NameOptions.of`, `OutputOptions.of`)
+`AssemblyOptions.of`, `TaskNames.of`, `NameOptions.of`,
+`preflight.decided_outputs`)
 and of the records that list the whole run (`manifest.recorded_config`,
 `ManifestOptions.of`, `filesystems.config_paths`)."""
 
@@ -151,7 +152,8 @@ class SectionOptionsTest(absltest.TestCase):
     names = preflight.NameOptions.of(config.task, config.cloud)
     self.assertEqual((names.model, names.dataset, names.hptune_metric),
                      ("cnn", config.dataset, "eval_loss"))
-    outputs = preflight.OutputOptions.of(config.outputs)
+    outputs = preflight.decided_outputs(config.outputs)
+    self.assertIs(outputs, config.outputs)  # The section itself.
     self.assertEqual((outputs.checkpoint_dir, outputs.resolved_checkpoint_dir,
                       outputs.resolved_export_dir),
                      ("/c", "/c", "/tmp/section_options_test/saved_model"))
@@ -159,11 +161,14 @@ class SectionOptionsTest(absltest.TestCase):
   def test_decided_folders_and_files_replace_the_sections(self):
     config = _config(distribution_strategy="one_device", dtype="fp32",
                      train_files="/given/train-*")
+    # As the environment's folders and files are decided (Vertex AI's
+    # AIP_* variables): on a copy that is then dropped.
     decided = dataclasses.replace(
-        decisions_lib.Decisions.of(config), model_dir="/aip/model",
-        checkpoint_dir="/aip/ckpt", export_dir="/aip/export",
-        train_files="/aip/train-*", dtype="bf16", steps_per_execution=9)
-    outputs = preflight.OutputOptions.of(config.outputs, decided)
+        decisions_lib.Decisions.of(config.replace(
+            model_dir="/aip/model", checkpoint_dir="/aip/ckpt",
+            export_dir="/aip/export", train_files="/aip/train-*")),
+        dtype="bf16", steps_per_execution=9)
+    outputs = preflight.decided_outputs(config.outputs, decided)
     self.assertEqual((outputs.model_dir, outputs.resolved_checkpoint_dir,
                       outputs.resolved_export_dir),
                      ("/aip/model", "/aip/ckpt", "/aip/export"))

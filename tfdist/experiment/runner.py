@@ -336,8 +336,8 @@ class ExperimentRunner:
     held; released by `cleanup`); None for other processes."""
     if not self.is_writer:
       return None
-    preflight.probe_outputs(preflight.OutputOptions.of(self.config.outputs,
-                                                       self.decisions))
+    preflight.probe_outputs(preflight.decided_outputs(self.config.outputs,
+                                                      self.decisions))
     export.check_export_dir(self.decisions.export_dir,
                             source=self._export_source())
     lease = lease_lib.Lease(self.decisions.model_dir,

@@ -26,6 +26,7 @@ from typing import List, Optional, Tuple
 
 import tensorflow as tf
 
+from tfdist import config as config_lib
 from tfdist.cloud import hptune
 from tfdist import errors
 from tfdist.errors import first_line
@@ -62,48 +63,25 @@ class NameOptions:
                hptune_metric=cloud.hptune_metric)
 
 
-@dataclasses.dataclass(frozen=True)
-class OutputOptions:
-  """The output folders a run writes (`OutputOptions.of`).
+# The output folders a run writes: the config's outputs section
+# (`--model_dir`, `--checkpoint_dir`, `--tensorboard_dir`, `--export_dir`,
+# and the folders derived from `--model_dir`: `resolved_checkpoint_dir`,
+# ...), handed to this part as it is.
+OutputOptions = config_lib.OutputsConfig
 
-  Attributes:
-    model_dir: `--model_dir`.
-    checkpoint_dir, tensorboard_dir, export_dir: the flags as given ('':
-      derived from `--model_dir`).
-    resolved_checkpoint_dir, resolved_tensorboard_dir, resolved_export_dir:
-      the folders used (the flag's, or the one derived from `--model_dir`).
-  """
-  model_dir: str
-  checkpoint_dir: str
-  tensorboard_dir: str
-  export_dir: str
-  resolved_checkpoint_dir: str
-  resolved_tensorboard_dir: str
-  resolved_export_dir: str
 
-  @classmethod
-  def of(cls, outputs, decisions=None) -> "OutputOptions":
-    """The folders of the config's outputs section
-    (`tfdist.config.OutputsConfig`), or those the run's `decisions`
-    (`tfdist.distribute.decisions.Decisions`: the environment's, a tuning
-    trial's) chose."""
-    if decisions is None:
-      return cls(
-          model_dir=outputs.model_dir, checkpoint_dir=outputs.checkpoint_dir,
-          tensorboard_dir=outputs.tensorboard_dir,
-          export_dir=outputs.export_dir,
-          resolved_checkpoint_dir=outputs.resolved_checkpoint_dir,
-          resolved_tensorboard_dir=outputs.resolved_tensorboard_dir,
-          resolved_export_dir=outputs.resolved_export_dir)
-    values = decisions.field_values()
-    return cls(
-        model_dir=decisions.model_dir,
-        checkpoint_dir=values["checkpoint_dir"],
-        tensorboard_dir=values["tensorboard_dir"],
-        export_dir=values["export_dir"],
-        resolved_checkpoint_dir=decisions.checkpoint_dir,
-        resolved_tensorboard_dir=decisions.tensorboard_dir,
-        resolved_export_dir=decisions.export_dir)
+def decided_outputs(outputs: OutputOptions, decisions=None) -> OutputOptions:
+  """The outputs section `outputs` with the folders the run's `decisions`
+  (`tfdist.distribute.decisions.Decisions`: the environment's, a tuning
+  trial's) chose; None: `outputs` as given."""
+  if decisions is None:
+    return outputs
+  values = decisions.field_values()
+  return dataclasses.replace(
+      outputs, model_dir=decisions.model_dir,
+      checkpoint_dir=values["checkpoint_dir"],
+      tensorboard_dir=values["tensorboard_dir"],
+      export_dir=values["export_dir"])
 
 
 def check_names(names: NameOptions):
@@ -302,7 +280,7 @@ def probe_outputs(outputs: OutputOptions):
   """Probes every output folder of the process that writes `--model_dir`.
 
   Args:
-    outputs: the run's folders (`OutputOptions.of`).
+    outputs: the run's folders (`decided_outputs`).
 
   Raises:
     OutputNotWritableError: the first folder that cannot be written.
