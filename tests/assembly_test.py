@@ -1,7 +1,7 @@
 """`tfdist.training.assembly`: model, optimizer, trainer and checkpoint, built once.
 
-* `run_options.assembly_options` reads the config's model, optimizer and
-  precision fields into `AssemblyOptions`;
+* `AssemblyOptions.of` reads the config's model, optimizer and
+  precision sections into `AssemblyOptions`;
 * `build` under the default strategy: a built optimizer at the plan's
   learning rate, the trainer at the plan's batch, a checkpoint of the whole
   training state (the optimizer saved once, not under the model);
@@ -21,8 +21,8 @@ import tensorflow as tf
 
 from tfdist import api
 from tfdist import errors
+from tfdist import config as config_lib
 from tfdist.config import TrainConfig
-from tfdist.training import run_options
 from tfdist.training import assembly
 from tfdist.training import lr_schedule
 
@@ -67,12 +67,16 @@ def _plan(learning_rate=0.25, global_batch_size=8):
 
 class OptionsTest(absltest.TestCase):
 
-  def test_the_converter_reads_the_config(self):
+  def test_the_options_read_the_configs_sections(self):
     config = TrainConfig(model_dir="/unused", optimizer="adam",
                          weight_decay=0.01, clipnorm=1.5, run_eagerly=True,
                          class_weight="0:1.0,1:2.0",
                          steps_per_execution=3)
-    options = run_options.assembly_options(config)
+    options = assembly.AssemblyOptions.of(
+        task=config.task, loop=config.loop, strategy=config.strategy,
+        precision=config.precision, memory=config.memory,
+        optimization=config.optimization,
+        builder_config=config_lib.ModelBuilderConfig(config))
     self.assertEqual(
         (options.optimizer, options.weight_decay, options.clipnorm,
          options.run_eagerly, options.class_weight,

@@ -26,7 +26,6 @@ from tfdist.distribute import cluster as cluster_lib
 from tfdist.distribute import environment as environment_lib
 from tfdist.distribute import tpu
 from tfdist.distribute.auto_select import DeviceInventory, GpuInfo
-from tfdist.training import run_options
 
 A100 = GpuInfo("NVIDIA A100-SXM4-40GB", (8, 0))
 H100 = GpuInfo("NVIDIA H100 80GB HBM3", (9, 0))
@@ -181,10 +180,11 @@ class ClusterTest(parameterized.TestCase):
     # The inventory counts the cluster that tfdist.distribute.cluster (the one
     # TF_CONFIG/CLUSTER_SPEC parser) resolved.
     cluster = cluster_lib.resolve_cluster(environ=env)
+    config = TrainConfig(model_dir="/m", train_steps=1,
+                         distribution_strategy="one_device")
     inventory = auto_select.take_inventory(
-        run_options.select_options(TrainConfig(
-            model_dir="/m", train_steps=1,
-            distribution_strategy="one_device")), cluster=cluster)
+        auto_select.SelectOptions.of(config.strategy, config.precision),
+        cluster=cluster)
     self.assertEqual((inventory.cluster_source, inventory.cluster_workers,
                       inventory.cluster_ps), expected)
 
@@ -213,8 +213,10 @@ class InventoryTest(absltest.TestCase):
     environment = environment_lib.read_environment(env)
     config, _ = environment_lib.apply_environment(config, environment)
     return auto_select.take_inventory(
-        run_options.select_options(config), cluster=cluster_lib.resolve_cluster(
-            environ=environment.variables),
+        auto_select.SelectOptions.of(
+            config.strategy, config.precision,
+            dtype_defaulted="dtype" in config.defaulted),
+        cluster=cluster_lib.resolve_cluster(environ=environment.variables),
         environment=environment, **kwargs)
 
   def test_this_machine(self):

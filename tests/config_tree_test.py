@@ -127,8 +127,7 @@ class ModelBuilderConfigTest(absltest.TestCase):
         _ = config.embeding_dim
       return "model"
 
-    from tfdist.training import run_options  # pylint: disable=g-import-not-at-top
-    builder(run_options.assembly_options(run).builder_config)
+    builder(config.ModelBuilderConfig(run))
     self.assertEqual(seen["options"],
                      (8, 1, "/d/train-*", "transformer", True, True))
     self.assertEqual(seen["quiet"], [])

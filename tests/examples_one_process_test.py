@@ -36,11 +36,11 @@ import tensorflow as tf
 from tests import examples_testlib
 from tests import testutil
 from tfdist import api
+from tfdist import config as config_lib
 from tfdist.config import TrainConfig
 from tfdist.data import feature_spec
 from tfdist.data import input_pipeline
 from tfdist.distribute import parameter_server as ps_lib
-from tfdist.training import run_options
 from tfdist.training import assembly
 from tfdist.training import batch_plan
 from tfdist.training import lr_schedule
@@ -170,8 +170,12 @@ def _child_parameter_server(project: str) -> dict:
     sync_batch_norm = False
   Plan.lr = lr
   Plan.batch = plan_batch
-  parts = assembly.build(run_options.assembly_options(config), task=task,
-                         strategy=strategy, plan=Plan)
+  options = assembly.AssemblyOptions.of(
+      task=config.task, loop=config.loop, strategy=config.strategy,
+      precision=config.precision, memory=config.memory,
+      optimization=config.optimization,
+      builder_config=config_lib.ModelBuilderConfig(config))
+  parts = assembly.build(options, task=task, strategy=strategy, plan=Plan)
   placement = ps_lib.describe_placement(parts.model, parts.optimizer,
                                         large_bytes=16 << 10)
   coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)

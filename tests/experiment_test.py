@@ -31,7 +31,7 @@ from tfdist.distribute import decisions as decisions_lib
 from tfdist.distribute import cluster as cluster_lib
 from tfdist.distribute import environment as environment_lib
 from tfdist.distribute.strategy_kind import StrategyKind
-from tfdist.training import run_options
+from tfdist.observability import manifest as manifest_lib
 
 # The steps `ExperimentRunner.train` documents, in order.
 TRAINING_STEPS = [
@@ -173,7 +173,7 @@ class FactsTest(parameterized.TestCase):
     with self.assertRaises(dataclasses.FrozenInstanceError):
       decided.dtype = "bf16"
     # What the records list by flag name: the decided values.
-    recorded = run_options.recorded_config(config, decided)
+    recorded = manifest_lib.recorded_config(config, decided)
     self.assertEqual((recorded["distribution_strategy"], recorded["dtype"],
                       recorded["model_dir"]),
                      ("mirrored", "fp32", "/runs/vertex/checkpoints"))

@@ -30,7 +30,6 @@ from tests import testutil
 from tfdist import errors
 from tfdist.config import TrainConfig
 from tfdist.data import filesystems
-from tfdist.training import run_options
 
 # Also run on the oldest supported TensorFlow (see tests/conftest.py).
 pytestmark = pytest.mark.compat
@@ -67,7 +66,7 @@ class SchemeTest(parameterized.TestCase):
     config = TrainConfig(model_dir="s3://b/run", train_steps=1,
                          train_files="s3://b/a-*.gz, /local/b-*.gz",
                          eval_files="gs://b/e-*.gz", export_dir="/exp")
-    self.assertEqual(run_options.config_paths(config), [
+    self.assertEqual(filesystems.config_paths(config), [
         ("--train_files", "s3://b/a-*.gz"), ("--train_files", "/local/b-*.gz"),
         ("--eval_files", "gs://b/e-*.gz"), ("--model_dir", "s3://b/run"),
         ("--export_dir", "/exp")])

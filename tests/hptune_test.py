@@ -22,7 +22,7 @@ from tfdist.cloud import hptune
 from tfdist import errors
 from tfdist.config import HPTUNE_METRICS, TrainConfig
 from tfdist.observability import manifest as manifest_lib
-from tfdist.training import run_options
+from tfdist.training import task as task_lib
 
 # Also run on the oldest supported TensorFlow (tests/conftest.py).
 pytestmark = pytest.mark.compat
@@ -79,7 +79,8 @@ class ReportTest(absltest.TestCase):
         eval_files=data["eval"], distribution_strategy="one_device",
         batch_size=64, train_steps=12, log_steps=4,
         hptune_metric="eval_top2")
-    task = dataclasses.replace(run_options.task(config), metrics=[
+    task = task_lib.from_names(task_lib.TaskNames.of(config.task))
+    task = dataclasses.replace(task, metrics=[
         "accuracy", keras.metrics.SparseTopKCategoricalAccuracy(
             k=2, name="top2")])
     # A name the model does not evaluate stops the run before training.

@@ -24,7 +24,6 @@ from tfdist.distribute import cluster as cluster_lib
 from tfdist.distribute import strategy as strategy_lib
 from tfdist.observability import manifest
 from tfdist.observability import run_log as run_log_lib
-from tfdist.training import run_options
 from tfdist.training import batch_plan
 from tfdist.training import controller
 from tfdist.training import lr_schedule
@@ -79,7 +78,7 @@ class ManifestTest(absltest.TestCase):
         strategy=tf.distribute.get_strategy(), name="one_device",
         reason="asked", devices=("/cpu:0",))
     return manifest.build_manifest(
-        run_options.manifest_options(self.config),
+        manifest.ManifestOptions.of(self.config),
         ran=manifest.WhatRan(
             decision=auto_select.Decision("one_device", "asked", "fp32",
                                           "asked"),
@@ -190,7 +189,7 @@ class ManifestTest(absltest.TestCase):
          "sha256": hashlib.sha256(data).hexdigest()}])
 
   def test_run_header_has_the_versions(self):
-    header = manifest.run_header(run_options.manifest_options(self.config))
+    header = manifest.run_header(manifest.ManifestOptions.of(self.config))
     self.assertEqual(header["versions"]["tensorflow"], tf.__version__)
     self.assertRegex(header["created"], r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ$")
     self.assertIn("allocator", header)

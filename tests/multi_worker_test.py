@@ -43,9 +43,8 @@ class StrategyOptionsTest(parameterized.TestCase):
   def _make(self, config):
     from tfdist.distribute import cluster as cluster_lib  # pylint: disable=g-import-not-at-top
     from tfdist.distribute import strategy as strategy_lib  # pylint: disable=g-import-not-at-top
-    from tfdist.training import run_options  # pylint: disable=g-import-not-at-top
     return strategy_lib.make_strategy(
-        run_options.strategy_options(config),
+        strategy_lib.StrategyOptions.of(config.strategy),
         cluster=cluster_lib.resolve_cluster())
 
   @parameterized.named_parameters(("ring", "ring", "RING"),

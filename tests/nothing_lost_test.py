@@ -40,10 +40,10 @@ from tfdist.data import data_checks
 from tfdist.distribute import environment as environment_lib
 from tfdist.observability import manifest as manifest_lib
 from tfdist.runtime import failures
-from tfdist.training import run_options
 from tfdist.training import checkpointing
 from tfdist.training import export
 from tfdist.training import run_plan
+from tfdist.training import task as task_lib
 
 
 def _data():
@@ -485,16 +485,17 @@ class FailureTest(absltest.TestCase):
     with self.assertRaisesRegex(
         errors.DataError,
         "--train_files mixes GZIP .* and uncompressed TFRecord files") as cm:
-      run_plan.resolve_data_files(run_options.data_options(config),
-                                  run_options.task(config).dataset)
+      run_plan.resolve_data_files(
+          config.task.data,
+          task_lib.from_names(task_lib.TaskNames.of(config.task)).dataset)
     self.assertEqual(exit_codes.exit_code_for(cm.exception), exit_codes.CONFIG)
 
   def test_a_callable_that_is_no_model_builder_stops_at_start(self):
     with self.assertRaisesRegex(
         errors.ConfigError, r"--model=json:loads: loads\(s, .* has required "
         r"parameter\(s\) s that tfdist cannot fill"):
-      run_options.task(TrainConfig(model="json:loads", model_dir="/m",
-                                       train_steps=1))
+      config = TrainConfig(model="json:loads", model_dir="/m", train_steps=1)
+      task_lib.from_names(task_lib.TaskNames.of(config.task))
 
   def test_full_disk_during_a_save_is_one_line(self):
     # RLIMIT_FSIZE in the child: writes past 256 KiB fail with EFBIG

@@ -19,7 +19,6 @@ from tfdist.config import TrainConfig
 from tfdist.distribute import auto_select
 from tfdist.distribute import cluster as cluster_lib
 from tfdist.distribute import parameter_server as ps_lib
-from tfdist.training import run_options
 from tfdist.training import sharded_embedding
 
 # Also run on the oldest supported TensorFlow (see tests/conftest.py).
@@ -63,7 +62,10 @@ class RolesTest(parameterized.TestCase):
                          distribution_strategy="auto")
 
     def decided(cfg, text):
-      return auto_select.resolve(run_options.select_options(cfg),
+      options = auto_select.SelectOptions.of(
+          cfg.strategy, cfg.precision,
+          dtype_defaulted="dtype" in cfg.defaulted)
+      return auto_select.resolve(options,
                                  cluster=_cluster(text)).strategy
 
     self.assertEqual(decided(config, _tf_config("chief")),

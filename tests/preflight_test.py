@@ -10,7 +10,6 @@ from absl.testing import absltest
 from tfdist import errors
 from tfdist.config import TrainConfig
 from tfdist.training import preflight
-from tfdist.training import run_options
 
 
 class CheckNamesTest(absltest.TestCase):
@@ -46,8 +45,9 @@ class CheckNamesTest(absltest.TestCase):
   def test_name_options_from_a_config(self):
     config = TrainConfig(model_dir="/tmp/x", train_steps=1, model="cnn",
                          dataset="fashion_mnist", hptune_metric="eval_accuracy")
-    self.assertEqual(run_options.name_options(config), preflight.NameOptions(
-        model="cnn", dataset="fashion_mnist", hptune_metric="eval_accuracy"))
+    self.assertEqual(preflight.NameOptions.of(config.task, config.cloud),
+                     preflight.NameOptions(model="cnn", dataset="fashion_mnist",
+                                           hptune_metric="eval_accuracy"))
 
 
 class KerasDistributionTest(absltest.TestCase):
@@ -98,8 +98,7 @@ class OutputFoldersTest(absltest.TestCase):
 
   def test_derived_folders_name_model_dir(self):
     model_dir = os.path.join(self.root, "run")
-    outputs = run_options.output_options(
-        TrainConfig(model_dir=model_dir, train_steps=1))
+    outputs = TrainConfig(model_dir=model_dir, train_steps=1).outputs
     folders = preflight.output_folders(outputs)
     self.assertEqual(folders[0], ("--model_dir", model_dir, model_dir))
     self.assertTrue(all(flag == "--model_dir" for flag, _, _ in folders))
@@ -108,9 +107,9 @@ class OutputFoldersTest(absltest.TestCase):
   def test_a_given_folder_names_its_flag(self):
     model_dir = os.path.join(self.root, "run")
     export = os.path.join(self.root, "exports", "model")
-    outputs = run_options.output_options(TrainConfig(
+    outputs = TrainConfig(
         model_dir=model_dir, train_steps=1, export_dir=export,
-        checkpoint_dir=model_dir))
+        checkpoint_dir=model_dir).outputs
     folders = preflight.output_folders(outputs)
     # The export's parent is probed (the SavedModel is renamed into it);
     # --checkpoint_dir names --model_dir's folder, listed once.
@@ -120,8 +119,8 @@ class OutputFoldersTest(absltest.TestCase):
 
   def test_probe_outputs_leaves_nothing_behind(self):
     model_dir = os.path.join(self.root, "a", "run")
-    preflight.probe_outputs(run_options.output_options(
-        TrainConfig(model_dir=model_dir, train_steps=1)))
+    preflight.probe_outputs(
+        TrainConfig(model_dir=model_dir, train_steps=1).outputs)
     self.assertEqual(os.listdir(self.root), [])
 
   def test_probe_keeps_an_existing_folder_and_removes_the_probe(self):

@@ -257,15 +257,20 @@ class RefusalTest(parameterized.TestCase):
     self.assertEqual(trainer.all_reduce_dtype, "float32")
 
   def test_reaches_the_parts(self):
-    from tfdist.training import run_options  # pylint: disable=g-import-not-at-top
+    from tfdist.observability import manifest  # pylint: disable=g-import-not-at-top
+    from tfdist.training import assembly  # pylint: disable=g-import-not-at-top
+    from tfdist.training import run_plan  # pylint: disable=g-import-not-at-top
     config = TrainConfig(all_reduce_dtype="bfloat16",
                          distribution_strategy="mirrored", **self._BASE)
-    self.assertEqual(run_options.assembly_options(config).all_reduce_dtype,
+    sections = dict(task=config.task, loop=config.loop,
+                    strategy=config.strategy, precision=config.precision,
+                    memory=config.memory, optimization=config.optimization)
+    self.assertEqual(
+        assembly.AssemblyOptions.of(**sections).all_reduce_dtype, "bfloat16")
+    self.assertEqual(run_plan.PlanOptions.of(**sections).all_reduce_dtype,
                      "bfloat16")
-    self.assertEqual(run_options.plan_options(config).all_reduce_dtype,
-                     "bfloat16")
-    self.assertEqual(run_options.manifest_options(config).all_reduce_dtype,
-                     "bfloat16")
+    self.assertEqual(
+        manifest.ManifestOptions.of(config).all_reduce_dtype, "bfloat16")
 
   def test_describe(self):
     self.assertIn("bfloat16", reduce_dtype.describe("bfloat16"))

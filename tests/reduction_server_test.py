@@ -22,7 +22,6 @@ from tfdist.distribute import auto_select
 from tfdist.distribute import cluster as cluster_lib
 from tfdist.distribute import environment as environment_lib
 from tfdist.distribute import strategy as strategy_lib
-from tfdist.training import run_options
 
 # Also run on the oldest supported TensorFlow (tests/conftest.py).
 pytestmark = pytest.mark.compat
@@ -115,9 +114,10 @@ def _counts(env, reduction_server=False):
   """(source, workers, ps) of the cluster `auto` counts, for `env`."""
   cluster = cluster_lib.resolve_cluster(environ=env,
                                         reduction_server=reduction_server)
+  config = TrainConfig(model_dir="/m", train_steps=1,
+                       distribution_strategy="one_device")
   inventory = auto_select.take_inventory(
-      run_options.select_options(TrainConfig(
-          model_dir="/m", train_steps=1, distribution_strategy="one_device")),
+      auto_select.SelectOptions.of(config.strategy, config.precision),
       cluster=cluster)
   return (inventory.cluster_source, inventory.cluster_workers,
           inventory.cluster_ps)
@@ -128,7 +128,9 @@ def _make_strategy(config, env):
   prepared = experiment.prepare_run(
       config, environment=environment_lib.read_environment(env))
   return strategy_lib.make_strategy(
-      run_options.strategy_options(prepared.config, prepared.decisions),
+      strategy_lib.StrategyOptions.of(
+          prepared.config.strategy, prepared.decisions,
+          reduction_server=prepared.config.cloud.reduction_server),
       cluster=prepared.cluster)
 
 
@@ -209,11 +211,12 @@ class AutoTest(parameterized.TestCase):
   def test_auto_strategy(self, spec, expected):
     config = TrainConfig(model_dir="/m", train_steps=1)
     cluster = cluster_lib.resolve_cluster(environ={"CLUSTER_SPEC": spec})
-    inventory = auto_select.take_inventory(run_options.select_options(config),
-                                           cluster=cluster)
+    options = auto_select.SelectOptions.of(
+        config.strategy, config.precision,
+        dtype_defaulted="dtype" in config.defaulted)
+    inventory = auto_select.take_inventory(options, cluster=cluster)
     self.assertEqual(auto_select.decide_strategy(inventory)[0], expected)
-    self.assertEqual(auto_select.resolve(run_options.select_options(config),
-                                         cluster=cluster).strategy,
+    self.assertEqual(auto_select.resolve(options, cluster=cluster).strategy,
                      expected)
 
 

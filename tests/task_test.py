@@ -33,7 +33,6 @@ from tfdist import errors
 from tfdist.config import TrainConfig
 from tfdist.data import input_pipeline
 from tfdist.data.dataset_spec import DatasetSpec
-from tfdist.training import run_options
 from tfdist.training import assembly
 from tfdist.training import objectives
 from tfdist.training import registry
@@ -133,8 +132,8 @@ class RegistryTest(parameterized.TestCase):
   )
   def test_unknown_names_list_what_is_registered(self, changes, message):
     with self.assertRaisesRegex(errors.ConfigError, message):
-      run_options.task(TrainConfig(model_dir="/tmp/x", train_steps=1,
-                                       **changes))
+      config = TrainConfig(model_dir="/tmp/x", train_steps=1, **changes)
+      task_lib.from_names(task_lib.TaskNames.of(config.task))
 
   def test_import_paths_and_import_modules(self):
     pkg = _write_package({"mod.py": USER_MODULE.replace("{name}",
@@ -142,7 +141,7 @@ class RegistryTest(parameterized.TestCase):
     config = TrainConfig(model_dir="/tmp/x", train_steps=1,
                          model=f"{pkg}.mod:build",
                          dataset=f"{pkg}.mod:examples")
-    task = run_options.task(config)
+    task = task_lib.from_names(task_lib.TaskNames.of(config.task))
     self.assertEqual(task.model_name, f"{pkg}.mod:build")
     self.assertEqual(task.dataset.name, f"{pkg}.mod:examples")
     model = task_lib.build_model(task, config)
@@ -152,23 +151,23 @@ class RegistryTest(parameterized.TestCase):
     self.assertEqual((features.shape, labels.shape), ((3,), ()))
     # Registration modules: imported by --import_modules, then by name.
     pkg2 = _write_package({"reg.py": USER_MODULE.replace("{name}", "regtest")})
-    task = run_options.task(TrainConfig(
+    config = TrainConfig(
         model_dir="/tmp/x", train_steps=1, model="regtest_registered",
-        dataset="regtest_data", import_modules=f"{pkg2}.reg"))
+        dataset="regtest_data", import_modules=f"{pkg2}.reg")
+    task = task_lib.from_names(task_lib.TaskNames.of(config.task))
     self.assertEqual(task.dataset.name, "regtest_data")
     self.assertIn("regtest_registered", registry.model_names())
 
   def test_names_give_the_task_the_config_names(self):
     config = TrainConfig(model_dir="/tmp/x", train_steps=1, model="cnn",
                          dataset="fashion_mnist")
-    names = run_options.task_names(config)
+    names = task_lib.TaskNames.of(config.task)
     self.assertEqual(names, task_lib.TaskNames(
         model="cnn", dataset="fashion_mnist", feature_spec="",
         import_modules=()))
     task = task_lib.from_names(names)
     self.assertEqual((task.model_name, task.dataset.name),
                      ("cnn", "fashion_mnist"))
-    self.assertEqual(run_options.task(config).model_name, "cnn")
     self.assertEqual(task_lib.dataset_from_names(names).name,
                      "fashion_mnist")
 

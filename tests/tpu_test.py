@@ -28,7 +28,6 @@ from tfdist.distribute import decisions as decisions_lib
 from tfdist.distribute import auto_select
 from tfdist.distribute import environment as environment_lib
 from tfdist.distribute import tpu
-from tfdist.training import run_options
 from tfdist.training import run_plan
 
 # Also run on the oldest supported TensorFlow (see tests/conftest.py).
@@ -280,7 +279,7 @@ class TpuRulesTest(parameterized.TestCase):
     cfg = self._with_environment(self._config(tpu=address, **files))
     with self.assertRaisesRegex(errors.ConfigError, message):
       tpu.validate_tpu_config(cfg.tpu, data_patterns=run_plan.data_patterns(
-          run_options.data_options(cfg)))
+          cfg.task.data))
 
   @parameterized.named_parameters(
       ("gcs", "my-tpu", dict(train_files="gs://b/train-*",
@@ -291,7 +290,7 @@ class TpuRulesTest(parameterized.TestCase):
   def test_allowed_inputs(self, address, files):
     cfg = self._with_environment(self._config(tpu=address, **files))
     tpu.validate_tpu_config(cfg.tpu, data_patterns=run_plan.data_patterns(
-        run_options.data_options(cfg)))
+        cfg.task.data))
 
   def test_dataset_functions_and_feature_specs_on_remote_tpus(self):
     # A dataset function reads no files of tfdist's: nothing to put on
@@ -301,9 +300,9 @@ class TpuRulesTest(parameterized.TestCase):
     cfg = self._with_environment(self._config(tpu="grpc://10.0.0.2:8470"))
     function = DatasetSpec(name="mine", input_fn=lambda training: None)
     self.assertEqual(
-        run_plan.data_patterns(run_options.data_options(cfg), function), [])
+        run_plan.data_patterns(cfg.task.data, function), [])
     tpu.validate_tpu_config(cfg.tpu, data_patterns=run_plan.data_patterns(
-        run_options.data_options(cfg), function))
+        cfg.task.data, function))
     cfg = self._config(tpu="grpc://10.0.0.2:8470", feature_spec="spec.json",
                        train_files="/d/train-*", eval_files="/d/test-*")
     records = feature_spec.from_dict({
@@ -312,7 +311,7 @@ class TpuRulesTest(parameterized.TestCase):
     ).dataset_spec()
     with self.assertRaisesRegex(errors.ConfigError, "input must be on gs://"):
       tpu.validate_tpu_config(cfg.tpu, data_patterns=run_plan.data_patterns(
-          run_options.data_options(cfg), records))
+          cfg.task.data, records))
 
   def test_rules_checked_before_connecting(self):
     # A remote TPU with local files fails on the rule, without any network.

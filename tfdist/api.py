@@ -58,7 +58,6 @@ from tfdist.observability import progress
 from tfdist.runtime import script_exit
 from tfdist.training import keras_callbacks
 from tfdist.training import registry
-from tfdist.training import run_options
 from tfdist.training import task as task_lib
 
 
@@ -289,7 +288,7 @@ def make_task(model_fn: Union[Callable, str],
     dataset = DatasetSpec(name=task_lib.describe_function(parse_fn),
                           parse_fn=parse_fn)
   else:
-    dataset = run_options.dataset(config)
+    dataset = task_lib.dataset_from_names(task_lib.TaskNames.of(config.task))
   if isinstance(model_fn, str):
     task_lib.load_builtins()
     model_name, builder = registry.get_model_builder(model_fn)

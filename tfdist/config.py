@@ -3,8 +3,8 @@
 Flags are parsed only at the binary's edge (`flags/`, `tfdist/train.py`); they
 become a `TrainConfig` once. The run assembly (`tfdist.experiment`) reads it
 and hands each part below it (strategy, batch plan, learning rate, input
-pipeline, training loop, artifacts) its own small options object or plain
-arguments, converted in one place (`tfdist.training.run_options`). A
+pipeline, training loop, artifacts) its own section(s), from which each part
+builds its options (`StrategyOptions.of(config.strategy, decisions)`). A
 `TrainConfig` can therefore be built and used without absl.
 
 A `TrainConfig` is a tree of frozen sections, one per part of the run

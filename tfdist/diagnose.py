@@ -898,7 +898,7 @@ def model_sizes_of(config) -> ModelSizes:
   # `tfdist.runtime.quiet_tensorflow`), and the parent process needs them only
   # now.
   import keras  # pylint: disable=g-import-not-at-top
-  from tfdist.training import run_options  # pylint: disable=g-import-not-at-top
+  from tfdist import config as config_lib  # pylint: disable=g-import-not-at-top
   from tfdist.training import assembly  # pylint: disable=g-import-not-at-top
   from tfdist.training import lr_schedule  # pylint: disable=g-import-not-at-top
   from tfdist.training import precision  # pylint: disable=g-import-not-at-top
@@ -906,9 +906,13 @@ def model_sizes_of(config) -> ModelSizes:
   dtype = config.dtype if config.dtype != "auto" else "fp32"
   precision.configure_precision(dtype)
   try:
-    options = dataclasses.replace(run_options.assembly_options(config),
-                                  dtype=dtype)
-    model = assembly.build_model(options, task=run_options.task(config))
+    options = dataclasses.replace(assembly.AssemblyOptions.of(
+        task=config.task, loop=config.loop, strategy=config.strategy,
+        precision=config.precision, memory=config.memory,
+        optimization=config.optimization, decisions=None,
+        builder_config=config_lib.ModelBuilderConfig(config)), dtype=dtype)
+    model = assembly.build_model(
+        options, task=task_lib.from_names(task_lib.TaskNames.of(config.task)))
     # A schedule, as in every run (tfdist.training.lr_schedule): the
     # optimizer then keeps no learning-rate variable of its own.
     optimizer = assembly.run_optimizer(options,

@@ -112,9 +112,7 @@ def _read_config() -> config_lib.TrainConfig:
     # Before anything else imports Keras: an unsupported pair is named here
     # rather than failing inside an import.
     versions.check_installed_versions()
-    # Only after the version check: run_options imports Keras.
-    from tfdist.training import run_options  # pylint: disable=g-import-not-at-top
-    filesystems.require_file_systems(run_options.config_paths(config))
+    filesystems.require_file_systems(filesystems.config_paths(config))
   except errors.ConfigError as e:
     _usage_error(e)
   return config

@@ -33,7 +33,6 @@ import tensorflow as tf
 from tfdist.distribute import devices
 from tfdist.distribute import strategy as strategy_lib
 from tfdist.distribute.strategy_kind import StrategyKind
-from tfdist.training import run_options
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,8 +166,11 @@ class Backend:
     """
     del lease
     devices.configure_cpu_devices(config.num_cpu_devices)
-    return strategy_lib.make_strategy(run_options.strategy_options(config, decisions),
-                                      cluster=cluster)
+    return strategy_lib.make_strategy(
+        strategy_lib.StrategyOptions.of(
+            config.strategy, decisions,
+            reduction_server=config.cloud.reduction_server),
+        cluster=cluster)
 
   def planned_replicas(self, config, decisions, *, cluster) -> Tuple[int, int]:
     """`(num_replicas_in_sync, num_workers)` a run will have, without

@@ -10,7 +10,6 @@ from tfdist.distribute import devices
 from tfdist.distribute import strategy as strategy_lib
 from tfdist.distribute import worker_exit
 from tfdist.distribute.strategy_kind import StrategyKind
-from tfdist.training import run_options
 from tfdist.training import done_marker
 from tfdist.training import step_runner
 
@@ -39,7 +38,10 @@ class MultiWorkerMirroredBackend(synchronous.SynchronousBackend):
     with (lease.extended(config.cluster_start_timeout_seconds)
           if lease is not None else contextlib.nullcontext()):
       choice = strategy_lib.make_strategy(
-          run_options.strategy_options(config, decisions), cluster=cluster)
+          strategy_lib.StrategyOptions.of(
+              config.strategy, decisions,
+              reduction_server=config.cloud.reduction_server),
+          cluster=cluster)
     devices.configure_cpu_devices(config.num_cpu_devices)
     return choice
 

@@ -11,9 +11,9 @@ from tfdist.backends import base
 from tfdist.backends import multi_worker
 from tfdist.data import input_pipeline
 from tfdist.distribute import cluster as cluster_lib
+from tfdist import config as config_lib
 from tfdist.distribute import parameter_server as ps_lib
 from tfdist.distribute.strategy_kind import StrategyKind
-from tfdist.training import run_options
 from tfdist.training import assembly
 from tfdist.training import run_plan
 from tfdist.training import step_runner
@@ -95,7 +95,13 @@ class ParameterServerBackend(base.Backend):
     ShardedVariables on the ps tasks, which a SavedModel cannot capture
     (each table is one variable again)."""
     model = assembly.build_model(
-        run_options.assembly_options(run.config, run.decisions), task=run.task,
+        assembly.AssemblyOptions.of(
+            task=run.config.task, loop=run.config.loop,
+            strategy=run.config.strategy,
+            precision=run.config.precision, memory=run.config.memory,
+            optimization=run.config.optimization, decisions=run.decisions,
+            builder_config=config_lib.ModelBuilderConfig(run.config)),
+        task=run.task,
         sync_batch_norm=run.plan.sync_batch_norm)
     tf.train.Checkpoint(model=model).restore(
         run.keeper.latest).expect_partial()

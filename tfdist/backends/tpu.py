@@ -7,7 +7,6 @@ from tfdist.backends import synchronous
 from tfdist.distribute import strategy as strategy_lib
 from tfdist.distribute import tpu as tpu_lib
 from tfdist.distribute.strategy_kind import StrategyKind
-from tfdist.training import run_options
 from tfdist.training import run_plan as run_plan_lib
 
 
@@ -23,12 +22,15 @@ class TPUBackend(synchronous.SynchronousBackend):
     (`tfdist.distribute.tpu.validate_tpu_config`)."""
     tpu_lib.validate_tpu_config(
         decisions.tpu, data_patterns=run_plan_lib.data_patterns(
-            run_options.data_options(config, decisions), dataset))
+            run_plan_lib.decided_data(config.task.data, decisions), dataset))
 
   def planned_replicas(self, config, decisions, *, cluster) -> Tuple[int, int]:
     # Only the TPU knows its cores: asked, boundedly.
     choice = strategy_lib.make_strategy(
-        run_options.strategy_options(config, decisions), cluster=cluster)
+        strategy_lib.StrategyOptions.of(
+            config.strategy, decisions,
+            reduction_server=config.cloud.reduction_server),
+        cluster=cluster)
     return (choice.strategy.num_replicas_in_sync,
             self.training_workers(cluster))
 

@@ -195,8 +195,7 @@ def parse_train_flags(args: Sequence[str], *, where: str,
     quiet_tensorflow.import_tensorflow()  # The spec alone on stdout.
     # Imported only now: it imports TensorFlow, quietly after the line above.
     from tfdist.training import preflight  # pylint: disable=g-import-not-at-top
-    from tfdist.training import run_options  # pylint: disable=g-import-not-at-top
-    preflight.check_names(run_options.name_options(config))
+    preflight.check_names(preflight.NameOptions.of(config.task, config.cloud))
   except errors.ConfigError as e:
     raise errors.JobSpecError(f"{where}: tfdist.train would stop at start: {e}"
                               ) from None

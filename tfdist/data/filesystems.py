@@ -97,6 +97,32 @@ def _import_tensorflow_io() -> str:
           f"{symbol.group(0) if symbol else first_line(problems[0])})")
 
 
+CONFIG_PATH_FIELDS = ("train_files", "eval_files", "data_dir", "raw_data_dir",
+                      "model_dir", "checkpoint_dir", "tensorboard_dir",
+                      "export_dir", "feature_spec", "init_checkpoint")
+
+
+def config_paths(config, decisions=None) -> List[Tuple[str, str]]:
+  """`(flag, path)` of every path a run reads or writes, for
+  `require_file_systems`.
+
+  Args:
+    config: the run's `tfdist.config.TrainConfig` (its `CONFIG_PATH_FIELDS`
+      by flat name; comma-separated flags give one pair per entry).
+    decisions: the run's `tfdist.distribute.decisions.Decisions`: the
+      folders and files they chose (the environment's, a trial's) in place
+      of the flags'; None: the flags'.
+  """
+  values = {name: getattr(config, name) for name in CONFIG_PATH_FIELDS}
+  if decisions is not None:
+    values.update({name: value for name, value
+                   in decisions.field_values().items() if name in values})
+  out = []
+  for name in CONFIG_PATH_FIELDS:
+    out += split_paths(f"--{name}", values[name])
+  return out
+
+
 def require_file_systems(paths: Iterable[Tuple[str, str]]) -> Tuple[str, ...]:
   """Makes sure TensorFlow can open every path's scheme, or explains why not.
 
@@ -104,7 +130,7 @@ def require_file_systems(paths: Iterable[Tuple[str, str]]) -> Tuple[str, ...]:
 
   Args:
     paths: `(flag, path)` pairs, e.g.
-      `tfdist.training.run_options.config_paths(config)`; local paths and
+      `config_paths(config)`; local paths and
       TensorFlow's own schemes (`gs://`, `ram://`, `file://`) pass as they
       are.
 

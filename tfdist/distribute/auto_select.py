@@ -307,6 +307,22 @@ class SelectOptions:
   pipeline_stages: int = 1
   tensor_parallel: int = 1
 
+  @classmethod
+  def of(cls, strategy, precision, *,
+         dtype_defaulted: bool = False) -> "SelectOptions":
+    """What `auto` reads of the config's strategy section
+    (`tfdist.config.StrategyConfig`) and precision section
+    (`tfdist.config.PrecisionConfig`: `dtype`), flags as given;
+    `dtype_defaulted`: `--dtype` was not given
+    (`"dtype" in TrainConfig.defaulted`)."""
+    return cls(
+        distribution_strategy=strategy.distribution_strategy,
+        dtype=precision.dtype, dtype_defaulted=dtype_defaulted,
+        num_gpus=strategy.num_gpus, num_cpu_devices=strategy.num_cpu_devices,
+        tpu=strategy.tpu,
+        pipeline_stages=strategy.parallelism.pipeline_stages,
+        tensor_parallel=strategy.parallelism.tensor_parallel)
+
 
 def probe_tpu(tpu: tpu_lib.TpuOptions, *, hints: Tuple[str, ...] = (),
               connect_fn=None) -> Tuple[int, str, str]:
@@ -387,7 +403,7 @@ def resolve(options: SelectOptions, *, cluster, environment=None,
 
   Args:
     options: the run's `SelectOptions`
-      (`tfdist.training.run_options.select_options`).
+      (`SelectOptions.of`).
     cluster: the resolved `tfdist.distribute.cluster.ClusterInfo`.
     environment: the `tfdist.distribute.environment.RunEnvironment` (TPU hints).
     inventory: use this instead of looking (tests).

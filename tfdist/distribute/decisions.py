@@ -5,7 +5,7 @@ A `tfdist.config.TrainConfig` holds what the caller asked for (flags, a
 (`auto`'s strategy and dtype, the folders and data files Vertex AI's
 variables fill, a tuning trial's folders) into one frozen `Decisions`,
 never written back into the config. The parts read a decided value from
-it (`tfdist.training.run_options` passes them on) and the caller's
+it (`StrategyOptions.of(config.strategy, decisions)`, ...) and the caller's
 settings from the config.
 """
 

@@ -4,7 +4,7 @@ Modelled on Model Garden's `get_distribution_strategy`: a closed set of
 kinds, each built by its own helper. `auto` is decided before this runs, in
 one place (`tfdist.distribute.auto_select.resolve`); the factory takes a
 concrete `StrategyKind` only, in a `StrategyOptions`
-(`tfdist.training.run_options.strategy_options` makes one from a `TrainConfig`).
+(`StrategyOptions.of` makes one from the config's strategy section).
 """
 
 import contextlib
@@ -96,6 +96,48 @@ class StrategyOptions:
   tpu: tpu_lib.TpuOptions = tpu_lib.TpuOptions()
   partitioner: parameter_server.PartitionerOptions = (
       parameter_server.PartitionerOptions())
+
+  @classmethod
+  def of(cls, strategy, decisions=None, *,
+         reduction_server: bool = False) -> "StrategyOptions":
+    """The options of the config's strategy section with the strategy and
+    TPU decided.
+
+    Args:
+      strategy: the strategy section (`tfdist.config.StrategyConfig`,
+        with its `cluster`, `tpu` and `parameter_servers` sections).
+      decisions: the run's `tfdist.distribute.decisions.Decisions` (the
+        strategy that runs and the TPU's address); None: the section's
+        own, which must name a concrete strategy.
+      reduction_server: `--reduction_server` (the cloud section's).
+
+    Raises:
+      tfdist.errors.ConfigError: `decisions` None and the section says
+        `--distribution_strategy=auto`.
+    """
+    if decisions is None:
+      if strategy.distribution_strategy == "auto":
+        raise errors.ConfigError(
+            "the strategy is built from concrete values; decide `auto` "
+            "first with tfdist.experiment.prepare_run "
+            "(tfdist.distribute.auto_select.resolve).")
+      kind = StrategyKind.parse(strategy.distribution_strategy)
+      tpu_address = strategy.tpu.tpu
+    else:
+      kind, tpu_address = decisions.strategy, decisions.tpu
+    cluster = strategy.cluster
+    return cls(
+        kind=kind, num_gpus=strategy.num_gpus,
+        num_cpu_devices=strategy.num_cpu_devices,
+        all_reduce_alg=strategy.all_reduce_alg,
+        reduction_server=bool(reduction_server),
+        bytes_per_pack=strategy.bytes_per_pack,
+        collective_timeout_seconds=cluster.collective_timeout_seconds,
+        cluster_start_timeout_seconds=cluster.cluster_start_timeout_seconds,
+        # The TPU and parameter-server sections are those parts' options;
+        # the TPU's address is the decided one.
+        tpu=dataclasses.replace(strategy.tpu, tpu=tpu_address),
+        partitioner=strategy.parameter_servers)
 
 
 def _gpus(num_gpus: int):
@@ -489,8 +531,8 @@ def make_strategy(options: StrategyOptions, *, cluster=None) -> StrategyChoice:
 
   Args:
     options: a `StrategyOptions` with a concrete `kind` (`auto` is decided
-      first by `tfdist.distribute.auto_select.resolve`; a `TrainConfig` becomes
-      options with `tfdist.training.run_options.strategy_options`).
+      first by `tfdist.distribute.auto_select.resolve`; the config's
+      strategy section becomes options with `StrategyOptions.of`).
     cluster: the resolved `tfdist.distribute.cluster.ClusterInfo`; needed for
       `multi_worker_mirrored` and `parameter_server`.
 

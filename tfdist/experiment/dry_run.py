@@ -7,7 +7,6 @@ from absl import logging
 
 from tfdist.backends import registry as backends
 from tfdist.experiment import prepare
-from tfdist.training import run_options
 from tfdist.training import run_plan as run_plan_lib
 
 
@@ -48,13 +47,16 @@ def dry_run(prepared: prepare.PreparedRun, *, task, writer: bool) -> dict:
   decided = prepared.decisions
   replicas, num_workers = prepared.backend.planned_replicas(
       config, decided, cluster=cluster)
+  plan_options = run_plan_lib.PlanOptions.of(
+      task=config.task, loop=config.loop, strategy=config.strategy,
+      precision=config.precision, memory=config.memory,
+      optimization=config.optimization, decisions=decided)
   plan = run_plan_lib.make_run_plan(
-      run_options.plan_options(config, decided), task.dataset,
+      plan_options, task.dataset,
       num_replicas_in_sync=replicas,
       num_workers=num_workers, asynchronous=prepared.backend.asynchronous,
       decision=prepared.decision)
-  logging.info("%s", plan.describe(run_options.plan_options(config,
-                                                            decided)))
+  logging.info("%s", plan.describe(plan_options))
   notes = prepare.check_resume(config, decided, plan) if writer else []
   print(f"tfdist: dry run: every start-up check passed ({cluster.task_type} "
         f"{cluster.task_index}; {plan.num_train_examples} training and "

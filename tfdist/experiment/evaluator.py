@@ -15,13 +15,13 @@ import tensorflow as tf
 
 from tfdist.backends import registry as backends
 from tfdist import errors
+from tfdist import config as config_lib
 from tfdist.config import TrainConfig
 from tfdist.data import input_pipeline
 from tfdist.distribute import strategy as strategy_lib
 from tfdist.distribute.strategy_kind import StrategyKind
 from tfdist.experiment import prepare
 from tfdist.observability import run_log as run_log_lib
-from tfdist.training import run_options
 from tfdist.training import assembly
 from tfdist.training import checkpoint_paths
 from tfdist.training import checkpointing
@@ -194,7 +194,10 @@ class EvaluatorRunner:
     """`(final step, evaluation files, EvaluatorPlan)`."""
     config, spec = self.config, self.task.dataset
     plan = run_plan_lib.make_run_plan(
-        run_options.plan_options(config, self.decisions), spec,
+        run_plan_lib.PlanOptions.of(
+            task=config.task, loop=config.loop, strategy=config.strategy,
+            precision=config.precision, memory=config.memory,
+            optimization=config.optimization, decisions=self.decisions), spec,
         num_replicas_in_sync=1,
         num_workers=1,
         asynchronous=True, decision=self.decision) if (
@@ -204,7 +207,8 @@ class EvaluatorRunner:
                   plan.total_steps)
     eval_files = (plan.eval_files if plan else
                   run_plan_lib.resolve_data_files(
-                      run_options.data_options(config, self.decisions),
+                      run_plan_lib.decided_data(config.task.data,
+                                                self.decisions),
                       spec)[1])
     record = checkpointing.read_run_record(self.checkpoint_dir,
                                            self.decisions.model_dir)
@@ -242,7 +246,12 @@ class EvaluatorRunner:
     strategy, batch = self.strategy, self.how.global_batch_size
     with strategy.scope():
       parts = assembly.evaluation_parts(
-          run_options.assembly_options(self.config, self.decisions),
+          assembly.AssemblyOptions.of(
+              task=self.config.task, loop=self.config.loop,
+              strategy=self.config.strategy,
+              precision=self.config.precision, memory=self.config.memory,
+              optimization=self.config.optimization, decisions=self.decisions,
+              builder_config=config_lib.ModelBuilderConfig(self.config)),
           task=self.task)
     trainer = assembly.evaluation_trainer(parts, global_batch_size=batch,
                                           strategy=strategy)

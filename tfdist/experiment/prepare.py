@@ -19,6 +19,7 @@ import keras
 import tensorflow as tf
 
 from tfdist.backends import registry as backends
+from tfdist import config as config_lib
 from tfdist.config import TrainConfig
 from tfdist.data import filesystems
 from tfdist import errors
@@ -27,9 +28,9 @@ from tfdist.distribute import cluster as cluster_lib
 from tfdist.distribute import decisions as decisions_lib
 from tfdist.distribute import environment as environment_lib
 from tfdist.distribute.strategy_kind import StrategyKind
+from tfdist.observability import manifest as manifest_lib
 from tfdist.observability import versions
 from tfdist.runtime import allocator
-from tfdist.training import run_options
 from tfdist.training import assembly
 from tfdist.training import checkpoint_paths
 from tfdist.training import checkpointing
@@ -178,7 +179,9 @@ def prepare_run(config: TrainConfig, *,
                  cluster.source)
   # The export replaces its folder: never one holding the run's outputs.
   export.check_layout(**environment_lib.output_sources(settled, applied))
-  choice = auto_select.resolve(run_options.select_options(settled),
+  choice = auto_select.resolve(auto_select.SelectOptions.of(
+      settled.strategy, settled.precision,
+      dtype_defaulted="dtype" in settled.defaulted),
                                cluster=cluster, environment=environment)
   decisions = decisions_lib.Decisions.of(settled, choice=choice,
                            environment_applied=applied,
@@ -235,14 +238,19 @@ def start_run(config: TrainConfig, *,
   # Every task opens files itself (ps workers read the input shards, every
   # process reads a --feature_spec), so every task imports tensorflow-io
   # when a path needs it; again once the environment filled the folders.
-  filesystems.require_file_systems(run_options.config_paths(config))
+  filesystems.require_file_systems(filesystems.config_paths(config))
   if task is None:
-    task = task_lib.from_names(run_options.task_names(config))
+    task = task_lib.from_names(task_lib.TaskNames.of(config.task))
   prepared = prepare_run(config, environment=environment,
                          dataset=task.dataset)
   filesystems.require_file_systems(
-      run_options.config_paths(prepared.config, prepared.decisions))
-  options = run_options.assembly_options(prepared.config, prepared.decisions)
+      filesystems.config_paths(prepared.config, prepared.decisions))
+  options = assembly.AssemblyOptions.of(
+      task=prepared.config.task, loop=prepared.config.loop,
+      strategy=prepared.config.strategy,
+      precision=prepared.config.precision, memory=prepared.config.memory,
+      optimization=prepared.config.optimization, decisions=prepared.decisions,
+      builder_config=config_lib.ModelBuilderConfig(prepared.config))
   assembly.check_model_options(options, task=task)
   return task, prepared
 
@@ -270,7 +278,7 @@ def check_resume(config, decisions, plan) -> list:
     restored_step = 0
   notes = checkpointing.check_resume(
       previous, checkpointing.run_record(
-          run_options.run_record_settings(config, decisions), plan),
+          manifest_lib.recorded_config(config, decisions), plan),
       checkpoint=latest,
       restored_step=restored_step, allow=config.allow_incompatible_resume)
   if notes:

@@ -22,6 +22,7 @@ import tensorflow as tf
 
 from tfdist.cloud import hptune
 from tfdist import errors
+from tfdist import config as config_lib
 from tfdist.config import TrainConfig
 from tfdist.data import input_pipeline
 from tfdist.data import input_position as input_position_lib
@@ -39,7 +40,6 @@ from tfdist.observability import run_log as run_log_lib
 from tfdist.runtime import failures
 from tfdist.runtime import preemption
 from tfdist.training import preflight
-from tfdist.training import run_options
 from tfdist.training import assembly
 from tfdist.training import checkpointing
 from tfdist.training import controller as controller_lib
@@ -336,7 +336,8 @@ class ExperimentRunner:
     held; released by `cleanup`); None for other processes."""
     if not self.is_writer:
       return None
-    preflight.probe_outputs(run_options.output_options(self.config, self.decisions))
+    preflight.probe_outputs(preflight.decided_outputs(self.config.outputs,
+                                                      self.decisions))
     export.check_export_dir(self.decisions.export_dir,
                             source=self._export_source())
     lease = lease_lib.Lease(self.decisions.model_dir,
@@ -383,12 +384,17 @@ class ExperimentRunner:
       ConfigError: as `tfdist.training.run_plan.make_run_plan`, or a
         `--profile_steps` window after the last step.
     """
+    plan_options = run_plan_lib.PlanOptions.of(
+        task=self.config.task, loop=self.config.loop,
+        strategy=self.config.strategy,
+        precision=self.config.precision, memory=self.config.memory,
+        optimization=self.config.optimization, decisions=self.decisions)
     plan = run_plan_lib.make_run_plan(
-        run_options.plan_options(self.config, self.decisions), self.task.dataset,
+        plan_options, self.task.dataset,
         num_replicas_in_sync=self.strategy.num_replicas_in_sync,
         num_workers=self.num_workers,
         asynchronous=self.backend.asynchronous, decision=self.decision)
-    logging.info("%s", plan.describe(run_options.plan_options(self.config, self.decisions)))
+    logging.info("%s", plan.describe(plan_options))
     remainder = plan.batch.remainder_warning()
     if remainder and self.is_writer:
       logging.warning("%s", remainder)
@@ -417,7 +423,8 @@ class ExperimentRunner:
     checkpointing.clean_interrupted_saves(directory)
     checkpointing.write_run_record(
         directory, checkpointing.run_record(
-            run_options.run_record_settings(self.config, self.decisions), self.plan))
+            manifest_lib.recorded_config(self.config, self.decisions),
+            self.plan))
 
   def build_model_and_optimizer(self) -> assembly.Parts:
     """The precision policy, then model, optimizer, trainer and checkpoint
@@ -429,7 +436,13 @@ class ExperimentRunner:
                           keras.mixed_precision.global_policy())
     self.policy = precision.configure_precision(self.decisions.dtype)
     options = self.backend.assembly_options(
-        run_options.assembly_options(self.config, self.decisions), choice=self.choice)
+        assembly.AssemblyOptions.of(
+            task=self.config.task, loop=self.config.loop,
+            strategy=self.config.strategy,
+            precision=self.config.precision, memory=self.config.memory,
+            optimization=self.config.optimization, decisions=self.decisions,
+            builder_config=config_lib.ModelBuilderConfig(self.config)),
+        choice=self.choice)
     parts = assembly.build(options, task=self.task, strategy=self.strategy,
                            plan=self.plan, on_tpu=self.backend.on_tpu)
     if self.config.hptune_metric:
@@ -632,7 +645,7 @@ class ExperimentRunner:
     """The run manifest (`tfdist.observability.manifest.build_manifest`)."""
     optimizer, result = self.parts.optimizer, self.result
     return manifest_lib.build_manifest(
-        run_options.manifest_options(self.config, self.decisions),
+        manifest_lib.ManifestOptions.of(self.config, self.decisions),
         ran=manifest_lib.WhatRan(
             decision=self.decision, plan=self.plan,
             dtype_policy=self.policy.name,

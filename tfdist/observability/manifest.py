@@ -31,7 +31,7 @@ MANIFEST_FILE = "run_manifest.json"
 class ManifestOptions:
   """What the manifest records of the run's configuration.
 
-  Built from a `TrainConfig` by `tfdist.training.run_options.manifest_options`.
+  Built from the run's `TrainConfig` by `ManifestOptions.of`.
 
   Attributes:
     flags: the flags as given, `(name, value)` pairs
@@ -56,6 +56,37 @@ class ManifestOptions:
   dataset: str
   feature_spec: str = ""
   all_reduce_dtype: str = "float32"
+
+  @classmethod
+  def of(cls, config, decisions=None) -> "ManifestOptions":
+    """What the manifest records of the whole run: its `config`
+    (`tfdist.config.TrainConfig`, as `recorded_config` gives it with the
+    run's `decisions`) and the flags as given."""
+    return cls(
+        flags=tuple(config.flags_snapshot),
+        config=recorded_config(config, decisions),
+        base_learning_rate=config.base_learning_rate,
+        base_batch_size=config.base_batch_size, lr_scaling=config.lr_scaling,
+        model=config.model, dataset=config.dataset,
+        feature_spec=config.feature_spec,
+        all_reduce_dtype=config.all_reduce_dtype)
+
+
+def recorded_config(config, decisions=None) -> dict:
+  """The settings a run's records list (the manifest's `config`, the run
+  record beside the checkpoints, `tfdist.training.checkpointing.run_record`):
+  `config.to_dict()` (`tfdist.config.TrainConfig`: every setting by flag
+  name, JSON-serializable) with nothing left to resolve: the decided fields
+  as `decisions` (`tfdist.distribute.decisions.Decisions.field_values`) set
+  them (None: as `config` has them), and `zero_stage` the stage that runs
+  (`TrainConfig.zero_stage_resolved`: from the switches when
+  `--zero_stage` was not given; the manifest's `flags` say which were)."""
+  recorded = config.to_dict()
+  if decisions is not None:
+    recorded.update(json.loads(json.dumps(decisions.field_values(),
+                                          default=str)))
+  recorded["zero_stage"] = config.zero_stage_resolved
+  return recorded
 
 
 @dataclasses.dataclass(frozen=True)
@@ -228,7 +259,7 @@ def build_manifest(options: ManifestOptions, *, ran: WhatRan,
 
   Args:
     options: the run's configuration as the manifest records it (no `auto`
-      left; `tfdist.training.run_options.manifest_options`).
+      left; `ManifestOptions.of`).
     ran: what ran (decisions, plan, result, logs, model).
     where: where it ran (cluster, strategy, devices, environment).
     wrote: what it wrote, and the seconds it took.

@@ -48,6 +48,20 @@ class PipelineOptions:
   microbatches_defaulted: bool = False
   devices: Tuple[str, ...] = ()
 
+  @classmethod
+  def of(cls, parallelism) -> "PipelineOptions":
+    """The pipeline of the config's parallelism section
+    (`tfdist.config.ParallelismConfig`: `pipeline_stages`,
+    `num_microbatches`, defaulted to the stages when None,
+    `pipeline_schedule`, `pipeline_cuts`)."""
+    return cls(
+        num_stages=parallelism.pipeline_stages,
+        num_microbatches=resolved_microbatches(
+            parallelism.pipeline_stages, parallelism.num_microbatches),
+        schedule=parallelism.pipeline_schedule,
+        cuts=tuple(parallelism.pipeline_cuts),
+        microbatches_defaulted=parallelism.num_microbatches is None)
+
   @property
   def enabled(self) -> bool:
     """P > 1: the model is cut into stages."""

@@ -1,4 +1,4 @@
-"""tfdist.runtime: the process around a run: config-to-options converters, start-up checks,
+"""tfdist.runtime: the process around a run: start-up checks,
 failure translation, the allocator, preemption and watchdog side processes,
 TensorFlow's log level, binaries' usage.
 
@@ -9,7 +9,6 @@ Modules:
   preemption
   preflight
   quiet_tensorflow
-  run_options
   strict_json
   watchdog
 

@@ -42,7 +42,7 @@ from tfdist.training.train_loop import Trainer
 class AssemblyOptions:
   """What assembly reads of a run's settings (model, optimizer, precision).
 
-  `tfdist.training.run_options.assembly_options` makes them from a `TrainConfig`.
+  `AssemblyOptions.of` makes them from the config's sections.
 
   Attributes:
     optimizer: the optimizer's name
@@ -70,7 +70,7 @@ class AssemblyOptions:
     tensor_parallel: N replicas split the model's layers
       (`tfdist.training.tensor_parallel_step`; 1: off).
     builder_config: what a model builder asking for `config` receives (the
-      run's `TrainConfig`, passed through unread).
+      run's `tfdist.config.ModelBuilderConfig`, passed through unread).
   """
   optimizer: str = "sgd"
   momentum: float = 0.9
@@ -91,6 +91,47 @@ class AssemblyOptions:
   pipeline: Optional[pipeline_options.PipelineOptions] = None
   tensor_parallel: int = 1
   builder_config: Any = None
+
+  @classmethod
+  def of(cls, *, task, loop, strategy, precision, memory, optimization,
+         decisions=None, builder_config=None) -> "AssemblyOptions":
+    """What assembly reads of the config's sections.
+
+    Args:
+      task, loop, strategy, precision, memory, optimization: the sections
+        (`tfdist.config`'s `TaskConfig` (`class_weight`), `LoopConfig`,
+        `StrategyConfig` (its packs, reduce dtype, pipeline and tensor
+        parallelism), `PrecisionConfig`, `MemoryConfig`,
+        `OptimizationConfig`).
+      decisions: the run's `tfdist.distribute.decisions.Decisions` (the
+        dtype, loss scale and steps per execution that run); None: the
+        sections' own.
+      builder_config: as the attribute
+        (`tfdist.config.ModelBuilderConfig(config)`).
+    """
+    if decisions is None:
+      dtype, loss_scale = precision.dtype, precision.loss_scale
+      steps_per_execution = loop.steps_per_execution
+    else:
+      dtype, loss_scale = decisions.dtype, decisions.loss_scale
+      steps_per_execution = decisions.steps_per_execution
+    return cls(
+        optimizer=optimization.optimizer, momentum=optimization.momentum,
+        weight_decay=optimization.weight_decay,
+        clipnorm=optimization.clipnorm,
+        global_clipnorm=optimization.global_clipnorm,
+        dtype=dtype, loss_scale=loss_scale,
+        steps_per_execution=steps_per_execution,
+        enable_xla=precision.enable_xla, run_eagerly=loop.run_eagerly,
+        deterministic=loop.deterministic,
+        zero_stage=memory.zero_stage_resolved,
+        class_weight=tuple(task.class_weight),
+        activation_recomputation=memory.activation_recomputation,
+        bytes_per_pack=strategy.bytes_per_pack,
+        all_reduce_dtype=strategy.all_reduce_dtype,
+        pipeline=pipeline_options.PipelineOptions.of(strategy.parallelism),
+        tensor_parallel=strategy.parallelism.tensor_parallel,
+        builder_config=builder_config)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -393,7 +434,7 @@ def build(options: AssemblyOptions, *, task: task_lib.Task,
 
   Args:
     options: the run's `AssemblyOptions` (model, optimizer and precision;
-      `tfdist.training.run_options.assembly_options` makes them from a config).
+      `AssemblyOptions.of` makes them from the config's sections).
     task: the `tfdist.training.task.Task` (model builder, data set, loss,
       metrics).
     strategy: the run's strategy.

@@ -325,8 +325,9 @@ def run_record(settings: Mapping[str, Any], plan) -> dict:
   """What a run trains, as recorded beside its checkpoints.
 
   Args:
-    settings: the run's settings by flag name (`tfdist.training.run_options.
-      run_record_settings`); the operational ones are left out.
+    settings: the run's settings by flag name
+      (`tfdist.observability.manifest.recorded_config`); the operational
+      ones are left out.
     plan: its `tfdist.training.run_plan.RunPlan`.
 
   Returns:

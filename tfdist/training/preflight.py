@@ -26,6 +26,7 @@ from typing import List, Optional, Tuple
 
 import tensorflow as tf
 
+from tfdist import config as config_lib
 from tfdist.cloud import hptune
 from tfdist import errors
 from tfdist.errors import first_line
@@ -36,7 +37,7 @@ from tfdist.training import task as task_lib
 
 @dataclasses.dataclass(frozen=True)
 class NameOptions:
-  """The registry names a run gives (`tfdist.training.run_options.name_options`).
+  """The registry names a run gives (`NameOptions.of`).
 
   Attributes:
     model: `--model`: a registered name or an import path.
@@ -51,25 +52,36 @@ class NameOptions:
   import_modules: Tuple[str, ...] = ()
   hptune_metric: Optional[str] = None
 
+  @classmethod
+  def of(cls, task, cloud) -> "NameOptions":
+    """The names of the config's model and data section
+    (`tfdist.config.TaskConfig`) and cloud section
+    (`tfdist.config.CloudConfig`: `hptune_metric`)."""
+    return cls(model=task.model, dataset=task.data.dataset,
+               feature_spec=task.feature_spec,
+               import_modules=tuple(task.import_modules),
+               hptune_metric=cloud.hptune_metric)
 
-@dataclasses.dataclass(frozen=True)
-class OutputOptions:
-  """The output folders a run writes (`tfdist.training.run_options.output_options`).
 
-  Attributes:
-    model_dir: `--model_dir`.
-    checkpoint_dir, tensorboard_dir, export_dir: the flags as given ('':
-      derived from `--model_dir`).
-    resolved_checkpoint_dir, resolved_tensorboard_dir, resolved_export_dir:
-      the folders used (the flag's, or the one derived from `--model_dir`).
-  """
-  model_dir: str
-  checkpoint_dir: str
-  tensorboard_dir: str
-  export_dir: str
-  resolved_checkpoint_dir: str
-  resolved_tensorboard_dir: str
-  resolved_export_dir: str
+# The output folders a run writes: the config's outputs section
+# (`--model_dir`, `--checkpoint_dir`, `--tensorboard_dir`, `--export_dir`,
+# and the folders derived from `--model_dir`: `resolved_checkpoint_dir`,
+# ...), handed to this part as it is.
+OutputOptions = config_lib.OutputsConfig
+
+
+def decided_outputs(outputs: OutputOptions, decisions=None) -> OutputOptions:
+  """The outputs section `outputs` with the folders the run's `decisions`
+  (`tfdist.distribute.decisions.Decisions`: the environment's, a tuning
+  trial's) chose; None: `outputs` as given."""
+  if decisions is None:
+    return outputs
+  values = decisions.field_values()
+  return dataclasses.replace(
+      outputs, model_dir=decisions.model_dir,
+      checkpoint_dir=values["checkpoint_dir"],
+      tensorboard_dir=values["tensorboard_dir"],
+      export_dir=values["export_dir"])
 
 
 def check_names(names: NameOptions):
@@ -81,7 +93,7 @@ def check_names(names: NameOptions):
   job itself at start.
 
   Args:
-    names: the run's names (`tfdist.training.run_options.name_options`).
+    names: the run's names (`NameOptions.of`).
 
   Raises:
     ConfigError: an unknown registered `--dataset` or `--model` (the
@@ -268,7 +280,7 @@ def probe_outputs(outputs: OutputOptions):
   """Probes every output folder of the process that writes `--model_dir`.
 
   Args:
-    outputs: the run's folders (`tfdist.training.run_options.output_options`).
+    outputs: the run's folders (`decided_outputs`).
 
   Raises:
     OutputNotWritableError: the first folder that cannot be written.

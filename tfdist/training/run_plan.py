@@ -33,6 +33,17 @@ MIN_EVAL_BATCH_SIZE = 1024
 DataOptions = config_lib.DataConfig
 
 
+def decided_data(data: DataOptions, decisions=None) -> DataOptions:
+  """The data section `data` with the files the run's `decisions`
+  (`tfdist.distribute.decisions.Decisions`: Vertex AI's data URIs, the
+  default `--data_dir`) chose; None: `data` as given."""
+  if decisions is None:
+    return data
+  return dataclasses.replace(
+      data, train_files=decisions.train_files,
+      eval_files=decisions.eval_files, data_dir=decisions.data_dir)
+
+
 @dataclasses.dataclass(frozen=True)
 class PlanOptions:
   """What `make_run_plan` (and `RunPlan.describe`) read of a run's flags.
@@ -75,6 +86,29 @@ class PlanOptions:
   deterministic: bool = False
   all_reduce_dtype: str = reduce_dtype.FLOAT32
   pipeline: Optional[pipeline_options.PipelineOptions] = None
+
+  @classmethod
+  def of(cls, *, task, loop, strategy, precision, memory, optimization,
+         decisions=None) -> "PlanOptions":
+    """What the plan reads of the config's sections (`tfdist.config`'s
+    `TaskConfig`, `LoopConfig`, `StrategyConfig`, `PrecisionConfig`,
+    `MemoryConfig`, `OptimizationConfig`), with the data files the run's
+    `decisions` (`tfdist.distribute.decisions.Decisions`; None: the data
+    section's own) chose."""
+    return cls(
+        data=decided_data(task.data, decisions),
+        lr=optimization.learning_rate,
+        need_eval=task.mode != "train", batch_size=loop.batch_size,
+        per_replica_batch_size=loop.per_replica_batch_size,
+        gradient_accumulation_steps=loop.gradient_accumulation_steps,
+        train_steps=loop.train_steps, train_epochs=loop.train_epochs,
+        sync_batch_norm=task.sync_batch_norm,
+        enable_xla=precision.enable_xla, model=task.model,
+        activation_recomputation=memory.activation_recomputation,
+        zero_stage=memory.zero_stage_resolved,
+        deterministic=loop.deterministic,
+        all_reduce_dtype=strategy.all_reduce_dtype,
+        pipeline=pipeline_options.PipelineOptions.of(strategy.parallelism))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -292,7 +326,7 @@ def make_run_plan(options: PlanOptions, spec, *, num_replicas_in_sync: int,
 
   Args:
     options: the run's `PlanOptions`
-      (`tfdist.training.run_options.plan_options`).
+      (`PlanOptions.of`).
     spec: the data set's `DatasetSpec`.
     num_replicas_in_sync: replicas per update (`strategy.
       num_replicas_in_sync`; 1 per worker step under parameter servers).

@@ -5,7 +5,7 @@ and the Python API's objects (`tfdist.fit`) both become one `Task`; every
 later step (the run plan, assembly, input pipelines, export) reads it and
 never the names again:
 
-    config --(run_options.task_names)--> TaskNames
+    config.task --(TaskNames.of)--> TaskNames
            --(from_names)--> Task(model_fn, dataset, loss, metrics)
     tfdist.fit(model_fn, dataset_fn, ...) --> Task
 
@@ -66,7 +66,7 @@ def load_builtins():
 class TaskNames:
   """The names a run's task comes from (the binary's flags).
 
-  `tfdist.training.run_options.task_names` makes them from a `TrainConfig`.
+  `TaskNames.of` makes them from the config's model and data section.
 
   Attributes:
     model: `--model`: a registered model name or `module:function`.
@@ -80,6 +80,14 @@ class TaskNames:
   dataset: Optional[str] = None
   feature_spec: str = ""
   import_modules: Tuple[str, ...] = ()
+
+  @classmethod
+  def of(cls, task) -> "TaskNames":
+    """The names of the config's model and data section
+    (`tfdist.config.TaskConfig`)."""
+    return cls(model=task.model, dataset=task.data.dataset,
+               feature_spec=task.feature_spec,
+               import_modules=tuple(task.import_modules))
 
 
 def dataset_from_names(names: TaskNames) -> DatasetSpec:
