@@ -8,6 +8,7 @@ and of the records that list the whole run (`manifest.recorded_config`,
 import dataclasses
 
 from absl.testing import absltest
+import tensorflow as tf
 
 from tfdist import config as config_lib
 from tfdist import errors
@@ -88,6 +89,17 @@ class SectionOptionsTest(absltest.TestCase):
     self.assertEqual(assembly.AssemblyOptions.of(**_sections(config),
                                                 decisions=decided).dtype,
                      "fp32")
+
+  def test_zero3_block_settings_reach_the_sharding(self):
+    config = _config(zero_stage=3, zero3_blocks=1, zero3_prefetch=True)
+    options = assembly.AssemblyOptions.of(**_sections(config))
+    sharding = assembly._sharding_for(  # pylint: disable=protected-access
+        options, strategy=tf.distribute.MirroredStrategy(["/cpu:0"]))
+    self.assertEqual((sharding.stage, sharding.num_blocks, sharding.prefetch),
+                     (3, 1, True))
+    with self.assertRaisesRegex(errors.ConfigError,
+                                "--zero3_blocks=0 must be a positive"):
+      _config(zero3_blocks=0)
 
   def test_plan_options_hold_batch_learning_rate_and_data(self):
     options = run_plan.PlanOptions.of(**_sections(_config(

@@ -972,6 +972,19 @@ class MemoryConfig:
             "--shard_optimizer_state, 2 --shard_gradients, 3 "
             "--shard_parameters (sharded weights). Default: from the "
             "switches."))
+  zero3_blocks: int = setting(
+      4, "integer", "performance",
+      help=("ZeRO stage 3: the most blocks the model is cut into (about "
+            "equal weight bytes); each gathers its weights just before it "
+            "runs and again, recomputing itself, in the backward pass, so "
+            "the step's peak holds one block's weights. 1: the whole model "
+            "gathered once per step, no recomputation: faster, every weight "
+            "at the peak."))
+  zero3_prefetch: bool = setting(
+      False, "bool", "performance",
+      help=("ZeRO stage 3: gather each block's weights while the block "
+            "before it computes (two blocks' weights at the peak); pays "
+            "where collectives run beside compute (GPUs), not on CPUs."))
   tune_allocator: bool = setting(
       True, "bool", "performance",
       help=("Set glibc malloc so TensorFlow does not map and unmap every "
@@ -985,6 +998,9 @@ class MemoryConfig:
           f"--zero_stage={self.zero_stage} is not offered: use 0 (off), 1 "
           "(shard optimizer state), 2 (also gradients) or 3 (also "
           "weights).")
+    _need(isinstance(self.zero3_blocks, int) and self.zero3_blocks >= 1,
+          f"--zero3_blocks={self.zero3_blocks!r} must be a positive integer"
+          " (1: the whole model gathered at once).")
     _need(isinstance(self.tune_allocator, bool),
           f"--tune_allocator={self.tune_allocator!r} must be true or false.")
 

@@ -4,7 +4,7 @@ Rajbhandari et al. 2020. Stages 1 and 2 (`tfdist.training.sharded_optimizer`)
 keep a whole copy of every weight on every replica. Stage 3 keeps, per
 replica, only its shard of a flat, padded float32 buffer laid out block
 by block (`sharded_optimizer.FlatLayout` with `blocks`: the model is cut
-into at most `ShardingOptions.num_blocks` blocks of consecutive layer
+into at most `ShardingOptions.num_blocks` (`--zero3_blocks`) blocks of consecutive layer
 calls, `plan_blocks`; block b's weights padded to N x S_b, replica r
 owning its elements [r x S_b, (r + 1) x S_b); the shard [S] is the
 replica's slice of every block, in order):
@@ -44,7 +44,7 @@ replica's slice of every block, in order):
 * **One block** (a model `plan_blocks` cannot cut: subclassed without a
   functional graph, a layer called twice, a weight shared across
   blocks, weight regularizers, fewer than two layers with weights; or
-  `num_blocks=1`): the whole buffer is all-gathered once for the step and
+  `--zero3_blocks=1`): the whole buffer is all-gathered once for the step and
   the model runs under the scope, differentiated as a whole (the
   all-gather's gradient written out in `_all_gather_shards`).
 * **Replicated weights** (`replicated_variables`: embedding tables):
@@ -771,7 +771,7 @@ class Zero3Optimizer(sharded_optimizer.ShardedOptimizer):
           f"--zero_stage=3: a layer among {', '.join(block.stage.layer_names)}"
           " adds a loss (add_loss) as it runs, which stage 3's block-by-block"
           " gathering cannot carry. Gather the whole model at once "
-          "(ShardingOptions(num_blocks=1)), or use --zero_stage=2.")
+          "(--zero3_blocks=1), or use --zero_stage=2.")
     new_states = []
     for variable, old in zip(block.state, states):
       value = scope.get_current_value(variable)

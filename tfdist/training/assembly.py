@@ -59,6 +59,8 @@ class AssemblyOptions:
     deterministic: op determinism (the step is then not timed).
     zero_stage: ZeRO sharding of the optimizer state (0, 1 or 2), or of
       the weights too (3: `tfdist.parallel.zero3`).
+    zero3_blocks, zero3_prefetch: stage 3's block gathering
+      (`tfdist.training.sharded_optimizer.ShardingOptions`).
     class_weight: `((class id, weight), ...)`; empty: none.
     activation_recomputation: recompute activations in the backward pass.
     bytes_per_pack: the gradients' all-reduce packs, in bytes (0: one).
@@ -84,6 +86,8 @@ class AssemblyOptions:
   run_eagerly: bool = False
   deterministic: bool = False
   zero_stage: int = 0
+  zero3_blocks: int = 4
+  zero3_prefetch: bool = False
   class_weight: Tuple[Tuple[int, float], ...] = ()
   activation_recomputation: bool = False
   bytes_per_pack: int = 0
@@ -125,6 +129,8 @@ class AssemblyOptions:
         enable_xla=precision.enable_xla, run_eagerly=loop.run_eagerly,
         deterministic=loop.deterministic,
         zero_stage=memory.zero_stage_resolved,
+        zero3_blocks=memory.zero3_blocks,
+        zero3_prefetch=memory.zero3_prefetch,
         class_weight=tuple(task.class_weight),
         activation_recomputation=memory.activation_recomputation,
         bytes_per_pack=strategy.bytes_per_pack,
@@ -321,7 +327,9 @@ def _sharding_for(options: AssemblyOptions,
     ConfigError: a `zero_stage` above 0 under a strategy that is not
       Mirrored or MultiWorkerMirrored.
   """
-  sharding = sharded_optimizer.ShardingOptions(stage=options.zero_stage)
+  sharding = sharded_optimizer.ShardingOptions(
+      stage=options.zero_stage, num_blocks=options.zero3_blocks,
+      prefetch=options.zero3_prefetch)
   if sharding.enabled and not isinstance(
       strategy, (tf.distribute.MirroredStrategy,
                  tf.distribute.MultiWorkerMirroredStrategy)):
