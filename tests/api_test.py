@@ -27,6 +27,7 @@ from tfdist import api
 from tfdist import errors
 from tfdist.config import TrainConfig
 from tfdist.data import input_pipeline
+from tfdist.training import checkpointing
 
 
 def _context(pipelines: int = 1, pipeline: int = 0):
@@ -330,6 +331,21 @@ class FitTest(absltest.TestCase):
     # dtype.
     self.assertEqual(keras.mixed_precision.global_policy().name, before)
     self.assertEqual(keras.layers.Dense(2).dtype_policy.name, before)
+
+  def test_resuming_with_another_optimizer_is_refused_and_keeps_the_record(
+      self):
+    api.fit(_model, x=self.x, y=self.y,
+            config=self.config.replace(optimizer="sgd"), verbose=0)
+    checkpoints = os.path.join(self.dir, "checkpoints")
+    with self.assertRaisesRegex(
+        errors.IncompatibleResumeError,
+        r"--optimizer sgd -> adam.*--init_checkpoint="):
+      api.fit(_model, x=self.x, y=self.y,
+              config=self.config.replace(optimizer="adam", train_steps=6),
+              verbose=0)
+    # The record still describes the run that wrote the checkpoints.
+    self.assertEqual(checkpointing.read_run_record(checkpoints)["config"]
+                     ["optimizer"], "sgd")
 
   def test_a_tiny_fit_returns_the_manifest_and_history(self):
     result = api.fit(_model, x=self.x, y=self.y, config=self.config)

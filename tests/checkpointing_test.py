@@ -274,6 +274,21 @@ def test_check_resume():
 
 
 @pytest.mark.compat
+def test_a_changed_optimizer_is_refused_even_when_allowed():
+  before = checkpointing.run_record({"model": "cnn", "optimizer": "sgd"},
+                                    _plan())
+  after = checkpointing.run_record({"model": "cnn", "optimizer": "adam"},
+                                   _plan())
+  for allow in (False, True):
+    with pytest.raises(errors.IncompatibleResumeError,
+                       match=r"the optimizer changed \(--optimizer sgd -> "
+                             r"adam\).*--optimizer=sgd.*--init_checkpoint="
+                             r"ckpt-5"):
+      checkpointing.check_resume(before, after, checkpoint="ckpt-5",
+                                 restored_step=5, allow=allow)
+
+
+@pytest.mark.compat
 def test_old_names_stay_importable():
   assert checkpointing.InputPosition is input_position.InputPosition
   assert checkpointing.checkpoint_step is checkpoint_paths.checkpoint_step

@@ -120,7 +120,7 @@ class ModelBuilderConfigTest(absltest.TestCase):
         seen["quiet"] = list(caught)
         seen["batch_size"] = config.batch_size
         seen["warned"] = [str(w.message) for w in caught
-                          if issubclass(w.category, DeprecationWarning)]
+                          if issubclass(w.category, FutureWarning)]
       with self.assertRaises(dataclasses.FrozenInstanceError):
         config.embedding_dim = 4
       with self.assertRaisesRegex(AttributeError, "no 'embeding_dim'"):

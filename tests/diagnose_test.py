@@ -224,6 +224,20 @@ class VerdictTest(parameterized.TestCase):
         small, optimizer="sgd", zero_stage=2, num_replicas=1,
         capacity_bytes=1 << 30)[0])
 
+  def test_stage_3_note_names_its_switch_state_and_traffic(self):
+    small = memory.ModelMemory(parameters_bytes=4 << 20,
+                               gradients_bytes=4 << 20,
+                               optimizer_bytes=8 << 20,
+                               num_parameters=1 << 20)
+    note, = diagnose.layout_notes(
+        small, optimizer="adamw", zero_stage=3, num_replicas=2,
+        capacity_bytes=16 << 30, where="host")
+    self.assertIn("Drop --zero_stage=3 (--shard_parameters)", note)
+    self.assertIn("the weights, gradients and optimizer state are 8.0 MiB "
+                  "per replica instead of 16.0 MiB", note)
+    self.assertIn("about 2x the bytes of plain data parallelism", note)
+    self.assertNotIn("all-gathers the updated weights", note)
+
   def test_pipeline_stages_are_judged_at_this_size(self):
     small = memory.ModelMemory(parameters_bytes=4 << 20,
                                gradients_bytes=4 << 20,

@@ -1570,10 +1570,13 @@ class ModelBuilderConfig:
   `sync_batch_norm`, the data files, ...), read by flat name as before
   (`config.embedding_dim`) or as the section (`config.task`), plus
   `activation_recomputation`. Reading another setting (`config.batch_size`,
-  `config.dtype`) still answers the run's value, with a
-  `DeprecationWarning`: a model is built from its options, and what else it
-  needs is the builder's own argument (`spec`, `sync_batch_norm`, ...) or
-  the script's; tfdist 0.2 drops the old form.
+  `config.dtype`) still answers the setting as the run was given it (None
+  where it was left to a default the run decides later, as
+  `--batch_size`), with a `FutureWarning` (a deprecation shown to the
+  script's user, as Python's `DeprecationWarning` outside `__main__` is
+  not): a model is built from its options, and what else it needs is the
+  builder's own argument (`spec`, `sync_batch_norm`, ...) or the script's;
+  tfdist 0.2 drops the old form.
 
   Args:
     config: the run's `TrainConfig`.
@@ -1607,7 +1610,7 @@ class ModelBuilderConfig:
         "the model needs as a builder argument (spec, sync_batch_norm, "
         "activation_recomputation) or from your script; reading other "
         "settings here stops working in tfdist 0.2.",
-        DeprecationWarning, stacklevel=2)
+        FutureWarning, stacklevel=2)
     return getattr(config, name)
 
   def __setattr__(self, name, value):

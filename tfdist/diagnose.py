@@ -1123,6 +1123,16 @@ ZERO_TRAFFIC = (
     "reduce-scatter, so it all-reduces the gradients and then all-gathers "
     "the updated weights: about 1.5x the bytes of plain data parallelism, "
     "and a flat copy of the gradients and weights every step")
+# Stage 3 (`tfdist.parallel.zero3`): each block's weights gathered for its
+# forward pass and again for its backward pass (which recomputes the
+# block), their gradient all-reduced and sliced.
+ZERO3_TRAFFIC = (
+    "stage 3 gathers each block's weights for its forward pass and again "
+    "for its backward pass, which recomputes the block, and all-reduces "
+    "their gradients: about 2x the bytes of plain data parallelism "
+    "(Rajbhandari et al. 2020 count 1.5x with a reduce-scatter, which "
+    "TensorFlow does not offer) and about one more forward pass per step "
+    "(--zero3_blocks=1: the whole model gathered once, no recomputation)")
 
 
 def layout_notes(estimate: memory.ModelMemory, *, optimizer: str,
@@ -1159,7 +1169,7 @@ def layout_notes(estimate: memory.ModelMemory, *, optimizer: str,
     return []
   fmt = memory.format_bytes
   sharing = max(int(replicas_sharing), 1)
-  flag = f"--zero_stage={zero_stage} (--shard_optimizer_state)"
+  flag = f"--zero_stage={zero_stage} ({memory.ZERO_STAGE_SWITCHES[zero_stage]})"
   if num_replicas <= 1:
     return [f"{flag} has one replica to shard over: it saves nothing; drop "
             "it, or add replicas."]
@@ -1178,16 +1188,23 @@ def layout_notes(estimate: memory.ModelMemory, *, optimizer: str,
   saving = (f"sharded over {num_replicas} replicas, the optimizer state is "
             f"{fmt(sharded.optimizer_bytes)} per replica instead of "
             f"{fmt(estimate.optimizer_bytes)}")
+  traffic = ZERO_TRAFFIC
+  if zero_stage >= 3:
+    saving = (f"sharded over {num_replicas} replicas, the weights, gradients"
+              f" and optimizer state are {fmt(sharded.total_bytes)} per "
+              f"replica instead of {fmt(estimate.total_bytes)} (plus one "
+              "block's gathered weights during a step)")
+    traffic = ZERO3_TRAFFIC
   if plain <= memory.TIGHT_SHARE * capacity_bytes:
     return [f"ZeRO stage {zero_stage} is not needed at this size: {state}, "
-            f"which fits unsharded; {saving}. What it costs: {ZERO_TRAFFIC}."
+            f"which fits unsharded; {saving}. What it costs: {traffic}."
             f" Drop {flag} unless the model grows."]
   fits = plain <= capacity_bytes
   return [f"ZeRO stage {zero_stage} is " +
           ("worth it" if fits else "needed") + f" at this size: {state}" +
           (" (above half: activations need the rest)" if fits else
            ", which does not fit unsharded") +
-          f"; {saving}. What it costs: {ZERO_TRAFFIC}."]
+          f"; {saving}. What it costs: {traffic}."]
 
 
 def _pipeline_note(estimate: memory.ModelMemory, *, stages: int,

@@ -11,7 +11,6 @@ from tfdist.backends import base
 from tfdist.backends import multi_worker
 from tfdist.data import input_pipeline
 from tfdist.distribute import cluster as cluster_lib
-from tfdist import config as config_lib
 from tfdist.distribute import parameter_server as ps_lib
 from tfdist.distribute.strategy_kind import StrategyKind
 from tfdist.training import assembly
@@ -95,13 +94,7 @@ class ParameterServerBackend(base.Backend):
     ShardedVariables on the ps tasks, which a SavedModel cannot capture
     (each table is one variable again)."""
     model = assembly.build_model(
-        assembly.AssemblyOptions.of(
-            task=run.config.task, loop=run.config.loop,
-            strategy=run.config.strategy,
-            precision=run.config.precision, memory=run.config.memory,
-            optimization=run.config.optimization, decisions=run.decisions,
-            builder_config=config_lib.ModelBuilderConfig(run.config)),
-        task=run.task,
+        run.assembly_options(), task=run.task,
         sync_batch_norm=run.plan.sync_batch_norm)
     tf.train.Checkpoint(model=model).restore(
         run.keeper.latest).expect_partial()

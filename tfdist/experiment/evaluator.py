@@ -15,7 +15,6 @@ import tensorflow as tf
 
 from tfdist.backends import registry as backends
 from tfdist import errors
-from tfdist import config as config_lib
 from tfdist.config import TrainConfig
 from tfdist.data import input_pipeline
 from tfdist.distribute import strategy as strategy_lib
@@ -246,12 +245,7 @@ class EvaluatorRunner:
     strategy, batch = self.strategy, self.how.global_batch_size
     with strategy.scope():
       parts = assembly.evaluation_parts(
-          assembly.AssemblyOptions.of(
-              task=self.config.task, loop=self.config.loop,
-              strategy=self.config.strategy,
-              precision=self.config.precision, memory=self.config.memory,
-              optimization=self.config.optimization, decisions=self.decisions,
-              builder_config=config_lib.ModelBuilderConfig(self.config)),
+          prepare.assembly_options(self.config, self.decisions),
           task=self.task)
     trainer = assembly.evaluation_trainer(parts, global_batch_size=batch,
                                           strategy=strategy)

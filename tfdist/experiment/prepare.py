@@ -245,14 +245,22 @@ def start_run(config: TrainConfig, *,
                          dataset=task.dataset)
   filesystems.require_file_systems(
       filesystems.config_paths(prepared.config, prepared.decisions))
-  options = assembly.AssemblyOptions.of(
-      task=prepared.config.task, loop=prepared.config.loop,
-      strategy=prepared.config.strategy,
-      precision=prepared.config.precision, memory=prepared.config.memory,
-      optimization=prepared.config.optimization, decisions=prepared.decisions,
-      builder_config=config_lib.ModelBuilderConfig(prepared.config))
-  assembly.check_model_options(options, task=task)
+  assembly.check_model_options(
+      assembly_options(prepared.config, prepared.decisions), task=task)
   return task, prepared
+
+
+def assembly_options(config: TrainConfig,
+                     decisions) -> assembly.AssemblyOptions:
+  """The run's `tfdist.training.assembly.AssemblyOptions`: from the
+  sections the assembly reads, the run's `decisions` (dtype, loss scale,
+  steps per execution), and the model options a builder asking for
+  `config` gets (`tfdist.config.ModelBuilderConfig`)."""
+  return assembly.AssemblyOptions.of(
+      task=config.task, loop=config.loop, strategy=config.strategy,
+      precision=config.precision, memory=config.memory,
+      optimization=config.optimization, decisions=decisions,
+      builder_config=config_lib.ModelBuilderConfig(config))
 
 
 

@@ -22,7 +22,6 @@ import tensorflow as tf
 
 from tfdist.cloud import hptune
 from tfdist import errors
-from tfdist import config as config_lib
 from tfdist.config import TrainConfig
 from tfdist.data import input_pipeline
 from tfdist.data import input_position as input_position_lib
@@ -237,6 +236,8 @@ class ExperimentRunner:
     self.lease: Optional[lease_lib.Lease] = None
     self.cleanup = contextlib.ExitStack()
     self.scratch_dir: Optional[str] = None
+    # This run's record, written before its first save (`_before_save`).
+    self._run_record: Optional[dict] = None
     for name in self._TRAINING_OBJECTS:
       setattr(self, name, None)
     self.plan = self.policy = self.model_memory = self.result = None
@@ -410,7 +411,10 @@ class ExperimentRunner:
     return plan
 
   def check_resume(self) -> None:
-    """The writer compares this run with the checkpoint's and records it.
+    """The writer compares this run with the checkpoint's; its own record
+    is written before its first save (`_before_save`), so a run that
+    fails before it saves (a checkpoint that does not restore) leaves the
+    record of the run that wrote the checkpoints.
 
     Raises:
       tfdist.errors.IncompatibleResumeError: as
@@ -421,10 +425,23 @@ class ExperimentRunner:
     directory = self.decisions.checkpoint_dir
     prepare.check_resume(self.config, self.decisions, self.plan)
     checkpointing.clean_interrupted_saves(directory)
-    checkpointing.write_run_record(
-        directory, checkpointing.run_record(
-            manifest_lib.recorded_config(self.config, self.decisions),
-            self.plan))
+    self._run_record = checkpointing.run_record(
+        manifest_lib.recorded_config(self.config, self.decisions), self.plan)
+
+  def _before_save(self) -> None:
+    """Before each save of the writer: its `--model_dir` lease checked;
+    before the first, this run's record written beside the checkpoints."""
+    if self.lease is not None:
+      self.lease.check()
+    record, self._run_record = self._run_record, None
+    if record is not None:
+      checkpointing.write_run_record(self.decisions.checkpoint_dir, record)
+
+  def assembly_options(self) -> assembly.AssemblyOptions:
+    """The run's `AssemblyOptions` (`tfdist.experiment.prepare.assembly_options`),
+    for the steps and the backend (a parameter-server export builds a local
+    copy of the model from them)."""
+    return prepare.assembly_options(self.config, self.decisions)
 
   def build_model_and_optimizer(self) -> assembly.Parts:
     """The precision policy, then model, optimizer, trainer and checkpoint
@@ -436,13 +453,7 @@ class ExperimentRunner:
                           keras.mixed_precision.global_policy())
     self.policy = precision.configure_precision(self.decisions.dtype)
     options = self.backend.assembly_options(
-        assembly.AssemblyOptions.of(
-            task=self.config.task, loop=self.config.loop,
-            strategy=self.config.strategy,
-            precision=self.config.precision, memory=self.config.memory,
-            optimization=self.config.optimization, decisions=self.decisions,
-            builder_config=config_lib.ModelBuilderConfig(self.config)),
-        choice=self.choice)
+        self.assembly_options(), choice=self.choice)
     parts = assembly.build(options, task=self.task, strategy=self.strategy,
                            plan=self.plan, on_tpu=self.backend.on_tpu)
     if self.config.hptune_metric:
@@ -496,7 +507,7 @@ class ExperimentRunner:
         input_position=self._input_position(), variables=state,
         before_save=moving_statistics.before_save(
             self.moving_statistics,
-            self.lease.check if self.lease is not None else None))
+            self._before_save if self.is_writer else None))
 
   def warm_start(self) -> Optional[str]:
     """`--init_checkpoint` for a fresh run; returns what was loaded."""

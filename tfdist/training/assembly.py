@@ -25,6 +25,7 @@ from tfdist.parallel import zero3  # Registers ZeRO stage 3's optimizer.
 from tfdist.training import checkpointing
 from tfdist.training import custom_step
 from tfdist.training import lr_schedule
+from tfdist.training import memory
 from tfdist.training import objectives as objectives_lib
 from tfdist.training import optimizers
 from tfdist.training import pipeline_step
@@ -334,7 +335,8 @@ def _sharding_for(options: AssemblyOptions,
       strategy, (tf.distribute.MirroredStrategy,
                  tf.distribute.MultiWorkerMirroredStrategy)):
     raise errors.ConfigError(
-        f"--zero_stage={sharding.stage} (--shard_optimizer_state) runs under "
+        f"--zero_stage={sharding.stage} "
+        f"({memory.ZERO_STAGE_SWITCHES[sharding.stage]}) runs under "
         "mirrored or multi_worker_mirrored; this run's strategy is "
         f"{type(strategy).__name__}. Set --distribution_strategy=mirrored "
         "(or multi_worker_mirrored), or drop the flag.")

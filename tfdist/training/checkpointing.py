@@ -410,10 +410,23 @@ def check_resume(previous: dict, current: dict, *, checkpoint: str,
 
   Raises:
     IncompatibleResumeError: the model or the global batch changed and
-      `allow` is False; the message says what changed and how to proceed.
+      `allow` is False; the optimizer changed (whatever `allow` says: the
+      checkpoint's optimizer state is another optimizer's, which cannot
+      be restored); the message says what changed and how to proceed.
   """
   old_config = previous.get("config") or {}
   new_config = current.get("config") or {}
+  old_optimizer, new_optimizer = (old_config.get("optimizer"),
+                                  new_config.get("optimizer"))
+  if old_optimizer and new_optimizer and old_optimizer != new_optimizer:
+    raise errors.IncompatibleResumeError(
+        f"Cannot resume from {checkpoint}: the optimizer changed "
+        f"(--optimizer {old_optimizer} -> {new_optimizer}), and the "
+        f"checkpoint's optimizer state is {old_optimizer}'s, which "
+        f"{new_optimizer} cannot restore. Resume with "
+        f"--optimizer={old_optimizer}, or start a fresh --model_dir with "
+        f"--init_checkpoint={checkpoint} (its weights, a new optimizer "
+        "state).")
   problems, notes = [], []
   model_changes = [f"--{k} {old_config.get(k)} -> {new_config.get(k)}"
                    for k in MODEL_FIELDS

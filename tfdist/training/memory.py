@@ -158,6 +158,11 @@ def estimate_model_memory(model, optimizer=None, *, sharded=None,
       replicated_bytes=_variable_bytes(replicated_variables))
 
 
+# The switch each ZeRO stage's `--zero_stage=N` stands for.
+ZERO_STAGE_SWITCHES = {1: "--shard_optimizer_state", 2: "--shard_gradients",
+                       3: "--shard_parameters"}
+
+
 def sharded_estimate(estimate: ModelMemory, *, num_replicas: int,
                      stage: int = 1) -> ModelMemory:
   """`estimate` (unsharded) as one replica holds it under ZeRO `stage`.
