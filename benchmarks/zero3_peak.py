@@ -27,7 +27,6 @@ import datetime
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
@@ -36,6 +35,8 @@ from absl import flags
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+
+from benchmarks import machine  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("width", 512, "Units of each hidden Dense layer.")
@@ -114,17 +115,6 @@ def _child(replicas: int, num_blocks: int, prefetch: bool, width: int,
       "step_seconds": statistics.median(times)}), flush=True)
 
 
-def _cpu_model() -> str:
-  try:
-    with open("/proc/cpuinfo") as f:
-      for line in f:
-        if line.startswith("model name"):
-          return line.split(":", 1)[1].strip()
-  except OSError:
-    pass
-  return "unknown"
-
-
 def main(argv):
   del argv
   if FLAGS.child:
@@ -138,17 +128,12 @@ def main(argv):
   for replicas in (int(r) for r in FLAGS.replicas):
     for blocks, prefetch in MODES:
       blocks = FLAGS.num_blocks if blocks is None else blocks
-      load = os.getloadavg()[0]
-      proc = subprocess.run(
-          [sys.executable, os.path.abspath(__file__),
+      load = machine.load_average()[0]
+      row = machine.run_child(
+          [os.path.abspath(__file__),
            f"--child={replicas},{blocks},{prefetch}",
            f"--width={FLAGS.width}", f"--layers={FLAGS.layers}"],
-          env=env, capture_output=True, text=True, timeout=170, check=False)
-      lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
-      if proc.returncode or not lines:
-        raise SystemExit(f"N={replicas} blocks={blocks} failed:\n"
-                         f"{proc.stdout[-2000:]}{proc.stderr[-3000:]}")
-      row = json.loads(lines[-1])
+          timeout=170, what=f"N={replicas} blocks={blocks}", env=env)
       row["load_average_1min"] = load
       rows.append(row)
   mib = 1 << 20
@@ -162,16 +147,12 @@ def main(argv):
           f" {r['rest_estimate_bytes'] / mib:>8.2f}"
           f" {1000 * r['step_seconds']:>8.1f} {r['load_average_1min']:>5.1f}")
   result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(
-      timespec="seconds"), "load_average": os.getloadavg(),
-            "cores": os.cpu_count(), "cpu_model": _cpu_model(),
-            "command": " ".join(["python", "benchmarks/zero3_peak.py",
-                                 *sys.argv[1:]]),
+      timespec="seconds"), "load_average": machine.load_average(),
+            "cores": os.cpu_count(), "cpu_model": machine.cpu_model(),
+            "command": machine.command_line(),
             "width": FLAGS.width, "layers": FLAGS.layers, "rows": rows}
   if FLAGS.out:
-    os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
-    with open(FLAGS.out, "w") as f:
-      json.dump(result, f, indent=1)
-    print(f"wrote {FLAGS.out}")
+    machine.write_json(FLAGS.out, result)
 
 
 if __name__ == "__main__":
