@@ -726,25 +726,26 @@ class Zero3Optimizer(sharded_optimizer.ShardedOptimizer):
       previous = tensors
       o, size = layout.block_offsets[block.index], layout.block_sizes[
           block.index]
-      cast = self._block_cast(block.index)
       with tf.control_dependencies(after):
-        region = (context.all_gather(shard[o:o + size], axis=0)
-                  if cast is None else
-                  _gather_cast(context, shard[o:o + size], *cast))
+        region = self._gather_block(context, shard[o:o + size], block.index)
       tensors, _ = self._block_pass(
           block, tensors, region,
           [tf.identity(v.value) for _, v in block.replicated],
           [tf.identity(v.value) for v in block.state], training=False)
     outputs = tf.cast(self._split._pack(tensors), tf.float32)  # pylint: disable=protected-access
-
-    def empty():
-      return {"loss_sum": tf.constant(0.0),
-              "regularization_sum": tf.constant(0.0),
-              "count": tf.constant(0.0), **trainer.metric_sums.zeros()}
-
     return tf.cond(
         present, lambda: trainer._replica_eval_sums(  # pylint: disable=protected-access
-            inputs, labels, weights, mask, outputs=outputs), empty)
+            inputs, labels, weights, mask, outputs=outputs),
+        trainer._empty_eval_sums)  # pylint: disable=protected-access
+
+  def _gather_block(self, context, shard_slice, b: int) -> tf.Tensor:
+    """Block b's weights, float32 [N x S_b]: every replica's `shard_slice`
+    [S_b], the elements the layers autocast travelling in their compute
+    dtype (`_block_cast`). Replica context; no gradient of its own."""
+    cast = self._block_cast(b)
+    if cast is None:
+      return context.all_gather(shard_slice, axis=0)
+    return _gather_cast(context, shard_slice, *cast)
 
   def _block_pass(self, block: Block, xs, region, replicated, states,
                   training: bool = True):
@@ -801,16 +802,13 @@ class Zero3Optimizer(sharded_optimizer.ShardedOptimizer):
     layout = self.layout
     b = block.index
     size = layout.block_sizes[b]
-    cast = self._block_cast(b)
     replicated = [tf.identity(v.value) for _, v in block.replicated]
     states = [tf.identity(v.value) for v in block.state]
     n_in, n_rep = len(xs), len(replicated)
     float_in = [i for i, x in enumerate(xs) if x.dtype.is_floating]
 
     def gather(value):
-      if cast is None:
-        return context.all_gather(value, axis=0)
-      return _gather_cast(context, value, *cast)
+      return self._gather_block(context, value, b)
 
     @tf.custom_gradient
     def run(*args):

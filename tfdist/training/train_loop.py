@@ -720,15 +720,16 @@ class Trainer:
       return self.tensor_parallel.eval_sums(self, inputs, labels, weights,
                                             mask)
 
-    def empty():
-      return {"loss_sum": tf.constant(0.0),
-              "regularization_sum": tf.constant(0.0),
-              "count": tf.constant(0.0), **self.metric_sums.zeros()}
-
     return tf.cond(tf.shape(labels)[0] > 0,
                    lambda: self._replica_eval_sums(inputs, labels, weights,
                                                    mask),
-                   empty)
+                   self._empty_eval_sums)
+
+  def _empty_eval_sums(self) -> Dict[str, tf.Tensor]:
+    """`_replica_eval_sums` of an empty batch: zeros."""
+    return {"loss_sum": tf.constant(0.0),
+            "regularization_sum": tf.constant(0.0),
+            "count": tf.constant(0.0), **self.metric_sums.zeros()}
 
   def _replica_eval_sums(self, inputs, labels, weights=None, mask=None,
                          outputs=None):
