@@ -144,12 +144,3 @@ class Decisions:
          "checkpoint_dir": self.checkpoint_dir,
          "tensorboard_dir": self.tensorboard_dir},
         self.environment_applied)
-
-
-def resolved(config, decisions: Optional["Decisions"]) -> "Decisions":
-  """`decisions`, or those `config` names itself (`Decisions.of`) when None.
-
-  Raises:
-    tfdist.errors.ConfigError: as `Decisions.of`.
-  """
-  return decisions if decisions is not None else Decisions.of(config)

@@ -65,8 +65,9 @@ class PreparedRun:
     config: the caller's `TrainConfig`, as given (nothing decided is
       written into it).
     cluster: the `tfdist.distribute.cluster.ClusterInfo`.
-    decisions: the `tfdist.distribute.decisions.Decisions`: the strategy and dtype `auto` chose, the
-      folders and files the environment or a tuning trial set.
+    decisions: the `tfdist.distribute.decisions.Decisions`: the strategy
+      and dtype `auto` chose, the folders and files the environment or a
+      tuning trial set.
   """
   config: TrainConfig
   cluster: cluster_lib.ClusterInfo
@@ -179,13 +180,14 @@ def prepare_run(config: TrainConfig, *,
                  cluster.source)
   # The export replaces its folder: never one holding the run's outputs.
   export.check_layout(**environment_lib.output_sources(settled, applied))
-  choice = auto_select.resolve(auto_select.SelectOptions.of(
-      settled.strategy, settled.precision,
-      dtype_defaulted="dtype" in settled.defaulted),
-                               cluster=cluster, environment=environment)
-  decisions = decisions_lib.Decisions.of(settled, choice=choice,
-                           environment_applied=applied,
-                           trial_fields=trial_fields)
+  choice = auto_select.resolve(
+      auto_select.SelectOptions.of(
+          settled.strategy, settled.precision,
+          dtype_defaulted="dtype" in settled.defaulted),
+      cluster=cluster, environment=environment)
+  decisions = decisions_lib.Decisions.of(
+      settled, choice=choice, environment_applied=applied,
+      trial_fields=trial_fields)
   prepared = PreparedRun(config=config, cluster=cluster, decisions=decisions)
   prepared.backend.validate(config, decisions, dataset=dataset)
   logging.info("%s", choice.describe())
