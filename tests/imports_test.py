@@ -3,7 +3,9 @@ and their floors read bottom-up (`FLOORS`).
 
 Every import counts: at module level and inside functions (a lazy import
 hides a cycle, it does not remove it). A package's own `__init__.py` is not
-a node: importing any module imports it first anyway.
+a node: importing any module imports it first anyway. Importing a package
+whose `__init__.py` re-exports its modules' names (a facade, such as
+`tfdist.training.controller`) counts as importing those modules.
 """
 
 import ast
@@ -19,7 +21,7 @@ PACKAGES = ("tfdist", "models", "flags")
 # Module names are built, not written out: a literal dotted name would read
 # as a module this test runs (tests/bazel_targets.py).
 WIRING = f"{PACKAGES[0]}.experiment"  # the assembly package
-CONTROLLER = f"{PACKAGES[0]}.training.controller"
+CONTROLLER = f"{PACKAGES[0]}.training.controller.loop"
 # Entry points: the binaries (the Ray binary's through the part that runs
 # on each Ray worker, tfdist.cloud.ray_worker), and `tfdist.fit` (tfdist.api), the
 # Python API's edge, which runs the wiring as the binaries do.
@@ -46,6 +48,13 @@ def _edges(root: str, relpath: str, roots, module: str) -> set:
       # The assembly package itself: its `__init__.py` names its modules
       # for the binaries.
       edges.add(WIRING)
+    elif (files and files[-1].endswith("__init__.py") and
+          files[-1].count(os.sep) > 1 and files[-1] != relpath):
+      # A facade package below the top ones: the modules its `__init__.py`
+      # imports from inside itself.
+      inside = os.path.dirname(files[-1])
+      edges |= {m for m in _edges(root, files[-1], roots, module)
+                if m.replace(".", os.sep).startswith(inside + os.sep)}
     for path in files:
       if path.endswith("__init__.py") or not path.endswith(".py"):
         continue
@@ -257,6 +266,27 @@ class ImportCycleTest(absltest.TestCase):
     graph["tfdist.config"] = {"tfdist.training.y"}
     self.assertEqual(upward_imports(graph),
                      [("tfdist.config", "tfdist.training.y")])
+
+  def test_importing_a_facade_package_imports_its_modules(self):
+    root = tempfile.mkdtemp(dir=os.environ.get("TEST_TMPDIR"))
+    pkg = os.path.join(root, PACKAGES[0], "training", "loop")
+    os.makedirs(pkg)
+    files = {
+        os.path.join(root, PACKAGES[0], "__init__.py"): "",
+        os.path.join(root, PACKAGES[0], "training", "__init__.py"): "",
+        os.path.join(pkg, "__init__.py"):
+            "from tfdist.training.loop.core import Loop\n",
+        os.path.join(pkg, "core.py"): "from tfdist import config\n",
+        os.path.join(root, PACKAGES[0], "config.py"): "",
+        os.path.join(root, PACKAGES[0], "user.py"):
+            "from tfdist.training import loop\n",
+    }
+    for path, text in files.items():
+      with open(path, "w") as f:
+        f.write(text)
+    edges = _edges(root, os.path.join(PACKAGES[0], "user.py"), [PACKAGES[0]],
+                   f"{PACKAGES[0]}.user")
+    self.assertEqual(edges, {f"{PACKAGES[0]}.training.loop.core"})
 
   def test_cycle_finder_finds_a_cycle(self):
     self.assertEqual(find_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}}),
