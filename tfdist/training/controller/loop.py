@@ -169,7 +169,8 @@ class Controller:
     5. `KerasBatchEnd`: Keras's batch-end hooks; produces `stop_requested`
        (agreed by every worker).
     6. `TrainLog`: the log line and scalars of a log point; reads
-       `skipped_steps`, `total_skipped` and `stop_requested` (a line held for this step's evaluation).
+       `skipped_steps`, `total_skipped` and `stop_requested` (a line held
+       for this step's evaluation).
     7. `SaveCheckpoint`: produces `saved` at checkpoint boundaries.
     8. `PreemptionStop`: before the steps, produces `stop_signal`; after,
        reads `saved`, saves if needed, raises (at an epoch end: produces
