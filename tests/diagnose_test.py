@@ -29,6 +29,7 @@ from tfdist import errors
 from tfdist import diagnose
 from tfdist import job_spec
 from tfdist.backends import base as backend_base
+from tfdist.backends import registry as backend_registry
 from tfdist.diagnose import RunMeasurement
 from tfdist.distribute.strategy_kind import StrategyKind
 from tfdist.observability import run_log as run_log_lib
@@ -514,7 +515,7 @@ class PlanTest(absltest.TestCase):
     self.assertIsNone(diagnose.planned_replicas(
         StrategyKind.TPU, num_workers=1, gpus=0, num_cpu_devices=0))
     builtin = backend_base.registered_backend(kind)
-    self.addCleanup(backend_base.register_backend, kind, builtin)
+    self.addCleanup(backend_registry.register_backend, kind, builtin)
 
     class FiveReplicasOverWorkers(builtin):
 
@@ -524,7 +525,7 @@ class PlanTest(absltest.TestCase):
       def training_workers(self, cluster):
         return cluster.num_workers
 
-    backend_base.register_backend(kind, FiveReplicasOverWorkers)
+    backend_registry.register_backend(kind, FiveReplicasOverWorkers)
     self.assertEqual(diagnose.planned_replicas(
         kind, num_workers=1, gpus=0, num_cpu_devices=3), 5)
     # Trains in several processes now: a local cluster is not refused.
