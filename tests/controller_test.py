@@ -533,6 +533,32 @@ class ActionsTest(absltest.TestCase):
         skipped_steps=2.0, skipped_steps_at_end=1.0)))
     self.assertEqual(action.monitor.total_skipped, 2)
 
+  def test_skipped_steps_reach_the_log_through_the_records(self):
+    # The log used to take the interval's count from the watch's monitor
+    # (resetting it there); now the watch produces the counts into the
+    # chunk record and the log sums them over its own interval.
+    watch = controller_lib.SkippedStepWatch(self.options, lambda: None)
+    watch.on_begin(controller_lib.Progress(step=0, epoch=0))
+    log = run_log_lib.RunLog(tensorboard_dir=None, metrics_dir=self.dir,
+                             global_batch_size=2, total_steps=20)
+    log.resume(0)
+    train_log = controller_lib.TrainLog(
+        log, options=ControllerOptions(total_steps=20, steps_per_epoch=10,
+                                       log_steps=10),
+        checkpoints=self.saver)
+    for step, skipped in ((3, 2.0), (6, 0.0), (10, 1.0)):
+      chunk = self._chunk(step, first_step=step - 3 if step < 10 else 6,
+                          output=_output(skipped_steps=skipped))
+      produced = watch(chunk)
+      train_log(dataclasses.replace(chunk, **produced))
+    self.assertEqual(produced, {"skipped_steps": 1, "total_skipped": 3})
+    self.assertEqual(watch.monitor.interval_skipped, 3)  # Not reset by it.
+    log.flush()
+    with open(os.path.join(self.dir, "metrics.jsonl")) as f:
+      records = [json.loads(line) for line in f]
+    self.assertEqual([r.get("skipped_steps") for r in records
+                      if r.get("step") == 10], [3])
+
   def test_stop_on_request_saves_once_and_stops(self):
     action = controller_lib.StopOnRequest(self.saver, self.options)
     produced = action(self._chunk(7, stop_requested=True))
@@ -619,7 +645,8 @@ class ActionsTest(absltest.TestCase):
     stop = controller_lib.PreemptionStop(
         watcher, checkpoints=self.saver, callbacks=callbacks,
         options=self.options)
-    after = controller_lib.PreemptionStopAfterEpoch(stop)
+    after = controller_lib.PreemptionStopAfterEpoch(watcher,
+                                                    callbacks=callbacks)
     step = self.options.steps_per_epoch
     chunk = self._chunk(step, output=_output(stop_signal=True))
     produced = stop(chunk)  # Saves, defers the stop.
@@ -634,6 +661,27 @@ class ActionsTest(absltest.TestCase):
     self.assertEqual((caught.exception.step, caught.exception.checkpoint),
                      (step, "resaved-after-on_epoch_end"))
     self.assertEqual(ended, [True])
+
+  def test_no_built_in_action_holds_another(self):
+    # Actions exchange values only through the records: none keeps a
+    # reference to another action (the log once reset the skipped-step
+    # watch's counter; the after-epoch preemption stop read the other
+    # stop's watcher and callbacks).
+    controller = Controller(
+        runner=FakeRunner(self.step),
+        options=ControllerOptions(total_steps=20, steps_per_epoch=10),
+        checkpoints=self.keeper, step_counter=self.step,
+        run_log=run_log_lib.RunLog(tensorboard_dir=None, metrics_dir=None,
+                                   global_batch_size=2, total_steps=20),
+        evaluate=lambda: {"loss": 0.5, "num_examples": 2},
+        preemption=preemption.PreemptionWatcher(grace_seconds=60))
+    names = [type(a).__name__ for a in controller.actions]
+    self.assertIn("PreemptionStopAfterEpoch", names)
+    self.assertIn("TrainLog", names)
+    for action in controller.actions:
+      held = [name for name, value in vars(action).items()
+              if isinstance(value, controller_lib.Action)]
+      self.assertEqual(held, [], f"{type(action).__name__} holds {held}")
 
 
 class EvaluateContinuouslyTest(absltest.TestCase):

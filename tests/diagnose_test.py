@@ -28,7 +28,10 @@ from tests import testutil
 from tfdist import errors
 from tfdist import diagnose
 from tfdist import job_spec
+from tfdist.backends import base as backend_base
+from tfdist.backends import registry as backend_registry
 from tfdist.diagnose import RunMeasurement
+from tfdist.distribute.strategy_kind import StrategyKind
 from tfdist.observability import run_log as run_log_lib
 from tfdist.training import checkpointing
 from tfdist.training import memory
@@ -496,6 +499,38 @@ class PlanTest(absltest.TestCase):
            "--num_cpu_devices=3", "--batch_size=64", "--model_dir=/tmp/x"],
           where="test"), gpus=0)
 
+  def test_replicas_and_cluster_rules_are_the_backends(self):
+    # The plan asks the registered backend (planned_replicas, training
+    # workers, asynchronous, on_tpu) instead of restating the kinds' rules:
+    # a backend registered in place of Mirrored's changes the plan.
+    kind = StrategyKind.MIRRORED
+    self.assertEqual(diagnose.planned_replicas(
+        kind, num_workers=1, gpus=0, num_cpu_devices=3), 3)
+    self.assertEqual(diagnose.planned_replicas(
+        StrategyKind.MULTI_WORKER_MIRRORED, num_workers=3, gpus=0,
+        num_cpu_devices=0), 3)
+    self.assertEqual(diagnose.planned_replicas(
+        StrategyKind.PARAMETER_SERVER, num_workers=2, gpus=0,
+        num_cpu_devices=0), 1)
+    self.assertIsNone(diagnose.planned_replicas(
+        StrategyKind.TPU, num_workers=1, gpus=0, num_cpu_devices=0))
+    builtin = backend_base.registered_backend(kind)
+    self.addCleanup(backend_registry.register_backend, kind, builtin)
+
+    class FiveReplicasOverWorkers(builtin):
+
+      def planned_replicas(self, config, decisions, *, cluster):
+        return 5, self.training_workers(cluster)
+
+      def training_workers(self, cluster):
+        return cluster.num_workers
+
+    backend_registry.register_backend(kind, FiveReplicasOverWorkers)
+    self.assertEqual(diagnose.planned_replicas(
+        kind, num_workers=1, gpus=0, num_cpu_devices=3), 5)
+    # Trains in several processes now: a local cluster is not refused.
+    diagnose.check_cluster(kind, num_workers=2, num_ps=0)
+
   def test_the_binary_exits_2_on_a_refused_plan(self):
     proc = testutil.run_module("tfdist.diagnose", [
         "--num_workers=2", "--", *self._data_flags(),
@@ -527,7 +562,8 @@ class DiagnoseBinaryTest(absltest.TestCase):
     log = re.search(r"\((\S+\.log)\)", str(caught.exception)).group(1)
     self.assertTrue(os.path.exists(log), log)
     shutil.rmtree(os.path.dirname(log))
-    note = diagnose._runs_folder_note("/tmp/tfdist-diagnose-x", keep=False)  # pylint: disable=protected-access
+    note = diagnose.report.runs_folder_note("/tmp/tfdist-diagnose-x",
+                                            keep=False)
     self.assertNotIn("/tmp", note)
     self.assertIn("--model_dir=DIR", note)
 

@@ -84,7 +84,7 @@ class GpuCheckScriptTest(absltest.TestCase):
     for line in self.lines:
       if "tfdist.diagnose" in line or line.lstrip().startswith("DIAG="):
         head, _, tail = line.partition(" -- ")
-        check("diagnose", _flags(head), diagnose._FLAGS)
+        check("diagnose", _flags(head), diagnose.cli._FLAGS)
         check("train", _flags(tail), self.train)
       elif "keras_parity.py" in line or line.lstrip().startswith("PARITY="):
         check("keras_parity", _flags(line.split("keras_parity.py")[-1]),

@@ -3,7 +3,9 @@ and their floors read bottom-up (`FLOORS`).
 
 Every import counts: at module level and inside functions (a lazy import
 hides a cycle, it does not remove it). A package's own `__init__.py` is not
-a node: importing any module imports it first anyway.
+a node: importing any module imports it first anyway. Importing a package
+whose `__init__.py` re-exports its modules' names (a facade, such as
+`tfdist.training.controller`) counts as importing those modules.
 """
 
 import ast
@@ -19,7 +21,7 @@ PACKAGES = ("tfdist", "models", "flags")
 # Module names are built, not written out: a literal dotted name would read
 # as a module this test runs (tests/bazel_targets.py).
 WIRING = f"{PACKAGES[0]}.experiment"  # the assembly package
-CONTROLLER = f"{PACKAGES[0]}.training.controller"
+CONTROLLER = f"{PACKAGES[0]}.training.controller.loop"
 # Entry points: the binaries (the Ray binary's through the part that runs
 # on each Ray worker, tfdist.cloud.ray_worker), and `tfdist.fit` (tfdist.api), the
 # Python API's edge, which runs the wiring as the binaries do.
@@ -46,6 +48,13 @@ def _edges(root: str, relpath: str, roots, module: str) -> set:
       # The assembly package itself: its `__init__.py` names its modules
       # for the binaries.
       edges.add(WIRING)
+    elif (files and files[-1].endswith("__init__.py") and
+          files[-1].count(os.sep) > 1 and files[-1] != relpath):
+      # A facade package below the top ones: the modules its `__init__.py`
+      # imports from inside itself.
+      inside = os.path.dirname(files[-1])
+      edges |= {m for m in _edges(root, files[-1], roots, module)
+                if m.replace(".", os.sep).startswith(inside + os.sep)}
     for path in files:
       if path.endswith("__init__.py") or not path.endswith(".py"):
         continue
@@ -94,41 +103,70 @@ def _wiring(graph: dict) -> set:
   return {m for m in graph if m == WIRING or m.startswith(WIRING + ".")}
 
 
-# The floors, bottom-up: each module imports from its own floor and those
-# below. A leaf (a module that imports no first-party module but leaves:
-# errors, StrategyKind, strict JSON, checkpoint numbering, the optimizer
-# and decay registries, ...) is on floor 0 wherever it lives. The first
+# The floors by folder, bottom-up (issue 43: config < parts < training <
+# backends and assembly < entry points): each module imports from its own
+# floor and those below, wherever it lives and whatever it imports (no
+# exception for a module that imports nothing first-party). The first
 # prefix that matches gives the floor.
 _T = PACKAGES[0]
 FLOORS = (
+    # The vocabulary every floor uses: the errors and exit statuses.
+    (f"{_T}.errors", 0),
+    (f"{_T}.exit_codes", 0),
+    # The configuration.
     (f"{_T}.config", 1),
+    (f"{_T}.config_tree", 1),
+    # The parts of a run.
     (f"{_T}.cloud.hptune", 2),
     (f"{_T}.runtime", 2),
     (f"{_T}.observability", 2),
     (f"{_T}.data", 2),
     (f"{_T}.distribute", 2),
+    # Training, its parallel modes and the models.
     (f"{_T}.training", 3),
     (f"{_T}.parallel", 3),
     (PACKAGES[1], 3),  # models
+    # The backends and the run's assembly.
     (f"{_T}.backends", 4),
-    (WIRING, 5),
-    # The edges: binaries, `tfdist.fit`, job specs, Ray's workers, flags.
-    (_T, 6),
-    (PACKAGES[2], 6),
+    (WIRING, 4),
+    # The edges: binaries, `tfdist.fit`, job specs, Ray's workers,
+    # diagnose, flags.
+    (_T, 5),
+    (PACKAGES[2], 5),
 )
 # At most this many imports point up the floors (issue: "floors that read
-# bottom-up"); those left are named in `test_floors_read_bottom_up`.
+# bottom-up"), beside `KNOWN_UPWARD`.
 MAX_UPWARD_IMPORTS = 3
+# Upward imports in files that other work in progress owns, allowed by
+# name for now (to be emptied at the merge); one that is gone fails
+# `test_known_upward_imports_are_still_there`, so the set only shrinks.
+KNOWN_UPWARD = frozenset({
+    # config (tfdist/config.py): the registries and options it validates
+    # against.
+    "tfdist.config -> tfdist.distribute.strategy_kind",
+    "tfdist.config -> tfdist.parallel.pipeline_options",
+    "tfdist.config -> tfdist.parallel.tensor_parallel_options",
+    "tfdist.config -> tfdist.training.decay_schedules",
+    "tfdist.config -> tfdist.training.optimizers",
+    "tfdist.config -> tfdist.training.reduce_dtype",
+    "tfdist.config -> tfdist.training.training_checks",
+    # exact (tfdist/data/**): the model and data set registries.
+    "tfdist.data.datasets -> tfdist.training.registry",
+    "tfdist.data.input_pipeline -> tfdist.training.registry",
+    # The parameter-server code (tfdist/distribute/parameter_server.py).
+    "tfdist.distribute.parameter_server -> tfdist.training.done_marker",
+    "tfdist.distribute.parameter_server -> "
+    "tfdist.training.sharded_embedding",
+    # edges (tfdist/observability/run_log.py).
+    "tfdist.observability.run_log -> tfdist.training.memory",
+    "tfdist.observability.run_log -> tfdist.training.training_checks",
+})
 
 
 def floors(graph: dict) -> dict:
   """`{module: floor}` for every module of `graph`."""
-  bare = {m for m, edges in graph.items() if not edges}
   out = {}
-  for module, edges in graph.items():
-    if edges <= bare:
-      out[module] = 0
-      continue
+  for module in graph:
     for prefix, floor in FLOORS:
       if module == prefix or module.startswith(prefix + "."):
         out[module] = floor
@@ -241,22 +279,50 @@ class ImportCycleTest(absltest.TestCase):
     self.assertEqual(importers, sorted(BINARIES))
 
   def test_floors_read_bottom_up(self):
-    upward = upward_imports(import_graph())
+    upward = [(a, b) for a, b in upward_imports(import_graph())
+              if f"{a} -> {b}" not in KNOWN_UPWARD]
     self.assertLessEqual(
         len(upward), MAX_UPWARD_IMPORTS,
         "imports pointing up the floors:\n" +
         "\n".join(f"{a} -> {b}" for a, b in upward))
 
+  def test_known_upward_imports_are_still_there(self):
+    found = {f"{a} -> {b}" for a, b in upward_imports(import_graph())}
+    gone = sorted(KNOWN_UPWARD - found)
+    self.assertEqual(gone, [], "no longer upward: remove from KNOWN_UPWARD")
+
   def test_an_upward_import_is_found(self):
-    graph = {"tfdist.config": {"tfdist.training.x"},
+    graph = {"tfdist.config": {"tfdist.errors"},
              "tfdist.training.x": {"tfdist.errors"},
              "tfdist.training.y": {"tfdist.training.x", "tfdist.config"},
              "tfdist.errors": set()}
-    self.assertEqual(floors(graph)["tfdist.training.x"], 0)  # A leaf.
     self.assertEqual(upward_imports(graph), [])
-    graph["tfdist.config"] = {"tfdist.training.y"}
+    # A module that imports nothing first-party keeps its folder's floor.
+    self.assertEqual(floors(graph)["tfdist.training.x"], 3)
+    graph["tfdist.config"] = {"tfdist.training.x"}
     self.assertEqual(upward_imports(graph),
-                     [("tfdist.config", "tfdist.training.y")])
+                     [("tfdist.config", "tfdist.training.x")])
+
+  def test_importing_a_facade_package_imports_its_modules(self):
+    root = tempfile.mkdtemp(dir=os.environ.get("TEST_TMPDIR"))
+    pkg = os.path.join(root, PACKAGES[0], "training", "loop")
+    os.makedirs(pkg)
+    files = {
+        os.path.join(root, PACKAGES[0], "__init__.py"): "",
+        os.path.join(root, PACKAGES[0], "training", "__init__.py"): "",
+        os.path.join(pkg, "__init__.py"):
+            "from tfdist.training.loop.core import Loop\n",
+        os.path.join(pkg, "core.py"): "from tfdist import config\n",
+        os.path.join(root, PACKAGES[0], "config.py"): "",
+        os.path.join(root, PACKAGES[0], "user.py"):
+            "from tfdist.training import loop\n",
+    }
+    for path, text in files.items():
+      with open(path, "w") as f:
+        f.write(text)
+    edges = _edges(root, os.path.join(PACKAGES[0], "user.py"), [PACKAGES[0]],
+                   f"{PACKAGES[0]}.user")
+    self.assertEqual(edges, {f"{PACKAGES[0]}.training.loop.core"})
 
   def test_cycle_finder_finds_a_cycle(self):
     self.assertEqual(find_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}}),

@@ -1,0 +1,210 @@
+"""The child runs: their flags (the baseline's made from the requested
+run's), their command lines, and running them.
+"""
+
+import dataclasses
+import os
+import shutil
+import subprocess
+import sys
+from typing import List, Optional, Sequence, Tuple
+
+from tfdist import errors
+from tfdist.diagnose.measure import RunMeasurement
+from tfdist.diagnose.measure import measurement_from_run
+from tfdist.distribute.strategy_kind import StrategyKind
+
+
+DEFAULT_STEPS = 60
+
+
+DEFAULT_LOG_STEPS = 10
+
+
+# Flags the baseline sets itself: its strategy and batch, and where it
+# writes (not reported as dropped: the baseline always sets them).
+_BASELINE_SETS = ("distribution_strategy", "batch_size",
+                  "per_replica_batch_size", "model_dir", "checkpoint_dir",
+                  "tensorboard_dir", "export_dir", "profile_steps")
+
+
+# Flags that apply only to several replicas or devices, a cluster or another
+# strategy: the devices, ZeRO's sharding, collectives, the cluster,
+# parameter servers, TPUs and pipeline stages. The one-device baseline drops
+# them and says so.
+MULTI_REPLICA_FLAGS = ("num_cpu_devices", "num_gpus", "zero_stage",
+                       "shard_optimizer_state", "shard_gradients",
+                       "shard_parameters",
+                       "all_reduce_alg", "all_reduce_dtype", "bytes_per_pack",
+                       "sync_batch_norm",
+                       "reduction_server", "collective_timeout_seconds",
+                       "cluster_start_timeout_seconds", "worker_hosts",
+                       "task_index", "ps_partitioner", "ps_min_shard_bytes",
+                       "ps_max_shards", "tpu", "tpu_zone", "tpu_gcp_project",
+                       "tpu_init_timeout", "pipeline_stages",
+                       "num_microbatches", "pipeline_schedule",
+                       "pipeline_cuts")
+
+
+_BASELINE_DROPS = _BASELINE_SETS + MULTI_REPLICA_FLAGS
+
+
+# Boolean flags among them (`--name`, `--noname`: no separate value).
+_BOOLEAN_DROPS = ("reduction_server", "sync_batch_norm",
+                  "shard_optimizer_state", "shard_gradients",
+                  "shard_parameters")
+
+
+def flag_name(arg: str) -> Optional[str]:
+  if not arg.startswith("--"):
+    return None
+  return arg[2:].split("=", 1)[0]
+
+
+def split_flags(args: Sequence[str], names: Sequence[str],
+                booleans: Sequence[str] = _BOOLEAN_DROPS
+                ) -> Tuple[List[str], List[str]]:
+  """`(kept, taken)`: `args` without the flags `names`, and those flags as
+  given (`--name value` joined into one string), in any of absl's
+  spellings: `--name=value`, `--name value`, and for `booleans` `--name`
+  and `--noname`."""
+  kept, taken, take_value = [], [], False
+  for arg in args:
+    if take_value:
+      take_value = False
+      taken[-1] += f" {arg}"
+      continue
+    name = flag_name(arg)
+    if name in booleans or (name and name.startswith("no") and
+                            name[2:] in booleans):
+      taken.append(arg)
+      continue
+    if name in names:
+      take_value = "=" not in arg
+      taken.append(arg)
+      continue
+    kept.append(arg)
+  return kept, taken
+
+
+def without_flags(args: Sequence[str], names: Sequence[str],
+                  booleans: Sequence[str] = _BOOLEAN_DROPS) -> List[str]:
+  """`args` without the flags `names` (see `split_flags`)."""
+  return split_flags(args, names, booleans)[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSpec:
+  """How to start one training run.
+
+  Attributes:
+    label: the run's name in tables.
+    train_args: `tfdist.train` flags (no `--model_dir`).
+    num_workers: training processes (> 1 or `num_ps`: through
+      `tfdist.launch`).
+    num_ps: parameter-server tasks.
+    pin: pin each worker to a core of its own (`--pin_workers`; a single
+      process to the first core).
+    env: extra environment variables for the children.
+  """
+  label: str
+  train_args: tuple
+  num_workers: int = 1
+  num_ps: int = 0
+  pin: bool = False
+  env: tuple = ()
+
+
+def command_for(spec: RunSpec, model_dir: str) -> List[str]:
+  """The child command line of `spec`."""
+  train = [*spec.train_args, f"--model_dir={model_dir}"]
+  if spec.num_workers > 1 or spec.num_ps:
+    launch = [sys.executable, "-m", "tfdist.launch",
+              f"--num_workers={spec.num_workers}", f"--num_ps={spec.num_ps}"]
+    if spec.pin:
+      launch.append("--pin_workers")
+    return launch + ["--", *train]
+  return [sys.executable, "-m", "tfdist.train", *train]
+
+
+def run_training(spec: RunSpec, model_dir: str, *,
+                 timeout_seconds: float = 900) -> RunMeasurement:
+  """Runs `spec` as a child process into `model_dir`; returns its
+  measurement. Output goes to `<model_dir>.log`.
+
+  Raises:
+    DiagnoseError: the child failed, timed out or wrote no manifest (the
+      message holds the end of its output).
+  """
+  if os.path.exists(model_dir):
+    shutil.rmtree(model_dir)
+  os.makedirs(os.path.dirname(model_dir) or ".", exist_ok=True)
+  log_path = model_dir.rstrip("/") + ".log"
+  env = dict(os.environ)
+  env.update(dict(spec.env))
+  # The children import this checkout's tfdist (and its `flags`).
+  root = os.path.dirname(os.path.dirname(os.path.dirname(
+      os.path.abspath(__file__))))
+  env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+  with open(log_path, "wb") as log:
+    proc = subprocess.Popen(command_for(spec, model_dir), cwd=root, env=env,
+                            stdout=log, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL, start_new_session=True)
+    if spec.pin and spec.num_workers <= 1 and not spec.num_ps:
+      # Before the child imports TensorFlow (which sizes its thread pools
+      # from the cores it may use), as tfdist.launch --pin_workers does.
+      os.sched_setaffinity(proc.pid, {sorted(os.sched_getaffinity(0))[0]})
+    try:
+      code = proc.wait(timeout=timeout_seconds)
+    except subprocess.TimeoutExpired:
+      os.killpg(proc.pid, 9)
+      proc.wait()
+      code = None
+  if code != 0:
+    with open(log_path, errors="replace") as f:
+      tail = f.read()[-3000:]
+    what = (f"timed out after {timeout_seconds:g} s" if code is None else
+            f"exited with status {code}")
+    raise errors.DiagnoseError(
+        f"The {spec.label} run {what}; the end of its output "
+        f"({log_path}):\n{tail}")
+  return measurement_from_run(model_dir, spec.label)
+
+
+def baseline_args(train_args: Sequence[str], per_replica_batch_size: int
+                  ) -> List[str]:
+  """The single-device baseline's flags: the requested run's, without its
+  strategy, batch and what applies only to several replicas
+  (`MULTI_REPLICA_FLAGS`: devices, ZeRO sharding, collectives, the
+  cluster, parameter servers, TPUs), on `one_device` (the first GPU when
+  there is one, else the CPU) with the same per-replica batch."""
+  return [*without_flags(train_args, _BASELINE_DROPS),
+          f"--distribution_strategy={StrategyKind.ONE_DEVICE}",
+          f"--per_replica_batch_size={per_replica_batch_size}"]
+
+
+def baseline_dropped(train_args: Sequence[str]) -> List[str]:
+  """The flags of `train_args` the baseline drops because they apply only
+  to several replicas (`MULTI_REPLICA_FLAGS`), as given."""
+  return split_flags(train_args, MULTI_REPLICA_FLAGS)[1]
+
+
+def model_dir_flag(train_args: Sequence[str]) -> Optional[str]:
+  """The value of `--model_dir=DIR` among `train_args`, or None."""
+  return next((a.split("=", 1)[1] for a in train_args
+               if flag_name(a) == "model_dir" and "=" in a), None)
+
+
+def measured_args(train_args: Sequence[str], given: set, *, steps: int,
+                  log_steps: int) -> List[str]:
+  """`train_args` without `--model_dir`, with the diagnosis' defaults for
+  the steps, the log interval and one evaluation at the end where
+  `given` (the flag names in `train_args`) lacks them."""
+  args = [a for a in train_args if flag_name(a) != "model_dir"]
+  if "train_steps" not in given:
+    args.append(f"--train_steps={steps}")
+  if "log_steps" not in given:
+    args.append(f"--log_steps={log_steps}")
+  if "epochs_between_evals" not in given:
+    args.append("--epochs_between_evals=1000")  # One evaluation, at the end.
+  return args

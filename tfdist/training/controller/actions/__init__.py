@@ -1,0 +1,1 @@
+"""The built-in actions of the controller, one module per family."""
