@@ -43,7 +43,8 @@ class StrategyOptionsTest(parameterized.TestCase):
   def _make(self, config):
     from tfdist.distribute import cluster as cluster_lib  # pylint: disable=g-import-not-at-top
     from tfdist.distribute import strategy as strategy_lib  # pylint: disable=g-import-not-at-top
-    return strategy_lib.make_strategy(
+    from tfdist.backends import registry as backend_registry  # pylint: disable=g-import-not-at-top
+    return backend_registry.make_strategy(
         strategy_lib.StrategyOptions.of(config.strategy),
         cluster=cluster_lib.resolve_cluster())
 
@@ -64,11 +65,12 @@ class StrategyOptionsTest(parameterized.TestCase):
   def test_bytes_per_pack_refused_where_it_does_nothing(self):
     from tfdist import config as config_lib  # pylint: disable=g-import-not-at-top
     from tfdist.distribute import strategy as strategy_lib  # pylint: disable=g-import-not-at-top
+    from tfdist.backends import registry as backend_registry  # pylint: disable=g-import-not-at-top
     with self.assertRaisesRegex(
         errors.ConfigError,
         r"--bytes_per_pack=1024 applies to multi_worker_mirrored, not "
         r"mirrored.*Drop --bytes_per_pack"):
-      strategy_lib.make_strategy(strategy_lib.StrategyOptions(
+      backend_registry.make_strategy(strategy_lib.StrategyOptions(
           kind="mirrored", bytes_per_pack=1024))
     with self.assertRaisesRegex(errors.ConfigError,
                                 "--bytes_per_pack=-1 must be >= 0"):

@@ -4,10 +4,13 @@ A run's wiring (`tfdist.experiment`) asks its backend, never the strategy's
 kind: how many processes step, which one writes `--model_dir`, how the
 strategy is built, what feeds it and runs its steps, how its failures read,
 what it exports and how its processes finish together. A new strategy is
-one `StrategyKind` member (`tfdist.distribute.strategy_kind`), one module
-here with a `Backend` subclass registered for that kind
-(`register_backend`), its test, and one selection rule in
-`tfdist.distribute.auto_select`. The built-in backends:
+its kind (a `StrategyKind` member, or a name registered with
+`tfdist.distribute.strategy_kind.register_kind` from outside tfdist), one
+module with a `Backend` subclass registered for that kind
+(`register_backend`) that builds the strategy (`new_strategy`) and states
+its traits, its test, and its selection rule for `auto`
+(`tfdist.distribute.auto_select.register_rule`, or a line of
+`auto_select.decide_strategy` for a built-in one). The built-in backends:
 
 | kind | module |
 |---|---|
@@ -28,10 +31,13 @@ strategy does differently lives in one subclass.
 import dataclasses
 from typing import Any, Callable, Dict, List, Optional, Tuple, Type
 
+from absl import logging
 import tensorflow as tf
 
+from tfdist import errors
 from tfdist.distribute import devices
 from tfdist.distribute import strategy as strategy_lib
+from tfdist.distribute import strategy_kind
 from tfdist.distribute.strategy_kind import StrategyKind
 
 
@@ -68,22 +74,40 @@ class Backend:
   device, Mirrored); each built-in subclass overrides only what its
   strategy does otherwise.
 
-  Class attributes:
-    kind: the `StrategyKind` this backend serves (set by
-      `register_backend`).
+  Class attributes (the strategy's traits, asked of the backend, never of
+  the kind):
+    kind: the kind this backend serves (a `StrategyKind` or a registered
+      kind; set by `register_backend`).
     asynchronous: workers step independently, scheduled by a coordinator
-      (the run plan sizes batches per worker step).
+      (the run plan sizes batches per worker step; no gradient
+      accumulation, no shared loss scale).
+    multi_process: the strategy spans the processes of a `tf.distribute`
+      cluster (it needs the resolved cluster; one input pipeline per
+      worker).
+    mirrored: synchronous all-reduce data parallelism over replicas that
+      hold mirrored copies of the variables (what ZeRO shards).
     on_tpu: the model is built for a TPU (static shapes, padded
       evaluation batches).
     keeps_input_position: checkpoints record where the input stands, so a
       resumed run continues the epoch (needs one deterministic reading
       order).
+    accepts_bytes_per_pack: `--bytes_per_pack` applies (its all-reduce
+      splits the gradients into packs) or has no effect (one replica);
+      False: refused.
   """
 
-  kind: StrategyKind = StrategyKind.ONE_DEVICE
+  kind = StrategyKind.ONE_DEVICE
   asynchronous: bool = False
+  multi_process: bool = False
+  mirrored: bool = False
   on_tpu: bool = False
   keeps_input_position: bool = True
+  accepts_bytes_per_pack: bool = False
+
+  @property
+  def accumulates_gradients(self) -> bool:
+    """`--gradient_accumulation_steps` > 1 runs (a synchronous step)."""
+    return not self.asynchronous
 
   # -- Roles -----------------------------------------------------------------
 
@@ -117,9 +141,14 @@ class Backend:
     """How many `tf.data` pipelines feed the run (one per reading process).
 
     Args:
-      num_workers: the run's training workers.
+      num_workers: the run's training workers (`Cluster.num_workers`; 1
+        outside a cluster).
+
+    Returns:
+      One per worker when the strategy spans processes (each worker reads
+      its own shard); 1 otherwise.
     """
-    return self.kind.num_input_pipelines(num_workers)
+    return max(1, int(num_workers)) if self.multi_process else 1
 
   def cross_process_collectives(self, num_workers: int) -> bool:
     """Whether a training step's collectives reach another process."""
@@ -152,7 +181,7 @@ class Backend:
 
   def build_strategy(self, config, decisions, *, cluster,
                      lease=None) -> strategy_lib.StrategyChoice:
-    """The `tf.distribute` strategy, with the CPU devices configured.
+    """The run's `tf.distribute` strategy, with the CPU devices configured.
 
     Args:
       config: the run's `TrainConfig`.
@@ -162,15 +191,80 @@ class Backend:
         that waits for peers extends it while it waits.
 
     Raises:
-      ConfigError: as `tfdist.distribute.strategy.make_strategy`.
+      ConfigError: as `make_strategy`.
     """
     del lease
     devices.configure_cpu_devices(config.num_cpu_devices)
-    return strategy_lib.make_strategy(
-        strategy_lib.StrategyOptions.of(
-            config.strategy, decisions,
-            reduction_server=config.cloud.reduction_server),
-        cluster=cluster)
+    return self.make_strategy(self.strategy_options(config, decisions),
+                              cluster=cluster)
+
+  def strategy_options(self, config, decisions
+                       ) -> strategy_lib.StrategyOptions:
+    """The `StrategyOptions` of `config` with its decided values."""
+    return strategy_lib.StrategyOptions.of(
+        config.strategy, decisions,
+        reduction_server=config.cloud.reduction_server)
+
+  def make_strategy(self, options: strategy_lib.StrategyOptions, *,
+                    cluster=None) -> strategy_lib.StrategyChoice:
+    """Builds this backend's strategy from `options` (`new_strategy`),
+    after the checks every strategy shares.
+
+    Args:
+      options: a `StrategyOptions` whose `kind` is this backend's (`auto`
+        is decided first by `tfdist.distribute.auto_select.resolve`; the
+        config's strategy section becomes options with
+        `StrategyOptions.of`).
+      cluster: the resolved `tfdist.distribute.cluster.ClusterInfo`; needed
+        when the strategy spans processes (`multi_process`).
+
+    Returns:
+      A `StrategyChoice` named by this backend's kind (its `reason` says
+      what was asked; the caller replaces it with the decision's reason).
+
+    Raises:
+      ConfigError: a multi-process strategy without a cluster,
+        `bytes_per_pack` for a strategy it does not apply to, or what
+        `new_strategy` refuses.
+      ValueError: `options.kind` is not this backend's kind.
+    """
+    kind = strategy_kind.StrategyKind.parse(options.kind)
+    if kind != self.kind:
+      raise ValueError(
+          f"{type(self).__name__} builds --distribution_strategy="
+          f"{self.kind}, not {kind}: ask tfdist.backends.registry."
+          f"backend_for({str(kind)!r}).")
+    if self.multi_process and cluster is None:
+      raise errors.ConfigError(
+          f"--distribution_strategy={kind} needs the resolved "
+          "cluster (tfdist.distribute.cluster.resolve_cluster).")
+    if options.bytes_per_pack and not self.accepts_bytes_per_pack:
+      raise errors.ConfigError(
+          f"--bytes_per_pack={options.bytes_per_pack} applies to "
+          f"multi_worker_mirrored, not {kind} (its all-reduce does not split "
+          "the gradients into packs). Drop --bytes_per_pack.")
+    strategy, names = self.new_strategy(options, cluster=cluster)
+    choice = strategy_lib.StrategyChoice(
+        strategy, kind, f"--distribution_strategy={kind}", tuple(names))
+    logging.info("Strategy: %s; %d replica(s) on %s", choice.name,
+                 choice.strategy.num_replicas_in_sync,
+                 ", ".join(choice.devices))
+    return choice
+
+  def new_strategy(self, options: strategy_lib.StrategyOptions, *,
+                   cluster) -> Tuple[tf.distribute.Strategy, Tuple[str, ...]]:
+    """`(strategy, device names)`: the strategy itself, built from
+    `options` (`make_strategy` made its shared checks). Every backend
+    that builds its strategy from options overrides it.
+
+    Args:
+      options: the run's `StrategyOptions`.
+      cluster: the run's `ClusterInfo` (None in one process).
+    """
+    del options, cluster
+    raise NotImplementedError(
+        f"{type(self).__name__} (the {self.kind} backend) builds no "
+        "strategy: implement new_strategy (or build_strategy).")
 
   def planned_replicas(self, config, decisions, *, cluster) -> Tuple[int, int]:
     """`(num_replicas_in_sync, num_workers)` a run will have, without
@@ -287,7 +381,8 @@ def first_gpus(n: int, num_gpus: int = -1) -> Optional[List[str]]:
   return names[:min(gpus, n)]
 
 
-_BACKENDS: Dict[StrategyKind, Type[Backend]] = {}
+# Keyed by kind: a `StrategyKind` or a `RegisteredKind`.
+_BACKENDS: Dict[str, Type[Backend]] = {}
 
 
 def register_backend(kind, backend: Optional[Type[Backend]] = None):
@@ -298,7 +393,8 @@ def register_backend(kind, backend: Optional[Type[Backend]] = None):
   (a user's subclass replacing a built-in backend).
 
   Args:
-    kind: a `StrategyKind` or its name.
+    kind: a `StrategyKind`, a kind registered with
+      `tfdist.distribute.strategy_kind.register_kind`, or its name.
     backend: the class; omitted when used as a decorator.
 
   Returns:
@@ -324,3 +420,9 @@ def register_backend(kind, backend: Optional[Type[Backend]] = None):
 def registered_backend(kind) -> Optional[Type[Backend]]:
   """The class registered for `kind`, or None."""
   return _BACKENDS.get(StrategyKind.parse(kind))
+
+
+def unregister_backend(kind) -> None:
+  """Forgets the backend registered for `kind` (a kind registered outside
+  tfdist, when its test ends); no error when none is."""
+  _BACKENDS.pop(StrategyKind.parse(kind), None)

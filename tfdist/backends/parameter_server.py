@@ -12,6 +12,7 @@ from tfdist.backends import multi_worker
 from tfdist.data import input_pipeline
 from tfdist.distribute import cluster as cluster_lib
 from tfdist.distribute import parameter_server as ps_lib
+from tfdist.distribute import strategy as strategy_lib
 from tfdist.distribute.strategy_kind import StrategyKind
 from tfdist.training import assembly
 from tfdist.training import run_plan
@@ -26,9 +27,18 @@ class ParameterServerBackend(base.Backend):
   (`ParameterServerError`, resumed from the last checkpoint)."""
 
   asynchronous = True
+  multi_process = True
   # Workers read unseeded copies of every file: no one reading order to
   # record.
   keeps_input_position = False
+
+  def new_strategy(self, options, *, cluster):
+    """`ParameterServerStrategy` over the cluster's workers and ps tasks,
+    once every address resolves (the coordinator connects to each)."""
+    cluster_lib.check_addresses_resolve(
+        cluster, retry_seconds=min(strategy_lib.RESOLVE_RETRY_SECONDS,
+                                   options.cluster_start_timeout_seconds))
+    return ps_lib.make_ps_strategy(options.partitioner, cluster)
 
   def training_workers(self, cluster) -> int:
     """The `worker` tasks (the coordinator schedules, it does not step; 0
