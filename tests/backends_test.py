@@ -81,10 +81,17 @@ class TraitsTest(parameterized.TestCase):
   @parameterized.named_parameters(("mirrored", "mirrored"),
                                   ("ps", "parameter_server"), ("tpu", "tpu"))
   def test_bytes_per_pack_is_refused_where_it_does_not_apply(self, kind):
-    options = strategy_lib.StrategyOptions(kind=kind, bytes_per_pack=1 << 20)
+    # `auto`, decided to `kind`: the decided backend's rule.
+    config = TrainConfig(model_dir="/unused", bytes_per_pack=1 << 20)
     with self.assertRaisesRegex(errors.ConfigError,
                                 f"--bytes_per_pack=1048576 .* not {kind}"):
-      backends.make_strategy(options, cluster=_cluster("chief", ps=1))
+      backends.backend_for(kind).validate(config, None, dataset=None)
+
+  @parameterized.named_parameters(("off", "off"), ("one_device", "one_device"),
+                                  ("mwms", "multi_worker_mirrored"))
+  def test_bytes_per_pack_is_accepted_where_it_applies(self, kind):
+    config = TrainConfig(model_dir="/unused", bytes_per_pack=1 << 20)
+    backends.backend_for(kind).validate(config, None, dataset=None)
 
   def test_a_multi_process_strategy_needs_its_cluster(self):
     options = strategy_lib.StrategyOptions(kind="parameter_server")

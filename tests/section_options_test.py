@@ -65,7 +65,7 @@ class SectionOptionsTest(absltest.TestCase):
     self.assertEqual(options.tpu, config.strategy.tpu)
     self.assertIs(options.partitioner, config.strategy.parameter_servers)
     self.assertEqual(options.partitioner.ps_max_shards, 3)
-    # The strategy factory reads the TPU section by its flag names (nothing
+    # The TPU backend reads the TPU section by its flag names (nothing
     # listens on port 1: the connection is refused at once).
     with self.assertRaisesRegex(errors.TPUNotAvailableError,
                                 "--tpu=grpc://127.0.0.1:1"):

@@ -66,6 +66,98 @@ class Role:
   serves: bool = False
 
 
+@dataclasses.dataclass(frozen=True)
+class InputSettings:
+  """The settings a run's inputs are read with (the runner copies them
+  from the config).
+
+  Attributes:
+    mode: `--mode` (`train` builds no held-out evaluation).
+    shuffle_buffer_size: `--shuffle_buffer_size` (examples; 0: none).
+    cache_dataset: `--cache_dataset`.
+    seed: `--seed` (None: unseeded).
+    deterministic: `--deterministic` (one reading order).
+  """
+  mode: str = "train_and_eval"
+  shuffle_buffer_size: int = 0
+  cache_dataset: bool = False
+  seed: Optional[int] = None
+  deterministic: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainingRun:
+  """What a backend's `build_inputs` and `export_model` read of a training
+  run once its parts are built; `tfdist.experiment.runner.ExperimentRunner.
+  training_run` makes it.
+
+  Attributes:
+    task: the run's `tfdist.training.task.Task` (its `dataset` spec, its
+      model builder).
+    plan: its `tfdist.training.run_plan.RunPlan`.
+    strategy: the built `tf.distribute.Strategy`.
+    parts: its `tfdist.training.assembly.Parts` (model, optimizer, trainer).
+    cluster: its `tfdist.distribute.cluster.ClusterInfo`.
+    num_workers: the processes that run training steps.
+    settings: its `InputSettings`.
+    input_position: the `tfdist.data.input_position.InputPosition` its
+      checkpoints record, or None.
+    latest_checkpoint: `() -> path or None`: the newest checkpoint now.
+    synchronize_statistics: `() -> None`: averages unsynchronized batch
+      norm's per-replica moving statistics
+      (`tfdist.training.moving_statistics`).
+    strategy_options: the `StrategyOptions` the strategy was built from
+      (the parameter servers' partitioner among them).
+    checkpoint_dir: the decided `--checkpoint_dir`.
+    steps_per_execution: the decided steps per call of the step function.
+    assembly_options: the run's `tfdist.training.assembly.AssemblyOptions`
+      (a parameter-server export builds a local copy of the model).
+  """
+  task: Any
+  plan: Any
+  strategy: tf.distribute.Strategy
+  parts: Any
+  cluster: Any
+  num_workers: int
+  settings: InputSettings
+  input_position: Any
+  latest_checkpoint: Callable[[], Optional[str]]
+  synchronize_statistics: Callable[[], None]
+  strategy_options: strategy_lib.StrategyOptions
+  checkpoint_dir: str
+  steps_per_execution: int
+  assembly_options: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class RunEnding:
+  """What a backend's `leave_together` reads as the run ends;
+  `tfdist.experiment.runner.ExperimentRunner.run_ending` makes it.
+
+  Attributes:
+    strategy: the built `tf.distribute.Strategy`.
+    parts: the run's `tfdist.training.assembly.Parts` (None when not built).
+    cluster: its `ClusterInfo`.
+    num_workers: the processes that run training steps.
+    is_writer: this process writes `--model_dir`.
+    exit_plan: the binary's `tfdist.distribute.worker_exit.ExitPlan` (None
+      in library use: the process is the caller's).
+    latest_checkpoint: `() -> path or None`: the newest checkpoint now.
+    close: `() -> None`: releases what the run holds (the `--model_dir`
+      lease, the signal handlers) before a process ends itself.
+    model_dir: the decided `--model_dir` (its done marker).
+  """
+  strategy: tf.distribute.Strategy
+  parts: Any
+  cluster: Any
+  num_workers: int
+  is_writer: bool
+  exit_plan: Any
+  latest_checkpoint: Callable[[], Optional[str]]
+  close: Callable[[], None]
+  model_dir: str
+
+
 class Backend:
   """One strategy's behaviour. Subclass it and register the subclass for a
   `StrategyKind` with `register_backend`.
@@ -158,7 +250,12 @@ class Backend:
   # -- Start-up ----------------------------------------------------------------
 
   def validate(self, config, decisions, *, dataset) -> None:
-    """Checks only this strategy makes, before anything is built.
+    """The rules that depend on the strategy, run once for the decided
+    backend (`auto`'s choice or the flag's) before anything is built.
+    A subclass adds its own and calls this one.
+
+    This one: `--bytes_per_pack` only where it applies or has no effect
+    (`accepts_bytes_per_pack`).
 
     Args:
       config: the run's `TrainConfig`, as the caller gave it.
@@ -170,7 +267,13 @@ class Backend:
     Raises:
       ConfigError: the configuration cannot run under this strategy.
     """
-    del config, decisions, dataset
+    del decisions, dataset
+    packs = config.strategy.bytes_per_pack
+    if packs and not self.accepts_bytes_per_pack:
+      raise errors.ConfigError(
+          f"--bytes_per_pack={packs} applies to multi_worker_mirrored, not "
+          f"{self.kind} (its all-reduce does not split the gradients into "
+          "packs). Drop --bytes_per_pack.")
 
   def serve(self, config, decisions, cluster) -> Optional[dict]:
     """Runs a serving process's part until the run ends; returns its result
@@ -208,7 +311,8 @@ class Backend:
   def make_strategy(self, options: strategy_lib.StrategyOptions, *,
                     cluster=None) -> strategy_lib.StrategyChoice:
     """Builds this backend's strategy from `options` (`new_strategy`),
-    after the checks every strategy shares.
+    named by its kind, once it has the cluster it needs (the rules of the
+    run's settings are `validate`'s).
 
     Args:
       options: a `StrategyOptions` whose `kind` is this backend's (`auto`
@@ -223,8 +327,7 @@ class Backend:
       what was asked; the caller replaces it with the decision's reason).
 
     Raises:
-      ConfigError: a multi-process strategy without a cluster,
-        `bytes_per_pack` for a strategy it does not apply to, or what
+      ConfigError: a multi-process strategy without a cluster, or what
         `new_strategy` refuses.
       ValueError: `options.kind` is not this backend's kind.
     """
@@ -238,11 +341,6 @@ class Backend:
       raise errors.ConfigError(
           f"--distribution_strategy={kind} needs the resolved "
           "cluster (tfdist.distribute.cluster.resolve_cluster).")
-    if options.bytes_per_pack and not self.accepts_bytes_per_pack:
-      raise errors.ConfigError(
-          f"--bytes_per_pack={options.bytes_per_pack} applies to "
-          f"multi_worker_mirrored, not {kind} (its all-reduce does not split "
-          "the gradients into packs). Drop --bytes_per_pack.")
     strategy, names = self.new_strategy(options, cluster=cluster)
     choice = strategy_lib.StrategyChoice(
         strategy, kind, f"--distribution_strategy={kind}", tuple(names))
@@ -299,13 +397,13 @@ class Backend:
 
   # -- Training ----------------------------------------------------------------
 
-  def build_inputs(self, run) -> Tuple[Any, Optional[Callable[..., dict]],
-                                       Dict[str, Any]]:
+  def build_inputs(self, run: TrainingRun
+                   ) -> Tuple[Any, Optional[Callable[..., dict]],
+                              Dict[str, Any]]:
     """`(step_runner, evaluate, strategy_details)` for a training run.
 
     Args:
-      run: the `tfdist.experiment.runner.ExperimentRunner` whose steps have
-        built its strategy, plan, parts and checkpoint keeper.
+      run: the `TrainingRun`: its strategy, plan, parts, input position.
 
     Returns:
       The `tfdist.training.step_runner.StepRunner`, the held-out evaluation
@@ -331,15 +429,19 @@ class Backend:
     del error, after, last_checkpoint, cluster
     return None
 
-  def export_model(self, run):
-    """The Keras model the SavedModel is made of (the trained one)."""
+  def export_model(self, run: TrainingRun):
+    """The Keras model the SavedModel is made of (the trained one).
+
+    Args:
+      run: the `TrainingRun`.
+    """
     return run.parts.model
 
-  def leave_together(self, run, *, failed: bool = False) -> None:
+  def leave_together(self, run: RunEnding, *, failed: bool = False) -> None:
     """Ends the run's processes together (nothing to do in one process).
 
     Args:
-      run: the `ExperimentRunner`.
+      run: the `RunEnding`.
       failed: this task's export or outputs failed (its error follows);
         a backend of several processes tells the others, whose
         `leave_together` then raises `tfdist.errors.PeerStoppedError`.

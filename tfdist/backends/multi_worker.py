@@ -81,7 +81,8 @@ class MultiWorkerMirroredBackend(synchronous.SynchronousBackend):
         own=(cluster.task_type, cluster.task_index),
         addresses=cluster.cluster)
 
-  def leave_together(self, run, *, failed: bool = False) -> None:
+  def leave_together(self, run: base.RunEnding, *,
+                     failed: bool = False) -> None:
     """The final barrier, then (with an `exit_plan`, unless this task or
     another arrived `failed`) the process ends here, the chief last.
 
@@ -97,15 +98,16 @@ class MultiWorkerMirroredBackend(synchronous.SynchronousBackend):
                                  failed=failed)
     except step_runner.PEER_LOST_ERRORS as e:
       raise self.translate_failure(
-          e, after="the final barrier", last_checkpoint=run.keeper.latest,
+          e, after="the final barrier",
+          last_checkpoint=run.latest_checkpoint(),
           cluster=cluster) from e
     if failed or run.exit_plan is None or run.num_workers <= 1:
       return
 
     def release():
-      run.cleanup.close()  # The lease, the signal handlers.
+      run.close()  # The lease, the signal handlers.
       # Side-car evaluators stop with the chief.
-      done_marker.mark_done(run.decisions.model_dir)
+      done_marker.mark_done(run.model_dir)
 
     # Never returns: the runner's objects stay alive until the process ends.
     worker_exit.leave_process(

@@ -33,8 +33,9 @@ class TPUBackend(synchronous.SynchronousBackend):
     return strategy, tuple(strategy.extended.worker_devices)
 
   def validate(self, config, decisions, *, dataset) -> None:
-    """Raises ConfigError: fp16, or local input files with a remote TPU
-    (`tfdist.distribute.tpu.validate_tpu_config`)."""
+    """Raises ConfigError: as `Backend.validate`; fp16, or local input
+    files with a remote TPU (`tfdist.distribute.tpu.validate_tpu_config`)."""
+    super().validate(config, decisions, dataset=dataset)
     tpu_lib.validate_tpu_config(
         decisions.tpu, data_patterns=run_plan_lib.data_patterns(
             run_plan_lib.decided_data(config.task.data, decisions), dataset))
