@@ -3,7 +3,7 @@
 Not a test: it starts `python -m tfdist.launch --num_workers=2 --pin_workers`
 (a chief and a worker on 127.0.0.1, each pinned to a core of its own), and
 each task builds the strategy as `tfdist.train` does
-(`tfdist.distribute.strategy.make_strategy`: ring all-reduce over gRPC,
+(`tfdist.backends.registry.make_strategy`: ring all-reduce over gRPC,
 instance keys fixed at trace time) and times a compiled function that
 all-reduces one float32 tensor of each `--sizes` (bytes) `--calls` times,
 alternating the sizes round by round. The chief prints the median wall
@@ -54,8 +54,9 @@ def run_task():
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   from tfdist.distribute import cluster as cluster_lib  # pylint: disable=g-import-not-at-top
   from tfdist.distribute import strategy as strategy_lib  # pylint: disable=g-import-not-at-top
+  from tfdist.backends import registry as backend_registry  # pylint: disable=g-import-not-at-top
   cluster = cluster_lib.resolve_cluster()
-  strategy = strategy_lib.make_strategy(
+  strategy = backend_registry.make_strategy(
       strategy_lib.StrategyOptions(kind="multi_worker_mirrored", num_gpus=0),
       cluster=cluster).strategy
   sizes = [int(s) for s in FLAGS.sizes]

@@ -94,7 +94,8 @@ def _build_transformer(spec, transformer_layers: int = 2,
 
 def _is_synchronous(kind: Optional[StrategyKind]) -> bool:
   """Replicas of `kind` step together over several devices (all-reduce)."""
-  return kind is not None and (kind.is_mirrored or kind.is_tpu)
+  return kind in (StrategyKind.MIRRORED, StrategyKind.MULTI_WORKER_MIRRORED,
+                  StrategyKind.TPU)
 
 
 # Built-in builders whose models have batch normalization (they take

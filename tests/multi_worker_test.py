@@ -43,7 +43,8 @@ class StrategyOptionsTest(parameterized.TestCase):
   def _make(self, config):
     from tfdist.distribute import cluster as cluster_lib  # pylint: disable=g-import-not-at-top
     from tfdist.distribute import strategy as strategy_lib  # pylint: disable=g-import-not-at-top
-    return strategy_lib.make_strategy(
+    from tfdist.backends import registry as backend_registry  # pylint: disable=g-import-not-at-top
+    return backend_registry.make_strategy(
         strategy_lib.StrategyOptions.of(config.strategy),
         cluster=cluster_lib.resolve_cluster())
 
@@ -63,13 +64,15 @@ class StrategyOptionsTest(parameterized.TestCase):
 
   def test_bytes_per_pack_refused_where_it_does_nothing(self):
     from tfdist import config as config_lib  # pylint: disable=g-import-not-at-top
-    from tfdist.distribute import strategy as strategy_lib  # pylint: disable=g-import-not-at-top
+    from tfdist.backends import registry as backend_registry  # pylint: disable=g-import-not-at-top
     with self.assertRaisesRegex(
         errors.ConfigError,
         r"--bytes_per_pack=1024 applies to multi_worker_mirrored, not "
         r"mirrored.*Drop --bytes_per_pack"):
-      strategy_lib.make_strategy(strategy_lib.StrategyOptions(
-          kind="mirrored", bytes_per_pack=1024))
+      # `auto` decided to mirrored: the decided backend's rule.
+      backend_registry.backend_for("mirrored").validate(
+          config_lib.TrainConfig(model_dir="/tmp/x", train_steps=1,
+                                 bytes_per_pack=1024), None, dataset=None)
     with self.assertRaisesRegex(errors.ConfigError,
                                 "--bytes_per_pack=-1 must be >= 0"):
       self._config(bytes_per_pack=-1)

@@ -193,6 +193,7 @@ def _strategy(out_dir: str, collective_timeout_seconds: float = 60):
   from tfdist import config as config_lib  # pylint: disable=g-import-not-at-top
   from tfdist import experiment  # pylint: disable=g-import-not-at-top
   from tfdist.distribute import strategy as strategy_lib  # pylint: disable=g-import-not-at-top
+  from tfdist.backends import registry as backend_registry  # pylint: disable=g-import-not-at-top
   # Under the launcher (TF_CONFIG set) `auto` must pick the multi-worker
   # strategy from the cluster alone, decided where every run decides it.
   name = "auto" if os.environ.get("TF_CONFIG") else "one_device"
@@ -203,7 +204,7 @@ def _strategy(out_dir: str, collective_timeout_seconds: float = 60):
   prepared = experiment.prepare_run(config)
   config, cluster, decision = (prepared.config, prepared.cluster,
                                prepared.decision)
-  choice = strategy_lib.make_strategy(
+  choice = backend_registry.make_strategy(
       strategy_lib.StrategyOptions.of(config.strategy, prepared.decisions),
       cluster=cluster)
   print(f"strategy {choice.name} ({decision.strategy_reason})", flush=True)

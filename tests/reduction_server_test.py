@@ -22,6 +22,7 @@ from tfdist.distribute import auto_select
 from tfdist.distribute import cluster as cluster_lib
 from tfdist.distribute import environment as environment_lib
 from tfdist.distribute import strategy as strategy_lib
+from tfdist.backends import registry as backend_registry
 
 # Also run on the oldest supported TensorFlow (tests/conftest.py).
 pytestmark = pytest.mark.compat
@@ -127,7 +128,7 @@ def _make_strategy(config, env):
   """As the binary does: environment, cluster, decision, then the factory."""
   prepared = experiment.prepare_run(
       config, environment=environment_lib.read_environment(env))
-  return strategy_lib.make_strategy(
+  return backend_registry.make_strategy(
       strategy_lib.StrategyOptions.of(
           prepared.config.strategy, prepared.decisions,
           reduction_server=prepared.config.cloud.reduction_server),

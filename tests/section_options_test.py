@@ -17,6 +17,7 @@ from tfdist.data import filesystems
 from tfdist.distribute import decisions as decisions_lib
 from tfdist.distribute import auto_select
 from tfdist.distribute import strategy as strategy_lib
+from tfdist.backends import registry as backend_registry
 from tfdist.distribute.strategy_kind import StrategyKind
 from tfdist.observability import manifest
 from tfdist.parallel import pipeline_options
@@ -64,11 +65,11 @@ class SectionOptionsTest(absltest.TestCase):
     self.assertEqual(options.tpu, config.strategy.tpu)
     self.assertIs(options.partitioner, config.strategy.parameter_servers)
     self.assertEqual(options.partitioner.ps_max_shards, 3)
-    # The strategy factory reads the TPU section by its flag names (nothing
+    # The TPU backend reads the TPU section by its flag names (nothing
     # listens on port 1: the connection is refused at once).
     with self.assertRaisesRegex(errors.TPUNotAvailableError,
                                 "--tpu=grpc://127.0.0.1:1"):
-      strategy_lib.make_strategy(options)
+      backend_registry.make_strategy(options)
 
   def test_auto_must_be_decided_first(self):
     with self.assertRaisesRegex(errors.ConfigError, "decide `auto` first"):

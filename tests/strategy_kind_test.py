@@ -1,9 +1,11 @@
-"""Unit tests of tfdist.distribute.strategy_kind: parsing and the facts of each kind."""
+"""Unit tests of tfdist.distribute.strategy_kind: parsing and registering
+kinds (the facts of each kind are its backend's: tests/backends_test.py)."""
 
 import json
 
 import pytest
 
+from tfdist.distribute import strategy_kind
 from tfdist.distribute.strategy_kind import StrategyKind
 
 
@@ -29,13 +31,23 @@ def test_kind_prints_and_serializes_as_its_flag_value():
 
 
 @pytest.mark.compat
-def test_facts():
-  ps, mwms = StrategyKind.PARAMETER_SERVER, StrategyKind.MULTI_WORKER_MIRRORED
-  assert [k for k in StrategyKind if k.is_asynchronous] == [ps]
-  assert {k for k in StrategyKind if k.is_multi_worker} == {ps, mwms}
-  assert not ps.supports_gradient_accumulation
-  assert mwms.writes_model_dir(is_chief=True)
-  assert not mwms.writes_model_dir(is_chief=False)
-  assert ps.writes_model_dir(is_chief=False)
-  assert StrategyKind.MIRRORED.num_input_pipelines(4) == 1
-  assert mwms.num_input_pipelines(3) == 3
+def test_a_registered_kind_parses_prints_and_serializes_as_its_name():
+  kind = strategy_kind.register_kind("toy_kind")
+  try:
+    assert StrategyKind.parse("TOY_KIND") is kind
+    assert strategy_kind.register_kind("toy_kind") is kind
+    assert str(kind) == f"{kind}" == kind.value == "toy_kind"
+    assert json.dumps({"s": kind}) == '{"s": "toy_kind"}'
+    assert kind not in list(StrategyKind)
+    assert strategy_kind.names()[-1] == "toy_kind"
+  finally:
+    strategy_kind.unregister_kind("toy_kind")
+  with pytest.raises(ValueError, match="toy_kind"):
+    StrategyKind.parse("toy_kind")
+
+
+@pytest.mark.compat
+@pytest.mark.parametrize("bad", ["auto", "mirrored", "Toy", "1toy", "to-y"])
+def test_register_kind_refuses_taken_and_malformed_names(bad):
+  with pytest.raises(ValueError, match="register_kind"):
+    strategy_kind.register_kind(bad)

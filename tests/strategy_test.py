@@ -1,4 +1,5 @@
-"""Tests for the single-host branches of tfdist.distribute.strategy.make_strategy."""
+"""Tests of the single-host backends' strategies (`Backend.make_strategy`,
+through `tfdist.backends.registry.make_strategy`)."""
 
 from absl.testing import absltest
 from absl.testing import parameterized
@@ -11,6 +12,7 @@ from tfdist.distribute import decisions as decisions_lib
 from tfdist.distribute import auto_select
 from tfdist.distribute import cluster as cluster_lib
 from tfdist.distribute import strategy as strategy_lib
+from tfdist.backends import registry as backend_registry
 
 # Also run on the oldest supported TensorFlow (see tests/conftest.py).
 pytestmark = pytest.mark.compat
@@ -23,19 +25,19 @@ def _config(**kwargs):
 class MakeStrategyTest(parameterized.TestCase):
 
   def test_off_is_the_default_strategy(self):
-    choice = strategy_lib.make_strategy(strategy_lib.StrategyOptions.of(
+    choice = backend_registry.make_strategy(strategy_lib.StrategyOptions.of(
         _config(distribution_strategy="off").strategy))
     self.assertIs(choice.strategy, tf.distribute.get_strategy())
     self.assertEqual(choice.strategy.num_replicas_in_sync, 1)
 
   def test_one_device_on_cpu(self):
-    choice = strategy_lib.make_strategy(strategy_lib.StrategyOptions.of(
+    choice = backend_registry.make_strategy(strategy_lib.StrategyOptions.of(
         _config(distribution_strategy="one_device", num_gpus=0).strategy))
     self.assertIsInstance(choice.strategy, tf.distribute.OneDeviceStrategy)
     self.assertEqual(choice.devices, ("/cpu:0",))
 
   def test_mirrored_over_cpu_devices(self):
-    choice = strategy_lib.make_strategy(strategy_lib.StrategyOptions.of(
+    choice = backend_registry.make_strategy(strategy_lib.StrategyOptions.of(
         _config(distribution_strategy="mirrored").strategy))
     self.assertIsInstance(choice.strategy, tf.distribute.MirroredStrategy)
     cpus = tf.config.list_logical_devices("CPU")
@@ -51,14 +53,14 @@ class MakeStrategyTest(parameterized.TestCase):
        "multi_worker_mirrored"))
   def test_all_reduce_errors(self, alg, message):
     with self.assertRaisesRegex(errors.ConfigError, message):
-      strategy_lib.make_strategy(strategy_lib.StrategyOptions.of(
+      backend_registry.make_strategy(strategy_lib.StrategyOptions.of(
           _config(distribution_strategy="mirrored", all_reduce_alg=alg,
                   num_gpus=0).strategy))
 
   def test_too_many_gpus(self):
     with self.assertRaisesRegex(
         errors.ConfigError, r"--num_gpus=4 but only \d GPU"):
-      strategy_lib.make_strategy(strategy_lib.StrategyOptions.of(
+      backend_registry.make_strategy(strategy_lib.StrategyOptions.of(
           _config(distribution_strategy="mirrored", num_gpus=4).strategy))
 
   def test_auto_on_cpu_only_machine(self):
@@ -72,13 +74,13 @@ class MakeStrategyTest(parameterized.TestCase):
         cluster=cluster_lib.ClusterInfo.single_process())
     self.assertEqual(decision.strategy, "one_device")
     self.assertIn("auto: ", decision.strategy_reason)
-    choice = strategy_lib.make_strategy(strategy_lib.StrategyOptions.of(
+    choice = backend_registry.make_strategy(strategy_lib.StrategyOptions.of(
         config.strategy, decisions_lib.Decisions.of(config, choice=decision)))
     self.assertEqual(choice.name, "one_device")
 
   def test_factory_never_sees_auto(self):
     with self.assertRaisesRegex(errors.ConfigError, "decide `auto` first"):
-      strategy_lib.make_strategy(strategy_lib.StrategyOptions.of(
+      backend_registry.make_strategy(strategy_lib.StrategyOptions.of(
           _config(distribution_strategy="auto").strategy))
 
 

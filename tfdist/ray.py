@@ -100,6 +100,8 @@ from tfdist.distribute.strategy_kind import StrategyKind  # pylint: disable=g-im
 from tfdist.runtime import cli  # pylint: disable=g-import-not-at-top,wrong-import-position
 from tfdist.runtime import quiet_tensorflow  # pylint: disable=g-import-not-at-top,wrong-import-position
 
+# Every Ray Train worker is one task of this strategy's cluster.
+RAY_STRATEGY = StrategyKind.MULTI_WORKER_MIRRORED
 INSTALL_HINT = ("Ray Train is not installed. Install it with: pip install "
                 "'tfdist[ray]' (or: pip install 'ray[train]>=2.60,<3').")
 LOCALHOST = "127.0.0.1"
@@ -142,6 +144,14 @@ def _absolute(path: str) -> str:
   return os.path.abspath(os.path.expanduser(path)) if _is_local(path) else path
 
 
+def _backend_for(strategy: str):
+  """The backend of the strategy `strategy` (`tfdist.backends.registry`),
+  imported on first use: it imports TensorFlow, as the driver's Ray Train
+  (`ray.train.tensorflow`) does."""
+  from tfdist.backends import registry  # pylint: disable=g-import-not-at-top
+  return registry.backend_for(strategy)
+
+
 def prepare_config(config: TrainConfig) -> TrainConfig:
   """Checks and adapts `config` for Ray Train workers; runs before Ray.
 
@@ -166,10 +176,12 @@ def prepare_config(config: TrainConfig) -> TrainConfig:
       (Ray gives the cluster), or a local file glob that matches nothing.
   """
   strategy = config.distribution_strategy
-  kind = None if strategy == "auto" else StrategyKind.parse(strategy)
-  if kind is not None and kind.is_asynchronous:
-    raise errors.ConfigError(f"--distribution_strategy={kind}: {PS_REFUSAL}")
-  if kind not in (None, StrategyKind.MULTI_WORKER_MIRRORED):
+  # None: `auto`, which becomes RAY_STRATEGY.
+  backend = None if strategy == "auto" else _backend_for(strategy)
+  if backend is not None and backend.asynchronous:
+    raise errors.ConfigError(
+        f"--distribution_strategy={strategy}: {PS_REFUSAL}")
+  if backend is not None and not backend.multi_process:
     raise errors.ConfigError(
         f"--distribution_strategy={strategy} does not apply under tfdist.ray: "
         "each Ray Train worker is one task of a MultiWorkerMirroredStrategy "
@@ -181,7 +193,7 @@ def prepare_config(config: TrainConfig) -> TrainConfig:
         f"--worker_hosts={config.worker_hosts!r} / --task_index="
         f"{config.task_index}: Ray Train gives every worker its place in the "
         "cluster (TF_CONFIG). Drop both flags.")
-  changes = {"distribution_strategy": StrategyKind.MULTI_WORKER_MIRRORED.value}
+  changes = {"distribution_strategy": RAY_STRATEGY.value}
   for name in _PATH_FIELDS:
     value = getattr(config, name)
     if name == "data_dir" and not value and not (config.train_files and

@@ -4,10 +4,13 @@ A run's wiring (`tfdist.experiment`) asks its backend, never the strategy's
 kind: how many processes step, which one writes `--model_dir`, how the
 strategy is built, what feeds it and runs its steps, how its failures read,
 what it exports and how its processes finish together. A new strategy is
-one `StrategyKind` member (`tfdist.distribute.strategy_kind`), one module
-here with a `Backend` subclass registered for that kind
-(`register_backend`), its test, and one selection rule in
-`tfdist.distribute.auto_select`. The built-in backends:
+its kind (a `StrategyKind` member, or a name registered with
+`tfdist.distribute.strategy_kind.register_kind` from outside tfdist), one
+module with a `Backend` subclass registered for that kind
+(`register_backend`) that builds the strategy (`new_strategy`) and states
+its traits, its test, and its selection rule for `auto`
+(`tfdist.distribute.auto_select.register_rule`, or a line of
+`auto_select.decide_strategy` for a built-in one). The built-in backends:
 
 | kind | module |
 |---|---|
@@ -28,10 +31,13 @@ strategy does differently lives in one subclass.
 import dataclasses
 from typing import Any, Callable, Dict, List, Optional, Tuple, Type
 
+from absl import logging
 import tensorflow as tf
 
+from tfdist import errors
 from tfdist.distribute import devices
 from tfdist.distribute import strategy as strategy_lib
+from tfdist.distribute import strategy_kind
 from tfdist.distribute.strategy_kind import StrategyKind
 
 
@@ -60,6 +66,98 @@ class Role:
   serves: bool = False
 
 
+@dataclasses.dataclass(frozen=True)
+class InputSettings:
+  """The settings a run's inputs are read with (the runner copies them
+  from the config).
+
+  Attributes:
+    mode: `--mode` (`train` builds no held-out evaluation).
+    shuffle_buffer_size: `--shuffle_buffer_size` (examples; 0: none).
+    cache_dataset: `--cache_dataset`.
+    seed: `--seed` (None: unseeded).
+    deterministic: `--deterministic` (one reading order).
+  """
+  mode: str = "train_and_eval"
+  shuffle_buffer_size: int = 0
+  cache_dataset: bool = False
+  seed: Optional[int] = None
+  deterministic: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainingRun:
+  """What a backend's `build_inputs` and `export_model` read of a training
+  run once its parts are built; `tfdist.experiment.runner.ExperimentRunner.
+  training_run` makes it.
+
+  Attributes:
+    task: the run's `tfdist.training.task.Task` (its `dataset` spec, its
+      model builder).
+    plan: its `tfdist.training.run_plan.RunPlan`.
+    strategy: the built `tf.distribute.Strategy`.
+    parts: its `tfdist.training.assembly.Parts` (model, optimizer, trainer).
+    cluster: its `tfdist.distribute.cluster.ClusterInfo`.
+    num_workers: the processes that run training steps.
+    settings: its `InputSettings`.
+    input_position: the `tfdist.data.input_position.InputPosition` its
+      checkpoints record, or None.
+    latest_checkpoint: `() -> path or None`: the newest checkpoint now.
+    synchronize_statistics: `() -> None`: averages unsynchronized batch
+      norm's per-replica moving statistics
+      (`tfdist.training.moving_statistics`).
+    strategy_options: the `StrategyOptions` the strategy was built from
+      (the parameter servers' partitioner among them).
+    checkpoint_dir: the decided `--checkpoint_dir`.
+    steps_per_execution: the decided steps per call of the step function.
+    assembly_options: the run's `tfdist.training.assembly.AssemblyOptions`
+      (a parameter-server export builds a local copy of the model).
+  """
+  task: Any
+  plan: Any
+  strategy: tf.distribute.Strategy
+  parts: Any
+  cluster: Any
+  num_workers: int
+  settings: InputSettings
+  input_position: Any
+  latest_checkpoint: Callable[[], Optional[str]]
+  synchronize_statistics: Callable[[], None]
+  strategy_options: strategy_lib.StrategyOptions
+  checkpoint_dir: str
+  steps_per_execution: int
+  assembly_options: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class RunEnding:
+  """What a backend's `leave_together` reads as the run ends;
+  `tfdist.experiment.runner.ExperimentRunner.run_ending` makes it.
+
+  Attributes:
+    strategy: the built `tf.distribute.Strategy`.
+    parts: the run's `tfdist.training.assembly.Parts` (None when not built).
+    cluster: its `ClusterInfo`.
+    num_workers: the processes that run training steps.
+    is_writer: this process writes `--model_dir`.
+    exit_plan: the binary's `tfdist.distribute.worker_exit.ExitPlan` (None
+      in library use: the process is the caller's).
+    latest_checkpoint: `() -> path or None`: the newest checkpoint now.
+    close: `() -> None`: releases what the run holds (the `--model_dir`
+      lease, the signal handlers) before a process ends itself.
+    model_dir: the decided `--model_dir` (its done marker).
+  """
+  strategy: tf.distribute.Strategy
+  parts: Any
+  cluster: Any
+  num_workers: int
+  is_writer: bool
+  exit_plan: Any
+  latest_checkpoint: Callable[[], Optional[str]]
+  close: Callable[[], None]
+  model_dir: str
+
+
 class Backend:
   """One strategy's behaviour. Subclass it and register the subclass for a
   `StrategyKind` with `register_backend`.
@@ -68,22 +166,40 @@ class Backend:
   device, Mirrored); each built-in subclass overrides only what its
   strategy does otherwise.
 
-  Class attributes:
-    kind: the `StrategyKind` this backend serves (set by
-      `register_backend`).
+  Class attributes (the strategy's traits, asked of the backend, never of
+  the kind):
+    kind: the kind this backend serves (a `StrategyKind` or a registered
+      kind; set by `register_backend`).
     asynchronous: workers step independently, scheduled by a coordinator
-      (the run plan sizes batches per worker step).
+      (the run plan sizes batches per worker step; no gradient
+      accumulation, no shared loss scale).
+    multi_process: the strategy spans the processes of a `tf.distribute`
+      cluster (it needs the resolved cluster; one input pipeline per
+      worker).
+    mirrored: synchronous all-reduce data parallelism over replicas that
+      hold mirrored copies of the variables (what ZeRO shards).
     on_tpu: the model is built for a TPU (static shapes, padded
       evaluation batches).
     keeps_input_position: checkpoints record where the input stands, so a
       resumed run continues the epoch (needs one deterministic reading
       order).
+    accepts_bytes_per_pack: `--bytes_per_pack` applies (its all-reduce
+      splits the gradients into packs) or has no effect (one replica);
+      False: refused.
   """
 
-  kind: StrategyKind = StrategyKind.ONE_DEVICE
+  kind = StrategyKind.ONE_DEVICE
   asynchronous: bool = False
+  multi_process: bool = False
+  mirrored: bool = False
   on_tpu: bool = False
   keeps_input_position: bool = True
+  accepts_bytes_per_pack: bool = False
+
+  @property
+  def accumulates_gradients(self) -> bool:
+    """`--gradient_accumulation_steps` > 1 runs (a synchronous step)."""
+    return not self.asynchronous
 
   # -- Roles -----------------------------------------------------------------
 
@@ -117,9 +233,14 @@ class Backend:
     """How many `tf.data` pipelines feed the run (one per reading process).
 
     Args:
-      num_workers: the run's training workers.
+      num_workers: the run's training workers (`Cluster.num_workers`; 1
+        outside a cluster).
+
+    Returns:
+      One per worker when the strategy spans processes (each worker reads
+      its own shard); 1 otherwise.
     """
-    return self.kind.num_input_pipelines(num_workers)
+    return max(1, int(num_workers)) if self.multi_process else 1
 
   def cross_process_collectives(self, num_workers: int) -> bool:
     """Whether a training step's collectives reach another process."""
@@ -129,7 +250,12 @@ class Backend:
   # -- Start-up ----------------------------------------------------------------
 
   def validate(self, config, decisions, *, dataset) -> None:
-    """Checks only this strategy makes, before anything is built.
+    """The rules that depend on the strategy, run once for the decided
+    backend (`auto`'s choice or the flag's) before anything is built.
+    A subclass adds its own and calls this one.
+
+    This one: `--bytes_per_pack` only where it applies or has no effect
+    (`accepts_bytes_per_pack`).
 
     Args:
       config: the run's `TrainConfig`, as the caller gave it.
@@ -141,7 +267,13 @@ class Backend:
     Raises:
       ConfigError: the configuration cannot run under this strategy.
     """
-    del config, decisions, dataset
+    del decisions, dataset
+    packs = config.strategy.bytes_per_pack
+    if packs and not self.accepts_bytes_per_pack:
+      raise errors.ConfigError(
+          f"--bytes_per_pack={packs} applies to multi_worker_mirrored, not "
+          f"{self.kind} (its all-reduce does not split the gradients into "
+          "packs). Drop --bytes_per_pack.")
 
   def serve(self, config, decisions, cluster) -> Optional[dict]:
     """Runs a serving process's part until the run ends; returns its result
@@ -152,7 +284,7 @@ class Backend:
 
   def build_strategy(self, config, decisions, *, cluster,
                      lease=None) -> strategy_lib.StrategyChoice:
-    """The `tf.distribute` strategy, with the CPU devices configured.
+    """The run's `tf.distribute` strategy, with the CPU devices configured.
 
     Args:
       config: the run's `TrainConfig`.
@@ -162,15 +294,75 @@ class Backend:
         that waits for peers extends it while it waits.
 
     Raises:
-      ConfigError: as `tfdist.distribute.strategy.make_strategy`.
+      ConfigError: as `make_strategy`.
     """
     del lease
     devices.configure_cpu_devices(config.num_cpu_devices)
-    return strategy_lib.make_strategy(
-        strategy_lib.StrategyOptions.of(
-            config.strategy, decisions,
-            reduction_server=config.cloud.reduction_server),
-        cluster=cluster)
+    return self.make_strategy(self.strategy_options(config, decisions),
+                              cluster=cluster)
+
+  def strategy_options(self, config, decisions
+                       ) -> strategy_lib.StrategyOptions:
+    """The `StrategyOptions` of `config` with its decided values."""
+    return strategy_lib.StrategyOptions.of(
+        config.strategy, decisions,
+        reduction_server=config.cloud.reduction_server)
+
+  def make_strategy(self, options: strategy_lib.StrategyOptions, *,
+                    cluster=None) -> strategy_lib.StrategyChoice:
+    """Builds this backend's strategy from `options` (`new_strategy`),
+    named by its kind, once it has the cluster it needs (the rules of the
+    run's settings are `validate`'s).
+
+    Args:
+      options: a `StrategyOptions` whose `kind` is this backend's (`auto`
+        is decided first by `tfdist.distribute.auto_select.resolve`; the
+        config's strategy section becomes options with
+        `StrategyOptions.of`).
+      cluster: the resolved `tfdist.distribute.cluster.ClusterInfo`; needed
+        when the strategy spans processes (`multi_process`).
+
+    Returns:
+      A `StrategyChoice` named by this backend's kind (its `reason` says
+      what was asked; the caller replaces it with the decision's reason).
+
+    Raises:
+      ConfigError: a multi-process strategy without a cluster, or what
+        `new_strategy` refuses.
+      ValueError: `options.kind` is not this backend's kind.
+    """
+    kind = strategy_kind.StrategyKind.parse(options.kind)
+    if kind != self.kind:
+      raise ValueError(
+          f"{type(self).__name__} builds --distribution_strategy="
+          f"{self.kind}, not {kind}: ask tfdist.backends.registry."
+          f"backend_for({str(kind)!r}).")
+    if self.multi_process and cluster is None:
+      raise errors.ConfigError(
+          f"--distribution_strategy={kind} needs the resolved "
+          "cluster (tfdist.distribute.cluster.resolve_cluster).")
+    strategy, names = self.new_strategy(options, cluster=cluster)
+    choice = strategy_lib.StrategyChoice(
+        strategy, kind, f"--distribution_strategy={kind}", tuple(names))
+    logging.info("Strategy: %s; %d replica(s) on %s", choice.name,
+                 choice.strategy.num_replicas_in_sync,
+                 ", ".join(choice.devices))
+    return choice
+
+  def new_strategy(self, options: strategy_lib.StrategyOptions, *,
+                   cluster) -> Tuple[tf.distribute.Strategy, Tuple[str, ...]]:
+    """`(strategy, device names)`: the strategy itself, built from
+    `options` (`make_strategy` made its shared checks). Every backend
+    that builds its strategy from options overrides it.
+
+    Args:
+      options: the run's `StrategyOptions`.
+      cluster: the run's `ClusterInfo` (None in one process).
+    """
+    del options, cluster
+    raise NotImplementedError(
+        f"{type(self).__name__} (the {self.kind} backend) builds no "
+        "strategy: implement new_strategy (or build_strategy).")
 
   def planned_replicas(self, config, decisions, *, cluster) -> Tuple[int, int]:
     """`(num_replicas_in_sync, num_workers)` a run will have, without
@@ -205,13 +397,13 @@ class Backend:
 
   # -- Training ----------------------------------------------------------------
 
-  def build_inputs(self, run) -> Tuple[Any, Optional[Callable[..., dict]],
-                                       Dict[str, Any]]:
+  def build_inputs(self, run: TrainingRun
+                   ) -> Tuple[Any, Optional[Callable[..., dict]],
+                              Dict[str, Any]]:
     """`(step_runner, evaluate, strategy_details)` for a training run.
 
     Args:
-      run: the `tfdist.experiment.runner.ExperimentRunner` whose steps have
-        built its strategy, plan, parts and checkpoint keeper.
+      run: the `TrainingRun`: its strategy, plan, parts, input position.
 
     Returns:
       The `tfdist.training.step_runner.StepRunner`, the held-out evaluation
@@ -237,15 +429,19 @@ class Backend:
     del error, after, last_checkpoint, cluster
     return None
 
-  def export_model(self, run):
-    """The Keras model the SavedModel is made of (the trained one)."""
+  def export_model(self, run: TrainingRun):
+    """The Keras model the SavedModel is made of (the trained one).
+
+    Args:
+      run: the `TrainingRun`.
+    """
     return run.parts.model
 
-  def leave_together(self, run, *, failed: bool = False) -> None:
+  def leave_together(self, run: RunEnding, *, failed: bool = False) -> None:
     """Ends the run's processes together (nothing to do in one process).
 
     Args:
-      run: the `ExperimentRunner`.
+      run: the `RunEnding`.
       failed: this task's export or outputs failed (its error follows);
         a backend of several processes tells the others, whose
         `leave_together` then raises `tfdist.errors.PeerStoppedError`.
@@ -287,7 +483,8 @@ def first_gpus(n: int, num_gpus: int = -1) -> Optional[List[str]]:
   return names[:min(gpus, n)]
 
 
-_BACKENDS: Dict[StrategyKind, Type[Backend]] = {}
+# Keyed by kind: a `StrategyKind` or a `RegisteredKind`.
+_BACKENDS: Dict[str, Type[Backend]] = {}
 
 
 def register_backend(kind, backend: Optional[Type[Backend]] = None):
@@ -298,7 +495,8 @@ def register_backend(kind, backend: Optional[Type[Backend]] = None):
   (a user's subclass replacing a built-in backend).
 
   Args:
-    kind: a `StrategyKind` or its name.
+    kind: a `StrategyKind`, a kind registered with
+      `tfdist.distribute.strategy_kind.register_kind`, or its name.
     backend: the class; omitted when used as a decorator.
 
   Returns:
@@ -324,3 +522,9 @@ def register_backend(kind, backend: Optional[Type[Backend]] = None):
 def registered_backend(kind) -> Optional[Type[Backend]]:
   """The class registered for `kind`, or None."""
   return _BACKENDS.get(StrategyKind.parse(kind))
+
+
+def unregister_backend(kind) -> None:
+  """Forgets the backend registered for `kind` (a kind registered outside
+  tfdist, when its test ends); no error when none is."""
+  _BACKENDS.pop(StrategyKind.parse(kind), None)

@@ -12,6 +12,7 @@ from tfdist.backends import multi_worker
 from tfdist.data import input_pipeline
 from tfdist.distribute import cluster as cluster_lib
 from tfdist.distribute import parameter_server as ps_lib
+from tfdist.distribute import strategy as strategy_lib
 from tfdist.distribute.strategy_kind import StrategyKind
 from tfdist.training import assembly
 from tfdist.training import run_plan
@@ -26,9 +27,18 @@ class ParameterServerBackend(base.Backend):
   (`ParameterServerError`, resumed from the last checkpoint)."""
 
   asynchronous = True
+  multi_process = True
   # Workers read unseeded copies of every file: no one reading order to
   # record.
   keeps_input_position = False
+
+  def new_strategy(self, options, *, cluster):
+    """`ParameterServerStrategy` over the cluster's workers and ps tasks,
+    once every address resolves (the coordinator connects to each)."""
+    cluster_lib.check_addresses_resolve(
+        cluster, retry_seconds=min(strategy_lib.RESOLVE_RETRY_SECONDS,
+                                   options.cluster_start_timeout_seconds))
+    return ps_lib.make_ps_strategy(options.partitioner, cluster)
 
   def training_workers(self, cluster) -> int:
     """The `worker` tasks (the coordinator schedules, it does not step; 0
@@ -54,29 +64,30 @@ class ParameterServerBackend(base.Backend):
     return {"role": cluster.task_type, "index": cluster.task_index,
             "exit_status": status}
 
-  def build_inputs(self, run):
+  def build_inputs(self, run: base.TrainingRun):
     details = self._describe_placement(run)
     runner, evaluate = _coordinator_runner(
-        run.config, spec=run.task.dataset, plan=run.plan,
-        strategy=run.strategy, parts=run.parts, keeper=run.keeper)
+        run.settings, spec=run.task.dataset, plan=run.plan,
+        strategy=run.strategy, parts=run.parts,
+        latest_checkpoint=run.latest_checkpoint)
     return runner, evaluate, details
 
-  def _describe_placement(self, run) -> dict:
+  def _describe_placement(self, run: base.TrainingRun) -> dict:
     """Logs and checks the variables' placement on the ps tasks; returns
     the manifest's `strategy_details`."""
-    config, model = run.config, run.parts.model
+    config, model = run.strategy_options.partitioner, run.parts.model
     placement = ps_lib.describe_placement(
         model, run.parts.optimizer,
         large_bytes=min(config.ps_min_shard_bytes, 64 << 10))
     logging.info("%s", ps_lib.format_placement(placement))
-    ps_lib.check_shard_layout(run.decisions.checkpoint_dir, model)
-    ps_lib.write_shard_layout(run.decisions.checkpoint_dir, model)
+    ps_lib.check_shard_layout(run.checkpoint_dir, model)
+    ps_lib.write_shard_layout(run.checkpoint_dir, model)
     return {"num_workers": run.num_workers, "num_ps": run.cluster.num_ps,
             "cluster": run.cluster.cluster_dict(),
             "partitioner": config.ps_partitioner,
             "min_shard_bytes": config.ps_min_shard_bytes,
             "max_shards": config.ps_max_shards or run.cluster.num_ps,
-            "steps_per_execution": run.decisions.steps_per_execution,
+            "steps_per_execution": run.steps_per_execution,
             "placement": placement}
 
   def translate_failure(self, error, *, after: str,
@@ -89,15 +100,15 @@ class ParameterServerBackend(base.Backend):
     return step_runner.ps_lost_error(error, after=after,
                                      last_checkpoint=last_checkpoint)
 
-  def export_model(self, run):
+  def export_model(self, run: base.TrainingRun):
     """A local copy restored from the final checkpoint: the tables are
     ShardedVariables on the ps tasks, which a SavedModel cannot capture
     (each table is one variable again)."""
     model = assembly.build_model(
-        run.assembly_options(), task=run.task,
+        run.assembly_options, task=run.task,
         sync_batch_norm=run.plan.sync_batch_norm)
     tf.train.Checkpoint(model=model).restore(
-        run.keeper.latest).expect_partial()
+        run.latest_checkpoint()).expect_partial()
     return model
 
   def evaluation_batch(self, global_batch_size: int) -> int:
@@ -108,7 +119,8 @@ class ParameterServerBackend(base.Backend):
     return multi_worker.spanning_evaluator(self.kind, local_devices)
 
 
-def _coordinator_runner(config, *, spec, plan, strategy, parts, keeper):
+def _coordinator_runner(config: base.InputSettings, *, spec, plan, strategy,
+                        parts, latest_checkpoint):
   """The coordinator's step runner and in-process evaluation."""
   coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
   train_options = input_pipeline.options_for(
@@ -136,7 +148,7 @@ def _coordinator_runner(config, *, spec, plan, strategy, parts, keeper):
   reread_options = dataclasses.replace(train_options, shuffle_buffer_size=0)
   runner = step_runner.CoordinatorStepRunner(
       trainer=parts.trainer, coordinator=coordinator, iterator=iterator,
-      last_checkpoint=lambda: keeper.latest,
+      last_checkpoint=latest_checkpoint,
       reread_fn=lambda: input_pipeline.make_dataset(reread_options),
       reread_batches=plan.steps_per_epoch)
   if config.mode == "train":

@@ -38,6 +38,22 @@ def backend_for(kind) -> base.Backend:
   return cls()
 
 
+def make_strategy(options, *, cluster=None):
+  """The strategy of `options.kind`, built by its backend
+  (`Backend.make_strategy`: `backend_for(options.kind).make_strategy`).
+
+  Args:
+    options: a `tfdist.distribute.strategy.StrategyOptions` with a
+      concrete `kind`.
+    cluster: the resolved `ClusterInfo` (for a strategy that spans
+      processes).
+
+  Raises:
+    As `backend_for` and the backend's `make_strategy`.
+  """
+  return backend_for(options.kind).make_strategy(options, cluster=cluster)
+
+
 def backend_for_run(kind, config, cluster=None) -> base.Backend:
   """The backend of a run: the pipeline's (`tfdist.backends.pipeline`)
   when `config` cuts the model into stages (`pipeline_stages > 1`), the

@@ -18,29 +18,28 @@ from tfdist.training import step_runner
 class SynchronousBackend(base.Backend):
   """Every training process runs every step on its share of the batch."""
 
-  def build_inputs(self, run):
+  def build_inputs(self, run: base.TrainingRun):
     return (local_runner(run, num_input_pipelines=self.num_input_pipelines(
         run.num_workers)), local_evaluation(run, pad=self.on_tpu), {})
 
-  def export_model(self, run):
+  def export_model(self, run: base.TrainingRun):
     """The trained model, its per-replica batch-norm statistics averaged
     (`tfdist.training.moving_statistics`): what was last evaluated."""
-    run.moving_statistics.synchronize()
+    run.synchronize_statistics()
     return super().export_model(run)
 
 
-def local_runner(run, *, num_input_pipelines: int
+def local_runner(run: base.TrainingRun, *, num_input_pipelines: int
                  ) -> step_runner.LocalStepRunner:
   """The step runner over this process's distributed training input.
 
   Args:
-    run: the `ExperimentRunner` (its config, task, plan, strategy, parts and
-      keeper built).
+    run: the `TrainingRun`.
     num_input_pipelines: the `tf.data` pipelines that feed the run (a
       dataset function's epoch is split among them).
   """
-  config, plan, strategy = run.config, run.plan, run.strategy
-  input_position = run.keeper.input_position
+  config, plan, strategy = run.settings, run.plan, run.strategy
+  input_position = run.input_position
   train_options = input_pipeline.options_for(
       run.task.dataset, files=plan.train_files,
       global_batch_size=plan.global_batch_size, is_training=True,
@@ -73,15 +72,16 @@ def local_runner(run, *, num_input_pipelines: int
       num_workers=run.num_workers)
 
 
-def local_evaluation(run, *, pad: bool) -> Optional[Callable[..., dict]]:
+def local_evaluation(run: base.TrainingRun, *,
+                     pad: bool) -> Optional[Callable[..., dict]]:
   """Held-out evaluation under the run's strategy (None: `--mode=train`).
 
   Args:
-    run: the `ExperimentRunner`.
+    run: the `TrainingRun`.
     pad: pad the last batches to the static batch shape (masked in the
       metrics), as TPUs need.
   """
-  if run.config.mode == "train":
+  if run.settings.mode == "train":
     return None
   plan, trainer = run.plan, run.parts.trainer
   eval_data = input_pipeline.distribute(
@@ -90,13 +90,13 @@ def local_evaluation(run, *, pad: bool) -> Optional[Callable[..., dict]]:
           # Micro-batches: what a step's memory was sized for.
           global_batch_size=plan.eval_batch_size,
           is_training=False,
-          cache=run.config.cache_dataset,
+          cache=run.settings.cache_dataset,
           pad_to_static_batches=pad))
 
   def evaluate(**hooks):
     # The model evaluated is the one checkpointed and exported: one copy of
     # unsynchronized batch norm's per-replica statistics.
-    run.moving_statistics.synchronize()
+    run.synchronize_statistics()
     return trainer.evaluate(eval_data, **hooks)
 
   return evaluate

@@ -18,6 +18,7 @@ from absl import flags
 
 from tfdist import flags as tfdist_flags
 from tfdist import errors
+from tfdist.distribute import auto_select
 from tfdist.distribute import environment as environment_lib
 from tfdist.distribute.strategy_kind import StrategyKind
 from tfdist.runtime import quiet_tensorflow
@@ -108,12 +109,13 @@ class JobPlan:
 
   @property
   def strategy(self) -> StrategyKind:
-    """The strategy `auto` picks for this cluster."""
-    if self.num_ps:
-      return StrategyKind.PARAMETER_SERVER
-    if self.num_workers:
-      return StrategyKind.MULTI_WORKER_MIRRORED
-    return StrategyKind.ONE_DEVICE
+    """The strategy `auto` picks for this cluster (its selection rules,
+    `tfdist.distribute.auto_select.decide_strategy`, given the job's
+    shape and no accelerator)."""
+    kind, _ = auto_select.decide_strategy(auto_select.DeviceInventory(
+        cluster_source="the job", cluster_workers=1 + self.num_workers,
+        cluster_ps=self.num_ps))
+    return kind
 
 
 def need(cond, message: str):
@@ -237,22 +239,22 @@ def check_train_config(config, plan: Optional[JobPlan], *, where: str,
     return
   name = config.distribution_strategy
   # None: `auto`, which picks the strategy of the job's shape (`plan.strategy`).
-  kind = None if name == "auto" else StrategyKind.parse(name)
+  backend = None if name == "auto" else _backend_for(name)
   need(not config.worker_hosts,
         f"{where}: --worker_hosts is set; the platform gives every replica "
         "its cluster (CLUSTER_SPEC/TF_CONFIG). Drop --worker_hosts and "
         "--task_index.")
   if plan.num_ps:
-    need(kind is None or kind.is_asynchronous,
+    need(backend is None or backend.asynchronous,
           f"{where}: --distribution_strategy={name} cannot run a cluster "
           f"with {plan.num_ps} parameter server(s); use parameter_server or "
           "auto.")
   else:
-    need(kind is None or not kind.is_asynchronous,
+    need(backend is None or not backend.asynchronous,
           f"{where}: --distribution_strategy=parameter_server needs "
           "--num_ps >= 1.")
     if plan.num_workers:
-      need(kind in (None, StrategyKind.MULTI_WORKER_MIRRORED),
+      need(backend is None or backend.multi_process,
             f"{where}: --distribution_strategy={name} runs on one machine; "
             f"this job has {plan.num_workers + 1} training replicas. Use "
             "multi_worker_mirrored or auto.")
@@ -264,3 +266,11 @@ def check_train_config(config, plan: Optional[JobPlan], *, where: str,
           f"{where}: --model_dir={model_dir} is a folder on each replica's "
           f"own disk, but {readers} the chief's checkpoints: use "
           "shared storage such as gs://BUCKET/run.")
+
+
+def _backend_for(name: str):
+  """The backend of the strategy `name` (`tfdist.backends.registry`),
+  imported here: it imports TensorFlow, which the job's flags have
+  imported already (`parse_train_flags`)."""
+  from tfdist.backends import registry  # pylint: disable=g-import-not-at-top
+  return registry.backend_for(name)

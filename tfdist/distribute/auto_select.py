@@ -36,7 +36,7 @@ or `--dtype` is kept, and the other is decided around it.
 """
 
 import dataclasses
-from typing import Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 from absl import logging
 
@@ -116,9 +116,54 @@ def _cc(gpu: GpuInfo) -> str:
   return "%d.%d" % gpu.compute_capability
 
 
+# Selection rules of kinds registered outside tfdist (`register_rule`),
+# asked in order before the built-in ones.
+_RULES: List[Callable[[DeviceInventory], Optional[Tuple[str, str]]]] = []
+
+
+def register_rule(rule: Callable[[DeviceInventory],
+                                 Optional[Tuple[str, str]]]):
+  """Adds a selection rule for `auto`, asked before the built-in ones.
+
+  A strategy kind written outside tfdist is its kind
+  (`tfdist.distribute.strategy_kind.register_kind`), its backend
+  (`tfdist.backends.registry.register_backend`) and this rule. Usable as a
+  decorator.
+
+  Args:
+    rule: `rule(inventory) -> (kind, reason)` when `auto` should choose
+      `kind` (a registered kind or its name) for the `DeviceInventory`
+      found, or None to leave the choice to the next rule. Pure: it reads
+      only the inventory.
+
+  Returns:
+    `rule`.
+  """
+  _RULES.append(rule)
+  return rule
+
+
+def unregister_rule(rule) -> None:
+  """Removes a rule `register_rule` added (tests); no error when absent."""
+  if rule in _RULES:
+    _RULES.remove(rule)
+
+
 def decide_strategy(inventory: DeviceInventory
                     ) -> Tuple[StrategyKind, str]:
-  """`auto`'s strategy for `inventory`: `(kind, reason)`. Pure."""
+  """`auto`'s strategy for `inventory`: `(kind, reason)`. Pure.
+
+  The registered rules (`register_rule`) are asked first, in order; then
+  the built-in ones below.
+
+  Raises:
+    ValueError: a registered rule chose a kind that is not registered.
+  """
+  for rule in _RULES:
+    chosen = rule(inventory)
+    if chosen is not None:
+      kind, reason = chosen
+      return StrategyKind.parse(kind), reason
   inv = inventory
   if inv.tpu_cores > 0:
     return StrategyKind.TPU, f"a TPU with {inv.tpu_cores} cores answered"
@@ -143,7 +188,7 @@ def decide_strategy(inventory: DeviceInventory
 
 
 def _uses_gpus(kind: StrategyKind, inventory: DeviceInventory) -> bool:
-  return not kind.is_tpu and bool(inventory.gpus)
+  return kind is not StrategyKind.TPU and bool(inventory.gpus)
 
 
 def decide_dtype(strategy: StrategyKind,
@@ -164,9 +209,9 @@ def decide_dtype(strategy: StrategyKind,
     ValueError: `strategy` is not a concrete strategy name.
   """
   strategy = StrategyKind.parse(strategy)
-  if strategy.is_tpu:
+  if strategy is StrategyKind.TPU:
     return "bf16", "TPU: its matrix units compute in bfloat16"
-  if strategy.is_asynchronous and _uses_gpus(strategy, inventory):
+  if strategy is StrategyKind.PARAMETER_SERVER and _uses_gpus(strategy, inventory):
     known = [g.compute_capability for g in inventory.gpus]
     if known and all(cc is not None and cc >= BF16_MIN_COMPUTE_CAPABILITY
                      for cc in known):
@@ -218,7 +263,7 @@ def decide(inventory: DeviceInventory, *, strategy: str = "auto",
   if strategy == "auto":
     strategy, strategy_reason = decide_strategy(inventory)
     strategy_reason = f"auto: {strategy_reason}"
-    if strategy.is_tpu:
+    if strategy is StrategyKind.TPU:
       tpu_address = inventory.tpu_address
   else:
     strategy = StrategyKind.parse(strategy)
@@ -226,14 +271,15 @@ def decide(inventory: DeviceInventory, *, strategy: str = "auto",
   if dtype == "auto":
     dtype, dtype_reason = decide_dtype(strategy, inventory)
     dtype_reason = f"auto: {dtype_reason}"
-  elif dtype_defaulted and strategy.is_tpu:
+  elif dtype_defaulted and strategy is StrategyKind.TPU:
     dtype, dtype_reason = "bf16", "the TPU default (--dtype not given)"
   elif dtype_defaulted:
     dtype_reason = "the default (--dtype not given)"
   else:
     dtype_reason = f"--dtype={dtype}"
-  check_tpu_precision(strategy, dtype, why=(
-      strategy_reason if strategy_reason.startswith("auto") else ""))
+  if strategy is StrategyKind.TPU:
+    check_tpu_precision(strategy, dtype, why=(
+        strategy_reason if strategy_reason.startswith("auto") else ""))
   return Decision(strategy, strategy_reason, dtype, dtype_reason,
                   tpu=tpu_address)
 
@@ -482,15 +528,19 @@ def decision_changes(decision: Decision, *, tpu: str = "",
         "job with a chief and workers (python -m tfdist.job_spec vertex "
         "--num_workers=N --reduction_server_replicas=R); drop "
         "--reduction_server for a single-process run.")
-  changes = {"distribution_strategy": decision.strategy.value,
-             "dtype": decision.dtype}
+  changes = {"dtype": decision.dtype}
+  if isinstance(decision.strategy, StrategyKind):
+    changes["distribution_strategy"] = decision.strategy.value
+  # else a kind registered outside tfdist (`register_kind`): the config's
+  # `--distribution_strategy` accepts the built-in names only, so it keeps
+  # `auto` and the decision (`Decisions.strategy`) names the kind.
   if decision.tpu and not tpu:
     changes["tpu"] = decision.tpu
   if decision.dtype != "fp16" and loss_scale is not None:
     logging.warning("--loss_scale=%s ignored: precision is %s (%s), not fp16.",
                     loss_scale, decision.dtype, decision.dtype_reason)
     changes["loss_scale"] = None
-  if decision.strategy.is_tpu:
+  if decision.strategy is StrategyKind.TPU:
     if steps_per_execution_defaulted:
       changes["steps_per_execution"] = TPU_DEFAULT_STEPS_PER_EXECUTION
     elif steps_per_execution == 1:

@@ -20,7 +20,7 @@ def planned_replicas(config, *, decisions, cluster) -> Tuple[int, int]:
     cluster: its `ClusterInfo`.
 
   Raises:
-    ConfigError: as `tfdist.distribute.strategy.make_strategy` (TPU only).
+    ConfigError: as the backend's `make_strategy` (TPU only).
   """
   backend = backends.backend_for(decisions.strategy)
   return backend.planned_replicas(config, decisions, cluster=cluster)

@@ -22,6 +22,7 @@ import tensorflow as tf
 
 from tfdist.cloud import hptune
 from tfdist import errors
+from tfdist.backends import base as backend_lib
 from tfdist.config import TrainConfig
 from tfdist.data import input_pipeline
 from tfdist.data import input_position as input_position_lib
@@ -520,11 +521,41 @@ class ExperimentRunner:
     return assembly.load_init_checkpoint(self.parts.model,
                                          config.init_checkpoint)
 
+  def training_run(self) -> backend_lib.TrainingRun:
+    """What the backend's `build_inputs` and `export_model` read of this
+    run (its parts and checkpoint keeper built)."""
+    config, decided, keeper = self.config, self.decisions, self.keeper
+    return backend_lib.TrainingRun(
+        task=self.task, plan=self.plan, strategy=self.strategy,
+        parts=self.parts, cluster=self.cluster, num_workers=self.num_workers,
+        settings=backend_lib.InputSettings(
+            mode=config.mode, shuffle_buffer_size=config.shuffle_buffer_size,
+            cache_dataset=config.cache_dataset, seed=config.seed,
+            deterministic=config.deterministic),
+        input_position=keeper.input_position,
+        latest_checkpoint=lambda: keeper.latest,
+        synchronize_statistics=self.moving_statistics.synchronize,
+        strategy_options=self.backend.strategy_options(config, decided),
+        checkpoint_dir=decided.checkpoint_dir,
+        steps_per_execution=decided.steps_per_execution,
+        assembly_options=self.assembly_options())
+
+  def run_ending(self) -> backend_lib.RunEnding:
+    """What the backend's `leave_together` reads as this run ends."""
+    keeper = self.keeper
+    return backend_lib.RunEnding(
+        strategy=self.strategy, parts=self.parts, cluster=self.cluster,
+        num_workers=self.num_workers, is_writer=self.is_writer,
+        exit_plan=self.exit_plan,
+        latest_checkpoint=lambda: keeper.latest if keeper else None,
+        close=self.cleanup.close, model_dir=self.decisions.model_dir)
+
   def build_inputs(self):
     """`(step_runner, evaluate)`: the input pipelines and what runs the
     steps on them (the backend's); `evaluate` (None under `--mode=train`)
     evaluates the held-out data once. Sets `strategy_details`."""
-    runner, evaluate, self.strategy_details = self.backend.build_inputs(self)
+    runner, evaluate, self.strategy_details = self.backend.build_inputs(
+        self.training_run())
     return runner, evaluate
 
   def build_run_log(self) -> run_log_lib.RunLog:
@@ -623,7 +654,7 @@ class ExperimentRunner:
     scratch folder's on other workers: saving is collective), or None for
     a model that cannot be called on its features (its own `train_step`
     trains it; the checkpoint holds its weights)."""
-    model = self.backend.export_model(self)
+    model = self.backend.export_model(self.training_run())
     features, _ = task_lib.example_spec(self.task.dataset)
     reason = export.exportable(model, features)
     if reason is not None:
@@ -706,4 +737,4 @@ class ExperimentRunner:
       tfdist.errors.PeerLostError: a peer was lost at the barrier.
       tfdist.errors.PeerStoppedError: another task arrived `failed`.
     """
-    self.backend.leave_together(self, failed=failed)
+    self.backend.leave_together(self.run_ending(), failed=failed)

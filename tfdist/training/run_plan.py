@@ -394,7 +394,7 @@ def make_run_plan(options: PlanOptions, spec, *, num_replicas_in_sync: int,
   sync_batch_norm, sync_batch_norm_reason = models.resolve_sync_batch_norm(
       options.sync_batch_norm, strategy_name=kind,
       num_replicas_in_sync=num_replicas_in_sync,
-      xla_per_replica=options.enable_xla and not kind.is_tpu)
+      xla_per_replica=options.enable_xla and kind is not StrategyKind.TPU)
   return RunPlan(
       train_file_counts=train_file_counts, sharding=sharding,
       sync_batch_norm=sync_batch_norm,
