@@ -39,6 +39,7 @@ from tfdist.distribute import cluster as cluster_lib
 from tfdist.distribute import devices as devices_lib
 from tfdist.distribute import parameter_server as ps_lib
 from tfdist.distribute import strategy as strategy_lib
+from tfdist.parallel import mode as mode_lib
 from tfdist.distribute.strategy_kind import StrategyKind
 from tfdist import errors
 from tfdist.training import step_runner
@@ -315,7 +316,7 @@ class PipelineBackend(single_process.OneDeviceBackend):
     task)."""
     from tfdist.training import memory  # pylint: disable=g-import-not-at-top
     whole = super().model_memory(parts, num_replicas=num_replicas)
-    step = parts.trainer.pipeline
+    step = mode_lib.mode_of(parts.trainer, "pipeline")
     if step is None:
       return whole
     return memory.heaviest_stage(whole, step.pipeline.stages)
@@ -325,7 +326,7 @@ class PipelineBackend(single_process.OneDeviceBackend):
     details list the stages (device, layers, weight bytes, activation
     estimate)."""
     runner, evaluate, details = super().build_inputs(run)
-    pipeline = getattr(run.parts.trainer, "pipeline", None)
+    pipeline = mode_lib.mode_of(run.parts.trainer, "pipeline")
     if pipeline is not None:
       details = {**details, "pipeline_stages": pipeline.stages()}
     return runner, evaluate, details

@@ -22,6 +22,7 @@ from tfdist.backends import base
 from tfdist.backends import single_process
 from tfdist.distribute import devices as devices_lib
 from tfdist.distribute import strategy as strategy_lib
+from tfdist.parallel import mode as mode_lib
 from tfdist.distribute.strategy_kind import StrategyKind
 from tfdist import errors
 
@@ -100,15 +101,15 @@ class TensorParallelBackend(single_process.MirroredBackend):
     """The Mirrored runner and evaluation; the manifest's strategy
     details say how the layers are split."""
     runner, evaluate, details = super().build_inputs(run)
-    step = getattr(run.parts.trainer, "tensor_parallel", None)
+    step = mode_lib.mode_of(run.parts.trainer, "tensor")
     if step is not None:
       details = {**details, "tensor_parallel": step.describe()}
     return runner, evaluate, details
 
   def export_model(self, run):
     """The unsharded Transformer with the gathered weights."""
-    step = getattr(run.parts.trainer, "tensor_parallel", None)
-    return step.gathered_model() if step is not None else run.parts.model
+    step = mode_lib.mode_of(run.parts.trainer, "tensor")
+    return step.exported_model() if step is not None else run.parts.model
 
   def planned_replicas(self, config, decisions, *, cluster) -> Tuple[int, int]:
     return config.tensor_parallel, self.training_workers(cluster)

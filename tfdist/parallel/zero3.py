@@ -99,6 +99,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist import errors
+from tfdist.parallel import mode as mode_lib
 from tfdist.parallel import pipeline
 from tfdist.training import custom_step
 from tfdist.training import reduce_dtype
@@ -540,18 +541,23 @@ class Zero3Optimizer(sharded_optimizer.ShardedOptimizer):
     # pylint: enable=protected-access
 
   def attach(self, trainer) -> None:
-    """Replaces `trainer`'s forward and backward pass and its evaluation
-    step with ones that gather the shards first.
+    """Shards the weights of `trainer`'s model and plans its blocks; the
+    `zero3` mode (`Zero3Mode`) then runs the trainer's passes on them.
+    Changes nothing of the trainer.
 
     Raises:
-      tfdist.errors.ConfigError: XLA (`trainer.xla_applied`), pipeline
-        stages, or a model `check_model` refuses.
+      tfdist.errors.ConfigError: XLA (`trainer.xla_applied`), another
+        parallelism mode (pipeline stages), or a model `check_model`
+        refuses.
     """
-    if trainer.xla_applied or trainer.pipeline is not None:
+    other = trainer.mode.name != Zero3Mode.name
+    if trainer.xla_applied or other:
       raise errors.ConfigError(
           "--zero_stage=3 runs its own forward pass (gather, then the "
-          "model): it cannot be combined with "
-          f"{'--enable_xla' if trainer.xla_applied else '--pipeline_stages'}"
+          "model): it cannot be combined with " +
+          ("--enable_xla" if trainer.xla_applied else
+           "--pipeline_stages" if trainer.mode.name == "pipeline" else
+           f"the {trainer.mode.name!r} parallelism mode") +
           ". Drop one of them.")
     check_model(trainer.model)
     self.model = trainer.model
@@ -566,21 +572,19 @@ class Zero3Optimizer(sharded_optimizer.ShardedOptimizer):
         max(sizes) * self.layout.num_shards,
         ", each block's gather issued while the block before it computes "
         "(prefetch)" if self.blocks and self.prefetch else "")
-    trainer._replica_grads = lambda inputs, labels, weights=None: (  # pylint: disable=protected-access
-        self.replica_forward_backward(trainer, inputs, labels, weights))
-    evaluate = trainer._replica_eval_step  # pylint: disable=protected-access
 
-    def eval_step(inputs, labels, weights=None, mask=None):
-      # Gathered outside the step's empty-batch `tf.cond`: every replica
-      # joins the collective.
-      if self.blocks:
-        return self._replica_blocks_eval(trainer, inputs, labels, weights,
-                                         mask)
-      values = self._replica_gather_weights(self._replica_shard())
-      with keras.StatelessScope(state_mapping=self._mapping(values)):
-        return evaluate(inputs, labels, weights, mask)
-
-    trainer._replica_eval_step = eval_step  # pylint: disable=protected-access
+  def replica_eval_sums(self, trainer, inputs, labels, weights=None,
+                        mask=None):
+    """The trainer's evaluation sums on gathered weights. Gathered outside
+    the empty-batch `tf.cond` (`StepMode.eval_sums`): every replica joins
+    the collective."""
+    if self.blocks:
+      return self._replica_blocks_eval(trainer, inputs, labels, weights,
+                                       mask)
+    values = self._replica_gather_weights(self._replica_shard())
+    with keras.StatelessScope(state_mapping=self._mapping(values)):
+      return mode_lib.eval_sums_skipping_empty(trainer, inputs, labels,
+                                               weights, mask)
 
   def weight_bytes_per_replica(self) -> int:
     """The weights one replica keeps: its shard (S float32) and the whole
@@ -646,15 +650,14 @@ class Zero3Optimizer(sharded_optimizer.ShardedOptimizer):
       with keras.StatelessScope(
           state_mapping=self._mapping(values)) as scope:
         outputs = tf.cast(model(inputs, training=True), tf.float32)
-        objective, loss = trainer._replica_losses(labels, outputs, weights)  # pylint: disable=protected-access
-        regularization = trainer._regularization_loss()  # pylint: disable=protected-access
+        objective, loss = trainer.losses(labels, outputs, weights)
+        regularization = trainer.regularization_loss()
       if regularization is not None:
         regularization = tf.nn.scale_regularization_loss(
             regularization) / trainer.gradient_accumulation_steps
         objective += regularization
         loss += regularization
-      scaled = (trainer.optimizer.scale_loss(objective)
-                if trainer.uses_loss_scale else objective)
+      scaled = trainer.scale_loss(objective)
     flat_grad, *replicated_grads = tape.gradient(scaled,
                                                  [gathered] + replicated)
     if flat_grad is None:
@@ -692,9 +695,8 @@ class Zero3Optimizer(sharded_optimizer.ShardedOptimizer):
                                               slices[block.index], after)
         updates += list(zip(block.state, states))
       outputs = tf.cast(self._split._pack(tensors), tf.float32)  # pylint: disable=protected-access
-      objective, loss = trainer._replica_losses(labels, outputs, weights)  # pylint: disable=protected-access
-      scaled = (trainer.optimizer.scale_loss(objective)
-                if trainer.uses_loss_scale else objective)
+      objective, loss = trainer.losses(labels, outputs, weights)
+      scaled = trainer.scale_loss(objective)
     grads = tape.gradient(scaled, slices)
     grad = tf.concat([tf.zeros_like(s) if g is None else g
                       for s, g in zip(slices, grads)], axis=0)
@@ -734,9 +736,9 @@ class Zero3Optimizer(sharded_optimizer.ShardedOptimizer):
           [tf.identity(v.value) for v in block.state], training=False)
     outputs = tf.cast(self._split._pack(tensors), tf.float32)  # pylint: disable=protected-access
     return tf.cond(
-        present, lambda: trainer._replica_eval_sums(  # pylint: disable=protected-access
+        present, lambda: trainer.eval_sums(
             inputs, labels, weights, mask, outputs=outputs),
-        trainer._empty_eval_sums)  # pylint: disable=protected-access
+        trainer.empty_eval_sums)
 
   def _gather_block(self, context, shard_slice, b: int) -> tf.Tensor:
     """Block b's weights, float32 [N x S_b]: every replica's `shard_slice`
@@ -1016,3 +1018,26 @@ def state_variables(model: keras.Model, trainer) -> list:
 
 
 sharded_optimizer.register_stage(STAGE, Zero3Optimizer)
+
+
+@mode_lib.register_mode("zero3")
+class Zero3Mode(mode_lib.StepMode):
+  """The `zero3` step mode: the trainer's `sharded` optimizer (a
+  `Zero3Optimizer`, `--zero_stage=3`) gathers the weights for each pass."""
+
+  def bind(self, context) -> None:
+    """Raises `tfdist.errors.ConfigError` unless the trainer shards at
+    stage 3."""
+    if not isinstance(context.sharded, Zero3Optimizer):
+      raise errors.ConfigError(
+          "The zero3 parallelism mode needs --zero_stage=3 (the trainer's "
+          f"sharding). Received: sharding={context.sharded!r}. Pass "
+          "sharding=ShardingOptions(stage=3), or another mode.")
+
+  def forward_backward(self, context, inputs, labels, weights=None):
+    return context.sharded.replica_forward_backward(context, inputs, labels,
+                                                    weights)
+
+  def eval_sums(self, context, inputs, labels, weights=None, mask=None):
+    return context.sharded.replica_eval_sums(context, inputs, labels,
+                                             weights, mask)

@@ -419,20 +419,23 @@ def _log_trainer(trainer: Trainer, options: AssemblyOptions, *, plan,
         "backward pass (the optimizer update stays outside XLA).")
 
 
-def _training_checkpoint(model: keras.Model, *, trainer: Trainer, optimizer,
+def _training_checkpoint(model: keras.Model, *, trainer: Trainer,
                          learning_rate) -> tf.train.Checkpoint:
-  """The whole training state: model, step, optimizer, LR factor and the
-  random layers' seed-generator states."""
+  """The whole training state: model, step, optimizer (each as the
+  trainer's mode views it: `tfdist.parallel.mode.StepMode
+  .checkpoint_model` and `checkpoint_optimizer`), LR factor and the random
+  layers' seed-generator states."""
   # The random layers' seed-generator states too (Keras keeps them out of
   # the model's checkpoint dependencies): a resumed run then draws the same
   # dropout masks as an uninterrupted one.
   random_state = train_loop.random_state(model)
   # Sharded, the optimizer saves its slots in their unsharded shapes and
-  # keys (any replica count, or none, restores them).
+  # keys (any replica count, or none, restores them); tensor-parallel, the
+  # model and optimizer through their gathered views.
   return tf.train.Checkpoint(
-      model=model, global_step=trainer.global_step,
-      optimizer=(trainer.sharded.checkpoint_view() if trainer.sharded
-                 else optimizer),
+      model=trainer.mode.checkpoint_model(trainer),
+      global_step=trainer.global_step,
+      optimizer=trainer.mode.checkpoint_optimizer(trainer),
       lr_multiplier=learning_rate.multiplier,
       **({"random_state": random_state} if random_state else {}))
 
@@ -509,14 +512,10 @@ def build(options: AssemblyOptions, *, task: task_lib.Task,
                     class_weight=class_weight,
                     bytes_per_pack=options.bytes_per_pack,
                     all_reduce_dtype=options.all_reduce_dtype,
-                    pipeline=pipeline, tensor_parallel=tensor_parallel)
+                    mode=pipeline or tensor_parallel)
   _log_trainer(trainer, options, plan=plan, sharding=sharding, on_tpu=on_tpu)
   checkpoint = _training_checkpoint(model, trainer=trainer,
-                                    optimizer=optimizer,
                                     learning_rate=learning_rate)
-  if tensor_parallel is not None:  # Saved through the gathered view.
-    checkpoint.model = tensor_parallel.checkpoint_model()
-    checkpoint.optimizer = tensor_parallel.checkpoint_optimizer(optimizer)
   return Parts(model=model, optimizer=optimizer, trainer=trainer,
                checkpoint=checkpoint, objectives=resolved,
                metric_sums=metric_sums)

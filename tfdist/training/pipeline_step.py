@@ -35,14 +35,17 @@ import tensorflow as tf
 
 from tfdist import errors
 from tfdist.errors import first_line
+from tfdist.parallel import mode as mode_lib
 from tfdist.parallel import pipeline as pipeline_lib
 from tfdist.parallel import pipeline_options
 from tfdist.training import custom_step
 
 
+@mode_lib.register_mode("pipeline")
 @dataclasses.dataclass
-class PipelineStep:
-  """The model's pipeline and how a step runs through it.
+class PipelineStep(mode_lib.StepMode):
+  """The `pipeline` step mode: the model's pipeline and how a step runs
+  through it (evaluation runs the whole model, `StepMode.eval_sums`).
 
   Attributes:
     pipeline: the `tfdist.parallel.pipeline.Pipeline` over the run's model.
@@ -75,10 +78,10 @@ class PipelineStep:
         for s in self.stages())
 
   def forward_backward(self, trainer, inputs, labels, weights=None):
-    """`Trainer._replica_forward_backward` through the pipeline.
+    """`StepContext.model_forward_backward` through the pipeline.
 
     Args:
-      trainer: the `tfdist.training.train_loop.Trainer`.
+      trainer: the `tfdist.parallel.mode.StepContext` (the trainer).
       inputs: the step's (micro-step's) inputs, [B, ...] (a tensor, or a
         list in the order of `model.inputs`).
       labels: [B, ...].
@@ -90,17 +93,15 @@ class PipelineStep:
       scaled under fp16's loss scale), the outputs as float32 [B, ...].
     """
     def loss_fn(y, prediction, w=None):
-      objective, _ = trainer._replica_losses(  # pylint: disable=protected-access
-          y, tf.cast(prediction, tf.float32), w)
-      return (trainer.optimizer.scale_loss(objective)
-              if trainer.uses_loss_scale else objective)
+      objective, _ = trainer.losses(y, tf.cast(prediction, tf.float32), w)
+      return trainer.scale_loss(objective)
 
     _, grads, outputs = self.pipeline.forward_backward(
         inputs, labels, loss_fn=loss_fn,
         num_microbatches=self.num_microbatches, schedule=self.schedule,
         sample_weight=weights, mean_loss=False)
     outputs = tf.cast(outputs, tf.float32)
-    _, loss = trainer._replica_losses(labels, outputs, weights)  # pylint: disable=protected-access
+    _, loss = trainer.losses(labels, outputs, weights)
     regularized = [v for v in trainer.model.trainable_variables
                    if getattr(v, "regularizer", None) is not None]
     if regularized:
@@ -111,8 +112,7 @@ class PipelineStep:
         # Once per update: each of the K micro-steps adds 1/K of it.
         regularization = tf.nn.scale_regularization_loss(
             regularization) / trainer.gradient_accumulation_steps
-        scaled = (trainer.optimizer.scale_loss(regularization)
-                  if trainer.uses_loss_scale else regularization)
+        scaled = trainer.scale_loss(regularization)
       extra = tape.gradient(scaled, regularized)
       by_id = {id(v): g for v, g in zip(regularized, extra)}
       grads = [g if id(v) not in by_id or by_id[id(v)] is None else

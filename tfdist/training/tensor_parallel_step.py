@@ -42,6 +42,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tfdist.parallel import mode as mode_lib
 from tfdist.parallel import tensor_parallel as tp_lib
 
 _VALUE = "VARIABLE_VALUE"
@@ -109,9 +110,12 @@ def _split_axis(full_shape, shard_shape, n: int):
   return axes[0]
 
 
+@mode_lib.register_mode("tensor")
 @dataclasses.dataclass
-class TensorParallelStep:
-  """The tensor-parallel model, its gathered view and the step's changes.
+class TensorParallelStep(mode_lib.StepMode):
+  """The `tensor` step mode: the tensor-parallel model, its gathered view
+  and the step's changes. Each replica's gradients are its own (its
+  shards', and the same replicated ones): not all-reduced.
 
   Attributes:
     model: the tensor-parallel Keras model (trained; built in the
@@ -123,6 +127,7 @@ class TensorParallelStep:
   model: keras.Model
   unsharded: keras.Model
   num_shards: int
+  all_reduces_gradients = False
 
   def describe(self) -> str:
     """One line for the manifest and the log."""
@@ -150,10 +155,10 @@ class TensorParallelStep:
     return gathered, start, size, context
 
   def forward_backward(self, trainer, inputs, labels, weights=None):
-    """`Trainer._replica_forward_backward` on the gathered global batch.
+    """`StepContext.model_forward_backward` on the gathered global batch.
 
     Args:
-      trainer: the `tfdist.training.train_loop.Trainer`.
+      trainer: the `tfdist.parallel.mode.StepContext` (the trainer).
       inputs: this replica's inputs, [b, ...] (b: its share of the batch).
       labels: [b, ...].
       weights: its examples' training weights, float32 [b], or None.
@@ -167,19 +172,19 @@ class TensorParallelStep:
     """
     (inputs, labels, weights), start, size, context = self._gather_batch(
         inputs, labels, weights)
-    loss, grads, outputs = trainer._replica_forward_backward(  # pylint: disable=protected-access
-        inputs, labels, weights)
+    loss, grads, outputs = trainer.model_forward_backward(inputs, labels,
+                                                          weights)
     first = tf.cast(tf.equal(context.replica_id_in_sync_group, 0),
                     loss.dtype)
     return loss * first, grads, outputs[start:start + size]
 
   def eval_sums(self, trainer, inputs, labels, weights=None, mask=None):
-    """`Trainer._replica_eval_sums` of this replica's examples, the model
+    """`StepContext.eval_sums` of this replica's examples, the model
     run on the gathered batch (a replica with no examples in the last
     round still takes part in the collectives)."""
     (all_inputs, _), start, size, _ = self._gather_batch(inputs, labels)
     outputs = tf.cast(self.model(all_inputs, training=False), tf.float32)
-    return trainer._replica_eval_sums(  # pylint: disable=protected-access
+    return trainer.eval_sums(
         inputs, labels, weights, mask, outputs=outputs[start:start + size])
 
   # --- the gathered view --------------------------------------------------
@@ -189,7 +194,12 @@ class TensorParallelStep:
     self.unsharded.set_weights(tp_lib.gathered_weights(self.model))
     return self.unsharded
 
-  def checkpoint_model(self) -> keras.Model:
+  def exported_model(self, context=None) -> keras.Model:
+    """`gathered_model`: the whole model for export."""
+    del context
+    return self.gathered_model()
+
+  def checkpoint_model(self, context=None) -> keras.Model:
     """The unsharded model, each of its variables saving the gathered
     value of its tensor-parallel twin and restoring into it: the
     checkpoint's `model`, under an unsharded run's keys."""
@@ -200,8 +210,8 @@ class TensorParallelStep:
           lambda value, v=variable: tp_lib._assign_full(v, value))  # pylint: disable=protected-access
     return self.unsharded
 
-  def checkpoint_optimizer(self, optimizer: keras.optimizers.Optimizer):
-    """An optimizer of `optimizer`'s class and configuration built on the
+  def checkpoint_optimizer(self, context):
+    """An optimizer of the trainer's (`context.optimizer`) class and configuration built on the
     unsharded model, each of its variables saving the gathered value of
     `optimizer`'s (a shard's slot: its replicas' components concatenated)
     and restoring into it: the checkpoint's `optimizer`.
@@ -209,6 +219,7 @@ class TensorParallelStep:
     Raises:
       ValueError: the two optimizers' variables do not pair up.
     """
+    optimizer = context.optimizer
     with tf.device("/cpu:0"):
       view = type(optimizer).from_config(optimizer.get_config())
       view.build(self.unsharded.trainable_variables)

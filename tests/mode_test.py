@@ -1,0 +1,152 @@
+"""`tfdist.parallel.mode`: the step-mode protocol and its registry.
+
+The registry finds the built-in modes by name and refuses unknown or taken
+names. A mode written here, outside tfdist, is registered and trained with
+through the real `Trainer` under MirroredStrategy on 2 logical CPU
+devices: it splits each replica's batch in two halves and runs the whole
+model's pass on each, so its update equals the data-parallel one, and it
+counts its calls (the trainer used it, for training and evaluation).
+"""
+
+import os
+
+os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
+
+from absl.testing import absltest  # pylint: disable=g-import-not-at-top
+import keras  # pylint: disable=g-import-not-at-top
+import numpy as np  # pylint: disable=g-import-not-at-top
+import tensorflow as tf  # pylint: disable=g-import-not-at-top
+
+from tfdist import errors  # pylint: disable=g-import-not-at-top
+from tfdist.distribute import devices  # pylint: disable=g-import-not-at-top
+from tfdist.parallel import mode as mode_lib  # pylint: disable=g-import-not-at-top
+from tfdist.training.train_loop import Trainer  # pylint: disable=g-import-not-at-top
+
+DEVICES = devices.configure_cpu_devices(2)
+GLOBAL_BATCH = 16
+STEPS = 3
+
+
+class HalvesMode(mode_lib.StepMode):
+  """Runs the whole model on each half of the replica's batch and adds the
+  halves' losses and gradients (each loss is already divided by the global
+  batch size): the data-parallel pass in two pieces."""
+
+  def __init__(self):
+    self.forward_calls = 0
+    self.eval_calls = 0
+
+  def forward_backward(self, context, inputs, labels, weights=None):
+    self.forward_calls += 1  # Counted when the step is traced.
+    half = tf.shape(labels)[0] // 2
+    pieces = [context.model_forward_backward(inputs[s], labels[s], None
+                                             if weights is None
+                                             else weights[s])
+              for s in (slice(None, half), slice(half, None))]
+    (loss_a, grads_a, out_a), (loss_b, grads_b, out_b) = pieces
+    grads = [a + b for a, b in zip(grads_a, grads_b)]
+    return loss_a + loss_b, grads, tf.concat([out_a, out_b], 0)
+
+  def eval_sums(self, context, inputs, labels, weights=None, mask=None):
+    self.eval_calls += 1
+    return super().eval_sums(context, inputs, labels, weights, mask)
+
+
+def _data():
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(GLOBAL_BATCH * STEPS, 6)).astype(np.float32)
+  y = rng.integers(0, 3, size=(GLOBAL_BATCH * STEPS,)).astype(np.int32)
+  return x, y
+
+
+def _train(strategy, mode):
+  """STEPS SGD steps and one evaluation; returns (weights, train sums,
+  evaluation results, trainer)."""
+  keras.utils.set_random_seed(3)
+  with strategy.scope():
+    model = keras.Sequential([keras.Input((6,)),
+                              keras.layers.Dense(8, activation="relu"),
+                              keras.layers.Dense(3)])
+    optimizer = keras.optimizers.SGD(0.1)
+    optimizer.build(model.trainable_variables)
+  trainer = Trainer(strategy=strategy, model=model, optimizer=optimizer,
+                    global_batch_size=GLOBAL_BATCH,
+                    steps_per_execution=STEPS, mode=mode)
+  x, y = _data()
+  dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH)
+  sums = trainer.train_function(
+      iter(strategy.experimental_distribute_dataset(dataset)),
+      tf.constant(STEPS, tf.int32))
+  results = trainer.evaluate(strategy.experimental_distribute_dataset(
+      dataset))
+  return model.get_weights(), sums, results, trainer
+
+
+class RegistryTest(absltest.TestCase):
+
+  def test_built_in_modes_by_name(self):
+    self.assertEqual(set(mode_lib.BUILTIN_MODES),
+                     {"data", "zero3", "pipeline", "tensor"})
+    for name in mode_lib.BUILTIN_MODES:
+      cls = mode_lib.get_mode(name)
+      self.assertTrue(issubclass(cls, mode_lib.StepMode), name)
+      self.assertEqual(cls.name, name)
+
+  def test_settings_choose_the_mode(self):
+    self.assertEqual(mode_lib.mode_name_for(), "data")
+    self.assertEqual(mode_lib.mode_name_for(zero_stage=2), "data")
+    self.assertEqual(mode_lib.mode_name_for(zero_stage=3), "zero3")
+    self.assertEqual(mode_lib.mode_name_for(pipeline_stages=2), "pipeline")
+    self.assertEqual(mode_lib.mode_name_for(tensor_parallel=2), "tensor")
+    self.assertIs(mode_lib.mode_for(zero_stage=3),
+                  mode_lib.get_mode("zero3"))
+
+  def test_unknown_name_lists_the_known_ones(self):
+    with self.assertRaisesRegex(errors.ConfigError,
+                                r"'sequence'.*data, pipeline, tensor, zero3"):
+      mode_lib.get_mode("sequence")
+
+  def test_refuses_a_taken_name_and_a_non_mode(self):
+    with self.assertRaisesRegex(ValueError, "taken by"):
+      mode_lib.register_mode("data")(HalvesMode)
+    with self.assertRaisesRegex(ValueError, "subclass of"):
+      mode_lib.register_mode("not_a_mode")(object)
+    with self.assertRaisesRegex(ValueError, "non-empty"):
+      mode_lib.register_mode("")
+
+
+class OutsideModeTest(absltest.TestCase):
+
+  def setUp(self):
+    super().setUp()
+    mode_lib.register_mode("halves")(HalvesMode)
+    self.addCleanup(mode_lib.unregister_mode, "halves")
+
+  def test_registered_mode_trains_like_data_parallelism(self):
+    strategy = tf.distribute.MirroredStrategy(DEVICES)
+    self.assertEqual(strategy.num_replicas_in_sync, 2)
+    mode = mode_lib.get_mode("halves")()
+    weights, sums, results, trainer = _train(strategy, mode)
+    self.assertIs(trainer.mode, mode)
+    self.assertEqual(mode.name, "halves")
+    self.assertGreaterEqual(mode.forward_calls, 1)
+    self.assertGreaterEqual(mode.eval_calls, 1)
+    self.assertEqual(int(trainer.global_step.numpy()), STEPS)
+    reference, ref_sums, ref_results, ref_trainer = _train(strategy, None)
+    self.assertEqual(ref_trainer.mode.name, "data")
+    self.assertAlmostEqual(float(sums["loss"]), float(ref_sums["loss"]),
+                           places=5)
+    self.assertEqual(float(sums["count"]), GLOBAL_BATCH * STEPS)
+    for ours, theirs in zip(weights, reference):
+      np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6)
+    self.assertAlmostEqual(results["loss"], ref_results["loss"], places=5)
+    self.assertEqual(results["num_examples"], GLOBAL_BATCH * STEPS)
+    # The weights moved: the comparison is not of two untrained models.
+    keras.utils.set_random_seed(3)
+    initial = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8),
+                                keras.layers.Dense(3)]).get_weights()
+    self.assertGreater(np.abs(weights[0] - initial[0]).max(), 1e-4)
+
+
+if __name__ == "__main__":
+  absltest.main()

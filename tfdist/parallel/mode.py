@@ -1,0 +1,289 @@
+"""The step-mode protocol: how one replica's batch runs, per parallelism.
+
+A parallelism mode is one object the `tfdist.training.train_loop.Trainer`
+is given, not a patch on its step (T5X's injected partitioner, torchtitan's
+`distributed/`): the trainer calls `mode.forward_backward(context, ...)`
+once per (micro-)batch and `mode.eval_sums(context, ...)` once per
+evaluation batch, without knowing which layout the mode holds. Each mode
+lives in its own package under `tfdist/parallel/` and registers itself by
+name:
+
+  data      `tfdist.parallel.data`: the whole model on every replica
+            (ZeRO stages 0-2 shard only the optimizer's state and the
+            accumulated gradients, `tfdist.parallel.data.sharding`).
+  zero3     `tfdist.parallel.zero3`: ZeRO stage 3, the weights sharded too
+            and gathered by the step.
+  pipeline  `tfdist.parallel.pipeline`: the model cut into stages on
+            consecutive devices, micro-batched.
+  tensor    `tfdist.parallel.tensor`: Megatron-style layers split over one
+            host's replicas.
+
+A mode written elsewhere registers with `@register_mode("name")` and is
+passed to the trainer (`Trainer(..., mode=MyMode())`).
+
+This module is the bottom of the parallel floor: it imports neither
+TensorFlow nor `tfdist.training` or `tfdist.backends`.
+"""
+
+import importlib
+from typing import Callable, Dict, Optional, Tuple, Type
+
+from tfdist import errors
+
+# The built-in modes, by name, and the module whose import registers each
+# (imported on first lookup: no import cycle through the trainer).
+BUILTIN_MODES: Dict[str, str] = {
+    "data": "tfdist.parallel.data.mode",
+    "zero3": "tfdist.parallel.zero3",
+    "pipeline": "tfdist.training.pipeline_step",
+    "tensor": "tfdist.training.tensor_parallel_step",
+}
+
+_MODES: Dict[str, type] = {}
+
+
+class StepContext:
+  """What the trainer gives a mode (the `Trainer` itself provides it).
+
+  Attributes a mode may read: `model` (the Keras model), `optimizer` (the
+  Keras optimizer), `strategy`, `global_batch_size`,
+  `gradient_accumulation_steps` (K), `uses_loss_scale`, `xla_applied`
+  (`--enable_xla`), `sharded` (the ZeRO optimizer of stages 1-3, or
+  None).
+
+  Methods, all in replica context:
+    losses(labels, outputs, weights=None) -> (objective, reported): one
+      replica's share of the step's loss (float32 scalars), the first to
+      differentiate, the second to report; `model.losses` not included.
+    regularization_loss() -> float32 scalar or None: `model.losses` of the
+      last forward pass, summed.
+    scale_loss(objective) -> the objective times the fp16 loss scale (as
+      is without one).
+    model_forward_backward(inputs, labels, weights=None) -> (loss, grads,
+      outputs): the whole model's pass (the data-parallel one).
+    eval_sums(inputs, labels, weights=None, mask=None, outputs=None) ->
+      {"loss_sum", "regularization_sum", "count", metric sums...}.
+    empty_eval_sums() -> the same keys, zeros (an empty batch).
+
+  This class documents the interface; it is not instantiated.
+  """
+
+
+class StepMode:
+  """One parallelism mode: the base class of every registered mode.
+
+  The start-up parts (class methods; no TensorFlow, no model): `validate`,
+  `devices`, `memory_per_device` and the backend traits
+  `replaces_step_runner` and `runs_one_replica_group`. The step's parts
+  (instance methods; the trainer calls `bind` once at construction, the
+  others while its step is traced, in replica context):
+  `forward_backward`, `eval_sums`, and the views `variables`,
+  `checkpoint_model`, `checkpoint_optimizer`, `exported_model`.
+
+  Class attributes:
+    name: the registered name (set by `register_mode`).
+    all_reduces_gradients: whether the trainer sums the gradients over
+      replicas (False: each replica's gradients are its own, as tensor
+      parallelism's shards).
+    replaces_step_runner: whether the backend runs the step itself (a
+      pipeline on one process's devices) instead of `strategy.run`.
+  """
+
+  name: str = ""
+  all_reduces_gradients: bool = True
+  replaces_step_runner: bool = False
+
+  # --- start-up (no TensorFlow) -------------------------------------------
+  @classmethod
+  def validate(cls, *, zero_stage: int = 0, pipeline_stages: int = 1,
+               tensor_parallel: int = 1) -> None:
+    """Start-up checks of the parallelism settings this mode runs with.
+
+    Raises:
+      tfdist.errors.ConfigError: a combination the mode cannot run, naming
+        the flags and the fix. The base class accepts everything.
+    """
+    del zero_stage, pipeline_stages, tensor_parallel
+
+  @classmethod
+  def devices(cls, *, pipeline_stages: int = 1,
+              tensor_parallel: int = 1) -> int:
+    """Devices one copy of the model spans (1: one replica's device)."""
+    del pipeline_stages, tensor_parallel
+    return 1
+
+  @classmethod
+  def memory_per_device(cls, estimate, *, num_replicas: int,
+                        **settings) -> Optional[int]:
+    """Bytes one device holds for the model's state under this mode.
+
+    Args:
+      estimate: the unsharded `tfdist.training.memory.ModelMemory` of one
+        replica (parameters, gradients, optimizer bytes).
+      num_replicas: the data-parallel replicas.
+      **settings: the mode's own settings (`zero_stage`,
+        `pipeline_stages`, `tensor_parallel`, ...).
+
+    Returns:
+      Bytes (int), or None: the mode does not plan its memory.
+    """
+    del estimate, num_replicas, settings
+    return None
+
+  # --- the step (replica context) ---------------------------------------
+  def bind(self, context) -> None:
+    """Called once by the trainer that runs this mode (`StepContext`),
+    before its step is traced. Raises `tfdist.errors.ConfigError` on a
+    trainer the mode cannot run with."""
+    del context
+
+  def forward_backward(self, context, inputs, labels, weights=None):
+    """Loss, gradients and outputs of one replica's batch (no update).
+
+    Args:
+      context: the `StepContext` (the trainer).
+      inputs: the replica's inputs, [b, ...] (a tensor or a nest).
+      labels: [b, ...].
+      weights: the examples' training weights, float32 [b], or None.
+
+    Returns:
+      `(loss, grads, outputs)`: the reported loss (float32 scalar), one
+      gradient per entry of the variables the optimizer updates (loss
+      scaled under fp16), the outputs as float32 [b, ...].
+    """
+    return context.model_forward_backward(inputs, labels, weights)
+
+  def eval_sums(self, context, inputs, labels, weights=None, mask=None):
+    """Summed loss, count and metric state of one replica's evaluation
+    batch (`StepContext.eval_sums`'s keys). The base class skips the model
+    on an empty batch (the last round's spare replicas): TensorFlow 2.21's
+    oneDNN CPU kernels fail on those."""
+    return eval_sums_skipping_empty(context, inputs, labels, weights, mask)
+
+  # --- views ---------------------------------------------------------------
+  def variables(self, context) -> list:
+    """The variables the mode holds beside the model's and the
+    optimizer's (none by default)."""
+    del context
+    return []
+
+  def checkpoint_model(self, context):
+    """The model the checkpoint saves (the trainer's by default)."""
+    return context.model
+
+  def checkpoint_optimizer(self, context):
+    """The optimizer the checkpoint saves: the ZeRO optimizer's view when
+    sharded, else the trainer's."""
+    if context.sharded is not None:
+      return context.sharded.checkpoint_view()
+    return context.optimizer
+
+  def exported_model(self, context):
+    """The whole model holding the trained weights, for export."""
+    return context.model
+
+
+def eval_sums_skipping_empty(context, inputs, labels, weights=None,
+                             mask=None):
+  """`context.eval_sums` of a replica's batch, or `context.empty_eval_sums`
+  when the batch is empty (a `tf.cond`: the model is not run on it)."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  return tf.cond(tf.shape(labels)[0] > 0,
+                 lambda: context.eval_sums(inputs, labels, weights, mask),
+                 context.empty_eval_sums)
+
+
+def register_mode(name: str) -> Callable[[type], type]:
+  """Registers a `StepMode` subclass under `name` (a class decorator).
+
+  Raises:
+    ValueError: an empty name, a class that is not a `StepMode`, or a name
+      already taken by another class.
+  """
+  if not name or not isinstance(name, str):
+    raise ValueError(f"A mode's name must be a non-empty string. Received: "
+                     f"name={name!r}")
+
+  def register(cls: type) -> type:
+    if not (isinstance(cls, type) and issubclass(cls, StepMode)):
+      raise ValueError(f"register_mode({name!r}) takes a subclass of "
+                       f"tfdist.parallel.mode.StepMode. Received: {cls!r}")
+    taken = _MODES.get(name)
+    if taken is not None and taken is not cls and (
+        taken.__qualname__ != cls.__qualname__ or
+        taken.__module__ != cls.__module__):
+      raise ValueError(f"The mode name {name!r} is taken by "
+                       f"{taken.__module__}.{taken.__qualname__}. Pick "
+                       "another name.")
+    cls.name = name
+    _MODES[name] = cls
+    return cls
+
+  return register
+
+
+def unregister_mode(name: str) -> None:
+  """Removes a mode registered by `register_mode` (tests); built-in modes
+  come back on their next lookup."""
+  _MODES.pop(name, None)
+
+
+def mode_names() -> Tuple[str, ...]:
+  """Every known mode's name: the built-in ones and those registered."""
+  return tuple(sorted(set(BUILTIN_MODES) | set(_MODES)))
+
+
+def get_mode(name: str) -> Type[StepMode]:
+  """The mode class registered under `name` (a built-in mode is imported
+  on its first lookup).
+
+  Raises:
+    tfdist.errors.ConfigError: an unknown name; the message lists the
+      known ones.
+  """
+  if name not in _MODES and name in BUILTIN_MODES:
+    importlib.import_module(BUILTIN_MODES[name])
+  if name not in _MODES:
+    raise errors.ConfigError(
+        f"Unknown parallelism mode {name!r}. Known modes: "
+        f"{', '.join(mode_names())}. Register a new one with "
+        "tfdist.parallel.mode.register_mode.")
+  return _MODES[name]
+
+
+def mode_of(trainer, name: str) -> Optional[StepMode]:
+  """`trainer`'s mode when it is the one registered as `name`, else None
+  (also for a trainer with no mode: a model's own `train_step`)."""
+  mode = getattr(trainer, "mode", None)
+  return mode if getattr(mode, "name", None) == name else None
+
+
+def mode_name_for(*, zero_stage: int = 0, pipeline_stages: int = 1,
+                  tensor_parallel: int = 1) -> str:
+  """The mode the parallelism settings choose: `pipeline` with
+  `--pipeline_stages` > 1, `tensor` with `--tensor_parallel` > 1, `zero3`
+  with `--zero_stage=3`, else `data` (ZeRO stages 0-2 included). The
+  settings' own checks (`--zero_stage=3` with stages, ...) stay with the
+  config and with each mode's `validate`."""
+  if pipeline_stages > 1:
+    return "pipeline"
+  if tensor_parallel > 1:
+    return "tensor"
+  if zero_stage == 3:
+    return "zero3"
+  return "data"
+
+
+def mode_for(*, zero_stage: int = 0, pipeline_stages: int = 1,
+             tensor_parallel: int = 1) -> Type[StepMode]:
+  """`get_mode(mode_name_for(...))`, validated against the settings
+  (`StepMode.validate`).
+
+  Raises:
+    tfdist.errors.ConfigError: the mode refuses the settings.
+  """
+  settings = dict(zero_stage=zero_stage, pipeline_stages=pipeline_stages,
+                  tensor_parallel=tensor_parallel)
+  cls = get_mode(mode_name_for(**settings))
+  cls.validate(**settings)
+  return cls
