@@ -10,7 +10,7 @@ import keras
 import numpy as np
 import pytest
 
-from tfdist.parallel import tensor_parallel_options
+from tfdist.parallel.tensor import options as tensor_parallel_options
 from tfdist.training import memory
 from tfdist.training import precision
 

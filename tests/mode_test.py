@@ -20,6 +20,7 @@ import tensorflow as tf  # pylint: disable=g-import-not-at-top
 from tfdist import errors  # pylint: disable=g-import-not-at-top
 from tfdist.distribute import devices  # pylint: disable=g-import-not-at-top
 from tfdist.parallel import mode as mode_lib  # pylint: disable=g-import-not-at-top
+from tfdist.parallel import modes  # pylint: disable=g-import-not-at-top
 from tfdist.training.train_loop import Trainer  # pylint: disable=g-import-not-at-top
 
 DEVICES = devices.configure_cpu_devices(2)
@@ -85,9 +86,10 @@ def _train(strategy, mode):
 class RegistryTest(absltest.TestCase):
 
   def test_built_in_modes_by_name(self):
-    self.assertEqual(set(mode_lib.BUILTIN_MODES),
-                     {"data", "zero3", "pipeline", "tensor"})
-    for name in mode_lib.BUILTIN_MODES:
+    self.assertEqual(modes.BUILTIN_MODES,
+                     ("data", "zero3", "pipeline", "tensor"))
+    self.assertEqual(mode_lib.mode_names()[:4], modes.BUILTIN_MODES)
+    for name in modes.BUILTIN_MODES:
       cls = mode_lib.get_mode(name)
       self.assertTrue(issubclass(cls, mode_lib.StepMode), name)
       self.assertEqual(cls.name, name)
@@ -103,7 +105,8 @@ class RegistryTest(absltest.TestCase):
 
   def test_unknown_name_lists_the_known_ones(self):
     with self.assertRaisesRegex(errors.ConfigError,
-                                r"'sequence'.*data, pipeline, tensor, zero3"):
+                                r"'sequence'.*data, pipeline, tensor, zero3"
+                                r".*register_mode"):
       mode_lib.get_mode("sequence")
 
   def test_refuses_a_taken_name_and_a_non_mode(self):

@@ -6,7 +6,7 @@ GPU i or, on a CPU-only host, on logical CPU device i (configured here: P
 of them). The run is otherwise a one-device run: one replica, the trainer's
 loop, checkpoints and export, with the trainer's per-replica forward and
 backward pass replaced by the pipeline's micro-batched one
-(`tfdist.training.pipeline_step`). The strategy is TensorFlow's default
+(`tfdist.parallel.pipeline.mode`). The strategy is TensorFlow's default
 one: `OneDeviceStrategy` would place every variable on its one device,
 where the stages' variables must live on theirs.
 
@@ -23,7 +23,7 @@ last checkpoint), as under MultiWorkerMirrored.
 
 `backend_for_run` chooses this backend for a config with
 `pipeline_stages > 1` (the flags allow it only with `--distribution_strategy`
-auto, one_device or off; `tfdist.parallel.pipeline_options`).
+auto, one_device or off; `tfdist.parallel.pipeline.options`).
 """
 
 import contextlib

@@ -5,13 +5,13 @@ or N logical CPU devices, configured here) whose replicas are one
 tensor-parallel group: the built-in Transformer's heads and feed-forward
 units are split over them (`tfdist.parallel.tensor_parallel`), every
 replica trains on the whole global batch, and the trainer's step skips
-the gradient all-reduce (`tfdist.training.tensor_parallel_step`). The
+the gradient all-reduce (`tfdist.parallel.tensor.mode`). The
 SavedModel is the unsharded Transformer holding the gathered weights.
 
 `backend_for_run` chooses this backend for a config with
 `tensor_parallel > 1` (the flags allow it only with
 `--distribution_strategy` auto or mirrored and exactly N devices;
-`tfdist.parallel.tensor_parallel_options`).
+`tfdist.parallel.tensor.options`).
 """
 
 from typing import List, Tuple

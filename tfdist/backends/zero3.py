@@ -15,7 +15,7 @@ import dataclasses
 from tfdist.backends import multi_worker
 from tfdist.backends import single_process
 from tfdist.distribute.strategy_kind import StrategyKind
-from tfdist.parallel import zero3
+from tfdist.parallel.zero3 import optimizer as zero3
 from tfdist.training import memory
 
 

@@ -34,7 +34,7 @@ from tfdist.experiment import dry_run as dry_run_lib
 from tfdist.experiment import prepare
 from tfdist.observability import manifest as manifest_lib
 from tfdist.observability import profiling
-from tfdist.parallel import zero3
+from tfdist.parallel.zero3 import optimizer as zero3
 from tfdist.observability import run_log as run_log_lib
 from tfdist.runtime import failures
 from tfdist.runtime import preemption

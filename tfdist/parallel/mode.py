@@ -19,25 +19,16 @@ name:
             host's replicas.
 
 A mode written elsewhere registers with `@register_mode("name")` and is
-passed to the trainer (`Trainer(..., mode=MyMode())`).
+passed to the trainer (`Trainer(..., mode=MyMode())`). Importing
+`tfdist.parallel.modes` registers the four built-in ones.
 
 This module is the bottom of the parallel floor: it imports neither
 TensorFlow nor `tfdist.training` or `tfdist.backends`.
 """
 
-import importlib
 from typing import Callable, Dict, Optional, Tuple, Type
 
 from tfdist import errors
-
-# The built-in modes, by name, and the module whose import registers each
-# (imported on first lookup: no import cycle through the trainer).
-BUILTIN_MODES: Dict[str, str] = {
-    "data": "tfdist.parallel.data.mode",
-    "zero3": "tfdist.parallel.zero3",
-    "pipeline": "tfdist.training.pipeline_step",
-    "tensor": "tfdist.training.tensor_parallel_step",
-}
 
 _MODES: Dict[str, type] = {}
 
@@ -73,8 +64,8 @@ class StepMode:
   """One parallelism mode: the base class of every registered mode.
 
   The start-up parts (class methods; no TensorFlow, no model): `validate`,
-  `devices`, `memory_per_device` and the backend traits
-  `replaces_step_runner` and `runs_one_replica_group`. The step's parts
+  `devices`, `layout_rows` (its memory per device) and the backend trait
+  `replaces_step_runner`. The step's parts
   (instance methods; the trainer calls `bind` once at construction, the
   others while its step is traced, in replica context):
   `forward_backward`, `eval_sums`, and the views `variables`,
@@ -113,22 +104,20 @@ class StepMode:
     return 1
 
   @classmethod
-  def memory_per_device(cls, estimate, *, num_replicas: int,
-                        **settings) -> Optional[int]:
-    """Bytes one device holds for the model's state under this mode.
-
-    Args:
-      estimate: the unsharded `tfdist.training.memory.ModelMemory` of one
-        replica (parameters, gradients, optimizer bytes).
-      num_replicas: the data-parallel replicas.
-      **settings: the mode's own settings (`zero_stage`,
-        `pipeline_stages`, `tensor_parallel`, ...).
+  def layout_rows(cls, facts) -> list:
+    """This mode's rows of the memory plan
+    (`tfdist.training.memory.layout_table`): the bytes one device holds
+    under each layout the mode offers, computed from `facts` (a
+    `tfdist.training.memory.LayoutFacts`: the model's unsharded
+    `ModelMemory`, the devices, the batch, the settings) with
+    `facts.row(...)`.
 
     Returns:
-      Bytes (int), or None: the mode does not plan its memory.
+      A list of `tfdist.training.memory.LayoutMemory` (the base class:
+      none, the mode is not planned).
     """
-    del estimate, num_replicas, settings
-    return None
+    del facts
+    return []
 
   # --- the step (replica context) ---------------------------------------
   def bind(self, context) -> None:
@@ -223,31 +212,31 @@ def register_mode(name: str) -> Callable[[type], type]:
 
 
 def unregister_mode(name: str) -> None:
-  """Removes a mode registered by `register_mode` (tests); built-in modes
-  come back on their next lookup."""
+  """Removes a mode registered by `register_mode` (tests)."""
   _MODES.pop(name, None)
 
 
 def mode_names() -> Tuple[str, ...]:
-  """Every known mode's name: the built-in ones and those registered."""
-  return tuple(sorted(set(BUILTIN_MODES) | set(_MODES)))
+  """Every registered mode's name, in registration order (after
+  `tfdist.parallel.modes` is imported: data, zero3, pipeline, tensor
+  first, the memory plan's row order)."""
+  return tuple(_MODES)
 
 
 def get_mode(name: str) -> Type[StepMode]:
-  """The mode class registered under `name` (a built-in mode is imported
-  on its first lookup).
+  """The mode class registered under `name` (the built-in ones are
+  registered by importing `tfdist.parallel.modes`).
 
   Raises:
     tfdist.errors.ConfigError: an unknown name; the message lists the
-      known ones.
+      registered ones.
   """
-  if name not in _MODES and name in BUILTIN_MODES:
-    importlib.import_module(BUILTIN_MODES[name])
   if name not in _MODES:
     raise errors.ConfigError(
-        f"Unknown parallelism mode {name!r}. Known modes: "
-        f"{', '.join(mode_names())}. Register a new one with "
-        "tfdist.parallel.mode.register_mode.")
+        f"Unknown parallelism mode {name!r}. Registered modes: "
+        f"{', '.join(sorted(_MODES)) or 'none'}. Import "
+        "tfdist.parallel.modes for the built-in ones, or register a new "
+        "one with tfdist.parallel.mode.register_mode.")
   return _MODES[name]
 
 

@@ -20,20 +20,20 @@ import tensorflow as tf
 from tfdist import models
 from tfdist import errors
 from tfdist.errors import first_line
-from tfdist.parallel import pipeline_options
-from tfdist.parallel import zero3  # Registers ZeRO stage 3's optimizer.
+from tfdist.parallel.pipeline import options as pipeline_options
+from tfdist.parallel.zero3 import optimizer as zero3  # Registers ZeRO stage 3's optimizer.
 from tfdist.training import checkpointing
 from tfdist.training import custom_step
 from tfdist.training import lr_schedule
 from tfdist.training import memory
 from tfdist.training import objectives as objectives_lib
 from tfdist.training import optimizers
-from tfdist.training import pipeline_step
+from tfdist.parallel.pipeline import mode as pipeline_step
 from tfdist.training import precision
 from tfdist.training import reduce_dtype
-from tfdist.training import sharded_optimizer
+from tfdist.parallel.data import sharded_optimizer
 from tfdist.training import task as task_lib
-from tfdist.training import tensor_parallel_step
+from tfdist.parallel.tensor import mode as tensor_parallel_step
 from tfdist.training import train_loop
 from tfdist.training import training_checks
 from tfdist.training.train_loop import Trainer
@@ -61,17 +61,17 @@ class AssemblyOptions:
     zero_stage: ZeRO sharding of the optimizer state (0, 1 or 2), or of
       the weights too (3: `tfdist.parallel.zero3`).
     zero3_blocks, zero3_prefetch: stage 3's block gathering
-      (`tfdist.training.sharded_optimizer.ShardingOptions`).
+      (`tfdist.parallel.data.sharded_optimizer.ShardingOptions`).
     class_weight: `((class id, weight), ...)`; empty: none.
     activation_recomputation: recompute activations in the backward pass.
     bytes_per_pack: the gradients' all-reduce packs, in bytes (0: one).
     all_reduce_dtype: the dtype the gradients travel in between replicas
       (`tfdist.training.reduce_dtype`).
     pipeline: the model cut into pipeline stages
-      (`tfdist.parallel.pipeline_options.PipelineOptions`; None or one
+      (`tfdist.parallel.pipeline.options.PipelineOptions`; None or one
       stage: not cut).
     tensor_parallel: N replicas split the model's layers
-      (`tfdist.training.tensor_parallel_step`; 1: off).
+      (`tfdist.parallel.tensor.mode`; 1: off).
     builder_config: what a model builder asking for `config` receives (the
       run's `tfdist.config.ModelBuilderConfig`, passed through unread).
   """
@@ -368,7 +368,7 @@ def _build_optimizer(options: AssemblyOptions, *, model: keras.Model, plan,
   # Every optimizer variable now, under the scope (created lazily in the
   # first step, ParameterServerStrategy would place it on the
   # coordinator). Sharded, its slots live on the shards instead
-  # (tfdist.training.sharded_optimizer): built on no variables.
+  # (tfdist.parallel.data.sharded_optimizer): built on no variables.
   optimizer.build([] if sharding.enabled else model.trainable_variables)
   return optimizer, learning_rate
 

@@ -97,10 +97,11 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist.parallel import mode as mode_lib
+from tfdist.parallel import modes
 from tfdist.training import objectives
 from tfdist.training import precision
 from tfdist.training import reduce_dtype
-from tfdist.training import sharded_optimizer
+from tfdist.parallel.data import sharded_optimizer
 
 
 # The key of the sharded optimizer's per-replica update in a step's sums.
@@ -386,9 +387,9 @@ class Trainer:
       the iterator then yields per-replica micro-batches of
       `global_batch_size / (K x replicas)` examples, and one training step
       takes K of them (module docstring).
-    sharding: a `tfdist.training.sharded_optimizer.ShardingOptions` (ZeRO stage
+    sharding: a `tfdist.parallel.data.sharded_optimizer.ShardingOptions` (ZeRO stage
       1 or 2: the optimizer, built on no variables, then runs on per-replica
-      shards, see `tfdist.training.sharded_optimizer`); None or stage 0:
+      shards, see `tfdist.parallel.data.sharded_optimizer`); None or stage 0:
       unsharded.
     time_steps: measure the input wait and the call's execution time with
       `tf.timestamp` (see `train_function`); False under op determinism
@@ -513,7 +514,7 @@ class Trainer:
     # and evaluation batch (`tfdist.parallel.mode`); by default the one
     # `sharding`'s ZeRO stage chooses (`data`, or `zero3` at stage 3).
     if mode is None:
-      mode = mode_lib.get_mode(mode_lib.mode_name_for(
+      mode = modes.get_mode(modes.mode_name_for(
           zero_stage=sharding.stage if sharding is not None else 0))()
     self.mode = mode
     if self.sharded is not None:  # Stage 3 shards the model's weights.

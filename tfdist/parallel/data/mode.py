@@ -25,6 +25,26 @@ class DataParallel(mode_lib.StepMode):
   def __init__(self):
     self.compiled_pass = None
 
+  @classmethod
+  def layout_rows(cls, facts) -> list:
+    """Data parallelism, ZeRO 1 (the optimizer state / N, Rajbhandari et
+    al. 2020's P_os: 4+4+8/N bytes per fp32 Adam parameter) and ZeRO 2
+    (also the gradient accumulators / N; TensorFlow has no reduce-scatter,
+    so each step's gradients stay whole: without accumulation ZeRO 2
+    equals ZeRO 1). Each replica holds a*B/N activations."""
+    e, n = facts.estimate, facts.num_devices
+    grads, acc, opt = (e.gradients_bytes, facts.accumulators,
+                       e.optimizer_bytes)
+    act, note = facts.replica_activations, facts.zero_note
+    return [
+        facts.row("data parallel", "", n, e.parameters_bytes, grads + acc,
+                  opt, act),
+        facts.row("ZeRO 1", "--zero_stage=1", n, e.parameters_bytes,
+                  grads + acc, facts.ceil_div(opt, n), act, not note, note),
+        facts.row("ZeRO 2", "--zero_stage=2", n, e.parameters_bytes,
+                  grads + facts.ceil_div(acc, n), facts.ceil_div(opt, n),
+                  act, not note, note)]
+
   def bind(self, context) -> None:
     self.compiled_pass = (
         tf.function(context.model_forward_backward, jit_compile=True)

@@ -43,7 +43,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist.parallel import mode as mode_lib
-from tfdist.parallel import tensor_parallel as tp_lib
+from tfdist.parallel.tensor import layers as tp_lib
 
 _VALUE = "VARIABLE_VALUE"
 
@@ -128,6 +128,33 @@ class TensorParallelStep(mode_lib.StepMode):
   unsharded: keras.Model
   num_shards: int
   all_reduces_gradients = False
+
+  @classmethod
+  def layout_rows(cls, facts) -> list:
+    """Tensor parallelism: the splittable layers' state
+    (`facts.tensor_parallel_bytes` of weights, their gradients and
+    optimizer slots in proportion) / N, the rest whole; every replica runs
+    the whole batch B, and its activations are counted whole (an upper
+    bound: the split heads' are 1/N)."""
+    e, n = facts.estimate, facts.num_devices
+    trainable = e.gradients_bytes
+    grads = e.gradients_bytes + facts.accumulators
+    split = min(max(int(facts.tensor_parallel_bytes), 0), trainable)
+    share = split / trainable if trainable else 0.0
+    # The split layers' share of the weights, gradients and slots, / N.
+    note = facts.one_device_note or (
+        "no layer of this model can be split" if not split else
+        "" if facts.tensor_parallel_flag else
+        "--tensor_parallel splits only --model=transformer: build this "
+        "model from tfdist.parallel.tensor_parallel's layers")
+    return [facts.row(
+        "tensor parallel", facts.tensor_parallel_flag, n,
+        e.parameters_bytes - split + facts.ceil_div(split, n),
+        grads - facts.ceil_div(grads * share * (n - 1), n),
+        e.optimizer_bytes - facts.ceil_div(
+            e.optimizer_bytes * share * (n - 1), n),
+        facts.activation_bytes_per_example * facts.global_batch_size,
+        not note, note)]
 
   def describe(self) -> str:
     """One line for the manifest and the log."""

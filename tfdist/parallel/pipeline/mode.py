@@ -24,6 +24,7 @@ loss.
 import collections
 import copy
 import dataclasses
+import math
 import random
 from typing import Callable, Optional, Tuple
 
@@ -36,8 +37,8 @@ import tensorflow as tf
 from tfdist import errors
 from tfdist.errors import first_line
 from tfdist.parallel import mode as mode_lib
-from tfdist.parallel import pipeline as pipeline_lib
-from tfdist.parallel import pipeline_options
+from tfdist.parallel.pipeline import stages as pipeline_lib
+from tfdist.parallel.pipeline import options as pipeline_options
 from tfdist.training import custom_step
 
 
@@ -57,6 +58,35 @@ class PipelineStep(mode_lib.StepMode):
   num_microbatches: int
   schedule: str
   micro_batch: int = 0
+
+  @classmethod
+  def layout_rows(cls, facts) -> list:
+    """The pipeline: P stages (the fewest, 2 <= P <= N, that fit; else
+    N), no data parallelism: each stage about S/P (or the heaviest of the
+    model's real cut, `facts.pipeline_shares`), and the activations of the
+    micro-batches it has in flight for the whole batch B: GPipe all M of
+    them, a*B/P; 1F1B at most P on the first stage, a*B*min(P, M)/(P*M)."""
+    e, n = facts.estimate, facts.num_devices
+
+    def stage_row(p):
+      m = facts.num_microbatches or p
+      in_flight = m if facts.pipeline_schedule == "gpipe" else min(p, m)
+      act = facts.ceil_div(facts.activation_bytes_per_example *
+                           facts.global_batch_size * in_flight, p * m)
+      share = facts.pipeline_shares.get(p, 1 / p)
+      # Pipelines run in one process, without data parallelism.
+      return facts.row("pipeline",
+                       "--distribution_strategy=one_device "
+                       f"--pipeline_stages={p} --num_microbatches={m}", p,
+                       math.ceil(e.parameters_bytes * share),
+                       math.ceil((e.gradients_bytes + facts.accumulators) *
+                                 share),
+                       math.ceil(e.optimizer_bytes * share), act, n > 1,
+                       facts.one_device_note)
+
+    stages = [stage_row(p) for p in range(2, n + 1)]
+    return [next((r for r in stages if r.fits), None) or
+            (stages[-1] if stages else stage_row(1))]
 
   def stages(self) -> list:
     """`Pipeline.describe` at this step's shape: per stage its device,

@@ -1,6 +1,6 @@
 """ZeRO stage 3 (`--zero_stage=3`): the weights themselves sharded.
 
-Rajbhandari et al. 2020. Stages 1 and 2 (`tfdist.training.sharded_optimizer`)
+Rajbhandari et al. 2020. Stages 1 and 2 (`tfdist.parallel.data.sharded_optimizer`)
 keep a whole copy of every weight on every replica. Stage 3 keeps, per
 replica, only its shard of a flat, padded float32 buffer laid out block
 by block (`sharded_optimizer.FlatLayout` with `blocks`: the model is cut
@@ -99,13 +99,16 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist import errors
+from tfdist.parallel import cutting
 from tfdist.parallel import mode as mode_lib
-from tfdist.parallel import pipeline
+from tfdist.parallel.pipeline import stages as pipeline
 from tfdist.training import custom_step
 from tfdist.training import reduce_dtype
-from tfdist.training import sharded_optimizer
+from tfdist.parallel.data import sharded_optimizer
 
 STAGE = 3
+# The step mode that runs on this optimizer (`tfdist.parallel.zero3.mode`).
+MODE_NAME = "zero3"
 _VARIABLE_VALUE = "VARIABLE_VALUE"
 
 
@@ -330,7 +333,7 @@ def plan_blocks(model, variables, num_blocks: int, replicated=()):
   if num_blocks <= 1 or _has_regularizers(model) or _adds_losses(model):
     return None
   try:
-    calls = pipeline._model_calls(model)[0]  # pylint: disable=protected-access
+    calls = cutting.model_calls(model)[0]
   except errors.PipelineConfigError:
     return None
   index = {id(v): j for j, v in enumerate(variables)}
@@ -346,7 +349,7 @@ def plan_blocks(model, variables, num_blocks: int, replicated=()):
   count = min(int(num_blocks), sum(weighted))
   if count <= 1:
     return None
-  starts = pipeline.balanced_cuts(costs, count)
+  starts = cutting.balanced_cuts(costs, count)
   # Each block holds trainable weights: one without is joined to the
   # block before it (the first, to the block after it).
   bounds = [0] + starts + [len(calls)]
@@ -550,7 +553,7 @@ class Zero3Optimizer(sharded_optimizer.ShardedOptimizer):
         parallelism mode (pipeline stages), or a model `check_model`
         refuses.
     """
-    other = trainer.mode.name != Zero3Mode.name
+    other = trainer.mode.name != MODE_NAME
     if trainer.xla_applied or other:
       raise errors.ConfigError(
           "--zero_stage=3 runs its own forward pass (gather, then the "
@@ -679,7 +682,7 @@ class Zero3Optimizer(sharded_optimizer.ShardedOptimizer):
     `replica_forward_backward`."""
     shard = self._replica_shard()
     layout = self.layout
-    tensors = self._split._flat_inputs(inputs)  # pylint: disable=protected-access
+    tensors = self._split.flat_inputs(inputs)
     updates = []
     with tf.GradientTape() as tape:
       slices = [shard[o:o + size] for o, size in
@@ -694,7 +697,7 @@ class Zero3Optimizer(sharded_optimizer.ShardedOptimizer):
         tensors, states = self._replica_block(block, tensors,
                                               slices[block.index], after)
         updates += list(zip(block.state, states))
-      outputs = tf.cast(self._split._pack(tensors), tf.float32)  # pylint: disable=protected-access
+      outputs = tf.cast(self._split.pack(tensors), tf.float32)
       objective, loss = trainer.losses(labels, outputs, weights)
       scaled = trainer.scale_loss(objective)
     grads = tape.gradient(scaled, slices)
@@ -719,7 +722,7 @@ class Zero3Optimizer(sharded_optimizer.ShardedOptimizer):
     tensors = [tf.cond(present, lambda x=x: x,
                        lambda x=x: tf.zeros(tf.concat(
                            [[1], tf.shape(x)[1:]], 0), x.dtype))
-               for x in self._split._flat_inputs(inputs)]  # pylint: disable=protected-access
+               for x in self._split.flat_inputs(inputs)]
     shard, layout = self._replica_shard(), self.layout
     context = tf.distribute.get_replica_context()
     previous = tensors
@@ -734,7 +737,7 @@ class Zero3Optimizer(sharded_optimizer.ShardedOptimizer):
           block, tensors, region,
           [tf.identity(v.value) for _, v in block.replicated],
           [tf.identity(v.value) for v in block.state], training=False)
-    outputs = tf.cast(self._split._pack(tensors), tf.float32)  # pylint: disable=protected-access
+    outputs = tf.cast(self._split.pack(tensors), tf.float32)
     return tf.cond(
         present, lambda: trainer.eval_sums(
             inputs, labels, weights, mask, outputs=outputs),
@@ -1019,25 +1022,3 @@ def state_variables(model: keras.Model, trainer) -> list:
 
 sharded_optimizer.register_stage(STAGE, Zero3Optimizer)
 
-
-@mode_lib.register_mode("zero3")
-class Zero3Mode(mode_lib.StepMode):
-  """The `zero3` step mode: the trainer's `sharded` optimizer (a
-  `Zero3Optimizer`, `--zero_stage=3`) gathers the weights for each pass."""
-
-  def bind(self, context) -> None:
-    """Raises `tfdist.errors.ConfigError` unless the trainer shards at
-    stage 3."""
-    if not isinstance(context.sharded, Zero3Optimizer):
-      raise errors.ConfigError(
-          "The zero3 parallelism mode needs --zero_stage=3 (the trainer's "
-          f"sharding). Received: sharding={context.sharded!r}. Pass "
-          "sharding=ShardingOptions(stage=3), or another mode.")
-
-  def forward_backward(self, context, inputs, labels, weights=None):
-    return context.sharded.replica_forward_backward(context, inputs, labels,
-                                                    weights)
-
-  def eval_sums(self, context, inputs, labels, weights=None, mask=None):
-    return context.sharded.replica_eval_sums(context, inputs, labels,
-                                             weights, mask)

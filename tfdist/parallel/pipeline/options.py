@@ -6,7 +6,7 @@
 anything is built. Pure Python (no TensorFlow): `tfdist.config` calls it
 while it validates a `TrainConfig`. The pipeline itself is
 `tfdist.parallel.pipeline`; the trainer's use of it,
-`tfdist.training.pipeline_step`.
+`tfdist.parallel.pipeline.mode`.
 """
 
 import dataclasses
@@ -106,7 +106,7 @@ def check_flags(*, pipeline_stages: int, num_microbatches: Optional[int],
                 enable_xla: bool) -> None:
   """Refuses pipeline flags that cannot run, naming the flag, the value and
   the fix. Pure: the devices, the model and the batch are checked later
-  (`tfdist.backends.pipeline`, `tfdist.training.pipeline_step`,
+  (`tfdist.backends.pipeline`, `tfdist.parallel.pipeline.mode`,
   `check_batch`).
 
   Raises:
