@@ -18,6 +18,12 @@ import numpy as np  # pylint: disable=g-import-not-at-top
 import tensorflow as tf  # pylint: disable=g-import-not-at-top
 
 from tfdist import errors  # pylint: disable=g-import-not-at-top
+from tfdist.backends import mode_backends  # pylint: disable=g-import-not-at-top
+from tfdist.backends import pipeline as pipeline_backend  # pylint: disable=g-import-not-at-top
+from tfdist.backends import registry  # pylint: disable=g-import-not-at-top
+from tfdist.backends import single_process  # pylint: disable=g-import-not-at-top
+from tfdist.backends import tensor_parallel as tensor_backend  # pylint: disable=g-import-not-at-top
+from tfdist.distribute.strategy_kind import StrategyKind  # pylint: disable=g-import-not-at-top
 from tfdist.distribute import devices  # pylint: disable=g-import-not-at-top
 from tfdist.parallel import mode as mode_lib  # pylint: disable=g-import-not-at-top
 from tfdist.parallel import modes  # pylint: disable=g-import-not-at-top
@@ -88,7 +94,8 @@ class RegistryTest(absltest.TestCase):
   def test_built_in_modes_by_name(self):
     self.assertEqual(modes.BUILTIN_MODES,
                      ("data", "zero3", "pipeline", "tensor"))
-    self.assertEqual(mode_lib.mode_names()[:4], modes.BUILTIN_MODES)
+    self.assertEqual(modes.mode_names()[:4], modes.BUILTIN_MODES)
+    self.assertEqual(set(mode_lib.mode_names()), set(modes.BUILTIN_MODES))
     for name in modes.BUILTIN_MODES:
       cls = mode_lib.get_mode(name)
       self.assertTrue(issubclass(cls, mode_lib.StepMode), name)
@@ -116,6 +123,54 @@ class RegistryTest(absltest.TestCase):
       mode_lib.register_mode("not_a_mode")(object)
     with self.assertRaisesRegex(ValueError, "non-empty"):
       mode_lib.register_mode("")
+
+
+def _settings(zero_stage=0, pipeline_stages=1, tensor_parallel=1):
+  """A config's three parallelism settings (what `backend_for_run` reads)."""
+  return type("Settings", (), dict(zero_stage_resolved=zero_stage,
+                                   pipeline_stages=pipeline_stages,
+                                   tensor_parallel=tensor_parallel))()
+
+
+class BackendCompositionTest(absltest.TestCase):
+
+  def test_data_mode_gets_the_kinds_backend(self):
+    backend = registry.backend_for_run(StrategyKind.MIRRORED, _settings(2))
+    self.assertIs(type(backend), single_process.MirroredBackend)
+
+  def test_zero3_composes_the_gather_with_the_mirrored_kinds(self):
+    for kind in (StrategyKind.MIRRORED, StrategyKind.MULTI_WORKER_MIRRORED):
+      backend = registry.backend_for_run(kind, _settings(3))
+      self.assertIsInstance(backend, type(registry.backend_for(kind)))
+      self.assertEqual(type(backend).__mro__[1].__name__, "_GathersForExport")
+      self.assertEqual(backend.kind, kind)
+    one = registry.backend_for_run(StrategyKind.ONE_DEVICE, _settings(3))
+    self.assertIs(type(one), type(registry.backend_for(
+        StrategyKind.ONE_DEVICE)))
+
+  def test_pipeline_and_tensor_replace_the_kinds_backend(self):
+    self.assertIsInstance(
+        registry.backend_for_run(StrategyKind.ONE_DEVICE,
+                                 _settings(pipeline_stages=2)),
+        pipeline_backend.PipelineBackend)
+    self.assertIsInstance(
+        registry.backend_for_run(StrategyKind.MIRRORED,
+                                 _settings(tensor_parallel=2)),
+        tensor_backend.TensorParallelBackend)
+
+  def test_a_mode_registers_what_it_needs_of_the_backend(self):
+    class Marked:
+      marked = True
+
+    mode_backends.register_mode_backend("halves", mixin=Marked)
+    self.addCleanup(mode_backends.register_mode_backend, "halves",
+                    factory=lambda kind, cls, cluster: None)
+    backend = mode_backends.compose(
+        "halves", StrategyKind.MIRRORED, single_process.MirroredBackend)
+    self.assertTrue(backend.marked)
+    self.assertIsInstance(backend, single_process.MirroredBackend)
+    with self.assertRaisesRegex(ValueError, "one of mixin= or factory="):
+      mode_backends.register_mode_backend("halves")
 
 
 class OutsideModeTest(absltest.TestCase):

@@ -21,6 +21,7 @@ the chief marks the run done. The P stages go P/T to a task, in order
 `tfdist.errors.PeerLostError` (exit status 200; restart and resume from the
 last checkpoint), as under MultiWorkerMirrored.
 
+Registered for the `pipeline` mode (`tfdist.backends.mode_backends`):
 `backend_for_run` chooses this backend for a config with
 `pipeline_stages > 1` (the flags allow it only with `--distribution_strategy`
 auto, one_device or off; `tfdist.parallel.pipeline.options`).
@@ -34,6 +35,7 @@ from absl import logging
 import tensorflow as tf
 
 from tfdist.backends import base
+from tfdist.backends import mode_backends
 from tfdist.backends import single_process
 from tfdist.distribute import cluster as cluster_lib
 from tfdist.distribute import devices as devices_lib
@@ -347,6 +349,12 @@ class PipelineBackend(single_process.OneDeviceBackend):
         addresses=cluster.cluster, what="Pipeline training")
 
 
-def uses_pipeline(config) -> bool:
-  """Whether `config` cuts the model into stages (`pipeline_stages > 1`)."""
-  return getattr(config, "pipeline_stages", 1) > 1
+def _pipeline_backend(kind, kind_backend, cluster) -> PipelineBackend:
+  """Whatever the kind: the pipeline replaces its step runner (the chief
+  drives every stage, `tfdist.parallel.mode.StepMode
+  .replaces_step_runner`)."""
+  del kind, kind_backend
+  return PipelineBackend(cluster)
+
+
+mode_backends.register_mode_backend("pipeline", factory=_pipeline_backend)

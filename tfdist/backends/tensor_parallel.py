@@ -8,6 +8,7 @@ replica trains on the whole global batch, and the trainer's step skips
 the gradient all-reduce (`tfdist.parallel.tensor.mode`). The
 SavedModel is the unsharded Transformer holding the gathered weights.
 
+Registered for the `tensor` mode (`tfdist.backends.mode_backends`):
 `backend_for_run` chooses this backend for a config with
 `tensor_parallel > 1` (the flags allow it only with
 `--distribution_strategy` auto or mirrored and exactly N devices;
@@ -19,6 +20,7 @@ from typing import List, Tuple
 import tensorflow as tf
 
 from tfdist.backends import base
+from tfdist.backends import mode_backends
 from tfdist.backends import single_process
 from tfdist.distribute import devices as devices_lib
 from tfdist.distribute import strategy as strategy_lib
@@ -115,6 +117,11 @@ class TensorParallelBackend(single_process.MirroredBackend):
     return config.tensor_parallel, self.training_workers(cluster)
 
 
-def uses_tensor_parallel(config) -> bool:
-  """Whether `config` splits the model's layers (`tensor_parallel > 1`)."""
-  return getattr(config, "tensor_parallel", 1) > 1
+def _tensor_backend(kind, kind_backend, cluster) -> TensorParallelBackend:
+  """Whatever the kind (mirrored or auto, as `--tensor_parallel`'s checks
+  allow): one Mirrored group of N replicas."""
+  del kind, kind_backend, cluster
+  return TensorParallelBackend()
+
+
+mode_backends.register_mode_backend("tensor", factory=_tensor_backend)

@@ -217,9 +217,8 @@ def unregister_mode(name: str) -> None:
 
 
 def mode_names() -> Tuple[str, ...]:
-  """Every registered mode's name, in registration order (after
-  `tfdist.parallel.modes` is imported: data, zero3, pipeline, tensor
-  first, the memory plan's row order)."""
+  """Every registered mode's name, in registration order
+  (`tfdist.parallel.modes.mode_names`: the built-in ones first)."""
   return tuple(_MODES)
 
 
