@@ -107,8 +107,27 @@ class RegistryTest(absltest.TestCase):
     self.assertEqual(mode_lib.mode_name_for(zero_stage=3), "zero3")
     self.assertEqual(mode_lib.mode_name_for(pipeline_stages=2), "pipeline")
     self.assertEqual(mode_lib.mode_name_for(tensor_parallel=2), "tensor")
-    self.assertIs(mode_lib.mode_for(zero_stage=3),
+    self.assertIs(mode_lib.mode_for({"zero_stage": 3}),
                   mode_lib.get_mode("zero3"))
+
+  def test_modes_validate_their_settings_and_count_their_devices(self):
+    pipeline = dict(pipeline_stages=2, num_microbatches=4,
+                    pipeline_schedule="gpipe", pipeline_cuts=(),
+                    distribution_strategy="one_device", zero_stage=0,
+                    enable_xla=False)
+    self.assertIs(mode_lib.mode_for(pipeline), mode_lib.get_mode("pipeline"))
+    self.assertEqual(mode_lib.get_mode("pipeline").devices(pipeline), 2)
+    with self.assertRaisesRegex(errors.ConfigError, "--zero_stage"):
+      mode_lib.mode_for({**pipeline, "zero_stage": 1})
+    tensor = dict(tensor_parallel=2, model="transformer",
+                  distribution_strategy="mirrored", zero_stage=0,
+                  pipeline_stages=1, enable_xla=False, dtype="fp32",
+                  clipnorm=None, global_clipnorm=None, init_checkpoint=None,
+                  num_gpus=0, num_cpu_devices=2)
+    self.assertEqual(mode_lib.mode_for(tensor).devices(tensor), 2)
+    with self.assertRaisesRegex(errors.ConfigError, "--model=cnn"):
+      mode_lib.mode_for({**tensor, "model": "cnn"})
+    self.assertEqual(mode_lib.mode_for({}).devices({}), 1)
 
   def test_unknown_name_lists_the_known_ones(self):
     with self.assertRaisesRegex(errors.ConfigError,

@@ -26,7 +26,7 @@ This module is the bottom of the parallel floor: it imports neither
 TensorFlow nor `tfdist.training` or `tfdist.backends`.
 """
 
-from typing import Callable, Dict, Optional, Tuple, Type
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple, Type
 
 from tfdist import errors
 
@@ -86,21 +86,26 @@ class StepMode:
 
   # --- start-up (no TensorFlow) -------------------------------------------
   @classmethod
-  def validate(cls, *, zero_stage: int = 0, pipeline_stages: int = 1,
-               tensor_parallel: int = 1) -> None:
-    """Start-up checks of the parallelism settings this mode runs with.
+  def validate(cls, settings: Mapping[str, Any]) -> None:
+    """Start-up checks of the settings this mode runs with (pure Python,
+    no TensorFlow, no model).
+
+    Args:
+      settings: the run's settings by flag name (`{"pipeline_stages": 2,
+        "zero_stage": 0, ...}`); a mode reads those it checks.
 
     Raises:
       tfdist.errors.ConfigError: a combination the mode cannot run, naming
-        the flags and the fix. The base class accepts everything.
+        the flags and the fix. KeyError: a setting the mode checks is
+        missing. The base class accepts everything.
     """
-    del zero_stage, pipeline_stages, tensor_parallel
+    del settings
 
   @classmethod
-  def devices(cls, *, pipeline_stages: int = 1,
-              tensor_parallel: int = 1) -> int:
-    """Devices one copy of the model spans (1: one replica's device)."""
-    del pipeline_stages, tensor_parallel
+  def devices(cls, settings: Mapping[str, Any]) -> int:
+    """Devices one copy of the model spans under `settings` (by flag
+    name): 1 for the base class (one replica's device)."""
+    del settings
     return 1
 
   @classmethod
@@ -151,10 +156,11 @@ class StepMode:
 
   # --- views ---------------------------------------------------------------
   def variables(self, context) -> list:
-    """The variables the mode holds beside the model's and the
-    optimizer's (none by default)."""
-    del context
-    return []
+    """The model's state as this mode holds it: the variables a
+    checkpoint's finite check reads (`context.model.variables` by
+    default; ZeRO stage 3 the local weight shards in place of the
+    released weights)."""
+    return list(context.model.variables)
 
   def checkpoint_model(self, context):
     """The model the checkpoint saves (the trainer's by default)."""
@@ -262,16 +268,26 @@ def mode_name_for(*, zero_stage: int = 0, pipeline_stages: int = 1,
   return "data"
 
 
-def mode_for(*, zero_stage: int = 0, pipeline_stages: int = 1,
-             tensor_parallel: int = 1) -> Type[StepMode]:
-  """`get_mode(mode_name_for(...))`, validated against the settings
-  (`StepMode.validate`).
+def mode_for(settings: Mapping[str, Any]) -> Type[StepMode]:
+  """The mode class `settings` (by flag name: `zero_stage`,
+  `pipeline_stages`, `tensor_parallel`; absent ones count as off)
+  choose, validated against them (`StepMode.validate`).
 
   Raises:
-    tfdist.errors.ConfigError: the mode refuses the settings.
+    tfdist.errors.ConfigError: an unknown mode, or the mode refuses the
+      settings.
   """
-  settings = dict(zero_stage=zero_stage, pipeline_stages=pipeline_stages,
-                  tensor_parallel=tensor_parallel)
-  cls = get_mode(mode_name_for(**settings))
-  cls.validate(**settings)
+  cls = get_mode(mode_name_for(
+      zero_stage=settings.get("zero_stage", 0),
+      pipeline_stages=settings.get("pipeline_stages", 1),
+      tensor_parallel=settings.get("tensor_parallel", 1)))
+  cls.validate(settings)
   return cls
+
+
+def state_variables(trainer, model) -> list:
+  """`model`'s state as `trainer`'s mode holds it (`StepMode.variables`);
+  `model.variables` for a trainer without a mode (a model's own
+  `train_step`)."""
+  mode = getattr(trainer, "mode", None)
+  return list(model.variables) if mode is None else mode.variables(trainer)

@@ -60,6 +60,17 @@ class PipelineStep(mode_lib.StepMode):
   micro_batch: int = 0
 
   @classmethod
+  def validate(cls, settings) -> None:
+    """`tfdist.parallel.pipeline.options.check_flags` on `settings`."""
+    pipeline_options.check_flags(**{
+        name: settings[name] for name in pipeline_options.CHECKED_SETTINGS})
+
+  @classmethod
+  def devices(cls, settings) -> int:
+    """P: one stage per device."""
+    return int(settings["pipeline_stages"])
+
+  @classmethod
   def layout_rows(cls, facts) -> list:
     """The pipeline: P stages (the fewest, 2 <= P <= N, that fit; else
     N), no data parallelism: each stage about S/P (or the heaviest of the

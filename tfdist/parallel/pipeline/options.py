@@ -100,6 +100,19 @@ def resolved_microbatches(num_stages: int,
   return num_stages if num_microbatches is None else int(num_microbatches)
 
 
+# The settings (flag names) `check_flags` reads, for the step mode's
+# `validate` (`tfdist.parallel.mode.StepMode.validate`).
+CHECKED_SETTINGS = (
+    "pipeline_stages",
+    "num_microbatches",
+    "pipeline_schedule",
+    "pipeline_cuts",
+    "distribution_strategy",
+    "zero_stage",
+    "enable_xla",
+)
+
+
 def check_flags(*, pipeline_stages: int, num_microbatches: Optional[int],
                 pipeline_schedule: str, pipeline_cuts: Sequence[str],
                 distribution_strategy: str, zero_stage: int,

@@ -44,6 +44,7 @@ import tensorflow as tf
 
 from tfdist.parallel import mode as mode_lib
 from tfdist.parallel.tensor import layers as tp_lib
+from tfdist.parallel.tensor import options as tensor_options
 
 _VALUE = "VARIABLE_VALUE"
 
@@ -128,6 +129,17 @@ class TensorParallelStep(mode_lib.StepMode):
   unsharded: keras.Model
   num_shards: int
   all_reduces_gradients = False
+
+  @classmethod
+  def validate(cls, settings) -> None:
+    """`tfdist.parallel.tensor.options.check_flags` on `settings`."""
+    tensor_options.check_flags(**{
+        name: settings[name] for name in tensor_options.CHECKED_SETTINGS})
+
+  @classmethod
+  def devices(cls, settings) -> int:
+    """N: the replicas the layers are split over."""
+    return int(settings["tensor_parallel"])
 
   @classmethod
   def layout_rows(cls, facts) -> list:

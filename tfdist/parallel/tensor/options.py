@@ -40,6 +40,24 @@ def flags_for(model: str, num_devices: int) -> str:
   return f"--distribution_strategy=mirrored --tensor_parallel={num_devices}"
 
 
+# The settings (flag names) `check_flags` reads, for the step mode's
+# `validate` (`tfdist.parallel.mode.StepMode.validate`).
+CHECKED_SETTINGS = (
+    "tensor_parallel",
+    "model",
+    "distribution_strategy",
+    "zero_stage",
+    "pipeline_stages",
+    "enable_xla",
+    "dtype",
+    "clipnorm",
+    "global_clipnorm",
+    "init_checkpoint",
+    "num_gpus",
+    "num_cpu_devices",
+)
+
+
 def check_flags(*, tensor_parallel: int, model: str,
                 distribution_strategy: str, zero_stage: int,
                 pipeline_stages: int, enable_xla: bool, dtype: str,

@@ -9,6 +9,7 @@ gathered weights (whole, or block by block).
 from tfdist import errors
 from tfdist.parallel import mode as mode_lib
 from tfdist.parallel.zero3.optimizer import MODE_NAME
+from tfdist.parallel.zero3.optimizer import state_variables
 from tfdist.parallel.zero3.optimizer import Zero3Optimizer
 
 
@@ -45,6 +46,11 @@ class Zero3Mode(mode_lib.StepMode):
           "The zero3 parallelism mode needs --zero_stage=3 (the trainer's "
           f"sharding). Received: sharding={context.sharded!r}. Pass "
           "sharding=ShardingOptions(stage=3), or another mode.")
+
+  def variables(self, context) -> list:
+    """The model's variables with the released weights replaced by this
+    process's weight shards (`state_variables`)."""
+    return state_variables(context.model, context)
 
   def forward_backward(self, context, inputs, labels, weights=None):
     return context.sharded.replica_forward_backward(context, inputs, labels,
