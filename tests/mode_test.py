@@ -39,6 +39,8 @@ class HalvesMode(mode_lib.StepMode):
   halves' losses and gradients (each loss is already divided by the global
   batch size): the data-parallel pass in two pieces."""
 
+  name = "halves"  # Also set by `register_mode("halves")`.
+
   def __init__(self):
     self.forward_calls = 0
     self.eval_calls = 0
@@ -185,11 +187,19 @@ class BackendCompositionTest(absltest.TestCase):
     self.addCleanup(mode_backends.register_mode_backend, "halves",
                     factory=lambda kind, cls, cluster: None)
     backend = mode_backends.compose(
-        "halves", StrategyKind.MIRRORED, single_process.MirroredBackend)
+        HalvesMode, StrategyKind.MIRRORED, single_process.MirroredBackend)
     self.assertTrue(backend.marked)
     self.assertIsInstance(backend, single_process.MirroredBackend)
     with self.assertRaisesRegex(ValueError, "one of mixin= or factory="):
       mode_backends.register_mode_backend("halves")
+
+    class Driving(HalvesMode):
+      name = "driving"
+      replaces_step_runner = True
+
+    with self.assertRaisesRegex(ValueError, "'driving' replaces the step"):
+      mode_backends.compose(Driving, StrategyKind.MIRRORED,
+                            single_process.MirroredBackend)
 
 
 class OutsideModeTest(absltest.TestCase):

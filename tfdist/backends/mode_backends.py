@@ -16,7 +16,7 @@ either
   strategy (the pipeline drives its stages from one process; tensor
   parallelism is one Mirrored group of N replicas).
 
-`compose(mode_name, kind, kind_backend_class, cluster)` returns the run's
+`compose(mode, kind, kind_backend_class, cluster)` returns the run's
 backend instance (`tfdist.backends.registry.backend_for_run`).
 """
 
@@ -62,12 +62,23 @@ def composed_class(mixin: type, kind_backend: Type[base.Backend]) -> type:
   return type(name, (mixin, kind_backend), {"__module__": mixin.__module__})
 
 
-def compose(mode_name: str, kind, kind_backend: Type[base.Backend],
+def compose(mode, kind, kind_backend: Type[base.Backend],
             cluster=None) -> base.Backend:
   """The run's backend: `kind_backend` (the backend class of the decided
-  `kind`) composed with what the mode `mode_name` registered (nothing: a
-  `kind_backend` instance)."""
+  `kind`) composed with what the mode (a `tfdist.parallel.mode.StepMode`
+  class) registered (nothing: a `kind_backend` instance).
+
+  Raises:
+    ValueError: a mode that `replaces_step_runner` with no factory
+      registered.
+  """
+  mode_name = mode.name
   factory = _FACTORIES.get(mode_name)
+  if factory is None and mode.replaces_step_runner:
+    raise ValueError(
+        f"The parallelism mode {mode_name!r} replaces the step runner: "
+        "register its backend with tfdist.backends.mode_backends"
+        f".register_mode_backend({mode_name!r}, factory=...).")
   if factory is not None:
     backend = factory(kind, kind_backend, cluster)
     if backend is not None:

@@ -15,7 +15,7 @@ from tfdist.backends import single_process  # pylint: disable=unused-import
 from tfdist.backends import tensor_parallel  # pylint: disable=unused-import
 from tfdist.backends import tpu  # pylint: disable=unused-import
 from tfdist.backends import zero3  # pylint: disable=unused-import
-from tfdist.parallel import mode as mode_lib
+from tfdist.parallel import modes
 
 Backend = base.Backend
 Role = base.Role
@@ -59,11 +59,11 @@ def backend_for_run(kind, config, cluster=None) -> base.Backend:
   Raises:
     As `backend_for`.
   """
-  name = mode_lib.mode_name_for(
+  mode = modes.get_mode(modes.mode_name_for(
       zero_stage=getattr(config, "zero_stage_resolved", 0),
       pipeline_stages=getattr(config, "pipeline_stages", 1),
-      tensor_parallel=getattr(config, "tensor_parallel", 1))
+      tensor_parallel=getattr(config, "tensor_parallel", 1)))
   cls = base.registered_backend(kind)
   if cls is None:
     backend_for(kind)  # Raises its error.
-  return mode_backends.compose(name, kind, cls, cluster)
+  return mode_backends.compose(mode, kind, cls, cluster)

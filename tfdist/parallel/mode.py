@@ -10,7 +10,7 @@ name:
 
   data      `tfdist.parallel.data`: the whole model on every replica
             (ZeRO stages 0-2 shard only the optimizer's state and the
-            accumulated gradients, `tfdist.parallel.data.sharding`).
+            accumulated gradients, `tfdist.parallel.data.sharded_optimizer`).
   zero3     `tfdist.parallel.zero3`: ZeRO stage 3, the weights sharded too
             and gathered by the step.
   pipeline  `tfdist.parallel.pipeline`: the model cut into stages on
@@ -76,8 +76,10 @@ class StepMode:
     all_reduces_gradients: whether the trainer sums the gradients over
       replicas (False: each replica's gradients are its own, as tensor
       parallelism's shards).
-    replaces_step_runner: whether the backend runs the step itself (a
-      pipeline on one process's devices) instead of `strategy.run`.
+    replaces_step_runner: whether the mode needs a backend of its own
+      that runs the step (a pipeline driving its stages from one process)
+      instead of the strategy kind's: `tfdist.backends.mode_backends`
+      refuses such a mode without a registered backend factory.
   """
 
   name: str = ""

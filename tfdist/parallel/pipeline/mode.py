@@ -58,6 +58,7 @@ class PipelineStep(mode_lib.StepMode):
   num_microbatches: int
   schedule: str
   micro_batch: int = 0
+  replaces_step_runner = True  # `tfdist.backends.pipeline` drives stages.
 
   @classmethod
   def validate(cls, settings) -> None:
