@@ -126,6 +126,15 @@ class StepMode:
     del facts
     return []
 
+  @classmethod
+  def model_facts(cls, model) -> Dict[str, Any]:
+    """What this mode measures of an unsharded, built Keras `model` for
+    the memory plan (`tfdist.training.memory.model_facts` merges every
+    mode's): keys of `LayoutFacts` or of `estimate_model_memory`. The base
+    class: none."""
+    del model
+    return {}
+
   # --- the step (replica context) ---------------------------------------
   def bind(self, context) -> None:
     """Called once by the trainer that runs this mode (`StepContext`),

@@ -477,6 +477,19 @@ def _ceil_div(a: float, n: int) -> int:
   return int(-(-int(a) // max(int(n), 1)))
 
 
+def model_facts(model) -> dict:
+  """Every registered parallelism mode's measurements of an unsharded,
+  built Keras `model` (`tfdist.parallel.mode.StepMode.model_facts`),
+  merged: `replicated_variables` (ZeRO stage 3's whole embedding tables,
+  for `estimate_model_memory`), `tensor_parallel_bytes` and
+  `pipeline_shares` (for `layout_table`)."""
+  from tfdist.parallel import modes  # pylint: disable=g-import-not-at-top
+  facts = {}
+  for name in modes.mode_names():
+    facts.update(modes.get_mode(name).model_facts(model))
+  return facts
+
+
 @dataclasses.dataclass(frozen=True)
 class LayoutFacts:
   """What every parallelism mode's `layout_table` rows are computed from

@@ -61,6 +61,23 @@ class PipelineStep(mode_lib.StepMode):
   replaces_step_runner = True  # `tfdist.backends.pipeline` drives stages.
 
   @classmethod
+  def model_facts(cls, model, most: int = 8) -> dict:
+    """`pipeline_shares`: P -> the heaviest of P stages' share of
+    `model`'s weight bytes, for P = 2 .. `most` while the model can be cut
+    so (device names only name the stages: nothing is placed)."""
+    shares = {}
+    for p in range(2, most + 1):
+      try:
+        stages = pipeline_lib.split_model(
+            model, p, devices=[f"/device:CPU:{i}" for i in range(p)]).stages
+      except (errors.PipelineConfigError, ValueError):
+        break
+      total = sum(s.param_bytes for s in stages)
+      if total:
+        shares[p] = max(s.param_bytes for s in stages) / total
+    return {"pipeline_shares": shares}
+
+  @classmethod
   def validate(cls, settings) -> None:
     """`tfdist.parallel.pipeline.options.check_flags` on `settings`."""
     pipeline_options.check_flags(**{

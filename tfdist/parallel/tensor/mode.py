@@ -131,6 +131,12 @@ class TensorParallelStep(mode_lib.StepMode):
   all_reduces_gradients = False
 
   @classmethod
+  def model_facts(cls, model) -> dict:
+    """`tensor_parallel_bytes`: the weight bytes the tensor-parallel
+    layers would split (`layers.splittable_weight_bytes`)."""
+    return {"tensor_parallel_bytes": tp_lib.splittable_weight_bytes(model)}
+
+  @classmethod
   def validate(cls, settings) -> None:
     """`tfdist.parallel.tensor.options.check_flags` on `settings`."""
     tensor_options.check_flags(**{

@@ -9,6 +9,7 @@ gathered weights (whole, or block by block).
 from tfdist import errors
 from tfdist.parallel import mode as mode_lib
 from tfdist.parallel.zero3.optimizer import MODE_NAME
+from tfdist.parallel.zero3.optimizer import replicated_variables
 from tfdist.parallel.zero3.optimizer import state_variables
 from tfdist.parallel.zero3.optimizer import Zero3Optimizer
 
@@ -37,6 +38,12 @@ class Zero3Mode(mode_lib.StepMode):
             e.gradients_bytes - replicated + facts.accumulators, n),
         facts.ceil_div(e.optimizer_bytes, n), facts.replica_activations,
         not note, note)]
+
+  @classmethod
+  def model_facts(cls, model) -> dict:
+    """`replicated_variables`: the embedding tables stage 3 keeps whole
+    (for `tfdist.training.memory.estimate_model_memory`)."""
+    return {"replicated_variables": replicated_variables(model)}
 
   def bind(self, context) -> None:
     """Raises `tfdist.errors.ConfigError` unless the trainer shards at
