@@ -98,10 +98,10 @@ import tensorflow as tf
 
 from tfdist.parallel import mode as mode_lib
 from tfdist.parallel import modes
+from tfdist.parallel.data import sharded_optimizer
 from tfdist.training import objectives
 from tfdist.training import precision
 from tfdist.training import reduce_dtype
-from tfdist.parallel.data import sharded_optimizer
 
 
 # The key of the sharded optimizer's per-replica update in a step's sums.
@@ -387,9 +387,10 @@ class Trainer:
       the iterator then yields per-replica micro-batches of
       `global_batch_size / (K x replicas)` examples, and one training step
       takes K of them (module docstring).
-    sharding: a `tfdist.parallel.data.sharded_optimizer.ShardingOptions` (ZeRO stage
-      1 or 2: the optimizer, built on no variables, then runs on per-replica
-      shards, see `tfdist.parallel.data.sharded_optimizer`); None or stage 0:
+    sharding: a `tfdist.parallel.data.sharded_optimizer.ShardingOptions`
+      (ZeRO stage 1 or 2: the optimizer, built on no variables, then runs
+      on per-replica shards, see `tfdist.parallel.data.sharded_optimizer`;
+      stage 3 also the weights, `tfdist.parallel.zero3`); None or stage 0:
       unsharded.
     time_steps: measure the input wait and the call's execution time with
       `tf.timestamp` (see `train_function`); False under op determinism
