@@ -141,7 +141,7 @@ def run_config(num_stages, num_microbatches, schedule, forward_ms,
   import keras  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  from tfdist.parallel import pipeline  # pylint: disable=g-import-not-at-top
+  from tfdist.parallel.pipeline import stages as pipeline  # pylint: disable=g-import-not-at-top
 
   log, lock = [], threading.Lock()
   work = _work_layer(keras, tf, log, lock)

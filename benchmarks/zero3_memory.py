@@ -50,8 +50,8 @@ def _child(replicas: int, stage: int, width: int, layers: int):
   tf.config.set_logical_device_configuration(
       cpu, [tf.config.LogicalDeviceConfiguration()] * replicas)
   import keras  # pylint: disable=g-import-not-at-top
-  from tfdist.parallel import zero3  # pylint: disable=g-import-not-at-top
-  from tfdist.training import sharded_optimizer  # pylint: disable=g-import-not-at-top
+  from tfdist.parallel.zero3 import optimizer as zero3  # pylint: disable=g-import-not-at-top
+  from tfdist.parallel.data import sharded_optimizer  # pylint: disable=g-import-not-at-top
   from tfdist.training.train_loop import Trainer  # pylint: disable=g-import-not-at-top
 
   def current():

@@ -74,7 +74,7 @@ def _child(replicas: int, stage: int, model_name: str, width: int,
   from models import transformer  # pylint: disable=g-import-not-at-top
   from tfdist.data import clothing_reviews  # pylint: disable=g-import-not-at-top
   from tfdist.training import memory  # pylint: disable=g-import-not-at-top
-  from tfdist.training import sharded_optimizer  # pylint: disable=g-import-not-at-top
+  from tfdist.parallel.data import sharded_optimizer  # pylint: disable=g-import-not-at-top
   from tfdist.training.train_loop import Trainer  # pylint: disable=g-import-not-at-top
 
   def current():

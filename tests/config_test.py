@@ -11,7 +11,7 @@ from tfdist import config
 from tfdist import errors
 from tfdist.config import TrainConfig
 from tfdist.distribute import environment
-from tfdist.parallel import tensor_parallel_options
+from tfdist.parallel.tensor import options as tensor_parallel_options
 
 # Also run on the oldest supported TensorFlow (see tests/conftest.py).
 pytestmark = pytest.mark.compat

@@ -10,7 +10,7 @@ import keras
 import numpy as np
 import pytest
 
-from tfdist.parallel import tensor_parallel_options
+from tfdist.parallel.tensor import options as tensor_parallel_options
 from tfdist.training import memory
 from tfdist.training import precision
 
@@ -339,6 +339,22 @@ class LayoutTableTest(absltest.TestCase):
     model = _model()  # Dense 32, batch norm 32, Dense 3, float32.
     self.assertEqual(memory.activation_bytes_per_example(model),
                      (32 + 32 + 3) * 4)
+
+  def test_every_mode_measures_the_model(self):
+    inputs = keras.Input((5,), dtype="int32")
+    x = keras.layers.Embedding(11, 4)(inputs)
+    x = keras.layers.Flatten()(x)
+    x = keras.layers.Dense(6)(x)
+    model = keras.Model(inputs, keras.layers.Dense(3)(x))
+    facts = memory.model_facts(model)
+    self.assertEqual([v.path for v in facts["replicated_variables"]],
+                     [model.layers[1].embeddings.path])
+    self.assertEqual(facts["tensor_parallel_bytes"], 0)  # No Transformer.
+    # Embedding 44, Dense 20*6+6 = 126, Dense 6*3+3 = 21 weights (float32):
+    # the balanced cut into two stages holds 44 and 147 of 191 (cutting
+    # after the first Dense would hold 170).
+    self.assertAlmostEqual(facts["pipeline_shares"][2], 147 / 191)
+    self.assertLessEqual(max(facts["pipeline_shares"]), 8)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ from tfdist import errors
 from tfdist.config import TrainConfig
 from tfdist.training import memory
 from tfdist.training import optimizers
-from tfdist.training import sharded_optimizer
+from tfdist.parallel.data import sharded_optimizer
 
 pytestmark = pytest.mark.compat
 

@@ -34,7 +34,7 @@ import tensorflow as tf  # pylint: disable=g-import-not-at-top
 
 from tfdist import errors  # pylint: disable=g-import-not-at-top
 from tfdist.distribute import devices  # pylint: disable=g-import-not-at-top
-from tfdist.parallel import pipeline  # pylint: disable=g-import-not-at-top
+from tfdist.parallel.pipeline import stages as pipeline  # pylint: disable=g-import-not-at-top
 from tests import testutil  # pylint: disable=g-import-not-at-top
 
 DEVICES = devices.configure_cpu_devices(4)

@@ -48,9 +48,9 @@ from tfdist import experiment  # pylint: disable=g-import-not-at-top
 from tfdist.config import TrainConfig  # pylint: disable=g-import-not-at-top
 from tfdist.distribute import devices  # pylint: disable=g-import-not-at-top
 from tfdist.distribute import environment as environment_lib  # pylint: disable=g-import-not-at-top
-from tfdist.parallel import pipeline  # pylint: disable=g-import-not-at-top
-from tfdist.parallel import pipeline_options  # pylint: disable=g-import-not-at-top
-from tfdist.training import pipeline_step  # pylint: disable=g-import-not-at-top
+from tfdist.parallel.pipeline import stages as pipeline  # pylint: disable=g-import-not-at-top
+from tfdist.parallel.pipeline import options as pipeline_options  # pylint: disable=g-import-not-at-top
+from tfdist.parallel.pipeline import mode as pipeline_step  # pylint: disable=g-import-not-at-top
 from tests import testutil  # pylint: disable=g-import-not-at-top
 
 DEVICES = devices.configure_cpu_devices(4)

@@ -48,7 +48,7 @@ def _child(train_glob: str) -> dict:
   from tfdist.data import datasets  # pylint: disable=g-import-not-at-top
   from tfdist.data import input_pipeline  # pylint: disable=g-import-not-at-top
   from tfdist.training import precision  # pylint: disable=g-import-not-at-top
-  from tfdist.training import sharded_optimizer  # pylint: disable=g-import-not-at-top
+  from tfdist.parallel.data import sharded_optimizer  # pylint: disable=g-import-not-at-top
   from tfdist.training import train_loop  # pylint: disable=g-import-not-at-top
 
   cpu = tf.config.list_physical_devices("CPU")[0]

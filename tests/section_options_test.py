@@ -20,7 +20,7 @@ from tfdist.distribute import strategy as strategy_lib
 from tfdist.backends import registry as backend_registry
 from tfdist.distribute.strategy_kind import StrategyKind
 from tfdist.observability import manifest
-from tfdist.parallel import pipeline_options
+from tfdist.parallel.pipeline import options as pipeline_options
 from tfdist.training import assembly
 from tfdist.training import preflight
 from tfdist.training import run_plan

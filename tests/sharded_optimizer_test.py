@@ -89,7 +89,7 @@ class PerVariableTest(absltest.TestCase):
     # time segment ids: the same sums and scaling, padding included.
     import numpy as np  # pylint: disable=g-import-not-at-top
     import tensorflow as tf  # pylint: disable=g-import-not-at-top
-    from tfdist.training import sharded_optimizer  # pylint: disable=g-import-not-at-top
+    from tfdist.parallel.data import sharded_optimizer  # pylint: disable=g-import-not-at-top
     layout = sharded_optimizer.FlatLayout([[2, 3], [2], [4]], num_shards=3)
     self.assertEqual((layout.shard_size, layout.padding), (4, 0))
     layout = sharded_optimizer.FlatLayout([[2, 3], [2], [3]], num_shards=3)

@@ -82,8 +82,8 @@ def run_cases(strategy, train_glob: str, cases, *, scratch: str,
   from tfdist.data import input_pipeline  # pylint: disable=g-import-not-at-top
   from tfdist.training import optimizers  # pylint: disable=g-import-not-at-top
   from tfdist.training import precision  # pylint: disable=g-import-not-at-top
-  from tfdist.parallel import zero3  # pylint: disable=g-import-not-at-top
-  from tfdist.training import sharded_optimizer  # pylint: disable=g-import-not-at-top
+  from tfdist.parallel.zero3 import optimizer as zero3  # pylint: disable=g-import-not-at-top
+  from tfdist.parallel.data import sharded_optimizer  # pylint: disable=g-import-not-at-top
   from tfdist.training.train_loop import Trainer  # pylint: disable=g-import-not-at-top
 
   images, labels = next(iter(tf.data.TFRecordDataset(
@@ -308,8 +308,8 @@ def resting_memory(strategy, stage: int = 1) -> dict:
   import keras  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  from tfdist.parallel import zero3  # pylint: disable=g-import-not-at-top,unused-import
-  from tfdist.training import sharded_optimizer  # pylint: disable=g-import-not-at-top
+  from tfdist.parallel.zero3 import optimizer as zero3  # pylint: disable=g-import-not-at-top,unused-import
+  from tfdist.parallel.data import sharded_optimizer  # pylint: disable=g-import-not-at-top
   from tfdist.training.train_loop import Trainer  # pylint: disable=g-import-not-at-top
 
   def at_rest():

@@ -47,7 +47,7 @@ def _child(n: int) -> dict:
       [tf.config.LogicalDeviceConfiguration()] * n)
   from models import transformer
   from tfdist import errors
-  from tfdist.parallel import tensor_parallel as tp
+  from tfdist.parallel.tensor import layers as tp
   # pylint: enable=g-import-not-at-top
 
   def build(kind: str, parallel: bool, dtype: str):
@@ -327,7 +327,7 @@ def _trainer_child(root: str, resume: bool = False) -> dict:
   from tfdist.data import clothing_reviews
   from tfdist.distribute import devices
   from tfdist.distribute import environment as environment_lib
-  from tfdist.parallel import tensor_parallel as tp
+  from tfdist.parallel.tensor import layers as tp
   # pylint: enable=g-import-not-at-top
   devices.configure_cpu_devices(2)
   data = os.path.join(root, "clothing_reviews")
@@ -442,7 +442,7 @@ class ArgumentsTest(absltest.TestCase):
   def test_bad_dropout_is_a_config_error(self):
     # In this process: checked before anything is built or placed.
     from tfdist import errors  # pylint: disable=g-import-not-at-top
-    from tfdist.parallel import tensor_parallel  # pylint: disable=g-import-not-at-top
+    from tfdist.parallel.tensor import layers as tensor_parallel  # pylint: disable=g-import-not-at-top
     with self.assertRaisesRegex(errors.ConfigError,
                                 r"0 <= dropout < 1\. Received: dropout=1\.5"):
       tensor_parallel.ParallelMultiHeadAttention(num_heads=2, key_dim=4,

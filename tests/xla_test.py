@@ -48,7 +48,7 @@ class XlaTest(absltest.TestCase):
     trainer, model, out, (inputs, labels) = _train(enable_xla=True)
     self.assertTrue(trainer.xla_applied)
     # No sample weights (the third argument) in this data.
-    hlo = trainer._replica_grads.experimental_get_compiler_ir(
+    hlo = trainer.mode.compiled_pass.experimental_get_compiler_ir(
         tf.constant(inputs), tf.constant(labels), None)(stage="hlo")
     self.assertIn("HloModule", hlo)
     self.assertEqual(int(trainer.global_step.numpy()), 3)

@@ -39,8 +39,8 @@ from tfdist.config import TrainConfig  # pylint: disable=g-import-not-at-top
 from tfdist.distribute import devices  # pylint: disable=g-import-not-at-top
 from tfdist.models import cnn  # pylint: disable=g-import-not-at-top
 from tfdist.models import transformer  # pylint: disable=g-import-not-at-top
-from tfdist.parallel import zero3  # pylint: disable=g-import-not-at-top
-from tfdist.training import sharded_optimizer  # pylint: disable=g-import-not-at-top
+from tfdist.parallel.zero3 import optimizer as zero3  # pylint: disable=g-import-not-at-top
+from tfdist.parallel.data import sharded_optimizer  # pylint: disable=g-import-not-at-top
 from tests import testutil  # pylint: disable=g-import-not-at-top
 
 DEVICES = devices.configure_cpu_devices(2)

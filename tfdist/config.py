@@ -38,8 +38,8 @@ from tfdist.distribute.strategy_kind import StrategyKind
 from tfdist import config_tree
 from tfdist.config_tree import setting
 from tfdist import errors
-from tfdist.parallel import pipeline_options
-from tfdist.parallel import tensor_parallel_options
+from tfdist.parallel.pipeline import options as pipeline_options
+from tfdist.parallel.tensor import options as tensor_parallel_options
 from tfdist.training import decay_schedules
 from tfdist.training import optimizers
 from tfdist.training import reduce_dtype
@@ -753,8 +753,8 @@ class TpuConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ParallelismConfig:
-  """Model parallelism: pipeline stages (tfdist/parallel/pipeline_options.py)
-  and tensor parallelism (tfdist/parallel/tensor_parallel_options.py).
+  """Model parallelism: pipeline stages (tfdist/parallel/pipeline/options.py)
+  and tensor parallelism (tfdist/parallel/tensor/options.py).
   """
   pipeline_stages: int = setting(
       1, "integer", "pipeline",
@@ -926,7 +926,7 @@ class PrecisionConfig:
 class MemoryConfig:
   """Memory levers: activation recomputation, sharded data parallelism
   (ZeRO, Rajbhandari et al. 2020: `zero_stage` says in DeepSpeed's terms
-  what the three switches say; tfdist/training/sharded_optimizer.py), the
+  what the three switches say; tfdist/parallel/data/sharded_optimizer.py), the
   host allocator.
 
   The switches None: unset (`TrainConfig` makes them False, so a switch
@@ -1469,7 +1469,7 @@ class TrainConfig:
 
   def _validate_pipeline(self):
     """Pipeline stages, micro-batches, schedule and cuts
-    (`tfdist.parallel.pipeline_options.check_flags`)."""
+    (`tfdist.parallel.pipeline.options.check_flags`)."""
     pipeline_options.check_flags(
         pipeline_stages=self.pipeline_stages,
         num_microbatches=self.num_microbatches,

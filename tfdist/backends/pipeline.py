@@ -6,7 +6,7 @@ GPU i or, on a CPU-only host, on logical CPU device i (configured here: P
 of them). The run is otherwise a one-device run: one replica, the trainer's
 loop, checkpoints and export, with the trainer's per-replica forward and
 backward pass replaced by the pipeline's micro-batched one
-(`tfdist.training.pipeline_step`). The strategy is TensorFlow's default
+(`tfdist.parallel.pipeline.mode`). The strategy is TensorFlow's default
 one: `OneDeviceStrategy` would place every variable on its one device,
 where the stages' variables must live on theirs.
 
@@ -21,9 +21,10 @@ the chief marks the run done. The P stages go P/T to a task, in order
 `tfdist.errors.PeerLostError` (exit status 200; restart and resume from the
 last checkpoint), as under MultiWorkerMirrored.
 
+Registered for the `pipeline` mode (`tfdist.backends.mode_backends`):
 `backend_for_run` chooses this backend for a config with
 `pipeline_stages > 1` (the flags allow it only with `--distribution_strategy`
-auto, one_device or off; `tfdist.parallel.pipeline_options`).
+auto, one_device or off; `tfdist.parallel.pipeline.options`).
 """
 
 import contextlib
@@ -34,11 +35,13 @@ from absl import logging
 import tensorflow as tf
 
 from tfdist.backends import base
+from tfdist.backends import mode_backends
 from tfdist.backends import single_process
 from tfdist.distribute import cluster as cluster_lib
 from tfdist.distribute import devices as devices_lib
 from tfdist.distribute import parameter_server as ps_lib
 from tfdist.distribute import strategy as strategy_lib
+from tfdist.parallel import mode as mode_lib
 from tfdist.distribute.strategy_kind import StrategyKind
 from tfdist import errors
 from tfdist.training import step_runner
@@ -315,7 +318,7 @@ class PipelineBackend(single_process.OneDeviceBackend):
     task)."""
     from tfdist.training import memory  # pylint: disable=g-import-not-at-top
     whole = super().model_memory(parts, num_replicas=num_replicas)
-    step = parts.trainer.pipeline
+    step = mode_lib.mode_of(parts.trainer, "pipeline")
     if step is None:
       return whole
     return memory.heaviest_stage(whole, step.pipeline.stages)
@@ -325,7 +328,7 @@ class PipelineBackend(single_process.OneDeviceBackend):
     details list the stages (device, layers, weight bytes, activation
     estimate)."""
     runner, evaluate, details = super().build_inputs(run)
-    pipeline = getattr(run.parts.trainer, "pipeline", None)
+    pipeline = mode_lib.mode_of(run.parts.trainer, "pipeline")
     if pipeline is not None:
       details = {**details, "pipeline_stages": pipeline.stages()}
     return runner, evaluate, details
@@ -346,6 +349,12 @@ class PipelineBackend(single_process.OneDeviceBackend):
         addresses=cluster.cluster, what="Pipeline training")
 
 
-def uses_pipeline(config) -> bool:
-  """Whether `config` cuts the model into stages (`pipeline_stages > 1`)."""
-  return getattr(config, "pipeline_stages", 1) > 1
+def _pipeline_backend(kind, kind_backend, cluster) -> PipelineBackend:
+  """Whatever the kind: the pipeline replaces its step runner (the chief
+  drives every stage, `tfdist.parallel.mode.StepMode
+  .replaces_step_runner`)."""
+  del kind, kind_backend
+  return PipelineBackend(cluster)
+
+
+mode_backends.register_mode_backend("pipeline", factory=_pipeline_backend)

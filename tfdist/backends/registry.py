@@ -6,14 +6,16 @@ one.
 """
 
 from tfdist.backends import base
-# Registered on import.
+from tfdist.backends import mode_backends
+# Registered on import (the kinds' backends, then the modes' needs).
 from tfdist.backends import multi_worker  # pylint: disable=unused-import
 from tfdist.backends import parameter_server  # pylint: disable=unused-import
-from tfdist.backends import pipeline
+from tfdist.backends import pipeline  # pylint: disable=unused-import
 from tfdist.backends import single_process  # pylint: disable=unused-import
-from tfdist.backends import tensor_parallel
+from tfdist.backends import tensor_parallel  # pylint: disable=unused-import
 from tfdist.backends import tpu  # pylint: disable=unused-import
-from tfdist.backends import zero3
+from tfdist.backends import zero3  # pylint: disable=unused-import
+from tfdist.parallel import modes
 
 Backend = base.Backend
 Role = base.Role
@@ -55,22 +57,29 @@ def make_strategy(options, *, cluster=None):
 
 
 def backend_for_run(kind, config, cluster=None) -> base.Backend:
-  """The backend of a run: the pipeline's (`tfdist.backends.pipeline`)
-  when `config` cuts the model into stages (`pipeline_stages > 1`), the
-  tensor-parallel one (`tfdist.backends.tensor_parallel`) when it splits
-  the layers (`tensor_parallel > 1`), ZeRO stage 3's
-  (`tfdist.backends.zero3`) at `--zero_stage=3`, else `backend_for(kind)`.
+  """The backend of a run: the kind's (`backend_for`) composed with what
+  the run's parallelism mode needs of it (`tfdist.backends.mode_backends`;
+  the mode `tfdist.parallel.mode.mode_name_for` chooses from `config`'s
+  `zero_stage_resolved`, `pipeline_stages` and `tensor_parallel`): the
+  pipeline's backend (`tfdist.backends.pipeline`) with stages, the
+  tensor-parallel one (`tfdist.backends.tensor_parallel`) with split
+  layers, the kind's with ZeRO stage 3's export gather
+  (`tfdist.backends.zero3`) at `--zero_stage=3`.
 
   Args:
     kind: the decided `StrategyKind`.
-    config: the run's `TrainConfig` (anything with `pipeline_stages`).
+    config: the run's `TrainConfig` (anything with those three settings;
+      absent ones count as off).
     cluster: the run's `ClusterInfo` (a pipeline's stages may span it).
 
   Raises:
     As `backend_for`.
   """
-  if pipeline.uses_pipeline(config):
-    return pipeline.PipelineBackend(cluster)
-  if tensor_parallel.uses_tensor_parallel(config):
-    return tensor_parallel.TensorParallelBackend()
-  return zero3.backend_for(kind, config) or backend_for(kind)
+  mode = modes.get_mode(modes.mode_name_for(
+      zero_stage=getattr(config, "zero_stage_resolved", 0),
+      pipeline_stages=getattr(config, "pipeline_stages", 1),
+      tensor_parallel=getattr(config, "tensor_parallel", 1)))
+  cls = base.registered_backend(kind)
+  if cls is None:
+    backend_for(kind)  # Raises its error.
+  return mode_backends.compose(mode, kind, cls, cluster)

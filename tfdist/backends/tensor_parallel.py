@@ -5,13 +5,14 @@ or N logical CPU devices, configured here) whose replicas are one
 tensor-parallel group: the built-in Transformer's heads and feed-forward
 units are split over them (`tfdist.parallel.tensor_parallel`), every
 replica trains on the whole global batch, and the trainer's step skips
-the gradient all-reduce (`tfdist.training.tensor_parallel_step`). The
+the gradient all-reduce (`tfdist.parallel.tensor.mode`). The
 SavedModel is the unsharded Transformer holding the gathered weights.
 
+Registered for the `tensor` mode (`tfdist.backends.mode_backends`):
 `backend_for_run` chooses this backend for a config with
 `tensor_parallel > 1` (the flags allow it only with
 `--distribution_strategy` auto or mirrored and exactly N devices;
-`tfdist.parallel.tensor_parallel_options`).
+`tfdist.parallel.tensor.options`).
 """
 
 from typing import List, Tuple
@@ -19,9 +20,11 @@ from typing import List, Tuple
 import tensorflow as tf
 
 from tfdist.backends import base
+from tfdist.backends import mode_backends
 from tfdist.backends import single_process
 from tfdist.distribute import devices as devices_lib
 from tfdist.distribute import strategy as strategy_lib
+from tfdist.parallel import mode as mode_lib
 from tfdist.distribute.strategy_kind import StrategyKind
 from tfdist import errors
 
@@ -100,20 +103,25 @@ class TensorParallelBackend(single_process.MirroredBackend):
     """The Mirrored runner and evaluation; the manifest's strategy
     details say how the layers are split."""
     runner, evaluate, details = super().build_inputs(run)
-    step = getattr(run.parts.trainer, "tensor_parallel", None)
+    step = mode_lib.mode_of(run.parts.trainer, "tensor")
     if step is not None:
       details = {**details, "tensor_parallel": step.describe()}
     return runner, evaluate, details
 
   def export_model(self, run):
     """The unsharded Transformer with the gathered weights."""
-    step = getattr(run.parts.trainer, "tensor_parallel", None)
-    return step.gathered_model() if step is not None else run.parts.model
+    step = mode_lib.mode_of(run.parts.trainer, "tensor")
+    return step.exported_model() if step is not None else run.parts.model
 
   def planned_replicas(self, config, decisions, *, cluster) -> Tuple[int, int]:
     return config.tensor_parallel, self.training_workers(cluster)
 
 
-def uses_tensor_parallel(config) -> bool:
-  """Whether `config` splits the model's layers (`tensor_parallel > 1`)."""
-  return getattr(config, "tensor_parallel", 1) > 1
+def _tensor_backend(kind, kind_backend, cluster) -> TensorParallelBackend:
+  """Whatever the kind (mirrored or auto, as `--tensor_parallel`'s checks
+  allow): one Mirrored group of N replicas."""
+  del kind, kind_backend, cluster
+  return TensorParallelBackend()
+
+
+mode_backends.register_mode_backend("tensor", factory=_tensor_backend)

@@ -6,26 +6,37 @@ the backend adds: the weights are gathered into the Keras model before the
 export (`zero3.materialize`), and under Mirrored also when the run ends,
 so the SavedModel and the model a `tfdist.fit` caller gets back are the
 unsharded model.
-`backend_for_run` chooses these backends for a config with
-`zero_stage_resolved == 3`.
+Registered for the `zero3` mode (`tfdist.backends.mode_backends`): the
+run's backend is the kind's with `_GathersForExport` before it.
 """
 
 import dataclasses
 
-from tfdist.backends import multi_worker
-from tfdist.backends import single_process
+from tfdist.backends import mode_backends
 from tfdist.distribute.strategy_kind import StrategyKind
-from tfdist.parallel import zero3
+from tfdist.parallel.zero3 import optimizer as zero3
 from tfdist.training import memory
 
 
 class _GathersForExport:
-  """Gathers the weights into the model before the export (every task
-  exports: the gather is collective as the save is)."""
+  """ZeRO stage 3's needs of a Mirrored or MultiWorkerMirrored backend:
+  the weights gathered into the model before the export (every task
+  exports: the gather is collective as the save is) and, under Mirrored
+  (one process), when the run ends, for `tfdist.fit`'s caller with or
+  without an export. Not under MultiWorkerMirrored: the gather is a
+  collective, and a task that failed would leave its peers waiting in it
+  before the final barrier tells them."""
 
   def export_model(self, run):
     zero3.materialize(run.parts.trainer)
     return super().export_model(run)
+
+  def leave_together(self, run, *, failed: bool = False) -> None:
+    parts = getattr(run, "parts", None)
+    if self.kind == StrategyKind.MIRRORED and not failed and (
+        parts is not None):
+      zero3.materialize(parts.trainer)
+    super().leave_together(run, failed=failed)
 
   def model_memory(self, parts, *, num_replicas: int):
     """Weights and gradients as stage 3 holds them (1/N, embedding tables
@@ -40,34 +51,14 @@ class _GathersForExport:
                                optimizer_bytes=estimate.optimizer_bytes)
 
 
-class Zero3MirroredBackend(_GathersForExport,
-                           single_process.MirroredBackend):
-  """MirroredStrategy, weights sharded over its replicas; the weights are
-  also gathered into the model when the run ends (for `tfdist.fit`'s
-  caller, with or without an export)."""
-
-  def leave_together(self, run, *, failed: bool = False) -> None:
-    parts = getattr(run, "parts", None)
-    if not failed and parts is not None:
-      zero3.materialize(parts.trainer)
-    super().leave_together(run, failed=failed)
-
-
-class Zero3MultiWorkerBackend(_GathersForExport,
-                              multi_worker.MultiWorkerMirroredBackend):
-  """MultiWorkerMirroredStrategy, weights sharded over every replica of
-  every worker. Not gathered when the run ends without an export: the
-  gather is a collective, and a task that failed would leave its peers
-  waiting in it before the final barrier tells them."""
-
-
-def backend_for(kind, config):
-  """The stage-3 backend of `kind` when `config` asks for stage 3
-  (`zero_stage_resolved == 3`), else None."""
-  if getattr(config, "zero_stage_resolved", 0) != zero3.STAGE:
+def _zero3_backend(kind, kind_backend, cluster):
+  """The kind's backend with `_GathersForExport` before it, under the
+  mirrored kinds (the only ones `--zero_stage` runs under); else None
+  (the kind's own)."""
+  del cluster
+  if not StrategyKind.parse(kind).is_mirrored:
     return None
-  if kind == StrategyKind.MIRRORED:
-    return Zero3MirroredBackend()
-  if kind == StrategyKind.MULTI_WORKER_MIRRORED:
-    return Zero3MultiWorkerBackend()
-  return None
+  return mode_backends.composed_class(_GathersForExport, kind_backend)()
+
+
+mode_backends.register_mode_backend(zero3.MODE_NAME, factory=_zero3_backend)

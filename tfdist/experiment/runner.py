@@ -35,7 +35,7 @@ from tfdist.experiment import dry_run as dry_run_lib
 from tfdist.experiment import prepare
 from tfdist.observability import manifest as manifest_lib
 from tfdist.observability import profiling
-from tfdist.parallel import zero3
+from tfdist.parallel import mode as mode_lib
 from tfdist.observability import run_log as run_log_lib
 from tfdist.runtime import failures
 from tfdist.runtime import preemption
@@ -493,8 +493,9 @@ class ExperimentRunner:
   def build_checkpoints(self) -> CheckpointKeeper:
     """The checkpoint keeper: saves, restores, keeps the input position."""
     parts = self.parts
-    # ZeRO stage 3: its weight shards in place of the released weights.
-    state = zero3.state_variables(parts.model, parts.trainer)
+    # As the trainer's parallelism mode holds them (ZeRO stage 3: its
+    # weight shards in place of the released weights).
+    state = mode_lib.state_variables(parts.trainer, parts.model)
     if parts.optimizer is not None:
       known = {id(v) for v in state}
       state += [v for v in parts.optimizer.variables if id(v) not in known]

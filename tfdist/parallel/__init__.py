@@ -1,14 +1,24 @@
-"""tfdist.parallel: model parallelism beside the data-parallel trainer.
+"""tfdist.parallel: the parallelism modes the trainer is given.
 
-Modules:
-  pipeline         cuts a Keras functional or Sequential model into stages
-                   on consecutive devices and trains it with micro-batches
-                   (GPipe or 1F1B schedules), equal to the unsplit model's
-                   step.
-  tensor_parallel  Megatron-style column- and row-parallel Dense layers and
-                   a parallel multi-head attention, each replica holding
-                   1/N of their weights.
+Modules and packages:
+  mode      the `StepMode` protocol every mode implements (one replica's
+            forward and backward pass, evaluation sums, the checkpoint and
+            export views, its rows of the memory plan) and the registry
+            (`register_mode`, `get_mode`, `mode_name_for`).
+  cutting   a Keras model read as a list of layer calls and cut into
+            consecutive pieces (shared by `pipeline` and `zero3`).
+  data      the `data` mode: data parallelism, ZeRO stages 0-2
+            (`data.sharded_optimizer`).
+  zero3     the `zero3` mode: ZeRO stage 3, the weights sharded too.
+  pipeline  the `pipeline` mode: a Keras functional or Sequential model cut
+            into stages on consecutive devices, trained with micro-batches
+            (GPipe or 1F1B schedules); `pipeline.split_model` and the rest
+            of `pipeline.stages` as a library.
+  tensor    the `tensor` mode: Megatron-style column- and row-parallel Dense
+            layers and a parallel multi-head attention, each replica
+            holding 1/N of their weights (`tensor.layers`, also importable
+            as the documented `tfdist.parallel.tensor_parallel`).
 
 Nothing is imported here: import the module you use
-(`from tfdist.parallel import pipeline`).
+(`from tfdist.parallel import mode`).
 """

@@ -1,5 +1,5 @@
 """tfdist.training: the training step and its state: the loop, step runners, the controller,
-checkpoints, optimizers, schedules, precision, sharding, memory levers,
+checkpoints, optimizers, schedules, precision, memory levers,
 export.
 
 Modules:
@@ -19,7 +19,6 @@ Modules:
   registry
   run_plan
   sharded_embedding
-  sharded_optimizer
   step_runner
   task
   train_loop

@@ -20,20 +20,20 @@ import tensorflow as tf
 from tfdist import models
 from tfdist import errors
 from tfdist.errors import first_line
-from tfdist.parallel import pipeline_options
-from tfdist.parallel import zero3  # Registers ZeRO stage 3's optimizer.
+from tfdist.parallel.pipeline import options as pipeline_options
+from tfdist.parallel.zero3 import optimizer as zero3  # Registers ZeRO stage 3's optimizer.
 from tfdist.training import checkpointing
 from tfdist.training import custom_step
 from tfdist.training import lr_schedule
 from tfdist.training import memory
 from tfdist.training import objectives as objectives_lib
 from tfdist.training import optimizers
-from tfdist.training import pipeline_step
+from tfdist.parallel.pipeline import mode as pipeline_step
 from tfdist.training import precision
 from tfdist.training import reduce_dtype
-from tfdist.training import sharded_optimizer
+from tfdist.parallel.data import sharded_optimizer
 from tfdist.training import task as task_lib
-from tfdist.training import tensor_parallel_step
+from tfdist.parallel.tensor import mode as tensor_parallel_step
 from tfdist.training import train_loop
 from tfdist.training import training_checks
 from tfdist.training.train_loop import Trainer
@@ -61,17 +61,17 @@ class AssemblyOptions:
     zero_stage: ZeRO sharding of the optimizer state (0, 1 or 2), or of
       the weights too (3: `tfdist.parallel.zero3`).
     zero3_blocks, zero3_prefetch: stage 3's block gathering
-      (`tfdist.training.sharded_optimizer.ShardingOptions`).
+      (`tfdist.parallel.data.sharded_optimizer.ShardingOptions`).
     class_weight: `((class id, weight), ...)`; empty: none.
     activation_recomputation: recompute activations in the backward pass.
     bytes_per_pack: the gradients' all-reduce packs, in bytes (0: one).
     all_reduce_dtype: the dtype the gradients travel in between replicas
       (`tfdist.training.reduce_dtype`).
     pipeline: the model cut into pipeline stages
-      (`tfdist.parallel.pipeline_options.PipelineOptions`; None or one
+      (`tfdist.parallel.pipeline.options.PipelineOptions`; None or one
       stage: not cut).
     tensor_parallel: N replicas split the model's layers
-      (`tfdist.training.tensor_parallel_step`; 1: off).
+      (`tfdist.parallel.tensor.mode`; 1: off).
     builder_config: what a model builder asking for `config` receives (the
       run's `tfdist.config.ModelBuilderConfig`, passed through unread).
   """
@@ -368,7 +368,7 @@ def _build_optimizer(options: AssemblyOptions, *, model: keras.Model, plan,
   # Every optimizer variable now, under the scope (created lazily in the
   # first step, ParameterServerStrategy would place it on the
   # coordinator). Sharded, its slots live on the shards instead
-  # (tfdist.training.sharded_optimizer): built on no variables.
+  # (tfdist.parallel.data.sharded_optimizer): built on no variables.
   optimizer.build([] if sharding.enabled else model.trainable_variables)
   return optimizer, learning_rate
 
@@ -419,20 +419,23 @@ def _log_trainer(trainer: Trainer, options: AssemblyOptions, *, plan,
         "backward pass (the optimizer update stays outside XLA).")
 
 
-def _training_checkpoint(model: keras.Model, *, trainer: Trainer, optimizer,
+def _training_checkpoint(model: keras.Model, *, trainer: Trainer,
                          learning_rate) -> tf.train.Checkpoint:
-  """The whole training state: model, step, optimizer, LR factor and the
-  random layers' seed-generator states."""
+  """The whole training state: model, step, optimizer (each as the
+  trainer's mode views it: `tfdist.parallel.mode.StepMode
+  .checkpoint_model` and `checkpoint_optimizer`), LR factor and the random
+  layers' seed-generator states."""
   # The random layers' seed-generator states too (Keras keeps them out of
   # the model's checkpoint dependencies): a resumed run then draws the same
   # dropout masks as an uninterrupted one.
   random_state = train_loop.random_state(model)
   # Sharded, the optimizer saves its slots in their unsharded shapes and
-  # keys (any replica count, or none, restores them).
+  # keys (any replica count, or none, restores them); tensor-parallel, the
+  # model and optimizer through their gathered views.
   return tf.train.Checkpoint(
-      model=model, global_step=trainer.global_step,
-      optimizer=(trainer.sharded.checkpoint_view() if trainer.sharded
-                 else optimizer),
+      model=trainer.mode.checkpoint_model(trainer),
+      global_step=trainer.global_step,
+      optimizer=trainer.mode.checkpoint_optimizer(trainer),
       lr_multiplier=learning_rate.multiplier,
       **({"random_state": random_state} if random_state else {}))
 
@@ -509,14 +512,10 @@ def build(options: AssemblyOptions, *, task: task_lib.Task,
                     class_weight=class_weight,
                     bytes_per_pack=options.bytes_per_pack,
                     all_reduce_dtype=options.all_reduce_dtype,
-                    pipeline=pipeline, tensor_parallel=tensor_parallel)
+                    mode=pipeline or tensor_parallel)
   _log_trainer(trainer, options, plan=plan, sharding=sharding, on_tpu=on_tpu)
   checkpoint = _training_checkpoint(model, trainer=trainer,
-                                    optimizer=optimizer,
                                     learning_rate=learning_rate)
-  if tensor_parallel is not None:  # Saved through the gathered view.
-    checkpoint.model = tensor_parallel.checkpoint_model()
-    checkpoint.optimizer = tensor_parallel.checkpoint_optimizer(optimizer)
   return Parts(model=model, optimizer=optimizer, trainer=trainer,
                checkpoint=checkpoint, objectives=resolved,
                metric_sums=metric_sums)

@@ -12,7 +12,7 @@
   under data parallelism, before activations. `fits_data_parallel` compares
   it with a device's memory and says which strategy fits when it does not.
 * `sharded_estimate`: the same under ZeRO stage 1, 2 or 3
-  (`--shard_optimizer_state`, `tfdist.training.sharded_optimizer`): each of N
+  (`--shard_optimizer_state`, `tfdist.parallel.data.sharded_optimizer`): each of N
   replicas keeps 1/N of the optimizer state (stage 3: also of the
   trainable weights and their gradients).
 * `layout_table`: per-device bytes of plain data parallelism, ZeRO 1/2/3,
@@ -136,7 +136,7 @@ def estimate_model_memory(model, optimizer=None, *, sharded=None,
   Args:
     model: a built Keras model.
     optimizer: its optimizer, built (`optimizer.build(variables)`), or None.
-    sharded: the run's `tfdist.training.sharded_optimizer.ShardedOptimizer`, or
+    sharded: the run's `tfdist.parallel.data.sharded_optimizer.ShardedOptimizer`, or
       None: its per-replica state between steps (one replica's slots and
       gradient-accumulator shard) is added to `optimizer`'s own variables
       (iterations and loss scale: the slots live on the shards).
@@ -477,6 +477,83 @@ def _ceil_div(a: float, n: int) -> int:
   return int(-(-int(a) // max(int(n), 1)))
 
 
+def model_facts(model) -> dict:
+  """Every registered parallelism mode's measurements of an unsharded,
+  built Keras `model` (`tfdist.parallel.mode.StepMode.model_facts`),
+  merged: `replicated_variables` (ZeRO stage 3's whole embedding tables,
+  for `estimate_model_memory`), `tensor_parallel_bytes` and
+  `pipeline_shares` (for `layout_table`)."""
+  from tfdist.parallel import modes  # pylint: disable=g-import-not-at-top
+  facts = {}
+  for name in modes.mode_names():
+    facts.update(modes.get_mode(name).model_facts(model))
+  return facts
+
+
+@dataclasses.dataclass(frozen=True)
+class LayoutFacts:
+  """What every parallelism mode's `layout_table` rows are computed from
+  (`tfdist.parallel.mode.StepMode.layout_rows`): `layout_table`'s
+  arguments, with `shardable` (the optimizer can be sharded) resolved.
+  Byte counts are ints; `num_devices` N, `global_batch_size` B,
+  `activation_bytes_per_example` a."""
+  estimate: ModelMemory
+  num_devices: int
+  capacity_bytes: int
+  shared_memory: bool
+  global_batch_size: int
+  activation_bytes_per_example: int = 0
+  optimizer: str = ""
+  shardable: bool = True
+  gradient_accumulation: bool = False
+  num_microbatches: int = 0
+  pipeline_schedule: str = "gpipe"
+  tensor_parallel_bytes: int = 0
+  tensor_parallel_flag: str = ""
+  pipeline_shares: Dict[int, float] = dataclasses.field(default_factory=dict)
+
+  ceil_div = staticmethod(_ceil_div)
+
+  @property
+  def accumulators(self) -> int:
+    """The gradient accumulators' bytes (0 without accumulation)."""
+    return (self.estimate.gradients_bytes if self.gradient_accumulation
+            else 0)
+
+  @property
+  def one_device_note(self) -> str:
+    """Why a splitting layout is unavailable on one device ("": N > 1)."""
+    return ("one device: nothing to split over" if self.num_devices == 1
+            else "")
+
+  @property
+  def zero_note(self) -> str:
+    """Why the ZeRO rows are unavailable ("": they are available)."""
+    return self.one_device_note or (
+        "" if self.shardable else
+        f"--optimizer={self.optimizer} cannot be sharded")
+
+  @property
+  def replica_activations(self) -> int:
+    """a*B/N: one data-parallel replica's activations."""
+    return _ceil_div(self.activation_bytes_per_example *
+                     self.global_batch_size, self.num_devices)
+
+  def row(self, layout: str, flags: str, devices: int, w: float, g: float,
+          o: float, act: float, available: bool = True,
+          note: str = "") -> "LayoutMemory":
+    """A `LayoutMemory` of per-device weights `w`, gradients `g`,
+    optimizer state `o` and activations `act` (bytes) on `devices`
+    devices; it fits when available and the devices sharing the memory
+    hold at most `capacity_bytes` together."""
+    per_device = w + g + o + act
+    needed = per_device * (devices if self.shared_memory else 1)
+    return LayoutMemory(layout, flags, devices, int(w), int(g), int(o),
+                        int(act), int(needed),
+                        bool(available and needed <= self.capacity_bytes),
+                        bool(available), note)
+
+
 def activation_bytes_per_example(model) -> int:
   """Bytes of the outputs of `model`'s layers for one example: what a
   functional or Sequential model keeps for its backward pass, per example
@@ -570,7 +647,7 @@ def layout_table(estimate: ModelMemory, *, num_devices: int,
       would split (attention and feed-forward kernels); 0: the model cannot
       be split, the row is unavailable.
     tensor_parallel_flag: the flags that turn tensor parallelism on for
-      this model (`tfdist.parallel.tensor_parallel_options.flags_for`:
+      this model (`tfdist.parallel.tensor.options.flags_for`:
       `--tensor_parallel=N` for the built-in Transformer); empty:
       unavailable (another model can use the layers as a library,
       `tfdist.parallel.tensor_parallel`).
@@ -596,76 +673,27 @@ def layout_table(estimate: ModelMemory, *, num_devices: int,
     raise ValueError(
         "layout_table's pipeline_schedule is 'gpipe' or '1f1b'; received "
         f"pipeline_schedule={pipeline_schedule!r}.")
-  n = int(num_devices)
-  a = int(activation_bytes_per_example)
-  weights = estimate.parameters_bytes
-  trainable = estimate.gradients_bytes
-  grads = estimate.gradients_bytes
-  accumulators = grads if gradient_accumulation else 0
-  opt = estimate.optimizer_bytes
-  # Stage 3 keeps embedding tables whole (and their gradients).
-  replicated = min(estimate.replicated_bytes, trainable)
-  split3 = trainable - replicated
   shardable = True
   if optimizer:
     shardable = optimizers.optimizer_spec(optimizer).traits.shardable
-
-  def row(layout, flags, devices, w, g, o, act, available=True, note=""):
-    per_device = w + g + o + act
-    needed = per_device * (devices if shared_memory else 1)
-    return LayoutMemory(layout, flags, devices, int(w), int(g), int(o),
-                        int(act), int(needed),
-                        bool(available and needed <= capacity_bytes),
-                        bool(available), note)
-
-  one = "one device: nothing to split over" if n == 1 else ""
-  zero_note = one or ("" if shardable else
-                      f"--optimizer={optimizer} cannot be sharded")
-  replica_act = _ceil_div(a * global_batch_size, n)
-  rows = [
-      row("data parallel", "", n, weights, grads + accumulators, opt,
-          replica_act),
-      row("ZeRO 1", "--zero_stage=1", n, weights, grads + accumulators,
-          _ceil_div(opt, n), replica_act, not zero_note, zero_note),
-      row("ZeRO 2", "--zero_stage=2", n, weights,
-          grads + _ceil_div(accumulators, n), _ceil_div(opt, n), replica_act,
-          not zero_note, zero_note),
-      row("ZeRO 3", "--zero_stage=3", n,
-          weights - split3 + _ceil_div(split3, n),
-          replicated + _ceil_div(grads - replicated + accumulators, n),
-          _ceil_div(opt, n), replica_act, not zero_note, zero_note)]
-
-  def stage_row(p):
-    m = num_microbatches or p
-    in_flight = m if pipeline_schedule == "gpipe" else min(p, m)
-    act = _ceil_div(a * global_batch_size * in_flight, p * m)
-    share = (pipeline_shares or {}).get(p, 1 / p)
-    # Pipelines run in one process, without data parallelism.
-    return row("pipeline",
-               "--distribution_strategy=one_device "
-               f"--pipeline_stages={p} --num_microbatches={m}", p,
-               math.ceil(weights * share),
-               math.ceil((grads + accumulators) * share),
-               math.ceil(opt * share), act, n > 1, one)
-
-  stages = [stage_row(p) for p in range(2, n + 1)]
-  rows.append(next((r for r in stages if r.fits), None) or
-              (stages[-1] if stages else stage_row(1)))
-  split = min(max(int(tensor_parallel_bytes), 0), trainable)
-  share = split / trainable if trainable else 0.0
-  # The split layers' share of the weights, gradients and slots, / N.
-  tp_weights = weights - split + _ceil_div(split, n)
-  tp_grads = grads + accumulators - _ceil_div(
-      (grads + accumulators) * share * (n - 1), n)
-  tp_opt = opt - _ceil_div(opt * share * (n - 1), n)
-  tp_note = one or ("no layer of this model can be split" if not split else
-                    "" if tensor_parallel_flag else
-                    "--tensor_parallel splits only --model=transformer: "
-                    "build this model from tfdist.parallel.tensor_parallel's "
-                    "layers")
-  rows.append(row("tensor parallel", tensor_parallel_flag, n, tp_weights,
-                  tp_grads, tp_opt, a * global_batch_size, not tp_note,
-                  tp_note))
+  facts = LayoutFacts(
+      estimate=estimate, num_devices=int(num_devices),
+      capacity_bytes=int(capacity_bytes), shared_memory=shared_memory,
+      global_batch_size=int(global_batch_size),
+      activation_bytes_per_example=int(activation_bytes_per_example),
+      optimizer=optimizer, shardable=shardable,
+      gradient_accumulation=gradient_accumulation,
+      num_microbatches=num_microbatches,
+      pipeline_schedule=pipeline_schedule,
+      tensor_parallel_bytes=tensor_parallel_bytes,
+      tensor_parallel_flag=tensor_parallel_flag,
+      pipeline_shares=dict(pipeline_shares or {}))
+  # Each registered parallelism mode computes its own rows, in the modes'
+  # order (`tfdist.parallel.modes`: the built-in ones first). Imported
+  # here: the modes import TensorFlow, the rest of this module does not.
+  from tfdist.parallel import modes  # pylint: disable=g-import-not-at-top
+  rows = [r for name in modes.mode_names()
+          for r in modes.get_mode(name).layout_rows(facts)]
   for name, reason in (refused or {}).items():
     rows = [dataclasses.replace(r, available=False, fits=False, note=reason)
             if r.layout == name and r.available else r for r in rows]

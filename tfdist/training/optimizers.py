@@ -2,7 +2,7 @@
 
 Every fact about an optimizer that tfdist acts on is written once, here, as
 its `OptimizerTraits`, and read by the config validation (ZeRO stages), the
-sharded optimizer (`tfdist.training.sharded_optimizer.check_optimizer`), the
+sharded optimizer (`tfdist.parallel.data.sharded_optimizer.check_optimizer`), the
 memory estimate's advice (`tfdist.training.memory`), the flag help and
 `tfdist.diagnose`:
 

@@ -15,7 +15,7 @@ from tfdist.data import data_checks
 from tfdist.data import input_pipeline
 from tfdist import errors
 from tfdist.distribute.strategy_kind import StrategyKind
-from tfdist.parallel import pipeline_options
+from tfdist.parallel.pipeline import options as pipeline_options
 from tfdist.training import batch_plan as batch_plan_lib
 from tfdist.training import lr_schedule
 from tfdist.training import precision
@@ -67,7 +67,7 @@ class PlanOptions:
     zero_stage: the resolved ZeRO stage (0: none).
     deterministic: `--deterministic`.
     all_reduce_dtype: `--all_reduce_dtype` (the gradients' wire dtype).
-    pipeline: the `tfdist.parallel.pipeline_options.PipelineOptions`
+    pipeline: the `tfdist.parallel.pipeline.options.PipelineOptions`
       (None or one stage: no pipeline).
   """
   data: DataOptions

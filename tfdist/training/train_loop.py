@@ -90,17 +90,18 @@ inside the step (`micro_steps` in the sums).
 """
 
 import contextlib
-import functools
 from typing import Callable, Dict, Optional
 
 import keras
 import numpy as np
 import tensorflow as tf
 
+from tfdist.parallel import mode as mode_lib
+from tfdist.parallel import modes
+from tfdist.parallel.data import sharded_optimizer
 from tfdist.training import objectives
 from tfdist.training import precision
 from tfdist.training import reduce_dtype
-from tfdist.training import sharded_optimizer
 
 
 # The key of the sharded optimizer's per-replica update in a step's sums.
@@ -386,9 +387,10 @@ class Trainer:
       the iterator then yields per-replica micro-batches of
       `global_batch_size / (K x replicas)` examples, and one training step
       takes K of them (module docstring).
-    sharding: a `tfdist.training.sharded_optimizer.ShardingOptions` (ZeRO stage
-      1 or 2: the optimizer, built on no variables, then runs on per-replica
-      shards, see `tfdist.training.sharded_optimizer`); None or stage 0:
+    sharding: a `tfdist.parallel.data.sharded_optimizer.ShardingOptions`
+      (ZeRO stage 1 or 2: the optimizer, built on no variables, then runs
+      on per-replica shards, see `tfdist.parallel.data.sharded_optimizer`;
+      stage 3 also the weights, `tfdist.parallel.zero3`); None or stage 0:
       unsharded.
     time_steps: measure the input wait and the call's execution time with
       `tf.timestamp` (see `train_function`); False under op determinism
@@ -407,13 +409,13 @@ class Trainer:
       step's sums (loss, count, metrics) a float32 all-reduce of their own.
       No effect with one replica (`self.all_reduce_dtype` is then
       float32).
-    pipeline: a `tfdist.training.pipeline_step.PipelineStep`: the
-      forward and backward pass runs through the model's pipeline stages
-      in micro-batches (one replica, no XLA); None: the whole model.
-    tensor_parallel: a `tfdist.training.tensor_parallel_step
-      .TensorParallelStep`: every replica runs the gathered global batch
-      through the tensor-parallel model and applies its own gradients (no
-      all-reduce); None: data parallelism.
+    mode: the parallelism mode (`tfdist.parallel.mode.StepMode`) that runs
+      each replica's forward and backward pass and evaluation batch (the
+      trainer's one call for each); None: the mode `sharding`'s ZeRO stage
+      chooses (`data`, or `zero3` at stage 3). The trainer is its
+      `StepContext`: `losses`, `regularization_loss`, `scale_loss`,
+      `model_forward_backward`, `eval_sums`, `empty_eval_sums` and the
+      attributes the protocol names.
 
   The Trainer changes `model` and `optimizer` for its step (see the module
   docstring): the model's random layers draw per replica
@@ -441,8 +443,8 @@ class Trainer:
                time_steps: bool = True,
                sharding: Optional[sharded_optimizer.ShardingOptions] = None,
                class_weight=None, bytes_per_pack: int = 0,
-               all_reduce_dtype: str = reduce_dtype.FLOAT32, pipeline=None,
-               tensor_parallel=None):
+               all_reduce_dtype: str = reduce_dtype.FLOAT32,
+               mode: Optional[mode_lib.StepMode] = None):
     self.strategy = strategy
     self.bytes_per_pack = int(bytes_per_pack)
     self.all_reduce_dtype = _checked_reduce_dtype(all_reduce_dtype, strategy,
@@ -509,26 +511,23 @@ class Trainer:
     # optimizer's cross-replica all-reduce (a merge_call) and its variables
     # on other devices cannot be compiled into one replica's XLA cluster.
     self.xla_applied = bool(enable_xla) and not run_eagerly
-    self._replica_grads = (tf.function(self._replica_forward_backward,
-                                       jit_compile=True)
-                           if self.xla_applied
-                           else self._replica_forward_backward)
-    self.pipeline = pipeline
-    if pipeline is not None:
-      self._replica_grads = functools.partial(pipeline.forward_backward, self)
-    if self.sharded is not None:  # Stage 3 replaces the forward pass.
+    # The parallelism mode runs each replica's forward and backward pass
+    # and evaluation batch (`tfdist.parallel.mode`); by default the one
+    # `sharding`'s ZeRO stage chooses (`data`, or `zero3` at stage 3).
+    if mode is None:
+      mode = modes.get_mode(modes.mode_name_for(
+          zero_stage=sharding.stage if sharding is not None else 0))()
+    self.mode = mode
+    if self.sharded is not None:  # Stage 3 shards the model's weights.
       self.sharded.attach(self)
-    self.tensor_parallel = tensor_parallel
-    if tensor_parallel is not None:
-      self._replica_grads = functools.partial(tensor_parallel.forward_backward,
-                                              self)
+    self.mode.bind(self)
     self._replica_train = self._replica_train_step
     compile_fn = (lambda f: f) if run_eagerly else tf.function
     self.train_function = compile_fn(self._train_function)
     self.eval_function = compile_fn(self._eval_function)
 
   # --- replica functions -------------------------------------------------
-  def _replica_losses(self, labels, outputs, weights=None):
+  def losses(self, labels, outputs, weights=None):
     """`(objective, reported)`: one replica's share of the step's loss as
     `fit` reduces it (`tfdist.training.objectives.REDUCTIONS`), float32
     scalars, `model.losses` not included. `objective` is differentiated;
@@ -552,7 +551,7 @@ class Trainer:
       return total * elements, mean
     return mean, mean
 
-  def _regularization_loss(self) -> Optional[tf.Tensor]:
+  def regularization_loss(self) -> Optional[tf.Tensor]:
     """The sum of `model.losses` (weight and activity regularizers,
     `add_loss`) from the last forward pass, float32, or None: none."""
     if not self.model.losses:
@@ -579,21 +578,31 @@ class Trainer:
       return class_weights_of(self._class_weights, labels)
     return _as_weights(weights)
 
-  def _replica_forward_backward(self, inputs, labels, weights=None):
-    """Loss, gradients and outputs of one replica's batch (no update);
-    `weights`: the examples' training weights, float32 [batch], or None."""
+  def scale_loss(self, objective: tf.Tensor) -> tf.Tensor:
+    """`objective` times the fp16 loss scale (as is without one)."""
+    return (self.optimizer.scale_loss(objective) if self.uses_loss_scale
+            else objective)
+
+  def _replica_pass(self, inputs, labels, weights=None):
+    """The step's one forward and backward pass: the mode's
+    (`tfdist.parallel.mode.StepMode.forward_backward`)."""
+    return self.mode.forward_backward(self, inputs, labels, weights)
+
+  def model_forward_backward(self, inputs, labels, weights=None):
+    """Loss, gradients and outputs of one replica's batch through the
+    whole model (no update; the `data` mode's pass); `weights`: the
+    examples' training weights, float32 [batch], or None."""
     with tf.GradientTape() as tape:
       outputs = tf.cast(self.model(inputs, training=True), tf.float32)
-      objective, loss = self._replica_losses(labels, outputs, weights)
-      regularization = self._regularization_loss()
+      objective, loss = self.losses(labels, outputs, weights)
+      regularization = self.regularization_loss()
       if regularization is not None:
         # Once per update: each of the K micro-steps adds 1/K of it.
         regularization = tf.nn.scale_regularization_loss(
             regularization) / self.gradient_accumulation_steps
         objective += regularization
         loss += regularization
-      scaled = (self.optimizer.scale_loss(objective) if self.uses_loss_scale
-                else objective)
+      scaled = self.scale_loss(objective)
     grads = tape.gradient(scaled, self.model.trainable_variables)
     return loss, grads, outputs
 
@@ -606,7 +615,7 @@ class Trainer:
     step. `weights`: the batch's sample weights, float32 [batch], or
     None."""
     weights = self._training_weights(labels, weights)
-    loss, grads, outputs = self._replica_grads(inputs, labels, weights)
+    loss, grads, outputs = self._replica_pass(inputs, labels, weights)
     # Metrics outside the (optionally XLA-compiled) forward and backward.
     sums = {"loss": loss, **self._metric_sums(labels, outputs,
                                               sample_weight=weights)}
@@ -626,9 +635,9 @@ class Trainer:
       skipped, update = self.sharded.replica_prepare(grads, shard)
       return {**sums, "skipped": skipped, _SHARD_UPDATE: update}
     summed = {}
-    # One replica: the sum is the gradients. Tensor parallelism: each
-    # replica's are its own (its shards', and the same replicated ones).
-    if not self.one_replica and self.tensor_parallel is None:
+    # One replica: the sum is the gradients. A mode that does not
+    # all-reduce them (tensor parallelism): each replica's are its own.
+    if not self.one_replica and self.mode.all_reduces_gradients:
       grads, summed = _all_reduce_sum(grads, self.bytes_per_pack,
                                       self._riders(grads, sums),
                                       self.all_reduce_dtype)
@@ -686,7 +695,7 @@ class Trainer:
     loss scaled by the fp16 loss scale, if any, which stays fixed within an
     update), loss and metric sums to its accumulators. No all-reduce."""
     weights = self._training_weights(labels, weights)
-    loss, grads, outputs = self._replica_grads(inputs, labels, weights)
+    loss, grads, outputs = self._replica_pass(inputs, labels, weights)
     sums = {"loss": loss, **self._metric_sums(labels, outputs,
                                               sample_weight=weights)}
     grad_accumulators, sum_accumulators = self._accumulators
@@ -712,26 +721,17 @@ class Trainer:
     return out
 
   def _replica_eval_step(self, inputs, labels, weights=None, mask=None):
-    # When the last evaluation round has fewer batches than replicas, the
-    # others get an empty batch. TensorFlow 2.21's oneDNN CPU kernels fail on
-    # those ("Incompatible shapes: [64] vs. [0,14,14,32]" in the CNN), so an
-    # empty batch skips the model and adds zeros.
-    if self.tensor_parallel is not None:  # Every replica in every batch.
-      return self.tensor_parallel.eval_sums(self, inputs, labels, weights,
-                                            mask)
+    """One replica's evaluation sums: the mode's
+    (`tfdist.parallel.mode.StepMode.eval_sums`)."""
+    return self.mode.eval_sums(self, inputs, labels, weights, mask)
 
-    return tf.cond(tf.shape(labels)[0] > 0,
-                   lambda: self._replica_eval_sums(inputs, labels, weights,
-                                                   mask),
-                   self._empty_eval_sums)
-
-  def _empty_eval_sums(self) -> Dict[str, tf.Tensor]:
-    """`_replica_eval_sums` of an empty batch: zeros."""
+  def empty_eval_sums(self) -> Dict[str, tf.Tensor]:
+    """`eval_sums` of an empty batch: zeros."""
     return {"loss_sum": tf.constant(0.0),
             "regularization_sum": tf.constant(0.0),
             "count": tf.constant(0.0), **self.metric_sums.zeros()}
 
-  def _replica_eval_sums(self, inputs, labels, weights=None, mask=None,
+  def eval_sums(self, inputs, labels, weights=None, mask=None,
                          outputs=None):
     """Summed loss, count and metric state of one replica's evaluation
     batch; `weights`: sample weights, `mask`: 1 real / 0 padding (float32
@@ -751,7 +751,7 @@ class Trainer:
       values = values * loss_weights
     self.eval_loss_reduction = reduction
     sums = self._metric_sums(labels, outputs, mask, weights)
-    regularization = self._regularization_loss()
+    regularization = self.regularization_loss()
     return {"loss_sum": tf.reduce_sum(values) * (
         elements if reduction == "sum" else 1.0),
             "regularization_sum": (tf.constant(0.0) if regularization is None

@@ -24,6 +24,7 @@ loss.
 import collections
 import copy
 import dataclasses
+import math
 import random
 from typing import Callable, Optional, Tuple
 
@@ -35,14 +36,17 @@ import tensorflow as tf
 
 from tfdist import errors
 from tfdist.errors import first_line
-from tfdist.parallel import pipeline as pipeline_lib
-from tfdist.parallel import pipeline_options
+from tfdist.parallel import mode as mode_lib
+from tfdist.parallel.pipeline import stages as pipeline_lib
+from tfdist.parallel.pipeline import options as pipeline_options
 from tfdist.training import custom_step
 
 
+@mode_lib.register_mode("pipeline")
 @dataclasses.dataclass
-class PipelineStep:
-  """The model's pipeline and how a step runs through it.
+class PipelineStep(mode_lib.StepMode):
+  """The `pipeline` step mode: the model's pipeline and how a step runs
+  through it (evaluation runs the whole model, `StepMode.eval_sums`).
 
   Attributes:
     pipeline: the `tfdist.parallel.pipeline.Pipeline` over the run's model.
@@ -54,6 +58,64 @@ class PipelineStep:
   num_microbatches: int
   schedule: str
   micro_batch: int = 0
+  replaces_step_runner = True  # `tfdist.backends.pipeline` drives stages.
+
+  @classmethod
+  def model_facts(cls, model, most: int = 8) -> dict:
+    """`pipeline_shares`: P -> the heaviest of P stages' share of
+    `model`'s weight bytes, for P = 2 .. `most` while the model can be cut
+    so (device names only name the stages: nothing is placed)."""
+    shares = {}
+    for p in range(2, most + 1):
+      try:
+        stages = pipeline_lib.split_model(
+            model, p, devices=[f"/device:CPU:{i}" for i in range(p)]).stages
+      except (errors.PipelineConfigError, ValueError):
+        break
+      total = sum(s.param_bytes for s in stages)
+      if total:
+        shares[p] = max(s.param_bytes for s in stages) / total
+    return {"pipeline_shares": shares}
+
+  @classmethod
+  def validate(cls, settings) -> None:
+    """`tfdist.parallel.pipeline.options.check_flags` on `settings`."""
+    pipeline_options.check_flags(**{
+        name: settings[name] for name in pipeline_options.CHECKED_SETTINGS})
+
+  @classmethod
+  def devices(cls, settings) -> int:
+    """P: one stage per device."""
+    return int(settings["pipeline_stages"])
+
+  @classmethod
+  def layout_rows(cls, facts) -> list:
+    """The pipeline: P stages (the fewest, 2 <= P <= N, that fit; else
+    N), no data parallelism: each stage about S/P (or the heaviest of the
+    model's real cut, `facts.pipeline_shares`), and the activations of the
+    micro-batches it has in flight for the whole batch B: GPipe all M of
+    them, a*B/P; 1F1B at most P on the first stage, a*B*min(P, M)/(P*M)."""
+    e, n = facts.estimate, facts.num_devices
+
+    def stage_row(p):
+      m = facts.num_microbatches or p
+      in_flight = m if facts.pipeline_schedule == "gpipe" else min(p, m)
+      act = facts.ceil_div(facts.activation_bytes_per_example *
+                           facts.global_batch_size * in_flight, p * m)
+      share = facts.pipeline_shares.get(p, 1 / p)
+      # Pipelines run in one process, without data parallelism.
+      return facts.row("pipeline",
+                       "--distribution_strategy=one_device "
+                       f"--pipeline_stages={p} --num_microbatches={m}", p,
+                       math.ceil(e.parameters_bytes * share),
+                       math.ceil((e.gradients_bytes + facts.accumulators) *
+                                 share),
+                       math.ceil(e.optimizer_bytes * share), act, n > 1,
+                       facts.one_device_note)
+
+    stages = [stage_row(p) for p in range(2, n + 1)]
+    return [next((r for r in stages if r.fits), None) or
+            (stages[-1] if stages else stage_row(1))]
 
   def stages(self) -> list:
     """`Pipeline.describe` at this step's shape: per stage its device,
@@ -75,10 +137,10 @@ class PipelineStep:
         for s in self.stages())
 
   def forward_backward(self, trainer, inputs, labels, weights=None):
-    """`Trainer._replica_forward_backward` through the pipeline.
+    """`StepContext.model_forward_backward` through the pipeline.
 
     Args:
-      trainer: the `tfdist.training.train_loop.Trainer`.
+      trainer: the `tfdist.parallel.mode.StepContext` (the trainer).
       inputs: the step's (micro-step's) inputs, [B, ...] (a tensor, or a
         list in the order of `model.inputs`).
       labels: [B, ...].
@@ -90,17 +152,15 @@ class PipelineStep:
       scaled under fp16's loss scale), the outputs as float32 [B, ...].
     """
     def loss_fn(y, prediction, w=None):
-      objective, _ = trainer._replica_losses(  # pylint: disable=protected-access
-          y, tf.cast(prediction, tf.float32), w)
-      return (trainer.optimizer.scale_loss(objective)
-              if trainer.uses_loss_scale else objective)
+      objective, _ = trainer.losses(y, tf.cast(prediction, tf.float32), w)
+      return trainer.scale_loss(objective)
 
     _, grads, outputs = self.pipeline.forward_backward(
         inputs, labels, loss_fn=loss_fn,
         num_microbatches=self.num_microbatches, schedule=self.schedule,
         sample_weight=weights, mean_loss=False)
     outputs = tf.cast(outputs, tf.float32)
-    _, loss = trainer._replica_losses(labels, outputs, weights)  # pylint: disable=protected-access
+    _, loss = trainer.losses(labels, outputs, weights)
     regularized = [v for v in trainer.model.trainable_variables
                    if getattr(v, "regularizer", None) is not None]
     if regularized:
@@ -111,8 +171,7 @@ class PipelineStep:
         # Once per update: each of the K micro-steps adds 1/K of it.
         regularization = tf.nn.scale_regularization_loss(
             regularization) / trainer.gradient_accumulation_steps
-        scaled = (trainer.optimizer.scale_loss(regularization)
-                  if trainer.uses_loss_scale else regularization)
+        scaled = trainer.scale_loss(regularization)
       extra = tape.gradient(scaled, regularized)
       by_id = {id(v): g for v, g in zip(regularized, extra)}
       grads = [g if id(v) not in by_id or by_id[id(v)] is None else

@@ -55,9 +55,11 @@ import tensorflow as tf
 from tensorflow.python.ops import resource_variable_ops  # pylint: disable=g-direct-tensorflow-import
 
 from tfdist import errors
-from tfdist.parallel.pipeline_options import GPIPE
-from tfdist.parallel.pipeline_options import ONE_F_ONE_B
-from tfdist.parallel.pipeline_options import SCHEDULES
+from tfdist.parallel import cutting
+from tfdist.parallel.cutting import balanced_cuts  # pylint: disable=unused-import  (in __all__)
+from tfdist.parallel.pipeline.options import GPIPE
+from tfdist.parallel.pipeline.options import ONE_F_ONE_B
+from tfdist.parallel.pipeline.options import SCHEDULES
 
 __all__ = [
     "GPIPE", "ONE_F_ONE_B", "SCHEDULES", "Pipeline",
@@ -84,8 +86,8 @@ def schedule_order(num_stages: int, num_microbatches: int,
   Raises:
     PipelineConfigError: an unknown schedule, or P or M below 1.
   """
-  _check_positive("num_stages", num_stages)
-  _check_positive("num_microbatches", num_microbatches)
+  cutting.check_positive("num_stages", num_stages)
+  cutting.check_positive("num_microbatches", num_microbatches)
   check_schedule(schedule)
   orders = []
   for s in range(num_stages):
@@ -148,7 +150,7 @@ def check_microbatches(batch_size: int, num_microbatches: int) -> int:
   Raises:
     PipelineConfigError: M < 1 or M does not divide B.
   """
-  _check_positive("num_microbatches", num_microbatches)
+  cutting.check_positive("num_microbatches", num_microbatches)
   if batch_size % num_microbatches:
     divisors = [d for d in range(1, batch_size + 1) if batch_size % d == 0]
     raise errors.PipelineConfigError(
@@ -158,150 +160,6 @@ def check_microbatches(batch_size: int, num_microbatches: int) -> int:
         f"among {divisors} or a batch size that is a multiple of "
         f"{num_microbatches}.")
   return batch_size // num_microbatches
-
-
-def balanced_cuts(costs: Sequence[float], num_stages: int) -> List[int]:
-  """Cuts a sequence into contiguous stages with the smallest largest sum.
-
-  Args:
-    costs: the cost of each item, in order (bytes, >= 0).
-    num_stages: P, 1 <= P <= len(costs).
-
-  Returns:
-    P-1 increasing indices: the first item of stages 1..P-1.
-
-  Raises:
-    PipelineConfigError: P below 1 or above len(costs).
-  """
-  n = len(costs)
-  _check_positive("num_stages", num_stages)
-  if num_stages > n:
-    raise errors.PipelineConfigError(
-        f"num_stages={num_stages} is more than the {n} items to cut: "
-        f"choose num_stages <= {n}.")
-  prefix = np.concatenate([[0.0], np.cumsum(np.asarray(costs, float))])
-  inf = float("inf")
-  best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
-  start = [[0] * (n + 1) for _ in range(num_stages + 1)]
-  best[0][0] = 0.0
-  for k in range(1, num_stages + 1):
-    for i in range(k, n - (num_stages - k) + 1):
-      for j in range(k - 1, i):
-        cost = max(best[k - 1][j], prefix[i] - prefix[j])
-        if cost < best[k][i]:
-          best[k][i], start[k][i] = cost, j
-  cuts, i = [], n
-  for k in range(num_stages, 0, -1):
-    i = start[k][i]
-    cuts.append(i)
-  return sorted(cuts)[1:]
-
-
-def _check_positive(name: str, value: int) -> None:
-  if not isinstance(value, int) or value < 1:
-    raise errors.PipelineConfigError(
-        f"{name}={value!r} must be a positive integer.")
-
-
-# --- the model's graph as a list of layer calls -------------------------------
-@dataclasses.dataclass(frozen=True)
-class _Call:
-  """One call of a layer (or Keras operation) in the model's graph."""
-  layer: Any
-  in_keys: Tuple[Hashable, ...]
-  out_keys: Tuple[Hashable, ...]
-  run: Callable[[Dict[Hashable, Any], Optional[bool]], None]
-  activation_bytes: int  # of the outputs, per example
-
-
-def _nbytes_per_example(keras_tensors) -> int:
-  total = 0
-  for t in keras_tensors:
-    try:
-      dims = [d for d in t.shape[1:]]
-      if any(d is None for d in dims):
-        continue
-      total += int(np.prod(dims)) * tf.as_dtype(t.dtype).size
-    except (AttributeError, TypeError, ValueError):
-      continue
-  return total
-
-
-def _with_training(layer, kwargs, training):
-  if training is not None and "training" in getattr(
-      layer, "_call_context_args", ()):
-    kwargs["training"] = training
-  return kwargs
-
-
-def _functional_calls(model):
-  """`(calls, input_keys, input_dtypes, output_keys)` of a functional
-  model, in an order where every call's inputs come first."""
-  nodes = []
-  for depth in sorted(model._nodes_by_depth, reverse=True):  # pylint: disable=protected-access
-    nodes.extend(model._nodes_by_depth[depth])  # pylint: disable=protected-access
-  input_keys = tuple(id(t) for t in model.inputs)
-  known = set(input_keys)
-  calls = []
-  for node in nodes:
-    if not node.operation or node.is_input:
-      continue
-    in_keys = tuple(id(t) for t in node.input_tensors)
-    if any(k not in known for k in in_keys):
-      continue  # not reachable from the model's inputs (as Keras skips it)
-    out_keys = tuple(id(t) for t in node.outputs)
-    known.update(out_keys)
-
-    def run(tensors, training, node=node):
-      args, kwargs = node.arguments.fill_in(tensors)
-      kwargs = _with_training(node.operation, kwargs, training)
-      outputs = node.operation(*args, **kwargs)
-      for t, value in zip(node.outputs, keras.tree.flatten(outputs)):
-        tensors[id(t)] = value
-
-    calls.append(_Call(node.operation, in_keys, out_keys, run,
-                       _nbytes_per_example(node.outputs)))
-  return (calls, input_keys, [t.dtype for t in model.inputs],
-          tuple(id(t) for t in model.outputs))
-
-
-def _sequential_calls(model):
-  """The same for a Sequential model: a chain of its layers."""
-  calls = []
-  for i, layer in enumerate(model.layers):
-
-    def run(tensors, training, layer=layer, i=i):
-      tensors[i] = layer(tensors[i - 1],
-                         **_with_training(layer, {}, training))
-
-    try:
-      outputs = keras.tree.flatten(layer.output)
-    except (AttributeError, ValueError):
-      outputs = []
-    calls.append(_Call(layer, (i - 1,), (i,), run,
-                       _nbytes_per_example(outputs)))
-  try:
-    dtypes = [model.inputs[0].dtype]
-  except (AttributeError, ValueError, TypeError, IndexError):
-    dtypes = [None]
-  return calls, (-1,), dtypes, (len(model.layers) - 1,)
-
-
-def _model_calls(model):
-  if isinstance(model, keras.Sequential):
-    if not model.built or not model.layers:
-      raise errors.PipelineConfigError(
-          f"model {model.name!r} is a Sequential model that is not built: "
-          "give it a keras.Input(shape) first (or call it once on a batch) "
-          "before splitting it into pipeline stages.")
-    return _sequential_calls(model)
-  if hasattr(model, "_nodes_by_depth") and getattr(model, "inputs", None):
-    return _functional_calls(model)
-  raise errors.PipelineConfigError(
-      f"model {model.name!r} ({type(model).__name__}) is a subclassed model "
-      "without a functional graph, so it cannot be cut into pipeline "
-      "stages: build it with the functional API (keras.Model(inputs, "
-      "outputs)) or as keras.Sequential.")
 
 
 def _param_bytes(variables) -> int:
@@ -327,7 +185,7 @@ class DeferredVariables:
 
   Until then the model's variables cannot be read eagerly: one reads as an
   empty tensor, so a builder that runs the model on data fails in its
-  first op (a `tf.errors.OpError`; `tfdist.training.pipeline_step.
+  first op (a `tf.errors.OpError`; `tfdist.parallel.pipeline.mode.
   build_model` then builds the model again, whole). A variable the builder
   assigns (loads weights into) gets storage where it was made, and
   `place_variables` moves it as any other.
@@ -451,7 +309,7 @@ class Stage:
   param_bytes: int
   input_keys: Tuple[Hashable, ...]
   output_keys: Tuple[Hashable, ...]
-  calls: Tuple[_Call, ...] = dataclasses.field(repr=False)
+  calls: Tuple[cutting.Call, ...] = dataclasses.field(repr=False)
 
   @property
   def activation_bytes_per_example(self) -> int:
@@ -570,7 +428,7 @@ class Pipeline:
         tuple(s.activation_bytes_per_example * micro_batch * n
               for s, n in zip(self.stages, in_flight)), tuple(in_flight))
 
-  def _flat_inputs(self, x) -> List[tf.Tensor]:
+  def flat_inputs(self, x) -> List[tf.Tensor]:
     # A dict flattens by sorted key, as Keras flattens a model's dict of
     # inputs into `model.inputs`.
     flat = (keras.tree.flatten(x) if isinstance(x, dict) else
@@ -673,7 +531,7 @@ class Pipeline:
     return check_microbatches(batch_size, num_microbatches)
 
   @staticmethod
-  def _pack(outputs):
+  def pack(outputs):
     return outputs[0] if len(outputs) == 1 else list(outputs)
 
   def __call__(self, x, training: Optional[bool] = None):
@@ -685,11 +543,11 @@ class Pipeline:
         shape [batch, ...].
       training: passed to the layers that take it.
     """
-    tensors = self._flat_inputs(x)
+    tensors = self.flat_inputs(x)
     for stage in self.stages:
       with tf.device(stage.device):
         tensors = [tf.identity(t) for t in stage.run(tensors, training)]
-    return self._pack(tensors)
+    return self.pack(tensors)
 
   def train_step(self, x, y, *, loss_fn: Callable[[Any, Any], tf.Tensor],
                  optimizer, num_microbatches: int,
@@ -770,7 +628,7 @@ class Pipeline:
     Raises:
       As `train_step`.
     """
-    inputs = self._flat_inputs(x)
+    inputs = self.flat_inputs(x)
     batch = inputs[0].shape[0]
     if batch is None:
       raise errors.PipelineConfigError(
@@ -806,7 +664,7 @@ class Pipeline:
           outputs = [tf.identity(t) for t in stage.run(received, True)]
           if s == last:
             final_outputs[m] = outputs
-            args = (micro_y[m], self._pack(outputs))
+            args = (micro_y[m], self.pack(outputs))
             if micro_w is not None:
               args += (micro_w[m],)
             loss = tf.cast(loss_fn(*args), tf.float32)
@@ -870,7 +728,7 @@ class Pipeline:
     outputs = [tf.concat([final_outputs[m][i]
                           for m in range(num_microbatches)], axis=0)
                for i in range(len(final_outputs[0]))]
-    return tf.add_n(losses), grads, self._pack(outputs)
+    return tf.add_n(losses), grads, self.pack(outputs)
 
 
 def _default_devices() -> List[str]:
@@ -916,7 +774,7 @@ def split_model(model, num_stages: Optional[int] = None, *,
       disagree with num_stages, or a layer (or variable) used in two
       stages.
   """
-  calls, input_keys, input_dtypes, output_keys = _model_calls(model)
+  calls, input_keys, input_dtypes, output_keys = cutting.model_calls(model)
   names = [c.layer.name for c in calls]
   if cuts is not None:
     cuts = list(cuts)
@@ -943,7 +801,7 @@ def split_model(model, num_stages: Optional[int] = None, *,
     raise errors.PipelineConfigError(
         "split_model needs num_stages or cuts: give the number of stages "
         "(e.g. num_stages=2) or the layers that begin stages.")
-  _check_positive("num_stages", num_stages)
+  cutting.check_positive("num_stages", num_stages)
   if num_stages > len(calls):
     raise errors.PipelineConfigError(
         f"num_stages={num_stages} is more than the {len(calls)} layer "
@@ -964,7 +822,7 @@ def split_model(model, num_stages: Optional[int] = None, *,
       own = 0 if id(call.layer) in seen else _param_bytes(weights)
       seen.add(id(call.layer))
       costs.append(own + activation_examples * call.activation_bytes)
-    starts = balanced_cuts(costs, num_stages)
+    starts = cutting.balanced_cuts(costs, num_stages)
   bounds = [0] + starts + [len(calls)]
   groups = [calls[a:b] for a, b in zip(bounds, bounds[1:])]
 

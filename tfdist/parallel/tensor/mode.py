@@ -42,7 +42,9 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfdist.parallel import tensor_parallel as tp_lib
+from tfdist.parallel import mode as mode_lib
+from tfdist.parallel.tensor import layers as tp_lib
+from tfdist.parallel.tensor import options as tensor_options
 
 _VALUE = "VARIABLE_VALUE"
 
@@ -109,9 +111,12 @@ def _split_axis(full_shape, shard_shape, n: int):
   return axes[0]
 
 
+@mode_lib.register_mode("tensor")
 @dataclasses.dataclass
-class TensorParallelStep:
-  """The tensor-parallel model, its gathered view and the step's changes.
+class TensorParallelStep(mode_lib.StepMode):
+  """The `tensor` step mode: the tensor-parallel model, its gathered view
+  and the step's changes. Each replica's gradients are its own (its
+  shards', and the same replicated ones): not all-reduced.
 
   Attributes:
     model: the tensor-parallel Keras model (trained; built in the
@@ -123,6 +128,51 @@ class TensorParallelStep:
   model: keras.Model
   unsharded: keras.Model
   num_shards: int
+  all_reduces_gradients = False
+
+  @classmethod
+  def model_facts(cls, model) -> dict:
+    """`tensor_parallel_bytes`: the weight bytes the tensor-parallel
+    layers would split (`layers.splittable_weight_bytes`)."""
+    return {"tensor_parallel_bytes": tp_lib.splittable_weight_bytes(model)}
+
+  @classmethod
+  def validate(cls, settings) -> None:
+    """`tfdist.parallel.tensor.options.check_flags` on `settings`."""
+    tensor_options.check_flags(**{
+        name: settings[name] for name in tensor_options.CHECKED_SETTINGS})
+
+  @classmethod
+  def devices(cls, settings) -> int:
+    """N: the replicas the layers are split over."""
+    return int(settings["tensor_parallel"])
+
+  @classmethod
+  def layout_rows(cls, facts) -> list:
+    """Tensor parallelism: the splittable layers' state
+    (`facts.tensor_parallel_bytes` of weights, their gradients and
+    optimizer slots in proportion) / N, the rest whole; every replica runs
+    the whole batch B, and its activations are counted whole (an upper
+    bound: the split heads' are 1/N)."""
+    e, n = facts.estimate, facts.num_devices
+    trainable = e.gradients_bytes
+    grads = e.gradients_bytes + facts.accumulators
+    split = min(max(int(facts.tensor_parallel_bytes), 0), trainable)
+    share = split / trainable if trainable else 0.0
+    # The split layers' share of the weights, gradients and slots, / N.
+    note = facts.one_device_note or (
+        "no layer of this model can be split" if not split else
+        "" if facts.tensor_parallel_flag else
+        "--tensor_parallel splits only --model=transformer: build this "
+        "model from tfdist.parallel.tensor_parallel's layers")
+    return [facts.row(
+        "tensor parallel", facts.tensor_parallel_flag, n,
+        e.parameters_bytes - split + facts.ceil_div(split, n),
+        grads - facts.ceil_div(grads * share * (n - 1), n),
+        e.optimizer_bytes - facts.ceil_div(
+            e.optimizer_bytes * share * (n - 1), n),
+        facts.activation_bytes_per_example * facts.global_batch_size,
+        not note, note)]
 
   def describe(self) -> str:
     """One line for the manifest and the log."""
@@ -150,10 +200,10 @@ class TensorParallelStep:
     return gathered, start, size, context
 
   def forward_backward(self, trainer, inputs, labels, weights=None):
-    """`Trainer._replica_forward_backward` on the gathered global batch.
+    """`StepContext.model_forward_backward` on the gathered global batch.
 
     Args:
-      trainer: the `tfdist.training.train_loop.Trainer`.
+      trainer: the `tfdist.parallel.mode.StepContext` (the trainer).
       inputs: this replica's inputs, [b, ...] (b: its share of the batch).
       labels: [b, ...].
       weights: its examples' training weights, float32 [b], or None.
@@ -167,19 +217,19 @@ class TensorParallelStep:
     """
     (inputs, labels, weights), start, size, context = self._gather_batch(
         inputs, labels, weights)
-    loss, grads, outputs = trainer._replica_forward_backward(  # pylint: disable=protected-access
-        inputs, labels, weights)
+    loss, grads, outputs = trainer.model_forward_backward(inputs, labels,
+                                                          weights)
     first = tf.cast(tf.equal(context.replica_id_in_sync_group, 0),
                     loss.dtype)
     return loss * first, grads, outputs[start:start + size]
 
   def eval_sums(self, trainer, inputs, labels, weights=None, mask=None):
-    """`Trainer._replica_eval_sums` of this replica's examples, the model
+    """`StepContext.eval_sums` of this replica's examples, the model
     run on the gathered batch (a replica with no examples in the last
     round still takes part in the collectives)."""
     (all_inputs, _), start, size, _ = self._gather_batch(inputs, labels)
     outputs = tf.cast(self.model(all_inputs, training=False), tf.float32)
-    return trainer._replica_eval_sums(  # pylint: disable=protected-access
+    return trainer.eval_sums(
         inputs, labels, weights, mask, outputs=outputs[start:start + size])
 
   # --- the gathered view --------------------------------------------------
@@ -189,7 +239,12 @@ class TensorParallelStep:
     self.unsharded.set_weights(tp_lib.gathered_weights(self.model))
     return self.unsharded
 
-  def checkpoint_model(self) -> keras.Model:
+  def exported_model(self, context=None) -> keras.Model:
+    """`gathered_model`: the whole model for export."""
+    del context
+    return self.gathered_model()
+
+  def checkpoint_model(self, context=None) -> keras.Model:
     """The unsharded model, each of its variables saving the gathered
     value of its tensor-parallel twin and restoring into it: the
     checkpoint's `model`, under an unsharded run's keys."""
@@ -200,8 +255,8 @@ class TensorParallelStep:
           lambda value, v=variable: tp_lib._assign_full(v, value))  # pylint: disable=protected-access
     return self.unsharded
 
-  def checkpoint_optimizer(self, optimizer: keras.optimizers.Optimizer):
-    """An optimizer of `optimizer`'s class and configuration built on the
+  def checkpoint_optimizer(self, context):
+    """An optimizer of the trainer's (`context.optimizer`) class and configuration built on the
     unsharded model, each of its variables saving the gathered value of
     `optimizer`'s (a shard's slot: its replicas' components concatenated)
     and restoring into it: the checkpoint's `optimizer`.
@@ -209,6 +264,7 @@ class TensorParallelStep:
     Raises:
       ValueError: the two optimizers' variables do not pair up.
     """
+    optimizer = context.optimizer
     with tf.device("/cpu:0"):
       view = type(optimizer).from_config(optimizer.get_config())
       view.build(self.unsharded.trainable_variables)

@@ -1,6 +1,6 @@
 """ZeRO stage 3 (`--zero_stage=3`): the weights themselves sharded.
 
-Rajbhandari et al. 2020. Stages 1 and 2 (`tfdist.training.sharded_optimizer`)
+Rajbhandari et al. 2020. Stages 1 and 2 (`tfdist.parallel.data.sharded_optimizer`)
 keep a whole copy of every weight on every replica. Stage 3 keeps, per
 replica, only its shard of a flat, padded float32 buffer laid out block
 by block (`sharded_optimizer.FlatLayout` with `blocks`: the model is cut
@@ -99,12 +99,16 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist import errors
-from tfdist.parallel import pipeline
+from tfdist.parallel import cutting
+from tfdist.parallel import mode as mode_lib
+from tfdist.parallel.pipeline import stages as pipeline
 from tfdist.training import custom_step
 from tfdist.training import reduce_dtype
-from tfdist.training import sharded_optimizer
+from tfdist.parallel.data import sharded_optimizer
 
 STAGE = 3
+# The step mode that runs on this optimizer (`tfdist.parallel.zero3.mode`).
+MODE_NAME = "zero3"
 _VARIABLE_VALUE = "VARIABLE_VALUE"
 
 
@@ -329,7 +333,7 @@ def plan_blocks(model, variables, num_blocks: int, replicated=()):
   if num_blocks <= 1 or _has_regularizers(model) or _adds_losses(model):
     return None
   try:
-    calls = pipeline._model_calls(model)[0]  # pylint: disable=protected-access
+    calls = cutting.model_calls(model)[0]
   except errors.PipelineConfigError:
     return None
   index = {id(v): j for j, v in enumerate(variables)}
@@ -345,7 +349,7 @@ def plan_blocks(model, variables, num_blocks: int, replicated=()):
   count = min(int(num_blocks), sum(weighted))
   if count <= 1:
     return None
-  starts = pipeline.balanced_cuts(costs, count)
+  starts = cutting.balanced_cuts(costs, count)
   # Each block holds trainable weights: one without is joined to the
   # block before it (the first, to the block after it).
   bounds = [0] + starts + [len(calls)]
@@ -540,18 +544,23 @@ class Zero3Optimizer(sharded_optimizer.ShardedOptimizer):
     # pylint: enable=protected-access
 
   def attach(self, trainer) -> None:
-    """Replaces `trainer`'s forward and backward pass and its evaluation
-    step with ones that gather the shards first.
+    """Shards the weights of `trainer`'s model and plans its blocks; the
+    `zero3` mode (`Zero3Mode`) then runs the trainer's passes on them.
+    Changes nothing of the trainer.
 
     Raises:
-      tfdist.errors.ConfigError: XLA (`trainer.xla_applied`), pipeline
-        stages, or a model `check_model` refuses.
+      tfdist.errors.ConfigError: XLA (`trainer.xla_applied`), another
+        parallelism mode (pipeline stages), or a model `check_model`
+        refuses.
     """
-    if trainer.xla_applied or trainer.pipeline is not None:
+    other = trainer.mode.name != MODE_NAME
+    if trainer.xla_applied or other:
       raise errors.ConfigError(
           "--zero_stage=3 runs its own forward pass (gather, then the "
-          "model): it cannot be combined with "
-          f"{'--enable_xla' if trainer.xla_applied else '--pipeline_stages'}"
+          "model): it cannot be combined with " +
+          ("--enable_xla" if trainer.xla_applied else
+           "--pipeline_stages" if trainer.mode.name == "pipeline" else
+           f"the {trainer.mode.name!r} parallelism mode") +
           ". Drop one of them.")
     check_model(trainer.model)
     self.model = trainer.model
@@ -566,21 +575,19 @@ class Zero3Optimizer(sharded_optimizer.ShardedOptimizer):
         max(sizes) * self.layout.num_shards,
         ", each block's gather issued while the block before it computes "
         "(prefetch)" if self.blocks and self.prefetch else "")
-    trainer._replica_grads = lambda inputs, labels, weights=None: (  # pylint: disable=protected-access
-        self.replica_forward_backward(trainer, inputs, labels, weights))
-    evaluate = trainer._replica_eval_step  # pylint: disable=protected-access
 
-    def eval_step(inputs, labels, weights=None, mask=None):
-      # Gathered outside the step's empty-batch `tf.cond`: every replica
-      # joins the collective.
-      if self.blocks:
-        return self._replica_blocks_eval(trainer, inputs, labels, weights,
-                                         mask)
-      values = self._replica_gather_weights(self._replica_shard())
-      with keras.StatelessScope(state_mapping=self._mapping(values)):
-        return evaluate(inputs, labels, weights, mask)
-
-    trainer._replica_eval_step = eval_step  # pylint: disable=protected-access
+  def replica_eval_sums(self, trainer, inputs, labels, weights=None,
+                        mask=None):
+    """The trainer's evaluation sums on gathered weights. Gathered outside
+    the empty-batch `tf.cond` (`StepMode.eval_sums`): every replica joins
+    the collective."""
+    if self.blocks:
+      return self._replica_blocks_eval(trainer, inputs, labels, weights,
+                                       mask)
+    values = self._replica_gather_weights(self._replica_shard())
+    with keras.StatelessScope(state_mapping=self._mapping(values)):
+      return mode_lib.eval_sums_skipping_empty(trainer, inputs, labels,
+                                               weights, mask)
 
   def weight_bytes_per_replica(self) -> int:
     """The weights one replica keeps: its shard (S float32) and the whole
@@ -646,15 +653,14 @@ class Zero3Optimizer(sharded_optimizer.ShardedOptimizer):
       with keras.StatelessScope(
           state_mapping=self._mapping(values)) as scope:
         outputs = tf.cast(model(inputs, training=True), tf.float32)
-        objective, loss = trainer._replica_losses(labels, outputs, weights)  # pylint: disable=protected-access
-        regularization = trainer._regularization_loss()  # pylint: disable=protected-access
+        objective, loss = trainer.losses(labels, outputs, weights)
+        regularization = trainer.regularization_loss()
       if regularization is not None:
         regularization = tf.nn.scale_regularization_loss(
             regularization) / trainer.gradient_accumulation_steps
         objective += regularization
         loss += regularization
-      scaled = (trainer.optimizer.scale_loss(objective)
-                if trainer.uses_loss_scale else objective)
+      scaled = trainer.scale_loss(objective)
     flat_grad, *replicated_grads = tape.gradient(scaled,
                                                  [gathered] + replicated)
     if flat_grad is None:
@@ -676,7 +682,7 @@ class Zero3Optimizer(sharded_optimizer.ShardedOptimizer):
     `replica_forward_backward`."""
     shard = self._replica_shard()
     layout = self.layout
-    tensors = self._split._flat_inputs(inputs)  # pylint: disable=protected-access
+    tensors = self._split.flat_inputs(inputs)
     updates = []
     with tf.GradientTape() as tape:
       slices = [shard[o:o + size] for o, size in
@@ -691,10 +697,9 @@ class Zero3Optimizer(sharded_optimizer.ShardedOptimizer):
         tensors, states = self._replica_block(block, tensors,
                                               slices[block.index], after)
         updates += list(zip(block.state, states))
-      outputs = tf.cast(self._split._pack(tensors), tf.float32)  # pylint: disable=protected-access
-      objective, loss = trainer._replica_losses(labels, outputs, weights)  # pylint: disable=protected-access
-      scaled = (trainer.optimizer.scale_loss(objective)
-                if trainer.uses_loss_scale else objective)
+      outputs = tf.cast(self._split.pack(tensors), tf.float32)
+      objective, loss = trainer.losses(labels, outputs, weights)
+      scaled = trainer.scale_loss(objective)
     grads = tape.gradient(scaled, slices)
     grad = tf.concat([tf.zeros_like(s) if g is None else g
                       for s, g in zip(slices, grads)], axis=0)
@@ -717,7 +722,7 @@ class Zero3Optimizer(sharded_optimizer.ShardedOptimizer):
     tensors = [tf.cond(present, lambda x=x: x,
                        lambda x=x: tf.zeros(tf.concat(
                            [[1], tf.shape(x)[1:]], 0), x.dtype))
-               for x in self._split._flat_inputs(inputs)]  # pylint: disable=protected-access
+               for x in self._split.flat_inputs(inputs)]
     shard, layout = self._replica_shard(), self.layout
     context = tf.distribute.get_replica_context()
     previous = tensors
@@ -732,11 +737,11 @@ class Zero3Optimizer(sharded_optimizer.ShardedOptimizer):
           block, tensors, region,
           [tf.identity(v.value) for _, v in block.replicated],
           [tf.identity(v.value) for v in block.state], training=False)
-    outputs = tf.cast(self._split._pack(tensors), tf.float32)  # pylint: disable=protected-access
+    outputs = tf.cast(self._split.pack(tensors), tf.float32)
     return tf.cond(
-        present, lambda: trainer._replica_eval_sums(  # pylint: disable=protected-access
+        present, lambda: trainer.eval_sums(
             inputs, labels, weights, mask, outputs=outputs),
-        trainer._empty_eval_sums)  # pylint: disable=protected-access
+        trainer.empty_eval_sums)
 
   def _gather_block(self, context, shard_slice, b: int) -> tf.Tensor:
     """Block b's weights, float32 [N x S_b]: every replica's `shard_slice`
@@ -1016,3 +1021,4 @@ def state_variables(model: keras.Model, trainer) -> list:
 
 
 sharded_optimizer.register_stage(STAGE, Zero3Optimizer)
+

@@ -6,7 +6,7 @@
 anything is built. Pure Python (no TensorFlow): `tfdist.config` calls it
 while it validates a `TrainConfig`. The pipeline itself is
 `tfdist.parallel.pipeline`; the trainer's use of it,
-`tfdist.training.pipeline_step`.
+`tfdist.parallel.pipeline.mode`.
 """
 
 import dataclasses
@@ -100,13 +100,26 @@ def resolved_microbatches(num_stages: int,
   return num_stages if num_microbatches is None else int(num_microbatches)
 
 
+# The settings (flag names) `check_flags` reads, for the step mode's
+# `validate` (`tfdist.parallel.mode.StepMode.validate`).
+CHECKED_SETTINGS = (
+    "pipeline_stages",
+    "num_microbatches",
+    "pipeline_schedule",
+    "pipeline_cuts",
+    "distribution_strategy",
+    "zero_stage",
+    "enable_xla",
+)
+
+
 def check_flags(*, pipeline_stages: int, num_microbatches: Optional[int],
                 pipeline_schedule: str, pipeline_cuts: Sequence[str],
                 distribution_strategy: str, zero_stage: int,
                 enable_xla: bool) -> None:
   """Refuses pipeline flags that cannot run, naming the flag, the value and
   the fix. Pure: the devices, the model and the batch are checked later
-  (`tfdist.backends.pipeline`, `tfdist.training.pipeline_step`,
+  (`tfdist.backends.pipeline`, `tfdist.parallel.pipeline.mode`,
   `check_batch`).
 
   Raises:

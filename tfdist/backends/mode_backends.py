@@ -1,0 +1,89 @@
+"""What a parallelism mode needs of the backend, composed with the kind's.
+
+A run's backend is the one registered for its strategy kind
+(`tfdist.backends.base.register_backend`), composed with what its
+parallelism mode (`tfdist.parallel.mode`) needs of it. A mode that needs
+nothing registers nothing here (the `data` mode: the kind's backend as it
+is). Otherwise the mode's backend module registers, under the mode's name,
+either
+
+* a mixin (`register_mode_backend(name, mixin=...)`): a class put before
+  the kind's backend class (ZeRO stage 3 gathers the weights for the
+  export), or
+* a factory (`register_mode_backend(name, factory=...)`,
+  `factory(kind, kind_backend_class, cluster)` returning a `Backend`, or None
+  for the kind's as it is): a mode that replaces the kind's step runner or
+  strategy (the pipeline drives its stages from one process; tensor
+  parallelism is one Mirrored group of N replicas).
+
+`compose(mode, kind, kind_backend_class, cluster)` returns the run's
+backend instance (`tfdist.backends.registry.backend_for_run`).
+"""
+
+import functools
+from typing import Callable, Dict, Optional, Type
+
+from tfdist.backends import base
+
+_MIXINS: Dict[str, type] = {}
+_FACTORIES: Dict[str, Callable] = {}
+
+
+def register_mode_backend(mode_name: str, *, mixin: Optional[type] = None,
+                          factory: Optional[Callable] = None) -> None:
+  """Registers what the mode `mode_name` needs of the backend.
+
+  Args:
+    mode_name: a `tfdist.parallel.mode` name.
+    mixin: a class whose methods go before the kind's backend's.
+    factory: `factory(kind, kind_backend_class, cluster) -> Backend or
+      None` (`kind`: the decided `StrategyKind`).
+
+  Raises:
+    ValueError: neither or both of `mixin` and `factory`.
+  """
+  if (mixin is None) == (factory is None):
+    raise ValueError("register_mode_backend takes one of mixin= or "
+                     f"factory=. Received: mixin={mixin!r}, "
+                     f"factory={factory!r} for mode {mode_name!r}.")
+  _MIXINS.pop(mode_name, None)
+  _FACTORIES.pop(mode_name, None)
+  if mixin is not None:
+    _MIXINS[mode_name] = mixin
+  else:
+    _FACTORIES[mode_name] = factory
+
+
+@functools.lru_cache(maxsize=None)
+def composed_class(mixin: type, kind_backend: Type[base.Backend]) -> type:
+  """The class `mixin` then `kind_backend` (one per pair), named after
+  both (`Zero3MirroredBackend`-like names in logs and reprs)."""
+  name = mixin.__name__.lstrip("_") + kind_backend.__name__
+  return type(name, (mixin, kind_backend), {"__module__": mixin.__module__})
+
+
+def compose(mode, kind, kind_backend: Type[base.Backend],
+            cluster=None) -> base.Backend:
+  """The run's backend: `kind_backend` (the backend class of the decided
+  `kind`) composed with what the mode (a `tfdist.parallel.mode.StepMode`
+  class) registered (nothing: a `kind_backend` instance).
+
+  Raises:
+    ValueError: a mode that `replaces_step_runner` with no factory
+      registered.
+  """
+  mode_name = mode.name
+  factory = _FACTORIES.get(mode_name)
+  if factory is None and mode.replaces_step_runner:
+    raise ValueError(
+        f"The parallelism mode {mode_name!r} replaces the step runner: "
+        "register its backend with tfdist.backends.mode_backends"
+        f".register_mode_backend({mode_name!r}, factory=...).")
+  if factory is not None:
+    backend = factory(kind, kind_backend, cluster)
+    if backend is not None:
+      return backend
+  mixin = _MIXINS.get(mode_name)
+  if mixin is not None:
+    return composed_class(mixin, kind_backend)()
+  return kind_backend()

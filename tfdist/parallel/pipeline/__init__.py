@@ -1,0 +1,21 @@
+"""tfdist.parallel.pipeline: pipeline parallelism (GPipe and 1F1B).
+
+Modules:
+  stages   the library: cuts a Keras functional or Sequential model into
+           stages on consecutive devices (`split_model`) and trains it
+           with micro-batches (`Pipeline.train_step`), equal to the unsplit
+           model's step.
+  options  `--pipeline_stages`, `--num_microbatches`, `--pipeline_schedule`
+           and `--pipeline_cuts`, checked at start (no TensorFlow).
+  mode     the `pipeline` step mode (`PipelineStep`,
+           `tfdist.parallel.mode.StepMode`) and its `build`.
+
+`from tfdist.parallel import pipeline` then `pipeline.split_model(...)`:
+the names of `stages` are read here on first use (the package imports no
+TensorFlow until then, so `options` stays light).
+"""
+
+
+def __getattr__(name):
+  import importlib  # pylint: disable=g-import-not-at-top
+  return getattr(importlib.import_module(f"{__name__}.stages"), name)

@@ -1,0 +1,19 @@
+"""tfdist.parallel.tensor: tensor parallelism over one host's replicas.
+
+Modules:
+  layers   Megatron-style column- and row-parallel Dense layers and a
+           parallel multi-head attention, each replica holding 1/N of
+           their weights (also importable as the documented
+           `tfdist.parallel.tensor_parallel`).
+  options  `--tensor_parallel=N`, checked at start (no TensorFlow).
+  mode     the `tensor` step mode (`TensorParallelStep`,
+           `tfdist.parallel.mode.StepMode`), its gathered view and `build`.
+
+The names of `layers` are read here on first use
+(`from tfdist.parallel import tensor as tp; tp.ColumnParallelDense`).
+"""
+
+
+def __getattr__(name):
+  import importlib  # pylint: disable=g-import-not-at-top
+  return getattr(importlib.import_module(f"{__name__}.layers"), name)

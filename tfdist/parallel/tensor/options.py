@@ -1,0 +1,140 @@
+"""`--tensor_parallel=N`, checked at start (pure Python, no TensorFlow).
+
+N > 1 splits the built-in Transformer's attention heads and feed-forward
+units over the N replicas of a `MirroredStrategy` on one host (Megatron's
+layers, `tfdist.parallel.tensor_parallel`); every replica trains on the
+whole global batch. `check_flags` refuses what that cannot run, naming the
+flag, the value and the fix, before anything is built; `tfdist.config`
+calls it while it validates a `TrainConfig`. The backend is
+`tfdist.backends.tensor_parallel`, the trainer's step
+`tfdist.parallel.tensor.mode`.
+"""
+
+from typing import Optional
+
+from tfdist import errors
+
+# The one model built from the tensor-parallel layers.
+MODELS = ("transformer",)
+# Strategies it runs under: one host's replicas are the tensor-parallel
+# group. Data parallelism beside it would need all-reduces over sub-groups
+# of the replicas (the same shard on each data-parallel copy), and
+# tf.distribute exposes only collectives over all replicas.
+STRATEGIES = ("auto", "mirrored")
+# What each rank gets a share of in the built-in Transformer
+# (models/transformer.py's defaults): its 4 attention heads and 128
+# feed-forward units, so N must divide both.
+SPLIT_SIZES = {"attention heads": 4, "feed-forward units": 128}
+
+
+def divides(n: int) -> bool:
+  """Whether N ranks can split the built-in Transformer evenly."""
+  return all(size % n == 0 for size in SPLIT_SIZES.values())
+
+
+def flags_for(model: str, num_devices: int) -> str:
+  """The flags that split `model` over `num_devices` replicas of one host,
+  or "" when `--tensor_parallel` cannot (another model, one device)."""
+  if model not in MODELS or num_devices < 2 or not divides(num_devices):
+    return ""
+  return f"--distribution_strategy=mirrored --tensor_parallel={num_devices}"
+
+
+# The settings (flag names) `check_flags` reads, for the step mode's
+# `validate` (`tfdist.parallel.mode.StepMode.validate`).
+CHECKED_SETTINGS = (
+    "tensor_parallel",
+    "model",
+    "distribution_strategy",
+    "zero_stage",
+    "pipeline_stages",
+    "enable_xla",
+    "dtype",
+    "clipnorm",
+    "global_clipnorm",
+    "init_checkpoint",
+    "num_gpus",
+    "num_cpu_devices",
+)
+
+
+def check_flags(*, tensor_parallel: int, model: str,
+                distribution_strategy: str, zero_stage: int,
+                pipeline_stages: int, enable_xla: bool, dtype: str,
+                clipnorm: Optional[float], global_clipnorm: Optional[float],
+                init_checkpoint: Optional[str], num_gpus: int,
+                num_cpu_devices: int) -> None:
+  """Refuses `--tensor_parallel` settings that cannot run.
+
+  Args:
+    tensor_parallel: N (1: off).
+    model, distribution_strategy, zero_stage, pipeline_stages, enable_xla,
+      dtype, clipnorm, global_clipnorm, init_checkpoint, num_gpus,
+      num_cpu_devices: the run's flags of those names.
+
+  Raises:
+    errors.ConfigError: N < 1; N not dividing the Transformer's heads and
+      feed-forward units; N > 1 with another model than the built-in
+      Transformer, another strategy than mirrored (or auto), ZeRO,
+      pipeline stages, XLA, fp16, gradient clipping, --init_checkpoint,
+      or more devices than N (data parallelism beside tensor
+      parallelism).
+  """
+  if not isinstance(tensor_parallel, int) or tensor_parallel < 1:
+    raise errors.ConfigError(f"--tensor_parallel={tensor_parallel} must be "
+                             "a positive integer (1: off).")
+  n = tensor_parallel
+  if n == 1:
+    return
+  flag = f"--tensor_parallel={n}"
+  if model not in MODELS:
+    raise errors.ConfigError(
+        f"{flag} splits the built-in Transformer's attention heads and "
+        f"feed-forward units; --model={model} has no tensor-parallel "
+        "layers. Use --model=transformer, or build your model from "
+        "tfdist.parallel.tensor_parallel's layers and drop the flag.")
+  if not divides(n):
+    sizes = ", ".join(f"{size} {what}" for what, size in SPLIT_SIZES.items())
+    fits = [k for k in range(2, 9) if divides(k)]
+    raise errors.ConfigError(
+        f"{flag} cannot split the built-in Transformer evenly: each rank "
+        f"takes an equal share of its {sizes}. Use --tensor_parallel="
+        f"{' or '.join(map(str, fits))}.")
+  if distribution_strategy not in STRATEGIES:
+    raise errors.ConfigError(
+        f"{flag} runs under --distribution_strategy=mirrored on one host "
+        f"(its N replicas are the tensor-parallel group); received "
+        f"--distribution_strategy={distribution_strategy}. Combining it "
+        "with data parallelism needs all-reduces over sub-groups of the "
+        "replicas, which tf.distribute does not offer. Use "
+        "--distribution_strategy=mirrored, or drop --tensor_parallel.")
+  devices = num_gpus if num_gpus > 0 else num_cpu_devices
+  if devices > 1 and devices != n:
+    name = "--num_gpus" if num_gpus > 0 else "--num_cpu_devices"
+    raise errors.ConfigError(
+        f"{flag} with {name}={devices}: every replica is one "
+        f"tensor-parallel rank, so the run needs exactly {n} replicas; "
+        f"{devices} would add data parallelism, which needs sub-group "
+        f"all-reduces tf.distribute does not offer. Pass {name}={n}.")
+  for given, name, why in (
+      (zero_stage, f"--zero_stage={zero_stage}",
+       "ZeRO shards the whole flat weight list across the replicas, which "
+       "here hold different shards already"),
+      (pipeline_stages > 1, f"--pipeline_stages={pipeline_stages}",
+       "a pipeline runs on one replica"),
+      (enable_xla, "--enable_xla",
+       "the tensor-parallel layers all-reduce inside the forward pass, "
+       "which one replica's XLA cluster cannot compile"),
+      (dtype == "fp16", "--dtype=fp16",
+       "the loss scale's finite check would see only this replica's shards"),
+      (clipnorm is not None, f"--clipnorm={clipnorm}",
+       "each replica would clip its shard by the shard's own norm"),
+      (global_clipnorm is not None, f"--global_clipnorm={global_clipnorm}",
+       "each replica would clip by its shards' norm, not the whole "
+       "model's"),
+      (init_checkpoint, f"--init_checkpoint={init_checkpoint}",
+       "warm starts load into an unsharded model only (resuming from "
+       "--model_dir's own checkpoints works)")):
+    if given:
+      raise errors.ConfigError(
+          f"{flag} cannot run with {name}: {why}. Drop one of the two.")
