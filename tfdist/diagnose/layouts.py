@@ -7,7 +7,7 @@ from typing import Dict, List, Optional
 
 from tfdist import errors
 from tfdist.diagnose.plan import MeasurementPlan
-from tfdist.parallel import tensor_parallel_options
+from tfdist.parallel.tensor import options as tensor_parallel_options
 from tfdist.training import memory
 from tfdist.training import optimizers
 
@@ -30,24 +30,6 @@ class ModelSizes:
   activation_bytes_per_example: int = 0
   tensor_parallel_bytes: int = 0
   pipeline_shares: Optional[Dict[int, float]] = None
-
-
-def _pipeline_shares(model, most: int = 8) -> Dict[int, float]:
-  """P -> the heaviest of P stages' share of `model`'s weight bytes, for
-  P = 2 .. `most` while the model can be cut so (device names only name
-  the stages: nothing is placed)."""
-  from tfdist.parallel import pipeline  # pylint: disable=g-import-not-at-top
-  shares = {}
-  for p in range(2, most + 1):
-    try:
-      stages = pipeline.split_model(
-          model, p, devices=[f"/device:CPU:{i}" for i in range(p)]).stages
-    except (errors.PipelineConfigError, ValueError):
-      break
-    total = sum(s.param_bytes for s in stages)
-    if total:
-      shares[p] = max(s.param_bytes for s in stages) / total
-  return shares
 
 
 def model_memory_of(config) -> memory.ModelMemory:
@@ -94,15 +76,14 @@ def model_sizes_of(config) -> ModelSizes:
     optimizer = assembly.run_optimizer(options,
                                        lr_schedule.ConstantLearningRate(0.1))
     optimizer.build(model.trainable_variables)
-    from tfdist.parallel import tensor_parallel  # pylint: disable=g-import-not-at-top
-    from tfdist.parallel import zero3  # pylint: disable=g-import-not-at-top
+    facts = memory.model_facts(model)
     return ModelSizes(
         memory.estimate_model_memory(
             model, optimizer,
-            replicated_variables=zero3.replicated_variables(model)),
+            replicated_variables=facts["replicated_variables"]),
         memory.activation_bytes_per_example(model),
-        tensor_parallel.splittable_weight_bytes(model),
-        _pipeline_shares(model))
+        facts["tensor_parallel_bytes"],
+        facts["pipeline_shares"])
   finally:
     keras.mixed_precision.set_dtype_policy("float32")
 
