@@ -17,14 +17,19 @@ runs last: after a timeout TensorFlow aborts the process's collectives.
 * keys: groups beside a MirroredStrategy's all-reduce over the same
   devices, in one function, both right; group keys from 2**30, the same
   set the same key;
+* the guide's example (docs/guides/device-mesh.md, block guide-example)
+  prints what the guide says;
 * a stalled device (its input waits 3 s, the limit is 0.5 s) raises
   `CollectiveTimeoutError` (status 200) through `timeouts_as_errors`.
 
 Argument refusals (no devices needed) run in this process.
 """
 
+import contextlib
+import io
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -33,7 +38,7 @@ import unittest
 
 _CHILD_ENV = "TFDIST_COLLECTIVES_CHILD"
 _DEVICES = 8
-_TIMEOUT_CASE = "test_z_stalled_device_times_out"
+_GUIDE = os.path.join("docs", "guides", "device-mesh.md")
 
 if os.environ.get(_CHILD_ENV):
   import tensorflow as _tf  # pylint: disable=g-import-not-at-top
@@ -269,6 +274,20 @@ class _Cases:
         np.testing.assert_allclose(y.numpy(), [40.0, 40.0])
       for y in pairs:
         np.testing.assert_allclose(y.numpy(), [80.0, 80.0])
+
+  def test_guide_example(self):
+    """docs/guides/device-mesh.md, block guide-example."""
+    with open(os.path.join(testutil.REPO_ROOT, _GUIDE),
+              encoding="utf-8") as f:
+      page = f.read()
+    code = re.search(
+        r"<!-- run: tests/collectives_test.py guide-example -->\n"
+        r"```python\n(.*?)```", page, re.S).group(1)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+      exec(compile(code, _GUIDE, "exec"), {})  # pylint: disable=exec-used
+    self.assertEqual(out.getvalue(), "[10.0, 10.0, 10.0, 10.0]\n")
+    self.assertIn("prints `[10.0, 10.0, 10.0, 10.0]`", page)
 
   def test_z_stalled_device_times_out(self):
     group = col.DeviceGroup(_cpus(0, 1), name="stalled",

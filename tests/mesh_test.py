@@ -5,13 +5,20 @@ Expected values are written out by hand for 8 devices (2 x 2 x 2) and
 checked against the formula index = (p * D + d) * T + t for the others.
 """
 
+import contextlib
+import io
 import itertools
+import os
+import re
 
 from absl.testing import absltest
 from absl.testing import parameterized
 
+from tests import testutil
 from tfdist import errors
 from tfdist.parallel import mesh as mesh_lib
+
+_GUIDE = os.path.join("docs", "guides", "device-mesh.md")
 
 
 def _cpus(n):
@@ -110,6 +117,23 @@ class LayoutTest(parameterized.TestCase):
         self.assertEqual(mesh_lib.DeviceMesh.build(
             _cpus(n), pipeline=p, tensor=t).data, d)
     self.assertLen(mesh_lib.factorizations(8), 10)
+
+
+class GuideTest(absltest.TestCase):
+
+  def test_guide_example_prints_what_the_guide_shows(self):
+    """docs/guides/device-mesh.md, block guide-example, and the text
+    block after it."""
+    with open(os.path.join(testutil.REPO_ROOT, _GUIDE), encoding="utf-8") as f:
+      page = f.read()
+    code, shown = re.search(
+        r"<!-- run: tests/mesh_test.py guide-example -->\n```python\n(.*?)"
+        r"```\n\nprints\n\n<!-- not run: .*? -->\n```text\n(.*?)```",
+        page, re.S).groups()
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+      exec(compile(code, _GUIDE, "exec"), {})  # pylint: disable=exec-used
+    self.assertEqual(out.getvalue(), shown)
 
 
 class RefusalTest(parameterized.TestCase):

@@ -1,6 +1,11 @@
 """tfdist.parallel: model parallelism beside the data-parallel trainer.
 
 Modules:
+  collectives      all-reduce, all-gather, reduce-scatter and all-to-all
+                   over a named sub-group of devices (raw collective ops,
+                   per-device ordering tokens, own key range, gradients).
+  mesh             the data x pipeline x tensor device mesh: each
+                   device's coordinates and the groups along each axis.
   pipeline         cuts a Keras functional or Sequential model into stages
                    on consecutive devices and trains it with micro-batches
                    (GPipe or 1F1B schedules), equal to the unsplit model's
