@@ -35,6 +35,7 @@ import sys
 import time
 import traceback
 import unittest
+import zlib
 
 _CHILD_ENV = "TFDIST_COLLECTIVES_CHILD"
 _DEVICES = 8
@@ -395,6 +396,13 @@ class ArgumentsTest(absltest.TestCase):
     self.assertEqual(a.group_key, b.group_key)
     self.assertGreaterEqual(a.group_key, col.GROUP_KEY_START)
     self.assertLess(a.group_key, 2**31)
+    # The key is a function of the names alone (every process agrees).
+    names = ",".join(["/job:localhost/replica:0/task:0/device:CPU:0"])
+    self.assertEqual(a.group_key, col.GROUP_KEY_START + zlib.crc32(
+        names.encode()) % 2**30)
+    keys = {col.DeviceGroup([f"/cpu:{i}", f"/cpu:{j}"]).group_key
+            for i in range(8) for j in range(8) if i < j}
+    self.assertLen(keys, 28)
     self.assertFalse(a.native_reduce_scatter)
 
   def test_call_refusals(self):
@@ -410,17 +418,24 @@ class ArgumentsTest(absltest.TestCase):
     with self.assertRaisesRegex(errors.ConfigError, "is not a DeviceGroup"):
       col.all_gather(["/cpu:0"], [1.0])
 
-  def test_indivisible_dimension(self):
-    # Group membership is checked before devices exist: two named CPUs.
-    group = col.DeviceGroup(["/cpu:0", "/cpu:1"], name="pair")
+  def test_local_devices_and_indivisible_dimension(self):
+    # This process has one CPU: of the pair, only /cpu:0 is local, and a
+    # call takes its one tensor (the other process would pass /cpu:1's).
+    group = col.DeviceGroup(["/cpu:1", "/cpu:0"], name="pair")
+    self.assertEqual(group.local_devices,
+                     ("/job:localhost/replica:0/task:0/device:CPU:0",))
+    self.assertEqual(group.rank("/cpu:1"), 1)
     with self.assertRaisesRegex(
         errors.ConfigError, r"reduce_scatter: dimension 0 of the tensors "
         r"\(3\) does not divide by the group size 2.*multiple of 2"):
-      col.reduce_scatter(group, [np.ones([3], np.float32)] * 2)
+      col.reduce_scatter(group, [np.ones([3], np.float32)])
     with self.assertRaisesRegex(errors.ConfigError,
                                 r"all_to_all: dimension 1 .*\(5\)"):
-      col.all_to_all(group, [np.ones([2, 5], np.float32)] * 2,
-                     split_axis=1)
+      col.all_to_all(group, [np.ones([2, 5], np.float32)], split_axis=1)
+    elsewhere = col.DeviceGroup(["/job:worker/replica:0/task:1/cpu:0"])
+    with self.assertRaisesRegex(errors.ConfigError,
+                                "None of the devices of group 'group'"):
+      col.all_reduce(elsewhere, [1.0])
 
 
 if __name__ == "__main__":

@@ -15,9 +15,10 @@ first device's op would wait forever for the others).
     summed = collectives.all_reduce(group, [x0, x1])   # [s, s], s = x0 + x1
 
 Every function takes `tensors`, a list with one tensor per device of the
-group in the group's order (`group.devices`), each of the same shape and
-dtype, and returns a list in the same order, each result placed on its
-device. The group's order is TensorFlow's rank order (by job, replica,
+group that this process runs (`group.local_devices`: every device in one
+process, this task's in a cluster where every task runs the same program),
+in the group's order, each of the same shape and dtype, and returns a list
+in the same order, each result made on its device. The group's order is TensorFlow's rank order (by job, replica,
 task, device type and index: `/cpu:10` after `/cpu:2`), whatever order the
 devices were given in: all-gather concatenates in that order, and
 reduce-scatter gives the i-th device the i-th chunk.
@@ -42,14 +43,22 @@ How they are made to work (measured, `../shared/notes/model-parallel.md`):
   strategy object counting from 1 again (`_collective_key_base` is 0
   except in TensorFlow's own tests, which add multiples of 100000), with
   instance keys from 100 (`INSTANCE_KEY_START_NUMBER`) within each group.
-  The groups here take group keys from `GROUP_KEY_START` = 2**30 upward
-  (one per distinct set of devices in this process, the same set always
-  the same key) and instance keys from `INSTANCE_KEY_START` = 2**30
-  upward (one per collective op traced or run eagerly), so they never meet
-  a strategy's keys in the same program. Across processes (a cluster),
-  every task that builds the same groups in the same order gets the same
-  keys; in the usual case one client (`tf.config.experimental_connect_to_
-  cluster`) builds the function that runs on every task's devices.
+  The groups here take group keys in [`GROUP_KEY_START` = 2**30, 2**31)
+  (2**30 plus the CRC-32 of the devices' names, modulo 2**30: the same set
+  of devices gets the same key in every process, whatever order groups are
+  made in; two sets that hash alike in one process are refused) and
+  instance keys from `INSTANCE_KEY_START` = 2**30 upward within each group
+  (one per collective traced or run eagerly), so they never meet a
+  strategy's keys in the same program. Across processes, the tasks must
+  trace the same collectives of a group in the same order (as
+  MultiWorkerMirroredStrategy's workers do).
+* Clusters. Proven (tests/collectives_workers_test.py) where every task
+  runs the same program as a MultiWorkerMirroredStrategy worker does
+  (`context.enable_collective_ops` with the cluster and a collective
+  leader): each task passes its own devices' tensors and a group spans
+  the tasks. One client driving remote devices after
+  `tf.config.experimental_connect_to_cluster` was tried and its first
+  cross-task all-reduce timed out (December 2026): not supported.
 * Gradients (`tf.custom_gradient`; TensorFlow registers none for the
   all-to-all and its all-gather gradient is an emulated reduce-scatter):
   all-reduce's gradient is the same all-reduce of the upstream gradients;
@@ -88,6 +97,7 @@ import contextlib
 import dataclasses
 import itertools
 import threading
+import zlib
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import tensorflow as tf
@@ -105,9 +115,10 @@ DEFAULT_TIMEOUT_SECONDS = 300.0
 REDUCE_OPS = ("sum", "mean")
 
 _LOCK = threading.Lock()
-_GROUP_KEYS: Dict[Tuple[str, ...], int] = {}
-_NEXT_GROUP_KEY = [GROUP_KEY_START]
-_INSTANCE_KEYS = itertools.count(INSTANCE_KEY_START)
+# The sets of devices given each group key in this process.
+_GROUP_KEYS: Dict[int, Tuple[str, ...]] = {}
+# The next instance key of each group key.
+_INSTANCE_KEYS: Dict[int, "itertools.count"] = {}
 _TOKENS: Dict[str, object] = {}
 _EAGER_FUNCTIONS: Dict[tuple, Callable] = {}
 
@@ -128,16 +139,25 @@ def _rank_key(device: str):
 
 
 def _group_key(devices: Tuple[str, ...]) -> int:
+  """A key in [GROUP_KEY_START, 2**31) from the devices' names (CRC-32):
+  every process computes the same key for the same set, in any order."""
+  key = GROUP_KEY_START + zlib.crc32(",".join(devices).encode()) % (
+      (1 << 31) - GROUP_KEY_START)
   with _LOCK:
-    if devices not in _GROUP_KEYS:
-      _GROUP_KEYS[devices] = _NEXT_GROUP_KEY[0]
-      _NEXT_GROUP_KEY[0] += 1
-    return _GROUP_KEYS[devices]
+    known = _GROUP_KEYS.setdefault(key, devices)
+  if known != devices:
+    raise errors.ConfigError(
+        f"The device groups {list(known)} and {list(devices)} hash to the "
+        f"same group key {key}; this process cannot use both. Add or drop "
+        "a device in one of them.")
+  return key
 
 
-def _next_instance_key() -> int:
+def _next_instance_key(group_key: int) -> int:
   with _LOCK:
-    return next(_INSTANCE_KEYS)
+    keys = _INSTANCE_KEYS.setdefault(group_key,
+                                     itertools.count(INSTANCE_KEY_START))
+    return next(keys)
 
 
 def _ordering_token(device: str):
@@ -168,8 +188,8 @@ class DeviceGroup:
       `"group"`.
     timeout_seconds: the limit of each collective in seconds (> 0), or
       None for no limit. Defaults to `DEFAULT_TIMEOUT_SECONDS` (300).
-    group_key: TensorFlow's group key, from `GROUP_KEY_START` upward; the
-      same set of devices always gets the same key in one process.
+    group_key: TensorFlow's group key in [`GROUP_KEY_START`, 2**31), from
+      the devices' names: the same set gets the same key in every process.
 
   Args (the constructor's): `devices` (a sequence of device names such as
   `"/cpu:0"` or `"/job:worker/replica:0/task:1/device:CPU:0"`), then
@@ -177,7 +197,8 @@ class DeviceGroup:
 
   Raises:
     tfdist.errors.ConfigError: no devices, a device named twice, devices
-      of different types, or a timeout <= 0.
+      of different types, a timeout <= 0, or (most unlikely) a group key
+      already taken by another set of devices in this process.
   """
 
   devices: Tuple[str, ...]
@@ -226,6 +247,31 @@ class DeviceGroup:
     NCCL); False on CPUs (all-reduce then slice: 2x the bytes)."""
     return self.device_type == "GPU"
 
+  @property
+  def local_devices(self) -> Tuple[str, ...]:
+    """The group's devices this process runs collectives on, in group
+    order: those `tf.config.list_logical_devices()` lists. In one process
+    (and for a client of `tf.config.experimental_connect_to_cluster`,
+    which lists the remote devices too) every device; in a cluster where
+    each task runs its own program (`enable_collective_ops`, as
+    MultiWorkerMirroredStrategy does), this task's.
+
+    Raises:
+      tfdist.errors.ConfigError: none of the group's devices is here.
+    """
+    here = {_canonical(d.name) for d in tf.config.list_logical_devices()}
+    local = tuple(d for d in self.devices if d in here)
+    if not local:
+      raise errors.ConfigError(
+          f"None of the devices of {self.describe()} is in this process "
+          f"(it has {sorted(here)}). Run the group's collectives in the "
+          "processes that hold its devices.")
+    return local
+
+  def rank(self, device: str) -> int:
+    """`device`'s position in `devices` (its chunk in a reduce-scatter)."""
+    return self.devices.index(_canonical(device))
+
   def describe(self) -> str:
     """One line: name, size, devices."""
     return f"group {self.name!r} ({self.size} devices: " + ", ".join(
@@ -255,10 +301,10 @@ def _from_front(x, inverse):
 
 
 def _raw_reduce(group, xs, op):
-  key = _next_instance_key()
+  key = _next_instance_key(group.group_key)
   final = "Div" if op == "mean" else "Id"
   out = []
-  for device, x in zip(group.devices, xs):
+  for device, x in zip(group.local_devices, xs):
     with tf.device(device):
       out.append(tf.raw_ops.CollectiveReduceV2(
           input=x, merge_op="Add", final_op=final,
@@ -267,9 +313,9 @@ def _raw_reduce(group, xs, op):
 
 
 def _raw_gather(group, xs, axis):
-  key = _next_instance_key()
+  key = _next_instance_key(group.group_key)
   out = []
-  for device, x in zip(group.devices, xs):
+  for device, x in zip(group.local_devices, xs):
     with tf.device(device):
       front, inverse = _to_front(x, axis)
       out.append(_from_front(tf.raw_ops.CollectiveGatherV2(
@@ -281,15 +327,14 @@ def _raw_reduce_scatter(group, xs, op, axis):
   if not group.native_reduce_scatter:
     # No CPU kernel: all-reduce, then each device keeps its chunk.
     out = []
-    for rank, (device, x) in enumerate(zip(group.devices,
-                                           _raw_reduce(group, xs, op))):
+    for device, x in zip(group.local_devices, _raw_reduce(group, xs, op)):
       with tf.device(device):
-        out.append(tf.split(x, group.size, axis=axis)[rank])
+        out.append(tf.split(x, group.size, axis=axis)[group.rank(device)])
     return out
-  key = _next_instance_key()
+  key = _next_instance_key(group.group_key)
   final = "Div" if op == "mean" else "Id"
   out = []
-  for device, x in zip(group.devices, xs):
+  for device, x in zip(group.local_devices, xs):
     with tf.device(device):
       front, inverse = _to_front(x, axis)
       out.append(_from_front(tf.raw_ops.CollectiveReduceScatterV2(
@@ -299,10 +344,10 @@ def _raw_reduce_scatter(group, xs, op, axis):
 
 
 def _raw_all_to_all(group, xs, split_axis, concat_axis):
-  key = _next_instance_key()
+  key = _next_instance_key(group.group_key)
   n = group.size
   out = []
-  for device, x in zip(group.devices, xs):
+  for device, x in zip(group.local_devices, xs):
     with tf.device(device):
       front, inverse = _to_front(x, split_axis)
       # Device i receives chunk i of every device, in rank order, along
@@ -322,12 +367,14 @@ def _check(group: DeviceGroup, tensors, what: str) -> List[tf.Tensor]:
         f"{what}: group={group!r} is not a DeviceGroup. Pass "
         "collectives.DeviceGroup([...devices...]).")
   tensors = list(tensors)
-  if len(tensors) != group.size:
+  if len(tensors) != len(group.local_devices):
     raise errors.ConfigError(
         f"{what}: {len(tensors)} tensors for {group.describe()}. Pass one "
-        "tensor per device, in the order of group.devices.")
+        "tensor per device of the group in this process "
+        f"({len(group.local_devices)}: group.local_devices), in that "
+        "order.")
   out = []
-  for device, t in zip(group.devices, tensors):
+  for device, t in zip(group.local_devices, tensors):
     with tf.device(device):
       out.append(tf.convert_to_tensor(t))
   shapes = {tuple(t.shape.as_list()) if t.shape.rank is not None else None
@@ -368,7 +415,7 @@ def _placed(group: DeviceGroup, ys) -> List[tf.Tensor]:
   """`ys` each made on its device (`tf.custom_gradient`'s output
   identities carry no device of their own)."""
   out = []
-  for device, y in zip(group.devices, ys):
+  for device, y in zip(group.local_devices, ys):
     with tf.device(device):
       out.append(tf.identity(y))
   return out
@@ -429,7 +476,7 @@ def all_reduce(group: DeviceGroup, tensors: Sequence, op: str = "sum"
 
   Args:
     group: the devices.
-    tensors: one tensor per device (`group.devices` order), all of one
+    tensors: one tensor per local device (`group.local_devices`), all of one
       shape and dtype (float or integer; a mean needs a float dtype).
     op: `"sum"` or `"mean"` (sum / group size).
 
