@@ -6,6 +6,8 @@ Modules:
                    per-device ordering tokens, own key range, gradients).
   mesh             the data x pipeline x tensor device mesh: each
                    device's coordinates and the groups along each axis.
+  layout_map       a Keras LayoutMap (or ModelParallel) read as each
+                   variable's tensor-parallel split and the Megatron pairs.
   pipeline         cuts a Keras functional or Sequential model into stages
                    on consecutive devices and trains it with micro-batches
                    (GPipe or 1F1B schedules), equal to the unsplit model's
