@@ -8,8 +8,15 @@ all-reduces; each refusal names the entry or variable, the value and the
 fix.
 """
 
+import contextlib
+import io
+import os
+import re
+
 from absl.testing import absltest
 import keras
+
+from tests import testutil
 
 from tfdist import errors
 from tfdist.parallel import layout_map as lm_lib
@@ -124,6 +131,23 @@ class PlanTest(absltest.TestCase):
     self.assertEqual({s.split for s in plan.splits.values()},
                      {"replicated"})
     self.assertEqual(plan.pairs, ())
+
+
+class GuideTest(absltest.TestCase):
+
+  def test_guide_example_prints_what_the_guide_shows(self):
+    """docs/guides/device-mesh.md, block guide-example, and its output."""
+    guide = os.path.join("docs", "guides", "device-mesh.md")
+    with open(os.path.join(testutil.REPO_ROOT, guide), encoding="utf-8") as f:
+      page = f.read()
+    code, shown = re.search(
+        r"<!-- run: tests/layout_map_test.py guide-example -->\n```python\n"
+        r"(.*?)```\n.*?<!-- not run: .*? -->\n```text\n(.*?)```", page,
+        re.S).groups()
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+      exec(compile(code, guide, "exec"), {})  # pylint: disable=exec-used
+    self.assertEqual(out.getvalue(), shown)
 
 
 class RefusalTest(absltest.TestCase):
