@@ -15,8 +15,19 @@ as the collective leader); each passes its own devices' tensors
 * every value against NumPy, for both tasks' results (each prints one JSON
   line); both exit 0 within the test's limit.
 
-Run as a module this file is a task's program: `task CLUSTER_JSON INDEX`.
+And one client driving a remote task's devices
+(`tf.config.experimental_connect_to_cluster`; task 1 a plain
+`tf.distribute.Server` with 2 CPU devices): a group of task 1's two
+devices all-reduces and gathers. (Measured December 2026, not supported: a
+group spanning the client's and the server's devices times out, and one of
+the client's own devices fails with "unknown device": its collective
+executor names them /job:localhost.)
+
+Run as a module this file is a task's program: `task CLUSTER_JSON INDEX`,
+`serve CLUSTER_JSON` or `client CLUSTER_JSON`.
 """
+
+import threading
 
 import json
 import subprocess
@@ -108,6 +119,51 @@ def task_main(cluster: dict, task: int):
       "grads": [y.numpy().tolist() for y in grads]}), flush=True)
 
 
+def serve_main(cluster: dict):
+  """Task 1 for a client: a server with 2 CPU devices; prints `ready`."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  # A server makes its devices from its ConfigProto, not from logical
+  # device settings.
+  server = tf.distribute.Server(
+      tf.train.ClusterSpec(cluster), job_name="worker", task_index=1,
+      protocol="grpc",
+      config=tf.compat.v1.ConfigProto(device_count={"CPU": 2}))
+  print("ready", flush=True)
+  server.join()
+
+
+def client_main(cluster: dict):
+  """Task 0 as the one client: a group of task 1's devices."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  from tfdist.parallel import collectives as col  # pylint: disable=g-import-not-at-top
+  tf.config.set_logical_device_configuration(
+      tf.config.list_physical_devices("CPU")[0],
+      [tf.config.LogicalDeviceConfiguration()] * 2)
+  tf.config.experimental_connect_to_cluster(
+      tf.train.ClusterSpec(cluster), job_name="worker", task_index=0,
+      protocol="grpc")
+  remote = col.DeviceGroup([_dev(1, 1), _dev(1, 0)], name="remote",
+                           timeout_seconds=COLLECTIVE_TIMEOUT)
+  xs, _ = _inputs()
+  placed = []
+
+  @tf.function
+  def step():
+    inputs = []
+    for j, device in enumerate(remote.devices):
+      with tf.device(device):
+        inputs.append(tf.constant(xs[j]))
+    summed = col.all_reduce(remote, inputs)
+    gathered = col.all_gather(remote, summed, axis=1)
+    placed.extend(y.device for y in gathered)
+    return summed + gathered
+
+  with col.timeouts_as_errors():
+    out = step()
+  print(json.dumps({"local": list(remote.local_devices), "placed": placed,
+                    "out": [y.numpy().tolist() for y in out]}), flush=True)
+
+
 class GroupAcrossProcessesTest(absltest.TestCase):
 
   def test_groups_span_two_tasks(self):
@@ -156,9 +212,50 @@ class GroupAcrossProcessesTest(absltest.TestCase):
                                for i in range(4)], axis=0)
         np.testing.assert_allclose(g, want, rtol=1e-6)
 
+  def test_client_drives_a_remote_tasks_group(self):
+    ports = [portpicker.pick_unused_port() for _ in range(2)]
+    cluster = {"worker": [f"127.0.0.1:{p}" for p in ports]}
+    env = multi_worker_testlib._env({"TF_ENABLE_ONEDNN_OPTS": "0"})  # pylint: disable=protected-access
+    args = [sys.executable, "-m", "tests.collectives_workers_test"]
+    server = subprocess.Popen(args + ["serve", json.dumps(cluster)],
+                              cwd=testutil.REPO_ROOT, env=env,
+                              stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+    self.addCleanup(lambda: (server.kill(), server.wait()))
+    # A barrier, not a sleep: the server says when it is listening.
+    for line in server.stdout:
+      if line.strip() == "ready":
+        break
+    else:
+      self.fail(f"the server ended ({server.wait()}) before it was ready")
+    # Keep reading its output, so that a full pipe never blocks it.
+    threading.Thread(target=server.stdout.read, daemon=True).start()
+    client = subprocess.run(args + ["client", json.dumps(cluster)],
+                            cwd=testutil.REPO_ROOT, env=env,
+                            stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True,
+                            timeout=TASK_TIMEOUT, check=False)
+    lines = [l for l in client.stdout.splitlines() if l.startswith("{")]
+    self.assertEqual(client.returncode, 0, client.stdout[-4000:])
+    self.assertTrue(lines, client.stdout[-4000:])
+    out = json.loads(lines[-1])
+    xs, _ = _inputs()
+    # The client issues every device's collective: all are local to it.
+    self.assertEqual(out["local"], [_dev(1, 0), _dev(1, 1)])
+    self.assertEqual([p.split("/")[3] for p in out["placed"]],
+                     ["task:1", "task:1"])
+    total = xs[0] + xs[1]
+    want = [total] * 2 + [np.concatenate([total] * 2, axis=1)] * 2
+    self.assertLen(out["out"], 4)
+    for got, w in zip(out["out"], want):
+      np.testing.assert_allclose(got, w, rtol=1e-6)
+
 
 if __name__ == "__main__":
   if len(sys.argv) == 4 and sys.argv[1] == "task":
     task_main(json.loads(sys.argv[2]), int(sys.argv[3]))
+  elif len(sys.argv) == 3 and sys.argv[1] in ("serve", "client"):
+    {"serve": serve_main, "client": client_main}[sys.argv[1]](
+        json.loads(sys.argv[2]))
   else:
     absltest.main()

@@ -56,9 +56,12 @@ How they are made to work (measured, `../shared/notes/model-parallel.md`):
   runs the same program as a MultiWorkerMirroredStrategy worker does
   (`context.enable_collective_ops` with the cluster and a collective
   leader): each task passes its own devices' tensors and a group spans
-  the tasks. One client driving remote devices after
-  `tf.config.experimental_connect_to_cluster` was tried and its first
-  cross-task all-reduce timed out (December 2026): not supported.
+  the tasks. One client driving a cluster
+  (`tf.config.experimental_connect_to_cluster`) runs groups whose devices
+  all belong to one remote task (tested); measured December 2026, a group
+  spanning the client's and a remote task's devices timed out, and one of
+  the client's own devices failed with "unknown device" (its collective
+  executor names them /job:localhost): not supported.
 * Gradients (`tf.custom_gradient`; TensorFlow registers none for the
   all-to-all and its all-gather gradient is an emulated reduce-scatter):
   all-reduce's gradient is the same all-reduce of the upstream gradients;
