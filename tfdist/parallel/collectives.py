@@ -18,9 +18,10 @@ Every function takes `tensors`, a list with one tensor per device of the
 group that this process runs (`group.local_devices`: every device in one
 process, this task's in a cluster where every task runs the same program),
 in the group's order, each of the same shape and dtype, and returns a list
-in the same order, each result made on its device. The group's order is TensorFlow's rank order (by job, replica,
-task, device type and index: `/cpu:10` after `/cpu:2`), whatever order the
-devices were given in: all-gather concatenates in that order, and
+in the same order, each result made on its device. The group's order is
+TensorFlow's rank order (by job, replica, task, device type and index:
+`/cpu:10` after `/cpu:2`), whatever order the devices were given in:
+all-gather concatenates in that order, and
 reduce-scatter gives the i-th device the i-th chunk.
 
 How they are made to work (measured, `../shared/notes/model-parallel.md`):

@@ -8,13 +8,19 @@ are data). `read_layout_map(model, layout_map)` decides, for each variable
 of the model's `Dense`, `EinsumDense`, `MultiHeadAttention` and `Embedding`
 layers, how it would be split over the `model` axis (T devices):
 
-| split | variable | what each device holds and what it costs |
-|---|---|---|
-| `column` | a Dense kernel `(None, "model")`, an EinsumDense kernel split on an output dimension, an Embedding's table `(None, "model")` | out/T output features; the input passes through Megatron's f (all-reduce backward) |
-| `row` | a Dense kernel `("model", None)`, an EinsumDense kernel split on a contracted dimension | in/T input features; the output passes through g (all-reduce forward) |
-| `heads` | MultiHeadAttention's query, key and value kernels and biases split on the heads axis, its output kernel on its heads axis | heads/T heads: column then row inside the layer, one pair |
-| `vocabulary` | an Embedding's table `("model", None)` | vocabulary/T rows; the looked-up vectors are all-reduced forward |
-| `replicated` | no entry, or an entry of `None`s | the whole variable |
+* `column`: a Dense kernel `(None, "model")`, an EinsumDense kernel split
+  on an output dimension, an Embedding table `(None, "model")`. Each
+  device holds out/T output features; the input passes through
+  Megatron's f (all-reduce backward).
+* `row`: a Dense kernel `("model", None)`, an EinsumDense kernel split on
+  a contracted dimension. Each device holds in/T input features; the
+  output passes through g (all-reduce forward).
+* `heads`: MultiHeadAttention's query, key and value kernels and biases
+  split on their heads axis, its output kernel on its heads axis. Each
+  device holds heads/T heads: column then row inside the layer, one pair.
+* `vocabulary`: an Embedding table `("model", None)`. Each device holds
+  vocabulary/T rows; the looked-up vectors are all-reduced forward.
+* `replicated`: no entry, or an entry of `None`s: the whole variable.
 
 A bias follows its kernel: split with a column kernel's outputs, whole with
 a row kernel (added after the all-reduce).
@@ -360,7 +366,8 @@ def read_layout_map(model, layout_map) -> TensorParallelPlan:
     layout_map: a `keras.distribution.LayoutMap` over a
       `keras.distribution.DeviceMesh` with axes `batch` and `model`; its
       keys are variable paths or regular expressions that match a whole
-      path (Keras's rule, `re.fullmatch`), its values `TensorLayout`s or axis tuples.
+      path (Keras's rule, `re.fullmatch`), its values `TensorLayout`s or
+      axis tuples.
 
   Returns:
     A `TensorParallelPlan`: every variable's split, each split layer's
