@@ -37,6 +37,7 @@ CASES = [(cls("bad"), 2) for cls in CONFIG_ERRORS] + [
     (errors.StoppedAtStartError("waiting", signal.SIGINT), 130),
     (errors.ClusterStartError("peers never answered"), 137),
     (errors.PeerLostError("worker 1 lost"), 200),
+    (errors.CollectiveTimeoutError("group 'tensor' timed out"), 200),
     (errors.ParameterServerError("ps 0 lost"), 200),
     (errors.LeaseHeldError("held"), 201),
     (errors.LeaseLostError("taken over"), 201),

@@ -15,7 +15,7 @@ follow the TFJob split:
 | 2 | invalid flags or configuration, missing or damaged data, unwritable outputs (also a full disk or a refused write during the run: a restart on the same volume fails the same way, `tfdist.runtime.failures`; every MultiWorkerMirrored task when one fails so at the end, `PeerStoppedError`), overlapping output folders, a damaged checkpoint, a resume the checkpoint's run does not allow | permanent |
 | 130, 143 | stopped by SIGINT / SIGTERM after saving a checkpoint, or while waiting for the cluster's peers at start (128 + signal) | retryable |
 | 137 | killed (SIGKILL): the grace period after a signal ran out, the cluster did not form in time (also without a kill: peers that never answered), or out of memory | retryable |
-| 200 | a peer worker or a ps task was lost (MultiWorkerMirrored, parameter servers) | retryable |
+| 200 | a peer worker or a ps task was lost (MultiWorkerMirrored, parameter servers), or a sub-group collective timed out (`CollectiveTimeoutError`) | retryable |
 | 201 | `--model_dir` is held by another run's live lease | retryable |
 
 A `tfdist.fit` script that does not catch a stop (`PreemptedError`,
@@ -220,6 +220,13 @@ class PeerLostError(RuntimeError):
 
   `tfdist.train` exits with the retryable status 200 for it.
   """
+
+
+class CollectiveTimeoutError(PeerLostError):
+  """A sub-group collective (`tfdist.parallel.collectives`) timed out: a
+  device of the group never joined (a lost or stalled worker, or one that
+  ran other collectives). Status 200 like a lost peer; the message names
+  the group and the timeout."""
 
 
 class ParameterServerError(RuntimeError):

@@ -18,6 +18,13 @@ Modules and packages:
             layers and a parallel multi-head attention, each replica
             holding 1/N of their weights (`tensor.layers`, also importable
             as the documented `tfdist.parallel.tensor_parallel`).
+  collectives  all-reduce, all-gather, reduce-scatter and all-to-all
+            over a named sub-group of devices (raw collective ops,
+            per-device ordering tokens, own key range, gradients).
+  mesh      the data x pipeline x tensor device mesh: each
+            device's coordinates and the groups along each axis.
+  layout_map  a Keras LayoutMap (or ModelParallel) read as each
+            variable's tensor-parallel split and the Megatron pairs.
 
 Nothing is imported here: import the module you use
 (`from tfdist.parallel import mode`).
