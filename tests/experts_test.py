@@ -5,6 +5,8 @@ its auxiliary losses against hand-computed values, its gradients, ties,
 serialization, and training in Keras's fit and tfdist.fit."""
 
 import math
+import os
+import re
 import shutil
 import tempfile
 
@@ -15,6 +17,7 @@ import numpy as np
 import tensorflow as tf
 
 import tfdist
+from tests import testutil
 from tfdist.config import TrainConfig
 from tfdist.parallel.experts import layer as moe_layer
 from tfdist.parallel.experts.layer import MixtureOfExperts
@@ -267,6 +270,22 @@ class ModelsTest(absltest.TestCase):
     self.assertIs(restored.expert, _Doubler)
     self.assertLen(restored.experts, 3)
 
+  def test_checkpoints_name_every_expert_and_restore(self):
+    moe = _moe()
+    x = tf.random.stateless_normal([6, 5], seed=(9, 9))
+    want = moe(x).numpy()
+    directory = tempfile.mkdtemp()
+    self.addCleanup(shutil.rmtree, directory)
+    path = tf.train.Checkpoint(layer=moe).save(directory + "/ckpt")
+    names = tf.train.load_checkpoint(path).get_variable_to_shape_map()
+    for i in range(4):
+      self.assertIn(f"layer/expert_{i}/hidden/_kernel/.ATTRIBUTES/"
+                    "VARIABLE_VALUE", names)
+    fresh = _moe(kernel_initializer="zeros")
+    fresh(x)
+    tf.train.Checkpoint(layer=fresh).restore(path).assert_consumed()
+    np.testing.assert_allclose(fresh(x).numpy(), want, rtol=1e-6)
+
   def test_a_function_makes_the_experts(self):
     moe = MixtureOfExperts(2, top_k=1, expert=lambda i: _Doubler(i + 1.0))
     x = tf.ones([4, 3])
@@ -339,6 +358,21 @@ class ModelsTest(absltest.TestCase):
                            base_batch_size=8, warmup_steps=0))
     self.assertEqual(result["final_step"], 4)
     self.assertTrue(np.isfinite(result["history"]["loss"]).all())
+
+  def test_the_guides_example_runs(self):
+    guide = open(os.path.join(testutil.REPO_ROOT, "docs", "guides",
+                              "experts.md")).read()
+    example = re.search(
+        r"<!-- run: tests/experts_test.py layer-example -->\n"
+        r"```python\n(.*?)```", guide, re.S).group(1)
+    scope = {}
+    exec(compile(example, "docs/guides/experts.md (layer-example)",
+                 "exec"), scope)  # pylint: disable=exec-used
+    self.assertEqual(scope["y"].shape, (2, 8, 16))
+    # Kept slots and dropped ones add up to k * tokens = 2 * 16.
+    self.assertAlmostEqual(
+        float(tf.reduce_sum(scope["stats"]["tokens_per_expert"])) +
+        32 * float(scope["stats"]["dropped_fraction"]), 32.0, places=4)
 
   def test_capacity_formula(self):
     self.assertEqual(moe_layer.capacity(128, num_experts=8, top_k=2,

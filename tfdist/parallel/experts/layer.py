@@ -157,8 +157,8 @@ class MixtureOfExperts(keras.layers.Layer):
   jitter noise are not implemented: routing is deterministic.
 
   Routing statistics of the last call are kept as non-trainable float32
-  variables (`routing_statistics()`; under a data-parallel strategy each
-  replica writes its own copy and a read gives their mean):
+  variables (`routing_statistics()`; under a data-parallel strategy the
+  replicas' values are averaged as they are written):
   `tokens_per_expert` [E] (kept slots per expert), `dropped_fraction`
   (dropped slots / (k * tokens)), `load_balancing_loss` and
   `router_z_loss` (unweighted).
@@ -239,7 +239,16 @@ class MixtureOfExperts(keras.layers.Layer):
     self.router = keras.layers.Dense(
         self.num_experts, use_bias=False, dtype="float32",
         kernel_initializer=self.kernel_initializer, name="router")
-    self.experts = [self._make_expert(i) for i in range(self.num_experts)]
+    # One attribute per expert (not a list): TensorFlow's checkpoints name
+    # each expert's weights by it (`.../expert_3/hidden/kernel`), the same
+    # for any E; a list's layers would be missing from the object graph.
+    for i in range(self.num_experts):
+      setattr(self, f"expert_{i}", self._make_expert(i))
+
+  @property
+  def experts(self):
+    """The E expert layers, in index order."""
+    return [getattr(self, f"expert_{i}") for i in range(self.num_experts)]
 
   def _make_expert(self, index: int):
     name = f"expert_{index}"
