@@ -22,6 +22,7 @@ from tfdist.config import TrainConfig
 from tfdist.data import clothing_reviews
 from tfdist.models import transformer
 from tfdist.parallel.experts.layer import MixtureOfExperts
+from tfdist.training import checkpointing
 
 _SIZES = dict(sequence_length=16, vocabulary_size=50, num_classes=1,
               embed_dim=8, num_heads=2, ff_dim=12, num_layers=2)
@@ -93,6 +94,16 @@ class FlagsTest(absltest.TestCase):
     self.assertEqual(caught.exception.code, exit_codes.CONFIG)
     self.assertIn("--experts_top_k=2 is above --transformer_experts=1",
                   err.getvalue())
+
+
+  def test_resuming_with_other_experts_is_refused(self):
+    before = {"config": {"model": "transformer", "transformer_experts": 0}}
+    after = {"config": {"model": "transformer", "transformer_experts": 8}}
+    with self.assertRaisesRegex(errors.IncompatibleResumeError,
+                                "the model changed .*--transformer_experts "
+                                "0 -> 8"):
+      checkpointing.check_resume(before, after, checkpoint="ckpt-3",
+                                 restored_step=3)
 
 
 class TrainTest(absltest.TestCase):
