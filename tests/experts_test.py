@@ -323,6 +323,23 @@ class ModelsTest(absltest.TestCase):
                         verbose=0)
     self.assertTrue(np.isfinite(history.history["loss"]).all())
 
+  def test_model_statistics_name_each_layer(self):
+    inputs = keras.Input((4, 6))
+    x = MixtureOfExperts(2, 8, top_k=1, name="first")(inputs)
+    outputs = MixtureOfExperts(3, 8, top_k=1, name="second")(x)
+    model = keras.Model(inputs, outputs)
+    model(np.ones((2, 4, 6), np.float32))
+    stats = moe_layer.model_statistics(model)
+    self.assertEqual(sorted(stats), sorted(
+        f"{layer}/{name}" for layer in ("first", "second")
+        for name in moe_layer.STATISTICS))
+    self.assertEqual(stats["second/tokens_per_expert"].shape, (3,))
+    # 8 equal tokens pick the same expert, which takes ceil(8 * 1.25 / 2).
+    self.assertEqual(sorted(stats["first/tokens_per_expert"].numpy()),
+                     [0.0, 5.0])
+    self.assertAlmostEqual(float(stats["first/dropped_fraction"]), 3 / 8)
+    self.assertEqual(moe_layer.model_statistics(keras.Sequential()), {})
+
   def test_functional_model_trains_with_keras_fit(self):
     inputs = keras.Input((4, 6))
     x = inputs + MixtureOfExperts(4, 16, top_k=1, group_size=4)(inputs)

@@ -123,6 +123,13 @@ def _first_max(values: tf.Tensor, num_experts: int) -> tf.Tensor:
 class MixtureOfExperts(keras.layers.Layer):
   """Top-k mixture of E experts with capacity (GShard, Switch, ST-MoE).
 
+  Sources: Shazeer et al. 2017 (arXiv:1701.06538, the sparsely-gated
+  mixture of experts); GShard, Lepikhin et al. 2020 (arXiv:2006.16668,
+  Algorithm 2: top-2 gating, capacity, dense dispatch and combine); Switch
+  Transformer, Fedus et al. 2021 (arXiv:2101.03961: top-1, capacity
+  factor, load-balancing loss); ST-MoE, Zoph et al. 2022
+  (arXiv:2202.08906: router z-loss).
+
   Each token x (a row of d_model features) is scored by the router, a
   bias-free Dense layer computing float32 logits [tokens, E] (float32 even
   under a mixed precision policy, as Switch's "selective precision"):
@@ -184,7 +191,8 @@ class MixtureOfExperts(keras.layers.Layer):
     expert: None (the default experts), a `keras.layers.Layer` subclass
       (each expert is `expert(**expert_config, name="expert_<i>")`), or a
       function `expert(index) -> keras.layers.Layer`. An expert maps
-      [tokens, d_model] to [tokens, d_model]. For `get_config`, a class or
+      [tokens, d_model] to [tokens, d_model]; its output is cast to the
+      layer's compute dtype. For `get_config`, a class or
       function must be registered with
       `keras.saving.register_keras_serializable`.
     expert_config: keyword arguments of an `expert` class. Defaults to {}.
@@ -200,7 +208,8 @@ class MixtureOfExperts(keras.layers.Layer):
     ValueError: at construction, an argument out of range (E < 1, top_k
       not 1 or 2 or above E, capacity_factor <= 0 (capacity 0 drops every
       token), a negative loss weight, group_size < 1, neither `hidden_dim`
-      nor `expert`); at build or call, an input that is not
+      nor `expert`; an `expert` function that returns no Layer); at build
+      or call, an input that is not
       [batch, seq, d_model] or [tokens, d_model] with a known d_model, or
       whose tokens are not a multiple of `group_size`.
 
@@ -301,14 +310,13 @@ class MixtureOfExperts(keras.layers.Layer):
     """(group_size, groups) of `tokens` rows: Python ints where known."""
     if self.group_size is None:
       return tokens, 1
-    if isinstance(tokens, int):
-      if tokens % self.group_size:
-        raise ValueError(
-            f"MixtureOfExperts (layer {self.name!r}) routes groups of "
-            f"group_size={self.group_size} tokens, but the input has "
-            f"{tokens} tokens. Pass a batch whose tokens are a multiple of "
-            "group_size, or another group_size.")
-      return self.group_size, tokens // self.group_size
+    if isinstance(tokens, int) and tokens % self.group_size:
+      raise ValueError(
+          f"MixtureOfExperts (layer {self.name!r}) routes groups of "
+          f"group_size={self.group_size} tokens, but the input has "
+          f"{tokens} tokens. Pass a batch whose tokens are a multiple of "
+          "group_size, or another group_size.")
+    # Tokens known only when the graph runs: a remainder fails the reshape.
     return self.group_size, tokens // self.group_size
 
   def _capacity(self, group_size):
@@ -453,6 +461,20 @@ class MixtureOfExperts(keras.layers.Layer):
             "custom_objects.")
       config["expert"] = found
     return cls(**config)
+
+
+def model_statistics(model: keras.layers.Layer) -> Dict[str, tf.Tensor]:
+  """The routing statistics of every `MixtureOfExperts` in `model` (a
+  model or layer, searched recursively), for a trainer's log:
+  `{"<layer name>/<statistic>": tensor}` with the statistics of
+  `MixtureOfExperts.routing_statistics` (float32; `tokens_per_expert` [E],
+  the others scalars). Empty when `model` has none; unbuilt layers are
+  left out."""
+  layers = model._flatten_layers(include_self=True)  # pylint: disable=protected-access
+  return {f"{layer.name}/{name}": value
+          for layer in layers
+          if isinstance(layer, MixtureOfExperts) and layer.built
+          for name, value in layer.routing_statistics().items()}
 
 
 def _check_arguments(*, num_experts, hidden_dim, top_k, capacity_factor,
