@@ -99,20 +99,22 @@ def transformer_experts(config, *, tensor_parallel: bool = False
                         ) -> transformer.ExpertsOptions:
   """The Transformer's mixture-of-experts options from the run's model
   options (`tfdist.config.ModelBuilderConfig`: `--transformer_experts` and
-  the `--experts_*` flags); dense (no experts) when `config` is None.
+  the `--experts_*` flags); dense (no experts) when `config` is None or
+  has no `transformer_experts`.
 
   Raises:
     tfdist.errors.ConfigError: experts with `--tensor_parallel`.
   """
-  if config is None or not config.transformer_experts:
+  experts = getattr(config, "transformer_experts", 0) if config else 0
+  if not experts:
     return transformer.ExpertsOptions()
   if tensor_parallel:
     raise errors.ConfigError(
-        f"--transformer_experts={config.transformer_experts} cannot run "
+        f"--transformer_experts={experts} cannot run "
         "with --tensor_parallel: the experts have no tensor-parallel form. "
         "Drop one of the two.")
   return transformer.ExpertsOptions(
-      num_experts=config.transformer_experts, top_k=config.experts_top_k,
+      num_experts=experts, top_k=config.experts_top_k,
       capacity_factor=config.experts_capacity_factor,
       load_balancing_loss_weight=config.experts_load_balancing_loss_weight,
       router_z_loss_weight=config.experts_router_z_loss_weight)

@@ -18,11 +18,14 @@ from tfdist import errors
 from tfdist import exit_codes
 from tfdist import experiment
 from tfdist import train
+from tfdist.config import ModelBuilderConfig
 from tfdist.config import TrainConfig
 from tfdist.data import clothing_reviews
+from tfdist.data import datasets
 from tfdist.models import transformer
 from tfdist.parallel.experts.layer import MixtureOfExperts
 from tfdist.training import checkpointing
+from tfdist.training import registry
 
 _SIZES = dict(sequence_length=16, vocabulary_size=50, num_classes=1,
               embed_dim=8, num_heads=2, ff_dim=12, num_layers=2)
@@ -55,6 +58,27 @@ class BuildTest(absltest.TestCase):
       transformer.build_transformer(
           **_SIZES, tensor_parallel=True,
           experts=transformer.ExpertsOptions(num_experts=2))
+
+
+  def test_the_registered_builder_reads_the_run_config(self):
+    spec = datasets.get_dataset_spec("clothing_reviews")
+    _, build = registry.get_model_builder("transformer")
+    config = ModelBuilderConfig(TrainConfig(
+        model_dir="/tmp/unused", dataset="clothing_reviews",
+        transformer_experts=2, experts_top_k=1, transformer_layers=1,
+        experts_capacity_factor=2.0))
+    layer = build(spec, config=config).get_layer("block0_experts")
+    self.assertEqual((layer.num_experts, layer.top_k, layer.capacity_factor,
+                      layer.group_size),
+                     (2, 1, 2.0, clothing_reviews.SEQUENCE_LENGTH))
+    dense = build(spec, config=ModelBuilderConfig(TrainConfig(
+        model_dir="/tmp/unused", dataset="clothing_reviews")))
+    self.assertFalse(any(isinstance(l, MixtureOfExperts)
+                         for l in dense.layers))
+    with self.assertRaisesRegex(errors.ConfigError,
+                                "--transformer_experts=2 cannot run with "
+                                "--tensor_parallel"):
+      build(spec, config=config, tensor_parallel=True)
 
 
 class FlagsTest(absltest.TestCase):
