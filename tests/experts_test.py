@@ -323,6 +323,25 @@ class ModelsTest(absltest.TestCase):
                         verbose=0)
     self.assertTrue(np.isfinite(history.history["loss"]).all())
 
+  def test_statistics_are_written_inside_a_replicas_control_flow(self):
+    # tfdist's evaluation step calls the model under a tf.cond in
+    # strategy.run: statistics synchronized on write would need a
+    # merge_call there, which TensorFlow refuses.
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0"])
+    with strategy.scope():
+      moe = _moe(top_k=1, capacity_factor=4.0)
+      moe.build((None, 5))
+
+    @tf.function
+    def step(x):
+      return strategy.run(lambda x: tf.cond(
+          tf.shape(x)[0] > 0, lambda: moe(x), lambda: tf.zeros_like(x)),
+                          (x,))
+
+    step(tf.ones([4, 5]))
+    stats = moe.routing_statistics()
+    self.assertEqual(float(tf.reduce_sum(stats["tokens_per_expert"])), 4.0)
+
   def test_model_statistics_name_each_layer(self):
     inputs = keras.Input((4, 6))
     x = MixtureOfExperts(2, 8, top_k=1, name="first")(inputs)

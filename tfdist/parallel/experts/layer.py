@@ -164,8 +164,9 @@ class MixtureOfExperts(keras.layers.Layer):
   jitter noise are not implemented: routing is deterministic.
 
   Routing statistics of the last call are kept as non-trainable float32
-  variables (`routing_statistics()`; under a data-parallel strategy the
-  replicas' values are averaged as they are written):
+  variables (`routing_statistics()`; under a data-parallel strategy each
+  replica writes its own copy, and a read outside the replicas gives
+  their mean):
   `tokens_per_expert` [E] (kept slots per expert), `dropped_fraction`
   (dropped slots / (k * tokens)), `load_balancing_loss` and
   `router_z_loss` (unweighted).
@@ -292,16 +293,26 @@ class MixtureOfExperts(keras.layers.Layer):
     self.router.build((None, model_dim))
     for expert in self.experts:
       expert.build((None, model_dim))
-    stat = dict(trainable=False, dtype="float32", initializer="zeros",
-                aggregation="mean")
-    self.tokens_per_expert = self.add_weight(
-        shape=(self.num_experts,), name="tokens_per_expert", **stat)
-    self.dropped_fraction = self.add_weight(
-        shape=(), name="dropped_fraction", **stat)
-    self.load_balancing_loss = self.add_weight(
-        shape=(), name="load_balancing_loss", **stat)
-    self.router_z_loss = self.add_weight(
-        shape=(), name="router_z_loss", **stat)
+    self.tokens_per_expert = self._statistic("tokens_per_expert",
+                                             (self.num_experts,))
+    self.dropped_fraction = self._statistic("dropped_fraction", ())
+    self.load_balancing_loss = self._statistic("load_balancing_loss", ())
+    self.router_z_loss = self._statistic("router_z_loss", ())
+
+  def _statistic(self, name: str, shape):
+    """A float32 statistic, written by each replica into its own copy and
+    read as the replicas' mean (synchronization "on_read", as Keras's
+    metrics): `add_weight` has no synchronization argument, and its
+    variables would synchronize each write, which a replica cannot do
+    inside control flow (tfdist's evaluation step calls the model under a
+    `tf.cond`)."""
+    with keras.name_scope(self.name, caller=self):
+      variable = keras.Variable(
+          initializer=keras.initializers.Zeros(), shape=shape,
+          dtype="float32", trainable=False, aggregation="mean",
+          synchronization="on_read", name=name)
+    self._track_variable(variable)
+    return variable
 
   def compute_output_shape(self, input_shape):
     return input_shape
