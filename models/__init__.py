@@ -5,8 +5,9 @@ Imported as `tfdist.models` (this folder is installed there; see
 Each builder is registered with `tfdist.training.registry.register_model` and
 takes the run's `DatasetSpec` (`spec`) and, by name, only the values it reads:
 the ranking model `embedding_dim` and `hash_buckets`; the text classifier
-(`transformer`) `transformer_layers` (its depth) and `tensor_parallel`
-(built from the tensor-parallel layers, `--tensor_parallel`); those with
+(`transformer`) `transformer_layers` (its depth), `tensor_parallel`
+(built from the tensor-parallel layers, `--tensor_parallel`) and `config`
+(its experts, `--transformer_experts`, `transformer_experts`); those with
 batch normalization also `sync_batch_norm` (the run plan's decision, see
 `resolve_sync_batch_norm`), and those that can recompute their activations
 (`cnn`, `resnet`; `recompute.py`) `activation_recomputation`. Every model
@@ -78,7 +79,8 @@ def _build_ranking(spec, embedding_dim: int = 16,
 
 @registry.register_model("transformer")
 def _build_transformer(spec, transformer_layers: int = 2,
-                       tensor_parallel: bool = False) -> keras.Model:
+                       tensor_parallel: bool = False,
+                       config=None) -> keras.Model:
   if not spec.vocabulary_size or len(spec.input_shape) != 1:
     raise errors.ConfigError(
         f"--model=transformer classifies token ids: it needs a text data set "
@@ -89,7 +91,33 @@ def _build_transformer(spec, transformer_layers: int = 2,
       sequence_length=spec.input_shape[0],
       vocabulary_size=spec.vocabulary_size,
       num_classes=max(1, spec.num_classes), num_layers=transformer_layers,
-      tensor_parallel=tensor_parallel)
+      tensor_parallel=tensor_parallel,
+      experts=transformer_experts(config, tensor_parallel=tensor_parallel))
+
+
+def transformer_experts(config, *, tensor_parallel: bool = False
+                        ) -> transformer.ExpertsOptions:
+  """The Transformer's mixture-of-experts options from the run's model
+  options (`tfdist.config.ModelBuilderConfig`: `--transformer_experts` and
+  the `--experts_*` flags); dense (no experts) when `config` is None or
+  has no `transformer_experts`.
+
+  Raises:
+    tfdist.errors.ConfigError: experts with `--tensor_parallel`.
+  """
+  experts = getattr(config, "transformer_experts", 0) if config else 0
+  if not experts:
+    return transformer.ExpertsOptions()
+  if tensor_parallel:
+    raise errors.ConfigError(
+        f"--transformer_experts={experts} cannot run "
+        "with --tensor_parallel: the experts have no tensor-parallel form. "
+        "Drop one of the two.")
+  return transformer.ExpertsOptions(
+      num_experts=experts, top_k=config.experts_top_k,
+      capacity_factor=config.experts_capacity_factor,
+      load_balancing_loss_weight=config.experts_load_balancing_loss_weight,
+      router_z_loss_weight=config.experts_router_z_loss_weight)
 
 
 def _is_synchronous(kind: Optional[StrategyKind]) -> bool:

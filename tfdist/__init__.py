@@ -21,7 +21,8 @@ import sys
 __version__ = "0.1.0"
 
 __all__ = ["__version__", "TrainConfig", "ConfigError", "DatasetSpec",
-           "run_experiment", "fit", "register_model", "register_dataset"]
+           "run_experiment", "fit", "register_model", "register_dataset",
+           "MixtureOfExperts"]
 
 # Subpackages kept outside this folder in the source tree (and in Bazel's
 # runfiles), beside it: `tfdist.models` is `<root>/models`.
@@ -93,6 +94,9 @@ def __getattr__(name):
   if name == "fit":
     from tfdist import api  # pylint: disable=g-import-not-at-top
     return api.fit
+  if name == "MixtureOfExperts":
+    from tfdist.parallel.experts import layer  # pylint: disable=g-import-not-at-top
+    return layer.MixtureOfExperts
   if name == "run_experiment":
     from tfdist import experiment  # pylint: disable=g-import-not-at-top
     return experiment.run_experiment

@@ -448,6 +448,34 @@ class TaskConfig:
       help=("The Transformer (--model=transformer): encoder blocks (each "
             "multi-head self-attention and a feed-forward layer). Deeper "
             "models can be cut into more --pipeline_stages."))
+  transformer_experts: int = setting(
+      0, "integer", "base",
+      help=("The Transformer: experts in each block's feed-forward layer, a "
+            "mixture of experts (tfdist.MixtureOfExperts: a router sends "
+            "each token to its --experts_top_k experts, each as wide as the "
+            "dense layer, within --experts_capacity_factor). 0: the dense "
+            "feed-forward layer."))
+  experts_top_k: int = setting(
+      2, "integer", "base",
+      help=("With --transformer_experts: experts per token, 1 (Switch "
+            "Transformer) or 2 (GShard); at most --transformer_experts."))
+  experts_capacity_factor: float = setting(
+      1.25, "float", "base",
+      help=("With --transformer_experts: each expert takes at most "
+            "ceil(top_k * sequence_length * factor / experts) tokens of an "
+            "example; a token's choices past that are dropped (its residual"
+            " connection carries it). Must be > 0."))
+  experts_load_balancing_loss_weight: float = setting(
+      0.01, "float", "base",
+      help=("With --transformer_experts: weight of the Switch Transformer's "
+            "load-balancing loss (experts * sum of each expert's token "
+            "fraction times its mean router probability) in the training "
+            "loss. 0: none."))
+  experts_router_z_loss_weight: float = setting(
+      0.001, "float", "base",
+      help=("With --transformer_experts: weight of ST-MoE's router z-loss "
+            "(mean squared logsumexp of the router's logits) in the training"
+            " loss. 0: none."))
 
   def __post_init__(self):
     _set(self, "import_modules", _split_list(self.import_modules))
@@ -460,7 +488,32 @@ class TaskConfig:
           f"--hash_buckets={self.hash_buckets} must be > 0.")
     _need(self.transformer_layers > 0,
           f"--transformer_layers={self.transformer_layers} must be > 0.")
+    self._validate_experts()
     self._validate_model_and_data()
+
+  def _validate_experts(self):
+    """The Transformer's mixture-of-experts settings (`MixtureOfExperts`
+    checks the same at build)."""
+    _need(self.transformer_experts >= 0,
+          f"--transformer_experts={self.transformer_experts} must be >= 0 "
+          "(0: the dense feed-forward layer).")
+    _need(self.experts_top_k in (1, 2),
+          f"--experts_top_k={self.experts_top_k} must be 1 or 2.")
+    _need(not self.transformer_experts
+          or self.experts_top_k <= self.transformer_experts,
+          f"--experts_top_k={self.experts_top_k} is above --transformer_"
+          f"experts={self.transformer_experts}: each token goes to "
+          "--experts_top_k different experts. Pass --experts_top_k <= "
+          "--transformer_experts.")
+    _need(self.experts_capacity_factor > 0,
+          f"--experts_capacity_factor={self.experts_capacity_factor} must "
+          "be > 0: it makes every expert's capacity 0, dropping every "
+          "token (1.0 to 2.0 is usual).")
+    for name in ("experts_load_balancing_loss_weight",
+                 "experts_router_z_loss_weight"):
+      _need(getattr(self, name) >= 0,
+            f"--{name}={getattr(self, name)} must be >= 0 (0: no such "
+            "loss).")
 
   def _validate_model_and_data(self):
     """The mode, the model and data set names, and the feature spec (None:
@@ -1345,7 +1398,8 @@ class TrainConfig:
                      self._validate_async_precision,
                      self._validate_vertex_ai, self._validate_sharding,
                      self._validate_pipeline,
-                     self._validate_tensor_parallel):
+                     self._validate_tensor_parallel,
+                     self._validate_experts_layout):
       validate()
 
   @property
@@ -1489,6 +1543,21 @@ class TrainConfig:
         global_clipnorm=self.global_clipnorm,
         init_checkpoint=self.init_checkpoint, num_gpus=self.num_gpus,
         num_cpu_devices=self.num_cpu_devices)
+
+  def _validate_experts_layout(self):
+    """The Transformer's experts (`--transformer_experts`) run data-parallel
+    only: the pipelined step leaves out the router's `add_loss` losses, and
+    the experts have no tensor-parallel form."""
+    if not self.transformer_experts or self.model not in (None,
+                                                          "transformer"):
+      return
+    for flag, value in (("pipeline_stages", self.pipeline_stages),
+                        ("tensor_parallel", self.tensor_parallel)):
+      _need(value <= 1,
+            f"--transformer_experts={self.transformer_experts} cannot run "
+            f"with --{flag}={value}: the experts' layers run data-parallel "
+            "only (a pipeline would leave out their router losses; they "
+            "have no tensor-parallel form). Drop one of the two.")
 
   @property
   def zero_stage_resolved(self) -> int:

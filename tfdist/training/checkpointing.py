@@ -299,7 +299,7 @@ class CheckpointKeeper:
 # --- the run that wrote the checkpoints --------------------------------------
 # Fields that define the model: a checkpoint of one does not fit another.
 MODEL_FIELDS = ("model", "dataset", "feature_spec", "embedding_dim",
-                "hash_buckets", "transformer_layers")
+                "hash_buckets", "transformer_layers", "transformer_experts")
 # Config fields that do not change what is trained (paths, logging,
 # cluster plumbing, timeouts): left out of the comparison.
 OPERATIONAL_FIELDS = frozenset({
