@@ -34,8 +34,16 @@ DISARM = 251     # The process handles its exit itself: stop the clock.
 # out, `message % {"elapsed": seconds since the clock started, "what": what
 # started it}` goes to stderr and `pid` gets SIGKILL. Closing stdin (the
 # process finished or died) ends the watcher.
+#
+# The watcher ignores SIGINT, first thing: a terminal's Ctrl-C goes to the
+# whole foreground process group, the watcher included, and the decision
+# is the watched process's (which hears of the signal through the wakeup
+# pipe); a watcher dying of KeyboardInterrupt would print a traceback, take
+# the grace deadline with it, and leave the process a broken pipe.
 WATCHER_SCRIPT = r"""
-import os, select, signal, sys, time
+import signal
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+import os, select, sys, time
 pid, grace, message = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3]
 armed = time.time() if sys.argv[4] == "1" else None
 watched = {int(x) for x in sys.argv[5].split(",") if x}
