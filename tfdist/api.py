@@ -56,6 +56,7 @@ from tfdist.distribute import cluster as cluster_lib
 from tfdist.distribute import environment as environment_lib
 from tfdist.observability import progress
 from tfdist.runtime import script_exit
+from tfdist.runtime import wording
 from tfdist.training import keras_callbacks
 from tfdist.training import registry
 from tfdist.training import task as task_lib
@@ -302,6 +303,11 @@ def make_task(model_fn: Union[Callable, str],
                        model_name=model_name, loss=loss, metrics=metrics)
 
 
+# Errors name the `TrainConfig` field the caller typed (`batch_size=63`),
+# not the flag of `tfdist.train` (`--batch_size=63`).
+@wording.errors_in_field_terms(
+    config_lib.flat_fields, (errors.ConfigError, errors.TrainingStalledError,
+                             errors.TrainingDivergedError))
 def fit(model_fn: Union[Callable, str],
         dataset_fn: Union[Callable, DatasetSpec, str, None] = None, *,
         config: TrainConfig, x: Any = None, y: Any = None,
@@ -399,7 +405,8 @@ def fit(model_fn: Union[Callable, str],
 
   Raises:
     ConfigError: bad arguments or configuration, found before the model is
-      built or trained (e.g. a `verbose` other than "auto", 0, 1 or 2,
+      built or trained; its message names the `TrainConfig` field
+      (`batch_size=63`), not `tfdist.train`'s flag (e.g. a `verbose` other than "auto", 0, 1 or 2,
       `epochs` with `config.train_steps` or another `config.train_epochs`,
       `batch_size` with another `config.batch_size` or with
       `config.per_replica_batch_size`,

@@ -1441,8 +1441,8 @@ class TrainConfig:
       return
     kind = self._strategy_kind
     _need(kind is None or kind.is_mirrored,
-          f"--zero_stage={stage} (--shard_optimizer_state) runs under "
-          f"{' or '.join(SHARDING_STRATEGIES[1:])}; received "
+          f"--zero_stage={stage} (--{SHARDING_SWITCHES[stage - 1]}) runs "
+          f"under {' or '.join(SHARDING_STRATEGIES[1:])}; received "
           f"--distribution_strategy={self.distribution_strategy}. Use "
           "mirrored or multi_worker_mirrored (parameter_server partitions "
           "variables itself), or drop the flag.")
