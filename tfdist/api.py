@@ -55,6 +55,7 @@ from tfdist.data.dataset_spec import DatasetSpec
 from tfdist.distribute import cluster as cluster_lib
 from tfdist.distribute import environment as environment_lib
 from tfdist.observability import progress
+from tfdist.runtime import console
 from tfdist.runtime import script_exit
 from tfdist.runtime import wording
 from tfdist.training import keras_callbacks
@@ -581,12 +582,20 @@ def _info_lines(wanted: bool, *, without_progress: bool = False):
   logger writes through that handler alone (not also through a handler
   Python's `logging.warning` put on the root logger); `without_progress`
   leaves out the step and evaluation lines a progress bar shows
-  (`progress.PROGRESS`). Everything is restored after the block.
-  Otherwise (or not `wanted`) nothing changes."""
+  (`progress.PROGRESS`); the lines read like Keras's
+  (`console.keras_like_lines`: plain, never inside a progress bar, each of
+  TensorFlow's warnings once). Everything is restored after the block.
+  Where the caller's logging shows INFO already, only the progress-bar
+  newline and TensorFlow's warnings once apply; not `wanted`, nothing
+  changes."""
   absl_logger = logging.get_absl_logger()
-  if (not wanted or absl_flags.FLAGS.is_parsed()
-      or absl_logger.getEffectiveLevel() <= std_logging.INFO):
+  if not wanted:
     yield
+    return
+  if (absl_flags.FLAGS.is_parsed()
+      or absl_logger.getEffectiveLevel() <= std_logging.INFO):
+    with console.keras_like_lines(None, plain=False):
+      yield
     return
   handler = logging.get_absl_handler()
   verbosity, level = logging.get_verbosity(), absl_logger.level
@@ -602,7 +611,11 @@ def _info_lines(wanted: bool, *, without_progress: bool = False):
     if without_progress:
       handler.addFilter(_not_progress)
   try:
-    yield
+    # Plain lines (no glog header), never inside a progress bar, each of
+    # TensorFlow's warnings once (`tfdist.runtime.console`).
+    with console.keras_like_lines(handler if own_handler else None,
+                                  plain=own_handler):
+      yield
   finally:
     if own_handler:
       handler.removeFilter(_not_progress)
