@@ -39,7 +39,9 @@ DISARM = 251     # The process handles its exit itself: stop the clock.
 # whole foreground process group, the watcher included, and the decision
 # is the watched process's (which hears of the signal through the wakeup
 # pipe); a watcher dying of KeyboardInterrupt would print a traceback, take
-# the grace deadline with it, and leave the process a broken pipe.
+# the grace deadline with it, and leave the process a broken pipe. (A
+# SIGINT in the few milliseconds before that first line runs still ends
+# the watcher: Python installs its own handler at start-up.)
 WATCHER_SCRIPT = r"""
 import signal
 signal.signal(signal.SIGINT, signal.SIG_IGN)
