@@ -400,10 +400,11 @@ class ExportModeTest(absltest.TestCase):
                                rtol=1e-5, atol=1e-5)
 
   def test_export_mode_without_a_checkpoint_is_refused(self):
-    with self.assertRaisesRegex(errors.ConfigError,
-                                r"^--mode=export: no checkpoint in "):
-      experiment.run_experiment(_config(testutil.scratch_dir(),
-                                        mode="export"))
+    for dry_run in (False, True):
+      with self.assertRaisesRegex(errors.ConfigError,
+                                  r"^--mode=export: no checkpoint in "):
+        experiment.run_experiment(_config(testutil.scratch_dir(),
+                                          mode="export", dry_run=dry_run))
 
   def test_export_mode_through_fit(self):
     import tfdist  # pylint: disable=g-import-not-at-top
@@ -425,6 +426,11 @@ class ExportModeTest(absltest.TestCase):
         mode="export", export_dir=export_dir))
     self.assertEqual(result["role"], "export")
     self.assertEqual(result["step"], 3)
+    not_written = os.path.join(testutil.scratch_dir(), "not_written")
+    dry = tfdist.fit(build, x=x, y=y, verbose=0, config=config.replace(
+        mode="export", dry_run=True, export_dir=not_written))
+    self.assertEqual((dry["step"], dry["saved_model"]), (3, None))
+    self.assertFalse(os.path.exists(not_written))
     self.assertEqual(result["saved_model"], export_dir)
     model = build()
     tf.train.Checkpoint(model=model).restore(

@@ -42,7 +42,8 @@ def run_export(config: TrainConfig, *, task: task_lib.Task, cluster,
 
   Returns:
     `{"role": "export", "checkpoint": path, "step": int, "saved_model":
-    folder}`.
+    folder}`; with `config.dry_run` only the checks run (the cluster, the
+    checkpoint, the export folder) and `saved_model` is None.
 
   Raises:
     ConfigError: a member of a training cluster (export runs in one
@@ -65,6 +66,12 @@ def run_export(config: TrainConfig, *, task: task_lib.Task, cluster,
         "first (same --model_dir), or point --checkpoint_dir at one.")
   source = decisions.output_sources()["export_dir"][1]
   export.check_export_dir(decisions.export_dir, source=source)
+  step = checkpoint_paths.checkpoint_step(latest)
+  if config.dry_run:
+    print(f"Dry run: --mode=export would export {latest} (step {step}) to "
+          f"{decisions.export_dir}.", flush=True)
+    return {"role": "export", "checkpoint": latest, "step": step,
+            "saved_model": None}
   precision.configure_precision(decisions.dtype)
   strategy = evaluator_lib.local_strategy(
       config, decisions, StrategyKind.ONE_DEVICE).strategy
@@ -87,7 +94,6 @@ def run_export(config: TrainConfig, *, task: task_lib.Task, cluster,
     raise errors.ExportRefusedError(
         f"--mode=export: no SavedModel of {latest}: {reason}. Restore the "
         "model from the checkpoint and export the parts you serve.")
-  step = checkpoint_paths.checkpoint_step(latest)
   path = export.export_saved_model(
       model, decisions.export_dir, source=source,
       details={"step": step, "model": task.model_name,

@@ -143,7 +143,7 @@ def run_experiment(config: TrainConfig, *,
     hypertune_reporter = hptune.make_hypertune()
   if _evaluates(prepared):
     return _evaluate(prepared, task=task)
-  if prepared.config.mode == "export" and not prepared.config.dry_run:
+  if prepared.config.mode == "export":
     return exporter.run_export(prepared.config, task=task,
                                cluster=prepared.cluster,
                                decisions=prepared.decisions)
