@@ -345,16 +345,17 @@ def _tfdist_fit(builder, strategy: str, model_dir: str,
 
 
 # Settings that need tfdist's own step: (name, TrainConfig overrides,
-# fit keyword arguments, a text the error must hold).
+# fit keyword arguments, a text the error must hold: the TrainConfig field,
+# as fit's errors say it).
 REFUSALS = (
     ("gradient_accumulation", {"gradient_accumulation_steps": 2}, {},
-     "--gradient_accumulation_steps=2"),
+     "gradient_accumulation_steps=2"),
     ("zero", {"zero_stage": 1, "distribution_strategy": "mirrored"}, {},
-     "--zero_stage=1"),
-    ("clipnorm", {"clipnorm": 1.0}, {}, "--clipnorm"),
-    ("global_clipnorm", {"global_clipnorm": 1.0}, {}, "--global_clipnorm"),
-    ("class_weight", {"class_weight": ((0, 1.0),)}, {}, "--class_weight"),
-    ("enable_xla", {"enable_xla": True}, {}, "--enable_xla"),
+     "zero_stage=1 (shard_optimizer_state)"),
+    ("clipnorm", {"clipnorm": 1.0}, {}, "clipnorm"),
+    ("global_clipnorm", {"global_clipnorm": 1.0}, {}, "global_clipnorm"),
+    ("class_weight", {"class_weight": ((0, 1.0),)}, {}, "class_weight"),
+    ("enable_xla", {"enable_xla": True}, {}, "enable_xla"),
     ("fit_loss", {}, {"loss": "mae"}, "tfdist.fit(loss=..., metrics=...)"),
 )
 
@@ -647,6 +648,7 @@ class CustomStepTest(absltest.TestCase):
         self.assertTrue(result.get("config_error"), result)
         self.assertIn("Frozen.train_step", result["message"])
         self.assertIn(text, result["message"])
+        self.assertNotIn(f"--{text}", result["message"])
         self.assertIn("Fix:", result["message"])
 
 
@@ -689,6 +691,17 @@ class OverridesAndChecksTest(absltest.TestCase):
                         gradient_accumulation_steps=4, loss_scaled=True)
       custom_step.check(("M.compute_loss",), model_name="m", compiled=True,
                         loss_scaled=True)
+
+  def test_a_zero_stage_refusal_names_its_stages_switch(self):
+    from tfdist import errors  # pylint: disable=g-import-not-at-top
+    from tfdist.training import custom_step  # pylint: disable=g-import-not-at-top
+    for stage, switch in ((1, "shard_optimizer_state"),
+                          (2, "shard_gradients"), (3, "shard_parameters")):
+      with self.assertRaisesRegex(
+          errors.ConfigError,
+          rf"--zero_stage={stage} \(--{switch}\)"):
+        custom_step.check(("Gan.train_step",), model_name="gan",
+                          compiled=True, zero_stage=stage)
 
 
 def _cluster_main(out_path: str, case: str):

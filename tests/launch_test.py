@@ -243,6 +243,37 @@ class OutputTest(absltest.TestCase):
       self.assertIn(f"[worker:0] {line}\n", tail)
     self.assertIn("--output=all or --task_log_dir=DIR", tail)
 
+  def test_a_lost_worker_is_named_in_the_summary_and_the_chiefs_log(self):
+    # The worker dies of SIGKILL; the chief, left alone, ends with the lost
+    # peer's status a moment later (as tfdist.train's chief does).
+    script = textwrap.dedent("""
+        import json, os, signal, sys, time
+        task = json.loads(os.environ["TF_CONFIG"])["task"]["type"]
+        print("started", flush=True)
+        if task == "worker":
+          os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(2)
+        sys.exit(200)
+        """)
+    logs = testutil.scratch_dir()
+    out = io.StringIO()
+    status = launch.Launcher(
+        tasks=launch.plan_tasks(num_workers=2),
+        command=[sys.executable, "-c", script], out=out,
+        stop_grace_seconds=30, task_log_dir=logs).run()
+    output = out.getvalue()
+    self.assertEqual(status, 200, output)
+    self.assertIn("[launch] worker:0 exited with status 137.", output)
+    self.assertRegex(
+        output, r"\[launch\] failed after 0 restarts \(worker:0 exited "
+        r"with status 137 first\): exit status 200 \(tasks: ")
+    with open(os.path.join(logs, "chief-0.log")) as f:
+      chief_log = f.read()
+    self.assertIn("[launch] worker:0 exited with status 137: the launcher "
+                  "stops the other tasks.", chief_log)
+    with open(os.path.join(logs, "worker-0.log")) as f:
+      self.assertNotIn("exited with status", f.read())
+
   def test_output_all_and_verbose(self):
     status, output = self._launch(0, output=task_output.OUTPUT_ALL)
     self.assertEqual(status, 0, output)

@@ -80,11 +80,14 @@ class LauncherWatch:
     command: run this command line instead of the launcher (one process
       alone, watched the same way); `launch_args` and `task_args` are then
       unused.
+    own_group: start the process as the leader of a process group of its
+      own, as a shell starts a foreground job, so that `ctrl_c` can send
+      SIGINT to the whole group as a terminal's Ctrl-C does.
   """
 
   def __init__(self, launch_args: List[str], task_args: List[str], *,
                timeout: float, env=None,
-               command: Optional[List[str]] = None):
+               command: Optional[List[str]] = None, own_group: bool = False):
     self.lines: List[str] = []
     self.timed_out = False
     self._cond = threading.Condition()
@@ -93,7 +96,7 @@ class LauncherWatch:
                     *launch_args, "--",
                     *task_args], cwd=REPO_ROOT, env=_env(env), stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True,
-        errors="replace")
+        errors="replace", process_group=0 if own_group else None)
     self._deadline = time.time() + timeout
     self._reader = threading.Thread(target=self._read, daemon=True)
     self._reader.start()
@@ -140,6 +143,12 @@ class LauncherWatch:
     if not match:
       raise AssertionError(f"no pid for {task}:\n{self.output()}")
     return int(match.group(1))
+
+  def ctrl_c(self):
+    """SIGINT to every process of the group (`own_group=True`), as a
+    terminal sends it on Ctrl-C: the process and every helper it started
+    in its group."""
+    os.killpg(self.proc.pid, signal.SIGINT)
 
   def wait(self) -> int:
     """Waits for the launcher to exit; returns its exit status."""

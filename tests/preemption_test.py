@@ -66,6 +66,45 @@ class PreemptionWatcherTest(absltest.TestCase):
     self.assertEqual(error.exit_code, 143)
     self.assertIn("Stopped by SIGTERM at step 3", str(error))
 
+  def test_ctrl_c_to_the_process_group_leaves_the_grace_deadline_running(
+      self):
+    # A terminal's Ctrl-C: SIGINT to every process of the foreground group,
+    # the grace-period watcher included. The watcher ignores it (no
+    # KeyboardInterrupt traceback, no broken wakeup pipe) and still ends a
+    # process that does not stop within the grace period.
+    child = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent("""
+            import time
+            from tfdist.runtime import preemption
+            watcher = preemption.PreemptionWatcher(grace_seconds=1).install()
+            status = "/proc/%d/status" % watcher._watcher.pid
+            end = time.time() + 10  # Until the watcher's first line ran.
+            while time.time() < end:
+              with open(status) as f:
+                ignored = [l for l in f if l.startswith("SigIgn:")][0]
+              if int(ignored.split()[1], 16) & 2:  # Bit 1: SIGINT.
+                break
+              time.sleep(0.01)
+            print("ready", flush=True)
+            for _ in range(3000):  # Does not stop: the watcher must end it.
+              time.sleep(0.01)
+            """)], cwd=testutil.REPO_ROOT, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, process_group=0,
+        env={**os.environ, "PYTHONPATH": testutil.REPO_ROOT})
+    try:
+      self.assertEqual(child.stdout.readline(), "ready\n")
+      os.killpg(child.pid, signal.SIGINT)
+      _, stderr = child.communicate(timeout=15)
+    finally:
+      if child.poll() is None:
+        child.kill()
+        child.communicate()
+    self.assertEqual(child.returncode, -signal.SIGKILL, stderr)
+    self.assertIn("tfdist: received SIGINT", stderr)
+    self.assertIn("still running", stderr)
+    self.assertNotIn("Traceback", stderr)
+    self.assertNotIn("Exception ignored", stderr)
+
   def test_the_grace_period_ends_a_process_that_does_not_stop(self):
     child = subprocess.run(
         [sys.executable, "-c", textwrap.dedent("""

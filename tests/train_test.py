@@ -8,6 +8,7 @@ devices (a per-process setting), flags, `--flagfile` and flag errors.
 import glob
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -357,6 +358,85 @@ class TrainBinaryTest(absltest.TestCase):
                  "--warmup_steps", "--num_cpu_devices", "--train_files"):
       self.assertIn(name, proc.stdout)
     self.assertNotIn("  --piecewise_multipliers:", proc.stdout)  # not key
+
+
+class ExportModeTest(absltest.TestCase):
+  """`--mode=export` (and `tfdist.fit` with `TrainConfig(mode="export")`):
+  the newest checkpoint's model exported, no step trained."""
+
+  def _served(self, folder, images):
+    reloaded = tf.saved_model.load(folder)
+    served = reloaded.signatures["serving_default"](tf.constant(images))
+    return list(served.values())[0].numpy()
+
+  def test_export_mode_of_the_binary_exports_the_checkpoint(self):
+    model_dir = testutil.scratch_dir()
+    config = _config(model_dir, train_steps=4, log_steps=2,
+                     checkpoint_steps=4)
+    experiment.run_experiment(config)
+    checkpoints = sorted(os.listdir(os.path.join(model_dir, "checkpoints")))
+    export_dir = os.path.join(testutil.scratch_dir(), "exported")
+    proc = testutil.run_module("tfdist.train", [
+        "--mode=export", f"--model_dir={model_dir}",
+        f"--export_dir={export_dir}", f"--train_files={config.train_files}",
+        f"--eval_files={config.eval_files}",
+        "--distribution_strategy=one_device", "--batch_size=64"],
+        timeout=300)
+    self.assertEqual(proc.returncode, 0, proc.stdout[-3000:])
+    self.assertRegex(proc.stdout, r"Exported \S+ckpt-4 \(step 4\) to "
+                     + re.escape(export_dir))
+    self.assertNotRegex(proc.stdout, r"step \d+/\d+: loss")  # No training.
+    # No step trained, nothing written beside the checkpoints.
+    self.assertEqual(
+        sorted(os.listdir(os.path.join(model_dir, "checkpoints"))),
+        checkpoints)
+    model = models.build_model(
+        "cnn", spec=datasets.get_dataset_spec("fashion_mnist"))
+    tf.train.Checkpoint(model=model).restore(tf.train.latest_checkpoint(
+        os.path.join(model_dir, "checkpoints"))).expect_partial()
+    images = np.random.RandomState(0).rand(3, 28, 28, 1).astype(np.float32)
+    np.testing.assert_allclose(self._served(export_dir, images),
+                               model(images, training=False).numpy(),
+                               rtol=1e-5, atol=1e-5)
+
+  def test_export_mode_without_a_checkpoint_is_refused(self):
+    for dry_run in (False, True):
+      with self.assertRaisesRegex(errors.ConfigError,
+                                  r"^--mode=export: no checkpoint in "):
+        experiment.run_experiment(_config(testutil.scratch_dir(),
+                                          mode="export", dry_run=dry_run))
+
+  def test_export_mode_through_fit(self):
+    import tfdist  # pylint: disable=g-import-not-at-top
+
+    def build():
+      model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+      model.compile(loss="mse")
+      return model
+
+    x = np.random.RandomState(0).normal(size=(64, 4)).astype(np.float32)
+    y = x.sum(axis=1)
+    model_dir = testutil.scratch_dir()
+    config = tfdist.TrainConfig(model_dir=model_dir, train_steps=3,
+                                batch_size=16, checkpoint_steps=3,
+                                distribution_strategy="one_device")
+    tfdist.fit(build, x=x, y=y, config=config, verbose=0)
+    export_dir = os.path.join(testutil.scratch_dir(), "exported")
+    result = tfdist.fit(build, x=x, y=y, verbose=0, config=config.replace(
+        mode="export", export_dir=export_dir))
+    self.assertEqual(result["role"], "export")
+    self.assertEqual(result["step"], 3)
+    not_written = os.path.join(testutil.scratch_dir(), "not_written")
+    dry = tfdist.fit(build, x=x, y=y, verbose=0, config=config.replace(
+        mode="export", dry_run=True, export_dir=not_written))
+    self.assertEqual((dry["step"], dry["saved_model"]), (3, None))
+    self.assertFalse(os.path.exists(not_written))
+    self.assertEqual(result["saved_model"], export_dir)
+    model = build()
+    tf.train.Checkpoint(model=model).restore(
+        result["checkpoint"]).expect_partial()
+    np.testing.assert_allclose(self._served(export_dir, x[:5]),
+                               model(x[:5]).numpy(), rtol=1e-5, atol=1e-5)
 
 
 if __name__ == "__main__":

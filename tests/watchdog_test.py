@@ -69,6 +69,21 @@ class WatcherProcessTest(absltest.TestCase):
     self.assertEqual(watcher.wait(timeout=10), 0)
     watcher.stdout.close()
 
+  def test_a_sigint_at_the_watchers_start_does_not_end_it(self):
+    # A terminal's Ctrl-C may reach the watcher while its interpreter
+    # starts, before its script ignores SIGINT: it starts with SIGINT
+    # blocked, so the signal waits and is then dropped.
+    watcher = watchdog.start_watcher(seconds=60, message="never",
+                                     armed=False, signals=(signal.SIGTERM,),
+                                     stdout=subprocess.PIPE)
+    os.kill(watcher.pid, signal.SIGINT)  # At once, mid start-up.
+    watcher.stdin.write(bytes([signal.SIGTERM]))
+    watcher.stdin.flush()
+    self.assertTrue(watcher.stdout.readline().startswith(b"15 "))
+    watcher.stdin.close()
+    self.assertEqual(watcher.wait(timeout=10), 0)
+    watcher.stdout.close()
+
   def test_a_peer_stop_starts_the_clock_and_names_it(self):
     child = _run_child("""
         import time

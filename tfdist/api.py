@@ -55,7 +55,9 @@ from tfdist.data.dataset_spec import DatasetSpec
 from tfdist.distribute import cluster as cluster_lib
 from tfdist.distribute import environment as environment_lib
 from tfdist.observability import progress
+from tfdist.runtime import console
 from tfdist.runtime import script_exit
+from tfdist.runtime import wording
 from tfdist.training import keras_callbacks
 from tfdist.training import registry
 from tfdist.training import task as task_lib
@@ -302,6 +304,11 @@ def make_task(model_fn: Union[Callable, str],
                        model_name=model_name, loss=loss, metrics=metrics)
 
 
+# Errors name the `TrainConfig` field the caller typed (`batch_size=63`),
+# not the flag of `tfdist.train` (`--batch_size=63`).
+@wording.errors_in_field_terms(
+    config_lib.flat_fields, (errors.ConfigError, errors.TrainingStalledError,
+                             errors.TrainingDivergedError))
 def fit(model_fn: Union[Callable, str],
         dataset_fn: Union[Callable, DatasetSpec, str, None] = None, *,
         config: TrainConfig, x: Any = None, y: Any = None,
@@ -399,7 +406,8 @@ def fit(model_fn: Union[Callable, str],
 
   Raises:
     ConfigError: bad arguments or configuration, found before the model is
-      built or trained (e.g. a `verbose` other than "auto", 0, 1 or 2,
+      built or trained; its message names the `TrainConfig` field
+      (`batch_size=63`), not `tfdist.train`'s flag (e.g. a `verbose` other than "auto", 0, 1 or 2,
       `epochs` with `config.train_steps` or another `config.train_epochs`,
       `batch_size` with another `config.batch_size` or with
       `config.per_replica_batch_size`,
@@ -574,12 +582,20 @@ def _info_lines(wanted: bool, *, without_progress: bool = False):
   logger writes through that handler alone (not also through a handler
   Python's `logging.warning` put on the root logger); `without_progress`
   leaves out the step and evaluation lines a progress bar shows
-  (`progress.PROGRESS`). Everything is restored after the block.
-  Otherwise (or not `wanted`) nothing changes."""
+  (`progress.PROGRESS`); the lines read like Keras's
+  (`console.keras_like_lines`: plain, never inside a progress bar, each of
+  TensorFlow's warnings once). Everything is restored after the block.
+  Where the caller's logging shows INFO already, only the progress-bar
+  newline and TensorFlow's warnings once apply; not `wanted`, nothing
+  changes."""
   absl_logger = logging.get_absl_logger()
-  if (not wanted or absl_flags.FLAGS.is_parsed()
-      or absl_logger.getEffectiveLevel() <= std_logging.INFO):
+  if not wanted:
     yield
+    return
+  if (absl_flags.FLAGS.is_parsed()
+      or absl_logger.getEffectiveLevel() <= std_logging.INFO):
+    with console.keras_like_lines(None, plain=False):
+      yield
     return
   handler = logging.get_absl_handler()
   verbosity, level = logging.get_verbosity(), absl_logger.level
@@ -595,7 +611,11 @@ def _info_lines(wanted: bool, *, without_progress: bool = False):
     if without_progress:
       handler.addFilter(_not_progress)
   try:
-    yield
+    # Plain lines (no glog header), never inside a progress bar, each of
+    # TensorFlow's warnings once (`tfdist.runtime.console`).
+    with console.keras_like_lines(handler if own_handler else None,
+                                  plain=own_handler):
+      yield
   finally:
     if own_handler:
       handler.removeFilter(_not_progress)

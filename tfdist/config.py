@@ -76,8 +76,9 @@ DATASET_RECOMMENDED_FLAGS = {
 }
 # What a run does (`--mode`): train and evaluate along the way (the
 # default), train only, evaluate the latest checkpoint once, or evaluate
-# every checkpoint as it appears (the side-car evaluator).
-MODES = ("train_and_eval", "train", "eval", "continuous_eval")
+# every checkpoint as it appears (the side-car evaluator), or export the
+# latest checkpoint's model without training (`tfdist.experiment.exporter`).
+MODES = ("train_and_eval", "train", "eval", "continuous_eval", "export")
 # `dataset` when `--feature_spec` describes the data.
 FEATURE_SPEC_DATASET = "feature_spec"
 DEFAULT_DATASET = "fashion_mnist"
@@ -419,7 +420,9 @@ class TaskConfig:
       help=("train_and_eval: train, evaluating every --epochs_between_evals "
             "epochs; train: no evaluation; eval: evaluate the latest "
             "checkpoint once; continuous_eval: evaluate each checkpoint as it"
-            " appears, until the final step (a side-car evaluator)."))
+            " appears, until the final step (a side-car evaluator); export: "
+            "export the latest checkpoint's model as a SavedModel to "
+            "--export_dir, training no step."))
   shuffle_buffer_size: int = setting(
       10_000, "integer", "base",
       help="Examples in the training shuffle buffer (0: none).")
@@ -1378,12 +1381,12 @@ class TrainConfig:
     """
     if not self.feature_spec:
       return
-    if not self.train_files and self.mode != "eval":
+    if not self.train_files and self.mode not in ("eval", "export"):
       raise errors.ConfigError(
           f"--feature_spec={self.feature_spec} describes your TFRecords: "
           "give them as --train_files (and --eval_files), or set "
           "AIP_TRAINING_DATA_URI with AIP_DATA_FORMAT=tf-record.")
-    if not self.eval_files and self.mode != "train":
+    if not self.eval_files and self.mode not in ("train", "export"):
       raise errors.ConfigError(
           f"--feature_spec={self.feature_spec} describes your TFRecords: "
           "give the evaluation files as --eval_files (or set "
@@ -1495,8 +1498,8 @@ class TrainConfig:
       return
     kind = self._strategy_kind
     _need(kind is None or kind.is_mirrored,
-          f"--zero_stage={stage} (--shard_optimizer_state) runs under "
-          f"{' or '.join(SHARDING_STRATEGIES[1:])}; received "
+          f"--zero_stage={stage} (--{SHARDING_SWITCHES[stage - 1]}) runs "
+          f"under {' or '.join(SHARDING_STRATEGIES[1:])}; received "
           f"--distribution_strategy={self.distribution_strategy}. Use "
           "mirrored or multi_worker_mirrored (parameter_server partitions "
           "variables itself), or drop the flag.")

@@ -43,7 +43,9 @@ Everything after `--` goes to every process (`python -m tfdist.train` unless
 * with `--max_restarts=K`: when any task exits with an error (or is
   killed), it stops the others and starts the whole group again, with new
   ports, up to K times. The training binary resumes from the last
-  checkpoint in `--model_dir`.
+  checkpoint in `--model_dir`. The launcher's lines (and, with
+  `--task_log_dir`, the log of each task it stops for the failure) name
+  the task that failed first and its exit status.
 
 When the chief has finished, `ps` tasks (and, with ps tasks, the workers,
 which are servers there) are stopped; other tasks get
@@ -308,6 +310,8 @@ class Launcher:
     self._done_files: Dict[Task, str] = {}
     self._done_at: Dict[Task, float] = {}
     self._failed_after_work: Dict[Task, str] = {}
+    # The tasks whose failure ended the last attempt: their exit statuses.
+    self._lost: Dict[Task, int] = {}
     self.attempts = 0
 
   # --- output --------------------------------------------------------------
@@ -496,10 +500,14 @@ class Launcher:
                 and t not in self._done_at
                 and not (chief_done_at and t in servers)]
       if failed:
+        self._lost = {task: _exit_status(codes[task]) for task in failed}
         for task in failed:
           self._say(f"{task.name} exited with status "
-                    f"{_exit_status(codes[task])}.")
+                    f"{self._lost[task]}.")
           self._show_tail(task)
+        self._note_in_task_logs(
+            f"{self._lost_text()}: the launcher stops the other tasks.",
+            skip=failed)
         self._stop_survivors()
         return "failed"
       for task, at in self._done_at.items():
@@ -543,6 +551,28 @@ class Launcher:
         return "failed"
       time.sleep(POLL_SECONDS)
 
+  def _lost_text(self) -> str:
+    """The failed tasks of the last attempt: "worker:0 exited with status
+    137"."""
+    return ", ".join(f"{task.name} exited with status {status}"
+                     for task, status in self._lost.items())
+
+  def _note_in_task_logs(self, text: str, skip: Sequence[Task] = ()):
+    """Appends `[launch] text` to each task's own log
+    (`--task_log_dir`), but `skip`'s: a task stopped for another's failure
+    has the reason in its own log."""
+    if not self.task_log_dir:
+      return
+    for task in self.tasks:
+      if task in skip:
+        continue
+      try:
+        with open(os.path.join(self.task_log_dir, _log_name(task)),
+                  "ab") as log:
+          log.write(f"[launch] {text}\n".encode())
+      except OSError:
+        pass
+
   def _stop_survivors(self):
     deadline = time.time() + FAILURE_STOP_SECONDS
     while time.time() < deadline and any(
@@ -564,6 +594,7 @@ class Launcher:
     try:
       while True:
         self._procs = {}
+        self._lost = {}
         pumps = self._start(scratch_root)
         outcome = self._wait_attempt()
         for proc in self._procs.values():
@@ -589,13 +620,17 @@ class Launcher:
         if outcome == "signaled" or self.attempts >= self.max_restarts:
           status = chief_status or 1
           why = ("stopped by signal" if outcome == "signaled" else
-                 f"failed after {self.attempts} restart(s)")
+                 f"failed after {self.attempts} "
+                 f"restart{'' if self.attempts == 1 else 's'}")
+          if outcome == "failed" and self._lost:
+            why += f" ({self._lost_text()} first)"
           self._say(f"{why}: exit status {status} (tasks: {codes}).")
           return status
         self.attempts += 1
         self._say(f"restarting the group ({self.attempts} of "
-                  f"{self.max_restarts}); it resumes from the last "
-                  "checkpoint.")
+                  f"{self.max_restarts}) after "
+                  f"{self._lost_text() or 'a failure'}; it resumes from the "
+                  "last checkpoint.")
     finally:
       self._kill_all(signal.SIGKILL)
       for s, handler in previous.items():

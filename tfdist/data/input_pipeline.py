@@ -60,6 +60,7 @@ from tensorflow.python.framework import random_seed as random_seed_lib  # pylint
 
 from tfdist import errors
 from tfdist.data.dataset_spec import DatasetSpec
+from tfdist.runtime import wording
 from tfdist.data.input_position import input_layout, layout_change  # noqa: F401
 from tfdist.training import registry
 
@@ -407,7 +408,7 @@ def function_sharding(input_fn: Callable, *,
     return ShardingPlan("function", f"the dataset function shards its "
                         f"examples over {n} workers (it takes input_context)")
   return ShardingPlan("example", f"every one of {n} workers keeps every "
-                      f"{n}-th example of the dataset function")
+                      f"{wording.ordinal(n)} example of the dataset function")
 
 
 def _segments(plan: ShardingPlan, files: Sequence[str],

@@ -130,8 +130,9 @@ def evaluator_plan(config: TrainConfig, *, run_strategy: str,
                        batch_source=source, reason=reason)
 
 
-def _local_strategy(config: TrainConfig, decisions, kind: StrategyKind):
-  """The evaluator's one-process strategy `kind`, as its backend builds it."""
+def local_strategy(config: TrainConfig, decisions, kind: StrategyKind):
+  """A one-process strategy `kind`, as its backend builds it (the
+  evaluator's; `--mode=export`'s)."""
   return backends.backend_for(kind).build_strategy(
       config, dataclasses.replace(decisions, strategy=kind), cluster=None)
 
@@ -224,14 +225,14 @@ class EvaluatorRunner:
     evaluation batch (`how` then says so)."""
     config, how = self.config, self.how
     precision.configure_precision(self.decisions.dtype)
-    choice = _local_strategy(config, self.decisions, how.strategy)
+    choice = local_strategy(config, self.decisions, how.strategy)
     replicas = choice.strategy.num_replicas_in_sync
     if how.global_batch_size % replicas:
       self.how = dataclasses.replace(
           how, strategy=StrategyKind.ONE_DEVICE, reason=(
               f"{replicas} local replicas do not divide the run's "
               f"evaluation batch {how.global_batch_size}"))
-      choice = _local_strategy(config, self.decisions,
+      choice = local_strategy(config, self.decisions,
                                StrategyKind.ONE_DEVICE)
     logging.info("Evaluator: %s, %d replica(s) (%s); global batch %d (from "
                  "%s)", self.how.strategy,

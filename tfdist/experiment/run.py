@@ -20,6 +20,7 @@ from tfdist.distribute import environment as environment_lib
 from tfdist.distribute import worker_exit
 from tfdist.experiment import dry_run as dry_run_lib
 from tfdist.experiment import evaluator as evaluator_lib
+from tfdist.experiment import exporter
 from tfdist.experiment import prepare
 from tfdist.experiment import runner as runner_lib
 from tfdist.training import preflight
@@ -102,7 +103,8 @@ def run_experiment(config: TrainConfig, *,
     `model_dir/run_manifest.json`); for a parameter-server `worker` or `ps`
     task, `{"role": ..., "index": ...}`; for an `evaluator` task and the
     `eval` and `continuous_eval` modes, `{"role": "evaluator", "results":
-    [...]}`.
+    [...]}`; for the `export` mode, `{"role": "export", "checkpoint": ...,
+    "step": ..., "saved_model": ...}` (`tfdist.experiment.exporter`).
 
   With `config.dry_run`, every start-up check runs (names, cluster, output
   folders, the `--model_dir` lease, data files and schema, resumption) and
@@ -141,6 +143,10 @@ def run_experiment(config: TrainConfig, *,
     hypertune_reporter = hptune.make_hypertune()
   if _evaluates(prepared):
     return _evaluate(prepared, task=task)
+  if prepared.config.mode == "export":
+    return exporter.run_export(prepared.config, task=task,
+                               cluster=prepared.cluster,
+                               decisions=prepared.decisions)
   # A parameter-server cluster's `worker` and `ps` tasks serve until the
   # run ends.
   served = prepared.backend.serve(prepared.config, prepared.decisions,

@@ -58,6 +58,7 @@ from typing import Optional, Sequence
 from absl import logging
 
 from tfdist import errors
+from tfdist.runtime import console
 from tfdist.runtime import watchdog
 
 
@@ -70,6 +71,7 @@ def _say(text: str) -> None:
   reentrant call`, which `logging` prints as a traceback. An unbuffered
   write to the descriptor cannot.
   """
+  console.end_open_line(in_signal_handler=True)  # Not after a bar.
   try:
     os.write(2, text.encode(errors="replace"))
   except OSError:
@@ -243,7 +245,9 @@ class PreemptionWatcher:
     """The error to raise once the checkpoint at `step` is saved."""
     signum = self.signum if self.signum is not None else signal.SIGTERM
     elapsed = time.time() - (self.received_at or time.time())
-    logging.warning("Stopped at step %d, %.1f s after the signal; checkpoint "
-                    "%s.", step, elapsed, checkpoint)
+    # The step and checkpoint are the error's to say (one line, at the
+    # end); this says only how long the stop took.
+    logging.info("tfdist: the stop's checkpoint was saved %.1f s after the "
+                 "signal.", elapsed)
     return errors.PreemptedError(
         signum=signum, step=step, checkpoint=checkpoint)

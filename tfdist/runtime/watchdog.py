@@ -15,6 +15,7 @@ arrives.
 """
 
 import os
+import signal
 import subprocess
 import sys
 from typing import Optional, Sequence
@@ -34,8 +35,19 @@ DISARM = 251     # The process handles its exit itself: stop the clock.
 # out, `message % {"elapsed": seconds since the clock started, "what": what
 # started it}` goes to stderr and `pid` gets SIGKILL. Closing stdin (the
 # process finished or died) ends the watcher.
+#
+# The watcher ignores SIGINT, first thing: a terminal's Ctrl-C goes to the
+# whole foreground process group, the watcher included, and the decision
+# is the watched process's (which hears of the signal through the wakeup
+# pipe); a watcher dying of KeyboardInterrupt would print a traceback, take
+# the grace deadline with it, and leave the process a broken pipe. The
+# watcher starts with SIGINT blocked (`start_watcher`), so one that arrives
+# while its interpreter starts waits, and is dropped once ignored.
 WATCHER_SCRIPT = r"""
-import os, select, signal, sys, time
+import signal
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+import os, select, sys, time
 pid, grace, message = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3]
 armed = time.time() if sys.argv[4] == "1" else None
 watched = {int(x) for x in sys.argv[5].split(",") if x}
@@ -105,11 +117,18 @@ def start_watcher(*, seconds: float, message: str, armed: bool,
   Raises:
     OSError: the process could not be started.
   """
-  return subprocess.Popen(
-      [sys.executable, "-S", "-c", WATCHER_SCRIPT, str(os.getpid()),
-       str(float(seconds)), message, "1" if armed else "0",
-       ",".join(str(int(s)) for s in signals)],
-      stdin=stdin, stdout=stdout, close_fds=True)
+  # The child inherits this thread's signal mask: SIGINT stays blocked in
+  # it until its script ignores SIGINT. Here a SIGINT that arrives
+  # meanwhile is delivered when the mask is restored.
+  previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+  try:
+    return subprocess.Popen(
+        [sys.executable, "-S", "-c", WATCHER_SCRIPT, str(os.getpid()),
+         str(float(seconds)), message, "1" if armed else "0",
+         ",".join(str(int(s)) for s in signals)],
+        stdin=stdin, stdout=stdout, close_fds=True)
+  finally:
+    signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 class Deadline:

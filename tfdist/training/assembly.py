@@ -22,6 +22,7 @@ from tfdist import errors
 from tfdist.errors import first_line
 from tfdist.parallel.pipeline import options as pipeline_options
 from tfdist.parallel.zero3 import optimizer as zero3  # Registers ZeRO stage 3's optimizer.
+from tfdist.runtime import wording
 from tfdist.training import checkpointing
 from tfdist.training import custom_step
 from tfdist.training import lr_schedule
@@ -395,11 +396,12 @@ def _log_trainer(trainer: Trainer, options: AssemblyOptions, *, plan,
     layout = trainer.sharded.layout
     logging.info(
         "ZeRO stage %d: each of the %d replicas keeps the optimizer state "
-        "of %d of the %d parameters (one shard of a flat buffer, %d "
-        "elements of padding)%s; gradients are all-reduced "
+        "of %d of the %d parameters (one shard of a flat buffer, %s "
+        "of padding)%s; gradients are all-reduced "
         "then sliced (no reduce-scatter on CPU collectives), %s.",
         sharding.stage, layout.num_shards,
-        layout.shard_size, layout.total, layout.padding,
+        layout.shard_size, layout.total,
+        wording.count(layout.padding, "element"),
         ", and its shard of the gradient accumulators"
         if sharding.stage >= 2 and plan.batch.gradient_accumulation_steps > 1
         else "", "its shard of the weights too, all-gathered for each step "

@@ -13,6 +13,7 @@ import math
 from typing import Optional
 
 from tfdist import errors
+from tfdist.runtime import wording
 
 DEFAULT_GLOBAL_BATCH_SIZE = 128
 
@@ -108,7 +109,7 @@ def _global_batch_size(*, batch_size: Optional[int],
         f"{num_replicas_in_sync} replicas x {gradient_accumulation_steps} "
         "accumulation steps. Use a multiple of "
         f"{per_update} (e.g. --batch_size="
-        f"{max(per_update, global_batch_size // per_update * per_update)}) "
+        f"{wording.multiples_near(global_batch_size, per_update)}) "
         "or set --per_replica_batch_size instead.")
   return global_batch_size
 

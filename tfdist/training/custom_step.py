@@ -47,6 +47,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tfdist import config as config_lib
 from tfdist import errors
 from tfdist.errors import first_line
 
@@ -111,7 +112,8 @@ def check(found: Sequence[str], *, model_name: str, compiled: bool,
        "train_step applies its gradients itself",
        "drop the flag (or accumulate inside train_step)"),
       (zero_stage > 0,
-       f"--zero_stage={zero_stage} (--shard_optimizer_state)",
+       f"--zero_stage={zero_stage} "
+       f"(--{config_lib.SHARDING_SWITCHES[min(zero_stage, 3) - 1]})",
        "ZeRO shards the optimizer update of tfdist's own step, and the "
        "model's train_step calls its optimizer itself",
        "drop the flag"),
