@@ -230,10 +230,13 @@ class InputPositionTest(absltest.TestCase):
     self.assertEqual(moved.resume_step(7), 5)
 
 
-class ResumedRunsTest(absltest.TestCase):
-  """Runs A (uninterrupted) and B (resumed from A's step-3 checkpoint)."""
+_CHILD_RESULTS = {}
 
-  def test_one_device_and_mirrored(self):
+
+def _child_results() -> dict:
+  """The child's results (`_child_main`, run once per test process), its
+  output under "output"."""
+  if not _CHILD_RESULTS:
     data = testutil.fashion_mnist_subset(limit=ids_lib.LIMIT,
                                          train_shards=2, test_shards=1)
     out = testutil.scratch_dir()
@@ -246,10 +249,18 @@ class ResumedRunsTest(absltest.TestCase):
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           text=True, timeout=ids_lib.TIMEOUT_S)
     lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
-    self.assertEqual(proc.returncode, 0, proc.stdout[-4000:])
-    results = json.loads(lines[-1])
+    assert proc.returncode == 0 and lines, proc.stdout[-4000:]
+    _CHILD_RESULTS.update(json.loads(lines[-1]), output=proc.stdout)
+  return _CHILD_RESULTS
+
+
+class ResumedRunsTest(absltest.TestCase):
+  """Runs A (uninterrupted) and B (resumed from A's step-3 checkpoint)."""
+
+  def test_one_device_and_mirrored(self):
+    results = _child_results()
     self.assertIn("input position restored: step 3 continues epoch 1",
-                  proc.stdout)
+                  results["output"])
     # Mirrored: 2 replicas x 2 micro-batches per step.
     for label, batches_per_step, micro_steps in (("one_device", 1, 5),
                                                  ("mirrored", 4, 10)):
@@ -259,6 +270,23 @@ class ResumedRunsTest(absltest.TestCase):
       ids_lib.compare_runs(self, result["ids_a"], result["ids_b"],
                            result["weights"], batches_per_step, label)
       self.assertGreater(result["moved"], 1e-3)
+
+  def test_every_input_form_resumes_exactly(self):
+    # A dataset function (before: its epoch started over, 5e-2 off in
+    # weights), a PyDataset and a generator (`tfdist.fit`'s forms), one
+    # device and Mirrored.
+    results = _child_results()["forms"]
+    self.assertLen(results, 2 * len(ids_lib.FORMS))
+    for label, result in results.items():
+      with self.subTest(label):
+        self.assertLessEqual(result["weights"], 1e-6)
+        self.assertGreater(result["moved"], 1e-3)
+        lines = "\n".join(result["resume_lines"])
+        self.assertIn("input position restored: step 3 continues epoch 1",
+                      lines)
+        self.assertIn("after 96 of this worker's 160 examples", lines)
+        self.assertEqual("x is a generator, which cannot be restored" in
+                         lines, label.endswith("generator"), lines)
 
 
 # --- the child process: one device and Mirrored, in-process runs ---------------
@@ -306,7 +334,66 @@ def _child_main(spec: dict) -> dict:
         os.path.join(out, label, "a"),
         os.path.join(out, label, "a", "checkpoints", f"ckpt-{ids_lib.STOP}"))
     results[label] = result
+  results["forms"] = _forms_main(out)
   return results
+
+
+def _forms_main(out: str) -> dict:
+  """Each input form of `ids_lib.FORMS` through `tfdist.fit`, one device
+  and Mirrored: run A 8 steps (checkpoints at 3 and 6), run B from A's
+  step-3 checkpoint; the largest weight difference and B's log lines."""
+  import tfdist  # pylint: disable=g-import-not-at-top
+  ids_lib.record_example_ids("")  # These forms have no ids to record.
+  results = {}
+  for label, extra in (("one_device", {"distribution_strategy":
+                                       "one_device"}),
+                       ("mirrored", {"distribution_strategy": "mirrored",
+                                     "num_cpu_devices": 2})):
+    for form in ids_lib.FORMS:
+      dirs = {run: os.path.join(out, "forms", label, form, run)
+              for run in ("a", "b")}
+      for run, model_dir in dirs.items():
+        if run == "b":
+          ids_lib.copy_checkpoint(dirs["a"], model_dir, ids_lib.STOP)
+        config = tfdist.TrainConfig(
+            model_dir=model_dir, train_steps=ids_lib.STEPS,
+            batch_size=ids_lib.BATCH, checkpoint_steps=ids_lib.STOP,
+            max_checkpoints=10, deterministic=True, warmup_steps=0,
+            shuffle_buffer_size=64, mode="train", **extra)
+        with _log_lines() as lines:
+          tfdist.fit(ids_lib.build_model, config=config, verbose=2,
+                     **ids_lib.form_input(form))
+      results[f"{label}/{form}"] = {
+          "weights": ids_lib.max_difference(dirs["a"], dirs["b"]),
+          # The comparison can fail: steps 4-8 moved the weights.
+          "moved": ids_lib.max_difference(
+              dirs["a"], os.path.join(dirs["a"], "checkpoints",
+                                      f"ckpt-{ids_lib.STOP}")),
+          "resume_lines": [l for l in lines if "resum" in l or
+                           "input position" in l]}
+  return results
+
+
+class _log_lines:  # pylint: disable=invalid-name
+  """Collects absl's log lines (their messages) while open."""
+
+  def __enter__(self):
+    import logging  # pylint: disable=g-import-not-at-top
+    self.lines = []
+    outer = self
+
+    class Handler(logging.Handler):
+
+      def emit(self, record):
+        outer.lines.append(record.getMessage())
+
+    self.handler = Handler()
+    logging.getLogger("absl").addHandler(self.handler)
+    return self.lines
+
+  def __exit__(self, *exc):
+    import logging  # pylint: disable=g-import-not-at-top
+    logging.getLogger("absl").removeHandler(self.handler)
 
 
 if __name__ == "__main__":

@@ -466,28 +466,34 @@ class ExperimentRunner:
 
   def _input_position(self) -> Optional[input_position_lib.InputPosition]:
     """The checkpointed input position: synchronous strategies reading
-    TFRecord files or `tfdist.fit`'s arrays (parameter-server workers read
-    unseeded copies of every file; a user's dataset function may order its
-    examples differently in every pass, so its epoch resumes from its
-    start). The arrays' layout names them as one file of their rows."""
+    TFRecord files, `tfdist.fit`'s in-memory input or a dataset function
+    tfdist shards (`tfdist.data.input_position.source_files`; parameter-server
+    workers read unseeded copies of every file)."""
     config, plan, spec = self.config, self.plan, self.task.dataset
-    arrays = getattr(spec.input_fn, input_pipeline.SHARDS_BY_EXAMPLE, False)
     if not (config.checkpoint_input_position and
-            self.backend.keeps_input_position and
-            (spec.reads_files or arrays)):
+            self.backend.keeps_input_position):
       return None
-    files, counts = plan.train_files, plan.train_file_counts
-    if not spec.reads_files:
-      files, counts = ["<in-memory arrays>"], [plan.num_train_examples]
+    fn = spec.input_fn
+    source = input_position_lib.source_files(
+        input_fn=fn, name=spec.name, files=plan.train_files,
+        file_record_counts=plan.train_file_counts,
+        num_examples=plan.num_train_examples,
+        shards_by_example=bool(getattr(
+            fn, input_pipeline.SHARDS_BY_EXAMPLE, False)),
+        shards_itself=fn is not None and input_pipeline.takes_input_context(
+            fn))
+    if source is None:
+      return None
     return input_position_lib.InputPosition(
         input_position_lib.input_layout(
-            files=files, file_record_counts=counts,
+            files=source[0], file_record_counts=source[1],
             num_input_pipelines=self.backend.num_input_pipelines(
                 self.num_workers),
             global_batch_size=plan.global_batch_size, seed=config.seed,
             shuffle_buffer_size=config.shuffle_buffer_size,
             cache=config.cache_dataset),
-        steps_per_epoch=plan.steps_per_epoch)
+        steps_per_epoch=plan.steps_per_epoch,
+        resume_note=getattr(fn, input_position_lib.RESUME_NOTE, None))
 
   def build_checkpoints(self) -> CheckpointKeeper:
     """The checkpoint keeper: saves, restores, keeps the input position."""
