@@ -39,6 +39,7 @@ from absl.testing import parameterized
 import pytest
 
 from tests import input_position_testlib as ids_lib
+from tests import resume_forms_testlib as forms_lib
 from tests import testutil
 
 _CHILD_ENV = "TFDIST_INPUT_POSITION_CHILD"
@@ -276,7 +277,7 @@ class ResumedRunsTest(absltest.TestCase):
     # weights), a PyDataset and a generator (`tfdist.fit`'s forms), one
     # device and Mirrored.
     results = _child_results()["forms"]
-    self.assertLen(results, 2 * len(ids_lib.FORMS))
+    self.assertLen(results, 2 * len(forms_lib.FORMS))
     for label, result in results.items():
       with self.subTest(label):
         self.assertLessEqual(result["weights"], 1e-6)
@@ -339,7 +340,7 @@ def _child_main(spec: dict) -> dict:
 
 
 def _forms_main(out: str) -> dict:
-  """Each input form of `ids_lib.FORMS` through `tfdist.fit`, one device
+  """Each input form of `forms_lib.FORMS` through `tfdist.fit`, one device
   and Mirrored: run A 8 steps (checkpoints at 3 and 6), run B from A's
   step-3 checkpoint; the largest weight difference and B's log lines."""
   import tfdist  # pylint: disable=g-import-not-at-top
@@ -349,7 +350,7 @@ def _forms_main(out: str) -> dict:
                                        "one_device"}),
                        ("mirrored", {"distribution_strategy": "mirrored",
                                      "num_cpu_devices": 2})):
-    for form in ids_lib.FORMS:
+    for form in forms_lib.FORMS:
       dirs = {run: os.path.join(out, "forms", label, form, run)
               for run in ("a", "b")}
       for run, model_dir in dirs.items():
@@ -361,12 +362,12 @@ def _forms_main(out: str) -> dict:
             max_checkpoints=10, deterministic=True, warmup_steps=0,
             shuffle_buffer_size=64, mode="train", **extra)
         with _log_lines() as lines:
-          tfdist.fit(ids_lib.build_model, config=config, verbose=2,
-                     **ids_lib.form_input(form))
+          tfdist.fit(forms_lib.build_model, config=config, verbose=2,
+                     **forms_lib.form_input(form))
       results[f"{label}/{form}"] = {
-          "weights": ids_lib.max_difference(dirs["a"], dirs["b"]),
+          "weights": forms_lib.max_difference(dirs["a"], dirs["b"]),
           # The comparison can fail: steps 4-8 moved the weights.
-          "moved": ids_lib.max_difference(
+          "moved": forms_lib.max_difference(
               dirs["a"], os.path.join(dirs["a"], "checkpoints",
                                       f"ckpt-{ids_lib.STOP}")),
           "resume_lines": [l for l in lines if "resum" in l or

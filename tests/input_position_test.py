@@ -20,6 +20,7 @@ from absl.testing import absltest
 
 from tests import input_position_testlib as ids_lib
 from tests import multi_worker_testlib
+from tests import resume_forms_testlib as forms_lib
 from tests import testutil
 
 
@@ -60,6 +61,33 @@ class ResumedRunsTest(absltest.TestCase):
     ids_lib.compare_runs(self, ids["a"], ids["b"],
                          ids_lib.max_weight_difference(dirs["a"], dirs["b"]),
                          2, "multi_worker_mirrored")
+
+  def test_multi_worker_mirrored_dataset_function(self):
+    # `--dataset=module:function` (before: the epoch started over on
+    # resume, "after 0 of this worker's 80 examples").
+    out = testutil.scratch_dir()
+    dirs = {run: os.path.join(out, run) for run in ("a", "b")}
+    for run, model_dir in dirs.items():
+      if run == "b":
+        ids_lib.copy_checkpoint(dirs["a"], model_dir, ids_lib.STOP)
+      status, output = multi_worker_testlib.run_launcher(
+          ["--num_workers=2", "--module=tfdist.train"],
+          ["--distribution_strategy=multi_worker_mirrored",
+           "--dataset=tests.resume_forms_testlib:make_dataset",
+           "--model=tests.resume_forms_testlib:build_model",
+           f"--model_dir={model_dir}", f"--train_steps={ids_lib.STEPS}",
+           f"--batch_size={ids_lib.BATCH}",
+           f"--checkpoint_steps={ids_lib.STOP}", "--max_checkpoints=10",
+           "--deterministic", "--warmup_steps=0", "--mode=train",
+           "--shuffle_buffer_size=64"], timeout=ids_lib.TIMEOUT_S)
+      self.assertEqual(status, 0, output[-4000:])
+    self.assertIn("input position restored: step 3 continues epoch 1",
+                  output)
+    self.assertIn("after 48 of this worker's 80 examples", output)
+    self.assertLessEqual(forms_lib.max_difference(dirs["a"], dirs["b"]), 1e-6)
+    self.assertGreater(forms_lib.max_difference(
+        dirs["a"], os.path.join(dirs["a"], "checkpoints",
+                                f"ckpt-{ids_lib.STOP}")), 1e-3)
 
 
 if __name__ == "__main__":
