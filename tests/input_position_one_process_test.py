@@ -248,7 +248,8 @@ def _child_results() -> dict:
     proc = subprocess.run([sys.executable, os.path.abspath(__file__)],
                           cwd=testutil.REPO_ROOT, env=env,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True, timeout=ids_lib.TIMEOUT_S)
+                          # 16 runs (4 on files, 12 of the forms).
+                          text=True, timeout=2 * ids_lib.TIMEOUT_S)
     lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
     assert proc.returncode == 0 and lines, proc.stdout[-4000:]
     _CHILD_RESULTS.update(json.loads(lines[-1]), output=proc.stdout)

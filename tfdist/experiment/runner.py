@@ -42,6 +42,7 @@ from tfdist.training import preflight
 from tfdist.training import assembly
 from tfdist.training import checkpointing
 from tfdist.training import controller as controller_lib
+from tfdist.training import differences
 from tfdist.training import done_marker
 from tfdist.training import export
 from tfdist.training import keras_callbacks
@@ -459,6 +460,12 @@ class ExperimentRunner:
     if self.config.hptune_metric:
       hptune.check_metric(self.config.hptune_metric, available=[
           "loss", *parts.metric_sums.results({})])
+    # Every known difference from one device that applies, said once.
+    differences.say(differences.facts_of_run(
+        options, parts=parts, plan=self.plan,
+        replicas=self.strategy.num_replicas_in_sync,
+        input_fn=self.task.dataset.input_fn,
+        keeps_input_position=self.backend.keeps_input_position))
     self.model_memory = self.backend.model_memory(
         parts, num_replicas=self.strategy.num_replicas_in_sync)
     _log_model_memory(self.model_memory)
