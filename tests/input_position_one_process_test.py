@@ -24,6 +24,14 @@ recomputes its position from the restored step (`tfdist.data.input_pipeline`,
   before TensorFlow starts) while this one waits. Two MultiWorkerMirrored
   workers through `tfdist.launch` are `tests/input_position_test.py` (a
   cluster target); this file runs one TensorFlow process at a time.
+* The other input forms (`tests.resume_forms_testlib`), through
+  `tfdist.fit` in the same child, run A against run B resumed from A's
+  step-3 checkpoint, within 1e-6 in every weight and optimizer slot: a
+  dataset function with its own unseeded shuffle (before: its epoch
+  started over at resume, 5e-2 off), a `PyDataset` and a generator (which
+  says at resume what its resumed epoch sees), on one device and under
+  Mirrored; the dataset function also through 2 pipeline stages and under
+  ZeRO stage 3 on 2 Mirrored replicas.
 
 Cost (pytest on 2 cores, load 3-5, 4 December 2026): 23 s in all, the
 child's four runs (8 steps each) included.
@@ -248,7 +256,7 @@ def _child_results() -> dict:
     proc = subprocess.run([sys.executable, os.path.abspath(__file__)],
                           cwd=testutil.REPO_ROOT, env=env,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          # 16 runs (4 on files, 12 of the forms).
+                          # 20 runs (4 on files, 16 of the forms).
                           text=True, timeout=2 * ids_lib.TIMEOUT_S)
     lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
     assert proc.returncode == 0 and lines, proc.stdout[-4000:]
@@ -276,9 +284,12 @@ class ResumedRunsTest(absltest.TestCase):
   def test_every_input_form_resumes_exactly(self):
     # A dataset function (before: its epoch started over, 5e-2 off in
     # weights), a PyDataset and a generator (`tfdist.fit`'s forms), one
-    # device and Mirrored.
+    # device and Mirrored; a dataset function through a pipeline and
+    # ZeRO stage 3 (`_FORM_RUNS`).
     results = _child_results()["forms"]
-    self.assertLen(results, 2 * len(forms_lib.FORMS))
+    self.assertEqual(sorted(results), sorted(
+        f"{label}/{form}" for label, _, forms in _FORM_RUNS
+        for form in forms))
     for label, result in results.items():
       with self.subTest(label):
         self.assertLessEqual(result["weights"], 1e-6)
@@ -340,6 +351,20 @@ def _child_main(spec: dict) -> dict:
   return results
 
 
+# (label, TrainConfig settings, input forms): every form on one device and
+# Mirrored; a dataset function through a 2-stage pipeline (one process, 2
+# logical CPUs) and ZeRO stage 3 on 2 Mirrored replicas.
+_FORM_RUNS = (
+    ("one_device", {"distribution_strategy": "one_device"}, forms_lib.FORMS),
+    ("mirrored", {"distribution_strategy": "mirrored", "num_cpu_devices": 2},
+     forms_lib.FORMS),
+    ("pipeline", {"pipeline_stages": 2, "num_cpu_devices": 2},
+     ("dataset_function",)),
+    ("zero3", {"distribution_strategy": "mirrored", "num_cpu_devices": 2,
+               "zero_stage": 3}, ("dataset_function",)),
+)
+
+
 def _forms_main(out: str) -> dict:
   """Each input form of `forms_lib.FORMS` through `tfdist.fit`, one device
   and Mirrored: run A 8 steps (checkpoints at 3 and 6), run B from A's
@@ -347,11 +372,8 @@ def _forms_main(out: str) -> dict:
   import tfdist  # pylint: disable=g-import-not-at-top
   ids_lib.record_example_ids("")  # These forms have no ids to record.
   results = {}
-  for label, extra in (("one_device", {"distribution_strategy":
-                                       "one_device"}),
-                       ("mirrored", {"distribution_strategy": "mirrored",
-                                     "num_cpu_devices": 2})):
-    for form in forms_lib.FORMS:
+  for label, extra, forms in _FORM_RUNS:
+    for form in forms:
       dirs = {run: os.path.join(out, "forms", label, form, run)
               for run in ("a", "b")}
       for run, model_dir in dirs.items():

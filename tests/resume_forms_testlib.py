@@ -34,6 +34,7 @@ def build_model():
   import keras  # pylint: disable=g-import-not-at-top
   model = keras.Sequential([keras.Input((8,)),
                             keras.layers.Dense(16, activation="relu"),
+                            keras.layers.Dense(16, activation="relu"),
                             keras.layers.Dense(1)])
   model.compile(loss="mse")
   return model

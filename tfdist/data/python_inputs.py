@@ -22,7 +22,8 @@ examples:
   refused once it passes that), which then train as `fit(x=arrays, ...)`
   does: every example once an epoch, and resumed at the same example.
   A rerun of the script makes a new generator: the resumed run continues
-  from the position of the checkpoint's step in what that one yields.
+  from the position of the checkpoint's step in what that one yields, and
+  says so once (`GENERATOR_RESUME_NOTE`).
 
 Both are read by the Python process itself, so they serve one device and
 `MirroredStrategy` (one host); with several workers or parameter servers a
