@@ -66,6 +66,8 @@ class LinesTest(absltest.TestCase):
                                             sparse_gradients=True,
                                             optimizer="adam"),
         "micro_batch_batch_norm": dict(pipeline_stages=2, batch_norm=True),
+        "micro_batch_dropout": dict(micro_batches=2, dropout=True),
+        "micro_batch_precision": dict(pipeline_stages=2, dtype="fp16"),
         "tensor_parallel_rounding": dict(tensor_parallel=2,
                                          optimizer="adam"),
         "self_sharding_resume": dict(self_sharding_input=True),

@@ -43,6 +43,7 @@ class RunFacts:
       a `tf.IndexedSlices`).
     pipeline_stages: pipeline stages (1: no pipeline).
     batch_norm: the model has a `BatchNormalization` layer.
+    dropout: the model has a `Dropout` layer.
     tensor_parallel: `--tensor_parallel` (1: off).
     dtype: the precision (`fp32`, `bf16`, `fp16`).
     generator_input: `tfdist.fit`'s `x` was a Python generator.
@@ -64,6 +65,7 @@ class RunFacts:
   sparse_gradients: bool = False
   pipeline_stages: int = 1
   batch_norm: bool = False
+  dropout: bool = False
   tensor_parallel: int = 1
   dtype: str = "fp32"
   generator_input: bool = False
@@ -180,6 +182,35 @@ DIFFERENCES: Tuple[Difference, ...] = (
         "a step): its statistics are over fewer examples than one "
         "device's step on the whole batch.",
         "none (a model without batch normalization trains as one device)",
+        "pipeline-parallelism.md"),
+    Difference(
+        "micro_batch_dropout",
+        "Dropout inside a pipeline or under gradient accumulation draws "
+        "its masks per micro-batch: other masks than the unsplit step's.",
+        "a `Dropout` layer, with pipeline stages or gradient accumulation",
+        lambda f: f.dropout and (f.pipeline_stages > 1 or
+                                 f.micro_batches > 1),
+        "dropout draws its masks per micro-batch ({micro_batches} a step, "
+        "pipeline stages {pipeline_stages}), so they differ from one "
+        "device's step on the whole batch (the training is comparable, not "
+        "identical).",
+        "none",
+        "pipeline-parallelism.md"),
+    Difference(
+        "micro_batch_precision",
+        "In 16-bit precision, micro-batches (a pipeline, gradient "
+        "accumulation) round other partial sums than one step on the whole "
+        "batch (2.8e-4 in bf16, 5e-5 in fp16 after 3 updates).",
+        "`--dtype=bf16` or `fp16`, with pipeline stages or gradient "
+        "accumulation",
+        lambda f: f.dtype in ("bf16", "fp16") and (
+            f.pipeline_stages > 1 or f.micro_batches > 1),
+        "{dtype} rounds each micro-batch's sums ({micro_batches} a step, "
+        "pipeline stages {pipeline_stages}): the weights differ from one "
+        "step on the whole batch by that rounding (2.8e-4 in bf16 after 3 "
+        "updates on the tests' model).",
+        "fp32; or compare with one device under the same "
+        "--gradient_accumulation_steps (identical)",
         "pipeline-parallelism.md"),
     Difference(
         "tensor_parallel_rounding",
@@ -317,6 +348,7 @@ def facts_of(*, model, optimizer: str, plain_sgd: bool, replicas: int,
       pipeline_stages=int(pipeline_stages or 1),
       batch_norm=any(isinstance(l, keras.layers.BatchNormalization)
                      for l in layers),
+      dropout=any(isinstance(l, keras.layers.Dropout) for l in layers),
       tensor_parallel=int(tensor_parallel or 1), dtype=dtype or "fp32",
       generator_input=bool(getattr(input_fn, input_position.RESUME_NOTE,
                                    None)),
