@@ -298,7 +298,7 @@ class ResumedRunsTest(absltest.TestCase):
         self.assertIn("input position restored: step 3 continues epoch 1",
                       lines)
         self.assertIn("after 96 of this worker's 160 examples", lines)
-        self.assertEqual("x is a generator, which cannot be restored" in
+        self.assertEqual("x is a generator (or iterator), which cannot be restored" in
                          lines, label.endswith("generator"), lines)
 
 

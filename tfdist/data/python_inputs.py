@@ -48,11 +48,12 @@ MAX_GENERATOR_BYTES = 2 << 30
 # Said once when a run fed by a generator resumes mid-epoch
 # (`tfdist.data.input_position.InputPosition.resume_step` fills it in).
 GENERATOR_RESUME_NOTE = (
-    "x is a generator, which cannot be restored: resumed epoch {epoch} "
-    "continues after its first {steps} steps' examples of what this run's "
-    "generator yielded, the interrupted run's examples only if it yields the "
-    "same batches in the same order (a keras.utils.PyDataset or a dataset "
-    "function is read again each run).")
+    "x is a generator (or iterator), which cannot be restored: resumed "
+    "epoch {epoch} continues after its first {steps} steps' examples of "
+    "what this run's generator yielded, the interrupted run's examples only "
+    "if it yields the same batches in the same order (a "
+    "keras.utils.PyDataset or a dataset function is read by tfdist and "
+    "replayed from the checkpoint's position).")
 
 # The strategies that run in this one process (its Python inputs can feed).
 _ONE_HOST_STRATEGIES = ("auto", "off", "one_device", "mirrored")
