@@ -31,7 +31,9 @@ recomputes its position from the restored step (`tfdist.data.input_pipeline`,
   started over at resume, 5e-2 off), a `PyDataset` and a generator (which
   says at resume what its resumed epoch sees), on one device and under
   Mirrored; the dataset function also through 2 pipeline stages and under
-  ZeRO stage 3 on 2 Mirrored replicas.
+  ZeRO stage 3 on 2 Mirrored replicas; and ZeRO stage 3 resumed on 4
+  replicas from a 2-replica run's checkpoint (two more child processes:
+  the logical devices are fixed per process).
 
 Cost (pytest on 2 cores, load 3-5, 4 December 2026): 23 s in all, the
 child's four runs (8 steps each) included.
@@ -420,8 +422,66 @@ class _log_lines:  # pylint: disable=invalid-name
     logging.getLogger("absl").removeHandler(self.handler)
 
 
+def _world_size_run(spec: dict) -> dict:
+  """One ZeRO stage 3 run of a dataset function on `spec["devices"]`
+  Mirrored replicas (logical CPUs: one process each); run "b" starts from
+  run "a"'s step-3 checkpoint."""
+  import tfdist  # pylint: disable=g-import-not-at-top
+  model_dir = os.path.join(spec["out"], spec["run"])
+  if spec["run"] == "b":
+    ids_lib.copy_checkpoint(os.path.join(spec["out"], "a"), model_dir,
+                            ids_lib.STOP)
+  config = tfdist.TrainConfig(
+      model_dir=model_dir, train_steps=ids_lib.STEPS,
+      batch_size=ids_lib.BATCH, checkpoint_steps=ids_lib.STOP,
+      max_checkpoints=10, deterministic=True, warmup_steps=0,
+      shuffle_buffer_size=64, mode="train", distribution_strategy="mirrored",
+      num_cpu_devices=spec["devices"], zero_stage=3)
+  with _log_lines() as lines:
+    tfdist.fit(forms_lib.build_model, config=config, verbose=2,
+               **forms_lib.form_input("dataset_function"))
+  return {"resume_lines": [l for l in lines if "input position" in l]}
+
+
+class WorldSizeTest(absltest.TestCase):
+
+  def test_zero3_resumed_on_more_replicas(self):
+    # ZeRO stage 3, a dataset function: run A on 2 Mirrored replicas, run
+    # B resumed from A's step-3 checkpoint on 4 (the global batch and the
+    # one input pipeline unchanged, so the position holds). Before: the
+    # epoch started over (the issue's 0.038 across world sizes).
+    out = testutil.scratch_dir()
+    results = {}
+    for run, devices in (("a", 2), ("b", 4)):
+      env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", **{
+          _WORLD_SIZE_ENV: json.dumps({"out": out, "run": run,
+                                       "devices": devices})})
+      env["PYTHONPATH"] = testutil.REPO_ROOT + os.pathsep + env.get(
+          "PYTHONPATH", "")
+      proc = subprocess.run([sys.executable, os.path.abspath(__file__)],
+                            cwd=testutil.REPO_ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, timeout=ids_lib.TIMEOUT_S)
+      lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
+      self.assertEqual(proc.returncode, 0, proc.stdout[-4000:])
+      results[run] = json.loads(lines[-1])
+    self.assertIn("input position restored: step 3 continues epoch 1",
+                  "\n".join(results["b"]["resume_lines"]))
+    self.assertLessEqual(forms_lib.max_difference(
+        os.path.join(out, "a"), os.path.join(out, "b")), 1e-6)
+    self.assertGreater(forms_lib.max_difference(
+        os.path.join(out, "a"), os.path.join(out, "a", "checkpoints",
+                                             f"ckpt-{ids_lib.STOP}")), 1e-3)
+
+
+_WORLD_SIZE_ENV = "TFDIST_INPUT_POSITION_WORLD_SIZE"
+
+
 if __name__ == "__main__":
-  if os.environ.get(_CHILD_ENV):
+  if os.environ.get(_WORLD_SIZE_ENV):
+    print(json.dumps(_world_size_run(json.loads(
+        os.environ[_WORLD_SIZE_ENV]))), flush=True)
+  elif os.environ.get(_CHILD_ENV):
     print(json.dumps(_child_main(json.loads(os.environ[_CHILD_ENV]))),
           flush=True)
   else:
