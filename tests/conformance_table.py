@@ -35,6 +35,12 @@ ROWS = (
      dict.fromkeys(_ALL, "custom_step_test")),
     ("own_step_no_loss", "a low-level `train_step`, compiled without a loss",
      dict.fromkeys(_ALL, "custom_step_test")),
+    ("own_step_hand_added_term", "a model's own `train_step` adding a "
+     "regularizer by hand (`loss = ... + penalty`)",
+     dict.fromkeys(_ALL, "custom_step_test")),
+    ("own_compute_loss_extra_term", "a `compute_loss` override adding a term "
+     "to `super().compute_loss(...)`",
+     dict.fromkeys(_ALL, "custom_step_test")),
     ("batch_valued_loss", "a loss returning one value per batch (a "
      "`lambda`)",
      _LOSSES),

@@ -13,6 +13,12 @@ cluster, `tfdist.launch --module=tests.custom_step_test`), against
 `Model.fit` under Mirrored (Keras's own `fit` fails under
 MultiWorkerMirrored).
 
+Terms added by hand (an L2 penalty added in `train_step`, an output
+penalty added to `super().compute_loss(...)`) are per-replica values the
+strategy sums: tfdist gives Keras's weights under the same strategy (on one
+device, one device's; under Mirrored and on two workers, Mirrored's, which
+are not one device's), and the run warns (`tfdist.training.differences`).
+
 Data: y = 3x + 1 on 512 examples, batches of 64, plain SGD at 0.1 with no
 shuffling, so both loops make the same updates on the same batches (float32
 round-off apart). Weights start at zero (a fixed initializer).
@@ -224,6 +230,54 @@ def _models():
       self.mae.update_state(y[:, None], y_pred)
       return {m.name: m.result() for m in self.metrics}
 
+  class HandAddedRegularizer(keras.Model):
+    """Its own `train_step` adds an L2 penalty by hand to the compiled
+    loss: a per-replica value the strategy sums (N times one device's)."""
+
+    def __init__(self):
+      super().__init__()
+      self.dense = dense()
+
+    def call(self, x):
+      return self.dense(x)
+
+    def train_step(self, data):
+      x, y = data
+      with tf.GradientTape() as tape:
+        y_pred = self(x, training=True)
+        loss = self.compute_loss(x=x, y=y, y_pred=y_pred) + (
+            0.5 * tf.reduce_sum(tf.square(self.dense.kernel)))
+      self.optimizer.apply(tape.gradient(loss, self.trainable_weights),
+                           self.trainable_weights)
+      return self.compute_metrics(x, y, y_pred)
+
+  class ExtraComputeLossTerm(keras.Model):
+    """`compute_loss` overridden: Keras's loss plus a penalty on the
+    outputs, added after `super().compute_loss` (not scaled for the
+    strategy)."""
+
+    def __init__(self):
+      super().__init__()
+      self.dense = dense()
+
+    def call(self, x):
+      return self.dense(x)
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None,
+                     training=True):
+      return super().compute_loss(
+          x=x, y=y, y_pred=y_pred, sample_weight=sample_weight,
+          training=training) + 0.5 * tf.reduce_mean(tf.square(y_pred))
+
+  class HandAddedTerms(HandAddedRegularizer):
+    """Both terms in one model, for the two-worker run."""
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None,
+                     training=True):
+      return super().compute_loss(
+          x=x, y=y, y_pred=y_pred, sample_weight=sample_weight,
+          training=training) + 0.5 * tf.reduce_mean(tf.square(y_pred))
+
   def build(cls, **compile_args):
     def builder(optimizer):
       model = cls()
@@ -243,6 +297,11 @@ def _models():
       "low_level_no_loss": build(LowLevel),
       "test_step": build(OwnEvaluation, loss="mse"),
       "combined": lambda optimizer: _two_optimizers(Combined, optimizer),
+      "hand_added_regularizer": build(HandAddedRegularizer, loss="mse",
+                                      metrics=["mae"]),
+      "extra_compute_loss_term": build(ExtraComputeLossTerm, loss="mse",
+                                       metrics=["mae"]),
+      "hand_added_terms": build(HandAddedTerms, loss="mse", metrics=["mae"]),
   }
 
 
@@ -263,6 +322,19 @@ CELL_ROWS = {"frozen_bias": "own_step_frozen",
              "two_optimizers": "own_step_two_optimizers",
              "compute_loss": "own_compute_loss",
              "low_level_no_loss": "own_step_no_loss"}
+# Terms added by hand: Keras's fit under the strategy, not one device's.
+HAND_ADDED_ROWS = {"hand_added_regularizer": "own_step_hand_added_term",
+                   "extra_compute_loss_term": "own_compute_loss_extra_term"}
+HAND_ADDED_CELLS = {
+    "one_device": "works (the weights and logs of `Model.fit`)",
+    "mirrored": "as Keras under Mirrored (the weights and logs of "
+                "`Model.fit` under Mirrored; the hand-added term counts 2 "
+                "times, so not one device's weights; warned at start)",
+    "multi_worker_mirrored": "as Keras under Mirrored (the weights and logs "
+                             "of `Model.fit` under Mirrored on 2 devices; "
+                             "not one device's; measured with one model "
+                             "holding both terms)",
+}
 CELLS = {
     "one_device": "works (the weights and logs of `Model.fit`)",
     "mirrored": "works (one device's weights; the logs of `Model.fit` under "
@@ -278,7 +350,7 @@ def _floats(logs: dict) -> dict:
 
 
 # Cases run only by the resumed test and the two-worker test.
-RESUMED_ONLY = ("two_optimizers_momentum", "combined")
+RESUMED_ONLY = ("two_optimizers_momentum", "combined", "hand_added_terms")
 # Cases that Keras cannot evaluate (no loss for the default test_step).
 NOT_EVALUATED = ("two_optimizers", "two_optimizers_momentum")
 
@@ -493,6 +565,12 @@ def _child_main() -> dict:
         "keras_one_device": _keras_fit(models["combined"], None)}
   except Exception:  # pylint: disable=broad-except
     out["combined"] = {"error": traceback.format_exc()}
+  try:
+    out["hand_added_terms"] = {
+        "keras": _keras_fit(models["hand_added_terms"], mirrored),
+        "keras_one_device": _keras_fit(models["hand_added_terms"], None)}
+  except Exception:  # pylint: disable=broad-except
+    out["hand_added_terms"] = {"error": traceback.format_exc()}
   # --mode=eval on the test_step case's checkpoint: its own test_step.
   try:
     out["eval_mode"] = _tfdist_fit(
@@ -571,6 +649,27 @@ class CustomStepTest(absltest.TestCase):
         conformance_table.check_cell(self, CELL_ROWS[case], strategy,
                                      CELLS[strategy])
     return out
+
+  def test_terms_added_by_hand_count_per_replica(self):
+    # The compiled loss is one device's; a term added by hand (in
+    # train_step, or after super().compute_loss) is summed over the
+    # replicas as under Keras's fit with the strategy: Keras's weights,
+    # not one device's (the run warns, `tfdist.training.differences`).
+    for case, row in HAND_ADDED_ROWS.items():
+      for strategy in STRATEGIES:
+        with self.subTest(case=case, strategy=strategy):
+          result = self._case(f"{case}/{strategy}")
+          keras_run, ours = result["keras"], result["tfdist"]
+          self.assertLess(_max_diff(ours["weights"], keras_run["weights"]),
+                          ATOL)
+          for key, value in keras_run["train"].items():
+            self.assertAlmostEqual(ours["train"][key], value, delta=ATOL,
+                                   msg=f"train {key}")
+          one_device = self._case(f"{case}/one_device")["keras"]["weights"]
+          if strategy == "mirrored":
+            self.assertGreater(_max_diff(ours["weights"], one_device), 1e-3)
+          conformance_table.check_cell(self, row, strategy,
+                                       HAND_ADDED_CELLS[strategy])
 
   def test_frozen_variable_stays_frozen(self):
     for result in self._check("frozen_bias").values():
@@ -759,6 +858,30 @@ class MultiWorkerTest(absltest.TestCase):
       conformance_table.check_cell(self, CELL_ROWS[case],
                                    "multi_worker_mirrored",
                                    CELLS["multi_worker_mirrored"])
+
+  def test_terms_added_by_hand_on_two_workers(self):
+    # `_models()["hand_added_terms"]`: both hand-added terms; Model.fit
+    # under Mirrored on 2 devices, not one device's weights.
+    from tests import multi_worker_testlib  # pylint: disable=g-import-not-at-top
+    out = os.path.join(tempfile.mkdtemp(dir=testutil.scratch_dir()),
+                       "result.json")
+    status, output = multi_worker_testlib.run_launcher(
+        ["--num_workers=2", "--module=tests.custom_step_test"],
+        [out, "hand_added_terms"], timeout=300,
+        env={"TF_ENABLE_ONEDNN_OPTS": "0", "CUDA_VISIBLE_DEVICES": ""})
+    self.assertEqual(status, 0, output[-4000:])
+    self.assertIn("differs from one device (own_step_added_terms)", output)
+    with open(out) as f:
+      ours = json.load(f)
+    result = _child_results()["hand_added_terms"]
+    self.assertNotIn("error", result, result.get("error"))
+    self.assertLess(_max_diff(ours["weights"], result["keras"]["weights"]),
+                    ATOL)
+    self.assertGreater(_max_diff(ours["weights"],
+                                 result["keras_one_device"]["weights"]), 1e-3)
+    for row in HAND_ADDED_ROWS.values():
+      conformance_table.check_cell(self, row, "multi_worker_mirrored",
+                                   HAND_ADDED_CELLS["multi_worker_mirrored"])
 
 
 def _max_diff(a, b) -> float:

@@ -24,9 +24,22 @@ recomputes its position from the restored step (`tfdist.data.input_pipeline`,
   before TensorFlow starts) while this one waits. Two MultiWorkerMirrored
   workers through `tfdist.launch` are `tests/input_position_test.py` (a
   cluster target); this file runs one TensorFlow process at a time.
+* The other input forms (`tests.resume_forms_testlib`), through
+  `tfdist.fit` in the same child, run A against run B resumed from A's
+  step-3 checkpoint, within 1e-6 in every weight and optimizer slot: a
+  dataset function with its own unseeded shuffle (before: its epoch
+  started over at resume, 5e-2 off), a `PyDataset` and a generator (which
+  says at resume what its resumed epoch sees), on one device and under
+  Mirrored; the dataset function also through 2 pipeline stages and under
+  ZeRO stage 3 on 2 Mirrored replicas; and ZeRO stage 3 resumed on 4
+  replicas from a 2-replica run's checkpoint (two more child processes:
+  the logical devices are fixed per process).
 
 Cost (pytest on 2 cores, load 3-5, 4 December 2026): 23 s in all, the
-child's four runs (8 steps each) included.
+child's four runs (8 steps each) included. With the other input forms and
+the world-size runs (6 December 2026, load 10-11 from other jobs): 5 min
+18 s wall, about 70 s of CPU (the forms' 16 small runs and the two
+world-size children).
 """
 
 import json
@@ -39,6 +52,7 @@ from absl.testing import parameterized
 import pytest
 
 from tests import input_position_testlib as ids_lib
+from tests import resume_forms_testlib as forms_lib
 from tests import testutil
 
 _CHILD_ENV = "TFDIST_INPUT_POSITION_CHILD"
@@ -230,10 +244,13 @@ class InputPositionTest(absltest.TestCase):
     self.assertEqual(moved.resume_step(7), 5)
 
 
-class ResumedRunsTest(absltest.TestCase):
-  """Runs A (uninterrupted) and B (resumed from A's step-3 checkpoint)."""
+_CHILD_RESULTS = {}
 
-  def test_one_device_and_mirrored(self):
+
+def _child_results() -> dict:
+  """The child's results (`_child_main`, run once per test process), its
+  output under "output"."""
+  if not _CHILD_RESULTS:
     data = testutil.fashion_mnist_subset(limit=ids_lib.LIMIT,
                                          train_shards=2, test_shards=1)
     out = testutil.scratch_dir()
@@ -244,12 +261,21 @@ class ResumedRunsTest(absltest.TestCase):
     proc = subprocess.run([sys.executable, os.path.abspath(__file__)],
                           cwd=testutil.REPO_ROOT, env=env,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True, timeout=ids_lib.TIMEOUT_S)
+                          # 20 runs (4 on files, 16 of the forms).
+                          text=True, timeout=2 * ids_lib.TIMEOUT_S)
     lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
-    self.assertEqual(proc.returncode, 0, proc.stdout[-4000:])
-    results = json.loads(lines[-1])
+    assert proc.returncode == 0 and lines, proc.stdout[-4000:]
+    _CHILD_RESULTS.update(json.loads(lines[-1]), output=proc.stdout)
+  return _CHILD_RESULTS
+
+
+class ResumedRunsTest(absltest.TestCase):
+  """Runs A (uninterrupted) and B (resumed from A's step-3 checkpoint)."""
+
+  def test_one_device_and_mirrored(self):
+    results = _child_results()
     self.assertIn("input position restored: step 3 continues epoch 1",
-                  proc.stdout)
+                  results["output"])
     # Mirrored: 2 replicas x 2 micro-batches per step.
     for label, batches_per_step, micro_steps in (("one_device", 1, 5),
                                                  ("mirrored", 4, 10)):
@@ -259,6 +285,26 @@ class ResumedRunsTest(absltest.TestCase):
       ids_lib.compare_runs(self, result["ids_a"], result["ids_b"],
                            result["weights"], batches_per_step, label)
       self.assertGreater(result["moved"], 1e-3)
+
+  def test_every_input_form_resumes_exactly(self):
+    # A dataset function (before: its epoch started over, 5e-2 off in
+    # weights), a PyDataset and a generator (`tfdist.fit`'s forms), one
+    # device and Mirrored; a dataset function through a pipeline and
+    # ZeRO stage 3 (`_FORM_RUNS`).
+    results = _child_results()["forms"]
+    self.assertEqual(sorted(results), sorted(
+        f"{label}/{form}" for label, _, forms in _FORM_RUNS
+        for form in forms))
+    for label, result in results.items():
+      with self.subTest(label):
+        self.assertLessEqual(result["weights"], 1e-6)
+        self.assertGreater(result["moved"], 1e-3)
+        lines = "\n".join(result["resume_lines"])
+        self.assertIn("input position restored: step 3 continues epoch 1",
+                      lines)
+        self.assertIn("after 96 of this worker's 160 examples", lines)
+        self.assertEqual("x is a generator (or iterator), which cannot be restored" in
+                         lines, label.endswith("generator"), lines)
 
 
 # --- the child process: one device and Mirrored, in-process runs ---------------
@@ -306,11 +352,139 @@ def _child_main(spec: dict) -> dict:
         os.path.join(out, label, "a"),
         os.path.join(out, label, "a", "checkpoints", f"ckpt-{ids_lib.STOP}"))
     results[label] = result
+  results["forms"] = _forms_main(out)
   return results
 
 
+# (label, TrainConfig settings, input forms): every form on one device and
+# Mirrored; a dataset function through a 2-stage pipeline (one process, 2
+# logical CPUs) and ZeRO stage 3 on 2 Mirrored replicas.
+_FORM_RUNS = (
+    ("one_device", {"distribution_strategy": "one_device"}, forms_lib.FORMS),
+    ("mirrored", {"distribution_strategy": "mirrored", "num_cpu_devices": 2},
+     forms_lib.FORMS),
+    ("pipeline", {"pipeline_stages": 2, "num_cpu_devices": 2},
+     ("dataset_function",)),
+    ("zero3", {"distribution_strategy": "mirrored", "num_cpu_devices": 2,
+               "zero_stage": 3}, ("dataset_function",)),
+)
+
+
+def _forms_main(out: str) -> dict:
+  """Each input form of `forms_lib.FORMS` through `tfdist.fit`, one device
+  and Mirrored: run A 8 steps (checkpoints at 3 and 6), run B from A's
+  step-3 checkpoint; the largest weight difference and B's log lines."""
+  import tfdist  # pylint: disable=g-import-not-at-top
+  ids_lib.record_example_ids("")  # These forms have no ids to record.
+  results = {}
+  for label, extra, forms in _FORM_RUNS:
+    for form in forms:
+      dirs = {run: os.path.join(out, "forms", label, form, run)
+              for run in ("a", "b")}
+      for run, model_dir in dirs.items():
+        if run == "b":
+          ids_lib.copy_checkpoint(dirs["a"], model_dir, ids_lib.STOP)
+        config = tfdist.TrainConfig(
+            model_dir=model_dir, train_steps=ids_lib.STEPS,
+            batch_size=ids_lib.BATCH, checkpoint_steps=ids_lib.STOP,
+            max_checkpoints=10, deterministic=True, warmup_steps=0,
+            shuffle_buffer_size=64, mode="train", **extra)
+        with _log_lines() as lines:
+          tfdist.fit(forms_lib.build_model, config=config, verbose=2,
+                     **forms_lib.form_input(form))
+      results[f"{label}/{form}"] = {
+          "weights": forms_lib.max_difference(dirs["a"], dirs["b"]),
+          # The comparison can fail: steps 4-8 moved the weights.
+          "moved": forms_lib.max_difference(
+              dirs["a"], os.path.join(dirs["a"], "checkpoints",
+                                      f"ckpt-{ids_lib.STOP}")),
+          "resume_lines": [l for l in lines if "resum" in l or
+                           "input position" in l]}
+  return results
+
+
+class _log_lines:  # pylint: disable=invalid-name
+  """Collects absl's log lines (their messages) while open."""
+
+  def __enter__(self):
+    import logging  # pylint: disable=g-import-not-at-top
+    self.lines = []
+    outer = self
+
+    class Handler(logging.Handler):
+
+      def emit(self, record):
+        outer.lines.append(record.getMessage())
+
+    self.handler = Handler()
+    logging.getLogger("absl").addHandler(self.handler)
+    return self.lines
+
+  def __exit__(self, *exc):
+    import logging  # pylint: disable=g-import-not-at-top
+    logging.getLogger("absl").removeHandler(self.handler)
+
+
+def _world_size_run(spec: dict) -> dict:
+  """One ZeRO stage 3 run of a dataset function on `spec["devices"]`
+  Mirrored replicas (logical CPUs: one process each); run "b" starts from
+  run "a"'s step-3 checkpoint."""
+  import tfdist  # pylint: disable=g-import-not-at-top
+  model_dir = os.path.join(spec["out"], spec["run"])
+  if spec["run"] == "b":
+    ids_lib.copy_checkpoint(os.path.join(spec["out"], "a"), model_dir,
+                            ids_lib.STOP)
+  config = tfdist.TrainConfig(
+      model_dir=model_dir, train_steps=ids_lib.STEPS,
+      batch_size=ids_lib.BATCH, checkpoint_steps=ids_lib.STOP,
+      max_checkpoints=10, deterministic=True, warmup_steps=0,
+      shuffle_buffer_size=64, mode="train", distribution_strategy="mirrored",
+      num_cpu_devices=spec["devices"], zero_stage=3)
+  with _log_lines() as lines:
+    tfdist.fit(forms_lib.build_model, config=config, verbose=2,
+               **forms_lib.form_input("dataset_function"))
+  return {"resume_lines": [l for l in lines if "input position" in l]}
+
+
+class WorldSizeTest(absltest.TestCase):
+
+  def test_zero3_resumed_on_more_replicas(self):
+    # ZeRO stage 3, a dataset function: run A on 2 Mirrored replicas, run
+    # B resumed from A's step-3 checkpoint on 4 (the global batch and the
+    # one input pipeline unchanged, so the position holds). Before: the
+    # epoch started over (the issue's 0.038 across world sizes).
+    out = testutil.scratch_dir()
+    results = {}
+    for run, devices in (("a", 2), ("b", 4)):
+      env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", **{
+          _WORLD_SIZE_ENV: json.dumps({"out": out, "run": run,
+                                       "devices": devices})})
+      env["PYTHONPATH"] = testutil.REPO_ROOT + os.pathsep + env.get(
+          "PYTHONPATH", "")
+      proc = subprocess.run([sys.executable, os.path.abspath(__file__)],
+                            cwd=testutil.REPO_ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, timeout=ids_lib.TIMEOUT_S)
+      lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
+      self.assertEqual(proc.returncode, 0, proc.stdout[-4000:])
+      results[run] = json.loads(lines[-1])
+    self.assertIn("input position restored: step 3 continues epoch 1",
+                  "\n".join(results["b"]["resume_lines"]))
+    self.assertLessEqual(forms_lib.max_difference(
+        os.path.join(out, "a"), os.path.join(out, "b")), 1e-6)
+    self.assertGreater(forms_lib.max_difference(
+        os.path.join(out, "a"), os.path.join(out, "a", "checkpoints",
+                                             f"ckpt-{ids_lib.STOP}")), 1e-3)
+
+
+_WORLD_SIZE_ENV = "TFDIST_INPUT_POSITION_WORLD_SIZE"
+
+
 if __name__ == "__main__":
-  if os.environ.get(_CHILD_ENV):
+  if os.environ.get(_WORLD_SIZE_ENV):
+    print(json.dumps(_world_size_run(json.loads(
+        os.environ[_WORLD_SIZE_ENV]))), flush=True)
+  elif os.environ.get(_CHILD_ENV):
     print(json.dumps(_child_main(json.loads(os.environ[_CHILD_ENV]))),
           flush=True)
   else:

@@ -50,6 +50,7 @@ from tfdist import errors
 from tfdist import config as config_lib
 from tfdist.config import TrainConfig
 from tfdist.data import input_pipeline
+from tfdist.data import input_position
 from tfdist.data import python_inputs
 from tfdist.data.dataset_spec import DatasetSpec
 from tfdist.distribute import cluster as cluster_lib
@@ -195,8 +196,10 @@ def in_memory_dataset(*, x=None, y=None, sample_weight=None,
                            not input_pipeline.takes_input_context(dataset_fn)):
     # Its training split's shares are tfdist's (example i to pipeline i mod
     # n: the arrays, or a function that does not shard itself), so the
-    # pipeline can align its epochs to steps.
+    # pipeline can align its epochs to steps; its checkpointed position
+    # names it as in-memory input (`input_position.source_files`).
     setattr(input_fn, input_pipeline.SHARDS_BY_EXAMPLE, True)
+    setattr(input_fn, input_position.IN_MEMORY, True)
   return input_fn, validation is not None or validation_data is not None
 
 
@@ -449,6 +452,10 @@ def fit(model_fn: Union[Callable, str],
         dataset_fn, config=config, parse_fn=parse_fn, x=x, y=y,
         sample_weight=sample_weight, validation_data=validation_data,
         validation_split=validation_split)
+    if python is not None and python[0] == "x" and not isinstance(
+        python[1], keras.utils.PyDataset):
+      setattr(dataset_fn.input_fn, input_position.RESUME_NOTE,
+              python_inputs.GENERATOR_RESUME_NOTE)
   warmup = keras_callbacks.warmup_for_rate_callbacks(
       callbacks, warmup_steps=config.warmup_steps,
       warmup_epochs=config.warmup_epochs,

@@ -9,11 +9,26 @@ has to be stored, and the chief alone writing `--model_dir` is enough.
 `InputPosition` is the checkpointed object (`--checkpoint_input_position`);
 a run whose layout differs (`layout_change`) discards the position with a
 message naming the change and starts the epoch over (`epoch_start`).
+
+Which inputs keep a position (`source_files`): TFRecord files; `tfdist.fit`'s
+arrays, `PyDataset`s and generators (named as one file of their rows); and
+a dataset function whose epochs tfdist aligns to steps (one that does not
+take `input_context`, so tfdist shards its examples): its position is a
+seeded replay, the resumed run rebuilding the interrupted epoch (the
+function's examples once, in its order, then tfdist's shuffle seeded by
+`--seed` and the epoch) and skipping the examples the steps before used.
+That replays exactly when the function returns the same examples in the
+same order in every run (any shuffle of its own seeded); a function that
+takes `input_context` shards itself, its epochs are not aligned to steps,
+and its epoch starts over. TensorFlow's iterator checkpoints
+(`tf.train.Checkpoint(iterator=...)`) are not used: each worker's iterator
+state would need its own storage (only the chief writes `--model_dir`), and
+the state does not carry over a change of worker count.
 """
 
 import json
 import os
-from typing import Optional, Sequence
+from typing import Callable, List, Optional, Sequence, Tuple
 
 from absl import logging
 import tensorflow as tf
@@ -94,6 +109,49 @@ def layout_change(saved: Optional[dict], current: dict) -> Optional[str]:
   return None
 
 
+# An attribute of a training dataset function (`DatasetSpec.input_fn`) made
+# by `tfdist.fit` from in-memory input: its examples are held as arrays and
+# sharded by tfdist (`tfdist.data.input_pipeline.SHARDS_BY_EXAMPLE`).
+IN_MEMORY = "tfdist_in_memory"
+# An attribute of a training dataset function: a sentence said once when a
+# run resumes mid-epoch from a checkpoint (a generator's examples, which a
+# rerun of the script makes anew).
+RESUME_NOTE = "tfdist_resume_note"
+
+
+def source_files(*, input_fn: Optional[Callable], name: str,
+                 files: Sequence[str], file_record_counts: Sequence[int],
+                 num_examples: Optional[int], shards_by_example: bool,
+                 shards_itself: bool) -> Optional[Tuple[List[str],
+                                                        List[int]]]:
+  """The files (or their stand-in) and counts an input's layout names.
+
+  Args:
+    input_fn: the training dataset function (None: TFRecord files).
+    name: the data set's name (a dataset function's `module:function`).
+    files, file_record_counts: the TFRecord files and their record counts.
+    num_examples: a dataset function's training examples per epoch.
+    shards_by_example: tfdist shards the function's examples
+      (`tfdist.data.input_pipeline.SHARDS_BY_EXAMPLE`).
+    shards_itself: the function takes `input_context`.
+
+  Returns:
+    `(files, counts)`: the files themselves; `["<in-memory arrays>"]` for
+    `tfdist.fit`'s arrays, `PyDataset`s and generators (as checkpoints
+    have named them since positions were kept); `["<dataset function
+    NAME>"]` for a dataset function; with the examples as the one count.
+    None: no position (a function that shards itself, or an unknown
+    count; module docstring).
+  """
+  if input_fn is None:
+    return list(files), [int(c) for c in file_record_counts]
+  if num_examples is None or (shards_itself and not shards_by_example):
+    return None
+  if getattr(input_fn, IN_MEMORY, False):
+    return ["<in-memory arrays>"], [int(num_examples)]
+  return [f"<dataset function {name}>"], [int(num_examples)]
+
+
 # Where `InputPosition` lives in a checkpoint.
 INPUT_POSITION_KEY = "input_position/.ATTRIBUTES/py_state"
 
@@ -109,9 +167,11 @@ class InputPosition(tf.train.experimental.PythonState):
   none) and `resume_step(step)` says where the input resumes.
   """
 
-  def __init__(self, layout: dict, *, steps_per_epoch: int):
+  def __init__(self, layout: dict, *, steps_per_epoch: int,
+               resume_note: Optional[str] = None):
     self.layout = dict(layout)
     self.steps_per_epoch = int(steps_per_epoch)
+    self.resume_note = resume_note
     self.saved: Optional[dict] = None
 
   def serialize(self) -> str:
@@ -130,11 +190,16 @@ class InputPosition(tf.train.experimental.PythonState):
     `step` itself when the checkpoint's layout equals this run's (the epoch
     continues where it stopped); otherwise the first step of the epoch
     `step` falls in (the epoch starts over), with a warning naming what
-    changed. 0 for a fresh run.
+    changed. 0 for a fresh run. A run resumed mid-epoch says its
+    `resume_note` (a generator's) once.
     """
     if step <= 0:
       return 0
     change = layout_change(self.saved, self.layout)
+    if self.resume_note and step % self.steps_per_epoch:
+      logging.warning("tfdist: %s", self.resume_note.format(
+          step=step, epoch=step // self.steps_per_epoch + 1,
+          steps=step % self.steps_per_epoch))
     if change is None:
       # Epochs counted from 1, as in the progress lines and Keras's logs.
       logging.info("tfdist: input position restored: step %d continues "

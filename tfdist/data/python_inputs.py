@@ -22,7 +22,8 @@ examples:
   refused once it passes that), which then train as `fit(x=arrays, ...)`
   does: every example once an epoch, and resumed at the same example.
   A rerun of the script makes a new generator: the resumed run continues
-  from the position of the checkpoint's step in what that one yields.
+  from the position of the checkpoint's step in what that one yields, and
+  says so once (`GENERATOR_RESUME_NOTE`).
 
 Both are read by the Python process itself, so they serve one device and
 `MirroredStrategy` (one host); with several workers or parameter servers a
@@ -43,6 +44,16 @@ from tfdist import errors
 # The most a generator may yield (its arrays' bytes) before it is refused
 # as endless: it is held in memory whole.
 MAX_GENERATOR_BYTES = 2 << 30
+
+# Said once when a run fed by a generator resumes mid-epoch
+# (`tfdist.data.input_position.InputPosition.resume_step` fills it in).
+GENERATOR_RESUME_NOTE = (
+    "x is a generator (or iterator), which cannot be restored: resumed "
+    "epoch {epoch} continues after its first {steps} steps' examples of "
+    "what this run's generator yielded, the interrupted run's examples only "
+    "if it yields the same batches in the same order (a "
+    "keras.utils.PyDataset or a dataset function is read by tfdist and "
+    "replayed from the checkpoint's position).")
 
 # The strategies that run in this one process (its Python inputs can feed).
 _ONE_HOST_STRATEGIES = ("auto", "off", "one_device", "mirrored")

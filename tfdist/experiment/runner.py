@@ -43,6 +43,7 @@ from tfdist.training import preflight
 from tfdist.training import assembly
 from tfdist.training import checkpointing
 from tfdist.training import controller as controller_lib
+from tfdist.training import differences
 from tfdist.training import done_marker
 from tfdist.training import export
 from tfdist.training import keras_callbacks
@@ -460,6 +461,12 @@ class ExperimentRunner:
     if self.config.hptune_metric:
       hptune.check_metric(self.config.hptune_metric, available=[
           "loss", *parts.metric_sums.results({})])
+    # Every known difference from one device that applies, said once.
+    differences.say(differences.facts_of_run(
+        options, parts=parts, plan=self.plan,
+        replicas=self.strategy.num_replicas_in_sync,
+        input_fn=self.task.dataset.input_fn,
+        keeps_input_position=self.backend.keeps_input_position))
     self.model_memory = self.backend.model_memory(
         parts, num_replicas=self.strategy.num_replicas_in_sync)
     _log_model_memory(self.model_memory)
@@ -467,28 +474,34 @@ class ExperimentRunner:
 
   def _input_position(self) -> Optional[input_position_lib.InputPosition]:
     """The checkpointed input position: synchronous strategies reading
-    TFRecord files or `tfdist.fit`'s arrays (parameter-server workers read
-    unseeded copies of every file; a user's dataset function may order its
-    examples differently in every pass, so its epoch resumes from its
-    start). The arrays' layout names them as one file of their rows."""
+    TFRecord files, `tfdist.fit`'s in-memory input or a dataset function
+    tfdist shards (`tfdist.data.input_position.source_files`; parameter-server
+    workers read unseeded copies of every file)."""
     config, plan, spec = self.config, self.plan, self.task.dataset
-    arrays = getattr(spec.input_fn, input_pipeline.SHARDS_BY_EXAMPLE, False)
     if not (config.checkpoint_input_position and
-            self.backend.keeps_input_position and
-            (spec.reads_files or arrays)):
+            self.backend.keeps_input_position):
       return None
-    files, counts = plan.train_files, plan.train_file_counts
-    if not spec.reads_files:
-      files, counts = ["<in-memory arrays>"], [plan.num_train_examples]
+    fn = spec.input_fn
+    source = input_position_lib.source_files(
+        input_fn=fn, name=spec.name, files=plan.train_files,
+        file_record_counts=plan.train_file_counts,
+        num_examples=plan.num_train_examples,
+        shards_by_example=bool(getattr(
+            fn, input_pipeline.SHARDS_BY_EXAMPLE, False)),
+        shards_itself=fn is not None and input_pipeline.takes_input_context(
+            fn))
+    if source is None:
+      return None
     return input_position_lib.InputPosition(
         input_position_lib.input_layout(
-            files=files, file_record_counts=counts,
+            files=source[0], file_record_counts=source[1],
             num_input_pipelines=self.backend.num_input_pipelines(
                 self.num_workers),
             global_batch_size=plan.global_batch_size, seed=config.seed,
             shuffle_buffer_size=config.shuffle_buffer_size,
             cache=config.cache_dataset),
-        steps_per_epoch=plan.steps_per_epoch)
+        steps_per_epoch=plan.steps_per_epoch,
+        resume_note=getattr(fn, input_position_lib.RESUME_NOTE, None))
 
   def build_checkpoints(self) -> CheckpointKeeper:
     """The checkpoint keeper: saves, restores, keeps the input position."""
