@@ -1,6 +1,8 @@
 """Tests for tfdist.config: validation errors name flag, value and fix."""
 
+import dataclasses
 import os
+import types
 from unittest import mock
 
 from absl.testing import absltest
@@ -8,9 +10,13 @@ from absl.testing import parameterized
 import pytest
 
 from tfdist import config
+from tfdist import config_tree
 from tfdist import errors
 from tfdist.config import TrainConfig
+from tfdist.distribute import decisions
 from tfdist.distribute import environment
+from tfdist.observability import manifest
+from tfdist.training import checkpointing
 from tfdist.parallel import tensor_parallel_options
 
 # Also run on the oldest supported TensorFlow (see tests/conftest.py).
@@ -326,3 +332,65 @@ class TrainConfigTest(parameterized.TestCase):
 
 if __name__ == "__main__":
   absltest.main()
+
+
+class TraitsTest(absltest.TestCase):
+  """Every setting states its traits; the name lists are derived from them."""
+
+  def test_every_setting_states_its_traits(self):
+    unstated = [name for name, field in config.flat_fields().items()
+                if name not in config.BOOKKEEPING_FIELDS and
+                config_tree.traits_of(field) is None]
+    self.assertEqual(unstated, [])
+
+  def test_a_setting_without_traits_is_caught(self):
+    # The check above, on a section with a setting that states none.
+    @dataclasses.dataclass(frozen=True)
+    class Section:
+      stated: int = config_tree.setting(1, "integer", "g", help="h",
+                                        traits=())
+      unstated: int = config_tree.setting(1, "integer", "g", help="h")
+
+    self.assertEqual([f.name for _, f in config_tree.settings(Section)
+                      if config_tree.traits_of(f) is None], ["unstated"])
+    with self.assertRaisesRegex(ValueError, "traits=\\('fast',\\)"):
+      config_tree.setting(1, "integer", "g", help="h", traits=("fast",))
+
+  def test_the_lists_are_derived_from_the_traits(self):
+    self.assertEqual(config.settings_with("output_folder"),
+                     ("model_dir", "checkpoint_dir", "tensorboard_dir",
+                      "export_dir"))
+    self.assertEqual(checkpointing.MODEL_FIELDS,
+                     config.settings_with("model"))
+    self.assertIn("zero3_blocks", checkpointing.OPERATIONAL_FIELDS)
+    self.assertEqual(set(decisions.DECIDED_FIELDS),
+                     {"model_dir", "checkpoint_dir", "tensorboard_dir",
+                      "export_dir", "train_files", "eval_files", "data_dir",
+                      "tpu", "distribution_strategy", "dtype", "loss_scale",
+                      "steps_per_execution"})
+
+  def _record(self, **changes):
+    run = TrainConfig(model_dir="/tmp/x", train_steps=4, optimizer="adamw",
+                      distribution_strategy="mirrored", zero_stage=3,
+                      **changes)
+    plan = types.SimpleNamespace(
+        global_batch_size=64, batch=types.SimpleNamespace(
+            num_replicas_in_sync=2, per_replica_batch_size=32),
+        total_steps=4, steps_per_epoch=10, strategy="mirrored",
+        eval_batch_size=64, lr=types.SimpleNamespace(
+            warmup_steps=0, peak_learning_rate=0.1))
+    return checkpointing.run_record(manifest.recorded_config(run), plan)
+
+  def test_resuming_with_other_zero3_blocks_is_no_changed_setting(self):
+    # How stage 3 gathers the weights (blocks, prefetch) trains the same
+    # weights, as --pipeline_stages' layout does: not a changed setting.
+    before = self._record(zero3_blocks=4, zero3_prefetch=False)
+    for changes in ({"zero3_blocks": 2}, {"zero3_prefetch": True},
+                    {"zero3_blocks": 1, "zero3_prefetch": True}):
+      self.assertEqual(checkpointing.check_resume(
+          before, self._record(**changes), checkpoint="ckpt-2",
+          restored_step=2), [], changes)
+    # A setting that changes what is trained is still reported.
+    self.assertEqual(checkpointing.check_resume(
+        before, self._record(seed=7), checkpoint="ckpt-2", restored_step=2),
+        ["--seed 42 -> 7"])

@@ -91,15 +91,8 @@ HPTUNE_METRIC_PATTERN = r"eval_[A-Za-z0-9_./-]+"
 # Steps per `tf.function` call on TPU when --steps_per_execution is not
 # given: each call is a host -> TPU round trip, so TPUs want many steps each.
 TPU_DEFAULT_STEPS_PER_EXECUTION = 100
-# Fields a data set may recommend: None means "unset", filled in
-# `TrainConfig.__post_init__` from DATASET_RECOMMENDED_FLAGS, else from
-# UNSET_DEFAULTS (batch_size stays None: 128 unless --per_replica_batch_size
-# is given, see tfdist.training.batch_plan).
-# The ZeRO switches (`zero_stage` says the same in DeepSpeed's terms).
-SHARDING_SWITCHES = ("shard_optimizer_state", "shard_gradients",
-                     "shard_parameters")
-RECOMMENDABLE_FIELDS = ("model", "batch_size", "optimizer",
-                        "base_learning_rate", "lr_scaling")
+# The defaults of the recommendable settings a data set does not recommend
+# (`RECOMMENDABLE_FIELDS`).
 UNSET_DEFAULTS = {"model": "cnn", "optimizer": "sgd",
                   "base_learning_rate": 0.1, "lr_scaling": "linear"}
 
@@ -341,26 +334,31 @@ class DataConfig:
             "tf.data.Dataset of (features, labels)). Default: "
             f"{DEFAULT_DATASET}, or your TFRecords with --feature_spec. A "
             "data set may recommend values for flags left unset: "
-            f"{_recommendations_text()}."))
+            f"{_recommendations_text()}."),
+      traits=("model",))
   data_dir: str = setting(
       "", "string", "base",
       help=("Where named data sets are converted to TFRecord, once. Default: "
-            "$TFDIST_DATA_DIR, else ~/.cache/tfdist/datasets."))
+            "$TFDIST_DATA_DIR, else ~/.cache/tfdist/datasets."),
+      traits=("operational", "path", "folder", "from_environment", "decided"))
   raw_data_dir: str = setting(
       "", "string", "base",
       help=("Folder with the original Fashion-MNIST .gz files. Default: "
-            "Debian's /usr/share/datasets/fashion-mnist."))
+            "Debian's /usr/share/datasets/fashion-mnist."),
+      traits=("operational", "path", "folder"))
   train_files: str = setting(
       "", "string", "base", key=True,
       help=("Comma-separated globs of TFRecord files for training (local or "
             "gs://; files ending in .gz are read as GZIP). Default: Vertex "
             "AI's $AIP_TRAINING_DATA_URI when AIP_DATA_FORMAT=tf-record, else"
-            " the --dataset's files."))
+            " the --dataset's files."),
+      traits=("operational", "path", "files", "from_environment", "decided"))
   eval_files: str = setting(
       "", "string", "base", key=True,
       help=("Comma-separated globs of TFRecord files for evaluation. Default:"
             " Vertex AI's $AIP_VALIDATION_DATA_URI when AIP_DATA_FORMAT=tf-"
-            "record, else the --dataset's test files."))
+            "record, else the --dataset's test files."),
+      traits=("operational", "path", "files", "from_environment", "decided"))
 
   def __post_init__(self):
     _need(self.dataset is None or bool(self.dataset),
@@ -384,7 +382,8 @@ class TaskConfig:
             " path, package.module:build_fn (a function returning a "
             "keras.Model, compiled with its loss and metrics or not). "
             "Default: the --dataset's recommendation, else "
-            f"{UNSET_DEFAULTS['model']}."))
+            f"{UNSET_DEFAULTS['model']}."),
+      traits=("model", "recommendable"))
   data: DataConfig = config_tree.section(DataConfig)
   feature_spec: str = setting(
       "", "string", "base", key=True,
@@ -392,13 +391,15 @@ class TaskConfig:
             "--train_files and --eval_files: {\"features\": {name: {\"dtype\": "
             "float32|int64|string, \"shape\": [...], \"default\": optional}}, "
             "\"labels\": [names]}. The other features are the model's inputs (a"
-            " dict). Checked against the first record at start."))
+            " dict). Checked against the first record at start."),
+      traits=("model", "path"))
   # Stored as a tuple of module names (a comma-separated string is split).
   import_modules: Tuple[str, ...] = setting(
       (), "list", "base",
       help=("Comma-separated modules to import first, e.g. modules that "
             "register models and data sets with @tfdist.register_model / "
-            "@tfdist.register_dataset."))
+            "@tfdist.register_dataset."),
+      traits=("operational",))
   # A dict, `ID:WEIGHT` items (a list or one comma-separated string), or
   # pairs; stored as sorted `(id, weight)` pairs (`parse_class_weight`).
   class_weight: Tuple[Tuple[int, float], ...] = setting(
@@ -407,28 +408,34 @@ class TaskConfig:
             "CLASS_ID:WEIGHT items, e.g. 0:1,1:4 (a class not named weighs 1;"
             " the class of a one-hot label is its argmax). Each example's "
             "loss is multiplied by its class's weight. Not with sample "
-            "weights in the data."))
+            "weights in the data."),
+      traits=())
   init_checkpoint: str = setting(
       "", "string", "base",
       help=("Weights to load into the model before training (Model Garden's "
             "flag): a checkpoint (a tfdist run's checkpoints/ folder, a "
             "ckpt-N prefix) or a Keras .weights.h5 file. Ignored when "
-            "resuming from --model_dir's own checkpoints."))
+            "resuming from --model_dir's own checkpoints."),
+      traits=("operational", "path"))
   mode: str = setting(
       "train_and_eval", "enum", "base", choices=MODES, key=True,
       help=("train_and_eval: train, evaluating every --epochs_between_evals "
             "epochs; train: no evaluation; eval: evaluate the latest "
             "checkpoint once; continuous_eval: evaluate each checkpoint as it"
-            " appears, until the final step (a side-car evaluator)."))
+            " appears, until the final step (a side-car evaluator)."),
+      traits=("operational",))
   shuffle_buffer_size: int = setting(
       10_000, "integer", "base",
-      help="Examples in the training shuffle buffer (0: none).")
+      help="Examples in the training shuffle buffer (0: none).",
+      traits=())
   cache_dataset: bool = setting(
       True, "bool", "base",
-      help="Cache parsed examples in memory after the first pass.")
+      help="Cache parsed examples in memory after the first pass.",
+      traits=())
   embedding_dim: int = setting(
       16, "integer", "base",
-      help="Ranking models (--model=ranking): width of each embedding.")
+      help="Ranking models (--model=ranking): width of each embedding.",
+      traits=("model",))
   sync_batch_norm: Optional[bool] = setting(
       None, "bool", "base",
       help=("Built-in models (cnn, resnet): batch normalization over the "
@@ -437,17 +444,20 @@ class TaskConfig:
             "them. Default: on under mirrored, multi_worker_mirrored and tpu "
             "with more than one replica; --nosync_batch_norm normalizes each "
             "replica's share of the batch by itself (no all-reduce in the "
-            "forward pass)."))
+            "forward pass)."),
+      traits=("multi_replica",))
   hash_buckets: int = setting(
       100_000, "integer", "base",
       help=("Ranking models: rows of the user and item tables (ids are hashed"
             " into them). Large values make large tables, sharded across ps "
-            "tasks under --distribution_strategy=parameter_server."))
+            "tasks under --distribution_strategy=parameter_server."),
+      traits=("model",))
   transformer_layers: int = setting(
       2, "integer", "base",
       help=("The Transformer (--model=transformer): encoder blocks (each "
             "multi-head self-attention and a feed-forward layer). Deeper "
-            "models can be cut into more --pipeline_stages."))
+            "models can be cut into more --pipeline_stages."),
+      traits=("model",))
 
   def __post_init__(self):
     _set(self, "import_modules", _split_list(self.import_modules))
@@ -497,19 +507,27 @@ class OutputsConfig:
             " folder). Running again with the same folder resumes. In a "
             "Vertex AI hyperparameter-tuning trial (a trial id in "
             "CLUSTER_SPEC or TF_CONFIG) a given folder gets the subfolder "
-            "trial_<id>."))
+            "trial_<id>."),
+      traits=("operational", "path", "folder", "output_folder",
+              "from_environment", "decided"))
   checkpoint_dir: str = setting(
       "", "string", "base",
       help=("Where checkpoints go. Default: $AIP_CHECKPOINT_DIR, else "
-            "<model_dir>/checkpoints."))
+            "<model_dir>/checkpoints."),
+      traits=("operational", "path", "folder", "output_folder",
+              "from_environment", "decided"))
   tensorboard_dir: str = setting(
       "", "string", "base",
       help=("Where TensorBoard logs go (train/, validation/, eval/ below it)."
-            " Default: $AIP_TENSORBOARD_LOG_DIR, else <model_dir>."))
+            " Default: $AIP_TENSORBOARD_LOG_DIR, else <model_dir>."),
+      traits=("operational", "path", "folder", "output_folder",
+              "from_environment", "decided"))
   export_dir: str = setting(
       "", "string", "base",
       help=("Where the SavedModel goes. Default: $AIP_MODEL_DIR, else "
-            "<model_dir>/saved_model."))
+            "<model_dir>/saved_model."),
+      traits=("operational", "path", "folder", "output_folder",
+              "from_environment", "decided"))
   # Stored as `(START, END)`, or () for no trace (`parse_profile_steps`).
   profile_steps: Tuple[int, ...] = setting(
       (), "list", "measure", key=True,
@@ -517,7 +535,8 @@ class OutputsConfig:
             "with TensorFlow's profiler into "
             "<tensorboard_dir>/train/plugins/profile/ (TensorBoard's Profile "
             "tab, from the tensorboard-plugin-profile package). The chief "
-            "traces its own process. Empty: no trace."))
+            "traces its own process. Empty: no trace."),
+      traits=())
 
   def __post_init__(self):
     _set(self, "profile_steps", parse_profile_steps(self.profile_steps))
@@ -546,18 +565,22 @@ class LoopConfig:
   train_steps: int = setting(
       0, "integer", "train", key=True,
       help=("Optimizer updates to train for; when > 0 it overrides "
-            "--train_epochs."))
+            "--train_epochs."),
+      traits=("operational",))
   train_epochs: int = setting(
       5, "integer", "train", key=True,
-      help="Epochs to train for when --train_steps is 0.")
+      help="Epochs to train for when --train_steps is 0.",
+      traits=("operational",))
   epochs_between_evals: int = setting(
       1, "integer", "train",
-      help="Evaluate after every this many epochs, and at the end.")
+      help="Evaluate after every this many epochs, and at the end.",
+      traits=("operational",))
   batch_size: Optional[int] = setting(
       None, "integer", "train", key=True,
       help=("Global batch size: examples per update over all replicas. Give "
             "this or --per_replica_batch_size. Default (neither given): the "
-            "--dataset's recommendation, else 128."))
+            "--dataset's recommendation, else 128."),
+      traits=("operational", "recommendable"))
   gradient_accumulation_steps: int = setting(
       1, "integer", "train",
       help=("Micro-batches per optimizer update (K): each replica accumulates"
@@ -565,23 +588,28 @@ class LoopConfig:
             "update. The global batch (what --batch_size sets, what the "
             "learning rate is scaled to) is micro-batch x replicas x K, so K "
             "lowers the memory a step needs at the same global batch. Not "
-            "with parameter_server."))
+            "with parameter_server."),
+      traits=())
   per_replica_batch_size: Optional[int] = setting(
       None, "integer", "train", key=True,
       help=("Examples per replica per step (per micro-step with "
             "--gradient_accumulation_steps); the global batch is this times "
-            "num_replicas_in_sync (times --gradient_accumulation_steps)."))
+            "num_replicas_in_sync (times --gradient_accumulation_steps)."),
+      traits=("operational",))
   log_steps: int = setting(
       100, "integer", "train", key=True,
       help=("Log loss, learning rate, examples/sec and step time every this "
-            "many steps."))
+            "many steps."),
+      traits=("operational",))
   checkpoint_steps: int = setting(
       0, "integer", "train",
       help=("Save a checkpoint every this many steps; 0 saves at each epoch "
-            "end. A checkpoint is always saved at the end."))
+            "end. A checkpoint is always saved at the end."),
+      traits=("operational",))
   max_checkpoints: int = setting(
       5, "integer", "train",
-      help="Checkpoints to keep.")
+      help="Checkpoints to keep.",
+      traits=("operational",))
   checkpoint_input_position: bool = setting(
       True, "bool", "train",
       help=("A resumed run continues the epoch where the checkpoint left it, "
@@ -591,25 +619,30 @@ class LoopConfig:
             "checkpoint records only the input's layout, and a change of "
             "worker count, files, batch, seed or shuffle buffer discards the "
             "position with a message). --nocheckpoint_input_position: a "
-            "resume starts its epoch over."))
+            "resume starts its epoch over."),
+      traits=())
   seed: Optional[int] = setting(
       42, "integer", "train",
-      help="Random seed for weights and shuffling.")
+      help="Random seed for weights and shuffling.",
+      traits=())
   run_eagerly: bool = setting(
       False, "bool", "train",
-      help="Run the step without tf.function (for debugging).")
+      help="Run the step without tf.function (for debugging).",
+      traits=("operational",))
   steps_per_execution: Optional[int] = setting(
       None, "integer", "performance",
       help=("Training steps run inside one tf.function call (fewer round "
             "trips). Default: "
             f"{TPU_DEFAULT_STEPS_PER_EXECUTION} with "
-            "--distribution_strategy=tpu, else 1."))
+            "--distribution_strategy=tpu, else 1."),
+      traits=("decided",))
   deterministic: bool = setting(
       False, "bool", "performance",
       help=("Reproducible runs: TensorFlow's op determinism "
             "(tf.config.experimental.enable_op_determinism) and a "
             "deterministic input order; needs --seed. Slower; not with "
-            "parameter_server."))
+            "parameter_server."),
+      traits=())
 
   def __post_init__(self):
     # How long to train: steps or epochs.
@@ -655,10 +688,12 @@ class ClusterConfig:
       "", "string", "cluster", key=True,
       help=("Comma-separated host:port of every worker (Model Garden's flag);"
             " all are 'worker' tasks and worker 0 is the chief. Overrides "
-            "TF_CONFIG and CLUSTER_SPEC."))
+            "TF_CONFIG and CLUSTER_SPEC."),
+      traits=("operational", "multi_replica", "cluster_given"))
   task_index: int = setting(
       -1, "integer", "cluster", key=True,
-      help="This host's position in --worker_hosts (0-based; -1: unset).")
+      help="This host's position in --worker_hosts (0-based; -1: unset).",
+      traits=("operational", "multi_replica", "cluster_given"))
   collective_timeout_seconds: float = setting(
       0.0, "float", "cluster",
       help=("multi_worker_mirrored: a collective (all-reduce) that has not "
@@ -668,16 +703,19 @@ class ClusterConfig:
             "s) instead. A timeout costs one sleeping thread per collective "
             "for that long (TensorFlow's collective executor): thousands of "
             "threads in a long run, enough to exhaust the machine's thread "
-            "limit."))
+            "limit."),
+      traits=("operational", "multi_replica"))
   cluster_start_timeout_seconds: float = setting(
       900.0, "float", "cluster",
       help=("multi_worker_mirrored: fail with an error naming the cluster if "
-            "not every task has connected within this many seconds of start."))
+            "not every task has connected within this many seconds of start."),
+      traits=("operational", "multi_replica"))
   preemption_grace_seconds: float = setting(
       30.0, "float", "cluster", key=True,
       help=("On SIGTERM (preemption) or SIGINT, save a checkpoint at the next"
             " step boundary (all workers agree on the step) and exit within "
-            "this many seconds; a process still alive then is ended."))
+            "this many seconds; a process still alive then is ended."),
+      traits=("operational",))
 
   def __post_init__(self):
     _need(self.task_index >= -1,
@@ -703,15 +741,18 @@ class ParameterServerConfig:
             "allowed with each at least --ps_min_shard_bytes; max_size: "
             "shards of at most --ps_min_shard_bytes each (up to "
             "--ps_max_shards); fixed: exactly --ps_max_shards shards; none: "
-            "no sharding."))
+            "no sharding."),
+      traits=("multi_replica",))
   ps_min_shard_bytes: int = setting(
       256 << 10, "integer", "distribution",
       help=("parameter_server: shard size bound in bytes (the minimum for "
-            "min_size, the maximum for max_size). Default: 256 KiB."))
+            "min_size, the maximum for max_size). Default: 256 KiB."),
+      traits=("multi_replica",))
   ps_max_shards: int = setting(
       0, "integer", "distribution",
       help=("parameter_server: most shards per table (the exact count for "
-            "fixed); 0: the number of ps tasks."))
+            "fixed); 0: the number of ps tasks."),
+      traits=("multi_replica",))
 
   def __post_init__(self):
     _need(self.ps_partitioner in PS_PARTITIONERS,
@@ -732,19 +773,23 @@ class TpuConfig:
       "", "string", "tpu", key=True,
       help=("TPU for --distribution_strategy=tpu (or for auto to try): "
             "`local` on a Cloud TPU VM, the Cloud TPU's name, or "
-            "grpc://HOST:8470. Empty: $TPU_NAME."))
+            "grpc://HOST:8470. Empty: $TPU_NAME."),
+      traits=("operational", "multi_replica", "from_environment", "decided"))
   tpu_zone: str = setting(
       "", "string", "tpu",
-      help="Zone of the Cloud TPU named by --tpu (default: this VM's zone).")
+      help="Zone of the Cloud TPU named by --tpu (default: this VM's zone).",
+      traits=("operational", "multi_replica"))
   tpu_gcp_project: str = setting(
       "", "string", "tpu",
       help=("Google Cloud project of the Cloud TPU named by --tpu (default: "
-            "this VM's project)."))
+            "this VM's project)."),
+      traits=("operational", "multi_replica"))
   tpu_init_timeout: float = setting(
       300.0, "float", "tpu",
       help=("Seconds allowed for resolving, connecting to and initializing "
             "the TPU before the run fails (TensorFlow alone would wait "
-            "forever on an address where nothing answers)."))
+            "forever on an address where nothing answers)."),
+      traits=("operational", "multi_replica"))
 
   def __post_init__(self):
     _need(self.tpu_init_timeout > 0,
@@ -767,24 +812,28 @@ class ParallelismConfig:
             "With --distribution_strategy auto, one_device or off (not with "
             "data parallelism: TensorFlow has no public sub-group "
             "collectives), not with --zero_stage or --enable_xla. See "
-            "docs/guides/pipeline-parallelism.md."))
+            "docs/guides/pipeline-parallelism.md."),
+      traits=("operational", "multi_replica"))
   num_microbatches: Optional[int] = setting(
       None, "integer", "pipeline",
       help=("Pipeline micro-batches per step (M): each is 1/M of the step's "
             "batch (of each micro-step under --gradient_accumulation_steps), "
             "so M must divide it. The idle fraction of each stage is "
-            "(P-1)/(M+P-1). Default: --pipeline_stages."))
+            "(P-1)/(M+P-1). Default: --pipeline_stages."),
+      traits=("multi_replica",))
   pipeline_schedule: str = setting(
       "gpipe", "enum", "pipeline", choices=pipeline_options.SCHEDULES,
       help=("gpipe: every micro-batch's forward, then every backward (a stage"
             " holds M micro-batches' activations); 1f1b: one forward, one "
-            "backward after a warm-up (at most P). Same bubble, same update."))
+            "backward after a warm-up (at most P). Same bubble, same update."),
+      traits=("operational", "multi_replica"))
   # Stored as a tuple of layer names (`pipeline_options.parse_cuts`).
   pipeline_cuts: Tuple[str, ...] = setting(
       (), "list", "pipeline",
       help=("Layer names, each the first layer of a stage after the first "
             "(P-1 names, in the model's call order), e.g. block_3,block_6. "
-            "Default: stages balanced by weight and activation bytes."))
+            "Default: stages balanced by weight and activation bytes."),
+      traits=("operational", "multi_replica"))
   tensor_parallel: int = setting(
       1, "integer", "pipeline",
       help=("Split the built-in Transformer's attention heads and feed-"
@@ -797,7 +846,8 @@ class ParallelismConfig:
             "TensorFlow has no public sub-group collectives); not with "
             "--zero_stage, --pipeline_stages, --enable_xla, --dtype=fp16 or "
             "clipping. Pays on fast device links (NVLink), not on CPUs. See "
-            "docs/guides/tensor-parallelism.md."))
+            "docs/guides/tensor-parallelism.md."),
+      traits=())
 
   def __post_init__(self):
     _set(self, "pipeline_cuts", pipeline_options.parse_cuts(self.pipeline_cuts))
@@ -813,21 +863,25 @@ class StrategyConfig:
       help=("tf.distribute strategy. off: none; one_device; mirrored: one "
             "host, all GPUs or --num_cpu_devices logical CPUs; "
             "multi_worker_mirrored; parameter_server; tpu; auto: chosen from "
-            "the devices and cluster found, and the choice is printed."))
+            "the devices and cluster found, and the choice is printed."),
+      traits=("operational", "decided", "cluster_given"))
   num_gpus: int = setting(
       -1, "integer", "distribution", key=True,
-      help="GPUs to use: -1 for all visible, 0 for none.")
+      help="GPUs to use: -1 for all visible, 0 for none.",
+      traits=("operational", "multi_replica"))
   num_cpu_devices: int = setting(
       0, "integer", "distribution", key=True,
       help=("Split the host CPU into this many logical devices, so mirrored "
             "runs that many replicas on a CPU-only machine (0 or 1: no "
-            "split)."))
+            "split)."),
+      traits=("operational", "multi_replica"))
   all_reduce_alg: str = setting(
       "auto", "enum", "distribution", choices=ALL_REDUCE_ALGS,
       help=("All-reduce. mirrored: nccl or hierarchical_copy (GPUs); "
             "multi_worker_mirrored: ring (gRPC, works on CPUs) or nccl (GPUs;"
             " what Vertex AI's Reduction Server needs); auto lets TensorFlow "
-            "choose."))
+            "choose."),
+      traits=("operational", "multi_replica"))
   bytes_per_pack: int = setting(
       0, "integer", "distribution",
       help=("multi_worker_mirrored: all-reduce the gradients in packs of "
@@ -836,7 +890,8 @@ class StrategyConfig:
             "layers' gradients (TensorFlow's "
             "CommunicationOptions.bytes_per_pack). 0 (the default): one all-"
             "reduce of every gradient after the whole backward pass. No "
-            "effect with one replica; refused for other strategies."))
+            "effect with one replica; refused for other strategies."),
+      traits=("operational", "multi_replica"))
   all_reduce_dtype: str = setting(
       reduce_dtype.FLOAT32, "enum", "distribution",
       choices=reduce_dtype.ALL_REDUCE_DTYPES,
@@ -848,7 +903,8 @@ class StrategyConfig:
             "--dtype=fp16 (a loss scale catches its overflow). The step's "
             "loss and metric sums stay float32 (then one more small all-"
             "reduce per step). No effect with one replica; refused with "
-            "parameter_server."))
+            "parameter_server."),
+      traits=("operational", "multi_replica"))
   cluster: ClusterConfig = config_tree.section(ClusterConfig)
   parameter_servers: ParameterServerConfig = config_tree.section(
       ParameterServerConfig)
@@ -899,17 +955,20 @@ class PrecisionConfig:
             "(mixed_float16 with loss scaling; not on TPUs); auto: chosen "
             "from the hardware (bf16 on TPUs and GPUs of compute capability "
             ">= 8.0, fp16 on 7.x GPUs, fp32 on CPUs) and printed. Default: "
-            "bf16 with --distribution_strategy=tpu, else fp32."))
+            "bf16 with --distribution_strategy=tpu, else fp32."),
+      traits=("decided",))
   # Stored as None, 'dynamic' or a float > 0 (`parse_loss_scale`).
   loss_scale: Optional[object] = setting(
       None, "string", "performance", key=True,
       help=("fp16 only: 'dynamic' (the default with --dtype=fp16) or a fixed "
-            "positive number such as 128."))
+            "positive number such as 128."),
+      traits=("decided",))
   enable_xla: bool = setting(
       False, "bool", "performance",
       help=("Jit-compile the training step with XLA. Keras 3 turns XLA off "
             "under a tf.distribute strategy, so tfdist compiles its own per-"
-            "replica step (TPUs always compile with XLA)."))
+            "replica step (TPUs always compile with XLA)."),
+      traits=())
 
   def __post_init__(self):
     if self.dtype is not None:
@@ -939,7 +998,8 @@ class MemoryConfig:
             "built-in cnn and resnet, or a builder taking "
             "activation_recomputation): less memory for about one more "
             "forward pass; same gradients, weights and checkpoints. Alias: "
-            "--gradient_checkpointing."))
+            "--gradient_checkpointing."),
+      traits=())
   shard_optimizer_state: Optional[bool] = setting(
       None, "bool", "performance",
       # A function: optimizers registered before the flags are defined count.
@@ -949,13 +1009,15 @@ class MemoryConfig:
           "gradients are summed and sliced, each replica updates its shard, "
           "the shards are all-gathered. Same weights as unsharded; "
           "checkpoints interchangeable. Not with "
-          f"{', '.join(optimizers.not_shardable())}."))
+          f"{', '.join(optimizers.not_shardable())}."),
+      traits=("multi_replica", "zero_switch"))
   shard_gradients: Optional[bool] = setting(
       None, "bool", "performance",
       help=("ZeRO stage 2: --shard_optimizer_state, and under "
             "--gradient_accumulation_steps > 1 each replica accumulates only "
             "its shard of the summed gradients (one all-reduce per micro-"
-            "batch)."))
+            "batch)."),
+      traits=("multi_replica", "zero_switch"))
   shard_parameters: Optional[bool] = setting(
       None, "bool", "performance",
       help=("ZeRO stage 3 (mirrored, multi_worker_mirrored): "
@@ -965,13 +1027,15 @@ class MemoryConfig:
             "(about 2x the traffic of plain data parallelism). Embedding tables "
             "stay replicated (their optimizer state sharded). Not with a "
             "model's own train_step, --model=ranking, --enable_xla or "
-            "--pipeline_stages."))
+            "--pipeline_stages."),
+      traits=("multi_replica", "zero_switch"))
   zero_stage: Optional[int] = setting(
       None, "integer", "performance",
       help=("DeepSpeed's name for the three switches above: 0 off, 1 "
             "--shard_optimizer_state, 2 --shard_gradients, 3 "
             "--shard_parameters (sharded weights). Default: from the "
-            "switches."))
+            "switches."),
+      traits=("multi_replica",))
   zero3_blocks: int = setting(
       4, "integer", "performance",
       help=("ZeRO stage 3: the most blocks the model is cut into (about "
@@ -979,19 +1043,22 @@ class MemoryConfig:
             "runs and again, recomputing itself, in the backward pass, so "
             "the step's peak holds one block's weights. 1: the whole model "
             "gathered once per step, no recomputation: faster, every weight "
-            "at the peak."))
+            "at the peak."),
+      traits=("operational",))
   zero3_prefetch: bool = setting(
       False, "bool", "performance",
       help=("ZeRO stage 3: gather each block's weights while the block "
             "before it computes (two blocks' weights at the peak); pays "
-            "where collectives run beside compute (GPUs), not on CPUs."))
+            "where collectives run beside compute (GPUs), not on CPUs."),
+      traits=("operational",))
   tune_allocator: bool = setting(
       True, "bool", "performance",
       help=("Set glibc malloc so TensorFlow does not map and unmap every "
             "large tensor buffer at each step (M_MMAP_MAX=0, M_TOP_PAD=64 "
             "MiB; see tfdist/runtime/allocator.py). Costs resident memory: "
             "each malloc arena may keep up to 64 MiB of freed memory. "
-            "--notune_allocator leaves malloc as it is."))
+            "--notune_allocator leaves malloc as it is."),
+      traits=())
 
   def __post_init__(self):
     _need(self.zero_stage in (None, 0, 1, 2, 3),
@@ -1029,28 +1096,34 @@ class LearningRateConfig:
       help=("Learning rate tuned for --base_batch_size examples; scaled to "
             "the global batch by --lr_scaling. Default: the --dataset's "
             "recommendation, else "
-            f"{UNSET_DEFAULTS['base_learning_rate']}."))
+            f"{UNSET_DEFAULTS['base_learning_rate']}."),
+      traits=("recommendable",))
   base_batch_size: int = setting(
       256, "integer", "lr",
-      help="The batch size --base_learning_rate was tuned for.")
+      help="The batch size --base_learning_rate was tuned for.",
+      traits=())
   lr_scaling: Optional[str] = setting(
       None, "enum", "lr", choices=LR_SCALING_RULES, key=True,
       help=("linear: base_lr * global_batch / base_batch (Goyal et al. 2017, "
             "for SGD); sqrt: base_lr * sqrt(global_batch / base_batch) (for "
             "Adam-type optimizers); none. Default: the --dataset's "
             "recommendation, else "
-            f"{UNSET_DEFAULTS['lr_scaling']}."))
+            f"{UNSET_DEFAULTS['lr_scaling']}."),
+      traits=("recommendable",))
   warmup_steps: Optional[int] = setting(
       None, "integer", "lr", key=True,
       help=("Steps of linear warmup to the peak LR (0: none). Default (with "
             "--warmup_epochs unset): the smaller of one epoch and a tenth of "
-            "the run."))
+            "the run."),
+      traits=())
   warmup_epochs: Optional[float] = setting(
       None, "float", "lr", key=True,
-      help="Warmup length in epochs (instead of --warmup_steps).")
+      help="Warmup length in epochs (instead of --warmup_steps).",
+      traits=())
   warmup_start_learning_rate: float = setting(
       0.0, "float", "lr",
-      help="Learning rate at step 0, where warmup starts.")
+      help="Learning rate at step 0, where warmup starts.",
+      traits=())
   lr_schedule: str = setting(
       "constant", "enum", "lr", key=True,
       # A function: schedules registered before the flags are defined count.
@@ -1060,17 +1133,21 @@ class LearningRateConfig:
             "--piecewise_multipliers at --piecewise_boundaries); or one "
             "registered with "
             "tfdist.training.decay_schedules.register_decay_schedule before "
-            "the flags are defined."))
+            "the flags are defined."),
+      traits=())
   end_learning_rate_factor: float = setting(
       0.0, "float", "lr",
-      help="cosine: final LR as a fraction of the peak.")
+      help="cosine: final LR as a fraction of the peak.",
+      traits=())
   piecewise_boundaries: Tuple[float, ...] = setting(
       (0.5, 0.75), "list", "lr",
       help=("piecewise: boundaries as fractions of the steps after warmup, "
-            "increasing, in (0, 1)."))
+            "increasing, in (0, 1)."),
+      traits=())
   piecewise_multipliers: Tuple[float, ...] = setting(
       (1.0, 0.1, 0.01), "list", "lr",
-      help="piecewise: multipliers of the peak LR, one more than boundaries.")
+      help="piecewise: multipliers of the peak LR, one more than boundaries.",
+      traits=())
 
   def __post_init__(self):
     _set(self, "piecewise_boundaries",
@@ -1121,13 +1198,16 @@ class OptimizationConfig:
   `optimizer` None: not resolved yet (`TrainConfig`).
   """
   optimizer: Optional[str] = setting(
-      None, "string", "lr", key=True, help=lambda: _optimizer_help())
+      None, "string", "lr", key=True, help=lambda: _optimizer_help(),
+      traits=("recommendable",))
   momentum: float = setting(
       0.9, "float", "lr",
-      help="Momentum for sgd, momentum and rmsprop.")
+      help="Momentum for sgd, momentum and rmsprop.",
+      traits=())
   weight_decay: float = setting(
       0.0, "float", "lr",
-      help="Decoupled weight decay (0: none; adamw uses 0.004 when 0).")
+      help="Decoupled weight decay (0: none; adamw uses 0.004 when 0).",
+      traits=())
   learning_rate: LearningRateConfig = config_tree.section(
       LearningRateConfig)
   global_clipnorm: Optional[float] = setting(
@@ -1136,12 +1216,14 @@ class OptimizationConfig:
             "gradients is at most this (Keras optimizer option). Applied once"
             " per step, to the gradient summed over all replicas and workers "
             "(and unscaled under fp16), so N replicas clip as one device "
-            "would."))
+            "would."),
+      traits=())
   clipnorm: Optional[float] = setting(
       None, "float", "lr",
       help=("Clip each variable's gradient to at most this norm (Keras "
             "optimizer option); applied like --global_clipnorm, to the summed"
-            " gradient. Give at most one of the two."))
+            " gradient. Give at most one of the two."),
+      traits=())
 
   def __post_init__(self):
     if self.optimizer is not None:
@@ -1174,28 +1256,33 @@ class ReliabilityConfig:
             "summed gradient was not finite, so the step was skipped). A "
             "dynamic loss scale skips a few steps while it settles; 0: no "
             "limit. A run whose every step was skipped fails at its end "
-            "regardless."))
+            "regardless."),
+      traits=())
   loss_explosion_factor: float = setting(
       10.0, "float", "reliability",
       help=("Warn when the training loss exceeds this multiple of its early "
             "value (the mean loss at the first log point): a run can diverge "
-            "without ever reaching NaN. 0: no warning."))
+            "without ever reaching NaN. 0: no warning."),
+      traits=("operational",))
   lease_timeout_seconds: float = setting(
       60.0, "float", "reliability",
       help=("The training chief holds a lease on --model_dir (lease.json), "
             "renewed every quarter of this; a second run on the same "
             "--model_dir refuses while the lease is live, and a restarted job"
-            " takes over a lease not renewed for this many seconds."))
+            " takes over a lease not renewed for this many seconds."),
+      traits=("operational",))
   allow_incompatible_resume: bool = setting(
       False, "bool", "reliability",
       help=("Resume from --model_dir's checkpoint even when the model or the "
             "global batch size differs from the run that wrote it (refused by"
-            " default; other changes are allowed and listed)."))
+            " default; other changes are allowed and listed)."),
+      traits=("operational",))
   dry_run: bool = setting(
       False, "bool", "reliability", key=True,
       help=("Run every start-up check (flags, cluster, output folders, the "
             "--model_dir lease, data files and schema, resumption), print the"
-            " plan and exit 0 without building the model or training."))
+            " plan and exit 0 without building the model or training."),
+      traits=("operational",))
 
   def __post_init__(self):
     _need(self.max_consecutive_skipped_steps >= 0,
@@ -1221,7 +1308,8 @@ class CloudConfig:
             "multi_worker_mirrored with NCCL all-reduce (implies "
             "--all_reduce_alg=nccl; GPUs only), and pool 2 is neither ps nor "
             "worker. Detected by itself when CLUSTER_SPEC's job description "
-            "names the Reduction Server image."))
+            "names the Reduction Server image."),
+      traits=("operational", "multi_replica"))
   hptune_metric: Optional[str] = setting(
       None, "string", "vertex", key=True,
       help=("Report this value of each evaluation to Vertex AI hyperparameter"
@@ -1229,7 +1317,8 @@ class CloudConfig:
             " preinstalled in Vertex's prebuilt containers), from the chief: "
             "eval_loss, or eval_ and the name of one of the model's metrics "
             f"({', '.join(HPTUNE_METRICS)} for tfdist's models). "
-            "Checked against the model before training. Unset: no reporting."))
+            "Checked against the model before training. Unset: no reporting."),
+      traits=("operational",))
 
   def __post_init__(self):
     _need(not self.hptune_metric or re.fullmatch(HPTUNE_METRIC_PATTERN,
@@ -1538,12 +1627,37 @@ class TrainConfig:
     return json.loads(json.dumps(out, default=str))
 
 
-_BOOKKEEPING = ("flags_snapshot", "defaulted", "unset_fields")
+# The fields of a `TrainConfig` that are neither sections nor settings.
+BOOKKEEPING_FIELDS = tuple(
+    f.name for f in dataclasses.fields(TrainConfig)
+    if not config_tree.is_section(f) and not config_tree.is_setting(f))
+_BOOKKEEPING = BOOKKEEPING_FIELDS
 _SECTION_NAMES = tuple(f.name for f in dataclasses.fields(TrainConfig)
                        if config_tree.is_section(f))
 # Setting name -> (path of sections, field), in tree order.
 _SETTINGS = {field.name: (path, field)
              for path, field in config_tree.settings(TrainConfig)}
+
+
+def settings_with(trait: str) -> Tuple[str, ...]:
+  """The names of the settings that state `trait` in their metadata
+  (`tfdist.config_tree.TRAITS`), in tree order: the one source of every
+  list of settings by trait (what a resume ignores, the paths a run
+  checks, what the environment fills, ...).
+
+  Raises:
+    ValueError: `trait` is not in `tfdist.config_tree.TRAITS`.
+  """
+  return config_tree.with_trait(TrainConfig, trait)
+
+
+# The ZeRO switches (`zero_stage` says the same in DeepSpeed's terms).
+SHARDING_SWITCHES = settings_with("zero_switch")
+# Fields a data set may recommend: None means "unset", filled in
+# `TrainConfig.__init__` from DATASET_RECOMMENDED_FLAGS, else from
+# UNSET_DEFAULTS (batch_size stays None: 128 unless --per_replica_batch_size
+# is given, see tfdist.training.batch_plan).
+RECOMMENDABLE_FIELDS = settings_with("recommendable")
 
 
 def flat_fields() -> Dict[str, dataclasses.Field]:

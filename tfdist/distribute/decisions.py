@@ -12,6 +12,7 @@ settings from the config.
 import dataclasses
 from typing import Optional, Tuple
 
+from tfdist import config as config_lib
 from tfdist import errors
 from tfdist.distribute import auto_select
 from tfdist.distribute import environment as environment_lib
@@ -20,10 +21,7 @@ from tfdist.distribute.strategy_kind import StrategyKind
 # The fields of a `TrainConfig` whose values preparing a run decides (from
 # the environment, a tuning trial, `auto`): `Decisions` holds them; the
 # config keeps what the caller gave.
-DECIDED_FIELDS = ("model_dir", "checkpoint_dir", "tensorboard_dir",
-                  "export_dir", "train_files", "eval_files", "data_dir",
-                  "tpu", "distribution_strategy", "dtype", "loss_scale",
-                  "steps_per_execution")
+DECIDED_FIELDS = config_lib.settings_with("decided")
 
 
 @dataclasses.dataclass(frozen=True)
