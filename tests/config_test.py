@@ -13,8 +13,10 @@ from tfdist import config
 from tfdist import config_tree
 from tfdist import errors
 from tfdist.config import TrainConfig
+from tfdist.distribute import auto_select
 from tfdist.distribute import decisions
 from tfdist.distribute import environment
+from tfdist.distribute.strategy_kind import StrategyKind
 from tfdist.observability import manifest
 from tfdist.training import checkpointing
 from tfdist.parallel import tensor_parallel_options
@@ -394,3 +396,57 @@ class TraitsTest(absltest.TestCase):
     self.assertEqual(checkpointing.check_resume(
         before, self._record(seed=7), checkpoint="ckpt-2", restored_step=2),
         ["--seed 42 -> 7"])
+
+
+class DecisionsTest(absltest.TestCase):
+  """Decisions are records built from the sections, with the config's rules
+  run on the decided values and the config left as given."""
+
+  def _choice(self, strategy, dtype="fp32", reason="auto: test"):
+    return auto_select.Decision(
+        strategy=StrategyKind.parse(strategy), strategy_reason=reason,
+        dtype=dtype, dtype_reason="auto: test")
+
+  def test_auto_decided_values_keep_the_configs_rules(self):
+    cfg = TrainConfig(model_dir="/m", train_steps=1, bytes_per_pack=1024)
+    self.assertEqual(decisions.Decisions.of(
+        cfg, choice=self._choice("multi_worker_mirrored")).strategy,
+                     StrategyKind.MULTI_WORKER_MIRRORED)
+    with self.assertRaisesRegex(
+        errors.ConfigError, r"^--bytes_per_pack=1024 applies to "
+        r"multi_worker_mirrored, not mirrored"):
+      decisions.Decisions.of(cfg, choice=self._choice("mirrored"))
+    self.assertEqual(cfg.distribution_strategy, "auto")
+
+  def test_reduction_server_names_how_auto_decided(self):
+    cfg = TrainConfig(model_dir="/m", train_steps=1, reduction_server=True)
+    with self.assertRaisesRegex(
+        errors.ConfigError, r"resolved to one_device \(auto: one GPU\)"):
+      decisions.Decisions.of(cfg, choice=self._choice(
+          "one_device", reason="auto: one GPU"))
+    with self.assertRaisesRegex(
+        errors.ConfigError, r"received --distribution_strategy=mirrored"):
+      TrainConfig(model_dir="/m", train_steps=1, reduction_server=True,
+                  distribution_strategy="mirrored")
+
+  def test_the_flag_values_map_the_records(self):
+    cfg = TrainConfig(model_dir="/m", train_steps=1, loss_scale="64",
+                      dtype="auto", checkpoint_dir="/c")
+    decided = decisions.Decisions.of(
+        cfg, choice=dataclasses.replace(self._choice("tpu", dtype="bf16"),
+                                        tpu="t1"),
+        changes={"train_files": "/aip/t-*", "data_dir": "/d"})
+    self.assertEqual(decided.field_values(), {
+        "data_dir": "/d", "train_files": "/aip/t-*", "eval_files": "",
+        "model_dir": "/m", "checkpoint_dir": "/c", "tensorboard_dir": "",
+        "export_dir": "", "distribution_strategy": "tpu", "tpu": "t1",
+        "steps_per_execution": config.TPU_DEFAULT_STEPS_PER_EXECUTION,
+        "dtype": "bf16", "loss_scale": None})
+    self.assertEqual((decided.checkpoint_dir, decided.export_dir,
+                      decided.tensorboard_dir), ("/c", "/m/saved_model", "/m"))
+    self.assertEqual((cfg.dtype, cfg.loss_scale, cfg.train_files),
+                     ("auto", 64.0, ""))
+
+  def test_auto_is_refused_without_a_choice(self):
+    with self.assertRaisesRegex(errors.ConfigError, "decide `auto` first"):
+      decisions.Decisions.of(TrainConfig(model_dir="/m", train_steps=1))

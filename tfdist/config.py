@@ -27,12 +27,14 @@ flag, the bad value and the fix.
 """
 
 import dataclasses
-import warnings
+import inspect
 import json
+import types
+import warnings
 import math
 import os
 import re
-from typing import Dict, Optional, Tuple
+from typing import Any, Dict, Mapping, Optional, Tuple
 
 from tfdist.distribute.strategy_kind import StrategyKind
 from tfdist import config_tree
@@ -178,6 +180,125 @@ def check_tpu_precision(strategy: str, dtype: str, *, why: str = "") -> None:
         f"{how}: fp16 is not supported on TPUs, which compute in bfloat16 "
         "and have no float16 arithmetic or loss scaling. Use --dtype=bf16 "
         "(the TPU default), --dtype=auto or --dtype=fp32.")
+
+
+def check_bytes_per_pack(kind: Optional[StrategyKind],
+                         bytes_per_pack: int) -> None:
+  """The one rule of `--bytes_per_pack`: only multi_worker_mirrored's
+  all-reduce splits the gradients into packs (one replica, `off` and
+  `one_device`, has nothing to all-reduce: no effect).
+
+  Args:
+    kind: the requested or decided strategy; None (`auto`, not decided
+      yet) passes.
+    bytes_per_pack: `--bytes_per_pack` (0: one pack).
+
+  Raises:
+    ConfigError: a pack size under mirrored, parameter_server or tpu.
+  """
+  _need(not bytes_per_pack or kind is None or kind in (
+            StrategyKind.OFF, StrategyKind.ONE_DEVICE,
+            StrategyKind.MULTI_WORKER_MIRRORED),
+        f"--bytes_per_pack={bytes_per_pack} applies to "
+        f"multi_worker_mirrored, not {kind} (its all-reduce does not split "
+        "the gradients into packs). Drop --bytes_per_pack.")
+
+
+def check_reduction_server(kind: Optional[StrategyKind], *,
+                           decided_because: str = "") -> None:
+  """The one rule of `--reduction_server` and the strategy: Vertex AI's
+  Reduction Server serves NCCL all-reduce between the workers of
+  multi_worker_mirrored.
+
+  Args:
+    kind: the requested strategy (None: `auto`, passes), or the decided
+      one.
+    decided_because: how `auto` decided `kind` (the decision's reason);
+      '' when `kind` is the flag's.
+
+  Raises:
+    ConfigError: another strategy; the message says how it was chosen.
+  """
+  if kind is None or kind is StrategyKind.MULTI_WORKER_MIRRORED:
+    return
+  if decided_because:
+    raise errors.ConfigError(
+        "--reduction_server needs a multi-worker cluster under "
+        f"multi_worker_mirrored, but this run resolved to {kind}"
+        f" ({decided_because}). Vertex AI sets CLUSTER_SPEC for a "
+        "job with a chief and workers (python -m tfdist.job_spec vertex "
+        "--num_workers=N --reduction_server_replicas=R); drop "
+        "--reduction_server for a single-process run.")
+  raise errors.ConfigError(
+      "--reduction_server needs --distribution_strategy="
+      "multi_worker_mirrored or auto (Vertex AI's Reduction Server "
+      "serves NCCL all-reduce between workers); received "
+      f"--distribution_strategy={kind}.")
+
+
+def refuse_auto(strategy: str, dtype: str = "") -> None:
+  """The one refusal of `auto` where concrete values are needed (building
+  a strategy, deciding without `prepare_run`).
+
+  Raises:
+    ConfigError: `strategy` or `dtype` is `auto`.
+  """
+  if AUTO_STRATEGY in (strategy, dtype):
+    raise errors.ConfigError(
+        "the strategy is built from concrete values; decide `auto` "
+        "first with tfdist.experiment.prepare_run "
+        "(tfdist.distribute.auto_select.resolve).")
+
+
+# Where an output folder left unset goes, under `--model_dir`.
+_DEFAULT_SUBFOLDERS = {"checkpoint_dir": "checkpoints", "tensorboard_dir": "",
+                       "export_dir": "saved_model"}
+
+
+def resolve_folder(name: str, value: str, model_dir: str) -> str:
+  """The folder output setting `name` (`checkpoint_dir`, `tensorboard_dir`,
+  `export_dir`) names: `value`, or its default under `model_dir` when
+  unset ('' or None): `checkpoints/`, `model_dir` itself, `saved_model/`."""
+  if value:
+    return value
+  sub = _DEFAULT_SUBFOLDERS[name]
+  return os.path.join(model_dir, sub) if sub else model_dir
+
+
+def require_model_dir(model_dir: str) -> None:
+  """Raises `ConfigError` when no output folder is known.
+
+  Called once the environment is read (`tfdist.distribute.environment`),
+  since Vertex AI's `AIP_*` variables may supply it.
+  """
+  if not model_dir:
+    raise errors.ConfigError(
+        "--model_dir is required (or set AIP_CHECKPOINT_DIR as Vertex AI "
+        "does). Example: "
+        "--model_dir=/tmp/tfdist_run.")
+
+
+def require_data_files(feature_spec: str, train_files: str, eval_files: str,
+                       mode: str) -> None:
+  """Raises `ConfigError` when `--feature_spec` has no files to read.
+
+  Called once the environment is read (`tfdist.distribute.environment`),
+  since Vertex AI's `AIP_TRAINING_DATA_URI` / `AIP_VALIDATION_DATA_URI` may
+  supply them.
+  """
+  if not feature_spec:
+    return
+  if not train_files and mode != "eval":
+    raise errors.ConfigError(
+        f"--feature_spec={feature_spec} describes your TFRecords: "
+        "give them as --train_files (and --eval_files), or set "
+        "AIP_TRAINING_DATA_URI with AIP_DATA_FORMAT=tf-record.")
+  if not eval_files and mode != "train":
+    raise errors.ConfigError(
+        f"--feature_spec={feature_spec} describes your TFRecords: "
+        "give the evaluation files as --eval_files (or set "
+        "AIP_VALIDATION_DATA_URI with AIP_DATA_FORMAT=tf-record; or train "
+        "only: --mode=train).")
 
 
 def parse_profile_steps(value) -> Tuple[int, ...]:
@@ -543,15 +664,17 @@ class OutputsConfig:
 
   @property
   def resolved_checkpoint_dir(self) -> str:
-    return self.checkpoint_dir or os.path.join(self.model_dir, "checkpoints")
+    return resolve_folder("checkpoint_dir", self.checkpoint_dir,
+                          self.model_dir)
 
   @property
   def resolved_tensorboard_dir(self) -> str:
-    return self.tensorboard_dir or self.model_dir
+    return resolve_folder("tensorboard_dir", self.tensorboard_dir,
+                          self.model_dir)
 
   @property
   def resolved_export_dir(self) -> str:
-    return self.export_dir or os.path.join(self.model_dir, "saved_model")
+    return resolve_folder("export_dir", self.export_dir, self.model_dir)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -924,15 +1047,8 @@ class StrategyConfig:
     _need(self.bytes_per_pack >= 0,
           f"--bytes_per_pack={self.bytes_per_pack} must be >= 0 (0: the "
           "gradients in one all-reduce).")
-    if self.bytes_per_pack:
-      kind = self.kind
-      # `auto` is checked again once decided (tfdist.distribute.strategy).
-      _need(kind is None or kind in (StrategyKind.OFF, StrategyKind.ONE_DEVICE,
-                                     StrategyKind.MULTI_WORKER_MIRRORED),
-            f"--bytes_per_pack={self.bytes_per_pack} applies to "
-            f"multi_worker_mirrored, not {self.distribution_strategy} (its "
-            "all-reduce does not split the gradients into packs). Drop "
-            "--bytes_per_pack.")
+    # `auto` is checked once decided (`TrainConfig.check_decided`).
+    check_bytes_per_pack(self.kind, self.bytes_per_pack)
     _need(self.num_gpus >= -1,
           f"--num_gpus={self.num_gpus} must be -1 (all visible), 0 or more.")
 
@@ -944,8 +1060,9 @@ class StrategyConfig:
 
 @dataclasses.dataclass(frozen=True)
 class PrecisionConfig:
-  """Precision and compilation. `dtype` None: not resolved yet (fp32, or
-  bf16 on TPU: `TrainConfig`).
+  """Precision and compilation. `dtype` None: not given (`TrainConfig`
+  makes it fp32; the decisions make it bf16 on a TPU,
+  `tfdist.distribute.decisions`).
   """
   # Stored normalized: fp32, bf16, fp16 or auto (`normalize_dtype`).
   dtype: Optional[str] = setting(
@@ -1345,8 +1462,10 @@ class TrainConfig:
 
   Settings left unset (None) are resolved here, before the sections are
   built: the data set's recommendation or the default (`unset_fields`),
-  TPU defaults (`defaulted`). Each section then validates its own
-  settings as it is built, and `_validate` the rules across sections.
+  the defaults (`defaulted`; what depends on the hardware, a TPU's
+  precision and steps per execution, is decided later, into
+  `tfdist.distribute.decisions.Decisions`). Each section then validates its
+  own settings as it is built, and `_validate` the rules across sections.
 
   Raises (on construction):
     TypeError: a keyword that is no setting, section or bookkeeping field.
@@ -1394,37 +1513,30 @@ class TrainConfig:
                  getattr(self, name) == recommended[name])
 
   def require_model_dir(self):
-    """Raises `ConfigError` when no output folder is known.
-
-    Called once the environment is applied (`tfdist.distribute.environment`),
-    since Vertex AI's `AIP_*` variables may supply it.
-    """
-    if not self.model_dir:
-      raise errors.ConfigError(
-          "--model_dir is required (or set AIP_CHECKPOINT_DIR as Vertex AI "
-          "does). Example: "
-          "--model_dir=/tmp/tfdist_run.")
+    """Raises `ConfigError` when no output folder is known
+    (`require_model_dir`)."""
+    require_model_dir(self.model_dir)
 
   def require_data_files(self):
-    """Raises `ConfigError` when `--feature_spec` has no files to read.
+    """Raises `ConfigError` when `--feature_spec` has no files to read
+    (`require_data_files`)."""
+    require_data_files(self.feature_spec, self.train_files, self.eval_files,
+                       self.mode)
 
-    Called once the environment is applied (`tfdist.distribute.environment`),
-    since Vertex AI's `AIP_TRAINING_DATA_URI` / `AIP_VALIDATION_DATA_URI` may
-    supply them.
+  def check_decided(self, decided: Mapping[str, Any]) -> None:
+    """Runs the config's rules that read a decidable setting on the values
+    preparing a run decided (`tfdist.distribute.decisions.Decisions`):
+    `--bytes_per_pack` and every rule across sections, with `decided`
+    (`{flag name: value}`) read in place of the caller's settings. No copy
+    of the config is made.
+
+    Raises:
+      ConfigError: a decided value breaks a rule (as the constructor's).
     """
-    if not self.feature_spec:
-      return
-    if not self.train_files and self.mode != "eval":
-      raise errors.ConfigError(
-          f"--feature_spec={self.feature_spec} describes your TFRecords: "
-          "give them as --train_files (and --eval_files), or set "
-          "AIP_TRAINING_DATA_URI with AIP_DATA_FORMAT=tf-record.")
-    if not self.eval_files and self.mode != "train":
-      raise errors.ConfigError(
-          f"--feature_spec={self.feature_spec} describes your TFRecords: "
-          "give the evaluation files as --eval_files (or set "
-          "AIP_VALIDATION_DATA_URI with AIP_DATA_FORMAT=tf-record; or train "
-          "only: --mode=train).")
+    view = _DecidedView(self, decided)
+    check_bytes_per_pack(requested_kind(view.distribution_strategy),
+                         view.bytes_per_pack)
+    TrainConfig._validate(view)
 
   def _validate(self):
     """Runs every rule across sections in order; the first broken rule
@@ -1487,12 +1599,7 @@ class TrainConfig:
   def _validate_vertex_ai(self):
     """Vertex AI's Reduction Server: multi_worker_mirrored with NCCL."""
     if self.reduction_server:
-      kind = self._strategy_kind
-      _need(kind is None or kind is StrategyKind.MULTI_WORKER_MIRRORED,
-            "--reduction_server needs --distribution_strategy="
-            "multi_worker_mirrored or auto (Vertex AI's Reduction Server "
-            "serves NCCL all-reduce between workers); received "
-            f"--distribution_strategy={self.distribution_strategy}.")
+      check_reduction_server(self._strategy_kind)
       _need(self.all_reduce_alg in ("auto", "nccl"),
             f"--reduction_server implies --all_reduce_alg=nccl; received "
             f"--all_reduce_alg={self.all_reduce_alg}. Drop --all_reduce_alg "
@@ -1734,6 +1841,25 @@ class ModelBuilderConfig:
     return f"ModelBuilderConfig({self._config.task!r})"
 
 
+class _DecidedView:
+  """A `TrainConfig` read with some settings' values replaced (`decided`,
+  by flag name): what `TrainConfig.check_decided` runs the rules on. Its
+  methods and properties run with the view as `self`."""
+
+  def __init__(self, config: TrainConfig, decided: Mapping[str, Any]):
+    self._config, self._decided = config, dict(decided)
+
+  def __getattr__(self, name: str):
+    if name in self._decided:
+      return self._decided[name]
+    attr = inspect.getattr_static(TrainConfig, name, None)
+    if name not in _SETTINGS and isinstance(attr, property):
+      return attr.fget(self)
+    if inspect.isfunction(attr):
+      return types.MethodType(attr, self)
+    return getattr(self._config, name)
+
+
 def section_of(name: str) -> Tuple[str, ...]:
   """The path of sections holding setting `name`, e.g. `("loop",)`.
 
@@ -1770,17 +1896,15 @@ def _given_settings(given: dict) -> dict:
 
 
 def _resolve_unset(values: dict) -> None:
-  """Fills the settings left unset (None) in `values`, in place: TPU
-  defaults (`defaulted`), the sharding switches, the data set and its
-  recommendations (`unset_fields`)."""
-  kind = requested_kind(values["distribution_strategy"])
-  on_tpu = kind is not None and kind.is_tpu
+  """Fills the settings left unset (None) in `values`, in place: their
+  defaults (`defaulted`: the decisions give a TPU its own,
+  `tfdist.distribute.decisions`), the sharding switches, the data set and
+  its recommendations (`unset_fields`). Nothing here depends on the
+  hardware or the strategy."""
   defaulted = []
-  for name, default, tpu_default in (
-      ("dtype", "fp32", "bf16"),
-      ("steps_per_execution", 1, TPU_DEFAULT_STEPS_PER_EXECUTION)):
+  for name, default in (("dtype", "fp32"), ("steps_per_execution", 1)):
     if values[name] is None:
-      values[name] = tpu_default if on_tpu else default
+      values[name] = default
       defaulted.append(name)
   for name in SHARDING_SWITCHES:
     if values[name] is None:

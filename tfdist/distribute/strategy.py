@@ -17,6 +17,7 @@ import threading
 from absl import logging
 import tensorflow as tf
 
+from tfdist import config as config_lib
 from tfdist import errors
 from tfdist.distribute import cluster as cluster_lib
 from tfdist.distribute import parameter_server
@@ -116,11 +117,7 @@ class StrategyOptions:
         `--distribution_strategy=auto`.
     """
     if decisions is None:
-      if strategy.distribution_strategy == "auto":
-        raise errors.ConfigError(
-            "the strategy is built from concrete values; decide `auto` "
-            "first with tfdist.experiment.prepare_run "
-            "(tfdist.distribute.auto_select.resolve).")
+      config_lib.refuse_auto(strategy.distribution_strategy)
       kind = StrategyKind.parse(strategy.distribution_strategy)
       tpu_address = strategy.tpu.tpu
     else:
@@ -554,13 +551,7 @@ def make_strategy(options: StrategyOptions, *, cluster=None) -> StrategyChoice:
     raise errors.ConfigError(
         f"--distribution_strategy={kind} needs the resolved "
         "cluster (tfdist.distribute.cluster.resolve_cluster).")
-  if options.bytes_per_pack and kind in (
-      StrategyKind.MIRRORED, StrategyKind.PARAMETER_SERVER, StrategyKind.TPU):
-    # One replica (off, one_device) has nothing to all-reduce: no effect.
-    raise errors.ConfigError(
-        f"--bytes_per_pack={options.bytes_per_pack} applies to "
-        f"multi_worker_mirrored, not {kind} (its all-reduce does not split "
-        "the gradients into packs). Drop --bytes_per_pack.")
+  config_lib.check_bytes_per_pack(kind, options.bytes_per_pack)
   choice = _BUILDERS[kind](options, reason, cluster)
   logging.info("Strategy: %s; %d replica(s) on %s", choice.name,
                choice.strategy.num_replicas_in_sync, ", ".join(choice.devices))
