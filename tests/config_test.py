@@ -450,3 +450,17 @@ class DecisionsTest(absltest.TestCase):
   def test_auto_is_refused_without_a_choice(self):
     with self.assertRaisesRegex(errors.ConfigError, "decide `auto` first"):
       decisions.Decisions.of(TrainConfig(model_dir="/m", train_steps=1))
+
+
+class DecidedRulesTest(absltest.TestCase):
+
+  def test_zero_stage_3_is_refused_where_auto_decided_one_device(self):
+    cfg = TrainConfig(model_dir="/m", train_steps=1, zero_stage=3)
+    choice = auto_select.Decision(
+        strategy=StrategyKind.ONE_DEVICE, strategy_reason="auto: test",
+        dtype="fp32", dtype_reason="test")
+    with self.assertRaisesRegex(
+        errors.ConfigError, r"^--zero_stage=3 \(--shard_optimizer_state\) "
+        r"runs under mirrored or multi_worker_mirrored; received "
+        r"--distribution_strategy=one_device"):
+      decisions.Decisions.of(cfg, choice=choice)

@@ -1551,8 +1551,9 @@ class TrainConfig:
 
   @property
   def _strategy_kind(self) -> Optional[StrategyKind]:
-    """The requested strategy's kind; None for `auto` (not yet resolved)."""
-    return self.strategy.kind
+    """The requested (or, in `check_decided`, the decided) strategy's
+    kind; None for `auto` (not yet resolved)."""
+    return requested_kind(self.distribution_strategy)
 
   def _validate_batch(self):
     """Gradient accumulation needs a synchronous strategy."""
