@@ -184,7 +184,7 @@ def define_all_flags() -> List[str]:
 # TrainConfig fields that have no flag: set by the library itself, or only
 # by library callers. Every other field has a flag of the same name
 # (tests/flags_test.py checks both ways).
-LIBRARY_ONLY_FIELDS = ("flags_snapshot", "defaulted", "unset_fields")
+LIBRARY_ONLY_FIELDS = config_lib.BOOKKEEPING_FIELDS
 
 
 def config_flag_names() -> List[str]:

@@ -1,6 +1,8 @@
 """Tests for tfdist.config: validation errors name flag, value and fix."""
 
+import dataclasses
 import os
+import types
 from unittest import mock
 
 from absl.testing import absltest
@@ -8,9 +10,15 @@ from absl.testing import parameterized
 import pytest
 
 from tfdist import config
+from tfdist import config_tree
 from tfdist import errors
 from tfdist.config import TrainConfig
+from tfdist.distribute import auto_select
+from tfdist.distribute import decisions
 from tfdist.distribute import environment
+from tfdist.distribute.strategy_kind import StrategyKind
+from tfdist.observability import manifest
+from tfdist.training import checkpointing
 from tfdist.parallel.tensor import options as tensor_parallel_options
 
 # Also run on the oldest supported TensorFlow (see tests/conftest.py).
@@ -326,3 +334,133 @@ class TrainConfigTest(parameterized.TestCase):
 
 if __name__ == "__main__":
   absltest.main()
+
+
+class TraitsTest(absltest.TestCase):
+  """Every setting states its traits; the name lists are derived from them."""
+
+  def test_every_setting_states_its_traits(self):
+    unstated = [name for name, field in config.flat_fields().items()
+                if name not in config.BOOKKEEPING_FIELDS and
+                config_tree.traits_of(field) is None]
+    self.assertEqual(unstated, [])
+
+  def test_a_setting_without_traits_is_caught(self):
+    # The check above, on a section with a setting that states none.
+    @dataclasses.dataclass(frozen=True)
+    class Section:
+      stated: int = config_tree.setting(1, "integer", "g", help="h",
+                                        traits=())
+      unstated: int = config_tree.setting(1, "integer", "g", help="h")
+
+    self.assertEqual([f.name for _, f in config_tree.settings(Section)
+                      if config_tree.traits_of(f) is None], ["unstated"])
+    with self.assertRaisesRegex(ValueError, "traits=\\('fast',\\)"):
+      config_tree.setting(1, "integer", "g", help="h", traits=("fast",))
+
+  def test_the_lists_are_derived_from_the_traits(self):
+    self.assertEqual(config.settings_with("output_folder"),
+                     ("model_dir", "checkpoint_dir", "tensorboard_dir",
+                      "export_dir"))
+    self.assertEqual(checkpointing.MODEL_FIELDS,
+                     config.settings_with("model"))
+    self.assertIn("zero3_blocks", checkpointing.OPERATIONAL_FIELDS)
+    self.assertEqual(set(decisions.DECIDED_FIELDS),
+                     {"model_dir", "checkpoint_dir", "tensorboard_dir",
+                      "export_dir", "train_files", "eval_files", "data_dir",
+                      "tpu", "distribution_strategy", "dtype", "loss_scale",
+                      "steps_per_execution"})
+
+  def _record(self, **changes):
+    run = TrainConfig(model_dir="/tmp/x", train_steps=4, optimizer="adamw",
+                      distribution_strategy="mirrored", zero_stage=3,
+                      **changes)
+    plan = types.SimpleNamespace(
+        global_batch_size=64, batch=types.SimpleNamespace(
+            num_replicas_in_sync=2, per_replica_batch_size=32),
+        total_steps=4, steps_per_epoch=10, strategy="mirrored",
+        eval_batch_size=64, lr=types.SimpleNamespace(
+            warmup_steps=0, peak_learning_rate=0.1))
+    return checkpointing.run_record(manifest.recorded_config(run), plan)
+
+  def test_resuming_with_other_zero3_blocks_is_no_changed_setting(self):
+    # How stage 3 gathers the weights (blocks, prefetch) trains the same
+    # weights, as --pipeline_stages' layout does: not a changed setting.
+    before = self._record(zero3_blocks=4, zero3_prefetch=False)
+    for changes in ({"zero3_blocks": 2}, {"zero3_prefetch": True},
+                    {"zero3_blocks": 1, "zero3_prefetch": True}):
+      self.assertEqual(checkpointing.check_resume(
+          before, self._record(**changes), checkpoint="ckpt-2",
+          restored_step=2), [], changes)
+    # A setting that changes what is trained is still reported.
+    self.assertEqual(checkpointing.check_resume(
+        before, self._record(seed=7), checkpoint="ckpt-2", restored_step=2),
+        ["--seed 42 -> 7"])
+
+
+class DecisionsTest(absltest.TestCase):
+  """Decisions are records built from the sections, with the config's rules
+  run on the decided values and the config left as given."""
+
+  def _choice(self, strategy, dtype="fp32", reason="auto: test"):
+    return auto_select.Decision(
+        strategy=StrategyKind.parse(strategy), strategy_reason=reason,
+        dtype=dtype, dtype_reason="auto: test")
+
+  def test_auto_decided_values_keep_the_configs_rules(self):
+    cfg = TrainConfig(model_dir="/m", train_steps=1, bytes_per_pack=1024)
+    self.assertEqual(decisions.Decisions.of(
+        cfg, choice=self._choice("multi_worker_mirrored")).strategy,
+                     StrategyKind.MULTI_WORKER_MIRRORED)
+    with self.assertRaisesRegex(
+        errors.ConfigError, r"^--bytes_per_pack=1024 applies to "
+        r"multi_worker_mirrored, not mirrored"):
+      decisions.Decisions.of(cfg, choice=self._choice("mirrored"))
+    self.assertEqual(cfg.distribution_strategy, "auto")
+
+  def test_reduction_server_names_how_auto_decided(self):
+    cfg = TrainConfig(model_dir="/m", train_steps=1, reduction_server=True)
+    with self.assertRaisesRegex(
+        errors.ConfigError, r"resolved to one_device \(auto: one GPU\)"):
+      decisions.Decisions.of(cfg, choice=self._choice(
+          "one_device", reason="auto: one GPU"))
+    with self.assertRaisesRegex(
+        errors.ConfigError, r"received --distribution_strategy=mirrored"):
+      TrainConfig(model_dir="/m", train_steps=1, reduction_server=True,
+                  distribution_strategy="mirrored")
+
+  def test_the_flag_values_map_the_records(self):
+    cfg = TrainConfig(model_dir="/m", train_steps=1, loss_scale="64",
+                      dtype="auto", checkpoint_dir="/c")
+    decided = decisions.Decisions.of(
+        cfg, choice=dataclasses.replace(self._choice("tpu", dtype="bf16"),
+                                        tpu="t1"),
+        changes={"train_files": "/aip/t-*", "data_dir": "/d"})
+    self.assertEqual(decided.field_values(), {
+        "data_dir": "/d", "train_files": "/aip/t-*", "eval_files": "",
+        "model_dir": "/m", "checkpoint_dir": "/c", "tensorboard_dir": "",
+        "export_dir": "", "distribution_strategy": "tpu", "tpu": "t1",
+        "steps_per_execution": config.TPU_DEFAULT_STEPS_PER_EXECUTION,
+        "dtype": "bf16", "loss_scale": None})
+    self.assertEqual((decided.checkpoint_dir, decided.export_dir,
+                      decided.tensorboard_dir), ("/c", "/m/saved_model", "/m"))
+    self.assertEqual((cfg.dtype, cfg.loss_scale, cfg.train_files),
+                     ("auto", 64.0, ""))
+
+  def test_auto_is_refused_without_a_choice(self):
+    with self.assertRaisesRegex(errors.ConfigError, "decide `auto` first"):
+      decisions.Decisions.of(TrainConfig(model_dir="/m", train_steps=1))
+
+
+class DecidedRulesTest(absltest.TestCase):
+
+  def test_zero_stage_3_is_refused_where_auto_decided_one_device(self):
+    cfg = TrainConfig(model_dir="/m", train_steps=1, zero_stage=3)
+    choice = auto_select.Decision(
+        strategy=StrategyKind.ONE_DEVICE, strategy_reason="auto: test",
+        dtype="fp32", dtype_reason="test")
+    with self.assertRaisesRegex(
+        errors.ConfigError, r"^--zero_stage=3 \(--shard_optimizer_state\) "
+        r"runs under mirrored or multi_worker_mirrored; received "
+        r"--distribution_strategy=one_device"):
+      decisions.Decisions.of(cfg, choice=choice)

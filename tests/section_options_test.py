@@ -175,12 +175,15 @@ class SectionOptionsTest(absltest.TestCase):
     config = _config(distribution_strategy="one_device", dtype="fp32",
                      train_files="/given/train-*")
     # As the environment's folders and files are decided (Vertex AI's
-    # AIP_* variables): on a copy that is then dropped.
+    # AIP_* variables): into the decisions, the config unchanged.
     decided = dataclasses.replace(
-        decisions_lib.Decisions.of(config.replace(
+        decisions_lib.Decisions.of(config, changes=dict(
             model_dir="/aip/model", checkpoint_dir="/aip/ckpt",
             export_dir="/aip/export", train_files="/aip/train-*")),
-        dtype="bf16", steps_per_execution=9)
+        precision=decisions_lib.PrecisionDecision(dtype="bf16"),
+        accelerator=decisions_lib.TpuDecision(steps_per_execution=9))
+    self.assertEqual((config.model_dir, config.train_files),
+                     ("/tmp/section_options_test", "/given/train-*"))
     outputs = preflight.decided_outputs(config.outputs, decided)
     self.assertEqual((outputs.model_dir, outputs.resolved_checkpoint_dir,
                       outputs.resolved_export_dir),

@@ -242,18 +242,25 @@ class TpuRulesTest(parameterized.TestCase):
         cfg, environment_lib.read_environment({"HOME": "/home/u"}))[0]
 
   def test_defaults_on_tpu(self):
+    # The config holds the defaults; the decisions give a TPU its own.
     cfg = self._config()
-    self.assertEqual(cfg.dtype, "bf16")
-    self.assertEqual(cfg.steps_per_execution,
-                     tpu.TPU_DEFAULT_STEPS_PER_EXECUTION)
+    self.assertEqual((cfg.dtype, cfg.steps_per_execution), ("fp32", 1))
     self.assertContainsSubset(("dtype", "steps_per_execution"),
                               cfg.defaulted)
-    cpu = TrainConfig(model_dir="/tmp/m", train_steps=10)
-    self.assertEqual((cpu.dtype, cpu.steps_per_execution), ("fp32", 1))
+    decided = decisions_lib.Decisions.of(cfg)
+    self.assertEqual((decided.dtype, decided.steps_per_execution),
+                     ("bf16", tpu.TPU_DEFAULT_STEPS_PER_EXECUTION))
+    cpu = TrainConfig(model_dir="/tmp/m", train_steps=10,
+                      distribution_strategy="one_device")
+    decided = decisions_lib.Decisions.of(cpu)
+    self.assertEqual((decided.dtype, decided.steps_per_execution),
+                     ("fp32", 1))
 
   def test_flags_override_defaults(self):
     cfg = self._config(dtype="fp32", steps_per_execution=1)
-    self.assertEqual((cfg.dtype, cfg.steps_per_execution), ("fp32", 1))
+    decided = decisions_lib.Decisions.of(cfg)
+    self.assertEqual((decided.dtype, decided.steps_per_execution),
+                     ("fp32", 1))
     self.assertNoCommonElements(("dtype", "steps_per_execution"),
                                 cfg.defaulted)
 
@@ -351,7 +358,8 @@ class TpuFlagsTest(absltest.TestCase):
                       cfg.tpu_init_timeout), ("my-tpu", "us-central2-b",
                                               "proj", 30.0))
     # Neither --dtype nor --steps_per_execution given: the TPU defaults.
-    self.assertEqual((cfg.dtype, cfg.steps_per_execution),
+    decided = decisions_lib.Decisions.of(cfg)
+    self.assertEqual((decided.dtype, decided.steps_per_execution),
                      ("bf16", tpu.TPU_DEFAULT_STEPS_PER_EXECUTION))
     with flagsaver.as_parsed(dtype="AUTO", model_dir="/m", train_steps="5"):
       self.assertEqual(tfdist_flags.flags_to_config(flags.FLAGS).dtype,

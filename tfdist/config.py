@@ -27,12 +27,14 @@ flag, the bad value and the fix.
 """
 
 import dataclasses
-import warnings
+import inspect
 import json
+import types
+import warnings
 import math
 import os
 import re
-from typing import Dict, Optional, Tuple
+from typing import Any, Dict, Mapping, Optional, Tuple
 
 from tfdist.distribute.strategy_kind import StrategyKind
 from tfdist import config_tree
@@ -92,15 +94,8 @@ HPTUNE_METRIC_PATTERN = r"eval_[A-Za-z0-9_./-]+"
 # Steps per `tf.function` call on TPU when --steps_per_execution is not
 # given: each call is a host -> TPU round trip, so TPUs want many steps each.
 TPU_DEFAULT_STEPS_PER_EXECUTION = 100
-# Fields a data set may recommend: None means "unset", filled in
-# `TrainConfig.__post_init__` from DATASET_RECOMMENDED_FLAGS, else from
-# UNSET_DEFAULTS (batch_size stays None: 128 unless --per_replica_batch_size
-# is given, see tfdist.training.batch_plan).
-# The ZeRO switches (`zero_stage` says the same in DeepSpeed's terms).
-SHARDING_SWITCHES = ("shard_optimizer_state", "shard_gradients",
-                     "shard_parameters")
-RECOMMENDABLE_FIELDS = ("model", "batch_size", "optimizer",
-                        "base_learning_rate", "lr_scaling")
+# The defaults of the recommendable settings a data set does not recommend
+# (`RECOMMENDABLE_FIELDS`).
 UNSET_DEFAULTS = {"model": "cnn", "optimizer": "sgd",
                   "base_learning_rate": 0.1, "lr_scaling": "linear"}
 
@@ -186,6 +181,125 @@ def check_tpu_precision(strategy: str, dtype: str, *, why: str = "") -> None:
         f"{how}: fp16 is not supported on TPUs, which compute in bfloat16 "
         "and have no float16 arithmetic or loss scaling. Use --dtype=bf16 "
         "(the TPU default), --dtype=auto or --dtype=fp32.")
+
+
+def check_bytes_per_pack(kind: Optional[StrategyKind],
+                         bytes_per_pack: int) -> None:
+  """The one rule of `--bytes_per_pack`: only multi_worker_mirrored's
+  all-reduce splits the gradients into packs (one replica, `off` and
+  `one_device`, has nothing to all-reduce: no effect).
+
+  Args:
+    kind: the requested or decided strategy; None (`auto`, not decided
+      yet) passes.
+    bytes_per_pack: `--bytes_per_pack` (0: one pack).
+
+  Raises:
+    ConfigError: a pack size under mirrored, parameter_server or tpu.
+  """
+  _need(not bytes_per_pack or kind is None or kind in (
+            StrategyKind.OFF, StrategyKind.ONE_DEVICE,
+            StrategyKind.MULTI_WORKER_MIRRORED),
+        f"--bytes_per_pack={bytes_per_pack} applies to "
+        f"multi_worker_mirrored, not {kind} (its all-reduce does not split "
+        "the gradients into packs). Drop --bytes_per_pack.")
+
+
+def check_reduction_server(kind: Optional[StrategyKind], *,
+                           decided_because: str = "") -> None:
+  """The one rule of `--reduction_server` and the strategy: Vertex AI's
+  Reduction Server serves NCCL all-reduce between the workers of
+  multi_worker_mirrored.
+
+  Args:
+    kind: the requested strategy (None: `auto`, passes), or the decided
+      one.
+    decided_because: how `auto` decided `kind` (the decision's reason);
+      '' when `kind` is the flag's.
+
+  Raises:
+    ConfigError: another strategy; the message says how it was chosen.
+  """
+  if kind is None or kind is StrategyKind.MULTI_WORKER_MIRRORED:
+    return
+  if decided_because:
+    raise errors.ConfigError(
+        "--reduction_server needs a multi-worker cluster under "
+        f"multi_worker_mirrored, but this run resolved to {kind}"
+        f" ({decided_because}). Vertex AI sets CLUSTER_SPEC for a "
+        "job with a chief and workers (python -m tfdist.job_spec vertex "
+        "--num_workers=N --reduction_server_replicas=R); drop "
+        "--reduction_server for a single-process run.")
+  raise errors.ConfigError(
+      "--reduction_server needs --distribution_strategy="
+      "multi_worker_mirrored or auto (Vertex AI's Reduction Server "
+      "serves NCCL all-reduce between workers); received "
+      f"--distribution_strategy={kind}.")
+
+
+def refuse_auto(strategy: str, dtype: str = "") -> None:
+  """The one refusal of `auto` where concrete values are needed (building
+  a strategy, deciding without `prepare_run`).
+
+  Raises:
+    ConfigError: `strategy` or `dtype` is `auto`.
+  """
+  if AUTO_STRATEGY in (strategy, dtype):
+    raise errors.ConfigError(
+        "the strategy is built from concrete values; decide `auto` "
+        "first with tfdist.experiment.prepare_run "
+        "(tfdist.distribute.auto_select.resolve).")
+
+
+# Where an output folder left unset goes, under `--model_dir`.
+_DEFAULT_SUBFOLDERS = {"checkpoint_dir": "checkpoints", "tensorboard_dir": "",
+                       "export_dir": "saved_model"}
+
+
+def resolve_folder(name: str, value: str, model_dir: str) -> str:
+  """The folder output setting `name` (`checkpoint_dir`, `tensorboard_dir`,
+  `export_dir`) names: `value`, or its default under `model_dir` when
+  unset ('' or None): `checkpoints/`, `model_dir` itself, `saved_model/`."""
+  if value:
+    return value
+  sub = _DEFAULT_SUBFOLDERS[name]
+  return os.path.join(model_dir, sub) if sub else model_dir
+
+
+def require_model_dir(model_dir: str) -> None:
+  """Raises `ConfigError` when no output folder is known.
+
+  Called once the environment is read (`tfdist.distribute.environment`),
+  since Vertex AI's `AIP_*` variables may supply it.
+  """
+  if not model_dir:
+    raise errors.ConfigError(
+        "--model_dir is required (or set AIP_CHECKPOINT_DIR as Vertex AI "
+        "does). Example: "
+        "--model_dir=/tmp/tfdist_run.")
+
+
+def require_data_files(feature_spec: str, train_files: str, eval_files: str,
+                       mode: str) -> None:
+  """Raises `ConfigError` when `--feature_spec` has no files to read.
+
+  Called once the environment is read (`tfdist.distribute.environment`),
+  since Vertex AI's `AIP_TRAINING_DATA_URI` / `AIP_VALIDATION_DATA_URI` may
+  supply them.
+  """
+  if not feature_spec:
+    return
+  if not train_files and mode not in ("eval", "export"):
+    raise errors.ConfigError(
+        f"--feature_spec={feature_spec} describes your TFRecords: "
+        "give them as --train_files (and --eval_files), or set "
+        "AIP_TRAINING_DATA_URI with AIP_DATA_FORMAT=tf-record.")
+  if not eval_files and mode not in ("train", "export"):
+    raise errors.ConfigError(
+        f"--feature_spec={feature_spec} describes your TFRecords: "
+        "give the evaluation files as --eval_files (or set "
+        "AIP_VALIDATION_DATA_URI with AIP_DATA_FORMAT=tf-record; or train "
+        "only: --mode=train).")
 
 
 def parse_profile_steps(value) -> Tuple[int, ...]:
@@ -342,26 +456,31 @@ class DataConfig:
             "tf.data.Dataset of (features, labels)). Default: "
             f"{DEFAULT_DATASET}, or your TFRecords with --feature_spec. A "
             "data set may recommend values for flags left unset: "
-            f"{_recommendations_text()}."))
+            f"{_recommendations_text()}."),
+      traits=("model",))
   data_dir: str = setting(
       "", "string", "base",
       help=("Where named data sets are converted to TFRecord, once. Default: "
-            "$TFDIST_DATA_DIR, else ~/.cache/tfdist/datasets."))
+            "$TFDIST_DATA_DIR, else ~/.cache/tfdist/datasets."),
+      traits=("operational", "path", "folder", "from_environment", "decided"))
   raw_data_dir: str = setting(
       "", "string", "base",
       help=("Folder with the original Fashion-MNIST .gz files. Default: "
-            "Debian's /usr/share/datasets/fashion-mnist."))
+            "Debian's /usr/share/datasets/fashion-mnist."),
+      traits=("operational", "path", "folder"))
   train_files: str = setting(
       "", "string", "base", key=True,
       help=("Comma-separated globs of TFRecord files for training (local or "
             "gs://; files ending in .gz are read as GZIP). Default: Vertex "
             "AI's $AIP_TRAINING_DATA_URI when AIP_DATA_FORMAT=tf-record, else"
-            " the --dataset's files."))
+            " the --dataset's files."),
+      traits=("operational", "path", "files", "from_environment", "decided"))
   eval_files: str = setting(
       "", "string", "base", key=True,
       help=("Comma-separated globs of TFRecord files for evaluation. Default:"
             " Vertex AI's $AIP_VALIDATION_DATA_URI when AIP_DATA_FORMAT=tf-"
-            "record, else the --dataset's test files."))
+            "record, else the --dataset's test files."),
+      traits=("operational", "path", "files", "from_environment", "decided"))
 
   def __post_init__(self):
     _need(self.dataset is None or bool(self.dataset),
@@ -385,7 +504,8 @@ class TaskConfig:
             " path, package.module:build_fn (a function returning a "
             "keras.Model, compiled with its loss and metrics or not). "
             "Default: the --dataset's recommendation, else "
-            f"{UNSET_DEFAULTS['model']}."))
+            f"{UNSET_DEFAULTS['model']}."),
+      traits=("model", "recommendable"))
   data: DataConfig = config_tree.section(DataConfig)
   feature_spec: str = setting(
       "", "string", "base", key=True,
@@ -393,13 +513,15 @@ class TaskConfig:
             "--train_files and --eval_files: {\"features\": {name: {\"dtype\": "
             "float32|int64|string, \"shape\": [...], \"default\": optional}}, "
             "\"labels\": [names]}. The other features are the model's inputs (a"
-            " dict). Checked against the first record at start."))
+            " dict). Checked against the first record at start."),
+      traits=("model", "path"))
   # Stored as a tuple of module names (a comma-separated string is split).
   import_modules: Tuple[str, ...] = setting(
       (), "list", "base",
       help=("Comma-separated modules to import first, e.g. modules that "
             "register models and data sets with @tfdist.register_model / "
-            "@tfdist.register_dataset."))
+            "@tfdist.register_dataset."),
+      traits=("operational",))
   # A dict, `ID:WEIGHT` items (a list or one comma-separated string), or
   # pairs; stored as sorted `(id, weight)` pairs (`parse_class_weight`).
   class_weight: Tuple[Tuple[int, float], ...] = setting(
@@ -408,13 +530,15 @@ class TaskConfig:
             "CLASS_ID:WEIGHT items, e.g. 0:1,1:4 (a class not named weighs 1;"
             " the class of a one-hot label is its argmax). Each example's "
             "loss is multiplied by its class's weight. Not with sample "
-            "weights in the data."))
+            "weights in the data."),
+      traits=())
   init_checkpoint: str = setting(
       "", "string", "base",
       help=("Weights to load into the model before training (Model Garden's "
             "flag): a checkpoint (a tfdist run's checkpoints/ folder, a "
             "ckpt-N prefix) or a Keras .weights.h5 file. Ignored when "
-            "resuming from --model_dir's own checkpoints."))
+            "resuming from --model_dir's own checkpoints."),
+      traits=("operational", "path"))
   mode: str = setting(
       "train_and_eval", "enum", "base", choices=MODES, key=True,
       help=("train_and_eval: train, evaluating every --epochs_between_evals "
@@ -422,16 +546,20 @@ class TaskConfig:
             "checkpoint once; continuous_eval: evaluate each checkpoint as it"
             " appears, until the final step (a side-car evaluator); export: "
             "export the latest checkpoint's model as a SavedModel to "
-            "--export_dir, training no step."))
+            "--export_dir, training no step."),
+      traits=("operational",))
   shuffle_buffer_size: int = setting(
       10_000, "integer", "base",
-      help="Examples in the training shuffle buffer (0: none).")
+      help="Examples in the training shuffle buffer (0: none).",
+      traits=())
   cache_dataset: bool = setting(
       True, "bool", "base",
-      help="Cache parsed examples in memory after the first pass.")
+      help="Cache parsed examples in memory after the first pass.",
+      traits=())
   embedding_dim: int = setting(
       16, "integer", "base",
-      help="Ranking models (--model=ranking): width of each embedding.")
+      help="Ranking models (--model=ranking): width of each embedding.",
+      traits=("model",))
   sync_batch_norm: Optional[bool] = setting(
       None, "bool", "base",
       help=("Built-in models (cnn, resnet): batch normalization over the "
@@ -440,45 +568,53 @@ class TaskConfig:
             "them. Default: on under mirrored, multi_worker_mirrored and tpu "
             "with more than one replica; --nosync_batch_norm normalizes each "
             "replica's share of the batch by itself (no all-reduce in the "
-            "forward pass)."))
+            "forward pass)."),
+      traits=("multi_replica",))
   hash_buckets: int = setting(
       100_000, "integer", "base",
       help=("Ranking models: rows of the user and item tables (ids are hashed"
             " into them). Large values make large tables, sharded across ps "
-            "tasks under --distribution_strategy=parameter_server."))
+            "tasks under --distribution_strategy=parameter_server."),
+      traits=("model",))
   transformer_layers: int = setting(
       2, "integer", "base",
       help=("The Transformer (--model=transformer): encoder blocks (each "
             "multi-head self-attention and a feed-forward layer). Deeper "
-            "models can be cut into more --pipeline_stages."))
+            "models can be cut into more --pipeline_stages."),
+      traits=("model",))
   transformer_experts: int = setting(
       0, "integer", "base",
       help=("The Transformer: experts in each block's feed-forward layer, a "
             "mixture of experts (tfdist.MixtureOfExperts: a router sends "
             "each token to its --experts_top_k experts, each as wide as the "
             "dense layer, within --experts_capacity_factor). 0: the dense "
-            "feed-forward layer."))
+            "feed-forward layer."),
+      traits=("model",))
   experts_top_k: int = setting(
       2, "integer", "base",
       help=("With --transformer_experts: experts per token, 1 (Switch "
-            "Transformer) or 2 (GShard); at most --transformer_experts."))
+            "Transformer) or 2 (GShard); at most --transformer_experts."),
+      traits=())
   experts_capacity_factor: float = setting(
       1.25, "float", "base",
       help=("With --transformer_experts: each expert takes at most "
             "ceil(top_k * sequence_length * factor / experts) tokens of an "
             "example; a token's choices past that are dropped (its residual"
-            " connection carries it). Must be > 0."))
+            " connection carries it). Must be > 0."),
+      traits=())
   experts_load_balancing_loss_weight: float = setting(
       0.01, "float", "base",
       help=("With --transformer_experts: weight of the Switch Transformer's "
             "load-balancing loss (experts * sum of each expert's token "
             "fraction times its mean router probability) in the training "
-            "loss. 0: none."))
+            "loss. 0: none."),
+      traits=())
   experts_router_z_loss_weight: float = setting(
       0.001, "float", "base",
       help=("With --transformer_experts: weight of ST-MoE's router z-loss "
             "(mean squared logsumexp of the router's logits) in the training"
-            " loss. 0: none."))
+            " loss. 0: none."),
+      traits=())
 
   def __post_init__(self):
     _set(self, "import_modules", _split_list(self.import_modules))
@@ -553,19 +689,27 @@ class OutputsConfig:
             " folder). Running again with the same folder resumes. In a "
             "Vertex AI hyperparameter-tuning trial (a trial id in "
             "CLUSTER_SPEC or TF_CONFIG) a given folder gets the subfolder "
-            "trial_<id>."))
+            "trial_<id>."),
+      traits=("operational", "path", "folder", "output_folder",
+              "from_environment", "decided"))
   checkpoint_dir: str = setting(
       "", "string", "base",
       help=("Where checkpoints go. Default: $AIP_CHECKPOINT_DIR, else "
-            "<model_dir>/checkpoints."))
+            "<model_dir>/checkpoints."),
+      traits=("operational", "path", "folder", "output_folder",
+              "from_environment", "decided"))
   tensorboard_dir: str = setting(
       "", "string", "base",
       help=("Where TensorBoard logs go (train/, validation/, eval/ below it)."
-            " Default: $AIP_TENSORBOARD_LOG_DIR, else <model_dir>."))
+            " Default: $AIP_TENSORBOARD_LOG_DIR, else <model_dir>."),
+      traits=("operational", "path", "folder", "output_folder",
+              "from_environment", "decided"))
   export_dir: str = setting(
       "", "string", "base",
       help=("Where the SavedModel goes. Default: $AIP_MODEL_DIR, else "
-            "<model_dir>/saved_model."))
+            "<model_dir>/saved_model."),
+      traits=("operational", "path", "folder", "output_folder",
+              "from_environment", "decided"))
   # Stored as `(START, END)`, or () for no trace (`parse_profile_steps`).
   profile_steps: Tuple[int, ...] = setting(
       (), "list", "measure", key=True,
@@ -573,22 +717,25 @@ class OutputsConfig:
             "with TensorFlow's profiler into "
             "<tensorboard_dir>/train/plugins/profile/ (TensorBoard's Profile "
             "tab, from the tensorboard-plugin-profile package). The chief "
-            "traces its own process. Empty: no trace."))
+            "traces its own process. Empty: no trace."),
+      traits=())
 
   def __post_init__(self):
     _set(self, "profile_steps", parse_profile_steps(self.profile_steps))
 
   @property
   def resolved_checkpoint_dir(self) -> str:
-    return self.checkpoint_dir or os.path.join(self.model_dir, "checkpoints")
+    return resolve_folder("checkpoint_dir", self.checkpoint_dir,
+                          self.model_dir)
 
   @property
   def resolved_tensorboard_dir(self) -> str:
-    return self.tensorboard_dir or self.model_dir
+    return resolve_folder("tensorboard_dir", self.tensorboard_dir,
+                          self.model_dir)
 
   @property
   def resolved_export_dir(self) -> str:
-    return self.export_dir or os.path.join(self.model_dir, "saved_model")
+    return resolve_folder("export_dir", self.export_dir, self.model_dir)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -602,18 +749,22 @@ class LoopConfig:
   train_steps: int = setting(
       0, "integer", "train", key=True,
       help=("Optimizer updates to train for; when > 0 it overrides "
-            "--train_epochs."))
+            "--train_epochs."),
+      traits=("operational",))
   train_epochs: int = setting(
       5, "integer", "train", key=True,
-      help="Epochs to train for when --train_steps is 0.")
+      help="Epochs to train for when --train_steps is 0.",
+      traits=("operational",))
   epochs_between_evals: int = setting(
       1, "integer", "train",
-      help="Evaluate after every this many epochs, and at the end.")
+      help="Evaluate after every this many epochs, and at the end.",
+      traits=("operational",))
   batch_size: Optional[int] = setting(
       None, "integer", "train", key=True,
       help=("Global batch size: examples per update over all replicas. Give "
             "this or --per_replica_batch_size. Default (neither given): the "
-            "--dataset's recommendation, else 128."))
+            "--dataset's recommendation, else 128."),
+      traits=("operational", "recommendable"))
   gradient_accumulation_steps: int = setting(
       1, "integer", "train",
       help=("Micro-batches per optimizer update (K): each replica accumulates"
@@ -621,23 +772,28 @@ class LoopConfig:
             "update. The global batch (what --batch_size sets, what the "
             "learning rate is scaled to) is micro-batch x replicas x K, so K "
             "lowers the memory a step needs at the same global batch. Not "
-            "with parameter_server."))
+            "with parameter_server."),
+      traits=())
   per_replica_batch_size: Optional[int] = setting(
       None, "integer", "train", key=True,
       help=("Examples per replica per step (per micro-step with "
             "--gradient_accumulation_steps); the global batch is this times "
-            "num_replicas_in_sync (times --gradient_accumulation_steps)."))
+            "num_replicas_in_sync (times --gradient_accumulation_steps)."),
+      traits=("operational",))
   log_steps: int = setting(
       100, "integer", "train", key=True,
       help=("Log loss, learning rate, examples/sec and step time every this "
-            "many steps."))
+            "many steps."),
+      traits=("operational",))
   checkpoint_steps: int = setting(
       0, "integer", "train",
       help=("Save a checkpoint every this many steps; 0 saves at each epoch "
-            "end. A checkpoint is always saved at the end."))
+            "end. A checkpoint is always saved at the end."),
+      traits=("operational",))
   max_checkpoints: int = setting(
       5, "integer", "train",
-      help="Checkpoints to keep.")
+      help="Checkpoints to keep.",
+      traits=("operational",))
   checkpoint_input_position: bool = setting(
       True, "bool", "train",
       help=("A resumed run continues the epoch where the checkpoint left it, "
@@ -647,25 +803,30 @@ class LoopConfig:
             "checkpoint records only the input's layout, and a change of "
             "worker count, files, batch, seed or shuffle buffer discards the "
             "position with a message). --nocheckpoint_input_position: a "
-            "resume starts its epoch over."))
+            "resume starts its epoch over."),
+      traits=())
   seed: Optional[int] = setting(
       42, "integer", "train",
-      help="Random seed for weights and shuffling.")
+      help="Random seed for weights and shuffling.",
+      traits=())
   run_eagerly: bool = setting(
       False, "bool", "train",
-      help="Run the step without tf.function (for debugging).")
+      help="Run the step without tf.function (for debugging).",
+      traits=("operational",))
   steps_per_execution: Optional[int] = setting(
       None, "integer", "performance",
       help=("Training steps run inside one tf.function call (fewer round "
             "trips). Default: "
             f"{TPU_DEFAULT_STEPS_PER_EXECUTION} with "
-            "--distribution_strategy=tpu, else 1."))
+            "--distribution_strategy=tpu, else 1."),
+      traits=("decided",))
   deterministic: bool = setting(
       False, "bool", "performance",
       help=("Reproducible runs: TensorFlow's op determinism "
             "(tf.config.experimental.enable_op_determinism) and a "
             "deterministic input order; needs --seed. Slower; not with "
-            "parameter_server."))
+            "parameter_server."),
+      traits=())
 
   def __post_init__(self):
     # How long to train: steps or epochs.
@@ -711,10 +872,12 @@ class ClusterConfig:
       "", "string", "cluster", key=True,
       help=("Comma-separated host:port of every worker (Model Garden's flag);"
             " all are 'worker' tasks and worker 0 is the chief. Overrides "
-            "TF_CONFIG and CLUSTER_SPEC."))
+            "TF_CONFIG and CLUSTER_SPEC."),
+      traits=("operational", "multi_replica", "cluster_given"))
   task_index: int = setting(
       -1, "integer", "cluster", key=True,
-      help="This host's position in --worker_hosts (0-based; -1: unset).")
+      help="This host's position in --worker_hosts (0-based; -1: unset).",
+      traits=("operational", "multi_replica", "cluster_given"))
   collective_timeout_seconds: float = setting(
       0.0, "float", "cluster",
       help=("multi_worker_mirrored: a collective (all-reduce) that has not "
@@ -724,16 +887,19 @@ class ClusterConfig:
             "s) instead. A timeout costs one sleeping thread per collective "
             "for that long (TensorFlow's collective executor): thousands of "
             "threads in a long run, enough to exhaust the machine's thread "
-            "limit."))
+            "limit."),
+      traits=("operational", "multi_replica"))
   cluster_start_timeout_seconds: float = setting(
       900.0, "float", "cluster",
       help=("multi_worker_mirrored: fail with an error naming the cluster if "
-            "not every task has connected within this many seconds of start."))
+            "not every task has connected within this many seconds of start."),
+      traits=("operational", "multi_replica"))
   preemption_grace_seconds: float = setting(
       30.0, "float", "cluster", key=True,
       help=("On SIGTERM (preemption) or SIGINT, save a checkpoint at the next"
             " step boundary (all workers agree on the step) and exit within "
-            "this many seconds; a process still alive then is ended."))
+            "this many seconds; a process still alive then is ended."),
+      traits=("operational",))
 
   def __post_init__(self):
     _need(self.task_index >= -1,
@@ -759,15 +925,18 @@ class ParameterServerConfig:
             "allowed with each at least --ps_min_shard_bytes; max_size: "
             "shards of at most --ps_min_shard_bytes each (up to "
             "--ps_max_shards); fixed: exactly --ps_max_shards shards; none: "
-            "no sharding."))
+            "no sharding."),
+      traits=("multi_replica",))
   ps_min_shard_bytes: int = setting(
       256 << 10, "integer", "distribution",
       help=("parameter_server: shard size bound in bytes (the minimum for "
-            "min_size, the maximum for max_size). Default: 256 KiB."))
+            "min_size, the maximum for max_size). Default: 256 KiB."),
+      traits=("multi_replica",))
   ps_max_shards: int = setting(
       0, "integer", "distribution",
       help=("parameter_server: most shards per table (the exact count for "
-            "fixed); 0: the number of ps tasks."))
+            "fixed); 0: the number of ps tasks."),
+      traits=("multi_replica",))
 
   def __post_init__(self):
     _need(self.ps_partitioner in PS_PARTITIONERS,
@@ -788,19 +957,23 @@ class TpuConfig:
       "", "string", "tpu", key=True,
       help=("TPU for --distribution_strategy=tpu (or for auto to try): "
             "`local` on a Cloud TPU VM, the Cloud TPU's name, or "
-            "grpc://HOST:8470. Empty: $TPU_NAME."))
+            "grpc://HOST:8470. Empty: $TPU_NAME."),
+      traits=("operational", "multi_replica", "from_environment", "decided"))
   tpu_zone: str = setting(
       "", "string", "tpu",
-      help="Zone of the Cloud TPU named by --tpu (default: this VM's zone).")
+      help="Zone of the Cloud TPU named by --tpu (default: this VM's zone).",
+      traits=("operational", "multi_replica"))
   tpu_gcp_project: str = setting(
       "", "string", "tpu",
       help=("Google Cloud project of the Cloud TPU named by --tpu (default: "
-            "this VM's project)."))
+            "this VM's project)."),
+      traits=("operational", "multi_replica"))
   tpu_init_timeout: float = setting(
       300.0, "float", "tpu",
       help=("Seconds allowed for resolving, connecting to and initializing "
             "the TPU before the run fails (TensorFlow alone would wait "
-            "forever on an address where nothing answers)."))
+            "forever on an address where nothing answers)."),
+      traits=("operational", "multi_replica"))
 
   def __post_init__(self):
     _need(self.tpu_init_timeout > 0,
@@ -823,24 +996,28 @@ class ParallelismConfig:
             "With --distribution_strategy auto, one_device or off (not with "
             "data parallelism: TensorFlow has no public sub-group "
             "collectives), not with --zero_stage or --enable_xla. See "
-            "docs/guides/pipeline-parallelism.md."))
+            "docs/guides/pipeline-parallelism.md."),
+      traits=("operational", "multi_replica"))
   num_microbatches: Optional[int] = setting(
       None, "integer", "pipeline",
       help=("Pipeline micro-batches per step (M): each is 1/M of the step's "
             "batch (of each micro-step under --gradient_accumulation_steps), "
             "so M must divide it. The idle fraction of each stage is "
-            "(P-1)/(M+P-1). Default: --pipeline_stages."))
+            "(P-1)/(M+P-1). Default: --pipeline_stages."),
+      traits=("multi_replica",))
   pipeline_schedule: str = setting(
       "gpipe", "enum", "pipeline", choices=pipeline_options.SCHEDULES,
       help=("gpipe: every micro-batch's forward, then every backward (a stage"
             " holds M micro-batches' activations); 1f1b: one forward, one "
-            "backward after a warm-up (at most P). Same bubble, same update."))
+            "backward after a warm-up (at most P). Same bubble, same update."),
+      traits=("operational", "multi_replica"))
   # Stored as a tuple of layer names (`pipeline_options.parse_cuts`).
   pipeline_cuts: Tuple[str, ...] = setting(
       (), "list", "pipeline",
       help=("Layer names, each the first layer of a stage after the first "
             "(P-1 names, in the model's call order), e.g. block_3,block_6. "
-            "Default: stages balanced by weight and activation bytes."))
+            "Default: stages balanced by weight and activation bytes."),
+      traits=("operational", "multi_replica"))
   tensor_parallel: int = setting(
       1, "integer", "pipeline",
       help=("Split the built-in Transformer's attention heads and feed-"
@@ -853,7 +1030,8 @@ class ParallelismConfig:
             "TensorFlow has no public sub-group collectives); not with "
             "--zero_stage, --pipeline_stages, --enable_xla, --dtype=fp16 or "
             "clipping. Pays on fast device links (NVLink), not on CPUs. See "
-            "docs/guides/tensor-parallelism.md."))
+            "docs/guides/tensor-parallelism.md."),
+      traits=())
 
   def __post_init__(self):
     _set(self, "pipeline_cuts", pipeline_options.parse_cuts(self.pipeline_cuts))
@@ -869,21 +1047,25 @@ class StrategyConfig:
       help=("tf.distribute strategy. off: none; one_device; mirrored: one "
             "host, all GPUs or --num_cpu_devices logical CPUs; "
             "multi_worker_mirrored; parameter_server; tpu; auto: chosen from "
-            "the devices and cluster found, and the choice is printed."))
+            "the devices and cluster found, and the choice is printed."),
+      traits=("operational", "decided", "cluster_given"))
   num_gpus: int = setting(
       -1, "integer", "distribution", key=True,
-      help="GPUs to use: -1 for all visible, 0 for none.")
+      help="GPUs to use: -1 for all visible, 0 for none.",
+      traits=("operational", "multi_replica"))
   num_cpu_devices: int = setting(
       0, "integer", "distribution", key=True,
       help=("Split the host CPU into this many logical devices, so mirrored "
             "runs that many replicas on a CPU-only machine (0 or 1: no "
-            "split)."))
+            "split)."),
+      traits=("operational", "multi_replica"))
   all_reduce_alg: str = setting(
       "auto", "enum", "distribution", choices=ALL_REDUCE_ALGS,
       help=("All-reduce. mirrored: nccl or hierarchical_copy (GPUs); "
             "multi_worker_mirrored: ring (gRPC, works on CPUs) or nccl (GPUs;"
             " what Vertex AI's Reduction Server needs); auto lets TensorFlow "
-            "choose."))
+            "choose."),
+      traits=("operational", "multi_replica"))
   bytes_per_pack: int = setting(
       0, "integer", "distribution",
       help=("multi_worker_mirrored: all-reduce the gradients in packs of "
@@ -892,7 +1074,8 @@ class StrategyConfig:
             "layers' gradients (TensorFlow's "
             "CommunicationOptions.bytes_per_pack). 0 (the default): one all-"
             "reduce of every gradient after the whole backward pass. No "
-            "effect with one replica; refused for other strategies."))
+            "effect with one replica; refused for other strategies."),
+      traits=("operational", "multi_replica"))
   all_reduce_dtype: str = setting(
       reduce_dtype.FLOAT32, "enum", "distribution",
       choices=reduce_dtype.ALL_REDUCE_DTYPES,
@@ -904,7 +1087,8 @@ class StrategyConfig:
             "--dtype=fp16 (a loss scale catches its overflow). The step's "
             "loss and metric sums stay float32 (then one more small all-"
             "reduce per step). No effect with one replica; refused with "
-            "parameter_server."))
+            "parameter_server."),
+      traits=("operational", "multi_replica"))
   cluster: ClusterConfig = config_tree.section(ClusterConfig)
   parameter_servers: ParameterServerConfig = config_tree.section(
       ParameterServerConfig)
@@ -924,15 +1108,8 @@ class StrategyConfig:
     _need(self.bytes_per_pack >= 0,
           f"--bytes_per_pack={self.bytes_per_pack} must be >= 0 (0: the "
           "gradients in one all-reduce).")
-    if self.bytes_per_pack:
-      kind = self.kind
-      # `auto` is checked again once decided (tfdist.distribute.strategy).
-      _need(kind is None or kind in (StrategyKind.OFF, StrategyKind.ONE_DEVICE,
-                                     StrategyKind.MULTI_WORKER_MIRRORED),
-            f"--bytes_per_pack={self.bytes_per_pack} applies to "
-            f"multi_worker_mirrored, not {self.distribution_strategy} (its "
-            "all-reduce does not split the gradients into packs). Drop "
-            "--bytes_per_pack.")
+    # `auto` is checked once decided (`TrainConfig.check_decided`).
+    check_bytes_per_pack(self.kind, self.bytes_per_pack)
     _need(self.num_gpus >= -1,
           f"--num_gpus={self.num_gpus} must be -1 (all visible), 0 or more.")
 
@@ -944,8 +1121,9 @@ class StrategyConfig:
 
 @dataclasses.dataclass(frozen=True)
 class PrecisionConfig:
-  """Precision and compilation. `dtype` None: not resolved yet (fp32, or
-  bf16 on TPU: `TrainConfig`).
+  """Precision and compilation. `dtype` None: not given (`TrainConfig`
+  makes it fp32; the decisions make it bf16 on a TPU,
+  `tfdist.distribute.decisions`).
   """
   # Stored normalized: fp32, bf16, fp16 or auto (`normalize_dtype`).
   dtype: Optional[str] = setting(
@@ -955,17 +1133,20 @@ class PrecisionConfig:
             "(mixed_float16 with loss scaling; not on TPUs); auto: chosen "
             "from the hardware (bf16 on TPUs and GPUs of compute capability "
             ">= 8.0, fp16 on 7.x GPUs, fp32 on CPUs) and printed. Default: "
-            "bf16 with --distribution_strategy=tpu, else fp32."))
+            "bf16 with --distribution_strategy=tpu, else fp32."),
+      traits=("decided",))
   # Stored as None, 'dynamic' or a float > 0 (`parse_loss_scale`).
   loss_scale: Optional[object] = setting(
       None, "string", "performance", key=True,
       help=("fp16 only: 'dynamic' (the default with --dtype=fp16) or a fixed "
-            "positive number such as 128."))
+            "positive number such as 128."),
+      traits=("decided",))
   enable_xla: bool = setting(
       False, "bool", "performance",
       help=("Jit-compile the training step with XLA. Keras 3 turns XLA off "
             "under a tf.distribute strategy, so tfdist compiles its own per-"
-            "replica step (TPUs always compile with XLA)."))
+            "replica step (TPUs always compile with XLA)."),
+      traits=())
 
   def __post_init__(self):
     if self.dtype is not None:
@@ -995,7 +1176,8 @@ class MemoryConfig:
             "built-in cnn and resnet, or a builder taking "
             "activation_recomputation): less memory for about one more "
             "forward pass; same gradients, weights and checkpoints. Alias: "
-            "--gradient_checkpointing."))
+            "--gradient_checkpointing."),
+      traits=())
   shard_optimizer_state: Optional[bool] = setting(
       None, "bool", "performance",
       # A function: optimizers registered before the flags are defined count.
@@ -1005,13 +1187,15 @@ class MemoryConfig:
           "gradients are summed and sliced, each replica updates its shard, "
           "the shards are all-gathered. Same weights as unsharded; "
           "checkpoints interchangeable. Not with "
-          f"{', '.join(optimizers.not_shardable())}."))
+          f"{', '.join(optimizers.not_shardable())}."),
+      traits=("multi_replica", "zero_switch"))
   shard_gradients: Optional[bool] = setting(
       None, "bool", "performance",
       help=("ZeRO stage 2: --shard_optimizer_state, and under "
             "--gradient_accumulation_steps > 1 each replica accumulates only "
             "its shard of the summed gradients (one all-reduce per micro-"
-            "batch)."))
+            "batch)."),
+      traits=("multi_replica", "zero_switch"))
   shard_parameters: Optional[bool] = setting(
       None, "bool", "performance",
       help=("ZeRO stage 3 (mirrored, multi_worker_mirrored): "
@@ -1021,13 +1205,15 @@ class MemoryConfig:
             "(about 2x the traffic of plain data parallelism). Embedding tables "
             "stay replicated (their optimizer state sharded). Not with a "
             "model's own train_step, --model=ranking, --enable_xla or "
-            "--pipeline_stages."))
+            "--pipeline_stages."),
+      traits=("multi_replica", "zero_switch"))
   zero_stage: Optional[int] = setting(
       None, "integer", "performance",
       help=("DeepSpeed's name for the three switches above: 0 off, 1 "
             "--shard_optimizer_state, 2 --shard_gradients, 3 "
             "--shard_parameters (sharded weights). Default: from the "
-            "switches."))
+            "switches."),
+      traits=("multi_replica",))
   zero3_blocks: int = setting(
       4, "integer", "performance",
       help=("ZeRO stage 3: the most blocks the model is cut into (about "
@@ -1035,19 +1221,22 @@ class MemoryConfig:
             "runs and again, recomputing itself, in the backward pass, so "
             "the step's peak holds one block's weights. 1: the whole model "
             "gathered once per step, no recomputation: faster, every weight "
-            "at the peak."))
+            "at the peak."),
+      traits=("operational",))
   zero3_prefetch: bool = setting(
       False, "bool", "performance",
       help=("ZeRO stage 3: gather each block's weights while the block "
             "before it computes (two blocks' weights at the peak); pays "
-            "where collectives run beside compute (GPUs), not on CPUs."))
+            "where collectives run beside compute (GPUs), not on CPUs."),
+      traits=("operational",))
   tune_allocator: bool = setting(
       True, "bool", "performance",
       help=("Set glibc malloc so TensorFlow does not map and unmap every "
             "large tensor buffer at each step (M_MMAP_MAX=0, M_TOP_PAD=64 "
             "MiB; see tfdist/runtime/allocator.py). Costs resident memory: "
             "each malloc arena may keep up to 64 MiB of freed memory. "
-            "--notune_allocator leaves malloc as it is."))
+            "--notune_allocator leaves malloc as it is."),
+      traits=())
 
   def __post_init__(self):
     _need(self.zero_stage in (None, 0, 1, 2, 3),
@@ -1085,28 +1274,34 @@ class LearningRateConfig:
       help=("Learning rate tuned for --base_batch_size examples; scaled to "
             "the global batch by --lr_scaling. Default: the --dataset's "
             "recommendation, else "
-            f"{UNSET_DEFAULTS['base_learning_rate']}."))
+            f"{UNSET_DEFAULTS['base_learning_rate']}."),
+      traits=("recommendable",))
   base_batch_size: int = setting(
       256, "integer", "lr",
-      help="The batch size --base_learning_rate was tuned for.")
+      help="The batch size --base_learning_rate was tuned for.",
+      traits=())
   lr_scaling: Optional[str] = setting(
       None, "enum", "lr", choices=LR_SCALING_RULES, key=True,
       help=("linear: base_lr * global_batch / base_batch (Goyal et al. 2017, "
             "for SGD); sqrt: base_lr * sqrt(global_batch / base_batch) (for "
             "Adam-type optimizers); none. Default: the --dataset's "
             "recommendation, else "
-            f"{UNSET_DEFAULTS['lr_scaling']}."))
+            f"{UNSET_DEFAULTS['lr_scaling']}."),
+      traits=("recommendable",))
   warmup_steps: Optional[int] = setting(
       None, "integer", "lr", key=True,
       help=("Steps of linear warmup to the peak LR (0: none). Default (with "
             "--warmup_epochs unset): the smaller of one epoch and a tenth of "
-            "the run."))
+            "the run."),
+      traits=())
   warmup_epochs: Optional[float] = setting(
       None, "float", "lr", key=True,
-      help="Warmup length in epochs (instead of --warmup_steps).")
+      help="Warmup length in epochs (instead of --warmup_steps).",
+      traits=())
   warmup_start_learning_rate: float = setting(
       0.0, "float", "lr",
-      help="Learning rate at step 0, where warmup starts.")
+      help="Learning rate at step 0, where warmup starts.",
+      traits=())
   lr_schedule: str = setting(
       "constant", "enum", "lr", key=True,
       # A function: schedules registered before the flags are defined count.
@@ -1116,17 +1311,21 @@ class LearningRateConfig:
             "--piecewise_multipliers at --piecewise_boundaries); or one "
             "registered with "
             "tfdist.training.decay_schedules.register_decay_schedule before "
-            "the flags are defined."))
+            "the flags are defined."),
+      traits=())
   end_learning_rate_factor: float = setting(
       0.0, "float", "lr",
-      help="cosine: final LR as a fraction of the peak.")
+      help="cosine: final LR as a fraction of the peak.",
+      traits=())
   piecewise_boundaries: Tuple[float, ...] = setting(
       (0.5, 0.75), "list", "lr",
       help=("piecewise: boundaries as fractions of the steps after warmup, "
-            "increasing, in (0, 1)."))
+            "increasing, in (0, 1)."),
+      traits=())
   piecewise_multipliers: Tuple[float, ...] = setting(
       (1.0, 0.1, 0.01), "list", "lr",
-      help="piecewise: multipliers of the peak LR, one more than boundaries.")
+      help="piecewise: multipliers of the peak LR, one more than boundaries.",
+      traits=())
 
   def __post_init__(self):
     _set(self, "piecewise_boundaries",
@@ -1177,13 +1376,16 @@ class OptimizationConfig:
   `optimizer` None: not resolved yet (`TrainConfig`).
   """
   optimizer: Optional[str] = setting(
-      None, "string", "lr", key=True, help=lambda: _optimizer_help())
+      None, "string", "lr", key=True, help=lambda: _optimizer_help(),
+      traits=("recommendable",))
   momentum: float = setting(
       0.9, "float", "lr",
-      help="Momentum for sgd, momentum and rmsprop.")
+      help="Momentum for sgd, momentum and rmsprop.",
+      traits=())
   weight_decay: float = setting(
       0.0, "float", "lr",
-      help="Decoupled weight decay (0: none; adamw uses 0.004 when 0).")
+      help="Decoupled weight decay (0: none; adamw uses 0.004 when 0).",
+      traits=())
   learning_rate: LearningRateConfig = config_tree.section(
       LearningRateConfig)
   global_clipnorm: Optional[float] = setting(
@@ -1192,12 +1394,14 @@ class OptimizationConfig:
             "gradients is at most this (Keras optimizer option). Applied once"
             " per step, to the gradient summed over all replicas and workers "
             "(and unscaled under fp16), so N replicas clip as one device "
-            "would."))
+            "would."),
+      traits=())
   clipnorm: Optional[float] = setting(
       None, "float", "lr",
       help=("Clip each variable's gradient to at most this norm (Keras "
             "optimizer option); applied like --global_clipnorm, to the summed"
-            " gradient. Give at most one of the two."))
+            " gradient. Give at most one of the two."),
+      traits=())
 
   def __post_init__(self):
     if self.optimizer is not None:
@@ -1230,28 +1434,33 @@ class ReliabilityConfig:
             "summed gradient was not finite, so the step was skipped). A "
             "dynamic loss scale skips a few steps while it settles; 0: no "
             "limit. A run whose every step was skipped fails at its end "
-            "regardless."))
+            "regardless."),
+      traits=())
   loss_explosion_factor: float = setting(
       10.0, "float", "reliability",
       help=("Warn when the training loss exceeds this multiple of its early "
             "value (the mean loss at the first log point): a run can diverge "
-            "without ever reaching NaN. 0: no warning."))
+            "without ever reaching NaN. 0: no warning."),
+      traits=("operational",))
   lease_timeout_seconds: float = setting(
       60.0, "float", "reliability",
       help=("The training chief holds a lease on --model_dir (lease.json), "
             "renewed every quarter of this; a second run on the same "
             "--model_dir refuses while the lease is live, and a restarted job"
-            " takes over a lease not renewed for this many seconds."))
+            " takes over a lease not renewed for this many seconds."),
+      traits=("operational",))
   allow_incompatible_resume: bool = setting(
       False, "bool", "reliability",
       help=("Resume from --model_dir's checkpoint even when the model or the "
             "global batch size differs from the run that wrote it (refused by"
-            " default; other changes are allowed and listed)."))
+            " default; other changes are allowed and listed)."),
+      traits=("operational",))
   dry_run: bool = setting(
       False, "bool", "reliability", key=True,
       help=("Run every start-up check (flags, cluster, output folders, the "
             "--model_dir lease, data files and schema, resumption), print the"
-            " plan and exit 0 without building the model or training."))
+            " plan and exit 0 without building the model or training."),
+      traits=("operational",))
 
   def __post_init__(self):
     _need(self.max_consecutive_skipped_steps >= 0,
@@ -1277,7 +1486,8 @@ class CloudConfig:
             "multi_worker_mirrored with NCCL all-reduce (implies "
             "--all_reduce_alg=nccl; GPUs only), and pool 2 is neither ps nor "
             "worker. Detected by itself when CLUSTER_SPEC's job description "
-            "names the Reduction Server image."))
+            "names the Reduction Server image."),
+      traits=("operational", "multi_replica"))
   hptune_metric: Optional[str] = setting(
       None, "string", "vertex", key=True,
       help=("Report this value of each evaluation to Vertex AI hyperparameter"
@@ -1285,7 +1495,8 @@ class CloudConfig:
             " preinstalled in Vertex's prebuilt containers), from the chief: "
             "eval_loss, or eval_ and the name of one of the model's metrics "
             f"({', '.join(HPTUNE_METRICS)} for tfdist's models). "
-            "Checked against the model before training. Unset: no reporting."))
+            "Checked against the model before training. Unset: no reporting."),
+      traits=("operational",))
 
   def __post_init__(self):
     _need(not self.hptune_metric or re.fullmatch(HPTUNE_METRIC_PATTERN,
@@ -1312,8 +1523,10 @@ class TrainConfig:
 
   Settings left unset (None) are resolved here, before the sections are
   built: the data set's recommendation or the default (`unset_fields`),
-  TPU defaults (`defaulted`). Each section then validates its own
-  settings as it is built, and `_validate` the rules across sections.
+  the defaults (`defaulted`; what depends on the hardware, a TPU's
+  precision and steps per execution, is decided later, into
+  `tfdist.distribute.decisions.Decisions`). Each section then validates its
+  own settings as it is built, and `_validate` the rules across sections.
 
   Raises (on construction):
     TypeError: a keyword that is no setting, section or bookkeeping field.
@@ -1361,37 +1574,30 @@ class TrainConfig:
                  getattr(self, name) == recommended[name])
 
   def require_model_dir(self):
-    """Raises `ConfigError` when no output folder is known.
-
-    Called once the environment is applied (`tfdist.distribute.environment`),
-    since Vertex AI's `AIP_*` variables may supply it.
-    """
-    if not self.model_dir:
-      raise errors.ConfigError(
-          "--model_dir is required (or set AIP_CHECKPOINT_DIR as Vertex AI "
-          "does). Example: "
-          "--model_dir=/tmp/tfdist_run.")
+    """Raises `ConfigError` when no output folder is known
+    (`require_model_dir`)."""
+    require_model_dir(self.model_dir)
 
   def require_data_files(self):
-    """Raises `ConfigError` when `--feature_spec` has no files to read.
+    """Raises `ConfigError` when `--feature_spec` has no files to read
+    (`require_data_files`)."""
+    require_data_files(self.feature_spec, self.train_files, self.eval_files,
+                       self.mode)
 
-    Called once the environment is applied (`tfdist.distribute.environment`),
-    since Vertex AI's `AIP_TRAINING_DATA_URI` / `AIP_VALIDATION_DATA_URI` may
-    supply them.
+  def check_decided(self, decided: Mapping[str, Any]) -> None:
+    """Runs the config's rules that read a decidable setting on the values
+    preparing a run decided (`tfdist.distribute.decisions.Decisions`):
+    `--bytes_per_pack` and every rule across sections, with `decided`
+    (`{flag name: value}`) read in place of the caller's settings. No copy
+    of the config is made.
+
+    Raises:
+      ConfigError: a decided value breaks a rule (as the constructor's).
     """
-    if not self.feature_spec:
-      return
-    if not self.train_files and self.mode not in ("eval", "export"):
-      raise errors.ConfigError(
-          f"--feature_spec={self.feature_spec} describes your TFRecords: "
-          "give them as --train_files (and --eval_files), or set "
-          "AIP_TRAINING_DATA_URI with AIP_DATA_FORMAT=tf-record.")
-    if not self.eval_files and self.mode not in ("train", "export"):
-      raise errors.ConfigError(
-          f"--feature_spec={self.feature_spec} describes your TFRecords: "
-          "give the evaluation files as --eval_files (or set "
-          "AIP_VALIDATION_DATA_URI with AIP_DATA_FORMAT=tf-record; or train "
-          "only: --mode=train).")
+    view = _DecidedView(self, decided)
+    check_bytes_per_pack(requested_kind(view.distribution_strategy),
+                         view.bytes_per_pack)
+    TrainConfig._validate(view)
 
   def _validate(self):
     """Runs every rule across sections in order; the first broken rule
@@ -1407,8 +1613,9 @@ class TrainConfig:
 
   @property
   def _strategy_kind(self) -> Optional[StrategyKind]:
-    """The requested strategy's kind; None for `auto` (not yet resolved)."""
-    return self.strategy.kind
+    """The requested (or, in `check_decided`, the decided) strategy's
+    kind; None for `auto` (not yet resolved)."""
+    return requested_kind(self.distribution_strategy)
 
   def _validate_batch(self):
     """Gradient accumulation needs a synchronous strategy."""
@@ -1455,12 +1662,7 @@ class TrainConfig:
   def _validate_vertex_ai(self):
     """Vertex AI's Reduction Server: multi_worker_mirrored with NCCL."""
     if self.reduction_server:
-      kind = self._strategy_kind
-      _need(kind is None or kind is StrategyKind.MULTI_WORKER_MIRRORED,
-            "--reduction_server needs --distribution_strategy="
-            "multi_worker_mirrored or auto (Vertex AI's Reduction Server "
-            "serves NCCL all-reduce between workers); received "
-            f"--distribution_strategy={self.distribution_strategy}.")
+      check_reduction_server(self._strategy_kind)
       _need(self.all_reduce_alg in ("auto", "nccl"),
             f"--reduction_server implies --all_reduce_alg=nccl; received "
             f"--all_reduce_alg={self.all_reduce_alg}. Drop --all_reduce_alg "
@@ -1610,12 +1812,37 @@ class TrainConfig:
     return json.loads(json.dumps(out, default=str))
 
 
-_BOOKKEEPING = ("flags_snapshot", "defaulted", "unset_fields")
+# The fields of a `TrainConfig` that are neither sections nor settings.
+BOOKKEEPING_FIELDS = tuple(
+    f.name for f in dataclasses.fields(TrainConfig)
+    if not config_tree.is_section(f) and not config_tree.is_setting(f))
+_BOOKKEEPING = BOOKKEEPING_FIELDS
 _SECTION_NAMES = tuple(f.name for f in dataclasses.fields(TrainConfig)
                        if config_tree.is_section(f))
 # Setting name -> (path of sections, field), in tree order.
 _SETTINGS = {field.name: (path, field)
              for path, field in config_tree.settings(TrainConfig)}
+
+
+def settings_with(trait: str) -> Tuple[str, ...]:
+  """The names of the settings that state `trait` in their metadata
+  (`tfdist.config_tree.TRAITS`), in tree order: the one source of every
+  list of settings by trait (what a resume ignores, the paths a run
+  checks, what the environment fills, ...).
+
+  Raises:
+    ValueError: `trait` is not in `tfdist.config_tree.TRAITS`.
+  """
+  return config_tree.with_trait(TrainConfig, trait)
+
+
+# The ZeRO switches (`zero_stage` says the same in DeepSpeed's terms).
+SHARDING_SWITCHES = settings_with("zero_switch")
+# Fields a data set may recommend: None means "unset", filled in
+# `TrainConfig.__init__` from DATASET_RECOMMENDED_FLAGS, else from
+# UNSET_DEFAULTS (batch_size stays None: 128 unless --per_replica_batch_size
+# is given, see tfdist.training.batch_plan).
+RECOMMENDABLE_FIELDS = settings_with("recommendable")
 
 
 def flat_fields() -> Dict[str, dataclasses.Field]:
@@ -1692,6 +1919,25 @@ class ModelBuilderConfig:
     return f"ModelBuilderConfig({self._config.task!r})"
 
 
+class _DecidedView:
+  """A `TrainConfig` read with some settings' values replaced (`decided`,
+  by flag name): what `TrainConfig.check_decided` runs the rules on. Its
+  methods and properties run with the view as `self`."""
+
+  def __init__(self, config: TrainConfig, decided: Mapping[str, Any]):
+    self._config, self._decided = config, dict(decided)
+
+  def __getattr__(self, name: str):
+    if name in self._decided:
+      return self._decided[name]
+    attr = inspect.getattr_static(TrainConfig, name, None)
+    if name not in _SETTINGS and isinstance(attr, property):
+      return attr.fget(self)
+    if inspect.isfunction(attr):
+      return types.MethodType(attr, self)
+    return getattr(self._config, name)
+
+
 def section_of(name: str) -> Tuple[str, ...]:
   """The path of sections holding setting `name`, e.g. `("loop",)`.
 
@@ -1728,17 +1974,15 @@ def _given_settings(given: dict) -> dict:
 
 
 def _resolve_unset(values: dict) -> None:
-  """Fills the settings left unset (None) in `values`, in place: TPU
-  defaults (`defaulted`), the sharding switches, the data set and its
-  recommendations (`unset_fields`)."""
-  kind = requested_kind(values["distribution_strategy"])
-  on_tpu = kind is not None and kind.is_tpu
+  """Fills the settings left unset (None) in `values`, in place: their
+  defaults (`defaulted`: the decisions give a TPU its own,
+  `tfdist.distribute.decisions`), the sharding switches, the data set and
+  its recommendations (`unset_fields`). Nothing here depends on the
+  hardware or the strategy."""
   defaulted = []
-  for name, default, tpu_default in (
-      ("dtype", "fp32", "bf16"),
-      ("steps_per_execution", 1, TPU_DEFAULT_STEPS_PER_EXECUTION)):
+  for name, default in (("dtype", "fp32"), ("steps_per_execution", 1)):
     if values[name] is None:
-      values[name] = tpu_default if on_tpu else default
+      values[name] = default
       defaulted.append(name)
   for name in SHARDING_SWITCHES:
     if values[name] is None:

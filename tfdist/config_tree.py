@@ -18,6 +18,11 @@ Metadata keys of a setting (all read by `flags.definitions`):
   key: whether the flag is a key flag (`--helpshort` lists it).
   case_sensitive: an enum's matching (default True).
   alias: another flag name for the same setting, or None.
+  traits: what else is true of the setting, a tuple of `TRAITS` names
+    (`()`: nothing); None: not stated (`tests/config_test.py` fails on
+    such a setting). The lists of settings other modules keep (what a
+    resume ignores, the paths a run checks, what the environment fills)
+    are derived from them (`with_trait`), never written by hand.
 """
 
 import dataclasses
@@ -25,12 +30,50 @@ from typing import Any, Callable, Dict, Iterator, Mapping, Optional, Tuple
 
 FLAG_TYPES = ("string", "integer", "float", "bool", "enum", "list")
 
+# The traits a setting may state, each with what it means and who reads it.
+TRAITS = {
+    "operational": (
+        "does not change what is trained (paths, logging, cluster plumbing, "
+        "timeouts, how the work is laid out over devices): a resume with "
+        "another value is not reported (tfdist.training.checkpointing)"),
+    "model": (
+        "defines the model: a checkpoint of one does not fit another "
+        "(tfdist.training.checkpointing.check_resume)"),
+    "multi_replica": (
+        "applies only to several replicas or devices, a cluster or another "
+        "strategy: the diagnose one-device baseline drops it"),
+    "path": (
+        "names paths the run reads or writes (tfdist.data.filesystems "
+        "checks their file systems)"),
+    "folder": "a folder (a local one is made absolute by tfdist.ray)",
+    "files": "comma-separated file patterns (tfdist.ray makes them absolute)",
+    "output_folder": (
+        "an output folder of the run: a tuning trial nests it, Ray Tune "
+        "trials may not share it (tfdist.distribute.environment, tfdist.ray)"),
+    "from_environment": (
+        "filled from the environment when unset (Vertex AI's variables, "
+        "$TPU_NAME: tfdist.distribute.environment)"),
+    "decided": (
+        "preparing a run may decide it (auto, the environment, a tuning "
+        "trial): read it from tfdist.distribute.decisions.Decisions"),
+    "recommendable": (
+        "None means unset, filled from the data set's recommendation or "
+        "the default (tfdist.config.DATASET_RECOMMENDED_FLAGS)"),
+    "zero_switch": (
+        "a ZeRO switch (None: unset), which --zero_stage says in "
+        "DeepSpeed's terms"),
+    "cluster_given": (
+        "the launcher or the cluster gives it: a Ray Tune trial may not "
+        "set it (tfdist.ray)"),
+}
+
 
 def setting(default: Any, flag: str, group: str, *,
             help: Any,  # pylint: disable=redefined-builtin
             choices: Any = None, key: bool = False,
             case_sensitive: bool = True,
-            alias: Optional[str] = None) -> Any:
+            alias: Optional[str] = None,
+            traits: Optional[Tuple[str, ...]] = None) -> Any:
   """A dataclass field for one setting, with the metadata of its flag.
 
   Args:
@@ -42,21 +85,28 @@ def setting(default: Any, flag: str, group: str, *,
     key: a key flag of its group.
     case_sensitive: an enum's matching.
     alias: another flag name for the setting.
+    traits: the setting's traits (names in `TRAITS`; `()`: none); None
+      leaves them unstated, which `tests/config_test.py` refuses.
 
   Returns:
     A `dataclasses.Field`.
 
   Raises:
-    ValueError: `flag` is not one of `FLAG_TYPES`, or an enum without
-      choices.
+    ValueError: `flag` is not one of `FLAG_TYPES`, an enum without
+      choices, or a trait that is not in `TRAITS`.
   """
   if flag not in FLAG_TYPES or (flag == "enum") != (choices is not None):
     raise ValueError(f"setting(flag={flag!r}, choices={choices!r}): flag "
                      f"must be one of {', '.join(FLAG_TYPES)}, with choices "
                      "exactly when it is 'enum'.")
+  unknown = [t for t in traits or () if t not in TRAITS]
+  if unknown or isinstance(traits, str):
+    raise ValueError(f"setting(traits={traits!r}): a tuple of trait names, "
+                     f"each one of {', '.join(TRAITS)}.")
   return dataclasses.field(default=default, metadata={
       "flag": flag, "group": group, "help": help, "choices": choices,
-      "key": key, "case_sensitive": case_sensitive, "alias": alias})
+      "key": key, "case_sensitive": case_sensitive, "alias": alias,
+      "traits": None if traits is None else tuple(traits)})
 
 
 def section(cls: type) -> Any:
@@ -87,6 +137,24 @@ def settings(cls: type, path: Tuple[str, ...] = ()
       yield from settings(field.metadata["section"], path + (field.name,))
     elif is_setting(field):
       yield path, field
+
+
+def traits_of(field: dataclasses.Field) -> Optional[Tuple[str, ...]]:
+  """The traits a setting states (None: it states none)."""
+  return field.metadata.get("traits")
+
+
+def with_trait(cls: type, trait: str) -> Tuple[str, ...]:
+  """The names of the settings below section class `cls` that state
+  `trait`, in tree order.
+
+  Raises:
+    ValueError: `trait` is not in `TRAITS`.
+  """
+  if trait not in TRAITS:
+    raise ValueError(f"trait {trait!r} is none of {', '.join(TRAITS)}.")
+  return tuple(field.name for _, field in settings(cls)
+               if trait in (traits_of(field) or ()))
 
 
 def build(cls: type, values: Mapping[str, Any]) -> Any:

@@ -130,10 +130,9 @@ PS_REFUSAL = (
     "with `python -m tfdist.launch --num_ps=M` on one machine, or on Vertex "
     "AI or Kubernetes (see the README).")
 # TrainConfig fields that name local paths (comma-separated for the files).
-_PATH_FIELDS = ("model_dir", "checkpoint_dir", "tensorboard_dir", "export_dir",
-                "data_dir", "raw_data_dir")
-_FILE_FIELDS = (("train_files", "--train_files"),
-                ("eval_files", "--eval_files"))
+_PATH_FIELDS = config_lib.settings_with("folder")
+_FILE_FIELDS = tuple((n, f"--{n}")
+                     for n in config_lib.settings_with("files"))
 
 
 def _is_local(path: str) -> bool:
@@ -530,9 +529,8 @@ def _fit(config: TrainConfig, *, num_workers: int, use_gpu: bool,
 # --- Ray Tune -----------------------------------------------------------------
 # TrainConfig fields a trial may not set: each trial's own folders follow
 # from its --model_dir, and Ray Train gives the cluster.
-_TRIAL_FIXED_FIELDS = ("model_dir", "checkpoint_dir", "tensorboard_dir",
-                       "export_dir", "worker_hosts", "task_index",
-                       "distribution_strategy")
+_TRIAL_FIXED_FIELDS = (config_lib.settings_with("output_folder") +
+                       config_lib.settings_with("cluster_given"))
 
 
 # The CPUs a Tune trial's own process reserves: it only waits on its Ray
@@ -542,8 +540,8 @@ TRIAL_DRIVER_CPUS = 0.01
 
 def _refuse_shared_trial_folders(config: TrainConfig):
   """ConfigError if `config` sets a folder every trial would share."""
-  shared = [f for f in ("checkpoint_dir", "tensorboard_dir", "export_dir")
-            if getattr(config, f)]
+  shared = [f for f in config_lib.settings_with("output_folder")
+            if f != "model_dir" and getattr(config, f)]
   if shared:
     raise errors.ConfigError(
         f"--{shared[0]}={getattr(config, shared[0])!r} would be shared by "

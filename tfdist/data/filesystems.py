@@ -26,6 +26,7 @@ import sys
 import warnings
 from typing import Iterable, List, Tuple
 
+from tfdist import config as config_lib
 from tfdist import errors
 from tfdist.errors import first_line
 
@@ -97,9 +98,7 @@ def _import_tensorflow_io() -> str:
           f"{symbol.group(0) if symbol else first_line(problems[0])})")
 
 
-CONFIG_PATH_FIELDS = ("train_files", "eval_files", "data_dir", "raw_data_dir",
-                      "model_dir", "checkpoint_dir", "tensorboard_dir",
-                      "export_dir", "feature_spec", "init_checkpoint")
+CONFIG_PATH_FIELDS = config_lib.settings_with("path")
 
 
 def config_paths(config, decisions=None) -> List[Tuple[str, str]]:

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from typing import List, Optional, Sequence, Tuple
 
+from tfdist import config as config_lib
 from tfdist import errors
 from tfdist.diagnose.measure import RunMeasurement
 from tfdist.diagnose.measure import measurement_from_run
@@ -24,35 +25,24 @@ DEFAULT_LOG_STEPS = 10
 # Flags the baseline sets itself: its strategy and batch, and where it
 # writes (not reported as dropped: the baseline always sets them).
 _BASELINE_SETS = ("distribution_strategy", "batch_size",
-                  "per_replica_batch_size", "model_dir", "checkpoint_dir",
-                  "tensorboard_dir", "export_dir", "profile_steps")
+                  "per_replica_batch_size",
+                  *config_lib.settings_with("output_folder"), "profile_steps")
 
 
 # Flags that apply only to several replicas or devices, a cluster or another
 # strategy: the devices, ZeRO's sharding, collectives, the cluster,
 # parameter servers, TPUs and pipeline stages. The one-device baseline drops
 # them and says so.
-MULTI_REPLICA_FLAGS = ("num_cpu_devices", "num_gpus", "zero_stage",
-                       "shard_optimizer_state", "shard_gradients",
-                       "shard_parameters",
-                       "all_reduce_alg", "all_reduce_dtype", "bytes_per_pack",
-                       "sync_batch_norm",
-                       "reduction_server", "collective_timeout_seconds",
-                       "cluster_start_timeout_seconds", "worker_hosts",
-                       "task_index", "ps_partitioner", "ps_min_shard_bytes",
-                       "ps_max_shards", "tpu", "tpu_zone", "tpu_gcp_project",
-                       "tpu_init_timeout", "pipeline_stages",
-                       "num_microbatches", "pipeline_schedule",
-                       "pipeline_cuts")
+MULTI_REPLICA_FLAGS = config_lib.settings_with("multi_replica")
 
 
 _BASELINE_DROPS = _BASELINE_SETS + MULTI_REPLICA_FLAGS
 
 
 # Boolean flags among them (`--name`, `--noname`: no separate value).
-_BOOLEAN_DROPS = ("reduction_server", "sync_batch_norm",
-                  "shard_optimizer_state", "shard_gradients",
-                  "shard_parameters")
+_BOOLEAN_DROPS = tuple(
+    n for n in _BASELINE_DROPS
+    if config_lib.flat_fields()[n].metadata["flag"] == "bool")
 
 
 def flag_name(arg: str) -> Optional[str]:

@@ -42,7 +42,6 @@ from absl import logging
 
 from tfdist.config import check_tpu_precision
 from tfdist import errors
-from tfdist.config import TPU_DEFAULT_STEPS_PER_EXECUTION
 from tfdist.distribute import tpu as tpu_lib
 from tfdist.distribute.strategy_kind import StrategyKind
 
@@ -490,62 +489,3 @@ def resolve(options: SelectOptions, *, cluster, environment=None,
         f"auto: --tensor_parallel={options.tensor_parallel} splits the "
         f"layers over {options.tensor_parallel} replicas of one host"))
   return decision
-
-
-def decision_changes(decision: Decision, *, tpu: str = "",
-                     loss_scale=None, steps_per_execution: int = 1,
-                     steps_per_execution_defaulted: bool = False,
-                     reduction_server: bool = False) -> dict:
-  """The flag values `decision` sets: `{field: value}` for the config.
-
-  The decided strategy (its flag value) and dtype. With a TPU strategy, an
-  unset `--steps_per_execution` becomes `TPU_DEFAULT_STEPS_PER_EXECUTION`;
-  an explicit 1 is kept, with a warning. A `--loss_scale` given with
-  `--dtype=auto` that did not choose fp16 is dropped, with a warning.
-  `tfdist.experiment.prepare_run` keeps them in its `tfdist.distribute.decisions.Decisions`.
-
-  Args:
-    decision: the `Decision`.
-    tpu: `--tpu` as given ('' takes the address `auto` found).
-    loss_scale: `--loss_scale` as given (None: dynamic).
-    steps_per_execution: `--steps_per_execution` as given.
-    steps_per_execution_defaulted: `--steps_per_execution` was not given.
-    reduction_server: `--reduction_server`.
-
-  Returns:
-    A dict of `TrainConfig` field names to values, with no `auto` left.
-
-  Raises:
-    ConfigError: `--reduction_server` when the decision is not
-      multi_worker_mirrored.
-  """
-  if (reduction_server and
-      decision.strategy is not StrategyKind.MULTI_WORKER_MIRRORED):
-    raise errors.ConfigError(
-        "--reduction_server needs a multi-worker cluster under "
-        f"multi_worker_mirrored, but this run resolved to {decision.strategy}"
-        f" ({decision.strategy_reason}). Vertex AI sets CLUSTER_SPEC for a "
-        "job with a chief and workers (python -m tfdist.job_spec vertex "
-        "--num_workers=N --reduction_server_replicas=R); drop "
-        "--reduction_server for a single-process run.")
-  changes = {"dtype": decision.dtype}
-  if isinstance(decision.strategy, StrategyKind):
-    changes["distribution_strategy"] = decision.strategy.value
-  # else a kind registered outside tfdist (`register_kind`): the config's
-  # `--distribution_strategy` accepts the built-in names only, so it keeps
-  # `auto` and the decision (`Decisions.strategy`) names the kind.
-  if decision.tpu and not tpu:
-    changes["tpu"] = decision.tpu
-  if decision.dtype != "fp16" and loss_scale is not None:
-    logging.warning("--loss_scale=%s ignored: precision is %s (%s), not fp16.",
-                    loss_scale, decision.dtype, decision.dtype_reason)
-    changes["loss_scale"] = None
-  if decision.strategy is StrategyKind.TPU:
-    if steps_per_execution_defaulted:
-      changes["steps_per_execution"] = TPU_DEFAULT_STEPS_PER_EXECUTION
-    elif steps_per_execution == 1:
-      logging.warning(
-          "--steps_per_execution=1 on a TPU: every step is a host -> TPU "
-          "round trip. Leave the flag unset (default %d) unless debugging.",
-          TPU_DEFAULT_STEPS_PER_EXECUTION)
-  return changes

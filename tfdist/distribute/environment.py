@@ -41,6 +41,7 @@ import os
 import types
 from typing import Dict, Mapping, Optional, Tuple
 
+from tfdist import config as config_lib
 from tfdist import errors
 
 # The variables tfdist reads (and records in the manifest).
@@ -64,8 +65,7 @@ DATA_URI_VARIABLES = (
 )
 # The output folders a hyperparameter-tuning trial nests when a flag gives
 # them (`trial_folders`).
-TRIAL_FOLDER_FIELDS = ("model_dir", "checkpoint_dir", "tensorboard_dir",
-                       "export_dir")
+TRIAL_FOLDER_FIELDS = config_lib.settings_with("output_folder")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,9 +108,7 @@ def read_environment(environ: Optional[Mapping[str, str]] = None
 
 
 # The fields `environment_changes` may fill, each only when it is unset.
-ENVIRONMENT_FIELDS = ("model_dir", "checkpoint_dir", "tensorboard_dir",
-                      "export_dir", "train_files", "eval_files", "tpu",
-                      "data_dir")
+ENVIRONMENT_FIELDS = config_lib.settings_with("from_environment")
 
 
 def environment_changes(given: Mapping[str, str], environment: RunEnvironment

@@ -17,6 +17,7 @@ import os
 from absl import logging
 import tensorflow as tf
 
+from tfdist import config as config_lib
 from tfdist import errors
 from tfdist.distribute import cluster as cluster_lib
 from tfdist.distribute import parameter_server
@@ -109,11 +110,7 @@ class StrategyOptions:
         `--distribution_strategy=auto`.
     """
     if decisions is None:
-      if strategy.distribution_strategy == "auto":
-        raise errors.ConfigError(
-            "the strategy is built from concrete values; decide `auto` "
-            "first with tfdist.experiment.prepare_run "
-            "(tfdist.distribute.auto_select.resolve).")
+      config_lib.refuse_auto(strategy.distribution_strategy)
       kind = StrategyKind.parse(strategy.distribution_strategy)
       tpu_address = strategy.tpu.tpu
     else:

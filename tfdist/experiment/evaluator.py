@@ -54,9 +54,10 @@ class EvaluatorPlan:
 def _local_devices(config: TrainConfig) -> int:
   """Devices a mirrored evaluator would use in this process."""
   gpus = len(tf.config.list_physical_devices("GPU"))
-  if config.num_gpus != 0 and gpus:
-    return gpus if config.num_gpus < 0 else min(gpus, config.num_gpus)
-  return max(1, config.num_cpu_devices)
+  strategy = config.strategy
+  if strategy.num_gpus != 0 and gpus:
+    return gpus if strategy.num_gpus < 0 else min(gpus, strategy.num_gpus)
+  return max(1, strategy.num_cpu_devices)
 
 
 def _recorded_backend(record: Optional[dict]):
@@ -79,13 +80,14 @@ def _evaluation_batch(config: TrainConfig, *, backend,
     if recorded is not None:
       batch = recorded.evaluation_batch(batch)
     return batch, "the run's record (global batch)"
-  if config.batch_size and backend.asynchronous:
+  if config.loop.batch_size and backend.asynchronous:
     # An evaluator task may start before the chief records the run: the
     # same flags give the coordinator's rule.
-    return (backend.evaluation_batch(config.batch_size),
+    return (backend.evaluation_batch(config.loop.batch_size),
             "--batch_size (the coordinator's rule)")
-  if config.batch_size:
-    return (max(1, config.batch_size // config.gradient_accumulation_steps),
+  if config.loop.batch_size:
+    return (max(1, config.loop.batch_size //
+                config.loop.gradient_accumulation_steps),
             "--batch_size / --gradient_accumulation_steps")
   return MIN_EVAL_BATCH_SIZE, "the default"
 
@@ -104,7 +106,7 @@ def evaluator_plan(config: TrainConfig, *, run_strategy: str,
 
   Batch: the run's evaluation batch (`RunPlan.eval_batch_size`, recorded in
   the checkpoint folder's run record), else the record's
-  `global_batch_size`, else the same rule on `config.batch_size` (an
+  `global_batch_size`, else the same rule on `config.loop.batch_size` (an
   evaluator task may start before the chief writes the record; it has the
   job's flags), else `MIN_EVAL_BATCH_SIZE`. A mirrored evaluator whose
   replicas do not divide the batch evaluates on one device instead (the
@@ -134,7 +136,8 @@ def local_strategy(config: TrainConfig, decisions, kind: StrategyKind):
   """A one-process strategy `kind`, as its backend builds it (the
   evaluator's; `--mode=export`'s)."""
   return backends.backend_for(kind).build_strategy(
-      config, dataclasses.replace(decisions, strategy=kind), cluster=None)
+      config, dataclasses.replace(decisions, choice=dataclasses.replace(
+          decisions.choice, strategy=kind)), cluster=None)
 
 
 class EvaluatorRunner:
@@ -201,9 +204,10 @@ class EvaluatorRunner:
         num_replicas_in_sync=1,
         num_workers=1,
         asynchronous=True, decision=self.decision) if (
-            config.train_steps <= 0 and not self.once) else None
+            config.loop.train_steps <= 0 and not self.once) else None
     final_step = (checkpoint_paths.checkpoint_step(self.latest) if self.once
-                  else config.train_steps if config.train_steps > 0 else
+                  else config.loop.train_steps
+                  if config.loop.train_steps > 0 else
                   plan.total_steps)
     eval_files = (plan.eval_files if plan else
                   run_plan_lib.resolve_data_files(
@@ -252,7 +256,7 @@ class EvaluatorRunner:
                                           strategy=strategy)
     dataset = input_pipeline.distribute(strategy, input_pipeline.options_for(
         self.task.dataset, files=self.eval_files, global_batch_size=batch,
-        is_training=False, cache=self.config.cache_dataset))
+        is_training=False, cache=self.config.task.cache_dataset))
     return parts, trainer, dataset
 
   def build_run_log(self) -> run_log_lib.RunLog:
@@ -304,7 +308,7 @@ class EvaluatorRunner:
                  prepare.training_workers(
                      StrategyKind.parse(self.decision.strategy),
                      self.cluster), self.final_step,
-                 "" if config.train_steps > 0 else
+                 "" if config.loop.train_steps > 0 else
                  " (from --train_epochs; the chief's done marker also ends "
                  "the evaluation)")
     results = self.controller.evaluate_continuously(

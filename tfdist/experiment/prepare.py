@@ -3,10 +3,9 @@
 `start_run` checks what needs no model (versions, callbacks, allocator, file
 systems, the task) and calls `prepare_run`, which applies the environment,
 resolves the cluster and decides `auto`. Its `PreparedRun` holds the
-config, the cluster, the decision, the strategy's backend
-(`tfdist.backends`) and this process's `Role`; nothing in it is written
-back into the config the caller gave beyond the environment's fields and
-the decided strategy and dtype.
+config, the cluster, the decisions, the strategy's backend
+(`tfdist.backends`) and this process's `Role`; nothing decided is written
+into the config the caller gave.
 """
 
 import contextlib
@@ -117,13 +116,13 @@ class PreparedRun:
     return self.role.is_writer
 
 
-def _log_environment(config: TrainConfig, applied) -> None:
+def _log_environment(config: TrainConfig, changes, applied) -> None:
   """Logs the fields the environment and `--dataset` filled."""
   for field, variable in applied:
-    logging.info("--%s=%s from $%s", field, getattr(config, field), variable)
+    logging.info("--%s=%s from $%s", field, changes[field], variable)
   if config.recommended_applied:
     logging.info("--dataset=%s sets flags left unset: %s (pass them to "
-                 "override).", config.dataset,
+                 "override).", config.task.data.dataset,
                  " ".join(f"--{k}={v}" for k, v in config.recommended_applied))
 
 
@@ -142,11 +141,12 @@ def prepare_run(config: TrainConfig, *,
       no files, so the TPU `gs://` rule has nothing to check).
 
   Returns:
-    A `PreparedRun`: the config with the environment
-    applied (a tuning trial's folders nested, `environment.trial_folders`)
-    and `auto` decided, the `ClusterInfo`, the `auto_select.Decision`, the
-    `(field, variable)` pairs the environment filled, and the folder fields
-    given the trial's subfolder.
+    A `PreparedRun`: the config as given, the `ClusterInfo`, and the
+    `Decisions` (`tfdist.distribute.decisions`): `auto`'s choice, the
+    precision, the TPU, the folders and files the environment
+    (`environment.environment_changes`) and a tuning trial
+    (`environment.trial_changes`) set, the `(field, variable)` pairs the
+    environment filled and the folder fields given the trial's subfolder.
 
   Raises:
     ConfigError: missing `--model_dir`, `--feature_spec` without files, a
@@ -158,36 +158,48 @@ def prepare_run(config: TrainConfig, *,
   """
   if environment is None:
     environment = environment_lib.read_environment()
-  # `settled` is the config with the decided fields set: made to validate
-  # and normalize them (the cross-field rules run on what will run), read
-  # into `Decisions`, and dropped; `config` stays as the caller gave it.
-  settled, applied = environment_lib.apply_environment(config, environment)
-  settled.require_model_dir()
-  settled.require_data_files()
+  # What the environment fills (Vertex AI's folders and files, $TPU_NAME,
+  # the data folder's default): read into `Decisions`, never into `config`.
+  changes, applied = environment_lib.environment_changes(
+      {name: getattr(config, name)
+       for name in environment_lib.ENVIRONMENT_FIELDS}, environment)
+  data = config.task.data
+  config_lib.require_model_dir(
+      changes.get("model_dir", config.outputs.model_dir))
+  config_lib.require_data_files(
+      config.task.feature_spec, changes.get("train_files", data.train_files),
+      changes.get("eval_files", data.eval_files), config.task.mode)
   preflight.check_no_keras_distribution()
-  _log_environment(settled, applied)
+  _log_environment(config, changes, applied)
   cluster = cluster_lib.resolve_cluster(
-      worker_hosts=config.worker_hosts, task_index=config.task_index,
+      worker_hosts=config.strategy.cluster.worker_hosts,
+      task_index=config.strategy.cluster.task_index,
       environ=environment.variables,
-      reduction_server=config.reduction_server)
+      reduction_server=config.cloud.reduction_server)
   logging.info("%s", cluster.describe())
   # Hyperparameter tuning: trials never share a checkpoint.
-  settled, trial_fields = environment_lib.trial_folders(
-      settled, trial=cluster.trial, filled=applied)
-  for field in trial_fields:
+  trial = environment_lib.trial_changes(
+      {name: changes.get(name, getattr(config, name))
+       for name in environment_lib.TRIAL_FOLDER_FIELDS},
+      trial=cluster.trial, filled=applied)
+  changes.update(trial)
+  for field, folder in trial.items():
     logging.info("--%s=%s: hyperparameter-tuning trial %s's own folder "
-                 "(from %s)", field, getattr(settled, field), cluster.trial,
-                 cluster.source)
+                 "(from %s)", field, folder, cluster.trial, cluster.source)
+  options = auto_select.SelectOptions.of(
+      config.strategy, config.precision,
+      dtype_defaulted="dtype" in config.defaulted)
+  if changes.get("tpu"):
+    options = dataclasses.replace(options, tpu=dataclasses.replace(
+        options.tpu, tpu=changes["tpu"]))
   # The export replaces its folder: never one holding the run's outputs.
-  export.check_layout(**environment_lib.output_sources(settled, applied))
-  choice = auto_select.resolve(
-      auto_select.SelectOptions.of(
-          settled.strategy, settled.precision,
-          dtype_defaulted="dtype" in settled.defaulted),
-      cluster=cluster, environment=environment)
+  export.check_layout(**decisions_lib.decide_folders(
+      config.outputs, changes).sources(applied))
+  choice = auto_select.resolve(options, cluster=cluster,
+                               environment=environment)
   decisions = decisions_lib.Decisions.of(
-      settled, choice=choice, environment_applied=applied,
-      trial_fields=trial_fields)
+      config, choice=choice, changes=changes, environment_applied=applied,
+      trial_fields=tuple(trial))
   prepared = PreparedRun(config=config, cluster=cluster, decisions=decisions)
   prepared.backend.validate(config, decisions, dataset=dataset)
   logging.info("%s", choice.describe())
@@ -236,7 +248,7 @@ def start_run(config: TrainConfig, *,
   keras_callbacks.check_callbacks(callbacks)
   # Every role (chief, worker, ps, evaluator) trains or serves in this
   # process: the malloc settings apply to all (tfdist.runtime.allocator).
-  allocator.configure_allocator(config.tune_allocator)
+  allocator.configure_allocator(config.memory.tune_allocator)
   # Every task opens files itself (ps workers read the input shards, every
   # process reads a --feature_spec), so every task imports tensorflow-io
   # when a path needs it; again once the environment filled the folders.
@@ -290,7 +302,8 @@ def check_resume(config, decisions, plan) -> list:
       previous, checkpointing.run_record(
           manifest_lib.recorded_config(config, decisions), plan),
       checkpoint=latest,
-      restored_step=restored_step, allow=config.allow_incompatible_resume)
+      restored_step=restored_step,
+      allow=config.reliability.allow_incompatible_resume)
   if notes:
     logging.warning("tfdist: resuming from %s, which a run with other "
                     "settings wrote: %s.", latest, "; ".join(notes))

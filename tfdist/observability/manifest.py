@@ -62,14 +62,15 @@ class ManifestOptions:
     """What the manifest records of the whole run: its `config`
     (`tfdist.config.TrainConfig`, as `recorded_config` gives it with the
     run's `decisions`) and the flags as given."""
+    lr = config.optimization.learning_rate
     return cls(
         flags=tuple(config.flags_snapshot),
         config=recorded_config(config, decisions),
-        base_learning_rate=config.base_learning_rate,
-        base_batch_size=config.base_batch_size, lr_scaling=config.lr_scaling,
-        model=config.model, dataset=config.dataset,
-        feature_spec=config.feature_spec,
-        all_reduce_dtype=config.all_reduce_dtype)
+        base_learning_rate=lr.base_learning_rate,
+        base_batch_size=lr.base_batch_size, lr_scaling=lr.lr_scaling,
+        model=config.task.model, dataset=config.task.data.dataset,
+        feature_spec=config.task.feature_spec,
+        all_reduce_dtype=config.strategy.all_reduce_dtype)
 
 
 def recorded_config(config, decisions=None) -> dict:

@@ -43,6 +43,7 @@ from absl import logging
 import tensorflow as tf
 from tensorflow.core.protobuf import trackable_object_graph_pb2
 
+from tfdist import config as config_lib
 from tfdist import errors
 from tfdist.data.input_position import INPUT_POSITION_KEY  # noqa: F401
 from tfdist.data.input_position import InputPosition
@@ -298,27 +299,11 @@ class CheckpointKeeper:
 
 # --- the run that wrote the checkpoints --------------------------------------
 # Fields that define the model: a checkpoint of one does not fit another.
-MODEL_FIELDS = ("model", "dataset", "feature_spec", "embedding_dim",
-                "hash_buckets", "transformer_layers", "transformer_experts")
+MODEL_FIELDS = config_lib.settings_with("model")
 # Config fields that do not change what is trained (paths, logging,
 # cluster plumbing, timeouts): left out of the comparison.
-OPERATIONAL_FIELDS = frozenset({
-    "model_dir", "checkpoint_dir", "tensorboard_dir", "export_dir",
-    "data_dir", "raw_data_dir", "train_files", "eval_files", "log_steps",
-    "checkpoint_steps", "max_checkpoints", "epochs_between_evals",
-    "worker_hosts", "task_index", "collective_timeout_seconds",
-    "cluster_start_timeout_seconds", "preemption_grace_seconds", "tpu",
-    "tpu_zone", "tpu_gcp_project", "tpu_init_timeout", "run_eagerly",
-    "flags_snapshot", "defaulted", "unset_fields", "hptune_metric",
-    "loss_explosion_factor", "lease_timeout_seconds",
-    "allow_incompatible_resume", "dry_run", "num_gpus", "num_cpu_devices",
-    "mode", "import_modules", "init_checkpoint",
-    "distribution_strategy", "all_reduce_alg", "reduction_server",
-    "bytes_per_pack", "all_reduce_dtype",
-    # Pipeline stages train the same weights as the unsplit model (their
-    # micro-batches, which batch normalization sees, are compared).
-    "pipeline_stages", "pipeline_schedule", "pipeline_cuts",
-    "train_steps", "train_epochs", "batch_size", "per_replica_batch_size"})
+OPERATIONAL_FIELDS = frozenset(config_lib.settings_with("operational") +
+                               config_lib.BOOKKEEPING_FIELDS)
 
 
 def run_record(settings: Mapping[str, Any], plan) -> dict:
