@@ -460,7 +460,7 @@ class DecidedRulesTest(absltest.TestCase):
         strategy=StrategyKind.ONE_DEVICE, strategy_reason="auto: test",
         dtype="fp32", dtype_reason="test")
     with self.assertRaisesRegex(
-        errors.ConfigError, r"^--zero_stage=3 \(--shard_optimizer_state\) "
+        errors.ConfigError, r"^--zero_stage=3 \(--shard_parameters\) "
         r"runs under mirrored or multi_worker_mirrored; received "
         r"--distribution_strategy=one_device"):
       decisions.Decisions.of(cfg, choice=choice)

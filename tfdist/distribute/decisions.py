@@ -124,7 +124,7 @@ def choice_of(config) -> auto_select.Decision:
   config_lib.refuse_auto(config.distribution_strategy, config.dtype)
   kind = StrategyKind.parse(config.distribution_strategy)
   dtype = config.dtype
-  if kind.is_tpu and "dtype" in config.defaulted:
+  if kind is StrategyKind.TPU and "dtype" in config.defaulted:
     dtype = "bf16"
   return auto_select.Decision(
       strategy=kind, strategy_reason="--distribution_strategy",
@@ -161,7 +161,7 @@ def decide_tpu(choice: auto_select.Decision, *, tpu: str,
     steps_per_execution_defaulted: it was not given.
   """
   address = tpu or choice.tpu
-  if choice.strategy.is_tpu:
+  if choice.strategy is StrategyKind.TPU:
     if steps_per_execution_defaulted:
       steps_per_execution = TPU_DEFAULT_STEPS_PER_EXECUTION
     elif steps_per_execution == 1:
