@@ -994,8 +994,8 @@ class ParallelismConfig:
             "a chief and workers (tfdist.launch, TF_CONFIG) the chief drives "
             "and each task hosts P/tasks consecutive stages. 1: no pipeline. "
             "With --distribution_strategy auto, one_device or off (not with "
-            "data parallelism: TensorFlow has no public sub-group "
-            "collectives), not with --zero_stage or --enable_xla. See "
+            "data parallelism yet: tfdist does not yet train a pipeline on a "
+            "data x pipeline device mesh), not with --zero_stage or --enable_xla. See "
             "docs/guides/pipeline-parallelism.md."),
       traits=("operational", "multi_replica"))
   num_microbatches: Optional[int] = setting(
@@ -1026,8 +1026,8 @@ class ParallelismConfig:
             "their optimizer state, and trains on the whole global batch; the"
             " update equals one device's. 1: off. Only with "
             "--model=transformer and --distribution_strategy mirrored (or "
-            "auto) on exactly N devices (no data parallelism beside it: "
-            "TensorFlow has no public sub-group collectives); not with "
+            "auto) on exactly N devices (no data parallelism beside it yet: "
+            "tfdist does not yet train on a data x tensor device mesh); not with "
             "--zero_stage, --pipeline_stages, --enable_xla, --dtype=fp16 or "
             "clipping. Pays on fast device links (NVLink), not on CPUs. See "
             "docs/guides/tensor-parallelism.md."),

@@ -17,11 +17,12 @@ from tfdist import errors
 GPIPE = "gpipe"
 ONE_F_ONE_B = "1f1b"
 SCHEDULES = (GPIPE, ONE_F_ONE_B)
-# Strategies that cannot host stages: each replica would need its stages'
-# gradients all-reduced with the same stage of the other replicas only, a
-# collective over a sub-group of the replicas, and TensorFlow 2.21 has no
-# public sub-group collectives (tf.distribute all-reduces over every
-# replica; CollectiveOps' group keys are internal).
+# Strategies that cannot host stages yet: each replica would need its
+# stages' gradients all-reduced with the same stage of the other replicas
+# only, a collective over a sub-group of the replicas. tf.distribute
+# all-reduces over every replica; the raw collectives do work in sub-groups
+# (tfdist.parallel.collectives, over a tfdist.parallel.mesh.DeviceMesh), but
+# the trainer does not yet run a pipeline on such a mesh.
 _DATA_PARALLEL = ("mirrored", "multi_worker_mirrored", "parameter_server",
                   "tpu")
 
@@ -155,8 +156,9 @@ def check_flags(*, pipeline_stages: int, num_microbatches: Optional[int],
         f"--pipeline_stages={pipeline_stages} cannot run under "
         f"--distribution_strategy={distribution_strategy}: pipelines "
         "combined with data parallelism need each stage's gradients "
-        "all-reduced across that stage's copies only, and TensorFlow has "
-        "no public sub-group collectives. Use --distribution_strategy=auto"
+        "all-reduced across that stage's copies only, which tfdist does not "
+        "yet do (a data x pipeline device mesh). Use "
+        "--distribution_strategy=auto"
         ", one_device or off (one replica: the stages run in one process, "
         "stage i on GPU i or logical CPU device i, or on the chief and "
         "worker tasks of a cluster), or drop --pipeline_stages.")

@@ -17,9 +17,10 @@ from tfdist import errors
 # The one model built from the tensor-parallel layers.
 MODELS = ("transformer",)
 # Strategies it runs under: one host's replicas are the tensor-parallel
-# group. Data parallelism beside it would need all-reduces over sub-groups
-# of the replicas (the same shard on each data-parallel copy), and
-# tf.distribute exposes only collectives over all replicas.
+# group. Data parallelism beside it needs all-reduces over sub-groups of
+# the replicas (the same shard on each data-parallel copy):
+# tf.distribute exposes only collectives over all replicas, and the trainer
+# does not yet use tfdist.parallel.collectives' sub-group ones for it.
 STRATEGIES = ("auto", "mirrored")
 # What each rank gets a share of in the built-in Transformer
 # (models/transformer.py's defaults): its 4 attention heads and 128
@@ -106,7 +107,8 @@ def check_flags(*, tensor_parallel: int, model: str,
         f"(its N replicas are the tensor-parallel group); received "
         f"--distribution_strategy={distribution_strategy}. Combining it "
         "with data parallelism needs all-reduces over sub-groups of the "
-        "replicas, which tf.distribute does not offer. Use "
+        "replicas, which tfdist does not yet do (a data x tensor device "
+        "mesh). Use "
         "--distribution_strategy=mirrored, or drop --tensor_parallel.")
   devices = num_gpus if num_gpus > 0 else num_cpu_devices
   if devices > 1 and devices != n:
