@@ -114,13 +114,16 @@ def requested_kind(strategy) -> Optional[StrategyKind]:
 
   Returns:
     The kind; None for `auto` (resolved later by
-    `tfdist.distribute.auto_select`) and for names that are no strategy
-    (`TrainConfig` rejects those).
+    `tfdist.distribute.auto_select`), for names that are no strategy
+    (`TrainConfig` rejects those), and for a kind registered outside tfdist
+    (`strategy_kind.register_kind`: its backend's `validate` holds its
+    rules, the config's rules are the built-in kinds').
   """
   try:
-    return StrategyKind.parse(strategy)
+    kind = StrategyKind.parse(strategy)
   except ValueError:
     return None
+  return kind if isinstance(kind, StrategyKind) else None
 
 
 def normalize_dtype(value: str) -> str:
