@@ -19,24 +19,6 @@ from absl.testing import absltest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGES = ("tfdist", "models", "flags")
 MAX_FUNCTION_LINES = 60
-# Functions over the limit in files that other work in progress owns, by
-# `path:qualified name`; each is to be split, and this set emptied, at the
-# merge. A name here that is no longer over the limit fails the test, so
-# the set only shrinks.
-KNOWN_LONG = frozenset({
-    # edges: tfdist/launch.py.
-    "tfdist/launch.py:Launcher._wait_attempt",
-    # modes: tfdist/parallel/**, training/train_loop.py, training/memory.py.
-    "tfdist/parallel/pipeline.py:Pipeline.forward_backward",
-    "tfdist/parallel/pipeline.py:split_model",
-    "tfdist/parallel/tensor_parallel_options.py:check_flags",
-    "tfdist/training/memory.py:layout_table",
-    "tfdist/training/train_loop.py:Trainer.__init__",
-    # Owned by no one in this round (next to the config's and the modes'
-    # work): training/custom_step.py, training/run_plan.py.
-    "tfdist/training/custom_step.py:check",
-    "tfdist/training/run_plan.py:RunPlan.describe",
-})
 
 
 def _comment_lines(source: str) -> set:
@@ -112,16 +94,10 @@ class FunctionLengthTest(absltest.TestCase):
 
   def test_no_function_over_the_limit(self):
     found = long_functions()
-    new = sorted(set(found) - KNOWN_LONG)
-    self.assertEqual(new, [], "functions over "
+    self.assertEqual(sorted(found), [], "functions over "
                      f"{MAX_FUNCTION_LINES} code lines: split them:\n" +
-                     "\n".join(f"{n} ({found[n]} lines)" for n in new))
-
-  def test_known_long_functions_are_still_long(self):
-    # A function split since it was listed leaves the list.
-    gone = sorted(KNOWN_LONG - set(long_functions()))
-    self.assertEqual(gone, [], "no longer over the limit: remove from "
-                     "KNOWN_LONG:\n" + "\n".join(gone))
+                     "\n".join(f"{n} ({found[n]} lines)"
+                                for n in sorted(found)))
 
   def test_counts_code_lines_only(self):
     source = (

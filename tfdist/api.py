@@ -430,11 +430,7 @@ def fit(model_fn: Union[Callable, str],
       task waited for its cluster's peers (nothing trained); uncaught, it
       ends the script the same way.
   """
-  if (isinstance(verbose, float) or verbose is None
-      or verbose not in ("auto", 0, 1, 2)):
-    raise errors.ConfigError(
-        f"tfdist.fit(verbose={verbose!r}): use \"auto\", 1 or "
-        "2 (tfdist's log lines) or 0 (logging as it is).")
+  _check_verbose(verbose)
   config = with_keras_length(config, epochs=epochs, batch_size=batch_size)
   python = python_inputs.python_input_names(x=x,
                                             validation_data=validation_data)
@@ -466,10 +462,7 @@ def fit(model_fn: Union[Callable, str],
                    loss=loss, metrics=metrics)
   history = keras.callbacks.History()
   verbose = progress.resolve_verbose(verbose)
-  callbacks = keras_callbacks.flatten(callbacks)
-  if verbose == 1 and not any(isinstance(c, keras.callbacks.ProgbarLogger)
-                              for c in callbacks):
-    callbacks.append(keras.callbacks.ProgbarLogger())
+  callbacks = _with_progress_bar(callbacks, verbose=verbose)
   try:
     with _info_lines(verbose != 0, without_progress=verbose == 1):
       result = experiment.run_experiment(_named_config(config, task),
@@ -482,6 +475,29 @@ def fit(model_fn: Union[Callable, str],
     script_exit.install_stop_hook()  # Nothing trained: one line, 128 + sig.
     raise
   return _with_history(result, history)
+
+
+def _check_verbose(verbose) -> None:
+  """Refuses a `fit(verbose=...)` other than "auto", 0, 1 or 2.
+
+  Raises:
+    ConfigError: naming the value and the ones `fit` takes.
+  """
+  if (isinstance(verbose, float) or verbose is None
+      or verbose not in ("auto", 0, 1, 2)):
+    raise errors.ConfigError(
+        f"tfdist.fit(verbose={verbose!r}): use \"auto\", 1 or "
+        "2 (tfdist's log lines) or 0 (logging as it is).")
+
+
+def _with_progress_bar(callbacks: Sequence[Any], *, verbose: int) -> list:
+  """`callbacks` flattened to a list, with a `keras.callbacks.ProgbarLogger`
+  appended for `verbose` 1 (resolved) unless one is there already."""
+  callbacks = keras_callbacks.flatten(callbacks)
+  if verbose == 1 and not any(isinstance(c, keras.callbacks.ProgbarLogger)
+                              for c in callbacks):
+    callbacks.append(keras.callbacks.ProgbarLogger())
+  return callbacks
 
 
 def _stopped_in_fit(error: errors.PreemptedError,

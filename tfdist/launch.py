@@ -483,51 +483,20 @@ class Launcher:
     while True:
       codes = {t: p.poll() for t, p in self._procs.items()}
       now = time.time()
-      for task in self.tasks:
-        if task not in self._done_at and worker_exit.is_done(
-            self._done_files.get(task)):
-          self._done_at[task] = now
+      self._note_done_files(now)
       if self._signal is not None:
-        if all(c is not None for c in codes.values()):
+        if self._all_exited_after_signal(codes):
           return "signaled"
-        if time.time() > self._signal_deadline:
-          self._say("grace period over: killing the remaining tasks.")
-          self._kill_all(signal.SIGKILL)
-          self._signal_deadline = float("inf")
-        time.sleep(POLL_SECONDS)
         continue
       failed = [t for t, c in codes.items() if c not in (None, 0)
                 and t not in self._done_at
                 and not (chief_done_at and t in servers)]
       if failed:
-        self._lost = {task: _exit_status(codes[task]) for task in failed}
-        for task in failed:
-          self._say(f"{task.name} exited with status "
-                    f"{self._lost[task]}.")
-          self._show_tail(task)
-        self._note_in_task_logs(
-            f"{self._lost_text()}: the launcher stops the other tasks.",
-            skip=failed)
-        self._stop_survivors()
+        self._stop_for_failed(failed, codes)
         return "failed"
-      for task, at in self._done_at.items():
-        if task in noted or (chief_done_at and task in servers):
-          continue
-        if codes[task] not in (None, 0):
-          noted.add(task)
-          self._failed_after_work[task] = (
-              f"exited with status {_exit_status(codes[task])} after "
-              "finishing its work")
-          self._say(f"{task.name} {self._failed_after_work[task]}: the run "
-                    "failed (not restarted: the work is done).")
-          self._show_tail(task)
-        elif codes[task] is None and now - at > done_grace:
-          noted.add(task)
-          self._failed_after_work[task] = (
-              f"finished its work but had not exited {done_grace:g} s later")
-          self._say(f"{task.name} {self._failed_after_work[task]}: stopping "
-                    "it; the run failed (not restarted: the work is done).")
-          self._kill_all(signal.SIGKILL, only=[task])
+      self._check_done_tasks(
+          codes, now=now, noted=noted, done_grace=done_grace,
+          skip=servers if chief_done_at else ())
       if (codes[chief] == 0 or chief in self._done_at) and (
           chief_done_at is None):
         chief_done_at = now
@@ -550,6 +519,68 @@ class Launcher:
         self._kill_all(signal.SIGKILL)
         return "failed"
       time.sleep(POLL_SECONDS)
+
+  def _note_done_files(self, now: float) -> None:
+    """Records in `_done_at` the time (`now`) a task's done file is first
+    seen (`worker_exit.is_done`)."""
+    for task in self.tasks:
+      if task not in self._done_at and worker_exit.is_done(
+          self._done_files.get(task)):
+        self._done_at[task] = now
+
+  def _all_exited_after_signal(self, codes: Dict[Task, Optional[int]]
+                               ) -> bool:
+    """After a forwarded signal: True when every task has exited (`codes`:
+    their `poll()`s); else kills the rest once the grace period is over,
+    waits `POLL_SECONDS` and returns False."""
+    if all(c is not None for c in codes.values()):
+      return True
+    if time.time() > self._signal_deadline:
+      self._say("grace period over: killing the remaining tasks.")
+      self._kill_all(signal.SIGKILL)
+      self._signal_deadline = float("inf")
+    time.sleep(POLL_SECONDS)
+    return False
+
+  def _stop_for_failed(self, failed: Sequence[Task],
+                       codes: Dict[Task, Optional[int]]) -> None:
+    """Records the `failed` tasks in `_lost`, says so (with their last
+    lines), notes it in the other tasks' logs and stops them."""
+    self._lost = {task: _exit_status(codes[task]) for task in failed}
+    for task in failed:
+      self._say(f"{task.name} exited with status "
+                f"{self._lost[task]}.")
+      self._show_tail(task)
+    self._note_in_task_logs(
+        f"{self._lost_text()}: the launcher stops the other tasks.",
+        skip=failed)
+    self._stop_survivors()
+
+  def _check_done_tasks(self, codes: Dict[Task, Optional[int]], *,
+                        now: float, noted: set, done_grace: float,
+                        skip: Sequence[Task]) -> None:
+    """Records in `_failed_after_work` (once: `noted`) a task that finished
+    its work but then exited with a non-zero status, or had not exited
+    `done_grace` seconds later (killed), but those in `skip` (the servers,
+    once the chief finished)."""
+    for task, at in self._done_at.items():
+      if task in noted or task in skip:
+        continue
+      if codes[task] not in (None, 0):
+        noted.add(task)
+        self._failed_after_work[task] = (
+            f"exited with status {_exit_status(codes[task])} after "
+            "finishing its work")
+        self._say(f"{task.name} {self._failed_after_work[task]}: the run "
+                  "failed (not restarted: the work is done).")
+        self._show_tail(task)
+      elif codes[task] is None and now - at > done_grace:
+        noted.add(task)
+        self._failed_after_work[task] = (
+            f"finished its work but had not exited {done_grace:g} s later")
+        self._say(f"{task.name} {self._failed_after_work[task]}: stopping "
+                  "it; the run failed (not restarted: the work is done).")
+        self._kill_all(signal.SIGKILL, only=[task])
 
   def _lost_text(self) -> str:
     """The failed tasks of the last attempt: "worker:0 exited with status

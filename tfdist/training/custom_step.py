@@ -40,7 +40,7 @@ ZeRO sharding, tfdist's gradient clipping flags, XLA, class weights,
 and execution time are not measured (the run log leaves them out).
 """
 
-from typing import Any, Callable, Dict, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from absl import logging
 import keras
@@ -100,7 +100,41 @@ def check(found: Sequence[str], *, model_name: str, compiled: bool,
   """
   if not found:
     return
-  refusals = [
+  refusals = _refusals(
+      compiled=compiled,
+      gradient_accumulation_steps=gradient_accumulation_steps,
+      zero_stage=zero_stage, clipnorm=clipnorm,
+      global_clipnorm=global_clipnorm, enable_xla=enable_xla,
+      class_weight=class_weight,
+      loss_or_metrics_given=loss_or_metrics_given, strategy=strategy,
+      on_tpu=on_tpu)
+  for refused, flag, why, fix in refusals:
+    if refused:
+      raise errors.ConfigError(
+          f"--model={model_name} overrides {', '.join(found)}, so tfdist "
+          f"runs the model's own step as Keras's Model.fit does; {flag} "
+          f"cannot go with it: {why}. Fix: {fix}.")
+  steps = [name for name in found if name.endswith(".train_step")]
+  if loss_scaled and steps:
+    logging.warning(
+        "--model=%s overrides %s under --dtype=fp16: its optimizer is a "
+        "LossScaleOptimizer, which divides the gradients by the loss scale "
+        "(32768 at first). As in Keras's fit, the step must take the "
+        "gradients of self.optimizer.scale_loss(loss), as Keras's own "
+        "train_step does; otherwise every update is that many times too "
+        "small.", model_name, steps[0])
+
+
+def _refusals(*, compiled: bool, gradient_accumulation_steps: int,
+              zero_stage: int, clipnorm: Optional[float],
+              global_clipnorm: Optional[float], enable_xla: bool,
+              class_weight: Sequence[Tuple[int, float]],
+              loss_or_metrics_given: bool,
+              strategy: Optional[tf.distribute.Strategy],
+              on_tpu: bool) -> List[Tuple[bool, str, str, str]]:
+  """`check`'s refusals, in the order checked: `(refused, the flag or
+  setting, why it needs tfdist's own step, the fix)` each."""
+  return [
       (not compiled, "a model that is not compiled",
        "Keras's fit refuses a model that was not compiled, and its "
        "train_step and test_step read compile's loss and metrics",
@@ -146,21 +180,6 @@ def check(found: Sequence[str], *, model_name: str, compiled: bool,
        "test_step does not read",
        "use --distribution_strategy=mirrored or multi_worker_mirrored"),
   ]
-  for refused, flag, why, fix in refusals:
-    if refused:
-      raise errors.ConfigError(
-          f"--model={model_name} overrides {', '.join(found)}, so tfdist "
-          f"runs the model's own step as Keras's Model.fit does; {flag} "
-          f"cannot go with it: {why}. Fix: {fix}.")
-  steps = [name for name in found if name.endswith(".train_step")]
-  if loss_scaled and steps:
-    logging.warning(
-        "--model=%s overrides %s under --dtype=fp16: its optimizer is a "
-        "LossScaleOptimizer, which divides the gradients by the loss scale "
-        "(32768 at first). As in Keras's fit, the step must take the "
-        "gradients of self.optimizer.scale_loss(loss), as Keras's own "
-        "train_step does; otherwise every update is that many times too "
-        "small.", model_name, steps[0])
 
 
 def _all_replicas(fn: Callable, reduce_op=tf.distribute.ReduceOp.MEAN

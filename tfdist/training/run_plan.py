@@ -7,7 +7,7 @@ printed at start.
 """
 
 import dataclasses
-from typing import Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 from tfdist import config as config_lib
 from tfdist import models
@@ -181,11 +181,17 @@ class RunPlan:
 
   def describe(self, options: "PlanOptions") -> str:
     """The plan as printed at start (`options`: the run's `PlanOptions`)."""
+    return "\n".join(line for line in
+                     self._main_lines(options) + self._option_lines(options)
+                     if line)
+
+  def _main_lines(self, options: "PlanOptions") -> List[str]:
+    """`describe`'s lines every plan has ("" for one it leaves out)."""
     plan = self.batch
     mode = (f"asynchronous: {self.num_workers} worker(s) each apply their "
             "own batches" if self.asynchronous else
             f"synchronous: {self.num_workers} worker(s)")
-    return "\n".join(line for line in [
+    return [
         "tfdist plan:",
         f"  strategy               {self.strategy}: {self.strategy_reason}",
         f"  training               {mode}",
@@ -226,40 +232,52 @@ class RunPlan:
         f"  warmup_steps           {self.lr.warmup_steps}",
         f"  dtype                  {self.dtype} "
         f"({precision.policy_name(self.dtype)}): {self.dtype_reason}",
-    ] + ([f"  input sharding         {self.sharding.describe()}"]
-         if self.sharding else []) + (
-             [f"  batch norm             "
-              f"{'synchronized (global batch)' if self.sync_batch_norm else 'per replica'}"
-              f" ({self.sync_batch_norm_reason})"]
-             if models.has_batch_norm(options.model) else []) + (
-                 ["  activation recompute   on: blocks recompute their "
-                  "activations in the backward pass"]
-                 if options.activation_recomputation else []) + (
-                     [f"  zero_stage             {options.zero_stage}"
-                      f": optimizer state sharded over the "
-                      f"{plan.num_replicas_in_sync} replicas (1/"
-                      f"{plan.num_replicas_in_sync} each)"
-                      + (", and the gradient accumulators"
-                         if options.zero_stage >= 2 and
-                         plan.gradient_accumulation_steps > 1 else "")
-                      + (", and the weights (gathered for each step; "
-                         "embedding tables stay replicated)"
-                         if options.zero_stage == 3 else "")]
-                     if options.zero_stage else []) + (
-                     ["  deterministic          op determinism and a "
-                      "deterministic input order"]
-                     if options.deterministic else []) + (
-                     [f"  all_reduce_dtype       {options.all_reduce_dtype}: "
-                      + (reduce_dtype.describe(options.all_reduce_dtype)
-                         if plan.num_replicas_in_sync > 1 and
-                         not self.asynchronous else
-                         "no effect (no all-reduce: one replica)")]
-                     if reduce_dtype.compresses(options.all_reduce_dtype)
-                     else []) + (
-                     [f"  pipeline               {self.pipeline.describe()}"
-                      f" of {plan.per_replica_batch_size // self.pipeline.num_microbatches}"
-                      " examples"]
-                     if self.pipeline else []) if line)
+    ]
+
+  def _option_lines(self, options: "PlanOptions") -> List[str]:
+    """`describe`'s lines for the settings a run may have: input sharding,
+    batch norm, recomputation, ZeRO, determinism, all-reduce dtype and
+    pipeline."""
+    plan = self.batch
+    lines = []
+    if self.sharding:
+      lines.append(f"  input sharding         {self.sharding.describe()}")
+    if models.has_batch_norm(options.model):
+      lines.append(
+          f"  batch norm             "
+          f"{'synchronized (global batch)' if self.sync_batch_norm else 'per replica'}"
+          f" ({self.sync_batch_norm_reason})")
+    if options.activation_recomputation:
+      lines.append("  activation recompute   on: blocks recompute their "
+                   "activations in the backward pass")
+    if options.zero_stage:
+      lines.append(
+          f"  zero_stage             {options.zero_stage}"
+          f": optimizer state sharded over the "
+          f"{plan.num_replicas_in_sync} replicas (1/"
+          f"{plan.num_replicas_in_sync} each)"
+          + (", and the gradient accumulators"
+             if options.zero_stage >= 2 and
+             plan.gradient_accumulation_steps > 1 else "")
+          + (", and the weights (gathered for each step; "
+             "embedding tables stay replicated)"
+             if options.zero_stage == 3 else ""))
+    if options.deterministic:
+      lines.append("  deterministic          op determinism and a "
+                   "deterministic input order")
+    if reduce_dtype.compresses(options.all_reduce_dtype):
+      lines.append(
+          f"  all_reduce_dtype       {options.all_reduce_dtype}: "
+          + (reduce_dtype.describe(options.all_reduce_dtype)
+             if plan.num_replicas_in_sync > 1 and
+             not self.asynchronous else
+             "no effect (no all-reduce: one replica)"))
+    if self.pipeline:
+      lines.append(
+          f"  pipeline               {self.pipeline.describe()}"
+          f" of {plan.per_replica_batch_size // self.pipeline.num_microbatches}"
+          " examples")
+    return lines
 
 
 def resolve_data_files(data: DataOptions, spec, *, need_eval: bool = True

@@ -474,6 +474,37 @@ class Trainer:
     if self.gradient_accumulation_steps < 1:
       raise ValueError("gradient_accumulation_steps must be >= 1. Received: "
                        f"{gradient_accumulation_steps}")
+    self._resolve_objectives(loss, metrics)
+    self.uses_loss_scale = isinstance(optimizer,
+                                      keras.optimizers.LossScaleOptimizer)
+    per_replica_random_streams(model)
+    self.sharded = (sharded_optimizer.optimizer_class(sharding)(
+        strategy=strategy, optimizer=optimizer,
+        variables=model.trainable_variables, options=sharding,
+        all_reduce_dtype=self.all_reduce_dtype, model=model)
+                    if sharding is not None and sharding.enabled else None)
+    self._make_step_variables()
+    # XLA compiles the per-replica forward and backward pass; Keras 3 turns
+    # XLA off under a tf.distribute strategy, so tfdist applies it to its own
+    # step. The gradients are applied outside the compiled function: the
+    # optimizer's cross-replica all-reduce (a merge_call) and its variables
+    # on other devices cannot be compiled into one replica's XLA cluster.
+    self.xla_applied = bool(enable_xla) and not run_eagerly
+    self._bind_mode(mode, sharding)
+    self._replica_train = self._replica_train_step
+    compile_fn = (lambda f: f) if run_eagerly else tf.function
+    self.train_function = compile_fn(self._train_function)
+    self.eval_function = compile_fn(self._eval_function)
+
+  def _resolve_objectives(self, loss, metrics) -> None:
+    """Sets `loss_fn`, `eval_loss_reduction` and `metric_sums` from the
+    constructor's `loss` and `metrics` (the task's defaults filled in).
+
+    Raises:
+      tfdist.errors.ConfigError: as `objectives.resolve_loss`,
+        `check_reduction` and `resolve_metric` raise it (an unknown or
+        unusable loss or metric).
+    """
     # Shapes unknown here: "accuracy" and "crossentropy" resolve for sparse
     # labels; tfdist.training.objectives.resolve knows the shapes
     # (tfdist.training.assembly).
@@ -489,15 +520,11 @@ class Trainer:
                         else objectives.MetricSums([
                             objectives.resolve_metric(m, **shapes)
                             for m in metrics or ()]))
-    self.uses_loss_scale = isinstance(optimizer,
-                                      keras.optimizers.LossScaleOptimizer)
-    per_replica_random_streams(model)
-    self.sharded = (sharded_optimizer.optimizer_class(sharding)(
-        strategy=strategy, optimizer=optimizer,
-        variables=model.trainable_variables, options=sharding,
-        all_reduce_dtype=self.all_reduce_dtype, model=model)
-                    if sharding is not None and sharding.enabled else None)
-    with strategy.scope():
+
+  def _make_step_variables(self) -> None:
+    """Creates `global_step` (and the gradient accumulators, with more than
+    one micro-batch per update) in the strategy's scope."""
+    with self.strategy.scope():
       # Counts updates made by this loop (skipped fp16 steps included), for
       # checkpoint numbering and resumption.
       self.global_step = tf.Variable(
@@ -505,12 +532,12 @@ class Trainer:
           aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
       self._accumulators = (self._make_accumulators()
                             if self.gradient_accumulation_steps > 1 else None)
-    # XLA compiles the per-replica forward and backward pass; Keras 3 turns
-    # XLA off under a tf.distribute strategy, so tfdist applies it to its own
-    # step. The gradients are applied outside the compiled function: the
-    # optimizer's cross-replica all-reduce (a merge_call) and its variables
-    # on other devices cannot be compiled into one replica's XLA cluster.
-    self.xla_applied = bool(enable_xla) and not run_eagerly
+
+  def _bind_mode(self, mode: Optional[mode_lib.StepMode],
+                 sharding: Optional[sharded_optimizer.ShardingOptions]
+                 ) -> None:
+    """Sets `mode` (None: the one `sharding`'s stage chooses) and binds it
+    and the sharded optimizer to this trainer."""
     # The parallelism mode runs each replica's forward and backward pass
     # and evaluation batch (`tfdist.parallel.mode`); by default the one
     # `sharding`'s ZeRO stage chooses (`data`, or `zero3` at stage 3).
@@ -521,10 +548,6 @@ class Trainer:
     if self.sharded is not None:  # Stage 3 shards the model's weights.
       self.sharded.attach(self)
     self.mode.bind(self)
-    self._replica_train = self._replica_train_step
-    compile_fn = (lambda f: f) if run_eagerly else tf.function
-    self.train_function = compile_fn(self._train_function)
-    self.eval_function = compile_fn(self._eval_function)
 
   # --- replica functions -------------------------------------------------
   def losses(self, labels, outputs, weights=None):

@@ -364,6 +364,142 @@ class _Forward:
   outputs: List[tf.Tensor]  # stage outputs, or [scaled loss] on the last
 
 
+class _StepTasks:
+  """The forward and backward tasks of one pipelined step, built into the
+  graph one at a time (`Pipeline.forward_backward`), with what they hand
+  each other.
+
+  Attributes:
+    forwards: `{(stage, micro-batch): _Forward}` of the forward tasks
+      whose backward task is still to come.
+    input_grads: `{(stage, micro-batch): gradients}` of a stage's inputs,
+      for the stage before's backward task.
+    sums: per stage, the summed gradient of each of its trainable
+      variables (None until one is added).
+    chain: per stage, the tensors of its latest task: its next task waits
+      on them.
+    losses: the micro-batches' weighed losses, scalars.
+    final_outputs: `{micro-batch: the last stage's outputs}`.
+  """
+
+  def __init__(self, pipeline: "Pipeline", *, micro_x, micro_y, micro_w,
+               loss_fn: Callable[..., tf.Tensor], scale: float):
+    self.pipeline = pipeline
+    self.stages = pipeline.stages
+    self.last = pipeline.num_stages - 1
+    self.micro_x, self.micro_y, self.micro_w = micro_x, micro_y, micro_w
+    self.loss_fn = loss_fn
+    self.scale = scale
+    self.forwards: Dict[Tuple[int, int], _Forward] = {}
+    self.input_grads: Dict[Tuple[int, int], List[tf.Tensor]] = {}
+    self.sums: List[List[Optional[tf.Tensor]]] = [
+        [None] * len(s.trainable_variables) for s in self.stages]
+    self.chain: List[List[tf.Tensor]] = [[] for _ in self.stages]
+    self.losses = []
+    self.final_outputs: Dict[int, List[tf.Tensor]] = {}
+
+  def forward(self, s: int, m: int) -> None:
+    """Stage `s`'s forward task on micro-batch `m` (the loss on the last)."""
+    stage = self.stages[s]
+    with tf.device(stage.device), tf.control_dependencies(self.chain[s]):
+      received = (self.micro_x[m] if s == 0
+                  else self.forwards[(s - 1, m)].outputs)
+      received = [tf.identity(t) for t in received]
+      with tf.GradientTape() as tape:
+        tape.watch([t for t in received if _is_float(t)])
+        outputs = [tf.identity(t) for t in stage.run(received, True)]
+        if s == self.last:
+          outputs = self._loss(m, outputs)
+    self.forwards[(s, m)] = _Forward(tape, received, outputs)
+    self.chain[s] = outputs
+
+  def _loss(self, m: int, outputs: List[tf.Tensor]) -> List[tf.Tensor]:
+    """`[weighed loss]` of micro-batch `m` on the last stage's `outputs`
+    (kept in `final_outputs`), in the forward task's tape."""
+    self.final_outputs[m] = outputs
+    args = (self.micro_y[m], self.pipeline.pack(outputs))
+    if self.micro_w is not None:
+      args += (self.micro_w[m],)
+    loss = tf.cast(self.loss_fn(*args), tf.float32)
+    self.losses.append(loss * self.scale)
+    return [self.losses[-1]]
+
+  def backward(self, s: int, m: int) -> None:
+    """Stage `s`'s backward task on micro-batch `m`: adds its variables'
+    gradients to `sums` and hands its inputs' to the stage before."""
+    stage = self.stages[s]
+    done = self.forwards.pop((s, m))
+    with tf.device(stage.device), tf.control_dependencies(self.chain[s]):
+      if s == self.last:
+        targets, upstream = done.outputs, None
+      else:
+        upstream = self.input_grads.pop((s + 1, m))
+        pairs = [(o, g) for o, g in zip(done.outputs, upstream)
+                 if g is not None]
+        targets, upstream = [p[0] for p in pairs], [p[1] for p in pairs]
+      sources = [t for t in done.inputs if _is_float(t)] if s else []
+      grads = done.tape.gradient(
+          targets, sources + list(stage.trainable_variables),
+          output_gradients=upstream,
+          unconnected_gradients=tf.UnconnectedGradients.ZERO)
+      if s:
+        it = iter(grads[:len(sources)])
+        self.input_grads[(s, m)] = [next(it) if _is_float(t) else None
+                                    for t in done.inputs]
+      var_grads = grads[len(sources):]
+      for j, g in enumerate(var_grads):
+        self.sums[s][j] = _add_gradients(self.sums[s][j], g)
+      self.chain[s] = ([_dense_part(g) for g in grads if g is not None]
+                       or self.chain[s])
+
+  def ready(self, s: int, kind: str, m: int) -> bool:
+    """Whether the task (`kind` "F" or "B") has what it takes."""
+    if kind == "F":
+      return s == 0 or (s - 1, m) in self.forwards
+    return (s, m) in self.forwards and (
+        s == self.last or (s + 1, m) in self.input_grads)
+
+  def build(self, orders: Sequence[Sequence[Tuple[str, int]]],
+            schedule: str) -> None:
+    """Builds every stage's tasks of `orders` (`schedule_order`'s) in an
+    order that respects both the data and each stage's chain (a
+    topological order of the schedule).
+
+    Raises:
+      RuntimeError: the schedule deadlocks (a bug in tfdist).
+    """
+    position = [0] * len(orders)
+    while any(p < len(o) for p, o in zip(position, orders)):
+      progressed = False
+      for s, order in enumerate(orders):
+        while position[s] < len(order):
+          kind, m = order[position[s]]
+          if not self.ready(s, kind, m):
+            break
+          (self.forward if kind == "F" else self.backward)(s, m)
+          position[s] += 1
+          progressed = True
+      if not progressed:
+        raise RuntimeError(f"pipeline schedule {schedule!r} deadlocks at "
+                           f"tasks {position} (a bug in tfdist)")
+
+  def gradients(self, variables) -> List[Optional[tf.Tensor]]:
+    """The summed gradients for `variables` (the model's trainable ones),
+    in their order; None for a variable no stage uses."""
+    grads_by_var = {}
+    for stage, stage_sums in zip(self.stages, self.sums):
+      for v, g in zip(stage.trainable_variables, stage_sums):
+        grads_by_var[id(v)] = g
+    return [grads_by_var.get(id(v)) for v in variables]
+
+  def outputs(self, num_microbatches: int) -> List[tf.Tensor]:
+    """The last stage's outputs of the micro-batches, concatenated in
+    batch order."""
+    return [tf.concat([self.final_outputs[m][i]
+                       for m in range(num_microbatches)], axis=0)
+            for i in range(len(self.final_outputs[0]))]
+
+
 class Pipeline:
   """A Keras model cut into stages on consecutive devices.
 
@@ -643,92 +779,12 @@ class Pipeline:
                         num_microbatches)
                if sample_weight is not None else None)
     scale = 1.0 / num_microbatches if mean_loss else 1.0
-
-    last = self.num_stages - 1
-    forwards: Dict[Tuple[int, int], _Forward] = {}
-    input_grads: Dict[Tuple[int, int], List[tf.Tensor]] = {}
-    sums: List[List[Optional[tf.Tensor]]] = [
-        [None] * len(s.trainable_variables) for s in self.stages]
-    # The tensors of each stage's latest task: its next task waits on them.
-    chain: List[List[tf.Tensor]] = [[] for _ in self.stages]
-    losses = []
-    final_outputs: Dict[int, List[tf.Tensor]] = {}
-
-    def forward(s, m):
-      stage = self.stages[s]
-      with tf.device(stage.device), tf.control_dependencies(chain[s]):
-        received = micro_x[m] if s == 0 else forwards[(s - 1, m)].outputs
-        received = [tf.identity(t) for t in received]
-        with tf.GradientTape() as tape:
-          tape.watch([t for t in received if _is_float(t)])
-          outputs = [tf.identity(t) for t in stage.run(received, True)]
-          if s == last:
-            final_outputs[m] = outputs
-            args = (micro_y[m], self.pack(outputs))
-            if micro_w is not None:
-              args += (micro_w[m],)
-            loss = tf.cast(loss_fn(*args), tf.float32)
-            losses.append(loss * scale)
-            outputs = [losses[-1]]
-      forwards[(s, m)] = _Forward(tape, received, outputs)
-      chain[s] = outputs
-
-    def backward(s, m):
-      stage = self.stages[s]
-      done = forwards.pop((s, m))
-      with tf.device(stage.device), tf.control_dependencies(chain[s]):
-        if s == last:
-          targets, upstream = done.outputs, None
-        else:
-          upstream = input_grads.pop((s + 1, m))
-          pairs = [(o, g) for o, g in zip(done.outputs, upstream)
-                   if g is not None]
-          targets, upstream = [p[0] for p in pairs], [p[1] for p in pairs]
-        sources = [t for t in done.inputs if _is_float(t)] if s else []
-        grads = done.tape.gradient(
-            targets, sources + list(stage.trainable_variables),
-            output_gradients=upstream,
-            unconnected_gradients=tf.UnconnectedGradients.ZERO)
-        if s:
-          it = iter(grads[:len(sources)])
-          input_grads[(s, m)] = [next(it) if _is_float(t) else None
-                                 for t in done.inputs]
-        var_grads = grads[len(sources):]
-        for j, g in enumerate(var_grads):
-          sums[s][j] = _add_gradients(sums[s][j], g)
-        chain[s] = [_dense_part(g) for g in grads if g is not None] or chain[s]
-
-    def ready(s, kind, m):
-      if kind == "F":
-        return s == 0 or (s - 1, m) in forwards
-      return (s, m) in forwards and (s == last or (s + 1, m) in input_grads)
-
-    # Build the tasks in an order that respects both the data and each
-    # stage's chain (a topological order of the schedule).
-    position = [0] * self.num_stages
-    while any(p < len(o) for p, o in zip(position, orders)):
-      progressed = False
-      for s, order in enumerate(orders):
-        while position[s] < len(order):
-          kind, m = order[position[s]]
-          if not ready(s, kind, m):
-            break
-          (forward if kind == "F" else backward)(s, m)
-          position[s] += 1
-          progressed = True
-      if not progressed:
-        raise RuntimeError(f"pipeline schedule {schedule!r} deadlocks at "
-                           f"tasks {position} (a bug in tfdist)")
-
-    grads_by_var = {}
-    for stage, stage_sums in zip(self.stages, sums):
-      for v, g in zip(stage.trainable_variables, stage_sums):
-        grads_by_var[id(v)] = g
-    grads = [grads_by_var.get(id(v)) for v in self.model.trainable_variables]
-    outputs = [tf.concat([final_outputs[m][i]
-                          for m in range(num_microbatches)], axis=0)
-               for i in range(len(final_outputs[0]))]
-    return tf.add_n(losses), grads, self.pack(outputs)
+    tasks = _StepTasks(self, micro_x=micro_x, micro_y=micro_y,
+                       micro_w=micro_w, loss_fn=loss_fn, scale=scale)
+    tasks.build(orders, schedule)
+    grads = tasks.gradients(self.model.trainable_variables)
+    return (tf.add_n(tasks.losses), grads,
+            self.pack(tasks.outputs(num_microbatches)))
 
 
 def _default_devices() -> List[str]:
@@ -778,36 +834,77 @@ def split_model(model, num_stages: Optional[int] = None, *,
   names = [c.layer.name for c in calls]
   if cuts is not None:
     cuts = list(cuts)
-    starts = []
-    for name in cuts:
-      if name not in names:
-        raise errors.PipelineConfigError(
-            f"pipeline cut {name!r} is not a layer of model {model.name!r}: "
-            f"give layer names among {names[:30]}"
-            f"{' ...' if len(names) > 30 else ''}.")
-      starts.append(names.index(name))
-    if starts != sorted(set(starts)) or (starts and starts[0] == 0):
-      raise errors.PipelineConfigError(
-          f"pipeline cuts={','.join(cuts)} must name distinct layers in the "
-          f"model's call order, none of them its first layer "
-          f"({names[0]!r}): the layers run in the order {names[:30]}.")
-    if num_stages is not None and num_stages != len(cuts) + 1:
-      raise errors.PipelineConfigError(
-          f"num_stages={num_stages} disagrees with cuts={','.join(cuts)} "
-          f"({len(cuts) + 1} stages): give one of them, or "
-          f"{num_stages - 1} cut(s).")
+    starts = _cut_starts(model, names, cuts, num_stages)
     num_stages = len(cuts) + 1
+  _check_num_stages(model, num_stages, num_calls=len(calls))
+  devices = list(devices) if devices is not None else _default_devices()
+  _check_enough_devices(num_stages, devices)
+  if cuts is None:
+    starts = _balanced_starts(calls, num_stages, activation_examples)
+  bounds = [0] + starts + [len(calls)]
+  groups = [calls[a:b] for a, b in zip(bounds, bounds[1:])]
+  _check_one_stage_each(groups)
+  stages = _make_stages(model, groups, input_keys=input_keys,
+                        output_keys=output_keys, devices=devices)
+  return Pipeline(model, stages, input_dtypes)
+
+
+def _cut_starts(model, names: Sequence[str], cuts: Sequence[str],
+                num_stages: Optional[int]) -> List[int]:
+  """The positions among the layer calls (`names`) where the stages after
+  the first begin, from `split_model`'s `cuts`.
+
+  Raises:
+    PipelineConfigError: an unknown cut name, cuts out of the call order
+      or naming the first layer, cuts that disagree with `num_stages`.
+  """
+  starts = []
+  for name in cuts:
+    if name not in names:
+      raise errors.PipelineConfigError(
+          f"pipeline cut {name!r} is not a layer of model {model.name!r}: "
+          f"give layer names among {names[:30]}"
+          f"{' ...' if len(names) > 30 else ''}.")
+    starts.append(names.index(name))
+  if starts != sorted(set(starts)) or (starts and starts[0] == 0):
+    raise errors.PipelineConfigError(
+        f"pipeline cuts={','.join(cuts)} must name distinct layers in the "
+        f"model's call order, none of them its first layer "
+        f"({names[0]!r}): the layers run in the order {names[:30]}.")
+  if num_stages is not None and num_stages != len(cuts) + 1:
+    raise errors.PipelineConfigError(
+        f"num_stages={num_stages} disagrees with cuts={','.join(cuts)} "
+        f"({len(cuts) + 1} stages): give one of them, or "
+        f"{num_stages - 1} cut(s).")
+  return starts
+
+
+def _check_num_stages(model, num_stages: Optional[int], *,
+                      num_calls: int) -> None:
+  """Refuses a `num_stages` that is missing, below 1, or above the model's
+  `num_calls` layer calls.
+
+  Raises:
+    PipelineConfigError: naming the value and the bound.
+  """
   if num_stages is None:
     raise errors.PipelineConfigError(
         "split_model needs num_stages or cuts: give the number of stages "
         "(e.g. num_stages=2) or the layers that begin stages.")
   cutting.check_positive("num_stages", num_stages)
-  if num_stages > len(calls):
+  if num_stages > num_calls:
     raise errors.PipelineConfigError(
-        f"num_stages={num_stages} is more than the {len(calls)} layer "
+        f"num_stages={num_stages} is more than the {num_calls} layer "
         f"call(s) of model {model.name!r}: each stage needs at least one; "
-        f"choose num_stages <= {len(calls)}.")
-  devices = list(devices) if devices is not None else _default_devices()
+        f"choose num_stages <= {num_calls}.")
+
+
+def _check_enough_devices(num_stages: int, devices: Sequence[str]) -> None:
+  """Refuses more stages than `devices` (stage i runs on device i).
+
+  Raises:
+    PipelineConfigError: naming both and the fix.
+  """
   if num_stages > len(devices):
     raise errors.PipelineConfigError(
         f"num_stages={num_stages} is more than the {len(devices)} "
@@ -815,17 +912,29 @@ def split_model(model, num_stages: Optional[int] = None, *,
         f"or on a CPU split it into logical devices before TensorFlow "
         f"starts (tfdist.distribute.devices.configure_cpu_devices("
         f"{num_stages}), --num_cpu_devices={num_stages}).")
-  if cuts is None:
-    seen, costs = set(), []
-    for call in calls:
-      weights = getattr(call.layer, "weights", [])
-      own = 0 if id(call.layer) in seen else _param_bytes(weights)
-      seen.add(id(call.layer))
-      costs.append(own + activation_examples * call.activation_bytes)
-    starts = cutting.balanced_cuts(costs, num_stages)
-  bounds = [0] + starts + [len(calls)]
-  groups = [calls[a:b] for a, b in zip(bounds, bounds[1:])]
 
+
+def _balanced_starts(calls, num_stages: int,
+                     activation_examples: int) -> List[int]:
+  """Where the stages after the first begin, for the smallest largest
+  stage cost (a call's cost: its layer's weight bytes, counted at its
+  first call, plus `activation_examples` x its outputs' bytes per
+  example)."""
+  seen, costs = set(), []
+  for call in calls:
+    weights = getattr(call.layer, "weights", [])
+    own = 0 if id(call.layer) in seen else _param_bytes(weights)
+    seen.add(id(call.layer))
+    costs.append(own + activation_examples * call.activation_bytes)
+  return cutting.balanced_cuts(costs, num_stages)
+
+
+def _check_one_stage_each(groups) -> None:
+  """Refuses a layer, or a variable, used in two stages' `groups` of calls.
+
+  Raises:
+    PipelineConfigError: naming the layer (or variable) and the stages.
+  """
   stage_of_layer, stage_of_var = {}, {}
   for s, group in enumerate(groups):
     for call in group:
@@ -844,32 +953,30 @@ def split_model(model, num_stages: Optional[int] = None, *,
               f"{other} and {s} (a shared or tied weight): choose cuts that "
               f"keep its layers in one stage.")
 
-  # Carried tensors: stage s hands on what stages after it (or the model's
-  # outputs) use, among the tensors known by its end.
+
+def _make_stages(model, groups, *, input_keys, output_keys,
+                 devices: Sequence[str]) -> List[Stage]:
+  """A `Stage` for each group of consecutive calls, on `devices[s]`.
+
+  Carried tensors: stage s hands on what stages after it (or the model's
+  outputs) use, among the tensors known by its end.
+  """
   produced = [set(input_keys)]
   for group in groups:
     produced.append(produced[-1] | {k for c in group for k in c.out_keys})
   rank = {k: i for i, k in enumerate(
-      list(input_keys) + [k for c in calls for k in c.out_keys])}
+      list(input_keys) + [k for g in groups for c in g for k in c.out_keys])}
   stages = []
   received = tuple(input_keys)
   model_vars = {id(v): i for i, v in enumerate(model.trainable_variables)}
   for s, group in enumerate(groups):
-    if s == num_stages - 1:
+    if s == len(groups) - 1:
       handed = tuple(output_keys)
     else:
       later = {k for g in groups[s + 1:] for c in g for k in c.in_keys}
       later |= set(output_keys)
       handed = tuple(sorted(later & produced[s + 1], key=rank.__getitem__))
-    layers, variables, weights = [], {}, {}
-    for call in group:
-      if call.layer.name not in layers:
-        layers.append(call.layer.name)
-      for v in getattr(call.layer, "trainable_variables", []):
-        if id(v) in model_vars:
-          variables[id(v)] = v
-      for v in getattr(call.layer, "weights", []):
-        weights[id(v)] = v
+    layers, variables, weights = _stage_contents(group, model_vars)
     ordered = sorted(variables.values(), key=lambda v: model_vars[id(v)])
     stages.append(Stage(
         index=s, device=devices[s], layer_names=tuple(layers),
@@ -878,4 +985,20 @@ def split_model(model, num_stages: Optional[int] = None, *,
         param_bytes=_param_bytes(weights.values()), input_keys=received,
         output_keys=handed, calls=tuple(group)))
     received = handed
-  return Pipeline(model, stages, input_dtypes)
+  return stages
+
+
+def _stage_contents(group, model_vars: Dict[int, int]):
+  """`(layer names, {id: trainable variable}, {id: weight})` of a stage's
+  `group` of calls: its layers in call order, the model's trainable
+  variables among theirs (`model_vars`: by id), all their weights."""
+  layers, variables, weights = [], {}, {}
+  for call in group:
+    if call.layer.name not in layers:
+      layers.append(call.layer.name)
+    for v in getattr(call.layer, "trainable_variables", []):
+      if id(v) in model_vars:
+        variables[id(v)] = v
+    for v in getattr(call.layer, "weights", []):
+      weights[id(v)] = v
+  return layers, variables, weights

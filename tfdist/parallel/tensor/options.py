@@ -110,6 +110,20 @@ def check_flags(*, tensor_parallel: int, model: str,
         "replicas, which tfdist does not yet do (a data x tensor device "
         "mesh). Use "
         "--distribution_strategy=mirrored, or drop --tensor_parallel.")
+  _check_devices(flag, n, num_gpus=num_gpus, num_cpu_devices=num_cpu_devices)
+  _check_incompatible_settings(
+      flag, zero_stage=zero_stage, pipeline_stages=pipeline_stages,
+      enable_xla=enable_xla, dtype=dtype, clipnorm=clipnorm,
+      global_clipnorm=global_clipnorm, init_checkpoint=init_checkpoint)
+
+
+def _check_devices(flag: str, n: int, *, num_gpus: int,
+                   num_cpu_devices: int) -> None:
+  """Refuses more replicas than the N tensor-parallel ranks (`flag`).
+
+  Raises:
+    errors.ConfigError: --num_gpus (or --num_cpu_devices) > 1 and not N.
+  """
   devices = num_gpus if num_gpus > 0 else num_cpu_devices
   if devices > 1 and devices != n:
     name = "--num_gpus" if num_gpus > 0 else "--num_cpu_devices"
@@ -118,6 +132,18 @@ def check_flags(*, tensor_parallel: int, model: str,
         f"tensor-parallel rank, so the run needs exactly {n} replicas; "
         f"{devices} would add data parallelism, which needs sub-group "
         f"all-reduces tf.distribute does not offer. Pass {name}={n}.")
+
+
+def _check_incompatible_settings(
+    flag: str, *, zero_stage: int, pipeline_stages: int, enable_xla: bool,
+    dtype: str, clipnorm: Optional[float], global_clipnorm: Optional[float],
+    init_checkpoint: Optional[str]) -> None:
+  """Refuses the settings that cannot run beside N > 1 (`flag`).
+
+  Raises:
+    errors.ConfigError: ZeRO, pipeline stages, XLA, fp16, gradient
+      clipping or --init_checkpoint, naming the one given.
+  """
   for given, name, why in (
       (zero_stage, f"--zero_stage={zero_stage}",
        "ZeRO shards the whole flat weight list across the replicas, which "
