@@ -428,33 +428,33 @@ class RefusalTest(absltest.TestCase):
     return caught.exception
 
   def test_more_stages_than_layers(self):
-    self._refused(r"--pipeline_stages=3: num_stages=3 is more than the 2 "
+    self._refused(r"pipeline_stages=3: num_stages=3 is more than the 2 "
                   r"layer call\(s\)", _two_layers, pipeline_stages=3,
                   num_microbatches=2)
-    self._refused(r"--num_microbatches=3 \(not given: it defaults to "
-                  r"--pipeline_stages\) does not divide", _two_layers,
+    self._refused(r"num_microbatches=3 \(not given: it defaults to "
+                  r"pipeline_stages\) does not divide", _two_layers,
                   pipeline_stages=3)
 
   def test_more_stages_than_devices(self):
-    self._refused(r"--pipeline_stages=5 needs 5 logical CPU devices, and "
+    self._refused(r"pipeline_stages=5 needs 5 logical CPU devices, and "
                   r"TensorFlow already started with 4", pipeline_stages=5)
 
   def test_microbatches_not_dividing_the_batch(self):
-    self._refused(r"--num_microbatches=3 does not divide the step's batch "
+    self._refused(r"num_microbatches=3 does not divide the step's batch "
                   r"of 16 examples .* among \[1, 2, 4, 8, 16\]",
                   pipeline_stages=2, num_microbatches=3)
-    self._refused(r"--num_microbatches=16 does not divide each of the "
-                  r"--gradient_accumulation_steps=2 micro-steps' batch of 8",
+    self._refused(r"num_microbatches=16 does not divide each of the "
+                  r"gradient_accumulation_steps=2 micro-steps' batch of 8",
                   pipeline_stages=2, num_microbatches=16,
                   gradient_accumulation_steps=2)
 
   def test_model_that_cannot_be_cut(self):
-    self._refused(r"--pipeline_stages=2: model .* is a subclassed model "
+    self._refused(r"pipeline_stages=2: model .* is a subclassed model "
                   r"without a functional graph", _subclassed,
                   pipeline_stages=2)
-    self._refused(r"--pipeline_cuts=nope: pipeline cut 'nope' is not a "
+    self._refused(r"pipeline_cuts=nope: pipeline cut 'nope' is not a "
                   r"layer", pipeline_stages=2, pipeline_cuts="nope")
-    self._refused(r"--pipeline_stages=2: model .* defines its own step "
+    self._refused(r"pipeline_stages=2: model .* defines its own step "
                   r"\(_OwnStep.train_step\)", _own_step, pipeline_stages=2)
     self._refused(r"layer 'block_2' has an activity regularizer",
                   lambda: skip_model(activity=True), pipeline_stages=2)

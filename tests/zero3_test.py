@@ -512,7 +512,7 @@ class RefusedAtStartTest(absltest.TestCase):
           from_logits=True))
       return model
     with self.assertRaisesRegex(errors.ConfigError,
-                                "--zero_stage=3: model .* own step"):
+                                "zero_stage=3: model .* own step"):
       api.fit(own_step, x=X, y=Y,
               config=_config(os.path.join(testutil.scratch_dir(), "o"),
                              zero_stage=3), verbose=0)

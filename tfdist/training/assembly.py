@@ -421,12 +421,14 @@ def _log_trainer(trainer: Trainer, options: AssemblyOptions, *, plan,
         "backward pass (the optimizer update stays outside XLA).")
 
 
-def _training_checkpoint(model: keras.Model, *, trainer: Trainer,
-                         learning_rate) -> tf.train.Checkpoint:
+def _training_checkpoint(model: keras.Model, *, trainer, learning_rate,
+                         optimizer=None) -> tf.train.Checkpoint:
   """The whole training state: model, step, optimizer (each as the
   trainer's mode views it: `tfdist.parallel.mode.StepMode
   .checkpoint_model` and `checkpoint_optimizer`), LR factor and the random
-  layers' seed-generator states."""
+  layers' seed-generator states. `optimizer`: given for a model's own
+  `train_step` (`tfdist.training.custom_step`), whose trainer has no mode:
+  the model and that optimizer are saved as they are."""
   # The random layers' seed-generator states too (Keras keeps them out of
   # the model's checkpoint dependencies): a resumed run then draws the same
   # dropout masks as an uninterrupted one.
@@ -434,10 +436,11 @@ def _training_checkpoint(model: keras.Model, *, trainer: Trainer,
   # Sharded, the optimizer saves its slots in their unsharded shapes and
   # keys (any replica count, or none, restores them); tensor-parallel, the
   # model and optimizer through their gathered views.
+  if optimizer is None:
+    model = trainer.mode.checkpoint_model(trainer)
+    optimizer = trainer.mode.checkpoint_optimizer(trainer)
   return tf.train.Checkpoint(
-      model=trainer.mode.checkpoint_model(trainer),
-      global_step=trainer.global_step,
-      optimizer=trainer.mode.checkpoint_optimizer(trainer),
+      model=model, global_step=trainer.global_step, optimizer=optimizer,
       lr_multiplier=learning_rate.multiplier,
       **({"random_state": random_state} if random_state else {}))
 
