@@ -15,6 +15,8 @@ import json
 import os
 import re
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 
@@ -548,17 +550,23 @@ class DiagnoseBinaryTest(absltest.TestCase):
     # the error says; a finished one's temporary folder is not named.
     out = io.StringIO()
     with self.assertRaisesRegex(errors.DiagnoseError,
-                                r"exited with status \d+; the end of its "
+                                r"exited with status 2: tfdist.train: error: "
+                                r"--train_files=.*\nThe end of its "
                                 r"output \((\S+\.log)\)") as caught:
       diagnose.diagnose([
           "--train_files=/nonexistent/train-*.tfrecord.gz",
           "--eval_files=/nonexistent/test-*.tfrecord.gz"], baseline=False,
                         steps=2, log_steps=1, timeout_seconds=300, out=out)
-    # Progress: the plan, and a line as the run starts and as it ends.
+    # Progress: the plan, and a line as the run starts and as it ends, with
+    # the run's status and its last error line (issue 47 item 5).
     self.assertRegex(out.getvalue(),
                      r"Plan: 1 run\(s\).*\n"
                      r"\[1/1\] requested run: started \(tfdist.train\)\.\n"
-                     r"\[1/1\] requested run: failed after \d+ s\.")
+                     r"(\[1/1\] requested run: \d+ s, starting.*\n)*"
+                     r"\[1/1\] requested run: failed after \d+ s "
+                     r"\(status 2\): tfdist.train: error: "
+                     r"--train_files='/nonexistent/")
+    self.assertEqual(caught.exception.exit_code, errors.CONFIG)
     log = re.search(r"\((\S+\.log)\)", str(caught.exception)).group(1)
     self.assertTrue(os.path.exists(log), log)
     shutil.rmtree(os.path.dirname(log))
@@ -646,6 +654,85 @@ class DiagnoseBinaryTest(absltest.TestCase):
     self.assertIsNone(json.load(open(os.path.join(
         root, "baseline", "run_manifest.json")))["artifacts"]["profile"])
 
+
+# A user's own model and data, in a folder of the user's (issue 47 item 5).
+_USER_MODULE = """
+import keras
+import tensorflow as tf
+
+
+def build():
+  model = keras.Sequential([keras.Input((8,)),
+                            keras.layers.Dense(64, activation="relu"),
+                            keras.layers.Dense(64, activation="relu"),
+                            keras.layers.Dense(1)])
+  model.compile(loss="mse")
+  return model
+
+
+def examples(training):
+  n = 512 if training else 64
+  x = tf.random.stateless_normal([n, 8], seed=[1, 2])
+  return tf.data.Dataset.from_tensor_slices(
+      (x, tf.reduce_sum(x, 1, keepdims=True)))
+"""
+
+
+class UserCodeTest(absltest.TestCase):
+  """`python -m tfdist.diagnose` from the folder of the user's own model."""
+
+  def test_runs_import_the_users_model_from_its_folder(self):
+    # Before: both children started in tfdist's folder and failed with
+    # "cannot import mymodel ... Run from the folder that holds it"; the
+    # binary exited 1, silent while each run measured.
+    folder = tempfile.mkdtemp(dir=testutil.scratch_dir())
+    with open(os.path.join(folder, "mymodel.py"), "w") as f:
+      f.write(_USER_MODULE)
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
+               PYTHONPATH=testutil.REPO_ROOT)
+    proc = subprocess.run(
+        [sys.executable, "-m", "tfdist.diagnose", "--steps=40",
+         "--log_steps=5", "--progress_seconds=0.5", "--",
+         "--model=mymodel:build", "--dataset=mymodel:examples",
+         "--batch_size=16", "--distribution_strategy=one_device"],
+        cwd=folder, env=env, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, timeout=600)
+    out = proc.stdout
+    self.assertEqual(proc.returncode, 0, out[-4000:])
+    self.assertRegex(out, r"\[1/2\] requested run: finished in \d+ s")
+    self.assertRegex(out, r"\[2/2\] baseline run: finished in \d+ s")
+    self.assertRegex(out, r"baseline\s+one_device")
+    # Progress while each run measured: every half second a line.
+    self.assertRegex(out, r"\[1/2\] requested run: (step \d+/40 after \d+ s"
+                          r"|\d+ s, starting)")
+    self.assertRegex(out, r"\[2/2\] baseline run: (step \d+/40 after \d+ s"
+                          r"|\d+ s, starting)")
+    shutil.rmtree(folder)
+
+  def test_progress_reads_steps_and_time_left(self):
+    model_dir = tempfile.mkdtemp(dir=testutil.scratch_dir())
+    out = io.StringIO()
+    progress = diagnose.diagnosis._Progress("[1/2] requested run:",
+                                            model_dir, 60, out=out)
+    progress()
+    metrics = os.path.join(model_dir, "metrics.jsonl")
+    with open(metrics, "w") as f:
+      f.write(json.dumps({"kind": "train", "step": 10}) + "\n")
+    progress()
+    time.sleep(0.2)
+    with open(metrics, "a") as f:
+      f.write(json.dumps({"kind": "eval", "step": 20}) + "\n")
+      f.write(json.dumps({"kind": "train", "step": 20}) + "\n{\"kind\": ")
+    progress()
+    lines = out.getvalue().splitlines()
+    self.assertRegex(lines[0], r"^\[1/2\] requested run: \d+ s, starting")
+    self.assertRegex(lines[1], r"step 10/60 after \d+ s, time left after "
+                               r"the next log point\.$")
+    # 10 steps in about 0.2 s: 40 steps left, about 1 s.
+    left = float(re.search(r"step 20/60 after \d+ s, about (\d+) s left\.$",
+                           lines[2]).group(1))
+    self.assertLess(left, 10)
+    shutil.rmtree(model_dir)
 
 if __name__ == "__main__":
   absltest.main()
