@@ -690,11 +690,13 @@ class UserCodeTest(absltest.TestCase):
       f.write(_USER_MODULE)
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
                PYTHONPATH=testutil.REPO_ROOT)
+    out_json = os.path.join(folder, "result.json")
     proc = subprocess.run(
-        [sys.executable, "-m", "tfdist.diagnose", "--steps=40",
-         "--log_steps=5", "--progress_seconds=0.5", "--",
-         "--model=mymodel:build", "--dataset=mymodel:examples",
-         "--batch_size=16", "--distribution_strategy=one_device"],
+        [sys.executable, "-m", "tfdist.diagnose", "--steps=10",
+         "--log_steps=2", "--progress_seconds=0.5", f"--output={out_json}",
+         "--", "--model=mymodel:build", "--dataset=mymodel:examples",
+         "--batch_size=16", "--distribution_strategy=mirrored",
+         "--num_cpu_devices=2"],
         cwd=folder, env=env, stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True, timeout=600)
     out = proc.stdout
@@ -707,7 +709,38 @@ class UserCodeTest(absltest.TestCase):
                           r"|\d+ s, starting)")
     self.assertRegex(out, r"\[2/2\] baseline run: (step \d+/40 after \d+ s"
                           r"|\d+ s, starting)")
+    # The tensor-parallel row of a plain Dense MLP: what a layout map
+    # derived for it splits (before: "no layer of this model can be split").
+    self.assertNotIn("no layer of this model can be split", out)
+    self.assertRegex(out, r"Tensor parallelism over 2 devices .*Megatron "
+                          r"splits cover dense \(column\), dense_1 \(row\)"
+                          r".*\(saving [\d.]+ KiB\)\. tfdist's trainer "
+                          r"trains tensor parallelism only for the built-in "
+                          r"Transformer today")
+    with open(out_json) as f:
+      result = json.load(f)
+    rows = {r["layout"]: r for r in result["layouts"]["rows"]}
+    self.assertLess(rows["tensor parallel"]["parameters_bytes"],
+                    rows["data parallel"]["parameters_bytes"] * 0.6)
+    self.assertEqual(result["tensor_split"]["pairs"], [["dense", "dense_1"]])
     shutil.rmtree(folder)
+
+  def test_a_layout_map_derived_for_a_dense_mlp(self):
+    # Dense 8->64->64->1: the first two form a column/row pair over 2 (the
+    # last, 1 unit wide, reaches the output: a column split would need a
+    # gather); over 3, 64 units do not divide.
+    model = keras.Sequential([keras.Input((8,)),
+                              keras.layers.Dense(64, activation="relu"),
+                              keras.layers.Dense(64, activation="relu"),
+                              keras.layers.Dense(1)])
+    split = diagnose.tensor_split.tensor_split_of(model, 2)
+    self.assertEqual(split.layers, {model.layers[0].name: "column",
+                                    model.layers[1].name: "row"})
+    # Column kernel and bias, row kernel (its bias stays whole), float32.
+    self.assertEqual(split.split_bytes, (8 * 64 + 64 + 64 * 64) * 4)
+    self.assertEqual(split.weight_bytes, model.count_params() * 4)
+    self.assertEqual(diagnose.tensor_split.tensor_split_of(
+        model, 3).split_bytes, 0)
 
   def test_progress_reads_steps_and_time_left(self):
     model_dir = tempfile.mkdtemp(dir=testutil.scratch_dir())

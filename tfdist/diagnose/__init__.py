@@ -54,7 +54,8 @@ drives it for the README's scaling figures.
 # run's manifest), `verdicts` (the rules and `verdict`), `advice` (what to
 # try), `plan` (`plan_measurements`: every run checked first; the strategy's
 # replicas and cluster asked of its backend), `child_runs` (the runs' flags
-# and processes), `layouts` (the model's state per layout), `report` (the
+# and processes), `layouts` (the model's state per layout), `tensor_split` (what a
+# layout map derived for the model could split), `report` (the
 # table and lines), `diagnosis` (`diagnose`) and `cli` (the binary;
 # `python -m tfdist.diagnose` runs `__main__`). Every public name is
 # importable from here.
@@ -89,12 +90,15 @@ from tfdist.diagnose.layouts import layout_choice
 from tfdist.diagnose.layouts import layout_notes
 from tfdist.diagnose.layouts import model_memory_of
 from tfdist.diagnose.layouts import model_sizes_of
+from tfdist.diagnose.layouts import tensor_split_note
 from tfdist.diagnose.measure import RunMeasurement
 from tfdist.diagnose.measure import measurement_from_run
 from tfdist.diagnose.measure import median_measurement
 from tfdist.diagnose.plan import MeasurementPlan
 from tfdist.diagnose.plan import check_cluster
 from tfdist.diagnose.plan import plan_measurements
+from tfdist.diagnose.tensor_split import TensorSplit
+from tfdist.diagnose.tensor_split import tensor_split_of
 from tfdist.diagnose.plan import planned_replicas
 from tfdist.diagnose.report import render_table
 from tfdist.diagnose.verdicts import COMMUNICATION_EFFICIENCY

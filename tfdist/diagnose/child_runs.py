@@ -120,17 +120,6 @@ def command_for(spec: RunSpec, model_dir: str) -> List[str]:
   return [sys.executable, "-m", "tfdist.train", *train]
 
 
-class RunFailedError(errors.DiagnoseError):
-  """A child run failed: `exit_code` is the status `tfdist.diagnose` ends
-  with (the run's own, from `tfdist.train`'s table; `errors.KILLED` for a
-  run past its time limit), `last_error` the run's last error line."""
-
-  def __init__(self, message: str, *, exit_code: int, last_error: str):
-    super().__init__(message)
-    self.exit_code = exit_code
-    self.last_error = last_error
-
-
 # A line that states an error: a Python exception (`ValueError: ...`,
 # `tfdist.errors.ConfigError: ...`) or a binary's `...: error: ...`.
 _ERROR_LINE = re.compile(r"^(\S*(Error|Exception|Exit)\b:|.*\berror: |"
@@ -164,7 +153,11 @@ def child_environment(spec: RunSpec) -> Tuple[str, dict]:
 
 
 def _failure(spec: RunSpec, code: Optional[int], log_path: str,
-             timeout_seconds: float) -> RunFailedError:
+             timeout_seconds: float) -> errors.DiagnoseError:
+  """The `DiagnoseError` of a failed run, with `exit_code` (the status
+  `tfdist.diagnose` ends with: the run's own, from `tfdist.train`'s table;
+  `errors.KILLED` past its time limit) and `last_error` (the run's last
+  error line, `last_error_line`)."""
   with open(log_path, errors="replace") as f:
     output = f.read()
   last = last_error_line(output)
@@ -172,9 +165,11 @@ def _failure(spec: RunSpec, code: Optional[int], log_path: str,
           f"exited with status {code}")
   status = errors.KILLED if code is None else (
       code if 0 < code < 256 else errors.KILLED)
-  return RunFailedError(
+  error = errors.DiagnoseError(
       f"The {spec.label} run {what}: {last}\nThe end of its output "
-      f"({log_path}):\n{output[-3000:]}", exit_code=status, last_error=last)
+      f"({log_path}):\n{output[-3000:]}")
+  error.exit_code, error.last_error = status, last
+  return error
 
 
 def _wait(proc, *, timeout_seconds: float, progress=None,
@@ -211,10 +206,10 @@ def run_training(spec: RunSpec, model_dir: str, *,
     progress_seconds: the interval of `progress` (seconds).
 
   Raises:
-    RunFailedError (a DiagnoseError): the child failed or timed out (the
-      message holds its last error line and the end of its output;
-      `exit_code` its status).
-    DiagnoseError: it wrote no manifest.
+    DiagnoseError: the child failed or timed out (the message holds its
+      last error line and the end of its output; the error's `exit_code`
+      is its status, `last_error` that line), or it wrote no manifest (no
+      `exit_code`).
   """
   if os.path.exists(model_dir):
     shutil.rmtree(model_dir)

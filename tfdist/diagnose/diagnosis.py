@@ -19,7 +19,6 @@ from tfdist.diagnose.child_runs import flag_name
 from tfdist.diagnose.child_runs import measured_args
 from tfdist.diagnose.child_runs import model_dir_flag
 from tfdist.diagnose.child_runs import run_training
-from tfdist.diagnose.child_runs import RunFailedError
 from tfdist.diagnose.child_runs import RunSpec
 from tfdist.diagnose.child_runs import steps_done
 from tfdist.diagnose.child_runs import train_steps_of
@@ -31,6 +30,7 @@ from tfdist.diagnose.layouts import fit_model
 from tfdist.diagnose.layouts import layout_choice
 from tfdist.diagnose.layouts import model_sizes_of
 from tfdist.diagnose.layouts import run_layout_notes
+from tfdist.diagnose.layouts import tensor_split_note
 from tfdist.diagnose.layouts import train_facts
 from tfdist.diagnose.measure import median_measurement
 from tfdist.diagnose.measure import RunMeasurement
@@ -102,7 +102,7 @@ def diagnose(train_args: Sequence[str], *, num_workers: int = 1,
   plan = plan_measurements(args, config, num_workers=num_workers,
                            num_ps=num_ps, pin=pin, baseline=baseline)
   say(out, plan.describe(repeats=repeats))
-  model = _Model.of(config)
+  model = _Model.of(config, tensor_degree=plan.num_replicas or 2)
   if plan_only:
     return _report_plan(plan, model, out=out)
   keep = root is not None
@@ -142,8 +142,11 @@ class _Model:
   cores: int
 
   @classmethod
-  def of(cls, config) -> "_Model":
-    return cls(train_facts(config), model_sizes_of(config),
+  def of(cls, config, *, tensor_degree: int = 2) -> "_Model":
+    """The model built once, its tensor split over `tensor_degree`
+    devices (at least 2)."""
+    return cls(train_facts(config),
+               model_sizes_of(config, tensor_degree=tensor_degree),
                device_memory_capacity(), memory.host_memory_bytes(),
                len(os.sched_getaffinity(0)))
 
@@ -163,11 +166,18 @@ def _report_plan(plan: MeasurementPlan, model: _Model, *, out) -> dict:
   choice = layout_choice(model.sizes, fitted, facts, plan)
   say(out, "\n".join([model_state_line(fitted, facts), *layout,
                       "", "Layouts (per device, state and activations):",
-                      choice.render(), "Nothing measured (--plan_only)."]))
+                      choice.render(), tensor_split_note(model.sizes, facts),
+                      "Nothing measured (--plan_only)."]))
   return {"plan": plan_record(plan), "model_memory":
           fitted.estimate.to_dict(),
           "model_fit": dataclasses.asdict(fitted.fit), "layout": layout,
-          "layouts": choice.to_dict()}
+          "layouts": choice.to_dict(),
+          "tensor_split": _split_record(model)}
+
+
+def _split_record(model: _Model) -> Optional[dict]:
+  split = model.sizes.tensor_split
+  return split.to_dict() if split else None
 
 
 def _report_runs(plan: MeasurementPlan, model: _Model,
@@ -195,14 +205,16 @@ def _report_runs(plan: MeasurementPlan, model: _Model,
             model_state_line(fitted, facts),
             how + runs_folder_note(root, keep), "",
             "Layouts (per device, state and activations):",
-            choice.render(), "", result.render()]
+            choice.render(), tensor_split_note(model.sizes, facts), "",
+            result.render()]
   say(out, "\n".join(report))
   return {**run_records(requested, base,
                         [*requested_runs, *baseline_runs], keep=keep),
           "model_memory": fitted.estimate.to_dict(),
           "model_fit": dataclasses.asdict(fitted.fit), "cores": model.cores,
           "pinned": pin, "verdict": result.to_dict(),
-          "plan": plan_record(plan), "layouts": choice.to_dict()}
+          "plan": plan_record(plan), "layouts": choice.to_dict(),
+          "tensor_split": _split_record(model)}
 
 
 def run_alternately(plan: MeasurementPlan, root: str, *, repeats: int,
@@ -262,12 +274,10 @@ def _run_with_progress(spec: RunSpec, model_dir: str, *, number: int,
     run = run_training(spec, model_dir, timeout_seconds=timeout_seconds,
                        progress=progress,
                        progress_seconds=progress_seconds)
-  except RunFailedError as e:
-    say(out, f"{prefix} failed after {time.monotonic() - started:.0f} s "
-             f"(status {e.exit_code}): {e.last_error}")
-    raise
-  except errors.DiagnoseError:
-    say(out, f"{prefix} failed after {time.monotonic() - started:.0f} s.")
+  except errors.DiagnoseError as e:
+    status = getattr(e, "exit_code", None)
+    say(out, f"{prefix} failed after {time.monotonic() - started:.0f} s" +
+        (f" (status {status}): {e.last_error}" if status else "."))
     raise
   eps = (f", {run.examples_per_second:.1f} examples/sec"
          if run.examples_per_second else "")
