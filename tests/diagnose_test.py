@@ -459,8 +459,15 @@ class PlanTest(absltest.TestCase):
     self.assertLess(rows["ZeRO 1"]["optimizer_bytes"],
                     rows["data parallel"]["optimizer_bytes"])
     self.assertIn("--pipeline_stages=2", rows["pipeline"]["flags"])
-    # The CNN has no attention or feed-forward pair to split.
+    # The CNN's dense pair splits by a layout map, but tfdist's trainer
+    # trains tensor parallelism only for the built-in Transformer: the row
+    # says so (not "no layer of this model can be split").
     self.assertFalse(rows["tensor parallel"]["available"])
+    self.assertIn("splits only --model=transformer",
+                  rows["tensor parallel"]["note"])
+    self.assertLess(rows["tensor parallel"]["parameters_bytes"],
+                    rows["data parallel"]["parameters_bytes"])
+    self.assertIn("Megatron splits cover", text)
     self.assertEqual(layouts["recommended"], "data parallel")
     self.assertIn("Recommended layout: data parallel (no extra flags)", text)
     # Nothing trained: no run folder, and seconds (flags parsed, the model
@@ -593,11 +600,16 @@ class DiagnoseBinaryTest(absltest.TestCase):
     self.assertRegex(out, r"requested\s+mirrored\s+2 logical CPU\s+64")
     self.assertIn("Verdict: ", out)
     self.assertIn("logical-CPU speedup, not scaling", out)
-    # Progress, in order: each run's start and end with its seconds.
+    # Progress, in order: each run's start and end with its seconds, and
+    # between them a line every 10 s while it runs.
     self.assertRegex(out, r"\[1/2\] requested run: started[^\n]*\n"
+                          r"(\[1/2\] requested run: (\d+ s, starting|step "
+                          r"\d+/12 after)[^\n]*\n)*"
                           r"\[1/2\] requested run: finished in \d+ s, "
                           r"[\d.]+ examples/sec\.\n"
                           r"\[2/2\] baseline run: started[^\n]*\n"
+                          r"(\[2/2\] baseline run: (\d+ s, starting|step "
+                          r"\d+/12 after)[^\n]*\n)*"
                           r"\[2/2\] baseline run: finished in \d+ s")
     # One process: no cluster advice.
     self.assertNotIn("--pin_workers", out.split("Verdict: ")[1])
