@@ -15,6 +15,8 @@ import json
 import os
 import re
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 
@@ -457,8 +459,15 @@ class PlanTest(absltest.TestCase):
     self.assertLess(rows["ZeRO 1"]["optimizer_bytes"],
                     rows["data parallel"]["optimizer_bytes"])
     self.assertIn("--pipeline_stages=2", rows["pipeline"]["flags"])
-    # The CNN has no attention or feed-forward pair to split.
+    # The CNN's dense pair splits by a layout map, but tfdist's trainer
+    # trains tensor parallelism only for the built-in Transformer: the row
+    # says so (not "no layer of this model can be split").
     self.assertFalse(rows["tensor parallel"]["available"])
+    self.assertIn("splits only --model=transformer",
+                  rows["tensor parallel"]["note"])
+    self.assertLess(rows["tensor parallel"]["parameters_bytes"],
+                    rows["data parallel"]["parameters_bytes"])
+    self.assertIn("Megatron splits cover", text)
     self.assertEqual(layouts["recommended"], "data parallel")
     self.assertIn("Recommended layout: data parallel (no extra flags)", text)
     # Nothing trained: no run folder, and seconds (flags parsed, the model
@@ -548,17 +557,23 @@ class DiagnoseBinaryTest(absltest.TestCase):
     # the error says; a finished one's temporary folder is not named.
     out = io.StringIO()
     with self.assertRaisesRegex(errors.DiagnoseError,
-                                r"exited with status \d+; the end of its "
+                                r"exited with status 2: tfdist.train: error: "
+                                r"--train_files=.*\nThe end of its "
                                 r"output \((\S+\.log)\)") as caught:
       diagnose.diagnose([
           "--train_files=/nonexistent/train-*.tfrecord.gz",
           "--eval_files=/nonexistent/test-*.tfrecord.gz"], baseline=False,
                         steps=2, log_steps=1, timeout_seconds=300, out=out)
-    # Progress: the plan, and a line as the run starts and as it ends.
+    # Progress: the plan, and a line as the run starts and as it ends, with
+    # the run's status and its last error line (issue 47 item 5).
     self.assertRegex(out.getvalue(),
                      r"Plan: 1 run\(s\).*\n"
                      r"\[1/1\] requested run: started \(tfdist.train\)\.\n"
-                     r"\[1/1\] requested run: failed after \d+ s\.")
+                     r"(\[1/1\] requested run: \d+ s, starting.*\n)*"
+                     r"\[1/1\] requested run: failed after \d+ s "
+                     r"\(status 2\): tfdist.train: error: "
+                     r"--train_files='/nonexistent/")
+    self.assertEqual(caught.exception.exit_code, errors.CONFIG)
     log = re.search(r"\((\S+\.log)\)", str(caught.exception)).group(1)
     self.assertTrue(os.path.exists(log), log)
     shutil.rmtree(os.path.dirname(log))
@@ -585,11 +600,16 @@ class DiagnoseBinaryTest(absltest.TestCase):
     self.assertRegex(out, r"requested\s+mirrored\s+2 logical CPU\s+64")
     self.assertIn("Verdict: ", out)
     self.assertIn("logical-CPU speedup, not scaling", out)
-    # Progress, in order: each run's start and end with its seconds.
+    # Progress, in order: each run's start and end with its seconds, and
+    # between them a line every 10 s while it runs.
     self.assertRegex(out, r"\[1/2\] requested run: started[^\n]*\n"
+                          r"(\[1/2\] requested run: (\d+ s, starting|step "
+                          r"\d+/12 after)[^\n]*\n)*"
                           r"\[1/2\] requested run: finished in \d+ s, "
                           r"[\d.]+ examples/sec\.\n"
                           r"\[2/2\] baseline run: started[^\n]*\n"
+                          r"(\[2/2\] baseline run: (\d+ s, starting|step "
+                          r"\d+/12 after)[^\n]*\n)*"
                           r"\[2/2\] baseline run: finished in \d+ s")
     # One process: no cluster advice.
     self.assertNotIn("--pin_workers", out.split("Verdict: ")[1])
@@ -646,6 +666,118 @@ class DiagnoseBinaryTest(absltest.TestCase):
     self.assertIsNone(json.load(open(os.path.join(
         root, "baseline", "run_manifest.json")))["artifacts"]["profile"])
 
+
+# A user's own model and data, in a folder of the user's (issue 47 item 5).
+_USER_MODULE = """
+import keras
+import tensorflow as tf
+
+
+def build():
+  model = keras.Sequential([keras.Input((8,)),
+                            keras.layers.Dense(64, activation="relu"),
+                            keras.layers.Dense(64, activation="relu"),
+                            keras.layers.Dense(1)])
+  model.compile(loss="mse")
+  return model
+
+
+def examples(training):
+  n = 512 if training else 64
+  x = tf.random.stateless_normal([n, 8], seed=[1, 2])
+  return tf.data.Dataset.from_tensor_slices(
+      (x, tf.reduce_sum(x, 1, keepdims=True)))
+"""
+
+
+class UserCodeTest(absltest.TestCase):
+  """`python -m tfdist.diagnose` from the folder of the user's own model."""
+
+  def test_runs_import_the_users_model_from_its_folder(self):
+    # Before: both children started in tfdist's folder and failed with
+    # "cannot import mymodel ... Run from the folder that holds it"; the
+    # binary exited 1, silent while each run measured.
+    folder = tempfile.mkdtemp(dir=testutil.scratch_dir())
+    with open(os.path.join(folder, "mymodel.py"), "w") as f:
+      f.write(_USER_MODULE)
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
+               PYTHONPATH=testutil.REPO_ROOT)
+    out_json = os.path.join(folder, "result.json")
+    proc = subprocess.run(
+        [sys.executable, "-m", "tfdist.diagnose", "--steps=10",
+         "--log_steps=2", "--progress_seconds=0.5", f"--output={out_json}",
+         "--", "--model=mymodel:build", "--dataset=mymodel:examples",
+         "--batch_size=16", "--distribution_strategy=mirrored",
+         "--num_cpu_devices=2"],
+        cwd=folder, env=env, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, timeout=600)
+    out = proc.stdout
+    self.assertEqual(proc.returncode, 0, out[-4000:])
+    self.assertRegex(out, r"\[1/2\] requested run: finished in \d+ s")
+    self.assertRegex(out, r"\[2/2\] baseline run: finished in \d+ s")
+    self.assertRegex(out, r"baseline\s+one_device")
+    # Progress while each run measured: every half second a line.
+    self.assertRegex(out, r"\[1/2\] requested run: (step \d+/10 after \d+ s"
+                          r"|\d+ s, starting)")
+    self.assertRegex(out, r"\[2/2\] baseline run: (step \d+/10 after \d+ s"
+                          r"|\d+ s, starting)")
+    # The tensor-parallel row of a plain Dense MLP: what a layout map
+    # derived for it splits (before: "no layer of this model can be split").
+    self.assertNotIn("no layer of this model can be split", out)
+    self.assertRegex(out, r"Tensor parallelism over 2 devices .*Megatron "
+                          r"splits cover dense \(column\), dense_1 \(row\)"
+                          r".*\(saving [\d.]+ KiB\)\. tfdist's trainer "
+                          r"trains tensor parallelism only for the built-in "
+                          r"Transformer today")
+    with open(out_json) as f:
+      result = json.load(f)
+    rows = {r["layout"]: r for r in result["layouts"]["rows"]}
+    self.assertLess(rows["tensor parallel"]["parameters_bytes"],
+                    rows["data parallel"]["parameters_bytes"] * 0.6)
+    self.assertEqual(result["tensor_split"]["pairs"], [["dense", "dense_1"]])
+    shutil.rmtree(folder)
+
+  def test_a_layout_map_derived_for_a_dense_mlp(self):
+    # Dense 8->64->64->1: the first two form a column/row pair over 2 (the
+    # last, 1 unit wide, reaches the output: a column split would need a
+    # gather); over 3, 64 units do not divide.
+    model = keras.Sequential([keras.Input((8,)),
+                              keras.layers.Dense(64, activation="relu"),
+                              keras.layers.Dense(64, activation="relu"),
+                              keras.layers.Dense(1)])
+    split = diagnose.tensor_split.tensor_split_of(model, 2)
+    self.assertEqual(split.layers, {model.layers[0].name: "column",
+                                    model.layers[1].name: "row"})
+    # Column kernel and bias, row kernel (its bias stays whole), float32.
+    self.assertEqual(split.split_bytes, (8 * 64 + 64 + 64 * 64) * 4)
+    self.assertEqual(split.weight_bytes, model.count_params() * 4)
+    self.assertEqual(diagnose.tensor_split.tensor_split_of(
+        model, 3).split_bytes, 0)
+
+  def test_progress_reads_steps_and_time_left(self):
+    model_dir = tempfile.mkdtemp(dir=testutil.scratch_dir())
+    out = io.StringIO()
+    progress = diagnose.diagnosis._Progress("[1/2] requested run:",
+                                            model_dir, 60, out=out)
+    progress()
+    metrics = os.path.join(model_dir, "metrics.jsonl")
+    with open(metrics, "w") as f:
+      f.write(json.dumps({"kind": "train", "step": 10}) + "\n")
+    progress()
+    time.sleep(0.2)
+    with open(metrics, "a") as f:
+      f.write(json.dumps({"kind": "eval", "step": 20}) + "\n")
+      f.write(json.dumps({"kind": "train", "step": 20}) + "\n{\"kind\": ")
+    progress()
+    lines = out.getvalue().splitlines()
+    self.assertRegex(lines[0], r"^\[1/2\] requested run: \d+ s, starting")
+    self.assertRegex(lines[1], r"step 10/60 after \d+ s, time left after "
+                               r"the next log point\.$")
+    # 10 steps in about 0.2 s: 40 steps left, about 1 s.
+    left = float(re.search(r"step 20/60 after \d+ s, about (\d+) s left\.$",
+                           lines[2]).group(1))
+    self.assertLess(left, 10)
+    shutil.rmtree(model_dir)
 
 if __name__ == "__main__":
   absltest.main()

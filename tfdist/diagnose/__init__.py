@@ -23,15 +23,23 @@ Everything after `--` is `tfdist.train` flags. The diagnosis:
    what it costs in traffic (`layout_notes`); and every layout side by side
    (`layout_choice`: plain data parallelism, ZeRO 1/2/3, pipeline stages,
    tensor parallelism; state and activations per device) with the cheapest
-   that fits recommended with its flags;
+   that fits recommended with its flags; the tensor-parallel row from what
+   a layout map derived for the model could split (`tensor_split_of`:
+   Megatron column/row pairs of Dense and EinsumDense layers, attention by
+   heads, embeddings by vocabulary), whatever its layers are named;
 3. runs the requested configuration and a single-device baseline
    (`one_device`, the same model, data and per-replica batch) as child
    processes of `tfdist.train` (through `tfdist.launch` for a local cluster,
    `--num_workers` / `--num_ps`), for `--train_steps` steps (default 60),
    each in its own `--model_dir` (a temporary folder unless `--model_dir` is
    given; then `<model_dir>/baseline` and `<model_dir>/requested`), in
-   alternation `--repeats` times, with a line as each starts and ends;
-   `--plan_only` stops before this step;
+   alternation `--repeats` times, with a line as each starts and ends and
+   every `--progress_seconds` while it runs (steps done of the total, time
+   left); each starts in this binary's working directory with its import
+   path, so `--model=mymodel:build` imports there as in `--plan_only`; a
+   run that fails ends the binary with that run's status (137 past
+   `--timeout_seconds`) and its last error line; `--plan_only` stops
+   before this step;
 4. reads their manifests and `metrics.jsonl`, prints a table (examples/sec,
    step time, input-wait share, peak memory, speedup, scaling efficiency;
    medians over repeats, with the range) and a verdict with the numbers
@@ -54,7 +62,8 @@ drives it for the README's scaling figures.
 # run's manifest), `verdicts` (the rules and `verdict`), `advice` (what to
 # try), `plan` (`plan_measurements`: every run checked first; the strategy's
 # replicas and cluster asked of its backend), `child_runs` (the runs' flags
-# and processes), `layouts` (the model's state per layout), `report` (the
+# and processes), `layouts` (the model's state per layout), `tensor_split` (what a
+# layout map derived for the model could split), `report` (the
 # table and lines), `diagnosis` (`diagnose`) and `cli` (the binary;
 # `python -m tfdist.diagnose` runs `__main__`). Every public name is
 # importable from here.
@@ -89,12 +98,15 @@ from tfdist.diagnose.layouts import layout_choice
 from tfdist.diagnose.layouts import layout_notes
 from tfdist.diagnose.layouts import model_memory_of
 from tfdist.diagnose.layouts import model_sizes_of
+from tfdist.diagnose.layouts import tensor_split_note
 from tfdist.diagnose.measure import RunMeasurement
 from tfdist.diagnose.measure import measurement_from_run
 from tfdist.diagnose.measure import median_measurement
 from tfdist.diagnose.plan import MeasurementPlan
 from tfdist.diagnose.plan import check_cluster
 from tfdist.diagnose.plan import plan_measurements
+from tfdist.diagnose.tensor_split import TensorSplit
+from tfdist.diagnose.tensor_split import tensor_split_of
 from tfdist.diagnose.plan import planned_replicas
 from tfdist.diagnose.report import render_table
 from tfdist.diagnose.verdicts import COMMUNICATION_EFFICIENCY

@@ -38,6 +38,9 @@ flags.DEFINE_integer("log_steps", DEFAULT_LOG_STEPS, "Measurement interval "
                      flag_values=_FLAGS)
 flags.DEFINE_float("timeout_seconds", 900, "Limit of each child run.",
                    flag_values=_FLAGS)
+flags.DEFINE_float("progress_seconds", 10, "Seconds between the progress "
+                   "lines of a measuring run (steps done of its total, time "
+                   "left).", flag_values=_FLAGS)
 flags.DEFINE_string("output", "", "Also write the measurements and the "
                     "verdict to this JSON file.", flag_values=_FLAGS)
 flags.DEFINE_bool("plan_only", False, "Check every planned run's flags, "
@@ -52,9 +55,10 @@ def _check_own_flags(options):
     value = getattr(options, name)
     if value < low:
       raise app.UsageError(f"--{name}={value} must be >= {low}.")
-  if options.timeout_seconds <= 0:
-    raise app.UsageError(
-        f"--timeout_seconds={options.timeout_seconds} must be > 0.")
+  for name in ("timeout_seconds", "progress_seconds"):
+    if getattr(options, name) <= 0:
+      raise app.UsageError(
+          f"--{name}={getattr(options, name)} must be > 0.")
 
 
 def _exit(message: str, status: int):
@@ -88,11 +92,15 @@ def main(argv):
                       repeats=_FLAGS.repeats, baseline=_FLAGS.baseline,
                       steps=_FLAGS.steps, log_steps=_FLAGS.log_steps,
                       timeout_seconds=_FLAGS.timeout_seconds,
-                      plan_only=_FLAGS.plan_only)
+                      plan_only=_FLAGS.plan_only,
+                      progress_seconds=_FLAGS.progress_seconds)
   except (errors.ConfigError, errors.DiagnoseError) as e:
     # Flags or a plan refused: CONFIG (2), before anything ran; a run that
-    # failed: 1.
-    _exit(str(e), errors.exit_code_for(e) or errors.UNEXPECTED)
+    # failed: its own status (tfdist.train's table: 2 for its flags, data
+    # or a model that cannot be imported; KILLED past --timeout_seconds);
+    # a run that wrote no manifest: 1.
+    _exit(str(e), getattr(e, "exit_code", None) or
+          errors.exit_code_for(e) or errors.UNEXPECTED)
   if _FLAGS.output:
     with open(_FLAGS.output, "w") as f:
       json.dump(result, f, indent=2, sort_keys=True)

@@ -20,6 +20,8 @@ from tfdist.diagnose.child_runs import measured_args
 from tfdist.diagnose.child_runs import model_dir_flag
 from tfdist.diagnose.child_runs import run_training
 from tfdist.diagnose.child_runs import RunSpec
+from tfdist.diagnose.child_runs import steps_done
+from tfdist.diagnose.child_runs import train_steps_of
 from tfdist.diagnose.layouts import FittedModel
 from tfdist.diagnose.layouts import ModelSizes
 from tfdist.diagnose.layouts import TrainFacts
@@ -28,6 +30,7 @@ from tfdist.diagnose.layouts import fit_model
 from tfdist.diagnose.layouts import layout_choice
 from tfdist.diagnose.layouts import model_sizes_of
 from tfdist.diagnose.layouts import run_layout_notes
+from tfdist.diagnose.layouts import tensor_split_note
 from tfdist.diagnose.layouts import train_facts
 from tfdist.diagnose.measure import median_measurement
 from tfdist.diagnose.measure import RunMeasurement
@@ -50,7 +53,7 @@ def diagnose(train_args: Sequence[str], *, num_workers: int = 1,
              log_steps: int = DEFAULT_LOG_STEPS,
              model_dir: Optional[str] = None,
              timeout_seconds: float = 900, plan_only: bool = False,
-             out=None) -> dict:
+             out=None, progress_seconds: float = 10.0) -> dict:
   """Runs the diagnosis of `train_args` (see the module docstring).
 
   Every run is planned and its flags checked first (`plan_measurements`),
@@ -73,6 +76,8 @@ def diagnose(train_args: Sequence[str], *, num_workers: int = 1,
     plan_only: check and print the plan, the model's state and the layout
       notes, and measure nothing.
     out: where the report goes (default stdout).
+    progress_seconds: seconds between the progress lines of a measuring
+      run (steps done of its total, time left).
 
   Returns:
     `{"requested", "baseline", "runs", "model_memory", "model_fit",
@@ -97,7 +102,7 @@ def diagnose(train_args: Sequence[str], *, num_workers: int = 1,
   plan = plan_measurements(args, config, num_workers=num_workers,
                            num_ps=num_ps, pin=pin, baseline=baseline)
   say(out, plan.describe(repeats=repeats))
-  model = _Model.of(config)
+  model = _Model.of(config, tensor_degree=plan.num_replicas or 2)
   if plan_only:
     return _report_plan(plan, model, out=out)
   keep = root is not None
@@ -105,7 +110,7 @@ def diagnose(train_args: Sequence[str], *, num_workers: int = 1,
   try:
     requested_runs, baseline_runs = run_alternately(
         plan, root, repeats=repeats, timeout_seconds=timeout_seconds,
-        out=out)
+        out=out, progress_seconds=progress_seconds)
     return _report_runs(
         plan, model, requested_runs, baseline_runs, root=root, keep=keep,
         steps=(steps if "train_steps" not in given else
@@ -137,8 +142,11 @@ class _Model:
   cores: int
 
   @classmethod
-  def of(cls, config) -> "_Model":
-    return cls(train_facts(config), model_sizes_of(config),
+  def of(cls, config, *, tensor_degree: int = 2) -> "_Model":
+    """The model built once, its tensor split over `tensor_degree`
+    devices (at least 2)."""
+    return cls(train_facts(config),
+               model_sizes_of(config, tensor_degree=tensor_degree),
                device_memory_capacity(), memory.host_memory_bytes(),
                len(os.sched_getaffinity(0)))
 
@@ -158,11 +166,18 @@ def _report_plan(plan: MeasurementPlan, model: _Model, *, out) -> dict:
   choice = layout_choice(model.sizes, fitted, facts, plan)
   say(out, "\n".join([model_state_line(fitted, facts), *layout,
                       "", "Layouts (per device, state and activations):",
-                      choice.render(), "Nothing measured (--plan_only)."]))
+                      choice.render(), tensor_split_note(model.sizes, facts),
+                      "Nothing measured (--plan_only)."]))
   return {"plan": plan_record(plan), "model_memory":
           fitted.estimate.to_dict(),
           "model_fit": dataclasses.asdict(fitted.fit), "layout": layout,
-          "layouts": choice.to_dict()}
+          "layouts": choice.to_dict(),
+          "tensor_split": _split_record(model)}
+
+
+def _split_record(model: _Model) -> Optional[dict]:
+  split = model.sizes.tensor_split
+  return split.to_dict() if split else None
 
 
 def _report_runs(plan: MeasurementPlan, model: _Model,
@@ -190,21 +205,25 @@ def _report_runs(plan: MeasurementPlan, model: _Model,
             model_state_line(fitted, facts),
             how + runs_folder_note(root, keep), "",
             "Layouts (per device, state and activations):",
-            choice.render(), "", result.render()]
+            choice.render(), tensor_split_note(model.sizes, facts), "",
+            result.render()]
   say(out, "\n".join(report))
   return {**run_records(requested, base,
                         [*requested_runs, *baseline_runs], keep=keep),
           "model_memory": fitted.estimate.to_dict(),
           "model_fit": dataclasses.asdict(fitted.fit), "cores": model.cores,
           "pinned": pin, "verdict": result.to_dict(),
-          "plan": plan_record(plan), "layouts": choice.to_dict()}
+          "plan": plan_record(plan), "layouts": choice.to_dict(),
+          "tensor_split": _split_record(model)}
 
 
 def run_alternately(plan: MeasurementPlan, root: str, *, repeats: int,
-                    timeout_seconds: float, out=None):
+                    timeout_seconds: float, out=None,
+                    progress_seconds: float = 10.0):
   """Runs the plan's requested configuration and its baseline (if any),
   alternated, `repeats` times each, into folders under `root`, with a
-  line to `out` as each run starts and ends.
+  line to `out` as each run starts and ends and every `progress_seconds`
+  while it runs.
 
   Returns:
     `(requested_runs, baseline_runs)`: lists of `RunMeasurement`
@@ -220,7 +239,8 @@ def run_alternately(plan: MeasurementPlan, root: str, *, repeats: int,
     requested_runs.append(_run_with_progress(
         plan.requested, os.path.join(root, f"requested{suffix}"),
         number=len(requested_runs) + len(baseline_runs) + 1, total=total,
-        timeout_seconds=timeout_seconds, out=out))
+        timeout_seconds=timeout_seconds, out=out,
+        progress_seconds=progress_seconds))
     if plan.baseline:
       # The requested run's measured per-replica batch (planned the same).
       base_spec = dataclasses.replace(plan.baseline, train_args=tuple(
@@ -229,29 +249,68 @@ def run_alternately(plan: MeasurementPlan, root: str, *, repeats: int,
       baseline_runs.append(_run_with_progress(
           base_spec, os.path.join(root, f"baseline{suffix}"),
           number=len(requested_runs) + len(baseline_runs) + 1, total=total,
-          timeout_seconds=timeout_seconds, out=out))
+          timeout_seconds=timeout_seconds, out=out,
+        progress_seconds=progress_seconds))
   return requested_runs, baseline_runs
 
 
 def _run_with_progress(spec: RunSpec, model_dir: str, *, number: int,
-                       total: int, timeout_seconds: float,
-                       out=None) -> RunMeasurement:
-  """`run_training`, with a line to `out` when it starts and when it ends
-  (elapsed seconds)."""
+                       total: int, timeout_seconds: float, out=None,
+                       progress_seconds: float = 10.0) -> RunMeasurement:
+  """`run_training`, with a line to `out` when it starts, every
+  `progress_seconds` while
+  it runs (`_Progress`: steps done of its total, time left) and when it
+  ends (elapsed seconds; a failure's status and last error line)."""
   out = out or sys.stdout
   what = ("tfdist.launch, " f"{spec.num_workers} worker(s)"
           + (f", {spec.num_ps} ps" if spec.num_ps else "")
           if spec.num_workers > 1 or spec.num_ps else "tfdist.train")
-  say(out, f"[{number}/{total}] {spec.label} run: started ({what}).")
+  prefix = f"[{number}/{total}] {spec.label} run:"
+  say(out, f"{prefix} started ({what}).")
   started = time.monotonic()
+  progress = _Progress(prefix, model_dir, train_steps_of(spec.train_args),
+                       out=out)
   try:
-    run = run_training(spec, model_dir, timeout_seconds=timeout_seconds)
-  except errors.DiagnoseError:
-    say(out, f"[{number}/{total}] {spec.label} run: failed after "
-             f"{time.monotonic() - started:.0f} s.")
+    run = run_training(spec, model_dir, timeout_seconds=timeout_seconds,
+                       progress=progress,
+                       progress_seconds=progress_seconds)
+  except errors.DiagnoseError as e:
+    status = getattr(e, "exit_code", None)
+    say(out, f"{prefix} failed after {time.monotonic() - started:.0f} s" +
+        (f" (status {status}): {e.last_error}" if status else "."))
     raise
   eps = (f", {run.examples_per_second:.1f} examples/sec"
          if run.examples_per_second else "")
-  say(out, f"[{number}/{total}] {spec.label} run: finished in "
-           f"{time.monotonic() - started:.0f} s{eps}.")
+  say(out, f"{prefix} finished in {time.monotonic() - started:.0f} s{eps}.")
   return run
+
+
+class _Progress:
+  """Called while a run measures: one line to `out` of the steps its
+  `metrics.jsonl` records so far, of `total`, and the time left at the
+  rate since the first recorded step."""
+
+  def __init__(self, prefix: str, model_dir: str, total: Optional[int], *,
+               out):
+    self._prefix, self._model_dir, self._total = prefix, model_dir, total
+    self._out, self._started = out, time.monotonic()
+    self._first = None  # (time, step) of the first step seen.
+
+  def __call__(self):
+    now = time.monotonic()
+    elapsed = now - self._started
+    step = steps_done(self._model_dir)
+    if step is None:
+      say(self._out, f"{self._prefix} {elapsed:.0f} s, starting (building "
+                     "the model and input; no step logged yet).")
+      return
+    if self._first is None:
+      self._first = (now, step)
+    of = f"/{self._total}" if self._total else ""
+    left = ""
+    seen_time, seen_step = self._first
+    if self._total and step > seen_step and now > seen_time:
+      rate = (step - seen_step) / (now - seen_time)
+      left = f", about {max(0, self._total - step) / rate:.0f} s left"
+    say(self._out, f"{self._prefix} step {step}{of} after {elapsed:.0f} s"
+                   f"{left or ', time left after the next log point'}.")

@@ -7,6 +7,8 @@ from typing import Dict, List, Optional
 
 from tfdist import errors
 from tfdist.diagnose.plan import MeasurementPlan
+from tfdist.diagnose.tensor_split import TensorSplit
+from tfdist.diagnose.tensor_split import tensor_split_of
 from tfdist.parallel.tensor import options as tensor_parallel_options
 from tfdist.training import memory
 from tfdist.training import optimizers
@@ -25,11 +27,14 @@ class ModelSizes:
     pipeline_shares: P -> the heaviest of P pipeline stages' share of the
       weight bytes, from the model's cut (`pipeline.split_model`, balanced
       by weight bytes); P absent: the model cannot be cut into P.
+    tensor_split: what a layout map derived for the model could split
+      (`tensor_split.tensor_split_of`), or None.
   """
   estimate: memory.ModelMemory
   activation_bytes_per_example: int = 0
   tensor_parallel_bytes: int = 0
   pipeline_shares: Optional[Dict[int, float]] = None
+  tensor_split: Optional[TensorSplit] = None
 
 
 def model_memory_of(config) -> memory.ModelMemory:
@@ -43,9 +48,14 @@ def model_memory_of(config) -> memory.ModelMemory:
   return model_sizes_of(config).estimate
 
 
-def model_sizes_of(config) -> ModelSizes:
+def model_sizes_of(config, *, tensor_degree: int = 2) -> ModelSizes:
   """`model_memory_of`, with the model's activations per example and the
-  bytes tensor parallelism would split (`ModelSizes`).
+  bytes tensor parallelism would split over `tensor_degree` devices
+  (`ModelSizes`): what `--tensor_parallel` splits for the built-in
+  Transformer, else what a layout map derived for the model could split
+  (`tensor_split.tensor_split_of`: Megatron column/row, heads and
+  vocabulary splits of its Dense, EinsumDense, MultiHeadAttention and
+  Embedding layers).
 
   Raises:
     ConfigError: an unknown model or data set
@@ -77,13 +87,14 @@ def model_sizes_of(config) -> ModelSizes:
                                        lr_schedule.ConstantLearningRate(0.1))
     optimizer.build(model.trainable_variables)
     facts = memory.model_facts(model)
+    split = tensor_split_of(model, max(int(tensor_degree), 2))
     return ModelSizes(
         memory.estimate_model_memory(
             model, optimizer,
             replicated_variables=facts["replicated_variables"]),
         memory.activation_bytes_per_example(model),
-        facts["tensor_parallel_bytes"],
-        facts["pipeline_shares"])
+        facts["tensor_parallel_bytes"] or split.split_bytes,
+        facts["pipeline_shares"], split)
   finally:
     keras.mixed_precision.set_dtype_policy("float32")
 
@@ -358,3 +369,45 @@ def fit_model(estimate: memory.ModelMemory, facts: "TrainFacts", *,
       estimate, num_replicas=num_replicas, stage=facts.zero_stage)
   return FittedModel(estimate, fit, num_replicas, sharing,
                      "GPU" if on_gpu else "host")
+
+
+# The layers of `tfdist.parallel.tensor_parallel` a model of one's own is
+# built from to train split.
+_TENSOR_PARALLEL_LAYERS = ("ColumnParallelDense, RowParallelDense, "
+                           "ParallelMultiHeadAttention")
+
+
+def tensor_split_note(sizes: ModelSizes, facts: "TrainFacts") -> str:
+  """One line: what a layout map derived for the model could split over
+  `sizes.tensor_split.degree` devices (its layers, bytes, and the state
+  per device it saves), and how tfdist trains it: `--tensor_parallel` for
+  the built-in Transformer, `tfdist.parallel.tensor_parallel`'s layers for
+  a model of one's own. "" without a `tensor_split`."""
+  split = sizes.tensor_split
+  if split is None:
+    return ""
+  t, fmt = split.degree, memory.format_bytes
+  head = (f"Tensor parallelism over {t} devices (a layout map derived for "
+          "this model, read by tfdist.parallel.layout_map): ")
+  flags = tensor_parallel_options.flags_for(facts.model, t)
+  trainer = (f"This model trains so with {flags}." if flags else
+             "tfdist's trainer trains tensor parallelism only for the "
+             "built-in Transformer today (--model=transformer "
+             "--tensor_parallel=N); a model of your own splits by building "
+             f"these layers from tfdist.parallel.tensor_parallel "
+             f"({_TENSOR_PARALLEL_LAYERS}).")
+  if not split.split_bytes:
+    return (head + "no Dense or EinsumDense pair, attention layer or "
+            f"embedding of this model splits over {t} without a gather (or "
+            f"{t} divides none of their sizes). " + trainer)
+  e = sizes.estimate
+  state = e.parameters_bytes + e.gradients_bytes + e.optimizer_bytes
+  share = split.split_bytes / max(split.weight_bytes, 1)
+  saved = int(state * share * (t - 1) / t)
+  layers = ", ".join(f"{name} ({kind})" for name, kind in
+                     split.layers.items())
+  return (head + f"Megatron splits cover {layers}: {fmt(split.split_bytes)} "
+          f"of its {fmt(split.weight_bytes)} of weights ({share:.0%}), each "
+          f"device holding 1/{t} of them; weights, gradients and optimizer "
+          f"state per device {fmt(state - saved)} instead of {fmt(state)} "
+          f"(saving {fmt(saved)}). " + trainer)
