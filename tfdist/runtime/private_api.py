@@ -137,8 +137,8 @@ USES = (
                "the direct sublayers of a layer, to find ShardedEmbedding "
                "layers", ("tfdist/training/sharded_embedding.py",)),
     PrivateUse(_LAYER, "_call_context_args", "read",
-               "pipeline cutting: the call arguments Keras passes down "
-               "(`training`)", ("tfdist/parallel/cutting.py",)),
+               "whether a layer's call takes `training` (a cut model's "
+               "pieces are called with it)", ("tfdist/parallel/cutting.py",)),
     PrivateUse("keras.src.layers.normalization.batch_normalization:"
                "BatchNormalization", "_moments", "override",
                "models.batch_norm: packed synchronized moments (one "
@@ -172,8 +172,9 @@ USES = (
                "_layout_map", "read",
                "the LayoutMap of a user's ModelParallel distribution",
                ("tfdist/parallel/layout_map.py",)),
-    PrivateUse("keras.src.backend.common", "global_state", "import", "the pipeline keeps Keras's layer-name counters "
-               "(`object_name_uids`) equal across stage builds",
+    PrivateUse("keras.src.backend.common", "global_state", "import", "the pipeline calls a model builder twice and must "
+               "get the same model: Keras's automatic-name counters "
+               "(`object_name_uids`) are saved and restored around it",
                ("tfdist/parallel/pipeline/mode.py",)),
     PrivateUse("keras.src.backend.common.global_state",
                "get_global_attribute", "call", "as above",
@@ -234,7 +235,8 @@ USES = (
     # ---- TensorFlow distribution and runtime ----
     PrivateUse("tensorflow.python.distribute.cross_device_utils:"
                "CollectiveReplicaLauncher", "_prefer_unique_instance_key",
-               "set", "fixed collective instance keys across workers",
+               "set", "collective instance keys fixed at trace time (flat "
+               "memory) unless the environment asks for per-call keys",
                ("tfdist/distribute/strategy.py",)),
     PrivateUse("tensorflow.python.distribute.device_util", "canonicalize",
                "call", "a device string in TensorFlow's full form",
