@@ -22,6 +22,7 @@ import tensorflow as tf
 import tfdist
 from tfdist.distribute import environment
 from tfdist.runtime import allocator
+from tfdist.runtime import private_api
 from tfdist.runtime import strict_json
 
 MANIFEST_FILE = "run_manifest.json"
@@ -157,8 +158,7 @@ class WhatRan:
 def has_batch_norm(model) -> bool:
   """Whether `model` (a `keras.Model`) holds a batch-normalization layer at
   any depth: the manifest's `sync_batch_norm` facts apply only then."""
-  layers = (model._flatten_layers(include_self=False, recursive=True)  # pylint: disable=protected-access
-            if hasattr(model, "_flatten_layers") else model.layers)
+  layers = private_api.flatten_layers(model, include_self=False)
   return any(isinstance(layer, keras.layers.BatchNormalization)
              for layer in layers)
 

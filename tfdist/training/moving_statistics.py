@@ -35,13 +35,13 @@ import keras
 import tensorflow as tf
 
 from tfdist import models
+from tfdist.runtime import private_api
 
 
 def batch_norm_layers(model: keras.Model) -> List[keras.layers.Layer]:
   """The `keras.layers.BatchNormalization` layers of `model`, at any depth,
   in the model's order."""
-  layers = (model._flatten_layers(include_self=False, recursive=True)  # pylint: disable=protected-access
-            if hasattr(model, "_flatten_layers") else model.layers)
+  layers = private_api.flatten_layers(model, include_self=False)
   return [layer for layer in layers
           if isinstance(layer, keras.layers.BatchNormalization)]
 

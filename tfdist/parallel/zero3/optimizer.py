@@ -102,6 +102,7 @@ from tfdist import errors
 from tfdist.parallel import cutting
 from tfdist.parallel import mode as mode_lib
 from tfdist.parallel.pipeline import stages as pipeline
+from tfdist.runtime import private_api
 from tfdist.training import custom_step
 from tfdist.training import reduce_dtype
 from tfdist.parallel.data import sharded_optimizer
@@ -995,8 +996,7 @@ class Zero3Optimizer(sharded_optimizer.ShardedOptimizer):
         # pylint: disable=protected-access
         variable._initializer = None
         variable._initialize(value)
-        for name in ("_serialize_to_tensors", "_restore_from_tensors",
-                     "_save_slice_info", "_direct_assign"):
+        for name in private_api.ZERO3_VARIABLE_OVERRIDES:
           variable.__dict__.pop(name, None)
         # pylint: enable=protected-access
     self.materialized = True
