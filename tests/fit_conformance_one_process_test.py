@@ -387,7 +387,7 @@ class InProcessStrategiesTest(absltest.TestCase):
     import numpy as np  # pylint: disable=g-import-not-at-top
     import tfdist  # pylint: disable=g-import-not-at-top
     with self.assertRaisesRegex(
-        tfdist.ConfigError, r"^--class_weight=0:1.0 and sample weights in .* "
+        tfdist.ConfigError, r"^class_weight=0:1.0 and sample weights in .* "
         r"cannot be used together"):
       _refused_fit(class_weight={0: 1.0}, sample_weight=np.ones(8))
     for strategy in STRATEGIES:
