@@ -25,9 +25,9 @@ import keras
 
 from tfdist import errors
 from tfdist.config import requested_kind
-from tfdist.data.dataset_spec import DatasetSpec
-from tfdist.distribute.strategy_kind import StrategyKind
-from tfdist.training import registry
+from tfdist.core.dataset_spec import DatasetSpec
+from tfdist.core.strategy_kind import StrategyKind
+from tfdist.core import registry
 from . import cnn
 from . import ranking
 from . import resnet

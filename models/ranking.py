@@ -18,7 +18,7 @@ from typing import Sequence
 import keras
 from keras import layers
 
-from tfdist.training.sharded_embedding import ShardedEmbedding
+from tfdist.distribute.sharded_embedding import ShardedEmbedding
 
 # Ids that get `hash_buckets` rows; the other id features are low
 # cardinality and get `side_buckets` rows.

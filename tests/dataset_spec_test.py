@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 
 from tfdist import errors
-from tfdist.data.dataset_spec import DatasetSpec
+from tfdist.core.dataset_spec import DatasetSpec
 
 
 def _parse(serialized):

@@ -8,7 +8,7 @@ import pytest
 
 from tests import testutil
 from tfdist.distribute import parameter_server
-from tfdist.training import done_marker
+from tfdist.distribute import done_marker
 
 
 @pytest.mark.compat

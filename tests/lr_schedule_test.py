@@ -11,7 +11,7 @@ import pytest
 
 from tfdist import errors
 from tfdist.config import TrainConfig
-from tfdist.training import decay_schedules
+from tfdist.core import decay_schedules
 from tfdist.training import lr_schedule
 
 # Also run on the oldest supported TensorFlow (see tests/conftest.py).

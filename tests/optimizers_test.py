@@ -9,7 +9,7 @@ import pytest
 from tfdist import errors
 from tfdist.config import TrainConfig
 from tfdist.training import memory
-from tfdist.training import optimizers
+from tfdist.core import optimizers
 from tfdist.parallel.data import sharded_optimizer
 
 pytestmark = pytest.mark.compat

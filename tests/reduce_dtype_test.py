@@ -29,7 +29,7 @@ from absl.testing import parameterized
 from tests import testutil
 from tfdist import errors
 from tfdist.config import TrainConfig
-from tfdist.training import reduce_dtype
+from tfdist.core import reduce_dtype
 
 _CHILD_ENV = "TFDIST_REDUCE_DTYPE_CHILD"
 STEPS = 5

@@ -3,8 +3,8 @@
 import pytest
 
 from tfdist import errors
-from tfdist.data.dataset_spec import DatasetSpec
-from tfdist.training import registry
+from tfdist.core.dataset_spec import DatasetSpec
+from tfdist.core import registry
 
 
 @pytest.fixture(autouse=True)

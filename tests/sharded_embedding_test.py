@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfdist.training import sharded_embedding
-from tfdist.training.sharded_embedding import ShardedEmbedding
+from tfdist.distribute import sharded_embedding
+from tfdist.distribute.sharded_embedding import ShardedEmbedding
 
 # Also run on the oldest supported TensorFlow (see tests/conftest.py).
 pytestmark = pytest.mark.compat

@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from tfdist.distribute import strategy_kind
-from tfdist.distribute.strategy_kind import StrategyKind
+from tfdist.core import strategy_kind
+from tfdist.core.strategy_kind import StrategyKind
 
 
 @pytest.mark.compat

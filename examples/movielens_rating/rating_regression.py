@@ -30,7 +30,7 @@ import tensorflow as tf
 
 import tfdist
 from tfdist import flags as tfdist_flags
-from tfdist.training.sharded_embedding import ShardedEmbedding
+from tfdist.distribute.sharded_embedding import ShardedEmbedding
 
 flags.DEFINE_string(
     "ml100k_dir", None,

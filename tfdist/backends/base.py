@@ -37,8 +37,8 @@ import tensorflow as tf
 from tfdist import errors
 from tfdist.distribute import devices
 from tfdist.distribute import strategy as strategy_lib
-from tfdist.distribute import strategy_kind
-from tfdist.distribute.strategy_kind import StrategyKind
+from tfdist.core import strategy_kind
+from tfdist.core.strategy_kind import StrategyKind
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,14 +14,14 @@ from tfdist import errors
 from tfdist.data import clothing_reviews
 from tfdist.data import fashion_mnist
 from tfdist.data import movielens
-from tfdist.data.dataset_spec import DatasetSpec
-from tfdist.data.dataset_spec import INFO_FILE  # pylint: disable=unused-import
+from tfdist.core.dataset_spec import DatasetSpec
+from tfdist.core.dataset_spec import INFO_FILE  # pylint: disable=unused-import
 from tfdist.data.fashion_mnist import convert_fashion_mnist  # pylint: disable=unused-import
 from tfdist.data.fashion_mnist import DEBIAN_FASHION_MNIST_DIR  # pylint: disable=unused-import
 from tfdist.data.fashion_mnist import parse_image_example  # pylint: disable=unused-import
 from tfdist.data.fashion_mnist import read_idx  # pylint: disable=unused-import
 from tfdist.data.fashion_mnist import write_image_shards  # pylint: disable=unused-import
-from tfdist.training import registry
+from tfdist.core import registry
 
 for _spec in (fashion_mnist.SPEC, movielens.SPEC, clothing_reviews.SPEC):
   registry.register_dataset(_spec)

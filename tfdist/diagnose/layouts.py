@@ -9,7 +9,7 @@ from tfdist import errors
 from tfdist.diagnose.plan import MeasurementPlan
 from tfdist.parallel.tensor import options as tensor_parallel_options
 from tfdist.training import memory
-from tfdist.training import optimizers
+from tfdist.core import optimizers
 
 
 @dataclasses.dataclass(frozen=True)

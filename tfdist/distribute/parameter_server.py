@@ -34,8 +34,8 @@ import tensorflow as tf
 
 from tfdist import config as config_lib
 from tfdist import errors
-from tfdist.training import sharded_embedding
-from tfdist.training.done_marker import (  # noqa: F401
+from tfdist.distribute import sharded_embedding
+from tfdist.distribute.done_marker import (  # noqa: F401
     DONE_MARKER, clear_done, done_marker, mark_done, marked_done_since)
 
 _partitioners = tf.distribute.experimental.partitioners

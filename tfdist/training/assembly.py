@@ -28,10 +28,10 @@ from tfdist.training import custom_step
 from tfdist.training import lr_schedule
 from tfdist.training import memory
 from tfdist.training import objectives as objectives_lib
-from tfdist.training import optimizers
+from tfdist.core import optimizers
 from tfdist.parallel.pipeline import mode as pipeline_step
 from tfdist.training import precision
-from tfdist.training import reduce_dtype
+from tfdist.core import reduce_dtype
 from tfdist.parallel.data import sharded_optimizer
 from tfdist.training import task as task_lib
 from tfdist.parallel.tensor import mode as tensor_parallel_step

@@ -27,8 +27,8 @@ import tensorflow as tf
 from tfdist import config as config_lib
 from tfdist import errors
 from tfdist.training import batch_plan
-from tfdist.training import constant_schedule
-from tfdist.training import decay_schedules
+from tfdist.core import constant_schedule
+from tfdist.core import decay_schedules
 
 LearningRateSchedule = keras.optimizers.schedules.LearningRateSchedule
 

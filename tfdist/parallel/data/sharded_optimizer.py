@@ -78,9 +78,9 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist import errors
-from tfdist.training import optimizers
+from tfdist.core import optimizers
 from tfdist.training import precision
-from tfdist.training import reduce_dtype
+from tfdist.core import reduce_dtype
 
 STAGES = (0, 1, 2, 3)
 

@@ -38,7 +38,7 @@ import os
 from typing import Callable, Dict, Iterable, Mapping, Optional, Tuple, Union
 
 from tfdist import errors
-from tfdist.data.dataset_spec import DatasetSpec
+from tfdist.core.dataset_spec import DatasetSpec
 
 _MODELS: Dict[str, Callable] = {}
 _DATASETS: Dict[str, DatasetSpec] = {}

@@ -16,7 +16,7 @@ counting from 0 at the end of warmup:
 tfdist (as `tfdist.training.optimizers.register_optimizer` does for
 optimizers):
 
-    from tfdist.training import decay_schedules
+    from tfdist.core import decay_schedules
 
     @decay_schedules.register_decay_schedule("exponential")
     def _exponential(peak_learning_rate, decay_steps, **options):
@@ -88,7 +88,7 @@ def build_decay(name: str, peak_learning_rate: float, decay_steps: int,
 @register_decay_schedule("constant")
 def _constant(peak_learning_rate, decay_steps, **options):
   del decay_steps, options
-  from tfdist.training import constant_schedule  # pylint: disable=g-import-not-at-top
+  from tfdist.core import constant_schedule  # pylint: disable=g-import-not-at-top
   return constant_schedule.ConstantLearningRate(peak_learning_rate)
 
 

@@ -23,7 +23,7 @@ measured, and it is taken as not shardable (tfdist cannot know that its
 update is element-wise). `register_optimizer` adds a name, or replaces one,
 from outside tfdist:
 
-    from tfdist.training import optimizers
+    from tfdist.core import optimizers
 
     @optimizers.register_optimizer("sgd_nesterov", slots_per_parameter=1)
     def _sgd_nesterov(learning_rate, *, momentum, weight_decay, **clip):
