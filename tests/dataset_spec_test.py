@@ -1,4 +1,4 @@
-"""Unit tests of tfdist.data.dataset_spec: one source per data set."""
+"""Unit tests of tfdist.core.dataset_spec: one source per data set."""
 
 import dataclasses
 

@@ -1,4 +1,4 @@
-"""Unit tests of tfdist.training.done_marker: the chief's "training finished" file."""
+"""Unit tests of tfdist.distribute.done_marker: the chief's "training finished" file."""
 
 import json
 import os

@@ -1,4 +1,4 @@
-"""Tests for tfdist.training.optimizers: the registry, its traits, and
+"""Tests for tfdist.core.optimizers: the registry, its traits, and
 `build_optimizer`."""
 
 from absl.testing import absltest

@@ -1,4 +1,4 @@
-"""Unit tests of tfdist.training.registry: names, import paths, accepted arguments."""
+"""Unit tests of tfdist.core.registry: names, import paths, accepted arguments."""
 
 import pytest
 

@@ -1,4 +1,4 @@
-"""Tests for tfdist.training.sharded_embedding.
+"""Tests for tfdist.distribute.sharded_embedding.
 
 Unsharded behaviour is compared with `keras.layers.Embedding` in this
 process. Strategy cases run in a child process each (this file run as a

@@ -1,4 +1,4 @@
-"""Unit tests of tfdist.distribute.strategy_kind: parsing and registering
+"""Unit tests of tfdist.core.strategy_kind: parsing and registering
 kinds (the facts of each kind are its backend's: tests/backends_test.py)."""
 
 import json

@@ -13,7 +13,7 @@ counting from 0 at the end of warmup:
 | `piecewise` | Keras `PiecewiseConstantDecay`: the peak times each of `piecewise_multipliers`, at `piecewise_boundaries` (fractions of the steps after warmup) |
 
 `register_decay_schedule` adds a name, or replaces one, from outside
-tfdist (as `tfdist.training.optimizers.register_optimizer` does for
+tfdist (as `tfdist.core.optimizers.register_optimizer` does for
 optimizers):
 
     from tfdist.core import decay_schedules

@@ -1,7 +1,7 @@
 """Names that `--model` and `--dataset` accept: registries and import paths.
 
 A model builder is a function returning a `keras.Model` (compiled or not);
-a data set is a `tfdist.data.dataset_spec.DatasetSpec`, or a dataset function
+a data set is a `tfdist.core.dataset_spec.DatasetSpec`, or a dataset function
 returning a `tf.data.Dataset` of `(features, labels)` examples (see
 `DatasetSpec.input_fn`). Both reach tfdist in one of three ways:
 

@@ -1,11 +1,11 @@
 """tfdist's built-in data sets, registered by name (`--dataset`).
 
 Importing this module registers each built-in `DatasetSpec`
-(`tfdist.data.dataset_spec`) with `tfdist.training.registry.register_dataset`;
+(`tfdist.core.dataset_spec`) with `tfdist.core.registry.register_dataset`;
 each data set's conversion and parser live in a module of its own
 (`tfdist.data.fashion_mnist`, `tfdist.data.movielens`,
 `tfdist.data.clothing_reviews`), which depends only on
-`tfdist.data.dataset_spec`. Your own data sets register the same way, or are
+`tfdist.core.dataset_spec`. Your own data sets register the same way, or are
 named by import path (`--dataset=package.module:dataset_fn`). The Fashion-MNIST
 helpers are re-exported here under their old names.
 """

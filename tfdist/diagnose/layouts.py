@@ -126,7 +126,7 @@ def layout_notes(estimate: memory.ModelMemory, *, optimizer: str,
   Args:
     estimate: the model's unsharded `memory.ModelMemory` per replica.
     optimizer: `--optimizer`'s name (its slots per parameter from
-      `tfdist.training.optimizers`).
+      `tfdist.core.optimizers`).
     zero_stage: the ZeRO stage in force (0: none).
     num_replicas: replicas the state is sharded over.
     capacity_bytes: the memory those replicas use (one GPU's, or the

@@ -125,7 +125,7 @@ def register_rule(rule: Callable[[DeviceInventory],
   """Adds a selection rule for `auto`, asked before the built-in ones.
 
   A strategy kind written outside tfdist is its kind
-  (`tfdist.distribute.strategy_kind.register_kind`), its backend
+  (`tfdist.core.strategy_kind.register_kind`), its backend
   (`tfdist.backends.registry.register_backend`) and this rule. Usable as a
   decorator.
 

@@ -16,7 +16,7 @@ Every task sets `GRPC_FAIL_FAST=use_caller`, as TensorFlow requires for the
 coordinator to notice lost workers and ps tasks instead of waiting on them.
 
 Partitioning: only variables created inside
-`tfdist.training.sharded_embedding.sharding_scope()` (embedding tables) may be
+`tfdist.distribute.sharded_embedding.sharding_scope()` (embedding tables) may be
 split; every other variable (dense kernels, biases, counters; optimizer slots
 are colocated with their variable anyway) gets one shard, because Keras 3
 variables cannot be `ShardedVariable`s.
