@@ -157,5 +157,14 @@ class DecayRegistryTest(absltest.TestCase):
       decay_schedules.register_decay_schedule("Warm")
 
 
+class OldPathTest(absltest.TestCase):
+
+  def test_the_old_path_is_the_same_module(self):
+    # --helpfull names
+    # tfdist.training.decay_schedules.register_decay_schedule.
+    from tfdist.training import decay_schedules as old  # pylint: disable=g-import-not-at-top
+    self.assertIs(old, decay_schedules)
+
+
 if __name__ == "__main__":
   absltest.main()

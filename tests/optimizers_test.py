@@ -138,5 +138,14 @@ class RegistryTest(parameterized.TestCase):
       optimizers.register_optimizer("SGD2", slots_per_parameter=1)
 
 
+class OldPathTest(absltest.TestCase):
+
+  def test_the_old_path_is_the_same_module(self):
+    # --helpfull names tfdist.training.optimizers.register_optimizer.
+    from tfdist.training import optimizers as old  # pylint: disable=g-import-not-at-top
+    self.assertIs(old, optimizers)
+    self.assertIs(old.register_optimizer, optimizers.register_optimizer)
+
+
 if __name__ == "__main__":
   absltest.main()

@@ -320,6 +320,16 @@ def _child_parameter_server() -> dict:
   }
 
 
+class OldPathTest(absltest.TestCase):
+
+  def test_the_old_path_is_the_same_module(self):
+    # examples and user code name
+    # tfdist.training.sharded_embedding.ShardedEmbedding.
+    from tfdist.training import sharded_embedding as old  # pylint: disable=g-import-not-at-top
+    self.assertIs(old, sharded_embedding)
+    self.assertIs(old.ShardedEmbedding, ShardedEmbedding)
+
+
 if __name__ == "__main__":
   _kind = os.environ.get(_CHILD_ENV)
   if _kind == "mirrored":
