@@ -116,7 +116,7 @@ def _run(num_workers: int) -> dict:
   import keras  # pylint: disable=g-import-not-at-top
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   from tfdist.distribute import parameter_server as ps_lib  # pylint: disable=g-import-not-at-top
-  from tfdist.training.sharded_embedding import ShardedEmbedding  # pylint: disable=g-import-not-at-top
+  from tfdist.distribute.sharded_embedding import ShardedEmbedding  # pylint: disable=g-import-not-at-top
 
   cluster, procs = _start_cluster(num_workers, FLAGS.num_ps)
   result = {"workers": num_workers, "num_ps": FLAGS.num_ps,

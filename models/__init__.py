@@ -2,7 +2,7 @@
 
 Imported as `tfdist.models` (this folder is installed there; see
 `tfdist/__init__.py`), so a project's own `models` package never shadows it.
-Each builder is registered with `tfdist.training.registry.register_model` and
+Each builder is registered with `tfdist.core.registry.register_model` and
 takes the run's `DatasetSpec` (`spec`) and, by name, only the values it reads:
 the ranking model `embedding_dim` and `hash_buckets`; the text classifier
 (`transformer`) `transformer_layers` (its depth), `tensor_parallel`
@@ -25,9 +25,9 @@ import keras
 
 from tfdist import errors
 from tfdist.config import requested_kind
-from tfdist.data.dataset_spec import DatasetSpec
-from tfdist.distribute.strategy_kind import StrategyKind
-from tfdist.training import registry
+from tfdist.core.dataset_spec import DatasetSpec
+from tfdist.core.strategy_kind import StrategyKind
+from tfdist.core import registry
 from . import cnn
 from . import ranking
 from . import resnet
@@ -257,7 +257,7 @@ def build_model(name: str, *, spec: Optional[DatasetSpec] = None,
 
   Args:
     name: a registered name (`model_names()`) or an import path.
-    spec: the data set's `tfdist.data.dataset_spec.DatasetSpec`.
+    spec: the data set's `tfdist.core.dataset_spec.DatasetSpec`.
     input_shape, num_classes: image models only, instead of `spec`.
     embedding_dim, hash_buckets: the ranking model's embedding width and
       rows of each hashed id table.

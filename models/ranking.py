@@ -8,7 +8,7 @@ per-item, ... biases) are summed into one logit, squashed by a sigmoid.
 Ids are strings hashed by `keras.layers.Hashing` inside the model, so the
 model is built under the strategy scope with everything else and the
 hashing runs on the workers (no lookup table, no RPC to the coordinator).
-Every table is a `tfdist.training.sharded_embedding.ShardedEmbedding`: under
+Every table is a `tfdist.distribute.sharded_embedding.ShardedEmbedding`: under
 ParameterServerStrategy the large ones (user and item, `hash_buckets` rows
 each) are sharded across the ps tasks; the dense layers stay whole.
 """
@@ -18,7 +18,7 @@ from typing import Sequence
 import keras
 from keras import layers
 
-from tfdist.training.sharded_embedding import ShardedEmbedding
+from tfdist.distribute.sharded_embedding import ShardedEmbedding
 
 # Ids that get `hash_buckets` rows; the other id features are low
 # cardinality and get `side_buckets` rows.

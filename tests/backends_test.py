@@ -30,8 +30,8 @@ from tfdist.distribute import auto_select
 from tfdist.distribute import cluster as cluster_lib
 from tfdist.distribute import environment as environment_lib
 from tfdist.distribute import strategy as strategy_lib
-from tfdist.distribute import strategy_kind
-from tfdist.distribute.strategy_kind import StrategyKind
+from tfdist.core import strategy_kind
+from tfdist.core.strategy_kind import StrategyKind
 
 
 def _cluster(task_type: str, *, ps: int = 0) -> cluster_lib.ClusterInfo:
@@ -180,7 +180,7 @@ class NewStrategyKindTest(absltest.TestCase):
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Where kinds may be named and compared: the backends, the kinds, `auto`'s
 # selection rules.
-KIND_HOMES = ("tfdist/backends/", "tfdist/distribute/strategy_kind.py",
+KIND_HOMES = ("tfdist/backends/", "tfdist/core/strategy_kind.py",
               "tfdist/distribute/auto_select.py")
 # The references left elsewhere (issue 43 asks at most 15 in all):
 # models/__init__.py 3 (which built-in strategies all-reduce batch norm),

@@ -16,7 +16,7 @@ from tfdist.data import clothing_reviews
 from tfdist.data import datasets
 from tfdist.models import transformer
 from tfdist.training import export
-from tfdist.training import registry
+from tfdist.core import registry
 
 LIMIT = 200
 

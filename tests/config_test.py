@@ -16,7 +16,7 @@ from tfdist.config import TrainConfig
 from tfdist.distribute import auto_select
 from tfdist.distribute import decisions
 from tfdist.distribute import environment
-from tfdist.distribute.strategy_kind import StrategyKind
+from tfdist.core.strategy_kind import StrategyKind
 from tfdist.observability import manifest
 from tfdist.training import checkpointing
 from tfdist.parallel.tensor import options as tensor_parallel_options

@@ -6,7 +6,7 @@ import os
 import pytest
 
 from tfdist.data import conversion
-from tfdist.data.dataset_spec import INFO_FILE
+from tfdist.core.dataset_spec import INFO_FILE
 
 
 def _write_one_file(tmp_dir):

@@ -1,11 +1,11 @@
-"""Unit tests of tfdist.data.dataset_spec: one source per data set."""
+"""Unit tests of tfdist.core.dataset_spec: one source per data set."""
 
 import dataclasses
 
 import pytest
 
 from tfdist import errors
-from tfdist.data.dataset_spec import DatasetSpec
+from tfdist.core.dataset_spec import DatasetSpec
 
 
 def _parse(serialized):

@@ -6,7 +6,7 @@ from tfdist import errors
 from tfdist.data import datasets
 from tfdist.data import fashion_mnist
 from tfdist.data import movielens
-from tfdist.training import registry
+from tfdist.core import registry
 
 
 def test_the_built_in_data_sets_are_registered():

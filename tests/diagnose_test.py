@@ -33,7 +33,7 @@ from tfdist import job_spec
 from tfdist.backends import base as backend_base
 from tfdist.backends import registry as backend_registry
 from tfdist.diagnose import RunMeasurement
-from tfdist.distribute.strategy_kind import StrategyKind
+from tfdist.core.strategy_kind import StrategyKind
 from tfdist.observability import run_log as run_log_lib
 from tfdist.training import checkpointing
 from tfdist.training import memory

@@ -433,7 +433,7 @@ class FlagsTest(absltest.TestCase):
 
   def test_clip_flags_reach_the_keras_optimizer(self):
     from tfdist.config import TrainConfig
-    from tfdist.training import optimizers  # pylint: disable=g-import-not-at-top
+    from tfdist.core import optimizers  # pylint: disable=g-import-not-at-top
     optimizer = optimizers.build_optimizer("adam", 0.1, global_clipnorm=1.5)
     self.assertEqual(optimizer.global_clipnorm, 1.5)
     self.assertEqual(optimizers.build_optimizer(

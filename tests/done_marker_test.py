@@ -1,4 +1,4 @@
-"""Unit tests of tfdist.training.done_marker: the chief's "training finished" file."""
+"""Unit tests of tfdist.distribute.done_marker: the chief's "training finished" file."""
 
 import json
 import os
@@ -8,7 +8,7 @@ import pytest
 
 from tests import testutil
 from tfdist.distribute import parameter_server
-from tfdist.training import done_marker
+from tfdist.distribute import done_marker
 
 
 @pytest.mark.compat

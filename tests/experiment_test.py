@@ -30,7 +30,7 @@ from tfdist.config import TrainConfig
 from tfdist.distribute import decisions as decisions_lib
 from tfdist.distribute import cluster as cluster_lib
 from tfdist.distribute import environment as environment_lib
-from tfdist.distribute.strategy_kind import StrategyKind
+from tfdist.core.strategy_kind import StrategyKind
 from tfdist.observability import manifest as manifest_lib
 
 # The steps `ExperimentRunner.train` documents, in order.

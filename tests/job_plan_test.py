@@ -6,7 +6,7 @@ from absl.testing import parameterized
 from tfdist import errors
 from tfdist.cloud import job_plan
 from tfdist.config import TrainConfig
-from tfdist.distribute.strategy_kind import StrategyKind
+from tfdist.core.strategy_kind import StrategyKind
 
 JobPlan = job_plan.JobPlan
 

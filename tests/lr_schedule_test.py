@@ -11,7 +11,7 @@ import pytest
 
 from tfdist import errors
 from tfdist.config import TrainConfig
-from tfdist.training import decay_schedules
+from tfdist.core import decay_schedules
 from tfdist.training import lr_schedule
 
 # Also run on the oldest supported TensorFlow (see tests/conftest.py).
@@ -155,6 +155,15 @@ class DecayRegistryTest(absltest.TestCase):
                                     warmup_steps=0, schedule="warm")
     with self.assertRaisesRegex(ValueError, "lower case"):
       decay_schedules.register_decay_schedule("Warm")
+
+
+class OldPathTest(absltest.TestCase):
+
+  def test_the_old_path_is_the_same_module(self):
+    # --helpfull names
+    # tfdist.training.decay_schedules.register_decay_schedule.
+    from tfdist.training import decay_schedules as old  # pylint: disable=g-import-not-at-top
+    self.assertIs(old, decay_schedules)
 
 
 if __name__ == "__main__":

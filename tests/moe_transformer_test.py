@@ -25,7 +25,7 @@ from tfdist.data import datasets
 from tfdist.models import transformer
 from tfdist.parallel.experts.layer import MixtureOfExperts
 from tfdist.training import checkpointing
-from tfdist.training import registry
+from tfdist.core import registry
 
 _SIZES = dict(sequence_length=16, vocabulary_size=50, num_classes=1,
               embed_dim=8, num_heads=2, ff_dim=12, num_layers=2)

@@ -12,7 +12,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist import errors
-from tfdist.data.dataset_spec import DatasetSpec
+from tfdist.core.dataset_spec import DatasetSpec
 from tfdist.training import objectives
 
 SPARSE = dict(y_true=tf.TensorShape([None]),

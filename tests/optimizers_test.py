@@ -1,4 +1,4 @@
-"""Tests for tfdist.training.optimizers: the registry, its traits, and
+"""Tests for tfdist.core.optimizers: the registry, its traits, and
 `build_optimizer`."""
 
 from absl.testing import absltest
@@ -9,7 +9,7 @@ import pytest
 from tfdist import errors
 from tfdist.config import TrainConfig
 from tfdist.training import memory
-from tfdist.training import optimizers
+from tfdist.core import optimizers
 from tfdist.parallel.data import sharded_optimizer
 
 pytestmark = pytest.mark.compat
@@ -136,6 +136,15 @@ class RegistryTest(parameterized.TestCase):
     self.assertEqual(config.optimizer, "sgd_nesterov")
     with self.assertRaisesRegex(ValueError, "lower case"):
       optimizers.register_optimizer("SGD2", slots_per_parameter=1)
+
+
+class OldPathTest(absltest.TestCase):
+
+  def test_the_old_path_is_the_same_module(self):
+    # --helpfull names tfdist.training.optimizers.register_optimizer.
+    from tfdist.training import optimizers as old  # pylint: disable=g-import-not-at-top
+    self.assertIs(old, optimizers)
+    self.assertIs(old.register_optimizer, optimizers.register_optimizer)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from tfdist.config import TrainConfig
 from tfdist.distribute import auto_select
 from tfdist.distribute import cluster as cluster_lib
 from tfdist.distribute import parameter_server as ps_lib
-from tfdist.training import sharded_embedding
+from tfdist.distribute import sharded_embedding
 
 # Also run on the oldest supported TensorFlow (see tests/conftest.py).
 pytestmark = pytest.mark.compat

@@ -464,7 +464,7 @@ class TransformerTest(absltest.TestCase):
 
   def test_eight_layers_cut_into_four_stages(self):
     from tfdist.data import datasets  # pylint: disable=g-import-not-at-top
-    from tfdist.training import registry  # pylint: disable=g-import-not-at-top
+    from tfdist.core import registry  # pylint: disable=g-import-not-at-top
     spec = datasets.get_dataset_spec("clothing_reviews")
     _, build = registry.get_model_builder("transformer")
     model = build(spec, transformer_layers=8)

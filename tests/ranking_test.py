@@ -8,7 +8,7 @@ import models
 from models import ranking
 from tfdist import errors
 from tfdist.data import movielens
-from tfdist.data.dataset_spec import DatasetSpec
+from tfdist.core.dataset_spec import DatasetSpec
 
 
 def _features(batch):

@@ -1,4 +1,4 @@
-"""Tests for tfdist.training.reduce_dtype (`--all_reduce_dtype`).
+"""Tests for tfdist.core.reduce_dtype (`--all_reduce_dtype`).
 
 * Under MirroredStrategy on 2 logical CPU devices (this file run as a child
   process: logical devices and `TF_ENABLE_ONEDNN_OPTS=0` must be set before
@@ -29,7 +29,7 @@ from absl.testing import parameterized
 from tests import testutil
 from tfdist import errors
 from tfdist.config import TrainConfig
-from tfdist.training import reduce_dtype
+from tfdist.core import reduce_dtype
 
 _CHILD_ENV = "TFDIST_REDUCE_DTYPE_CHILD"
 STEPS = 5

@@ -1,10 +1,10 @@
-"""Unit tests of tfdist.training.registry: names, import paths, accepted arguments."""
+"""Unit tests of tfdist.core.registry: names, import paths, accepted arguments."""
 
 import pytest
 
 from tfdist import errors
-from tfdist.data.dataset_spec import DatasetSpec
-from tfdist.training import registry
+from tfdist.core.dataset_spec import DatasetSpec
+from tfdist.core import registry
 
 
 @pytest.fixture(autouse=True)
@@ -103,3 +103,19 @@ def test_call_with_accepted_passes_only_the_named_arguments():
       errors.ConfigError, match=r"required parameter\(s\) missing"):
     registry.call_with_accepted(lambda spec, missing: 0, available,
                                 what="--model=f")
+
+
+def test_the_old_paths_are_the_same_modules():
+  # User code registers through tfdist.training.registry and builds
+  # tfdist.data.dataset_spec.DatasetSpec (the modules moved to tfdist.core).
+  from tfdist.data import dataset_spec as old_spec  # pylint: disable=g-import-not-at-top
+  from tfdist.training import registry as old_registry  # pylint: disable=g-import-not-at-top
+  assert old_registry is registry
+  assert old_spec.DatasetSpec is DatasetSpec
+
+  @old_registry.register_model("registered_through_the_old_path")
+  def _build():
+    return None
+
+  assert registry.get_model_builder("registered_through_the_old_path") == (
+      "registered_through_the_old_path", _build)

@@ -8,9 +8,9 @@ import pytest
 import tensorflow as tf
 
 from tfdist import errors
-from tfdist.data.dataset_spec import DatasetSpec
+from tfdist.core.dataset_spec import DatasetSpec
 from tfdist.distribute import auto_select
-from tfdist.distribute.strategy_kind import StrategyKind
+from tfdist.core.strategy_kind import StrategyKind
 from tfdist.training import lr_schedule
 from tfdist.training import run_plan
 

@@ -18,7 +18,7 @@ from tfdist.distribute import decisions as decisions_lib
 from tfdist.distribute import auto_select
 from tfdist.distribute import strategy as strategy_lib
 from tfdist.backends import registry as backend_registry
-from tfdist.distribute.strategy_kind import StrategyKind
+from tfdist.core.strategy_kind import StrategyKind
 from tfdist.observability import manifest
 from tfdist.parallel.pipeline import options as pipeline_options
 from tfdist.training import assembly

@@ -1,4 +1,4 @@
-"""Tests for tfdist.training.sharded_embedding.
+"""Tests for tfdist.distribute.sharded_embedding.
 
 Unsharded behaviour is compared with `keras.layers.Embedding` in this
 process. Strategy cases run in a child process each (this file run as a
@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfdist.training import sharded_embedding
-from tfdist.training.sharded_embedding import ShardedEmbedding
+from tfdist.distribute import sharded_embedding
+from tfdist.distribute.sharded_embedding import ShardedEmbedding
 
 # Also run on the oldest supported TensorFlow (see tests/conftest.py).
 pytestmark = pytest.mark.compat
@@ -318,6 +318,16 @@ def _child_parameter_server() -> dict:
       "untouched_rows_unchanged": bool(np.array_equal(after[60:],
                                                       table[60:])),
   }
+
+
+class OldPathTest(absltest.TestCase):
+
+  def test_the_old_path_is_the_same_module(self):
+    # examples and user code name
+    # tfdist.training.sharded_embedding.ShardedEmbedding.
+    from tfdist.training import sharded_embedding as old  # pylint: disable=g-import-not-at-top
+    self.assertIs(old, sharded_embedding)
+    self.assertIs(old.ShardedEmbedding, ShardedEmbedding)
 
 
 if __name__ == "__main__":

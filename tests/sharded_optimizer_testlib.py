@@ -80,7 +80,7 @@ def run_cases(strategy, train_glob: str, cases, *, scratch: str,
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   from tfdist.data import datasets  # pylint: disable=g-import-not-at-top
   from tfdist.data import input_pipeline  # pylint: disable=g-import-not-at-top
-  from tfdist.training import optimizers  # pylint: disable=g-import-not-at-top
+  from tfdist.core import optimizers  # pylint: disable=g-import-not-at-top
   from tfdist.training import precision  # pylint: disable=g-import-not-at-top
   from tfdist.parallel.zero3 import optimizer as zero3  # pylint: disable=g-import-not-at-top
   from tfdist.parallel.data import sharded_optimizer  # pylint: disable=g-import-not-at-top

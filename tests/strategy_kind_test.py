@@ -1,12 +1,12 @@
-"""Unit tests of tfdist.distribute.strategy_kind: parsing and registering
+"""Unit tests of tfdist.core.strategy_kind: parsing and registering
 kinds (the facts of each kind are its backend's: tests/backends_test.py)."""
 
 import json
 
 import pytest
 
-from tfdist.distribute import strategy_kind
-from tfdist.distribute.strategy_kind import StrategyKind
+from tfdist.core import strategy_kind
+from tfdist.core.strategy_kind import StrategyKind
 
 
 @pytest.mark.compat
@@ -51,3 +51,11 @@ def test_a_registered_kind_parses_prints_and_serializes_as_its_name():
 def test_register_kind_refuses_taken_and_malformed_names(bad):
   with pytest.raises(ValueError, match="register_kind"):
     strategy_kind.register_kind(bad)
+
+
+def test_the_old_path_is_the_same_module():
+  # A kind written outside tfdist is registered through
+  # tfdist.distribute.strategy_kind.register_kind.
+  from tfdist.distribute import strategy_kind as old  # pylint: disable=g-import-not-at-top
+  assert old is strategy_kind
+  assert old.StrategyKind is StrategyKind

@@ -32,10 +32,10 @@ from tests import testutil
 from tfdist import errors
 from tfdist.config import TrainConfig
 from tfdist.data import input_pipeline
-from tfdist.data.dataset_spec import DatasetSpec
+from tfdist.core.dataset_spec import DatasetSpec
 from tfdist.training import assembly
 from tfdist.training import objectives
-from tfdist.training import registry
+from tfdist.core import registry
 from tfdist.training import task as task_lib
 
 # Unit tests: also run on the oldest supported TensorFlow (tests/conftest.py).

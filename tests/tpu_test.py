@@ -303,7 +303,7 @@ class TpuRulesTest(parameterized.TestCase):
     # A dataset function reads no files of tfdist's: nothing to put on
     # gs://. A feature spec reads --train_files/--eval_files: the rule holds.
     from tfdist.data import feature_spec  # pylint: disable=g-import-not-at-top
-    from tfdist.data.dataset_spec import DatasetSpec  # pylint: disable=g-import-not-at-top
+    from tfdist.core.dataset_spec import DatasetSpec  # pylint: disable=g-import-not-at-top
     cfg = self._with_environment(self._config(tpu="grpc://10.0.0.2:8470"))
     function = DatasetSpec(name="mine", input_fn=lambda training: None)
     self.assertEqual(
@@ -420,7 +420,7 @@ class StaticEvalBatchesTest(parameterized.TestCase):
     # Dict features from a dataset function, a multi-label loss and Keras
     # metrics: padded static batches give the unpadded values.
     import keras  # pylint: disable=g-import-not-at-top
-    from tfdist.data.dataset_spec import DatasetSpec  # pylint: disable=g-import-not-at-top
+    from tfdist.core.dataset_spec import DatasetSpec  # pylint: disable=g-import-not-at-top
     from tfdist.training import objectives  # pylint: disable=g-import-not-at-top
     from tfdist.training.train_loop import Trainer  # pylint: disable=g-import-not-at-top
     rng = np.random.RandomState(1)

@@ -86,10 +86,10 @@ def __getattr__(name):
     from tfdist import errors  # pylint: disable=g-import-not-at-top
     return errors.ConfigError
   if name == "DatasetSpec":
-    from tfdist.data import dataset_spec  # pylint: disable=g-import-not-at-top
+    from tfdist.core import dataset_spec  # pylint: disable=g-import-not-at-top
     return dataset_spec.DatasetSpec
   if name in ("register_model", "register_dataset"):
-    from tfdist.training import registry  # pylint: disable=g-import-not-at-top
+    from tfdist.core import registry  # pylint: disable=g-import-not-at-top
     return getattr(registry, name)
   if name == "fit":
     from tfdist import api  # pylint: disable=g-import-not-at-top

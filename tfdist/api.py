@@ -52,7 +52,7 @@ from tfdist.config import TrainConfig
 from tfdist.data import input_pipeline
 from tfdist.data import input_position
 from tfdist.data import python_inputs
-from tfdist.data.dataset_spec import DatasetSpec
+from tfdist.core.dataset_spec import DatasetSpec
 from tfdist.distribute import cluster as cluster_lib
 from tfdist.distribute import environment as environment_lib
 from tfdist.observability import progress
@@ -60,7 +60,7 @@ from tfdist.runtime import console
 from tfdist.runtime import script_exit
 from tfdist.runtime import wording
 from tfdist.training import keras_callbacks
-from tfdist.training import registry
+from tfdist.core import registry
 from tfdist.training import task as task_lib
 
 

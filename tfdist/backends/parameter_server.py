@@ -13,7 +13,7 @@ from tfdist.data import input_pipeline
 from tfdist.distribute import cluster as cluster_lib
 from tfdist.distribute import parameter_server as ps_lib
 from tfdist.distribute import strategy as strategy_lib
-from tfdist.distribute.strategy_kind import StrategyKind
+from tfdist.core.strategy_kind import StrategyKind
 from tfdist.training import assembly
 from tfdist.training import run_plan
 from tfdist.training import step_runner

@@ -42,7 +42,7 @@ from tfdist.distribute import devices as devices_lib
 from tfdist.distribute import parameter_server as ps_lib
 from tfdist.distribute import strategy as strategy_lib
 from tfdist.parallel import mode as mode_lib
-from tfdist.distribute.strategy_kind import StrategyKind
+from tfdist.core.strategy_kind import StrategyKind
 from tfdist import errors
 from tfdist.training import step_runner
 

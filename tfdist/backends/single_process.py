@@ -8,7 +8,7 @@ import tensorflow as tf
 from tfdist import errors
 from tfdist.backends import base
 from tfdist.backends import synchronous
-from tfdist.distribute.strategy_kind import StrategyKind
+from tfdist.core.strategy_kind import StrategyKind
 
 
 @base.register_backend(StrategyKind.OFF)

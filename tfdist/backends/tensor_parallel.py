@@ -25,7 +25,7 @@ from tfdist.backends import single_process
 from tfdist.distribute import devices as devices_lib
 from tfdist.distribute import strategy as strategy_lib
 from tfdist.parallel import mode as mode_lib
-from tfdist.distribute.strategy_kind import StrategyKind
+from tfdist.core.strategy_kind import StrategyKind
 from tfdist import errors
 
 

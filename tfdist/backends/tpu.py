@@ -5,7 +5,7 @@ from typing import Tuple
 from tfdist.backends import base
 from tfdist.backends import synchronous
 from tfdist.distribute import tpu as tpu_lib
-from tfdist.distribute.strategy_kind import StrategyKind
+from tfdist.core.strategy_kind import StrategyKind
 from tfdist.training import run_plan as run_plan_lib
 
 

@@ -13,7 +13,7 @@ run's backend is the kind's with `_GathersForExport` before it.
 import dataclasses
 
 from tfdist.backends import mode_backends
-from tfdist.distribute.strategy_kind import StrategyKind
+from tfdist.core.strategy_kind import StrategyKind
 from tfdist.parallel.zero3 import optimizer as zero3
 from tfdist.training import memory
 

@@ -20,7 +20,7 @@ from tfdist import flags as tfdist_flags
 from tfdist import errors
 from tfdist.distribute import auto_select
 from tfdist.distribute import environment as environment_lib
-from tfdist.distribute.strategy_kind import StrategyKind
+from tfdist.core.strategy_kind import StrategyKind
 from tfdist.runtime import quiet_tensorflow
 
 TRAIN_MODULE = "tfdist.train"

@@ -4,7 +4,7 @@ Modules:
   clothing_reviews
   conversion
   data_checks
-  dataset_spec
+  dataset_spec (old name of tfdist.core.dataset_spec)
   datasets
   fashion_mnist
   feature_spec

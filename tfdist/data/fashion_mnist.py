@@ -25,7 +25,7 @@ import tensorflow as tf
 from tfdist.data import conversion
 from tfdist.data import data_checks
 from tfdist import errors
-from tfdist.data.dataset_spec import DatasetSpec
+from tfdist.core.dataset_spec import DatasetSpec
 
 DEBIAN_FASHION_MNIST_DIR = "/usr/share/datasets/fashion-mnist"
 FASHION_MNIST_FILES = {

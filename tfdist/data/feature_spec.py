@@ -55,7 +55,7 @@ import tensorflow as tf
 
 from tfdist import errors
 from tfdist.data import data_checks
-from tfdist.data.dataset_spec import DatasetSpec
+from tfdist.core.dataset_spec import DatasetSpec
 
 # The kinds of `tf.train.Feature`, by dtype name.
 _KINDS = {"float32": "float_list", "int64": "int64_list",

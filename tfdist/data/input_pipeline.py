@@ -59,10 +59,10 @@ import tensorflow as tf
 from tensorflow.python.framework import random_seed as random_seed_lib  # pylint: disable=g-direct-tensorflow-import
 
 from tfdist import errors
-from tfdist.data.dataset_spec import DatasetSpec
+from tfdist.core.dataset_spec import DatasetSpec
 from tfdist.runtime import wording
 from tfdist.data.input_position import input_layout, layout_change  # noqa: F401
-from tfdist.training import registry
+from tfdist.core import registry
 
 AUTOTUNE = tf.data.AUTOTUNE
 

@@ -36,7 +36,7 @@ import tensorflow as tf
 from tfdist.data import conversion
 from tfdist.data import data_checks
 from tfdist import errors
-from tfdist.data.dataset_spec import DatasetSpec
+from tfdist.core.dataset_spec import DatasetSpec
 
 GENRES = ("Action", "Adventure", "Animation", "Children's", "Comedy",
           "Crime", "Documentary", "Drama", "Fantasy", "Film-Noir", "Horror",

@@ -16,7 +16,7 @@ from tfdist import config as config_lib
 from tfdist import errors
 from tfdist.diagnose.measure import RunMeasurement
 from tfdist.diagnose.measure import measurement_from_run
-from tfdist.distribute.strategy_kind import StrategyKind
+from tfdist.core.strategy_kind import StrategyKind
 
 
 DEFAULT_STEPS = 60

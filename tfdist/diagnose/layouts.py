@@ -11,7 +11,7 @@ from tfdist.diagnose.tensor_split import TensorSplit
 from tfdist.diagnose.tensor_split import tensor_split_of
 from tfdist.parallel.tensor import options as tensor_parallel_options
 from tfdist.training import memory
-from tfdist.training import optimizers
+from tfdist.core import optimizers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,7 +137,7 @@ def layout_notes(estimate: memory.ModelMemory, *, optimizer: str,
   Args:
     estimate: the model's unsharded `memory.ModelMemory` per replica.
     optimizer: `--optimizer`'s name (its slots per parameter from
-      `tfdist.training.optimizers`).
+      `tfdist.core.optimizers`).
     zero_stage: the ZeRO stage in force (0: none).
     num_replicas: replicas the state is sharded over.
     capacity_bytes: the memory those replicas use (one GPU's, or the

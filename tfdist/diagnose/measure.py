@@ -8,7 +8,7 @@ import statistics
 from typing import List, Optional, Sequence
 
 from tfdist import errors
-from tfdist.distribute.strategy_kind import StrategyKind
+from tfdist.core.strategy_kind import StrategyKind
 
 
 def device_family(device_kind: str) -> str:

@@ -11,7 +11,7 @@ from tfdist.diagnose.child_runs import RunSpec
 from tfdist.diagnose.child_runs import baseline_args
 from tfdist.diagnose.child_runs import baseline_dropped
 from tfdist.diagnose.measure import backend_of
-from tfdist.distribute.strategy_kind import StrategyKind
+from tfdist.core.strategy_kind import StrategyKind
 
 
 @dataclasses.dataclass(frozen=True)

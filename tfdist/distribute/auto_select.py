@@ -43,7 +43,7 @@ from absl import logging
 from tfdist.config import check_tpu_precision
 from tfdist import errors
 from tfdist.distribute import tpu as tpu_lib
-from tfdist.distribute.strategy_kind import StrategyKind
+from tfdist.core.strategy_kind import StrategyKind
 
 # Compute capability from which GPUs have bfloat16 Tensor Cores (Ampere).
 BF16_MIN_COMPUTE_CAPABILITY = (8, 0)
@@ -125,7 +125,7 @@ def register_rule(rule: Callable[[DeviceInventory],
   """Adds a selection rule for `auto`, asked before the built-in ones.
 
   A strategy kind written outside tfdist is its kind
-  (`tfdist.distribute.strategy_kind.register_kind`), its backend
+  (`tfdist.core.strategy_kind.register_kind`), its backend
   (`tfdist.backends.registry.register_backend`) and this rule. Usable as a
   decorator.
 

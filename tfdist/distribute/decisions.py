@@ -29,7 +29,7 @@ from absl import logging
 from tfdist import config as config_lib
 from tfdist.distribute import auto_select
 from tfdist.distribute import environment as environment_lib
-from tfdist.distribute.strategy_kind import StrategyKind
+from tfdist.core.strategy_kind import StrategyKind
 
 # The settings whose values preparing a run decides (from the environment,
 # a tuning trial, `auto`): `Decisions` holds them; the config keeps what

@@ -16,7 +16,7 @@ Every task sets `GRPC_FAIL_FAST=use_caller`, as TensorFlow requires for the
 coordinator to notice lost workers and ps tasks instead of waiting on them.
 
 Partitioning: only variables created inside
-`tfdist.training.sharded_embedding.sharding_scope()` (embedding tables) may be
+`tfdist.distribute.sharded_embedding.sharding_scope()` (embedding tables) may be
 split; every other variable (dense kernels, biases, counters; optimizer slots
 are colocated with their variable anyway) gets one shard, because Keras 3
 variables cannot be `ShardedVariable`s.
@@ -34,8 +34,8 @@ import tensorflow as tf
 
 from tfdist import config as config_lib
 from tfdist import errors
-from tfdist.training import sharded_embedding
-from tfdist.training.done_marker import (  # noqa: F401
+from tfdist.distribute import sharded_embedding
+from tfdist.distribute.done_marker import (  # noqa: F401
     DONE_MARKER, clear_done, done_marker, mark_done, marked_done_since)
 
 _partitioners = tf.distribute.experimental.partitioners

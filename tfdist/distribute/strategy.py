@@ -23,7 +23,7 @@ from tfdist.distribute import cluster as cluster_lib
 from tfdist.distribute import parameter_server
 from tfdist.distribute import rendezvous
 from tfdist.distribute import tpu as tpu_lib
-from tfdist.distribute.strategy_kind import StrategyKind
+from tfdist.core.strategy_kind import StrategyKind
 
 
 # While the cluster forms, the peers that do not answer are logged this often.

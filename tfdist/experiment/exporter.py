@@ -17,7 +17,7 @@ import tensorflow as tf
 
 from tfdist import errors
 from tfdist.config import TrainConfig
-from tfdist.distribute.strategy_kind import StrategyKind
+from tfdist.core.strategy_kind import StrategyKind
 from tfdist.experiment import evaluator as evaluator_lib
 from tfdist.experiment import prepare
 from tfdist.training import assembly

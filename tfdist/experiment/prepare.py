@@ -26,7 +26,7 @@ from tfdist.distribute import auto_select
 from tfdist.distribute import cluster as cluster_lib
 from tfdist.distribute import decisions as decisions_lib
 from tfdist.distribute import environment as environment_lib
-from tfdist.distribute.strategy_kind import StrategyKind
+from tfdist.core.strategy_kind import StrategyKind
 from tfdist.observability import manifest as manifest_lib
 from tfdist.observability import versions
 from tfdist.runtime import allocator

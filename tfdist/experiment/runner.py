@@ -44,7 +44,7 @@ from tfdist.training import assembly
 from tfdist.training import checkpointing
 from tfdist.training import controller as controller_lib
 from tfdist.training import differences
-from tfdist.training import done_marker
+from tfdist.distribute import done_marker
 from tfdist.training import export
 from tfdist.training import keras_callbacks
 from tfdist.training import memory

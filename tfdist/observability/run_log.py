@@ -59,11 +59,10 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist import errors
+from tfdist.observability import memory_use
 from tfdist.observability import progress
 from tfdist.observability.throughput import ThroughputMeter
 from tfdist.runtime import strict_json
-from tfdist.training import memory
-from tfdist.training import training_checks
 
 METRICS_FILE = "metrics.jsonl"
 # Keys of an evaluation result that are not metric values.
@@ -248,10 +247,10 @@ def _train_text(record: dict, values: dict, *, total_steps: int,
     elif "input_wait_fraction" in record:
       text += (f" ({record['input_wait_fraction']:.0%} of the compiled "
                "step)")
-  text += f", peak RSS {memory.format_bytes(record['peak_rss_bytes'])}"
+  text += f", peak RSS {memory_use.format_bytes(record['peak_rss_bytes'])}"
   if "device_memory_peak_bytes" in record:
     text += (", device memory peak "
-             f"{memory.format_bytes(record['device_memory_peak_bytes'])}")
+             f"{memory_use.format_bytes(record['device_memory_peak_bytes'])}")
   if record.get("excluded_from_throughput"):
     text += " (first interval: warm-up, not averaged)"
   if eta is not None:
@@ -522,11 +521,11 @@ class RunLog:
     return record
 
   def _memory(self) -> dict:
-    out = {"peak_rss_bytes": memory.peak_rss_bytes()}
-    devices = memory.device_memory()
+    out = {"peak_rss_bytes": memory_use.peak_rss_bytes()}
+    devices = memory_use.device_memory()
     if devices:
       out["device_memory"] = devices
-      out["device_memory_peak_bytes"] = memory.peak_device_bytes(devices)
+      out["device_memory_peak_bytes"] = memory_use.peak_device_bytes(devices)
     return out
 
   def memory(self) -> dict:
@@ -550,7 +549,7 @@ class RunLog:
                                if r.get("peak_rss_bytes")]),
         "device_memory_peak_bytes": max(peaks) if peaks else None,
         "device_memory": now.get("device_memory", {}),
-        "host_memory_bytes": memory.host_memory_bytes(),
+        "host_memory_bytes": memory_use.host_memory_bytes(),
     }
 
   def throughput(self) -> dict:

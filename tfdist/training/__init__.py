@@ -1,6 +1,9 @@
-"""tfdist.training: the training step and its state: the loop, step runners, the controller,
-checkpoints, optimizers, schedules, precision, memory levers,
-export.
+"""tfdist.training: the training step and its state: the loop, step runners,
+the controller, checkpoints, schedules, precision, memory levers, export.
+The optimizer, decay-schedule and model/data-set registries live on the
+bottom floor (`tfdist.core`); `optimizers`, `decay_schedules`, `registry`,
+`reduce_dtype` and `sharded_embedding` here are their old names, the same
+module objects.
 
 Modules:
   assembly
@@ -8,7 +11,6 @@ Modules:
   checkpoint_paths
   checkpointing
   controller
-  done_marker
   export
   keras_callbacks
   lr_schedule

@@ -28,10 +28,10 @@ from tfdist.training import custom_step
 from tfdist.training import lr_schedule
 from tfdist.training import memory
 from tfdist.training import objectives as objectives_lib
-from tfdist.training import optimizers
+from tfdist.core import optimizers
 from tfdist.parallel.pipeline import mode as pipeline_step
 from tfdist.training import precision
-from tfdist.training import reduce_dtype
+from tfdist.core import reduce_dtype
 from tfdist.parallel.data import sharded_optimizer
 from tfdist.training import task as task_lib
 from tfdist.parallel.tensor import mode as tensor_parallel_step
@@ -48,7 +48,7 @@ class AssemblyOptions:
 
   Attributes:
     optimizer: the optimizer's name
-      (`tfdist.training.optimizers.build_optimizer`).
+      (`tfdist.core.optimizers.build_optimizer`).
     momentum: the momentum of `sgd`/`momentum`/`rmsprop`.
     weight_decay: decoupled weight decay per step (0: none).
     clipnorm: clip each gradient to this L2 norm (None: no clipping).
@@ -67,7 +67,7 @@ class AssemblyOptions:
     activation_recomputation: recompute activations in the backward pass.
     bytes_per_pack: the gradients' all-reduce packs, in bytes (0: one).
     all_reduce_dtype: the dtype the gradients travel in between replicas
-      (`tfdist.training.reduce_dtype`).
+      (`tfdist.core.reduce_dtype`).
     pipeline: the model cut into pipeline stages
       (`tfdist.parallel.pipeline.options.PipelineOptions`; None or one
       stage: not cut).
@@ -346,7 +346,7 @@ def _sharding_for(options: AssemblyOptions,
 
 def run_optimizer(options: AssemblyOptions, learning_rate):
   """The run's optimizer for `learning_rate` (a schedule or a callable):
-  `options.optimizer` by name (`tfdist.training.optimizers`), wrapped for
+  `options.optimizer` by name (`tfdist.core.optimizers`), wrapped for
   the precision policy (fp16's loss scaling). Not built. The one way a run,
   `tfdist.diagnose` and the memory estimate make it."""
   return precision.wrap_optimizer_for_precision(

@@ -27,8 +27,8 @@ import tensorflow as tf
 from tfdist import config as config_lib
 from tfdist import errors
 from tfdist.training import batch_plan
-from tfdist.training import constant_schedule
-from tfdist.training import decay_schedules
+from tfdist.core import constant_schedule
+from tfdist.core import decay_schedules
 
 LearningRateSchedule = keras.optimizers.schedules.LearningRateSchedule
 
@@ -226,7 +226,7 @@ def build_lr_schedule(*, peak_learning_rate: float, total_steps: int,
     peak_learning_rate: LR at the end of warmup (already batch-scaled).
     total_steps: optimizer updates in the whole run.
     warmup_steps: steps of linear warmup (0: none); must be <= total_steps.
-    schedule: a decay registered in `tfdist.training.decay_schedules`:
+    schedule: a decay registered in `tfdist.core.decay_schedules`:
       `constant`; `cosine` (Keras `CosineDecay` from the peak to
       `peak * end_learning_rate_factor` over the steps after warmup);
       `piecewise` (Keras `PiecewiseConstantDecay`, the peak times each

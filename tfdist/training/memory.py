@@ -1,11 +1,7 @@
 """Memory: what a run used (host RSS, GPU memory) and what a model needs.
 
-* `peak_rss_bytes`: the process's peak resident set size (host memory),
-  from `getrusage`; cheap, read at every log point.
-* `device_memory`: current and peak bytes of each visible GPU
-  (`tf.config.experimental.get_memory_info`), read at every log point on
-  GPU machines. Untested here: the machines tfdist is tested on have no
-  GPU, so this path has only run where it returns `{}`.
+* `peak_rss_bytes`, `device_memory`, `format_bytes` and the other
+  measurements: from `tfdist.observability.memory_use` (named here too).
 * `estimate_model_memory`: the bytes of a model's parameters, their
   gradients and the optimizer's state (slots, iteration count, loss
   scale), from the variables' shapes and dtypes: what every replica holds
@@ -23,60 +19,14 @@
 
 import dataclasses
 import math
-import os
-import resource
-import shutil
-import subprocess
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, Optional
 
-from tfdist.training import optimizers
-
-# Linux reports ru_maxrss in KiB.
-_RUSAGE_UNIT_BYTES = 1024
-
-
-def peak_rss_bytes() -> int:
-  """Peak resident set size of this process so far (bytes)."""
-  return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss *
-             _RUSAGE_UNIT_BYTES)
-
-
-def host_memory_bytes() -> int:
-  """Physical memory of this host (bytes)."""
-  return int(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
-
-
-def device_memory() -> Dict[str, Dict[str, int]]:
-  """Current and peak memory of each visible GPU, as TensorFlow's allocator
-  counts it: `{"GPU:0": {"current": bytes, "peak": bytes}, ...}`; `{}`
-  without GPUs. Untested here (no GPU on the test machines)."""
-  # Imported here: the host-memory readings (`peak_rss_bytes`, the run log's
-  # and `tfdist.diagnose`'s) stay TensorFlow-free.
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  out = {}
-  for index, _ in enumerate(tf.config.list_logical_devices("GPU")):
-    name = f"GPU:{index}"
-    try:
-      info = tf.config.experimental.get_memory_info(name)
-    except (ValueError, RuntimeError):
-      continue
-    out[name] = {"current": int(info["current"]), "peak": int(info["peak"])}
-  return out
-
-
-def gpu_memory_capacity_bytes() -> List[int]:
-  """Total memory of each NVIDIA GPU (bytes), from `nvidia-smi`; `[]` when
-  there is none (TensorFlow reports usage, not capacity). Untested here."""
-  binary = shutil.which("nvidia-smi")
-  if not binary:
-    return []
-  try:
-    out = subprocess.run(
-        [binary, "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
-        capture_output=True, text=True, timeout=20, check=True).stdout
-  except (OSError, subprocess.SubprocessError):
-    return []
-  return [int(float(line)) << 20 for line in out.split() if line.strip()]
+from tfdist.core import optimizers
+# The measurements live with the run log that reads them (one floor down);
+# named here too for diagnose and the runner.
+from tfdist.observability.memory_use import (  # noqa: F401
+    device_memory, format_bytes, gpu_memory_capacity_bytes,
+    host_memory_bytes, peak_device_bytes, peak_rss_bytes)
 
 
 def _elements(variable) -> int:
@@ -88,7 +38,7 @@ def _elements(variable) -> int:
 
 def _variable_bytes(variables) -> int:
   """Bytes of `variables` (Keras or TensorFlow), from shape and dtype."""
-  # Imported here: see `device_memory`.
+  # Imported here: see `memory_use.device_memory`.
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   # Keras variables name their dtype as a string, TensorFlow's as a DType.
   return sum(_elements(v) * tf.as_dtype(v.dtype).size for v in variables)
@@ -340,22 +290,6 @@ def fits_data_parallel(estimate: ModelMemory, *, capacity_bytes: int,
   return Fit(False, needed, capacity_bytes, share, " ".join(advice))
 
 
-def format_bytes(n: Optional[float]) -> str:
-  """`1.5 GiB`, `812 MiB`, `3.2 KiB`; `-` for None."""
-  if n is None:
-    return "-"
-  for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-    if abs(n) >= size:
-      return f"{n / size:.1f} {unit}"
-  return f"{int(n)} B"
-
-
-def peak_device_bytes(devices: Dict[str, Dict[str, int]]) -> Optional[int]:
-  """The largest peak over `device_memory()`'s devices, or None."""
-  peaks: Sequence[int] = [d["peak"] for d in devices.values()]
-  return max(peaks) if peaks else None
-
-
 # --- every layout side by side ------------------------------------------------
 # The layouts in the order the advice prefers them when several fit: least
 # communication and fewest constraints first. ZeRO 1-2 add a gather of the
@@ -569,7 +503,7 @@ def activation_bytes_per_example(model) -> int:
   Returns:
     Bytes per example (int).
   """
-  # Imported here: see `device_memory`.
+  # Imported here: see `memory_use.device_memory`.
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   total = 0
   for layer in getattr(model, "layers", []):

@@ -31,7 +31,7 @@ from tfdist.cloud import hptune
 from tfdist import errors
 from tfdist.errors import first_line
 from tfdist.training import objectives
-from tfdist.training import registry
+from tfdist.core import registry
 from tfdist.training import task as task_lib
 
 

@@ -14,12 +14,12 @@ from tfdist import models
 from tfdist.data import data_checks
 from tfdist.data import input_pipeline
 from tfdist import errors
-from tfdist.distribute.strategy_kind import StrategyKind
+from tfdist.core.strategy_kind import StrategyKind
 from tfdist.parallel.pipeline import options as pipeline_options
 from tfdist.training import batch_plan as batch_plan_lib
 from tfdist.training import lr_schedule
 from tfdist.training import precision
-from tfdist.training import reduce_dtype
+from tfdist.core import reduce_dtype
 
 
 # The parameter-server coordinator's smallest evaluation batch (evaluation

@@ -24,8 +24,8 @@ import tensorflow as tf
 from tfdist import errors
 from tfdist.data import feature_spec as feature_spec_lib
 from tfdist.data import input_pipeline
-from tfdist.data.dataset_spec import DatasetSpec
-from tfdist.training import registry
+from tfdist.core.dataset_spec import DatasetSpec
+from tfdist.core import registry
 
 
 @dataclasses.dataclass(frozen=True)

@@ -101,7 +101,7 @@ from tfdist.parallel import modes
 from tfdist.parallel.data import sharded_optimizer
 from tfdist.training import objectives
 from tfdist.training import precision
-from tfdist.training import reduce_dtype
+from tfdist.core import reduce_dtype
 
 
 # The key of the sharded optimizer's per-replica update in a step's sums.

@@ -32,9 +32,10 @@ from typing import Callable, Optional
 from absl import logging
 
 from tfdist import errors
+# The setting's default lives with the setting (the configuration is below
+# training); named here too for the monitor's callers.
+from tfdist.config import DEFAULT_MAX_CONSECUTIVE_SKIPPED_STEPS  # noqa: F401
 from tfdist.runtime.strict_json import json_safe  # noqa: F401
-
-DEFAULT_MAX_CONSECUTIVE_SKIPPED_STEPS = 100
 
 
 class SkippedStepMonitor:

@@ -26,7 +26,7 @@ One update, on every replica:
 
 1. the replica's gradients (per variable) are flattened into [P'] and
    summed over all replicas of all workers (in `--all_reduce_dtype`,
-   `tfdist.training.reduce_dtype`, then float32 again), and the replica keeps its
+   `tfdist.core.reduce_dtype`, then float32 again), and the replica keeps its
    slice [S]. TensorFlow's collectives on CPUs offer no reduce-scatter
    (its CPU implementation resolves to none; `tf.distribute` exposes only
    `all_reduce` and `all_gather`), so this is an all-reduce followed by a
@@ -78,9 +78,9 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist import errors
-from tfdist.training import optimizers
+from tfdist.core import optimizers
 from tfdist.training import precision
-from tfdist.training import reduce_dtype
+from tfdist.core import reduce_dtype
 
 STAGES = (0, 1, 2, 3)
 
@@ -163,7 +163,7 @@ def inner_optimizer(optimizer):
 
 def check_optimizer(optimizer, *, what: str = "--optimizer") -> None:
   """Raises `ConfigError` for an optimizer that cannot run on a shard: one
-  whose registered traits say so (`tfdist.training.optimizers`; LAMB, You
+  whose registered traits say so (`tfdist.core.optimizers`; LAMB, You
   et al. 2019, scales each variable's update by the ratio of the
   variable's norm to the update's norm, and a shard cuts across
   variables), or one tfdist does not know.
@@ -427,7 +427,7 @@ class ShardedOptimizer:
     variables: the model's trainable variables (float32).
     options: `ShardingOptions` (stage 1 or 2).
     all_reduce_dtype: the dtype the flat gradient buffer travels in
-      (`tfdist.training.reduce_dtype`; summed back to float32 before the
+      (`tfdist.core.reduce_dtype`; summed back to float32 before the
       finite check, clipping and the update); the gather of the updated
       shards stays float32 (the master weights).
     model: the Keras model the variables belong to (stage 3 cuts it into

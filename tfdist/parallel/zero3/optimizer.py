@@ -104,7 +104,7 @@ from tfdist.parallel import mode as mode_lib
 from tfdist.parallel.pipeline import stages as pipeline
 from tfdist.runtime import private_api
 from tfdist.training import custom_step
-from tfdist.training import reduce_dtype
+from tfdist.core import reduce_dtype
 from tfdist.parallel.data import sharded_optimizer
 
 STAGE = 3
