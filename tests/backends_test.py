@@ -147,6 +147,21 @@ class NewStrategyKindTest(absltest.TestCase):
     self.addCleanup(auto_select.unregister_rule, toy_rule)
     ToyBackend.built = []
 
+  def test_it_gets_the_shared_rules_from_its_traits(self):
+    # `Backend.validate` reads traits, never kinds: an asynchronous kind
+    # written here is refused what parameter_server is, under its name.
+    class AsyncToy(ToyBackend):
+      asynchronous = True
+    backends.register_backend(strategy_kind.StrategyKind.parse(TOY),
+                              AsyncToy)
+    config = TrainConfig(model_dir="/tmp/x", train_steps=1,
+                         deterministic=True, seed=1)
+    with self.assertRaisesRegex(
+        errors.ConfigError, rf"^--deterministic is not supported with "
+        rf"--distribution_strategy={TOY}: asynchronous workers"):
+      backends.backend_for(TOY).validate(config, None, dataset=None)
+    ToyBackend().validate(config, None, dataset=None)  # Synchronous: runs.
+
   def test_auto_chooses_it_and_it_trains(self):
     if tf.config.list_physical_devices("GPU"):
       self.skipTest("the toy rule chooses its kind on hosts without GPUs")
@@ -209,9 +224,10 @@ def _is_name_list(node) -> bool:
 
 
 def kind_references(source: str) -> list:
-  """`[(line, what)]`: each `StrategyKind.MEMBER`, each legacy trait read
-  on a kind (`kind.is_tpu`), each comparison with a strategy name (or a
-  list of them), and each other list of two or more strategy names."""
+  """`[(line, what)]`: each `StrategyKind.MEMBER`, each comparison with a
+  strategy name (or a list of them), and each other list of two or more
+  strategy names. (A kind has no traits to read: `StrategyKind` is a plain
+  enum.)"""
   tree = ast.parse(source)
   found, compared = [], set()
   for node in ast.walk(tree):
