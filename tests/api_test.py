@@ -640,6 +640,32 @@ class RefusedSettingsTest(absltest.TestCase):
     self.assertEqual(errors.exit_code_for(cm.exception), errors.CONFIG)
     return cm.exception
 
+  def test_the_strategys_rules_before_the_model(self):
+    # The decided backend's rules (`Backend.validate`), not the config's:
+    # the config is built, `fit` refuses it before calling `model_fn`.
+    from tfdist import errors  # pylint: disable=g-import-not-at-top
+
+    def model_fn():
+      raise AssertionError("the model was built before the check")
+    # (`fit` names TrainConfig's fields where the flags say `--name`.)
+    for settings, pattern in (
+        (dict(reduction_server=True),
+         r"^reduction_server needs distribution_strategy="
+         r"multi_worker_mirrored or auto .*received "
+         r"distribution_strategy=mirrored\.$"),
+        (dict(bytes_per_pack=1024),
+         r"^bytes_per_pack=1024 applies to multi_worker_mirrored, not "
+         r"mirrored .*Drop bytes_per_pack\.$")):
+      with self.subTest(**settings):
+        config = TrainConfig(
+            model_dir=os.path.join(tempfile.mkdtemp(), "m"), train_steps=1,
+            batch_size=4, distribution_strategy="mirrored",
+            num_cpu_devices=2, **settings)
+        with self.assertRaisesRegex(errors.ConfigError, pattern) as cm:
+          api.fit(model_fn, x=np.zeros((8, 1), np.float32),
+                  y=np.zeros(8, np.float32), config=config, verbose=0)
+        self.assertEqual(errors.exit_code_for(cm.exception), errors.CONFIG)
+
   def test_tf_config_without_a_cluster(self):
     from tfdist.distribute import environment as environment_lib  # pylint: disable=g-import-not-at-top
     # Kubeflow's form for dynamic workers: it ran as one process before.

@@ -134,9 +134,18 @@ class DecideTest(parameterized.TestCase):
     self.assertIn("default", decision.dtype_reason)
 
   def test_fp16_on_tpu_refused(self):
+    # `auto` decides the TPU; its backend refuses fp16, saying how.
+    from tfdist.backends import registry  # pylint: disable=g-import-not-at-top
+    cfg = TrainConfig(model_dir="/m", train_steps=1, dtype="fp16")
+    choice = auto_select.decide(DeviceInventory(tpu_cores=8,
+                                                tpu_address="local"),
+                                dtype="fp16")
     with self.assertRaisesRegex(
-        errors.ConfigError, "fp16 is not supported on TPUs"):
-      auto_select.decide(DeviceInventory(tpu_cores=8), dtype="fp16")
+        errors.ConfigError, r"^--dtype=fp16 is not supported with "
+        r"--distribution_strategy=tpu \(auto: .*fp16 is not supported on "
+        "TPUs"):
+      registry.check_strategy_rules(
+          cfg, decisions_lib.Decisions.of(cfg, choice=choice))
 
   def test_loss_scale_dropped_unless_fp16(self):
     cfg = TrainConfig(model_dir="/m", train_steps=1, dtype="auto",

@@ -147,6 +147,21 @@ class NewStrategyKindTest(absltest.TestCase):
     self.addCleanup(auto_select.unregister_rule, toy_rule)
     ToyBackend.built = []
 
+  def test_it_gets_the_shared_rules_from_its_traits(self):
+    # `Backend.validate` reads traits, never kinds: an asynchronous kind
+    # written here is refused what parameter_server is, under its name.
+    class AsyncToy(ToyBackend):
+      asynchronous = True
+    backends.register_backend(strategy_kind.StrategyKind.parse(TOY),
+                              AsyncToy)
+    config = TrainConfig(model_dir="/tmp/x", train_steps=1,
+                         deterministic=True, seed=1)
+    with self.assertRaisesRegex(
+        errors.ConfigError, rf"^--deterministic is not supported with "
+        rf"--distribution_strategy={TOY}: asynchronous workers"):
+      backends.backend_for(TOY).validate(config, None, dataset=None)
+    ToyBackend().validate(config, None, dataset=None)  # Synchronous: runs.
+
   def test_auto_chooses_it_and_it_trains(self):
     if tf.config.list_physical_devices("GPU"):
       self.skipTest("the toy rule chooses its kind on hosts without GPUs")
@@ -191,12 +206,6 @@ KIND_HOMES = ("tfdist/backends/", "tfdist/core/strategy_kind.py",
 # the pipeline's and tensor parallelism's options. A ratchet: lower it as
 # references go.
 MAX_KIND_REFERENCES = 16
-# config.py's rules that depend on the strategy (ZeRO under Mirrored, a
-# TPU's precision, --bytes_per_pack, --reduction_server, accumulation,
-# determinism and fp16 under parameter servers) still read the kind's
-# traits: they belong in the decided backend's `validate` (issue 43 item
-# 2). Lower (then drop) the number as they move.
-KIND_REFERENCES_ALLOWED = {"tfdist/config.py": 10}
 _NAMES = frozenset(k.value for k in StrategyKind)
 
 
@@ -215,9 +224,10 @@ def _is_name_list(node) -> bool:
 
 
 def kind_references(source: str) -> list:
-  """`[(line, what)]`: each `StrategyKind.MEMBER`, each legacy trait read
-  on a kind (`kind.is_tpu`), each comparison with a strategy name (or a
-  list of them), and each other list of two or more strategy names."""
+  """`[(line, what)]`: each `StrategyKind.MEMBER`, each comparison with a
+  strategy name (or a list of them), and each other list of two or more
+  strategy names. (A kind has no traits to read: `StrategyKind` is a plain
+  enum.)"""
   tree = ast.parse(source)
   found, compared = [], set()
   for node in ast.walk(tree):
@@ -232,9 +242,6 @@ def kind_references(source: str) -> list:
           node.value.id == "StrategyKind" and
           node.attr in StrategyKind.__members__):
         found.append((node.lineno, f"StrategyKind.{node.attr}"))
-      elif (node.attr in strategy_kind.LEGACY_TRAITS and
-            "kind" in ast.unparse(node.value).lower()):
-        found.append((node.lineno, f"reads .{node.attr} of a kind"))
     elif (isinstance(node, (ast.Tuple, ast.List, ast.Set)) and
           len(node.elts) > 1 and id(node) not in compared and
           _is_name_list(node)):
@@ -268,9 +275,6 @@ class KindReferencesTest(absltest.TestCase):
     listing = "\n".join(f"{path}:{line}: {what}"
                         for path, refs in sorted(found.items())
                         for line, what in refs)
-    for path, allowed in KIND_REFERENCES_ALLOWED.items():
-      self.assertLessEqual(len(found.pop(path, ())), allowed,
-                           f"{path}:\n{listing}")
     total = sum(len(refs) for refs in found.values())
     self.assertLessEqual(
         total, MAX_KIND_REFERENCES,
@@ -278,21 +282,16 @@ class KindReferencesTest(absltest.TestCase):
         "strategy_kind.py and auto_select.py: ask the backend "
         f"(tfdist.backends.registry.backend_for(kind)) instead:\n{listing}")
 
-  def test_only_config_and_diagnose_read_the_legacy_traits(self):
-    readers = {path for path, refs in kind_references_outside().items()
-               if any(what.startswith("reads .") for _, what in refs)}
-    self.assertLessEqual(readers, set(KIND_REFERENCES_ALLOWED))
-
   def test_the_count_finds_each_form(self):
     source = ("a = StrategyKind.MIRRORED\n"
-              "b = kind.is_tpu\n"
+              "b = kind.value\n"
               "c = name == 'parameter_server'\n"
               "d = name in ('auto', 'mirrored')\n"
               "E = ('off', 'one_device')\n"
               "f = ('tpu', 'tpu_zone')\n"
               "g = backend.asynchronous\n")
     self.assertEqual([line for line, _ in kind_references(source)],
-                     [1, 2, 3, 4, 5])
+                     [1, 3, 4, 5])
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ import pytest
 from tfdist import config
 from tfdist import config_tree
 from tfdist import errors
+from tfdist.backends import registry as backend_registry
 from tfdist.config import TrainConfig
 from tfdist.distribute import auto_select
 from tfdist.distribute import decisions
@@ -83,8 +84,9 @@ class TrainConfigTest(parameterized.TestCase):
       TrainConfig(zero_stage=3, model="ranking", **base)
     with self.assertRaisesRegex(errors.ConfigError,
                                 "--distribution_strategy=parameter_server"):
-      TrainConfig(zero_stage=3, distribution_strategy="parameter_server",
-                  **base)
+      # The strategy's rule: its backend's, run as the run is prepared.
+      backend_registry.check_strategy_rules(TrainConfig(
+          zero_stage=3, distribution_strategy="parameter_server", **base))
 
   def test_class_weight_forms(self):
     base = dict(model_dir="/tmp/x", train_steps=1)
@@ -407,27 +409,32 @@ class DecisionsTest(absltest.TestCase):
         strategy=StrategyKind.parse(strategy), strategy_reason=reason,
         dtype=dtype, dtype_reason="auto: test")
 
-  def test_auto_decided_values_keep_the_configs_rules(self):
+  def test_auto_decided_values_meet_the_decided_backends_rules(self):
     cfg = TrainConfig(model_dir="/m", train_steps=1, bytes_per_pack=1024)
-    self.assertEqual(decisions.Decisions.of(
-        cfg, choice=self._choice("multi_worker_mirrored")).strategy,
+    self.assertEqual(backend_registry.check_strategy_rules(
+        cfg, decisions.Decisions.of(
+            cfg, choice=self._choice("multi_worker_mirrored"))).strategy,
                      StrategyKind.MULTI_WORKER_MIRRORED)
     with self.assertRaisesRegex(
         errors.ConfigError, r"^--bytes_per_pack=1024 applies to "
         r"multi_worker_mirrored, not mirrored"):
-      decisions.Decisions.of(cfg, choice=self._choice("mirrored"))
+      backend_registry.check_strategy_rules(cfg, decisions.Decisions.of(
+          cfg, choice=self._choice("mirrored")))
     self.assertEqual(cfg.distribution_strategy, "auto")
 
   def test_reduction_server_names_how_auto_decided(self):
     cfg = TrainConfig(model_dir="/m", train_steps=1, reduction_server=True)
     with self.assertRaisesRegex(
         errors.ConfigError, r"resolved to one_device \(auto: one GPU\)"):
-      decisions.Decisions.of(cfg, choice=self._choice(
-          "one_device", reason="auto: one GPU"))
+      backend_registry.check_strategy_rules(cfg, decisions.Decisions.of(
+          cfg, choice=self._choice("one_device", reason="auto: one GPU")))
     with self.assertRaisesRegex(
-        errors.ConfigError, r"received --distribution_strategy=mirrored"):
-      TrainConfig(model_dir="/m", train_steps=1, reduction_server=True,
-                  distribution_strategy="mirrored")
+        errors.ConfigError, r"^--reduction_server needs --distribution_"
+        r"strategy=multi_worker_mirrored or auto .*received "
+        r"--distribution_strategy=mirrored\.$"):
+      backend_registry.check_strategy_rules(TrainConfig(
+          model_dir="/m", train_steps=1, reduction_server=True,
+          distribution_strategy="mirrored"))
 
   def test_the_flag_values_map_the_records(self):
     cfg = TrainConfig(model_dir="/m", train_steps=1, loss_scale="64",
@@ -463,4 +470,5 @@ class DecidedRulesTest(absltest.TestCase):
         errors.ConfigError, r"^--zero_stage=3 \(--shard_parameters\) "
         r"runs under mirrored or multi_worker_mirrored; received "
         r"--distribution_strategy=one_device"):
-      decisions.Decisions.of(cfg, choice=choice)
+      backend_registry.check_strategy_rules(
+          cfg, decisions.Decisions.of(cfg, choice=choice))

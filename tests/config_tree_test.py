@@ -64,14 +64,13 @@ class SectionsTest(absltest.TestCase):
 
   def test_cross_section_rules_run_on_the_root(self):
     # Each section alone is fine; together they are not.
-    config.LoopConfig(gradient_accumulation_steps=2)
-    config.StrategyConfig(distribution_strategy="parameter_server")
+    config.CloudConfig(reduction_server=True)
+    config.StrategyConfig(all_reduce_alg="ring")
     with self.assertRaisesRegex(errors.ConfigError,
-                                r"^--gradient_accumulation_steps=2 is not "
-                                r"supported with --distribution_strategy="
-                                r"parameter_server"):
-      TrainConfig(gradient_accumulation_steps=2,
-                  distribution_strategy="parameter_server", **_BASE)
+                                r"^--reduction_server implies "
+                                r"--all_reduce_alg=nccl; received "
+                                r"--all_reduce_alg=ring"):
+      TrainConfig(reduction_server=True, all_reduce_alg="ring", **_BASE)
 
   def test_replace_keeps_unset_settings_unset(self):
     cfg = TrainConfig(**_BASE)

@@ -140,6 +140,7 @@ class RecomputationTest(absltest.TestCase):
 class FlagsTest(absltest.TestCase):
 
   def test_accumulation_and_determinism_flags(self):
+    from tfdist.backends import registry  # pylint: disable=g-import-not-at-top
     from tfdist.config import TrainConfig
     from tfdist.training import batch_plan  # pylint: disable=g-import-not-at-top
     base = dict(model_dir="/tmp/x", train_steps=1)
@@ -152,16 +153,19 @@ class FlagsTest(absltest.TestCase):
         errors.ConfigError,
         "--gradient_accumulation_steps=2 is not supported with "
         "--distribution_strategy=parameter_server: there each worker step"):
-      TrainConfig(gradient_accumulation_steps=2,
-                  distribution_strategy="parameter_server", **base)
+      # The strategy's rules: its backend's, run as the run is prepared.
+      registry.check_strategy_rules(TrainConfig(
+          gradient_accumulation_steps=2,
+          distribution_strategy="parameter_server", **base))
     with self.assertRaisesRegex(
         errors.ConfigError, "--deterministic needs a --seed"):
       TrainConfig(deterministic=True, seed=None, **base)
     with self.assertRaisesRegex(errors.ConfigError, "--deterministic is not "
                                 "supported with --distribution_strategy="
                                 "parameter_server"):
-      TrainConfig(deterministic=True,
-                  distribution_strategy="parameter_server", **base)
+      registry.check_strategy_rules(TrainConfig(
+          deterministic=True, distribution_strategy="parameter_server",
+          **base))
     # The global batch is the effective one; the learning rate scales to it.
     plan = batch_plan.make_batch_plan(num_replicas_in_sync=2, batch_size=64,
                                       gradient_accumulation_steps=4)

@@ -76,15 +76,16 @@ class StrategyOptionsTest(parameterized.TestCase):
     with self.assertRaisesRegex(errors.ConfigError,
                                 "--bytes_per_pack=-1 must be >= 0"):
       self._config(bytes_per_pack=-1)
-    # In the config too, so that --dry_run refuses what the run would.
+    # Named by the flag: the same rule, run as the run is prepared (so
+    # --dry_run refuses what the run would).
     for strategy in ("mirrored", "parameter_server", "tpu"):
       with self.assertRaisesRegex(
           errors.ConfigError,
           rf"--bytes_per_pack=1024 applies to multi_worker_mirrored, not "
           rf"{strategy}"):
-        config_lib.TrainConfig(model_dir="/tmp/x", train_steps=1,
-                               distribution_strategy=strategy,
-                               bytes_per_pack=1024)
+        backend_registry.check_strategy_rules(config_lib.TrainConfig(
+            model_dir="/tmp/x", train_steps=1, tpu="local",
+            distribution_strategy=strategy, bytes_per_pack=1024))
     with self.assertRaisesRegex(
         errors.ConfigError,
         r"--bytes_per_pack=1024 does not apply with --zero_stage=1"):

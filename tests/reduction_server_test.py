@@ -227,10 +227,12 @@ class StrategyTest(absltest.TestCase):
     return TrainConfig(model_dir="/m", train_steps=1, **kwargs)
 
   def test_config_rules(self):
+    from tfdist.backends import registry as backend_registry  # pylint: disable=g-import-not-at-top
     with self.assertRaisesRegex(errors.ConfigError, "--reduction_server needs "
                                 "--distribution_strategy=multi_worker_mirrored"):
-      self._config(reduction_server=True,
-                   distribution_strategy="parameter_server")
+      # The strategy's rule: its backend's, run as the run is prepared.
+      backend_registry.check_strategy_rules(self._config(
+          reduction_server=True, distribution_strategy="parameter_server"))
     with self.assertRaisesRegex(
         errors.ConfigError, "implies --all_reduce_alg=nccl"):
       self._config(reduction_server=True, all_reduce_alg="ring")

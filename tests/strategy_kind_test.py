@@ -23,6 +23,13 @@ def test_parse_refuses_what_is_not_a_concrete_kind(bad):
     StrategyKind.parse(bad)
 
 
+def test_a_kind_is_only_a_name():
+  # Its traits are its backend's (tfdist.backends.base.Backend).
+  for trait in ("is_tpu", "is_mirrored", "is_asynchronous",
+                "num_input_pipelines"):
+    assert not hasattr(StrategyKind.TPU, trait), trait
+
+
 @pytest.mark.compat
 def test_kind_prints_and_serializes_as_its_flag_value():
   kind = StrategyKind.PARAMETER_SERVER

@@ -22,6 +22,7 @@ import tensorflow as tf
 from tests import testutil
 from tfdist import experiment
 from tfdist import errors
+from tfdist.backends import registry as backend_registry
 from tfdist.config import TrainConfig
 from tfdist.data import input_pipeline
 from tfdist.distribute import decisions as decisions_lib
@@ -267,8 +268,8 @@ class TpuRulesTest(parameterized.TestCase):
   def test_fp16_refused(self):
     with self.assertRaisesRegex(
         errors.ConfigError, "--dtype=fp16 is not supported"
-                                " with --distribution_strategy=tpu"):
-      self._config(dtype="fp16")
+                                " with --distribution_strategy=tpu:"):
+      backend_registry.check_strategy_rules(self._config(dtype="fp16"))
 
   def test_tpu_address_required(self):
     # Checked once the environment is applied ($TPU_NAME may supply it).

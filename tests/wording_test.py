@@ -58,11 +58,12 @@ class MessagesTest(absltest.TestCase):
   def test_the_stage_3_refusal_names_shard_parameters(self):
     from tfdist import config as config_lib  # pylint: disable=g-import-not-at-top
     from tfdist import errors  # pylint: disable=g-import-not-at-top
+    from tfdist.backends import registry  # pylint: disable=g-import-not-at-top
     with self.assertRaisesRegex(
         errors.ConfigError,
         r"^--zero_stage=3 \(--shard_parameters\) runs under mirrored"):
-      config_lib.TrainConfig(zero_stage=3,
-                             distribution_strategy="one_device")
+      registry.check_strategy_rules(config_lib.TrainConfig(
+          zero_stage=3, distribution_strategy="one_device"))
 
   def test_fit_errors_name_the_train_config_field(self):
     import numpy as np  # pylint: disable=g-import-not-at-top

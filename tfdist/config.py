@@ -58,10 +58,6 @@ DTYPES = ("fp32", "bf16", "fp16", "auto")
 DTYPE_ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16",
                  "fp32": "fp32", "bf16": "bf16", "fp16": "fp16", "auto": "auto"}
 LR_SCALING_RULES = ("linear", "sqrt", "none")
-# Strategies under which --zero_stage > 0 runs (auto resolves to one of
-# them or is refused when the strategy is built: tfdist.training.assembly).
-SHARDING_STRATEGIES = (AUTO_STRATEGY,) + tuple(
-    kind.value for kind in StrategyKind if kind.is_mirrored)
 ALL_REDUCE_ALGS = ("auto", "nccl", "hierarchical_copy", "ring")
 PS_PARTITIONERS = ("min_size", "fixed", "max_size", "none")
 # Flag values a data set recommends, applied by `flags.flags_to_config` to
@@ -165,82 +161,6 @@ def parse_loss_scale(value) -> Optional[object]:
         f"--loss_scale={value!r} is neither 'dynamic' nor a positive number. "
         "Use --loss_scale=dynamic or, for a fixed scale, e.g. --loss_scale=128.")
   return number
-
-
-def check_tpu_precision(strategy: str, dtype: str, *, why: str = "") -> None:
-  """The one check that TPUs get no fp16 (they have no float16 arithmetic).
-
-  Args:
-    strategy: the concrete or requested strategy name.
-    dtype: the normalized dtype.
-    why: how the strategy was chosen, for the message (e.g. "auto: a TPU
-      answered").
-
-  Raises:
-    ConfigError: `strategy` is `tpu` and `dtype` is `fp16`.
-  """
-  kind = requested_kind(strategy)
-  if kind is not None and kind.is_tpu and dtype == "fp16":
-    how = f" ({why})" if why else ""
-    raise errors.ConfigError(
-        f"--dtype=fp16 is not supported with --distribution_strategy=tpu"
-        f"{how}: fp16 is not supported on TPUs, which compute in bfloat16 "
-        "and have no float16 arithmetic or loss scaling. Use --dtype=bf16 "
-        "(the TPU default), --dtype=auto or --dtype=fp32.")
-
-
-def check_bytes_per_pack(kind: Optional[StrategyKind],
-                         bytes_per_pack: int) -> None:
-  """The one rule of `--bytes_per_pack`: only multi_worker_mirrored's
-  all-reduce splits the gradients into packs (one replica, `off` and
-  `one_device`, has nothing to all-reduce: no effect).
-
-  Args:
-    kind: the requested or decided strategy; None (`auto`, not decided
-      yet) passes.
-    bytes_per_pack: `--bytes_per_pack` (0: one pack).
-
-  Raises:
-    ConfigError: a pack size under mirrored, parameter_server or tpu.
-  """
-  _need(not bytes_per_pack or kind is None or kind in (
-            StrategyKind.OFF, StrategyKind.ONE_DEVICE,
-            StrategyKind.MULTI_WORKER_MIRRORED),
-        f"--bytes_per_pack={bytes_per_pack} applies to "
-        f"multi_worker_mirrored, not {kind} (its all-reduce does not split "
-        "the gradients into packs). Drop --bytes_per_pack.")
-
-
-def check_reduction_server(kind: Optional[StrategyKind], *,
-                           decided_because: str = "") -> None:
-  """The one rule of `--reduction_server` and the strategy: Vertex AI's
-  Reduction Server serves NCCL all-reduce between the workers of
-  multi_worker_mirrored.
-
-  Args:
-    kind: the requested strategy (None: `auto`, passes), or the decided
-      one.
-    decided_because: how `auto` decided `kind` (the decision's reason);
-      '' when `kind` is the flag's.
-
-  Raises:
-    ConfigError: another strategy; the message says how it was chosen.
-  """
-  if kind is None or kind is StrategyKind.MULTI_WORKER_MIRRORED:
-    return
-  if decided_because:
-    raise errors.ConfigError(
-        "--reduction_server needs a multi-worker cluster under "
-        f"multi_worker_mirrored, but this run resolved to {kind}"
-        f" ({decided_because}). Vertex AI sets CLUSTER_SPEC for a "
-        "job with a chief and workers (python -m tfdist.job_spec vertex "
-        "--num_workers=N --reduction_server_replicas=R); drop "
-        "--reduction_server for a single-process run.")
-  raise errors.ConfigError(
-      "--reduction_server needs --distribution_strategy="
-      "multi_worker_mirrored or auto (Vertex AI's Reduction Server "
-      "serves NCCL all-reduce between workers); received "
-      f"--distribution_strategy={kind}.")
 
 
 def refuse_auto(strategy: str, dtype: str = "") -> None:
@@ -382,29 +302,6 @@ def parse_class_weight(value) -> Tuple[Tuple[int, float], ...]:
           "--class_weight=0:1.0,1:4.0 (class 1 counts four times).") from None
     pairs[key] = weight
   return tuple(sorted(pairs.items()))
-
-
-def check_accumulation_strategy(strategy: str, steps: int) -> None:
-  """The one check that gradient accumulation runs under a synchronous
-  strategy.
-
-  Args:
-    strategy: the concrete or requested strategy name (`auto` passes).
-    steps: `--gradient_accumulation_steps`.
-
-  Raises:
-    ConfigError: `steps` > 1 under `parameter_server`.
-  """
-  kind = requested_kind(strategy)
-  if steps > 1 and kind is not None and not kind.supports_gradient_accumulation:
-    raise errors.ConfigError(
-        f"--gradient_accumulation_steps={steps} is not supported with "
-        "--distribution_strategy=parameter_server: there each worker step is "
-        "its own asynchronous update of the shared weights, so there is no "
-        "synchronous global batch to split into micro-batches, and "
-        "accumulators would live on the ps tasks, shared by every worker. "
-        "Raise --batch_size (examples per worker step) instead, or use "
-        "multi_worker_mirrored.")
 
 
 def _split_list(value) -> Tuple[str, ...]:
@@ -1114,8 +1011,8 @@ class StrategyConfig:
     _need(self.bytes_per_pack >= 0,
           f"--bytes_per_pack={self.bytes_per_pack} must be >= 0 (0: the "
           "gradients in one all-reduce).")
-    # `auto` is checked once decided (`TrainConfig.check_decided`).
-    check_bytes_per_pack(self.kind, self.bytes_per_pack)
+    # Whether the strategy takes packs is its backend's rule
+    # (`tfdist.backends.base.Backend.validate`).
     _need(self.num_gpus >= -1,
           f"--num_gpus={self.num_gpus} must be -1 (all visible), 0 or more.")
 
@@ -1593,51 +1490,24 @@ class TrainConfig:
   def check_decided(self, decided: Mapping[str, Any]) -> None:
     """Runs the config's rules that read a decidable setting on the values
     preparing a run decided (`tfdist.distribute.decisions.Decisions`):
-    `--bytes_per_pack` and every rule across sections, with `decided`
+    every rule across sections, with `decided`
     (`{flag name: value}`) read in place of the caller's settings. No copy
     of the config is made.
 
     Raises:
       ConfigError: a decided value breaks a rule (as the constructor's).
     """
-    view = _DecidedView(self, decided)
-    check_bytes_per_pack(requested_kind(view.distribution_strategy),
-                         view.bytes_per_pack)
-    TrainConfig._validate(view)
+    TrainConfig._validate(_DecidedView(self, decided))
 
   def _validate(self):
     """Runs every rule across sections in order; the first broken rule
     raises (each section's own rules ran as it was built)."""
-    for validate in (self._validate_batch, self._validate_determinism,
-                     self._validate_cluster, self._validate_tpu,
-                     self._validate_async_precision,
-                     self._validate_vertex_ai, self._validate_sharding,
+    for validate in (self._validate_cluster, self._validate_vertex_ai,
+                     self._validate_sharding,
                      self._validate_pipeline,
                      self._validate_tensor_parallel,
                      self._validate_experts_layout):
       validate()
-
-  @property
-  def _strategy_kind(self) -> Optional[StrategyKind]:
-    """The requested (or, in `check_decided`, the decided) strategy's
-    kind; None for `auto` (not yet resolved)."""
-    return requested_kind(self.distribution_strategy)
-
-  def _validate_batch(self):
-    """Gradient accumulation needs a synchronous strategy."""
-    check_accumulation_strategy(self.distribution_strategy,
-                                self.gradient_accumulation_steps)
-
-  def _validate_determinism(self):
-    """--deterministic: needs a synchronous strategy."""
-    kind = self._strategy_kind
-    _need(not (self.deterministic and kind is not None and
-               kind.is_asynchronous),
-          "--deterministic is not supported with --distribution_strategy="
-          "parameter_server: asynchronous workers apply their updates in "
-          "whatever order they finish. Use a synchronous strategy "
-          "(one_device, mirrored, multi_worker_mirrored) or drop "
-          "--deterministic.")
 
   def _validate_cluster(self):
     """Gradient packs against ZeRO, and the all-reduce dtype."""
@@ -1651,24 +1521,10 @@ class TrainConfig:
                               strategy=self.distribution_strategy,
                               dtype=self.dtype)
 
-  def _validate_tpu(self):
-    """The TPU's precision."""
-    check_tpu_precision(self.distribution_strategy, self.dtype)
-
-  def _validate_async_precision(self):
-    """fp16 needs a loss scale that asynchronous workers cannot share."""
-    kind = self._strategy_kind
-    _need(not (kind is not None and kind.is_asynchronous and
-               self.dtype == "fp16"),
-          "--dtype=fp16 is not supported with --distribution_strategy="
-          "parameter_server: fp16 needs loss scaling, whose scale "
-          "asynchronous workers cannot share. Use --dtype=bf16, fp32 or "
-          "auto.")
-
   def _validate_vertex_ai(self):
-    """Vertex AI's Reduction Server: multi_worker_mirrored with NCCL."""
+    """Vertex AI's Reduction Server: NCCL (its strategy is the backends'
+    rule, `tfdist.backends.base.Backend.validate`)."""
     if self.reduction_server:
-      check_reduction_server(self._strategy_kind)
       _need(self.all_reduce_alg in ("auto", "nccl"),
             f"--reduction_server implies --all_reduce_alg=nccl; received "
             f"--all_reduce_alg={self.all_reduce_alg}. Drop --all_reduce_alg "
@@ -1704,13 +1560,8 @@ class TrainConfig:
     stage = self.zero_stage_resolved
     if not stage:
       return
-    kind = self._strategy_kind
-    _need(kind is None or kind.is_mirrored,
-          f"--zero_stage={stage} (--{SHARDING_SWITCHES[stage - 1]}) runs "
-          f"under {' or '.join(SHARDING_STRATEGIES[1:])}; received "
-          f"--distribution_strategy={self.distribution_strategy}. Use "
-          "mirrored or multi_worker_mirrored (parameter_server partitions "
-          "variables itself), or drop the flag.")
+    # Under which strategies ZeRO runs is their backends' rule
+    # (`tfdist.backends.base.Backend.validate`).
     traits = optimizers.optimizer_spec(self.optimizer).traits
     _need(traits.shardable,
           f"--optimizer={self.optimizer} cannot run with --zero_stage="

@@ -34,6 +34,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Type
 from absl import logging
 import tensorflow as tf
 
+from tfdist import config as config_lib
 from tfdist import errors
 from tfdist.distribute import devices
 from tfdist.distribute import strategy as strategy_lib
@@ -251,29 +252,118 @@ class Backend:
 
   def validate(self, config, decisions, *, dataset) -> None:
     """The rules that depend on the strategy, run once for the decided
-    backend (`auto`'s choice or the flag's) before anything is built.
-    A subclass adds its own and calls this one.
+    backend (`auto`'s choice or the flag's) before anything is built
+    (`tfdist.experiment.prepare.prepare_run`, so `--dry_run` and
+    `tfdist.fit` refuse before building a model). A subclass adds its own
+    and calls this one. Each rule reads the backend's traits, never the
+    kind, so a kind registered outside tfdist gets them from its backend:
 
-    This one: `--bytes_per_pack` only where it applies or has no effect
-    (`accepts_bytes_per_pack`).
+    * `--bytes_per_pack` only where it applies or has no effect
+      (`accepts_bytes_per_pack`);
+    * `--gradient_accumulation_steps` > 1 only with a synchronous step
+      (`accumulates_gradients`);
+    * `--deterministic` and `--dtype=fp16` not with asynchronous workers
+      (`asynchronous`: they apply updates in whatever order they finish,
+      and cannot share a loss scale);
+    * no fp16 on a TPU (`on_tpu`: TPUs have no float16 arithmetic);
+    * `--reduction_server` only across the processes of an all-reduce
+      (`mirrored` and `multi_process`: Vertex AI's Reduction Server serves
+      NCCL all-reduce between workers);
+    * `--zero_stage` > 0 only over mirrored replicas (`mirrored`: what
+      ZeRO shards).
 
     Args:
       config: the run's `TrainConfig`, as the caller gave it.
       decisions: what preparing the run decided
         (`tfdist.distribute.decisions.Decisions`: the strategy, dtype,
-        TPU, folders and files that run).
+        TPU, folders and files that run); None: the config's own values.
       dataset: the run's `DatasetSpec`, or None when not known.
 
     Raises:
-      ConfigError: the configuration cannot run under this strategy.
+      ConfigError: the configuration cannot run under this strategy (exit
+        status 2; the message names the flags, values and the fix).
     """
-    del decisions, dataset
+    del dataset
     packs = config.strategy.bytes_per_pack
     if packs and not self.accepts_bytes_per_pack:
       raise errors.ConfigError(
           f"--bytes_per_pack={packs} applies to multi_worker_mirrored, not "
           f"{self.kind} (its all-reduce does not split the gradients into "
           "packs). Drop --bytes_per_pack.")
+    kind = self.kind if decisions is None else decisions.strategy
+    steps = config.gradient_accumulation_steps
+    if steps > 1 and not self.accumulates_gradients:
+      raise errors.ConfigError(
+          f"--gradient_accumulation_steps={steps} is not supported with "
+          f"--distribution_strategy={kind}: there each worker step is "
+          "its own asynchronous update of the shared weights, so there is "
+          "no synchronous global batch to split into micro-batches, and "
+          "accumulators would live on the ps tasks, shared by every worker. "
+          "Raise --batch_size (examples per worker step) instead, or use "
+          "multi_worker_mirrored.")
+    if config.deterministic and self.asynchronous:
+      raise errors.ConfigError(
+          "--deterministic is not supported with --distribution_strategy="
+          f"{kind}: asynchronous workers apply their updates in whatever "
+          "order they finish. Use a synchronous strategy (one_device, "
+          "mirrored, multi_worker_mirrored) or drop --deterministic.")
+    self._check_precision(config, decisions, kind)
+    self._check_reduction_server(config, decisions, kind)
+    self._check_sharding(config, kind)
+
+  def _check_precision(self, config, decisions, kind) -> None:
+    """fp16 on a TPU, or with asynchronous workers (`validate`)."""
+    dtype = config.dtype if decisions is None else decisions.dtype
+    if dtype != "fp16":
+      return
+    if self.on_tpu:
+      reason = "" if decisions is None else decisions.choice.strategy_reason
+      how = f" ({reason})" if reason.startswith("auto") else ""
+      raise errors.ConfigError(
+          f"--dtype=fp16 is not supported with --distribution_strategy="
+          f"{kind}{how}: fp16 is not supported on TPUs, which compute in "
+          "bfloat16 and have no float16 arithmetic or loss scaling. Use "
+          "--dtype=bf16 (the TPU default), --dtype=auto or --dtype=fp32.")
+    if self.asynchronous:
+      raise errors.ConfigError(
+          "--dtype=fp16 is not supported with --distribution_strategy="
+          f"{kind}: fp16 needs loss scaling, whose scale asynchronous "
+          "workers cannot share. Use --dtype=bf16, fp32 or auto.")
+
+  def _check_reduction_server(self, config, decisions, kind) -> None:
+    """`--reduction_server` needs the all-reduce of workers in several
+    processes (`validate`); the message says how `auto` decided."""
+    if not config.reduction_server or (self.mirrored and self.multi_process):
+      return
+    if decisions is not None and config.distribution_strategy == "auto":
+      raise errors.ConfigError(
+          "--reduction_server needs a multi-worker cluster under "
+          f"multi_worker_mirrored, but this run resolved to {kind}"
+          f" ({decisions.choice.strategy_reason}). Vertex AI sets "
+          "CLUSTER_SPEC for a job with a chief and workers (python -m "
+          "tfdist.job_spec vertex --num_workers=N "
+          "--reduction_server_replicas=R); drop --reduction_server for a "
+          "single-process run.")
+    raise errors.ConfigError(
+        "--reduction_server needs --distribution_strategy="
+        "multi_worker_mirrored or auto (Vertex AI's Reduction Server "
+        "serves NCCL all-reduce between workers); received "
+        f"--distribution_strategy={kind}.")
+
+  def _check_sharding(self, config, kind) -> None:
+    """`--zero_stage` > 0 shards mirrored replicas' state (`validate`)."""
+    stage = config.zero_stage_resolved
+    if not stage or self.mirrored:
+      return
+    sharding = " or ".join(
+        name for name in strategy_kind.names()
+        if getattr(_BACKENDS.get(StrategyKind.parse(name)),
+                   "mirrored", False))
+    raise errors.ConfigError(
+        f"--zero_stage={stage} (--{config_lib.SHARDING_SWITCHES[stage - 1]})"
+        f" runs under {sharding}; received --distribution_strategy={kind}. Use "
+        "mirrored or multi_worker_mirrored (parameter_server partitions "
+        "variables itself), or drop the flag.")
 
   def serve(self, config, decisions, cluster) -> Optional[dict]:
     """Runs a serving process's part until the run ends; returns its result

@@ -224,7 +224,7 @@ class PipelineBackend(single_process.OneDeviceBackend):
       errors.ConfigError: one process, a host with GPUs, fewer of them than
         `pipeline_stages`.
     """
-    del dataset
+    super().validate(config, decisions, dataset=dataset)
     if self._tasks:
       return  # Checked by `serve`, on every task, with the cluster.
     gpus = base.local_accelerators(config.num_gpus)

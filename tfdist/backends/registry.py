@@ -15,6 +15,7 @@ from tfdist.backends import single_process  # pylint: disable=unused-import
 from tfdist.backends import tensor_parallel  # pylint: disable=unused-import
 from tfdist.backends import tpu  # pylint: disable=unused-import
 from tfdist.backends import zero3  # pylint: disable=unused-import
+from tfdist.distribute import decisions as decisions_lib
 from tfdist.parallel import modes
 
 Backend = base.Backend
@@ -83,3 +84,33 @@ def backend_for_run(kind, config, cluster=None) -> base.Backend:
   if cls is None:
     backend_for(kind)  # Raises its error.
   return mode_backends.compose(mode, kind, cls, cluster)
+
+
+def check_strategy_rules(config, decisions=None, *, dataset=None,
+                         cluster=None):
+  """Runs the strategy's rules on `config` as preparing a run does
+  (`tfdist.experiment.prepare.prepare_run`): the decided backend's
+  `validate` (`backend_for_run`), without resolving a cluster or building
+  anything. The strategy's rules live in its backend, not in
+  `TrainConfig`: a `TrainConfig` naming `parameter_server` with
+  `--deterministic` is built, and refused here.
+
+  Args:
+    config: a `TrainConfig`.
+    decisions: its `tfdist.distribute.decisions.Decisions`; None: those of
+      a config that names its strategy and dtype (`Decisions.of(config)`).
+    dataset: the run's `DatasetSpec`, or None.
+    cluster: the run's `ClusterInfo`, or None.
+
+  Returns:
+    The decisions the rules ran on.
+
+  Raises:
+    tfdist.errors.ConfigError: a rule the decided strategy's backend holds
+      (or, with `decisions` None, `config` still says `auto`).
+  """
+  if decisions is None:
+    decisions = decisions_lib.Decisions.of(config)
+  backend_for_run(decisions.strategy, config, cluster).validate(
+      config, decisions, dataset=dataset)
+  return decisions

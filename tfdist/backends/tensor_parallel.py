@@ -68,7 +68,7 @@ class TensorParallelBackend(single_process.MirroredBackend):
     Raises:
       errors.ConfigError: fewer GPUs than `tensor_parallel`.
     """
-    del dataset
+    super().validate(config, decisions, dataset=dataset)
     gpus = base.local_accelerators(config.num_gpus)
     if 0 < gpus < config.tensor_parallel:
       raise errors.ConfigError(

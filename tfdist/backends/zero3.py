@@ -55,8 +55,8 @@ def _zero3_backend(kind, kind_backend, cluster):
   """The kind's backend with `_GathersForExport` before it, under the
   mirrored kinds (the only ones `--zero_stage` runs under); else None
   (the kind's own)."""
-  del cluster
-  if not StrategyKind.parse(kind).is_mirrored:
+  del kind, cluster
+  if not kind_backend.mirrored:
     return None
   return mode_backends.composed_class(_GathersForExport, kind_backend)()
 

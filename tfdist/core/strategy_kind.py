@@ -72,47 +72,6 @@ class StrategyKind(str, enum.Enum):
         f" of: {', '.join(names())} (auto is resolved by "
         "tfdist.distribute.auto_select before a kind is parsed).")
 
-  # -- Traits kept for `tfdist/config.py` and `tfdist/diagnose.py` only ------
-  # Their owners are converting them to ask the backends (`Backend.
-  # asynchronous`, `multi_process`, `mirrored`, `on_tpu`,
-  # `num_input_pipelines`); nothing else reads these
-  # (tests/strategy_kind_test.py checks it). Remove them with those reads.
-
-  @property
-  def is_asynchronous(self) -> bool:
-    return self is StrategyKind.PARAMETER_SERVER
-
-  @property
-  def is_multi_worker(self) -> bool:
-    return self in (StrategyKind.MULTI_WORKER_MIRRORED,
-                    StrategyKind.PARAMETER_SERVER)
-
-  @property
-  def is_mirrored(self) -> bool:
-    return self in (StrategyKind.MIRRORED, StrategyKind.MULTI_WORKER_MIRRORED)
-
-  @property
-  def is_tpu(self) -> bool:
-    return self is StrategyKind.TPU
-
-  @property
-  def is_single_process(self) -> bool:
-    return not self.is_multi_worker
-
-  @property
-  def supports_gradient_accumulation(self) -> bool:
-    return not self.is_asynchronous
-
-  def num_input_pipelines(self, num_workers: int) -> int:
-    return max(1, int(num_workers)) if self.is_multi_worker else 1
-
-
-# The trait names above, for the check that only their two readers use them.
-LEGACY_TRAITS = ("is_asynchronous", "is_multi_worker", "is_mirrored",
-                 "is_tpu", "is_single_process",
-                 "supports_gradient_accumulation", "num_input_pipelines")
-
-
 class RegisteredKind(str):
   """A strategy kind written outside tfdist (`register_kind`): a `str` that
   prints, formats and serializes as its name, as a `StrategyKind` does."""

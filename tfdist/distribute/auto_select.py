@@ -40,7 +40,6 @@ from typing import Callable, List, Optional, Tuple
 
 from absl import logging
 
-from tfdist.config import check_tpu_precision
 from tfdist import errors
 from tfdist.distribute import tpu as tpu_lib
 from tfdist.core.strategy_kind import StrategyKind
@@ -255,7 +254,6 @@ def decide(inventory: DeviceInventory, *, strategy: str = "auto",
     A `Decision`.
 
   Raises:
-    ConfigError: `--dtype=fp16` with a TPU strategy (TPUs have no fp16).
     ValueError: `strategy` is neither `auto` nor a strategy name.
   """
   tpu_address = ""
@@ -276,9 +274,6 @@ def decide(inventory: DeviceInventory, *, strategy: str = "auto",
     dtype_reason = "the default (--dtype not given)"
   else:
     dtype_reason = f"--dtype={dtype}"
-  if strategy is StrategyKind.TPU:
-    check_tpu_precision(strategy, dtype, why=(
-        strategy_reason if strategy_reason.startswith("auto") else ""))
   return Decision(strategy, strategy_reason, dtype, dtype_reason,
                   tpu=tpu_address)
 

@@ -239,17 +239,13 @@ class Decisions:
 
     Raises:
       tfdist.errors.ConfigError: `choice` None and `config` still says
-        `auto`; `--reduction_server` when `choice` is not
-        multi_worker_mirrored; a rule of the config the decided values
-        break (fp16 on a TPU, ...).
+        `auto`; a rule of the config the decided values break. The
+        strategy's own rules (fp16 on a TPU, `--reduction_server`, ...)
+        are its backend's (`tfdist.backends.base.Backend.validate`).
     """
     changes = dict(changes or {})
-    decided_by_auto = choice is not None
     if choice is None:
       choice = choice_of(config)
-    if config.reduction_server and decided_by_auto:
-      config_lib.check_reduction_server(
-          choice.strategy, decided_because=choice.strategy_reason)
     decisions = cls(
         choice=choice,
         precision=decide_precision(choice, config.precision),
