@@ -135,7 +135,7 @@ USES = (
                "sublayers')", (_ZERO3,)),
     PrivateUse(_LAYER, "_layers", "read",
                "the direct sublayers of a layer, to find ShardedEmbedding "
-               "layers", ("tfdist/training/sharded_embedding.py",)),
+               "layers", ("tfdist/distribute/sharded_embedding.py",)),
     PrivateUse(_LAYER, "_call_context_args", "read",
                "whether a layer's call takes `training` (a cut model's "
                "pieces are called with it)", ("tfdist/parallel/cutting.py",)),
@@ -186,7 +186,7 @@ USES = (
     PrivateUse(_OPTIMIZER, "_learning_rate", "read",
                "the optimizer's learning rate (a variable or a schedule) "
                "without calling it", (_SHARDED_OPTIMIZER,
-                                      "tfdist/training/optimizers.py")),
+                                      "tfdist/core/optimizers.py")),
     PrivateUse(_OPTIMIZER, "_trainable_variables", "set",
                "the sharded optimizer: a copy of the user's optimizer that "
                "updates one shard", (_SHARDED_OPTIMIZER,)),
@@ -224,7 +224,7 @@ USES = (
     PrivateUse("tensorflow:__internal__", "distribute", "read",
                "`tf.__internal__.distribute.ShardedVariable`: a "
                "parameter-server sharded embedding table",
-               ("tfdist/training/sharded_embedding.py",)),
+               ("tfdist/distribute/sharded_embedding.py",)),
     PrivateUse("tensorflow.core.protobuf.trackable_object_graph_pb2",
                "TrackableObjectGraph", "import",
                "reads a checkpoint's object graph",
