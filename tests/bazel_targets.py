@@ -537,6 +537,34 @@ class Workspace:
         problems.append(f"{path} is in no BUILD target: add a py_library "
                         f"(or py_binary) to {os.path.dirname(path)}/BUILD.")
     problems += self._check_imports()
+    problems += self._check_cycles()
+    return problems
+
+  def _check_cycles(self) -> List[str]:
+    """Dependency cycles among the targets: Bazel refuses to analyze any
+    target that reaches one ("cycle in dependency graph"), so no test runs,
+    though every import resolves under pytest."""
+    problems, state, stack = [], {}, []
+
+    def visit(label):
+      state[label] = "active"
+      stack.append(label)
+      for dep in sorted(self.targets[label].deps):
+        if dep not in self.targets:
+          continue
+        if state.get(dep) == "active":
+          cycle = stack[stack.index(dep):] + [dep]
+          problems.append("dependency cycle (Bazel analyzes no target that "
+                          "reaches it): " + " -> ".join(cycle) +
+                          ". Drop the dep that no import needs.")
+        elif dep not in state:
+          visit(dep)
+      stack.pop()
+      state[label] = "done"
+
+    for label in sorted(self.targets):
+      if label not in state:
+        visit(label)
     return problems
 
   def _check_test_files(self) -> List[str]:

@@ -230,6 +230,22 @@ skips it. Add to tests/sub/BUILD:
         "//tests:core_test (tests/BUILD) depends on //lib:gone, which is not "
         "a target."])
 
+  def test_dependency_cycle_fails(self):
+    # As //tfdist:config -> :training_checks -> :config did: every import
+    # resolved, but Bazel analyzed no test.
+    _write(self.root, "lib/extra.py", "")
+    _write(self.root, "lib/BUILD", """\
+        py_library(name = "init", srcs = ["__init__.py"])
+        py_library(name = "core", srcs = ["core.py"],
+                   deps = [":init", ":extra"])
+        py_library(name = "extra", srcs = ["extra.py"],
+                   deps = [":init", ":core"])
+        """)
+    self.assertEqual(bazel_targets.check_workspace(self.root), [
+        "dependency cycle (Bazel analyzes no target that reaches it): "
+        "//lib:core -> //lib:extra -> //lib:core. Drop the dep that no "
+        "import needs."])
+
   def test_glob_and_concatenation_are_evaluated(self):
     _write(self.root, "lib/BUILD", """\
         py_library(name = "init", srcs = ["__init__.py"])
