@@ -37,10 +37,14 @@ class _LineTracker:
     self.line_open = False
 
   def write(self, text):
-    written = self._stream.write(text)
+    # Marked before the write: a signal handler runs between two bytecodes,
+    # and one that ran after the bar's write but before the mark would see
+    # the line closed and print its notice at the end of the bar (seen in a
+    # Bazel run of tests/ctrl_c_test.py). Marked first, the worst case is a
+    # newline before a bar that had not been written yet.
     if text:
       self.line_open = not text.endswith("\n")
-    return written
+    return self._stream.write(text)
 
   def __getattr__(self, name):
     return getattr(self._stream, name)
