@@ -198,6 +198,12 @@ def parse_train_flags(args: Sequence[str], *, where: str,
     # Imported only now: it imports TensorFlow, quietly after the line above.
     from tfdist.training import preflight  # pylint: disable=g-import-not-at-top
     preflight.check_names(preflight.NameOptions.of(config.task, config.cloud))
+    if "auto" not in (config.distribution_strategy, config.dtype):
+      # The strategy's own rules (ZeRO under Mirrored, fp16 on a TPU, ...)
+      # live in its backend, not in TrainConfig: run them as the replica's
+      # start would (with `auto`, the replica decides and checks them).
+      from tfdist.backends import registry  # pylint: disable=g-import-not-at-top
+      registry.check_strategy_rules(config)
   except errors.ConfigError as e:
     raise errors.JobSpecError(f"{where}: tfdist.train would stop at start: {e}"
                               ) from None
