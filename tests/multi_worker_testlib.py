@@ -96,7 +96,7 @@ class LauncherWatch:
                     *launch_args, "--",
                     *task_args], cwd=REPO_ROOT, env=_env(env), stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True,
-        errors="replace", process_group=0 if own_group else None)
+        errors="replace", preexec_fn=os.setpgrp if own_group else None)
     self._deadline = time.time() + timeout
     self._reader = threading.Thread(target=self._read, daemon=True)
     self._reader.start()

@@ -89,7 +89,7 @@ class PreemptionWatcherTest(absltest.TestCase):
             for _ in range(3000):  # Does not stop: the watcher must end it.
               time.sleep(0.01)
             """)], cwd=testutil.REPO_ROOT, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True, process_group=0,
+        stderr=subprocess.PIPE, text=True, preexec_fn=os.setpgrp,
         env={**os.environ, "PYTHONPATH": testutil.REPO_ROOT})
     try:
       self.assertEqual(child.stdout.readline(), "ready\n")

@@ -71,6 +71,13 @@ def _binaries() -> dict:
   found = {}
   package = os.path.join(testutil.SOURCE_ROOT, "tfdist")
   for name in sorted(os.listdir(package)):
+    main = os.path.join(package, name, "__main__.py")
+    if os.path.isfile(main):
+      # A package run as a program (`python -m tfdist.diagnose`): its usage
+      # is the package's own docstring.
+      with open(os.path.join(package, name, "__init__.py")) as f:
+        found[name] = re.match(r'\s*"""(.*)', f.read()).group(1).strip()
+      continue
     if not name.endswith(".py"):
       continue
     with open(os.path.join(package, name)) as f:
