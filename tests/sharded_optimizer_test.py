@@ -158,10 +158,13 @@ class CommandLineTest(absltest.TestCase):
     with self.assertRaisesRegex(
         errors.ConfigError, "--zero_stage=1 contradicts"):
       TrainConfig(zero_stage=1, shard_gradients=True, **base)
+    # The strategy's own rule lives in its backend (refused when a run is
+    # prepared, before anything is built), not in TrainConfig.
+    from tfdist.backends import registry  # pylint: disable=g-import-not-at-top
     with self.assertRaisesRegex(errors.ConfigError,
                                 "--distribution_strategy=parameter_server"):
-      TrainConfig(zero_stage=1, distribution_strategy="parameter_server",
-                  **base)
+      registry.check_strategy_rules(TrainConfig(
+          zero_stage=1, distribution_strategy="parameter_server", **base))
     with self.assertRaisesRegex(errors.ConfigError, "--optimizer=lamb cannot"):
       TrainConfig(shard_optimizer_state=True, optimizer="lamb", **base)
 
