@@ -14,6 +14,9 @@ runs last: after a timeout TensorFlow aborts the process's collectives.
 * each collective's gradient against `tf.test.compute_gradient`'s numeric
   Jacobian (all-reduce sum and mean, all-gather, reduce-scatter,
   all-to-all), and Megatron's f and g against hand-derived gradients;
+* the `replica_` functions: each replica of a MirroredStrategy makes its
+  own device's op (a 2 x 2 mesh's groups, values and gradients), and
+  their refusals outside a traced replica function;
 * keys: groups beside a MirroredStrategy's all-reduce over the same
   devices, in one function, both right; group keys from 2**30, the same
   set the same key;
@@ -275,6 +278,61 @@ class _Cases:
         np.testing.assert_allclose(y.numpy(), [40.0, 40.0])
       for y in pairs:
         np.testing.assert_allclose(y.numpy(), [80.0, 80.0])
+
+  def test_replica_functions_in_a_mirrored_strategy(self):
+    """Each replica of a 4-device MirroredStrategy makes its own op: pairs
+    {0,1},{2,3} then halves {0,2},{1,3} (a 2 x 2 mesh), a gather, an
+    all-to-all and the gradients through them (d/dx_r of the summed
+    losses), twice through one function."""
+    devices = _cpus(0, 1, 2, 3)
+    strategy = tf.distribute.MirroredStrategy(devices)
+    pairs = [col.DeviceGroup(devices[:2], name="t0"),
+             col.DeviceGroup(devices[2:], name="t1")]
+    halves = [col.DeviceGroup(devices[0::2], name="d0"),
+              col.DeviceGroup(devices[1::2], name="d1")]
+
+    def replica_fn():
+      rid = tf.get_static_value(
+          tf.distribute.get_replica_context().replica_id_in_sync_group)
+      x = tf.constant(float(rid + 1))
+      with tf.GradientTape() as tape:
+        tape.watch(x)
+        total = col.replica_all_reduce(
+            halves[rid % 2], col.replica_all_reduce(pairs[rid // 2], x))
+        exchanged = col.replica_all_to_all(halves[rid % 2],
+                                           tf.stack([x, 10.0 * x]))
+        loss = total * total + tf.reduce_sum(exchanged)
+      gathered = col.replica_all_gather(pairs[rid // 2], tf.reshape(x, [1]))
+      return total, gathered, exchanged, tape.gradient(loss, x)
+
+    step = tf.function(lambda: strategy.run(replica_fn))
+    for _ in range(2):
+      total, gathered, exchanged, grad = [
+          [t.numpy().tolist() for t in strategy.experimental_local_results(v)]
+          for v in step()]
+      self.assertEqual(total, [10.0] * 4)
+      self.assertEqual(gathered, [[1.0, 2.0], [1.0, 2.0], [3.0, 4.0],
+                                  [3.0, 4.0]])
+      # Device 0 gets chunk 0 of devices 0 and 2: [x0, x2]; device 2
+      # chunk 1: [10 x0, 10 x2].
+      self.assertEqual(exchanged, [[1.0, 3.0], [2.0, 4.0], [10.0, 30.0],
+                                   [20.0, 40.0]])
+      # sum_r total_r**2 = 4 total**2: d/dx_r = 8 total = 80; the
+      # exchanged sum is 11 * sum(x): 11.
+      self.assertEqual(grad, [91.0] * 4)
+
+  def test_replica_functions_refuse_outside_a_replica(self):
+    group = col.DeviceGroup(_cpus(0, 1), name="pair")
+    with self.assertRaisesRegex(errors.ConfigError, "cross-replica"):
+      col.replica_all_reduce(group, tf.ones([2]))
+    strategy = tf.distribute.MirroredStrategy(_cpus(0, 1))
+    with self.assertRaisesRegex(errors.ConfigError, "tf.function"):
+      strategy.run(lambda: col.replica_all_reduce(group, tf.ones([2])))
+    other = col.DeviceGroup(_cpus(2, 3), name="other")
+    with self.assertRaisesRegex(errors.ConfigError, "is not in group"):
+      tf.function(lambda: strategy.run(
+          lambda: col.replica_all_reduce(other, tf.ones([2]))),
+                  autograph=False)()
 
   def test_guide_example(self):
     """docs/guides/device-mesh.md, block guide-example."""

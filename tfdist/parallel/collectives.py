@@ -24,6 +24,20 @@ TensorFlow's rank order (by job, replica, task, device type and index:
 all-gather concatenates in that order, and
 reduce-scatter gives the i-th device the i-th chunk.
 
+Inside `strategy.run` (a MirroredStrategy's or MultiWorkerMirrored's
+replica function, traced by `tf.function`), each replica makes only its
+own device's op: the `replica_` functions take that replica's one tensor
+and return its result (`replica_all_reduce`, `replica_all_gather`,
+`replica_all_to_all`, `replica_copy_to_group`,
+`replica_reduce_from_group`), with the same gradients:
+
+    rid = ...  # the replica's index; its tensor-parallel group:
+    y = collectives.replica_reduce_from_group(tensor_groups[rid // 2], x)
+
+Each device counts its own collectives of a group for the instance keys,
+so the replicas' ops of one collective meet whether they were made by one
+call or by one trace per replica.
+
 How they are made to work (measured, `../shared/notes/model-parallel.md`):
 
 * Ordering tokens. Each device has one small resource variable (created
@@ -121,8 +135,8 @@ REDUCE_OPS = ("sum", "mean")
 _LOCK = threading.Lock()
 # The sets of devices given each group key in this process.
 _GROUP_KEYS: Dict[int, Tuple[str, ...]] = {}
-# The next instance key of each group key.
-_INSTANCE_KEYS: Dict[int, "itertools.count"] = {}
+# The next instance key of each (group key, device).
+_INSTANCE_KEYS: Dict[Tuple[int, str], "itertools.count"] = {}
 _TOKENS: Dict[str, object] = {}
 _EAGER_FUNCTIONS: Dict[tuple, Callable] = {}
 
@@ -157,9 +171,14 @@ def _group_key(devices: Tuple[str, ...]) -> int:
   return key
 
 
-def _next_instance_key(group_key: int) -> int:
+def _next_instance_key(group_key: int, device: str) -> int:
+  """The next instance key of `device` in the group `group_key`: each
+  device counts its own collectives, so the n-th collective of a group
+  gets the same key on every device, whether one caller makes every
+  device's op (the list functions) or each replica makes its own (the
+  `replica_` functions, traced once per replica)."""
   with _LOCK:
-    keys = _INSTANCE_KEYS.setdefault(group_key,
+    keys = _INSTANCE_KEYS.setdefault((group_key, device),
                                      itertools.count(INSTANCE_KEY_START))
     return next(keys)
 
@@ -283,9 +302,9 @@ class DeviceGroup:
 
 
 # --- the raw ops, one per device (no gradients) ------------------------------
-def _op_kwargs(group: DeviceGroup, device: str, instance_key: int) -> dict:
+def _op_kwargs(group: DeviceGroup, device: str) -> dict:
   return dict(group_size=group.size, group_key=group.group_key,
-              instance_key=instance_key,
+              instance_key=_next_instance_key(group.group_key, device),
               ordering_token=[_ordering_token(device)],
               timeout_seconds=float(group.timeout_seconds or 0))
 
@@ -304,61 +323,60 @@ def _from_front(x, inverse):
   return x if inverse is None else tf.transpose(x, inverse)
 
 
-def _raw_reduce(group, xs, op):
-  key = _next_instance_key(group.group_key)
+# Each takes `devices`: the devices whose ops this call makes, one per
+# tensor of `xs` (`group.local_devices` for the list functions, the
+# calling replica's one device for the `replica_` functions).
+def _raw_reduce(group, xs, op, devices):
   final = "Div" if op == "mean" else "Id"
   out = []
-  for device, x in zip(group.local_devices, xs):
+  for device, x in zip(devices, xs):
     with tf.device(device):
       out.append(tf.raw_ops.CollectiveReduceV2(
           input=x, merge_op="Add", final_op=final,
-          **_op_kwargs(group, device, key)))
+          **_op_kwargs(group, device)))
   return out
 
 
-def _raw_gather(group, xs, axis):
-  key = _next_instance_key(group.group_key)
+def _raw_gather(group, xs, axis, devices):
   out = []
-  for device, x in zip(group.local_devices, xs):
+  for device, x in zip(devices, xs):
     with tf.device(device):
       front, inverse = _to_front(x, axis)
       out.append(_from_front(tf.raw_ops.CollectiveGatherV2(
-          input=front, **_op_kwargs(group, device, key)), inverse))
+          input=front, **_op_kwargs(group, device)), inverse))
   return out
 
 
-def _raw_reduce_scatter(group, xs, op, axis):
+def _raw_reduce_scatter(group, xs, op, axis, devices):
   if not group.native_reduce_scatter:
     # No CPU kernel: all-reduce, then each device keeps its chunk.
     out = []
-    for device, x in zip(group.local_devices, _raw_reduce(group, xs, op)):
+    for device, x in zip(devices, _raw_reduce(group, xs, op, devices)):
       with tf.device(device):
         out.append(tf.split(x, group.size, axis=axis)[group.rank(device)])
     return out
-  key = _next_instance_key(group.group_key)
   final = "Div" if op == "mean" else "Id"
   out = []
-  for device, x in zip(group.local_devices, xs):
+  for device, x in zip(devices, xs):
     with tf.device(device):
       front, inverse = _to_front(x, axis)
       out.append(_from_front(tf.raw_ops.CollectiveReduceScatterV2(
           input=front, merge_op="Add", final_op=final,
-          **_op_kwargs(group, device, key)), inverse))
+          **_op_kwargs(group, device)), inverse))
   return out
 
 
-def _raw_all_to_all(group, xs, split_axis, concat_axis):
-  key = _next_instance_key(group.group_key)
+def _raw_all_to_all(group, xs, split_axis, concat_axis, devices):
   n = group.size
   out = []
-  for device, x in zip(group.local_devices, xs):
+  for device, x in zip(devices, xs):
     with tf.device(device):
       front, inverse = _to_front(x, split_axis)
       # Device i receives chunk i of every device, in rank order, along
       # the first axis, whose size must be the group size: [N, rest].
       received = tf.reshape(tf.raw_ops.CollectiveAllToAllV2(
           input=tf.reshape(front, [n, -1]),
-          **_op_kwargs(group, device, key)), tf.shape(front))
+          **_op_kwargs(group, device)), tf.shape(front))
       chunks = [_from_front(c, inverse) for c in tf.split(received, n, 0)]
       out.append(tf.concat(chunks, axis=concat_axis))
   return out
@@ -473,6 +491,64 @@ def _call(kind: str, group: DeviceGroup, tensors, params: tuple,
     return list(fn(*tensors))
 
 
+# --- forward and backward of each collective ---------------------------------
+# Each pair takes (xs, devices): one tensor per device whose op the call
+# makes. The backward of each is the collective that undoes its effect on
+# the gradients (the module docstring, "Gradients").
+def _all_reduce_ops(group, op):
+  return (lambda xs, ds: _raw_reduce(group, xs, op, ds),
+          lambda dys, ds: _raw_reduce(group, dys, op, ds))
+
+
+def _all_gather_ops(group, axis):
+  return (lambda xs, ds: _raw_gather(group, xs, axis, ds),
+          lambda dys, ds: _raw_reduce_scatter(group, dys, "sum", axis, ds))
+
+
+def _reduce_scatter_ops(group, op, axis):
+  def backward(dys, ds):
+    gathered = _raw_gather(group, dys, axis, ds)
+    if op == "mean":
+      gathered = [g / tf.cast(group.size, g.dtype) for g in gathered]
+    return gathered
+  return (lambda xs, ds: _raw_reduce_scatter(group, xs, op, axis, ds),
+          backward)
+
+
+def _all_to_all_ops(group, split_axis, concat_axis):
+  return (lambda xs, ds: _raw_all_to_all(group, xs, split_axis, concat_axis,
+                                         ds),
+          lambda dys, ds: _raw_all_to_all(group, dys, concat_axis,
+                                          split_axis, ds))
+
+
+def _copy_to_group_ops(group):
+  return (lambda xs, ds: [tf.identity(x) for x in xs],
+          lambda dys, ds: _raw_reduce(group, dys, "sum", ds))
+
+
+def _reduce_from_group_ops(group):
+  return (lambda xs, ds: _raw_reduce(group, xs, "sum", ds),
+          lambda dys, ds: [tf.identity(d) for d in dys])
+
+
+def _list_call(kind: str, group: DeviceGroup, tensors, params: tuple,
+               forward: Callable, backward: Callable) -> List[tf.Tensor]:
+  """`forward` on every local device's tensor, with `backward` as its
+  gradient, each result made on its device (`_call`: traced, or eagerly
+  through a cached function)."""
+  devices = group.local_devices
+
+  def body(xs):
+    @tf.custom_gradient
+    def collective(*xs):
+      def grad(*dys):
+        return backward(list(dys), devices)
+      return forward(list(xs), devices), grad
+    return _placed(group, collective(*xs))
+  return _call(kind, group, tensors, params, body)
+
+
 # --- the collectives ---------------------------------------------------------
 def all_reduce(group: DeviceGroup, tensors: Sequence, op: str = "sum"
                ) -> List[tf.Tensor]:
@@ -496,14 +572,8 @@ def all_reduce(group: DeviceGroup, tensors: Sequence, op: str = "sum"
   _check_op(op, "all_reduce")
   tensors = _check(group, tensors, "all_reduce")
 
-  def body(xs):
-    @tf.custom_gradient
-    def reduce(*xs):
-      def grad(*dys):
-        return _raw_reduce(group, dys, op)
-      return _raw_reduce(group, xs, op), grad
-    return _placed(group, reduce(*xs))
-  return _call("all_reduce", group, tensors, (op,), body)
+  return _list_call("all_reduce", group, tensors, (op,),
+                    *_all_reduce_ops(group, op))
 
 
 def all_gather(group: DeviceGroup, tensors: Sequence, axis: int = 0
@@ -529,14 +599,8 @@ def all_gather(group: DeviceGroup, tensors: Sequence, axis: int = 0
   tensors = _check(group, tensors, "all_gather")
   axis = _check_axis(tensors[0], axis, "axis", "all_gather")
 
-  def body(xs):
-    @tf.custom_gradient
-    def gather(*xs):
-      def grad(*dys):
-        return _raw_reduce_scatter(group, dys, "sum", axis)
-      return _raw_gather(group, xs, axis), grad
-    return _placed(group, gather(*xs))
-  return _call("all_gather", group, tensors, (axis,), body)
+  return _list_call("all_gather", group, tensors, (axis,),
+                    *_all_gather_ops(group, axis))
 
 
 def reduce_scatter(group: DeviceGroup, tensors: Sequence, op: str = "sum",
@@ -569,17 +633,8 @@ def reduce_scatter(group: DeviceGroup, tensors: Sequence, op: str = "sum",
   tensors = _check(group, tensors, "reduce_scatter")
   axis = _check_axis(tensors[0], axis, "axis", "reduce_scatter", group.size)
 
-  def body(xs):
-    @tf.custom_gradient
-    def scatter(*xs):
-      def grad(*dys):
-        gathered = _raw_gather(group, dys, axis)
-        if op == "mean":
-          gathered = [g / tf.cast(group.size, g.dtype) for g in gathered]
-        return gathered
-      return _raw_reduce_scatter(group, xs, op, axis), grad
-    return _placed(group, scatter(*xs))
-  return _call("reduce_scatter", group, tensors, (op, axis), body)
+  return _list_call("reduce_scatter", group, tensors, (op, axis),
+                    *_reduce_scatter_ops(group, op, axis))
 
 
 def all_to_all(group: DeviceGroup, tensors: Sequence, split_axis: int = 0,
@@ -616,14 +671,8 @@ def all_to_all(group: DeviceGroup, tensors: Sequence, split_axis: int = 0,
   concat_axis = split_axis if concat_axis is None else _check_axis(
       tensors[0], concat_axis, "concat_axis", "all_to_all")
 
-  def body(xs):
-    @tf.custom_gradient
-    def exchange(*xs):
-      def grad(*dys):
-        return _raw_all_to_all(group, dys, concat_axis, split_axis)
-      return _raw_all_to_all(group, xs, split_axis, concat_axis), grad
-    return _placed(group, exchange(*xs))
-  return _call("all_to_all", group, tensors, (split_axis, concat_axis), body)
+  return _list_call("all_to_all", group, tensors, (split_axis, concat_axis),
+                    *_all_to_all_ops(group, split_axis, concat_axis))
 
 
 def copy_to_group(group: DeviceGroup, tensors: Sequence) -> List[tf.Tensor]:
@@ -644,14 +693,8 @@ def copy_to_group(group: DeviceGroup, tensors: Sequence) -> List[tf.Tensor]:
   """
   tensors = _check(group, tensors, "copy_to_group")
 
-  def body(xs):
-    @tf.custom_gradient
-    def f(*xs):
-      def grad(*dys):
-        return _raw_reduce(group, dys, "sum")
-      return [tf.identity(x) for x in xs], grad
-    return _placed(group, f(*xs))
-  return _call("copy_to_group", group, tensors, (), body)
+  return _list_call("copy_to_group", group, tensors, (),
+                    *_copy_to_group_ops(group))
 
 
 def reduce_from_group(group: DeviceGroup, tensors: Sequence
@@ -677,11 +720,114 @@ def reduce_from_group(group: DeviceGroup, tensors: Sequence
   """
   tensors = _check(group, tensors, "reduce_from_group")
 
-  def body(xs):
+  return _list_call("reduce_from_group", group, tensors, (),
+                    *_reduce_from_group_ops(group))
+
+
+# --- one replica's side (inside `strategy.run`) -------------------------------
+# A `tf.distribute` strategy traces its replica function once per replica;
+# each trace makes the op of its own device only. The instance keys match
+# because each device counts its own collectives (`_next_instance_key`).
+def replica_device(what: str = "a replica collective") -> str:
+  """The full name of the device the calling replica's ops run on.
+
+  Args:
+    what: the caller, named in the error.
+
+  Returns:
+    e.g. `"/job:localhost/replica:0/task:0/device:CPU:1"`.
+
+  Raises:
+    tfdist.errors.ConfigError: called outside a replica function traced
+      by `tf.function` (cross-replica context, or eagerly: each replica's
+      eager op would wait for the others, which run one at a time).
+  """
+  if (not tf.distribute.has_strategy()
+      or tf.distribute.in_cross_replica_context()):
+    raise errors.ConfigError(
+        f"{what} runs inside `strategy.run` (replica context), and was "
+        "called outside it (cross-replica context). Call it from the replica "
+        "function, or use the list form (one tensor per device).")
+  if tf.executing_eagerly():
+    raise errors.ConfigError(
+        f"{what} runs in a `tf.function`: eagerly, each replica's "
+        "collective would wait for the others forever. Wrap the "
+        "`strategy.run` call in a `tf.function`.")
+  device = tf.identity(tf.constant(0)).device
+  if not device:
+    raise errors.ConfigError(
+        f"{what}: the replica's ops have no device (a default strategy?). "
+        "Call it inside a strategy's `strategy.run` whose replicas are "
+        "the group's devices.")
+  return _canonical(device)
+
+
+def _replica_call(kind: str, group: DeviceGroup, x, forward: Callable,
+                  backward: Callable):
+  if not isinstance(group, DeviceGroup):
+    raise errors.ConfigError(
+        f"replica_{kind}: group={group!r} is not a DeviceGroup. Pass "
+        "collectives.DeviceGroup([...devices...]).")
+  device = replica_device(f"replica_{kind}")
+  if device not in group.devices:
+    raise errors.ConfigError(
+        f"replica_{kind}: this replica's device {device} is not in "
+        f"{group.describe()}. Call it from the replicas of the group's "
+        "devices only (`DeviceMesh.group_of(axis, device)`).")
+  with tf.device(device):
+    x = tf.convert_to_tensor(x)
+
     @tf.custom_gradient
-    def g(*xs):
-      def grad(*dys):
-        return [tf.identity(d) for d in dys]
-      return _raw_reduce(group, xs, "sum"), grad
-    return _placed(group, g(*xs))
-  return _call("reduce_from_group", group, tensors, (), body)
+    def collective(t):
+      def grad(dy):
+        return backward([dy], [device])[0]
+      return forward([t], [device])[0], grad
+    return tf.identity(collective(x))
+
+
+def replica_all_reduce(group: DeviceGroup, x, op: str = "sum") -> tf.Tensor:
+  """`all_reduce` from one replica: the sum (mean) of `x` over the
+  group's replicas, each replica passing its own `x` of one shape and
+  dtype. Gradient: the same all-reduce. Raises `tfdist.errors.ConfigError`
+  as `replica_device`, for a replica outside the group or a bad `op`."""
+  _check_op(op, "replica_all_reduce")
+  return _replica_call("all_reduce", group, x, *_all_reduce_ops(group, op))
+
+
+def replica_all_gather(group: DeviceGroup, x, axis: int = 0) -> tf.Tensor:
+  """`all_gather` from one replica: `x` [..., d, ...] of each replica
+  concatenated along `axis` in the group's order, [..., N*d, ...].
+  Gradient: reduce-scatter (sum). Raises as `replica_all_reduce`."""
+  x = tf.convert_to_tensor(x)
+  axis = _check_axis(x, axis, "axis", "replica_all_gather")
+  return _replica_call("all_gather", group, x, *_all_gather_ops(group, axis))
+
+
+def replica_all_to_all(group: DeviceGroup, x, split_axis: int = 0,
+                       concat_axis: Optional[int] = None) -> tf.Tensor:
+  """`all_to_all` from one replica: `x` cut into N chunks along
+  `split_axis`, chunk i sent to the group's i-th device; the result is the
+  chunks received, in group order, concatenated along `concat_axis`
+  (default `split_axis`). Gradient: the inverse all-to-all. Raises as
+  `replica_all_reduce`, or for a `split_axis` dimension not divisible by
+  N."""
+  x = tf.convert_to_tensor(x)
+  split_axis = _check_axis(x, split_axis, "split_axis",
+                           "replica_all_to_all", group.size)
+  concat_axis = split_axis if concat_axis is None else _check_axis(
+      x, concat_axis, "concat_axis", "replica_all_to_all")
+  return _replica_call("all_to_all", group, x,
+                       *_all_to_all_ops(group, split_axis, concat_axis))
+
+
+def replica_copy_to_group(group: DeviceGroup, x) -> tf.Tensor:
+  """Megatron's f from one replica: `x` unchanged; its gradient summed
+  over the group. Raises as `replica_all_reduce`."""
+  return _replica_call("copy_to_group", group, x, *_copy_to_group_ops(group))
+
+
+def replica_reduce_from_group(group: DeviceGroup, x) -> tf.Tensor:
+  """Megatron's g from one replica: `x` summed over the group; its
+  gradient passed through unchanged. Raises as `replica_all_reduce`."""
+  return _replica_call("reduce_from_group", group, x,
+                       *_reduce_from_group_ops(group))
