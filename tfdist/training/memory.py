@@ -356,10 +356,13 @@ class LayoutChoice:
     recommended: the first available row (in `LAYOUTS` order: the cheapest
       in communication) that fits, or None when none does.
     capacity_bytes: the memory one device (or the shared host) has.
+    facts: the `LayoutFacts` the rows were computed from (for the meshes
+      of `tfdist.training.mesh_plan`).
   """
   rows: tuple
   recommended: Optional[LayoutMemory]
   capacity_bytes: int
+  facts: Optional["LayoutFacts"] = None
 
   def advice(self) -> str:
     """One sentence: the recommended layout with its flags, or what comes
@@ -632,4 +635,5 @@ def layout_table(estimate: ModelMemory, *, num_devices: int,
     rows = [dataclasses.replace(r, available=False, fits=False, note=reason)
             if r.layout == name and r.available else r for r in rows]
   recommended = next((r for r in rows if r.fits), None)
-  return LayoutChoice(tuple(rows), recommended, int(capacity_bytes))
+  return LayoutChoice(tuple(rows), recommended, int(capacity_bytes),
+                      facts)
