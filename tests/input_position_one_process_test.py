@@ -104,6 +104,41 @@ class ResumedPipelineTest(parameterized.TestCase):
       self.assertNotEqual(restarted, uninterrupted[3 * batches_per_step:
                                                    7 * batches_per_step])
 
+  def test_function_sharding_itself_resumes_its_passes(self):
+    # A dataset function that takes input_context (before: no position, a
+    # resumed run read its examples from the start). 101 examples over 2
+    # workers: shares of 51 and 50, 4 examples a step each, so the stops
+    # fall in the first, second and fourth pass over a share.
+    for worker in range(2):
+      uninterrupted = _function_ids(worker, 2, 0, 40)
+      for stop in (3, 13, 40 - 9):
+        with self.subTest(worker=worker, stop=stop):
+          self.assertEqual(_function_ids(worker, 2, stop, 40 - stop),
+                           uninterrupted[stop:])
+      # What a resume did before: the stream again from its start.
+      self.assertNotEqual(_function_ids(worker, 2, 0, 4),
+                          uninterrupted[13:17])
+
+  @parameterized.named_parameters(("sharding_itself", True),
+                                  ("sharded_by_tfdist", False))
+  def test_other_worker_count_replays_the_global_batches(self, context):
+    # Trained on 2 workers, resumed on 1 or 4 at step 5 (of 8 a 96-example
+    # epoch): each step's global batch (the workers' batches in worker
+    # order) is the one the 2 workers would have had.
+    steps, stop = 14, 5
+    global_batches = [sum(parts, []) for parts in zip(*(
+        _function_ids(w, 2, 0, steps, context=context) for w in range(2)))]
+    for workers in (1, 4):
+      with self.subTest(workers=workers):
+        resumed = [_function_ids(w, workers, stop, steps - stop,
+                                 context=context, replay=2)
+                   for w in range(workers)]
+        self.assertEqual([sum(parts, []) for parts in zip(*resumed)],
+                         global_batches[stop:])
+    # Its own order on 1 worker differs (the comparison can fail).
+    self.assertNotEqual(_function_ids(0, 1, stop, 3, context=context),
+                        global_batches[stop:stop + 3])
+
   def test_layout_change_names_what_changed(self):
     from tfdist.data import input_pipeline  # pylint: disable=g-import-not-at-top
     layout = lambda **kw: input_pipeline.input_layout(**{
@@ -155,12 +190,25 @@ class ResumedPipelineTest(parameterized.TestCase):
     same, _ = keeper(directory, two_workers)
     self.assertEqual(same.restore(), path)
     self.assertEqual(same.input_position.resume_step(6), 6)
-    # Three workers now: the position is discarded, the second epoch (epoch
-    # 2, counted from 1) starts over.
+    # Three workers now: the position holds, and the run replays the
+    # checkpoint's 2 workers' order, which its own checkpoints then record
+    # (before: discarded, the epoch started over at step 4).
     changed, _ = keeper(directory, dict(two_workers, num_input_pipelines=3))
     changed.restore()
+    with self.assertLogs(level="INFO") as logs:
+      self.assertEqual(changed.input_position.resume_step(6), 6)
+    self.assertEqual(changed.input_position.replay_pipelines, 2)
+    self.assertEqual(changed.input_position.layout, two_workers)
+    self.assertIn("the worker count changed from 2 to 3: the input replays "
+                  "the checkpoint's 2 workers' order", "\n".join(logs.output))
+    # Another seed as well: the position is discarded, the second epoch
+    # (epoch 2, counted from 1) starts over.
+    reseeded, _ = keeper(directory, dict(two_workers, num_input_pipelines=3,
+                                         seed=2))
+    reseeded.restore()
     with self.assertLogs(level="WARNING") as logs:
-      self.assertEqual(changed.input_position.resume_step(6), 4)
+      self.assertEqual(reseeded.input_position.resume_step(6), 4)
+    self.assertIsNone(reseeded.input_position.replay_pipelines)
     self.assertIn("input position discarded: the worker count (input "
                   "pipelines) changed from 2 to 3. The input starts epoch 2 "
                   "over", "\n".join(logs.output))
@@ -178,6 +226,40 @@ class ResumedPipelineTest(parameterized.TestCase):
     self.assertEqual(int(newer_step.numpy()), 2)
     self.assertIsNone(newer.input_position.saved)
     self.assertEqual(newer.input_position.resume_step(2), 0)
+
+
+def _id_function(input_context, training):
+  """101 example ids (int64), shuffled with a fixed seed; sharded by
+  `input_context` when given (a function that shards itself)."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  del training
+  ds = tf.data.Dataset.range(101)
+  if input_context is not None:
+    ds = ds.shard(input_context.num_input_pipelines,
+                  input_context.input_pipeline_id)
+  return ds.shuffle(64, seed=5)
+
+
+def _function_ids(worker, workers, start_step, num_steps, *, context=True,
+                  replay=None):
+  """The example ids of `num_steps` steps (global batch 8, one replica per
+  worker) that `worker` of `workers` feeds from `start_step` on."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  from tfdist.data import input_pipeline  # pylint: disable=g-import-not-at-top
+  fn = _id_function
+  if not context:
+    fn = lambda training: _id_function(None, training)  # pylint: disable=unnecessary-lambda-assignment
+  ds = input_pipeline.make_dataset(input_pipeline.PipelineOptions(
+      files=(), parse_fn=None, input_fn=fn, global_batch_size=8,
+      is_training=True, seed=3, deterministic=True, shuffle_buffer_size=32,
+      start_step=start_step, replay_pipelines=replay,
+      # 12 steps of 8 per epoch when tfdist shards (the function's epoch of
+      # 101 examples).
+      examples_per_epoch=96 // workers), tf.distribute.InputContext(
+          num_input_pipelines=workers, input_pipeline_id=worker,
+          num_replicas_in_sync=workers))
+  batches = iter(ds)
+  return [next(batches).numpy().tolist() for _ in range(num_steps)]
 
 
 class RandomStateTest(absltest.TestCase):

@@ -190,6 +190,15 @@ class PipelineOptions:
       when tfdist shards the function's examples (or
       `SHARDS_BY_EXAMPLE` marks a function that shards them the same way
       itself); None: one endless reshuffled stream.
+    replay_pipelines: training: the worker count (input pipelines) whose
+      input order this run replays, when it differs from this run's (a run
+      resumed on another worker count, `InputPosition.replay_pipelines`):
+      every host rebuilds each of those pipelines' streams from
+      `start_step` on, joins their shares of each global (micro-)batch in
+      pipeline order and keeps its own slice of it, so every step trains on
+      the examples it trained on before the worker count changed
+      (`_replayed`). Each host then reads the whole training input. None:
+      this run's own order.
   """
   files: Sequence[str]
   parse_fn: Callable
@@ -206,6 +215,7 @@ class PipelineOptions:
   input_fn: Optional[Callable] = None
   name: str = ""
   examples_per_epoch: Optional[int] = None
+  replay_pipelines: Optional[int] = None
 
 
 # A dataset function with this attribute set (to True) shards its examples
@@ -454,7 +464,11 @@ def make_dataset(options: PipelineOptions,
   batch = (input_context.get_per_replica_batch_size(micro_global_batch)
            if input_context else micro_global_batch)
   batched = False
-  if options.input_fn is not None:
+  if (options.is_training and options.replay_pipelines and
+      options.replay_pipelines != num_pipelines):
+    ds, batched = _replayed(options, input_context, num_pipelines,
+                            pipeline_id, batch), True
+  elif options.input_fn is not None:
     ds, batched = _examples_from_function(options, input_context,
                                           num_pipelines, pipeline_id, batch)
   else:
@@ -497,20 +511,132 @@ def _examples_from_function(options: PipelineOptions, input_context,
     return _training_epochs(options, plan, lambda seed: ds,
                             pipeline_id=pipeline_id,
                             num_pipelines=num_pipelines, batch=batch)
-  if options.cache:
-    ds = ds.cache()
   if options.is_training:
-    if options.start_step:
+    return _share_passes(ds, options, pipeline_id=pipeline_id,
+                         num_pipelines=num_pipelines), False
+  return (ds.cache() if options.cache else ds), False
+
+
+def _share_size(ds: tf.data.Dataset):
+  """Examples in one pass of `ds` (its cardinality when tf.data knows it,
+  else one read: an int eagerly, an int64 scalar tensor when traced).
+
+  Raises:
+    DataNotFoundError: eagerly, `ds` is empty.
+  """
+  size = ds.cardinality()
+  if tf.executing_eagerly() and int(size) >= 0:
+    size = int(size)
+  elif tf.executing_eagerly():
+    size = int(ds.reduce(tf.constant(0, tf.int64), lambda n, _: n + 1))
+  else:
+    return tf.where(size >= 0, size, ds.reduce(
+        tf.constant(0, tf.int64), lambda n, _: n + 1))
+  if size == 0:
+    raise errors.DataNotFoundError(
+        "A dataset function returned no examples for this worker's "
+        "input_context: give every worker at least one example.")
+  return size
+
+
+def _share_passes(ds: tf.data.Dataset, options: PipelineOptions, *,
+                  pipeline_id: int, num_pipelines: int) -> tf.data.Dataset:
+  """Endless training examples of a host whose dataset function shards
+  itself (it takes `input_context`; its share, and so its passes, are not
+  aligned to steps): pass p is the whole share (cached after its first
+  read), shuffled with `_epoch_seed(seed, p)`, so any pass can be rebuilt.
+
+  Resumed after `options.start_step` updates, the host has used `start_step
+  x global_batch_size / hosts` examples of its stream (every host feeds the
+  same number of replicas): it starts the pass that count falls in and skips
+  the rest of it (one read to size the share). The same examples follow as
+  without the restart when the function returns the same examples in the
+  same order for the same `input_context` (a seeded replay; module
+  docstring of `tfdist.data.input_position`).
+  """
+  cached = ds.cache() if options.cache else ds
+
+  def one_pass(number):
+    seed = _epoch_seed(options.seed, number)
+    if seed is not None:
+      _avoid_zero_graph_seed()
+    if not options.shuffle_buffer_size:
+      return cached
+    return cached.shuffle(options.shuffle_buffer_size, seed=seed)
+
+  first, skip = 0, 0
+  if options.start_step:
+    used = options.start_step * (options.global_batch_size // num_pipelines)
+    share = _share_size(ds)
+    first, skip = used // share, used % share
+    if isinstance(share, int):
       logging.info(
-          "Input pipeline %d/%d: a dataset function's epochs are not aligned "
-          "to steps, so the position of step %d is unknown; reading its "
-          "examples from the start.", pipeline_id, num_pipelines,
-          options.start_step)
-    if options.shuffle_buffer_size:
-      ds = ds.shuffle(options.shuffle_buffer_size, seed=options.seed,
-                      reshuffle_each_iteration=True)
-    ds = ds.repeat()
-  return ds, False
+          "Input pipeline %d/%d: resuming at step %d: pass %d over this "
+          "worker's %d examples of the dataset function, after %d of them.",
+          pipeline_id, num_pipelines, options.start_step, first + 1, share,
+          skip)
+  out = tf.data.Dataset.range(first, _NO_LAST_EPOCH).flat_map(one_pass)
+  return out.skip(skip)
+
+
+def _replayed(options: PipelineOptions, input_context, num_pipelines: int,
+              pipeline_id: int, batch: int) -> tf.data.Dataset:
+  """One host's batches of `batch` examples in the input order of
+  `options.replay_pipelines` pipelines (`PipelineOptions.replay_pipelines`).
+
+  Each of the replayed pipelines' streams is built as that pipeline built it
+  (its `input_context`, its share, its epochs and its position after
+  `options.start_step`), in chunks of its examples per micro-step; the
+  chunks of one micro-step, joined in pipeline order, are the global
+  micro-batch, of which host `pipeline_id` of `num_pipelines` keeps the
+  `pipeline_id`-th slice. The update of a step averages over the same
+  examples as before the worker count changed (float round-off apart).
+
+  Raises:
+    ConfigError: the micro-batch does not split evenly over the replayed
+      pipelines or this run's.
+  """
+  origin = int(options.replay_pipelines)
+  micro = options.global_batch_size // max(1,
+                                          options.gradient_accumulation_steps)
+  if micro % origin or micro % num_pipelines:
+    raise errors.ConfigError(
+        f"--batch_size: the global micro-batch of {micro} examples does not "
+        f"split evenly over the checkpoint's {origin} workers and this run's "
+        f"{num_pipelines}, so the input order cannot be replayed; use a "
+        f"micro-batch that {origin} and {num_pipelines} divide, or train on "
+        f"{origin} workers.")
+  chunk, mine = micro // origin, micro // num_pipelines
+  replicas = input_context.num_replicas_in_sync if input_context else 1
+  origin_options = dataclasses.replace(
+      options, replay_pipelines=None, examples_per_epoch=(
+          None if options.examples_per_epoch is None else
+          options.examples_per_epoch * num_pipelines // origin))
+  logging.info("Input pipeline %d/%d: replaying the input order of %d "
+               "workers (the checkpoint's): this worker reads every one of "
+               "their shares and keeps its %d of each step's %d examples.",
+               pipeline_id, num_pipelines, origin, mine * max(
+                   1, options.gradient_accumulation_steps),
+               options.global_batch_size)
+  streams = []
+  for index in range(origin):
+    context = tf.distribute.InputContext(
+        num_input_pipelines=origin, input_pipeline_id=index,
+        num_replicas_in_sync=max(origin, replicas * origin // num_pipelines))
+    if options.input_fn is not None:
+      ds, batched = _examples_from_function(origin_options, context, origin,
+                                            index, chunk)
+    else:
+      ds, batched = _examples_from_files(origin_options, origin, index,
+                                         chunk)
+    streams.append(ds if batched else ds.batch(chunk, drop_remainder=True))
+  joined = tf.data.Dataset.zip(tuple(streams)).map(
+      lambda *parts: tf.nest.map_structure(
+          lambda *t: tf.concat(t, 0)[pipeline_id * mine:
+                                     (pipeline_id + 1) * mine], *parts))
+  if mine == batch:
+    return joined
+  return joined.unbatch().batch(batch, drop_remainder=True)
 
 
 def _examples_from_files(options: PipelineOptions, num_pipelines: int,
