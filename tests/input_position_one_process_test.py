@@ -119,19 +119,26 @@ class ResumedPipelineTest(parameterized.TestCase):
       self.assertNotEqual(_function_ids(worker, 2, 0, 4),
                           uninterrupted[13:17])
 
-  @parameterized.named_parameters(("sharding_itself", True),
-                                  ("sharded_by_tfdist", False))
-  def test_other_worker_count_replays_the_global_batches(self, context):
+  @parameterized.named_parameters(("sharding_itself", True, 5),
+                                  ("sharded_by_tfdist", False, 5),
+                                  ("unseeded_shuffle", True, None))
+  def test_other_worker_count_replays_the_global_batches(self, context,
+                                                         shuffle_seed):
     # Trained on 2 workers, resumed on 1 or 4 at step 5 (of 8 a 96-example
     # epoch): each step's global batch (the workers' batches in worker
-    # order) is the one the 2 workers would have had.
+    # order) is the one the 2 workers would have had. Each worker builds
+    # its input right after the global seed is set, as in a process of its
+    # own: a function's shuffle without a seed of its own draws one from
+    # the global seed (before: the second replayed worker's draw differed).
     steps, stop = 14, 5
     global_batches = [sum(parts, []) for parts in zip(*(
-        _function_ids(w, 2, 0, steps, context=context) for w in range(2)))]
+        _function_ids(w, 2, 0, steps, context=context,
+                      shuffle_seed=shuffle_seed) for w in range(2)))]
     for workers in (1, 4):
       with self.subTest(workers=workers):
         resumed = [_function_ids(w, workers, stop, steps - stop,
-                                 context=context, replay=2)
+                                 context=context, replay=2,
+                                 shuffle_seed=shuffle_seed)
                    for w in range(workers)]
         self.assertEqual([sum(parts, []) for parts in zip(*resumed)],
                          global_batches[stop:])
@@ -228,27 +235,31 @@ class ResumedPipelineTest(parameterized.TestCase):
     self.assertEqual(newer.input_position.resume_step(2), 0)
 
 
-def _id_function(input_context, training):
-  """101 example ids (int64), shuffled with a fixed seed; sharded by
-  `input_context` when given (a function that shards itself)."""
+def _id_function(input_context, training, shuffle_seed=5):
+  """101 example ids (int64), shuffled with `shuffle_seed` (None: drawn
+  from the global seed); sharded by `input_context` when given (a function
+  that shards itself)."""
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   del training
   ds = tf.data.Dataset.range(101)
   if input_context is not None:
     ds = ds.shard(input_context.num_input_pipelines,
                   input_context.input_pipeline_id)
-  return ds.shuffle(64, seed=5)
+  return ds.shuffle(64, seed=shuffle_seed)
 
 
 def _function_ids(worker, workers, start_step, num_steps, *, context=True,
-                  replay=None):
+                  replay=None, shuffle_seed=5):
   """The example ids of `num_steps` steps (global batch 8, one replica per
-  worker) that `worker` of `workers` feeds from `start_step` on."""
+  worker) that `worker` of `workers` feeds from `start_step` on (built
+  right after `tf.random.set_seed(1)`)."""
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   from tfdist.data import input_pipeline  # pylint: disable=g-import-not-at-top
-  fn = _id_function
+  fn = lambda input_context, training: _id_function(  # pylint: disable=unnecessary-lambda-assignment
+      input_context, training, shuffle_seed)
   if not context:
-    fn = lambda training: _id_function(None, training)  # pylint: disable=unnecessary-lambda-assignment
+    fn = lambda training: _id_function(None, training, shuffle_seed)  # pylint: disable=unnecessary-lambda-assignment
+  tf.random.set_seed(1)
   ds = input_pipeline.make_dataset(input_pipeline.PipelineOptions(
       files=(), parse_fn=None, input_fn=fn, global_batch_size=8,
       is_training=True, seed=3, deterministic=True, shuffle_buffer_size=32,
@@ -384,7 +395,12 @@ class ResumedRunsTest(absltest.TestCase):
         lines = "\n".join(result["resume_lines"])
         self.assertIn("input position restored: step 3 continues epoch 1",
                       lines)
-        self.assertIn("after 96 of this worker's 160 examples", lines)
+        if label.endswith("_ctx"):
+          # Before: no position ("reading its examples from the start").
+          self.assertIn("pass 1 over this worker's 160 examples of the "
+                        "dataset function, after 96 of them", lines)
+        else:
+          self.assertIn("after 96 of this worker's 160 examples", lines)
         self.assertEqual("x is a generator (or iterator), which cannot be restored" in
                          lines, label.endswith("generator"), lines)
 
@@ -439,12 +455,13 @@ def _child_main(spec: dict) -> dict:
 
 
 # (label, TrainConfig settings, input forms): every form on one device and
-# Mirrored; a dataset function through a 2-stage pipeline (one process, 2
+# Mirrored (a dataset function taking input_context and NumPy arrays on
+# Mirrored only); a dataset function through a 2-stage pipeline (one process, 2
 # logical CPUs) and ZeRO stage 3 on 2 Mirrored replicas.
 _FORM_RUNS = (
     ("one_device", {"distribution_strategy": "one_device"}, forms_lib.FORMS),
     ("mirrored", {"distribution_strategy": "mirrored", "num_cpu_devices": 2},
-     forms_lib.FORMS),
+     forms_lib.FORMS + forms_lib.MORE_FORMS),
     ("pipeline", {"pipeline_stages": 2, "num_cpu_devices": 2},
      ("dataset_function",)),
     ("zero3", {"distribution_strategy": "mirrored", "num_cpu_devices": 2,

@@ -56,6 +56,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 from absl import logging
 import tensorflow as tf
+from tensorflow.python.eager import context as context_lib  # pylint: disable=g-direct-tensorflow-import
 from tensorflow.python.framework import random_seed as random_seed_lib  # pylint: disable=g-direct-tensorflow-import
 
 from tfdist import errors
@@ -549,7 +550,7 @@ def _share_passes(ds: tf.data.Dataset, options: PipelineOptions, *,
   Resumed after `options.start_step` updates, the host has used `start_step
   x global_batch_size / hosts` examples of its stream (every host feeds the
   same number of replicas): it starts the pass that count falls in and skips
-  the rest of it (one read to size the share). The same examples follow as
+  what it used of that pass (one read to size the share, unless tf.data knows it). The same examples follow as
   without the restart when the function returns the same examples in the
   same order for the same `input_context` (a seeded replay; module
   docstring of `tfdist.data.input_position`).
@@ -567,7 +568,10 @@ def _share_passes(ds: tf.data.Dataset, options: PipelineOptions, *,
   first, skip = 0, 0
   if options.start_step:
     used = options.start_step * (options.global_batch_size // num_pipelines)
-    share = _share_size(ds)
+    # Counted on the cache (when tf.data does not know the size): that read
+    # fills it, as the first pass fills it in an uninterrupted run, so a
+    # function whose own shuffle reshuffles per read is read once as there.
+    share = _share_size(cached)
     first, skip = used // share, used % share
     if isinstance(share, int):
       logging.info(
@@ -618,8 +622,16 @@ def _replayed(options: PipelineOptions, input_context, num_pipelines: int,
                pipeline_id, num_pipelines, origin, mine * max(
                    1, options.gradient_accumulation_steps),
                options.global_batch_size)
+  # An op without a seed of its own (a dataset function's `shuffle()`) under
+  # a global seed draws its seed from the eager op-seed generator, which
+  # each replayed pipeline's process had in the state this one has now:
+  # each stream is built from that state (`_op_seeds`).
+  op_seeds = _op_seeds()
+  state = op_seeds.getstate() if op_seeds is not None else None
   streams = []
   for index in range(origin):
+    if state is not None:
+      op_seeds.setstate(state)
     context = tf.distribute.InputContext(
         num_input_pipelines=origin, input_pipeline_id=index,
         num_replicas_in_sync=max(origin, replicas * origin // num_pipelines))
@@ -637,6 +649,14 @@ def _replayed(options: PipelineOptions, input_context, num_pipelines: int,
   if mine == batch:
     return joined
   return joined.unbatch().batch(batch, drop_remainder=True)
+
+
+def _op_seeds():
+  """TensorFlow's eager op-seed generator (a `random.Random`, set by
+  `tf.random.set_seed`), or None (no global seed, or traced)."""
+  if not tf.executing_eagerly():
+    return None
+  return getattr(context_lib.context(), "_rng", None)
 
 
 def _examples_from_files(options: PipelineOptions, num_pipelines: int,
