@@ -258,7 +258,7 @@ def write_lost_peers(path: Optional[str], text: str) -> None:
     pass
 
 
-def lost_peers_note(wait_seconds: float = 1.0,
+def lost_peers_note(wait_seconds: float = 3.0,
                     path: Optional[str] = None) -> Optional[str]:
   """What the launcher said of the tasks that failed ("worker:0 exited with
   status 137"), for a task reporting a lost peer.
@@ -266,7 +266,9 @@ def lost_peers_note(wait_seconds: float = 1.0,
   Args:
     wait_seconds: how long to wait for the launcher's word (it notices a
       dead process within a tenth of a second, a peer within the
-      collective's failure or the coordination service's heartbeat).
+      collective's failure or the coordination service's heartbeat; the
+      margin is for a loaded machine). A lost peer that did not exit (a
+      hung one) costs this wait once.
     path: the file (default: `$TFDIST_LOST_TASKS_FILE`).
 
   Returns:
