@@ -11,8 +11,13 @@ recomputes its position from the restored step (`tfdist.data.input_pipeline`,
   `make_dataset` yields exactly the batches an uninterrupted one yields
   from step s on: one worker, two workers on balanced record ranges, two
   replicas with gradient accumulation; the checkpoint records the layout,
-  a changed layout (worker count, files) discards the position with a
-  message, checkpoints without a position still restore.
+  a changed layout (files, seed) discards the position with a message,
+  and a changed worker count replays the checkpoint's workers' order;
+  checkpoints without a position still restore. A dataset function that
+  takes `input_context` resumed mid-pass equals its uninterrupted stream
+  (before: read from the start); 2 workers' global batches are replayed
+  exactly on 1 and on 4 workers, for a function that shards itself, one
+  tfdist shards and one whose shuffle draws its seed from the global seed.
 * Real runs, `--deterministic`: run A trains 8 steps uninterrupted
   (checkpoints at 3 and 6, 5 steps per epoch); run B resumes from A's
   step-3 checkpoint (mid-epoch) in another folder and trains to 8. The
@@ -30,7 +35,8 @@ recomputes its position from the restored step (`tfdist.data.input_pipeline`,
   dataset function with its own unseeded shuffle (before: its epoch
   started over at resume, 5e-2 off), a `PyDataset` and a generator (which
   says at resume what its resumed epoch sees), on one device and under
-  Mirrored; the dataset function also through 2 pipeline stages and under
+  Mirrored; a dataset function taking `input_context` (before: no
+  position) and NumPy arrays under Mirrored; the dataset function also through 2 pipeline stages and under
   ZeRO stage 3 on 2 Mirrored replicas; and ZeRO stage 3 resumed on 4
   replicas from a 2-replica run's checkpoint (two more child processes:
   the logical devices are fixed per process).

@@ -6,17 +6,21 @@ epoch, `--deterministic`, 2-step accumulation); run B resumes from A's
 step-3 checkpoint (mid-epoch) in another folder and trains to 8. The
 example ids each worker's training used (recorded by
 `tests.input_position_testlib`) equal A's from step 4 on, and B ends with
-A's weights. The same for `--dataset=tests.resume_forms_testlib:
-make_dataset` (a dataset function with its own unseeded shuffle, which
-tfdist shards and replays from the step): B ends within 1e-6 of A's
-weights (before, its epoch started over: "after 0 of this worker's 80
-examples"). The pipeline itself and the one-device and Mirrored runs are
+A's weights. A dataset function that takes `input_context` (it shards
+itself) under ZeRO stage 3 (`--dataset=tests.resume_forms_testlib:
+make_dataset_ctx`): A on 2 workers, B resumed from A's step-3 checkpoint
+on 2 workers and C on 1 (`tfdist.launch --num_workers=1`), each within
+1e-6 of A's weights and optimizer slots (before: B read the function from
+the start, and C discarded the position, "the worker count changed from 2
+to 1", and started the epoch over; now C replays the 2 workers' order).
+The pipeline itself and the one-device and Mirrored runs are
 `tests/input_position_one_process_test.py` (one process at a time, outside
 the cluster lane).
 
 Cost (pytest on 2 cores, load 3-5, 4 December 2026): 15 s (two launcher
 runs); with the dataset function's two more, 2 min 44 s wall at load 10-11
-(6 December 2026).
+(6 December 2026); its three runs under ZeRO stage 3 (the third one
+process), 2 min 40 s wall at load 4-10, 60 s of CPU (6 December 2026).
 """
 
 import os

@@ -14,10 +14,12 @@ of `num_input_pipelines`). Each host reads a disjoint part of the data
 * evaluation: by file when there are at least as many files as hosts, else
   by data (every host reads every file and keeps records `i, i + n, ...`);
   uneven shares are harmless there: every example is read exactly once;
-* a dataset function that takes `input_context` shards its examples itself;
-  one that does not is sharded by example (host i keeps examples
-  `i, i + n, ...`). Its training epochs are not aligned to steps: each host
-  repeats its share.
+* a dataset function that takes `input_context` shards its examples itself
+  (its training epochs are not aligned to steps: each host reads passes
+  over its own share, pass p shuffled with the seed of `--seed` and p, and
+  a resumed host skips the `step x B / n` examples it used,
+  `_share_passes`); one that does not is sharded by example (host i keeps
+  examples `i, i + n, ...`) and has the aligned epochs below.
 
 Training epochs. With N training records and global batch B, an epoch is
 `steps_per_epoch = N // B` steps. In each epoch every host reshuffles its
@@ -43,8 +45,10 @@ and `deterministic` interleave and parsing). No iterator state is saved:
 each worker recomputes its own position from the step, so it needs no
 storage of its own (only the chief writes checkpoints); the checkpoint
 records the layout (`input_layout`) that makes the step mean the same
-position, and `layout_change` names what changed (workers, files, batch,
-seed, ...), in which case the position is not used.
+position, and `layout_change` names what changed (files, batch, seed, ...),
+in which case the position is not used; after a change of the worker count
+alone, every host replays the old hosts' order
+(`PipelineOptions.replay_pipelines`).
 
 Within a host the strategy hands one per-replica batch to each local replica.
 """
