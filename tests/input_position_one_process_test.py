@@ -36,8 +36,8 @@ recomputes its position from the restored step (`tfdist.data.input_pipeline`,
   started over at resume, 5e-2 off), a `PyDataset` and a generator (which
   says at resume what its resumed epoch sees), on one device and under
   Mirrored; a dataset function taking `input_context` (before: no
-  position) and NumPy arrays under Mirrored; the dataset function also through 2 pipeline stages and under
-  ZeRO stage 3 on 2 Mirrored replicas; and ZeRO stage 3 resumed on 4
+  position) and NumPy arrays under Mirrored; the dataset function also
+  through 2 pipeline stages and under ZeRO stage 3 on 2 Mirrored replicas; and ZeRO stage 3 resumed on 4
   replicas from a 2-replica run's checkpoint (two more child processes:
   the logical devices are fixed per process).
 
@@ -151,6 +151,43 @@ class ResumedPipelineTest(parameterized.TestCase):
     # Its own order on 1 worker differs (the comparison can fail).
     self.assertNotEqual(_function_ids(0, 1, stop, 3, context=context),
                         global_batches[stop:stop + 3])
+    # 3 old workers cannot have split a batch of 8: refused, named.
+    from tfdist import errors  # pylint: disable=g-import-not-at-top
+    with self.assertRaisesRegex(
+        errors.ConfigError, r"--batch_size: the global micro-batch of 8 "
+        r"examples does not split evenly over the checkpoint's 3 workers"):
+      _function_ids(0, 1, stop, 1, context=context, replay=3)
+
+  def test_files_replayed_on_one_worker(self):
+    # TFRecord files on 2 workers (balanced record ranges), resumed on 1 at
+    # step 4 of a 7-step epoch: each step's batch holds the 2 workers'
+    # examples of that step, in worker order.
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+    from tfdist.data import fashion_mnist  # pylint: disable=g-import-not-at-top
+    from tfdist.data import input_pipeline  # pylint: disable=g-import-not-at-top
+    data = testutil.fashion_mnist_subset(limit=250, train_shards=3,
+                                         test_shards=1)
+    files = input_pipeline.list_files(data["train"])
+    counts = input_pipeline.count_records_per_file(files)
+
+    def ids(worker, workers, start_step, num_steps, replay=None):
+      ds = input_pipeline.make_dataset(input_pipeline.PipelineOptions(
+          files=files, global_batch_size=32, is_training=True, seed=3,
+          parse_fn=lambda s: fashion_mnist.parse_image_example(
+              s, with_id=True),
+          deterministic=True, file_record_counts=counts,
+          shuffle_buffer_size=64, start_step=start_step,
+          replay_pipelines=replay), tf.distribute.InputContext(
+              num_input_pipelines=workers, input_pipeline_id=worker,
+              num_replicas_in_sync=workers))
+      batches = iter(ds)
+      return [next(batches)[2].numpy().tolist() for _ in range(num_steps)]
+
+    steps, stop = 10, 4
+    global_batches = [a + b for a, b in zip(ids(0, 2, 0, steps),
+                                             ids(1, 2, 0, steps))]
+    self.assertEqual(ids(0, 1, stop, steps - stop, replay=2),
+                     global_batches[stop:])
 
   def test_layout_change_names_what_changed(self):
     from tfdist.data import input_pipeline  # pylint: disable=g-import-not-at-top

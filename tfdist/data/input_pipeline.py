@@ -554,10 +554,11 @@ def _share_passes(ds: tf.data.Dataset, options: PipelineOptions, *,
   Resumed after `options.start_step` updates, the host has used `start_step
   x global_batch_size / hosts` examples of its stream (every host feeds the
   same number of replicas): it starts the pass that count falls in and skips
-  what it used of that pass (one read to size the share, unless tf.data knows it). The same examples follow as
-  without the restart when the function returns the same examples in the
-  same order for the same `input_context` (a seeded replay; module
-  docstring of `tfdist.data.input_position`).
+  what it used of that pass (one read to size the share, unless tf.data
+  knows it). The same examples follow as without the restart when the
+  function returns the same examples in the same order for the same
+  `input_context` (a seeded replay; module docstring of
+  `tfdist.data.input_position`).
   """
   cached = ds.cache() if options.cache else ds
 
