@@ -703,10 +703,11 @@ class LoopConfig:
             "so each example is still used once per epoch across a restart: "
             "every worker recomputes its position in its shard from the step "
             "(the training input is read in a deterministic order; the "
-            "checkpoint records only the input's layout, and a change of "
-            "worker count, files, batch, seed or shuffle buffer discards the "
-            "position with a message). --nocheckpoint_input_position: a "
-            "resume starts its epoch over."),
+            "checkpoint records only the input's layout: a change of "
+            "files, batch, seed or shuffle buffer discards the position with "
+            "a message; on another worker count every worker replays the "
+            "checkpoint's workers' order, reading all of the input). "
+            "--nocheckpoint_input_position: a resume starts its epoch over."),
       traits=())
   seed: Optional[int] = setting(
       42, "integer", "train",
