@@ -52,7 +52,16 @@ from tfdist.parallel.tensor import layers as tp_lib
 from tfdist.parallel.tensor import mode as tensor_mode
 
 _components = tp_lib._components  # pylint: disable=protected-access
-_gather_through = tensor_mode._gather_through  # pylint: disable=protected-access
+
+
+def _gather_through(view, read, write) -> None:
+  """`tensor_mode._gather_through`, also on a view variable that already
+  saves through another read and write (a second checkpoint view of the
+  same model): that one's class cannot be mixed in again."""
+  if isinstance(view, tensor_mode._Gathered):  # pylint: disable=protected-access
+    view._tfdist_read, view._tfdist_write = read, write  # pylint: disable=protected-access
+  else:
+    tensor_mode._gather_through(view, read, write)  # pylint: disable=protected-access
 
 
 @dataclasses.dataclass
@@ -315,6 +324,11 @@ def build(build_model: Callable[[], keras.Model],
       experts; a model without `MixtureOfExperts`.
     ValueError: the two models' weights do not pair up.
   """
+  if not isinstance(strategy, tf.distribute.MirroredStrategy):
+    raise errors.ConfigError(
+        f"--expert_parallel={expert_parallel} runs under one host's "
+        f"MirroredStrategy; the run's strategy is {type(strategy).__name__}"
+        ". Use --distribution_strategy=mirrored, or drop --expert_parallel.")
   placement = placement_lib.ExpertPlacement(
       expert_parallel, tuple(strategy.extended.worker_devices))
   with tf.device("/cpu:0"):

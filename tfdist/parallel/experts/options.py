@@ -19,6 +19,8 @@ from tfdist import errors
 # Strategies it runs under: one host's replicas (the all-to-all and the
 # per-replica expert weights are a MirroredStrategy's).
 STRATEGIES = ("auto", "mirrored")
+# The built-in models with no MixtureOfExperts layer.
+WITHOUT_EXPERTS = ("cnn", "resnet", "ranking")
 
 # The settings (flag names) `check_flags` reads, for the step mode's
 # `validate` (`tfdist.parallel.mode.StepMode.validate`).
@@ -62,7 +64,8 @@ def check_flags(*, expert_parallel: int, model: Optional[str] = None,
 
   Raises:
     errors.ConfigError: E_p < 1; E_p > 1 with the built-in Transformer
-      and no experts or experts not a multiple of E_p; a strategy that
+      and no experts or experts not a multiple of E_p, or another
+      built-in model (none has experts); a strategy that
       cannot host it (parameter servers, TPU, several workers, one
       device, none); pipeline stages or tensor parallelism beside it; a
       known replica count (`--num_gpus` > 0 or `--num_cpu_devices` > 0)
@@ -78,6 +81,12 @@ def check_flags(*, expert_parallel: int, model: Optional[str] = None,
   flag = f"--expert_parallel={n}"
   if model in (None, "transformer"):
     _check_transformer_experts(flag, n, model, transformer_experts)
+  elif model in WITHOUT_EXPERTS:
+    raise errors.ConfigError(
+        f"{flag} splits mixture-of-experts layers, and the built-in --model="
+        f"{model} has none. Use --model=transformer with "
+        f"--transformer_experts={2 * n}, a model of your own with "
+        f"tfdist.MixtureOfExperts, or drop {flag}.")
   if distribution_strategy not in STRATEGIES:
     raise errors.ConfigError(
         f"{flag} splits the experts over the replicas of one host's "
