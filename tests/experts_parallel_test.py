@@ -18,7 +18,11 @@ determinism. Then checkpoints: the expert-parallel view restores into the
 one-device model and optimizer, and back.
 """
 
+import contextlib
 import functools
+import io
+import os
+import re
 import tempfile
 
 from absl.testing import absltest
@@ -26,6 +30,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tests import testutil
 from tfdist.distribute import devices as devices_lib
 
 _DEVICES = devices_lib.configure_cpu_devices(4)
@@ -139,6 +144,19 @@ class EqualsOneDeviceTest(absltest.TestCase):
     self.assertEqual(float(theirs["wide/dropped_fraction"]), 0.0)
     # The weights moved: the comparison is not of initial values.
     self.assertGreater(np.abs(run["losses"][0] - run["losses"][-1]), 1e-3)
+    # The optimizer's slots, gathered from the replicas.
+    view = run["step"].checkpoint_optimizer(run["trainer"])
+    _assert_all_close(
+        self, [v._tfdist_read() for v in view.variables],  # pylint: disable=protected-access
+        [v.numpy() for v in run["one_trainer"].optimizer.variables],
+        "optimizer")
+    # Evaluation: 6 examples over 4 replicas (2, 2, 1, 1: padded).
+    batch = tf.data.Dataset.from_tensor_slices(
+        tuple(a[:6] for a in _data())).batch(6)
+    sums = run["trainer"].eval_function(next(iter(
+        _strategy().experimental_distribute_dataset(batch))))
+    self.assertEqual(float(sums["count"]), 6.0)
+    self.assertTrue(np.isfinite(float(sums["loss_sum"])))
 
   def test_four_way_with_adam_equals_one_device(self):
     self._check(4, "adam")
@@ -175,8 +193,11 @@ class CheckpointTest(absltest.TestCase):
     fresh_optimizer.build(fresh.trainable_variables)
     tf.train.Checkpoint(model=fresh, optimizer=fresh_optimizer).restore(
         path).assert_consumed()
-    _assert_all_close(self, fresh.get_weights(), run["one"].get_weights(),
-                      "restored weights")
+    # (The statistics are those of the last call: evaluation's, maybe.)
+    _assert_all_close(self, fresh.get_weights(),
+                      step.gathered_model().get_weights(), "restored weights")
+    _assert_all_close(self, fresh.trainable_weights,
+                      run["one"].trainable_weights, "one device's weights")
     _assert_all_close(self, [v.numpy() for v in fresh_optimizer.variables],
                       [v.numpy() for v in run["one_trainer"].optimizer
                        .variables], "restored optimizer")
@@ -201,6 +222,23 @@ class CheckpointTest(absltest.TestCase):
         np.testing.assert_allclose(reader.get_tensor(name[0]),
                                    tf.train.load_variable(back, name[0]),
                                    atol=_TOLERANCE, err_msg=name[0])
+
+
+class GuideTest(absltest.TestCase):
+
+  def test_the_guides_fit_example_runs(self):
+    """docs/guides/experts.md, block fit-example: tfdist.fit with
+    expert_parallel=2 on the 4 logical CPU devices."""
+    guide = os.path.join(testutil.REPO_ROOT, "docs", "guides", "experts.md")
+    with open(guide, encoding="utf-8") as f:
+      example = re.search(
+          r"<!-- run: tests/experts_parallel_test.py fit-example -->\n"
+          r"```python\n(.*?)```", f.read(), re.S).group(1)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+      exec(compile(example, "docs/guides/experts.md (fit-example)",  # pylint: disable=exec-used
+                   "exec"), {})
+    self.assertEqual(out.getvalue().splitlines()[-1], "4")
 
 
 class RefusalsTest(absltest.TestCase):

@@ -1622,11 +1622,14 @@ class TrainConfig:
         num_cpu_devices=self.num_cpu_devices)
 
   def _validate_expert_parallel(self):
-    """`--expert_parallel` (`expert_options.check_flags`)."""
-    expert_options.check_flags(**{
-        name: getattr(self, name if name != "zero_stage" else
-                      "zero_stage_resolved")
-        for name in expert_options.CHECKED_SETTINGS})
+    """`--expert_parallel` (`expert_options.check_flags`; the model only
+    when given: `tfdist.fit` names its own model later)."""
+    settings = {name: getattr(self, name if name != "zero_stage" else
+                              "zero_stage_resolved")
+                for name in expert_options.CHECKED_SETTINGS}
+    if "model" in getattr(self, "unset_fields", ()):
+      settings["model"] = None
+    expert_options.check_flags(**settings)
 
   def _validate_experts_layout(self):
     """The Transformer's experts (`--transformer_experts`) run data-parallel

@@ -55,9 +55,9 @@ def check_flags(*, expert_parallel: int, model: Optional[str] = None,
 
   Args:
     expert_parallel: E_p (1: off).
-    model, transformer_experts: the run's model, and the built-in
-      Transformer's experts (0: none); with both known, E_p must divide
-      the experts.
+    model, transformer_experts: the run's model (None: not known yet),
+      and the built-in Transformer's experts (0: none); with the
+      Transformer, E_p must divide the experts.
     distribution_strategy, zero_stage, pipeline_stages, tensor_parallel,
       enable_xla, dtype, clipnorm, global_clipnorm, init_checkpoint,
       num_gpus, num_cpu_devices: the run's flags of those names.
@@ -79,7 +79,7 @@ def check_flags(*, expert_parallel: int, model: Optional[str] = None,
   if n == 1:
     return
   flag = f"--expert_parallel={n}"
-  if model in (None, "transformer"):
+  if model == "transformer":
     _check_transformer_experts(flag, n, model, transformer_experts)
   elif model in WITHOUT_EXPERTS:
     raise errors.ConfigError(
@@ -126,7 +126,7 @@ def _check_transformer_experts(flag: str, n: int, model: Optional[str],
   if not experts:
     raise errors.ConfigError(
         f"{flag} splits mixture-of-experts layers, and --model="
-        f"{model or 'transformer'} has none (--transformer_experts=0). Pass "
+        f"{model} has none (--transformer_experts=0). Pass "
         f"--transformer_experts={2 * n} (a multiple of {n}), or drop {flag}.")
   if experts % n:
     fits = [d for d in range(2, experts + 1) if experts % d == 0]
