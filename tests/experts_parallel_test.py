@@ -150,6 +150,8 @@ class EqualsOneDeviceTest(absltest.TestCase):
         self, [v._tfdist_read() for v in view.variables],  # pylint: disable=protected-access
         [v.numpy() for v in run["one_trainer"].optimizer.variables],
         "optimizer")
+    if expert_parallel == 4:
+      return
     # Evaluation: 6 examples over 4 replicas (2, 2, 1, 1: padded).
     batch = tf.data.Dataset.from_tensor_slices(
         tuple(a[:6] for a in _data())).batch(6)

@@ -12,10 +12,12 @@ z-loss (Zoph et al. 2022).
 Dispatch and combine are dense tensors, as in GShard and Mesh TensorFlow:
 a dispatch mask [groups, group_size, E, C] gathers the tokens into the
 experts' inputs [E, groups * C, d_model] with one einsum, and combine
-weights of the same shape scatter the experts' outputs back. The
-[E, groups * C, d_model] tensor is what expert parallelism's all-to-all
-would exchange (experts split over devices); this module runs every
-expert where the layer runs.
+weights of the same shape scatter the experts' outputs back. Built inside
+`placement.placement_scope` (expert parallelism, `--expert_parallel`), a
+layer holds only its replica's E / E_p experts, and the [E, groups, C,
+d_model] expert inputs travel to the replicas holding their experts by
+all-to-all (`tfdist.parallel.experts.mode`); otherwise every expert runs
+where the layer runs.
 """
 
 import contextlib
@@ -168,6 +170,16 @@ class MixtureOfExperts(keras.layers.Layer):
   GShard's random dispatch of the second choice and Switch's router
   jitter noise are not implemented: routing is deterministic.
 
+  Expert parallelism: constructed inside `placement.placement_scope`
+  (`tfdist.parallel.experts.mode.build` does it), the layer holds the
+  L = E / E_p experts of its replica's slot (`local_expert_<j>`, weights
+  sync-on-read with one value per replica) and must be called inside
+  `strategy.run` in a `tf.function`: each replica routes its own tokens
+  (groups never span replicas), exchanges the expert inputs and outputs
+  with its expert group by all-to-all, and averages f_e, P_e and the
+  z-loss (sums the kept slots) over every replica, so the losses and
+  statistics are one device's on the global batch.
+
   Routing statistics of the last call are kept as non-trainable float32
   variables (`routing_statistics()`; under a data-parallel strategy each
   replica writes its own copy, and a read outside the replicas gives
@@ -211,6 +223,9 @@ class MixtureOfExperts(keras.layers.Layer):
     **kwargs: `keras.layers.Layer` arguments (name, dtype).
 
   Raises:
+    tfdist.errors.ConfigError: at construction under expert parallelism,
+      E not a multiple of E_p; at call, outside a replica function traced
+      by `tf.function`.
     ValueError: at construction, an argument out of range (E < 1, top_k
       not 1 or 2 or above E, capacity_factor <= 0 (capacity 0 drops every
       token), a negative loss weight, group_size < 1, neither `hidden_dim`
