@@ -155,6 +155,10 @@ class TrainTest(absltest.TestCase):
         experts_top_k=2, experts_capacity_factor=1.0, transformer_layers=1,
         batch_size=8, train_steps=3, log_steps=3, seed=1))
     self.assertEqual(record["final_step"], 3)
+    self.assertEqual(record["mirrored"]["expert_parallel"],
+                     "2 replicas in 1 expert group(s) of 2: each replica "
+                     "holds 1/2 of the 4 experts and trains on its share of "
+                     "the batch")
     # The checkpoint holds every expert under the unsharded model's names.
     names = tf.train.load_checkpoint(os.path.join(
         model_dir, "checkpoints")).get_variable_to_shape_map()

@@ -15,7 +15,15 @@ from tfdist.parallel import mode as mode_lib
 
 
 class _GathersExperts:
-  """The experts gathered into the unsharded model for the export."""
+  """The experts gathered into the unsharded model for the export; the
+  manifest's strategy details say how they are laid out."""
+
+  def build_inputs(self, run):
+    runner, evaluate, details = super().build_inputs(run)
+    step = mode_lib.mode_of(run.parts.trainer, "experts")
+    if step is not None:
+      details = {**details, "expert_parallel": step.describe()}
+    return runner, evaluate, details
 
   def export_model(self, run):
     step = mode_lib.mode_of(run.parts.trainer, "experts")

@@ -282,19 +282,18 @@ class ExpertParallelStep(mode_lib.StepMode):
       view = type(optimizer).from_config(optimizer.get_config())
       view.build(self.unsharded.trainable_variables)
     by_view = {id(p.view): p for p in self.pairs}
-    ours = {(id(v) if v is not None else None, suffix): slot
-            for slot in optimizer.variables
-            for v, suffix in [_slot_owners(
-                optimizer, self.model.trainable_variables)[slot.name]]}
+    mine = _slot_owners(optimizer, self.model.trainable_variables)
+    ours = {(None if mine[slot.name][0] is None else id(mine[slot.name][0]),
+             mine[slot.name][1]): slot for slot in optimizer.variables}
     owners = _slot_owners(view, self.unsharded.trainable_variables)
     for twin in view.variables:
       owner, suffix = owners[twin.name]
       pair = by_view.get(id(owner)) if owner is not None else None
-      mine = ours.get((id(pair.variable) if pair else None, suffix))
-      if mine is None:
+      found = ours.get((id(pair.variable) if pair else None, suffix))
+      if found is None:
         raise ValueError(f"the optimizer variable {twin.path} has no twin "
                          "in the expert-parallel optimizer")
-      slot_pair = _Pair(twin, mine, pair.slot if pair else None)
+      slot_pair = _Pair(twin, found, pair.slot if pair else None)
       _gather_through(twin, slot_pair.read,
                       lambda value, p=slot_pair: p.write(value,
                                                          self.placement))
