@@ -173,9 +173,10 @@ class EqualsOneDeviceTest(absltest.TestCase):
     self._check(2, "sgd")
 
   def test_two_way_under_mixed_bfloat16_is_close_to_one_device(self):
-    """bfloat16 rounds each replica's partial expert gradients (over its
-    group's tokens) before the float32 sum over the 2 groups, where one
-    device rounds the whole sum once: within 2e-3 after 3 updates."""
+    """bfloat16 rounds each replica's partial gradients (over its tokens,
+    or its group's for an expert) before the float32 sum over replicas, as
+    under data parallelism, where one device rounds the whole sum once:
+    within 2e-3 after 3 updates."""
     run = _runs(2, "sgd", "mixed_bfloat16")
     np.testing.assert_allclose(run["losses"], run["one_losses"], rtol=2e-3)
     gathered = run["step"].gathered_model()
