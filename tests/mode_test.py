@@ -95,8 +95,8 @@ class RegistryTest(absltest.TestCase):
 
   def test_built_in_modes_by_name(self):
     self.assertEqual(modes.BUILTIN_MODES,
-                     ("data", "zero3", "pipeline", "tensor"))
-    self.assertEqual(modes.mode_names()[:4], modes.BUILTIN_MODES)
+                     ("data", "zero3", "pipeline", "tensor", "experts"))
+    self.assertEqual(modes.mode_names()[:5], modes.BUILTIN_MODES)
     self.assertEqual(set(mode_lib.mode_names()), set(modes.BUILTIN_MODES))
     for name in modes.BUILTIN_MODES:
       cls = mode_lib.get_mode(name)
@@ -109,6 +109,11 @@ class RegistryTest(absltest.TestCase):
     self.assertEqual(mode_lib.mode_name_for(zero_stage=3), "zero3")
     self.assertEqual(mode_lib.mode_name_for(pipeline_stages=2), "pipeline")
     self.assertEqual(mode_lib.mode_name_for(tensor_parallel=2), "tensor")
+    self.assertEqual(mode_lib.mode_name_for(expert_parallel=2), "experts")
+    self.assertIs(mode_lib.mode_for({"expert_parallel": 2,
+                                     "model": "transformer",
+                                     "transformer_experts": 4}),
+                  mode_lib.get_mode("experts"))
     self.assertIs(mode_lib.mode_for({"zero_stage": 3}),
                   mode_lib.get_mode("zero3"))
 
@@ -133,7 +138,7 @@ class RegistryTest(absltest.TestCase):
 
   def test_unknown_name_lists_the_known_ones(self):
     with self.assertRaisesRegex(errors.ConfigError,
-                                r"'sequence'.*data, pipeline, tensor, zero3"
+                                r"'sequence'.*data, experts, pipeline, tensor, zero3"
                                 r".*register_mode"):
       mode_lib.get_mode("sequence")
 

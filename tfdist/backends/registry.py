@@ -13,6 +13,7 @@ from tfdist.backends import parameter_server  # pylint: disable=unused-import
 from tfdist.backends import pipeline  # pylint: disable=unused-import
 from tfdist.backends import single_process  # pylint: disable=unused-import
 from tfdist.backends import tensor_parallel  # pylint: disable=unused-import
+from tfdist.backends import experts  # pylint: disable=unused-import
 from tfdist.backends import tpu  # pylint: disable=unused-import
 from tfdist.backends import zero3  # pylint: disable=unused-import
 from tfdist.distribute import decisions as decisions_lib
@@ -79,7 +80,8 @@ def backend_for_run(kind, config, cluster=None) -> base.Backend:
   mode = modes.get_mode(modes.mode_name_for(
       zero_stage=getattr(config, "zero_stage_resolved", 0),
       pipeline_stages=getattr(config, "pipeline_stages", 1),
-      tensor_parallel=getattr(config, "tensor_parallel", 1)))
+      tensor_parallel=getattr(config, "tensor_parallel", 1),
+      expert_parallel=getattr(config, "expert_parallel", 1)))
   cls = base.registered_backend(kind)
   if cls is None:
     backend_for(kind)  # Raises its error.

@@ -35,6 +35,7 @@ from tfdist.core import reduce_dtype
 from tfdist.parallel.data import sharded_optimizer
 from tfdist.training import task as task_lib
 from tfdist.parallel.tensor import mode as tensor_parallel_step
+from tfdist.parallel.experts import mode as expert_parallel_step
 from tfdist.training import train_loop
 from tfdist.training import training_checks
 from tfdist.training.train_loop import Trainer
@@ -73,6 +74,8 @@ class AssemblyOptions:
       stage: not cut).
     tensor_parallel: N replicas split the model's layers
       (`tfdist.parallel.tensor.mode`; 1: off).
+    expert_parallel: E_p replicas split each mixture-of-experts layer's
+      experts (`tfdist.parallel.experts.mode`; 1: off).
     builder_config: what a model builder asking for `config` receives (the
       run's `tfdist.config.ModelBuilderConfig`, passed through unread).
   """
@@ -96,6 +99,7 @@ class AssemblyOptions:
   all_reduce_dtype: str = "float32"
   pipeline: Optional[pipeline_options.PipelineOptions] = None
   tensor_parallel: int = 1
+  expert_parallel: int = 1
   builder_config: Any = None
 
   @classmethod
@@ -139,6 +143,7 @@ class AssemblyOptions:
         all_reduce_dtype=strategy.all_reduce_dtype,
         pipeline=pipeline_options.PipelineOptions.of(strategy.parallelism),
         tensor_parallel=strategy.parallelism.tensor_parallel,
+        expert_parallel=strategy.parallelism.expert_parallel,
         builder_config=builder_config)
 
 
@@ -470,9 +475,14 @@ def build(options: AssemblyOptions, *, task: task_lib.Task,
       functools.partial(build_model, options, task=task,
                         sync_batch_norm=plan.sync_batch_norm),
       strategy) if options.tensor_parallel > 1 else None)
+  experts = (expert_parallel_step.build(
+      functools.partial(build_model, options, task=task,
+                        sync_batch_norm=plan.sync_batch_norm),
+      strategy, options.expert_parallel)
+             if options.expert_parallel > 1 else None)
   with strategy.scope():
-    if tensor_parallel is not None:
-      model, deferred = tensor_parallel.model, None
+    if tensor_parallel is not None or experts is not None:
+      model, deferred = (tensor_parallel or experts).model, None
     else:
       model, deferred = pipeline_step.build_model(
           functools.partial(build_model, options, task=task,
@@ -517,7 +527,7 @@ def build(options: AssemblyOptions, *, task: task_lib.Task,
                     class_weight=class_weight,
                     bytes_per_pack=options.bytes_per_pack,
                     all_reduce_dtype=options.all_reduce_dtype,
-                    mode=pipeline or tensor_parallel)
+                    mode=pipeline or tensor_parallel or experts)
   _log_trainer(trainer, options, plan=plan, sharding=sharding, on_tpu=on_tpu)
   checkpoint = _training_checkpoint(model, trainer=trainer,
                                     learning_rate=learning_rate)
