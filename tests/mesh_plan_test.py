@@ -89,8 +89,14 @@ class MeshLayoutsTest(absltest.TestCase):
     # GPipe, M = P = 2 micro-batches of the copy's B/D = 32 examples,
     # all in flight: a * 32 * 2 / (2 * 2).
     self.assertEqual(row.activations_bytes, MiB // 4 * 16)
-    # A ring all-reduce over D = 2 of the stage's 32 MiB of gradients.
-    self.assertEqual(m.gradient_traffic_bytes, 32 * MiB)
+    # A ring all-reduce over D = 2 of the stage's 32 MiB of gradients
+    # (32 MiB) and the all-gather of the updated weights (16 MiB).
+    self.assertEqual(m.data_traffic_bytes, 48 * MiB)
+    meshes = _by_name(mesh_plan.mesh_layouts(_choice(4).facts))
+    self.assertEqual(meshes["D2 x P2 x T1"].data_traffic_bytes, 32 * MiB)
+    self.assertEqual(meshes["D4 x P1 x T1, ZeRO 3"].data_traffic_bytes,
+                     192 * MiB)  # 4 * 3/4 * 64 MiB
+    self.assertEqual(meshes["D1 x P4 x T1"].data_traffic_bytes, 0)
     self.assertEqual(row.flags, "--pipeline_stages=2 --zero_stage=1")
     self.assertEqual(m.to_dict()["zero_stage"], 1)
 

@@ -27,12 +27,16 @@ copies of its shard of the model):
                a (B/D)                 otherwise (whole under tensor
                                        parallelism: an upper bound).
 
-Each layout also gets the gradient bytes it all-reduces per device per
-step over its data group: 2 (D-1)/D of the gradients it holds (a ring
-all-reduce), 3 (D-1)/D at stage 3 (the weights gathered again in the
-backward pass: 1.5x, Rajbhandari et al. 2020 section 7). Pipeline and
-tensor parallelism add activation traffic this plan does not estimate in
-bytes (Narayanan et al. 2021 section 3): they are ranked instead.
+Each layout also gets the bytes one device moves per step over its data
+group, as tfdist's collectives run it (ring collectives, g the gradient
+bytes it holds): 2 (D-1)/D g for the gradients' all-reduce; ZeRO 1-2 add
+an all-gather of the updated weights, (D-1)/D g, since TensorFlow offers
+no reduce-scatter to replace the all-reduce (3 (D-1)/D g; Rajbhandari et
+al. 2020 count 2 with one); stage 3 gathers each block's weights for the
+forward and again for the backward pass (4 (D-1)/D g; their 3 with a
+reduce-scatter). Pipeline and tensor parallelism add activation traffic
+this plan does not estimate in bytes (Narayanan et al. 2021 section 3):
+they are ranked instead.
 
 The recommended layout is the first that fits and tfdist can run, in the
 order of what each axis costs in communication (the order Megatron-LM and
@@ -64,8 +68,8 @@ class MeshLayout:
     memory: its `tfdist.training.memory.LayoutMemory` (layout `"mesh"`;
       `flags` the `tfdist.train` flags that choose it; `fits`,
       `available` and `note` as in the single-axis table).
-    gradient_traffic_bytes: the gradient bytes one device all-reduces per
-      step over its data group (0 when D = 1).
+    data_traffic_bytes: the bytes one device moves per step over its data
+      group (the module docstring; 0 when D = 1).
   """
 
   data: int
@@ -73,7 +77,7 @@ class MeshLayout:
   tensor: int
   zero_stage: int
   memory: memory.LayoutMemory
-  gradient_traffic_bytes: int
+  data_traffic_bytes: int
 
   @property
   def name(self) -> str:
@@ -92,7 +96,7 @@ class MeshLayout:
   def to_dict(self) -> dict:
     return {"data": self.data, "pipeline": self.pipeline,
             "tensor": self.tensor, "zero_stage": self.zero_stage,
-            "gradient_traffic_bytes": self.gradient_traffic_bytes,
+            "data_traffic_bytes": self.data_traffic_bytes,
             **self.memory.to_dict()}
 
 
@@ -171,7 +175,9 @@ def _layout(data: int, pipeline: int, tensor: int, zero_stage: int,
                   data * pipeline * tensor, math.ceil(weights),
                   math.ceil(grads + accumulators), math.ceil(optimizer),
                   math.ceil(activations), not note, note)
-  ring = (3 if zero_stage == 3 else 2) * (data - 1) / data
+  # All-reduce 2, + all-gather of the updated weights 1 (ZeRO 1-2), + the
+  # forward and backward gathers 2 (stage 3): times (D-1)/D of g.
+  ring = (2, 3, 3, 4)[zero_stage] * (data - 1) / data
   return MeshLayout(data, pipeline, tensor, zero_stage, row,
                     math.ceil(ring * trainable * scale))
 
@@ -213,14 +219,14 @@ def render(layouts: Sequence[MeshLayout], capacity_bytes: int) -> str:
   or the smallest runnable layout when none fits."""
   fmt = memory.format_bytes
   header = ("mesh", "flags", "weights", "gradients", "optimizer",
-            "activations", "per device", "grad all-reduce", "fits")
+            "activations", "per device", "data traffic", "fits")
   lines = [header]
   for m in layouts:
     r = m.memory
     lines.append((m.name, r.flags or "-", fmt(r.parameters_bytes),
                   fmt(r.gradients_bytes), fmt(r.optimizer_bytes),
                   fmt(r.activations_bytes), fmt(r.per_device_bytes),
-                  fmt(m.gradient_traffic_bytes),
+                  fmt(m.data_traffic_bytes),
                   ("yes" if r.fits else "no") if r.available else
                   f"n/a: {r.note}"))
   widths = [max(len(row[i]) for row in lines)
