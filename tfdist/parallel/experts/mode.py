@@ -174,6 +174,47 @@ class ExpertParallelStep(mode_lib.StepMode):
     """E_p: the replicas one copy of the experts spans."""
     return int(settings["expert_parallel"])
 
+  @classmethod
+  def model_facts(cls, model) -> dict:
+    """`expert_bytes` (the weight bytes of every `MixtureOfExperts`
+    layer's experts) and `num_experts` (the fewest experts of one such
+    layer; 0 without one)."""
+    layers = _moe_layers(model)
+    weights = [w for layer in layers for expert in layer.experts
+               for w in expert.weights]
+    return {"expert_bytes": sum(
+        int(np.prod(w.shape)) * tf.as_dtype(w.dtype).size for w in weights),
+            "num_experts": min((l.num_experts for l in layers), default=0)}
+
+  @classmethod
+  def layout_rows(cls, facts) -> list:
+    """Expert parallelism, for a model with experts only: the experts'
+    weights, their gradients and optimizer slots (in proportion to
+    `facts.expert_bytes`) / E_p, E_p the largest divisor of both the
+    devices N and the experts E (`--expert_parallel=E_p`), the rest whole;
+    each replica a*B/N activations (the dispatched tokens' [E, C, d]
+    buffers not counted)."""
+    e, n = facts.estimate, facts.num_devices
+    if not facts.expert_bytes:
+      return []
+    e_p = max(d for d in range(1, n + 1)
+              if n % d == 0 and facts.num_experts % d == 0)
+    trainable = e.gradients_bytes
+    split = min(int(facts.expert_bytes), trainable)
+    share = split / trainable if trainable else 0.0
+    grads = e.gradients_bytes + facts.accumulators
+    note = facts.one_device_note or (
+        "" if e_p > 1 else f"{n} devices and {facts.num_experts} experts "
+        "share no divisor above 1")
+    return [facts.row(
+        "expert parallel",
+        f"--distribution_strategy=mirrored --expert_parallel={e_p}", n,
+        e.parameters_bytes - split + facts.ceil_div(split, e_p),
+        grads - facts.ceil_div(grads * share * (e_p - 1), e_p),
+        e.optimizer_bytes - facts.ceil_div(
+            e.optimizer_bytes * share * (e_p - 1), e_p),
+        facts.replica_activations, not note, note)]
+
   def describe(self) -> str:
     """One line for the manifest and the log."""
     p = self.placement
