@@ -84,14 +84,21 @@ class PipelineStep(mode_lib.StepMode):
 
   @classmethod
   def validate(cls, settings) -> None:
-    """`tfdist.parallel.pipeline.options.check_flags` on `settings`."""
+    """`tfdist.parallel.pipeline.options.check_flags` on `settings`
+    (`num_gpus` and `num_cpu_devices` may be absent: their defaults)."""
+    defaults = {"num_gpus": -1, "num_cpu_devices": 0}
     pipeline_options.check_flags(**{
-        name: settings[name] for name in pipeline_options.CHECKED_SETTINGS})
+        name: settings[name] if name in settings else defaults[name]
+        for name in pipeline_options.CHECKED_SETTINGS})
 
   @classmethod
   def devices(cls, settings) -> int:
-    """P: one stage per device."""
-    return int(settings["pipeline_stages"])
+    """D x P: one stage per device, D copies (`data_degree` of
+    `num_gpus` and `num_cpu_devices`, 1 when absent)."""
+    stages = int(settings["pipeline_stages"])
+    return stages * pipeline_options.data_degree(
+        stages, num_gpus=settings.get("num_gpus", -1),
+        num_cpu_devices=settings.get("num_cpu_devices", 0))
 
   @classmethod
   def layout_rows(cls, facts) -> list:
