@@ -22,9 +22,10 @@ One step (`Pipeline.forward_backward(..., copies=...)`):
    normalization's moving statistics, are kept for copy 0 only);
 3. each stage's summed gradients are all-reduced across its D copies with
    `tfdist.parallel.collectives.all_reduce` over the stage's data group
-   (`mesh.groups("data")[p]`), packed into one vector per stage and dtype;
-   copy 0's sum is the step's gradient, which the caller applies to the
-   model.
+   (`mesh.groups("data")[p]`), packed into one vector per stage and dtype
+   (an embedding's sparse gradient is made dense for it: the whole
+   table's bytes); copy 0's sum is the step's gradient, which the caller
+   applies to the model.
 
 Per device, in bytes (S_p: stage p's weights; O_p: its optimizer state):
 copy 0's device of stage p holds S_p (weights) + S_p (gradients) + O_p +

@@ -115,7 +115,8 @@ class PipelineStep(mode_lib.StepMode):
       act = facts.ceil_div(facts.activation_bytes_per_example *
                            facts.global_batch_size * in_flight, p * m)
       share = facts.pipeline_shares.get(p, 1 / p)
-      # Pipelines run in one process, without data parallelism.
+      # One copy of the pipeline: the planner does not propose D x P
+      # (--num_gpus / --num_cpu_devices = D x P) yet.
       return facts.row("pipeline",
                        "--distribution_strategy=one_device "
                        f"--pipeline_stages={p} --num_microbatches={m}", p,
