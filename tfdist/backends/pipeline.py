@@ -112,6 +112,45 @@ def stage_devices(num_stages: int, num_gpus: int = -1,
   return [d.name for d in cpus][:num_stages]
 
 
+def check_copies(config, *, in_cluster: bool, gpus: int) -> None:
+  """Refuses D > 1 copies of the pipeline (`data_degree`) that cannot run:
+  across the tasks of a cluster (not built), `--num_cpu_devices` on a host
+  whose GPUs would run the stages, or more GPUs than the host has.
+
+  Args:
+    config: the run's `TrainConfig` (`pipeline_stages`, `num_gpus`,
+      `num_cpu_devices`).
+    in_cluster: the stages run on the tasks of a cluster.
+    gpus: the GPUs this process would use (`base.local_accelerators`).
+
+  Raises:
+    errors.ConfigError: naming the flag, the value and the fix.
+  """
+  data, stages = data_degree(config), config.pipeline_stages
+  if data == 1:
+    return
+  if in_cluster:
+    raise errors.ConfigError(
+        f"--pipeline_stages={stages} with "
+        f"{'--num_gpus' if config.num_gpus > 0 else '--num_cpu_devices'}"
+        f"={data * stages} ({data} data-parallel copies) runs in one "
+        "process; across the tasks of a cluster a pipeline has one copy. "
+        "Drop that flag, or run in one process.")
+  if gpus and config.num_gpus < 0:
+    raise errors.ConfigError(
+        f"--num_cpu_devices={config.num_cpu_devices} asks for {data} "
+        f"copies of the --pipeline_stages={stages} pipeline on logical CPU "
+        "devices, but this host's GPUs would run the stages. Pass "
+        f"--num_gpus={data * stages} for the copies on GPUs, or "
+        "--num_gpus=0 to run them on logical CPU devices.")
+  if 0 < gpus < data * stages:
+    raise errors.ConfigError(
+        f"--pipeline_stages={stages} with --num_gpus={config.num_gpus} "
+        f"({data} data-parallel copies) needs {data * stages} GPUs; this "
+        f"host has {gpus}. Lower --num_gpus to a multiple of {stages} up "
+        f"to {gpus}, or pass --num_gpus=0 to run on logical CPU devices.")
+
+
 def stage_tasks(cluster) -> List[Tuple[str, int]]:
   """The tasks that host stages, in stage order: the chief, then worker 0,
   1, ...; empty outside a cluster of two or more such tasks (the stages
@@ -244,36 +283,15 @@ class PipelineBackend(single_process.OneDeviceBackend):
 
     Raises:
       errors.ConfigError: one process, a host with GPUs, fewer of them than
-        `pipeline_stages`.
+        `pipeline_stages`; D > 1 copies that cannot run (`check_copies`).
     """
     super().validate(config, decisions, dataset=dataset)
-    data = data_degree(config)
-    if self._tasks and data > 1:
-      raise errors.ConfigError(
-          f"--pipeline_stages={config.pipeline_stages} with "
-          f"{'--num_gpus' if config.num_gpus > 0 else '--num_cpu_devices'}"
-          f"={data * config.pipeline_stages} ({data} data-parallel copies) "
-          "runs in one process; across the tasks of a cluster a pipeline "
-          "has one copy. Drop that flag, or run in one process.")
+    check_copies(config, in_cluster=bool(self._tasks),
+                 gpus=0 if self._tasks else
+                 base.local_accelerators(config.num_gpus))
     if self._tasks:
       return  # Checked by `serve`, on every task, with the cluster.
     gpus = base.local_accelerators(config.num_gpus)
-    if data > 1 and gpus and config.num_gpus < 0:
-      raise errors.ConfigError(
-          f"--num_cpu_devices={config.num_cpu_devices} asks for {data} "
-          f"copies of the --pipeline_stages={config.pipeline_stages} "
-          "pipeline on logical CPU devices, but this host's GPUs would run "
-          f"the stages. Pass --num_gpus={data * config.pipeline_stages} for"
-          " the copies on GPUs, or --num_gpus=0 to run them on logical CPU "
-          "devices.")
-    if 0 < gpus < data * config.pipeline_stages:
-      raise errors.ConfigError(
-          f"--pipeline_stages={config.pipeline_stages} with "
-          f"--num_gpus={config.num_gpus} ({data} data-parallel copies) "
-          f"needs {data * config.pipeline_stages} GPUs; this host has "
-          f"{gpus}. Lower --num_gpus to a multiple of "
-          f"{config.pipeline_stages} up to {gpus}, or pass --num_gpus=0 to "
-          "run on logical CPU devices.")
     if 0 < gpus < config.pipeline_stages:
       raise errors.ConfigError(
           f"--pipeline_stages={config.pipeline_stages} needs "
