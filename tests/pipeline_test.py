@@ -352,6 +352,15 @@ class DataCopiesTest(parameterized.TestCase):
                                 r".*CPU:2"):
       copies_lib.DataCopies(pipe, mesh_lib.DeviceMesh.build(DEVICES,
                                                             pipeline=2))
+    mesh = mesh_lib.DeviceMesh.build(DEVICES, pipeline=2)
+    pipe = pipeline.split_model(skip_model(), 2,
+                                devices=copies_lib.copy0_devices(mesh))
+    with self.assertRaisesRegex(errors.PipelineConfigError,
+                                r"2 copies x num_microbatches=2 do not "
+                                r"divide the batch of 6 examples"):
+      pipe.forward_backward(X[0][:6], Y[0][:6], loss_fn=_loss_fn(),
+                            num_microbatches=2,
+                            copies=copies_lib.DataCopies(pipe, mesh))
 
 
 class CheckpointTest(absltest.TestCase):

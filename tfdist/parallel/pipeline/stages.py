@@ -32,7 +32,9 @@ optimizer built afterwards keeps its state there too). A model built
 inside `deferred_variables()` gets variables without storage, and
 `place_variables(deferred)` creates each stage's from its initializer
 directly on the stage's device: the whole model is never held by one
-device. Pipelines combined with data parallelism are not here. Batch
+device. D copies of the pipeline on a data x pipeline mesh, each on 1/D of
+the batch, are `tfdist.parallel.pipeline.copies.DataCopies`
+(`train_step(..., copies=...)`). Batch
 normalization sees micro-batches (its statistics are those of B/M
 examples), as under gradient accumulation; `model.losses` (activity and
 weight regularizers) are not added to the loss.
@@ -800,7 +802,13 @@ class Pipeline:
           "give the tf.function an input_signature with a fixed batch, or "
           "a dataset with drop_remainder=True.")
     data = copies.data if copies is not None else 1
-    check_microbatches(int(batch), data * num_microbatches)
+    if data > 1 and int(batch) % (data * num_microbatches):
+      raise errors.PipelineConfigError(
+          f"{data} copies x num_microbatches={num_microbatches} do not "
+          f"divide the batch of {batch} examples: each copy gets 1/{data} "
+          f"of it, cut into {num_microbatches} equal micro-batches. Use a "
+          f"batch size that is a multiple of {data * num_microbatches}.")
+    check_microbatches(int(batch), num_microbatches)
     if copies is not None:
       copies.sync()
     orders = schedule_order(self.num_stages, num_microbatches, schedule)
