@@ -126,6 +126,11 @@ class RegistryTest(absltest.TestCase):
     self.assertEqual(mode_lib.get_mode("pipeline").devices(pipeline), 2)
     with self.assertRaisesRegex(errors.ConfigError, "--zero_stage"):
       mode_lib.mode_for({**pipeline, "zero_stage": 1})
+    # D x P: 2 copies of the 2 stages on 4 logical CPU devices.
+    self.assertEqual(mode_lib.get_mode("pipeline").devices(
+        {**pipeline, "num_gpus": -1, "num_cpu_devices": 4}), 4)
+    with self.assertRaisesRegex(errors.ConfigError, "--num_cpu_devices=3"):
+      mode_lib.mode_for({**pipeline, "num_cpu_devices": 3})
     tensor = dict(tensor_parallel=2, model="transformer",
                   distribution_strategy="mirrored", zero_stage=0,
                   pipeline_stages=1, enable_xla=False, dtype="fp32",

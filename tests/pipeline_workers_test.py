@@ -155,6 +155,33 @@ class ClusterLayoutTest(absltest.TestCase):
         r"worker tasks .*Use --pipeline_stages=2 or 4"):
       backend_lib.stages_per_task(3, _cluster(workers=1))
 
+  def test_data_parallel_copies_refused_where_they_cannot_run(self):
+    # D x P runs in one process; these refusals need no GPU (the GPU count
+    # is given).
+    cpus = TrainConfig(model_dir="/tmp/unused", pipeline_stages=2,
+                       num_cpu_devices=4)
+    backend_lib.check_copies(cpus, in_cluster=False, gpus=0)
+    with self.assertRaisesRegex(
+        errors.ConfigError, r"--pipeline_stages=2 with --num_cpu_devices=4 "
+        r"\(2 data-parallel copies\) runs in one process"):
+      backend_lib.check_copies(cpus, in_cluster=True, gpus=0)
+    with self.assertRaisesRegex(
+        errors.ConfigError, r"--num_cpu_devices=4 asks for 2 copies .* "
+        r"Pass --num_gpus=4 .* or --num_gpus=0"):
+      backend_lib.check_copies(cpus, in_cluster=False, gpus=8)
+    gpus = TrainConfig(model_dir="/tmp/unused", pipeline_stages=2,
+                       num_gpus=8)
+    backend_lib.check_copies(gpus, in_cluster=False, gpus=8)
+    with self.assertRaisesRegex(
+        errors.ConfigError, r"--num_gpus=8 \(4 data-parallel copies\) "
+        r"needs 8 GPUs; this host has 6. Lower --num_gpus to a multiple "
+        r"of 2 up to 6"):
+      backend_lib.check_copies(gpus, in_cluster=False, gpus=6)
+    # One copy: nothing to refuse here.
+    backend_lib.check_copies(TrainConfig(model_dir="/tmp/unused",
+                                         pipeline_stages=2),
+                             in_cluster=True, gpus=8)
+
   def test_devices_per_task_gpus_first(self):
     def device(name):
       kind = tf.DeviceSpec.from_string(name).device_type

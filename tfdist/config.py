@@ -898,9 +898,10 @@ class ParallelismConfig:
             "applied per step, equal to the unsplit model's. In a cluster of "
             "a chief and workers (tfdist.launch, TF_CONFIG) the chief drives "
             "and each task hosts P/tasks consecutive stages. 1: no pipeline. "
-            "With --distribution_strategy auto, one_device or off (not with "
-            "data parallelism yet: tfdist does not yet train a pipeline on a "
-            "data x pipeline device mesh), not with --zero_stage or --enable_xla. See "
+            "With --num_gpus=N or --num_cpu_devices=N (N a multiple of P) "
+            "one process trains N/P data-parallel copies of the pipeline (a "
+            "data x pipeline mesh). With --distribution_strategy auto, "
+            "one_device or off, not with --zero_stage or --enable_xla. See "
             "docs/guides/pipeline-parallelism.md."),
       traits=("operational", "multi_replica"))
   num_microbatches: Optional[int] = setting(
@@ -1608,7 +1609,8 @@ class TrainConfig:
         pipeline_schedule=self.pipeline_schedule,
         pipeline_cuts=self.pipeline_cuts,
         distribution_strategy=self.distribution_strategy,
-        zero_stage=self.zero_stage_resolved, enable_xla=self.enable_xla)
+        zero_stage=self.zero_stage_resolved, enable_xla=self.enable_xla,
+        num_gpus=self.num_gpus, num_cpu_devices=self.num_cpu_devices)
 
   def _validate_tensor_parallel(self):
     """`--tensor_parallel` (`tensor_parallel_options.check_flags`)."""

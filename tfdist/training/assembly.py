@@ -141,7 +141,9 @@ class AssemblyOptions:
         activation_recomputation=memory.activation_recomputation,
         bytes_per_pack=strategy.bytes_per_pack,
         all_reduce_dtype=strategy.all_reduce_dtype,
-        pipeline=pipeline_options.PipelineOptions.of(strategy.parallelism),
+        pipeline=pipeline_options.PipelineOptions.of(
+            strategy.parallelism, num_gpus=strategy.num_gpus,
+            num_cpu_devices=strategy.num_cpu_devices),
         tensor_parallel=strategy.parallelism.tensor_parallel,
         expert_parallel=strategy.parallelism.expert_parallel,
         builder_config=builder_config)

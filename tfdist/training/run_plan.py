@@ -108,7 +108,9 @@ class PlanOptions:
         zero_stage=memory.zero_stage_resolved,
         deterministic=loop.deterministic,
         all_reduce_dtype=strategy.all_reduce_dtype,
-        pipeline=pipeline_options.PipelineOptions.of(strategy.parallelism))
+        pipeline=pipeline_options.PipelineOptions.of(
+            strategy.parallelism, num_gpus=strategy.num_gpus,
+            num_cpu_devices=strategy.num_cpu_devices))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -273,10 +275,13 @@ class RunPlan:
              not self.asynchronous else
              "no effect (no all-reduce: one replica)"))
     if self.pipeline:
+      micro = plan.per_replica_batch_size // (
+          self.pipeline.data * self.pipeline.num_microbatches)
       lines.append(
           f"  pipeline               {self.pipeline.describe()}"
-          f" of {plan.per_replica_batch_size // self.pipeline.num_microbatches}"
-          " examples")
+          f" of {micro} examples")
+      if self.pipeline.data > 1:
+        lines += ["  " + line for line in self.pipeline.mesh().plan_lines()]
     return lines
 
 
