@@ -84,7 +84,8 @@ class MeshLayoutsTest(absltest.TestCase):
         "D2 x P2 x T1, ZeRO 1"]
     row = m.memory
     self.assertEqual(row.parameters_bytes, 32 * MiB)   # W / P
-    self.assertEqual(row.gradients_bytes, 32 * MiB)    # G / P
+    # G / P, and the stage's packed gradients for the copies' all-reduce.
+    self.assertEqual(row.gradients_bytes, 64 * MiB)
     self.assertEqual(row.optimizer_bytes, 32 * MiB + 2)  # O / P / D
     # GPipe, M = P = 2 micro-batches of the copy's B/D = 32 examples,
     # all in flight: a * 32 * 2 / (2 * 2).
@@ -97,7 +98,11 @@ class MeshLayoutsTest(absltest.TestCase):
     self.assertEqual(meshes["D4 x P1 x T1, ZeRO 3"].data_traffic_bytes,
                      192 * MiB)  # 4 * 3/4 * 64 MiB
     self.assertEqual(meshes["D1 x P4 x T1"].data_traffic_bytes, 0)
-    self.assertEqual(row.flags, "--pipeline_stages=2 --zero_stage=1")
+    self.assertEqual(row.flags, "--pipeline_stages=2 --num_gpus=4 "
+                     "--zero_stage=1")
+    self.assertIn("ZeRO beside a pipeline", row.note)
+    plain = _by_name(mesh_plan.mesh_layouts(_choice(4).facts))["D2 x P2 x T1"]
+    self.assertTrue(plain.memory.available)
     self.assertEqual(m.to_dict()["zero_stage"], 1)
 
   def test_recommendation_walks_as_memory_shrinks(self):

@@ -7,8 +7,10 @@ reviews with the experts split over 2 logical CPU devices
 expert, gathered) that serves."""
 
 import contextlib
+import glob
 import io
 import os
+import re
 
 from absl.testing import absltest
 from absl.testing import flagsaver
@@ -166,6 +168,29 @@ class TrainTest(absltest.TestCase):
     # of it, whole (a replica holds 2 experts).
     self.assertLen([n for n in names if names[n] == [64, 128]], 4 * 3)
     self.assertTrue(np.isfinite([h["loss"] for h in record["history"]]).all())
+    # The routing of the log point's step, in TensorBoard (RoutingLog):
+    # each expert's kept slots, summed over the replicas (8 examples x 128
+    # tokens x top-2 = 2048 at most), the dropped fraction, the two losses.
+    routing = {}
+    for path in glob.glob(os.path.join(model_dir, "**", "*tfevents*"),
+                          recursive=True):
+      for event in tf.compat.v1.train.summary_iterator(path):
+        for value in event.summary.value:
+          if value.tag.startswith("routing/"):
+            routing[value.tag.split("/", 2)[2]] = (
+                event.step, float(tf.make_ndarray(value.tensor)))
+    self.assertEqual({step for step, _ in routing.values()}, {3})
+    tokens = [routing[f"tokens_expert_{i}"][1] for i in range(4)]
+    dropped = routing["dropped_fraction"][1]
+    self.assertTrue(0 <= dropped < 1, dropped)
+    self.assertAlmostEqual(sum(tokens), (1 - dropped) * 2048, delta=1.0)
+    self.assertGreater(routing["load_balancing_loss"][1], 0)
+    with open(os.path.join(testutil.SOURCE_ROOT, "docs", "reference",
+                           "tensorboard-tags.md"), encoding="utf-8") as f:
+      page = f.read()
+    for name in routing:  # Documented as routing/<layer>/<name>.
+      self.assertIn("`routing/<layer>/" + re.sub(r"_\d+$", "_<i>", name) +
+                    "`", page)
     self.assertTrue(np.isfinite(record["final_metrics"]["eval_loss"]))
     served = tf.saved_model.load(os.path.join(model_dir, "saved_model"))
     tokens = tf.constant(np.full((2, clothing_reviews.SEQUENCE_LENGTH), 3),

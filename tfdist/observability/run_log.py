@@ -415,6 +415,44 @@ class RunLog:
     self._check_explosion(record)
     return record
 
+  def log_routing(self, step: int, statistics: Dict[str, np.ndarray]):
+    """Logs the mixture-of-experts routing of the step `step` (one line)
+    and writes it as TensorBoard scalars of the train writer:
+    `routing/<layer>/dropped_fraction`, `.../load_balancing_loss`,
+    `.../router_z_loss` and `.../tokens_expert_<i>` per expert.
+
+    Args:
+      step: the step the statistics are of.
+      statistics: `tfdist.parallel.experts.layer.model_statistics`'s
+        `{"<layer>/<statistic>": value}` as NumPy: `tokens_per_expert`
+        float32 [E] (the slots kept), the others float32 scalars.
+
+    Returns:
+      The line logged (None when `statistics` is empty).
+    """
+    if not statistics:
+      return None
+    scalars, parts = {}, []
+    layers = sorted({key.rsplit("/", 1)[0] for key in statistics})
+    for layer in layers:
+      tokens = np.asarray(statistics[f"{layer}/tokens_per_expert"]).ravel()
+      dropped = float(statistics[f"{layer}/dropped_fraction"])
+      balance = float(statistics[f"{layer}/load_balancing_loss"])
+      z_loss = float(statistics[f"{layer}/router_z_loss"])
+      scalars.update({f"routing/{layer}/dropped_fraction": dropped,
+                      f"routing/{layer}/load_balancing_loss": balance,
+                      f"routing/{layer}/router_z_loss": z_loss})
+      scalars.update({f"routing/{layer}/tokens_expert_{i}": float(t)
+                      for i, t in enumerate(tokens)})
+      counts = " ".join(f"{int(round(t))}" for t in tokens)
+      parts.append(f"{layer}: tokens per expert [{counts}], "
+                   f"{dropped:.1%} dropped, load balancing {balance:.4g}, "
+                   f"router z {z_loss:.4g}")
+    self._scalars("train", step, scalars)
+    line = f"routing at step {step}: " + "; ".join(parts)
+    logging.info("%s", line, extra=progress.PROGRESS)
+    return line
+
   def _eta(self, step: int, interval) -> Optional[float]:
     """Seconds left after `step`: the steps left at this process's mean
     host time per step (warm-up excluded; the warm-up interval's until

@@ -20,7 +20,9 @@ copies of its shard of the model):
 
   weights      W s_P t_T               (z = 3: the trainable part / D,
                                        embedding tables kept whole aside)
-  gradients    (G + A) s_P t_T         (z = 2: A / D; z = 3: all / D)
+  gradients    (G + A) s_P t_T         (z = 2: A / D; z = 3: all / D;
+                                       D x P: + G s_P, the packed buffer
+                                       of the stage's all-reduce)
   optimizer    O s_P t_T               (z >= 1: / D)
   activations  a (B/D) f / (P M)       with a pipeline (M micro-batches,
                                        f in flight: GPipe M, 1F1B min(P, M))
@@ -108,8 +110,9 @@ def unavailable_reason(data: int, pipeline: int, tensor: int,
   can be sharded; tensor parallelism needs a model its layers split (the
   built-in Transformer, `facts.tensor_parallel_flag`); a ZeRO stage beside
   a pipeline or tensor parallelism (hybrid sharding) and pipeline x tensor
-  meshes are not built yet; nor is data parallelism beside a pipeline or
-  tensor parallelism.
+  meshes are not built yet; nor is data parallelism beside tensor
+  parallelism. Data x pipeline runs in one process
+  (`tfdist.parallel.pipeline.copies`).
   """
   if zero_stage and data == 1:
     return "ZeRO needs data parallelism (D > 1)"
@@ -124,8 +127,8 @@ def unavailable_reason(data: int, pipeline: int, tensor: int,
     return "pipeline x tensor meshes are not built yet"
   if zero_stage and (pipeline > 1 or tensor > 1):
     return "ZeRO beside a pipeline or tensor parallelism is not built yet"
-  if data > 1 and (pipeline > 1 or tensor > 1):
-    return "data parallelism beside a model-parallel axis is not built yet"
+  if data > 1 and tensor > 1:
+    return "data parallelism beside tensor parallelism is not built yet"
   return ""
 
 
@@ -134,11 +137,13 @@ def _flags(data: int, pipeline: int, tensor: int, zero_stage: int,
   parts = []
   if pipeline > 1:
     parts.append(f"--pipeline_stages={pipeline}")
+    if data > 1:  # The pipeline's copies: the devices asked for.
+      devices = "--num_cpu_devices" if facts.shared_memory else "--num_gpus"
+      parts.append(f"{devices}={data * pipeline * tensor}")
   if tensor > 1:
     parts.append(f"--tensor_parallel={tensor}")
   if zero_stage:
     parts.append(f"--zero_stage={zero_stage}")
-  del data, facts  # D: the devices left over.
   return " ".join(parts)
 
 
@@ -153,6 +158,10 @@ def _layout(data: int, pipeline: int, tensor: int, zero_stage: int,
   weights = e.parameters_bytes * scale
   grads, accumulators = trainable * scale, facts.accumulators * scale
   optimizer = e.optimizer_bytes * scale
+  if pipeline > 1 and data > 1:
+    # Each stage's gradients packed into one vector for their all-reduce
+    # over the copies (`tfdist.parallel.pipeline.copies`).
+    grads += trainable * scale
   if zero_stage >= 1:
     optimizer /= data
   if zero_stage >= 2:

@@ -24,7 +24,9 @@ from tfdist.training.controller.actions.keras_hooks import KerasEpochEnd
 from tfdist.training.controller.actions.keras_hooks import KerasTrainHooks
 from tfdist.training.controller.actions.periodic import Evaluate
 from tfdist.training.controller.actions.periodic import SaveCheckpoint
+from tfdist.training.controller.actions.reporting import moe_layers
 from tfdist.training.controller.actions.reporting import ProfilerWindow
+from tfdist.training.controller.actions.reporting import RoutingLog
 from tfdist.training.controller.actions.reporting import TrainLog
 from tfdist.training.controller.actions.stops import PreemptionStop
 from tfdist.training.controller.actions.stops import PreemptionStopAfterEpoch
@@ -171,6 +173,8 @@ class Controller:
     6. `TrainLog`: the log line and scalars of a log point; reads
        `skipped_steps`, `total_skipped` and `stop_requested` (a line held
        for this step's evaluation).
+    6b. `RoutingLog` (a model with `tfdist.MixtureOfExperts` layers): the
+        routing of each log point's step; reads and produces nothing.
     7. `SaveCheckpoint`: produces `saved` at checkpoint boundaries.
     8. `PreemptionStop`: before the steps, produces `stop_signal`; after,
        reads `saved`, saves if needed, raises (at an epoch end: produces
@@ -200,8 +204,11 @@ class Controller:
             if keras_callbacks.reads_batch_metrics(callbacks) else None),
                       model=model, runner=self.runner),
         TrainLog(self.run_log, options=opts, checkpoints=saver,
-                 evaluates=self.evaluate_fn is not None),
-        SaveCheckpoint(saver, opts)]
+                 evaluates=self.evaluate_fn is not None)]
+    routed = moe_layers(model)
+    if routed:
+      actions.append(RoutingLog(self.run_log, routed, options=opts))
+    actions += [SaveCheckpoint(saver, opts)]
     if preemption is not None:
       actions.append(PreemptionStop(preemption, checkpoints=saver,
                                     callbacks=callbacks, options=opts))

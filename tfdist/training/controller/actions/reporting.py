@@ -1,4 +1,5 @@
-"""Actions that report: the log line and scalars, the profiler window.
+"""Actions that report: the log line and scalars, the mixture-of-experts
+routing, the profiler window.
 """
 
 from tfdist import errors
@@ -8,6 +9,40 @@ from tfdist.training.controller.protocol import Action
 from tfdist.training.controller.records import ControllerOptions
 from tfdist.training.controller.records import SumsSince
 from tfdist.training.controller.records import evaluation_due
+
+
+class RoutingLog(Action):
+  """Logs the routing of every `tfdist.MixtureOfExperts` in the model at
+  each log point (`log_steps`, and the last step): the slots each expert
+  kept, the dropped fraction and the two auxiliary losses of that step's
+  batch (`RunLog.log_routing`: a line and TensorBoard scalars). Reads
+  nothing from the record, produces nothing. The controller adds it only
+  for a model with such layers (`moe_layers`)."""
+
+  def __init__(self, run_log: run_log_lib.RunLog, layers, *,
+               options: ControllerOptions):
+    self.run_log = run_log
+    self.layers = list(layers)
+    self.options = options
+
+  def __call__(self, chunk):
+    step = chunk.step
+    if step % self.options.log_steps and not self.options.is_last(step):
+      return
+    self.run_log.log_routing(step, {
+        f"{layer.name}/{name}": value.numpy()
+        for layer in self.layers
+        for name, value in layer.routing_statistics().items()})
+
+
+def moe_layers(model) -> list:
+  """The built `tfdist.MixtureOfExperts` layers of `model` (searched
+  recursively; [] for None or a model without any)."""
+  if model is None:
+    return []
+  from tfdist.parallel.experts import layer as moe_layer  # pylint: disable=g-import-not-at-top
+  return [layer for layer in model._flatten_layers(include_self=True)  # pylint: disable=protected-access
+          if isinstance(layer, moe_layer.MixtureOfExperts) and layer.built]
 
 
 class ProfilerWindow(Action):
