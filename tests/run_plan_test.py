@@ -59,6 +59,22 @@ class MakeRunPlanTest(absltest.TestCase):
     self.assertEqual(plan.train_files, ())
     self.assertEqual(plan.eval_batch_size, 200)
 
+  def test_batch_norm_default_reads_the_backends_traits(self):
+    # The plan asks the backend's traits (`asynchronous`, `on_tpu`), not
+    # the kind: the same two replicas normalize together only when they
+    # step together, and --enable_xla compiles per replica off a TPU.
+    def sync(*, asynchronous=False, on_tpu=False, **options):
+      return run_plan.make_run_plan(
+          _options(batch_size=200, train_epochs=1, **options),
+          _function_spec(1000), num_replicas_in_sync=2, num_workers=1,
+          asynchronous=asynchronous, decision=_decision(StrategyKind.MIRRORED),
+          on_tpu=on_tpu).sync_batch_norm
+
+    self.assertTrue(sync())
+    self.assertFalse(sync(asynchronous=True))
+    self.assertFalse(sync(enable_xla=True))
+    self.assertTrue(sync(enable_xla=True, on_tpu=True))
+
   def test_train_steps_and_warmup_flags_win(self):
     lr = lr_schedule.LROptions(base_learning_rate=0.5, base_batch_size=50,
                                lr_scaling="none", warmup_steps=4)

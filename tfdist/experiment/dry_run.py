@@ -55,7 +55,7 @@ def dry_run(prepared: prepare.PreparedRun, *, task, writer: bool) -> dict:
       plan_options, task.dataset,
       num_replicas_in_sync=replicas,
       num_workers=num_workers, asynchronous=prepared.backend.asynchronous,
-      decision=prepared.decision)
+      decision=prepared.decision, on_tpu=prepared.backend.on_tpu)
   logging.info("%s", plan.describe(plan_options))
   notes = prepare.check_resume(config, decided, plan) if writer else []
   print(f"tfdist: dry run: every start-up check passed ({cluster.task_type} "

@@ -396,7 +396,8 @@ class ExperimentRunner:
         plan_options, self.task.dataset,
         num_replicas_in_sync=self.strategy.num_replicas_in_sync,
         num_workers=self.num_workers,
-        asynchronous=self.backend.asynchronous, decision=self.decision)
+        asynchronous=self.backend.asynchronous, decision=self.decision,
+        on_tpu=self.backend.on_tpu)
     logging.info("%s", plan.describe(plan_options))
     remainder = plan.batch.remainder_warning()
     if remainder and self.is_writer:

@@ -339,7 +339,8 @@ def data_patterns(data: DataOptions, spec=None) -> Sequence[Tuple[str, str]]:
 
 
 def make_run_plan(options: PlanOptions, spec, *, num_replicas_in_sync: int,
-                  num_workers: int, asynchronous: bool, decision) -> RunPlan:
+                  num_workers: int, asynchronous: bool, decision,
+                  on_tpu: bool = False) -> RunPlan:
   """Lists and counts the data, then plans the batch and learning rate.
 
   Args:
@@ -351,9 +352,11 @@ def make_run_plan(options: PlanOptions, spec, *, num_replicas_in_sync: int,
     num_workers: hosts that each read a disjoint part of the data under
       synchronous multi-worker training (their input pipelines), or the
       parameter-server workers (each reads every file).
-    asynchronous: parameter-server training.
+    asynchronous: parameter-server training (the backend's trait).
     decision: the `tfdist.distribute.auto_select.Decision` (strategy, dtype,
       reasons).
+    on_tpu: the strategy runs on a TPU (the backend's trait), where
+      `--enable_xla` compiles the whole step, not each replica's.
 
   Returns:
     A `RunPlan`.
@@ -412,7 +415,8 @@ def make_run_plan(options: PlanOptions, spec, *, num_replicas_in_sync: int,
   sync_batch_norm, sync_batch_norm_reason = models.resolve_sync_batch_norm(
       options.sync_batch_norm, strategy_name=kind,
       num_replicas_in_sync=num_replicas_in_sync,
-      xla_per_replica=options.enable_xla and kind is not StrategyKind.TPU)
+      synchronous=not asynchronous,
+      xla_per_replica=options.enable_xla and not on_tpu)
   return RunPlan(
       train_file_counts=train_file_counts, sharding=sharding,
       sync_batch_norm=sync_batch_norm,
