@@ -9,6 +9,7 @@ counts its calls (the trainer used it, for training and evaluation).
 """
 
 import os
+import types
 
 os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
 
@@ -147,10 +148,12 @@ class RegistryTest(absltest.TestCase):
 
 
 def _settings(zero_stage=0, pipeline_stages=1, tensor_parallel=1):
-  """A config's three parallelism settings (what `backend_for_run` reads)."""
-  return type("Settings", (), dict(zero_stage_resolved=zero_stage,
-                                   pipeline_stages=pipeline_stages,
-                                   tensor_parallel=tensor_parallel))()
+  """A config's three parallelism settings, in their sections (what
+  `backend_for_run` reads)."""
+  return types.SimpleNamespace(
+      memory=types.SimpleNamespace(zero_stage_resolved=zero_stage),
+      strategy=types.SimpleNamespace(parallelism=types.SimpleNamespace(
+          pipeline_stages=pipeline_stages, tensor_parallel=tensor_parallel)))
 
 
 class BackendCompositionTest(absltest.TestCase):
