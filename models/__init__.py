@@ -93,17 +93,19 @@ def _build_transformer(spec, transformer_layers: int = 2,
       experts=transformer_experts(config, tensor_parallel=tensor_parallel))
 
 
-def transformer_experts(config, *, tensor_parallel: bool = False
+def transformer_experts(model_options, *, tensor_parallel: bool = False
                         ) -> transformer.ExpertsOptions:
-  """The Transformer's mixture-of-experts options from the run's model
-  options (`tfdist.config.ModelBuilderConfig`: `--transformer_experts` and
-  the `--experts_*` flags); dense (no experts) when `config` is None or
-  has no `transformer_experts`.
+  """The Transformer's mixture-of-experts options from the builder's model
+  options (its `config`: a `tfdist.config.ModelBuilderConfig`, the run's
+  model section, with `--transformer_experts` and the `--experts_*`
+  flags); dense (no experts) when `model_options` is None or has no
+  `transformer_experts` (`ModelOptions`).
 
   Raises:
     tfdist.errors.ConfigError: experts with `--tensor_parallel`.
   """
-  experts = getattr(config, "transformer_experts", 0) if config else 0
+  experts = (getattr(model_options, "transformer_experts", 0)
+             if model_options else 0)
   if not experts:
     return transformer.ExpertsOptions()
   if tensor_parallel:
@@ -112,10 +114,11 @@ def transformer_experts(config, *, tensor_parallel: bool = False
         "with --tensor_parallel: the experts have no tensor-parallel form. "
         "Drop one of the two.")
   return transformer.ExpertsOptions(
-      num_experts=experts, top_k=config.experts_top_k,
-      capacity_factor=config.experts_capacity_factor,
-      load_balancing_loss_weight=config.experts_load_balancing_loss_weight,
-      router_z_loss_weight=config.experts_router_z_loss_weight)
+      num_experts=experts, top_k=model_options.experts_top_k,
+      capacity_factor=model_options.experts_capacity_factor,
+      load_balancing_loss_weight=(
+          model_options.experts_load_balancing_loss_weight),
+      router_z_loss_weight=model_options.experts_router_z_loss_weight)
 
 
 # Built-in builders whose models have batch normalization (they take
