@@ -488,7 +488,7 @@ FLAT_EDGE = ("tfdist/train.py", "tfdist/api.py", "flags/",
 # sections. Left for later: the modules other work is changing now
 # (tfdist/parallel/, tfdist/backends/pipeline.py, tfdist/data/,
 # tfdist/launch.py).
-MAX_FLAT_READS = 50
+MAX_FLAT_READS = 20
 
 
 def _is_config(node) -> bool:
