@@ -488,15 +488,25 @@ FLAT_EDGE = ("tfdist/train.py", "tfdist/api.py", "flags/",
 # sections. Left for later: the modules other work is changing now
 # (tfdist/parallel/, tfdist/backends/pipeline.py, tfdist/data/,
 # tfdist/launch.py).
-MAX_FLAT_READS = 20
+MAX_FLAT_READS = 20  # backends/pipeline.py
 
 
-def _is_config(node) -> bool:
-  """`config`, `self.config`, `run.config`, `base_config`, ...: a name
-  that holds a `TrainConfig`."""
+def _is_config(node, annotated=frozenset()) -> bool:
+  """`config`, `self.config`, `run.config`, `base_config`, ... or an
+  argument annotated `TrainConfig` (`annotated`): a name that holds a
+  `TrainConfig`."""
   name = (node.id if isinstance(node, ast.Name) else
           node.attr if isinstance(node, ast.Attribute) else None)
-  return bool(name) and (name == "config" or name.endswith("_config"))
+  return bool(name) and (name == "config" or name.endswith("_config") or
+                         (isinstance(node, ast.Name) and name in annotated))
+
+
+def _annotated_configs(tree) -> frozenset:
+  """The names of arguments annotated `TrainConfig` in `tree`."""
+  return frozenset(
+      node.arg for node in ast.walk(tree) if isinstance(node, ast.arg) and
+      node.annotation is not None and
+      ast.unparse(node.annotation).endswith("TrainConfig"))
 
 
 def flat_reads(source: str) -> list:
@@ -504,14 +514,17 @@ def flat_reads(source: str) -> list:
   (`config.batch_size`, `getattr(config, "batch_size", ...)`); a read
   through its section (`config.loop.batch_size`) is none."""
   names = set(config.flat_fields()) - set(config.BOOKKEEPING_FIELDS)
+  tree = ast.parse(source)
+  annotated = _annotated_configs(tree)
   found = []
-  for node in ast.walk(ast.parse(source)):
+  for node in ast.walk(tree):
     if (isinstance(node, ast.Attribute) and node.attr in names and
-        isinstance(node.ctx, ast.Load) and _is_config(node.value)):
+        isinstance(node.ctx, ast.Load) and
+        _is_config(node.value, annotated)):
       found.append((node.lineno, node.attr))
     elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and
           node.func.id == "getattr" and len(node.args) >= 2 and
-          _is_config(node.args[0]) and
+          _is_config(node.args[0], annotated) and
           isinstance(node.args[1], ast.Constant) and
           node.args[1].value in names):
       found.append((node.lineno, node.args[1].value))
@@ -560,7 +573,10 @@ class FlatReadsTest(absltest.TestCase):
               "e = options.batch_size\n"
               "f = config.loop\n"
               "g = base_config.model_dir\n"
-              "h = config.defaulted\n")
+              "h = config.defaulted\n"
+              "def f(base: TrainConfig):\n"
+              "  return base.seed, base.loop.seed\n")
     self.assertEqual(flat_reads(source),
                      [(1, "batch_size"), (3, "dtype"),
-                      (4, "transformer_experts"), (7, "model_dir")])
+                      (4, "transformer_experts"), (7, "model_dir"),
+                      (10, "seed")])

@@ -590,7 +590,8 @@ def trial_train_config(base: TrainConfig, params: dict,
         f"set ({'each trial has its own' if bad[0] in fields else 'no such field'}"
         "). Use TrainConfig field names (the flag names), other than "
         f"{', '.join(_TRIAL_FIXED_FIELDS)}.")
-  return base.replace(model_dir=os.path.join(base.model_dir, trial), **params)
+  return base.replace(model_dir=os.path.join(base.outputs.model_dir, trial),
+                      **params)
 
 
 def _run_trial(tune, base: TrainConfig, params: dict, **fit_args):
