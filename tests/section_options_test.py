@@ -1,5 +1,5 @@
 """Unit tests of each part's options built from the config's sections
-(`StrategyOptions.of`, `SelectOptions.of`, `PlanOptions.of`,
+(`StrategyOptions.of`, `SelectOptions.of`, `prepare.plan_options`,
 `AssemblyOptions.of`, `TaskNames.of`, `NameOptions.of`,
 `preflight.decided_outputs`)
 and of the records that list the whole run (`manifest.recorded_config`,
@@ -17,6 +17,7 @@ from tfdist.data import filesystems
 from tfdist.distribute import decisions as decisions_lib
 from tfdist.distribute import auto_select
 from tfdist.distribute import strategy as strategy_lib
+from tfdist.experiment import prepare
 from tfdist.backends import registry as backend_registry
 from tfdist.core.strategy_kind import StrategyKind
 from tfdist.observability import manifest
@@ -102,16 +103,22 @@ class SectionOptionsTest(absltest.TestCase):
                                 "--zero3_blocks=0 must be a positive"):
       _config(zero3_blocks=0)
 
-  def test_plan_options_hold_batch_learning_rate_and_data(self):
-    options = run_plan.PlanOptions.of(**_sections(_config(
+  def test_plan_options_hold_the_sections_as_the_config_does(self):
+    config = _config(
         batch_size=48, gradient_accumulation_steps=2, warmup_steps=5,
-        base_learning_rate=0.3, train_files="/d/train-*", mode="train")))
-    self.assertEqual(options.batch_size, 48)
-    self.assertEqual(options.gradient_accumulation_steps, 2)
+        base_learning_rate=0.3, train_files="/d/train-*", mode="train")
+    options = prepare.plan_options(config, None)
+    # Each section handed over as it is, not restated field by field.
+    for name in ("loop", "task", "precision", "memory", "strategy"):
+      self.assertIs(getattr(options, name), getattr(config, name), name)
+    self.assertIs(options.lr, config.optimization.learning_rate)
+    self.assertEqual(options.loop.batch_size, 48)
+    self.assertEqual(options.loop.gradient_accumulation_steps, 2)
     self.assertEqual(options.lr.warmup_steps, 5)
-    self.assertEqual(options.lr.base_learning_rate, 0.3)
     self.assertEqual(options.data.train_files, "/d/train-*")
     self.assertFalse(options.need_eval)
+    self.assertFalse(run_plan.PlanOptions(
+        data=config.task.data, lr=options.lr).pipeline.enabled)
 
   def test_task_names_and_task(self):
     config = _config(model="cnn", dataset="fashion_mnist")

@@ -47,10 +47,7 @@ def dry_run(prepared: prepare.PreparedRun, *, task, writer: bool) -> dict:
   decided = prepared.decisions
   replicas, num_workers = prepared.backend.planned_replicas(
       config, decided, cluster=cluster)
-  plan_options = run_plan_lib.PlanOptions.of(
-      task=config.task, loop=config.loop, strategy=config.strategy,
-      precision=config.precision, memory=config.memory,
-      optimization=config.optimization, decisions=decided)
+  plan_options = prepare.plan_options(config, decided)
   plan = run_plan_lib.make_run_plan(
       plan_options, task.dataset,
       num_replicas_in_sync=replicas,

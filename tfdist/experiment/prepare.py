@@ -36,6 +36,7 @@ from tfdist.training import checkpointing
 from tfdist.training import export
 from tfdist.training import keras_callbacks
 from tfdist.training import preflight
+from tfdist.training import run_plan as run_plan_lib
 from tfdist.training import task as task_lib
 
 
@@ -275,6 +276,17 @@ def assembly_options(config: TrainConfig,
       precision=config.precision, memory=config.memory,
       optimization=config.optimization, decisions=decisions,
       builder_config=config_lib.ModelBuilderConfig(config))
+
+
+def plan_options(config: TrainConfig, decisions) -> run_plan_lib.PlanOptions:
+  """The run's `tfdist.training.run_plan.PlanOptions`: the sections the
+  plan reads, handed over as they are, with the data files the run's
+  `decisions` chose (`run_plan.decided_data`)."""
+  return run_plan_lib.PlanOptions(
+      data=run_plan_lib.decided_data(config.task.data, decisions),
+      lr=config.optimization.learning_rate, loop=config.loop,
+      task=config.task, precision=config.precision, memory=config.memory,
+      strategy=config.strategy)
 
 
 

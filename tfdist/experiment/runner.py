@@ -391,11 +391,7 @@ class ExperimentRunner:
       ConfigError: as `tfdist.training.run_plan.make_run_plan`, or a
         `--profile_steps` window after the last step.
     """
-    plan_options = run_plan_lib.PlanOptions.of(
-        task=self.config.task, loop=self.config.loop,
-        strategy=self.config.strategy,
-        precision=self.config.precision, memory=self.config.memory,
-        optimization=self.config.optimization, decisions=self.decisions)
+    plan_options = prepare.plan_options(self.config, self.decisions)
     plan = run_plan_lib.make_run_plan(
         plan_options, self.task.dataset,
         num_replicas_in_sync=self.strategy.num_replicas_in_sync,
