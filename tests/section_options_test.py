@@ -1,6 +1,6 @@
 """Unit tests of each part's options built from the config's sections
 (`StrategyOptions.of`, `SelectOptions.of`, `prepare.plan_options`,
-`AssemblyOptions.of`, `TaskNames.of`, `NameOptions.of`,
+`prepare.assembly_options`, `TaskNames.of`, `NameOptions.of`,
 `preflight.decided_outputs`)
 and of the records that list the whole run (`manifest.recorded_config`,
 `ManifestOptions.of`, `filesystems.config_paths`)."""
@@ -10,7 +10,6 @@ import dataclasses
 from absl.testing import absltest
 import tensorflow as tf
 
-from tfdist import config as config_lib
 from tfdist import errors
 from tfdist.config import TrainConfig
 from tfdist.data import filesystems
@@ -36,12 +35,6 @@ def _strategy_options(config, decisions=None):
   return strategy_lib.StrategyOptions.of(
       config.strategy, decisions,
       reduction_server=config.cloud.reduction_server)
-
-
-def _sections(config):
-  return dict(task=config.task, loop=config.loop, strategy=config.strategy,
-              precision=config.precision, memory=config.memory,
-              optimization=config.optimization)
 
 
 class SectionOptionsTest(absltest.TestCase):
@@ -88,13 +81,11 @@ class SectionOptionsTest(absltest.TestCase):
                      ("auto", "auto"))
     self.assertIs(_strategy_options(config, decided).kind,
                   StrategyKind.ONE_DEVICE)
-    self.assertEqual(assembly.AssemblyOptions.of(**_sections(config),
-                                                decisions=decided).dtype,
-                     "fp32")
+    self.assertEqual(prepare.assembly_options(config, decided).dtype, "fp32")
 
   def test_zero3_block_settings_reach_the_sharding(self):
     config = _config(zero_stage=3, zero3_blocks=1, zero3_prefetch=True)
-    options = assembly.AssemblyOptions.of(**_sections(config))
+    options = prepare.assembly_options(config, None)
     sharding = assembly._sharding_for(  # pylint: disable=protected-access
         options, strategy=tf.distribute.MirroredStrategy(["/cpu:0"]))
     self.assertEqual((sharding.stage, sharding.num_blocks, sharding.prefetch),
@@ -198,13 +189,10 @@ class SectionOptionsTest(absltest.TestCase):
     self.assertEqual(run_plan.decided_data(config.task.data, decided)
                      .train_files, "/aip/train-*")
     self.assertIs(run_plan.decided_data(config.task.data), config.task.data)
-    options = assembly.AssemblyOptions.of(**_sections(config),
-                                          decisions=decided)
+    options = prepare.assembly_options(config, decided)
     self.assertEqual((options.dtype, options.steps_per_execution),
                      ("bf16", 9))
-    own = assembly.AssemblyOptions.of(
-        **_sections(config),
-        builder_config=config_lib.ModelBuilderConfig(config))
+    own = prepare.assembly_options(config, None)
     self.assertEqual(own.dtype, "fp32")
     self.assertIs(own.builder_config.task, config.task)
 

@@ -66,7 +66,7 @@ def model_sizes_of(config, *, tensor_degree: int = 2) -> ModelSizes:
   # `tfdist.runtime.quiet_tensorflow`), and the parent process needs them only
   # now.
   import keras  # pylint: disable=g-import-not-at-top
-  from tfdist import config as config_lib  # pylint: disable=g-import-not-at-top
+  from tfdist.experiment import prepare  # pylint: disable=g-import-not-at-top
   from tfdist.training import assembly  # pylint: disable=g-import-not-at-top
   from tfdist.training import lr_schedule  # pylint: disable=g-import-not-at-top
   from tfdist.training import precision  # pylint: disable=g-import-not-at-top
@@ -75,11 +75,8 @@ def model_sizes_of(config, *, tensor_degree: int = 2) -> ModelSizes:
   dtype = dtype if dtype != "auto" else "fp32"
   precision.configure_precision(dtype)
   try:
-    options = dataclasses.replace(assembly.AssemblyOptions.of(
-        task=config.task, loop=config.loop, strategy=config.strategy,
-        precision=config.precision, memory=config.memory,
-        optimization=config.optimization, decisions=None,
-        builder_config=config_lib.ModelBuilderConfig(config)), dtype=dtype)
+    options = dataclasses.replace(
+        prepare.assembly_options(config, None), dtype=dtype)
     model = assembly.build_model(
         options, task=task_lib.from_names(task_lib.TaskNames.of(config.task)))
     # A schedule, as in every run (tfdist.training.lr_schedule): the

@@ -29,6 +29,7 @@ from tfdist.distribute import environment as environment_lib
 from tfdist.core.strategy_kind import StrategyKind
 from tfdist.observability import manifest as manifest_lib
 from tfdist.observability import versions
+from tfdist.parallel.pipeline import options as pipeline_options
 from tfdist.runtime import allocator
 from tfdist.training import assembly
 from tfdist.training import checkpoint_paths
@@ -267,14 +268,24 @@ def start_run(config: TrainConfig, *,
 
 def assembly_options(config: TrainConfig,
                      decisions) -> assembly.AssemblyOptions:
-  """The run's `tfdist.training.assembly.AssemblyOptions`: from the
-  sections the assembly reads, the run's `decisions` (dtype, loss scale,
-  steps per execution), and the model options a builder asking for
-  `config` gets (`tfdist.config.ModelBuilderConfig`)."""
-  return assembly.AssemblyOptions.of(
-      task=config.task, loop=config.loop, strategy=config.strategy,
-      precision=config.precision, memory=config.memory,
-      optimization=config.optimization, decisions=decisions,
+  """The run's `tfdist.training.assembly.AssemblyOptions`: the sections the
+  assembly reads, handed over as they are, the run's `decisions` (dtype,
+  loss scale, steps per execution; None: the sections' own), the
+  parallelism section's pipeline and the model options a builder asking
+  for `config` gets (`tfdist.config.ModelBuilderConfig`)."""
+  if decisions is None:  # The sections' own (no run decided them).
+    dtype, loss_scale = config.precision.dtype, config.precision.loss_scale
+    steps_per_execution = config.loop.steps_per_execution
+  else:
+    dtype, loss_scale = decisions.dtype, decisions.loss_scale
+    steps_per_execution = decisions.steps_per_execution
+  return assembly.AssemblyOptions(
+      optimization=config.optimization, precision=config.precision,
+      loop=config.loop, memory=config.memory, task=config.task,
+      strategy=config.strategy, dtype=dtype, loss_scale=loss_scale,
+      steps_per_execution=steps_per_execution,
+      pipeline=pipeline_options.PipelineOptions.of(
+          config.strategy.parallelism),
       builder_config=config_lib.ModelBuilderConfig(config))
 
 
