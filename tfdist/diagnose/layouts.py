@@ -66,7 +66,7 @@ def model_sizes_of(config, *, tensor_degree: int = 2) -> ModelSizes:
   # `tfdist.runtime.quiet_tensorflow`), and the parent process needs them only
   # now.
   import keras  # pylint: disable=g-import-not-at-top
-  from tfdist.experiment import prepare  # pylint: disable=g-import-not-at-top
+  from tfdist import config as config_lib  # pylint: disable=g-import-not-at-top
   from tfdist.training import assembly  # pylint: disable=g-import-not-at-top
   from tfdist.training import lr_schedule  # pylint: disable=g-import-not-at-top
   from tfdist.training import precision  # pylint: disable=g-import-not-at-top
@@ -75,8 +75,15 @@ def model_sizes_of(config, *, tensor_degree: int = 2) -> ModelSizes:
   dtype = dtype if dtype != "auto" else "fp32"
   precision.configure_precision(dtype)
   try:
-    options = dataclasses.replace(
-        prepare.assembly_options(config, None), dtype=dtype)
+    # The sections the assembly reads, as a run's assembly hands them over
+    # (tfdist.experiment.prepare.assembly_options), at this dtype.
+    options = assembly.AssemblyOptions(
+        optimization=config.optimization, precision=config.precision,
+        loop=config.loop, memory=config.memory, task=config.task,
+        strategy=config.strategy, dtype=dtype,
+        loss_scale=config.precision.loss_scale,
+        steps_per_execution=config.loop.steps_per_execution,
+        builder_config=config_lib.ModelBuilderConfig(config))
     model = assembly.build_model(
         options, task=task_lib.from_names(task_lib.TaskNames.of(config.task)))
     # A schedule, as in every run (tfdist.training.lr_schedule): the

@@ -322,6 +322,23 @@ def data_patterns(data: DataOptions, spec=None) -> Sequence[Tuple[str, str]]:
   return out
 
 
+def _checked_pipeline(options: PlanOptions, plan
+                      ) -> Optional[pipeline_options.PipelineOptions]:
+  """The run's pipeline, its micro-batches checked against the batch plan
+  `plan`; None when the model is not cut into stages.
+
+  Raises:
+    ConfigError: as `tfdist.parallel.pipeline.options.check_batch`.
+  """
+  pipeline = options.pipeline
+  if pipeline is None or not pipeline.enabled:
+    return None
+  pipeline_options.check_batch(
+      pipeline, micro_step_batch=plan.per_replica_batch_size,
+      gradient_accumulation_steps=plan.gradient_accumulation_steps)
+  return pipeline
+
+
 def make_run_plan(options: PlanOptions, spec, *, num_replicas_in_sync: int,
                   num_workers: int, asynchronous: bool, decision,
                   on_tpu: bool = False) -> RunPlan:
@@ -389,13 +406,7 @@ def make_run_plan(options: PlanOptions, spec, *, num_replicas_in_sync: int,
   else:
     sharding = input_pipeline.function_sharding(
         spec.input_fn, num_input_pipelines=pipelines)
-  pipeline = options.pipeline
-  if pipeline is not None and pipeline.enabled:
-    pipeline_options.check_batch(
-        pipeline, micro_step_batch=plan.per_replica_batch_size,
-        gradient_accumulation_steps=plan.gradient_accumulation_steps)
-  else:
-    pipeline = None
+  pipeline = _checked_pipeline(options, plan)
   sync_batch_norm, sync_batch_norm_reason = models.resolve_sync_batch_norm(
       options.task.sync_batch_norm, strategy_name=kind,
       num_replicas_in_sync=num_replicas_in_sync,
