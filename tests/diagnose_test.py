@@ -468,6 +468,19 @@ class PlanTest(absltest.TestCase):
     self.assertLess(rows["tensor parallel"]["parameters_bytes"],
                     rows["data parallel"]["parameters_bytes"])
     self.assertIn("Megatron splits cover", text)
+    # The meshes of 2 devices (tfdist.training.mesh_plan): D2 at ZeRO 0-3,
+    # a 2-stage pipeline, tensor parallelism over 2; data parallelism
+    # recommended, as in the single-axis table.
+    meshes = result["meshes"]
+    self.assertEqual([(m["data"], m["pipeline"], m["tensor"],
+                       m["zero_stage"]) for m in meshes["rows"]],
+                     [(2, 1, 1, 0), (2, 1, 1, 1), (2, 1, 1, 2),
+                      (2, 1, 1, 3), (1, 2, 1, 0), (1, 1, 2, 0)])
+    self.assertEqual(meshes["recommended"], "D2 x P1 x T1")
+    self.assertEqual(meshes["rows"][0]["per_device_bytes"],
+                     rows["data parallel"]["per_device_bytes"])
+    self.assertIn("Meshes of 2 devices", text)
+    self.assertIn("Recommended mesh: D2 x P1 x T1 (no extra flags)", text)
     self.assertEqual(layouts["recommended"], "data parallel")
     self.assertIn("Recommended layout: data parallel (no extra flags)", text)
     # Nothing trained: no run folder, and seconds (flags parsed, the model

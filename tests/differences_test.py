@@ -70,7 +70,7 @@ class LinesTest(absltest.TestCase):
         "micro_batch_precision": dict(pipeline_stages=2, dtype="fp16"),
         "tensor_parallel_rounding": dict(tensor_parallel=2,
                                          optimizer="adam"),
-        "self_sharding_resume": dict(self_sharding_input=True),
+        "self_sharding_epochs": dict(self_sharding_input=True),
         "parameter_server_input": dict(keeps_input_position=False),
     }
     for key, facts in cases.items():

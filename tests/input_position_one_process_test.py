@@ -11,8 +11,13 @@ recomputes its position from the restored step (`tfdist.data.input_pipeline`,
   `make_dataset` yields exactly the batches an uninterrupted one yields
   from step s on: one worker, two workers on balanced record ranges, two
   replicas with gradient accumulation; the checkpoint records the layout,
-  a changed layout (worker count, files) discards the position with a
-  message, checkpoints without a position still restore.
+  a changed layout (files, seed) discards the position with a message,
+  and a changed worker count replays the checkpoint's workers' order;
+  checkpoints without a position still restore. A dataset function that
+  takes `input_context` resumed mid-pass equals its uninterrupted stream
+  (before: read from the start); 2 workers' global batches are replayed
+  exactly on 1 and on 4 workers, for a function that shards itself, one
+  tfdist shards and one whose shuffle draws its seed from the global seed.
 * Real runs, `--deterministic`: run A trains 8 steps uninterrupted
   (checkpoints at 3 and 6, 5 steps per epoch); run B resumes from A's
   step-3 checkpoint (mid-epoch) in another folder and trains to 8. The
@@ -30,8 +35,9 @@ recomputes its position from the restored step (`tfdist.data.input_pipeline`,
   dataset function with its own unseeded shuffle (before: its epoch
   started over at resume, 5e-2 off), a `PyDataset` and a generator (which
   says at resume what its resumed epoch sees), on one device and under
-  Mirrored; the dataset function also through 2 pipeline stages and under
-  ZeRO stage 3 on 2 Mirrored replicas; and ZeRO stage 3 resumed on 4
+  Mirrored; a dataset function taking `input_context` (before: no
+  position) and NumPy arrays under Mirrored; the dataset function also
+  through 2 pipeline stages and under ZeRO stage 3 on 2 Mirrored replicas; and ZeRO stage 3 resumed on 4
   replicas from a 2-replica run's checkpoint (two more child processes:
   the logical devices are fixed per process).
 
@@ -104,6 +110,85 @@ class ResumedPipelineTest(parameterized.TestCase):
       self.assertNotEqual(restarted, uninterrupted[3 * batches_per_step:
                                                    7 * batches_per_step])
 
+  def test_function_sharding_itself_resumes_its_passes(self):
+    # A dataset function that takes input_context (before: no position, a
+    # resumed run read its examples from the start). 101 examples over 2
+    # workers: shares of 51 and 50, 4 examples a step each, so the stops
+    # fall in the first, second and fourth pass over a share.
+    for worker in range(2):
+      uninterrupted = _function_ids(worker, 2, 0, 40)
+      for stop in (3, 13, 40 - 9):
+        with self.subTest(worker=worker, stop=stop):
+          self.assertEqual(_function_ids(worker, 2, stop, 40 - stop),
+                           uninterrupted[stop:])
+      # What a resume did before: the stream again from its start.
+      self.assertNotEqual(_function_ids(worker, 2, 0, 4),
+                          uninterrupted[13:17])
+
+  @parameterized.named_parameters(("sharding_itself", True, 5),
+                                  ("sharded_by_tfdist", False, 5),
+                                  ("unseeded_shuffle", True, None))
+  def test_other_worker_count_replays_the_global_batches(self, context,
+                                                         shuffle_seed):
+    # Trained on 2 workers, resumed on 1 or 4 at step 5 (of 8 a 96-example
+    # epoch): each step's global batch (the workers' batches in worker
+    # order) is the one the 2 workers would have had. Each worker builds
+    # its input right after the global seed is set, as in a process of its
+    # own: a function's shuffle without a seed of its own draws one from
+    # the global seed (before: the second replayed worker's draw differed).
+    steps, stop = 14, 5
+    global_batches = [sum(parts, []) for parts in zip(*(
+        _function_ids(w, 2, 0, steps, context=context,
+                      shuffle_seed=shuffle_seed) for w in range(2)))]
+    for workers in (1, 4):
+      with self.subTest(workers=workers):
+        resumed = [_function_ids(w, workers, stop, steps - stop,
+                                 context=context, replay=2,
+                                 shuffle_seed=shuffle_seed)
+                   for w in range(workers)]
+        self.assertEqual([sum(parts, []) for parts in zip(*resumed)],
+                         global_batches[stop:])
+    # Its own order on 1 worker differs (the comparison can fail).
+    self.assertNotEqual(_function_ids(0, 1, stop, 3, context=context),
+                        global_batches[stop:stop + 3])
+    # 3 old workers cannot have split a batch of 8: refused, named.
+    from tfdist import errors  # pylint: disable=g-import-not-at-top
+    with self.assertRaisesRegex(
+        errors.ConfigError, r"--batch_size: the global micro-batch of 8 "
+        r"examples does not split evenly over the checkpoint's 3 workers"):
+      _function_ids(0, 1, stop, 1, context=context, replay=3)
+
+  def test_files_replayed_on_one_worker(self):
+    # TFRecord files on 2 workers (balanced record ranges), resumed on 1 at
+    # step 4 of a 7-step epoch: each step's batch holds the 2 workers'
+    # examples of that step, in worker order.
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+    from tfdist.data import fashion_mnist  # pylint: disable=g-import-not-at-top
+    from tfdist.data import input_pipeline  # pylint: disable=g-import-not-at-top
+    data = testutil.fashion_mnist_subset(limit=250, train_shards=3,
+                                         test_shards=1)
+    files = input_pipeline.list_files(data["train"])
+    counts = input_pipeline.count_records_per_file(files)
+
+    def ids(worker, workers, start_step, num_steps, replay=None):
+      ds = input_pipeline.make_dataset(input_pipeline.PipelineOptions(
+          files=files, global_batch_size=32, is_training=True, seed=3,
+          parse_fn=lambda s: fashion_mnist.parse_image_example(
+              s, with_id=True),
+          deterministic=True, file_record_counts=counts,
+          shuffle_buffer_size=64, start_step=start_step,
+          replay_pipelines=replay), tf.distribute.InputContext(
+              num_input_pipelines=workers, input_pipeline_id=worker,
+              num_replicas_in_sync=workers))
+      batches = iter(ds)
+      return [next(batches)[2].numpy().tolist() for _ in range(num_steps)]
+
+    steps, stop = 10, 4
+    global_batches = [a + b for a, b in zip(ids(0, 2, 0, steps),
+                                             ids(1, 2, 0, steps))]
+    self.assertEqual(ids(0, 1, stop, steps - stop, replay=2),
+                     global_batches[stop:])
+
   def test_layout_change_names_what_changed(self):
     from tfdist.data import input_pipeline  # pylint: disable=g-import-not-at-top
     layout = lambda **kw: input_pipeline.input_layout(**{
@@ -155,12 +240,25 @@ class ResumedPipelineTest(parameterized.TestCase):
     same, _ = keeper(directory, two_workers)
     self.assertEqual(same.restore(), path)
     self.assertEqual(same.input_position.resume_step(6), 6)
-    # Three workers now: the position is discarded, the second epoch (epoch
-    # 2, counted from 1) starts over.
+    # Three workers now: the position holds, and the run replays the
+    # checkpoint's 2 workers' order, which its own checkpoints then record
+    # (before: discarded, the epoch started over at step 4).
     changed, _ = keeper(directory, dict(two_workers, num_input_pipelines=3))
     changed.restore()
+    with self.assertLogs(level="INFO") as logs:
+      self.assertEqual(changed.input_position.resume_step(6), 6)
+    self.assertEqual(changed.input_position.replay_pipelines, 2)
+    self.assertEqual(changed.input_position.layout, two_workers)
+    self.assertIn("the worker count changed from 2 to 3: the input replays "
+                  "the checkpoint's 2 workers' order", "\n".join(logs.output))
+    # Another seed as well: the position is discarded, the second epoch
+    # (epoch 2, counted from 1) starts over.
+    reseeded, _ = keeper(directory, dict(two_workers, num_input_pipelines=3,
+                                         seed=2))
+    reseeded.restore()
     with self.assertLogs(level="WARNING") as logs:
-      self.assertEqual(changed.input_position.resume_step(6), 4)
+      self.assertEqual(reseeded.input_position.resume_step(6), 4)
+    self.assertIsNone(reseeded.input_position.replay_pipelines)
     self.assertIn("input position discarded: the worker count (input "
                   "pipelines) changed from 2 to 3. The input starts epoch 2 "
                   "over", "\n".join(logs.output))
@@ -178,6 +276,44 @@ class ResumedPipelineTest(parameterized.TestCase):
     self.assertEqual(int(newer_step.numpy()), 2)
     self.assertIsNone(newer.input_position.saved)
     self.assertEqual(newer.input_position.resume_step(2), 0)
+
+
+def _id_function(input_context, training, shuffle_seed=5):
+  """101 example ids (int64), shuffled with `shuffle_seed` (None: drawn
+  from the global seed); sharded by `input_context` when given (a function
+  that shards itself)."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  del training
+  ds = tf.data.Dataset.range(101)
+  if input_context is not None:
+    ds = ds.shard(input_context.num_input_pipelines,
+                  input_context.input_pipeline_id)
+  return ds.shuffle(64, seed=shuffle_seed)
+
+
+def _function_ids(worker, workers, start_step, num_steps, *, context=True,
+                  replay=None, shuffle_seed=5):
+  """The example ids of `num_steps` steps (global batch 8, one replica per
+  worker) that `worker` of `workers` feeds from `start_step` on (built
+  right after `tf.random.set_seed(1)`)."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  from tfdist.data import input_pipeline  # pylint: disable=g-import-not-at-top
+  fn = lambda input_context, training: _id_function(  # pylint: disable=unnecessary-lambda-assignment
+      input_context, training, shuffle_seed)
+  if not context:
+    fn = lambda training: _id_function(None, training, shuffle_seed)  # pylint: disable=unnecessary-lambda-assignment
+  tf.random.set_seed(1)
+  ds = input_pipeline.make_dataset(input_pipeline.PipelineOptions(
+      files=(), parse_fn=None, input_fn=fn, global_batch_size=8,
+      is_training=True, seed=3, deterministic=True, shuffle_buffer_size=32,
+      start_step=start_step, replay_pipelines=replay,
+      # 12 steps of 8 per epoch when tfdist shards (the function's epoch of
+      # 101 examples).
+      examples_per_epoch=96 // workers), tf.distribute.InputContext(
+          num_input_pipelines=workers, input_pipeline_id=worker,
+          num_replicas_in_sync=workers))
+  batches = iter(ds)
+  return [next(batches).numpy().tolist() for _ in range(num_steps)]
 
 
 class RandomStateTest(absltest.TestCase):
@@ -302,7 +438,12 @@ class ResumedRunsTest(absltest.TestCase):
         lines = "\n".join(result["resume_lines"])
         self.assertIn("input position restored: step 3 continues epoch 1",
                       lines)
-        self.assertIn("after 96 of this worker's 160 examples", lines)
+        if label.endswith("_ctx"):
+          # Before: no position ("reading its examples from the start").
+          self.assertIn("pass 1 over this worker's 160 examples of the "
+                        "dataset function, after 96 of them", lines)
+        else:
+          self.assertIn("after 96 of this worker's 160 examples", lines)
         self.assertEqual("x is a generator (or iterator), which cannot be restored" in
                          lines, label.endswith("generator"), lines)
 
@@ -357,12 +498,13 @@ def _child_main(spec: dict) -> dict:
 
 
 # (label, TrainConfig settings, input forms): every form on one device and
-# Mirrored; a dataset function through a 2-stage pipeline (one process, 2
+# Mirrored (a dataset function taking input_context and NumPy arrays on
+# Mirrored only); a dataset function through a 2-stage pipeline (one process, 2
 # logical CPUs) and ZeRO stage 3 on 2 Mirrored replicas.
 _FORM_RUNS = (
     ("one_device", {"distribution_strategy": "one_device"}, forms_lib.FORMS),
     ("mirrored", {"distribution_strategy": "mirrored", "num_cpu_devices": 2},
-     forms_lib.FORMS),
+     forms_lib.FORMS + forms_lib.MORE_FORMS),
     ("pipeline", {"pipeline_stages": 2, "num_cpu_devices": 2},
      ("dataset_function",)),
     ("zero3", {"distribution_strategy": "mirrored", "num_cpu_devices": 2,

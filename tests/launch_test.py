@@ -244,31 +244,42 @@ class OutputTest(absltest.TestCase):
     self.assertIn("--output=all or --task_log_dir=DIR", tail)
 
   def test_a_lost_worker_is_named_in_the_summary_and_the_chiefs_log(self):
-    # The worker dies of SIGKILL; the chief, left alone, ends with the lost
-    # peer's status a moment later (as tfdist.train's chief does).
-    script = textwrap.dedent("""
+    # The worker dies of SIGKILL; the chief, left alone, reports the lost
+    # peer as tfdist's PeerLostError does (`worker_exit.lost_peers_note`)
+    # and ends with the lost peer's status, with and without
+    # --task_log_dir (before: the chief's own output named neither the
+    # task nor its status; only --task_log_dir's file had the launcher's
+    # note).
+    script = textwrap.dedent(f"""
         import json, os, signal, sys, time
+        sys.path.insert(0, {testutil.REPO_ROOT!r})
         task = json.loads(os.environ["TF_CONFIG"])["task"]["type"]
         print("started", flush=True)
         if task == "worker":
           os.kill(os.getpid(), signal.SIGKILL)
-        time.sleep(2)
+        from tfdist.distribute import worker_exit
+        print("lost a peer:", worker_exit.lost_peers_note(wait_seconds=20),
+              flush=True)
         sys.exit(200)
         """)
-    logs = testutil.scratch_dir()
-    out = io.StringIO()
-    status = launch.Launcher(
-        tasks=launch.plan_tasks(num_workers=2),
-        command=[sys.executable, "-c", script], out=out,
-        stop_grace_seconds=30, task_log_dir=logs).run()
-    output = out.getvalue()
-    self.assertEqual(status, 200, output)
-    self.assertIn("[launch] worker:0 exited with status 137.", output)
-    self.assertRegex(
-        output, r"\[launch\] failed after 0 restarts \(worker:0 exited "
-        r"with status 137 first\): exit status 200 \(tasks: ")
+    for logs in (None, testutil.scratch_dir()):
+      out = io.StringIO()
+      status = launch.Launcher(
+          tasks=launch.plan_tasks(num_workers=2),
+          command=[sys.executable, "-c", script], out=out,
+          stop_grace_seconds=30, task_log_dir=logs).run()
+      output = out.getvalue()
+      self.assertEqual(status, 200, output)
+      self.assertIn("[launch] worker:0 exited with status 137.", output)
+      # The chief's own line (unprefixed: the chief's output).
+      self.assertIn("\nlost a peer: worker:0 exited with status 137\n",
+                    output)
+      self.assertRegex(
+          output, r"\[launch\] failed after 0 restarts \(worker:0 exited "
+          r"with status 137 first\): exit status 200 \(tasks: ")
     with open(os.path.join(logs, "chief-0.log")) as f:
       chief_log = f.read()
+    self.assertIn("lost a peer: worker:0 exited with status 137", chief_log)
     self.assertIn("[launch] worker:0 exited with status 137: the launcher "
                   "stops the other tasks.", chief_log)
     with open(os.path.join(logs, "worker-0.log")) as f:

@@ -335,6 +335,40 @@ class LayoutTableTest(absltest.TestCase):
     with self.assertRaisesRegex(ValueError, "pipeline_schedule='1F1B'"):
       self.table(_adam_state(1), pipeline_schedule="1F1B")
 
+  def test_expert_parallel_row_for_a_model_with_experts(self):
+    # Half the trainable weights are experts (E = 8) on 4 devices: E_p = 4
+    # divides both; the experts' state / 4, the rest whole.
+    choice = self.table(_adam_state(2), activation_bytes_per_example=1 << 20,
+                        expert_bytes=_GIB, num_experts=8)
+    self.assertEqual([r.layout for r in choice.rows],
+                     [*memory.LAYOUTS, *memory.OPTIONAL_LAYOUTS])
+    row = self.rows(choice)["expert parallel"]
+    self.assertEqual(row.per_device_bytes - row.activations_bytes, 5 * _GIB)
+    self.assertEqual(row.activations_bytes, 8 << 20)
+    self.assertEqual(row.flags, "--distribution_strategy=mirrored "
+                     "--expert_parallel=4")
+    # 6 experts on 4 devices: E_p = 2. 3 experts: no common divisor.
+    row = self.rows(self.table(_adam_state(2), expert_bytes=_GIB,
+                               num_experts=6))["expert parallel"]
+    self.assertIn("--expert_parallel=2", row.flags)
+    self.assertEqual(row.parameters_bytes, (3 * _GIB) // 2)  # 1 + 1/2
+    row = self.rows(self.table(_adam_state(2), expert_bytes=_GIB,
+                               num_experts=3))["expert parallel"]
+    self.assertFalse(row.available)
+    self.assertIn("4 devices and 3 experts share no divisor", row.note)
+    # No experts: no row.
+    self.assertNotIn("expert parallel", self.rows(self.table(_adam_state(2))))
+
+  def test_experts_are_measured_in_the_model(self):
+    from tfdist.parallel.experts.layer import MixtureOfExperts  # pylint: disable=g-import-not-at-top
+    inputs = keras.Input((3, 4))
+    x = MixtureOfExperts(num_experts=4, hidden_dim=8)(inputs)
+    model = keras.Model(inputs, keras.layers.Dense(2)(x))
+    facts = memory.model_facts(model)
+    # Each expert: Dense 4->8 and 8->4 with biases: 32+8+32+4 = 76 floats.
+    self.assertEqual(facts["expert_bytes"], 4 * 76 * 4)
+    self.assertEqual(facts["num_experts"], 4)
+
   def test_activations_of_a_functional_model_per_example(self):
     model = _model()  # Dense 32, batch norm 32, Dense 3, float32.
     self.assertEqual(memory.activation_bytes_per_example(model),

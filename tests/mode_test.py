@@ -96,8 +96,8 @@ class RegistryTest(absltest.TestCase):
 
   def test_built_in_modes_by_name(self):
     self.assertEqual(modes.BUILTIN_MODES,
-                     ("data", "zero3", "pipeline", "tensor"))
-    self.assertEqual(modes.mode_names()[:4], modes.BUILTIN_MODES)
+                     ("data", "zero3", "pipeline", "tensor", "experts"))
+    self.assertEqual(modes.mode_names()[:5], modes.BUILTIN_MODES)
     self.assertEqual(set(mode_lib.mode_names()), set(modes.BUILTIN_MODES))
     for name in modes.BUILTIN_MODES:
       cls = mode_lib.get_mode(name)
@@ -110,6 +110,11 @@ class RegistryTest(absltest.TestCase):
     self.assertEqual(mode_lib.mode_name_for(zero_stage=3), "zero3")
     self.assertEqual(mode_lib.mode_name_for(pipeline_stages=2), "pipeline")
     self.assertEqual(mode_lib.mode_name_for(tensor_parallel=2), "tensor")
+    self.assertEqual(mode_lib.mode_name_for(expert_parallel=2), "experts")
+    self.assertIs(mode_lib.mode_for({"expert_parallel": 2,
+                                     "model": "transformer",
+                                     "transformer_experts": 4}),
+                  mode_lib.get_mode("experts"))
     self.assertIs(mode_lib.mode_for({"zero_stage": 3}),
                   mode_lib.get_mode("zero3"))
 
@@ -122,6 +127,11 @@ class RegistryTest(absltest.TestCase):
     self.assertEqual(mode_lib.get_mode("pipeline").devices(pipeline), 2)
     with self.assertRaisesRegex(errors.ConfigError, "--zero_stage"):
       mode_lib.mode_for({**pipeline, "zero_stage": 1})
+    # D x P: 2 copies of the 2 stages on 4 logical CPU devices.
+    self.assertEqual(mode_lib.get_mode("pipeline").devices(
+        {**pipeline, "num_gpus": -1, "num_cpu_devices": 4}), 4)
+    with self.assertRaisesRegex(errors.ConfigError, "--num_cpu_devices=3"):
+      mode_lib.mode_for({**pipeline, "num_cpu_devices": 3})
     tensor = dict(tensor_parallel=2, model="transformer",
                   distribution_strategy="mirrored", zero_stage=0,
                   pipeline_stages=1, enable_xla=False, dtype="fp32",
@@ -134,7 +144,7 @@ class RegistryTest(absltest.TestCase):
 
   def test_unknown_name_lists_the_known_ones(self):
     with self.assertRaisesRegex(errors.ConfigError,
-                                r"'sequence'.*data, pipeline, tensor, zero3"
+                                r"'sequence'.*data, experts, pipeline, tensor, zero3"
                                 r".*register_mode"):
       mode_lib.get_mode("sequence")
 
@@ -147,13 +157,15 @@ class RegistryTest(absltest.TestCase):
       mode_lib.register_mode("")
 
 
-def _settings(zero_stage=0, pipeline_stages=1, tensor_parallel=1):
-  """A config's three parallelism settings, in their sections (what
+def _settings(zero_stage=0, pipeline_stages=1, tensor_parallel=1,
+              expert_parallel=1):
+  """A config's parallelism settings, in their sections (what
   `backend_for_run` reads)."""
   return types.SimpleNamespace(
       memory=types.SimpleNamespace(zero_stage_resolved=zero_stage),
       strategy=types.SimpleNamespace(parallelism=types.SimpleNamespace(
-          pipeline_stages=pipeline_stages, tensor_parallel=tensor_parallel)))
+          pipeline_stages=pipeline_stages, tensor_parallel=tensor_parallel,
+          expert_parallel=expert_parallel)))
 
 
 class BackendCompositionTest(absltest.TestCase):

@@ -2,7 +2,9 @@
 (`--transformer_experts`, models/transformer.py): its layers and
 parameters, the flags' refusals at start (exit status 2), and a few
 training steps of tfdist's trainer on a real slice of the clothing
-reviews, exported as a SavedModel that serves."""
+reviews with the experts split over 2 logical CPU devices
+(`--expert_parallel=2`), evaluated and exported as a SavedModel (every
+expert, gathered) that serves."""
 
 import contextlib
 import io
@@ -14,6 +16,12 @@ import numpy as np
 import tensorflow as tf
 
 from tests import testutil
+from tfdist.distribute import devices as devices_lib
+
+# Before any op: the training test's 2 replicas (the others use one).
+devices_lib.configure_cpu_devices(2)
+
+# pylint: disable=g-import-not-at-top,wrong-import-position
 from tfdist import errors
 from tfdist import exit_codes
 from tfdist import experiment
@@ -26,6 +34,7 @@ from tfdist.models import transformer
 from tfdist.parallel.experts.layer import MixtureOfExperts
 from tfdist.training import checkpointing
 from tfdist.core import registry
+# pylint: enable=g-import-not-at-top,wrong-import-position
 
 _SIZES = dict(sequence_length=16, vocabulary_size=50, num_classes=1,
               embed_dim=8, num_heads=2, ff_dim=12, num_layers=2)
@@ -141,10 +150,21 @@ class TrainTest(absltest.TestCase):
         model_dir=model_dir, dataset="clothing_reviews",
         train_files=f"{data}/train-*.tfrecord.gz",
         eval_files=f"{data}/test-*.tfrecord.gz",
-        distribution_strategy="one_device", transformer_experts=4,
+        distribution_strategy="mirrored", num_cpu_devices=2,
+        expert_parallel=2, transformer_experts=4,
         experts_top_k=2, experts_capacity_factor=1.0, transformer_layers=1,
         batch_size=8, train_steps=3, log_steps=3, seed=1))
     self.assertEqual(record["final_step"], 3)
+    self.assertEqual(record["mirrored"]["expert_parallel"],
+                     "2 replicas in 1 expert group(s) of 2: each replica "
+                     "holds 1/2 of the 4 experts and trains on its share of "
+                     "the batch")
+    # The checkpoint holds every expert under the unsharded model's names.
+    names = tf.train.load_checkpoint(os.path.join(
+        model_dir, "checkpoints")).get_variable_to_shape_map()
+    # Each of the 4 experts' [64, 128] hidden kernel, and Adam's 2 slots
+    # of it, whole (a replica holds 2 experts).
+    self.assertLen([n for n in names if names[n] == [64, 128]], 4 * 3)
     self.assertTrue(np.isfinite([h["loss"] for h in record["history"]]).all())
     self.assertTrue(np.isfinite(record["final_metrics"]["eval_loss"]))
     served = tf.saved_model.load(os.path.join(model_dir, "saved_model"))

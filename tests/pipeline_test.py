@@ -16,6 +16,10 @@ imported, before TensorFlow's runtime starts: run it as its own process):
 * a pipelined run's checkpoint (model and optimizer, the variables on 4
   devices) restores into the unsplit model, whose next update equals the
   pipelined run's;
+* two copies of a two-stage pipeline (`DataCopies` on a data 2 x
+  pipeline 2 mesh, `train_step(..., copies=...)`), each on half of the
+  batch, train like the unsplit model (SGD with momentum and Adam, GPipe
+  and 1F1B), the copies' variables on their own devices;
 * the refusals: P above the layers or the devices, M not dividing the
   batch, a layer shared across stages, a subclassed model, bad cut names,
   an unknown schedule.
@@ -34,6 +38,8 @@ import tensorflow as tf  # pylint: disable=g-import-not-at-top
 
 from tfdist import errors  # pylint: disable=g-import-not-at-top
 from tfdist.distribute import devices  # pylint: disable=g-import-not-at-top
+from tfdist.parallel import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
+from tfdist.parallel.pipeline import copies as copies_lib  # pylint: disable=g-import-not-at-top
 from tfdist.parallel.pipeline import stages as pipeline  # pylint: disable=g-import-not-at-top
 from tests import testutil  # pylint: disable=g-import-not-at-top
 
@@ -293,6 +299,68 @@ class PlacementTest(absltest.TestCase):
     for want, got in zip(weights, model.weights):
       np.testing.assert_allclose(got.numpy(), want, atol=TOLERANCE, rtol=0,
                                  err_msg=got.path)
+
+
+class DataCopiesTest(parameterized.TestCase):
+
+  @parameterized.parameters(("sgd_momentum", "gpipe"), ("adam", "1f1b"))
+  def test_two_copies_of_two_stages_train_like_unsplit(self, optimizer_name,
+                                                       schedule):
+    model, optimizer = skip_model(), OPTIMIZERS[optimizer_name]()
+    # The guide's block (docs/guides/pipeline-parallelism.md).
+    mesh = mesh_lib.DeviceMesh.build(DEVICES, pipeline=2)  # D = 4 / 2
+    pipe = pipeline.split_model(
+        model, 2, devices=copies_lib.copy0_devices(mesh))
+    pipe.place_variables()
+    copies = copies_lib.DataCopies(pipe, mesh)
+    loss_fn = _loss_fn()
+
+    @tf.function
+    def step(x, y):
+      return pipe.train_step(x, y, loss_fn=loss_fn, optimizer=optimizer,
+                             num_microbatches=2, schedule=schedule,
+                             copies=copies)
+
+    losses = [float(step(X[i], Y[i])) for i in range(STEPS)]
+    weights, expected_losses = reference(skip_model, optimizer_name)
+    np.testing.assert_allclose(losses, expected_losses, atol=TOLERANCE,
+                               rtol=0)
+    for want, got in zip(weights, model.weights):
+      np.testing.assert_allclose(got.numpy(), want, atol=TOLERANCE, rtol=0,
+                                 err_msg=got.path)
+    index = lambda d: tf.DeviceSpec.from_string(d).device_index
+    self.assertEqual([index(s.device) for s in pipe.stages], [0, 2])
+    self.assertEqual(
+        {key: {index(v.device) for v in vs}
+         for key, vs in copies.variables.items()}, {(1, 0): {1}, (1, 1): {3}})
+    # The copy holds copy 0's weights as of the last step's start: the
+    # update since is copied to it at the next step's start.
+    stage = pipe.stages[1]
+    self.assertTrue(any(float(np.max(np.abs(mine.numpy() - v.numpy())))
+                        for v, mine in zip(stage.weights,
+                                           copies.variables[(1, 1)])))
+
+  def test_a_mesh_that_does_not_fit_is_refused(self):
+    pipe = pipeline.split_model(skip_model(), 2, devices=DEVICES[:2])
+    with self.assertRaisesRegex(errors.PipelineConfigError,
+                                r"does not fit a pipeline of 2 stages"):
+      copies_lib.DataCopies(pipe, mesh_lib.DeviceMesh.build(DEVICES,
+                                                            pipeline=4))
+    with self.assertRaisesRegex(errors.PipelineConfigError,
+                                r"stage 1 runs on .*CPU:1, but copy 0's "
+                                r"device of that stage in the mesh is "
+                                r".*CPU:2"):
+      copies_lib.DataCopies(pipe, mesh_lib.DeviceMesh.build(DEVICES,
+                                                            pipeline=2))
+    mesh = mesh_lib.DeviceMesh.build(DEVICES, pipeline=2)
+    pipe = pipeline.split_model(skip_model(), 2,
+                                devices=copies_lib.copy0_devices(mesh))
+    with self.assertRaisesRegex(errors.PipelineConfigError,
+                                r"2 copies x num_microbatches=2 do not "
+                                r"divide the batch of 6 examples"):
+      pipe.forward_backward(X[0][:6], Y[0][:6], loss_fn=_loss_fn(),
+                            num_microbatches=2,
+                            copies=copies_lib.DataCopies(pipe, mesh))
 
 
 class CheckpointTest(absltest.TestCase):

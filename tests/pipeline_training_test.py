@@ -28,7 +28,15 @@ TensorFlow's runtime starts: run it as its own process), with
   batch, a subclassed model, unknown cuts, an activity regularizer (the
   flags' own refusals are `tests/config_test.py`'s);
 * `--model=transformer --transformer_layers=8` is cut into 4 stages, and
-  its `--dry_run` on the clothing reviews plans them.
+  its `--dry_run` on the clothing reviews plans them;
+* D x P = 2 x 2 (`pipeline_stages=2, num_cpu_devices=4`: two copies of the
+  pipeline on a data x pipeline mesh) gives the one-device run's weights
+  within 1e-5 under Adam, and under SGD with momentum with gradient
+  accumulation, `steps_per_execution=2` and 1F1B; under bf16 it equals the
+  one-device run accumulating over the same micro-batches; the plan and
+  the log name the mesh; its checkpoints resume on one device and in one
+  copy; each copy's weights live on its own devices; D or M not dividing
+  the batch and P not dividing the devices are refused naming the flag.
 """
 
 import json
@@ -107,6 +115,18 @@ def _fit(builder=skip_model, model_dir=None, **changes):
   return [w.copy() for w in _Built.model.get_weights()], result, model_dir
 
 
+_UNSPLIT = {}
+
+
+def _unsplit(**changes):
+  """`(weights, manifest)` of the one-device run with `changes`, run once
+  per process (several tests compare with the same one)."""
+  key = tuple(sorted(changes.items()))
+  if key not in _UNSPLIT:
+    _UNSPLIT[key] = _fit(**changes)[:2]
+  return _UNSPLIT[key]
+
+
 def _max_difference(a, b) -> float:
   return max(float(np.max(np.abs(x - y))) for x, y in zip(a, b))
 
@@ -133,7 +153,7 @@ class EqualToUnsplitTest(parameterized.TestCase):
   @classmethod
   def setUpClass(cls):
     super().setUpClass()
-    cls.unsplit, cls.unsplit_manifest, _ = _fit()
+    cls.unsplit, cls.unsplit_manifest = _unsplit()
 
   @parameterized.named_parameters(
       ("p2_gpipe", 2, 4, "gpipe"),
@@ -312,7 +332,7 @@ class ArtifactsTest(absltest.TestCase):
   def test_checkpoints_move_between_pipelined_and_unsplit_runs(self):
     # 2 steps in 2 stages, to 4 unsplit, to 6 in 4 stages: one unsplit
     # run of 6 steps.
-    straight, _, _ = _fit(train_steps=6)
+    straight, _ = _unsplit(train_steps=6)
     model_dir = os.path.join(testutil.scratch_dir(), "run")
     for steps, stages in ((2, 2), (4, 1), (6, 4)):
       weights, manifest, _ = _fit(model_dir=model_dir, train_steps=steps,
@@ -368,6 +388,109 @@ class ArtifactsTest(absltest.TestCase):
     # An unsplit run's manifest has no pipeline entry.
     _, unsplit, _ = _fit()
     self.assertNotIn("pipeline", unsplit)
+
+
+class DataTimesPipelineTest(parameterized.TestCase):
+  """D x P = 2 x 2 on the 4 logical CPU devices (`--pipeline_stages=2
+  --num_cpu_devices=4`): two copies of a two-stage pipeline, each on half
+  of the step's batch, each stage's gradients all-reduced over its data
+  group."""
+
+  @parameterized.named_parameters(
+      ("adam", {}, {}),  # The default of `_config`.
+      # With accumulation over 2 micro-steps (of 8 examples: 2 copies x 2
+      # micro-batches of 2), 2 steps a call, 1F1B.
+      ("sgd_momentum_accumulating", dict(
+          optimizer="momentum", momentum=0.9,
+          gradient_accumulation_steps=2),
+       dict(steps_per_execution=2, pipeline_schedule="1f1b")))
+  def test_equals_one_device(self, optimizer, pipelined):
+    unsplit, unsplit_manifest = _unsplit(**optimizer)
+    with self.assertLogs(level="INFO") as logs:
+      weights, manifest, _ = _fit(pipeline_stages=2, num_cpu_devices=4,
+                                  num_microbatches=2, **optimizer,
+                                  **pipelined)
+    self.assertLess(_max_difference(weights, unsplit), TOLERANCE)
+    self.assertAlmostEqual(
+        manifest["final_metrics"]["train_loss"],
+        unsplit_manifest["final_metrics"]["train_loss"], places=5)
+    self.assertEqual(manifest["pipeline"]["data"], 2)
+    # Copy 0's stage p on device index(0, p) = p * D.
+    self.assertEqual(
+        [s["device"] for s in manifest["one_device"]["pipeline_stages"]],
+        [DEVICES[0], DEVICES[2]])
+    plan = "\n".join(logs.output)
+    self.assertIn("pipeline               2 copies (data 2 x pipeline 2, "
+                  "each on 1/2 of the batch) of 2 stages", plan)
+    self.assertIn("micro-batches of "
+                  f"{4 // optimizer.get('gradient_accumulation_steps', 1)} "
+                  "examples", plan)
+    self.assertIn("mesh: data 2 x pipeline 2 x tensor 1 over 4 devices",
+                  plan)
+    self.assertRegex(plan, r"/device:CPU:3\s+data 1  pipeline 1  tensor 0")
+    self.assertIn("copies 1..1 hold their stage's weights", plan)
+
+  def test_mixed_precision_equals_accumulation_over_the_micro_batches(self):
+    # 2 copies x 2 micro-batches of 4 examples: the bf16 activations of
+    # one device accumulating over 4 micro-steps of 4.
+    unsplit, _, _ = _fit(dtype="bf16", gradient_accumulation_steps=4)
+    weights, _, _ = _fit(dtype="bf16", pipeline_stages=2,
+                         num_cpu_devices=4, num_microbatches=2)
+    self.assertLess(_max_difference(weights, unsplit), TOLERANCE)
+
+  def test_checkpoints_move_to_one_device_and_one_copy(self):
+    # 2 steps in 2 x 2, 3 unsplit, 4 in 2 x 2, 6 in one copy of 2 stages:
+    # one unsplit run of 6 steps.
+    straight, _ = _unsplit(train_steps=6)
+    model_dir = os.path.join(testutil.scratch_dir(), "run")
+    for steps, cpus in ((2, 4), (3, None), (4, 4), (6, 0)):
+      layout = (dict(pipeline_stages=2, num_cpu_devices=cpus)
+                if cpus is not None else {})
+      weights, manifest, _ = _fit(model_dir=model_dir, train_steps=steps,
+                                  **layout)
+      self.assertEqual(manifest["final_step"], steps)
+      self.assertEqual(manifest.get("pipeline", {}).get("data", 1),
+                       2 if cpus else 1)
+    self.assertIn("ckpt-4", manifest["restored_from"])
+    self.assertLess(_max_difference(weights, straight), TOLERANCE)
+
+  def test_each_copys_weights_live_on_its_devices(self):
+    options = pipeline_options.PipelineOptions(
+        num_stages=2, num_microbatches=2, devices=tuple(DEVICES), data=2)
+    model, deferred = pipeline_step.build_model(skip_model, options)
+    step = pipeline_step.build(model, options, micro_step_batch=BATCH,
+                               deferred=deferred)
+    self.assertEqual([_index(s.device) for s in step.pipeline.stages],
+                     [0, 2])
+    for stage in step.pipeline.stages:
+      for v in stage.weights:
+        self.assertEqual(_index(v.value.device), 2 * stage.index)
+      mine = step.copies.variables[(1, stage.index)]
+      self.assertLen(mine, len(stage.weights))
+      for v in mine:
+        self.assertEqual(_index(v.device), 2 * stage.index + 1)
+    # Stage p's data group: its D copies' devices, p * D + d.
+    self.assertEqual([[_index(d) for d in g.devices]
+                      for g in step.copies.groups], [[0, 1], [2, 3]])
+
+  def test_refusals_name_the_flag(self):
+    with self.assertRaisesRegex(
+        errors.ConfigError, r"--num_cpu_devices=6 devices cannot hold whole "
+        r"copies of a --pipeline_stages=4 pipeline.*Use "
+        r"--num_cpu_devices=4 or 8"):
+      _config("/tmp/unused", pipeline_stages=4, num_cpu_devices=6)
+    for changes, message in (
+        (dict(num_microbatches=3),
+         r"num_microbatches=3 does not divide the step's batch of 8 "
+         r"examples of each of the 2 data-parallel copies' share"),
+        (dict(num_microbatches=1, batch_size=15),
+         r"The data x pipeline mesh's 2 copies .* do not divide the "
+         r"step's batch of 15 examples")):
+      model_dir = os.path.join(testutil.scratch_dir(), "run")
+      with self.assertRaisesRegex(errors.ConfigError, message) as caught:
+        _fit(model_dir=model_dir, pipeline_stages=2, num_cpu_devices=4,
+             **changes)
+      self.assertEqual(errors.exit_code_for(caught.exception), 2)
 
 
 class _Subclassed(keras.Model):

@@ -7,11 +7,14 @@ chief drives (stages 1-2 on its 2 logical CPU devices, all the input, the
 steps, `--model_dir`), worker 0 serves stages 3-4 on its own 2. With
 `--deterministic --seed`:
 
-* K updates of `tfdist.fit` (Adam, 4 stages, 4 micro-batches, 1F1B, a
-  skip connection across the cuts) give the one-device run's weights
-  within 1e-5 (the reference is trained once, in this process), across
-  two processes and in one fresh process (which splits its CPU into 4
-  logical devices itself: it failed before); the manifest lists the
+* K updates of `tfdist.fit` on NumPy arrays (Adam, 4 stages, 4
+  micro-batches, 1F1B, a skip connection across the cuts) give the
+  one-device run's weights within 1e-5 (the reference is trained once, in
+  this process), in one fresh process (which splits its CPU into 4 logical
+  devices itself: it failed before) and across two processes, the latter
+  resumed from the former's step-1 checkpoint (mid-epoch): it continues
+  the epoch and ends within 1e-6 of the uninterrupted run in weights and
+  Adam's slots; the manifest lists the
   stages' devices and the SavedModel serves the trained model's outputs;
   the chief creates the storage of its own stages' weights only (the
   worker's are created on the worker, from their initializers); both
@@ -19,7 +22,8 @@ steps, `--model_dir`), worker 0 serves stages 3-4 on its own 2. With
 * where the stages go (P/T per task, GPUs first) and the refusals: ps
   tasks in the cluster, T not dividing P (no processes);
 * a worker killed mid-run stops the chief with `PeerLostError`'s line and
-  exit status (200), naming the lost task.
+  exit status (200), naming the lost task and (from the launcher) its exit
+  status.
 
 Run as a module (by the launcher), this file is the tasks' program:
 `fit OUT_DIR STEPS VERBOSE` trains and (the chief) writes
@@ -39,7 +43,9 @@ import keras  # pylint: disable=g-import-not-at-top
 import numpy as np  # pylint: disable=g-import-not-at-top
 import tensorflow as tf  # pylint: disable=g-import-not-at-top
 
+from tests import input_position_testlib as ids_lib  # pylint: disable=g-import-not-at-top
 from tests import multi_worker_testlib  # pylint: disable=g-import-not-at-top
+from tests import resume_forms_testlib as forms_lib  # pylint: disable=g-import-not-at-top
 from tests import testutil  # pylint: disable=g-import-not-at-top
 from tfdist import api  # pylint: disable=g-import-not-at-top
 from tfdist import errors  # pylint: disable=g-import-not-at-top
@@ -85,7 +91,8 @@ def _config(model_dir, steps, **changes):
   settings = dict(model_dir=model_dir, train_steps=steps, batch_size=BATCH,
                   deterministic=True, seed=3, optimizer="adam",
                   base_learning_rate=0.01, lr_scaling="none", mode="train",
-                  log_steps=1, num_gpus=0, cluster_start_timeout_seconds=60)
+                  log_steps=1, num_gpus=0, cluster_start_timeout_seconds=60,
+                  checkpoint_steps=1, max_checkpoints=STEPS)
   settings.update(changes)
   return TrainConfig(**settings)
 
@@ -148,6 +155,33 @@ class ClusterLayoutTest(absltest.TestCase):
         r"worker tasks .*Use --pipeline_stages=2 or 4"):
       backend_lib.stages_per_task(3, _cluster(workers=1))
 
+  def test_data_parallel_copies_refused_where_they_cannot_run(self):
+    # D x P runs in one process; these refusals need no GPU (the GPU count
+    # is given).
+    cpus = TrainConfig(model_dir="/tmp/unused", pipeline_stages=2,
+                       num_cpu_devices=4)
+    backend_lib.check_copies(cpus, in_cluster=False, gpus=0)
+    with self.assertRaisesRegex(
+        errors.ConfigError, r"--pipeline_stages=2 with --num_cpu_devices=4 "
+        r"\(2 data-parallel copies\) runs in one process"):
+      backend_lib.check_copies(cpus, in_cluster=True, gpus=0)
+    with self.assertRaisesRegex(
+        errors.ConfigError, r"--num_cpu_devices=4 asks for 2 copies .* "
+        r"Pass --num_gpus=4 .* or --num_gpus=0"):
+      backend_lib.check_copies(cpus, in_cluster=False, gpus=8)
+    gpus = TrainConfig(model_dir="/tmp/unused", pipeline_stages=2,
+                       num_gpus=8)
+    backend_lib.check_copies(gpus, in_cluster=False, gpus=8)
+    with self.assertRaisesRegex(
+        errors.ConfigError, r"--num_gpus=8 \(4 data-parallel copies\) "
+        r"needs 8 GPUs; this host has 6. Lower --num_gpus to a multiple "
+        r"of 2 up to 6"):
+      backend_lib.check_copies(gpus, in_cluster=False, gpus=6)
+    # One copy: nothing to refuse here.
+    backend_lib.check_copies(TrainConfig(model_dir="/tmp/unused",
+                                         pipeline_stages=2),
+                             in_cluster=True, gpus=8)
+
   def test_devices_per_task_gpus_first(self):
     def device(name):
       kind = tf.DeviceSpec.from_string(name).device_type
@@ -202,18 +236,38 @@ class AcrossWorkersTest(absltest.TestCase):
          "--stop_grace_seconds=20"],
         ["fit", out_dir, str(steps), str(verbose)], timeout=timeout)
 
-  def test_two_processes_train_like_one_device(self):
-    out_dir = testutil.scratch_dir()
+  def test_two_processes_resume_and_train_like_one_device(self):
+    # A: one fresh process, uninterrupted (a checkpoint a step); it splits
+    # its CPU into 4 logical devices itself (it listed them first, which
+    # started the runtime, and the split was refused). B: the 2-process
+    # cluster, resumed from A's step-1 checkpoint (mid-epoch: 4 steps an
+    # epoch of the NumPy arrays).
+    fresh_dir, out_dir = testutil.scratch_dir(), testutil.scratch_dir()
+    code, output, _ = multi_worker_testlib.run_module_with_timeout(
+        "tests.pipeline_workers_test", ["fit", fresh_dir, str(STEPS), "0"],
+        timeout=LAUNCH_TIMEOUT)
+    self.assertEqual(code, 0, output)
+    ids_lib.copy_checkpoint(os.path.join(fresh_dir, "run"),
+                            os.path.join(out_dir, "run"), 1)
     watch = self._launch(out_dir, STEPS)
     unsplit = self.unsplit()  # Trained here meanwhile.
     status = watch.wait()
     output = watch.output()
     self.assertEqual(status, 0, output)
     self.assertIn("serving at", output)
+    self.assertLess(_max_difference(_saved_weights(fresh_dir), unsplit),
+                    TOLERANCE)
     self.assertLess(_max_difference(_saved_weights(out_dir), unsplit),
                     TOLERANCE)
+    # Resumed equals uninterrupted: weights and Adam's slots (the
+    # comparison can fail: steps 2-3 moved them).
+    runs = [os.path.join(d, "run") for d in (fresh_dir, out_dir)]
+    self.assertLessEqual(forms_lib.max_difference(*runs), 1e-6)
+    self.assertGreater(forms_lib.max_difference(runs[0], os.path.join(
+        runs[0], "checkpoints", "ckpt-1")), 1e-3)
     with open(os.path.join(out_dir, "run", "run_manifest.json")) as f:
       manifest = json.load(f)
+    self.assertEqual(os.path.basename(manifest["restored_from"]), "ckpt-1")
     self.assertIn("stages on the 2 chief and worker tasks of the cluster",
                   manifest["strategy_reason"])
     stages = manifest["one_device"]["pipeline_stages"]
@@ -248,18 +302,6 @@ class AcrossWorkersTest(absltest.TestCase):
         float(np.max(np.abs(next(iter(served.values())).numpy() -
                             reference(x[:4]).numpy()))), TOLERANCE)
 
-  def test_one_fresh_process_splits_its_cpu_itself(self):
-    # Without a cluster, in a process whose TensorFlow has not started:
-    # tfdist makes the 4 logical CPU devices (it listed them first, which
-    # started the runtime, and the split was refused).
-    out_dir = testutil.scratch_dir()
-    code, output, _ = multi_worker_testlib.run_module_with_timeout(
-        "tests.pipeline_workers_test", ["fit", out_dir, str(STEPS), "0"],
-        timeout=LAUNCH_TIMEOUT)
-    self.assertEqual(code, 0, output)
-    self.assertLess(_max_difference(_saved_weights(out_dir), self.unsplit()),
-                    TOLERANCE)
-
   def test_lost_stage_task_stops_the_chief_with_peer_lost(self):
     out_dir = testutil.scratch_dir()
     watch = self._launch(out_dir, 100000, verbose=2)
@@ -269,9 +311,11 @@ class AcrossWorkersTest(absltest.TestCase):
     status = watch.wait()
     output = watch.output()
     self.assertEqual(status, exit_codes.PEER_LOST, output)
+    # With the launcher's word on the lost task's status (before: none).
     self.assertRegex(output, re.compile(
         r"\[chief:0\] PeerLostError: Pipeline training lost worker 0 at "
-        r"127\.0\.0\.1:\d+ after step \d+"))
+        r"127\.0\.0\.1:\d+ \(tfdist\.launch: worker:0 exited with status "
+        r"137\) after step \d+"))
 
 
 if __name__ == "__main__":

@@ -13,6 +13,9 @@ import os
 
 # The `tfdist.fit` forms `form_input` makes.
 FORMS = ("dataset_function", "py_dataset", "generator")
+# More forms, on fewer strategies: a dataset function that takes
+# `input_context` (it shards itself) and NumPy arrays.
+MORE_FORMS = ("dataset_function_ctx", "numpy")
 
 
 def _arrays():
@@ -28,6 +31,14 @@ def make_dataset(training):
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   del training
   return tf.data.Dataset.from_tensor_slices(_arrays()).shuffle(64)
+
+
+def make_dataset_ctx(input_context, training):
+  """`make_dataset`'s examples, sharded by the function itself: worker i of
+  n keeps examples i, i + n, ... (before its shuffle)."""
+  return make_dataset(training).shard(
+      input_context.num_input_pipelines, input_context.input_pipeline_id
+  ) if input_context.num_input_pipelines > 1 else make_dataset(training)
 
 
 def build_model():
@@ -55,6 +66,10 @@ def form_input(form: str) -> dict:
 
   if form == "dataset_function":
     return {"dataset_fn": make_dataset}
+  if form == "dataset_function_ctx":
+    return {"dataset_fn": make_dataset_ctx}
+  if form == "numpy":
+    return {"x": x, "y": y}
   if form == "py_dataset":
     return {"x": Batches()}
   return {"x": ((x[i * 16:(i + 1) * 16], y[i * 16:(i + 1) * 16])

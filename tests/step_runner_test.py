@@ -6,11 +6,15 @@ The coordinator runner needs a cluster; `tests/controller_test.py` runs it
 on an in-process one.
 """
 
+import os
+from unittest import mock
+
 from absl.testing import absltest
 import keras
 import numpy as np
 import tensorflow as tf
 
+from tests import testutil
 from tfdist import errors
 from tfdist.distribute import parameter_server
 from tfdist.training import step_runner
@@ -178,6 +182,23 @@ class LostTaskTest(absltest.TestCase):
     self.assertIsInstance(error, errors.PeerLostError)
     self.assertIn("lost worker 1 at h1:2 after step 40", str(error))
     self.assertIn("/m/ckpt-40", str(error))
+
+  def test_peer_lost_error_names_the_launchers_failed_task(self):
+    # Under tfdist.launch, the lost task's exit status as the launcher saw
+    # it (before: the chief's error named the task, not its status).
+    from tfdist.distribute import worker_exit  # pylint: disable=g-import-not-at-top
+    path = os.path.join(testutil.scratch_dir(), "lost-tasks")
+    worker_exit.write_lost_peers(path, "worker:1 exited with status 137")
+    with mock.patch.dict(os.environ, {worker_exit.LOST_FILE_ENV: path}):
+      error = step_runner.peer_lost_error(
+          tf.errors.UnavailableError(None, None, "/job:worker/task:1 gone"),
+          after="step 40", last_checkpoint=None, own=("worker", 0),
+          addresses={"worker": ["h0:1", "h1:2"]})
+    self.assertIn("lost worker 1 at h1:2 (tfdist.launch: worker:1 exited "
+                  "with status 137) after step 40", str(error))
+    # Without the launcher's word: as before, after at most the wait.
+    self.assertIsNone(worker_exit.lost_peers_note(
+        wait_seconds=0.1, path=path + "-none"))
 
   def test_ps_lost_error_is_a_parameter_server_error(self):
     error = step_runner.ps_lost_error(

@@ -320,7 +320,8 @@ def fit(model_fn: Union[Callable, str],
         validation_split: float = 0.0, parse_fn: Optional[Callable] = None,
         loss: Any = None, metrics: Optional[Sequence[Any]] = None,
         callbacks: Sequence[Any] = (), environment=None,
-        verbose: Union[str, int] = "auto") -> dict:
+        verbose: Union[str, int] = "auto",
+        expert_parallel: Optional[int] = None) -> dict:
   """Trains `model_fn`'s model on `dataset_fn`'s examples, distributed.
 
   Args:
@@ -397,6 +398,10 @@ def fit(model_fn: Union[Callable, str],
       and the final evaluation on stdout; 0 (or False) prints neither and
       leaves logging as it is. Under `absl.app.run` absl's own flags
       (`--verbosity`, `--logtostderr`) decide which lines show.
+    expert_parallel: E_p (int >= 1): sets `config.expert_parallel`, the
+      replicas each `MixtureOfExperts` layer's experts are split over
+      (`tfdist.parallel.experts.mode`; docs/guides/experts.md). None: the
+      config's.
 
   Returns:
     The run manifest (as `run_manifest.json` holds it) on the chief and
@@ -431,6 +436,9 @@ def fit(model_fn: Union[Callable, str],
       ends the script the same way.
   """
   _check_verbose(verbose)
+  if expert_parallel is not None:
+    config = config.replace(
+        expert_parallel=_positive_int("expert_parallel", expert_parallel))
   config = with_keras_length(config, epochs=epochs, batch_size=batch_size)
   python = python_inputs.python_input_names(x=x,
                                             validation_data=validation_data)

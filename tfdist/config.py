@@ -45,6 +45,7 @@ from tfdist.core import reduce_dtype
 from tfdist.core.strategy_kind import StrategyKind
 from tfdist.parallel.pipeline import options as pipeline_options
 from tfdist.parallel.tensor import options as tensor_parallel_options
+from tfdist.parallel.experts import options as expert_options
 
 # `--max_consecutive_skipped_steps`' default (the skipped-step monitor,
 # tfdist.training.training_checks, takes it from here).
@@ -703,10 +704,11 @@ class LoopConfig:
             "so each example is still used once per epoch across a restart: "
             "every worker recomputes its position in its shard from the step "
             "(the training input is read in a deterministic order; the "
-            "checkpoint records only the input's layout, and a change of "
-            "worker count, files, batch, seed or shuffle buffer discards the "
-            "position with a message). --nocheckpoint_input_position: a "
-            "resume starts its epoch over."),
+            "checkpoint records only the input's layout: a change of "
+            "files, batch, seed or shuffle buffer discards the position with "
+            "a message; on another worker count every worker replays the "
+            "checkpoint's workers' order, reading all of the input). "
+            "--nocheckpoint_input_position: a resume starts its epoch over."),
       traits=())
   seed: Optional[int] = setting(
       42, "integer", "train",
@@ -896,9 +898,10 @@ class ParallelismConfig:
             "applied per step, equal to the unsplit model's. In a cluster of "
             "a chief and workers (tfdist.launch, TF_CONFIG) the chief drives "
             "and each task hosts P/tasks consecutive stages. 1: no pipeline. "
-            "With --distribution_strategy auto, one_device or off (not with "
-            "data parallelism yet: tfdist does not yet train a pipeline on a "
-            "data x pipeline device mesh), not with --zero_stage or --enable_xla. See "
+            "With --num_gpus=N or --num_cpu_devices=N (N a multiple of P) "
+            "one process trains N/P data-parallel copies of the pipeline (a "
+            "data x pipeline mesh). With --distribution_strategy auto, "
+            "one_device or off, not with --zero_stage or --enable_xla. See "
             "docs/guides/pipeline-parallelism.md."),
       traits=("operational", "multi_replica"))
   num_microbatches: Optional[int] = setting(
@@ -935,6 +938,19 @@ class ParallelismConfig:
             "clipping. Pays on fast device links (NVLink), not on CPUs. See "
             "docs/guides/tensor-parallelism.md."),
       traits=())
+  expert_parallel: int = setting(
+      1, "integer", "pipeline",
+      help=("Split every MixtureOfExperts layer's experts (--transformer_"
+            "experts, or tfdist.MixtureOfExperts in a model of one's own) "
+            "over E_p replicas of one host: the replicas form groups of E_p,"
+            " each replica holds 1/E_p of the experts and their optimizer "
+            "state, and tokens reach their experts by all-to-all; the other "
+            "weights stay data-parallel. E_p must divide the experts and the"
+            " replicas. 1: off. Only with --distribution_strategy mirrored "
+            "(or auto); not with --pipeline_stages, --tensor_parallel, "
+            "--zero_stage, --enable_xla, --dtype=fp16 or clipping. See "
+            "docs/guides/experts.md."),
+      traits=("operational", "multi_replica"))
 
   def __post_init__(self):
     _set(self, "pipeline_cuts", pipeline_options.parse_cuts(self.pipeline_cuts))
@@ -1506,6 +1522,7 @@ class TrainConfig:
                      self._validate_sharding,
                      self._validate_pipeline,
                      self._validate_tensor_parallel,
+                     self._validate_expert_parallel,
                      self._validate_experts_layout):
       validate()
 
@@ -1592,7 +1609,8 @@ class TrainConfig:
         pipeline_schedule=self.pipeline_schedule,
         pipeline_cuts=self.pipeline_cuts,
         distribution_strategy=self.distribution_strategy,
-        zero_stage=self.zero_stage_resolved, enable_xla=self.enable_xla)
+        zero_stage=self.zero_stage_resolved, enable_xla=self.enable_xla,
+        num_gpus=self.num_gpus, num_cpu_devices=self.num_cpu_devices)
 
   def _validate_tensor_parallel(self):
     """`--tensor_parallel` (`tensor_parallel_options.check_flags`)."""
@@ -1605,6 +1623,16 @@ class TrainConfig:
         global_clipnorm=self.global_clipnorm,
         init_checkpoint=self.init_checkpoint, num_gpus=self.num_gpus,
         num_cpu_devices=self.num_cpu_devices)
+
+  def _validate_expert_parallel(self):
+    """`--expert_parallel` (`expert_options.check_flags`; the model only
+    when given: `tfdist.fit` names its own model later)."""
+    settings = {name: getattr(self, name if name != "zero_stage" else
+                              "zero_stage_resolved")
+                for name in expert_options.CHECKED_SETTINGS}
+    if "model" in getattr(self, "unset_fields", ()):
+      settings["model"] = None
+    expert_options.check_flags(**settings)
 
   def _validate_experts_layout(self):
     """The Transformer's experts (`--transformer_experts`) run data-parallel

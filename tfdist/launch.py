@@ -45,7 +45,9 @@ Everything after `--` goes to every process (`python -m tfdist.train` unless
   ports, up to K times. The training binary resumes from the last
   checkpoint in `--model_dir`. The launcher's lines (and, with
   `--task_log_dir`, the log of each task it stops for the failure) name
-  the task that failed first and its exit status.
+  the task that failed first and its exit status; so does a task's own
+  error for the lost peer (`PeerLostError`: the launcher writes the
+  failed tasks to `$TFDIST_LOST_TASKS_FILE` before it stops the others).
 
 When the chief has finished, `ps` tasks (and, with ps tasks, the workers,
 which are servers there) are stopped; other tasks get
@@ -153,9 +155,12 @@ def tf_config(cluster: Dict[str, List[str]], task: Task) -> str:
 def task_env(base: Dict[str, str], cluster: Dict[str, List[str]], task: Task,
              *, scratch_dir: Optional[str] = None,
              done_file: Optional[str] = None,
-             pinned_cpus: Sequence[int] = ()) -> Dict[str, str]:
+             pinned_cpus: Sequence[int] = (),
+             lost_file: Optional[str] = None) -> Dict[str, str]:
   """The environment of one task: `base` plus TF_CONFIG and friends (and
-  `$TFDIST_DONE_FILE`, where the task marks its work done).
+  `$TFDIST_DONE_FILE`, where the task marks its work done;
+  `$TFDIST_LOST_TASKS_FILE`, where the launcher says which task failed,
+  `tfdist.distribute.worker_exit.lost_peers_note`).
 
   `pinned_cpus`: the cores the task is pinned to (`--pin_workers`; empty:
   not pinned). A parameter-server worker pinned to fewer than
@@ -179,6 +184,9 @@ def task_env(base: Dict[str, str], cluster: Dict[str, List[str]], task: Task,
   env.pop(worker_exit.DONE_FILE_ENV, None)
   if done_file:
     env[worker_exit.DONE_FILE_ENV] = done_file
+  env.pop(worker_exit.LOST_FILE_ENV, None)
+  if lost_file:
+    env[worker_exit.LOST_FILE_ENV] = lost_file
   return env
 
 
@@ -312,6 +320,8 @@ class Launcher:
     self._failed_after_work: Dict[Task, str] = {}
     # The tasks whose failure ended the last attempt: their exit statuses.
     self._lost: Dict[Task, int] = {}
+    # This attempt's file for `worker_exit.write_lost_peers`.
+    self._lost_file: Optional[str] = None
     self.attempts = 0
 
   # --- output --------------------------------------------------------------
@@ -433,6 +443,8 @@ class Launcher:
     cluster = make_cluster(self.tasks, ports)
     pumps = []
     self._shown_messages = set()
+    self._lost_file = os.path.join(scratch_root, f"attempt{self.attempts}",
+                                   "lost-tasks")
     for task, port in zip(self.tasks, ports):
       scratch = os.path.join(scratch_root, f"attempt{self.attempts}",
                              task.name.replace(":", ""))
@@ -440,7 +452,8 @@ class Launcher:
       self._done_files[task] = os.path.join(scratch, "tfdist-done")
       env = task_env(dict(os.environ), cluster, task, scratch_dir=scratch,
                      done_file=self._done_files[task],
-                     pinned_cpus=self.cpus.get(task, ()))
+                     pinned_cpus=self.cpus.get(task, ()),
+                     lost_file=self._lost_file)
       proc = subprocess.Popen(self.command, env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                               start_new_session=True)
@@ -547,6 +560,9 @@ class Launcher:
     """Records the `failed` tasks in `_lost`, says so (with their last
     lines), notes it in the other tasks' logs and stops them."""
     self._lost = {task: _exit_status(codes[task]) for task in failed}
+    # First, for the survivors: one reporting the lost peer names it and
+    # its status in its own output (worker_exit.lost_peers_note).
+    worker_exit.write_lost_peers(self._lost_file, self._lost_text())
     for task in failed:
       self._say(f"{task.name} exited with status "
                 f"{self._lost[task]}.")

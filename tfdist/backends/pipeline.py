@@ -3,7 +3,12 @@ across the tasks of a cluster.
 
 In one process the model's stages run on this process's devices, stage i on
 GPU i or, on a CPU-only host, on logical CPU device i (configured here: P
-of them). The run is otherwise a one-device run: one replica, the trainer's
+of them). With `--num_gpus=N` or `--num_cpu_devices=N` (N = D x P, D > 1)
+the process trains D copies of the pipeline on a data x pipeline mesh
+(`tfdist.parallel.mesh.DeviceMesh.build(devices, pipeline=P)`: stage p of
+copy d on device p * D + d; `tfdist.parallel.pipeline.copies`), each copy
+on 1/D of the step's batch, each stage's gradients all-reduced over its
+data group. The run is otherwise a one-device run: one replica, the trainer's
 loop, checkpoints and export, with the trainer's per-replica forward and
 backward pass replaced by the pipeline's micro-batched one
 (`tfdist.parallel.pipeline.mode`). The strategy is TensorFlow's default
@@ -42,6 +47,7 @@ from tfdist.distribute import devices as devices_lib
 from tfdist.distribute import parameter_server as ps_lib
 from tfdist.distribute import strategy as strategy_lib
 from tfdist.parallel import mode as mode_lib
+from tfdist.parallel.pipeline import options as pipeline_options
 from tfdist.core.strategy_kind import StrategyKind
 from tfdist import errors
 from tfdist.training import step_runner
@@ -50,27 +56,41 @@ from tfdist.training import step_runner
 STAGE_JOBS = (cluster_lib.CHIEF, cluster_lib.WORKER)
 
 
-def stage_devices(num_stages: int, num_gpus: int = -1) -> List[str]:
-  """The devices of P stages: the first P logical GPUs, or, without GPUs,
-  the first P logical CPU devices (configured when there are fewer).
+def data_degree(config) -> int:
+  """D, the pipeline's copies in one process
+  (`tfdist.parallel.pipeline.options.data_degree` of the config's flags)."""
+  return pipeline_options.data_degree(
+      config.pipeline_stages, num_gpus=config.num_gpus,
+      num_cpu_devices=config.num_cpu_devices)
+
+
+def stage_devices(num_stages: int, num_gpus: int = -1,
+                  data: int = 1) -> List[str]:
+  """The devices of D copies of P stages, N = D * P of them in mesh order:
+  the first N logical GPUs, or, without GPUs, the first N logical CPU
+  devices (configured when there are fewer).
 
   Args:
     num_stages: P.
     num_gpus: `--num_gpus` (-1: all visible; 0: none).
+    data: D (1: one copy, stage i on device i).
 
   Raises:
-    errors.ConfigError: fewer than P GPUs, or the CPU already split into fewer
-      than P logical devices (TensorFlow's runtime started).
+    errors.ConfigError: fewer than N GPUs, or the CPU already split into
+      fewer than N logical devices (TensorFlow's runtime started).
   """
-  names = base.first_gpus(num_stages, num_gpus)
+  n = num_stages * data
+  names = base.first_gpus(n, num_gpus)
   if names is not None:
-    if len(names) < num_stages:
+    if len(names) < n:
       raise errors.ConfigError(
-          f"--pipeline_stages={num_stages} needs {num_stages} GPUs (stage i "
-          f"runs on GPU i); this process sees {len(names)}. Lower "
-          f"--pipeline_stages to {len(names)} or fewer, or pass "
+          f"--pipeline_stages={num_stages} x {data} data-parallel "
+          f"cop{'ies' if data > 1 else 'y'} needs {n} GPUs (stage i runs "
+          f"on GPU i); this process sees {len(names)}. Lower "
+          f"--pipeline_stages or --num_gpus to fit {len(names)}, or pass "
           "--num_gpus=0 to run the stages on logical CPU devices.")
     return names
+  num_stages = n  # Below: one logical CPU device per stage of every copy.
   # Before anything lists the devices: listing starts TensorFlow's runtime,
   # after which the CPU can no longer be split.
   cpu = tf.config.list_physical_devices("CPU")[0]
@@ -82,12 +102,53 @@ def stage_devices(num_stages: int, num_gpus: int = -1) -> List[str]:
   cpus = tf.config.list_logical_devices("CPU")
   if len(cpus) < num_stages:
     raise errors.ConfigError(
-        f"--pipeline_stages={num_stages} needs {num_stages} logical CPU "
+        f"--pipeline_stages={num_stages // data}"
+        f"{f' x {data} data-parallel copies' if data > 1 else ''} needs "
+        f"{num_stages} logical CPU "
         f"devices, and TensorFlow already started with {len(cpus)}: "
         "run the pipeline in a fresh process, or call "
         f"tfdist.distribute.devices.configure_cpu_devices({num_stages}) "
         "before any TensorFlow op.")
   return [d.name for d in cpus][:num_stages]
+
+
+def check_copies(config, *, in_cluster: bool, gpus: int) -> None:
+  """Refuses D > 1 copies of the pipeline (`data_degree`) that cannot run:
+  across the tasks of a cluster (not built), `--num_cpu_devices` on a host
+  whose GPUs would run the stages, or more GPUs than the host has.
+
+  Args:
+    config: the run's `TrainConfig` (`pipeline_stages`, `num_gpus`,
+      `num_cpu_devices`).
+    in_cluster: the stages run on the tasks of a cluster.
+    gpus: the GPUs this process would use (`base.local_accelerators`).
+
+  Raises:
+    errors.ConfigError: naming the flag, the value and the fix.
+  """
+  data, stages = data_degree(config), config.pipeline_stages
+  if data == 1:
+    return
+  if in_cluster:
+    raise errors.ConfigError(
+        f"--pipeline_stages={stages} with "
+        f"{'--num_gpus' if config.num_gpus > 0 else '--num_cpu_devices'}"
+        f"={data * stages} ({data} data-parallel copies) runs in one "
+        "process; across the tasks of a cluster a pipeline has one copy. "
+        "Drop that flag, or run in one process.")
+  if gpus and config.num_gpus < 0:
+    raise errors.ConfigError(
+        f"--num_cpu_devices={config.num_cpu_devices} asks for {data} "
+        f"copies of the --pipeline_stages={stages} pipeline on logical CPU "
+        "devices, but this host's GPUs would run the stages. Pass "
+        f"--num_gpus={data * stages} for the copies on GPUs, or "
+        "--num_gpus=0 to run them on logical CPU devices.")
+  if 0 < gpus < data * stages:
+    raise errors.ConfigError(
+        f"--pipeline_stages={stages} with --num_gpus={config.num_gpus} "
+        f"({data} data-parallel copies) needs {data * stages} GPUs; this "
+        f"host has {gpus}. Lower --num_gpus to a multiple of {stages} up "
+        f"to {gpus}, or pass --num_gpus=0 to run on logical CPU devices.")
 
 
 def stage_tasks(cluster) -> List[Tuple[str, int]]:
@@ -222,9 +283,12 @@ class PipelineBackend(single_process.OneDeviceBackend):
 
     Raises:
       errors.ConfigError: one process, a host with GPUs, fewer of them than
-        `pipeline_stages`.
+        `pipeline_stages`; D > 1 copies that cannot run (`check_copies`).
     """
     super().validate(config, decisions, dataset=dataset)
+    check_copies(config, in_cluster=bool(self._tasks),
+                 gpus=0 if self._tasks else
+                 base.local_accelerators(config.num_gpus))
     if self._tasks:
       return  # Checked by `serve`, on every task, with the cluster.
     gpus = base.local_accelerators(config.num_gpus)
@@ -274,12 +338,17 @@ class PipelineBackend(single_process.OneDeviceBackend):
       return self._connect(config, decisions, cluster=cluster, lease=lease)
     if config.num_cpu_devices > config.pipeline_stages:
       devices_lib.configure_cpu_devices(config.num_cpu_devices)
-    names = stage_devices(config.pipeline_stages, config.num_gpus)
+    data = data_degree(config)
+    names = stage_devices(config.pipeline_stages, config.num_gpus, data)
+    kind = names[0].rsplit(":", 2)[-2]
+    where = (f"data {data} x pipeline {config.pipeline_stages}, stage p of "
+             f"copy d on {kind} device p*{data}+d" if data > 1 else
+             f"stage i on {kind} device i")
     return strategy_lib.StrategyChoice(
         tf.distribute.get_strategy(),
         decisions.strategy,
-        f"--pipeline_stages={config.pipeline_stages}: one process, stage i "
-        f"on {names[0].rsplit(':', 2)[-2]} device i", tuple(names))
+        f"--pipeline_stages={config.pipeline_stages}: one process, {where}",
+        tuple(names))
 
   def _connect(self, config, decisions, *, cluster, lease):
     """The chief: waits for the other stage tasks, connects to them, and
@@ -306,7 +375,8 @@ class PipelineBackend(single_process.OneDeviceBackend):
         f"{cluster.task_type} {cluster.task_index}", tuple(names))
 
   def assembly_options(self, options, *, choice):
-    """The stages go on the devices `build_strategy` found."""
+    """The stages (of every copy, in mesh order) go on the devices
+    `build_strategy` found."""
     if options.pipeline is None or not choice.devices:
       return options
     return dataclasses.replace(options, pipeline=dataclasses.replace(

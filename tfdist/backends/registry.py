@@ -13,6 +13,7 @@ from tfdist.backends import parameter_server  # pylint: disable=unused-import
 from tfdist.backends import pipeline  # pylint: disable=unused-import
 from tfdist.backends import single_process  # pylint: disable=unused-import
 from tfdist.backends import tensor_parallel  # pylint: disable=unused-import
+from tfdist.backends import experts  # pylint: disable=unused-import
 from tfdist.backends import tpu  # pylint: disable=unused-import
 from tfdist.backends import zero3  # pylint: disable=unused-import
 from tfdist.distribute import decisions as decisions_lib
@@ -81,7 +82,8 @@ def backend_for_run(kind, config, cluster=None) -> base.Backend:
   mode = modes.get_mode(modes.mode_name_for(
       zero_stage=config.memory.zero_stage_resolved,
       pipeline_stages=parallelism.pipeline_stages,
-      tensor_parallel=parallelism.tensor_parallel))
+      tensor_parallel=parallelism.tensor_parallel,
+      expert_parallel=parallelism.expert_parallel))
   cls = base.registered_backend(kind)
   if cls is None:
     backend_for(kind)  # Raises its error.

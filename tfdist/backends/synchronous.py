@@ -59,13 +59,17 @@ def local_runner(run: base.TrainingRun, *, num_input_pipelines: int
   def train_iterator(restored_step: int):
     """The training input from the restored step's position: where the
     checkpoint left the epoch, or the start of that epoch."""
+    replay = None
     if input_position is not None:
       start = input_position.resume_step(restored_step)
+      # A resume on another worker count replays the checkpoint's order.
+      replay = input_position.replay_pipelines
     else:
       start = input_position_lib.epoch_start(restored_step,
                                              plan.steps_per_epoch)
     return iter(input_pipeline.distribute(
-        strategy, dataclasses.replace(train_options, start_step=start)))
+        strategy, dataclasses.replace(train_options, start_step=start,
+                                      replay_pipelines=replay)))
 
   return step_runner.LocalStepRunner(
       trainer=run.parts.trainer, iterator_fn=train_iterator,

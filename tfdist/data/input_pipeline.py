@@ -14,10 +14,12 @@ of `num_input_pipelines`). Each host reads a disjoint part of the data
 * evaluation: by file when there are at least as many files as hosts, else
   by data (every host reads every file and keeps records `i, i + n, ...`);
   uneven shares are harmless there: every example is read exactly once;
-* a dataset function that takes `input_context` shards its examples itself;
-  one that does not is sharded by example (host i keeps examples
-  `i, i + n, ...`). Its training epochs are not aligned to steps: each host
-  repeats its share.
+* a dataset function that takes `input_context` shards its examples itself
+  (its training epochs are not aligned to steps: each host reads passes
+  over its own share, pass p shuffled with the seed of `--seed` and p, and
+  a resumed host skips the `step x B / n` examples it used,
+  `_share_passes`); one that does not is sharded by example (host i keeps
+  examples `i, i + n, ...`) and has the aligned epochs below.
 
 Training epochs. With N training records and global batch B, an epoch is
 `steps_per_epoch = N // B` steps. In each epoch every host reshuffles its
@@ -43,8 +45,10 @@ and `deterministic` interleave and parsing). No iterator state is saved:
 each worker recomputes its own position from the step, so it needs no
 storage of its own (only the chief writes checkpoints); the checkpoint
 records the layout (`input_layout`) that makes the step mean the same
-position, and `layout_change` names what changed (workers, files, batch,
-seed, ...), in which case the position is not used.
+position, and `layout_change` names what changed (files, batch, seed, ...),
+in which case the position is not used; after a change of the worker count
+alone, every host replays the old hosts' order
+(`PipelineOptions.replay_pipelines`).
 
 Within a host the strategy hands one per-replica batch to each local replica.
 """
@@ -56,6 +60,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 from absl import logging
 import tensorflow as tf
+from tensorflow.python.eager import context as context_lib  # pylint: disable=g-direct-tensorflow-import
 from tensorflow.python.framework import random_seed as random_seed_lib  # pylint: disable=g-direct-tensorflow-import
 
 from tfdist import errors
@@ -190,6 +195,15 @@ class PipelineOptions:
       when tfdist shards the function's examples (or
       `SHARDS_BY_EXAMPLE` marks a function that shards them the same way
       itself); None: one endless reshuffled stream.
+    replay_pipelines: training: the worker count (input pipelines) whose
+      input order this run replays, when it differs from this run's (a run
+      resumed on another worker count, `InputPosition.replay_pipelines`):
+      every host rebuilds each of those pipelines' streams from
+      `start_step` on, joins their shares of each global (micro-)batch in
+      pipeline order and keeps its own slice of it, so every step trains on
+      the examples it trained on before the worker count changed
+      (`_replayed`). Each host then reads the whole training input. None:
+      this run's own order.
   """
   files: Sequence[str]
   parse_fn: Callable
@@ -206,6 +220,7 @@ class PipelineOptions:
   input_fn: Optional[Callable] = None
   name: str = ""
   examples_per_epoch: Optional[int] = None
+  replay_pipelines: Optional[int] = None
 
 
 # A dataset function with this attribute set (to True) shards its examples
@@ -454,7 +469,11 @@ def make_dataset(options: PipelineOptions,
   batch = (input_context.get_per_replica_batch_size(micro_global_batch)
            if input_context else micro_global_batch)
   batched = False
-  if options.input_fn is not None:
+  if (options.is_training and options.replay_pipelines and
+      options.replay_pipelines != num_pipelines):
+    ds, batched = _replayed(options, input_context, num_pipelines,
+                            pipeline_id, batch), True
+  elif options.input_fn is not None:
     ds, batched = _examples_from_function(options, input_context,
                                           num_pipelines, pipeline_id, batch)
   else:
@@ -497,20 +516,152 @@ def _examples_from_function(options: PipelineOptions, input_context,
     return _training_epochs(options, plan, lambda seed: ds,
                             pipeline_id=pipeline_id,
                             num_pipelines=num_pipelines, batch=batch)
-  if options.cache:
-    ds = ds.cache()
   if options.is_training:
-    if options.start_step:
+    return _share_passes(ds, options, pipeline_id=pipeline_id,
+                         num_pipelines=num_pipelines), False
+  return (ds.cache() if options.cache else ds), False
+
+
+def _share_size(ds: tf.data.Dataset):
+  """Examples in one pass of `ds` (its cardinality when tf.data knows it,
+  else one read: an int eagerly, an int64 scalar tensor when traced).
+
+  Raises:
+    DataNotFoundError: eagerly, `ds` is empty.
+  """
+  size = ds.cardinality()
+  if tf.executing_eagerly() and int(size) >= 0:
+    size = int(size)
+  elif tf.executing_eagerly():
+    size = int(ds.reduce(tf.constant(0, tf.int64), lambda n, _: n + 1))
+  else:
+    return tf.where(size >= 0, size, ds.reduce(
+        tf.constant(0, tf.int64), lambda n, _: n + 1))
+  if size == 0:
+    raise errors.DataNotFoundError(
+        "A dataset function returned no examples for this worker's "
+        "input_context: give every worker at least one example.")
+  return size
+
+
+def _share_passes(ds: tf.data.Dataset, options: PipelineOptions, *,
+                  pipeline_id: int, num_pipelines: int) -> tf.data.Dataset:
+  """Endless training examples of a host whose dataset function shards
+  itself (it takes `input_context`; its share, and so its passes, are not
+  aligned to steps): pass p is the whole share (cached after its first
+  read), shuffled with `_epoch_seed(seed, p)`, so any pass can be rebuilt.
+
+  Resumed after `options.start_step` updates, the host has used `start_step
+  x global_batch_size / hosts` examples of its stream (every host feeds the
+  same number of replicas): it starts the pass that count falls in and skips
+  what it used of that pass (one read to size the share, unless tf.data
+  knows it). The same examples follow as without the restart when the
+  function returns the same examples in the same order for the same
+  `input_context` (a seeded replay; module docstring of
+  `tfdist.data.input_position`).
+  """
+  cached = ds.cache() if options.cache else ds
+
+  def one_pass(number):
+    seed = _epoch_seed(options.seed, number)
+    if seed is not None:
+      _avoid_zero_graph_seed()
+    if not options.shuffle_buffer_size:
+      return cached
+    return cached.shuffle(options.shuffle_buffer_size, seed=seed)
+
+  first, skip = 0, 0
+  if options.start_step:
+    used = options.start_step * (options.global_batch_size // num_pipelines)
+    # Counted on the cache (when tf.data does not know the size): that read
+    # fills it, as the first pass fills it in an uninterrupted run, so a
+    # function whose own shuffle reshuffles per read is read once as there.
+    share = _share_size(cached)
+    first, skip = used // share, used % share
+    if isinstance(share, int):
       logging.info(
-          "Input pipeline %d/%d: a dataset function's epochs are not aligned "
-          "to steps, so the position of step %d is unknown; reading its "
-          "examples from the start.", pipeline_id, num_pipelines,
-          options.start_step)
-    if options.shuffle_buffer_size:
-      ds = ds.shuffle(options.shuffle_buffer_size, seed=options.seed,
-                      reshuffle_each_iteration=True)
-    ds = ds.repeat()
-  return ds, False
+          "Input pipeline %d/%d: resuming at step %d: pass %d over this "
+          "worker's %d examples of the dataset function, after %d of them.",
+          pipeline_id, num_pipelines, options.start_step, first + 1, share,
+          skip)
+  out = tf.data.Dataset.range(first, _NO_LAST_EPOCH).flat_map(one_pass)
+  return out.skip(skip)
+
+
+def _replayed(options: PipelineOptions, input_context, num_pipelines: int,
+              pipeline_id: int, batch: int) -> tf.data.Dataset:
+  """One host's batches of `batch` examples in the input order of
+  `options.replay_pipelines` pipelines (`PipelineOptions.replay_pipelines`).
+
+  Each of the replayed pipelines' streams is built as that pipeline built it
+  (its `input_context`, its share, its epochs and its position after
+  `options.start_step`), in chunks of its examples per micro-step; the
+  chunks of one micro-step, joined in pipeline order, are the global
+  micro-batch, of which host `pipeline_id` of `num_pipelines` keeps the
+  `pipeline_id`-th slice. The update of a step averages over the same
+  examples as before the worker count changed (float round-off apart).
+
+  Raises:
+    ConfigError: the micro-batch does not split evenly over the replayed
+      pipelines or this run's.
+  """
+  origin = int(options.replay_pipelines)
+  micro = options.global_batch_size // max(1,
+                                          options.gradient_accumulation_steps)
+  if micro % origin or micro % num_pipelines:
+    raise errors.ConfigError(
+        f"--batch_size: the global micro-batch of {micro} examples does not "
+        f"split evenly over the checkpoint's {origin} workers and this run's "
+        f"{num_pipelines}, so the input order cannot be replayed; use a "
+        f"micro-batch that {origin} and {num_pipelines} divide, or train on "
+        f"{origin} workers.")
+  chunk, mine = micro // origin, micro // num_pipelines
+  replicas = input_context.num_replicas_in_sync if input_context else 1
+  origin_options = dataclasses.replace(
+      options, replay_pipelines=None, examples_per_epoch=(
+          None if options.examples_per_epoch is None else
+          options.examples_per_epoch * num_pipelines // origin))
+  logging.info("Input pipeline %d/%d: replaying the input order of %d "
+               "workers (the checkpoint's): this worker reads every one of "
+               "their shares and keeps its %d of each step's %d examples.",
+               pipeline_id, num_pipelines, origin, mine * max(
+                   1, options.gradient_accumulation_steps),
+               options.global_batch_size)
+  # An op without a seed of its own (a dataset function's `shuffle()`) under
+  # a global seed draws its seed from the eager op-seed generator, which
+  # each replayed pipeline's process had in the state this one has now:
+  # each stream is built from that state (`_op_seeds`).
+  op_seeds = _op_seeds()
+  state = op_seeds.getstate() if op_seeds is not None else None
+  streams = []
+  for index in range(origin):
+    if state is not None:
+      op_seeds.setstate(state)
+    context = tf.distribute.InputContext(
+        num_input_pipelines=origin, input_pipeline_id=index,
+        num_replicas_in_sync=max(origin, replicas * origin // num_pipelines))
+    if options.input_fn is not None:
+      ds, batched = _examples_from_function(origin_options, context, origin,
+                                            index, chunk)
+    else:
+      ds, batched = _examples_from_files(origin_options, origin, index,
+                                         chunk)
+    streams.append(ds if batched else ds.batch(chunk, drop_remainder=True))
+  joined = tf.data.Dataset.zip(tuple(streams)).map(
+      lambda *parts: tf.nest.map_structure(
+          lambda *t: tf.concat(t, 0)[pipeline_id * mine:
+                                     (pipeline_id + 1) * mine], *parts))
+  if mine == batch:
+    return joined
+  return joined.unbatch().batch(batch, drop_remainder=True)
+
+
+def _op_seeds():
+  """TensorFlow's eager op-seed generator (a `random.Random`, set by
+  `tf.random.set_seed`), or None (no global seed, or traced)."""
+  if not tf.executing_eagerly():
+    return None
+  return getattr(context_lib.context(), "_rng", None)
 
 
 def _examples_from_files(options: PipelineOptions, num_pipelines: int,

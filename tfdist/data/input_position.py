@@ -8,22 +8,29 @@ every worker's input stands, which each worker recomputes for its own shard
 has to be stored, and the chief alone writing `--model_dir` is enough.
 `InputPosition` is the checkpointed object (`--checkpoint_input_position`);
 a run whose layout differs (`layout_change`) discards the position with a
-message naming the change and starts the epoch over (`epoch_start`).
+message naming the change and starts the epoch over (`epoch_start`), but
+for a change of the worker count alone: the run then replays the
+checkpoint's workers' input order (`InputPosition.replay_pipelines`,
+`tfdist.data.input_pipeline.PipelineOptions.replay_pipelines`), each worker
+rebuilding every old worker's stream and keeping its slice of each global
+batch, so every step averages over the examples it would have had.
 
 Which inputs keep a position (`source_files`): TFRecord files; `tfdist.fit`'s
 arrays, `PyDataset`s and generators (named as one file of their rows); and
-a dataset function whose epochs tfdist aligns to steps (one that does not
-take `input_context`, so tfdist shards its examples): its position is a
-seeded replay, the resumed run rebuilding the interrupted epoch (the
-function's examples once, in its order, then tfdist's shuffle seeded by
-`--seed` and the epoch) and skipping the examples the steps before used.
-That replays exactly when the function returns the same examples in the
-same order in every run (any shuffle of its own seeded); a function that
-takes `input_context` shards itself, its epochs are not aligned to steps,
-and its epoch starts over. TensorFlow's iterator checkpoints
-(`tf.train.Checkpoint(iterator=...)`) are not used: each worker's iterator
-state would need its own storage (only the chief writes `--model_dir`), and
-the state does not carry over a change of worker count.
+dataset functions. Their position is a seeded replay: the resumed run
+rebuilds the interrupted epoch (the function's examples once, in its order,
+then tfdist's shuffle seeded by `--seed` and the epoch) and skips the
+examples the steps before used. A function that does not take
+`input_context` is sharded by tfdist and its epochs are whole steps; one
+that takes it shards itself, and each worker's stream is passes over its
+own share, pass p shuffled with the seed of p: the resumed worker skips the
+`step x global batch / workers` examples it used. That replays exactly when
+the function returns the same examples in the same order in every run for
+the same `input_context` (any shuffle of its own seeded). TensorFlow's
+iterator checkpoints (`tf.train.Checkpoint(iterator=...)`) are not used:
+each worker's iterator state would need its own storage (only the chief
+writes `--model_dir`), and the state does not carry over a change of worker
+count.
 """
 
 import json
@@ -139,16 +146,20 @@ def source_files(*, input_fn: Optional[Callable], name: str,
     `(files, counts)`: the files themselves; `["<in-memory arrays>"]` for
     `tfdist.fit`'s arrays, `PyDataset`s and generators (as checkpoints
     have named them since positions were kept); `["<dataset function
-    NAME>"]` for a dataset function; with the examples as the one count.
-    None: no position (a function that shards itself, or an unknown
-    count; module docstring).
+    NAME>"]` for a dataset function (`"<dataset function NAME, sharded by
+    its input_context>"` for one that shards itself); with the examples
+    (of every worker) as the one count. None: no position (an unknown
+    count).
   """
   if input_fn is None:
     return list(files), [int(c) for c in file_record_counts]
-  if num_examples is None or (shards_itself and not shards_by_example):
+  if num_examples is None:
     return None
   if getattr(input_fn, IN_MEMORY, False):
     return ["<in-memory arrays>"], [int(num_examples)]
+  if shards_itself and not shards_by_example:
+    return ([f"<dataset function {name}, sharded by its input_context>"],
+            [int(num_examples)])
   return [f"<dataset function {name}>"], [int(num_examples)]
 
 
@@ -173,6 +184,10 @@ class InputPosition(tf.train.experimental.PythonState):
     self.steps_per_epoch = int(steps_per_epoch)
     self.resume_note = resume_note
     self.saved: Optional[dict] = None
+    # After `resume_step`: the worker count whose input order this run
+    # replays (`tfdist.data.input_pipeline.PipelineOptions
+    # .replay_pipelines`); None: its own.
+    self.replay_pipelines: Optional[int] = None
 
   def serialize(self) -> str:
     return json.dumps(self.layout, sort_keys=True)
@@ -188,14 +203,30 @@ class InputPosition(tf.train.experimental.PythonState):
     """The step whose input position a run restored at `step` starts from.
 
     `step` itself when the checkpoint's layout equals this run's (the epoch
-    continues where it stopped); otherwise the first step of the epoch
-    `step` falls in (the epoch starts over), with a warning naming what
-    changed. 0 for a fresh run. A run resumed mid-epoch says its
-    `resume_note` (a generator's) once.
+    continues where it stopped), or differs in the worker count alone
+    (then `replay_pipelines` is the checkpoint's worker count, whose order
+    this run replays, and this run's layout takes it on); otherwise the
+    first step of the epoch `step` falls in (the epoch starts over), with a
+    warning naming what changed. 0 for a fresh run. A run resumed mid-epoch
+    says its `resume_note` (a generator's) once.
     """
     if step <= 0:
       return 0
     change = layout_change(self.saved, self.layout)
+    workers = (self.saved or {}).get("num_input_pipelines")
+    if change is not None and workers and layout_change(
+        self.saved, dict(self.layout, num_input_pipelines=workers)) is None:
+      # Only the worker count changed: this run replays the checkpoint's
+      # order (and its checkpoints record it, so a later resume on any
+      # worker count continues it).
+      change, current = None, self.layout["num_input_pipelines"]
+      self.replay_pipelines = int(workers)
+      self.layout["num_input_pipelines"] = int(workers)
+      logging.info(
+          "tfdist: the worker count changed from %d to %d: the input replays "
+          "the checkpoint's %d workers' order (each worker reads all of the "
+          "training input and keeps its share of every step's batch).",
+          workers, current, workers)
     if self.resume_note and step % self.steps_per_epoch:
       logging.warning("tfdist: %s", self.resume_note.format(
           step=step, epoch=step // self.steps_per_epoch + 1,

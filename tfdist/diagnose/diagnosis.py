@@ -43,6 +43,7 @@ from tfdist.diagnose.report import run_records
 from tfdist.diagnose.report import runs_folder_note
 from tfdist.diagnose.report import runs_line
 from tfdist.diagnose.report import say
+from tfdist.training import mesh_plan
 from tfdist.diagnose.verdicts import verdict
 from tfdist.training import memory
 
@@ -164,15 +165,34 @@ def _report_plan(plan: MeasurementPlan, model: _Model, *, out) -> dict:
   fitted = model.fit(on_gpu=plan.on_gpu, num_replicas=plan.num_replicas or 1)
   layout = run_layout_notes(model.sizes.estimate, fitted, facts)
   choice = layout_choice(model.sizes, fitted, facts, plan)
+  meshes = mesh_plan.mesh_layouts(choice.facts)
   say(out, "\n".join([model_state_line(fitted, facts), *layout,
                       "", "Layouts (per device, state and activations):",
                       choice.render(), tensor_split_note(model.sizes, facts),
+                      *_mesh_lines(choice, meshes),
                       "Nothing measured (--plan_only)."]))
   return {"plan": plan_record(plan), "model_memory":
           fitted.estimate.to_dict(),
           "model_fit": dataclasses.asdict(fitted.fit), "layout": layout,
-          "layouts": choice.to_dict(),
+          "layouts": choice.to_dict(), "meshes": _mesh_record(meshes),
           "tensor_split": _split_record(model)}
+
+
+def _mesh_lines(choice, meshes) -> list:
+  """The meshes' table (`tfdist.training.mesh_plan`) under its heading,
+  when the devices allow more than one mesh."""
+  if choice.facts.num_devices < 2:
+    return []
+  return ["", f"Meshes of {choice.facts.num_devices} devices (data x "
+          "pipeline x tensor, ZeRO within each data group; per device):",
+          mesh_plan.render(meshes, choice.capacity_bytes)]
+
+
+def _mesh_record(meshes) -> dict:
+  best = mesh_plan.recommended(meshes)
+  return {"rows": [m.to_dict() for m in meshes],
+          "recommended": best.name if best else None,
+          "recommended_flags": best.memory.flags if best else None}
 
 
 def _split_record(model: _Model) -> Optional[dict]:
@@ -198,6 +218,7 @@ def _report_runs(plan: MeasurementPlan, model: _Model,
                    pinned=pin, cpu_bf16=cpu_has_bf16())
   result.notes.extend(run_layout_notes(model.sizes.estimate, fitted, facts))
   choice = layout_choice(model.sizes, fitted, facts, plan)
+  meshes = mesh_plan.mesh_layouts(choice.facts)
   rows = [r for r in (base, requested) if r is not None]
   how = runs_line(steps=steps, repeats=repeats, cores=model.cores, pin=pin,
                   rows=rows, log_steps=facts.log_steps)
@@ -205,8 +226,8 @@ def _report_runs(plan: MeasurementPlan, model: _Model,
             model_state_line(fitted, facts),
             how + runs_folder_note(root, keep), "",
             "Layouts (per device, state and activations):",
-            choice.render(), tensor_split_note(model.sizes, facts), "",
-            result.render()]
+            choice.render(), tensor_split_note(model.sizes, facts),
+            *_mesh_lines(choice, meshes), "", result.render()]
   say(out, "\n".join(report))
   return {**run_records(requested, base,
                         [*requested_runs, *baseline_runs], keep=keep),
@@ -214,6 +235,7 @@ def _report_runs(plan: MeasurementPlan, model: _Model,
           "model_fit": dataclasses.asdict(fitted.fit), "cores": model.cores,
           "pinned": pin, "verdict": result.to_dict(),
           "plan": plan_record(plan), "layouts": choice.to_dict(),
+          "meshes": _mesh_record(meshes),
           "tensor_split": _split_record(model)}
 
 

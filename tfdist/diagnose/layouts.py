@@ -29,12 +29,17 @@ class ModelSizes:
       by weight bytes); P absent: the model cannot be cut into P.
     tensor_split: what a layout map derived for the model could split
       (`tensor_split.tensor_split_of`), or None.
+    expert_bytes: bytes of its mixture-of-experts layers' experts (0:
+      none).
+    num_experts: E of those layers (the fewest; 0: none).
   """
   estimate: memory.ModelMemory
   activation_bytes_per_example: int = 0
   tensor_parallel_bytes: int = 0
   pipeline_shares: Optional[Dict[int, float]] = None
   tensor_split: Optional[TensorSplit] = None
+  expert_bytes: int = 0
+  num_experts: int = 0
 
 
 def model_memory_of(config) -> memory.ModelMemory:
@@ -99,7 +104,8 @@ def model_sizes_of(config, *, tensor_degree: int = 2) -> ModelSizes:
             replicated_variables=facts["replicated_variables"]),
         memory.activation_bytes_per_example(model),
         facts["tensor_parallel_bytes"] or split.split_bytes,
-        facts["pipeline_shares"], split)
+        facts["pipeline_shares"], split, facts.get("expert_bytes", 0),
+        facts.get("num_experts", 0))
   finally:
     keras.mixed_precision.set_dtype_policy("float32")
 
@@ -277,7 +283,8 @@ def layout_choice(sizes: ModelSizes, fitted: "FittedModel",
       tensor_parallel_flag=tensor_parallel_options.flags_for(facts.model,
                                                              devices),
       refused=_refused_layouts(),
-      pipeline_shares=sizes.pipeline_shares)
+      pipeline_shares=sizes.pipeline_shares,
+      expert_bytes=sizes.expert_bytes, num_experts=sizes.num_experts)
 
 
 def _refused_layouts() -> dict:

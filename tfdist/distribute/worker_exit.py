@@ -234,3 +234,55 @@ def mark_done(path: Optional[str]):
 def is_done(path: Optional[str]) -> bool:
   """Whether a task wrote its done marker at `path`."""
   return bool(path) and os.path.exists(path)
+
+
+# The environment variable through which `tfdist.launch` tells each task
+# the file where it writes which tasks failed, when one does ("worker:0
+# exited with status 137"), before it stops the others: a task that then
+# reports a lost peer names that task and its status in its own log
+# (`lost_peers_note`).
+LOST_FILE_ENV = "TFDIST_LOST_TASKS_FILE"
+
+
+def write_lost_peers(path: Optional[str], text: str) -> None:
+  """The launcher's side: writes `text` (the failed tasks and their exit
+  statuses) to `path` at once (a rename: a reader sees all of it or
+  nothing); no-op without a path, silent if the folder is gone."""
+  if not path:
+    return
+  try:
+    with open(path + ".tmp", "w") as f:
+      f.write(text)
+    os.replace(path + ".tmp", path)
+  except OSError:
+    pass
+
+
+def lost_peers_note(wait_seconds: float = 3.0,
+                    path: Optional[str] = None) -> Optional[str]:
+  """What the launcher said of the tasks that failed ("worker:0 exited with
+  status 137"), for a task reporting a lost peer.
+
+  Args:
+    wait_seconds: how long to wait for the launcher's word (it notices a
+      dead process within a tenth of a second, a peer within the
+      collective's failure or the coordination service's heartbeat; the
+      margin is for a loaded machine). A lost peer that did not exit (a
+      hung one) costs this wait once.
+    path: the file (default: `$TFDIST_LOST_TASKS_FILE`).
+
+  Returns:
+    The text, or None: not under `tfdist.launch`, or no word in time.
+  """
+  path = path or os.environ.get(LOST_FILE_ENV)
+  if not path:
+    return None
+  deadline = time.time() + wait_seconds
+  while True:
+    try:
+      with open(path) as f:
+        return f.read().strip() or None
+    except OSError:
+      if time.time() >= deadline:
+        return None
+      time.sleep(0.05)

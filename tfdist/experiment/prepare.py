@@ -285,7 +285,8 @@ def assembly_options(config: TrainConfig,
       strategy=config.strategy, dtype=dtype, loss_scale=loss_scale,
       steps_per_execution=steps_per_execution,
       pipeline=pipeline_options.PipelineOptions.of(
-          config.strategy.parallelism),
+          config.strategy.parallelism, num_gpus=config.strategy.num_gpus,
+          num_cpu_devices=config.strategy.num_cpu_devices),
       builder_config=config_lib.ModelBuilderConfig(config))
 
 

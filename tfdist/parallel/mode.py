@@ -17,10 +17,12 @@ name:
             consecutive devices, micro-batched.
   tensor    `tfdist.parallel.tensor`: Megatron-style layers split over one
             host's replicas.
+  experts   `tfdist.parallel.experts`: mixture-of-experts layers' experts
+            split over one host's replicas (all-to-all dispatch).
 
 A mode written elsewhere registers with `@register_mode("name")` and is
 passed to the trainer (`Trainer(..., mode=MyMode())`). Importing
-`tfdist.parallel.modes` registers the four built-in ones.
+`tfdist.parallel.modes` registers the five built-in ones.
 
 This module is the bottom of the parallel floor: it imports neither
 TensorFlow nor `tfdist.training` or `tfdist.backends`.
@@ -264,16 +266,19 @@ def mode_of(trainer, name: str) -> Optional[StepMode]:
 
 
 def mode_name_for(*, zero_stage: int = 0, pipeline_stages: int = 1,
-                  tensor_parallel: int = 1) -> str:
+                  tensor_parallel: int = 1, expert_parallel: int = 1) -> str:
   """The mode the parallelism settings choose: `pipeline` with
-  `--pipeline_stages` > 1, `tensor` with `--tensor_parallel` > 1, `zero3`
-  with `--zero_stage=3`, else `data` (ZeRO stages 0-2 included). The
-  settings' own checks (`--zero_stage=3` with stages, ...) stay with the
-  config and with each mode's `validate`."""
+  `--pipeline_stages` > 1, `tensor` with `--tensor_parallel` > 1,
+  `experts` with `--expert_parallel` > 1, `zero3` with `--zero_stage=3`,
+  else `data` (ZeRO stages 0-2 included). The settings' own checks
+  (`--zero_stage=3` with stages, ...) stay with the config and with each
+  mode's `validate`."""
   if pipeline_stages > 1:
     return "pipeline"
   if tensor_parallel > 1:
     return "tensor"
+  if expert_parallel > 1:
+    return "experts"
   if zero_stage == 3:
     return "zero3"
   return "data"
@@ -291,7 +296,8 @@ def mode_for(settings: Mapping[str, Any]) -> Type[StepMode]:
   cls = get_mode(mode_name_for(
       zero_stage=settings.get("zero_stage", 0),
       pipeline_stages=settings.get("pipeline_stages", 1),
-      tensor_parallel=settings.get("tensor_parallel", 1)))
+      tensor_parallel=settings.get("tensor_parallel", 1),
+      expert_parallel=settings.get("expert_parallel", 1)))
   cls.validate(settings)
   return cls
 

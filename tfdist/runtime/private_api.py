@@ -248,6 +248,11 @@ USES = (
     PrivateUse("tensorflow.python.eager.context:Context",
                "get_config_key_value", "call", "as above",
                ("tfdist/distribute/worker_exit.py",)),
+    PrivateUse("tensorflow.python.eager.context:Context", "_rng", "read",
+               "the eager op-seed generator (`tf.random.set_seed`'s): a "
+               "resume on another worker count builds each replayed "
+               "worker's input from the state that worker's process had",
+               ("tfdist/data/input_pipeline.py",)),
     PrivateUse("tensorflow.python.framework.random_seed",
                "DEFAULT_GRAPH_SEED", "read",
                "the input pipeline's graph seed when none is set",

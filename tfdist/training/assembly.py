@@ -36,6 +36,7 @@ from tfdist.core import reduce_dtype
 from tfdist.parallel.data import sharded_optimizer
 from tfdist.training import task as task_lib
 from tfdist.parallel.tensor import mode as tensor_parallel_step
+from tfdist.parallel.experts import mode as expert_parallel_step
 from tfdist.training import train_loop
 from tfdist.training import training_checks
 from tfdist.training.train_loop import Trainer
@@ -67,7 +68,9 @@ class AssemblyOptions:
       gradients' all-reduce packs, bytes; 0: one), `all_reduce_dtype`
       (`tfdist.core.reduce_dtype`), and its parallelism section
       (`tensor_parallel`: N replicas split the model's layers,
-      `tfdist.parallel.tensor.mode`; 1: off).
+      `tfdist.parallel.tensor.mode`; `expert_parallel`: E_p replicas split
+      each mixture-of-experts layer's experts, `tfdist.parallel.experts.
+      mode`; 1: off).
     dtype: the precision policy's name the run decided (`fp32`, `fp16`,
       `bf16`).
     loss_scale: fp16's loss scale: None (dynamic), `dynamic` or a number.
@@ -432,9 +435,15 @@ def build(options: AssemblyOptions, *, task: task_lib.Task,
       functools.partial(build_model, options, task=task,
                         sync_batch_norm=plan.sync_batch_norm),
       strategy) if options.strategy.parallelism.tensor_parallel > 1 else None)
+  expert_parallel = options.strategy.parallelism.expert_parallel
+  experts = (expert_parallel_step.build(
+      functools.partial(build_model, options, task=task,
+                        sync_batch_norm=plan.sync_batch_norm),
+      strategy, expert_parallel)
+             if expert_parallel > 1 else None)
   with strategy.scope():
-    if tensor_parallel is not None:
-      model, deferred = tensor_parallel.model, None
+    if tensor_parallel is not None or experts is not None:
+      model, deferred = (tensor_parallel or experts).model, None
     else:
       model, deferred = pipeline_step.build_model(
           functools.partial(build_model, options, task=task,
@@ -479,7 +488,7 @@ def build(options: AssemblyOptions, *, task: task_lib.Task,
                     class_weight=class_weight,
                     bytes_per_pack=options.strategy.bytes_per_pack,
                     all_reduce_dtype=options.strategy.all_reduce_dtype,
-                    mode=pipeline or tensor_parallel)
+                    mode=pipeline or tensor_parallel or experts)
   _log_trainer(trainer, options, plan=plan, sharding=sharding, on_tpu=on_tpu)
   checkpoint = _training_checkpoint(model, trainer=trainer,
                                     learning_rate=learning_rate)

@@ -239,15 +239,17 @@ DIFFERENCES: Tuple[Difference, ...] = (
         "a keras.utils.PyDataset or a dataset function",
         "data.md", said_by="at resume (`InputPosition.resume_step`)"),
     Difference(
-        "self_sharding_resume",
-        "A dataset function that takes `input_context` shards itself: its "
-        "epochs are not aligned to steps and a resumed run starts its "
-        "input over.",
+        "self_sharding_epochs",
+        "A dataset function that takes `input_context` shards itself: each "
+        "worker's epochs are passes over its own share, not aligned to "
+        "steps (a step's batch may span two passes, and an example may come "
+        "twice in one of Keras's epochs). A resumed run continues each "
+        "worker's pass where it stopped.",
         "a dataset function with an `input_context` argument",
         lambda f: f.self_sharding_input,
-        "the dataset function takes input_context and shards itself, so its "
-        "position is not checkpointed: a resumed run reads its examples "
-        "from the start.",
+        "the dataset function takes input_context and shards itself, so "
+        "each worker reads passes over its own share, not aligned to "
+        "steps: a step's batch may span two passes.",
         "leave input_context out and let tfdist shard the examples",
         "data.md"),
     Difference(

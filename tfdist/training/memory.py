@@ -302,6 +302,9 @@ def fits_data_parallel(estimate: ModelMemory, *, capacity_bytes: int,
 # backward, which pays only on fast device links (NVLink).
 LAYOUTS = ("data parallel", "ZeRO 1", "ZeRO 2", "ZeRO 3", "pipeline",
            "tensor parallel")
+# Rows only for a model that has what they split: expert parallelism for a
+# model with mixture-of-experts layers (after the others).
+OPTIONAL_LAYOUTS = ("expert parallel",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -356,10 +359,13 @@ class LayoutChoice:
     recommended: the first available row (in `LAYOUTS` order: the cheapest
       in communication) that fits, or None when none does.
     capacity_bytes: the memory one device (or the shared host) has.
+    facts: the `LayoutFacts` the rows were computed from (for the meshes
+      of `tfdist.training.mesh_plan`).
   """
   rows: tuple
   recommended: Optional[LayoutMemory]
   capacity_bytes: int
+  facts: Optional["LayoutFacts"] = None
 
   def advice(self) -> str:
     """One sentence: the recommended layout with its flags, or what comes
@@ -445,6 +451,8 @@ class LayoutFacts:
   tensor_parallel_bytes: int = 0
   tensor_parallel_flag: str = ""
   pipeline_shares: Dict[int, float] = dataclasses.field(default_factory=dict)
+  expert_bytes: int = 0
+  num_experts: int = 0
 
   ceil_div = staticmethod(_ceil_div)
 
@@ -533,7 +541,8 @@ def layout_table(estimate: ModelMemory, *, num_devices: int,
                  tensor_parallel_bytes: int = 0,
                  tensor_parallel_flag: str = "",
                  refused: Optional[Dict[str, str]] = None,
-                 pipeline_shares: Optional[Dict[int, float]] = None
+                 pipeline_shares: Optional[Dict[int, float]] = None,
+                 expert_bytes: int = 0, num_experts: int = 0
                  ) -> LayoutChoice:
   """Per-device bytes of every layout on `num_devices` devices, side by side.
 
@@ -559,6 +568,11 @@ def layout_table(estimate: ModelMemory, *, num_devices: int,
     of weights, their gradients and optimizer slots in proportion) / N, the
     rest whole; every replica runs the whole batch B, and its activations
     are counted whole (an upper bound: the split heads' are 1/N).
+  * expert parallel (models with mixture-of-experts layers only): the
+    experts' state (`expert_bytes` of weights, their gradients and slots
+    in proportion) / E_p, E_p the largest divisor of both N and E, the rest
+    whole; each replica a*B/N activations (the dispatched tokens' buffers
+    not counted).
 
   Args:
     estimate: the model's unsharded `ModelMemory` (one replica, plain data
@@ -590,6 +604,10 @@ def layout_table(estimate: ModelMemory, *, num_devices: int,
     pipeline_shares: P -> the share of the weight bytes the heaviest of P
       stages holds, from the model's real cut (one layer can outweigh the
       rest: a stage never holds less than its layers); P absent: 1/P.
+    expert_bytes: bytes of the weights of the model's mixture-of-experts
+      layers' experts (0: no experts; the expert-parallel row is left out).
+    num_experts: E, the experts of each such layer (the fewest, when they
+      differ).
 
   Returns:
     A `LayoutChoice`.
@@ -621,7 +639,8 @@ def layout_table(estimate: ModelMemory, *, num_devices: int,
       pipeline_schedule=pipeline_schedule,
       tensor_parallel_bytes=tensor_parallel_bytes,
       tensor_parallel_flag=tensor_parallel_flag,
-      pipeline_shares=dict(pipeline_shares or {}))
+      pipeline_shares=dict(pipeline_shares or {}),
+      expert_bytes=int(expert_bytes), num_experts=int(num_experts))
   # Each registered parallelism mode computes its own rows, in the modes'
   # order (`tfdist.parallel.modes`: the built-in ones first). Imported
   # here: the modes import TensorFlow, the rest of this module does not.
@@ -632,4 +651,5 @@ def layout_table(estimate: ModelMemory, *, num_devices: int,
     rows = [dataclasses.replace(r, available=False, fits=False, note=reason)
             if r.layout == name and r.available else r for r in rows]
   recommended = next((r for r in rows if r.fits), None)
-  return LayoutChoice(tuple(rows), recommended, int(capacity_bytes))
+  return LayoutChoice(tuple(rows), recommended, int(capacity_bytes),
+                      facts)

@@ -88,8 +88,12 @@ class PlanOptions:
 
   @property
   def pipeline(self) -> Optional[pipeline_options.PipelineOptions]:
-    """The parallelism section's `PipelineOptions` (one stage: none)."""
-    return pipeline_options.PipelineOptions.of(self.strategy.parallelism)
+    """The parallelism section's `PipelineOptions` on the strategy
+    section's devices (one stage: none)."""
+    strategy = self.strategy
+    return pipeline_options.PipelineOptions.of(
+        strategy.parallelism, num_gpus=strategy.num_gpus,
+        num_cpu_devices=strategy.num_cpu_devices)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -257,10 +261,13 @@ class RunPlan:
              not self.asynchronous else
              "no effect (no all-reduce: one replica)"))
     if self.pipeline:
+      micro = plan.per_replica_batch_size // (
+          self.pipeline.data * self.pipeline.num_microbatches)
       lines.append(
           f"  pipeline               {self.pipeline.describe()}"
-          f" of {plan.per_replica_batch_size // self.pipeline.num_microbatches}"
-          " examples")
+          f" of {micro} examples")
+      if self.pipeline.data > 1:
+        lines += ["  " + line for line in self.pipeline.mesh().plan_lines()]
     return lines
 
 

@@ -31,6 +31,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist.distribute import parameter_server
+from tfdist.distribute import worker_exit
 from tfdist import errors
 from tfdist.errors import first_line
 
@@ -119,6 +120,10 @@ def peer_lost_error(error: Exception, *, after: str,
     names.append(f"{job} {index}" + (f" at {listed[index]}"
                                      if index < len(listed) else ""))
   who = (f"lost {', '.join(names)}" if names else "lost a peer worker")
+  # Under tfdist.launch: the task that failed and its exit status.
+  note = worker_exit.lost_peers_note()
+  if note:
+    who += f" (tfdist.launch: {note})"
   return errors.PeerLostError(
       f"{what} {who} after {after}: "
       f"{type(error).__name__}: {first}. Every worker must take part in "

@@ -12,17 +12,24 @@ z-loss (Zoph et al. 2022).
 Dispatch and combine are dense tensors, as in GShard and Mesh TensorFlow:
 a dispatch mask [groups, group_size, E, C] gathers the tokens into the
 experts' inputs [E, groups * C, d_model] with one einsum, and combine
-weights of the same shape scatter the experts' outputs back. The
-[E, groups * C, d_model] tensor is what expert parallelism's all-to-all
-would exchange (experts split over devices); this module runs every
-expert where the layer runs.
+weights of the same shape scatter the experts' outputs back. Built inside
+`placement.placement_scope` (expert parallelism, `--expert_parallel`), a
+layer holds only its replica's E / E_p experts, and the [E, groups, C,
+d_model] expert inputs travel to the replicas holding their experts by
+all-to-all (`tfdist.parallel.experts.mode`); otherwise every expert runs
+where the layer runs.
 """
 
+import contextlib
 import math
 from typing import Any, Callable, Dict, Optional, Union
 
 import keras
 import tensorflow as tf
+
+from tfdist import errors
+from tfdist.parallel import collectives
+from tfdist.parallel.experts import placement as placement_lib
 
 # Added to the two chosen gates' sum before top-2 renormalization (GShard's
 # epsilon); softmax gates are positive, so it matters only on underflow.
@@ -163,6 +170,16 @@ class MixtureOfExperts(keras.layers.Layer):
   GShard's random dispatch of the second choice and Switch's router
   jitter noise are not implemented: routing is deterministic.
 
+  Expert parallelism: constructed inside `placement.placement_scope`
+  (`tfdist.parallel.experts.mode.build` does it), the layer holds the
+  L = E / E_p experts of its replica's slot (`local_expert_<j>`, weights
+  sync-on-read with one value per replica) and must be called inside
+  `strategy.run` in a `tf.function`: each replica routes its own tokens
+  (groups never span replicas), exchanges the expert inputs and outputs
+  with its expert group by all-to-all, and averages f_e, P_e and the
+  z-loss (sums the kept slots) over every replica, so the losses and
+  statistics are one device's on the global batch.
+
   Routing statistics of the last call are kept as non-trainable float32
   variables (`routing_statistics()`; under a data-parallel strategy each
   replica writes its own copy, and a read outside the replicas gives
@@ -206,6 +223,9 @@ class MixtureOfExperts(keras.layers.Layer):
     **kwargs: `keras.layers.Layer` arguments (name, dtype).
 
   Raises:
+    tfdist.errors.ConfigError: at construction under expert parallelism,
+      E not a multiple of E_p; at call, outside a replica function traced
+      by `tf.function`.
     ValueError: at construction, an argument out of range (E < 1, top_k
       not 1 or 2 or above E, capacity_factor <= 0 (capacity 0 drops every
       token), a negative loss weight, group_size < 1, neither `hidden_dim`
@@ -249,19 +269,36 @@ class MixtureOfExperts(keras.layers.Layer):
     self.router = keras.layers.Dense(
         self.num_experts, use_bias=False, dtype="float32",
         kernel_initializer=self.kernel_initializer, name="router")
+    # Expert parallelism (`placement.placement_scope`): this replica's
+    # L = E / E_p experts only, as `local_expert_<j>`.
+    self.placement = placement_lib.current()
+    if self.placement is not None:
+      _check_placement(self.num_experts, self.top_k, self.placement)
     # One attribute per expert (not a list): TensorFlow's checkpoints name
     # each expert's weights by it (`.../expert_3/hidden/kernel`), the same
     # for any E; a list's layers would be missing from the object graph.
-    for i in range(self.num_experts):
-      setattr(self, f"expert_{i}", self._make_expert(i))
+    for i in range(self._num_local_experts):
+      name = (f"expert_{i}" if self.placement is None else
+              f"local_expert_{i}")
+      setattr(self, name, self._make_expert(i, name))
+
+  @property
+  def _num_local_experts(self) -> int:
+    if self.placement is None:
+      return self.num_experts
+    return self.num_experts // self.placement.expert_parallel
 
   @property
   def experts(self):
-    """The E expert layers, in index order."""
+    """The E expert layers, in index order; expert-parallel, this
+    replica's L = E / E_p (`local_expert_<j>`: on the replica of slot s,
+    expert s * L + j)."""
+    if self.placement is not None:
+      return [getattr(self, f"local_expert_{j}")
+              for j in range(self._num_local_experts)]
     return [getattr(self, f"expert_{i}") for i in range(self.num_experts)]
 
-  def _make_expert(self, index: int):
-    name = f"expert_{index}"
+  def _make_expert(self, index: int, name: str):
     if self.expert is None:
       return FeedForwardExpert(
           self.hidden_dim, activation=self.activation,
@@ -291,8 +328,10 @@ class MixtureOfExperts(keras.layers.Layer):
     self.input_spec = keras.layers.InputSpec(
         min_ndim=2, max_ndim=3, axes={-1: model_dim})
     self.router.build((None, model_dim))
-    for expert in self.experts:
-      expert.build((None, model_dim))
+    with (placement_lib.per_replica_variables() if self.placement else
+          contextlib.nullcontext()):
+      for expert in self.experts:
+        expert.build((None, model_dim))
     self.tokens_per_expert = self._statistic("tokens_per_expert",
                                              (self.num_experts,))
     self.dropped_fraction = self._statistic("dropped_fraction", ())
@@ -397,36 +436,95 @@ class MixtureOfExperts(keras.layers.Layer):
     dispatch = tf.cast(routing["dispatch"], dtype)
     # [E, groups, C, d]: what expert parallelism's all-to-all exchanges.
     expert_inputs = tf.einsum("gsec,gsd->egcd", dispatch, x)
-    slots = tf.shape(expert_inputs)[2]
-    flat = tf.reshape(expert_inputs, [self.num_experts, -1, model_dim])
-    expert_outputs = tf.stack(
-        [tf.cast(expert(flat[i]), dtype)
-         for i, expert in enumerate(self.experts)])
-    expert_outputs = tf.reshape(
-        expert_outputs, [self.num_experts, groups, slots, model_dim])
+    if self.placement is None:
+      expert_outputs = self._run_experts(expert_inputs)
+    else:
+      expert_outputs = self._run_experts_in_parallel(expert_inputs)
     outputs = tf.einsum("gsec,egcd->gsd", tf.cast(routing["combine"], dtype),
                         expert_outputs)
     self._add_losses_and_statistics(routing)
     return tf.reshape(outputs, shape)
+
+  def _run_experts(self, expert_inputs):
+    """Every expert on its rows of `expert_inputs` [n, groups, C, d] (n:
+    the experts here, in order): the outputs, same shape and dtype."""
+    n, dtype = len(self.experts), expert_inputs.dtype
+    shape = tf.shape(expert_inputs)
+    flat = tf.reshape(expert_inputs, [n, -1, expert_inputs.shape[-1]])
+    outputs = tf.stack([tf.cast(expert(flat[i]), dtype)
+                        for i, expert in enumerate(self.experts)])
+    return tf.reshape(outputs, shape)
+
+  def _run_experts_in_parallel(self, expert_inputs):
+    """Expert parallelism: `expert_inputs` [E, groups, C, d] of this
+    replica's tokens go, by all-to-all over its expert group, to the
+    replicas holding their experts; each replica runs its L experts on the
+    E_p replicas' tokens [L, E_p * groups, C, d], and a second all-to-all
+    brings the outputs back: [E, groups, C, d]. The all-to-all's gradient
+    is the inverse all-to-all (`collectives.replica_all_to_all`), so each
+    expert's weight gradient covers every token of its group sent to it.
+    """
+    group, _ = self._replica_groups()
+    n, local = self.placement.expert_parallel, self._num_local_experts
+    shape = tf.shape(expert_inputs)
+    model_dim = expert_inputs.shape[-1]
+    # [E_p (destination slot), L, groups * C, d].
+    sent = tf.reshape(expert_inputs, [n, local, -1, model_dim])
+    received = collectives.replica_all_to_all(group, sent, 0, 0)
+    # Row q: the tokens of the group's replica q for this replica's experts.
+    mine = tf.transpose(received, [1, 0, 2, 3])
+    outputs = self._run_experts(mine)
+    back = collectives.replica_all_to_all(
+        group, tf.transpose(outputs, [1, 0, 2, 3]), 0, 0)
+    return tf.reshape(back, shape)
+
+  def _replica_groups(self):
+    """(expert group, every replica's group) of the calling replica.
+
+    Raises:
+      tfdist.errors.ConfigError: called outside a replica function traced
+        by `tf.function` (`collectives.replica_device`).
+    """
+    device = collectives.replica_device(
+        f"MixtureOfExperts (layer {self.name!r}) under expert parallelism")
+    replica = self.placement.replica_of(device)
+    return self.placement.expert_group(replica), self.placement.all_group()
 
   def _add_losses_and_statistics(self, routing):
     e = float(self.num_experts)
     first, probs = routing["first"], routing["probs"]
     density = tf.reduce_mean(first, axis=[0, 1])
     density_proxy = tf.reduce_mean(probs, axis=[0, 1])
-    balance = e * tf.reduce_sum(density * density_proxy)
+    kept = tf.reduce_sum(routing["kept"], axis=[0, 1])
+    slots_asked = tf.cast(tf.size(first), tf.float32) / e * self.top_k
     z_loss = tf.reduce_mean(tf.square(
         tf.reduce_logsumexp(routing["logits"], axis=-1)))
+    if self.placement is not None:
+      density, density_proxy, kept, z_loss = self._global_routing(
+          density, density_proxy, kept, z_loss)
+      slots_asked *= self.placement.num_replicas
+    balance = e * tf.reduce_sum(density * density_proxy)
     if self.load_balancing_loss_weight:
       self.add_loss(self.load_balancing_loss_weight * balance)
     if self.router_z_loss_weight:
       self.add_loss(self.router_z_loss_weight * z_loss)
-    kept = tf.reduce_sum(routing["kept"], axis=[0, 1])
-    slots_asked = tf.cast(tf.size(first), tf.float32) / e * self.top_k
     self.tokens_per_expert.assign(kept)
     self.dropped_fraction.assign(1.0 - tf.reduce_sum(kept) / slots_asked)
     self.load_balancing_loss.assign(balance)
     self.router_z_loss.assign(z_loss)
+
+  def _global_routing(self, density, density_proxy, kept, z_loss):
+    """Expert parallelism: f_e, P_e and the z-loss averaged, the kept
+    slots summed over every replica (equal token counts per replica): one
+    device's values on the global batch, so the losses (and their
+    gradients: the all-reduce's is the all-reduce of the upstream ones)
+    and statistics equal one device's. Float32 [E], [E], [E], []."""
+    _, everyone = self._replica_groups()
+    r = float(self.placement.num_replicas)
+    e = self.num_experts
+    summed = collectives.replica_all_reduce(everyone, tf.concat(
+        [density / r, density_proxy / r, kept, [z_loss / r]], 0))
+    return summed[:e], summed[e:2 * e], summed[2 * e:3 * e], summed[-1]
 
   def routing_statistics(self) -> Dict[str, tf.Tensor]:
     """The last call's routing: `tokens_per_expert` float32 [E] (kept
@@ -486,6 +584,23 @@ def model_statistics(model: keras.layers.Layer) -> Dict[str, tf.Tensor]:
           for layer in layers
           if isinstance(layer, MixtureOfExperts) and layer.built
           for name, value in layer.routing_statistics().items()}
+
+
+def _check_placement(num_experts: int, top_k: int, placement) -> None:
+  """Refuses an expert-parallel layer whose E_p does not divide E.
+
+  Raises:
+    tfdist.errors.ConfigError: naming --expert_parallel, E and the fix.
+  """
+  n = placement.expert_parallel
+  if num_experts % n:
+    fits = [d for d in range(2, num_experts + 1) if num_experts % d == 0]
+    raise errors.ConfigError(
+        f"--expert_parallel={n} splits each MixtureOfExperts' experts "
+        f"evenly over {n} replicas, and num_experts={num_experts} is not a "
+        f"multiple of {n}. Use --expert_parallel in {fits or [1]} (that "
+        "also divides the replicas), or a multiple of it for the experts.")
+  del top_k
 
 
 def _check_arguments(*, num_experts, hidden_dim, top_k, capacity_factor,

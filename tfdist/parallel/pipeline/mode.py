@@ -37,6 +37,7 @@ import tensorflow as tf
 from tfdist import errors
 from tfdist.errors import first_line
 from tfdist.parallel import mode as mode_lib
+from tfdist.parallel.pipeline import copies as copies_lib
 from tfdist.parallel.pipeline import stages as pipeline_lib
 from tfdist.parallel.pipeline import options as pipeline_options
 from tfdist.training import custom_step
@@ -53,11 +54,15 @@ class PipelineStep(mode_lib.StepMode):
     num_microbatches: M.
     schedule: `gpipe` or `1f1b`.
     micro_batch: examples per micro-batch (0: unknown).
+    copies: with D > 1 copies (a data x pipeline mesh), the
+      `tfdist.parallel.pipeline.copies.DataCopies` of copies 1 .. D-1;
+      None: one copy.
   """
   pipeline: pipeline_lib.Pipeline
   num_microbatches: int
   schedule: str
   micro_batch: int = 0
+  copies: Optional[copies_lib.DataCopies] = None
   replaces_step_runner = True  # `tfdist.backends.pipeline` drives stages.
 
   @classmethod
@@ -79,14 +84,21 @@ class PipelineStep(mode_lib.StepMode):
 
   @classmethod
   def validate(cls, settings) -> None:
-    """`tfdist.parallel.pipeline.options.check_flags` on `settings`."""
+    """`tfdist.parallel.pipeline.options.check_flags` on `settings`
+    (`num_gpus` and `num_cpu_devices` may be absent: their defaults)."""
+    defaults = {"num_gpus": -1, "num_cpu_devices": 0}
     pipeline_options.check_flags(**{
-        name: settings[name] for name in pipeline_options.CHECKED_SETTINGS})
+        name: settings[name] if name in settings else defaults[name]
+        for name in pipeline_options.CHECKED_SETTINGS})
 
   @classmethod
   def devices(cls, settings) -> int:
-    """P: one stage per device."""
-    return int(settings["pipeline_stages"])
+    """D x P: one stage per device, D copies (`data_degree` of
+    `num_gpus` and `num_cpu_devices`, 1 when absent)."""
+    stages = int(settings["pipeline_stages"])
+    return stages * pipeline_options.data_degree(
+        stages, num_gpus=settings.get("num_gpus", -1),
+        num_cpu_devices=settings.get("num_cpu_devices", 0))
 
   @classmethod
   def layout_rows(cls, facts) -> list:
@@ -103,7 +115,8 @@ class PipelineStep(mode_lib.StepMode):
       act = facts.ceil_div(facts.activation_bytes_per_example *
                            facts.global_batch_size * in_flight, p * m)
       share = facts.pipeline_shares.get(p, 1 / p)
-      # Pipelines run in one process, without data parallelism.
+      # One copy of the pipeline: the planner does not propose D x P
+      # (--num_gpus / --num_cpu_devices = D x P) yet.
       return facts.row("pipeline",
                        "--distribution_strategy=one_device "
                        f"--pipeline_stages={p} --num_microbatches={m}", p,
@@ -126,15 +139,25 @@ class PipelineStep(mode_lib.StepMode):
 
   def describe(self) -> str:
     """One line per stage: its device, layers, weight bytes and the
-    activations it holds at its peak (a lower bound)."""
-    return "\n".join(
+    activations it holds at its peak (a lower bound); with D copies, the
+    mesh (`DeviceMesh.plan_lines`) and what each copy's device holds."""
+    lines = []
+    if self.copies is not None:
+      lines = ["  " + line for line in self.copies.mesh.plan_lines()]
+      lines.append(
+          f"  copy 0 (the stages below) holds the weights, gradients and "
+          f"optimizer state; copies 1..{self.copies.data - 1} hold their "
+          "stage's weights (refreshed from copy 0 each step) and "
+          "gradients, no optimizer state; each stage's gradients are "
+          "all-reduced over its data group")
+    return "\n".join(lines + [
         f"  stage {s['index']} on {s['device']}: {len(s['layers'])} "
         f"layer(s) {s['layers'][0]} .. {s['layers'][-1]}, "
         f"{s['param_bytes']} weight bytes" +
         (f", activations at least {s['activation_bytes']} bytes "
          f"({s['microbatches_in_flight']} micro-batch(es) of "
          f"{self.micro_batch} in flight)" if "activation_bytes" in s else "")
-        for s in self.stages())
+        for s in self.stages()])
 
   def forward_backward(self, trainer, inputs, labels, weights=None):
     """`StepContext.model_forward_backward` through the pipeline.
@@ -158,7 +181,7 @@ class PipelineStep(mode_lib.StepMode):
     _, grads, outputs = self.pipeline.forward_backward(
         inputs, labels, loss_fn=loss_fn,
         num_microbatches=self.num_microbatches, schedule=self.schedule,
-        sample_weight=weights, mean_loss=False)
+        sample_weight=weights, mean_loss=False, copies=self.copies)
     outputs = tf.cast(outputs, tf.float32)
     _, loss = trainer.losses(labels, outputs, weights)
     regularized = [v for v in trainer.model.trainable_variables
@@ -295,7 +318,7 @@ def build(model: keras.Model, options: pipeline_options.PipelineOptions, *,
 
 def _build(model, options, *, micro_step_batch, gradient_accumulation_steps,
            deferred):
-  pipeline_options.check_batch(
+  micro = pipeline_options.check_batch(
       options, micro_step_batch=micro_step_batch,
       gradient_accumulation_steps=gradient_accumulation_steps)
   own_step = custom_step.overrides(model)
@@ -313,24 +336,28 @@ def _build(model, options, *, micro_step_batch, gradient_accumulation_steps,
           "has an activity regularizer, which the pipelined step does not "
           "add to the loss yet. Remove it (weight regularizers are "
           "supported), or drop --pipeline_stages.")
-  micro = micro_step_batch // options.num_microbatches
+  mesh = options.mesh() if options.data > 1 else None
   try:
     pipe = pipeline_lib.split_model(
         model, options.num_stages, cuts=list(options.cuts) or None,
-        devices=list(options.devices) or None,
+        devices=(copies_lib.copy0_devices(mesh) if mesh else
+                 list(options.devices) or None),
         # Balance weights and the activations of the micro-batches a stage
         # holds at once (M under GPipe, at most P under 1F1B).
         activation_examples=micro * (
             options.num_microbatches if options.schedule ==
             pipeline_options.GPIPE else min(options.num_stages,
                                              options.num_microbatches)))
-    pipe.check_step(micro_step_batch, options.num_microbatches,
-                    options.schedule)
+    pipe.check_step(micro_step_batch // options.data,
+                    options.num_microbatches, options.schedule)
     placed = pipe.place_variables(deferred)
+    copies = copies_lib.DataCopies(pipe, mesh) if mesh else None
   except errors.PipelineConfigError as e:
     raise _flag_error(options, e) from None
+  if copies is not None:
+    placed.update(copies.bytes_per_device())
   step = PipelineStep(pipe, options.num_microbatches, options.schedule,
-                      micro_batch=micro)
+                      micro_batch=micro, copies=copies)
   logging.info("Pipeline: %s; weight bytes per device %s\n%s",
                options.describe(), placed, step.describe())
   return step

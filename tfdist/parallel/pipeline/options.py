@@ -3,7 +3,15 @@
 `--pipeline_stages=P` (1: off), `--num_microbatches=M` (default P),
 `--pipeline_schedule=gpipe|1f1b` and `--pipeline_cuts=name,name` become one
 `PipelineOptions`; `check_flags` refuses what the pipeline cannot run, before
-anything is built. Pure Python (no TensorFlow): `tfdist.config` calls it
+anything is built.
+
+Data x pipeline in one process: the devices the run names, N of them
+(`--num_gpus=N`, or `--num_cpu_devices=N` logical CPU devices on a host
+without GPUs or with `--num_gpus=0`), hold D = N / P copies of the
+pipeline (`data_degree`): a `tfdist.parallel.mesh.DeviceMesh` of data D x
+pipeline P, stage p of copy d on device p * D + d
+(`tfdist.parallel.pipeline.copies`). Without such a flag (or with N <= P)
+D = 1: the P stages on the first P devices, as before. Pure Python (no TensorFlow): `tfdist.config` calls it
 while it validates a `TrainConfig`. The pipeline itself is
 `tfdist.parallel.pipeline`; the trainer's use of it,
 `tfdist.parallel.pipeline.mode`.
@@ -13,16 +21,16 @@ import dataclasses
 from typing import Optional, Sequence, Tuple
 
 from tfdist import errors
+from tfdist.parallel import mesh as mesh_lib
 
 GPIPE = "gpipe"
 ONE_F_ONE_B = "1f1b"
 SCHEDULES = (GPIPE, ONE_F_ONE_B)
-# Strategies that cannot host stages yet: each replica would need its
-# stages' gradients all-reduced with the same stage of the other replicas
-# only, a collective over a sub-group of the replicas. tf.distribute
-# all-reduces over every replica; the raw collectives do work in sub-groups
-# (tfdist.parallel.collectives, over a tfdist.parallel.mesh.DeviceMesh), but
-# the trainer does not yet run a pipeline on such a mesh.
+# Strategies that cannot host stages: a pipeline's data parallelism runs in
+# its one process (D copies on a data x pipeline mesh, each stage's
+# gradients all-reduced over its data group with tfdist.parallel.
+# collectives), not as tf.distribute replicas; across the workers of a
+# MultiWorkerMirrored cluster it is not built yet.
 _DATA_PARALLEL = ("mirrored", "multi_worker_mirrored", "parameter_server",
                   "tpu")
 
@@ -38,9 +46,14 @@ class PipelineOptions:
     cuts: layer names, each the first layer of a stage after the first;
       empty: balanced by weight and activation bytes.
     microbatches_defaulted: `--num_microbatches` was not given (M = P).
-    devices: the stages' device names, stage i on `devices[i]` (set by
-      the pipeline backend once its devices are known; empty: this
-      process's first P GPUs, else its logical CPU devices).
+    devices: the mesh's device names, N = D * P of them in mesh order
+      (stage p of copy d on `devices[p * D + d]`; D = 1: stage i on
+      `devices[i]`), set by the pipeline backend once its devices are
+      known; empty: this process's first P GPUs, else its logical CPU
+      devices.
+    data: D, the copies of the pipeline (`data_degree`; 1: one copy).
+    device_type: "GPU" or "CPU": what the mesh's devices are, from the
+      flags (`--num_gpus` above 0: GPUs), before the backend finds them.
   """
   num_stages: int = 1
   num_microbatches: int = 1
@@ -48,41 +61,113 @@ class PipelineOptions:
   cuts: Tuple[str, ...] = ()
   microbatches_defaulted: bool = False
   devices: Tuple[str, ...] = ()
+  data: int = 1
+  device_type: str = "CPU"
 
   @classmethod
-  def of(cls, parallelism) -> "PipelineOptions":
+  def of(cls, parallelism, *, num_gpus: int = -1,
+         num_cpu_devices: int = 0) -> "PipelineOptions":
     """The pipeline of the config's parallelism section
     (`tfdist.config.ParallelismConfig`: `pipeline_stages`,
     `num_microbatches`, defaulted to the stages when None,
-    `pipeline_schedule`, `pipeline_cuts`)."""
+    `pipeline_schedule`, `pipeline_cuts`), its data degree from
+    `--num_gpus` and `--num_cpu_devices` (`data_degree`).
+
+    Raises:
+      ConfigError: as `data_degree`.
+    """
     return cls(
         num_stages=parallelism.pipeline_stages,
         num_microbatches=resolved_microbatches(
             parallelism.pipeline_stages, parallelism.num_microbatches),
         schedule=parallelism.pipeline_schedule,
         cuts=tuple(parallelism.pipeline_cuts),
-        microbatches_defaulted=parallelism.num_microbatches is None)
+        microbatches_defaulted=parallelism.num_microbatches is None,
+        data=data_degree(parallelism.pipeline_stages, num_gpus=num_gpus,
+                         num_cpu_devices=num_cpu_devices),
+        device_type="GPU" if num_gpus > 0 else "CPU")
 
   @property
   def enabled(self) -> bool:
     """P > 1: the model is cut into stages."""
     return self.num_stages > 1
 
+  def mesh(self) -> mesh_lib.DeviceMesh:
+    """The data x pipeline mesh: over `devices`, or, before the backend
+    found them, over D * P names `/device:<device_type>:i` (the plan's).
+
+    Raises:
+      ConfigError: `devices` that P does not divide (`DeviceMesh.build`).
+    """
+    devices = self.devices or tuple(
+        f"/device:{self.device_type}:{i}"
+        for i in range(self.data * self.num_stages))
+    return mesh_lib.DeviceMesh.build(devices, pipeline=self.num_stages)
+
   def describe(self) -> str:
     """One line for the run plan and the log."""
     cuts = (f"at {','.join(self.cuts)}" if self.cuts else
             "balanced by weight and activation bytes")
-    return (f"{self.num_stages} stages ({cuts}), {self.num_microbatches} "
-            f"micro-batches per step, {self.schedule} schedule; batch "
-            "normalization sees micro-batches")
+    copies = (f"{self.data} copies (data {self.data} x pipeline "
+              f"{self.num_stages}, each on 1/{self.data} of the batch) of "
+              if self.data > 1 else "")
+    per_copy = " per copy" if self.data > 1 else ""
+    return (f"{copies}{self.num_stages} stages ({cuts}), "
+            f"{self.num_microbatches} micro-batches per step{per_copy}, "
+            f"{self.schedule} schedule; batch normalization sees "
+            "micro-batches")
 
   def to_dict(self) -> dict:
-    """For the manifest: stages, micro-batches, schedule, cuts, and what
-    batch normalization sees."""
-    return {"stages": self.num_stages,
-            "num_microbatches": self.num_microbatches,
-            "schedule": self.schedule, "cuts": list(self.cuts),
-            "batch_norm": "micro-batches"}
+    """For the manifest: stages, micro-batches, schedule, cuts, what
+    batch normalization sees, and the data degree when above 1."""
+    out = {"stages": self.num_stages,
+           "num_microbatches": self.num_microbatches,
+           "schedule": self.schedule, "cuts": list(self.cuts),
+           "batch_norm": "micro-batches"}
+    if self.data > 1:
+      out["data"] = self.data
+    return out
+
+
+def data_degree(pipeline_stages: int, *, num_gpus: int = -1,
+                num_cpu_devices: int = 0) -> int:
+  """D, the copies of a P-stage pipeline in one process: N / P for the N
+  devices the flags name, 1 when they name none beyond P.
+
+  N is `--num_gpus` when above 0 (GPUs); else `--num_cpu_devices` (logical
+  CPU devices; the backend refuses it on a host whose GPUs would run the
+  stages unless `--num_gpus=0`); `--num_gpus=-1` (all visible) or N <= P
+  keeps D = 1, so an unchanged command runs as before.
+
+  Args:
+    pipeline_stages: P (1: no pipeline, D = 1).
+    num_gpus: `--num_gpus` (-1: all visible).
+    num_cpu_devices: `--num_cpu_devices` (0 or 1: no split).
+
+  Returns:
+    D >= 1.
+
+  Raises:
+    ConfigError: P does not divide N (the message names the flag, the
+      value and the device counts that fit).
+  """
+  if pipeline_stages <= 1:
+    return 1
+  flag, n = (("--num_gpus", num_gpus) if num_gpus > 0 else
+             ("--num_cpu_devices", num_cpu_devices))
+  if n <= pipeline_stages:
+    return 1
+  if n % pipeline_stages:
+    fits = sorted({pipeline_stages * (n // pipeline_stages),
+                   pipeline_stages * (n // pipeline_stages + 1)})
+    raise errors.ConfigError(
+        f"{flag}={n} devices cannot hold whole copies of a "
+        f"--pipeline_stages={pipeline_stages} pipeline: the data x "
+        "pipeline mesh puts D = devices / stages copies on them, so "
+        f"--pipeline_stages must divide {flag}. Use {flag}="
+        f"{' or '.join(map(str, fits))}, or --pipeline_stages among "
+        f"{[d for d in range(2, n + 1) if n % d == 0]}.")
+  return n // pipeline_stages
 
 
 def parse_cuts(value) -> Tuple[str, ...]:
@@ -111,13 +196,16 @@ CHECKED_SETTINGS = (
     "distribution_strategy",
     "zero_stage",
     "enable_xla",
+    "num_gpus",
+    "num_cpu_devices",
 )
 
 
 def check_flags(*, pipeline_stages: int, num_microbatches: Optional[int],
                 pipeline_schedule: str, pipeline_cuts: Sequence[str],
                 distribution_strategy: str, zero_stage: int,
-                enable_xla: bool) -> None:
+                enable_xla: bool, num_gpus: int = -1,
+                num_cpu_devices: int = 0) -> None:
   """Refuses pipeline flags that cannot run, naming the flag, the value and
   the fix. Pure: the devices, the model and the batch are checked later
   (`tfdist.backends.pipeline`, `tfdist.parallel.pipeline.mode`,
@@ -126,7 +214,8 @@ def check_flags(*, pipeline_stages: int, num_microbatches: Optional[int],
   Raises:
     ConfigError: P < 1; M < 1; an unknown schedule; cuts disagreeing with
       P; micro-batches or cuts without P > 1; P > 1 with a data-parallel
-      strategy, ZeRO or XLA.
+      strategy, ZeRO or XLA; P not dividing the devices `--num_gpus` or
+      `--num_cpu_devices` name (`data_degree`).
   """
   if not isinstance(pipeline_stages, int) or pipeline_stages < 1:
     raise errors.ConfigError(f"--pipeline_stages={pipeline_stages} must be a "
@@ -154,14 +243,15 @@ def check_flags(*, pipeline_stages: int, num_microbatches: Optional[int],
   if distribution_strategy in _DATA_PARALLEL:
     raise errors.ConfigError(
         f"--pipeline_stages={pipeline_stages} cannot run under "
-        f"--distribution_strategy={distribution_strategy}: pipelines "
-        "combined with data parallelism need each stage's gradients "
-        "all-reduced across that stage's copies only, which tfdist does not "
-        "yet do (a data x pipeline device mesh). Use "
-        "--distribution_strategy=auto"
-        ", one_device or off (one replica: the stages run in one process, "
-        "stage i on GPU i or logical CPU device i, or on the chief and "
-        "worker tasks of a cluster), or drop --pipeline_stages.")
+        f"--distribution_strategy={distribution_strategy}: a pipeline's "
+        "data parallelism runs in its own process, D copies of the "
+        "pipeline on a data x pipeline device mesh, not as tf.distribute "
+        "replicas (across workers it is not built yet). Use "
+        "--distribution_strategy=auto, one_device or off with "
+        f"--num_gpus=N or --num_cpu_devices=N (N = D x {pipeline_stages} "
+        "devices: D copies), or drop --pipeline_stages.")
+  data_degree(pipeline_stages, num_gpus=num_gpus,
+              num_cpu_devices=num_cpu_devices)
   if zero_stage:
     raise errors.ConfigError(
         f"--pipeline_stages={pipeline_stages} and --zero_stage={zero_stage}"
@@ -179,7 +269,7 @@ def check_flags(*, pipeline_stages: int, num_microbatches: Optional[int],
 def check_batch(options: PipelineOptions, *, micro_step_batch: int,
                 gradient_accumulation_steps: int = 1) -> int:
   """The pipeline's micro-batch size: the examples of one step (one
-  micro-step under gradient accumulation) split M ways.
+  micro-step under gradient accumulation) split D * M ways.
 
   Args:
     options: the run's `PipelineOptions`.
@@ -187,25 +277,37 @@ def check_batch(options: PipelineOptions, *, micro_step_batch: int,
     gradient_accumulation_steps: K (named in the message).
 
   Returns:
-    micro_step_batch // M.
+    micro_step_batch // (D * M): each of the D copies gets 1/D of it, cut
+    into M micro-batches.
 
   Raises:
-    ConfigError: M does not divide the (micro-)step's batch.
+    ConfigError: D does not divide the (micro-)step's batch, or M does not
+      divide a copy's share.
   """
-  m = options.num_microbatches
-  if micro_step_batch % m == 0:
-    return micro_step_batch // m
-  divisors = [d for d in range(1, micro_step_batch + 1)
-              if micro_step_batch % d == 0]
+  m, d = options.num_microbatches, options.data
+  if micro_step_batch % (d * m) == 0:
+    return micro_step_batch // (d * m)
   step = ("each of the --gradient_accumulation_steps="
           f"{gradient_accumulation_steps} micro-steps' "
           if gradient_accumulation_steps > 1 else "the step's ")
+  if micro_step_batch % d:
+    raise errors.ConfigError(
+        f"The data x pipeline mesh's {d} copies (--pipeline_stages="
+        f"{options.num_stages} on {d * options.num_stages} devices) do not "
+        f"divide {step}batch of {micro_step_batch} examples: each copy "
+        "gets an equal share. Use a --batch_size whose per-step share is a "
+        f"multiple of {d * m} (copies x --num_microbatches), or name "
+        "fewer devices (--num_gpus, --num_cpu_devices).")
+  share = micro_step_batch // d
+  divisors = [k for k in range(1, share + 1) if share % k == 0]
   given = (" (not given: it defaults to --pipeline_stages)"
            if options.microbatches_defaulted else "")
+  copies = (f" of each of the {d} data-parallel copies' share" if d > 1
+            else "")
   raise errors.ConfigError(
       f"--num_microbatches={m}{given} does not divide {step}batch of "
-      f"{micro_step_batch} examples (--pipeline_stages="
+      f"{share} examples{copies} (--pipeline_stages="
       f"{options.num_stages}): every micro-batch must have the same size "
       f"for the update to equal the unsplit one. Choose --num_microbatches "
       f"among {divisors}, or a --batch_size whose per-step share is a "
-      f"multiple of {m}.")
+      f"multiple of {d * m}.")

@@ -32,7 +32,9 @@ optimizer built afterwards keeps its state there too). A model built
 inside `deferred_variables()` gets variables without storage, and
 `place_variables(deferred)` creates each stage's from its initializer
 directly on the stage's device: the whole model is never held by one
-device. Pipelines combined with data parallelism are not here. Batch
+device. D copies of the pipeline on a data x pipeline mesh, each on 1/D of
+the batch, are `tfdist.parallel.pipeline.copies.DataCopies`
+(`train_step(..., copies=...)`). Batch
 normalization sees micro-batches (its statistics are those of B/M
 examples), as under gradient accumulation; `model.losses` (activity and
 weight regularizers) are not added to the loss.
@@ -383,8 +385,11 @@ class _StepTasks:
   """
 
   def __init__(self, pipeline: "Pipeline", *, micro_x, micro_y, micro_w,
-               loss_fn: Callable[..., tf.Tensor], scale: float):
+               loss_fn: Callable[..., tf.Tensor], scale: float,
+               copies=None, copy: int = 0):
     self.pipeline = pipeline
+    # Data x pipeline: this copy's devices and variables (`DataCopies`).
+    self.copies, self.copy = copies, copy
     self.stages = pipeline.stages
     self.last = pipeline.num_stages - 1
     self.micro_x, self.micro_y, self.micro_w = micro_x, micro_y, micro_w
@@ -401,17 +406,32 @@ class _StepTasks:
   def forward(self, s: int, m: int) -> None:
     """Stage `s`'s forward task on micro-batch `m` (the loss on the last)."""
     stage = self.stages[s]
-    with tf.device(stage.device), tf.control_dependencies(self.chain[s]):
+    with tf.device(self.device(s)), tf.control_dependencies(self.chain[s]):
       received = (self.micro_x[m] if s == 0
                   else self.forwards[(s - 1, m)].outputs)
       received = [tf.identity(t) for t in received]
       with tf.GradientTape() as tape:
         tape.watch([t for t in received if _is_float(t)])
-        outputs = [tf.identity(t) for t in stage.run(received, True)]
+        if self.copy:
+          tape.watch(self.variables(s))
+        with (self.copies.scope(self.copy, s) if self.copies
+              else contextlib.nullcontext()):
+          outputs = [tf.identity(t) for t in stage.run(received, True)]
         if s == self.last:
           outputs = self._loss(m, outputs)
     self.forwards[(s, m)] = _Forward(tape, received, outputs)
     self.chain[s] = outputs
+
+  def device(self, s: int) -> str:
+    """Where stage `s` of this copy runs."""
+    return (self.copies.device(self.copy, s) if self.copies
+            else self.stages[s].device)
+
+  def variables(self, s: int) -> list:
+    """This copy's trainable variables of stage `s` (the model's own for
+    copy 0), in `Stage.trainable_variables` order."""
+    return (self.copies.trainable(self.copy, s) if self.copies
+            else list(self.stages[s].trainable_variables))
 
   def _loss(self, m: int, outputs: List[tf.Tensor]) -> List[tf.Tensor]:
     """`[weighed loss]` of micro-batch `m` on the last stage's `outputs`
@@ -427,9 +447,8 @@ class _StepTasks:
   def backward(self, s: int, m: int) -> None:
     """Stage `s`'s backward task on micro-batch `m`: adds its variables'
     gradients to `sums` and hands its inputs' to the stage before."""
-    stage = self.stages[s]
     done = self.forwards.pop((s, m))
-    with tf.device(stage.device), tf.control_dependencies(self.chain[s]):
+    with tf.device(self.device(s)), tf.control_dependencies(self.chain[s]):
       if s == self.last:
         targets, upstream = done.outputs, None
       else:
@@ -439,7 +458,7 @@ class _StepTasks:
         targets, upstream = [p[0] for p in pairs], [p[1] for p in pairs]
       sources = [t for t in done.inputs if _is_float(t)] if s else []
       grads = done.tape.gradient(
-          targets, sources + list(stage.trainable_variables),
+          targets, sources + self.variables(s),
           output_gradients=upstream,
           unconnected_gradients=tf.UnconnectedGradients.ZERO)
       if s:
@@ -687,7 +706,7 @@ class Pipeline:
 
   def train_step(self, x, y, *, loss_fn: Callable[[Any, Any], tf.Tensor],
                  optimizer, num_microbatches: int,
-                 schedule: str = GPIPE) -> tf.Tensor:
+                 schedule: str = GPIPE, copies=None) -> tf.Tensor:
     """One pipelined training step: M micro-batches, ONE optimizer update.
 
     Call it inside a `tf.function` (the schedule's ordering is a graph's
@@ -711,6 +730,9 @@ class Pipeline:
         the model's trainable variables once.
       num_microbatches: M, dividing B.
       schedule: "gpipe" or "1f1b".
+      copies: None, or the `DataCopies` of a data x pipeline mesh
+        (`forward_backward`): the optimizer updates copy 0 (the model),
+        which the other copies read at the next step's start.
 
     Returns:
       The loss, a scalar: the mean over the global batch.
@@ -722,7 +744,7 @@ class Pipeline:
     """
     loss, grads, _ = self.forward_backward(
         x, y, loss_fn=loss_fn, num_microbatches=num_microbatches,
-        schedule=schedule)
+        schedule=schedule, copies=copies)
     optimizer.apply_gradients(
         [(g, v) for g, v in zip(grads, self.model.trainable_variables)
          if g is not None])
@@ -730,7 +752,8 @@ class Pipeline:
 
   def forward_backward(self, x, y, *, loss_fn: Callable[..., tf.Tensor],
                        num_microbatches: int, schedule: str = GPIPE,
-                       sample_weight=None, mean_loss: bool = True
+                       sample_weight=None, mean_loss: bool = True,
+                       copies=None
                        ) -> Tuple[tf.Tensor, List[Optional[tf.Tensor]],
                                   Any]:
     """The loss, gradients and outputs of one pipelined step; no update.
@@ -750,9 +773,14 @@ class Pipeline:
       sample_weight: None, or a tensor [B] split with the batch and passed
         to `loss_fn` per micro-batch.
       mean_loss: `loss_fn` returns the micro-batch's MEAN loss, so each is
-        weighed 1/M (the mean over B); False: `loss_fn` returns the
+        weighed 1/(D*M) (the mean over B); False: `loss_fn` returns the
         micro-batch's share of the global batch's loss already (e.g. its
         sum divided by B), and the shares are added.
+      copies: None (one copy), or the `tfdist.parallel.pipeline.copies.
+        DataCopies` of a data x pipeline mesh: the batch is cut into D
+        shares of B/D, copy d runs its share's M micro-batches on its
+        devices, and each stage's gradients are all-reduced across the
+        copies (D*M must divide B).
 
     Returns:
       `(loss, grads, outputs)`: the loss (a scalar, the sum of the
@@ -760,6 +788,8 @@ class Pipeline:
       of `model.trainable_variables` in its order (None for a variable no
       stage uses), and the model's outputs on the whole batch (the last
       stage's outputs of the micro-batches, concatenated in batch order).
+      With `copies`, the gradients are the sums over the copies, on copy
+      0's devices.
 
     Raises:
       As `train_step`.
@@ -771,20 +801,40 @@ class Pipeline:
           "the pipeline's batch size is not known when the step is traced: "
           "give the tf.function an input_signature with a fixed batch, or "
           "a dataset with drop_remainder=True.")
+    data = copies.data if copies is not None else 1
+    if data > 1 and int(batch) % (data * num_microbatches):
+      raise errors.PipelineConfigError(
+          f"{data} copies x num_microbatches={num_microbatches} do not "
+          f"divide the batch of {batch} examples: each copy gets 1/{data} "
+          f"of it, cut into {num_microbatches} equal micro-batches. Use a "
+          f"batch size that is a multiple of {data * num_microbatches}.")
     check_microbatches(int(batch), num_microbatches)
+    if copies is not None:
+      copies.sync()
     orders = schedule_order(self.num_stages, num_microbatches, schedule)
-    micro_x = list(zip(*[tf.split(t, num_microbatches) for t in inputs]))
-    micro_y = tf.split(tf.convert_to_tensor(y), num_microbatches)
-    micro_w = (tf.split(tf.convert_to_tensor(sample_weight),
-                        num_microbatches)
+    # Copy d's share: examples [d*B/D, (d+1)*B/D), then its M micro-batches.
+    pieces = data * num_microbatches
+    micro_x = list(zip(*[tf.split(t, pieces) for t in inputs]))
+    micro_y = tf.split(tf.convert_to_tensor(y), pieces)
+    micro_w = (tf.split(tf.convert_to_tensor(sample_weight), pieces)
                if sample_weight is not None else None)
-    scale = 1.0 / num_microbatches if mean_loss else 1.0
-    tasks = _StepTasks(self, micro_x=micro_x, micro_y=micro_y,
-                       micro_w=micro_w, loss_fn=loss_fn, scale=scale)
-    tasks.build(orders, schedule)
-    grads = tasks.gradients(self.model.trainable_variables)
-    return (tf.add_n(tasks.losses), grads,
-            self.pack(tasks.outputs(num_microbatches)))
+    scale = 1.0 / pieces if mean_loss else 1.0
+    copy_tasks = []
+    for d in range(data):
+      share = slice(d * num_microbatches, (d + 1) * num_microbatches)
+      tasks = _StepTasks(self, micro_x=micro_x[share],
+                         micro_y=micro_y[share],
+                         micro_w=micro_w[share] if micro_w else None,
+                         loss_fn=loss_fn, scale=scale, copies=copies, copy=d)
+      tasks.build(orders, schedule)
+      copy_tasks.append(tasks)
+    if copies is not None:  # Copy 0's gradients: the sum over the copies.
+      copy_tasks[0].sums = copies.all_reduce([t.sums for t in copy_tasks])
+    grads = copy_tasks[0].gradients(self.model.trainable_variables)
+    outputs = [tf.concat(parts, axis=0) for parts in zip(
+        *[t.outputs(num_microbatches) for t in copy_tasks])]
+    return (tf.add_n([l for t in copy_tasks for l in t.losses]), grads,
+            self.pack(outputs))
 
 
 def _default_devices() -> List[str]:

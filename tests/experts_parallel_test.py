@@ -1,0 +1,317 @@
+"""Expert parallelism (`--expert_parallel`, tfdist/parallel/experts/mode.py)
+against one device, on 4 logical CPU devices in this process.
+
+One MirroredStrategy over the 4 devices (two strategies of different
+sizes in one process reuse a collective group key) runs tfdist's Trainer
+with the `experts` mode for K = 3 updates at E_p = 4 (one expert group:
+each replica holds 1 of the 4 experts) with Adam, and at E_p = 2 (two
+groups of 2 replicas: each expert on 2 replicas, its gradients summed
+over them) with SGD and momentum. The model has two MixtureOfExperts
+layers: a top-2 one whose capacity drops nothing and a top-1 one whose
+capacity drops tokens. The same model on one device (the default
+strategy), from the same initial weights, routes each replica's batch as
+one group (`group_size` = the tokens of one replica's batch, the rule:
+capacity is per routing group, and under expert parallelism a group never
+spans replicas), and must give the same losses, weights (the gathered
+view), optimizer slots and routing statistics within 1e-5, under op
+determinism (and, under mixed_bfloat16, within 2e-3). Then checkpoints: the expert-parallel view restores into the
+one-device model and optimizer, and back.
+"""
+
+import contextlib
+import functools
+import io
+import os
+import re
+import tempfile
+
+from absl.testing import absltest
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tests import testutil
+from tfdist.distribute import devices as devices_lib
+
+_DEVICES = devices_lib.configure_cpu_devices(4)
+
+# pylint: disable=g-import-not-at-top,wrong-import-position
+from tfdist import errors
+from tfdist.config import TrainConfig
+from tfdist.parallel.experts import layer as moe_layer
+from tfdist.parallel.experts import mode as expert_mode
+from tfdist.parallel.experts import placement as placement_lib
+from tfdist.parallel.experts.layer import MixtureOfExperts
+from tfdist.training.train_loop import Trainer
+# pylint: enable=g-import-not-at-top,wrong-import-position
+
+_SEQ, _DIM, _EXPERTS = 4, 6, 4
+_BATCH, _STEPS, _TOLERANCE = 16, 3, 1e-5
+_REPLICAS = 4
+# One replica's tokens: one device's routing group.
+_GROUP = _BATCH // _REPLICAS * _SEQ
+
+
+def _model(group_size=None) -> keras.Model:
+  """Dense, then a top-2 MoE that drops nothing (capacity 4x), then a
+  top-1 MoE that drops (capacity 0.5x: C = 2 of 16 tokens' 4 per expert),
+  then a Dense head; the same initial weights each time."""
+  keras.utils.set_random_seed(7)
+  inputs = keras.Input((_SEQ, _DIM))
+  h = keras.layers.Dense(_DIM, name="pre")(inputs)
+  h = h + MixtureOfExperts(_EXPERTS, 8, top_k=2, capacity_factor=4.0,
+                           group_size=group_size, name="wide")(h)
+  h = h + MixtureOfExperts(_EXPERTS, 8, top_k=1, capacity_factor=0.5,
+                           group_size=group_size, name="narrow")(h)
+  outputs = keras.layers.Dense(1, name="head")(keras.layers.Flatten()(h))
+  return keras.Model(inputs, outputs)
+
+
+def _optimizer(name: str):
+  if name == "adam":
+    return keras.optimizers.Adam(0.01)
+  return keras.optimizers.SGD(0.05, momentum=0.9)
+
+
+def _data():
+  x = np.random.default_rng(0).normal(
+      size=(_BATCH * _STEPS, _SEQ, _DIM)).astype("float32")
+  return x, x.sum(axis=(1, 2))[:, None] / 4.0
+
+
+def _train(strategy, model, name: str, mode=None):
+  """K updates of tfdist's Trainer with the optimizer `name` (made in the
+  strategy's scope); (trainer, losses)."""
+  with strategy.scope():
+    optimizer = _optimizer(name)
+    optimizer.build(model.trainable_variables)
+    trainer = Trainer(strategy=strategy, model=model, optimizer=optimizer,
+                      global_batch_size=_BATCH, loss="mse", metrics=[],
+                      mode=mode, time_steps=False)
+  dataset = tf.data.Dataset.from_tensor_slices(_data()).batch(_BATCH)
+  iterator = iter(strategy.experimental_distribute_dataset(dataset))
+  losses = [float(trainer.train_function(iterator, tf.constant(1))["loss"])
+            for _ in range(_STEPS)]
+  return trainer, losses
+
+
+@functools.lru_cache(maxsize=None)
+def _strategy():
+  return tf.distribute.MirroredStrategy(_DEVICES)
+
+
+@functools.lru_cache(maxsize=None)
+def _runs(expert_parallel: int, optimizer: str,
+          policy: str = "float32") -> dict:
+  """The expert-parallel run and the one-device run of the same model
+  (built under the Keras dtype `policy`)."""
+  keras.config.set_dtype_policy(policy)
+  try:
+    step = expert_mode.build(_model, _strategy(), expert_parallel)
+    one = _model(_GROUP)
+  finally:
+    keras.config.set_dtype_policy("float32")
+  initial = [np.asarray(w) for w in step.unsharded.get_weights()]
+  trainer, losses = _train(_strategy(), step.model, optimizer, step)
+  one.set_weights(initial)
+  one_trainer, one_losses = _train(tf.distribute.get_strategy(), one,
+                                   optimizer)
+  return dict(step=step, trainer=trainer, losses=losses, one=one,
+              one_trainer=one_trainer, one_losses=one_losses)
+
+
+def setUpModule():
+  tf.config.experimental.enable_op_determinism()
+
+
+def _assert_all_close(test, got, want, what):
+  test.assertEqual(len(got), len(want), what)
+  for a, b in zip(got, want):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0,
+                               atol=_TOLERANCE, err_msg=what)
+
+
+class EqualsOneDeviceTest(absltest.TestCase):
+
+  def _check(self, expert_parallel: int, optimizer: str):
+    run = _runs(expert_parallel, optimizer)
+    np.testing.assert_allclose(run["losses"], run["one_losses"], rtol=1e-6)
+    gathered = run["step"].gathered_model()
+    _assert_all_close(self, gathered.get_weights(), run["one"].get_weights(),
+                      "weights")
+    ours = moe_layer.model_statistics(gathered)
+    theirs = moe_layer.model_statistics(run["one"])
+    self.assertEqual(sorted(ours), sorted(theirs))
+    for key in theirs:
+      np.testing.assert_allclose(ours[key], theirs[key], atol=_TOLERANCE,
+                                 err_msg=key)
+    # The narrow layer dropped tokens, the wide one none.
+    self.assertGreater(float(theirs["narrow/dropped_fraction"]), 0.2)
+    self.assertEqual(float(theirs["wide/dropped_fraction"]), 0.0)
+    # The weights moved: the comparison is not of initial values.
+    self.assertGreater(np.abs(run["losses"][0] - run["losses"][-1]), 1e-3)
+    # The optimizer's slots, gathered from the replicas.
+    view = run["step"].checkpoint_optimizer(run["trainer"])
+    _assert_all_close(
+        self, [v._tfdist_read() for v in view.variables],  # pylint: disable=protected-access
+        [v.numpy() for v in run["one_trainer"].optimizer.variables],
+        "optimizer")
+    if expert_parallel == 4:
+      return
+    # Evaluation: 6 examples over 4 replicas (2, 2, 1, 1: padded).
+    batch = tf.data.Dataset.from_tensor_slices(
+        tuple(a[:6] for a in _data())).batch(6)
+    sums = run["trainer"].eval_function(next(iter(
+        _strategy().experimental_distribute_dataset(batch))))
+    self.assertEqual(float(sums["count"]), 6.0)
+    self.assertTrue(np.isfinite(float(sums["loss_sum"])))
+
+  def test_four_way_with_adam_equals_one_device(self):
+    self._check(4, "adam")
+
+  def test_two_way_in_two_groups_with_momentum_equals_one_device(self):
+    self._check(2, "sgd")
+
+  def test_two_way_under_mixed_bfloat16_is_close_to_one_device(self):
+    """bfloat16 rounds each replica's partial gradients (over its tokens,
+    or its group's for an expert) before the float32 sum over replicas, as
+    under data parallelism, where one device rounds the whole sum once:
+    within 2e-3 after 3 updates."""
+    run = _runs(2, "sgd", "mixed_bfloat16")
+    np.testing.assert_allclose(run["losses"], run["one_losses"], rtol=2e-3)
+    gathered = run["step"].gathered_model()
+    self.assertEqual(gathered.get_layer("wide").compute_dtype, "bfloat16")
+    for a, b in zip(gathered.trainable_weights, run["one"].trainable_weights):
+      np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-3,
+                                 err_msg=a.path)
+
+  def test_each_replica_holds_only_its_experts(self):
+    step = _runs(2, "sgd")["step"]
+    narrow = [l for l in step.model.layers if l.name == "narrow"][0]
+    self.assertLen(narrow.experts, _EXPERTS // 2)
+    for pair in step.pairs:
+      parts = [np.asarray(c.numpy()) for c in
+               expert_mode._components(pair.variable)]  # pylint: disable=protected-access
+      self.assertLen(parts, _REPLICAS)
+      self.assertEqual(parts[0].shape, tuple(pair.view.shape))
+      if pair.slot is not None:
+        # Replicas r and r + 2 hold slot r's experts, and train them alike.
+        np.testing.assert_array_equal(parts[0], parts[2])
+        np.testing.assert_array_equal(parts[1], parts[3])
+        self.assertFalse(np.array_equal(parts[0], parts[1]))
+
+
+class CheckpointTest(absltest.TestCase):
+
+  def test_restores_on_one_device_and_back(self):
+    run = _runs(2, "sgd")
+    step, trainer = run["step"], run["trainer"]
+    directory = tempfile.mkdtemp()
+    path = tf.train.Checkpoint(
+        model=step.checkpoint_model(),
+        optimizer=step.checkpoint_optimizer(trainer)).save(directory + "/ep")
+    fresh, fresh_optimizer = _model(_GROUP), _optimizer("sgd")
+    fresh_optimizer.build(fresh.trainable_variables)
+    tf.train.Checkpoint(model=fresh, optimizer=fresh_optimizer).restore(
+        path).assert_consumed()
+    # (The statistics are those of the last call: evaluation's, maybe.)
+    _assert_all_close(self, fresh.get_weights(),
+                      step.gathered_model().get_weights(), "restored weights")
+    _assert_all_close(self, fresh.trainable_weights,
+                      run["one"].trainable_weights, "one device's weights")
+    _assert_all_close(self, [v.numpy() for v in fresh_optimizer.variables],
+                      [v.numpy() for v in run["one_trainer"].optimizer
+                       .variables], "restored optimizer")
+    # And back: changed values on one device restore into the replicas.
+    for v in fresh.trainable_variables + fresh_optimizer.variables[2:]:
+      v.assign(v.numpy() + 1.0)
+    back = tf.train.Checkpoint(model=fresh, optimizer=fresh_optimizer).save(
+        directory + "/one")
+    tf.train.Checkpoint(
+        model=step.checkpoint_model(),
+        optimizer=step.checkpoint_optimizer(trainer)).restore(
+            back).assert_consumed()
+    _assert_all_close(self, step.gathered_model().get_weights(),
+                      fresh.get_weights(), "weights back")
+    again = tf.train.Checkpoint(
+        model=step.checkpoint_model(),
+        optimizer=step.checkpoint_optimizer(trainer)).save(
+            directory + "/again")
+    reader = tf.train.load_checkpoint(again)
+    for name in tf.train.list_variables(back):
+      if name[0] != "_CHECKPOINTABLE_OBJECT_GRAPH":
+        np.testing.assert_allclose(reader.get_tensor(name[0]),
+                                   tf.train.load_variable(back, name[0]),
+                                   atol=_TOLERANCE, err_msg=name[0])
+
+
+class GuideTest(absltest.TestCase):
+
+  def test_the_guides_fit_example_runs(self):
+    """docs/guides/experts.md, block fit-example: tfdist.fit with
+    expert_parallel=2 on the 4 logical CPU devices."""
+    guide = os.path.join(testutil.REPO_ROOT, "docs", "guides", "experts.md")
+    with open(guide, encoding="utf-8") as f:
+      example = re.search(
+          r"<!-- run: tests/experts_parallel_test.py fit-example -->\n"
+          r"```python\n(.*?)```", f.read(), re.S).group(1)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+      exec(compile(example, "docs/guides/experts.md (fit-example)",  # pylint: disable=exec-used
+                   "exec"), {})
+    self.assertEqual(out.getvalue().splitlines()[-1], "4")
+
+
+class RefusalsTest(absltest.TestCase):
+
+  def test_flags_are_refused_at_start_by_name(self):
+    base = dict(model_dir="/tmp/unused", model="transformer",
+                transformer_experts=4, expert_parallel=2)
+    for changes, message in (
+        (dict(distribution_strategy="parameter_server"),
+         "--expert_parallel=2 .*--distribution_strategy=parameter_server "
+         "cannot host it"),
+        (dict(distribution_strategy="tpu"),
+         "--distribution_strategy=tpu cannot host it"),
+        (dict(pipeline_stages=2), "cannot run with --pipeline_stages=2|"
+         "--transformer_experts=4 cannot run with --pipeline_stages=2"),
+        (dict(transformer_experts=6, expert_parallel=4),
+         "--expert_parallel=4 splits the --transformer_experts=6 experts.*"
+         "Use --expert_parallel in \\[2, 3, 6\\]"),
+        (dict(distribution_strategy="mirrored", num_cpu_devices=3),
+         "--num_cpu_devices=3 gives 3 replica.*not a multiple of 2"),
+        (dict(transformer_experts=0), "--transformer_experts=0"),
+        (dict(model="cnn"), "--model=cnn has none"),
+        (dict(dtype="fp16"), "cannot run with --dtype=fp16"),
+        (dict(expert_parallel=0), "--expert_parallel=0 must be a positive")):
+      with self.subTest(message=message):
+        with self.assertRaisesRegex(errors.ConfigError, message):
+          TrainConfig(**{**base, **changes})
+    self.assertEqual(
+        TrainConfig(**base, distribution_strategy="mirrored",
+                    num_cpu_devices=4).expert_parallel, 2)
+
+  def test_a_model_that_cannot_be_split_is_refused_before_training(self):
+    with self.assertRaisesRegex(errors.ConfigError,
+                                "--expert_parallel=3 must be >= 2 and "
+                                "divide the 4 replicas"):
+      expert_mode.build(_model, _strategy(), 3)
+    placement = placement_lib.ExpertPlacement(4, tuple(_DEVICES))
+    with placement_lib.placement_scope(placement):
+      with self.assertRaisesRegex(
+          errors.ConfigError, "--expert_parallel=4 splits.*num_experts=6 "
+          "is not a multiple of 4"):
+        MixtureOfExperts(6, 8, top_k=2)
+    with self.assertRaisesRegex(ValueError, "top_k=2 with num_experts=1"):
+      MixtureOfExperts(1, 8, top_k=2)
+    with self.assertRaisesRegex(errors.ConfigError, "the model has none"):
+      expert_mode.build(lambda: keras.Sequential([keras.layers.Dense(1)]),
+                        _strategy(), 2)
+    with self.assertRaisesRegex(errors.ConfigError,
+                                "the run's strategy is OneDeviceStrategy"):
+      expert_mode.build(_model, tf.distribute.OneDeviceStrategy("/cpu:0"),
+                        2)
+
+
+if __name__ == "__main__":
+  absltest.main()

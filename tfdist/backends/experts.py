@@ -1,0 +1,45 @@
+"""Expert parallelism (`--expert_parallel=E_p`, E_p > 1) under Mirrored.
+
+The strategy, inputs and step runner are the Mirrored kind's own (every
+replica trains on its share of the batch); the trainer's step is the
+`experts` mode's (`tfdist.parallel.experts.mode`). What the backend adds:
+the SavedModel (and the model a `tfdist.fit` caller gets back) is the
+unsharded model holding every expert, gathered from the replicas.
+
+Registered for the `experts` mode (`tfdist.backends.mode_backends`): the
+run's backend is the kind's with `_GathersExperts` before it.
+"""
+
+from tfdist.backends import mode_backends
+from tfdist.parallel import mode as mode_lib
+
+
+class _GathersExperts:
+  """The experts gathered into the unsharded model for the export; the
+  manifest's strategy details say how they are laid out."""
+
+  def build_inputs(self, run):
+    runner, evaluate, details = super().build_inputs(run)
+    step = mode_lib.mode_of(run.parts.trainer, "experts")
+    if step is not None:
+      details = {**details, "expert_parallel": step.describe()}
+    return runner, evaluate, details
+
+  def export_model(self, run):
+    step = mode_lib.mode_of(run.parts.trainer, "experts")
+    if step is None:
+      return super().export_model(run)
+    return step.exported_model()
+
+
+def _experts_backend(kind, kind_backend, cluster):
+  """The kind's backend with `_GathersExperts` before it, under the
+  Mirrored kind (the only one `--expert_parallel` runs under); else None
+  (the kind's own, whose strategy the flags already refused)."""
+  del kind, cluster
+  if not kind_backend.mirrored:
+    return None
+  return mode_backends.composed_class(_GathersExperts, kind_backend)()
+
+
+mode_backends.register_mode_backend("experts", factory=_experts_backend)

@@ -1,0 +1,211 @@
+"""Data x pipeline parallelism in one process: D copies of a P-stage pipeline.
+
+A `DeviceMesh` of N = D * P devices (`tfdist.parallel.mesh.DeviceMesh.build(
+devices, pipeline=P)`) puts stage p of copy d on device index(d, p) =
+p * D + d. Copy 0 is the Keras model itself: its stages' variables live on
+devices index(0, p) (`Pipeline.place_variables`), and the optimizer updates
+them (its slots live beside them). Copies 1 .. D-1 are `DataCopies`: for
+each of their stages a `tf.Variable` per weight of the stage (trainable or
+not), on that copy's device of the stage, created here (zeros, never a
+whole model on one device).
+
+One step (`Pipeline.forward_backward(..., copies=...)`):
+
+1. each copy's variables are assigned copy 0's current values (`sync`):
+   the D - 1 copies read the weights copy 0's optimizer produced, and a
+   restored checkpoint reaches them the same way;
+2. the step's batch of B examples is cut into D contiguous shares of B/D
+   (copy d gets examples [d*B/D, (d+1)*B/D): every example exactly once),
+   and each copy runs the micro-batch schedule on its own P devices, its
+   layers reading its own variables (`keras.StatelessScope`; the weight
+   updates a layer makes in the forward pass, such as batch
+   normalization's moving statistics, are kept for copy 0 only);
+3. each stage's summed gradients are all-reduced across its D copies with
+   `tfdist.parallel.collectives.all_reduce` over the stage's data group
+   (`mesh.groups("data")[p]`), packed into one vector per stage and dtype
+   (an embedding's sparse gradient is made dense for it: the whole
+   table's bytes); copy 0's sum is the step's gradient, which the caller
+   applies to the model.
+
+Per device, in bytes (S_p: stage p's weights; O_p: its optimizer state):
+copy 0's device of stage p holds S_p (weights) + S_p (gradients) + O_p +
+S_p (the packed all-reduce buffer); every other copy's, S_p (its weights)
++ S_p (gradients) + S_p (buffer), no optimizer state. Each step moves S_p
+from copy 0 to each other copy (the weight refresh) and all-reduces S_p
+within each stage's data group.
+
+Equal to one device's update (up to float summation order): the loss of
+each micro-batch is its share of the global batch's loss, so the sum over
+copies and micro-batches is the unsplit step's gradient.
+
+Known limits: layers that draw random numbers (dropout) in copies 1..D-1
+draw from the model's own seed state, without advancing it; a layer's
+`add_loss` losses are not added (as in the pipeline of one copy).
+"""
+
+import contextlib
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import keras
+import tensorflow as tf
+
+from tfdist import errors
+from tfdist.parallel import collectives
+from tfdist.parallel import mesh as mesh_lib
+
+
+def copy0_devices(mesh: mesh_lib.DeviceMesh) -> List[str]:
+  """The devices of copy 0's stages, stage p's at index p: index(0, p)."""
+  return [mesh.devices[mesh.index(mesh_lib.MeshCoordinates(
+      data=0, pipeline=p, tensor=0))] for p in range(mesh.pipeline)]
+
+
+class DataCopies:
+  """The D - 1 extra copies of a `Pipeline`'s stages on a data x pipeline
+  mesh, and the all-reduce of each stage's gradients across the D copies.
+
+  Attributes:
+    mesh: the `DeviceMesh` (data D, pipeline P, tensor 1).
+    groups: P `collectives.DeviceGroup`s, stage p's data group (D devices).
+    variables: `{(d, p): [tf.Variable]}` for d >= 1, one per weight of
+      stage p (in `Stage.weights` order), on device index(d, p).
+  """
+
+  def __init__(self, pipeline, mesh: mesh_lib.DeviceMesh):
+    """Creates the copies' variables (zeros until the first `sync`).
+
+    Args:
+      pipeline: the `Pipeline` (copy 0), its stage p on index(0, p).
+      mesh: a `DeviceMesh` with pipeline == P and tensor == 1.
+
+    Raises:
+      PipelineConfigError: the mesh's pipeline degree is not the
+        pipeline's P, it has a tensor axis, or a stage is not on copy 0's
+        device of the mesh.
+    """
+    if mesh.pipeline != pipeline.num_stages or mesh.tensor != 1:
+      raise errors.PipelineConfigError(
+          f"the mesh ({mesh.describe()}) does not fit a pipeline of "
+          f"{pipeline.num_stages} stages: build it with DeviceMesh.build("
+          f"devices, pipeline={pipeline.num_stages}).")
+    want = copy0_devices(mesh)
+    for stage, device in zip(pipeline.stages, want):
+      if not _same_device(stage.device, device):
+        raise errors.PipelineConfigError(
+            f"stage {stage.index} runs on {stage.device}, but copy 0's "
+            f"device of that stage in the mesh is {device}: split the "
+            f"model with devices=copy0_devices(mesh) ({want}).")
+    self.pipeline = pipeline
+    self.mesh = mesh
+    self.groups = [collectives.DeviceGroup(group, name=f"data[stage {p}]")
+                   for p, group in enumerate(mesh.groups("data"))]
+    self.variables: Dict[Tuple[int, int], List[tf.Variable]] = {}
+    for d in range(1, mesh.data):
+      for stage in pipeline.stages:
+        with tf.init_scope(), tf.device(self.device(d, stage.index)):
+          self.variables[(d, stage.index)] = [
+              tf.Variable(tf.zeros(v.shape, v.dtype), trainable=False,
+                          name=f"copy{d}/{v.name}") for v in stage.weights]
+
+  @property
+  def data(self) -> int:
+    """D."""
+    return self.mesh.data
+
+  def device(self, d: int, p: int) -> str:
+    """The device of copy `d`'s stage `p`: index(d, p) = p * D + d."""
+    return self.mesh.devices[self.mesh.index(
+        mesh_lib.MeshCoordinates(data=d, pipeline=p, tensor=0))]
+
+  def bytes_per_device(self) -> Dict[str, int]:
+    """`{device: bytes of the copies' weights there}` (copies 1..D-1)."""
+    return {self.device(d, p): sum(
+        int(v.shape.num_elements()) * v.dtype.size for v in variables)
+            for (d, p), variables in self.variables.items()}
+
+  def sync(self) -> None:
+    """Assigns copy 0's current weights to every other copy's variables
+    (each on its own device)."""
+    for (d, p), variables in self.variables.items():
+      with tf.device(self.device(d, p)):
+        for v, mine in zip(self.pipeline.stages[p].weights, variables):
+          mine.assign(tf.convert_to_tensor(v.value))
+
+  def scope(self, d: int, p: int):
+    """The context in which stage `p`'s layers read copy `d`'s variables
+    (`keras.StatelessScope`; nothing for copy 0). Enter it inside the
+    tape: the reads it makes are what the gradients flow back to."""
+    if d == 0:
+      return contextlib.nullcontext()
+    return keras.StatelessScope(list(zip(self.pipeline.stages[p].weights,
+                                         self.variables[(d, p)])))
+
+  def trainable(self, d: int, p: int) -> List:
+    """Copy `d`'s variables of stage `p`'s trainable variables, in
+    `Stage.trainable_variables` order (copy 0: the model's own)."""
+    stage = self.pipeline.stages[p]
+    if d == 0:
+      return list(stage.trainable_variables)
+    mine = {id(v): m for v, m in zip(stage.weights, self.variables[(d, p)])}
+    return [mine[id(v)] for v in stage.trainable_variables]
+
+  def all_reduce(self, sums: Sequence[Sequence[Sequence[Optional[tf.Tensor]]]]
+                 ) -> List[List[tf.Tensor]]:
+    """Each stage's gradients summed across the copies.
+
+    Args:
+      sums: `sums[d][p][j]`: copy d's gradient of stage p's j-th trainable
+        variable (a tensor, `tf.IndexedSlices` or None: zeros).
+
+    Returns:
+      `reduced[p][j]`: the sum over the D copies, dense, on copy 0's
+      device of stage p.
+    """
+    reduced = []
+    for p, stage in enumerate(self.pipeline.stages):
+      variables = stage.trainable_variables
+      per_copy = [[_dense(g, v) for g, v in zip(sums[d][p], variables)]
+                  for d in range(self.data)]
+      out = [None] * len(variables)
+      for dtype in sorted({g.dtype for g in per_copy[0]}, key=str):
+        js = [j for j, g in enumerate(per_copy[0]) if g.dtype == dtype]
+        if js:
+          self._reduce_packed(p, per_copy, js, out)
+      reduced.append(out)
+    return reduced
+
+  def _reduce_packed(self, p: int, per_copy, js: List[int], out) -> None:
+    """All-reduces the gradients `js` of stage `p` (one dtype) as one
+    vector per copy; puts copy 0's results, unpacked, into `out`."""
+    group = self.groups[p]
+    packed = [None] * self.data
+    for d in range(self.data):
+      with tf.device(self.device(d, p)):
+        packed[group.rank(self.device(d, p))] = tf.concat(
+            [tf.reshape(per_copy[d][j], [-1]) for j in js], axis=0)
+    summed = collectives.all_reduce(group, packed)[
+        group.rank(self.device(0, p))]
+    with tf.device(self.device(0, p)):
+      sizes = [int(per_copy[0][j].shape.num_elements()) for j in js]
+      for j, piece in zip(js, tf.split(summed, sizes)):
+        out[j] = tf.reshape(piece, per_copy[0][j].shape)
+
+
+def _same_device(a: str, b: str) -> bool:
+  """Whether device names `a` and `b` name one device (a field either
+  leaves open, such as a local name's job, matches any)."""
+  x, y = tf.DeviceSpec.from_string(a), tf.DeviceSpec.from_string(b)
+  for field in ("job", "replica", "task", "device_type", "device_index"):
+    u, v = getattr(x, field), getattr(y, field)
+    if field == "device_type":
+      u, v = (u or "").upper() or None, (v or "").upper() or None
+    if u is not None and v is not None and u != v:
+      return False
+  return True
+
+
+def _dense(gradient, variable) -> tf.Tensor:
+  """A gradient as a dense tensor of the variable's shape (zeros: None)."""
+  if gradient is None:
+    return tf.zeros(variable.shape, variable.dtype)
+  return tf.convert_to_tensor(gradient)
