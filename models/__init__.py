@@ -24,9 +24,7 @@ from typing import Optional, Tuple
 import keras
 
 from tfdist import errors
-from tfdist.config import requested_kind
 from tfdist.core.dataset_spec import DatasetSpec
-from tfdist.core.strategy_kind import StrategyKind
 from tfdist.core import registry
 from . import cnn
 from . import ranking
@@ -95,17 +93,19 @@ def _build_transformer(spec, transformer_layers: int = 2,
       experts=transformer_experts(config, tensor_parallel=tensor_parallel))
 
 
-def transformer_experts(config, *, tensor_parallel: bool = False
+def transformer_experts(model_options, *, tensor_parallel: bool = False
                         ) -> transformer.ExpertsOptions:
-  """The Transformer's mixture-of-experts options from the run's model
-  options (`tfdist.config.ModelBuilderConfig`: `--transformer_experts` and
-  the `--experts_*` flags); dense (no experts) when `config` is None or
-  has no `transformer_experts`.
+  """The Transformer's mixture-of-experts options from the builder's model
+  options (its `config`: a `tfdist.config.ModelBuilderConfig`, the run's
+  model section, with `--transformer_experts` and the `--experts_*`
+  flags); dense (no experts) when `model_options` is None or has no
+  `transformer_experts` (`ModelOptions`).
 
   Raises:
     tfdist.errors.ConfigError: experts with `--tensor_parallel`.
   """
-  experts = getattr(config, "transformer_experts", 0) if config else 0
+  experts = (getattr(model_options, "transformer_experts", 0)
+             if model_options else 0)
   if not experts:
     return transformer.ExpertsOptions()
   if tensor_parallel:
@@ -114,25 +114,16 @@ def transformer_experts(config, *, tensor_parallel: bool = False
         "with --tensor_parallel: the experts have no tensor-parallel form. "
         "Drop one of the two.")
   return transformer.ExpertsOptions(
-      num_experts=experts, top_k=config.experts_top_k,
-      capacity_factor=config.experts_capacity_factor,
-      load_balancing_loss_weight=config.experts_load_balancing_loss_weight,
-      router_z_loss_weight=config.experts_router_z_loss_weight)
-
-
-def _is_synchronous(kind: Optional[StrategyKind]) -> bool:
-  """Replicas of `kind` step together over several devices (all-reduce)."""
-  return kind in (StrategyKind.MIRRORED, StrategyKind.MULTI_WORKER_MIRRORED,
-                  StrategyKind.TPU)
+      num_experts=experts, top_k=model_options.experts_top_k,
+      capacity_factor=model_options.experts_capacity_factor,
+      load_balancing_loss_weight=(
+          model_options.experts_load_balancing_loss_weight),
+      router_z_loss_weight=model_options.experts_router_z_loss_weight)
 
 
 # Built-in builders whose models have batch normalization (they take
 # `sync_batch_norm`).
 _BATCH_NORM = frozenset({"cnn", "resnet"})
-# Strategies whose replicas apply one update together per step, so that
-# batch statistics can be summed over the global batch.
-SYNCHRONOUS_STRATEGIES = tuple(kind.value for kind in StrategyKind
-                               if _is_synchronous(kind))
 
 
 # Why built-in builders that take no `activation_recomputation` cannot.
@@ -186,7 +177,7 @@ def has_batch_norm(name: str) -> bool:
 
 
 def resolve_sync_batch_norm(value: Optional[bool], *, strategy_name: str,
-                            num_replicas_in_sync: int,
+                            num_replicas_in_sync: int, synchronous: bool,
                             xla_per_replica: bool = False
                             ) -> Tuple[bool, str]:
   """Whether built-in models normalize over the global batch, and why.
@@ -195,12 +186,16 @@ def resolve_sync_batch_norm(value: Optional[bool], *, strategy_name: str,
     value: `--sync_batch_norm` (None: the default).
     strategy_name: the concrete strategy (`mirrored`, ...; never `auto`).
     num_replicas_in_sync: replicas over all workers.
+    synchronous: the strategy's replicas apply one update together per
+      step (all-reduce), so batch statistics can be summed over the global
+      batch: its backend's trait, `not tfdist.backends.registry.
+      backend_for(kind).asynchronous` (False under parameter_server).
     xla_per_replica: each replica's forward pass is XLA-compiled on its own
       (`--enable_xla` off TPUs), where an all-reduce cannot run.
 
   Returns:
     `(synchronized, reason)`. The default is synchronized under a
-    synchronous strategy (`SYNCHRONOUS_STRATEGIES`) with more than one
+    synchronous strategy (`synchronous`) with more than one
     replica: N replicas then normalize as one device on the global batch
     (three small all-reduces per batch-norm layer in the forward pass, and
     their gradients). With one replica, under parameter_server (each worker
@@ -218,8 +213,7 @@ def resolve_sync_batch_norm(value: Optional[bool], *, strategy_name: str,
         "run. Drop one of --sync_batch_norm and --enable_xla.")
   if value is not None:
     return bool(value), f"--sync_batch_norm={str(bool(value)).lower()}"
-  if _is_synchronous(requested_kind(strategy_name)) and (
-      num_replicas_in_sync > 1):
+  if synchronous and num_replicas_in_sync > 1:
     if xla_per_replica:
       return False, ("default with --enable_xla: each replica's forward "
                      "pass is compiled alone")

@@ -1,7 +1,7 @@
 """`tfdist.training.assembly`: model, optimizer, trainer and checkpoint, built once.
 
-* `AssemblyOptions.of` reads the config's model, optimizer and
-  precision sections into `AssemblyOptions`;
+* `AssemblyOptions` holds the config's sections as the config holds them
+  (`tfdist.experiment.prepare.assembly_options`), with the decided values;
 * `build` under the default strategy: a built optimizer at the plan's
   learning rate, the trainer at the plan's batch, a checkpoint of the whole
   training state (the optimizer saved once, not under the model);
@@ -11,6 +11,7 @@
   optimizer.
 """
 
+import dataclasses
 import types
 
 from absl.testing import absltest
@@ -23,6 +24,7 @@ from tfdist import api
 from tfdist import errors
 from tfdist import config as config_lib
 from tfdist.config import TrainConfig
+from tfdist.experiment import prepare
 from tfdist.training import assembly
 from tfdist.training import lr_schedule
 
@@ -49,6 +51,23 @@ def _weighted_dataset(training):
        np.ones((8,), np.float32)))
 
 
+def _options(**given) -> assembly.AssemblyOptions:
+  """`AssemblyOptions` with each setting given (by its flag name) in its
+  section, the sections' other settings their defaults; other keywords
+  (`builder_config`, `dtype`, ...) as given."""
+  settings = {name: value for name, value in given.items()
+              if name in config_lib.flat_fields()}
+  by_section = {}
+  for name, value in settings.items():
+    (section,) = config_lib.section_of(name)
+    by_section.setdefault(section, {})[name] = value
+  default = assembly.AssemblyOptions()
+  sections = {name: dataclasses.replace(getattr(default, name), **values)
+              for name, values in by_section.items()}
+  others = {k: v for k, v in given.items() if k not in settings}
+  return assembly.AssemblyOptions(**sections, **others)
+
+
 def _task(model_fn=_model, dataset_fn=_dataset, config=None):
   return api.make_task(model_fn, dataset_fn,
                        config=config or TrainConfig(model_dir="/unused"),
@@ -72,17 +91,18 @@ class OptionsTest(absltest.TestCase):
                          weight_decay=0.01, clipnorm=1.5, run_eagerly=True,
                          class_weight="0:1.0,1:2.0",
                          steps_per_execution=3)
-    options = assembly.AssemblyOptions.of(
-        task=config.task, loop=config.loop, strategy=config.strategy,
-        precision=config.precision, memory=config.memory,
-        optimization=config.optimization,
-        builder_config=config_lib.ModelBuilderConfig(config))
+    options = prepare.assembly_options(config, None)
+    # Each section handed over as it is, not restated field by field.
+    for name in ("optimization", "precision", "loop", "memory", "task",
+                 "strategy"):
+      self.assertIs(getattr(options, name), getattr(config, name), name)
     self.assertEqual(
-        (options.optimizer, options.weight_decay, options.clipnorm,
-         options.run_eagerly, options.class_weight,
-         options.steps_per_execution, options.zero_stage),
+        (options.optimization.optimizer, options.optimization.weight_decay,
+         options.optimization.clipnorm, options.loop.run_eagerly,
+         options.task.class_weight, options.steps_per_execution,
+         options.memory.zero_stage_resolved),
         ("adam", 0.01, 1.5, True, ((0, 1.0), (1, 2.0)), 3,
-         config.zero_stage_resolved))
+         config.memory.zero_stage_resolved))
     # Builders asking for `config` get the model options.
     self.assertIs(options.builder_config.task, config.task)
 
@@ -90,7 +110,7 @@ class OptionsTest(absltest.TestCase):
 class BuildTest(absltest.TestCase):
 
   def test_build_gives_the_whole_training_state(self):
-    options = assembly.AssemblyOptions(optimizer="sgd", momentum=0.0)
+    options = _options(optimizer="sgd", momentum=0.0)
     parts = assembly.build(options, task=_task(),
                            strategy=tf.distribute.get_strategy(),
                            plan=_plan(learning_rate=0.25))
@@ -111,22 +131,22 @@ class BuildTest(absltest.TestCase):
 
   def test_sharding_needs_a_mirrored_strategy(self):
     with self.assertRaisesRegex(errors.ConfigError, "--zero_stage=1"):
-      assembly.build(assembly.AssemblyOptions(zero_stage=1), task=_task(),
+      assembly.build(_options(zero_stage=1), task=_task(),
                      strategy=tf.distribute.get_strategy(), plan=_plan())
 
   def test_class_weights_refuse_sample_weights(self):
-    options = assembly.AssemblyOptions(class_weight=((0, 1.0), (1, 3.0)))
+    options = _options(class_weight=((0, 1.0), (1, 3.0)))
     self.assertEqual(assembly.check_weights(options, task=_task()),
                      {0: 1.0, 1: 3.0})
     self.assertIsNone(assembly.check_weights(
-        assembly.AssemblyOptions(), task=_task(dataset_fn=_weighted_dataset)))
+        _options(), task=_task(dataset_fn=_weighted_dataset)))
     with self.assertRaisesRegex(
         errors.ConfigError, "--class_weight=0:1.0,1:3.0"):
       assembly.check_weights(options,
                              task=_task(dataset_fn=_weighted_dataset))
 
   def test_recomputation_needs_a_builder_that_takes_it(self):
-    recompute = assembly.AssemblyOptions(activation_recomputation=True)
+    recompute = _options(activation_recomputation=True)
     with self.assertRaisesRegex(
         errors.ConfigError, "--activation_recomputation"):
       assembly.check_model_options(recompute, task=_task())
@@ -150,8 +170,7 @@ class BuildModelTest(absltest.TestCase):
 
     marker = object()
     assembly.build_model(
-        assembly.AssemblyOptions(activation_recomputation=True,
-                                 builder_config=marker),
+        _options(activation_recomputation=True, builder_config=marker),
         task=_task(model_fn=builder), sync_batch_norm=True)
     self.assertEqual(seen, {"config": marker, "recompute": True,
                             "sync": True})

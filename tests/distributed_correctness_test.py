@@ -279,7 +279,8 @@ def _child_main(train_glob: str) -> dict:
 
   def batch_norm_case():
     default, _ = models.resolve_sync_batch_norm(
-        None, strategy_name="mirrored", num_replicas_in_sync=2)
+        None, strategy_name="mirrored", num_replicas_in_sync=2,
+        synchronous=True)
     reference = batch_norm_variance(one, False)
     relative = lambda v: float(np.abs(v - reference).max() /
                                np.abs(reference).max())
@@ -412,7 +413,15 @@ class FlagsTest(absltest.TestCase):
 
   def test_sync_batch_norm_default_and_flag(self):
     from tfdist import models  # pylint: disable=g-import-not-at-top
-    resolve = models.resolve_sync_batch_norm
+    from tfdist.backends import registry  # pylint: disable=g-import-not-at-top
+
+    def resolve(value, *, strategy_name, **kwargs):
+      # The trait a run passes: its backend's (not a list of kinds).
+      synchronous = not registry.backend_for(strategy_name).asynchronous
+      return models.resolve_sync_batch_norm(
+          value, strategy_name=strategy_name, synchronous=synchronous,
+          **kwargs)
+
     for strategy, replicas, expected in (
         ("mirrored", 2, True), ("multi_worker_mirrored", 4, True),
         ("tpu", 8, True), ("mirrored", 1, False), ("one_device", 1, False),

@@ -36,7 +36,7 @@ import tensorflow as tf
 from tests import examples_testlib
 from tests import testutil
 from tfdist import api
-from tfdist import config as config_lib
+from tfdist.experiment import prepare
 from tfdist.config import TrainConfig
 from tfdist.data import feature_spec
 from tfdist.data import input_pipeline
@@ -170,11 +170,7 @@ def _child_parameter_server(project: str) -> dict:
     sync_batch_norm = False
   Plan.lr = lr
   Plan.batch = plan_batch
-  options = assembly.AssemblyOptions.of(
-      task=config.task, loop=config.loop, strategy=config.strategy,
-      precision=config.precision, memory=config.memory,
-      optimization=config.optimization,
-      builder_config=config_lib.ModelBuilderConfig(config))
+  options = prepare.assembly_options(config, None)
   parts = assembly.build(options, task=task, strategy=strategy, plan=Plan)
   placement = ps_lib.describe_placement(parts.model, parts.optimizer,
                                         large_bytes=16 << 10)

@@ -23,6 +23,7 @@ import tensorflow as tf
 
 from tests import testutil
 from tfdist import api
+from tfdist import errors
 from tfdist import experiment
 from tfdist.backends import registry as backends
 from tfdist.backends import single_process
@@ -246,6 +247,17 @@ class RunnerTest(absltest.TestCase):
     self.assertIsNone(runner.strategy)
     self.assertIsNone(runner.controller)
     self.assertTrue(os.path.exists(os.path.join(model_dir, "training_done")))
+
+  def test_a_profile_window_after_the_run_is_refused(self):
+    # The plan step reads --profile_steps from the outputs section.
+    model_dir = os.path.join(testutil.scratch_dir(), "run")
+    task, prepared = _start(_config(model_dir, profile_steps=(7, 9)))
+    runner = experiment.ExperimentRunner(prepared, task=task)
+    with self.assertRaisesRegex(errors.ConfigError,
+                                r"--profile_steps=7,9 starts after the "
+                                r"run's last step \(4\)"):
+      runner.strategy = runner.build_strategy().strategy
+      runner.build_plan()
 
   def test_a_subclass_step_is_the_one_used(self):
     model_dir = os.path.join(testutil.scratch_dir(), "run")

@@ -9,6 +9,7 @@ counts its calls (the trainer used it, for training and evaluation).
 """
 
 import os
+import types
 
 os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
 
@@ -156,11 +157,15 @@ class RegistryTest(absltest.TestCase):
       mode_lib.register_mode("")
 
 
-def _settings(zero_stage=0, pipeline_stages=1, tensor_parallel=1):
-  """A config's three parallelism settings (what `backend_for_run` reads)."""
-  return type("Settings", (), dict(zero_stage_resolved=zero_stage,
-                                   pipeline_stages=pipeline_stages,
-                                   tensor_parallel=tensor_parallel))()
+def _settings(zero_stage=0, pipeline_stages=1, tensor_parallel=1,
+              expert_parallel=1):
+  """A config's parallelism settings, in their sections (what
+  `backend_for_run` reads)."""
+  return types.SimpleNamespace(
+      memory=types.SimpleNamespace(zero_stage_resolved=zero_stage),
+      strategy=types.SimpleNamespace(parallelism=types.SimpleNamespace(
+          pipeline_stages=pipeline_stages, tensor_parallel=tensor_parallel,
+          expert_parallel=expert_parallel)))
 
 
 class BackendCompositionTest(absltest.TestCase):

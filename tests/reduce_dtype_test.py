@@ -258,17 +258,13 @@ class RefusalTest(parameterized.TestCase):
 
   def test_reaches_the_parts(self):
     from tfdist.observability import manifest  # pylint: disable=g-import-not-at-top
-    from tfdist.training import assembly  # pylint: disable=g-import-not-at-top
-    from tfdist.training import run_plan  # pylint: disable=g-import-not-at-top
+    from tfdist.experiment import prepare  # pylint: disable=g-import-not-at-top
     config = TrainConfig(all_reduce_dtype="bfloat16",
                          distribution_strategy="mirrored", **self._BASE)
-    sections = dict(task=config.task, loop=config.loop,
-                    strategy=config.strategy, precision=config.precision,
-                    memory=config.memory, optimization=config.optimization)
-    self.assertEqual(
-        assembly.AssemblyOptions.of(**sections).all_reduce_dtype, "bfloat16")
-    self.assertEqual(run_plan.PlanOptions.of(**sections).all_reduce_dtype,
-                     "bfloat16")
+    self.assertEqual(prepare.assembly_options(config, None).strategy
+                     .all_reduce_dtype, "bfloat16")
+    self.assertEqual(prepare.plan_options(config, None).strategy
+                     .all_reduce_dtype, "bfloat16")
     self.assertEqual(
         manifest.ManifestOptions.of(config).all_reduce_dtype, "bfloat16")
 

@@ -1,5 +1,6 @@
 """Tests for tfdist.training.run_plan: a run's plan from real options and data."""
 
+import dataclasses
 import os
 import tempfile
 
@@ -7,6 +8,7 @@ from absl.testing import absltest
 import pytest
 import tensorflow as tf
 
+from tfdist import config as config_lib
 from tfdist import errors
 from tfdist.core.dataset_spec import DatasetSpec
 from tfdist.distribute import auto_select
@@ -28,11 +30,27 @@ def _function_spec(num_examples: int = 1000) -> DatasetSpec:
   return DatasetSpec(name="mine", input_fn=input_fn)
 
 
-def _options(**kwargs) -> run_plan.PlanOptions:
-  lr = kwargs.pop("lr", lr_schedule.LROptions(
+def _options(**settings) -> run_plan.PlanOptions:
+  """The plan's options: `lr` as given, each other setting (by its flag
+  name) in its section, the section's other settings their defaults."""
+  lr = settings.pop("lr", lr_schedule.LROptions(
       base_learning_rate=0.1, base_batch_size=100, lr_scaling="linear"))
+  by_section = {}
+  for name, value in settings.items():
+    (section,) = config_lib.section_of(name)
+    by_section.setdefault(section, {})[name] = value
+  sections = {name: dataclasses.replace(getattr(config_lib, cls)(), **values)
+              for name, cls in _SECTION_CLASSES.items()
+              for values in [by_section.pop(name, {})]}
+  assert not by_section, by_section  # A section the plan does not read.
   return run_plan.PlanOptions(data=run_plan.DataOptions(dataset="mine"),
-                              lr=lr, **kwargs)
+                              lr=lr, **sections)
+
+
+# The sections the plan reads (`PlanOptions`'s fields).
+_SECTION_CLASSES = {"loop": "LoopConfig", "task": "TaskConfig",
+                    "precision": "PrecisionConfig", "memory": "MemoryConfig",
+                    "strategy": "StrategyConfig"}
 
 
 def _decision(kind=StrategyKind.ONE_DEVICE) -> auto_select.Decision:
@@ -58,6 +76,22 @@ class MakeRunPlanTest(absltest.TestCase):
     self.assertIs(plan.strategy, StrategyKind.MIRRORED)
     self.assertEqual(plan.train_files, ())
     self.assertEqual(plan.eval_batch_size, 200)
+
+  def test_batch_norm_default_reads_the_backends_traits(self):
+    # The plan asks the backend's traits (`asynchronous`, `on_tpu`), not
+    # the kind: the same two replicas normalize together only when they
+    # step together, and --enable_xla compiles per replica off a TPU.
+    def sync(*, asynchronous=False, on_tpu=False, **options):
+      return run_plan.make_run_plan(
+          _options(batch_size=200, train_epochs=1, **options),
+          _function_spec(1000), num_replicas_in_sync=2, num_workers=1,
+          asynchronous=asynchronous, decision=_decision(StrategyKind.MIRRORED),
+          on_tpu=on_tpu).sync_batch_norm
+
+    self.assertTrue(sync())
+    self.assertFalse(sync(asynchronous=True))
+    self.assertFalse(sync(enable_xla=True))
+    self.assertTrue(sync(enable_xla=True, on_tpu=True))
 
   def test_train_steps_and_warmup_flags_win(self):
     lr = lr_schedule.LROptions(base_learning_rate=0.5, base_batch_size=50,

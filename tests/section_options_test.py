@@ -1,6 +1,6 @@
 """Unit tests of each part's options built from the config's sections
-(`StrategyOptions.of`, `SelectOptions.of`, `PlanOptions.of`,
-`AssemblyOptions.of`, `TaskNames.of`, `NameOptions.of`,
+(`StrategyOptions.of`, `SelectOptions.of`, `prepare.plan_options`,
+`prepare.assembly_options`, `TaskNames.of`, `NameOptions.of`,
 `preflight.decided_outputs`)
 and of the records that list the whole run (`manifest.recorded_config`,
 `ManifestOptions.of`, `filesystems.config_paths`)."""
@@ -10,13 +10,13 @@ import dataclasses
 from absl.testing import absltest
 import tensorflow as tf
 
-from tfdist import config as config_lib
 from tfdist import errors
 from tfdist.config import TrainConfig
 from tfdist.data import filesystems
 from tfdist.distribute import decisions as decisions_lib
 from tfdist.distribute import auto_select
 from tfdist.distribute import strategy as strategy_lib
+from tfdist.experiment import prepare
 from tfdist.backends import registry as backend_registry
 from tfdist.core.strategy_kind import StrategyKind
 from tfdist.observability import manifest
@@ -35,12 +35,6 @@ def _strategy_options(config, decisions=None):
   return strategy_lib.StrategyOptions.of(
       config.strategy, decisions,
       reduction_server=config.cloud.reduction_server)
-
-
-def _sections(config):
-  return dict(task=config.task, loop=config.loop, strategy=config.strategy,
-              precision=config.precision, memory=config.memory,
-              optimization=config.optimization)
 
 
 class SectionOptionsTest(absltest.TestCase):
@@ -87,13 +81,11 @@ class SectionOptionsTest(absltest.TestCase):
                      ("auto", "auto"))
     self.assertIs(_strategy_options(config, decided).kind,
                   StrategyKind.ONE_DEVICE)
-    self.assertEqual(assembly.AssemblyOptions.of(**_sections(config),
-                                                decisions=decided).dtype,
-                     "fp32")
+    self.assertEqual(prepare.assembly_options(config, decided).dtype, "fp32")
 
   def test_zero3_block_settings_reach_the_sharding(self):
     config = _config(zero_stage=3, zero3_blocks=1, zero3_prefetch=True)
-    options = assembly.AssemblyOptions.of(**_sections(config))
+    options = prepare.assembly_options(config, None)
     sharding = assembly._sharding_for(  # pylint: disable=protected-access
         options, strategy=tf.distribute.MirroredStrategy(["/cpu:0"]))
     self.assertEqual((sharding.stage, sharding.num_blocks, sharding.prefetch),
@@ -102,16 +94,22 @@ class SectionOptionsTest(absltest.TestCase):
                                 "--zero3_blocks=0 must be a positive"):
       _config(zero3_blocks=0)
 
-  def test_plan_options_hold_batch_learning_rate_and_data(self):
-    options = run_plan.PlanOptions.of(**_sections(_config(
+  def test_plan_options_hold_the_sections_as_the_config_does(self):
+    config = _config(
         batch_size=48, gradient_accumulation_steps=2, warmup_steps=5,
-        base_learning_rate=0.3, train_files="/d/train-*", mode="train")))
-    self.assertEqual(options.batch_size, 48)
-    self.assertEqual(options.gradient_accumulation_steps, 2)
+        base_learning_rate=0.3, train_files="/d/train-*", mode="train")
+    options = prepare.plan_options(config, None)
+    # Each section handed over as it is, not restated field by field.
+    for name in ("loop", "task", "precision", "memory", "strategy"):
+      self.assertIs(getattr(options, name), getattr(config, name), name)
+    self.assertIs(options.lr, config.optimization.learning_rate)
+    self.assertEqual(options.loop.batch_size, 48)
+    self.assertEqual(options.loop.gradient_accumulation_steps, 2)
     self.assertEqual(options.lr.warmup_steps, 5)
-    self.assertEqual(options.lr.base_learning_rate, 0.3)
     self.assertEqual(options.data.train_files, "/d/train-*")
     self.assertFalse(options.need_eval)
+    self.assertFalse(run_plan.PlanOptions(
+        data=config.task.data, lr=options.lr).pipeline.enabled)
 
   def test_task_names_and_task(self):
     config = _config(model="cnn", dataset="fashion_mnist")
@@ -191,13 +189,10 @@ class SectionOptionsTest(absltest.TestCase):
     self.assertEqual(run_plan.decided_data(config.task.data, decided)
                      .train_files, "/aip/train-*")
     self.assertIs(run_plan.decided_data(config.task.data), config.task.data)
-    options = assembly.AssemblyOptions.of(**_sections(config),
-                                          decisions=decided)
+    options = prepare.assembly_options(config, decided)
     self.assertEqual((options.dtype, options.steps_per_execution),
                      ("bf16", 9))
-    own = assembly.AssemblyOptions.of(
-        **_sections(config),
-        builder_config=config_lib.ModelBuilderConfig(config))
+    own = prepare.assembly_options(config, None)
     self.assertEqual(own.dtype, "fp32")
     self.assertIs(own.builder_config.task, config.task)
 

@@ -174,7 +174,7 @@ def prepare_config(config: TrainConfig) -> TrainConfig:
     ConfigError: an unsupported strategy, `--worker_hosts`/`--task_index`
       (Ray gives the cluster), or a local file glob that matches nothing.
   """
-  strategy = config.distribution_strategy
+  strategy = config.strategy.distribution_strategy
   # None: `auto`, which becomes RAY_STRATEGY.
   backend = None if strategy == "auto" else _backend_for(strategy)
   if backend is not None and backend.asynchronous:
@@ -187,16 +187,18 @@ def prepare_config(config: TrainConfig) -> TrainConfig:
         "cluster with one device. Use --distribution_strategy="
         "multi_worker_mirrored (or auto), or run `python -m tfdist.train` "
         "for one process.")
-  if config.worker_hosts or config.task_index >= 0:
+  cluster = config.strategy.cluster
+  if cluster.worker_hosts or cluster.task_index >= 0:
     raise errors.ConfigError(
-        f"--worker_hosts={config.worker_hosts!r} / --task_index="
-        f"{config.task_index}: Ray Train gives every worker its place in the "
+        f"--worker_hosts={cluster.worker_hosts!r} / --task_index="
+        f"{cluster.task_index}: Ray Train gives every worker its place in the "
         "cluster (TF_CONFIG). Drop both flags.")
   changes = {"distribution_strategy": RAY_STRATEGY.value}
   for name in _PATH_FIELDS:
     value = getattr(config, name)
-    if name == "data_dir" and not value and not (config.train_files and
-                                                  config.eval_files):
+    data = config.task.data
+    if name == "data_dir" and not value and not (data.train_files and
+                                                  data.eval_files):
       # This binary's edge: the driver's environment names the data folder.
       value = environment.read_environment().default_data_dir
     changes[name] = _absolute(value) if value else value
@@ -407,7 +409,7 @@ def run_on_ray(config: TrainConfig, *, num_workers: int, use_gpu: bool = False,
                       max_failures=max_failures)
   config = prepare_config(config)
   ray = _require_ray()
-  _warn_if_local_model_dir_on_a_cluster(ray, config.model_dir)
+  _warn_if_local_model_dir_on_a_cluster(ray, config.outputs.model_dir)
   if run_config is not None:
     _refuse_run_config_duplicates(name=name, storage_path=storage_path,
                                   max_failures=max_failures)
@@ -416,11 +418,12 @@ def run_on_ray(config: TrainConfig, *, num_workers: int, use_gpu: bool = False,
   else:
     run_config = _default_run_config(
         name=name, max_failures=max_failures,
-        storage_path=storage_path or os.path.join(config.model_dir,
+        storage_path=storage_path or os.path.join(config.outputs.model_dir,
                                                   "ray_results"))
   logging.info("Ray Train: %d worker(s) x %s CPUs%s, max_failures=%d, "
                "model_dir %s", num_workers, cpus_per_worker,
-               " + 1 GPU" if use_gpu else "", max_failures, config.model_dir)
+               " + 1 GPU" if use_gpu else "", max_failures,
+               config.outputs.model_dir)
   return _fit(config, num_workers=num_workers, use_gpu=use_gpu,
               cpus_per_worker=cpus_per_worker, callbacks=callbacks,
               run_config=run_config, resume_from=resume_from_checkpoint)
@@ -587,7 +590,8 @@ def trial_train_config(base: TrainConfig, params: dict,
         f"set ({'each trial has its own' if bad[0] in fields else 'no such field'}"
         "). Use TrainConfig field names (the flag names), other than "
         f"{', '.join(_TRIAL_FIXED_FIELDS)}.")
-  return base.replace(model_dir=os.path.join(base.model_dir, trial), **params)
+  return base.replace(model_dir=os.path.join(base.outputs.model_dir, trial),
+                      **params)
 
 
 def _run_trial(tune, base: TrainConfig, params: dict, **fit_args):
@@ -603,7 +607,8 @@ def _run_trial(tune, base: TrainConfig, params: dict, **fit_args):
       trial_config, **fit_args,
       run_config=RunConfig(
           name=trial,
-          storage_path=os.path.join(trial_config.model_dir, "ray_results"),
+          storage_path=os.path.join(trial_config.outputs.model_dir,
+                                    "ray_results"),
           callbacks=[TuneReportCallback()]))
   if result.error is not None:
     raise result.error

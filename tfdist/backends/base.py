@@ -291,7 +291,7 @@ class Backend:
           f"{self.kind} (its all-reduce does not split the gradients into "
           "packs). Drop --bytes_per_pack.")
     kind = self.kind if decisions is None else decisions.strategy
-    steps = config.gradient_accumulation_steps
+    steps = config.loop.gradient_accumulation_steps
     if steps > 1 and not self.accumulates_gradients:
       raise errors.ConfigError(
           f"--gradient_accumulation_steps={steps} is not supported with "
@@ -301,7 +301,7 @@ class Backend:
           "accumulators would live on the ps tasks, shared by every worker. "
           "Raise --batch_size (examples per worker step) instead, or use "
           "multi_worker_mirrored.")
-    if config.deterministic and self.asynchronous:
+    if config.loop.deterministic and self.asynchronous:
       raise errors.ConfigError(
           "--deterministic is not supported with --distribution_strategy="
           f"{kind}: asynchronous workers apply their updates in whatever "
@@ -313,7 +313,7 @@ class Backend:
 
   def _check_precision(self, config, decisions, kind) -> None:
     """fp16 on a TPU, or with asynchronous workers (`validate`)."""
-    dtype = config.dtype if decisions is None else decisions.dtype
+    dtype = config.precision.dtype if decisions is None else decisions.dtype
     if dtype != "fp16":
       return
     if self.on_tpu:
@@ -333,9 +333,11 @@ class Backend:
   def _check_reduction_server(self, config, decisions, kind) -> None:
     """`--reduction_server` needs the all-reduce of workers in several
     processes (`validate`); the message says how `auto` decided."""
-    if not config.reduction_server or (self.mirrored and self.multi_process):
+    if not config.cloud.reduction_server or (
+        self.mirrored and self.multi_process):
       return
-    if decisions is not None and config.distribution_strategy == "auto":
+    if (decisions is not None and
+        config.strategy.distribution_strategy == "auto"):
       raise errors.ConfigError(
           "--reduction_server needs a multi-worker cluster under "
           f"multi_worker_mirrored, but this run resolved to {kind}"
@@ -387,7 +389,7 @@ class Backend:
       ConfigError: as `make_strategy`.
     """
     del lease
-    devices.configure_cpu_devices(config.num_cpu_devices)
+    devices.configure_cpu_devices(config.strategy.num_cpu_devices)
     return self.make_strategy(self.strategy_options(config, decisions),
                               cluster=cluster)
 

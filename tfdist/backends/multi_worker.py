@@ -56,11 +56,11 @@ class MultiWorkerMirroredBackend(synchronous.SynchronousBackend):
     # Built before anything starts TensorFlow's runtime (it configures the
     # collective runtime). It may hold the interpreter, and so the lease's
     # renewals, until every peer has connected.
-    with (lease.extended(config.cluster_start_timeout_seconds)
+    with (lease.extended(config.strategy.cluster.cluster_start_timeout_seconds)
           if lease is not None else contextlib.nullcontext()):
       choice = self.make_strategy(self.strategy_options(config, decisions),
                                   cluster=cluster)
-    devices.configure_cpu_devices(config.num_cpu_devices)
+    devices.configure_cpu_devices(config.strategy.num_cpu_devices)
     return choice
 
   def new_strategy(self, options, *, cluster):
@@ -68,7 +68,8 @@ class MultiWorkerMirroredBackend(synchronous.SynchronousBackend):
 
   def planned_replicas(self, config, decisions, *, cluster) -> Tuple[int, int]:
     workers = self.training_workers(cluster)
-    return workers * max(base.local_accelerators(config.num_gpus), 1), workers
+    gpus = base.local_accelerators(config.strategy.num_gpus)
+    return workers * max(gpus, 1), workers
 
   def translate_failure(self, error, *, after: str,
                         last_checkpoint: Optional[str], cluster):

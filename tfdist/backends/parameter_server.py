@@ -54,13 +54,14 @@ class ParameterServerBackend(base.Backend):
     ps_lib.set_grpc_fail_fast()
     if not self.serves(cluster):
       return None
-    if config.dry_run:
+    if config.reliability.dry_run:
       logging.info("tfdist: dry run: %s %d would serve the parameter-server "
                    "cluster.", cluster.task_type, cluster.task_index)
       return {"dry_run": True, "role": cluster.task_type,
               "index": cluster.task_index}
     status = ps_lib.serve(decisions.model_dir, cluster,
-                          grace_seconds=config.preemption_grace_seconds)
+                          grace_seconds=(config.strategy.cluster
+                                         .preemption_grace_seconds))
     return {"role": cluster.task_type, "index": cluster.task_index,
             "exit_status": status}
 
@@ -75,18 +76,18 @@ class ParameterServerBackend(base.Backend):
   def _describe_placement(self, run: base.TrainingRun) -> dict:
     """Logs and checks the variables' placement on the ps tasks; returns
     the manifest's `strategy_details`."""
-    config, model = run.strategy_options.partitioner, run.parts.model
+    partitioner, model = run.strategy_options.partitioner, run.parts.model
     placement = ps_lib.describe_placement(
         model, run.parts.optimizer,
-        large_bytes=min(config.ps_min_shard_bytes, 64 << 10))
+        large_bytes=min(partitioner.ps_min_shard_bytes, 64 << 10))
     logging.info("%s", ps_lib.format_placement(placement))
     ps_lib.check_shard_layout(run.checkpoint_dir, model)
     ps_lib.write_shard_layout(run.checkpoint_dir, model)
     return {"num_workers": run.num_workers, "num_ps": run.cluster.num_ps,
             "cluster": run.cluster.cluster_dict(),
-            "partitioner": config.ps_partitioner,
-            "min_shard_bytes": config.ps_min_shard_bytes,
-            "max_shards": config.ps_max_shards or run.cluster.num_ps,
+            "partitioner": partitioner.ps_partitioner,
+            "min_shard_bytes": partitioner.ps_min_shard_bytes,
+            "max_shards": partitioner.ps_max_shards or run.cluster.num_ps,
             "steps_per_execution": run.steps_per_execution,
             "placement": placement}
 
@@ -119,15 +120,15 @@ class ParameterServerBackend(base.Backend):
     return multi_worker.spanning_evaluator(self.kind, local_devices)
 
 
-def _coordinator_runner(config: base.InputSettings, *, spec, plan, strategy,
-                        parts, latest_checkpoint):
+def _coordinator_runner(settings: base.InputSettings, *, spec, plan,
+                        strategy, parts, latest_checkpoint):
   """The coordinator's step runner and in-process evaluation."""
   coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
   train_options = input_pipeline.options_for(
       spec, files=plan.train_files,
       global_batch_size=plan.global_batch_size, is_training=True,
-      shuffle_buffer_size=config.shuffle_buffer_size,
-      cache=config.cache_dataset,
+      shuffle_buffer_size=settings.shuffle_buffer_size,
+      cache=settings.cache_dataset,
       # Unseeded: each worker must shuffle its copy differently.
       seed=None)
 
@@ -151,7 +152,7 @@ def _coordinator_runner(config: base.InputSettings, *, spec, plan, strategy,
       last_checkpoint=latest_checkpoint,
       reread_fn=lambda: input_pipeline.make_dataset(reread_options),
       reread_batches=plan.steps_per_epoch)
-  if config.mode == "train":
+  if settings.mode == "train":
     return runner, None
   # Held-out evaluation on the coordinator (it reads the ps tasks'
   # variables), with the default strategy.
@@ -160,5 +161,5 @@ def _coordinator_runner(config: base.InputSettings, *, spec, plan, strategy,
                                           global_batch_size=eval_batch)
   eval_data = input_pipeline.make_dataset(input_pipeline.options_for(
       spec, files=plan.eval_files, global_batch_size=eval_batch,
-      is_training=False, cache=config.cache_dataset))
+      is_training=False, cache=settings.cache_dataset))
   return runner, lambda **hooks: evaluator.evaluate(eval_data, **hooks)

@@ -62,7 +62,8 @@ def backend_for_run(kind, config, cluster=None) -> base.Backend:
   """The backend of a run: the kind's (`backend_for`) composed with what
   the run's parallelism mode needs of it (`tfdist.backends.mode_backends`;
   the mode `tfdist.parallel.mode.mode_name_for` chooses from `config`'s
-  `zero_stage_resolved`, `pipeline_stages` and `tensor_parallel`): the
+  memory section (`zero_stage_resolved`) and parallelism section
+  (`pipeline_stages`, `tensor_parallel`)): the
   pipeline's backend (`tfdist.backends.pipeline`) with stages, the
   tensor-parallel one (`tfdist.backends.tensor_parallel`) with split
   layers, the kind's with ZeRO stage 3's export gather
@@ -70,18 +71,19 @@ def backend_for_run(kind, config, cluster=None) -> base.Backend:
 
   Args:
     kind: the decided `StrategyKind`.
-    config: the run's `TrainConfig` (anything with those three settings;
-      absent ones count as off).
+    config: the run's `TrainConfig` (anything with its `memory` and
+      `strategy.parallelism` sections).
     cluster: the run's `ClusterInfo` (a pipeline's stages may span it).
 
   Raises:
     As `backend_for`.
   """
+  parallelism = config.strategy.parallelism
   mode = modes.get_mode(modes.mode_name_for(
-      zero_stage=getattr(config, "zero_stage_resolved", 0),
-      pipeline_stages=getattr(config, "pipeline_stages", 1),
-      tensor_parallel=getattr(config, "tensor_parallel", 1),
-      expert_parallel=getattr(config, "expert_parallel", 1)))
+      zero_stage=config.memory.zero_stage_resolved,
+      pipeline_stages=parallelism.pipeline_stages,
+      tensor_parallel=parallelism.tensor_parallel,
+      expert_parallel=parallelism.expert_parallel))
   cls = base.registered_backend(kind)
   if cls is None:
     backend_for(kind)  # Raises its error.

@@ -75,8 +75,8 @@ class MirroredBackend(synchronous.SynchronousBackend):
     return strategy, tuple(devices)
 
   def planned_replicas(self, config, decisions, *, cluster) -> Tuple[int, int]:
-    gpus = base.local_accelerators(config.num_gpus)
-    return (gpus or max(config.num_cpu_devices, 1),
+    gpus = base.local_accelerators(config.strategy.num_gpus)
+    return (gpus or max(config.strategy.num_cpu_devices, 1),
             self.training_workers(cluster))
 
 

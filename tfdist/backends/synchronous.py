@@ -38,17 +38,17 @@ def local_runner(run: base.TrainingRun, *, num_input_pipelines: int
     num_input_pipelines: the `tf.data` pipelines that feed the run (a
       dataset function's epoch is split among them).
   """
-  config, plan, strategy = run.settings, run.plan, run.strategy
+  settings, plan, strategy = run.settings, run.plan, run.strategy
   input_position = run.input_position
   train_options = input_pipeline.options_for(
       run.task.dataset, files=plan.train_files,
       global_batch_size=plan.global_batch_size, is_training=True,
-      shuffle_buffer_size=config.shuffle_buffer_size,
-      cache=config.cache_dataset, seed=config.seed,
+      shuffle_buffer_size=settings.shuffle_buffer_size,
+      cache=settings.cache_dataset, seed=settings.seed,
       file_record_counts=plan.train_file_counts,
       gradient_accumulation_steps=plan.batch.gradient_accumulation_steps,
       # A resumable position needs a reproducible reading order.
-      deterministic=config.deterministic or input_position is not None,
+      deterministic=settings.deterministic or input_position is not None,
       # A dataset function's epochs of whole steps (as files'): the
       # examples each pipeline reads per epoch.
       examples_per_epoch=(

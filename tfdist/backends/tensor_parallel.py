@@ -69,11 +69,12 @@ class TensorParallelBackend(single_process.MirroredBackend):
       errors.ConfigError: fewer GPUs than `tensor_parallel`.
     """
     super().validate(config, decisions, dataset=dataset)
-    gpus = base.local_accelerators(config.num_gpus)
-    if 0 < gpus < config.tensor_parallel:
+    gpus = base.local_accelerators(config.strategy.num_gpus)
+    n = config.strategy.parallelism.tensor_parallel
+    if 0 < gpus < n:
       raise errors.ConfigError(
-          f"--tensor_parallel={config.tensor_parallel} needs "
-          f"{config.tensor_parallel} GPUs of this host; it has {gpus}. Lower "
+          f"--tensor_parallel={n} needs "
+          f"{n} GPUs of this host; it has {gpus}. Lower "
           f"--tensor_parallel to a divisor of the heads that is at most "
           f"{gpus}, or pass --num_gpus=0 to run on logical CPU devices.")
 
@@ -86,13 +87,13 @@ class TensorParallelBackend(single_process.MirroredBackend):
         devices cannot be made (`_group_devices`).
     """
     del lease
+    n = config.strategy.parallelism.tensor_parallel
     if cluster is not None and getattr(cluster, "num_workers", 1) > 1:
       raise errors.ConfigError(
-          f"--tensor_parallel={config.tensor_parallel} runs in one process "
+          f"--tensor_parallel={n} runs in one process "
           "on one host; this task is one of a cluster of "
           f"{cluster.num_workers} workers. Run it without TF_CONFIG.")
-    n = config.tensor_parallel
-    names = _group_devices(n, config.num_gpus)
+    names = _group_devices(n, config.strategy.num_gpus)
     return strategy_lib.StrategyChoice(
         tf.distribute.MirroredStrategy(names), StrategyKind.MIRRORED,
         f"--tensor_parallel={n}: one tensor-parallel group of {n} replicas "
@@ -114,7 +115,8 @@ class TensorParallelBackend(single_process.MirroredBackend):
     return step.exported_model() if step is not None else run.parts.model
 
   def planned_replicas(self, config, decisions, *, cluster) -> Tuple[int, int]:
-    return config.tensor_parallel, self.training_workers(cluster)
+    return (config.strategy.parallelism.tensor_parallel,
+            self.training_workers(cluster))
 
 
 def _tensor_backend(kind, kind_backend, cluster) -> TensorParallelBackend:

@@ -198,7 +198,8 @@ def parse_train_flags(args: Sequence[str], *, where: str,
     # Imported only now: it imports TensorFlow, quietly after the line above.
     from tfdist.training import preflight  # pylint: disable=g-import-not-at-top
     preflight.check_names(preflight.NameOptions.of(config.task, config.cloud))
-    if "auto" not in (config.distribution_strategy, config.dtype):
+    if "auto" not in (config.strategy.distribution_strategy,
+                      config.precision.dtype):
       # The strategy's own rules (ZeRO under Mirrored, fp16 on a TPU, ...)
       # live in its backend, not in TrainConfig: run them as the replica's
       # start would (with `auto`, the replica decides and checks them).
@@ -207,7 +208,7 @@ def parse_train_flags(args: Sequence[str], *, where: str,
   except errors.ConfigError as e:
     raise errors.JobSpecError(f"{where}: tfdist.train would stop at start: {e}"
                               ) from None
-  if config.dry_run:
+  if config.reliability.dry_run:
     raise errors.JobSpecError(
         f"{where}: --dry_run makes every replica check its flags and exit "
         "without training. Run python -m tfdist.train --dry_run with these "
@@ -235,18 +236,19 @@ def check_train_config(config, plan: Optional[JobPlan], *, where: str,
       a multi-replica job, or (prebuilt container) no `--train_files` and
       `--eval_files`.
   """
+  data = config.task.data
   if prebuilt_container:
-    need(config.train_files and config.eval_files,
+    need(data.train_files and data.eval_files,
           f"{where}: the prebuilt container has no raw data for "
-          f"--dataset={config.dataset}: give --train_files and --eval_files "
+          f"--dataset={data.dataset}: give --train_files and --eval_files "
           "(TFRecord globs on gs://, e.g. the files a local run converted "
           "under --data_dir, copied to a bucket).")
   if plan is None:
     return
-  name = config.distribution_strategy
+  name = config.strategy.distribution_strategy
   # None: `auto`, which picks the strategy of the job's shape (`plan.strategy`).
   backend = None if name == "auto" else _backend_for(name)
-  need(not config.worker_hosts,
+  need(not config.strategy.cluster.worker_hosts,
         f"{where}: --worker_hosts is set; the platform gives every replica "
         "its cluster (CLUSTER_SPEC/TF_CONFIG). Drop --worker_hosts and "
         "--task_index.")
@@ -265,7 +267,7 @@ def check_train_config(config, plan: Optional[JobPlan], *, where: str,
             f"this job has {plan.num_workers + 1} training replicas. Use "
             "multi_worker_mirrored or auto.")
   if plan.num_workers or plan.num_ps or plan.evaluator:
-    model_dir = config.model_dir
+    model_dir = config.outputs.model_dir
     readers = ("workers resume from" if plan.num_workers or plan.num_ps
                else "the evaluator reads")
     need("://" in model_dir or model_dir.startswith(tuple(shared_prefixes)),

@@ -311,7 +311,7 @@ def run_worker(loop_config: dict) -> dict:
                     loop_config.get("resume_from"))
   if ray_checkpoint is not None:
     _restore_from_ray(ray_checkpoint, checkpoint_dir, is_chief)
-  report = RayReportCallback(log_steps=config.log_steps,
+  report = RayReportCallback(log_steps=config.loop.log_steps,
                              checkpoint_dir=checkpoint_dir, is_chief=is_chief)
   record = experiment.run_experiment(
       config, callbacks=[report, *loop_config.get("callbacks", ())])

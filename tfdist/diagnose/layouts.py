@@ -76,14 +76,19 @@ def model_sizes_of(config, *, tensor_degree: int = 2) -> ModelSizes:
   from tfdist.training import lr_schedule  # pylint: disable=g-import-not-at-top
   from tfdist.training import precision  # pylint: disable=g-import-not-at-top
   from tfdist.training import task as task_lib  # pylint: disable=g-import-not-at-top
-  dtype = config.dtype if config.dtype != "auto" else "fp32"
+  dtype = config.precision.dtype
+  dtype = dtype if dtype != "auto" else "fp32"
   precision.configure_precision(dtype)
   try:
-    options = dataclasses.replace(assembly.AssemblyOptions.of(
-        task=config.task, loop=config.loop, strategy=config.strategy,
-        precision=config.precision, memory=config.memory,
-        optimization=config.optimization, decisions=None,
-        builder_config=config_lib.ModelBuilderConfig(config)), dtype=dtype)
+    # The sections the assembly reads, as a run's assembly hands them over
+    # (tfdist.experiment.prepare.assembly_options), at this dtype.
+    options = assembly.AssemblyOptions(
+        optimization=config.optimization, precision=config.precision,
+        loop=config.loop, memory=config.memory, task=config.task,
+        strategy=config.strategy, dtype=dtype,
+        loss_scale=config.precision.loss_scale,
+        steps_per_execution=config.loop.steps_per_execution,
+        builder_config=config_lib.ModelBuilderConfig(config))
     model = assembly.build_model(
         options, task=task_lib.from_names(task_lib.TaskNames.of(config.task)))
     # A schedule, as in every run (tfdist.training.lr_schedule): the
@@ -324,20 +329,22 @@ class TrainFacts:
 
 
 def train_facts(config) -> TrainFacts:
-  """The `TrainFacts` of a parsed `tfdist.config.TrainConfig`."""
-  stages = int(getattr(config, "pipeline_stages", 1) or 1)
-  return TrainFacts(optimizer=config.optimizer,
-                    zero_stage=config.zero_stage_resolved,
-                    train_steps=config.train_steps,
-                    log_steps=config.log_steps, pipeline_stages=stages,
-                    num_microbatches=int(getattr(config, "num_microbatches",
-                                                 None) or stages),
-                    pipeline_schedule=getattr(config, "pipeline_schedule",
-                                              "gpipe") or "gpipe",
-                    global_batch_size=int(config.batch_size or 0),
+  """The `TrainFacts` of a parsed `tfdist.config.TrainConfig` (read from
+  its optimization, memory, loop, parallelism and task sections)."""
+  loop, parallelism = config.loop, config.strategy.parallelism
+  stages = int(parallelism.pipeline_stages or 1)
+  return TrainFacts(optimizer=config.optimization.optimizer,
+                    zero_stage=config.memory.zero_stage_resolved,
+                    train_steps=loop.train_steps,
+                    log_steps=loop.log_steps, pipeline_stages=stages,
+                    num_microbatches=int(parallelism.num_microbatches
+                                         or stages),
+                    pipeline_schedule=(parallelism.pipeline_schedule
+                                       or "gpipe"),
+                    global_batch_size=int(loop.batch_size or 0),
                     gradient_accumulation_steps=int(
-                        config.gradient_accumulation_steps or 1),
-                    model=str(getattr(config, "model", "") or ""))
+                        loop.gradient_accumulation_steps or 1),
+                    model=str(config.task.model or ""))
 
 
 @dataclasses.dataclass(frozen=True)

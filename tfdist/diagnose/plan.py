@@ -76,7 +76,7 @@ def _planned_strategy(config, *, num_workers: int, num_ps: int,
   `tfdist.distribute.auto_select.decide_strategy` decides it for the
   cluster `tfdist.launch` starts and `gpus` GPUs (a TPU is not probed)."""
   from tfdist import config as config_lib  # pylint: disable=g-import-not-at-top
-  kind = config_lib.requested_kind(config.distribution_strategy)
+  kind = config_lib.requested_kind(config.strategy.distribution_strategy)
   if kind is not None:
     return kind
   from tfdist.distribute import auto_select  # pylint: disable=g-import-not-at-top
@@ -85,14 +85,22 @@ def _planned_strategy(config, *, num_workers: int, num_ps: int,
       gpus=(auto_select.GpuInfo(),) * gpus,
       cluster_source="tfdist.launch" if cluster else "",
       cluster_workers=num_workers if cluster else 0, cluster_ps=num_ps,
-      num_cpu_devices=config.num_cpu_devices))[0]
+      num_cpu_devices=config.strategy.num_cpu_devices))[0]
 
 
 @dataclasses.dataclass(frozen=True)
 class _PlannedDevices:
-  """The devices settings a backend's `planned_replicas` reads."""
+  """The device settings of the strategy section a backend's
+  `planned_replicas` reads."""
   num_gpus: int
   num_cpu_devices: int
+
+
+@dataclasses.dataclass(frozen=True)
+class _PlannedConfig:
+  """What a backend's `planned_replicas` reads of a config: its strategy
+  section's devices (`config.strategy.num_gpus`)."""
+  strategy: _PlannedDevices
 
 
 def local_cluster(num_workers: int, num_ps: int = 0):
@@ -119,8 +127,9 @@ def planned_replicas(kind: StrategyKind, *, num_workers: int, gpus: int,
   if backend.on_tpu:
     return None
   replicas, _ = backend.planned_replicas(
-      _PlannedDevices(num_gpus=gpus, num_cpu_devices=num_cpu_devices), None,
-      cluster=local_cluster(num_workers))
+      _PlannedConfig(_PlannedDevices(num_gpus=gpus,
+                                     num_cpu_devices=num_cpu_devices)),
+      None, cluster=local_cluster(num_workers))
   return replicas
 
 
@@ -189,19 +198,20 @@ def plan_measurements(args: Sequence[str], config, *, num_workers: int = 1,
       flags (the message names the flag).
   """
   from tfdist.training import batch_plan  # pylint: disable=g-import-not-at-top
-  gpus = _local_gpus(config.num_gpus) if gpus is None else gpus
+  strategy, loop = config.strategy, config.loop
+  gpus = _local_gpus(strategy.num_gpus) if gpus is None else gpus
   kind = _planned_strategy(config, num_workers=num_workers, num_ps=num_ps,
                            gpus=gpus)
   check_cluster(kind, num_workers=num_workers, num_ps=num_ps)
   backend = backend_of(kind)
   replicas = planned_replicas(kind, num_workers=num_workers, gpus=gpus,
-                              num_cpu_devices=config.num_cpu_devices)
-  per_replica = config.per_replica_batch_size
+                              num_cpu_devices=strategy.num_cpu_devices)
+  per_replica = loop.per_replica_batch_size
   if replicas is not None:
     per_replica = batch_plan.make_batch_plan(
-        num_replicas_in_sync=replicas, batch_size=config.batch_size,
-        per_replica_batch_size=config.per_replica_batch_size,
-        gradient_accumulation_steps=config.gradient_accumulation_steps,
+        num_replicas_in_sync=replicas, batch_size=loop.batch_size,
+        per_replica_batch_size=loop.per_replica_batch_size,
+        gradient_accumulation_steps=loop.gradient_accumulation_steps,
         # As tfdist.training.run_plan: a pipeline per synchronous worker.
         num_input_pipelines=(1 if backend.asynchronous else
                              backend.num_input_pipelines(num_workers)),

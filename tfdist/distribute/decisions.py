@@ -121,14 +121,15 @@ def choice_of(config) -> auto_select.Decision:
     tfdist.errors.ConfigError: the config still says `auto`
       (`tfdist.config.refuse_auto`).
   """
-  config_lib.refuse_auto(config.distribution_strategy, config.dtype)
-  kind = StrategyKind.parse(config.distribution_strategy)
-  dtype = config.dtype
+  name = config.strategy.distribution_strategy
+  config_lib.refuse_auto(name, config.precision.dtype)
+  kind = StrategyKind.parse(name)
+  dtype = config.precision.dtype
   if kind is StrategyKind.TPU and "dtype" in config.defaulted:
     dtype = "bf16"
   return auto_select.Decision(
       strategy=kind, strategy_reason="--distribution_strategy",
-      dtype=dtype, dtype_reason="--dtype", tpu=config.tpu)
+      dtype=dtype, dtype_reason="--dtype", tpu=config.strategy.tpu.tpu)
 
 
 def decide_precision(choice: auto_select.Decision,
@@ -250,7 +251,7 @@ class Decisions:
         choice=choice,
         precision=decide_precision(choice, config.precision),
         accelerator=decide_tpu(
-            choice, tpu=changes.get("tpu", config.tpu),
+            choice, tpu=changes.get("tpu", config.strategy.tpu.tpu),
             steps_per_execution=config.loop.steps_per_execution,
             steps_per_execution_defaulted=(
                 "steps_per_execution" in config.defaulted)),

@@ -342,6 +342,6 @@ def output_sources(config, filled: Tuple[Tuple[str, str], ...] = ()):
   return folder_sources(
       {field: getattr(config, field) for field in TRIAL_FOLDER_FIELDS},
       {"export_dir": config.resolved_export_dir,
-       "model_dir": config.model_dir,
+       "model_dir": config.outputs.model_dir,
        "checkpoint_dir": config.resolved_checkpoint_dir,
        "tensorboard_dir": config.resolved_tensorboard_dir}, filled)

@@ -47,15 +47,12 @@ def dry_run(prepared: prepare.PreparedRun, *, task, writer: bool) -> dict:
   decided = prepared.decisions
   replicas, num_workers = prepared.backend.planned_replicas(
       config, decided, cluster=cluster)
-  plan_options = run_plan_lib.PlanOptions.of(
-      task=config.task, loop=config.loop, strategy=config.strategy,
-      precision=config.precision, memory=config.memory,
-      optimization=config.optimization, decisions=decided)
+  plan_options = prepare.plan_options(config, decided)
   plan = run_plan_lib.make_run_plan(
       plan_options, task.dataset,
       num_replicas_in_sync=replicas,
       num_workers=num_workers, asynchronous=prepared.backend.asynchronous,
-      decision=prepared.decision)
+      decision=prepared.decision, on_tpu=prepared.backend.on_tpu)
   logging.info("%s", plan.describe(plan_options))
   notes = prepare.check_resume(config, decided, plan) if writer else []
   print(f"tfdist: dry run: every start-up check passed ({cluster.task_type} "

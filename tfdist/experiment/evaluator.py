@@ -197,10 +197,7 @@ class EvaluatorRunner:
     """`(final step, evaluation files, EvaluatorPlan)`."""
     config, spec = self.config, self.task.dataset
     plan = run_plan_lib.make_run_plan(
-        run_plan_lib.PlanOptions.of(
-            task=config.task, loop=config.loop, strategy=config.strategy,
-            precision=config.precision, memory=config.memory,
-            optimization=config.optimization, decisions=self.decisions), spec,
+        prepare.plan_options(config, self.decisions), spec,
         num_replicas_in_sync=1,
         num_workers=1,
         asynchronous=True, decision=self.decision) if (

@@ -67,7 +67,7 @@ def run_export(config: TrainConfig, *, task: task_lib.Task, cluster,
   source = decisions.output_sources()["export_dir"][1]
   export.check_export_dir(decisions.export_dir, source=source)
   step = checkpoint_paths.checkpoint_step(latest)
-  if config.dry_run:
+  if config.reliability.dry_run:
     print(f"Dry run: --mode=export would export {latest} (step {step}) to "
           f"{decisions.export_dir}.", flush=True)
     return {"role": "export", "checkpoint": latest, "step": step,

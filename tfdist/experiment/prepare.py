@@ -29,6 +29,7 @@ from tfdist.distribute import environment as environment_lib
 from tfdist.core.strategy_kind import StrategyKind
 from tfdist.observability import manifest as manifest_lib
 from tfdist.observability import versions
+from tfdist.parallel.pipeline import options as pipeline_options
 from tfdist.runtime import allocator
 from tfdist.training import assembly
 from tfdist.training import checkpoint_paths
@@ -36,6 +37,7 @@ from tfdist.training import checkpointing
 from tfdist.training import export
 from tfdist.training import keras_callbacks
 from tfdist.training import preflight
+from tfdist.training import run_plan as run_plan_lib
 from tfdist.training import task as task_lib
 
 
@@ -266,15 +268,37 @@ def start_run(config: TrainConfig, *,
 
 def assembly_options(config: TrainConfig,
                      decisions) -> assembly.AssemblyOptions:
-  """The run's `tfdist.training.assembly.AssemblyOptions`: from the
-  sections the assembly reads, the run's `decisions` (dtype, loss scale,
-  steps per execution), and the model options a builder asking for
-  `config` gets (`tfdist.config.ModelBuilderConfig`)."""
-  return assembly.AssemblyOptions.of(
-      task=config.task, loop=config.loop, strategy=config.strategy,
-      precision=config.precision, memory=config.memory,
-      optimization=config.optimization, decisions=decisions,
+  """The run's `tfdist.training.assembly.AssemblyOptions`: the sections the
+  assembly reads, handed over as they are, the run's `decisions` (dtype,
+  loss scale, steps per execution; None: the sections' own), the
+  parallelism section's pipeline and the model options a builder asking
+  for `config` gets (`tfdist.config.ModelBuilderConfig`)."""
+  if decisions is None:  # The sections' own (no run decided them).
+    dtype, loss_scale = config.precision.dtype, config.precision.loss_scale
+    steps_per_execution = config.loop.steps_per_execution
+  else:
+    dtype, loss_scale = decisions.dtype, decisions.loss_scale
+    steps_per_execution = decisions.steps_per_execution
+  return assembly.AssemblyOptions(
+      optimization=config.optimization, precision=config.precision,
+      loop=config.loop, memory=config.memory, task=config.task,
+      strategy=config.strategy, dtype=dtype, loss_scale=loss_scale,
+      steps_per_execution=steps_per_execution,
+      pipeline=pipeline_options.PipelineOptions.of(
+          config.strategy.parallelism, num_gpus=config.strategy.num_gpus,
+          num_cpu_devices=config.strategy.num_cpu_devices),
       builder_config=config_lib.ModelBuilderConfig(config))
+
+
+def plan_options(config: TrainConfig, decisions) -> run_plan_lib.PlanOptions:
+  """The run's `tfdist.training.run_plan.PlanOptions`: the sections the
+  plan reads, handed over as they are, with the data files the run's
+  `decisions` chose (`run_plan.decided_data`)."""
+  return run_plan_lib.PlanOptions(
+      data=run_plan_lib.decided_data(config.task.data, decisions),
+      lr=config.optimization.learning_rate, loop=config.loop,
+      task=config.task, precision=config.precision, memory=config.memory,
+      strategy=config.strategy)
 
 
 

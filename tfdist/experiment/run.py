@@ -35,12 +35,12 @@ def _evaluates(prepared: prepare.PreparedRun) -> bool:
     ConfigError: an evaluating mode on a member of a training cluster.
   """
   config, cluster = prepared.config, prepared.cluster
-  evaluating = config.mode in ("eval", "continuous_eval")
+  evaluating = config.task.mode in ("eval", "continuous_eval")
   if evaluating and cluster.task_type not in (
       cluster_lib.EVALUATOR, cluster_lib.CHIEF) and (
           cluster.num_workers > 1 or cluster.num_ps):
     raise errors.ConfigError(
-        f"--mode={config.mode} evaluates in one process; this one is "
+        f"--mode={config.task.mode} evaluates in one process; this one is "
         f"{cluster.task_type} {cluster.task_index} of a training cluster. "
         "Run it without TF_CONFIG/--worker_hosts, or as the cluster's "
         "evaluator task.")
@@ -56,11 +56,11 @@ def _evaluate(prepared: prepare.PreparedRun, *, task: task_lib.Task) -> dict:
                  os.path.join(decided.tensorboard_dir, "eval")):
     preflight.probe_writable(folder, flag="--model_dir",
                              value=decided.model_dir)
-  if config.dry_run:
+  if config.reliability.dry_run:
     return dry_run_lib.dry_run(prepared, task=task, writer=False)
   return evaluator_lib.run_evaluator(config, task=task, cluster=prepared.cluster,
                        decisions=decided,
-                       once=config.mode == "eval")
+                       once=config.task.mode == "eval")
 
 
 def run_experiment(config: TrainConfig, *,
@@ -137,13 +137,13 @@ def run_experiment(config: TrainConfig, *,
   task, prepared = prepare.start_run(config, callbacks=callbacks,
                              environment=environment, task=task)
   hypertune_reporter = None
-  if prepared.config.hptune_metric:
+  if prepared.config.cloud.hptune_metric:
     # Vertex AI hyperparameter tuning: the package now, the metric's name
     # once the model is built (before training).
     hypertune_reporter = hptune.make_hypertune()
   if _evaluates(prepared):
     return _evaluate(prepared, task=task)
-  if prepared.config.mode == "export":
+  if prepared.config.task.mode == "export":
     return exporter.run_export(prepared.config, task=task,
                                cluster=prepared.cluster,
                                decisions=prepared.decisions)

@@ -23,7 +23,7 @@ import tensorflow as tf
 from tfdist.cloud import hptune
 from tfdist import errors
 from tfdist.backends import base as backend_lib
-from tfdist.config import TrainConfig
+from tfdist.config import OutputsConfig
 from tfdist.data import input_pipeline
 from tfdist.data import input_position as input_position_lib
 from tfdist.distribute import cluster as cluster_lib
@@ -77,11 +77,13 @@ def _worker_scratch_dir(cluster: cluster_lib.ClusterInfo) -> str:
   return path
 
 
-def _check_profile_window(config: TrainConfig, plan) -> None:
-  """Raises `ConfigError` for a `--profile_steps` window after the run."""
-  if config.profile_steps and config.profile_steps[0] > plan.total_steps:
+def _check_profile_window(outputs: OutputsConfig, plan) -> None:
+  """Raises `ConfigError` for a `--profile_steps` window (the outputs
+  section's) after the run."""
+  window = outputs.profile_steps
+  if window and window[0] > plan.total_steps:
     raise errors.ConfigError(
-        f"--profile_steps={config.profile_steps[0]},{config.profile_steps[1]}"
+        f"--profile_steps={window[0]},{window[1]}"
         f" starts after the run's last step ({plan.total_steps}): nothing "
         "would be traced. Choose a window within the run, e.g. "
         f"--profile_steps={min(10, plan.total_steps)},"
@@ -254,7 +256,7 @@ class ExperimentRunner:
     """
     self.lease = self.build_lease()
     with self.cleanup:
-      if self.config.dry_run:
+      if self.config.reliability.dry_run:
         return self.dry_run()
       if self.lease is not None:
         self.lease.acquire()
@@ -286,7 +288,7 @@ class ExperimentRunner:
     self.parts = self.build_model_and_optimizer()
     self.plan, self.moving_statistics = moving_statistics.for_run(
         self.plan, self.parts, strategy=self.strategy,
-        model_name=self.config.model)
+        model_name=self.config.task.model)
     self.keeper = self.build_checkpoints()
     self.warm_started = self.warm_start()
     if self.is_writer:
@@ -344,7 +346,8 @@ class ExperimentRunner:
     export.check_export_dir(self.decisions.export_dir,
                             source=self._export_source())
     lease = lease_lib.Lease(self.decisions.model_dir,
-                            timeout_seconds=self.config.lease_timeout_seconds)
+                            timeout_seconds=(
+                                self.config.reliability.lease_timeout_seconds))
     self.cleanup.callback(lease.release)
     return lease
 
@@ -366,16 +369,17 @@ class ExperimentRunner:
     # Replaces TensorFlow's own SIGTERM handler (installed with the
     # strategy).
     watcher = preemption.PreemptionWatcher(
-        grace_seconds=self.config.preemption_grace_seconds).install()
+        grace_seconds=(self.config.strategy.cluster
+                       .preemption_grace_seconds)).install()
     # Also when a start-up check below stops the run.
     self.cleanup.callback(watcher.uninstall)
     return watcher
 
   def set_seeds(self) -> None:
     """`--seed` and `--deterministic`."""
-    if self.config.seed is not None:
-      keras.utils.set_random_seed(self.config.seed)
-    if self.config.deterministic:
+    if self.config.loop.seed is not None:
+      keras.utils.set_random_seed(self.config.loop.seed)
+    if self.config.loop.deterministic:
       # Reproducible runs (--deterministic): the same seed, data and
       # cluster give the same weights.
       tf.config.experimental.enable_op_determinism()
@@ -387,21 +391,18 @@ class ExperimentRunner:
       ConfigError: as `tfdist.training.run_plan.make_run_plan`, or a
         `--profile_steps` window after the last step.
     """
-    plan_options = run_plan_lib.PlanOptions.of(
-        task=self.config.task, loop=self.config.loop,
-        strategy=self.config.strategy,
-        precision=self.config.precision, memory=self.config.memory,
-        optimization=self.config.optimization, decisions=self.decisions)
+    plan_options = prepare.plan_options(self.config, self.decisions)
     plan = run_plan_lib.make_run_plan(
         plan_options, self.task.dataset,
         num_replicas_in_sync=self.strategy.num_replicas_in_sync,
         num_workers=self.num_workers,
-        asynchronous=self.backend.asynchronous, decision=self.decision)
+        asynchronous=self.backend.asynchronous, decision=self.decision,
+        on_tpu=self.backend.on_tpu)
     logging.info("%s", plan.describe(plan_options))
     remainder = plan.batch.remainder_warning()
     if remainder and self.is_writer:
       logging.warning("%s", remainder)
-    _check_profile_window(self.config, plan)
+    _check_profile_window(self.config.outputs, plan)
     warning = cross_process_memory_warning(
         total_steps=plan.total_steps,
         steps_per_execution=self.decisions.steps_per_execution,
@@ -458,8 +459,8 @@ class ExperimentRunner:
         self.assembly_options(), choice=self.choice)
     parts = assembly.build(options, task=self.task, strategy=self.strategy,
                            plan=self.plan, on_tpu=self.backend.on_tpu)
-    if self.config.hptune_metric:
-      hptune.check_metric(self.config.hptune_metric, available=[
+    if self.config.cloud.hptune_metric:
+      hptune.check_metric(self.config.cloud.hptune_metric, available=[
           "loss", *parts.metric_sums.results({})])
     # Every known difference from one device that applies, said once.
     differences.say(differences.facts_of_run(
@@ -478,7 +479,7 @@ class ExperimentRunner:
     tfdist shards (`tfdist.data.input_position.source_files`; parameter-server
     workers read unseeded copies of every file)."""
     config, plan, spec = self.config, self.plan, self.task.dataset
-    if not (config.checkpoint_input_position and
+    if not (config.loop.checkpoint_input_position and
             self.backend.keeps_input_position):
       return None
     fn = spec.input_fn
@@ -497,9 +498,9 @@ class ExperimentRunner:
             files=source[0], file_record_counts=source[1],
             num_input_pipelines=self.backend.num_input_pipelines(
                 self.num_workers),
-            global_batch_size=plan.global_batch_size, seed=config.seed,
-            shuffle_buffer_size=config.shuffle_buffer_size,
-            cache=config.cache_dataset),
+            global_batch_size=plan.global_batch_size, seed=config.loop.seed,
+            shuffle_buffer_size=config.task.shuffle_buffer_size,
+            cache=config.task.cache_dataset),
         steps_per_epoch=plan.steps_per_epoch,
         resume_note=getattr(fn, input_position_lib.RESUME_NOTE, None))
 
@@ -517,7 +518,7 @@ class ExperimentRunner:
         directory=self.out_dir(self.decisions.checkpoint_dir,
                                "checkpoints"),
         step_counter=parts.trainer.global_step,
-        max_to_keep=self.config.max_checkpoints,
+        max_to_keep=self.config.loop.max_checkpoints,
         restore_dir=self.decisions.checkpoint_dir,
         input_position=self._input_position(), variables=state,
         before_save=moving_statistics.before_save(
@@ -527,13 +528,13 @@ class ExperimentRunner:
   def warm_start(self) -> Optional[str]:
     """`--init_checkpoint` for a fresh run; returns what was loaded."""
     config = self.config
-    if not config.init_checkpoint or tf.train.latest_checkpoint(
+    if not config.task.init_checkpoint or tf.train.latest_checkpoint(
         self.decisions.checkpoint_dir):
       # A resumed run starts from its own checkpoint (which the controller
       # restores).
       return None
     return assembly.load_init_checkpoint(self.parts.model,
-                                         config.init_checkpoint)
+                                         config.task.init_checkpoint)
 
   def training_run(self) -> backend_lib.TrainingRun:
     """What the backend's `build_inputs` and `export_model` read of this
@@ -543,9 +544,10 @@ class ExperimentRunner:
         task=self.task, plan=self.plan, strategy=self.strategy,
         parts=self.parts, cluster=self.cluster, num_workers=self.num_workers,
         settings=backend_lib.InputSettings(
-            mode=config.mode, shuffle_buffer_size=config.shuffle_buffer_size,
-            cache_dataset=config.cache_dataset, seed=config.seed,
-            deterministic=config.deterministic),
+            mode=config.task.mode,
+            shuffle_buffer_size=config.task.shuffle_buffer_size,
+            cache_dataset=config.task.cache_dataset, seed=config.loop.seed,
+            deterministic=config.loop.deterministic),
         input_position=keeper.input_position,
         latest_checkpoint=lambda: keeper.latest,
         synchronize_statistics=self.moving_statistics.synchronize,
@@ -581,7 +583,7 @@ class ExperimentRunner:
         global_batch_size=self.plan.global_batch_size,
         total_steps=self.plan.total_steps,
         summarize=self.parts.trainer.summarize,
-        loss_explosion_factor=self.config.loss_explosion_factor,
+        loss_explosion_factor=self.config.reliability.loss_explosion_factor,
         steps_per_epoch=self.plan.steps_per_epoch)
 
   def build_callbacks(self) -> List[keras.callbacks.Callback]:
@@ -597,17 +599,17 @@ class ExperimentRunner:
     if self.hypertune_reporter is not None and self.is_writer:
       # The chief reports each evaluation's metric (every strategy).
       callbacks.append(hptune.HypertuneCallback(
-          self.config.hptune_metric, reporter=self.hypertune_reporter,
+          self.config.cloud.hptune_metric, reporter=self.hypertune_reporter,
           step_fn=lambda: self.controller.step))
     return callbacks
 
   def build_profiler(self) -> Optional[profiling.ProfileWindow]:
     """`--profile_steps` on the writer (other workers' folders are
     scratch)."""
-    if not (self.config.profile_steps and self.is_writer):
+    if not (self.config.outputs.profile_steps and self.is_writer):
       return None
     return profiling.ProfileWindow(
-        self.config.profile_steps,
+        self.config.outputs.profile_steps,
         os.path.join(self.decisions.tensorboard_dir, "train"))
 
   def build_controller(self, callbacks: Sequence[keras.callbacks.Callback]
@@ -616,9 +618,11 @@ class ExperimentRunner:
     config, plan, optimizer = self.config, self.plan, self.parts.optimizer
     options = ControllerOptions(
         total_steps=plan.total_steps, steps_per_epoch=plan.steps_per_epoch,
-        log_steps=config.log_steps, checkpoint_steps=config.checkpoint_steps,
-        epochs_between_evals=config.epochs_between_evals,
-        max_consecutive_skipped_steps=config.max_consecutive_skipped_steps)
+        log_steps=config.loop.log_steps,
+        checkpoint_steps=config.loop.checkpoint_steps,
+        epochs_between_evals=config.loop.epochs_between_evals,
+        max_consecutive_skipped_steps=(
+            config.reliability.max_consecutive_skipped_steps))
     return Controller(
         runner=self.step_runner, options=options, checkpoints=self.keeper,
         step_counter=self.parts.trainer.global_step, run_log=self.run_log,

@@ -17,6 +17,7 @@ from absl import logging
 import keras
 import tensorflow as tf
 
+from tfdist import config as config_lib
 from tfdist import models
 from tfdist import errors
 from tfdist.errors import first_line
@@ -43,110 +44,61 @@ from tfdist.training.train_loop import Trainer
 
 @dataclasses.dataclass(frozen=True)
 class AssemblyOptions:
-  """What assembly reads of a run's settings (model, optimizer, precision).
+  """What assembly reads of a run: the config's sections, each handed over
+  as the config holds it (no field restated), and what the run decided.
 
-  `AssemblyOptions.of` makes them from the config's sections.
+  `tfdist.experiment.prepare.assembly_options` makes it for a run.
 
   Attributes:
-    optimizer: the optimizer's name
-      (`tfdist.core.optimizers.build_optimizer`).
-    momentum: the momentum of `sgd`/`momentum`/`rmsprop`.
-    weight_decay: decoupled weight decay per step (0: none).
-    clipnorm: clip each gradient to this L2 norm (None: no clipping).
-    global_clipnorm: clip all gradients together to this L2 norm.
-    dtype: the precision policy's name (`fp32`, `fp16`, `bf16`).
+    optimization: the `tfdist.config.OptimizationConfig`: `optimizer` (by
+      name, `tfdist.core.optimizers.build_optimizer`), `momentum`,
+      `weight_decay` (decoupled, per step), `clipnorm`, `global_clipnorm`.
+    precision: the `tfdist.config.PrecisionConfig`: `enable_xla`
+      (jit-compile the per-replica step).
+    loop: the `tfdist.config.LoopConfig`: `run_eagerly` (debugging),
+      `deterministic` (op determinism; the step is then not timed).
+    memory: the `tfdist.config.MemoryConfig`: the resolved ZeRO stage
+      (0-2: the optimizer state sharded; 3: the weights too,
+      `tfdist.parallel.zero3`), `zero3_blocks`, `zero3_prefetch`
+      (`tfdist.parallel.data.sharded_optimizer.ShardingOptions`),
+      `activation_recomputation`.
+    task: the `tfdist.config.TaskConfig`: `class_weight` (`((class id,
+      weight), ...)`; empty: none).
+    strategy: the `tfdist.config.StrategyConfig`: `bytes_per_pack` (the
+      gradients' all-reduce packs, bytes; 0: one), `all_reduce_dtype`
+      (`tfdist.core.reduce_dtype`), and its parallelism section
+      (`tensor_parallel`: N replicas split the model's layers,
+      `tfdist.parallel.tensor.mode`; `expert_parallel`: E_p replicas split
+      each mixture-of-experts layer's experts, `tfdist.parallel.experts.
+      mode`; 1: off).
+    dtype: the precision policy's name the run decided (`fp32`, `fp16`,
+      `bf16`).
     loss_scale: fp16's loss scale: None (dynamic), `dynamic` or a number.
-    steps_per_execution: training steps per `tf.function` call.
-    enable_xla: jit-compile the per-replica step.
-    run_eagerly: run the step without `tf.function` (debugging).
-    deterministic: op determinism (the step is then not timed).
-    zero_stage: ZeRO sharding of the optimizer state (0, 1 or 2), or of
-      the weights too (3: `tfdist.parallel.zero3`).
-    zero3_blocks, zero3_prefetch: stage 3's block gathering
-      (`tfdist.parallel.data.sharded_optimizer.ShardingOptions`).
-    class_weight: `((class id, weight), ...)`; empty: none.
-    activation_recomputation: recompute activations in the backward pass.
-    bytes_per_pack: the gradients' all-reduce packs, in bytes (0: one).
-    all_reduce_dtype: the dtype the gradients travel in between replicas
-      (`tfdist.core.reduce_dtype`).
+    steps_per_execution: training steps per `tf.function` call (decided).
     pipeline: the model cut into pipeline stages
-      (`tfdist.parallel.pipeline.options.PipelineOptions`; None or one
-      stage: not cut).
-    tensor_parallel: N replicas split the model's layers
-      (`tfdist.parallel.tensor.mode`; 1: off).
-    expert_parallel: E_p replicas split each mixture-of-experts layer's
-      experts (`tfdist.parallel.experts.mode`; 1: off).
+      (`tfdist.parallel.pipeline.options.PipelineOptions`, of the
+      parallelism section, with the devices its backend found; None or
+      one stage: not cut).
     builder_config: what a model builder asking for `config` receives (the
       run's `tfdist.config.ModelBuilderConfig`, passed through unread).
   """
-  optimizer: str = "sgd"
-  momentum: float = 0.9
-  weight_decay: float = 0.0
-  clipnorm: Optional[float] = None
-  global_clipnorm: Optional[float] = None
+  optimization: config_lib.OptimizationConfig = dataclasses.field(
+      default_factory=config_lib.OptimizationConfig)
+  precision: config_lib.PrecisionConfig = dataclasses.field(
+      default_factory=config_lib.PrecisionConfig)
+  loop: config_lib.LoopConfig = dataclasses.field(
+      default_factory=config_lib.LoopConfig)
+  memory: config_lib.MemoryConfig = dataclasses.field(
+      default_factory=config_lib.MemoryConfig)
+  task: config_lib.TaskConfig = dataclasses.field(
+      default_factory=config_lib.TaskConfig)
+  strategy: config_lib.StrategyConfig = dataclasses.field(
+      default_factory=config_lib.StrategyConfig)
   dtype: str = "fp32"
   loss_scale: Any = None
   steps_per_execution: int = 1
-  enable_xla: bool = False
-  run_eagerly: bool = False
-  deterministic: bool = False
-  zero_stage: int = 0
-  zero3_blocks: int = 4
-  zero3_prefetch: bool = False
-  class_weight: Tuple[Tuple[int, float], ...] = ()
-  activation_recomputation: bool = False
-  bytes_per_pack: int = 0
-  all_reduce_dtype: str = "float32"
   pipeline: Optional[pipeline_options.PipelineOptions] = None
-  tensor_parallel: int = 1
-  expert_parallel: int = 1
   builder_config: Any = None
-
-  @classmethod
-  def of(cls, *, task, loop, strategy, precision, memory, optimization,
-         decisions=None, builder_config=None) -> "AssemblyOptions":
-    """What assembly reads of the config's sections.
-
-    Args:
-      task, loop, strategy, precision, memory, optimization: the sections
-        (`tfdist.config`'s `TaskConfig` (`class_weight`), `LoopConfig`,
-        `StrategyConfig` (its packs, reduce dtype, pipeline and tensor
-        parallelism), `PrecisionConfig`, `MemoryConfig`,
-        `OptimizationConfig`).
-      decisions: the run's `tfdist.distribute.decisions.Decisions` (the
-        dtype, loss scale and steps per execution that run); None: the
-        sections' own.
-      builder_config: as the attribute
-        (`tfdist.config.ModelBuilderConfig(config)`).
-    """
-    if decisions is None:
-      dtype, loss_scale = precision.dtype, precision.loss_scale
-      steps_per_execution = loop.steps_per_execution
-    else:
-      dtype, loss_scale = decisions.dtype, decisions.loss_scale
-      steps_per_execution = decisions.steps_per_execution
-    return cls(
-        optimizer=optimization.optimizer, momentum=optimization.momentum,
-        weight_decay=optimization.weight_decay,
-        clipnorm=optimization.clipnorm,
-        global_clipnorm=optimization.global_clipnorm,
-        dtype=dtype, loss_scale=loss_scale,
-        steps_per_execution=steps_per_execution,
-        enable_xla=precision.enable_xla, run_eagerly=loop.run_eagerly,
-        deterministic=loop.deterministic,
-        zero_stage=memory.zero_stage_resolved,
-        zero3_blocks=memory.zero3_blocks,
-        zero3_prefetch=memory.zero3_prefetch,
-        class_weight=tuple(task.class_weight),
-        activation_recomputation=memory.activation_recomputation,
-        bytes_per_pack=strategy.bytes_per_pack,
-        all_reduce_dtype=strategy.all_reduce_dtype,
-        pipeline=pipeline_options.PipelineOptions.of(
-            strategy.parallelism, num_gpus=strategy.num_gpus,
-            num_cpu_devices=strategy.num_cpu_devices),
-        tensor_parallel=strategy.parallelism.tensor_parallel,
-        expert_parallel=strategy.parallelism.expert_parallel,
-        builder_config=builder_config)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,7 +145,7 @@ def check_model_options(options: AssemblyOptions, *, task: task_lib.Task):
   `tfdist.models.check_recomputation`); checked before any data or model is
   built."""
   models.check_recomputation(task.model_name,
-                             options.activation_recomputation,
+                             options.memory.activation_recomputation,
                              builder=task.model_fn)
 
 
@@ -210,7 +162,7 @@ def build_model(options: AssemblyOptions, *, task: task_lib.Task,
   """
   model = task_lib.build_model(
       task, options.builder_config, sync_batch_norm=sync_batch_norm,
-      activation_recomputation=options.activation_recomputation,
+      activation_recomputation=options.memory.activation_recomputation,
       tensor_parallel=tensor_parallel)
   if custom_step.overrides(model):
     # Its own train_step reads the data: a model without a call on the
@@ -226,7 +178,8 @@ def build_model(options: AssemblyOptions, *, task: task_lib.Task,
   training_checks.check_steps_per_execution(
       model, steps_per_execution=options.steps_per_execution,
       model_name=f"--model={task.model_name}")
-  training_checks.check_jit_compile(model, enable_xla=options.enable_xla,
+  training_checks.check_jit_compile(model,
+                                    enable_xla=options.precision.enable_xla,
                                     model_name=f"--model={task.model_name}")
   if getattr(model, "optimizer", None) is not None:
     # compile's optimizer (RMSprop when compile names none) is not used:
@@ -236,7 +189,7 @@ def build_model(options: AssemblyOptions, *, task: task_lib.Task,
     logging.info("--model=%s is compiled: tfdist uses its loss and metrics, "
                  "and trains with --optimizer=%s at the scaled learning rate "
                  "(not with compile's optimizer).", task.model_name,
-                 options.optimizer)
+                 options.optimization.optimizer)
     del model.optimizer
     model.optimizer = None
   return model
@@ -315,16 +268,16 @@ def check_weights(options: AssemblyOptions, *,
   if weight is not None:
     logging.info("Examples carry sample weights (%s): each weighs its loss "
                  "and weighted metrics.", weight)
-  if not options.class_weight:
+  if not options.task.class_weight:
     return None
   if weight is not None:
-    given = ",".join(f"{k}:{w}" for k, w in options.class_weight)
+    given = ",".join(f"{k}:{w}" for k, w in options.task.class_weight)
     raise errors.ConfigError(
         f"--class_weight={given}"
         f" and sample weights in --dataset={task.dataset.name}'s examples "
         "(a third element) cannot be used together (as in Keras's fit). "
         "Fold the class weights into the sample weights, or drop one.")
-  return dict(options.class_weight)
+  return dict(options.task.class_weight)
 
 
 def _sharding_for(options: AssemblyOptions,
@@ -337,8 +290,9 @@ def _sharding_for(options: AssemblyOptions,
       Mirrored or MultiWorkerMirrored.
   """
   sharding = sharded_optimizer.ShardingOptions(
-      stage=options.zero_stage, num_blocks=options.zero3_blocks,
-      prefetch=options.zero3_prefetch)
+      stage=options.memory.zero_stage_resolved,
+      num_blocks=options.memory.zero3_blocks,
+      prefetch=options.memory.zero3_prefetch)
   if sharding.enabled and not isinstance(
       strategy, (tf.distribute.MirroredStrategy,
                  tf.distribute.MultiWorkerMirroredStrategy)):
@@ -353,14 +307,17 @@ def _sharding_for(options: AssemblyOptions,
 
 def run_optimizer(options: AssemblyOptions, learning_rate):
   """The run's optimizer for `learning_rate` (a schedule or a callable):
-  `options.optimizer` by name (`tfdist.core.optimizers`), wrapped for
-  the precision policy (fp16's loss scaling). Not built. The one way a run,
-  `tfdist.diagnose` and the memory estimate make it."""
+  the optimization section's `optimizer` by name (`tfdist.core.optimizers`),
+  wrapped for the precision policy (fp16's loss scaling). Not built. The
+  one way a run, `tfdist.diagnose` and the memory estimate make it."""
+  optimization = options.optimization
   return precision.wrap_optimizer_for_precision(
       optimizers.build_optimizer(
-          options.optimizer, learning_rate, momentum=options.momentum,
-          weight_decay=options.weight_decay, clipnorm=options.clipnorm,
-          global_clipnorm=options.global_clipnorm),
+          optimization.optimizer, learning_rate,
+          momentum=optimization.momentum,
+          weight_decay=optimization.weight_decay,
+          clipnorm=optimization.clipnorm,
+          global_clipnorm=optimization.global_clipnorm),
       dtype=options.dtype, loss_scale=options.loss_scale)
 
 
@@ -386,19 +343,20 @@ def _log_trainer(trainer: Trainer, options: AssemblyOptions, *, plan,
                  on_tpu: bool) -> None:
   """Logs how the optimizer state is sharded, how the gradients travel and
   how XLA compiles."""
-  if options.bytes_per_pack and not trainer.one_replica:
+  if options.strategy.bytes_per_pack and not trainer.one_replica:
     logging.info(
         "--bytes_per_pack=%d: the gradients are all-reduced in packs of about "
         "%d bytes, last layers first, while the backward pass goes on.",
-        options.bytes_per_pack, options.bytes_per_pack)
-  if reduce_dtype.compresses(options.all_reduce_dtype):
+        options.strategy.bytes_per_pack, options.strategy.bytes_per_pack)
+  if reduce_dtype.compresses(options.strategy.all_reduce_dtype):
     if trainer.strategy.num_replicas_in_sync == 1:
       logging.warning(
           "--all_reduce_dtype=%s has no effect: one replica in all, so "
-          "nothing is all-reduced.", options.all_reduce_dtype)
+          "nothing is all-reduced.", options.strategy.all_reduce_dtype)
     else:
-      logging.info("--all_reduce_dtype=%s: %s.", options.all_reduce_dtype,
-                   reduce_dtype.describe(options.all_reduce_dtype))
+      logging.info("--all_reduce_dtype=%s: %s.",
+                   options.strategy.all_reduce_dtype,
+                   reduce_dtype.describe(options.strategy.all_reduce_dtype))
   if trainer.sharded is not None:
     layout = trainer.sharded.layout
     logging.info(
@@ -420,7 +378,7 @@ def _log_trainer(trainer: Trainer, options: AssemblyOptions, *, plan,
           "ZeRO stage 3 keeps %d embedding table(s) replicated (read in "
           "place, gradients all-reduced; their optimizer state sharded): "
           "%s.", len(replicated), ", ".join(replicated))
-  if options.enable_xla:
+  if options.precision.enable_xla:
     logging.info(
         "--enable_xla: %s", "TPUs compile every step with XLA already."
         if on_tpu else "Keras 3 turns XLA off under a tf.distribute "
@@ -458,8 +416,8 @@ def build(options: AssemblyOptions, *, task: task_lib.Task,
   """Builds model, optimizer, trainer and checkpoint under `strategy`.
 
   Args:
-    options: the run's `AssemblyOptions` (model, optimizer and precision;
-      `AssemblyOptions.of` makes them from the config's sections).
+    options: the run's `AssemblyOptions` (its sections and decided values;
+      `tfdist.experiment.prepare.assembly_options` makes them).
     task: the `tfdist.training.task.Task` (model builder, data set, loss,
       metrics).
     strategy: the run's strategy.
@@ -476,12 +434,13 @@ def build(options: AssemblyOptions, *, task: task_lib.Task,
   tensor_parallel = (tensor_parallel_step.build(
       functools.partial(build_model, options, task=task,
                         sync_batch_norm=plan.sync_batch_norm),
-      strategy) if options.tensor_parallel > 1 else None)
+      strategy) if options.strategy.parallelism.tensor_parallel > 1 else None)
+  expert_parallel = options.strategy.parallelism.expert_parallel
   experts = (expert_parallel_step.build(
       functools.partial(build_model, options, task=task,
                         sync_batch_norm=plan.sync_batch_norm),
-      strategy, options.expert_parallel)
-             if options.expert_parallel > 1 else None)
+      strategy, expert_parallel)
+             if expert_parallel > 1 else None)
   with strategy.scope():
     if tensor_parallel is not None or experts is not None:
       model, deferred = (tensor_parallel or experts).model, None
@@ -518,17 +477,17 @@ def build(options: AssemblyOptions, *, task: task_lib.Task,
                     global_batch_size=plan.global_batch_size,
                     steps_per_execution=options.steps_per_execution,
                     # TPUs compile everything with XLA already.
-                    enable_xla=options.enable_xla and not on_tpu,
-                    run_eagerly=options.run_eagerly, loss=resolved.loss,
+                    enable_xla=options.precision.enable_xla and not on_tpu,
+                    run_eagerly=options.loop.run_eagerly, loss=resolved.loss,
                     metrics=metric_sums, eval_example_weights=on_tpu,
                     gradient_accumulation_steps=(
                         plan.batch.gradient_accumulation_steps),
                     # Op determinism refuses tf.timestamp.
-                    time_steps=not options.deterministic,
+                    time_steps=not options.loop.deterministic,
                     sharding=sharding,
                     class_weight=class_weight,
-                    bytes_per_pack=options.bytes_per_pack,
-                    all_reduce_dtype=options.all_reduce_dtype,
+                    bytes_per_pack=options.strategy.bytes_per_pack,
+                    all_reduce_dtype=options.strategy.all_reduce_dtype,
                     mode=pipeline or tensor_parallel or experts)
   _log_trainer(trainer, options, plan=plan, sharding=sharding, on_tpu=on_tpu)
   checkpoint = _training_checkpoint(model, trainer=trainer,
@@ -553,9 +512,11 @@ def _custom_step_parts(options: AssemblyOptions, *, model: keras.Model,
   custom_step.check(
       found, model_name=task.model_name, compiled=model.compiled,
       gradient_accumulation_steps=plan.batch.gradient_accumulation_steps,
-      zero_stage=options.zero_stage, clipnorm=options.clipnorm,
-      global_clipnorm=options.global_clipnorm,
-      enable_xla=options.enable_xla, class_weight=options.class_weight,
+      zero_stage=options.memory.zero_stage_resolved,
+      clipnorm=options.optimization.clipnorm,
+      global_clipnorm=options.optimization.global_clipnorm,
+      enable_xla=options.precision.enable_xla,
+      class_weight=options.task.class_weight,
       loss_or_metrics_given=(task.loss is not None or
                              task.metrics is not None),
       strategy=strategy, on_tpu=on_tpu,
@@ -565,7 +526,7 @@ def _custom_step_parts(options: AssemblyOptions, *, model: keras.Model,
       model, task=task, strategy=strategy,
       steps_per_epoch=plan.steps_per_epoch,
       steps_per_execution=options.steps_per_execution,
-      run_eagerly=options.run_eagerly)
+      run_eagerly=options.loop.run_eagerly)
   checkpoint = _training_checkpoint(model, trainer=trainer,
                                     optimizer=model.optimizer,
                                     learning_rate=learning_rate)

@@ -381,15 +381,17 @@ def facts_of_run(options, *, parts, plan, replicas: int,
                                        y_pred=sums.y_pred))
   pipeline = options.pipeline
   facts = facts_of(
-      model=parts.model, optimizer=options.optimizer,
-      plain_sgd=(options.optimizer == "sgd" and not options.momentum and
-                 options.clipnorm is None and
-                 options.global_clipnorm is None),
+      model=parts.model, optimizer=options.optimization.optimizer,
+      plain_sgd=(options.optimization.optimizer == "sgd" and
+                 not options.optimization.momentum and
+                 options.optimization.clipnorm is None and
+                 options.optimization.global_clipnorm is None),
       replicas=replicas,
       micro_batches=plan.batch.gradient_accumulation_steps,
-      zero_stage=options.zero_stage,
+      zero_stage=options.memory.zero_stage_resolved,
       pipeline_stages=pipeline.num_stages if pipeline is not None else 1,
-      tensor_parallel=options.tensor_parallel, dtype=options.dtype,
+      tensor_parallel=options.strategy.parallelism.tensor_parallel,
+      dtype=options.dtype,
       own_step=tuple(h for h in custom_step.overrides(parts.model)
                      if h.endswith((".train_step", ".compute_loss"))),
       batch_valued_loss=batch_valued,

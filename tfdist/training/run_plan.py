@@ -46,71 +46,54 @@ def decided_data(data: DataOptions, decisions=None) -> DataOptions:
 
 @dataclasses.dataclass(frozen=True)
 class PlanOptions:
-  """What `make_run_plan` (and `RunPlan.describe`) read of a run's flags.
+  """What `make_run_plan` (and `RunPlan.describe`) read: the config's
+  sections, each handed over as the config holds it (no field restated),
+  and the data the run decided.
 
   Attributes:
-    data: the `DataOptions`.
-    lr: the `tfdist.training.lr_schedule.LROptions` (a `TrainConfig`'s
-      `optimization.learning_rate`).
-    need_eval: evaluation files are listed (`--mode` other than `train`).
-    batch_size: `--batch_size`, the global batch (None: from the per-replica
-      one).
-    per_replica_batch_size: `--per_replica_batch_size` (None: from the
-      global one).
-    gradient_accumulation_steps: micro-batches per update.
-    train_steps: `--train_steps` (0: from `train_epochs`).
-    train_epochs: `--train_epochs`.
-    sync_batch_norm: `--sync_batch_norm` (None: decided by the model).
-    enable_xla: `--enable_xla`.
-    model: `--model` (for the plan's batch-norm line).
-    activation_recomputation: `--activation_recomputation`.
-    zero_stage: the resolved ZeRO stage (0: none).
-    deterministic: `--deterministic`.
-    all_reduce_dtype: `--all_reduce_dtype` (the gradients' wire dtype).
-    pipeline: the `tfdist.parallel.pipeline.options.PipelineOptions`
-      (None or one stage: no pipeline).
+    data: the `DataOptions` (the task's data section with the files the run
+      decided: `decided_data`).
+    lr: the `tfdist.training.lr_schedule.LROptions` (the optimization
+      section's `learning_rate`).
+    loop: the `tfdist.config.LoopConfig`: `batch_size` (None: from the
+      per-replica one), `per_replica_batch_size`,
+      `gradient_accumulation_steps`, `train_steps` (0: from
+      `train_epochs`), `train_epochs`, `deterministic`.
+    task: the `tfdist.config.TaskConfig`: `model` (the plan's batch-norm
+      line), `sync_batch_norm` (None: decided by the model), `mode`
+      (evaluation files are listed unless `train`).
+    precision: the `tfdist.config.PrecisionConfig`: `enable_xla`.
+    memory: the `tfdist.config.MemoryConfig`: `activation_recomputation`
+      and the resolved ZeRO stage.
+    strategy: the `tfdist.config.StrategyConfig`: `all_reduce_dtype` (the
+      gradients' wire dtype) and its parallelism section (the pipeline).
   """
   data: DataOptions
   lr: lr_schedule.LROptions
-  need_eval: bool = True
-  batch_size: Optional[int] = None
-  per_replica_batch_size: Optional[int] = None
-  gradient_accumulation_steps: int = 1
-  train_steps: int = 0
-  train_epochs: int = 5
-  sync_batch_norm: Optional[bool] = None
-  enable_xla: bool = False
-  model: Optional[str] = None
-  activation_recomputation: bool = False
-  zero_stage: int = 0
-  deterministic: bool = False
-  all_reduce_dtype: str = reduce_dtype.FLOAT32
-  pipeline: Optional[pipeline_options.PipelineOptions] = None
+  loop: config_lib.LoopConfig = dataclasses.field(
+      default_factory=config_lib.LoopConfig)
+  task: config_lib.TaskConfig = dataclasses.field(
+      default_factory=config_lib.TaskConfig)
+  precision: config_lib.PrecisionConfig = dataclasses.field(
+      default_factory=config_lib.PrecisionConfig)
+  memory: config_lib.MemoryConfig = dataclasses.field(
+      default_factory=config_lib.MemoryConfig)
+  strategy: config_lib.StrategyConfig = dataclasses.field(
+      default_factory=config_lib.StrategyConfig)
 
-  @classmethod
-  def of(cls, *, task, loop, strategy, precision, memory, optimization,
-         decisions=None) -> "PlanOptions":
-    """What the plan reads of the config's sections (`tfdist.config`'s
-    `TaskConfig`, `LoopConfig`, `StrategyConfig`, `PrecisionConfig`,
-    `MemoryConfig`, `OptimizationConfig`), with the data files the run's
-    `decisions` (`tfdist.distribute.decisions.Decisions`; None: the data
-    section's own) chose."""
-    return cls(
-        data=decided_data(task.data, decisions),
-        lr=optimization.learning_rate,
-        need_eval=task.mode != "train", batch_size=loop.batch_size,
-        per_replica_batch_size=loop.per_replica_batch_size,
-        gradient_accumulation_steps=loop.gradient_accumulation_steps,
-        train_steps=loop.train_steps, train_epochs=loop.train_epochs,
-        sync_batch_norm=task.sync_batch_norm,
-        enable_xla=precision.enable_xla, model=task.model,
-        activation_recomputation=memory.activation_recomputation,
-        zero_stage=memory.zero_stage_resolved,
-        deterministic=loop.deterministic,
-        all_reduce_dtype=strategy.all_reduce_dtype,
-        pipeline=pipeline_options.PipelineOptions.of(
-            strategy.parallelism, num_gpus=strategy.num_gpus,
-            num_cpu_devices=strategy.num_cpu_devices))
+  @property
+  def need_eval(self) -> bool:
+    """Evaluation files are listed (`--mode` other than `train`)."""
+    return self.task.mode != "train"
+
+  @property
+  def pipeline(self) -> Optional[pipeline_options.PipelineOptions]:
+    """The parallelism section's `PipelineOptions` on the strategy
+    section's devices (one stage: none)."""
+    strategy = self.strategy
+    return pipeline_options.PipelineOptions.of(
+        strategy.parallelism, num_gpus=strategy.num_gpus,
+        num_cpu_devices=strategy.num_cpu_devices)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -197,7 +180,8 @@ class RunPlan:
         "tfdist plan:",
         f"  strategy               {self.strategy}: {self.strategy_reason}",
         f"  training               {mode}",
-        (f"  model                  {options.model}" if options.model
+        (f"  model                  {options.task.model}"
+         if options.task.model
          else ""),
         (f"  dataset                {options.data.dataset}"
          if options.data.dataset else ""),
@@ -244,33 +228,35 @@ class RunPlan:
     lines = []
     if self.sharding:
       lines.append(f"  input sharding         {self.sharding.describe()}")
-    if models.has_batch_norm(options.model):
+    if models.has_batch_norm(options.task.model):
       lines.append(
           f"  batch norm             "
           f"{'synchronized (global batch)' if self.sync_batch_norm else 'per replica'}"
           f" ({self.sync_batch_norm_reason})")
-    if options.activation_recomputation:
+    if options.memory.activation_recomputation:
       lines.append("  activation recompute   on: blocks recompute their "
                    "activations in the backward pass")
-    if options.zero_stage:
+    zero_stage = options.memory.zero_stage_resolved
+    if zero_stage:
       lines.append(
-          f"  zero_stage             {options.zero_stage}"
+          f"  zero_stage             {zero_stage}"
           f": optimizer state sharded over the "
           f"{plan.num_replicas_in_sync} replicas (1/"
           f"{plan.num_replicas_in_sync} each)"
           + (", and the gradient accumulators"
-             if options.zero_stage >= 2 and
+             if zero_stage >= 2 and
              plan.gradient_accumulation_steps > 1 else "")
           + (", and the weights (gathered for each step; "
              "embedding tables stay replicated)"
-             if options.zero_stage == 3 else ""))
-    if options.deterministic:
+             if zero_stage == 3 else ""))
+    if options.loop.deterministic:
       lines.append("  deterministic          op determinism and a "
                    "deterministic input order")
-    if reduce_dtype.compresses(options.all_reduce_dtype):
+    wire_dtype = options.strategy.all_reduce_dtype
+    if reduce_dtype.compresses(wire_dtype):
       lines.append(
-          f"  all_reduce_dtype       {options.all_reduce_dtype}: "
-          + (reduce_dtype.describe(options.all_reduce_dtype)
+          f"  all_reduce_dtype       {wire_dtype}: "
+          + (reduce_dtype.describe(wire_dtype)
              if plan.num_replicas_in_sync > 1 and
              not self.asynchronous else
              "no effect (no all-reduce: one replica)"))
@@ -343,22 +329,41 @@ def data_patterns(data: DataOptions, spec=None) -> Sequence[Tuple[str, str]]:
   return out
 
 
+def _checked_pipeline(options: PlanOptions, plan
+                      ) -> Optional[pipeline_options.PipelineOptions]:
+  """The run's pipeline, its micro-batches checked against the batch plan
+  `plan`; None when the model is not cut into stages.
+
+  Raises:
+    ConfigError: as `tfdist.parallel.pipeline.options.check_batch`.
+  """
+  pipeline = options.pipeline
+  if pipeline is None or not pipeline.enabled:
+    return None
+  pipeline_options.check_batch(
+      pipeline, micro_step_batch=plan.per_replica_batch_size,
+      gradient_accumulation_steps=plan.gradient_accumulation_steps)
+  return pipeline
+
+
 def make_run_plan(options: PlanOptions, spec, *, num_replicas_in_sync: int,
-                  num_workers: int, asynchronous: bool, decision) -> RunPlan:
+                  num_workers: int, asynchronous: bool, decision,
+                  on_tpu: bool = False) -> RunPlan:
   """Lists and counts the data, then plans the batch and learning rate.
 
   Args:
-    options: the run's `PlanOptions`
-      (`PlanOptions.of`).
+    options: the run's `PlanOptions` (its sections).
     spec: the data set's `DatasetSpec`.
     num_replicas_in_sync: replicas per update (`strategy.
       num_replicas_in_sync`; 1 per worker step under parameter servers).
     num_workers: hosts that each read a disjoint part of the data under
       synchronous multi-worker training (their input pipelines), or the
       parameter-server workers (each reads every file).
-    asynchronous: parameter-server training.
+    asynchronous: parameter-server training (the backend's trait).
     decision: the `tfdist.distribute.auto_select.Decision` (strategy, dtype,
       reasons).
+    on_tpu: the strategy runs on a TPU (the backend's trait), where
+      `--enable_xla` compiles the whole step, not each replica's.
 
   Returns:
     A `RunPlan`.
@@ -387,13 +392,14 @@ def make_run_plan(options: PlanOptions, spec, *, num_replicas_in_sync: int,
       num_eval = input_pipeline.count_examples(spec, training=False)
   plan = batch_plan_lib.make_batch_plan(
       num_replicas_in_sync=num_replicas_in_sync,
-      batch_size=options.batch_size,
-      per_replica_batch_size=options.per_replica_batch_size,
-      gradient_accumulation_steps=options.gradient_accumulation_steps,
+      batch_size=options.loop.batch_size,
+      per_replica_batch_size=options.loop.per_replica_batch_size,
+      gradient_accumulation_steps=options.loop.gradient_accumulation_steps,
       num_train_examples=num_train,
       num_input_pipelines=1 if asynchronous else num_workers)
   total_steps = batch_plan_lib.resolve_train_steps(
-      train_steps=options.train_steps, train_epochs=options.train_epochs,
+      train_steps=options.loop.train_steps,
+      train_epochs=options.loop.train_epochs,
       steps_per_epoch=plan.steps_per_epoch)
   lr_plan = lr_schedule.plan_learning_rate(
       options.lr, global_batch_size=plan.global_batch_size,
@@ -407,17 +413,12 @@ def make_run_plan(options: PlanOptions, spec, *, num_replicas_in_sync: int,
   else:
     sharding = input_pipeline.function_sharding(
         spec.input_fn, num_input_pipelines=pipelines)
-  pipeline = options.pipeline
-  if pipeline is not None and pipeline.enabled:
-    pipeline_options.check_batch(
-        pipeline, micro_step_batch=plan.per_replica_batch_size,
-        gradient_accumulation_steps=plan.gradient_accumulation_steps)
-  else:
-    pipeline = None
+  pipeline = _checked_pipeline(options, plan)
   sync_batch_norm, sync_batch_norm_reason = models.resolve_sync_batch_norm(
-      options.sync_batch_norm, strategy_name=kind,
+      options.task.sync_batch_norm, strategy_name=kind,
       num_replicas_in_sync=num_replicas_in_sync,
-      xla_per_replica=options.enable_xla and kind is not StrategyKind.TPU)
+      synchronous=not asynchronous,
+      xla_per_replica=options.precision.enable_xla and not on_tpu)
   return RunPlan(
       train_file_counts=train_file_counts, sharding=sharding,
       sync_batch_norm=sync_batch_norm,

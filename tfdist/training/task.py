@@ -133,7 +133,7 @@ def describe_function(fn) -> str:
           f"{getattr(fn, '__qualname__', getattr(fn, '__name__', fn))}")
 
 
-def build_model(task: Task, config, *, sync_batch_norm: bool = False,
+def build_model(task: Task, model_options, *, sync_batch_norm: bool = False,
                 activation_recomputation: Optional[bool] = None,
                 tensor_parallel: bool = False):
   """Calls the task's builder (in the current scope); checks the result.
@@ -149,13 +149,15 @@ def build_model(task: Task, config, *, sync_batch_norm: bool = False,
 
   Args:
     task: the `Task` whose `model_fn` is called.
-    config: what a builder asking for `config` receives (the run's model
-      options, `tfdist.config.ModelBuilderConfig`, or None); read for the
-      built-in models' shape (`embedding_dim`, `hash_buckets`,
-      `transformer_layers`) and nothing else.
+    model_options: what a builder asking for `config` receives (the run's
+      model options, `tfdist.config.ModelBuilderConfig`: its model
+      section, read by flat name; or None); read for the built-in models'
+      shape (`embedding_dim`, `hash_buckets`, `transformer_layers`) and
+      nothing else.
     sync_batch_norm: given to builders that take it.
     activation_recomputation: given to builders that take it; None: the
-      `activation_recomputation` attribute of `config` (False without one).
+      `activation_recomputation` attribute of `model_options` (False
+      without one).
     tensor_parallel: given to builders that take it (the built-in
       Transformer: build from the tensor-parallel layers).
 
@@ -168,14 +170,16 @@ def build_model(task: Task, config, *, sync_batch_norm: bool = False,
   """
   what = f"--model={task.model_name}"
   if activation_recomputation is None:
-    activation_recomputation = getattr(config, "activation_recomputation",
-                                       False)
+    activation_recomputation = getattr(model_options,
+                                       "activation_recomputation", False)
+  options = model_options
   model = registry.call_with_accepted(
-      task.model_fn, {"spec": task.dataset, "config": config,
-                      "embedding_dim": getattr(config, "embedding_dim", 16),
-                      "hash_buckets": getattr(config, "hash_buckets", 100_000),
+      task.model_fn, {"spec": task.dataset, "config": options,
+                      "embedding_dim": getattr(options, "embedding_dim", 16),
+                      "hash_buckets": getattr(options, "hash_buckets",
+                                              100_000),
                       "transformer_layers": getattr(
-                          config, "transformer_layers", 2),
+                          options, "transformer_layers", 2),
                       "sync_batch_norm": bool(sync_batch_norm),
                       "activation_recomputation": bool(
                           activation_recomputation),
