@@ -432,12 +432,15 @@ class _SliceSaveable(saveable_object.SaveableObject):
 class WholeSaveable(saveable_object.SaveableObject):
   """A sharded variable saved whole under checkpoint key `name`: `read()`
   gives its full value (gathered), `write(value)` puts a restored full
-  value into the local shards."""
+  value into the local shards. `device`: a device of this process (a
+  local shard's): the saver groups tensors by their devices' tasks, and a
+  task-less device would count as another task (the restore then runs
+  as a tf.function, where Keras variables cannot restore)."""
 
-  def __init__(self, read, write, name: str):
+  def __init__(self, read, write, name: str, device: str):
     self._write = write
     super().__init__(None, [saveable_object.SaveSpec(
-        read, "", name, dtype=tf.float32, device="/cpu:0")], name)
+        read, "", name, dtype=tf.float32, device=device)], name)
 
   def restore(self, restored_tensors, restored_shapes):
     del restored_shapes
@@ -962,8 +965,8 @@ class ShardedOptimizer:
           self.layout, index, [kinds[kind].value for kinds in self._slots],
           self.replica_ids, name, on_restore=self._invalidate)
     return [WholeSaveable(lambda: self.full_slot(kind, index),
-                           lambda v: self.restore_slot(kind, index, v),
-                           name)]
+                          lambda v: self.restore_slot(kind, index, v),
+                          name, self._slots[0][kind].value.device)]
 
   def _invalidate(self) -> None:
     """Drops the gathered slots `_full_kind` cached (a slot was written)."""

@@ -593,7 +593,8 @@ class Zero3Optimizer(sharded_optimizer.ShardedOptimizer):
           name)
     return [sharded_optimizer.WholeSaveable(
         lambda: self.full_weight(index),
-        lambda value: self.restore_weight(index, value), name)]
+        lambda value: self.restore_weight(index, value), name,
+        self.master.values[0].device)]
 
   def attach(self, trainer) -> None:
     """Shards the weights of `trainer`'s model and plans its blocks; the
