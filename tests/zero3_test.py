@@ -17,6 +17,12 @@ parameters, an odd count: the last shard is padded):
   shapes; it resumes under stage 0 on one device, and that run's under
   stage 3 on two, to the weights of the same chain run unsharded; the
   SavedModel is the unsharded model;
+* that checkpoint holds each weight and Adam slot as slices written by
+  the replicas holding them (no weight or slot gathered whole to save),
+  read whole at their unsharded keys and shapes; it restores exactly
+  into 4 replicas (a child process with 4 logical devices), whose
+  checkpoint restores exactly into 2 replicas and into an unsharded
+  model;
 * between steps the model's own variables hold nothing (the replicas
   hold the shards), and reading and assigning a weight there go through
   the shards;
