@@ -17,6 +17,12 @@ parameters, an odd count: the last shard is padded):
   shapes; it resumes under stage 0 on one device, and that run's under
   stage 3 on two, to the weights of the same chain run unsharded; the
   SavedModel is the unsharded model;
+* that checkpoint holds each weight and Adam slot as slices written by
+  the replicas holding them (no weight or slot gathered whole to save),
+  read whole at their unsharded keys and shapes; it restores exactly
+  into 4 replicas (a child process with 4 logical devices), whose
+  checkpoint restores exactly into 2 replicas and into an unsharded
+  model;
 * between steps the model's own variables hold nothing (the replicas
   hold the shards), and reading and assigning a weight there go through
   the shards;
@@ -25,6 +31,10 @@ parameters, an odd count: the last shard is padded):
 
 import json
 import os
+import re
+import shutil
+import subprocess
+import sys
 
 os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
 
@@ -43,7 +53,9 @@ from tfdist.parallel.zero3 import optimizer as zero3  # pylint: disable=g-import
 from tfdist.parallel.data import sharded_optimizer  # pylint: disable=g-import-not-at-top
 from tests import testutil  # pylint: disable=g-import-not-at-top
 
-DEVICES = devices.configure_cpu_devices(2)
+# 2 replicas; the child process of `SlicedCheckpointsTest` runs with 4.
+NUM_DEVICES = int(os.environ.get("TFDIST_ZERO3_TEST_DEVICES", "2"))
+DEVICES = devices.configure_cpu_devices(NUM_DEVICES)
 
 BATCH = 16
 STEPS = 3
@@ -87,7 +99,7 @@ def _config(model_dir, **changes):
                   deterministic=True, seed=3, optimizer="adam",
                   base_learning_rate=0.01, lr_scaling="none", mode="train",
                   log_steps=STEPS, distribution_strategy="mirrored",
-                  num_cpu_devices=2)
+                  num_cpu_devices=NUM_DEVICES)
   settings.update(changes)
   return TrainConfig(**settings)
 
@@ -314,6 +326,178 @@ class CheckpointsTest(absltest.TestCase):
         tf.constant(X[:5])).values())
     np.testing.assert_allclose(outputs[0].numpy(),
                                _Built.model(X[:5]).numpy(), atol=1e-5)
+
+
+_KEY = "optimizer/_trainable_variables/{}/.ATTRIBUTES/VARIABLE_VALUE"
+
+
+def _saved_slices(reader, key) -> list:
+  """The shapes of the slices the bundle holds for `key` (its index's
+  slice entries, as the reader's debug string lists them: the key between
+  NUL bytes, then the slice's dtype and shape); [] when saved whole."""
+  text = reader.debug_string().decode("latin-1")
+  pattern = re.compile("\\x00" + re.escape(key) +
+                       "\\x00.*\\(DT_FLOAT\\) \\[([0-9,]*)\\]")
+  return [[int(d) for d in m.group(1).split(",") if d]
+          for m in pattern.finditer(text)]
+
+
+class _AtStart(keras.callbacks.Callback):
+  """Keeps the model's weights and the stage-3 optimizer's slots
+  (`_slots`) as the run starts, after its restore (the optimizer: the
+  one `attached` saw attached)."""
+
+  def __init__(self, attached):
+    super().__init__()
+    self.attached, self.weights, self.slots = attached, None, None
+
+  def on_train_begin(self, logs=None):
+    self.weights = [w.copy() for w in self.model.get_weights()]
+    self.slots = _slots(self.attached.selves[0])
+
+
+def four_replica_leg(source: str, model_dir: str, out: str) -> None:
+  """The child process's part of `SlicedCheckpointsTest` (4 replicas):
+  resumes a copy of the 2-replica run `source` and trains one step,
+  writing a 4-replica checkpoint. Writes to `out` (.npz) the weights and
+  slots restored (r*, s*) and the weights trained (t*)."""
+  shutil.copytree(source, model_dir)
+  with _Counted(zero3.Zero3Optimizer, "attach") as attached:
+    start = _AtStart(attached)
+    trained, _ = _fit(no_dropout_cnn, model_dir=model_dir, train_steps=3,
+                      zero_stage=3, callbacks=[start])
+  np.savez(out, **{f"r{i}": w for i, w in enumerate(start.weights)},
+           **{f"t{i}": w for i, w in enumerate(trained)},
+           **{f"s{key}": value for key, value in start.slots.items()})
+
+
+def _slots(optimizer) -> dict:
+  """Every Adam slot of a stage-3 `optimizer` in its variable's shape (read
+  from the local shards), by its checkpoint key."""
+  out = {}
+  for m, item in enumerate(optimizer._unsharded_variables()):  # pylint: disable=protected-access
+    if isinstance(item, sharded_optimizer._FullSlot):  # pylint: disable=protected-access
+      out[f"optimizer/_variables/{m}/.ATTRIBUTES/VARIABLE_VALUE"] = (
+          optimizer.full_slot(item._kind, item._index).numpy())  # pylint: disable=protected-access
+  return out
+
+
+class _Counted:
+  """Counts the calls of a method of a class while in use (the method
+  still runs) and keeps the objects it was called on (`selves`)."""
+
+  def __init__(self, owner, name):
+    self.owner, self.name, self.calls, self.selves = owner, name, 0, []
+    self.original = owner.__dict__[name]
+
+  def __enter__(self):
+    original = self.original
+
+    def counted(instance, *args, **kwargs):
+      self.calls += 1
+      self.selves.append(instance)
+      return original(instance, *args, **kwargs)
+    setattr(self.owner, self.name, counted)
+    return self
+
+  def __exit__(self, *exc):
+    setattr(self.owner, self.name, self.original)
+
+
+class SlicedCheckpointsTest(absltest.TestCase):
+  """Stage 3 writes each replica's slices, no gather; the checkpoint
+  reads whole and restores into 4 replicas, one device and back, exactly."""
+
+  def test_row_major_boxes_cover_the_range_in_order(self):
+    rng = np.random.default_rng(5)
+    for shape in ([7], [3, 5], [4, 3, 5], [2, 3, 2, 4], []):
+      total = int(np.prod(shape))
+      index = np.arange(total).reshape(shape)
+      for _ in range(20):
+        start, stop = sorted(int(x) for x in rng.integers(0, total + 1, 2))
+        if not shape:
+          start, stop = 0, 1
+        boxes = sharded_optimizer.row_major_boxes(shape, start, stop)
+        self.assertLessEqual(len(boxes), max(1, 2 * len(shape) - 1))
+        got = [index[tuple(slice(o, o + n) for o, n in zip(*box))].ravel()
+               for box in boxes]
+        np.testing.assert_array_equal(
+            np.concatenate(got) if got else [], np.arange(start, stop))
+    self.assertEqual(sharded_optimizer.slice_spec([784, 128], (391, 64),
+                                                  (1, 64)),
+                     "784 128 391,1:64,64")
+
+  def test_two_replicas_to_four_and_back_and_to_one_device(self):
+    scratch = testutil.scratch_dir()
+    two = os.path.join(scratch, "two")
+    with _Counted(zero3.Zero3Optimizer, "full_weight") as weights, \
+        _Counted(sharded_optimizer.ShardedOptimizer, "full_slot") as slots:
+      saved, _ = _fit(no_dropout_cnn, model_dir=two, train_steps=2,
+                      zero_stage=3)
+    # No weight or slot was gathered whole to save it.
+    self.assertEqual((weights.calls, slots.calls), (0, 0))
+    trainable = [v.numpy() for v in _Built.model.trainable_variables]
+    path = tf.train.latest_checkpoint(os.path.join(two, "checkpoints"))
+    reader = tf.train.load_checkpoint(path)
+    shapes = dict(tf.train.list_variables(path))
+    for i, value in enumerate(trainable):
+      # The unsharded key and full shape; read whole, equal exactly.
+      self.assertEqual(shapes[_KEY.format(i)], list(value.shape))
+      np.testing.assert_array_equal(reader.get_tensor(_KEY.format(i)), value)
+    # The dense kernel [784, 128], cut between the replicas inside a row:
+    # saved as slices (the rows each replica holds, a partial row each),
+    # which together are the whole weight.
+    kernel = [i for i, v in enumerate(trainable) if v.shape == (784, 128)][0]
+    pieces = _saved_slices(reader, _KEY.format(kernel))
+    self.assertGreaterEqual(len(pieces), 2, pieces)
+    self.assertEqual(sum(int(np.prod(p)) for p in pieces), 784 * 128)
+    # Its Adam moments too (an unsharded optimizer's keys).
+    moments = [k for k, shape in shapes.items()
+               if k.startswith("optimizer/_variables/") and shape == [784, 128]]
+    self.assertLen(moments, 2)
+    for key in moments:
+      self.assertGreaterEqual(len(_saved_slices(reader, key)), 2)
+
+    # 2 -> 4 replicas (a child process with 4 devices): restored exactly;
+    # one more step there writes a 4-replica checkpoint.
+    four, out = os.path.join(scratch, "four"), os.path.join(scratch, "4.npz")
+    env = dict(os.environ, TFDIST_ZERO3_TEST_DEVICES="4",
+               TF_ENABLE_ONEDNN_OPTS="0", TF_CPP_MIN_LOG_LEVEL="2",
+               PYTHONPATH=os.pathsep.join([testutil.REPO_ROOT] + sys.path))
+    proc = subprocess.run(
+        [sys.executable, "-c", "from tests import zero3_test as t; "
+         f"t.four_replica_leg({two!r}, {four!r}, {out!r})"],
+        cwd=testutil.REPO_ROOT, env=env, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, timeout=300)
+    self.assertEqual(proc.returncode, 0, proc.stdout[-4000:])
+    leg = np.load(out)
+    for i, value in enumerate(saved):
+      np.testing.assert_array_equal(leg[f"r{i}"], value)
+    restored_slots = [k for k in leg.files if k.startswith("s")]
+    self.assertLen(restored_slots, 2 * len(trainable))
+    for key in restored_slots:
+      np.testing.assert_array_equal(leg[key], reader.get_tensor(key[1:]))
+    trained = [leg[f"t{i}"] for i in range(len(saved))]
+    self.assertGreater(_max_difference(trained, saved), 0)
+
+    # 4 replicas -> 2 at stage 3: weights and slots restored exactly.
+    back = os.path.join(scratch, "back")
+    shutil.copytree(four, back)
+    with _Counted(zero3.Zero3Optimizer, "attach") as attached:
+      restored, _ = _fit(no_dropout_cnn, model_dir=back, train_steps=3,
+                         zero_stage=3)
+    for got, want in zip(restored, trained):
+      np.testing.assert_array_equal(got, want)
+    path = tf.train.latest_checkpoint(os.path.join(four, "checkpoints"))
+    reader = tf.train.load_checkpoint(path)
+    for key, value in _slots(attached.selves[0]).items():
+      np.testing.assert_array_equal(value, reader.get_tensor(key), key)
+    # 4 replicas -> one device, unsharded: an unsharded model restores the
+    # whole weights from the slices.
+    model = no_dropout_cnn()
+    tf.train.Checkpoint(model=model).read(path).expect_partial()
+    for got, want in zip(model.get_weights(), trained):
+      np.testing.assert_array_equal(got, want)
 
 
 class BlockLayoutTest(absltest.TestCase):

@@ -87,13 +87,6 @@ USES = (
     PrivateUse(_VARIABLE, "_shared_name", "read",
                "stage 3: the name TensorFlow records for a released "
                "weight's name-based restore", (_ZERO3,)),
-    PrivateUse(_VARIABLE, "_serialize_to_tensors", "set",
-               "stage 3: a released weight saves its gathered full value "
-               "under its unsharded key (replaced per instance)",
-               (_ZERO3, _HERE)),
-    PrivateUse(_VARIABLE, "_restore_from_tensors", "set",
-               "stage 3: a released weight restores by slicing into the "
-               "shards (replaced per instance)", (_ZERO3, _HERE)),
     PrivateUse(_VARIABLE, "_direct_assign", "set",
                "stage 3: `variable.assign` outside a step writes the shards "
                "(replaced per instance)", (_ZERO3, _HERE)),
@@ -208,12 +201,21 @@ USES = (
                "the sharded optimizer's checkpoint view: the user's "
                "optimizer's children", (_SHARDED_OPTIMIZER,)),
     PrivateUse(_TRACKABLE, "_serialize_to_tensors", "override",
-               "the sharded optimizer's full slots and tensor parallelism's "
-               "gathered view save unsharded values",
-               (_SHARDED_OPTIMIZER, "tfdist/parallel/tensor/mode.py")),
+               "tensor parallelism's gathered view saves unsharded values",
+               ("tfdist/parallel/tensor/mode.py",)),
     PrivateUse(_TRACKABLE, "_restore_from_tensors", "override",
                "as above: restore by slicing into the shards",
-               (_SHARDED_OPTIMIZER, "tfdist/parallel/tensor/mode.py")),
+               ("tfdist/parallel/tensor/mode.py",)),
+    PrivateUse(_TRACKABLE, "_gather_saveables_for_checkpoint", "override",
+               "ZeRO's sharded slots and stage 3's released weights (their "
+               "class swapped for a subclass defining it) save as slices of "
+               "their unsharded shape, one SaveableObject per slice: the "
+               "only route that restores a key saved as several slices",
+               (_SHARDED_OPTIMIZER, _ZERO3)),
+    PrivateUse("tensorflow.python.training.saving.saveable_object",
+               "SaveableObject", "import",
+               "ZeRO: one slice of a sharded slot or weight, saved where it "
+               "lives and restored into its shard", (_SHARDED_OPTIMIZER,)),
     PrivateUse("tensorflow.python.trackable.data_structures:ListWrapper",
                "_storage", "read", "the sharded optimizer's checkpoint "
                "view: a tracked list child", (_SHARDED_OPTIMIZER,)),
@@ -283,9 +285,10 @@ TFDIST_OWN = {
 TFDIST_PREFIX = "_tfdist_"
 
 # The per-instance replacements ZeRO stage 3 puts on a released weight
-# (its `_release`) and removes when it materializes it again.
-ZERO3_VARIABLE_OVERRIDES = ("_serialize_to_tensors", "_restore_from_tensors",
-                            "_save_slice_info", "_direct_assign")
+# (its `_release`) and removes when it materializes it again (it also
+# swaps the weight's class for one defining `_gather_saveables_for_checkpoint`,
+# and swaps it back).
+ZERO3_VARIABLE_OVERRIDES = ("_save_slice_info", "_direct_assign")
 
 
 def flatten_layers(model, include_self: bool = True,

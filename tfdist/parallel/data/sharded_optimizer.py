@@ -63,10 +63,16 @@ same memory here. During a step the flat buffers (the gradients' sum
 [P'], the master shard [S], the gathered update [P']) add transient
 memory.
 
-Checkpoints: the slots are saved in their unsharded shape under the keys
-an unsharded Keras optimizer uses (`checkpoint_view`), gathered at save
-time, and sliced again on restore, so a checkpoint moves between unsharded
-runs and sharded runs of any replica count.
+Checkpoints: the slots are saved under the keys an unsharded Keras
+optimizer uses (`checkpoint_view`), each as slices of its unsharded shape
+(`slice_saveables`): every replica's piece of a slot is written where it
+lives, as the boxes `row_major_boxes` cuts it into, nothing gathered;
+`tf.train.list_variables` and `tf.train.load_checkpoint` show each slot
+whole (its full shape, the slices reassembled), and a restore reads only
+the boxes each local replica holds, so a checkpoint moves between
+unsharded runs and sharded runs of any replica count. With replicas on
+other workers (`all_local` false) a slot is still gathered and saved
+whole by every worker (each worker's files hold only what it writes).
 """
 
 import dataclasses
@@ -76,6 +82,7 @@ from typing import Dict, List, Optional, Sequence
 import keras
 import numpy as np
 import tensorflow as tf
+from tensorflow.python.training.saving import saveable_object
 
 from tfdist import errors
 from tfdist.core import optimizers
@@ -343,6 +350,130 @@ class FlatLayout:
     return out
 
 
+def row_major_boxes(shape: Sequence[int], start: int,
+                    stop: int) -> List[tuple]:
+  """The boxes (rectangular regions) that elements [start, stop) of a
+  tensor of `shape`, counted in row-major order, fill: a list of
+  `(offsets, lengths)` (tuples of len(shape) ints), in order, each box's
+  own row-major elements a contiguous run of the range. At most 2 x
+  rank - 1 boxes: the rest of a partial first row (cut the same way in
+  the trailing dimensions), the whole rows, the start of a partial last
+  row. A scalar (shape []) is one box `((), ())`. Empty when stop <=
+  start."""
+  shape = [int(d) for d in shape]
+  if stop <= start:
+    return []
+  if len(shape) <= 1:
+    return [((start,), (stop - start,))] if shape else [((), ())]
+  inner = int(np.prod(shape[1:]))
+  first, a = divmod(start, inner)
+  last, b = divmod(stop, inner)
+
+  def in_row(row, lo, hi):
+    return [((row,) + o, (1,) + n)
+            for o, n in row_major_boxes(shape[1:], lo, hi)]
+
+  if first == last:
+    return in_row(first, a, b)
+  out = []
+  if a:
+    out += in_row(first, a, inner)
+    first += 1
+  if last > first:
+    out.append(((first,) + (0,) * (len(shape) - 1),
+                (last - first,) + tuple(shape[1:])))
+  if b:
+    out += in_row(last, 0, b)
+  return out
+
+
+def slice_spec(shape: Sequence[int], offsets, lengths) -> str:
+  """TensorFlow's slice spec of a box of a tensor of `shape` ("3 4 0,1:1,2":
+  the full shape, then offset,length per dimension), as
+  `tf.Variable.SaveSliceInfo.spec` writes it; "" (the whole tensor) for a
+  scalar."""
+  if not list(shape):
+    return ""
+  return tf.Variable.SaveSliceInfo(
+      full_shape=[int(d) for d in shape], var_offset=list(offsets),
+      var_shape=list(lengths)).spec
+
+
+class _SliceSaveable(saveable_object.SaveableObject):
+  """One box of a sharded variable: elements [at, at + n) of one replica's
+  flat buffer (`buffer`, a float32 tf.Variable [S]), saved as the box
+  `spec` of the unsharded variable under checkpoint key `name` (read at
+  save time only), restored into the same elements."""
+
+  def __init__(self, buffer, spec: str, at: int, lengths, name: str,
+               on_restore=None):
+    self._buffer = buffer
+    self._at = int(at)
+    self._size = int(np.prod(lengths))
+    self._on_restore = on_restore
+    size = self._size
+
+    def read():
+      with tf.device(buffer.device):
+        return tf.reshape(buffer[at:at + size], list(lengths))
+
+    super().__init__(None, [saveable_object.SaveSpec(
+        read, spec, name, dtype=tf.float32, device=buffer.device)], name)
+
+  def restore(self, restored_tensors, restored_shapes):
+    del restored_shapes
+    if self._on_restore is not None:
+      self._on_restore()
+    value = tf.reshape(tf.cast(restored_tensors[0], tf.float32), [-1])
+    with tf.device(self._buffer.device):
+      return self._buffer[self._at:self._at + self._size].assign(value)
+
+
+class WholeSaveable(saveable_object.SaveableObject):
+  """A sharded variable saved whole under checkpoint key `name`: `read()`
+  gives its full value (gathered), `write(value)` puts a restored full
+  value into the local shards. `device`: a device of this process (a
+  local shard's): the saver groups tensors by their devices' tasks, and a
+  task-less device would count as another task (the restore then runs
+  as a tf.function, where Keras variables cannot restore)."""
+
+  def __init__(self, read, write, name: str, device: str):
+    self._write = write
+    super().__init__(None, [saveable_object.SaveSpec(
+        read, "", name, dtype=tf.float32, device=device)], name)
+
+  def restore(self, restored_tensors, restored_shapes):
+    del restored_shapes
+    self._write(restored_tensors[0])
+    return tf.no_op()
+
+
+def slice_saveables(layout: "FlatLayout", index: int, buffers,
+                    replica_ids: Sequence[int], name: str,
+                    on_restore=None) -> list:
+  """The `SaveableObject`s that save variable `index` of `layout` as
+  slices of its unsharded shape, with no gather: for each local replica
+  (`replica_ids[i]`, whose flat shard [S] is `buffers[i]`, a float32
+  tf.Variable), each piece it holds (`FlatLayout.pieces`) cut into
+  `row_major_boxes`, saved under checkpoint key `name` with its
+  `slice_spec` (TensorFlow's slice-aware checkpointing, as partitioned
+  and sharded variables save). Restoring reads each box from the
+  checkpoint (a slice of an unsliced tensor too) into the shard.
+  `on_restore`: called before each box is written (cache invalidation).
+  Empty when no local replica holds an element of the variable."""
+  shape = layout.shapes[index].as_list()
+  out = []
+  for buffer, replica in zip(buffers, replica_ids):
+    for j, start, at, length in layout.pieces(replica):
+      if j != index:
+        continue
+      for offsets, lengths in row_major_boxes(shape, start, start + length):
+        out.append(_SliceSaveable(buffer, slice_spec(shape, offsets, lengths),
+                                  at, lengths, name, on_restore))
+        at += int(np.prod(lengths))
+  return out
+
+
 class _PerVariable:
   """Per-variable sums over one replica's shard, and per-variable scaling
   of it (the statistics and `clipnorm` of `ShardedOptimizer.replica_prepare`).
@@ -398,20 +529,19 @@ class _PerVariable:
 
 class _FullSlot(tf.__internal__.tracking.Trackable):
   """One slot variable of one model variable, as an unsharded optimizer
-  keeps it: saved in the variable's own shape (gathered from the shards),
-  restored by slicing it into the shards."""
+  keeps it: saved under its checkpoint key as slices of the variable's
+  shape, each written by the replica holding it
+  (`ShardedOptimizer.slot_saveables`), restored into the shards."""
 
   def __init__(self, owner: "ShardedOptimizer", kind: str, index: int):
     self._owner = owner
     self._kind = kind
     self._index = index
 
-  def _serialize_to_tensors(self):
-    return {_VARIABLE_VALUE: self._owner.full_slot(self._kind, self._index)}
-
-  def _restore_from_tensors(self, restored_tensors):
-    return self._owner.restore_slot(self._kind, self._index,
-                                    restored_tensors[_VARIABLE_VALUE])
+  def _gather_saveables_for_checkpoint(self):
+    def factory(name):
+      return self._owner.slot_saveables(self._kind, self._index, name)
+    return {_VARIABLE_VALUE: factory}
 
 
 class ShardedOptimizer:
@@ -482,6 +612,9 @@ class ShardedOptimizer:
             tf.distribute.get_replica_context().replica_id_in_sync_group))
     self.replica_ids = [int(x) for x in
                         strategy.experimental_local_results(ids)]
+    # Every replica in this process: checkpoints write each replica's
+    # slices (`slice_saveables`); otherwise whole, gathered values.
+    self.all_local = len(self.replica_ids) == strategy.num_replicas_in_sync
     built = [self._make_copy(component, device) for component, device
              in zip(self.master.values, self.devices)]
     self.copies = [copy for copy, _ in built]
@@ -821,6 +954,23 @@ class ShardedOptimizer:
     off, n = self.layout.offsets[index], self.layout.sizes[index]
     return tf.constant(flat[off:off + n].reshape(
         self.layout.shapes[index].as_list()))
+
+  def slot_saveables(self, kind: str, index: int, name: str) -> list:
+    """The `SaveableObject`s of slot `kind` of variable `index` under
+    checkpoint key `name`: its slices where this process holds every
+    replica (`slice_saveables`; no gather), else its whole value
+    (`full_slot`, gathered) restored by `restore_slot`."""
+    if self.all_local and self.layout.sizes[index]:
+      return slice_saveables(
+          self.layout, index, [kinds[kind].value for kinds in self._slots],
+          self.replica_ids, name, on_restore=self._invalidate)
+    return [WholeSaveable(lambda: self.full_slot(kind, index),
+                          lambda v: self.restore_slot(kind, index, v),
+                          name, self._slots[0][kind].value.device)]
+
+  def _invalidate(self) -> None:
+    """Drops the gathered slots `_full_kind` cached (a slot was written)."""
+    self._generation += 1
 
   def restore_slot(self, kind: str, index: int, value) -> None:
     """Writes slot `kind` of variable `index` (its full shape) into the

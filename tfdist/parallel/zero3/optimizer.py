@@ -60,13 +60,18 @@ replica's slice of every block, in order):
   the layers make inside the scope are written to them after the pass.
 * **Evaluation** gathers block by block too (each block after the one
   before it has run; a replica with an empty batch runs the blocks on
-  one example of zeros, dropped, so it joins every gather); **checkpoints**
-  save every weight
-  under its unsharded key and shape (each Keras variable's
-  `_serialize_to_tensors` gathers its piece from the local shards, and
-  `_restore_from_tensors` slices a restored value into them), so a stage-3
-  checkpoint restores into stages 0-2 and any replica count, and back;
-  the optimizer's slots are saved as stage 1 saves them.
+  one example of zeros, dropped, so it joins every gather).
+* **Checkpoints** write the shards where they live, with no gather: each
+  weight under its unsharded key, as slices of its unsharded shape
+  (`Zero3Optimizer.weight_saveables`: each replica's run of the weight's
+  row-major elements cut into rectangular boxes, each saved with
+  TensorFlow's slice spec, "full shape offset,length:..."), so
+  `tf.train.list_variables` shows the full shape and
+  `tf.train.load_checkpoint` reads the weight whole; restoring reads only
+  the boxes the local replicas hold, so a stage-3 checkpoint restores into
+  stages 0-2, one device and any replica count, and back. The optimizer's
+  slots are saved as stage 1 saves them (slices too). With replicas on
+  other workers a weight is still gathered and saved whole.
 * **Export** (and a `tfdist.fit` caller) gets the weights back:
   `materialize` gathers them into the Keras variables again at the end of
   the run, so the SavedModel is the unsharded model's.
@@ -404,6 +409,33 @@ def _released(path: str, owner: "Zero3Optimizer", index: int):
   return initializer
 
 
+_RELEASED_CLASSES = {}
+
+
+def _released_class(cls: type) -> type:
+  """The subclass of a Keras variable class that a released weight takes
+  (one per class, cached): TensorFlow checkpoints it through
+  `_gather_saveables_for_checkpoint` (its owner's `weight_saveables`)
+  rather than the class's `_serialize_to_tensors`. TensorFlow's savers
+  take the first of the two they meet along the class's MRO; only the
+  saveable route restores a key saved as several slices (the tensor
+  route passes only the first slice of a key to `_restore_from_tensors`).
+  `materialize` gives the variable its class back."""
+  if cls not in _RELEASED_CLASSES:
+    def _gather_saveables_for_checkpoint(self):
+      owner, index, _ = self._tfdist_zero3  # pylint: disable=protected-access
+
+      def factory(name):
+        return owner.weight_saveables(index, name)
+      return {_VARIABLE_VALUE: factory}
+
+    _RELEASED_CLASSES[cls] = type(
+        f"Released{cls.__name__}", (cls,),
+        {"_gather_saveables_for_checkpoint": _gather_saveables_for_checkpoint,
+         "__module__": __name__})
+  return _RELEASED_CLASSES[cls]
+
+
 class Zero3Optimizer(sharded_optimizer.ShardedOptimizer):
   """ZeRO stage 3: the master shards are the only copy of the weights.
 
@@ -428,10 +460,6 @@ class Zero3Optimizer(sharded_optimizer.ShardedOptimizer):
     self.blocks: Optional[List[Block]] = None
     super().__init__(**kwargs)
     self.model = None
-    # Every replica in this process: released weights read and written
-    # between steps through the local shards.
-    self.all_local = (len(self.replica_ids) ==
-                      self.strategy.num_replicas_in_sync)
     self.materialized = False
     # Indices (into `variables`) of the weights kept replicated
     # (`replicated_variables`), chosen by `attach`; the others are
@@ -511,7 +539,8 @@ class Zero3Optimizer(sharded_optimizer.ShardedOptimizer):
 
   def _release(self, variable, index: int) -> None:
     """Drops `variable`'s storage and makes it save and restore through
-    the shards (its unsharded key and shape)."""
+    the shards: its class becomes `_released_class` of it (checkpointed
+    as `weight_saveables`: slices under its unsharded key and shape)."""
     # pylint: disable=protected-access
     # The name TensorFlow records for name-based restores (read from the
     # storage, which `_shared_name` needs).
@@ -519,15 +548,9 @@ class Zero3Optimizer(sharded_optimizer.ShardedOptimizer):
         full_name=variable._shared_name)
     variable._value = None
     variable._initializer = _released(variable.path, self, index)
+    variable._tfdist_zero3 = (self, index, type(variable))
+    variable.__class__ = _released_class(type(variable))
     owner = self
-
-    def serialize(self_):
-      del self_
-      return {_VARIABLE_VALUE: owner.full_weight(index)}
-
-    def restore(self_, restored):
-      del self_
-      return owner.restore_weight(index, restored[_VARIABLE_VALUE])
 
     def direct_assign(self_, value):
       # `variable.assign` outside a step (`set_weights`, a callback
@@ -539,10 +562,39 @@ class Zero3Optimizer(sharded_optimizer.ShardedOptimizer):
             "eager code of a one-process run, or restore a checkpoint.")
       owner.restore_weight(index, value)
 
-    variable._serialize_to_tensors = types.MethodType(serialize, variable)
-    variable._restore_from_tensors = types.MethodType(restore, variable)
     variable._direct_assign = types.MethodType(direct_assign, variable)
     # pylint: enable=protected-access
+
+  def weight_saveables(self, index: int, name: str) -> list:
+    """The `SaveableObject`s of released weight `index` under checkpoint
+    key `name` (its unsharded key).
+
+    With every replica in this process (`all_local`): the weight's slices
+    (`sharded_optimizer.slice_saveables`), no gather. Each replica's
+    piece of the weight, a contiguous run of its row-major elements (the
+    layout pads only a block's end, after its last weight, so no padding
+    is saved), is cut into at most 2 x rank - 1 boxes
+    (`sharded_optimizer.row_major_boxes`: a partial row, whole rows, a
+    partial row), each saved with its slice spec ("full shape
+    offset,length:..."). The checkpoint then records the weight under its
+    unsharded key with its full shape (`tf.train.list_variables`), reads
+    it whole (`tf.train.load_checkpoint(...).get_tensor`: TensorFlow
+    reassembles the slices), and a restore reads only the boxes the
+    local replicas hold, under any replica count and layout (slices of
+    an unsliced tensor, or of other slices).
+
+    Otherwise (replicas on other workers): the weight gathered whole
+    (`full_weight`) and restored by `restore_weight`, as each worker
+    writes its own files.
+    """
+    if self.all_local and self.layout.sizes[index]:
+      return sharded_optimizer.slice_saveables(
+          self.layout, index, list(self.master.values), self.replica_ids,
+          name)
+    return [sharded_optimizer.WholeSaveable(
+        lambda: self.full_weight(index),
+        lambda value: self.restore_weight(index, value), name,
+        self.master.values[0].device)]
 
   def attach(self, trainer) -> None:
     """Shards the weights of `trainer`'s model and plans its blocks; the
@@ -998,6 +1050,7 @@ class Zero3Optimizer(sharded_optimizer.ShardedOptimizer):
         variable._initialize(value)
         for name in private_api.ZERO3_VARIABLE_OVERRIDES:
           variable.__dict__.pop(name, None)
+        variable.__class__ = variable.__dict__.pop("_tfdist_zero3")[2]
         # pylint: enable=protected-access
     self.materialized = True
 
