@@ -491,11 +491,8 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # flat name).
 FLAT_EDGE = ("tfdist/train.py", "tfdist/api.py", "flags/",
              "tfdist/config.py", "tfdist/config_tree.py")
-# Flat reads left in library code: a ratchet, lowered as modules read their
-# sections. Left for later: the modules other work is changing now
-# (tfdist/parallel/, tfdist/backends/pipeline.py, tfdist/data/,
-# tfdist/launch.py).
-MAX_FLAT_READS = 30  # backends/pipeline.py
+# Flat reads left in library code: none (every module reads its sections).
+MAX_FLAT_READS = 0
 
 
 def _is_config(node, annotated=frozenset()) -> bool:

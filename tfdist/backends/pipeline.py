@@ -59,9 +59,10 @@ STAGE_JOBS = (cluster_lib.CHIEF, cluster_lib.WORKER)
 def data_degree(config) -> int:
   """D, the pipeline's copies in one process
   (`tfdist.parallel.pipeline.options.data_degree` of the config's flags)."""
+  strategy = config.strategy
   return pipeline_options.data_degree(
-      config.pipeline_stages, num_gpus=config.num_gpus,
-      num_cpu_devices=config.num_cpu_devices)
+      strategy.parallelism.pipeline_stages, num_gpus=strategy.num_gpus,
+      num_cpu_devices=strategy.num_cpu_devices)
 
 
 def stage_devices(num_stages: int, num_gpus: int = -1,
@@ -126,26 +127,27 @@ def check_copies(config, *, in_cluster: bool, gpus: int) -> None:
   Raises:
     errors.ConfigError: naming the flag, the value and the fix.
   """
-  data, stages = data_degree(config), config.pipeline_stages
+  strategy = config.strategy
+  data, stages = data_degree(config), strategy.parallelism.pipeline_stages
   if data == 1:
     return
   if in_cluster:
     raise errors.ConfigError(
         f"--pipeline_stages={stages} with "
-        f"{'--num_gpus' if config.num_gpus > 0 else '--num_cpu_devices'}"
+        f"{'--num_gpus' if strategy.num_gpus > 0 else '--num_cpu_devices'}"
         f"={data * stages} ({data} data-parallel copies) runs in one "
         "process; across the tasks of a cluster a pipeline has one copy. "
         "Drop that flag, or run in one process.")
-  if gpus and config.num_gpus < 0:
+  if gpus and strategy.num_gpus < 0:
     raise errors.ConfigError(
-        f"--num_cpu_devices={config.num_cpu_devices} asks for {data} "
+        f"--num_cpu_devices={strategy.num_cpu_devices} asks for {data} "
         f"copies of the --pipeline_stages={stages} pipeline on logical CPU "
         "devices, but this host's GPUs would run the stages. Pass "
         f"--num_gpus={data * stages} for the copies on GPUs, or "
         "--num_gpus=0 to run them on logical CPU devices.")
   if 0 < gpus < data * stages:
     raise errors.ConfigError(
-        f"--pipeline_stages={stages} with --num_gpus={config.num_gpus} "
+        f"--pipeline_stages={stages} with --num_gpus={strategy.num_gpus} "
         f"({data} data-parallel copies) needs {data * stages} GPUs; this "
         f"host has {gpus}. Lower --num_gpus to a multiple of {stages} up "
         f"to {gpus}, or pass --num_gpus=0 to run on logical CPU devices.")
@@ -288,14 +290,15 @@ class PipelineBackend(single_process.OneDeviceBackend):
     super().validate(config, decisions, dataset=dataset)
     check_copies(config, in_cluster=bool(self._tasks),
                  gpus=0 if self._tasks else
-                 base.local_accelerators(config.num_gpus))
+                 base.local_accelerators(config.strategy.num_gpus))
     if self._tasks:
       return  # Checked by `serve`, on every task, with the cluster.
-    gpus = base.local_accelerators(config.num_gpus)
-    if 0 < gpus < config.pipeline_stages:
+    gpus = base.local_accelerators(config.strategy.num_gpus)
+    stages = config.strategy.parallelism.pipeline_stages
+    if 0 < gpus < stages:
       raise errors.ConfigError(
-          f"--pipeline_stages={config.pipeline_stages} needs "
-          f"{config.pipeline_stages} GPUs (stage i runs on GPU i); this "
+          f"--pipeline_stages={stages} needs "
+          f"{stages} GPUs (stage i runs on GPU i); this "
           f"host has {gpus}. Lower --pipeline_stages to {gpus} or fewer, or "
           "pass --num_gpus=0 to run the stages on logical CPU devices.")
 
@@ -309,20 +312,21 @@ class PipelineBackend(single_process.OneDeviceBackend):
     """
     if not self._tasks:
       return None
-    per_task = stages_per_task(config.pipeline_stages, cluster)
+    strategy = config.strategy
+    per_task = stages_per_task(strategy.parallelism.pipeline_stages, cluster)
     if not self.serves(cluster):
       return None
-    if config.dry_run:
+    if config.reliability.dry_run:
       logging.info("tfdist: dry run: %s %d would serve pipeline stages.",
                    cluster.task_type, cluster.task_index)
       return {"dry_run": True, "role": cluster.task_type,
               "index": cluster.task_index}
     # The server's own devices (not the eager context's logical ones): P/T
     # CPU devices, for the stages the task hosts when it has no GPUs.
-    cpus = max(per_task, config.num_cpu_devices, 1)
+    cpus = max(per_task, strategy.num_cpu_devices, 1)
     status = ps_lib.serve(
         decisions.model_dir, cluster,
-        grace_seconds=config.preemption_grace_seconds,
+        grace_seconds=strategy.cluster.preemption_grace_seconds,
         resolver=cluster.cluster_resolver(jobs=STAGE_JOBS),
         server_config=tf.compat.v1.ConfigProto(device_count={"CPU": cpus}))
     return {"role": cluster.task_type, "index": cluster.task_index,
@@ -336,41 +340,45 @@ class PipelineBackend(single_process.OneDeviceBackend):
     cluster: this process connected to the other stage tasks)."""
     if self._tasks:
       return self._connect(config, decisions, cluster=cluster, lease=lease)
-    if config.num_cpu_devices > config.pipeline_stages:
-      devices_lib.configure_cpu_devices(config.num_cpu_devices)
+    strategy = config.strategy
+    stages = strategy.parallelism.pipeline_stages
+    if strategy.num_cpu_devices > stages:
+      devices_lib.configure_cpu_devices(strategy.num_cpu_devices)
     data = data_degree(config)
-    names = stage_devices(config.pipeline_stages, config.num_gpus, data)
+    names = stage_devices(stages, strategy.num_gpus, data)
     kind = names[0].rsplit(":", 2)[-2]
-    where = (f"data {data} x pipeline {config.pipeline_stages}, stage p of "
+    where = (f"data {data} x pipeline {stages}, stage p of "
              f"copy d on {kind} device p*{data}+d" if data > 1 else
              f"stage i on {kind} device i")
     return strategy_lib.StrategyChoice(
         tf.distribute.get_strategy(),
         decisions.strategy,
-        f"--pipeline_stages={config.pipeline_stages}: one process, {where}",
+        f"--pipeline_stages={stages}: one process, {where}",
         tuple(names))
 
   def _connect(self, config, decisions, *, cluster, lease):
     """The chief: waits for the other stage tasks, connects to them, and
     finds the stages' devices there."""
-    per_task = stages_per_task(config.pipeline_stages, cluster)
+    strategy = config.strategy
+    stages = strategy.parallelism.pipeline_stages
+    per_task = stages_per_task(stages, cluster)
     # A stage task that is gone fails the call at once instead of waiting.
     ps_lib.set_grpc_fail_fast()
-    devices_lib.configure_cpu_devices(max(per_task, config.num_cpu_devices))
+    devices_lib.configure_cpu_devices(max(per_task, strategy.num_cpu_devices))
     resolver = cluster.cluster_resolver(jobs=STAGE_JOBS)
-    with (lease.extended(config.cluster_start_timeout_seconds)
-          if lease is not None else contextlib.nullcontext()):
-      strategy_lib.wait_for_peers(cluster, STAGE_JOBS,
-                                  config.cluster_start_timeout_seconds,
+    timeout = strategy.cluster.cluster_start_timeout_seconds
+    with (lease.extended(timeout) if lease is not None
+          else contextlib.nullcontext()):
+      strategy_lib.wait_for_peers(cluster, STAGE_JOBS, timeout,
                                   describe="the pipeline's cluster")
     tf.config.experimental_connect_to_cluster(
         resolver.cluster_spec(), job_name=cluster.task_type,
         task_index=cluster.task_index, protocol=resolver.rpc_layer or "grpc")
-    names = cluster_stage_devices(self._tasks, per_task, config.num_gpus)
+    names = cluster_stage_devices(self._tasks, per_task, strategy.num_gpus)
     return strategy_lib.StrategyChoice(
         tf.distribute.get_strategy(),
         decisions.strategy,
-        f"--pipeline_stages={config.pipeline_stages}: {per_task} stage(s) "
+        f"--pipeline_stages={stages}: {per_task} stage(s) "
         f"on each of {len(self._tasks)} tasks, driven by "
         f"{cluster.task_type} {cluster.task_index}", tuple(names))
 
