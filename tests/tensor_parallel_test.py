@@ -428,6 +428,88 @@ def _trainer_child(root: str, resume: bool = False) -> dict:
   return results
 
 
+def _mesh_child(root: str, part: str) -> dict:
+  """`--tensor_parallel=2` on a 2 x 2 data x tensor mesh of 4 logical CPU
+  devices against one device, in this (fresh) process: the built-in
+  Transformer (dropout 0.1 on) on a subset of the clothing reviews, K = 3
+  updates with `--deterministic`, float32, in folders under `root`.
+
+  `part`: "sgd" (SGD with momentum 0.9: the 2 x 2 and one-device runs;
+  then the 2 x 2 checkpoint resumed for one more update on one device,
+  beside the one-device run's own fourth update), "adam" (the same two
+  runs under Adam), or "t2" (in a process of 2 devices: the 2 x 2
+  checkpoint of "sgd" resumed with --tensor_parallel=2 alone, D = 1). One
+  MirroredStrategy per process (a second one would reuse the first one's
+  collective keys)."""
+  # pylint: disable=g-import-not-at-top
+  import shutil
+  import numpy as np
+  from tfdist import experiment
+  from tfdist.config import TrainConfig
+  from tfdist.data import clothing_reviews
+  from tfdist.distribute import devices
+  from tfdist.distribute import environment as environment_lib
+  # pylint: enable=g-import-not-at-top
+  devices.configure_cpu_devices(2 if part == "t2" else 4)
+  data = os.path.join(root, "clothing_reviews")
+  if not os.path.isdir(data):
+    clothing_reviews.convert_clothing_reviews(data, limit=200,
+                                              train_shards=1, test_shards=1)
+  layouts = {"mesh": dict(tensor_parallel=2, num_cpu_devices=4,
+                          distribution_strategy="mirrored"),
+             "tensor": dict(tensor_parallel=2, num_cpu_devices=2,
+                            distribution_strategy="mirrored"),
+             "one": dict(distribution_strategy="one_device")}
+  optimizer = dict(optimizer="adam", base_learning_rate=0.001) if (
+      part == "adam") else dict(optimizer="sgd", base_learning_rate=0.01)
+
+  def run(folder, steps, layout):
+    config = TrainConfig(
+        model_dir=os.path.join(root, folder), model="transformer",
+        dataset="clothing_reviews",
+        train_files=os.path.join(data, "train-*.tfrecord.gz"),
+        eval_files=os.path.join(data, "test-*.tfrecord.gz"),
+        train_steps=steps, batch_size=8, deterministic=True, seed=3,
+        lr_scaling="none", log_steps=steps, **optimizer, **layouts[layout])
+    return experiment.run_experiment(
+        config, environment=environment_lib.read_environment({}))
+
+  def saved(folder):
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+    reader = tf.train.load_checkpoint(tf.train.latest_checkpoint(
+        os.path.join(root, folder, "checkpoints")))
+    return {k: reader.get_tensor(k) for k in reader.get_variable_to_shape_map()
+            if k.endswith("VARIABLE_VALUE")}
+
+  def compare(a, b):
+    floats = [k for k in a if k in b and a[k].dtype.kind == "f"]
+    diffs = {k: float(np.max(np.abs(a[k] - b[k]))) for k in floats}
+    worst = max(diffs, key=diffs.get)
+    return {"same_keys": sorted(a) == sorted(b), "keys": len(floats),
+            "same_shapes": all(a[k].shape == b[k].shape for k in floats),
+            "max_diff": diffs[worst], "worst": worst}
+
+  if part == "t2":
+    run("mesh_to_tensor", 4, "tensor")
+    return {"t2_resumed": compare(saved("mesh_to_tensor"), saved("one_sgd"))}
+  runs = {layout: run(f"{layout}_{part}", 3, layout)
+          for layout in ("one", "mesh")}
+  results = {
+      f"{part}_replicas": runs["mesh"]["num_replicas_in_sync"],
+      f"{part}_losses": [runs[k]["final_metrics"]["train_loss"]
+                         for k in ("one", "mesh")],
+      f"{part}_evaluations": [runs[k]["final_metrics"]["eval_loss"]
+                              for k in ("one", "mesh")],
+      f"{part}_after_3": compare(saved(f"mesh_{part}"), saved(f"one_{part}"))}
+  if part == "sgd":
+    for copy in ("mesh_to_one", "mesh_to_tensor"):
+      shutil.copytree(os.path.join(root, "mesh_sgd"), os.path.join(root, copy))
+    run("mesh_to_one", 4, "one")
+    run("one_sgd", 4, "one")
+    results["one_resumed"] = compare(saved("mesh_to_one"), saved("one_sgd"))
+  return results
+
+
 def _run_child(code: str) -> subprocess.CompletedProcess:
   return subprocess.run(
       [sys.executable, "-c", code], cwd=testutil.REPO_ROOT,

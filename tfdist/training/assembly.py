@@ -71,8 +71,8 @@ class AssemblyOptions:
     pipeline: the model cut into pipeline stages
       (`tfdist.parallel.pipeline.options.PipelineOptions`; None or one
       stage: not cut).
-    tensor_parallel: N replicas split the model's layers
-      (`tfdist.parallel.tensor.mode`; 1: off).
+    tensor_parallel: T, the replicas of each tensor group that split the
+      model's layers (`tfdist.parallel.tensor.mode`; 1: off).
     builder_config: what a model builder asking for `config` receives (the
       run's `tfdist.config.ModelBuilderConfig`, passed through unread).
   """
@@ -469,7 +469,8 @@ def build(options: AssemblyOptions, *, task: task_lib.Task,
   tensor_parallel = (tensor_parallel_step.build(
       functools.partial(build_model, options, task=task,
                         sync_batch_norm=plan.sync_batch_norm),
-      strategy) if options.tensor_parallel > 1 else None)
+      strategy, tensor=options.tensor_parallel)
+      if options.tensor_parallel > 1 else None)
   with strategy.scope():
     if tensor_parallel is not None:
       model, deferred = tensor_parallel.model, None
