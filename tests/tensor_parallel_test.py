@@ -531,6 +531,32 @@ class ArgumentsTest(absltest.TestCase):
                                                  dropout=1.5)
 
 
+  def test_dry_run_plan_names_the_mesh(self):
+    """The `--dry_run` plan's mesh lines for --tensor_parallel=2 on 4
+    replicas, as docs/guides/device-mesh.md shows them."""
+    from tfdist.training import run_plan  # pylint: disable=g-import-not-at-top
+    lines = run_plan.tensor_mesh_lines(2, 4)
+    self.assertIn("2 data-parallel copies x 2 tensor-parallel", lines[0])
+    self.assertEqual(lines[3].split(), ["replica", "1", "data", "0",
+                                        "pipeline", "0", "tensor", "1"])
+    self.assertEqual(lines[4].split(), ["replica", "2", "data", "1",
+                                        "pipeline", "0", "tensor", "0"])
+    with open(os.path.join(testutil.REPO_ROOT, "docs", "guides",
+                           "device-mesh.md"), encoding="utf-8") as f:
+      page = f.read()
+    shown = re.search(r"<!-- not run: output of the command above[^>]*-->\n"
+                      r"```text\n(.*?)```", page, re.S).group(1)
+    self.assertEqual(shown.splitlines(), lines)
+
+  def test_tensor_degree_not_dividing_the_replicas_is_refused(self):
+    from tfdist import errors  # pylint: disable=g-import-not-at-top
+    from tfdist.training import run_plan  # pylint: disable=g-import-not-at-top
+    with self.assertRaisesRegex(errors.ConfigError,
+                                r"--tensor_parallel=4 does not divide the 6 "
+                                r"devices\. Use one of \[1, 2, 3, 6\]"):
+      run_plan.tensor_mesh_lines(4, 6)
+
+
 class TensorParallelTest(absltest.TestCase):
 
   @classmethod
@@ -702,6 +728,57 @@ class TrainerTest(absltest.TestCase):
     result = self.results["after_resume"]
     self.assertEqual(result["same_keys"], True, result)
     self.assertLess(result["max_diff"], _TOLERANCE, result)
+
+
+class MeshTest(absltest.TestCase):
+  """`--tensor_parallel=2 --num_cpu_devices=4`: a 2 x 2 data x tensor mesh
+  against one device (`_mesh_child`, three children: SGD with momentum,
+  Adam, and the 2 x 2 checkpoint resumed with --tensor_parallel=2
+  alone)."""
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    root = testutil.scratch_dir()
+    cls.results = {}
+    for part in ("sgd", "adam", "t2"):
+      proc = _run_child(
+          "import json; from tests import tensor_parallel_test as t; "
+          f"print(json.dumps(t._mesh_child({root!r}, {part!r})))")
+      if proc.returncode:
+        raise AssertionError(f"mesh child {part} failed:\n"
+                             f"{proc.stderr[-4000:]}")
+      cls.results.update(json.loads(proc.stdout.strip().splitlines()[-1]))
+
+  def _assert_equal_runs(self, part):
+    results = self.results
+    self.assertEqual(results[f"{part}_replicas"], 4)
+    one, mesh = results[f"{part}_losses"]
+    # Loss counted once per tensor group, each copy its half of the batch,
+    # dropout masks of the global batch: one device's loss.
+    self.assertAlmostEqual(one, mesh, places=5)
+    one, mesh = results[f"{part}_evaluations"]
+    self.assertAlmostEqual(one, mesh, places=5)
+    after = results[f"{part}_after_3"]
+    # The gathered view under the unsharded keys and shapes (slots too),
+    # and the same values: every gradient summed over the data groups.
+    self.assertTrue(after["same_keys"], after)
+    self.assertTrue(after["same_shapes"], after)
+    self.assertLess(after["max_diff"], _TOLERANCE, after)
+
+  def test_sgd_with_momentum_equals_one_device(self):
+    self._assert_equal_runs("sgd")
+
+  def test_adam_equals_one_device(self):
+    # The embedding's sparse gradients are gathered over the data group,
+    # not summed: Adam squares each slice as one device does.
+    self._assert_equal_runs("adam")
+
+  def test_checkpoint_restores_unsharded_and_at_tensor_parallel_2(self):
+    for key in ("one_resumed", "t2_resumed"):
+      result = self.results[key]
+      self.assertTrue(result["same_keys"], result)
+      self.assertLess(result["max_diff"], _TOLERANCE, result)
 
 
 if __name__ == "__main__":

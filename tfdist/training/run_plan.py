@@ -15,6 +15,7 @@ from tfdist.data import data_checks
 from tfdist.data import input_pipeline
 from tfdist import errors
 from tfdist.core.strategy_kind import StrategyKind
+from tfdist.parallel import mesh as mesh_lib
 from tfdist.parallel.pipeline import options as pipeline_options
 from tfdist.training import batch_plan as batch_plan_lib
 from tfdist.training import lr_schedule
@@ -86,6 +87,7 @@ class PlanOptions:
   deterministic: bool = False
   all_reduce_dtype: str = reduce_dtype.FLOAT32
   pipeline: Optional[pipeline_options.PipelineOptions] = None
+  tensor_parallel: int = 1
 
   @classmethod
   def of(cls, *, task, loop, strategy, precision, memory, optimization,
@@ -108,7 +110,8 @@ class PlanOptions:
         zero_stage=memory.zero_stage_resolved,
         deterministic=loop.deterministic,
         all_reduce_dtype=strategy.all_reduce_dtype,
-        pipeline=pipeline_options.PipelineOptions.of(strategy.parallelism))
+        pipeline=pipeline_options.PipelineOptions.of(strategy.parallelism),
+        tensor_parallel=strategy.parallelism.tensor_parallel)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -277,7 +280,21 @@ class RunPlan:
           f"  pipeline               {self.pipeline.describe()}"
           f" of {plan.per_replica_batch_size // self.pipeline.num_microbatches}"
           " examples")
+    if options.tensor_parallel > 1:
+      lines += tensor_mesh_lines(options.tensor_parallel,
+                                 plan.num_replicas_in_sync)
     return lines
+
+
+def tensor_mesh_lines(tensor: int, replicas: int) -> List[str]:
+  """The plan's lines for `--tensor_parallel=T` on N replicas: the data x
+  tensor mesh (`DeviceMesh.plan_lines`, replicas named by index)."""
+  mesh = mesh_lib.DeviceMesh.build([f"replica {r}" for r in range(replicas)],
+                                   tensor=tensor)
+  return [f"  tensor_parallel        {tensor}: {mesh.data} data-parallel "
+          f"cop{'y' if mesh.data == 1 else 'ies'} x {tensor} tensor-"
+          "parallel replicas (D x T)"] + [
+              "    " + line for line in mesh.plan_lines()]
 
 
 def resolve_data_files(data: DataOptions, spec, *, need_eval: bool = True
