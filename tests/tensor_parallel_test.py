@@ -225,6 +225,24 @@ def _child(n: int) -> dict:
         found["optimizer_in_scope"] = None
       except errors.ConfigError as e:
         found["optimizer_in_scope"] = str(e)
+    # Split 2 ways over the 4 replicas (2 x 2): replica r holds shard
+    # r mod 2; ReplicaOptimizer, which does not sum over the copies,
+    # refuses it.
+    from tfdist.parallel.tensor import groups as groups_lib  # pylint: disable=g-import-not-at-top
+    with strategy.scope(), groups_lib.split_over(2):
+      layer = tp.ColumnParallelDense(8)
+      layer(keras.Input((5, 8)))
+    parts = [c.numpy() for c in tp._components(layer.kernel)]  # pylint: disable=protected-access
+    found["mesh_shards"] = [bool(np.array_equal(parts[r], parts[r % 2]))
+                            for r in range(4)] + [
+                                bool(np.array_equal(parts[0], parts[1]))]
+    found["mesh_full_shape"] = list(tp.gathered_weights(layer)[0].shape)
+    try:
+      tp.ReplicaOptimizer(keras.optimizers.SGD(0.1), layer.trainable_variables,
+                          strategy)
+      found["mesh_optimizer"] = None
+    except errors.ConfigError as e:
+      found["mesh_optimizer"] = str(e)
     for name, optimizer in (
         ("loss_scale", keras.optimizers.LossScaleOptimizer(
             keras.optimizers.SGD(0.1))),
@@ -657,6 +675,10 @@ class TensorParallelTest(absltest.TestCase):
     self.assertIn("LossScaleOptimizer", found["loss_scale"] or "")
     self.assertIn("gradient_accumulation_steps=2",
                   found["accumulation"] or "")
+    # split_over(2) on 4 replicas: shards 0, 1, 0, 1 (two different).
+    self.assertEqual(found["mesh_shards"], [True] * 4 + [False])
+    self.assertEqual(found["mesh_full_shape"], [8, 8])
+    self.assertIn("split 2 ways over 4 replicas", found["mesh_optimizer"] or "")
 
   def test_docs_example_runs(self):
     path = os.path.join(testutil.REPO_ROOT, "docs", "guides",

@@ -789,8 +789,9 @@ class ReplicaOptimizer:
 
   Raises:
     ConfigError: created inside a strategy's scope, with an optimizer
-      option that is not supported, or with a variable that does not have
-      one component per replica of `strategy`.
+      option that is not supported, with a variable that does not have
+      one component per replica of `strategy`, or with one split over a
+      tensor group smaller than the replicas (D > 1, `split_over`).
   """
 
   def __init__(self, optimizer: keras.optimizers.Optimizer, variables,
@@ -813,6 +814,15 @@ class ReplicaOptimizer:
     self.devices = _local_devices(strategy)
     per_variable = [_components(v) for v in self.variables]
     for v, components in zip(self.variables, per_variable):
+      shards = getattr(v, _NUM_SHARDS, None)
+      if shards is not None and shards != len(components):
+        raise errors.ConfigError(
+            f"ReplicaOptimizer: {getattr(v, 'path', v.name)} is split "
+            f"{shards} ways over {len(components)} replicas (data x tensor): "
+            "this optimizer does not sum gradients over the data-parallel "
+            "copies. Build the model outside `split_over` (one tensor group "
+            "of all replicas), or train it with tfdist's trainer "
+            "(--tensor_parallel with more devices).")
       if len(components) != len(self.devices):
         raise errors.ConfigError(
             f"ReplicaOptimizer: {getattr(v, 'path', v.name)} has "
