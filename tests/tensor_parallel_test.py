@@ -455,7 +455,8 @@ def _mesh_child(root: str, part: str) -> dict:
   `part`: "sgd" (SGD with momentum 0.9: the 2 x 2 and one-device runs;
   then the 2 x 2 checkpoint resumed for one more update on one device,
   beside the one-device run's own fourth update), "adam" (the same two
-  runs under Adam), or "t2" (in a process of 2 devices: the 2 x 2
+  runs under Adam, with --gradient_accumulation_steps=2), or "t2" (in a
+  process of 2 devices: the 2 x 2
   checkpoint of "sgd" resumed with --tensor_parallel=2 alone, D = 1). One
   MirroredStrategy per process (a second one would reuse the first one's
   collective keys)."""
@@ -478,8 +479,13 @@ def _mesh_child(root: str, part: str) -> dict:
              "tensor": dict(tensor_parallel=2, num_cpu_devices=2,
                             distribution_strategy="mirrored"),
              "one": dict(distribution_strategy="one_device")}
-  optimizer = dict(optimizer="adam", base_learning_rate=0.001) if (
-      part == "adam") else dict(optimizer="sgd", base_learning_rate=0.01)
+  # Adam also accumulates 2 micro-batches: 1 example per replica, and an
+  # evaluation round (38 examples, 4 a batch) whose last batch leaves one
+  # tensor group without examples.
+  optimizer = dict(optimizer="adam", base_learning_rate=0.001,
+                   gradient_accumulation_steps=2) if (
+                       part == "adam") else dict(optimizer="sgd",
+                                                 base_learning_rate=0.01)
 
   def run(folder, steps, layout):
     config = TrainConfig(
@@ -791,9 +797,9 @@ class MeshTest(absltest.TestCase):
   def test_sgd_with_momentum_equals_one_device(self):
     self._assert_equal_runs("sgd")
 
-  def test_adam_equals_one_device(self):
-    # The embedding's sparse gradients are gathered over the data group,
-    # not summed: Adam squares each slice as one device does.
+  def test_adam_with_accumulation_equals_one_device(self):
+    # Two micro-batches of one example per replica; the evaluation's last
+    # batch leaves a tensor group empty (it once crashed the process).
     self._assert_equal_runs("adam")
 
   def test_checkpoint_restores_unsharded_and_at_tensor_parallel_2(self):

@@ -147,7 +147,10 @@ def _gather_in_group(group, rank, *tensors):
   size = tf.shape(tf.nest.flatten(tensors[1])[0])[0]
   sizes = collectives.replica_all_gather(group, tf.reshape(size, [1]))
   start = tf.reduce_sum(sizes[:rank])
-  most = tf.reduce_max(sizes)
+  # At least one row each: a collective of empty tensors crashes
+  # TensorFlow 2.21's CPU gather (a tensor group with no examples in the
+  # last evaluation round).
+  most = tf.maximum(tf.reduce_max(sizes), 1)
   keep = tf.reshape(tf.sequence_mask(sizes, most), [-1])
 
   def gather(x):
@@ -158,6 +161,13 @@ def _gather_in_group(group, rank, *tensors):
   gathered = [None if t is None else tf.nest.map_structure(gather, t)
               for t in tensors]
   return gathered, start, size
+
+
+def _at_least_one_row(x):
+  """`x` [n, ...], or one row of zeros [1, ...] when n is 0."""
+  return tf.cond(tf.shape(x)[0] > 0, lambda: x,
+                 lambda: tf.zeros(tf.concat([[1], tf.shape(x)[1:]], 0),
+                                  x.dtype))
 
 
 def _sum_over(group, rank, grads):
@@ -360,17 +370,12 @@ class TensorParallelStep(mode_lib.StepMode):
     """`StepContext.eval_sums` of this replica's examples, the model
     run on the tensor group's gathered batch (a replica with no examples
     in the last round still takes part in the collectives; a tensor group
-    with none at all skips the model)."""
-    (all_inputs, all_labels), start, size, _ = self._gather(inputs, labels)
-    if self.groups.data == 1:
-      outputs = tf.cast(self.model(all_inputs, training=False), tf.float32)
-    else:
-      shape = [0] + [int(d) for d in self.model.output_shape[1:]]
-      outputs = tf.cond(
-          tf.shape(tf.nest.flatten(all_labels)[0])[0] > 0,
-          lambda: tf.cast(self.model(all_inputs, training=False),
-                          tf.float32),
-          lambda: tf.zeros(shape, tf.float32))
+    with none at all runs the model on one example of zeros, its output
+    unused: the model's collectives must run in every replica)."""
+    (all_inputs, _), start, size, _ = self._gather(inputs, labels)
+    if self.groups.data > 1:
+      all_inputs = tf.nest.map_structure(_at_least_one_row, all_inputs)
+    outputs = tf.cast(self.model(all_inputs, training=False), tf.float32)
     return trainer.eval_sums(
         inputs, labels, weights, mask, outputs=outputs[start:start + size])
 
