@@ -223,11 +223,15 @@ class TrainConfigTest(parameterized.TestCase):
           _TRANSFORMER, tensor_parallel=2,
           distribution_strategy="multi_worker_mirrored"),
        "--tensor_parallel=2 runs under --distribution_strategy=mirrored on "
-       "one host.*sub-groups"),
-      ("tensor_parallel_data_parallel", dict(
-          _TRANSFORMER, tensor_parallel=2, num_cpu_devices=4),
-       "--tensor_parallel=2 with --num_cpu_devices=4.* would add data "
-       "parallelism.*Pass --num_cpu_devices=2"),
+       "one host.*sub-group collectives across workers"),
+      ("tensor_parallel_devices_not_a_multiple", dict(
+          _TRANSFORMER, tensor_parallel=2, num_cpu_devices=3),
+       r"--tensor_parallel=2 with --num_cpu_devices=3: .* must be a "
+       r"multiple of 2\. Pass --num_cpu_devices=2 or 4, or a "
+       "--tensor_parallel that divides 3"),
+      ("tensor_parallel_gpus_not_a_multiple", dict(
+          _TRANSFORMER, tensor_parallel=4, num_gpus=6),
+       "--tensor_parallel=4 with --num_gpus=6: .* Pass --num_gpus=4 or 8"),
       ("tensor_parallel_zero", dict(_TRANSFORMER, tensor_parallel=2,
                                     zero_stage=1,
                                     distribution_strategy="mirrored"),
@@ -247,6 +251,16 @@ class TrainConfigTest(parameterized.TestCase):
     kwargs.update(changes)
     with self.assertRaisesRegex(errors.ConfigError, message):
       TrainConfig(**kwargs)
+
+  def test_tensor_parallel_beside_data_parallelism_is_accepted(self):
+    # D x T = 2 x 2: the replicas are two data-parallel copies of 2.
+    config = TrainConfig(model_dir="/m", train_steps=1, tensor_parallel=2,
+                         num_cpu_devices=4, **_TRANSFORMER)
+    self.assertEqual(tensor_parallel_options.replicas(
+        config.tensor_parallel, num_gpus=config.num_gpus,
+        num_cpu_devices=config.num_cpu_devices), 4)
+    self.assertEqual(tensor_parallel_options.replicas(
+        2, num_gpus=-1, num_cpu_devices=0), 2)
 
   def test_tensor_parallel_is_offered_only_where_it_divides(self):
     self.assertEqual(

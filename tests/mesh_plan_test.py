@@ -100,6 +100,11 @@ class MeshLayoutsTest(absltest.TestCase):
     self.assertEqual(meshes["D1 x P4 x T1"].data_traffic_bytes, 0)
     self.assertEqual(row.flags, "--pipeline_stages=2 --num_gpus=4 "
                      "--zero_stage=1")
+    tensor = _by_name(mesh_plan.mesh_layouts(_choice(4).facts))[
+        "D2 x P1 x T2"].memory
+    self.assertTrue(tensor.available)
+    self.assertEqual(tensor.flags, "--distribution_strategy=mirrored "
+                     "--tensor_parallel=2 --num_gpus=4")
     self.assertIn("ZeRO beside a pipeline", row.note)
     plain = _by_name(mesh_plan.mesh_layouts(_choice(4).facts))["D2 x P2 x T1"]
     self.assertTrue(plain.memory.available)

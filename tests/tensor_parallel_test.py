@@ -225,6 +225,24 @@ def _child(n: int) -> dict:
         found["optimizer_in_scope"] = None
       except errors.ConfigError as e:
         found["optimizer_in_scope"] = str(e)
+    # Split 2 ways over the 4 replicas (2 x 2): replica r holds shard
+    # r mod 2; ReplicaOptimizer, which does not sum over the copies,
+    # refuses it.
+    from tfdist.parallel.tensor import groups as groups_lib  # pylint: disable=g-import-not-at-top
+    with strategy.scope(), groups_lib.split_over(2):
+      layer = tp.ColumnParallelDense(8)
+      layer(keras.Input((5, 8)))
+    parts = [c.numpy() for c in tp._components(layer.kernel)]  # pylint: disable=protected-access
+    found["mesh_shards"] = [bool(np.array_equal(parts[r], parts[r % 2]))
+                            for r in range(4)] + [
+                                bool(np.array_equal(parts[0], parts[1]))]
+    found["mesh_full_shape"] = list(tp.gathered_weights(layer)[0].shape)
+    try:
+      tp.ReplicaOptimizer(keras.optimizers.SGD(0.1), layer.trainable_variables,
+                          strategy)
+      found["mesh_optimizer"] = None
+    except errors.ConfigError as e:
+      found["mesh_optimizer"] = str(e)
     for name, optimizer in (
         ("loss_scale", keras.optimizers.LossScaleOptimizer(
             keras.optimizers.SGD(0.1))),
@@ -428,6 +446,94 @@ def _trainer_child(root: str, resume: bool = False) -> dict:
   return results
 
 
+def _mesh_child(root: str, part: str) -> dict:
+  """`--tensor_parallel=2` on a 2 x 2 data x tensor mesh of 4 logical CPU
+  devices against one device, in this (fresh) process: the built-in
+  Transformer (dropout 0.1 on) on a subset of the clothing reviews, K = 3
+  updates with `--deterministic`, float32, in folders under `root`.
+
+  `part`: "sgd" (SGD with momentum 0.9: the 2 x 2 and one-device runs;
+  then the 2 x 2 checkpoint resumed for one more update on one device,
+  beside the one-device run's own fourth update), "adam" (the same two
+  runs under Adam, with --gradient_accumulation_steps=2), or "t2" (in a
+  process of 2 devices: the 2 x 2
+  checkpoint of "sgd" resumed with --tensor_parallel=2 alone, D = 1). One
+  MirroredStrategy per process (a second one would reuse the first one's
+  collective keys)."""
+  # pylint: disable=g-import-not-at-top
+  import shutil
+  import numpy as np
+  from tfdist import experiment
+  from tfdist.config import TrainConfig
+  from tfdist.data import clothing_reviews
+  from tfdist.distribute import devices
+  from tfdist.distribute import environment as environment_lib
+  # pylint: enable=g-import-not-at-top
+  devices.configure_cpu_devices(2 if part == "t2" else 4)
+  data = os.path.join(root, "clothing_reviews")
+  if not os.path.isdir(data):
+    clothing_reviews.convert_clothing_reviews(data, limit=200,
+                                              train_shards=1, test_shards=1)
+  layouts = {"mesh": dict(tensor_parallel=2, num_cpu_devices=4,
+                          distribution_strategy="mirrored"),
+             "tensor": dict(tensor_parallel=2, num_cpu_devices=2,
+                            distribution_strategy="mirrored"),
+             "one": dict(distribution_strategy="one_device")}
+  # Adam also accumulates 2 micro-batches: 1 example per replica, and an
+  # evaluation round (38 examples, 4 a batch) whose last batch leaves one
+  # tensor group without examples.
+  optimizer = dict(optimizer="adam", base_learning_rate=0.001,
+                   gradient_accumulation_steps=2) if (
+                       part == "adam") else dict(optimizer="sgd",
+                                                 base_learning_rate=0.01)
+
+  def run(folder, steps, layout):
+    config = TrainConfig(
+        model_dir=os.path.join(root, folder), model="transformer",
+        dataset="clothing_reviews",
+        train_files=os.path.join(data, "train-*.tfrecord.gz"),
+        eval_files=os.path.join(data, "test-*.tfrecord.gz"),
+        train_steps=steps, batch_size=8, deterministic=True, seed=3,
+        lr_scaling="none", log_steps=steps, **optimizer, **layouts[layout])
+    return experiment.run_experiment(
+        config, environment=environment_lib.read_environment({}))
+
+  def saved(folder):
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+    reader = tf.train.load_checkpoint(tf.train.latest_checkpoint(
+        os.path.join(root, folder, "checkpoints")))
+    return {k: reader.get_tensor(k) for k in reader.get_variable_to_shape_map()
+            if k.endswith("VARIABLE_VALUE")}
+
+  def compare(a, b):
+    floats = [k for k in a if k in b and a[k].dtype.kind == "f"]
+    diffs = {k: float(np.max(np.abs(a[k] - b[k]))) for k in floats}
+    worst = max(diffs, key=diffs.get)
+    return {"same_keys": sorted(a) == sorted(b), "keys": len(floats),
+            "same_shapes": all(a[k].shape == b[k].shape for k in floats),
+            "max_diff": diffs[worst], "worst": worst}
+
+  if part == "t2":
+    run("mesh_to_tensor", 4, "tensor")
+    return {"t2_resumed": compare(saved("mesh_to_tensor"), saved("one_sgd"))}
+  runs = {layout: run(f"{layout}_{part}", 3, layout)
+          for layout in ("one", "mesh")}
+  results = {
+      f"{part}_replicas": runs["mesh"]["num_replicas_in_sync"],
+      f"{part}_losses": [runs[k]["final_metrics"]["train_loss"]
+                         for k in ("one", "mesh")],
+      f"{part}_evaluations": [runs[k]["final_metrics"]["eval_loss"]
+                              for k in ("one", "mesh")],
+      f"{part}_after_3": compare(saved(f"mesh_{part}"), saved(f"one_{part}"))}
+  if part == "sgd":
+    for copy in ("mesh_to_one", "mesh_to_tensor"):
+      shutil.copytree(os.path.join(root, "mesh_sgd"), os.path.join(root, copy))
+    run("mesh_to_one", 4, "one")
+    run("one_sgd", 4, "one")
+    results["one_resumed"] = compare(saved("mesh_to_one"), saved("one_sgd"))
+  return results
+
+
 def _run_child(code: str) -> subprocess.CompletedProcess:
   return subprocess.run(
       [sys.executable, "-c", code], cwd=testutil.REPO_ROOT,
@@ -447,6 +553,32 @@ class ArgumentsTest(absltest.TestCase):
                                 r"0 <= dropout < 1\. Received: dropout=1\.5"):
       tensor_parallel.ParallelMultiHeadAttention(num_heads=2, key_dim=4,
                                                  dropout=1.5)
+
+
+  def test_dry_run_plan_names_the_mesh(self):
+    """The `--dry_run` plan's mesh lines for --tensor_parallel=2 on 4
+    replicas, as docs/guides/device-mesh.md shows them."""
+    from tfdist.training import run_plan  # pylint: disable=g-import-not-at-top
+    lines = run_plan.tensor_mesh_lines(2, 4)
+    self.assertIn("2 data-parallel copies x 2 tensor-parallel", lines[0])
+    self.assertEqual(lines[3].split(), ["replica", "1", "data", "0",
+                                        "pipeline", "0", "tensor", "1"])
+    self.assertEqual(lines[4].split(), ["replica", "2", "data", "1",
+                                        "pipeline", "0", "tensor", "0"])
+    with open(os.path.join(testutil.REPO_ROOT, "docs", "guides",
+                           "device-mesh.md"), encoding="utf-8") as f:
+      page = f.read()
+    shown = re.search(r"<!-- not run: output of the command above[^>]*-->\n"
+                      r"```text\n(.*?)```", page, re.S).group(1)
+    self.assertEqual(shown.splitlines(), lines)
+
+  def test_tensor_degree_not_dividing_the_replicas_is_refused(self):
+    from tfdist import errors  # pylint: disable=g-import-not-at-top
+    from tfdist.training import run_plan  # pylint: disable=g-import-not-at-top
+    with self.assertRaisesRegex(errors.ConfigError,
+                                r"--tensor_parallel=4 does not divide the 6 "
+                                r"devices\. Use one of \[1, 2, 3, 6\]"):
+      run_plan.tensor_mesh_lines(4, 6)
 
 
 class TensorParallelTest(absltest.TestCase):
@@ -549,6 +681,10 @@ class TensorParallelTest(absltest.TestCase):
     self.assertIn("LossScaleOptimizer", found["loss_scale"] or "")
     self.assertIn("gradient_accumulation_steps=2",
                   found["accumulation"] or "")
+    # split_over(2) on 4 replicas: shards 0, 1, 0, 1 (two different).
+    self.assertEqual(found["mesh_shards"], [True] * 4 + [False])
+    self.assertEqual(found["mesh_full_shape"], [8, 8])
+    self.assertIn("split 2 ways over 4 replicas", found["mesh_optimizer"] or "")
 
   def test_docs_example_runs(self):
     path = os.path.join(testutil.REPO_ROOT, "docs", "guides",
@@ -620,6 +756,57 @@ class TrainerTest(absltest.TestCase):
     result = self.results["after_resume"]
     self.assertEqual(result["same_keys"], True, result)
     self.assertLess(result["max_diff"], _TOLERANCE, result)
+
+
+class MeshTest(absltest.TestCase):
+  """`--tensor_parallel=2 --num_cpu_devices=4`: a 2 x 2 data x tensor mesh
+  against one device (`_mesh_child`, three children: SGD with momentum,
+  Adam, and the 2 x 2 checkpoint resumed with --tensor_parallel=2
+  alone)."""
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    root = testutil.scratch_dir()
+    cls.results = {}
+    for part in ("sgd", "adam", "t2"):
+      proc = _run_child(
+          "import json; from tests import tensor_parallel_test as t; "
+          f"print(json.dumps(t._mesh_child({root!r}, {part!r})))")
+      if proc.returncode:
+        raise AssertionError(f"mesh child {part} failed:\n"
+                             f"{proc.stderr[-4000:]}")
+      cls.results.update(json.loads(proc.stdout.strip().splitlines()[-1]))
+
+  def _assert_equal_runs(self, part):
+    results = self.results
+    self.assertEqual(results[f"{part}_replicas"], 4)
+    one, mesh = results[f"{part}_losses"]
+    # Loss counted once per tensor group, each copy its half of the batch,
+    # dropout masks of the global batch: one device's loss.
+    self.assertAlmostEqual(one, mesh, places=5)
+    one, mesh = results[f"{part}_evaluations"]
+    self.assertAlmostEqual(one, mesh, places=5)
+    after = results[f"{part}_after_3"]
+    # The gathered view under the unsharded keys and shapes (slots too),
+    # and the same values: every gradient summed over the data groups.
+    self.assertTrue(after["same_keys"], after)
+    self.assertTrue(after["same_shapes"], after)
+    self.assertLess(after["max_diff"], _TOLERANCE, after)
+
+  def test_sgd_with_momentum_equals_one_device(self):
+    self._assert_equal_runs("sgd")
+
+  def test_adam_with_accumulation_equals_one_device(self):
+    # Two micro-batches of one example per replica; the evaluation's last
+    # batch leaves a tensor group empty (it once crashed the process).
+    self._assert_equal_runs("adam")
+
+  def test_checkpoint_restores_unsharded_and_at_tensor_parallel_2(self):
+    for key in ("one_resumed", "t2_resumed"):
+      result = self.results[key]
+      self.assertTrue(result["same_keys"], result)
+      self.assertLess(result["max_diff"], _TOLERANCE, result)
 
 
 if __name__ == "__main__":

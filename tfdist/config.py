@@ -927,13 +927,14 @@ class ParallelismConfig:
   tensor_parallel: int = setting(
       1, "integer", "pipeline",
       help=("Split the built-in Transformer's attention heads and feed-"
-            "forward units over N replicas of one host (Megatron's tensor-"
-            "parallel layers): each replica keeps 1/N of those weights and "
-            "their optimizer state, and trains on the whole global batch; the"
-            " update equals one device's. 1: off. Only with "
-            "--model=transformer and --distribution_strategy mirrored (or "
-            "auto) on exactly N devices (no data parallelism beside it yet: "
-            "tfdist does not yet train on a data x tensor device mesh); not with "
+            "forward units over T replicas of one host (Megatron's tensor-"
+            "parallel layers): each replica keeps 1/T of those weights and "
+            "their optimizer state. With --num_gpus or --num_cpu_devices N "
+            "(a multiple of T; default T) the replicas are a data x tensor "
+            "mesh: N/T copies of T, each training on its 1/(N/T) of the "
+            "global batch, gradients summed over the copies; the update "
+            "equals one device's. 1: off. Only with --model=transformer and "
+            "--distribution_strategy mirrored (or auto) on one host; not with "
             "--zero_stage, --pipeline_stages, --enable_xla, --dtype=fp16 or "
             "clipping. Pays on fast device links (NVLink), not on CPUs. See "
             "docs/guides/tensor-parallelism.md."),

@@ -23,10 +23,12 @@ activations over its tensor group). An expert axis is reserved: its
 degree is 1 (`expert=` other than 1 is refused until expert parallelism
 lands).
 
-This module describes the layout only (no TensorFlow, no training): the
-trainer does not use it yet. `plan_lines()` is the `--dry_run` text (one
-line per device: its coordinates); `factorizations(n)` lists every
-(data, pipeline, tensor) whose product is n, for a planner.
+This module describes the layout only (no TensorFlow, no training). The
+trainer lays out `--tensor_parallel=T` on D x T replicas of one host with
+it (`tfdist.parallel.tensor.groups`); pipelines do not use it yet.
+`plan_lines()` is the `--dry_run` text (one line per device: its
+coordinates); `factorizations(n)` lists every (data, pipeline, tensor)
+whose product is n, for a planner.
 
 Refusals raise `tfdist.errors.ConfigError` (exit status 2), naming the flag
 (`--pipeline_stages`, `--tensor_parallel`), the value and the fix.

@@ -410,6 +410,23 @@ def _training_checkpoint(model: keras.Model, *, trainer, learning_rate,
       **({"random_state": random_state} if random_state else {}))
 
 
+def _split_step(options: AssemblyOptions, *, task: task_lib.Task,
+                strategy: tf.distribute.Strategy, plan):
+  """The step mode of a model split over replicas, built with its model:
+  tensor parallelism (`--tensor_parallel` > 1) or expert parallelism
+  (`--expert_parallel` > 1); None for the others."""
+  parallelism = options.strategy.parallelism
+  builder = functools.partial(build_model, options, task=task,
+                              sync_batch_norm=plan.sync_batch_norm)
+  if parallelism.tensor_parallel > 1:
+    return tensor_parallel_step.build(builder, strategy,
+                                      tensor=parallelism.tensor_parallel)
+  if parallelism.expert_parallel > 1:
+    return expert_parallel_step.build(builder, strategy,
+                                      parallelism.expert_parallel)
+  return None
+
+
 def build(options: AssemblyOptions, *, task: task_lib.Task,
           strategy: tf.distribute.Strategy, plan,
           on_tpu: bool = False) -> Parts:
@@ -431,19 +448,10 @@ def build(options: AssemblyOptions, *, task: task_lib.Task,
     ConfigError: the builder fails tfdist's checks, or no loss is known.
   """
   sharding = _sharding_for(options, strategy)
-  tensor_parallel = (tensor_parallel_step.build(
-      functools.partial(build_model, options, task=task,
-                        sync_batch_norm=plan.sync_batch_norm),
-      strategy) if options.strategy.parallelism.tensor_parallel > 1 else None)
-  expert_parallel = options.strategy.parallelism.expert_parallel
-  experts = (expert_parallel_step.build(
-      functools.partial(build_model, options, task=task,
-                        sync_batch_norm=plan.sync_batch_norm),
-      strategy, expert_parallel)
-             if expert_parallel > 1 else None)
+  split = _split_step(options, task=task, strategy=strategy, plan=plan)
   with strategy.scope():
-    if tensor_parallel is not None or experts is not None:
-      model, deferred = (tensor_parallel or experts).model, None
+    if split is not None:
+      model, deferred = split.model, None
     else:
       model, deferred = pipeline_step.build_model(
           functools.partial(build_model, options, task=task,
@@ -488,7 +496,7 @@ def build(options: AssemblyOptions, *, task: task_lib.Task,
                     class_weight=class_weight,
                     bytes_per_pack=options.strategy.bytes_per_pack,
                     all_reduce_dtype=options.strategy.all_reduce_dtype,
-                    mode=pipeline or tensor_parallel or experts)
+                    mode=pipeline or split)
   _log_trainer(trainer, options, plan=plan, sharding=sharding, on_tpu=on_tpu)
   checkpoint = _training_checkpoint(model, trainer=trainer,
                                     learning_rate=learning_rate)

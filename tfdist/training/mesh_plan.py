@@ -110,9 +110,9 @@ def unavailable_reason(data: int, pipeline: int, tensor: int,
   can be sharded; tensor parallelism needs a model its layers split (the
   built-in Transformer, `facts.tensor_parallel_flag`); a ZeRO stage beside
   a pipeline or tensor parallelism (hybrid sharding) and pipeline x tensor
-  meshes are not built yet; nor is data parallelism beside tensor
-  parallelism. Data x pipeline runs in one process
-  (`tfdist.parallel.pipeline.copies`).
+  meshes are not built yet. Data x pipeline runs in one process
+  (`tfdist.parallel.pipeline.copies`), data x tensor on one host's
+  Mirrored replicas (`tfdist.parallel.tensor.groups`).
   """
   if zero_stage and data == 1:
     return "ZeRO needs data parallelism (D > 1)"
@@ -127,8 +127,6 @@ def unavailable_reason(data: int, pipeline: int, tensor: int,
     return "pipeline x tensor meshes are not built yet"
   if zero_stage and (pipeline > 1 or tensor > 1):
     return "ZeRO beside a pipeline or tensor parallelism is not built yet"
-  if data > 1 and tensor > 1:
-    return "data parallelism beside tensor parallelism is not built yet"
   return ""
 
 
@@ -137,11 +135,13 @@ def _flags(data: int, pipeline: int, tensor: int, zero_stage: int,
   parts = []
   if pipeline > 1:
     parts.append(f"--pipeline_stages={pipeline}")
-    if data > 1:  # The pipeline's copies: the devices asked for.
-      devices = "--num_cpu_devices" if facts.shared_memory else "--num_gpus"
-      parts.append(f"{devices}={data * pipeline * tensor}")
   if tensor > 1:
-    parts.append(f"--tensor_parallel={tensor}")
+    parts += ["--distribution_strategy=mirrored",
+              f"--tensor_parallel={tensor}"]
+  if data > 1 and (pipeline > 1 or tensor > 1):
+    # The copies of a model-parallel layout: the devices asked for.
+    devices = "--num_cpu_devices" if facts.shared_memory else "--num_gpus"
+    parts.append(f"{devices}={data * pipeline * tensor}")
   if zero_stage:
     parts.append(f"--zero_stage={zero_stage}")
   return " ".join(parts)

@@ -15,6 +15,7 @@ from tfdist.data import data_checks
 from tfdist.data import input_pipeline
 from tfdist import errors
 from tfdist.core.strategy_kind import StrategyKind
+from tfdist.parallel import mesh as mesh_lib
 from tfdist.parallel.pipeline import options as pipeline_options
 from tfdist.training import batch_plan as batch_plan_lib
 from tfdist.training import lr_schedule
@@ -268,7 +269,21 @@ class RunPlan:
           f" of {micro} examples")
       if self.pipeline.data > 1:
         lines += ["  " + line for line in self.pipeline.mesh().plan_lines()]
+    tensor_parallel = options.strategy.parallelism.tensor_parallel
+    if tensor_parallel > 1:
+      lines += tensor_mesh_lines(tensor_parallel, plan.num_replicas_in_sync)
     return lines
+
+
+def tensor_mesh_lines(tensor: int, replicas: int) -> List[str]:
+  """The plan's lines for `--tensor_parallel=T` on N replicas: the data x
+  tensor mesh (`DeviceMesh.plan_lines`, replicas named by index)."""
+  mesh = mesh_lib.DeviceMesh.build([f"replica {r}" for r in range(replicas)],
+                                   tensor=tensor)
+  return [f"  tensor_parallel        {tensor}: {mesh.data} data-parallel "
+          f"cop{'y' if mesh.data == 1 else 'ies'} x {tensor} tensor-"
+          "parallel replicas (D x T)"] + [
+              "    " + line for line in mesh.plan_lines()]
 
 
 def resolve_data_files(data: DataOptions, spec, *, need_eval: bool = True

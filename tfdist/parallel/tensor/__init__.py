@@ -5,7 +5,10 @@ Modules:
            parallel multi-head attention, each replica holding 1/N of
            their weights (also importable as the documented
            `tfdist.parallel.tensor_parallel`).
-  options  `--tensor_parallel=N`, checked at start (no TensorFlow).
+  groups   the replicas' data x tensor groups (`--tensor_parallel=T` on
+           D x T replicas) and `split_over(T)`, the scope the layers are
+           built in to split T ways.
+  options  `--tensor_parallel=T`, checked at start (no TensorFlow).
   mode     the `tensor` step mode (`TensorParallelStep`,
            `tfdist.parallel.mode.StepMode`), its gathered view and `build`.
 

@@ -49,9 +49,14 @@ under `--tensor_parallel` applies the run's optimizer inside
 `strategy.run` with that sum turned off, so each replica's variables get
 that replica's gradients: `tfdist.parallel.tensor.mode`.)
 
-Every replica is one tensor-parallel rank; combining with data parallelism
-needs collectives over sub-groups of the replicas, which `tf.distribute`
-does not expose (`ReplicaContext` collectives span all replicas).
+Built inside `tfdist.parallel.tensor.groups.split_over(T)` on N = D * T
+replicas, the layers split their weights T ways: replica r holds shard
+r mod T, and each tensor group of T consecutive replicas (one data-parallel
+copy) runs f, g and the gather over its own replicas with
+`tfdist.parallel.collectives`' sub-group collectives (`replica_`
+functions: inside `strategy.run` traced by `tf.function` only). Outside
+that scope (or with T = N) every replica is one rank and the operators use
+`ReplicaContext`'s collectives over all replicas.
 """
 
 import math
@@ -62,9 +67,21 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist import errors
+from tfdist.parallel import collectives
+from tfdist.parallel.tensor import groups as groups_lib
 
 # The attribute of a sharded Keras variable naming the axis it is split on.
 _SHARD_AXIS = "_tfdist_tensor_parallel_axis"
+# ... and the number of shards T (replica r holds shard r mod T).
+_NUM_SHARDS = "_tfdist_tensor_parallel_shards"
+
+
+def _mesh_place(groups, what: str):
+  """This replica's `groups_lib.Placement` when `groups` splits the
+  replicas into several tensor groups (D > 1), else None."""
+  if groups is None or groups.data == 1:
+    return None
+  return groups.here(what)
 
 
 # --- the two operators (and a gather) ----------------------------------------
@@ -77,14 +94,16 @@ def _replica_context(what: str) -> tf.distribute.ReplicaContext:
   return tf.distribute.get_replica_context()
 
 
-def copy_to_tensor_parallel_region(x: tf.Tensor) -> tf.Tensor:
+def copy_to_tensor_parallel_region(x: tf.Tensor, groups=None) -> tf.Tensor:
   """Megatron's f: identity forward, all-reduce (sum) backward.
 
   Put before a column-parallel computation whose input is the same on
-  every replica. Call inside `strategy.run`.
+  every replica of the tensor group. Call inside `strategy.run`.
 
   Args:
-    x: any floating tensor, the same on every replica.
+    x: any floating tensor, the same on every replica of the group.
+    groups: the layer's `groups_lib.TensorGroups` (the all-reduce runs
+      over this replica's tensor group); None: over every replica.
 
   Returns:
     `x` (same shape and dtype). Its gradient is the sum over replicas of
@@ -94,6 +113,9 @@ def copy_to_tensor_parallel_region(x: tf.Tensor) -> tf.Tensor:
     ConfigError: called in cross-replica context.
   """
   context = _replica_context("copy_to_tensor_parallel_region")
+  place = _mesh_place(groups, "copy_to_tensor_parallel_region")
+  if place is not None:
+    return collectives.replica_copy_to_group(place.tensor_group, x)
   if context.num_replicas_in_sync == 1:
     return x
 
@@ -106,15 +128,17 @@ def copy_to_tensor_parallel_region(x: tf.Tensor) -> tf.Tensor:
   return f(x)
 
 
-def reduce_from_tensor_parallel_region(x: tf.Tensor) -> tf.Tensor:
+def reduce_from_tensor_parallel_region(x: tf.Tensor,
+                                       groups=None) -> tf.Tensor:
   """Megatron's g: all-reduce (sum) forward, identity backward.
 
-  Sums a row-parallel computation's partial results. Call inside
-  `strategy.run`.
+  Sums a row-parallel computation's partial results over the tensor
+  group. Call inside `strategy.run`.
 
   Args:
     x: a floating tensor of the same shape on every replica (this
       replica's partial sum).
+    groups: as `copy_to_tensor_parallel_region`'s.
 
   Returns:
     The sum of `x` over replicas (same shape and dtype). Its gradient is
@@ -125,6 +149,9 @@ def reduce_from_tensor_parallel_region(x: tf.Tensor) -> tf.Tensor:
     ConfigError: called in cross-replica context.
   """
   context = _replica_context("reduce_from_tensor_parallel_region")
+  place = _mesh_place(groups, "reduce_from_tensor_parallel_region")
+  if place is not None:
+    return collectives.replica_reduce_from_group(place.tensor_group, x)
   if context.num_replicas_in_sync == 1:
     return x
 
@@ -137,8 +164,8 @@ def reduce_from_tensor_parallel_region(x: tf.Tensor) -> tf.Tensor:
   return g(x)
 
 
-def gather_from_tensor_parallel_region(x: tf.Tensor,
-                                       axis: int = -1) -> tf.Tensor:
+def gather_from_tensor_parallel_region(x: tf.Tensor, axis: int = -1,
+                                       groups=None) -> tf.Tensor:
   """All-gather forward, this replica's slice backward.
 
   Turns per-replica slices [..., d/N] into the whole [..., d] on every
@@ -149,6 +176,8 @@ def gather_from_tensor_parallel_region(x: tf.Tensor,
     x: a tensor of the same shape on every replica; replica r holds slice
       r along `axis`.
     axis: the axis to concatenate along (static).
+    groups: as `copy_to_tensor_parallel_region`'s (replica order within
+      the tensor group).
 
   Returns:
     The slices concatenated in replica order along `axis`: the size of
@@ -160,16 +189,20 @@ def gather_from_tensor_parallel_region(x: tf.Tensor,
     ConfigError: called in cross-replica context.
   """
   context = _replica_context("gather_from_tensor_parallel_region")
-  n = context.num_replicas_in_sync
+  place = _mesh_place(groups, "gather_from_tensor_parallel_region")
+  n = context.num_replicas_in_sync if place is None else (
+      place.tensor_group.size)
   if n == 1:
     return x
   axis = axis % len(x.shape)
+  rank = context.replica_id_in_sync_group if place is None else place.tensor
 
   @tf.custom_gradient
   def gather(t):
     def grad(dy):
-      return tf.stack(tf.split(dy, n, axis=axis))[
-          context.replica_id_in_sync_group]
+      return tf.stack(tf.split(dy, n, axis=axis))[rank]
+    if place is not None:
+      return collectives.replica_all_gather(place.tensor_group, t, axis), grad
     return context.all_gather(t, axis), grad
 
   return gather(x)
@@ -184,8 +217,10 @@ def _local_devices(strategy: tf.distribute.Strategy) -> list:
     return [None]
 
 
-def _num_shards(layer_name: str) -> int:
-  """The replicas of the current strategy; refuses what cannot work."""
+def _num_shards(layer_name: str) -> groups_lib.TensorGroups:
+  """The current strategy's replicas as data x tensor groups (T from the
+  `groups_lib.split_over` scope, else every replica); refuses what cannot
+  work."""
   strategy = tf.distribute.get_strategy()
   if tf.distribute.has_strategy() and not tf.distribute.in_cross_replica_context():
     raise errors.ConfigError(
@@ -193,23 +228,26 @@ def _num_shards(layer_name: str) -> int:
         "`strategy.scope()` first (call it on `keras.Input`s, or "
         "`layer.build(shape)`), then call it inside `strategy.run`.")
   n = strategy.num_replicas_in_sync
-  local = len(_local_devices(strategy))
-  if n != local:
+  devices = _local_devices(strategy)
+  if n != len(devices):
     raise errors.ConfigError(
         f"{layer_name} splits its weights over the replicas of one host; "
-        f"{type(strategy).__name__} has {n} replicas, {local} of them here. "
-        "Use MirroredStrategy over this host's devices.")
-  return n
+        f"{type(strategy).__name__} has {n} replicas, {len(devices)} of them "
+        "here. Use MirroredStrategy over this host's devices.")
+  tensor = groups_lib.current_degree() or n
+  if devices == [None]:
+    devices = ["/cpu:0"]
+  return groups_lib.groups_for(devices, tensor)
 
 
 def _check_divides(layer_name: str, argument: str, value: int, n: int):
   if value % n:
     smaller = value - value % n
     raise errors.ConfigError(
-        f"{layer_name} splits {argument} over the {n} replicas in sync, and "
-        f"{argument}={value} is not a multiple of {n}. Choose a multiple of "
-        f"{n} (e.g. {smaller or n} or {smaller + n}), or run on a number of "
-        f"replicas that divides {value}.")
+        f"{layer_name} splits {argument} into {n} shards (one per replica "
+        f"of a tensor group), and {argument}={value} is not a multiple of "
+        f"{n}. Choose a multiple of {n} (e.g. {smaller or n} or "
+        f"{smaller + n}), or a tensor-parallel degree that divides {value}.")
 
 
 def _components(variable) -> tuple:
@@ -220,8 +258,9 @@ def _components(variable) -> tuple:
 
 def _add_sharded_weight(layer, name: str, full_shape: Sequence[int],
                         axis: int, initializer, num_shards: int):
-  """A trainable sync-on-read variable holding 1/N of `full_shape` along
-  `axis` per replica, initialized by slicing one full initialization."""
+  """A trainable sync-on-read variable holding 1/T (`num_shards`) of
+  `full_shape` along `axis` per replica (replica r: shard r mod T),
+  initialized by slicing one full initialization."""
   shard_shape = list(full_shape)
   shard_shape[axis] //= num_shards
   with tf.init_scope(), keras.name_scope(layer.name, caller=layer):
@@ -232,16 +271,27 @@ def _add_sharded_weight(layer, name: str, full_shape: Sequence[int],
     full = keras.initializers.get(initializer)(tuple(full_shape),
                                                dtype=layer.variable_dtype)
   setattr(variable, _SHARD_AXIS, axis)
+  setattr(variable, _NUM_SHARDS, num_shards)
   _assign_full(variable, np.asarray(full))
   return variable
+
+
+def shard_components(variable) -> tuple:
+  """The per-replica tf.Variables holding shards 0 ... T-1 of a sharded
+  variable, in shard order (replicas 0 ... T-1: the first data copy's
+  tensor group), or every component of another one."""
+  components = _components(variable)
+  if getattr(variable, _SHARD_AXIS, None) is None:
+    return components
+  return components[:getattr(variable, _NUM_SHARDS, len(components))]
 
 
 def _full_value(variable) -> np.ndarray:
   axis = getattr(variable, _SHARD_AXIS, None)
   if axis is None:
     return np.asarray(variable.numpy())
-  return np.concatenate([np.asarray(c.numpy()) for c in _components(variable)],
-                        axis=axis)
+  return np.concatenate([np.asarray(c.numpy())
+                         for c in shard_components(variable)], axis=axis)
 
 
 def _assign_full(variable, value: np.ndarray) -> None:
@@ -250,16 +300,17 @@ def _assign_full(variable, value: np.ndarray) -> None:
     variable.assign(value)
     return
   components = _components(variable)
+  t = getattr(variable, _NUM_SHARDS, len(components))
   full_shape = list(variable.shape)
-  full_shape[axis] *= len(components)
+  full_shape[axis] *= t
   if tuple(value.shape) != tuple(full_shape):
     raise ValueError(
         f"{variable.path}: the full weight has shape {tuple(full_shape)} "
-        f"({len(components)} shards of {tuple(variable.shape)} along axis "
+        f"({t} shards of {tuple(variable.shape)} along axis "
         f"{axis}); received shape {tuple(value.shape)}.")
-  for component, piece in zip(components,
-                              np.split(value, len(components), axis=axis)):
-    component.assign(piece)
+  pieces = np.split(value, t, axis=axis)
+  for r, component in enumerate(components):
+    component.assign(pieces[r % t])
 
 
 def gathered_weights(layer: keras.layers.Layer) -> List[np.ndarray]:
@@ -353,21 +404,26 @@ def splittable_weight_bytes(model: keras.Model) -> int:
 
 
 class _TensorParallelLayer(keras.layers.Layer):
-  """Remembers the replica count the shards were made for."""
+  """Remembers the shard count T and the replicas' groups the shards were
+  made for."""
 
   num_shards: Optional[int] = None
+  groups: Optional[groups_lib.TensorGroups] = None
 
   def _set_num_shards(self) -> int:
-    self.num_shards = _num_shards(type(self).__name__)
+    self.groups = _num_shards(type(self).__name__)
+    self.num_shards = self.groups.tensor
     return self.num_shards
 
   def _replica_context(self) -> tf.distribute.ReplicaContext:
     context = _replica_context(f"{type(self).__name__} {self.name!r}")
-    if context.num_replicas_in_sync != self.num_shards:
+    replicas = self.groups.replicas if self.groups else self.num_shards
+    if context.num_replicas_in_sync != replicas:
       raise errors.ConfigError(
           f"{type(self).__name__} {self.name!r} holds {self.num_shards} "
-          f"shards and was called with {context.num_replicas_in_sync} "
-          "replicas in sync. Build and call it under the same strategy.")
+          f"shards over {replicas} replicas and was called with "
+          f"{context.num_replicas_in_sync} replicas in sync. Build and call "
+          "it under the same strategy.")
     return context
 
 
@@ -433,13 +489,15 @@ class ColumnParallelDense(_TensorParallelLayer):
 
   def call(self, inputs):
     self._replica_context()
-    outputs = tf.matmul(copy_to_tensor_parallel_region(inputs), self.kernel)
+    outputs = tf.matmul(copy_to_tensor_parallel_region(inputs, self.groups),
+                        self.kernel)
     if self.use_bias:
       outputs = outputs + self.bias
     if self.activation is not None:
       outputs = self.activation(outputs)
     if self.gather_output:
-      outputs = gather_from_tensor_parallel_region(outputs, axis=-1)
+      outputs = gather_from_tensor_parallel_region(outputs, axis=-1,
+                                                   groups=self.groups)
     return outputs
 
   def get_config(self):
@@ -508,7 +566,7 @@ class RowParallelDense(_TensorParallelLayer):
   def call(self, inputs):
     self._replica_context()
     outputs = reduce_from_tensor_parallel_region(
-        tf.matmul(inputs, self.kernel))
+        tf.matmul(inputs, self.kernel), self.groups)
     if self.use_bias:
       outputs = outputs + self.bias
     if self.activation is not None:
@@ -649,7 +707,7 @@ class ParallelMultiHeadAttention(_TensorParallelLayer):
 
     def copy(x):
       if id(x) not in copied:
-        copied[id(x)] = copy_to_tensor_parallel_region(x)
+        copied[id(x)] = copy_to_tensor_parallel_region(x, self.groups)
       return copied[id(x)]
 
     q = self._project(copy(query), self.query_kernel, self.query_bias)
@@ -671,7 +729,7 @@ class ParallelMultiHeadAttention(_TensorParallelLayer):
       weights = weights * self._head_dropout_mask(weights, replica)
     context = tf.einsum("bhts,bshv->bthv", weights, v)
     outputs = reduce_from_tensor_parallel_region(
-        tf.einsum("bthv,hvo->bto", context, self.output_kernel))
+        tf.einsum("bthv,hvo->bto", context, self.output_kernel), self.groups)
     if self.use_bias:
       outputs = outputs + self.output_bias
     return outputs
@@ -688,7 +746,9 @@ class ParallelMultiHeadAttention(_TensorParallelLayer):
       return full
     full = tf.reshape(full, [shape[0], n, self.num_heads // n, shape[2],
                              shape[3]])
-    return tf.gather(full, replica.replica_id_in_sync_group, axis=1)
+    # This replica's heads: those of its shard, r mod T.
+    return tf.gather(full, tf.math.floormod(replica.replica_id_in_sync_group,
+                                            n), axis=1)
 
   def get_config(self):
     config = super().get_config()
@@ -729,8 +789,9 @@ class ReplicaOptimizer:
 
   Raises:
     ConfigError: created inside a strategy's scope, with an optimizer
-      option that is not supported, or with a variable that does not have
-      one component per replica of `strategy`.
+      option that is not supported, with a variable that does not have
+      one component per replica of `strategy`, or with one split over a
+      tensor group smaller than the replicas (D > 1, `split_over`).
   """
 
   def __init__(self, optimizer: keras.optimizers.Optimizer, variables,
@@ -753,6 +814,15 @@ class ReplicaOptimizer:
     self.devices = _local_devices(strategy)
     per_variable = [_components(v) for v in self.variables]
     for v, components in zip(self.variables, per_variable):
+      shards = getattr(v, _NUM_SHARDS, None)
+      if shards is not None and shards != len(components):
+        raise errors.ConfigError(
+            f"ReplicaOptimizer: {getattr(v, 'path', v.name)} is split "
+            f"{shards} ways over {len(components)} replicas (data x tensor): "
+            "this optimizer does not sum gradients over the data-parallel "
+            "copies. Build the model outside `split_over` (one tensor group "
+            "of all replicas), or train it with tfdist's trainer "
+            "(--tensor_parallel with more devices).")
       if len(components) != len(self.devices):
         raise errors.ConfigError(
             f"ReplicaOptimizer: {getattr(v, 'path', v.name)} has "

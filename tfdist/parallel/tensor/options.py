@@ -1,11 +1,15 @@
-"""`--tensor_parallel=N`, checked at start (pure Python, no TensorFlow).
+"""`--tensor_parallel=T`, checked at start (pure Python, no TensorFlow).
 
-N > 1 splits the built-in Transformer's attention heads and feed-forward
-units over the N replicas of a `MirroredStrategy` on one host (Megatron's
-layers, `tfdist.parallel.tensor_parallel`); every replica trains on the
-whole global batch. `check_flags` refuses what that cannot run, naming the
-flag, the value and the fix, before anything is built; `tfdist.config`
-calls it while it validates a `TrainConfig`. The backend is
+T > 1 splits the built-in Transformer's attention heads and feed-forward
+units over T replicas of a `MirroredStrategy` on one host (Megatron's
+layers, `tfdist.parallel.tensor_parallel`). The run has N replicas
+(`replicas`: `--num_gpus` or `--num_cpu_devices` when given above 1,
+else T), laid out as D = N / T data-parallel copies of T
+(`tfdist.parallel.mesh.DeviceMesh.build(devices, tensor=T)`): each copy
+trains on its 1/D of the global batch and the gradients are summed over
+the copies. `check_flags` refuses what that cannot run, naming the flag,
+the value and the fix, before anything is built; `tfdist.config` calls it
+while it validates a `TrainConfig`. The backend is
 `tfdist.backends.tensor_parallel`, the trainer's step
 `tfdist.parallel.tensor.mode`.
 """
@@ -16,11 +20,10 @@ from tfdist import errors
 
 # The one model built from the tensor-parallel layers.
 MODELS = ("transformer",)
-# Strategies it runs under: one host's replicas are the tensor-parallel
-# group. Data parallelism beside it needs all-reduces over sub-groups of
-# the replicas (the same shard on each data-parallel copy):
-# tf.distribute exposes only collectives over all replicas, and the trainer
-# does not yet use tfdist.parallel.collectives' sub-group ones for it.
+# Strategies it runs under: one host's replicas are the data x tensor
+# mesh (the sub-group collectives of `tfdist.parallel.collectives` run
+# inside one process's `strategy.run`; across workers the trainer does not
+# yet use them).
 STRATEGIES = ("auto", "mirrored")
 # What each rank gets a share of in the built-in Transformer
 # (models/transformer.py's defaults): its 4 attention heads and 128
@@ -39,6 +42,16 @@ def flags_for(model: str, num_devices: int) -> str:
   if model not in MODELS or num_devices < 2 or not divides(num_devices):
     return ""
   return f"--distribution_strategy=mirrored --tensor_parallel={num_devices}"
+
+
+def replicas(tensor_parallel: int, *, num_gpus: int,
+             num_cpu_devices: int) -> int:
+  """N, the replicas of a `--tensor_parallel=T` run: `--num_gpus` when
+  above 0, else `--num_cpu_devices` when above 1, else T (one tensor
+  group, D = 1)."""
+  if num_gpus > 0:
+    return num_gpus
+  return num_cpu_devices if num_cpu_devices > 1 else tensor_parallel
 
 
 # The settings (flag names) `check_flags` reads, for the step mode's
@@ -74,12 +87,12 @@ def check_flags(*, tensor_parallel: int, model: str,
       num_cpu_devices: the run's flags of those names.
 
   Raises:
-    errors.ConfigError: N < 1; N not dividing the Transformer's heads and
-      feed-forward units; N > 1 with another model than the built-in
+    errors.ConfigError: T < 1; T not dividing the Transformer's heads and
+      feed-forward units; T > 1 with another model than the built-in
       Transformer, another strategy than mirrored (or auto), ZeRO,
       pipeline stages, XLA, fp16, gradient clipping, --init_checkpoint,
-      or more devices than N (data parallelism beside tensor
-      parallelism).
+      or a device count (--num_gpus, --num_cpu_devices) that T does not
+      divide.
   """
   if not isinstance(tensor_parallel, int) or tensor_parallel < 1:
     raise errors.ConfigError(f"--tensor_parallel={tensor_parallel} must be "
@@ -104,12 +117,12 @@ def check_flags(*, tensor_parallel: int, model: str,
   if distribution_strategy not in STRATEGIES:
     raise errors.ConfigError(
         f"{flag} runs under --distribution_strategy=mirrored on one host "
-        f"(its N replicas are the tensor-parallel group); received "
-        f"--distribution_strategy={distribution_strategy}. Combining it "
-        "with data parallelism needs all-reduces over sub-groups of the "
-        "replicas, which tfdist does not yet do (a data x tensor device "
-        "mesh). Use "
-        "--distribution_strategy=mirrored, or drop --tensor_parallel.")
+        f"(its replicas are a data x tensor mesh); received "
+        f"--distribution_strategy={distribution_strategy}: the trainer "
+        "does not yet run the mesh's sub-group collectives across workers. "
+        "Use --distribution_strategy=mirrored (data parallelism beside it "
+        "on this host: --num_gpus or --num_cpu_devices a multiple of "
+        f"{n}), or drop --tensor_parallel.")
   _check_devices(flag, n, num_gpus=num_gpus, num_cpu_devices=num_cpu_devices)
   _check_incompatible_settings(
       flag, zero_stage=zero_stage, pipeline_stages=pipeline_stages,
@@ -119,19 +132,23 @@ def check_flags(*, tensor_parallel: int, model: str,
 
 def _check_devices(flag: str, n: int, *, num_gpus: int,
                    num_cpu_devices: int) -> None:
-  """Refuses more replicas than the N tensor-parallel ranks (`flag`).
+  """Refuses a device count the T tensor-parallel ranks (`flag`, T = `n`)
+  do not divide: the replicas are D = devices / T copies of T.
 
   Raises:
-    errors.ConfigError: --num_gpus (or --num_cpu_devices) > 1 and not N.
+    errors.ConfigError: --num_gpus (or --num_cpu_devices) > 1 and not a
+      multiple of T.
   """
-  devices = num_gpus if num_gpus > 0 else num_cpu_devices
-  if devices > 1 and devices != n:
+  devices = replicas(n, num_gpus=num_gpus, num_cpu_devices=num_cpu_devices)
+  if devices % n:
     name = "--num_gpus" if num_gpus > 0 else "--num_cpu_devices"
+    lower, higher = devices - devices % n, devices - devices % n + n
     raise errors.ConfigError(
-        f"{flag} with {name}={devices}: every replica is one "
-        f"tensor-parallel rank, so the run needs exactly {n} replicas; "
-        f"{devices} would add data parallelism, which needs sub-group "
-        f"all-reduces tf.distribute does not offer. Pass {name}={n}.")
+        f"{flag} with {name}={devices}: the replicas are data-parallel "
+        f"copies of {n} tensor-parallel ranks each, so their number must be "
+        f"a multiple of {n}. Pass {name}="
+        + (f"{lower} or {higher}" if lower else f"{higher}")
+        + f", or a --tensor_parallel that divides {devices}.")
 
 
 def _check_incompatible_settings(
