@@ -555,6 +555,24 @@ class ArgumentsTest(absltest.TestCase):
                                                  dropout=1.5)
 
 
+  def test_gathered_view_made_twice_takes_the_second_read_and_write(self):
+    # Building the checkpoint view of one model twice (expert parallelism
+    # did) mixed _Gathered into the variable's class again: TypeError.
+    import keras  # pylint: disable=g-import-not-at-top
+    import numpy as np  # pylint: disable=g-import-not-at-top
+    from tfdist.parallel.tensor import mode as tensor_mode  # pylint: disable=g-import-not-at-top
+    variable = keras.Variable(np.zeros([2], np.float32), name="view")
+    written = []
+    tensor_mode._gather_through(  # pylint: disable=protected-access
+        variable, lambda: np.ones([2], np.float32), written.append)
+    tensor_mode._gather_through(  # pylint: disable=protected-access
+        variable, lambda: np.full([2], 2.0, np.float32), written.append)
+    saved = variable._serialize_to_tensors()  # pylint: disable=protected-access
+    self.assertEqual(list(next(iter(saved.values())).numpy()), [2.0, 2.0])
+    variable._restore_from_tensors(  # pylint: disable=protected-access
+        {"VARIABLE_VALUE": np.full([2], 3.0, np.float32)})
+    self.assertEqual([list(w) for w in written], [[3.0, 3.0]])
+
   def test_dry_run_plan_names_the_mesh(self):
     """The `--dry_run` plan's mesh lines for --tensor_parallel=2 on 4
     replicas, as docs/guides/device-mesh.md shows them."""

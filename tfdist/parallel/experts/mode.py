@@ -54,14 +54,7 @@ from tfdist.parallel.tensor import mode as tensor_mode
 _components = tp_lib._components  # pylint: disable=protected-access
 
 
-def _gather_through(view, read, write) -> None:
-  """`tensor_mode._gather_through`, also on a view variable that already
-  saves through another read and write (a second checkpoint view of the
-  same model): that one's class cannot be mixed in again."""
-  if isinstance(view, tensor_mode._Gathered):  # pylint: disable=protected-access
-    view._tfdist_read, view._tfdist_write = read, write  # pylint: disable=protected-access
-  else:
-    tensor_mode._gather_through(view, read, write)  # pylint: disable=protected-access
+_gather_through = tensor_mode._gather_through  # pylint: disable=protected-access
 
 
 @dataclasses.dataclass

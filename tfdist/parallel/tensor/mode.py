@@ -202,7 +202,13 @@ _GATHERED_CLASSES = {}
 
 
 def _gather_through(variable, read, write) -> None:
-  """Makes the Keras `variable` save `read()` and restore into `write`."""
+  """Makes the Keras `variable` save `read()` and restore into `write`
+  (again on a variable made so before: its read and write are replaced;
+  mixing `_Gathered` into its class a second time is a TypeError)."""
+  if isinstance(variable, _Gathered):
+    variable._tfdist_read = read  # pylint: disable=protected-access
+    variable._tfdist_write = write  # pylint: disable=protected-access
+    return
   base = type(variable)
   cls = _GATHERED_CLASSES.get(base)
   if cls is None:
