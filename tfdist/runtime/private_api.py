@@ -280,6 +280,11 @@ TFDIST_OWN = {
     "_validate": "tfdist/config.py (TrainConfig)",
     "_stream": "tfdist/runtime/console.py (its line tracker)",
     "_exit": "os._exit (the standard library)",
+    "_gather_through": "tfdist/parallel/tensor/mode.py (the gathered view)",
+    "_same_streams": "tfdist/parallel/tensor/mode.py",
+    "_num_local_experts": "tfdist/parallel/experts/layer.py",
+    "_canonical": "tfdist/parallel/collectives.py",
+    "_local_devices": "tfdist/parallel/tensor/layers.py",
 }
 # Attributes tfdist sets on Keras objects under its own prefix.
 TFDIST_PREFIX = "_tfdist_"

@@ -50,6 +50,7 @@ from tfdist.parallel.experts import placement as placement_lib
 # The gathered-view machinery of tensor parallelism, shared as it is.
 from tfdist.parallel.tensor import layers as tp_lib
 from tfdist.parallel.tensor import mode as tensor_mode
+from tfdist.runtime import private_api
 
 _components = tp_lib._components  # pylint: disable=protected-access
 
@@ -77,7 +78,7 @@ class _Pair:
 
 
 def _moe_layers(model) -> list:
-  return [layer for layer in model._flatten_layers(include_self=True)  # pylint: disable=protected-access
+  return [layer for layer in private_api.flatten_layers(model)
           if isinstance(layer, moe_layer.MixtureOfExperts)]
 
 

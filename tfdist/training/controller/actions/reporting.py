@@ -4,6 +4,7 @@ routing, the profiler window.
 
 from tfdist import errors
 from tfdist.observability import run_log as run_log_lib
+from tfdist.runtime import private_api
 from tfdist.training.controller.checkpoints import Checkpoints
 from tfdist.training.controller.protocol import Action
 from tfdist.training.controller.records import ControllerOptions
@@ -41,7 +42,7 @@ def moe_layers(model) -> list:
   if model is None:
     return []
   from tfdist.parallel.experts import layer as moe_layer  # pylint: disable=g-import-not-at-top
-  return [layer for layer in model._flatten_layers(include_self=True)  # pylint: disable=protected-access
+  return [layer for layer in private_api.flatten_layers(model)
           if isinstance(layer, moe_layer.MixtureOfExperts) and layer.built]
 
 
