@@ -70,9 +70,13 @@ class MessagesTest(absltest.TestCase):
     import tfdist  # pylint: disable=g-import-not-at-top
     from tfdist import errors  # pylint: disable=g-import-not-at-top
     x = np.zeros((64, 2), np.float32)
+    # One device and 2 accumulation steps (not 2 Mirrored replicas: this
+    # file shares its process with other unit tests, one of which may have
+    # started TensorFlow's runtime without a CPU split already).
     config = tfdist.TrainConfig(
         model_dir=testutil.scratch_dir(), batch_size=63,
-        train_steps=1, distribution_strategy="mirrored", num_cpu_devices=2)
+        train_steps=1, distribution_strategy="one_device",
+        gradient_accumulation_steps=2)
     with self.assertRaises(errors.ConfigError) as raised:
       tfdist.fit(lambda: None, x=x, y=x[:, 0], config=config, verbose=0)
     message = str(raised.exception)
