@@ -11,25 +11,14 @@ run's backend is the kind's with `_GathersExperts` before it.
 """
 
 from tfdist.backends import mode_backends
-from tfdist.parallel import mode as mode_lib
 
 
-class _GathersExperts:
+class _GathersExperts(mode_backends.ExportsGatheredModel):
   """The experts gathered into the unsharded model for the export; the
   manifest's strategy details say how they are laid out."""
 
-  def build_inputs(self, run):
-    runner, evaluate, details = super().build_inputs(run)
-    step = mode_lib.mode_of(run.parts.trainer, "experts")
-    if step is not None:
-      details = {**details, "expert_parallel": step.describe()}
-    return runner, evaluate, details
-
-  def export_model(self, run):
-    step = mode_lib.mode_of(run.parts.trainer, "experts")
-    if step is None:
-      return super().export_model(run)
-    return step.exported_model()
+  split_mode = "experts"
+  details_key = "expert_parallel"
 
 
 def _experts_backend(kind, kind_backend, cluster):

@@ -24,6 +24,7 @@ import functools
 from typing import Callable, Dict, Optional, Type
 
 from tfdist.backends import base
+from tfdist.parallel import mode as mode_lib
 
 _MIXINS: Dict[str, type] = {}
 _FACTORIES: Dict[str, Callable] = {}
@@ -52,6 +53,37 @@ def register_mode_backend(mode_name: str, *, mixin: Optional[type] = None,
     _MIXINS[mode_name] = mixin
   else:
     _FACTORIES[mode_name] = factory
+
+
+class ExportsGatheredModel:
+  """A mixin for a mode that splits the model over replicas (tensor and
+  expert parallelism): the manifest's strategy details carry the mode's
+  `describe()` under `details_key`, and the SavedModel (and the model a
+  `tfdist.fit` caller gets back) is the mode's `exported_model()`, the
+  unsharded model holding the gathered weights. Without the mode in the
+  trainer, the kind's own.
+
+  Class attributes to set: `split_mode` (the `tfdist.parallel.mode`
+  name) and `details_key`."""
+
+  split_mode: str = ""
+  details_key: str = ""
+
+  def _split_step(self, run):
+    return mode_lib.mode_of(run.parts.trainer, self.split_mode)
+
+  def build_inputs(self, run):
+    runner, evaluate, details = super().build_inputs(run)
+    step = self._split_step(run)
+    if step is not None:
+      details = {**details, self.details_key: step.describe()}
+    return runner, evaluate, details
+
+  def export_model(self, run):
+    step = self._split_step(run)
+    if step is None:
+      return super().export_model(run)
+    return step.exported_model()
 
 
 @functools.lru_cache(maxsize=None)

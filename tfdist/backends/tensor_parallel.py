@@ -26,7 +26,6 @@ from tfdist.backends import mode_backends
 from tfdist.backends import single_process
 from tfdist.distribute import devices as devices_lib
 from tfdist.distribute import strategy as strategy_lib
-from tfdist.parallel import mode as mode_lib
 from tfdist.parallel.tensor import options as tensor_options
 from tfdist.core.strategy_kind import StrategyKind
 from tfdist import errors
@@ -61,10 +60,15 @@ def _group_devices(n: int, num_gpus: int = -1) -> List[str]:
   return names[:n]
 
 
-class TensorParallelBackend(single_process.MirroredBackend):
-  """One process; its N replicas split the model's layers."""
+class TensorParallelBackend(mode_backends.ExportsGatheredModel,
+                            single_process.MirroredBackend):
+  """One process; its N replicas split the model's layers (the manifest
+  says how; the SavedModel is the unsharded Transformer with the gathered
+  weights)."""
 
   kind = StrategyKind.MIRRORED
+  split_mode = "tensor"
+  details_key = "tensor_parallel"
 
   def validate(self, config, decisions, *, dataset) -> None:
     """Refuses a host with GPUs, fewer than N of them, before anything
@@ -108,20 +112,6 @@ class TensorParallelBackend(single_process.MirroredBackend):
         "and feed-forward units split; each copy trains on "
         + ("the whole batch)" if n == t else f"1/{n // t} of the batch)"),
         tuple(names))
-
-  def build_inputs(self, run):
-    """The Mirrored runner and evaluation; the manifest's strategy
-    details say how the layers are split."""
-    runner, evaluate, details = super().build_inputs(run)
-    step = mode_lib.mode_of(run.parts.trainer, "tensor")
-    if step is not None:
-      details = {**details, "tensor_parallel": step.describe()}
-    return runner, evaluate, details
-
-  def export_model(self, run):
-    """The unsharded Transformer with the gathered weights."""
-    step = mode_lib.mode_of(run.parts.trainer, "tensor")
-    return step.exported_model() if step is not None else run.parts.model
 
   def planned_replicas(self, config, decisions, *, cluster) -> Tuple[int, int]:
     return _replicas(config), self.training_workers(cluster)
