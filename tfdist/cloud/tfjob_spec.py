@@ -217,7 +217,20 @@ def _check_pod_template(template: dict, where: str):
     from kubernetes import utils as k8s_utils  # pylint: disable=g-import-not-at-top
   except ImportError:
     return  # kubeflow-training's own models checked the fields.
-  api = k8s.ApiClient()
+  spec = _pod_model(k8s.ApiClient(), template, where).spec
+  volumes = {v.name for v in spec.volumes or []}
+  for container in spec.containers or []:
+    _check_resources(container.resources, where, k8s_utils.parse_quantity)
+    _check_env_and_mounts(container, volumes, where)
+  _check_tolerations(spec.tolerations or [], where)
+  need(spec.restart_policy is None,
+        f"{where}: the pod template sets restartPolicy; the TFJob replica's "
+        "restartPolicy (ExitCode) decides restarts.")
+
+
+def _pod_model(api, template: dict, where: str):
+  """`template` as the kubernetes client's `V1PodTemplateSpec`; refuses a
+  field the model does not know (lost in the round trip)."""
 
   class _Response:  # what ApiClient.deserialize reads
     data = json.dumps(template)
@@ -230,48 +243,56 @@ def _check_pod_template(template: dict, where: str):
   lost = _diff(template, api.sanitize_for_serialization(model))
   need(not lost, f"{where}: unknown pod field(s) {', '.join(lost)} (not in "
         "the kubernetes client's V1PodTemplateSpec).")
-  spec = model.spec
-  volumes = {v.name for v in spec.volumes or []}
-  for container in spec.containers or []:
-    resources = container.resources
-    amounts = {}
-    for part in ("requests", "limits"):
-      for resource, value in ((getattr(resources, part) if resources else None)
-                              or {}).items():
-        try:
-          amounts[part, resource] = k8s_utils.parse_quantity(value)
-        except ValueError:
-          raise errors.JobSpecError(
-              f"{where}: resources.{part}.{resource}={value!r} is not a "
-              "Kubernetes quantity (e.g. cpu: 4 or 500m; memory: 16Gi or "
-              "512Mi).") from None
-    for (part, resource), amount in amounts.items():
-      limit = amounts.get(("limits", resource))
-      need(part != "requests" or limit is None or amount <= limit,
-            f"{where}: resources.requests.{resource} exceeds "
-            f"resources.limits.{resource}; a request must fit its limit.")
-    for variable in container.env or []:
-      need(_ENV_NAME.match(variable.name or ""),
-            f"{where}: env name {variable.name!r} is not a valid variable "
-            "name (letters, digits, '_', '-', '.'; not starting with a "
-            "digit).")
-    for mount in container.volume_mounts or []:
-      need(mount.name in volumes,
-            f"{where}: volumeMounts {mount.name!r} names no volume of the "
-            f"pod (volumes: {', '.join(sorted(volumes)) or 'none'}).")
-      need(mount.mount_path and mount.mount_path.startswith("/"),
-            f"{where}: volumeMounts {mount.name!r} needs an absolute "
-            "mountPath.")
-  for toleration in spec.tolerations or []:
+  return model
+
+
+def _check_resources(resources, where: str, parse_quantity):
+  """A container's requests and limits are quantities, each request within
+  its limit."""
+  amounts = {}
+  for part in ("requests", "limits"):
+    for resource, value in ((getattr(resources, part) if resources else None)
+                            or {}).items():
+      try:
+        amounts[part, resource] = parse_quantity(value)
+      except ValueError:
+        raise errors.JobSpecError(
+            f"{where}: resources.{part}.{resource}={value!r} is not a "
+            "Kubernetes quantity (e.g. cpu: 4 or 500m; memory: 16Gi or "
+            "512Mi).") from None
+  for (part, resource), amount in amounts.items():
+    limit = amounts.get(("limits", resource))
+    need(part != "requests" or limit is None or amount <= limit,
+          f"{where}: resources.requests.{resource} exceeds "
+          f"resources.limits.{resource}; a request must fit its limit.")
+
+
+def _check_env_and_mounts(container, volumes: set, where: str):
+  """A container's variable names, and its mounts of the pod's volumes at
+  absolute paths."""
+  for variable in container.env or []:
+    need(_ENV_NAME.match(variable.name or ""),
+          f"{where}: env name {variable.name!r} is not a valid variable "
+          "name (letters, digits, '_', '-', '.'; not starting with a "
+          "digit).")
+  for mount in container.volume_mounts or []:
+    need(mount.name in volumes,
+          f"{where}: volumeMounts {mount.name!r} names no volume of the "
+          f"pod (volumes: {', '.join(sorted(volumes)) or 'none'}).")
+    need(mount.mount_path and mount.mount_path.startswith("/"),
+          f"{where}: volumeMounts {mount.name!r} needs an absolute "
+          "mountPath.")
+
+
+def _check_tolerations(tolerations, where: str):
+  """Each toleration's operator and effect are the API server's."""
+  for toleration in tolerations:
     need((toleration.operator or "Equal") in TOLERATION_OPERATORS,
           f"{where}: toleration operator {toleration.operator!r}: use "
           f"{' or '.join(TOLERATION_OPERATORS)}.")
     need((toleration.effect or "") in TOLERATION_EFFECTS,
           f"{where}: toleration effect {toleration.effect!r}: use one of "
           f"{', '.join(e for e in TOLERATION_EFFECTS if e)}.")
-  need(spec.restart_policy is None,
-        f"{where}: the pod template sets restartPolicy; the TFJob replica's "
-        "restartPolicy (ExitCode) decides restarts.")
 
 
 def _diff(original, round_trip, path="") -> List[str]:
