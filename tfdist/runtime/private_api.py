@@ -112,7 +112,6 @@ USES = (
                "moving statistics, manifests, sharding and recomputation "
                "walk them (through `flatten_layers` where routed)",
                (_HERE, "models/recompute.py",
-                "tfdist/parallel/experts/layer.py",
                 "tfdist/parallel/pipeline/mode.py",
                 "tfdist/parallel/tensor/layers.py",
                 "tfdist/parallel/tensor/mode.py", _ZERO3,

@@ -475,6 +475,15 @@ class LayoutFacts:
         "" if self.shardable else
         f"--optimizer={self.optimizer} cannot be sharded")
 
+  def stage_activations(self, stages: int, batch: float) -> int:
+    """a*b*f/(P*M): one of P pipeline stages' activations for a batch of
+    `batch` examples in M micro-batches (`num_microbatches`, else P), f of
+    them in flight (GPipe all M, 1F1B at most P)."""
+    m = self.num_microbatches or stages
+    in_flight = m if self.pipeline_schedule == "gpipe" else min(stages, m)
+    return _ceil_div(self.activation_bytes_per_example * batch * in_flight,
+                     stages * m)
+
   @property
   def replica_activations(self) -> int:
     """a*B/N: one data-parallel replica's activations."""

@@ -172,13 +172,8 @@ def _layout(data: int, pipeline: int, tensor: int, zero_stage: int,
     weights -= sharded * (data - 1) / data
     grads -= sharded * (data - 1) / data
   batch = facts.global_batch_size / data
-  a = facts.activation_bytes_per_example
-  if pipeline > 1:
-    m = facts.num_microbatches or pipeline
-    in_flight = m if facts.pipeline_schedule == "gpipe" else min(pipeline, m)
-    activations = a * batch * in_flight / (pipeline * m)
-  else:
-    activations = a * batch
+  activations = (facts.stage_activations(pipeline, batch) if pipeline > 1
+                 else facts.activation_bytes_per_example * batch)
   note = unavailable_reason(data, pipeline, tensor, zero_stage, facts)
   row = facts.row("mesh", _flags(data, pipeline, tensor, zero_stage, facts),
                   data * pipeline * tensor, math.ceil(weights),

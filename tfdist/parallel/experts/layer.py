@@ -30,6 +30,7 @@ import tensorflow as tf
 from tfdist import errors
 from tfdist.parallel import collectives
 from tfdist.parallel.experts import placement as placement_lib
+from tfdist.runtime import private_api
 
 # Added to the two chosen gates' sum before top-2 renormalization (GShard's
 # epsilon); softmax gates are positive, so it matters only on underflow.
@@ -572,18 +573,32 @@ class MixtureOfExperts(keras.layers.Layer):
     return cls(**config)
 
 
-def model_statistics(model: keras.layers.Layer) -> Dict[str, tf.Tensor]:
-  """The routing statistics of every `MixtureOfExperts` in `model` (a
-  model or layer, searched recursively), for a trainer's log:
-  `{"<layer name>/<statistic>": tensor}` with the statistics of
-  `MixtureOfExperts.routing_statistics` (float32; `tokens_per_expert` [E],
-  the others scalars). Empty when `model` has none; unbuilt layers are
-  left out."""
-  layers = model._flatten_layers(include_self=True)  # pylint: disable=protected-access
+def moe_layers(model) -> list:
+  """Every `MixtureOfExperts` in `model` (a model or layer, itself
+  included, searched recursively), built or not; [] for None."""
+  if model is None:
+    return []
+  return [layer for layer in private_api.flatten_layers(model)
+          if isinstance(layer, MixtureOfExperts)]
+
+
+def routing_statistics_of(layers) -> Dict[str, tf.Tensor]:
+  """`{"<layer name>/<statistic>": tensor}`: the statistics of each of
+  the built `MixtureOfExperts` `layers`
+  (`MixtureOfExperts.routing_statistics`: float32; `tokens_per_expert`
+  [E], the others scalars)."""
   return {f"{layer.name}/{name}": value
           for layer in layers
-          if isinstance(layer, MixtureOfExperts) and layer.built
           for name, value in layer.routing_statistics().items()}
+
+
+def model_statistics(model: keras.layers.Layer) -> Dict[str, tf.Tensor]:
+  """The routing statistics of every `MixtureOfExperts` in `model` (a
+  model or layer, searched recursively), for a trainer's log
+  (`routing_statistics_of`). Empty when `model` has none; unbuilt layers
+  are left out."""
+  return routing_statistics_of(
+      [layer for layer in moe_layers(model) if layer.built])
 
 
 def _check_placement(num_experts: int, top_k: int, placement) -> None:

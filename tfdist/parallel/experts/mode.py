@@ -50,7 +50,6 @@ from tfdist.parallel.experts import placement as placement_lib
 # The gathered-view machinery of tensor parallelism, shared as it is.
 from tfdist.parallel.tensor import layers as tp_lib
 from tfdist.parallel.tensor import mode as tensor_mode
-from tfdist.runtime import private_api
 
 _components = tp_lib._components  # pylint: disable=protected-access
 
@@ -77,9 +76,7 @@ class _Pair:
         component.assign(value)
 
 
-def _moe_layers(model) -> list:
-  return [layer for layer in private_api.flatten_layers(model)
-          if isinstance(layer, moe_layer.MixtureOfExperts)]
+_moe_layers = moe_layer.moe_layers
 
 
 def _check_same(what: str, ours, theirs) -> None:

@@ -111,9 +111,7 @@ class PipelineStep(mode_lib.StepMode):
 
     def stage_row(p):
       m = facts.num_microbatches or p
-      in_flight = m if facts.pipeline_schedule == "gpipe" else min(p, m)
-      act = facts.ceil_div(facts.activation_bytes_per_example *
-                           facts.global_batch_size * in_flight, p * m)
+      act = facts.stage_activations(p, facts.global_batch_size)
       share = facts.pipeline_shares.get(p, 1 / p)
       # One copy of the pipeline: the planner does not propose D x P
       # (--num_gpus / --num_cpu_devices = D x P) yet.

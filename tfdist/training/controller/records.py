@@ -213,6 +213,11 @@ class Chunk:
     return self.step - self.first_step
 
 
+def log_due(options: ControllerOptions, step: int) -> bool:
+  """`step` is a log point: every `log_steps` steps, and the last step."""
+  return not step % options.log_steps or options.is_last(step)
+
+
 def evaluation_due(options: ControllerOptions, chunk: Chunk) -> bool:
   """`Evaluate` evaluates after `chunk`."""
   return (((options.is_epoch_end(chunk.step) or chunk.stop_requested) and

@@ -4,12 +4,13 @@ routing, the profiler window.
 
 from tfdist import errors
 from tfdist.observability import run_log as run_log_lib
-from tfdist.runtime import private_api
+from tfdist.parallel.experts import layer as moe_layer
 from tfdist.training.controller.checkpoints import Checkpoints
 from tfdist.training.controller.protocol import Action
 from tfdist.training.controller.records import ControllerOptions
 from tfdist.training.controller.records import SumsSince
 from tfdist.training.controller.records import evaluation_due
+from tfdist.training.controller.records import log_due
 
 
 class RoutingLog(Action):
@@ -28,22 +29,17 @@ class RoutingLog(Action):
 
   def __call__(self, chunk):
     step = chunk.step
-    if step % self.options.log_steps and not self.options.is_last(step):
+    if not log_due(self.options, step):
       return
-    self.run_log.log_routing(step, {
-        f"{layer.name}/{name}": value.numpy()
-        for layer in self.layers
-        for name, value in layer.routing_statistics().items()})
+    statistics = moe_layer.routing_statistics_of(self.layers)
+    self.run_log.log_routing(
+        step, {key: value.numpy() for key, value in statistics.items()})
 
 
 def moe_layers(model) -> list:
   """The built `tfdist.MixtureOfExperts` layers of `model` (searched
   recursively; [] for None or a model without any)."""
-  if model is None:
-    return []
-  from tfdist.parallel.experts import layer as moe_layer  # pylint: disable=g-import-not-at-top
-  return [layer for layer in private_api.flatten_layers(model)
-          if isinstance(layer, moe_layer.MixtureOfExperts) and layer.built]
+  return [layer for layer in moe_layer.moe_layers(model) if layer.built]
 
 
 class ProfilerWindow(Action):
@@ -88,7 +84,7 @@ class TrainLog(Action):
     self.window.add(chunk.output.sums, chunk.num_steps)
     self.skipped_since_log += chunk.skipped_steps
     step = chunk.step
-    if step % self.options.log_steps and not self.options.is_last(step):
+    if not log_due(self.options, step):
       return
     sums, steps = self.window.take()
     skipped, self.skipped_since_log = self.skipped_since_log, 0
