@@ -30,8 +30,6 @@ from tfdist.training import lr_schedule
 from tfdist.training import moving_statistics
 from tfdist.training import run_plan
 
-# Also run on the oldest supported TensorFlow (see tests/conftest.py).
-pytestmark = pytest.mark.compat
 
 
 def _child() -> dict:
@@ -90,6 +88,7 @@ def _child() -> dict:
           "keras_all_reduces": keras_calls, "packed_all_reduces": ours_calls}
 
 
+@pytest.mark.compat  # Also on the oldest TensorFlow.
 class PackedSyncBatchNormTest(absltest.TestCase):
 
   def test_same_statistics_and_gradients_with_fewer_all_reduces(self):
@@ -217,6 +216,7 @@ def _plan(sync_batch_norm: bool, num_replicas_in_sync: int = 2,
       sync_batch_norm=sync_batch_norm, sync_batch_norm_reason="default")
 
 
+@pytest.mark.compat  # Also on the oldest TensorFlow.
 class NoteInPlanTest(absltest.TestCase):
 
   def test_unsynchronized_layers_under_several_replicas_are_named(self):

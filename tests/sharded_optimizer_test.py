@@ -36,7 +36,6 @@ import json
 import os
 
 from absl.testing import absltest
-import pytest
 
 from tests import sharded_optimizer_testlib as cases_lib
 from tests import testutil
@@ -45,9 +44,6 @@ from tfdist import errors
 _CHILD_ENV = "TFDIST_SHARDED_CHILD"
 
 
-# Also on TensorFlow 2.17 (tools/test.sh's compat pass): one child process,
-# the same cases.
-@pytest.mark.compat
 class MirroredShardedTest(cases_lib.CaseChecks, absltest.TestCase):
 
   def setUp(self):

@@ -38,8 +38,6 @@ from tfdist.training import objectives
 from tfdist.core import registry
 from tfdist.training import task as task_lib
 
-# Unit tests: also run on the oldest supported TensorFlow (tests/conftest.py).
-pytestmark = pytest.mark.compat
 
 _CHILD_ENV = "TFDIST_TASK_TEST_CHILD"
 
@@ -86,6 +84,7 @@ USER_MODULE = """
 """
 
 
+@pytest.mark.compat  # Also on the oldest TensorFlow.
 class RegistryTest(parameterized.TestCase):
 
   def test_register_model_forms(self):
@@ -270,6 +269,7 @@ class NoShadowingTest(absltest.TestCase):
                   proc.stdout)
 
 
+@pytest.mark.compat  # Also on the oldest TensorFlow.
 class ObjectivesTest(parameterized.TestCase):
 
   @parameterized.named_parameters(
@@ -446,6 +446,7 @@ def _child_strategies() -> dict:
   return {"reference": reference, "runs": runs}
 
 
+@pytest.mark.compat  # Also on the oldest TensorFlow.
 class InitCheckpointTest(absltest.TestCase):
 
   def _model(self, head: int = 2, seed: int = 0, extra: bool = False):
