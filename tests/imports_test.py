@@ -9,7 +9,10 @@ whose `__init__.py` re-exports its modules' names (a facade, such as
 """
 
 import ast
+import json
 import os
+import subprocess
+import sys
 import tempfile
 
 from absl.testing import absltest
@@ -300,6 +303,51 @@ class ImportCycleTest(absltest.TestCase):
     self.assertEqual(find_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}}),
                      [["a", "b", "c", "a"]])
     self.assertEqual(find_cycles({"a": {"b"}, "b": set()}), [])
+
+
+# Modules that processes without a training run import: the launcher, flag
+# parsing and config checks, the job-spec writers, tfdist.ray (whose
+# `setup_local_worker_process` runs in every process of a local Ray
+# cluster, Ray's own actors included), and the light options modules of
+# the parallel packages. None may start TensorFlow (4-5 s of CPU and
+# hundreds of MiB in each such process).
+LIGHT_MODULES = (
+    "tfdist", "tfdist.config", "tfdist.flags", "tfdist.launch",
+    "tfdist.ray", "tfdist.cloud.vertex_spec", "tfdist.cloud.tfjob_spec",
+    "tfdist.parallel.pipeline.options", "tfdist.parallel.tensor.options",
+    "tfdist.parallel.experts.options", "tfdist.parallel.zero3",
+    "tfdist.distribute.worker_exit")
+
+
+class LightModulesTest(absltest.TestCase):
+
+  def test_light_modules_import_no_tensorflow(self):
+    code = ("import importlib, json, sys\n"
+            "out = {}\n"
+            f"for name in {LIGHT_MODULES!r}:\n"
+            "  importlib.import_module(name)\n"
+            "  out[name] = sorted(m for m in ('tensorflow', 'keras')\n"
+            "                     if m in sys.modules)\n"
+            "print(json.dumps(out))\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True,
+                          text=True, timeout=120, cwd=root,
+                          env={**os.environ, "PYTHONPATH": root})
+    self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
+    loaded = json.loads(proc.stdout.strip().splitlines()[-1])
+    # Cumulative: every module from the first that pulls TensorFlow in.
+    self.assertEqual({k: v for k, v in loaded.items() if v}, {})
+
+  def test_a_package_attribute_that_is_a_submodule_imports_only_it(self):
+    # `from tfdist.parallel.pipeline import options` once answered the
+    # attribute through the package's __getattr__ by importing its
+    # TensorFlow module (stages) first.
+    from tfdist import parallel  # pylint: disable=g-import-not-at-top
+    with self.assertRaises(AttributeError):
+      parallel.attribute_of("tfdist.parallel.pipeline", "stages", "options")
+    with self.assertRaises(AttributeError):
+      parallel.attribute_of("tfdist.parallel.pipeline", "stages",
+                            "__wrapped__")
 
 
 if __name__ == "__main__":

@@ -29,3 +29,25 @@ Modules and packages:
 Nothing is imported here: import the module you use
 (`from tfdist.parallel import mode`).
 """
+
+import importlib
+import importlib.util
+
+
+def attribute_of(package: str, module: str, name: str):
+  """`package.module.name`, for a package's PEP 562 `__getattr__` that reads
+  one module's names on first use (`tfdist.parallel.pipeline.split_model`).
+
+  A name that is a submodule of `package` (or a dunder) raises
+  AttributeError without importing `module`: `from package import
+  options` first asks the package for the attribute, and answering it by
+  importing `module` (TensorFlow, Keras) made every light options module
+  cost a TensorFlow start-up (`tfdist.config` imports them).
+
+  Raises:
+    AttributeError: `name` is a submodule, a dunder, or not in `module`.
+  """
+  if name.startswith("__") or importlib.util.find_spec(
+      f"{package}.{name}") is not None:
+    raise AttributeError(f"module {package!r} has no attribute {name!r}")
+  return getattr(importlib.import_module(f"{package}.{module}"), name)

@@ -17,5 +17,5 @@ TensorFlow until then, so `options` stays light).
 
 
 def __getattr__(name):
-  import importlib  # pylint: disable=g-import-not-at-top
-  return getattr(importlib.import_module(f"{__name__}.stages"), name)
+  from tfdist import parallel  # pylint: disable=g-import-not-at-top
+  return parallel.attribute_of(__name__, "stages", name)

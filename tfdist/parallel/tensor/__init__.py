@@ -18,5 +18,5 @@ The names of `layers` are read here on first use
 
 
 def __getattr__(name):
-  import importlib  # pylint: disable=g-import-not-at-top
-  return getattr(importlib.import_module(f"{__name__}.layers"), name)
+  from tfdist import parallel  # pylint: disable=g-import-not-at-top
+  return parallel.attribute_of(__name__, "layers", name)

@@ -16,5 +16,5 @@ Attributes of `optimizer` are also read here on first use
 
 
 def __getattr__(name):
-  import importlib  # pylint: disable=g-import-not-at-top
-  return getattr(importlib.import_module(f"{__name__}.optimizer"), name)
+  from tfdist import parallel  # pylint: disable=g-import-not-at-top
+  return parallel.attribute_of(__name__, "optimizer", name)
