@@ -338,6 +338,23 @@ class LightModulesTest(absltest.TestCase):
     # Cumulative: every module from the first that pulls TensorFlow in.
     self.assertEqual({k: v for k, v in loaded.items() if v}, {})
 
+  def test_a_bad_flag_exits_before_tensorflow_starts(self):
+    # tfdist.train imported TensorFlow at its top, so every refused flag
+    # cost TensorFlow's start-up (about 4 s of CPU) before the message.
+    code = ("import runpy, sys\n"
+            "sys.argv = ['tfdist.train', '--train_steps=-3',\n"
+            "            '--model_dir=/nonexistent/run']\n"
+            "try:\n"
+            "  runpy.run_module('tfdist.train', run_name='__main__')\n"
+            "except SystemExit as e:\n"
+            "  print(e.code, 'tensorflow' in sys.modules)\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True,
+                          text=True, timeout=120, cwd=root,
+                          env={**os.environ, "PYTHONPATH": root})
+    self.assertIn("--train_steps=-3", proc.stderr)
+    self.assertEqual(proc.stdout.split()[-2:], ["2", "False"], proc.stderr)
+
   def test_a_package_attribute_that_is_a_submodule_imports_only_it(self):
     # `from tfdist.parallel.pipeline import options` once answered the
     # attribute through the package's __getattr__ by importing its

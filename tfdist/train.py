@@ -18,8 +18,12 @@ from typing import Sequence
 from tfdist import errors
 from tfdist.runtime import quiet_tensorflow  # Standard library only.
 
+# TensorFlow is imported only once the flags are read and checked (a bad
+# flag exits in about a second, without TensorFlow's start-up), quietly
+# (`quiet_on_import`: the import-time notices left out wherever it comes
+# from).
 quiet_tensorflow.default_log_level()
-quiet_tensorflow.import_tensorflow()
+quiet_tensorflow.quiet_on_import()
 
 from absl import app  # pylint: disable=g-import-not-at-top,wrong-import-position
 from absl import flags as absl_flags  # pylint: disable=g-import-not-at-top,wrong-import-position
