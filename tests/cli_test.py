@@ -109,6 +109,21 @@ class HelpExitsZeroTest(parameterized.TestCase):
     self.assertIn(usage, proc.stdout)
 
 
+class UnknownFlagTest(parameterized.TestCase):
+  """Every binary: an unknown flag is one line naming it, status 2 (it was
+  absl's `FATAL Flags parsing error` and status 1 in tfdist.launch and
+  tfdist.ray, and 1 with the whole usage text in tfdist.job_spec)."""
+
+  @parameterized.parameters("tfdist.train", "tfdist.launch", "tfdist.ray",
+                            "tfdist.job_spec", "tfdist.diagnose")
+  def test_exits_2_naming_the_flag(self, binary):
+    out = testutil.run_module(binary, ["--no_such_flag=3"], timeout=120)
+    self.assertEqual(out.returncode, exit_codes.CONFIG, out.stdout)
+    self.assertIn("no_such_flag", out.stdout)
+    self.assertNotIn("FATAL", out.stdout)
+    self.assertLess(len(out.stdout.splitlines()), 4, out.stdout)
+
+
 class TrainEdgeTest(absltest.TestCase):
   """tfdist.train's edge, in process: no training runs."""
 

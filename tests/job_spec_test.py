@@ -148,7 +148,9 @@ class VertexTest(absltest.TestCase):
       _vertex(num_workers=2)
     proc = _run_binary(["kubernetes", "--image=example.com/tfdist:0.1",
                         "--num_workers=2", "--", *_TRAIN])
-    self.assertEqual(proc.returncode, 1)
+    # Bad input: status 2 (tfdist.errors.CONFIG), as tfdist.train's; it
+    # was 1, the status of divergence and bugs.
+    self.assertEqual(proc.returncode, 2)
     self.assertEqual(proc.stdout, "")
     self.assertIn("tfdist.job_spec: error: --num_workers=2 is not a "
                   "tfdist.job_spec flag: give --worker_replicas", proc.stderr)

@@ -117,6 +117,7 @@ from tfdist.cloud.vertex_spec import validate_vertex_sdk_kwargs
 from tfdist.cloud.vertex_spec import vertex_custom_job
 from tfdist.cloud.vertex_spec import vertex_form
 from tfdist.cloud.vertex_spec import VERTEX_FORMS
+from tfdist.runtime import cli
 
 # PyYAML (the jobspec extra) is optional: `render` imports it for YAML.
 
@@ -323,20 +324,19 @@ def main(argv):
   if any(a in ("-h", "--help", "--helpshort", "--helpfull") for a in head):
     print(f"{__doc__}\nFlags:\n{_FLAGS.get_help()}")
     return
-  try:
-    rest = _FLAGS(argv)
-  except flags.Error as e:
-    sys.exit(f"tfdist.job_spec: error: {e}\n{__doc__}")
+  # Bad input (a flag, the platform, the job's fields or train flags):
+  # one line naming it, status 2 (tfdist.errors.CONFIG), as tfdist.train.
+  rest = cli.flags_parser("tfdist.job_spec", _FLAGS)(argv)
   if len(rest) < 2 or rest[1] not in PLATFORMS:
-    sys.exit(f"tfdist.job_spec: error: name the platform first: one of "
-             f"{', '.join(PLATFORMS)}.\n{__doc__}")
+    cli.usage_error("tfdist.job_spec", f"name the platform first: one of "
+                    f"{', '.join(PLATFORMS)}.")
   platform = rest[1]
   # Building each replica's TrainConfig logs at INFO; only problems matter.
   logging.set_verbosity(logging.WARNING)
   try:
     job = build(platform, _FLAGS, rest[2:])
   except errors.JobSpecError as e:
-    sys.exit(f"tfdist.job_spec: error: {e}")
+    cli.usage_error("tfdist.job_spec", e)
   except ImportError as e:
     sys.exit(f"tfdist.job_spec: error: validating a {platform} spec needs "
              f"{e.name}: pip install 'tfdist[jobspec]'.")

@@ -772,7 +772,7 @@ def run():
   script."""
   define_launch_flags()
   cli.adopt_usage(__doc__, flags.FLAGS.get_key_flags_for_module(__name__))
-  app.run(main)
+  app.run(main, flags_parser=cli.flags_parser("tfdist.launch"))
 
 
 if __name__ == "__main__":

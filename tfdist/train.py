@@ -84,9 +84,7 @@ def _quiet_library_info():
 
 def _usage_error(error: Exception):
   """Bad input: one line naming flag, value and fix; no usage dump."""
-  print(f"tfdist.train: error: {error}\nSee python -m tfdist.train "
-        "--helpshort for the key flags.", file=sys.stderr, flush=True)
-  sys.exit(2)
+  cli.usage_error("tfdist.train", error)
 
 
 def failure_message(error: Exception, status: int) -> str:
@@ -184,16 +182,9 @@ def _exit_now(code) -> None:
   os._exit(0 if code is None else code)  # pylint: disable=protected-access
 
 
-def _parse_flags(argv):
-  """absl's parser, but an unknown flag or a bad value (absl's
-  `flags.Error`: `--distribution_strategy=mirrorred`, `--train_step=40`) is
-  a usage error like tfdist's own: one line, status 2 (permanent,
-  `tfdist.exit_codes.CONFIG`), not absl's `FATAL Flags parsing error` and
-  status 1, the status of divergence and bugs."""
-  try:
-    return absl_flags.FLAGS(argv)
-  except absl_flags.Error as e:
-    _usage_error(e)
+# absl's parser; an unknown flag or a bad value (`--distribution_strategy=
+# mirrorred`, `--train_step=40`) is a usage error: one line, status 2.
+_parse_flags = cli.flags_parser("tfdist.train")
 
 
 def run():

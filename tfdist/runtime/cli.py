@@ -8,6 +8,11 @@ script, whose docstring is empty or, where the interpreter's path is too
 long for a `#!` line, pip's shell trampoline (`'exec' ... "$0" "$@"`).
 `adopt_usage` gives the wrapper the binary's text and key flags.
 
+An unknown flag or a bad value is a usage error (`usage_error`, through
+`flags_parser`): one line naming it, status 2 (`tfdist.errors.CONFIG`,
+permanent), not absl's `FATAL Flags parsing error` with status 1, the
+status of divergence and bugs.
+
 absl's own help flags (`--help`, `--helpshort`, `--helpfull`, `--helpxml`)
 print the help and exit with status 1, the status tfdist gives a failed
 run (`tfdist.exit_codes`); `define_help_flags` replaces them by flags that
@@ -15,10 +20,12 @@ print the same and exit 0, since the help asked for was given.
 """
 
 import sys
-from typing import Iterable
+from typing import Callable, Iterable, List, NoReturn
 
 from absl import app
 from absl import flags
+
+from tfdist import errors
 
 
 class _ExitZero:
@@ -87,3 +94,34 @@ def adopt_usage(doc: str, key_flags: Iterable[flags.Flag], *,
   for flag in key_flags:
     flag_values.register_key_flag_for_module(sys.argv[0], flag)
   define_help_flags(flag_values)
+
+
+def usage_error(binary: str, error: Exception) -> NoReturn:
+  """Bad input to `binary` (e.g. "tfdist.train"): one line naming the flag,
+  the value and the fix (the error's text), a pointer to the key flags, and
+  exit status 2 (`tfdist.errors.CONFIG`); no usage dump.
+
+  Raises:
+    SystemExit: always, with code 2.
+  """
+  print(f"{binary}: error: {error}\nSee python -m {binary} --helpshort for "
+        "the key flags.", file=sys.stderr, flush=True)
+  sys.exit(errors.CONFIG)
+
+
+def flags_parser(binary: str,
+                 flag_values: flags.FlagValues = flags.FLAGS
+                 ) -> Callable[[List[str]], List[str]]:
+  """An `app.run(..., flags_parser=)` that parses `flag_values` and makes
+  absl's `flags.Error` (an unknown flag, a value of the wrong type or out of
+  its enum) a `usage_error` of `binary`: status 2, one line.
+
+  Returns:
+    The parser: argv in, the arguments absl leaves (argv[0] first) out.
+  """
+  def parse(argv: List[str]) -> List[str]:
+    try:
+      return flag_values(argv)
+    except flags.Error as e:
+      usage_error(binary, e)
+  return parse
