@@ -98,7 +98,7 @@ class PageFaultRegressionTest(absltest.TestCase):
 
   The same short run (CNN, global batch 128, real Fashion-MNIST TFRecords)
   through `benchmarks/keras_parity.py`'s child mode, whose Keras callback
-  reads `getrusage` after 3 warm-up steps and after 12 more: plain Keras on
+  reads `getrusage` after 3 warm-up steps and after 8 more: plain Keras on
   one device, tfdist on one device and under MirroredStrategy over 2
   logical CPUs (whose distributed iterator builds the `GeneratorDataset`
   op that sets glibc's mmap threshold).
@@ -115,7 +115,7 @@ class PageFaultRegressionTest(absltest.TestCase):
          f"--child_strategy={strategy}",
          f"--child_train_files={','.join(data['train_files'])}",
          f"--child_eval_files={','.join(data['eval_files'])}",
-         "--warmup_steps=3", "--steps=12", "--batch_size=128"],
+         "--warmup_steps=3", "--steps=8", "--batch_size=128"],
         cwd=testutil.REPO_ROOT, env=env, stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True, timeout=300)
     prefix = "KERAS_PARITY_RESULT "
@@ -123,13 +123,13 @@ class PageFaultRegressionTest(absltest.TestCase):
     self.assertTrue(lines, f"{side} failed (exit {proc.returncode}):\n"
                            f"{proc.stdout[-3000:]}")
     result = json.loads(lines[-1][len(prefix):])
-    self.assertEqual(result["measured_steps"], 12)
+    self.assertEqual(result["measured_steps"], 8)
     return result
 
   def test_tfdist_faults_per_step_near_plain_keras(self):
-    # 4096 examples: 32 steps per epoch, so no epoch-end checkpoint falls
-    # inside the 15 steps.
-    subset = testutil.fashion_mnist_subset(limit=4096, train_shards=4,
+    # 2048 examples: 16 steps per epoch, so no epoch-end checkpoint falls
+    # inside the 11 steps.
+    subset = testutil.fashion_mnist_subset(limit=2048, train_shards=4,
                                            test_shards=2)
     data = {"train_files": sorted(glob.glob(subset["train"])),
             "eval_files": sorted(glob.glob(subset["eval"]))}
