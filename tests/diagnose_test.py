@@ -10,6 +10,7 @@
 Speed targets are not asserted here (benchmarks/ measures them).
 """
 
+import contextlib
 import io
 import json
 import os
@@ -554,16 +555,23 @@ class PlanTest(absltest.TestCase):
     diagnose.check_cluster(kind, num_workers=2, num_ps=0)
 
   def test_the_binary_exits_2_on_a_refused_plan(self):
-    proc = testutil.run_module("tfdist.diagnose", [
-        "--num_workers=2", "--", *self._data_flags(),
-        "--distribution_strategy=one_device"], timeout=300)
-    self.assertEqual(proc.returncode, 2, proc.stdout[-3000:])
-    self.assertIn("tfdist.diagnose: error: --num_workers=2", proc.stdout)
-    self.assertNotIn("run: started", proc.stdout)
+    # The binary's main, in this process (a refused plan starts no child;
+    # UserCodeTest runs the binary itself).
+    from tfdist.diagnose import cli  # pylint: disable=g-import-not-at-top
+    self.addCleanup(cli._FLAGS.unparse_flags)  # pylint: disable=protected-access
+    with contextlib.redirect_stdout(io.StringIO()) as out, \
+        contextlib.redirect_stderr(io.StringIO()) as err:
+      with self.assertRaises(SystemExit) as caught:
+        cli.main(["tfdist.diagnose", "--num_workers=2", "--",
+                  *self._data_flags(), "--distribution_strategy=one_device"])
+    output = out.getvalue() + err.getvalue()
+    self.assertEqual(caught.exception.code, 2, output[-3000:])
+    self.assertIn("tfdist.diagnose: error: --num_workers=2", err.getvalue())
+    self.assertNotIn("run: started", output)
 
 
 class DiagnoseBinaryTest(absltest.TestCase):
-  """`python -m tfdist.diagnose` on a real short run (two children)."""
+  """`tfdist.diagnose` on a real short run (two `tfdist.train` children)."""
 
   def test_a_temporary_folder_is_never_named_once_deleted(self):
     # A run that fails (its data files do not exist) keeps its log where
@@ -596,17 +604,21 @@ class DiagnoseBinaryTest(absltest.TestCase):
     self.assertIn("--model_dir=DIR", note)
 
   def test_table_verdict_records_and_profile(self):
+    # In this process: the binary's flags-to-`diagnose` edge and its
+    # --output file are UserCodeTest's (a real `python -m tfdist.diagnose`);
+    # the two measured runs are real `tfdist.train` children either way.
     data = testutil.fashion_mnist_subset(limit=1024)
     root = os.path.join(testutil.scratch_dir(), "diagnose")
-    out_json = os.path.join(root + "-result.json")
-    proc = testutil.run_module("tfdist.diagnose", [
-        f"--output={out_json}", "--steps=12", "--log_steps=4", "--",
+    report = io.StringIO()
+    result = diagnose.diagnose([
         f"--train_files={data['train']}", f"--eval_files={data['eval']}",
         "--distribution_strategy=mirrored", "--num_cpu_devices=2",
         "--batch_size=64", "--shuffle_buffer_size=256",
-        "--profile_steps=6,7", f"--model_dir={root}"], timeout=600)
-    self.assertEqual(proc.returncode, 0, proc.stdout[-4000:])
-    out = proc.stdout
+        "--profile_steps=6,7", f"--model_dir={root}"], steps=12, log_steps=4,
+                               timeout_seconds=600, out=report)
+    # What --output writes (json.dump of this result).
+    result = json.loads(json.dumps(result))
+    out = report.getvalue()
     self.assertIn("examples/sec", out)
     self.assertIn("efficiency", out)
     self.assertRegex(out, r"baseline\s+one_device\s+1 CPU\s+32")
@@ -632,8 +644,6 @@ class DiagnoseBinaryTest(absltest.TestCase):
     # tfdist.runtime.allocator's malloc settings, on by default, read back from
     # both runs' manifests.
     self.assertIn("malloc tuning on;", out)
-    with open(out_json) as f:
-      result = json.load(f)
     self.assertEqual(result["baseline"]["per_replica_batch_size"], 32)
     self.assertEqual(result["requested"]["num_replicas"], 2)
     self.assertTrue(result["model_fit"]["fits"])

@@ -249,24 +249,42 @@ class NoShadowingTest(absltest.TestCase):
 
   def test_binary_and_builtin_models_ignore_the_projects_packages(self):
     project = self._project()
-    # The binary imports its flags (tfdist.flags), not the project's.
-    proc = self._run(project, ["-m", "tfdist.train", "--helpshort"])
-    self.assertNotIn("was imported", proc.stdout)
-    self.assertIn("--feature_spec", proc.stdout)
+    # One process from the project's folder: first the binary, as
+    # `python -m tfdist.train --helpshort` runs it (runpy is what `-m` uses),
+    # then the registry, then the project's own package.
+    proc = self._run(project, ["-c", textwrap.dedent("""
+        import runpy, sys
+        sys.argv = ["tfdist.train", "--helpshort"]
+        try:
+          runpy.run_module("tfdist.train", run_name="__main__", alter_sys=True)
+        except SystemExit:
+          pass
+        print("BINARY DONE", flush=True)
+        from tfdist.training import registry, task
+        task.load_builtins()
+        import tfdist.models, tfdist.flags
+        print("MODELS", registry.model_names())
+        print("FILES", tfdist.models.__file__, tfdist.flags.__file__)
+        import models
+        """)])
+    binary, _, rest = proc.stdout.partition("BINARY DONE")
+    # The binary imports its flags (tfdist.flags), not the project's, and
+    # its --helpshort lists the key flags only.
+    self.assertNotIn("was imported", binary)
+    self.assertIn("Trains a Keras 3 model", binary)
+    for name in ("--feature_spec", "--distribution_strategy", "--batch_size",
+                 "--dtype", "--model_dir", "--base_learning_rate",
+                 "--lr_scaling", "--warmup_steps", "--num_cpu_devices",
+                 "--train_files"):
+      self.assertIn(name, binary)
+    self.assertNotIn("  --piecewise_multipliers:", binary)  # not key
     # tfdist's model registry loads its own models (tfdist.models).
     # ... and the project's own packages are still the project's.
-    proc = self._run(project, ["-c", (
-        "from tfdist.training import registry, task; task.load_builtins(); "
-        "import tfdist.models, tfdist.flags; "
-        "print('MODELS', registry.model_names()); "
-        "print('FILES', tfdist.models.__file__, tfdist.flags.__file__); "
-        "import models")])
-    self.assertIn("MODELS ('cnn', 'ranking', 'resnet', 'transformer')",
-                  proc.stdout)
+    self.assertIn("MODELS ('cnn', 'ranking', 'resnet', 'transformer')", rest)
     self.assertIn(f"FILES {os.path.join(testutil.REPO_ROOT, 'models')}",
-                  proc.stdout)
+                  rest)
     self.assertIn("RuntimeError: the project's own models was imported",
-                  proc.stdout)
+                  rest)
 
 
 @pytest.mark.compat  # Also on the oldest TensorFlow.

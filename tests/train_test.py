@@ -1,21 +1,25 @@
 """End-to-end tests: real short training runs on a real Fashion-MNIST subset.
 
-In-process runs (`run_experiment`) cover one device, resumption and the
-SavedModel; the binary runs in subprocesses for `mirrored` over 2 logical CPU
-devices (a per-process setting), flags, `--flagfile` and flag errors.
+In-process runs (`run_experiment`) cover one device (from a thread, as
+library callers run it), resumption and the SavedModel; the binary runs in
+subprocesses for `--flagfile`, a flag-parsing error's exit status, gs://
+inputs and `--mode=export`; other flag errors run the binary's parser and
+`main` in this process. The binary's Mirrored run over 2 logical CPUs (no
+teardown after it) is tests/strategy_runs_test.py's; its `--helpshort`,
+tests/task_test.py's (NoShadowingTest).
 """
 
+import contextlib
 import glob
-import json
+import io
 import os
 import re
 import signal
-import subprocess
-import sys
 import threading
 import time
 
 from absl.testing import absltest
+from absl.testing import flagsaver
 from absl.testing import parameterized
 import keras
 import numpy as np
@@ -78,9 +82,38 @@ class RunExperimentTest(parameterized.TestCase):
     keras.mixed_precision.set_global_policy("float32")
     super().tearDown()
 
-  def test_one_device_run_leaves_artifacts_and_manifest(self):
+  def _run_off_the_main_thread(self, config):
+    """`run_experiment(config)` from a thread, as Ray Train, notebook
+    executors and some test runners call the library (where Python cannot
+    install signal handlers: `ValueError: signal only works in main
+    thread`); checks the warning and that the host's handlers are kept."""
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM,
+                                                 signal.SIGINT)}
+    outcome = {}
+
+    def target():
+      try:
+        outcome["record"] = experiment.run_experiment(config)
+      except Exception as e:  # pylint: disable=broad-except
+        outcome["error"] = e
+
+    thread = threading.Thread(target=target, name="library-caller")
+    with self.assertLogs(level="WARNING") as logs:
+      thread.start()
+      thread.join(timeout=300)
+      self.assertFalse(thread.is_alive())
+      self.assertNotIn("error", outcome, repr(outcome.get("error")))
+    self.assertTrue(any("not on the main thread (library-caller)" in line
+                        for line in logs.output), logs.output)
+    # The host's handlers are untouched.
+    self.assertEqual({s: signal.getsignal(s) for s in handlers}, handlers)
+    return outcome["record"]
+
+  def test_one_device_run_off_the_main_thread_leaves_artifacts_and_manifest(
+      self):
     model_dir = testutil.scratch_dir()
-    record = experiment.run_experiment(_config(model_dir))
+    record = self._run_off_the_main_thread(_config(model_dir))
+    self.assertEqual(record["final_step"], 12)
     manifest = _artifacts_ok(self, model_dir)
     self.assertEqual(manifest["num_replicas_in_sync"], 1)
     self.assertEqual(manifest["strategy"], "one_device")
@@ -161,34 +194,6 @@ class RunExperimentTest(parameterized.TestCase):
     self.assertEqual(after["history"], before)
     self.assertEqual(after["throughput"]["this_process"]["measured_steps"], 0)
 
-  def test_runs_off_the_main_thread(self):
-    # Ray Train, notebook executors and some test runners call the library
-    # from a thread, where Python cannot install signal handlers
-    # (`ValueError: signal only works in main thread`).
-    model_dir = testutil.scratch_dir()
-    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM,
-                                                 signal.SIGINT)}
-    outcome = {}
-
-    def target():
-      try:
-        outcome["record"] = experiment.run_experiment(_config(model_dir))
-      except Exception as e:  # pylint: disable=broad-except
-        outcome["error"] = e
-
-    thread = threading.Thread(target=target, name="library-caller")
-    with self.assertLogs(level="WARNING") as logs:
-      thread.start()
-      thread.join(timeout=300)
-      self.assertFalse(thread.is_alive())
-      self.assertNotIn("error", outcome, repr(outcome.get("error")))
-    self.assertEqual(outcome["record"]["final_step"], 12)
-    self.assertEqual(manifest_lib.read_manifest(model_dir)["final_step"], 12)
-    self.assertTrue(any("not on the main thread (library-caller)" in line
-                        for line in logs.output), logs.output)
-    # The host's handlers are untouched.
-    self.assertEqual({s: signal.getsignal(s) for s in handlers}, handlers)
-
   def test_saved_model_predicts_like_trained_model(self):
     model_dir = testutil.scratch_dir()
     experiment.run_experiment(_config(model_dir, model="resnet",
@@ -234,22 +239,38 @@ class RunExperimentTest(parameterized.TestCase):
 
 
 class TrainBinaryTest(absltest.TestCase):
+  """The binary's flag errors: in real processes where the process's exit
+  status is the point, else in this process through the binary's own
+  parser and `main` (no training starts on these paths)."""
+
+  def _in_process_status(self, argv):
+    """(exit status, stderr) of `tfdist.train` given `argv`, run here."""
+    from tfdist import train  # pylint: disable=g-import-not-at-top
+    with flagsaver.flagsaver(), contextlib.redirect_stderr(
+        io.StringIO()) as err:
+      with self.assertRaises(SystemExit) as caught:
+        train.main(train._parse_flags(argv))  # pylint: disable=protected-access
+    return caught.exception.code, err.getvalue()
 
   def test_flag_parsing_errors_exit_2_with_one_line(self):
     # absl's own parser said `FATAL Flags parsing error` and exited 1, the
     # status of divergence and bugs; the exit-code table
-    # (docs/reference/exit-codes.md) says 2.
-    for args, message in (
-        (["--distribution_strategy=mirrorred"],
-         "tfdist.train: error: flag --distribution_strategy=mirrorred: value "
-         "should be one of"),
-        (["--train_step=40"], "tfdist.train: error: Unknown command line "
-         "flag 'train_step'. Did you mean: train_steps")):
-      proc = testutil.run_module("tfdist.train", [
-          *args, f"--model_dir={testutil.scratch_dir()}"], timeout=120)
-      self.assertEqual(proc.returncode, 2, proc.stdout[-3000:])
-      self.assertIn(message, proc.stdout)
-      self.assertNotIn("FATAL", proc.stdout)
+    # (docs/reference/exit-codes.md) says 2. One real process shows the
+    # binary's status and output; a bad value is the same parser's path.
+    proc = testutil.run_module("tfdist.train", [
+        "--train_step=40", f"--model_dir={testutil.scratch_dir()}"],
+                               timeout=120)
+    self.assertEqual(proc.returncode, 2, proc.stdout[-3000:])
+    self.assertIn("tfdist.train: error: Unknown command line flag "
+                  "'train_step'. Did you mean: train_steps", proc.stdout)
+    self.assertNotIn("FATAL", proc.stdout)
+    status, err = self._in_process_status([
+        "tfdist.train", "--distribution_strategy=mirrorred",
+        f"--model_dir={testutil.scratch_dir()}"])
+    self.assertEqual(status, 2, err)
+    self.assertIn("tfdist.train: error: flag --distribution_strategy="
+                  "mirrorred: value should be one of", err)
+    self.assertNotIn("FATAL", err)
 
   def test_unreachable_gs_inputs_are_usage_errors(self):
     # A gs:// bucket that cannot be reached (here a proxy port where nothing
@@ -279,45 +300,6 @@ class TrainBinaryTest(absltest.TestCase):
                   "spec.json cannot be read: ", proc.stdout)
     self.assertNotIn("Traceback", proc.stdout)
 
-  def test_mirrored_on_two_logical_cpus(self):
-    data = testutil.fashion_mnist_subset(limit=512, train_shards=4,
-                                         test_shards=2)
-    model_dir = testutil.scratch_dir()
-    # After a finished run the binary ends without Python's teardown, which
-    # took 7 to 45 s after a Mirrored run on this busy machine (long enough
-    # for tfdist.launch to stop a task that had written its done marker and
-    # count the run failed): an atexit hook that every Python process here
-    # registers (sitecustomize) must not run.
-    hook = testutil.scratch_dir()
-    marker = os.path.join(hook, "teardown_ran")
-    with open(os.path.join(hook, "sitecustomize.py"), "w") as f:
-      f.write("import atexit\n"
-              f"atexit.register(lambda: open({marker!r}, 'w').close())\n")
-    env = {"PYTHONPATH": os.pathsep.join([hook, testutil.REPO_ROOT])}
-    control = subprocess.run([sys.executable, "-c", "pass"], env=env,
-                             timeout=60, check=True)
-    self.assertEqual(control.returncode, 0)
-    self.assertTrue(os.path.exists(marker), "the atexit hook did not load")
-    os.remove(marker)
-    proc = testutil.run_module("tfdist.train", [
-        "--distribution_strategy=mirrored", "--num_cpu_devices=2",
-        f"--train_files={data['train']}", f"--eval_files={data['eval']}",
-        "--train_steps=10", "--log_steps=5", "--batch_size=64",
-        f"--model_dir={model_dir}"], timeout=400, env=env)
-    self.assertEqual(proc.returncode, 0, proc.stdout[-3000:])
-    self.assertFalse(os.path.exists(marker),
-                     "the binary ran Python's teardown after a finished run")
-    manifest = _artifacts_ok(self, model_dir)
-    self.assertEqual(manifest["strategy"], "mirrored")
-    self.assertEqual(manifest["num_replicas_in_sync"], 2)
-    self.assertEqual(manifest["per_replica_batch_size"], 32)
-    self.assertEqual(manifest["global_batch_size"], 64)
-    self.assertLen(manifest["replica_devices"], 2)
-    self.assertEqual(manifest["final_metrics"]["eval_examples"], 512)
-    self.assertIn("num_replicas_in_sync   2", proc.stdout)
-    self.assertIn("0.1 at batch 256 -> 0.025 at batch 64 (linear rule)",
-                  proc.stdout)
-
   def test_flagfile_and_errors_name_the_flag(self):
     data = testutil.fashion_mnist_subset(limit=512, train_shards=4,
                                          test_shards=2)
@@ -337,27 +319,14 @@ class TrainBinaryTest(absltest.TestCase):
     self.assertLess(time.time() - started, 60)
     self.assertFalse(os.path.exists(os.path.join(model_dir, "checkpoints")))
 
-    proc = testutil.run_module("tfdist.train", [
-        "--train_steps=5", "--loss_scale=huge", f"--model_dir={model_dir}"],
-                               timeout=120)
-    self.assertNotEqual(proc.returncode, 0)
-    self.assertIn("--loss_scale", proc.stdout)
-    self.assertIn("dynamic", proc.stdout)
-
-    proc = testutil.run_module("tfdist.train", ["--train_steps=5"],
-                               timeout=120,
-                               env={"AIP_MODEL_DIR": "", "AIP_CHECKPOINT_DIR": ""})
-    self.assertNotEqual(proc.returncode, 0)
-    self.assertIn("--model_dir is required", proc.stdout)
-
-  def test_helpshort_lists_key_flags(self):
-    proc = testutil.run_module("tfdist.train", ["--helpshort"], timeout=120)
-    self.assertIn("Trains a Keras 3 model", proc.stdout)  # absl exits 1 here.
-    for name in ("--distribution_strategy", "--batch_size", "--dtype",
-                 "--model_dir", "--base_learning_rate", "--lr_scaling",
-                 "--warmup_steps", "--num_cpu_devices", "--train_files"):
-      self.assertIn(name, proc.stdout)
-    self.assertNotIn("  --piecewise_multipliers:", proc.stdout)  # not key
+    # A bad value of a tfdist setting: a usage error naming it and the fix.
+    # (--model_dir missing: tests/cli_test.py, TrainEdgeTest.)
+    status, err = self._in_process_status([
+        "tfdist.train", "--train_steps=5", "--loss_scale=huge",
+        f"--model_dir={model_dir}"])
+    self.assertEqual(status, 2, err)
+    self.assertIn("--loss_scale", err)
+    self.assertIn("dynamic", err)
 
 
 class ExportModeTest(absltest.TestCase):
