@@ -26,11 +26,10 @@ TIMEOUT = 180
 
 
 def _convert(limit, train_shards):
-  from tfdist.data import datasets  # pylint: disable=g-import-not-at-top
-  out = os.path.join(testutil.scratch_dir(), "fashion_mnist")
-  datasets.convert_fashion_mnist(out, limit=limit, train_shards=train_shards,
-                                 test_shards=1)
-  return os.path.join(out, "train-*.tfrecord.gz")
+  """The glob of `limit` Fashion-MNIST training images in `train_shards`
+  files, converted once per process (the tests only read them)."""
+  return testutil.fashion_mnist_subset(limit=limit, train_shards=train_shards,
+                                       test_shards=1)["train"]
 
 
 class StrategyOptionsTest(parameterized.TestCase):
