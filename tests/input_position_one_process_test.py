@@ -37,15 +37,17 @@ recomputes its position from the restored step (`tfdist.data.input_pipeline`,
   says at resume what its resumed epoch sees), on one device and under
   Mirrored; a dataset function taking `input_context` (before: no
   position) and NumPy arrays under Mirrored; the dataset function also
-  through 2 pipeline stages and under ZeRO stage 3 on 2 Mirrored replicas; and ZeRO stage 3 resumed on 4
-  replicas from a 2-replica run's checkpoint (two more child processes:
-  the logical devices are fixed per process).
+  through 2 pipeline stages and under ZeRO stage 3 on 2 Mirrored
+  replicas; and ZeRO stage 3 resumed on 4 replicas from the checkpoint of
+  that 2-replica run (one more child process: the logical devices are
+  fixed per process).
 
 Cost (pytest on 2 cores, load 3-5, 4 December 2026): 23 s in all, the
 child's four runs (8 steps each) included. With the other input forms and
 the world-size runs (6 December 2026, load 10-11 from other jobs): 5 min
 18 s wall, about 70 s of CPU (the forms' 16 small runs and the two
-world-size children).
+world-size children; 7 December 2026: one world-size child, its run A
+being the first child's ZeRO stage 3 run A).
 """
 
 import json
@@ -401,7 +403,7 @@ def _child_results() -> dict:
                           text=True, timeout=2 * ids_lib.TIMEOUT_S)
     lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
     assert proc.returncode == 0 and lines, proc.stdout[-4000:]
-    _CHILD_RESULTS.update(json.loads(lines[-1]), output=proc.stdout)
+    _CHILD_RESULTS.update(json.loads(lines[-1]), output=proc.stdout, out=out)
   return _CHILD_RESULTS
 
 
@@ -569,13 +571,13 @@ class _log_lines:  # pylint: disable=invalid-name
 
 def _world_size_run(spec: dict) -> dict:
   """One ZeRO stage 3 run of a dataset function on `spec["devices"]`
-  Mirrored replicas (logical CPUs: one process each); run "b" starts from
-  run "a"'s step-3 checkpoint."""
+  Mirrored replicas (logical CPUs: one process each) in
+  `spec["model_dir"]`, started from the step-3 checkpoint of the run in
+  `spec["source"]` (the child's 2-replica "zero3/dataset_function" run A,
+  the same settings on 2 replicas)."""
   import tfdist  # pylint: disable=g-import-not-at-top
-  model_dir = os.path.join(spec["out"], spec["run"])
-  if spec["run"] == "b":
-    ids_lib.copy_checkpoint(os.path.join(spec["out"], "a"), model_dir,
-                            ids_lib.STOP)
+  model_dir = spec["model_dir"]
+  ids_lib.copy_checkpoint(spec["source"], model_dir, ids_lib.STOP)
   config = tfdist.TrainConfig(
       model_dir=model_dir, train_steps=ids_lib.STEPS,
       batch_size=ids_lib.BATCH, checkpoint_steps=ids_lib.STOP,
@@ -591,32 +593,31 @@ def _world_size_run(spec: dict) -> dict:
 class WorldSizeTest(absltest.TestCase):
 
   def test_zero3_resumed_on_more_replicas(self):
-    # ZeRO stage 3, a dataset function: run A on 2 Mirrored replicas, run
-    # B resumed from A's step-3 checkpoint on 4 (the global batch and the
-    # one input pipeline unchanged, so the position holds). Before: the
-    # epoch started over (the issue's 0.038 across world sizes).
-    out = testutil.scratch_dir()
-    results = {}
-    for run, devices in (("a", 2), ("b", 4)):
-      env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", **{
-          _WORLD_SIZE_ENV: json.dumps({"out": out, "run": run,
-                                       "devices": devices})})
-      env["PYTHONPATH"] = testutil.REPO_ROOT + os.pathsep + env.get(
-          "PYTHONPATH", "")
-      proc = subprocess.run([sys.executable, os.path.abspath(__file__)],
-                            cwd=testutil.REPO_ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, timeout=ids_lib.TIMEOUT_S)
-      lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
-      self.assertEqual(proc.returncode, 0, proc.stdout[-4000:])
-      results[run] = json.loads(lines[-1])
+    # ZeRO stage 3, a dataset function: run A on 2 Mirrored replicas (the
+    # child's "zero3/dataset_function" run A), run B resumed from A's
+    # step-3 checkpoint on 4 (the global batch and the one input pipeline
+    # unchanged, so the position holds). Before: the epoch started over
+    # (the issue's 0.038 across world sizes).
+    run_a = os.path.join(_child_results()["out"], "forms", "zero3",
+                         "dataset_function", "a")
+    run_b = os.path.join(testutil.scratch_dir(), "b")
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", **{
+        _WORLD_SIZE_ENV: json.dumps({"source": run_a, "model_dir": run_b,
+                                     "devices": 4})})
+    env["PYTHONPATH"] = testutil.REPO_ROOT + os.pathsep + env.get(
+        "PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__)],
+                          cwd=testutil.REPO_ROOT, env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, timeout=ids_lib.TIMEOUT_S)
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
+    self.assertEqual(proc.returncode, 0, proc.stdout[-4000:])
     self.assertIn("input position restored: step 3 continues epoch 1",
-                  "\n".join(results["b"]["resume_lines"]))
-    self.assertLessEqual(forms_lib.max_difference(
-        os.path.join(out, "a"), os.path.join(out, "b")), 1e-6)
+                  "\n".join(json.loads(lines[-1])["resume_lines"]))
+    self.assertLessEqual(forms_lib.max_difference(run_a, run_b), 1e-6)
     self.assertGreater(forms_lib.max_difference(
-        os.path.join(out, "a"), os.path.join(out, "a", "checkpoints",
-                                             f"ckpt-{ids_lib.STOP}")), 1e-3)
+        run_a, os.path.join(run_a, "checkpoints", f"ckpt-{ids_lib.STOP}")),
+                       1e-3)
 
 
 _WORLD_SIZE_ENV = "TFDIST_INPUT_POSITION_WORLD_SIZE"

@@ -6,7 +6,9 @@ launcher forwards the stop to its own tasks). Sized for a 2-core machine:
 tiny Fashion-MNIST subsets, a few steps.
 """
 
+import contextlib
 import glob
+import io
 import json
 import os
 from unittest import mock
@@ -24,11 +26,10 @@ TIMEOUT = 180
 
 
 def _convert(limit, train_shards):
-  from tfdist.data import datasets  # pylint: disable=g-import-not-at-top
-  out = os.path.join(testutil.scratch_dir(), "fashion_mnist")
-  datasets.convert_fashion_mnist(out, limit=limit, train_shards=train_shards,
-                                 test_shards=1)
-  return os.path.join(out, "train-*.tfrecord.gz")
+  """The glob of `limit` Fashion-MNIST training images in `train_shards`
+  files, converted once per process (the tests only read them)."""
+  return testutil.fashion_mnist_subset(limit=limit, train_shards=train_shards,
+                                       test_shards=1)["train"]
 
 
 class StrategyOptionsTest(parameterized.TestCase):
@@ -252,13 +253,16 @@ class EquivalenceTest(absltest.TestCase):
 
   def _one_process(self):
     """`(data pattern, folder)` of the one-process float32 reference run,
-    trained once for every test of the class."""
+    trained once for every test of the class, in this process (one device,
+    no cluster: nothing needs a fresh process)."""
     if EquivalenceTest._single is None:
       pattern, single_dir = _convert(256, 2), testutil.scratch_dir()
-      code, out, _ = testlib.run_module_with_timeout(
-          "tests.multi_worker_testlib", ["train", single_dir, pattern,
-                                         str(self.STEPS)], timeout=TIMEOUT)
-      self.assertEqual(code, 0, out[-3000:])
+      out = io.StringIO()
+      with mock.patch.dict(os.environ, {"TF_CONFIG": "", "CLUSTER_SPEC": ""}
+                           ), contextlib.redirect_stdout(out):
+        testlib.train_main(single_dir, pattern, self.STEPS)
+      out = out.getvalue()
+      self.assertIn("strategy one_device", out)
       self.assertIn("replicas 1", out)
       EquivalenceTest._single = (pattern, single_dir)
     return EquivalenceTest._single
