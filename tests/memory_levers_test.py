@@ -252,8 +252,11 @@ def _child_main(train_glob: str) -> dict:
       import traceback  # pylint: disable=g-import-not-at-top
       return {"error": traceback.format_exc()[-3000:]}
 
+  plain = []  # The unclipped one-device run without accumulation.
+
   def accumulation_case():
-    reference, ref_sums, ref_opt = train(one, 1)
+    plain.append(train(one, 1))
+    reference, ref_sums, ref_opt = plain[0]
     initial = small_model(one)[0].get_weights()
     out = {"micro_steps": {"k1": int(ref_sums["micro_steps"])},
            "iterations": int(ref_opt.iterations.numpy()),
@@ -273,7 +276,8 @@ def _child_main(train_glob: str) -> dict:
     reference = train(one, 1, **clip)[0]
     return {"one_device": relative(train(one, 4, **clip)[0], reference),
             "mirrored": relative(train(mirrored, 4, **clip)[0], reference),
-            "clipped_vs_unclipped": relative(reference, train(one, 1)[0])}
+            "clipped_vs_unclipped": relative(
+                reference, (plain[0] if plain else train(one, 1))[0])}
 
   def fp16_runs(strategy, k):
     """Two updates of 8 examples, 4 features: in the first, the second

@@ -185,7 +185,7 @@ class EqualToUnsplitTest(parameterized.TestCase):
     # Micro-batches of the same size compute the same bf16/fp16
     # activations (fp16: under the same loss scale); against one step on
     # the whole batch they differ by the precision's rounding.
-    unsplit, _, _ = _fit(dtype=dtype, gradient_accumulation_steps=4)
+    unsplit, _ = _unsplit(dtype=dtype, gradient_accumulation_steps=4)
     weights, manifest, _ = _fit(dtype=dtype, pipeline_stages=2,
                                 num_microbatches=4)
     self.assertLess(_max_difference(weights, unsplit), TOLERANCE)
@@ -386,7 +386,7 @@ class ArtifactsTest(absltest.TestCase):
     self.assertRegex(plan, r"stage 0 on .*activations at least \d+ bytes "
                      r"\(2 micro-batch\(es\) of 4 in flight\)")
     # An unsplit run's manifest has no pipeline entry.
-    _, unsplit, _ = _fit()
+    _, unsplit = _unsplit()
     self.assertNotIn("pipeline", unsplit)
 
 
@@ -433,7 +433,7 @@ class DataTimesPipelineTest(parameterized.TestCase):
   def test_mixed_precision_equals_accumulation_over_the_micro_batches(self):
     # 2 copies x 2 micro-batches of 4 examples: the bf16 activations of
     # one device accumulating over 4 micro-steps of 4.
-    unsplit, _, _ = _fit(dtype="bf16", gradient_accumulation_steps=4)
+    unsplit, _ = _unsplit(dtype="bf16", gradient_accumulation_steps=4)
     weights, _, _ = _fit(dtype="bf16", pipeline_stages=2,
                          num_cpu_devices=4, num_microbatches=2)
     self.assertLess(_max_difference(weights, unsplit), TOLERANCE)

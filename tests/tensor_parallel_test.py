@@ -1,23 +1,25 @@
 """tfdist.parallel.tensor_parallel: sharded layers train like unsharded Keras.
 
-A child process per N splits the CPU into N logical devices (one
-MirroredStrategy per process: two strategies of different sizes in one
-process reuse a collective group key and abort) and, for N = 2 and 4, trains a column -> row MLP and an
-attention block (ParallelMultiHeadAttention, residual, column -> row MLP)
-for K steps next to the same unsharded Keras model (Dense,
-MultiHeadAttention) from the same initial weights, then compares the
+Two child processes (`_process`), one per N = 4 and 2 logical CPU devices
+(the split is fixed once TensorFlow starts), each running its cases one
+MirroredStrategy after another. For N = 2 and 4 they train a column -> row
+MLP and an attention block (ParallelMultiHeadAttention, residual, column ->
+row MLP) for K steps next to the same unsharded Keras model (Dense,
+MultiHeadAttention) from the same initial weights, then compare the
 gathered weights; on 2 replicas also the built-in Transformer
-(`models/transformer.py`, `tensor_parallel=True`). SGD runs in float32. Adam runs in float64: the key
-projection's bias has an exact gradient of zero (softmax ignores a shift
-that is the same for every key), so its float32 gradients are rounding
-noise of about 1e-9, which Adam divides by its epsilon (1e-7) into updates
-near 1e-4 that differ between any two orders of summation; in float64 the
-noise is 1e-18. A second child runs the example of
-docs/guides/tensor-parallelism.md (block docs-example).
+(`models/transformer.py`, `tensor_parallel=True`). SGD runs in float32.
+Adam runs in float64: the key projection's bias has an exact gradient of
+zero (softmax ignores a shift that is the same for every key), so its
+float32 gradients are rounding noise of about 1e-9, which Adam divides by
+its epsilon (1e-7) into updates near 1e-4 that differ between any two
+orders of summation; in float64 the noise is 1e-18. The process of 2
+devices first runs the example of docs/guides/tensor-parallelism.md
+(block docs-example), which splits the CPU itself.
 
 `TrainerTest` runs tfdist's trainer with `--tensor_parallel=2` (a
-`TrainConfig`, as `tfdist.train` makes it) against one device, in two more
-children (`_trainer_child`).
+`TrainConfig`, as `tfdist.train` makes it) against one device
+(`_trainer_child`, N = 2); `MeshTest` a 2 x 2 data x tensor mesh
+(`_mesh_child`, N = 4, its checkpoint then resumed at N = 2).
 """
 
 import json
@@ -42,13 +44,12 @@ def _child(n: int) -> dict:
   import keras
   import numpy as np
   import tensorflow as tf
-  tf.config.set_logical_device_configuration(
-      tf.config.list_physical_devices("CPU")[0],
-      [tf.config.LogicalDeviceConfiguration()] * n)
   from models import transformer
   from tfdist import errors
+  from tfdist.distribute import devices
   from tfdist.parallel.tensor import layers as tp
   # pylint: enable=g-import-not-at-top
+  devices.configure_cpu_devices(n)
 
   def build(kind: str, parallel: bool, dtype: str):
     if kind == "transformer":
@@ -333,9 +334,11 @@ def _trainer_child(root: str, resume: bool = False) -> dict:
   clothing reviews (dropout 0.1 on, SGD with momentum 0.9, float32: Adam's
   float32 noise, see the module docstring), each run's checkpoint read
   back, and the tensor-parallel run resumed unsharded for one more step.
-  `resume`: only the one-device run resumed with `--tensor_parallel=2`
-  (a second MirroredStrategy in one process would reuse the first one's
-  collective keys), and the two resumed checkpoints compared."""
+  The one-device run is `_mesh_child`'s "sgd" one (the same settings) when
+  that part ran first under `root` (it leaves `one_device/` and
+  `one_device.json`), else it runs here.
+  `resume` (after the call without it): the one-device run resumed with
+  `--tensor_parallel=2`, and the two resumed checkpoints compared."""
   # pylint: disable=g-import-not-at-top
   import keras
   import numpy as np
@@ -349,7 +352,7 @@ def _trainer_child(root: str, resume: bool = False) -> dict:
   # pylint: enable=g-import-not-at-top
   devices.configure_cpu_devices(2)
   data = os.path.join(root, "clothing_reviews")
-  if not resume:
+  if not os.path.isdir(data):  # The mesh's part may have made it.
     clothing_reviews.convert_clothing_reviews(data, limit=200,
                                               train_shards=1, test_shards=1)
   layouts = {"tensor_parallel": dict(tensor_parallel=2, num_cpu_devices=2,
@@ -430,9 +433,14 @@ def _trainer_child(root: str, resume: bool = False) -> dict:
     return {"after_resume": compare(saved("tensor_parallel"),
                                     saved("one_device"))}
   results = {}
-  runs = {layout: run(layout, 3, layout,
-                      [Replicas()] if layout == "tensor_parallel" else [])
-          for layout in layouts}
+  runs = {"tensor_parallel": run("tensor_parallel", 3, "tensor_parallel",
+                                 [Replicas()])}
+  done = os.path.join(root, "one_device.json")
+  if os.path.exists(done):  # `_mesh_child`'s "sgd" part ran it.
+    with open(done) as f:
+      runs["one_device"] = {"final_metrics": json.load(f)}
+  else:
+    runs["one_device"] = run("one_device", 3, "one_device")
   results["replicas_hold"] = Replicas.found
   results["losses"] = {k: r["final_metrics"]["train_loss"]
                        for k, r in runs.items()}
@@ -457,9 +465,8 @@ def _mesh_child(root: str, part: str) -> dict:
   beside the one-device run's own fourth update), "adam" (the same two
   runs under Adam, with --gradient_accumulation_steps=2), or "t2" (in a
   process of 2 devices: the 2 x 2
-  checkpoint of "sgd" resumed with --tensor_parallel=2 alone, D = 1). One
-  MirroredStrategy per process (a second one would reuse the first one's
-  collective keys)."""
+  checkpoint of "sgd" resumed with --tensor_parallel=2 alone, D = 1;
+  after "sgd", in another process)."""
   # pylint: disable=g-import-not-at-top
   import shutil
   import numpy as np
@@ -528,16 +535,105 @@ def _mesh_child(root: str, part: str) -> dict:
   if part == "sgd":
     for copy in ("mesh_to_one", "mesh_to_tensor"):
       shutil.copytree(os.path.join(root, "mesh_sgd"), os.path.join(root, copy))
+    # The one-device run is `_trainer_child`'s (the same TrainConfig): its
+    # folder at step 3 and its final metrics, for it to compare with.
+    shutil.copytree(os.path.join(root, "one_sgd"),
+                    os.path.join(root, "one_device"))
+    with open(os.path.join(root, "one_device.json"), "w") as f:
+      json.dump({k: float(runs["one"]["final_metrics"][k])
+                 for k in ("train_loss", "eval_loss")}, f)
     run("mesh_to_one", 4, "one")
     run("one_sgd", 4, "one")
     results["one_resumed"] = compare(saved("mesh_to_one"), saved("one_sgd"))
   return results
 
 
+def _docs_example() -> str:
+  """The example of docs/guides/tensor-parallelism.md (block docs-example)."""
+  path = os.path.join(testutil.REPO_ROOT, "docs", "guides",
+                      "tensor-parallelism.md")
+  with open(path, encoding="utf-8") as f:
+    page = f.read()
+  return re.search(
+      r"<!-- run: tests/tensor_parallel_test.py docs-example -->\n"
+      r"```python\n(.*?)```", page, re.S).group(1)
+
+
+def _process(n: int, root: str) -> dict:
+  """Every case of a process of `n` logical CPU devices, run in this
+  (fresh) process, in order, one MirroredStrategy after another, each
+  part's counting its collective keys from its own base (`guarded`; the
+  tensor-parallel groups take keys from their devices' names, see
+  tfdist/parallel/collectives.py). n = 4: `_child(4)`, then the mesh's
+  "sgd" and "adam" parts; n = 2: the guide's example first (it splits
+  the CPU itself, so it needs a fresh process), `_child(2)`, the trainer
+  and its resumption, and the mesh's "t2" part (it resumes the n = 4
+  process's checkpoint from `root`). A part that raises gives
+  `{"<part>_error": traceback}`."""
+  # pylint: disable=g-import-not-at-top
+  import contextlib
+  import io
+  import traceback
+  import tensorflow as tf
+  # pylint: enable=g-import-not-at-top
+  results, started = {}, [0]
+
+  def guarded(part, fn):
+    # Each MirroredStrategy numbers its collectives from group key
+    # 1 + `_collective_key_base` (instance keys from 100): a second one on
+    # the same devices would reuse the first one's keys with other shapes
+    # ("Shape mismatch in the collective instance 100"). Each part's
+    # strategy starts 100000 further, as TensorFlow's own tests do.
+    tf.distribute.MirroredStrategy._collective_key_base = 100000 * started[0]  # pylint: disable=protected-access
+    started[0] += 1
+    try:
+      results.update(fn() or {})
+    except Exception:  # pylint: disable=broad-except
+      results[f"{part}_error"] = traceback.format_exc()[-4000:]
+
+  if n == 2:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+      guarded("docs", lambda: exec(_docs_example(), {"__name__": "__main__"}))  # pylint: disable=exec-used
+    results["docs_stdout"] = out.getvalue()
+    guarded("child", lambda: _child(2))
+    guarded("trainer", lambda: _trainer_child(root, False))
+    guarded("trainer", lambda: _trainer_child(root, True))
+    guarded("mesh", lambda: _mesh_child(root, "t2"))
+  else:
+    guarded("child", lambda: _child(4))
+    guarded("mesh", lambda: _mesh_child(root, "sgd"))
+    guarded("mesh", lambda: _mesh_child(root, "adam"))
+  return results
+
+
+_RESULTS = {}
+
+
+def _results(test_class, part: str) -> dict:
+  """The results of both processes (`_process`: 4 devices, then 2), run
+  once per test process; raises AssertionError naming `test_class` when a
+  process failed or `part` raised in one."""
+  if not _RESULTS:
+    root = testutil.scratch_dir()
+    for n in (4, 2):
+      proc = _run_child("import json; from tests import tensor_parallel_test "
+                        f"as t; print(json.dumps(t._process({n}, {root!r})))")
+      if proc.returncode:
+        _RESULTS["failed"] = (f"process of {n} devices failed:\n"
+                              f"{proc.stderr[-4000:]}")
+        break
+      _RESULTS.update(json.loads(proc.stdout.strip().splitlines()[-1]))
+  for key in ("failed", f"{part}_error"):
+    if key in _RESULTS:
+      raise AssertionError(f"{test_class.__name__}: {_RESULTS[key]}")
+  return _RESULTS
+
+
 def _run_child(code: str) -> subprocess.CompletedProcess:
   return subprocess.run(
       [sys.executable, "-c", code], cwd=testutil.REPO_ROOT,
-      capture_output=True, text=True, timeout=400,
+      capture_output=True, text=True, timeout=900,
       env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2",
            "PYTHONPATH": testutil.REPO_ROOT + os.pathsep +
                          os.environ.get("PYTHONPATH", "")})
@@ -604,13 +700,7 @@ class TensorParallelTest(absltest.TestCase):
   @classmethod
   def setUpClass(cls):
     super().setUpClass()
-    cls.results = {}
-    for n in (2, 4):
-      proc = _run_child("import json; from tests import tensor_parallel_test "
-                        f"as t; print(json.dumps(t._child({n})))")
-      if proc.returncode:
-        raise AssertionError(f"child (N={n}) failed:\n{proc.stderr[-4000:]}")
-      cls.results.update(json.loads(proc.stdout.strip().splitlines()[-1]))
+    cls.results = _results(cls, "child")
 
   def case(self, name):
     result = self.results[name]
@@ -705,39 +795,26 @@ class TensorParallelTest(absltest.TestCase):
     self.assertIn("split 2 ways over 4 replicas", found["mesh_optimizer"] or "")
 
   def test_docs_example_runs(self):
-    path = os.path.join(testutil.REPO_ROOT, "docs", "guides",
-                        "tensor-parallelism.md")
-    with open(path, encoding="utf-8") as f:
-      page = f.read()
-    example = re.search(
-        r"<!-- run: tests/tensor_parallel_test.py docs-example -->\n"
-        r"```python\n(.*?)```", page, re.S).group(1)
-    proc = _run_child(example)
-    self.assertEqual(proc.returncode, 0, proc.stderr[-4000:])
+    # The example ran first in the process of 2 devices (it splits the CPU
+    # itself), as a script (`__name__ == "__main__"`), its output captured.
+    self.assertNotIn("docs_error", self.results,
+                     self.results.get("docs_error"))
+    stdout = self.results["docs_stdout"]
     losses = [float(v) for v in
-              re.findall(r"^step \d+ loss ([\d.e-]+)$", proc.stdout, re.M)]
-    self.assertLen(losses, 5, proc.stdout)
-    self.assertLess(losses[-1], losses[0], proc.stdout)
-    self.assertIn("unsharded kernel (8, 32)", proc.stdout)
+              re.findall(r"^step \d+ loss ([\d.e-]+)$", stdout, re.M)]
+    self.assertLen(losses, 5, stdout)
+    self.assertLess(losses[-1], losses[0], stdout)
+    self.assertIn("unsharded kernel (8, 32)", stdout)
 
 
 class TrainerTest(absltest.TestCase):
   """`tfdist.train --model=transformer --tensor_parallel=2` (the same
-  `TrainConfig`, run in a child process of 2 logical CPU devices)."""
+  `TrainConfig`, run in the child process of 2 logical CPU devices)."""
 
   @classmethod
   def setUpClass(cls):
     super().setUpClass()
-    root = testutil.scratch_dir()
-    cls.results = {}
-    for resume in (False, True):
-      proc = _run_child(
-          "import json; from tests import tensor_parallel_test as t; "
-          f"print(json.dumps(t._trainer_child({root!r}, {resume})))")
-      if proc.returncode:
-        raise AssertionError(
-            f"trainer child failed:\n{proc.stderr[-4000:]}")
-      cls.results.update(json.loads(proc.stdout.strip().splitlines()[-1]))
+    cls.results = _results(cls, "trainer")
 
   def test_three_steps_equal_one_device(self):
     results = self.results
@@ -778,23 +855,14 @@ class TrainerTest(absltest.TestCase):
 
 class MeshTest(absltest.TestCase):
   """`--tensor_parallel=2 --num_cpu_devices=4`: a 2 x 2 data x tensor mesh
-  against one device (`_mesh_child`, three children: SGD with momentum,
-  Adam, and the 2 x 2 checkpoint resumed with --tensor_parallel=2
-  alone)."""
+  against one device (`_mesh_child`, three parts: SGD with momentum and
+  Adam in the process of 4 devices, and the 2 x 2 checkpoint resumed with
+  --tensor_parallel=2 alone in the process of 2)."""
 
   @classmethod
   def setUpClass(cls):
     super().setUpClass()
-    root = testutil.scratch_dir()
-    cls.results = {}
-    for part in ("sgd", "adam", "t2"):
-      proc = _run_child(
-          "import json; from tests import tensor_parallel_test as t; "
-          f"print(json.dumps(t._mesh_child({root!r}, {part!r})))")
-      if proc.returncode:
-        raise AssertionError(f"mesh child {part} failed:\n"
-                             f"{proc.stderr[-4000:]}")
-      cls.results.update(json.loads(proc.stdout.strip().splitlines()[-1]))
+    cls.results = _results(cls, "mesh")
 
   def _assert_equal_runs(self, part):
     results = self.results
