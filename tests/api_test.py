@@ -144,8 +144,16 @@ _FIT_SCRIPT = textwrap.dedent("""
                      log_steps=12, distribution_strategy="one_device"))
     """)
 # The plain script (no absl.app.run, stdout and stderr pipes): each part
-# of its stderr begins with a "=== NAME" line.
-_PLAIN_SCRIPT = _FIT_SCRIPT + textwrap.dedent("""
+# of its stderr begins with a "=== NAME" line. Its last part is
+# PythonInputsTest's Mirrored runs (2 logical CPUs, set before TensorFlow
+# starts; the other runs name one_device), printed as a "RESULT " line.
+_PLAIN_SCRIPT = textwrap.dedent("""
+    import json
+    import tensorflow as tf
+    tf.config.set_logical_device_configuration(
+        tf.config.list_physical_devices("CPU")[0],
+        [tf.config.LogicalDeviceConfiguration()] * 2)
+    """) + _FIT_SCRIPT + textwrap.dedent("""
     for verbose, folder in ((0, sys.argv[1]), ("auto", sys.argv[2])):
       print(f"=== {'quiet' if verbose == 0 else 'auto'}", file=sys.stderr,
             flush=True)
@@ -160,6 +168,21 @@ _PLAIN_SCRIPT = _FIT_SCRIPT + textwrap.dedent("""
     fit("auto", sys.argv[3])
     absl_logging.info("still shown after the export")
     print("=== done", file=sys.stderr, flush=True)
+    from tests import api_test
+    x, y = np.ones((16, 2), np.float32), np.ones((16,), np.float32)
+    result = tfdist.fit(
+        api_test._model, x=api_test._Batches(x, y),
+        validation_data=api_test._batches(x[:8], y[:8]), verbose=0,
+        config=tfdist.TrainConfig(
+            model_dir=sys.argv[5], train_steps=8, batch_size=4,
+            log_steps=4, distribution_strategy="mirrored",
+            num_cpu_devices=2))
+    x, y = api_test._python_inputs_data()
+    print("RESULT " + json.dumps(
+        [result["strategy"], result["final_step"],
+         sorted(result["history"]),
+         api_test._fit_python_inputs(x, y, sys.argv[5] + "-fit",
+                                     "mirrored")]))
     """)
 _PLAIN_RUN = {}
 
@@ -172,14 +195,15 @@ def _script_env() -> dict:
 
 def _plain_script_run(folder: str) -> dict:
   """`_PLAIN_SCRIPT`'s run in `folder`, once per test process (its
-  verbose=0, "auto", 4-epoch "auto" and after-basicConfig fits in one
-  process): {"stdout": text, "stderr": {part name: text}}."""
+  verbose=0, "auto", 4-epoch "auto" and after-basicConfig fits, then
+  PythonInputsTest's Mirrored runs, in one process): {"stdout": text,
+  "stderr": {part name: text}, "mirrored": the RESULT line's value}."""
   if not _PLAIN_RUN:
     folder = tempfile.mkdtemp(dir=folder)
     run = subprocess.run(
         [sys.executable, "-c", _PLAIN_SCRIPT,
          *(os.path.join(folder, name)
-           for name in ("quiet", "auto", "basic", "pipe"))],
+           for name in ("quiet", "auto", "basic", "pipe", "mirrored"))],
         cwd=folder, capture_output=True, text=True, timeout=300,
         check=False, env=_script_env())
     if run.returncode:
@@ -189,7 +213,8 @@ def _plain_script_run(folder: str) -> dict:
     for text in run.stderr.split("=== ")[1:]:
       name, _, rest = text.partition("\n")
       parts[name] = rest
-    _PLAIN_RUN.update(stdout=run.stdout, stderr=parts)
+    _PLAIN_RUN.update(stdout=run.stdout, stderr=parts, mirrored=json.loads(
+        run.stdout.split("RESULT ", 1)[1]))
   return _PLAIN_RUN
 
 
@@ -422,6 +447,13 @@ def _two_workers():
        "task": {"type": "worker", "index": 0}})})
 
 
+def _python_inputs_data():
+  """PythonInputsTest's `(x, y)`: float32 [16, 2] and [16], seeded."""
+  rng = np.random.default_rng(5)
+  return (rng.normal(size=(16, 2)).astype(np.float32),
+          rng.normal(size=(16,)).astype(np.float32))
+
+
 def _fit_python_inputs(x, y, model_dir: str, strategy: str) -> dict:
   """`tfdist.fit` of `_zero_model` on `_Batches(x, y)` and on `_batches(x,
   y)` (batches of 3, rebatched to 4), 2 epochs in order (no shuffling),
@@ -453,9 +485,7 @@ class PythonInputsTest(absltest.TestCase):
     super().setUp()
     self.dir = tempfile.mkdtemp()
     self.addCleanup(shutil.rmtree, self.dir, ignore_errors=True)
-    rng = np.random.default_rng(5)
-    self.x = rng.normal(size=(16, 2)).astype(np.float32)
-    self.y = rng.normal(size=(16,)).astype(np.float32)
+    self.x, self.y = _python_inputs_data()
 
   def _config(self, name, **overrides):
     fields = dict(model_dir=os.path.join(self.dir, name), train_steps=8,
@@ -556,42 +586,9 @@ class PythonInputsTest(absltest.TestCase):
                             "one_device")
 
   def test_py_dataset_and_generator_under_mirrored(self):
-    # A child process: two logical CPUs are set before TensorFlow starts.
-    script = textwrap.dedent("""
-        import json, sys
-        import numpy as np
-        import tensorflow as tf
-        tf.config.set_logical_device_configuration(
-            tf.config.list_physical_devices("CPU")[0],
-            [tf.config.LogicalDeviceConfiguration()] * 2)
-        import tfdist
-        from tests import api_test
-        x = np.ones((16, 2), np.float32)
-        y = np.ones((16,), np.float32)
-        result = tfdist.fit(
-            api_test._model, x=api_test._Batches(x, y),
-            validation_data=api_test._batches(x[:8], y[:8]), verbose=0,
-            config=tfdist.TrainConfig(
-                model_dir=sys.argv[1], train_steps=8, batch_size=4,
-                log_steps=4, distribution_strategy="mirrored",
-                num_cpu_devices=2))
-        x, y = (np.load(sys.argv[2])[k] for k in ("x", "y"))
-        print("RESULT " + json.dumps(
-            [result["strategy"], result["final_step"],
-             sorted(result["history"]),
-             api_test._fit_python_inputs(x, y, sys.argv[1] + "-fit",
-                                         "mirrored")]))
-        """)
-    arrays = os.path.join(self.dir, "arrays.npz")
-    np.savez(arrays, x=self.x, y=self.y)
-    proc = subprocess.run(
-        [sys.executable, "-c", script, os.path.join(self.dir, "m"), arrays],
-        cwd=testutil.REPO_ROOT, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True, timeout=300,
-        env=dict(os.environ, PYTHONPATH=testutil.REPO_ROOT,
-                 TF_CPP_MIN_LOG_LEVEL="2"))
-    self.assertEqual(proc.returncode, 0, proc.stdout[-3000:])
-    *summary, runs = json.loads(proc.stdout.split("RESULT ", 1)[1])
+    # In the plain script's process (FitTest's): its two logical CPUs are
+    # set before TensorFlow starts.
+    *summary, runs = _plain_script_run(self.dir)["mirrored"]
     self.assertEqual(summary, ["mirrored", 8, ["loss", "val_loss"]])
     self._check_against_fit(runs, "mirrored")
 
