@@ -4,10 +4,9 @@ Each case (`CASES`) is a Keras model subclass in the style of Keras's guide
 "Customizing what happens in fit()"; it trains with `Model.fit` (then
 `Model.evaluate`) and with `tfdist.fit`, on one device and under
 MirroredStrategy on 2 logical CPUs, and the final weights, the last
-epoch's logs and the evaluation logs are compared (`ATOL`). One process
-runs every case once: this one when it has not imported TensorFlow yet
-(the logical devices must exist before TensorFlow starts), else a child
-process (this file run as a script). The refusals (`REFUSALS`) of
+epoch's logs and the evaluation logs are compared (`ATOL`). One child
+process (this file run as a script: the logical devices must exist before
+TensorFlow starts) runs every case once. The refusals (`REFUSALS`) of
 settings that need tfdist's own step run in the same child. The
 two-optimizer case also runs on two MultiWorkerMirrored workers (a local
 cluster, `tfdist.launch --module=tests.custom_step_test`), against
@@ -506,8 +505,10 @@ def _no_call_run(model_dir: str) -> dict:
 
 
 def _child_main() -> dict:
-  """Every case's runs, on 2 logical CPUs (`_split_cpu` first)."""
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  tf.config.set_logical_device_configuration(
+      tf.config.list_physical_devices("CPU")[0],
+      [tf.config.LogicalDeviceConfiguration()] * 2)
   import traceback  # pylint: disable=g-import-not-at-top
   root = tempfile.mkdtemp(dir=testutil.scratch_dir())
   mirrored = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
@@ -590,27 +591,8 @@ def _child_main() -> dict:
 _RESULTS = {}
 
 
-def _split_cpu() -> bool:
-  """In a process that has not imported TensorFlow yet: turns oneDNN off
-  (as in the two-worker runs) and splits the CPU into 2 logical devices;
-  False (nothing done) once TensorFlow is imported."""
-  if "tensorflow" in sys.modules:
-    return False
-  os.environ["TF_ENABLE_ONEDNN_OPTS"] = "0"
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  tf.config.set_logical_device_configuration(
-      tf.config.list_physical_devices("CPU")[0],
-      [tf.config.LogicalDeviceConfiguration()] * 2)
-  return True
-
-
 def _child_results() -> dict:
-  """`_child_main`'s results, once per test process: in this process when
-  it has not imported TensorFlow yet (TensorFlow's start-up paid once for
-  the file), else in a child process (this file run as a script: the
-  logical devices must exist before TensorFlow starts). JSON either way."""
-  if not _RESULTS and _split_cpu():
-    _RESULTS.update(json.loads(json.dumps(_child_main())))
+  """`_child_main`'s results, from one child process per test process."""
   if not _RESULTS:
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
                TF_ENABLE_ONEDNN_OPTS="0", **{_CHILD_ENV: "1"})
@@ -916,7 +898,6 @@ def _flatten(value) -> list:
 
 if __name__ == "__main__":
   if os.environ.get(_CHILD_ENV):
-    assert _split_cpu()
     print(json.dumps(_child_main()), flush=True)
   elif os.environ.get("TF_CONFIG"):
     _cluster_main(*sys.argv[1:3])
