@@ -86,11 +86,11 @@ class ParameterServerTrainingTest(absltest.TestCase):
   def test_end_to_end_with_evaluator_and_a_worker_killed_mid_run(self):
     # One cluster for two claims: the whole run (placement, evaluator,
     # export of the metrics), and worker failures tolerated: worker-1 is
-    # SIGKILLed at step 20 of 80 and the chief finishes on worker-0.
+    # SIGKILLed at step 20 of 120 and the chief finishes on worker-0.
     cluster = self._cluster(
-        _flags(self.model_dir, train_steps=80, steps_per_execution=2),
+        _flags(self.model_dir, train_steps=120, steps_per_execution=2),
         num_workers=2, num_ps=2, evaluator=True)
-    self.assertTrue(cluster.wait_for_log("chief-0", ", step 20/80: ",
+    self.assertTrue(cluster.wait_for_log("chief-0", ", step 20/120: ",
                                          timeout=180),
                     self._chief_log(cluster))
     cluster.kill("worker-1")
@@ -105,8 +105,8 @@ class ParameterServerTrainingTest(absltest.TestCase):
     for name in ("worker-0", "ps-0", "ps-1", "evaluator-0"):
       self.assertEqual(cluster.wait(name, timeout=60), 0, cluster.log(name))
     manifest = _read_manifest(self.model_dir)
-    self.assertEqual(manifest["final_step"], 80)
-    self.assertEqual(manifest["history"][-1]["step"], 80)
+    self.assertEqual(manifest["final_step"], 120)
+    self.assertEqual(manifest["history"][-1]["step"], 120)
     self.assertEqual(manifest["strategy"], "parameter_server")
     placement = manifest["parameter_server"]["placement"]
     tables = {t["layer"]: t for t in placement["tables"]}
@@ -122,7 +122,7 @@ class ParameterServerTrainingTest(absltest.TestCase):
       self.assertLen(names, 3, slots)  # The table shard and its 2 slots.
       self.assertEqual({slots[n] for n in names}, {task})
     self.assertIsNotNone(manifest["final_metrics"]["eval_auc"])
-    self.assertIn("held-out evaluation at step 80: ",
+    self.assertIn("held-out evaluation at step 120: ",
                   cluster.log("chief-0"))
     # The evaluator saw each checkpoint once, in order.
     with open(os.path.join(self.model_dir, "eval",
@@ -138,7 +138,7 @@ class ParameterServerTrainingTest(absltest.TestCase):
                        r["evaluated_with"]["global_batch_size"])
                       for r in results},
                      {("one_device", manifest["eval_batch_size"])})
-    self.assertIn(80, steps)
+    self.assertIn(120, steps)
     self.assertTrue(any(n.startswith("events.out.tfevents") for n in
                         os.listdir(os.path.join(self.model_dir, "eval"))))
     with open(os.path.join(self.model_dir, "checkpoints",
@@ -149,7 +149,7 @@ class ParameterServerTrainingTest(absltest.TestCase):
     # A lost ps task ends the chief itself, at once, non-zero, naming the
     # loss (what a platform without tfdist.launch restarts on); the
     # launcher then restarts every task (new ports) and the run resumes.
-    flags = _flags(self.model_dir, train_steps=80, steps_per_execution=2)
+    flags = _flags(self.model_dir, train_steps=100, steps_per_execution=2)
     log_path = os.path.join(self.tmp, "launch.log")
     launcher = ps_testutil.start_launcher(
         self, ["--num_workers=1", "--num_ps=2", "--max_restarts=1"], flags,
@@ -168,7 +168,7 @@ class ParameterServerTrainingTest(absltest.TestCase):
         self.assertIsNone(launcher.poll(), read_log()[-4000:])
         time.sleep(0.2)
 
-    wait_for(", step 40/80: ", 180)
+    wait_for(", step 40/100: ", 180)
     ps_task = None
     for child in psutil.Process(launcher.pid).children(recursive=True):
       try:
@@ -191,9 +191,9 @@ class ParameterServerTrainingTest(absltest.TestCase):
     rc = launcher.wait(timeout=300)
     log = read_log()
     self.assertEqual(rc, 0, log[-6000:])
-    self.assertRegex(log, r"restored .*ckpt-(20|40|60): resuming at step")
+    self.assertRegex(log, r"restored .*ckpt-(20|40|60|80): resuming at step")
     manifest = _read_manifest(self.model_dir)
-    self.assertEqual(manifest["final_step"], 80)
+    self.assertEqual(manifest["final_step"], 100)
     self.assertIsNotNone(manifest["restored_from"])
 
 
