@@ -113,6 +113,111 @@ class InMemoryDatasetTest(absltest.TestCase):
           api.in_memory_dataset(**kwargs)
 
 
+# A script's fits (`build`, `fit(verbose, folder)`: 4 steps, a line every
+# 2; `fit_4_epochs(folder)`: verbose="auto", 6 steps an epoch, a line every
+# 12 steps, a checkpoint and an evaluation every epoch).
+_FIT_SCRIPT = textwrap.dedent("""
+    import logging
+    import sys
+    from absl import logging as absl_logging
+    import keras
+    import numpy as np
+    import tfdist
+
+    def build():
+      model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+      model.compile(loss="mse", metrics=["mae"])
+      return model
+
+    def fit(verbose, folder):
+      x, y = np.ones((32, 2), np.float32), np.ones((32,), np.float32)
+      tfdist.fit(build, x=x, y=y, verbose=verbose, validation_split=0.25,
+                 config=tfdist.TrainConfig(
+                     model_dir=folder, train_steps=4, batch_size=4,
+                     log_steps=2, distribution_strategy="one_device"))
+
+    def fit_4_epochs(folder):
+      x = np.ones((32, 2), np.float32)
+      tfdist.fit(build, x=x, y=x.sum(axis=1), validation_split=0.25,
+                 config=tfdist.TrainConfig(
+                     model_dir=folder, train_epochs=4, batch_size=4,
+                     log_steps=12, distribution_strategy="one_device"))
+    """)
+# The plain script (no absl.app.run, stdout and stderr pipes): each part
+# of its stderr begins with a "=== NAME" line. Its last part is
+# PythonInputsTest's Mirrored runs (2 logical CPUs, set before TensorFlow
+# starts; the other runs name one_device), printed as a "RESULT " line.
+_PLAIN_SCRIPT = textwrap.dedent("""
+    import json
+    import tensorflow as tf
+    tf.config.set_logical_device_configuration(
+        tf.config.list_physical_devices("CPU")[0],
+        [tf.config.LogicalDeviceConfiguration()] * 2)
+    """) + _FIT_SCRIPT + textwrap.dedent("""
+    for verbose, folder in ((0, sys.argv[1]), ("auto", sys.argv[2])):
+      print(f"=== {'quiet' if verbose == 0 else 'auto'}", file=sys.stderr,
+            flush=True)
+      fit(verbose, folder)
+    print("=== pipe", file=sys.stderr, flush=True)
+    fit_4_epochs(sys.argv[4])
+    print("=== after", file=sys.stderr, flush=True)
+    absl_logging.info("hidden after the call")
+    # A script that logs at INFO itself: its lines, and tfdist's once.
+    logging.basicConfig(level=logging.INFO, force=True)
+    print("=== basic", file=sys.stderr, flush=True)
+    fit("auto", sys.argv[3])
+    absl_logging.info("still shown after the export")
+    print("=== done", file=sys.stderr, flush=True)
+    from tests import api_test
+    x, y = np.ones((16, 2), np.float32), np.ones((16,), np.float32)
+    result = tfdist.fit(
+        api_test._model, x=api_test._Batches(x, y),
+        validation_data=api_test._batches(x[:8], y[:8]), verbose=0,
+        config=tfdist.TrainConfig(
+            model_dir=sys.argv[5], train_steps=8, batch_size=4,
+            log_steps=4, distribution_strategy="mirrored",
+            num_cpu_devices=2))
+    x, y = api_test._python_inputs_data()
+    print("RESULT " + json.dumps(
+        [result["strategy"], result["final_step"],
+         sorted(result["history"]),
+         api_test._fit_python_inputs(x, y, sys.argv[5] + "-fit",
+                                     "mirrored")]))
+    """)
+_PLAIN_RUN = {}
+
+
+def _script_env() -> dict:
+  return {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2",
+          "PYTHONPATH": os.pathsep.join(
+              [testutil.REPO_ROOT, os.environ.get("PYTHONPATH", "")])}
+
+
+def _plain_script_run(folder: str) -> dict:
+  """`_PLAIN_SCRIPT`'s run in `folder`, once per test process (its
+  verbose=0, "auto", 4-epoch "auto" and after-basicConfig fits, then
+  PythonInputsTest's Mirrored runs, in one process): {"stdout": text,
+  "stderr": {part name: text}, "mirrored": the RESULT line's value}."""
+  if not _PLAIN_RUN:
+    folder = tempfile.mkdtemp(dir=folder)
+    run = subprocess.run(
+        [sys.executable, "-c", _PLAIN_SCRIPT,
+         *(os.path.join(folder, name)
+           for name in ("quiet", "auto", "basic", "pipe", "mirrored"))],
+        cwd=folder, capture_output=True, text=True, timeout=300,
+        check=False, env=_script_env())
+    if run.returncode:
+      raise AssertionError(f"the script failed ({run.returncode}):\n"
+                           f"{run.stderr[-3000:]}")
+    parts = {"start": run.stderr.split("=== ", 1)[0]}
+    for text in run.stderr.split("=== ")[1:]:
+      name, _, rest = text.partition("\n")
+      parts[name] = rest
+    _PLAIN_RUN.update(stdout=run.stdout, stderr=parts, mirrored=json.loads(
+        run.stdout.split("RESULT ", 1)[1]))
+  return _PLAIN_RUN
+
+
 class FitTest(absltest.TestCase):
 
   def setUp(self):
@@ -177,41 +282,16 @@ class FitTest(absltest.TestCase):
     # The same values as the config's are no conflict.
     self.assertEqual(api.with_keras_length(self.config, batch_size=4),
                      self.config)
-  def _fit_script(self, folder: str, *, terminal: bool) -> tuple:
-    """Runs a 4-epoch `tfdist.fit(verbose="auto")` script (6 steps an
-    epoch, a line every 12 steps, a checkpoint and an evaluation every
-    epoch) with stdout a pseudo-terminal or a pipe; returns (stdout,
-    stderr)."""
-    script = textwrap.dedent("""
-        import sys
-        import keras
-        import numpy as np
-        import tfdist
-
-        def build():
-          model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
-          model.compile(loss="mse", metrics=["mae"])
-          return model
-
-        x = np.ones((32, 2), np.float32)
-        tfdist.fit(build, x=x, y=x.sum(axis=1), validation_split=0.25,
-                   config=tfdist.TrainConfig(
-                       model_dir=sys.argv[1], train_epochs=4, batch_size=4,
-                       log_steps=12, distribution_strategy="one_device"))
-        """)
-    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2",
-           "PYTHONPATH": os.pathsep.join(
-               [testutil.REPO_ROOT, os.environ.get("PYTHONPATH", "")])}
-    command = [sys.executable, "-c", script, os.path.join(self.dir, folder)]
-    if not terminal:
-      run = subprocess.run(command, cwd=self.dir, capture_output=True,
-                           text=True, timeout=300, check=False, env=env)
-      self.assertEqual(run.returncode, 0, run.stderr[-3000:])
-      return run.stdout, run.stderr
+  def _fit_script(self, folder: str) -> tuple:
+    """Runs `_FIT_SCRIPT` (a 4-epoch `tfdist.fit(verbose="auto")`) with
+    stdout a pseudo-terminal; returns (stdout, stderr)."""
+    command = [sys.executable, "-c",
+               _FIT_SCRIPT + "fit_4_epochs(sys.argv[1])",
+               os.path.join(self.dir, folder)]
     main, child = pty.openpty()
     with tempfile.TemporaryFile() as stderr:
       proc = subprocess.Popen(command, cwd=self.dir, stdout=child,
-                              stderr=stderr, env=env)
+                              stderr=stderr, env=_script_env())
       os.close(child)
       stdout, deadline = b"", time.time() + 300
       while time.time() < deadline:
@@ -235,7 +315,7 @@ class FitTest(absltest.TestCase):
     return stdout.decode(errors="replace"), err
 
   def test_a_terminal_gets_kerass_progress_bar_and_a_pipe_log_lines(self):
-    stdout, stderr = self._fit_script("terminal", terminal=True)
+    stdout, stderr = self._fit_script("terminal")
     # keras.utils.Progbar's bar, one per epoch, as fit(verbose=1) shows it,
     # with the epoch's validation values; tfdist's step and evaluation lines
     # (which the bar repeats) are left out, its other lines stay.
@@ -246,7 +326,9 @@ class FitTest(absltest.TestCase):
     self.assertNotRegex(stderr, r"tfdist: epoch \d|held-out evaluation")
     self.assertIn("tfdist plan:", stderr)
 
-    stdout, stderr = self._fit_script("pipe", terminal=False)
+    # The same fit with stdout a pipe: the plain script's (one process).
+    run = _plain_script_run(self.dir)
+    stdout, stderr = run["stdout"], run["stderr"]["pipe"]
     self.assertNotIn("\u2501", stdout)
     self.assertIn("Final eval: ", stdout)
     # One line for each epoch, counted from 1, each with its evaluation; a
@@ -265,51 +347,8 @@ class FitTest(absltest.TestCase):
 
   def test_a_plain_script_prints_tfdist_lines_unless_verbose_is_0(self):
     # A script without absl.app.run: absl's logging is not set up there.
-    script = textwrap.dedent("""
-        import logging
-        import sys
-        from absl import logging as absl_logging
-        import keras
-        import numpy as np
-        import tfdist
-
-        def build():
-          model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
-          model.compile(loss="mse")
-          return model
-
-        def fit(verbose, folder):
-          tfdist.fit(build, x=x, y=y, verbose=verbose, validation_split=0.25,
-                     config=tfdist.TrainConfig(
-                         model_dir=folder, train_steps=4, batch_size=4,
-                         log_steps=2, distribution_strategy="one_device"))
-
-        x, y = np.ones((32, 2), np.float32), np.ones((32,), np.float32)
-        for verbose, folder in ((0, sys.argv[1]), ("auto", sys.argv[2])):
-          print(f"=== verbose={verbose}", file=sys.stderr, flush=True)
-          fit(verbose, folder)
-        print("=== after", file=sys.stderr, flush=True)
-        absl_logging.info("hidden after the call")
-        # A script that logs at INFO itself: its lines, and tfdist's once.
-        logging.basicConfig(level=logging.INFO, force=True)
-        print("=== basic", file=sys.stderr, flush=True)
-        fit("auto", sys.argv[3])
-        absl_logging.info("still shown after the export")
-        print("=== done", file=sys.stderr, flush=True)
-        """)
-    run = subprocess.run(
-        [sys.executable, "-c", script,
-         *(os.path.join(self.dir, name) for name in ("quiet", "auto", "basic"))],
-        cwd=self.dir, capture_output=True, text=True, timeout=300,
-        check=False,
-        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2",
-             "PYTHONPATH": os.pathsep.join(
-                 [testutil.REPO_ROOT, os.environ.get("PYTHONPATH", "")])})
-    self.assertEqual(run.returncode, 0, run.stderr[-3000:])
-    parts = {}
-    for name, text in zip(["start", "quiet", "auto", "after", "basic"],
-                          run.stderr.split("=== ")):
-      parts[name] = text
+    run = _plain_script_run(self.dir)
+    parts = run["stderr"]
     self.assertNotRegex(parts["quiet"], r"tfdist: (epoch \d+/\d+, )?step")
     self.assertRegex(parts["auto"], r"tfdist: epoch 1/1, step 2/4: loss \d")
     self.assertEqual(parts["auto"].count("tfdist: epoch 1/1, step 2/4"), 1)
@@ -319,8 +358,9 @@ class FitTest(absltest.TestCase):
     self.assertNotIn("hidden after the call", parts["after"])
     self.assertEqual(parts["basic"].count("tfdist: epoch 1/1, step 2/4"), 1)
     self.assertIn("still shown after the export", parts["basic"])
-    # The final evaluation on stdout, except with verbose=0.
-    self.assertEqual(run.stdout.count("Final eval: "), 2, run.stdout)
+    # The final evaluation on stdout, except with verbose=0 (and the
+    # 4-epoch pipe run's).
+    self.assertEqual(run["stdout"].count("Final eval: "), 3, run["stdout"])
 
   def test_the_callers_dtype_policy_is_back_after_a_mixed_precision_fit(self):
     before = keras.mixed_precision.global_policy().name
@@ -407,6 +447,13 @@ def _two_workers():
        "task": {"type": "worker", "index": 0}})})
 
 
+def _python_inputs_data():
+  """PythonInputsTest's `(x, y)`: float32 [16, 2] and [16], seeded."""
+  rng = np.random.default_rng(5)
+  return (rng.normal(size=(16, 2)).astype(np.float32),
+          rng.normal(size=(16,)).astype(np.float32))
+
+
 def _fit_python_inputs(x, y, model_dir: str, strategy: str) -> dict:
   """`tfdist.fit` of `_zero_model` on `_Batches(x, y)` and on `_batches(x,
   y)` (batches of 3, rebatched to 4), 2 epochs in order (no shuffling),
@@ -438,9 +485,7 @@ class PythonInputsTest(absltest.TestCase):
     super().setUp()
     self.dir = tempfile.mkdtemp()
     self.addCleanup(shutil.rmtree, self.dir, ignore_errors=True)
-    rng = np.random.default_rng(5)
-    self.x = rng.normal(size=(16, 2)).astype(np.float32)
-    self.y = rng.normal(size=(16,)).astype(np.float32)
+    self.x, self.y = _python_inputs_data()
 
   def _config(self, name, **overrides):
     fields = dict(model_dir=os.path.join(self.dir, name), train_steps=8,
@@ -541,42 +586,9 @@ class PythonInputsTest(absltest.TestCase):
                             "one_device")
 
   def test_py_dataset_and_generator_under_mirrored(self):
-    # A child process: two logical CPUs are set before TensorFlow starts.
-    script = textwrap.dedent("""
-        import json, sys
-        import numpy as np
-        import tensorflow as tf
-        tf.config.set_logical_device_configuration(
-            tf.config.list_physical_devices("CPU")[0],
-            [tf.config.LogicalDeviceConfiguration()] * 2)
-        import tfdist
-        from tests import api_test
-        x = np.ones((16, 2), np.float32)
-        y = np.ones((16,), np.float32)
-        result = tfdist.fit(
-            api_test._model, x=api_test._Batches(x, y),
-            validation_data=api_test._batches(x[:8], y[:8]), verbose=0,
-            config=tfdist.TrainConfig(
-                model_dir=sys.argv[1], train_steps=8, batch_size=4,
-                log_steps=4, distribution_strategy="mirrored",
-                num_cpu_devices=2))
-        x, y = (np.load(sys.argv[2])[k] for k in ("x", "y"))
-        print("RESULT " + json.dumps(
-            [result["strategy"], result["final_step"],
-             sorted(result["history"]),
-             api_test._fit_python_inputs(x, y, sys.argv[1] + "-fit",
-                                         "mirrored")]))
-        """)
-    arrays = os.path.join(self.dir, "arrays.npz")
-    np.savez(arrays, x=self.x, y=self.y)
-    proc = subprocess.run(
-        [sys.executable, "-c", script, os.path.join(self.dir, "m"), arrays],
-        cwd=testutil.REPO_ROOT, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True, timeout=300,
-        env=dict(os.environ, PYTHONPATH=testutil.REPO_ROOT,
-                 TF_CPP_MIN_LOG_LEVEL="2"))
-    self.assertEqual(proc.returncode, 0, proc.stdout[-3000:])
-    *summary, runs = json.loads(proc.stdout.split("RESULT ", 1)[1])
+    # In the plain script's process (FitTest's): its two logical CPUs are
+    # set before TensorFlow starts.
+    *summary, runs = _plain_script_run(self.dir)["mirrored"]
     self.assertEqual(summary, ["mirrored", 8, ["loss", "val_loss"]])
     self._check_against_fit(runs, "mirrored")
 

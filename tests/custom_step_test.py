@@ -531,8 +531,10 @@ def _child_main() -> dict:
         out[name] = {"error": traceback.format_exc()}
   # Several steps per tf.function call (tfdist's --steps_per_execution).
   try:
+    # Model.fit's run is the low_level_no_loss case's (the same updates).
     out["steps_per_execution"] = {
-        "keras": _keras_fit(models["low_level_no_loss"], mirrored),
+        "keras": (out.get("low_level_no_loss/mirrored", {}).get("keras") or
+                  _keras_fit(models["low_level_no_loss"], mirrored)),
         "tfdist": _tfdist_fit(models["low_level_no_loss"], "mirrored",
                               os.path.join(root, "spe"),
                               steps_per_execution=4)}

@@ -3,10 +3,11 @@ MirroredStrategy, and refuses at start what it cannot keep.
 
 The same small models and data (`tests/fit_conformance_testlib.py`) go
 through `keras.Model.fit` + `Model.evaluate` on one device and through
-`tfdist.fit`, and the final weights and reported metrics are compared: one
-child process (this file run as a script; the logical devices must exist
-before TensorFlow starts) runs every case once on one device and on
-MirroredStrategy with 2 logical CPUs, with start-up paid once. The
+`tfdist.fit`, and the final weights and reported metrics are compared:
+every case runs once on one device and on MirroredStrategy with 2 logical
+CPUs, in this process when no test trained here before it (the logical
+devices must exist before TensorFlow's runtime starts), else in one child
+process (this file run as a script), with start-up paid once. The
 multi-process strategies (MultiWorkerMirrored, parameter servers) are in
 `tests/fit_conformance_test.py`; this file runs one TensorFlow process at a
 time, so it is no cluster target.
@@ -76,14 +77,44 @@ REFUSED_CALLBACKS = {
 }
 
 
+_RESULTS = {}
+
+
 def _case(test, name):
-  """Case `name` of this file's child process (run once per process; it
-  trains about 15 small runs, so its time limit is longer than
-  `testutil.child_case`'s)."""
-  result = testutil.child_cases(os.path.abspath(__file__), _CHILD_ENV,
-                                timeout=600)[name]
+  """Case `name` of `_child_main`'s runs (made once per test process)."""
+  if not _RESULTS:
+    _RESULTS.update(_child_results())
+  result = _RESULTS[name]
   test.assertNotIn("error", result, result.get("error"))
   return result
+
+
+def _two_logical_cpus() -> bool:
+  """Splits this process's CPU into 2 logical devices; False when
+  TensorFlow's runtime already started here (too late to split it)."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  try:
+    tf.config.set_logical_device_configuration(
+        tf.config.list_physical_devices("CPU")[0],
+        [tf.config.LogicalDeviceConfiguration()] * 2)
+  except RuntimeError:
+    return False
+  return True
+
+
+def _child_results() -> dict:
+  """`_child_main`'s runs: in this process when its CPU can still be split
+  (no test trained here before: TensorFlow's start-up is then paid once for
+  the file), else in a child process (this file run as a script; it trains
+  about 35 small runs, so its time limit is longer than
+  `testutil.child_case`'s). JSON either way (lists, not tuples)."""
+  if _two_logical_cpus():
+    try:
+      return json.loads(json.dumps(_child_main()))
+    finally:
+      lib.REMOTE_MONITOR_ROOT = None
+  return testutil.child_cases(os.path.abspath(__file__), _CHILD_ENV,
+                              timeout=600)
 
 
 # The in-process runs: (case, data source) -> strategies: one device and
@@ -729,7 +760,6 @@ class InMemoryArgumentsTest(absltest.TestCase):
 
 # The callback-state runs: epochs of 6 steps (192 training rows, batch 32).
 _CALLBACK_STATE_EPOCHS = 8
-_CALLBACK_STATE_CHILD_ENV = "TFDIST_CALLBACK_STATE_CHILD"
 
 
 def _callback_state_fit(model_dir: str, *, strategy: str, interrupt_at=None,
@@ -819,7 +849,7 @@ class CallbackStateResumeTest(absltest.TestCase):
   """An interrupted and resumed `tfdist.fit` stops and restores as the
   uninterrupted run: EarlyStopping's and ReduceLROnPlateau's state rides in
   every checkpoint. One device in this process; MirroredStrategy on 2
-  logical CPUs in a child process (the devices must exist before
+  logical CPUs in the file's child process (the devices must exist before
   TensorFlow starts)."""
 
   def test_a_resumed_run_stops_and_restores_as_the_uninterrupted_one(self):
@@ -842,19 +872,8 @@ class CallbackStateResumeTest(absltest.TestCase):
                 stopped_at=12)
 
   def test_mirrored_on_two_logical_cpus(self):
-    import subprocess  # pylint: disable=g-import-not-at-top
-    import sys  # pylint: disable=g-import-not-at-top
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
-               **{_CALLBACK_STATE_CHILD_ENV: "1"})
-    env["PYTHONPATH"] = os.pathsep.join(
-        [testutil.REPO_ROOT] + [p for p in [env.get("PYTHONPATH")] if p])
-    child = subprocess.run(
-        [sys.executable, os.path.abspath(__file__)], cwd=testutil.REPO_ROOT,
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        timeout=600)
-    lines = [l for l in child.stdout.splitlines() if l.startswith("{")]
-    self.assertTrue(child.returncode == 0 and lines, child.stdout[-4000:])
-    runs = json.loads(lines[-1])
+    # In the file's child process (2 logical CPUs), after its other runs.
+    runs = _case(self, "callback_state")
     self.assertEqual(runs["whole"]["replicas"], 2)
     self._check(runs, stopped_at=13)
     _cell("callback_state_resumed", "mirrored", "works")
@@ -914,11 +933,8 @@ def _captured(run, *, server, warnings, files_dir=None) -> dict:
 
 
 def _child_main() -> dict:
-  """The one-device and Mirrored runs of every case, and the references."""
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  cpu = tf.config.list_physical_devices("CPU")[0]
-  tf.config.set_logical_device_configuration(
-      cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+  """The one-device and Mirrored runs of every case, and the references
+  (on 2 logical CPUs: `_two_logical_cpus` first)."""
   import logging  # pylint: disable=g-import-not-at-top
   from absl import logging as absl_logging  # pylint: disable=g-import-not-at-top
   root = tempfile.mkdtemp(dir=testutil.scratch_dir())
@@ -985,23 +1001,21 @@ def _child_main() -> dict:
         "learning_rate": second["learning_rate"],
         "restored_step": second["restored_step"]}
   server.server.shutdown()
-  return {"results": out}
-
-
-def _callback_state_child() -> dict:
-  """`CallbackStateResumeTest`'s MirroredStrategy runs, on 2 logical CPUs."""
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  cpu = tf.config.list_physical_devices("CPU")[0]
-  tf.config.set_logical_device_configuration(
-      cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
-  return _callback_state_runs(strategy="mirrored", interrupt_at=(2, 0),
-                              log_steps=2)
+  # Last: CallbackStateResumeTest's MirroredStrategy runs (one SIGTERMs
+  # this process, as a preemption does), here to pay TensorFlow's start-up
+  # once.
+  import traceback  # pylint: disable=g-import-not-at-top
+  try:
+    callback_state = _callback_state_runs(strategy="mirrored",
+                                          interrupt_at=(2, 0), log_steps=2)
+  except Exception:  # pylint: disable=broad-except
+    callback_state = {"error": traceback.format_exc()}
+  return {"results": out, "callback_state": callback_state}
 
 
 if __name__ == "__main__":
   if os.environ.get(_CHILD_ENV):
+    assert _two_logical_cpus()
     print(json.dumps(_child_main()), flush=True)
-  elif os.environ.get(_CALLBACK_STATE_CHILD_ENV):
-    print(json.dumps(_callback_state_child()), flush=True)
   else:
     absltest.main()

@@ -216,13 +216,15 @@ class Checks:
 def cluster_main(out_path: str, case: str):
   """`case` through `tfdist.fit` on the cluster of `TF_CONFIG` (run by
   `tfdist.launch --module=tests.loss_semantics_testlib OUT_JSON CASE`); the
-  chief writes the result to OUT_JSON."""
+  chief then runs the reference, `keras_fit(case)` (one device: outside
+  any strategy's scope), and writes both to OUT_JSON as
+  `{"run": ..., "keras": ...}` (the test's process starts no TensorFlow)."""
   tf_config = json.loads(os.environ["TF_CONFIG"])
   result = tfdist_fit(case, "multi_worker_mirrored",
                        os.path.join(os.path.dirname(out_path), case))
   if tf_config["task"]["type"] == "chief":
     with open(out_path, "w") as f:
-      json.dump(result, f)
+      json.dump({"run": result, "keras": keras_fit(case)}, f)
 
 
 if __name__ == "__main__":
