@@ -1,10 +1,9 @@
 """Tests for tfdist.runtime.allocator: glibc malloc tuning against TensorFlow's churn.
 
-Counts page faults, never times. The end-to-end test trains in two child
-processes (this file run as a script) with `TF_ENABLE_ONEDNN_OPTS=0`: with
-TensorFlow's oneDNN optimizations on (its default on CPUs with AVX-512
-VNNI) its CPU allocator keeps large buffers itself, and glibc's behaviour
-would not show.
+Counts page faults, never times. The end-to-end test trains in child
+processes with `TF_ENABLE_ONEDNN_OPTS=0`: with TensorFlow's oneDNN
+optimizations on (its default on CPUs with AVX-512 VNNI) its CPU allocator
+keeps large buffers itself, and glibc's behaviour would not show.
 """
 
 import ctypes
@@ -94,74 +93,50 @@ class ConfigureAllocatorTest(absltest.TestCase):
     self.assertLess(_faults_per_round(), 0.05 * BUFFER_BYTES / PAGE)
 
 
-_CHILD_ENV = "TFDIST_ALLOCATOR_TEST_RUNS"
-_RESULT_PREFIX = "ALLOCATOR_TEST_RESULT "
-WARMUP_STEPS, STEPS = 3, 8
-
-
-def _child_runs(spec: dict) -> list:
-  """`benchmarks/keras_parity.py`'s child runs `spec["runs"]` ([side,
-  strategy] pairs), one after another in this process; their results."""
-  from benchmarks import keras_parity  # pylint: disable=g-import-not-at-top
-  keras_parity.FLAGS([sys.argv[0], f"--warmup_steps={WARMUP_STEPS}",
-                      f"--steps={STEPS}", "--batch_size=128"])
-  return [keras_parity.run_child(side, strategy, spec["train_files"],
-                                 spec["eval_files"])
-          for side, strategy in spec["runs"]]
-
-
 class PageFaultRegressionTest(absltest.TestCase):
   """Minor page faults per step: tfdist against plain Keras `fit`.
 
   The same short run (CNN, global batch 128, real Fashion-MNIST TFRecords)
-  through `benchmarks/keras_parity.py`'s child runs, whose Keras callback
-  reads `getrusage` after 3 warm-up steps and after 8 more: plain Keras on
+  through `benchmarks/keras_parity.py`'s child mode, whose Keras callback
+  reads `getrusage` after 3 warm-up steps and after 12 more: plain Keras on
   one device, tfdist on one device and under MirroredStrategy over 2
   logical CPUs (whose distributed iterator builds the `GeneratorDataset`
   op that sets glibc's mmap threshold).
-
-  Two child processes: plain Keras, then tfdist, on one device; tfdist
-  with `--notune_allocator`, then tfdist, under Mirrored. The side measured
-  against (plain Keras, the untuned run) runs first in its process; the
-  steps measured are those after the warm-up, when a run churns (maps and
-  unmaps its large buffers every step) or does not whatever ran before it
-  in the process (tfdist's tuning applies after TensorFlow's malloc patch
-  as well as before it: ConfigureAllocatorTest).
   """
 
-  def _runs(self, runs, data) -> list:
+  def _faults_per_step(self, side: str, data: dict,
+                       strategy: str = "one_device") -> dict:
+    script = os.path.join(testutil.REPO_ROOT, "benchmarks", "keras_parity.py")
     env = dict(os.environ, TF_ENABLE_ONEDNN_OPTS="0", TF_CPP_MIN_LOG_LEVEL="2",
                PYTHONPATH=testutil.REPO_ROOT + os.pathsep +
-               os.environ.get("PYTHONPATH", ""),
-               **{_CHILD_ENV: json.dumps(dict(data, runs=runs))})
+               os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run(
-        [sys.executable, os.path.abspath(__file__)], cwd=testutil.REPO_ROOT,
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        timeout=400)
-    lines = [l for l in proc.stdout.splitlines()
-             if l.startswith(_RESULT_PREFIX)]
-    self.assertTrue(lines, f"{runs} failed (exit {proc.returncode}):\n"
+        [sys.executable, script, f"--child={side}",
+         f"--child_strategy={strategy}",
+         f"--child_train_files={','.join(data['train_files'])}",
+         f"--child_eval_files={','.join(data['eval_files'])}",
+         "--warmup_steps=3", "--steps=12", "--batch_size=128"],
+        cwd=testutil.REPO_ROOT, env=env, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, timeout=300)
+    prefix = "KERAS_PARITY_RESULT "
+    lines = [l for l in proc.stdout.splitlines() if l.startswith(prefix)]
+    self.assertTrue(lines, f"{side} failed (exit {proc.returncode}):\n"
                            f"{proc.stdout[-3000:]}")
-    results = json.loads(lines[-1][len(_RESULT_PREFIX):])
-    self.assertEqual([[r["side"], r["strategy"]] for r in results], runs)
-    for result in results:
-      self.assertEqual(result["measured_steps"], STEPS)
-    return results
+    result = json.loads(lines[-1][len(prefix):])
+    self.assertEqual(result["measured_steps"], 12)
+    return result
 
   def test_tfdist_faults_per_step_near_plain_keras(self):
-    # 2048 examples: 16 steps per epoch, so no epoch-end checkpoint falls
-    # inside the 11 steps.
-    subset = testutil.fashion_mnist_subset(limit=2048, train_shards=4,
+    # 4096 examples: 32 steps per epoch, so no epoch-end checkpoint falls
+    # inside the 15 steps.
+    subset = testutil.fashion_mnist_subset(limit=4096, train_shards=4,
                                            test_shards=2)
     data = {"train_files": sorted(glob.glob(subset["train"])),
             "eval_files": sorted(glob.glob(subset["eval"]))}
-    keras, one_device = self._runs([["keras_stock", "one_device"],
-                                    ["tfdist", "one_device"]], data)
-    stock, mirrored = self._runs([["tfdist_stock", "mirrored"],
-                                  ["tfdist", "mirrored"]], data)
+    keras = self._faults_per_step("keras_stock", data)
     # Before the fix: about 59,600 faults per step against about 2,500.
-    for strategy, tfdist in (("one_device", one_device),
-                             ("mirrored", mirrored)):
+    for strategy in ("one_device", "mirrored"):
+      tfdist = self._faults_per_step("tfdist", data, strategy)
       self.assertEqual(tfdist["allocator"]["applied"],
                        {"M_MMAP_MAX": 0, "M_TOP_PAD": 64 << 20})
       self.assertLess(
@@ -170,6 +145,7 @@ class PageFaultRegressionTest(absltest.TestCase):
           f"faults per step, plain Keras {keras['minor_faults_per_step']:.0f}"
           ": the allocator churn is back (see tfdist/runtime/allocator.py).")
     # The same Mirrored run without the fix churns: the check can fail.
+    stock = self._faults_per_step("tfdist_stock", data, "mirrored")
     self.assertFalse(stock["allocator"]["applied"])
     self.assertGreater(
         stock["minor_faults_per_step"], 5 * keras["minor_faults_per_step"],
@@ -179,8 +155,4 @@ class PageFaultRegressionTest(absltest.TestCase):
 
 
 if __name__ == "__main__":
-  if os.environ.get(_CHILD_ENV):
-    print(_RESULT_PREFIX + json.dumps(_child_runs(json.loads(
-        os.environ[_CHILD_ENV]))), flush=True)
-  else:
-    absltest.main()
+  absltest.main()
