@@ -108,16 +108,18 @@ fi
 # it before a multi-process one found two free: every multi-process target
 # waited until the single-process ones had all run, and the last 15
 # minutes of the suite ran them alone with a unit idle (1,678 s of tests
-# on 1-2 December 2026). The lanes hold about the same work: the cluster
-# lane ~1,100 s of multi-process targets and ~300 s of single-process ones
-# two at a time, the single lane ~1,270 s.
+# on 1-2 December 2026). The lanes hold about the same work: in the fresh
+# clone of 7 December 2026 (03:27 UTC) the single lane ended 320 s after
+# the cluster lane (1,840 s against about 1,520 s), so ZeRO stage 3 and
+# the MoE Transformer (about 135 s) moved to the cluster lane's singles.
 # No --local_test_jobs: with it Bazel counts every test as one job and
 # ignores cpu:N tags (TestTargetProperties.getLocalResourceUsage).
 # --jobs=48 (one slot per target and more): a test waiting for CPU units
 # holds one of Bazel's job slots (by default one per core). Plain progress
 # lines, at most every 30 s (timeouts per size come from .bazelrc).
 CLUSTER_LANE_SINGLES=(//tests:compat_tf217 //tests:tpu_test
-                      //tests:reduction_server_test)
+                      //tests:reduction_server_test //tests:zero3_test
+                      //tests:moe_transformer_test)
 singles_base="${TFDIST_BAZEL_SINGLES_BASE:-${HOME:-/tmp}/.cache/bazel/tfdist-singles-$(
   printf '%s' "$PWD" | md5sum | cut -c1-12)}"
 if [ -n "${CI:-}" ]; then
