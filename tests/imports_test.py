@@ -319,6 +319,14 @@ LIGHT_MODULES = (
     "tfdist.distribute.worker_exit")
 
 
+def _run_python(code: str) -> subprocess.CompletedProcess:
+  """`python -c code` from the repository root, in a fresh process."""
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  return subprocess.run([sys.executable, "-c", code], capture_output=True,
+                        text=True, timeout=120, cwd=root,
+                        env={**os.environ, "PYTHONPATH": root})
+
+
 class LightModulesTest(absltest.TestCase):
 
   def test_light_modules_import_no_tensorflow(self):
@@ -329,10 +337,7 @@ class LightModulesTest(absltest.TestCase):
             "  out[name] = sorted(m for m in ('tensorflow', 'keras')\n"
             "                     if m in sys.modules)\n"
             "print(json.dumps(out))\n")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True,
-                          text=True, timeout=120, cwd=root,
-                          env={**os.environ, "PYTHONPATH": root})
+    proc = _run_python(code)
     self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
     loaded = json.loads(proc.stdout.strip().splitlines()[-1])
     # Cumulative: every module from the first that pulls TensorFlow in.
@@ -348,10 +353,7 @@ class LightModulesTest(absltest.TestCase):
             "  runpy.run_module('tfdist.train', run_name='__main__')\n"
             "except SystemExit as e:\n"
             "  print(e.code, 'tensorflow' in sys.modules)\n")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True,
-                          text=True, timeout=120, cwd=root,
-                          env={**os.environ, "PYTHONPATH": root})
+    proc = _run_python(code)
     self.assertIn("--train_steps=-3", proc.stderr)
     self.assertEqual(proc.stdout.split()[-2:], ["2", "False"], proc.stderr)
 
