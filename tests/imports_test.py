@@ -367,6 +367,11 @@ class LightModulesTest(absltest.TestCase):
     with self.assertRaises(AttributeError):
       parallel.attribute_of("tfdist.parallel.pipeline", "stages",
                             "__wrapped__")
+    # A name of the module is read once, then kept on the package.
+    from tfdist.parallel import zero3  # pylint: disable=g-import-not-at-top
+    self.assertIs(zero3.replicated_variables,
+                  zero3.optimizer.replicated_variables)
+    self.assertIn("replicated_variables", vars(zero3))
 
 
 if __name__ == "__main__":

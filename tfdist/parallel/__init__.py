@@ -44,10 +44,15 @@ def attribute_of(package: str, module: str, name: str):
   importing `module` (TensorFlow, Keras) made every light options module
   cost a TensorFlow start-up (`tfdist.config` imports them).
 
+  The value is then set on the package, so later reads of `name` do not
+  come here again.
+
   Raises:
     AttributeError: `name` is a submodule, a dunder, or not in `module`.
   """
   if name.startswith("__") or importlib.util.find_spec(
       f"{package}.{name}") is not None:
     raise AttributeError(f"module {package!r} has no attribute {name!r}")
-  return getattr(importlib.import_module(f"{package}.{module}"), name)
+  value = getattr(importlib.import_module(f"{package}.{module}"), name)
+  setattr(importlib.import_module(package), name, value)
+  return value

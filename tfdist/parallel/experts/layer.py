@@ -573,13 +573,15 @@ class MixtureOfExperts(keras.layers.Layer):
     return cls(**config)
 
 
-def moe_layers(model) -> list:
+def moe_layers(model, *, built_only: bool = False) -> list:
   """Every `MixtureOfExperts` in `model` (a model or layer, itself
-  included, searched recursively), built or not; [] for None."""
+  included, searched recursively), with `built_only` only the built ones;
+  [] for None."""
   if model is None:
     return []
   return [layer for layer in private_api.flatten_layers(model)
-          if isinstance(layer, MixtureOfExperts)]
+          if isinstance(layer, MixtureOfExperts)
+          and (layer.built or not built_only)]
 
 
 def routing_statistics_of(layers) -> Dict[str, tf.Tensor]:
@@ -597,8 +599,7 @@ def model_statistics(model: keras.layers.Layer) -> Dict[str, tf.Tensor]:
   model or layer, searched recursively), for a trainer's log
   (`routing_statistics_of`). Empty when `model` has none; unbuilt layers
   are left out."""
-  return routing_statistics_of(
-      [layer for layer in moe_layers(model) if layer.built])
+  return routing_statistics_of(moe_layers(model, built_only=True))
 
 
 def _check_placement(num_experts: int, top_k: int, placement) -> None:

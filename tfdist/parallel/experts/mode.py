@@ -76,9 +76,6 @@ class _Pair:
         component.assign(value)
 
 
-_moe_layers = moe_layer.moe_layers
-
-
 def _check_same(what: str, ours, theirs) -> None:
   if len(ours) != len(theirs) or any(
       tuple(a.shape) != tuple(b.shape) for a, b in zip(ours, theirs)):
@@ -96,7 +93,7 @@ def pair_weights(unsharded: keras.Model, model: keras.Model) -> List[_Pair]:
   Raises:
     ValueError: the models' layers or weights do not pair up.
   """
-  theirs, ours = _moe_layers(unsharded), _moe_layers(model)
+  theirs, ours = moe_layer.moe_layers(unsharded), moe_layer.moe_layers(model)
   if len(theirs) != len(ours) or not ours:
     raise ValueError(f"the models have {len(theirs)} and {len(ours)} "
                      "MixtureOfExperts layers")
@@ -170,7 +167,7 @@ class ExpertParallelStep(mode_lib.StepMode):
     """`expert_bytes` (the weight bytes of every `MixtureOfExperts`
     layer's experts) and `num_experts` (the fewest experts of one such
     layer; 0 without one)."""
-    layers = _moe_layers(model)
+    layers = moe_layer.moe_layers(model)
     weights = [w for layer in layers for expert in layer.experts
                for w in expert.weights]
     return {"expert_bytes": sum(
@@ -209,7 +206,8 @@ class ExpertParallelStep(mode_lib.StepMode):
   def describe(self) -> str:
     """One line for the manifest and the log."""
     p = self.placement
-    experts = sum(layer.num_experts for layer in _moe_layers(self.model))
+    experts = sum(layer.num_experts
+                  for layer in moe_layer.moe_layers(self.model))
     return (f"{p.num_replicas} replicas in {p.copies} expert group(s) of "
             f"{p.expert_parallel}: each replica holds 1/{p.expert_parallel} "
             f"of the {experts} experts and trains on its share of the batch")
@@ -364,7 +362,7 @@ def build(build_model: Callable[[], keras.Model],
       expert_parallel, tuple(strategy.extended.worker_devices))
   with tf.device("/cpu:0"):
     unsharded = build_model()
-  if not _moe_layers(unsharded):
+  if not moe_layer.moe_layers(unsharded):
     raise errors.ConfigError(
         f"--expert_parallel={expert_parallel} splits MixtureOfExperts "
         "layers, and the model has none. Build it with "

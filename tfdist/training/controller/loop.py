@@ -12,6 +12,7 @@ import tensorflow as tf
 
 from tfdist import errors
 from tfdist.observability import run_log as run_log_lib
+from tfdist.parallel.experts import layer as moe_layer
 from tfdist.training import callback_state as callback_state_lib
 from tfdist.training import keras_callbacks
 from tfdist.training import step_runner
@@ -24,7 +25,6 @@ from tfdist.training.controller.actions.keras_hooks import KerasEpochEnd
 from tfdist.training.controller.actions.keras_hooks import KerasTrainHooks
 from tfdist.training.controller.actions.periodic import Evaluate
 from tfdist.training.controller.actions.periodic import SaveCheckpoint
-from tfdist.training.controller.actions.reporting import moe_layers
 from tfdist.training.controller.actions.reporting import ProfilerWindow
 from tfdist.training.controller.actions.reporting import RoutingLog
 from tfdist.training.controller.actions.reporting import TrainLog
@@ -205,7 +205,7 @@ class Controller:
                       model=model, runner=self.runner),
         TrainLog(self.run_log, options=opts, checkpoints=saver,
                  evaluates=self.evaluate_fn is not None)]
-    routed = moe_layers(model)
+    routed = moe_layer.moe_layers(model, built_only=True)
     if routed:
       actions.append(RoutingLog(self.run_log, routed, options=opts))
     actions += [SaveCheckpoint(saver, opts)]

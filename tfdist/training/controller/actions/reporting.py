@@ -36,12 +36,6 @@ class RoutingLog(Action):
         step, {key: value.numpy() for key, value in statistics.items()})
 
 
-def moe_layers(model) -> list:
-  """The built `tfdist.MixtureOfExperts` layers of `model` (searched
-  recursively; [] for None or a model without any)."""
-  return [layer for layer in moe_layer.moe_layers(model) if layer.built]
-
-
 class ProfilerWindow(Action):
   """A `tfdist.observability.profiling.ProfileWindow`: its edges end chunks, so the trace
   holds exactly its steps."""
