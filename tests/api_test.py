@@ -145,14 +145,14 @@ _FIT_SCRIPT = textwrap.dedent("""
     """)
 # The plain script (no absl.app.run, stdout and stderr pipes): each part
 # of its stderr begins with a "=== NAME" line. Its last part is
-# PythonInputsTest's Mirrored runs (2 logical CPUs, set before TensorFlow
-# starts; the other runs name one_device), printed as a "RESULT " line.
+# PythonInputsTest's Mirrored runs (2 logical CPUs, set after `import
+# tfdist` and before TensorFlow's runtime starts; the other runs name
+# one_device), printed as a "RESULT " line.
 _PLAIN_SCRIPT = textwrap.dedent("""
     import json
-    import tensorflow as tf
-    tf.config.set_logical_device_configuration(
-        tf.config.list_physical_devices("CPU")[0],
-        [tf.config.LogicalDeviceConfiguration()] * 2)
+    import tfdist
+    from tfdist.distribute import devices
+    devices.configure_cpu_devices(2)
     """) + _FIT_SCRIPT + textwrap.dedent("""
     for verbose, folder in ((0, sys.argv[1]), ("auto", sys.argv[2])):
       print(f"=== {'quiet' if verbose == 0 else 'auto'}", file=sys.stderr,

@@ -90,13 +90,12 @@ def _case(test, name):
 
 
 def _two_logical_cpus() -> bool:
-  """Splits this process's CPU into 2 logical devices; False when
-  TensorFlow's runtime already started here (too late to split it)."""
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  """Splits this process's CPU into 2 logical devices
+  (`devices.configure_cpu_devices`); False when TensorFlow's runtime
+  already started here with another split (too late to split it)."""
+  from tfdist.distribute import devices  # pylint: disable=g-import-not-at-top
   try:
-    tf.config.set_logical_device_configuration(
-        tf.config.list_physical_devices("CPU")[0],
-        [tf.config.LogicalDeviceConfiguration()] * 2)
+    devices.configure_cpu_devices(2)
   except RuntimeError:
     return False
   return True
