@@ -477,12 +477,15 @@ class ArgumentsTest(absltest.TestCase):
       col.all_gather(["/cpu:0"], [1.0])
 
   def test_local_devices_and_indivisible_dimension(self):
-    # This process has one CPU: of the pair, only /cpu:0 is local, and a
-    # call takes its one tensor (the other process would pass /cpu:1's).
-    group = col.DeviceGroup(["/cpu:1", "/cpu:0"], name="pair")
+    # Of the pair, only /cpu:0 is in this process (the unit-test process
+    # may have split its CPU in two already: the other device is one past
+    # its last), and a call takes its one tensor (the other process would
+    # pass the other device's).
+    other = f"/cpu:{len(tf.config.list_logical_devices('CPU'))}"
+    group = col.DeviceGroup([other, "/cpu:0"], name="pair")
     self.assertEqual(group.local_devices,
                      ("/job:localhost/replica:0/task:0/device:CPU:0",))
-    self.assertEqual(group.rank("/cpu:1"), 1)
+    self.assertEqual(group.rank(other), 1)
     with self.assertRaisesRegex(
         errors.ConfigError, r"reduce_scatter: dimension 0 of the tensors "
         r"\(3\) does not divide by the group size 2.*multiple of 2"):

@@ -731,8 +731,13 @@ class RunLogTest(absltest.TestCase):
                              global_batch_size=8, total_steps=40)
     log.resume(20)
     # An earlier test in the same process may have lowered absl's verbosity
-    # (a quiet tfdist.train run).
-    self.addCleanup(absl_logging.set_verbosity, absl_logging.get_verbosity())
+    # (a quiet tfdist.train run). The logger's own level comes back after
+    # (not get_verbosity(), the effective level: restoring that would pin
+    # absl's logger at WARNING, so a later tfdist.fit in this process
+    # takes its caller's logging for a quiet one and logs past the root
+    # logger).
+    absl_logger = absl_logging.get_absl_logger()
+    self.addCleanup(absl_logger.setLevel, absl_logger.level)
     absl_logging.set_verbosity(absl_logging.INFO)
     with self.assertLogs(level="INFO") as logs:
       record = log.log_train(40, {"loss": 20.0, "micro_steps": 40.0}, 20,

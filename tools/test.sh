@@ -111,15 +111,17 @@ fi
 # on 1-2 December 2026). The lanes hold about the same work: in the fresh
 # clone of 7 December 2026 (03:27 UTC) the single lane ended 320 s after
 # the cluster lane (1,840 s against about 1,520 s), so ZeRO stage 3 and
-# the MoE Transformer (about 135 s) moved to the cluster lane's singles.
+# the MoE Transformer (about 135 s) moved to the cluster lane's singles;
+# later that day the TPU and reduction-server tests (single-process) joined
+# the unit-test group and the allocator test (about 55 s) took their
+# place. The suite prints both lanes' lengths at the end.
 # No --local_test_jobs: with it Bazel counts every test as one job and
 # ignores cpu:N tags (TestTargetProperties.getLocalResourceUsage).
 # --jobs=48 (one slot per target and more): a test waiting for CPU units
 # holds one of Bazel's job slots (by default one per core). Plain progress
 # lines, at most every 30 s (timeouts per size come from .bazelrc).
-CLUSTER_LANE_SINGLES=(//tests:compat_tf217 //tests:tpu_test
-                      //tests:reduction_server_test //tests:zero3_test
-                      //tests:moe_transformer_test)
+CLUSTER_LANE_SINGLES=(//tests:compat_tf217 //tests:allocator_test
+                      //tests:zero3_test //tests:moe_transformer_test)
 singles_base="${TFDIST_BAZEL_SINGLES_BASE:-${HOME:-/tmp}/.cache/bazel/tfdist-singles-$(
   printf '%s' "$PWD" | md5sum | cut -c1-12)}"
 if [ -n "${CI:-}" ]; then
@@ -150,14 +152,29 @@ log="$(mktemp)"
 singles_log="$(mktemp)"
 status=0
 singles_status=0
-bazel --output_base="$singles_base" test --local_cpu_resources=1 \
-  "${common[@]}" -- "${single_lane[@]}" >"$singles_log" 2>&1 &
+singles_ended="$(mktemp)"
+lanes_started=$SECONDS
+{
+  singles_rc=0
+  bazel --output_base="$singles_base" test --local_cpu_resources=1 \
+    "${common[@]}" -- "${single_lane[@]}" >"$singles_log" 2>&1 \
+    || singles_rc=$?
+  echo "$SECONDS" >"$singles_ended"
+  exit "$singles_rc"
+} &
 singles_pid=$!
 # The cluster lane's progress shows as it runs; the single lane's log
 # follows when both are done.
 bazel test --local_cpu_resources=2 "${common[@]}" \
   -- $(printf '%s ' "${cluster_lane[@]}") 2>&1 | tee "$log" || status=$?
+cluster_lane_took=$((SECONDS - lanes_started))
 wait "$singles_pid" || singles_status=$?
+# Each lane's length: the one that ends first leaves a core idle until the
+# other ends (move targets between the lanes, CLUSTER_LANE_SINGLES, when
+# they differ by more than a minute or so).
+echo "test.sh: the cluster lane took ${cluster_lane_took} s, the single" \
+  "lane $(( $(cat "$singles_ended") - lanes_started )) s"
+rm -f "$singles_ended"
 echo "test.sh: the single-process lane (exit ${singles_status}):"
 cat "$singles_log"
 cat "$singles_log" >>"$log"
