@@ -79,7 +79,7 @@ class ReportTest(absltest.TestCase):
         eval_files=data["eval"], distribution_strategy="one_device",
         batch_size=64, train_steps=12, log_steps=4,
         hptune_metric="eval_top2")
-    task = task_lib.from_names(task_lib.TaskNames.of(config.task))
+    task = task_lib.from_names(config.task)
     task = dataclasses.replace(task, metrics=[
         "accuracy", keras.metrics.SparseTopKCategoricalAccuracy(
             k=2, name="top2")])

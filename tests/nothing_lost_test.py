@@ -487,7 +487,7 @@ class FailureTest(absltest.TestCase):
         "--train_files mixes GZIP .* and uncompressed TFRecord files") as cm:
       run_plan.resolve_data_files(
           config.task.data,
-          task_lib.from_names(task_lib.TaskNames.of(config.task)).dataset)
+          task_lib.from_names(config.task).dataset)
     self.assertEqual(exit_codes.exit_code_for(cm.exception), exit_codes.CONFIG)
 
   def test_a_callable_that_is_no_model_builder_stops_at_start(self):
@@ -495,7 +495,7 @@ class FailureTest(absltest.TestCase):
         errors.ConfigError, r"--model=json:loads: loads\(s, .* has required "
         r"parameter\(s\) s that tfdist cannot fill"):
       config = TrainConfig(model="json:loads", model_dir="/m", train_steps=1)
-      task_lib.from_names(task_lib.TaskNames.of(config.task))
+      task_lib.from_names(config.task)
 
   def test_full_disk_during_a_save_is_one_line(self):
     # RLIMIT_FSIZE in the child: writes past 256 KiB fail with EFBIG

@@ -12,42 +12,39 @@ from tfdist.config import TrainConfig
 from tfdist.training import preflight
 
 
+def _sections(**names):
+  """The task and cloud sections of a config giving `names`."""
+  config = TrainConfig(model_dir="/tmp/x", train_steps=1, **names)
+  return config.task, config.cloud
+
+
 class CheckNamesTest(absltest.TestCase):
 
   def test_known_names_pass(self):
-    preflight.check_names(preflight.NameOptions(model="cnn",
-                                                dataset="fashion_mnist"))
+    preflight.check_names(*_sections(model="cnn", dataset="fashion_mnist"))
 
   def test_an_unknown_model_lists_the_known_ones(self):
     with self.assertRaisesRegex(errors.ConfigError, "no_such_model.*cnn"):
-      preflight.check_names(preflight.NameOptions(
-          model="no_such_model", dataset="fashion_mnist"))
+      preflight.check_names(*_sections(model="no_such_model",
+                                       dataset="fashion_mnist"))
 
   def test_an_unknown_dataset_is_named(self):
     with self.assertRaisesRegex(errors.ConfigError, "no_such_data"):
-      preflight.check_names(preflight.NameOptions(model="cnn",
-                                                  dataset="no_such_data"))
+      preflight.check_names(*_sections(model="cnn", dataset="no_such_data"))
 
   def test_a_metric_the_task_does_not_produce(self):
     with self.assertRaisesRegex(errors.ConfigError, "auc_of_nothing"):
-      preflight.check_names(preflight.NameOptions(
+      preflight.check_names(*_sections(
           model="cnn", dataset="fashion_mnist",
           hptune_metric="eval_auc_of_nothing"))
-    preflight.check_names(preflight.NameOptions(
+    preflight.check_names(*_sections(
         model="cnn", dataset="fashion_mnist", hptune_metric="eval_accuracy"))
 
   def test_user_modules_and_import_paths_are_the_jobs_to_check(self):
-    preflight.check_names(preflight.NameOptions(
+    preflight.check_names(*_sections(
         model="no_such_model", dataset="x", import_modules=("my_models",)))
-    preflight.check_names(preflight.NameOptions(
-        model="cnn", dataset="my.module:dataset"))
-
-  def test_name_options_from_a_config(self):
-    config = TrainConfig(model_dir="/tmp/x", train_steps=1, model="cnn",
-                         dataset="fashion_mnist", hptune_metric="eval_accuracy")
-    self.assertEqual(preflight.NameOptions.of(config.task, config.cloud),
-                     preflight.NameOptions(model="cnn", dataset="fashion_mnist",
-                                           hptune_metric="eval_accuracy"))
+    preflight.check_names(*_sections(model="cnn",
+                                     dataset="my.module:dataset"))
 
 
 class KerasDistributionTest(absltest.TestCase):

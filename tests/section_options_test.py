@@ -1,6 +1,6 @@
 """Unit tests of each part's options built from the config's sections
 (`StrategyOptions.of`, `SelectOptions.of`, `prepare.plan_options`,
-`prepare.assembly_options`, `TaskNames.of`, `NameOptions.of`,
+`prepare.assembly_options`, the task section read by `task.from_names`,
 `preflight.decided_outputs`)
 and of the records that list the whole run (`manifest.recorded_config`,
 `ManifestOptions.of`, `filesystems.config_paths`)."""
@@ -113,8 +113,9 @@ class SectionOptionsTest(absltest.TestCase):
 
   def test_task_names_and_task(self):
     config = _config(model="cnn", dataset="fashion_mnist")
-    names = task_lib.TaskNames.of(config.task)
-    self.assertEqual((names.model, names.dataset), ("cnn", "fashion_mnist"))
+    names = config.task  # The section itself: no converter.
+    self.assertEqual((names.model, names.data.dataset),
+                     ("cnn", "fashion_mnist"))
     task = task_lib.from_names(names)
     self.assertEqual(task.model_name, "cnn")
     self.assertEqual(task_lib.dataset_from_names(names).name, "fashion_mnist")
@@ -160,9 +161,7 @@ class SectionOptionsTest(absltest.TestCase):
         config.strategy.parallelism)
     self.assertEqual((pipeline.num_stages, pipeline.num_microbatches,
                       pipeline.microbatches_defaulted), (2, 2, True))
-    names = preflight.NameOptions.of(config.task, config.cloud)
-    self.assertEqual((names.model, names.dataset, names.hptune_metric),
-                     ("cnn", config.dataset, "eval_loss"))
+    preflight.check_names(config.task, config.cloud)  # Sections as they are.
     outputs = preflight.decided_outputs(config.outputs)
     self.assertIs(outputs, config.outputs)  # The section itself.
     self.assertEqual((outputs.checkpoint_dir, outputs.resolved_checkpoint_dir,

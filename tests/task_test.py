@@ -132,7 +132,7 @@ class RegistryTest(parameterized.TestCase):
   def test_unknown_names_list_what_is_registered(self, changes, message):
     with self.assertRaisesRegex(errors.ConfigError, message):
       config = TrainConfig(model_dir="/tmp/x", train_steps=1, **changes)
-      task_lib.from_names(task_lib.TaskNames.of(config.task))
+      task_lib.from_names(config.task)
 
   def test_import_paths_and_import_modules(self):
     pkg = _write_package({"mod.py": USER_MODULE.replace("{name}",
@@ -140,7 +140,7 @@ class RegistryTest(parameterized.TestCase):
     config = TrainConfig(model_dir="/tmp/x", train_steps=1,
                          model=f"{pkg}.mod:build",
                          dataset=f"{pkg}.mod:examples")
-    task = task_lib.from_names(task_lib.TaskNames.of(config.task))
+    task = task_lib.from_names(config.task)
     self.assertEqual(task.model_name, f"{pkg}.mod:build")
     self.assertEqual(task.dataset.name, f"{pkg}.mod:examples")
     model = task_lib.build_model(task, config)
@@ -153,17 +153,14 @@ class RegistryTest(parameterized.TestCase):
     config = TrainConfig(
         model_dir="/tmp/x", train_steps=1, model="regtest_registered",
         dataset="regtest_data", import_modules=f"{pkg2}.reg")
-    task = task_lib.from_names(task_lib.TaskNames.of(config.task))
+    task = task_lib.from_names(config.task)
     self.assertEqual(task.dataset.name, "regtest_data")
     self.assertIn("regtest_registered", registry.model_names())
 
   def test_names_give_the_task_the_config_names(self):
     config = TrainConfig(model_dir="/tmp/x", train_steps=1, model="cnn",
                          dataset="fashion_mnist")
-    names = task_lib.TaskNames.of(config.task)
-    self.assertEqual(names, task_lib.TaskNames(
-        model="cnn", dataset="fashion_mnist", feature_spec="",
-        import_modules=()))
+    names = config.task  # The model and data section, as it is.
     task = task_lib.from_names(names)
     self.assertEqual((task.model_name, task.dataset.name),
                      ("cnn", "fashion_mnist"))

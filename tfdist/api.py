@@ -293,7 +293,7 @@ def make_task(model_fn: Union[Callable, str],
     dataset = DatasetSpec(name=task_lib.describe_function(parse_fn),
                           parse_fn=parse_fn)
   else:
-    dataset = task_lib.dataset_from_names(task_lib.TaskNames.of(config.task))
+    dataset = task_lib.dataset_from_names(config.task)
   if isinstance(model_fn, str):
     task_lib.load_builtins()
     model_name, builder = registry.get_model_builder(model_fn)

@@ -197,7 +197,7 @@ def parse_train_flags(args: Sequence[str], *, where: str,
     quiet_tensorflow.import_tensorflow()  # The spec alone on stdout.
     # Imported only now: it imports TensorFlow, quietly after the line above.
     from tfdist.training import preflight  # pylint: disable=g-import-not-at-top
-    preflight.check_names(preflight.NameOptions.of(config.task, config.cloud))
+    preflight.check_names(config.task, config.cloud)
     if "auto" not in (config.strategy.distribution_strategy,
                       config.precision.dtype):
       # The strategy's own rules (ZeRO under Mirrored, fp16 on a TPU, ...)

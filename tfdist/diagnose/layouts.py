@@ -90,7 +90,7 @@ def model_sizes_of(config, *, tensor_degree: int = 2) -> ModelSizes:
         steps_per_execution=config.loop.steps_per_execution,
         builder_config=config_lib.ModelBuilderConfig(config))
     model = assembly.build_model(
-        options, task=task_lib.from_names(task_lib.TaskNames.of(config.task)))
+        options, task=task_lib.from_names(config.task))
     # A schedule, as in every run (tfdist.training.lr_schedule): the
     # optimizer then keeps no learning-rate variable of its own.
     optimizer = assembly.run_optimizer(options,

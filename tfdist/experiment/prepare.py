@@ -256,7 +256,7 @@ def start_run(config: TrainConfig, *,
   # when a path needs it; again once the environment filled the folders.
   filesystems.require_file_systems(filesystems.config_paths(config))
   if task is None:
-    task = task_lib.from_names(task_lib.TaskNames.of(config.task))
+    task = task_lib.from_names(config.task)
   prepared = prepare_run(config, environment=environment,
                          dataset=task.dataset)
   filesystems.require_file_systems(

@@ -35,34 +35,6 @@ from tfdist.core import registry
 from tfdist.training import task as task_lib
 
 
-@dataclasses.dataclass(frozen=True)
-class NameOptions:
-  """The registry names a run gives (`NameOptions.of`).
-
-  Attributes:
-    model: `--model`: a registered name or an import path.
-    dataset: `--dataset`: a registered name or an import path.
-    feature_spec: `--feature_spec` ('' when none).
-    import_modules: `--import_modules` (the user's modules).
-    hptune_metric: `--hptune_metric` ('' or None when none).
-  """
-  model: Optional[str]
-  dataset: Optional[str]
-  feature_spec: str = ""
-  import_modules: Tuple[str, ...] = ()
-  hptune_metric: Optional[str] = None
-
-  @classmethod
-  def of(cls, task, cloud) -> "NameOptions":
-    """The names of the config's model and data section
-    (`tfdist.config.TaskConfig`) and cloud section
-    (`tfdist.config.CloudConfig`: `hptune_metric`)."""
-    return cls(model=task.model, dataset=task.data.dataset,
-               feature_spec=task.feature_spec,
-               import_modules=tuple(task.import_modules),
-               hptune_metric=cloud.hptune_metric)
-
-
 # The output folders a run writes: the config's outputs section
 # (`--model_dir`, `--checkpoint_dir`, `--tensorboard_dir`, `--export_dir`,
 # and the folders derived from `--model_dir`: `resolved_checkpoint_dir`,
@@ -84,7 +56,7 @@ def decided_outputs(outputs: OutputOptions, decisions=None) -> OutputOptions:
       export_dir=values["export_dir"])
 
 
-def check_names(names: NameOptions):
+def check_names(task, cloud):
   """Checks that the names a run gives tfdist's registries exist and fit.
 
   The part of `--dry_run` a job-spec writer can run where the job's code
@@ -93,26 +65,29 @@ def check_names(names: NameOptions):
   job itself at start.
 
   Args:
-    names: the run's names (`NameOptions.of`).
+    task: the config's model and data section (`tfdist.config.TaskConfig`:
+      `model`, `data.dataset`, `feature_spec`, `import_modules`).
+    cloud: the config's cloud section (`tfdist.config.CloudConfig`:
+      `hptune_metric`).
 
   Raises:
     ConfigError: an unknown registered `--dataset` or `--model` (the
       message lists the known ones), or an `--hptune_metric` the data set's
       task does not produce.
   """
-  if names.import_modules:
+  if task.import_modules:
     return
   task_lib.load_builtins()
-  if not registry.is_import_path(names.model):
-    registry.get_model_builder(names.model)
-  if names.feature_spec or registry.is_import_path(names.dataset):
+  if not registry.is_import_path(task.model):
+    registry.get_model_builder(task.model)
+  if task.feature_spec or registry.is_import_path(task.data.dataset):
     return
-  spec = registry.get_dataset(names.dataset)
-  if (names.hptune_metric and spec.task and
-      not registry.is_import_path(names.model)):
+  spec = registry.get_dataset(task.data.dataset)
+  if (cloud.hptune_metric and spec.task and
+      not registry.is_import_path(task.model)):
     # tfdist's own models evaluate the data set's default loss and metrics.
     _, metrics = objectives.task_defaults(spec.task)
-    hptune.check_metric(names.hptune_metric,
+    hptune.check_metric(cloud.hptune_metric,
                         available=["loss", *(m.name for m in metrics)])
 
 

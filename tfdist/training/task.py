@@ -5,7 +5,7 @@ and the Python API's objects (`tfdist.fit`) both become one `Task`; every
 later step (the run plan, assembly, input pipelines, export) reads it and
 never the names again:
 
-    config.task --(TaskNames.of)--> TaskNames
+    config.task (the model and data section, `tfdist.config.TaskConfig`)
            --(from_names)--> Task(model_fn, dataset, loss, metrics)
     tfdist.fit(model_fn, dataset_fn, ...) --> Task
 
@@ -62,47 +62,23 @@ def load_builtins():
   from tfdist.data import datasets  # pylint: disable=g-import-not-at-top,unused-import
 
 
-@dataclasses.dataclass(frozen=True)
-class TaskNames:
-  """The names a run's task comes from (the binary's flags).
-
-  `TaskNames.of` makes them from the config's model and data section.
-
-  Attributes:
-    model: `--model`: a registered model name or `module:function`.
-    dataset: `--dataset`: a registered data set name (with a feature spec,
-      the name it is given).
-    feature_spec: `--feature_spec`: a feature-spec JSON file, or ''.
-    import_modules: `--import_modules`: modules imported first (they
-      register models and data sets).
-  """
-  model: Optional[str] = None
-  dataset: Optional[str] = None
-  feature_spec: str = ""
-  import_modules: Tuple[str, ...] = ()
-
-  @classmethod
-  def of(cls, task) -> "TaskNames":
-    """The names of the config's model and data section
-    (`tfdist.config.TaskConfig`)."""
-    return cls(model=task.model, dataset=task.data.dataset,
-               feature_spec=task.feature_spec,
-               import_modules=tuple(task.import_modules))
-
-
-def dataset_from_names(names: TaskNames) -> DatasetSpec:
+def dataset_from_names(task) -> DatasetSpec:
   """The `DatasetSpec` that `--dataset`/`--feature_spec` name.
+
+  Args:
+    task: the config's model and data section (`tfdist.config.TaskConfig`:
+      `data.dataset`, `feature_spec`, `import_modules`).
 
   Raises:
     ConfigError: unknown name, a malformed feature spec, an import path
       that cannot be loaded.
   """
-  registry.import_modules(names.import_modules)
+  registry.import_modules(tuple(task.import_modules))
   load_builtins()
-  if names.feature_spec:
-    return feature_spec_lib.load(names.feature_spec).dataset_spec(
-        name=names.dataset)
-  return registry.get_dataset(names.dataset)
+  if task.feature_spec:
+    return feature_spec_lib.load(task.feature_spec).dataset_spec(
+        name=task.data.dataset)
+  return registry.get_dataset(task.data.dataset)
 
 
 # The keyword arguments `build_model` can give a model builder.
@@ -110,8 +86,12 @@ MODEL_BUILDER_ARGUMENTS = ("spec", "config", "sync_batch_norm",
                            "activation_recomputation")
 
 
-def from_names(names: TaskNames) -> Task:
+def from_names(task) -> Task:
   """The `Task` the names give (imports `--import_modules` first).
+
+  Args:
+    task: the config's model and data section (`tfdist.config.TaskConfig`:
+      `model`, `data.dataset`, `feature_spec`, `import_modules`).
 
   Raises:
     ConfigError: an unknown model or data set (the message lists the
@@ -119,8 +99,8 @@ def from_names(names: TaskNames) -> Task:
       builder with a required parameter tfdist cannot fill
       (`registry.check_accepted`).
   """
-  dataset = dataset_from_names(names)
-  name, builder = registry.get_model_builder(names.model)
+  dataset = dataset_from_names(task)
+  name, builder = registry.get_model_builder(task.model)
   # At start, not after the plan: a callable that is no model builder.
   registry.check_accepted(builder, MODEL_BUILDER_ARGUMENTS,
                           what=f"--model={name}")
