@@ -113,7 +113,7 @@ fi
 # the cluster lane (1,840 s against about 1,520 s), so ZeRO stage 3 and
 # the MoE Transformer (about 135 s) moved to the cluster lane's singles;
 # later that day the TPU and reduction-server tests (single-process) joined
-# the unit-test group and the allocator test (about 55 s) took their
+# the unit-test group and the allocator test (about 30-50 s) took their
 # place. The suite prints both lanes' lengths at the end.
 # No --local_test_jobs: with it Bazel counts every test as one job and
 # ignores cpu:N tags (TestTargetProperties.getLocalResourceUsage).
