@@ -18,6 +18,7 @@ import pytest
 
 from tests import testutil
 from tfdist import experiment
+from tfdist import config as config_lib
 from tfdist import errors
 from tfdist.config import TrainConfig
 from tfdist.distribute import decisions as decisions_lib
@@ -192,7 +193,8 @@ class ClusterTest(parameterized.TestCase):
     config = TrainConfig(model_dir="/m", train_steps=1,
                          distribution_strategy="one_device")
     inventory = auto_select.take_inventory(
-        auto_select.SelectOptions.of(config.strategy, config.precision),
+        auto_select.SelectOptions(
+            strategy=config.strategy, precision=config.precision),
         cluster=cluster)
     self.assertEqual((inventory.cluster_source, inventory.cluster_workers,
                       inventory.cluster_ps), expected)
@@ -222,8 +224,8 @@ class InventoryTest(absltest.TestCase):
     environment = environment_lib.read_environment(env)
     config, _ = environment_lib.apply_environment(config, environment)
     return auto_select.take_inventory(
-        auto_select.SelectOptions.of(
-            config.strategy, config.precision,
+        auto_select.SelectOptions(
+            strategy=config.strategy, precision=config.precision,
             dtype_defaulted="dtype" in config.defaulted),
         cluster=cluster_lib.resolve_cluster(environ=environment.variables),
         environment=environment, **kwargs)
@@ -255,7 +257,8 @@ class InventoryTest(absltest.TestCase):
     for inventory in (DeviceInventory(gpus=(A100, A100)),
                       DeviceInventory(num_cpu_devices=4)):
       decision = auto_select.resolve(
-          auto_select.SelectOptions(pipeline_stages=2),
+          auto_select.SelectOptions(strategy=config_lib.StrategyConfig(
+              parallelism=config_lib.ParallelismConfig(pipeline_stages=2))),
           cluster=cluster_lib.resolve_cluster(environ={}),
           inventory=inventory)
       self.assertEqual(decision.strategy, "one_device")
@@ -269,7 +272,10 @@ class InventoryTest(absltest.TestCase):
     # (auto then takes no inventory, which would start TensorFlow's runtime
     # first; tfdist.train --tensor_parallel=2 alone runs.)
     decision = auto_select.resolve(
-        auto_select.SelectOptions(tensor_parallel=2, dtype="fp32"),
+        auto_select.SelectOptions(
+            strategy=config_lib.StrategyConfig(
+                parallelism=config_lib.ParallelismConfig(tensor_parallel=2)),
+            precision=config_lib.PrecisionConfig(dtype="fp32")),
         cluster=cluster_lib.resolve_cluster(environ={}),
         inventory=DeviceInventory())
     self.assertEqual(decision.strategy, "mirrored")

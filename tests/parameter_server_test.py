@@ -62,8 +62,8 @@ class RolesTest(parameterized.TestCase):
                          distribution_strategy="auto")
 
     def decided(cfg, text):
-      options = auto_select.SelectOptions.of(
-          cfg.strategy, cfg.precision,
+      options = auto_select.SelectOptions(
+          strategy=cfg.strategy, precision=cfg.precision,
           dtype_defaulted="dtype" in cfg.defaulted)
       return auto_select.resolve(options,
                                  cluster=_cluster(text)).strategy

@@ -118,7 +118,8 @@ def _counts(env, reduction_server=False):
   config = TrainConfig(model_dir="/m", train_steps=1,
                        distribution_strategy="one_device")
   inventory = auto_select.take_inventory(
-      auto_select.SelectOptions.of(config.strategy, config.precision),
+      auto_select.SelectOptions(
+          strategy=config.strategy, precision=config.precision),
       cluster=cluster)
   return (inventory.cluster_source, inventory.cluster_workers,
           inventory.cluster_ps)
@@ -212,8 +213,8 @@ class AutoTest(parameterized.TestCase):
   def test_auto_strategy(self, spec, expected):
     config = TrainConfig(model_dir="/m", train_steps=1)
     cluster = cluster_lib.resolve_cluster(environ={"CLUSTER_SPEC": spec})
-    options = auto_select.SelectOptions.of(
-        config.strategy, config.precision,
+    options = auto_select.SelectOptions(
+        strategy=config.strategy, precision=config.precision,
         dtype_defaulted="dtype" in config.defaulted)
     inventory = auto_select.take_inventory(options, cluster=cluster)
     self.assertEqual(auto_select.decide_strategy(inventory)[0], expected)

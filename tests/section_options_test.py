@@ -1,5 +1,5 @@
 """Unit tests of each part's options built from the config's sections
-(`StrategyOptions.of`, `SelectOptions.of`, `prepare.plan_options`,
+(`StrategyOptions.of`, `SelectOptions`, `prepare.plan_options`,
 `prepare.assembly_options`, the task section read by `task.from_names`,
 `preflight.decided_outputs`)
 and of the records that list the whole run (`manifest.recorded_config`,
@@ -40,16 +40,19 @@ def _strategy_options(config, decisions=None):
 class SectionOptionsTest(absltest.TestCase):
 
   def test_strategy_options_carry_the_kind_and_the_cluster_settings(self):
-    options = _strategy_options(_config(
+    config = _config(
         distribution_strategy="mirrored", num_cpu_devices=2,
-        collective_timeout_seconds=7, tpu="grpc://10.0.0.1:8470"))
+        collective_timeout_seconds=7, tpu="grpc://10.0.0.1:8470")
+    options = _strategy_options(config)
     self.assertIs(options.kind, StrategyKind.MIRRORED)
-    self.assertEqual(options.num_cpu_devices, 2)
-    self.assertEqual(options.collective_timeout_seconds, 7)
+    # The section itself, nothing restated: the backends read it as is.
+    self.assertIs(options.strategy, config.strategy)
+    self.assertEqual(options.strategy.num_cpu_devices, 2)
+    self.assertEqual(options.strategy.cluster.collective_timeout_seconds, 7)
     self.assertEqual(options.tpu.tpu, "grpc://10.0.0.1:8470")
     self.assertTrue(dataclasses.is_dataclass(options))
     with self.assertRaises(dataclasses.FrozenInstanceError):
-      options.num_cpu_devices = 4
+      options.kind = StrategyKind.ONE_DEVICE
 
   def test_the_tpu_and_ps_parts_receive_their_sections(self):
     config = _config(distribution_strategy="tpu", tpu="grpc://127.0.0.1:1",
@@ -57,8 +60,9 @@ class SectionOptionsTest(absltest.TestCase):
     options = _strategy_options(config)
     # The sections themselves (the TPU's with its decided address).
     self.assertEqual(options.tpu, config.strategy.tpu)
-    self.assertIs(options.partitioner, config.strategy.parameter_servers)
-    self.assertEqual(options.partitioner.ps_max_shards, 3)
+    self.assertIs(options.strategy.parameter_servers,
+                  config.strategy.parameter_servers)
+    self.assertEqual(options.strategy.parameter_servers.ps_max_shards, 3)
     # The TPU backend reads the TPU section by its flag names (nothing
     # listens on port 1: the connection is refused at once).
     with self.assertRaisesRegex(errors.TPUNotAvailableError,
@@ -150,13 +154,14 @@ class SectionOptionsTest(absltest.TestCase):
                      num_gpus=0, pipeline_stages=2, num_microbatches=None,
                      model="cnn", hptune_metric="eval_loss",
                      checkpoint_dir="/c")
-    select = auto_select.SelectOptions.of(config.strategy, config.precision,
-                                          dtype_defaulted=True)
-    self.assertEqual((select.distribution_strategy, select.dtype,
-                      select.dtype_defaulted, select.num_gpus,
-                      select.pipeline_stages),
-                     ("auto", "auto", True, 0, 2))
-    self.assertIs(select.tpu, config.strategy.tpu)
+    select = auto_select.SelectOptions(
+        strategy=config.strategy, precision=config.precision,
+        dtype_defaulted=True)
+    # auto reads the two sections as they are, nothing restated.
+    self.assertIs(select.strategy, config.strategy)
+    self.assertIs(select.precision, config.precision)
+    self.assertEqual((select.requested, select.dtype_defaulted),
+                     ("auto", True))
     pipeline = pipeline_options.PipelineOptions.of(
         config.strategy.parallelism)
     self.assertEqual((pipeline.num_stages, pipeline.num_microbatches,

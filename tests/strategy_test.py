@@ -68,8 +68,8 @@ class MakeStrategyTest(parameterized.TestCase):
     # concrete name.
     config = _config(distribution_strategy="auto")
     decision = auto_select.resolve(
-        auto_select.SelectOptions.of(
-            config.strategy, config.precision,
+        auto_select.SelectOptions(
+            strategy=config.strategy, precision=config.precision,
             dtype_defaulted="dtype" in config.defaulted),
         cluster=cluster_lib.ClusterInfo.single_process())
     self.assertEqual(decision.strategy, "one_device")

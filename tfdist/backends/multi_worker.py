@@ -140,7 +140,7 @@ def _mwms_all_reduce(options: strategy_lib.StrategyOptions, cluster) -> str:
     ConfigError: a Reduction Server without GPUs, NCCL without GPUs, or an
       algorithm that does not apply to multi_worker_mirrored.
   """
-  alg = options.all_reduce_alg
+  alg = options.strategy.all_reduce_alg
   if options.reduction_server or cluster.reduction_server_replicas:
     # Vertex AI's Reduction Server serves NCCL all-reduce only.
     why = ("--reduction_server" if options.reduction_server else
@@ -284,11 +284,12 @@ def multi_worker_mirrored_strategy(options: strategy_lib.StrategyOptions,
                            _MWMS_IMPLEMENTATIONS[alg])
   # 0: no per-collective timeout (see the docstring: a timeout holds a
   # sleeping thread per collective).
+  section = options.strategy
   communication = tf.distribute.experimental.CommunicationOptions(
-      implementation=implementation, bytes_per_pack=options.bytes_per_pack,
-      timeout_seconds=options.collective_timeout_seconds or None)
+      implementation=implementation, bytes_per_pack=section.bytes_per_pack,
+      timeout_seconds=section.cluster.collective_timeout_seconds or None)
   resolver = cluster.cluster_resolver(jobs=_MWMS_JOBS)
-  seconds = options.cluster_start_timeout_seconds
+  seconds = section.cluster.cluster_start_timeout_seconds
   peers = ", ".join(f"{job} {i} at {address}"
                     for job, addresses in cluster.cluster_dict(
                         _MWMS_JOBS).items()

@@ -35,10 +35,12 @@ class ParameterServerBackend(base.Backend):
   def new_strategy(self, options, *, cluster):
     """`ParameterServerStrategy` over the cluster's workers and ps tasks,
     once every address resolves (the coordinator connects to each)."""
+    section = options.strategy
     cluster_lib.check_addresses_resolve(
-        cluster, retry_seconds=min(strategy_lib.RESOLVE_RETRY_SECONDS,
-                                   options.cluster_start_timeout_seconds))
-    return ps_lib.make_ps_strategy(options.partitioner, cluster)
+        cluster, retry_seconds=min(
+            strategy_lib.RESOLVE_RETRY_SECONDS,
+            section.cluster.cluster_start_timeout_seconds))
+    return ps_lib.make_ps_strategy(section.parameter_servers, cluster)
 
   def training_workers(self, cluster) -> int:
     """The `worker` tasks (the coordinator schedules, it does not step; 0
@@ -76,7 +78,8 @@ class ParameterServerBackend(base.Backend):
   def _describe_placement(self, run: base.TrainingRun) -> dict:
     """Logs and checks the variables' placement on the ps tasks; returns
     the manifest's `strategy_details`."""
-    partitioner, model = run.strategy_options.partitioner, run.parts.model
+    partitioner = run.strategy_options.strategy.parameter_servers
+    model = run.parts.model
     placement = ps_lib.describe_placement(
         model, run.parts.optimizer,
         large_bytes=min(partitioner.ps_min_shard_bytes, 64 << 10))

@@ -37,7 +37,8 @@ class OneDeviceBackend(synchronous.SynchronousBackend):
       ConfigError: `--num_gpus` above the visible GPUs.
     """
     del cluster  # Single process.
-    gpus = _gpus(options.num_gpus) if options.num_gpus != 0 else []
+    section = options.strategy
+    gpus = _gpus(section.num_gpus) if section.num_gpus != 0 else []
     device = gpus[0] if gpus else "/cpu:0"
     return tf.distribute.OneDeviceStrategy(device), (device,)
 
@@ -57,12 +58,13 @@ class MirroredBackend(synchronous.SynchronousBackend):
         that does not apply.
     """
     del cluster  # Single process.
-    gpus = _gpus(options.num_gpus) if options.num_gpus != 0 else []
+    section = options.strategy
+    gpus = _gpus(section.num_gpus) if section.num_gpus != 0 else []
     if gpus:
       devices = gpus
     else:
       devices = [d.name for d in tf.config.list_logical_devices("CPU")]
-      wanted = options.num_cpu_devices
+      wanted = section.num_cpu_devices
       if wanted > 1 and len(devices) != wanted:
         raise errors.ConfigError(
             f"--num_cpu_devices={wanted} but "
@@ -71,7 +73,7 @@ class MirroredBackend(synchronous.SynchronousBackend):
             "the strategy.")
     strategy = tf.distribute.MirroredStrategy(
         devices=devices,
-        cross_device_ops=_all_reduce(options.all_reduce_alg, bool(gpus)))
+        cross_device_ops=_all_reduce(section.all_reduce_alg, bool(gpus)))
     return strategy, tuple(devices)
 
   def planned_replicas(self, config, decisions, *, cluster) -> Tuple[int, int]:

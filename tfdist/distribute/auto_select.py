@@ -40,6 +40,7 @@ from typing import Callable, List, Optional, Tuple
 
 from absl import logging
 
+from tfdist import config as config_lib
 from tfdist import errors
 from tfdist.distribute import tpu as tpu_lib
 from tfdist.core.strategy_kind import StrategyKind
@@ -321,47 +322,42 @@ def gpu_inventory(num_gpus: int = -1, *, list_fn=None,
 
 @dataclasses.dataclass(frozen=True)
 class SelectOptions:
-  """What `auto` reads: the two flags it may decide and what it looks at.
+  """What `auto` reads: the config's strategy and precision sections as
+  given (the two settings it may decide, and what it looks at), and
+  whether `--dtype` was given.
 
   Attributes:
-    distribution_strategy: `--distribution_strategy` as given (`auto` or a
-      concrete name).
-    dtype: `--dtype` as given (`auto`, `fp32`, `bf16`, `fp16`).
-    dtype_defaulted: `--dtype` was not given (the TPU default is bf16).
-    num_gpus: `--num_gpus` (-1: all, 0: none, N: the first N).
-    num_cpu_devices: `--num_cpu_devices`.
-    tpu: the TPU flags (the config's TPU section,
-      `tfdist.config.TpuConfig`), probed under `auto`.
-    pipeline_stages: `--pipeline_stages`; above 1, `auto` is one_device
-      (one replica: the stages run in one process, or across a cluster's
-      chief and workers, `tfdist.backends.pipeline`).
-    tensor_parallel: `--tensor_parallel`; above 1, `auto` is mirrored
-      (one tensor-parallel group, `tfdist.backends.tensor_parallel`).
+    strategy: the strategy section (`tfdist.config.StrategyConfig`):
+      `distribution_strategy` (`auto` or a concrete name), `num_gpus` (-1:
+      all, 0: none, N: the first N), `num_cpu_devices`, the TPU section
+      (probed under `auto`), and the parallelism section's
+      `pipeline_stages` (above 1, `auto` is one_device: the stages run in
+      one process, or across a cluster's chief and workers,
+      `tfdist.backends.pipeline`) and `tensor_parallel` (above 1, `auto` is
+      mirrored: one tensor-parallel group,
+      `tfdist.backends.tensor_parallel`).
+    precision: the precision section (`tfdist.config.PrecisionConfig`):
+      its `dtype` as given (`auto`, `fp32`, `bf16`, `fp16`).
+    dtype_defaulted: `--dtype` was not given (the TPU default is bf16;
+      `"dtype" in TrainConfig.defaulted`).
   """
-  distribution_strategy: str = "auto"
-  dtype: str = "auto"
+  strategy: config_lib.StrategyConfig = dataclasses.field(
+      default_factory=config_lib.StrategyConfig)
+  precision: config_lib.PrecisionConfig = dataclasses.field(
+      default_factory=config_lib.PrecisionConfig)
   dtype_defaulted: bool = False
-  num_gpus: int = -1
-  num_cpu_devices: int = 0
-  tpu: tpu_lib.TpuOptions = tpu_lib.TpuOptions()
-  pipeline_stages: int = 1
-  tensor_parallel: int = 1
 
-  @classmethod
-  def of(cls, strategy, precision, *,
-         dtype_defaulted: bool = False) -> "SelectOptions":
-    """What `auto` reads of the config's strategy section
-    (`tfdist.config.StrategyConfig`) and precision section
-    (`tfdist.config.PrecisionConfig`: `dtype`), flags as given;
-    `dtype_defaulted`: `--dtype` was not given
-    (`"dtype" in TrainConfig.defaulted`)."""
-    return cls(
-        distribution_strategy=strategy.distribution_strategy,
-        dtype=precision.dtype, dtype_defaulted=dtype_defaulted,
-        num_gpus=strategy.num_gpus, num_cpu_devices=strategy.num_cpu_devices,
-        tpu=strategy.tpu,
-        pipeline_stages=strategy.parallelism.pipeline_stages,
-        tensor_parallel=strategy.parallelism.tensor_parallel)
+  @property
+  def requested(self) -> str:
+    """`--distribution_strategy` as given (`auto` or a concrete name)."""
+    return self.strategy.distribution_strategy
+
+  def with_strategy(self, **changes) -> "SelectOptions":
+    """These options with the strategy section's `changes` (e.g. the TPU
+    address a platform's variables give, or the strategy `auto` takes
+    without looking)."""
+    return dataclasses.replace(
+        self, strategy=dataclasses.replace(self.strategy, **changes))
 
 
 def probe_tpu(tpu: tpu_lib.TpuOptions, *, hints: Tuple[str, ...] = (),
@@ -417,19 +413,20 @@ def take_inventory(options: SelectOptions, *, cluster, environment=None,
   """
   variables = environment.variables if environment is not None else {}
   cores, address, note = 0, "", ""
-  if options.distribution_strategy == "auto":
+  strategy = options.strategy
+  if options.requested == "auto":
     cores, address, note = probe_tpu(
-        options.tpu, hints=tpu_lib.tpu_hints(variables), connect_fn=connect_fn)
+        strategy.tpu, hints=tpu_lib.tpu_hints(variables), connect_fn=connect_fn)
   multi = cluster.source != "single_process" and (
       cluster.num_workers > 1 or cluster.num_ps > 0)
   return DeviceInventory(
       tpu_cores=cores, tpu_address=address, tpu_note=note,
-      gpus=gpu_inventory(options.num_gpus, list_fn=gpu_list_fn,
+      gpus=gpu_inventory(strategy.num_gpus, list_fn=gpu_list_fn,
                          details_fn=gpu_details_fn),
       cluster_source=cluster.source if multi else "",
       cluster_workers=cluster.num_workers if multi else 0,
       cluster_ps=cluster.num_ps if multi else 0,
-      num_cpu_devices=options.num_cpu_devices)
+      num_cpu_devices=strategy.num_cpu_devices)
 
 
 def resolve(options: SelectOptions, *, cluster, environment=None,
@@ -442,8 +439,8 @@ def resolve(options: SelectOptions, *, cluster, environment=None,
   `auto` (the cluster still counts).
 
   Args:
-    options: the run's `SelectOptions`
-      (`SelectOptions.of`).
+    options: the run's `SelectOptions` (its strategy and precision
+      sections).
     cluster: the resolved `tfdist.distribute.cluster.ClusterInfo`.
     environment: the `tfdist.distribute.environment.RunEnvironment` (TPU hints).
     inventory: use this instead of looking (tests).
@@ -453,34 +450,35 @@ def resolve(options: SelectOptions, *, cluster, environment=None,
   """
   # Decided without looking at the devices (looking starts TensorFlow's
   # runtime before the backend makes N logical CPU devices).
-  tensor_parallel = (options.distribution_strategy == "auto" and
-                     options.tensor_parallel > 1)
+  parallelism = options.strategy.parallelism
+  dtype = options.precision.dtype
+  tensor_parallel = (options.requested == "auto" and
+                     parallelism.tensor_parallel > 1)
   if tensor_parallel:
-    options = dataclasses.replace(
-        options, distribution_strategy=StrategyKind.MIRRORED.value)
-  needs_inventory = "auto" in (options.distribution_strategy, options.dtype)
+    options = options.with_strategy(
+        distribution_strategy=StrategyKind.MIRRORED.value)
+  needs_inventory = "auto" in (options.requested, dtype)
   if inventory is None:
     if needs_inventory:
       inventory = take_inventory(options, cluster=cluster,
                                  environment=environment)
     else:
-      inventory = DeviceInventory(num_cpu_devices=options.num_cpu_devices)
-  if options.distribution_strategy == "auto" and options.pipeline_stages > 1:
+      inventory = DeviceInventory(
+          num_cpu_devices=options.strategy.num_cpu_devices)
+  if options.requested == "auto" and parallelism.pipeline_stages > 1:
     decision = decide(inventory, strategy=StrategyKind.ONE_DEVICE.value,
-                      dtype=options.dtype,
-                      dtype_defaulted=options.dtype_defaulted)
+                      dtype=dtype, dtype_defaulted=options.dtype_defaulted)
     where = ("in one process, stage i on GPU i or logical CPU device i"
              if cluster.num_workers <= 1 else
              f"on the {cluster.num_workers} chief and worker tasks of the "
              "cluster, driven by the chief")
     return dataclasses.replace(decision, strategy_reason=(
-        f"auto: --pipeline_stages={options.pipeline_stages} runs its "
+        f"auto: --pipeline_stages={parallelism.pipeline_stages} runs its "
         f"stages {where}"))
-  decision = decide(inventory, strategy=options.distribution_strategy,
-                    dtype=options.dtype,
+  decision = decide(inventory, strategy=options.requested, dtype=dtype,
                     dtype_defaulted=options.dtype_defaulted)
   if tensor_parallel:
     decision = dataclasses.replace(decision, strategy_reason=(
-        f"auto: --tensor_parallel={options.tensor_parallel} splits the "
-        f"layers over {options.tensor_parallel} replicas of one host"))
+        f"auto: --tensor_parallel={parallelism.tensor_parallel} splits the "
+        f"layers over {parallelism.tensor_parallel} replicas of one host"))
   return decision

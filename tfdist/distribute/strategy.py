@@ -57,45 +57,45 @@ class StrategyChoice:
 
 @dataclasses.dataclass(frozen=True)
 class StrategyOptions:
-  """What building a strategy reads (the `--distribution_strategy` group).
+  """What building a strategy reads: the config's strategy section as
+  given, with the strategy and the TPU address preparing the run decided.
 
   Attributes:
     kind: the concrete strategy to build (`auto` already decided).
-    num_gpus: `--num_gpus` (-1: all visible, 0: none, N: the first N).
-    num_cpu_devices: `--num_cpu_devices` (logical CPU devices Mirrored
-      expects when there is no GPU; 0 or 1: no check).
-    all_reduce_alg: `--all_reduce_alg` (`auto`, `nccl`, `hierarchical_copy`,
-      `ring`).
-    reduction_server: `--reduction_server` (Vertex AI's Reduction Server:
-      NCCL all-reduce under multi_worker_mirrored, GPUs only).
-    bytes_per_pack: `--bytes_per_pack`, the size of the gradients' all-reduce
-      packs under multi_worker_mirrored (TensorFlow's
-      `CommunicationOptions.bytes_per_pack`; 0: one pack).
-    collective_timeout_seconds: `--collective_timeout_seconds` (0: none).
-    cluster_start_timeout_seconds: `--cluster_start_timeout_seconds`, the
-      bound on forming a multi-worker cluster.
-    tpu: the TPU to connect to (the config's TPU section,
-      `tfdist.config.TpuConfig`).
-    partitioner: the parameter-server variable partitioner (the config's
-      parameter-server section, `tfdist.config.ParameterServerConfig`).
+    strategy: the strategy section (`tfdist.config.StrategyConfig`), read
+      as it is: `num_gpus` (-1: all visible, 0: none, N: the first N),
+      `num_cpu_devices` (logical CPU devices Mirrored expects when there is
+      no GPU; 0 or 1: no check), `all_reduce_alg`, `bytes_per_pack` (the
+      gradients' all-reduce packs under multi_worker_mirrored, TensorFlow's
+      `CommunicationOptions.bytes_per_pack`; 0: one pack), its cluster
+      section's `collective_timeout_seconds` (0: none) and
+      `cluster_start_timeout_seconds` (seconds), and its parameter-server
+      section (the variable partitioner,
+      `tfdist.config.ParameterServerConfig`).
+    tpu_address: the TPU to connect to as decided (`auto`'s probe, or a
+      platform's `$TPU_NAME`); '' : the TPU section's `--tpu`.
+    reduction_server: `--reduction_server` (the cloud section's: Vertex
+      AI's Reduction Server, NCCL all-reduce under multi_worker_mirrored,
+      GPUs only).
   """
   kind: str
-  num_gpus: int = -1
-  num_cpu_devices: int = 0
-  all_reduce_alg: str = "auto"
+  strategy: config_lib.StrategyConfig = dataclasses.field(
+      default_factory=config_lib.StrategyConfig)
+  tpu_address: str = ""
   reduction_server: bool = False
-  bytes_per_pack: int = 0
-  collective_timeout_seconds: float = 0.0
-  cluster_start_timeout_seconds: float = 900.0
-  tpu: tpu_lib.TpuOptions = tpu_lib.TpuOptions()
-  partitioner: parameter_server.PartitionerOptions = (
-      parameter_server.PartitionerOptions())
+
+  @property
+  def tpu(self) -> tpu_lib.TpuOptions:
+    """The TPU section (`tfdist.config.TpuConfig`) with the decided
+    address."""
+    if not self.tpu_address:
+      return self.strategy.tpu
+    return dataclasses.replace(self.strategy.tpu, tpu=self.tpu_address)
 
   @classmethod
   def of(cls, strategy, decisions=None, *,
          reduction_server: bool = False) -> "StrategyOptions":
-    """The options of the config's strategy section with the strategy and
-    TPU decided.
+    """The config's strategy section with the strategy and TPU decided.
 
     Args:
       strategy: the strategy section (`tfdist.config.StrategyConfig`,
@@ -111,23 +111,12 @@ class StrategyOptions:
     """
     if decisions is None:
       config_lib.refuse_auto(strategy.distribution_strategy)
-      kind = StrategyKind.parse(strategy.distribution_strategy)
-      tpu_address = strategy.tpu.tpu
+      kind, tpu_address = StrategyKind.parse(
+          strategy.distribution_strategy), ""
     else:
       kind, tpu_address = decisions.strategy, decisions.tpu
-    cluster = strategy.cluster
-    return cls(
-        kind=kind, num_gpus=strategy.num_gpus,
-        num_cpu_devices=strategy.num_cpu_devices,
-        all_reduce_alg=strategy.all_reduce_alg,
-        reduction_server=bool(reduction_server),
-        bytes_per_pack=strategy.bytes_per_pack,
-        collective_timeout_seconds=cluster.collective_timeout_seconds,
-        cluster_start_timeout_seconds=cluster.cluster_start_timeout_seconds,
-        # The TPU and parameter-server sections are those parts' options;
-        # the TPU's address is the decided one.
-        tpu=dataclasses.replace(strategy.tpu, tpu=tpu_address),
-        partitioner=strategy.parameter_servers)
+    return cls(kind=kind, strategy=strategy, tpu_address=tpu_address or "",
+               reduction_server=bool(reduction_server))
 
 
 def wait_for_peers(cluster, jobs, seconds: float, *,

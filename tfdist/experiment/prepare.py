@@ -188,12 +188,12 @@ def prepare_run(config: TrainConfig, *,
   for field, folder in trial.items():
     logging.info("--%s=%s: hyperparameter-tuning trial %s's own folder "
                  "(from %s)", field, folder, cluster.trial, cluster.source)
-  options = auto_select.SelectOptions.of(
-      config.strategy, config.precision,
+  options = auto_select.SelectOptions(
+      strategy=config.strategy, precision=config.precision,
       dtype_defaulted="dtype" in config.defaulted)
   if changes.get("tpu"):
-    options = dataclasses.replace(options, tpu=dataclasses.replace(
-        options.tpu, tpu=changes["tpu"]))
+    options = options.with_strategy(tpu=dataclasses.replace(
+        config.strategy.tpu, tpu=changes["tpu"]))
   # The export replaces its folder: never one holding the run's outputs.
   export.check_layout(**decisions_lib.decide_folders(
       config.outputs, changes).sources(applied))
