@@ -26,6 +26,7 @@ import keras
 from tfdist import errors
 from tfdist.core.dataset_spec import DatasetSpec
 from tfdist.core import registry
+from tfdist.parallel.experts import traffic
 from . import cnn
 from . import ranking
 from . import resnet
@@ -119,6 +120,33 @@ def transformer_experts(model_options, *, tensor_parallel: bool = False
       load_balancing_loss_weight=(
           model_options.experts_load_balancing_loss_weight),
       router_z_loss_weight=model_options.experts_router_z_loss_weight)
+
+
+def experts_shape(name: str, model_options, spec
+                  ) -> Optional[traffic.ExpertsShape]:
+  """The built-in Transformer's mixture-of-experts layers as the run plan
+  counts their all-to-all traffic (`tfdist.parallel.experts.traffic`):
+  `--transformer_layers` layers of `--transformer_experts` experts, one
+  routing group per example (its `sequence_length` tokens), `EMBED_DIM`
+  wide. None for another model (a model of one's own is known once
+  built) or a dense Transformer.
+
+  Args:
+    name: `--model`.
+    model_options: the run's model options (the config's task section).
+    spec: the data set's `DatasetSpec` (`input_shape`: `[sequence_length]`).
+  """
+  if (name != "transformer" or not model_options or
+      not getattr(model_options, "transformer_experts", 0) or
+      len(spec.input_shape or ()) != 1):
+    return None
+  experts = transformer_experts(model_options)
+  tokens = int(spec.input_shape[0])
+  return traffic.ExpertsShape(
+      layers=model_options.transformer_layers,
+      num_experts=experts.num_experts, top_k=experts.top_k,
+      capacity_factor=experts.capacity_factor, tokens_per_example=tokens,
+      tokens_per_group=tokens, d_model=transformer.EMBED_DIM)
 
 
 # Built-in builders whose models have batch normalization (they take

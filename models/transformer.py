@@ -120,8 +120,13 @@ def _encoder_block(x, mask, *, num_heads, ff_dim, dropout, index,
       epsilon=1e-6, name=f"block{index}_ff_norm")(x + ff)
 
 
+# The width of the embeddings and of every block (`build_transformer`'s
+# default, which the built-in `--model=transformer` uses).
+EMBED_DIM = 64
+
+
 def build_transformer(*, sequence_length: int, vocabulary_size: int,
-                      num_classes: int, embed_dim: int = 64,
+                      num_classes: int, embed_dim: int = EMBED_DIM,
                       num_heads: int = 4, ff_dim: int = 128,
                       num_layers: int = 2, dropout: float = 0.1,
                       tensor_parallel: bool = False,

@@ -413,6 +413,57 @@ class ModelsTest(absltest.TestCase):
         float(tf.reduce_sum(scope["stats"]["tokens_per_expert"])) +
         32 * float(scope["stats"]["dropped_fraction"]), 32.0, places=4)
 
+  def test_the_plans_expert_shape_is_the_built_transformers(self):
+    # The --dry_run plan counts the all-to-all bytes from the flags
+    # (models.experts_shape); the built model must have those layers.
+    from tfdist import config as config_lib  # pylint: disable=g-import-not-at-top
+    from tfdist import models  # pylint: disable=g-import-not-at-top
+    from tfdist.core.dataset_spec import DatasetSpec  # pylint: disable=g-import-not-at-top
+    task = config_lib.TaskConfig(
+        model="transformer", transformer_layers=3, transformer_experts=4,
+        experts_top_k=1, experts_capacity_factor=2.0)
+    spec = DatasetSpec(name="text", input_shape=(24,), vocabulary_size=50,
+                       num_classes=2, parse_fn=lambda record: record)
+    shape = models.experts_shape("transformer", task, spec)
+    model = models.transformer.build_transformer(
+        sequence_length=24, vocabulary_size=50, num_classes=2,
+        num_layers=3, experts=models.transformer_experts(task))
+    layers = moe_layer.moe_layers(model)
+    self.assertEqual(shape.layers, len(layers))
+    for layer in layers:
+      self.assertEqual((shape.num_experts, shape.top_k, shape.d_model,
+                        shape.tokens_per_group),
+                       (layer.num_experts, layer.top_k,
+                        layer.input.shape[-1], layer.group_size))
+      self.assertEqual(shape.capacity, moe_layer.capacity(
+          layer.group_size, num_experts=layer.num_experts,
+          top_k=layer.top_k, capacity_factor=layer.capacity_factor))
+    self.assertEqual(shape.capacity, 12)  # ceil(1 * 24 * 2.0 / 4)
+    self.assertIsNone(models.experts_shape(
+        "transformer", config_lib.TaskConfig(model="transformer"), spec))
+    self.assertIsNone(models.experts_shape("cnn", task, spec))
+
+  def test_the_guides_plan_lines_are_the_modes(self):
+    # docs/guides/experts.md shows the --dry_run lines of its command
+    # (clothing reviews: 128 tokens an example, 64 a batch, 2 replicas).
+    from tfdist import config as config_lib  # pylint: disable=g-import-not-at-top
+    from tfdist import models  # pylint: disable=g-import-not-at-top
+    from tfdist.core.dataset_spec import DatasetSpec  # pylint: disable=g-import-not-at-top
+    from tfdist.parallel import modes  # pylint: disable=g-import-not-at-top
+    task = config_lib.TaskConfig(model="transformer", transformer_experts=4)
+    spec = DatasetSpec(name="text", input_shape=(128,), vocabulary_size=50,
+                       num_classes=2, parse_fn=lambda record: record)
+    lines = modes.get_mode("experts").plan_lines(modes.PlanFacts(
+        parallelism=config_lib.ParallelismConfig(expert_parallel=2),
+        num_replicas_in_sync=2, per_replica_batch_size=32,
+        experts=models.experts_shape("transformer", task, spec)))
+    with open(os.path.join(testutil.REPO_ROOT, "docs", "guides",
+                           "experts.md"), encoding="utf-8") as f:
+      page = f.read()
+    shown = re.search(r"<!-- not run: output of the command above[^>]*-->\n"
+                      r"```text\n(.*?)```", page, re.S).group(1)
+    self.assertEqual(shown.splitlines(), lines)
+
   def test_capacity_formula(self):
     self.assertEqual(moe_layer.capacity(128, num_experts=8, top_k=2,
                                         capacity_factor=1.25), 40)

@@ -154,6 +154,35 @@ class MakeRunPlanTest(absltest.TestCase):
     self.assertIn("deterministic", text)
 
 
+  def test_expert_parallel_plan_counts_the_all_to_all_bytes(self):
+    # The built-in Transformer with 4 experts per block over 2 replicas:
+    # 2 layers x 4 all-to-alls x 1/2 of [E=4, groups=32 (one per example
+    # of the replica's 32), C=ceil(2 * 128 * 1.25 / 4)=80, d_model=64]
+    # float32 elements = 10,485,760 bytes sent by each replica per update.
+    options = _options(batch_size=64, train_steps=10, model="transformer",
+                       transformer_experts=4)
+    options = dataclasses.replace(options, strategy=config_lib.StrategyConfig(
+        parallelism=config_lib.ParallelismConfig(expert_parallel=2)))
+    spec = dataclasses.replace(_function_spec(1000), input_shape=(128,))
+    plan = run_plan.make_run_plan(
+        options, spec, num_replicas_in_sync=2, num_workers=1,
+        asynchronous=False, decision=_decision(StrategyKind.MIRRORED))
+    text = plan.describe(options)
+    self.assertIn("expert_parallel        2: each MixtureOfExperts layer's "
+                  "experts split over 1 expert group(s) of 2", text)
+    self.assertIn("all-to-all per update  10.00 MiB sent by each replica: 2 "
+                  "layer(s) x 4 (2 forward, 2 backward) x 1/2 of [E=4, "
+                  "groups=32, C=80, d_model=64] x 4 bytes", text)
+    # Half the bytes in bf16; a quarter with twice the replicas (half the
+    # examples each, the groups of 2 unchanged).
+    bf16 = run_plan.make_run_plan(
+        options, spec, num_replicas_in_sync=4, num_workers=1,
+        asynchronous=False, decision=auto_select.Decision(
+            StrategyKind.MIRRORED, "asked for", "bf16", "asked for"))
+    self.assertIn("2.50 MiB sent by each replica", bf16.describe(options))
+    self.assertIn("over 2 expert group(s)", bf16.describe(options))
+
+
 class DataFilesTest(absltest.TestCase):
 
   def _folder(self) -> str:

@@ -672,8 +672,7 @@ class ArgumentsTest(absltest.TestCase):
   def test_dry_run_plan_names_the_mesh(self):
     """The `--dry_run` plan's mesh lines for --tensor_parallel=2 on 4
     replicas, as docs/guides/device-mesh.md shows them."""
-    from tfdist.training import run_plan  # pylint: disable=g-import-not-at-top
-    lines = run_plan.tensor_mesh_lines(2, 4)
+    lines = _tensor_plan_lines(2, 4)
     self.assertIn("2 data-parallel copies x 2 tensor-parallel", lines[0])
     self.assertEqual(lines[3].split(), ["replica", "1", "data", "0",
                                         "pipeline", "0", "tensor", "1"])
@@ -688,11 +687,20 @@ class ArgumentsTest(absltest.TestCase):
 
   def test_tensor_degree_not_dividing_the_replicas_is_refused(self):
     from tfdist import errors  # pylint: disable=g-import-not-at-top
-    from tfdist.training import run_plan  # pylint: disable=g-import-not-at-top
     with self.assertRaisesRegex(errors.ConfigError,
                                 r"--tensor_parallel=4 does not divide the 6 "
                                 r"devices\. Use one of \[1, 2, 3, 6\]"):
-      run_plan.tensor_mesh_lines(4, 6)
+      _tensor_plan_lines(4, 6)
+
+
+def _tensor_plan_lines(tensor: int, replicas: int) -> list:
+  """The run plan's lines of the tensor mode for `--tensor_parallel=T` on
+  R replicas (`StepMode.plan_lines`)."""
+  from tfdist import config as config_lib  # pylint: disable=g-import-not-at-top
+  from tfdist.parallel import modes  # pylint: disable=g-import-not-at-top
+  return modes.get_mode("tensor").plan_lines(modes.PlanFacts(
+      parallelism=config_lib.ParallelismConfig(tensor_parallel=tensor),
+      num_replicas_in_sync=replicas))
 
 
 class TensorParallelTest(absltest.TestCase):

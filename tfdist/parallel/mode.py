@@ -28,7 +28,8 @@ This module is the bottom of the parallel floor: it imports neither
 TensorFlow nor `tfdist.training` or `tfdist.backends`.
 """
 
-from typing import Any, Callable, Dict, Mapping, Optional, Tuple, Type
+import dataclasses
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Type
 
 from tfdist import errors
 
@@ -62,12 +63,42 @@ class StepContext:
   """
 
 
+@dataclasses.dataclass(frozen=True)
+class PlanFacts:
+  """What a mode's lines of the run plan read (`StepMode.plan_lines`):
+  decided before anything is built, no TensorFlow.
+
+  Attributes:
+    parallelism: the config's parallelism section
+      (`tfdist.config.ParallelismConfig`: `pipeline_stages`,
+      `tensor_parallel`, `expert_parallel`, ...).
+    num_replicas_in_sync: R, the replicas of one update.
+    per_replica_batch_size: examples one replica computes per micro-step.
+    gradient_accumulation_steps: K, micro-steps per update.
+    compute_bytes: bytes of one activation element in the compute dtype
+      (4 for fp32; 2 under `mixed_bfloat16` or `mixed_float16`).
+    pipeline: the run's resolved `tfdist.parallel.pipeline.options.
+      PipelineOptions` when the model is cut into stages, else None.
+    experts: the `tfdist.parallel.experts.traffic.ExpertsShape` of the
+      built-in model's mixture-of-experts layers when the flags give them
+      (`--model=transformer --transformer_experts=E`), else None (a
+      model of one's own: known once it is built).
+  """
+  parallelism: Any
+  num_replicas_in_sync: int = 1
+  per_replica_batch_size: int = 1
+  gradient_accumulation_steps: int = 1
+  compute_bytes: int = 4
+  pipeline: Any = None
+  experts: Any = None
+
+
 class StepMode:
   """One parallelism mode: the base class of every registered mode.
 
   The start-up parts (class methods; no TensorFlow, no model): `validate`,
-  `devices`, `layout_rows` (its memory per device) and the backend trait
-  `replaces_step_runner`. The step's parts
+  `devices`, `layout_rows` (its memory per device), `plan_lines` (its
+  lines of the run plan) and the backend trait `replaces_step_runner`. The step's parts
   (instance methods; the trainer calls `bind` once at construction, the
   others while its step is traced, in replica context):
   `forward_backward`, `eval_sums`, and the views `variables`,
@@ -125,6 +156,15 @@ class StepMode:
       A list of `tfdist.training.memory.LayoutMemory` (the base class:
       none, the mode is not planned).
     """
+    del facts
+    return []
+
+  @classmethod
+  def plan_lines(cls, facts: PlanFacts) -> List[str]:
+    """This mode's lines of the run plan (`--dry_run` and the log at
+    start; `tfdist.training.run_plan`), each indented two spaces as the
+    plan's others: its layout and what it moves per step, from `facts`
+    (a `PlanFacts`). The base class: none."""
     del facts
     return []
 

@@ -24,6 +24,7 @@ get_mode = mode.get_mode
 mode_for = mode.mode_for
 mode_name_for = mode.mode_name_for
 register_mode = mode.register_mode
+PlanFacts = mode.PlanFacts
 
 
 def mode_names() -> tuple:

@@ -15,7 +15,6 @@ from tfdist.data import data_checks
 from tfdist.data import input_pipeline
 from tfdist import errors
 from tfdist.core.strategy_kind import StrategyKind
-from tfdist.parallel import mesh as mesh_lib
 from tfdist.parallel.pipeline import options as pipeline_options
 from tfdist.training import batch_plan as batch_plan_lib
 from tfdist.training import lr_schedule
@@ -127,6 +126,9 @@ class RunPlan:
       function's evaluation split (0 when the run does not evaluate).
     pipeline: the run's `PipelineOptions` when the model is cut into
       stages (its micro-batches checked against the batch), else None.
+    mode_lines: the run's parallelism mode's lines of the plan
+      (`tfdist.parallel.mode.StepMode.plan_lines`: its layout, mesh and
+      traffic).
   """
   train_files: Tuple[str, ...]
   eval_files: Tuple[str, ...]
@@ -146,6 +148,7 @@ class RunPlan:
   sync_batch_norm_reason: str = ""
   num_eval_examples: int = 0
   pipeline: Optional[pipeline_options.PipelineOptions] = None
+  mode_lines: Tuple[str, ...] = ()
 
   @property
   def steps_per_epoch(self) -> int:
@@ -261,29 +264,39 @@ class RunPlan:
              if plan.num_replicas_in_sync > 1 and
              not self.asynchronous else
              "no effect (no all-reduce: one replica)"))
-    if self.pipeline:
-      micro = plan.per_replica_batch_size // (
-          self.pipeline.data * self.pipeline.num_microbatches)
-      lines.append(
-          f"  pipeline               {self.pipeline.describe()}"
-          f" of {micro} examples")
-      if self.pipeline.data > 1:
-        lines += ["  " + line for line in self.pipeline.mesh().plan_lines()]
-    tensor_parallel = options.strategy.parallelism.tensor_parallel
-    if tensor_parallel > 1:
-      lines += tensor_mesh_lines(tensor_parallel, plan.num_replicas_in_sync)
-    return lines
+    return lines + list(self.mode_lines)
 
 
-def tensor_mesh_lines(tensor: int, replicas: int) -> List[str]:
-  """The plan's lines for `--tensor_parallel=T` on N replicas: the data x
-  tensor mesh (`DeviceMesh.plan_lines`, replicas named by index)."""
-  mesh = mesh_lib.DeviceMesh.build([f"replica {r}" for r in range(replicas)],
-                                   tensor=tensor)
-  return [f"  tensor_parallel        {tensor}: {mesh.data} data-parallel "
-          f"cop{'y' if mesh.data == 1 else 'ies'} x {tensor} tensor-"
-          "parallel replicas (D x T)"] + [
-              "    " + line for line in mesh.plan_lines()]
+def mode_plan_lines(options: "PlanOptions", spec, plan, *, dtype: str,
+                    pipeline) -> Tuple[str, ...]:
+  """The run's parallelism mode's lines of the plan: the mode the
+  parallelism and memory sections choose (`tfdist.parallel.mode.
+  mode_name_for`), asked with `StepMode.plan_lines`.
+
+  Args:
+    options: the run's `PlanOptions`.
+    spec: the data set's `DatasetSpec`.
+    plan: the run's `BatchPlan`.
+    dtype: the decided `fp32`, `bf16` or `fp16`.
+    pipeline: the run's checked `PipelineOptions`, or None.
+  """
+  # Imported here: the registered modes import TensorFlow; the plan's
+  # other parts do not.
+  from tfdist.parallel import modes  # pylint: disable=g-import-not-at-top
+  parallelism = options.strategy.parallelism
+  mode = modes.get_mode(modes.mode_name_for(
+      zero_stage=options.memory.zero_stage_resolved,
+      pipeline_stages=parallelism.pipeline_stages,
+      tensor_parallel=parallelism.tensor_parallel,
+      expert_parallel=parallelism.expert_parallel))
+  return tuple(mode.plan_lines(modes.PlanFacts(
+      parallelism=parallelism,
+      num_replicas_in_sync=plan.num_replicas_in_sync,
+      per_replica_batch_size=plan.per_replica_batch_size,
+      gradient_accumulation_steps=plan.gradient_accumulation_steps,
+      compute_bytes=4 if dtype == "fp32" else 2, pipeline=pipeline,
+      experts=models.experts_shape(options.task.model, options.task,
+                                   spec))))
 
 
 def resolve_data_files(data: DataOptions, spec, *, need_eval: bool = True
@@ -444,4 +457,5 @@ def make_run_plan(options: PlanOptions, spec, *, num_replicas_in_sync: int,
       strategy_reason=decision.strategy_reason, dtype=decision.dtype,
       dtype_reason=decision.dtype_reason, asynchronous=asynchronous,
       num_workers=num_workers, num_eval_examples=num_eval,
-      pipeline=pipeline)
+      pipeline=pipeline, mode_lines=mode_plan_lines(
+          options, spec, plan, dtype=decision.dtype, pipeline=pipeline))

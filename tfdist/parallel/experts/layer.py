@@ -21,7 +21,6 @@ where the layer runs.
 """
 
 import contextlib
-import math
 from typing import Any, Callable, Dict, Optional, Union
 
 import keras
@@ -30,6 +29,7 @@ import tensorflow as tf
 from tfdist import errors
 from tfdist.parallel import collectives
 from tfdist.parallel.experts import placement as placement_lib
+from tfdist.parallel.experts import traffic
 from tfdist.runtime import private_api
 
 # Added to the two chosen gates' sum before top-2 renormalization (GShard's
@@ -39,24 +39,9 @@ STATISTICS = ("tokens_per_expert", "dropped_fraction", "load_balancing_loss",
               "router_z_loss")
 
 
-def capacity(tokens: int, *, num_experts: int, top_k: int,
-             capacity_factor: float) -> int:
-  """Tokens each expert takes from a group: ceil(k * tokens * cf / E).
-
-  The rule of GShard and the Switch Transformer (there
-  `tokens_per_batch / num_experts * capacity_factor`, with k slots per
-  token for top-k). Computed in float64.
-
-  Args:
-    tokens: tokens in one routing group (>= 1).
-    num_experts: E.
-    top_k: experts per token (k).
-    capacity_factor: slots per expert over an even share (> 0).
-
-  Returns:
-    C, an int >= 1 for positive arguments.
-  """
-  return int(math.ceil(top_k * tokens * capacity_factor / num_experts))
+# C = ceil(k * group tokens * cf / E), GShard's and Switch's rule: pure
+# Python beside the plan's traffic formula (`traffic.capacity`).
+capacity = traffic.capacity
 
 
 @keras.saving.register_keras_serializable(package="tfdist")

@@ -47,6 +47,7 @@ from tfdist.parallel import mode as mode_lib
 from tfdist.parallel.experts import layer as moe_layer
 from tfdist.parallel.experts import options as expert_options
 from tfdist.parallel.experts import placement as placement_lib
+from tfdist.parallel.experts import traffic
 # The gathered-view machinery of tensor parallelism, shared as it is.
 from tfdist.parallel.tensor import layers as tp_lib
 from tfdist.parallel.tensor import mode as tensor_mode
@@ -161,6 +162,12 @@ class ExpertParallelStep(mode_lib.StepMode):
   def devices(cls, settings) -> int:
     """E_p: the replicas one copy of the experts spans."""
     return int(settings["expert_parallel"])
+
+  @classmethod
+  def plan_lines(cls, facts) -> list:
+    """The expert groups and each replica's all-to-all bytes per update
+    (`tfdist.parallel.experts.traffic.plan_lines`)."""
+    return traffic.plan_lines(facts)
 
   @classmethod
   def model_facts(cls, model) -> dict:

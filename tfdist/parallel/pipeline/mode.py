@@ -83,6 +83,22 @@ class PipelineStep(mode_lib.StepMode):
     return {"pipeline_shares": shares}
 
   @classmethod
+  def plan_lines(cls, facts) -> list:
+    """The pipeline's line of the run plan (`PipelineOptions.describe` and
+    each stage's micro-batch), and with D copies the data x pipeline mesh
+    (`DeviceMesh.plan_lines`)."""
+    pipeline = facts.pipeline
+    if pipeline is None:
+      return []
+    micro = facts.per_replica_batch_size // (
+        pipeline.data * pipeline.num_microbatches)
+    lines = [f"  pipeline               {pipeline.describe()} of {micro} "
+             "examples"]
+    if pipeline.data > 1:
+      lines += ["  " + line for line in pipeline.mesh().plan_lines()]
+    return lines
+
+  @classmethod
   def validate(cls, settings) -> None:
     """`tfdist.parallel.pipeline.options.check_flags` on `settings`
     (`num_gpus` and `num_cpu_devices` may be absent: their defaults)."""

@@ -62,6 +62,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist.parallel import collectives
+from tfdist.parallel import mesh as mesh_lib
 from tfdist.parallel import mode as mode_lib
 from tfdist.parallel.tensor import groups as groups_lib
 from tfdist.parallel.tensor import layers as tp_lib
@@ -265,6 +266,20 @@ class TensorParallelStep(mode_lib.StepMode):
     """`tensor_parallel_bytes`: the weight bytes the tensor-parallel
     layers would split (`layers.splittable_weight_bytes`)."""
     return {"tensor_parallel_bytes": tp_lib.splittable_weight_bytes(model)}
+
+  @classmethod
+  def plan_lines(cls, facts) -> list:
+    """The run plan's lines for `--tensor_parallel=T` on R replicas: the
+    data x tensor mesh (`DeviceMesh.plan_lines`, replicas named by
+    index)."""
+    tensor = facts.parallelism.tensor_parallel
+    mesh = mesh_lib.DeviceMesh.build(
+        [f"replica {r}" for r in range(facts.num_replicas_in_sync)],
+        tensor=tensor)
+    return [f"  tensor_parallel        {tensor}: {mesh.data} data-parallel "
+            f"cop{'y' if mesh.data == 1 else 'ies'} x {tensor} tensor-"
+            "parallel replicas (D x T)"] + [
+                "    " + line for line in mesh.plan_lines()]
 
   @classmethod
   def validate(cls, settings) -> None:
