@@ -457,12 +457,7 @@ class ModelsTest(absltest.TestCase):
         parallelism=config_lib.ParallelismConfig(expert_parallel=2),
         num_replicas_in_sync=2, per_replica_batch_size=32,
         experts=models.experts_shape("transformer", task, spec)))
-    with open(os.path.join(testutil.REPO_ROOT, "docs", "guides",
-                           "experts.md"), encoding="utf-8") as f:
-      page = f.read()
-    shown = re.search(r"<!-- not run: output of the command above[^>]*-->\n"
-                      r"```text\n(.*?)```", page, re.S).group(1)
-    self.assertEqual(shown.splitlines(), lines)
+    self.assertEqual(testutil.shown_output("guides/experts.md"), lines)
 
   def test_capacity_formula(self):
     self.assertEqual(moe_layer.capacity(128, num_experts=8, top_k=2,

@@ -678,12 +678,7 @@ class ArgumentsTest(absltest.TestCase):
                                         "pipeline", "0", "tensor", "1"])
     self.assertEqual(lines[4].split(), ["replica", "2", "data", "1",
                                         "pipeline", "0", "tensor", "0"])
-    with open(os.path.join(testutil.REPO_ROOT, "docs", "guides",
-                           "device-mesh.md"), encoding="utf-8") as f:
-      page = f.read()
-    shown = re.search(r"<!-- not run: output of the command above[^>]*-->\n"
-                      r"```text\n(.*?)```", page, re.S).group(1)
-    self.assertEqual(shown.splitlines(), lines)
+    self.assertEqual(testutil.shown_output("guides/device-mesh.md"), lines)
 
   def test_tensor_degree_not_dividing_the_replicas_is_refused(self):
     from tfdist import errors  # pylint: disable=g-import-not-at-top

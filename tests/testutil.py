@@ -185,3 +185,18 @@ def setup_output(name: str) -> str:
         "environment and its wheelhouse; tools/setup_tf217.sh alone also "
         "does).")
   return path
+
+
+def shown_output(guide: str) -> list:
+  """The lines of the first block a docs guide shows as "output of the
+  command above" (`<!-- not run: output of the command above ... -->`
+  before a `text` block), for a test comparing them with what tfdist
+  prints.
+
+  Args:
+    guide: the page's path under `docs/`, e.g. `guides/experts.md`.
+  """
+  with open(os.path.join(REPO_ROOT, "docs", guide), encoding="utf-8") as f:
+    page = f.read()
+  return re.search(r"<!-- not run: output of the command above[^>]*-->\n"
+                   r"```text\n(.*?)```", page, re.S).group(1).splitlines()

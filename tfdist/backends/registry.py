@@ -78,12 +78,8 @@ def backend_for_run(kind, config, cluster=None) -> base.Backend:
   Raises:
     As `backend_for`.
   """
-  parallelism = config.strategy.parallelism
-  mode = modes.get_mode(modes.mode_name_for(
-      zero_stage=config.memory.zero_stage_resolved,
-      pipeline_stages=parallelism.pipeline_stages,
-      tensor_parallel=parallelism.tensor_parallel,
-      expert_parallel=parallelism.expert_parallel))
+  mode = modes.get_mode(modes.mode_name_of(config.strategy.parallelism,
+                                            config.memory))
   cls = base.registered_backend(kind)
   if cls is None:
     backend_for(kind)  # Raises its error.

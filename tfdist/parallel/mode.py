@@ -324,6 +324,18 @@ def mode_name_for(*, zero_stage: int = 0, pipeline_stages: int = 1,
   return "data"
 
 
+def mode_name_of(parallelism, memory) -> str:
+  """`mode_name_for` the config's parallelism section
+  (`tfdist.config.ParallelismConfig`: `pipeline_stages`,
+  `tensor_parallel`, `expert_parallel`) and memory section
+  (`tfdist.config.MemoryConfig`: `zero_stage_resolved`)."""
+  return mode_name_for(
+      zero_stage=memory.zero_stage_resolved,
+      pipeline_stages=parallelism.pipeline_stages,
+      tensor_parallel=parallelism.tensor_parallel,
+      expert_parallel=parallelism.expert_parallel)
+
+
 def mode_for(settings: Mapping[str, Any]) -> Type[StepMode]:
   """The mode class `settings` (by flag name: `zero_stage`,
   `pipeline_stages`, `tensor_parallel`; absent ones count as off)

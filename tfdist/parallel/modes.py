@@ -23,6 +23,7 @@ BUILTIN_MODES = ("data", "zero3", "pipeline", "tensor", "experts")
 get_mode = mode.get_mode
 mode_for = mode.mode_for
 mode_name_for = mode.mode_name_for
+mode_name_of = mode.mode_name_of
 register_mode = mode.register_mode
 PlanFacts = mode.PlanFacts
 

@@ -284,11 +284,7 @@ def mode_plan_lines(options: "PlanOptions", spec, plan, *, dtype: str,
   # other parts do not.
   from tfdist.parallel import modes  # pylint: disable=g-import-not-at-top
   parallelism = options.strategy.parallelism
-  mode = modes.get_mode(modes.mode_name_for(
-      zero_stage=options.memory.zero_stage_resolved,
-      pipeline_stages=parallelism.pipeline_stages,
-      tensor_parallel=parallelism.tensor_parallel,
-      expert_parallel=parallelism.expert_parallel))
+  mode = modes.get_mode(modes.mode_name_of(parallelism, options.memory))
   return tuple(mode.plan_lines(modes.PlanFacts(
       parallelism=parallelism,
       num_replicas_in_sync=plan.num_replicas_in_sync,
