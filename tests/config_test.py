@@ -206,7 +206,16 @@ class TrainConfigTest(parameterized.TestCase):
       ("pipeline_tpu", dict(pipeline_stages=2, distribution_strategy="tpu"),
        "--pipeline_stages=2 cannot run under --distribution_strategy=tpu"),
       ("pipeline_zero", dict(pipeline_stages=2, zero_stage=1),
-       "--pipeline_stages=2 and --zero_stage=1 .* cannot be combined"),
+       r"--pipeline_stages=2 and --zero_stage=1 \(--shard_optimizer_state\)"
+       " cannot be combined"),
+      # Stage 3 named its switch as stage 1's (issue 47).
+      ("pipeline_zero3", dict(pipeline_stages=2, zero_stage=3),
+       r"--pipeline_stages=2 and --zero_stage=3 \(--shard_parameters\) "
+       "cannot be combined"),
+      ("pipeline_shard_parameters", dict(pipeline_stages=2,
+                                         shard_parameters=True),
+       r"--pipeline_stages=2 and --zero_stage=3 \(--shard_parameters\) "
+       "cannot be combined"),
       ("pipeline_xla", dict(pipeline_stages=2, enable_xla=True),
        "--enable_xla cannot compile a pipelined step"),
       ("tensor_parallel", dict(tensor_parallel=0),

@@ -117,6 +117,47 @@ class GuideTest(absltest.TestCase):
                      f"{_WRITE_ENV}=1 and commit the guide")
 
 
+class FactsOfRunTest(absltest.TestCase):
+
+  def test_a_pipelines_micro_batches_are_counted(self):
+    # A pipeline of 2 stages and 2 micro-batches said "1 micro-batches a
+    # step": the count read --gradient_accumulation_steps only (issue 47).
+    import dataclasses  # pylint: disable=g-import-not-at-top
+    import types  # pylint: disable=g-import-not-at-top
+    import keras  # pylint: disable=g-import-not-at-top
+    from tfdist.config import TrainConfig  # pylint: disable=g-import-not-at-top
+    from tfdist.experiment import prepare  # pylint: disable=g-import-not-at-top
+    from tfdist.parallel.pipeline import options as pipeline_options  # pylint: disable=g-import-not-at-top
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(4),
+                              keras.layers.BatchNormalization(),
+                              keras.layers.Dense(1)])
+    parts = types.SimpleNamespace(model=model, objectives=None,
+                                  metric_sums=None)
+
+    def facts(accumulation, pipeline):
+      options = dataclasses.replace(
+          prepare.assembly_options(TrainConfig(
+              model_dir=testutil.scratch_dir(), train_steps=1,
+              distribution_strategy="one_device"), None),
+          pipeline=pipeline)
+      plan = types.SimpleNamespace(batch=types.SimpleNamespace(
+          gradient_accumulation_steps=accumulation, dropped_per_epoch=0))
+      return differences.facts_of_run(
+          options, parts=parts, plan=plan, replicas=1, input_fn=None,
+          keeps_input_position=True)
+
+    piped = facts(1, pipeline_options.PipelineOptions(
+        num_stages=2, num_microbatches=2))
+    self.assertEqual((piped.micro_batches, piped.pipeline_stages), (2, 2))
+    (line,) = [l for l in differences.lines(piped)
+               if "micro_batch_batch_norm" in l]
+    self.assertIn("(pipeline stages 2, 2 micro-batches a step)", line)
+    # D copies x M micro-batches x K accumulation micro-steps.
+    self.assertEqual(facts(3, pipeline_options.PipelineOptions(
+        num_stages=2, num_microbatches=4, data=2)).micro_batches, 24)
+    self.assertEqual(facts(3, None).micro_batches, 3)
+
+
 class RunSaysItTest(absltest.TestCase):
 
   def test_batch_sum_loss_with_two_micro_batches(self):

@@ -30,7 +30,9 @@ class RunFacts:
 
   Attributes:
     replicas: `num_replicas_in_sync` (replicas of every worker).
-    micro_batches: `--gradient_accumulation_steps`.
+    micro_batches: the micro-batches one update's batch is cut into on
+      each replica: `--gradient_accumulation_steps`, times a pipeline's
+      copies D and micro-batches M (`micro_batches_of`).
     batch_valued_loss: the loss returns one value per batch (a scalar;
       `tfdist.training.objectives.batch_valued_loss`).
     loss_name: the loss's name, for the line.
@@ -358,6 +360,17 @@ def facts_of(*, model, optimizer: str, plain_sgd: bool, replicas: int,
       keeps_input_position=bool(keeps_input_position))
 
 
+def micro_batches_of(gradient_accumulation_steps: int, pipeline=None
+                     ) -> int:
+  """The micro-batches one update's batch is cut into on each replica:
+  K accumulation micro-steps, each split over a pipeline's D copies and
+  M micro-batches (`pipeline`: the run's `PipelineOptions`, or None)."""
+  if pipeline is None or not pipeline.enabled:
+    return int(gradient_accumulation_steps)
+  return int(gradient_accumulation_steps) * pipeline.data * (
+      pipeline.num_microbatches)
+
+
 def facts_of_run(options, *, parts, plan, replicas: int,
                  input_fn: Optional[Callable],
                  keeps_input_position: bool) -> RunFacts:
@@ -373,13 +386,14 @@ def facts_of_run(options, *, parts, plan, replicas: int,
   loss = parts.objectives.loss if parts.objectives is not None else None
   sums = parts.metric_sums
   # Traced only where they would differ (more than one batch per step).
-  split = replicas * plan.batch.gradient_accumulation_steps > 1 and (
+  pipeline = options.pipeline
+  split = replicas * micro_batches_of(
+      plan.batch.gradient_accumulation_steps, pipeline) > 1 and (
       sums is not None and sums.y_true is not None)
   batch_valued = bool(
       split and loss is not None and
       objectives_lib.batch_valued_loss(loss, y_true=sums.y_true,
                                        y_pred=sums.y_pred))
-  pipeline = options.pipeline
   facts = facts_of(
       model=parts.model, optimizer=options.optimization.optimizer,
       plain_sgd=(options.optimization.optimizer == "sgd" and
@@ -387,7 +401,8 @@ def facts_of_run(options, *, parts, plan, replicas: int,
                  options.optimization.clipnorm is None and
                  options.optimization.global_clipnorm is None),
       replicas=replicas,
-      micro_batches=plan.batch.gradient_accumulation_steps,
+      micro_batches=micro_batches_of(
+          plan.batch.gradient_accumulation_steps, pipeline),
       zero_stage=options.memory.zero_stage_resolved,
       pipeline_stages=pipeline.num_stages if pipeline is not None else 1,
       tensor_parallel=options.strategy.parallelism.tensor_parallel,

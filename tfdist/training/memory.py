@@ -22,6 +22,7 @@ import math
 from typing import Dict, Optional
 
 from tfdist.core import optimizers
+from tfdist.core import zero_stages
 # The measurements live with the run log that reads them (one floor down);
 # named here too for diagnose and the runner.
 from tfdist.observability.memory_use import (  # noqa: F401
@@ -109,8 +110,7 @@ def estimate_model_memory(model, optimizer=None, *, sharded=None,
 
 
 # The switch each ZeRO stage's `--zero_stage=N` stands for.
-ZERO_STAGE_SWITCHES = {1: "--shard_optimizer_state", 2: "--shard_gradients",
-                       3: "--shard_parameters"}
+ZERO_STAGE_SWITCHES = zero_stages.ZERO_STAGE_SWITCHES
 
 
 def sharded_estimate(estimate: ModelMemory, *, num_replicas: int,

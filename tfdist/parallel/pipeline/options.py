@@ -21,6 +21,7 @@ import dataclasses
 from typing import Optional, Sequence, Tuple
 
 from tfdist import errors
+from tfdist.core import zero_stages
 from tfdist.parallel import mesh as mesh_lib
 
 GPIPE = "gpipe"
@@ -254,11 +255,12 @@ def check_flags(*, pipeline_stages: int, num_microbatches: Optional[int],
               num_cpu_devices=num_cpu_devices)
   if zero_stage:
     raise errors.ConfigError(
-        f"--pipeline_stages={pipeline_stages} and --zero_stage={zero_stage}"
-        " (--shard_optimizer_state) cannot be combined: ZeRO shards the "
-        "optimizer state across data-parallel replicas, and a pipeline "
-        "already keeps each stage's optimizer state on its own device. "
-        "Drop one of them.")
+        f"--pipeline_stages={pipeline_stages} and "
+        f"{zero_stages.stage_flags(zero_stage)} cannot be combined: ZeRO "
+        "shards the optimizer state (from stage 2 the gradients, at stage 3 "
+        "the weights) over data-parallel replicas, and a pipeline keeps "
+        "each stage's state on its own devices (ZeRO within a pipeline's "
+        "data groups is not built yet). Drop one of them.")
   if enable_xla:
     raise errors.ConfigError(
         f"--enable_xla cannot compile a pipelined step (--pipeline_stages="
