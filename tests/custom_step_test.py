@@ -355,9 +355,15 @@ RESUMED_ONLY = ("two_optimizers_momentum", "combined", "hand_added_terms")
 NOT_EVALUATED = ("two_optimizers", "two_optimizers_momentum")
 
 
-def _keras_fit(builder, strategy, evaluate: bool = True) -> dict:
-  """`Model.fit` and `Model.evaluate` in `strategy`'s scope (None: one
-  device)."""
+# Evaluation examples that leave the last batch's second replica empty
+# (200 = 3 x 64 + 8: tfdist batches per replica, 8 + 0).
+PARTIAL_EVAL = 200
+
+
+def _keras_fit(builder, strategy, evaluate: bool = True,
+               eval_examples: int = 512) -> dict:
+  """`Model.fit` and `Model.evaluate` (on the first `eval_examples`) in
+  `strategy`'s scope (None: one device)."""
   import contextlib  # pylint: disable=g-import-not-at-top
   import keras  # pylint: disable=g-import-not-at-top
   x, y = _data()
@@ -365,7 +371,8 @@ def _keras_fit(builder, strategy, evaluate: bool = True) -> dict:
     model = builder(keras.optimizers.SGD(RATE))
   history = model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False,
                       verbose=0)
-  evaluation = (model.evaluate(x, y, batch_size=BATCH, verbose=0,
+  evaluation = (model.evaluate(x[:eval_examples], y[:eval_examples],
+                               batch_size=BATCH, verbose=0,
                                return_dict=True) if evaluate else {})
   return {"weights": [w.tolist() for w in model.get_weights()],
           "train": _floats({k: v[-1] for k, v in history.history.items()}),
@@ -384,9 +391,11 @@ def _config(model_dir: str, strategy: str, **overrides):
 
 
 def _tfdist_fit(builder, strategy: str, model_dir: str,
-                evaluate: bool = True, **overrides) -> dict:
-  """`tfdist.fit` of the case's model (`overrides`: of the config); in
-  `mode="eval"`, the manifest's `results`."""
+                evaluate: bool = True, eval_examples: int = 512,
+                **overrides) -> dict:
+  """`tfdist.fit` of the case's model (`overrides`: of the config),
+  evaluated on the first `eval_examples`; in `mode="eval"`, the
+  manifest's `results`."""
   import keras  # pylint: disable=g-import-not-at-top
   import tfdist  # pylint: disable=g-import-not-at-top
   x, y = _data()
@@ -399,7 +408,9 @@ def _tfdist_fit(builder, strategy: str, model_dir: str,
 
   manifest = tfdist.fit(lambda: builder(keras.optimizers.SGD(RATE)),
                         x=x, y=y,
-                        validation_data=(x, y) if evaluate else None,
+                        validation_data=((x[:eval_examples],
+                                          y[:eval_examples])
+                                         if evaluate else None),
                         config=_config(model_dir, strategy, **overrides),
                         callbacks=[Final()], verbose=0)
   if overrides.get("mode") == "eval":
@@ -573,6 +584,19 @@ def _child_main() -> dict:
         "keras_one_device": _keras_fit(models["hand_added_terms"], None)}
   except Exception:  # pylint: disable=broad-except
     out["hand_added_terms"] = {"error": traceback.format_exc()}
+  # Evaluation on examples that leave a replica's last batch empty:
+  # Keras's test_step averaged that empty batch into a NaN loss (issue
+  # 47); one device's Model.evaluate of the same weights is the reference.
+  for case in ("frozen_bias", "test_step"):
+    try:
+      out[f"partial_eval/{case}"] = {
+          "keras": _keras_fit(models[case], None,
+                              eval_examples=PARTIAL_EVAL),
+          "tfdist": _tfdist_fit(models[case], "mirrored",
+                                os.path.join(root, f"partial-{case}"),
+                                eval_examples=PARTIAL_EVAL)}
+    except Exception:  # pylint: disable=broad-except
+      out[f"partial_eval/{case}"] = {"error": traceback.format_exc()}
   # --mode=eval on the test_step case's checkpoint: its own test_step.
   try:
     out["eval_mode"] = _tfdist_fit(
@@ -651,6 +675,25 @@ class CustomStepTest(absltest.TestCase):
         conformance_table.check_cell(self, CELL_ROWS[case], strategy,
                                      CELLS[strategy])
     return out
+
+  def test_a_replica_left_without_evaluation_examples(self):
+    # 200 examples in batches of 64 over 2 replicas: the last batch's 8
+    # examples all on the first replica. Keras's test_step averaged the
+    # empty batch into a NaN loss (issue 47). The compiled loss and
+    # metrics (read from their state over every replica) are one device's
+    # Model.evaluate of the same weights; a test_step's own logs are the
+    # mean of the replicas' values (as under Keras's fit with the
+    # strategy), so near one device's, not equal.
+    for case, tolerance in (("frozen_bias", ATOL), ("test_step", 0.05)):
+      with self.subTest(case=case):
+        result = self._case(f"partial_eval/{case}")
+        theirs, ours = result["keras"]["eval"], result["tfdist"]["eval"]
+        self.assertEqual(result["tfdist"]["replicas"], 2)
+        self.assertTrue(theirs)
+        for key, value in theirs.items():
+          self.assertAlmostEqual(
+              ours[key], value, delta=tolerance * max(1.0, abs(value)),
+              msg=f"eval {key}: {ours} vs {theirs}")
 
   def test_terms_added_by_hand_count_per_replica(self):
     # The compiled loss is one device's; a term added by hand (in

@@ -17,7 +17,9 @@ trainer.py`):
   by 1/replicas and its optimizer sums the gradients over replicas, and a
   step of the user's does whatever it does under `fit`;
 * evaluation: `strategy.run(model.test_step, args=(batch,))` on each
-  evaluation batch;
+  evaluation batch (a replica the last batch leaves without examples keeps
+  its metric state and counts for nothing in the logs' reduction, where
+  Keras's `test_step` would add a NaN mean);
 * the step's returned logs are reduced as `fit` reduces them: the mean over
   replicas (Keras's `reduce_per_replica(..., "auto")` off TPUs; an
   all-reduce inside the replica function, so that it spans the workers of
@@ -204,6 +206,55 @@ def _all_replicas(fn: Callable, reduce_op=tf.distribute.ReduceOp.MEAN
   return replica_fn
 
 
+def _batch_examples(batch) -> tf.Tensor:
+  """The examples in a replica's batch `(x, ...)`: int32 scalar."""
+  return tf.shape(tf.nest.flatten(batch[0])[0])[0]
+
+
+def _test_skipping_empty(model: keras.Model) -> Callable:
+  """`model.test_step` for one replica's evaluation batch, counted by its
+  examples: `(logs, examples of every replica)`.
+
+  The last evaluation batch leaves replicas without examples when it does
+  not fill them all (tfdist's input pipeline batches per replica); Keras's
+  `test_step` on an empty batch adds a NaN mean to the loss tracker (NaN
+  x 0 examples). On such a replica the model's metric state is put back
+  as it was before the step, and each floating log is the mean over the
+  replicas (Keras's `reduce_per_replica(..., "mean")`) of those that had
+  examples or whose value is finite (a metric's result over the replica's
+  earlier batches counts; an empty batch's NaN mean does not)."""
+
+  def replica_fn(batch):
+    examples = _batch_examples(batch)
+    empty = tf.equal(examples, 0)
+    state = list(model.metrics_variables)
+    before = [tf.identity(v) for v in state]
+    logs = tf.nest.map_structure(tf.convert_to_tensor,
+                                 model.test_step(batch))
+    for variable, value in zip(state, before):
+      variable.assign(tf.where(empty, value, variable))
+    count = tf.cast(examples, tf.float32)
+    context = tf.distribute.get_replica_context()
+    if context is None or context.num_replicas_in_sync == 1:
+      return logs, count
+    total = context.all_reduce(tf.distribute.ReduceOp.SUM, count)
+
+    def mean_over_kept(value):
+      if not value.dtype.is_floating:
+        return value
+      keep = tf.logical_or(tf.logical_not(empty), tf.reduce_all(
+          tf.math.is_finite(value)))
+      kept = tf.cast(keep, value.dtype)
+      summed = context.all_reduce(
+          tf.distribute.ReduceOp.SUM,
+          tf.where(keep, value, tf.zeros_like(value)))
+      return summed / tf.maximum(
+          context.all_reduce(tf.distribute.ReduceOp.SUM, kept),
+          tf.ones_like(kept))
+    return tf.nest.map_structure(mean_over_kept, logs), total
+  return replica_fn
+
+
 def _flat(prefix: str, logs) -> Dict[str, tf.Tensor]:
   """`logs` (a dict, possibly nested as Keras's metric results are) as
   `{prefix + name: tensor}`; anything else under `prefix + "output"`."""
@@ -319,13 +370,10 @@ class CustomStepTrainer:
             "stop_training": stop_flags[1]}
 
   def _eval_function(self, batch):
-    logs = _flat(_LOGS, self._first(self.strategy.run(
-        _all_replicas(self.model.test_step), args=(batch,))))
-    count = self._first(self.strategy.run(_all_replicas(
-        lambda b: tf.cast(tf.shape(tf.nest.flatten(b[0])[0])[0],
-                          tf.float32), tf.distribute.ReduceOp.SUM),
-                                          args=(batch,)))
-    return {**logs, **self._metric_results(_METRICS), _COUNT: count}
+    logs, count = self._first(self.strategy.run(
+        _test_skipping_empty(self.model), args=(batch,)))
+    return {**_flat(_LOGS, logs), **self._metric_results(_METRICS),
+            _COUNT: count}
 
   # --- what the step runner and controller call ---------------------------
   def train_function(self, iterator, num_steps, stop_flags=None
