@@ -1,52 +1,59 @@
-"""The frozen run configuration (`TrainConfig`), its sections and their
-shared names; see `tfdist.config.root`."""
+"""The frozen run configuration: `TrainConfig`, a tree of sections, one per
+part of the run.
 
-from tfdist.config.root import ALL_REDUCE_ALGS
-from tfdist.config.root import AUTO_STRATEGY
-from tfdist.config.root import BOOKKEEPING_FIELDS
-from tfdist.config.root import CloudConfig
-from tfdist.config.root import ClusterConfig
-from tfdist.config.root import DATASET_RECOMMENDED_FLAGS
-from tfdist.config.root import DataConfig
-from tfdist.config.root import DEFAULT_DATASET
-from tfdist.config.root import DEFAULT_MAX_CONSECUTIVE_SKIPPED_STEPS
-from tfdist.config.root import DTYPE_ALIASES
-from tfdist.config.root import DTYPE_FLAG_VALUES
-from tfdist.config.root import DTYPES
-from tfdist.config.root import FEATURE_SPEC_DATASET
-from tfdist.config.root import flat_fields
-from tfdist.config.root import HPTUNE_METRIC_PATTERN
-from tfdist.config.root import HPTUNE_METRICS
-from tfdist.config.root import LearningRateConfig
-from tfdist.config.root import LoopConfig
-from tfdist.config.root import LR_SCALING_RULES
-from tfdist.config.root import MemoryConfig
-from tfdist.config.root import ModelBuilderConfig
-from tfdist.config.root import MODES
-from tfdist.config.root import normalize_dtype
-from tfdist.config.root import OptimizationConfig
-from tfdist.config.root import OutputsConfig
-from tfdist.config.root import ParallelismConfig
-from tfdist.config.root import ParameterServerConfig
-from tfdist.config.root import parse_class_weight
-from tfdist.config.root import parse_loss_scale
-from tfdist.config.root import parse_profile_steps
-from tfdist.config.root import PrecisionConfig
-from tfdist.config.root import PS_PARTITIONERS
-from tfdist.config.root import RECOMMENDABLE_FIELDS
-from tfdist.config.root import ReliabilityConfig
-from tfdist.config.root import refuse_auto
-from tfdist.config.root import requested_kind
-from tfdist.config.root import require_data_files
-from tfdist.config.root import require_model_dir
-from tfdist.config.root import resolve_folder
-from tfdist.config.root import section_of
-from tfdist.config.root import settings_with
-from tfdist.config.root import SHARDING_SWITCHES
-from tfdist.config.root import STRATEGIES
-from tfdist.config.root import StrategyConfig
-from tfdist.config.root import TaskConfig
-from tfdist.config.root import TPU_DEFAULT_STEPS_PER_EXECUTION
-from tfdist.config.root import TpuConfig
-from tfdist.config.root import TrainConfig
-from tfdist.config.root import UNSET_DEFAULTS
+One module per section family, each named for the part that receives its
+section, and the root config (`tfdist.config.root`: `TrainConfig`, its
+composition, the rules across sections, the flat names of the flags and of
+`tfdist.fit`'s keywords). The modules import downwards only: `values` (what
+the sections share), the sections, then `root`, then `model_builder`.
+
+  values.py         shared names: `DATASET_RECOMMENDED_FLAGS`, the checks'
+                    error form
+  task.py           `TaskConfig`, `DataConfig` (model, data, mode)
+  outputs.py        `OutputsConfig` (folders, the profiler's window)
+  loop.py           `LoopConfig` (steps, batches, checkpoints, the seed)
+  parallelism.py    `ParallelismConfig` (pipeline, tensor, experts) and the
+                    parallel modes' checks across sections
+  strategy.py       `StrategyConfig` and its `ClusterConfig`,
+                    `ParameterServerConfig`, `TpuConfig`
+  precision.py      `PrecisionConfig` (dtype, loss scale, XLA)
+  memory.py         `MemoryConfig` (recomputation, ZeRO, the allocator)
+  optimization.py   `OptimizationConfig` and its `LearningRateConfig`
+  reliability.py    `ReliabilityConfig` (guards of a long run)
+  cloud.py          `CloudConfig` (Vertex AI)
+  root.py           `TrainConfig`, `settings_with`, `flat_fields`
+  model_builder.py  `ModelBuilderConfig` (what a model builder is given)
+
+Every public name is read here as before (`tfdist.config.TrainConfig`,
+`from tfdist.config import TrainConfig`).
+"""
+
+# pylint: disable=g-multiple-import,g-importing-member
+from tfdist.config.values import (
+    DATASET_RECOMMENDED_FLAGS, UNSET_DEFAULTS)
+from tfdist.config.task import (
+    DEFAULT_DATASET, FEATURE_SPEC_DATASET, MODES, DataConfig, TaskConfig,
+    parse_class_weight, require_data_files)
+from tfdist.config.outputs import (
+    OutputsConfig, parse_profile_steps, require_model_dir, resolve_folder)
+from tfdist.config.loop import (
+    TPU_DEFAULT_STEPS_PER_EXECUTION, LoopConfig)
+from tfdist.config.parallelism import ParallelismConfig
+from tfdist.config.strategy import (
+    ALL_REDUCE_ALGS, AUTO_STRATEGY, PS_PARTITIONERS, STRATEGIES,
+    ClusterConfig, ParameterServerConfig, StrategyConfig, TpuConfig,
+    refuse_auto, requested_kind)
+from tfdist.config.precision import (
+    DTYPE_ALIASES, DTYPE_FLAG_VALUES, DTYPES, PrecisionConfig,
+    normalize_dtype, parse_loss_scale)
+from tfdist.config.memory import MemoryConfig
+from tfdist.config.optimization import (
+    LR_SCALING_RULES, LearningRateConfig, OptimizationConfig)
+from tfdist.config.reliability import (
+    DEFAULT_MAX_CONSECUTIVE_SKIPPED_STEPS, ReliabilityConfig)
+from tfdist.config.cloud import (
+    HPTUNE_METRIC_PATTERN, HPTUNE_METRICS, CloudConfig)
+from tfdist.config.root import (
+    BOOKKEEPING_FIELDS, RECOMMENDABLE_FIELDS, SHARDING_SWITCHES, TrainConfig,
+    flat_fields, section_of, settings_with)
+from tfdist.config.model_builder import ModelBuilderConfig
