@@ -511,9 +511,11 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # and for tfdist.fit keywords only"): the binary's flags, `tfdist.fit`, and
 # the root config that installs the flat properties and runs the
 # cross-section rules on them (`_DecidedView` answers decided values by
-# flat name).
+# flat name), with the parallelism section's module, which runs the parallel
+# modes' checks across sections for it.
 FLAT_EDGE = ("tfdist/train.py", "tfdist/api.py", "flags/",
-             "tfdist/config.py", "tfdist/config_tree.py")
+             "tfdist/config/root.py", "tfdist/config/parallelism.py",
+             "tfdist/config_tree.py")
 # Flat reads left in library code: none (every module reads its sections).
 MAX_FLAT_READS = 0
 

@@ -1,8 +1,12 @@
 """Tests for the config tree: `TrainConfig`'s sections, its flat constructor
 and reads, and the settings' flag metadata (tfdist.config_tree)."""
 
+import ast
 import dataclasses
+import importlib
+import inspect
 import pickle
+import pkgutil
 
 from absl import flags
 from absl.testing import absltest
@@ -202,6 +206,46 @@ class GeneratedFlagsTest(absltest.TestCase):
     with self.assertRaisesRegex(flags.IllegalFlagValueError,
                                 "must be 'dynamic' or a positive number"):
       flag_values(["prog", "--loss_scale=-1"])
+
+
+class PackageTest(absltest.TestCase):
+  """`tfdist/config/`: one module per section family, read through the
+  package."""
+
+  def _modules(self):
+    return [importlib.import_module(f"{config.__name__}.{info.name}")
+            for info in pkgutil.iter_modules(config.__path__)]
+
+  def test_the_package_exports_each_module_s_classes_and_constants(self):
+    # A new section's class (or constant) read as `tfdist.config.X`, as
+    # every name of the single module it replaced is.
+    missing = []
+    for module in self._modules():
+      tree = ast.parse(inspect.getsource(module))
+      for node in tree.body:
+        names = ([node.name] if isinstance(node, ast.ClassDef) else
+                 [t.id for t in getattr(node, "targets", ())
+                  if isinstance(t, ast.Name)])
+        for name in names:
+          if name.startswith("_") or not (isinstance(node, ast.ClassDef)
+                                          or name.isupper()):
+            continue
+          if getattr(config, name, None) is not getattr(module, name):
+            missing.append(f"{module.__name__}.{name}")
+    self.assertEqual(missing, [], "re-export these in "
+                     "tfdist/config/__init__.py")
+
+  def test_each_section_module_names_its_consumer(self):
+    sections, classes = set(), [TrainConfig]
+    while classes:  # The tree's section classes, walked from the root.
+      for field in dataclasses.fields(classes.pop()):
+        if config_tree.is_section(field):
+          classes.append(field.metadata["section"])
+          sections.add(field.metadata["section"].__module__)
+    self.assertIn(f"{config.__name__}.task", sections)
+    for module in self._modules():
+      if module.__name__ in sections:
+        self.assertIn("Consumer", module.__doc__, module.__name__)
 
 
 if __name__ == "__main__":

@@ -276,7 +276,7 @@ TFDIST_OWN = {
     "_full_value": "tfdist/parallel/tensor/layers.py",
     "_create": "tfdist/parallel/pipeline/stages.py (deferred variables)",
     "_sharded_indices": "tfdist/parallel/zero3/optimizer.py",
-    "_validate": "tfdist/config.py (TrainConfig)",
+    "_validate": "tfdist/config/root.py (TrainConfig)",
     "_stream": "tfdist/runtime/console.py (its line tracker)",
     "_exit": "os._exit (the standard library)",
     "_gather_through": "tfdist/parallel/tensor/mode.py (the gathered view)",

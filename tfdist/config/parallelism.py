@@ -1,0 +1,149 @@
+"""The parallelism section (`config.strategy.parallelism`: pipeline stages,
+tensor and expert parallelism), and the parallel modes' checks of those
+settings against the rest of the run.
+
+Consumers: the parallel modes (the pipeline's `PipelineOptions.of(
+config.strategy.parallelism, ...)`, the tensor and experts backends). The
+checks across sections are the modes' options modules' own (`check_flags`),
+run by `TrainConfig._validate` (`tfdist.config.root`) through
+`check_pipeline`, `check_tensor_parallel` and `check_expert_parallel`:
+this module alone of the config imports the parallel packages (their floor
+is above the config's, `tests/imports_test.py`).
+"""
+
+import dataclasses
+from typing import Optional, Tuple
+
+from tfdist.config.values import _set
+from tfdist.config_tree import setting
+from tfdist.parallel.experts import options as expert_options
+from tfdist.parallel.pipeline import options as pipeline_options
+from tfdist.parallel.tensor import options as tensor_parallel_options
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelismConfig:
+  """Model parallelism: pipeline stages (tfdist/parallel/pipeline/options.py)
+  and tensor parallelism (tfdist/parallel/tensor/options.py).
+  """
+  pipeline_stages: int = setting(
+      1, "integer", "pipeline",
+      help=("Cut the model (functional or Sequential) into P stages of "
+            "consecutive layers, stage i on GPU i (on a CPU, logical CPU "
+            "device i); micro-batches flow through them and one update is "
+            "applied per step, equal to the unsplit model's. In a cluster of "
+            "a chief and workers (tfdist.launch, TF_CONFIG) the chief drives "
+            "and each task hosts P/tasks consecutive stages. 1: no pipeline. "
+            "With --num_gpus=N or --num_cpu_devices=N (N a multiple of P) "
+            "one process trains N/P data-parallel copies of the pipeline (a "
+            "data x pipeline mesh). With --distribution_strategy auto, "
+            "one_device or off, not with --zero_stage or --enable_xla. See "
+            "docs/guides/pipeline-parallelism.md."),
+      traits=("operational", "multi_replica"))
+  num_microbatches: Optional[int] = setting(
+      None, "integer", "pipeline",
+      help=("Pipeline micro-batches per step (M): each is 1/M of the step's "
+            "batch (of each micro-step under --gradient_accumulation_steps), "
+            "so M must divide it. The idle fraction of each stage is "
+            "(P-1)/(M+P-1). Default: --pipeline_stages."),
+      traits=("multi_replica",))
+  pipeline_schedule: str = setting(
+      "gpipe", "enum", "pipeline", choices=pipeline_options.SCHEDULES,
+      help=("gpipe: every micro-batch's forward, then every backward (a stage"
+            " holds M micro-batches' activations); 1f1b: one forward, one "
+            "backward after a warm-up (at most P). Same bubble, same update."),
+      traits=("operational", "multi_replica"))
+  # Stored as a tuple of layer names (`pipeline_options.parse_cuts`).
+  pipeline_cuts: Tuple[str, ...] = setting(
+      (), "list", "pipeline",
+      help=("Layer names, each the first layer of a stage after the first "
+            "(P-1 names, in the model's call order), e.g. block_3,block_6. "
+            "Default: stages balanced by weight and activation bytes."),
+      traits=("operational", "multi_replica"))
+  tensor_parallel: int = setting(
+      1, "integer", "pipeline",
+      help=("Split the built-in Transformer's attention heads and feed-"
+            "forward units over T replicas of one host (Megatron's tensor-"
+            "parallel layers): each replica keeps 1/T of those weights and "
+            "their optimizer state. With --num_gpus or --num_cpu_devices N "
+            "(a multiple of T; default T) the replicas are a data x tensor "
+            "mesh: N/T copies of T, each training on its 1/(N/T) of the "
+            "global batch, gradients summed over the copies; the update "
+            "equals one device's. 1: off. Only with --model=transformer and "
+            "--distribution_strategy mirrored (or auto) on one host; not with "
+            "--zero_stage, --pipeline_stages, --enable_xla, --dtype=fp16 or "
+            "clipping. Pays on fast device links (NVLink), not on CPUs. See "
+            "docs/guides/tensor-parallelism.md."),
+      traits=())
+  expert_parallel: int = setting(
+      1, "integer", "pipeline",
+      help=("Split every MixtureOfExperts layer's experts (--transformer_"
+            "experts, or tfdist.MixtureOfExperts in a model of one's own) "
+            "over E_p replicas of one host: the replicas form groups of E_p,"
+            " each replica holds 1/E_p of the experts and their optimizer "
+            "state, and tokens reach their experts by all-to-all; the other "
+            "weights stay data-parallel. E_p must divide the experts and the"
+            " replicas. 1: off. Only with --distribution_strategy mirrored "
+            "(or auto); not with --pipeline_stages, --tensor_parallel, "
+            "--zero_stage, --enable_xla, --dtype=fp16 or clipping. See "
+            "docs/guides/experts.md."),
+      traits=("operational", "multi_replica"))
+
+  def __post_init__(self):
+    _set(self, "pipeline_cuts", pipeline_options.parse_cuts(self.pipeline_cuts))
+
+
+# The checks across sections below read `config`'s settings by flat name: a
+# `TrainConfig`, or the view `TrainConfig.check_decided` runs them on (the
+# values a run decided read in place of the caller's).
+
+
+def check_pipeline(config) -> None:
+  """Pipeline stages, micro-batches, schedule and cuts against the
+  strategy, ZeRO, XLA and the devices
+  (`tfdist.parallel.pipeline.options.check_flags`).
+
+  Raises:
+    ConfigError: a rule is broken.
+  """
+  pipeline_options.check_flags(
+      pipeline_stages=config.pipeline_stages,
+      num_microbatches=config.num_microbatches,
+      pipeline_schedule=config.pipeline_schedule,
+      pipeline_cuts=config.pipeline_cuts,
+      distribution_strategy=config.distribution_strategy,
+      zero_stage=config.zero_stage_resolved, enable_xla=config.enable_xla,
+      num_gpus=config.num_gpus, num_cpu_devices=config.num_cpu_devices)
+
+
+def check_tensor_parallel(config) -> None:
+  """`--tensor_parallel` against the model, the strategy and the other
+  levers (`tfdist.parallel.tensor.options.check_flags`).
+
+  Raises:
+    ConfigError: a rule is broken.
+  """
+  tensor_parallel_options.check_flags(
+      tensor_parallel=config.tensor_parallel, model=config.model,
+      distribution_strategy=config.distribution_strategy,
+      zero_stage=config.zero_stage_resolved,
+      pipeline_stages=config.pipeline_stages, enable_xla=config.enable_xla,
+      dtype=config.dtype, clipnorm=config.clipnorm,
+      global_clipnorm=config.global_clipnorm,
+      init_checkpoint=config.init_checkpoint, num_gpus=config.num_gpus,
+      num_cpu_devices=config.num_cpu_devices)
+
+
+def check_expert_parallel(config) -> None:
+  """`--expert_parallel` (`tfdist.parallel.experts.options.check_flags`;
+  the model only when given: `tfdist.fit` names its own model later).
+
+  Raises:
+    ConfigError: a rule is broken.
+  """
+  settings = {name: getattr(config, name if name != "zero_stage" else
+                            "zero_stage_resolved")
+              for name in expert_options.CHECKED_SETTINGS}
+  if "model" in getattr(config, "unset_fields", ()):
+    settings["model"] = None
+  expert_options.check_flags(**settings)
