@@ -180,6 +180,9 @@ class RunSaysItTest(absltest.TestCase):
       tfdist.fit(build_model, config=config, x=x, y=x[:, :1])
     said = [l for l in logs.output if "(batch_valued_loss)" in l]
     self.assertLen(said, 1, logs.output)
+    # Said once: no info line restating it (issue 47: "each notice once").
+    self.assertLen([l for l in logs.output
+                    if "returns one value per batch" in l], 1, logs.output)
     self.assertIn("returns one value per batch: tfdist assumes it is the "
                   "batch's mean and weighs each of the 2 per-replica "
                   "batches' values 1/2", said[0])

@@ -211,6 +211,25 @@ class InputPipelineTest(parameterized.TestCase):
     shapes = [tuple(b[0].shape) for b in ds.take(12)]  # > one epoch
     self.assertEqual(set(shapes), {(64, 28, 28, 1)})
 
+  def test_each_split_names_itself_in_its_line(self):
+    # A run builds both pipelines; their lines were the same text twice
+    # (a new-user trial took it for a notice said twice; issue 47).
+    from tfdist import api  # pylint: disable=g-import-not-at-top
+    fn, _ = api.in_memory_dataset(x=np.arange(64, dtype="float32")[:, None],
+                                  y=np.zeros(64))
+    lines = []
+    for training in (True, False):
+      with self.assertLogs(level="INFO") as logs:
+        input_pipeline.make_dataset(input_pipeline.PipelineOptions(
+            files=(), parse_fn=None, input_fn=fn, global_batch_size=32,
+            is_training=training, seed=1, name="arrays"))
+      lines += [l for l in logs.output if "Input pipeline 0/1" in l]
+    self.assertLen(lines, 2, lines)
+    self.assertIn("Input pipeline 0/1 (training): dataset function arrays",
+                  lines[0])
+    self.assertIn("Input pipeline 0/1 (evaluation): dataset function "
+                  "arrays", lines[1])
+
   def test_training_input_says_it_is_endless(self):
     # A multi-worker distributed iterator over a dataset of unknown
     # cardinality takes its partial-batch path: a cross-worker all-reduce

@@ -483,6 +483,12 @@ def make_dataset(options: PipelineOptions,
                 batched=batched)
 
 
+def _split_name(options: PipelineOptions) -> str:
+  """`training` or `evaluation`: which split a pipeline reads, for its
+  log line (a run builds both, with otherwise the same line)."""
+  return "training" if options.is_training else "evaluation"
+
+
 def _examples_from_function(options: PipelineOptions, input_context,
                             num_pipelines: int, pipeline_id: int,
                             batch: int) -> Tuple[tf.data.Dataset, bool]:
@@ -499,8 +505,9 @@ def _examples_from_function(options: PipelineOptions, input_context,
   shards_itself = takes_input_context(options.input_fn)
   plan = function_sharding(options.input_fn,
                            num_input_pipelines=num_pipelines)
-  logging.info("Input pipeline %d/%d: dataset function %s, sharded %s; "
-               "per-replica batch %d", pipeline_id, num_pipelines,
+  logging.info("Input pipeline %d/%d (%s): dataset function %s, sharded "
+               "%s; per-replica batch %d", pipeline_id, num_pipelines,
+               _split_name(options),
                options.name or getattr(options.input_fn, "__name__", "?"),
                plan.describe(), batch)
   ds = call_input_fn(options.input_fn, training=options.is_training,
@@ -684,9 +691,9 @@ def _examples_from_files(options: PipelineOptions, num_pipelines: int,
                        global_batch_size=options.global_batch_size,
                        is_training=options.is_training)
   mode = plan.mode
-  logging.info("Input pipeline %d/%d: %d files, sharded %s; per-replica "
-               "batch %d", pipeline_id, num_pipelines, len(files),
-               plan.describe(), batch)
+  logging.info("Input pipeline %d/%d (%s): %d files, sharded %s; "
+               "per-replica batch %d", pipeline_id, num_pipelines,
+               _split_name(options), len(files), plan.describe(), batch)
   compression = compression_of(files)
   segments = _segments(plan, files, counts, pipeline_id, num_pipelines)
   seg_ds = tf.data.Dataset.from_tensor_slices((

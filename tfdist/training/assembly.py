@@ -221,12 +221,9 @@ def resolve_objectives(model: keras.Model, *, task: task_lib.Task
   objectives_lib.check_reduction(
       resolved.loss, weighted=task_lib.sample_weight_spec(task.dataset)
       is not None, what=f"--model={task.model_name}'s loss")
-  if objectives_lib.batch_valued_loss(resolved.loss,
-                                      y_true=metric_sums.y_true,
-                                      y_pred=metric_sums.y_pred):
-    logging.info("Loss %s returns one value per batch: taken as the batch's"
-                 " loss, as Model.fit takes it (under N replicas each "
-                 "replica's value weighs 1/N).", resolved.loss.name)
+  # A loss returning one value per batch is said where it differs from
+  # one device (more than one replica or micro-batch): the differences
+  # table's `batch_valued_loss` warning, once.
   return resolved, metric_sums
 
 
