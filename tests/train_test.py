@@ -354,6 +354,8 @@ class ExportModeTest(absltest.TestCase):
     self.assertEqual(proc.returncode, 0, proc.stdout[-3000:])
     self.assertRegex(proc.stdout, r"Exported \S+ckpt-4 \(step 4\) to "
                      + re.escape(export_dir))
+    # Said once (it was logged and printed: issue 47).
+    self.assertEqual(proc.stdout.count("Exported "), 1, proc.stdout[-3000:])
     self.assertNotRegex(proc.stdout, r"step \d+/\d+: loss")  # No training.
     # No step trained, nothing written beside the checkpoints.
     self.assertEqual(

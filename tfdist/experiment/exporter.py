@@ -12,7 +12,6 @@ does the same for `TrainConfig(mode="export")`.
 
 import os
 
-from absl import logging
 import tensorflow as tf
 
 from tfdist import errors
@@ -99,8 +98,8 @@ def run_export(config: TrainConfig, *, task: task_lib.Task, cluster,
       details={"step": step, "model": task.model_name,
                "checkpoint": os.path.basename(latest)},
       last_checkpoint=latest)
-  logging.info("Exported %s (step %d) to %s; nothing trained (--mode=export).",
-               latest, step, path)
-  print(f"Exported {latest} (step {step}) to {path}.", flush=True)
+  # The run's one line of its result (a logged copy said it twice).
+  print(f"Exported {latest} (step {step}) to {path}; nothing trained.",
+        flush=True)
   return {"role": "export", "checkpoint": latest, "step": step,
           "saved_model": path}
