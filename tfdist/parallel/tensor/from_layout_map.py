@@ -161,11 +161,15 @@ def _check_dense(layer, kind: str, entry: str) -> None:
             f"{layer.name!r}, or leave it replicated (drop the entry).")
 
 
-_ATTENTION_DEFAULTS = {"attention_axes": None, "sliding_window": None,
-                       "use_gate": False, "kernel_regularizer": None,
-                       "bias_regularizer": None,
-                       "activity_regularizer": None,
-                       "kernel_constraint": None, "bias_constraint": None}
+# MultiHeadAttention's arguments `ParallelMultiHeadAttention` does not take,
+# and the values it behaves as (attention over axis 1 of [batch, sequence,
+# features]: what a built layer's None becomes).
+_ATTENTION_DEFAULTS = {"attention_axes": (None, (1,), [1]),
+                       "sliding_window": (None,), "use_gate": (False, None),
+                       "kernel_regularizer": (None,),
+                       "bias_regularizer": (None,),
+                       "activity_regularizer": (None,),
+                       "kernel_constraint": (None,), "bias_constraint": (None,)}
 
 
 def _attention_output_dim(layer, entry: str):
@@ -188,10 +192,9 @@ def _check_attention(layer, entry: str) -> None:
     _refuse(f"{where}, but it is a {type(layer).__name__} (a subclass). "
             f"layout_map splits: {SUPPORTED}.")
   config = layer.get_config()
-  given = [f"{name}={config[name]!r}" for name, default in
+  given = [f"{name}={config[name]!r}" for name, allowed in
            _ATTENTION_DEFAULTS.items()
-           if name in config and config[name] not in (default, None)
-           and config[name] != default]
+           if name in config and config[name] not in allowed]
   if given:
     _refuse(f"{where}, but it has {', '.join(given)}, which "
             "ParallelMultiHeadAttention does not take (it attends over the "
@@ -239,18 +242,19 @@ def check(model, layout_map) -> lm_lib.TensorParallelPlan:
 def _parallel_layer(layer, kind: str, entry: str):
   """`layer`'s tensor-parallel twin (`kind`: column, row or heads), with
   its arguments and name."""
-  common = dict(use_bias=layer.use_bias, name=layer.name,
-                dtype=layer.dtype_policy,
-                kernel_initializer=layer.kernel_initializer,
-                bias_initializer=layer.bias_initializer)
+  config = layer.get_config()
+  common = {name: config[name] for name in ("use_bias", "name", "dtype",
+                                            "kernel_initializer",
+                                            "bias_initializer")}
   if kind == "heads":
     return tp_lib.ParallelMultiHeadAttention(
-        num_heads=layer.num_heads, key_dim=layer.key_dim,
-        value_dim=layer.value_dim, dropout=layer.dropout,
+        num_heads=config["num_heads"], key_dim=config["key_dim"],
+        value_dim=config["value_dim"], dropout=config["dropout"],
         output_shape=_attention_output_dim(layer, entry), **common)
   cls = (tp_lib.ColumnParallelDense if kind == "column" else
          tp_lib.RowParallelDense)
-  return cls(units=layer.units, activation=layer.activation, **common)
+  return cls(units=config["units"], activation=config["activation"],
+             **common)
 
 
 def _call_attention(layer, *args, **kwargs):
