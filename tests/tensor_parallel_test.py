@@ -19,7 +19,10 @@ devices first runs the example of docs/guides/tensor-parallelism.md
 `TrainerTest` runs tfdist's trainer with `--tensor_parallel=2` (a
 `TrainConfig`, as `tfdist.train` makes it) against one device
 (`_trainer_child`, N = 2); `MeshTest` a 2 x 2 data x tensor mesh
-(`_mesh_child`, N = 4, its checkpoint then resumed at N = 2).
+(`_mesh_child`, N = 4, its checkpoint then resumed at N = 2);
+`LayoutMapTest` a user's own models split by a Keras LayoutMap in
+`tfdist.fit` (`_layout_map_child`, N = 4 then 2, and the guide's
+layout-map-example).
 """
 
 import json
@@ -700,14 +703,15 @@ def _layout_map_child(root: str, n: int) -> dict:
   return results
 
 
-def _docs_example() -> str:
-  """The example of docs/guides/tensor-parallelism.md (block docs-example)."""
+def _docs_example(block: str = "docs-example") -> str:
+  """An example of docs/guides/tensor-parallelism.md (`block`:
+  docs-example, layout-map-example)."""
   path = os.path.join(testutil.REPO_ROOT, "docs", "guides",
                       "tensor-parallelism.md")
   with open(path, encoding="utf-8") as f:
     page = f.read()
   return re.search(
-      r"<!-- run: tests/tensor_parallel_test.py docs-example -->\n"
+      rf"<!-- run: tests/tensor_parallel_test.py {block} -->\n"
       r"```python\n(.*?)```", page, re.S).group(1)
 
 
@@ -717,10 +721,12 @@ def _process(n: int, root: str) -> dict:
   part's counting its collective keys from its own base (`guarded`; the
   tensor-parallel groups take keys from their devices' names, see
   tfdist/parallel/collectives.py). n = 4: `_child(4)`, then the mesh's
-  "sgd" and "adam" parts; n = 2: the guide's example first (it splits
-  the CPU itself, so it needs a fresh process), `_child(2)`, the trainer
-  and its resumption, and the mesh's "t2" part (it resumes the n = 4
-  process's checkpoint from `root`). A part that raises gives
+  "sgd" and "adam" parts and the layout map's 2 x 2 part; n = 2: the
+  guide's example first (it splits the CPU itself, so it needs a fresh
+  process), `_child(2)`, the trainer and its resumption, the mesh's "t2"
+  part (it resumes the n = 4 process's checkpoint from `root`), the
+  layout map's T = 2 part (against the n = 4 process's one-device runs)
+  and the guide's layout-map example. A part that raises gives
   `{"<part>_error": traceback}`."""
   # pylint: disable=g-import-not-at-top
   import contextlib
@@ -753,6 +759,11 @@ def _process(n: int, root: str) -> dict:
     guarded("trainer", lambda: _trainer_child(root, True))
     guarded("mesh", lambda: _mesh_child(root, "t2"))
     guarded("layout_map", lambda: _layout_map_child(root, 2))
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+      guarded("layout_map", lambda: exec(  # pylint: disable=exec-used
+          _docs_example("layout-map-example"), {"__name__": "__main__"}))
+    results["layout_map_docs_stdout"] = out.getvalue()
   else:
     guarded("child", lambda: _child(4))
     guarded("mesh", lambda: _mesh_child(root, "sgd"))
@@ -1091,6 +1102,13 @@ class LayoutMapTest(absltest.TestCase):
 
   def test_attention_model_split_t2_equals_one_device(self):
     self.assert_equals_one_device("layout_map_attention")
+
+  def test_docs_example_runs(self):
+    # docs/guides/tensor-parallelism.md's layout-map-example, run as a
+    # script in the process of 2 devices, its output captured.
+    self.assertEqual(
+        self.results["layout_map_docs_stdout"].strip().splitlines()[-1:],
+        ["4 2"])
 
 if __name__ == "__main__":
   absltest.main()
