@@ -189,6 +189,9 @@ class ConfigTest(absltest.TestCase):
                                              else {}))
         self.assertEqual(split.tensor_parallel, 2)
         self.assertEqual(split.layout_map, changes["layout_map"])
+        # Recorded in the manifest's config (JSON).
+        self.assertEqual(split.to_dict()["layout_map"],
+                         [list(kv) for kv in changes["layout_map"]])
     # A map of one 'model' device splits nothing.
     self.assertEqual(from_layout_map.config_changes(config, _mlp_map(1)),
                      {})

@@ -100,7 +100,7 @@ def config_changes(config, layout_map) -> Dict[str, Any]:
       not the map's T.
   """
   t = degree(layout_map)
-  given = config.tensor_parallel
+  given = config.strategy.parallelism.tensor_parallel
   if given > 1 and given != t:
     _refuse(f"tensor_parallel={given} and the layout map's 'model' axis of "
             f"size {t} disagree: the map's mesh gives T. Drop "
