@@ -232,6 +232,9 @@ class RefusalsTest(absltest.TestCase):
          "cannot host it"),
         (dict(distribution_strategy="tpu"),
          "--distribution_strategy=tpu cannot host it"),
+        (dict(distribution_strategy="one_device"),
+         "--distribution_strategy=one_device cannot host it. Use "
+         "--distribution_strategy=mirrored, multi_worker_mirrored or auto"),
         (dict(pipeline_stages=2), "cannot run with --pipeline_stages=2|"
          "--transformer_experts=4 cannot run with --pipeline_stages=2"),
         (dict(transformer_experts=6, expert_parallel=4),
@@ -249,6 +252,13 @@ class RefusalsTest(absltest.TestCase):
     self.assertEqual(
         TrainConfig(**base, distribution_strategy="mirrored",
                     num_cpu_devices=4).expert_parallel, 2)
+    # Across workers the replicas are every worker's (on CPUs one each,
+    # whatever --num_cpu_devices; --num_gpus counts one worker's): known
+    # when the cluster is (tests/experts_workers_test.py runs it).
+    for devices in (dict(num_cpu_devices=3), dict(num_gpus=1)):
+      self.assertEqual(TrainConfig(
+          **base, distribution_strategy="multi_worker_mirrored",
+          **devices).expert_parallel, 2)
 
   def test_a_model_that_cannot_be_split_is_refused_before_training(self):
     with self.assertRaisesRegex(errors.ConfigError,
