@@ -16,7 +16,7 @@ slots within 1e-5. Both save the checkpoint (each its own folder, as
 every worker saves); the chief restores it into a fresh one-device model
 and optimizer, equal to the one-device run's.
 
-Run as a module this file is a worker's program: `worker OUT_DIR`.
+Run as a module this file is a worker's program: `worker OUT_DIR [E_P]`.
 """
 
 import json
@@ -39,7 +39,7 @@ def _max_diff(got, want) -> float:
               for a, b in zip(got, want)), default=0.0)
 
 
-def _run(strategy, task: str, out_dir: str) -> dict:
+def _run(strategy, task: str, out_dir: str, expert_parallel: int) -> dict:
   """Both runs on this worker, its checks, and (chief) the restore."""
   # pylint: disable=g-import-not-at-top
   import numpy as np
@@ -48,7 +48,7 @@ def _run(strategy, task: str, out_dir: str) -> dict:
   from tfdist.parallel.experts import layer as moe_layer
   from tfdist.parallel.experts import mode as expert_mode
   # pylint: enable=g-import-not-at-top
-  step = expert_mode.build(lib.model, strategy, EXPERT_PARALLEL)
+  step = expert_mode.build(lib.model, strategy, expert_parallel)
   initial = [np.asarray(w) for w in step.unsharded.get_weights()]
   initial_trainable = [np.asarray(w) for w in step.unsharded.trainable_weights]
   trainer, losses = lib.train(strategy, step.model, "adam", step)
@@ -82,7 +82,8 @@ def _run(strategy, task: str, out_dir: str) -> dict:
                              optimizer=view).save(
                                  os.path.join(out_dir, task, "ep"))
   if task == "chief0":
-    fresh, fresh_optimizer = (lib.model(lib.replica_tokens(2)),
+    fresh, fresh_optimizer = (
+        lib.model(lib.replica_tokens(step.placement.num_replicas)),
                               lib.optimizer("adam"))
     fresh_optimizer.build(fresh.trainable_variables)
     tf.train.Checkpoint(model=fresh, optimizer=fresh_optimizer).restore(
@@ -95,13 +96,15 @@ def _run(strategy, task: str, out_dir: str) -> dict:
   return result
 
 
-def worker_main(out_dir: str):
-  """One MultiWorkerMirrored worker: writes `experts-<task>.json`."""
+def worker_main(out_dir: str, expert_parallel: int = EXPERT_PARALLEL):
+  """One MultiWorkerMirrored worker: writes `experts-<task>.json`.
+  (`expert_parallel` other than 2, with another `--num_workers`: by hand,
+  e.g. 4 workers at E_p = 4 and 2, docs/guides/experts.md.)"""
   strategy = multi_worker_testlib._strategy(out_dir)  # pylint: disable=protected-access
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   tf.config.experimental.enable_op_determinism()
   task = multi_worker_testlib._task_name()  # pylint: disable=protected-access
-  result = _run(strategy, task, out_dir)
+  result = _run(strategy, task, out_dir, expert_parallel)
   with open(os.path.join(out_dir, f"experts-{task}.json"), "w") as f:
     json.dump(result, f)
   print(f"experts: {task} done", flush=True)
@@ -142,7 +145,7 @@ class ExpertsAcrossWorkersTest(absltest.TestCase):
 
 if __name__ == "__main__":
   import sys  # pylint: disable=g-import-not-at-top
-  if len(sys.argv) == 3 and sys.argv[1] == "worker":
-    worker_main(sys.argv[2])
+  if len(sys.argv) in (3, 4) and sys.argv[1] == "worker":
+    worker_main(sys.argv[2], *map(int, sys.argv[3:]))
   else:
     absltest.main()
