@@ -113,16 +113,9 @@ def worker_main(out_dir: str, expert_parallel: int = EXPERT_PARALLEL):
 class ExpertsAcrossWorkersTest(absltest.TestCase):
 
   def test_two_workers_equal_one_device_and_restore_on_one(self):
-    out = testutil.scratch_dir()
-    status, output = multi_worker_testlib.run_launcher(
-        ["--num_workers=2", "--module=tests.experts_workers_test"],
-        ["worker", out], timeout=LAUNCH_TIMEOUT,
-        env={"TF_ENABLE_ONEDNN_OPTS": "0"})
-    self.assertEqual(status, 0, output[-4000:])
-    results = {}
-    for task in ("chief0", "worker0"):
-      with open(os.path.join(out, f"experts-{task}.json")) as f:
-        results[task] = json.load(f)
+    results = multi_worker_testlib.run_for_results(
+        self, "tests.experts_workers_test", ["worker", testutil.scratch_dir()],
+        "experts", timeout=LAUNCH_TIMEOUT)
     for task, got in results.items():
       with self.subTest(task=task):
         self.assertEqual(got["replicas"], 2)
