@@ -169,6 +169,24 @@ def run_launcher(launch_args, task_args, *, timeout: float, env=None):
   return status, watch.output()
 
 
+def run_for_results(test, module: str, task_args, prefix: str, *,
+                    timeout: float) -> dict:
+  """`tfdist.launch --num_workers=2 --module=MODULE -- TASK_ARGS` to the
+  end (`run_launcher`, oneDNN off: the same arithmetic in every process),
+  `test` failing on a non-zero exit status with the output's end; then
+  each task's JSON result, `{task: result}` from `OUT/PREFIX-<task>.json`
+  for the chief and worker 0 (OUT = `task_args[1]`)."""
+  status, output = run_launcher(
+      ["--num_workers=2", f"--module={module}"], task_args, timeout=timeout,
+      env={"TF_ENABLE_ONEDNN_OPTS": "0"})
+  test.assertEqual(status, 0, output[-4000:])
+  results = {}
+  for task in ("chief0", "worker0"):
+    with open(os.path.join(task_args[1], f"{prefix}-{task}.json")) as f:
+      results[task] = json.load(f)
+  return results
+
+
 def run_module_with_timeout(module: str, args, *, timeout: float, env=None):
   """`python -m module args` (no TF_CONFIG unless `env` sets it).
 
