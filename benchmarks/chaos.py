@@ -410,6 +410,27 @@ def _wait_step(lines: _Lines, who: str, step: int, start: int, *,
     time.sleep(0.02)
 
 
+def _before_restart(checkpoint_dir: str) -> dict:
+  """What a restart must find, read once every task of the attempt has
+  exited: the newest whole checkpoint (0: none) and the parts of a write
+  the kill cut short."""
+  whole = whole_checkpoints(checkpoint_dir)
+  return {"newest_whole_checkpoint": whole[-1] if whole else 0,
+          "temp_parts_at_restart": temp_parts(checkpoint_dir)}
+
+
+def _after_restart(record: dict, resumed) -> None:
+  """Records in `record` where the restarted run resumed (`resumed`: its
+  first line matching `_RESUMED_RE` or `_STEP_RE`, or None) and what the
+  restart lost (`_resume_losses`)."""
+  if resumed and resumed.group(2) is not None:
+    record["resumed_at"] = int(resumed.group(3))
+  elif resumed:
+    record["resumed_at"] = 0  # Trained from step 0: no restore.
+  record["lost"] = _resume_losses(record)
+  record["survived"] = not record["lost"]
+
+
 def _last_step(lines: _Lines, who: str, start: int) -> Optional[int]:
   steps = [int(m.group(1)) for line in lines.lines()[start:]
            for m in [re.search(who + r".*" + _STEP_RE, line)] if m]
@@ -516,9 +537,7 @@ def run_mwms(options: ChaosOptions, data: dict, model_dir: str,
         results.append(record)
         break
       # Every task of the attempt has exited: what the restart must find.
-      whole = whole_checkpoints(checkpoint_dir)
-      record["newest_whole_checkpoint"] = whole[-1] if whole else 0
-      record["temp_parts_at_restart"] = temp_parts(checkpoint_dir)
+      record.update(_before_restart(checkpoint_dir))
       attempt += 1
       match, attempt_start = _wait_line(
           lines, rf"\[launch\] attempt {attempt}: started chief:0",
@@ -526,12 +545,7 @@ def run_mwms(options: ChaosOptions, data: dict, model_dir: str,
       resumed, _ = _wait_line(
           lines, r"\[chief:0\] .*(" + _RESUMED_RE + "|" + _STEP_RE + ")",
           attempt_start, deadline=deadline, alive=alive)
-      if resumed and resumed.group(2) is not None:
-        record["resumed_at"] = int(resumed.group(3))
-      elif resumed:
-        record["resumed_at"] = 0  # Trained from step 0: no restore.
-      record["lost"] = _resume_losses(record)
-      record["survived"] = not record["lost"]
+      _after_restart(record, resumed)
       results.append(record)
     try:
       status = watch.wait()
@@ -610,20 +624,13 @@ def run_one_process(options: ChaosOptions, data: dict, model_dir: str,
         results.append(record)
         break
       record["exits"] = {kill.task: _shell_status(code)}
-      whole = whole_checkpoints(checkpoint_dir)
-      record["newest_whole_checkpoint"] = whole[-1] if whole else 0
-      record["temp_parts_at_restart"] = temp_parts(checkpoint_dir)
+      record.update(_before_restart(checkpoint_dir))
       proc = start()
       lines = _Lines(lambda path=logs[-1]: read(path))
       resumed, _ = _wait_line(lines, "(" + _RESUMED_RE + "|" + _STEP_RE +
                               ")", 0, deadline=deadline,
                               alive=lambda p=proc: p.poll() is None)
-      if resumed and resumed.group(2) is not None:
-        record["resumed_at"] = int(resumed.group(3))
-      elif resumed:
-        record["resumed_at"] = 0  # Trained from step 0: no restore.
-      record["lost"] = _resume_losses(record)
-      record["survived"] = not record["lost"]
+      _after_restart(record, resumed)
       results.append(record)
     try:
       status = _shell_status(proc.wait(
@@ -742,9 +749,7 @@ def run_ps(options: ChaosOptions, data: dict, model_dir: str,
           break
         record["restart"] = "cluster"
         cluster.stop()
-        whole = whole_checkpoints(checkpoint_dir)
-        record["newest_whole_checkpoint"] = whole[-1] if whole else 0
-        record["temp_parts_at_restart"] = temp_parts(checkpoint_dir)
+        record.update(_before_restart(checkpoint_dir))
         cluster = new_cluster()
         resumed, _ = _wait_line(lines, "(" + _RESUMED_RE + "|" + _STEP_RE +
                                 ")", 0, deadline=deadline, alive=alive)
