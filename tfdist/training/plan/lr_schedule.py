@@ -26,7 +26,7 @@ import tensorflow as tf
 
 from tfdist import config as config_lib
 from tfdist import errors
-from tfdist.training import batch_plan
+from tfdist.training.plan import batch_plan
 from tfdist.core import constant_schedule
 from tfdist.core import decay_schedules
 

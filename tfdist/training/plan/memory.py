@@ -360,7 +360,7 @@ class LayoutChoice:
       in communication) that fits, or None when none does.
     capacity_bytes: the memory one device (or the shared host) has.
     facts: the `LayoutFacts` the rows were computed from (for the meshes
-      of `tfdist.training.mesh_plan`).
+      of `tfdist.training.plan.mesh_plan`).
   """
   rows: tuple
   recommended: Optional[LayoutMemory]

@@ -64,8 +64,8 @@ MODEL_DIR_ENTRIES = ("checkpoints", "eval", "metrics.jsonl",
 # `eval/`.
 TENSORBOARD_ENTRIES = ("train", "validation", "eval")
 # What the checkpoint folder holds: `ckpt-N.*`, `ckpt-N_temp/`, the
-# `checkpoint` index, `run_config.json` (`tfdist.training.checkpointing`) and
-# `shards.json` (`tfdist.distribute.parameter_server`): names starting with
+# `checkpoint` index, `run_config.json` (`tfdist.training.state.checkpointing`)
+# and `shards.json` (`tfdist.distribute.parameter_server`): names starting with
 # these.
 CHECKPOINT_PREFIXES = ("ckpt", "checkpoint", "run_config.json",
                        "shards.json")

@@ -8,7 +8,7 @@ Mirrored, MultiWorkerMirrored and TPU, and passed to
 `ClusterCoordinator.schedule` under ParameterServerStrategy.
 
 Loss: any Keras loss, reduced over the *global* batch as `Model.fit`
-reduces it on one device (`tfdist.training.objectives.REDUCTIONS`): by
+reduces it on one device (`tfdist.training.step.objectives.REDUCTIONS`): by
 default (`"sum_over_batch_size"`) computed per example and averaged over
 the global batch (the replica's sum divided by the global batch size, as
 `tf.nn.compute_average_loss(..., global_batch_size=...)` computes it);
@@ -34,8 +34,8 @@ Evaluation takes sample weights (not class weights, as `evaluate`): loss
 
 Metrics: any Keras metrics whose state is summed (every built-in one). Each
 step returns each metric's state for its batch, summed over replicas and
-workers by the strategy (see `tfdist.training.objectives.MetricSums`), so the
-values equal one device's on all the data.
+workers by the strategy (see `tfdist.training.step.objectives.MetricSums`), so
+the values equal one device's on all the data.
 
 What every replica (and worker) does in one step, in order:
 
@@ -99,8 +99,8 @@ import tensorflow as tf
 from tfdist.parallel import mode as mode_lib
 from tfdist.parallel import modes
 from tfdist.parallel.data import sharded_optimizer
-from tfdist.training import objectives
-from tfdist.training import precision
+from tfdist.training.step import objectives
+from tfdist.training.step import precision
 from tfdist.core import reduce_dtype
 
 
@@ -370,7 +370,7 @@ class Trainer:
       the optimizer update runs outside the compiled function.
     run_eagerly: run without `tf.function` (debugging).
     task: the default loss and metrics when `loss` is None
-      (`tfdist.training.objectives.TASKS`: `multiclass`, sparse categorical
+      (`tfdist.training.step.objectives.TASKS`: `multiclass`, sparse categorical
       cross-entropy on logits and accuracy; `binary`, binary cross-entropy
       on probabilities, accuracy at 0.5 and ROC AUC).
     eval_example_weights: evaluation batches carry a last element, float32
@@ -381,8 +381,8 @@ class Trainer:
       computed per example, losses of trailing axes averaged, then reduced
       over the global batch as its `reduction` says (module docstring).
     metrics: Keras metrics (objects, functions or names), or a built
-      `tfdist.training.objectives.MetricSums`; None: the `task`'s when `loss` is
-      None, else none.
+      `tfdist.training.step.objectives.MetricSums`; None: the `task`'s when
+      `loss` is None, else none.
     gradient_accumulation_steps: micro-batches per optimizer update (K);
       the iterator then yields per-replica micro-batches of
       `global_batch_size / (K x replicas)` examples, and one training step
@@ -506,7 +506,7 @@ class Trainer:
         unusable loss or metric).
     """
     # Shapes unknown here: "accuracy" and "crossentropy" resolve for sparse
-    # labels; tfdist.training.objectives.resolve knows the shapes
+    # labels; tfdist.training.step.objectives.resolve knows the shapes
     # (tfdist.training.assembly).
     shapes = dict(y_true=tf.TensorShape([None]),
                   y_pred=tf.TensorShape([None, None]))
@@ -552,7 +552,7 @@ class Trainer:
   # --- replica functions -------------------------------------------------
   def losses(self, labels, outputs, weights=None):
     """`(objective, reported)`: one replica's share of the step's loss as
-    `fit` reduces it (`tfdist.training.objectives.REDUCTIONS`), float32
+    `fit` reduces it (`tfdist.training.step.objectives.REDUCTIONS`), float32
     scalars, `model.losses` not included. `objective` is differentiated;
     summed over replicas (and micro-batches) it is one device's loss on the
     global batch, so the summed gradients are one device's. `reported`,
@@ -871,7 +871,7 @@ class Trainer:
     Returns:
       Sums over the executed steps: `loss` (sum of per-step global mean
       losses), `count` (examples), every metric's state
-      (`tfdist.training.objectives.MetricSums`; `summarize` turns them into
+      (`tfdist.training.step.objectives.MetricSums`; `summarize` turns them into
       values), `skipped_steps` (steps whose update was skipped: fp16 gradients
       not finite; the same on every worker), `micro_steps` (micro-batches run:
       `num_steps` x `gradient_accumulation_steps`),
@@ -879,11 +879,11 @@ class Trainer:
       of the last steps in a row were skipped: equal to `num_steps` when
       every step was), and `stop_signal` and `stop_training` (> 0 when any
       worker, in any step of the chunk, asked to stop: every worker gets
-      the same sums; `tfdist.training.step_runner.StepSignals.split` takes these
-      four out of the metric sums). Also this worker's own timings (float64
-      seconds, not reduced across workers): `input_wait_seconds`, the time spent
-      waiting for the input iterator, and `execution_seconds`, the call's time
-      from its first to its last op.
+      the same sums; `tfdist.training.step.step_runner.StepSignals.split` takes
+      these four out of the metric sums). Also this worker's own timings
+      (float64 seconds, not reduced across workers): `input_wait_seconds`, the
+      time spent waiting for the input iterator, and `execution_seconds`, the
+      call's time from its first to its last op.
     """
     if self.time_steps:
       started = tf.timestamp()
