@@ -20,9 +20,9 @@ Modules:
 
 Old names, the same module objects as their new homes: `optimizers`,
 `decay_schedules`, `registry` and `reduce_dtype` (now in `tfdist.core`),
-`sharded_embedding` (now in `tfdist.distribute`), and `export`, `memory`
-and `train_loop` (now in `state`, `plan` and `step`), each kept because
-users' code names it (its docstring says where).
+`sharded_embedding` (now in `tfdist.distribute`), and `export`, `memory`,
+`lr_schedule` and `train_loop` (now in `state`, `plan` and `step`), each
+kept because users' code or files name it (its docstring says where).
 
 Nothing is imported here: import the module you use
 (`from tfdist.training import assembly`,
