@@ -40,9 +40,9 @@ What is checked, for every kill and run (anything failing is "lost"):
   statistics) equals an uninterrupted run's within `WEIGHT_TOLERANCE`.
   Parameter-server runs are asynchronous: their checks are the ones above;
   tfdist counts a step once even when a lost worker's chunk ran again on
-  another (`tfdist.training.step_runner.CoordinatorStepRunner`), so `global_step` is
-  exact, and the optimizer's own update count may exceed it by the re-run
-  steps (reported as `rerun_updates`, not a loss).
+  another (`tfdist.training.step.step_runner.CoordinatorStepRunner`), so
+  `global_step` is exact, and the optimizer's own update count may exceed it by
+  the re-run steps (reported as `rerun_updates`, not a loss).
 
 Usage (from the repository root):
   PYTHONPATH=$PWD python benchmarks/chaos.py --seed=1 --deterministic \

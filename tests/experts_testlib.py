@@ -17,7 +17,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist.parallel.experts.layer import MixtureOfExperts
-from tfdist.training.train_loop import Trainer
+from tfdist.training.step.train_loop import Trainer
 
 SEQ, DIM, EXPERTS = 4, 6, 4
 BATCH, STEPS, TOLERANCE = 16, 3, 1e-5

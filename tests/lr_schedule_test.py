@@ -1,4 +1,5 @@
-"""Tests for tfdist.training.lr_schedule: scaling rules, warmup and decay values."""
+"""Tests for tfdist.training.plan.lr_schedule: scaling rules, warmup and decay
+values."""
 
 import json
 import math
@@ -12,7 +13,7 @@ import pytest
 from tfdist import errors
 from tfdist.config import TrainConfig
 from tfdist.core import decay_schedules
-from tfdist.training import lr_schedule
+from tfdist.training.plan import lr_schedule
 
 # Also run on the oldest supported TensorFlow (see tests/conftest.py).
 pytestmark = pytest.mark.compat

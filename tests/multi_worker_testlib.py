@@ -287,7 +287,7 @@ def train_main(out_dir: str, pattern: str, steps: int,
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   from tfdist.data import datasets  # pylint: disable=g-import-not-at-top
   from tfdist.data import input_pipeline  # pylint: disable=g-import-not-at-top
-  from tfdist.training.train_loop import Trainer  # pylint: disable=g-import-not-at-top
+  from tfdist.training.step.train_loop import Trainer  # pylint: disable=g-import-not-at-top
   with strategy.scope():
     model = keras.Sequential([
         keras.Input((28, 28, 1)), keras.layers.Flatten(),
@@ -335,9 +335,9 @@ def agree_main(out_dir: str):
   import keras  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  from tfdist.training import moving_statistics  # pylint: disable=g-import-not-at-top
-  from tfdist.training import precision  # pylint: disable=g-import-not-at-top
-  from tfdist.training.train_loop import Trainer  # pylint: disable=g-import-not-at-top
+  from tfdist.training.step import moving_statistics  # pylint: disable=g-import-not-at-top
+  from tfdist.training.step import precision  # pylint: disable=g-import-not-at-top
+  from tfdist.training.step.train_loop import Trainer  # pylint: disable=g-import-not-at-top
   from tests import testutil  # pylint: disable=g-import-not-at-top
   task = _task_name()
   result = {"task": task}

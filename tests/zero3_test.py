@@ -610,7 +610,7 @@ def _dense_trainer(strategy, num_blocks: int, prefetch: bool = False):
   """A stage-3 `Trainer` under `strategy` (`_strategy()`) for a
   Sequential of 5 Dense
   layers with dropout, and its dataset iterator (3 batches of 16)."""
-  from tfdist.training.train_loop import Trainer  # pylint: disable=g-import-not-at-top
+  from tfdist.training.step.train_loop import Trainer  # pylint: disable=g-import-not-at-top
   keras.utils.set_random_seed(1)
   with strategy.scope():
     # float32 whatever policy an earlier test's run left set: the gathers
