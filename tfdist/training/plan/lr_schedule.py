@@ -213,6 +213,15 @@ class AdjustableLearningRate:
     return cls(**config)
 
 
+# The schedules' public path, as `run_manifest.json` records it (Keras's
+# serialization names the class's module): the path every manifest written
+# before `tfdist/training/` was split by role names, which imports this
+# module (`tfdist/training/lr_schedule.py`).
+PUBLIC_MODULE = "tfdist.training.lr_schedule"
+LinearWarmup.__module__ = PUBLIC_MODULE
+AdjustableLearningRate.__module__ = PUBLIC_MODULE
+
+
 def build_lr_schedule(*, peak_learning_rate: float, total_steps: int,
                       warmup_steps: int, schedule: str = "constant",
                       warmup_start_learning_rate: float = 0.0,
