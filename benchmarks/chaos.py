@@ -14,6 +14,10 @@ manager would, until the run completes:
   of a lost peer cannot go on (it exits with status 200); a Kubeflow TFJob
   that restarts only the failed replica restarts the survivors too, on that
   status. The restarted cluster resumes from the chief's last checkpoint.
+* One process (`mirrored`, e.g. with `--extra_flags=--num_cpu_devices=2,
+  --zero_stage=3`, whose replicas each write their slices of a
+  checkpoint): the harness starts the process again after each kill, as a
+  job scheduler restarts a failed job (`run_one_process`).
 * Parameter servers (chief, 2 workers, 1 ps; `tests.ps_testutil`): a lost
   worker is restarted alone at its address, as a Kubernetes pod or Vertex
   replica keeps its name: the coordinator runs that worker's unfinished
@@ -36,9 +40,9 @@ What is checked, for every kill and run (anything failing is "lost"):
   statistics) equals an uninterrupted run's within `WEIGHT_TOLERANCE`.
   Parameter-server runs are asynchronous: their checks are the ones above;
   tfdist counts a step once even when a lost worker's chunk ran again on
-  another (`tfdist.training.step_runner.CoordinatorStepRunner`), so `global_step` is
-  exact, and the optimizer's own update count may exceed it by the re-run
-  steps (reported as `rerun_updates`, not a loss).
+  another (`tfdist.training.step.step_runner.CoordinatorStepRunner`), so
+  `global_step` is exact, and the optimizer's own update count may exceed it by
+  the re-run steps (reported as `rerun_updates`, not a loss).
 
 Usage (from the repository root):
   PYTHONPATH=$PWD python benchmarks/chaos.py --seed=1 --deterministic \
@@ -60,7 +64,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 from absl import app
 from absl import flags
@@ -74,6 +78,9 @@ from tests import ps_testutil  # pylint: disable=g-import-not-at-top,wrong-impor
 
 MWMS = "multi_worker_mirrored"
 PS = "parameter_server"
+# One process of MirroredStrategy (e.g. with --zero_stage=3: its replicas'
+# sliced checkpoints, each slice written by the replica holding it).
+MIRRORED = "mirrored"
 # Largest absolute difference allowed between a chaotic run's final
 # variables and an uninterrupted run's (--deterministic).
 WEIGHT_TOLERANCE = 1e-6
@@ -99,6 +106,7 @@ class ChaosOptions:
     timeout_seconds: bound on the whole run (restarts included).
     save_share: the share of kills timed to a checkpoint write.
     preemption_grace_seconds: the training flag of that name.
+    extra_flags: more `tfdist.train` flags (e.g. `--zero_stage=3`).
   """
   strategy: str = MWMS
   kills: int = 3
@@ -110,6 +118,7 @@ class ChaosOptions:
   timeout_seconds: float = 600.0
   save_share: float = 1 / 3
   preemption_grace_seconds: float = 15.0
+  extra_flags: Tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,6 +147,8 @@ def _resume_losses(record: dict) -> list:
 
 def tasks_of(strategy: str) -> List[str]:
   """The tasks a kill can hit, as `tfdist.launch` names them."""
+  if strategy == MIRRORED:
+    return ["chief:0"]  # The one process.
   if strategy == MWMS:
     return ["chief:0", "worker:0"]
   return ["chief:0", "worker:0", "worker:1", "ps:0"]
@@ -190,9 +201,9 @@ def train_flags(options: ChaosOptions, data: dict, model_dir: str
           f"--preemption_grace_seconds={options.preemption_grace_seconds:g}",
           "--collective_timeout_seconds=60",
           "--cluster_start_timeout_seconds=120"]
-  if options.deterministic and options.strategy == MWMS:
+  if options.deterministic and options.strategy in (MWMS, MIRRORED):
     args.append("--deterministic")
-  return args
+  return args + list(options.extra_flags)
 
 
 def prepare_data(out_dir: str, *, train_examples: int = 512) -> dict:
@@ -399,6 +410,27 @@ def _wait_step(lines: _Lines, who: str, step: int, start: int, *,
     time.sleep(0.02)
 
 
+def _before_restart(checkpoint_dir: str) -> dict:
+  """What a restart must find, read once every task of the attempt has
+  exited: the newest whole checkpoint (0: none) and the parts of a write
+  the kill cut short."""
+  whole = whole_checkpoints(checkpoint_dir)
+  return {"newest_whole_checkpoint": whole[-1] if whole else 0,
+          "temp_parts_at_restart": temp_parts(checkpoint_dir)}
+
+
+def _after_restart(record: dict, resumed) -> None:
+  """Records in `record` where the restarted run resumed (`resumed`: its
+  first line matching `_RESUMED_RE` or `_STEP_RE`, or None) and what the
+  restart lost (`_resume_losses`)."""
+  if resumed and resumed.group(2) is not None:
+    record["resumed_at"] = int(resumed.group(3))
+  elif resumed:
+    record["resumed_at"] = 0  # Trained from step 0: no restore.
+  record["lost"] = _resume_losses(record)
+  record["survived"] = not record["lost"]
+
+
 def _last_step(lines: _Lines, who: str, start: int) -> Optional[int]:
   steps = [int(m.group(1)) for line in lines.lines()[start:]
            for m in [re.search(who + r".*" + _STEP_RE, line)] if m]
@@ -505,9 +537,7 @@ def run_mwms(options: ChaosOptions, data: dict, model_dir: str,
         results.append(record)
         break
       # Every task of the attempt has exited: what the restart must find.
-      whole = whole_checkpoints(checkpoint_dir)
-      record["newest_whole_checkpoint"] = whole[-1] if whole else 0
-      record["temp_parts_at_restart"] = temp_parts(checkpoint_dir)
+      record.update(_before_restart(checkpoint_dir))
       attempt += 1
       match, attempt_start = _wait_line(
           lines, rf"\[launch\] attempt {attempt}: started chief:0",
@@ -515,12 +545,7 @@ def run_mwms(options: ChaosOptions, data: dict, model_dir: str,
       resumed, _ = _wait_line(
           lines, r"\[chief:0\] .*(" + _RESUMED_RE + "|" + _STEP_RE + ")",
           attempt_start, deadline=deadline, alive=alive)
-      if resumed and resumed.group(2) is not None:
-        record["resumed_at"] = int(resumed.group(3))
-      elif resumed:
-        record["resumed_at"] = 0  # Trained from step 0: no restore.
-      record["lost"] = _resume_losses(record)
-      record["survived"] = not record["lost"]
+      _after_restart(record, resumed)
       results.append(record)
     try:
       status = watch.wait()
@@ -533,6 +558,91 @@ def run_mwms(options: ChaosOptions, data: dict, model_dir: str,
   attempts = len(re.findall(r"\[launch\] attempt \d+: started chief:0",
                             output))
   return _finish(options, schedule, results, status, attempts, model_dir,
+                 started, output)
+
+
+# --- one process: restarted as a scheduler restarts a failed job -----------
+def run_one_process(options: ChaosOptions, data: dict, model_dir: str,
+                    log=print) -> dict:
+  """One chaotic single-process run (`MIRRORED`): each kill ends the
+  process, and it is started again with the same flags, as a job
+  scheduler restarts a failed job, until the run completes.
+
+  Returns:
+    As `run_mwms`.
+  """
+  schedule = plan_kills(options)
+  started = time.time()
+  deadline = started + options.timeout_seconds
+  checkpoint_dir = os.path.join(model_dir, "checkpoints")
+  log_root = model_dir + "-logs"
+  os.makedirs(log_root, exist_ok=True)
+  command = [sys.executable, "-m", "tfdist.train",
+             *train_flags(options, data, model_dir)]
+  env = dict(os.environ, PYTHONPATH=REPO + os.pathsep +
+             os.environ.get("PYTHONPATH", ""))
+  env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+  logs = []
+
+  def start():
+    path = os.path.join(log_root, f"attempt{len(logs)}.log")
+    logs.append(path)
+    with open(path, "w") as out:
+      return subprocess.Popen(command, cwd=REPO, env=env, stdout=out,
+                              stderr=subprocess.STDOUT)
+
+  def read(path):
+    try:
+      with open(path, errors="replace") as f:
+        return f.read().splitlines()
+    except OSError:
+      return []
+
+  proc, results = start(), []
+  try:
+    for kill in schedule:
+      record = dataclasses.asdict(kill)
+      lines = _Lines(lambda path=logs[-1]: read(path))
+      alive = lambda p=proc: p.poll() is None
+      wait_for = kill.step - 1 if kill.mode == "save" else kill.step
+      if _wait_step(lines, "", wait_for, 0, deadline=deadline,
+                    alive=alive) is None:
+        record["result"] = "not sent: the run ended first"
+        results.append(record)
+        break
+      record.update(_kill(proc.pid, getattr(signal, kill.signal), kill.mode,
+                          checkpoint_dir, deadline=deadline, alive=alive))
+      record["sent_after_step"] = _last_step(lines, "", 0)
+      log(f"chaos: {options.strategy} seed {options.seed}: {kill.signal} "
+          f"after step {record['sent_after_step']}"
+          + (" during a checkpoint write " + ",".join(record["save_entries"])
+             if record.get("during_save") else ""))
+      try:
+        code = proc.wait(timeout=max(deadline - time.time(), 1))
+      except subprocess.TimeoutExpired:
+        record["result"] = "the process did not end"
+        results.append(record)
+        break
+      record["exits"] = {kill.task: _shell_status(code)}
+      record.update(_before_restart(checkpoint_dir))
+      proc = start()
+      lines = _Lines(lambda path=logs[-1]: read(path))
+      resumed, _ = _wait_line(lines, "(" + _RESUMED_RE + "|" + _STEP_RE +
+                              ")", 0, deadline=deadline,
+                              alive=lambda p=proc: p.poll() is None)
+      _after_restart(record, resumed)
+      results.append(record)
+    try:
+      status = _shell_status(proc.wait(
+          timeout=max(deadline - time.time(), 1)))
+    except subprocess.TimeoutExpired:
+      status = "timeout"
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+      proc.wait()
+  output = "\n".join(line for path in logs for line in read(path))
+  return _finish(options, schedule, results, status, len(logs), model_dir,
                  started, output)
 
 
@@ -639,9 +749,7 @@ def run_ps(options: ChaosOptions, data: dict, model_dir: str,
           break
         record["restart"] = "cluster"
         cluster.stop()
-        whole = whole_checkpoints(checkpoint_dir)
-        record["newest_whole_checkpoint"] = whole[-1] if whole else 0
-        record["temp_parts_at_restart"] = temp_parts(checkpoint_dir)
+        record.update(_before_restart(checkpoint_dir))
         cluster = new_cluster()
         resumed, _ = _wait_line(lines, "(" + _RESUMED_RE + "|" + _STEP_RE +
                                 ")", 0, deadline=deadline, alive=alive)
@@ -748,6 +856,9 @@ flags.DEFINE_string("output", os.path.join(REPO, "benchmarks", "results",
                     "Where the JSON goes.")
 flags.DEFINE_string("work_dir", "", "Where runs write (default: a fresh "
                     "temporary folder).")
+flags.DEFINE_list("extra_flags", [], "More tfdist.train flags for every run "
+                  "(e.g. --num_cpu_devices=2,--zero_stage=3 with "
+                  f"--strategies={MIRRORED}: sliced ZeRO checkpoints).")
 
 
 def _write(report: dict, path: str):
@@ -770,8 +881,9 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
   for name in FLAGS.strategies:
-    if name not in (MWMS, PS):
-      raise app.UsageError(f"--strategies: {name!r} is not {MWMS} or {PS}.")
+    if name not in (MWMS, PS, MIRRORED):
+      raise app.UsageError(f"--strategies: {name!r} is not {MWMS}, {PS} "
+                           f"or {MIRRORED}.")
   work = FLAGS.work_dir or tempfile.mkdtemp(prefix="tfdist-chaos-")
   os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
   report = {"command": " ".join(sys.argv), "started": time.strftime(
@@ -786,7 +898,8 @@ def main(argv):
           strategy=strategy, kills=FLAGS.kills, seed=FLAGS.seed + i,
           train_steps=FLAGS.train_steps,
           checkpoint_steps=FLAGS.checkpoint_steps,
-          deterministic=FLAGS.deterministic and strategy == MWMS,
+          deterministic=FLAGS.deterministic and strategy != PS,
+          extra_flags=tuple(FLAGS.extra_flags),
           timeout_seconds=FLAGS.run_timeout_seconds,
           preemption_grace_seconds=FLAGS.preemption_grace_seconds)
       try:
@@ -801,7 +914,8 @@ def main(argv):
         print(f"chaos: uninterrupted run: status {reference['status']} in "
               f"{reference['seconds']} s", flush=True)
       model_dir = os.path.join(work, f"{strategy}-{options.seed}")
-      run = run_mwms if strategy == MWMS else run_ps
+      run = {MWMS: run_mwms, PS: run_ps,
+             MIRRORED: run_one_process}[strategy]
       result = run(options, data, model_dir,
                    log=lambda text: print(text, flush=True))
       if options.deterministic and reference["status"] == 0:

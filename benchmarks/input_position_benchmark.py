@@ -56,7 +56,7 @@ def main(argv):
   from tfdist import models  # pylint: disable=g-import-not-at-top
   from tfdist.data import datasets  # pylint: disable=g-import-not-at-top
   from tfdist.data import input_pipeline  # pylint: disable=g-import-not-at-top
-  from tfdist.training import checkpointing  # pylint: disable=g-import-not-at-top
+  from tfdist.training.state import checkpointing  # pylint: disable=g-import-not-at-top
   spec = datasets.get_dataset_spec("fashion_mnist")
   train_glob, _ = spec.prepare(FLAGS.data_dir or os.path.expanduser(
       "~/.cache/tfdist/datasets"), "")

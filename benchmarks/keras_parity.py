@@ -274,7 +274,7 @@ def op_counts(train_files) -> dict:
   import models  # pylint: disable=g-import-not-at-top
   from tfdist.data import datasets  # pylint: disable=g-import-not-at-top
   from tfdist.data import input_pipeline  # pylint: disable=g-import-not-at-top
-  from tfdist.training import train_loop  # pylint: disable=g-import-not-at-top
+  from tfdist.training.step import train_loop  # pylint: disable=g-import-not-at-top
   spec = datasets.get_dataset_spec("fashion_mnist")
   data = input_pipeline.make_dataset(_pipeline_options(train_files))
 

@@ -3,7 +3,7 @@
 Not a test: it prints figures and writes JSON. It trains the built-in
 ResNet (`--model=resnet`: stem, 3 stages of 2 basic blocks, 32/64/128
 filters, 28x28x1 Fashion-MNIST images; 0.70 M parameters) with tfdist's own
-step (`tfdist.training.train_loop.Trainer`, SGD with momentum, fp32), one
+step (`tfdist.training.step.train_loop.Trainer`, SGD with momentum, fp32), one
 configuration per fresh process, alternating, and reports for each:
 
 * `peak_bytes`: the peak of TensorFlow's CPU allocator during the measured
@@ -74,7 +74,7 @@ def measure(recompute: bool, k: int, *, global_batch: int, steps: int,
   from tfdist import models  # pylint: disable=g-import-not-at-top
   from tfdist.data import datasets  # pylint: disable=g-import-not-at-top
   from tfdist.data import input_pipeline  # pylint: disable=g-import-not-at-top
-  from tfdist.training.train_loop import Trainer  # pylint: disable=g-import-not-at-top
+  from tfdist.training.step.train_loop import Trainer  # pylint: disable=g-import-not-at-top
   spec = datasets.get_dataset_spec("fashion_mnist")
   train_glob, _ = spec.prepare(data_dir or os.path.expanduser(
       "~/.cache/tfdist/datasets"), "")

@@ -52,7 +52,7 @@ def _child(replicas: int, stage: int, width: int, layers: int):
   import keras  # pylint: disable=g-import-not-at-top
   from tfdist.parallel.zero3 import optimizer as zero3  # pylint: disable=g-import-not-at-top
   from tfdist.parallel.data import sharded_optimizer  # pylint: disable=g-import-not-at-top
-  from tfdist.training.train_loop import Trainer  # pylint: disable=g-import-not-at-top
+  from tfdist.training.step.train_loop import Trainer  # pylint: disable=g-import-not-at-top
 
   def current():
     return tf.config.experimental.get_memory_info("CPU:0")["current"]

@@ -15,7 +15,7 @@ warm-up steps, then one measured step, and reports per replica:
 * `gathered_estimate_bytes`: what the gathers alone hold at once by
   design: the whole buffer P' x 4 bytes (one block), the largest block's
   region N x S_b x 4 (blocks), twice that (prefetch);
-* `rest_estimate_bytes`: `tfdist.training.memory`'s estimate of the
+* `rest_estimate_bytes`: `tfdist.training.plan.memory`'s estimate of the
   model state per replica at rest (weights, gradients, optimizer state);
 * `step_seconds`: the median of 5 timed steps after the measured one.
 
@@ -58,9 +58,9 @@ def _child(replicas: int, num_blocks: int, prefetch: bool, width: int,
       cpu, [tf.config.LogicalDeviceConfiguration()] * replicas)
   import keras  # pylint: disable=g-import-not-at-top
   from tfdist.parallel.zero3 import optimizer as zero3  # pylint: disable=g-import-not-at-top
-  from tfdist.training import memory  # pylint: disable=g-import-not-at-top
+  from tfdist.training.plan import memory  # pylint: disable=g-import-not-at-top
   from tfdist.parallel.data import sharded_optimizer  # pylint: disable=g-import-not-at-top
-  from tfdist.training.train_loop import Trainer  # pylint: disable=g-import-not-at-top
+  from tfdist.training.step.train_loop import Trainer  # pylint: disable=g-import-not-at-top
 
   def info():
     return tf.config.experimental.get_memory_info("CPU:0")

@@ -9,8 +9,8 @@ the state's size; or `dense`, `--layers` hidden layers of `--width`),
 fp32 Adam, with tfdist's `Trainer` and reports the optimizer state each
 replica holds:
 
-* `estimate_bytes`: `tfdist.training.memory`'s estimate from an unsharded build
-  (`estimate_model_memory`), sharded by `memory.sharded_estimate`;
+* `estimate_bytes`: `tfdist.training.plan.memory`'s estimate from an unsharded
+  build (`estimate_model_memory`), sharded by `memory.sharded_estimate`;
 * `built_bytes`: what the run built, per replica, from the variables'
   shapes (`estimate_model_memory(..., sharded=trainer.sharded)`);
 * `allocator_bytes`: the growth of TensorFlow's CPU allocator
@@ -25,7 +25,7 @@ replica holds:
   above what it held before the model was built, divided by N (weights,
   optimizer state and, at stage 2, the accumulator shard: TensorFlow holds
   no gradient between steps), beside `rest_estimate_bytes`,
-  `tfdist.training.memory`'s parameters + optimizer state (+ the
+  `tfdist.training.plan.memory`'s parameters + optimizer state (+ the
   accumulator shard, 4 bytes per parameter / N, at stage 2), and
   `function_bytes`, what the allocator frees when the compiled step
   function is released (what the function itself keeps between calls),
@@ -73,9 +73,9 @@ def _child(replicas: int, stage: int, model_name: str, width: int,
   import keras  # pylint: disable=g-import-not-at-top
   from models import transformer  # pylint: disable=g-import-not-at-top
   from tfdist.data import clothing_reviews  # pylint: disable=g-import-not-at-top
-  from tfdist.training import memory  # pylint: disable=g-import-not-at-top
+  from tfdist.training.plan import memory  # pylint: disable=g-import-not-at-top
   from tfdist.parallel.data import sharded_optimizer  # pylint: disable=g-import-not-at-top
-  from tfdist.training.train_loop import Trainer  # pylint: disable=g-import-not-at-top
+  from tfdist.training.step.train_loop import Trainer  # pylint: disable=g-import-not-at-top
 
   def current():
     gc.collect()

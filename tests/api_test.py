@@ -27,7 +27,7 @@ from tfdist import api
 from tfdist import errors
 from tfdist.config import TrainConfig
 from tfdist.data import input_pipeline
-from tfdist.training import checkpointing
+from tfdist.training.state import checkpointing
 
 
 def _context(pipelines: int = 1, pipeline: int = 0):

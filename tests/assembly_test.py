@@ -26,7 +26,7 @@ from tfdist import config as config_lib
 from tfdist.config import TrainConfig
 from tfdist.experiment import prepare
 from tfdist.training import assembly
-from tfdist.training import lr_schedule
+from tfdist.training.plan import lr_schedule
 
 pytestmark = pytest.mark.compat
 
@@ -75,7 +75,8 @@ def _task(model_fn=_model, dataset_fn=_dataset, config=None):
 
 
 def _plan(learning_rate=0.25, global_batch_size=8):
-  """What `assembly.build` reads of a `tfdist.training.run_plan.RunPlan`."""
+  """What `assembly.build` reads of a
+  `tfdist.training.plan.run_plan.RunPlan`."""
   return types.SimpleNamespace(
       lr=types.SimpleNamespace(
           schedule=lr_schedule.ConstantLearningRate(learning_rate)),

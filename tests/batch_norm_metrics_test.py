@@ -2,7 +2,7 @@
 
 `BatchNormalization(synchronized=False)` keeps a copy of its moving
 statistics per replica; tfdist averages them before each evaluation,
-checkpoint and export (tfdist/training/moving_statistics.py), so the final
+checkpoint and export (tfdist/training/step/moving_statistics.py), so the final
 evaluation loss in the manifest is what `Model.evaluate` gives for the
 exported SavedModel and for the final checkpoint (Keras's own `fit` under
 Mirrored evaluates with the first replica's copy). Measured with

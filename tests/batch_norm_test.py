@@ -8,8 +8,8 @@ moving statistics and gradients on different per-replica data, and a
 training step of a layer calls `ReplicaContext.all_reduce` 2 times (forward,
 backward) against Keras's 5.
 
-tfdist.training.moving_statistics, a user's unsynchronized batch norm: under
-Mirrored on 2 logical CPU devices, `tfdist.fit`'s final evaluation is the
+tfdist.training.step.moving_statistics, a user's unsynchronized batch norm:
+under Mirrored on 2 logical CPU devices, `tfdist.fit`'s final evaluation is the
 exported SavedModel's and the final checkpoint's (one-device
 `Model.evaluate`), and the plan names the layer and the fix.
 """
@@ -25,10 +25,10 @@ import pytest
 
 from tests import testutil
 from tfdist.data import input_pipeline
-from tfdist.training import batch_plan
-from tfdist.training import lr_schedule
-from tfdist.training import moving_statistics
-from tfdist.training import run_plan
+from tfdist.training.plan import batch_plan
+from tfdist.training.plan import lr_schedule
+from tfdist.training.step import moving_statistics
+from tfdist.training.plan import run_plan
 
 
 

@@ -1,11 +1,12 @@
-"""Tests for tfdist.training.batch_plan: arithmetic, steps and every error."""
+"""Tests for tfdist.training.plan.batch_plan: arithmetic, steps and every
+error."""
 
 from absl.testing import absltest
 from absl.testing import parameterized
 import pytest
 
 from tfdist import errors
-from tfdist.training import batch_plan
+from tfdist.training.plan import batch_plan
 
 # Also run on the oldest supported TensorFlow (see tests/conftest.py).
 pytestmark = pytest.mark.compat

@@ -1,8 +1,9 @@
-"""Unit tests of tfdist.training.checkpoint_paths: checkpoint numbers, save leftovers."""
+"""Unit tests of tfdist.training.state.checkpoint_paths: checkpoint numbers,
+save leftovers."""
 
 import pytest
 
-from tfdist.training import checkpoint_paths
+from tfdist.training.state import checkpoint_paths
 
 
 @pytest.mark.compat

@@ -1,4 +1,5 @@
-"""Unit tests of tfdist.training.checkpointing with real checkpoints in a temp folder.
+"""Unit tests of tfdist.training.state.checkpointing with real checkpoints in a
+temp folder.
 
 A checkpoint is whole or absent (a save's leftovers are removed, a NaN
 state is never saved, a damaged one is named), numbered with its step, and
@@ -18,8 +19,8 @@ import tensorflow as tf
 from tests import testutil
 from tfdist import errors
 from tfdist.data import input_position
-from tfdist.training import checkpoint_paths
-from tfdist.training import checkpointing
+from tfdist.training.state import checkpoint_paths
+from tfdist.training.state import checkpointing
 
 
 def _keeper(directory, *, layout=None, max_to_keep=5, before_save=None,

@@ -15,7 +15,7 @@ from tfdist import errors
 from tfdist.data import clothing_reviews
 from tfdist.data import datasets
 from tfdist.models import transformer
-from tfdist.training import export
+from tfdist.training.state import export
 from tfdist.core import registry
 
 LIMIT = 200

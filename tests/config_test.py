@@ -20,7 +20,7 @@ from tfdist.distribute import decisions
 from tfdist.distribute import environment
 from tfdist.core.strategy_kind import StrategyKind
 from tfdist.observability import manifest
-from tfdist.training import checkpointing
+from tfdist.training.state import checkpointing
 from tfdist.parallel.tensor import options as tensor_parallel_options
 
 # Also run on the oldest supported TensorFlow (see tests/conftest.py).

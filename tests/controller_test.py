@@ -32,11 +32,11 @@ from tfdist import errors
 from tfdist.observability import profiling
 from tfdist.observability import run_log as run_log_lib
 from tfdist.runtime import preemption
-from tfdist.training import checkpointing
+from tfdist.training.state import checkpointing
 from tfdist.training import controller as controller_lib
-from tfdist.training import step_runner
+from tfdist.training.step import step_runner
 from tfdist.training.controller import Controller, ControllerOptions
-from tfdist.training.train_loop import Trainer
+from tfdist.training.step.train_loop import Trainer
 
 
 class FakeRunner(step_runner.StepRunner):

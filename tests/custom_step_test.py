@@ -17,7 +17,7 @@ Terms added by hand (an L2 penalty added in `train_step`, an output
 penalty added to `super().compute_loss(...)`) are per-replica values the
 strategy sums: tfdist gives Keras's weights under the same strategy (on one
 device, one device's; under Mirrored and on two workers, Mirrored's, which
-are not one device's), and the run warns (`tfdist.training.differences`).
+are not one device's), and the run warns (`tfdist.training.plan.differences`).
 
 Data: y = 3x + 1 on 512 examples, batches of 64, plain SGD at 0.1 with no
 shuffling, so both loops make the same updates on the same batches (float32
@@ -699,7 +699,7 @@ class CustomStepTest(absltest.TestCase):
     # The compiled loss is one device's; a term added by hand (in
     # train_step, or after super().compute_loss) is summed over the
     # replicas as under Keras's fit with the strategy: Keras's weights,
-    # not one device's (the run warns, `tfdist.training.differences`).
+    # not one device's (the run warns, `tfdist.training.plan.differences`).
     for case, row in HAND_ADDED_ROWS.items():
       for strategy in STRATEGIES:
         with self.subTest(case=case, strategy=strategy):
@@ -801,7 +801,7 @@ class OverridesAndChecksTest(absltest.TestCase):
 
   def test_overrides_are_found_by_class(self):
     import keras  # pylint: disable=g-import-not-at-top
-    from tfdist.training import custom_step  # pylint: disable=g-import-not-at-top
+    from tfdist.training.step import custom_step  # pylint: disable=g-import-not-at-top
 
     class Plain(keras.Model):
 
@@ -823,7 +823,7 @@ class OverridesAndChecksTest(absltest.TestCase):
                      ("Own.train_step", "Own.compute_metrics"))
 
   def test_fp16_train_step_is_warned_to_scale_its_loss(self):
-    from tfdist.training import custom_step  # pylint: disable=g-import-not-at-top
+    from tfdist.training.step import custom_step  # pylint: disable=g-import-not-at-top
     with self.assertLogs(level="WARNING") as logs:
       custom_step.check(("Gan.train_step",), model_name="gan", compiled=True,
                         loss_scaled=True)
@@ -838,7 +838,7 @@ class OverridesAndChecksTest(absltest.TestCase):
 
   def test_a_zero_stage_refusal_names_its_stages_switch(self):
     from tfdist import errors  # pylint: disable=g-import-not-at-top
-    from tfdist.training import custom_step  # pylint: disable=g-import-not-at-top
+    from tfdist.training.step import custom_step  # pylint: disable=g-import-not-at-top
     for stage, switch in ((1, "shard_optimizer_state"),
                           (2, "shard_gradients"), (3, "shard_parameters")):
       with self.assertRaisesRegex(

@@ -36,11 +36,11 @@ from tfdist.backends import registry as backend_registry
 from tfdist.diagnose import RunMeasurement
 from tfdist.core.strategy_kind import StrategyKind
 from tfdist.observability import run_log as run_log_lib
-from tfdist.training import checkpointing
-from tfdist.training import memory
-from tfdist.training import step_runner
+from tfdist.training.state import checkpointing
+from tfdist.training.plan import memory
+from tfdist.training.step import step_runner
 from tfdist.training.controller import Controller, ControllerOptions
-from tfdist.training.train_loop import Trainer
+from tfdist.training.step.train_loop import Trainer
 
 BATCH = 128
 SLEEP_SECONDS = 0.1  # Per batch, in the slowed pipeline's map.
@@ -469,7 +469,7 @@ class PlanTest(absltest.TestCase):
     self.assertLess(rows["tensor parallel"]["parameters_bytes"],
                     rows["data parallel"]["parameters_bytes"])
     self.assertIn("Megatron splits cover", text)
-    # The meshes of 2 devices (tfdist.training.mesh_plan): D2 at ZeRO 0-3,
+    # The meshes of 2 devices (tfdist.training.plan.mesh_plan): D2 at ZeRO 0-3,
     # a 2-stage pipeline, tensor parallelism over 2; data parallelism
     # recommended, as in the single-axis table.
     meshes = result["meshes"]

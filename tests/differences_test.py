@@ -1,5 +1,5 @@
-"""The differences table (`tfdist.training.differences`): the run's lines and
-the guide's list generated from it.
+"""The differences table (`tfdist.training.plan.differences`): the run's lines
+and the guide's list generated from it.
 
 * `lines` says each applicable difference once, with its fix, and nothing
   for a run where none applies (one device, no accumulation) or for one
@@ -21,7 +21,7 @@ import re
 from absl.testing import absltest
 
 from tests import testutil
-from tfdist.training import differences
+from tfdist.training.plan import differences
 
 _DOC = os.path.join(testutil.REPO_ROOT, "docs", "guides",
                     "fit-conformance.md")
@@ -113,7 +113,7 @@ class GuideTest(absltest.TestCase):
       return
     self.assertEqual(match.group(2), table,
                      f"the guide's differences list is not "
-                     f"tfdist.training.differences' table: rerun with "
+                     f"tfdist.training.plan.differences' table: rerun with "
                      f"{_WRITE_ENV}=1 and commit the guide")
 
 

@@ -177,8 +177,8 @@ def _child_main(train_glob: str) -> dict:
   from tfdist import models  # pylint: disable=g-import-not-at-top
   from tfdist.data import datasets  # pylint: disable=g-import-not-at-top
   from tfdist.data import input_pipeline  # pylint: disable=g-import-not-at-top
-  from tfdist.training import precision  # pylint: disable=g-import-not-at-top
-  from tfdist.training.train_loop import Trainer  # pylint: disable=g-import-not-at-top
+  from tfdist.training.step import precision  # pylint: disable=g-import-not-at-top
+  from tfdist.training.step.train_loop import Trainer  # pylint: disable=g-import-not-at-top
   one = tf.distribute.OneDeviceStrategy("/cpu:0")
   mirrored = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
   # 16 real images; replica 0 gets the first 8, replica 1 the last 8.
@@ -315,7 +315,7 @@ def _child_main(train_glob: str) -> dict:
 class SkippedStepsAreLoudTest(absltest.TestCase):
 
   def test_monitor_counts_and_stops_on_a_window(self):
-    from tfdist.training import training_checks  # pylint: disable=g-import-not-at-top
+    from tfdist.training.step import training_checks  # pylint: disable=g-import-not-at-top
     monitor = training_checks.SkippedStepMonitor(5, start_step=10)
     monitor.record_chunk(steps=4, skipped=3, skipped_at_end=2)  # 11-14
     monitor.record_chunk(steps=2, skipped=2, skipped_at_end=2)  # 15-16
@@ -367,8 +367,8 @@ class SkippedStepsAreLoudTest(absltest.TestCase):
     import numpy as np  # pylint: disable=g-import-not-at-top
     import tensorflow as tf  # pylint: disable=g-import-not-at-top
     from tfdist.training import controller as controller_lib  # pylint: disable=g-import-not-at-top
-    from tfdist.training import training_checks  # pylint: disable=g-import-not-at-top
-    from tfdist.training.train_loop import Trainer  # pylint: disable=g-import-not-at-top
+    from tfdist.training.step import training_checks  # pylint: disable=g-import-not-at-top
+    from tfdist.training.step.train_loop import Trainer  # pylint: disable=g-import-not-at-top
     strategy = tf.distribute.get_strategy()
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(
         3, kernel_initializer=keras.initializers.Constant(np.inf))])

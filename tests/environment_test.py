@@ -26,7 +26,7 @@ from tfdist import errors
 from tfdist.config import TrainConfig
 from tfdist.distribute import environment as environment_lib
 from tfdist.observability import manifest as manifest_lib
-from tfdist.training import export
+from tfdist.training.state import export
 
 TRAIN_URI = "gs://bucket/dataset-123-tables-2024/training-*"
 EVAL_URI = "gs://bucket/dataset-123-tables-2024/validation-*"

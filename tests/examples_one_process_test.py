@@ -42,9 +42,9 @@ from tfdist.data import feature_spec
 from tfdist.data import input_pipeline
 from tfdist.distribute import parameter_server as ps_lib
 from tfdist.training import assembly
-from tfdist.training import batch_plan
-from tfdist.training import lr_schedule
-from tfdist.training import step_runner
+from tfdist.training.plan import batch_plan
+from tfdist.training.plan import lr_schedule
+from tfdist.training.step import step_runner
 
 _CHILD_ENV = "TFDIST_EXAMPLES_TEST_CHILD"
 load_module = examples_testlib.load_module

@@ -42,57 +42,16 @@ from tfdist.parallel.experts import layer as moe_layer
 from tfdist.parallel.experts import mode as expert_mode
 from tfdist.parallel.experts import placement as placement_lib
 from tfdist.parallel.experts.layer import MixtureOfExperts
-from tfdist.training.train_loop import Trainer
+from tests import experts_testlib as experts_lib
 # pylint: enable=g-import-not-at-top,wrong-import-position
 
-_SEQ, _DIM, _EXPERTS = 4, 6, 4
-_BATCH, _STEPS, _TOLERANCE = 16, 3, 1e-5
+_EXPERTS, _STEPS, _TOLERANCE = (experts_lib.EXPERTS, experts_lib.STEPS,
+                                experts_lib.TOLERANCE)
 _REPLICAS = 4
 # One replica's tokens: one device's routing group.
-_GROUP = _BATCH // _REPLICAS * _SEQ
-
-
-def _model(group_size=None) -> keras.Model:
-  """Dense, then a top-2 MoE that drops nothing (capacity 4x), then a
-  top-1 MoE that drops (capacity 0.5x: C = 2 of 16 tokens' 4 per expert),
-  then a Dense head; the same initial weights each time."""
-  keras.utils.set_random_seed(7)
-  inputs = keras.Input((_SEQ, _DIM))
-  h = keras.layers.Dense(_DIM, name="pre")(inputs)
-  h = h + MixtureOfExperts(_EXPERTS, 8, top_k=2, capacity_factor=4.0,
-                           group_size=group_size, name="wide")(h)
-  h = h + MixtureOfExperts(_EXPERTS, 8, top_k=1, capacity_factor=0.5,
-                           group_size=group_size, name="narrow")(h)
-  outputs = keras.layers.Dense(1, name="head")(keras.layers.Flatten()(h))
-  return keras.Model(inputs, outputs)
-
-
-def _optimizer(name: str):
-  if name == "adam":
-    return keras.optimizers.Adam(0.01)
-  return keras.optimizers.SGD(0.05, momentum=0.9)
-
-
-def _data():
-  x = np.random.default_rng(0).normal(
-      size=(_BATCH * _STEPS, _SEQ, _DIM)).astype("float32")
-  return x, x.sum(axis=(1, 2))[:, None] / 4.0
-
-
-def _train(strategy, model, name: str, mode=None):
-  """K updates of tfdist's Trainer with the optimizer `name` (made in the
-  strategy's scope); (trainer, losses)."""
-  with strategy.scope():
-    optimizer = _optimizer(name)
-    optimizer.build(model.trainable_variables)
-    trainer = Trainer(strategy=strategy, model=model, optimizer=optimizer,
-                      global_batch_size=_BATCH, loss="mse", metrics=[],
-                      mode=mode, time_steps=False)
-  dataset = tf.data.Dataset.from_tensor_slices(_data()).batch(_BATCH)
-  iterator = iter(strategy.experimental_distribute_dataset(dataset))
-  losses = [float(trainer.train_function(iterator, tf.constant(1))["loss"])
-            for _ in range(_STEPS)]
-  return trainer, losses
+_GROUP = experts_lib.replica_tokens(_REPLICAS)
+_model, _optimizer = experts_lib.model, experts_lib.optimizer
+_data, _train = experts_lib.data, experts_lib.train
 
 
 @functools.lru_cache(maxsize=None)
@@ -273,6 +232,9 @@ class RefusalsTest(absltest.TestCase):
          "cannot host it"),
         (dict(distribution_strategy="tpu"),
          "--distribution_strategy=tpu cannot host it"),
+        (dict(distribution_strategy="one_device"),
+         "--distribution_strategy=one_device cannot host it. Use "
+         "--distribution_strategy=mirrored, multi_worker_mirrored or auto"),
         (dict(pipeline_stages=2), "cannot run with --pipeline_stages=2|"
          "--transformer_experts=4 cannot run with --pipeline_stages=2"),
         (dict(transformer_experts=6, expert_parallel=4),
@@ -290,6 +252,13 @@ class RefusalsTest(absltest.TestCase):
     self.assertEqual(
         TrainConfig(**base, distribution_strategy="mirrored",
                     num_cpu_devices=4).expert_parallel, 2)
+    # Across workers the replicas are every worker's (on CPUs one each,
+    # whatever --num_cpu_devices; --num_gpus counts one worker's): known
+    # when the cluster is (tests/experts_workers_test.py runs it).
+    for devices in (dict(num_cpu_devices=3), dict(num_gpus=1)):
+      self.assertEqual(TrainConfig(
+          **base, distribution_strategy="multi_worker_mirrored",
+          **devices).expert_parallel, 2)
 
   def test_a_model_that_cannot_be_split_is_refused_before_training(self):
     with self.assertRaisesRegex(errors.ConfigError,

@@ -1,4 +1,4 @@
-"""`tfdist.training.export`: the SavedModel folder is tfdist's alone.
+"""`tfdist.training.state.export`: the SavedModel folder is tfdist's alone.
 
 * `check_layout` refuses an export folder that is, holds, or lies in an
   entry of the run's other folders, and passes the default;
@@ -20,7 +20,7 @@ import tensorflow as tf
 
 from tests import testutil
 from tfdist import errors
-from tfdist.training import export
+from tfdist.training.state import export
 
 pytestmark = pytest.mark.compat
 

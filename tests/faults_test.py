@@ -237,7 +237,7 @@ class FaultsTest(parameterized.TestCase):
 
   @pytest.mark.compat  # Also on the oldest TensorFlow.
   def test_another_replica_count_at_the_same_global_batch_is_allowed(self):
-    from tfdist.training import checkpointing  # pylint: disable=g-import-not-at-top
+    from tfdist.training.state import checkpointing  # pylint: disable=g-import-not-at-top
     before = {"global_batch_size": 64, "num_replicas_in_sync": 2,
               "per_replica_batch_size": 32, "total_steps": 100,
               "config": {"model": "cnn", "dataset": "fashion_mnist"}}
@@ -455,9 +455,9 @@ class FaultsTest(parameterized.TestCase):
     from tfdist.distribute import lease as lease_lib  # pylint: disable=g-import-not-at-top
     from tfdist.distribute import parameter_server  # pylint: disable=g-import-not-at-top
     from tfdist.runtime import preemption  # pylint: disable=g-import-not-at-top
-    from tfdist.training import preflight  # pylint: disable=g-import-not-at-top
-    from tfdist.training import checkpointing  # pylint: disable=g-import-not-at-top
-    from tfdist.training import step_runner  # pylint: disable=g-import-not-at-top
+    from tfdist.training.plan import preflight  # pylint: disable=g-import-not-at-top
+    from tfdist.training.state import checkpointing  # pylint: disable=g-import-not-at-top
+    from tfdist.training.step import step_runner  # pylint: disable=g-import-not-at-top
     cases = [
         (errors.ConfigError("--batch_size=0"), 2),
         (errors.DataError("cut"), 2),

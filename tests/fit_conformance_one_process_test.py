@@ -582,7 +582,7 @@ class BatchValuedMetricsTest(absltest.TestCase):
   def test_a_metric_returning_one_value_per_batch_is_found(self):
     import keras  # pylint: disable=g-import-not-at-top
     import tensorflow as tf  # pylint: disable=g-import-not-at-top
-    from tfdist.training import objectives  # pylint: disable=g-import-not-at-top
+    from tfdist.training.step import objectives  # pylint: disable=g-import-not-at-top
 
     def spread(y_true, y_pred):
       del y_true

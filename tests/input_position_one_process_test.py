@@ -5,7 +5,7 @@ Before, a resumed run started its input at the beginning of epoch 0's
 order again: a restarted run's first 40 batches shared 38.9% of their
 examples with the first run's (8.5% by chance). Now every worker
 recomputes its position from the restored step (`tfdist.data.input_pipeline`,
-`tfdist.training.checkpointing.InputPosition`).
+`tfdist.training.state.checkpointing.InputPosition`).
 
 * The pipeline (in this process): resumed at step s, each worker's
   `make_dataset` yields exactly the batches an uninterrupted one yields
@@ -218,7 +218,7 @@ class ResumedPipelineTest(parameterized.TestCase):
   def test_checkpoint_records_the_layout(self):
     import keras  # pylint: disable=g-import-not-at-top
     import tensorflow as tf  # pylint: disable=g-import-not-at-top
-    from tfdist.training import checkpointing  # pylint: disable=g-import-not-at-top
+    from tfdist.training.state import checkpointing  # pylint: disable=g-import-not-at-top
 
     def keeper(directory, layout):
       model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
@@ -323,8 +323,8 @@ class RandomStateTest(absltest.TestCase):
   def test_checkpoint_holds_the_dropout_state(self):
     import keras  # pylint: disable=g-import-not-at-top
     import tensorflow as tf  # pylint: disable=g-import-not-at-top
-    from tfdist.training import checkpointing  # pylint: disable=g-import-not-at-top
-    from tfdist.training import train_loop  # pylint: disable=g-import-not-at-top
+    from tfdist.training.state import checkpointing  # pylint: disable=g-import-not-at-top
+    from tfdist.training.step import train_loop  # pylint: disable=g-import-not-at-top
 
     def keeper(directory, with_state):
       inputs = keras.Input((3,))

@@ -92,7 +92,7 @@ LIMIT, BATCH, STEPS, STOP = 160, 32, 8, 3
 TIMEOUT_S = 300
 # With dropout (in its head): Keras 3 keeps a dropout layer's seed state out
 # of the model's checkpoint, so tfdist saves it beside the model
-# (`tfdist.training.train_loop.random_state`); without it a resumed run's
+# (`tfdist.training.step.train_loop.random_state`); without it a resumed run's
 # masks differ from an uninterrupted run's and so do the weights.
 MODEL = "cnn"
 

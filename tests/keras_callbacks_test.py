@@ -1,4 +1,4 @@
-"""Tests for tfdist.training.keras_callbacks: refused callbacks, per-task
+"""Tests for tfdist.training.state.keras_callbacks: refused callbacks, per-task
 copies, callback lists and which callbacks read batch metrics."""
 
 import os
@@ -8,7 +8,7 @@ from absl.testing import absltest
 import keras
 
 from tfdist import errors
-from tfdist.training import keras_callbacks
+from tfdist.training.state import keras_callbacks
 
 
 class CheckCallbacksTest(absltest.TestCase):
@@ -172,14 +172,14 @@ if __name__ == "__main__":
 
 
 class CallbackStateTest(absltest.TestCase):
-  """`tfdist.training.callback_state`: the callbacks' state through a real
+  """`tfdist.training.state.callback_state`: the callbacks' state through a real
   `tf.train.Checkpoint` save and restore."""
 
   def _round_trip(self, before, after):
     """Saves `before`'s state, restores it for `after` (fresh callbacks of
     a resumed run, after their `on_train_begin`); returns `apply`'s keys."""
     import tensorflow as tf  # pylint: disable=g-import-not-at-top
-    from tfdist.training import callback_state  # pylint: disable=g-import-not-at-top
+    from tfdist.training.state import callback_state  # pylint: disable=g-import-not-at-top
     prefix = os.path.join(tempfile.mkdtemp(), "ckpt")
     saved = tf.train.Checkpoint()
     self.assertIsNotNone(callback_state.attach(saved, before))
@@ -241,7 +241,7 @@ class CallbackStateTest(absltest.TestCase):
 
   def test_a_hook_returning_what_json_cannot_hold_fails_before_a_step(self):
     import tensorflow as tf  # pylint: disable=g-import-not-at-top
-    from tfdist.training import callback_state  # pylint: disable=g-import-not-at-top
+    from tfdist.training.state import callback_state  # pylint: disable=g-import-not-at-top
 
     class Bad(keras.callbacks.Callback):
 
@@ -260,14 +260,14 @@ class CallbackStateTest(absltest.TestCase):
 
   def test_no_stateful_callback_adds_nothing_to_the_checkpoint(self):
     import tensorflow as tf  # pylint: disable=g-import-not-at-top
-    from tfdist.training import callback_state  # pylint: disable=g-import-not-at-top
+    from tfdist.training.state import callback_state  # pylint: disable=g-import-not-at-top
     checkpoint = tf.train.Checkpoint()
     self.assertIsNone(callback_state.attach(
         checkpoint, [keras.callbacks.TerminateOnNaN()]))
     self.assertFalse(hasattr(checkpoint, callback_state.PART))
 
   def test_state_that_is_lost_is_named(self):
-    from tfdist.training import callback_state  # pylint: disable=g-import-not-at-top
+    from tfdist.training.state import callback_state  # pylint: disable=g-import-not-at-top
 
     class Mine(keras.callbacks.Callback):
 

@@ -34,8 +34,8 @@ import tensorflow as tf
 from tests import testutil
 from tfdist import experiment
 from tfdist.config import TrainConfig
-from tfdist.training import precision
-from tfdist.training.train_loop import Trainer
+from tfdist.training.step import precision
+from tfdist.training.step.train_loop import Trainer
 # pylint: enable=g-import-not-at-top,wrong-import-position
 
 _CHILD_TIMEOUT_S = 240

@@ -1,7 +1,7 @@
 """What a Keras loss says, tfdist does: `tfdist.fit` against `Model.fit`.
 
-Cases (tfdist/training/objectives.py `loss_values`, tfdist/training/
-train_loop.py `Trainer`):
+Cases (tfdist/training/step/objectives.py `loss_values`,
+tfdist/training/step/train_loop.py `Trainer`):
 
 * a loss function returning one value for the whole batch (a `lambda`, and
   a named function): the value is the batch's loss, as `fit` takes it, not

@@ -2,8 +2,8 @@
 `tests/loss_semantics_multi_worker_test.py`: what a Keras loss says,
 through `Model.fit` (the reference, one device) and `tfdist.fit`.
 
-Cases (tfdist/training/objectives.py `loss_values`, tfdist/training/
-train_loop.py `Trainer`):
+Cases (tfdist/training/step/objectives.py `loss_values`,
+tfdist/training/step/train_loop.py `Trainer`):
 
 * a loss function returning one value for the whole batch (a `lambda`, and
   a named function): the value is the batch's loss, as `fit` takes it, not

@@ -1,4 +1,5 @@
-"""Tests for tfdist.training.lr_schedule: scaling rules, warmup and decay values."""
+"""Tests for tfdist.training.plan.lr_schedule: scaling rules, warmup and decay
+values."""
 
 import json
 import math
@@ -12,7 +13,7 @@ import pytest
 from tfdist import errors
 from tfdist.config import TrainConfig
 from tfdist.core import decay_schedules
-from tfdist.training import lr_schedule
+from tfdist.training.plan import lr_schedule
 
 # Also run on the oldest supported TensorFlow (see tests/conftest.py).
 pytestmark = pytest.mark.compat
@@ -164,6 +165,19 @@ class OldPathTest(absltest.TestCase):
     # tfdist.training.decay_schedules.register_decay_schedule.
     from tfdist.training import decay_schedules as old  # pylint: disable=g-import-not-at-top
     self.assertIs(old, decay_schedules)
+
+  def test_the_manifest_names_the_schedules_public_path(self):
+    # run_manifest.json records Keras's serialization of the schedule,
+    # whose `module` is the class's: the path manifests named before
+    # tfdist/training/ was split by role (it imports the same module).
+    sched = lr_schedule.build_lr_schedule(
+        peak_learning_rate=0.2, total_steps=300, warmup_steps=30,
+        schedule="cosine")
+    for value in (sched, lr_schedule.AdjustableLearningRate(sched)):
+      self.assertEqual(keras.saving.serialize_keras_object(value)["module"],
+                       "tfdist.training.lr_schedule")
+    from tfdist.training import lr_schedule as old  # pylint: disable=g-import-not-at-top
+    self.assertIs(old, lr_schedule)
 
 
 if __name__ == "__main__":

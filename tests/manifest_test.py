@@ -24,10 +24,10 @@ from tfdist.distribute import cluster as cluster_lib
 from tfdist.distribute import strategy as strategy_lib
 from tfdist.observability import manifest
 from tfdist.observability import run_log as run_log_lib
-from tfdist.training import batch_plan
+from tfdist.training.plan import batch_plan
 from tfdist.training import controller
-from tfdist.training import lr_schedule
-from tfdist.training import run_plan
+from tfdist.training.plan import lr_schedule
+from tfdist.training.plan import run_plan
 
 
 def _plan() -> run_plan.RunPlan:

@@ -142,7 +142,7 @@ class FlagsTest(absltest.TestCase):
   def test_accumulation_and_determinism_flags(self):
     from tfdist.backends import registry  # pylint: disable=g-import-not-at-top
     from tfdist.config import TrainConfig
-    from tfdist.training import batch_plan  # pylint: disable=g-import-not-at-top
+    from tfdist.training.plan import batch_plan  # pylint: disable=g-import-not-at-top
     base = dict(model_dir="/tmp/x", train_steps=1)
     self.assertEqual(TrainConfig(gradient_accumulation_steps=4,
                                  **base).gradient_accumulation_steps, 4)
@@ -199,8 +199,8 @@ def _child_main(train_glob: str) -> dict:
   from tfdist import models  # pylint: disable=g-import-not-at-top
   from tfdist.data import datasets  # pylint: disable=g-import-not-at-top
   from tfdist.data import input_pipeline  # pylint: disable=g-import-not-at-top
-  from tfdist.training import precision  # pylint: disable=g-import-not-at-top
-  from tfdist.training.train_loop import Trainer  # pylint: disable=g-import-not-at-top
+  from tfdist.training.step import precision  # pylint: disable=g-import-not-at-top
+  from tfdist.training.step.train_loop import Trainer  # pylint: disable=g-import-not-at-top
   one = tf.distribute.OneDeviceStrategy("/cpu:0")
   mirrored = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
   # 96 real images and labels: 3 updates of 32.

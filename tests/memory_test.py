@@ -1,5 +1,6 @@
-"""Tests for tfdist.training.memory: the model-state estimate against the real bytes
-of a model's variables and its optimizer's, and the data-parallel fit."""
+"""Tests for tfdist.training.plan.memory: the model-state estimate against the
+real bytes of a model's variables and its optimizer's, and the data-parallel
+fit."""
 
 import dataclasses
 import math
@@ -11,8 +12,8 @@ import numpy as np
 import pytest
 
 from tfdist.parallel.tensor import options as tensor_parallel_options
-from tfdist.training import memory
-from tfdist.training import precision
+from tfdist.training.plan import memory
+from tfdist.training.step import precision
 
 # Also run on the oldest supported TensorFlow (see tests/conftest.py).
 pytestmark = pytest.mark.compat

@@ -1,4 +1,4 @@
-"""The planner's meshes (tfdist/training/mesh_plan.py).
+"""The planner's meshes (tfdist/training/plan/mesh_plan.py).
 
 * every factorization of N devices with every ZeRO stage is listed, in
   recommendation order;
@@ -16,8 +16,8 @@ import dataclasses
 
 from absl.testing import absltest
 
-from tfdist.training import memory
-from tfdist.training import mesh_plan
+from tfdist.training.plan import memory
+from tfdist.training.plan import mesh_plan
 
 MiB = 1 << 20
 # Adam in fp32: weights W, gradients W, two slots 2W (+8 bytes of counts).

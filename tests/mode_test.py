@@ -28,7 +28,7 @@ from tfdist.core.strategy_kind import StrategyKind  # pylint: disable=g-import-n
 from tfdist.distribute import devices  # pylint: disable=g-import-not-at-top
 from tfdist.parallel import mode as mode_lib  # pylint: disable=g-import-not-at-top
 from tfdist.parallel import modes  # pylint: disable=g-import-not-at-top
-from tfdist.training.train_loop import Trainer  # pylint: disable=g-import-not-at-top
+from tfdist.training.step.train_loop import Trainer  # pylint: disable=g-import-not-at-top
 
 DEVICES = devices.configure_cpu_devices(2)
 GLOBAL_BATCH = 16

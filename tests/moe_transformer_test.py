@@ -34,7 +34,7 @@ from tfdist.data import clothing_reviews
 from tfdist.data import datasets
 from tfdist.models import transformer
 from tfdist.parallel.experts.layer import MixtureOfExperts
-from tfdist.training import checkpointing
+from tfdist.training.state import checkpointing
 from tfdist.core import registry
 # pylint: enable=g-import-not-at-top,wrong-import-position
 

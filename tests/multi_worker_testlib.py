@@ -169,6 +169,24 @@ def run_launcher(launch_args, task_args, *, timeout: float, env=None):
   return status, watch.output()
 
 
+def run_for_results(test, module: str, task_args, prefix: str, *,
+                    timeout: float) -> dict:
+  """`tfdist.launch --num_workers=2 --module=MODULE -- TASK_ARGS` to the
+  end (`run_launcher`, oneDNN off: the same arithmetic in every process),
+  `test` failing on a non-zero exit status with the output's end; then
+  each task's JSON result, `{task: result}` from `OUT/PREFIX-<task>.json`
+  for the chief and worker 0 (OUT = `task_args[1]`)."""
+  status, output = run_launcher(
+      ["--num_workers=2", f"--module={module}"], task_args, timeout=timeout,
+      env={"TF_ENABLE_ONEDNN_OPTS": "0"})
+  test.assertEqual(status, 0, output[-4000:])
+  results = {}
+  for task in ("chief0", "worker0"):
+    with open(os.path.join(task_args[1], f"{prefix}-{task}.json")) as f:
+      results[task] = json.load(f)
+  return results
+
+
 def run_module_with_timeout(module: str, args, *, timeout: float, env=None):
   """`python -m module args` (no TF_CONFIG unless `env` sets it).
 
@@ -269,7 +287,7 @@ def train_main(out_dir: str, pattern: str, steps: int,
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   from tfdist.data import datasets  # pylint: disable=g-import-not-at-top
   from tfdist.data import input_pipeline  # pylint: disable=g-import-not-at-top
-  from tfdist.training.train_loop import Trainer  # pylint: disable=g-import-not-at-top
+  from tfdist.training.step.train_loop import Trainer  # pylint: disable=g-import-not-at-top
   with strategy.scope():
     model = keras.Sequential([
         keras.Input((28, 28, 1)), keras.layers.Flatten(),
@@ -317,9 +335,9 @@ def agree_main(out_dir: str):
   import keras  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  from tfdist.training import moving_statistics  # pylint: disable=g-import-not-at-top
-  from tfdist.training import precision  # pylint: disable=g-import-not-at-top
-  from tfdist.training.train_loop import Trainer  # pylint: disable=g-import-not-at-top
+  from tfdist.training.step import moving_statistics  # pylint: disable=g-import-not-at-top
+  from tfdist.training.step import precision  # pylint: disable=g-import-not-at-top
+  from tfdist.training.step.train_loop import Trainer  # pylint: disable=g-import-not-at-top
   from tests import testutil  # pylint: disable=g-import-not-at-top
   task = _task_name()
   result = {"task": task}

@@ -40,9 +40,9 @@ from tfdist.data import data_checks
 from tfdist.distribute import environment as environment_lib
 from tfdist.observability import manifest as manifest_lib
 from tfdist.runtime import failures
-from tfdist.training import checkpointing
-from tfdist.training import export
-from tfdist.training import run_plan
+from tfdist.training.state import checkpointing
+from tfdist.training.state import export
+from tfdist.training.plan import run_plan
 from tfdist.training import task as task_lib
 
 
@@ -369,8 +369,8 @@ class ExportFolderTest(absltest.TestCase):
 _FULL_DISK_CHILD = """
 import json, resource, sys
 import keras
-from tfdist.training import preflight
-from tfdist.training import export
+from tfdist.training.plan import preflight
+from tfdist.training.state import export
 export_dir, probed = sys.argv[1:]
 inputs = keras.Input((256,), name="x")
 model = keras.Model(inputs, keras.layers.Dense(256)(inputs))  # 257 KiB.

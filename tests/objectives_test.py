@@ -1,4 +1,5 @@
-"""Losses and metrics (tfdist/training/objectives.py): defaults, resolution, sums.
+"""Losses and metrics (tfdist/training/step/objectives.py): defaults,
+resolution, sums.
 
 `MetricSums` is checked against Keras's own stateful metrics: the sum of
 per-batch contributions of two halves of the data gives what one metric
@@ -13,7 +14,7 @@ import tensorflow as tf
 
 from tfdist import errors
 from tfdist.core.dataset_spec import DatasetSpec
-from tfdist.training import objectives
+from tfdist.training.step import objectives
 
 SPARSE = dict(y_true=tf.TensorShape([None]),
               y_pred=tf.TensorShape([None, 3]))

@@ -8,7 +8,7 @@ import pytest
 
 from tfdist import errors
 from tfdist.config import TrainConfig
-from tfdist.training import memory
+from tfdist.training.plan import memory
 from tfdist.core import optimizers
 from tfdist.parallel.data import sharded_optimizer
 

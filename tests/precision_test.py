@@ -1,4 +1,5 @@
-"""Tests for tfdist.training.precision: policies, float32 outputs and loss scaling."""
+"""Tests for tfdist.training.step.precision: policies, float32 outputs and loss
+scaling."""
 
 from absl.testing import absltest
 from absl.testing import parameterized
@@ -8,7 +9,7 @@ import pytest
 import tensorflow as tf
 
 from tfdist import models
-from tfdist.training import precision
+from tfdist.training.step import precision
 
 # Also run on the oldest supported TensorFlow (see tests/conftest.py).
 pytestmark = pytest.mark.compat

@@ -1,4 +1,5 @@
-"""Start-up checks (tfdist/training/preflight.py): registry names and output folders."""
+"""Start-up checks (tfdist/training/plan/preflight.py): registry names and
+output folders."""
 
 import os
 import shutil
@@ -9,7 +10,7 @@ from absl.testing import absltest
 
 from tfdist import errors
 from tfdist.config import TrainConfig
-from tfdist.training import preflight
+from tfdist.training.plan import preflight
 
 
 def _sections(**names):

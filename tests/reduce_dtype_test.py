@@ -47,9 +47,9 @@ def _child(train_glob: str) -> dict:
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   from tfdist.data import datasets  # pylint: disable=g-import-not-at-top
   from tfdist.data import input_pipeline  # pylint: disable=g-import-not-at-top
-  from tfdist.training import precision  # pylint: disable=g-import-not-at-top
+  from tfdist.training.step import precision  # pylint: disable=g-import-not-at-top
   from tfdist.parallel.data import sharded_optimizer  # pylint: disable=g-import-not-at-top
-  from tfdist.training import train_loop  # pylint: disable=g-import-not-at-top
+  from tfdist.training.step import train_loop  # pylint: disable=g-import-not-at-top
 
   cpu = tf.config.list_physical_devices("CPU")[0]
   tf.config.set_logical_device_configuration(
@@ -244,7 +244,7 @@ class RefusalTest(parameterized.TestCase):
   def test_trainer_refuses_float16_without_loss_scale(self):
     import keras  # pylint: disable=g-import-not-at-top
     import tensorflow as tf  # pylint: disable=g-import-not-at-top
-    from tfdist.training.train_loop import Trainer  # pylint: disable=g-import-not-at-top
+    from tfdist.training.step.train_loop import Trainer  # pylint: disable=g-import-not-at-top
     model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
     with self.assertRaisesRegex(errors.ConfigError, "LossScaleOptimizer"):
       Trainer(strategy=tf.distribute.get_strategy(), model=model,

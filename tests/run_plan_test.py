@@ -1,4 +1,5 @@
-"""Tests for tfdist.training.run_plan: a run's plan from real options and data."""
+"""Tests for tfdist.training.plan.run_plan: a run's plan from real options and
+data."""
 
 import dataclasses
 import os
@@ -13,8 +14,8 @@ from tfdist import errors
 from tfdist.core.dataset_spec import DatasetSpec
 from tfdist.distribute import auto_select
 from tfdist.core.strategy_kind import StrategyKind
-from tfdist.training import lr_schedule
-from tfdist.training import run_plan
+from tfdist.training.plan import lr_schedule
+from tfdist.training.plan import run_plan
 
 pytestmark = pytest.mark.compat
 

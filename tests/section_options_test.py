@@ -22,8 +22,8 @@ from tfdist.core.strategy_kind import StrategyKind
 from tfdist.observability import manifest
 from tfdist.parallel.pipeline import options as pipeline_options
 from tfdist.training import assembly
-from tfdist.training import preflight
-from tfdist.training import run_plan
+from tfdist.training.plan import preflight
+from tfdist.training.plan import run_plan
 from tfdist.training import task as task_lib
 
 

@@ -81,10 +81,10 @@ def run_cases(strategy, train_glob: str, cases, *, scratch: str,
   from tfdist.data import datasets  # pylint: disable=g-import-not-at-top
   from tfdist.data import input_pipeline  # pylint: disable=g-import-not-at-top
   from tfdist.core import optimizers  # pylint: disable=g-import-not-at-top
-  from tfdist.training import precision  # pylint: disable=g-import-not-at-top
+  from tfdist.training.step import precision  # pylint: disable=g-import-not-at-top
   from tfdist.parallel.zero3 import optimizer as zero3  # pylint: disable=g-import-not-at-top
   from tfdist.parallel.data import sharded_optimizer  # pylint: disable=g-import-not-at-top
-  from tfdist.training.train_loop import Trainer  # pylint: disable=g-import-not-at-top
+  from tfdist.training.step.train_loop import Trainer  # pylint: disable=g-import-not-at-top
 
   images, labels = next(iter(tf.data.TFRecordDataset(
       input_pipeline.list_files(train_glob), compression_type="GZIP").map(
@@ -310,7 +310,7 @@ def resting_memory(strategy, stage: int = 1) -> dict:
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   from tfdist.parallel.zero3 import optimizer as zero3  # pylint: disable=g-import-not-at-top,unused-import
   from tfdist.parallel.data import sharded_optimizer  # pylint: disable=g-import-not-at-top
-  from tfdist.training.train_loop import Trainer  # pylint: disable=g-import-not-at-top
+  from tfdist.training.step.train_loop import Trainer  # pylint: disable=g-import-not-at-top
 
   def at_rest():
     gc.collect()

@@ -13,9 +13,6 @@ workers) and the weights at the end equal an uninterrupted run's. The same
 cases under MirroredStrategy, and the binary's: tests/sharded_optimizer_test.py.
 """
 
-import json
-import os
-
 from absl.testing import absltest
 
 from tests import multi_worker_testlib
@@ -28,17 +25,12 @@ class MultiWorkerShardedTest(cases_lib.CaseChecks, absltest.TestCase):
   def test_two_workers_equal_skip_together_and_checkpoint(self):
     data = testutil.fashion_mnist_subset(limit=256, train_shards=2,
                                          test_shards=1)
-    out = testutil.scratch_dir()
-    status, output = multi_worker_testlib.run_launcher(
-        ["--num_workers=2", "--module=tests.sharded_optimizer_testlib"],
-        ["worker", out, data["train"]], timeout=300,
-        env={"TF_ENABLE_ONEDNN_OPTS": "0"})
-    self.assertEqual(status, 0, output[-4000:])
-    results = {}
-    for task in ("chief0", "worker0"):
-      with open(os.path.join(out, f"sharded-{task}.json")) as f:
-        results[task] = json.load(f)
-      self.assertNotIn("error", results[task], results[task].get("error"))
+    results = multi_worker_testlib.run_for_results(
+        self, "tests.sharded_optimizer_testlib",
+        ["worker", testutil.scratch_dir(), data["train"]], "sharded",
+        timeout=300)
+    for result in results.values():
+      self.assertNotIn("error", result, result.get("error"))
     for result in results.values():
       self.check_equal(result, cases_lib.MWMS_CASES)
       self.check_fp16(result, stages=(1,))

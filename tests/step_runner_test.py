@@ -1,5 +1,5 @@
-"""Tests for tfdist.training.step_runner: the `StepRunner` protocol, its outputs, a
-real `LocalStepRunner` over a one-device `Trainer`, and the lost-task
+"""Tests for tfdist.training.step.step_runner: the `StepRunner` protocol, its
+outputs, a real `LocalStepRunner` over a one-device `Trainer`, and the lost-task
 errors.
 
 The coordinator runner needs a cluster; `tests/controller_test.py` runs it
@@ -17,8 +17,8 @@ import tensorflow as tf
 from tests import testutil
 from tfdist import errors
 from tfdist.distribute import parameter_server
-from tfdist.training import step_runner
-from tfdist.training.train_loop import Trainer
+from tfdist.training.step import step_runner
+from tfdist.training.step.train_loop import Trainer
 
 
 def _trainer(steps_per_execution=2):

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from tfdist.runtime import strict_json
-from tfdist.training import training_checks
+from tfdist.training.step import training_checks
 
 
 @pytest.mark.compat

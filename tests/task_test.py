@@ -5,8 +5,8 @@
   the errors that list what is registered;
 * no shadowing: a project's own `models/` and `flags.py` (both broken on
   purpose) next to `python -m tfdist.train`, in a subprocess;
-* `tfdist.training.objectives`: where the loss and metrics come from, resolved as
-  Keras's `compile` resolves them;
+* `tfdist.training.step.objectives`: where the loss and metrics come from,
+  resolved as Keras's `compile` resolves them;
 * the `Trainer` with Keras losses and metrics under one device and
   MirroredStrategy over 2 logical CPUs (a child process: the device split
   must come before TensorFlow starts): evaluation and training values equal
@@ -34,7 +34,7 @@ from tfdist.config import TrainConfig
 from tfdist.data import input_pipeline
 from tfdist.core.dataset_spec import DatasetSpec
 from tfdist.training import assembly
-from tfdist.training import objectives
+from tfdist.training.step import objectives
 from tfdist.core import registry
 from tfdist.training import task as task_lib
 
@@ -396,7 +396,7 @@ def _child_strategies() -> dict:
   cpu = tf.config.list_physical_devices("CPU")[0]
   tf.config.set_logical_device_configuration(
       cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
-  from tfdist.training.train_loop import Trainer  # pylint: disable=g-import-not-at-top
+  from tfdist.training.step.train_loop import Trainer  # pylint: disable=g-import-not-at-top
   rng = np.random.RandomState(0)
   x = rng.normal(size=(90, 5)).astype(np.float32)
   y = (rng.rand(90, 3) > 0.5).astype(np.float32)

@@ -133,7 +133,7 @@ def fp16_dense_model(strategy):
     `(model, optimizer)`, the optimizer built.
   """
   import keras  # pylint: disable=g-import-not-at-top
-  from tfdist.training import precision  # pylint: disable=g-import-not-at-top
+  from tfdist.training.step import precision  # pylint: disable=g-import-not-at-top
   with strategy.scope():
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(
         3, kernel_initializer="ones")])

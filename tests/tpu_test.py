@@ -29,7 +29,7 @@ from tfdist.distribute import decisions as decisions_lib
 from tfdist.distribute import auto_select
 from tfdist.distribute import environment as environment_lib
 from tfdist.distribute import tpu
-from tfdist.training import run_plan
+from tfdist.training.plan import run_plan
 
 # Also run on the oldest supported TensorFlow (see tests/conftest.py).
 pytestmark = pytest.mark.compat
@@ -389,7 +389,7 @@ class StaticEvalBatchesTest(parameterized.TestCase):
 
   def test_masked_evaluation_counts_every_example_once(self):
     import keras  # pylint: disable=g-import-not-at-top
-    from tfdist.training.train_loop import Trainer  # pylint: disable=g-import-not-at-top
+    from tfdist.training.step.train_loop import Trainer  # pylint: disable=g-import-not-at-top
     data = testutil.fashion_mnist_subset(limit=512, train_shards=4,
                                          test_shards=2)
     files = input_pipeline.list_files(data["eval"])
@@ -422,8 +422,8 @@ class StaticEvalBatchesTest(parameterized.TestCase):
     # metrics: padded static batches give the unpadded values.
     import keras  # pylint: disable=g-import-not-at-top
     from tfdist.core.dataset_spec import DatasetSpec  # pylint: disable=g-import-not-at-top
-    from tfdist.training import objectives  # pylint: disable=g-import-not-at-top
-    from tfdist.training.train_loop import Trainer  # pylint: disable=g-import-not-at-top
+    from tfdist.training.step import objectives  # pylint: disable=g-import-not-at-top
+    from tfdist.training.step.train_loop import Trainer  # pylint: disable=g-import-not-at-top
     rng = np.random.RandomState(1)
     x = rng.normal(size=(70, 4)).astype(np.float32)
     ids = np.arange(70, dtype=np.int64)

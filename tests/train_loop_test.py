@@ -1,4 +1,5 @@
-"""Tests for tfdist.training.train_loop: step counting and mirrored evaluation."""
+"""Tests for tfdist.training.step.train_loop: step counting and mirrored
+evaluation."""
 
 import os
 
@@ -10,7 +11,7 @@ import tensorflow as tf
 import models
 from tests import testutil
 from tfdist.observability import manifest as manifest_lib
-from tfdist.training.train_loop import Trainer
+from tfdist.training.step.train_loop import Trainer
 
 
 class TrainFunctionTest(parameterized.TestCase):

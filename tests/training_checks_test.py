@@ -1,12 +1,13 @@
-"""Unit tests of tfdist.training.training_checks: skipped steps and divergence."""
+"""Unit tests of tfdist.training.step.training_checks: skipped steps and
+divergence."""
 
 import math
 
 import pytest
 
 from tfdist import errors
-from tfdist.training import training_checks
-from tfdist.training.training_checks import SkippedStepMonitor
+from tfdist.training.step import training_checks
+from tfdist.training.step.training_checks import SkippedStepMonitor
 
 
 @pytest.mark.compat

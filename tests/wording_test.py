@@ -44,7 +44,7 @@ class MessagesTest(absltest.TestCase):
 
   def test_an_indivisible_batch_suggests_the_multiples_on_both_sides(self):
     from tfdist import errors  # pylint: disable=g-import-not-at-top
-    from tfdist.training import batch_plan  # pylint: disable=g-import-not-at-top
+    from tfdist.training.plan import batch_plan  # pylint: disable=g-import-not-at-top
     with self.assertRaisesRegex(errors.ConfigError,
                                 r"\(e\.g\. --batch_size=62 or 64\)"):
       batch_plan.make_batch_plan(num_replicas_in_sync=2, batch_size=63)

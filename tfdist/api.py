@@ -60,7 +60,7 @@ from tfdist.parallel.tensor import from_layout_map
 from tfdist.runtime import console
 from tfdist.runtime import script_exit
 from tfdist.runtime import wording
-from tfdist.training import keras_callbacks
+from tfdist.training.state import keras_callbacks
 from tfdist.core import registry
 from tfdist.training import task as task_lib
 
@@ -335,7 +335,7 @@ def fit(model_fn: Union[Callable, str],
       too. A model whose class overrides `train_step`, `test_step`,
       `compute_loss` or `compute_metrics` is trained and evaluated with
       its own step, as `keras.Model.fit` runs it
-      (`tfdist.training.custom_step`).
+      (`tfdist.training.step.custom_step`).
     dataset_fn: returns a finite `tf.data.Dataset` of unbatched `(features,
       labels)` examples, one epoch of a split; called with the keyword
       arguments it names among `training` (True: training split, False:

@@ -35,10 +35,10 @@ TRAITS = {
     "operational": (
         "does not change what is trained (paths, logging, cluster plumbing, "
         "timeouts, how the work is laid out over devices): a resume with "
-        "another value is not reported (tfdist.training.checkpointing)"),
+        "another value is not reported (tfdist.training.state.checkpointing)"),
     "model": (
         "defines the model: a checkpoint of one does not fit another "
-        "(tfdist.training.checkpointing.check_resume)"),
+        "(tfdist.training.state.checkpointing.check_resume)"),
     "multi_replica": (
         "applies only to several replicas or devices, a cluster or another "
         "strategy: the diagnose one-device baseline drops it"),

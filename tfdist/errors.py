@@ -36,7 +36,8 @@ from typing import Optional
 
 OK = 0
 # A bug (Python's own status for an uncaught exception), and a run that
-# diverged or stalled (`tfdist.training.training_checks`): a restart repeats it.
+# diverged or stalled (`tfdist.training.step.training_checks`): a restart
+# repeats it.
 UNEXPECTED = 1
 DIVERGED = 1
 CONFIG = 2

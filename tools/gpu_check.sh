@@ -194,7 +194,7 @@ run_part keras_parity "$CAP_PARITY" "$PY" benchmarks/keras_parity.py \
 for dtype in fp32 bf16 fp16; do
   prefix=()
   # fp16 on a CPU with oneDNN's ops is hundreds of times slower than fp32
-  # (tfdist.training.precision warns); the CPU quick mode turns them off for it.
+  # (tfdist.training.step.precision warns); the CPU quick mode turns them off for it.
   [ "$MODE" = cpu ] && [ "$dtype" = fp16 ] && prefix=(env TF_ENABLE_ONEDNN_OPTS=0)
   run_part "resnet_$dtype" "$CAP_RUN" "${prefix[@]}" "${TRAIN[@]}" \
     --model_dir="$RUNS/resnet_$dtype" --dtype="$dtype" "${RESNET[@]}"

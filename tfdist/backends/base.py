@@ -95,7 +95,7 @@ class TrainingRun:
   Attributes:
     task: the run's `tfdist.training.task.Task` (its `dataset` spec, its
       model builder).
-    plan: its `tfdist.training.run_plan.RunPlan`.
+    plan: its `tfdist.training.plan.run_plan.RunPlan`.
     strategy: the built `tf.distribute.Strategy`.
     parts: its `tfdist.training.assembly.Parts` (model, optimizer, trainer).
     cluster: its `tfdist.distribute.cluster.ClusterInfo`.
@@ -106,7 +106,7 @@ class TrainingRun:
     latest_checkpoint: `() -> path or None`: the newest checkpoint now.
     synchronize_statistics: `() -> None`: averages unsynchronized batch
       norm's per-replica moving statistics
-      (`tfdist.training.moving_statistics`).
+      (`tfdist.training.step.moving_statistics`).
     strategy_options: the `StrategyOptions` the strategy was built from
       (the parameter servers' partitioner among them).
     checkpoint_dir: the decided `--checkpoint_dir`.
@@ -474,8 +474,9 @@ class Backend:
     return options
 
   def model_memory(self, parts, *, num_replicas: int):
-    """The model state one replica holds (`tfdist.training.memory.ModelMemory`,
-    bytes): the run's "Model state per replica" line and manifest.
+    """The model state one replica holds
+    (`tfdist.training.plan.memory.ModelMemory`, bytes): the run's "Model state
+    per replica" line and manifest.
 
     Args:
       parts: the run's `tfdist.training.assembly.Parts` (model, optimizer,
@@ -483,7 +484,7 @@ class Backend:
       num_replicas: `num_replicas_in_sync`.
     """
     del num_replicas
-    from tfdist.training import memory  # pylint: disable=g-import-not-at-top
+    from tfdist.training.plan import memory  # pylint: disable=g-import-not-at-top
     return memory.estimate_model_memory(parts.model, parts.optimizer,
                                         sharded=parts.trainer.sharded)
 
@@ -498,7 +499,7 @@ class Backend:
       run: the `TrainingRun`: its strategy, plan, parts, input position.
 
     Returns:
-      The `tfdist.training.step_runner.StepRunner`, the held-out evaluation
+      The `tfdist.training.step.step_runner.StepRunner`, the held-out evaluation
       (None under `--mode=train`), and the manifest's `strategy_details`.
     """
     raise NotImplementedError(

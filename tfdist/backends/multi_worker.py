@@ -20,7 +20,7 @@ from tfdist.distribute import worker_exit
 from tfdist.core.strategy_kind import StrategyKind
 from tfdist.runtime import watchdog
 from tfdist.distribute import done_marker
-from tfdist.training import step_runner
+from tfdist.training.step import step_runner
 
 # MultiWorkerMirroredStrategy over a real cluster configures TensorFlow's
 # collective runtime for that cluster, once per process: a second one cannot

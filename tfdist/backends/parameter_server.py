@@ -15,8 +15,8 @@ from tfdist.distribute import parameter_server as ps_lib
 from tfdist.distribute import strategy as strategy_lib
 from tfdist.core.strategy_kind import StrategyKind
 from tfdist.training import assembly
-from tfdist.training import run_plan
-from tfdist.training import step_runner
+from tfdist.training.plan import run_plan
+from tfdist.training.step import step_runner
 
 
 @base.register_backend(StrategyKind.PARAMETER_SERVER)

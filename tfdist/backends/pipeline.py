@@ -50,7 +50,7 @@ from tfdist.parallel import mode as mode_lib
 from tfdist.parallel.pipeline import options as pipeline_options
 from tfdist.core.strategy_kind import StrategyKind
 from tfdist import errors
-from tfdist.training import step_runner
+from tfdist.training.step import step_runner
 
 # The jobs whose tasks host stages, in stage order.
 STAGE_JOBS = (cluster_lib.CHIEF, cluster_lib.WORKER)
@@ -394,7 +394,7 @@ class PipelineBackend(single_process.OneDeviceBackend):
     """The stage that holds the most: its weights, gradients and share of
     the optimizer's state (a device holds one stage, or P/T of them per
     task)."""
-    from tfdist.training import memory  # pylint: disable=g-import-not-at-top
+    from tfdist.training.plan import memory  # pylint: disable=g-import-not-at-top
     whole = super().model_memory(parts, num_replicas=num_replicas)
     step = mode_lib.mode_of(parts.trainer, "pipeline")
     if step is None:

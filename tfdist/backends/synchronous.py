@@ -2,7 +2,7 @@
 and TPU runs share.
 
 Every training process calls the `Trainer`'s compiled step on its own
-distributed input (`tfdist.training.step_runner.LocalStepRunner`), and
+distributed input (`tfdist.training.step.step_runner.LocalStepRunner`), and
 evaluates the held-out data under the same strategy.
 """
 
@@ -12,7 +12,7 @@ from typing import Callable, Optional
 from tfdist.backends import base
 from tfdist.data import input_pipeline
 from tfdist.data import input_position as input_position_lib
-from tfdist.training import step_runner
+from tfdist.training.step import step_runner
 
 
 class SynchronousBackend(base.Backend):
@@ -24,7 +24,7 @@ class SynchronousBackend(base.Backend):
 
   def export_model(self, run: base.TrainingRun):
     """The trained model, its per-replica batch-norm statistics averaged
-    (`tfdist.training.moving_statistics`): what was last evaluated."""
+    (`tfdist.training.step.moving_statistics`): what was last evaluated."""
     run.synchronize_statistics()
     return super().export_model(run)
 

@@ -6,7 +6,7 @@ from tfdist.backends import base
 from tfdist.backends import synchronous
 from tfdist.distribute import tpu as tpu_lib
 from tfdist.core.strategy_kind import StrategyKind
-from tfdist.training import run_plan as run_plan_lib
+from tfdist.training.plan import run_plan as run_plan_lib
 
 
 @base.register_backend(StrategyKind.TPU)

@@ -15,7 +15,7 @@ import dataclasses
 from tfdist.backends import mode_backends
 from tfdist.core.strategy_kind import StrategyKind
 from tfdist.parallel.zero3 import optimizer as zero3
-from tfdist.training import memory
+from tfdist.training.plan import memory
 
 
 class _GathersForExport:

@@ -196,7 +196,7 @@ def parse_train_flags(args: Sequence[str], *, where: str,
     # files, cluster or devices: names that exist and fit together.
     quiet_tensorflow.import_tensorflow()  # The spec alone on stdout.
     # Imported only now: it imports TensorFlow, quietly after the line above.
-    from tfdist.training import preflight  # pylint: disable=g-import-not-at-top
+    from tfdist.training.plan import preflight  # pylint: disable=g-import-not-at-top
     preflight.check_names(config.task, config.cloud)
     if "auto" not in (config.strategy.distribution_strategy,
                       config.precision.dtype):

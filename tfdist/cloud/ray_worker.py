@@ -28,7 +28,7 @@ import tensorflow as tf
 
 from tfdist import experiment
 from tfdist.observability import manifest as manifest_lib
-from tfdist.training.checkpoint_paths import checkpoint_step
+from tfdist.training.state.checkpoint_paths import checkpoint_step
 
 # How long the other workers wait for the chief to import a Ray checkpoint.
 IMPORT_TIMEOUT_SECONDS = 300

@@ -3,7 +3,7 @@ hyperparameter tuning.
 
 Consumers: the backends (the Reduction Server's cluster),
 `tfdist.cloud.hptune` (the reported metric) and
-`tfdist.training.preflight`.
+`tfdist.training.plan.preflight`.
 """
 
 import dataclasses

@@ -1,7 +1,7 @@
 """The loop section (`config.loop`): how long to train, in what batches,
 logging, checkpoints, evaluations, the seed and determinism.
 
-Consumers: `tfdist.training.run_plan` (the batch plan and steps) and the
+Consumers: `tfdist.training.plan.run_plan` (the batch plan and steps) and the
 training loop the runner drives (`tfdist.experiment.runner`,
 `tfdist.training.controller`).
 """

@@ -2,7 +2,7 @@
 data parallelism (ZeRO) and the host allocator.
 
 Consumers: the assembly (`tfdist.training.assembly`: ZeRO's optimizer and
-stage 3), `tfdist.training.run_plan` (recomputation in the memory plan),
+stage 3), `tfdist.training.plan.run_plan` (recomputation in the memory plan),
 the backends' ZeRO rules (`tfdist.backends`) and the allocator
 (`tfdist.runtime.allocator`).
 """

@@ -3,7 +3,7 @@ gradient clipping) and its learning-rate section
 (`config.optimization.learning_rate`).
 
 Consumers: the assembly builds the optimizer (`tfdist.training.assembly`,
-`tfdist.core.optimizers`); `tfdist.training.lr_schedule` takes
+`tfdist.core.optimizers`); `tfdist.training.plan.lr_schedule` takes
 `config.optimization.learning_rate` as its `LROptions`.
 """
 
@@ -39,7 +39,7 @@ def _optimizer_help() -> str:
 @dataclasses.dataclass(frozen=True)
 class LearningRateConfig:
   """The learning rate: its base, scaling to the global batch, warmup and
-  decay; the options of `tfdist.training.lr_schedule` (`LROptions`).
+  decay; the options of `tfdist.training.plan.lr_schedule` (`LROptions`).
 
   `base_learning_rate` and `lr_scaling` None: not resolved yet
   (`TrainConfig`).

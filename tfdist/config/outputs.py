@@ -2,7 +2,7 @@
 profiler's window.
 
 Consumers: the run's output folders and checkpoints
-(`tfdist.experiment.runner`, `tfdist.training.preflight`'s probes), which
+(`tfdist.experiment.runner`, `tfdist.training.plan.preflight`'s probes), which
 the environment may fill (`tfdist.distribute.environment`,
 `tfdist.distribute.decisions`: Vertex AI's `AIP_*` folders).
 """

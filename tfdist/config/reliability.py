@@ -4,7 +4,7 @@ the dry run).
 
 Consumers: the runner (`tfdist.experiment.runner`: the lease, the dry
 run, resumption) and the training checks
-(`tfdist.training.training_checks`).
+(`tfdist.training.step.training_checks`).
 """
 
 import dataclasses
@@ -15,7 +15,7 @@ from tfdist.config_tree import setting
 
 
 # `--max_consecutive_skipped_steps`' default (the skipped-step monitor,
-# tfdist.training.training_checks, takes it from here).
+# tfdist.training.step.training_checks, takes it from here).
 DEFAULT_MAX_CONSECUTIVE_SKIPPED_STEPS = 100
 
 

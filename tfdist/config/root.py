@@ -344,7 +344,7 @@ SHARDING_SWITCHES = settings_with("zero_switch")
 # Fields a data set may recommend: None means "unset", filled in
 # `TrainConfig.__init__` from DATASET_RECOMMENDED_FLAGS, else from
 # UNSET_DEFAULTS (batch_size stays None: 128 unless --per_replica_batch_size
-# is given, see tfdist.training.batch_plan).
+# is given, see tfdist.training.plan.batch_plan).
 RECOMMENDABLE_FIELDS = settings_with("recommendable")
 
 

@@ -3,9 +3,10 @@ data section (`config.task.data`).
 
 Consumers: `tfdist.training.task` builds the model and the data set from
 `config.task` (`from_names`, `dataset_from_names`);
-`tfdist.training.preflight` checks its names; `tfdist.training.run_plan`
-takes `config.task.data` as its `DataOptions`; a model builder asking for
-`config` gets the section (`tfdist.config.model_builder`).
+`tfdist.training.plan.preflight` checks its names;
+`tfdist.training.plan.run_plan` takes `config.task.data` as its `DataOptions`; a
+model builder asking for `config` gets the section
+(`tfdist.config.model_builder`).
 """
 
 import dataclasses
@@ -111,7 +112,7 @@ def _recommendations_text() -> str:
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
   """Which data a run reads: the data set and its files; the options of
-  `tfdist.training.run_plan` (`DataOptions`).
+  `tfdist.training.plan.run_plan` (`DataOptions`).
 
   `dataset` None: not resolved yet (`TrainConfig` fills it: fashion_mnist,
   or FEATURE_SPEC_DATASET with a feature spec).

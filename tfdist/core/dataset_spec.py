@@ -39,7 +39,7 @@ class DatasetSpec:
       eval_pattern)`: makes the TFRecord files if needed and returns globs
       (None: the files must be given as `--train_files`/`--eval_files`).
     task: the default loss and metrics when neither the model's `compile`
-      nor the caller gives them (`tfdist.training.objectives.TASKS`):
+      nor the caller gives them (`tfdist.training.step.objectives.TASKS`):
       `multiclass` (the model emits logits [batch, num_classes]; sparse
       categorical cross-entropy, accuracy) or `binary` (sigmoid probabilities
       [batch, 1], labels in {0, 1}; binary cross-entropy, accuracy at 0.5

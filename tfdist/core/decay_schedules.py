@@ -1,6 +1,6 @@
 """Learning-rate decay after warmup by name (`--lr_schedule`): a registry.
 
-`tfdist.training.lr_schedule.build_lr_schedule` wraps the decay in linear
+`tfdist.training.plan.lr_schedule.build_lr_schedule` wraps the decay in linear
 warmup (Goyal et al. 2017). A decay builder takes the peak learning rate
 (already batch-scaled), the optimizer updates after warmup and the
 schedule options of the run, and returns a Keras `LearningRateSchedule`

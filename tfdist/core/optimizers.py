@@ -3,7 +3,7 @@
 Every fact about an optimizer that tfdist acts on is written once, here, as
 its `OptimizerTraits`, and read by the config validation (ZeRO stages), the
 sharded optimizer (`tfdist.parallel.data.sharded_optimizer.check_optimizer`), the
-memory estimate's advice (`tfdist.training.memory`), the flag help and
+memory estimate's advice (`tfdist.training.plan.memory`), the flag help and
 `tfdist.diagnose`:
 
 | name | Keras class | slots per parameter | shardable (ZeRO 1-2) |
@@ -203,7 +203,7 @@ def build_optimizer(name: str, learning_rate, *, momentum: float = 0.9,
     weight_decay: decoupled weight decay (0 disables it; `adamw` then uses
       0.004, Keras's default).
     clipnorm, global_clipnorm: Keras's gradient clipping (at most one;
-      None: off). Under `tfdist.training.train_loop.Trainer` the optimizer
+      None: off). Under `tfdist.training.step.train_loop.Trainer` the optimizer
       clips the gradient summed over all replicas (and unscaled under
       fp16), once.
 

@@ -1,9 +1,9 @@
 """Start-up checks of the input files: every file read, a bad one named.
 
-Run before anything is built (`tfdist.training.run_plan` calls `check_data` and
-the data set's `check_files`), so that bad data stops a run in seconds, with the
-file and what is wrong with it, instead of as a traceback from inside the first
-training step or, for evaluation files, after training:
+Run before anything is built (`tfdist.training.plan.run_plan` calls `check_data`
+and the data set's `check_files`), so that bad data stops a run in seconds, with
+the file and what is wrong with it, instead of as a traceback from inside the
+first training step or, for evaluation files, after training:
 
 * every training and evaluation file is read to the end and its records
   counted (the counts are the run plan's example counts). A file cut

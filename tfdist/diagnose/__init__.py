@@ -17,14 +17,14 @@ Everything after `--` is `tfdist.train` flags. The diagnosis:
    stages and sharding switches, `--num_cpu_devices`, collectives, cluster,
    parameter-server and TPU flags) and the report says which it dropped;
 2. estimates, from the model alone, the bytes of its parameters, gradients
-   and optimizer state (`tfdist.training.memory`), and whether every replica's
-   copy fits the device's memory under data parallelism (which strategy fits if
-   not); for a sharded layout (ZeRO), whether it is needed at this size and
-   what it costs in traffic (`layout_notes`); and every layout side by side
-   (`layout_choice`: plain data parallelism, ZeRO 1/2/3, pipeline stages,
-   tensor parallelism; state and activations per device) with the cheapest
-   that fits recommended with its flags; the tensor-parallel row from what
-   a layout map derived for the model could split (`tensor_split_of`:
+   and optimizer state (`tfdist.training.plan.memory`), and whether every
+   replica's copy fits the device's memory under data parallelism (which
+   strategy fits if not); for a sharded layout (ZeRO), whether it is needed at
+   this size and what it costs in traffic (`layout_notes`); and every layout
+   side by side (`layout_choice`: plain data parallelism, ZeRO 1/2/3, pipeline
+   stages, tensor parallelism; state and activations per device) with the
+   cheapest that fits recommended with its flags; the tensor-parallel row from
+   what a layout map derived for the model could split (`tensor_split_of`:
    Megatron column/row pairs of Dense and EinsumDense layers, attention by
    heads, embeddings by vocabulary), whatever its layers are named;
 3. runs the requested configuration and a single-device baseline

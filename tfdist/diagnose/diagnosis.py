@@ -43,9 +43,9 @@ from tfdist.diagnose.report import run_records
 from tfdist.diagnose.report import runs_folder_note
 from tfdist.diagnose.report import runs_line
 from tfdist.diagnose.report import say
-from tfdist.training import mesh_plan
+from tfdist.training.plan import mesh_plan
 from tfdist.diagnose.verdicts import verdict
-from tfdist.training import memory
+from tfdist.training.plan import memory
 
 
 def diagnose(train_args: Sequence[str], *, num_workers: int = 1,
@@ -179,7 +179,7 @@ def _report_plan(plan: MeasurementPlan, model: _Model, *, out) -> dict:
 
 
 def _mesh_lines(choice, meshes) -> list:
-  """The meshes' table (`tfdist.training.mesh_plan`) under its heading,
+  """The meshes' table (`tfdist.training.plan.mesh_plan`) under its heading,
   when the devices allow more than one mesh."""
   if choice.facts.num_devices < 2:
     return []

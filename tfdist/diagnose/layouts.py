@@ -10,7 +10,7 @@ from tfdist.diagnose.plan import MeasurementPlan
 from tfdist.diagnose.tensor_split import TensorSplit
 from tfdist.diagnose.tensor_split import tensor_split_of
 from tfdist.parallel.tensor import options as tensor_parallel_options
-from tfdist.training import memory
+from tfdist.training.plan import memory
 from tfdist.core import optimizers
 
 
@@ -73,8 +73,8 @@ def model_sizes_of(config, *, tensor_degree: int = 2) -> ModelSizes:
   import keras  # pylint: disable=g-import-not-at-top
   from tfdist import config as config_lib  # pylint: disable=g-import-not-at-top
   from tfdist.training import assembly  # pylint: disable=g-import-not-at-top
-  from tfdist.training import lr_schedule  # pylint: disable=g-import-not-at-top
-  from tfdist.training import precision  # pylint: disable=g-import-not-at-top
+  from tfdist.training.plan import lr_schedule  # pylint: disable=g-import-not-at-top
+  from tfdist.training.step import precision  # pylint: disable=g-import-not-at-top
   from tfdist.training import task as task_lib  # pylint: disable=g-import-not-at-top
   dtype = config.precision.dtype
   dtype = dtype if dtype != "auto" else "fp32"
@@ -91,7 +91,7 @@ def model_sizes_of(config, *, tensor_degree: int = 2) -> ModelSizes:
         builder_config=config_lib.ModelBuilderConfig(config))
     model = assembly.build_model(
         options, task=task_lib.from_names(config.task))
-    # A schedule, as in every run (tfdist.training.lr_schedule): the
+    # A schedule, as in every run (tfdist.training.plan.lr_schedule): the
     # optimizer then keeps no learning-rate variable of its own.
     optimizer = assembly.run_optimizer(options,
                                        lr_schedule.ConstantLearningRate(0.1))
@@ -143,7 +143,7 @@ def layout_notes(estimate: memory.ModelMemory, *, optimizer: str,
                  ) -> List[str]:
   """Whether the run's layout is needed at this model's size, and what it
   costs, as sentences for the verdict's notes (empty for plain data
-  parallelism, which `tfdist.training.memory.fits_data_parallel` judges).
+  parallelism, which `tfdist.training.plan.memory.fits_data_parallel` judges).
 
   Args:
     estimate: the model's unsharded `memory.ModelMemory` per replica.

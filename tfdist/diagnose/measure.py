@@ -36,7 +36,7 @@ class RunMeasurement:
     input_wait_seconds: seconds per step waiting for input.
     peak_rss_bytes: the chief's peak host memory (bytes).
     device_memory_peak_bytes: the largest GPU peak (bytes), or None.
-    model_memory: `tfdist.training.memory.ModelMemory.to_dict()`, or None.
+    model_memory: `tfdist.training.plan.memory.ModelMemory.to_dict()`, or None.
     cpu_seconds_per_step: CPU seconds of the chief's process per step (all
       its threads).
     interval_examples_per_second: each measured interval's examples/sec.

@@ -197,7 +197,7 @@ def plan_measurements(args: Sequence[str], config, *, num_workers: int = 1,
     tfdist.errors.JobSpecError: tfdist.train would refuse the baseline's
       flags (the message names the flag).
   """
-  from tfdist.training import batch_plan  # pylint: disable=g-import-not-at-top
+  from tfdist.training.plan import batch_plan  # pylint: disable=g-import-not-at-top
   strategy, loop = config.strategy, config.loop
   gpus = _local_gpus(strategy.num_gpus) if gpus is None else gpus
   kind = _planned_strategy(config, num_workers=num_workers, num_ps=num_ps,
@@ -212,7 +212,7 @@ def plan_measurements(args: Sequence[str], config, *, num_workers: int = 1,
         num_replicas_in_sync=replicas, batch_size=loop.batch_size,
         per_replica_batch_size=loop.per_replica_batch_size,
         gradient_accumulation_steps=loop.gradient_accumulation_steps,
-        # As tfdist.training.run_plan: a pipeline per synchronous worker.
+        # As tfdist.training.plan.run_plan: a pipeline per synchronous worker.
         num_input_pipelines=(1 if backend.asynchronous else
                              backend.num_input_pipelines(num_workers)),
     ).per_replica_batch_size

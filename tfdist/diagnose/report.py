@@ -8,7 +8,7 @@ from tfdist.diagnose.layouts import TrainFacts
 from tfdist.diagnose.measure import RunMeasurement
 from tfdist.diagnose.plan import MeasurementPlan
 from tfdist.diagnose.verdicts import scaling
-from tfdist.training import memory
+from tfdist.training.plan import memory
 
 
 def _malloc_note(rows: Sequence[RunMeasurement]) -> str:

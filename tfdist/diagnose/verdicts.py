@@ -10,7 +10,7 @@ from tfdist.diagnose.advice import compute_advice
 from tfdist.diagnose.advice import memory_advice
 from tfdist.diagnose.measure import RunMeasurement
 from tfdist.diagnose.measure import device_family
-from tfdist.training import memory
+from tfdist.training.plan import memory
 
 
 # The input-wait share of step time above which a run is input-bound, and
@@ -114,7 +114,7 @@ def verdict(requested: RunMeasurement,
   Args:
     requested: the requested run (medians over repeats).
     baseline: the single-device baseline, or None.
-    model_fit: `tfdist.training.memory.fits_data_parallel` of the model, or
+    model_fit: `tfdist.training.plan.memory.fits_data_parallel` of the model, or
       None.
     device_memory_bytes: one GPU's memory, or None (CPU runs).
     host_memory_bytes: this host's memory, or None.

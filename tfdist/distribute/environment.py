@@ -13,7 +13,7 @@ Variables read:
 | variable | used for |
 |---|---|
 | `TF_CONFIG`, `CLUSTER_SPEC` | the cluster (`tfdist.distribute.cluster.resolve_cluster`) |
-| `AIP_MODEL_DIR` | Vertex AI: the SavedModel folder (`--export_dir`), and `--model_dir` when `AIP_CHECKPOINT_DIR` is unset (then refused at start: `tfdist.training.export.check_layout`) |
+| `AIP_MODEL_DIR` | Vertex AI: the SavedModel folder (`--export_dir`), and `--model_dir` when `AIP_CHECKPOINT_DIR` is unset (then refused at start: `tfdist.training.state.export.check_layout`) |
 | `AIP_CHECKPOINT_DIR` | Vertex AI: `--model_dir` and the checkpoint folder |
 | `AIP_TENSORBOARD_LOG_DIR` | Vertex AI: the TensorBoard folder |
 | `AIP_TRAINING_DATA_URI`, `AIP_VALIDATION_DATA_URI` | Vertex AI managed datasets: `--train_files`, `--eval_files`, when `AIP_DATA_FORMAT` is `tf-record` (another format is an error) |
@@ -33,7 +33,7 @@ Vertex AI already nested per trial (`<base_output_dir>/<trial>/model/`, ...) is
 left as it is.
 
 `output_sources` names each output folder with the flag or variable that
-chose it, for `tfdist.training.export.check_layout`.
+chose it, for `tfdist.training.state.export.check_layout`.
 """
 
 import dataclasses
@@ -327,7 +327,7 @@ def folder_sources(given: Mapping[str, str], resolved: Mapping[str, str],
 
 def output_sources(config, filled: Tuple[Tuple[str, str], ...] = ()):
   """Each output folder of `config` with the flag or variable that chose
-  it: the keyword arguments of `tfdist.training.export.check_layout`.
+  it: the keyword arguments of `tfdist.training.state.export.check_layout`.
 
   The edge adapter of `folder_sources`.
 

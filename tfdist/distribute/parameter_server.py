@@ -6,7 +6,7 @@ One binary serves every role of a parameter-server cluster, read from
 
 * `chief`: the coordinator; it builds the strategy and runs the training
   program (`tfdist.experiment` with
-  `tfdist.training.step_runner.CoordinatorStepRunner`);
+  `tfdist.training.step.step_runner.CoordinatorStepRunner`);
 * `worker`, `ps`: start a `tf.distribute.Server` and serve until the chief
   marks the run finished (`DONE_MARKER` in `--model_dir`), then exit 0;
 * `evaluator`: not a cluster member; it evaluates checkpoints as they appear

@@ -7,11 +7,11 @@ Short wiring of one-job modules, in the order data flows:
       -> cluster (tfdist.distribute.cluster) -> decision: strategy and dtype
          (tfdist.distribute.auto_select, the one place that decides `auto`)
       -> backend: what the strategy does its own way (tfdist.backends)
-      -> run plan: files, batch, learning rate (tfdist.training.run_plan)
+      -> run plan: files, batch, learning rate (tfdist.training.plan.run_plan)
       -> model, optimizer, trainer, checkpoint (tfdist.training.assembly)
       -> input pipelines and step runner (the backend's)
          under one controller (tfdist.training.controller)
-      -> artifacts: SavedModel (tfdist.training.export), manifest
+      -> artifacts: SavedModel (tfdist.training.state.export), manifest
          (tfdist.observability.manifest)
 
 The modules, by role:

@@ -7,7 +7,7 @@ from absl import logging
 
 from tfdist.backends import registry as backends
 from tfdist.experiment import prepare
-from tfdist.training import run_plan as run_plan_lib
+from tfdist.training.plan import run_plan as run_plan_lib
 
 
 def planned_replicas(config, *, decisions, cluster) -> Tuple[int, int]:
@@ -39,7 +39,7 @@ def dry_run(prepared: prepare.PreparedRun, *, task, writer: bool) -> dict:
     The dry run's summary: role, batch, replicas, steps, examples, notes.
 
   Raises:
-    ConfigError: as `tfdist.training.run_plan.make_run_plan`.
+    ConfigError: as `tfdist.training.plan.run_plan.make_run_plan`.
     tfdist.errors.IncompatibleResumeError: as
       `tfdist.experiment.prepare.check_resume`.
   """

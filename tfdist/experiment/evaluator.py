@@ -22,12 +22,12 @@ from tfdist.core.strategy_kind import StrategyKind
 from tfdist.experiment import prepare
 from tfdist.observability import run_log as run_log_lib
 from tfdist.training import assembly
-from tfdist.training import checkpoint_paths
-from tfdist.training import checkpointing
+from tfdist.training.state import checkpoint_paths
+from tfdist.training.state import checkpointing
 from tfdist.training import controller as controller_lib
 from tfdist.distribute import done_marker
-from tfdist.training import precision
-from tfdist.training import run_plan as run_plan_lib
+from tfdist.training.step import precision
+from tfdist.training.plan import run_plan as run_plan_lib
 from tfdist.training import task as task_lib
 from tfdist.training.controller import Controller, ControllerOptions
 

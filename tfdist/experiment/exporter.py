@@ -3,7 +3,7 @@
 `run_export` builds the model as the side-car evaluator does (one device,
 no optimizer), restores the newest checkpoint in `--checkpoint_dir` (by
 default `<model_dir>/checkpoints`) into it, and writes the SavedModel that
-the end of training writes (`tfdist.training.export`, to `--export_dir`,
+the end of training writes (`tfdist.training.state.export`, to `--export_dir`,
 by default `<model_dir>/saved_model`), marked with the checkpoint's step.
 Nothing is trained, no checkpoint is written, no lease is taken (no run
 writes the checkpoints meanwhile, as for `--mode=eval`). `tfdist.fit`
@@ -20,9 +20,9 @@ from tfdist.core.strategy_kind import StrategyKind
 from tfdist.experiment import evaluator as evaluator_lib
 from tfdist.experiment import prepare
 from tfdist.training import assembly
-from tfdist.training import checkpoint_paths
-from tfdist.training import export
-from tfdist.training import precision
+from tfdist.training.state import checkpoint_paths
+from tfdist.training.state import export
+from tfdist.training.step import precision
 from tfdist.training import task as task_lib
 
 

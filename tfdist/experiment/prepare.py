@@ -32,12 +32,12 @@ from tfdist.observability import versions
 from tfdist.parallel.pipeline import options as pipeline_options
 from tfdist.runtime import allocator
 from tfdist.training import assembly
-from tfdist.training import checkpoint_paths
-from tfdist.training import checkpointing
-from tfdist.training import export
-from tfdist.training import keras_callbacks
-from tfdist.training import preflight
-from tfdist.training import run_plan as run_plan_lib
+from tfdist.training.state import checkpoint_paths
+from tfdist.training.state import checkpointing
+from tfdist.training.state import export
+from tfdist.training.state import keras_callbacks
+from tfdist.training.plan import preflight
+from tfdist.training.plan import run_plan as run_plan_lib
 from tfdist.training import task as task_lib
 
 
@@ -291,7 +291,7 @@ def assembly_options(config: TrainConfig,
 
 
 def plan_options(config: TrainConfig, decisions) -> run_plan_lib.PlanOptions:
-  """The run's `tfdist.training.run_plan.PlanOptions`: the sections the
+  """The run's `tfdist.training.plan.run_plan.PlanOptions`: the sections the
   plan reads, handed over as they are, with the data files the run's
   `decisions` chose (`run_plan.decided_data`)."""
   return run_plan_lib.PlanOptions(

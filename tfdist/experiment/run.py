@@ -23,7 +23,7 @@ from tfdist.experiment import evaluator as evaluator_lib
 from tfdist.experiment import exporter
 from tfdist.experiment import prepare
 from tfdist.experiment import runner as runner_lib
-from tfdist.training import preflight
+from tfdist.training.plan import preflight
 from tfdist.training import task as task_lib
 
 

@@ -39,20 +39,20 @@ from tfdist.parallel import mode as mode_lib
 from tfdist.observability import run_log as run_log_lib
 from tfdist.runtime import failures
 from tfdist.runtime import preemption
-from tfdist.training import preflight
+from tfdist.training.plan import preflight
 from tfdist.training import assembly
-from tfdist.training import checkpointing
+from tfdist.training.state import checkpointing
 from tfdist.training import controller as controller_lib
-from tfdist.training import differences
+from tfdist.training.plan import differences
 from tfdist.distribute import done_marker
-from tfdist.training import export
-from tfdist.training import keras_callbacks
-from tfdist.training import memory
-from tfdist.training import moving_statistics
-from tfdist.training import precision
-from tfdist.training import run_plan as run_plan_lib
+from tfdist.training.state import export
+from tfdist.training.state import keras_callbacks
+from tfdist.training.plan import memory
+from tfdist.training.step import moving_statistics
+from tfdist.training.step import precision
+from tfdist.training.plan import run_plan as run_plan_lib
 from tfdist.training import task as task_lib
-from tfdist.training.checkpointing import CheckpointKeeper
+from tfdist.training.state.checkpointing import CheckpointKeeper
 from tfdist.training.controller import Controller, ControllerOptions
 
 def _worker_scratch_dir(cluster: cluster_lib.ClusterInfo) -> str:
@@ -388,7 +388,7 @@ class ExperimentRunner:
     """The run plan: files, batch, steps, learning rate.
 
     Raises:
-      ConfigError: as `tfdist.training.run_plan.make_run_plan`, or a
+      ConfigError: as `tfdist.training.plan.run_plan.make_run_plan`, or a
         `--profile_steps` window after the last step.
     """
     plan_options = prepare.plan_options(self.config, self.decisions)

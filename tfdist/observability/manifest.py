@@ -76,13 +76,14 @@ class ManifestOptions:
 
 def recorded_config(config, decisions=None) -> dict:
   """The settings a run's records list (the manifest's `config`, the run
-  record beside the checkpoints, `tfdist.training.checkpointing.run_record`):
-  `config.to_dict()` (`tfdist.config.TrainConfig`: every setting by flag
-  name, JSON-serializable) with nothing left to resolve: the decided fields
-  as `decisions` (`tfdist.distribute.decisions.Decisions.field_values`) set
-  them (None: as `config` has them), and `zero_stage` the stage that runs
-  (`TrainConfig.zero_stage_resolved`: from the switches when
-  `--zero_stage` was not given; the manifest's `flags` say which were)."""
+  record beside the checkpoints,
+  `tfdist.training.state.checkpointing.run_record`): `config.to_dict()`
+  (`tfdist.config.TrainConfig`: every setting by flag name, JSON-serializable)
+  with nothing left to resolve: the decided fields as `decisions`
+  (`tfdist.distribute.decisions.Decisions.field_values`) set them (None: as
+  `config` has them), and `zero_stage` the stage that runs
+  (`TrainConfig.zero_stage_resolved`: from the switches when `--zero_stage` was
+  not given; the manifest's `flags` say which were)."""
   recorded = config.to_dict()
   if decisions is not None:
     recorded.update(json.loads(json.dumps(decisions.field_values(),
@@ -121,20 +122,20 @@ class WhatRan:
 
   Attributes:
     decision: the `tfdist.distribute.auto_select.Decision`.
-    plan: the `tfdist.training.run_plan.RunPlan`.
+    plan: the `tfdist.training.plan.run_plan.RunPlan`.
     dtype_policy: the Keras dtype policy's name.
     loss_scale: the final loss scale (fp16), or None.
     optimizer_iterations: the optimizer's update count.
     result: the `tfdist.training.controller.ControllerResult`.
     run_log: the `tfdist.observability.run_log.RunLog` (history of every
       process).
-    objectives: the run's `tfdist.training.objectives.Objectives` (loss and
+    objectives: the run's `tfdist.training.step.objectives.Objectives` (loss and
       metric names, where they came from); each metric `m` adds `eval_m` and
       `train_m` to `final_metrics`; None: none recorded.
     model_name: the model trained (a registered name or `module:function`;
       None: `ManifestOptions.model`).
-    model_memory: `tfdist.training.memory.ModelMemory.to_dict()` of the model,
-      or None.
+    model_memory: `tfdist.training.plan.memory.ModelMemory.to_dict()` of the
+      model, or None.
     strategy_details: a dict of strategy-specific facts (parameter-server
       placement, ...), written under the strategy's name (e.g.
       `manifest["parameter_server"]`); None: empty.

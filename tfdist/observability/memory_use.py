@@ -2,9 +2,9 @@
 memory, each visible GPU's current and peak bytes, and how to print them.
 
 The run log (`tfdist.observability.run_log`) reads these at every log point;
-`tfdist.training.memory` (what a model needs) and `tfdist.diagnose` name them
-there too. Host readings need no TensorFlow; `device_memory` imports it when
-called.
+`tfdist.training.plan.memory` (what a model needs) and `tfdist.diagnose` name
+them there too. Host readings need no TensorFlow; `device_memory` imports it
+when called.
 """
 
 import os

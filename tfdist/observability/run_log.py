@@ -31,11 +31,11 @@ wall clock between log points, `tfdist.observability.throughput`), and the time
 the compiled step waited for its input (`input_wait_seconds` per step, and
 `input_wait_fraction` of the compiled function's own time; the log line
 shows the wait as a share of the whole step's wall time), both measured
-inside the compiled function (`tfdist.training.train_loop`) and returned with
-the step sums: no host synchronization of their own. Under
+inside the compiled function (`tfdist.training.step.train_loop`) and returned
+with the step sums: no host synchronization of their own. Under
 MultiWorkerMirroredStrategy these are the chief's own; under parameter
 servers, every worker's chunks summed. Memory: the process's peak RSS and
-each GPU's current and peak bytes (`tfdist.training.memory`).
+each GPU's current and peak bytes (`tfdist.training.plan.memory`).
 
 It also holds the divergence checks of the log points: a non-finite
 training loss raises `tfdist.errors.TrainingDivergedError` (a
@@ -68,7 +68,7 @@ METRICS_FILE = "metrics.jsonl"
 # Keys of an evaluation result that are not metric values.
 _NOT_METRICS = ("num_examples", "step", "checkpoint")
 # Step sums that are timings, not metrics (seconds; see
-# tfdist.training.train_loop).
+# tfdist.training.step.train_loop).
 INPUT_WAIT_KEY = "input_wait_seconds"
 EXECUTION_KEY = "execution_seconds"
 
@@ -94,8 +94,8 @@ def divergence_advice(*, loss_scaled: bool,
 def metrics_from_sums(sums: Dict[str, np.ndarray], steps: int) -> dict:
   """Mean loss and accuracy from summed step outputs: the summary of a
   runner that returns `loss` (sum of per-step mean losses), `correct` and
-  `count` (examples). A `tfdist.training.train_loop.Trainer` summarizes its own
-  sums (`Trainer.summarize`, any Keras metric).
+  `count` (examples). A `tfdist.training.step.train_loop.Trainer` summarizes its
+  own sums (`Trainer.summarize`, any Keras metric).
 
   Args:
     sums: `loss`, `correct`, `count`.

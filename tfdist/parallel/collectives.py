@@ -76,7 +76,14 @@ How they are made to work (measured, `../shared/notes/model-parallel.md`):
   all belong to one remote task (tested); measured December 2026, a group
   spanning the client's and a remote task's devices timed out, and one of
   the client's own devices failed with "unknown device" (its collective
-  executor names them /job:localhost): not supported.
+  executor names them /job:localhost): not supported. Under a
+  `MultiWorkerMirroredStrategy` itself the `replica_` functions span the
+  workers (tests/experts_workers_test.py: expert parallelism's
+  all-to-all), but the list functions do not work: there
+  `tf.config.list_logical_devices()` lists every task's devices (measured
+  December 2026, 2 workers: each lists the chief's and worker 0's CPU),
+  so `local_devices` is the whole group and a task cannot pass the other
+  task's tensors.
 * Gradients (`tf.custom_gradient`; TensorFlow registers none for the
   all-to-all and its all-gather gradient is an emulated reduce-scatter):
   all-reduce's gradient is the same all-reduce of the upstream gradients;
@@ -276,8 +283,10 @@ class DeviceGroup:
     order: those `tf.config.list_logical_devices()` lists. In one process
     (and for a client of `tf.config.experimental_connect_to_cluster`,
     which lists the remote devices too) every device; in a cluster where
-    each task runs its own program (`enable_collective_ops`, as
-    MultiWorkerMirroredStrategy does), this task's.
+    each task runs its own program (`enable_collective_ops` alone, as
+    tests/collectives_workers_test.py runs it), this task's. Under a
+    MultiWorkerMirroredStrategy every task's (its runtime lists the
+    remote devices): use the `replica_` functions there.
 
     Raises:
       tfdist.errors.ConfigError: none of the group's devices is here.

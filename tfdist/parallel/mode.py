@@ -1,6 +1,6 @@
 """The step-mode protocol: how one replica's batch runs, per parallelism.
 
-A parallelism mode is one object the `tfdist.training.train_loop.Trainer`
+A parallelism mode is one object the `tfdist.training.step.train_loop.Trainer`
 is given, not a patch on its step (T5X's injected partitioner, torchtitan's
 `distributed/`): the trainer calls `mode.forward_backward(context, ...)`
 once per (micro-)batch and `mode.eval_sums(context, ...)` once per
@@ -146,14 +146,14 @@ class StepMode:
   @classmethod
   def layout_rows(cls, facts) -> list:
     """This mode's rows of the memory plan
-    (`tfdist.training.memory.layout_table`): the bytes one device holds
+    (`tfdist.training.plan.memory.layout_table`): the bytes one device holds
     under each layout the mode offers, computed from `facts` (a
-    `tfdist.training.memory.LayoutFacts`: the model's unsharded
+    `tfdist.training.plan.memory.LayoutFacts`: the model's unsharded
     `ModelMemory`, the devices, the batch, the settings) with
     `facts.row(...)`.
 
     Returns:
-      A list of `tfdist.training.memory.LayoutMemory` (the base class:
+      A list of `tfdist.training.plan.memory.LayoutMemory` (the base class:
       none, the mode is not planned).
     """
     del facts
@@ -162,7 +162,7 @@ class StepMode:
   @classmethod
   def plan_lines(cls, facts: PlanFacts) -> List[str]:
     """This mode's lines of the run plan (`--dry_run` and the log at
-    start; `tfdist.training.run_plan`), each indented two spaces as the
+    start; `tfdist.training.plan.run_plan`), each indented two spaces as the
     plan's others: its layout and what it moves per step, from `facts`
     (a `PlanFacts`). The base class: none."""
     del facts
@@ -171,7 +171,7 @@ class StepMode:
   @classmethod
   def model_facts(cls, model) -> Dict[str, Any]:
     """What this mode measures of an unsharded, built Keras `model` for
-    the memory plan (`tfdist.training.memory.model_facts` merges every
+    the memory plan (`tfdist.training.plan.memory.model_facts` merges every
     mode's): keys of `LayoutFacts` or of `estimate_model_memory`. The base
     class: none."""
     del model

@@ -10,7 +10,7 @@ would leave its peers failing in their next all-reduce. tfdist instead:
 2. the controller passes `signal_received()` into the next chunk of steps,
    whose sums are reduced across all workers anyway: a signal received by
    any one worker stops *all* of them after the same step, with no
-   collective of its own (`tfdist.training.step_runner`);
+   collective of its own (`tfdist.training.step.step_runner`);
 3. every worker then calls the checkpoint save (a collective operation; the
    chief writes to `--model_dir`, the others to their scratch folders) and
    the run ends with `PreemptedError`, which `tfdist.train` turns into exit

@@ -3,7 +3,7 @@
 `build` calls the task's model builder and creates every variable under the
 strategy's scope (so ParameterServerStrategy places tables, dense weights
 and optimizer slots on the ps tasks, and Mirrored strategies mirror them),
-resolves the loss and metrics (`tfdist.training.objectives`), wraps the
+resolves the loss and metrics (`tfdist.training.step.objectives`), wraps the
 optimizer for the precision, and returns the parts every strategy uses the same
 way. `load_init_checkpoint` warm-starts the model (`--init_checkpoint`).
 """
@@ -24,22 +24,22 @@ from tfdist.errors import first_line
 from tfdist.parallel.pipeline import options as pipeline_options
 from tfdist.parallel.zero3 import optimizer as zero3  # Registers ZeRO stage 3's optimizer.
 from tfdist.runtime import wording
-from tfdist.training import checkpointing
-from tfdist.training import custom_step
-from tfdist.training import lr_schedule
-from tfdist.training import memory
-from tfdist.training import objectives as objectives_lib
+from tfdist.training.state import checkpointing
+from tfdist.training.step import custom_step
+from tfdist.training.plan import lr_schedule
+from tfdist.training.plan import memory
+from tfdist.training.step import objectives as objectives_lib
 from tfdist.core import optimizers
 from tfdist.parallel.pipeline import mode as pipeline_step
-from tfdist.training import precision
+from tfdist.training.step import precision
 from tfdist.core import reduce_dtype
 from tfdist.parallel.data import sharded_optimizer
 from tfdist.training import task as task_lib
 from tfdist.parallel.tensor import mode as tensor_parallel_step
 from tfdist.parallel.experts import mode as expert_parallel_step
-from tfdist.training import train_loop
-from tfdist.training import training_checks
-from tfdist.training.train_loop import Trainer
+from tfdist.training.step import train_loop
+from tfdist.training.step import training_checks
+from tfdist.training.step.train_loop import Trainer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,12 +108,14 @@ class Parts:
   Attributes:
     model: the Keras model (built under the strategy's scope).
     optimizer: its optimizer (a `LossScaleOptimizer` for fp16), built.
-    trainer: the `tfdist.training.train_loop.Trainer` owning the compiled steps.
+    trainer: the `tfdist.training.step.train_loop.Trainer` owning the
+      compiled steps.
     checkpoint: a `tf.train.Checkpoint` over model, optimizer and the
       trainer's global step: the whole training state.
     objectives: the resolved loss and metrics
-      (`tfdist.training.objectives.Objectives`).
-    metric_sums: the metrics as a built `tfdist.training.objectives.MetricSums`.
+      (`tfdist.training.step.objectives.Objectives`).
+    metric_sums: the metrics as a built
+    `tfdist.training.step.objectives.MetricSums`.
   """
   model: keras.Model
   optimizer: Optional[keras.optimizers.Optimizer]
@@ -199,7 +201,8 @@ def resolve_objectives(model: keras.Model, *, task: task_lib.Task
                        ) -> Tuple[objectives_lib.Objectives,
                                   objectives_lib.MetricSums]:
   """The loss and metrics of `model` on the task's data, with the shapes of
-  one example and of the model's output (`tfdist.training.objectives.resolve`).
+  one example and of the model's output
+  (`tfdist.training.step.objectives.resolve`).
 
   Raises:
     ConfigError: no loss is known; an unknown loss or metric name; a
@@ -230,7 +233,7 @@ def resolve_objectives(model: keras.Model, *, task: task_lib.Task
 def _warn_batch_valued_metrics(metric_sums: objectives_lib.MetricSums,
                                plan) -> None:
   """Warns, naming them, about metrics whose value depends on the
-  per-replica batch (`tfdist.training.objectives.batch_valued_metrics`)."""
+  per-replica batch (`tfdist.training.step.objectives.batch_valued_metrics`)."""
   splits = (plan.batch.num_replicas_in_sync *
             plan.batch.gradient_accumulation_steps)
   if splits <= 1 or metric_sums.y_true is None:
@@ -322,8 +325,8 @@ def _build_optimizer(options: AssemblyOptions, *, model: keras.Model, plan,
                      sharding: sharded_optimizer.ShardingOptions):
   """`(optimizer, learning_rate)`: the built optimizer (wrapped for the
   precision) and its `AdjustableLearningRate`, in the current scope."""
-  # Settable by Keras's learning-rate callbacks (a checkpointed factor
-  # of the schedule, see tfdist.training.lr_schedule.AdjustableLearningRate).
+  # Settable by Keras's learning-rate callbacks (a checkpointed factor of the
+  # schedule, see tfdist.training.plan.lr_schedule.AdjustableLearningRate).
   learning_rate = lr_schedule.AdjustableLearningRate(plan.lr.schedule)
   optimizer = run_optimizer(options, learning_rate)
   learning_rate.bind(sharded_optimizer.inner_optimizer(optimizer))
@@ -389,7 +392,7 @@ def _training_checkpoint(model: keras.Model, *, trainer, learning_rate,
   trainer's mode views it: `tfdist.parallel.mode.StepMode
   .checkpoint_model` and `checkpoint_optimizer`), LR factor and the random
   layers' seed-generator states. `optimizer`: given for a model's own
-  `train_step` (`tfdist.training.custom_step`), whose trainer has no mode:
+  `train_step` (`tfdist.training.step.custom_step`), whose trainer has no mode:
   the model and that optimizer are saved as they are."""
   # The random layers' seed-generator states too (Keras keeps them out of
   # the model's checkpoint dependencies): a resumed run then draws the same
@@ -436,7 +439,8 @@ def build(options: AssemblyOptions, *, task: task_lib.Task,
     task: the `tfdist.training.task.Task` (model builder, data set, loss,
       metrics).
     strategy: the run's strategy.
-    plan: the `tfdist.training.run_plan.RunPlan` (global batch, LR schedule).
+    plan: the `tfdist.training.plan.run_plan.RunPlan` (global batch, LR
+      schedule).
     on_tpu: the strategy is TPU (XLA everywhere; padded evaluation).
 
   Returns:
@@ -508,7 +512,7 @@ def _custom_step_parts(options: AssemblyOptions, *, model: keras.Model,
                        plan, on_tpu: bool, learning_rate) -> Parts:
   """`build`'s parts for a model that overrides its `train_step` (or
   `test_step`, `compute_loss`, `compute_metrics`): tfdist runs the model's
-  own step (`tfdist.training.custom_step`); no objectives of tfdist's.
+  own step (`tfdist.training.step.custom_step`); no objectives of tfdist's.
 
   Raises:
     ConfigError: a setting that needs tfdist's own step
@@ -576,7 +580,7 @@ def evaluation_trainer(parts: Parts, *, global_batch_size: int,
   run's loss and metrics, under `strategy` (the one `parts.model` was built
   in; None: the current one, e.g. the default strategy on the
   parameter-server coordinator). A model with its own step
-  (`tfdist.training.custom_step`) keeps its `parts.trainer`."""
+  (`tfdist.training.step.custom_step`) keeps its `parts.trainer`."""
   if isinstance(parts.trainer, custom_step.CustomStepTrainer):
     return parts.trainer
   return Trainer(strategy=strategy or tf.distribute.get_strategy(),

@@ -86,7 +86,7 @@ from tensorflow.python.training.saving import saveable_object
 
 from tfdist import errors
 from tfdist.core import optimizers
-from tfdist.training import precision
+from tfdist.training.step import precision
 from tfdist.core import reduce_dtype
 
 STAGES = (0, 1, 2, 3)
@@ -97,8 +97,9 @@ _VARIABLE_VALUE = "VARIABLE_VALUE"
 
 def _rate_is_shared(optimizer) -> bool:
   """Whether `optimizer`'s learning rate is a schedule or a callable (such
-  as `tfdist.training.lr_schedule.AdjustableLearningRate`) that the per-replica
-  copies share as the same object, rather than a variable to copy."""
+  as `tfdist.training.plan.lr_schedule.AdjustableLearningRate`) that the
+  per-replica copies share as the same object, rather than a variable to
+  copy."""
   rate = optimizer._learning_rate  # pylint: disable=protected-access
   if isinstance(rate, keras.optimizers.schedules.LearningRateSchedule):
     return True

@@ -67,14 +67,57 @@ class _Pair:
   variable: object
   slot: object
 
-  def read(self) -> np.ndarray:
+  def read(self, placement) -> np.ndarray:
+    """The value: a local component's; an expert's from a replica of its
+    slot, gathered from the other tasks when none is here (a collective:
+    every task of the run reads the same pairs in the same order)."""
     parts = _components(self.variable)
-    return np.asarray(parts[self.slot or 0].numpy())
+    if self.slot is None:
+      return np.asarray(parts[0].numpy())
+    here = {placement.replica_of(c.device): c for c in parts}
+    owner = next(r for r in range(placement.num_replicas)
+                 if placement.slot(r) == self.slot)
+    if len(here) == placement.num_replicas:
+      return np.asarray(here[owner].numpy())
+    return _gathered_row(placement, self.variable, here, owner)
 
   def write(self, value, placement) -> None:
-    for replica, component in enumerate(_components(self.variable)):
-      if self.slot is None or placement.slot(replica) == self.slot:
+    """Assigns `value` to this task's components that hold it."""
+    for component in _components(self.variable):
+      if self.slot is None or placement.slot(
+          placement.replica_of(component.device)) == self.slot:
         component.assign(value)
+
+
+# One `tf.function` per (strategy, placement): an all-gather over every
+# replica, traced per shape and dtype.
+_GATHER_FUNCTIONS = {}
+
+
+def _gathered_row(placement, variable, here: dict, owner: int
+                  ) -> np.ndarray:
+  """Replica `owner`'s value of the per-replica `variable`, whose
+  components in this task are `here` ({replica: component}): each replica
+  passes its own to an all-gather over every replica
+  (`collectives.replica_all_gather` in `strategy.run`; every task must
+  make the same reads in the same order)."""
+  value = variable.value if isinstance(variable, keras.Variable) else variable
+  strategy = value.distribute_strategy
+  key = (id(strategy), placement)
+  gather = _GATHER_FUNCTIONS.get(key)
+  if gather is None:
+    group = placement.all_group()
+
+    def replica(x):
+      return collectives.replica_all_gather(group, x[None], axis=0)
+
+    gather = tf.function(lambda x: strategy.run(replica, args=(x,)))
+    _GATHER_FUNCTIONS[key] = gather
+  per_replica = strategy.experimental_distribute_values_from_function(
+      lambda context: here[context.replica_id_in_sync_group].read_value())
+  rows = strategy.experimental_local_results(gather(per_replica))[0]
+  return np.asarray(rows[placement.all_group().rank(
+      placement.devices[owner])].numpy())
 
 
 def _check_same(what: str, ours, theirs) -> None:
@@ -287,7 +330,7 @@ class ExpertParallelStep(mode_lib.StepMode):
   def gathered_model(self) -> keras.Model:
     """The unsharded model holding the trained weights (every expert)."""
     for pair in self.pairs:
-      pair.view.assign(pair.read())
+      pair.view.assign(pair.read(self.placement))
     return self.unsharded
 
   def exported_model(self, context=None) -> keras.Model:
@@ -301,7 +344,8 @@ class ExpertParallelStep(mode_lib.StepMode):
     into every replica holding it."""
     del context
     for pair in self.pairs:
-      _gather_through(pair.view, pair.read,
+      _gather_through(pair.view,
+                      lambda p=pair: p.read(self.placement),
                       lambda value, p=pair: p.write(value, self.placement))
     return self.unsharded
 
@@ -331,7 +375,7 @@ class ExpertParallelStep(mode_lib.StepMode):
         raise ValueError(f"the optimizer variable {twin.path} has no twin "
                          "in the expert-parallel optimizer")
       slot_pair = _Pair(twin, found, pair.slot if pair else None)
-      _gather_through(twin, slot_pair.read,
+      _gather_through(twin, lambda p=slot_pair: p.read(self.placement),
                       lambda value, p=slot_pair: p.write(value,
                                                          self.placement))
     return view
@@ -349,7 +393,10 @@ def build(build_model: Callable[[], keras.Model],
   Args:
     build_model: builds the run's model (no arguments; in the current
       scope).
-    strategy: the run's `MirroredStrategy` (its replicas, in order).
+    strategy: the run's `MirroredStrategy` or
+      `MultiWorkerMirroredStrategy` (its replicas, in order: every task's,
+      `placement.replica_devices`; each task builds its own replicas'
+      experts).
     expert_parallel: E_p (>= 2, dividing the replicas).
 
   Returns:
@@ -360,13 +407,15 @@ def build(build_model: Callable[[], keras.Model],
       experts; a model without `MixtureOfExperts`.
     ValueError: the two models' weights do not pair up.
   """
-  if not isinstance(strategy, tf.distribute.MirroredStrategy):
+  if not isinstance(strategy, (tf.distribute.MirroredStrategy,
+                               tf.distribute.MultiWorkerMirroredStrategy)):
     raise errors.ConfigError(
-        f"--expert_parallel={expert_parallel} runs under one host's "
-        f"MirroredStrategy; the run's strategy is {type(strategy).__name__}"
-        ". Use --distribution_strategy=mirrored, or drop --expert_parallel.")
+        f"--expert_parallel={expert_parallel} runs under MirroredStrategy "
+        "or MultiWorkerMirroredStrategy; the run's strategy is "
+        f"{type(strategy).__name__}. Use --distribution_strategy=mirrored "
+        "(or multi_worker_mirrored), or drop --expert_parallel.")
   placement = placement_lib.ExpertPlacement(
-      expert_parallel, tuple(strategy.extended.worker_devices))
+      expert_parallel, placement_lib.replica_devices(strategy))
   with tf.device("/cpu:0"):
     unsharded = build_model()
   if not moe_layer.moe_layers(unsharded):

@@ -1,10 +1,12 @@
 """`--expert_parallel=E_p`, checked at start (pure Python, no TensorFlow).
 
 E_p > 1 splits every `MixtureOfExperts` layer's E experts over E_p
-replicas of a `MirroredStrategy` on one host (each replica holds E / E_p
-experts and their optimizer state; tokens travel to their experts by
-all-to-all); the replicas are cut into R / E_p expert groups, each a
-data-parallel copy of the experts. `check_flags` refuses what cannot run,
+replicas of a `MirroredStrategy` on one host or of a
+`MultiWorkerMirroredStrategy` across its workers (each replica holds
+E / E_p experts and their optimizer state; tokens travel to their experts
+by all-to-all, across processes where a group spans workers); the
+replicas are cut into R / E_p expert groups, each a data-parallel copy of
+the experts. `check_flags` refuses what cannot run,
 naming the flag, the value and the fix, before anything is built;
 `tfdist.config` calls it while it validates a `TrainConfig`. The step
 mode is `tfdist.parallel.experts.mode`. What only the built model tells
@@ -16,9 +18,12 @@ from typing import Optional
 
 from tfdist import errors
 
-# Strategies it runs under: one host's replicas (the all-to-all and the
-# per-replica expert weights are a MirroredStrategy's).
-STRATEGIES = ("auto", "mirrored")
+# Strategies it runs under: those whose replicas hold per-replica expert
+# weights and run every step together (one host's, or every worker's).
+STRATEGIES = ("auto", "mirrored", "multi_worker_mirrored")
+# Its replicas span the workers; their count is known only when the
+# cluster is (on CPUs one per worker, whatever --num_cpu_devices).
+MULTI_WORKER = "multi_worker_mirrored"
 # The built-in models with no MixtureOfExperts layer.
 WITHOUT_EXPERTS = ("cnn", "resnet", "ranking")
 
@@ -66,10 +71,10 @@ def check_flags(*, expert_parallel: int, model: Optional[str] = None,
     errors.ConfigError: E_p < 1; E_p > 1 with the built-in Transformer
       and no experts or experts not a multiple of E_p, or another
       built-in model (none has experts); a strategy that
-      cannot host it (parameter servers, TPU, several workers, one
-      device, none); pipeline stages or tensor parallelism beside it; a
-      known replica count (`--num_gpus` > 0 or `--num_cpu_devices` > 0)
-      that E_p does not divide; ZeRO, XLA, fp16, gradient clipping or
+      cannot host it (parameter servers, TPU, one device, none); pipeline
+      stages or tensor parallelism beside it; a replica count known from
+      the flags of one host (`--num_gpus` > 0 or `--num_cpu_devices` > 0,
+      not under multi_worker_mirrored) that E_p does not divide; ZeRO, XLA, fp16, gradient clipping or
       `--init_checkpoint`.
   """
   if not isinstance(expert_parallel, int) or expert_parallel < 1:
@@ -89,10 +94,11 @@ def check_flags(*, expert_parallel: int, model: Optional[str] = None,
         f"tfdist.MixtureOfExperts, or drop {flag}.")
   if distribution_strategy not in STRATEGIES:
     raise errors.ConfigError(
-        f"{flag} splits the experts over the replicas of one host's "
-        "MirroredStrategy (per-replica expert weights, all-to-all between "
-        f"replicas); --distribution_strategy={distribution_strategy} cannot "
-        "host it. Use --distribution_strategy=mirrored (or auto), or drop "
+        f"{flag} splits the experts over the replicas of a MirroredStrategy "
+        "or MultiWorkerMirroredStrategy (per-replica expert weights, "
+        "all-to-all between replicas); --distribution_strategy="
+        f"{distribution_strategy} cannot host it. Use --distribution_"
+        "strategy=mirrored, multi_worker_mirrored or auto, or drop "
         f"{flag}.")
   for given, name, why in (
       (pipeline_stages > 1, f"--pipeline_stages={pipeline_stages}",
@@ -117,7 +123,9 @@ def check_flags(*, expert_parallel: int, model: Optional[str] = None,
     if given:
       raise errors.ConfigError(
           f"{flag} cannot run with {name}: {why}. Drop one of the two.")
-  _check_devices(flag, n, num_gpus=num_gpus, num_cpu_devices=num_cpu_devices)
+  if distribution_strategy != MULTI_WORKER:
+    _check_devices(flag, n, num_gpus=num_gpus,
+                   num_cpu_devices=num_cpu_devices)
 
 
 def _check_transformer_experts(flag: str, n: int, model: Optional[str],

@@ -1,6 +1,8 @@
 """Where the experts live under expert parallelism (`--expert_parallel`).
 
-R replicas of a `MirroredStrategy` on one host are cut into R / E_p
+R replicas (a `MirroredStrategy`'s on one host, or a
+`MultiWorkerMirroredStrategy`'s over its workers: `replica_devices`) are
+cut into R / E_p
 *expert groups* of E_p consecutive replicas (replicas g*E_p ..
 (g+1)*E_p - 1); within a group, the replica of rank s (its *slot*)
 holds experts s*L .. (s+1)*L - 1, L = E / E_p. Replicas of the same slot
@@ -35,7 +37,8 @@ class ExpertPlacement:
   Attributes:
     expert_parallel: E_p (>= 2), the replicas one set of experts is split
       over.
-    devices: the R replicas' devices, in replica order.
+    devices: the R replicas' devices, in replica order (every task's,
+      under MultiWorkerMirrored: `replica_devices`).
   """
   expert_parallel: int
   devices: Tuple[str, ...]
@@ -82,6 +85,30 @@ class ExpertPlacement:
   def all_group(self) -> collectives.DeviceGroup:
     """Every replica (the global batch's router statistics)."""
     return collectives.DeviceGroup(self.devices, name="experts_all")
+
+
+def replica_devices(strategy: tf.distribute.Strategy) -> Tuple[str, ...]:
+  """Every replica's device, in replica order (`replica_id_in_sync_group`).
+
+  A `MirroredStrategy`'s devices are its replicas. A
+  `MultiWorkerMirroredStrategy` lists only this task's devices; its
+  replicas are every task's, numbered as TensorFlow numbers them (the
+  chief first, then the workers by index; each task's devices in its own
+  order, every task holding as many): this task's device names, renamed
+  to each task.
+  """
+  local = tuple(strategy.extended.worker_devices)
+  if not isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
+    return local
+  cluster = strategy.cluster_resolver.cluster_spec().as_dict()
+  tasks = [(job, index) for job in ("chief", "worker")
+           for index in range(len(cluster.get(job, ())))]
+  if not tasks:
+    return local  # No cluster: one local worker.
+  return tuple(
+      tf.DeviceSpec.from_string(device).replace(
+          job=job, replica=0, task=index).to_string()
+      for job, index in tasks for device in local)
 
 
 def current() -> Optional[ExpertPlacement]:

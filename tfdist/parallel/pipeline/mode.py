@@ -40,7 +40,7 @@ from tfdist.parallel import mode as mode_lib
 from tfdist.parallel.pipeline import copies as copies_lib
 from tfdist.parallel.pipeline import stages as pipeline_lib
 from tfdist.parallel.pipeline import options as pipeline_options
-from tfdist.training import custom_step
+from tfdist.training.step import custom_step
 
 
 @mode_lib.register_mode("pipeline")
@@ -316,7 +316,7 @@ def build(model: keras.Model, options: pipeline_options.PipelineOptions, *,
     ConfigError (a `PipelineConfigError`, status 2): the model cannot be
       cut (subclassed, a layer shared across stages, unknown cuts, fewer
       layers or devices than stages), a model with its own `train_step`
-      (`tfdist.training.custom_step`), an activity regularizer, or
+      (`tfdist.training.step.custom_step`), an activity regularizer, or
       micro-batches that do not divide the batch; each names the flag.
   """
   if not options.enabled:

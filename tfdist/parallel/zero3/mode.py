@@ -42,7 +42,7 @@ class Zero3Mode(mode_lib.StepMode):
   @classmethod
   def model_facts(cls, model) -> dict:
     """`replicated_variables`: the embedding tables stage 3 keeps whole
-    (for `tfdist.training.memory.estimate_model_memory`)."""
+    (for `tfdist.training.plan.memory.estimate_model_memory`)."""
     return {"replicated_variables": replicated_variables(model)}
 
   def bind(self, context) -> None:

@@ -108,7 +108,7 @@ from tfdist.parallel import cutting
 from tfdist.parallel import mode as mode_lib
 from tfdist.parallel.pipeline import stages as pipeline
 from tfdist.runtime import private_api
-from tfdist.training import custom_step
+from tfdist.training.step import custom_step
 from tfdist.core import reduce_dtype
 from tfdist.parallel.data import sharded_optimizer
 
@@ -227,7 +227,7 @@ def check_model(model: keras.Model) -> None:
 
   Raises:
     tfdist.errors.ConfigError: a model overriding `train_step` (or
-      `compute_loss`, ...: `tfdist.training.custom_step.overrides`), or a
+      `compute_loss`, ...: `tfdist.training.step.custom_step.overrides`), or a
       trainable variable that is not float32; each names `--zero_stage=3`
       and the fix.
   """
@@ -646,7 +646,7 @@ class Zero3Optimizer(sharded_optimizer.ShardedOptimizer):
     """The weights one replica keeps: its shard (S float32) and the whole
     replicated weights (`replicated_variables`), beside
     `state_bytes_per_replica` (the optimizer's and accumulators' shards,
-    as stages 1-2 count them for `tfdist.training.memory`)."""
+    as stages 1-2 count them for `tfdist.training.plan.memory`)."""
     return 4 * (self.layout.shard_size +
                 sum(self.layout.sizes[j] for j in self.replicated))
 

@@ -1,17 +1,17 @@
 """The outer loop: one controller for every strategy.
 
-Orbit-style split: a step runner (`tfdist.training.step_runner`) runs steps (a
-local call of the compiled step, or chunks scheduled on a `ClusterCoordinator`);
-the `Controller` owns everything between steps, the same way for every
-strategy:
+Orbit-style split: a step runner (`tfdist.training.step.step_runner`) runs steps
+(a local call of the compiled step, or chunks scheduled on a
+`ClusterCoordinator`); the `Controller` owns everything between steps, the same
+way for every strategy:
 
 * boundaries: it runs up to the next log, checkpoint, epoch or final step
   (and, for a local runner, at most `steps_per_execution` steps per call),
   so every boundary is hit exactly;
 * logging (`tfdist.observability.run_log.RunLog`: one formatter, one set of
   TensorBoard scalars, one divergence check);
-* checkpoints (`tfdist.training.checkpointing.CheckpointKeeper`): restore at
-  start, save every `checkpoint_steps` (or at each epoch end) and at the end;
+* checkpoints (`tfdist.training.state.checkpointing.CheckpointKeeper`): restore
+  at start, save every `checkpoint_steps` (or at each epoch end) and at the end;
 * evaluation every `epochs_between_evals` epochs and at the end;
 * Keras callbacks (`set_params`, train/epoch/batch hooks with Keras's logs,
   the `on_test_*` hooks around each evaluation during training,
@@ -41,7 +41,7 @@ the controller threads the results from one action to the next.
 Stop requests (a signal, a callback's `model.stop_training`) ride with the
 next chunk's step sums, which every worker reduces anyway, so workers agree
 without a host synchronization of their own; they come back apart from the
-metrics, as `tfdist.training.step_runner.StepSignals`. At epoch ends, where
+metrics, as `tfdist.training.step.step_runner.StepSignals`. At epoch ends, where
 callbacks decide, one all-reduce of one number makes them agree
 (multi-worker only); after the batch hooks too, when a callback may stop
 there (`keras_callbacks.may_stop_in_batch_hooks`), so training stops after
@@ -51,9 +51,9 @@ the call in whose hooks the flag was set, as `fit` stops after that batch
 Skipped steps (fp16 updates skipped for a non-finite summed gradient) come
 back from the compiled step with each chunk's signals; the controller logs
 them and stops a run whose optimizer no longer updates
-(`tfdist.training.training_checks.SkippedStepMonitor`). A non-finite training or
-evaluation loss stops the run as diverged: the actions after the one that
-found it end the epoch and the run for the callbacks (`Action.on_diverged`,
+(`tfdist.training.step.training_checks.SkippedStepMonitor`). A non-finite
+training or evaluation loss stops the run as diverged: the actions after the one
+that found it end the epoch and the run for the callbacks (`Action.on_diverged`,
 as `fit` ends a run that TerminateOnNaN stops), then the error is raised;
 it names the data as the cause when the batches concerned, read again
 (`StepRunner.nonfinite_input`), hold NaN or infinite values.

@@ -6,14 +6,14 @@ from typing import Callable, Optional
 
 from tfdist import errors
 from tfdist.observability import run_log as run_log_lib
-from tfdist.training.checkpoint_paths import checkpoint_step
+from tfdist.training.state.checkpoint_paths import checkpoint_step
 
 
 class Checkpoints:
   """Saves through a `CheckpointKeeper`, and words divergence errors.
 
   Args:
-    keeper: the `tfdist.training.checkpointing.CheckpointKeeper`.
+    keeper: the `tfdist.training.state.checkpointing.CheckpointKeeper`.
     learning_rate: returns the current learning rate (float).
     loss_scale: returns the current loss scale, or None without one.
     nonfinite_input: `(after_step, step) -> str or None`
@@ -21,7 +21,7 @@ class Checkpoints:
       steps `after_step + 1 .. step` (`after_step` None: since the input
       started) is NaN or infinite, re-read after a divergence; None: not
       checked.
-    callback_state: the `tfdist.training.callback_state.CallbackState`
+    callback_state: the `tfdist.training.state.callback_state.CallbackState`
       saved with each checkpoint, or None.
   """
 

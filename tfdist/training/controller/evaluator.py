@@ -9,7 +9,7 @@ from absl import logging
 import tensorflow as tf
 
 from tfdist import errors
-from tfdist.training.checkpoint_paths import checkpoint_step
+from tfdist.training.state.checkpoint_paths import checkpoint_step
 from tfdist.training.controller.eval_results import append_eval_result
 from tfdist.training.controller.eval_results import read_eval_results
 

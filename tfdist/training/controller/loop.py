@@ -13,10 +13,10 @@ import tensorflow as tf
 from tfdist import errors
 from tfdist.observability import run_log as run_log_lib
 from tfdist.parallel.experts import layer as moe_layer
-from tfdist.training import callback_state as callback_state_lib
-from tfdist.training import keras_callbacks
-from tfdist.training import step_runner
-from tfdist.training import training_checks
+from tfdist.training.state import callback_state as callback_state_lib
+from tfdist.training.state import keras_callbacks
+from tfdist.training.step import step_runner
+from tfdist.training.step import training_checks
 from tfdist.training.controller import evaluator
 from tfdist.training.controller.actions.health import DivergenceCheck
 from tfdist.training.controller.actions.health import SkippedStepWatch
@@ -63,17 +63,18 @@ class Controller:
   next boundary, then each `Action` (see `actions`) does its side work.
 
   Args:
-    runner: a `tfdist.training.step_runner.StepRunner` (`LocalStepRunner` or
-      `CoordinatorStepRunner`); None for an evaluation-only controller.
-    options: a `ControllerOptions`.
-    checkpoints: a `tfdist.training.checkpointing.CheckpointKeeper`; None for an
+    runner: a `tfdist.training.step.step_runner.StepRunner`
+      (`LocalStepRunner` or `CoordinatorStepRunner`); None for an
       evaluation-only controller.
+    options: a `ControllerOptions`.
+    checkpoints: a `tfdist.training.state.checkpointing.CheckpointKeeper`;
+      None for an evaluation-only controller.
     step_counter: the global step variable (read after restoring).
     run_log: the `tfdist.observability.run_log.RunLog`.
     evaluate: a function returning one evaluation of the current weights
       (`{"loss", <metric>: value, ..., "num_examples"}`), or None; called
       with `on_batch_begin` and `on_batch_end` (as
-      `tfdist.training.train_loop.Trainer.evaluate` takes them) when a
+      `tfdist.training.step.train_loop.Trainer.evaluate` takes them) when a
       callback overrides Keras's `on_test_batch_*` hooks.
     model: the Keras model (callbacks read it; `stop_training`).
     learning_rate: returns the current learning rate (float).

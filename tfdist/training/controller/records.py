@@ -11,8 +11,8 @@ from typing import Dict, Optional, Sequence
 
 import numpy as np
 
-from tfdist.training import step_runner
-from tfdist.training import training_checks
+from tfdist.training.step import step_runner
+from tfdist.training.step import training_checks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,7 +172,7 @@ class Chunk:
     step: the last step of the chunk.
     first_step: the step before the chunk (`step - first_step` steps ran).
     epoch: the epoch the chunk trained in (0-based).
-    output: the runner's `tfdist.training.step_runner.StepOutput`: the
+    output: the runner's `tfdist.training.step.step_runner.StepOutput`: the
       step sums (`loss`, the metrics' sums, `micro_steps`, timings) and
       the `StepSignals` every worker reduced.
     stop_requested: a callback of some worker asks to stop (from the

@@ -5,7 +5,7 @@ optimizer that no longer updates.
 import math
 from typing import Callable, Optional
 
-from tfdist.training import training_checks
+from tfdist.training.step import training_checks
 from tfdist.training.controller.checkpoints import Checkpoints
 from tfdist.training.controller.protocol import Action
 from tfdist.training.controller.records import ControllerOptions
@@ -36,7 +36,7 @@ class DivergenceCheck(Action):
 
 class SkippedStepWatch(Action):
   """Counts skipped steps; stops a run whose optimizer no longer updates
-  (`tfdist.training.training_checks.SkippedStepMonitor`). Produces the
+  (`tfdist.training.step.training_checks.SkippedStepMonitor`). Produces the
   chunk's skipped steps and the run's so far (`skipped_steps`,
   `total_skipped`) for the actions after it."""
 

@@ -9,9 +9,9 @@ from absl import logging
 import keras
 
 from tfdist.observability import run_log as run_log_lib
-from tfdist.training import callback_state as callback_state_lib
-from tfdist.training import keras_callbacks
-from tfdist.training import step_runner
+from tfdist.training.state import callback_state as callback_state_lib
+from tfdist.training.state import keras_callbacks
+from tfdist.training.step import step_runner
 from tfdist.training.controller.checkpoints import Checkpoints
 from tfdist.training.controller.protocol import Action
 from tfdist.training.controller.records import ControllerOptions
@@ -131,7 +131,7 @@ class KerasEpochEnd(Action):
 
   A learning-rate callback (ReduceLROnPlateau) that changed the rate after
   this step's checkpoint, or a callback whose kept state changed
-  (`tfdist.training.callback_state`), has it saved again, so a resume from
+  (`tfdist.training.state.callback_state`), has it saved again, so a resume from
   it trains on with the new rate and the callbacks' new state.
   """
 

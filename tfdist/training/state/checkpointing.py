@@ -47,8 +47,8 @@ from tfdist import config as config_lib
 from tfdist import errors
 from tfdist.data.input_position import INPUT_POSITION_KEY  # noqa: F401
 from tfdist.data.input_position import InputPosition
-from tfdist.training.checkpoint_paths import checkpoint_step  # noqa: F401
-from tfdist.training.checkpoint_paths import is_interrupted_save
+from tfdist.training.state.checkpoint_paths import checkpoint_step  # noqa: F401
+from tfdist.training.state.checkpoint_paths import is_interrupted_save
 
 RUN_RECORD_FILE = "run_config.json"
 
@@ -91,11 +91,11 @@ def clean_interrupted_saves(directory: str) -> List[str]:
 
 # Parts of the training state (children of the checkpoint's root) that a
 # checkpoint may lack: the input position (`InputPosition`), the random
-# layers' seed-generator states (`tfdist.training.train_loop.random_state`) and
-# the learning-rate factor Keras's learning-rate callbacks set
-# (`tfdist.training.lr_schedule.AdjustableLearningRate`; absent, it stays 1),
-# which older checkpoints do not hold; and the Keras callbacks' state
-# (`tfdist.training.callback_state`), saved only when a callback has some.
+# layers' seed-generator states (`tfdist.training.step.train_loop.random_state`)
+# and the learning-rate factor Keras's learning-rate callbacks set
+# (`tfdist.training.plan.lr_schedule.AdjustableLearningRate`; absent, it stays
+# 1), which older checkpoints do not hold; and the Keras callbacks' state
+# (`tfdist.training.state.callback_state`), saved only when a callback has some.
 OPTIONAL_PARTS = ("input_position", "random_state", "lr_multiplier",
                   "callback_state")
 
@@ -313,7 +313,7 @@ def run_record(settings: Mapping[str, Any], plan) -> dict:
     settings: the run's settings by flag name
       (`tfdist.observability.manifest.recorded_config`); the operational
       ones are left out.
-    plan: its `tfdist.training.run_plan.RunPlan`.
+    plan: its `tfdist.training.plan.run_plan.RunPlan`.
 
   Returns:
     A JSON-serializable dict: the batch and step plan, the strategy and

@@ -16,9 +16,9 @@ from tfdist.data import input_pipeline
 from tfdist import errors
 from tfdist.core.strategy_kind import StrategyKind
 from tfdist.parallel.pipeline import options as pipeline_options
-from tfdist.training import batch_plan as batch_plan_lib
-from tfdist.training import lr_schedule
-from tfdist.training import precision
+from tfdist.training.plan import batch_plan as batch_plan_lib
+from tfdist.training.plan import lr_schedule
+from tfdist.training.step import precision
 from tfdist.core import reduce_dtype
 
 
@@ -53,7 +53,7 @@ class PlanOptions:
   Attributes:
     data: the `DataOptions` (the task's data section with the files the run
       decided: `decided_data`).
-    lr: the `tfdist.training.lr_schedule.LROptions` (the optimization
+    lr: the `tfdist.training.plan.lr_schedule.LROptions` (the optimization
       section's `learning_rate`).
     loop: the `tfdist.config.LoopConfig`: `batch_size` (None: from the
       per-replica one), `per_replica_batch_size`,

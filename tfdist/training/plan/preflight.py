@@ -30,7 +30,7 @@ from tfdist import config as config_lib
 from tfdist.cloud import hptune
 from tfdist import errors
 from tfdist.errors import first_line
-from tfdist.training import objectives
+from tfdist.training.step import objectives
 from tfdist.core import registry
 from tfdist.training import task as task_lib
 

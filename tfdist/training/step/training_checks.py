@@ -1,10 +1,10 @@
 """Checks the outer loop runs between chunks of steps: loud, not silent.
 
-The compiled step (`tfdist.training.train_loop.Trainer.train_function`) returns,
-with each chunk's sums, how many steps it skipped (fp16: the summed gradient was
-not finite, so the `LossScaleOptimizer` made no update) and how many of the
-chunk's last steps in a row were skipped. From those, with no extra host
-synchronization, `SkippedStepMonitor` counts skipped steps for the log and
+The compiled step (`tfdist.training.step.train_loop.Trainer.train_function`)
+returns, with each chunk's sums, how many steps it skipped (fp16: the summed
+gradient was not finite, so the `LossScaleOptimizer` made no update) and how
+many of the chunk's last steps in a row were skipped. From those, with no extra
+host synchronization, `SkippedStepMonitor` counts skipped steps for the log and
 the manifest and stops a run whose optimizer has stopped updating:
 
 * `--max_consecutive_skipped_steps=N` (default 100) steps in a row skipped

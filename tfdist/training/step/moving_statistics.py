@@ -171,7 +171,7 @@ def note_in_plan(plan, model: keras.Model, *, model_name: str,
   """The run plan with its batch-norm facts as `model` has them, logged.
 
   Args:
-    plan: the `tfdist.training.run_plan.RunPlan` (its `sync_batch_norm`
+    plan: the `tfdist.training.plan.run_plan.RunPlan` (its `sync_batch_norm`
       says what a built-in model's builder was asked for).
     model: the built Keras model (a user's builder may ignore the plan).
     model_name: `--model` (a built-in model's name, or a user's

@@ -10,7 +10,7 @@ default, or a fixed scale).
 
 Under a `tf.distribute` strategy the `LossScaleOptimizer` must be given the
 gradient already summed over all replicas and workers (as
-`tfdist.training.train_loop.Trainer` does): Keras decides "finite" from the
+`tfdist.training.step.train_loop.Trainer` does): Keras decides "finite" from the
 gradients it is given, before its own all-reduce, so from each replica's
 share alone. One replica's overflow then wrote inf into the weights under
 MirroredStrategy, and under MultiWorkerMirroredStrategy one worker entered

@@ -3,7 +3,7 @@
 Keras documents overriding `train_step` (and `test_step`, `compute_loss`,
 `compute_metrics`) as the way to customize `Model.fit` ("Customizing what
 happens in fit()"): GANs with two optimizers, frozen variables, a loss
-computed inside the step. tfdist's own step (`tfdist.training.train_loop`)
+computed inside the step. tfdist's own step (`tfdist.training.step.train_loop`)
 computes the compiled loss itself, so for such a model it would train
 another model than the user wrote. Instead, where a model's class overrides
 one of `HOOKS` (`overrides`), tfdist runs the model's own step per replica,
@@ -287,8 +287,8 @@ def _as_logs(logs: Dict[str, float], metrics: Dict[str, float]
 class CustomStepTrainer:
   """Runs a model's own `train_step` and `test_step` (module docstring).
 
-  It offers what `tfdist.training.step_runner.LocalStepRunner`, the
-  controller and the run log use of a `tfdist.training.train_loop.Trainer`:
+  It offers what `tfdist.training.step.step_runner.LocalStepRunner`, the
+  controller and the run log use of a `tfdist.training.step.train_loop.Trainer`:
   `train_function`, `summarize`, `evaluate`, `global_step`, `strategy`,
   `steps_per_execution`.
 

@@ -1,7 +1,7 @@
 """Meshes in the memory plan: every data x pipeline x tensor layout of N
 devices, with each ZeRO stage, per device, and the one to use.
 
-`mesh_layouts(facts)` takes the `tfdist.training.memory.LayoutFacts` the
+`mesh_layouts(facts)` takes the `tfdist.training.plan.memory.LayoutFacts` the
 single-axis table is computed from and returns one `MeshLayout` per
 factorization N = D x P x T (`tfdist.parallel.mesh.factorizations`) and
 ZeRO stage z (0 always; 1-3 where D > 1 and the optimizer can be sharded).
@@ -55,7 +55,7 @@ import math
 from typing import List, Optional, Sequence
 
 from tfdist.parallel import mesh as mesh_lib
-from tfdist.training import memory
+from tfdist.training.plan import memory
 
 ZERO_STAGES = (0, 1, 2, 3)
 
@@ -67,7 +67,7 @@ class MeshLayout:
   Attributes:
     data, pipeline, tensor: the degrees D, P, T (D * P * T = N).
     zero_stage: z, the ZeRO stage within each data-parallel group.
-    memory: its `tfdist.training.memory.LayoutMemory` (layout `"mesh"`;
+    memory: its `tfdist.training.plan.memory.LayoutMemory` (layout `"mesh"`;
       `flags` the `tfdist.train` flags that choose it; `fits`,
       `available` and `note` as in the single-axis table).
     data_traffic_bytes: the bytes one device moves per step over its data
@@ -194,7 +194,7 @@ def mesh_layouts(facts: memory.LayoutFacts,
 
   Args:
     facts: the model's unsharded state, the devices, their memory, the
-      batch (`tfdist.training.memory.LayoutFacts`).
+      batch (`tfdist.training.plan.memory.LayoutFacts`).
     zero_stages: the stages to list (default 0-3).
 
   Returns:

@@ -17,8 +17,8 @@ step runner only runs steps and returns their sums:
 Both implement `StepRunner` and return a `StepOutput`: the chunk's sums
 as float64 NumPy values (`loss`: sum of the per-step mean losses, `count`:
 examples, `micro_steps`, each metric's summed state,
-`tfdist.training.objectives.MetricSums`; `Trainer.summarize` makes values of
-them) and, apart from them, its `StepSignals` (stop requests, skipped steps).
+`tfdist.training.step.objectives.MetricSums`; `Trainer.summarize` makes values
+of them) and, apart from them, its `StepSignals` (stop requests, skipped steps).
 """
 
 import abc
@@ -265,7 +265,7 @@ class LocalStepRunner(StepRunner):
   """Runs steps by calling the compiled training function in this process.
 
   Args:
-    trainer: the `tfdist.training.train_loop.Trainer`.
+    trainer: the `tfdist.training.step.train_loop.Trainer`.
     iterator: an iterator over the distributed training dataset.
     num_workers: hosts training in sync (MultiWorkerMirroredStrategy); with
       more than one, `agree` is a one-number all-reduce.
@@ -453,7 +453,7 @@ class CoordinatorStepRunner(StepRunner):
   """Schedules steps on parameter-server workers through a coordinator.
 
   Args:
-    trainer: the `tfdist.training.train_loop.Trainer` (built under the
+    trainer: the `tfdist.training.step.train_loop.Trainer` (built under the
       ParameterServerStrategy's scope).
     coordinator: the `tf.distribute.coordinator.ClusterCoordinator`.
     iterator: the per-worker iterator

@@ -36,7 +36,8 @@ import tensorflow as tf
 
 from tfdist import errors
 
-# The checkpoint part's name (`tfdist.training.checkpointing.OPTIONAL_PARTS`).
+# The checkpoint part's name
+# (`tfdist.training.state.checkpointing.OPTIONAL_PARTS`).
 PART = "callback_state"
 _FORMAT = 1
 # Keras callback class -> the attributes kept.

@@ -19,8 +19,8 @@ import keras
 
 from tfdist.data import input_pipeline
 from tfdist.data import input_position
-from tfdist.training import custom_step
-from tfdist.training import objectives as objectives_lib
+from tfdist.training.step import custom_step
+from tfdist.training.step import objectives as objectives_lib
 
 
 
@@ -34,10 +34,10 @@ class RunFacts:
       each replica: `--gradient_accumulation_steps`, times a pipeline's
       copies D and micro-batches M (`micro_batches_of`).
     batch_valued_loss: the loss returns one value per batch (a scalar;
-      `tfdist.training.objectives.batch_valued_loss`).
+      `tfdist.training.step.objectives.batch_valued_loss`).
     loss_name: the loss's name, for the line.
     own_step: the model's class overrides `train_step` or `compute_loss`
-      (`tfdist.training.custom_step.overrides`): the hooks named.
+      (`tfdist.training.step.custom_step.overrides`): the hooks named.
     zero_stage: ZeRO stage (0: none).
     optimizer: the optimizer's name (`--optimizer`).
     plain_sgd: the optimizer is SGD without momentum or clipping.
@@ -379,7 +379,7 @@ def facts_of_run(options, *, parts, plan, replicas: int,
   Args:
     options: the run's `tfdist.training.assembly.AssemblyOptions`.
     parts: its built `tfdist.training.assembly.Parts`.
-    plan: its `tfdist.training.run_plan.RunPlan`.
+    plan: its `tfdist.training.plan.run_plan.RunPlan`.
     replicas: the strategy's `num_replicas_in_sync`.
     input_fn, keeps_input_position: as `facts_of`.
   """

@@ -106,7 +106,7 @@ def _binary_or_sparse(y_true: tf.TensorShape, y_pred: tf.TensorShape):
 # How Keras's `fit` turns a loss's values into the loss it differentiates
 # (`keras.losses.Loss.reduction`, after `compile`'s wrapping), as tfdist
 # applies it over the global batch (`loss_values`, and
-# `tfdist.training.train_loop.Trainer`):
+# `tfdist.training.step.train_loop.Trainer`):
 #   "sum_over_batch_size": sum(weight x loss) / examples in the global batch
 #     (also Keras's "mean"); the loss reported is that value.
 #   "sum": sum(weight x loss) over the global batch, reported as is.
