@@ -553,10 +553,18 @@ def _mesh_child(root: str, part: str) -> dict:
 
 def _layout_map_model(kind: str, compiled: bool = True):
   """A user's own model, compiled with its loss (unless not `compiled`):
-  `mlp` 8 -> 32 (relu) -> 4 -> 1 (Dense), `attention` a causal
+  `mlp` 8 -> 32 (relu) -> 4 -> 1 (Dense; functional), `mlp_sequential`
+  the same as a `keras.Sequential`, `attention` a causal
   MultiHeadAttention (4 heads of 3, dropout 0.1) and a 16-unit
   feed-forward pair, both residual, then a Dense of 1."""
   import keras  # pylint: disable=g-import-not-at-top
+  if kind == "mlp_sequential":
+    model = keras.Sequential([
+        keras.Input((8,)), keras.layers.Dense(32, activation="relu",
+                                              name="up"),
+        keras.layers.Dense(4, name="down"), keras.layers.Dense(1, name="out")])
+    model.compile(loss="mse")
+    return model
   if kind == "mlp":
     inputs = keras.Input((8,))
     x = keras.layers.Dense(32, activation="relu", name="up")(inputs)
@@ -578,6 +586,11 @@ def _user_mlp():
   return _layout_map_model("mlp")
 
 
+def _user_mlp_sequential():
+  """`fit`'s model_fn: `_layout_map_model("mlp_sequential")`."""
+  return _layout_map_model("mlp_sequential")
+
+
 def _user_attention():
   """`fit`'s model_fn: `_layout_map_model("attention")`."""
   return _layout_map_model("attention")
@@ -585,15 +598,15 @@ def _user_attention():
 
 def _layout_map_for(kind: str, data: int):
   """The Keras LayoutMap of `_layout_map_model(kind)` on a data x model
-  mesh of `data` x 2: `up` by columns, `down` by rows, the attention by
-  heads."""
+  mesh of `data` x 2: `up` by columns, `down` by rows (patterns: a
+  Sequential's paths start with its name), the attention by heads."""
   import keras  # pylint: disable=g-import-not-at-top
   mesh = keras.distribution.DeviceMesh(
       (data, 2), ["batch", "model"],
       devices=[f"cpu:{i}" for i in range(2 * data)])
   layout_map = keras.distribution.LayoutMap(mesh)
-  layout_map["up/kernel"] = (None, "model")
-  layout_map["down/kernel"] = ("model", None)
+  layout_map[".*up/kernel"] = (None, "model")
+  layout_map[".*down/kernel"] = ("model", None)
   if kind == "attention":
     layout_map["mha/(query|key|value)/kernel"] = (None, "model", None)
     layout_map["mha/(query|key|value)/bias"] = ("model", None)
@@ -604,8 +617,9 @@ def _layout_map_for(kind: str, data: int):
 def _layout_map_child(root: str, n: int) -> dict:
   """`tfdist.fit(model_fn, ..., layout_map=...)` of a user's model against
   one device, 3 updates (`--deterministic`, float32), in folders under
-  `root`. n = 4 (first): the MLP's one-device runs (SGD with momentum 0.9,
-  Adam), kept under `root`, and its D x T = 2 x 2 runs; n = 2: its T = 2
+  `root`. n = 4 (first): the MLP's one-device runs (SGD with momentum 0.9
+  on the functional MLP, Adam on the same as a Sequential), kept under
+  `root`, and its D x T = 2 x 2 runs; n = 2: its T = 2
   runs (against the kept one-device runs), both runs' checkpoints
   restored into the unsplit model, and the attention model (SGD) at T = 2
   and on one device."""
@@ -618,6 +632,8 @@ def _layout_map_child(root: str, n: int) -> dict:
   rng = np.random.default_rng(0)
   inputs = {"mlp": rng.normal(size=(64, 8)).astype("float32"),
             "attention": rng.normal(size=(64, 5, 8)).astype("float32")}
+  # SGD (with momentum) trains the functional MLP, Adam the Sequential.
+  mlp = {"sgd": "mlp", "adam": "mlp_sequential"}
 
   class Losses(keras.callbacks.Callback):
     def on_train_begin(self, logs=None):
@@ -630,9 +646,11 @@ def _layout_map_child(root: str, n: int) -> dict:
     # Each split run's strategy numbers its collectives 20000 further
     # (`_process`'s `guarded` gives each part 100000).
     tf.distribute.MirroredStrategy._collective_key_base += 20000  # pylint: disable=protected-access
-    x = inputs[kind]
+    x = inputs["attention" if kind == "attention" else "mlp"]
     losses = Losses()
-    tfdist.fit(_user_mlp if kind == "mlp" else _user_attention, x=x,
+    model_fn = {"mlp": _user_mlp, "mlp_sequential": _user_mlp_sequential,
+                "attention": _user_attention}[kind]
+    tfdist.fit(model_fn, x=x,
                y=x.reshape(len(x), -1).sum(axis=1), verbose=0,
                layout_map=layout_map, callbacks=[losses],
                config=tfdist.TrainConfig(
@@ -670,7 +688,7 @@ def _layout_map_child(root: str, n: int) -> dict:
   one = os.path.join(root, "layout_map_one.json")
   results = {}
   if n == 4:
-    losses = {opt: run(f"lm_one_{opt}", "mlp", opt,
+    losses = {opt: run(f"lm_one_{opt}", mlp[opt], opt,
                        distribution_strategy="one_device")
               for opt in ("sgd", "adam")}
     with open(one, "w") as f:
@@ -678,7 +696,7 @@ def _layout_map_child(root: str, n: int) -> dict:
     for opt in ("sgd", "adam"):
       results[f"layout_map_mesh_{opt}"] = compare(
           f"lm_mesh_{opt}", f"lm_one_{opt}",
-          run(f"lm_mesh_{opt}", "mlp", opt, _layout_map_for("mlp", 2),
+          run(f"lm_mesh_{opt}", mlp[opt], opt, _layout_map_for("mlp", 2),
               distribution_strategy="mirrored", num_cpu_devices=4),
           losses[opt])
     return results
@@ -687,7 +705,7 @@ def _layout_map_child(root: str, n: int) -> dict:
   for opt in ("sgd", "adam"):
     results[f"layout_map_t2_{opt}"] = compare(
         f"lm_t2_{opt}", f"lm_one_{opt}",
-        run(f"lm_t2_{opt}", "mlp", opt, _layout_map_for("mlp", 1),
+        run(f"lm_t2_{opt}", mlp[opt], opt, _layout_map_for("mlp", 1),
             distribution_strategy="mirrored"), losses[opt])
   one_outputs = restored_outputs("lm_one_sgd")
   results["layout_map_restored"] = {
@@ -1066,8 +1084,9 @@ class MeshTest(absltest.TestCase):
 
 class LayoutMapTest(absltest.TestCase):
   """`tfdist.fit(model_fn, ..., layout_map=keras.distribution.LayoutMap(
-  ...))`: a user's own MLP (column then row Dense pair) split T = 2 on 2
-  devices and D x T = 2 x 2 on 4, and an attention model (heads, then a
+  ...))`: a user's own MLP (column then row Dense pair; functional under
+  SGD with momentum, Sequential under Adam) split T = 2 on 2 devices and
+  D x T = 2 x 2 on 4, and an attention model (heads, then a
   column -> row pair) at T = 2, each against one device
   (`_layout_map_child`, a part of both processes)."""
 
