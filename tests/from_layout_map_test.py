@@ -39,7 +39,8 @@ def _mlp_map(degree=2):
 
 def _mlp(**up):
   inputs = keras.Input((8,))
-  x = keras.layers.Dense(32, activation="relu", name="up", **up)(inputs)
+  up = {"activation": "relu", **up}
+  x = keras.layers.Dense(32, name="up", **up)(inputs)
   outputs = keras.layers.Dense(4, name="down")(x)
   return keras.Model(inputs, outputs)
 
@@ -130,6 +131,9 @@ class RefusalTest(absltest.TestCase):
     self.assert_refused(_mlp(kernel_regularizer="l2"), _mlp_map(),
                         r"entry 'up/kernel' splits Dense 'up' by columns",
                         "kernel_regularizer", "leave it replicated")
+    # A softmax over a column layer's units would see 1/T of them.
+    self.assert_refused(_mlp(activation="softmax"), _mlp_map(),
+                        r"activation='softmax' \(not elementwise")
     inputs = keras.Input((8,))
     x = _MyDense(32, name="up")(inputs)
     x = keras.layers.Dense(4, name="down")(x)

@@ -32,7 +32,9 @@ supported:
 * an `Embedding` split over `model` (by vocabulary or by columns) or an
   `EinsumDense` split: no tensor-parallel layer of tfdist takes them;
 * a split Dense with regularizers, constraints, LoRA, quantization, or
-  frozen (`trainable=False`), or a subclass of Dense;
+  frozen (`trainable=False`), or a subclass of Dense; a column-parallel
+  Dense whose activation mixes the features (`softmax`, `log_softmax`,
+  `glu`, `sparsemax`: each replica holds 1/T of them);
 * a split MultiHeadAttention whose arguments the parallel layer does not
   take (`attention_axes`, `sliding_window`, `use_gate`, regularizers,
   constraints, an `output_shape` of several dimensions) or called with
@@ -60,6 +62,9 @@ from tfdist.parallel.tensor import layers as tp_lib
 # What `fit(layout_map=...)` splits, for the messages.
 SUPPORTED = ("Dense split by columns (kernel (None, 'model')) or rows "
              "(kernel ('model', None)), and MultiHeadAttention split by heads")
+# Keras activations that mix the features (a column-parallel layer applies
+# its activation to each replica's units alone).
+_ACROSS_FEATURES = ("softmax", "log_softmax", "glu", "sparsemax")
 # MultiHeadAttention's call arguments `ParallelMultiHeadAttention` takes.
 _ATTENTION_CALL_ARGUMENTS = ("query", "value", "key", "attention_mask",
                              "use_causal_mask", "training")
@@ -142,7 +147,7 @@ def _check_dense(layer, kind: str, entry: str) -> None:
   where = (f"Layout map entry {entry!r} splits Dense {layer.name!r} by "
            f"{kind}s")
   if type(layer) is not keras.layers.Dense:  # pylint: disable=unidiomatic-typecheck
-    _refuse(f"{where[:-1]}, but {layer.name!r} is a {type(layer).__name__} "
+    _refuse(f"{where}, but {layer.name!r} is a {type(layer).__name__} "
             "(a subclass of Dense, whose own call a tensor-parallel layer "
             f"would drop). layout_map splits: {SUPPORTED}.")
   given = [name for name in ("kernel_regularizer", "bias_regularizer",
@@ -155,6 +160,11 @@ def _check_dense(layer, kind: str, entry: str) -> None:
     given.append("quantization")
   if not layer.trainable:
     given.append("trainable=False")
+  activation = layer.get_config().get("activation")
+  if kind == "column" and activation in _ACROSS_FEATURES:
+    # Each shard would normalize over its own units only.
+    given.append(f"activation={activation!r} (not elementwise: each "
+                 "replica holds 1/T of the units)")
   if given:
     _refuse(f"{where}, but it has {', '.join(given)}, which the "
             "tensor-parallel Dense does not take. Remove them from "
