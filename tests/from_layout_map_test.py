@@ -177,6 +177,22 @@ class RefusalTest(absltest.TestCase):
       from_layout_map.split_model(_mlp(), _mlp_map(), 4)
 
 
+class DropoutTest(absltest.TestCase):
+
+  def test_a_dropout_inside_a_pair_is_named(self):
+    inputs = keras.Input((8,))
+    x = keras.layers.Dense(32, activation="relu", name="up")(inputs)
+    x = keras.layers.Dropout(0.1, name="inside")(x)
+    x = keras.layers.Dense(4, name="down")(x)
+    x = keras.layers.Dropout(0.1, name="after")(x)
+    model = keras.Model(inputs, keras.layers.Dense(1, name="out")(x))
+    plan = from_layout_map.check(model, _mlp_map())
+    self.assertEqual(from_layout_map.dropouts_inside_pairs(model, plan),
+                     ["inside"])
+    self.assertEqual(from_layout_map.dropouts_inside_pairs(
+        _mlp(), from_layout_map.check(_mlp(), _mlp_map())), [])
+
+
 class ConfigTest(absltest.TestCase):
 
   def test_config_changes_set_t_and_record_the_entries(self):

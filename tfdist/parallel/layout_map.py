@@ -293,9 +293,10 @@ def _attention_plan(layer, found, degree):
   return "heads", out
 
 
-def _graph(model) -> Dict[str, List[str]]:
-  """Each layer's consumers (layer names), from the functional graph; in
-  a Sequential or subclassed model without one, the next layer."""
+def layer_consumers(model) -> Dict[str, List[str]]:
+  """Each layer's consumers (layer names; None: the model's output), from
+  the functional graph; in a Sequential or subclassed model without one,
+  the next layer."""
   producers = {}
   layers = [l for l in model.layers
             if type(l).__name__ != "InputLayer"]
@@ -323,7 +324,7 @@ def _graph(model) -> Dict[str, List[str]]:
 
 
 def _pairs(model, kinds: Dict[str, str], splits) -> List[Tuple[str, str]]:
-  consumers = _graph(model)
+  consumers = layer_consumers(model)
   by_name = {l.name: l for l in model.layers}
   kernel_of = {}
   for s in splits.values():  # a layer's kernel comes before its bias

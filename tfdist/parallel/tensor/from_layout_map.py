@@ -48,11 +48,13 @@ Not checked: Keras masks carried by the attention's inputs (an `Embedding`
 with `mask_zero=True` before it): `ParallelMultiHeadAttention` reads only
 `attention_mask` and `use_causal_mask`, so pass the mask as
 `attention_mask`. A `Dropout` between a column and a row layer draws its
-mask per shard, not the unsharded model's.
+mask per shard, not the unsharded model's: a warning at start names it
+(`dropouts_inside_pairs`).
 """
 
-from typing import Any, Dict
+from typing import Any, Dict, List
 
+from absl import logging
 import keras
 
 from tfdist import errors
@@ -283,6 +285,27 @@ def _call_attention(layer, *args, **kwargs):
   return layer(*args, **kwargs)
 
 
+def dropouts_inside_pairs(model, plan) -> List[str]:
+  """The `Dropout` layers (rate > 0) between a column- and a row-parallel
+  layer of `plan`'s pairs: each replica draws the mask of its 1/T of the
+  units from the same random stream, so the shards share one pattern and
+  the run is not one device's."""
+  consumers = lm_lib.layer_consumers(model)
+  by_name = {layer.name: layer for layer in model.layers}
+  found = set()
+  for column, row in plan.pairs:
+    frontier = [] if column == row else list(consumers.get(column, ()))
+    while frontier:
+      name = frontier.pop()
+      if name is None or name == row:
+        continue
+      layer = by_name[name]
+      if isinstance(layer, keras.layers.Dropout) and layer.rate > 0:
+        found.add(name)
+      frontier.extend(consumers.get(name, ()))
+  return sorted(found)
+
+
 def split_model(model, layout_map, tensor: int) -> keras.Model:
   """`model` cloned with the layers the map splits made tensor-parallel.
 
@@ -308,6 +331,15 @@ def split_model(model, layout_map, tensor: int) -> keras.Model:
     _refuse(f"The layout map's 'model' axis has size {plan.degree}; the run "
             f"splits its model {tensor} ways (tensor_parallel={tensor}). "
             "Give one T.")
+
+  inside = dropouts_inside_pairs(model, plan)
+  if inside:
+    logging.warning(
+        "Dropout %s lies between a column- and a row-parallel layer: each "
+        "of the %d replicas draws the mask of its share of the units from "
+        "the same random stream, so the run differs from one device's "
+        "(it still trains). Put the dropout after the row-parallel layer "
+        "to get one device's run.", ", ".join(map(repr, inside)), tensor)
 
   def clone(layer):
     kind = plan.layers.get(layer.name)
