@@ -1,4 +1,5 @@
-"""Pipeline parallelism for Keras 3 models on TensorFlow (GPipe and 1F1B).
+"""Pipeline parallelism for Keras 3 models on TensorFlow (GPipe, 1F1B and
+interleaved 1F1B).
 
 A Keras functional or Sequential model is cut into P stages of consecutive
 layers (`split_model`); stage i runs under `tf.device(devices[i])`. A
@@ -14,17 +15,23 @@ float summation order).
 TensorFlow does not pipeline by itself: ops run when their inputs are
 ready, so without ordering all micro-batches of a stage would run at once.
 The schedule (`schedule_order`) is imposed with one control-dependency chain
-per stage: each forward (F) or backward (B) task of a stage starts after the
-stage's previous task has produced its outputs.
+per stage (device): each forward (F) or backward (B) task of a stage starts
+after the stage's previous task has produced its outputs.
 
 * `gpipe` (Huang et al. 2019): all forwards, then all backwards; a stage
   holds the activations of all M micro-batches at once.
 * `1f1b` (Narayanan et al. 2019, PipeDream-flush): stage s runs P-s-1
   warm-up forwards, then alternates one forward and one backward; it holds
   at most P-s micro-batches' activations. Same bubble as GPipe.
+* `interleaved` (Narayanan et al. 2021, Megatron-LM's interleaved 1F1B;
+  `split_model(..., virtual_stages=V)`): the model is cut into P*V chunks,
+  chunk c on stage c mod P, and each stage runs its V chunks' tasks in
+  Megatron's order (`interleaved_order`) on its one chain. M must be a
+  multiple of P.
 
 The idle fraction of each stage (the bubble) is (P-1)/(M+P-1) for equal
-stage costs (`benchmarks/pipeline_bubble.py` measures it).
+stage costs, (P-1)/(V*M+P-1) under `interleaved`, for V times more
+transfers between stages (`benchmarks/pipeline_bubble.py` measures it).
 
 The variables stay where Keras created them unless
 `Pipeline.place_variables` moves each stage's to its device (then an
@@ -139,7 +146,8 @@ def interleaved_order(num_stages: int, num_microbatches: int,
   Args:
     num_stages: P >= 1.
     num_microbatches: M, a multiple of P.
-    virtual_stages: V >= 1 (1: the 1F1B order, with chunk = stage).
+    virtual_stages: V >= 1 (`schedule_order` asks for V >= 2; with V = 1
+      the warm-up is still Megatron's 2(P-s-1), twice 1F1B's).
 
   Returns:
     A list of P lists; list s holds ("F", m, c) and ("B", m, c): the
