@@ -250,22 +250,7 @@ def check_flags(*, pipeline_stages: int, num_microbatches: Optional[int],
                              f"unknown. Use one of: {', '.join(SCHEDULES)}.")
   _check_virtual_stages(pipeline_stages, pipeline_schedule,
                         pipeline_virtual_stages)
-  if pipeline_virtual_stages > 1 and pipeline_cuts and (
-      len(pipeline_cuts) + 1 != pipeline_stages * pipeline_virtual_stages):
-    chunks = pipeline_stages * pipeline_virtual_stages
-    raise errors.ConfigError(
-        f"--pipeline_cuts={','.join(pipeline_cuts)} makes "
-        f"{len(pipeline_cuts) + 1} chunks but --pipeline_stages="
-        f"{pipeline_stages} x --pipeline_virtual_stages="
-        f"{pipeline_virtual_stages} needs {chunks}: pass {chunks - 1} "
-        "cut(s), each the first layer of a chunk after the first.")
-  if (pipeline_virtual_stages == 1 and pipeline_cuts and
-      len(pipeline_cuts) + 1 != pipeline_stages):
-    raise errors.ConfigError(
-        f"--pipeline_cuts={','.join(pipeline_cuts)} makes "
-        f"{len(pipeline_cuts) + 1} stages but --pipeline_stages="
-        f"{pipeline_stages}: pass --pipeline_stages={len(pipeline_cuts) + 1}"
-        f" with these cuts, or {pipeline_stages - 1} cut(s).")
+  _check_cuts(pipeline_stages, pipeline_virtual_stages, pipeline_cuts)
   if pipeline_stages == 1:
     if num_microbatches not in (None, 1):
       raise errors.ConfigError(
@@ -301,6 +286,31 @@ def check_flags(*, pipeline_stages: int, num_microbatches: Optional[int],
         f"--enable_xla cannot compile a pipelined step (--pipeline_stages="
         f"{pipeline_stages}): one XLA cluster cannot span the stages' "
         "devices. Drop --enable_xla.")
+
+
+def _check_cuts(pipeline_stages: int, pipeline_virtual_stages: int,
+                pipeline_cuts: Sequence[str]) -> None:
+  """Refuses cuts that do not make P stages (P * V chunks with V > 1).
+
+  Raises:
+    ConfigError: naming the flags, the values and the fix.
+  """
+  if pipeline_virtual_stages > 1 and pipeline_cuts and (
+      len(pipeline_cuts) + 1 != pipeline_stages * pipeline_virtual_stages):
+    chunks = pipeline_stages * pipeline_virtual_stages
+    raise errors.ConfigError(
+        f"--pipeline_cuts={','.join(pipeline_cuts)} makes "
+        f"{len(pipeline_cuts) + 1} chunks but --pipeline_stages="
+        f"{pipeline_stages} x --pipeline_virtual_stages="
+        f"{pipeline_virtual_stages} needs {chunks}: pass {chunks - 1} "
+        "cut(s), each the first layer of a chunk after the first.")
+  if (pipeline_virtual_stages == 1 and pipeline_cuts and
+      len(pipeline_cuts) + 1 != pipeline_stages):
+    raise errors.ConfigError(
+        f"--pipeline_cuts={','.join(pipeline_cuts)} makes "
+        f"{len(pipeline_cuts) + 1} stages but --pipeline_stages="
+        f"{pipeline_stages}: pass --pipeline_stages={len(pipeline_cuts) + 1}"
+        f" with these cuts, or {pipeline_stages - 1} cut(s).")
 
 
 def _check_virtual_stages(pipeline_stages: int, pipeline_schedule: str,
