@@ -4,15 +4,19 @@ Each stage of a P-stage model (tfdist.parallel.pipeline) is one layer of
 known cost: its forward sleeps `--forward_ms`, its backward `--backward_ms`
 (a stateless `tf.numpy_function`, so only the schedule's control
 dependencies order the tasks), and each records its start and end time.
+Under the interleaved schedule (`--virtual_stages=V`) each stage holds V
+chunks, each one such layer sleeping 1/V of those times (the same work per
+stage, cut V ways).
 Sleeping needs no CPU, so the timeline shows the schedule, not this
 2-core machine's contention. Per configuration (P, M, schedule), after one
 step that traces, `--steps` steps are timed and for each:
 
   * the bubble: per stage, 1 - busy / span (span: the step's first task
     start to its last task end, over all stages), averaged over the stages;
-    compared with the ideal (P-1)/(M+P-1);
+    compared with the ideal (P-1)/(V*M+P-1) (V = 1 for GPipe and 1F1B);
   * the micro-batches in flight per stage: the most forwards started whose
-    backward has not ended (GPipe: M; 1F1B: P - s on stage s).
+    backward has not ended (GPipe: M; 1F1B: P - s on stage s; interleaved:
+    chunk micro-batches, 2(P-s-1) + (V-1)P + 1 at most).
 
 Figures printed and written as JSON, and drawn as an SVG (written here
 by hand: matplotlib is not a dependency), also from a JSON written before:
@@ -23,6 +27,9 @@ by hand: matplotlib is not a dependency), also from a JSON written before:
   python benchmarks/pipeline_bubble.py \\
       --from_json=benchmarks/results/pipeline_bubble.json \\
       --plot=benchmarks/results/pipeline_bubble.svg
+  python benchmarks/pipeline_bubble.py --schedules=interleaved \\
+      --virtual_stages=2 --microbatches=4,8 \\
+      --out=benchmarks/results/pipeline_bubble_interleaved.json
 """
 
 import json
@@ -43,7 +50,10 @@ from benchmarks import machine  # pylint: disable=g-import-not-at-top,wrong-impo
 FLAGS = flags.FLAGS
 flags.DEFINE_list("stages", ["2", "4"], "Pipeline stages (P).")
 flags.DEFINE_list("microbatches", ["4", "8", "16"], "Micro-batches (M).")
-flags.DEFINE_list("schedules", ["gpipe", "1f1b"], "Schedules.")
+flags.DEFINE_list("schedules", ["gpipe", "1f1b"], "Schedules: gpipe, 1f1b, "
+                  "interleaved.")
+flags.DEFINE_integer("virtual_stages", 2, "V, the chunks each stage holds "
+                     "under the interleaved schedule (the others: 1).")
 flags.DEFINE_float("forward_ms", 100.0, "Forward time of one stage on one "
                    "micro-batch (ms).")
 flags.DEFINE_float("backward_ms", 200.0, "Backward time of one stage on one "
@@ -107,13 +117,16 @@ def _work_layer(keras, tf, log, lock):
   return Work
 
 
-def _timeline_figures(events, num_stages, num_microbatches):
-  """The bubble and in-flight counts of one step's events."""
+def _timeline_figures(events, num_stages, num_microbatches,
+                      virtual_stages=1):
+  """The bubble and in-flight counts of one step's events (e[0]: the
+  chunk, on stage e[0] mod P)."""
   span_start = min(e[3] for e in events)
   span = max(e[4] for e in events) - span_start
   bubbles, in_flight, order_ok = [], [], True
   for s in range(num_stages):
-    own = sorted((e for e in events if e[0] == s), key=lambda e: e[3])
+    own = sorted((e for e in events if e[0] % num_stages == s),
+                 key=lambda e: e[3])
     busy = sum(e[4] - e[3] for e in own)
     bubbles.append(1.0 - busy / span)
     # A stage's tasks never overlap when its chain holds.
@@ -126,18 +139,21 @@ def _timeline_figures(events, num_stages, num_microbatches):
       alive += delta
       peak = max(peak, alive)
     in_flight.append(peak)
-    assert len(own) == 2 * num_microbatches, (s, len(own))
+    assert len(own) == 2 * virtual_stages * num_microbatches, (s, len(own))
   return dict(span_s=span, bubble_per_stage=bubbles,
               bubble=sum(bubbles) / len(bubbles),
               in_flight_per_stage=in_flight, stage_tasks_serial=order_ok,
-              order=[[(e[1], e[2]) for e in sorted(
-                  (e for e in events if e[0] == s), key=lambda e: e[3])]
+              order=[[(e[1], e[2], e[0])[:3 if virtual_stages > 1 else 2]
+                      for e in sorted((e for e in events
+                                       if e[0] % num_stages == s),
+                                      key=lambda e: e[3])]
                      for s in range(num_stages)])
 
 
 def run_config(num_stages, num_microbatches, schedule, forward_ms,
-               backward_ms, steps):
-  """Times `steps` pipelined steps of one configuration."""
+               backward_ms, steps, virtual_stages=1):
+  """Times `steps` pipelined steps of one configuration (V chunks per
+  stage, each 1/V of the stage's times, under `interleaved`)."""
   import keras  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
@@ -145,12 +161,14 @@ def run_config(num_stages, num_microbatches, schedule, forward_ms,
 
   log, lock = [], threading.Lock()
   work = _work_layer(keras, tf, log, lock)
+  v = virtual_stages
   x = keras.Input((1,))
   h = x
-  for s in range(num_stages):
-    h = work(s, forward_ms / 1e3, backward_ms / 1e3, name=f"stage_{s}")(h)
+  for c in range(num_stages * v):
+    h = work(c, forward_ms / 1e3 / v, backward_ms / 1e3 / v,
+             name=f"chunk_{c}")(h)
   model = keras.Model(x, h)
-  pipe = pipeline.split_model(model, num_stages)
+  pipe = pipeline.split_model(model, num_stages, virtual_stages=v)
   optimizer = keras.optimizers.SGD(0.0)
 
   @tf.function
@@ -169,19 +187,19 @@ def run_config(num_stages, num_microbatches, schedule, forward_ms,
     del log[:]
     step(xs, ys)
     results.append(_timeline_figures(list(log), num_stages,
-                                     num_microbatches))
-  order = pipeline.schedule_order(num_stages, num_microbatches, schedule)
+                                     num_microbatches, v))
+  order = pipeline.schedule_order(num_stages, num_microbatches, schedule, v)
   best = min(results, key=lambda r: r["span_s"])
   measured = [r["bubble"] for r in results]
-  ideal = pipeline.bubble_fraction(num_stages, num_microbatches)
+  ideal = pipeline.bubble_fraction(num_stages, num_microbatches, v)
   return dict(
       stages=num_stages, microbatches=num_microbatches, schedule=schedule,
-      forward_ms=forward_ms, backward_ms=backward_ms,
+      virtual_stages=v, forward_ms=forward_ms, backward_ms=backward_ms,
       ideal_bubble=ideal,
       bubble_median=float(np.median(measured)), bubble_all=measured,
       relative_error=float(np.median(measured)) / ideal - 1.0,
-      ideal_span_s=(num_microbatches + num_stages - 1) * (
-          forward_ms + backward_ms) / 1e3,
+      ideal_span_s=(v * num_microbatches + num_stages - 1) * (
+          forward_ms + backward_ms) / 1e3 / v,
       span_s_all=[r["span_s"] for r in results],
       in_flight_per_stage=best["in_flight_per_stage"],
       in_flight_planned=[pipeline.peak_in_flight(o) for o in order],
@@ -247,6 +265,9 @@ def svg_plot(result: dict) -> str:
     if schedule == "gpipe":
       out.append(f'<circle cx="{x:.1f}" cy="{y:.1f}" r="4" fill="none" '
                  f'stroke="{color}" stroke-width="1.5"/>')
+    elif schedule == "interleaved":  # Below its own ideal, (P-1)/(VM+P-1).
+      out.append(f'<polygon points="{x:.1f},{y - 4:.1f} {x - 4:.1f},'
+                 f'{y + 3:.1f} {x + 4:.1f},{y + 3:.1f}" fill="{color}"/>')
     else:
       out.append(f'<rect x="{x - 3:.1f}" y="{y - 3:.1f}" width="6" '
                  f'height="6" fill="{color}"/>')
@@ -269,7 +290,9 @@ def svg_plot(result: dict) -> str:
     mark(x_of(r["microbatches"], width), y_of(r["in_flight_per_stage"][0]),
          r["schedule"], _SVG_COLORS.get(r["stages"], "black"))
   legend = [(f"P = {p}", _SVG_COLORS.get(p, "black"), None) for p in ps]
-  legend += [("gpipe", "black", "gpipe"), ("1f1b", "black", "1f1b")]
+  legend += [(name, "black", name) for name in ("gpipe", "1f1b",
+                                                  "interleaved")
+             if any(r["schedule"] == name for r in rows)]
   for i, (label, color, schedule) in enumerate(legend):
     x, y = pad + 110 * i, height + 30
     if schedule:
@@ -311,10 +334,11 @@ def main(argv):
   for p in stages:
     for m in [int(m) for m in FLAGS.microbatches]:
       for schedule in FLAGS.schedules:
+        v = FLAGS.virtual_stages if schedule == "interleaved" else 1
         row = run_config(p, m, schedule, FLAGS.forward_ms, FLAGS.backward_ms,
-                         FLAGS.steps)
+                         FLAGS.steps, v)
         rows.append(row)
-        print(f"P={p} M={m:2d} {schedule:5s} bubble "
+        print(f"P={p} M={m:2d} {schedule:5s} V={v} bubble "
               f"{row['bubble_median']:.3f} (ideal {row['ideal_bubble']:.3f}, "
               f"{100 * row['relative_error']:+.1f}%) span "
               f"{min(row['span_s_all']):.3f} s (ideal "

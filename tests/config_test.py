@@ -21,6 +21,7 @@ from tfdist.distribute import environment
 from tfdist.core.strategy_kind import StrategyKind
 from tfdist.observability import manifest
 from tfdist.training.state import checkpointing
+from tfdist.parallel.pipeline import options as pipeline_options
 from tfdist.parallel.tensor import options as tensor_parallel_options
 
 # Also run on the oldest supported TensorFlow (see tests/conftest.py).
@@ -178,7 +179,39 @@ class TrainConfigTest(parameterized.TestCase):
        "--num_microbatches=4 applies to a pipeline: pass "
        "--pipeline_stages=P"),
       ("pipeline_schedule", dict(pipeline_stages=2, pipeline_schedule="zb"),
-       "--pipeline_schedule='zb' is unknown. Use one of: gpipe, 1f1b"),
+       "--pipeline_schedule='zb' is unknown. Use one of: gpipe, 1f1b, "
+       "interleaved"),
+      ("interleaved_without_virtual_stages", dict(
+          pipeline_stages=2, pipeline_schedule="interleaved"),
+       r"--pipeline_schedule=interleaved needs --pipeline_virtual_stages=V "
+       r">= 2 \(received 1\).*Pass --pipeline_virtual_stages=2"),
+      ("virtual_stages_without_interleaved", dict(
+          pipeline_stages=2, pipeline_schedule="1f1b",
+          pipeline_virtual_stages=2),
+       "--pipeline_virtual_stages=2 applies to --pipeline_schedule="
+       "interleaved only \\(received --pipeline_schedule=1f1b\\)"),
+      ("virtual_stages_without_stages", dict(
+          pipeline_schedule="interleaved", pipeline_virtual_stages=2),
+       "--pipeline_virtual_stages=2 applies to a pipeline: pass "
+       "--pipeline_stages=P"),
+      ("virtual_stages_zero", dict(pipeline_stages=2,
+                                   pipeline_virtual_stages=0),
+       "--pipeline_virtual_stages=0 must be a positive integer"),
+      ("interleaved_microbatches", dict(
+          pipeline_stages=4, pipeline_schedule="interleaved",
+          pipeline_virtual_stages=2, num_microbatches=6),
+       r"--num_microbatches to be a multiple of --pipeline_stages=4 "
+       r"\(received --num_microbatches=6\).*Use --num_microbatches=4 or 8"),
+      ("interleaved_copies", dict(
+          pipeline_stages=2, pipeline_schedule="interleaved",
+          pipeline_virtual_stages=2, num_cpu_devices=4),
+       r"--pipeline_schedule=interleaved with --num_cpu_devices=4 \(D=2 "
+       r"copies.*not built yet. Use --num_cpu_devices=2"),
+      ("interleaved_cuts", dict(
+          pipeline_stages=2, pipeline_schedule="interleaved",
+          pipeline_virtual_stages=2, pipeline_cuts="a"),
+       r"--pipeline_cuts=a makes 2 chunks but --pipeline_stages=2 x "
+       r"--pipeline_virtual_stages=2 needs 4: pass 3 cut\(s\)"),
       ("cuts_and_stages", dict(pipeline_stages=2, pipeline_cuts="a,b"),
        "--pipeline_cuts=a,b makes 3 stages but --pipeline_stages=2: pass "
        "--pipeline_stages=3"),
@@ -283,6 +316,24 @@ class TrainConfigTest(parameterized.TestCase):
                          distribution_strategy="one_device")
     self.assertEqual(config.pipeline_cuts, ("block_3", "block_6"))
     self.assertIsNone(config.num_microbatches)  # P, once resolved.
+    self.assertEqual(config.pipeline_virtual_stages, 1)
+
+  def test_interleaved_plan_line_names_the_schedule_and_v(self):
+    config = TrainConfig(model_dir="/m", train_steps=1, pipeline_stages=2,
+                         pipeline_schedule="interleaved",
+                         pipeline_virtual_stages=2, num_microbatches=4,
+                         distribution_strategy="one_device")
+    options = pipeline_options.PipelineOptions.of(
+        config.strategy.parallelism)
+    self.assertEqual(
+        options.describe(),
+        "2 stages (balanced by weight and activation bytes), 4 "
+        "micro-batches per step, interleaved (V=2 virtual stages: 4 "
+        "chunks, chunk c on stage c mod 2) schedule; batch normalization "
+        "sees micro-batches")
+    self.assertEqual(options.to_dict()["virtual_stages"], 2)
+    self.assertNotIn("virtual_stages", pipeline_options.PipelineOptions(
+        num_stages=2, num_microbatches=2).to_dict())
 
   def test_no_model_dir(self):
     # Checked once the environment is applied (Vertex may supply it).

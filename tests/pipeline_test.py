@@ -8,10 +8,16 @@ imported, before TensorFlow's runtime starts: run it as its own process):
   them and M = 8 (the cases: `_cases`), give the unsplit
   one-device run's weights and losses within 1e-5, on a functional model
   whose skip connection crosses every cut (balanced cuts and named cuts),
-  and on a Sequential model;
+  and on a Sequential model; so do 3 updates of both under the
+  interleaved schedule (P = 2, V = 2 chunks per stage, M = 4);
 * each stage runs its forward and backward tasks in the schedule's order
-  (recorded by the tasks themselves), and 1F1B keeps at most P - s
-  micro-batches in flight on stage s where GPipe keeps M;
+  (recorded by the tasks themselves; under the interleaved schedule a
+  device's tasks of both its chunks, in one chain), and 1F1B keeps at
+  most P - s micro-batches in flight on stage s where GPipe keeps M;
+* the interleaved order (pure): Megatron-LM's order for P = 2, V = 2,
+  M = 4 written out, every task once, and a simulation of the orders
+  with a forward's cost 1/V and a backward's 2/V (one chunk) that gives
+  the bubble (P-1)/(V*M+P-1) exactly (and 1F1B's (P-1)/(M+P-1));
 * `place_variables` moves each stage's variables to its device, and the
   optimizer's state follows them; trained so, the run is still equal;
 * a pipelined run's checkpoint (model and optimizer, the variables on 4
@@ -21,9 +27,10 @@ imported, before TensorFlow's runtime starts: run it as its own process):
   pipeline 2 mesh, `train_step(..., copies=...)`), each on half of the
   batch, train like the unsplit model (SGD with momentum and Adam, GPipe
   and 1F1B), the copies' variables on their own devices;
-* the refusals: P above the layers or the devices, M not dividing the
-  batch, a layer shared across stages, a subclassed model, bad cut names,
-  an unknown schedule.
+* the refusals: P above the layers or the devices (P * V chunks above
+  the layers), M not dividing the batch, a layer shared across stages, a
+  subclassed model, bad cut names, an unknown schedule, virtual stages
+  that do not fit the schedule or M, copies of an interleaved pipeline.
 """
 
 import os
@@ -125,6 +132,10 @@ def reference(make_model, optimizer_name):
   return _REFERENCE[key]
 
 
+# The schedules of one chunk per stage (the interleaved one: its own test).
+_ONE_CHUNK = (pipeline.GPIPE, pipeline.ONE_F_ONE_B)
+
+
 def _cases():
   """SGD with momentum on every P x M x schedule; Adam on each P, each
   schedule and M = 1, 2, 4 once, and on M = 8. (P, M and the schedule
@@ -134,13 +145,43 @@ def _cases():
   cases = []
   for stages in (2, 4):
     for micro in (1, 2, 4):
-      for schedule in pipeline.SCHEDULES:
+      for schedule in _ONE_CHUNK:
         cases.append(("sgd_momentum", stages, micro, schedule))
   cases += [("adam", 2, 2, "gpipe"), ("adam", 2, 4, "1f1b"),
             ("adam", 4, 1, "1f1b"), ("adam", 4, 4, "gpipe")]
-  cases += [("adam", 4, 8, schedule) for schedule in pipeline.SCHEDULES]
+  cases += [("adam", 4, 8, schedule) for schedule in _ONE_CHUNK]
   return [dict(testcase_name=f"{o}_P{p}_M{m}_{s}", optimizer=o, stages=p,
                micro=m, schedule=s) for o, p, m, s in cases]
+
+
+def _simulated_bubble(orders, num_chunks: int, virtual: int) -> float:
+  """The mean idle fraction of the stages when they run `orders` (per
+  stage, (kind, micro-batch, chunk)) as soon as their data is there, a
+  chunk's forward taking 1/V and its backward 2/V (a stage's work on one
+  micro-batch: 1 + 2); fails on a deadlock."""
+  done, position = {}, [0] * len(orders)
+  free, busy = [0.0] * len(orders), [0.0] * len(orders)
+  while any(p < len(o) for p, o in zip(position, orders)):
+    progressed = False
+    for s, order in enumerate(orders):
+      if position[s] == len(order):
+        continue
+      kind, m, c = order[position[s]]
+      if kind == "F":
+        needs = [("F", m, c - 1)] if c else []
+      else:
+        needs = [("F", m, c)] + (
+            [("B", m, c + 1)] if c < num_chunks - 1 else [])
+      if all(n in done for n in needs):
+        cost = (1.0 if kind == "F" else 2.0) / virtual
+        done[(kind, m, c)] = free[s] = max(
+            [free[s]] + [done[n] for n in needs]) + cost
+        busy[s] += cost
+        position[s] += 1
+        progressed = True
+    assert progressed, f"deadlock at {position}"
+  span = max(free)
+  return sum(1 - b / span for b in busy) / len(orders)
 
 
 class EqualToUnsplitTest(parameterized.TestCase):
@@ -179,6 +220,21 @@ class EqualToUnsplitTest(parameterized.TestCase):
     # Stages 1 and 2 receive block_1's output too (stage 1 only carries it).
     self.assertEqual([len(s.input_keys) for s in pipe.stages], [1, 1, 2, 1])
     self.assertEqual([len(s.output_keys) for s in pipe.stages], [1, 2, 1, 1])
+    losses = [float(step(X[i], Y[i])) for i in range(STEPS)]
+    self.assert_same_run(reference(skip_model, optimizer), model, losses)
+
+  @parameterized.named_parameters(("sgd_momentum", "sgd_momentum"),
+                                  ("adam", "adam"))
+  def test_interleaved_P2_V2_M4(self, optimizer):
+    model = skip_model()
+    pipe, step = pipelined(model, OPTIMIZERS[optimizer](), 4, "interleaved",
+                           num_stages=2, virtual_stages=2)
+    # 4 chunks, chunk c on device c mod 2; block_1's output skips from
+    # chunk 0 to chunk 3 (carried by chunks 1 and 2).
+    self.assertEqual((pipe.num_stages, pipe.virtual_stages), (2, 2))
+    self.assertEqual([s.device for s in pipe.stages], DEVICES[:2] * 2)
+    self.assertEqual([s.layer_names[0] for s in pipe.stages],
+                     ["block_1", "block_2", "block_3", "block_4"])
     losses = [float(step(X[i], Y[i])) for i in range(STEPS)]
     self.assert_same_run(reference(skip_model, optimizer), model, losses)
 
@@ -415,6 +471,57 @@ class ScheduleTest(parameterized.TestCase):
     self.assertEqual([pipeline.peak_in_flight(o) for o in one_f],
                      [min(stages - s, micro) for s in range(stages)])
 
+  def test_interleaved_order(self):
+    # Megatron-LM's order for P = 2, V = 2, M = 4 (chunks 0, 2 on stage 0,
+    # 1, 3 on stage 1): stage 0 warms up with 2(P-1) + (V-1)P = 4
+    # forwards (micro-batches 0, 1 through chunk 0, then through chunk 2),
+    # stage 1 with 2; backwards run the chunks in reverse.
+    self.assertEqual(pipeline.schedule_order(2, 4, "interleaved", 2), [
+        [("F", 0, 0), ("F", 1, 0), ("F", 0, 2), ("F", 1, 2),
+         ("F", 2, 0), ("B", 0, 2), ("F", 3, 0), ("B", 1, 2),
+         ("F", 2, 2), ("B", 0, 0), ("F", 3, 2), ("B", 1, 0),
+         ("B", 2, 2), ("B", 3, 2), ("B", 2, 0), ("B", 3, 0)],
+        [("F", 0, 1), ("F", 1, 1), ("F", 0, 3), ("B", 0, 3),
+         ("F", 1, 3), ("B", 1, 3), ("F", 2, 1), ("B", 0, 1),
+         ("F", 3, 1), ("B", 1, 1), ("F", 2, 3), ("B", 2, 3),
+         ("F", 3, 3), ("B", 3, 3), ("B", 2, 1), ("B", 3, 1)]])
+
+  @parameterized.parameters((2, 4, 2), (2, 8, 2), (4, 4, 2), (4, 8, 2),
+                            (4, 8, 4), (3, 6, 3))
+  def test_interleaved_tasks_in_flight_and_bubble(self, p, m, v):
+    orders = pipeline.schedule_order(p, m, "interleaved", v)
+    for s, order in enumerate(orders):
+      want = {(kind, mb, c) for kind in "FB" for mb in range(m)
+              for c in range(s, p * v, p)}
+      self.assertLen(order, 2 * v * m)
+      self.assertEqual(set(order), want)
+      self.assertEqual(pipeline.peak_in_flight(order),
+                       min(2 * (p - s - 1) + (v - 1) * p + 1, v * m))
+    self.assertAlmostEqual(_simulated_bubble(orders, p * v, v),
+                           pipeline.bubble_fraction(p, m, v), places=9)
+    self.assertAlmostEqual(pipeline.bubble_fraction(p, m, v),
+                           (p - 1) / (v * m + p - 1))
+    one_f = [[(kind, mb, s) for kind, mb in order] for s, order in
+             enumerate(pipeline.schedule_order(p, m, "1f1b"))]
+    self.assertAlmostEqual(_simulated_bubble(one_f, p, 1),
+                           pipeline.bubble_fraction(p, m), places=9)
+
+  def test_virtual_stages_must_fit_the_schedule(self):
+    with self.assertRaisesRegex(
+        errors.PipelineConfigError,
+        r"num_microbatches \(received 3\) to be a multiple of "
+        r"num_stages=2.*among 2, 4, 6"):
+      pipeline.schedule_order(2, 3, "interleaved", 2)
+    with self.assertRaisesRegex(
+        errors.PipelineConfigError,
+        r"schedule='interleaved' needs virtual_stages >= 2 \(received 1\)"):
+      pipeline.schedule_order(2, 4, "interleaved")
+    with self.assertRaisesRegex(
+        errors.PipelineConfigError,
+        r"virtual_stages=2 chunks per stage runs schedule='interleaved', "
+        r"not '1f1b'"):
+      pipeline.schedule_order(2, 4, "1f1b", 2)
+
   def test_bubble_and_balance(self):
     self.assertAlmostEqual(pipeline.bubble_fraction(4, 8), 3 / 11)
     self.assertEqual(pipeline.balanced_cuts([1, 1, 1, 1], 2), [2])
@@ -437,8 +544,10 @@ class ScheduleTest(parameterized.TestCase):
                      .stages[0].layer_names,
                      ("block_1", "block_2", "block_3"))
 
-  @parameterized.parameters("gpipe", "1f1b")
-  def test_stages_run_their_tasks_in_the_schedules_order(self, schedule):
+  @parameterized.parameters(("gpipe", 3, 1), ("1f1b", 3, 1),
+                            ("interleaved", 2, 2))
+  def test_stages_run_their_tasks_in_the_schedules_order(self, schedule,
+                                                         stages, virtual):
     events, lock = [], threading.Lock()
 
     class Recorded(keras.layers.Layer):
@@ -482,13 +591,13 @@ class ScheduleTest(parameterized.TestCase):
 
         return recorded(x * self.w)
 
-    stages, micro = 3, 4
+    micro = 4
     x = keras.Input((1,))
     h = x
-    for s in range(stages):
-      h = Recorded(s, name=f"stage_{s}")(h)
+    for c in range(stages * virtual):  # One layer a chunk.
+      h = Recorded(c, name=f"stage_{c}")(h)
     model = keras.Model(x, h)
-    pipe = pipeline.split_model(model, stages)
+    pipe = pipeline.split_model(model, stages, virtual_stages=virtual)
     optimizer = keras.optimizers.SGD(0.0)
 
     @tf.function
@@ -500,9 +609,11 @@ class ScheduleTest(parameterized.TestCase):
     # One example per micro-batch, holding its index (w stays 1).
     xs = np.arange(micro, dtype="float32").reshape(-1, 1)
     mean_step(xs, np.zeros_like(xs))
-    order = pipeline.schedule_order(stages, micro, schedule)
+    order = pipeline.schedule_order(stages, micro, schedule, virtual)
     for s in range(stages):
-      self.assertEqual([(kind, m) for st, kind, m in events if st == s],
+      # A device's tasks of all its chunks, in one order.
+      self.assertEqual([(kind, m, c)[:len(order[s][0])]
+                        for c, kind, m in events if c % stages == s],
                        order[s], f"stage {s}")
 
 
@@ -514,6 +625,31 @@ class RefusalTest(absltest.TestCase):
         r"num_stages=7 is more than the 6 layer call\(s\) of model 'skip'.*"
         r"choose num_stages <= 6"):
       pipeline.split_model(skip_model(), 7, devices=["/cpu:0"] * 8)
+
+  def test_more_chunks_than_layers_and_copies_of_chunks(self):
+    with self.assertRaisesRegex(
+        errors.PipelineConfigError,
+        r"num_stages=4 x virtual_stages=2 = 8 chunks is more than the 6 "
+        r"layer call\(s\) of model 'skip'.*<= 6"):
+      pipeline.split_model(skip_model(), 4, virtual_stages=2)
+    with self.assertRaisesRegex(
+        errors.PipelineConfigError,
+        r"num_stages=2 x virtual_stages=2 disagrees with cuts=block_3 "
+        r"\(2 chunks\)"):
+      pipeline.split_model(skip_model(), 2, cuts=["block_3"],
+                           virtual_stages=2)
+    pipe = pipeline.split_model(skip_model(), cuts=["block_2", "block_4",
+                                                     "block_5"],
+                                virtual_stages=2)
+    self.assertEqual([s.device for s in pipe.stages], DEVICES[:2] * 2)
+    with self.assertRaisesRegex(
+        errors.PipelineConfigError,
+        r"schedule='interleaved', not 'gpipe'"):
+      pipe.check_step(BATCH, 4, "gpipe")
+    with self.assertRaisesRegex(errors.PipelineConfigError,
+                                r"copies of a pipeline of virtual_stages=2"):
+      copies_lib.DataCopies(pipe, mesh_lib.DeviceMesh.build(DEVICES,
+                                                            pipeline=2))
 
   def test_more_stages_than_devices(self):
     with self.assertRaisesRegex(
@@ -589,7 +725,8 @@ class RefusalTest(absltest.TestCase):
                                 r"num_stages=3 disagrees with cuts=block_3"):
       pipeline.split_model(skip_model(), 3, cuts=["block_3"])
     with self.assertRaisesRegex(errors.PipelineConfigError,
-                                r"schedule='zb' is not offered.*gpipe, 1f1b"):
+                                r"schedule='zb' is not offered.*gpipe, 1f1b, "
+                                r"interleaved"):
       pipeline.schedule_order(2, 2, "zb")
     self.assertTrue(issubclass(errors.PipelineConfigError, ValueError))
     self.assertEqual(errors.exit_code_for(errors.PipelineConfigError("x")),

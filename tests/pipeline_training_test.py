@@ -4,8 +4,9 @@ On 4 logical CPU devices (configured when this file is imported, before
 TensorFlow's runtime starts: run it as its own process), with
 `--deterministic --seed`:
 
-* `tfdist.fit` with `pipeline_stages=2` and 4, GPipe and 1F1B, gives the
-  one-device run's weights within 1e-5 after K updates, on a functional
+* `tfdist.fit` with `pipeline_stages=2` and 4, GPipe and 1F1B (and the
+  interleaved schedule, P = 2 with V = 2 chunks per stage, M = 4), gives
+  the one-device run's weights within 1e-5 after K updates, on a functional
   model whose skip connection crosses the cuts; also with
   `gradient_accumulation_steps=2` and `steps_per_execution=2`, with named
   cuts, with weight
@@ -25,8 +26,9 @@ TensorFlow's runtime starts: run it as its own process), with
 * the refusals at start that need the model or the devices, as
   `ConfigError` (exit status 2) naming the flag, before any step: more
   stages than layers or devices, micro-batches not dividing the step's
-  batch, a subclassed model, unknown cuts, an activity regularizer (the
-  flags' own refusals are `tests/config_test.py`'s);
+  batch, a subclassed model, unknown cuts, an activity regularizer, more
+  interleaved chunks (P x V) than layers (the flags' own refusals are
+  `tests/config_test.py`'s);
 * `--model=transformer --transformer_layers=8` is cut into 4 stages, and
   its `--dry_run` on the clothing reviews plans them;
 * D x P = 2 x 2 (`pipeline_stages=2, num_cpu_devices=4`: two copies of the
@@ -159,12 +161,16 @@ class EqualToUnsplitTest(parameterized.TestCase):
       ("p2_gpipe", 2, 4, "gpipe"),
       ("p2_1f1b", 2, 2, "1f1b"),
       ("p4_1f1b", 4, 8, "1f1b"),
-      ("p4_gpipe", 4, 4, "gpipe"))
-  def test_fit_trains_like_one_device(self, stages, micro, schedule):
+      ("p4_gpipe", 4, 4, "gpipe"),
+      ("p2_v2_interleaved", 2, 4, "interleaved", 2))
+  def test_fit_trains_like_one_device(self, stages, micro, schedule,
+                                      virtual=1):
     weights, manifest, _ = _fit(pipeline_stages=stages,
                                 num_microbatches=micro,
-                                pipeline_schedule=schedule)
+                                pipeline_schedule=schedule,
+                                pipeline_virtual_stages=virtual)
     self.assertLess(_max_difference(weights, self.unsplit), TOLERANCE)
+    self.assertEqual(manifest["pipeline"].get("virtual_stages", 1), virtual)
     self.assertEqual(manifest["final_step"], STEPS)
     self.assertAlmostEqual(manifest["final_metrics"]["train_loss"],
                            self.unsplit_manifest["final_metrics"]["train_loss"],
@@ -557,6 +563,13 @@ class RefusalTest(absltest.TestCase):
     self._refused(r"num_microbatches=3 \(not given: it defaults to "
                   r"pipeline_stages\) does not divide", _two_layers,
                   pipeline_stages=3)
+
+  def test_more_chunks_than_layers(self):
+    self._refused(r"pipeline_stages=2 pipeline_virtual_stages=2: "
+                  r"num_stages=2 x virtual_stages=2 = 4 chunks is more than "
+                  r"the 2 layer call\(s\)", _two_layers, pipeline_stages=2,
+                  pipeline_schedule="interleaved", pipeline_virtual_stages=2,
+                  num_microbatches=2)
 
   def test_more_stages_than_devices(self):
     self._refused(r"pipeline_stages=5 needs 5 logical CPU devices, and "

@@ -392,14 +392,14 @@ class PipelineBackend(single_process.OneDeviceBackend):
 
   def model_memory(self, parts, *, num_replicas: int):
     """The stage that holds the most: its weights, gradients and share of
-    the optimizer's state (a device holds one stage, or P/T of them per
-    task)."""
+    the optimizer's state (a device holds one stage, or its V chunks
+    under the interleaved schedule, or P/T of them per task)."""
     from tfdist.training.plan import memory  # pylint: disable=g-import-not-at-top
     whole = super().model_memory(parts, num_replicas=num_replicas)
     step = mode_lib.mode_of(parts.trainer, "pipeline")
     if step is None:
       return whole
-    return memory.heaviest_stage(whole, step.pipeline.stages)
+    return memory.heaviest_stage(whole, step.pipeline.device_loads())
 
   def build_inputs(self, run):
     """The one-device runner and evaluation; the manifest's strategy

@@ -51,13 +51,26 @@ class ParallelismConfig:
       "gpipe", "enum", "pipeline", choices=pipeline_options.SCHEDULES,
       help=("gpipe: every micro-batch's forward, then every backward (a stage"
             " holds M micro-batches' activations); 1f1b: one forward, one "
-            "backward after a warm-up (at most P). Same bubble, same update."),
+            "backward after a warm-up (at most P). Same bubble, same update. "
+            "interleaved: Megatron's interleaved 1F1B over "
+            "--pipeline_virtual_stages=V chunks per stage (chunk c on stage "
+            "c mod P): bubble (P-1)/(V*M+P-1) for V times more transfers "
+            "between stages; M must be a multiple of P."),
+      traits=("operational", "multi_replica"))
+  pipeline_virtual_stages: int = setting(
+      1, "integer", "pipeline",
+      help=("V, the model chunks each pipeline stage holds under "
+            "--pipeline_schedule=interleaved (V >= 2 there, 1 otherwise): "
+            "the model is cut into P*V chunks of consecutive layers "
+            "(balanced, or by --pipeline_cuts: P*V-1 names), chunk c on "
+            "stage c mod P. One copy of the pipeline only."),
       traits=("operational", "multi_replica"))
   # Stored as a tuple of layer names (`pipeline_options.parse_cuts`).
   pipeline_cuts: Tuple[str, ...] = setting(
       (), "list", "pipeline",
       help=("Layer names, each the first layer of a stage after the first "
-            "(P-1 names, in the model's call order), e.g. block_3,block_6. "
+            "(P-1 names, in the model's call order; P*V-1 under "
+            "--pipeline_schedule=interleaved), e.g. block_3,block_6. "
             "Default: stages balanced by weight and activation bytes."),
       traits=("operational", "multi_replica"))
   tensor_parallel: int = setting(
@@ -100,8 +113,8 @@ class ParallelismConfig:
 
 
 def check_pipeline(config) -> None:
-  """Pipeline stages, micro-batches, schedule and cuts against the
-  strategy, ZeRO, XLA and the devices
+  """Pipeline stages, micro-batches, schedule, virtual stages and cuts
+  against the strategy, ZeRO, XLA and the devices
   (`tfdist.parallel.pipeline.options.check_flags`).
 
   Raises:
@@ -112,6 +125,7 @@ def check_pipeline(config) -> None:
       num_microbatches=config.num_microbatches,
       pipeline_schedule=config.pipeline_schedule,
       pipeline_cuts=config.pipeline_cuts,
+      pipeline_virtual_stages=config.pipeline_virtual_stages,
       distribution_strategy=config.distribution_strategy,
       zero_stage=config.zero_stage_resolved, enable_xla=config.enable_xla,
       num_gpus=config.num_gpus, num_cpu_devices=config.num_cpu_devices)

@@ -1,12 +1,13 @@
-"""tfdist.parallel.pipeline: pipeline parallelism (GPipe and 1F1B).
+"""tfdist.parallel.pipeline: pipeline parallelism (GPipe, 1F1B, interleaved).
 
 Modules:
   stages   the library: cuts a Keras functional or Sequential model into
            stages on consecutive devices (`split_model`) and trains it
            with micro-batches (`Pipeline.train_step`), equal to the unsplit
            model's step.
-  options  `--pipeline_stages`, `--num_microbatches`, `--pipeline_schedule`
-           and `--pipeline_cuts`, checked at start (no TensorFlow).
+  options  `--pipeline_stages`, `--num_microbatches`, `--pipeline_schedule`,
+           `--pipeline_virtual_stages` and `--pipeline_cuts`, checked at
+           start (no TensorFlow).
   mode     the `pipeline` step mode (`PipelineStep`,
            `tfdist.parallel.mode.StepMode`) and its `build`.
 

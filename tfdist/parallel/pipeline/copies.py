@@ -79,10 +79,17 @@ class DataCopies:
       mesh: a `DeviceMesh` with pipeline == P and tensor == 1.
 
     Raises:
-      PipelineConfigError: the mesh's pipeline degree is not the
-        pipeline's P, it has a tensor axis, or a stage is not on copy 0's
-        device of the mesh.
+      PipelineConfigError: the pipeline has virtual stages (interleaved),
+        the mesh's pipeline degree is not the pipeline's P, it has a
+        tensor axis, or a stage is not on copy 0's device of the mesh.
     """
+    if pipeline.virtual_stages > 1:
+      raise errors.PipelineConfigError(
+          f"copies of a pipeline of virtual_stages="
+          f"{pipeline.virtual_stages} chunks per stage (the interleaved "
+          "schedule) are not built yet: split the model with "
+          "virtual_stages=1 (schedule gpipe or 1f1b) for copies, or train "
+          "one copy.")
     if mesh.pipeline != pipeline.num_stages or mesh.tensor != 1:
       raise errors.PipelineConfigError(
           f"the mesh ({mesh.describe()}) does not fit a pipeline of "

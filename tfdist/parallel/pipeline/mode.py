@@ -52,7 +52,8 @@ class PipelineStep(mode_lib.StepMode):
   Attributes:
     pipeline: the `tfdist.parallel.pipeline.Pipeline` over the run's model.
     num_microbatches: M.
-    schedule: `gpipe` or `1f1b`.
+    schedule: `gpipe`, `1f1b` or `interleaved` (the pipeline's
+      `virtual_stages` chunks per stage).
     micro_batch: examples per micro-batch (0: unknown).
     copies: with D > 1 copies (a data x pipeline mesh), the
       `tfdist.parallel.pipeline.copies.DataCopies` of copies 1 .. D-1;
@@ -101,8 +102,10 @@ class PipelineStep(mode_lib.StepMode):
   @classmethod
   def validate(cls, settings) -> None:
     """`tfdist.parallel.pipeline.options.check_flags` on `settings`
-    (`num_gpus` and `num_cpu_devices` may be absent: their defaults)."""
-    defaults = {"num_gpus": -1, "num_cpu_devices": 0}
+    (`num_gpus`, `num_cpu_devices` and `pipeline_virtual_stages` may be
+    absent: their defaults)."""
+    defaults = {"num_gpus": -1, "num_cpu_devices": 0,
+                "pipeline_virtual_stages": 1}
     pipeline_options.check_flags(**{
         name: settings[name] if name in settings else defaults[name]
         for name in pipeline_options.CHECKED_SETTINGS})
@@ -152,8 +155,9 @@ class PipelineStep(mode_lib.StepMode):
                                   self.schedule)
 
   def describe(self) -> str:
-    """One line per stage: its device, layers, weight bytes and the
-    activations it holds at its peak (a lower bound); with D copies, the
+    """One line per stage (per chunk under the interleaved schedule): its
+    device, layers, weight bytes and the activations its device holds at
+    its peak (a lower bound); with D copies, the
     mesh (`DeviceMesh.plan_lines`) and what each copy's device holds."""
     lines = []
     if self.copies is not None:
@@ -164,8 +168,9 @@ class PipelineStep(mode_lib.StepMode):
           "stage's weights (refreshed from copy 0 each step) and "
           "gradients, no optimizer state; each stage's gradients are "
           "all-reduced over its data group")
+    unit = "chunk" if self.pipeline.virtual_stages > 1 else "stage"
     return "\n".join(lines + [
-        f"  stage {s['index']} on {s['device']}: {len(s['layers'])} "
+        f"  {unit} {s['index']} on {s['device']}: {len(s['layers'])} "
         f"layer(s) {s['layers'][0]} .. {s['layers'][-1]}, "
         f"{s['param_bytes']} weight bytes" +
         (f", activations at least {s['activation_bytes']} bytes "
@@ -222,8 +227,10 @@ def _flag_error(options: pipeline_options.PipelineOptions,
                 error: errors.PipelineConfigError) -> errors.ConfigError:
   cuts = (f" --pipeline_cuts={','.join(options.cuts)}" if options.cuts
           else "")
+  virtual = (f" --pipeline_virtual_stages={options.virtual_stages}"
+             if options.virtual_stages > 1 else "")
   return errors.PipelineConfigError(
-      f"--pipeline_stages={options.num_stages}{cuts}: {error}")
+      f"--pipeline_stages={options.num_stages}{virtual}{cuts}: {error}")
 
 
 def build_model(
@@ -330,6 +337,19 @@ def build(model: keras.Model, options: pipeline_options.PipelineOptions, *,
       deferred.initialize_rest()  # All of them when the cut was refused.
 
 
+def _held_microbatches(options: pipeline_options.PipelineOptions) -> int:
+  """The micro-batches a stage (a chunk) holds at once, to balance the
+  cut on: M under GPipe, at most P under 1F1B, under the interleaved
+  schedule the first stage's peak spread over its V chunks."""
+  m, p = options.num_microbatches, options.num_stages
+  if options.schedule == pipeline_options.GPIPE:
+    return m
+  if options.schedule == pipeline_options.ONE_F_ONE_B:
+    return min(p, m)
+  v = options.virtual_stages
+  return -(-min(2 * (p - 1) + (v - 1) * p + 1, v * m) // v)
+
+
 def _build(model, options, *, micro_step_batch, gradient_accumulation_steps,
            deferred):
   micro = pipeline_options.check_batch(
@@ -356,12 +376,8 @@ def _build(model, options, *, micro_step_batch, gradient_accumulation_steps,
         model, options.num_stages, cuts=list(options.cuts) or None,
         devices=(copies_lib.copy0_devices(mesh) if mesh else
                  list(options.devices) or None),
-        # Balance weights and the activations of the micro-batches a stage
-        # holds at once (M under GPipe, at most P under 1F1B).
-        activation_examples=micro * (
-            options.num_microbatches if options.schedule ==
-            pipeline_options.GPIPE else min(options.num_stages,
-                                             options.num_microbatches)))
+        activation_examples=micro * _held_microbatches(options),
+        virtual_stages=options.virtual_stages)
     pipe.check_step(micro_step_batch // options.data,
                     options.num_microbatches, options.schedule)
     placed = pipe.place_variables(deferred)

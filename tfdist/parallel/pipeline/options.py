@@ -1,8 +1,9 @@
 """The pipeline flags of `tfdist.train` and `tfdist.fit`, checked at start.
 
 `--pipeline_stages=P` (1: off), `--num_microbatches=M` (default P),
-`--pipeline_schedule=gpipe|1f1b` and `--pipeline_cuts=name,name` become one
-`PipelineOptions`; `check_flags` refuses what the pipeline cannot run, before
+`--pipeline_schedule=gpipe|1f1b|interleaved`, `--pipeline_virtual_stages=V`
+(interleaved: each device holds V chunks) and `--pipeline_cuts=name,name`
+become one `PipelineOptions`; `check_flags` refuses what the pipeline cannot run, before
 anything is built.
 
 Data x pipeline in one process: the devices the run names, N of them
@@ -26,7 +27,8 @@ from tfdist.parallel import mesh as mesh_lib
 
 GPIPE = "gpipe"
 ONE_F_ONE_B = "1f1b"
-SCHEDULES = (GPIPE, ONE_F_ONE_B)
+INTERLEAVED = "interleaved"
+SCHEDULES = (GPIPE, ONE_F_ONE_B, INTERLEAVED)
 # Strategies that cannot host stages: a pipeline's data parallelism runs in
 # its one process (D copies on a data x pipeline mesh, each stage's
 # gradients all-reduced over its data group with tfdist.parallel.
@@ -41,11 +43,12 @@ class PipelineOptions:
   """A run's pipeline: P stages, M micro-batches, the schedule, the cuts.
 
   Attributes:
-    num_stages: P (1: no pipeline).
+    num_stages: P (1: no pipeline), the pipeline's devices (per copy).
     num_microbatches: M, micro-batches per step (each B/M examples).
-    schedule: `gpipe` or `1f1b`.
-    cuts: layer names, each the first layer of a stage after the first;
-      empty: balanced by weight and activation bytes.
+    schedule: `gpipe`, `1f1b` or `interleaved`.
+    cuts: layer names, each the first layer of a stage (a chunk, under
+      `interleaved`) after the first; empty: balanced by weight and
+      activation bytes.
     microbatches_defaulted: `--num_microbatches` was not given (M = P).
     devices: the mesh's device names, N = D * P of them in mesh order
       (stage p of copy d on `devices[p * D + d]`; D = 1: stage i on
@@ -55,6 +58,8 @@ class PipelineOptions:
     data: D, the copies of the pipeline (`data_degree`; 1: one copy).
     device_type: "GPU" or "CPU": what the mesh's devices are, from the
       flags (`--num_gpus` above 0: GPUs), before the backend finds them.
+    virtual_stages: V, the model chunks each device holds (`interleaved`:
+      V >= 2, P * V chunks, chunk c on device c mod P; else 1).
   """
   num_stages: int = 1
   num_microbatches: int = 1
@@ -64,6 +69,7 @@ class PipelineOptions:
   devices: Tuple[str, ...] = ()
   data: int = 1
   device_type: str = "CPU"
+  virtual_stages: int = 1
 
   @classmethod
   def of(cls, parallelism, *, num_gpus: int = -1,
@@ -71,7 +77,8 @@ class PipelineOptions:
     """The pipeline of the config's parallelism section
     (`tfdist.config.ParallelismConfig`: `pipeline_stages`,
     `num_microbatches`, defaulted to the stages when None,
-    `pipeline_schedule`, `pipeline_cuts`), its data degree from
+    `pipeline_schedule`, `pipeline_virtual_stages`, `pipeline_cuts`), its
+    data degree from
     `--num_gpus` and `--num_cpu_devices` (`data_degree`).
 
     Raises:
@@ -86,7 +93,8 @@ class PipelineOptions:
         microbatches_defaulted=parallelism.num_microbatches is None,
         data=data_degree(parallelism.pipeline_stages, num_gpus=num_gpus,
                          num_cpu_devices=num_cpu_devices),
-        device_type="GPU" if num_gpus > 0 else "CPU")
+        device_type="GPU" if num_gpus > 0 else "CPU",
+        virtual_stages=parallelism.pipeline_virtual_stages)
 
   @property
   def enabled(self) -> bool:
@@ -113,20 +121,28 @@ class PipelineOptions:
               f"{self.num_stages}, each on 1/{self.data} of the batch) of "
               if self.data > 1 else "")
     per_copy = " per copy" if self.data > 1 else ""
+    schedule = self.schedule
+    if self.virtual_stages > 1:
+      schedule += (f" (V={self.virtual_stages} virtual stages: "
+                   f"{self.num_stages * self.virtual_stages} chunks, chunk c "
+                   f"on stage c mod {self.num_stages})")
     return (f"{copies}{self.num_stages} stages ({cuts}), "
             f"{self.num_microbatches} micro-batches per step{per_copy}, "
-            f"{self.schedule} schedule; batch normalization sees "
+            f"{schedule} schedule; batch normalization sees "
             "micro-batches")
 
   def to_dict(self) -> dict:
     """For the manifest: stages, micro-batches, schedule, cuts, what
-    batch normalization sees, and the data degree when above 1."""
+    batch normalization sees, the data degree when above 1 and the
+    virtual stages when above 1."""
     out = {"stages": self.num_stages,
            "num_microbatches": self.num_microbatches,
            "schedule": self.schedule, "cuts": list(self.cuts),
            "batch_norm": "micro-batches"}
     if self.data > 1:
       out["data"] = self.data
+    if self.virtual_stages > 1:
+      out["virtual_stages"] = self.virtual_stages
     return out
 
 
@@ -193,6 +209,7 @@ CHECKED_SETTINGS = (
     "pipeline_stages",
     "num_microbatches",
     "pipeline_schedule",
+    "pipeline_virtual_stages",
     "pipeline_cuts",
     "distribution_strategy",
     "zero_stage",
@@ -206,7 +223,8 @@ def check_flags(*, pipeline_stages: int, num_microbatches: Optional[int],
                 pipeline_schedule: str, pipeline_cuts: Sequence[str],
                 distribution_strategy: str, zero_stage: int,
                 enable_xla: bool, num_gpus: int = -1,
-                num_cpu_devices: int = 0) -> None:
+                num_cpu_devices: int = 0,
+                pipeline_virtual_stages: int = 1) -> None:
   """Refuses pipeline flags that cannot run, naming the flag, the value and
   the fix. Pure: the devices, the model and the batch are checked later
   (`tfdist.backends.pipeline`, `tfdist.parallel.pipeline.mode`,
@@ -214,9 +232,11 @@ def check_flags(*, pipeline_stages: int, num_microbatches: Optional[int],
 
   Raises:
     ConfigError: P < 1; M < 1; an unknown schedule; cuts disagreeing with
-      P; micro-batches or cuts without P > 1; P > 1 with a data-parallel
-      strategy, ZeRO or XLA; P not dividing the devices `--num_gpus` or
-      `--num_cpu_devices` name (`data_degree`).
+      P (P * V chunks under `interleaved`); micro-batches or cuts without
+      P > 1; P > 1 with a data-parallel strategy, ZeRO or XLA; P not
+      dividing the devices `--num_gpus` or `--num_cpu_devices` name
+      (`data_degree`); `interleaved` without V >= 2, with M not a multiple
+      of P or with D > 1 copies; V > 1 with another schedule or P = 1.
   """
   if not isinstance(pipeline_stages, int) or pipeline_stages < 1:
     raise errors.ConfigError(f"--pipeline_stages={pipeline_stages} must be a "
@@ -228,12 +248,9 @@ def check_flags(*, pipeline_stages: int, num_microbatches: Optional[int],
   if pipeline_schedule not in SCHEDULES:
     raise errors.ConfigError(f"--pipeline_schedule={pipeline_schedule!r} is "
                              f"unknown. Use one of: {', '.join(SCHEDULES)}.")
-  if pipeline_cuts and len(pipeline_cuts) + 1 != pipeline_stages:
-    raise errors.ConfigError(
-        f"--pipeline_cuts={','.join(pipeline_cuts)} makes "
-        f"{len(pipeline_cuts) + 1} stages but --pipeline_stages="
-        f"{pipeline_stages}: pass --pipeline_stages={len(pipeline_cuts) + 1}"
-        f" with these cuts, or {pipeline_stages - 1} cut(s).")
+  _check_virtual_stages(pipeline_stages, pipeline_schedule,
+                        pipeline_virtual_stages)
+  _check_cuts(pipeline_stages, pipeline_virtual_stages, pipeline_cuts)
   if pipeline_stages == 1:
     if num_microbatches not in (None, 1):
       raise errors.ConfigError(
@@ -251,8 +268,11 @@ def check_flags(*, pipeline_stages: int, num_microbatches: Optional[int],
         "--distribution_strategy=auto, one_device or off with "
         f"--num_gpus=N or --num_cpu_devices=N (N = D x {pipeline_stages} "
         "devices: D copies), or drop --pipeline_stages.")
-  data_degree(pipeline_stages, num_gpus=num_gpus,
-              num_cpu_devices=num_cpu_devices)
+  data = data_degree(pipeline_stages, num_gpus=num_gpus,
+                     num_cpu_devices=num_cpu_devices)
+  if pipeline_schedule == INTERLEAVED:
+    _check_interleaved(pipeline_stages, num_microbatches, data,
+                       num_gpus=num_gpus, num_cpu_devices=num_cpu_devices)
   if zero_stage:
     raise errors.ConfigError(
         f"--pipeline_stages={pipeline_stages} and "
@@ -266,6 +286,92 @@ def check_flags(*, pipeline_stages: int, num_microbatches: Optional[int],
         f"--enable_xla cannot compile a pipelined step (--pipeline_stages="
         f"{pipeline_stages}): one XLA cluster cannot span the stages' "
         "devices. Drop --enable_xla.")
+
+
+def _check_cuts(pipeline_stages: int, pipeline_virtual_stages: int,
+                pipeline_cuts: Sequence[str]) -> None:
+  """Refuses cuts that do not make P stages (P * V chunks with V > 1).
+
+  Raises:
+    ConfigError: naming the flags, the values and the fix.
+  """
+  if pipeline_virtual_stages > 1 and pipeline_cuts and (
+      len(pipeline_cuts) + 1 != pipeline_stages * pipeline_virtual_stages):
+    chunks = pipeline_stages * pipeline_virtual_stages
+    raise errors.ConfigError(
+        f"--pipeline_cuts={','.join(pipeline_cuts)} makes "
+        f"{len(pipeline_cuts) + 1} chunks but --pipeline_stages="
+        f"{pipeline_stages} x --pipeline_virtual_stages="
+        f"{pipeline_virtual_stages} needs {chunks}: pass {chunks - 1} "
+        "cut(s), each the first layer of a chunk after the first.")
+  if (pipeline_virtual_stages == 1 and pipeline_cuts and
+      len(pipeline_cuts) + 1 != pipeline_stages):
+    raise errors.ConfigError(
+        f"--pipeline_cuts={','.join(pipeline_cuts)} makes "
+        f"{len(pipeline_cuts) + 1} stages but --pipeline_stages="
+        f"{pipeline_stages}: pass --pipeline_stages={len(pipeline_cuts) + 1}"
+        f" with these cuts, or {pipeline_stages - 1} cut(s).")
+
+
+def _check_virtual_stages(pipeline_stages: int, pipeline_schedule: str,
+                          pipeline_virtual_stages: int) -> None:
+  """Refuses a V that is not a positive integer, V >= 2 without the
+  interleaved schedule or without P > 1, and `interleaved` with V < 2.
+
+  Raises:
+    ConfigError: naming the flags, the values and the fix.
+  """
+  v = pipeline_virtual_stages
+  if not isinstance(v, int) or v < 1:
+    raise errors.ConfigError(
+        f"--pipeline_virtual_stages={v} must be a positive integer (1: one "
+        "chunk per stage; >= 2 with --pipeline_schedule=interleaved).")
+  if pipeline_schedule == INTERLEAVED and v < 2:
+    raise errors.ConfigError(
+        f"--pipeline_schedule=interleaved needs --pipeline_virtual_stages="
+        f"V >= 2 (received {v}): each stage holds V chunks of the model. "
+        "Pass --pipeline_virtual_stages=2 (or more), or use "
+        "--pipeline_schedule=1f1b.")
+  if pipeline_schedule != INTERLEAVED and v > 1:
+    raise errors.ConfigError(
+        f"--pipeline_virtual_stages={v} applies to --pipeline_schedule="
+        f"interleaved only (received --pipeline_schedule="
+        f"{pipeline_schedule}): pass --pipeline_schedule=interleaved, or "
+        "drop --pipeline_virtual_stages.")
+  if v > 1 and pipeline_stages == 1:
+    raise errors.ConfigError(
+        f"--pipeline_virtual_stages={v} applies to a pipeline: pass "
+        "--pipeline_stages=P (P > 1) too.")
+
+
+def _check_interleaved(pipeline_stages: int, num_microbatches: Optional[int],
+                       data: int, *, num_gpus: int,
+                       num_cpu_devices: int) -> None:
+  """Refuses M not a multiple of P (Megatron's interleaved order runs the
+  micro-batches in groups of P) and D > 1 copies (not built).
+
+  Raises:
+    ConfigError: naming the flags, the values and the fix.
+  """
+  m = resolved_microbatches(pipeline_stages, num_microbatches)
+  if m % pipeline_stages:
+    fits = sorted({pipeline_stages * max(1, m // pipeline_stages),
+                   pipeline_stages * (m // pipeline_stages + 1)})
+    raise errors.ConfigError(
+        f"--pipeline_schedule=interleaved needs --num_microbatches to be a "
+        f"multiple of --pipeline_stages={pipeline_stages} (received "
+        f"--num_microbatches={m}): its order runs the micro-batches in "
+        f"groups of P on each chunk. Use --num_microbatches="
+        f"{' or '.join(map(str, fits))}, or --pipeline_schedule=1f1b.")
+  if data > 1:
+    flag, n = (("--num_gpus", num_gpus) if num_gpus > 0 else
+               ("--num_cpu_devices", num_cpu_devices))
+    raise errors.ConfigError(
+        f"--pipeline_schedule=interleaved with {flag}={n} (D={data} copies "
+        f"of the --pipeline_stages={pipeline_stages} pipeline): data x "
+        "pipeline copies of an interleaved pipeline are not built yet. Use "
+        f"{flag}={pipeline_stages} (one copy), or --pipeline_schedule=1f1b "
+        "for D copies.")
 
 
 def check_batch(options: PipelineOptions, *, micro_step_batch: int,

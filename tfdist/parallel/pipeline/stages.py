@@ -1,4 +1,5 @@
-"""Pipeline parallelism for Keras 3 models on TensorFlow (GPipe and 1F1B).
+"""Pipeline parallelism for Keras 3 models on TensorFlow (GPipe, 1F1B and
+interleaved 1F1B).
 
 A Keras functional or Sequential model is cut into P stages of consecutive
 layers (`split_model`); stage i runs under `tf.device(devices[i])`. A
@@ -14,17 +15,23 @@ float summation order).
 TensorFlow does not pipeline by itself: ops run when their inputs are
 ready, so without ordering all micro-batches of a stage would run at once.
 The schedule (`schedule_order`) is imposed with one control-dependency chain
-per stage: each forward (F) or backward (B) task of a stage starts after the
-stage's previous task has produced its outputs.
+per stage (device): each forward (F) or backward (B) task of a stage starts
+after the stage's previous task has produced its outputs.
 
 * `gpipe` (Huang et al. 2019): all forwards, then all backwards; a stage
   holds the activations of all M micro-batches at once.
 * `1f1b` (Narayanan et al. 2019, PipeDream-flush): stage s runs P-s-1
   warm-up forwards, then alternates one forward and one backward; it holds
   at most P-s micro-batches' activations. Same bubble as GPipe.
+* `interleaved` (Narayanan et al. 2021, Megatron-LM's interleaved 1F1B;
+  `split_model(..., virtual_stages=V)`): the model is cut into P*V chunks,
+  chunk c on stage c mod P, and each stage runs its V chunks' tasks in
+  Megatron's order (`interleaved_order`) on its one chain. M must be a
+  multiple of P.
 
 The idle fraction of each stage (the bubble) is (P-1)/(M+P-1) for equal
-stage costs (`benchmarks/pipeline_bubble.py` measures it).
+stage costs, (P-1)/(V*M+P-1) under `interleaved`, for V times more
+transfers between stages (`benchmarks/pipeline_bubble.py` measures it).
 
 The variables stay where Keras created them unless
 `Pipeline.place_variables` moves each stage's to its device (then an
@@ -60,37 +67,50 @@ from tfdist import errors
 from tfdist.parallel import cutting
 from tfdist.parallel.cutting import balanced_cuts  # pylint: disable=unused-import  (in __all__)
 from tfdist.parallel.pipeline.options import GPIPE
+from tfdist.parallel.pipeline.options import INTERLEAVED
 from tfdist.parallel.pipeline.options import ONE_F_ONE_B
 from tfdist.parallel.pipeline.options import SCHEDULES
 
 __all__ = [
-    "GPIPE", "ONE_F_ONE_B", "SCHEDULES", "Pipeline",
-    "ActivationEstimate", "DeferredVariables", "Stage", "balanced_cuts",
-    "bubble_fraction", "check_microbatches",
-    "deferred_variables", "peak_in_flight", "schedule_order", "split_model",
+    "GPIPE", "INTERLEAVED", "ONE_F_ONE_B", "SCHEDULES", "Pipeline",
+    "ActivationEstimate", "DeferredVariables", "DeviceLoad", "Stage",
+    "balanced_cuts",
+    "bubble_fraction", "check_microbatches", "check_virtual_stages",
+    "deferred_variables", "interleaved_order", "peak_in_flight",
+    "schedule_order", "split_model",
 ]
 
 
 # --- schedules (pure) ---------------------------------------------------------
 def schedule_order(num_stages: int, num_microbatches: int,
-                   schedule: str = GPIPE) -> List[List[Tuple[str, int]]]:
+                   schedule: str = GPIPE, virtual_stages: int = 1
+                   ) -> List[List[tuple]]:
   """Each stage's tasks in the order it runs them.
 
   Args:
     num_stages: P >= 1.
-    num_microbatches: M >= 1.
-    schedule: "gpipe" or "1f1b".
+    num_microbatches: M >= 1 (a multiple of P for `interleaved`).
+    schedule: "gpipe", "1f1b" or "interleaved".
+    virtual_stages: V, the chunks each stage holds: 1 for "gpipe" and
+      "1f1b", >= 2 for "interleaved".
 
   Returns:
-    A list of P lists; list s holds ("F", m) and ("B", m) pairs, the forward
-    and backward pass of micro-batch m on stage s, 2*M of them.
+    A list of P lists. Under "gpipe" and "1f1b", list s holds ("F", m) and
+    ("B", m) pairs, the forward and backward pass of micro-batch m on
+    stage s, 2*M of them; under "interleaved", `interleaved_order`'s
+    ("F", m, chunk) and ("B", m, chunk) triples, 2*V*M of them.
 
   Raises:
-    PipelineConfigError: an unknown schedule, or P or M below 1.
+    PipelineConfigError: an unknown schedule, P or M below 1, or V, M and
+      the schedule disagreeing (`check_virtual_stages`).
   """
   cutting.check_positive("num_stages", num_stages)
   cutting.check_positive("num_microbatches", num_microbatches)
   check_schedule(schedule)
+  check_virtual_stages(num_stages, num_microbatches, schedule,
+                       virtual_stages)
+  if schedule == INTERLEAVED:
+    return interleaved_order(num_stages, num_microbatches, virtual_stages)
   orders = []
   for s in range(num_stages):
     if schedule == GPIPE:
@@ -107,26 +127,86 @@ def schedule_order(num_stages: int, num_microbatches: int,
   return orders
 
 
-def peak_in_flight(order: Sequence[Tuple[str, int]]) -> int:
+def interleaved_order(num_stages: int, num_microbatches: int,
+                      virtual_stages: int) -> List[List[Tuple[str, int, int]]]:
+  """Each stage's tasks under Megatron-LM's interleaved 1F1B.
+
+  Narayanan et al. 2021 ("Efficient Large-Scale Language Model Training on
+  GPU Clusters", section 2.2), as Megatron-LM's
+  `forward_backward_pipelining_with_interleaving`: the model is cut into
+  P*V chunks, chunk c on stage c mod P (stage s holds chunks s, s+P, ...,
+  s+(V-1)P). Stage s runs V*M forwards and V*M backwards; its k-th
+  forward is of its local chunk j = (k mod PV) // P on micro-batch
+  m = (k // PV) * P + k mod P (P micro-batches through one chunk, then
+  the same P through its next chunk), its k-th backward the same with
+  the chunks in reverse (j -> V-1-j). It runs min(2(P-s-1) + (V-1)P, VM)
+  warm-up forwards, then alternates one forward and one backward, then
+  the remaining backwards.
+
+  Args:
+    num_stages: P >= 1.
+    num_microbatches: M, a multiple of P.
+    virtual_stages: V >= 1 (`schedule_order` asks for V >= 2; with V = 1
+      the warm-up is still Megatron's 2(P-s-1), twice 1F1B's).
+
+  Returns:
+    A list of P lists; list s holds ("F", m, c) and ("B", m, c): the
+    forward and backward pass of micro-batch m on chunk c (a global chunk
+    index, c mod P = s).
+
+  Raises:
+    PipelineConfigError: P, M or V below 1, or M not a multiple of P.
+  """
+  p, m_total, v = num_stages, num_microbatches, virtual_stages
+  for name, value in (("num_stages", p), ("num_microbatches", m_total),
+                      ("virtual_stages", v)):
+    cutting.check_positive(name, value)
+  _check_microbatch_groups(p, m_total)
+  group = p * v
+  tasks = v * m_total
+
+  def task(kind: str, k: int, s: int) -> Tuple[str, int, int]:
+    local = (k % group) // p
+    if kind == "B":
+      local = v - 1 - local
+    return (kind, (k // group) * p + k % p, local * p + s)
+
+  orders = []
+  for s in range(p):
+    warmup = min(2 * (p - s - 1) + (v - 1) * p, tasks)
+    order = [task("F", k, s) for k in range(warmup)]
+    for i in range(tasks - warmup):
+      order += [task("F", warmup + i, s), task("B", i, s)]
+    order += [task("B", k, s) for k in range(tasks - warmup, tasks)]
+    orders.append(order)
+  return orders
+
+
+def peak_in_flight(order: Sequence[tuple]) -> int:
   """The most micro-batches whose activations one stage holds at once.
 
   Args:
-    order: one stage's tasks (an element of `schedule_order`'s result).
+    order: one stage's tasks (an element of `schedule_order`'s result;
+      under `interleaved`, one micro-batch on one chunk counts once).
 
   Returns:
     The largest number of forwards done whose backward has not run: M for
-    GPipe, at most P - s for 1F1B on stage s.
+    GPipe, at most P - s for 1F1B on stage s, at most 2(P-s-1) + (V-1)P + 1
+    chunk micro-batches for the interleaved order.
   """
   alive = peak = 0
-  for kind, _ in order:
-    alive += 1 if kind == "F" else -1
+  for task in order:
+    alive += 1 if task[0] == "F" else -1
     peak = max(peak, alive)
   return peak
 
 
-def bubble_fraction(num_stages: int, num_microbatches: int) -> float:
-  """The ideal idle fraction of each stage, (P-1)/(M+P-1)."""
-  return (num_stages - 1) / (num_microbatches + num_stages - 1)
+def bubble_fraction(num_stages: int, num_microbatches: int,
+                    virtual_stages: int = 1) -> float:
+  """The ideal idle fraction of each stage, (P-1)/(V*M+P-1) (V = 1:
+  GPipe and 1F1B; V chunks per stage: the interleaved schedule)."""
+  return (num_stages - 1) / (
+      virtual_stages * num_microbatches + num_stages - 1)
 
 
 def check_schedule(schedule: str) -> str:
@@ -137,6 +217,52 @@ def check_schedule(schedule: str) -> str:
         f"pipeline schedule={schedule!r} is not offered: choose one of "
         f"{', '.join(SCHEDULES)}.")
   return schedule
+
+
+def check_virtual_stages(num_stages: int, num_microbatches: int,
+                         schedule: str, virtual_stages: int) -> None:
+  """Refuses V >= 2 without the interleaved schedule, the interleaved
+  schedule with V < 2, and, for it, M not a multiple of P.
+
+  Raises:
+    PipelineConfigError: naming the values and the fix.
+  """
+  cutting.check_positive("virtual_stages", virtual_stages)
+  if schedule == INTERLEAVED and virtual_stages < 2:
+    raise errors.PipelineConfigError(
+        f"schedule='interleaved' needs virtual_stages >= 2 (received "
+        f"{virtual_stages}): split the model with split_model(..., "
+        "virtual_stages=2) or more, or use schedule='1f1b'.")
+  if schedule != INTERLEAVED and virtual_stages > 1:
+    raise errors.PipelineConfigError(
+        f"a pipeline of virtual_stages={virtual_stages} chunks per stage "
+        f"runs schedule='interleaved', not {schedule!r}: pass "
+        "schedule='interleaved', or split the model with virtual_stages=1.")
+  if schedule == INTERLEAVED:
+    _check_microbatch_groups(num_stages, num_microbatches)
+
+
+def _check_microbatch_groups(num_stages: int, num_microbatches: int) -> None:
+  """Refuses M not a multiple of P (the interleaved order's groups)."""
+  if num_microbatches % num_stages:
+    raise errors.PipelineConfigError(
+        f"the interleaved schedule needs num_microbatches (received "
+        f"{num_microbatches}) to be a multiple of num_stages={num_stages}: "
+        "each chunk runs the micro-batches in groups of P. Choose "
+        f"num_microbatches among {num_stages}, {2 * num_stages}, "
+        f"{3 * num_stages}, ...")
+
+
+def _stage_tasks(num_stages: int, num_microbatches: int, schedule: str,
+                 virtual_stages: int) -> List[List[Tuple[str, int, int]]]:
+  """`schedule_order` as ("F" or "B", micro-batch, chunk) triples (chunk =
+  stage under GPipe and 1F1B), what `_StepTasks.build` walks."""
+  orders = schedule_order(num_stages, num_microbatches, schedule,
+                          virtual_stages)
+  if schedule == INTERLEAVED:
+    return orders
+  return [[(kind, m, s) for kind, m in order]
+          for s, order in enumerate(orders)]
 
 
 def check_microbatches(batch_size: int, num_microbatches: int) -> int:
@@ -282,6 +408,18 @@ class ActivationEstimate:
 
 
 @dataclasses.dataclass(frozen=True)
+class DeviceLoad:
+  """The variables one device of a pipeline holds (`Pipeline.device_loads`).
+
+  Attributes:
+    weights: all its chunks' weights.
+    trainable_variables: their trainable variables.
+  """
+  weights: Tuple[Any, ...]
+  trainable_variables: Tuple[Any, ...]
+
+
+@dataclasses.dataclass(frozen=True)
 class Stage:
   """Consecutive layer calls of the model that run on one device.
 
@@ -371,15 +509,18 @@ class _StepTasks:
   graph one at a time (`Pipeline.forward_backward`), with what they hand
   each other.
 
+  Tasks are indexed by the pipeline's `Stage`s (its chunks under the
+  interleaved schedule: chunk c runs on stage, i.e. device, c mod P).
+
   Attributes:
-    forwards: `{(stage, micro-batch): _Forward}` of the forward tasks
+    forwards: `{(chunk, micro-batch): _Forward}` of the forward tasks
       whose backward task is still to come.
-    input_grads: `{(stage, micro-batch): gradients}` of a stage's inputs,
-      for the stage before's backward task.
-    sums: per stage, the summed gradient of each of its trainable
+    input_grads: `{(chunk, micro-batch): gradients}` of a chunk's inputs,
+      for the chunk before's backward task.
+    sums: per chunk, the summed gradient of each of its trainable
       variables (None until one is added).
-    chain: per stage, the tensors of its latest task: its next task waits
-      on them.
+    chain: per device (stage s = chunk mod P), the tensors of its latest
+      task, of whichever chunk: its next task waits on them.
     losses: the micro-batches' weighed losses, scalars.
     final_outputs: `{micro-batch: the last stage's outputs}`.
   """
@@ -391,7 +532,8 @@ class _StepTasks:
     # Data x pipeline: this copy's devices and variables (`DataCopies`).
     self.copies, self.copy = copies, copy
     self.stages = pipeline.stages
-    self.last = pipeline.num_stages - 1
+    self.num_devices = pipeline.num_stages
+    self.last = len(self.stages) - 1
     self.micro_x, self.micro_y, self.micro_w = micro_x, micro_y, micro_w
     self.loss_fn = loss_fn
     self.scale = scale
@@ -399,14 +541,15 @@ class _StepTasks:
     self.input_grads: Dict[Tuple[int, int], List[tf.Tensor]] = {}
     self.sums: List[List[Optional[tf.Tensor]]] = [
         [None] * len(s.trainable_variables) for s in self.stages]
-    self.chain: List[List[tf.Tensor]] = [[] for _ in self.stages]
+    self.chain: List[List[tf.Tensor]] = [[] for _ in range(self.num_devices)]
     self.losses = []
     self.final_outputs: Dict[int, List[tf.Tensor]] = {}
 
   def forward(self, s: int, m: int) -> None:
-    """Stage `s`'s forward task on micro-batch `m` (the loss on the last)."""
+    """Chunk `s`'s forward task on micro-batch `m` (the loss on the last)."""
     stage = self.stages[s]
-    with tf.device(self.device(s)), tf.control_dependencies(self.chain[s]):
+    chain = s % self.num_devices
+    with tf.device(self.device(s)), tf.control_dependencies(self.chain[chain]):
       received = (self.micro_x[m] if s == 0
                   else self.forwards[(s - 1, m)].outputs)
       received = [tf.identity(t) for t in received]
@@ -420,7 +563,7 @@ class _StepTasks:
         if s == self.last:
           outputs = self._loss(m, outputs)
     self.forwards[(s, m)] = _Forward(tape, received, outputs)
-    self.chain[s] = outputs
+    self.chain[chain] = outputs
 
   def device(self, s: int) -> str:
     """Where stage `s` of this copy runs."""
@@ -445,10 +588,11 @@ class _StepTasks:
     return [self.losses[-1]]
 
   def backward(self, s: int, m: int) -> None:
-    """Stage `s`'s backward task on micro-batch `m`: adds its variables'
-    gradients to `sums` and hands its inputs' to the stage before."""
+    """Chunk `s`'s backward task on micro-batch `m`: adds its variables'
+    gradients to `sums` and hands its inputs' to the chunk before."""
     done = self.forwards.pop((s, m))
-    with tf.device(self.device(s)), tf.control_dependencies(self.chain[s]):
+    chain = s % self.num_devices
+    with tf.device(self.device(s)), tf.control_dependencies(self.chain[chain]):
       if s == self.last:
         targets, upstream = done.outputs, None
       else:
@@ -468,8 +612,8 @@ class _StepTasks:
       var_grads = grads[len(sources):]
       for j, g in enumerate(var_grads):
         self.sums[s][j] = _add_gradients(self.sums[s][j], g)
-      self.chain[s] = ([_dense_part(g) for g in grads if g is not None]
-                       or self.chain[s])
+      self.chain[chain] = ([_dense_part(g) for g in grads if g is not None]
+                           or self.chain[chain])
 
   def ready(self, s: int, kind: str, m: int) -> bool:
     """Whether the task (`kind` "F" or "B") has what it takes."""
@@ -478,11 +622,12 @@ class _StepTasks:
     return (s, m) in self.forwards and (
         s == self.last or (s + 1, m) in self.input_grads)
 
-  def build(self, orders: Sequence[Sequence[Tuple[str, int]]],
+  def build(self, orders: Sequence[Sequence[Tuple[str, int, int]]],
             schedule: str) -> None:
-    """Builds every stage's tasks of `orders` (`schedule_order`'s) in an
-    order that respects both the data and each stage's chain (a
-    topological order of the schedule).
+    """Builds every device's tasks of `orders` (`_stage_tasks`'s: per
+    device, (kind, micro-batch, chunk)) in an order that respects both
+    the data and each device's chain (a topological order of the
+    schedule).
 
     Raises:
       RuntimeError: the schedule deadlocks (a bug in tfdist).
@@ -492,10 +637,10 @@ class _StepTasks:
       progressed = False
       for s, order in enumerate(orders):
         while position[s] < len(order):
-          kind, m = order[position[s]]
-          if not self.ready(s, kind, m):
+          kind, m, chunk = order[position[s]]
+          if not self.ready(chunk, kind, m):
             break
-          (self.forward if kind == "F" else self.backward)(s, m)
+          (self.forward if kind == "F" else self.backward)(chunk, m)
           position[s] += 1
           progressed = True
       if not progressed:
@@ -528,60 +673,87 @@ class Pipeline:
 
   Attributes:
     model: the Keras model.
-    stages: the `Stage`s, P of them.
-    num_stages: P.
+    stages: the `Stage`s, P of them; with V virtual stages, the P * V
+      chunks in call order, chunk c on the device of stage c mod P.
+    num_stages: P, the pipeline's devices.
+    virtual_stages: V, the chunks each device holds (1: one stage each).
   """
 
-  def __init__(self, model, stages: Sequence[Stage], input_dtypes):
+  def __init__(self, model, stages: Sequence[Stage], input_dtypes,
+               virtual_stages: int = 1):
     self.model = model
     self.stages = tuple(stages)
-    self.num_stages = len(self.stages)
+    self.virtual_stages = int(virtual_stages)
+    self.num_stages = len(self.stages) // self.virtual_stages
     self._input_dtypes = list(input_dtypes)
 
   def describe(self, micro_batch: int = 0, num_microbatches: int = 1,
                schedule: str = GPIPE) -> List[dict]:
-    """Per stage: index, device, layer names, parameter bytes, the number
-    of tensors it receives and hands on, and, given a step's shape, its
-    activation estimate (`activation_estimate`).
+    """Per stage (per chunk, with virtual stages): index, device, layer
+    names, parameter bytes, the number of tensors it receives and hands
+    on, and, given a step's shape, its device's activation estimate
+    (`activation_estimate`).
 
     Args:
       micro_batch: examples per micro-batch (0: no activation estimate).
       num_microbatches: M.
-      schedule: `gpipe` or `1f1b`.
+      schedule: `gpipe`, `1f1b` or `interleaved`.
     """
     held = (self.activation_estimate(micro_batch, num_microbatches, schedule)
             if micro_batch else None)
+    p = self.num_stages
     return [dict(index=s.index, device=s.device, layers=list(s.layer_names),
                  param_bytes=s.param_bytes, inputs=len(s.input_keys),
                  outputs=len(s.output_keys),
-                 **({"activation_bytes": held.bytes_per_stage[s.index],
-                     "microbatches_in_flight": held.in_flight[s.index]}
+                 **({"activation_bytes": held.bytes_per_stage[s.index % p],
+                     "microbatches_in_flight": held.in_flight[s.index % p]}
                     if held else {})) for s in self.stages]
 
   def activation_estimate(self, micro_batch: int, num_microbatches: int,
                           schedule: str = GPIPE) -> "ActivationEstimate":
-    """Each stage's activations alive at its peak, in bytes: its layer
-    calls' output bytes per example x `micro_batch` x the micro-batches the
-    schedule keeps in flight on it (`peak_in_flight`: M under GPipe, at
-    most P - s under 1F1B). A lower bound: a layer's tape may keep inner
-    tensors too, and TensorFlow's workspace is not counted.
+    """Each stage's (device's) activations alive at its peak, in bytes:
+    its layer calls' output bytes per example x `micro_batch` x the
+    micro-batches the schedule keeps in flight on it (`peak_in_flight`: M
+    under GPipe, at most P - s under 1F1B; under `interleaved`, the most
+    bytes of its chunks' micro-batches alive at once). A lower bound: a
+    layer's tape may keep inner tensors too, and TensorFlow's workspace is
+    not counted.
 
     Args:
       micro_batch: examples per micro-batch.
       num_microbatches: M.
-      schedule: `gpipe` or `1f1b`.
+      schedule: `gpipe`, `1f1b` or `interleaved`.
 
     Returns:
-      An `ActivationEstimate` (P byte counts, P micro-batch counts).
+      An `ActivationEstimate` (P byte counts, P micro-batch counts: chunk
+      micro-batches under `interleaved`).
 
     Raises:
-      PipelineConfigError: an unknown schedule, or M below 1.
+      PipelineConfigError: an unknown schedule, M below 1, or a schedule
+        that does not fit the pipeline's virtual stages.
     """
-    in_flight = [peak_in_flight(order) for order in schedule_order(
-        self.num_stages, num_microbatches, schedule)]
+    orders = _stage_tasks(self.num_stages, num_microbatches, schedule,
+                          self.virtual_stages)
+    peak_bytes = []
+    for order in orders:
+      alive = peak = 0
+      for kind, _, c in order:
+        size = self.stages[c].activation_bytes_per_example * micro_batch
+        alive += size if kind == "F" else -size
+        peak = max(peak, alive)
+      peak_bytes.append(peak)
     return ActivationEstimate(
-        tuple(s.activation_bytes_per_example * micro_batch * n
-              for s, n in zip(self.stages, in_flight)), tuple(in_flight))
+        tuple(peak_bytes), tuple(peak_in_flight(o) for o in orders))
+
+  def device_loads(self) -> List["DeviceLoad"]:
+    """Per device (stage index s), the weights of the chunks it holds:
+    stage s's alone without virtual stages, chunks s, s+P, ... with."""
+    return [DeviceLoad(
+        weights=tuple(v for c in self.stages[s::self.num_stages]
+                      for v in c.weights),
+        trainable_variables=tuple(v for c in self.stages[s::self.num_stages]
+                                  for v in c.trainable_variables))
+            for s in range(self.num_stages)]
 
   def flat_inputs(self, x) -> List[tf.Tensor]:
     # A dict flattens by sorted key, as Keras flattens a model's dict of
@@ -665,7 +837,8 @@ class Pipeline:
 
   def check_step(self, batch_size: int, num_microbatches: int,
                  schedule: str = GPIPE) -> int:
-    """Checks a step's batch, micro-batches and schedule before tracing.
+    """Checks a step's batch, micro-batches, schedule and the pipeline's
+    virtual stages before tracing.
 
     `train_step` makes the same checks while it is traced, but autograph
     (on by default in `tf.function`) re-raises errors raised while tracing
@@ -674,15 +847,19 @@ class Pipeline:
     Args:
       batch_size: B, the global batch of one step (examples).
       num_microbatches: M.
-      schedule: "gpipe" or "1f1b".
+      schedule: "gpipe", "1f1b" or "interleaved" (a pipeline split with
+        virtual_stages >= 2 runs "interleaved" only).
 
     Returns:
       The micro-batch size, B // M.
 
     Raises:
-      PipelineConfigError: M does not divide B, or an unknown schedule.
+      PipelineConfigError: M does not divide B, an unknown schedule, or
+        one that does not fit the virtual stages (`check_virtual_stages`).
     """
     check_schedule(schedule)
+    check_virtual_stages(self.num_stages, num_microbatches, schedule,
+                         self.virtual_stages)
     return check_microbatches(batch_size, num_microbatches)
 
   @staticmethod
@@ -729,7 +906,8 @@ class Pipeline:
       optimizer: a Keras optimizer; it gets the summed gradients of all
         the model's trainable variables once.
       num_microbatches: M, dividing B.
-      schedule: "gpipe" or "1f1b".
+      schedule: "gpipe", "1f1b" or "interleaved" (a pipeline split with
+        virtual_stages >= 2 runs "interleaved" only).
       copies: None, or the `DataCopies` of a data x pipeline mesh
         (`forward_backward`): the optimizer updates copy 0 (the model),
         which the other copies read at the next step's start.
@@ -740,7 +918,7 @@ class Pipeline:
     Raises:
       PipelineConfigError: M does not divide B, B is not known when
         traced, x has another number of tensors than the model's inputs,
-        or an unknown schedule.
+        an unknown schedule, or one that does not fit the virtual stages.
     """
     loss, grads, _ = self.forward_backward(
         x, y, loss_fn=loss_fn, num_microbatches=num_microbatches,
@@ -769,7 +947,8 @@ class Pipeline:
         sample_weight)` when `sample_weight` is given: a scalar float32
         tensor for one micro-batch, the one differentiated.
       num_microbatches: M, dividing B.
-      schedule: "gpipe" or "1f1b".
+      schedule: "gpipe", "1f1b" or "interleaved" (a pipeline split with
+        virtual_stages >= 2 runs "interleaved" only).
       sample_weight: None, or a tensor [B] split with the batch and passed
         to `loss_fn` per micro-batch.
       mean_loss: `loss_fn` returns the micro-batch's MEAN loss, so each is
@@ -809,9 +988,10 @@ class Pipeline:
           f"of it, cut into {num_microbatches} equal micro-batches. Use a "
           f"batch size that is a multiple of {data * num_microbatches}.")
     check_microbatches(int(batch), num_microbatches)
+    orders = _stage_tasks(self.num_stages, num_microbatches, schedule,
+                          self.virtual_stages)
     if copies is not None:
       copies.sync()
-    orders = schedule_order(self.num_stages, num_microbatches, schedule)
     # Copy d's share: examples [d*B/D, (d+1)*B/D), then its M micro-batches.
     pieces = data * num_microbatches
     micro_x = list(zip(*[tf.split(t, pieces) for t in inputs]))
@@ -845,7 +1025,8 @@ def _default_devices() -> List[str]:
 def split_model(model, num_stages: Optional[int] = None, *,
                 cuts: Optional[Sequence[str]] = None,
                 devices: Optional[Sequence[str]] = None,
-                activation_examples: int = 0) -> Pipeline:
+                activation_examples: int = 0,
+                virtual_stages: int = 1) -> Pipeline:
   """Cuts a Keras functional or Sequential model into pipeline stages.
 
   Stages are contiguous runs of the model's layer calls in execution
@@ -855,54 +1036,66 @@ def split_model(model, num_stages: Optional[int] = None, *,
   a call's cost being its layer's weight bytes plus
   `activation_examples` x its outputs' bytes per example. A tensor used
   by a later stage than the next (a skip connection across a cut) is
-  carried through the stages between.
+  carried through the stages between. With `virtual_stages=V` (the
+  interleaved schedule) the calls are cut into P * V chunks the same way
+  (balanced, or at `cuts`), chunk c on `devices[c mod P]`.
 
   Args:
     model: a built `keras.Model` made with the functional API, or a built
       `keras.Sequential`.
     num_stages: P, 1 <= P <= the number of layer calls and of devices.
       Optional with `cuts` (then len(cuts) + 1, and must agree).
-    cuts: layer names, each the first layer of a stage after the first,
-      in the model's call order (e.g. ["block_3", "block_6"]).
+    cuts: layer names, each the first layer of a stage (a chunk, with
+      virtual stages) after the first, in the model's call order (e.g.
+      ["block_3", "block_6"]): P * V - 1 of them.
     devices: P or more device names; stage i runs on devices[i]. Defaults
       to this process's logical GPUs, else its logical CPUs.
     activation_examples: examples' worth of activations to count in the
       balance (e.g. the micro-batch size times the micro-batches in
       flight); 0 balances weight bytes alone.
+    virtual_stages: V, the chunks each of the P devices holds (>= 2 for
+      the interleaved schedule; 1: one stage per device).
 
   Returns:
     A `Pipeline` over the model's own variables.
 
   Raises:
     PipelineConfigError: a subclassed model without a functional graph, an
-      unbuilt Sequential model, P below 1 or above the number of layer
-      calls or of devices, unknown or out-of-order cut names, cuts that
-      disagree with num_stages, or a layer (or variable) used in two
-      stages.
+      unbuilt Sequential model, P below 1 or above the number of devices,
+      P * V above the number of layer calls, V below 1, unknown or
+      out-of-order cut names, cuts that disagree with num_stages (times
+      V), or a layer (or variable) used in two stages (chunks).
   """
   calls, input_keys, input_dtypes, output_keys = cutting.model_calls(model)
   names = [c.layer.name for c in calls]
+  cutting.check_positive("virtual_stages", virtual_stages)
   if cuts is not None:
     cuts = list(cuts)
-    starts = _cut_starts(model, names, cuts, num_stages)
-    num_stages = len(cuts) + 1
-  _check_num_stages(model, num_stages, num_calls=len(calls))
+    if num_stages is None and (len(cuts) + 1) % virtual_stages == 0:
+      num_stages = (len(cuts) + 1) // virtual_stages
+    starts = _cut_starts(model, names, cuts, num_stages, virtual_stages)
+  _check_num_stages(model, num_stages, num_calls=len(calls),
+                    virtual_stages=virtual_stages)
   devices = list(devices) if devices is not None else _default_devices()
   _check_enough_devices(num_stages, devices)
+  chunks = num_stages * virtual_stages
   if cuts is None:
-    starts = _balanced_starts(calls, num_stages, activation_examples)
+    starts = _balanced_starts(calls, chunks, activation_examples)
   bounds = [0] + starts + [len(calls)]
   groups = [calls[a:b] for a, b in zip(bounds, bounds[1:])]
   _check_one_stage_each(groups)
-  stages = _make_stages(model, groups, input_keys=input_keys,
-                        output_keys=output_keys, devices=devices)
-  return Pipeline(model, stages, input_dtypes)
+  stages = _make_stages(
+      model, groups, input_keys=input_keys, output_keys=output_keys,
+      devices=[devices[c % num_stages] for c in range(chunks)])
+  return Pipeline(model, stages, input_dtypes, virtual_stages)
 
 
 def _cut_starts(model, names: Sequence[str], cuts: Sequence[str],
-                num_stages: Optional[int]) -> List[int]:
-  """The positions among the layer calls (`names`) where the stages after
-  the first begin, from `split_model`'s `cuts`.
+                num_stages: Optional[int],
+                virtual_stages: int = 1) -> List[int]:
+  """The positions among the layer calls (`names`) where the stages (the
+  chunks, with `virtual_stages` > 1) after the first begin, from
+  `split_model`'s `cuts`.
 
   Raises:
     PipelineConfigError: an unknown cut name, cuts out of the call order
@@ -921,7 +1114,15 @@ def _cut_starts(model, names: Sequence[str], cuts: Sequence[str],
         f"pipeline cuts={','.join(cuts)} must name distinct layers in the "
         f"model's call order, none of them its first layer "
         f"({names[0]!r}): the layers run in the order {names[:30]}.")
-  if num_stages is not None and num_stages != len(cuts) + 1:
+  if virtual_stages > 1 and (num_stages is None or
+                             num_stages * virtual_stages != len(cuts) + 1):
+    raise errors.PipelineConfigError(
+        f"num_stages={num_stages} x virtual_stages={virtual_stages} "
+        f"disagrees with cuts={','.join(cuts)} ({len(cuts) + 1} chunks): "
+        f"give num_stages x virtual_stages - 1 cuts, each the first layer "
+        "of a chunk after the first.")
+  if num_stages is not None and num_stages != len(cuts) + 1 and (
+      virtual_stages == 1):
     raise errors.PipelineConfigError(
         f"num_stages={num_stages} disagrees with cuts={','.join(cuts)} "
         f"({len(cuts) + 1} stages): give one of them, or "
@@ -930,9 +1131,9 @@ def _cut_starts(model, names: Sequence[str], cuts: Sequence[str],
 
 
 def _check_num_stages(model, num_stages: Optional[int], *,
-                      num_calls: int) -> None:
-  """Refuses a `num_stages` that is missing, below 1, or above the model's
-  `num_calls` layer calls.
+                      num_calls: int, virtual_stages: int = 1) -> None:
+  """Refuses a `num_stages` that is missing, below 1, or (times
+  `virtual_stages`) above the model's `num_calls` layer calls.
 
   Raises:
     PipelineConfigError: naming the value and the bound.
@@ -942,6 +1143,13 @@ def _check_num_stages(model, num_stages: Optional[int], *,
         "split_model needs num_stages or cuts: give the number of stages "
         "(e.g. num_stages=2) or the layers that begin stages.")
   cutting.check_positive("num_stages", num_stages)
+  chunks = num_stages * virtual_stages
+  if virtual_stages > 1 and chunks > num_calls:
+    raise errors.PipelineConfigError(
+        f"num_stages={num_stages} x virtual_stages={virtual_stages} = "
+        f"{chunks} chunks is more than the {num_calls} layer call(s) of "
+        f"model {model.name!r}: each chunk needs at least one; choose "
+        f"num_stages x virtual_stages <= {num_calls}.")
   if num_stages > num_calls:
     raise errors.PipelineConfigError(
         f"num_stages={num_stages} is more than the {num_calls} layer "

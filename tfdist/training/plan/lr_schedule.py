@@ -214,10 +214,12 @@ class AdjustableLearningRate:
 
 
 # The schedules' public path, as `run_manifest.json` records it (Keras's
-# serialization names the class's module): the path every manifest written
-# before `tfdist/training/` was split by role names, which imports this
-# module (`tfdist/training/lr_schedule.py`).
-PUBLIC_MODULE = "tfdist.training.lr_schedule"
+# serialization names the class's module): this module's old flat path in
+# the training package, which every manifest written before
+# `tfdist/training/` was split by role names, and whose alias module
+# imports this one (`tfdist/training/lr_schedule.py`). Computed, not
+# spelled: it names no module this one imports.
+PUBLIC_MODULE = __name__.replace(".plan.", ".", 1)
 LinearWarmup.__module__ = PUBLIC_MODULE
 AdjustableLearningRate.__module__ = PUBLIC_MODULE
 

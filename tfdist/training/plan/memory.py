@@ -478,7 +478,9 @@ class LayoutFacts:
   def stage_activations(self, stages: int, batch: float) -> int:
     """a*b*f/(P*M): one of P pipeline stages' activations for a batch of
     `batch` examples in M micro-batches (`num_microbatches`, else P), f of
-    them in flight (GPipe all M, 1F1B at most P)."""
+    them in flight (GPipe all M, 1F1B at most P; the interleaved schedule
+    is counted as 1F1B, a lower bound: its first stage holds up to
+    (P(V+1)-1)/V stages' worth)."""
     m = self.num_microbatches or stages
     in_flight = m if self.pipeline_schedule == "gpipe" else min(stages, m)
     return _ceil_div(self.activation_bytes_per_example * batch * in_flight,
@@ -599,7 +601,7 @@ def layout_table(estimate: ModelMemory, *, num_devices: int,
     gradient_accumulation: `--gradient_accumulation_steps` > 1: replicas
       also keep an accumulator per gradient.
     num_microbatches: M for the pipeline row (0: as many as stages).
-    pipeline_schedule: `gpipe` or `1f1b`.
+    pipeline_schedule: `gpipe`, `1f1b` or `interleaved` (counted as 1f1b).
     tensor_parallel_bytes: bytes of the weights the tensor-parallel layers
       would split (attention and feed-forward kernels); 0: the model cannot
       be split, the row is unavailable.
@@ -630,9 +632,10 @@ def layout_table(estimate: ModelMemory, *, num_devices: int,
         "layout_table needs num_devices >= 1 and global_batch_size >= 1; "
         f"received num_devices={num_devices}, "
         f"global_batch_size={global_batch_size}.")
-  if pipeline_schedule not in ("gpipe", "1f1b"):
+  if pipeline_schedule not in ("gpipe", "1f1b", "interleaved"):
     raise ValueError(
-        "layout_table's pipeline_schedule is 'gpipe' or '1f1b'; received "
+        "layout_table's pipeline_schedule is 'gpipe', '1f1b' or "
+        "'interleaved'; received "
         f"pipeline_schedule={pipeline_schedule!r}.")
   shardable = True
   if optimizer:
