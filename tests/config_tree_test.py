@@ -145,7 +145,7 @@ class MetadataTest(absltest.TestCase):
   def test_every_setting_has_a_flag_type_group_and_help(self):
     groups = set()
     for name, field in config.flat_fields().items():
-      if name in ("flags_snapshot", "defaulted", "unset_fields"):
+      if name in config.BOOKKEEPING_FIELDS:
         self.assertFalse(config_tree.is_setting(field), name)
         continue
       meta = field.metadata

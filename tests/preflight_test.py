@@ -79,8 +79,9 @@ class KerasDistributionTest(absltest.TestCase):
         layout_map=keras.distribution.LayoutMap(mesh)))
     with self.assertRaisesRegex(
         errors.ConfigError, r"ModelParallel.*--zero_stage=1 or 2.*"
-        "--distribution_strategy=parameter_server.*pipeline and tensor "
-        "parallel layouts are not yet available"):
+        "--distribution_strategy=parameter_server.*tensor parallel layout "
+        r"pass its LayoutMap to tfdist\.fit\(model_fn, \.\.\., "
+        r"layout_map=\.\.\.\)"):
       preflight.check_no_keras_distribution()
 
   def test_none_set_passes(self):

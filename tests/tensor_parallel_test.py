@@ -19,7 +19,10 @@ devices first runs the example of docs/guides/tensor-parallelism.md
 `TrainerTest` runs tfdist's trainer with `--tensor_parallel=2` (a
 `TrainConfig`, as `tfdist.train` makes it) against one device
 (`_trainer_child`, N = 2); `MeshTest` a 2 x 2 data x tensor mesh
-(`_mesh_child`, N = 4, its checkpoint then resumed at N = 2).
+(`_mesh_child`, N = 4, its checkpoint then resumed at N = 2);
+`LayoutMapTest` a user's own models split by a Keras LayoutMap in
+`tfdist.fit` (`_layout_map_child`, N = 4 then 2, and the guide's
+layout-map-example).
 """
 
 import json
@@ -548,14 +551,185 @@ def _mesh_child(root: str, part: str) -> dict:
   return results
 
 
-def _docs_example() -> str:
-  """The example of docs/guides/tensor-parallelism.md (block docs-example)."""
+def _layout_map_model(kind: str, compiled: bool = True):
+  """A user's own model, compiled with its loss (unless not `compiled`):
+  `mlp` 8 -> 32 (relu) -> 4 -> 1 (Dense; functional), `mlp_sequential`
+  the same as a `keras.Sequential`, `attention` a causal
+  MultiHeadAttention (4 heads of 3, dropout 0.1) and a 16-unit
+  feed-forward pair, both residual, then a Dense of 1."""
+  import keras  # pylint: disable=g-import-not-at-top
+  if kind == "mlp_sequential":
+    model = keras.Sequential([
+        keras.Input((8,)), keras.layers.Dense(32, activation="relu",
+                                              name="up"),
+        keras.layers.Dense(4, name="down"), keras.layers.Dense(1, name="out")])
+    model.compile(loss="mse")
+    return model
+  if kind == "mlp":
+    inputs = keras.Input((8,))
+    x = keras.layers.Dense(32, activation="relu", name="up")(inputs)
+    x = keras.layers.Dense(4, name="down")(x)
+  else:
+    inputs = keras.Input((5, 8))
+    x = inputs + keras.layers.MultiHeadAttention(
+        4, 3, dropout=0.1, name="mha")(inputs, inputs, use_causal_mask=True)
+    hidden = keras.layers.Dense(16, activation="relu", name="up")(x)
+    x = keras.layers.Flatten()(x + keras.layers.Dense(8, name="down")(hidden))
+  model = keras.Model(inputs, keras.layers.Dense(1, name="out")(x))
+  if compiled:
+    model.compile(loss="mse")
+  return model
+
+
+def _user_mlp():
+  """`fit`'s model_fn: `_layout_map_model("mlp")`."""
+  return _layout_map_model("mlp")
+
+
+def _user_mlp_sequential():
+  """`fit`'s model_fn: `_layout_map_model("mlp_sequential")`."""
+  return _layout_map_model("mlp_sequential")
+
+
+def _user_attention():
+  """`fit`'s model_fn: `_layout_map_model("attention")`."""
+  return _layout_map_model("attention")
+
+
+def _layout_map_for(kind: str, data: int):
+  """The Keras LayoutMap of `_layout_map_model(kind)` on a data x model
+  mesh of `data` x 2: `up` by columns, `down` by rows (patterns: a
+  Sequential's paths start with its name), the attention by heads."""
+  import keras  # pylint: disable=g-import-not-at-top
+  mesh = keras.distribution.DeviceMesh(
+      (data, 2), ["batch", "model"],
+      devices=[f"cpu:{i}" for i in range(2 * data)])
+  layout_map = keras.distribution.LayoutMap(mesh)
+  layout_map[".*up/kernel"] = (None, "model")
+  layout_map[".*down/kernel"] = ("model", None)
+  if kind == "attention":
+    layout_map["mha/(query|key|value)/kernel"] = (None, "model", None)
+    layout_map["mha/(query|key|value)/bias"] = ("model", None)
+    layout_map["mha/attention_output/kernel"] = ("model", None, None)
+  return layout_map
+
+
+def _layout_map_child(root: str, n: int) -> dict:
+  """`tfdist.fit(model_fn, ..., layout_map=...)` of a user's model against
+  one device, 3 updates (`--deterministic`, float32), in folders under
+  `root`. n = 4 (first): the MLP's one-device runs (SGD with momentum 0.9
+  on the functional MLP, Adam on the same as a Sequential), kept under
+  `root`, and its D x T = 2 x 2 runs; n = 2: its T = 2
+  runs (against the kept one-device runs), both runs' checkpoints
+  restored into the unsplit model, and the attention model (SGD) at T = 2
+  and on one device."""
+  # pylint: disable=g-import-not-at-top
+  import keras
+  import numpy as np
+  import tensorflow as tf
+  import tfdist
+  # pylint: enable=g-import-not-at-top
+  rng = np.random.default_rng(0)
+  inputs = {"mlp": rng.normal(size=(64, 8)).astype("float32"),
+            "attention": rng.normal(size=(64, 5, 8)).astype("float32")}
+  # SGD (with momentum) trains the functional MLP, Adam the Sequential.
+  mlp = {"sgd": "mlp", "adam": "mlp_sequential"}
+
+  class Losses(keras.callbacks.Callback):
+    def on_train_begin(self, logs=None):
+      self.losses = []
+
+    def on_train_batch_end(self, batch, logs=None):
+      self.losses.append(float(logs["loss"]))
+
+  def run(folder, kind, optimizer, layout_map=None, **layout):
+    # Each split run's strategy numbers its collectives 20000 further
+    # (`_process`'s `guarded` gives each part 100000).
+    tf.distribute.MirroredStrategy._collective_key_base += 20000  # pylint: disable=protected-access
+    x = inputs["attention" if kind == "attention" else "mlp"]
+    losses = Losses()
+    model_fn = {"mlp": _user_mlp, "mlp_sequential": _user_mlp_sequential,
+                "attention": _user_attention}[kind]
+    tfdist.fit(model_fn, x=x,
+               y=x.reshape(len(x), -1).sum(axis=1), verbose=0,
+               layout_map=layout_map, callbacks=[losses],
+               config=tfdist.TrainConfig(
+                   model_dir=os.path.join(root, folder), train_steps=3,
+                   batch_size=16, deterministic=True, seed=1,
+                   optimizer=optimizer, base_learning_rate=0.01,
+                   lr_scaling="none", **layout))
+    return losses.losses
+
+  def latest(folder):
+    return tf.train.latest_checkpoint(os.path.join(root, folder,
+                                                   "checkpoints"))
+
+  def saved(folder):
+    reader = tf.train.load_checkpoint(latest(folder))
+    return {k: reader.get_tensor(k) for k in reader.get_variable_to_shape_map()
+            if k.endswith("VARIABLE_VALUE")}
+
+  def compare(split, one, split_losses, one_losses):
+    a, b = saved(split), saved(one)
+    floats = [k for k in a if k in b and a[k].dtype.kind == "f"]
+    return {"same_keys": sorted(a) == sorted(b), "keys": len(floats),
+            "steps": [len(split_losses), len(one_losses)],
+            "max_diff": max(float(np.max(np.abs(a[k] - b[k])))
+                            for k in floats),
+            "max_loss_diff": max(abs(p - q) for p, q in
+                                 zip(split_losses, one_losses))}
+
+  def restored_outputs(folder):
+    model = _layout_map_model("mlp", compiled=False)
+    tf.train.Checkpoint(model=model).read(
+        latest(folder)).expect_partial().assert_existing_objects_matched()
+    return model(inputs["mlp"]).numpy()
+
+  one = os.path.join(root, "layout_map_one.json")
+  results = {}
+  if n == 4:
+    losses = {opt: run(f"lm_one_{opt}", mlp[opt], opt,
+                       distribution_strategy="one_device")
+              for opt in ("sgd", "adam")}
+    with open(one, "w") as f:
+      json.dump(losses, f)
+    for opt in ("sgd", "adam"):
+      results[f"layout_map_mesh_{opt}"] = compare(
+          f"lm_mesh_{opt}", f"lm_one_{opt}",
+          run(f"lm_mesh_{opt}", mlp[opt], opt, _layout_map_for("mlp", 2),
+              distribution_strategy="mirrored", num_cpu_devices=4),
+          losses[opt])
+    return results
+  with open(one) as f:
+    losses = json.load(f)
+  for opt in ("sgd", "adam"):
+    results[f"layout_map_t2_{opt}"] = compare(
+        f"lm_t2_{opt}", f"lm_one_{opt}",
+        run(f"lm_t2_{opt}", mlp[opt], opt, _layout_map_for("mlp", 1),
+            distribution_strategy="mirrored"), losses[opt])
+  one_outputs = restored_outputs("lm_one_sgd")
+  results["layout_map_restored"] = {
+      f"{folder}_outputs_diff": float(np.max(np.abs(
+          restored_outputs(folder) - one_outputs)))
+      for folder in ("lm_t2_sgd", "lm_mesh_sgd")}
+  results["layout_map_attention"] = compare(
+      "lm_attention_t2", "lm_attention_one",
+      run("lm_attention_t2", "attention", "sgd",
+          _layout_map_for("attention", 1), distribution_strategy="mirrored"),
+      run("lm_attention_one", "attention", "sgd",
+          distribution_strategy="one_device"))
+  return results
+
+
+def _docs_example(block: str = "docs-example") -> str:
+  """An example of docs/guides/tensor-parallelism.md (`block`:
+  docs-example, layout-map-example)."""
   path = os.path.join(testutil.REPO_ROOT, "docs", "guides",
                       "tensor-parallelism.md")
   with open(path, encoding="utf-8") as f:
     page = f.read()
   return re.search(
-      r"<!-- run: tests/tensor_parallel_test.py docs-example -->\n"
+      rf"<!-- run: tests/tensor_parallel_test.py {block} -->\n"
       r"```python\n(.*?)```", page, re.S).group(1)
 
 
@@ -565,10 +739,12 @@ def _process(n: int, root: str) -> dict:
   part's counting its collective keys from its own base (`guarded`; the
   tensor-parallel groups take keys from their devices' names, see
   tfdist/parallel/collectives.py). n = 4: `_child(4)`, then the mesh's
-  "sgd" and "adam" parts; n = 2: the guide's example first (it splits
-  the CPU itself, so it needs a fresh process), `_child(2)`, the trainer
-  and its resumption, and the mesh's "t2" part (it resumes the n = 4
-  process's checkpoint from `root`). A part that raises gives
+  "sgd" and "adam" parts and the layout map's 2 x 2 part; n = 2: the
+  guide's example first (it splits the CPU itself, so it needs a fresh
+  process), `_child(2)`, the trainer and its resumption, the mesh's "t2"
+  part (it resumes the n = 4 process's checkpoint from `root`), the
+  layout map's T = 2 part (against the n = 4 process's one-device runs)
+  and the guide's layout-map example. A part that raises gives
   `{"<part>_error": traceback}`."""
   # pylint: disable=g-import-not-at-top
   import contextlib
@@ -600,10 +776,17 @@ def _process(n: int, root: str) -> dict:
     guarded("trainer", lambda: _trainer_child(root, False))
     guarded("trainer", lambda: _trainer_child(root, True))
     guarded("mesh", lambda: _mesh_child(root, "t2"))
+    guarded("layout_map", lambda: _layout_map_child(root, 2))
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+      guarded("layout_map", lambda: exec(  # pylint: disable=exec-used
+          _docs_example("layout-map-example"), {"__name__": "__main__"}))
+    results["layout_map_docs_stdout"] = out.getvalue()
   else:
     guarded("child", lambda: _child(4))
     guarded("mesh", lambda: _mesh_child(root, "sgd"))
     guarded("mesh", lambda: _mesh_child(root, "adam"))
+    guarded("layout_map", lambda: _layout_map_child(root, 4))
   return results
 
 
@@ -897,6 +1080,54 @@ class MeshTest(absltest.TestCase):
       self.assertTrue(result["same_keys"], result)
       self.assertLess(result["max_diff"], _TOLERANCE, result)
 
+
+
+class LayoutMapTest(absltest.TestCase):
+  """`tfdist.fit(model_fn, ..., layout_map=keras.distribution.LayoutMap(
+  ...))`: a user's own MLP (column then row Dense pair; functional under
+  SGD with momentum, Sequential under Adam) split T = 2 on 2 devices and
+  D x T = 2 x 2 on 4, and an attention model (heads, then a
+  column -> row pair) at T = 2, each against one device
+  (`_layout_map_child`, a part of both processes)."""
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    cls.results = _results(cls, "layout_map")
+
+  def assert_equals_one_device(self, key):
+    result = self.results[key]
+    # 3 updates' losses and the checkpoint (the unsharded model's keys and
+    # shapes, the optimizer's slots included) equal one device's.
+    self.assertEqual(result["steps"], [3, 3], result)
+    self.assertTrue(result["same_keys"], result)
+    self.assertLess(result["max_loss_diff"], _TOLERANCE, result)
+    self.assertLess(result["max_diff"], _TOLERANCE, result)
+
+  def test_mlp_split_t2_equals_one_device(self):
+    for optimizer in ("sgd", "adam"):
+      with self.subTest(optimizer=optimizer):
+        self.assert_equals_one_device(f"layout_map_t2_{optimizer}")
+
+  def test_mlp_split_2x2_equals_one_device(self):
+    for optimizer in ("sgd", "adam"):
+      with self.subTest(optimizer=optimizer):
+        self.assert_equals_one_device(f"layout_map_mesh_{optimizer}")
+
+  def test_checkpoint_restores_into_the_unsplit_model(self):
+    for key, diff in self.results["layout_map_restored"].items():
+      with self.subTest(key=key):
+        self.assertLess(diff, _TOLERANCE)
+
+  def test_attention_model_split_t2_equals_one_device(self):
+    self.assert_equals_one_device("layout_map_attention")
+
+  def test_docs_example_runs(self):
+    # docs/guides/tensor-parallelism.md's layout-map-example, run as a
+    # script in the process of 2 devices, its output captured.
+    self.assertEqual(
+        self.results["layout_map_docs_stdout"].strip().splitlines()[-1:],
+        ["4 2"])
 
 if __name__ == "__main__":
   absltest.main()

@@ -56,6 +56,7 @@ from tfdist.core.dataset_spec import DatasetSpec
 from tfdist.distribute import cluster as cluster_lib
 from tfdist.distribute import environment as environment_lib
 from tfdist.observability import progress
+from tfdist.parallel.tensor import from_layout_map
 from tfdist.runtime import console
 from tfdist.runtime import script_exit
 from tfdist.runtime import wording
@@ -265,8 +266,8 @@ def _split_off_validation(train: tuple, rows: int,
 def make_task(model_fn: Union[Callable, str],
               dataset_fn: Union[Callable, DatasetSpec, str, None] = None, *,
               config: TrainConfig, parse_fn: Optional[Callable] = None,
-              loss: Any = None, metrics: Optional[Sequence[Any]] = None
-              ) -> task_lib.Task:
+              loss: Any = None, metrics: Optional[Sequence[Any]] = None,
+              layout_map: Any = None) -> task_lib.Task:
   """The `tfdist.training.task.Task` that `fit` trains (see `fit` for the args).
 
   Raises:
@@ -304,7 +305,8 @@ def make_task(model_fn: Union[Callable, str],
         f"model_fn must be a function returning a keras.Model "
         f"(or a registered name); received {model_fn!r}.")
   return task_lib.Task(model_fn=builder, dataset=dataset,
-                       model_name=model_name, loss=loss, metrics=metrics)
+                       model_name=model_name, loss=loss, metrics=metrics,
+                       layout_map=layout_map)
 
 
 # Errors name the `TrainConfig` field the caller typed (`batch_size=63`),
@@ -321,7 +323,8 @@ def fit(model_fn: Union[Callable, str],
         loss: Any = None, metrics: Optional[Sequence[Any]] = None,
         callbacks: Sequence[Any] = (), environment=None,
         verbose: Union[str, int] = "auto",
-        expert_parallel: Optional[int] = None) -> dict:
+        expert_parallel: Optional[int] = None,
+        layout_map: Any = None) -> dict:
   """Trains `model_fn`'s model on `dataset_fn`'s examples, distributed.
 
   Args:
@@ -402,6 +405,16 @@ def fit(model_fn: Union[Callable, str],
       replicas each `MixtureOfExperts` layer's experts are split over
       (`tfdist.parallel.experts.mode`; docs/guides/experts.md). None: the
       config's.
+    layout_map: a `keras.distribution.LayoutMap` over a `DeviceMesh` with
+      axes `batch` and `model`: the model (functional or Sequential) is
+      split over the `model` axis's T replicas as the map says (sets
+      `config.tensor_parallel` to T): each Dense whose kernel it splits by
+      columns or rows becomes a `ColumnParallelDense` or
+      `RowParallelDense`, each MultiHeadAttention split by heads a
+      `ParallelMultiHeadAttention` (`tfdist.parallel.tensor.from_layout_map`;
+      docs/guides/tensor-parallelism.md). The replicas are
+      `config.num_gpus` or `config.num_cpu_devices` (a multiple of T;
+      default T), not the mesh's batch axis. None: no split.
 
   Returns:
     The run manifest (as `run_manifest.json` holds it) on the chief and
@@ -423,7 +436,9 @@ def fit(model_fn: Union[Callable, str],
       several workers or parameter servers, a
       `validation_split` outside (0, 1) or with a dataset function, no loss
       anywhere, a model that cannot take the features, a setting that a
-      model with its own `train_step` cannot take).
+      model with its own `train_step` cannot take, a `layout_map` whose
+      `model` axis is not `config.tensor_parallel` or that splits what
+      `tfdist.parallel.tensor.from_layout_map` refuses).
     tfdist.errors.PreemptedError: SIGTERM or SIGINT stopped training after
       every worker saved a checkpoint (call again with the same
       `config.model_dir` to resume). Uncaught, it ends the script as
@@ -440,6 +455,9 @@ def fit(model_fn: Union[Callable, str],
     config = config.replace(
         expert_parallel=_positive_int("expert_parallel", expert_parallel))
   config = with_keras_length(config, epochs=epochs, batch_size=batch_size)
+  if layout_map is not None:
+    config = config.replace(
+        **from_layout_map.config_changes(config, layout_map))
   python = python_inputs.python_input_names(x=x,
                                             validation_data=validation_data)
   if python is not None:
@@ -467,7 +485,8 @@ def fit(model_fn: Union[Callable, str],
   if warmup is not None:
     config = config.replace(warmup_steps=warmup)
   task = make_task(model_fn, dataset_fn, config=config, parse_fn=parse_fn,
-                   loss=loss, metrics=metrics)
+                   loss=loss, metrics=metrics,
+                   layout_map=layout_map if config.layout_map else None)
   history = keras.callbacks.History()
   verbose = progress.resolve_verbose(verbose)
   callbacks = _with_progress_bar(callbacks, verbose=verbose)

@@ -132,8 +132,9 @@ def check_pipeline(config) -> None:
 
 
 def check_tensor_parallel(config) -> None:
-  """`--tensor_parallel` against the model, the strategy and the other
-  levers (`tfdist.parallel.tensor.options.check_flags`).
+  """`--tensor_parallel` against the model (any, with the layout map
+  `tfdist.fit(layout_map=...)` gave), the strategy and the other levers
+  (`tfdist.parallel.tensor.options.check_flags`).
 
   Raises:
     ConfigError: a rule is broken.
@@ -146,7 +147,8 @@ def check_tensor_parallel(config) -> None:
       dtype=config.dtype, clipnorm=config.clipnorm,
       global_clipnorm=config.global_clipnorm,
       init_checkpoint=config.init_checkpoint, num_gpus=config.num_gpus,
-      num_cpu_devices=config.num_cpu_devices)
+      num_cpu_devices=config.num_cpu_devices,
+      layout_map=bool(getattr(config, "layout_map", ())))
 
 
 def check_expert_parallel(config) -> None:

@@ -49,7 +49,9 @@ entry or variable path, the value and the fix:
 
 `read_distribution(model, distribution)` reads a
 `keras.distribution.ModelParallel` the same way. Nothing here trains: the
-plan is the input of a tensor-parallel step that does not exist yet.
+plan is what `tfdist.fit(model_fn, ..., layout_map=...)` splits the model
+by (`tfdist.parallel.tensor.from_layout_map`: Dense split by columns or
+rows, MultiHeadAttention by heads; the tensor mode trains it).
 """
 
 import dataclasses
@@ -121,7 +123,12 @@ def _refuse(message: str):
   raise errors.ConfigError(message)
 
 
-def _model_degree(layout_map) -> int:
+def model_degree(layout_map) -> int:
+  """T, the size of the map's mesh axis `model`.
+
+  Raises:
+    tfdist.errors.ConfigError: the mesh has no axis named `model`.
+  """
   mesh = layout_map.device_mesh
   names = list(mesh.axis_names)
   if MODEL_AXIS not in names:
@@ -131,7 +138,9 @@ def _model_degree(layout_map) -> int:
   return int(mesh.shape[names.index(MODEL_AXIS)])
 
 
-def _axes(layout) -> Optional[Tuple]:
+def axes_of(layout) -> Optional[Tuple]:
+  """A layout's axis names (a `TensorLayout`'s `axes`, or the tuple
+  itself); None for None."""
   if layout is None:
     return None
   return tuple(getattr(layout, "axes", layout))
@@ -206,7 +215,7 @@ def _layer_plan(layer, degree: int, layout_map) -> Tuple[Optional[str],
   found = {}
   for v in layer.weights:
     entry = _entry_for(layout_map, v.path)
-    axes = _axes(_lookup(layout_map, v.path))
+    axes = axes_of(_lookup(layout_map, v.path))
     axis = None if axes is None else _split_axis(
         v.path, entry, axes, v.shape, degree)
     found[v.path] = (v, entry, axis)
@@ -284,9 +293,10 @@ def _attention_plan(layer, found, degree):
   return "heads", out
 
 
-def _graph(model) -> Dict[str, List[str]]:
-  """Each layer's consumers (layer names), from the functional graph; in
-  a Sequential or subclassed model without one, the next layer."""
+def layer_consumers(model) -> Dict[str, List[str]]:
+  """Each layer's consumers (layer names; None: the model's output), from
+  the functional graph; in a Sequential or subclassed model without one,
+  the next layer."""
   producers = {}
   layers = [l for l in model.layers
             if type(l).__name__ != "InputLayer"]
@@ -314,7 +324,7 @@ def _graph(model) -> Dict[str, List[str]]:
 
 
 def _pairs(model, kinds: Dict[str, str], splits) -> List[Tuple[str, str]]:
-  consumers = _graph(model)
+  consumers = layer_consumers(model)
   by_name = {l.name: l for l in model.layers}
   kernel_of = {}
   for s in splits.values():  # a layer's kernel comes before its bias
@@ -377,7 +387,7 @@ def read_layout_map(model, layout_map) -> TensorParallelPlan:
     tfdist.errors.ConfigError (status 2): see the module docstring; each
       message names the map entry or variable, the value and the fix.
   """
-  degree = _model_degree(layout_map)
+  degree = model_degree(layout_map)
   splits, kinds = {}, {}
   for layer in model.layers:
     if not layer.weights or type(layer).__name__ in ("Sequential",

@@ -420,7 +420,8 @@ def _split_step(options: AssemblyOptions, *, task: task_lib.Task,
                               sync_batch_norm=plan.sync_batch_norm)
   if parallelism.tensor_parallel > 1:
     return tensor_parallel_step.build(builder, strategy,
-                                      tensor=parallelism.tensor_parallel)
+                                      tensor=parallelism.tensor_parallel,
+                                      layout_map=task.layout_map)
   if parallelism.expert_parallel > 1:
     return expert_parallel_step.build(builder, strategy,
                                       parallelism.expert_parallel)

@@ -43,12 +43,16 @@ class Task:
     loss: the loss (a Keras loss, loss function or name); None: from the
       model's `compile`, else the data set's defaults.
     metrics: Keras metrics or names; None: as for `loss`.
+    layout_map: a `keras.distribution.LayoutMap` that splits the model
+      under `tensor_parallel` (`tfdist.fit(layout_map=...)`,
+      `tfdist.parallel.tensor.from_layout_map`); None: none.
   """
   model_fn: Callable
   dataset: DatasetSpec
   model_name: str
   loss: Any = None
   metrics: Optional[Sequence[Any]] = None
+  layout_map: Any = None
 
 
 def load_builtins():

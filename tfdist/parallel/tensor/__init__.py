@@ -11,6 +11,10 @@ Modules:
   options  `--tensor_parallel=T`, checked at start (no TensorFlow).
   mode     the `tensor` step mode (`TensorParallelStep`,
            `tfdist.parallel.mode.StepMode`), its gathered view and `build`.
+  from_layout_map
+           a user's model split as a Keras `LayoutMap` says
+           (`tfdist.fit(layout_map=...)`): the unsharded model cloned with
+           the split layers made tensor-parallel, and the refusals.
 
 The names of `layers` are read here on first use
 (`from tfdist.parallel import tensor as tp; tp.ColumnParallelDense`).

@@ -1,6 +1,7 @@
 """The trainer's step under tensor parallelism (`--tensor_parallel=T`).
 
-`build` makes two models of the run's Transformer: the unsharded one
+`build` makes two models of the run's Transformer (or of the user's model
+a Keras `LayoutMap` splits, `from_layout_map`): the unsharded one
 first (outside the strategy, on the host CPU, so its initial weights and
 random-layer seeds are those of an unsharded run with the same `--seed`),
 then the tensor-parallel one in the strategy's scope, split T ways
@@ -64,6 +65,7 @@ import tensorflow as tf
 from tfdist.parallel import collectives
 from tfdist.parallel import mesh as mesh_lib
 from tfdist.parallel import mode as mode_lib
+from tfdist.parallel.tensor import from_layout_map
 from tfdist.parallel.tensor import groups as groups_lib
 from tfdist.parallel.tensor import layers as tp_lib
 from tfdist.parallel.tensor import options as tensor_options
@@ -471,7 +473,8 @@ def _same_streams(model: keras.Model) -> List[keras.random.SeedGenerator]:
 
 def build(build_model: Callable[[bool], keras.Model],
           strategy: tf.distribute.Strategy,
-          tensor: Optional[int] = None) -> TensorParallelStep:
+          tensor: Optional[int] = None,
+          layout_map=None) -> TensorParallelStep:
   """Builds the unsharded model, then the tensor-parallel one from it.
 
   Call before anything else of the run is built (the unsharded model must
@@ -484,14 +487,20 @@ def build(build_model: Callable[[bool], keras.Model],
     strategy: the run's `MirroredStrategy` (its N replicas: D tensor
       groups of T).
     tensor: T, `--tensor_parallel` (a divisor of N); None: N.
+    layout_map: a `keras.distribution.LayoutMap` (`tfdist.fit(layout_map=
+      ...)`): the tensor-parallel model is the unsharded one cloned with
+      the layers the map splits made tensor-parallel
+      (`from_layout_map.split_model`; `build_model` is called once).
+      None: `build_model(tensor_parallel=True)` builds it.
 
   Returns:
     The `TensorParallelStep`.
 
   Raises:
-    ConfigError: T does not divide the replicas (`DeviceMesh.build`), or
+    ConfigError: T does not divide the replicas (`DeviceMesh.build`),
       the model cannot be split T ways (heads or feed-forward units not a
-      multiple of T; from the layers).
+      multiple of T; from the layers), or the layout map cannot split it
+      (`from_layout_map.split_model`).
     ValueError: the two models' weights or random layers do not pair up.
   """
   tensor = tensor or strategy.num_replicas_in_sync
@@ -499,7 +508,8 @@ def build(build_model: Callable[[bool], keras.Model],
   with tf.device("/cpu:0"):
     unsharded = build_model(tensor_parallel=False)
   with strategy.scope(), groups_lib.split_over(tensor):
-    model = build_model(tensor_parallel=True)
+    model = (build_model(tensor_parallel=True) if layout_map is None else
+             from_layout_map.split_model(unsharded, layout_map, tensor))
   tp_lib.load_full_weights(model, unsharded.get_weights())
   theirs, ours = _same_streams(unsharded), _same_streams(model)
   if len(theirs) != len(ours):

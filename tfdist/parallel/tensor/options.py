@@ -2,7 +2,9 @@
 
 T > 1 splits the built-in Transformer's attention heads and feed-forward
 units over T replicas of a `MirroredStrategy` on one host (Megatron's
-layers, `tfdist.parallel.tensor_parallel`). The run has N replicas
+layers, `tfdist.parallel.tensor_parallel`), or, given
+`tfdist.fit(..., layout_map=...)`, a model of the user's as its Keras
+`LayoutMap` says (`tfdist.parallel.tensor.from_layout_map`). The run has N replicas
 (`replicas`: `--num_gpus` or `--num_cpu_devices` when given above 1,
 else T), laid out as D = N / T data-parallel copies of T
 (`tfdist.parallel.mesh.DeviceMesh.build(devices, tensor=T)`): each copy
@@ -77,7 +79,7 @@ def check_flags(*, tensor_parallel: int, model: str,
                 pipeline_stages: int, enable_xla: bool, dtype: str,
                 clipnorm: Optional[float], global_clipnorm: Optional[float],
                 init_checkpoint: Optional[str], num_gpus: int,
-                num_cpu_devices: int) -> None:
+                num_cpu_devices: int, layout_map: bool = False) -> None:
   """Refuses `--tensor_parallel` settings that cannot run.
 
   Args:
@@ -85,11 +87,16 @@ def check_flags(*, tensor_parallel: int, model: str,
     model, distribution_strategy, zero_stage, pipeline_stages, enable_xla,
       dtype, clipnorm, global_clipnorm, init_checkpoint, num_gpus,
       num_cpu_devices: the run's flags of those names.
+    layout_map: `tfdist.fit(layout_map=...)` gave a Keras `LayoutMap`:
+      any model is split as it says (its sizes are checked against T when
+      the model is built, `tfdist.parallel.tensor.from_layout_map`), so
+      the model and the Transformer's sizes are not checked here.
 
   Raises:
-    errors.ConfigError: T < 1; T not dividing the Transformer's heads and
-      feed-forward units; T > 1 with another model than the built-in
-      Transformer, another strategy than mirrored (or auto), ZeRO,
+    errors.ConfigError: T < 1; without a layout map, T not dividing the
+      Transformer's heads and feed-forward units, or another model than
+      the built-in Transformer; T > 1 with another strategy than mirrored
+      (or auto), ZeRO,
       pipeline stages, XLA, fp16, gradient clipping, --init_checkpoint,
       or a device count (--num_gpus, --num_cpu_devices) that T does not
       divide.
@@ -101,13 +108,16 @@ def check_flags(*, tensor_parallel: int, model: str,
   if n == 1:
     return
   flag = f"--tensor_parallel={n}"
-  if model not in MODELS:
+  if not layout_map and model not in MODELS:
     raise errors.ConfigError(
         f"{flag} splits the built-in Transformer's attention heads and "
         f"feed-forward units; --model={model} has no tensor-parallel "
-        "layers. Use --model=transformer, or build your model from "
-        "tfdist.parallel.tensor_parallel's layers and drop the flag.")
-  if not divides(n):
+        "layers. Use --model=transformer; for a model of your own, pass "
+        "tfdist.fit(..., layout_map=keras.distribution.LayoutMap(...)) "
+        "(its Dense and MultiHeadAttention layers are split as the map "
+        "says), or build it from tfdist.parallel.tensor_parallel's layers "
+        "and drop the flag.")
+  if not layout_map and not divides(n):
     sizes = ", ".join(f"{size} {what}" for what, size in SPLIT_SIZES.items())
     fits = [k for k in range(2, 9) if divides(k)]
     raise errors.ConfigError(

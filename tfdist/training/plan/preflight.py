@@ -120,8 +120,10 @@ def check_no_keras_distribution(distribution=None):
     same = ("for model parallel layouts use --zero_stage=1 or 2 (optimizer "
             "state and gradients sharded over the replicas) or "
             "--distribution_strategy=parameter_server (variables and "
-            "embedding tables sharded over ps tasks); pipeline and tensor "
-            "parallel layouts are not yet available in tfdist")
+            "embedding tables sharded over ps tasks), and for its tensor "
+            "parallel layout pass its LayoutMap to tfdist.fit(model_fn, "
+            "..., layout_map=...) (Dense split by columns or rows, "
+            "MultiHeadAttention by heads)")
   raise errors.ConfigError(
       f"keras.distribution.set_distribution({kind}(...)) is set in this "
       "process, which Keras ignores under the TensorFlow backend; tfdist "
