@@ -451,13 +451,9 @@ def fit(model_fn: Union[Callable, str],
       ends the script the same way.
   """
   _check_verbose(verbose)
-  if expert_parallel is not None:
-    config = config.replace(
-        expert_parallel=_positive_int("expert_parallel", expert_parallel))
-  config = with_keras_length(config, epochs=epochs, batch_size=batch_size)
-  if layout_map is not None:
-    config = config.replace(
-        **from_layout_map.config_changes(config, layout_map))
+  config = _with_fit_keywords(config, expert_parallel=expert_parallel,
+                              epochs=epochs, batch_size=batch_size,
+                              layout_map=layout_map)
   python = python_inputs.python_input_names(x=x,
                                             validation_data=validation_data)
   if python is not None:
@@ -502,6 +498,26 @@ def fit(model_fn: Union[Callable, str],
     script_exit.install_stop_hook()  # Nothing trained: one line, 128 + sig.
     raise
   return _with_history(result, history)
+
+
+def _with_fit_keywords(config: TrainConfig, *, expert_parallel, epochs,
+                       batch_size, layout_map) -> TrainConfig:
+  """`config` with what `fit`'s keywords set: `expert_parallel`, Keras's
+  `epochs` and `batch_size` (`with_keras_length`), and the tensor-parallel
+  degree and recorded entries of a `layout_map`
+  (`from_layout_map.config_changes`).
+
+  Raises:
+    ConfigError: a keyword's bad value, or one that contradicts `config`.
+  """
+  if expert_parallel is not None:
+    config = config.replace(
+        expert_parallel=_positive_int("expert_parallel", expert_parallel))
+  config = with_keras_length(config, epochs=epochs, batch_size=batch_size)
+  if layout_map is not None:
+    config = config.replace(
+        **from_layout_map.config_changes(config, layout_map))
+  return config
 
 
 def _check_verbose(verbose) -> None:
