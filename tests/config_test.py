@@ -253,6 +253,13 @@ class TrainConfigTest(parameterized.TestCase):
        "--enable_xla cannot compile a pipelined step"),
       ("tensor_parallel", dict(tensor_parallel=0),
        "--tensor_parallel=0 must be a positive integer"),
+      # Without --model the message named the default as if the user had
+      # typed it, and told a tfdist.fit user nothing of the layout map's T
+      # (issue 44's new-user trial).
+      ("tensor_parallel_no_model", dict(tensor_parallel=2),
+       r"no --model is given \(the default, cnn, has no tensor-parallel "
+       r"layers\)\. Use --model=transformer; for a model of your own, leave "
+       r"--tensor_parallel out and pass tfdist\.fit\(\.\.\., layout_map="),
       ("tensor_parallel_model", dict(tensor_parallel=2, model="cnn"),
        "--tensor_parallel=2 splits the built-in Transformer.*--model=cnn "
        "has no tensor-parallel layers"),

@@ -148,7 +148,8 @@ def check_tensor_parallel(config) -> None:
       global_clipnorm=config.global_clipnorm,
       init_checkpoint=config.init_checkpoint, num_gpus=config.num_gpus,
       num_cpu_devices=config.num_cpu_devices,
-      layout_map=bool(getattr(config, "layout_map", ())))
+      layout_map=bool(getattr(config, "layout_map", ())),
+      model_given="model" not in getattr(config, "unset_fields", ()))
 
 
 def check_expert_parallel(config) -> None:

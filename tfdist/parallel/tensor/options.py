@@ -79,7 +79,8 @@ def check_flags(*, tensor_parallel: int, model: str,
                 pipeline_stages: int, enable_xla: bool, dtype: str,
                 clipnorm: Optional[float], global_clipnorm: Optional[float],
                 init_checkpoint: Optional[str], num_gpus: int,
-                num_cpu_devices: int, layout_map: bool = False) -> None:
+                num_cpu_devices: int, layout_map: bool = False,
+                model_given: bool = True) -> None:
   """Refuses `--tensor_parallel` settings that cannot run.
 
   Args:
@@ -91,6 +92,9 @@ def check_flags(*, tensor_parallel: int, model: str,
       any model is split as it says (its sizes are checked against T when
       the model is built, `tfdist.parallel.tensor.from_layout_map`), so
       the model and the Transformer's sizes are not checked here.
+    model_given: `--model` was given (False: `model` is the default; a
+      `TrainConfig` made for `tfdist.fit`, whose own model takes its T
+      from the layout map, is told so).
 
   Raises:
     errors.ConfigError: T < 1; without a layout map, T not dividing the
@@ -109,14 +113,17 @@ def check_flags(*, tensor_parallel: int, model: str,
     return
   flag = f"--tensor_parallel={n}"
   if not layout_map and model not in MODELS:
+    which = (f"--model={model} has no tensor-parallel layers" if model_given
+             else f"no --model is given (the default, {model}, has no "
+             "tensor-parallel layers)")
     raise errors.ConfigError(
         f"{flag} splits the built-in Transformer's attention heads and "
-        f"feed-forward units; --model={model} has no tensor-parallel "
-        "layers. Use --model=transformer; for a model of your own, pass "
-        "tfdist.fit(..., layout_map=keras.distribution.LayoutMap(...)) "
-        "(its Dense and MultiHeadAttention layers are split as the map "
-        "says), or build it from tfdist.parallel.tensor_parallel's layers "
-        "and drop the flag.")
+        f"feed-forward units; {which}. Use --model=transformer; for a "
+        "model of your own, leave --tensor_parallel out and pass "
+        "tfdist.fit(..., layout_map=keras.distribution.LayoutMap(...)), "
+        "whose mesh's model axis sets it (its Dense and MultiHeadAttention "
+        "layers are split as the map says), or build the model from "
+        "tfdist.parallel.tensor_parallel's layers and drop the flag.")
   if not layout_map and not divides(n):
     sizes = ", ".join(f"{size} {what}" for what, size in SPLIT_SIZES.items())
     fits = [k for k in range(2, 9) if divides(k)]
