@@ -159,8 +159,9 @@ class TrainTest(absltest.TestCase):
     self.assertEqual(record["final_step"], 3)
     self.assertEqual(record["mirrored"]["expert_parallel"],
                      "2 replicas in 1 expert group(s) of 2: each replica "
-                     "holds 1/2 of the 4 experts and trains on its share of "
-                     "the batch")
+                     "holds 1/2 of each MixtureOfExperts layer's experts (1 "
+                     "layer(s), 4 experts in all) and trains on its share "
+                     "of the batch")
     # The checkpoint holds every expert under the unsharded model's names.
     names = tf.train.load_checkpoint(os.path.join(
         model_dir, "checkpoints")).get_variable_to_shape_map()

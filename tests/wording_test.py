@@ -22,6 +22,13 @@ class WordingTest(parameterized.TestCase):
     self.assertEqual(wording.count(3, "replica"), "3 replicas")
     self.assertEqual(wording.count(2, "copy", "copies"), "2 copies")
 
+  def test_either(self):
+    # A choice in words, not a Python list ("Use --expert_parallel in
+    # [2, 3, 6]" before).
+    self.assertEqual(wording.either([2, 3, 6]), "2, 3 or 6")
+    self.assertEqual(wording.either([2, 4]), "2 or 4")
+    self.assertEqual(wording.either([1]), "1")
+
   def test_multiples_near(self):
     self.assertEqual(wording.multiples_near(63, 2), "62 or 64")
     self.assertEqual(wording.multiples_near(100, 8), "96 or 104")

@@ -43,6 +43,18 @@ def count(n: int, noun: str, plural: Optional[str] = None) -> str:
   return f"{n} {noun if n == 1 else (plural or noun + 's')}"
 
 
+def either(values) -> str:
+  """The values as a choice in words: "2", "2 or 4", "2, 3 or 6".
+
+  Args:
+    values: a non-empty sequence (each said with `str`).
+  """
+  words = [str(v) for v in values]
+  if len(words) <= 1:
+    return "".join(words)
+  return f"{', '.join(words[:-1])} or {words[-1]}"
+
+
 def multiples_near(value: int, multiple: int) -> str:
   """The multiples of `multiple` nearest `value`, below and above it.
 

@@ -27,6 +27,7 @@ import keras
 import tensorflow as tf
 
 from tfdist import errors
+from tfdist.runtime import wording
 from tfdist.parallel import collectives
 from tfdist.parallel.experts import placement as placement_lib
 from tfdist.parallel.experts import traffic
@@ -599,7 +600,8 @@ def _check_placement(num_experts: int, top_k: int, placement) -> None:
     raise errors.ConfigError(
         f"--expert_parallel={n} splits each MixtureOfExperts' experts "
         f"evenly over {n} replicas, and num_experts={num_experts} is not a "
-        f"multiple of {n}. Use --expert_parallel in {fits or [1]} (that "
+        f"multiple of {n}. Use --expert_parallel="
+        f"{wording.either(fits or [1])} (that "
         "also divides the replicas), or a multiple of it for the experts.")
   del top_k
 

@@ -256,11 +256,15 @@ class ExpertParallelStep(mode_lib.StepMode):
   def describe(self) -> str:
     """One line for the manifest and the log."""
     p = self.placement
-    experts = sum(layer.num_experts
-                  for layer in moe_layer.moe_layers(self.model))
+    layers = moe_layer.moe_layers(self.model)
+    experts = sum(layer.num_experts for layer in layers)
+    # Per layer: "of the 8 experts" read as one layer's when 2 layers of 4
+    # held them (a new-user trial).
     return (f"{p.num_replicas} replicas in {p.copies} expert group(s) of "
             f"{p.expert_parallel}: each replica holds 1/{p.expert_parallel} "
-            f"of the {experts} experts and trains on its share of the batch")
+            f"of each MixtureOfExperts layer's experts ({len(layers)} "
+            f"layer(s), {experts} experts in all) and trains on its share "
+            "of the batch")
 
   def load_unsharded(self) -> None:
     """Sets the expert-parallel model's weights from the unsharded one's."""

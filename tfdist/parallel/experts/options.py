@@ -17,6 +17,7 @@ of `--num_gpus=-1`) is refused when the model is built, before training.
 from typing import Optional
 
 from tfdist import errors
+from tfdist.runtime import wording
 
 # Strategies it runs under: those whose replicas hold per-replica expert
 # weights and run every step together (one host's, or every worker's).
@@ -141,7 +142,8 @@ def _check_transformer_experts(flag: str, n: int, model: Optional[str],
     raise errors.ConfigError(
         f"{flag} splits the --transformer_experts={experts} experts evenly "
         f"over {n} replicas; {experts} is not a multiple of {n}. Use "
-        f"--expert_parallel in {fits or [1]}, or --transformer_experts="
+        f"--expert_parallel={wording.either(fits or [1])}, or "
+        "--transformer_experts="
         f"{n * max(1, experts // n)} or {n * (experts // n + 1)}.")
 
 
