@@ -98,8 +98,8 @@ class StepMode:
 
   The start-up parts (class methods; no TensorFlow, no model): `validate`,
   `devices`, `layout_rows` (its memory per device), `plan_lines` (its
-  lines of the run plan) and the backend trait `replaces_step_runner`. The step's parts
-  (instance methods; the trainer calls `bind` once at construction, the
+  lines of the run plan) and the backend trait `replaces_step_runner`.
+  The step's parts (instance methods; the trainer calls `bind` once at construction, the
   others while its step is traced, in replica context):
   `forward_backward`, `eval_sums`, and the views `variables`,
   `checkpoint_model`, `checkpoint_optimizer`, `exported_model`.

@@ -68,6 +68,12 @@ class ExpertsShape:
   tokens_per_group: int
   d_model: int
 
+  def groups(self, examples: int) -> int:
+    """Routing groups of `examples` examples (whole groups: the last may
+    be partial)."""
+    return math.ceil(examples * self.tokens_per_example /
+                     self.tokens_per_group)
+
   @property
   def capacity(self) -> int:
     """C, the slots each expert has in a group (`capacity`)."""
@@ -91,9 +97,8 @@ def all_to_all_bytes(shape: ExpertsShape, *, expert_parallel: int,
     `layers * 4 * (E_p - 1) / E_p * E * groups * C * d_model *
     compute_bytes`, an int (0 for E_p = 1).
   """
-  groups = math.ceil(examples * shape.tokens_per_example /
-                     shape.tokens_per_group)
-  elements = (shape.num_experts * groups * shape.capacity * shape.d_model)
+  elements = (shape.num_experts * shape.groups(examples) * shape.capacity *
+              shape.d_model)
   return (shape.layers * ALL_TO_ALLS_PER_LAYER * elements *
           (expert_parallel - 1) * compute_bytes) // expert_parallel
 
@@ -129,12 +134,10 @@ def plan_lines(facts) -> List[str]:
   examples = facts.per_replica_batch_size * facts.gradient_accumulation_steps
   sent = all_to_all_bytes(shape, expert_parallel=e_p, examples=examples,
                           compute_bytes=facts.compute_bytes)
-  groups_per_replica = math.ceil(examples * shape.tokens_per_example /
-                                 shape.tokens_per_group)
   lines.append(
       f"  all-to-all per update  {_mib(sent)} sent by each replica: "
       f"{shape.layers} layer(s) x {ALL_TO_ALLS_PER_LAYER} (2 forward, 2 "
       f"backward) x {e_p - 1}/{e_p} of [E={shape.num_experts}, "
-      f"groups={groups_per_replica}, C={shape.capacity}, "
+      f"groups={shape.groups(examples)}, C={shape.capacity}, "
       f"d_model={shape.d_model}] x {facts.compute_bytes} bytes")
   return lines

@@ -117,14 +117,24 @@ def schedule_order(num_stages: int, num_microbatches: int,
       order = [("F", m) for m in range(num_microbatches)]
       order += [("B", m) for m in range(num_microbatches)]
     else:
-      warmup = min(num_stages - s - 1, num_microbatches)
-      order = [("F", m) for m in range(warmup)]
-      for i in range(num_microbatches - warmup):
-        order += [("F", warmup + i), ("B", i)]
-      order += [("B", m) for m in range(num_microbatches - warmup,
-                                         num_microbatches)]
+      order = _warmup_then_alternate(
+          num_microbatches, min(num_stages - s - 1, num_microbatches),
+          lambda kind, m: (kind, m))
     orders.append(order)
   return orders
+
+
+def _warmup_then_alternate(tasks: int, warmup: int,
+                           task: Callable[[str, int], tuple]) -> List[tuple]:
+  """One stage's 1F1B order over `tasks` forwards and as many backwards:
+  `warmup` forwards, then one forward and one backward alternately, then
+  the remaining backwards; `task(kind, k)` names the k-th forward ("F")
+  or backward ("B") of the stage (1F1B: micro-batch k; interleaved: a
+  micro-batch on a chunk)."""
+  order = [task("F", k) for k in range(warmup)]
+  for i in range(tasks - warmup):
+    order += [task("F", warmup + i), task("B", i)]
+  return order + [task("B", k) for k in range(tasks - warmup, tasks)]
 
 
 def interleaved_order(num_stages: int, num_microbatches: int,
@@ -173,12 +183,9 @@ def interleaved_order(num_stages: int, num_microbatches: int,
 
   orders = []
   for s in range(p):
-    warmup = min(2 * (p - s - 1) + (v - 1) * p, tasks)
-    order = [task("F", k, s) for k in range(warmup)]
-    for i in range(tasks - warmup):
-      order += [task("F", warmup + i, s), task("B", i, s)]
-    order += [task("B", k, s) for k in range(tasks - warmup, tasks)]
-    orders.append(order)
+    orders.append(_warmup_then_alternate(
+        tasks, min(2 * (p - s - 1) + (v - 1) * p, tasks),
+        lambda kind, k, s=s: task(kind, k, s)))
   return orders
 
 

@@ -387,8 +387,9 @@ def facts_of_run(options, *, parts, plan, replicas: int,
   sums = parts.metric_sums
   # Traced only where they would differ (more than one batch per step).
   pipeline = options.pipeline
-  split = replicas * micro_batches_of(
-      plan.batch.gradient_accumulation_steps, pipeline) > 1 and (
+  micro_batches = micro_batches_of(plan.batch.gradient_accumulation_steps,
+                                   pipeline)
+  split = replicas * micro_batches > 1 and (
       sums is not None and sums.y_true is not None)
   batch_valued = bool(
       split and loss is not None and
@@ -401,8 +402,7 @@ def facts_of_run(options, *, parts, plan, replicas: int,
                  options.optimization.clipnorm is None and
                  options.optimization.global_clipnorm is None),
       replicas=replicas,
-      micro_batches=micro_batches_of(
-          plan.batch.gradient_accumulation_steps, pipeline),
+      micro_batches=micro_batches,
       zero_stage=options.memory.zero_stage_resolved,
       pipeline_stages=pipeline.num_stages if pipeline is not None else 1,
       tensor_parallel=options.strategy.parallelism.tensor_parallel,
