@@ -38,6 +38,7 @@ import sys
 
 os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
 
+from absl import logging as absl_logging  # pylint: disable=g-import-not-at-top
 from absl.testing import absltest  # pylint: disable=g-import-not-at-top
 import keras  # pylint: disable=g-import-not-at-top
 import numpy as np  # pylint: disable=g-import-not-at-top
@@ -53,6 +54,7 @@ from tfdist import exit_codes  # pylint: disable=g-import-not-at-top
 from tfdist.backends import pipeline as backend_lib  # pylint: disable=g-import-not-at-top
 from tfdist.config import TrainConfig  # pylint: disable=g-import-not-at-top
 from tfdist.distribute import cluster as cluster_lib  # pylint: disable=g-import-not-at-top
+from tfdist.parallel.pipeline import options as options_lib  # pylint: disable=g-import-not-at-top
 
 BATCH = 16
 STEPS = 3
@@ -103,13 +105,18 @@ def _fit(model_dir, steps, verbose=0, **changes):
                  config=_config(model_dir, steps, **changes))
 
 
-def fit_main(out_dir: str, steps: int, verbose: int):
+def fit_main(out_dir: str, steps: int, verbose: int, copies: int = 1):
   """A task's program: 4 stages, 2 a task across a 2-task cluster (in one
-  process without one); the chief saves the trained weights."""
+  process without one); with `copies=2`, 2 copies of 2 stages (each task
+  its 2 logical CPU devices: one stage of both copies; the plan logged).
+  The chief saves the trained weights."""
+  layout = (dict(pipeline_stages=4, num_microbatches=4) if copies == 1 else
+            dict(pipeline_stages=2, num_microbatches=2, num_cpu_devices=2))
+  if copies > 1:
+    absl_logging.set_verbosity(absl_logging.INFO)
   with testutil.VariableCreations() as log:
     result = _fit(os.path.join(out_dir, "run"), steps, verbose,
-                  pipeline_stages=4, num_microbatches=4,
-                  pipeline_schedule="1f1b")
+                  pipeline_schedule="1f1b", **layout)
   if "role" not in result:
     np.savez(os.path.join(out_dir, "weights.npz"),
              *_Built.model.get_weights())
@@ -160,27 +167,62 @@ class ClusterLayoutTest(absltest.TestCase):
     # is given).
     cpus = TrainConfig(model_dir="/tmp/unused", pipeline_stages=2,
                        num_cpu_devices=4)
-    backend_lib.check_copies(cpus, in_cluster=False, gpus=0)
-    with self.assertRaisesRegex(
-        errors.ConfigError, r"--pipeline_stages=2 with --num_cpu_devices=4 "
-        r"\(2 data-parallel copies\) runs in one process"):
-      backend_lib.check_copies(cpus, in_cluster=True, gpus=0)
+    backend_lib.check_copies(cpus, gpus=0)
+    # Across 2 tasks: 2 x 4 devices, 4 copies (each task's devices are
+    # checked once the chief is connected).
+    self.assertEqual(backend_lib.data_degree(cpus, 2), 4)
+    backend_lib.check_copies(cpus, tasks=2, gpus=0)
     with self.assertRaisesRegex(
         errors.ConfigError, r"--num_cpu_devices=4 asks for 2 copies .* "
         r"Pass --num_gpus=4 .* or --num_gpus=0"):
-      backend_lib.check_copies(cpus, in_cluster=False, gpus=8)
+      backend_lib.check_copies(cpus, gpus=8)
     gpus = TrainConfig(model_dir="/tmp/unused", pipeline_stages=2,
                        num_gpus=8)
-    backend_lib.check_copies(gpus, in_cluster=False, gpus=8)
+    backend_lib.check_copies(gpus, gpus=8)
     with self.assertRaisesRegex(
         errors.ConfigError, r"--num_gpus=8 \(4 data-parallel copies\) "
         r"needs 8 GPUs; this host has 6. Lower --num_gpus to a multiple "
         r"of 2 up to 6"):
-      backend_lib.check_copies(gpus, in_cluster=False, gpus=6)
+      backend_lib.check_copies(gpus, gpus=6)
     # One copy: nothing to refuse here.
     backend_lib.check_copies(TrainConfig(model_dir="/tmp/unused",
-                                         pipeline_stages=2),
-                             in_cluster=True, gpus=8)
+                                         pipeline_stages=2), gpus=8)
+
+  def test_copies_across_tasks_plan_and_refusals(self):
+    # --num_cpu_devices counts each task's devices: 2 tasks x 2 = D 2 x P 2,
+    # the plan's mesh over the tasks' devices in task order.
+    tasks = _cluster(workers=1).training_tasks()
+    self.assertEqual(tasks, ("/job:chief/replica:0/task:0",
+                             "/job:worker/replica:0/task:0"))
+    parallelism = TrainConfig(model_dir="/tmp/unused", pipeline_stages=2,
+                              num_microbatches=2).strategy.parallelism
+    options = options_lib.PipelineOptions.of(parallelism, num_cpu_devices=2,
+                                             tasks=tasks)
+    self.assertEqual(options.data, 2)
+    self.assertEqual(options.mesh().plan_lines()[1:], [
+        f"  {tasks[t] + f'/device:CPU:{i}':<41}  data {i}  pipeline {t}  "
+        "tensor 0" for t in (0, 1) for i in (0, 1)])
+    self.assertEqual(options_lib.PipelineOptions.of(
+        parallelism, num_cpu_devices=2).data, 1)  # One process: 2 devices.
+    with self.assertRaisesRegex(
+        errors.ConfigError, r"--num_cpu_devices=3 devices on each of the "
+        r"cluster's 2 tasks \(6 in all\) cannot hold whole copies of a "
+        r"--pipeline_stages=4 pipeline.*Use --num_cpu_devices=2 or 4"):
+      options_lib.data_degree(4, num_cpu_devices=3, tasks=2)
+    def device(name):
+      return tf.config.LogicalDevice(name=name, device_type="CPU")
+    logical = [device(f"{task}/device:CPU:{i}") for task in tasks
+               for i in (1, 0)]
+    pairs = [("chief", 0), ("worker", 0)]
+    self.assertEqual(
+        backend_lib.cluster_stage_devices(pairs, 1, logical_devices=logical,
+                                          copies=2),
+        [f"{task}/device:CPU:{i}" for task in tasks for i in (0, 1)])
+    with self.assertRaisesRegex(
+        errors.ConfigError, r"puts 1 stages x 3 data-parallel copies on "
+        r"chief 0, which offers 0 GPU\(s\) and 2 CPU"):
+      backend_lib.cluster_stage_devices(pairs, 1, logical_devices=logical,
+                                        copies=3)
 
   def test_devices_per_task_gpus_first(self):
     def device(name):
@@ -230,11 +272,56 @@ class AcrossWorkersTest(absltest.TestCase):
       cls._unsplit = [w.copy() for w in _Built.model.get_weights()]
     return cls._unsplit
 
-  def _launch(self, out_dir, steps, verbose=0, timeout=LAUNCH_TIMEOUT):
+  def _launch(self, out_dir, steps, verbose=0, timeout=LAUNCH_TIMEOUT,
+              copies=1):
     return multi_worker_testlib.LauncherWatch(
         ["--num_workers=2", "--module=tests.pipeline_workers_test",
          "--stop_grace_seconds=20"],
-        ["fit", out_dir, str(steps), str(verbose)], timeout=timeout)
+        ["fit", out_dir, str(steps), str(verbose), str(copies)],
+        timeout=timeout)
+
+  def test_two_copies_of_two_stages_across_two_processes(self):
+    # D x P = 2 x 2 on the chief's and worker 0's 2 logical CPU devices
+    # each (--num_cpu_devices=2 a task): the mesh over the tasks' devices
+    # in task order puts stage 0 of both copies on the chief, stage 1 on
+    # the worker. Each copy trains on its half of every batch; stage 1's
+    # gradients are all-reduced on the worker with the sub-group
+    # collectives, stage 0's summed on the chief's copy-0 device.
+    out_dir = testutil.scratch_dir()
+    watch = self._launch(out_dir, STEPS, copies=2)
+    unsplit = self.unsplit()  # Trained here meanwhile.
+    status = watch.wait()
+    output = watch.output()
+    self.assertEqual(status, 0, output)
+    self.assertLess(_max_difference(_saved_weights(out_dir), unsplit),
+                    TOLERANCE)
+    chief, worker = ("/job:chief/replica:0/task:0",
+                     "/job:worker/replica:0/task:0")
+    # The plan (what --dry_run prints): the mesh, each device's
+    # coordinates.
+    self.assertIn("2 copies (data 2 x pipeline 2 over 2 tasks, each on 1/2 "
+                  "of the batch) of 2 stages", output)
+    self.assertIn("mesh: data 2 x pipeline 2 x tensor 1 over 4 devices",
+                  output)
+    for device, data, stage in ((f"{chief}/device:CPU:1", 1, 0),
+                                (f"{worker}/device:CPU:0", 0, 1)):
+      self.assertRegex(output, re.escape(device) +
+                       rf"\s+data {data}  pipeline {stage}  tensor 0")
+    with open(os.path.join(out_dir, "run", "run_manifest.json")) as f:
+      manifest = json.load(f)
+    self.assertEqual(manifest["pipeline"]["data"], 2)
+    # Copy 0's stages: index(0, p) = p * D.
+    self.assertEqual(
+        [s["device"] for s in manifest["one_device"]["pipeline_stages"]],
+        [f"{chief}/device:CPU:0", f"{worker}/device:CPU:0"])
+    # Its checkpoint restores on one device: from step 2 the one-device
+    # run's third update gives the unsplit run's weights.
+    one_dir = testutil.scratch_dir()
+    ids_lib.copy_checkpoint(os.path.join(out_dir, "run"),
+                            os.path.join(one_dir, "run"), 2)
+    _fit(os.path.join(one_dir, "run"), STEPS)
+    self.assertLess(_max_difference(_Built.model.get_weights(), unsplit),
+                    TOLERANCE)
 
   def test_two_processes_resume_and_train_like_one_device(self):
     # A: one fresh process, uninterrupted (a checkpoint a step); it splits
@@ -321,7 +408,8 @@ class AcrossWorkersTest(absltest.TestCase):
 if __name__ == "__main__":
   if len(sys.argv) > 1 and sys.argv[1] == "fit":
     try:
-      fit_main(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
+      fit_main(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]),
+               *map(int, sys.argv[5:6]))
     except Exception as e:  # pylint: disable=broad-except
       # Ends as tfdist.train ends: the error's line and its exit status.
       print(f"{type(e).__name__}: {e}", flush=True)
