@@ -35,6 +35,7 @@ import json
 import os
 import re
 import sys
+from unittest import mock
 
 os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
 
@@ -223,6 +224,37 @@ class ClusterLayoutTest(absltest.TestCase):
         r"chief 0, which offers 0 GPU\(s\) and 2 CPU"):
       backend_lib.cluster_stage_devices(pairs, 1, logical_devices=logical,
                                         copies=3)
+    interleaved = TrainConfig(
+        model_dir="/tmp/unused", pipeline_stages=2, num_cpu_devices=2,
+        pipeline_schedule="interleaved", pipeline_virtual_stages=2)
+    backend_lib.check_copies(interleaved, gpus=0)  # One process: 1 copy.
+    with self.assertRaisesRegex(
+        errors.ConfigError, r"--pipeline_schedule=interleaved with "
+        r"--num_cpu_devices=2 on each of the cluster's 2 tasks \(D=2 "
+        r"copies .* Use --num_cpu_devices=1 \(one copy\), or "
+        r"--pipeline_schedule=1f1b"):
+      backend_lib.check_copies(interleaved, gpus=0, tasks=2)
+
+  def test_dry_run_plans_the_mesh_across_tasks(self):
+    # The chief's --dry_run (no process started, none connected): the
+    # plan's mesh over the chief's and worker 0's devices.
+    tf_config = {"cluster": {"chief": ["127.0.0.1:1000"],
+                             "worker": ["127.0.0.1:1001"]},
+                 "task": {"type": "chief", "index": 0}}
+    with mock.patch.dict(os.environ, {"TF_CONFIG": json.dumps(tf_config)}):
+      with self.assertLogs(level="INFO") as logs:
+        result = _fit(testutil.scratch_dir(), STEPS, dry_run=True,
+                      pipeline_stages=2, num_microbatches=2,
+                      num_cpu_devices=2)
+    self.assertTrue(result["dry_run"])
+    plan = "\n".join(logs.output)
+    self.assertIn("2 copies (data 2 x pipeline 2 over 2 tasks, each on 1/2 "
+                  "of the batch) of 2 stages", plan)
+    for task, stage in (("chief", 0), ("worker", 1)):
+      for data in (0, 1):
+        self.assertRegex(plan, re.escape(
+            f"/job:{task}/replica:0/task:0/device:CPU:{data}") +
+                         rf"\s+data {data}  pipeline {stage}  tensor 0")
 
   def test_devices_per_task_gpus_first(self):
     def device(name):
@@ -307,6 +339,11 @@ class AcrossWorkersTest(absltest.TestCase):
                                 (f"{worker}/device:CPU:0", 0, 1)):
       self.assertRegex(output, re.escape(device) +
                        rf"\s+data {data}  pipeline {stage}  tensor 0")
+    # Stage 1's data group (the worker's devices) ran the sub-group
+    # collectives; stage 0's (the chief's own) was summed on copy 0's.
+    self.assertIn("stage 1's gradients are all-reduced over its data group "
+                  "(collectives); stage 0's are summed on copy 0's device",
+                  output)
     with open(os.path.join(out_dir, "run", "run_manifest.json")) as f:
       manifest = json.load(f)
     self.assertEqual(manifest["pipeline"]["data"], 2)

@@ -122,12 +122,12 @@ def stage_devices(num_stages: int, num_gpus: int = -1,
 
 
 def check_copies(config, *, gpus: int, tasks: int = 1) -> None:
-  """Refuses D > 1 copies of the pipeline (`data_degree`) that cannot run
-  in one process: `--num_cpu_devices` on a host whose GPUs would run the
-  stages, or more GPUs than the host has. Across the `tasks` of a cluster
-  the driving process checks each task's devices once connected
-  (`cluster_stage_devices`), and the copies' count (`data_degree`, the
-  flag per task) when the run's options are made.
+  """Refuses D > 1 copies of the pipeline (`data_degree`) that cannot run:
+  in one process, `--num_cpu_devices` on a host whose GPUs would run the
+  stages, or more GPUs than the host has; across the `tasks` of a
+  cluster, copies of an interleaved pipeline (each task's devices are
+  checked once the driving process is connected,
+  `cluster_stage_devices`).
 
   Args:
     config: the run's `TrainConfig` (`pipeline_stages`, `num_gpus`,
@@ -140,7 +140,14 @@ def check_copies(config, *, gpus: int, tasks: int = 1) -> None:
   """
   strategy = config.strategy
   data = data_degree(config, tasks)
-  stages = strategy.parallelism.pipeline_stages
+  parallelism = strategy.parallelism
+  stages = parallelism.pipeline_stages
+  if data > 1 and tasks > 1 and (
+      parallelism.pipeline_schedule == pipeline_options.INTERLEAVED):
+    pipeline_options.check_interleaved(
+        stages, parallelism.num_microbatches, data,
+        num_gpus=strategy.num_gpus,
+        num_cpu_devices=strategy.num_cpu_devices, tasks=tasks)
   if data == 1 or tasks > 1:
     return
   if gpus and strategy.num_gpus < 0:

@@ -301,8 +301,8 @@ def check_flags(*, pipeline_stages: int, num_microbatches: Optional[int],
   data = data_degree(pipeline_stages, num_gpus=num_gpus,
                      num_cpu_devices=num_cpu_devices)
   if pipeline_schedule == INTERLEAVED:
-    _check_interleaved(pipeline_stages, num_microbatches, data,
-                       num_gpus=num_gpus, num_cpu_devices=num_cpu_devices)
+    check_interleaved(pipeline_stages, num_microbatches, data,
+                      num_gpus=num_gpus, num_cpu_devices=num_cpu_devices)
   if zero_stage:
     raise errors.ConfigError(
         f"--pipeline_stages={pipeline_stages} and "
@@ -374,11 +374,12 @@ def _check_virtual_stages(pipeline_stages: int, pipeline_schedule: str,
         "--pipeline_stages=P (P > 1) too.")
 
 
-def _check_interleaved(pipeline_stages: int, num_microbatches: Optional[int],
-                       data: int, *, num_gpus: int,
-                       num_cpu_devices: int) -> None:
+def check_interleaved(pipeline_stages: int, num_microbatches: Optional[int],
+                      data: int, *, num_gpus: int, num_cpu_devices: int,
+                      tasks: int = 1) -> None:
   """Refuses M not a multiple of P (Megatron's interleaved order runs the
-  micro-batches in groups of P) and D > 1 copies (not built).
+  micro-batches in groups of P) and D > 1 copies (not built), the latter
+  on one process's devices or on each of a cluster's `tasks`.
 
   Raises:
     ConfigError: naming the flags, the values and the fix.
@@ -396,12 +397,13 @@ def _check_interleaved(pipeline_stages: int, num_microbatches: Optional[int],
   if data > 1:
     flag, n = (("--num_gpus", num_gpus) if num_gpus > 0 else
                ("--num_cpu_devices", num_cpu_devices))
+    each = f" on each of the cluster's {tasks} tasks" if tasks > 1 else ""
     raise errors.ConfigError(
-        f"--pipeline_schedule=interleaved with {flag}={n} (D={data} copies "
-        f"of the --pipeline_stages={pipeline_stages} pipeline): data x "
-        "pipeline copies of an interleaved pipeline are not built yet. Use "
-        f"{flag}={pipeline_stages} (one copy), or --pipeline_schedule=1f1b "
-        "for D copies.")
+        f"--pipeline_schedule=interleaved with {flag}={n}{each} (D={data} "
+        f"copies of the --pipeline_stages={pipeline_stages} pipeline): data "
+        "x pipeline copies of an interleaved pipeline are not built yet. "
+        f"Use {flag}={max(1, pipeline_stages // tasks)} (one copy), or "
+        "--pipeline_schedule=1f1b for D copies.")
 
 
 def check_batch(options: PipelineOptions, *, micro_step_batch: int,
