@@ -3,22 +3,29 @@
 
 One local cluster of two processes per launching test, started by
 `tfdist.launch --num_workers=2 --module=tests.pipeline_workers_test`: the
-chief drives (stages 1-2 on its 2 logical CPU devices, all the input, the
-steps, `--model_dir`), worker 0 serves stages 3-4 on its own 2. With
-`--deterministic --seed`:
+chief drives (its 2 logical CPU devices, all the input, the steps,
+`--model_dir`), worker 0 serves its own 2: one copy of 4 stages (stages
+1-2 on the chief, 3-4 on the worker), or D x P = 2 x 2 (stage 0 of both
+copies on the chief, stage 1 on the worker). With `--deterministic
+--seed`:
 
-* K updates of `tfdist.fit` on NumPy arrays (Adam, 4 stages, 4
-  micro-batches, 1F1B, a skip connection across the cuts) give the
-  one-device run's weights within 1e-5 (the reference is trained once, in
-  this process), in one fresh process (which splits its CPU into 4 logical
-  devices itself: it failed before) and across two processes, the latter
+* K updates of `tfdist.fit` on NumPy arrays (Adam, 1F1B, a skip
+  connection across the cuts) give the one-device run's weights within
+  1e-5 (the reference is trained once, in this process), in one fresh
+  process (4 stages, 4 micro-batches; it splits its CPU into 4 logical
+  devices itself: it failed before) and across two processes as D x P =
+  2 x 2 (`--num_cpu_devices=2` a task: stage 0 of both copies on the
+  chief, stage 1 on the worker, 2 micro-batches a copy), the latter
   resumed from the former's step-1 checkpoint (mid-epoch): it continues
   the epoch and ends within 1e-6 of the uninterrupted run in weights and
-  Adam's slots; the manifest lists the
+  Adam's slots; the plan prints the mesh with each device's coordinates;
+  stage 1's gradients meet by the sub-group collectives on the worker,
+  stage 0's on the chief's copy-0 device; the manifest lists copy 0's
   stages' devices and the SavedModel serves the trained model's outputs;
-  the chief creates the storage of its own stages' weights only (the
-  worker's are created on the worker, from their initializers); both
-  processes exit 0;
+  its step-2 checkpoint, restored by a one-device run, gives the third
+  update within 1e-5; the chief creates the storage of its own stages'
+  weights only (the worker's are created on the worker, from their
+  initializers); both processes exit 0;
 * where the stages go (P/T per task, GPUs first) and the refusals: ps
   tasks in the cluster, T not dividing P (no processes);
 * a worker killed mid-run stops the chief with `PeerLostError`'s line and
@@ -26,7 +33,7 @@ steps, `--model_dir`), worker 0 serves stages 3-4 on its own 2. With
   status.
 
 Run as a module (by the launcher), this file is the tasks' program:
-`fit OUT_DIR STEPS VERBOSE` trains and (the chief) writes
+`fit OUT_DIR STEPS VERBOSE [COPIES]` trains and (the chief) writes
 `OUT_DIR/weights.npz`; a tfdist error ends it with its exit status, as
 `tfdist.train` ends.
 """
@@ -312,60 +319,15 @@ class AcrossWorkersTest(absltest.TestCase):
         ["fit", out_dir, str(steps), str(verbose), str(copies)],
         timeout=timeout)
 
-  def test_two_copies_of_two_stages_across_two_processes(self):
-    # D x P = 2 x 2 on the chief's and worker 0's 2 logical CPU devices
-    # each (--num_cpu_devices=2 a task): the mesh over the tasks' devices
-    # in task order puts stage 0 of both copies on the chief, stage 1 on
-    # the worker. Each copy trains on its half of every batch; stage 1's
-    # gradients are all-reduced on the worker with the sub-group
-    # collectives, stage 0's summed on the chief's copy-0 device.
-    out_dir = testutil.scratch_dir()
-    watch = self._launch(out_dir, STEPS, copies=2)
-    unsplit = self.unsplit()  # Trained here meanwhile.
-    status = watch.wait()
-    output = watch.output()
-    self.assertEqual(status, 0, output)
-    self.assertLess(_max_difference(_saved_weights(out_dir), unsplit),
-                    TOLERANCE)
-    chief, worker = ("/job:chief/replica:0/task:0",
-                     "/job:worker/replica:0/task:0")
-    # The plan (what --dry_run prints): the mesh, each device's
-    # coordinates.
-    self.assertIn("2 copies (data 2 x pipeline 2 over 2 tasks, each on 1/2 "
-                  "of the batch) of 2 stages", output)
-    self.assertIn("mesh: data 2 x pipeline 2 x tensor 1 over 4 devices",
-                  output)
-    for device, data, stage in ((f"{chief}/device:CPU:1", 1, 0),
-                                (f"{worker}/device:CPU:0", 0, 1)):
-      self.assertRegex(output, re.escape(device) +
-                       rf"\s+data {data}  pipeline {stage}  tensor 0")
-    # Stage 1's data group (the worker's devices) ran the sub-group
-    # collectives; stage 0's (the chief's own) was summed on copy 0's.
-    self.assertIn("stage 1's gradients are all-reduced over its data group "
-                  "(collectives); stage 0's are summed on copy 0's device",
-                  output)
-    with open(os.path.join(out_dir, "run", "run_manifest.json")) as f:
-      manifest = json.load(f)
-    self.assertEqual(manifest["pipeline"]["data"], 2)
-    # Copy 0's stages: index(0, p) = p * D.
-    self.assertEqual(
-        [s["device"] for s in manifest["one_device"]["pipeline_stages"]],
-        [f"{chief}/device:CPU:0", f"{worker}/device:CPU:0"])
-    # Its checkpoint restores on one device: from step 2 the one-device
-    # run's third update gives the unsplit run's weights.
-    one_dir = testutil.scratch_dir()
-    ids_lib.copy_checkpoint(os.path.join(out_dir, "run"),
-                            os.path.join(one_dir, "run"), 2)
-    _fit(os.path.join(one_dir, "run"), STEPS)
-    self.assertLess(_max_difference(_Built.model.get_weights(), unsplit),
-                    TOLERANCE)
-
   def test_two_processes_resume_and_train_like_one_device(self):
-    # A: one fresh process, uninterrupted (a checkpoint a step); it splits
-    # its CPU into 4 logical devices itself (it listed them first, which
-    # started the runtime, and the split was refused). B: the 2-process
-    # cluster, resumed from A's step-1 checkpoint (mid-epoch: 4 steps an
-    # epoch of the NumPy arrays).
+    # A: one fresh process, uninterrupted (a checkpoint a step), one copy
+    # of 4 stages; it splits its CPU into 4 logical devices itself (it
+    # listed them first, which started the runtime, and the split was
+    # refused). B: the 2-process cluster, D x P = 2 x 2 (each task's 2
+    # logical CPU devices: the mesh over the tasks' devices in task order
+    # puts stage 0 of both copies on the chief, stage 1 on the worker;
+    # each copy on its half of every batch), resumed from A's step-1
+    # checkpoint (mid-epoch: 4 steps an epoch of the NumPy arrays).
     fresh_dir, out_dir = testutil.scratch_dir(), testutil.scratch_dir()
     code, output, _ = multi_worker_testlib.run_module_with_timeout(
         "tests.pipeline_workers_test", ["fit", fresh_dir, str(STEPS), "0"],
@@ -373,7 +335,7 @@ class AcrossWorkersTest(absltest.TestCase):
     self.assertEqual(code, 0, output)
     ids_lib.copy_checkpoint(os.path.join(fresh_dir, "run"),
                             os.path.join(out_dir, "run"), 1)
-    watch = self._launch(out_dir, STEPS)
+    watch = self._launch(out_dir, STEPS, copies=2)
     unsplit = self.unsplit()  # Trained here meanwhile.
     status = watch.wait()
     output = watch.output()
@@ -394,14 +356,32 @@ class AcrossWorkersTest(absltest.TestCase):
     self.assertEqual(os.path.basename(manifest["restored_from"]), "ckpt-1")
     self.assertIn("stages on the 2 chief and worker tasks of the cluster",
                   manifest["strategy_reason"])
+    self.assertEqual(manifest["pipeline"]["data"], 2)
+    chief, worker = ("/job:chief/replica:0/task:0",
+                     "/job:worker/replica:0/task:0")
+    # Copy 0's stages: index(0, p) = p * D.
     stages = manifest["one_device"]["pipeline_stages"]
     self.assertEqual([s["device"] for s in stages],
-                     [f"/job:{job}/replica:0/task:0/device:CPU:{i}"
-                      for job in ("chief", "worker") for i in (0, 1)])
+                     [f"{chief}/device:CPU:0", f"{worker}/device:CPU:0"])
+    # The plan (what --dry_run prints): the mesh, each device's
+    # coordinates.
+    self.assertIn("2 copies (data 2 x pipeline 2 over 2 tasks, each on 1/2 "
+                  "of the batch) of 2 stages", output)
+    self.assertIn("mesh: data 2 x pipeline 2 x tensor 1 over 4 devices",
+                  output)
+    for device, data, stage in ((f"{chief}/device:CPU:1", 1, 0),
+                                (f"{worker}/device:CPU:0", 0, 1)):
+      self.assertRegex(output, re.escape(device) +
+                       rf"\s+data {data}  pipeline {stage}  tensor 0")
+    # Stage 1's data group (the worker's devices) ran the sub-group
+    # collectives; stage 0's (the chief's own) was summed on copy 0's.
+    self.assertIn("stage 1's gradients are all-reduced over its data group "
+                  "(collectives); stage 0's are summed on copy 0's device",
+                  output)
     # The chief made the storage of its own stages' weights only (those
     # of the worker's stages were created there, from their initializers):
     # the bytes of the weights (`kernel`, `bias`; slots have other names)
-    # created on each task are its stages' weight bytes.
+    # created on each task are its stages' weight bytes, once per copy.
     with open(os.path.join(out_dir, "created.json")) as f:
       created = json.load(f)
     made = {}
@@ -412,7 +392,7 @@ class AcrossWorkersTest(absltest.TestCase):
     per_task = {}
     for stage in stages:
       task = stage["device"].split("/device:")[0]
-      per_task[task] = per_task.get(task, 0) + stage["param_bytes"]
+      per_task[task] = per_task.get(task, 0) + 2 * stage["param_bytes"]
     self.assertEqual(made, per_task)
     # The SavedModel is the whole trained model.
     exported = tf.saved_model.load(os.path.join(out_dir, "run",
@@ -425,6 +405,14 @@ class AcrossWorkersTest(absltest.TestCase):
     self.assertLess(
         float(np.max(np.abs(next(iter(served.values())).numpy() -
                             reference(x[:4]).numpy()))), TOLERANCE)
+    # B's checkpoint restores on one device: from its step 2 the
+    # one-device run's third update gives the unsplit run's weights.
+    one_dir = testutil.scratch_dir()
+    ids_lib.copy_checkpoint(os.path.join(out_dir, "run"),
+                            os.path.join(one_dir, "run"), 2)
+    _fit(os.path.join(one_dir, "run"), STEPS)
+    self.assertLess(_max_difference(_Built.model.get_weights(), unsplit),
+                    TOLERANCE)
 
   def test_lost_stage_task_stops_the_chief_with_peer_lost(self):
     out_dir = testutil.scratch_dir()

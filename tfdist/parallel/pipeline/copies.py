@@ -1,4 +1,5 @@
-"""Data x pipeline parallelism in one process: D copies of a P-stage pipeline.
+"""Data x pipeline parallelism: D copies of a P-stage pipeline, driven by one
+process (on its devices, or as a cluster's chief on the tasks' devices).
 
 A `DeviceMesh` of N = D * P devices (`tfdist.parallel.mesh.DeviceMesh.build(
 devices, pipeline=P)`) puts stage p of copy d on device index(d, p) =
