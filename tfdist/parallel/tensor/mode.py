@@ -63,6 +63,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist.parallel import collectives
+from tfdist.parallel import layout_map as layout_map_lib
 from tfdist.parallel import mesh as mesh_lib
 from tfdist.parallel import mode as mode_lib
 from tfdist.parallel.tensor import from_layout_map
@@ -522,6 +523,10 @@ def build(build_model: Callable[[bool], keras.Model],
   if groups.data > 1:
     _copy_rows_dropout(model, groups)
   step = TensorParallelStep(model, unsharded, tensor, groups)
+  note = (None if layout_map is None else
+          layout_map_lib.batch_axis_note(layout_map, groups.data))
+  if note:
+    logging.warning("%s", note)
   logging.info("Tensor parallelism: %s.", step.describe())
   for line in groups.mesh.plan_lines():
     logging.info("%s", line)
