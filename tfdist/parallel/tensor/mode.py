@@ -528,6 +528,7 @@ def build(build_model: Callable[[bool], keras.Model],
   if note:
     logging.warning("%s", note)
   logging.info("Tensor parallelism: %s.", step.describe())
-  for line in groups.mesh.plan_lines():
-    logging.info("%s", line)
+  # The plan printed the mesh by replica; here each replica's device, once.
+  logging.info("Tensor-parallel replicas' devices: %s.", ", ".join(
+      f"replica {r} on {d}" for r, d in enumerate(groups.mesh.devices)))
   return step
