@@ -35,6 +35,7 @@ pytestmark = pytest.mark.compat
 _ROOT = pathlib.Path(__file__).resolve().parent.parent
 _TREES = ("tfdist", "models")
 _PRIVATE_MODULES = ("tensorflow.python", "tensorflow.core", "keras.src")
+_INTERNAL = re.compile(r"__internal__(\.\w+){1,2}$")
 _IDENTIFIER = re.compile(r"_+[A-Za-z][A-Za-z0-9_]*")
 
 
@@ -55,6 +56,11 @@ def _scan(source: str):
     if (isinstance(node, ast.Attribute) and
         isinstance(node.value, ast.Name) and node.value.id in aliases):
       imported.add(f"{aliases[node.value.id]}.{node.attr}")
+    if isinstance(node, ast.Attribute):
+      # `tf.__internal__.tracking.Trackable`: TensorFlow's internal API.
+      internal = _INTERNAL.search(ast.unparse(node))
+      if internal:
+        imported.add(f"tensorflow.{internal.group(0)}")
     if isinstance(node, ast.Attribute) and _private(node.attr):
       if not (isinstance(node.value, ast.Name) and
               node.value.id in ("self", "cls")):
@@ -225,8 +231,10 @@ class PrivateApiTest(absltest.TestCase):
     for use in private_api.USES:
       names.setdefault(use.name, set()).update(use.where)
       module = use.owner.split(":")[0]
-      modules.setdefault(module, set()).update(use.where)
-      modules.setdefault(f"{module}.{use.name}", set()).update(use.where)
+      owner = use.owner.replace(":", ".")
+      for key in (module, f"{module}.{use.name}", owner,
+                  f"{owner}.{use.name}"):
+        modules.setdefault(key, set()).update(use.where)
     overridable = set()
     for base in _keras_tf_bases():
       overridable.update(n for n in dir(base) if _private(n))
@@ -271,6 +279,17 @@ class PrivateApiTest(absltest.TestCase):
                      f"{sorted(taken)}, the list says {use.params}")
     self.assertEqual(wrong, [])
 
+  def test_the_docs_example_entry_is_listed_and_holds(self):
+    page = (_ROOT / "docs/reference/packaging.md").read_text()
+    example = re.search(
+        r"<!-- run: tests/private_api_test.py entry-example -->\n"
+        r"```python\n(.*?)```", page, re.S).group(1)
+    scope = {}
+    exec(compile(example, "docs/reference/packaging.md (entry-example)",  # pylint: disable=exec-used
+                 "exec"), scope)
+    self.assertIn(scope["entry"], private_api.USES)
+    self.assertIsNone(private_api.missing(scope["entry"]))
+
   def test_tfdist_own_names_are_still_used(self):
     used = set()
     for _, source in _files():
@@ -300,11 +319,14 @@ class PrivateApiTest(absltest.TestCase):
         "from tensorflow.python.eager import context as context_lib\n"
         "import keras.src.backend as kb\n"
         "context_lib.context().x\n"
-        "kb.any_name\n")
+        "kb.any_name\n"
+        "tf.__internal__.tracking.Trackable\n")
     self.assertEqual(imported, {"tensorflow.python.eager.context",
                                 "tensorflow.python.eager.context.context",
                                 "keras.src.backend",
-                                "keras.src.backend.any_name"})
+                                "keras.src.backend.any_name",
+                                "tensorflow.__internal__.tracking",
+                                "tensorflow.__internal__.tracking.Trackable"})
 
   def test_the_subclass_scan_finds_inherited_privates(self):
     # A Keras subclass reading a private attribute its base sets in

@@ -282,13 +282,15 @@ USES = (
     PrivateUse("tensorflow.python.trackable.data_structures:ListWrapper",
                "_storage", "read", "the sharded optimizer's checkpoint "
                "view: a tracked list child", (_SHARDED_OPTIMIZER,)),
-    PrivateUse("tensorflow:__internal__", "tracking", "read",
-               "`tf.__internal__.tracking.Trackable`/`AutoTrackable`: "
-               "checkpoint objects of the sharded optimizer",
-               (_SHARDED_OPTIMIZER,)),
-    PrivateUse("tensorflow:__internal__", "distribute", "read",
-               "`tf.__internal__.distribute.ShardedVariable`: a "
-               "parameter-server sharded embedding table",
+    PrivateUse("tensorflow:__internal__.tracking", "Trackable", "read",
+               "the sharded optimizer's checkpoint objects: a full slot's "
+               "base class", (_SHARDED_OPTIMIZER,)),
+    PrivateUse("tensorflow:__internal__.tracking", "AutoTrackable", "call",
+               "the sharded optimizer's checkpoint view of the user's "
+               "optimizer", (_SHARDED_OPTIMIZER,), params=()),
+    PrivateUse("tensorflow:__internal__.distribute", "ShardedVariable",
+               "read", "a parameter-server sharded embedding table, told "
+               "apart from a whole one",
                ("tfdist/distribute/sharded_embedding.py",)),
     PrivateUse("tensorflow.python.trackable.constants",
                "_CHECKPOINTABLE_OBJECT_GRAPH", "read",
