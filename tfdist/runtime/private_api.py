@@ -15,8 +15,9 @@ tfdist's uses of them are fenced here:
   owner in the installed TensorFlow/Keras (`missing(use)`), and when a file
   of `tfdist/` or `models/` uses a private Keras/TensorFlow name this list
   does not hold, or names a file that no longer uses it.
-* A few uses go through the accessors below (`flatten_layers`,
-  `ZERO3_VARIABLE_OVERRIDES`), so the list and the code cannot drift;
+* Some uses go through the accessors below (`flatten_layers`, which every
+  layer walk calls, and `ZERO3_VARIABLE_OVERRIDES`), so the list and the
+  code cannot drift;
   deep patches (ZeRO stage 3's released variables, the pipeline's deferred
   variables) stay where they are and are listed with their file.
 
@@ -119,14 +120,9 @@ USES = (
     # ---- Keras layers and models ----
     PrivateUse(_LAYER, "_flatten_layers", "call",
                "every sublayer of a model (nested ones included): seeds, "
-               "moving statistics, manifests, sharding and recomputation "
-               "walk them (through `flatten_layers` where routed)",
-               (_HERE, "models/recompute.py",
-                "tfdist/parallel/pipeline/mode.py",
-                "tfdist/parallel/tensor/layers.py",
-                "tfdist/parallel/tensor/mode.py", _ZERO3,
-                "tfdist/training/plan/differences.py",
-                "tfdist/training/step/train_loop.py"),
+               "moving statistics, manifests, sharding, the experts' and "
+               "recomputation's layers; every caller goes through "
+               "`flatten_layers`", (_HERE,),
                params=("include_self", "recursive")),
     PrivateUse(_LAYER, "_seed_generators", "read",
                "a layer's SeedGenerators (dropout): reseeded per replica or "
