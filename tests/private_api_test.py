@@ -8,14 +8,14 @@
   versions and what in tfdist breaks (the entry's purpose).
 * No file of `tfdist/` or `models/` uses a private Keras/TensorFlow name the
   list does not hold: attributes read on anything but `self`/`cls`
-  (`x._name`, `getattr(x, "_name")`, any string that is a private
-  name, as code keeps one for a later `getattr`), methods overriding a private one of a
-  Keras/TensorFlow base class, imports of `tensorflow.python`,
-  `tensorflow.core` or `keras.src` and each name read from such a module;
-  in a class that subclasses a Keras/TensorFlow class, also `self._name`
-  where a Keras/TensorFlow class above it has that name (in its class, or
-  as `self._name` in its source: an attribute it sets); and every file the
-  list names still uses its name.
+  (`x._name`, `getattr(x, "_name")`, any string that is a private name, as
+  code keeps one for a later `getattr`), methods overriding a private one
+  of a Keras/TensorFlow base class, imports of `tensorflow.python`,
+  `tensorflow.core` or `keras.src` and each name read from such a module,
+  `tf.__internal__` names; in a class that subclasses a Keras/TensorFlow
+  class, also `self._name` where a Keras/TensorFlow class above it has that
+  name (in its class, or as `self._name` in its source: an attribute it
+  sets); and every file the list names still uses its name.
 """
 
 import ast
@@ -45,7 +45,8 @@ def _private(name: str) -> bool:
 
 def _scan(source: str):
   """(accessed private names, names of private methods defined in classes,
-  private modules imported) of one file's source."""
+  private modules imported and the names read from them or from
+  `tf.__internal__`) of one file's source."""
   accessed, defined, imported = set(), set(), set()
   tree = ast.parse(source)
   aliases = _private_module_aliases(tree)
@@ -285,8 +286,9 @@ class PrivateApiTest(absltest.TestCase):
         r"<!-- run: tests/private_api_test.py entry-example -->\n"
         r"```python\n(.*?)```", page, re.S).group(1)
     scope = {}
-    exec(compile(example, "docs/reference/packaging.md (entry-example)",  # pylint: disable=exec-used
-                 "exec"), scope)
+    code = compile(example, "docs/reference/packaging.md (entry-example)",
+                   "exec")
+    exec(code, scope)  # pylint: disable=exec-used
     self.assertIn(scope["entry"], private_api.USES)
     self.assertIsNone(private_api.missing(scope["entry"]))
 

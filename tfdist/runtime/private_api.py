@@ -8,21 +8,22 @@ tfdist's uses of them are fenced here:
 
 * `USES` lists each one: the owner (a module, or `module:Class`, importable
   on every supported version), the name, how tfdist uses it (`read`, `set`,
-  `call`, `override`, `import`), what for, and the files that do so.
-  `CHECKED_ON` gives the TensorFlow/Keras pairs the list was checked on.
+  `call`, `override`, `import`), what for, the files that do so, and for
+  a call or an override the parameters tfdist relies on. `CHECKED_ON` gives the TensorFlow/Keras pairs the list was checked on.
 * `tests/private_api_test.py` (marked `compat`, so it also runs on the
   oldest supported TensorFlow) fails when a listed name disappears from its
-  owner in the installed TensorFlow/Keras (`missing(use)`), and when a file
+  owner in the installed TensorFlow/Keras or no longer takes the listed
+  parameters (`missing(use)`), and when a file
   of `tfdist/` or `models/` uses a private Keras/TensorFlow name this list
   does not hold, or names a file that no longer uses it.
 * Some uses go through the accessors below (`flatten_layers`, which every
   layer walk calls, and `ZERO3_VARIABLE_OVERRIDES`), so the list and the
-  code cannot drift;
-  deep patches (ZeRO stage 3's released variables, the pipeline's deferred
+  code cannot drift; deep patches (ZeRO stage 3's released variables, the pipeline's deferred
   variables) stay where they are and are listed with their file.
 
-A private name tfdist defines itself but reads on another object (for
-example `_full_value` of tfdist/parallel/tensor/layers.py) is in `TFDIST_OWN`.
+A private name tfdist defines itself but reads on another object or keeps
+in a string (for example `_full_value` of tfdist/parallel/tensor/layers.py)
+is in `TFDIST_OWN`.
 
 Standard library only: TensorFlow is imported only by `missing` and by the
 accessors, when called.
@@ -182,7 +183,8 @@ USES = (
                "_layout_map", "read",
                "the LayoutMap of a user's ModelParallel distribution",
                ("tfdist/parallel/layout_map.py",)),
-    PrivateUse("keras.src.backend.common", "global_state", "import", "the pipeline calls a model builder twice and must "
+    PrivateUse("keras.src.backend.common", "global_state", "import",
+               "the pipeline calls a model builder twice and must "
                "get the same model: Keras's automatic-name counters "
                "(`object_name_uids`) are saved and restored around it",
                ("tfdist/parallel/pipeline/mode.py",)),
