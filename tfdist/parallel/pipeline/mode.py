@@ -40,6 +40,7 @@ from tfdist.parallel import mode as mode_lib
 from tfdist.parallel.pipeline import copies as copies_lib
 from tfdist.parallel.pipeline import stages as pipeline_lib
 from tfdist.parallel.pipeline import options as pipeline_options
+from tfdist.runtime import private_api
 from tfdist.training.step import custom_step
 
 
@@ -378,7 +379,7 @@ def _build(model, options, *, micro_step_batch, gradient_accumulation_steps,
         "whole model, not tfdist's pipelined step. Drop --pipeline_stages, "
         "or the override (tfdist's step then trains it through the "
         "stages).")
-  for layer in model._flatten_layers(include_self=False):  # pylint: disable=protected-access
+  for layer in private_api.flatten_layers(model, include_self=False):
     if getattr(layer, "activity_regularizer", None) is not None:
       raise errors.PipelineConfigError(
           f"--pipeline_stages={options.num_stages}: layer {layer.name!r} "

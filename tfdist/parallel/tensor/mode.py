@@ -70,6 +70,7 @@ from tfdist.parallel.tensor import from_layout_map
 from tfdist.parallel.tensor import groups as groups_lib
 from tfdist.parallel.tensor import layers as tp_lib
 from tfdist.parallel.tensor import options as tensor_options
+from tfdist.runtime import private_api
 
 _VALUE = "VARIABLE_VALUE"
 
@@ -134,7 +135,7 @@ def _copy_rows_dropout(model: keras.Model,
   """Makes every `keras.layers.Dropout` of `model` a `_CopyRowsDropout`;
   returns how many."""
   count = 0
-  for layer in model._flatten_layers(include_self=False):  # pylint: disable=protected-access
+  for layer in private_api.flatten_layers(model, include_self=False):
     if type(layer) is keras.layers.Dropout:  # pylint: disable=unidiomatic-typecheck
       layer.__class__ = _CopyRowsDropout
       object.__setattr__(layer, "_tfdist_groups", groups)
@@ -464,7 +465,7 @@ class TensorParallelStep(mode_lib.StepMode):
 
 def _same_streams(model: keras.Model) -> List[keras.random.SeedGenerator]:
   generators, seen = [], set()
-  for layer in model._flatten_layers(include_self=True):  # pylint: disable=protected-access
+  for layer in private_api.flatten_layers(model, include_self=True):
     for generator in getattr(layer, "_seed_generators", ()):
       if id(generator) not in seen:
         seen.add(id(generator))
