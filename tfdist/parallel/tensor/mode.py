@@ -63,12 +63,14 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist.parallel import collectives
+from tfdist.parallel import layout_map as layout_map_lib
 from tfdist.parallel import mesh as mesh_lib
 from tfdist.parallel import mode as mode_lib
 from tfdist.parallel.tensor import from_layout_map
 from tfdist.parallel.tensor import groups as groups_lib
 from tfdist.parallel.tensor import layers as tp_lib
 from tfdist.parallel.tensor import options as tensor_options
+from tfdist.runtime import private_api
 
 _VALUE = "VARIABLE_VALUE"
 
@@ -133,7 +135,7 @@ def _copy_rows_dropout(model: keras.Model,
   """Makes every `keras.layers.Dropout` of `model` a `_CopyRowsDropout`;
   returns how many."""
   count = 0
-  for layer in model._flatten_layers(include_self=False):  # pylint: disable=protected-access
+  for layer in private_api.flatten_layers(model, include_self=False):
     if type(layer) is keras.layers.Dropout:  # pylint: disable=unidiomatic-typecheck
       layer.__class__ = _CopyRowsDropout
       object.__setattr__(layer, "_tfdist_groups", groups)
@@ -463,7 +465,7 @@ class TensorParallelStep(mode_lib.StepMode):
 
 def _same_streams(model: keras.Model) -> List[keras.random.SeedGenerator]:
   generators, seen = [], set()
-  for layer in model._flatten_layers(include_self=True):  # pylint: disable=protected-access
+  for layer in private_api.flatten_layers(model, include_self=True):
     for generator in getattr(layer, "_seed_generators", ()):
       if id(generator) not in seen:
         seen.add(id(generator))
@@ -522,7 +524,12 @@ def build(build_model: Callable[[bool], keras.Model],
   if groups.data > 1:
     _copy_rows_dropout(model, groups)
   step = TensorParallelStep(model, unsharded, tensor, groups)
+  note = (None if layout_map is None else
+          layout_map_lib.batch_axis_note(layout_map, groups.data))
+  if note:
+    logging.warning("%s", note)
   logging.info("Tensor parallelism: %s.", step.describe())
-  for line in groups.mesh.plan_lines():
-    logging.info("%s", line)
+  # The plan printed the mesh by replica; here each replica's device, once.
+  logging.info("Tensor-parallel replicas' devices: %s.", ", ".join(
+      f"replica {r} on {d}" for r, d in enumerate(groups.mesh.devices)))
   return step

@@ -99,6 +99,7 @@ import tensorflow as tf
 from tfdist.parallel import mode as mode_lib
 from tfdist.parallel import modes
 from tfdist.parallel.data import sharded_optimizer
+from tfdist.runtime import private_api
 from tfdist.training.step import objectives
 from tfdist.training.step import precision
 from tfdist.core import reduce_dtype
@@ -147,7 +148,7 @@ def per_replica_random_streams(model: keras.Model) -> int:
     The number of seed generators changed.
   """
   changed = 0
-  for layer in model._flatten_layers(include_self=True):  # pylint: disable=protected-access
+  for layer in private_api.flatten_layers(model, include_self=True):
     for generator in getattr(layer, "_seed_generators", ()):
       if type(generator) is keras.random.SeedGenerator:  # pylint: disable=unidiomatic-typecheck
         generator.__class__ = _PerReplicaSeedGenerator
@@ -166,7 +167,7 @@ def random_state(model: keras.Model) -> list:
   (`tfdist.training.assembly.build`).
   """
   states, seen = [], set()
-  for layer in model._flatten_layers(include_self=True):  # pylint: disable=protected-access
+  for layer in private_api.flatten_layers(model, include_self=True):
     for generator in getattr(layer, "_seed_generators", ()):
       if id(generator) not in seen:
         seen.add(id(generator))
