@@ -227,8 +227,9 @@ class ClusterLayoutTest(absltest.TestCase):
                                           copies=2),
         [f"{task}/device:CPU:{i}" for task in tasks for i in (0, 1)])
     with self.assertRaisesRegex(
-        errors.ConfigError, r"puts 1 stages x 3 data-parallel copies on "
-        r"chief 0, which offers 0 GPU\(s\) and 2 CPU"):
+        errors.ConfigError, r"--num_cpu_devices=3 a task puts 1 stage\(s\) "
+        r"x 3 data-parallel copies on chief 0, which offers 0 GPU\(s\) and "
+        r"2 CPU device\(s\). Lower --num_cpu_devices to 2 or fewer"):
       backend_lib.cluster_stage_devices(pairs, 1, logical_devices=logical,
                                         copies=3)
     interleaved = TrainConfig(

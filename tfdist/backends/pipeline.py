@@ -252,12 +252,18 @@ def cluster_stage_devices(tasks, per_task: int, num_gpus: int = -1,
     cpus = [d.name for d in mine if d.device_type == "CPU"]
     pick = gpus if len(gpus) >= wanted else cpus
     if len(pick) < wanted:
-      what = f" x {copies} data-parallel copies" if copies > 1 else ""
+      if copies > 1:
+        flag = "--num_gpus" if num_gpus > 0 else "--num_cpu_devices"
+        raise errors.ConfigError(
+            f"{flag}={wanted} a task puts {per_task} stage(s) x {copies} "
+            f"data-parallel copies on {job} {index}, which offers "
+            f"{len(gpus)} GPU(s) and {len(cpus)} CPU device(s). Lower "
+            f"{flag} to {max(len(gpus), len(cpus))} or fewer (a multiple "
+            f"of {per_task}), or add tasks to the cluster.")
       raise errors.ConfigError(
-          f"--pipeline_stages puts {per_task} stages{what} on {job} "
-          f"{index}, which offers {len(gpus)} GPU(s) and {len(cpus)} CPU "
-          "device(s). Lower --pipeline_stages, or add tasks to the "
-          "cluster.")
+          f"--pipeline_stages puts {per_task} stages on {job} {index}, "
+          f"which offers {len(gpus)} GPU(s) and {len(cpus)} CPU device(s). "
+          "Lower --pipeline_stages, or add tasks to the cluster.")
     names += pick[:wanted]
   return names
 
