@@ -312,10 +312,17 @@ USES = (
                "call", "a device string in TensorFlow's full form",
                ("tfdist/parallel/collectives.py",), params=("d",)),
     PrivateUse("tensorflow.python.eager.context", "context", "call",
-               "the eager context: its coordination-service store and its "
-               "op-seed generator (below)",
+               "the eager context: its coordination-service store, its "
+               "op-seed generator and its address space (below)",
                ("tfdist/data/input_pipeline.py",
-                "tfdist/distribute/worker_exit.py"), params=()),
+                "tfdist/distribute/worker_exit.py",
+                "tfdist/parallel/pipeline/copies.py"), params=()),
+    PrivateUse("tensorflow.python.eager.context:Context",
+               "host_address_space", "call",
+               "this process's task (`/job:chief/replica:0/task:0` for a "
+               "cluster's client): a pipeline's data groups on it cannot "
+               "run collectives", ("tfdist/parallel/pipeline/copies.py",),
+               params=()),
     PrivateUse("tensorflow.python.eager.context:Context",
                "set_config_key_value", "call",
                "a worker's exit through the coordination service's "

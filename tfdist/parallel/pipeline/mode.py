@@ -167,8 +167,7 @@ class PipelineStep(mode_lib.StepMode):
           f"  copy 0 (the stages below) holds the weights, gradients and "
           f"optimizer state; copies 1..{self.copies.data - 1} hold their "
           "stage's weights (refreshed from copy 0 each step) and "
-          "gradients, no optimizer state; each stage's gradients are "
-          "all-reduced over its data group")
+          "gradients, no optimizer state; " + _reduction_line(self.copies))
     chunks = self.pipeline.virtual_stages > 1
     stages = self.stages()
 
@@ -237,6 +236,23 @@ class PipelineStep(mode_lib.StepMode):
                for v, g in zip(trainer.model.trainable_variables, grads)]
       loss += regularization
     return loss, grads, outputs
+
+
+def _reduction_line(copies: copies_lib.DataCopies) -> str:
+  """How each stage's gradients meet across the copies: all-reduced with
+  `tfdist.parallel.collectives` over its data group, or (a group on the
+  driving process's own devices in a cluster) summed on copy 0's
+  device."""
+  collective = copies.collective_groups()
+  if all(collective):
+    return "each stage's gradients are all-reduced over its data group"
+  def stages(flag):
+    return ", ".join(str(p) for p, c in enumerate(collective) if c == flag)
+  reduced = (f"stage {stages(True)}'s gradients are all-reduced over its "
+             "data group (collectives); " if any(collective) else "")
+  return (f"{reduced}stage {stages(False)}'s are summed on copy 0's device "
+          "(a group on this client's own devices, where collectives cannot "
+          "run)")
 
 
 def _flag_error(options: pipeline_options.PipelineOptions,
