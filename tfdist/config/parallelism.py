@@ -36,7 +36,8 @@ class ParallelismConfig:
             "and each task hosts P/tasks consecutive stages. 1: no pipeline. "
             "With --num_gpus=N or --num_cpu_devices=N (N a multiple of P) "
             "one process trains N/P data-parallel copies of the pipeline (a "
-            "data x pipeline mesh). With --distribution_strategy auto, "
+            "data x pipeline mesh); in a cluster N counts each task's "
+            "devices, T tasks holding T*N/P copies. With --distribution_strategy auto, "
             "one_device or off, not with --zero_stage or --enable_xla. See "
             "docs/guides/pipeline-parallelism.md."),
       traits=("operational", "multi_replica"))
