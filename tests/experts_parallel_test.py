@@ -298,19 +298,31 @@ class CheckpointTest(absltest.TestCase):
 
 class GuideTest(absltest.TestCase):
 
-  def test_the_guides_fit_example_runs(self):
-    """docs/guides/experts.md, block fit-example: tfdist.fit with
-    expert_parallel=2 on the 4 logical CPU devices."""
+  def _run_block(self, name: str) -> str:
+    """Runs docs/guides/experts.md's block `name`; its last printed
+    line."""
     guide = os.path.join(testutil.REPO_ROOT, "docs", "guides", "experts.md")
     with open(guide, encoding="utf-8") as f:
       example = re.search(
-          r"<!-- run: tests/experts_parallel_test.py fit-example -->\n"
+          rf"<!-- run: tests/experts_parallel_test.py {name} -->\n"
           r"```python\n(.*?)```", f.read(), re.S).group(1)
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-      exec(compile(example, "docs/guides/experts.md (fit-example)",  # pylint: disable=exec-used
+      exec(compile(example, f"docs/guides/experts.md ({name})",  # pylint: disable=exec-used
                    "exec"), {})
-    self.assertEqual(out.getvalue().splitlines()[-1], "4")
+    return out.getvalue().splitlines()[-1]
+
+  def test_the_guides_fit_example_runs(self):
+    """docs/guides/experts.md, block fit-example: tfdist.fit with
+    expert_parallel=2 on the 4 logical CPU devices."""
+    self.assertEqual(self._run_block("fit-example"), "4")
+
+  def test_the_guides_zero_example_keeps_the_state_it_says(self):
+    """docs/guides/experts.md, block fit-zero-example: the same with
+    zero_stage=1 and Adam; the run's optimizer bytes per replica are the
+    guide's sum."""
+    self.assertEqual(self._run_block("fit-zero-example"),
+                     str(2 * 4 * (2 * 1072 + -(-193 // 4)) + 2 * 8))
 
 
 class RefusalsTest(absltest.TestCase):
@@ -344,6 +356,19 @@ class RefusalsTest(absltest.TestCase):
     self.assertEqual(
         TrainConfig(**base, distribution_strategy="mirrored",
                     num_cpu_devices=4).expert_parallel, 2)
+    # ZeRO stages 1-2 run beside it (tfdist/parallel/experts/zero.py);
+    # stage 3 is refused by flag, value and fix.
+    for zero in (dict(zero_stage=1), dict(shard_optimizer_state=True),
+                 dict(zero_stage=2), dict(shard_gradients=True)):
+      config = TrainConfig(**base, distribution_strategy="mirrored",
+                           num_cpu_devices=2, **zero)
+      self.assertIn(config.zero_stage_resolved, (1, 2))
+    for zero in (dict(zero_stage=3), dict(shard_parameters=True)):
+      with self.assertRaisesRegex(
+          errors.ConfigError, r"--expert_parallel=2 cannot run with "
+          r"--zero_stage=3: .*use --zero_stage=2 or 1 instead"):
+        TrainConfig(**base, distribution_strategy="mirrored",
+                    num_cpu_devices=2, **zero)
     # Across workers the replicas are every worker's (on CPUs one each,
     # whatever --num_cpu_devices; --num_gpus counts one worker's): known
     # when the cluster is (tests/experts_workers_test.py runs it).

@@ -83,6 +83,7 @@ class PlanFacts:
       built-in model's mixture-of-experts layers when the flags give them
       (`--model=transformer --transformer_experts=E`), else None (a
       model of one's own: known once it is built).
+    zero_stage: the ZeRO stage (`--zero_stage`, the switches resolved).
   """
   parallelism: Any
   num_replicas_in_sync: int = 1
@@ -91,6 +92,7 @@ class PlanFacts:
   compute_bytes: int = 4
   pipeline: Any = None
   experts: Any = None
+  zero_stage: int = 0
 
 
 class StepMode:

@@ -247,7 +247,9 @@ class ExpertParallelStep(mode_lib.StepMode):
     `facts.expert_bytes`) / E_p, E_p the largest divisor of both the
     devices N and the experts E (`--expert_parallel=E_p`), the rest whole;
     each replica a*B/N activations (the dispatched tokens' [E, C, d]
-    buffers not counted)."""
+    buffers not counted). Beside it ZeRO 1 (`tfdist.parallel.experts.
+    zero`): the non-expert optimizer state / N, the experts' / E_p; ZeRO
+    2 also the non-expert gradient accumulators / N."""
     e, n = facts.estimate, facts.num_devices
     if not facts.expert_bytes:
       return []
@@ -256,18 +258,32 @@ class ExpertParallelStep(mode_lib.StepMode):
     trainable = e.gradients_bytes
     split = min(int(facts.expert_bytes), trainable)
     share = split / trainable if trainable else 0.0
-    grads = e.gradients_bytes + facts.accumulators
     note = facts.one_device_note or (
         "" if e_p > 1 else f"{n} devices and {facts.num_experts} experts "
         "share no divisor above 1")
-    return [facts.row(
-        "expert parallel",
-        f"--distribution_strategy=mirrored --expert_parallel={e_p}", n,
-        e.parameters_bytes - split + facts.ceil_div(split, e_p),
-        grads - facts.ceil_div(grads * share * (e_p - 1), e_p),
-        e.optimizer_bytes - facts.ceil_div(
-            e.optimizer_bytes * share * (e_p - 1), e_p),
-        facts.replica_activations, not note, note)]
+
+    def split_over(total: float, shared_over: int = 1) -> int:
+      """`total` bytes, its experts' share / E_p, the rest / shared_over."""
+      experts = total * share
+      return (facts.ceil_div(total - experts, shared_over) +
+              facts.ceil_div(experts, e_p))
+
+    flags = f"--distribution_strategy=mirrored --expert_parallel={e_p}"
+    weights = e.parameters_bytes - split + facts.ceil_div(split, e_p)
+    grads = split_over(e.gradients_bytes + facts.accumulators)
+    zero_note = note or facts.zero_note
+    return [
+        facts.row("expert parallel", flags, n, weights, grads,
+                  split_over(e.optimizer_bytes), facts.replica_activations,
+                  not note, note),
+        facts.row("expert parallel + ZeRO 1", f"{flags} --zero_stage=1", n,
+                  weights, grads, split_over(e.optimizer_bytes, n),
+                  facts.replica_activations, not zero_note, zero_note),
+        facts.row("expert parallel + ZeRO 2", f"{flags} --zero_stage=2", n,
+                  weights, split_over(e.gradients_bytes) +
+                  split_over(facts.accumulators, n),
+                  split_over(e.optimizer_bytes, n),
+                  facts.replica_activations, not zero_note, zero_note)]
 
   def describe(self) -> str:
     """One line for the manifest and the log."""
