@@ -60,24 +60,28 @@ def _strategy():
 
 
 @functools.lru_cache(maxsize=None)
-def _one_device(optimizer: str, policy: str = "float32") -> dict:
+def _one_device(optimizer: str, policy: str = "float32",
+                micro_steps: int = 1) -> dict:
   """The one-device run of the model (built under the Keras dtype
-  `policy`), from the weights every build starts from."""
+  `policy`), from the weights every build starts from, its updates of
+  `micro_steps` micro-batches (a routing group: one replica's
+  micro-batch)."""
   keras.config.set_dtype_policy(policy)
   try:
-    one = _model(_GROUP)
+    one = _model(_GROUP // micro_steps)
   finally:
     keras.config.set_dtype_policy("float32")
   one_trainer, one_losses = _train(tf.distribute.get_strategy(), one,
-                                   optimizer)
+                                   optimizer, micro_steps=micro_steps)
   return dict(one=one, one_trainer=one_trainer, one_losses=one_losses)
 
 
 @functools.lru_cache(maxsize=None)
 def _runs(expert_parallel: int, optimizer: str, policy: str = "float32",
-          zero_stage: int = 0) -> dict:
-  """The expert-parallel run (under ZeRO `zero_stage`) and the one-device
-  run of the same model (built under the Keras dtype `policy`)."""
+          zero_stage: int = 0, micro_steps: int = 1) -> dict:
+  """The expert-parallel run (under ZeRO `zero_stage`, `micro_steps`
+  micro-batches an update) and the one-device run of the same model
+  (built under the Keras dtype `policy`)."""
   keras.config.set_dtype_policy(policy)
   try:
     step = expert_mode.build(_model, _strategy(), expert_parallel)
@@ -87,9 +91,9 @@ def _runs(expert_parallel: int, optimizer: str, policy: str = "float32",
   for got, want in zip(initial, _model(_GROUP).get_weights()):
     np.testing.assert_array_equal(got, want)  # The builds start alike.
   trainer, losses = _train(_strategy(), step.model, optimizer, step,
-                           zero_stage=zero_stage)
+                           zero_stage=zero_stage, micro_steps=micro_steps)
   return dict(step=step, trainer=trainer, losses=losses,
-              **_one_device(optimizer, policy))
+              **_one_device(optimizer, policy, micro_steps))
 
 
 def setUpModule():
@@ -178,8 +182,9 @@ class ZeroTest(absltest.TestCase):
   zero.py): E_p = 2 on the 4 replicas (two expert groups), the
   non-expert optimizer state sharded over all 4."""
 
-  def _check(self, optimizer: str, slots_per_weight: int):
-    run = _runs(2, optimizer, zero_stage=1)
+  def _check(self, optimizer: str, slots_per_weight: int, stage: int = 1,
+             micro_steps: int = 1):
+    run = _runs(2, optimizer, zero_stage=stage, micro_steps=micro_steps)
     step, trainer = run["step"], run["trainer"]
     np.testing.assert_allclose(run["losses"], run["one_losses"], rtol=1e-6)
     self.assertGreater(np.abs(run["losses"][0] - run["losses"][-1]), 1e-3)
@@ -213,12 +218,25 @@ class ZeroTest(absltest.TestCase):
         for r, component in enumerate(expert_mode._components(v)):  # pylint: disable=protected-access
           per_replica[r] += component.numpy().nbytes
     self.assertEqual(per_replica, [want] * _REPLICAS)
+    # With accumulation at stage 2, also the experts' accumulators.
+    accumulators = 4 * local if sharded.expert_accumulators else 0
     self.assertEqual(sharded.zero.state_bytes_per_replica() +
-                     sharded.expert_slot_bytes_per_replica(),
+                     sharded.expert_slot_bytes_per_replica() + accumulators,
                      sharded.state_bytes_per_replica())
     self.assertEqual(sharded.expert_slot_bytes_per_replica(),
                      4 * slots_per_weight * local)
     return run
+
+  def test_stage_2_with_accumulation_equals_one_device(self):
+    """2 micro-batches an update: the non-expert accumulators are shards
+    (1/4 of the flat buffer per replica), the experts' per replica."""
+    run = self._check("adam", 2, stage=2, micro_steps=2)
+    sharded = run["trainer"].sharded
+    self.assertEqual(sharded.grad_accumulator.values[0].shape,
+                     [sharded.layout.shard_size])
+    self.assertEqual(
+        [tuple(a.shape) for a in sharded.expert_accumulators],
+        [tuple(v.shape) for v in sharded.expert_variables])
 
   def test_stage_1_with_adam_equals_one_device(self):
     self._check("adam", 2)
