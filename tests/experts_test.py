@@ -478,6 +478,14 @@ class ModelsTest(absltest.TestCase):
           "experts" + (", and 1/4 of the non-expert gradient accumulators "
                        "(with --gradient_accumulation_steps)"
                        if stage == 2 else ""))
+      if stage == 1:  # docs/guides/experts.md shows it.
+        with open(os.path.join(testutil.REPO_ROOT, "docs", "guides",
+                               "experts.md"), encoding="utf-8") as f:
+          shown = re.search(
+              r"<!-- not run: output of the plan for --expert_parallel=2 "
+              r"--zero_stage=1[^>]*-->\n```text\n(.*?)```", f.read(),
+              re.S).group(1)
+        self.assertEqual(shown.splitlines(), [lines[1]])
 
   def test_capacity_formula(self):
     self.assertEqual(moe_layer.capacity(128, num_experts=8, top_k=2,

@@ -24,7 +24,10 @@ under the unsharded layer's own name, `expert_<i>/...`, whatever E_p).
   the same experts (none with D = 1): the all-to-all's backward already
   brought every token's gradient of the group to its expert's replica.
   The optimizer is applied per replica (as under tensor parallelism), so
-  each expert's slots live on its replicas only;
+  each expert's slots live on its replicas only; under ZeRO stages 1-2
+  (`sharded_optimizer`, `tfdist.parallel.experts.zero`) the non-expert
+  gradients are left to the stage's `ShardedOptimizer`, which sums and
+  shards them and their optimizer state;
 * evaluation: every replica runs the model (the all-to-all needs all of
   them), on its examples padded to the largest replica's count.
 
