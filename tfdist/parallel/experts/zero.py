@@ -172,14 +172,17 @@ class ExpertsShardedOptimizer:
     `experts`. Replica context.
 
     Args:
-      grads: this replica's gradients, one per variable (the non-expert
-        ones unreduced, the expert ones summed over their slot's
-        replicas), or None with
-      shard: stage 2's accumulated non-expert shard (the experts' from
-        their own accumulators).
+      grads: this replica's gradients, one per variable of `variables`
+        (float32, each its variable's shape, or None; the non-expert ones
+        unreduced, the expert ones summed over their slot's replicas), or
+        None with
+      shard: stage 2's accumulated non-expert shard, float32 [S] (the
+        experts' from their own accumulators).
 
     Returns:
-      `ShardedOptimizer.replica_prepare`'s `(skipped, update)`.
+      `ShardedOptimizer.replica_prepare`'s `(skipped, update)`: float32
+      scalar (0.0: fp16 is refused beside expert parallelism), and the
+      non-expert shard's update for `apply`.
     """
     if grads is None:
       shared, experts = None, self._take_expert_accumulated()

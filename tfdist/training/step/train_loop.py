@@ -392,7 +392,8 @@ class Trainer:
       (ZeRO stage 1 or 2: the optimizer, built on no variables, then runs
       on per-replica shards, see `tfdist.parallel.data.sharded_optimizer`;
       stage 3 also the weights, `tfdist.parallel.zero3`); None or stage 0:
-      unsharded.
+      unsharded. `mode` builds it (`StepMode.sharded_optimizer`: the
+      `experts` mode shards the non-expert weights' state only).
     time_steps: measure the input wait and the call's execution time with
       `tf.timestamp` (see `train_function`); False under op determinism
       (`--deterministic`), which refuses `tf.timestamp`: both are then NaN
