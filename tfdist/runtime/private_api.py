@@ -199,7 +199,8 @@ USES = (
     PrivateUse(_OPTIMIZER, "_learning_rate", "read",
                "the optimizer's learning rate (a variable or a schedule) "
                "without calling it", (_SHARDED_OPTIMIZER,
-                                      "tfdist/core/optimizers.py")),
+                                      "tfdist/core/optimizers.py",
+                                      "tfdist/parallel/experts/zero.py")),
     PrivateUse(_OPTIMIZER, "_trainable_variables", "set",
                "the sharded optimizer: a copy of the user's optimizer that "
                "updates one shard", (_SHARDED_OPTIMIZER,)),
@@ -233,8 +234,11 @@ USES = (
                ("tfdist/training/step/precision.py",), params=()),
     PrivateUse(_TF_OPTIMIZER, "_all_reduce_sum_gradients", "set",
                "modes that reduce gradients themselves turn Keras's "
-               "all-reduce in `apply_gradients` off for a step",
-               ("tfdist/training/step/train_loop.py",)),
+               "all-reduce in `apply_gradients` off for a step (the "
+               "experts' optimizer under ZeRO for good: its gradients "
+               "arrive summed over their slot's replicas)",
+               ("tfdist/training/step/train_loop.py",
+                "tfdist/parallel/experts/zero.py")),
     PrivateUse("keras.src.callbacks.model_checkpoint:ModelCheckpoint",
                "_batches_seen_since_last_saving", "set",
                "callback state: read at every checkpoint and set on "

@@ -297,7 +297,8 @@ def mode_plan_lines(options: "PlanOptions", spec, plan, *, dtype: str,
       gradient_accumulation_steps=plan.gradient_accumulation_steps,
       compute_bytes=4 if dtype == "fp32" else 2, pipeline=pipeline,
       experts=models.experts_shape(options.task.model, options.task,
-                                   spec))))
+                                   spec),
+      zero_stage=options.memory.zero_stage_resolved)))
 
 
 def resolve_data_files(data: DataOptions, spec, *, need_eval: bool = True
