@@ -227,22 +227,22 @@ class ZeroTest(absltest.TestCase):
                      4 * slots_per_weight * local)
     return run
 
-  def test_stage_2_with_accumulation_equals_one_device(self):
-    """2 micro-batches an update: the non-expert accumulators are shards
-    (1/4 of the flat buffer per replica), the experts' per replica."""
-    run = self._check("adam", 2, stage=2, micro_steps=2)
+  def test_stage_1_with_adam_equals_one_device(self):
+    self._check("adam", 2)
+
+  def test_stage_2_momentum_accumulation_equals_one_device_and_restores(
+      self):
+    """Stage 2, SGD with momentum, 2 micro-batches an update: the
+    non-expert accumulators are shards (1/4 of the flat buffer per
+    replica), the experts' per replica; the checkpoint restores on one
+    device and back."""
+    run = self._check("sgd", 1, stage=2, micro_steps=2)
     sharded = run["trainer"].sharded
     self.assertEqual(sharded.grad_accumulator.values[0].shape,
                      [sharded.layout.shard_size])
     self.assertEqual(
         [tuple(a.shape) for a in sharded.expert_accumulators],
         [tuple(v.shape) for v in sharded.expert_variables])
-
-  def test_stage_1_with_adam_equals_one_device(self):
-    self._check("adam", 2)
-
-  def test_stage_1_with_momentum_equals_one_device_and_restores_there(self):
-    run = self._check("sgd", 1)
     step, trainer = run["step"], run["trainer"]
     path = tf.train.Checkpoint(
         model=step.checkpoint_model(),
