@@ -9,12 +9,13 @@
 fp16 on a CPU is only usable with TensorFlow's oneDNN ops off
 (`TF_ENABLE_ONEDNN_OPTS=0`, read when TensorFlow is imported). This file
 sets it before importing TensorFlow; when TensorFlow was imported earlier in
-the same process (several test files in one pytest run), each test reruns
-itself in a fresh child process with the variable set.
+the same process (several test files in one pytest run), those tests run in
+one fresh child process with the variable set.
 """
 
 import glob
 import os
+import re
 import sys
 
 _ONEDNN_OFF = ("tensorflow" not in sys.modules or
@@ -41,21 +42,41 @@ from tfdist.training.step.train_loop import Trainer
 _CHILD_TIMEOUT_S = 240
 
 
+# "Class.test" of every @onednn_off test: one child process runs them all.
+_ONEDNN_OFF_TESTS = []
+_CHILD_OUTPUT = []
+
+
+def _child_output() -> str:
+  """The output of the child process (oneDNN off) that runs every
+  @onednn_off test, started once per test process."""
+  if not _CHILD_OUTPUT:
+    result = testutil.run_module(
+        "tests.loss_scale_test", _ONEDNN_OFF_TESTS, timeout=_CHILD_TIMEOUT_S,
+        env={"TF_ENABLE_ONEDNN_OPTS": "0"})
+    _CHILD_OUTPUT.append(result.stdout)
+  return _CHILD_OUTPUT[0]
+
+
 def onednn_off(test_method):
-  """Runs the test here if oneDNN is off, else in a child process."""
+  """Runs the test here if oneDNN is off, else in the child process that
+  runs every such test (`_child_output`: one TensorFlow start-up for
+  them all)."""
+  test_id = test_method.__qualname__
+  _ONEDNN_OFF_TESTS.append(test_id)
 
   @functools.wraps(test_method)
   def wrapper(self, *args, **kwargs):
     if _ONEDNN_OFF:
       return test_method(self, *args, **kwargs)
-    test_id = f"{type(self).__name__}.{self._testMethodName}"
-    result = testutil.run_module(
-        "tests.loss_scale_test", [test_id], timeout=_CHILD_TIMEOUT_S,
-        env={"TF_ENABLE_ONEDNN_OPTS": "0"})
-    self.assertEqual(result.returncode, 0,
-                     f"{test_id} failed in its child process:\n"
-                     f"{result.stdout[-4000:]}")
-    self.assertRegex(result.stdout, r"Ran 1 test.*\s+OK")
+    output = _child_output()
+    if not re.search(rf"Ran {len(_ONEDNN_OFF_TESTS)} tests", output):
+      self.fail(f"the child process did not run its tests:\n"
+                f"{output[-4000:]}")
+    name = test_id.rsplit(".", 1)[1]
+    if re.search(rf"(?m)^(FAIL|ERROR): {name} ", output):
+      self.fail(f"{test_id} failed in its child process:\n"
+                f"{output[-4000:]}")
   return wrapper
 
 

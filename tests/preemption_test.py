@@ -254,7 +254,7 @@ class CaughtStopTest(absltest.TestCase):
                      callbacks=[Interrupt()], verbose=0)
         except errors.PreemptedError as e:
           print("stopped at step", e.step, flush=True)
-        time.sleep(5)  # Past the 2 s grace period.
+        time.sleep(3)  # Past the 2 s grace period (from the signal).
         os.environ["RESUMED"] = "1"
         result = tfdist.fit(build, x=x, y=x.sum(axis=1), config=config,
                             verbose=0)
