@@ -223,6 +223,7 @@ def _base_name(name: str) -> str:
 
 def _child(layout: str, model_dir: str):
   import keras  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
   import tfdist  # pylint: disable=g-import-not-at-top
   from tfdist.config import TrainConfig  # pylint: disable=g-import-not-at-top
   from tfdist.data import datasets  # pylint: disable=g-import-not-at-top
@@ -277,7 +278,9 @@ def _child(layout: str, model_dir: str):
                               else None),
       "intervals": intervals,
       "cpu_seconds_per_step": throughput.get("cpu_seconds_per_step"),
-      "final_step": manifest.get("final_step")}), flush=True)
+      "final_step": manifest.get("final_step"),
+      "tensorflow": tf.__version__, "keras": keras.__version__}),
+        flush=True)
   sys.stdout.flush()
   os._exit(0)  # pylint: disable=protected-access
 
@@ -461,6 +464,9 @@ def main(argv):
             "cpu_model": machine.cpu_model(), "cores": os.cpu_count(),
             "load_average_at_start": load,
             "load_average_at_end": machine.load_average(),
+            "tensorflow": next((r["tensorflow"] for r in runs
+                                if "tensorflow" in r), None),
+            "keras": next((r["keras"] for r in runs if "keras" in r), None),
             "quick": FLAGS.quick, "devices": DEVICES,
             "steps": FLAGS.steps, "batch_size": FLAGS.batch_size,
             "seconds": seconds, "summary": summary, "runs": runs}
