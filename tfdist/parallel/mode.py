@@ -207,6 +207,14 @@ class StepMode:
     oneDNN CPU kernels fail on those."""
     return eval_sums_skipping_empty(context, inputs, labels, weights, mask)
 
+  def zero_groups(self):
+    """The replicas ZeRO stages 1-2 shard the optimizer state over: a
+    `tfdist.parallel.data.sharded_optimizer.ShardGroups`, or None (the
+    base class: every replica of the strategy). Tensor parallelism gives
+    its data groups (hybrid sharding). Called once, when the trainer
+    builds its sharded optimizer (before `bind`)."""
+    return None
+
   # --- views ---------------------------------------------------------------
   def variables(self, context) -> list:
     """The model's state as this mode holds it: the variables a

@@ -481,7 +481,8 @@ class Trainer:
     self.sharded = (sharded_optimizer.optimizer_class(sharding)(
         strategy=strategy, optimizer=optimizer,
         variables=model.trainable_variables, options=sharding,
-        all_reduce_dtype=self.all_reduce_dtype, model=model)
+        all_reduce_dtype=self.all_reduce_dtype, model=model,
+        groups=mode.zero_groups() if mode is not None else None)
                     if sharding is not None and sharding.enabled else None)
     self._make_step_variables()
     # XLA compiles the per-replica forward and backward pass; Keras 3 turns
