@@ -22,6 +22,13 @@ The price is that an optimizer whose update needs a whole variable's norm
 (LAMB's layer-wise trust ratio) cannot run on a shard; `check_optimizer`
 refuses it.
 
+Groups (`ShardGroups`): by default the N shards are every replica's. A
+parallel mode may shard within sub-groups instead (hybrid sharding, as
+PyTorch FSDP's `HYBRID_SHARD`): tensor parallelism's data groups
+(`tfdist.parallel.tensor.zero`), where N is the group's size D, the
+shard index a replica's rank in its group, and steps 1 and 4 below run
+over its group.
+
 One update, on every replica:
 
 1. the replica's gradients (per variable) are flattened into [P'] and
@@ -189,7 +196,8 @@ class ShardGroups:
   strategy (this class), or sub-groups of them (a subclass: hybrid
   sharding, each group sharding its own copy of the state and the groups
   replicated; FSDP's `HYBRID_SHARD`, Zhao et al. 2023; tensor parallelism
-  gives each data group, `tfdist.parallel.tensor.zero`).
+  gives each data group, `tfdist.parallel.tensor.zero`). The stages are
+  Rajbhandari et al. 2020's, within each group.
 
   A replica's shard index is its rank in its group, and the gradients'
   sum and the updated shards' gather run over its group only. The

@@ -98,14 +98,21 @@ class DataGroupShards(sharded_optimizer.ShardGroups):
     return self.tensor_groups.here("ZeRO inside the data group")
 
   def replica_shard_index(self, context):
-    """The calling replica's data rank d (a Python int: its device is
-    known when the step is traced)."""
+    """The calling replica's data rank d, a Python int (its device is
+    known when the step is traced; 0 when D = 1). Replica context.
+
+    Raises:
+      tfdist.errors.ConfigError: outside a replica function, or on a
+        device not in the mesh (`TensorGroups.here`).
+    """
     del context
     return 0 if self.num_shards == 1 else self._place().data
 
   def replica_sum(self, context, flat, all_reduce_dtype):
-    """`flat` summed over the calling replica's data group (D = 1: as
-    is), travelling in `all_reduce_dtype`."""
+    """`flat` (float32 [D x S]) summed over the calling replica's data
+    group (D = 1: as is), travelling in `all_reduce_dtype`
+    (`tfdist.core.reduce_dtype`); float32 [D x S]. Replica context.
+    Raises as `replica_shard_index`."""
     del context
     if self.num_shards == 1:
       return flat
@@ -121,7 +128,18 @@ class DataGroupShards(sharded_optimizer.ShardGroups):
     (`collectives.replica_all_to_all`: chunk d of every replica reaches
     replica d, which sums them; (D - 1) / D of the buffer sent, half an
     all-reduce's bytes). A layout of several blocks, or D = 1: the base
-    class's all-reduce and slice."""
+    class's all-reduce and slice.
+
+    Args:
+      context: the replica context (unused: the device names the group).
+      flat: float32 [D x S], this replica's flattened gradients.
+      all_reduce_dtype: the dtype they travel in.
+      layout: the sharded optimizer's `FlatLayout`.
+
+    Returns:
+      float32 [S]: shard d of the group's sum. Raises as
+      `replica_shard_index`.
+    """
     if self.num_shards == 1 or len(layout.blocks) != 1:
       return super().replica_reduce_scatter(context, flat, all_reduce_dtype,
                                             layout)
@@ -141,7 +159,9 @@ class DataGroupShards(sharded_optimizer.ShardGroups):
             f"{self.tensor})")
 
   def replica_gather(self, context, shard):
-    """`shard` of every replica of the data group, in data order."""
+    """`shard` (float32 [s]) of every replica of the data group,
+    concatenated in data order: float32 [D x s] (D = 1: `shard`).
+    Replica context. Raises as `replica_shard_index`."""
     del context
     if self.num_shards == 1:
       return shard
