@@ -1018,13 +1018,22 @@ class ShardedOptimizer:
         out.append((match.group(2), int(match.group(1))))
     return out
 
+  def optimizer_variable(self, name: str):
+    """The user's optimizer's own variable `name` as `variable_entries`
+    names it: "iterations" (int64 scalar) or "learning_rate" (float32
+    scalar; an optimizer whose rate is a schedule has none).
+
+    Raises:
+      KeyError: another name.
+    """
+    return {"iterations": self.inner.iterations,
+            "learning_rate": self.inner._learning_rate}[name]  # pylint: disable=protected-access
+
   def _unsharded_variables(self) -> list:
     """The `_variables` list an unsharded build of the user's optimizer
     would have: its iterations and learning rate, then a `_FullSlot` per
     slot, in Keras's order (`variable_entries`)."""
-    named = {"iterations": self.inner.iterations,
-             "learning_rate": self.inner._learning_rate}  # pylint: disable=protected-access
-    return [named[entry] if isinstance(entry, str) else
+    return [self.optimizer_variable(entry) if isinstance(entry, str) else
             _FullSlot(self, *entry) for entry in self.variable_entries()]
 
   def _full_kind(self, kind: str,

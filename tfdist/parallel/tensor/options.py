@@ -103,7 +103,8 @@ def check_flags(*, tensor_parallel: int, model: str,
     errors.ConfigError: T < 1; without a layout map, T not dividing the
       Transformer's heads and feed-forward units, or another model than
       the built-in Transformer; T > 1 with another strategy than mirrored
-      (or auto), ZeRO stage 3 (stages 1-2 run: hybrid sharding),
+      (or auto), ZeRO stage 3 (stages 1-2 run: hybrid sharding, with
+      more replicas than T),
       pipeline stages, XLA, fp16, gradient clipping, --init_checkpoint,
       or a device count (--num_gpus, --num_cpu_devices) that T does not
       divide.
@@ -144,6 +145,15 @@ def check_flags(*, tensor_parallel: int, model: str,
         "on this host: --num_gpus or --num_cpu_devices a multiple of "
         f"{n}), or drop --tensor_parallel.")
   _check_devices(flag, n, num_gpus=num_gpus, num_cpu_devices=num_cpu_devices)
+  if zero_stage in (1, 2) and replicas(
+      n, num_gpus=num_gpus, num_cpu_devices=num_cpu_devices) == n:
+    name = "--num_gpus" if num_gpus > 0 else "--num_cpu_devices"
+    raise errors.ConfigError(
+        f"{flag} with {zero_stages.stage_flags(zero_stage)} on {n} "
+        f"replicas: ZeRO shards within each data group, and {n} replicas "
+        f"make one copy of the model (D = 1), so there is nothing to shard "
+        f"over. Pass {name}={2 * n} (or another multiple of {n}) for D = 2 "
+        "data-parallel copies, or drop the ZeRO flag.")
   _check_incompatible_settings(
       flag, zero_stage=zero_stage, pipeline_stages=pipeline_stages,
       enable_xla=enable_xla, dtype=dtype, clipnorm=clipnorm,

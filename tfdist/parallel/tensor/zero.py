@@ -218,12 +218,9 @@ def checkpoint_view(sharded, unsharded: keras.Model, optimizer,
   if len(entries) != len(view.variables):
     raise ValueError(f"the sharded optimizer has {len(entries)} variables, "
                      f"its unsharded view {len(view.variables)}")
-  inner = sharded.inner
-  named = {"iterations": inner.iterations,
-           "learning_rate": getattr(inner, "_learning_rate", None)}
   for twin, entry in zip(view.variables, entries):
     if isinstance(entry, str):
-      mine = named[entry]
+      mine = sharded.optimizer_variable(entry)
       gather_through(twin, lambda v=mine: np.asarray(v.numpy()),
                      lambda value, v=mine: v.assign(value))
       continue
