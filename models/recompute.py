@@ -37,9 +37,11 @@ from typing import Sequence
 import keras
 import tensorflow as tf
 
+from tfdist.runtime import private_api
+
 
 def _layers_between(segment: keras.Model):
-  return [layer for layer in segment._flatten_layers(include_self=False)]  # pylint: disable=protected-access
+  return private_api.flatten_layers(segment, include_self=False)
 
 
 @contextlib.contextmanager

@@ -352,6 +352,9 @@ class FitTest(absltest.TestCase):
     self.assertNotRegex(parts["quiet"], r"tfdist: (epoch \d+/\d+, )?step")
     self.assertRegex(parts["auto"], r"tfdist: epoch 1/1, step 2/4: loss \d")
     self.assertEqual(parts["auto"].count("tfdist: epoch 1/1, step 2/4"), 1)
+    # In the caller's terms, as the errors: the fields it set, not flags.
+    self.assertIn("model=__main__:", parts["auto"])
+    self.assertNotRegex(parts["auto"], r"--(model|dataset|batch_size)\b")
     # TensorFlow's own INFO lines stay hidden.
     self.assertNotIn("Sharding callback", parts["auto"])
     # Logging is as it was after the call.

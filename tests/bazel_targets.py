@@ -23,7 +23,11 @@ dialect is a subset) and reports, as one line each:
     in a subprocess), that the target does not reach through its `deps`:
     it passes under pytest and fails under Bazel, whose runfiles hold only
     what the deps name. A lazy import back into a target that depends on
-    the importer (a cycle deps cannot express) is accepted.
+    the importer (a cycle deps cannot express) is accepted. A package
+    attribute that the package's `__getattr__` imports lazily (`tfdist.fit`
+    imports tfdist.api) counts as an import of that module, and a test's
+    imports include those of the docs' Python blocks it runs (marked
+    `<!-- run: tests/X_test.py NAME -->`, see tests/docs_test.py).
 
 For a test file without a target it suggests what to add with the deps its
 imports need: its name in the group's `srcs` where the package has a group,
@@ -47,6 +51,7 @@ import fnmatch
 import os
 import re
 import sys
+import textwrap
 from typing import Dict, Iterable, List, Optional, Set, Tuple
 
 # Rules whose `srcs` are Python files that Bazel puts on the import path.
@@ -349,11 +354,18 @@ def module_imports(root: str, path: str, roots: Iterable[str]) -> List[
   """
   roots = set(roots)
   with open(os.path.join(root, path)) as f:
-    tree = ast.parse(f.read(), filename=path)
+    trees = [ast.parse(f.read(), filename=path)]
+  trees += [ast.parse(code, filename=where)
+            for where, code in docs_blocks_run_by(root, path)]
   package_parts = os.path.dirname(path).split(os.sep)
   names = []
-  for node in ast.walk(tree):
-    if (isinstance(node, ast.Constant) and isinstance(node.value, str)
+  lazy = {r: lazy_attributes(root, r) for r in roots}
+  for node in (n for tree in trees for n in ast.walk(tree)):
+    if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+        and node.attr in lazy.get(node.value.id, {})):
+      # `tfdist.fit`: the package's `__getattr__` imports tfdist.api.
+      names.append(lazy[node.value.id][node.attr])
+    elif (isinstance(node, ast.Constant) and isinstance(node.value, str)
         and _DOTTED.match(node.value)
         and node.value.split(".")[0] in roots
         and _module_file(root, node.value)):
@@ -383,6 +395,62 @@ def module_imports(root: str, path: str, roots: Iterable[str]) -> List[
     if module:
       files.append(module)
     out.append((name, files if module else []))
+  return out
+
+
+_RUN_BLOCK = r"<!-- run: {path} [^>]*-->\s*\n\s*```(?:python|py)\n(.*?)```"
+
+
+def docs_blocks_run_by(root: str, path: str) -> List[Tuple[str, str]]:
+  """The Python code blocks of README.md and docs/ that the test file
+  `path` runs (those marked `<!-- run: <path> NAME -->`, see
+  tests/docs_test.py): their imports are the test's imports under Bazel.
+
+  Returns:
+    `(page, code)` pairs; empty for a file that runs none.
+  """
+  if not _is_test_file(os.path.basename(path)):
+    return []
+  pages = [os.path.join(root, "README.md")]
+  for dirpath, _, filenames in _walk(os.path.join(root, "docs")):
+    pages += [os.path.join(dirpath, n) for n in sorted(filenames)
+              if n.endswith(".md")]
+  pattern = re.compile(_RUN_BLOCK.format(path=re.escape(path)), re.S)
+  out = []
+  for page in pages:
+    if os.path.isfile(page):
+      with open(page) as f:
+        out += [(os.path.relpath(page, root), textwrap.dedent(code))
+                for code in pattern.findall(f.read())]
+  return out
+
+
+def lazy_attributes(root: str, package: str) -> Dict[str, str]:
+  """The attributes that `package`'s `__init__.py` imports lazily in its
+  module `__getattr__` (`if name == "fit": from tfdist import api`), as
+  {attribute: the dotted module it imports}; empty without one."""
+  init = os.path.join(root, package, "__init__.py")
+  if not os.path.isfile(init):
+    return {}
+  with open(init) as f:
+    tree = ast.parse(f.read(), filename=init)
+  out = {}
+  for func in tree.body:
+    if not (isinstance(func, ast.FunctionDef) and func.name == "__getattr__"):
+      continue
+    for branch in (n for n in ast.walk(func) if isinstance(n, ast.If)):
+      test = branch.test
+      if not (isinstance(test, ast.Compare) and len(test.comparators) == 1):
+        continue
+      values = [n.value for n in ast.walk(test.comparators[0])
+                if isinstance(n, ast.Constant) and isinstance(n.value, str)]
+      imported = next((n for n in branch.body
+                       if isinstance(n, ast.ImportFrom) and n.module), None)
+      if imported:
+        module = f"{imported.module}.{imported.names[0].name}"
+        if not _module_file(root, module):
+          module = imported.module
+        out.update(dict.fromkeys(values, module))
   return out
 
 

@@ -179,6 +179,69 @@ skips it. Add to tests/sub/BUILD:
         "but lib/tool.py is not in its deps: add //lib:tool to its deps "
         "(under Bazel the import fails)."])
 
+  def _lazy_package(self):
+    """`lib` gains `lib.fit`, imported lazily by the package's own
+    `__getattr__` (as `tfdist.fit` is), from a library of its own."""
+    _write(self.root, "lib/__init__.py", """\
+        def __getattr__(name):
+          if name == "fit":
+            from lib import api
+            return api.fit
+          raise AttributeError(name)
+        """)
+    _write(self.root, "lib/api.py", "def fit():\n  pass\n")
+    _write(self.root, "lib/BUILD", """\
+        py_library(name = "init", srcs = ["__init__.py"])
+        py_library(name = "core", srcs = ["core.py"], deps = [":init"])
+        py_library(name = "api", srcs = ["api.py"], deps = [":init"])
+        """)
+
+  def test_lazy_package_attribute_needs_its_module(self):
+    self._lazy_package()
+    _write(self.root, "tests/core_test.py", """\
+        import lib
+        from lib import core
+        def test_fit():
+          lib.fit()
+        """)
+    self.assertEqual(bazel_targets.check_workspace(self.root), [
+        "//tests:core_test: tests/core_test.py imports or runs lib.api, "
+        "but lib/api.py is not in its deps: add //lib:api to its deps "
+        "(under Bazel the import fails)."])
+
+  def test_docs_block_a_test_runs_counts_as_its_imports(self):
+    # The failure that reached CI three times: a guide's example, run by a
+    # test, called the lazy `tfdist.fit`, and the target lacked tfdist.api.
+    self._lazy_package()
+    _write(self.root, "docs/guide.md", """\
+        Text.
+
+        <!-- run: tests/core_test.py example -->
+        ```python
+        import lib
+        lib.fit()
+        ```
+
+        <!-- run: tests/other_test.py example -->
+        ```python
+        from lib import nothing_here
+        ```
+        """)
+    self.assertEqual(bazel_targets.check_workspace(self.root), [
+        "//tests:core_test: tests/core_test.py imports or runs lib.api, "
+        "but lib/api.py is not in its deps: add //lib:api to its deps "
+        "(under Bazel the import fails)."])
+    _write(self.root, "tests/BUILD", _TEST_BUILD_HEADER + textwrap.dedent("""\
+        exports_files(["pytest_main.py"])
+        py_library(name = "init", srcs = ["__init__.py"])
+        tfdist_py_test(
+            name = "core_test",
+            size = "small",
+            deps = ["//lib:api", "//lib:core"],
+        )
+        """))
+    self.assertEqual(bazel_targets.check_workspace(self.root), [])
+
   def test_import_of_module_not_in_workspace_fails(self):
     _write(self.root, "tests/core_test.py", "from lib import core\n"
            "import lib.gone\n")

@@ -220,7 +220,8 @@ class TrainConfigTest(parameterized.TestCase):
       ("pipeline_mirrored", dict(pipeline_stages=2,
                                  distribution_strategy="mirrored"),
        "--pipeline_stages=2 cannot run under --distribution_strategy="
-       "mirrored: a pipeline's data parallelism runs in its own process.*"
+       "mirrored: a pipeline's data parallelism is D copies of the pipeline "
+       "on a data x pipeline device mesh driven by one process.*"
        "--num_gpus=N or --num_cpu_devices=N"),
       ("pipeline_devices_uneven", dict(pipeline_stages=4, num_cpu_devices=6),
        "--num_cpu_devices=6 devices cannot hold whole copies of a "

@@ -60,23 +60,40 @@ def _strategy():
 
 
 @functools.lru_cache(maxsize=None)
-def _runs(expert_parallel: int, optimizer: str,
-          policy: str = "float32") -> dict:
-  """The expert-parallel run and the one-device run of the same model
+def _one_device(optimizer: str, policy: str = "float32",
+                micro_steps: int = 1) -> dict:
+  """The one-device run of the model (built under the Keras dtype
+  `policy`), from the weights every build starts from, its updates of
+  `micro_steps` micro-batches (a routing group: one replica's
+  micro-batch)."""
+  keras.config.set_dtype_policy(policy)
+  try:
+    one = _model(_GROUP // micro_steps)
+  finally:
+    keras.config.set_dtype_policy("float32")
+  one_trainer, one_losses = _train(tf.distribute.get_strategy(), one,
+                                   optimizer, micro_steps=micro_steps)
+  return dict(one=one, one_trainer=one_trainer, one_losses=one_losses)
+
+
+@functools.lru_cache(maxsize=None)
+def _runs(expert_parallel: int, optimizer: str, policy: str = "float32",
+          zero_stage: int = 0, micro_steps: int = 1) -> dict:
+  """The expert-parallel run (under ZeRO `zero_stage`, `micro_steps`
+  micro-batches an update) and the one-device run of the same model
   (built under the Keras dtype `policy`)."""
   keras.config.set_dtype_policy(policy)
   try:
     step = expert_mode.build(_model, _strategy(), expert_parallel)
-    one = _model(_GROUP)
   finally:
     keras.config.set_dtype_policy("float32")
   initial = [np.asarray(w) for w in step.unsharded.get_weights()]
-  trainer, losses = _train(_strategy(), step.model, optimizer, step)
-  one.set_weights(initial)
-  one_trainer, one_losses = _train(tf.distribute.get_strategy(), one,
-                                   optimizer)
-  return dict(step=step, trainer=trainer, losses=losses, one=one,
-              one_trainer=one_trainer, one_losses=one_losses)
+  for got, want in zip(initial, _model(_GROUP).get_weights()):
+    np.testing.assert_array_equal(got, want)  # The builds start alike.
+  trainer, losses = _train(_strategy(), step.model, optimizer, step,
+                           zero_stage=zero_stage, micro_steps=micro_steps)
+  return dict(step=step, trainer=trainer, losses=losses,
+              **_one_device(optimizer, policy, micro_steps))
 
 
 def setUpModule():
@@ -160,6 +177,99 @@ class EqualsOneDeviceTest(absltest.TestCase):
         self.assertFalse(np.array_equal(parts[0], parts[1]))
 
 
+class ZeroTest(absltest.TestCase):
+  """ZeRO stage 1 beside expert parallelism (tfdist/parallel/experts/
+  zero.py): E_p = 2 on the 4 replicas (two expert groups), the
+  non-expert optimizer state sharded over all 4."""
+
+  def _check(self, optimizer: str, slots_per_weight: int, stage: int = 1,
+             micro_steps: int = 1):
+    run = _runs(2, optimizer, zero_stage=stage, micro_steps=micro_steps)
+    step, trainer = run["step"], run["trainer"]
+    np.testing.assert_allclose(run["losses"], run["one_losses"], rtol=1e-6)
+    self.assertGreater(np.abs(run["losses"][0] - run["losses"][-1]), 1e-3)
+    _assert_all_close(self, step.gathered_model().get_weights(),
+                      run["one"].get_weights(), "weights")
+    view = step.checkpoint_optimizer(trainer)
+    _assert_all_close(
+        self, [v._tfdist_read() for v in view.variables],  # pylint: disable=protected-access
+        [v.numpy() for v in run["one_trainer"].optimizer.variables],
+        "optimizer")
+    # Per replica: the non-expert slots / 4 (whole shards), and the
+    # slots of the replica's 2 of each layer's 4 experts.
+    sharded = trainer.sharded
+    experts = {id(w) for layer in moe_layer.moe_layers(step.unsharded)
+               for e in layer.experts for w in e.trainable_weights}
+    shared = sum(int(np.prod(w.shape)) for w in
+                 step.unsharded.trainable_weights if id(w) not in experts)
+    local = sum(int(np.prod(w.shape)) for w in
+                step.unsharded.trainable_weights if id(w) in experts) // 2
+    want = 4 * slots_per_weight * (-(-shared // _REPLICAS) + local)
+    # The user's optimizer keeps no slot.
+    self.assertEqual(
+        [v for v in trainer.optimizer.variables if len(v.shape)], [])
+    per_replica = [0] * _REPLICAS
+    for copy, replica in zip(sharded.zero.copies, sharded.zero.replica_ids):
+      per_replica[replica] += sum(
+          v.numpy().nbytes for v in copy.variables
+          if v is not copy.iterations and v is not copy._learning_rate)  # pylint: disable=protected-access
+    for v in sharded.experts.variables:
+      if len(v.shape):  # The iterations and learning rate are scalars.
+        for r, component in enumerate(expert_mode._components(v)):  # pylint: disable=protected-access
+          per_replica[r] += component.numpy().nbytes
+    self.assertEqual(per_replica, [want] * _REPLICAS)
+    # With accumulation at stage 2, also the experts' accumulators.
+    accumulators = 4 * local if sharded.expert_accumulators else 0
+    self.assertEqual(sharded.zero.state_bytes_per_replica() +
+                     sharded.expert_slot_bytes_per_replica() + accumulators,
+                     sharded.state_bytes_per_replica())
+    self.assertEqual(sharded.expert_slot_bytes_per_replica(),
+                     4 * slots_per_weight * local)
+    return run
+
+  def test_stage_1_with_adam_equals_one_device(self):
+    self._check("adam", 2)
+
+  def test_stage_2_momentum_accumulation_equals_one_device_and_restores(
+      self):
+    """Stage 2, SGD with momentum, 2 micro-batches an update: the
+    non-expert accumulators are shards (1/4 of the flat buffer per
+    replica), the experts' per replica; the checkpoint restores on one
+    device and back."""
+    run = self._check("sgd", 1, stage=2, micro_steps=2)
+    sharded = run["trainer"].sharded
+    self.assertEqual(sharded.grad_accumulator.values[0].shape,
+                     [sharded.layout.shard_size])
+    self.assertEqual(
+        [tuple(a.shape) for a in sharded.expert_accumulators],
+        [tuple(v.shape) for v in sharded.expert_variables])
+    step, trainer = run["step"], run["trainer"]
+    path = tf.train.Checkpoint(
+        model=step.checkpoint_model(),
+        optimizer=step.checkpoint_optimizer(trainer)).save(
+            tempfile.mkdtemp() + "/zero")
+    fresh, fresh_optimizer = _model(_GROUP), _optimizer("sgd")
+    fresh_optimizer.build(fresh.trainable_variables)
+    tf.train.Checkpoint(model=fresh, optimizer=fresh_optimizer).restore(
+        path).assert_consumed()
+    _assert_all_close(self, fresh.get_weights(), run["one"].get_weights(),
+                      "restored weights")
+    _assert_all_close(self, [v.numpy() for v in fresh_optimizer.variables],
+                      [v.numpy() for v in run["one_trainer"].optimizer
+                       .variables], "restored optimizer")
+    # And back into the shards and the replicas' experts.
+    for v in fresh_optimizer.variables[2:]:
+      v.assign(v.numpy() + 1.0)
+    back = tf.train.Checkpoint(optimizer=fresh_optimizer).save(
+        tempfile.mkdtemp() + "/one")
+    tf.train.Checkpoint(optimizer=step.checkpoint_optimizer(
+        trainer)).restore(back).assert_consumed()
+    _assert_all_close(
+        self, [v._tfdist_read() for v in step.checkpoint_optimizer(  # pylint: disable=protected-access
+            trainer).variables],
+        [v.numpy() for v in fresh_optimizer.variables], "optimizer back")
+
+
 class CheckpointTest(absltest.TestCase):
 
   def test_restores_on_one_device_and_back(self):
@@ -206,19 +316,31 @@ class CheckpointTest(absltest.TestCase):
 
 class GuideTest(absltest.TestCase):
 
-  def test_the_guides_fit_example_runs(self):
-    """docs/guides/experts.md, block fit-example: tfdist.fit with
-    expert_parallel=2 on the 4 logical CPU devices."""
+  def _run_block(self, name: str) -> str:
+    """Runs docs/guides/experts.md's block `name`; its last printed
+    line."""
     guide = os.path.join(testutil.REPO_ROOT, "docs", "guides", "experts.md")
     with open(guide, encoding="utf-8") as f:
       example = re.search(
-          r"<!-- run: tests/experts_parallel_test.py fit-example -->\n"
+          rf"<!-- run: tests/experts_parallel_test.py {name} -->\n"
           r"```python\n(.*?)```", f.read(), re.S).group(1)
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-      exec(compile(example, "docs/guides/experts.md (fit-example)",  # pylint: disable=exec-used
+      exec(compile(example, f"docs/guides/experts.md ({name})",  # pylint: disable=exec-used
                    "exec"), {})
-    self.assertEqual(out.getvalue().splitlines()[-1], "4")
+    return out.getvalue().splitlines()[-1]
+
+  def test_the_guides_fit_example_runs(self):
+    """docs/guides/experts.md, block fit-example: tfdist.fit with
+    expert_parallel=2 on the 4 logical CPU devices."""
+    self.assertEqual(self._run_block("fit-example"), "4")
+
+  def test_the_guides_zero_example_keeps_the_state_it_says(self):
+    """docs/guides/experts.md, block fit-zero-example: the same with
+    zero_stage=1 and Adam; the run's optimizer bytes per replica are the
+    guide's sum."""
+    self.assertEqual(self._run_block("fit-zero-example"),
+                     str(2 * 4 * (2 * 1072 + -(-193 // 4)) + 2 * 8))
 
 
 class RefusalsTest(absltest.TestCase):
@@ -252,6 +374,19 @@ class RefusalsTest(absltest.TestCase):
     self.assertEqual(
         TrainConfig(**base, distribution_strategy="mirrored",
                     num_cpu_devices=4).expert_parallel, 2)
+    # ZeRO stages 1-2 run beside it (tfdist/parallel/experts/zero.py);
+    # stage 3 is refused by flag, value and fix.
+    for zero in (dict(zero_stage=1), dict(shard_optimizer_state=True),
+                 dict(zero_stage=2), dict(shard_gradients=True)):
+      config = TrainConfig(**base, distribution_strategy="mirrored",
+                           num_cpu_devices=2, **zero)
+      self.assertIn(config.zero_stage_resolved, (1, 2))
+    for zero in (dict(zero_stage=3), dict(shard_parameters=True)):
+      with self.assertRaisesRegex(
+          errors.ConfigError, r"--expert_parallel=2 cannot run with "
+          r"--zero_stage=3: .*use --zero_stage=2 or 1 instead"):
+        TrainConfig(**base, distribution_strategy="mirrored",
+                    num_cpu_devices=2, **zero)
     # Across workers the replicas are every worker's (on CPUs one each,
     # whatever --num_cpu_devices; --num_gpus counts one worker's): known
     # when the cluster is (tests/experts_workers_test.py runs it).

@@ -459,6 +459,34 @@ class ModelsTest(absltest.TestCase):
         experts=models.experts_shape("transformer", task, spec)))
     self.assertEqual(testutil.shown_output("guides/experts.md"), lines)
 
+  def test_the_plan_states_the_state_per_replica_under_zero(self):
+    from tfdist import config as config_lib  # pylint: disable=g-import-not-at-top
+    from tfdist.parallel import modes  # pylint: disable=g-import-not-at-top
+    facts = dict(parallelism=config_lib.ParallelismConfig(expert_parallel=2),
+                 num_replicas_in_sync=4, per_replica_batch_size=8)
+    plain = modes.get_mode("experts").plan_lines(modes.PlanFacts(**facts))
+    for stage in (1, 2):
+      lines = modes.get_mode("experts").plan_lines(
+          modes.PlanFacts(**facts, zero_stage=stage))
+      self.assertEqual(lines[0], plain[0])
+      self.assertEqual(lines[2:], plain[1:])
+      self.assertEqual(
+          lines[1],
+          f"  optimizer state        ZeRO stage {stage}: each replica keeps "
+          "1/4 of the non-expert weights' optimizer state (one shard of "
+          "their flat buffer) and the whole state of its 1/2 of the "
+          "experts" + (", and 1/4 of the non-expert gradient accumulators "
+                       "(with --gradient_accumulation_steps)"
+                       if stage == 2 else ""))
+      if stage == 1:  # docs/guides/experts.md shows it.
+        with open(os.path.join(testutil.REPO_ROOT, "docs", "guides",
+                               "experts.md"), encoding="utf-8") as f:
+          shown = re.search(
+              r"<!-- not run: output of the plan for --expert_parallel=2 "
+              r"--zero_stage=1[^>]*-->\n```text\n(.*?)```", f.read(),
+              re.S).group(1)
+        self.assertEqual(shown.splitlines(), [lines[1]])
+
   def test_capacity_formula(self):
     self.assertEqual(moe_layer.capacity(128, num_experts=8, top_k=2,
                                         capacity_factor=1.25), 40)

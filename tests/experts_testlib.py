@@ -12,10 +12,13 @@ expert parallelism a group never spans replicas).
 Imports TensorFlow and Keras: import it after configuring devices.
 """
 
+import contextlib
+
 import keras
 import numpy as np
 import tensorflow as tf
 
+from tfdist.parallel.data import sharded_optimizer
 from tfdist.parallel.experts.layer import MixtureOfExperts
 from tfdist.training.step.train_loop import Trainer
 
@@ -57,16 +60,24 @@ def data():
   return x, x.sum(axis=(1, 2))[:, None] / 4.0
 
 
-def train(strategy, net, name: str, mode=None):
+def train(strategy, net, name: str, mode=None, zero_stage: int = 0,
+          micro_steps: int = 1):
   """STEPS updates of tfdist's Trainer on `net` with the optimizer `name`
-  (made in the strategy's scope); `(trainer, losses)`."""
+  (made in the strategy's scope; with `zero_stage` > 0 built on no
+  variables and the trainer made outside the scope, as a run makes them),
+  each of `micro_steps` accumulated micro-batches; `(trainer, losses)`."""
   with strategy.scope():
     opt = optimizer(name)
-    opt.build(net.trainable_variables)
-    trainer = Trainer(strategy=strategy, model=net, optimizer=opt,
-                      global_batch_size=BATCH, loss="mse", metrics=[],
-                      mode=mode, time_steps=False)
-  dataset = tf.data.Dataset.from_tensor_slices(data()).batch(BATCH)
+    opt.build([] if zero_stage else net.trainable_variables)
+  with strategy.scope() if not zero_stage else contextlib.nullcontext():
+    trainer = Trainer(
+        strategy=strategy, model=net, optimizer=opt, global_batch_size=BATCH,
+        loss="mse", metrics=[], mode=mode, time_steps=False,
+        gradient_accumulation_steps=micro_steps,
+        sharding=(sharded_optimizer.ShardingOptions(stage=zero_stage)
+                  if zero_stage else None))
+  dataset = tf.data.Dataset.from_tensor_slices(data()).batch(
+      BATCH // micro_steps)
   iterator = iter(strategy.experimental_distribute_dataset(dataset))
   losses = [float(trainer.train_function(iterator, tf.constant(1))["loss"])
             for _ in range(STEPS)]

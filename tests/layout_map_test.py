@@ -126,6 +126,20 @@ class PlanTest(absltest.TestCase):
       lm_lib.read_distribution(model, keras.distribution.DataParallel(
           devices=["cpu:0"]))
 
+  def test_a_batch_axis_that_is_not_the_runs_copies_is_named(self):
+    # A user's (2, 2) mesh on 2 replicas trains D = 1: said, with the fix.
+    mesh = keras.distribution.DeviceMesh(
+        shape=(2, 2), axis_names=["batch", "model"],
+        devices=[f"cpu:{i}" for i in range(4)])
+    layout_map = keras.distribution.LayoutMap(mesh)
+    self.assertEqual(lm_lib.batch_degree(layout_map), 2)
+    self.assertIsNone(lm_lib.batch_axis_note(layout_map, data=2))
+    note = lm_lib.batch_axis_note(layout_map, data=1)
+    self.assertIn("'batch' axis of 2, but this run has 2 replica(s): D = 1 "
+                  "data-parallel copy of T = 2", note)
+    self.assertIn("pass num_cpu_devices=4 (CPUs) or num_gpus=4", note)
+    self.assertIsNone(lm_lib.batch_axis_note(_map(), data=1))
+
   def test_no_entries_is_all_replicated(self):
     plan = lm_lib.read_layout_map(_mlp(), _map())
     self.assertEqual({s.split for s in plan.splits.values()},

@@ -348,6 +348,29 @@ class LayoutTableTest(absltest.TestCase):
     self.assertEqual(row.activations_bytes, 8 << 20)
     self.assertEqual(row.flags, "--distribution_strategy=mirrored "
                      "--expert_parallel=4")
+    # Beside ZeRO (tfdist/parallel/experts/zero.py): the non-expert
+    # optimizer state / 4 (1 GiB of 2 GiB of moments), the experts' / 4.
+    row = self.rows(choice)["expert parallel + ZeRO 1"]
+    self.assertEqual(row.optimizer_bytes, _GIB)
+    self.assertEqual(row.per_device_bytes - row.activations_bytes,
+                     3 * _GIB + _GIB // 2)
+    self.assertEqual(row.flags, "--distribution_strategy=mirrored "
+                     "--expert_parallel=4 --zero_stage=1")
+    # ZeRO 2 under accumulation: the non-expert accumulators / 4 too.
+    rows = self.rows(self.table(_adam_state(2), expert_bytes=_GIB,
+                                num_experts=8, gradient_accumulation=True))
+    self.assertEqual(rows["expert parallel"].gradients_bytes,
+                     2 * _GIB + _GIB // 2)
+    self.assertEqual(rows["expert parallel + ZeRO 2"].gradients_bytes,
+                     _GIB + _GIB // 4 + _GIB // 4 + _GIB // 4)
+    self.assertEqual(rows["expert parallel + ZeRO 1"].gradients_bytes,
+                     2 * _GIB + _GIB // 2)
+    lamb = self.rows(self.table(_adam_state(2), expert_bytes=_GIB,
+                                num_experts=8, optimizer="lamb"))
+    self.assertTrue(lamb["expert parallel"].available)
+    self.assertFalse(lamb["expert parallel + ZeRO 1"].available)
+    self.assertIn("--optimizer=lamb cannot be sharded",
+                  lamb["expert parallel + ZeRO 2"].note)
     # 6 experts on 4 devices: E_p = 2. 3 experts: no common divisor.
     row = self.rows(self.table(_adam_state(2), expert_bytes=_GIB,
                                num_experts=6))["expert parallel"]

@@ -391,6 +391,9 @@ class DataCopiesTest(parameterized.TestCase):
     self.assertEqual(
         {key: {index(v.device) for v in vs}
          for key, vs in copies.variables.items()}, {(1, 0): {1}, (1, 1): {3}})
+    # In one process every data group runs the sub-group collectives (a
+    # cluster's chief sums its own: tests/pipeline_workers_test.py).
+    self.assertEqual(copies.collective_groups(), [True, True])
     # The copy holds copy 0's weights as of the last step's start: the
     # update since is copied to it at the next step's start.
     stage = pipe.stages[1]

@@ -165,11 +165,22 @@ class EqualToUnsplitTest(parameterized.TestCase):
       ("p2_v2_interleaved", 2, 4, "interleaved", 2))
   def test_fit_trains_like_one_device(self, stages, micro, schedule,
                                       virtual=1):
-    weights, manifest, _ = _fit(pipeline_stages=stages,
-                                num_microbatches=micro,
-                                pipeline_schedule=schedule,
-                                pipeline_virtual_stages=virtual)
+    with self.assertLogs(level="INFO") as logs:
+      weights, manifest, _ = _fit(pipeline_stages=stages,
+                                  num_microbatches=micro,
+                                  pipeline_schedule=schedule,
+                                  pipeline_virtual_stages=virtual)
     self.assertLess(_max_difference(weights, self.unsplit), TOLERANCE)
+    if virtual > 1:
+      # A device's activations are all its chunks' at its peak: said once
+      # per device, not repeated on each of its chunks' lines.
+      plan = "\n".join(logs.output)
+      self.assertRegex(plan, r"chunk 2 on \S+: \d+ layer\(s\) .*weight "
+                       r"bytes\n")
+      self.assertNotRegex(plan, r"chunk \d+ on .*activations")
+      self.assertRegex(plan, r"stage 0 on \S+ \(chunks 0, 2\): activations "
+                       r"at least \d+ bytes \(\d+ chunk micro-batch\(es\) "
+                       r"of \d+ in flight\)")
     self.assertEqual(manifest["pipeline"].get("virtual_stages", 1), virtual)
     self.assertEqual(manifest["final_step"], STEPS)
     self.assertAlmostEqual(manifest["final_metrics"]["train_loss"],

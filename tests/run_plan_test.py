@@ -204,6 +204,18 @@ class MakeRunPlanTest(absltest.TestCase):
             StrategyKind.MIRRORED, "asked for", "bf16", "asked for"))
     self.assertIn("2.50 MiB sent by each replica", bf16.describe(options))
     self.assertIn("over 2 expert group(s)", bf16.describe(options))
+    # Beside ZeRO stage 1 (tfdist/parallel/experts/zero.py): the state
+    # each replica keeps.
+    zero = dataclasses.replace(options,
+                               memory=config_lib.MemoryConfig(zero_stage=1))
+    self.assertIn(
+        "optimizer state        ZeRO stage 1: each replica keeps 1/2 of the "
+        "non-expert weights' optimizer state (one shard of their flat "
+        "buffer) and the whole state of its 1/2 of the experts",
+        run_plan.make_run_plan(
+            zero, spec, num_replicas_in_sync=2, num_workers=1,
+            asynchronous=False,
+            decision=_decision(StrategyKind.MIRRORED)).describe(zero))
 
 
 class DataFilesTest(absltest.TestCase):

@@ -309,8 +309,8 @@ def make_task(model_fn: Union[Callable, str],
                        layout_map=layout_map)
 
 
-# Errors name the `TrainConfig` field the caller typed (`batch_size=63`),
-# not the flag of `tfdist.train` (`--batch_size=63`).
+# Errors and log lines name the `TrainConfig` field the caller typed
+# (`batch_size=63`), not the flag of `tfdist.train` (`--batch_size=63`).
 @wording.errors_in_field_terms(
     config_lib.flat_fields, (errors.ConfigError, errors.TrainingStalledError,
                              errors.TrainingDivergedError))

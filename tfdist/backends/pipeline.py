@@ -22,7 +22,15 @@ runs the steps and writes `--model_dir`, as a parameter-server coordinator
 does; each worker only serves its devices (a `tf.distribute.Server`) until
 the chief marks the run done. The P stages go P/T to a task, in order
 (chief, worker 0, worker 1, ...), stage i on device i mod P/T of its task
-(its GPUs, else its logical CPU devices). A lost task stops the run with
+(its GPUs, else its logical CPU devices). With `--num_cpu_devices=n` (or
+`--num_gpus=n`) on each of the T tasks and T * n = D * P, D > 1, the chief
+drives D copies: the data x pipeline mesh over the tasks' devices in task
+order, so each task holds its P/T stages of every copy and each stage's
+data group lies on one task (`tfdist.parallel.pipeline.copies`: the
+gradients of a group on a worker are all-reduced with
+`tfdist.parallel.collectives`; those on the chief's own devices, which its
+collective executor cannot run as a client, are summed on copy 0's
+device). A lost task stops the run with
 `tfdist.errors.PeerLostError` (exit status 200; restart and resume from the
 last checkpoint), as under MultiWorkerMirrored.
 
@@ -56,13 +64,13 @@ from tfdist.training.step import step_runner
 STAGE_JOBS = (cluster_lib.CHIEF, cluster_lib.WORKER)
 
 
-def data_degree(config) -> int:
-  """D, the pipeline's copies in one process
-  (`tfdist.parallel.pipeline.options.data_degree` of the config's flags)."""
+def data_degree(config, tasks: int = 1) -> int:
+  """D, the pipeline's copies on the devices of `tasks` processes (each
+  the flags' count; `tfdist.parallel.pipeline.options.data_degree`)."""
   strategy = config.strategy
   return pipeline_options.data_degree(
       strategy.parallelism.pipeline_stages, num_gpus=strategy.num_gpus,
-      num_cpu_devices=strategy.num_cpu_devices)
+      num_cpu_devices=strategy.num_cpu_devices, tasks=tasks)
 
 
 def stage_devices(num_stages: int, num_gpus: int = -1,
@@ -113,31 +121,35 @@ def stage_devices(num_stages: int, num_gpus: int = -1,
   return [d.name for d in cpus][:num_stages]
 
 
-def check_copies(config, *, in_cluster: bool, gpus: int) -> None:
+def check_copies(config, *, gpus: int, tasks: int = 1) -> None:
   """Refuses D > 1 copies of the pipeline (`data_degree`) that cannot run:
-  across the tasks of a cluster (not built), `--num_cpu_devices` on a host
-  whose GPUs would run the stages, or more GPUs than the host has.
+  in one process, `--num_cpu_devices` on a host whose GPUs would run the
+  stages, or more GPUs than the host has; across the `tasks` of a
+  cluster, copies of an interleaved pipeline (each task's devices are
+  checked once the driving process is connected,
+  `cluster_stage_devices`).
 
   Args:
     config: the run's `TrainConfig` (`pipeline_stages`, `num_gpus`,
       `num_cpu_devices`).
-    in_cluster: the stages run on the tasks of a cluster.
     gpus: the GPUs this process would use (`base.local_accelerators`).
+    tasks: the cluster's tasks that host stages (1: one process).
 
   Raises:
     errors.ConfigError: naming the flag, the value and the fix.
   """
   strategy = config.strategy
-  data, stages = data_degree(config), strategy.parallelism.pipeline_stages
-  if data == 1:
+  data = data_degree(config, tasks)
+  parallelism = strategy.parallelism
+  stages = parallelism.pipeline_stages
+  if data > 1 and tasks > 1 and (
+      parallelism.pipeline_schedule == pipeline_options.INTERLEAVED):
+    pipeline_options.check_interleaved(
+        stages, parallelism.num_microbatches, data,
+        num_gpus=strategy.num_gpus,
+        num_cpu_devices=strategy.num_cpu_devices, tasks=tasks)
+  if data == 1 or tasks > 1:
     return
-  if in_cluster:
-    raise errors.ConfigError(
-        f"--pipeline_stages={stages} with "
-        f"{'--num_gpus' if strategy.num_gpus > 0 else '--num_cpu_devices'}"
-        f"={data * stages} ({data} data-parallel copies) runs in one "
-        "process; across the tasks of a cluster a pipeline has one copy. "
-        "Drop that flag, or run in one process.")
   if gpus and strategy.num_gpus < 0:
     raise errors.ConfigError(
         f"--num_cpu_devices={strategy.num_cpu_devices} asks for {data} "
@@ -202,10 +214,11 @@ def stages_per_task(num_stages: int, cluster) -> int:
 
 
 def cluster_stage_devices(tasks, per_task: int, num_gpus: int = -1,
-                          logical_devices=None) -> List[str]:
+                          logical_devices=None, copies: int = 1
+                          ) -> List[str]:
   """The stages' devices across a cluster this process is connected to:
-  per task, in `tasks` order, its first `per_task` GPUs, or, without
-  enough GPUs, its first `per_task` logical CPU devices.
+  per task, in `tasks` order, its first `per_task * copies` GPUs, or,
+  without enough GPUs, its first `per_task * copies` logical CPU devices.
 
   Args:
     tasks: `[(job, index), ...]` (`stage_tasks`).
@@ -215,16 +228,20 @@ def cluster_stage_devices(tasks, per_task: int, num_gpus: int = -1,
     logical_devices: the cluster's logical devices (default:
       `tf.config.list_logical_devices()`, which lists the remote tasks'
       after `tf.config.experimental_connect_to_cluster`).
+    copies: D, the pipeline's copies (`data_degree` over the tasks).
 
   Returns:
-    P device names, stage i's at index i.
+    D * P device names in task order: with D = 1 stage i's at index i;
+    else the data x pipeline mesh's order (stage p of copy d at p * D + d:
+    each task's devices hold P/T stages of every copy).
 
   Raises:
-    errors.ConfigError: a task offers fewer than `per_task` devices.
+    errors.ConfigError: a task offers fewer than `per_task * copies`
+      devices.
   """
   if logical_devices is None:
     logical_devices = tf.config.list_logical_devices()
-  names = []
+  names, wanted = [], per_task * copies
   for job, index in tasks:
     prefix = f"/job:{job}/replica:0/task:{index}/"
     mine = sorted((d for d in logical_devices if d.name.startswith(prefix)),
@@ -233,13 +250,21 @@ def cluster_stage_devices(tasks, per_task: int, num_gpus: int = -1,
     gpus = [d.name for d in mine if d.device_type == "GPU"]
     gpus = [] if num_gpus == 0 else gpus[:num_gpus] if num_gpus > 0 else gpus
     cpus = [d.name for d in mine if d.device_type == "CPU"]
-    pick = gpus if len(gpus) >= per_task else cpus
-    if len(pick) < per_task:
+    pick = gpus if len(gpus) >= wanted else cpus
+    if len(pick) < wanted:
+      if copies > 1:
+        flag = "--num_gpus" if num_gpus > 0 else "--num_cpu_devices"
+        raise errors.ConfigError(
+            f"{flag}={wanted} a task puts {per_task} stage(s) x {copies} "
+            f"data-parallel copies on {job} {index}, which offers "
+            f"{len(gpus)} GPU(s) and {len(cpus)} CPU device(s). Lower "
+            f"{flag} to {max(len(gpus), len(cpus))} or fewer (a multiple "
+            f"of {per_task}), or add tasks to the cluster.")
       raise errors.ConfigError(
           f"--pipeline_stages puts {per_task} stages on {job} {index}, "
           f"which offers {len(gpus)} GPU(s) and {len(cpus)} CPU device(s). "
           "Lower --pipeline_stages, or add tasks to the cluster.")
-    names += pick[:per_task]
+    names += pick[:wanted]
   return names
 
 
@@ -288,7 +313,7 @@ class PipelineBackend(single_process.OneDeviceBackend):
         `pipeline_stages`; D > 1 copies that cannot run (`check_copies`).
     """
     super().validate(config, decisions, dataset=dataset)
-    check_copies(config, in_cluster=bool(self._tasks),
+    check_copies(config, tasks=len(self._tasks) or 1,
                  gpus=0 if self._tasks else
                  base.local_accelerators(config.strategy.num_gpus))
     if self._tasks:
@@ -374,11 +399,15 @@ class PipelineBackend(single_process.OneDeviceBackend):
     tf.config.experimental_connect_to_cluster(
         resolver.cluster_spec(), job_name=cluster.task_type,
         task_index=cluster.task_index, protocol=resolver.rpc_layer or "grpc")
-    names = cluster_stage_devices(self._tasks, per_task, strategy.num_gpus)
+    data = data_degree(config, len(self._tasks))
+    names = cluster_stage_devices(self._tasks, per_task, strategy.num_gpus,
+                                  copies=data)
+    copies = (f" x {data} data-parallel copies (stage p of copy d on "
+              f"device p*{data}+d of the tasks' devices)" if data > 1 else "")
     return strategy_lib.StrategyChoice(
         tf.distribute.get_strategy(),
         decisions.strategy,
-        f"--pipeline_stages={stages}: {per_task} stage(s) "
+        f"--pipeline_stages={stages}: {per_task} stage(s){copies} "
         f"on each of {len(self._tasks)} tasks, driven by "
         f"{cluster.task_type} {cluster.task_index}", tuple(names))
 

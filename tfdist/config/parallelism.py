@@ -36,7 +36,8 @@ class ParallelismConfig:
             "and each task hosts P/tasks consecutive stages. 1: no pipeline. "
             "With --num_gpus=N or --num_cpu_devices=N (N a multiple of P) "
             "one process trains N/P data-parallel copies of the pipeline (a "
-            "data x pipeline mesh). With --distribution_strategy auto, "
+            "data x pipeline mesh); in a cluster N counts each task's "
+            "devices, T tasks holding T*N/P copies. With --distribution_strategy auto, "
             "one_device or off, not with --zero_stage or --enable_xla. See "
             "docs/guides/pipeline-parallelism.md."),
       traits=("operational", "multi_replica"))
@@ -96,12 +97,13 @@ class ParallelismConfig:
             "over E_p replicas (of one host, or of every worker): the "
             "replicas form groups of E_p, each replica holds 1/E_p of the "
             "experts and their optimizer state, and tokens reach their "
-            "experts by all-to-all; the other weights stay data-parallel. "
-            "E_p must divide the experts and the replicas. 1: off. Only with "
-            "--distribution_strategy mirrored, multi_worker_mirrored (or "
-            "auto); not with --pipeline_stages, --tensor_parallel, "
-            "--zero_stage, --enable_xla, --dtype=fp16 or clipping. See "
-            "docs/guides/experts.md."),
+            "experts by all-to-all; the other weights stay data-parallel "
+            "(with --zero_stage=1 or 2 their optimizer state sharded over "
+            "the replicas). E_p must divide the experts and the replicas. "
+            "1: off. Only with --distribution_strategy mirrored, "
+            "multi_worker_mirrored (or auto); not with --pipeline_stages, "
+            "--tensor_parallel, --zero_stage=3, --enable_xla, --dtype=fp16 "
+            "or clipping. See docs/guides/experts.md."),
       traits=("operational", "multi_replica"))
 
   def __post_init__(self):

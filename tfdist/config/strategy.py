@@ -201,7 +201,7 @@ class StrategyConfig:
       0, "integer", "distribution", key=True,
       help=("Split the host CPU into this many logical devices, so mirrored "
             "runs that many replicas on a CPU-only machine (0 or 1: no "
-            "split)."),
+            "split). In a cluster, each task's count."),
       traits=("operational", "multi_replica"))
   all_reduce_alg: str = setting(
       "auto", "enum", "distribution", choices=ALL_REDUCE_ALGS,

@@ -126,6 +126,16 @@ class ClusterInfo:
       return 1
     return len(self.cluster.get(CHIEF, ())) + len(self.cluster.get(WORKER, ()))
 
+  def training_tasks(self) -> Tuple[str, ...]:
+    """The chief's and workers' task names in order (the chief first),
+    such as `("/job:chief/replica:0/task:0",
+    "/job:worker/replica:0/task:0")`; empty outside a cluster of two or
+    more such tasks."""
+    tasks = tuple(f"/job:{job}/replica:0/task:{index}"
+                  for job in (CHIEF, WORKER)
+                  for index in range(len(self.cluster.get(job, ()))))
+    return tasks if len(tasks) > 1 else ()
+
   @property
   def num_ps(self) -> int:
     return len(self.cluster.get(PS, ()))

@@ -47,7 +47,7 @@ def dry_run(prepared: prepare.PreparedRun, *, task, writer: bool) -> dict:
   decided = prepared.decisions
   replicas, num_workers = prepared.backend.planned_replicas(
       config, decided, cluster=cluster)
-  plan_options = prepare.plan_options(config, decided)
+  plan_options = prepare.plan_options(config, decided, cluster=cluster)
   plan = run_plan_lib.make_run_plan(
       plan_options, task.dataset,
       num_replicas_in_sync=replicas,

@@ -262,17 +262,20 @@ def start_run(config: TrainConfig, *,
   filesystems.require_file_systems(
       filesystems.config_paths(prepared.config, prepared.decisions))
   assembly.check_model_options(
-      assembly_options(prepared.config, prepared.decisions), task=task)
+      assembly_options(prepared.config, prepared.decisions,
+                       cluster=prepared.cluster), task=task)
   return task, prepared
 
 
-def assembly_options(config: TrainConfig,
-                     decisions) -> assembly.AssemblyOptions:
+def assembly_options(config: TrainConfig, decisions, *,
+                     cluster=None) -> assembly.AssemblyOptions:
   """The run's `tfdist.training.assembly.AssemblyOptions`: the sections the
   assembly reads, handed over as they are, the run's `decisions` (dtype,
   loss scale, steps per execution; None: the sections' own), the
-  parallelism section's pipeline and the model options a builder asking
-  for `config` gets (`tfdist.config.ModelBuilderConfig`)."""
+  parallelism section's pipeline (its copies counted over the `cluster`'s
+  chief and worker tasks: `ClusterInfo.training_tasks`; None: one process)
+  and the model options a builder asking for `config` gets
+  (`tfdist.config.ModelBuilderConfig`)."""
   if decisions is None:  # The sections' own (no run decided them).
     dtype, loss_scale = config.precision.dtype, config.precision.loss_scale
     steps_per_execution = config.loop.steps_per_execution
@@ -286,19 +289,24 @@ def assembly_options(config: TrainConfig,
       steps_per_execution=steps_per_execution,
       pipeline=pipeline_options.PipelineOptions.of(
           config.strategy.parallelism, num_gpus=config.strategy.num_gpus,
-          num_cpu_devices=config.strategy.num_cpu_devices),
+          num_cpu_devices=config.strategy.num_cpu_devices,
+          tasks=cluster.training_tasks() if cluster is not None else ()),
       builder_config=config_lib.ModelBuilderConfig(config))
 
 
-def plan_options(config: TrainConfig, decisions) -> run_plan_lib.PlanOptions:
+def plan_options(config: TrainConfig, decisions, *,
+                 cluster=None) -> run_plan_lib.PlanOptions:
   """The run's `tfdist.training.plan.run_plan.PlanOptions`: the sections the
   plan reads, handed over as they are, with the data files the run's
-  `decisions` chose (`run_plan.decided_data`)."""
+  `decisions` chose (`run_plan.decided_data`) and the `cluster`'s chief and
+  worker tasks (a pipeline's copies are counted over them; None: one
+  process)."""
   return run_plan_lib.PlanOptions(
       data=run_plan_lib.decided_data(config.task.data, decisions),
       lr=config.optimization.learning_rate, loop=config.loop,
       task=config.task, precision=config.precision, memory=config.memory,
-      strategy=config.strategy)
+      strategy=config.strategy,
+      tasks=cluster.training_tasks() if cluster is not None else ())
 
 
 

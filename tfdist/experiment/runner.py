@@ -391,7 +391,8 @@ class ExperimentRunner:
       ConfigError: as `tfdist.training.plan.run_plan.make_run_plan`, or a
         `--profile_steps` window after the last step.
     """
-    plan_options = prepare.plan_options(self.config, self.decisions)
+    plan_options = prepare.plan_options(self.config, self.decisions,
+                                        cluster=self.cluster)
     plan = run_plan_lib.make_run_plan(
         plan_options, self.task.dataset,
         num_replicas_in_sync=self.strategy.num_replicas_in_sync,
@@ -444,7 +445,8 @@ class ExperimentRunner:
     """The run's `AssemblyOptions` (`tfdist.experiment.prepare.assembly_options`),
     for the steps and the backend (a parameter-server export builds a local
     copy of the model from them)."""
-    return prepare.assembly_options(self.config, self.decisions)
+    return prepare.assembly_options(self.config, self.decisions,
+                                    cluster=self.cluster)
 
   def build_model_and_optimizer(self) -> assembly.Parts:
     """The precision policy, then model, optimizer, trainer and checkpoint

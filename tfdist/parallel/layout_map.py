@@ -138,6 +138,35 @@ def model_degree(layout_map) -> int:
   return int(mesh.shape[names.index(MODEL_AXIS)])
 
 
+def batch_degree(layout_map) -> int:
+  """The size of the map's mesh axis `batch` (1 without one): the number
+  of data-parallel copies its author meant. tfdist derives D from the
+  devices (D = replicas / T) and only compares (`batch_axis_note`)."""
+  mesh = layout_map.device_mesh
+  names = list(mesh.axis_names)
+  return int(mesh.shape[names.index(BATCH_AXIS)]) if BATCH_AXIS in names else 1
+
+
+def batch_axis_note(layout_map, data: int) -> Optional[str]:
+  """A warning when the map's `batch` axis is not the run's D, else None.
+
+  Args:
+    layout_map: the `keras.distribution.LayoutMap`.
+    data: D, the run's data-parallel copies (replicas / T).
+  """
+  batch, tensor = batch_degree(layout_map), model_degree(layout_map)
+  if batch == data:
+    return None
+  devices = batch * tensor
+  return (f"The layout map's DeviceMesh has a 'batch' axis of {batch}, but "
+          f"this run has {data * tensor} replica(s): D = {data} "
+          f"data-parallel cop{'y' if data == 1 else 'ies'} of T = {tensor} "
+          "(tfdist derives D from the devices). For D = "
+          f"{batch}, pass num_cpu_devices={devices} (CPUs) or "
+          f"num_gpus={devices}; or build the mesh with a 'batch' axis of "
+          f"{data}.")
+
+
 def axes_of(layout) -> Optional[Tuple]:
   """A layout's axis names (a `TensorLayout`'s `axes`, or the tuple
   itself); None for None."""

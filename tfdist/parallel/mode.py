@@ -83,6 +83,7 @@ class PlanFacts:
       built-in model's mixture-of-experts layers when the flags give them
       (`--model=transformer --transformer_experts=E`), else None (a
       model of one's own: known once it is built).
+    zero_stage: the ZeRO stage (`--zero_stage`, the switches resolved).
   """
   parallelism: Any
   num_replicas_in_sync: int = 1
@@ -91,6 +92,7 @@ class PlanFacts:
   compute_bytes: int = 4
   pipeline: Any = None
   experts: Any = None
+  zero_stage: int = 0
 
 
 class StepMode:
@@ -99,7 +101,8 @@ class StepMode:
   The start-up parts (class methods; no TensorFlow, no model): `validate`,
   `devices`, `layout_rows` (its memory per device), `plan_lines` (its
   lines of the run plan) and the backend trait `replaces_step_runner`.
-  The step's parts (instance methods; the trainer calls `bind` once at construction, the
+  The step's parts (instance methods; the trainer calls
+  `sharded_optimizer` (under ZeRO) and `bind` once at construction, the
   others while its step is traced, in replica context):
   `forward_backward`, `eval_sums`, and the views `variables`,
   `checkpoint_model`, `checkpoint_optimizer`, `exported_model`.
@@ -178,6 +181,27 @@ class StepMode:
     return {}
 
   # --- the step (replica context) ---------------------------------------
+  def sharded_optimizer(self, stage_class: type, **kwargs):
+    """The ZeRO optimizer of stages 1-3 this mode's trainer runs with,
+    called once by the trainer before `bind`.
+
+    Args:
+      stage_class: the stage's optimizer class
+        (`tfdist.parallel.data.sharded_optimizer.optimizer_class`:
+        `ShardedOptimizer`, or stage 3's `Zero3Optimizer`).
+      **kwargs: its constructor's arguments (`strategy`, `optimizer`,
+        `variables`: the model's trainable variables, `options`,
+        `all_reduce_dtype`, `model`).
+
+    Returns:
+      `stage_class(**kwargs)` for the base class; a mode whose replicas
+      hold different weights shards only those they share (the `experts`
+      mode: `tfdist.parallel.experts.zero`), or shards within groups of
+      replicas (the `tensor` mode's data groups, hybrid sharding:
+      `tfdist.parallel.tensor.zero`).
+    """
+    return stage_class(**kwargs)
+
   def bind(self, context) -> None:
     """Called once by the trainer that runs this mode (`StepContext`),
     before its step is traced. Raises `tfdist.errors.ConfigError` on a
@@ -206,14 +230,6 @@ class StepMode:
     on an empty batch (the last round's spare replicas): TensorFlow 2.21's
     oneDNN CPU kernels fail on those."""
     return eval_sums_skipping_empty(context, inputs, labels, weights, mask)
-
-  def zero_groups(self):
-    """The replicas ZeRO stages 1-2 shard the optimizer state over: a
-    `tfdist.parallel.data.sharded_optimizer.ShardGroups`, or None (the
-    base class: every replica of the strategy). Tensor parallelism gives
-    its data groups (hybrid sharding). Called once, when the trainer
-    builds its sharded optimizer (before `bind`)."""
-    return None
 
   # --- views ---------------------------------------------------------------
   def variables(self, context) -> list:

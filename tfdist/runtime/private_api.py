@@ -8,20 +8,22 @@ tfdist's uses of them are fenced here:
 
 * `USES` lists each one: the owner (a module, or `module:Class`, importable
   on every supported version), the name, how tfdist uses it (`read`, `set`,
-  `call`, `override`, `import`), what for, and the files that do so.
-  `CHECKED_ON` gives the TensorFlow/Keras pairs the list was checked on.
+  `call`, `override`, `import`), what for, the files that do so, and for
+  a call or an override the parameters tfdist relies on. `CHECKED_ON` gives the TensorFlow/Keras pairs the list was checked on.
 * `tests/private_api_test.py` (marked `compat`, so it also runs on the
   oldest supported TensorFlow) fails when a listed name disappears from its
-  owner in the installed TensorFlow/Keras (`missing(use)`), and when a file
+  owner in the installed TensorFlow/Keras or no longer takes the listed
+  parameters (`missing(use)`), and when a file
   of `tfdist/` or `models/` uses a private Keras/TensorFlow name this list
   does not hold, or names a file that no longer uses it.
-* A few uses go through the accessors below (`flatten_layers`,
-  `ZERO3_VARIABLE_OVERRIDES`), so the list and the code cannot drift;
-  deep patches (ZeRO stage 3's released variables, the pipeline's deferred
+* Some uses go through the accessors below (`flatten_layers`, which every
+  layer walk calls, and `ZERO3_VARIABLE_OVERRIDES`), so the list and the
+  code cannot drift; deep patches (ZeRO stage 3's released variables, the pipeline's deferred
   variables) stay where they are and are listed with their file.
 
-A private name tfdist defines itself but reads on another object (for
-example `_full_value` of tfdist/parallel/tensor/layers.py) is in `TFDIST_OWN`.
+A private name tfdist defines itself but reads on another object or keeps
+in a string (for example `_full_value` of tfdist/parallel/tensor/layers.py)
+is in `TFDIST_OWN`.
 
 Standard library only: TensorFlow is imported only by `missing` and by the
 accessors, when called.
@@ -51,12 +53,19 @@ class PrivateUse:
     access: how tfdist uses it, one of `ACCESSES`.
     purpose: what tfdist uses it for.
     where: the files (relative to the repository root) that use it.
+    params: for a `call` or an `override`, the parameters tfdist relies
+      on (`self` left out): a call passes them (each must be one of the
+      callable's parameters), an override takes exactly them (the owner's
+      method must have these and no others, as its callers pass them).
+      None where the signature is not checked (`*args, **kwargs`, a
+      protobuf class).
   """
   owner: str
   name: str
   access: str
   purpose: str
   where: Tuple[str, ...]
+  params: Optional[Tuple[str, ...]] = None
 
 
 _VARIABLE = "keras.src.backend.tensorflow.core:Variable"
@@ -64,6 +73,7 @@ _LAYER = "keras.src.layers.layer:Layer"
 _MODEL = "keras.src.models.model:Model"
 _OPTIMIZER = "keras.src.optimizers.base_optimizer:BaseOptimizer"
 _TF_OPTIMIZER = "keras.src.backend.tensorflow.optimizer:TFOptimizer"
+_LOSS_SCALE = "keras.src.optimizers.loss_scale_optimizer:LossScaleOptimizer"
 _TRACKABLE = "tensorflow.python.trackable.base:Trackable"
 _ZERO3 = "tfdist/parallel/zero3/optimizer.py"
 _STAGES = "tfdist/parallel/pipeline/stages.py"
@@ -83,13 +93,15 @@ USES = (
                (_ZERO3,)),
     PrivateUse(_VARIABLE, "_initialize", "call",
                "stage 3: gives a released weight storage again "
-               "(materialize) with its gathered value", (_ZERO3,)),
+               "(materialize) with its gathered value", (_ZERO3,),
+               params=("value",)),
     PrivateUse(_VARIABLE, "_shared_name", "read",
                "stage 3: the name TensorFlow records for a released "
                "weight's name-based restore", (_ZERO3,)),
     PrivateUse(_VARIABLE, "_direct_assign", "set",
                "stage 3: `variable.assign` outside a step writes the shards "
-               "(replaced per instance)", (_ZERO3, _HERE)),
+               "(replaced per instance; Keras's `assign` calls it with "
+               "the value)", (_ZERO3, _HERE), params=("value",)),
     PrivateUse("tensorflow.python.training.saving.saveable_object_util",
                "_save_slice_info", "set",
                "stage 3: TensorFlow's savers read a variable's "
@@ -109,14 +121,10 @@ USES = (
     # ---- Keras layers and models ----
     PrivateUse(_LAYER, "_flatten_layers", "call",
                "every sublayer of a model (nested ones included): seeds, "
-               "moving statistics, manifests, sharding and recomputation "
-               "walk them (through `flatten_layers` where routed)",
-               (_HERE, "models/recompute.py",
-                "tfdist/parallel/pipeline/mode.py",
-                "tfdist/parallel/tensor/layers.py",
-                "tfdist/parallel/tensor/mode.py", _ZERO3,
-                "tfdist/training/plan/differences.py",
-                "tfdist/training/step/train_loop.py")),
+               "moving statistics, manifests, sharding, the experts' and "
+               "recomputation's layers; every caller goes through "
+               "`flatten_layers`", (_HERE,),
+               params=("include_self", "recursive")),
     PrivateUse(_LAYER, "_seed_generators", "read",
                "a layer's SeedGenerators (dropout): reseeded per replica or "
                "per shard, and kept out of recomputed segments",
@@ -134,14 +142,25 @@ USES = (
     PrivateUse("keras.src.layers.normalization.batch_normalization:"
                "BatchNormalization", "_moments", "override",
                "models.batch_norm: packed synchronized moments (one "
-               "all-reduce)", ("models/batch_norm.py",)),
+               "all-reduce)", ("models/batch_norm.py",),
+               params=("inputs", "mask")),
+    PrivateUse("keras.src.layers.normalization.batch_normalization:"
+               "BatchNormalization", "_reduction_axes", "read",
+               "models.batch_norm: the axes Keras's build chose to reduce "
+               "over (the packed moments reduce over the same)",
+               ("models/batch_norm.py",)),
+    PrivateUse(_LAYER, "_track_variable", "call",
+               "MixtureOfExperts: a weight created outside `add_weight` "
+               "(the experts' stacked kernels) tracked as the layer's",
+               ("tfdist/parallel/experts/layer.py",), params=("variable",)),
     PrivateUse("keras.src.models.functional:Functional", "_nodes_by_depth",
                "read", "pipeline cutting: a functional model's graph in "
                "topological order", ("tfdist/parallel/cutting.py",)),
     PrivateUse("keras.src.trainers.trainer:Trainer", "_symbolic_build",
                "call", "a custom step builds the model's metrics and "
                "optimizer before its first step, as `fit` does",
-               ("tfdist/training/step/custom_step.py",)),
+               ("tfdist/training/step/custom_step.py",),
+               params=("data_batch",)),
     PrivateUse(_LAYER, "_build_shapes_dict", "read",
                "export: the shapes a subclassed model was built with",
                ("tfdist/training/state/export.py",)),
@@ -164,21 +183,24 @@ USES = (
                "_layout_map", "read",
                "the LayoutMap of a user's ModelParallel distribution",
                ("tfdist/parallel/layout_map.py",)),
-    PrivateUse("keras.src.backend.common", "global_state", "import", "the pipeline calls a model builder twice and must "
+    PrivateUse("keras.src.backend.common", "global_state", "import",
+               "the pipeline calls a model builder twice and must "
                "get the same model: Keras's automatic-name counters "
                "(`object_name_uids`) are saved and restored around it",
                ("tfdist/parallel/pipeline/mode.py",)),
     PrivateUse("keras.src.backend.common.global_state",
                "get_global_attribute", "call", "as above",
-               ("tfdist/parallel/pipeline/mode.py",)),
+               ("tfdist/parallel/pipeline/mode.py",), params=("name",)),
     PrivateUse("keras.src.backend.common.global_state",
                "set_global_attribute", "call", "as above",
-               ("tfdist/parallel/pipeline/mode.py",)),
+               ("tfdist/parallel/pipeline/mode.py",),
+               params=("name", "value")),
     # ---- Keras optimizers ----
     PrivateUse(_OPTIMIZER, "_learning_rate", "read",
                "the optimizer's learning rate (a variable or a schedule) "
                "without calling it", (_SHARDED_OPTIMIZER,
-                                      "tfdist/core/optimizers.py")),
+                                      "tfdist/core/optimizers.py",
+                                      "tfdist/parallel/experts/zero.py")),
     PrivateUse(_OPTIMIZER, "_trainable_variables", "set",
                "the sharded optimizer: a copy of the user's optimizer that "
                "updates one shard", (_SHARDED_OPTIMIZER,)),
@@ -186,46 +208,97 @@ USES = (
                "as above: the copy's variable index", (_SHARDED_OPTIMIZER,)),
     PrivateUse(_OPTIMIZER, "_var_key", "call",
                "as above: the index's key of a variable",
-               (_SHARDED_OPTIMIZER,)),
+               (_SHARDED_OPTIMIZER,), params=("variable",)),
+    PrivateUse(_OPTIMIZER, "_trainable_variables", "read",
+               "FixedLossScaleOptimizer (--loss_scale=N): the variables "
+               "its unscaled gradients pair with when none are passed",
+               ("tfdist/training/step/precision.py",)),
+    PrivateUse(_OPTIMIZER, "_overwrite_variable_with_gradient", "call",
+               "FixedLossScaleOptimizer: a variable whose 'gradient' is "
+               "its new value (a moving statistic) is not unscaled",
+               ("tfdist/training/step/precision.py",),
+               params=("variable",)),
     PrivateUse(_OPTIMIZER, "_variables", "read",
                "the sharded optimizer's checkpoint view: the name of the "
                "slot list among the optimizer's trackable children",
                (_SHARDED_OPTIMIZER,)),
+    PrivateUse(_LOSS_SCALE, "_stateful_handle_finite_grads", "override",
+               "FixedLossScaleOptimizer (--loss_scale=N): a finite step "
+               "applies the unscaled gradients and leaves the scale as it "
+               "is (renamed, the scale would grow as the dynamic one does)",
+               ("tfdist/training/step/precision.py",),
+               params=("grads", "trainable_variables")),
+    PrivateUse(_LOSS_SCALE, "_stateful_handle_non_finite_grads", "override",
+               "FixedLossScaleOptimizer: a skipped step leaves the scale "
+               "as it is (renamed, the scale would halve)",
+               ("tfdist/training/step/precision.py",), params=()),
     PrivateUse(_TF_OPTIMIZER, "_all_reduce_sum_gradients", "set",
                "modes that reduce gradients themselves turn Keras's "
-               "all-reduce in `apply_gradients` off for a step",
-               ("tfdist/training/step/train_loop.py",)),
+               "all-reduce in `apply_gradients` off for a step (the "
+               "experts' optimizer under ZeRO for good: its gradients "
+               "arrive summed over their slot's replicas)",
+               ("tfdist/training/step/train_loop.py",
+                "tfdist/parallel/experts/zero.py")),
+    PrivateUse("keras.src.callbacks.model_checkpoint:ModelCheckpoint",
+               "_batches_seen_since_last_saving", "set",
+               "callback state: read at every checkpoint and set on "
+               "resume, so `save_freq=N` batches counts on (renamed, "
+               "getattr's default would save None)",
+               ("tfdist/training/state/callback_state.py",)),
+    PrivateUse("keras.src.callbacks.model_checkpoint:ModelCheckpoint",
+               "_last_batch_seen", "set", "as above",
+               ("tfdist/training/state/callback_state.py",)),
     # ---- TensorFlow checkpointing and tracking ----
     PrivateUse(_TRACKABLE, "_trackable_children", "call",
                "the sharded optimizer's checkpoint view: the user's "
-               "optimizer's children", (_SHARDED_OPTIMIZER,)),
+               "optimizer's children", (_SHARDED_OPTIMIZER,),
+               params=()),
     PrivateUse(_TRACKABLE, "_serialize_to_tensors", "override",
                "tensor parallelism's gathered view saves unsharded values",
-               ("tfdist/parallel/tensor/mode.py",)),
+               ("tfdist/parallel/tensor/mode.py",), params=()),
     PrivateUse(_TRACKABLE, "_restore_from_tensors", "override",
                "as above: restore by slicing into the shards",
-               ("tfdist/parallel/tensor/mode.py",)),
+               ("tfdist/parallel/tensor/mode.py",),
+               params=("restored_tensors",)),
     PrivateUse(_TRACKABLE, "_gather_saveables_for_checkpoint", "override",
                "ZeRO's sharded slots and stage 3's released weights (their "
                "class swapped for a subclass defining it) save as slices of "
                "their unsharded shape, one SaveableObject per slice: the "
                "only route that restores a key saved as several slices",
-               (_SHARDED_OPTIMIZER, _ZERO3)),
+               (_SHARDED_OPTIMIZER, _ZERO3), params=()),
     PrivateUse("tensorflow.python.training.saving.saveable_object",
                "SaveableObject", "import",
                "ZeRO: one slice of a sharded slot or weight, saved where it "
-               "lives and restored into its shard", (_SHARDED_OPTIMIZER,)),
+               "lives and restored into its shard", (_SHARDED_OPTIMIZER,),
+               params=("op", "specs", "name")),
+    PrivateUse("tensorflow.python.training.saving.saveable_object:"
+               "SaveableObject", "restore", "override",
+               "as above: the saver restores a slice through it",
+               (_SHARDED_OPTIMIZER,),
+               params=("restored_tensors", "restored_shapes")),
+    PrivateUse("tensorflow.python.training.saving.saveable_object",
+               "SaveSpec", "call",
+               "as above: a slice's tensor, slice spec, key and device",
+               (_SHARDED_OPTIMIZER,),
+               params=("tensor", "slice_spec", "name", "dtype", "device")),
     PrivateUse("tensorflow.python.trackable.data_structures:ListWrapper",
                "_storage", "read", "the sharded optimizer's checkpoint "
                "view: a tracked list child", (_SHARDED_OPTIMIZER,)),
-    PrivateUse("tensorflow:__internal__", "tracking", "read",
-               "`tf.__internal__.tracking.Trackable`/`AutoTrackable`: "
-               "checkpoint objects of the sharded optimizer",
-               (_SHARDED_OPTIMIZER,)),
-    PrivateUse("tensorflow:__internal__", "distribute", "read",
-               "`tf.__internal__.distribute.ShardedVariable`: a "
-               "parameter-server sharded embedding table",
+    PrivateUse("tensorflow:__internal__.tracking", "Trackable", "read",
+               "the sharded optimizer's checkpoint objects: a full slot's "
+               "base class", (_SHARDED_OPTIMIZER,)),
+    PrivateUse("tensorflow:__internal__.tracking", "AutoTrackable", "call",
+               "the sharded optimizer's checkpoint view of the user's "
+               "optimizer", (_SHARDED_OPTIMIZER,), params=()),
+    PrivateUse("tensorflow:__internal__.distribute", "ShardedVariable",
+               "read", "a parameter-server sharded embedding table, told "
+               "apart from a whole one",
                ("tfdist/distribute/sharded_embedding.py",)),
+    PrivateUse("tensorflow.python.trackable.constants",
+               "_CHECKPOINTABLE_OBJECT_GRAPH", "read",
+               "the checkpoint key of the object graph "
+               "(`OBJECT_GRAPH_PROTO_KEY`'s value): which parts a "
+               "checkpoint holds", ("tfdist/training/state/checkpointing.py",)),
     PrivateUse("tensorflow.core.protobuf.trackable_object_graph_pb2",
                "TrackableObjectGraph", "import",
                "reads a checkpoint's object graph",
@@ -241,14 +314,28 @@ USES = (
                ("tfdist/distribute/strategy.py",)),
     PrivateUse("tensorflow.python.distribute.device_util", "canonicalize",
                "call", "a device string in TensorFlow's full form",
-               ("tfdist/parallel/collectives.py",)),
+               ("tfdist/parallel/collectives.py",), params=("d",)),
+    PrivateUse("tensorflow.python.eager.context", "context", "call",
+               "the eager context: its coordination-service store, its "
+               "op-seed generator and its address space (below)",
+               ("tfdist/data/input_pipeline.py",
+                "tfdist/distribute/worker_exit.py",
+                "tfdist/parallel/pipeline/copies.py"), params=()),
+    PrivateUse("tensorflow.python.eager.context:Context",
+               "host_address_space", "call",
+               "this process's task (`/job:chief/replica:0/task:0` for a "
+               "cluster's client): a pipeline's data groups on it cannot "
+               "run collectives", ("tfdist/parallel/pipeline/copies.py",),
+               params=()),
     PrivateUse("tensorflow.python.eager.context:Context",
                "set_config_key_value", "call",
                "a worker's exit through the coordination service's "
-               "key-value store", ("tfdist/distribute/worker_exit.py",)),
+               "key-value store", ("tfdist/distribute/worker_exit.py",),
+               params=("key", "value")),
     PrivateUse("tensorflow.python.eager.context:Context",
                "get_config_key_value", "call", "as above",
-               ("tfdist/distribute/worker_exit.py",)),
+               ("tfdist/distribute/worker_exit.py",),
+               params=("key", "timeout_in_ms")),
     PrivateUse("tensorflow.python.eager.context:Context", "_rng", "read",
                "the eager op-seed generator (`tf.random.set_seed`'s): a "
                "resume on another worker count builds each replayed "
@@ -268,7 +355,8 @@ USES = (
 )
 
 # Private names tfdist defines itself (or the standard library's) that
-# tfdist code reads on an object other than `self`: not Keras/TensorFlow's.
+# tfdist code reads on an object other than `self`, or spells in a string:
+# not Keras/TensorFlow's.
 TFDIST_OWN = {
     "_SHARD_AXIS": "tfdist/parallel/tensor/layers.py",
     "_assign_full": "tfdist/parallel/tensor/layers.py",
@@ -284,6 +372,13 @@ TFDIST_OWN = {
     "_num_local_experts": "tfdist/parallel/experts/layer.py",
     "_canonical": "tfdist/parallel/collectives.py",
     "_local_devices": "tfdist/parallel/tensor/layers.py",
+    # Names tfdist keeps in strings (a key, an annotation, a layer suffix).
+    "_config": "tfdist/config/model_builder.py (ModelBuilderConfig)",
+    "_Model": "tfdist/diagnose/diagnosis.py (a class, as an annotation)",
+    "_ff_in": "tfdist/parallel/tensor/layers.py (a layer name's suffix)",
+    "_ff_out": "tfdist/parallel/tensor/layers.py (a layer name's suffix)",
+    "_shard_update": "tfdist/training/step/train_loop.py (a step's sums)",
+    "_summed": "tfdist/training/step/train_loop.py (a step's sums)",
 }
 # Attributes tfdist sets on Keras objects under its own prefix.
 TFDIST_PREFIX = "_tfdist_"
@@ -331,17 +426,44 @@ def _sources(target) -> Iterable[str]:
       continue
 
 
+def _signature_problem(use: PrivateUse, target) -> Optional[str]:
+  """Why `target`'s signature does not take `use.params`, or None."""
+  try:
+    signature = inspect.signature(target)
+  except (TypeError, ValueError):
+    return f"{use.owner}.{use.name} has no signature to check"
+  names = [name for name in signature.parameters if name != "self"]
+  if use.access == "override":
+    if tuple(names) != use.params:
+      return (f"{use.owner}.{use.name} takes ({', '.join(names)}); "
+              f"tfdist's override takes ({', '.join(use.params)})")
+    return None
+  lacking = [name for name in use.params if name not in names]
+  if lacking:
+    return (f"{use.owner}.{use.name} takes ({', '.join(names)}): no "
+            f"{', '.join(lacking)}")
+  return None
+
+
 def missing(use: PrivateUse) -> Optional[str]:
   """Why `use` no longer holds in the installed TensorFlow/Keras, or None.
 
-  A name holds when its owner has it as an attribute, or (an attribute
-  set in `__init__`, or one TensorFlow reads from other objects) when the
-  source of the owner (a class with its bases, or a module) names it.
+  A name tfdist calls or overrides must be a callable attribute of its
+  owner, with the parameters of `use.params`. A name read or set holds
+  when its owner has it as an attribute, or (an attribute set in
+  `__init__`, or one TensorFlow reads from other objects) when the source
+  of the owner (a class with its bases, or a module) names it.
   """
   try:
     target = resolve(use.owner)
   except (ImportError, AttributeError) as e:
     return f"{use.owner} is gone: {e}"
+  if use.access in ("call", "override") or use.params is not None:
+    if not callable(getattr(target, use.name, None)):
+      return f"{use.owner} has no method or function {use.name}"
+    if use.params is None:
+      return None
+    return _signature_problem(use, getattr(target, use.name))
   if hasattr(target, use.name):
     return None
   for source in _sources(target):

@@ -7,7 +7,9 @@ written in `tfdist.train`'s terms (`--batch_size=63`) into those of a
 `tfdist.fit` caller, who typed the `TrainConfig` field (`batch_size=63`).
 """
 
+import contextlib
 import functools
+import logging
 import re
 from typing import Callable, Collection, Optional, Tuple, Type
 
@@ -97,10 +99,49 @@ def in_field_terms(message: str, fields: Collection[str]) -> str:
       else m.group(0), message)
 
 
+class _FieldTermsFilter(logging.Filter):
+  """Rewrites each record's message by `in_field_terms` (a filter of the
+  `absl` logger, the one tfdist's lines go through)."""
+
+  def __init__(self, fields: Callable[[], Collection[str]]):
+    super().__init__()
+    self._fields = fields
+    self._names = None
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    if self._names is None:
+      self._names = frozenset(self._fields())
+    message = record.getMessage()
+    rewritten = in_field_terms(message, self._names)
+    if rewritten != message:
+      record.msg, record.args = rewritten, ()
+    return True
+
+
+@contextlib.contextmanager
+def log_lines_in_field_terms(fields: Callable[[], Collection[str]]):
+  """Within the block, the lines logged through absl (`absl.logging`) say
+  each flag of `fields` as its field (`in_field_terms`): a `tfdist.fit`
+  caller reads `tensor_parallel=2`, the name it typed, not the binary's
+  `--tensor_parallel=2`. The filter is removed on exit, error or not.
+
+  Args:
+    fields: returns the field names (called at the first line).
+  """
+  logger = logging.getLogger("absl")
+  field_terms = _FieldTermsFilter(fields)
+  logger.addFilter(field_terms)
+  try:
+    yield
+  finally:
+    logger.removeFilter(field_terms)
+
+
 def errors_in_field_terms(fields: Callable[[], Collection[str]],
                           kinds: Tuple[Type[BaseException], ...]):
   """Decorates a library entry point (`tfdist.fit`): an error of `kinds`
-  leaving it has its message (`args[0]`) rewritten by `in_field_terms`.
+  leaving it has its message (`args[0]`) rewritten by `in_field_terms`,
+  and so are the lines it logs (`log_lines_in_field_terms`).
 
   The error is the same object (its class, exit status and traceback
   kept), re-raised.
@@ -116,7 +157,8 @@ def errors_in_field_terms(fields: Callable[[], Collection[str]],
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
       try:
-        return fn(*args, **kwargs)
+        with log_lines_in_field_terms(fields):
+          return fn(*args, **kwargs)
       except kinds as e:
         if e.args and isinstance(e.args[0], str):
           e.args = (in_field_terms(e.args[0], fields()),) + e.args[1:]

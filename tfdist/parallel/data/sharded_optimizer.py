@@ -114,6 +114,30 @@ def _rate_is_shared(optimizer) -> bool:
                                                    tf.Variable))
 
 
+def copy_config(optimizer) -> dict:
+  """The configuration of a copy of `optimizer` (a Keras optimizer, not a
+  `LossScaleOptimizer`) that applies already clipped gradients to some of
+  the variables: its `get_config` without clipping, its learning rate
+  the same object when it is a schedule or a callable (`_rate_is_shared`;
+  else a float the copy follows, `follow`)."""
+  config = optimizer.get_config()
+  config.update(clipnorm=None, global_clipnorm=None)
+  if _rate_is_shared(optimizer):
+    config["learning_rate"] = optimizer._learning_rate  # pylint: disable=protected-access
+  return config
+
+
+def follow(copy, optimizer) -> None:
+  """Sets `copy`'s (made from `copy_config(optimizer)`) iterations, and
+  its learning rate unless shared, to `optimizer`'s, before the copy
+  applies an update of `optimizer`'s step (Adam's bias correction reads
+  the iterations). Any context: replica context assigns through the
+  copy's variables' own aggregation."""
+  copy.iterations.assign(optimizer.iterations)
+  if not _rate_is_shared(optimizer):
+    copy.learning_rate.assign(optimizer.learning_rate)
+
+
 @dataclasses.dataclass(frozen=True)
 class ShardingOptions:
   """How the optimizer state is sharded.
@@ -714,11 +738,7 @@ class ShardedOptimizer:
     return None
 
   def _copy_config(self) -> dict:
-    config = self.inner.get_config()
-    config.update(clipnorm=None, global_clipnorm=None)
-    if _rate_is_shared(self.inner):
-      config["learning_rate"] = self.inner._learning_rate  # pylint: disable=protected-access
-    return config
+    return copy_config(self.inner)
 
   def _make_copy(self, component, device):
     """The user's optimizer (class and configuration, clipping left to
@@ -910,16 +930,13 @@ class ShardedOptimizer:
     grads = local(update["grad"])
     finite = local(update["finite"])[0]
     inner = self.inner
-    uses_schedule = _rate_is_shared(inner)
 
     def apply_all():
       for copy, component, grad, device in zip(self.copies,
                                                self.master.values, grads,
                                                self.devices):
         with tf.device(device):
-          copy.iterations.assign(inner.iterations)
-          if not uses_schedule:
-            copy.learning_rate.assign(inner.learning_rate)
+          follow(copy, inner)
           copy.apply([grad], [component])
       inner.iterations.assign_add(1)
       return tf.constant(True)

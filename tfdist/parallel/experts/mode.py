@@ -24,7 +24,10 @@ under the unsharded layer's own name, `expert_<i>/...`, whatever E_p).
   the same experts (none with D = 1): the all-to-all's backward already
   brought every token's gradient of the group to its expert's replica.
   The optimizer is applied per replica (as under tensor parallelism), so
-  each expert's slots live on its replicas only;
+  each expert's slots live on its replicas only; under ZeRO stages 1-2
+  (`sharded_optimizer`, `tfdist.parallel.experts.zero`) the non-expert
+  gradients are left to the stage's `ShardedOptimizer`, which sums and
+  shards them and their optimizer state;
 * evaluation: every replica runs the model (the all-to-all needs all of
   them), on its examples padded to the largest replica's count.
 
@@ -48,6 +51,7 @@ from tfdist.parallel.experts import layer as moe_layer
 from tfdist.parallel.experts import options as expert_options
 from tfdist.parallel.experts import placement as placement_lib
 from tfdist.parallel.experts import traffic
+from tfdist.parallel.experts import zero as experts_zero
 # The gathered-view machinery of tensor parallelism, shared as it is.
 from tfdist.parallel.tensor import layers as tp_lib
 from tfdist.parallel.tensor import mode as tensor_mode
@@ -171,6 +175,19 @@ def _slot_owners(optimizer, variables) -> dict:
   return owners
 
 
+def _shards_through(twin, zero, variable, kind: str) -> bool:
+  """Makes the view's slot `twin` save and restore slot `kind` of
+  `variable` through the ZeRO optimizer `zero` (`ShardedOptimizer`) when
+  `zero` shards `variable`; False (nothing done) when it does not."""
+  index = next((j for j, v in enumerate(zero.variables) if v is variable),
+               None)
+  if index is None:
+    return False
+  _gather_through(twin, lambda: zero.full_slot(kind, index).numpy(),
+                  lambda value: zero.restore_slot(kind, index, value))
+  return True
+
+
 @mode_lib.register_mode("experts")
 @dataclasses.dataclass
 class ExpertParallelStep(mode_lib.StepMode):
@@ -193,6 +210,8 @@ class ExpertParallelStep(mode_lib.StepMode):
     self.pairs = pair_weights(self.unsharded, self.model)
     self._expert_ids = {id(p.variable) for p in self.pairs
                         if p.slot is not None}
+    # Under ZeRO its optimizer sums the non-expert gradients (`bind`).
+    self._sums_shared = True
 
   @classmethod
   def validate(cls, settings) -> None:
@@ -231,7 +250,9 @@ class ExpertParallelStep(mode_lib.StepMode):
     `facts.expert_bytes`) / E_p, E_p the largest divisor of both the
     devices N and the experts E (`--expert_parallel=E_p`), the rest whole;
     each replica a*B/N activations (the dispatched tokens' [E, C, d]
-    buffers not counted)."""
+    buffers not counted). Beside it ZeRO 1 (`tfdist.parallel.experts.
+    zero`): the non-expert optimizer state / N, the experts' / E_p; ZeRO
+    2 also the non-expert gradient accumulators / N."""
     e, n = facts.estimate, facts.num_devices
     if not facts.expert_bytes:
       return []
@@ -240,18 +261,32 @@ class ExpertParallelStep(mode_lib.StepMode):
     trainable = e.gradients_bytes
     split = min(int(facts.expert_bytes), trainable)
     share = split / trainable if trainable else 0.0
-    grads = e.gradients_bytes + facts.accumulators
     note = facts.one_device_note or (
         "" if e_p > 1 else f"{n} devices and {facts.num_experts} experts "
         "share no divisor above 1")
-    return [facts.row(
-        "expert parallel",
-        f"--distribution_strategy=mirrored --expert_parallel={e_p}", n,
-        e.parameters_bytes - split + facts.ceil_div(split, e_p),
-        grads - facts.ceil_div(grads * share * (e_p - 1), e_p),
-        e.optimizer_bytes - facts.ceil_div(
-            e.optimizer_bytes * share * (e_p - 1), e_p),
-        facts.replica_activations, not note, note)]
+
+    def split_over(total: float, shared_over: int = 1) -> int:
+      """`total` bytes, its experts' share / E_p, the rest / shared_over."""
+      experts = total * share
+      return (facts.ceil_div(total - experts, shared_over) +
+              facts.ceil_div(experts, e_p))
+
+    flags = f"--distribution_strategy=mirrored --expert_parallel={e_p}"
+    weights = e.parameters_bytes - split + facts.ceil_div(split, e_p)
+    grads = split_over(e.gradients_bytes + facts.accumulators)
+    zero_note = note or facts.zero_note
+    return [
+        facts.row("expert parallel", flags, n, weights, grads,
+                  split_over(e.optimizer_bytes), facts.replica_activations,
+                  not note, note),
+        facts.row("expert parallel + ZeRO 1", f"{flags} --zero_stage=1", n,
+                  weights, grads, split_over(e.optimizer_bytes, n),
+                  facts.replica_activations, not zero_note, zero_note),
+        facts.row("expert parallel + ZeRO 2", f"{flags} --zero_stage=2", n,
+                  weights, split_over(e.gradients_bytes) +
+                  split_over(facts.accumulators, n),
+                  split_over(e.optimizer_bytes, n),
+                  facts.replica_activations, not zero_note, zero_note)]
 
   def describe(self) -> str:
     """One line for the manifest and the log."""
@@ -272,10 +307,26 @@ class ExpertParallelStep(mode_lib.StepMode):
       pair.write(np.asarray(pair.view.numpy()), self.placement)
 
   # --- the step -----------------------------------------------------------
+  def sharded_optimizer(self, stage_class, **kwargs):
+    """ZeRO stages 1-2 on the non-expert weights, the experts' optimizer
+    per replica (`tfdist.parallel.experts.zero.ExpertsShardedOptimizer`).
+
+    Raises:
+      tfdist.errors.ConfigError: stage 3.
+    """
+    return experts_zero.ExpertsShardedOptimizer(stage_class,
+                                                self._expert_ids, **kwargs)
+
+  def bind(self, context) -> None:
+    """Under ZeRO the sharded optimizer sums the non-expert gradients
+    (all-reduce, then its shard); the mode then sums only the experts'."""
+    self._sums_shared = context.sharded is None
+
   def forward_backward(self, trainer, inputs, labels, weights=None):
     """`StepContext.model_forward_backward` on this replica's batch, the
-    non-expert gradients summed over every replica, the expert ones over
-    the replicas of the same slot (D > 1).
+    non-expert gradients summed over every replica (left to the ZeRO
+    optimizer under ZeRO), the expert ones over the replicas of the same
+    slot (D > 1).
 
     Returns:
       `(loss, grads, outputs)` as `StepMode.forward_backward`; the
@@ -289,7 +340,8 @@ class ExpertParallelStep(mode_lib.StepMode):
     variables = self.model.trainable_variables
     context = tf.distribute.get_replica_context()
     shared = [i for i, (g, v) in enumerate(zip(grads, variables))
-              if g is not None and id(v) not in self._expert_ids]
+              if g is not None and id(v) not in self._expert_ids and
+              self._sums_shared]
     grads = list(grads)
     if shared:
       summed = context.all_reduce(tf.distribute.ReduceOp.SUM,
@@ -356,24 +408,32 @@ class ExpertParallelStep(mode_lib.StepMode):
   def checkpoint_optimizer(self, context):
     """An optimizer of `context.optimizer`'s class and configuration
     built on the unsharded model, each slot saving the value of its twin
-    (an expert's slot from a replica of its slot) and restoring into it:
-    the checkpoint's `optimizer`, under an unsharded run's keys.
+    (an expert's slot from a replica of its slot; under ZeRO a
+    non-expert slot gathered from the shards, `ShardedOptimizer.
+    full_slot`) and restoring into it: the checkpoint's `optimizer`,
+    under an unsharded run's keys.
 
     Raises:
       ValueError: an optimizer variable has no twin.
     """
-    optimizer = context.optimizer
+    optimizer, sharded = context.optimizer, context.sharded
     with tf.device("/cpu:0"):
       view = type(optimizer).from_config(optimizer.get_config())
       view.build(self.unsharded.trainable_variables)
     by_view = {id(p.view): p for p in self.pairs}
-    mine = _slot_owners(optimizer, self.model.trainable_variables)
-    ours = {(None if mine[slot.name][0] is None else id(mine[slot.name][0]),
-             mine[slot.name][1]): slot for slot in optimizer.variables}
+    ours = {}
+    for holder in [optimizer] + ([sharded.experts] if sharded else []):
+      mine = _slot_owners(holder, self.model.trainable_variables)
+      for slot in holder.variables:
+        owner, suffix = mine[slot.name]
+        ours.setdefault((None if owner is None else id(owner), suffix), slot)
     owners = _slot_owners(view, self.unsharded.trainable_variables)
     for twin in view.variables:
       owner, suffix = owners[twin.name]
       pair = by_view.get(id(owner)) if owner is not None else None
+      if pair is not None and sharded and _shards_through(
+          twin, sharded.zero, pair.variable, suffix):
+        continue
       found = ours.get((id(pair.variable) if pair else None, suffix))
       if found is None:
         raise ValueError(f"the optimizer variable {twin.path} has no twin "

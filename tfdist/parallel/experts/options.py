@@ -28,6 +28,14 @@ MULTI_WORKER = "multi_worker_mirrored"
 # The built-in models with no MixtureOfExperts layer.
 WITHOUT_EXPERTS = ("cnn", "resnet", "ranking")
 
+# Why --zero_stage=3 cannot run beside it, and the fix (stages 1-2 run:
+# `tfdist.parallel.experts.zero`).
+_ZERO_3_REFUSED = (
+    "ZeRO stage 3 gathers every replica's weights from one flat list of "
+    "shards, and here the experts' weights differ per replica (use "
+    "--zero_stage=2 or 1 instead: the non-expert optimizer state sharded "
+    "over the replicas, the experts' on their replicas)")
+
 # The settings (flag names) `check_flags` reads, for the step mode's
 # `validate` (`tfdist.parallel.mode.StepMode.validate`).
 CHECKED_SETTINGS = (
@@ -75,8 +83,9 @@ def check_flags(*, expert_parallel: int, model: Optional[str] = None,
       cannot host it (parameter servers, TPU, one device, none); pipeline
       stages or tensor parallelism beside it; a replica count known from
       the flags of one host (`--num_gpus` > 0 or `--num_cpu_devices` > 0,
-      not under multi_worker_mirrored) that E_p does not divide; ZeRO, XLA, fp16, gradient clipping or
-      `--init_checkpoint`.
+      not under multi_worker_mirrored) that E_p does not divide; ZeRO
+      stage 3 (stages 1-2 run: `tfdist.parallel.experts.zero`), XLA,
+      fp16, gradient clipping or `--init_checkpoint`.
   """
   if not isinstance(expert_parallel, int) or expert_parallel < 1:
     raise errors.ConfigError(f"--expert_parallel={expert_parallel} must be "
@@ -106,8 +115,7 @@ def check_flags(*, expert_parallel: int, model: Optional[str] = None,
        "a pipeline's stages are not data-parallel replicas"),
       (tensor_parallel > 1, f"--tensor_parallel={tensor_parallel}",
        "tensor parallelism already gives every replica the whole batch"),
-      (zero_stage, f"--zero_stage={zero_stage}",
-       "ZeRO shards a flat list of weights that here differ per replica"),
+      (zero_stage == 3, f"--zero_stage={zero_stage}", _ZERO_3_REFUSED),
       (enable_xla, "--enable_xla",
        "the all-to-all runs inside the forward pass, which one replica's "
        "XLA cluster cannot compile"),

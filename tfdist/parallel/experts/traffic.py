@@ -103,6 +103,19 @@ def all_to_all_bytes(shape: ExpertsShape, *, expert_parallel: int,
           (expert_parallel - 1) * compute_bytes) // expert_parallel
 
 
+def zero_line(stage: int, *, expert_parallel: int, replicas: int) -> str:
+  """The run plan's line of ZeRO stage 1 or 2 beside expert parallelism
+  (`tfdist.parallel.experts.zero`): what one replica keeps of the
+  optimizer state (and at stage 2 of the gradient accumulators)."""
+  accumulators = (", and 1/{r} of the non-expert gradient accumulators "
+                  "(with --gradient_accumulation_steps)".format(r=replicas)
+                  if stage == 2 else "")
+  return (f"  optimizer state        ZeRO stage {stage}: each replica keeps "
+          f"1/{replicas} of the non-expert weights' optimizer state (one "
+          f"shard of their flat buffer) and the whole state of its "
+          f"1/{expert_parallel} of the experts{accumulators}")
+
+
 def _mib(n: int) -> str:
   return f"{n / 2**20:.2f} MiB"
 
@@ -124,6 +137,9 @@ def plan_lines(facts) -> List[str]:
       f"experts split over {groups} expert group(s) of {e_p} consecutive "
       f"replicas; each replica holds 1/{e_p} of the experts and their "
       "optimizer state, the other weights stay data-parallel"]
+  if facts.zero_stage in (1, 2):
+    lines.append(zero_line(facts.zero_stage, expert_parallel=e_p,
+                           replicas=replicas))
   shape = facts.experts
   if shape is None:
     lines.append(

@@ -1,4 +1,5 @@
-"""Data x pipeline parallelism in one process: D copies of a P-stage pipeline.
+"""Data x pipeline parallelism: D copies of a P-stage pipeline, driven by one
+process (on its devices, or as a cluster's chief on the tasks' devices).
 
 A `DeviceMesh` of N = D * P devices (`tfdist.parallel.mesh.DeviceMesh.build(
 devices, pipeline=P)`) puts stage p of copy d on device index(d, p) =
@@ -25,7 +26,14 @@ One step (`Pipeline.forward_backward(..., copies=...)`):
    (`mesh.groups("data")[p]`), packed into one vector per stage and dtype
    (an embedding's sparse gradient is made dense for it: the whole
    table's bytes); copy 0's sum is the step's gradient, which the caller
-   applies to the model.
+   applies to the model. Across a cluster, where this process is the
+   client driving the other tasks' devices
+   (`tf.config.experimental_connect_to_cluster`), a group of one remote
+   task's devices is all-reduced so too; a group holding one of the
+   client's own devices, or spanning tasks, cannot be (its collective
+   executor names the client's devices /job:localhost: "unknown device";
+   measured, `tfdist.parallel.collectives`), and is summed on copy 0's
+   device instead (`collective_groups` says which).
 
 Per device, in bytes (S_p: stage p's weights; O_p: its optimizer state):
 copy 0's device of stage p holds S_p (weights) + S_p (gradients) + O_p +
@@ -106,6 +114,8 @@ class DataCopies:
     self.mesh = mesh
     self.groups = [collectives.DeviceGroup(group, name=f"data[stage {p}]")
                    for p, group in enumerate(mesh.groups("data"))]
+    # Which groups run as collectives here (`collective_groups`).
+    self.collective = [_runs_as_collective(g.devices) for g in self.groups]
     self.variables: Dict[Tuple[int, int], List[tf.Variable]] = {}
     for d in range(1, mesh.data):
       for stage in pipeline.stages:
@@ -113,6 +123,12 @@ class DataCopies:
           self.variables[(d, stage.index)] = [
               tf.Variable(tf.zeros(v.shape, v.dtype), trainable=False,
                           name=f"copy{d}/{v.name}") for v in stage.weights]
+
+  def collective_groups(self) -> List[bool]:
+    """Per stage, whether its data group is all-reduced with
+    `tfdist.parallel.collectives` (True) or summed on copy 0's device
+    (a group this process drives but cannot run collectives on)."""
+    return list(self.collective)
 
   @property
   def data(self) -> int:
@@ -190,12 +206,38 @@ class DataCopies:
       with tf.device(self.device(d, p)):
         packed[group.rank(self.device(d, p))] = tf.concat(
             [tf.reshape(per_copy[d][j], [-1]) for j in js], axis=0)
-    summed = collectives.all_reduce(group, packed)[
-        group.rank(self.device(0, p))]
+    if self.collective[p]:
+      summed = collectives.all_reduce(group, packed)[
+          group.rank(self.device(0, p))]
+    else:
+      with tf.device(self.device(0, p)):
+        summed = tf.add_n(packed)
     with tf.device(self.device(0, p)):
       sizes = [int(per_copy[0][j].shape.num_elements()) for j in js]
       for j, piece in zip(js, tf.split(summed, sizes)):
         out[j] = tf.reshape(piece, per_copy[0][j].shape)
+
+
+def _runs_as_collective(devices: Sequence[str]) -> bool:
+  """Whether this process can run a collective over `devices`: always in
+  one process (every device under its own address space, or a task of a
+  cluster running its own program); as a client driving a cluster, only
+  over devices that all belong to one other task."""
+  # pylint: disable=g-import-not-at-top
+  from tensorflow.python.eager import context
+  # pylint: enable=g-import-not-at-top
+  host = _task_of(context.context().host_address_space())
+  tasks = {_task_of(d) for d in devices}
+  listed = {_task_of(d.name) for d in tf.config.list_logical_devices()}
+  if listed <= {host}:
+    return True  # Not a client of other tasks' devices.
+  return len(tasks) == 1 and host not in tasks
+
+
+def _task_of(device: str) -> Tuple:
+  """(job, replica, task) of a device or task name."""
+  spec = tf.DeviceSpec.from_string(device)
+  return (spec.job or "localhost", spec.replica or 0, spec.task or 0)
 
 
 def _same_device(a: str, b: str) -> bool:

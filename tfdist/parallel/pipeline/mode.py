@@ -40,6 +40,7 @@ from tfdist.parallel import mode as mode_lib
 from tfdist.parallel.pipeline import copies as copies_lib
 from tfdist.parallel.pipeline import stages as pipeline_lib
 from tfdist.parallel.pipeline import options as pipeline_options
+from tfdist.runtime import private_api
 from tfdist.training.step import custom_step
 
 
@@ -166,17 +167,31 @@ class PipelineStep(mode_lib.StepMode):
           f"  copy 0 (the stages below) holds the weights, gradients and "
           f"optimizer state; copies 1..{self.copies.data - 1} hold their "
           "stage's weights (refreshed from copy 0 each step) and "
-          "gradients, no optimizer state; each stage's gradients are "
-          "all-reduced over its data group")
-    unit = "chunk" if self.pipeline.virtual_stages > 1 else "stage"
-    return "\n".join(lines + [
-        f"  {unit} {s['index']} on {s['device']}: {len(s['layers'])} "
-        f"layer(s) {s['layers'][0]} .. {s['layers'][-1]}, "
-        f"{s['param_bytes']} weight bytes" +
-        (f", activations at least {s['activation_bytes']} bytes "
-         f"({s['microbatches_in_flight']} micro-batch(es) of "
-         f"{self.micro_batch} in flight)" if "activation_bytes" in s else "")
-        for s in self.stages()])
+          "gradients, no optimizer state; " + _reduction_line(self.copies))
+    chunks = self.pipeline.virtual_stages > 1
+    stages = self.stages()
+
+    def held(s):
+      return (f"activations at least {s['activation_bytes']} bytes "
+              f"({s['microbatches_in_flight']} "
+              f"{'chunk ' if chunks else ''}micro-batch(es) of "
+              f"{self.micro_batch} in flight)")
+
+    lines += [
+        f"  {'chunk' if chunks else 'stage'} {s['index']} on {s['device']}: "
+        f"{len(s['layers'])} layer(s) {s['layers'][0]} .. "
+        f"{s['layers'][-1]}, {s['param_bytes']} weight bytes" +
+        (f", {held(s)}" if "activation_bytes" in s and not chunks else "")
+        for s in stages]
+    if chunks and stages and "activation_bytes" in stages[0]:
+      # Under the interleaved schedule a device's activations are those
+      # of all its chunks at its peak: one line per device, not per chunk.
+      p = self.pipeline.num_stages
+      lines += [
+          f"  stage {s['index']} on {s['device']} (chunks "
+          f"{', '.join(str(c['index']) for c in stages[s['index']::p])}): "
+          f"{held(s)}" for s in stages[:p]]
+    return "\n".join(lines)
 
   def forward_backward(self, trainer, inputs, labels, weights=None):
     """`StepContext.model_forward_backward` through the pipeline.
@@ -221,6 +236,23 @@ class PipelineStep(mode_lib.StepMode):
                for v, g in zip(trainer.model.trainable_variables, grads)]
       loss += regularization
     return loss, grads, outputs
+
+
+def _reduction_line(copies: copies_lib.DataCopies) -> str:
+  """How each stage's gradients meet across the copies: all-reduced with
+  `tfdist.parallel.collectives` over its data group, or (a group on the
+  driving process's own devices in a cluster) summed on copy 0's
+  device."""
+  collective = copies.collective_groups()
+  if all(collective):
+    return "each stage's gradients are all-reduced over its data group"
+  def stages(flag):
+    return ", ".join(str(p) for p, c in enumerate(collective) if c == flag)
+  reduced = (f"stage {stages(True)}'s gradients are all-reduced over its "
+             "data group (collectives); " if any(collective) else "")
+  return (f"{reduced}stage {stages(False)}'s are summed on copy 0's device "
+          "(a group on this client's own devices, where collectives cannot "
+          "run)")
 
 
 def _flag_error(options: pipeline_options.PipelineOptions,
@@ -363,7 +395,7 @@ def _build(model, options, *, micro_step_batch, gradient_accumulation_steps,
         "whole model, not tfdist's pipelined step. Drop --pipeline_stages, "
         "or the override (tfdist's step then trains it through the "
         "stages).")
-  for layer in model._flatten_layers(include_self=False):  # pylint: disable=protected-access
+  for layer in private_api.flatten_layers(model, include_self=False):
     if getattr(layer, "activity_regularizer", None) is not None:
       raise errors.PipelineConfigError(
           f"--pipeline_stages={options.num_stages}: layer {layer.name!r} "

@@ -12,13 +12,23 @@ without GPUs or with `--num_gpus=0`), hold D = N / P copies of the
 pipeline (`data_degree`): a `tfdist.parallel.mesh.DeviceMesh` of data D x
 pipeline P, stage p of copy d on device p * D + d
 (`tfdist.parallel.pipeline.copies`). Without such a flag (or with N <= P)
-D = 1: the P stages on the first P devices, as before. Pure Python (no TensorFlow): `tfdist.config` calls it
+D = 1: the P stages on the first P devices, as before.
+
+Data x pipeline across a cluster (the chief and T - 1 workers of
+`TF_CONFIG` or `tfdist.launch`, the chief driving every device,
+`tfdist.backends.pipeline`): the device flag counts each task's devices, n,
+so N = T * n and D = N / P; the mesh is laid over the tasks' devices in
+task order (the chief's first), so stage p of every copy sits on the
+devices [p * D, (p + 1) * D) of that order: each task hosts P / T stages
+of every copy, as it hosts P / T stages of one copy without the flag.
+Pure Python (no TensorFlow): `tfdist.config` calls it
 while it validates a `TrainConfig`. The pipeline itself is
 `tfdist.parallel.pipeline`; the trainer's use of it,
 `tfdist.parallel.pipeline.mode`.
 """
 
 import dataclasses
+import math
 from typing import Optional, Sequence, Tuple
 
 from tfdist import errors
@@ -33,7 +43,8 @@ SCHEDULES = (GPIPE, ONE_F_ONE_B, INTERLEAVED)
 # its one process (D copies on a data x pipeline mesh, each stage's
 # gradients all-reduced over its data group with tfdist.parallel.
 # collectives), not as tf.distribute replicas; across the workers of a
-# MultiWorkerMirrored cluster it is not built yet.
+# MultiWorkerMirrored cluster the chief drives the workers' devices (the
+# strategy `auto` under a cluster), not as tf.distribute replicas either.
 _DATA_PARALLEL = ("mirrored", "multi_worker_mirrored", "parameter_server",
                   "tpu")
 
@@ -60,6 +71,9 @@ class PipelineOptions:
       flags (`--num_gpus` above 0: GPUs), before the backend finds them.
     virtual_stages: V, the model chunks each device holds (`interleaved`:
       V >= 2, P * V chunks, chunk c on device c mod P; else 1).
+    tasks: across a cluster, the names of the tasks that host stages, in
+      stage order (`ClusterInfo.training_tasks`: the chief's first), each
+      with N / T of the mesh's devices; empty: one process.
   """
   num_stages: int = 1
   num_microbatches: int = 1
@@ -70,16 +84,18 @@ class PipelineOptions:
   data: int = 1
   device_type: str = "CPU"
   virtual_stages: int = 1
+  tasks: Tuple[str, ...] = ()
 
   @classmethod
-  def of(cls, parallelism, *, num_gpus: int = -1,
-         num_cpu_devices: int = 0) -> "PipelineOptions":
+  def of(cls, parallelism, *, num_gpus: int = -1, num_cpu_devices: int = 0,
+         tasks: Sequence[str] = ()) -> "PipelineOptions":
     """The pipeline of the config's parallelism section
     (`tfdist.config.ParallelismConfig`: `pipeline_stages`,
     `num_microbatches`, defaulted to the stages when None,
     `pipeline_schedule`, `pipeline_virtual_stages`, `pipeline_cuts`), its
     data degree from
-    `--num_gpus` and `--num_cpu_devices` (`data_degree`).
+    `--num_gpus` and `--num_cpu_devices` (`data_degree`), each task's
+    across the cluster's stage `tasks` (`ClusterInfo.training_tasks`).
 
     Raises:
       ConfigError: as `data_degree`.
@@ -92,9 +108,11 @@ class PipelineOptions:
         cuts=tuple(parallelism.pipeline_cuts),
         microbatches_defaulted=parallelism.num_microbatches is None,
         data=data_degree(parallelism.pipeline_stages, num_gpus=num_gpus,
-                         num_cpu_devices=num_cpu_devices),
+                         num_cpu_devices=num_cpu_devices,
+                         tasks=max(1, len(tasks))),
         device_type="GPU" if num_gpus > 0 else "CPU",
-        virtual_stages=parallelism.pipeline_virtual_stages)
+        virtual_stages=parallelism.pipeline_virtual_stages,
+        tasks=tuple(tasks))
 
   @property
   def enabled(self) -> bool:
@@ -103,23 +121,28 @@ class PipelineOptions:
 
   def mesh(self) -> mesh_lib.DeviceMesh:
     """The data x pipeline mesh: over `devices`, or, before the backend
-    found them, over D * P names `/device:<device_type>:i` (the plan's).
+    found them, over D * P names `/device:<device_type>:i` (the plan's;
+    across a cluster, `<task>/device:<device_type>:i`, N / T per task in
+    `tasks` order).
 
     Raises:
       ConfigError: `devices` that P does not divide (`DeviceMesh.build`).
     """
+    n = self.data * self.num_stages
     devices = self.devices or tuple(
-        f"/device:{self.device_type}:{i}"
-        for i in range(self.data * self.num_stages))
+        f"{task}/device:{self.device_type}:{i}"
+        for task in (self.tasks or ("",))
+        for i in range(n // max(1, len(self.tasks))))
     return mesh_lib.DeviceMesh.build(devices, pipeline=self.num_stages)
 
   def describe(self) -> str:
     """One line for the run plan and the log."""
     cuts = (f"at {','.join(self.cuts)}" if self.cuts else
             "balanced by weight and activation bytes")
+    where = (f" over {len(self.tasks)} tasks" if self.tasks else "")
     copies = (f"{self.data} copies (data {self.data} x pipeline "
-              f"{self.num_stages}, each on 1/{self.data} of the batch) of "
-              if self.data > 1 else "")
+              f"{self.num_stages}{where}, each on 1/{self.data} of the "
+              "batch) of " if self.data > 1 else "")
     per_copy = " per copy" if self.data > 1 else ""
     schedule = self.schedule
     if self.virtual_stages > 1:
@@ -147,19 +170,21 @@ class PipelineOptions:
 
 
 def data_degree(pipeline_stages: int, *, num_gpus: int = -1,
-                num_cpu_devices: int = 0) -> int:
-  """D, the copies of a P-stage pipeline in one process: N / P for the N
-  devices the flags name, 1 when they name none beyond P.
+                num_cpu_devices: int = 0, tasks: int = 1) -> int:
+  """D, the copies of a P-stage pipeline: N / P for the N devices the
+  flags name, 1 when they name none beyond P.
 
-  N is `--num_gpus` when above 0 (GPUs); else `--num_cpu_devices` (logical
-  CPU devices; the backend refuses it on a host whose GPUs would run the
-  stages unless `--num_gpus=0`); `--num_gpus=-1` (all visible) or N <= P
-  keeps D = 1, so an unchanged command runs as before.
+  N is `tasks` times n, each task's devices: `--num_gpus` when above 0
+  (GPUs); else `--num_cpu_devices` (logical CPU devices; the backend
+  refuses it on a host whose GPUs would run the stages unless
+  `--num_gpus=0`); `--num_gpus=-1` (all visible) or N <= P keeps D = 1, so
+  an unchanged command runs as before.
 
   Args:
     pipeline_stages: P (1: no pipeline, D = 1).
     num_gpus: `--num_gpus` (-1: all visible).
     num_cpu_devices: `--num_cpu_devices` (0 or 1: no split).
+    tasks: T, the cluster's tasks that host stages (1: one process).
 
   Returns:
     D >= 1.
@@ -172,19 +197,23 @@ def data_degree(pipeline_stages: int, *, num_gpus: int = -1,
     return 1
   flag, n = (("--num_gpus", num_gpus) if num_gpus > 0 else
              ("--num_cpu_devices", num_cpu_devices))
-  if n <= pipeline_stages:
+  total = max(n, 0) * tasks
+  if total <= pipeline_stages:
     return 1
-  if n % pipeline_stages:
-    fits = sorted({pipeline_stages * (n // pipeline_stages),
-                   pipeline_stages * (n // pipeline_stages + 1)})
+  if total % pipeline_stages:
+    step = pipeline_stages // math.gcd(pipeline_stages, tasks)
+    fits = sorted({k for k in (step * (n // step), step * (n // step + 1))
+                   if k})
+    each = (f" on each of the cluster's {tasks} tasks ({total} in all)"
+            if tasks > 1 else "")
     raise errors.ConfigError(
-        f"{flag}={n} devices cannot hold whole copies of a "
+        f"{flag}={n} devices{each} cannot hold whole copies of a "
         f"--pipeline_stages={pipeline_stages} pipeline: the data x "
         "pipeline mesh puts D = devices / stages copies on them, so "
-        f"--pipeline_stages must divide {flag}. Use {flag}="
+        f"--pipeline_stages must divide the devices. Use {flag}="
         f"{' or '.join(map(str, fits))}, or --pipeline_stages among "
-        f"{[d for d in range(2, n + 1) if n % d == 0]}.")
-  return n // pipeline_stages
+        f"{[d for d in range(2, total + 1) if total % d == 0]}.")
+  return total // pipeline_stages
 
 
 def parse_cuts(value) -> Tuple[str, ...]:
@@ -262,17 +291,18 @@ def check_flags(*, pipeline_stages: int, num_microbatches: Optional[int],
     raise errors.ConfigError(
         f"--pipeline_stages={pipeline_stages} cannot run under "
         f"--distribution_strategy={distribution_strategy}: a pipeline's "
-        "data parallelism runs in its own process, D copies of the "
-        "pipeline on a data x pipeline device mesh, not as tf.distribute "
-        "replicas (across workers it is not built yet). Use "
+        "data parallelism is D copies of the pipeline on a data x "
+        "pipeline device mesh driven by one process (across a cluster, "
+        "its chief), not tf.distribute replicas. Use "
         "--distribution_strategy=auto, one_device or off with "
         f"--num_gpus=N or --num_cpu_devices=N (N = D x {pipeline_stages} "
-        "devices: D copies), or drop --pipeline_stages.")
+        "devices: D copies; in a cluster of T chief and worker tasks, N / "
+        "T on each task), or drop --pipeline_stages.")
   data = data_degree(pipeline_stages, num_gpus=num_gpus,
                      num_cpu_devices=num_cpu_devices)
   if pipeline_schedule == INTERLEAVED:
-    _check_interleaved(pipeline_stages, num_microbatches, data,
-                       num_gpus=num_gpus, num_cpu_devices=num_cpu_devices)
+    check_interleaved(pipeline_stages, num_microbatches, data,
+                      num_gpus=num_gpus, num_cpu_devices=num_cpu_devices)
   if zero_stage:
     raise errors.ConfigError(
         f"--pipeline_stages={pipeline_stages} and "
@@ -344,11 +374,12 @@ def _check_virtual_stages(pipeline_stages: int, pipeline_schedule: str,
         "--pipeline_stages=P (P > 1) too.")
 
 
-def _check_interleaved(pipeline_stages: int, num_microbatches: Optional[int],
-                       data: int, *, num_gpus: int,
-                       num_cpu_devices: int) -> None:
+def check_interleaved(pipeline_stages: int, num_microbatches: Optional[int],
+                      data: int, *, num_gpus: int, num_cpu_devices: int,
+                      tasks: int = 1) -> None:
   """Refuses M not a multiple of P (Megatron's interleaved order runs the
-  micro-batches in groups of P) and D > 1 copies (not built).
+  micro-batches in groups of P) and D > 1 copies (not built), the latter
+  on one process's devices or on each of a cluster's `tasks`.
 
   Raises:
     ConfigError: naming the flags, the values and the fix.
@@ -366,12 +397,13 @@ def _check_interleaved(pipeline_stages: int, num_microbatches: Optional[int],
   if data > 1:
     flag, n = (("--num_gpus", num_gpus) if num_gpus > 0 else
                ("--num_cpu_devices", num_cpu_devices))
+    each = f" on each of the cluster's {tasks} tasks" if tasks > 1 else ""
     raise errors.ConfigError(
-        f"--pipeline_schedule=interleaved with {flag}={n} (D={data} copies "
-        f"of the --pipeline_stages={pipeline_stages} pipeline): data x "
-        "pipeline copies of an interleaved pipeline are not built yet. Use "
-        f"{flag}={pipeline_stages} (one copy), or --pipeline_schedule=1f1b "
-        "for D copies.")
+        f"--pipeline_schedule=interleaved with {flag}={n}{each} (D={data} "
+        f"copies of the --pipeline_stages={pipeline_stages} pipeline): data "
+        "x pipeline copies of an interleaved pipeline are not built yet. "
+        f"Use {flag}={max(1, pipeline_stages // tasks)} (one copy), or "
+        "--pipeline_schedule=1f1b for D copies.")
 
 
 def check_batch(options: PipelineOptions, *, micro_step_batch: int,

@@ -69,6 +69,7 @@ import tensorflow as tf
 from tfdist import errors
 from tfdist.parallel import collectives
 from tfdist.parallel.tensor import groups as groups_lib
+from tfdist.runtime import private_api
 
 # The attribute of a sharded Keras variable naming the axis it is split on.
 _SHARD_AXIS = "_tfdist_tensor_parallel_axis"
@@ -381,7 +382,7 @@ def splittable_weight_bytes(model: keras.Model) -> int:
     Bytes (int), from shapes and dtypes; 0 when nothing can be split.
   """
   layers = {layer.name: layer
-            for layer in model._flatten_layers(include_self=False)}  # pylint: disable=protected-access
+            for layer in private_api.flatten_layers(model, include_self=False)}
   total = 0
 
   def nbytes(variable):

@@ -41,7 +41,7 @@ every collective spans all replicas (`ReplicaContext`'s).
 
 With `--zero_stage=1` or 2 (hybrid sharding, `tfdist.parallel.tensor.zero`)
 the trainer's `ShardedOptimizer` is given the data groups
-(`zero_groups`): the step leaves the data-group sum to it, and each
+(`sharded_optimizer`): the step leaves the data-group sum to it, and each
 replica keeps the optimizer state of 1/D of its per-replica variables.
 
 Random layers draw the same stream on every replica (the one replica 0
@@ -68,6 +68,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist.parallel import collectives
+from tfdist.parallel import layout_map as layout_map_lib
 from tfdist.parallel import mesh as mesh_lib
 from tfdist.parallel import mode as mode_lib
 from tfdist.parallel.tensor import from_layout_map
@@ -75,6 +76,7 @@ from tfdist.parallel.tensor import groups as groups_lib
 from tfdist.parallel.tensor import layers as tp_lib
 from tfdist.parallel.tensor import options as tensor_options
 from tfdist.parallel.tensor import zero as zero_lib
+from tfdist.runtime import private_api
 
 _VALUE = "VARIABLE_VALUE"
 
@@ -139,7 +141,7 @@ def _copy_rows_dropout(model: keras.Model,
   """Makes every `keras.layers.Dropout` of `model` a `_CopyRowsDropout`;
   returns how many."""
   count = 0
-  for layer in model._flatten_layers(include_self=False):  # pylint: disable=protected-access
+  for layer in private_api.flatten_layers(model, include_self=False):
     if type(layer) is keras.layers.Dropout:  # pylint: disable=unidiomatic-typecheck
       layer.__class__ = _CopyRowsDropout
       object.__setattr__(layer, "_tfdist_groups", groups)
@@ -313,10 +315,17 @@ class TensorParallelStep(mode_lib.StepMode):
         facts.activation_bytes_per_example * facts.global_batch_size,
         not note, note)]
 
-  def zero_groups(self):
-    """ZeRO stages 1-2 shard over each data group (`zero.DataGroupShards`:
-    hybrid sharding, the D replicas holding one tensor shard)."""
-    return zero_lib.DataGroupShards(self.groups)
+  def sharded_optimizer(self, stage_class, **kwargs):
+    """ZeRO stages 1-2 sharded over each data group (hybrid sharding):
+    `stage_class` given the mesh's data groups (`zero.DataGroupShards`,
+    the D replicas holding one tensor shard). Stage 3 is refused at start
+    (`tfdist.parallel.tensor.options`).
+
+    Raises:
+      tfdist.errors.ConfigError: as `zero.DataGroupShards` (a data group
+        out of replica order) and `ShardedOptimizer` raise.
+    """
+    return stage_class(**kwargs, groups=zero_lib.DataGroupShards(self.groups))
 
   def describe(self) -> str:
     """One line for the manifest and the log."""
@@ -467,7 +476,7 @@ class TensorParallelStep(mode_lib.StepMode):
 
 def _same_streams(model: keras.Model) -> List[keras.random.SeedGenerator]:
   generators, seen = [], set()
-  for layer in model._flatten_layers(include_self=True):  # pylint: disable=protected-access
+  for layer in private_api.flatten_layers(model, include_self=True):
     for generator in getattr(layer, "_seed_generators", ()):
       if id(generator) not in seen:
         seen.add(id(generator))
@@ -526,7 +535,12 @@ def build(build_model: Callable[[bool], keras.Model],
   if groups.data > 1:
     _copy_rows_dropout(model, groups)
   step = TensorParallelStep(model, unsharded, tensor, groups)
+  note = (None if layout_map is None else
+          layout_map_lib.batch_axis_note(layout_map, groups.data))
+  if note:
+    logging.warning("%s", note)
   logging.info("Tensor parallelism: %s.", step.describe())
-  for line in groups.mesh.plan_lines():
-    logging.info("%s", line)
+  # The plan printed the mesh by replica; here each replica's device, once.
+  logging.info("Tensor-parallel replicas' devices: %s.", ", ".join(
+      f"replica {r} on {d}" for r, d in enumerate(groups.mesh.devices)))
   return step

@@ -203,7 +203,7 @@ def autocast_elements(model: keras.Model, layout, variables):
   batch or layer normalization, which keep float32). None when no
   weight is autocast, or layers autocast to different dtypes."""
   dtypes = {}
-  for layer in model._flatten_layers(include_self=True):  # pylint: disable=protected-access
+  for layer in private_api.flatten_layers(model, include_self=True):
     dtype = layer.compute_dtype
     if (layer.autocast and dtype != layer.variable_dtype and
         dtype in ("bfloat16", "float16")):
@@ -253,7 +253,7 @@ def replicated_variables(model: keras.Model) -> list:
   mirrored, it is read in place, as at stage 0, and only its optimizer
   state is sharded (as at stage 1)."""
   out, seen = [], set()
-  for layer in model._flatten_layers(include_self=False):  # pylint: disable=protected-access
+  for layer in private_api.flatten_layers(model, include_self=False):
     if isinstance(layer, keras.layers.Embedding):
       for v in layer.trainable_variables:
         if id(v) not in seen:
@@ -294,7 +294,7 @@ class Block:
 
 def _has_regularizers(model: keras.Model) -> bool:
   return any(getattr(layer, name, None) is not None
-             for layer in model._flatten_layers(include_self=False)  # pylint: disable=protected-access
+             for layer in private_api.flatten_layers(model, include_self=False)
              for name in _REGULARIZERS)
 
 

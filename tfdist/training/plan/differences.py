@@ -19,6 +19,7 @@ import keras
 
 from tfdist.data import input_pipeline
 from tfdist.data import input_position
+from tfdist.runtime import private_api
 from tfdist.training.step import custom_step
 from tfdist.training.step import objectives as objectives_lib
 
@@ -338,7 +339,7 @@ def facts_of(*, model, optimizer: str, plain_sgd: bool, replicas: int,
   """`RunFacts` from the built model and the run's settings (the layers
   are found by walking `model`'s sub-layers; `input_fn`: the training
   dataset function, None for files)."""
-  layers = [model] + list(model._flatten_layers(include_self=False))  # pylint: disable=protected-access
+  layers = [model] + private_api.flatten_layers(model, include_self=False)
   self_sharding = bool(
       input_fn is not None and input_pipeline.takes_input_context(input_fn)
       and not getattr(input_fn, input_pipeline.SHARDS_BY_EXAMPLE, False))

@@ -304,7 +304,8 @@ LAYOUTS = ("data parallel", "ZeRO 1", "ZeRO 2", "ZeRO 3", "pipeline",
            "tensor parallel")
 # Rows only for a model that has what they split: expert parallelism for a
 # model with mixture-of-experts layers (after the others).
-OPTIONAL_LAYOUTS = ("expert parallel",)
+OPTIONAL_LAYOUTS = ("expert parallel", "expert parallel + ZeRO 1",
+                    "expert parallel + ZeRO 2")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -583,7 +584,9 @@ def layout_table(estimate: ModelMemory, *, num_devices: int,
     experts' state (`expert_bytes` of weights, their gradients and slots
     in proportion) / E_p, E_p the largest divisor of both N and E, the rest
     whole; each replica a*B/N activations (the dispatched tokens' buffers
-    not counted).
+    not counted). Beside it ZeRO 1: the non-expert optimizer state / N,
+    the experts' / E_p; ZeRO 2: also the non-expert gradient
+    accumulators / N (`tfdist.parallel.experts.zero`).
 
   Args:
     estimate: the model's unsharded `ModelMemory` (one replica, plain data

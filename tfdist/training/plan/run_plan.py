@@ -67,6 +67,9 @@ class PlanOptions:
       and the resolved ZeRO stage.
     strategy: the `tfdist.config.StrategyConfig`: `all_reduce_dtype` (the
       gradients' wire dtype) and its parallelism section (the pipeline).
+    tasks: across a cluster, its chief and worker tasks
+      (`ClusterInfo.training_tasks`), over which a pipeline's copies are
+      counted; empty: one process.
   """
   data: DataOptions
   lr: lr_schedule.LROptions
@@ -80,6 +83,7 @@ class PlanOptions:
       default_factory=config_lib.MemoryConfig)
   strategy: config_lib.StrategyConfig = dataclasses.field(
       default_factory=config_lib.StrategyConfig)
+  tasks: Tuple[str, ...] = ()
 
   @property
   def need_eval(self) -> bool:
@@ -89,11 +93,12 @@ class PlanOptions:
   @property
   def pipeline(self) -> Optional[pipeline_options.PipelineOptions]:
     """The parallelism section's `PipelineOptions` on the strategy
-    section's devices (one stage: none)."""
+    section's devices, each of `tasks`' across a cluster (one stage:
+    none)."""
     strategy = self.strategy
     return pipeline_options.PipelineOptions.of(
         strategy.parallelism, num_gpus=strategy.num_gpus,
-        num_cpu_devices=strategy.num_cpu_devices)
+        num_cpu_devices=strategy.num_cpu_devices, tasks=self.tasks)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -297,7 +302,8 @@ def mode_plan_lines(options: "PlanOptions", spec, plan, *, dtype: str,
       gradient_accumulation_steps=plan.gradient_accumulation_steps,
       compute_bytes=4 if dtype == "fp32" else 2, pipeline=pipeline,
       experts=models.experts_shape(options.task.model, options.task,
-                                   spec))))
+                                   spec),
+      zero_stage=options.memory.zero_stage_resolved)))
 
 
 def resolve_data_files(data: DataOptions, spec, *, need_eval: bool = True

@@ -99,6 +99,7 @@ import tensorflow as tf
 from tfdist.parallel import mode as mode_lib
 from tfdist.parallel import modes
 from tfdist.parallel.data import sharded_optimizer
+from tfdist.runtime import private_api
 from tfdist.training.step import objectives
 from tfdist.training.step import precision
 from tfdist.core import reduce_dtype
@@ -147,7 +148,7 @@ def per_replica_random_streams(model: keras.Model) -> int:
     The number of seed generators changed.
   """
   changed = 0
-  for layer in model._flatten_layers(include_self=True):  # pylint: disable=protected-access
+  for layer in private_api.flatten_layers(model, include_self=True):
     for generator in getattr(layer, "_seed_generators", ()):
       if type(generator) is keras.random.SeedGenerator:  # pylint: disable=unidiomatic-typecheck
         generator.__class__ = _PerReplicaSeedGenerator
@@ -166,7 +167,7 @@ def random_state(model: keras.Model) -> list:
   (`tfdist.training.assembly.build`).
   """
   states, seen = [], set()
-  for layer in model._flatten_layers(include_self=True):  # pylint: disable=protected-access
+  for layer in private_api.flatten_layers(model, include_self=True):
     for generator in getattr(layer, "_seed_generators", ()):
       if id(generator) not in seen:
         seen.add(id(generator))
@@ -391,7 +392,8 @@ class Trainer:
       (ZeRO stage 1 or 2: the optimizer, built on no variables, then runs
       on per-replica shards, see `tfdist.parallel.data.sharded_optimizer`;
       stage 3 also the weights, `tfdist.parallel.zero3`); None or stage 0:
-      unsharded.
+      unsharded. `mode` builds it (`StepMode.sharded_optimizer`: the
+      `experts` mode shards the non-expert weights' state only).
     time_steps: measure the input wait and the call's execution time with
       `tf.timestamp` (see `train_function`); False under op determinism
       (`--deterministic`), which refuses `tf.timestamp`: both are then NaN
@@ -478,12 +480,7 @@ class Trainer:
     self.uses_loss_scale = isinstance(optimizer,
                                       keras.optimizers.LossScaleOptimizer)
     per_replica_random_streams(model)
-    self.sharded = (sharded_optimizer.optimizer_class(sharding)(
-        strategy=strategy, optimizer=optimizer,
-        variables=model.trainable_variables, options=sharding,
-        all_reduce_dtype=self.all_reduce_dtype, model=model,
-        groups=mode.zero_groups() if mode is not None else None)
-                    if sharding is not None and sharding.enabled else None)
+    self.sharded = self._make_sharded(sharding, mode)
     self._make_step_variables()
     # XLA compiles the per-replica forward and backward pass; Keras 3 turns
     # XLA off under a tf.distribute strategy, so tfdist applies it to its own
@@ -521,6 +518,20 @@ class Trainer:
                         else objectives.MetricSums([
                             objectives.resolve_metric(m, **shapes)
                             for m in metrics or ()]))
+
+  def _make_sharded(self, sharding, mode):
+    """The ZeRO optimizer of `sharding`'s stage (None: stage 0), as
+    `mode` builds it (`StepMode.sharded_optimizer`; the stage's class on
+    the model's trainable variables without a mode)."""
+    if sharding is None or not sharding.enabled:
+      return None
+    stage_class = sharded_optimizer.optimizer_class(sharding)
+    kwargs = dict(strategy=self.strategy, optimizer=self.optimizer,
+                  variables=self.model.trainable_variables, options=sharding,
+                  all_reduce_dtype=self.all_reduce_dtype, model=self.model)
+    if mode is None:
+      return stage_class(**kwargs)
+    return mode.sharded_optimizer(stage_class, **kwargs)
 
   def _make_step_variables(self) -> None:
     """Creates `global_step` (and the gradient accumulators, with more than
