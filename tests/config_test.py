@@ -282,10 +282,16 @@ class TrainConfigTest(parameterized.TestCase):
       ("tensor_parallel_gpus_not_a_multiple", dict(
           _TRANSFORMER, tensor_parallel=4, num_gpus=6),
        "--tensor_parallel=4 with --num_gpus=6: .* Pass --num_gpus=4 or 8"),
-      ("tensor_parallel_zero", dict(_TRANSFORMER, tensor_parallel=2,
-                                    zero_stage=1,
-                                    distribution_strategy="mirrored"),
-       "--tensor_parallel=2 cannot run with --zero_stage=1"),
+      ("tensor_parallel_zero3", dict(_TRANSFORMER, tensor_parallel=2,
+                                     zero_stage=3,
+                                     distribution_strategy="mirrored"),
+       r"--tensor_parallel=2 cannot run with --zero_stage=3 "
+       r"\(--shard_parameters\): .* Use --zero_stage=1 or 2"),
+      ("tensor_parallel_zero_one_copy", dict(
+          _TRANSFORMER, tensor_parallel=2, shard_optimizer_state=True,
+          distribution_strategy="mirrored"),
+       r"--tensor_parallel=2 with --zero_stage=1 \(--shard_optimizer_state"
+       r"\) on 2 replicas: .* \(D = 1\).* Pass --num_cpu_devices=4"),
       ("tensor_parallel_pipeline", dict(_TRANSFORMER, tensor_parallel=2,
                                         pipeline_stages=2),
        "--tensor_parallel=2 cannot run with --pipeline_stages=2"),

@@ -5,7 +5,8 @@
 * a mesh with one axis equals the single-axis table's row of that layout
   (data parallelism and ZeRO 1-3 over N, a pipeline of N stages, tensor
   parallelism over N): the two tables cannot drift apart;
-* a hand-computed D2 x P2 x T1 at ZeRO 1;
+* a hand-computed D2 x P2 x T1 at ZeRO 1, and D2 x P1 x T2 at ZeRO 1
+  (hybrid sharding: ZeRO inside each data group of the tensor mesh);
 * the recommendation: the first runnable layout that fits, so shrinking the
   memory walks it from data parallelism to ZeRO to a pipeline; a layout
   tfdist cannot run is never recommended;
@@ -109,6 +110,26 @@ class MeshLayoutsTest(absltest.TestCase):
     plain = _by_name(mesh_plan.mesh_layouts(_choice(4).facts))["D2 x P2 x T1"]
     self.assertTrue(plain.memory.available)
     self.assertEqual(m.to_dict()["zero_stage"], 1)
+
+  def test_hand_computed_data_by_tensor_at_zero_1(self):
+    # Hybrid sharding: ZeRO 1 inside each data group of a D2 x T2 mesh.
+    # The split layers hold half the weights (32 of 64 MiB), so one
+    # device keeps 1 - 1/2 x 1/2 = 3/4 of each state (t_T), and the
+    # optimizer state's 3/4 over D = 2.
+    meshes = _by_name(mesh_plan.mesh_layouts(_choice(4).facts))
+    m = meshes["D2 x P1 x T2, ZeRO 1"]
+    row = m.memory
+    self.assertTrue(row.available, row.note)
+    self.assertEqual(row.parameters_bytes, 48 * MiB)
+    self.assertEqual(row.gradients_bytes, 48 * MiB)
+    self.assertEqual(row.optimizer_bytes, 48 * MiB + 3)  # (128 MiB + 8) 3/8
+    self.assertEqual(row.flags, "--distribution_strategy=mirrored "
+                     "--tensor_parallel=2 --num_gpus=4 --zero_stage=1")
+    # All-reduce and all-gather over D = 2: 3 x 1/2 x 48 MiB.
+    self.assertEqual(m.data_traffic_bytes, 72 * MiB)
+    self.assertTrue(meshes["D2 x P1 x T2, ZeRO 2"].memory.available)
+    self.assertIn("ZeRO stage 3 beside tensor parallelism is not built yet",
+                  meshes["D2 x P1 x T2, ZeRO 3"].memory.note)
 
   def test_recommendation_walks_as_memory_shrinks(self):
     def best(capacity):

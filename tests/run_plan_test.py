@@ -16,6 +16,7 @@ from tfdist.distribute import auto_select
 from tfdist.core.strategy_kind import StrategyKind
 from tfdist.training.plan import lr_schedule
 from tfdist.training.plan import run_plan
+from tests import testutil
 
 pytestmark = pytest.mark.compat
 
@@ -154,6 +155,27 @@ class MakeRunPlanTest(absltest.TestCase):
                   "the 2 replicas", text)
     self.assertIn("deterministic", text)
 
+  def test_zero_beside_tensor_parallelism_names_the_data_groups(self):
+    # Hybrid sharding: ZeRO inside each data group of the D x T mesh.
+    options = _options(batch_size=8, train_steps=10,
+                       shard_optimizer_state=True, model="transformer")
+    options = dataclasses.replace(options, strategy=config_lib.StrategyConfig(
+        parallelism=config_lib.ParallelismConfig(tensor_parallel=2)))
+    plan = run_plan.make_run_plan(
+        options, _function_spec(1000), num_replicas_in_sync=4,
+        num_workers=1, asynchronous=False,
+        decision=_decision(StrategyKind.MIRRORED))
+    text = plan.describe(options)
+    line = ("  zero_stage             1: optimizer state sharded over "
+            "each data group's 2 replicas (1/2 of each replica's "
+            "variables; replicated across the 2 tensor ranks: hybrid "
+            "sharding)")
+    self.assertIn(line, text.splitlines())
+    # docs/guides/tensor-parallelism.md shows it.
+    self.assertEqual(
+        testutil.shown_output("guides/tensor-parallelism.md"), [line])
+    self.assertIn("2 data-parallel copies x 2 tensor-parallel replicas",
+                  text)
 
   def test_expert_parallel_plan_counts_the_all_to_all_bytes(self):
     # The built-in Transformer with 4 experts per block over 2 replicas:

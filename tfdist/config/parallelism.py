@@ -84,9 +84,10 @@ class ParallelismConfig:
             "mesh: N/T copies of T, each training on its 1/(N/T) of the "
             "global batch, gradients summed over the copies; the update "
             "equals one device's. 1: off. Only with --model=transformer and "
-            "--distribution_strategy mirrored (or auto) on one host; not with "
-            "--zero_stage, --pipeline_stages, --enable_xla, --dtype=fp16 or "
-            "clipping. Pays on fast device links (NVLink), not on CPUs. See "
+            "--distribution_strategy mirrored (or auto) on one host; "
+            "--zero_stage=1 or 2 shards the optimizer state over each data "
+            "group's N/T replicas (hybrid sharding); not with --zero_stage=3, "
+            "--pipeline_stages, --enable_xla, --dtype=fp16 or clipping. Pays on fast device links (NVLink), not on CPUs. See "
             "docs/guides/tensor-parallelism.md."),
       traits=())
   expert_parallel: int = setting(

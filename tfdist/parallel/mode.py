@@ -196,7 +196,9 @@ class StepMode:
     Returns:
       `stage_class(**kwargs)` for the base class; a mode whose replicas
       hold different weights shards only those they share (the `experts`
-      mode: `tfdist.parallel.experts.zero`).
+      mode: `tfdist.parallel.experts.zero`), or shards within groups of
+      replicas (the `tensor` mode's data groups, hybrid sharding:
+      `tfdist.parallel.tensor.zero`).
     """
     return stage_class(**kwargs)
 

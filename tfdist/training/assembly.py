@@ -362,14 +362,14 @@ def _log_trainer(trainer: Trainer, options: AssemblyOptions, *, plan,
     logging.info(
         "ZeRO stage %d: each of the %d replicas keeps the optimizer state "
         "of %d of the %d parameters (one shard of a flat buffer, %s "
-        "of padding)%s; gradients are all-reduced "
-        "then sliced (no reduce-scatter on CPU collectives), %s.",
+        "of padding)%s; %s, %s.",
         sharding.stage, layout.num_shards,
         layout.shard_size, layout.total,
         wording.count(layout.padding, "element"),
         ", and its shard of the gradient accumulators"
         if sharding.stage >= 2 and plan.batch.gradient_accumulation_steps > 1
-        else "", "its shard of the weights too, all-gathered for each step "
+        else "", trainer.sharded.groups.describe(sharding.stage),
+        "its shard of the weights too, all-gathered for each step "
         "(tfdist.parallel.zero3)" if sharding.stage == zero3.STAGE
         else "the updated shards all-gathered")
     replicated = getattr(trainer.sharded, "replicated_paths", list)()

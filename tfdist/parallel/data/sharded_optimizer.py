@@ -22,6 +22,13 @@ The price is that an optimizer whose update needs a whole variable's norm
 (LAMB's layer-wise trust ratio) cannot run on a shard; `check_optimizer`
 refuses it.
 
+Groups (`ShardGroups`): by default the N shards are every replica's. A
+parallel mode may shard within sub-groups instead (hybrid sharding, as
+PyTorch FSDP's `HYBRID_SHARD`): tensor parallelism's data groups
+(`tfdist.parallel.tensor.zero`), where N is the group's size D, the
+shard index a replica's rank in its group, and steps 1 and 4 below run
+over its group.
+
 One update, on every replica:
 
 1. the replica's gradients (per variable) are flattened into [P'] and
@@ -206,6 +213,72 @@ def check_optimizer(optimizer, *, what: str = "--optimizer") -> None:
         f"{what}={spec.name} cannot shard its state "
         f"(--shard_optimizer_state): {spec.traits.not_shardable_because}. "
         "Use adamw or adam, or train without sharding.")
+
+
+class ShardGroups:
+  """Over which replicas ZeRO stages 1-2 shard: every replica of the
+  strategy (this class), or sub-groups of them (a subclass: hybrid
+  sharding, each group sharding its own copy of the state and the groups
+  replicated; FSDP's `HYBRID_SHARD`, Zhao et al. 2023; tensor parallelism
+  gives each data group, `tfdist.parallel.tensor.zero`). The stages are
+  Rajbhandari et al. 2020's, within each group.
+
+  A replica's shard index is its rank in its group, and the gradients'
+  sum and the updated shards' gather run over its group only. The
+  all-replica default: N shards, replica r owns shard r, tf.distribute's
+  own `ReplicaContext` collectives.
+
+  Args:
+    num_shards: N, the replicas of one group (every replica: the strategy's
+      `num_replicas_in_sync`).
+  """
+
+  def __init__(self, num_shards: int):
+    self.num_shards = int(num_shards)
+
+  def shard_of_replica(self, replica: int) -> int:
+    """The shard index of replica `replica` (`replica_id_in_sync_group`, a
+    Python int): itself here."""
+    return int(replica)
+
+  def replicas_of_group(self, replica: int) -> List[int]:
+    """The replicas (ids, in shard order) of `replica`'s group: every
+    replica here."""
+    del replica
+    return list(range(self.num_shards))
+
+  def replica_shard_index(self, context):
+    """The calling replica's shard index (int32 scalar tensor, or a Python
+    int). Replica context."""
+    return context.replica_id_in_sync_group
+
+  def replica_sum(self, context, flat: tf.Tensor,
+                  all_reduce_dtype: str) -> tf.Tensor:
+    """`flat` (float32 [P']) summed over the calling replica's group,
+    travelling in `all_reduce_dtype`. Replica context."""
+    summed, = reduce_dtype.all_reduce_sum(context, [flat], all_reduce_dtype)
+    return summed
+
+  def replica_reduce_scatter(self, context, flat: tf.Tensor,
+                             all_reduce_dtype: str,
+                             layout: "FlatLayout") -> tf.Tensor:
+    """The calling replica's shard [S] of `flat` (float32 [P'] of
+    `layout`) summed over its group. Here `replica_sum`, then the slice:
+    TensorFlow's CPU collectives have no reduce-scatter (twice its bytes).
+    Replica context."""
+    return layout.shard_of(self.replica_sum(context, flat, all_reduce_dtype),
+                           self.replica_shard_index(context))
+
+  def replica_gather(self, context, shard: tf.Tensor) -> tf.Tensor:
+    """`shard` (float32 [s]) of every replica of the group, concatenated
+    in shard order: [N x s]. Replica context."""
+    return context.all_gather(shard, axis=0)
+
+  def describe(self, stage: int) -> str:
+    """How ZeRO `stage`'s gradients travel over these groups, for the log."""
+    del stage
+    return ("gradients are all-reduced then sliced (no reduce-scatter on "
+            "CPU collectives)")
 
 
 class FlatLayout:
@@ -587,6 +660,13 @@ class ShardedOptimizer:
       shards stays float32 (the master weights).
     model: the Keras model the variables belong to (stage 3 cuts it into
       blocks for its layout; stages 1-2 ignore it).
+    groups: the `ShardGroups` the state is sharded over (None: every
+      replica). With sub-groups (hybrid sharding) each group shards the
+      variables' per-replica values (which may differ between groups, as
+      tensor-parallel shards do); the statistics of step 2 are still
+      summed over every replica, so the fp16 finite check agrees
+      everywhere, but clipping norms would count each group's copy: a
+      mode that passes groups refuses clipping.
 
   Construct outside the strategy's scope (the per-replica optimizer copies
   are plain, per-device objects); the shard variables enter the scope
@@ -599,7 +679,8 @@ class ShardedOptimizer:
 
   def __init__(self, *, strategy: tf.distribute.Strategy, optimizer,
                variables: Sequence, options: ShardingOptions,
-               all_reduce_dtype: str = reduce_dtype.FLOAT32, model=None):
+               all_reduce_dtype: str = reduce_dtype.FLOAT32, model=None,
+               groups: Optional[ShardGroups] = None):
     if not options.enabled:
       raise ValueError("ShardedOptimizer needs stage 1 or 2.")
     check_optimizer(optimizer)
@@ -618,8 +699,9 @@ class ShardedOptimizer:
     self.variables = list(variables)
     self.uses_loss_scale = isinstance(optimizer,
                                       keras.optimizers.LossScaleOptimizer)
+    self.groups = groups or ShardGroups(strategy.num_replicas_in_sync)
     self.layout = FlatLayout([v.shape for v in self.variables],
-                             strategy.num_replicas_in_sync,
+                             self.groups.num_shards,
                              blocks=self._layout_blocks(model))
     self.clipnorm = self.inner.clipnorm
     self.global_clipnorm = self.inner.global_clipnorm
@@ -718,13 +800,17 @@ class ShardedOptimizer:
 
   # --- replica context ------------------------------------------------------
   def replica_shard(self, flat: tf.Tensor) -> tf.Tensor:
-    """This replica's slice [S] of `flat` [P'] summed over all replicas
-    (all-reduce, then slice: no reduce-scatter on CPU collectives).
-    Replica context."""
+    """This replica's slice [S] of `flat` [P'] summed over its group (all
+    replicas by default): all-reduce, then slice (no reduce-scatter on
+    CPU collectives); from stage 2, the groups' `replica_reduce_scatter`
+    (a true one within a tensor mesh's data groups). Replica context."""
     context = tf.distribute.get_replica_context()
-    summed, = reduce_dtype.all_reduce_sum(context, [flat],
-                                          self.all_reduce_dtype)
-    return self.layout.shard_of(summed, context.replica_id_in_sync_group)
+    if self.options.stage >= 2:
+      return self.groups.replica_reduce_scatter(
+          context, flat, self.all_reduce_dtype, self.layout)
+    summed = self.groups.replica_sum(context, flat, self.all_reduce_dtype)
+    return self.layout.shard_of(summed,
+                                self.groups.replica_shard_index(context))
 
   def make_gradient_accumulator(self) -> tf.Variable:
     """Stage 2 under gradient accumulation: creates this replica's
@@ -768,7 +854,7 @@ class ShardedOptimizer:
       of `grad` (float32 [S], unscaled and clipped) and `finite` (bool).
     """
     context = tf.distribute.get_replica_context()
-    replica = context.replica_id_in_sync_group
+    replica = self.groups.replica_shard_index(context)
     self._replica_load_master(replica)
     if shard is None:
       shard = self.replica_shard(self.layout.flatten(grads))
@@ -801,8 +887,8 @@ class ShardedOptimizer:
     return skipped, {"grad": shard, "finite": finite}
 
   def _replica_load_master(self, replica) -> None:
-    """Fills the master shard from the model's weights (set or restored
-    since the last update). Replica context."""
+    """Fills the master shard (shard index `replica`) from the model's
+    weights (set or restored since the last update). Replica context."""
     self.master.assign(self.layout.shard_of(
         self.layout.flatten(self.variables), replica))
 
@@ -816,10 +902,11 @@ class ShardedOptimizer:
     # A static shape: the collective then needs no shape exchange.
     shard = tf.ensure_shape(self.master.read_value(),
                             [self.layout.shard_size])
+    gather = self.groups.replica_gather
     if len(self.layout.blocks) == 1:
-      return self.layout.unflatten(context.all_gather(shard, axis=0))
+      return self.layout.unflatten(gather(context, shard))
     return self.layout.unflatten(tf.concat(
-        [context.all_gather(shard[o:o + size], axis=0) for o, size in
+        [gather(context, shard[o:o + size]) for o, size in
          zip(self.layout.block_offsets, self.layout.block_sizes)], axis=0))
 
   # --- cross-replica context ------------------------------------------------
@@ -920,10 +1007,15 @@ class ShardedOptimizer:
     view._trainable_variables = list(self.variables)  # pylint: disable=protected-access
     return view
 
-  def _unsharded_variables(self) -> list:
-    """The `_variables` list an unsharded build of the user's optimizer
-    would have: its iterations and learning rate, then a `_FullSlot` per
-    slot, in Keras's order (read from a build on [1]-sized stand-ins)."""
+  def variable_entries(self) -> list:
+    """What each variable of an unsharded build of the user's optimizer
+    is, in Keras's order (read from a build on [1]-sized stand-ins):
+    "iterations", "learning_rate", or `(kind, index)` for the slot `kind`
+    (`momentum`, `velocity`, ...) of model variable `index`.
+
+    Raises:
+      ValueError: a variable of none of these kinds.
+    """
     standins = [keras.Variable(np.zeros([1], np.float32),
                                name=f"{_STANDIN_PREFIX}{j}")
                 for j in range(len(self.variables))]
@@ -933,24 +1025,50 @@ class ShardedOptimizer:
     out = []
     for v in probe.variables:
       if v is probe.iterations:
-        out.append(self.inner.iterations)
+        out.append("iterations")
       elif v is getattr(probe, "_learning_rate", None):
-        out.append(self.inner._learning_rate)  # pylint: disable=protected-access
+        out.append("learning_rate")
       else:
         match = pattern.match(v.name)
         if not match or match.group(2) not in self._slot_kinds:
           raise ValueError(f"unexpected optimizer variable {v.name}")
-        out.append(_FullSlot(self, match.group(2), int(match.group(1))))
+        out.append((match.group(2), int(match.group(1))))
     return out
 
-  def _full_kind(self, kind: str) -> np.ndarray:
-    """Slot `kind` over all P elements (gathered from every replica)."""
+  def optimizer_variable(self, name: str):
+    """The user's optimizer's own variable `name` as `variable_entries`
+    names it: "iterations" (int64 scalar) or "learning_rate" (float32
+    scalar; an optimizer whose rate is a schedule has none).
+
+    Raises:
+      KeyError: another name.
+    """
+    return {"iterations": self.inner.iterations,
+            "learning_rate": self.inner._learning_rate}[name]  # pylint: disable=protected-access
+
+  def _unsharded_variables(self) -> list:
+    """The `_variables` list an unsharded build of the user's optimizer
+    would have: its iterations and learning rate, then a `_FullSlot` per
+    slot, in Keras's order (`variable_entries`)."""
+    return [self.optimizer_variable(entry) if isinstance(entry, str) else
+            _FullSlot(self, *entry) for entry in self.variable_entries()]
+
+  def _full_kind(self, kind: str,
+                 group: Optional[Sequence[int]] = None) -> np.ndarray:
+    """Slot `kind` over all P elements, gathered from every replica of
+    `group` (replica ids in shard order, all in this process; None:
+    every replica, one group)."""
     key = (int(self.inner.iterations.numpy()), self._generation)
-    cached = self._cache.get(kind)
+    cache_key = (kind, None if group is None else tuple(group))
+    cached = self._cache.get(cache_key)
     if cached is not None and cached[0] == key:
       return cached[1]
     slots = [kinds[kind] for kinds in self._slots]
-    if len(self.replica_ids) == self.strategy.num_replicas_in_sync:
+    if group is not None:
+      by_replica = dict(zip(self.replica_ids, slots))
+      flat = self.layout.flat_from_shards(
+          [by_replica[r].numpy() for r in group])
+    elif len(self.replica_ids) == self.strategy.num_replicas_in_sync:
       parts = [None] * len(slots)
       for replica, slot in zip(self.replica_ids, slots):
         parts[replica] = slot.numpy()
@@ -963,12 +1081,15 @@ class ShardedOptimizer:
       flat = self.layout.flat_from_shards(
           self.strategy.gather(values, axis=0).numpy())
     self._cache = {k: v for k, v in self._cache.items() if v[0] == key}
-    self._cache[kind] = (key, flat)
+    self._cache[cache_key] = (key, flat)
     return flat
 
-  def full_slot(self, kind: str, index: int) -> tf.Tensor:
-    """Slot `kind` of variable `index` in the variable's shape."""
-    flat = self._full_kind(kind)
+  def full_slot(self, kind: str, index: int,
+                group: Optional[Sequence[int]] = None) -> tf.Tensor:
+    """Slot `kind` of variable `index` in the variable's (per-replica)
+    shape, gathered over `group` (replica ids in shard order; None: every
+    replica)."""
+    flat = self._full_kind(kind, group)
     off, n = self.layout.offsets[index], self.layout.sizes[index]
     return tf.constant(flat[off:off + n].reshape(
         self.layout.shapes[index].as_list()))
@@ -990,14 +1111,19 @@ class ShardedOptimizer:
     """Drops the gathered slots `_full_kind` cached (a slot was written)."""
     self._generation += 1
 
-  def restore_slot(self, kind: str, index: int, value) -> None:
-    """Writes slot `kind` of variable `index` (its full shape) into the
-    local shards that hold part of it."""
+  def restore_slot(self, kind: str, index: int, value,
+                   group: Optional[Sequence[int]] = None) -> None:
+    """Writes slot `kind` of variable `index` (its per-replica shape) into
+    the local shards that hold part of it, of the replicas of `group`
+    (replica ids; None: every local replica)."""
     self._generation += 1
     flat = tf.reshape(tf.cast(value, tf.float32), [-1])
     for kinds, replica in zip(self._slots, self.replica_ids):
+      if group is not None and replica not in group:
+        continue
       slot = kinds[kind]
-      for j, start, shard_start, length in self.layout.pieces(replica):
+      shard = self.groups.shard_of_replica(replica)
+      for j, start, shard_start, length in self.layout.pieces(shard):
         if j == index:
           slot.value[shard_start:shard_start + length].assign(
               flat[start:start + length])

@@ -100,6 +100,11 @@ class ExpertsShardedOptimizer:
     return self.zero.layout
 
   @property
+  def groups(self):
+    """The non-expert weights' `ShardGroups` (every replica)."""
+    return self.zero.groups
+
+  @property
   def grad_accumulator(self):
     return self.zero.grad_accumulator
 

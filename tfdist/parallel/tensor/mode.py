@@ -39,6 +39,11 @@ every collective spans all replicas (`ReplicaContext`'s).
   moments) at 1/T size;
 * evaluation: the same gather, whatever each replica's share.
 
+With `--zero_stage=1` or 2 (hybrid sharding, `tfdist.parallel.tensor.zero`)
+the trainer's `ShardedOptimizer` is given the data groups
+(`sharded_optimizer`): the step leaves the data-group sum to it, and each
+replica keeps the optimizer state of 1/D of its per-replica variables.
+
 Random layers draw the same stream on every replica (the one replica 0
 of a data-parallel run draws). With D = 1 each dropout mask is then the
 unsharded model's on the same batch. With D > 1 each `keras.layers.Dropout`
@@ -70,6 +75,7 @@ from tfdist.parallel.tensor import from_layout_map
 from tfdist.parallel.tensor import groups as groups_lib
 from tfdist.parallel.tensor import layers as tp_lib
 from tfdist.parallel.tensor import options as tensor_options
+from tfdist.parallel.tensor import zero as zero_lib
 from tfdist.runtime import private_api
 
 _VALUE = "VARIABLE_VALUE"
@@ -228,20 +234,6 @@ def _components(variable) -> tuple:
   return tp_lib._components(variable)  # pylint: disable=protected-access
 
 
-def _split_axis(full_shape, shard_shape, n: int):
-  """The axis a slot of `shard_shape` splits `full_shape` on (None: the
-  slot is whole on every replica)."""
-  full, shard = tuple(full_shape), tuple(shard_shape)
-  if full == shard:
-    return None
-  axes = [a for a, (f, s) in enumerate(zip(full, shard)) if f != s]
-  if len(full) != len(shard) or len(axes) != 1 or \
-      full[axes[0]] != shard[axes[0]] * n:
-    raise ValueError(f"an optimizer slot of shape {shard} is not 1/{n} of "
-                     f"its unsharded shape {full}")
-  return axes[0]
-
-
 @mode_lib.register_mode("tensor")
 @dataclasses.dataclass
 class TensorParallelStep(mode_lib.StepMode):
@@ -323,6 +315,18 @@ class TensorParallelStep(mode_lib.StepMode):
         facts.activation_bytes_per_example * facts.global_batch_size,
         not note, note)]
 
+  def sharded_optimizer(self, stage_class, **kwargs):
+    """ZeRO stages 1-2 sharded over each data group (hybrid sharding):
+    `stage_class` given the mesh's data groups (`zero.DataGroupShards`,
+    the D replicas holding one tensor shard). Stage 3 is refused at start
+    (`tfdist.parallel.tensor.options`).
+
+    Raises:
+      tfdist.errors.ConfigError: as `zero.DataGroupShards` (a data group
+        out of replica order) and `ShardedOptimizer` raise.
+    """
+    return stage_class(**kwargs, groups=zero_lib.DataGroupShards(self.groups))
+
   def describe(self) -> str:
     """One line for the manifest and the log."""
     shard = sum(int(np.prod(v.shape)) for v in self.model.weights
@@ -376,7 +380,8 @@ class TensorParallelStep(mode_lib.StepMode):
       replica and 0 on the others (float32 scalar; summed over replicas it
       is the global batch's loss once), the gradients of
       `model.trainable_variables` (shard-shaped for shards; summed over
-      the data group when D > 1; not to be summed over replicas), and
+      the data group when D > 1, unless ZeRO's sharded optimizer sums
+      them there itself; not to be summed over replicas), and
       this replica's examples' outputs, float32 [b, ...].
     """
     (inputs, labels, weights), start, size, place = self._gather(
@@ -387,7 +392,8 @@ class TensorParallelStep(mode_lib.StepMode):
       rank = tf.distribute.get_replica_context().replica_id_in_sync_group
     else:
       rank = place.tensor
-      grads = _sum_over(place.data_group, place.data, grads)
+      if trainer.sharded is None:  # ZeRO sums them over the group itself.
+        grads = _sum_over(place.data_group, place.data, grads)
     first = tf.cast(tf.equal(rank, 0), loss.dtype)
     return loss * first, grads, outputs[start:start + size]
 
@@ -428,15 +434,20 @@ class TensorParallelStep(mode_lib.StepMode):
     return self.unsharded
 
   def checkpoint_optimizer(self, context):
-    """An optimizer of the trainer's (`context.optimizer`) class and configuration built on the
-    unsharded model, each of its variables saving the gathered value of
-    `optimizer`'s (a shard's slot: its replicas' components concatenated)
-    and restoring into it: the checkpoint's `optimizer`.
+    """An optimizer of the trainer's (`context.optimizer`) class and
+    configuration built on the unsharded model, each of its variables
+    saving the gathered value of `optimizer`'s (a shard's slot: its
+    replicas' components concatenated) and restoring into it: the
+    checkpoint's `optimizer`. Under ZeRO (`context.sharded`), the slots
+    gathered from the data groups' shards too (`zero.checkpoint_view`).
 
     Raises:
       ValueError: the two optimizers' variables do not pair up.
     """
     optimizer = context.optimizer
+    if context.sharded is not None:
+      return zero_lib.checkpoint_view(context.sharded, self.unsharded,
+                                      optimizer, _gather_through)
     with tf.device("/cpu:0"):
       view = type(optimizer).from_config(optimizer.get_config())
       view.build(self.unsharded.trainable_variables)
@@ -446,7 +457,7 @@ class TensorParallelStep(mode_lib.StepMode):
                        f"variables, its unsharded view {len(theirs)}")
     n = self.num_shards
     for mine, twin in zip(ours, theirs):
-      axis = _split_axis(twin.shape, mine.shape, n)
+      axis = zero_lib.split_axis(twin.shape, mine.shape, n)
 
       def read(v=mine, axis=axis):
         # Replicas 0 ... T-1: shards 0 ... T-1 of the first copy.

@@ -9,7 +9,9 @@ layers, `tfdist.parallel.tensor_parallel`), or, given
 else T), laid out as D = N / T data-parallel copies of T
 (`tfdist.parallel.mesh.DeviceMesh.build(devices, tensor=T)`): each copy
 trains on its 1/D of the global batch and the gradients are summed over
-the copies. `check_flags` refuses what that cannot run, naming the flag,
+the copies; `--zero_stage=1` or 2 shards the optimizer state (and the
+gradient accumulators) over each data group's D replicas
+(`tfdist.parallel.tensor.zero`). `check_flags` refuses what that cannot run, naming the flag,
 the value and the fix, before anything is built; `tfdist.config` calls it
 while it validates a `TrainConfig`. The backend is
 `tfdist.backends.tensor_parallel`, the trainer's step
@@ -19,6 +21,7 @@ while it validates a `TrainConfig`. The backend is
 from typing import Optional
 
 from tfdist import errors
+from tfdist.core import zero_stages
 
 # The one model built from the tensor-parallel layers.
 MODELS = ("transformer",)
@@ -100,7 +103,8 @@ def check_flags(*, tensor_parallel: int, model: str,
     errors.ConfigError: T < 1; without a layout map, T not dividing the
       Transformer's heads and feed-forward units, or another model than
       the built-in Transformer; T > 1 with another strategy than mirrored
-      (or auto), ZeRO,
+      (or auto), ZeRO stage 3 (stages 1-2 run: hybrid sharding, with
+      more replicas than T),
       pipeline stages, XLA, fp16, gradient clipping, --init_checkpoint,
       or a device count (--num_gpus, --num_cpu_devices) that T does not
       divide.
@@ -141,6 +145,15 @@ def check_flags(*, tensor_parallel: int, model: str,
         "on this host: --num_gpus or --num_cpu_devices a multiple of "
         f"{n}), or drop --tensor_parallel.")
   _check_devices(flag, n, num_gpus=num_gpus, num_cpu_devices=num_cpu_devices)
+  if zero_stage in (1, 2) and replicas(
+      n, num_gpus=num_gpus, num_cpu_devices=num_cpu_devices) == n:
+    name = "--num_gpus" if num_gpus > 0 else "--num_cpu_devices"
+    raise errors.ConfigError(
+        f"{flag} with {zero_stages.stage_flags(zero_stage)} on {n} "
+        f"replicas: ZeRO shards within each data group, and {n} replicas "
+        f"make one copy of the model (D = 1), so there is nothing to shard "
+        f"over. Pass {name}={2 * n} (or another multiple of {n}) for D = 2 "
+        "data-parallel copies, or drop the ZeRO flag.")
   _check_incompatible_settings(
       flag, zero_stage=zero_stage, pipeline_stages=pipeline_stages,
       enable_xla=enable_xla, dtype=dtype, clipnorm=clipnorm,
@@ -172,16 +185,24 @@ def _check_incompatible_settings(
     flag: str, *, zero_stage: int, pipeline_stages: int, enable_xla: bool,
     dtype: str, clipnorm: Optional[float], global_clipnorm: Optional[float],
     init_checkpoint: Optional[str]) -> None:
-  """Refuses the settings that cannot run beside N > 1 (`flag`).
+  """Refuses the settings that cannot run beside N > 1 (`flag`). ZeRO
+  stages 1 and 2 run (hybrid sharding over each data group,
+  `tfdist.parallel.tensor.zero`); stage 3 does not.
 
   Raises:
-    errors.ConfigError: ZeRO, pipeline stages, XLA, fp16, gradient
-      clipping or --init_checkpoint, naming the one given.
+    errors.ConfigError: ZeRO stage 3, pipeline stages, XLA, fp16,
+      gradient clipping or --init_checkpoint, naming the one given.
   """
+  if zero_stage == 3:
+    raise errors.ConfigError(
+        f"{flag} cannot run with {zero_stages.stage_flags(3)}: ZeRO stage 3 "
+        "gathers each block's weights over every replica, which here hold "
+        "different tensor shards. Use --zero_stage=1 or 2 "
+        f"({zero_stages.ZERO_STAGE_SWITCHES[1]}, "
+        f"{zero_stages.ZERO_STAGE_SWITCHES[2]}: the optimizer state, and "
+        "the gradient accumulators, sharded over each data group), or drop "
+        f"{flag} for stage 3.")
   for given, name, why in (
-      (zero_stage, f"--zero_stage={zero_stage}",
-       "ZeRO shards the whole flat weight list across the replicas, which "
-       "here hold different shards already"),
       (pipeline_stages > 1, f"--pipeline_stages={pipeline_stages}",
        "a pipeline runs on one replica"),
       (enable_xla, "--enable_xla",

@@ -109,10 +109,12 @@ def unavailable_reason(data: int, pipeline: int, tensor: int,
   The rules, one per missing piece: ZeRO needs D > 1 and an optimizer that
   can be sharded; tensor parallelism needs a model its layers split (the
   built-in Transformer, `facts.tensor_parallel_flag`); a ZeRO stage beside
-  a pipeline or tensor parallelism (hybrid sharding) and pipeline x tensor
-  meshes are not built yet. Data x pipeline runs in one process
+  a pipeline, ZeRO stage 3 beside tensor parallelism and pipeline x
+  tensor meshes are not built yet. Data x pipeline runs in one process
   (`tfdist.parallel.pipeline.copies`), data x tensor on one host's
-  Mirrored replicas (`tfdist.parallel.tensor.groups`).
+  Mirrored replicas (`tfdist.parallel.tensor.groups`), with ZeRO stages
+  1-2 inside each data group (hybrid sharding,
+  `tfdist.parallel.tensor.zero`).
   """
   if zero_stage and data == 1:
     return "ZeRO needs data parallelism (D > 1)"
@@ -125,8 +127,10 @@ def unavailable_reason(data: int, pipeline: int, tensor: int,
             "--tensor_parallel splits only --model=transformer")
   if pipeline > 1 and tensor > 1:
     return "pipeline x tensor meshes are not built yet"
-  if zero_stage and (pipeline > 1 or tensor > 1):
-    return "ZeRO beside a pipeline or tensor parallelism is not built yet"
+  if zero_stage and pipeline > 1:
+    return "ZeRO beside a pipeline is not built yet"
+  if zero_stage == 3 and tensor > 1:
+    return "ZeRO stage 3 beside tensor parallelism is not built yet"
   return ""
 
 

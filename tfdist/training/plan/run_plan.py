@@ -247,11 +247,16 @@ class RunPlan:
                    "activations in the backward pass")
     zero_stage = options.memory.zero_stage_resolved
     if zero_stage:
+      n = plan.num_replicas_in_sync
+      tensor = options.strategy.parallelism.tensor_parallel
+      # Hybrid sharding beside tensor parallelism: within each data group.
+      over = (f"the {n} replicas (1/{n} each)" if tensor <= 1 else
+              f"each data group's {n // tensor} replicas (1/{n // tensor} "
+              f"of each replica's variables; replicated across the "
+              f"{tensor} tensor ranks: hybrid sharding)")
       lines.append(
           f"  zero_stage             {zero_stage}"
-          f": optimizer state sharded over the "
-          f"{plan.num_replicas_in_sync} replicas (1/"
-          f"{plan.num_replicas_in_sync} each)"
+          f": optimizer state sharded over {over}"
           + (", and the gradient accumulators"
              if zero_stage >= 2 and
              plan.gradient_accumulation_steps > 1 else "")
