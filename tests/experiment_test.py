@@ -280,6 +280,26 @@ class RunnerTest(absltest.TestCase):
     for entry in ("checkpoints", "saved_model", "run_manifest.json"):
       self.assertFalse(os.path.exists(os.path.join(model_dir, entry)), entry)
 
+  def test_dry_run_checks_experts_against_the_data_sets_model(self):
+    # No --model: --dataset=clothing_reviews names the Transformer, whose
+    # experts the run is checked against before anything is built (a
+    # config alone cannot: tfdist.fit names its own model later). Before,
+    # the dry run passed and the run failed once built.
+    for changes, message in (
+        (dict(), r"--model=transformer has none \(--transformer_experts=0\)"),
+        (dict(transformer_experts=3, num_cpu_devices=4),
+         r"3 is not a multiple of 2\. Use --transformer_experts=2 or 4\.")):
+      with self.subTest(message=message):
+        config = TrainConfig(**{
+            **dict(model_dir=testutil.scratch_dir(), dry_run=True,
+                   dataset="clothing_reviews", expert_parallel=2,
+                   distribution_strategy="mirrored", num_cpu_devices=2),
+            **changes})
+        self.assertEqual(config.model, "transformer")
+        with self.assertRaisesRegex(errors.ConfigError, message):
+          experiment.run_experiment(
+              config, environment=environment_lib.read_environment({}))
+
   def test_eval_mode_evaluates_the_latest_checkpoint(self):
     model_dir = os.path.join(testutil.scratch_dir(), "run")
     config = _config(model_dir)

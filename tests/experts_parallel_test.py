@@ -404,7 +404,9 @@ class RefusalsTest(absltest.TestCase):
     with placement_lib.placement_scope(placement):
       with self.assertRaisesRegex(
           errors.ConfigError, "--expert_parallel=4 splits.*num_experts=6 "
-          "is not a multiple of 4"):
+          r"is not a multiple of 4\. Use --expert_parallel=2 \(it divides "
+          r"both the 6 experts and the 4 replicas\), or num_experts a "
+          r"multiple of 4 \(4 or 8\)"):
         MixtureOfExperts(6, 8, top_k=2)
     with self.assertRaisesRegex(ValueError, "top_k=2 with num_experts=1"):
       MixtureOfExperts(1, 8, top_k=2)

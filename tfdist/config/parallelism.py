@@ -155,9 +155,16 @@ def check_tensor_parallel(config) -> None:
       model_given="model" not in getattr(config, "unset_fields", ()))
 
 
-def check_expert_parallel(config) -> None:
-  """`--expert_parallel` (`tfdist.parallel.experts.options.check_flags`;
-  the model only when given: `tfdist.fit` names its own model later).
+def check_expert_parallel(config, model_named: bool = False) -> None:
+  """`--expert_parallel` (`tfdist.parallel.experts.options.check_flags`).
+
+  Args:
+    config: the `TrainConfig` (or a view of it).
+    model_named: the run's model is final (a run being prepared: the data
+      set's model for `tfdist.train`, `model_fn`'s name for `tfdist.fit`),
+      so an unset `--model` counts as the one the run builds; False (a
+      config being made): an unset `--model` is not known yet, since
+      `tfdist.fit` names its own model later.
 
   Raises:
     ConfigError: a rule is broken.
@@ -165,6 +172,6 @@ def check_expert_parallel(config) -> None:
   settings = {name: getattr(config, name if name != "zero_stage" else
                             "zero_stage_resolved")
               for name in expert_options.CHECKED_SETTINGS}
-  if "model" in getattr(config, "unset_fields", ()):
+  if not model_named and "model" in getattr(config, "unset_fields", ()):
     settings["model"] = None
   expert_options.check_flags(**settings)

@@ -19,6 +19,7 @@ import tensorflow as tf
 
 from tfdist.backends import registry as backends
 from tfdist import config as config_lib
+from tfdist.config import parallelism as parallelism_config
 from tfdist.config import TrainConfig
 from tfdist.data import filesystems
 from tfdist import errors
@@ -202,6 +203,9 @@ def prepare_run(config: TrainConfig, *,
   decisions = decisions_lib.Decisions.of(
       config, choice=choice, changes=changes, environment_applied=applied,
       trial_fields=tuple(trial))
+  # The model is named now (an unset --model is the data set's): expert
+  # parallelism's model rules run on it, before anything is built.
+  parallelism_config.check_expert_parallel(config, model_named=True)
   prepared = PreparedRun(config=config, cluster=cluster, decisions=decisions)
   prepared.backend.validate(config, decisions, dataset=dataset)
   logging.info("%s", choice.describe())

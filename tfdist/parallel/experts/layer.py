@@ -594,15 +594,18 @@ def _check_placement(num_experts: int, top_k: int, placement) -> None:
   Raises:
     tfdist.errors.ConfigError: naming --expert_parallel, E and the fix.
   """
-  n = placement.expert_parallel
+  n, replicas = placement.expert_parallel, placement.num_replicas
   if num_experts % n:
-    fits = [d for d in range(2, num_experts + 1) if num_experts % d == 0]
+    fits = [d for d in range(2, num_experts + 1)
+            if num_experts % d == 0 and replicas % d == 0]
+    other = (f"--expert_parallel={wording.either(fits)} (it divides both "
+             f"the {num_experts} experts and the {replicas} replicas), or "
+             if fits else "")
     raise errors.ConfigError(
         f"--expert_parallel={n} splits each MixtureOfExperts' experts "
         f"evenly over {n} replicas, and num_experts={num_experts} is not a "
-        f"multiple of {n}. Use --expert_parallel="
-        f"{wording.either(fits or [1])} (that "
-        "also divides the replicas), or a multiple of it for the experts.")
+        f"multiple of {n}. Use {other}num_experts a multiple of {n} "
+        f"({n * max(1, num_experts // n)} or {n * (num_experts // n + 1)}).")
   del top_k
 
 

@@ -95,7 +95,10 @@ def check_flags(*, expert_parallel: int, model: Optional[str] = None,
     return
   flag = f"--expert_parallel={n}"
   if model == "transformer":
-    _check_transformer_experts(flag, n, model, transformer_experts)
+    known = (num_gpus if num_gpus > 0 else num_cpu_devices
+             if distribution_strategy != MULTI_WORKER else 0)
+    _check_transformer_experts(flag, n, model, transformer_experts,
+                               replicas=known)
   elif model in WITHOUT_EXPERTS:
     raise errors.ConfigError(
         f"{flag} splits mixture-of-experts layers, and the built-in --model="
@@ -138,20 +141,23 @@ def check_flags(*, expert_parallel: int, model: Optional[str] = None,
 
 
 def _check_transformer_experts(flag: str, n: int, model: Optional[str],
-                               experts: int) -> None:
-  """The built-in Transformer needs experts, a multiple of E_p of them."""
+                               experts: int, replicas: int = 0) -> None:
+  """The built-in Transformer needs experts, a multiple of E_p of them;
+  the E_p offered instead divide the `replicas` too (0: not known)."""
   if not experts:
     raise errors.ConfigError(
         f"{flag} splits mixture-of-experts layers, and --model="
         f"{model} has none (--transformer_experts=0). Pass "
         f"--transformer_experts={2 * n} (a multiple of {n}), or drop {flag}.")
   if experts % n:
-    fits = [d for d in range(2, experts + 1) if experts % d == 0]
+    fits = [d for d in range(2, experts + 1)
+            if experts % d == 0 and (not replicas or replicas % d == 0)]
+    other = (f"--expert_parallel={wording.either(fits)}, or " if fits
+             else "")
     raise errors.ConfigError(
         f"{flag} splits the --transformer_experts={experts} experts evenly "
         f"over {n} replicas; {experts} is not a multiple of {n}. Use "
-        f"--expert_parallel={wording.either(fits or [1])}, or "
-        "--transformer_experts="
+        f"{other}--transformer_experts="
         f"{n * max(1, experts // n)} or {n * (experts // n + 1)}.")
 
 
