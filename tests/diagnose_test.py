@@ -464,11 +464,12 @@ class PlanTest(absltest.TestCase):
     # trains tensor parallelism only for the built-in Transformer: the row
     # says so (not "no layer of this model can be split").
     self.assertFalse(rows["tensor parallel"]["available"])
-    self.assertIn("splits only --model=transformer",
+    self.assertIn("splits only --model=transformer: train this model "
+                  "split with tfdist.fit(..., layout_map=...)",
                   rows["tensor parallel"]["note"])
     self.assertLess(rows["tensor parallel"]["parameters_bytes"],
                     rows["data parallel"]["parameters_bytes"])
-    self.assertIn("Megatron splits cover", text)
+    self.assertIn("the splits tfdist trains cover", text)
     # The meshes of 2 devices (tfdist.training.plan.mesh_plan): D2 at ZeRO 0-3,
     # a 2-stage pipeline, tensor parallelism over 2; data parallelism
     # recommended, as in the single-axis table.
@@ -747,11 +748,11 @@ class UserCodeTest(absltest.TestCase):
     # The tensor-parallel row of a plain Dense MLP: what a layout map
     # derived for it splits (before: "no layer of this model can be split").
     self.assertNotIn("no layer of this model can be split", out)
-    self.assertRegex(out, r"Tensor parallelism over 2 devices .*Megatron "
-                          r"splits cover dense \(column\), dense_1 \(row\)"
-                          r".*\(saving [\d.]+ KiB\)\. tfdist's trainer "
-                          r"trains tensor parallelism only for the built-in "
-                          r"Transformer today")
+    self.assertRegex(out, r"Tensor parallelism over 2 devices .*the "
+                          r"splits tfdist trains cover dense \(column\), "
+                          r"dense_1 \(row\).*\(saving [\d.]+ KiB\)\. A "
+                          r"model of your own trains so through "
+                          r"tfdist\.fit\(model_fn, \.\.\., layout_map=")
     with open(out_json) as f:
       result = json.load(f)
     rows = {r["layout"]: r for r in result["layouts"]["rows"]}
@@ -774,8 +775,26 @@ class UserCodeTest(absltest.TestCase):
     # Column kernel and bias, row kernel (its bias stays whole), float32.
     self.assertEqual(split.split_bytes, (8 * 64 + 64 + 64 * 64) * 4)
     self.assertEqual(split.weight_bytes, model.count_params() * 4)
+    self.assertEqual(split.trained_bytes, split.split_bytes)
     self.assertEqual(diagnose.tensor_split.tensor_split_of(
         model, 3).split_bytes, 0)
+
+  def test_an_embedding_a_map_could_split_is_not_counted_as_trained(self):
+    # A layout map can split an Embedding by vocabulary; tfdist's trainer
+    # does not: the saving counts only the Dense pair (a new user found
+    # the note claiming the Transformer's token embedding split, and a
+    # saving no run gives).
+    inputs = keras.Input((4,), dtype="int32")
+    x = keras.layers.Embedding(64, 8, name="tokens")(inputs)
+    x = keras.layers.Dense(16, activation="relu", name="up")(x)
+    x = keras.layers.Dense(8, name="down")(x)
+    model = keras.Model(inputs, keras.layers.GlobalAveragePooling1D()(x))
+    split = diagnose.tensor_split.tensor_split_of(model, 2)
+    self.assertEqual(split.layers, {"tokens": "vocabulary", "up": "column",
+                                    "down": "row"})
+    self.assertEqual(split.trained_layers, ("up", "down"))
+    self.assertEqual(split.split_bytes, (64 * 8 + 8 * 16 + 16 + 16 * 8) * 4)
+    self.assertEqual(split.trained_bytes, (8 * 16 + 16 + 16 * 8) * 4)
 
   def test_progress_reads_steps_and_time_left(self):
     model_dir = tempfile.mkdtemp(dir=testutil.scratch_dir())

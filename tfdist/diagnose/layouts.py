@@ -103,7 +103,7 @@ def model_sizes_of(config, *, tensor_degree: int = 2) -> ModelSizes:
             model, optimizer,
             replicated_variables=facts["replicated_variables"]),
         memory.activation_bytes_per_example(model),
-        facts["tensor_parallel_bytes"] or split.split_bytes,
+        facts["tensor_parallel_bytes"] or split.trained_bytes,
         facts["pipeline_shares"], split, facts.get("expert_bytes", 0),
         facts.get("num_experts", 0))
   finally:
@@ -385,18 +385,17 @@ def fit_model(estimate: memory.ModelMemory, facts: "TrainFacts", *,
                      "GPU" if on_gpu else "host")
 
 
-# The layers of `tfdist.parallel.tensor_parallel` a model of one's own is
-# built from to train split.
-_TENSOR_PARALLEL_LAYERS = ("ColumnParallelDense, RowParallelDense, "
-                           "ParallelMultiHeadAttention")
+# What a layout map can split and tfdist's trainer does not (yet).
+_NOT_TRAINED = "an Embedding by vocabulary, an EinsumDense"
 
 
 def tensor_split_note(sizes: ModelSizes, facts: "TrainFacts") -> str:
   """One line: what a layout map derived for the model could split over
   `sizes.tensor_split.degree` devices (its layers, bytes, and the state
-  per device it saves), and how tfdist trains it: `--tensor_parallel` for
-  the built-in Transformer, `tfdist.parallel.tensor_parallel`'s layers for
-  a model of one's own. "" without a `tensor_split`."""
+  per device it saves: the splits tfdist's trainer trains, `Dense` and
+  `MultiHeadAttention`), and how tfdist trains it: `--tensor_parallel` for
+  the built-in Transformer, `tfdist.fit(..., layout_map=...)` for a model
+  of one's own. "" without a `tensor_split`."""
   split = sizes.tensor_split
   if split is None:
     return ""
@@ -405,23 +404,28 @@ def tensor_split_note(sizes: ModelSizes, facts: "TrainFacts") -> str:
           "this model, read by tfdist.parallel.layout_map): ")
   flags = tensor_parallel_options.flags_for(facts.model, t)
   trainer = (f"This model trains so with {flags}." if flags else
-             "tfdist's trainer trains tensor parallelism only for the "
-             "built-in Transformer today (--model=transformer "
-             "--tensor_parallel=N); a model of your own splits by building "
-             f"these layers from tfdist.parallel.tensor_parallel "
-             f"({_TENSOR_PARALLEL_LAYERS}).")
+             "A model of your own trains so through tfdist.fit(model_fn, "
+             "..., layout_map=keras.distribution.LayoutMap(...)) "
+             "(docs/guides/tensor-parallelism.md).")
   if not split.split_bytes:
     return (head + "no Dense or EinsumDense pair, attention layer or "
             f"embedding of this model splits over {t} without a gather (or "
             f"{t} divides none of their sizes). " + trainer)
   e = sizes.estimate
   state = e.parameters_bytes + e.gradients_bytes + e.optimizer_bytes
-  share = split.split_bytes / max(split.weight_bytes, 1)
+  share = split.trained_bytes / max(split.weight_bytes, 1)
   saved = int(state * share * (t - 1) / t)
-  layers = ", ".join(f"{name} ({kind})" for name, kind in
-                     split.layers.items())
-  return (head + f"Megatron splits cover {layers}: {fmt(split.split_bytes)} "
-          f"of its {fmt(split.weight_bytes)} of weights ({share:.0%}), each "
-          f"device holding 1/{t} of them; weights, gradients and optimizer "
-          f"state per device {fmt(state - saved)} instead of {fmt(state)} "
-          f"(saving {fmt(saved)}). " + trainer)
+  trained = [name for name in split.layers if name in split.trained_layers]
+  untrained = [name for name in split.layers
+               if name not in split.trained_layers]
+  covered = (", ".join(f"{name} ({split.layers[name]})" for name in trained)
+             or "none of its layers")
+  rest = (f" A layout map could also split {', '.join(untrained)} "
+          f"({_NOT_TRAINED}), which tfdist's trainer does not split yet."
+          if untrained else "")
+  return (head + f"the splits tfdist trains cover {covered}: "
+          f"{fmt(split.trained_bytes)} of its {fmt(split.weight_bytes)} of "
+          f"weights ({share:.0%}), each device holding 1/{t} of them; "
+          "weights, gradients and optimizer state per device "
+          f"{fmt(state - saved)} instead of {fmt(state)} (saving "
+          f"{fmt(saved)}).{rest} " + trainer)

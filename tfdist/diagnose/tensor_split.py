@@ -10,16 +10,20 @@ paired with the next one by rows. A proposal is kept only when
 split dimension divisible by the degree), so what is counted is what a
 layout map could split in this model, whatever its layers are named.
 
-Nothing here trains: `tfdist.train --tensor_parallel` trains only the
-built-in Transformer; a model of one's own splits by building these layers
-from `tfdist.parallel.tensor_parallel` (`ColumnParallelDense`,
-`RowParallelDense`, `ParallelMultiHeadAttention`).
+Nothing here trains. `tfdist.train --tensor_parallel` trains the built-in
+Transformer split (its attention heads and feed-forward units), and
+`tfdist.fit(model_fn, ..., layout_map=...)` a model of one's own (its
+`Dense` and `MultiHeadAttention` splits,
+`tfdist.parallel.tensor.from_layout_map`): `trained_bytes` counts those
+splits, not an `Embedding`'s or an `EinsumDense`'s, which a layout map can
+describe but tfdist's trainer does not split yet.
 """
 
 import dataclasses
 from typing import Dict, List, Optional, Tuple
 
 from tfdist import errors
+from tfdist.runtime import private_api
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,17 +39,30 @@ class TensorSplit:
       `vocabulary`), by layer name, in model order.
     pairs: the Megatron pairs (column layer, row layer); an attention
       layer split by heads is `(name, name)`.
+    trained_bytes: the part of `split_bytes` in the layers tfdist's
+      trainer splits (`Dense` and `MultiHeadAttention`, `TRAINED_KINDS`).
+    trained_layers: those layers' names, in model order.
   """
   degree: int
   split_bytes: int
   weight_bytes: int
   layers: Dict[str, str]
   pairs: Tuple[Tuple[str, str], ...] = ()
+  trained_bytes: int = 0
+  trained_layers: Tuple[str, ...] = ()
 
   def to_dict(self) -> dict:
     return {"degree": self.degree, "split_bytes": self.split_bytes,
             "weight_bytes": self.weight_bytes, "layers": dict(self.layers),
-            "pairs": [list(p) for p in self.pairs]}
+            "pairs": [list(p) for p in self.pairs],
+            "trained_bytes": self.trained_bytes,
+            "trained_layers": list(self.trained_layers)}
+
+
+# The layer classes whose splits tfdist's trainer trains
+# (`tfdist.parallel.tensor.from_layout_map.SUPPORTED`; the built-in
+# Transformer's --tensor_parallel splits the same two).
+TRAINED_KINDS = ("Dense", "MultiHeadAttention")
 
 
 def _mesh_map(degree: int):
@@ -179,5 +196,14 @@ def tensor_split_of(model, degree: int) -> TensorSplit:
     return TensorSplit(degree, 0, sum(map(nbytes, weights.values())), {})
   split = sum(nbytes(weights[p]) for p, s in plan.splits.items()
               if s.split != "replicated" and p in weights)
+  layers = {l.name: l for l in private_api.flatten_layers(model)}
+  trained = tuple(name for name in plan.layers if name in layers and
+                  type(layers[name]).__name__ in TRAINED_KINDS)
+  owned = {id(w) for name in trained for w in layers[name].weights}
+  trained_bytes = sum(
+      nbytes(weights[p]) for p, s in plan.splits.items()
+      if s.split != "replicated" and p in weights
+      and id(weights[p]) in owned)
   return TensorSplit(degree, split, sum(map(nbytes, weights.values())),
-                     dict(plan.layers), tuple(plan.pairs))
+                     dict(plan.layers), tuple(plan.pairs), trained_bytes,
+                     trained)

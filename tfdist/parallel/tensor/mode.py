@@ -304,8 +304,8 @@ class TensorParallelStep(mode_lib.StepMode):
     note = facts.one_device_note or (
         "no layer of this model can be split" if not split else
         "" if facts.tensor_parallel_flag else
-        "--tensor_parallel splits only --model=transformer: build this "
-        "model from tfdist.parallel.tensor_parallel's layers")
+        "--tensor_parallel splits only --model=transformer: train this "
+        "model split with tfdist.fit(..., layout_map=...)")
     return [facts.row(
         "tensor parallel", facts.tensor_parallel_flag, n,
         e.parameters_bytes - split + facts.ceil_div(split, n),

@@ -124,7 +124,8 @@ def unavailable_reason(data: int, pipeline: int, tensor: int,
                          facts.tensor_parallel_flag):
     return ("no layer of this model is split by --tensor_parallel"
             if not facts.tensor_parallel_bytes else
-            "--tensor_parallel splits only --model=transformer")
+            "--tensor_parallel splits only --model=transformer "
+            "(tfdist.fit(..., layout_map=...) splits this one)")
   if pipeline > 1 and tensor > 1:
     return "pipeline x tensor meshes are not built yet"
   if zero_stage and pipeline > 1:
