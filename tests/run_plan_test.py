@@ -155,6 +155,33 @@ class MakeRunPlanTest(absltest.TestCase):
                   "the 2 replicas", text)
     self.assertIn("deterministic", text)
 
+  def test_zero_stage_2_without_accumulation_and_beside_experts(self):
+    # Stage 2 without accumulation keeps stage 1's state: said, so that
+    # its line does not read as stage 1's (a new user's question); beside
+    # experts only the non-expert weights' state is sharded.
+    for changes, parallelism, tail in (
+        (dict(zero_stage=2), {}, " (stage 2 also shards the accumulators "
+         "of --gradient_accumulation_steps > 1; with none, its state is "
+         "stage 1's)"),
+        (dict(zero_stage=1), dict(expert_parallel=2), ""),
+    ):
+      with self.subTest(changes=changes):
+        options = _options(batch_size=8, train_steps=10, model="transformer",
+                           **changes)
+        options = dataclasses.replace(
+            options, strategy=config_lib.StrategyConfig(
+                parallelism=config_lib.ParallelismConfig(**parallelism)))
+        text = run_plan.make_run_plan(
+            options, _function_spec(1000), num_replicas_in_sync=4,
+            num_workers=1, asynchronous=False,
+            decision=_decision(StrategyKind.MIRRORED)).describe(options)
+        over = ("the 4 replicas (1/4 each of the non-expert weights' "
+                "state; each expert's stays on its replicas)"
+                if parallelism else "the 4 replicas (1/4 each)")
+        self.assertIn(f"  zero_stage             {changes['zero_stage']}: "
+                      f"optimizer state sharded over {over}{tail}",
+                      text.splitlines())
+
   def test_zero_beside_tensor_parallelism_names_the_data_groups(self):
     # Hybrid sharding: ZeRO inside each data group of the D x T mesh.
     options = _options(batch_size=8, train_steps=10,

@@ -248,18 +248,26 @@ class RunPlan:
     zero_stage = options.memory.zero_stage_resolved
     if zero_stage:
       n = plan.num_replicas_in_sync
-      tensor = options.strategy.parallelism.tensor_parallel
-      # Hybrid sharding beside tensor parallelism: within each data group.
-      over = (f"the {n} replicas (1/{n} each)" if tensor <= 1 else
-              f"each data group's {n // tensor} replicas (1/{n // tensor} "
+      parallelism = options.strategy.parallelism
+      tensor = parallelism.tensor_parallel
+      # Hybrid sharding beside tensor parallelism: within each data group;
+      # beside experts: the non-expert weights' state only.
+      over = (f"each data group's {n // tensor} replicas (1/{n // tensor} "
               f"of each replica's variables; replicated across the "
-              f"{tensor} tensor ranks: hybrid sharding)")
+              f"{tensor} tensor ranks: hybrid sharding)" if tensor > 1 else
+              f"the {n} replicas (1/{n} each of the non-expert weights' "
+              "state; each expert's stays on its replicas)"
+              if parallelism.expert_parallel > 1 else
+              f"the {n} replicas (1/{n} each)")
+      accumulating = plan.gradient_accumulation_steps > 1
       lines.append(
           f"  zero_stage             {zero_stage}"
           f": optimizer state sharded over {over}"
           + (", and the gradient accumulators"
-             if zero_stage >= 2 and
-             plan.gradient_accumulation_steps > 1 else "")
+             if zero_stage >= 2 and accumulating else "")
+          + (" (stage 2 also shards the accumulators of "
+             "--gradient_accumulation_steps > 1; with none, its state is "
+             "stage 1's)" if zero_stage == 2 and not accumulating else "")
           + (", and the weights (gathered for each step; "
              "embedding tables stay replicated)"
              if zero_stage == 3 else ""))
