@@ -279,6 +279,13 @@ class TrainConfigTest(parameterized.TestCase):
        r"--tensor_parallel=2 with --num_cpu_devices=3: .* must be a "
        r"multiple of 2\. Pass --num_cpu_devices=2 or 4, or a "
        "--tensor_parallel that divides 3"),
+      # Under ZeRO the counts offered give D >= 2 copies (2 would be
+      # refused next: nothing to shard).
+      ("tensor_parallel_zero_devices_not_a_multiple", dict(
+          _TRANSFORMER, tensor_parallel=2, num_cpu_devices=3, zero_stage=1),
+       r"--tensor_parallel=2 with --num_cpu_devices=3: .* must be a "
+       r"multiple of 2\. Pass --num_cpu_devices=4, or a "
+       "--tensor_parallel that divides 3"),
       ("tensor_parallel_gpus_not_a_multiple", dict(
           _TRANSFORMER, tensor_parallel=4, num_gpus=6),
        "--tensor_parallel=4 with --num_gpus=6: .* Pass --num_gpus=4 or 8"),

@@ -144,7 +144,8 @@ def check_flags(*, tensor_parallel: int, model: str,
         "Use --distribution_strategy=mirrored (data parallelism beside it "
         "on this host: --num_gpus or --num_cpu_devices a multiple of "
         f"{n}), or drop --tensor_parallel.")
-  _check_devices(flag, n, num_gpus=num_gpus, num_cpu_devices=num_cpu_devices)
+  _check_devices(flag, n, num_gpus=num_gpus, num_cpu_devices=num_cpu_devices,
+                 copies=2 if zero_stage in (1, 2) else 1)
   if zero_stage in (1, 2) and replicas(
       n, num_gpus=num_gpus, num_cpu_devices=num_cpu_devices) == n:
     name = "--num_gpus" if num_gpus > 0 else "--num_cpu_devices"
@@ -161,9 +162,10 @@ def check_flags(*, tensor_parallel: int, model: str,
 
 
 def _check_devices(flag: str, n: int, *, num_gpus: int,
-                   num_cpu_devices: int) -> None:
+                   num_cpu_devices: int, copies: int = 1) -> None:
   """Refuses a device count the T tensor-parallel ranks (`flag`, T = `n`)
-  do not divide: the replicas are D = devices / T copies of T.
+  do not divide: the replicas are D = devices / T copies of T; the counts
+  offered instead give at least `copies` copies (2 under ZeRO).
 
   Raises:
     errors.ConfigError: --num_gpus (or --num_cpu_devices) > 1 and not a
@@ -173,6 +175,8 @@ def _check_devices(flag: str, n: int, *, num_gpus: int,
   if devices % n:
     name = "--num_gpus" if num_gpus > 0 else "--num_cpu_devices"
     lower, higher = devices - devices % n, devices - devices % n + n
+    if lower < copies * n:
+      lower, higher = 0, max(higher, copies * n)
     raise errors.ConfigError(
         f"{flag} with {name}={devices}: the replicas are data-parallel "
         f"copies of {n} tensor-parallel ranks each, so their number must be "
