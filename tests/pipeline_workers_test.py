@@ -215,7 +215,9 @@ class ClusterLayoutTest(absltest.TestCase):
     with self.assertRaisesRegex(
         errors.ConfigError, r"--num_cpu_devices=3 devices on each of the "
         r"cluster's 2 tasks \(6 in all\) cannot hold whole copies of a "
-        r"--pipeline_stages=4 pipeline.*Use --num_cpu_devices=2 or 4"):
+        r"--pipeline_stages=4 pipeline.*Use --num_cpu_devices=2 or 4, or "
+        # Stages spread evenly over the 2 tasks: not 3 (a new user's find).
+        r"--pipeline_stages=2 or 6\."):
       options_lib.data_degree(4, num_cpu_devices=3, tasks=2)
     def device(name):
       return tf.config.LogicalDevice(name=name, device_type="CPU")

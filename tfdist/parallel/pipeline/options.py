@@ -33,6 +33,7 @@ from typing import Optional, Sequence, Tuple
 
 from tfdist import errors
 from tfdist.core import zero_stages
+from tfdist.runtime import wording
 from tfdist.parallel import mesh as mesh_lib
 
 GPIPE = "gpipe"
@@ -211,8 +212,10 @@ def data_degree(pipeline_stages: int, *, num_gpus: int = -1,
         f"--pipeline_stages={pipeline_stages} pipeline: the data x "
         "pipeline mesh puts D = devices / stages copies on them, so "
         f"--pipeline_stages must divide the devices. Use {flag}="
-        f"{' or '.join(map(str, fits))}, or --pipeline_stages among "
-        f"{[d for d in range(2, total + 1) if total % d == 0]}.")
+        f"{' or '.join(map(str, fits))}, or --pipeline_stages="
+        + wording.either([d for d in range(2, total + 1)
+                          if total % d == 0 and d % tasks == 0] or [tasks])
+        + ".")
   return total // pipeline_stages
 
 
