@@ -272,9 +272,10 @@ class InProcessStrategiesTest(absltest.TestCase):
       warnings = result["tfdist"][f"class_weight/parse_fn/{strategy}"][
           "warnings"]
       self.assertLen(warnings, 1, warnings)
+      # In tfdist.fit's terms: the field, not the binary's flag.
       self.assertIn("compiled with steps_per_execution=4, which tfdist does "
-                    "not read: it runs --steps_per_execution=1", warnings[0])
-      self.assertIn("Set --steps_per_execution=4", warnings[0])
+                    "not read: it runs steps_per_execution=1", warnings[0])
+      self.assertIn("Set steps_per_execution=4", warnings[0])
       _cell("steps_per_execution", strategy, "works (warned at start: "
             "tfdist groups steps by --steps_per_execution; the same "
             "weights)")

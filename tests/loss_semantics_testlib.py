@@ -209,7 +209,10 @@ class Checks:
     self.assertLen(warnings, 1, warnings)
     self.assertIn("compiled with jit_compile=True, which tfdist does not "
                   "read", warnings[0])
-    self.assertIn("--enable_xla", warnings[0])
+    # The setting to change: a flag for tfdist.train, the field for
+    # tfdist.fit (whose log lines say fields).
+    self.assertRegex(warnings[0], r"Set (--)?enable_xla \(TrainConfig\("
+                                  r"enable_xla=True\)\)")
     conformance_table.check_cell(self, "jit_compile", strategy, JIT_WARNED)
 
 
