@@ -523,10 +523,21 @@ class KilledDuringASlicedWriteTest(absltest.TestCase):
     work = testutil.scratch_dir()
     data = chaos.prepare_data(os.path.join(work, "data"),
                               train_examples=256)
-    result = chaos.run_one_process(options, data, os.path.join(work, "run"),
-                                   log=lambda text: None)
-    (record,) = result["kills"]
-    summary = {k: result[k] for k in ("kills", "status", "lost")}
+    for attempt in range(2):
+      result = chaos.run_one_process(
+          options, data, os.path.join(work, f"run_{attempt}"),
+          log=lambda text: None)
+      (record,) = result["kills"]
+      summary = {k: result[k] for k in ("kills", "status", "lost")}
+      if record["temp_parts_at_restart"] or attempt:
+        break
+      # The signal is sent when the write's parts appear; on a loaded
+      # machine the write can end before it lands (seen once in CI). The
+      # checkpoint is then whole and the restart resumes from it: checked,
+      # then the kill is tried once more for the mid-write case.
+      self.assertEqual((record["newest_whole_checkpoint"],
+                        record["resumed_at"], result["lost"]), (4, 4, []),
+                       summary)
     self.assertTrue(record["during_save"], summary)
     self.assertEqual(record["exits"], {"chief:0": 137}, summary)
     # The killed write's parts were left; the index never listed them.
