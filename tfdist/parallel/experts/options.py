@@ -95,10 +95,10 @@ def check_flags(*, expert_parallel: int, model: Optional[str] = None,
     return
   flag = f"--expert_parallel={n}"
   if model == "transformer":
-    known = (num_gpus if num_gpus > 0 else num_cpu_devices
-             if distribution_strategy != MULTI_WORKER else 0)
     _check_transformer_experts(flag, n, model, transformer_experts,
-                               replicas=known)
+                               replicas=_known_replicas(
+                                   num_gpus, num_cpu_devices,
+                                   distribution_strategy == MULTI_WORKER))
   elif model in WITHOUT_EXPERTS:
     raise errors.ConfigError(
         f"{flag} splits mixture-of-experts layers, and the built-in --model="
@@ -161,13 +161,22 @@ def _check_transformer_experts(flag: str, n: int, model: Optional[str],
         f"{n * max(1, experts // n)} or {n * (experts // n + 1)}.")
 
 
+def _known_replicas(num_gpus: int, num_cpu_devices: int,
+                    across_workers: bool = False) -> int:
+  """The replicas the flags of one host give (`--num_gpus` > 0, else
+  `--num_cpu_devices`; 1 with `--num_gpus=0` and no split); 0 where the
+  flags do not say (all visible GPUs, or across workers)."""
+  if across_workers:
+    return 0
+  devices = num_gpus if num_gpus > 0 else num_cpu_devices
+  return 1 if devices == 0 and num_gpus == 0 else devices
+
+
 def _check_devices(flag: str, n: int, *, num_gpus: int,
                    num_cpu_devices: int) -> None:
   """Refuses a known replica count that E_p does not divide."""
-  devices = num_gpus if num_gpus > 0 else num_cpu_devices
+  devices = _known_replicas(num_gpus, num_cpu_devices)
   name = "--num_gpus" if num_gpus > 0 else "--num_cpu_devices"
-  if devices == 0 and num_gpus == 0:
-    devices = 1
   if devices and devices % n:
     raise errors.ConfigError(
         f"{flag} cuts the replicas into groups of {n}, and {name}={devices}"
