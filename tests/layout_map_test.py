@@ -236,6 +236,14 @@ class RefusalTest(absltest.TestCase):
     self._refused(_mlp(), keras.distribution.LayoutMap(mesh),
                   r"has axes \['data'\]; tensor parallelism splits over an "
                   r"axis named 'model'")
+    # A data-parallel axis named as PyTorch or JAX users often do: read
+    # before as no data-parallel axis (D = 1 said in the batch-axis note).
+    mesh = keras.distribution.DeviceMesh(
+        shape=(1, 2), axis_names=["data", "model"],
+        devices=["cpu:0", "cpu:1"])
+    self._refused(_mlp(), keras.distribution.LayoutMap(mesh),
+                  r"has axes \['data', 'model'\]: tfdist reads the "
+                  r"data-parallel axis as 'batch'.*Rename 'data' to 'batch'")
 
 
 if __name__ == "__main__":

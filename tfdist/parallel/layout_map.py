@@ -127,7 +127,9 @@ def model_degree(layout_map) -> int:
   """T, the size of the map's mesh axis `model`.
 
   Raises:
-    tfdist.errors.ConfigError: the mesh has no axis named `model`.
+    tfdist.errors.ConfigError: the mesh has no axis named `model`, or an
+      axis other than `batch` and `model` (a `data` axis would otherwise be
+      read as no data-parallel axis at all).
   """
   mesh = layout_map.device_mesh
   names = list(mesh.axis_names)
@@ -135,6 +137,14 @@ def model_degree(layout_map) -> int:
     _refuse(f"The layout map's DeviceMesh has axes {names}; tensor "
             f"parallelism splits over an axis named {MODEL_AXIS!r}. Build "
             "the mesh with axis_names=['batch', 'model'].")
+  other = [n for n in names if n not in (BATCH_AXIS, MODEL_AXIS)]
+  if other:
+    _refuse(f"The layout map's DeviceMesh has axes {names}: tfdist reads "
+            f"the data-parallel axis as {BATCH_AXIS!r} and the "
+            f"tensor-parallel one as {MODEL_AXIS!r}, and has no other. "
+            f"Rename {other[0]!r} to {BATCH_AXIS!r} (axis_names=['batch', "
+            "'model']), or leave it out (tfdist derives the data-parallel "
+            "copies from the devices).")
   return int(mesh.shape[names.index(MODEL_AXIS)])
 
 
