@@ -36,6 +36,10 @@ from tfdist import errors
 from tfdist.config import TrainConfig
 from tfdist.runtime import quiet_tensorflow
 
+# Ray reads it when imported: every test here that imports Ray comes before
+# the local cluster's (`init_local_cluster`), which needs it.
+os.environ.setdefault(tfdist_ray.SINGLE_NODE_ENV, "0")
+
 STEPS = 48            # 3 epochs of 16 steps (1024 examples, batch 64).
 CHECKPOINT_STEPS = 8
 KILL_AFTER_STEP = 20  # The kill comes after the step-16 checkpoint.
@@ -181,6 +185,44 @@ class RepeatedLinesTest(absltest.TestCase):
   def test_equal_timings_of_two_shardings_are_not_repeats(self):
     line = "(RayTrainWorker pid=7) Sharding callback duration: 19 microseconds"
     self.assertEqual(_repeated_lines(f"{line}\n{line}\n"), {})
+
+
+class JobFailureTextTest(absltest.TestCase):
+  """What a failed job's test prints: the workers' errors in full (Ray's
+  own text keeps 1,000 characters of each) and their logs' tails."""
+
+  def test_full_worker_errors_and_the_tails_of_the_jobs_logs(self):
+    from ray.train import WorkerGroupError  # pylint: disable=g-import-not-at-top
+    temp_dir = testutil.scratch_dir()
+    logs = os.path.join(temp_dir, "session_latest", "logs")
+    os.makedirs(os.path.join(logs, "train"))
+
+    def worker_logs(worker_id, message):
+      with open(os.path.join(logs, "train",
+                             f"ray-train-app-worker-{worker_id}.log"),
+                "w") as f:
+        for i in range(40):
+          f.write(json.dumps({"levelname": "INFO", "world_rank": 1,
+                              "message": f"{message} {i}"}) + "\n")
+      with open(os.path.join(logs, f"worker-{worker_id}-01000000-7.err"),
+                "w") as f:
+        f.write(f"E0000 {message}: Could not start gRPC server\n")
+
+    worker_logs("0ld", "an earlier job's line")
+    os.utime(os.path.join(logs, "train", "ray-train-app-worker-0ld.log"),
+             (1, 1))
+    worker_logs("ab12", "this job's line")
+    cause = "middle of a long error " + "x" * 2000 + " its end"
+    error = WorkerGroupError("[Rank 1 Error Snippet]: cut",
+                             {1: RuntimeError(cause)})
+    text = ray_testlib.job_failure_text(error, ray_temp_dir=temp_dir,
+                                        since=time.time() - 60)
+    self.assertIn(f"worker rank 1: RuntimeError: {cause}", text)
+    self.assertIn("world rank 1", text)
+    self.assertIn("INFO this job's line 39", text)
+    self.assertNotIn("this job's line 9\n", text)  # Only the tail.
+    self.assertIn("this job's line: Could not start gRPC server", text)
+    self.assertNotIn("an earlier job's line", text)
 
 
 class TrainWorkerNameTest(absltest.TestCase):
@@ -346,6 +388,35 @@ class LocalRayClusterTest(absltest.TestCase):
           "Ray processes still running 30 s after ray.shutdown(): "
           f"{[p.pid for p in alive]}")
 
+  def _run_job(self, config, **kwargs):
+    """`tfdist.ray.run_on_ray(config, **kwargs)`, bounded by JOB_TIMEOUT.
+
+    A failed or hung job fails the test with what there is to read: the
+    workers' errors in full and the tails of their logs
+    (`ray_testlib.job_failure_text`).
+    """
+    outcome = {}
+
+    def fit():
+      try:
+        outcome["result"] = tfdist_ray.run_on_ray(config, **kwargs)
+      except BaseException as e:  # pylint: disable=broad-except
+        outcome["error"] = e
+
+    started = time.time()
+    thread = threading.Thread(target=fit, daemon=True)
+    thread.start()
+    thread.join(timeout=JOB_TIMEOUT)
+    if thread.is_alive():
+      self.fail(f"the Ray job ran past {JOB_TIMEOUT} s.\n" +
+                ray_testlib.worker_log_tails(self.temp_dir, started))
+    error = outcome.get("error") or outcome["result"].error
+    if error is not None:
+      self.fail(f"the Ray job failed after {time.time() - started:.0f} s: " +
+                ray_testlib.job_failure_text(error, ray_temp_dir=self.temp_dir,
+                                             since=started))
+    return outcome["result"]
+
   def test_cluster_is_local_and_small(self):
     self.assertEqual(self.ray.util.get_node_ip_address(), "127.0.0.1")
     resources = self.ray.cluster_resources()
@@ -364,27 +435,12 @@ class LocalRayClusterTest(absltest.TestCase):
     kill = ray_testlib.KillOnceCallback(
         checkpoint_dir=os.path.join(model_dir, "checkpoints"), marker=marker,
         after_step=KILL_AFTER_STEP)
-    outcome = {}
-
-    def fit():
-      try:
-        outcome["result"] = tfdist_ray.run_on_ray(
-            _config(model_dir, self.data), num_workers=2, max_failures=1,
-            storage_path=os.path.join(testutil.scratch_dir(), "ray_results"),
-            callbacks=[kill])
-      except BaseException as e:  # pylint: disable=broad-except
-        outcome["error"] = e
-
     started = time.time()
     with _ListenWatch() as watch:
-      thread = threading.Thread(target=fit, daemon=True)
-      thread.start()
-      thread.join(timeout=JOB_TIMEOUT)
-    self.assertFalse(thread.is_alive(),
-                     f"the Ray job ran past {JOB_TIMEOUT} s")
-    self.assertNotIn("error", outcome, repr(outcome.get("error")))
-    result = outcome["result"]
-    self.assertIsNone(result.error, repr(result.error))
+      result = self._run_job(
+          _config(model_dir, self.data), num_workers=2, max_failures=1,
+          storage_path=os.path.join(testutil.scratch_dir(), "ray_results"),
+          callbacks=[kill])
     print(f"ray job: {time.time() - started:.1f} s; metrics {result.metrics}")
 
     # Worker 1 was killed once, after a checkpoint, on the first attempt.
@@ -451,7 +507,7 @@ class LocalRayClusterTest(absltest.TestCase):
     from ray.train import CheckpointConfig, RunConfig  # pylint: disable=g-import-not-at-top
     resumed_dir = testutil.scratch_dir()
     reports = os.path.join(testutil.scratch_dir(), "reports.jsonl")
-    again = tfdist_ray.run_on_ray(
+    again = self._run_job(
         _config(resumed_dir, self.data, train_steps=STEPS + 8,
                 checkpoint_steps=0),
         num_workers=2, resume_from_checkpoint=result.checkpoint,
@@ -459,7 +515,6 @@ class LocalRayClusterTest(absltest.TestCase):
             storage_path=os.path.join(testutil.scratch_dir(), "ray_again"),
             checkpoint_config=CheckpointConfig(num_to_keep=1),
             callbacks=[ray_testlib.report_recorder(reports)]))
-    self.assertIsNone(again.error, repr(again.error))
     self.assertEqual(again.metrics["start_step"], STEPS)
     self.assertEqual(again.metrics["final_step"], STEPS + 8)
     self.assertLen(again.best_checkpoints, 1)  # num_to_keep=1
