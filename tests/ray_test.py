@@ -19,6 +19,7 @@ import ipaddress
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import tempfile
@@ -223,6 +224,40 @@ class JobFailureTextTest(absltest.TestCase):
     self.assertNotIn("this job's line 9\n", text)  # Only the tail.
     self.assertIn("this job's line: Could not start gRPC server", text)
     self.assertNotIn("an earlier job's line", text)
+
+
+class TfConfigPortTest(absltest.TestCase):
+  """The TF_CONFIG port of each worker of a multi-worker job."""
+
+  def test_held_until_tensorflow_takes_it_where_rays_is_free_at_once(self):
+    from ray.train._internal.utils import get_address_and_port  # pylint: disable=g-import-not-at-top
+    from tfdist.cloud import ray_backend  # pylint: disable=g-import-not-at-top
+    from tfdist.distribute import rendezvous  # pylint: disable=g-import-not-at-top
+    # Ray's TensorFlow backend: the port is free again once chosen, so any
+    # process may take it before TensorFlow's server binds it.
+    _, port = get_address_and_port()
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as other:
+      other.bind(("", port))
+    # tfdist's backend: the worker holds it (its wait for the peers hands
+    # it on to TensorFlow's server; see rendezvous_test).
+    address = ray_backend.reserve_worker_address()
+    host, port = address.rsplit(":", 1)
+    held = rendezvous._RESERVED.pop(int(port))  # pylint: disable=protected-access
+    self.addCleanup(held.close)
+    self.assertEqual(host, "127.0.0.1")
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as other:
+      with self.assertRaises(OSError):
+        other.bind(("", int(port)))
+
+  def test_the_backend_imports_no_tensorflow(self):
+    # Ray's Train controller unpickles the backend config.
+    out = subprocess.run(
+        [sys.executable, "-c", "import sys, tfdist.cloud.ray_backend; "
+         "print(sorted(m for m in ('tensorflow', 'keras') "
+         "if m in sys.modules))"],
+        capture_output=True, text=True, timeout=120, check=True,
+        cwd=testutil.REPO_ROOT)
+    self.assertEqual(out.stdout.strip(), "[]", out.stderr)
 
 
 class TrainWorkerNameTest(absltest.TestCase):

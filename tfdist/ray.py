@@ -14,8 +14,10 @@ Ray starts, into one `TrainConfig` that every worker runs unchanged with
 What Ray does and what tfdist does:
 
 * Ray Train's `TensorflowTrainer` starts `--num_workers` worker processes
-  (each with `--cpus_per_worker` CPUs and, with `--use_gpu`, one GPU) and
-  writes each its `TF_CONFIG` (`worker` 0..N-1; worker 0 is tfdist's chief).
+  (each with `--cpus_per_worker` CPUs and, with `--use_gpu`, one GPU), and
+  tfdist's backend for it (`tfdist.cloud.ray_backend`) writes each its
+  `TF_CONFIG` (`worker` 0..N-1; worker 0 is tfdist's chief), each port
+  held by its worker until TensorFlow's server binds it.
   tfdist trains synchronously across them with MultiWorkerMirroredStrategy,
   one device per worker, with its own batch plan, learning-rate scaling,
   checkpoints and manifest.
@@ -352,9 +354,6 @@ def train_loop_per_worker(loop_config: dict) -> dict:
   Returns:
     This worker's run manifest (Ray keeps rank 0's: the chief's).
   """
-  # Ray's TensorFlow backend sets TF_USE_LEGACY_KERAS=1 for tf_keras users;
-  # tfdist runs Keras 3, and its subprocesses must not pick that up.
-  os.environ.pop("TF_USE_LEGACY_KERAS", None)
   return _ray_worker().run_worker(loop_config)
 
 
@@ -493,6 +492,7 @@ def _fit(config: TrainConfig, *, num_workers: int, use_gpu: bool,
   import ray  # pylint: disable=g-import-not-at-top,redefined-outer-name
   from ray.train import ScalingConfig  # pylint: disable=g-import-not-at-top
   from ray.train.tensorflow import TensorflowTrainer  # pylint: disable=g-import-not-at-top
+  from tfdist.cloud import ray_backend  # pylint: disable=g-import-not-at-top
   resources = {"CPU": cpus_per_worker, **({"GPU": 1} if use_gpu else {})}
   scratch = None
   worker_env = dict(run_config.worker_runtime_env or {})
@@ -519,6 +519,8 @@ def _fit(config: TrainConfig, *, num_workers: int, use_gpu: bool,
       # trainer is deprecated there).
       train_loop_config={"config": config, "callbacks": list(callbacks),
                          "resume_from": resume_from},
+      # TF_CONFIG with each worker's port held until TensorFlow binds it.
+      tensorflow_config=ray_backend.TfdistTensorflowConfig(),
       scaling_config=ScalingConfig(num_workers=num_workers, use_gpu=use_gpu,
                                    resources_per_worker=resources),
       run_config=run_config)
