@@ -249,12 +249,14 @@ class TfConfigPortTest(absltest.TestCase):
       with self.assertRaises(OSError):
         other.bind(("", int(port)))
 
-  def test_the_backend_imports_no_tensorflow(self):
-    # Ray's Train controller unpickles the backend config.
+  def test_the_trainer_and_backend_import_no_tensorflow(self):
+    # Ray's Train controller unpickles the backend config; a Tune trial's
+    # process builds the trainer.
     out = subprocess.run(
         [sys.executable, "-c", "import sys, tfdist.cloud.ray_backend; "
-         "print(sorted(m for m in ('tensorflow', 'keras') "
-         "if m in sys.modules))"],
+         "from ray.train.v2.tensorflow.tensorflow_trainer import "
+         "TensorflowTrainer; print(sorted(m for m in ('tensorflow', "
+         "'keras') if m in sys.modules))"],
         capture_output=True, text=True, timeout=120, check=True,
         cwd=testutil.REPO_ROOT)
     self.assertEqual(out.stdout.strip(), "[]", out.stderr)

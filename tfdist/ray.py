@@ -147,8 +147,8 @@ def _absolute(path: str) -> str:
 
 def _backend_for(strategy: str):
   """The backend of the strategy `strategy` (`tfdist.backends.registry`),
-  imported on first use: it imports TensorFlow, as the driver's Ray Train
-  (`ray.train.tensorflow`) does."""
+  imported on first use: it imports TensorFlow, which a driver needs for
+  nothing else."""
   from tfdist.backends import registry  # pylint: disable=g-import-not-at-top
   return registry.backend_for(strategy)
 
@@ -309,9 +309,9 @@ def setup_local_worker_process():
   * TensorFlow's native code prints its import-time notices (absl's
     "logging is not initialized" line, the oneDNN and CPU-feature lines)
     twice per process, from two of its libraries, whatever
-    `TF_CPP_MIN_LOG_LEVEL` says; Ray's Train controller, Tune's trial
-    processes and the Train workers all import TensorFlow (through
-    `ray.train.tensorflow`). Here the first import of each process leaves
+    `TF_CPP_MIN_LOG_LEVEL` says; the Train workers import TensorFlow (and
+    so does any process that imports `ray.train.tensorflow`). Here the
+    first import of each process leaves
     them out (`quiet_tensorflow.quiet_on_import`), and TensorFlow's C++
     INFO and WARNING lines are off as in `tfdist.train`
     (`TF_CPP_MIN_LOG_LEVEL=2` unless set; `TF_CPP_MIN_LOG_LEVEL=0` shows
@@ -491,7 +491,10 @@ def _fit(config: TrainConfig, *, num_workers: int, use_gpu: bool,
   it (`trainer.fit()`); returns the `ray.train.Result`."""
   import ray  # pylint: disable=g-import-not-at-top,redefined-outer-name
   from ray.train import ScalingConfig  # pylint: disable=g-import-not-at-top
-  from ray.train.tensorflow import TensorflowTrainer  # pylint: disable=g-import-not-at-top
+  # Ray Train 2's TensorflowTrainer (the one `ray.train.tensorflow` exports),
+  # from its own module: `ray.train.tensorflow` imports TensorFlow, which
+  # this process (a driver, a Tune trial's) needs for nothing.
+  from ray.train.v2.tensorflow.tensorflow_trainer import TensorflowTrainer  # pylint: disable=g-import-not-at-top
   from tfdist.cloud import ray_backend  # pylint: disable=g-import-not-at-top
   resources = {"CPU": cpus_per_worker, **({"GPU": 1} if use_gpu else {})}
   scratch = None
@@ -799,7 +802,7 @@ def main(argv):
   config = _train_config(argv)
   if FLAGS.address == "local":
     os.environ.setdefault(SINGLE_NODE_ENV, "0")
-  # This process imports TensorFlow too (through `ray.train.tensorflow`).
+  # In case this process imports TensorFlow (a strategy's backend does).
   quiet_tensorflow.default_log_level()
   quiet_tensorflow.quiet_on_import()
   try:

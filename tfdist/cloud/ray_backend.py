@@ -22,7 +22,8 @@
 
 This module imports no TensorFlow: Ray's Train controller unpickles the
 config, and `ray.train.tensorflow` (Ray's own config's package) imports
-TensorFlow there, for nothing.
+TensorFlow there, for nothing (`tfdist.ray` takes `TensorflowTrainer` from
+its own module for the same reason).
 """
 
 import dataclasses
