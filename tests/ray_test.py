@@ -19,6 +19,7 @@ import ipaddress
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import tempfile
@@ -36,11 +37,20 @@ from tfdist import errors
 from tfdist.config import TrainConfig
 from tfdist.runtime import quiet_tensorflow
 
-STEPS = 48            # 3 epochs of 16 steps (1024 examples, batch 64).
+# Ray reads it when imported: every test here that imports Ray comes before
+# the local cluster's (`init_local_cluster`), which needs it.
+os.environ.setdefault(tfdist_ray.SINGLE_NODE_ENV, "0")
+
+STEPS = 32            # 2 epochs of 16 steps (1024 examples, batch 64).
 CHECKPOINT_STEPS = 8
 KILL_AFTER_STEP = 20  # The kill comes after the step-16 checkpoint.
-# Measured on the busy 2-core machine: 0.62 after 48 steps (chance: 0.1).
+# Measured on the busy 2-core machine: 0.62 after 48 steps, 0.54 (the
+# evaluation's) after 16 (chance: 0.1).
 ACCURACY_FLOOR = 0.5
+# Ray Train's controller polls the workers this often (Ray's default: 2 s),
+# so a job's end or a killed worker is seen sooner.
+HEALTH_CHECK_INTERVAL_S = "0.5"
+HEALTH_CHECK_ENV = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"
 TUNE_STEPS = 8       # Two Tune trials of 8 steps, one worker each.
 TUNE_TIMEOUT = 300    # seconds: a hang guard.
 JOB_TIMEOUT = 420     # seconds: a hang guard; the job took 100-180 s (kill included).
@@ -183,6 +193,80 @@ class RepeatedLinesTest(absltest.TestCase):
     self.assertEqual(_repeated_lines(f"{line}\n{line}\n"), {})
 
 
+class JobFailureTextTest(absltest.TestCase):
+  """What a failed job's test prints: the workers' errors in full (Ray's
+  own text keeps 1,000 characters of each) and their logs' tails."""
+
+  def test_full_worker_errors_and_the_tails_of_the_jobs_logs(self):
+    from ray.train import WorkerGroupError  # pylint: disable=g-import-not-at-top
+    temp_dir = testutil.scratch_dir()
+    logs = os.path.join(temp_dir, "session_latest", "logs")
+    os.makedirs(os.path.join(logs, "train"))
+
+    def worker_logs(worker_id, message):
+      with open(os.path.join(logs, "train",
+                             f"ray-train-app-worker-{worker_id}.log"),
+                "w") as f:
+        for i in range(40):
+          f.write(json.dumps({"levelname": "INFO", "world_rank": 1,
+                              "message": f"{message} {i}"}) + "\n")
+      with open(os.path.join(logs, f"worker-{worker_id}-01000000-7.err"),
+                "w") as f:
+        f.write(f"E0000 {message}: Could not start gRPC server\n")
+
+    worker_logs("0ld", "an earlier job's line")
+    os.utime(os.path.join(logs, "train", "ray-train-app-worker-0ld.log"),
+             (1, 1))
+    worker_logs("ab12", "this job's line")
+    cause = "middle of a long error " + "x" * 2000 + " its end"
+    error = WorkerGroupError("[Rank 1 Error Snippet]: cut",
+                             {1: RuntimeError(cause)})
+    text = ray_testlib.job_failure_text(error, ray_temp_dir=temp_dir,
+                                        since=time.time() - 60)
+    self.assertIn(f"worker rank 1: RuntimeError: {cause}", text)
+    self.assertIn("world rank 1", text)
+    self.assertIn("INFO this job's line 39", text)
+    self.assertNotIn("this job's line 9\n", text)  # Only the tail.
+    self.assertIn("this job's line: Could not start gRPC server", text)
+    self.assertNotIn("an earlier job's line", text)
+
+
+class TfConfigPortTest(absltest.TestCase):
+  """The TF_CONFIG port of each worker of a multi-worker job."""
+
+  def test_held_until_tensorflow_takes_it_where_rays_is_free_at_once(self):
+    from ray.train._internal.utils import get_address_and_port  # pylint: disable=g-import-not-at-top
+    from tfdist.cloud import ray_backend  # pylint: disable=g-import-not-at-top
+    from tfdist.distribute import rendezvous  # pylint: disable=g-import-not-at-top
+    # Ray's TensorFlow backend: the port is free again once chosen, so any
+    # process may take it before TensorFlow's server binds it.
+    _, port = get_address_and_port()
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as other:
+      other.bind(("", port))
+    # tfdist's backend: the worker holds it (its wait for the peers hands
+    # it on to TensorFlow's server; see rendezvous_test).
+    address = ray_backend.reserve_worker_address()
+    host, port = address.rsplit(":", 1)
+    held = rendezvous._RESERVED.pop(int(port))  # pylint: disable=protected-access
+    self.addCleanup(held.close)
+    self.assertEqual(host, "127.0.0.1")
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as other:
+      with self.assertRaises(OSError):
+        other.bind(("", int(port)))
+
+  def test_the_trainer_and_backend_import_no_tensorflow(self):
+    # Ray's Train controller unpickles the backend config; a Tune trial's
+    # process builds the trainer.
+    out = subprocess.run(
+        [sys.executable, "-c", "import sys, tfdist.cloud.ray_backend; "
+         "from ray.train.v2.tensorflow.tensorflow_trainer import "
+         "TensorflowTrainer; print(sorted(m for m in ('tensorflow', "
+         "'keras') if m in sys.modules))"],
+        capture_output=True, text=True, timeout=120, check=True,
+        cwd=testutil.REPO_ROOT)
+    self.assertEqual(out.stdout.strip(), "[]", out.stderr)
+
+
 class TrainWorkerNameTest(absltest.TestCase):
   """Which listening processes the loopback check counts as Ray Train
   workers (the kernel's 15-character name failed it on 1 December 2026)."""
@@ -321,6 +405,10 @@ class LocalRayClusterTest(absltest.TestCase):
   def setUpClass(cls):
     super().setUpClass()
     cls.data = testutil.fashion_mnist_subset(limit=1024)
+    cls.saved_interval = os.environ.get(HEALTH_CHECK_ENV)
+    # Read by each job's driver (this process) and passed on to its
+    # controller.
+    os.environ[HEALTH_CHECK_ENV] = HEALTH_CHECK_INTERVAL_S
     before = set(_descendants())
     cls.temp_dir = tfdist_ray.init_local_cluster(num_cpus=2)
     import ray  # pylint: disable=g-import-not-at-top
@@ -332,6 +420,10 @@ class LocalRayClusterTest(absltest.TestCase):
   def tearDownClass(cls):
     started = {**cls.started, **_descendants()}
     cls.ray.shutdown()
+    if cls.saved_interval is None:
+      os.environ.pop(HEALTH_CHECK_ENV, None)
+    else:
+      os.environ[HEALTH_CHECK_ENV] = cls.saved_interval
     _, alive = psutil.wait_procs(list(started.values()), timeout=30)
     for proc in alive:  # Only processes this test started.
       try:
@@ -345,6 +437,35 @@ class LocalRayClusterTest(absltest.TestCase):
       raise AssertionError(
           "Ray processes still running 30 s after ray.shutdown(): "
           f"{[p.pid for p in alive]}")
+
+  def _run_job(self, config, **kwargs):
+    """`tfdist.ray.run_on_ray(config, **kwargs)`, bounded by JOB_TIMEOUT.
+
+    A failed or hung job fails the test with what there is to read: the
+    workers' errors in full and the tails of their logs
+    (`ray_testlib.job_failure_text`).
+    """
+    outcome = {}
+
+    def fit():
+      try:
+        outcome["result"] = tfdist_ray.run_on_ray(config, **kwargs)
+      except BaseException as e:  # pylint: disable=broad-except
+        outcome["error"] = e
+
+    started = time.time()
+    thread = threading.Thread(target=fit, daemon=True)
+    thread.start()
+    thread.join(timeout=JOB_TIMEOUT)
+    if thread.is_alive():
+      self.fail(f"the Ray job ran past {JOB_TIMEOUT} s.\n" +
+                ray_testlib.worker_log_tails(self.temp_dir, started))
+    error = outcome.get("error") or outcome["result"].error
+    if error is not None:
+      self.fail(f"the Ray job failed after {time.time() - started:.0f} s: " +
+                ray_testlib.job_failure_text(error, ray_temp_dir=self.temp_dir,
+                                             since=started))
+    return outcome["result"]
 
   def test_cluster_is_local_and_small(self):
     self.assertEqual(self.ray.util.get_node_ip_address(), "127.0.0.1")
@@ -364,27 +485,12 @@ class LocalRayClusterTest(absltest.TestCase):
     kill = ray_testlib.KillOnceCallback(
         checkpoint_dir=os.path.join(model_dir, "checkpoints"), marker=marker,
         after_step=KILL_AFTER_STEP)
-    outcome = {}
-
-    def fit():
-      try:
-        outcome["result"] = tfdist_ray.run_on_ray(
-            _config(model_dir, self.data), num_workers=2, max_failures=1,
-            storage_path=os.path.join(testutil.scratch_dir(), "ray_results"),
-            callbacks=[kill])
-      except BaseException as e:  # pylint: disable=broad-except
-        outcome["error"] = e
-
     started = time.time()
     with _ListenWatch() as watch:
-      thread = threading.Thread(target=fit, daemon=True)
-      thread.start()
-      thread.join(timeout=JOB_TIMEOUT)
-    self.assertFalse(thread.is_alive(),
-                     f"the Ray job ran past {JOB_TIMEOUT} s")
-    self.assertNotIn("error", outcome, repr(outcome.get("error")))
-    result = outcome["result"]
-    self.assertIsNone(result.error, repr(result.error))
+      result = self._run_job(
+          _config(model_dir, self.data), num_workers=2, max_failures=1,
+          storage_path=os.path.join(testutil.scratch_dir(), "ray_results"),
+          callbacks=[kill])
     print(f"ray job: {time.time() - started:.1f} s; metrics {result.metrics}")
 
     # Worker 1 was killed once, after a checkpoint, on the first attempt.
@@ -451,7 +557,7 @@ class LocalRayClusterTest(absltest.TestCase):
     from ray.train import CheckpointConfig, RunConfig  # pylint: disable=g-import-not-at-top
     resumed_dir = testutil.scratch_dir()
     reports = os.path.join(testutil.scratch_dir(), "reports.jsonl")
-    again = tfdist_ray.run_on_ray(
+    again = self._run_job(
         _config(resumed_dir, self.data, train_steps=STEPS + 8,
                 checkpoint_steps=0),
         num_workers=2, resume_from_checkpoint=result.checkpoint,
@@ -459,18 +565,17 @@ class LocalRayClusterTest(absltest.TestCase):
             storage_path=os.path.join(testutil.scratch_dir(), "ray_again"),
             checkpoint_config=CheckpointConfig(num_to_keep=1),
             callbacks=[ray_testlib.report_recorder(reports)]))
-    self.assertIsNone(again.error, repr(again.error))
     self.assertEqual(again.metrics["start_step"], STEPS)
     self.assertEqual(again.metrics["final_step"], STEPS + 8)
     self.assertLen(again.best_checkpoints, 1)  # num_to_keep=1
     # The user's Ray callback saw every report of both workers: the log
-    # point at step 52 (--log_steps=4; no checkpoint, no evaluation), then
-    # the evaluation and the final report at 56, the last with the final
-    # checkpoint.
+    # point at step STEPS + 4 (--log_steps=4; no checkpoint, no
+    # evaluation), then the evaluation and the final report at STEPS + 8,
+    # the last with the final checkpoint.
     with open(reports) as f:
       rounds = [json.loads(line) for line in f]
     self.assertEqual([[m["step"] for m in r["metrics"]] for r in rounds],
-                     [[52, 52], [56, 56], [56, 56]])
+                     [[STEPS + 4] * 2, [STEPS + 8] * 2, [STEPS + 8] * 2])
     self.assertIn("loss", rounds[0]["metrics"][0])
     self.assertNotIn("val_loss", rounds[0]["metrics"][0])
     self.assertIn("val_loss", rounds[1]["metrics"][0])

@@ -1,5 +1,6 @@
 """Fault injection for multi-worker tests: a worker that kills itself once;
-and a Ray Train callback that records what the workers report.
+a Ray Train callback that records what the workers report; and the text
+of a failed Ray Train job (`job_failure_text`).
 
 `KillOnceCallback` is a Keras callback for tfdist's controller, passed to
 the workers (e.g. through `tfdist.ray.run_on_ray(callbacks=...)`; it must
@@ -11,6 +12,7 @@ first process to create the marker (O_EXCL) is the one that dies, and it
 writes its step and pid there first.
 """
 
+import glob
 import json
 import os
 import signal
@@ -80,3 +82,77 @@ def report_recorder(path: str):
                            default=str) + "\n")
 
   return ReportRecorder()
+
+
+# How much of each Ray Train worker's logs `job_failure_text` shows.
+LOG_TAIL_LINES = 30
+LOG_LINE_CHARS = 600
+
+
+def _tail(path: str, lines: int):
+  try:
+    with open(path, errors="replace") as f:
+      return [line.rstrip("\n") for line in f.readlines()[-lines:]]
+  except OSError:
+    return []
+
+
+def _log_record(line: str) -> str:
+  """One line of a Ray Train log (JSON) as `LEVEL message`."""
+  try:
+    record = json.loads(line)
+  except ValueError:
+    return line[:LOG_LINE_CHARS]
+  return f"{record.get('levelname', '')} {record.get('message', '')}"[
+      :LOG_LINE_CHARS]
+
+
+def worker_log_tails(ray_temp_dir: str, since: float) -> str:
+  """The tails of the logs of each Ray Train worker that wrote after
+  `since` (a `time.time()`): its Ray Train log (Python's records, with its
+  world rank) and its process's stderr (TensorFlow's C++ lines), as
+  text."""
+  logs = os.path.join(ray_temp_dir, "session_latest", "logs")
+  out = []
+  for path in sorted(glob.glob(os.path.join(
+      logs, "train", "ray-train-app-worker-*.log")), key=os.path.getmtime):
+    if os.path.getmtime(path) < since:
+      continue
+    records = _tail(path, LOG_TAIL_LINES)
+    rank = "?"
+    for line in records:
+      try:
+        rank = json.loads(line).get("world_rank", rank)
+      except ValueError:
+        pass
+    worker_id = os.path.basename(path)[len("ray-train-app-worker-"):-4]
+    out.append(f"--- Ray Train worker {worker_id[:8]} (world rank {rank}): "
+               f"last {len(records)} lines of {path}")
+    out.extend(_log_record(line) for line in records)
+    for err in glob.glob(os.path.join(logs, f"worker-{worker_id}-*.err")):
+      lines = [l[:LOG_LINE_CHARS] for l in _tail(err, LOG_TAIL_LINES)
+               if l.strip()]
+      if lines:
+        out.append(f"--- its stderr: last {len(lines)} lines of {err}")
+        out.extend(lines)
+  return "\n".join(out)
+
+
+def job_failure_text(error: BaseException, *, ray_temp_dir: str,
+                     since: float) -> str:
+  """What a failed Ray Train job left to read: `error` in full, each
+  worker's and the controller's error in full (`str(WorkerGroupError)`
+  cuts each worker's text to 1,000 characters), and the tails of the logs
+  of the Ray Train workers that ran after `since` (a `time.time()`) in
+  the local cluster whose temporary folder is `ray_temp_dir`."""
+  parts = [f"{type(error).__name__}: {error}"]
+  for rank, failure in sorted(
+      (getattr(error, "worker_failures", None) or {}).items()):
+    parts.append(f"--- worker rank {rank}: {type(failure).__name__}: "
+                 f"{failure}")
+  controller = getattr(error, "controller_failure", None)
+  if controller is not None:
+    parts.append(f"--- controller: {type(controller).__name__}: "
+                 f"{controller}")
+  parts.append(worker_log_tails(ray_temp_dir, since))
+  return "\n".join(parts)

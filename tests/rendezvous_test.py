@@ -102,6 +102,24 @@ class RendezvousTest(absltest.TestCase):
     # The listener closed with the wait.
     self.assertFalse(rendezvous.answers(own, timeout=0.5))
 
+  def test_a_reserved_port_is_held_until_the_wait_hands_it_on(self):
+    port = rendezvous.reserve_port()
+    own = _address(port)
+    self.addCleanup(lambda: rendezvous._RESERVED.pop(port, None))  # pylint: disable=protected-access
+    # No other process can take it meanwhile (a plain bind, as a port
+    # picker's or another server's, fails), and a peer already sees it.
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as other:
+      with self.assertRaises(OSError):
+        other.bind(("", port))
+    self.assertTrue(rendezvous.answers(own))
+    # The wait listens on that same socket, and closes it at the end for
+    # TensorFlow's server.
+    rendezvous.wait_for_peers(own, {}, timeout_seconds=1)
+    self.assertNotIn(port, rendezvous._RESERVED)  # pylint: disable=protected-access
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as server:
+      server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+      server.bind(("", port))
+
   def test_sigterm_stops_the_wait(self):
     missing = _address(portpicker.pick_unused_port())
     timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGTERM))

@@ -14,8 +14,10 @@ Ray starts, into one `TrainConfig` that every worker runs unchanged with
 What Ray does and what tfdist does:
 
 * Ray Train's `TensorflowTrainer` starts `--num_workers` worker processes
-  (each with `--cpus_per_worker` CPUs and, with `--use_gpu`, one GPU) and
-  writes each its `TF_CONFIG` (`worker` 0..N-1; worker 0 is tfdist's chief).
+  (each with `--cpus_per_worker` CPUs and, with `--use_gpu`, one GPU), and
+  tfdist's backend for it (`tfdist.cloud.ray_backend`) writes each its
+  `TF_CONFIG` (`worker` 0..N-1; worker 0 is tfdist's chief), each port
+  held by its worker until TensorFlow's server binds it.
   tfdist trains synchronously across them with MultiWorkerMirroredStrategy,
   one device per worker, with its own batch plan, learning-rate scaling,
   checkpoints and manifest.
@@ -145,8 +147,8 @@ def _absolute(path: str) -> str:
 
 def _backend_for(strategy: str):
   """The backend of the strategy `strategy` (`tfdist.backends.registry`),
-  imported on first use: it imports TensorFlow, as the driver's Ray Train
-  (`ray.train.tensorflow`) does."""
+  imported on first use: it imports TensorFlow, which a driver needs for
+  nothing else."""
   from tfdist.backends import registry  # pylint: disable=g-import-not-at-top
   return registry.backend_for(strategy)
 
@@ -307,9 +309,9 @@ def setup_local_worker_process():
   * TensorFlow's native code prints its import-time notices (absl's
     "logging is not initialized" line, the oneDNN and CPU-feature lines)
     twice per process, from two of its libraries, whatever
-    `TF_CPP_MIN_LOG_LEVEL` says; Ray's Train controller, Tune's trial
-    processes and the Train workers all import TensorFlow (through
-    `ray.train.tensorflow`). Here the first import of each process leaves
+    `TF_CPP_MIN_LOG_LEVEL` says; the Train workers import TensorFlow (and
+    so does any process that imports `ray.train.tensorflow`). Here the
+    first import of each process leaves
     them out (`quiet_tensorflow.quiet_on_import`), and TensorFlow's C++
     INFO and WARNING lines are off as in `tfdist.train`
     (`TF_CPP_MIN_LOG_LEVEL=2` unless set; `TF_CPP_MIN_LOG_LEVEL=0` shows
@@ -352,9 +354,6 @@ def train_loop_per_worker(loop_config: dict) -> dict:
   Returns:
     This worker's run manifest (Ray keeps rank 0's: the chief's).
   """
-  # Ray's TensorFlow backend sets TF_USE_LEGACY_KERAS=1 for tf_keras users;
-  # tfdist runs Keras 3, and its subprocesses must not pick that up.
-  os.environ.pop("TF_USE_LEGACY_KERAS", None)
   return _ray_worker().run_worker(loop_config)
 
 
@@ -492,7 +491,11 @@ def _fit(config: TrainConfig, *, num_workers: int, use_gpu: bool,
   it (`trainer.fit()`); returns the `ray.train.Result`."""
   import ray  # pylint: disable=g-import-not-at-top,redefined-outer-name
   from ray.train import ScalingConfig  # pylint: disable=g-import-not-at-top
-  from ray.train.tensorflow import TensorflowTrainer  # pylint: disable=g-import-not-at-top
+  # Ray Train 2's TensorflowTrainer (the one `ray.train.tensorflow` exports),
+  # from its own module: `ray.train.tensorflow` imports TensorFlow, which
+  # this process (a driver, a Tune trial's) needs for nothing.
+  from ray.train.v2.tensorflow.tensorflow_trainer import TensorflowTrainer  # pylint: disable=g-import-not-at-top
+  from tfdist.cloud import ray_backend  # pylint: disable=g-import-not-at-top
   resources = {"CPU": cpus_per_worker, **({"GPU": 1} if use_gpu else {})}
   scratch = None
   worker_env = dict(run_config.worker_runtime_env or {})
@@ -519,6 +522,8 @@ def _fit(config: TrainConfig, *, num_workers: int, use_gpu: bool,
       # trainer is deprecated there).
       train_loop_config={"config": config, "callbacks": list(callbacks),
                          "resume_from": resume_from},
+      # TF_CONFIG with each worker's port held until TensorFlow binds it.
+      tensorflow_config=ray_backend.TfdistTensorflowConfig(),
       scaling_config=ScalingConfig(num_workers=num_workers, use_gpu=use_gpu,
                                    resources_per_worker=resources),
       run_config=run_config)
@@ -797,7 +802,7 @@ def main(argv):
   config = _train_config(argv)
   if FLAGS.address == "local":
     os.environ.setdefault(SINGLE_NODE_ENV, "0")
-  # This process imports TensorFlow too (through `ray.train.tensorflow`).
+  # In case this process imports TensorFlow (a strategy's backend does).
   quiet_tensorflow.default_log_level()
   quiet_tensorflow.quiet_on_import()
   try:

@@ -1,9 +1,10 @@
 """tfdist.cloud: cloud engines' helpers: Vertex AI hyperparameter tuning,
-Vertex AI and Kubeflow job specs, Ray Train's workers.
+Vertex AI and Kubeflow job specs, Ray Train's backend and workers.
 
 Modules:
   hptune
   job_plan
+  ray_backend
   ray_worker
   tfjob_spec
   vertex_spec

@@ -44,11 +44,41 @@ def answers(address: str, timeout: float = 1.0) -> bool:
     return False
 
 
+# Listening sockets this process holds for its own cluster port, by port
+# (`reserve_port`), until its `wait_for_peers` takes them over.
+_RESERVED = {}
+
+
+def reserve_port() -> int:
+  """Listens on a free port of all interfaces and keeps it: returns the
+  port, for this process's own cluster address.
+
+  A port found free and released at once (`bind` to port 0, then `close`,
+  as Ray Train's TensorFlow backend picks `TF_CONFIG` ports) can be taken
+  by another process in the seconds before TensorFlow's server binds it,
+  which then fails to start ("Could not start gRPC server"). This one stays
+  held until this process's `wait_for_peers` for that address listens on
+  it (the same socket) and closes it for TensorFlow's server.
+  """
+  server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+  server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+  server.bind(("", 0))
+  server.listen(64)
+  port = server.getsockname()[1]
+  _RESERVED[port] = server
+  return port
+
+
 def _listen(address: Optional[str]):
-  """A non-blocking listening socket on `address`'s port (all interfaces),
-  or None when it cannot be bound (`_accept_all` closes what connects)."""
+  """A non-blocking listening socket on `address`'s port (all interfaces):
+  the one `reserve_port` holds for it, else a new one, or None when it
+  cannot be bound (`_accept_all` closes what connects)."""
   if not address:
     return None
+  held = _RESERVED.pop(_split(address)[1], None)
+  if held is not None:
+    held.setblocking(False)
+    return held
   try:
     server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
