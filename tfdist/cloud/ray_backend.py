@@ -20,6 +20,13 @@
 * `TF_USE_LEGACY_KERAS` is left alone (Ray's backend sets it to 1 for
   tf_keras users; tfdist runs Keras 3).
 
+It leans on two of Ray's internal names, the ones Ray's own
+`TensorflowConfig` imports (ray/train/tensorflow/config.py in Ray 2.60):
+`ray.train.v2._internal.util.TrainingFramework` and the worker group's
+`execute`/`execute_single_async`. `setup.py` allows Ray 2.60 to 3; a Ray
+that moves them fails every Ray job at its start (tests/ray_test.py), not
+silently.
+
 This module imports no TensorFlow: Ray's Train controller unpickles the
 config, and `ray.train.tensorflow` (Ray's own config's package) imports
 TensorFlow there, for nothing (`tfdist.ray` takes `TensorflowTrainer` from
