@@ -41,6 +41,7 @@ imported, before TensorFlow's runtime starts: run it as its own process):
   that do not fit the schedule or M, copies of an interleaved pipeline.
 """
 
+import json
 import os
 import re
 import threading
@@ -371,6 +372,28 @@ class PlacementTest(absltest.TestCase):
                                  err_msg=got.path)
 
 
+def _train_like_unsplit(pipe, optimizer, schedule, copies, make_model,
+                        optimizer_name, weights):
+  """Trains `pipe` STEPS updates (M = 2, `copies`) and checks its losses
+  and `weights()` (in `make_model()`'s order) against the unsplit run's;
+  returns the traced step."""
+  loss_fn = _loss_fn()
+
+  @tf.function
+  def step(x, y):
+    return pipe.train_step(x, y, loss_fn=loss_fn, optimizer=optimizer,
+                           num_microbatches=2, schedule=schedule,
+                           copies=copies)
+
+  losses = [float(step(X[i], Y[i])) for i in range(STEPS)]
+  want_weights, want_losses = reference(make_model, optimizer_name)
+  np.testing.assert_allclose(losses, want_losses, atol=TOLERANCE, rtol=0)
+  for i, (want, got) in enumerate(zip(want_weights, weights())):
+    np.testing.assert_allclose(got, want, atol=TOLERANCE, rtol=0,
+                               err_msg=f"weight {i}")
+  return step
+
+
 class DataCopiesTest(parameterized.TestCase):
 
   @parameterized.parameters(("sgd_momentum", "gpipe"), ("adam", "1f1b"))
@@ -383,21 +406,9 @@ class DataCopiesTest(parameterized.TestCase):
         model, 2, devices=copies_lib.copy0_devices(mesh))
     pipe.place_variables()
     copies = copies_lib.DataCopies(pipe, mesh)
-    loss_fn = _loss_fn()
-
-    @tf.function
-    def step(x, y):
-      return pipe.train_step(x, y, loss_fn=loss_fn, optimizer=optimizer,
-                             num_microbatches=2, schedule=schedule,
-                             copies=copies)
-
-    losses = [float(step(X[i], Y[i])) for i in range(STEPS)]
-    weights, expected_losses = reference(skip_model, optimizer_name)
-    np.testing.assert_allclose(losses, expected_losses, atol=TOLERANCE,
-                               rtol=0)
-    for want, got in zip(weights, model.weights):
-      np.testing.assert_allclose(got.numpy(), want, atol=TOLERANCE, rtol=0,
-                                 err_msg=got.path)
+    _train_like_unsplit(pipe, optimizer, schedule, copies, skip_model,
+                        optimizer_name,
+                        lambda: [w.numpy() for w in model.weights])
     index = lambda d: tf.DeviceSpec.from_string(d).device_index
     self.assertEqual([index(s.device) for s in pipe.stages], [0, 2])
     self.assertEqual(
@@ -483,21 +494,11 @@ class TensorStagesTest(parameterized.TestCase):
     built = _guide_block(devices=ALL_DEVICES[:4 * data], model=split_mlp(),
                          layout_map=split_map())
     model, pipe, copies = built["split"], built["pipe"], built["data_copies"]
-    optimizer, loss_fn = OPTIMIZERS[optimizer_name](), _loss_fn()
+    optimizer = OPTIMIZERS[optimizer_name]()
     optimizer.build(model.trainable_variables)  # Slots beside the shards.
-
-    @tf.function
-    def step(x, y):
-      return pipe.train_step(x, y, loss_fn=loss_fn, optimizer=optimizer,
-                             num_microbatches=2, schedule=schedule,
-                             copies=copies)
-
-    losses = [float(step(X[i], Y[i])) for i in range(STEPS)]
-    weights, expected_losses = reference(split_mlp, optimizer_name)
-    np.testing.assert_allclose(losses, expected_losses, atol=TOLERANCE,
-                               rtol=0)
-    for want, got in zip(weights, pipeline_tensor.full_weights(model)):
-      np.testing.assert_allclose(got, want, atol=TOLERANCE, rtol=0)
+    step = _train_like_unsplit(pipe, optimizer, schedule, copies, split_mlp,
+                               optimizer_name,
+                               lambda: pipeline_tensor.full_weights(model))
     # Each shard on its device: index(d, p, t) = (p * D + d) * T + t.
     def index(v):
       v = v.value if isinstance(v, keras.Variable) else v  # A tf.Variable.
@@ -524,6 +525,30 @@ class TensorStagesTest(parameterized.TestCase):
     self.assertEqual(
         {index(v) for v in optimizer.variables if "up_1_kernel" in v.path},
         {0, 1})
+
+  def test_split_layer_serializes_to_json_and_back(self):
+    layer = pipeline_tensor.StageSplitDense(
+        16, split="row", shards=2, activation="tanh", use_bias=False,
+        kernel_initializer="ones", name="row")
+    copy = keras.saving.deserialize_keras_object(json.loads(json.dumps(
+        keras.saving.serialize_keras_object(layer))))
+    self.assertIsInstance(copy, pipeline_tensor.StageSplitDense)
+    self.assertEqual(copy.get_config(), layer.get_config())
+
+  def test_attention_split_by_heads_is_refused(self):
+    inputs = keras.Input((5, 8))
+    outputs = keras.layers.MultiHeadAttention(2, 4, name="mha")(inputs,
+                                                                 inputs)
+    layout_map = keras.distribution.LayoutMap(split_map().device_mesh)
+    layout_map["mha/(query|key|value)/kernel"] = (None, "model", None)
+    layout_map["mha/(query|key|value)/bias"] = ("model", None)
+    layout_map["mha/attention_output/kernel"] = ("model", None, None)
+    with self.assertRaisesRegex(
+        errors.ConfigError,
+        r"splits MultiHeadAttention 'mha' by heads: inside a pipeline's "
+        r"stages .* only Dense layers split by columns or rows"):
+      pipeline_tensor.split_model(keras.Model(inputs, outputs), layout_map,
+                                  2)
 
   def test_a_mesh_of_another_tensor_degree_is_refused(self):
     model = pipeline_tensor.split_model(split_mlp(), split_map(), 2)

@@ -56,6 +56,7 @@ from tfdist import errors
 from tfdist.parallel import mesh as mesh_lib
 from tfdist.parallel.pipeline import stages as stages_lib
 from tfdist.parallel.tensor import from_layout_map
+from tfdist.parallel.tensor import layers as tp_lib
 
 COLUMN, ROW = "column", "row"
 
@@ -219,13 +220,8 @@ class StageSplitDense(keras.layers.Layer):
 
   def get_config(self):
     config = super().get_config()
-    config.update(
-        units=self.units, split=self.split, shards=self.shards,
-        activation=keras.activations.serialize(self.activation),
-        use_bias=self.use_bias,
-        kernel_initializer=keras.initializers.serialize(
-            self.kernel_initializer),
-        bias_initializer=keras.initializers.serialize(self.bias_initializer))
+    config.update(tp_lib.dense_config(self), split=self.split,
+                  shards=self.shards)
     return config
 
 
