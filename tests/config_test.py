@@ -301,7 +301,8 @@ class TrainConfigTest(parameterized.TestCase):
        r"\) on 2 replicas: .* \(D = 1\).* Pass --num_cpu_devices=4"),
       ("tensor_parallel_pipeline", dict(_TRANSFORMER, tensor_parallel=2,
                                         pipeline_stages=2),
-       "--tensor_parallel=2 cannot run with --pipeline_stages=2"),
+       r"--tensor_parallel=2 cannot run with --pipeline_stages=2: .* "
+       r"tfdist.parallel.pipeline.tensor .*\. Drop one of the two"),
       ("tensor_parallel_fp16", dict(_TRANSFORMER, tensor_parallel=2,
                                     dtype="fp16"),
        "--tensor_parallel=2 cannot run with --dtype=fp16"),

@@ -1,6 +1,7 @@
 """Pipeline parallelism (tfdist.parallel.pipeline) trains like the unsplit model.
 
-On 4 logical CPU devices with op determinism (set when this file is
+On 4 logical CPU devices (8 for the data x pipeline x tensor mesh) with
+op determinism (set when this file is
 imported, before TensorFlow's runtime starts: run it as its own process):
 
 * 3 updates of SGD with momentum through P = 2 and 4 stages, M = 1, 2
@@ -27,13 +28,22 @@ imported, before TensorFlow's runtime starts: run it as its own process):
   pipeline 2 mesh, `train_step(..., copies=...)`), each on half of the
   batch, train like the unsplit model (SGD with momentum and Adam, GPipe
   and 1F1B), the copies' variables on their own devices;
+* a user's MLP whose Dense layers a Keras LayoutMap splits by columns
+  and rows (two Megatron pairs), cut into P = 2 stages, each stage's
+  split layers over its T = 2 devices (`tfdist.parallel.pipeline.
+  tensor`), trains like the unsplit model (3 updates, SGD with momentum
+  and Adam) on a pipeline x tensor mesh of 4 devices (D = 1) and with
+  D = 2 copies on a data x pipeline x tensor mesh of 8, every shard's
+  weights on its own device;
 * the refusals: P above the layers or the devices (P * V chunks above
   the layers), M not dividing the batch, a layer shared across stages, a
   subclassed model, bad cut names, an unknown schedule, virtual stages
   that do not fit the schedule or M, copies of an interleaved pipeline.
 """
 
+import json
 import os
+import re
 import threading
 
 os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
@@ -49,9 +59,12 @@ from tfdist.distribute import devices  # pylint: disable=g-import-not-at-top
 from tfdist.parallel import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
 from tfdist.parallel.pipeline import copies as copies_lib  # pylint: disable=g-import-not-at-top
 from tfdist.parallel.pipeline import stages as pipeline  # pylint: disable=g-import-not-at-top
+from tfdist.parallel.pipeline import tensor as pipeline_tensor  # pylint: disable=g-import-not-at-top
 from tests import testutil  # pylint: disable=g-import-not-at-top
 
-DEVICES = devices.configure_cpu_devices(4)
+# The first 4 for every test but the data x pipeline x tensor mesh's.
+ALL_DEVICES = devices.configure_cpu_devices(8)
+DEVICES = ALL_DEVICES[:4]
 tf.config.experimental.enable_op_determinism()
 
 BATCH = 16
@@ -359,6 +372,28 @@ class PlacementTest(absltest.TestCase):
                                  err_msg=got.path)
 
 
+def _train_like_unsplit(pipe, optimizer, schedule, copies, make_model,
+                        optimizer_name, weights):
+  """Trains `pipe` STEPS updates (M = 2, `copies`) and checks its losses
+  and `weights()` (in `make_model()`'s order) against the unsplit run's;
+  returns the traced step."""
+  loss_fn = _loss_fn()
+
+  @tf.function
+  def step(x, y):
+    return pipe.train_step(x, y, loss_fn=loss_fn, optimizer=optimizer,
+                           num_microbatches=2, schedule=schedule,
+                           copies=copies)
+
+  losses = [float(step(X[i], Y[i])) for i in range(STEPS)]
+  want_weights, want_losses = reference(make_model, optimizer_name)
+  np.testing.assert_allclose(losses, want_losses, atol=TOLERANCE, rtol=0)
+  for i, (want, got) in enumerate(zip(want_weights, weights())):
+    np.testing.assert_allclose(got, want, atol=TOLERANCE, rtol=0,
+                               err_msg=f"weight {i}")
+  return step
+
+
 class DataCopiesTest(parameterized.TestCase):
 
   @parameterized.parameters(("sgd_momentum", "gpipe"), ("adam", "1f1b"))
@@ -371,21 +406,9 @@ class DataCopiesTest(parameterized.TestCase):
         model, 2, devices=copies_lib.copy0_devices(mesh))
     pipe.place_variables()
     copies = copies_lib.DataCopies(pipe, mesh)
-    loss_fn = _loss_fn()
-
-    @tf.function
-    def step(x, y):
-      return pipe.train_step(x, y, loss_fn=loss_fn, optimizer=optimizer,
-                             num_microbatches=2, schedule=schedule,
-                             copies=copies)
-
-    losses = [float(step(X[i], Y[i])) for i in range(STEPS)]
-    weights, expected_losses = reference(skip_model, optimizer_name)
-    np.testing.assert_allclose(losses, expected_losses, atol=TOLERANCE,
-                               rtol=0)
-    for want, got in zip(weights, model.weights):
-      np.testing.assert_allclose(got.numpy(), want, atol=TOLERANCE, rtol=0,
-                                 err_msg=got.path)
+    _train_like_unsplit(pipe, optimizer, schedule, copies, skip_model,
+                        optimizer_name,
+                        lambda: [w.numpy() for w in model.weights])
     index = lambda d: tf.DeviceSpec.from_string(d).device_index
     self.assertEqual([index(s.device) for s in pipe.stages], [0, 2])
     self.assertEqual(
@@ -422,6 +445,121 @@ class DataCopiesTest(parameterized.TestCase):
       pipe.forward_backward(X[0][:6], Y[0][:6], loss_fn=_loss_fn(),
                             num_microbatches=2,
                             copies=copies_lib.DataCopies(pipe, mesh))
+
+
+def split_mlp(seed=1):
+  """8 -> up_1 16 (relu) -> down_1 8 -> up_2 16 (tanh) -> down_2 3: two
+  column-then-row pairs (`split_map`)."""
+  keras.utils.set_random_seed(seed)
+  x = keras.Input((8,), name="features")
+  h = keras.layers.Dense(16, activation="relu", name="up_1")(x)
+  h = keras.layers.Dense(8, name="down_1")(h)
+  h = keras.layers.Dense(16, activation="tanh", name="up_2")(h)
+  return keras.Model(x, keras.layers.Dense(3, name="down_2")(h),
+                     name="split_mlp")
+
+
+def split_map(tensor=2):
+  """`split_mlp`'s Keras LayoutMap: `up_*` by columns, `down_*` by rows."""
+  mesh = keras.distribution.DeviceMesh(
+      (1, tensor), ["batch", "model"],
+      devices=[f"cpu:{i}" for i in range(tensor)])
+  layout_map = keras.distribution.LayoutMap(mesh)
+  layout_map["up_.*/kernel"] = (None, "model")
+  layout_map["down_.*/kernel"] = ("model", None)
+  return layout_map
+
+
+def _guide_block(**names) -> dict:
+  """Runs docs/guides/device-mesh.md's block pxt-guide-block with `names`
+  (devices, model, layout_map) defined; returns its names."""
+  with open(os.path.join(testutil.REPO_ROOT, "docs", "guides",
+                         "device-mesh.md"), encoding="utf-8") as f:
+    code = re.search(r"<!-- run: tests/pipeline_test.py pxt-guide-block -->"
+                     r"\n```python\n(.*?)```", f.read(), re.S).group(1)
+  exec(compile(code, "device-mesh.md", "exec"), names)  # pylint: disable=exec-used
+  return names
+
+
+class TensorStagesTest(parameterized.TestCase):
+
+  @parameterized.named_parameters(
+      ("D2_P2_T2_sgd_momentum", 2, "sgd_momentum", "gpipe"),
+      ("D2_P2_T2_adam", 2, "adam", "1f1b"),
+      ("D1_P2_T2_sgd_momentum", 1, "sgd_momentum", "1f1b"),
+      ("D1_P2_T2_adam", 1, "adam", "gpipe"))
+  def test_split_stages_train_like_unsplit(self, data, optimizer_name,
+                                           schedule):
+    # docs/guides/device-mesh.md's block pxt-guide-block builds it.
+    built = _guide_block(devices=ALL_DEVICES[:4 * data], model=split_mlp(),
+                         layout_map=split_map())
+    model, pipe, copies = built["split"], built["pipe"], built["data_copies"]
+    optimizer = OPTIMIZERS[optimizer_name]()
+    optimizer.build(model.trainable_variables)  # Slots beside the shards.
+    step = _train_like_unsplit(pipe, optimizer, schedule, copies, split_mlp,
+                               optimizer_name,
+                               lambda: pipeline_tensor.full_weights(model))
+    # Each shard on its device: index(d, p, t) = (p * D + d) * T + t.
+    def index(v):
+      v = v.value if isinstance(v, keras.Variable) else v  # A tf.Variable.
+      return tf.DeviceSpec.from_string(v.device).device_index
+
+    for p, stage in enumerate(pipe.stages):
+      self.assertEqual(
+          {(v.name, index(v)) for v in stage.weights},
+          {(v.name, 2 * p * data + pipeline.shard_of(v))
+           for v in stage.weights})
+    for (d, p), mine in (copies.variables.items() if copies else ()):
+      self.assertEqual(
+          [index(m) for m in mine],
+          [(p * data + d) * 2 + pipeline.shard_of(v)
+           for v in pipe.stages[p].weights])
+    # Each shard's products, forward and backward, run on its device:
+    # every device of the mesh runs matrix products.
+    graph = step.get_concrete_function(X[0], Y[0]).graph
+    self.assertEqual(
+        {tf.DeviceSpec.from_string(op.device).device_index
+         for op in graph.get_operations() if op.type == "MatMul"},
+        set(range(4 * data)))
+    # The optimizer's slots sit beside their shards.
+    self.assertEqual(
+        {index(v) for v in optimizer.variables if "up_1_kernel" in v.path},
+        {0, 1})
+
+  def test_split_layer_serializes_to_json_and_back(self):
+    layer = pipeline_tensor.StageSplitDense(
+        16, split="row", shards=2, activation="tanh", use_bias=False,
+        kernel_initializer="ones", name="row")
+    copy = keras.saving.deserialize_keras_object(json.loads(json.dumps(
+        keras.saving.serialize_keras_object(layer))))
+    self.assertIsInstance(copy, pipeline_tensor.StageSplitDense)
+    self.assertEqual(copy.get_config(), layer.get_config())
+
+  def test_attention_split_by_heads_is_refused(self):
+    inputs = keras.Input((5, 8))
+    outputs = keras.layers.MultiHeadAttention(2, 4, name="mha")(inputs,
+                                                                 inputs)
+    layout_map = keras.distribution.LayoutMap(split_map().device_mesh)
+    layout_map["mha/(query|key|value)/kernel"] = (None, "model", None)
+    layout_map["mha/(query|key|value)/bias"] = ("model", None)
+    layout_map["mha/attention_output/kernel"] = ("model", None, None)
+    with self.assertRaisesRegex(
+        errors.ConfigError,
+        r"splits MultiHeadAttention 'mha' by heads: inside a pipeline's "
+        r"stages .* only Dense layers split by columns or rows"):
+      pipeline_tensor.split_model(keras.Model(inputs, outputs), layout_map,
+                                  2)
+
+  def test_a_mesh_of_another_tensor_degree_is_refused(self):
+    model = pipeline_tensor.split_model(split_mlp(), split_map(), 2)
+    mesh = mesh_lib.DeviceMesh.build(ALL_DEVICES[:4], pipeline=2)  # T = 1
+    pipe = pipeline.split_model(model, 2, cuts=["up_2"],
+                                devices=copies_lib.copy0_devices(mesh))
+    with self.assertRaisesRegex(
+        errors.PipelineConfigError,
+        r"split 2 way\(s\): build it with DeviceMesh.build\(devices, "
+        r"pipeline=2, tensor=2\)"):
+      copies_lib.DataCopies(pipe, mesh)
 
 
 class CheckpointTest(absltest.TestCase):
@@ -661,7 +799,7 @@ class RefusalTest(absltest.TestCase):
       pipeline.split_model(skip_model(), 3, devices=DEVICES[:2])
     with self.assertRaisesRegex(errors.PipelineConfigError,
                                 r"more than the 4 device\(s\)"):
-      pipeline.split_model(skip_model(), 5)
+      pipeline.split_model(skip_model(), 5, devices=DEVICES)
 
   def test_microbatches_not_dividing_the_batch(self):
     pipe = pipeline.split_model(skip_model(), 2)

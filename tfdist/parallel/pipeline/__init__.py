@@ -8,6 +8,10 @@ Modules:
   options  `--pipeline_stages`, `--num_microbatches`, `--pipeline_schedule`,
            `--pipeline_virtual_stages` and `--pipeline_cuts`, checked at
            start (no TensorFlow).
+  copies   D copies of the pipeline on a data x pipeline (x tensor) mesh,
+           each stage's gradients all-reduced over its data group.
+  tensor   tensor parallelism inside the stages: a Keras LayoutMap's
+           split Dense layers placed over each stage's T devices.
   mode     the `pipeline` step mode (`PipelineStep`,
            `tfdist.parallel.mode.StepMode`) and its `build`.
 

@@ -46,6 +46,13 @@ Equal to one device's update (up to float summation order): the loss of
 each micro-batch is its share of the global batch's loss, so the sum over
 copies and micro-batches is the unsplit step's gradient.
 
+With tensor-parallel stages (`tfdist.parallel.pipeline.tensor`: a
+mesh of tensor degree T, `DeviceMesh.build(devices, pipeline=P,
+tensor=T)`), stage p of copy d runs on index(d, p, 0) = (p * D + d) * T,
+each copy's variable of shard t (`stages.shard_of`) lives on index(d, p,
+t), and the gradients of shard t are packed and all-reduced over their
+own data group, the D devices (·, p, t).
+
 Known limits: layers that draw random numbers (dropout) in copies 1..D-1
 draw from the model's own seed state, without advancing it; a layer's
 `add_loss` losses are not added (as in the pipeline of one copy).
@@ -60,6 +67,7 @@ import tensorflow as tf
 from tfdist import errors
 from tfdist.parallel import collectives
 from tfdist.parallel import mesh as mesh_lib
+from tfdist.parallel.pipeline import stages as pipeline_lib
 
 
 def copy0_devices(mesh: mesh_lib.DeviceMesh) -> List[str]:
@@ -88,8 +96,10 @@ class DataCopies:
 
     Raises:
       PipelineConfigError: the pipeline has virtual stages (interleaved),
-        the mesh's pipeline degree is not the pipeline's P, it has a
-        tensor axis, or a stage is not on copy 0's device of the mesh.
+        the mesh's pipeline degree is not the pipeline's P, its tensor
+        degree is not the shards of the stages' split layers
+        (`tfdist.parallel.pipeline.tensor`; 1 without), or a stage is not
+        on copy 0's device of the mesh.
     """
     if pipeline.virtual_stages > 1:
       raise errors.PipelineConfigError(
@@ -98,11 +108,14 @@ class DataCopies:
           "schedule) are not built yet: split the model with "
           "virtual_stages=1 (schedule gpipe or 1f1b) for copies, or train "
           "one copy.")
-    if mesh.pipeline != pipeline.num_stages or mesh.tensor != 1:
+    shards = 1 + max((pipeline_lib.shard_of(v) for stage in pipeline.stages
+                      for v in stage.weights), default=0)
+    if mesh.pipeline != pipeline.num_stages or mesh.tensor != shards:
       raise errors.PipelineConfigError(
           f"the mesh ({mesh.describe()}) does not fit a pipeline of "
-          f"{pipeline.num_stages} stages: build it with DeviceMesh.build("
-          f"devices, pipeline={pipeline.num_stages}).")
+          f"{pipeline.num_stages} stages whose layers are split {shards} "
+          f"way(s): build it with DeviceMesh.build(devices, pipeline="
+          f"{pipeline.num_stages}, tensor={shards}).")
     want = copy0_devices(mesh)
     for stage, device in zip(pipeline.stages, want):
       if not _same_device(stage.device, device):
@@ -112,46 +125,61 @@ class DataCopies:
             f"model with devices=copy0_devices(mesh) ({want}).")
     self.pipeline = pipeline
     self.mesh = mesh
-    self.groups = [collectives.DeviceGroup(group, name=f"data[stage {p}]")
-                   for p, group in enumerate(mesh.groups("data"))]
+    # Stage p's shard t: the data group of the D devices (., p, t).
+    self.groups = {
+        (p, t): collectives.DeviceGroup(
+            mesh.group_of("data", self.device(0, p, t)),
+            name=f"data[stage {p}]" + (f"[shard {t}]" if mesh.tensor > 1
+                                        else ""))
+        for p in range(mesh.pipeline) for t in range(mesh.tensor)}
     # Which groups run as collectives here (`collective_groups`).
-    self.collective = [_runs_as_collective(g.devices) for g in self.groups]
+    self.collective = {key: _runs_as_collective(g.devices)
+                       for key, g in self.groups.items()}
     self.variables: Dict[Tuple[int, int], List[tf.Variable]] = {}
     for d in range(1, mesh.data):
       for stage in pipeline.stages:
-        with tf.init_scope(), tf.device(self.device(d, stage.index)):
-          self.variables[(d, stage.index)] = [
-              tf.Variable(tf.zeros(v.shape, v.dtype), trainable=False,
-                          name=f"copy{d}/{v.name}") for v in stage.weights]
+        mine = []
+        for v in stage.weights:
+          with tf.init_scope(), tf.device(self.device(
+              d, stage.index, pipeline_lib.shard_of(v))):
+            mine.append(tf.Variable(tf.zeros(v.shape, v.dtype),
+                                    trainable=False,
+                                    name=f"copy{d}/{v.name}"))
+        self.variables[(d, stage.index)] = mine
 
   def collective_groups(self) -> List[bool]:
     """Per stage, whether its data group is all-reduced with
     `tfdist.parallel.collectives` (True) or summed on copy 0's device
     (a group this process drives but cannot run collectives on)."""
-    return list(self.collective)
+    return [all(self.collective[(p, t)] for t in range(self.mesh.tensor))
+            for p in range(self.mesh.pipeline)]
 
   @property
   def data(self) -> int:
     """D."""
     return self.mesh.data
 
-  def device(self, d: int, p: int) -> str:
-    """The device of copy `d`'s stage `p`: index(d, p) = p * D + d."""
+  def device(self, d: int, p: int, t: int = 0) -> str:
+    """The device of copy `d`'s stage `p` (of its tensor shard `t`):
+    index(d, p, t) = (p * D + d) * T + t."""
     return self.mesh.devices[self.mesh.index(
-        mesh_lib.MeshCoordinates(data=d, pipeline=p, tensor=0))]
+        mesh_lib.MeshCoordinates(data=d, pipeline=p, tensor=t))]
 
   def bytes_per_device(self) -> Dict[str, int]:
     """`{device: bytes of the copies' weights there}` (copies 1..D-1)."""
-    return {self.device(d, p): sum(
-        int(v.shape.num_elements()) * v.dtype.size for v in variables)
-            for (d, p), variables in self.variables.items()}
+    out = {}
+    for variables in self.variables.values():
+      for v in variables:
+        out[v.device] = (out.get(v.device, 0) +
+                         int(v.shape.num_elements()) * v.dtype.size)
+    return out
 
   def sync(self) -> None:
     """Assigns copy 0's current weights to every other copy's variables
     (each on its own device)."""
     for (d, p), variables in self.variables.items():
-      with tf.device(self.device(d, p)):
-        for v, mine in zip(self.pipeline.stages[p].weights, variables):
+      for v, mine in zip(self.pipeline.stages[p].weights, variables):
+        with tf.device(mine.device):
           mine.assign(tf.convert_to_tensor(v.value))
 
   def scope(self, d: int, p: int):
@@ -160,8 +188,14 @@ class DataCopies:
     tape: the reads it makes are what the gradients flow back to."""
     if d == 0:
       return contextlib.nullcontext()
+    values = []
+    for mine in self.variables[(d, p)]:
+      # Placed where it lives (a read alone names no device): a split
+      # layer computes its shard there (`tfdist.parallel.pipeline.tensor`).
+      with tf.device(mine.device):
+        values.append(tf.identity(mine))
     return keras.StatelessScope(list(zip(self.pipeline.stages[p].weights,
-                                         self.variables[(d, p)])))
+                                         values)))
 
   def trainable(self, d: int, p: int) -> List:
     """Copy `d`'s variables of stage `p`'s trainable variables, in
@@ -182,7 +216,7 @@ class DataCopies:
 
     Returns:
       `reduced[p][j]`: the sum over the D copies, dense, on copy 0's
-      device of stage p.
+      device of stage p (of the variable's tensor shard).
     """
     reduced = []
     for p, stage in enumerate(self.pipeline.stages):
@@ -190,29 +224,33 @@ class DataCopies:
       per_copy = [[_dense(g, v) for g, v in zip(sums[d][p], variables)]
                   for d in range(self.data)]
       out = [None] * len(variables)
-      for dtype in sorted({g.dtype for g in per_copy[0]}, key=str):
-        js = [j for j, g in enumerate(per_copy[0]) if g.dtype == dtype]
-        if js:
-          self._reduce_packed(p, per_copy, js, out)
+      kinds = {(str(g.dtype), pipeline_lib.shard_of(v))
+               for g, v in zip(per_copy[0], variables)}
+      for dtype, t in sorted(kinds):
+        js = [j for j, (g, v) in enumerate(zip(per_copy[0], variables))
+              if str(g.dtype) == dtype and pipeline_lib.shard_of(v) == t]
+        self._reduce_packed(p, t, per_copy, js, out)
       reduced.append(out)
     return reduced
 
-  def _reduce_packed(self, p: int, per_copy, js: List[int], out) -> None:
-    """All-reduces the gradients `js` of stage `p` (one dtype) as one
-    vector per copy; puts copy 0's results, unpacked, into `out`."""
-    group = self.groups[p]
+  def _reduce_packed(self, p: int, t: int, per_copy, js: List[int],
+                     out) -> None:
+    """All-reduces the gradients `js` of stage `p`'s shard `t` (one
+    dtype) as one vector per copy over that shard's data group; puts copy
+    0's results, unpacked, into `out`."""
+    group = self.groups[(p, t)]
     packed = [None] * self.data
     for d in range(self.data):
-      with tf.device(self.device(d, p)):
-        packed[group.rank(self.device(d, p))] = tf.concat(
+      with tf.device(self.device(d, p, t)):
+        packed[group.rank(self.device(d, p, t))] = tf.concat(
             [tf.reshape(per_copy[d][j], [-1]) for j in js], axis=0)
-    if self.collective[p]:
+    if self.collective[(p, t)]:
       summed = collectives.all_reduce(group, packed)[
-          group.rank(self.device(0, p))]
+          group.rank(self.device(0, p, t))]
     else:
-      with tf.device(self.device(0, p)):
+      with tf.device(self.device(0, p, t)):
         summed = tf.add_n(packed)
-    with tf.device(self.device(0, p)):
+    with tf.device(self.device(0, p, t)):
       sizes = [int(per_copy[0][j].shape.num_elements()) for j in js]
       for j, piece in zip(js, tf.split(summed, sizes)):
         out[j] = tf.reshape(piece, per_copy[0][j].shape)

@@ -297,6 +297,20 @@ def check_microbatches(batch_size: int, num_microbatches: int) -> int:
   return batch_size // num_microbatches
 
 
+# The attribute of a variable holding tensor shard t of a layer split
+# inside a stage (`tfdist.parallel.pipeline.tensor.StageSplitDense`): it
+# lives on device t of its stage's tensor group.
+TENSOR_SHARD = "_tfdist_stage_tensor_shard"
+# ... and the device `Pipeline.place_variables` put it on (its layer
+# computes the shard there).
+SHARD_DEVICE = "_tfdist_stage_shard_device"
+
+
+def shard_of(variable) -> int:
+  """The tensor shard t a stage's variable holds (0: a whole weight)."""
+  return getattr(variable, TENSOR_SHARD, 0)
+
+
 def _param_bytes(variables) -> int:
   return sum(int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size
              for v in variables)
@@ -780,7 +794,8 @@ class Pipeline:
       out.append(value)
     return out
 
-  def place_variables(self, deferred: Optional[DeferredVariables] = None
+  def place_variables(self, deferred: Optional[DeferredVariables] = None,
+                      tensor_devices: Optional[Sequence[Sequence[str]]] = None
                       ) -> Dict[str, int]:
     """Puts each stage's variables on its device; returns bytes per device.
 
@@ -799,6 +814,11 @@ class Pipeline:
 
     Args:
       deferred: the `DeferredVariables` the model was built with, or None.
+      tensor_devices: with layers split inside the stages
+        (`tfdist.parallel.pipeline.tensor`), per stage p its T devices:
+        a variable holding tensor shard t (`shard_of`) goes to
+        `tensor_devices[p][t]` (`tensor.tensor_devices(mesh)`); None: each
+        stage's variables on its device.
 
     Returns:
       `{device: bytes of the model's variables placed there}`.
@@ -810,20 +830,23 @@ class Pipeline:
     """
     per_device, created = {}, {}
     for stage in self.stages:
-      want = tf.DeviceSpec.from_string(stage.device)
       for v in stage.weights:
+        device = (stage.device if tensor_devices is None else
+                  tensor_devices[stage.index % self.num_stages][shard_of(v)])
+        want = tf.DeviceSpec.from_string(device)
         current = getattr(v, "_value", None)
         if not isinstance(current, tf.Variable):
           raise errors.PipelineConfigError(
               f"variable {v.path!r} ({type(v).__name__}) does not wrap a "
               f"tf.Variable, so place_variables cannot move it to "
-              f"{stage.device} (Keras {keras.__version__}, backend "
+              f"{device} (Keras {keras.__version__}, backend "
               f"{keras.backend.backend()}): use the TensorFlow backend, or "
               "leave the variables where Keras made them.")
-        per_device[stage.device] = (per_device.get(stage.device, 0) +
-                                    _param_bytes([v]))
+        per_device[device] = per_device.get(device, 0) + _param_bytes([v])
+        if hasattr(v, TENSOR_SHARD):
+          setattr(v, SHARD_DEVICE, device)
         if deferred is not None and deferred.owns(current):
-          created[id(current)] = (v, stage.device)
+          created[id(current)] = (v, device)
           continue
         have = tf.DeviceSpec.from_string(current.device)
         # A field the stage's device leaves open (a local name has no job
@@ -831,7 +854,7 @@ class Pipeline:
         fields = ("job", "replica", "task", "device_type", "device_index")
         if any(getattr(want, f) is not None and
                getattr(want, f) != getattr(have, f) for f in fields):
-          with tf.init_scope(), tf.device(stage.device):
+          with tf.init_scope(), tf.device(device):
             moved = tf.Variable(
                 current.read_value(), dtype=current.dtype,
                 trainable=current.trainable, name=v.name,

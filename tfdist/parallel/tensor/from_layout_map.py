@@ -306,7 +306,8 @@ def dropouts_inside_pairs(model, plan) -> List[str]:
   return sorted(found)
 
 
-def split_model(model, layout_map, tensor: int) -> keras.Model:
+def split_model(model, layout_map, tensor: int, *,
+                parallel_layer=None) -> keras.Model:
   """`model` cloned with the layers the map splits made tensor-parallel.
 
   Call in the strategy's scope under `groups.split_over(tensor)` (the
@@ -318,6 +319,11 @@ def split_model(model, layout_map, tensor: int) -> keras.Model:
     model: the unsharded, built model (functional or Sequential).
     layout_map: the `keras.distribution.LayoutMap`.
     tensor: T, the run's `tensor_parallel`.
+    parallel_layer: `parallel_layer(layer, kind, entry)` -> the split
+      twin of `layer` (`kind`: column, row or heads; `entry`: the map's
+      entry, for messages). Defaults to this module's replica layers
+      (`tfdist.parallel.tensor.layers`); a pipeline's stages give theirs
+      (`tfdist.parallel.pipeline.tensor`).
 
   Returns:
     The clone (compiled as `model` was, without an optimizer: the trainer
@@ -332,7 +338,9 @@ def split_model(model, layout_map, tensor: int) -> keras.Model:
             f"splits its model {tensor} ways (tensor_parallel={tensor}). "
             "Give one T.")
 
-  inside = dropouts_inside_pairs(model, plan)
+  # A pipeline stage's split layers gather the column layer's units on
+  # the stage's device, where a dropout draws one device's mask.
+  inside = dropouts_inside_pairs(model, plan) if parallel_layer is None else []
   if inside:
     logging.warning(
         "Dropout %s lies between a column- and a row-parallel layer: each "
@@ -345,7 +353,8 @@ def split_model(model, layout_map, tensor: int) -> keras.Model:
     kind = plan.layers.get(layer.name)
     if kind is None:
       return layer.__class__.from_config(layer.get_config())
-    return _parallel_layer(layer, kind, _entry(plan, layer.name))
+    return (parallel_layer or _parallel_layer)(layer, kind,
+                                               _entry(plan, layer.name))
 
   extra = {} if isinstance(model, keras.Sequential) else {
       "call_function": _call_attention}

@@ -404,6 +404,19 @@ def splittable_weight_bytes(model: keras.Model) -> int:
   return total
 
 
+def dense_config(layer) -> dict:
+  """The `keras.layers.Dense` arguments a split Dense layer keeps, for its
+  `get_config`: `units`, `activation`, `use_bias` and the two
+  initializers, serialized."""
+  return dict(
+      units=layer.units,
+      activation=keras.activations.serialize(layer.activation),
+      use_bias=layer.use_bias,
+      kernel_initializer=keras.initializers.serialize(
+          layer.kernel_initializer),
+      bias_initializer=keras.initializers.serialize(layer.bias_initializer))
+
+
 class _TensorParallelLayer(keras.layers.Layer):
   """Remembers the shard count T and the replicas' groups the shards were
   made for."""
@@ -503,14 +516,7 @@ class ColumnParallelDense(_TensorParallelLayer):
 
   def get_config(self):
     config = super().get_config()
-    config.update(
-        units=self.units,
-        activation=keras.activations.serialize(self.activation),
-        use_bias=self.use_bias,
-        kernel_initializer=keras.initializers.serialize(
-            self.kernel_initializer),
-        bias_initializer=keras.initializers.serialize(self.bias_initializer),
-        gather_output=self.gather_output)
+    config.update(dense_config(self), gather_output=self.gather_output)
     return config
 
 
@@ -576,13 +582,7 @@ class RowParallelDense(_TensorParallelLayer):
 
   def get_config(self):
     config = super().get_config()
-    config.update(
-        units=self.units,
-        activation=keras.activations.serialize(self.activation),
-        use_bias=self.use_bias,
-        kernel_initializer=keras.initializers.serialize(
-            self.kernel_initializer),
-        bias_initializer=keras.initializers.serialize(self.bias_initializer))
+    config.update(dense_config(self))
     return config
 
 

@@ -208,7 +208,11 @@ def _check_incompatible_settings(
         f"{flag} for stage 3.")
   for given, name, why in (
       (pipeline_stages > 1, f"--pipeline_stages={pipeline_stages}",
-       "a pipeline runs on one replica"),
+       "the trainer runs tensor-parallel layers as tf.distribute replicas "
+       "and a pipeline's stages from one process, and does not compose "
+       "them yet (the library does: tfdist.parallel.pipeline.tensor "
+       "splits a pipeline's stages over a data x pipeline x tensor mesh, "
+       "docs/guides/device-mesh.md)"),
       (enable_xla, "--enable_xla",
        "the tensor-parallel layers all-reduce inside the forward pass, "
        "which one replica's XLA cluster cannot compile"),
