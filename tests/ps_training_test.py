@@ -282,8 +282,15 @@ class ParameterServerTrainingTest(absltest.TestCase):
     self.assertIn("resumes from the last checkpoint", before)
     # The restarted group resumed from a checkpoint written before the kill.
     after = first[first.index("restarting the group"):]
-    self.assertRegex(after, r"\[chief:0\] .*restored .*ckpt-(10|20): "
-                     "resuming at step")
+    restored = re.search(r"\[chief:0\] .*restored .*ckpt-(10|20): resuming "
+                         r"at step (\d+)", after)
+    self.assertIsNotNone(restored, after[-4000:])
+    # ... and trained on past the restored step (until the SIGTERM).
+    later = [int(n) for n in re.findall(
+        rf"\[chief:0\] .*, step (\d+)/{_PREEMPTED_STEPS}: ",
+        after[restored.end():])]
+    self.assertTrue(later and max(later) > int(restored.group(2)),
+                    after[-4000:])
     # (It was then stopped by SIGTERM; OneControllerTest checks that stop,
     # and the run's end, by the second launcher, there.)
     self.assertEqual(run["second_status"], 0, run["second_log"][-6000:])
