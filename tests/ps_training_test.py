@@ -16,10 +16,11 @@ then stopped by SIGTERM and resumed by a second launcher
 (`_restart_and_preemption_run`, shared by ParameterServerTrainingTest and
 OneControllerTest).
 
-Cost (pytest on the shared 2-core machine, 7 December 2026, load average 9
-to 12): 247 s wall and 135 CPU-seconds in all, where a launcher run for the
-ps-killed claim and two for the SIGTERM claim took 323 s and 166
-CPU-seconds.
+Cost (pytest on the shared 2-core machine, 7 December 2026, load average 3
+to 4): 112 s wall and 134 CPU-seconds in all (the shared run 66 s, the
+one-controller test's asserts and Mirrored run 12 s), where a launcher run
+for the ps-killed claim and two for the SIGTERM claim took 136 s and 157
+CPU-seconds (47 and 46 s).
 """
 
 import json
