@@ -14,6 +14,19 @@ from tfdist.observability import manifest as manifest_lib
 from tfdist.training.step.train_loop import Trainer
 
 
+def _cnn_trainer(strategy, **trainer_args):
+  """The built-in CNN and SGD under tfdist's Trainer, global batch 8;
+  returns (trainer, model, optimizer)."""
+  with strategy.scope():
+    model = models.build_model("cnn", input_shape=(28, 28, 1),
+                               num_classes=10)
+    optimizer = keras.optimizers.SGD(0.01)
+    optimizer.build(model.trainable_variables)
+  trainer = Trainer(strategy=strategy, model=model, optimizer=optimizer,
+                    global_batch_size=8, **trainer_args)
+  return trainer, model, optimizer
+
+
 class TrainFunctionTest(parameterized.TestCase):
 
   @parameterized.parameters(1, 3)
@@ -25,14 +38,8 @@ class TrainFunctionTest(parameterized.TestCase):
     data = strategy.experimental_distribute_dataset(
         tf.data.Dataset.from_tensor_slices((images, labels)).batch(
             8, drop_remainder=True).repeat())
-    with strategy.scope():
-      model = models.build_model("cnn", input_shape=(28, 28, 1),
-                                 num_classes=10)
-      optimizer = keras.optimizers.SGD(0.01)
-      optimizer.build(model.trainable_variables)
-    trainer = Trainer(strategy=strategy, model=model, optimizer=optimizer,
-                      global_batch_size=8,
-                      steps_per_execution=steps_per_execution)
+    trainer, model, optimizer = _cnn_trainer(
+        strategy, steps_per_execution=steps_per_execution)
     iterator = iter(data)
     chunks = [steps_per_execution, 1] + ([2] if steps_per_execution > 2
                                          else [])
@@ -56,13 +63,7 @@ class EvaluateTracesOnceTest(absltest.TestCase):
                                          dtype=tf.int64)
     data = strategy.experimental_distribute_dataset(
         tf.data.Dataset.from_tensor_slices((images, labels)).batch(8))
-    with strategy.scope():
-      model = models.build_model("cnn", input_shape=(28, 28, 1),
-                                 num_classes=10)
-      optimizer = keras.optimizers.SGD(0.01)
-      optimizer.build(model.trainable_variables)
-    trainer = Trainer(strategy=strategy, model=model, optimizer=optimizer,
-                      global_batch_size=8)
+    trainer, _, _ = _cnn_trainer(strategy)
     traced = []
     replica_step = trainer._replica_eval_step  # pylint: disable=protected-access
 
