@@ -447,11 +447,12 @@ class DataCopiesTest(parameterized.TestCase):
                             copies=copies_lib.DataCopies(pipe, mesh))
 
 
-def split_mlp(seed=1):
+def split_mlp(seed=1, input_name="features"):
   """8 -> up_1 16 (relu) -> down_1 8 -> up_2 16 (tanh) -> down_2 3: two
-  column-then-row pairs (`split_map`)."""
+  column-then-row pairs (`split_map`); `input_name` None: an input Keras
+  names."""
   keras.utils.set_random_seed(seed)
-  x = keras.Input((8,), name="features")
+  x = keras.Input((8,), name=input_name)
   h = keras.layers.Dense(16, activation="relu", name="up_1")(x)
   h = keras.layers.Dense(8, name="down_1")(h)
   h = keras.layers.Dense(16, activation="tanh", name="up_2")(h)
@@ -525,6 +526,15 @@ class TensorStagesTest(parameterized.TestCase):
     self.assertEqual(
         {index(v) for v in optimizer.variables if "up_1_kernel" in v.path},
         {0, 1})
+
+  def test_a_model_with_an_unnamed_input_is_split(self):
+    # Its clone's input is named anew ("keras_tensor_4"): looked up by
+    # name, the split failed with "No such layer".
+    unsplit = split_mlp(input_name=None)
+    model = pipeline_tensor.split_model(unsplit, split_map(), 2)
+    for mine, theirs in zip(pipeline_tensor.full_weights(model),
+                            unsplit.get_weights()):
+      np.testing.assert_array_equal(mine, theirs)
 
   def test_split_layer_serializes_to_json_and_back(self):
     layer = pipeline_tensor.StageSplitDense(

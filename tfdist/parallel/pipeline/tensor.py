@@ -265,8 +265,11 @@ def split_model(model, layout_map, tensor: int) -> keras.Model:
       model, layout_map, tensor,
       parallel_layer=lambda layer, kind, entry: _stage_layer(
           layer, kind, entry, tensor))
-  for layer in split.layers:
-    twin = model.get_layer(layer.name)
+  # By position (the clone keeps the layers' order): a layer Keras named
+  # itself (an unnamed `keras.Input`) is named anew in the clone.
+  for layer, twin in zip(split.layers, model.layers):
+    if not twin.weights:
+      continue
     if isinstance(layer, StageSplitDense):
       layer.load_full_weights(twin.get_weights())
     else:
