@@ -303,6 +303,13 @@ class TrainConfigTest(parameterized.TestCase):
                                         pipeline_stages=2),
        r"--tensor_parallel=2 cannot run with --pipeline_stages=2: .* "
        r"tfdist.parallel.pipeline.tensor .*\. Drop one of the two"),
+      # tfdist.fit's layout map set T (config_changes): the refusal named
+      # --tensor_parallel, which the user never gave (a new-user trial).
+      ("layout_map_pipeline", dict(
+          tensor_parallel=2, pipeline_stages=2, num_cpu_devices=4,
+          layout_map=(("up/kernel", "(None, 'model')"),)),
+       r"^layout_map \(its DeviceMesh's 'model' axis: T = 2\) cannot run "
+       r"with --pipeline_stages=2: .* Drop one of the two"),
       ("tensor_parallel_fp16", dict(_TRANSFORMER, tensor_parallel=2,
                                     dtype="fp16"),
        "--tensor_parallel=2 cannot run with --dtype=fp16"),

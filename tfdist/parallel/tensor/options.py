@@ -115,7 +115,9 @@ def check_flags(*, tensor_parallel: int, model: str,
   n = tensor_parallel
   if n == 1:
     return
-  flag = f"--tensor_parallel={n}"
+  # With a layout map (tfdist.fit) its mesh set T: the messages name it.
+  flag = (f"layout_map (its DeviceMesh's 'model' axis: T = {n})"
+          if layout_map else f"--tensor_parallel={n}")
   if not layout_map and model not in MODELS:
     which = (f"--model={model} has no tensor-parallel layers" if model_given
              else f"no --model is given (the default, {model}, has no "
