@@ -29,6 +29,23 @@ def _restored_value(folder: str) -> float:
   return float(variable.numpy())
 
 
+class CheckpointStateTest(absltest.TestCase):
+
+  def test_state_file_read_back_without_a_deprecation_warning(self):
+    # TensorFlow's update_checkpoint_state, deprecated, put its warning in
+    # every Ray worker's log (a new-user trial).
+    folder = testutil.scratch_dir()
+    with self.assertNoLogs("tensorflow", level="WARNING"):
+      ray_worker.write_checkpoint_state(folder, ["ckpt-8", 'ckpt-"16"'])
+    state = tf.train.get_checkpoint_state(folder)
+    self.assertEqual(state.model_checkpoint_path,
+                     os.path.join(folder, 'ckpt-"16"'))
+    self.assertEqual(list(state.all_model_checkpoint_paths),
+                     [os.path.join(folder, "ckpt-8"),
+                      os.path.join(folder, 'ckpt-"16"')])
+    self.assertEqual(os.listdir(folder), ["checkpoint"])  # No leftovers.
+
+
 class CheckpointCopyTest(absltest.TestCase):
 
   def setUp(self):

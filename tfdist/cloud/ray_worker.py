@@ -19,9 +19,11 @@ import os
 import sys
 import tempfile
 import time
+import uuid
 from typing import Optional, Sequence
 
 from absl import logging
+from google.protobuf import text_encoding
 import keras
 import ray.train
 import tensorflow as tf
@@ -58,6 +60,26 @@ def log_tensorflow_once():
 
 
 # --- tfdist checkpoints as Ray checkpoints -----------------------------------
+def write_checkpoint_state(folder: str, names: Sequence[str]):
+  """Writes TensorFlow's `checkpoint` state file of `folder`: the last of
+  `names` (checkpoint prefixes relative to `folder`, oldest first) is the
+  latest, all are kept (`tf.train.get_checkpoint_state` reads them back).
+
+  TensorFlow's own writer (`tf.compat.v1.train.update_checkpoint_state`)
+  is deprecated and says so in every Ray worker's log; this writes the
+  same text proto, to a temporary file renamed over the old one (a reader
+  sees the old state or the new one, as TensorFlow's atomic write)."""
+  def field(name, value):
+    return f'{name}: "{text_encoding.CEscape(value, as_utf8=True)}"\n'
+  text = field("model_checkpoint_path", names[-1]) + "".join(
+      field("all_model_checkpoint_paths", name) for name in names)
+  path = os.path.join(folder, "checkpoint")
+  tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+  with tf.io.gfile.GFile(tmp, "w") as f:
+    f.write(text)
+  tf.io.gfile.rename(tmp, path, overwrite=True)
+
+
 def _copy_checkpoint_files(prefix: str, folder: str):
   """Copies the files of checkpoint `prefix` (`ckpt-N.index`,
   `ckpt-N.data-*`) into `folder`, overwriting."""
@@ -87,9 +109,7 @@ def export_checkpoint(checkpoint_dir: str, folder: str,
   if not prefix or checkpoint_step(prefix) <= newer_than:
     return None
   _copy_checkpoint_files(prefix, folder)
-  tf.compat.v1.train.update_checkpoint_state(
-      folder, os.path.basename(prefix),
-      all_model_checkpoint_paths=[os.path.basename(prefix)])
+  write_checkpoint_state(folder, [os.path.basename(prefix)])
   return checkpoint_step(prefix)
 
 
@@ -116,9 +136,7 @@ def import_checkpoint(folder: str, checkpoint_dir: str) -> Optional[int]:
   _copy_checkpoint_files(prefix, checkpoint_dir)
   state = tf.train.get_checkpoint_state(checkpoint_dir)
   kept = list(state.all_model_checkpoint_paths) if state else []
-  tf.compat.v1.train.update_checkpoint_state(
-      checkpoint_dir, os.path.basename(prefix),
-      all_model_checkpoint_paths=[*kept, os.path.basename(prefix)])
+  write_checkpoint_state(checkpoint_dir, [*kept, os.path.basename(prefix)])
   return step
 
 
