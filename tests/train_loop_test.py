@@ -50,36 +50,6 @@ class TrainFunctionTest(parameterized.TestCase):
     self.assertEqual(int(optimizer.iterations.numpy()), sum(chunks))
 
 
-class EvaluateTracesOnceTest(absltest.TestCase):
-
-  def test_a_partial_last_batch_is_not_traced_again(self):
-    # 38 examples in batches of 8: four of 8, one of 6. Traced on each
-    # batch's shapes, the last batch retraced the evaluation (a third of a
-    # short evaluation's time); traced on the dataset's element spec, one
-    # trace serves every batch and every later evaluation.
-    strategy = tf.distribute.OneDeviceStrategy("/cpu:0")
-    images = tf.random.stateless_uniform([38, 28, 28, 1], seed=(1, 2))
-    labels = tf.random.stateless_uniform([38], seed=(3, 4), maxval=10,
-                                         dtype=tf.int64)
-    data = strategy.experimental_distribute_dataset(
-        tf.data.Dataset.from_tensor_slices((images, labels)).batch(8))
-    trainer, _, _ = _cnn_trainer(strategy)
-    traced = []
-    replica_step = trainer._replica_eval_step  # pylint: disable=protected-access
-
-    def counting(*args, **kwargs):
-      traced.append(1)
-      return replica_step(*args, **kwargs)
-
-    trainer._replica_eval_step = counting  # pylint: disable=protected-access
-    first = trainer.evaluate(data)
-    self.assertEqual(first["num_examples"], 38)
-    self.assertLen(traced, 1)
-    again = trainer.evaluate(data)
-    self.assertLen(traced, 1)
-    self.assertAlmostEqual(again["loss"], first["loss"], places=5)
-
-
 def _op_types(function, *args):
   """Op type -> count in `function`'s graph for `args`, the bodies of the
   functions it calls included."""
