@@ -109,11 +109,11 @@ def _config(model_dir, **changes):
   return TrainConfig(**settings)
 
 
-def _fit(builder=skip_model, model_dir=None, **changes):
+def _fit(builder=skip_model, model_dir=None, layout_map=None, **changes):
   """`(weights, manifest, model_dir)` of a `tfdist.fit` run."""
   model_dir = model_dir or os.path.join(testutil.scratch_dir(), "run")
   result = api.fit(builder, x=X, y=Y, config=_config(model_dir, **changes),
-                   verbose=0)
+                   verbose=0, layout_map=layout_map)
   return [w.copy() for w in _Built.model.get_weights()], result, model_dir
 
 
@@ -508,6 +508,58 @@ class DataTimesPipelineTest(parameterized.TestCase):
         _fit(model_dir=model_dir, pipeline_stages=2, num_cpu_devices=4,
              **changes)
       self.assertEqual(errors.exit_code_for(caught.exception), 2)
+
+
+def _split_map():
+  """`skip_model`'s Keras LayoutMap on a batch 1 x model 2 mesh: block_2
+  split by columns, block_3 by rows (block_1's output also skips to the
+  Add: split by columns, it would need a gather)."""
+  mesh = keras.distribution.DeviceMesh(
+      (1, 2), ["batch", "model"], devices=["cpu:0", "cpu:1"])
+  layout_map = keras.distribution.LayoutMap(mesh)
+  layout_map["block_2/kernel"] = (None, "model")
+  layout_map["block_3/kernel"] = ("model", None)
+  return layout_map
+
+
+class PipelineTimesTensorTest(absltest.TestCase):
+  """P x T = 2 x 2 on the 4 logical CPU devices (`pipeline_stages=2,
+  num_cpu_devices=4` and a layout map splitting block_2 by columns and
+  block_3 by rows): each stage's split Dense layers over its 2 devices."""
+
+  def test_checkpoints_move_to_one_device_and_back(self):
+    # 2 steps in P x T, 4 on one device, 6 in P x T: one unsplit run of 6
+    # steps (Adam: its slots restore across the splits too).
+    straight, _ = _unsplit(train_steps=6)
+    model_dir = os.path.join(testutil.scratch_dir(), "run")
+    for steps, split in ((2, True), (4, False), (6, True)):
+      layout = (dict(layout_map=_split_map(), pipeline_stages=2,
+                     num_cpu_devices=4) if split else {})
+      with self.assertLogs(level="INFO") as logs:
+        weights, manifest, _ = _fit(model_dir=model_dir, train_steps=steps,
+                                    **layout)
+      self.assertEqual(manifest["final_step"], steps)
+      self.assertEqual(manifest.get("pipeline", {}).get("tensor", 1),
+                       2 if split else 1)
+    self.assertIn("ckpt-4", manifest["restored_from"])
+    self.assertLess(_max_difference(weights, straight), TOLERANCE)
+    # The plan's mesh, each device with its coordinates; stage p's
+    # device index(0, p, 0) = 2 p.
+    plan = "\n".join(logs.output)
+    self.assertIn("mesh: data 1 x pipeline 2 x tensor 2 over 4 devices",
+                  plan)
+    self.assertRegex(plan, r"/device:CPU:3\s+data 0  pipeline 1  tensor 1")
+    self.assertEqual(
+        [s["device"] for s in manifest["one_device"]["pipeline_stages"]],
+        [DEVICES[0], DEVICES[2]])
+    # Saved under the one-device run's names and shapes.
+    def shapes(prefix):
+      return tf.train.load_checkpoint(prefix).get_variable_to_shape_map()
+
+    self.assertEqual(
+        shapes(tf.train.latest_checkpoint(os.path.join(model_dir,
+                                                       "checkpoints"))),
+        shapes(manifest["restored_from"]))  # The one-device run's.
 
 
 class _Subclassed(keras.Model):

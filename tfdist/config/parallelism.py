@@ -117,8 +117,8 @@ class ParallelismConfig:
 
 def check_pipeline(config) -> None:
   """Pipeline stages, micro-batches, schedule, virtual stages and cuts
-  against the strategy, ZeRO, XLA and the devices
-  (`tfdist.parallel.pipeline.options.check_flags`).
+  against the strategy, ZeRO, XLA and the devices (P x T of them a copy
+  with `--tensor_parallel`; `tfdist.parallel.pipeline.options.check_flags`).
 
   Raises:
     ConfigError: a rule is broken.
@@ -131,7 +131,8 @@ def check_pipeline(config) -> None:
       pipeline_virtual_stages=config.pipeline_virtual_stages,
       distribution_strategy=config.distribution_strategy,
       zero_stage=config.zero_stage_resolved, enable_xla=config.enable_xla,
-      num_gpus=config.num_gpus, num_cpu_devices=config.num_cpu_devices)
+      num_gpus=config.num_gpus, num_cpu_devices=config.num_cpu_devices,
+      tensor_parallel=config.tensor_parallel)
 
 
 def check_tensor_parallel(config) -> None:

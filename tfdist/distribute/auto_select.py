@@ -333,9 +333,9 @@ class SelectOptions:
       (probed under `auto`), and the parallelism section's
       `pipeline_stages` (above 1, `auto` is one_device: the stages run in
       one process, or across a cluster's chief and workers,
-      `tfdist.backends.pipeline`) and `tensor_parallel` (above 1, `auto` is
-      mirrored: one tensor-parallel group,
-      `tfdist.backends.tensor_parallel`).
+      `tfdist.backends.pipeline`, with `tensor_parallel` too) and
+      `tensor_parallel` (above 1 without stages, `auto` is mirrored: one
+      tensor-parallel group, `tfdist.backends.tensor_parallel`).
     precision: the precision section (`tfdist.config.PrecisionConfig`):
       its `dtype` as given (`auto`, `fp32`, `bf16`, `fp16`).
     dtype_defaulted: `--dtype` was not given (the TPU default is bf16;
@@ -452,8 +452,11 @@ def resolve(options: SelectOptions, *, cluster, environment=None,
   # runtime before the backend makes N logical CPU devices).
   parallelism = options.strategy.parallelism
   dtype = options.precision.dtype
+  # Beside pipeline stages, T splits each stage's layers in one process
+  # (`tfdist.parallel.pipeline.tensor`): the pipeline's one_device below.
   tensor_parallel = (options.requested == "auto" and
-                     parallelism.tensor_parallel > 1)
+                     parallelism.tensor_parallel > 1 and
+                     parallelism.pipeline_stages <= 1)
   if tensor_parallel:
     options = options.with_strategy(
         distribution_strategy=StrategyKind.MIRRORED.value)

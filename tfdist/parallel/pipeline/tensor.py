@@ -46,7 +46,7 @@ model's weights copied in. A `MultiHeadAttention` split by heads is
 refused here (no stage-placed attention yet).
 """
 
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import keras
 import numpy as np
@@ -290,3 +290,85 @@ def tensor_devices(mesh: mesh_lib.DeviceMesh) -> List[List[str]]:
   return [[mesh.devices[mesh.index(mesh_lib.MeshCoordinates(
       data=0, pipeline=p, tensor=t))] for t in range(mesh.tensor)]
           for p in range(mesh.pipeline)]
+
+
+# (whole variable, the variables holding it, the axis they split it on;
+# None: one variable holds it whole).
+Pair = Tuple[keras.Variable, List[keras.Variable], Optional[int]]
+
+
+def joined_pairs(model, unsharded) -> List[Pair]:
+  """Each weight of `unsharded` (the model `split_model` cloned `model`
+  from) with the variables of `model` that hold it: a `StageSplitDense`'s
+  T kernels (and column biases) split on their axis, every other weight
+  whole in the layer of the same name. What a checkpoint of `model` saves
+  under `unsharded`'s names and shapes."""
+  pairs = []
+  for layer in model.layers:
+    twin = unsharded.get_layer(layer.name)
+    if isinstance(layer, StageSplitDense):
+      pairs.append((twin.kernel, list(layer.kernels), layer._axis))  # pylint: disable=protected-access
+      if layer.use_bias:
+        pairs.append((twin.bias, list(layer.biases),
+                      0 if layer.split == COLUMN else None))
+    else:
+      pairs += [(whole, [mine], None)
+                for whole, mine in zip(twin.weights, layer.weights)]
+  return pairs
+
+
+def _slot_key(variable) -> str:
+  """The part of an optimizer variable's name Keras derives from its
+  model variable (`add_variable_from_reference`: the path with "/" made
+  "_")."""
+  return variable.path.replace("/", "_")
+
+
+def optimizer_pairs(optimizer, view, pairs: Sequence[Pair]) -> List[Pair]:
+  """Each variable of `view` (an optimizer of `optimizer`'s class and
+  configuration built on the whole variables of `pairs`) with the
+  variables of `optimizer` (built on the split model) that hold it: a
+  slot of a split weight from the slots of its shards, named as Keras
+  names slots (`<variable path with "_">_<slot>`); the others (the
+  iteration count, the learning rate) by name.
+
+  Raises:
+    ValueError: a variable of `view` that pairs with none of `optimizer`'s.
+  """
+  ours = {v.name: v for v in optimizer.variables}
+  split = sorted(((_slot_key(whole) + "_", [_slot_key(p) + "_" for p in parts],
+                   axis) for whole, parts, axis in pairs if len(parts) > 1),
+                 key=lambda item: -len(item[0]))
+  out = []
+  for theirs in view.variables:
+    found = None
+    for prefix, parts, axis in split:
+      if theirs.name.startswith(prefix):
+        slot = theirs.name[len(prefix):]
+        if all(p + slot in ours for p in parts):
+          found = (theirs, [ours[p + slot] for p in parts], axis)
+          break
+    if found is None and theirs.name in ours:
+      found = (theirs, [ours[theirs.name]], None)
+    if found is None:
+      raise ValueError(
+          f"the split model's optimizer has no variable for {theirs.name!r} "
+          "of the whole model's (its slots are named after their variables' "
+          "paths, as Keras names them)")
+    out.append(found)
+  return out
+
+
+def join(parts: Sequence[keras.Variable], axis: Optional[int]) -> np.ndarray:
+  """The whole value of `parts` (split on `axis`; None: `parts[0]`)."""
+  values = [np.asarray(keras.ops.convert_to_numpy(p)) for p in parts]
+  return values[0] if axis is None else np.concatenate(values, axis)
+
+
+def assign_joined(parts: Sequence[keras.Variable], axis: Optional[int],
+                  value) -> None:
+  """Assigns the whole `value` to `parts` (split on `axis`)."""
+  pieces = ([value] if axis is None else
+            np.split(np.asarray(value), len(parts), axis=axis))
+  for part, piece in zip(parts, pieces):
+    part.assign(piece)
