@@ -487,8 +487,10 @@ class DataTimesPipelineTest(parameterized.TestCase):
       for v in mine:
         self.assertEqual(_index(v.device), 2 * stage.index + 1)
     # Stage p's data group: its D copies' devices, p * D + d.
+    self.assertEqual(list(step.copies.groups), [(0, 0), (1, 0)])
     self.assertEqual([[_index(d) for d in g.devices]
-                      for g in step.copies.groups], [[0, 1], [2, 3]])
+                      for g in step.copies.groups.values()],
+                     [[0, 1], [2, 3]])
 
   def test_refusals_name_the_flag(self):
     with self.assertRaisesRegex(

@@ -130,9 +130,9 @@ class PipelineOptions:
 
   def mesh(self) -> mesh_lib.DeviceMesh:
     """The data x pipeline (x tensor) mesh: over `devices`, or, before
-    the backend found them, over D * P * T names `/device:<device_type>:i` (the plan's;
-    across a cluster, `<task>/device:<device_type>:i`, N / T per task in
-    `tasks` order).
+    the backend found them, over D * P * T names `/device:<device_type>:i`
+    (the plan's; across a cluster, `<task>/device:<device_type>:i`, an
+    equal share per task in `tasks` order).
 
     Raises:
       ConfigError: `devices` that P does not divide (`DeviceMesh.build`).

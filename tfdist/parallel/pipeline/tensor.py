@@ -145,19 +145,20 @@ class StageSplitDense(keras.layers.Layer):
     self.bias_initializer = keras.initializers.get(bias_initializer)
 
   @property
-  def _axis(self) -> int:
+  def axis(self) -> int:
+    """The kernel's axis the shards split: 1 (columns) or 0 (rows)."""
     return 1 if self.split == COLUMN else 0
 
   def build(self, input_shape):
     full = (int(input_shape[-1]), self.units)
-    if full[self._axis] % self.shards:
+    if full[self.axis] % self.shards:
       what = "units" if self.split == COLUMN else "input width"
       raise errors.ConfigError(
           f"StageSplitDense {self.name!r} splits its {what} "
-          f"{full[self._axis]} by {self.split}s {self.shards} ways: use a "
-          f"tensor degree that divides {full[self._axis]}.")
+          f"{full[self.axis]} by {self.split}s {self.shards} ways: use a "
+          f"tensor degree that divides {full[self.axis]}.")
     kernel = np.split(np.asarray(self.kernel_initializer(full)),
-                      self.shards, axis=self._axis)
+                      self.shards, axis=self.axis)
     self.kernels = [self._shard(f"kernel_{t}", piece, t)
                     for t, piece in enumerate(kernel)]
     self.biases = []
@@ -201,22 +202,20 @@ class StageSplitDense(keras.layers.Layer):
   def full_weights(self) -> List[np.ndarray]:
     """Dense's `[kernel, bias]` (`[kernel]` without a bias): the shards
     concatenated."""
-    out = [np.concatenate([k.numpy() for k in self.kernels], self._axis)]
-    if self.use_bias:
-      out.append(np.concatenate([b.numpy() for b in self.biases]))
-    return out
+    return [join(parts, axis) for parts, axis in self._whole()]
 
   def load_full_weights(self, weights: Sequence[np.ndarray]) -> None:
     """Assigns Dense's `[kernel, bias]` to the shards."""
-    kernel = np.split(np.asarray(weights[0]), self.shards, axis=self._axis)
-    for variable, piece in zip(self.kernels, kernel):
-      variable.assign(piece)
+    for (parts, axis), value in zip(self._whole(), weights):
+      assign_joined(parts, axis, value)
+
+  def _whole(self) -> List[Tuple[List[keras.Variable], Optional[int]]]:
+    """Dense's kernel (and bias) as `(the shards holding it, the axis
+    they split it on; None: one holds it whole)`."""
+    out = [(list(self.kernels), self.axis)]
     if self.use_bias:
-      bias = np.asarray(weights[1])
-      pieces = (np.split(bias, self.shards) if self.split == COLUMN
-                else [bias])
-      for variable, piece in zip(self.biases, pieces):
-        variable.assign(piece)
+      out.append((list(self.biases), 0 if self.split == COLUMN else None))
+    return out
 
   def get_config(self):
     config = super().get_config()
@@ -307,10 +306,8 @@ def joined_pairs(model, unsharded) -> List[Pair]:
   for layer in model.layers:
     twin = unsharded.get_layer(layer.name)
     if isinstance(layer, StageSplitDense):
-      pairs.append((twin.kernel, list(layer.kernels), layer._axis))  # pylint: disable=protected-access
-      if layer.use_bias:
-        pairs.append((twin.bias, list(layer.biases),
-                      0 if layer.split == COLUMN else None))
+      pairs += [(whole, parts, axis) for whole, (parts, axis) in zip(
+          twin.weights, layer._whole())]  # pylint: disable=protected-access
     else:
       pairs += [(whole, [mine], None)
                 for whole, mine in zip(twin.weights, layer.weights)]

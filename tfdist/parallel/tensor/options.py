@@ -163,8 +163,8 @@ def check_flags(*, tensor_parallel: int, model: str,
         f"over. Pass {name}={2 * n} (or another multiple of {n}) for D = 2 "
         "data-parallel copies, or drop the ZeRO flag.")
   _check_incompatible_settings(
-      flag, zero_stage=zero_stage, enable_xla=enable_xla, dtype=dtype, clipnorm=clipnorm,
-      global_clipnorm=global_clipnorm, init_checkpoint=init_checkpoint)
+      flag, zero_stage=zero_stage, enable_xla=enable_xla, dtype=dtype,
+      clipnorm=clipnorm, global_clipnorm=global_clipnorm, init_checkpoint=init_checkpoint)
 
 
 def _refuse_pipeline(flag: str, *, pipeline_stages: int, model: str) -> None:
