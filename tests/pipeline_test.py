@@ -34,7 +34,10 @@ imported, before TensorFlow's runtime starts: run it as its own process):
   tensor`), trains like the unsplit model (3 updates, SGD with momentum
   and Adam) on a pipeline x tensor mesh of 4 devices (D = 1) and with
   D = 2 copies on a data x pipeline x tensor mesh of 8, every shard's
-  weights on its own device;
+  weights on its own device; `tfdist.fit` trains it so on the 8 devices
+  (`pipeline_stages=2, num_cpu_devices=8` and the map) to the one-device
+  run's weights (3 updates of SGD with momentum), the plan printing the
+  mesh with each device's coordinates;
 * the refusals: P above the layers or the devices (P * V chunks above
   the layers), M not dividing the batch, a layer shared across stages, a
   subclassed model, bad cut names, an unknown schedule, virtual stages
@@ -560,6 +563,48 @@ class TensorStagesTest(parameterized.TestCase):
         r"split 2 way\(s\): build it with DeviceMesh.build\(devices, "
         r"pipeline=2, tensor=2\)"):
       copies_lib.DataCopies(pipe, mesh)
+
+
+class TrainerTest(absltest.TestCase):
+  """`tfdist.fit` with `pipeline_stages=2`, `split_map()` (T = 2) and
+  `num_cpu_devices=8`: D x P x T = 2 x 2 x 2 in the trainer."""
+
+  def test_fit_D2_P2_T2_equals_one_device(self):
+    from tfdist import api  # pylint: disable=g-import-not-at-top
+    from tfdist.config import TrainConfig  # pylint: disable=g-import-not-at-top
+    rng = np.random.default_rng(2)
+    x = rng.normal(size=(64, 8)).astype("float32")
+    y = rng.normal(size=(64, 3)).astype("float32")
+    built = []
+
+    def model_fn():
+      model = split_mlp()
+      model.compile(loss="mse")
+      built.append(model)
+      return model
+
+    def run(layout_map=None, **layout):
+      manifest = api.fit(
+          model_fn, x=x, y=y, verbose=0, layout_map=layout_map,
+          config=TrainConfig(
+              model_dir=os.path.join(testutil.scratch_dir(), "run"),
+              train_steps=3, batch_size=BATCH, deterministic=True, seed=1,
+              optimizer="momentum", momentum=0.9, base_learning_rate=0.05,
+              lr_scaling="none", mode="train", **layout))
+      # The model as built: the one a caller gets back, trained.
+      return built[-1].get_weights(), manifest
+
+    one, _ = run()
+    with self.assertLogs(level="INFO") as logs:
+      mesh, manifest = run(split_map(), pipeline_stages=2, num_cpu_devices=8)
+    self.assertLess(max(float(np.max(np.abs(a - b)))
+                        for a, b in zip(one, mesh)), TOLERANCE)
+    self.assertEqual((manifest["pipeline"]["data"],
+                      manifest["pipeline"]["tensor"]), (2, 2))
+    plan = "\n".join(logs.output)
+    self.assertIn("mesh: data 2 x pipeline 2 x tensor 2 over 8 devices",
+                  plan)
+    self.assertRegex(plan, r"/device:CPU:7\s+data 1  pipeline 1  tensor 1")
 
 
 class CheckpointTest(absltest.TestCase):
