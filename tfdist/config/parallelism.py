@@ -87,7 +87,11 @@ class ParallelismConfig:
             "--distribution_strategy mirrored (or auto) on one host; "
             "--zero_stage=1 or 2 shards the optimizer state over each data "
             "group's N/T replicas (hybrid sharding); not with --zero_stage=3, "
-            "--pipeline_stages, --enable_xla, --dtype=fp16 or clipping. Pays on fast device links (NVLink), not on CPUs. See "
+            "--enable_xla, --dtype=fp16 or clipping. With --pipeline_stages=P "
+            "only for tfdist.fit(..., layout_map=...) (the map's model axis "
+            "is T): each stage's Dense layers the map splits take T devices, "
+            "N = D x P x T in one process (docs/guides/device-mesh.md). Pays "
+            "on fast device links (NVLink), not on CPUs. See "
             "docs/guides/tensor-parallelism.md."),
       traits=())
   expert_parallel: int = setting(

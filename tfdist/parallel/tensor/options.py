@@ -214,8 +214,9 @@ def _check_devices(flag: str, n: int, *, num_gpus: int,
     what = (f"copies of {n} tensor-parallel ranks each" if group == n else
             f"copies of a --pipeline_stages={pipeline_stages} pipeline whose "
             f"stages each split over {n} devices")
+    unit = "replicas" if group == n else "devices"
     raise errors.ConfigError(
-        f"{flag} with {name}={devices}: the devices are data-parallel "
+        f"{flag} with {name}={devices}: the {unit} are data-parallel "
         f"{what}, so their number must be a multiple of {group}. Pass "
         f"{name}=" + (f"{lower} or {higher}" if lower else f"{higher}")
         + (f", or a --tensor_parallel that divides {devices}." if group == n
