@@ -473,12 +473,13 @@ def split_map(tensor=2):
   return layout_map
 
 
-def _guide_block(**names) -> dict:
-  """Runs docs/guides/device-mesh.md's block pxt-guide-block with `names`
-  (devices, model, layout_map) defined; returns its names."""
+def _guide_block(name="pxt-guide-block", **names) -> dict:
+  """Runs docs/guides/device-mesh.md's block `name` (pxt-guide-block, or
+  pxt-fit-block) with `names` (pxt-guide-block: devices, model,
+  layout_map) defined; returns its names."""
   with open(os.path.join(testutil.REPO_ROOT, "docs", "guides",
                          "device-mesh.md"), encoding="utf-8") as f:
-    code = re.search(r"<!-- run: tests/pipeline_test.py pxt-guide-block -->"
+    code = re.search(rf"<!-- run: tests/pipeline_test.py {name} -->"
                      r"\n```python\n(.*?)```", f.read(), re.S).group(1)
   exec(compile(code, "device-mesh.md", "exec"), names)  # pylint: disable=exec-used
   return names
@@ -583,20 +584,21 @@ class TrainerTest(absltest.TestCase):
       built.append(model)
       return model
 
-    def run(layout_map=None, **layout):
-      manifest = api.fit(
-          model_fn, x=x, y=y, verbose=0, layout_map=layout_map,
-          config=TrainConfig(
-              model_dir=os.path.join(testutil.scratch_dir(), "run"),
-              train_steps=3, batch_size=BATCH, deterministic=True, seed=1,
-              optimizer="momentum", momentum=0.9, base_learning_rate=0.05,
-              lr_scaling="none", mode="train", **layout))
-      # The model as built: the one a caller gets back, trained.
-      return built[-1].get_weights(), manifest
-
-    one, _ = run()
+    api.fit(model_fn, x=x, y=y, verbose=0, config=TrainConfig(
+        model_dir=os.path.join(testutil.scratch_dir(), "run"),
+        train_steps=3, batch_size=BATCH, deterministic=True, seed=1,
+        optimizer="momentum", momentum=0.9, base_learning_rate=0.05,
+        lr_scaling="none", mode="train"))
+    # The model as built: the one a caller gets back, trained.
+    one = built[-1].get_weights()
     with self.assertLogs(level="INFO") as logs:
-      mesh, manifest = run(split_map(), pipeline_stages=2, num_cpu_devices=8)
+      # docs/guides/device-mesh.md's block pxt-fit-block: the same run with
+      # pipeline_stages=2, num_cpu_devices=8 and the map.
+      manifest = _guide_block(
+          "pxt-fit-block", model_fn=model_fn, x=x, y=y,
+          layout_map=split_map(),
+          model_dir=os.path.join(testutil.scratch_dir(), "run"))["result"]
+    mesh = built[-1].get_weights()
     self.assertLess(max(float(np.max(np.abs(a - b)))
                         for a, b in zip(one, mesh)), TOLERANCE)
     self.assertEqual((manifest["pipeline"]["data"],

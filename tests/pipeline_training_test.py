@@ -344,19 +344,32 @@ class WhereWeightsAreCreatedTest(absltest.TestCase):
                      _index(step.pipeline.stages[-1].device))
 
 
+def _resume_in_turn(test, key, runs):
+  """Runs `runs`, `[(steps, _fit's changes, manifest["pipeline"][key])]`
+  (1 when absent), in one model_dir, each resuming the last's checkpoint
+  and training to `steps`: checks they end at the one-device run of the
+  last `steps` within `TOLERANCE`, the last resuming from `ckpt-4`.
+  Returns the last `(manifest, model_dir)`."""
+  straight, _ = _unsplit(train_steps=runs[-1][0])
+  model_dir = os.path.join(testutil.scratch_dir(), "run")
+  for steps, changes, degree in runs:
+    weights, manifest, _ = _fit(model_dir=model_dir, train_steps=steps,
+                                **changes)
+    test.assertEqual(manifest["final_step"], steps)
+    test.assertEqual(manifest.get("pipeline", {}).get(key, 1), degree)
+  test.assertIn("ckpt-4", manifest["restored_from"])
+  test.assertLess(_max_difference(weights, straight), TOLERANCE)
+  return manifest, model_dir
+
+
 class ArtifactsTest(absltest.TestCase):
 
   def test_checkpoints_move_between_pipelined_and_unsplit_runs(self):
     # 2 steps in 2 stages, to 4 unsplit, to 6 in 4 stages: one unsplit
     # run of 6 steps.
-    straight, _ = _unsplit(train_steps=6)
-    model_dir = os.path.join(testutil.scratch_dir(), "run")
-    for steps, stages in ((2, 2), (4, 1), (6, 4)):
-      weights, manifest, _ = _fit(model_dir=model_dir, train_steps=steps,
-                                  pipeline_stages=stages)
-      self.assertEqual(manifest["final_step"], steps)
-    self.assertIn("ckpt-4", manifest["restored_from"])
-    self.assertLess(_max_difference(weights, straight), TOLERANCE)
+    _resume_in_turn(self, "stages", [
+        (steps, dict(pipeline_stages=stages), stages)
+        for steps, stages in ((2, 2), (4, 1), (6, 4))])
 
   def test_saved_model_is_the_whole_model(self):
     _, _, model_dir = _fit(pipeline_stages=4)
@@ -458,18 +471,10 @@ class DataTimesPipelineTest(parameterized.TestCase):
   def test_checkpoints_move_to_one_device_and_one_copy(self):
     # 2 steps in 2 x 2, 3 unsplit, 4 in 2 x 2, 6 in one copy of 2 stages:
     # one unsplit run of 6 steps.
-    straight, _ = _unsplit(train_steps=6)
-    model_dir = os.path.join(testutil.scratch_dir(), "run")
-    for steps, cpus in ((2, 4), (3, None), (4, 4), (6, 0)):
-      layout = (dict(pipeline_stages=2, num_cpu_devices=cpus)
-                if cpus is not None else {})
-      weights, manifest, _ = _fit(model_dir=model_dir, train_steps=steps,
-                                  **layout)
-      self.assertEqual(manifest["final_step"], steps)
-      self.assertEqual(manifest.get("pipeline", {}).get("data", 1),
-                       2 if cpus else 1)
-    self.assertIn("ckpt-4", manifest["restored_from"])
-    self.assertLess(_max_difference(weights, straight), TOLERANCE)
+    layout = dict(pipeline_stages=2, num_cpu_devices=4)
+    _resume_in_turn(self, "data", [(2, layout, 2), (3, {}, 1),
+                                   (4, layout, 2),
+                                   (6, dict(layout, num_cpu_devices=0), 1)])
 
   def test_each_copys_weights_live_on_its_devices(self):
     options = pipeline_options.PipelineOptions(
@@ -532,19 +537,11 @@ class PipelineTimesTensorTest(absltest.TestCase):
   def test_checkpoints_move_to_one_device_and_back(self):
     # 2 steps in P x T, 4 on one device, 6 in P x T: one unsplit run of 6
     # steps (Adam: its slots restore across the splits too).
-    straight, _ = _unsplit(train_steps=6)
-    model_dir = os.path.join(testutil.scratch_dir(), "run")
-    for steps, split in ((2, True), (4, False), (6, True)):
-      layout = (dict(layout_map=_split_map(), pipeline_stages=2,
-                     num_cpu_devices=4) if split else {})
-      with self.assertLogs(level="INFO") as logs:
-        weights, manifest, _ = _fit(model_dir=model_dir, train_steps=steps,
-                                    **layout)
-      self.assertEqual(manifest["final_step"], steps)
-      self.assertEqual(manifest.get("pipeline", {}).get("tensor", 1),
-                       2 if split else 1)
-    self.assertIn("ckpt-4", manifest["restored_from"])
-    self.assertLess(_max_difference(weights, straight), TOLERANCE)
+    layout = dict(layout_map=_split_map(), pipeline_stages=2,
+                  num_cpu_devices=4)
+    with self.assertLogs(level="INFO") as logs:
+      manifest, model_dir = _resume_in_turn(
+          self, "tensor", [(2, layout, 2), (4, {}, 1), (6, layout, 2)])
     # The plan's mesh, each device with its coordinates; stage p's
     # device index(0, p, 0) = 2 p.
     plan = "\n".join(logs.output)
