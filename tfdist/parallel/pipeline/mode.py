@@ -65,7 +65,7 @@ class PipelineStep(mode_lib.StepMode):
     mesh: the data x pipeline x tensor mesh, with D > 1 copies or T > 1
       devices a stage; None: neither.
     unsharded: with T > 1, the model as built (Dense layers whole), the
-      view checkpoints and exports see (`pipeline_tensor.JoinedView`);
+      view checkpoints and exports see (`pipeline_tensor.joined_pairs`);
       None: the pipeline's model is the whole model.
   """
   pipeline: pipeline_lib.Pipeline
@@ -347,14 +347,14 @@ def build_model(
   before (the whole model must then fit one device once; a warning says
   so and why).
 
+  With T > 1 devices a stage (`options.tensor`) the model is built whole,
+  without deferral: `build` (below) clones it with its split layers
+  (`pipeline_tensor.split_model`) and keeps it as the checkpoint's and
+  export's view.
+
   Args:
     build: makes the run's model (the task's builder).
     options: the run's `PipelineOptions`, or None.
-
-  With T > 1 devices a stage (`options.tensor`) the model is built whole,
-  without deferral: `build` clones it with its split layers
-  (`pipeline_tensor.split_model`) and keeps it as the checkpoint's and
-  export's view.
 
   Returns:
     `(model, deferred)`: `deferred` to give `build` (None without stages,
