@@ -530,6 +530,18 @@ class TensorStagesTest(parameterized.TestCase):
         {index(v) for v in optimizer.variables if "up_1_kernel" in v.path},
         {0, 1})
 
+  def test_split_model_keeps_the_random_layers_seed_states(self):
+    # An unnamed Input too: the clone renames its input layer.
+    keras.utils.set_random_seed(4)
+    x = keras.Input((8,))
+    h = keras.layers.Dense(16, name="up_1")(x)
+    h = keras.layers.Dropout(0.5, name="drop")(h)
+    model = keras.Model(x, keras.layers.Dense(8, name="down_1")(h))
+    split = pipeline_tensor.split_model(model, split_map(), 2)
+    np.testing.assert_array_equal(
+        split.get_layer("drop").seed_generator.state.numpy(),
+        model.get_layer("drop").seed_generator.state.numpy())
+
   def test_split_layer_serializes_to_json_and_back(self):
     layer = pipeline_tensor.StageSplitDense(
         16, split="row", shards=2, activation="tanh", use_bias=False,

@@ -245,7 +245,9 @@ def _stage_layer(layer, kind: str, entry: str, tensor: int):
 
 def split_model(model, layout_map, tensor: int) -> keras.Model:
   """`model` cloned with each Dense the map splits made a
-  `StageSplitDense` of T = `tensor` shards, `model`'s weights copied in.
+  `StageSplitDense` of T = `tensor` shards, `model`'s weights and its
+  random layers' seed states copied in (the clone's dropout draws as
+  `model`'s would).
 
   Then cut the clone (`stages.split_model(clone, P, devices=
   copy0_devices(mesh))`) and place it (`place_variables(tensor_devices=
@@ -264,13 +266,33 @@ def split_model(model, layout_map, tensor: int) -> keras.Model:
       model, layout_map, tensor,
       parallel_layer=lambda layer, kind, entry: _stage_layer(
           layer, kind, entry, tensor))
-  for layer in split.layers:
-    twin = model.get_layer(layer.name)
+  for layer, twin in _twins(split, model):
     if isinstance(layer, StageSplitDense):
       layer.load_full_weights(twin.get_weights())
     else:
       layer.set_weights(twin.get_weights())
+    for mine, theirs in zip(getattr(layer, "_seed_generators", ()),
+                            getattr(twin, "_seed_generators", ())):
+      mine.state.assign(theirs.state.numpy())
   return split
+
+
+def _twins(split, model):
+  """`(layer, its twin)` for each layer of `split` (the clone of `model`
+  `split_model` made) with weights or random state: the layer of `model`
+  of the same name (an input layer, renamed by the clone, has neither).
+
+  Raises:
+    ValueError: a layer with weights or random state has no twin.
+  """
+  by_name = {layer.name: layer for layer in model.layers}
+  for layer in split.layers:
+    twin = by_name.get(layer.name)
+    if twin is not None:
+      yield layer, twin
+    elif layer.weights or getattr(layer, "_seed_generators", ()):
+      raise ValueError(f"layer {layer.name!r} of the split model has no "
+                       f"layer of that name in model {model.name!r}")
 
 
 def full_weights(model) -> List[np.ndarray]:
@@ -303,8 +325,7 @@ def joined_pairs(model, unsharded) -> List[Pair]:
   whole in the layer of the same name. What a checkpoint of `model` saves
   under `unsharded`'s names and shapes."""
   pairs = []
-  for layer in model.layers:
-    twin = unsharded.get_layer(layer.name)
+  for layer, twin in _twins(model, unsharded):
     if isinstance(layer, StageSplitDense):
       pairs += [(whole, parts, axis) for whole, (parts, axis) in zip(
           twin.weights, layer._whole())]  # pylint: disable=protected-access
