@@ -471,7 +471,11 @@ def resolve(options: SelectOptions, *, cluster, environment=None,
   if options.requested == "auto" and parallelism.pipeline_stages > 1:
     decision = decide(inventory, strategy=StrategyKind.ONE_DEVICE.value,
                       dtype=dtype, dtype_defaulted=options.dtype_defaulted)
-    where = ("in one process, stage i on GPU i or logical CPU device i"
+    tensor = parallelism.tensor_parallel
+    where = (f"in one process, each stage's split layers over {tensor} "
+             "devices (a data x pipeline x tensor mesh)"
+             if cluster.num_workers <= 1 and tensor > 1 else
+             "in one process, stage i on GPU i or logical CPU device i"
              if cluster.num_workers <= 1 else
              f"on the {cluster.num_workers} chief and worker tasks of the "
              "cluster, driven by the chief")
