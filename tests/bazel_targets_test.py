@@ -78,11 +78,19 @@ class WorkspaceTest(absltest.TestCase):
 class OrphanOnCopyTest(absltest.TestCase):
   """Adds files to a temporary copy of this workspace, never to the repo."""
 
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    # One check of an unchanged copy for the class (a check of the whole
+    # workspace takes seconds); each test edits a fresh copy of it.
+    cls.pristine = os.path.join(testutil.scratch_dir(), "workspace")
+    _copy_build_inputs(bazel_targets.default_root(), cls.pristine)
+    cls.baseline = set(bazel_targets.check_workspace(cls.pristine))
+
   def setUp(self):
     super().setUp()
     self.copy = os.path.join(testutil.scratch_dir(), "workspace")
-    _copy_build_inputs(bazel_targets.default_root(), self.copy)
-    self.baseline = set(bazel_targets.check_workspace(self.copy))
+    shutil.copytree(self.pristine, self.copy)
 
   def test_orphan_test_file_fails_the_check(self):
     _write(self.copy, "tests/orphan_test.py", """\

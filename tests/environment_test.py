@@ -7,22 +7,28 @@
 * A hyperparameter-tuning trial id in `CLUSTER_SPEC` / `TF_CONFIG` nests an
   explicit `--model_dir` as `<model_dir>/trial_<id>`; the `AIP_*` folders,
   already per trial, are kept.
-* One real `python -m tfdist.train` run reads its TFRecords through
+* One real run of the binary's `tfdist.train.main` (in this process: it
+  reads the environment when called) reads its TFRecords through
   `AIP_TRAINING_DATA_URI` (a wildcard, as Vertex gives it) in trial 3: the
   checkpoint lands in the trial's folder and the manifest records the trial.
 """
 
 import glob
 import json
+import logging as std_logging
 import os
+from unittest import mock
 
+from absl import logging
 from absl.testing import absltest
+from absl.testing import flagsaver
 from absl.testing import parameterized
 import pytest
 
 from tests import testutil
 from tfdist import experiment
 from tfdist import errors
+from tfdist import train
 from tfdist.config import TrainConfig
 from tfdist.distribute import environment as environment_lib
 from tfdist.observability import manifest as manifest_lib
@@ -264,16 +270,22 @@ class TrainBinaryTest(absltest.TestCase):
     # Vertex's wildcard form: <folder>/training-* (here train-*).
     train_uri = os.path.join(data["dir"], "train-*")
     eval_uri = os.path.join(data["dir"], "test-*")
-    proc = testutil.run_module(
-        "tfdist.train",
-        [f"--model_dir={model_dir}", "--distribution_strategy=one_device",
-         "--batch_size=64", "--train_steps=4", "--log_steps=2"],
-        env={"AIP_DATA_FORMAT": "tf-record",
-             "AIP_TRAINING_DATA_URI": train_uri,
-             "AIP_VALIDATION_DATA_URI": eval_uri,
-             "CLUSTER_SPEC": _cluster_spec("3")},
-        timeout=240)
-    self.assertEqual(proc.returncode, 0, proc.stdout[-4000:])
+    # The binary's main in this process (a child process would add a
+    # Python and TensorFlow start-up): flags parsed as `python -m
+    # tfdist.train` parses them, the variables set only for the call.
+    self._restore_what_main_changes()
+    variables = {"AIP_DATA_FORMAT": "tf-record",
+                 "AIP_TRAINING_DATA_URI": train_uri,
+                 "AIP_VALIDATION_DATA_URI": eval_uri,
+                 "CLUSTER_SPEC": _cluster_spec("3")}
+    with flagsaver.flagsaver(), mock.patch.dict(os.environ, variables):
+      for name in ("TF_CONFIG", "AIP_MODEL_DIR"):
+        os.environ.pop(name, None)
+      train._parse_flags([  # pylint: disable=protected-access
+          "tfdist.train", f"--model_dir={model_dir}",
+          "--distribution_strategy=one_device", "--batch_size=64",
+          "--train_steps=4", "--log_steps=2"])
+      train.main(["tfdist.train"])
     trial_dir = os.path.join(model_dir, "trial_3")
     self.assertEqual(os.listdir(model_dir), ["trial_3"])
     self.assertTrue(glob.glob(os.path.join(trial_dir, "checkpoints",
@@ -299,6 +311,18 @@ class TrainBinaryTest(absltest.TestCase):
       self.assertTrue(os.path.exists(artifacts[key]), (key, artifacts))
     self.assertTrue(os.path.exists(artifacts["checkpoint"] + ".index"))
     self.assertTrue(export.is_tfdist_export(artifacts["saved_model"]))
+
+  def _restore_what_main_changes(self):
+    """Undoes, after the test, what `train.main` leaves in the process: the
+    log filters of `_quiet_library_info` and the binary's exit mark."""
+    loggers = (logging.get_absl_logger(), std_logging.getLogger("tensorflow"))
+    filters = [list(logger.filters) for logger in loggers]
+
+    def restore():
+      for logger, kept in zip(loggers, filters):
+        logger.filters[:] = kept
+      train._LEAVE_WITHOUT_TEARDOWN = False  # pylint: disable=protected-access
+    self.addCleanup(restore)
 
 
 if __name__ == "__main__":

@@ -242,8 +242,18 @@ class ErrorsHaveOneHomeTest(absltest.TestCase):
 
 class ImportCycleTest(absltest.TestCase):
 
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    # The tree's graph, read once for the class (seconds: every module
+    # parsed); each test gets its own copy.
+    cls._graph = import_graph()
+
+  def _tree_graph(self) -> dict:
+    return {module: set(edges) for module, edges in self._graph.items()}
+
   def test_no_import_cycle(self):
-    graph = import_graph()
+    graph = self._tree_graph()
     wiring = _wiring(graph)
     self.assertIn(f"{WIRING}.runner", wiring)
     self.assertIn(CONTROLLER, set().union(*(graph[m] for m in wiring)))
@@ -251,7 +261,7 @@ class ImportCycleTest(absltest.TestCase):
     self.assertEqual(cycles, [], "\n".join(" -> ".join(c) for c in cycles))
 
   def test_nothing_imports_the_wiring_back(self):
-    graph = import_graph()
+    graph = self._tree_graph()
     wiring = _wiring(graph)
     importers = sorted(m for m, edges in graph.items()
                        if m not in wiring and edges & wiring)
@@ -260,7 +270,7 @@ class ImportCycleTest(absltest.TestCase):
     self.assertEqual(importers, sorted(BINARIES))
 
   def test_floors_read_bottom_up(self):
-    upward = upward_imports(import_graph())
+    upward = upward_imports(self._tree_graph())
     self.assertLessEqual(
         len(upward), MAX_UPWARD_IMPORTS,
         "imports pointing up the floors:\n" +

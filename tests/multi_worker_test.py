@@ -113,16 +113,51 @@ class StrategyOptionsTest(parameterized.TestCase):
         self._make(self._config())
 
 
+_CLUSTER = {}
+
+
+def _cluster_run() -> dict:
+  """One two-worker cluster (`tfdist.launch`) for the shard test and both
+  two-worker trainings of EquivalenceTest, run in turn under one strategy
+  (`multi_worker_testlib`'s `programs` mode), once per process: one
+  cluster start where there were three. Returns the exit status, the
+  output and each program's folder."""
+  if not _CLUSTER:
+    by_file = _convert(256, 4)   # 4 files of 64: 128 records per worker.
+    by_range = _convert(256, 1)  # 1 file < 2 workers: record ranges.
+    pattern = _convert(256, 2)
+    dirs = {name: testutil.scratch_dir()
+            for name in ("shard", "packs", "bfloat16")}
+    steps = str(EquivalenceTest.STEPS)
+    status, output = testlib.run_launcher(
+        ["--num_workers=2", "--module=tests.multi_worker_testlib"],
+        ["programs", "shard", dirs["shard"], by_file, by_range,
+         # The gradients all-reduced in packs of 1 KiB.
+         "+", "train", dirs["packs"], pattern, steps, "1024",
+         "+", "train", dirs["bfloat16"], pattern, steps, "0", "bfloat16"],
+        timeout=TIMEOUT)
+    _CLUSTER.update(status=status, output=output, dirs=dirs,
+                    globs=(by_file, by_range), pattern=pattern)
+  return _CLUSTER
+
+
+def _trained_lines(test, run: dict, name: str) -> list:
+  """The `train` program's summary lines (one a task) of `run`'s program
+  `name`, after asserting the cluster run succeeded."""
+  test.assertEqual(run["status"], 0, run["output"][-4000:])
+  lines = [line for line in run["output"].splitlines()
+           if f"{run['dirs'][name]}: trained " in line]
+  test.assertLen(lines, 2, run["output"][-4000:])
+  return lines
+
+
 class ExactlyOnceShardingTest(absltest.TestCase):
 
   def test_each_example_once_per_epoch_across_two_workers(self):
-    by_file = _convert(256, 4)   # 4 files of 64: 128 records per worker.
-    by_range = _convert(256, 1)  # 1 file < 2 workers: record ranges.
-    out = testutil.scratch_dir()
-    status, output = testlib.run_launcher(
-        ["--num_workers=2", "--module=tests.multi_worker_testlib"],
-        ["shard", out, by_file, by_range], timeout=TIMEOUT)
-    self.assertEqual(status, 0, output[-4000:])
+    run = _cluster_run()
+    self.assertEqual(run["status"], 0, run["output"][-4000:])
+    by_file, by_range = run["globs"]
+    out, output = run["dirs"]["shard"], run["output"]
     results = [json.load(open(p))
                for p in sorted(glob.glob(os.path.join(out, "ids-*.json")))]
     self.assertLen(results, 2, output[-2000:])
@@ -269,22 +304,20 @@ class EquivalenceTest(absltest.TestCase):
 
   def test_two_workers_match_one_process(self):
     pattern, single_dir = self._one_process()
-    steps = self.STEPS
-    multi_dir = testutil.scratch_dir()
+    run = _cluster_run()
+    self.assertEqual(run["pattern"], pattern)
+    multi_dir = run["dirs"]["packs"]
     # The gradients all-reduced in packs of 1 KiB (--bytes_per_pack), last
     # layers first: the step's sums (24 bytes), the 10-way layer's bias and
     # kernel (1.3 KiB) in one, the first layer's in another.
-    status, output = testlib.run_launcher(
-        ["--num_workers=2", "--module=tests.multi_worker_testlib"],
-        ["train", multi_dir, pattern, str(steps), "1024"], timeout=TIMEOUT)
-    self.assertEqual(status, 0, output[-4000:])
-    self.assertIn("replicas 2", output)
-    # The 2 packs, and nothing else: the sums ride in the first, and the
-    # endless input needs no all-reduce of "has a batch" before the step.
-    self.assertIn("all-reduces per step 2", output)
+    for line in _trained_lines(self, run, "packs"):
+      self.assertIn(f"trained {self.STEPS} steps, replicas 2", line)
+      # The 2 packs, and nothing else: the sums ride in the first, and the
+      # endless input needs no all-reduce of "has a batch" before the step.
+      self.assertIn("all-reduces per step 2 (float32,float32)", line)
     # `auto` is decided in one place (tfdist.distribute.auto_select), in its words.
     self.assertIn("strategy multi_worker_mirrored (auto: TF_CONFIG lists 2 "
-                  "workers)", output)
+                  "workers)", run["output"])
     single = np.load(os.path.join(single_dir, "weights.npz"))
     multi = np.load(os.path.join(multi_dir, "weights.npz"))
     np.testing.assert_allclose(multi["losses"], single["losses"], rtol=1e-5)
@@ -305,14 +338,11 @@ class EquivalenceTest(absltest.TestCase):
     # step, the endless input adding none), and the weights stay within
     # 1% of how far one float32 process moved them.
     pattern, single_dir = self._one_process()
-    steps = self.STEPS
-    multi_dir = testutil.scratch_dir()
-    status, output = testlib.run_launcher(
-        ["--num_workers=2", "--module=tests.multi_worker_testlib"],
-        ["train", multi_dir, pattern, str(steps), "0", "bfloat16"],
-        timeout=TIMEOUT)
-    self.assertEqual(status, 0, output[-4000:])
-    self.assertIn("all-reduces per step 2 (bfloat16,float32)", output)
+    run = _cluster_run()
+    self.assertEqual(run["pattern"], pattern)
+    multi_dir = run["dirs"]["bfloat16"]
+    for line in _trained_lines(self, run, "bfloat16"):
+      self.assertIn("all-reduces per step 2 (bfloat16,float32)", line)
     single = np.load(os.path.join(single_dir, "weights.npz"))
     multi = np.load(os.path.join(multi_dir, "weights.npz"))
     self.assertAlmostEqual(float(multi["losses"][0]),

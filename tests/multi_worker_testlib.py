@@ -16,6 +16,8 @@ normally by the launcher) this file is a worker program:
   differ) for STEPS steps with the tfdist `Trainer` at global batch
   `GLOBAL_BATCH`, from fixed initial weights, in a fixed data order; the
   chief (or the single process) writes `OUT_DIR/weights.npz`.
+* `programs PROGRAM + PROGRAM ...`: the `shard` and `train` programs in
+  turn, under one strategy (one cluster for several tests).
 * `train_linger SECONDS TRAIN_FLAGS...`: runs `tfdist.train` with
   TRAIN_FLAGS; `worker` 0 sleeps SECONDS where its process would end after
   the run (a test-only stand-in for a worker whose exit hangs after its
@@ -238,9 +240,10 @@ def _strategy(out_dir: str, collective_timeout_seconds: float = 60):
   return choice.strategy
 
 
-def shard_main(out_dir: str, globs: List[str]):
-  """Writes the ids of one epoch of each glob seen by this worker."""
-  strategy = _strategy(out_dir)
+def shard_main(out_dir: str, globs: List[str], strategy=None):
+  """Writes the ids of one epoch of each glob seen by this worker (under
+  `strategy`, else one made here)."""
+  strategy = strategy or _strategy(out_dir)
   import functools  # pylint: disable=g-import-not-at-top
   from tfdist.data import datasets  # pylint: disable=g-import-not-at-top
   from tfdist.data import input_pipeline  # pylint: disable=g-import-not-at-top
@@ -277,11 +280,13 @@ def shard_main(out_dir: str, globs: List[str]):
 
 
 def train_main(out_dir: str, pattern: str, steps: int,
-               bytes_per_pack: int = 0, all_reduce_dtype: str = "float32"):
-  """Trains the dense model; the chief writes weights.npz. Prints the
-  step's all-reduce count (`bytes_per_pack`: the gradients' packs;
+               bytes_per_pack: int = 0, all_reduce_dtype: str = "float32",
+               strategy=None):
+  """Trains the dense model (under `strategy`, else one made here); the
+  chief writes weights.npz. Prints `OUT_DIR: trained ...` with the step's
+  all-reduce count (`bytes_per_pack`: the gradients' packs;
   `all_reduce_dtype`: the dtype the gradients travel in)."""
-  strategy = _strategy(out_dir)
+  strategy = strategy or _strategy(out_dir)
   import keras  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
@@ -322,10 +327,9 @@ def train_main(out_dir: str, pattern: str, steps: int,
   if cluster_lib.resolve_cluster().is_chief:
     np.savez(os.path.join(out_dir, "weights.npz"), *model.get_weights(),
              losses=np.array(losses))
-  print(f"trained {steps} steps, replicas {strategy.num_replicas_in_sync}, "
-        f"last loss {losses[-1]:.6f}, all-reduces per step {reduces} "
-        f"({dtypes})",
-        flush=True)
+  print(f"{out_dir}: trained {steps} steps, replicas "
+        f"{strategy.num_replicas_in_sync}, last loss {losses[-1]:.6f}, "
+        f"all-reduces per step {reduces} ({dtypes})", flush=True)
 
 
 def agree_main(out_dir: str):
@@ -444,13 +448,37 @@ def train_linger_main(seconds: float, train_args: List[str]):
   app.run(main, argv=[sys.argv[0], *train_args])
 
 
+def _run_program(args: List[str], strategy=None):
+  """Runs one `shard ...` or `train ...` program (`args` as after `python
+  -m tests.multi_worker_testlib`)."""
+  if args[0] == "shard":
+    shard_main(args[1], args[2:], strategy=strategy)
+  else:
+    train_main(args[1], args[2], int(args[3]), *map(int, args[4:5]),
+               *args[5:6], strategy=strategy)
+
+
+def programs_main(args: List[str]):
+  """`PROGRAM + PROGRAM + ...`: the `shard` and `train` programs in turn,
+  under one strategy (made once, with the first program's OUT_DIR): one
+  cluster start for several tests' runs."""
+  programs = [[]]
+  for arg in args:
+    if arg == "+":
+      programs.append([])
+    else:
+      programs[-1].append(arg)
+  strategy = _strategy(programs[0][1])
+  for program in programs:
+    _run_program(program, strategy)
+
+
 if __name__ == "__main__":
   _mode = sys.argv[1]
-  if _mode == "shard":
-    shard_main(sys.argv[2], sys.argv[3:])
-  elif _mode == "train":
-    train_main(sys.argv[2], sys.argv[3], int(sys.argv[4]),
-               *map(int, sys.argv[5:6]), *sys.argv[6:7])
+  if _mode in ("shard", "train"):
+    _run_program(sys.argv[1:])
+  elif _mode == "programs":
+    programs_main(sys.argv[2:])
   elif _mode == "train_linger":
     train_linger_main(float(sys.argv[2]), sys.argv[3:])
   elif _mode == "agree":

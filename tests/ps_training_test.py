@@ -11,12 +11,16 @@ Each cluster run is checked by several assertions: the whole run with an
 evaluator also has a worker SIGKILLed mid-run (worker failures are
 tolerated), and the launcher run whose ps task is SIGKILLed also shows the
 chief failing fast on its own (status 200, naming the loss) before the
-launcher restarts every task and the run resumes.
+launcher restarts every task and the run resumes; the restarted group is
+then stopped by SIGTERM and resumed by a second launcher
+(`_restart_and_preemption_run`, shared by ParameterServerTrainingTest and
+OneControllerTest).
 
-Cost (pytest on the shared 2-core machine, 1 December 2026, load average 3
-to 8): 188 s in all (208 s with one cluster per claim, load average 0.5 to
-3): the two ParameterServerTrainingTest runs 31 and 49 s, the
-one-controller test (two launcher runs and a Mirrored run) 60 to 100 s.
+Cost (pytest on the shared 2-core machine, 7 December 2026, load average 3
+to 4): 112 s wall and 134 CPU-seconds in all (the shared run 66 s, the
+one-controller test's asserts and Mirrored run 12 s), where a launcher run
+for the ps-killed claim and two for the SIGTERM claim took 136 s and 157
+CPU-seconds (47 and 46 s).
 """
 
 import json
@@ -65,6 +69,123 @@ def _flags(model_dir: str, **overrides) -> list:
 def _read_manifest(model_dir: str) -> dict:
   with open(os.path.join(model_dir, "run_manifest.json")) as f:
     return json.load(f)
+
+
+# The run of `_restart_and_preemption_run`: its steps, and what it left
+# (filled once per process).
+_PREEMPTED_STEPS = 60
+_RUN = {}
+
+
+class _Cleanups:
+  """Collects `addCleanup` calls (of `ps_testutil.start_launcher`) for a
+  run shared by two test classes."""
+
+  def __init__(self):
+    self.calls = []
+
+  def addCleanup(self, fn):  # pylint: disable=invalid-name
+    self.calls.append(fn)
+
+  def run(self):
+    for fn in reversed(self.calls):
+      fn()
+
+
+def _read(path: str) -> str:
+  with open(path, errors="replace") as f:
+    return f.read()
+
+
+def _wait_for(launcher, log_path: str, pattern: str, seconds: float,
+              start: int = 0) -> re.Match:
+  """The first match of `pattern` in the launcher's log from `start`;
+  fails after `seconds`, or when the launcher exits first."""
+  deadline = time.time() + seconds
+  regex = re.compile(pattern)
+  while True:
+    log = _read(log_path)
+    match = regex.search(log, start)
+    if match:
+      return match
+    if time.time() > deadline:
+      raise AssertionError(f"no {pattern!r} within {seconds} s:\n"
+                           + log[-4000:])
+    if launcher.poll() is not None:
+      raise AssertionError(f"the launcher exited ({launcher.returncode}) "
+                           f"before {pattern!r}:\n" + log[-4000:])
+    time.sleep(0.2)
+
+
+def _restart_and_preemption_run() -> dict:
+  """One parameter-server run (`tfdist.launch --num_ps=2 --max_restarts=1
+  --module=tests.callback_testlib`, `auto` strategy and dtype) for two
+  claims, once per process: at step 20, ps:1 is SIGKILLed (the chief fails
+  fast, the launcher restarts the group, which resumes from a checkpoint);
+  as the restarted chief resumes, the launcher gets SIGTERM (every task
+  stops, the chief with a checkpoint); the same command then resumes and
+  finishes: three group starts where a run per claim had four, and
+  --train_steps=60 where the two runs had 100 and 40.
+
+  Returns:
+    `model_dir`, `events` (the callback's file), the first launcher's
+    `first_status` and `first_log`, `ps_task` (ps:1's process), `latest`
+    (the latest checkpoint after the first launcher), and the second's
+    `second_status` and `second_log`.
+  """
+  if "error" in _RUN:
+    raise AssertionError(_RUN["error"])
+  if _RUN:
+    return _RUN
+  tmp = tempfile.mkdtemp(dir=os.environ.get("TEST_TMPDIR"))
+  model_dir = os.path.join(tmp, "ps")
+  events = os.path.join(tmp, "events.jsonl")
+  args = _flags(model_dir, distribution_strategy="auto", dtype="auto",
+                train_steps=_PREEMPTED_STEPS, checkpoint_steps=10,
+                steps_per_execution=2, preemption_grace_seconds=30) + [
+                    f"--events_file={events}"]
+  launch_args = ["--num_workers=1", "--num_ps=2", "--max_restarts=1",
+                 "--module=tests.callback_testlib"]
+  cleanups = _Cleanups()
+  run = {"model_dir": model_dir, "events": events}
+  try:
+    first_path = os.path.join(tmp, "first.log")
+    launcher = ps_testutil.start_launcher(cleanups, launch_args, args,
+                                          first_path)
+    _wait_for(launcher, first_path, f", step 20/{_PREEMPTED_STEPS}: ", 240)
+    ps_task = None
+    for child in psutil.Process(launcher.pid).children(recursive=True):
+      try:
+        tf_config = json.loads(child.environ().get("TF_CONFIG", "{}"))
+      except (psutil.Error, ValueError):
+        continue
+      if tf_config.get("task") == {"type": "ps", "index": 1}:
+        ps_task = child
+    run["ps_task"] = ps_task
+    if ps_task is None:
+      raise AssertionError("no ps:1 process under the launcher")
+    ps_task.send_signal(signal.SIGKILL)
+    restart = _wait_for(launcher, first_path, "restarting the group", 90)
+    _wait_for(launcher, first_path, r"\[chief:0\] .*resuming at step", 240,
+              start=restart.end())
+    launcher.send_signal(signal.SIGTERM)  # Forwarded to every task.
+    run["first_status"] = launcher.wait(timeout=120)
+    run["first_log"] = _read(first_path)
+    run["latest"] = tf.train.latest_checkpoint(
+        os.path.join(model_dir, "checkpoints"))
+    # The same command resumes from that checkpoint and finishes.
+    second_path = os.path.join(tmp, "second.log")
+    launcher = ps_testutil.start_launcher(cleanups, launch_args, args,
+                                          second_path)
+    run["second_status"] = launcher.wait(timeout=300)
+    run["second_log"] = _read(second_path)
+  except Exception as e:  # pylint: disable=broad-except
+    _RUN["error"] = f"{type(e).__name__}: {e}"
+    raise
+  finally:
+    cleanups.run()
+  _RUN.update(run)
+  return _RUN
 
 
 class ParameterServerTrainingTest(absltest.TestCase):
@@ -149,51 +270,33 @@ class ParameterServerTrainingTest(absltest.TestCase):
     # A lost ps task ends the chief itself, at once, non-zero, naming the
     # loss (what a platform without tfdist.launch restarts on); the
     # launcher then restarts every task (new ports) and the run resumes.
-    flags = _flags(self.model_dir, train_steps=100, steps_per_execution=2)
-    log_path = os.path.join(self.tmp, "launch.log")
-    launcher = ps_testutil.start_launcher(
-        self, ["--num_workers=1", "--num_ps=2", "--max_restarts=1"], flags,
-        log_path)
-
-    def read_log():
-      with open(log_path, errors="replace") as f:
-        return f.read()
-
-    def wait_for(text, seconds):
-      deadline = time.time() + seconds
-      while text not in read_log():
-        self.assertLess(time.time(), deadline,
-                        f"no {text!r} within {seconds} s:\n"
-                        + read_log()[-4000:])
-        self.assertIsNone(launcher.poll(), read_log()[-4000:])
-        time.sleep(0.2)
-
-    wait_for(", step 40/100: ", 180)
-    ps_task = None
-    for child in psutil.Process(launcher.pid).children(recursive=True):
-      try:
-        tf_config = json.loads(child.environ().get("TF_CONFIG", "{}"))
-      except (psutil.Error, ValueError):
-        continue
-      if tf_config.get("task") == {"type": "ps", "index": 1}:
-        ps_task = child
-    self.assertIsNotNone(ps_task, "no ps:1 process under the launcher")
-    ps_task.send_signal(signal.SIGKILL)
-    wait_for("restarting the group", 90)
-    log = read_log()
-    first = log[:log.index("restarting the group")]
+    run = _restart_and_preemption_run()
+    first = run["first_log"]
+    self.assertIsNotNone(run["ps_task"], "no ps:1 process under the launcher")
+    self.assertIn("restarting the group", first, first[-4000:])
+    before = first[:first.index("restarting the group")]
     # The chief exited on its own with the peer-lost status (200), not
     # killed by the launcher (137) after its few seconds' wait for the
     # survivors, and said why and what a restart resumes from.
-    self.assertRegex(first, r"exit statuses: chief:0 200\b")
-    self.assertRegex(first, r"\[chief:0\] .*lost a ps task")
-    self.assertIn("resumes from the last checkpoint", first)
-    rc = launcher.wait(timeout=300)
-    log = read_log()
-    self.assertEqual(rc, 0, log[-6000:])
-    self.assertRegex(log, r"restored .*ckpt-(20|40|60|80): resuming at step")
-    manifest = _read_manifest(self.model_dir)
-    self.assertEqual(manifest["final_step"], 100)
+    self.assertRegex(before, r"exit statuses: chief:0 200\b")
+    self.assertRegex(before, r"\[chief:0\] .*lost a ps task")
+    self.assertIn("resumes from the last checkpoint", before)
+    # The restarted group resumed from a checkpoint written before the kill.
+    after = first[first.index("restarting the group"):]
+    restored = re.search(r"\[chief:0\] .*restored .*ckpt-(10|20): resuming "
+                         r"at step (\d+)", after)
+    self.assertIsNotNone(restored, after[-4000:])
+    # ... and trained on past the restored step (until the SIGTERM).
+    later = [int(n) for n in re.findall(
+        rf"\[chief:0\] .*, step (\d+)/{_PREEMPTED_STEPS}: ",
+        after[restored.end():])]
+    self.assertTrue(later and max(later) > int(restored.group(2)),
+                    after[-4000:])
+    # (It was then stopped by SIGTERM; OneControllerTest checks that stop,
+    # and the run's end, by the second launcher, there.)
+    self.assertEqual(run["second_status"], 0, run["second_log"][-6000:])
+    manifest = _read_manifest(run["model_dir"])
+    self.assertEqual(manifest["final_step"], _PREEMPTED_STEPS)
     self.assertIsNotNone(manifest["restored_from"])
 
 
@@ -207,67 +310,44 @@ class OneControllerTest(absltest.TestCase):
     super().setUp()
     self.tmp = tempfile.mkdtemp(dir=os.environ.get("TEST_TMPDIR"))
 
-  def _launch(self, args, log_path):
-    return ps_testutil.start_launcher(
-        self, ["--num_workers=1", "--num_ps=1",
-               "--module=tests.callback_testlib"], args, log_path)
-
-  def _read(self, path):
-    with open(path, errors="replace") as f:
-      return f.read()
-
   def test_auto_callbacks_sigterm_resume_export_and_manifest_keys(self):
-    model_dir = os.path.join(self.tmp, "ps")
-    events = os.path.join(self.tmp, "events.jsonl")
-    args = _flags(model_dir, distribution_strategy="auto", dtype="auto",
-                  train_steps=40, checkpoint_steps=10, steps_per_execution=2,
-                  preemption_grace_seconds=30) + [f"--events_file={events}"]
-    log_path = os.path.join(self.tmp, "first.log")
-    launcher = self._launch(args, log_path)
-    deadline = time.time() + 240
-    while ", step 10/40: " not in self._read(log_path):
-      self.assertLess(time.time(), deadline, self._read(log_path)[-4000:])
-      self.assertIsNone(launcher.poll(), self._read(log_path)[-4000:])
-      time.sleep(0.2)
-    launcher.send_signal(signal.SIGTERM)  # Forwarded to every task.
-    self.assertEqual(launcher.wait(timeout=120), 128 + signal.SIGTERM,
-                     self._read(log_path)[-6000:])
-    log = self._read(log_path)
+    run = _restart_and_preemption_run()
+    model_dir, events = run["model_dir"], run["events"]
+    # SIGTERM, forwarded to every task of the restarted group, stopped the
+    # run with a checkpoint.
+    log = run["first_log"]
+    self.assertEqual(run["first_status"], 128 + signal.SIGTERM, log[-6000:])
     stopped = re.search(r"\[chief:0\] .*Stopped by SIGTERM at step (\d+)",
                         log)
     self.assertIsNotNone(stopped, log[-6000:])
     stopped = int(stopped.group(1))
-    self.assertLess(stopped, 40)
-    latest = tf.train.latest_checkpoint(os.path.join(model_dir,
-                                                     "checkpoints"))
-    self.assertTrue(latest.endswith(f"ckpt-{stopped}"), latest)
-    # The same command resumes from that checkpoint and finishes.
-    log_path = os.path.join(self.tmp, "second.log")
-    launcher = self._launch(args, log_path)
-    self.assertEqual(launcher.wait(timeout=300), 0,
-                     self._read(log_path)[-6000:])
-    self.assertRegex(self._read(log_path),
+    self.assertLess(stopped, _PREEMPTED_STEPS)
+    self.assertTrue(run["latest"].endswith(f"ckpt-{stopped}"), run["latest"])
+    # The same command resumed from that checkpoint and finished.
+    self.assertEqual(run["second_status"], 0, run["second_log"][-6000:])
+    self.assertRegex(run["second_log"],
                      rf"\[chief:0\] .*resuming at step {stopped}\b")
     manifest = _read_manifest(model_dir)
     self.assertEqual((manifest["strategy"], manifest["dtype"]),
                      ("parameter_server", "fp32"))
     self.assertRegex(manifest["strategy_reason"],
-                     "^auto: TF_CONFIG lists 1 parameter server")
+                     "^auto: TF_CONFIG lists 2 parameter server")
     self.assertRegex(manifest["dtype_reason"], "^auto: ")
-    self.assertEqual(manifest["final_step"], 40)
+    self.assertEqual(manifest["final_step"], _PREEMPTED_STEPS)
     self.assertTrue(manifest["restored_from"].endswith(f"ckpt-{stopped}"))
     self.assertEqual({h["step"] for h in manifest["history"]},
-                     {10, 20, 30, 40} | ({stopped} if stopped % 10 else
-                                         set()))
+                     set(range(10, _PREEMPTED_STEPS + 1, 10)) | (
+                         {stopped} if stopped % 10 else set()))
     # The SavedModel, exported by the coordinator, serves.
     reloaded = tf.saved_model.load(os.path.join(model_dir, "saved_model"))
     self.assertIn("serving_default", reloaded.signatures)
     # The Keras callback ran on the coordinator, with Keras's params, in
-    # both processes.
+    # each of its three processes (the group's two attempts, the resumed
+    # run).
     with open(events) as f:
       seen = [json.loads(line) for line in f]
     begins = [e for e in seen if e["hook"] == "train_begin"]
-    self.assertLen(begins, 2)
+    self.assertLen(begins, 3)
     self.assertEqual(begins[0]["params"]["steps"],
                      manifest["steps_per_epoch"])
     self.assertTrue(any(e["hook"] == "epoch_end" and "val_auc" in e["logs"]

@@ -337,7 +337,8 @@ def _trainer_child(root: str, resume: bool = False) -> dict:
   `root`: K = 3 steps of the built-in Transformer on a subset of the
   clothing reviews (dropout 0.1 on, SGD with momentum 0.9, float32: Adam's
   float32 noise, see the module docstring), each run's checkpoint read
-  back, and the tensor-parallel run resumed unsharded for one more step.
+  back, and the tensor-parallel run resumed unsharded for one more step
+  (`--mode=train`, as every resumed run here: no evaluation).
   The one-device run is `_mesh_child`'s "sgd" one (the same settings) when
   that part ran first under `root` (it leaves `one_device/` and
   `one_device.json`), else it runs here.
@@ -393,7 +394,7 @@ def _trainer_child(root: str, resume: bool = False) -> dict:
           shard_slots_distinct=sum(bool(np.any(a != b)) for a, b in
                                    (parts(m) for _, m in slots)))
 
-  def run(folder, steps, layout, callbacks=()):
+  def run(folder, steps, layout, callbacks=(), mode="train_and_eval"):
     config = TrainConfig(
         model_dir=os.path.join(root, folder), model="transformer",
         dataset="clothing_reviews",
@@ -401,7 +402,7 @@ def _trainer_child(root: str, resume: bool = False) -> dict:
         eval_files=os.path.join(data, "test-*.tfrecord.gz"),
         train_steps=steps, batch_size=8, deterministic=True, seed=3,
         optimizer="sgd", base_learning_rate=0.01, lr_scaling="none",
-        log_steps=steps, **layouts[layout])
+        log_steps=steps, mode=mode, **layouts[layout])
     return experiment.run_experiment(
         config, environment=environment_lib.read_environment({}),
         callbacks=list(callbacks))
@@ -432,8 +433,10 @@ def _trainer_child(root: str, resume: bool = False) -> dict:
             "max_diff": max(float(np.max(np.abs(a[k] - b[k])))
                             for k in floats)}
 
+  # The resumed runs (one more step) train only (--mode=train): their
+  # checkpoints are all that is compared; the 3-step runs evaluate.
   if resume:
-    run("one_device", 4, "tensor_parallel")
+    run("one_device", 4, "tensor_parallel", mode="train")
     return {"after_resume": compare(saved("tensor_parallel"),
                                     saved("one_device"))}
   results = {}
@@ -454,7 +457,7 @@ def _trainer_child(root: str, resume: bool = False) -> dict:
   results["after_3"] = compare(saved("tensor_parallel"), saved("one_device"))
   results["export_outputs_diff"] = float(np.max(np.abs(
       served("tensor_parallel") - served("one_device"))))
-  run("tensor_parallel", 4, "one_device")  # Resumed unsharded.
+  run("tensor_parallel", 4, "one_device", mode="train")  # Resumed unsharded.
   return results
 
 
@@ -505,14 +508,15 @@ def _mesh_child(root: str, part: str) -> dict:
                        part == "adam") else dict(optimizer="sgd",
                                                  base_learning_rate=0.01)
 
-  def run(folder, steps, layout):
+  def run(folder, steps, layout, mode="train_and_eval"):
     config = TrainConfig(
         model_dir=os.path.join(root, folder), model="transformer",
         dataset="clothing_reviews",
         train_files=os.path.join(data, "train-*.tfrecord.gz"),
         eval_files=os.path.join(data, "test-*.tfrecord.gz"),
         train_steps=steps, batch_size=8, deterministic=True, seed=3,
-        lr_scaling="none", log_steps=steps, **optimizer, **layouts[layout])
+        lr_scaling="none", log_steps=steps, mode=mode, **optimizer,
+        **layouts[layout])
     return experiment.run_experiment(
         config, environment=environment_lib.read_environment({}))
 
@@ -531,8 +535,10 @@ def _mesh_child(root: str, part: str) -> dict:
             "same_shapes": all(a[k].shape == b[k].shape for k in floats),
             "max_diff": diffs[worst], "worst": worst}
 
+  # The resumed runs (one more update) only train (--mode=train): their
+  # checkpoints are what is compared.
   if part == "t2":
-    run("mesh_to_tensor", 4, "tensor")
+    run("mesh_to_tensor", 4, "tensor", mode="train")
     return {"t2_resumed": compare(saved("mesh_to_tensor"), saved("one_sgd"))}
   # Adam's 2 x 2 run is its ZeRO stage 1 run: without ZeRO the mesh
   # updates through the same replica optimizer path as SGD's, tested above.
@@ -563,8 +569,8 @@ def _mesh_child(root: str, part: str) -> dict:
     with open(os.path.join(root, "one_device.json"), "w") as f:
       json.dump({k: float(runs["one"]["final_metrics"][k])
                  for k in ("train_loss", "eval_loss")}, f)
-    run("mesh_to_one", 4, "one")
-    run("one_sgd", 4, "one")
+    run("mesh_to_one", 4, "one", mode="train")
+    run("one_sgd", 4, "one", mode="train")
     results["one_resumed"] = compare(saved("mesh_to_one"), saved("one_sgd"))
   results[f"{part}_zero_seconds"] = seconds
   return results

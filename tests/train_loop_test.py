@@ -14,6 +14,19 @@ from tfdist.observability import manifest as manifest_lib
 from tfdist.training.step.train_loop import Trainer
 
 
+def _cnn_trainer(strategy, **trainer_args):
+  """The built-in CNN and SGD under tfdist's Trainer, global batch 8;
+  returns (trainer, model, optimizer)."""
+  with strategy.scope():
+    model = models.build_model("cnn", input_shape=(28, 28, 1),
+                               num_classes=10)
+    optimizer = keras.optimizers.SGD(0.01)
+    optimizer.build(model.trainable_variables)
+  trainer = Trainer(strategy=strategy, model=model, optimizer=optimizer,
+                    global_batch_size=8, **trainer_args)
+  return trainer, model, optimizer
+
+
 class TrainFunctionTest(parameterized.TestCase):
 
   @parameterized.parameters(1, 3)
@@ -25,14 +38,8 @@ class TrainFunctionTest(parameterized.TestCase):
     data = strategy.experimental_distribute_dataset(
         tf.data.Dataset.from_tensor_slices((images, labels)).batch(
             8, drop_remainder=True).repeat())
-    with strategy.scope():
-      model = models.build_model("cnn", input_shape=(28, 28, 1),
-                                 num_classes=10)
-      optimizer = keras.optimizers.SGD(0.01)
-      optimizer.build(model.trainable_variables)
-    trainer = Trainer(strategy=strategy, model=model, optimizer=optimizer,
-                      global_batch_size=8,
-                      steps_per_execution=steps_per_execution)
+    trainer, model, optimizer = _cnn_trainer(
+        strategy, steps_per_execution=steps_per_execution)
     iterator = iter(data)
     chunks = [steps_per_execution, 1] + ([2] if steps_per_execution > 2
                                          else [])
@@ -41,6 +48,36 @@ class TrainFunctionTest(parameterized.TestCase):
       self.assertEqual(float(out["count"]), 8.0 * n)
     self.assertEqual(int(trainer.global_step.numpy()), sum(chunks))
     self.assertEqual(int(optimizer.iterations.numpy()), sum(chunks))
+
+
+class EvaluateTracesOnceTest(absltest.TestCase):
+
+  def test_a_partial_last_batch_is_not_traced_again(self):
+    # 38 examples in batches of 8: four of 8, one of 6. Traced on each
+    # batch's shapes, the last batch retraced the evaluation (a third of a
+    # short evaluation's time); traced on the dataset's element spec, one
+    # trace serves every batch and every later evaluation.
+    strategy = tf.distribute.OneDeviceStrategy("/cpu:0")
+    images = tf.random.stateless_uniform([38, 28, 28, 1], seed=(1, 2))
+    labels = tf.random.stateless_uniform([38], seed=(3, 4), maxval=10,
+                                         dtype=tf.int64)
+    data = strategy.experimental_distribute_dataset(
+        tf.data.Dataset.from_tensor_slices((images, labels)).batch(8))
+    trainer, _, _ = _cnn_trainer(strategy)
+    traced = []
+    replica_step = trainer._replica_eval_step  # pylint: disable=protected-access
+
+    def counting(*args, **kwargs):
+      traced.append(1)
+      return replica_step(*args, **kwargs)
+
+    trainer._replica_eval_step = counting  # pylint: disable=protected-access
+    first = trainer.evaluate(data)
+    self.assertEqual(first["num_examples"], 38)
+    self.assertLen(traced, 1)
+    again = trainer.evaluate(data)
+    self.assertLen(traced, 1)
+    self.assertAlmostEqual(again["loss"], first["loss"], places=5)
 
 
 def _op_types(function, *args):
