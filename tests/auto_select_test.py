@@ -266,6 +266,21 @@ class InventoryTest(absltest.TestCase):
                        "auto: --pipeline_stages=2 runs its stages in one "
                        "process, stage i on GPU i or logical CPU device i")
 
+  def test_pipeline_stages_with_tensor_parallel_run_in_one_process(self):
+    # T splits each stage's layers over devices of the one process (a
+    # layout map's), not over Mirrored replicas.
+    decision = auto_select.resolve(
+        auto_select.SelectOptions(strategy=config_lib.StrategyConfig(
+            parallelism=config_lib.ParallelismConfig(pipeline_stages=2,
+                                                     tensor_parallel=2))),
+        cluster=cluster_lib.resolve_cluster(environ={}),
+        inventory=DeviceInventory(num_cpu_devices=4))
+    self.assertEqual(decision.strategy, "one_device")
+    self.assertEqual(decision.strategy_reason,
+                     "auto: --pipeline_stages=2 runs its stages in one "
+                     "process, each stage's split layers over 2 devices (a "
+                     "data x pipeline x tensor mesh)")
+
   def test_tensor_parallel_mirrors_without_probing(self):
     # On one CPU device (where auto is one_device), --tensor_parallel=2
     # gets MirroredStrategy: its backend makes the 2 logical CPU devices.

@@ -301,15 +301,24 @@ class TrainConfigTest(parameterized.TestCase):
        r"\) on 2 replicas: .* \(D = 1\).* Pass --num_cpu_devices=4"),
       ("tensor_parallel_pipeline", dict(_TRANSFORMER, tensor_parallel=2,
                                         pipeline_stages=2),
-       r"--tensor_parallel=2 cannot run with --pipeline_stages=2: .* "
-       r"tfdist.parallel.pipeline.tensor .*\. Drop one of the two"),
+       r"--tensor_parallel=2 with --pipeline_stages=2 needs a Keras "
+       r"LayoutMap: .*without one \(--model=transformer\) .*attention by "
+       r"heads .*Pass tfdist.fit\(model_fn, ..., layout_map=.*or drop "
+       r"--pipeline_stages .* or --tensor_parallel"),
+      ("tensor_parallel_pipeline_devices", dict(
+          tensor_parallel=2, pipeline_stages=2, num_cpu_devices=6,
+          layout_map=(("block_2/kernel", "None,model"),)),
+       r"--num_cpu_devices=6 devices cannot hold whole copies of a "
+       r"--pipeline_stages=2 pipeline whose stages each split over "
+       r"--tensor_parallel=2 devices: pass --num_cpu_devices a multiple of "
+       r"4"),
       # tfdist.fit's layout map set T (config_changes): the refusal named
       # --tensor_parallel, which the user never gave (a new-user trial).
-      ("layout_map_pipeline", dict(
-          tensor_parallel=2, pipeline_stages=2, num_cpu_devices=4,
+      ("layout_map_fp16", dict(
+          tensor_parallel=2, num_cpu_devices=2, dtype="fp16",
           layout_map=(("up/kernel", "(None, 'model')"),)),
        r"^layout_map \(its DeviceMesh's 'model' axis: T = 2\) cannot run "
-       r"with --pipeline_stages=2: .* Drop one of the two"),
+       r"with --dtype=fp16"),
       ("tensor_parallel_fp16", dict(_TRANSFORMER, tensor_parallel=2,
                                     dtype="fp16"),
        "--tensor_parallel=2 cannot run with --dtype=fp16"),
@@ -322,6 +331,20 @@ class TrainConfigTest(parameterized.TestCase):
     kwargs.update(changes)
     with self.assertRaisesRegex(errors.ConfigError, message):
       TrainConfig(**kwargs)
+
+  def test_tensor_parallel_inside_pipeline_stages_is_accepted(self):
+    # D x P x T = 2 x 2 x 2 with a layout map (`tfdist.fit` records its
+    # entries): N = 8 devices, D = 8 / (P x T).
+    config = TrainConfig(model_dir="/m", train_steps=1, tensor_parallel=2,
+                         pipeline_stages=2, num_cpu_devices=8,
+                         layout_map=(("block_2/kernel", "None,model"),))
+    options = pipeline_options.PipelineOptions.of(
+        config.strategy.parallelism, num_gpus=config.num_gpus,
+        num_cpu_devices=config.num_cpu_devices)
+    self.assertEqual((options.data, options.num_stages, options.tensor),
+                     (2, 2, 2))
+    self.assertEqual(options.mesh().describe(),
+                     "data 2 x pipeline 2 x tensor 2 over 8 devices")
 
   def test_tensor_parallel_beside_data_parallelism_is_accepted(self):
     # D x T = 2 x 2: the replicas are two data-parallel copies of 2.

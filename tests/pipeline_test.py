@@ -34,7 +34,10 @@ imported, before TensorFlow's runtime starts: run it as its own process):
   tensor`), trains like the unsplit model (3 updates, SGD with momentum
   and Adam) on a pipeline x tensor mesh of 4 devices (D = 1) and with
   D = 2 copies on a data x pipeline x tensor mesh of 8, every shard's
-  weights on its own device;
+  weights on its own device; `tfdist.fit` trains it so on the 8 devices
+  (`pipeline_stages=2, num_cpu_devices=8` and the map) to the one-device
+  run's weights (3 updates of SGD with momentum), the plan printing the
+  mesh with each device's coordinates;
 * the refusals: P above the layers or the devices (P * V chunks above
   the layers), M not dividing the batch, a layer shared across stages, a
   subclassed model, bad cut names, an unknown schedule, virtual stages
@@ -471,12 +474,13 @@ def split_map(tensor=2):
   return layout_map
 
 
-def _guide_block(**names) -> dict:
-  """Runs docs/guides/device-mesh.md's block pxt-guide-block with `names`
-  (devices, model, layout_map) defined; returns its names."""
+def _guide_block(name="pxt-guide-block", **names) -> dict:
+  """Runs docs/guides/device-mesh.md's block `name` (pxt-guide-block, or
+  pxt-fit-block) with `names` (pxt-guide-block: devices, model,
+  layout_map) defined; returns its names."""
   with open(os.path.join(testutil.REPO_ROOT, "docs", "guides",
                          "device-mesh.md"), encoding="utf-8") as f:
-    code = re.search(r"<!-- run: tests/pipeline_test.py pxt-guide-block -->"
+    code = re.search(rf"<!-- run: tests/pipeline_test.py {name} -->"
                      r"\n```python\n(.*?)```", f.read(), re.S).group(1)
   exec(compile(code, "device-mesh.md", "exec"), names)  # pylint: disable=exec-used
   return names
@@ -536,6 +540,18 @@ class TensorStagesTest(parameterized.TestCase):
                             unsplit.get_weights()):
       np.testing.assert_array_equal(mine, theirs)
 
+  def test_split_model_keeps_the_random_layers_seed_states(self):
+    # An unnamed Input too: the clone renames its input layer.
+    keras.utils.set_random_seed(4)
+    x = keras.Input((8,))
+    h = keras.layers.Dense(16, name="up_1")(x)
+    h = keras.layers.Dropout(0.5, name="drop")(h)
+    model = keras.Model(x, keras.layers.Dense(8, name="down_1")(h))
+    split = pipeline_tensor.split_model(model, split_map(), 2)
+    np.testing.assert_array_equal(
+        split.get_layer("drop").seed_generator.state.numpy(),
+        model.get_layer("drop").seed_generator.state.numpy())
+
   def test_split_layer_serializes_to_json_and_back(self):
     layer = pipeline_tensor.StageSplitDense(
         16, split="row", shards=2, activation="tanh", use_bias=False,
@@ -570,6 +586,49 @@ class TensorStagesTest(parameterized.TestCase):
         r"split 2 way\(s\): build it with DeviceMesh.build\(devices, "
         r"pipeline=2, tensor=2\)"):
       copies_lib.DataCopies(pipe, mesh)
+
+
+class TrainerTest(absltest.TestCase):
+  """`tfdist.fit` with `pipeline_stages=2`, `split_map()` (T = 2) and
+  `num_cpu_devices=8`: D x P x T = 2 x 2 x 2 in the trainer."""
+
+  def test_fit_D2_P2_T2_equals_one_device(self):
+    from tfdist import api  # pylint: disable=g-import-not-at-top
+    from tfdist.config import TrainConfig  # pylint: disable=g-import-not-at-top
+    rng = np.random.default_rng(2)
+    x = rng.normal(size=(64, 8)).astype("float32")
+    y = rng.normal(size=(64, 3)).astype("float32")
+    built = []
+
+    def model_fn():
+      model = split_mlp()
+      model.compile(loss="mse")
+      built.append(model)
+      return model
+
+    api.fit(model_fn, x=x, y=y, verbose=0, config=TrainConfig(
+        model_dir=os.path.join(testutil.scratch_dir(), "run"),
+        train_steps=3, batch_size=BATCH, deterministic=True, seed=1,
+        optimizer="momentum", momentum=0.9, base_learning_rate=0.05,
+        lr_scaling="none", mode="train"))
+    # The model as built: the one a caller gets back, trained.
+    one = built[-1].get_weights()
+    with self.assertLogs(level="INFO") as logs:
+      # docs/guides/device-mesh.md's block pxt-fit-block: the same run with
+      # pipeline_stages=2, num_cpu_devices=8 and the map.
+      manifest = _guide_block(
+          "pxt-fit-block", model_fn=model_fn, x=x, y=y,
+          layout_map=split_map(),
+          model_dir=os.path.join(testutil.scratch_dir(), "run"))["result"]
+    mesh = built[-1].get_weights()
+    self.assertLess(max(float(np.max(np.abs(a - b)))
+                        for a, b in zip(one, mesh)), TOLERANCE)
+    self.assertEqual((manifest["pipeline"]["data"],
+                      manifest["pipeline"]["tensor"]), (2, 2))
+    plan = "\n".join(logs.output)
+    self.assertIn("mesh: data 2 x pipeline 2 x tensor 2 over 8 devices",
+                  plan)
+    self.assertRegex(plan, r"/device:CPU:7\s+data 1  pipeline 1  tensor 1")
 
 
 class CheckpointTest(absltest.TestCase):

@@ -38,7 +38,13 @@ TensorFlow's runtime starts: run it as its own process), with
   one-device run accumulating over the same micro-batches; the plan and
   the log name the mesh; its checkpoints resume on one device and in one
   copy; each copy's weights live on its own devices; D or M not dividing
-  the batch and P not dividing the devices are refused naming the flag.
+  the batch and P not dividing the devices are refused naming the flag;
+* P x T = 2 x 2 (`pipeline_stages=2, num_cpu_devices=4` and a Keras
+  LayoutMap splitting two Dense layers over each stage's 2 devices): 2
+  steps of Adam, 2 more on one device from its checkpoint, 2 more in P x
+  T from that one's, equal one unsplit run of 6 within 1e-5; its
+  checkpoint has the one-device run's keys and shapes; the plan prints the
+  mesh with each device's coordinates; the SavedModel is the whole model.
 """
 
 import json
@@ -109,11 +115,11 @@ def _config(model_dir, **changes):
   return TrainConfig(**settings)
 
 
-def _fit(builder=skip_model, model_dir=None, **changes):
+def _fit(builder=skip_model, model_dir=None, layout_map=None, **changes):
   """`(weights, manifest, model_dir)` of a `tfdist.fit` run."""
   model_dir = model_dir or os.path.join(testutil.scratch_dir(), "run")
   result = api.fit(builder, x=X, y=Y, config=_config(model_dir, **changes),
-                   verbose=0)
+                   verbose=0, layout_map=layout_map)
   return [w.copy() for w in _Built.model.get_weights()], result, model_dir
 
 
@@ -344,19 +350,32 @@ class WhereWeightsAreCreatedTest(absltest.TestCase):
                      _index(step.pipeline.stages[-1].device))
 
 
+def _resume_in_turn(test, key, runs):
+  """Runs `runs`, `[(steps, _fit's changes, manifest["pipeline"][key])]`
+  (1 when absent), in one model_dir, each resuming the last's checkpoint
+  and training to `steps`: checks they end at the one-device run of the
+  last `steps` within `TOLERANCE`, the last resuming from `ckpt-4`.
+  Returns the last `(manifest, model_dir)`."""
+  straight, _ = _unsplit(train_steps=runs[-1][0])
+  model_dir = os.path.join(testutil.scratch_dir(), "run")
+  for steps, changes, degree in runs:
+    weights, manifest, _ = _fit(model_dir=model_dir, train_steps=steps,
+                                **changes)
+    test.assertEqual(manifest["final_step"], steps)
+    test.assertEqual(manifest.get("pipeline", {}).get(key, 1), degree)
+  test.assertIn("ckpt-4", manifest["restored_from"])
+  test.assertLess(_max_difference(weights, straight), TOLERANCE)
+  return manifest, model_dir
+
+
 class ArtifactsTest(absltest.TestCase):
 
   def test_checkpoints_move_between_pipelined_and_unsplit_runs(self):
     # 2 steps in 2 stages, to 4 unsplit, to 6 in 4 stages: one unsplit
     # run of 6 steps.
-    straight, _ = _unsplit(train_steps=6)
-    model_dir = os.path.join(testutil.scratch_dir(), "run")
-    for steps, stages in ((2, 2), (4, 1), (6, 4)):
-      weights, manifest, _ = _fit(model_dir=model_dir, train_steps=steps,
-                                  pipeline_stages=stages)
-      self.assertEqual(manifest["final_step"], steps)
-    self.assertIn("ckpt-4", manifest["restored_from"])
-    self.assertLess(_max_difference(weights, straight), TOLERANCE)
+    _resume_in_turn(self, "stages", [
+        (steps, dict(pipeline_stages=stages), stages)
+        for steps, stages in ((2, 2), (4, 1), (6, 4))])
 
   def test_saved_model_is_the_whole_model(self):
     _, _, model_dir = _fit(pipeline_stages=4)
@@ -458,18 +477,10 @@ class DataTimesPipelineTest(parameterized.TestCase):
   def test_checkpoints_move_to_one_device_and_one_copy(self):
     # 2 steps in 2 x 2, 3 unsplit, 4 in 2 x 2, 6 in one copy of 2 stages:
     # one unsplit run of 6 steps.
-    straight, _ = _unsplit(train_steps=6)
-    model_dir = os.path.join(testutil.scratch_dir(), "run")
-    for steps, cpus in ((2, 4), (3, None), (4, 4), (6, 0)):
-      layout = (dict(pipeline_stages=2, num_cpu_devices=cpus)
-                if cpus is not None else {})
-      weights, manifest, _ = _fit(model_dir=model_dir, train_steps=steps,
-                                  **layout)
-      self.assertEqual(manifest["final_step"], steps)
-      self.assertEqual(manifest.get("pipeline", {}).get("data", 1),
-                       2 if cpus else 1)
-    self.assertIn("ckpt-4", manifest["restored_from"])
-    self.assertLess(_max_difference(weights, straight), TOLERANCE)
+    layout = dict(pipeline_stages=2, num_cpu_devices=4)
+    _resume_in_turn(self, "data", [(2, layout, 2), (3, {}, 1),
+                                   (4, layout, 2),
+                                   (6, dict(layout, num_cpu_devices=0), 1)])
 
   def test_each_copys_weights_live_on_its_devices(self):
     options = pipeline_options.PipelineOptions(
@@ -487,8 +498,10 @@ class DataTimesPipelineTest(parameterized.TestCase):
       for v in mine:
         self.assertEqual(_index(v.device), 2 * stage.index + 1)
     # Stage p's data group: its D copies' devices, p * D + d.
+    self.assertEqual(list(step.copies.groups), [(0, 0), (1, 0)])
     self.assertEqual([[_index(d) for d in g.devices]
-                      for g in step.copies.groups], [[0, 1], [2, 3]])
+                      for g in step.copies.groups.values()],
+                     [[0, 1], [2, 3]])
 
   def test_refusals_name_the_flag(self):
     with self.assertRaisesRegex(
@@ -508,6 +521,58 @@ class DataTimesPipelineTest(parameterized.TestCase):
         _fit(model_dir=model_dir, pipeline_stages=2, num_cpu_devices=4,
              **changes)
       self.assertEqual(errors.exit_code_for(caught.exception), 2)
+
+
+def _split_map():
+  """`skip_model`'s Keras LayoutMap on a batch 1 x model 2 mesh: block_2
+  split by columns, block_3 by rows (block_1's output also skips to the
+  Add: split by columns, it would need a gather)."""
+  mesh = keras.distribution.DeviceMesh(
+      (1, 2), ["batch", "model"], devices=["cpu:0", "cpu:1"])
+  layout_map = keras.distribution.LayoutMap(mesh)
+  layout_map["block_2/kernel"] = (None, "model")
+  layout_map["block_3/kernel"] = ("model", None)
+  return layout_map
+
+
+class PipelineTimesTensorTest(absltest.TestCase):
+  """P x T = 2 x 2 on the 4 logical CPU devices (`pipeline_stages=2,
+  num_cpu_devices=4` and a layout map splitting block_2 by columns and
+  block_3 by rows): each stage's split Dense layers over its 2 devices."""
+
+  def test_checkpoints_move_to_one_device_and_back(self):
+    # 2 steps in P x T, 4 on one device, 6 in P x T: one unsplit run of 6
+    # steps (Adam: its slots restore across the splits too).
+    layout = dict(layout_map=_split_map(), pipeline_stages=2,
+                  num_cpu_devices=4)
+    with self.assertLogs(level="INFO") as logs:
+      manifest, model_dir = _resume_in_turn(
+          self, "tensor", [(2, layout, 2), (4, {}, 1), (6, layout, 2)])
+    # The plan's mesh, each device with its coordinates; stage p's
+    # device index(0, p, 0) = 2 p.
+    plan = "\n".join(logs.output)
+    self.assertIn("mesh: data 1 x pipeline 2 x tensor 2 over 4 devices",
+                  plan)
+    self.assertRegex(plan, r"/device:CPU:3\s+data 0  pipeline 1  tensor 1")
+    self.assertEqual(
+        [s["device"] for s in manifest["one_device"]["pipeline_stages"]],
+        [DEVICES[0], DEVICES[2]])
+    # Saved under the one-device run's names and shapes.
+    def shapes(prefix):
+      return tf.train.load_checkpoint(prefix).get_variable_to_shape_map()
+
+    self.assertEqual(
+        shapes(tf.train.latest_checkpoint(os.path.join(model_dir,
+                                                       "checkpoints"))),
+        shapes(manifest["restored_from"]))  # The one-device run's.
+    # The SavedModel is the whole model (plain Dense layers) and serves
+    # the trained outputs; the model as built holds the trained weights.
+    self.assertEqual({type(l).__name__ for l in _Built.model.layers},
+                     {"InputLayer", "Dense", "Add"})
+    serve = tf.saved_model.load(os.path.join(
+        model_dir, "saved_model")).signatures["serving_default"]
+    np.testing.assert_allclose(list(serve(tf.constant(X[:5])).values())[0],
+                               _Built.model(X[:5]).numpy(), atol=1e-6)
 
 
 class _Subclassed(keras.Model):

@@ -66,40 +66,45 @@ STAGE_JOBS = (cluster_lib.CHIEF, cluster_lib.WORKER)
 
 def data_degree(config, tasks: int = 1) -> int:
   """D, the pipeline's copies on the devices of `tasks` processes (each
-  the flags' count; `tfdist.parallel.pipeline.options.data_degree`)."""
+  the flags' count; `tfdist.parallel.pipeline.options.data_degree`, T
+  devices a stage with `--tensor_parallel`)."""
   strategy = config.strategy
   return pipeline_options.data_degree(
       strategy.parallelism.pipeline_stages, num_gpus=strategy.num_gpus,
-      num_cpu_devices=strategy.num_cpu_devices, tasks=tasks)
+      num_cpu_devices=strategy.num_cpu_devices, tasks=tasks,
+      tensor=strategy.parallelism.tensor_parallel)
 
 
 def stage_devices(num_stages: int, num_gpus: int = -1,
-                  data: int = 1) -> List[str]:
-  """The devices of D copies of P stages, N = D * P of them in mesh order:
-  the first N logical GPUs, or, without GPUs, the first N logical CPU
-  devices (configured when there are fewer).
+                  data: int = 1, tensor: int = 1) -> List[str]:
+  """The devices of D copies of P stages of T devices each, N = D * P * T
+  of them in mesh order: the first N logical GPUs, or, without GPUs, the
+  first N logical CPU devices (configured when there are fewer).
 
   Args:
     num_stages: P.
     num_gpus: `--num_gpus` (-1: all visible; 0: none).
     data: D (1: one copy, stage i on device i).
+    tensor: T (1: one device a stage).
 
   Raises:
     errors.ConfigError: fewer than N GPUs, or the CPU already split into
       fewer than N logical devices (TensorFlow's runtime started).
   """
-  n = num_stages * data
+  n = num_stages * data * tensor
+  split = f" x --tensor_parallel={tensor}" if tensor > 1 else ""
   names = base.first_gpus(n, num_gpus)
   if names is not None:
     if len(names) < n:
       raise errors.ConfigError(
-          f"--pipeline_stages={num_stages} x {data} data-parallel "
-          f"cop{'ies' if data > 1 else 'y'} needs {n} GPUs (stage i runs "
-          f"on GPU i); this process sees {len(names)}. Lower "
-          f"--pipeline_stages or --num_gpus to fit {len(names)}, or pass "
-          "--num_gpus=0 to run the stages on logical CPU devices.")
+          f"--pipeline_stages={num_stages}{split} x {data} data-parallel "
+          f"cop{'ies' if data > 1 else 'y'} needs {n} GPUs (one a stage"
+          f"{' and tensor shard' if tensor > 1 else ''}); this process "
+          f"sees {len(names)}. Lower --pipeline_stages or --num_gpus to fit "
+          f"{len(names)}, or pass --num_gpus=0 to run the stages on logical "
+          "CPU devices.")
     return names
-  num_stages = n  # Below: one logical CPU device per stage of every copy.
+  stages, num_stages = num_stages, n  # Below: one logical CPU device each.
   # Before anything lists the devices: listing starts TensorFlow's runtime,
   # after which the CPU can no longer be split.
   cpu = tf.config.list_physical_devices("CPU")[0]
@@ -111,7 +116,7 @@ def stage_devices(num_stages: int, num_gpus: int = -1,
   cpus = tf.config.list_logical_devices("CPU")
   if len(cpus) < num_stages:
     raise errors.ConfigError(
-        f"--pipeline_stages={num_stages // data}"
+        f"--pipeline_stages={stages}{split}"
         f"{f' x {data} data-parallel copies' if data > 1 else ''} needs "
         f"{num_stages} logical CPU "
         f"devices, and TensorFlow already started with {len(cpus)}: "
@@ -122,11 +127,12 @@ def stage_devices(num_stages: int, num_gpus: int = -1,
 
 
 def check_copies(config, *, gpus: int, tasks: int = 1) -> None:
-  """Refuses D > 1 copies of the pipeline (`data_degree`) that cannot run:
+  """Refuses D > 1 copies of the pipeline (`data_degree`), or stages of T
+  > 1 devices, that cannot run:
   in one process, `--num_cpu_devices` on a host whose GPUs would run the
   stages, or more GPUs than the host has; across the `tasks` of a
-  cluster, copies of an interleaved pipeline (each task's devices are
-  checked once the driving process is connected,
+  cluster, copies of an interleaved pipeline and T > 1 (each task's
+  devices are checked once the driving process is connected,
   `cluster_stage_devices`).
 
   Args:
@@ -142,27 +148,37 @@ def check_copies(config, *, gpus: int, tasks: int = 1) -> None:
   data = data_degree(config, tasks)
   parallelism = strategy.parallelism
   stages = parallelism.pipeline_stages
+  tensor = parallelism.tensor_parallel
+  if tensor > 1 and tasks > 1:
+    raise errors.ConfigError(
+        f"--pipeline_stages={stages} with --tensor_parallel={tensor} runs in "
+        f"one process; this cluster has {tasks} chief and worker tasks, and "
+        "stages split over tensor devices are not placed across tasks yet. "
+        "Run it as one process (no TF_CONFIG or tfdist.launch), or drop "
+        "--tensor_parallel.")
   if data > 1 and tasks > 1 and (
       parallelism.pipeline_schedule == pipeline_options.INTERLEAVED):
     pipeline_options.check_interleaved(
         stages, parallelism.num_microbatches, data,
         num_gpus=strategy.num_gpus,
         num_cpu_devices=strategy.num_cpu_devices, tasks=tasks)
-  if data == 1 or tasks > 1:
+  if (data == 1 and tensor == 1) or tasks > 1:
     return
-  if gpus and strategy.num_gpus < 0:
+  n = data * stages * tensor
+  if gpus and strategy.num_gpus < 0 and strategy.num_cpu_devices > 1:
     raise errors.ConfigError(
         f"--num_cpu_devices={strategy.num_cpu_devices} asks for {data} "
         f"copies of the --pipeline_stages={stages} pipeline on logical CPU "
         "devices, but this host's GPUs would run the stages. Pass "
-        f"--num_gpus={data * stages} for the copies on GPUs, or "
+        f"--num_gpus={n} for the copies on GPUs, or "
         "--num_gpus=0 to run them on logical CPU devices.")
-  if 0 < gpus < data * stages:
+  if 0 < gpus < n:
     raise errors.ConfigError(
         f"--pipeline_stages={stages} with --num_gpus={strategy.num_gpus} "
-        f"({data} data-parallel copies) needs {data * stages} GPUs; this "
-        f"host has {gpus}. Lower --num_gpus to a multiple of {stages} up "
-        f"to {gpus}, or pass --num_gpus=0 to run on logical CPU devices.")
+        f"({data} data-parallel copies) needs {n} GPUs; this "
+        f"host has {gpus}. Lower --num_gpus to a multiple of "
+        f"{stages * tensor} up to {gpus}, or pass --num_gpus=0 to run on "
+        "logical CPU devices.")
 
 
 def stage_tasks(cluster) -> List[Tuple[str, int]]:
@@ -367,12 +383,16 @@ class PipelineBackend(single_process.OneDeviceBackend):
       return self._connect(config, decisions, cluster=cluster, lease=lease)
     strategy = config.strategy
     stages = strategy.parallelism.pipeline_stages
+    tensor = strategy.parallelism.tensor_parallel
     if strategy.num_cpu_devices > stages:
       devices_lib.configure_cpu_devices(strategy.num_cpu_devices)
     data = data_degree(config)
-    names = stage_devices(stages, strategy.num_gpus, data)
+    names = stage_devices(stages, strategy.num_gpus, data, tensor)
     kind = names[0].rsplit(":", 2)[-2]
-    where = (f"data {data} x pipeline {stages}, stage p of "
+    where = (f"data {data} x pipeline {stages} x tensor {tensor}, shard t "
+             f"of stage p of copy d on {kind} device (p*{data}+d)*{tensor}+t"
+             if tensor > 1 else
+             f"data {data} x pipeline {stages}, stage p of "
              f"copy d on {kind} device p*{data}+d" if data > 1 else
              f"stage i on {kind} device i")
     return strategy_lib.StrategyChoice(
@@ -439,6 +459,15 @@ class PipelineBackend(single_process.OneDeviceBackend):
     if pipeline is not None:
       details = {**details, "pipeline_stages": pipeline.stages()}
     return runner, evaluate, details
+
+  def export_model(self, run):
+    """The whole model: with stages split over tensor devices, the model
+    as built holding the trained weights (`PipelineStep.exported_model`;
+    also what a `tfdist.fit` caller gets back)."""
+    step = mode_lib.mode_of(run.parts.trainer, "pipeline")
+    if step is None:
+      return super().export_model(run)
+    return step.exported_model(run.parts.trainer)
 
   def planned_replicas(self, config, decisions, *, cluster) -> Tuple[int, int]:
     del config, decisions

@@ -87,7 +87,11 @@ class ParallelismConfig:
             "--distribution_strategy mirrored (or auto) on one host; "
             "--zero_stage=1 or 2 shards the optimizer state over each data "
             "group's N/T replicas (hybrid sharding); not with --zero_stage=3, "
-            "--pipeline_stages, --enable_xla, --dtype=fp16 or clipping. Pays on fast device links (NVLink), not on CPUs. See "
+            "--enable_xla, --dtype=fp16 or clipping. With --pipeline_stages=P "
+            "only for tfdist.fit(..., layout_map=...) (the map's model axis "
+            "is T): each stage's Dense layers the map splits take T devices, "
+            "N = D x P x T in one process (docs/guides/device-mesh.md). Pays "
+            "on fast device links (NVLink), not on CPUs. See "
             "docs/guides/tensor-parallelism.md."),
       traits=())
   expert_parallel: int = setting(
@@ -117,8 +121,8 @@ class ParallelismConfig:
 
 def check_pipeline(config) -> None:
   """Pipeline stages, micro-batches, schedule, virtual stages and cuts
-  against the strategy, ZeRO, XLA and the devices
-  (`tfdist.parallel.pipeline.options.check_flags`).
+  against the strategy, ZeRO, XLA and the devices (P x T of them a copy
+  with `--tensor_parallel`; `tfdist.parallel.pipeline.options.check_flags`).
 
   Raises:
     ConfigError: a rule is broken.
@@ -131,7 +135,8 @@ def check_pipeline(config) -> None:
       pipeline_virtual_stages=config.pipeline_virtual_stages,
       distribution_strategy=config.distribution_strategy,
       zero_stage=config.zero_stage_resolved, enable_xla=config.enable_xla,
-      num_gpus=config.num_gpus, num_cpu_devices=config.num_cpu_devices)
+      num_gpus=config.num_gpus, num_cpu_devices=config.num_cpu_devices,
+      tensor_parallel=config.tensor_parallel)
 
 
 def check_tensor_parallel(config) -> None:

@@ -333,9 +333,9 @@ class SelectOptions:
       (probed under `auto`), and the parallelism section's
       `pipeline_stages` (above 1, `auto` is one_device: the stages run in
       one process, or across a cluster's chief and workers,
-      `tfdist.backends.pipeline`) and `tensor_parallel` (above 1, `auto` is
-      mirrored: one tensor-parallel group,
-      `tfdist.backends.tensor_parallel`).
+      `tfdist.backends.pipeline`, with `tensor_parallel` too) and
+      `tensor_parallel` (above 1 without stages, `auto` is mirrored: one
+      tensor-parallel group, `tfdist.backends.tensor_parallel`).
     precision: the precision section (`tfdist.config.PrecisionConfig`):
       its `dtype` as given (`auto`, `fp32`, `bf16`, `fp16`).
     dtype_defaulted: `--dtype` was not given (the TPU default is bf16;
@@ -452,8 +452,11 @@ def resolve(options: SelectOptions, *, cluster, environment=None,
   # runtime before the backend makes N logical CPU devices).
   parallelism = options.strategy.parallelism
   dtype = options.precision.dtype
+  # Beside pipeline stages, T splits each stage's layers in one process
+  # (`tfdist.parallel.pipeline.tensor`): the pipeline's one_device below.
   tensor_parallel = (options.requested == "auto" and
-                     parallelism.tensor_parallel > 1)
+                     parallelism.tensor_parallel > 1 and
+                     parallelism.pipeline_stages <= 1)
   if tensor_parallel:
     options = options.with_strategy(
         distribution_strategy=StrategyKind.MIRRORED.value)
@@ -468,7 +471,11 @@ def resolve(options: SelectOptions, *, cluster, environment=None,
   if options.requested == "auto" and parallelism.pipeline_stages > 1:
     decision = decide(inventory, strategy=StrategyKind.ONE_DEVICE.value,
                       dtype=dtype, dtype_defaulted=options.dtype_defaulted)
-    where = ("in one process, stage i on GPU i or logical CPU device i"
+    tensor = parallelism.tensor_parallel
+    where = (f"in one process, each stage's split layers over {tensor} "
+             "devices (a data x pipeline x tensor mesh)"
+             if cluster.num_workers <= 1 and tensor > 1 else
+             "in one process, stage i on GPU i or logical CPU device i"
              if cluster.num_workers <= 1 else
              f"on the {cluster.num_workers} chief and worker tasks of the "
              "cluster, driven by the chief")

@@ -414,10 +414,14 @@ def _split_step(options: AssemblyOptions, *, task: task_lib.Task,
                 strategy: tf.distribute.Strategy, plan):
   """The step mode of a model split over replicas, built with its model:
   tensor parallelism (`--tensor_parallel` > 1) or expert parallelism
-  (`--expert_parallel` > 1); None for the others."""
+  (`--expert_parallel` > 1); None for the others, and for tensor
+  parallelism inside a pipeline's stages (`pipeline_step.build` splits
+  those)."""
   parallelism = options.strategy.parallelism
   builder = functools.partial(build_model, options, task=task,
                               sync_batch_norm=plan.sync_batch_norm)
+  if options.pipeline is not None and options.pipeline.enabled:
+    return None
   if parallelism.tensor_parallel > 1:
     return tensor_parallel_step.build(builder, strategy,
                                       tensor=parallelism.tensor_parallel,
@@ -464,8 +468,11 @@ def build(options: AssemblyOptions, *, task: task_lib.Task,
         model, options.pipeline,
         micro_step_batch=plan.batch.per_replica_batch_size,
         gradient_accumulation_steps=plan.batch.gradient_accumulation_steps,
-        deferred=deferred)
+        deferred=deferred, layout_map=task.layout_map)
                 if options.pipeline is not None else None)
+    if pipeline is not None:
+      # With tensor-split stages, the clone holding the split layers.
+      model = pipeline.pipeline.model
     optimizer, learning_rate = _build_optimizer(
         options, model=model, plan=plan, sharding=sharding)
   # Keras callbacks read `model.optimizer`. Set without tracking it as the

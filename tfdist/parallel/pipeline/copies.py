@@ -81,10 +81,13 @@ class DataCopies:
   mesh, and the all-reduce of each stage's gradients across the D copies.
 
   Attributes:
-    mesh: the `DeviceMesh` (data D, pipeline P, tensor 1).
-    groups: P `collectives.DeviceGroup`s, stage p's data group (D devices).
+    mesh: the `DeviceMesh` (data D, pipeline P, tensor T: the shards of
+      the stages' split layers, 1 without).
+    groups: `{(p, t): collectives.DeviceGroup}`, P x T of them: shard t of
+      stage p's data group (the D devices index(., p, t)).
     variables: `{(d, p): [tf.Variable]}` for d >= 1, one per weight of
-      stage p (in `Stage.weights` order), on device index(d, p).
+      stage p (in `Stage.weights` order), on device index(d, p, its
+      shard).
   """
 
   def __init__(self, pipeline, mesh: mesh_lib.DeviceMesh):
@@ -92,7 +95,8 @@ class DataCopies:
 
     Args:
       pipeline: the `Pipeline` (copy 0), its stage p on index(0, p).
-      mesh: a `DeviceMesh` with pipeline == P and tensor == 1.
+      mesh: a `DeviceMesh` with pipeline == P and tensor == the stages'
+        shards (1 without split layers).
 
     Raises:
       PipelineConfigError: the pipeline has virtual stages (interleaved),

@@ -37,9 +37,12 @@ import tensorflow as tf
 from tfdist import errors
 from tfdist.errors import first_line
 from tfdist.parallel import mode as mode_lib
+from tfdist.parallel import mesh as mesh_lib
 from tfdist.parallel.pipeline import copies as copies_lib
 from tfdist.parallel.pipeline import stages as pipeline_lib
 from tfdist.parallel.pipeline import options as pipeline_options
+from tfdist.parallel.pipeline import tensor as pipeline_tensor
+from tfdist.parallel.tensor import mode as tensor_mode
 from tfdist.runtime import private_api
 from tfdist.training.step import custom_step
 
@@ -59,12 +62,19 @@ class PipelineStep(mode_lib.StepMode):
     copies: with D > 1 copies (a data x pipeline mesh), the
       `tfdist.parallel.pipeline.copies.DataCopies` of copies 1 .. D-1;
       None: one copy.
+    mesh: the data x pipeline x tensor mesh, with D > 1 copies or T > 1
+      devices a stage; None: neither.
+    unsharded: with T > 1, the model as built (Dense layers whole), the
+      view checkpoints and exports see (`pipeline_tensor.joined_pairs`);
+      None: the pipeline's model is the whole model.
   """
   pipeline: pipeline_lib.Pipeline
   num_microbatches: int
   schedule: str
   micro_batch: int = 0
   copies: Optional[copies_lib.DataCopies] = None
+  mesh: Optional[mesh_lib.DeviceMesh] = None
+  unsharded: Optional[keras.Model] = None
   replaces_step_runner = True  # `tfdist.backends.pipeline` drives stages.
 
   @classmethod
@@ -87,8 +97,9 @@ class PipelineStep(mode_lib.StepMode):
   @classmethod
   def plan_lines(cls, facts) -> list:
     """The pipeline's line of the run plan (`PipelineOptions.describe` and
-    each stage's micro-batch), and with D copies the data x pipeline mesh
-    (`DeviceMesh.plan_lines`)."""
+    each stage's micro-batch), and with D copies or T devices a stage the
+    data x pipeline x tensor mesh (`DeviceMesh.plan_lines`: each device's
+    coordinates)."""
     pipeline = facts.pipeline
     if pipeline is None:
       return []
@@ -96,29 +107,31 @@ class PipelineStep(mode_lib.StepMode):
         pipeline.data * pipeline.num_microbatches)
     lines = [f"  pipeline               {pipeline.describe()} of {micro} "
              "examples"]
-    if pipeline.data > 1:
+    if pipeline.data > 1 or pipeline.tensor > 1:
       lines += ["  " + line for line in pipeline.mesh().plan_lines()]
     return lines
 
   @classmethod
   def validate(cls, settings) -> None:
     """`tfdist.parallel.pipeline.options.check_flags` on `settings`
-    (`num_gpus`, `num_cpu_devices` and `pipeline_virtual_stages` may be
-    absent: their defaults)."""
+    (`num_gpus`, `num_cpu_devices`, `pipeline_virtual_stages` and
+    `tensor_parallel` may be absent: their defaults)."""
     defaults = {"num_gpus": -1, "num_cpu_devices": 0,
-                "pipeline_virtual_stages": 1}
+                "pipeline_virtual_stages": 1, "tensor_parallel": 1}
     pipeline_options.check_flags(**{
         name: settings[name] if name in settings else defaults[name]
         for name in pipeline_options.CHECKED_SETTINGS})
 
   @classmethod
   def devices(cls, settings) -> int:
-    """D x P: one stage per device, D copies (`data_degree` of
-    `num_gpus` and `num_cpu_devices`, 1 when absent)."""
+    """D x P x T: T devices per stage (1 without `tensor_parallel`), D
+    copies (`data_degree` of `num_gpus` and `num_cpu_devices`, 1 when
+    absent)."""
     stages = int(settings["pipeline_stages"])
-    return stages * pipeline_options.data_degree(
+    tensor = int(settings.get("tensor_parallel", 1))
+    return stages * tensor * pipeline_options.data_degree(
         stages, num_gpus=settings.get("num_gpus", -1),
-        num_cpu_devices=settings.get("num_cpu_devices", 0))
+        num_cpu_devices=settings.get("num_cpu_devices", 0), tensor=tensor)
 
   @classmethod
   def layout_rows(cls, facts) -> list:
@@ -161,8 +174,9 @@ class PipelineStep(mode_lib.StepMode):
     its peak (a lower bound); with D copies, the
     mesh (`DeviceMesh.plan_lines`) and what each copy's device holds."""
     lines = []
+    if self.mesh is not None:
+      lines = ["  " + line for line in self.mesh.plan_lines()]
     if self.copies is not None:
-      lines = ["  " + line for line in self.copies.mesh.plan_lines()]
       lines.append(
           f"  copy 0 (the stages below) holds the weights, gradients and "
           f"optimizer state; copies 1..{self.copies.data - 1} hold their "
@@ -192,6 +206,49 @@ class PipelineStep(mode_lib.StepMode):
           f"{', '.join(str(c['index']) for c in stages[s['index']::p])}): "
           f"{held(s)}" for s in stages[:p]]
     return "\n".join(lines)
+
+  # --- the joined view (T > 1) ---------------------------------------------
+  def exported_model(self, context):
+    """The whole model: with T > 1, `unsharded` holding the trained
+    weights (each split layer's shards joined)."""
+    if self.unsharded is None:
+      return context.model
+    self.unsharded.set_weights(pipeline_tensor.full_weights(context.model))
+    return self.unsharded
+
+  def checkpoint_model(self, context):
+    """With T > 1, `unsharded`, each of its variables saving the joined
+    value of the split model's (`pipeline_tensor.joined_pairs`) and
+    restoring into them: the checkpoint's `model` under a one-device
+    run's keys and shapes. Else the trainer's model."""
+    if self.unsharded is None:
+      return context.model
+    for whole, parts, axis in pipeline_tensor.joined_pairs(context.model,
+                                                          self.unsharded):
+      _join_through(whole, parts, axis)
+    return self.unsharded
+
+  def checkpoint_optimizer(self, context):
+    """With T > 1, an optimizer of the trainer's class and configuration
+    built on `unsharded`, each of its variables saving the joined value of
+    the trainer's (a split weight's slot: its shards' slots joined,
+    `pipeline_tensor.optimizer_pairs`) and restoring into them. Else the
+    trainer's.
+
+    Raises:
+      ValueError: the two optimizers' variables do not pair up.
+    """
+    if self.unsharded is None:
+      return super().checkpoint_optimizer(context)
+    optimizer = context.optimizer
+    with tf.device("/cpu:0"):
+      view = type(optimizer).from_config(optimizer.get_config())
+      view.build(self.unsharded.trainable_variables)
+    pairs = pipeline_tensor.joined_pairs(context.model, self.unsharded)
+    for whole, parts, axis in pipeline_tensor.optimizer_pairs(
+        optimizer, view, pairs):
+      _join_through(whole, parts, axis)
+    return view
 
   def forward_backward(self, trainer, inputs, labels, weights=None):
     """`StepContext.model_forward_backward` through the pipeline.
@@ -238,6 +295,14 @@ class PipelineStep(mode_lib.StepMode):
     return loss, grads, outputs
 
 
+def _join_through(whole, parts, axis) -> None:
+  """Makes the Keras variable `whole` save the joined value of `parts`
+  (split on `axis`; None: `parts[0]` whole) and restore into them."""
+  tensor_mode._gather_through(  # pylint: disable=protected-access
+      whole, lambda: pipeline_tensor.join(parts, axis),
+      lambda value: pipeline_tensor.assign_joined(parts, axis, value))
+
+
 def _reduction_line(copies: copies_lib.DataCopies) -> str:
   """How each stage's gradients meet across the copies: all-reduced with
   `tfdist.parallel.collectives` over its data group, or (a group on the
@@ -282,15 +347,20 @@ def build_model(
   before (the whole model must then fit one device once; a warning says
   so and why).
 
+  With T > 1 devices a stage (`options.tensor`) the model is built whole,
+  without deferral: `build` (below) clones it with its split layers
+  (`pipeline_tensor.split_model`) and keeps it as the checkpoint's and
+  export's view.
+
   Args:
     build: makes the run's model (the task's builder).
     options: the run's `PipelineOptions`, or None.
 
   Returns:
     `(model, deferred)`: `deferred` to give `build` (None without stages,
-    or when the builder needed its weights).
+    with T > 1, or when the builder needed its weights).
   """
-  if options is None or not options.enabled:
+  if options is None or not options.enabled or options.tensor > 1:
     return build(), None
   state = _random_and_name_state()
   try:
@@ -330,9 +400,12 @@ def _restore(state) -> None:
 
 def build(model: keras.Model, options: pipeline_options.PipelineOptions, *,
           micro_step_batch: int, gradient_accumulation_steps: int = 1,
-          deferred: Optional[pipeline_lib.DeferredVariables] = None
-          ) -> Optional[PipelineStep]:
-  """Cuts `model` into the run's stages and places their variables.
+          deferred: Optional[pipeline_lib.DeferredVariables] = None,
+          layout_map=None) -> Optional[PipelineStep]:
+  """Cuts `model` into the run's stages and places their variables; with
+  T > 1 devices a stage (`options.tensor`), first splits the Dense layers
+  `layout_map` names over them (`pipeline_tensor.split_model`): the
+  step's `pipeline.model` is then that clone, the one to train.
 
   Call it right after the model is built, outside any strategy scope,
   before the optimizer is built (its slots then follow the variables to
@@ -347,6 +420,8 @@ def build(model: keras.Model, options: pipeline_options.PipelineOptions, *,
     deferred: what `build_model` returned with the model
       (its variables are created on their stages' devices here; if the
       model cannot be cut, where they were made), or None.
+    layout_map: with `options.tensor` > 1, the Keras `LayoutMap` that
+      splits the model (`tfdist.fit(layout_map=...)`).
 
   Returns:
     The `PipelineStep`, or None when `options` has one stage.
@@ -356,14 +431,16 @@ def build(model: keras.Model, options: pipeline_options.PipelineOptions, *,
       cut (subclassed, a layer shared across stages, unknown cuts, fewer
       layers or devices than stages), a model with its own `train_step`
       (`tfdist.training.step.custom_step`), an activity regularizer, or
-      micro-batches that do not divide the batch; each names the flag.
+      micro-batches that do not divide the batch; each names the flag. A
+      ConfigError: T > 1 without a layout map, or one
+      `pipeline_tensor.split_model` refuses (naming the map entry).
   """
   if not options.enabled:
     return None
   try:
     return _build(model, options, micro_step_batch=micro_step_batch,
                   gradient_accumulation_steps=gradient_accumulation_steps,
-                  deferred=deferred)
+                  deferred=deferred, layout_map=layout_map)
   finally:
     if deferred is not None:
       deferred.initialize_rest()  # All of them when the cut was refused.
@@ -383,7 +460,7 @@ def _held_microbatches(options: pipeline_options.PipelineOptions) -> int:
 
 
 def _build(model, options, *, micro_step_batch, gradient_accumulation_steps,
-           deferred):
+           deferred, layout_map):
   micro = pipeline_options.check_batch(
       options, micro_step_batch=micro_step_batch,
       gradient_accumulation_steps=gradient_accumulation_steps)
@@ -402,7 +479,18 @@ def _build(model, options, *, micro_step_batch, gradient_accumulation_steps,
           "has an activity regularizer, which the pipelined step does not "
           "add to the loss yet. Remove it (weight regularizers are "
           "supported), or drop --pipeline_stages.")
-  mesh = options.mesh() if options.data > 1 else None
+  unsharded = None
+  if options.tensor > 1:
+    if layout_map is None:
+      raise errors.ConfigError(
+          f"--pipeline_stages={options.num_stages} --tensor_parallel="
+          f"{options.tensor} splits the Dense layers a Keras LayoutMap names "
+          "inside each stage; this run has none. Pass tfdist.fit(..., "
+          "layout_map=keras.distribution.LayoutMap(...)), or drop "
+          "--tensor_parallel.")
+    unsharded, model = model, pipeline_tensor.split_model(
+        model, layout_map, options.tensor)
+  mesh = options.mesh() if options.data > 1 or options.tensor > 1 else None
   try:
     pipe = pipeline_lib.split_model(
         model, options.num_stages, cuts=list(options.cuts) or None,
@@ -412,14 +500,18 @@ def _build(model, options, *, micro_step_batch, gradient_accumulation_steps,
         virtual_stages=options.virtual_stages)
     pipe.check_step(micro_step_batch // options.data,
                     options.num_microbatches, options.schedule)
-    placed = pipe.place_variables(deferred)
-    copies = copies_lib.DataCopies(pipe, mesh) if mesh else None
+    placed = pipe.place_variables(
+        deferred, tensor_devices=(pipeline_tensor.tensor_devices(mesh)
+                                  if options.tensor > 1 else None))
+    copies = (copies_lib.DataCopies(pipe, mesh) if options.data > 1
+              else None)
   except errors.PipelineConfigError as e:
     raise _flag_error(options, e) from None
   if copies is not None:
     placed.update(copies.bytes_per_device())
   step = PipelineStep(pipe, options.num_microbatches, options.schedule,
-                      micro_batch=micro, copies=copies)
+                      micro_batch=micro, copies=copies, mesh=mesh,
+                      unsharded=unsharded)
   logging.info("Pipeline: %s; weight bytes per device %s\n%s",
                options.describe(), placed, step.describe())
   return step

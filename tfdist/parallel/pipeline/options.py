@@ -75,6 +75,11 @@ class PipelineOptions:
     tasks: across a cluster, the names of the tasks that host stages, in
       stage order (`ClusterInfo.training_tasks`: the chief's first), each
       with N / T of the mesh's devices; empty: one process.
+    tensor: T, the devices each stage's split layers spread over
+      (`--tensor_parallel` with a layout map,
+      `tfdist.parallel.pipeline.tensor`; 1: none). The mesh is then data
+      D x pipeline P x tensor T, N = D * P * T devices, stage p of copy d
+      on device index(d, p, 0) = (p * D + d) * T.
   """
   num_stages: int = 1
   num_microbatches: int = 1
@@ -86,6 +91,7 @@ class PipelineOptions:
   device_type: str = "CPU"
   virtual_stages: int = 1
   tasks: Tuple[str, ...] = ()
+  tensor: int = 1
 
   @classmethod
   def of(cls, parallelism, *, num_gpus: int = -1, num_cpu_devices: int = 0,
@@ -93,14 +99,16 @@ class PipelineOptions:
     """The pipeline of the config's parallelism section
     (`tfdist.config.ParallelismConfig`: `pipeline_stages`,
     `num_microbatches`, defaulted to the stages when None,
-    `pipeline_schedule`, `pipeline_virtual_stages`, `pipeline_cuts`), its
-    data degree from
+    `pipeline_schedule`, `pipeline_virtual_stages`, `pipeline_cuts`,
+    `tensor_parallel`), its data degree from
     `--num_gpus` and `--num_cpu_devices` (`data_degree`), each task's
     across the cluster's stage `tasks` (`ClusterInfo.training_tasks`).
 
     Raises:
       ConfigError: as `data_degree`.
     """
+    tensor = (parallelism.tensor_parallel
+              if parallelism.pipeline_stages > 1 else 1)
     return cls(
         num_stages=parallelism.pipeline_stages,
         num_microbatches=resolved_microbatches(
@@ -110,10 +118,10 @@ class PipelineOptions:
         microbatches_defaulted=parallelism.num_microbatches is None,
         data=data_degree(parallelism.pipeline_stages, num_gpus=num_gpus,
                          num_cpu_devices=num_cpu_devices,
-                         tasks=max(1, len(tasks))),
+                         tasks=max(1, len(tasks)), tensor=tensor),
         device_type="GPU" if num_gpus > 0 else "CPU",
         virtual_stages=parallelism.pipeline_virtual_stages,
-        tasks=tuple(tasks))
+        tasks=tuple(tasks), tensor=tensor)
 
   @property
   def enabled(self) -> bool:
@@ -121,43 +129,47 @@ class PipelineOptions:
     return self.num_stages > 1
 
   def mesh(self) -> mesh_lib.DeviceMesh:
-    """The data x pipeline mesh: over `devices`, or, before the backend
-    found them, over D * P names `/device:<device_type>:i` (the plan's;
-    across a cluster, `<task>/device:<device_type>:i`, N / T per task in
-    `tasks` order).
+    """The data x pipeline (x tensor) mesh: over `devices`, or, before
+    the backend found them, over D * P * T names `/device:<device_type>:i`
+    (the plan's; across a cluster, `<task>/device:<device_type>:i`, an
+    equal share per task in `tasks` order).
 
     Raises:
       ConfigError: `devices` that P does not divide (`DeviceMesh.build`).
     """
-    n = self.data * self.num_stages
+    n = self.data * self.num_stages * self.tensor
     devices = self.devices or tuple(
         f"{task}/device:{self.device_type}:{i}"
         for task in (self.tasks or ("",))
         for i in range(n // max(1, len(self.tasks))))
-    return mesh_lib.DeviceMesh.build(devices, pipeline=self.num_stages)
+    return mesh_lib.DeviceMesh.build(devices, pipeline=self.num_stages,
+                                     tensor=self.tensor)
 
   def describe(self) -> str:
     """One line for the run plan and the log."""
     cuts = (f"at {','.join(self.cuts)}" if self.cuts else
             "balanced by weight and activation bytes")
     where = (f" over {len(self.tasks)} tasks" if self.tasks else "")
+    tensor = f" x tensor {self.tensor}" if self.tensor > 1 else ""
     copies = (f"{self.data} copies (data {self.data} x pipeline "
-              f"{self.num_stages}{where}, each on 1/{self.data} of the "
-              "batch) of " if self.data > 1 else "")
+              f"{self.num_stages}{tensor}{where}, each on 1/{self.data} of "
+              "the batch) of " if self.data > 1 else "")
+    split = (f", each stage's split layers over {self.tensor} devices "
+             "(the layout map's)" if self.tensor > 1 else "")
     per_copy = " per copy" if self.data > 1 else ""
     schedule = self.schedule
     if self.virtual_stages > 1:
       schedule += (f" (V={self.virtual_stages} virtual stages: "
                    f"{self.num_stages * self.virtual_stages} chunks, chunk c "
                    f"on stage c mod {self.num_stages})")
-    return (f"{copies}{self.num_stages} stages ({cuts}), "
+    return (f"{copies}{self.num_stages} stages ({cuts}){split}, "
             f"{self.num_microbatches} micro-batches per step{per_copy}, "
             f"{schedule} schedule; batch normalization sees "
             "micro-batches")
 
   def to_dict(self) -> dict:
     """For the manifest: stages, micro-batches, schedule, cuts, what
-    batch normalization sees, the data degree when above 1 and the
+    batch normalization sees, the data degree, the tensor degree and the
     virtual stages when above 1."""
     out = {"stages": self.num_stages,
            "num_microbatches": self.num_microbatches,
@@ -165,15 +177,18 @@ class PipelineOptions:
            "batch_norm": "micro-batches"}
     if self.data > 1:
       out["data"] = self.data
+    if self.tensor > 1:
+      out["tensor"] = self.tensor
     if self.virtual_stages > 1:
       out["virtual_stages"] = self.virtual_stages
     return out
 
 
 def data_degree(pipeline_stages: int, *, num_gpus: int = -1,
-                num_cpu_devices: int = 0, tasks: int = 1) -> int:
-  """D, the copies of a P-stage pipeline: N / P for the N devices the
-  flags name, 1 when they name none beyond P.
+                num_cpu_devices: int = 0, tasks: int = 1,
+                tensor: int = 1) -> int:
+  """D, the copies of a P-stage pipeline: N / (P * T) for the N devices
+  the flags name, 1 when they name none beyond P * T.
 
   N is `tasks` times n, each task's devices: `--num_gpus` when above 0
   (GPUs); else `--num_cpu_devices` (logical CPU devices; the backend
@@ -185,20 +200,35 @@ def data_degree(pipeline_stages: int, *, num_gpus: int = -1,
     pipeline_stages: P (1: no pipeline, D = 1).
     num_gpus: `--num_gpus` (-1: all visible).
     num_cpu_devices: `--num_cpu_devices` (0 or 1: no split).
-    tasks: T, the cluster's tasks that host stages (1: one process).
+    tasks: the cluster's tasks that host stages (1: one process).
+    tensor: T, each stage's devices (its layers split over them with a
+      layout map; 1: one device a stage).
 
   Returns:
     D >= 1.
 
   Raises:
     ConfigError: P does not divide N (the message names the flag, the
-      value and the device counts that fit).
+      value and the device counts that fit); with T > 1, P * T does not
+      divide N (checked first by `tfdist.parallel.tensor.options`, one
+      process).
   """
   if pipeline_stages <= 1:
     return 1
   flag, n = (("--num_gpus", num_gpus) if num_gpus > 0 else
              ("--num_cpu_devices", num_cpu_devices))
   total = max(n, 0) * tasks
+  if tensor > 1:
+    group = pipeline_stages * tensor
+    if total <= group:
+      return 1
+    if total % group:
+      raise errors.ConfigError(
+          f"{flag}={n} devices cannot hold whole copies of a "
+          f"--pipeline_stages={pipeline_stages} pipeline whose stages each "
+          f"split over --tensor_parallel={tensor} devices: pass {flag} a "
+          f"multiple of {group}.")
+    return total // group
   if total <= pipeline_stages:
     return 1
   if total % pipeline_stages:
@@ -248,6 +278,7 @@ CHECKED_SETTINGS = (
     "enable_xla",
     "num_gpus",
     "num_cpu_devices",
+    "tensor_parallel",
 )
 
 
@@ -256,7 +287,8 @@ def check_flags(*, pipeline_stages: int, num_microbatches: Optional[int],
                 distribution_strategy: str, zero_stage: int,
                 enable_xla: bool, num_gpus: int = -1,
                 num_cpu_devices: int = 0,
-                pipeline_virtual_stages: int = 1) -> None:
+                pipeline_virtual_stages: int = 1,
+                tensor_parallel: int = 1) -> None:
   """Refuses pipeline flags that cannot run, naming the flag, the value and
   the fix. Pure: the devices, the model and the batch are checked later
   (`tfdist.backends.pipeline`, `tfdist.parallel.pipeline.mode`,
@@ -302,7 +334,8 @@ def check_flags(*, pipeline_stages: int, num_microbatches: Optional[int],
         "devices: D copies; in a cluster of T chief and worker tasks, N / "
         "T on each task), or drop --pipeline_stages.")
   data = data_degree(pipeline_stages, num_gpus=num_gpus,
-                     num_cpu_devices=num_cpu_devices)
+                     num_cpu_devices=num_cpu_devices,
+                     tensor=tensor_parallel)
   if pipeline_schedule == INTERLEAVED:
     check_interleaved(pipeline_stages, num_microbatches, data,
                       num_gpus=num_gpus, num_cpu_devices=num_cpu_devices)

@@ -46,7 +46,7 @@ model's weights copied in. A `MultiHeadAttention` split by heads is
 refused here (no stage-placed attention yet).
 """
 
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import keras
 import numpy as np
@@ -145,19 +145,20 @@ class StageSplitDense(keras.layers.Layer):
     self.bias_initializer = keras.initializers.get(bias_initializer)
 
   @property
-  def _axis(self) -> int:
+  def axis(self) -> int:
+    """The kernel's axis the shards split: 1 (columns) or 0 (rows)."""
     return 1 if self.split == COLUMN else 0
 
   def build(self, input_shape):
     full = (int(input_shape[-1]), self.units)
-    if full[self._axis] % self.shards:
+    if full[self.axis] % self.shards:
       what = "units" if self.split == COLUMN else "input width"
       raise errors.ConfigError(
           f"StageSplitDense {self.name!r} splits its {what} "
-          f"{full[self._axis]} by {self.split}s {self.shards} ways: use a "
-          f"tensor degree that divides {full[self._axis]}.")
+          f"{full[self.axis]} by {self.split}s {self.shards} ways: use a "
+          f"tensor degree that divides {full[self.axis]}.")
     kernel = np.split(np.asarray(self.kernel_initializer(full)),
-                      self.shards, axis=self._axis)
+                      self.shards, axis=self.axis)
     self.kernels = [self._shard(f"kernel_{t}", piece, t)
                     for t, piece in enumerate(kernel)]
     self.biases = []
@@ -201,22 +202,20 @@ class StageSplitDense(keras.layers.Layer):
   def full_weights(self) -> List[np.ndarray]:
     """Dense's `[kernel, bias]` (`[kernel]` without a bias): the shards
     concatenated."""
-    out = [np.concatenate([k.numpy() for k in self.kernels], self._axis)]
-    if self.use_bias:
-      out.append(np.concatenate([b.numpy() for b in self.biases]))
-    return out
+    return [join(parts, axis) for parts, axis in self._whole()]
 
   def load_full_weights(self, weights: Sequence[np.ndarray]) -> None:
     """Assigns Dense's `[kernel, bias]` to the shards."""
-    kernel = np.split(np.asarray(weights[0]), self.shards, axis=self._axis)
-    for variable, piece in zip(self.kernels, kernel):
-      variable.assign(piece)
+    for (parts, axis), value in zip(self._whole(), weights):
+      assign_joined(parts, axis, value)
+
+  def _whole(self) -> List[Tuple[List[keras.Variable], Optional[int]]]:
+    """Dense's kernel (and bias) as `(the shards holding it, the axis
+    they split it on; None: one holds it whole)`."""
+    out = [(list(self.kernels), self.axis)]
     if self.use_bias:
-      bias = np.asarray(weights[1])
-      pieces = (np.split(bias, self.shards) if self.split == COLUMN
-                else [bias])
-      for variable, piece in zip(self.biases, pieces):
-        variable.assign(piece)
+      out.append((list(self.biases), 0 if self.split == COLUMN else None))
+    return out
 
   def get_config(self):
     config = super().get_config()
@@ -246,7 +245,9 @@ def _stage_layer(layer, kind: str, entry: str, tensor: int):
 
 def split_model(model, layout_map, tensor: int) -> keras.Model:
   """`model` cloned with each Dense the map splits made a
-  `StageSplitDense` of T = `tensor` shards, `model`'s weights copied in.
+  `StageSplitDense` of T = `tensor` shards, `model`'s weights and its
+  random layers' seed states copied in (the clone's dropout draws as
+  `model`'s would).
 
   Then cut the clone (`stages.split_model(clone, P, devices=
   copy0_devices(mesh))`) and place it (`place_variables(tensor_devices=
@@ -265,16 +266,33 @@ def split_model(model, layout_map, tensor: int) -> keras.Model:
       model, layout_map, tensor,
       parallel_layer=lambda layer, kind, entry: _stage_layer(
           layer, kind, entry, tensor))
-  # By position (the clone keeps the layers' order): a layer Keras named
-  # itself (an unnamed `keras.Input`) is named anew in the clone.
-  for layer, twin in zip(split.layers, model.layers):
-    if not twin.weights:
-      continue
+  for layer, twin in _twins(split, model):
     if isinstance(layer, StageSplitDense):
       layer.load_full_weights(twin.get_weights())
     else:
       layer.set_weights(twin.get_weights())
+    for mine, theirs in zip(getattr(layer, "_seed_generators", ()),
+                            getattr(twin, "_seed_generators", ())):
+      mine.state.assign(theirs.state.numpy())
   return split
+
+
+def _twins(split, model):
+  """`(layer, its twin)` for each layer of `split` (the clone of `model`
+  `split_model` made) with weights or random state: the layer of `model`
+  of the same name (an input layer, renamed by the clone, has neither).
+
+  Raises:
+    ValueError: a layer with weights or random state has no twin.
+  """
+  by_name = {layer.name: layer for layer in model.layers}
+  for layer in split.layers:
+    twin = by_name.get(layer.name)
+    if twin is not None:
+      yield layer, twin
+    elif layer.weights or getattr(layer, "_seed_generators", ()):
+      raise ValueError(f"layer {layer.name!r} of the split model has no "
+                       f"layer of that name in model {model.name!r}")
 
 
 def full_weights(model) -> List[np.ndarray]:
@@ -293,3 +311,82 @@ def tensor_devices(mesh: mesh_lib.DeviceMesh) -> List[List[str]]:
   return [[mesh.devices[mesh.index(mesh_lib.MeshCoordinates(
       data=0, pipeline=p, tensor=t))] for t in range(mesh.tensor)]
           for p in range(mesh.pipeline)]
+
+
+# (whole variable, the variables holding it, the axis they split it on;
+# None: one variable holds it whole).
+Pair = Tuple[keras.Variable, List[keras.Variable], Optional[int]]
+
+
+def joined_pairs(model, unsharded) -> List[Pair]:
+  """Each weight of `unsharded` (the model `split_model` cloned `model`
+  from) with the variables of `model` that hold it: a `StageSplitDense`'s
+  T kernels (and column biases) split on their axis, every other weight
+  whole in the layer of the same name. What a checkpoint of `model` saves
+  under `unsharded`'s names and shapes."""
+  pairs = []
+  for layer, twin in _twins(model, unsharded):
+    if isinstance(layer, StageSplitDense):
+      pairs += [(whole, parts, axis) for whole, (parts, axis) in zip(
+          twin.weights, layer._whole())]  # pylint: disable=protected-access
+    else:
+      pairs += [(whole, [mine], None)
+                for whole, mine in zip(twin.weights, layer.weights)]
+  return pairs
+
+
+def _slot_key(variable) -> str:
+  """The part of an optimizer variable's name Keras derives from its
+  model variable (`add_variable_from_reference`: the path with "/" made
+  "_")."""
+  return variable.path.replace("/", "_")
+
+
+def optimizer_pairs(optimizer, view, pairs: Sequence[Pair]) -> List[Pair]:
+  """Each variable of `view` (an optimizer of `optimizer`'s class and
+  configuration built on the whole variables of `pairs`) with the
+  variables of `optimizer` (built on the split model) that hold it: a
+  slot of a split weight from the slots of its shards, named as Keras
+  names slots (`<variable path with "_">_<slot>`); the others (the
+  iteration count, the learning rate) by name.
+
+  Raises:
+    ValueError: a variable of `view` that pairs with none of `optimizer`'s.
+  """
+  ours = {v.name: v for v in optimizer.variables}
+  split = sorted(((_slot_key(whole) + "_", [_slot_key(p) + "_" for p in parts],
+                   axis) for whole, parts, axis in pairs if len(parts) > 1),
+                 key=lambda item: -len(item[0]))
+  out = []
+  for theirs in view.variables:
+    found = None
+    for prefix, parts, axis in split:
+      if theirs.name.startswith(prefix):
+        slot = theirs.name[len(prefix):]
+        if all(p + slot in ours for p in parts):
+          found = (theirs, [ours[p + slot] for p in parts], axis)
+          break
+    if found is None and theirs.name in ours:
+      found = (theirs, [ours[theirs.name]], None)
+    if found is None:
+      raise ValueError(
+          f"the split model's optimizer has no variable for {theirs.name!r} "
+          "of the whole model's (its slots are named after their variables' "
+          "paths, as Keras names them)")
+    out.append(found)
+  return out
+
+
+def join(parts: Sequence[keras.Variable], axis: Optional[int]) -> np.ndarray:
+  """The whole value of `parts` (split on `axis`; None: `parts[0]`)."""
+  values = [np.asarray(keras.ops.convert_to_numpy(p)) for p in parts]
+  return values[0] if axis is None else np.concatenate(values, axis)
+
+
+def assign_joined(parts: Sequence[keras.Variable], axis: Optional[int],
+                  value) -> None:
+  """Assigns the whole `value` to `parts` (split on `axis`)."""
+  pieces = ([value] if axis is None else
+            np.split(np.asarray(value), len(parts), axis=axis))
+  for part, piece in zip(parts, pieces):
+    part.assign(piece)

@@ -16,6 +16,10 @@ the value and the fix, before anything is built; `tfdist.config` calls it
 while it validates a `TrainConfig`. The backend is
 `tfdist.backends.tensor_parallel`, the trainer's step
 `tfdist.parallel.tensor.mode`.
+
+With `--pipeline_stages=P` and a layout map, each stage's Dense layers
+split over T devices instead: N = D x P x T devices
+(`tfdist.parallel.pipeline.tensor`, `tfdist.parallel.pipeline.options`).
 """
 
 from typing import Optional
@@ -102,12 +106,12 @@ def check_flags(*, tensor_parallel: int, model: str,
   Raises:
     errors.ConfigError: T < 1; without a layout map, T not dividing the
       Transformer's heads and feed-forward units, or another model than
-      the built-in Transformer; T > 1 with another strategy than mirrored
+      the built-in Transformer; without a layout map, pipeline stages;
+      T > 1 without a pipeline and with another strategy than mirrored
       (or auto), ZeRO stage 3 (stages 1-2 run: hybrid sharding, with
-      more replicas than T),
-      pipeline stages, XLA, fp16, gradient clipping, --init_checkpoint,
-      or a device count (--num_gpus, --num_cpu_devices) that T does not
-      divide.
+      more replicas than T), XLA, fp16, gradient clipping,
+      --init_checkpoint, or a device count (--num_gpus, --num_cpu_devices)
+      that T (P x T with P pipeline stages) does not divide.
   """
   if not isinstance(tensor_parallel, int) or tensor_parallel < 1:
     raise errors.ConfigError(f"--tensor_parallel={tensor_parallel} must be "
@@ -118,6 +122,8 @@ def check_flags(*, tensor_parallel: int, model: str,
   # With a layout map (tfdist.fit) its mesh set T: the messages name it.
   flag = (f"layout_map (its DeviceMesh's 'model' axis: T = {n})"
           if layout_map else f"--tensor_parallel={n}")
+  if pipeline_stages > 1 and not layout_map:
+    _refuse_pipeline(flag, pipeline_stages=pipeline_stages, model=model)
   if not layout_map and model not in MODELS:
     which = (f"--model={model} has no tensor-parallel layers" if model_given
              else f"no --model is given (the default, {model}, has no "
@@ -137,7 +143,7 @@ def check_flags(*, tensor_parallel: int, model: str,
         f"{flag} cannot split the built-in Transformer evenly: each rank "
         f"takes an equal share of its {sizes}. Use --tensor_parallel="
         f"{' or '.join(map(str, fits))}.")
-  if distribution_strategy not in STRATEGIES:
+  if pipeline_stages <= 1 and distribution_strategy not in STRATEGIES:
     raise errors.ConfigError(
         f"{flag} runs under --distribution_strategy=mirrored on one host "
         f"(its replicas are a data x tensor mesh); received "
@@ -147,7 +153,8 @@ def check_flags(*, tensor_parallel: int, model: str,
         "on this host: --num_gpus or --num_cpu_devices a multiple of "
         f"{n}), or drop --tensor_parallel.")
   _check_devices(flag, n, num_gpus=num_gpus, num_cpu_devices=num_cpu_devices,
-                 copies=2 if zero_stage in (1, 2) else 1)
+                 copies=2 if zero_stage in (1, 2) else 1,
+                 pipeline_stages=pipeline_stages)
   if zero_stage in (1, 2) and replicas(
       n, num_gpus=num_gpus, num_cpu_devices=num_cpu_devices) == n:
     name = "--num_gpus" if num_gpus > 0 else "--num_cpu_devices"
@@ -158,46 +165,79 @@ def check_flags(*, tensor_parallel: int, model: str,
         f"over. Pass {name}={2 * n} (or another multiple of {n}) for D = 2 "
         "data-parallel copies, or drop the ZeRO flag.")
   _check_incompatible_settings(
-      flag, zero_stage=zero_stage, pipeline_stages=pipeline_stages,
-      enable_xla=enable_xla, dtype=dtype, clipnorm=clipnorm,
-      global_clipnorm=global_clipnorm, init_checkpoint=init_checkpoint)
+      flag, zero_stage=zero_stage, enable_xla=enable_xla, dtype=dtype,
+      clipnorm=clipnorm, global_clipnorm=global_clipnorm, init_checkpoint=init_checkpoint)
+
+
+def _refuse_pipeline(flag: str, *, pipeline_stages: int, model: str) -> None:
+  """Refuses T > 1 (`flag`) beside P = `pipeline_stages` > 1 stages
+  without a layout map. With a map, each stage's Dense layers split over
+  its T devices (`tfdist.parallel.pipeline.tensor`); without one, T splits
+  the built-in Transformer's layers (attention by heads) as tf.distribute
+  replicas, which a pipeline's stages (placed by one process) are not.
+
+  Raises:
+    errors.ConfigError: always, naming both flags, the model and the fix.
+  """
+  raise errors.ConfigError(
+      f"{flag} with --pipeline_stages={pipeline_stages} needs a Keras "
+      "LayoutMap: inside a pipeline's stages tfdist splits the Dense layers "
+      f"a map names by columns or rows; without one (--model={model}) "
+      "--tensor_parallel splits the built-in Transformer's attention by "
+      "heads over tf.distribute replicas, which a pipeline's stages are "
+      "not. Pass tfdist.fit(model_fn, ..., layout_map=keras.distribution."
+      "LayoutMap(...)) whose model axis is the tensor degree, or drop "
+      "--pipeline_stages (the Transformer split over replicas) or "
+      "--tensor_parallel (a pipeline of whole layers).")
 
 
 def _check_devices(flag: str, n: int, *, num_gpus: int,
-                   num_cpu_devices: int, copies: int = 1) -> None:
+                   num_cpu_devices: int, copies: int = 1,
+                   pipeline_stages: int = 1) -> None:
   """Refuses a device count the T tensor-parallel ranks (`flag`, T = `n`)
-  do not divide: the replicas are D = devices / T copies of T; the counts
-  offered instead give at least `copies` copies (2 under ZeRO).
+  do not divide: the replicas are D = devices / T copies of T (with P =
+  `pipeline_stages` > 1, D = devices / (P x T) copies of the pipeline,
+  each stage on T devices); the counts offered instead give at least
+  `copies` copies (2 under ZeRO).
 
   Raises:
     errors.ConfigError: --num_gpus (or --num_cpu_devices) > 1 and not a
-      multiple of T.
+      multiple of T (of P x T with a pipeline).
   """
-  devices = replicas(n, num_gpus=num_gpus, num_cpu_devices=num_cpu_devices)
-  if devices % n:
+  group = n * max(1, pipeline_stages)
+  devices = (replicas(n, num_gpus=num_gpus, num_cpu_devices=num_cpu_devices)
+             if pipeline_stages <= 1 or num_gpus > 0 or num_cpu_devices > 1
+             else group)
+  if devices % group:
     name = "--num_gpus" if num_gpus > 0 else "--num_cpu_devices"
-    lower, higher = devices - devices % n, devices - devices % n + n
-    if lower < copies * n:
-      lower, higher = 0, max(higher, copies * n)
+    lower, higher = devices - devices % group, devices - devices % group + group
+    if lower < copies * group:
+      lower, higher = 0, max(higher, copies * group)
+    what = (f"copies of {n} tensor-parallel ranks each" if group == n else
+            f"copies of a --pipeline_stages={pipeline_stages} pipeline whose "
+            f"stages each split over {n} devices")
+    unit = "replicas" if group == n else "devices"
     raise errors.ConfigError(
-        f"{flag} with {name}={devices}: the replicas are data-parallel "
-        f"copies of {n} tensor-parallel ranks each, so their number must be "
-        f"a multiple of {n}. Pass {name}="
-        + (f"{lower} or {higher}" if lower else f"{higher}")
-        + f", or a --tensor_parallel that divides {devices}.")
+        f"{flag} with {name}={devices}: the {unit} are data-parallel "
+        f"{what}, so their number must be a multiple of {group}. Pass "
+        f"{name}=" + (f"{lower} or {higher}" if lower else f"{higher}")
+        + (f", or a --tensor_parallel that divides {devices}." if group == n
+           else f", or --pipeline_stages and --tensor_parallel whose product "
+           f"divides {devices}."))
 
 
 def _check_incompatible_settings(
-    flag: str, *, zero_stage: int, pipeline_stages: int, enable_xla: bool,
+    flag: str, *, zero_stage: int, enable_xla: bool,
     dtype: str, clipnorm: Optional[float], global_clipnorm: Optional[float],
     init_checkpoint: Optional[str]) -> None:
   """Refuses the settings that cannot run beside N > 1 (`flag`). ZeRO
   stages 1 and 2 run (hybrid sharding over each data group,
-  `tfdist.parallel.tensor.zero`); stage 3 does not.
+  `tfdist.parallel.tensor.zero`); stage 3 does not. Pipeline stages are
+  checked before (`_refuse_pipeline`, `_check_devices`).
 
   Raises:
-    errors.ConfigError: ZeRO stage 3, pipeline stages, XLA, fp16,
-      gradient clipping or --init_checkpoint, naming the one given.
+    errors.ConfigError: ZeRO stage 3, XLA, fp16, gradient clipping or
+      --init_checkpoint, naming the one given.
   """
   if zero_stage == 3:
     raise errors.ConfigError(
@@ -209,12 +249,6 @@ def _check_incompatible_settings(
         "the gradient accumulators, sharded over each data group), or drop "
         f"{flag} for stage 3.")
   for given, name, why in (
-      (pipeline_stages > 1, f"--pipeline_stages={pipeline_stages}",
-       "the trainer runs tensor-parallel layers as tf.distribute replicas "
-       "and a pipeline's stages from one process, and does not compose "
-       "them yet (the library does: tfdist.parallel.pipeline.tensor "
-       "splits a pipeline's stages over a data x pipeline x tensor mesh, "
-       "docs/guides/device-mesh.md)"),
       (enable_xla, "--enable_xla",
        "the tensor-parallel layers all-reduce inside the forward pass, "
        "which one replica's XLA cluster cannot compile"),

@@ -109,8 +109,10 @@ def unavailable_reason(data: int, pipeline: int, tensor: int,
   The rules, one per missing piece: ZeRO needs D > 1 and an optimizer that
   can be sharded; tensor parallelism needs a model its layers split (the
   built-in Transformer, `facts.tensor_parallel_flag`); a ZeRO stage beside
-  a pipeline, ZeRO stage 3 beside tensor parallelism and pipeline x
-  tensor meshes are not built yet. Data x pipeline runs in one process
+  a pipeline and ZeRO stage 3 beside tensor parallelism are not built
+  yet, and the Transformer's split does not run inside a pipeline's
+  stages (a layout map's Dense split does, `tfdist.parallel.pipeline.
+  tensor`, which this plan does not propose yet). Data x pipeline runs in one process
   (`tfdist.parallel.pipeline.copies`), data x tensor on one host's
   Mirrored replicas (`tfdist.parallel.tensor.groups`), with ZeRO stages
   1-2 inside each data group (hybrid sharding,
@@ -127,7 +129,10 @@ def unavailable_reason(data: int, pipeline: int, tensor: int,
             "--tensor_parallel splits only --model=transformer "
             "(tfdist.fit(..., layout_map=...) splits this one)")
   if pipeline > 1 and tensor > 1:
-    return "pipeline x tensor meshes are not built yet"
+    return ("the built-in Transformer's split (attention by heads, over "
+            "replicas) does not run inside a pipeline's stages (a model "
+            "whose Dense layers a LayoutMap splits does: tfdist.fit(..., "
+            "layout_map=...) with --pipeline_stages)")
   if zero_stage and pipeline > 1:
     return "ZeRO beside a pipeline is not built yet"
   if zero_stage == 3 and tensor > 1:
