@@ -127,8 +127,10 @@ USES = (
                params=("include_self", "recursive")),
     PrivateUse(_LAYER, "_seed_generators", "read",
                "a layer's SeedGenerators (dropout): reseeded per replica or "
-               "per shard, and kept out of recomputed segments",
-               ("models/recompute.py", "tfdist/parallel/tensor/mode.py",
+               "per shard, copied into a pipeline x tensor split clone, and "
+               "kept out of recomputed segments",
+               ("models/recompute.py", "tfdist/parallel/pipeline/tensor.py",
+                "tfdist/parallel/tensor/mode.py",
                 "tfdist/training/step/train_loop.py")),
     PrivateUse(_LAYER, "_trainable_variables", "read",
                "stage 3: a layer's own trainable weights (not its "
@@ -372,6 +374,7 @@ TFDIST_OWN = {
     "_num_local_experts": "tfdist/parallel/experts/layer.py",
     "_canonical": "tfdist/parallel/collectives.py",
     "_local_devices": "tfdist/parallel/tensor/layers.py",
+    "_whole": "tfdist/parallel/pipeline/tensor.py (StageSplitDense)",
     # Names tfdist keeps in strings (a key, an annotation, a layer suffix).
     "_config": "tfdist/config/model_builder.py (ModelBuilderConfig)",
     "_Model": "tfdist/diagnose/diagnosis.py (a class, as an annotation)",
