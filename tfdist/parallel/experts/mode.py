@@ -47,6 +47,7 @@ import tensorflow as tf
 from tfdist import errors
 from tfdist.parallel import collectives
 from tfdist.parallel import mode as mode_lib
+from tfdist.parallel import views
 from tfdist.parallel.experts import layer as moe_layer
 from tfdist.parallel.experts import options as expert_options
 from tfdist.parallel.experts import placement as placement_lib
@@ -417,9 +418,7 @@ class ExpertParallelStep(mode_lib.StepMode):
       ValueError: an optimizer variable has no twin.
     """
     optimizer, sharded = context.optimizer, context.sharded
-    with tf.device("/cpu:0"):
-      view = type(optimizer).from_config(optimizer.get_config())
-      view.build(self.unsharded.trainable_variables)
+    view = views.optimizer_view(optimizer, self.unsharded)
     by_view = {id(p.view): p for p in self.pairs}
     ours = {}
     for holder in [optimizer] + ([sharded.experts] if sharded else []):

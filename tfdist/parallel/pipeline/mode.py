@@ -38,6 +38,7 @@ from tfdist import errors
 from tfdist.errors import first_line
 from tfdist.parallel import mode as mode_lib
 from tfdist.parallel import mesh as mesh_lib
+from tfdist.parallel import views
 from tfdist.parallel.pipeline import copies as copies_lib
 from tfdist.parallel.pipeline import stages as pipeline_lib
 from tfdist.parallel.pipeline import options as pipeline_options
@@ -241,9 +242,7 @@ class PipelineStep(mode_lib.StepMode):
     if self.unsharded is None:
       return super().checkpoint_optimizer(context)
     optimizer = context.optimizer
-    with tf.device("/cpu:0"):
-      view = type(optimizer).from_config(optimizer.get_config())
-      view.build(self.unsharded.trainable_variables)
+    view = views.optimizer_view(optimizer, self.unsharded)
     pairs = pipeline_tensor.joined_pairs(context.model, self.unsharded)
     for whole, parts, axis in pipeline_tensor.optimizer_pairs(
         optimizer, view, pairs):

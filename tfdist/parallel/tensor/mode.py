@@ -71,6 +71,7 @@ from tfdist.parallel import collectives
 from tfdist.parallel import layout_map as layout_map_lib
 from tfdist.parallel import mesh as mesh_lib
 from tfdist.parallel import mode as mode_lib
+from tfdist.parallel import views
 from tfdist.parallel.tensor import from_layout_map
 from tfdist.parallel.tensor import groups as groups_lib
 from tfdist.parallel.tensor import layers as tp_lib
@@ -448,9 +449,7 @@ class TensorParallelStep(mode_lib.StepMode):
     if context.sharded is not None:
       return zero_lib.checkpoint_view(context.sharded, self.unsharded,
                                       optimizer, _gather_through)
-    with tf.device("/cpu:0"):
-      view = type(optimizer).from_config(optimizer.get_config())
-      view.build(self.unsharded.trainable_variables)
+    view = views.optimizer_view(optimizer, self.unsharded)
     ours, theirs = list(optimizer.variables), list(view.variables)
     if len(ours) != len(theirs):
       raise ValueError(f"the tensor-parallel optimizer has {len(ours)} "

@@ -48,6 +48,7 @@ import tensorflow as tf
 from tfdist import errors
 from tfdist.core import reduce_dtype
 from tfdist.parallel import collectives
+from tfdist.parallel import views
 from tfdist.parallel.data import sharded_optimizer
 from tfdist.parallel.tensor import groups as groups_lib
 
@@ -211,9 +212,7 @@ def checkpoint_view(sharded, unsharded: keras.Model, optimizer,
       whose unsharded shape is not T times its shard's along one axis.
   """
   groups = sharded.groups
-  with tf.device("/cpu:0"):
-    view = type(optimizer).from_config(optimizer.get_config())
-    view.build(unsharded.trainable_variables)
+  view = views.optimizer_view(optimizer, unsharded)
   entries = sharded.variable_entries()
   if len(entries) != len(view.variables):
     raise ValueError(f"the sharded optimizer has {len(entries)} variables, "
