@@ -60,13 +60,27 @@ def reserve_port() -> int:
   held until this process's `wait_for_peers` for that address listens on
   it (the same socket) and closes it for TensorFlow's server.
   """
-  server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-  server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-  server.bind(("", 0))
-  server.listen(64)
+  server = _listening_socket(0)
   port = server.getsockname()[1]
   _RESERVED[port] = server
   return port
+
+
+def _listening_socket(port: int) -> socket.socket:
+  """A TCP socket listening on `port` (0: a free one) of all interfaces.
+
+  Raises:
+    OSError: the port cannot be bound.
+  """
+  server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+  try:
+    server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    server.bind(("", port))
+    server.listen(64)
+  except OSError:
+    server.close()
+    raise
+  return server
 
 
 def _listen(address: Optional[str]):
@@ -80,10 +94,7 @@ def _listen(address: Optional[str]):
     held.setblocking(False)
     return held
   try:
-    server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    server.bind(("", _split(address)[1]))
-    server.listen(64)
+    server = _listening_socket(_split(address)[1])
     server.setblocking(False)
   except OSError as e:
     logging.info("tfdist: not listening on %s while waiting for the peers "
