@@ -36,9 +36,9 @@ its own module for the same reason).
 import dataclasses
 import json
 import os
-import socket
 from typing import Sequence
 
+import portpicker
 import ray
 from ray.train.backend import Backend, BackendConfig
 from ray.train.v2._internal.util import TrainingFramework
@@ -59,11 +59,9 @@ def reserve_worker_address() -> str:
 def free_worker_address() -> str:
   """Runs in the worker of a one-worker group: `host:port`, this node's
   address and a free port (no peer waits for it, so tfdist holds none)."""
-  # Found free and released, as Ray's backend does.
-  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-    probe.bind(("", 0))
-    port = probe.getsockname()[1]
-  return _address(ray.util.get_node_ip_address(), port)
+  # Found free and released (portpicker, as tfdist.launch picks ports).
+  return _address(ray.util.get_node_ip_address(),
+                  portpicker.pick_unused_port())
 
 
 def set_tf_config(worker_addresses: Sequence[str], index: int):
