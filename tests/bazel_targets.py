@@ -27,7 +27,10 @@ dialect is a subset) and reports, as one line each:
     attribute that the package's `__getattr__` imports lazily (`tfdist.fit`
     imports tfdist.api) counts as an import of that module, and a test's
     imports include those of the docs' Python blocks it runs (marked
-    `<!-- run: tests/X_test.py NAME -->`, see tests/docs_test.py).
+    `<!-- run: tests/X_test.py NAME -->`, see tests/docs_test.py);
+  * a test target without the docs pages its file reads (the blocks it
+    runs, or a page it names in a string) in its `data`: the sandbox
+    holds only those.
 
 For a test file without a target it suggests what to add with the deps its
 imports need: its name in the group's `srcs` where the package has a group,
@@ -99,6 +102,8 @@ class Target:
   srcs_variable: Optional[str] = None
   # A compat target's pytest marker expression (its `marker`).
   marker: Optional[str] = None
+  # Its `data` labels, canonical (`//:docs`).
+  data: List[str] = dataclasses.field(default_factory=list)
 
 
 class BuildFileError(ValueError):
@@ -277,6 +282,7 @@ def parse_build_file(root: str, package: str,
     if isinstance(kw.get("srcs"), ast.Name):
       target.srcs_variable = kw["srcs"].id
     target.deps = labels("deps")
+    target.data = labels("data")
     main = files("main")
     target.main = main[0] if main else None
     size = ev.value(kw["size"]) if "size" in kw else None
@@ -294,7 +300,8 @@ def parse_build_file(root: str, package: str,
         targets.append(dataclasses.replace(
             target, label=_canonical(package, os.path.basename(src)[:-3]),
             kind=TEST_GROUP_MEMBER, srcs=[src, TEST_MACRO_MAIN],
-            main=TEST_MACRO_MAIN, deps=list(target.deps), size=member_size))
+            main=TEST_MACRO_MAIN, deps=list(target.deps), size=member_size,
+            data=list(target.data)))
       target.srcs.append(TEST_MACRO_MAIN)
       target.main = TEST_MACRO_MAIN
     elif kind == TEST_COMPAT_MACRO:
@@ -423,6 +430,39 @@ def docs_blocks_run_by(root: str, path: str) -> List[Tuple[str, str]]:
         out += [(os.path.relpath(page, root), textwrap.dedent(code))
                 for code in pattern.findall(f.read())]
   return out
+
+
+def docs_pages(root: str) -> List[str]:
+  """README.md and every page under docs/, workspace-relative."""
+  pages = ["README.md"] if os.path.isfile(
+      os.path.join(root, "README.md")) else []
+  for dirpath, _, filenames in _walk(os.path.join(root, "docs")):
+    pages += [os.path.relpath(os.path.join(dirpath, n), root)
+              for n in sorted(filenames) if n.endswith(".md")]
+  return pages
+
+
+def pages_read_by(root: str, path: str, pages: List[str]) -> List[str]:
+  """The docs pages (of `pages`) the test file `path` reads: those whose
+  blocks it runs, and those a string of its own names by a path ending in
+  the page's path under docs/ or the workspace (`"guides/x.md"`,
+  `"x.md"` where one page has that name). README.md counts only when
+  named with a folder (`"docs/README.md"`) or as the workspace's."""
+  out = [page for page, _ in docs_blocks_run_by(root, path)]
+  with open(os.path.join(root, path)) as f:
+    tree = ast.parse(f.read(), filename=path)
+  names = {node.value for node in ast.walk(tree)
+           if isinstance(node, ast.Constant) and isinstance(node.value, str)
+           and node.value.endswith(".md") and "\n" not in node.value}
+  for name in names:
+    name = name.lstrip("./")
+    found = [p for p in pages
+             if p == name or p.endswith("/" + name)]
+    if os.path.basename(name) == "README.md" and "/" not in name:
+      found = []  # Ambiguous; the README's own tests carry //:docs.
+    if len(found) == 1:
+      out.append(found[0])
+  return list(dict.fromkeys(out))
 
 
 def lazy_attributes(root: str, package: str) -> Dict[str, str]:
@@ -690,6 +730,7 @@ class Workspace:
         problems.append(f"{path} is run by {len(runners[path])} targets "
                         f"({', '.join(runners[path])}): keep one.")
     problems += self._check_compat()
+    problems += self._check_docs_data()
     for target in sorted(self.targets.values(), key=lambda t: t.label):
       package = target.label[2:].partition(":")[0]
       group = self.group_of(package)
@@ -699,6 +740,33 @@ class Workspace:
             f"{short_label(group.label, package)}: in {target.build_file}, "
             "delete its tfdist_py_test and "
             + self.suggest_group_entry(target.srcs[0], group))
+    return problems
+
+  def _check_docs_data(self) -> List[str]:
+    """Each test target carries the docs pages its file reads: those whose
+    blocks it runs (`docs_blocks_run_by`) and those it names in a string
+    (`"guides/device-mesh.md"`, `"docs/reference/flags.md"`). Under pytest
+    the checkout has them; in Bazel's sandbox only the target's `data` do
+    (`//:docs`, or the page's own label): without it the test fails there
+    with FileNotFoundError (pipeline_test in the CI of 7 December 2026)."""
+    problems = []
+    pages = docs_pages(self.root)
+    for target in sorted(self.targets.values(), key=lambda t: t.label):
+      if target.kind not in (TEST_MACRO, TEST_GROUP_MEMBER, "py_test"):
+        continue
+      have = set(target.data)
+      if "//:docs" in have:
+        continue
+      for src in target.srcs:
+        if not _is_test_file(os.path.basename(src)) or not self._exists(src):
+          continue
+        for page in pages_read_by(self.root, src, pages):
+          if f"//:{page}" not in have:
+            problems.append(
+                f"{target.label} ({target.build_file}) reads {page} "
+                f"({src}), which is not in its data: Bazel's sandbox lacks "
+                f"it. Add data = [\"//:docs\"] (or \"//:{page}\") to the "
+                "target.")
     return problems
 
   def _check_compat(self) -> List[str]:

@@ -16,6 +16,10 @@ from tests import bazel_targets
 from tests import testutil
 
 _TEST_BUILD_HEADER = 'load("//tests:defs.bzl", "tfdist_py_test")\n'
+_DOCS_DATA_PROBLEM = (
+    '//tests:core_test (tests/BUILD) reads docs/guide.md '
+    '(tests/core_test.py), which is not in its data: Bazel\'s sandbox lacks '
+    'it. Add data = ["//:docs"] (or "//:docs/guide.md") to the target.')
 
 
 def _copy_build_inputs(src_root: str, dst_root: str) -> None:
@@ -236,6 +240,7 @@ skips it. Add to tests/sub/BUILD:
         ```
         """)
     self.assertEqual(bazel_targets.check_workspace(self.root), [
+        _DOCS_DATA_PROBLEM,
         "//tests:core_test: tests/core_test.py imports or runs lib.api, "
         "but lib/api.py is not in its deps: add //lib:api to its deps "
         "(under Bazel the import fails)."])
@@ -245,10 +250,45 @@ skips it. Add to tests/sub/BUILD:
         tfdist_py_test(
             name = "core_test",
             size = "small",
+            data = ["//:docs"],
             deps = ["//lib:api", "//lib:core"],
         )
         """))
     self.assertEqual(bazel_targets.check_workspace(self.root), [])
+
+  def test_docs_page_a_test_reads_must_be_in_its_data(self):
+    # The CI of 7 December 2026 failed pipeline_test in Bazel's sandbox
+    # only: it ran a guide's blocks (FileNotFoundError) without //:docs.
+    _write(self.root, "docs/guide.md", """\
+        <!-- run: tests/core_test.py example -->
+        ```python
+        from lib import core
+        ```
+        """)
+    self.assertEqual(bazel_targets.check_workspace(self.root),
+                     [_DOCS_DATA_PROBLEM])
+    # A page named in a string counts too; its own label is enough.
+    _write(self.root, "docs/guide.md", "No blocks.\n")
+    _write(self.root, "tests/core_test.py", """\
+        import os
+        from lib import core
+        PAGE = os.path.join("docs", "guide.md")
+        """)
+    self.assertEqual(bazel_targets.check_workspace(self.root),
+                     [_DOCS_DATA_PROBLEM])
+    for data in ('"//:docs"', '"//:docs/guide.md"'):
+      _write(self.root, "tests/BUILD", _TEST_BUILD_HEADER + textwrap.dedent(
+          f"""\
+          exports_files(["pytest_main.py"])
+          py_library(name = "init", srcs = ["__init__.py"])
+          tfdist_py_test(
+              name = "core_test",
+              size = "small",
+              data = [{data}],
+              deps = ["//lib:core"],
+          )
+          """))
+      self.assertEqual(bazel_targets.check_workspace(self.root), [], data)
 
   def test_import_of_module_not_in_workspace_fails(self):
     _write(self.root, "tests/core_test.py", "from lib import core\n"
