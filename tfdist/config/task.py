@@ -2,7 +2,8 @@
 data section (`config.task.data`).
 
 Consumers: `tfdist.training.task` builds the model and the data set from
-`config.task` (`from_names`, `dataset_from_names`);
+`config.task` (`from_names`, `dataset_from_names`) and imports the
+function `--layout_map` names (`load_layout_map`);
 `tfdist.training.plan.preflight` checks its names;
 `tfdist.training.plan.run_plan` takes `config.task.data` as its `DataOptions`; a
 model builder asking for `config` gets the section
@@ -162,8 +163,9 @@ class DataConfig:
 
 @dataclasses.dataclass(frozen=True)
 class TaskConfig:
-  """The model and its data: `--model`, `--dataset`, the data files, the
-  built-in models' shape, `--mode`.
+  """The model and its data: `--model`, `--layout_map` (the Keras layout
+  map that splits it), `--dataset`, the data files, the built-in models'
+  shape, `--mode`.
 
   `model` and `dataset` None: not resolved yet (`TrainConfig` fills them
   from the data set's recommendation or the defaults).

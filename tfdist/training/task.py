@@ -1,13 +1,19 @@
 """What a run trains: a `Task` (model builder, data set, loss and metrics).
 
-The binary's `--model`, `--dataset`, `--feature_spec` and `--import_modules`
-and the Python API's objects (`tfdist.fit`) both become one `Task`; every
-later step (the run plan, assembly, input pipelines, export) reads it and
-never the names again:
+The binary's `--model`, `--layout_map`, `--dataset`, `--feature_spec` and
+`--import_modules` and the Python API's objects (`tfdist.fit`) both become
+one `Task`; every later step (the run plan, assembly, input pipelines,
+export) reads it and never the names again:
 
     config.task (the model and data section, `tfdist.config.TaskConfig`)
-           --(from_names)--> Task(model_fn, dataset, loss, metrics)
-    tfdist.fit(model_fn, dataset_fn, ...) --> Task
+           --(from_names)--> Task(model_fn, dataset, loss, metrics,
+                                  layout_map)
+    tfdist.fit(model_fn, dataset_fn, ..., layout_map=...) --> Task
+
+A layout map changes the config too (`tensor_parallel` T and the map's
+entries, `layout_map_changes`): `split_by_layout_map` applies it where
+the run starts (`tfdist.experiment.prepare.start_run`), `tfdist.fit`
+before it.
 
 `build_model` calls the builder with the arguments it names (`spec`,
 `config`) and checks that it returned a `keras.Model`; `example_spec`
