@@ -307,7 +307,7 @@ class TrainConfigTest(parameterized.TestCase):
        r"--pipeline_stages .* or --tensor_parallel"),
       ("tensor_parallel_pipeline_devices", dict(
           tensor_parallel=2, pipeline_stages=2, num_cpu_devices=6,
-          layout_map=(("block_2/kernel", "None,model"),)),
+          layout_map_entries=(("block_2/kernel", "None,model"),)),
        r"--num_cpu_devices=6 devices cannot hold whole copies of a "
        r"--pipeline_stages=2 pipeline whose stages each split over "
        r"--tensor_parallel=2 devices: pass --num_cpu_devices a multiple of "
@@ -316,9 +316,19 @@ class TrainConfigTest(parameterized.TestCase):
       # --tensor_parallel, which the user never gave (a new-user trial).
       ("layout_map_fp16", dict(
           tensor_parallel=2, num_cpu_devices=2, dtype="fp16",
-          layout_map=(("up/kernel", "(None, 'model')"),)),
+          layout_map_entries=(("up/kernel", "(None, 'model')"),)),
        r"^layout_map \(its DeviceMesh's 'model' axis: T = 2\) cannot run "
        r"with --dtype=fp16"),
+      # --layout_map names the function whose map sets T: the refusal
+      # names the flag and its value.
+      ("layout_map_flag_fp16", dict(
+          tensor_parallel=2, num_cpu_devices=2, dtype="fp16",
+          layout_map="my_project.mlp:layout_map"),
+       r"^--layout_map=my_project.mlp:layout_map \(its DeviceMesh's 'model' "
+       r"axis: T = 2\) cannot run with --dtype=fp16"),
+      ("layout_map_not_an_import_path", dict(layout_map="layout_map"),
+       r"^--layout_map='layout_map' is not an import path: write "
+       r"package.module:function"),
       ("tensor_parallel_fp16", dict(_TRANSFORMER, tensor_parallel=2,
                                     dtype="fp16"),
        "--tensor_parallel=2 cannot run with --dtype=fp16"),
@@ -337,7 +347,8 @@ class TrainConfigTest(parameterized.TestCase):
     # entries): N = 8 devices, D = 8 / (P x T).
     config = TrainConfig(model_dir="/m", train_steps=1, tensor_parallel=2,
                          pipeline_stages=2, num_cpu_devices=8,
-                         layout_map=(("block_2/kernel", "None,model"),))
+                         layout_map_entries=(("block_2/kernel",
+                                              "None,model"),))
     options = pipeline_options.PipelineOptions.of(
         config.strategy.parallelism, num_gpus=config.num_gpus,
         num_cpu_devices=config.num_cpu_devices)

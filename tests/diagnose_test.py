@@ -405,8 +405,65 @@ class InputWaitTest(parameterized.TestCase):
                      f"{result.render()}\n{throughput}")
 
 
+def _lm_model():
+  """`--model=tests.diagnose_test:_lm_model`: 8 -> up 32 (relu) -> down 4,
+  compiled (mse)."""
+  inputs = keras.Input((8,))
+  x = keras.layers.Dense(32, activation="relu", name="up")(inputs)
+  model = keras.Model(inputs, keras.layers.Dense(4, name="down")(x))
+  model.compile(loss="mse")
+  return model
+
+
+def _lm_examples(training):
+  """`--dataset=tests.diagnose_test:_lm_examples`: 64 examples for
+  `_lm_model`."""
+  del training
+  return tf.data.Dataset.from_tensor_slices(
+      (np.zeros((64, 8), np.float32), np.zeros((64, 4), np.float32)))
+
+
+def _lm_map():
+  """`--layout_map=tests.diagnose_test:_lm_map`: `_lm_model`'s pair split
+  over a 'model' axis of 2."""
+  mesh = keras.distribution.DeviceMesh((1, 2), ["batch", "model"],
+                                       devices=["cpu:0", "cpu:1"])
+  layout_map = keras.distribution.LayoutMap(mesh)
+  layout_map["up/kernel"] = (None, "model")
+  layout_map["down/kernel"] = ("model", None)
+  return layout_map
+
+
 class PlanTest(absltest.TestCase):
   """Every run planned and checked before any is measured (no training)."""
+
+  def test_a_layout_map_flag_plans_its_meshes(self):
+    # --layout_map: the meshes of 4 devices at the map's T = 2, with the
+    # flags that run them; the one-device baseline drops the map.
+    out = io.StringIO()
+    flag = "--layout_map=tests.diagnose_test:_lm_map"
+    result = diagnose.diagnose(
+        ["--model=tests.diagnose_test:_lm_model",
+         "--dataset=tests.diagnose_test:_lm_examples", flag,
+         "--distribution_strategy=mirrored", "--num_cpu_devices=4",
+         "--batch_size=16", "--model_dir=" + os.path.join(
+             testutil.scratch_dir(), "plan-layout-map")],
+        plan_only=True, out=out)
+    self.assertIn(flag, result["plan"]["baseline_dropped"])
+    rows = {(m["data"], m["pipeline"], m["tensor"], m["zero_stage"]): m
+            for m in result["meshes"]["rows"]}
+    self.assertEqual(rows[(2, 1, 2, 0)]["flags"],
+                     f"--distribution_strategy=mirrored {flag} "
+                     "--num_cpu_devices=4")
+    self.assertTrue(rows[(2, 1, 2, 0)]["available"])
+    self.assertEqual(rows[(1, 2, 2, 0)]["flags"],
+                     f"--pipeline_stages=2 {flag}")
+    self.assertTrue(rows[(1, 2, 2, 0)]["available"])
+    self.assertIn("has a 'model' axis of 2: T = 4 needs a map",
+                  rows[(1, 1, 4, 0)]["note"])
+    # What the map itself splits: the up/down pair over its T = 2.
+    self.assertEqual(result["tensor_split"]["pairs"], [["up", "down"]])
+    self.assertIn(f"This model trains so with {flag}.", out.getvalue())
 
   def _data_flags(self):
     data = testutil.fashion_mnist_subset(limit=1024)

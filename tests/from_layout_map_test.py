@@ -200,7 +200,7 @@ class ConfigTest(absltest.TestCase):
     changes = from_layout_map.config_changes(config, _mlp_map())
     self.assertEqual(changes, {
         "tensor_parallel": 2,
-        "layout_map": (("up/kernel", "(None, 'model')"),
+        "layout_map_entries": (("up/kernel", "(None, 'model')"),
                        ("down/kernel", "('model', None)"))})
     # The model unset ("cnn") or a model of the user's: let through.
     for model in (None, "mymodule:build_mlp"):
@@ -208,10 +208,11 @@ class ConfigTest(absltest.TestCase):
         split = config.replace(**changes, **({"model": model} if model
                                              else {}))
         self.assertEqual(split.tensor_parallel, 2)
-        self.assertEqual(split.layout_map, changes["layout_map"])
+        self.assertEqual(split.layout_map_entries,
+                         changes["layout_map_entries"])
         # Recorded in the manifest's config (JSON).
-        self.assertEqual(split.to_dict()["layout_map"],
-                         [list(kv) for kv in changes["layout_map"]])
+        self.assertEqual(split.to_dict()["layout_map_entries"],
+                         [list(kv) for kv in changes["layout_map_entries"]])
     # A map of one 'model' device splits nothing.
     self.assertEqual(from_layout_map.config_changes(config, _mlp_map(1)),
                      {})
@@ -264,6 +265,141 @@ class ConfigTest(absltest.TestCase):
       tfdist.fit(_mlp, x=np.zeros((8, 8), np.float32),
                  y=np.zeros((8, 4), np.float32), config=config,
                  layout_map=_mlp_map(), verbose=0)
+    # A ModelParallel is read as its layout map (the same refusal, not
+    # "must be a keras.distribution.LayoutMap").
+    with self.assertRaisesRegex(errors.ConfigError,
+                                "tensor_parallel=4 and the layout map"):
+      tfdist.fit(_mlp, x=np.zeros((8, 8), np.float32),
+                 y=np.zeros((8, 4), np.float32), config=config,
+                 layout_map=_model_parallel(), verbose=0)
+
+
+# What `--layout_map` may name (tests.from_layout_map_test:NAME): functions
+# of this module, and refusals' cases.
+_FLAG = "tests.from_layout_map_test:"
+_NOT_A_FUNCTION = 3
+
+
+def _needs_degree(degree):
+  return _mlp_map(degree)
+
+
+def _returns_a_model():
+  return _mlp()
+
+
+def _no_model_axis():
+  return _map(axis_names=("batch", "x"))
+
+
+def _model_parallel():
+  return keras.distribution.ModelParallel(layout_map=_mlp_map(),
+                                          batch_dim_name="batch")
+
+
+def _one_model_device():
+  return _mlp_map(1)
+
+
+def _flag_config(function="_mlp_map", **changes):
+  return config_lib.TrainConfig(
+      model_dir=os.path.join(absltest.get_default_test_tmpdir(), "flag"),
+      model=_FLAG + "_mlp", layout_map=_FLAG + function, train_steps=1,
+      **changes)
+
+
+class LayoutMapFlagTest(absltest.TestCase):
+  """`--layout_map=package.module:function` (`tfdist.training.task`):
+  resolved where the task is built from names, it gives the task the map
+  and the config T and the entries as `tfdist.fit(layout_map=...)` does;
+  each refusal names the flag, the value and the fix, before anything is
+  built. (A trainer run with the flag trains: tests/pipeline_test.py,
+  `TrainerTest`.)"""
+
+  def test_the_flag_gives_what_fits_keyword_gives(self):
+    from tfdist.cloud import job_plan  # pylint: disable=g-import-not-at-top
+    from tfdist.training import task as task_lib  # pylint: disable=g-import-not-at-top
+    config = job_plan.parse_train_flags(
+        ["--model_dir=/tmp/x", f"--model={_FLAG}_mlp",
+         f"--layout_map={_FLAG}_mlp_map"], where="the test")
+    self.assertEqual(config.layout_map, _FLAG + "_mlp_map")
+    fit_changes = from_layout_map.config_changes(config, _mlp_map())
+    for function in ("_mlp_map", "_model_parallel"):
+      with self.subTest(function=function):
+        given = config.replace(layout_map=_FLAG + function)
+        split, task = task_lib.split_by_layout_map(
+            given, task_lib.from_names(given.task))
+        self.assertIsInstance(task.layout_map, keras.distribution.LayoutMap)
+        self.assertEqual(split.tensor_parallel, 2)
+        self.assertEqual(split.layout_map_entries,
+                         fit_changes["layout_map_entries"])
+        self.assertEqual(split.to_dict()["layout_map"], _FLAG + function)
+    # A map of one 'model' device splits nothing: the task keeps no map.
+    given = _flag_config("_one_model_device")
+    split, task = task_lib.split_by_layout_map(
+        given, task_lib.from_names(given.task))
+    self.assertIsNone(task.layout_map)
+    self.assertEqual((split.tensor_parallel, split.layout_map_entries),
+                     (1, ()))
+
+  def test_bad_values_are_refused_naming_the_flag(self):
+    from tfdist.training import task as task_lib  # pylint: disable=g-import-not-at-top
+    cases = (
+        ("no_such_module_xyz:layout_map",
+         r"--layout_map=no_such_module_xyz:layout_map: cannot import "
+         r"no_such_module_xyz .*PYTHONPATH"),
+        (_FLAG + "_no_such_function",
+         r"--layout_map='tests.from_layout_map_test:_no_such_function': "
+         r"module tests.from_layout_map_test has no attribute"),
+        (_FLAG + "_NOT_A_FUNCTION",
+         r"--layout_map=tests.from_layout_map_test:_NOT_A_FUNCTION: int 3 "
+         r"is not a function\. Name a function of no arguments"),
+        (_FLAG + "_needs_degree",
+         r"--layout_map=tests.from_layout_map_test:_needs_degree: "
+         r"_needs_degree\(degree\) has required parameter\(s\) degree; "
+         r"tfdist calls it with none\. Give them defaults"),
+        (_FLAG + "_returns_a_model",
+         r"--layout_map=tests.from_layout_map_test:_returns_a_model: the "
+         r"function returned Functional, not a keras.distribution.LayoutMap "
+         r"\(or ModelParallel\)\. Return keras.distribution.LayoutMap"),
+        (_FLAG + "_no_model_axis",
+         r"--layout_map=tests.from_layout_map_test:_no_model_axis: The "
+         r"layout map's DeviceMesh has axes \['batch', 'x'\].*axis_names="
+         r"\['batch', 'model'\]"),
+    )
+    for path, message in cases:
+      with self.subTest(path=path):
+        with self.assertRaisesRegex(errors.ConfigError, message):
+          task_lib.load_layout_map(path)
+
+  def test_a_tensor_parallel_the_map_contradicts_is_refused(self):
+    from tfdist.training import task as task_lib  # pylint: disable=g-import-not-at-top
+    config = _flag_config(tensor_parallel=4)
+    with self.assertRaisesRegex(
+        errors.ConfigError,
+        r"^--layout_map=tests.from_layout_map_test:_mlp_map: "
+        r"--tensor_parallel=4 and the layout map's 'model' axis of size 2 "
+        r"disagree: .*Drop --tensor_parallel \(or set it to 2\)"):
+      task_lib.split_by_layout_map(config, task_lib.from_names(config.task))
+
+  def test_fit_refuses_the_flag_beside_its_keyword(self):
+    with self.assertRaisesRegex(
+        errors.ConfigError,
+        r"^layout_map=tests.from_layout_map_test:_mlp_map and tfdist.fit"
+        r"\(\.\.\., layout_map=\.\.\.\) both give a layout map\. Pass "
+        "one"):
+      tfdist.fit(_mlp, x=np.zeros((8, 8), np.float32),
+                 y=np.zeros((8, 4), np.float32), config=_flag_config(),
+                 layout_map=_mlp_map(), verbose=0)
+    # fit reads the config's own flag as its keyword: a disagreeing T is
+    # refused naming it (a T it agrees with trains: tests/pipeline_test.py).
+    with self.assertRaisesRegex(
+        errors.ConfigError,
+        r"^layout_map=tests.from_layout_map_test:_mlp_map: "
+        r"tensor_parallel=4 and the layout map's 'model' axis"):
+      tfdist.fit(_mlp, x=np.zeros((8, 8), np.float32),
+                 y=np.zeros((8, 4), np.float32), verbose=0,
+                 config=_flag_config(tensor_parallel=4))
 
 
 if __name__ == "__main__":

@@ -10,6 +10,11 @@
 * the recommendation: the first runnable layout that fits, so shrinking the
   memory walks it from data parallelism to ZeRO to a pipeline; a layout
   tfdist cannot run is never recommended;
+* a model a layout map splits: with `--layout_map` the pipeline x
+  tensor, data x tensor and D x P x T meshes at the map's T, with the
+  flags that run them (one recommended when only it fits); other T's
+  refused naming the map's axis; without a map those rows say a layout
+  map is needed; the Transformer's split stays out of a pipeline;
 * diagnose's plan prints the meshes (tfdist.diagnose --plan_only).
 """
 
@@ -163,6 +168,84 @@ class MeshLayoutsTest(absltest.TestCase):
     none = mesh_plan.render(mesh_plan.mesh_layouts(tiny), MiB)
     self.assertIn("No mesh fits 1.0 MiB: the smallest tfdist runs is "
                   "D1 x P4 x T1", none)
+
+
+class LayoutMapMeshesTest(absltest.TestCase):
+  """A model of one's own that a layout map splits: with `--layout_map`
+  the planner proposes data x tensor, pipeline x tensor and D x P x T at
+  the map's T with the flags that run them; without a map those rows say
+  a layout map is needed; the Transformer's split still stays out of a
+  pipeline's stages."""
+
+  def layouts(self, capacity=100 * MiB, **kwargs):
+    # The whole model splits over T (tensor_parallel_bytes = W); one
+    # layer holds half of the weights (a stage of 2 or 4 holds 1/2);
+    # LAMB cannot be sharded (no ZeRO rows).
+    args = dict(capacity=capacity, optimizer="lamb",
+                tensor_parallel_bytes=64 * MiB, tensor_parallel_flag="",
+                pipeline_shares={2: 0.5, 4: 0.5})
+    args.update(kwargs)
+    choice = _choice(4, **args)
+    return choice, mesh_plan.mesh_layouts(choice.facts)
+
+  def test_a_flag_map_is_proposed_at_its_t_with_its_flags(self):
+    choice, layouts = self.layouts(layout_map="my_mlp:layout_map",
+                                   layout_map_degree=2)
+    names = _by_name(layouts)
+    pxt = names["D1 x P2 x T2"].memory
+    self.assertTrue(pxt.available, pxt.note)
+    # s_P t_T = 1/2 x 1/2 of the 256 MiB of state, + GPipe's activations.
+    self.assertEqual(pxt.parameters_bytes, 16 * MiB)
+    self.assertEqual(pxt.flags,
+                     "--pipeline_stages=2 --layout_map=my_mlp:layout_map")
+    self.assertEqual(names["D2 x P1 x T2"].memory.flags,
+                     "--distribution_strategy=mirrored "
+                     "--layout_map=my_mlp:layout_map --num_gpus=4")
+    self.assertTrue(names["D2 x P1 x T2"].memory.available)
+    # The map's mesh fixes T = 2: T = 4 needs another map.
+    self.assertIn("--layout_map=my_mlp:layout_map has a 'model' axis of 2: "
+                  "T = 4 needs a map whose 'model' axis is 4",
+                  names["D1 x P1 x T4"].memory.note)
+    # Only D1 x P2 x T2 fits 100 MiB: recommended, with its flags.
+    self.assertEqual(mesh_plan.recommended(layouts).name, "D1 x P2 x T2")
+    self.assertIn("Recommended mesh: D1 x P2 x T2 (--pipeline_stages=2 "
+                  "--layout_map=my_mlp:layout_map)",
+                  mesh_plan.render(layouts, choice.capacity_bytes))
+    # The single-axis table's tensor row: T = N = 4, not the map's.
+    row = {r.layout: r for r in choice.rows}["tensor parallel"]
+    self.assertFalse(row.available)
+    self.assertIn("'model' axis of 2", row.note)
+    eight = _choice(8, capacity=10 << 30, tensor_parallel_flag="",
+                    layout_map="my_mlp:layout_map", layout_map_degree=2)
+    dxpxt = _by_name(mesh_plan.mesh_layouts(eight.facts))["D2 x P2 x T2"]
+    self.assertTrue(dxpxt.memory.available, dxpxt.memory.note)
+    self.assertEqual(dxpxt.memory.flags,
+                     "--pipeline_stages=2 --layout_map=my_mlp:layout_map "
+                     "--num_gpus=8")
+
+  def test_without_a_map_the_rows_say_one_is_needed(self):
+    choice, layouts = self.layouts()
+    names = _by_name(layouts)
+    for name in ("D1 x P2 x T2", "D2 x P1 x T2", "D1 x P1 x T4"):
+      with self.subTest(name=name):
+        row = names[name].memory
+        self.assertFalse(row.available)
+        self.assertIn("--layout_map=package.module:function (a layout map "
+                      "is needed", row.note)
+        self.assertIn("--layout_map=package.module:function", row.flags)
+    self.assertIsNone(mesh_plan.recommended(layouts))
+    self.assertIn("No mesh fits 100.0 MiB",
+                  mesh_plan.render(layouts, choice.capacity_bytes))
+
+  def test_the_transformers_split_stays_out_of_a_pipeline(self):
+    _, layouts = self.layouts(tensor_parallel_flag="--tensor_parallel=4")
+    names = _by_name(layouts)
+    self.assertIn("does not run inside a pipeline's stages",
+                  names["D1 x P2 x T2"].memory.note)
+    self.assertTrue(names["D2 x P1 x T2"].memory.available)
+    self.assertEqual(names["D2 x P1 x T2"].memory.flags,
+                     "--distribution_strategy=mirrored --tensor_parallel=2 "
+                     "--num_gpus=4")
 
 
 if __name__ == "__main__":

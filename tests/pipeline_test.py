@@ -47,6 +47,8 @@ imported, before TensorFlow's runtime starts: run it as its own process):
 import json
 import os
 import re
+import shlex
+import sys
 import threading
 
 os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
@@ -588,9 +590,41 @@ class TensorStagesTest(parameterized.TestCase):
       copies_lib.DataCopies(pipe, mesh)
 
 
+def _guide_text(name: str) -> str:
+  """docs/guides/device-mesh.md's block `name` (any fence), as written."""
+  with open(os.path.join(testutil.REPO_ROOT, "docs", "guides",
+                         "device-mesh.md"), encoding="utf-8") as f:
+    return re.search(rf"<!-- run: tests/pipeline_test.py {name} -->"
+                     r"\n```\w*\n(.*?)```", f.read(), re.S).group(1)
+
+
+def _layout_map_command(model_dir: str, train_steps=None) -> dict:
+  """docs/guides/device-mesh.md's layout-map-command run in this process:
+  its flags parsed as `tfdist.train` parses them (`--model_dir` moved to
+  `model_dir`; `--train_steps` replaced when given), then the run
+  (`tfdist.experiment.run_experiment`); returns its manifest. The
+  layout-map-module block must be importable as `my_mlp`."""
+  from tfdist import experiment  # pylint: disable=g-import-not-at-top
+  from tfdist.cloud import job_plan  # pylint: disable=g-import-not-at-top
+  from tfdist.distribute import environment  # pylint: disable=g-import-not-at-top
+  words = shlex.split(_guide_text("layout-map-command").replace("\\\n", " "))
+  assert words[:3] == ["python", "-m", "tfdist.train"], words
+  drop = ("--model_dir=",) + (("--train_steps=",) if train_steps else ())
+  args = [w for w in words[3:] if not w.startswith(drop)]
+  args.append(f"--model_dir={model_dir}")
+  if train_steps:
+    args.append(f"--train_steps={train_steps}")
+  config = job_plan.parse_train_flags(args, where="device-mesh.md")
+  return experiment.run_experiment(
+      config, environment=environment.read_environment({}))
+
+
 class TrainerTest(absltest.TestCase):
   """`tfdist.fit` with `pipeline_stages=2`, `split_map()` (T = 2) and
-  `num_cpu_devices=8`: D x P x T = 2 x 2 x 2 in the trainer."""
+  `num_cpu_devices=8`: D x P x T = 2 x 2 x 2 in the trainer; the same run
+  from `tfdist.train`'s flags with `--layout_map` (docs/guides/
+  device-mesh.md's layout-map-module and layout-map-command), 2 steps and
+  then resumed to 3."""
 
   def test_fit_D2_P2_T2_equals_one_device(self):
     from tfdist import api  # pylint: disable=g-import-not-at-top
@@ -629,6 +663,43 @@ class TrainerTest(absltest.TestCase):
     self.assertIn("mesh: data 2 x pipeline 2 x tensor 2 over 8 devices",
                   plan)
     self.assertRegex(plan, r"/device:CPU:7\s+data 1  pipeline 1  tensor 1")
+    self.assert_layout_map_flag_trains(one, mesh)
+
+  def assert_layout_map_flag_trains(self, one, mesh):
+    """The guide's `--layout_map` command (its module `my_mlp`: the same
+    model, examples and map) for 2 steps, then resumed to 3 by the command
+    as written: each start reads the map again (T and the entries in the
+    manifest), and the weights equal the fit runs' (one device, and
+    D x P x T)."""
+    folder = testutil.scratch_dir()
+    with open(os.path.join(folder, "my_mlp.py"), "w") as f:
+      f.write(_guide_text("layout-map-module"))
+    sys.path.insert(0, folder)
+    try:
+      model_dir = os.path.join(folder, "run")
+      manifests = [_layout_map_command(model_dir, train_steps=2),
+                   _layout_map_command(model_dir)]
+    finally:
+      sys.path.remove(folder)
+      sys.modules.pop("my_mlp", None)
+    for manifest, steps in zip(manifests, (2, 3)):
+      config = manifest["config"]
+      self.assertEqual(
+          (config["layout_map"], config["tensor_parallel"],
+           config["layout_map_entries"], config["train_steps"],
+           manifest["pipeline"]["data"], manifest["pipeline"]["tensor"]),
+          ("my_mlp:layout_map", 2, [["up_.*/kernel", "(None, 'model')"],
+                                    ["down_.*/kernel", "('model', None)"]],
+           steps, 2, 2))
+    self.assertEqual(manifests[0]["flags"]["layout_map"],
+                     "my_mlp:layout_map")
+    trained = split_mlp(seed=7)
+    tf.train.Checkpoint(model=trained).read(tf.train.latest_checkpoint(
+        os.path.join(model_dir, "checkpoints"))).expect_partial(
+            ).assert_existing_objects_matched()
+    for reference in (one, mesh):
+      self.assertLess(max(float(np.max(np.abs(a - b))) for a, b in
+                          zip(trained.get_weights(), reference)), TOLERANCE)
 
 
 class CheckpointTest(absltest.TestCase):

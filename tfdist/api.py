@@ -56,7 +56,7 @@ from tfdist.core.dataset_spec import DatasetSpec
 from tfdist.distribute import cluster as cluster_lib
 from tfdist.distribute import environment as environment_lib
 from tfdist.observability import progress
-from tfdist.parallel.tensor import from_layout_map
+from tfdist.parallel import layout_map as layout_map_lib
 from tfdist.runtime import console
 from tfdist.runtime import script_exit
 from tfdist.runtime import wording
@@ -414,7 +414,11 @@ def fit(model_fn: Union[Callable, str],
       `ParallelMultiHeadAttention` (`tfdist.parallel.tensor.from_layout_map`;
       docs/guides/tensor-parallelism.md). The replicas are
       `config.num_gpus` or `config.num_cpu_devices` (a multiple of T;
-      default T), not the mesh's batch axis. None: no split.
+      default T), not the mesh's batch axis. A
+      `keras.distribution.ModelParallel` is read as its layout map. None:
+      no split, unless `config.layout_map` names a function returning a
+      map (`--layout_map`, e.g. from `tfdist.flags.flags_to_config()` in a
+      binary of one's own), which is read the same way.
 
   Returns:
     The run manifest (as `run_manifest.json` holds it) on the chief and
@@ -438,7 +442,8 @@ def fit(model_fn: Union[Callable, str],
       anywhere, a model that cannot take the features, a setting that a
       model with its own `train_step` cannot take, a `layout_map` whose
       `model` axis is not `config.tensor_parallel` or that splits what
-      `tfdist.parallel.tensor.from_layout_map` refuses).
+      `tfdist.parallel.tensor.from_layout_map` refuses, a `layout_map`
+      given with `config.layout_map`).
     tfdist.errors.PreemptedError: SIGTERM or SIGINT stopped training after
       every worker saved a checkpoint (call again with the same
       `config.model_dir` to resume). Uncaught, it ends the script as
@@ -451,6 +456,7 @@ def fit(model_fn: Union[Callable, str],
       ends the script the same way.
   """
   _check_verbose(verbose)
+  layout_map = _layout_map_given(config, layout_map)
   config = _with_fit_keywords(config, expert_parallel=expert_parallel,
                               epochs=epochs, batch_size=batch_size,
                               layout_map=layout_map)
@@ -482,7 +488,8 @@ def fit(model_fn: Union[Callable, str],
     config = config.replace(warmup_steps=warmup)
   task = make_task(model_fn, dataset_fn, config=config, parse_fn=parse_fn,
                    loss=loss, metrics=metrics,
-                   layout_map=layout_map if config.layout_map else None)
+                   layout_map=(layout_map if config.layout_map_entries
+                               else None))
   history = keras.callbacks.History()
   verbose = progress.resolve_verbose(verbose)
   callbacks = _with_progress_bar(callbacks, verbose=verbose)
@@ -505,7 +512,9 @@ def _with_fit_keywords(config: TrainConfig, *, expert_parallel, epochs,
   """`config` with what `fit`'s keywords set: `expert_parallel`, Keras's
   `epochs` and `batch_size` (`with_keras_length`), and the tensor-parallel
   degree and recorded entries of a `layout_map`
-  (`from_layout_map.config_changes`).
+  (`from_layout_map.config_changes`, through
+  `tfdist.training.task.layout_map_changes`: its messages name
+  `--layout_map` when the map came from `config.layout_map`).
 
   Raises:
     ConfigError: a keyword's bad value, or one that contradicts `config`.
@@ -515,9 +524,30 @@ def _with_fit_keywords(config: TrainConfig, *, expert_parallel, epochs,
         expert_parallel=_positive_int("expert_parallel", expert_parallel))
   config = with_keras_length(config, epochs=epochs, batch_size=batch_size)
   if layout_map is not None:
-    config = config.replace(
-        **from_layout_map.config_changes(config, layout_map))
+    config = config.replace(**task_lib.layout_map_changes(
+        config, layout_map, path=config.task.layout_map))
   return config
+
+
+def _layout_map_given(config: TrainConfig, layout_map):
+  """The layout map `fit` splits the model by: its `layout_map` keyword
+  (a `keras.distribution.ModelParallel` read as its layout map), or the
+  one `config.layout_map` (`--layout_map` in a binary of one's own) names
+  (`tfdist.training.task.load_layout_map`); None: neither.
+
+  Raises:
+    ConfigError: both given, or `load_layout_map`'s refusals.
+  """
+  path = config.task.layout_map
+  if not path:
+    return None if layout_map is None else layout_map_lib.layout_map_of(
+        layout_map)
+  if layout_map is not None:
+    raise errors.ConfigError(
+        f"--layout_map={path} and tfdist.fit(..., layout_map=...) both give "
+        "a layout map. Pass one: the keyword (and leave the config's "
+        "layout_map empty), or the function in the config.")
+  return task_lib.load_layout_map(path)
 
 
 def _check_verbose(verbose) -> None:

@@ -83,13 +83,15 @@ class ParallelismConfig:
             "(a multiple of T; default T) the replicas are a data x tensor "
             "mesh: N/T copies of T, each training on its 1/(N/T) of the "
             "global batch, gradients summed over the copies; the update "
-            "equals one device's. 1: off. Only with --model=transformer and "
-            "--distribution_strategy mirrored (or auto) on one host; "
+            "equals one device's. 1: off. Only with --model=transformer (or "
+            "a model of your own that --layout_map splits: its mesh's model "
+            "axis sets T) and --distribution_strategy mirrored (or auto) on "
+            "one host; "
             "--zero_stage=1 or 2 shards the optimizer state over each data "
             "group's N/T replicas (hybrid sharding); not with --zero_stage=3, "
             "--enable_xla, --dtype=fp16 or clipping. With --pipeline_stages=P "
-            "only for tfdist.fit(..., layout_map=...) (the map's model axis "
-            "is T): each stage's Dense layers the map splits take T devices, "
+            "only with a layout map (--layout_map, or tfdist.fit(..., "
+            "layout_map=...); the map's model axis is T): each stage's Dense layers the map splits take T devices, "
             "N = D x P x T in one process (docs/guides/device-mesh.md). Pays "
             "on fast device links (NVLink), not on CPUs. See "
             "docs/guides/tensor-parallelism.md."),
@@ -140,8 +142,9 @@ def check_pipeline(config) -> None:
 
 
 def check_tensor_parallel(config) -> None:
-  """`--tensor_parallel` against the model (any, with the layout map
-  `tfdist.fit(layout_map=...)` gave), the strategy and the other levers
+  """`--tensor_parallel` against the model (any, with a layout map:
+  `--layout_map`'s, or the one `tfdist.fit(layout_map=...)` gave), the
+  strategy and the other levers
   (`tfdist.parallel.tensor.options.check_flags`).
 
   Raises:
@@ -156,7 +159,8 @@ def check_tensor_parallel(config) -> None:
       global_clipnorm=config.global_clipnorm,
       init_checkpoint=config.init_checkpoint, num_gpus=config.num_gpus,
       num_cpu_devices=config.num_cpu_devices,
-      layout_map=bool(getattr(config, "layout_map", ())),
+      layout_map=(getattr(config, "layout_map", "") or
+                  bool(getattr(config, "layout_map_entries", ()))),
       model_given="model" not in getattr(config, "unset_fields", ()))
 
 

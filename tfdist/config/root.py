@@ -112,12 +112,13 @@ class TrainConfig:
   # recommendation or the default (UNSET_DEFAULTS). Set by the
   # constructor, never by callers.
   unset_fields: Tuple[str, ...] = ()
-  # The entries of the `keras.distribution.LayoutMap` that
-  # `tfdist.fit(layout_map=...)` splits the model by, as (key, layout)
-  # text pairs; () without one. Set by `fit`
-  # (`tfdist.parallel.tensor.from_layout_map.config_changes`), never by
-  # the flags: `--tensor_parallel` then splits a model of the user's.
-  layout_map: Tuple[Tuple[str, str], ...] = ()
+  # The entries of the `keras.distribution.LayoutMap` that splits the
+  # model (`tfdist.fit(layout_map=...)`, or the function `--layout_map`
+  # names), as (key, layout) text pairs; () without one. Set when the map
+  # is read (`tfdist.parallel.tensor.from_layout_map.config_changes`),
+  # never by the flags: `--tensor_parallel` then splits a model of the
+  # user's.
+  layout_map_entries: Tuple[Tuple[str, str], ...] = ()
 
   def __init__(self, **given):
     values = _given_settings(given)
@@ -449,7 +450,8 @@ def _resolve_unset(values: dict) -> None:
   values["unset_fields"] = tuple(sorted(unset))
   values["flags_snapshot"] = tuple(tuple(kv)
                                    for kv in values["flags_snapshot"])
-  values["layout_map"] = tuple(tuple(kv) for kv in values["layout_map"])
+  values["layout_map_entries"] = tuple(
+      tuple(kv) for kv in values["layout_map_entries"])
 
 
 def _install_flat_reads() -> None:

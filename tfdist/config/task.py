@@ -2,7 +2,8 @@
 data section (`config.task.data`).
 
 Consumers: `tfdist.training.task` builds the model and the data set from
-`config.task` (`from_names`, `dataset_from_names`);
+`config.task` (`from_names`, `dataset_from_names`) and imports the
+function `--layout_map` names (`load_layout_map`);
 `tfdist.training.plan.preflight` checks its names;
 `tfdist.training.plan.run_plan` takes `config.task.data` as its `DataOptions`; a
 model builder asking for `config` gets the section
@@ -162,8 +163,9 @@ class DataConfig:
 
 @dataclasses.dataclass(frozen=True)
 class TaskConfig:
-  """The model and its data: `--model`, `--dataset`, the data files, the
-  built-in models' shape, `--mode`.
+  """The model and its data: `--model`, `--layout_map` (the Keras layout
+  map that splits it), `--dataset`, the data files, the built-in models'
+  shape, `--mode`.
 
   `model` and `dataset` None: not resolved yet (`TrainConfig` fills them
   from the data set's recommendation or the defaults).
@@ -177,6 +179,22 @@ class TaskConfig:
             "Default: the --dataset's recommendation, else "
             f"{UNSET_DEFAULTS['model']}."),
       traits=("model", "recommendable"))
+  layout_map: str = setting(
+      "", "string", "base",
+      help=("Split your own model tensor-parallel as a Keras layout says: "
+            "package.module:function, a function of no arguments returning "
+            "a keras.distribution.LayoutMap (or a keras.distribution."
+            "ModelParallel, read as its layout map) over a DeviceMesh with "
+            "axes batch and model, as tfdist.fit(..., layout_map=...) takes "
+            "it. The mesh's model axis is T and sets --tensor_parallel; the "
+            "map's Dense layers split by columns or rows and its "
+            "MultiHeadAttention by heads over T replicas (--num_gpus or "
+            "--num_cpu_devices N, a multiple of T; with --pipeline_stages=P "
+            "each stage's split Dense layers over T devices, N = D x P x T). "
+            "Imported and called at start, before anything is built, and "
+            "again by a resumed run. Empty: no layout map. See "
+            "docs/guides/tensor-parallelism.md."),
+      traits=("multi_replica",))
   data: DataConfig = config_tree.section(DataConfig)
   feature_spec: str = setting(
       "", "string", "base", key=True,
@@ -333,6 +351,12 @@ class TaskConfig:
     _need(self.model is None or bool(self.model),
           "--model must name a model: a registered name "
           "(e.g. cnn) or an import path package.module:build_fn.")
+    module, _, function = self.layout_map.partition(":")
+    _need(not self.layout_map or (module and function),
+          f"--layout_map={self.layout_map!r} is not an import path: write "
+          "package.module:function, a function of no arguments returning a "
+          "keras.distribution.LayoutMap, e.g. "
+          "--layout_map=my_project.mlp:layout_map.")
     dataset = self.data.dataset
     if dataset is None:
       return

@@ -32,6 +32,8 @@ class ModelSizes:
     expert_bytes: bytes of its mixture-of-experts layers' experts (0:
       none).
     num_experts: E of those layers (the fewest; 0: none).
+    layout_map_degree: the `model` axis T of the layout map `--layout_map`
+      names (`tensor_split` is then that map's split); 0: none.
   """
   estimate: memory.ModelMemory
   activation_bytes_per_example: int = 0
@@ -40,6 +42,7 @@ class ModelSizes:
   tensor_split: Optional[TensorSplit] = None
   expert_bytes: int = 0
   num_experts: int = 0
+  layout_map_degree: int = 0
 
 
 def model_memory_of(config) -> memory.ModelMemory:
@@ -60,11 +63,13 @@ def model_sizes_of(config, *, tensor_degree: int = 2) -> ModelSizes:
   Transformer, else what a layout map derived for the model could split
   (`tensor_split.tensor_split_of`: Megatron column/row, heads and
   vocabulary splits of its Dense, EinsumDense, MultiHeadAttention and
-  Embedding layers).
+  Embedding layers), or, with `--layout_map`, what that map splits over
+  its own `model` axis.
 
   Raises:
-    ConfigError: an unknown model or data set
-      (`tfdist.training.task.from_names`).
+    ConfigError: an unknown model or data set, `--layout_map`'s refusals
+      (`tfdist.training.task.from_names`), a map the model refuses
+      (`tfdist.parallel.layout_map.read_layout_map`).
   """
   # Imported here: they load TensorFlow and Keras, which this binary
   # imports quietly first (`tfdist.job_spec.parse_train_flags`, through
@@ -76,6 +81,7 @@ def model_sizes_of(config, *, tensor_degree: int = 2) -> ModelSizes:
   from tfdist.training.plan import lr_schedule  # pylint: disable=g-import-not-at-top
   from tfdist.training.step import precision  # pylint: disable=g-import-not-at-top
   from tfdist.training import task as task_lib  # pylint: disable=g-import-not-at-top
+  from tfdist.parallel import layout_map as layout_map_lib  # pylint: disable=g-import-not-at-top
   dtype = config.precision.dtype
   dtype = dtype if dtype != "auto" else "fp32"
   precision.configure_precision(dtype)
@@ -89,15 +95,19 @@ def model_sizes_of(config, *, tensor_degree: int = 2) -> ModelSizes:
         loss_scale=config.precision.loss_scale,
         steps_per_execution=config.loop.steps_per_execution,
         builder_config=config_lib.ModelBuilderConfig(config))
-    model = assembly.build_model(
-        options, task=task_lib.from_names(config.task))
+    task = task_lib.from_names(config.task)
+    model = assembly.build_model(options, task=task)
     # A schedule, as in every run (tfdist.training.plan.lr_schedule): the
     # optimizer then keeps no learning-rate variable of its own.
     optimizer = assembly.run_optimizer(options,
                                        lr_schedule.ConstantLearningRate(0.1))
     optimizer.build(model.trainable_variables)
     facts = memory.model_facts(model)
-    split = tensor_split_of(model, max(int(tensor_degree), 2))
+    degree = (0 if task.layout_map is None else
+              layout_map_lib.model_degree(task.layout_map))
+    split = (tensor_split_of(model, degree, layout_map=task.layout_map)
+             if degree > 1 else
+             tensor_split_of(model, max(int(tensor_degree), 2)))
     return ModelSizes(
         memory.estimate_model_memory(
             model, optimizer,
@@ -105,7 +115,7 @@ def model_sizes_of(config, *, tensor_degree: int = 2) -> ModelSizes:
         memory.activation_bytes_per_example(model),
         facts["tensor_parallel_bytes"] or split.trained_bytes,
         facts["pipeline_shares"], split, facts.get("expert_bytes", 0),
-        facts.get("num_experts", 0))
+        facts.get("num_experts", 0), degree)
   finally:
     keras.mixed_precision.set_dtype_policy("float32")
 
@@ -284,7 +294,8 @@ def layout_choice(sizes: ModelSizes, fitted: "FittedModel",
                                                              devices),
       refused=_refused_layouts(),
       pipeline_shares=sizes.pipeline_shares,
-      expert_bytes=sizes.expert_bytes, num_experts=sizes.num_experts)
+      expert_bytes=sizes.expert_bytes, num_experts=sizes.num_experts,
+      layout_map=facts.layout_map, layout_map_degree=sizes.layout_map_degree)
 
 
 def _refused_layouts() -> dict:
@@ -315,6 +326,8 @@ class TrainFacts:
     global_batch_size: `--batch_size` (0: the plan's).
     gradient_accumulation_steps: `--gradient_accumulation_steps`.
     model: `--model` (whether `--tensor_parallel` can split it).
+    layout_map: `--layout_map` (the function returning the layout map
+      that splits the model; "": none).
   """
   optimizer: str
   zero_stage: int
@@ -326,6 +339,7 @@ class TrainFacts:
   global_batch_size: int = 0
   gradient_accumulation_steps: int = 1
   model: str = ""
+  layout_map: str = ""
 
 
 def train_facts(config) -> TrainFacts:
@@ -344,7 +358,8 @@ def train_facts(config) -> TrainFacts:
                     global_batch_size=int(loop.batch_size or 0),
                     gradient_accumulation_steps=int(
                         loop.gradient_accumulation_steps or 1),
-                    model=str(config.task.model or ""))
+                    model=str(config.task.model or ""),
+                    layout_map=str(config.task.layout_map or ""))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -394,8 +409,9 @@ def tensor_split_note(sizes: ModelSizes, facts: "TrainFacts") -> str:
   `sizes.tensor_split.degree` devices (its layers, bytes, and the state
   per device it saves: the splits tfdist's trainer trains, `Dense` and
   `MultiHeadAttention`), and how tfdist trains it: `--tensor_parallel` for
-  the built-in Transformer, `tfdist.fit(..., layout_map=...)` for a model
-  of one's own. "" without a `tensor_split`."""
+  the built-in Transformer, `--layout_map` or `tfdist.fit(...,
+  layout_map=...)` for a model of one's own (with `--layout_map` given,
+  what its map splits). "" without a `tensor_split`."""
   split = sizes.tensor_split
   if split is None:
     return ""
@@ -403,9 +419,15 @@ def tensor_split_note(sizes: ModelSizes, facts: "TrainFacts") -> str:
   head = (f"Tensor parallelism over {t} devices (a layout map derived for "
           "this model, read by tfdist.parallel.layout_map): ")
   flags = tensor_parallel_options.flags_for(facts.model, t)
+  if facts.layout_map:
+    head = (f"Tensor parallelism over {t} devices (the layout map of "
+            f"--layout_map={facts.layout_map}, read by "
+            "tfdist.parallel.layout_map): ")
+    flags = f"--layout_map={facts.layout_map}"
   trainer = (f"This model trains so with {flags}." if flags else
              "A model of your own trains so through tfdist.fit(model_fn, "
-             "..., layout_map=keras.distribution.LayoutMap(...)) "
+             "..., layout_map=keras.distribution.LayoutMap(...)) or "
+             "--layout_map=package.module:function returning one "
              "(docs/guides/tensor-parallelism.md).")
   if not split.split_bytes:
     return (head + "no Dense or EinsumDense pair, attention layer or "

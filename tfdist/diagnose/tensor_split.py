@@ -179,19 +179,28 @@ def derive_entries(model, degree: int) -> Dict[str, tuple]:
   return entries
 
 
-def tensor_split_of(model, degree: int) -> TensorSplit:
+def tensor_split_of(model, degree: int, layout_map=None) -> TensorSplit:
   """The `TensorSplit` of a built Keras `model` over `degree` (>= 2)
-  devices, from `derive_entries`' layout map read by
+  devices, from `derive_entries`' layout map (or `layout_map`, the user's
+  `keras.distribution.LayoutMap`, whose `model` axis is `degree`) read by
   `tfdist.parallel.layout_map.read_layout_map`. Byte counts from the
-  variables' shapes and dtypes; `split_bytes` 0 where nothing splits."""
+  variables' shapes and dtypes; `split_bytes` 0 where nothing splits.
+
+  Raises:
+    tfdist.errors.ConfigError: `read_layout_map`'s refusals of a given
+      `layout_map` (a derived one is never refused).
+  """
   import numpy as np  # pylint: disable=g-import-not-at-top
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  from tfdist.parallel import layout_map as layout_map_lib  # pylint: disable=g-import-not-at-top
 
   def nbytes(v) -> int:
     return int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size
 
   weights = {v.path: v for v in model.weights}
-  plan = _plan(model, degree, derive_entries(model, degree))
+  plan = (_plan(model, degree, derive_entries(model, degree))
+          if layout_map is None else
+          layout_map_lib.read_layout_map(model, layout_map))
   if plan is None:  # Not a model read_layout_map can read.
     return TensorSplit(degree, 0, sum(map(nbytes, weights.values())), {})
   split = sum(nbytes(weights[p]) for p, s in plan.splits.items()

@@ -261,6 +261,9 @@ def start_run(config: TrainConfig, *,
   filesystems.require_file_systems(filesystems.config_paths(config))
   if task is None:
     task = task_lib.from_names(config.task)
+    # `--layout_map`: its T and entries, as `tfdist.fit`'s keyword sets
+    # them (`tfdist.fit` gives its own task, resolved so already).
+    config, task = task_lib.split_by_layout_map(config, task)
   prepared = prepare_run(config, environment=environment,
                          dataset=task.dataset)
   filesystems.require_file_systems(

@@ -449,6 +449,29 @@ def read_layout_map(model, layout_map) -> TensorParallelPlan:
                             pairs=tuple(pairs))
 
 
+def layout_map_of(distribution):
+  """The `keras.distribution.LayoutMap` of a `ModelParallel` (its layout
+  map, batch axis named `batch`); anything else is returned as it is
+  (`tfdist.parallel.tensor.from_layout_map.degree` refuses what is not a
+  `LayoutMap`).
+
+  Raises:
+    tfdist.errors.ConfigError: a ModelParallel without a layout map, or
+      whose batch dimension is not named `batch`.
+  """
+  if not isinstance(distribution, keras.distribution.ModelParallel):
+    return distribution
+  layout_map = getattr(distribution, "_layout_map", None)
+  if layout_map is None:
+    _refuse("The ModelParallel has no layout map. Pass ModelParallel("
+            "layout_map=..., batch_dim_name='batch').")
+  batch = getattr(distribution, "batch_dim_name", BATCH_AXIS)
+  if batch != BATCH_AXIS:
+    _refuse(f"ModelParallel(batch_dim_name={batch!r}): tfdist reads the "
+            f"data-parallel axis as {BATCH_AXIS!r}. Name it 'batch'.")
+  return layout_map
+
+
 def read_distribution(model, distribution) -> TensorParallelPlan:
   """`read_layout_map` for a `keras.distribution.ModelParallel`.
 
@@ -461,12 +484,4 @@ def read_distribution(model, distribution) -> TensorParallelPlan:
     _refuse(f"distribution={type(distribution).__name__} is not a "
             "keras.distribution.ModelParallel. Pass ModelParallel("
             "layout_map=..., batch_dim_name='batch').")
-  layout_map = getattr(distribution, "_layout_map", None)
-  if layout_map is None:
-    _refuse("The ModelParallel has no layout map. Pass ModelParallel("
-            "layout_map=..., batch_dim_name='batch').")
-  batch = getattr(distribution, "batch_dim_name", BATCH_AXIS)
-  if batch != BATCH_AXIS:
-    _refuse(f"ModelParallel(batch_dim_name={batch!r}): tfdist reads the "
-            f"data-parallel axis as {BATCH_AXIS!r}. Name it 'batch'.")
-  return read_layout_map(model, layout_map)
+  return read_layout_map(model, layout_map_of(distribution))

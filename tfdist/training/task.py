@@ -1,13 +1,19 @@
 """What a run trains: a `Task` (model builder, data set, loss and metrics).
 
-The binary's `--model`, `--dataset`, `--feature_spec` and `--import_modules`
-and the Python API's objects (`tfdist.fit`) both become one `Task`; every
-later step (the run plan, assembly, input pipelines, export) reads it and
-never the names again:
+The binary's `--model`, `--layout_map`, `--dataset`, `--feature_spec` and
+`--import_modules` and the Python API's objects (`tfdist.fit`) both become
+one `Task`; every later step (the run plan, assembly, input pipelines,
+export) reads it and never the names again:
 
     config.task (the model and data section, `tfdist.config.TaskConfig`)
-           --(from_names)--> Task(model_fn, dataset, loss, metrics)
-    tfdist.fit(model_fn, dataset_fn, ...) --> Task
+           --(from_names)--> Task(model_fn, dataset, loss, metrics,
+                                  layout_map)
+    tfdist.fit(model_fn, dataset_fn, ..., layout_map=...) --> Task
+
+A layout map changes the config too (`tensor_parallel` T and the map's
+entries, `layout_map_changes`): `split_by_layout_map` applies it where
+the run starts (`tfdist.experiment.prepare.start_run`), `tfdist.fit`
+before it.
 
 `build_model` calls the builder with the arguments it names (`spec`,
 `config`) and checks that it returned a `keras.Model`; `example_spec`
@@ -16,6 +22,7 @@ building metrics) without reading data.
 """
 
 import dataclasses
+import inspect
 from typing import Any, Callable, Optional, Sequence, Tuple
 
 import keras
@@ -26,6 +33,8 @@ from tfdist.data import feature_spec as feature_spec_lib
 from tfdist.data import input_pipeline
 from tfdist.core.dataset_spec import DatasetSpec
 from tfdist.core import registry
+from tfdist.parallel import layout_map as layout_map_lib
+from tfdist.parallel.tensor import from_layout_map
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,7 +53,8 @@ class Task:
       model's `compile`, else the data set's defaults.
     metrics: Keras metrics or names; None: as for `loss`.
     layout_map: a `keras.distribution.LayoutMap` that splits the model
-      under `tensor_parallel` (`tfdist.fit(layout_map=...)`,
+      under `tensor_parallel` (`tfdist.fit(layout_map=...)`, or what the
+      function `--layout_map` names returns: `load_layout_map`;
       `tfdist.parallel.tensor.from_layout_map`); None: none.
   """
   model_fn: Callable
@@ -95,20 +105,139 @@ def from_names(task) -> Task:
 
   Args:
     task: the config's model and data section (`tfdist.config.TaskConfig`:
-      `model`, `data.dataset`, `feature_spec`, `import_modules`).
+      `model`, `data.dataset`, `feature_spec`, `import_modules`,
+      `layout_map`).
+
+  Returns:
+    The `Task`; its `layout_map` the map `--layout_map`'s function returns
+    (`load_layout_map`), None without the flag. The config's
+    `tensor_parallel` is not changed here: `split_by_layout_map` does it.
 
   Raises:
     ConfigError: an unknown model or data set (the message lists the
       registered names), an import path that cannot be loaded, a model
       builder with a required parameter tfdist cannot fill
-      (`registry.check_accepted`).
+      (`registry.check_accepted`), `load_layout_map`'s refusals.
   """
   dataset = dataset_from_names(task)
   name, builder = registry.get_model_builder(task.model)
   # At start, not after the plan: a callable that is no model builder.
   registry.check_accepted(builder, MODEL_BUILDER_ARGUMENTS,
                           what=f"--model={name}")
-  return Task(model_fn=builder, dataset=dataset, model_name=name)
+  path = getattr(task, "layout_map", "")
+  layout_map = load_layout_map(path) if path else None
+  return Task(model_fn=builder, dataset=dataset, model_name=name,
+              layout_map=layout_map)
+
+
+def _refuse_layout_map(path: str, message: str):
+  raise errors.ConfigError(f"--layout_map={path}: {message}") from None
+
+
+def load_layout_map(path: str) -> keras.distribution.LayoutMap:
+  """The Keras layout map `--layout_map=package.module:function` gives:
+  the function imported and called with no arguments, its
+  `keras.distribution.LayoutMap` (or a `keras.distribution.ModelParallel`'s
+  layout map, `tfdist.parallel.layout_map.layout_map_of`). Nothing is
+  built; the map is not read against the model yet (that is
+  `tfdist.parallel.tensor.from_layout_map.check`, when the model is
+  built).
+
+  Args:
+    path: `package.module:function` (the attribute may be dotted).
+
+  Returns:
+    The `LayoutMap`, its mesh holding an axis named `model`.
+
+  Raises:
+    ConfigError: naming `--layout_map`, the value and the fix: not
+      `module:function`, a module that cannot be found, no such attribute,
+      not callable, a function with required parameters, one that returns
+      something other than a `LayoutMap` or `ModelParallel`, a
+      `ModelParallel` without a layout map or with its batch dimension not
+      named `batch`, a mesh without a `model` axis (or with an axis other
+      than `batch` and `model`).
+    Exception: what importing the user's module or calling the function
+      raises otherwise (its traceback kept), as `--model` does.
+  """
+  function = registry.load_object(path, flag="--layout_map")
+  if not callable(function):
+    _refuse_layout_map(
+        path, f"{type(function).__name__} {function!r} is not a function. "
+        "Name a function of no arguments that returns a "
+        "keras.distribution.LayoutMap.")
+  try:
+    signature = inspect.signature(function)
+  except (TypeError, ValueError):
+    signature = None
+  required = [name for name, param in (signature.parameters.items()
+                                       if signature else ())
+              if param.default is param.empty and param.kind not in (
+                  param.VAR_POSITIONAL, param.VAR_KEYWORD)]
+  if required:
+    _refuse_layout_map(
+        path, f"{getattr(function, '__name__', function)}{signature} has "
+        f"required parameter(s) {', '.join(required)}; tfdist calls it with "
+        "none. Give them defaults, or name a function of no arguments that "
+        "returns a keras.distribution.LayoutMap.")
+  value = function()
+  try:
+    layout_map = layout_map_lib.layout_map_of(value)
+    if not isinstance(layout_map, keras.distribution.LayoutMap):
+      raise errors.ConfigError(
+          f"the function returned {type(value).__name__}, not a "
+          "keras.distribution.LayoutMap (or ModelParallel). Return "
+          "keras.distribution.LayoutMap(keras.distribution.DeviceMesh("
+          "(1, T), ['batch', 'model'], devices=...)) with its entries "
+          "(e.g. map['up/kernel'] = (None, 'model')).")
+    from_layout_map.degree(layout_map)
+  except errors.ConfigError as e:
+    _refuse_layout_map(path, str(e))
+  return layout_map
+
+
+def layout_map_changes(config, layout_map, *, path: str = "") -> dict:
+  """The `TrainConfig` changes of a run `layout_map` splits
+  (`from_layout_map.config_changes`: `tensor_parallel` T and the map's
+  entries; `{}` when T is 1): one reading for `tfdist.fit(layout_map=...)`
+  and `--layout_map`.
+
+  Args:
+    config: the run's `TrainConfig`.
+    layout_map: the `keras.distribution.LayoutMap`.
+    path: `--layout_map`'s value when the map came from it (the messages
+      name it); "": `tfdist.fit`'s keyword.
+
+  Raises:
+    ConfigError: `config_changes`'s (a `model` axis that is not the given
+      `--tensor_parallel`), prefixed with `--layout_map=path` when given.
+  """
+  try:
+    return from_layout_map.config_changes(config, layout_map)
+  except errors.ConfigError as e:
+    if not path:
+      raise
+    _refuse_layout_map(path, str(e))
+
+
+def split_by_layout_map(config, task: Task) -> Tuple[Any, Task]:
+  """`(config, task)` of a run whose `--layout_map` named a map
+  (`from_names` loaded it into `task.layout_map`): the config with the
+  map's T and entries (`layout_map_changes`, as `tfdist.fit(layout_map=
+  ...)` sets them), the task without the map when it splits nothing (a
+  `model` axis of 1). Both as given without `--layout_map`. Every start
+  calls it, a resumed run's too, so the map is read again the same way.
+
+  Raises:
+    ConfigError: `layout_map_changes`'s, naming `--layout_map`.
+  """
+  path = config.task.layout_map
+  if not path or task.layout_map is None:
+    return config, task
+  changes = layout_map_changes(config, task.layout_map, path=path)
+  if not changes:
+    return config, dataclasses.replace(task, layout_map=None)
+  return config.replace(**changes), task
 
 
 def describe_function(fn) -> str:

@@ -109,13 +109,14 @@ def config_changes(config, layout_map) -> Dict[str, Any]:
   t = degree(layout_map)
   given = config.strategy.parallelism.tensor_parallel
   if given > 1 and given != t:
-    _refuse(f"tensor_parallel={given} and the layout map's 'model' axis of "
-            f"size {t} disagree: the map's mesh gives T. Drop "
-            f"tensor_parallel (or set it to {t}), or build the DeviceMesh "
+    # In flag terms: `tfdist.fit` says them as its fields.
+    _refuse(f"--tensor_parallel={given} and the layout map's 'model' axis "
+            f"of size {t} disagree: the map's mesh gives T. Drop "
+            f"--tensor_parallel (or set it to {t}), or build the DeviceMesh "
             f"with a 'model' axis of {given}.")
   if t == 1:
     return {}
-  return {"tensor_parallel": t, "layout_map": entries(layout_map)}
+  return {"tensor_parallel": t, "layout_map_entries": entries(layout_map)}
 
 
 def _check_model(model, layout_map) -> None:

@@ -301,14 +301,16 @@ class TensorParallelStep(mode_lib.StepMode):
     grads = e.gradients_bytes + facts.accumulators
     split = min(max(int(facts.tensor_parallel_bytes), 0), trainable)
     share = split / trainable if trainable else 0.0
-    # The split layers' share of the weights, gradients and slots, / N.
+    # The split layers' share of the weights, gradients and slots, / N;
+    # the flags (the Transformer's, or --layout_map's) and why not
+    # (`LayoutFacts.tensor_split`).
+    flags, note = facts.tensor_split(n)
     note = facts.one_device_note or (
-        "no layer of this model can be split" if not split else
-        "" if facts.tensor_parallel_flag else
-        "--tensor_parallel splits only --model=transformer: train this "
-        "model split with tfdist.fit(..., layout_map=...)")
+        "no layer of this model can be split" if not split else note)
+    if facts.tensor_parallel_flag and not facts.layout_map:
+      flags = facts.tensor_parallel_flag
     return [facts.row(
-        "tensor parallel", facts.tensor_parallel_flag, n,
+        "tensor parallel", flags if not facts.one_device_note else "", n,
         e.parameters_bytes - split + facts.ceil_div(split, n),
         grads - facts.ceil_div(grads * share * (n - 1), n),
         e.optimizer_bytes - facts.ceil_div(

@@ -22,7 +22,7 @@ split over T devices instead: N = D x P x T devices
 (`tfdist.parallel.pipeline.tensor`, `tfdist.parallel.pipeline.options`).
 """
 
-from typing import Optional
+from typing import Optional, Union
 
 from tfdist import errors
 from tfdist.core import zero_stages
@@ -86,7 +86,7 @@ def check_flags(*, tensor_parallel: int, model: str,
                 pipeline_stages: int, enable_xla: bool, dtype: str,
                 clipnorm: Optional[float], global_clipnorm: Optional[float],
                 init_checkpoint: Optional[str], num_gpus: int,
-                num_cpu_devices: int, layout_map: bool = False,
+                num_cpu_devices: int, layout_map: Union[bool, str] = False,
                 model_given: bool = True) -> None:
   """Refuses `--tensor_parallel` settings that cannot run.
 
@@ -95,10 +95,12 @@ def check_flags(*, tensor_parallel: int, model: str,
     model, distribution_strategy, zero_stage, pipeline_stages, enable_xla,
       dtype, clipnorm, global_clipnorm, init_checkpoint, num_gpus,
       num_cpu_devices: the run's flags of those names.
-    layout_map: `tfdist.fit(layout_map=...)` gave a Keras `LayoutMap`:
-      any model is split as it says (its sizes are checked against T when
-      the model is built, `tfdist.parallel.tensor.from_layout_map`), so
-      the model and the Transformer's sizes are not checked here.
+    layout_map: a Keras `LayoutMap` splits the model: True
+      (`tfdist.fit(layout_map=...)` gave one), or the import path
+      `--layout_map` gave (the messages name it). Any model is split as it
+      says (its sizes are checked against T when the model is built,
+      `tfdist.parallel.tensor.from_layout_map`), so the model and the
+      Transformer's sizes are not checked here.
     model_given: `--model` was given (False: `model` is the default; a
       `TrainConfig` made for `tfdist.fit`, whose own model takes its T
       from the layout map, is told so).
@@ -120,7 +122,9 @@ def check_flags(*, tensor_parallel: int, model: str,
   if n == 1:
     return
   # With a layout map (tfdist.fit) its mesh set T: the messages name it.
-  flag = (f"layout_map (its DeviceMesh's 'model' axis: T = {n})"
+  flag = (f"--layout_map={layout_map} (its DeviceMesh's 'model' axis: "
+          f"T = {n})" if isinstance(layout_map, str) and layout_map else
+          f"layout_map (its DeviceMesh's 'model' axis: T = {n})"
           if layout_map else f"--tensor_parallel={n}")
   if pipeline_stages > 1 and not layout_map:
     _refuse_pipeline(flag, pipeline_stages=pipeline_stages, model=model)
@@ -132,7 +136,8 @@ def check_flags(*, tensor_parallel: int, model: str,
         f"{flag} splits the built-in Transformer's attention heads and "
         f"feed-forward units; {which}. Use --model=transformer; for a "
         "model of your own, leave --tensor_parallel out and pass "
-        "tfdist.fit(..., layout_map=keras.distribution.LayoutMap(...)), "
+        "tfdist.fit(..., layout_map=keras.distribution.LayoutMap(...)) or "
+        "--layout_map=package.module:function (a function returning one), "
         "whose mesh's model axis sets it (its Dense and MultiHeadAttention "
         "layers are split as the map says), or build the model from "
         "tfdist.parallel.tensor_parallel's layers and drop the flag.")
@@ -186,7 +191,9 @@ def _refuse_pipeline(flag: str, *, pipeline_stages: int, model: str) -> None:
       "--tensor_parallel splits the built-in Transformer's attention by "
       "heads over tf.distribute replicas, which a pipeline's stages are "
       "not. Pass tfdist.fit(model_fn, ..., layout_map=keras.distribution."
-      "LayoutMap(...)) whose model axis is the tensor degree, or drop "
+      "LayoutMap(...)) or --layout_map=package.module:function (a "
+      "function returning one), whose model axis is the tensor degree, or "
+      "drop "
       "--pipeline_stages (the Transformer split over replicas) or "
       "--tensor_parallel (a pipeline of whole layers).")
 

@@ -19,7 +19,7 @@
 
 import dataclasses
 import math
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 from tfdist.core import optimizers
 from tfdist.core import zero_stages
@@ -454,8 +454,50 @@ class LayoutFacts:
   pipeline_shares: Dict[int, float] = dataclasses.field(default_factory=dict)
   expert_bytes: int = 0
   num_experts: int = 0
+  layout_map: str = ""
+  layout_map_degree: int = 0
 
   ceil_div = staticmethod(_ceil_div)
+
+  def tensor_split(self, tensor: int, pipeline: int = 1) -> Tuple[str, str]:
+    """`(flags, note)` of a layout splitting the model over T = `tensor`
+    devices (P = `pipeline` stages beside it): the flags that choose the
+    split, and why tfdist cannot run it ("" when it can).
+
+    * a layout map named by `--layout_map` (`layout_map`, its model axis
+      `layout_map_degree`): `--layout_map=...` (with
+      `--distribution_strategy=mirrored` without a pipeline) at its T,
+      and no other T;
+    * the built-in Transformer (`tensor_parallel_flag`):
+      `--distribution_strategy=mirrored --tensor_parallel=T`, not inside
+      a pipeline's stages;
+    * any other model a layout map could split (`tensor_parallel_bytes`):
+      a layout map is needed (`--layout_map`, or `tfdist.fit(...,
+      layout_map=...)`); the flags name the form.
+    """
+    mirrored = "--distribution_strategy=mirrored " if pipeline <= 1 else ""
+    if not self.tensor_parallel_bytes:
+      return "", "no layer of this model can be split"
+    if self.layout_map:
+      flag = f"--layout_map={self.layout_map}"
+      if tensor != self.layout_map_degree:
+        return f"{mirrored}{flag}", (
+            f"{flag} has a 'model' axis of {self.layout_map_degree}: T = "
+            f"{tensor} needs a map whose 'model' axis is {tensor}")
+      return f"{mirrored}{flag}", ""
+    if self.tensor_parallel_flag:
+      if pipeline > 1:
+        return f"--tensor_parallel={tensor}", (
+            "the built-in Transformer's split (attention by heads, over "
+            "replicas) does not run inside a pipeline's stages (a layout "
+            "map's Dense split does: --layout_map=package.module:function "
+            "with --pipeline_stages)")
+      return f"{mirrored}--tensor_parallel={tensor}", ""
+    return f"{mirrored}--layout_map=package.module:function", (
+        "--tensor_parallel splits only --model=transformer: train this "
+        "model split with tfdist.fit(..., layout_map=...) or "
+        "--layout_map=package.module:function (a layout map is needed, "
+        f"its 'model' axis {tensor})")
 
   @property
   def accumulators(self) -> int:
@@ -554,7 +596,8 @@ def layout_table(estimate: ModelMemory, *, num_devices: int,
                  tensor_parallel_flag: str = "",
                  refused: Optional[Dict[str, str]] = None,
                  pipeline_shares: Optional[Dict[int, float]] = None,
-                 expert_bytes: int = 0, num_experts: int = 0
+                 expert_bytes: int = 0, num_experts: int = 0,
+                 layout_map: str = "", layout_map_degree: int = 0
                  ) -> LayoutChoice:
   """Per-device bytes of every layout on `num_devices` devices, side by side.
 
@@ -622,6 +665,10 @@ def layout_table(estimate: ModelMemory, *, num_devices: int,
       layers' experts (0: no experts; the expert-parallel row is left out).
     num_experts: E, the experts of each such layer (the fewest, when they
       differ).
+    layout_map: `--layout_map`'s value (`package.module:function`) when a
+      layout map splits the model (its rows' flags name it); "": none.
+    layout_map_degree: that map's `model` axis T (the one tensor degree
+      it runs).
 
   Returns:
     A `LayoutChoice`.
@@ -655,7 +702,8 @@ def layout_table(estimate: ModelMemory, *, num_devices: int,
       tensor_parallel_bytes=tensor_parallel_bytes,
       tensor_parallel_flag=tensor_parallel_flag,
       pipeline_shares=dict(pipeline_shares or {}),
-      expert_bytes=int(expert_bytes), num_experts=int(num_experts))
+      expert_bytes=int(expert_bytes), num_experts=int(num_experts),
+      layout_map=layout_map, layout_map_degree=int(layout_map_degree))
   # Each registered parallelism mode computes its own rows, in the modes'
   # order (`tfdist.parallel.modes`: the built-in ones first). Imported
   # here: the modes import TensorFlow, the rest of this module does not.

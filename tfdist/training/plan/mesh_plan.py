@@ -107,32 +107,27 @@ def unavailable_reason(data: int, pipeline: int, tensor: int,
   """Why tfdist cannot run this mesh here ("" when it can).
 
   The rules, one per missing piece: ZeRO needs D > 1 and an optimizer that
-  can be sharded; tensor parallelism needs a model its layers split (the
-  built-in Transformer, `facts.tensor_parallel_flag`); a ZeRO stage beside
-  a pipeline and ZeRO stage 3 beside tensor parallelism are not built
-  yet, and the Transformer's split does not run inside a pipeline's
-  stages (a layout map's Dense split does, `tfdist.parallel.pipeline.
-  tensor`, which this plan does not propose yet). Data x pipeline runs in one process
-  (`tfdist.parallel.pipeline.copies`), data x tensor on one host's
-  Mirrored replicas (`tfdist.parallel.tensor.groups`), with ZeRO stages
-  1-2 inside each data group (hybrid sharding,
-  `tfdist.parallel.tensor.zero`).
+  can be sharded; tensor parallelism needs a model its layers split and
+  the means to split it (`LayoutFacts.tensor_split`): a layout map named
+  by `--layout_map`, at its own T only (inside a pipeline's stages too:
+  `tfdist.parallel.pipeline.tensor`), the built-in Transformer's
+  `--tensor_parallel` (not inside a pipeline's stages), or for any other
+  model a layout map to give; a ZeRO stage beside a pipeline and ZeRO
+  stage 3 beside tensor parallelism are not built yet. Data x pipeline
+  runs in one process (`tfdist.parallel.pipeline.copies`), data x tensor
+  on one host's Mirrored replicas (`tfdist.parallel.tensor.groups`), with
+  ZeRO stages 1-2 inside each data group (hybrid sharding,
+  `tfdist.parallel.tensor.zero`), data x pipeline x tensor in one process
+  with a layout map.
   """
   if zero_stage and data == 1:
     return "ZeRO needs data parallelism (D > 1)"
   if zero_stage and not facts.shardable:
     return f"--optimizer={facts.optimizer} cannot be sharded"
-  if tensor > 1 and not (facts.tensor_parallel_bytes and
-                         facts.tensor_parallel_flag):
-    return ("no layer of this model is split by --tensor_parallel"
-            if not facts.tensor_parallel_bytes else
-            "--tensor_parallel splits only --model=transformer "
-            "(tfdist.fit(..., layout_map=...) splits this one)")
-  if pipeline > 1 and tensor > 1:
-    return ("the built-in Transformer's split (attention by heads, over "
-            "replicas) does not run inside a pipeline's stages (a model "
-            "whose Dense layers a LayoutMap splits does: tfdist.fit(..., "
-            "layout_map=...) with --pipeline_stages)")
+  if tensor > 1:
+    note = facts.tensor_split(tensor, pipeline)[1]
+    if note:
+      return note
   if zero_stage and pipeline > 1:
     return "ZeRO beside a pipeline is not built yet"
   if zero_stage == 3 and tensor > 1:
@@ -146,8 +141,9 @@ def _flags(data: int, pipeline: int, tensor: int, zero_stage: int,
   if pipeline > 1:
     parts.append(f"--pipeline_stages={pipeline}")
   if tensor > 1:
-    parts += ["--distribution_strategy=mirrored",
-              f"--tensor_parallel={tensor}"]
+    split = facts.tensor_split(tensor, pipeline)[0]
+    if split:
+      parts.append(split)
   if data > 1 and (pipeline > 1 or tensor > 1):
     # The copies of a model-parallel layout: the devices asked for.
     devices = "--num_cpu_devices" if facts.shared_memory else "--num_gpus"
