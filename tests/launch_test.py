@@ -289,6 +289,39 @@ class OutputTest(absltest.TestCase):
     with open(os.path.join(logs, "worker-0.log")) as f:
       self.assertNotIn("exited with status", f.read())
 
+  def test_a_ps_groups_servers_are_not_waited_for_after_a_failure(self):
+    # ps:1 dies; the chief (the coordinator) exits 200 once the launcher
+    # has noted the loss, as tfdist's does; worker:0 and ps:0 serve on, as
+    # servers do until the chief marks the run done. The launcher stops
+    # them as soon as the chief has exited (before: it waited
+    # FAILURE_STOP_SECONDS for servers that never exit on their own, and
+    # every restart of a parameter-server group came that much later).
+    script = textwrap.dedent(f"""
+        import json, os, signal, sys, time
+        sys.path.insert(0, {testutil.REPO_ROOT!r})
+        task = json.loads(os.environ["TF_CONFIG"])["task"]
+        if task == {{"type": "ps", "index": 1}}:
+          os.kill(os.getpid(), signal.SIGKILL)
+        if task["type"] == "chief":
+          from tfdist.distribute import worker_exit
+          print("lost:", worker_exit.lost_peers_note(wait_seconds=20),
+                flush=True)
+          sys.exit(200)
+        time.sleep(600)  # A server.
+        """)
+    out = io.StringIO()
+    started = time.time()
+    status = launch.Launcher(
+        tasks=launch.plan_tasks(num_workers=1, num_ps=2),
+        command=[sys.executable, "-c", script], out=out).run()
+    elapsed = time.time() - started
+    output = out.getvalue()
+    self.assertEqual(status, 200, output)
+    self.assertIn("[launch] ps:1 exited with status 137.", output)
+    self.assertIn("\nlost: ps:1 exited with status 137\n", output)
+    self.assertIn("[launch] stopping worker:0, ps:0.", output)
+    self.assertLess(elapsed, launch.FAILURE_STOP_SECONDS, output)
+
   def test_output_all_and_verbose(self):
     status, output = self._launch(0, output=task_output.OUTPUT_ALL)
     self.assertEqual(status, 0, output)
