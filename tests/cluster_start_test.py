@@ -247,7 +247,9 @@ class PiecesTest(absltest.TestCase):
 class PeerNeverStartsTest(absltest.TestCase):
 
   def test_clear_error_within_timeout(self):
-    # A two-task cluster whose worker is never started.
+    # A two-task cluster whose worker is never started. The timeout counts
+    # from the start of the wait for the peers (after TensorFlow's import),
+    # so 3 s show it firing as well as the 8 s of before did, 5 s sooner.
     from tfdist import launch  # pylint: disable=g-import-not-at-top
     import portpicker  # pylint: disable=g-import-not-at-top
     tasks = launch.plan_tasks(num_workers=2)
@@ -260,14 +262,14 @@ class PeerNeverStartsTest(absltest.TestCase):
         ["--distribution_strategy=multi_worker_mirrored",
          f"--train_files={data['train']}", f"--eval_files={data['eval']}",
          "--train_steps=2", f"--model_dir={testutil.scratch_dir()}",
-         "--cluster_start_timeout_seconds=8"],
+         "--cluster_start_timeout_seconds=3"],
         timeout=90, env={"TF_CONFIG": launch.tf_config(cluster, tasks[0])})
     self.assertIsNotNone(code, "the worker hung:\n" + out[-3000:])
     self.assertEqual(code, 137, out[-3000:])  # Retryable: no cluster in time.
     self.assertLess(seconds, 60)
     self.assertLess(time.time() - started, 90)
     self.assertIn("did not all answer within "
-                  "--cluster_start_timeout_seconds=8", out)
+                  "--cluster_start_timeout_seconds=3", out)
     self.assertIn(cluster["worker"][0], out)  # Names the missing peer.
 
 

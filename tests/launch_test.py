@@ -25,6 +25,10 @@ from tfdist.runtime import task_output
 
 TIMEOUT = 240
 CHECKPOINT_STEPS = 10
+# --train_steps of the runs that a signal stops: never reached (the small
+# model trains a step in milliseconds, so 1,000 steps could end a run
+# before the signal on a loaded machine).
+ENDLESS_STEPS = 100_000
 
 
 class TaskLayoutTest(absltest.TestCase):
@@ -285,6 +289,39 @@ class OutputTest(absltest.TestCase):
     with open(os.path.join(logs, "worker-0.log")) as f:
       self.assertNotIn("exited with status", f.read())
 
+  def test_a_ps_groups_servers_are_not_waited_for_after_a_failure(self):
+    # ps:1 dies; the chief (the coordinator) exits 200 once the launcher
+    # has noted the loss, as tfdist's does; worker:0 and ps:0 serve on, as
+    # servers do until the chief marks the run done. The launcher stops
+    # them as soon as the chief has exited (before: it waited
+    # FAILURE_STOP_SECONDS for servers that never exit on their own, and
+    # every restart of a parameter-server group came that much later).
+    script = textwrap.dedent(f"""
+        import json, os, signal, sys, time
+        sys.path.insert(0, {testutil.REPO_ROOT!r})
+        task = json.loads(os.environ["TF_CONFIG"])["task"]
+        if task == {{"type": "ps", "index": 1}}:
+          os.kill(os.getpid(), signal.SIGKILL)
+        if task["type"] == "chief":
+          from tfdist.distribute import worker_exit
+          print("lost:", worker_exit.lost_peers_note(wait_seconds=20),
+                flush=True)
+          sys.exit(200)
+        time.sleep(600)  # A server.
+        """)
+    out = io.StringIO()
+    started = time.time()
+    status = launch.Launcher(
+        tasks=launch.plan_tasks(num_workers=1, num_ps=2),
+        command=[sys.executable, "-c", script], out=out).run()
+    elapsed = time.time() - started
+    output = out.getvalue()
+    self.assertEqual(status, 200, output)
+    self.assertIn("[launch] ps:1 exited with status 137.", output)
+    self.assertIn("\nlost: ps:1 exited with status 137\n", output)
+    self.assertIn("[launch] stopping worker:0, ps:0.", output)
+    self.assertLess(elapsed, launch.FAILURE_STOP_SECONDS, output)
+
   def test_output_all_and_verbose(self):
     status, output = self._launch(0, output=task_output.OUTPUT_ALL)
     self.assertEqual(status, 0, output)
@@ -311,12 +348,15 @@ class OutputTest(absltest.TestCase):
 
 
 def _train_args(model_dir, steps, data, extra=()):
+  # --mode=train: no evaluation (nothing here reads it; the run that
+  # finishes paid an evaluation step's trace in both tasks for it).
   return ["--distribution_strategy=multi_worker_mirrored",
-          f"--train_files={data['train']}", f"--eval_files={data['eval']}",
+          f"--train_files={data['train']}", "--mode=train",
           "--batch_size=32", f"--train_steps={steps}", "--log_steps=5",
           f"--checkpoint_steps={CHECKPOINT_STEPS}",
-          "--epochs_between_evals=100", "--collective_timeout_seconds=60",
+          "--collective_timeout_seconds=60",
           "--cluster_start_timeout_seconds=90", f"--model_dir={model_dir}",
+          "--model=tests.multi_worker_testlib:small_model",
           *extra]
 
 
@@ -395,14 +435,15 @@ class FaultToleranceTest(absltest.TestCase):
     self.assertIsNotNone(exited, output[-6000:])
     before, tail = output[:exited.start()], output[exited.end():]
     steps = collections.Counter(
-        re.findall(r"^I\S+ .*step (\d+)/1000: loss", before, re.M))
+        re.findall(rf"^I\S+ .*step (\d+)/{ENDLESS_STEPS}: loss", before,
+                   re.M))
     self.assertGreaterEqual(len(steps), 1, before)
     self.assertEqual(set(steps.values()), {1}, before)
     self.assertLen(re.findall(r"^tfdist.train: Stopped by SIGTERM at step "
                               r"\d+", output, re.M), 1, output[-6000:])
     worker_lines = "\n".join(re.findall(r"^\[worker:0\] (.*)", before, re.M))
     self.assertIn("tfdist: received SIGTERM", worker_lines)
-    self.assertNotRegex(worker_lines, r"step \d+/1000: loss")
+    self.assertNotRegex(worker_lines, rf"step \d+/{ENDLESS_STEPS}: loss")
     for line in before.splitlines():
       line = re.sub(r"^\[worker:0\] ", "", line)
       self.assertFalse(task_output.is_chatter(line), line)
@@ -422,12 +463,13 @@ class FaultToleranceTest(absltest.TestCase):
     watch = testlib.LauncherWatch(
         ["--num_workers=2", "--stop_grace_seconds=60", "--output=chief",
          f"--task_log_dir={logs}"],
-        _train_args(model_dir, 1000, self.data,
+        _train_args(model_dir, ENDLESS_STEPS, self.data,
                     [f"--preemption_grace_seconds={grace}"]),
         timeout=TIMEOUT)
     worker_pid = watch.task_pid("worker:0")
-    self.assertIsNotNone(watch.wait_for(r"^I\S+ .*step 5/1000: loss", 150),
-                         watch.output()[-4000:])
+    self.assertIsNotNone(
+        watch.wait_for(rf"^I\S+ .*step 5/{ENDLESS_STEPS}: loss", 150),
+        watch.output()[-4000:])
     # Preempt only the worker: the chief learns of it through the agreement
     # all-reduce and both save at the same step.
     sent = time.time()
@@ -444,7 +486,7 @@ class FaultToleranceTest(absltest.TestCase):
     stopped = int(stopped.group(1))
     with open(os.path.join(logs, "worker-0.log")) as f:
       worker_log = f.read()
-    self.assertRegex(worker_log, r"step 5/1000: loss")
+    self.assertRegex(worker_log, rf"step 5/{ENDLESS_STEPS}: loss")
     self.assertRegex(worker_log, rf"Stopped by SIGTERM at step {stopped};")
     finite, step = _checkpoint_is_finite(model_dir)
     self.assertTrue(finite)
@@ -452,13 +494,13 @@ class FaultToleranceTest(absltest.TestCase):
 
     # The rerun resumes from that checkpoint and trains on.
     watch = testlib.LauncherWatch(
-        ["--num_workers=2"], _train_args(model_dir, 1000, self.data),
+        ["--num_workers=2"], _train_args(model_dir, ENDLESS_STEPS, self.data),
         timeout=TIMEOUT)
     self.assertIsNotNone(
         watch.wait_for(rf"\[chief:0\] .*resuming at step {stopped}\b", 150),
         watch.output()[-4000:])
     self.assertIsNotNone(
-        watch.wait_for(r"\[chief:0\] .*step \d+/1000: loss", 150),
+        watch.wait_for(rf"\[chief:0\] .*step \d+/{ENDLESS_STEPS}: loss", 150),
         watch.output()[-4000:])
     sent = time.time()
     watch.proc.send_signal(signal.SIGINT)  # What Ctrl-C sends the launcher.

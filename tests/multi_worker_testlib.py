@@ -211,6 +211,19 @@ def run_module_with_timeout(module: str, args, *, timeout: float, env=None):
   return code, out, time.time() - started
 
 
+def small_model():
+  """`--model=tests.multi_worker_testlib:small_model`: a Fashion-MNIST
+  classifier, float32 images [batch, 28, 28, 1] to 10 logits, of two dense
+  layers (25,450 parameters), for runs whose claims are about processes
+  and checkpoints rather than the model: it builds and traces in less time
+  than `--model=cnn` (convolutions, batch normalization, dropout)."""
+  import keras  # pylint: disable=g-import-not-at-top
+  inputs = keras.Input((28, 28, 1), name="image")
+  hidden = keras.layers.Dense(32, activation="relu")(
+      keras.layers.Flatten()(inputs))
+  return keras.Model(inputs, keras.layers.Dense(10)(hidden))
+
+
 # --- worker programs -------------------------------------------------------
 def _task_name() -> str:
   from tfdist.distribute import cluster as cluster_lib  # pylint: disable=g-import-not-at-top

@@ -71,6 +71,8 @@ def _read_manifest(model_dir: str) -> dict:
     return json.load(f)
 
 
+# The steps of the run with an evaluator and a worker killed at step 20.
+_EVALUATED_STEPS = 60
 # The run of `_restart_and_preemption_run`: its steps, and what it left
 # (filled once per process).
 _PREEMPTED_STEPS = 60
@@ -207,11 +209,15 @@ class ParameterServerTrainingTest(absltest.TestCase):
   def test_end_to_end_with_evaluator_and_a_worker_killed_mid_run(self):
     # One cluster for two claims: the whole run (placement, evaluator,
     # export of the metrics), and worker failures tolerated: worker-1 is
-    # SIGKILLed at step 20 of 120 and the chief finishes on worker-0.
+    # SIGKILLed at step 20 of 60 and the chief finishes on worker-0: 40
+    # steps (20 closures of 2) after the kill, and the evaluator sees the
+    # checkpoints of steps 20, 40 and 60 (before: 120 steps, nothing after
+    # the kill asserted but the end).
+    steps = _EVALUATED_STEPS
     cluster = self._cluster(
-        _flags(self.model_dir, train_steps=120, steps_per_execution=2),
+        _flags(self.model_dir, train_steps=steps, steps_per_execution=2),
         num_workers=2, num_ps=2, evaluator=True)
-    self.assertTrue(cluster.wait_for_log("chief-0", ", step 20/120: ",
+    self.assertTrue(cluster.wait_for_log("chief-0", f", step 20/{steps}: ",
                                          timeout=180),
                     self._chief_log(cluster))
     cluster.kill("worker-1")
@@ -226,8 +232,8 @@ class ParameterServerTrainingTest(absltest.TestCase):
     for name in ("worker-0", "ps-0", "ps-1", "evaluator-0"):
       self.assertEqual(cluster.wait(name, timeout=60), 0, cluster.log(name))
     manifest = _read_manifest(self.model_dir)
-    self.assertEqual(manifest["final_step"], 120)
-    self.assertEqual(manifest["history"][-1]["step"], 120)
+    self.assertEqual(manifest["final_step"], steps)
+    self.assertEqual(manifest["history"][-1]["step"], steps)
     self.assertEqual(manifest["strategy"], "parameter_server")
     placement = manifest["parameter_server"]["placement"]
     tables = {t["layer"]: t for t in placement["tables"]}
@@ -243,14 +249,14 @@ class ParameterServerTrainingTest(absltest.TestCase):
       self.assertLen(names, 3, slots)  # The table shard and its 2 slots.
       self.assertEqual({slots[n] for n in names}, {task})
     self.assertIsNotNone(manifest["final_metrics"]["eval_auc"])
-    self.assertIn("held-out evaluation at step 120: ",
+    self.assertIn(f"held-out evaluation at step {steps}: ",
                   cluster.log("chief-0"))
     # The evaluator saw each checkpoint once, in order.
     with open(os.path.join(self.model_dir, "eval",
                            "eval_results.jsonl")) as f:
       results = [json.loads(line) for line in f if line.strip()]
-    steps = [r["step"] for r in results]
-    self.assertEqual(steps, sorted(set(steps)))
+    evaluated = [r["step"] for r in results]
+    self.assertEqual(evaluated, sorted(set(evaluated)))
     # One process outside the cluster, on its one CPU device, with the
     # coordinator's evaluation batch.
     self.assertEqual(manifest["eval_batch_size"], max(
@@ -259,7 +265,7 @@ class ParameterServerTrainingTest(absltest.TestCase):
                        r["evaluated_with"]["global_batch_size"])
                       for r in results},
                      {("one_device", manifest["eval_batch_size"])})
-    self.assertIn(120, steps)
+    self.assertIn(steps, evaluated)
     self.assertTrue(any(n.startswith("events.out.tfevents") for n in
                         os.listdir(os.path.join(self.model_dir, "eval"))))
     with open(os.path.join(self.model_dir, "checkpoints",

@@ -87,8 +87,10 @@ from tfdist.runtime import cli
 from tfdist.runtime import task_output
 
 HOST = "127.0.0.1"
-# Survivors of a failed task get this long to exit on their own (they
-# usually fail at once with UnavailableError) before they are killed.
+# Survivors of a failed task that end on their own (the chief; without ps
+# tasks, the workers: they usually fail at once with UnavailableError) get
+# this long to exit before every task still running is killed. Servers and
+# an evaluator are not waited for (`_ends_on_its_own`).
 FAILURE_STOP_SECONDS = 5.0
 # A task that wrote its done marker gets this long (at most
 # --stop_grace_seconds) to exit before it is stopped.
@@ -620,10 +622,24 @@ class Launcher:
       except OSError:
         pass
 
+  def _ends_on_its_own(self) -> List[Task]:
+    """The tasks that end on their own when a peer fails: the chief and,
+    without ps tasks, the workers (MultiWorkerMirrored peers, which report
+    the lost peer and exit). Servers (ps tasks; with ps tasks, the
+    workers) serve, and an evaluator watches, until the chief marks the
+    run done: waiting for them only delayed every restart of a
+    parameter-server group by the whole `FAILURE_STOP_SECONDS`."""
+    has_ps = any(t.task_type == cluster_lib.PS for t in self.tasks)
+    return [t for t in self.tasks if t.task_type == cluster_lib.CHIEF or
+            (t.task_type == cluster_lib.WORKER and not has_ps)]
+
   def _stop_survivors(self):
+    """Gives the survivors that end on their own (`_ends_on_its_own`) up to
+    `FAILURE_STOP_SECONDS` to exit, then kills every task still running."""
+    waited = [self._procs[t] for t in self._ends_on_its_own()
+              if t in self._procs]
     deadline = time.time() + FAILURE_STOP_SECONDS
-    while time.time() < deadline and any(
-        p.poll() is None for p in self._procs.values()):
+    while time.time() < deadline and any(p.poll() is None for p in waited):
       time.sleep(POLL_SECONDS)
     running = [t for t, p in self._procs.items() if p.poll() is None]
     if running:
