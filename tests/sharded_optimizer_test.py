@@ -1,9 +1,10 @@
 """Sharded optimizer state and gradients (ZeRO stages 1 and 2) train like
 unsharded training, and their checkpoints do not care.
 
-* Under MirroredStrategy on 2 logical CPU devices (this file run as a child
-  process: logical devices, op determinism and `TF_ENABLE_ONEDNN_OPTS=0`
-  must be set before TensorFlow starts) and under 2 real
+* Under MirroredStrategy on 2 logical CPU devices (set when this file is
+  imported, before TensorFlow's runtime starts, with op determinism,
+  `TF_ENABLE_ONEDNN_OPTS=0` and TensorFlow's BFC CPU allocator: run it as
+  its own process) and under 2 real
   MultiWorkerMirroredStrategy workers (tests/sharded_optimizer_workers_test.py;
   the cases of both: tests/sharded_optimizer_testlib.py):
   3 updates of Adam and SGD with momentum (and under Mirrored AdamW and
@@ -27,29 +28,54 @@ unsharded training, and their checkpoints do not care.
 * `python -m tfdist.train --zero_stage=2` trains, exports, and an unsharded
   run resumes from its checkpoint; bad flag combinations fail at start.
 
-No test here runs two TensorFlow processes at once (the child and the
-binary's runs one at a time, while this process waits), so Bazel runs this
-file beside a cluster target.
+No test here runs two TensorFlow processes at once (the binary's runs one
+at a time, while this process waits), so Bazel runs this file beside a
+cluster target.
 """
 
-import json
 import os
 
-from absl.testing import absltest
+os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
+# TensorFlow's default CPU allocator keeps no statistics ("Allocator stats
+# not available for device 'CPU:0'"); its BFC allocator does
+# (`cases_lib.resting_memory`). Read when the CPU devices are made (below);
+# the binaries CommandLineTest starts get the environment as it was.
+_ALLOCATOR_ENV = os.environ.get("TF_CPU_ALLOCATOR_USE_BFC")
+os.environ["TF_CPU_ALLOCATOR_USE_BFC"] = "true"
 
-from tests import sharded_optimizer_testlib as cases_lib
-from tests import testutil
-from tfdist import errors
+from absl.testing import absltest  # pylint: disable=g-import-not-at-top
+import tensorflow as tf  # pylint: disable=g-import-not-at-top
 
-_CHILD_ENV = "TFDIST_SHARDED_CHILD"
+from tests import sharded_optimizer_testlib as cases_lib  # pylint: disable=g-import-not-at-top
+from tests import testutil  # pylint: disable=g-import-not-at-top
+from tfdist import errors  # pylint: disable=g-import-not-at-top
+from tfdist.distribute import devices  # pylint: disable=g-import-not-at-top
+
+DEVICES = devices.configure_cpu_devices(2)
+if _ALLOCATOR_ENV is None:
+  del os.environ["TF_CPU_ALLOCATOR_USE_BFC"]
+else:
+  os.environ["TF_CPU_ALLOCATOR_USE_BFC"] = _ALLOCATOR_ENV
+tf.config.experimental.enable_op_determinism()
+
+_RESULTS = {}
+
+
+def _results() -> dict:
+  """`cases_lib.mirrored_cases` on a small real Fashion-MNIST subset (256
+  examples, 2 shards), run once for this process."""
+  if not _RESULTS:
+    data = testutil.fashion_mnist_subset(limit=256, train_shards=2,
+                                         test_shards=1)
+    _RESULTS.update(cases_lib.mirrored_cases(data["train"], DEVICES))
+  return _RESULTS
 
 
 class MirroredShardedTest(cases_lib.CaseChecks, absltest.TestCase):
 
   def setUp(self):
     super().setUp()
-    self.result = testutil.child_cases(os.path.abspath(__file__), _CHILD_ENV,
-                                       timeout=900)["mirrored"]
+    self.result = _results()["mirrored"]
     self.assertNotIn("error", self.result, self.result.get("error"))
 
   def test_equal_to_unsharded(self):
@@ -70,8 +96,7 @@ class MirroredShardedTest(cases_lib.CaseChecks, absltest.TestCase):
     # replica). Stage 3: all_gather's built-in gradient (tf.gather at
     # tf.range(begin, end)) kept about 6 more.
     for key in ("resting", "resting_stage3"):
-      resting = testutil.child_cases(os.path.abspath(__file__),
-                                     _CHILD_ENV, timeout=900)[key]
+      resting = _results()[key]
       with self.subTest(key):
         self.assertNotIn("error", resting, resting.get("error"))
         self.assertLess(resting["function_bytes"],
@@ -84,7 +109,6 @@ class PerVariableTest(absltest.TestCase):
     # A constant replica index takes static slices, one unknown at trace
     # time segment ids: the same sums and scaling, padding included.
     import numpy as np  # pylint: disable=g-import-not-at-top
-    import tensorflow as tf  # pylint: disable=g-import-not-at-top
     from tfdist.parallel.data import sharded_optimizer  # pylint: disable=g-import-not-at-top
     layout = sharded_optimizer.FlatLayout([[2, 3], [2], [4]], num_shards=3)
     self.assertEqual((layout.shard_size, layout.padding), (4, 0))
@@ -166,8 +190,4 @@ class CommandLineTest(absltest.TestCase):
 
 
 if __name__ == "__main__":
-  if os.environ.get(_CHILD_ENV):
-    print(json.dumps(cases_lib.mirrored_child(os.environ[_CHILD_ENV])),
-          flush=True)
-  else:
-    absltest.main()
+  absltest.main()

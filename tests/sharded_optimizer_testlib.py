@@ -3,9 +3,10 @@ tests/sharded_optimizer_workers_test.py: sharded optimizer state and
 gradients (ZeRO stages 1 and 2) against unsharded training under one
 strategy, and the checks of their results.
 
-`mirrored_child` runs them under MirroredStrategy on 2 logical CPU devices
-(in a child process: logical devices, op determinism and
-`TF_ENABLE_ONEDNN_OPTS=0` must be set before TensorFlow starts);
+`mirrored_cases` runs them under MirroredStrategy on 2 logical CPU devices
+(in tests/sharded_optimizer_test.py's process, configured as it starts:
+logical devices, op determinism and `TF_ENABLE_ONEDNN_OPTS=0` must be set
+before TensorFlow starts);
 `python -m tests.sharded_optimizer_testlib worker OUT TRAIN_GLOB`, started
 by `tfdist.launch`, runs them as one MultiWorkerMirrored worker and writes
 its results to OUT. `CaseChecks` holds the assertions both test files make.
@@ -315,9 +316,14 @@ def resting_memory(strategy, stage: int = 1) -> dict:
   def at_rest():
     gc.collect()
     # The collectives' threads release their buffers shortly after a step
-    # returns.
-    time.sleep(0.5)
-    return tf.config.experimental.get_memory_info("CPU:0")["current"]
+    # returns: read until 5 reads 20 ms apart agree (at most 2 s).
+    reads = [tf.config.experimental.get_memory_info("CPU:0")["current"]]
+    deadline = time.monotonic() + 2.0
+    while time.monotonic() < deadline and (
+        len(reads) < 5 or len(set(reads[-5:])) > 1):
+      time.sleep(0.02)
+      reads.append(tf.config.experimental.get_memory_info("CPU:0")["current"])
+    return reads[-1]
 
   with strategy.scope():
     model = keras.Sequential([keras.Input((1024,)),
@@ -341,19 +347,15 @@ def resting_memory(strategy, stage: int = 1) -> dict:
           "shard_size": trainer.sharded.layout.shard_size}
 
 
-def mirrored_child(train_glob: str) -> dict:
-  # With oneDNN off (`testutil.child_cases`), TensorFlow's default CPU
-  # allocator keeps no statistics ("Allocator stats not available for
-  # device 'CPU:0'"); its BFC allocator does (`resting_memory`). Read when
-  # TensorFlow first allocates.
-  os.environ["TF_CPU_ALLOCATOR_USE_BFC"] = "true"
+def mirrored_cases(train_glob: str, devices) -> dict:
+  """The cases under MirroredStrategy on the 2 logical CPU `devices`
+  (tests/sharded_optimizer_test.py: its process configured as it starts,
+  with op determinism and TensorFlow's BFC CPU allocator, whose statistics
+  `resting_memory` reads), and the chain's third segment on the first
+  device alone. Returns `{"mirrored", "resting", "resting_stage3"}`."""
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  cpu = tf.config.list_physical_devices("CPU")[0]
-  tf.config.set_logical_device_configuration(
-      cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
-  tf.config.experimental.enable_op_determinism()
-  mirrored = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
-  single = tf.distribute.MirroredStrategy(["/cpu:0"])
+  mirrored = tf.distribute.MirroredStrategy(list(devices))
+  single = tf.distribute.MirroredStrategy(list(devices[:1]))
   return {"mirrored": guarded(lambda: run_cases(
       mirrored, train_glob, MIRRORED_CASES, scratch=testutil.scratch_dir(),
       fp16_stages=(1, 2, 3), chain_stages=(0, 1, 2, 0),

@@ -301,14 +301,42 @@ class TransformerTest(absltest.TestCase):
     self.assertLess(_max_difference(stage_3, stage_1), 1e-6)
 
 
+_TWO_STEPS = {}
+
+
+def _stage_3_two_updates() -> dict:
+  """The 2-replica stage-3 run of `no_dropout_cnn` for 2 updates (its
+  step-2 checkpoint), made once for `CheckpointsTest` and
+  `SlicedCheckpointsTest` (each copies its folder before training on):
+  `{"model_dir", "weights", "trainable", "full_weight_calls",
+  "full_slot_calls"}`: the weights `fit` returned, the trainable
+  variables' values after the run, and how many times a weight or an
+  optimizer slot was gathered whole during it."""
+  if not _TWO_STEPS:
+    model_dir = os.path.join(testutil.scratch_dir(), "stage3_two_updates")
+    with _Counted(zero3.Zero3Optimizer, "full_weight") as weights, \
+        _Counted(sharded_optimizer.ShardedOptimizer, "full_slot") as slots:
+      saved, _ = _fit(no_dropout_cnn, model_dir=model_dir, train_steps=2,
+                      zero_stage=3)
+    _TWO_STEPS.update(
+        model_dir=model_dir, weights=saved,
+        trainable=[v.numpy() for v in _Built.model.trainable_variables],
+        full_weight_calls=weights.calls, full_slot_calls=slots.calls)
+  return _TWO_STEPS
+
+
 class CheckpointsTest(absltest.TestCase):
 
   def test_stage_3_to_one_device_unsharded_and_back(self):
     def chain(first_stage, last_stage):
       """Two updates, two more on one device unsharded, two more."""
       model_dir = os.path.join(testutil.scratch_dir(), "chain")
-      _fit(no_dropout_cnn, model_dir=model_dir, train_steps=2,
-           zero_stage=first_stage)
+      if first_stage == 3:
+        # The same 2 updates as SlicedCheckpointsTest's first run: run once.
+        shutil.copytree(_stage_3_two_updates()["model_dir"], model_dir)
+      else:
+        _fit(no_dropout_cnn, model_dir=model_dir, train_steps=2,
+             zero_stage=first_stage)
       keys = tf.train.list_variables(tf.train.latest_checkpoint(
           os.path.join(model_dir, "checkpoints")))
       _fit(no_dropout_cnn, model_dir=model_dir, train_steps=4,
@@ -431,14 +459,12 @@ class SlicedCheckpointsTest(absltest.TestCase):
 
   def test_two_replicas_to_four_and_back_and_to_one_device(self):
     scratch = testutil.scratch_dir()
-    two = os.path.join(scratch, "two")
-    with _Counted(zero3.Zero3Optimizer, "full_weight") as weights, \
-        _Counted(sharded_optimizer.ShardedOptimizer, "full_slot") as slots:
-      saved, _ = _fit(no_dropout_cnn, model_dir=two, train_steps=2,
-                      zero_stage=3)
+    # 2 replicas, 2 updates (CheckpointsTest's first run too: made once).
+    run = _stage_3_two_updates()
+    two, saved, trainable = run["model_dir"], run["weights"], run["trainable"]
     # No weight or slot was gathered whole to save it.
-    self.assertEqual((weights.calls, slots.calls), (0, 0))
-    trainable = [v.numpy() for v in _Built.model.trainable_variables]
+    self.assertEqual((run["full_weight_calls"], run["full_slot_calls"]),
+                     (0, 0))
     path = tf.train.latest_checkpoint(os.path.join(two, "checkpoints"))
     reader = tf.train.load_checkpoint(path)
     shapes = dict(tf.train.list_variables(path))
@@ -645,34 +671,71 @@ def _dense_trainer(strategy, num_blocks: int, prefetch: bool = False):
   return trainer, iter(strategy.experimental_distribute_dataset(data))
 
 
+def _float32_gathers(graph) -> list:
+  """The sizes `graph`'s float32 all-gathers send, sorted. (`all_gather`
+  exchanges the shapes first, then gathers the values padded to the
+  largest: the size sent is the padding's input's.)"""
+  return sorted(op.inputs[0].op.inputs[0].shape.num_elements()
+                for op in graph.get_operations()
+                if op.type == "CollectiveGatherV2" and
+                op.inputs[0].dtype == tf.float32)
+
+
+_BLOCK_RUNS = {}
+
+
+def _block_runs() -> dict:
+  """`_dense_trainer` with 1 block, 4 blocks, and 4 blocks prefetched, 3
+  updates each, made once for `BlockGatherTest` and `BlockEvaluationTest`:
+  by `(num_blocks, prefetch)`, `{"layout", "train_sent"` (the step's
+  float32 gathers, `_float32_gathers`), `"weights"` (gathered after the
+  updates), and without prefetch `"evaluation"` (`Trainer.evaluate` of
+  33 examples in batches of 16, before the weights are gathered: the
+  last global batch of 1 leaves one replica an empty batch) and
+  `"eval_sent"` (the evaluation step's gathers)}`."""
+  if _BLOCK_RUNS:
+    return _BLOCK_RUNS
+  strategy = _strategy()
+  rng = np.random.default_rng(1)
+  evaluation_data = tf.data.Dataset.from_tensor_slices((
+      rng.normal(size=(33, 32)).astype(np.float32),
+      rng.integers(0, 10, size=33))).batch(16)
+  for num_blocks, prefetch in ((1, False), (4, False), (4, True)):
+    trainer, batches = _dense_trainer(strategy, num_blocks, prefetch)
+    run = {"layout": trainer.sharded.layout}
+    for _ in range(3):
+      trainer.train_function(batches, tf.constant(1, tf.int32))
+    run["train_sent"] = _float32_gathers(
+        trainer.train_function.get_concrete_function(
+            batches, tf.constant(1, tf.int32)).graph)
+    if not prefetch:
+      # Evaluated while the weights are still released (as a run's
+      # evaluation between steps is).
+      evaluation = strategy.experimental_distribute_dataset(evaluation_data)
+      run["evaluation"] = trainer.evaluate(evaluation)
+      run["eval_sent"] = _float32_gathers(
+          trainer.eval_function.get_concrete_function(
+              next(iter(evaluation))).graph)
+    trainer.sharded.materialize()
+    run["weights"] = trainer.model.get_weights()
+    _BLOCK_RUNS[num_blocks, prefetch] = run
+  return _BLOCK_RUNS
+
+
 class BlockGatherTest(absltest.TestCase):
 
   def test_one_gather_per_block_each_way_and_equal_to_whole_model(self):
-    weights = {}
-    strategy = _strategy()
-    for num_blocks, prefetch in ((1, False), (4, False), (4, True)):
-      trainer, batches = _dense_trainer(strategy, num_blocks, prefetch)
-      layout = trainer.sharded.layout
-      for _ in range(3):
-        trainer.train_function(batches, tf.constant(1, tf.int32))
-      trainer.sharded.materialize()
-      weights[num_blocks, prefetch] = trainer.model.get_weights()
-      if num_blocks == 1:
-        continue
+    runs = _block_runs()
+    for num_blocks, prefetch in ((4, False), (4, True)):
+      layout = runs[num_blocks, prefetch]["layout"]
       # The step's graph gathers each block's slice [S_b] twice per
       # replica (the forward pass, the recomputation), and never the
       # whole shard [S].
       self.assertLen(layout.blocks, 4)
-      graph = trainer.train_function.get_concrete_function(
-          batches, tf.constant(1, tf.int32)).graph
-      # (`all_gather` exchanges the shapes first, then gathers the values
-      # padded to the largest: the size sent is the padding's input's.)
-      sent = sorted(op.inputs[0].op.inputs[0].shape.num_elements()
-                    for op in graph.get_operations()
-                    if op.type == "CollectiveGatherV2" and
-                    op.inputs[0].dtype == tf.float32)
+      sent = runs[num_blocks, prefetch]["train_sent"]
       self.assertEqual(sent, sorted(layout.block_sizes * 2 * 2))
       self.assertNotIn(layout.shard_size, sent)
+    weights = {key: run["weights"] for key, run in runs.items()}
     self.assertLess(_max_difference(weights[4, False], weights[1, False]),
                     1e-6)
     self.assertLess(_max_difference(weights[4, True], weights[1, False]),
@@ -682,30 +745,14 @@ class BlockGatherTest(absltest.TestCase):
 class BlockEvaluationTest(absltest.TestCase):
 
   def test_evaluation_gathers_block_by_block_and_equals_whole_model(self):
-    strategy = _strategy()
-    rng = np.random.default_rng(1)
-    # 33 examples in batches of 16: the last global batch of 1 leaves one
-    # replica an empty batch.
-    data = tf.data.Dataset.from_tensor_slices((
-        rng.normal(size=(33, 32)).astype(np.float32),
-        rng.integers(0, 10, size=33))).batch(16)
-    results = {}
-    for num_blocks in (1, 4):
-      trainer, batches = _dense_trainer(strategy, num_blocks)
-      trainer.train_function(batches, tf.constant(1, tf.int32))
-      evaluation = strategy.experimental_distribute_dataset(data)
-      results[num_blocks] = trainer.evaluate(evaluation)
-      if num_blocks == 1:
-        continue
-      layout = trainer.sharded.layout
-      graph = trainer.eval_function.get_concrete_function(
-          next(iter(evaluation))).graph
-      sent = sorted(op.inputs[0].op.inputs[0].shape.num_elements()
-                    for op in graph.get_operations()
-                    if op.type == "CollectiveGatherV2" and
-                    op.inputs[0].dtype == tf.float32)
-      # Each block's slice once per replica, never the whole shard.
-      self.assertEqual(sent, sorted(layout.block_sizes * 2))
+    # The trainers of BlockGatherTest, evaluated after their 3 updates.
+    runs = _block_runs()
+    results = {num_blocks: runs[num_blocks, False]["evaluation"]
+               for num_blocks in (1, 4)}
+    layout = runs[4, False]["layout"]
+    # Each block's slice once per replica, never the whole shard.
+    self.assertEqual(runs[4, False]["eval_sent"],
+                     sorted(layout.block_sizes * 2))
     self.assertEqual(results[4]["num_examples"], 33)
     for key in ("loss", "accuracy"):
       if key in results[1]:
