@@ -105,7 +105,7 @@ def _child_results() -> dict:
   """`_child_main`'s runs: in this process when its CPU can still be split
   (no test trained here before: TensorFlow's start-up is then paid once for
   the file), else in a child process (this file run as a script; it trains
-  about 35 small runs, so its time limit is longer than
+  about 30 small runs, so its time limit is longer than
   `testutil.child_case`'s). JSON either way (lists, not tuples)."""
   if _two_logical_cpus():
     try:
