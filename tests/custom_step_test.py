@@ -4,10 +4,11 @@ Each case (`CASES`) is a Keras model subclass in the style of Keras's guide
 "Customizing what happens in fit()"; it trains with `Model.fit` (then
 `Model.evaluate`) and with `tfdist.fit`, on one device and under
 MirroredStrategy on 2 logical CPUs, and the final weights, the last
-epoch's logs and the evaluation logs are compared (`ATOL`). One child
-process (this file run as a script: the logical devices must exist before
-TensorFlow starts) runs every case once. The refusals (`REFUSALS`) of
-settings that need tfdist's own step run in the same child. The
+epoch's logs and the evaluation logs are compared (`ATOL`). Every case
+runs once per test process: in this process when no test trained here
+before (the logical devices must exist before TensorFlow starts), else in
+one child process (this file run as a script). The refusals (`REFUSALS`)
+of settings that need tfdist's own step run there too. The
 two-optimizer case also runs on two MultiWorkerMirrored workers (a local
 cluster, `tfdist.launch --module=tests.custom_step_test`), against
 `Model.fit` under Mirrored (Keras's own `fit` fails under
@@ -361,9 +362,11 @@ PARTIAL_EVAL = 200
 
 
 def _keras_fit(builder, strategy, evaluate: bool = True,
-               eval_examples: int = 512) -> dict:
-  """`Model.fit` and `Model.evaluate` (on the first `eval_examples`) in
-  `strategy`'s scope (None: one device)."""
+               partial_eval: bool = False) -> dict:
+  """`Model.fit` and `Model.evaluate` (on every example) in `strategy`'s
+  scope (None: one device); with `partial_eval`, also `Model.evaluate` of
+  the same weights on the first `PARTIAL_EVAL` examples
+  (`"partial_eval"`)."""
   import contextlib  # pylint: disable=g-import-not-at-top
   import keras  # pylint: disable=g-import-not-at-top
   x, y = _data()
@@ -371,12 +374,16 @@ def _keras_fit(builder, strategy, evaluate: bool = True,
     model = builder(keras.optimizers.SGD(RATE))
   history = model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False,
                       verbose=0)
-  evaluation = (model.evaluate(x[:eval_examples], y[:eval_examples],
-                               batch_size=BATCH, verbose=0,
-                               return_dict=True) if evaluate else {})
+
+  def evaluation(examples):
+    return _floats(model.evaluate(x[:examples], y[:examples],
+                                  batch_size=BATCH, verbose=0,
+                                  return_dict=True))
   return {"weights": [w.tolist() for w in model.get_weights()],
           "train": _floats({k: v[-1] for k, v in history.history.items()}),
-          "eval": _floats(evaluation)}
+          "eval": evaluation(len(x)) if evaluate else {},
+          **({"partial_eval": evaluation(PARTIAL_EVAL)} if partial_eval
+             else {})}
 
 
 def _config(model_dir: str, strategy: str, **overrides):
@@ -515,11 +522,26 @@ def _no_call_run(model_dir: str) -> dict:
           "written": os.path.exists(os.path.join(model_dir, "saved_model"))}
 
 
+def _two_logical_cpus() -> bool:
+  """Splits this process's CPU into 2 logical devices
+  (`devices.configure_cpu_devices`); False when TensorFlow's runtime
+  already started here with another split (too late to split it)."""
+  from tfdist.distribute import devices  # pylint: disable=g-import-not-at-top
+  try:
+    devices.configure_cpu_devices(2)
+  except RuntimeError:
+    return False
+  return True
+
+
+# The cases whose one-device Model.fit also evaluates the first
+# PARTIAL_EVAL examples (the partial-evaluation references).
+PARTIAL_EVAL_CASES = ("frozen_bias", "test_step")
+
+
 def _child_main() -> dict:
+  """Every case's runs, on 2 logical CPUs (`_two_logical_cpus` first)."""
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  tf.config.set_logical_device_configuration(
-      tf.config.list_physical_devices("CPU")[0],
-      [tf.config.LogicalDeviceConfiguration()] * 2)
   import traceback  # pylint: disable=g-import-not-at-top
   root = tempfile.mkdtemp(dir=testutil.scratch_dir())
   mirrored = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
@@ -534,7 +556,9 @@ def _child_main() -> dict:
         out[name] = {
             "keras": _keras_fit(builder, mirrored if strategy == "mirrored"
                                 else None,
-                                evaluate=case not in NOT_EVALUATED),
+                                evaluate=case not in NOT_EVALUATED,
+                                partial_eval=(case in PARTIAL_EVAL_CASES and
+                                              strategy == "one_device")),
             "tfdist": _tfdist_fit(builder, strategy,
                                   os.path.join(root, name.replace("/", "-")),
                                   evaluate=case not in NOT_EVALUATED)}
@@ -586,12 +610,13 @@ def _child_main() -> dict:
     out["hand_added_terms"] = {"error": traceback.format_exc()}
   # Evaluation on examples that leave a replica's last batch empty:
   # Keras's test_step averaged that empty batch into a NaN loss (issue
-  # 47); one device's Model.evaluate of the same weights is the reference.
-  for case in ("frozen_bias", "test_step"):
+  # 47); one device's Model.evaluate of the same weights is the reference
+  # (that of the case's one-device Model.fit: the same updates).
+  for case in PARTIAL_EVAL_CASES:
     try:
       out[f"partial_eval/{case}"] = {
-          "keras": _keras_fit(models[case], None,
-                              eval_examples=PARTIAL_EVAL),
+          "keras": {"eval": out[f"{case}/one_device"]["keras"][
+              "partial_eval"]},
           "tfdist": _tfdist_fit(models[case], "mirrored",
                                 os.path.join(root, f"partial-{case}"),
                                 eval_examples=PARTIAL_EVAL)}
@@ -616,7 +641,12 @@ _RESULTS = {}
 
 
 def _child_results() -> dict:
-  """`_child_main`'s results, from one child process per test process."""
+  """`_child_main`'s results, once per test process: in this process when
+  its CPU can still be split (no test trained here before: TensorFlow's
+  start-up is then paid once for the file), else in a child process (this
+  file run as a script). JSON either way (lists, not tuples)."""
+  if not _RESULTS and _two_logical_cpus():
+    _RESULTS.update(json.loads(json.dumps(_child_main())))
   if not _RESULTS:
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
                TF_ENABLE_ONEDNN_OPTS="0", **{_CHILD_ENV: "1"})
@@ -941,6 +971,7 @@ def _flatten(value) -> list:
 
 if __name__ == "__main__":
   if os.environ.get(_CHILD_ENV):
+    assert _two_logical_cpus()
     print(json.dumps(_child_main()), flush=True)
   elif os.environ.get("TF_CONFIG"):
     _cluster_main(*sys.argv[1:3])
