@@ -563,20 +563,22 @@ def tfdist_fit(case: str, *, strategy: str, model_dir: str,
                                    manifest.get("replicas"))}
 
 
-def keras_fit_resumed(class_weight=CLASS_WEIGHT) -> dict:
+def keras_fit_resumed(class_weight=CLASS_WEIGHT, *,
+                      resumed: bool = True) -> dict:
   """The `class_weight_resumed` reference, as a resumed `fit` script runs:
   `Model.fit` of epochs 0-1 on `class_data`, then, on the same model,
   `fit(initial_epoch=2)` on `class_nan_data`, each call with fresh
   callbacks (a new process's). Returns `{"first": ..., "second": ...}`:
   each call's hooks, `params`, history, final weights and rates.
-  `class_weight`: instead of `CLASS_WEIGHT` (None: none)."""
+  `class_weight`: instead of `CLASS_WEIGHT` (None: none). `resumed=False`:
+  the first call only (no `"second"`)."""
   import keras  # pylint: disable=g-import-not-at-top
   case = "class_weight_resumed"
   model = build_model(case, keras.optimizers.SGD(learning_rate=LEARNING_RATE))
   out = {}
-  for name, data, epochs in (("first", class_data, (0, RESUMED_AT_EPOCH)),
-                             ("second", class_nan_data,
-                              (RESUMED_AT_EPOCH, EPOCHS))):
+  calls = (("first", class_data, (0, RESUMED_AT_EPOCH)),
+           ("second", class_nan_data, (RESUMED_AT_EPOCH, EPOCHS)))
+  for name, data, epochs in calls if resumed else calls[:1]:
     recorder = Recorder()
     history = model.fit(*data(), class_weight=class_weight,
                         validation_split=RESUMED_SPLIT,
