@@ -180,7 +180,6 @@ class ResumedRunsTest(absltest.TestCase):
                          lines, label.endswith("generator"), lines)
 
 
-
 @pytest.mark.compat
 class ResumedPipelineTest(parameterized.TestCase):
 
