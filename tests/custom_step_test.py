@@ -4,20 +4,22 @@ Each case (`CASES`) is a Keras model subclass in the style of Keras's guide
 "Customizing what happens in fit()"; it trains with `Model.fit` (then
 `Model.evaluate`) and with `tfdist.fit`, on one device and under
 MirroredStrategy on 2 logical CPUs, and the final weights, the last
-epoch's logs and the evaluation logs are compared (`ATOL`). One child
-process (this file run as a script: the logical devices must exist before
-TensorFlow starts) runs every case once. The refusals (`REFUSALS`) of
-settings that need tfdist's own step run in the same child. The
+epoch's logs and the evaluation logs are compared (`ATOL`). Every case
+runs once per test process: in this process when no test trained here
+before (the logical devices must exist before TensorFlow starts), else in
+one child process (this file run as a script). The refusals (`REFUSALS`)
+of settings that need tfdist's own step run there too. The
 two-optimizer case also runs on two MultiWorkerMirrored workers (a local
 cluster, `tfdist.launch --module=tests.custom_step_test`), against
 `Model.fit` under Mirrored (Keras's own `fit` fails under
 MultiWorkerMirrored).
 
 Terms added by hand (an L2 penalty added in `train_step`, an output
-penalty added to `super().compute_loss(...)`) are per-replica values the
-strategy sums: tfdist gives Keras's weights under the same strategy (on one
-device, one device's; under Mirrored and on two workers, Mirrored's, which
-are not one device's), and the run warns (`tfdist.training.plan.differences`).
+penalty added to `super().compute_loss(...)`, both in one model) are
+per-replica values the strategy sums: tfdist gives Keras's weights under the
+same strategy (on one device, one device's; under Mirrored and on two
+workers, Mirrored's, which are not one device's), and the run warns
+(`tfdist.training.plan.differences`).
 
 Data: y = 3x + 1 on 512 examples, batches of 64, plain SGD at 0.1 with no
 shuffling, so both loops make the same updates on the same batches (float32
@@ -251,26 +253,11 @@ def _models():
                            self.trainable_weights)
       return self.compute_metrics(x, y, y_pred)
 
-  class ExtraComputeLossTerm(keras.Model):
-    """`compute_loss` overridden: Keras's loss plus a penalty on the
-    outputs, added after `super().compute_loss` (not scaled for the
-    strategy)."""
-
-    def __init__(self):
-      super().__init__()
-      self.dense = dense()
-
-    def call(self, x):
-      return self.dense(x)
-
-    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None,
-                     training=True):
-      return super().compute_loss(
-          x=x, y=y, y_pred=y_pred, sample_weight=sample_weight,
-          training=training) + 0.5 * tf.reduce_mean(tf.square(y_pred))
-
   class HandAddedTerms(HandAddedRegularizer):
-    """Both terms in one model, for the two-worker run."""
+    """Both terms in one model: its own `train_step` adds an L2 penalty by
+    hand (`HandAddedRegularizer`), and `compute_loss` is overridden to add
+    a penalty on the outputs after `super().compute_loss` (not scaled for
+    the strategy)."""
 
     def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None,
                      training=True):
@@ -297,10 +284,6 @@ def _models():
       "low_level_no_loss": build(LowLevel),
       "test_step": build(OwnEvaluation, loss="mse"),
       "combined": lambda optimizer: _two_optimizers(Combined, optimizer),
-      "hand_added_regularizer": build(HandAddedRegularizer, loss="mse",
-                                      metrics=["mae"]),
-      "extra_compute_loss_term": build(ExtraComputeLossTerm, loss="mse",
-                                       metrics=["mae"]),
       "hand_added_terms": build(HandAddedTerms, loss="mse", metrics=["mae"]),
   }
 
@@ -323,13 +306,16 @@ CELL_ROWS = {"frozen_bias": "own_step_frozen",
              "compute_loss": "own_compute_loss",
              "low_level_no_loss": "own_step_no_loss"}
 # Terms added by hand: Keras's fit under the strategy, not one device's.
-HAND_ADDED_ROWS = {"hand_added_regularizer": "own_step_hand_added_term",
-                   "extra_compute_loss_term": "own_compute_loss_extra_term"}
+# Both rows are measured with one model holding both terms
+# (`_models()["hand_added_terms"]`) on every strategy.
+HAND_ADDED_ROWS = ("own_step_hand_added_term", "own_compute_loss_extra_term")
 HAND_ADDED_CELLS = {
-    "one_device": "works (the weights and logs of `Model.fit`)",
+    "one_device": "works (the weights and logs of `Model.fit`; measured "
+                  "with one model holding both terms)",
     "mirrored": "as Keras under Mirrored (the weights and logs of "
                 "`Model.fit` under Mirrored; the hand-added term counts 2 "
-                "times, so not one device's weights; warned at start)",
+                "times, so not one device's weights; warned at start; "
+                "measured with one model holding both terms)",
     "multi_worker_mirrored": "as Keras under Mirrored (the weights and logs "
                              "of `Model.fit` under Mirrored on 2 devices; "
                              "not one device's; measured with one model "
@@ -350,7 +336,7 @@ def _floats(logs: dict) -> dict:
 
 
 # Cases run only by the resumed test and the two-worker test.
-RESUMED_ONLY = ("two_optimizers_momentum", "combined", "hand_added_terms")
+RESUMED_ONLY = ("two_optimizers_momentum", "combined")
 # Cases that Keras cannot evaluate (no loss for the default test_step).
 NOT_EVALUATED = ("two_optimizers", "two_optimizers_momentum")
 
@@ -361,9 +347,11 @@ PARTIAL_EVAL = 200
 
 
 def _keras_fit(builder, strategy, evaluate: bool = True,
-               eval_examples: int = 512) -> dict:
-  """`Model.fit` and `Model.evaluate` (on the first `eval_examples`) in
-  `strategy`'s scope (None: one device)."""
+               partial_eval: bool = False) -> dict:
+  """`Model.fit` and `Model.evaluate` (on every example) in `strategy`'s
+  scope (None: one device); with `partial_eval`, also `Model.evaluate` of
+  the same weights on the first `PARTIAL_EVAL` examples
+  (`"partial_eval"`)."""
   import contextlib  # pylint: disable=g-import-not-at-top
   import keras  # pylint: disable=g-import-not-at-top
   x, y = _data()
@@ -371,12 +359,16 @@ def _keras_fit(builder, strategy, evaluate: bool = True,
     model = builder(keras.optimizers.SGD(RATE))
   history = model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False,
                       verbose=0)
-  evaluation = (model.evaluate(x[:eval_examples], y[:eval_examples],
-                               batch_size=BATCH, verbose=0,
-                               return_dict=True) if evaluate else {})
+
+  def evaluation(examples):
+    return _floats(model.evaluate(x[:examples], y[:examples],
+                                  batch_size=BATCH, verbose=0,
+                                  return_dict=True))
   return {"weights": [w.tolist() for w in model.get_weights()],
           "train": _floats({k: v[-1] for k, v in history.history.items()}),
-          "eval": _floats(evaluation)}
+          "eval": evaluation(len(x)) if evaluate else {},
+          **({"partial_eval": evaluation(PARTIAL_EVAL)} if partial_eval
+             else {})}
 
 
 def _config(model_dir: str, strategy: str, **overrides):
@@ -515,11 +507,26 @@ def _no_call_run(model_dir: str) -> dict:
           "written": os.path.exists(os.path.join(model_dir, "saved_model"))}
 
 
+def _two_logical_cpus() -> bool:
+  """Splits this process's CPU into 2 logical devices
+  (`devices.configure_cpu_devices`); False when TensorFlow's runtime
+  already started here with another split (too late to split it)."""
+  from tfdist.distribute import devices  # pylint: disable=g-import-not-at-top
+  try:
+    devices.configure_cpu_devices(2)
+  except RuntimeError:
+    return False
+  return True
+
+
+# The cases whose one-device Model.fit also evaluates the first
+# PARTIAL_EVAL examples (the partial-evaluation references).
+PARTIAL_EVAL_CASES = ("frozen_bias", "test_step")
+
+
 def _child_main() -> dict:
+  """Every case's runs, on 2 logical CPUs (`_two_logical_cpus` first)."""
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  tf.config.set_logical_device_configuration(
-      tf.config.list_physical_devices("CPU")[0],
-      [tf.config.LogicalDeviceConfiguration()] * 2)
   import traceback  # pylint: disable=g-import-not-at-top
   root = tempfile.mkdtemp(dir=testutil.scratch_dir())
   mirrored = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
@@ -534,7 +541,9 @@ def _child_main() -> dict:
         out[name] = {
             "keras": _keras_fit(builder, mirrored if strategy == "mirrored"
                                 else None,
-                                evaluate=case not in NOT_EVALUATED),
+                                evaluate=case not in NOT_EVALUATED,
+                                partial_eval=(case in PARTIAL_EVAL_CASES and
+                                              strategy == "one_device")),
             "tfdist": _tfdist_fit(builder, strategy,
                                   os.path.join(root, name.replace("/", "-")),
                                   evaluate=case not in NOT_EVALUATED)}
@@ -578,20 +587,24 @@ def _child_main() -> dict:
         "keras_one_device": _keras_fit(models["combined"], None)}
   except Exception:  # pylint: disable=broad-except
     out["combined"] = {"error": traceback.format_exc()}
+  # The hand-added terms' references are that case's Model.fit runs.
   try:
     out["hand_added_terms"] = {
-        "keras": _keras_fit(models["hand_added_terms"], mirrored),
-        "keras_one_device": _keras_fit(models["hand_added_terms"], None)}
-  except Exception:  # pylint: disable=broad-except
-    out["hand_added_terms"] = {"error": traceback.format_exc()}
+        "keras": out["hand_added_terms/mirrored"]["keras"],
+        "keras_one_device": out["hand_added_terms/one_device"]["keras"]}
+  except KeyError:
+    out["hand_added_terms"] = {"error": out.get(
+        "hand_added_terms/mirrored", {}).get("error") or out.get(
+            "hand_added_terms/one_device", {}).get("error")}
   # Evaluation on examples that leave a replica's last batch empty:
   # Keras's test_step averaged that empty batch into a NaN loss (issue
-  # 47); one device's Model.evaluate of the same weights is the reference.
-  for case in ("frozen_bias", "test_step"):
+  # 47); one device's Model.evaluate of the same weights is the reference
+  # (that of the case's one-device Model.fit: the same updates).
+  for case in PARTIAL_EVAL_CASES:
     try:
       out[f"partial_eval/{case}"] = {
-          "keras": _keras_fit(models[case], None,
-                              eval_examples=PARTIAL_EVAL),
+          "keras": {"eval": out[f"{case}/one_device"]["keras"][
+              "partial_eval"]},
           "tfdist": _tfdist_fit(models[case], "mirrored",
                                 os.path.join(root, f"partial-{case}"),
                                 eval_examples=PARTIAL_EVAL)}
@@ -616,7 +629,12 @@ _RESULTS = {}
 
 
 def _child_results() -> dict:
-  """`_child_main`'s results, from one child process per test process."""
+  """`_child_main`'s results, once per test process: in this process when
+  its CPU can still be split (no test trained here before: TensorFlow's
+  start-up is then paid once for the file), else in a child process (this
+  file run as a script). JSON either way (lists, not tuples)."""
+  if not _RESULTS and _two_logical_cpus():
+    _RESULTS.update(json.loads(json.dumps(_child_main())))
   if not _RESULTS:
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
                TF_ENABLE_ONEDNN_OPTS="0", **{_CHILD_ENV: "1"})
@@ -700,19 +718,21 @@ class CustomStepTest(absltest.TestCase):
     # train_step, or after super().compute_loss) is summed over the
     # replicas as under Keras's fit with the strategy: Keras's weights,
     # not one device's (the run warns, `tfdist.training.plan.differences`).
-    for case, row in HAND_ADDED_ROWS.items():
-      for strategy in STRATEGIES:
-        with self.subTest(case=case, strategy=strategy):
-          result = self._case(f"{case}/{strategy}")
-          keras_run, ours = result["keras"], result["tfdist"]
-          self.assertLess(_max_diff(ours["weights"], keras_run["weights"]),
-                          ATOL)
-          for key, value in keras_run["train"].items():
-            self.assertAlmostEqual(ours["train"][key], value, delta=ATOL,
-                                   msg=f"train {key}")
-          one_device = self._case(f"{case}/one_device")["keras"]["weights"]
-          if strategy == "mirrored":
-            self.assertGreater(_max_diff(ours["weights"], one_device), 1e-3)
+    # One model holds both terms (`_models()["hand_added_terms"]`).
+    case = "hand_added_terms"
+    for strategy in STRATEGIES:
+      with self.subTest(case=case, strategy=strategy):
+        result = self._case(f"{case}/{strategy}")
+        keras_run, ours = result["keras"], result["tfdist"]
+        self.assertLess(_max_diff(ours["weights"], keras_run["weights"]),
+                        ATOL)
+        for key, value in keras_run["train"].items():
+          self.assertAlmostEqual(ours["train"][key], value, delta=ATOL,
+                                 msg=f"train {key}")
+        one_device = self._case(f"{case}/one_device")["keras"]["weights"]
+        if strategy == "mirrored":
+          self.assertGreater(_max_diff(ours["weights"], one_device), 1e-3)
+        for row in HAND_ADDED_ROWS:
           conformance_table.check_cell(self, row, strategy,
                                        HAND_ADDED_CELLS[strategy])
 
@@ -924,7 +944,7 @@ class MultiWorkerTest(absltest.TestCase):
                     ATOL)
     self.assertGreater(_max_diff(ours["weights"],
                                  result["keras_one_device"]["weights"]), 1e-3)
-    for row in HAND_ADDED_ROWS.values():
+    for row in HAND_ADDED_ROWS:
       conformance_table.check_cell(self, row, "multi_worker_mirrored",
                                    HAND_ADDED_CELLS["multi_worker_mirrored"])
 
@@ -941,6 +961,7 @@ def _flatten(value) -> list:
 
 if __name__ == "__main__":
   if os.environ.get(_CHILD_ENV):
+    assert _two_logical_cpus()
     print(json.dumps(_child_main()), flush=True)
   elif os.environ.get("TF_CONFIG"):
     _cluster_main(*sys.argv[1:3])

@@ -105,7 +105,7 @@ def _child_results() -> dict:
   """`_child_main`'s runs: in this process when its CPU can still be split
   (no test trained here before: TensorFlow's start-up is then paid once for
   the file), else in a child process (this file run as a script; it trains
-  about 35 small runs, so its time limit is longer than
+  about 30 small runs, so its time limit is longer than
   `testutil.child_case`'s). JSON either way (lists, not tuples)."""
   if _two_logical_cpus():
     try:
@@ -123,9 +123,12 @@ _IN_PROCESS_RUNS = {
     ("sample_weight", "dataset_fn"): _BOTH,
     ("sample_weight", "parse_fn"): _BOTH,
     ("class_weight", "parse_fn"): _BOTH,
-    ("reduce_lr_on_plateau", "dataset_fn"): _BOTH,
-    ("learning_rate_scheduler", "dataset_fn"): _BOTH,
-    ("early_stopping_restore", "dataset_fn"): _BOTH,
+    # LearningRateScheduler with ReduceLROnPlateau, a stop in a batch hook
+    # of epoch 1 and EarlyStopping restoring epoch 0's weights, in one run
+    # against Model.fit with the same combination: the MultiWorkerMirrored
+    # run's case (`fit_conformance_testlib.CASES`), which measures those
+    # rows in tests/fit_conformance_test.py the same way.
+    ("multi_worker", "dataset_fn"): _BOTH,
     ("numpy_arrays", "arrays"): _BOTH,
     # validation_data = the arrays, file callbacks, RemoteMonitor; the
     # mirrored run passes its callbacks as one CallbackList.
@@ -211,32 +214,45 @@ class InProcessStrategiesTest(absltest.TestCase):
 
   def test_reduce_lr_on_plateau_changes_the_schedules_rate(self):
     result = _case(self, "results")
-    # Halved at the end of epochs 1 and 2 (epoch 0 improves on infinity).
-    self.assertAlmostEqual(
-        result["keras"]["reduce_lr_on_plateau"]["learning_rate"], 0.025)
-    self._check_matches("reduce_lr_on_plateau", "reduce_lr_on_plateau")
+    # The scheduler's rate of epoch 1 (0.025), halved at that epoch's end
+    # (epoch 0 improves on infinity); fit stopped in epoch 1.
+    reference = result["keras"]["multi_worker"]
+    self.assertAlmostEqual(reference["learning_rate"], 0.0125)
+    epoch, batch = lib.MULTI_WORKER_STOP_AT_BATCH
+    self.assertEqual(reference["iterations"], epoch * 16 + batch + 1)
+    self._check_matches("multi_worker", "reduce_lr_on_plateau")
 
   def test_learning_rate_scheduler_sets_each_epochs_rate(self):
-    self._check_matches("learning_rate_scheduler", "learning_rate_scheduler")
+    # Each epoch's rate is in the history fit and tfdist return (compared
+    # by _check_matches): the scheduler's 0.1, then 0.025.
+    history = _case(self, "results")["keras"]["multi_worker"]["history"]
+    self.assertEqual([round(r, 6) for r in history["learning_rate"]],
+                     [0.1, 0.025])
+    self._check_matches("multi_worker", "learning_rate_scheduler")
 
   def test_rate_set_by_a_callback_is_checkpointed(self):
-    # 2 epochs with ReduceLROnPlateau (the rate halves once, to 0.05), then
-    # the run resumed to 3 epochs without the callback: still 0.05, not the
-    # schedule's 0.1.
+    # CallbackStateResumeTest's runs: ReduceLROnPlateau halves the
+    # configured 0.05 to 0.025 at epoch 1's end; the run interrupted in
+    # epoch 2 and resumed trains epoch 2 at 0.025 (the uninterrupted run's
+    # rate), not the configured 0.05 (no callback changes the rate after
+    # epoch 1: it cools down, then EarlyStopping stops the run).
+    runs = {"one_device": _one_device_callback_state((2, 0)),
+            "mirrored": _case(self, "callback_state")}
     for strategy in _BOTH:
-      resumed = _case(self, "results")["resumed"][strategy]
-      self.assertAlmostEqual(resumed["first_learning_rate"], 0.05, places=6)
-      self.assertAlmostEqual(resumed["learning_rate"], 0.05, places=6)
+      whole, resumed = runs[strategy]["whole"], runs[strategy]["resumed"]
+      self.assertEqual([round(r, 6) for r in whole["rates"]],
+                       [0.05, 0.05, 0.025])
+      self.assertEqual(resumed["epochs"], [2])
+      self.assertAlmostEqual(resumed["rates"][0], 0.025, places=6)
       self.assertGreater(resumed["restored_step"], 0)
       _cell("learning_rate_checkpointed", strategy, "works")
 
   def test_restored_best_weights_are_the_one_answer(self):
     result = _case(self, "results")
-    best = result["keras"]["early_stopping_restore"]
-    self._check_matches("early_stopping_restore", "early_stopping_restore")
-    for strategy in _IN_PROCESS_RUNS[("early_stopping_restore",
-                                      "dataset_fn")]:
-      run = result["tfdist"][f"early_stopping_restore/dataset_fn/{strategy}"]
+    best = result["keras"]["multi_worker"]
+    self._check_matches("multi_worker", "early_stopping_restore")
+    for strategy in _IN_PROCESS_RUNS[("multi_worker", "dataset_fn")]:
+      run = result["tfdist"][f"multi_worker/dataset_fn/{strategy}"]
       with self.subTest(strategy=strategy):
         for where in ("checkpoint_slope", "export_slope"):
           self.assertAlmostEqual(run[where], best["weights"][0][0][0],
@@ -282,7 +298,7 @@ class InProcessStrategiesTest(absltest.TestCase):
 
   def test_callbacks_get_fits_hooks_params_and_logs(self):
     result = _case(self, "results")
-    for case, via in (("reduce_lr_on_plateau", "dataset_fn"),
+    for case, via in (("multi_worker", "dataset_fn"),
                       ("numpy_arrays", "arrays"), ("callbacks", "arrays")):
       reference = result["keras"][case]
       # Model.fit validates: on_test_* hooks (compared in _compare_hooks)
@@ -825,24 +841,59 @@ def _callback_state_fit(model_dir: str, *, strategy: str, interrupt_at=None,
   except tfdist.errors.PreemptedError as e:
     return {"preempted": e.step}
   seen.pop("epoch", None)
+  restored = result.get("restored_from")
   return {**seen, "best_epoch": early.best_epoch,
           "stopped_epoch": early.stopped_epoch, "step": result["final_step"],
           "replicas": result["num_replicas_in_sync"],
+          "restored_step": (int(str(restored).rsplit("-", 1)[-1])
+                            if restored else 0),
           "weights": [w.tolist() for w in models[-1].get_weights()]}
 
 
-def _callback_state_runs(*, strategy: str, interrupt_at,
-                         log_steps: int) -> dict:
-  """The uninterrupted run (`whole`), then one interrupted at
-  `interrupt_at` (`first`) and its resumed run (`resumed`)."""
-  whole = _callback_state_fit(tempfile.mkdtemp(dir=testutil.scratch_dir()),
-                              strategy=strategy, log_steps=log_steps)
+def _callback_state_runs(*, strategy: str, interrupt_at, log_steps: int,
+                         whole=None) -> dict:
+  """The uninterrupted run (`whole`, unless given: its result does not
+  depend on `log_steps`), then one interrupted at `interrupt_at` (`first`)
+  and its resumed run (`resumed`)."""
+  whole = whole or _callback_state_fit(
+      tempfile.mkdtemp(dir=testutil.scratch_dir()), strategy=strategy,
+      log_steps=log_steps)
   model_dir = tempfile.mkdtemp(dir=testutil.scratch_dir())
   first = _callback_state_fit(model_dir, strategy=strategy,
                               interrupt_at=interrupt_at, log_steps=log_steps)
   resumed = _callback_state_fit(model_dir, strategy=strategy,
                                 log_steps=log_steps)
   return {"whole": whole, "first": first, "resumed": resumed}
+
+
+_ONE_DEVICE_CALLBACK_STATE = {}
+
+
+def _one_device_callback_state(interrupt_at) -> dict:
+  """`_callback_state_runs` on one device in this process, once per
+  `interrupt_at` per test process: (2, 0) with log_steps=2, (1, 5) with
+  log_steps=1 and the uninterrupted run of (2, 0); with the lines logged
+  at INFO (`logged`)."""
+  import logging  # pylint: disable=g-import-not-at-top
+  if interrupt_at not in _ONE_DEVICE_CALLBACK_STATE:
+    whole = (None if interrupt_at == (2, 0) else
+             _one_device_callback_state((2, 0))["whole"])
+    logged = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: logged.append(record.getMessage())
+    root = logging.getLogger()
+    level = root.level
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)
+    try:
+      runs = _callback_state_runs(
+          strategy="one_device", interrupt_at=interrupt_at,
+          log_steps=2 if interrupt_at == (2, 0) else 1, whole=whole)
+    finally:
+      root.removeHandler(handler)
+      root.setLevel(level)
+    _ONE_DEVICE_CALLBACK_STATE[interrupt_at] = {**runs, "logged": logged}
+  return _ONE_DEVICE_CALLBACK_STATE[interrupt_at]
 
 
 class CallbackStateResumeTest(absltest.TestCase):
@@ -855,21 +906,18 @@ class CallbackStateResumeTest(absltest.TestCase):
   def test_a_resumed_run_stops_and_restores_as_the_uninterrupted_one(self):
     # The SIGTERM sent as epoch 2 begins stops the run after step 13,
     # mid-epoch, with a checkpoint there.
-    with self.assertLogs(level="INFO") as logs:
-      runs = _callback_state_runs(strategy="one_device", interrupt_at=(2, 0),
-                                  log_steps=2)
+    runs = _one_device_callback_state((2, 0))
     self._check(runs, stopped_at=13)
     _cell("callback_state_resumed", "one_device", "works")
     self.assertIn("tfdist: callback state restored: 0-EarlyStopping, "
-                  "1-ReduceLROnPlateau.", "\n".join(logs.output))
+                  "1-ReduceLROnPlateau.", "\n".join(runs["logged"]))
 
   def test_a_run_stopped_at_an_epoch_end_finishes_that_epoch(self):
     # The SIGTERM sent before epoch 1's last step stops the run at that
     # epoch's end (step 12): after its evaluation and on_epoch_end, as the
-    # uninterrupted run, so the resumed run starts with epoch 2.
-    self._check(_callback_state_runs(strategy="one_device",
-                                     interrupt_at=(1, 5), log_steps=1),
-                stopped_at=12)
+    # uninterrupted run (the one of the test above), so the resumed run
+    # starts with epoch 2.
+    self._check(_one_device_callback_state((1, 5)), stopped_at=12)
 
   def test_mirrored_on_two_logical_cpus(self):
     # In the file's child process (2 logical CPUs), after its other runs.
@@ -989,17 +1037,6 @@ def _child_main() -> dict:
   out["eval_mode"] = {"run_eval": run["eval"],
                       "run_eval_batch_size": run["eval_batch_size"],
                       "results": evaluated["results"]}
-  out["resumed"] = {}
-  for strategy in _BOTH:
-    resumed_dir = os.path.join(root, f"resumed-{strategy}")
-    first = lib.tfdist_fit("reduce_lr_on_plateau", strategy=strategy,
-                           model_dir=resumed_dir, epochs=2)
-    second = lib.tfdist_fit("sample_weight", strategy=strategy,
-                            model_dir=resumed_dir)
-    out["resumed"][strategy] = {
-        "first_learning_rate": first["learning_rate"],
-        "learning_rate": second["learning_rate"],
-        "restored_step": second["restored_step"]}
   server.server.shutdown()
   # Last: CallbackStateResumeTest's MirroredStrategy runs (one SIGTERMs
   # this process, as a preemption does), here to pay TensorFlow's start-up

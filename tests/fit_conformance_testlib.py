@@ -159,7 +159,6 @@ def _compile_args(case: str) -> dict:
   # Custom losses: a Loss subclass, a loss function, or Keras's "mse".
   loss = {"sample_weight": squared_error_loss,
           "callbacks": squared_error_loss,
-          "reduce_lr_on_plateau": lambda: squared_error,
           "multi_worker": lambda: squared_error,
           "parameter_server": lambda: squared_error,
           "numpy_arrays": lambda: squared_error}.get(case, lambda: "mse")()
@@ -246,7 +245,7 @@ def _stop_at_batch(at=STOP_AT_BATCH):
 def _multi_worker_callbacks():
   # Both learning-rate callbacks (the scheduler sets each epoch's rate,
   # ReduceLROnPlateau halves it at epoch 1's end); a stop in a batch hook
-  # of epoch 1; EarlyStopping (as in early_stopping_restore) then restores
+  # of epoch 1; EarlyStopping (_early_stopping) then restores
   # epoch 0's weights.
   return [*_lr_scheduler(), *_reduce_lr(),
           *_stop_at_batch(MULTI_WORKER_STOP_AT_BATCH), *_early_stopping()]
@@ -275,8 +274,6 @@ TWO_FILE_CASES = ("multi_worker_files", "parameter_server_files")
 CASES = {
     "sample_weight": dict(data=slope_data, class_weight=None),
     "class_weight": dict(data=class_data, class_weight=CLASS_WEIGHT),
-    "reduce_lr_on_plateau": dict(data=slope_data, class_weight=None,
-                                 callbacks=_reduce_lr, validation=True),
     # EarlyStopping, TerminateOnNaN, ProgbarLogger (and RemoteMonitor).
     "callbacks": dict(data=slope_data, class_weight=None,
                       callbacks=_callback_suite, validation=True),
@@ -286,12 +283,11 @@ CASES = {
                              callbacks=_terminate_on_nan, validation=True),
     "learning_rate_scheduler": dict(data=slope_data, class_weight=None,
                                     callbacks=_lr_scheduler),
-    "early_stopping_restore": dict(data=slope_data, class_weight=None,
-                                   callbacks=_early_stopping),
     "batch_valued_metric": dict(data=slope_data, class_weight=None),
-    # The MultiWorkerMirrored run's combination (with the loss function of
-    # reduce_lr_on_plateau); tfdist gets the callbacks inside a
-    # CallbackList.
+    # The MultiWorkerMirrored run's combination, with a loss function; also
+    # the one-device and Mirrored runs of its callbacks' rows
+    # (fit_conformance_one_process_test). In the cluster tfdist gets the
+    # callbacks inside a CallbackList.
     "multi_worker": dict(data=slope_data, class_weight=None,
                          callbacks=_multi_worker_callbacks, validation=True),
     # The parameter-server run's: both learning-rate callbacks and a stop
@@ -563,20 +559,22 @@ def tfdist_fit(case: str, *, strategy: str, model_dir: str,
                                    manifest.get("replicas"))}
 
 
-def keras_fit_resumed(class_weight=CLASS_WEIGHT) -> dict:
+def keras_fit_resumed(class_weight=CLASS_WEIGHT, *,
+                      resumed: bool = True) -> dict:
   """The `class_weight_resumed` reference, as a resumed `fit` script runs:
   `Model.fit` of epochs 0-1 on `class_data`, then, on the same model,
   `fit(initial_epoch=2)` on `class_nan_data`, each call with fresh
   callbacks (a new process's). Returns `{"first": ..., "second": ...}`:
   each call's hooks, `params`, history, final weights and rates.
-  `class_weight`: instead of `CLASS_WEIGHT` (None: none)."""
+  `class_weight`: instead of `CLASS_WEIGHT` (None: none). `resumed=False`:
+  the first call only (no `"second"`)."""
   import keras  # pylint: disable=g-import-not-at-top
   case = "class_weight_resumed"
   model = build_model(case, keras.optimizers.SGD(learning_rate=LEARNING_RATE))
   out = {}
-  for name, data, epochs in (("first", class_data, (0, RESUMED_AT_EPOCH)),
-                             ("second", class_nan_data,
-                              (RESUMED_AT_EPOCH, EPOCHS))):
+  calls = (("first", class_data, (0, RESUMED_AT_EPOCH)),
+           ("second", class_nan_data, (RESUMED_AT_EPOCH, EPOCHS)))
+  for name, data, epochs in calls if resumed else calls[:1]:
     recorder = Recorder()
     history = model.fit(*data(), class_weight=class_weight,
                         validation_split=RESUMED_SPLIT,

@@ -25,12 +25,14 @@ recomputes its position from the restored step (`tfdist.data.input_pipeline`,
   `tests.input_position_testlib`) equal A's from step 4 on, and B ends
   with A's weights (the cnn: its dropout continues from the checkpoint's
   random state): one device and 2 Mirrored replicas with 2-step
-  accumulation, both in one child process (logical devices must be set
-  before TensorFlow starts) while this one waits. Two MultiWorkerMirrored
+  accumulation, both on 2 logical CPUs set before TensorFlow starts: in
+  this process, whose first tests they are (`ResumedRunsTest` comes first
+  in the file), or in one child process while this one waits when
+  TensorFlow already ran here. Two MultiWorkerMirrored
   workers through `tfdist.launch` are `tests/input_position_test.py` (a
   cluster target); this file runs one TensorFlow process at a time.
 * The other input forms (`tests.resume_forms_testlib`), through
-  `tfdist.fit` in the same child, run A against run B resumed from A's
+  `tfdist.fit` in the same process, run A against run B resumed from A's
   step-3 checkpoint, within 1e-6 in every weight and optimizer slot: a
   dataset function with its own unseeded shuffle (before: its epoch
   started over at resume, 5e-2 off), a `PyDataset` and a generator (which
@@ -47,7 +49,8 @@ child's four runs (8 steps each) included. With the other input forms and
 the world-size runs (6 December 2026, load 10-11 from other jobs): 5 min
 18 s wall, about 70 s of CPU (the forms' 16 small runs and the two
 world-size children; 7 December 2026: one world-size child, its run A
-being the first child's ZeRO stage 3 run A).
+being the first child's ZeRO stage 3 run A). 8 December 2026 (load 5-7):
+87 s of CPU with the runs in a child, 72 s with them in this process.
 """
 
 import json
@@ -64,6 +67,118 @@ from tests import resume_forms_testlib as forms_lib
 from tests import testutil
 
 _CHILD_ENV = "TFDIST_INPUT_POSITION_CHILD"
+
+
+_CHILD_RESULTS = {}
+
+
+def _two_logical_cpus() -> bool:
+  """Splits this process's CPU into 2 logical devices
+  (`devices.configure_cpu_devices`); False when TensorFlow's runtime
+  already started here with another split (too late to split it)."""
+  from tfdist.distribute import devices  # pylint: disable=g-import-not-at-top
+  try:
+    devices.configure_cpu_devices(2)
+  except RuntimeError:
+    return False
+  return True
+
+
+def _child_results() -> dict:
+  """`_child_main`'s results, once per test process, with the lines it
+  logged under "output": in this process when its CPU can still be split
+  (no test ran TensorFlow here before: this class runs first in the file,
+  so TensorFlow's start-up is paid once), else in a child process (this
+  file run as a script)."""
+  if not _CHILD_RESULTS:
+    data = testutil.fashion_mnist_subset(limit=ids_lib.LIMIT,
+                                         train_shards=2, test_shards=1)
+    out = testutil.scratch_dir()
+    spec = {"data": data, "out": out}
+    if _two_logical_cpus():
+      results, output = _in_this_process(spec)
+    else:
+      results, output = _in_a_child(spec)
+    _CHILD_RESULTS.update(results, output=output, out=out)
+  return _CHILD_RESULTS
+
+
+def _in_this_process(spec: dict):
+  """`_child_main(spec)` here: its results (as JSON gives them back) and
+  the lines it logged; absl's logger level and the input pipeline's
+  `make_dataset` (wrapped to record ids) restored after it."""
+  from absl import logging  # pylint: disable=g-import-not-at-top
+  from tfdist.data import input_pipeline  # pylint: disable=g-import-not-at-top
+  make_dataset = input_pipeline.make_dataset
+  absl_logger = logging.get_absl_logger()
+  level = absl_logger.level
+  try:
+    with _log_lines() as lines:
+      results = json.loads(json.dumps(_child_main(spec)))
+  finally:
+    input_pipeline.make_dataset = make_dataset
+    absl_logger.setLevel(level)
+  return results, "\n".join(lines)
+
+
+def _in_a_child(spec: dict):
+  """`_child_main(spec)` in a child process: its results and output."""
+  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
+             **{_CHILD_ENV: json.dumps(spec)})
+  env["PYTHONPATH"] = testutil.REPO_ROOT + os.pathsep + env.get(
+      "PYTHONPATH", "")
+  proc = subprocess.run([sys.executable, os.path.abspath(__file__)],
+                        cwd=testutil.REPO_ROOT, env=env,
+                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                        # 20 runs (4 on files, 16 of the forms).
+                        text=True, timeout=2 * ids_lib.TIMEOUT_S)
+  lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
+  assert proc.returncode == 0 and lines, proc.stdout[-4000:]
+  return json.loads(lines[-1]), proc.stdout
+
+
+class ResumedRunsTest(absltest.TestCase):
+  """Runs A (uninterrupted) and B (resumed from A's step-3 checkpoint)."""
+
+  def test_one_device_and_mirrored(self):
+    results = _child_results()
+    self.assertIn("input position restored: step 3 continues epoch 1",
+                  results["output"])
+    # Mirrored: 2 replicas x 2 micro-batches per step.
+    for label, batches_per_step, micro_steps in (("one_device", 1, 5),
+                                                 ("mirrored", 4, 10)):
+      result = results[label]
+      self.assertEqual(result["restored_from"].rsplit("/", 1)[-1], "ckpt-3")
+      self.assertEqual(result["micro_steps"], micro_steps)
+      ids_lib.compare_runs(self, result["ids_a"], result["ids_b"],
+                           result["weights"], batches_per_step, label)
+      self.assertGreater(result["moved"], 1e-3)
+
+  def test_every_input_form_resumes_exactly(self):
+    # A dataset function (before: its epoch started over, 5e-2 off in
+    # weights), a PyDataset and a generator (`tfdist.fit`'s forms), one
+    # device and Mirrored; a dataset function through a pipeline and
+    # ZeRO stage 3 (`_FORM_RUNS`).
+    results = _child_results()["forms"]
+    self.assertEqual(sorted(results), sorted(
+        f"{label}/{form}" for label, _, forms in _FORM_RUNS
+        for form in forms))
+    for label, result in results.items():
+      with self.subTest(label):
+        self.assertLessEqual(result["weights"], 1e-6)
+        self.assertGreater(result["moved"], 1e-3)
+        lines = "\n".join(result["resume_lines"])
+        self.assertIn("input position restored: step 3 continues epoch 1",
+                      lines)
+        if label.endswith("_ctx"):
+          # Before: no position ("reading its examples from the start").
+          self.assertIn("pass 1 over this worker's 160 examples of the "
+                        "dataset function, after 96 of them", lines)
+        else:
+          self.assertIn("after 96 of this worker's 160 examples", lines)
+        self.assertEqual("x is a generator (or iterator), which cannot be restored" in
+                         lines, label.endswith("generator"), lines)
+
 
 @pytest.mark.compat
 class ResumedPipelineTest(parameterized.TestCase):
@@ -382,82 +497,12 @@ class InputPositionTest(absltest.TestCase):
     self.assertEqual(moved.resume_step(7), 5)
 
 
-_CHILD_RESULTS = {}
-
-
-def _child_results() -> dict:
-  """The child's results (`_child_main`, run once per test process), its
-  output under "output"."""
-  if not _CHILD_RESULTS:
-    data = testutil.fashion_mnist_subset(limit=ids_lib.LIMIT,
-                                         train_shards=2, test_shards=1)
-    out = testutil.scratch_dir()
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
-               **{_CHILD_ENV: json.dumps({"data": data, "out": out})})
-    env["PYTHONPATH"] = testutil.REPO_ROOT + os.pathsep + env.get(
-        "PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__)],
-                          cwd=testutil.REPO_ROOT, env=env,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          # 20 runs (4 on files, 16 of the forms).
-                          text=True, timeout=2 * ids_lib.TIMEOUT_S)
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
-    assert proc.returncode == 0 and lines, proc.stdout[-4000:]
-    _CHILD_RESULTS.update(json.loads(lines[-1]), output=proc.stdout, out=out)
-  return _CHILD_RESULTS
-
-
-class ResumedRunsTest(absltest.TestCase):
-  """Runs A (uninterrupted) and B (resumed from A's step-3 checkpoint)."""
-
-  def test_one_device_and_mirrored(self):
-    results = _child_results()
-    self.assertIn("input position restored: step 3 continues epoch 1",
-                  results["output"])
-    # Mirrored: 2 replicas x 2 micro-batches per step.
-    for label, batches_per_step, micro_steps in (("one_device", 1, 5),
-                                                 ("mirrored", 4, 10)):
-      result = results[label]
-      self.assertEqual(result["restored_from"].rsplit("/", 1)[-1], "ckpt-3")
-      self.assertEqual(result["micro_steps"], micro_steps)
-      ids_lib.compare_runs(self, result["ids_a"], result["ids_b"],
-                           result["weights"], batches_per_step, label)
-      self.assertGreater(result["moved"], 1e-3)
-
-  def test_every_input_form_resumes_exactly(self):
-    # A dataset function (before: its epoch started over, 5e-2 off in
-    # weights), a PyDataset and a generator (`tfdist.fit`'s forms), one
-    # device and Mirrored; a dataset function through a pipeline and
-    # ZeRO stage 3 (`_FORM_RUNS`).
-    results = _child_results()["forms"]
-    self.assertEqual(sorted(results), sorted(
-        f"{label}/{form}" for label, _, forms in _FORM_RUNS
-        for form in forms))
-    for label, result in results.items():
-      with self.subTest(label):
-        self.assertLessEqual(result["weights"], 1e-6)
-        self.assertGreater(result["moved"], 1e-3)
-        lines = "\n".join(result["resume_lines"])
-        self.assertIn("input position restored: step 3 continues epoch 1",
-                      lines)
-        if label.endswith("_ctx"):
-          # Before: no position ("reading its examples from the start").
-          self.assertIn("pass 1 over this worker's 160 examples of the "
-                        "dataset function, after 96 of them", lines)
-        else:
-          self.assertIn("after 96 of this worker's 160 examples", lines)
-        self.assertEqual("x is a generator (or iterator), which cannot be restored" in
-                         lines, label.endswith("generator"), lines)
-
-
 # --- the child process: one device and Mirrored, in-process runs ---------------
 def _child_main(spec: dict) -> dict:
+  """The runs of `ResumedRunsTest`, on 2 logical CPUs (`_two_logical_cpus`
+  first)."""
   from absl import logging  # pylint: disable=g-import-not-at-top
   logging.set_verbosity(logging.INFO)
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  cpu = tf.config.list_physical_devices("CPU")[0]
-  tf.config.set_logical_device_configuration(
-      cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
   from tfdist.config import TrainConfig  # pylint: disable=g-import-not-at-top
   from tfdist.distribute import environment  # pylint: disable=g-import-not-at-top
   from tfdist.experiment import run_experiment  # pylint: disable=g-import-not-at-top
@@ -628,6 +673,7 @@ if __name__ == "__main__":
     print(json.dumps(_world_size_run(json.loads(
         os.environ[_WORLD_SIZE_ENV]))), flush=True)
   elif os.environ.get(_CHILD_ENV):
+    assert _two_logical_cpus()
     print(json.dumps(_child_main(json.loads(os.environ[_CHILD_ENV]))),
           flush=True)
   else:
