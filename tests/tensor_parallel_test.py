@@ -5,8 +5,8 @@ Two child processes (`_process`), one per N = 4 and 2 logical CPU devices
 MirroredStrategy after another. For N = 2 and 4 they train a column -> row
 MLP and an attention block (ParallelMultiHeadAttention, residual, column ->
 row MLP) for K steps next to the same unsharded Keras model (Dense,
-MultiHeadAttention) from the same initial weights, then compare the
-gathered weights; on 2 replicas also the built-in Transformer
+MultiHeadAttention) from the same initial weights (each unsharded run made
+once for both processes), then compare the gathered weights; on 2 replicas also the built-in Transformer
 (`models/transformer.py`, `tensor_parallel=True`). SGD runs in float32.
 Adam runs in float64: the key projection's bias has an exact gradient of
 zero (softmax ignores a shift that is the same for every key), so its
@@ -38,13 +38,22 @@ from tests import testutil
 
 _STEPS = 4
 _TOLERANCE = 1e-5
+# The built-in Transformer's blocks in the trainer's runs (`_trainer_child`,
+# `_mesh_child`): one block holds every kind of split weight (the
+# attention's heads, the feed-forward column -> row pair) and the
+# replicated ones around them (embeddings, layer norms, classifier); a
+# second block only repeats them, and made each run cost 1.5 to 1.8 times
+# the CPU time (the default 2 blocks, measured 8 December 2026).
+_BLOCKS = 1
 
 
-def _child(n: int) -> dict:
+def _child(n: int, root: str) -> dict:
   """The cases on `n` replicas, run in this (fresh) process; a dict of
-  results by case."""
+  results by case. The unsharded runs they compare with are kept in
+  `root` (`unsharded_run`): n = 4 writes them, n = 2 reads them."""
   # pylint: disable=g-import-not-at-top
   import json
+  import pickle
   import keras
   import numpy as np
   import tensorflow as tf
@@ -151,19 +160,31 @@ def _child(n: int) -> dict:
                                 for v in values[1:])})
     return {"sharded": sharded, "whole_mirrors_equal": whole, "n": n}
 
+  def unsharded_run(kind, optimizer_name, dtype):
+    """`(initial weights, final weights, losses)` of the unsharded Keras
+    model's _STEPS updates, run once per model, optimizer and dtype for
+    both processes (the process of 4 devices runs first and leaves them
+    under `root`; "mlp_gathered"'s unsharded model is "mlp"'s, the same
+    Dense -> Dense, and the no-strategy case's is "attention"'s)."""
+    key = ("mlp" if kind == "mlp_gathered" else kind, optimizer_name, dtype)
+    if key not in references:
+      reference = build(kind, parallel=False, dtype=dtype)
+      initial = reference.get_weights()
+      losses = train_reference(reference, make_optimizer(optimizer_name),
+                               *data(dtype, kind))
+      references[key] = (initial, reference.get_weights(), losses)
+    return references[key]
+
   def train_case(strategy, kind, optimizer_name, dtype):
     x, y = data(dtype, kind)
-    reference = build(kind, parallel=False, dtype=dtype)
-    initial = reference.get_weights()
+    initial, final, reference_losses = unsharded_run(kind, optimizer_name,
+                                                     dtype)
     with strategy.scope():
       model = build(kind, parallel=True, dtype=dtype)
     tp.load_full_weights(model, initial)
-    reference_losses = train_reference(reference,
-                                       make_optimizer(optimizer_name), x, y)
     losses = train_parallel(strategy, model, make_optimizer(optimizer_name),
                             x, y)
     gathered = tp.gathered_weights(model)
-    final = reference.get_weights()
     extra = {}
     if kind == "transformer" and optimizer_name == "sgd":
       extra = transformer_checkpoint(strategy, model, x, dtype)
@@ -300,6 +321,11 @@ def _child(n: int) -> dict:
                                     copy.get_config() == layer.get_config())
     return same
 
+  saved_references = os.path.join(root, "unsharded_runs.pkl")
+  references = {}
+  if os.path.exists(saved_references):
+    with open(saved_references, "rb") as f:
+      references = pickle.load(f)
   results = {}
   if n == 2:
     results["config_2"] = config_case()
@@ -320,6 +346,8 @@ def _child(n: int) -> dict:
       results[name] = train_case(strategy, kind, optimizer_name, dtype)
     except Exception as e:  # pylint: disable=broad-except
       results[name] = {"error": f"{type(e).__name__}: {e}"}
+  with open(saved_references, "wb") as f:
+    pickle.dump(references, f)
   if n == 4:
     results["errors_4"] = error_case(strategy)
   else:
@@ -334,11 +362,12 @@ def _child(n: int) -> dict:
 def _trainer_child(root: str, resume: bool = False) -> dict:
   """`--tensor_parallel=2` in tfdist's trainer against one device, in this
   (fresh) process split into 2 logical CPU devices, in folders under
-  `root`: K = 3 steps of the built-in Transformer on a subset of the
-  clothing reviews (dropout 0.1 on, SGD with momentum 0.9, float32: Adam's
-  float32 noise, see the module docstring), each run's checkpoint read
-  back, and the tensor-parallel run resumed unsharded for one more step
-  (`--mode=train`, as every resumed run here: no evaluation).
+  `root`: K = 3 steps of the built-in Transformer (`_BLOCKS` block) on a
+  subset of the clothing reviews (dropout 0.1 on, SGD with momentum 0.9,
+  float32: Adam's float32 noise, see the module docstring), each run's
+  checkpoint read back, and the tensor-parallel run resumed unsharded for
+  one more step (`--mode=train`, as every resumed run here: no
+  evaluation).
   The one-device run is `_mesh_child`'s "sgd" one (the same settings) when
   that part ran first under `root` (it leaves `one_device/` and
   `one_device.json`), else it runs here.
@@ -402,7 +431,8 @@ def _trainer_child(root: str, resume: bool = False) -> dict:
         eval_files=os.path.join(data, "test-*.tfrecord.gz"),
         train_steps=steps, batch_size=8, deterministic=True, seed=3,
         optimizer="sgd", base_learning_rate=0.01, lr_scaling="none",
-        log_steps=steps, mode=mode, **layouts[layout])
+        log_steps=steps, mode=mode, transformer_layers=_BLOCKS,
+        **layouts[layout])
     return experiment.run_experiment(
         config, environment=environment_lib.read_environment({}),
         callbacks=list(callbacks))
@@ -464,8 +494,9 @@ def _trainer_child(root: str, resume: bool = False) -> dict:
 def _mesh_child(root: str, part: str) -> dict:
   """`--tensor_parallel=2` on a 2 x 2 data x tensor mesh of 4 logical CPU
   devices against one device, in this (fresh) process: the built-in
-  Transformer (dropout 0.1 on) on a subset of the clothing reviews, K = 3
-  updates with `--deterministic`, float32, in folders under `root`.
+  Transformer (`_BLOCKS` block, dropout 0.1 on) on a subset of the
+  clothing reviews, K = 3 updates with `--deterministic`, float32, in
+  folders under `root`.
 
   `part`: "sgd" (SGD with momentum 0.9: the 2 x 2 and one-device runs,
   and the 2 x 2 run with --shard_optimizer_state (ZeRO stage 1 inside
@@ -516,7 +547,7 @@ def _mesh_child(root: str, part: str) -> dict:
         eval_files=os.path.join(data, "test-*.tfrecord.gz"),
         train_steps=steps, batch_size=8, deterministic=True, seed=3,
         lr_scaling="none", log_steps=steps, mode=mode, **optimizer,
-        **layouts[layout])
+        transformer_layers=_BLOCKS, **layouts[layout])
     return experiment.run_experiment(
         config, environment=environment_lib.read_environment({}))
 
@@ -862,7 +893,7 @@ def _process(n: int, root: str) -> dict:
     with contextlib.redirect_stdout(out):
       guarded("docs", lambda: exec(_docs_example(), {"__name__": "__main__"}))  # pylint: disable=exec-used
     results["docs_stdout"] = out.getvalue()
-    guarded("child", lambda: _child(2))
+    guarded("child", lambda: _child(2, root))
     guarded("trainer", lambda: _trainer_child(root, False))
     guarded("trainer", lambda: _trainer_child(root, True))
     guarded("mesh", lambda: _mesh_child(root, "t2"))
@@ -873,7 +904,7 @@ def _process(n: int, root: str) -> dict:
           _docs_example("layout-map-example"), {"__name__": "__main__"}))
     results["layout_map_docs_stdout"] = out.getvalue()
   else:
-    guarded("child", lambda: _child(4))
+    guarded("child", lambda: _child(4, root))
     guarded("mesh", lambda: _mesh_child(root, "sgd"))
     guarded("mesh", lambda: _mesh_child(root, "adam"))
     guarded("mesh", _zero_reduce_scatter_child)
@@ -1114,13 +1145,13 @@ class TrainerTest(absltest.TestCase):
     # No gradient all-reduce: the replicated weights' copies stay equal
     # (the same whole gradient on every replica) ...
     self.assertEqual(held["replicated_spread"], 0.0, held)
-    # ... each replica trains its own shards (2 blocks x 10 split weights)
-    # and keeps the momentum of its shards only, shard-sized.
-    self.assertEqual(held["shards"], 20, held)
+    # ... each replica trains its own shards (_BLOCKS blocks x 10 split
+    # weights) and keeps the momentum of its shards only, shard-sized.
+    self.assertEqual(held["shards"], 10 * _BLOCKS, held)
     self.assertTrue(held["shards_distinct"], held)
-    self.assertEqual(held["shard_slots"], 20, held)
+    self.assertEqual(held["shard_slots"], 10 * _BLOCKS, held)
     self.assertTrue(held["shard_slots_shard_shaped"], held)
-    self.assertEqual(held["shard_slots_distinct"], 20, held)
+    self.assertEqual(held["shard_slots_distinct"], 10 * _BLOCKS, held)
 
   def test_checkpoints_resume_in_the_other_layout(self):
     # The tensor-parallel checkpoint resumed unsharded, the unsharded one
