@@ -5,8 +5,8 @@ Two child processes (`_process`), one per N = 4 and 2 logical CPU devices
 MirroredStrategy after another. For N = 2 and 4 they train a column -> row
 MLP and an attention block (ParallelMultiHeadAttention, residual, column ->
 row MLP) for K steps next to the same unsharded Keras model (Dense,
-MultiHeadAttention) from the same initial weights, then compare the
-gathered weights; on 2 replicas also the built-in Transformer
+MultiHeadAttention) from the same initial weights (each unsharded run made
+once for both processes), then compare the gathered weights; on 2 replicas also the built-in Transformer
 (`models/transformer.py`, `tensor_parallel=True`). SGD runs in float32.
 Adam runs in float64: the key projection's bias has an exact gradient of
 zero (softmax ignores a shift that is the same for every key), so its
@@ -47,11 +47,13 @@ _TOLERANCE = 1e-5
 _BLOCKS = 1
 
 
-def _child(n: int) -> dict:
+def _child(n: int, root: str) -> dict:
   """The cases on `n` replicas, run in this (fresh) process; a dict of
-  results by case."""
+  results by case. The unsharded runs they compare with are kept in
+  `root` (`unsharded_run`): n = 4 writes them, n = 2 reads them."""
   # pylint: disable=g-import-not-at-top
   import json
+  import pickle
   import keras
   import numpy as np
   import tensorflow as tf
@@ -158,19 +160,31 @@ def _child(n: int) -> dict:
                                 for v in values[1:])})
     return {"sharded": sharded, "whole_mirrors_equal": whole, "n": n}
 
+  def unsharded_run(kind, optimizer_name, dtype):
+    """`(initial weights, final weights, losses)` of the unsharded Keras
+    model's _STEPS updates, run once per model, optimizer and dtype for
+    both processes (the process of 4 devices runs first and leaves them
+    under `root`; "mlp_gathered"'s unsharded model is "mlp"'s, the same
+    Dense -> Dense, and the no-strategy case's is "attention"'s)."""
+    key = ("mlp" if kind == "mlp_gathered" else kind, optimizer_name, dtype)
+    if key not in references:
+      reference = build(kind, parallel=False, dtype=dtype)
+      initial = reference.get_weights()
+      losses = train_reference(reference, make_optimizer(optimizer_name),
+                               *data(dtype, kind))
+      references[key] = (initial, reference.get_weights(), losses)
+    return references[key]
+
   def train_case(strategy, kind, optimizer_name, dtype):
     x, y = data(dtype, kind)
-    reference = build(kind, parallel=False, dtype=dtype)
-    initial = reference.get_weights()
+    initial, final, reference_losses = unsharded_run(kind, optimizer_name,
+                                                     dtype)
     with strategy.scope():
       model = build(kind, parallel=True, dtype=dtype)
     tp.load_full_weights(model, initial)
-    reference_losses = train_reference(reference,
-                                       make_optimizer(optimizer_name), x, y)
     losses = train_parallel(strategy, model, make_optimizer(optimizer_name),
                             x, y)
     gathered = tp.gathered_weights(model)
-    final = reference.get_weights()
     extra = {}
     if kind == "transformer" and optimizer_name == "sgd":
       extra = transformer_checkpoint(strategy, model, x, dtype)
@@ -307,6 +321,11 @@ def _child(n: int) -> dict:
                                     copy.get_config() == layer.get_config())
     return same
 
+  saved_references = os.path.join(root, "unsharded_runs.pkl")
+  references = {}
+  if os.path.exists(saved_references):
+    with open(saved_references, "rb") as f:
+      references = pickle.load(f)
   results = {}
   if n == 2:
     results["config_2"] = config_case()
@@ -327,6 +346,8 @@ def _child(n: int) -> dict:
       results[name] = train_case(strategy, kind, optimizer_name, dtype)
     except Exception as e:  # pylint: disable=broad-except
       results[name] = {"error": f"{type(e).__name__}: {e}"}
+  with open(saved_references, "wb") as f:
+    pickle.dump(references, f)
   if n == 4:
     results["errors_4"] = error_case(strategy)
   else:
@@ -872,7 +893,7 @@ def _process(n: int, root: str) -> dict:
     with contextlib.redirect_stdout(out):
       guarded("docs", lambda: exec(_docs_example(), {"__name__": "__main__"}))  # pylint: disable=exec-used
     results["docs_stdout"] = out.getvalue()
-    guarded("child", lambda: _child(2))
+    guarded("child", lambda: _child(2, root))
     guarded("trainer", lambda: _trainer_child(root, False))
     guarded("trainer", lambda: _trainer_child(root, True))
     guarded("mesh", lambda: _mesh_child(root, "t2"))
@@ -883,7 +904,7 @@ def _process(n: int, root: str) -> dict:
           _docs_example("layout-map-example"), {"__name__": "__main__"}))
     results["layout_map_docs_stdout"] = out.getvalue()
   else:
-    guarded("child", lambda: _child(4))
+    guarded("child", lambda: _child(4, root))
     guarded("mesh", lambda: _mesh_child(root, "sgd"))
     guarded("mesh", lambda: _mesh_child(root, "adam"))
     guarded("mesh", _zero_reduce_scatter_child)
