@@ -48,6 +48,7 @@ TensorFlow's runtime starts: run it as its own process), with
 """
 
 import json
+import logging
 import os
 
 os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
@@ -135,6 +136,49 @@ def _unsplit(**changes):
   return _UNSPLIT[key]
 
 
+class _InfoLog(logging.Handler):
+  """Inside, records the root logger's INFO and above in `output` as
+  `assertLogs` does ("LEVEL:logger:message")."""
+
+  def __enter__(self):
+    self.output = []
+    root = logging.getLogger()
+    self._level = root.level
+    root.addHandler(self)
+    root.setLevel(logging.INFO)
+    return self
+
+  def emit(self, record):
+    self.output.append(f"{record.levelname}:{record.name}:"
+                       f"{record.getMessage()}")
+
+  def __exit__(self, *exc):
+    root = logging.getLogger()
+    root.removeHandler(self)
+    root.setLevel(self._level)
+
+
+_PIPELINED = {}
+
+
+def _pipelined(**changes):
+  """`(weights, manifest, model_dir, model, created, log)` of the
+  pipelined `tfdist.fit` run with `changes`, run once per process: the
+  tests that read one configuration share its run (EqualToUnsplitTest
+  its weights, WhereWeightsAreCreatedTest where its variables were made,
+  ArtifactsTest its SavedModel, manifest and plan). `model`: the model
+  the builder made, trained; `created`: `testutil.VariableCreations`'
+  record of the run; `log`: its INFO lines (`_InfoLog`)."""
+  key = tuple(sorted(changes.items()))
+  if key not in _PIPELINED:
+    model_dir = os.path.join(testutil.scratch_dir(), "run")
+    with testutil.VariableCreations() as creations, _InfoLog() as log:
+      weights, manifest, _ = _fit(model_dir=model_dir, **changes)
+    _PIPELINED[key] = (weights, manifest, model_dir, _Built.model,
+                       creations.created, log.output)
+  return _PIPELINED[key]
+
+
 def _max_difference(a, b) -> float:
   return max(float(np.max(np.abs(x - y))) for x, y in zip(a, b))
 
@@ -163,24 +207,25 @@ class EqualToUnsplitTest(parameterized.TestCase):
     super().setUpClass()
     cls.unsplit, cls.unsplit_manifest = _unsplit()
 
+  # The 1F1B runs are also WhereWeightsAreCreatedTest's (P = 4) and
+  # ArtifactsTest's (P = 2 and 4): `_pipelined` runs each once.
   @parameterized.named_parameters(
-      ("p2_gpipe", 2, 4, "gpipe"),
-      ("p2_1f1b", 2, 2, "1f1b"),
-      ("p4_1f1b", 4, 8, "1f1b"),
-      ("p4_gpipe", 4, 4, "gpipe"),
+      ("p2_gpipe", 2, 2, "gpipe"),
+      ("p2_1f1b", 2, 4, "1f1b"),
+      ("p4_1f1b", 4, 4, "1f1b"),
+      ("p4_gpipe", 4, 8, "gpipe"),
       ("p2_v2_interleaved", 2, 4, "interleaved", 2))
   def test_fit_trains_like_one_device(self, stages, micro, schedule,
                                       virtual=1):
-    with self.assertLogs(level="INFO") as logs:
-      weights, manifest, _ = _fit(pipeline_stages=stages,
-                                  num_microbatches=micro,
-                                  pipeline_schedule=schedule,
-                                  pipeline_virtual_stages=virtual)
+    weights, manifest, _, _, _, log = _pipelined(
+        pipeline_stages=stages, num_microbatches=micro,
+        pipeline_schedule=schedule,
+        **(dict(pipeline_virtual_stages=virtual) if virtual > 1 else {}))
     self.assertLess(_max_difference(weights, self.unsplit), TOLERANCE)
     if virtual > 1:
       # A device's activations are all its chunks' at its peak: said once
       # per device, not repeated on each of its chunks' lines.
-      plan = "\n".join(logs.output)
+      plan = "\n".join(log)
       self.assertRegex(plan, r"chunk 2 on \S+: \d+ layer\(s\) .*weight "
                        r"bytes\n")
       self.assertNotRegex(plan, r"chunk \d+ on .*activations")
@@ -263,9 +308,10 @@ class WhereWeightsAreCreatedTest(absltest.TestCase):
   not have to fit one device)."""
 
   def test_each_weight_is_created_once_on_its_stages_device(self):
-    with testutil.VariableCreations() as log:
-      _fit(pipeline_stages=4, num_microbatches=4, pipeline_schedule="1f1b")
-    placed = _stage_devices(_Built.model)
+    # EqualToUnsplitTest's p4_1f1b run.
+    _, _, _, model, created, _ = _pipelined(
+        pipeline_stages=4, num_microbatches=4, pipeline_schedule="1f1b")
+    placed = _stage_devices(model)
     self.assertEqual(sorted({_index(d) for _, _, d in placed}), [0, 1, 2, 3])
     names = {name for name, _, _ in placed}
     # Every tf.Variable named as a weight (`block_1/kernel` or `kernel`;
@@ -274,7 +320,7 @@ class WhereWeightsAreCreatedTest(absltest.TestCase):
     # (Equal training: EqualToUnsplitTest.)
     self.assertEqual(
         sorted((name.rsplit("/", 1)[-1], shape, device)
-               for name, shape, device in log.created
+               for name, shape, device in created
                if name.rsplit("/", 1)[-1] in names), placed)
 
   def test_initial_weights_equal_an_unsplit_builds(self):
@@ -378,19 +424,20 @@ class ArtifactsTest(absltest.TestCase):
         for steps, stages in ((2, 2), (4, 1), (6, 4))])
 
   def test_saved_model_is_the_whole_model(self):
-    _, _, model_dir = _fit(pipeline_stages=4)
+    # EqualToUnsplitTest's p4_1f1b run.
+    _, _, model_dir, model, _, _ = _pipelined(
+        pipeline_stages=4, num_microbatches=4, pipeline_schedule="1f1b")
     loaded = tf.saved_model.load(os.path.join(model_dir, "saved_model"))
     serve = loaded.signatures["serving_default"]
     outputs = list(serve(tf.constant(X[:5])).values())
     self.assertLen(outputs, 1)
     np.testing.assert_allclose(outputs[0].numpy(),
-                               _Built.model(X[:5]).numpy(), atol=1e-6)
+                               model(X[:5]).numpy(), atol=1e-6)
 
   def test_manifest_and_plan_say_the_pipeline(self):
-    model_dir = os.path.join(testutil.scratch_dir(), "run")
-    with self.assertLogs(level="INFO") as logs:
-      _, manifest, _ = _fit(model_dir=model_dir, pipeline_stages=2,
-                            num_microbatches=4, pipeline_schedule="1f1b")
+    # EqualToUnsplitTest's p2_1f1b run.
+    _, manifest, model_dir, _, _, log = _pipelined(
+        pipeline_stages=2, num_microbatches=4, pipeline_schedule="1f1b")
     self.assertEqual(manifest["pipeline"], {
         "stages": 2, "num_microbatches": 4, "schedule": "1f1b", "cuts": [],
         "batch_norm": "micro-batches"})
@@ -413,7 +460,7 @@ class ArtifactsTest(absltest.TestCase):
         [s["activation_bytes"] for s in stages],
         [sum(per_example[name] for name in s["layers"]) * 4 *
          s["microbatches_in_flight"] for s in stages])
-    plan = "\n".join(logs.output)
+    plan = "\n".join(log)
     self.assertIn("pipeline               2 stages (balanced by weight and "
                   "activation bytes), 4 micro-batches per step, 1f1b "
                   "schedule; batch normalization sees micro-batches of 4 "
