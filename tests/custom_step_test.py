@@ -507,25 +507,14 @@ def _no_call_run(model_dir: str) -> dict:
           "written": os.path.exists(os.path.join(model_dir, "saved_model"))}
 
 
-def _two_logical_cpus() -> bool:
-  """Splits this process's CPU into 2 logical devices
-  (`devices.configure_cpu_devices`); False when TensorFlow's runtime
-  already started here with another split (too late to split it)."""
-  from tfdist.distribute import devices  # pylint: disable=g-import-not-at-top
-  try:
-    devices.configure_cpu_devices(2)
-  except RuntimeError:
-    return False
-  return True
-
-
 # The cases whose one-device Model.fit also evaluates the first
 # PARTIAL_EVAL examples (the partial-evaluation references).
 PARTIAL_EVAL_CASES = ("frozen_bias", "test_step")
 
 
 def _child_main() -> dict:
-  """Every case's runs, on 2 logical CPUs (`_two_logical_cpus` first)."""
+  """Every case's runs, on 2 logical CPUs (`testutil.two_logical_cpus`
+  first)."""
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   import traceback  # pylint: disable=g-import-not-at-top
   root = tempfile.mkdtemp(dir=testutil.scratch_dir())
@@ -633,7 +622,7 @@ def _child_results() -> dict:
   its CPU can still be split (no test trained here before: TensorFlow's
   start-up is then paid once for the file), else in a child process (this
   file run as a script). JSON either way (lists, not tuples)."""
-  if not _RESULTS and _two_logical_cpus():
+  if not _RESULTS and testutil.two_logical_cpus():
     _RESULTS.update(json.loads(json.dumps(_child_main())))
   if not _RESULTS:
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
@@ -961,7 +950,7 @@ def _flatten(value) -> list:
 
 if __name__ == "__main__":
   if os.environ.get(_CHILD_ENV):
-    assert _two_logical_cpus()
+    assert testutil.two_logical_cpus()
     print(json.dumps(_child_main()), flush=True)
   elif os.environ.get("TF_CONFIG"):
     _cluster_main(*sys.argv[1:3])

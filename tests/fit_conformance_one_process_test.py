@@ -89,25 +89,13 @@ def _case(test, name):
   return result
 
 
-def _two_logical_cpus() -> bool:
-  """Splits this process's CPU into 2 logical devices
-  (`devices.configure_cpu_devices`); False when TensorFlow's runtime
-  already started here with another split (too late to split it)."""
-  from tfdist.distribute import devices  # pylint: disable=g-import-not-at-top
-  try:
-    devices.configure_cpu_devices(2)
-  except RuntimeError:
-    return False
-  return True
-
-
 def _child_results() -> dict:
   """`_child_main`'s runs: in this process when its CPU can still be split
   (no test trained here before: TensorFlow's start-up is then paid once for
   the file), else in a child process (this file run as a script; it trains
   about 30 small runs, so its time limit is longer than
   `testutil.child_case`'s). JSON either way (lists, not tuples)."""
-  if _two_logical_cpus():
+  if testutil.two_logical_cpus():
     try:
       return json.loads(json.dumps(_child_main()))
     finally:
@@ -982,7 +970,7 @@ def _captured(run, *, server, warnings, files_dir=None) -> dict:
 
 def _child_main() -> dict:
   """The one-device and Mirrored runs of every case, and the references
-  (on 2 logical CPUs: `_two_logical_cpus` first)."""
+  (on 2 logical CPUs: `testutil.two_logical_cpus` first)."""
   import logging  # pylint: disable=g-import-not-at-top
   from absl import logging as absl_logging  # pylint: disable=g-import-not-at-top
   root = tempfile.mkdtemp(dir=testutil.scratch_dir())
@@ -1052,7 +1040,7 @@ def _child_main() -> dict:
 
 if __name__ == "__main__":
   if os.environ.get(_CHILD_ENV):
-    assert _two_logical_cpus()
+    assert testutil.two_logical_cpus()
     print(json.dumps(_child_main()), flush=True)
   else:
     absltest.main()

@@ -72,18 +72,6 @@ _CHILD_ENV = "TFDIST_INPUT_POSITION_CHILD"
 _CHILD_RESULTS = {}
 
 
-def _two_logical_cpus() -> bool:
-  """Splits this process's CPU into 2 logical devices
-  (`devices.configure_cpu_devices`); False when TensorFlow's runtime
-  already started here with another split (too late to split it)."""
-  from tfdist.distribute import devices  # pylint: disable=g-import-not-at-top
-  try:
-    devices.configure_cpu_devices(2)
-  except RuntimeError:
-    return False
-  return True
-
-
 def _child_results() -> dict:
   """`_child_main`'s results, once per test process, with the lines it
   logged under "output": in this process when its CPU can still be split
@@ -95,7 +83,7 @@ def _child_results() -> dict:
                                          train_shards=2, test_shards=1)
     out = testutil.scratch_dir()
     spec = {"data": data, "out": out}
-    if _two_logical_cpus():
+    if testutil.two_logical_cpus():
       results, output = _in_this_process(spec)
     else:
       results, output = _in_a_child(spec)
@@ -499,8 +487,8 @@ class InputPositionTest(absltest.TestCase):
 
 # --- the child process: one device and Mirrored, in-process runs ---------------
 def _child_main(spec: dict) -> dict:
-  """The runs of `ResumedRunsTest`, on 2 logical CPUs (`_two_logical_cpus`
-  first)."""
+  """The runs of `ResumedRunsTest`, on 2 logical CPUs
+  (`testutil.two_logical_cpus` first)."""
   from absl import logging  # pylint: disable=g-import-not-at-top
   logging.set_verbosity(logging.INFO)
   from tfdist.config import TrainConfig  # pylint: disable=g-import-not-at-top
@@ -673,7 +661,7 @@ if __name__ == "__main__":
     print(json.dumps(_world_size_run(json.loads(
         os.environ[_WORLD_SIZE_ENV]))), flush=True)
   elif os.environ.get(_CHILD_ENV):
-    assert _two_logical_cpus()
+    assert testutil.two_logical_cpus()
     print(json.dumps(_child_main(json.loads(os.environ[_CHILD_ENV]))),
           flush=True)
   else:

@@ -200,3 +200,21 @@ def shown_output(guide: str) -> list:
     page = f.read()
   return re.search(r"<!-- not run: output of the command above[^>]*-->\n"
                    r"```text\n(.*?)```", page, re.S).group(1).splitlines()
+
+
+def two_logical_cpus() -> bool:
+  """Splits this process's CPU into 2 logical devices
+  (`tfdist.distribute.devices.configure_cpu_devices`), for a test file that
+  runs its Mirrored cases in its own process when it can.
+
+  Returns:
+    True when split (or already split in two); False when TensorFlow's
+    runtime already started here with another split (too late to split
+    it: run the cases in a child process instead).
+  """
+  from tfdist.distribute import devices  # pylint: disable=g-import-not-at-top
+  try:
+    devices.configure_cpu_devices(2)
+  except RuntimeError:
+    return False
+  return True
