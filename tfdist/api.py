@@ -480,12 +480,7 @@ def fit(model_fn: Union[Callable, str],
         python[1], keras.utils.PyDataset):
       setattr(dataset_fn.input_fn, input_position.RESUME_NOTE,
               python_inputs.GENERATOR_RESUME_NOTE)
-  warmup = keras_callbacks.warmup_for_rate_callbacks(
-      callbacks, warmup_steps=config.warmup_steps,
-      warmup_epochs=config.warmup_epochs,
-      warmup_start_learning_rate=config.warmup_start_learning_rate)
-  if warmup is not None:
-    config = config.replace(warmup_steps=warmup)
+  config = _with_callbacks_warmup(config, callbacks)
   task = make_task(model_fn, dataset_fn, config=config, parse_fn=parse_fn,
                    loss=loss, metrics=metrics,
                    layout_map=(layout_map if config.layout_map_entries
@@ -505,6 +500,17 @@ def fit(model_fn: Union[Callable, str],
     script_exit.install_stop_hook()  # Nothing trained: one line, 128 + sig.
     raise
   return _with_history(result, history)
+
+
+def _with_callbacks_warmup(config: TrainConfig, callbacks) -> TrainConfig:
+  """`config` with the warmup that Keras rate callbacks among `callbacks`
+  leave (`keras_callbacks.warmup_for_rate_callbacks`); unchanged without
+  one."""
+  warmup = keras_callbacks.warmup_for_rate_callbacks(
+      callbacks, warmup_steps=config.warmup_steps,
+      warmup_epochs=config.warmup_epochs,
+      warmup_start_learning_rate=config.warmup_start_learning_rate)
+  return config if warmup is None else config.replace(warmup_steps=warmup)
 
 
 def _with_fit_keywords(config: TrainConfig, *, expert_parallel, epochs,

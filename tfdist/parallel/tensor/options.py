@@ -81,6 +81,49 @@ CHECKED_SETTINGS = (
 )
 
 
+def _named(n: int, layout_map) -> str:
+  """How the messages name T: with a layout map (tfdist.fit's keyword or
+  --layout_map) its mesh set T, else --tensor_parallel did."""
+  if isinstance(layout_map, str) and layout_map:
+    return (f"--layout_map={layout_map} (its DeviceMesh's 'model' axis: "
+            f"T = {n})")
+  if layout_map:
+    return f"layout_map (its DeviceMesh's 'model' axis: T = {n})"
+  return f"--tensor_parallel={n}"
+
+
+def _check_builtin_split(flag: str, n: int, *, model: str, model_given: bool,
+                         pipeline_stages: int) -> None:
+  """Without a layout map, T splits the built-in Transformer only, outside a
+  pipeline, and must divide its heads and feed-forward units.
+
+  Raises:
+    errors.ConfigError: any of those broken, naming `flag` and the fix.
+  """
+  if pipeline_stages > 1:
+    _refuse_pipeline(flag, pipeline_stages=pipeline_stages, model=model)
+  if model not in MODELS:
+    which = (f"--model={model} has no tensor-parallel layers" if model_given
+             else f"no --model is given (the default, {model}, has no "
+             "tensor-parallel layers)")
+    raise errors.ConfigError(
+        f"{flag} splits the built-in Transformer's attention heads and "
+        f"feed-forward units; {which}. Use --model=transformer; for a "
+        "model of your own, leave --tensor_parallel out and pass "
+        "tfdist.fit(..., layout_map=keras.distribution.LayoutMap(...)) or "
+        "--layout_map=package.module:function (a function returning one), "
+        "whose mesh's model axis sets it (its Dense and MultiHeadAttention "
+        "layers are split as the map says), or build the model from "
+        "tfdist.parallel.tensor_parallel's layers and drop the flag.")
+  if not divides(n):
+    sizes = ", ".join(f"{size} {what}" for what, size in SPLIT_SIZES.items())
+    fits = [k for k in range(2, 9) if divides(k)]
+    raise errors.ConfigError(
+        f"{flag} cannot split the built-in Transformer evenly: each rank "
+        f"takes an equal share of its {sizes}. Use --tensor_parallel="
+        f"{' or '.join(map(str, fits))}.")
+
+
 def check_flags(*, tensor_parallel: int, model: str,
                 distribution_strategy: str, zero_stage: int,
                 pipeline_stages: int, enable_xla: bool, dtype: str,
@@ -121,33 +164,10 @@ def check_flags(*, tensor_parallel: int, model: str,
   n = tensor_parallel
   if n == 1:
     return
-  # With a layout map (tfdist.fit) its mesh set T: the messages name it.
-  flag = (f"--layout_map={layout_map} (its DeviceMesh's 'model' axis: "
-          f"T = {n})" if isinstance(layout_map, str) and layout_map else
-          f"layout_map (its DeviceMesh's 'model' axis: T = {n})"
-          if layout_map else f"--tensor_parallel={n}")
-  if pipeline_stages > 1 and not layout_map:
-    _refuse_pipeline(flag, pipeline_stages=pipeline_stages, model=model)
-  if not layout_map and model not in MODELS:
-    which = (f"--model={model} has no tensor-parallel layers" if model_given
-             else f"no --model is given (the default, {model}, has no "
-             "tensor-parallel layers)")
-    raise errors.ConfigError(
-        f"{flag} splits the built-in Transformer's attention heads and "
-        f"feed-forward units; {which}. Use --model=transformer; for a "
-        "model of your own, leave --tensor_parallel out and pass "
-        "tfdist.fit(..., layout_map=keras.distribution.LayoutMap(...)) or "
-        "--layout_map=package.module:function (a function returning one), "
-        "whose mesh's model axis sets it (its Dense and MultiHeadAttention "
-        "layers are split as the map says), or build the model from "
-        "tfdist.parallel.tensor_parallel's layers and drop the flag.")
-  if not layout_map and not divides(n):
-    sizes = ", ".join(f"{size} {what}" for what, size in SPLIT_SIZES.items())
-    fits = [k for k in range(2, 9) if divides(k)]
-    raise errors.ConfigError(
-        f"{flag} cannot split the built-in Transformer evenly: each rank "
-        f"takes an equal share of its {sizes}. Use --tensor_parallel="
-        f"{' or '.join(map(str, fits))}.")
+  flag = _named(n, layout_map)
+  if not layout_map:
+    _check_builtin_split(flag, n, model=model, model_given=model_given,
+                         pipeline_stages=pipeline_stages)
   if pipeline_stages <= 1 and distribution_strategy not in STRATEGIES:
     raise errors.ConfigError(
         f"{flag} runs under --distribution_strategy=mirrored on one host "
