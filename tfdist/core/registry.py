@@ -294,6 +294,22 @@ def accepts(fn: Callable, name: str) -> bool:
       any(p.kind is p.VAR_KEYWORD for p in params.values()))
 
 
+def unfilled_parameters(fn: Callable, names: Iterable[str] = ()):
+  """`(signature, missing)`: `fn`'s signature (None when it cannot be read:
+  some built-ins) and its required parameters that keyword arguments
+  chosen from `names` cannot fill (positional-only ones never can)."""
+  names = tuple(names)
+  try:
+    signature = inspect.signature(fn)
+  except (TypeError, ValueError):
+    return None, []
+  return signature, [
+      name for name, param in signature.parameters.items()
+      if param.default is param.empty and param.kind not in (
+          param.VAR_POSITIONAL, param.VAR_KEYWORD) and (
+              name not in names or param.kind is param.POSITIONAL_ONLY)]
+
+
 def check_accepted(fn: Callable, names: Iterable[str], *, what: str):
   """Checks, without calling it, that `fn` can be called with keyword
   arguments chosen from `names` (as `call_with_accepted` calls it): every
@@ -306,15 +322,7 @@ def check_accepted(fn: Callable, names: Iterable[str], *, what: str):
       message names `what`, the signature and what tfdist passes.
   """
   names = tuple(names)
-  try:
-    signature = inspect.signature(fn)
-  except (TypeError, ValueError):
-    return
-  missing = [name for name, param in signature.parameters.items()
-             if param.default is param.empty and param.kind not in (
-                 param.VAR_POSITIONAL, param.VAR_KEYWORD) and (
-                     name not in names or
-                     param.kind is param.POSITIONAL_ONLY)]
+  signature, missing = unfilled_parameters(fn, names)
   if missing:
     raise errors.ConfigError(
         f"{what}: {getattr(fn, '__name__', fn)}{signature} has required "

@@ -22,7 +22,6 @@ building metrics) without reading data.
 """
 
 import dataclasses
-import inspect
 from typing import Any, Callable, Optional, Sequence, Tuple
 
 import keras
@@ -166,14 +165,7 @@ def load_layout_map(path: str) -> keras.distribution.LayoutMap:
         path, f"{type(function).__name__} {function!r} is not a function. "
         "Name a function of no arguments that returns a "
         "keras.distribution.LayoutMap.")
-  try:
-    signature = inspect.signature(function)
-  except (TypeError, ValueError):
-    signature = None
-  required = [name for name, param in (signature.parameters.items()
-                                       if signature else ())
-              if param.default is param.empty and param.kind not in (
-                  param.VAR_POSITIONAL, param.VAR_KEYWORD)]
+  signature, required = registry.unfilled_parameters(function)
   if required:
     _refuse_layout_map(
         path, f"{getattr(function, '__name__', function)}{signature} has "
